@@ -1,0 +1,214 @@
+"""Plain NumPy reference implementation of com.microsoft QMoE / MoE (the oracle for our kernels).
+
+Written for clarity, not speed: float64 internally, one expert at a time.
+Semantics: /work/shared/reference/qmoe.md (CUDA routing semantics).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .qmoe_spec import QMoESpec
+
+__all__ = ["route", "dequantize", "unpack_codes", "unpack_zero_points", "expert_ffn", "qmoe_reference",
+           "activation", "SPARSE_MIXER_JITTER_EPS"]
+
+SPARSE_MIXER_JITTER_EPS = 0.01
+
+
+# ----------------------------------------------------------------------------- routing
+def _topk_desc(v: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest entries per row, largest first, ties -> lower index first."""
+    order = np.argsort(-v, axis=-1, kind="stable")
+    return order[:, :k]
+
+
+def _sparse_mixer(z: np.ndarray, eps: float = SPARSE_MIXER_JITTER_EPS):
+    """Phi-3.5-MoE sparse mixer (top-2), as onnxruntime's CUDA ``sparse_mixer_top2`` computes it."""
+    T, E = z.shape
+    ids = np.zeros((T, 2), np.int64)
+    w = np.zeros((T, 2), np.float64)
+    for t in range(T):
+        row = z[t]
+        chosen = []
+        for kk in range(2):
+            cand = row.copy()
+            for c in chosen:
+                cand[c] = -np.inf
+            i = int(np.argmax(cand))  # first maximum -> lowest index on ties
+            m = row[i]
+            factor = np.maximum(np.abs(row), m)
+            mask = (m - row) > (2.0 * eps * factor)
+            if kk == 1:
+                mask[chosen[0]] = True
+            e = np.where(mask, 0.0, np.exp(row - m))
+            w[t, kk] = e[i] / e.sum()
+            ids[t, kk] = i
+            chosen.append(i)
+    return ids, w
+
+
+def route(router_logits: np.ndarray, spec: QMoESpec, router_weights: np.ndarray | None = None):
+    """Top-k routing. Returns (expert_ids int32 [T, k], weights float32 [T, k]).
+
+    CUDA semantics: p = softmax(z) over all experts, w = p[top-k], divided by its sum when
+    normalize_routing_weights. With router_weights: select by router_logits, w = router_weights[top-k]
+    (divided by its sum when normalize_routing_weights, as onnxruntime does).
+    Sparse mixer (k = 2): see ``_sparse_mixer``.
+    """
+    z = np.asarray(router_logits, dtype=np.float64).reshape(-1, spec.num_experts)
+    k = spec.k
+    if spec.use_sparse_mixer:
+        ids, w = _sparse_mixer(z)
+    else:
+        ids = _topk_desc(z, k)
+        if router_weights is not None:
+            rw = np.asarray(router_weights, dtype=np.float64).reshape(-1, spec.num_experts)
+            w = np.take_along_axis(rw, ids, axis=1)
+        else:
+            p = np.exp(z - z.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            w = np.take_along_axis(p, ids, axis=1)
+        if spec.normalize_routing_weights:
+            s = w.sum(axis=1, keepdims=True)
+            w = np.where(s != 0, w / np.where(s != 0, s, 1.0), w)
+    return ids.astype(np.int32), w.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- dequantisation
+def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 [..., B] -> codes [..., B*8/bits]; element i of a byte sits in bits i*bits.. (LSB first)."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    if bits == 8:
+        return packed.astype(np.int32)
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per)]
+    return np.stack(parts, axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per).astype(np.int32)
+
+
+def unpack_zero_points(zero_points, bits: int, n: int, n_blocks: int, block_wise: bool) -> np.ndarray:
+    """Zero points of one or more experts -> int32 [..., N, n_blocks].
+
+    Per row: uint8 [..., ceil(N*bits/8)] packed along N. Per block: [..., N, ceil(blocks*bits/8)].
+    None -> the default 2^(bits-1).
+    """
+    if zero_points is None:
+        return None
+    zp = np.asarray(zero_points, dtype=np.uint8)
+    if block_wise:
+        return unpack_codes(zp, bits)[..., :n_blocks]
+    return unpack_codes(zp, bits)[..., :n, None]
+
+
+def dequantize(weights, scales, zero_points, bits: int, block_size: int) -> np.ndarray:
+    """Dequantise raw int4/int8 expert weights.
+
+    weights uint8 [E?, N, K*bits/8]; scales [E?, N] (block_size 0) or [E?, N, K/block_size];
+    zero_points uint8 packed as described in qmoe.md or None. Returns float32 [E?, N, K].
+    """
+    q = unpack_codes(weights, bits)  # [..., N, K]
+    n, kk = q.shape[-2], q.shape[-1]
+    s = np.asarray(scales).astype(np.float64)
+    block_wise = bool(block_size)
+    if block_size:
+        nb = kk // block_size
+        s = s.reshape(*q.shape[:-1], nb)
+    else:
+        nb = 1
+        block_size = kk
+        s = s.reshape(*q.shape[:-1], 1)
+    zp = unpack_zero_points(zero_points, bits, n, nb, block_wise)
+    if zp is None:
+        zp = np.full(s.shape, 1 << (bits - 1), np.int32)
+    zp = zp.reshape(s.shape)
+    qb = q.reshape(*q.shape[:-1], nb, block_size).astype(np.float64)
+    w = (qb - zp[..., None]) * s[..., None]
+    return w.reshape(q.shape).astype(np.float32)
+
+
+def _proj_weight(spec: QMoESpec, tensors: dict, proj: str, e: int) -> np.ndarray:
+    """Dequantised [N, K] float64 matrix of projection 'fc1'/'fc2'/'fc3' of expert e."""
+    w = tensors[f"{proj}_experts_weights"][e]
+    if not spec.is_quantized:
+        return np.asarray(w, dtype=np.float64)
+    bits = {"fc1": spec.fc1_bits, "fc2": spec.fc2_bits, "fc3": spec.fc3_bits}[proj]
+    zp = tensors.get(f"{proj}_zero_points")
+    zp_e = None if zp is None else zp[e]
+    return dequantize(w, tensors[f"{proj}_scales"][e], zp_e, bits, spec.block_size).astype(np.float64)
+
+
+def _bias(tensors, name, e):
+    b = tensors.get(name)
+    return None if b is None else np.asarray(b[e], dtype=np.float64)
+
+
+# ----------------------------------------------------------------------------- activations
+def activation(kind: str, g: np.ndarray) -> np.ndarray:
+    if kind == "relu":
+        return np.maximum(g, 0.0)
+    if kind == "gelu":  # tanh approximation
+        return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+    if kind == "silu":
+        return g / (1.0 + np.exp(-g))
+    if kind == "identity":
+        return g
+    raise ValueError(kind)
+
+
+def _swiglu(g, l, spec: QMoESpec):
+    if spec.swiglu_limit is not None:
+        g = np.minimum(g, spec.swiglu_limit)
+        l = np.clip(l, -spec.swiglu_limit, spec.swiglu_limit)
+    return g / (1.0 + np.exp(-spec.alpha * g)) * (l + spec.beta)
+
+
+def expert_ffn(x, e: int, spec: QMoESpec, tensors: dict) -> np.ndarray:
+    """FFN of expert e over tokens x [T, H] -> [T, H] (float64, FC2 bias included)."""
+    x = np.asarray(x, dtype=np.float64)
+    w1 = _proj_weight(spec, tensors, "fc1", e)
+    h = x @ w1.T
+    b1 = _bias(tensors, "fc1_experts_bias", e)
+    if b1 is not None:
+        h = h + b1
+    I = spec.inter_size
+    if spec.activation == "swiglu":
+        if spec.swiglu_fusion == 1:
+            g, l = h[:, 0::2], h[:, 1::2]
+        elif spec.swiglu_fusion == 2:
+            g, l = h[:, :I], h[:, I:]
+        else:
+            g = h
+            l = x @ _proj_weight(spec, tensors, "fc3", e).T
+            b3 = _bias(tensors, "fc3_experts_bias", e)
+            if b3 is not None:
+                l = l + b3
+        a = _swiglu(g, l, spec)
+    else:
+        a = activation(spec.activation, h)
+        if spec.has_fc3:  # gated: act(FC1 x) * FC3 x
+            l = x @ _proj_weight(spec, tensors, "fc3", e).T
+            b3 = _bias(tensors, "fc3_experts_bias", e)
+            if b3 is not None:
+                l = l + b3
+            a = a * l
+    y = a @ _proj_weight(spec, tensors, "fc2", e).T
+    b2 = _bias(tensors, "fc2_experts_bias", e)
+    if b2 is not None:
+        y = y + b2
+    return y
+
+
+def qmoe_reference(x, router_logits, spec: QMoESpec, tensors: dict, router_weights=None) -> np.ndarray:
+    """Full QMoE node: x [T, H] or [B, S, H] -> same shape and dtype (computed in float64)."""
+    x = np.asarray(x)
+    shape, dtype = x.shape, x.dtype
+    x2 = x.reshape(-1, spec.hidden_size).astype(np.float64)
+    ids, w = route(router_logits, spec, router_weights)
+    out = np.zeros_like(x2)
+    for e in np.unique(ids):
+        if e < 0:
+            continue
+        rows, cols = np.nonzero(ids == e)
+        y = expert_ffn(x2[rows], int(e), spec, tensors)
+        np.add.at(out, rows, w[rows, cols, None].astype(np.float64) * y)
+    return out.astype(dtype).reshape(shape)
