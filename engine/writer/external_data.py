@@ -1,0 +1,85 @@
+"""Streaming model.onnx.data: tensors written one chunk at a time, TensorProtos that point at them.
+
+A tensor is planned as a name, an ONNX element type, dims and a function that yields its bytes in
+order as NumPy arrays (one expert, or a band of rows, at a time). Nothing holds more than one
+chunk, so a 20 GB model is written with a few MB of memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterable, Iterator
+
+import numpy as np
+import onnx
+from onnx import helper
+
+# Tensors of at least one page start on a page boundary, so a reader can mmap them (and their
+# experts, whose strides are usually whole pages) directly; smaller tensors are aligned to 64 bytes.
+PAGE_ALIGN = 4096
+SMALL_ALIGN = 64
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    elem_type: int                                # onnx.TensorProto.FLOAT, FLOAT16, UINT8, ...
+    dims: tuple[int, ...]
+    chunks: Callable[[], Iterable[np.ndarray]]    # yields the tensor's bytes in order
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= int(d)
+        return n * np.dtype(helper.tensor_dtype_to_np_dtype(self.elem_type)).itemsize
+
+
+def aligned(offset: int, nbytes: int) -> int:
+    align = PAGE_ALIGN if nbytes >= PAGE_ALIGN else SMALL_ALIGN
+    return -(-offset // align) * align
+
+
+def external_tensor(plan: TensorPlan, location: str, offset: int) -> onnx.TensorProto:
+    t = onnx.TensorProto()
+    t.name = plan.name
+    t.data_type = plan.elem_type
+    t.dims.extend(int(d) for d in plan.dims)
+    t.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(plan.nbytes))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t
+
+
+def total_bytes(plans: Iterable[TensorPlan]) -> int:
+    """The size model.onnx.data will have, alignment gaps included."""
+    end = 0
+    for plan in plans:
+        end = aligned(end, plan.nbytes) + plan.nbytes
+    return end
+
+
+def write_tensors(f: BinaryIO, plans: Iterable[TensorPlan], location: str,
+                  on_bytes: Callable[[int], None] | None = None) -> Iterator[onnx.TensorProto]:
+    """Write each plan's bytes to f (opened at offset 0), yielding its external TensorProto."""
+    end = 0
+    np_types: dict[int, np.dtype] = {}
+    for plan in plans:
+        offset = aligned(end, plan.nbytes)
+        if offset > end:
+            f.write(b"\0" * (offset - end))
+        want = np_types.setdefault(plan.elem_type, np.dtype(helper.tensor_dtype_to_np_dtype(plan.elem_type)))
+        written = 0
+        for chunk in plan.chunks():
+            chunk = np.ascontiguousarray(chunk)
+            if chunk.dtype != want:
+                raise TypeError(f"{plan.name}: chunk dtype {chunk.dtype} != {want}")
+            f.write(memoryview(chunk).cast("B"))
+            written += chunk.nbytes
+            if on_bytes is not None:
+                on_bytes(chunk.nbytes)
+        if written != plan.nbytes:
+            raise ValueError(f"{plan.name}: wrote {written} bytes, its shape {plan.dims} needs {plan.nbytes}")
+        end = offset + written
+        yield external_tensor(plan, location, offset)

@@ -1,0 +1,167 @@
+"""Random weights, generated band by band with a NumPy Generator seeded from (seed, tensor, piece).
+
+Every piece (one expert, or one band of rows of a dense tensor) has its own generator, so the bytes
+depend only on the spec and the seed, never on how they are streamed, and any expert can be
+regenerated alone.
+
+Magnitudes keep activations O(1) through any number of layers: a quantised matrix gets scales of
+size gain / (rms(q - zero_point) * sqrt(K)), so y = W x has rms ~ gain * rms(x). Scale signs are
+random (per block, or per row without blocks) and the embedding is zero-mean: with positive scales
+the codes' -0.5 mean gives every matrix a common direction and routing collapses onto a few
+experts (anchors.md).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Callable, Iterator
+
+import numpy as np
+import onnx
+
+from engine.writer.external_data import TensorPlan
+
+BAND_BYTES = 8 << 20   # dense tensors are generated in bands of rows of at most this many bytes
+
+
+def rng_for(seed: int, name: str, *piece: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFF, zlib.crc32(name.encode()), *piece]))
+
+
+def code_rms(bits: int) -> float:
+    """rms of (q - 2^(bits-1)) for codes q uniform over 0 .. 2^bits - 1."""
+    levels = 1 << bits
+    return math.sqrt((levels * levels - 1) / 12.0 + 0.25)
+
+
+def np_dtype(dtype: str) -> np.dtype:
+    return np.dtype(np.float16 if dtype == "float16" else np.float32)
+
+
+def onnx_type(dtype: str) -> int:
+    return onnx.TensorProto.FLOAT16 if dtype == "float16" else onnx.TensorProto.FLOAT
+
+
+def _signed_magnitudes(rng: np.random.Generator, shape, base: float) -> np.ndarray:
+    mag = rng.uniform(0.5, 1.5, size=shape) * base
+    sign = rng.integers(0, 2, size=shape, dtype=np.int8) * 2 - 1
+    return mag * sign
+
+
+def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack uint8 codes along the last axis: int4 = two per byte, low nibble = even index."""
+    if bits == 8:
+        return codes.astype(np.uint8)
+    if codes.shape[-1] % 2:
+        codes = np.concatenate([codes, np.zeros(codes.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _zero_point_codes(rng: np.random.Generator, shape, bits: int) -> np.ndarray:
+    """Zero points near the middle code (mid-1, mid or mid+1), so dequantised values stay centred."""
+    mid = 1 << (bits - 1)
+    return (mid - 1 + rng.integers(0, 3, size=shape)).astype(np.uint8)
+
+
+def _bands(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
+    step = max(1, BAND_BYTES // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+# ---- dense tensors ------------------------------------------------------------------------------
+
+def normal(name: str, shape: tuple[int, ...], seed: int, dtype: str, std: float, mean: float = 0.0) -> TensorPlan:
+    rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, shape[0])
+    npd = np_dtype(dtype)
+
+    def chunks():
+        for a, b in _bands(rows, cols * npd.itemsize):
+            rng = rng_for(seed, name, a)
+            yield (mean + std * rng.standard_normal((b - a, cols))).astype(npd)
+
+    return TensorPlan(name, onnx_type(dtype), tuple(shape), chunks)
+
+
+def constant(name: str, shape: tuple[int, ...], value: float, dtype: str) -> TensorPlan:
+    return TensorPlan(name, onnx_type(dtype), tuple(shape), lambda: [np.full(shape, value, np_dtype(dtype))])
+
+
+def rotary_caches(context_length: int, head_size: int, dtype: str, theta: float = 150000.0) -> list[TensorPlan]:
+    half = head_size // 2
+    inv_freq = 1.0 / theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_size)
+    npd = np_dtype(dtype)
+
+    def make(fn):
+        def chunks():
+            for a, b in _bands(context_length, half * 4):
+                yield fn(np.outer(np.arange(a, b, dtype=np.float64), inv_freq)).astype(npd)
+        return chunks
+
+    return [TensorPlan("cos_cache", onnx_type(dtype), (context_length, half), make(np.cos)),
+            TensorPlan("sin_cache", onnx_type(dtype), (context_length, half), make(np.sin))]
+
+
+def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, gain: float = 1.0,
+                 block: int = 32) -> tuple[list[TensorPlan], dict]:
+    """A random MatMulNBits weight [N, ceil(K/block), block*bits/8] and its scales [N, K/block]."""
+    blocks = -(-k // block)
+    blob = block * bits // 8
+    base = gain / (code_rms(bits) * math.sqrt(k))
+    qname, sname = f"{prefix}.weight_Q{bits}", f"{prefix}.weight_scales"
+    npd = np_dtype(dtype)
+
+    def qchunks():
+        for a, b in _bands(n, blocks * blob):
+            rng = rng_for(seed, qname, a)
+            yield np.frombuffer(rng.bytes((b - a) * blocks * blob), np.uint8).reshape(b - a, blocks, blob)
+
+    def schunks():
+        for a, b in _bands(n, blocks * 4):
+            yield _signed_magnitudes(rng_for(seed, sname, a), (b - a, blocks), base).astype(npd)
+
+    plans = [TensorPlan(qname, onnx.TensorProto.UINT8, (n, blocks, blob), qchunks),
+             TensorPlan(sname, onnx_type(dtype), (n, blocks), schunks)]
+    attrs = {"K": k, "N": n, "accuracy_level": 4, "bits": bits, "block_size": block}
+    return plans, attrs
+
+
+# ---- expert tensors (one piece per expert) ------------------------------------------------------
+
+def _per_expert(name: str, elem_type: int, dims: tuple[int, ...], seed: int,
+                make: Callable[[np.random.Generator], np.ndarray]) -> TensorPlan:
+    experts, inner = dims[0], dims[1:]
+
+    def chunks():
+        for e in range(experts):
+            yield make(rng_for(seed, name, e)).reshape((1,) + inner)
+
+    return TensorPlan(name, elem_type, dims, chunks)
+
+
+def expert_projection(prefix: str, experts: int, n: int, k: int, bits: int, block: int, zero_points: bool,
+                      bias: bool, seed: int, dtype: str, gain: float = 1.0) -> dict[str, TensorPlan]:
+    """qweight [E, N, K*bits/8], scales [E, N, K/block] (or [E, N]), bias [E, N], zero points packed."""
+    npd = np_dtype(dtype)
+    base = gain / (code_rms(bits) * math.sqrt(k))
+    row_bytes = k * bits // 8
+    out = {"qweight": _per_expert(
+        f"{prefix}.qweight", onnx.TensorProto.UINT8, (experts, n, row_bytes), seed,
+        lambda rng: np.frombuffer(rng.bytes(n * row_bytes), np.uint8))}
+    scale_shape = (n, k // block) if block else (n,)
+    out["scales"] = _per_expert(f"{prefix}.scales", onnx_type(dtype), (experts,) + scale_shape, seed,
+                                lambda rng: _signed_magnitudes(rng, scale_shape, base).astype(npd))
+    if bias:
+        out["bias"] = _per_expert(f"{prefix}.bias", onnx_type(dtype), (experts, n), seed,
+                                  lambda rng: (0.1 * rng.standard_normal(n)).astype(npd))
+    if zero_points:
+        if block:
+            zp_codes = (n, k // block)
+            zp_dims = (n, -(-(k // block) * bits // 8))
+        else:
+            zp_codes = (n,)
+            zp_dims = (-(-n * bits // 8),)
+        out["zero_points"] = _per_expert(f"{prefix}.zero_points", onnx.TensorProto.UINT8, (experts,) + zp_dims,
+                                         seed, lambda rng: _pack_codes(_zero_point_codes(rng, zp_codes, bits), bits))
+    return out

@@ -1,0 +1,66 @@
+"""write_model: a random-weight MoE model folder in onnxruntime-genai builder format, streamed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from engine.writer.external_data import total_bytes, write_tensors
+from engine.writer.folder_files import genai_config, readme, spec_json
+from engine.writer.graph import build_graph, make_model
+from engine.writer.spec import WriterSpec
+from engine.writer.tokenizer_files import write_tokenizer_files
+
+DATA_NAME = "model.onnx.data"
+
+
+def write_model(folder: str | Path, spec: WriterSpec,
+                progress: Callable[[float], None] | None = None) -> Path:
+    """Write model.onnx, model.onnx.data, genai_config.json, tokenizer files and README.txt.
+
+    The weights are streamed to model.onnx.data one expert (or band of rows) at a time; only the
+    graph proto, which holds no weights, is built in memory. progress, when given, is called with
+    the fraction written so far (0.0 .. 1.0). Returns the folder.
+    """
+    spec.validate()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    tokenizer_size = write_tokenizer_files(folder, spec.vocab_size, spec.context_length)
+    plan = build_graph(spec)
+    data_bytes = total_bytes(plan.tensors)
+
+    done = 0
+    last_reported = -1.0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done, last_reported
+        done += n
+        frac = done / data_bytes if data_bytes else 1.0
+        if progress is not None and (frac - last_reported >= 0.005 or frac >= 1.0):
+            last_reported = frac
+            progress(min(frac, 1.0))
+
+    if progress is not None:
+        progress(0.0)
+    tmp = folder / (DATA_NAME + ".partial")
+    try:
+        with open(tmp, "wb") as f:
+            initializers = list(write_tensors(f, plan.tensors, DATA_NAME, on_bytes))
+        os.replace(tmp, folder / DATA_NAME)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+    doc = "Random-weight MoE model written by MoE Workbench's writer. " + (spec.description or "")
+    model = make_model(plan, initializers, doc.strip(),
+                       {"moe_workbench.writer_spec": spec_json(spec),
+                        "moe_workbench.tokenizer_size": str(tokenizer_size)})
+    (folder / "model.onnx").write_bytes(model.SerializeToString())
+    (folder / "genai_config.json").write_text(json.dumps(genai_config(spec), indent=4) + "\n", encoding="utf-8")
+    (folder / "README.txt").write_text(readme(spec, data_bytes), encoding="utf-8")
+    if progress is not None and last_reported < 1.0:
+        progress(1.0)
+    return folder
