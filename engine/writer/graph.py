@@ -19,6 +19,15 @@ from engine.writer.spec import WriterSpec
 
 EPS = 1e-5
 MS = "com.microsoft"
+# Magnitudes (see weights.py for the scale rule). With near-uniform attention every token's attention
+# output is about the mean of the values, a vector shared by all tokens; summed over many layers it
+# pulls every token's router input the same way and routing collapses onto a few experts in deep
+# layers. Sharper attention (q and k rows x2: score std ~4), a halved o_proj and small dense biases
+# keep the shared part of the residual small: a 48-layer model routes near-uniformly in every layer.
+QK_GAIN = 2.0
+O_GAIN = 0.5
+DENSE_BIAS_STD = 0.02
+LM_HEAD_GAIN = 2.0
 
 
 @dataclass
@@ -65,15 +74,16 @@ class _Builder:
             self.node("Constant", [], [out], f"/model/constant_nodes/INT64/{label}", value=t)
         return out
 
-    def matmul(self, x: str, prefix: str, node_prefix: str, n: int, k: int, gain=1.0, out: str | None = None) -> str:
+    def matmul(self, x: str, prefix: str, node_prefix: str, n: int, k: int, gain=1.0, out: str | None = None,
+               row_gain=None) -> str:
         s = self.spec
-        plans, attrs = W.matmul_nbits(prefix, n, k, s.bits, s.seed, s.dtype, gain=gain)
+        plans, attrs = W.matmul_nbits(prefix, n, k, s.bits, s.seed, s.dtype, gain=gain, row_gain=row_gain)
         names = [self.tensor(p) for p in plans]
         out = out or f"{node_prefix}/MatMul/output_0"
         self.node("MatMulNBits", [x, *names], [out], f"{node_prefix}/MatMul_Q{s.bits}", MS, **attrs)
         return out
 
-    def add_bias(self, x: str, bias_name: str, node_prefix: str, n: int, std=0.1) -> str:
+    def add_bias(self, x: str, bias_name: str, node_prefix: str, n: int, std=DENSE_BIAS_STD) -> str:
         b = self.tensor(W.normal(bias_name, (n,), self.spec.seed, self.spec.dtype, std))
         return self.node("Add", [x, b], [f"{node_prefix}/Add/output_0"], f"{node_prefix}/Add")[0]
 
@@ -124,7 +134,10 @@ class _Builder:
     def attention(self, layer: int, x: str, seqlens_k: str, total: str) -> str:
         s = self.spec
         mp, np_ = f"model.layers.{layer}.attn", f"/model/layers.{layer}/attn"
-        qkv = self.matmul(x, f"{mp}.qkv_proj.MatMul", f"{np_}/qkv_proj", s.qkv_size, s.hidden_size)
+        qk_rows = (s.num_heads + s.num_kv_heads) * s.head_size
+        row_gain = np.ones(s.qkv_size)
+        row_gain[:qk_rows] = QK_GAIN
+        qkv = self.matmul(x, f"{mp}.qkv_proj.MatMul", f"{np_}/qkv_proj", s.qkv_size, s.hidden_size, row_gain=row_gain)
         qkv = self.add_bias(qkv, f"{mp}.qkv_proj.Add.bias", f"{np_}/qkv_proj", s.qkv_size)
         if layer == 0:
             for plan in W.rotary_caches(s.context_length, s.head_size, s.dtype):
@@ -142,7 +155,8 @@ class _Builder:
         out = self.node("GroupQueryAttention", inputs,
                         [f"{np_}/GroupQueryAttention/output_0", f"present.{layer}.key", f"present.{layer}.value"],
                         f"{np_}/GroupQueryAttention", MS, **attrs)[0]
-        o = self.matmul(out, f"{mp}.o_proj.MatMul", f"{np_}/o_proj", s.hidden_size, s.hidden_size)
+        o = self.matmul(out, f"{mp}.o_proj.MatMul", f"{np_}/o_proj", s.hidden_size, s.num_heads * s.head_size,
+                        gain=O_GAIN)
         return self.add_bias(o, f"{mp}.o_proj.Add.bias", f"{np_}/o_proj", s.hidden_size)
 
     def moe(self, layer: int, x: str) -> str:
@@ -210,7 +224,7 @@ class _Builder:
         L = s.layers
         w = self.norm_weight(f"model.layers.{L}.final_norm_layernorm.weight")
         x, _ = self.skip_norm(residual, moe_out, f"/model/layers.{L}/final_norm_layernorm", w, with_sum=False)
-        self.matmul(x, "lm_head.MatMul", "/lm_head", s.vocab_size, s.hidden_size, gain=2.0, out="logits")
+        self.matmul(x, "lm_head.MatMul", "/lm_head", s.vocab_size, s.hidden_size, gain=LM_HEAD_GAIN, out="logits")
         return self.g
 
 

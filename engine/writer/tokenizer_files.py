@@ -43,6 +43,7 @@ The system, the user and the assistant each take turns in a conversation.
 Water, food, time, money, work, school, family, friend, government, company, problem, question.
 First, second, third, one, two, three, four, five, six, seven, eight, nine, ten, hundred.
 Hello world. Hello there. Hello again, world. Hello world!
+hello world, said the little program. hello, hello, is anyone there? say hello to the world.
 """
 
 

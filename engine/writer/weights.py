@@ -30,9 +30,26 @@ def rng_for(seed: int, name: str, *piece: int) -> np.random.Generator:
 
 
 def code_rms(bits: int) -> float:
-    """rms of (q - 2^(bits-1)) for codes q uniform over 0 .. 2^bits - 1."""
-    levels = 1 << bits
-    return math.sqrt((levels * levels - 1) / 12.0 + 0.25)
+    """rms of (q - 2^(bits-1)) for the codes random_codes makes."""
+    mid = 1 << (bits - 1)
+    return math.sqrt(sum(d * d for d in range(1 - mid, mid)) / (2 * mid))
+
+
+def random_codes(rng: np.random.Generator, nbytes: int, bits: int) -> np.ndarray:
+    """nbytes of packed codes centred on the default zero point, like a symmetric quantiser's.
+
+    Uniform bytes, except that the most negative code of each field (0, which is -8 for int4 and
+    -128 for int8) becomes the middle code (0 after dequantisation). The codes then have mean
+    exactly 2^(bits-1): uniform codes would give every matrix a -0.5 * scale mean, a rank-one part
+    that positive activations (relu, swiglu) turn into a shared direction.
+    """
+    b = np.frombuffer(rng.bytes(nbytes), np.uint8).copy()
+    if bits == 8:
+        b[b == 0] = 0x80
+    else:
+        b |= ((b & 0x0F) == 0).view(np.uint8) << 3
+        b |= ((b & 0xF0) == 0).view(np.uint8) << 7
+    return b
 
 
 def np_dtype(dtype: str) -> np.dtype:
@@ -104,8 +121,10 @@ def rotary_caches(context_length: int, head_size: int, dtype: str, theta: float 
 
 
 def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, gain: float = 1.0,
-                 block: int = 32) -> tuple[list[TensorPlan], dict]:
-    """A random MatMulNBits weight [N, ceil(K/block), block*bits/8] and its scales [N, K/block]."""
+                 block: int = 32, row_gain: np.ndarray | None = None) -> tuple[list[TensorPlan], dict]:
+    """A random MatMulNBits weight [N, ceil(K/block), block*bits/8] and its scales [N, K/block].
+
+    row_gain (length N), when given, multiplies each output row's scales on top of gain."""
     blocks = -(-k // block)
     blob = block * bits // 8
     base = gain / (code_rms(bits) * math.sqrt(k))
@@ -115,11 +134,14 @@ def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, 
     def qchunks():
         for a, b in _bands(n, blocks * blob):
             rng = rng_for(seed, qname, a)
-            yield np.frombuffer(rng.bytes((b - a) * blocks * blob), np.uint8).reshape(b - a, blocks, blob)
+            yield random_codes(rng, (b - a) * blocks * blob, bits).reshape(b - a, blocks, blob)
 
     def schunks():
         for a, b in _bands(n, blocks * 4):
-            yield _signed_magnitudes(rng_for(seed, sname, a), (b - a, blocks), base).astype(npd)
+            s = _signed_magnitudes(rng_for(seed, sname, a), (b - a, blocks), base)
+            if row_gain is not None:
+                s *= np.asarray(row_gain, np.float64)[a:b, None]
+            yield s.astype(npd)
 
     plans = [TensorPlan(qname, onnx.TensorProto.UINT8, (n, blocks, blob), qchunks),
              TensorPlan(sname, onnx_type(dtype), (n, blocks), schunks)]
@@ -148,7 +170,7 @@ def expert_projection(prefix: str, experts: int, n: int, k: int, bits: int, bloc
     row_bytes = k * bits // 8
     out = {"qweight": _per_expert(
         f"{prefix}.qweight", onnx.TensorProto.UINT8, (experts, n, row_bytes), seed,
-        lambda rng: np.frombuffer(rng.bytes(n * row_bytes), np.uint8))}
+        lambda rng: random_codes(rng, n * row_bytes, bits))}
     scale_shape = (n, k // block) if block else (n,)
     out["scales"] = _per_expert(f"{prefix}.scales", onnx_type(dtype), (experts,) + scale_shape, seed,
                                 lambda rng: _signed_magnitudes(rng, scale_shape, base).astype(npd))
