@@ -101,10 +101,6 @@ def normal(name: str, shape: tuple[int, ...], seed: int, dtype: str, std: float,
     return TensorPlan(name, onnx_type(dtype), tuple(shape), chunks)
 
 
-def constant(name: str, shape: tuple[int, ...], value: float, dtype: str) -> TensorPlan:
-    return TensorPlan(name, onnx_type(dtype), tuple(shape), lambda: [np.full(shape, value, np_dtype(dtype))])
-
-
 def rotary_caches(context_length: int, head_size: int, dtype: str, theta: float = 150000.0) -> list[TensorPlan]:
     half = head_size // 2
     inv_freq = 1.0 / theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_size)

@@ -16,6 +16,12 @@ from engine.writer.tokenizer_files import write_tokenizer_files
 DATA_NAME = "model.onnx.data"
 
 
+def model_data_bytes(spec: WriterSpec) -> int:
+    """The size model.onnx.data will have for this spec, without writing anything."""
+    spec.validate()
+    return total_bytes(build_graph(spec).tensors)
+
+
 def write_model(folder: str | Path, spec: WriterSpec,
                 progress: Callable[[float], None] | None = None) -> Path:
     """Write model.onnx, model.onnx.data, genai_config.json, tokenizer files and README.txt.

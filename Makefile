@@ -1,0 +1,31 @@
+# `make run` and `make test` do all set-up on a fresh machine: create .venv, install, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+RUNTIME := $(shell $(PYTHON) packaging/select_runtime.py)
+STAMP := $(VENV)/.installed-$(RUNTIME)
+
+.PHONY: run test install clean
+
+run: $(STAMP)
+	$(PY) -m app
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# onnxruntime and onnxruntime-gpu share one module: remove the build this machine should not have.
+$(STAMP): pyproject.toml packaging/select_runtime.py | $(PY)
+	@if [ "$(RUNTIME)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y onnxruntime-gpu 2>/dev/null || true; \
+	 else $(PY) -m pip uninstall --quiet -y onnxruntime 2>/dev/null || true; fi
+	$(PY) -m pip install --quiet -e ".[$(RUNTIME),test]"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""MoE Workbench: the Qt window and the command line."""

@@ -1,0 +1,3 @@
+from app.cli import main
+
+raise SystemExit(main())

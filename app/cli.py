@@ -1,0 +1,173 @@
+"""The `moe-workbench` command: open the window, inspect a model, generate text, write a model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+from engine.errors import WorkbenchError
+
+PROG = "moe-workbench"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Run Mixture-of-Experts ONNX models with CPU/GPU expert offload.")
+    commands = parser.add_subparsers(dest="command")
+
+    gui = commands.add_parser("gui", help="open the window (the default with no command)")
+    gui.add_argument("model", nargs="?", help="model folder to open (default: the demo model)")
+
+    inspect = commands.add_parser("inspect", help="list every expert node, its layout and bytes, and whether it runs")
+    inspect.add_argument("model")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+
+    gen = commands.add_parser("generate", help="generate text for a prompt")
+    gen.add_argument("model")
+    gen.add_argument("--prompt", required=True)
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    mode.add_argument("--chat", action="store_true",
+                      help="multi-turn chat: after the first answer read more user turns from standard input, one per line")
+    gen.add_argument("--system", help="system prompt (chat template only)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    sampling = gen.add_mutually_exclusive_group()
+    sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
+    sampling.add_argument("--temperature", type=float, help="sample with this temperature")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    gen.add_argument("--threads", type=int, help="CPU threads for expert kernels (default: all cores)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per answer: prompt_tokens, tokens, text, timings")
+
+    write = commands.add_parser("write-model", help="write a random-weight model folder in the builder's format")
+    write.add_argument("folder")
+    write.add_argument("--layers", type=int, default=2)
+    write.add_argument("--hidden", type=int, default=128)
+    write.add_argument("--experts", type=int, default=8)
+    write.add_argument("--top-k", type=int, default=2)
+    write.add_argument("--intermediate", type=int, default=128)
+    write.add_argument("--heads", type=int, default=4)
+    write.add_argument("--kv-heads", type=int, default=2)
+    write.add_argument("--head-size", type=int, default=32)
+    write.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    write.add_argument("--block-size", type=int, default=32, help="0 = one scale per row")
+    write.add_argument("--zero-points", action="store_true")
+    write.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    write.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _cmd_inspect(args) -> int:
+    from app.inspect_report import format_inspection, inspection
+    from engine.model_folder import ModelFolder
+
+    report = inspection(ModelFolder.open(args.model))
+    print(json.dumps(report, indent=2) if args.json else format_inspection(report))
+    return 0 if report["supported"] else 1
+
+
+def _generation_params(args):
+    from engine.generation import GenerationParams
+    from engine.sampling import SamplingParams
+
+    if args.max_new_tokens < 1:
+        raise WorkbenchError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(
+        do_sample=args.temperature is not None and args.temperature > 0,
+        temperature=args.temperature if args.temperature is not None else 1.0,
+        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise WorkbenchError(str(exc)) from None
+    return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))
+
+
+def _print_result(result, load_s: float, as_json: bool) -> None:
+    if as_json:
+        timings = {"load_s": load_s, **result.timings.as_dict()}
+        print(json.dumps({"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
+                          "finish_reason": result.finish_reason, "timings": timings}), flush=True)
+    else:
+        t = result.timings
+        print(f"\n[{t.generated_tokens} tokens, first after {t.time_to_first_token_s * 1000:.0f} ms, "
+              f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {result.finish_reason}]", file=sys.stderr, flush=True)
+
+
+def _cmd_generate(args) -> int:
+    from engine.errors import PromptError
+    from engine.generation import Conversation, LoadedModel, generate
+
+    params = _generation_params(args)
+    if not args.prompt.strip():
+        raise PromptError("the prompt is empty")
+    model = LoadedModel.open(args.model, threads=args.threads)
+    stream = None if args.json else (lambda _token, delta: print(delta, end="", flush=True))
+    cancel = threading.Event()
+    if args.raw:
+        ids = model.tokenizer.encode(args.prompt)
+        result = generate(model, model.new_state(), [], ids, params, stream, cancel)
+        _print_result(result, model.load_s, args.json)
+        return 0
+    conversation = Conversation(model, system_prompt=args.system)
+    prompt = args.prompt
+    while True:
+        result = conversation.send(prompt, params, stream, cancel)
+        _print_result(result, model.load_s, args.json)
+        if not args.chat:
+            return 0
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        prompt = line.rstrip("\n")
+        if not prompt.strip():
+            return 0
+
+
+def _cmd_write_model(args) -> int:
+    from engine.writer import WriterSpec, write_model
+
+    try:
+        spec = WriterSpec(layers=args.layers, hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
+                          inter_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                          head_size=args.head_size, bits=args.bits, block_size=args.block_size,
+                          zero_points=args.zero_points, dtype=args.dtype, seed=args.seed)
+        path = write_model(args.folder, spec)
+    except ValueError as exc:
+        raise WorkbenchError(str(exc)) from None
+    print(path)
+    return 0
+
+
+def _cmd_gui(args) -> int:
+    from app.gui.main import run_gui
+
+    return run_gui(args.model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    command = args.command or "gui"
+    if args.command is None:
+        args.model = None
+    handlers = {"gui": _cmd_gui, "inspect": _cmd_inspect, "generate": _cmd_generate, "write-model": _cmd_write_model}
+    try:
+        return handlers[command](args)
+    except WorkbenchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the user gets one line; MOE_WORKBENCH_DEBUG=1 shows the traceback
+        if os.environ.get("MOE_WORKBENCH_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"{PROG}: internal error: {type(exc).__name__}: {first}", file=sys.stderr)
+        return 3

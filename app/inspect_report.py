@@ -1,0 +1,58 @@
+"""The inspection of a model folder as rows and text: what the CLI prints and the window shows."""
+
+from __future__ import annotations
+
+from engine.model_folder import ModelFolder
+
+
+def human_bytes(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def inspection(folder: ModelFolder) -> dict:
+    nodes = []
+    for info in folder.experts:
+        spec = info.spec
+        nodes.append({
+            "layer": info.layer,
+            "node": info.name,
+            "op_type": info.op_type,
+            "experts": spec.num_experts if spec else None,
+            "top_k": spec.k if spec else info.attributes.get("k"),
+            "layout": spec.supported_summary() if spec else None,
+            "bytes_per_expert": info.bytes_per_expert,
+            "bytes": info.weight_bytes,
+            "supported": info.unsupported is None,
+            "reason": info.unsupported,
+        })
+    supported = all(n["supported"] for n in nodes)
+    return {
+        "model": str(folder.folder),
+        "type": folder.config.model_type,
+        "context_length": folder.config.context_length,
+        "expert_nodes": nodes,
+        "expert_bytes": folder.expert_bytes,
+        "dense_bytes": folder.dense_bytes,
+        "dense_segments": len(folder.plan.segments),
+        "supported": supported,
+        "verdict": (f"runs: all {len(nodes)} expert nodes are supported by our CPU kernels" if supported else
+                    f"cannot run: {sum(not n['supported'] for n in nodes)} of {len(nodes)} expert nodes are unsupported"),
+    }
+
+
+def format_inspection(report: dict) -> str:
+    lines = [f"model: {report['model']} (type {report['type']}, context {report['context_length']})",
+             f"{'layer':>5}  {'experts':>7}  {'top-k':>5}  {'bytes/expert':>12}  {'total':>10}  layout / node"]
+    for n in report["expert_nodes"]:
+        layout = n["layout"] if n["supported"] else f"UNSUPPORTED: {n['reason']}"
+        lines.append(f"{n['layer']:>5}  {n['experts'] or '?':>7}  {n['top_k'] or '?':>5}  "
+                     f"{human_bytes(n['bytes_per_expert']):>12}  {human_bytes(n['bytes']):>10}  {layout}  [{n['node']}]")
+    lines.append(f"experts: {human_bytes(report['expert_bytes'])} in {len(report['expert_nodes'])} nodes; "
+                 f"dense part: {human_bytes(report['dense_bytes'])} in {report['dense_segments']} onnxruntime segments")
+    lines.append(report["verdict"])
+    return "\n".join(lines)

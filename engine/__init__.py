@@ -1,0 +1,1 @@
+"""MoE Workbench engine: model loading, graph partition, expert execution, generation (no Qt)."""

@@ -1,0 +1,69 @@
+"""Run one decoder step: dense segments in onnxruntime, expert nodes in our engine.
+
+`PartitionedDecoder` is the product; `OrtReferenceDecoder` runs the same model as one unmodified
+onnxruntime session and serves as the oracle in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from engine.decoder_state import DecoderState
+from engine.dense_segment import DenseSegment, run_bound
+from engine.expert_node import CpuExpertNode, ExpertNodeInfo
+from engine.onnx_file import OnnxFile
+from engine.ort_env import session_options
+from engine.partition import ExpertStep, Plan
+
+
+class PartitionedDecoder:
+    """Alternates dense segments and expert nodes; only the cut tensors flow between them."""
+
+    def __init__(self, source: OnnxFile, plan: Plan, experts: list[ExpertNodeInfo], logits_name: str,
+                 threads: int | None = None, progress=None):
+        self.plan = plan
+        self.logits_name = logits_name
+        types = {i.name: i.type.tensor_type.elem_type for i in source.proto.graph.input}
+        by_name = {info.name: info for info in experts}
+        self.steps: list[DenseSegment | CpuExpertNode] = []
+        total = len(plan.steps)
+        for done, step in enumerate(plan.steps, start=1):
+            if isinstance(step, ExpertStep):
+                info = by_name[step.node.name]
+                runner = CpuExpertNode(info, source, threads)
+                types[info.output] = types[info.activation_inputs["input"]]
+            else:
+                runner = DenseSegment(step, source, types)
+                types.update(runner.output_types)
+            self.steps.append(runner)
+            if progress:
+                progress(done / total)
+
+    def forward(self, state: DecoderState, token_ids) -> np.ndarray:
+        """Logits [tokens, vocab] for the new tokens; the state advances past them."""
+        values: dict[str, np.ndarray] = state.step_inputs(token_ids)
+        for runner in self.steps:
+            if isinstance(runner, CpuExpertNode):
+                values[runner.info.output] = runner.run(values)
+            else:
+                values.update(runner.run(values, state))
+        state.advance(len(token_ids))
+        return values[self.logits_name].reshape(len(token_ids), -1)
+
+
+class OrtReferenceDecoder:
+    """The whole model, experts included, in one onnxruntime session fed the same way."""
+
+    def __init__(self, source: OnnxFile, logits_name: str):
+        self.logits_name = logits_name
+        self.session = ort.InferenceSession(
+            str(source.path), session_options(), providers=["CPUExecutionProvider"])
+
+    def forward(self, state: DecoderState, token_ids) -> np.ndarray:
+        values = state.step_inputs(token_ids)
+        inputs = [i.name for i in self.session.get_inputs()]
+        outputs = [o.name for o in self.session.get_outputs()]
+        logits = run_bound(self.session, inputs, outputs, values, state)[self.logits_name]
+        state.advance(len(token_ids))
+        return logits.reshape(len(token_ids), -1)

@@ -1,0 +1,190 @@
+"""The decoder's inputs and state fed the way onnxruntime-genai feeds them.
+
+KV caches are fixed-capacity buffers that onnxruntime writes in place (past and present bound to
+the same memory); sliding-window layers get a buffer of window_size slots; conv and recurrent
+state use two buffers that swap after each step. Position ids are 1-D/2-D or MRoPE's [3, B, S].
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from engine.errors import ModelFileError, PromptError
+from engine.genai_config import GenaiConfig
+
+CAPACITY_STEP = 256
+KV_KINDS = {"key", "value"}  # genai_config's past_key_names / past_value_names
+
+
+@dataclass
+class StateSlot:
+    past_name: str
+    present_name: str
+    layer: int
+    shared: bool  # KV: past and present are one buffer written in place
+    sliding: bool
+    array: np.ndarray  # what the next step reads as past
+    spare: np.ndarray | None = None  # where a swapped state's present goes
+    _values: tuple[ort.OrtValue, ort.OrtValue] | None = None
+
+    def replace(self, array: np.ndarray) -> None:
+        self.array = array
+        self._values = None
+
+    def _ortvalues(self) -> tuple[ort.OrtValue, ort.OrtValue]:
+        if self._values is None:
+            past = ort.OrtValue.ortvalue_from_numpy(self.array)  # wraps the array, no copy
+            present = past if self.shared else ort.OrtValue.ortvalue_from_numpy(self.spare)
+            self._values = (past, present)
+        return self._values
+
+    @property
+    def past_value(self) -> ort.OrtValue:
+        return self._ortvalues()[0]
+
+    @property
+    def present_value(self) -> ort.OrtValue:
+        return self._ortvalues()[1]
+
+    def after_step(self) -> None:
+        if not self.shared:
+            self.array, self.spare = self.spare, self.array
+            if self._values is not None:
+                self._values = (self._values[1], self._values[0])
+
+
+def _np_dtype(value_info: onnx.ValueInfoProto) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(value_info.type.tensor_type.elem_type))
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace("%d", r"(\d+)") + "$")
+
+
+class DecoderState:
+    """Everything that carries over between steps for one conversation (batch size 1)."""
+
+    def __init__(self, config: GenaiConfig, graph: onnx.GraphProto):
+        self.config = config
+        self.past_length = 0
+        self.graph_inputs = {i.name: i for i in graph.input}
+        self.input_ids_name = config.inputs.get("input_ids", "input_ids")
+        self.mask_name = config.inputs.get("attention_mask")
+        self.position_name = config.inputs.get("position_ids")
+        self._slots: list[StateSlot] = []
+        self._kv_capacity = 0
+        self._match_state_inputs(graph)
+
+    # --- construction -------------------------------------------------------------------------
+    def _match_state_inputs(self, graph: onnx.GraphProto) -> None:
+        pairs = [(_pattern_regex(p), o, kind in KV_KINDS) for kind, p, o in self.config.state_pairs()]
+        outputs = {o.name for o in graph.output}
+        known = {self.input_ids_name, self.mask_name, self.position_name}
+        for name, info in self.graph_inputs.items():
+            if name in known:
+                continue
+            for regex, out_pattern, is_kv in pairs:
+                match = regex.match(name)
+                if match:
+                    layer = int(match.group(1))
+                    present = out_pattern.replace("%d", str(layer))
+                    if present not in outputs:
+                        raise ModelFileError(f"{self.config.path}: state input '{name}' has no output '{present}' in the graph")
+                    sliding = is_kv and layer in self.config.sliding_window_layers
+                    self._slots.append(StateSlot(name, present, layer, is_kv, sliding, np.empty(0)))
+                    break
+            else:
+                raise ModelFileError(
+                    f"{self.config.path}: graph input '{name}' is neither a genai_config input nor a past-state pattern")
+        self._by_past = {slot.past_name: slot for slot in self._slots}
+        self._by_present = {slot.present_name: slot for slot in self._slots}
+        for slot in self._slots:
+            if not slot.shared:
+                slot.array = np.zeros(self._fixed_shape(slot.past_name), _np_dtype(self.graph_inputs[slot.past_name]))
+                slot.spare = np.zeros_like(slot.array)
+
+    def _fixed_shape(self, name: str) -> tuple[int, ...]:
+        dims = self.graph_inputs[name].type.tensor_type.shape.dim
+        shape = []
+        for position, dim in enumerate(dims):
+            if dim.HasField("dim_value"):
+                shape.append(dim.dim_value)
+            elif position == 0:
+                shape.append(1)  # batch
+            else:
+                raise ModelFileError(f"{self.config.path}: state input '{name}' has a symbolic dimension '{dim.dim_param}'")
+        return tuple(shape)
+
+    def _kv_shape(self, slot: StateSlot, capacity: int) -> tuple[int, ...]:
+        dims = self.graph_inputs[slot.past_name].type.tensor_type.shape.dim
+        heads = dims[1].dim_value or self.config.num_kv_heads
+        head_size = dims[3].dim_value or self.config.head_size
+        return (1, heads, capacity, head_size)
+
+    # --- per step ------------------------------------------------------------------------------
+    @property
+    def slots(self) -> list[StateSlot]:
+        return self._slots
+
+    def slot_for_past(self, name: str) -> StateSlot | None:
+        return self._by_past.get(name)
+
+    def slot_for_present(self, name: str) -> StateSlot | None:
+        return self._by_present.get(name)
+
+    def reserve(self, new_tokens: int) -> None:
+        """Make the KV buffers hold past + new_tokens, growing full-attention buffers if needed."""
+        needed = self.past_length + new_tokens
+        if needed > self.config.context_length:
+            raise PromptError(
+                f"the conversation needs {needed} tokens but the model's context is {self.config.context_length}")
+        if needed <= self._kv_capacity:
+            return
+        capacity = min(self.config.context_length, -(-max(needed, 2 * self._kv_capacity) // CAPACITY_STEP) * CAPACITY_STEP)
+        window = (self.config.sliding_window_size or 0) + self.config.sliding_cache_slack
+        for slot in self._slots:
+            if not slot.shared:
+                continue
+            slot_capacity = window if slot.sliding else capacity
+            if slot.array.size and slot.array.shape[2] == slot_capacity:
+                continue
+            grown = np.zeros(self._kv_shape(slot, slot_capacity), _np_dtype(self.graph_inputs[slot.past_name]))
+            if slot.array.size:
+                kept = min(self.past_length, slot.array.shape[2])
+                grown[:, :, :kept] = slot.array[:, :, :kept]
+            slot.replace(grown)
+        self._kv_capacity = capacity
+
+    def step_inputs(self, token_ids: list[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """input_ids, attention_mask and position ids for the next step (not the state)."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        count = ids.shape[1]
+        self.reserve(count)
+        feeds = {self.input_ids_name: ids}
+        total = self.past_length + count
+        if self.mask_name in self.graph_inputs:
+            feeds[self.mask_name] = np.ones((1, total), dtype=_np_dtype(self.graph_inputs[self.mask_name]))
+        if self.position_name in self.graph_inputs:
+            info = self.graph_inputs[self.position_name]
+            positions = np.arange(self.past_length, total, dtype=_np_dtype(info)).reshape(1, count)
+            if len(info.type.tensor_type.shape.dim) == 3:  # MRoPE: temporal, height, width all text positions
+                positions = np.broadcast_to(positions, (3, 1, count)).copy()
+            feeds[self.position_name] = positions
+        return feeds
+
+    def advance(self, count: int) -> None:
+        for slot in self._slots:
+            slot.after_step()
+        self.past_length += count
+
+    def reset(self) -> None:
+        self.past_length = 0
+        for slot in self._slots:
+            if not slot.shared:
+                slot.array[...] = 0
+                slot.spare[...] = 0

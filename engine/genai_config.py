@@ -1,0 +1,121 @@
+"""genai_config.json, the description onnxruntime-genai's builder writes beside model.onnx."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class SearchDefaults:
+    max_length: int = 2048
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    past_present_share_buffer: bool = True
+
+
+@dataclass(frozen=True)
+class GenaiConfig:
+    path: Path
+    model_type: str
+    filename: str
+    context_length: int
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int | None
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    sliding_window_size: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()
+    sliding_cache_slack: int = 0
+    provider_names: tuple[str, ...] = ()
+    search: SearchDefaults = field(default_factory=SearchDefaults)
+
+    def state_pairs(self) -> list[tuple[str, str, str]]:
+        """(kind, input pattern, output pattern) for every past/present kind the config names, e.g.
+        ("key", "past_key_values.%d.key", "present.%d.key")."""
+        pairs = []
+        for key, pattern in self.inputs.items():
+            if key.startswith("past_") and key.endswith("_names"):
+                kind = key[len("past_"):-len("_names")]
+                out = self.outputs.get(f"present_{kind}_names")
+                if out is None:
+                    raise ModelFileError(
+                        f"{self.path}: decoder.inputs.{key} has no matching decoder.outputs.present_{kind}_names")
+                pairs.append((kind, pattern, out))
+        return pairs
+
+
+def _require(obj: dict, key: str, path: Path, where: str):
+    if key not in obj:
+        raise ModelFileError(f"{path}: missing '{where}{key}'")
+    return obj[key]
+
+
+def load_genai_config(folder: Path) -> GenaiConfig:
+    path = Path(folder) / "genai_config.json"
+    if not path.is_file():
+        raise ModelFileError(f"{path}: missing (a model folder from onnxruntime-genai's builder has one)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
+    try:
+        model = _require(raw, "model", path, "")
+        decoder = _require(model, "decoder", path, "model.")
+        search = raw.get("search", {})
+        eos = model.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = decoder.get("sliding_window") or {}
+        providers = tuple(
+            name
+            for opt in decoder.get("session_options", {}).get("provider_options", [])
+            if isinstance(opt, dict)
+            for name in opt
+        )
+        defaults = SearchDefaults()
+        return GenaiConfig(
+            path=path,
+            model_type=str(model.get("type", "unknown")),
+            filename=str(decoder.get("filename", "model.onnx")),
+            context_length=int(_require(model, "context_length", path, "model.")),
+            vocab_size=int(model.get("vocab_size", 0)),
+            num_layers=int(decoder.get("num_hidden_layers", 0)),
+            hidden_size=int(decoder.get("hidden_size", 0)),
+            head_size=int(decoder.get("head_size", 0)),
+            num_heads=int(decoder.get("num_attention_heads", 0)),
+            num_kv_heads=int(decoder.get("num_key_value_heads", 0)),
+            bos_token_id=model.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            pad_token_id=model.get("pad_token_id"),
+            inputs={str(k): str(v) for k, v in _require(decoder, "inputs", path, "model.decoder.").items()},
+            outputs={str(k): str(v) for k, v in _require(decoder, "outputs", path, "model.decoder.").items()},
+            sliding_window_size=int(sliding["window_size"]) if sliding.get("window_size") else None,
+            sliding_window_layers=tuple(int(i) for i in sliding.get("layers", [])),
+            sliding_cache_slack=int(sliding.get("cache_slack", 0) or 0),
+            provider_names=providers,
+            search=SearchDefaults(
+                max_length=int(search.get("max_length", defaults.max_length)),
+                do_sample=bool(search.get("do_sample", defaults.do_sample)),
+                temperature=float(search.get("temperature", defaults.temperature)),
+                top_k=int(search.get("top_k", defaults.top_k)),
+                top_p=float(search.get("top_p", defaults.top_p)),
+                repetition_penalty=float(search.get("repetition_penalty", defaults.repetition_penalty)),
+                past_present_share_buffer=bool(
+                    search.get("past_present_share_buffer", defaults.past_present_share_buffer)),
+            ),
+        )
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ModelFileError(f"{path}: malformed ({exc})") from None

@@ -1,0 +1,191 @@
+"""Text generation: prefill, token-by-token decode, streaming, stop conditions, multi-turn chat."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from engine.decoder import PartitionedDecoder
+from engine.decoder_state import DecoderState
+from engine.errors import PromptError, UnsupportedModelError
+from engine.model_folder import ModelFolder
+from engine.sampling import Sampler, SamplingParams
+from engine.tokenizer import StreamDecoder
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop_strings: tuple[str, ...] = ()
+
+
+@dataclass
+class Timings:
+    prefill_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    decode_s: float = 0.0
+    total_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, over the time spent decoding them."""
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s and self.generated_tokens > 1 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prefill_s": self.prefill_s, "time_to_first_token_s": self.time_to_first_token_s,
+                "decode_s": self.decode_s, "total_s": self.total_s, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated_tokens, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "decode_tokens_per_s": self.decode_tokens_per_s}
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "eos", "length", "stop_string", "cancelled", "context"
+    timings: Timings
+    reused_cache_tokens: int = 0
+
+
+class LoadedModel:
+    """A model ready to generate: the partitioned decoder built and timed."""
+
+    def __init__(self, folder: ModelFolder, threads: int | None = None,
+                 progress: Callable[[float], None] | None = None):
+        problems = folder.unsupported()
+        if problems:
+            raise UnsupportedModelError(problems[0] + (f" (and {len(problems) - 1} more nodes)" if len(problems) > 1 else ""))
+        started = time.perf_counter()
+        self.folder = folder
+        self.config = folder.config
+        self.tokenizer = folder.tokenizer
+        self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads, progress)
+        self.load_s = time.perf_counter() - started
+
+    @classmethod
+    def open(cls, path, threads: int | None = None, progress=None) -> "LoadedModel":
+        return cls(ModelFolder.open(path), threads, progress)
+
+    def new_state(self) -> DecoderState:
+        return DecoderState(self.config, self.folder.onnx.proto.graph)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids)
+        token = self.tokenizer.token_id(self.tokenizer.eos_token)
+        if token is not None:
+            ids.add(token)
+        return ids
+
+
+def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,
+             on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
+             decoder=None) -> GenerationResult:
+    """Feed `prompt_tokens` after what `state` already holds (`fed_tokens`), then decode.
+
+    `fed_tokens` is extended in place with every token the state consumes. `on_text(token, delta)`
+    is called as each token is produced. `decoder` defaults to the model's own (tests pass the
+    onnxruntime reference to compare).
+    """
+    if not prompt_tokens:
+        raise PromptError("the prompt is empty")
+    context = model.config.context_length
+    if state.past_length + len(prompt_tokens) > context:
+        raise PromptError(f"the prompt has {state.past_length + len(prompt_tokens)} tokens "
+                          f"but the model's context is {context}")
+    decoder = decoder or model.decoder
+    sampler = Sampler(params.sampling)
+    stream = StreamDecoder(model.tokenizer)
+    eos = model.eos_ids
+    timings = Timings(prompt_tokens=len(prompt_tokens))
+    started = time.perf_counter()
+    logits = decoder.forward(state, prompt_tokens)[-1]
+    fed_tokens.extend(prompt_tokens)
+    timings.prefill_s = time.perf_counter() - started
+    generated: list[int] = []
+    finish = "length"
+    decode_started = None
+    while len(generated) < params.max_new_tokens:
+        token = sampler(logits, fed_tokens)
+        generated.append(token)
+        if len(generated) == 1:
+            timings.time_to_first_token_s = time.perf_counter() - started
+            decode_started = time.perf_counter()
+        if token in eos:
+            finish = "eos"
+            break
+        delta = stream.push(token)
+        if on_text:
+            on_text(token, delta)
+        if params.stop_strings and any(s in stream.text for s in params.stop_strings):
+            finish = "stop_string"
+            break
+        if cancel is not None and cancel.is_set():
+            finish = "cancelled"
+            break
+        if len(generated) == params.max_new_tokens:
+            break
+        if state.past_length + 1 > context:
+            finish = "context"
+            break
+        logits = decoder.forward(state, [token])[-1]
+        fed_tokens.append(token)
+    now = time.perf_counter()
+    timings.decode_s = now - decode_started if decode_started else 0.0
+    timings.total_s = now - started
+    timings.generated_tokens = len(generated)
+    text = stream.text
+    for stop in params.stop_strings:
+        if stop in text:
+            text = text[:text.index(stop)]
+    return GenerationResult(list(prompt_tokens), generated, text, finish, timings)
+
+
+@dataclass
+class Conversation:
+    """A multi-turn chat whose KV cache and state carry over between turns."""
+    model: LoadedModel
+    system_prompt: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    state: DecoderState | None = None
+    fed_tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.system_prompt:
+            self.messages.append({"role": "system", "content": self.system_prompt})
+
+    def send(self, user_text: str, params: GenerationParams, on_text=None, cancel=None) -> GenerationResult:
+        if not user_text.strip():
+            raise PromptError("the prompt is empty")
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        full = self.model.tokenizer.encode(self.model.tokenizer.render_chat(messages, add_generation_prompt=True))
+        if self.state is None:
+            self.state = self.model.new_state()
+        reused = len(self.fed_tokens)
+        if full[:reused] != self.fed_tokens:
+            # The template re-rendered earlier turns differently: the cache can't be reused.
+            self.state.reset()
+            self.fed_tokens = []
+            reused = 0
+        result = generate(self.model, self.state, self.fed_tokens, full[reused:], params, on_text, cancel)
+        result.reused_cache_tokens = reused
+        self.messages = messages + [{"role": "assistant", "content": result.text}]
+        return result
+
+    def reset(self) -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+        if self.state is not None:
+            self.state.reset()
+        self.fed_tokens = []

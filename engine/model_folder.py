@@ -1,0 +1,58 @@
+"""A model folder opened for inspection: config, tokenizer, graph and expert nodes; no sessions yet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import ModelFileError
+from engine.expert_node import ExpertNodeInfo, describe_expert_node
+from engine.genai_config import GenaiConfig, load_genai_config
+from engine.onnx_file import OnnxFile
+from engine.partition import Plan, plan_partition
+from engine.tokenizer import ModelTokenizer
+
+
+@dataclass
+class ModelFolder:
+    folder: Path
+    config: GenaiConfig
+    tokenizer: ModelTokenizer
+    onnx: OnnxFile
+    plan: Plan
+    experts: list[ExpertNodeInfo]
+
+    @classmethod
+    def open(cls, folder: str | Path) -> "ModelFolder":
+        folder = Path(folder).expanduser()
+        if not folder.is_dir():
+            raise ModelFileError(f"{folder}: not a folder (point at the folder holding genai_config.json and model.onnx)")
+        config = load_genai_config(folder)
+        tokenizer = ModelTokenizer(folder)
+        source = OnnxFile(folder / config.filename)
+        initializers = set(source.initializers)
+        try:
+            plan = plan_partition(source.proto.graph, initializers)
+        except ValueError as exc:
+            raise ModelFileError(f"{source.path}: {exc}") from None
+        experts = [describe_expert_node(step.node, step.layer, source) for step in plan.expert_steps]
+        if config.outputs.get("logits", "logits") not in {o.name for o in source.proto.graph.output}:
+            raise ModelFileError(f"{source.path}: the graph has no output named '{config.outputs.get('logits')}'")
+        return cls(folder, config, tokenizer, source, plan, experts)
+
+    @property
+    def logits_name(self) -> str:
+        return self.config.outputs.get("logits", "logits")
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(info.weight_bytes for info in self.experts)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of every initializer that onnxruntime loads (all but the expert weights)."""
+        expert_tensors = {t for info in self.experts for t in info.weight_inputs.values()}
+        return sum(self.onnx.nbytes(name) for name in self.onnx.initializers if name not in expert_tensors)
+
+    def unsupported(self) -> list[str]:
+        return [info.unsupported for info in self.experts if info.unsupported]

@@ -1,0 +1,133 @@
+"""model.onnx read without its weights, and its external data mapped, never copied.
+
+The graph proto is small; the weights stay in model.onnx.data. Expert weights are handed out as
+read-only memory-mapped views, so a model larger than RAM opens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from engine.errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class ExternalRef:
+    location: str
+    offset: int
+    length: int
+
+
+def _external_ref(tensor: onnx.TensorProto) -> ExternalRef | None:
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    fields = {entry.key: entry.value for entry in tensor.external_data}
+    return ExternalRef(fields.get("location", ""), int(fields.get("offset", 0)), int(fields.get("length", -1)))
+
+
+def _constant_to_initializer(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    """A Constant node holding a tensor, as an initializer of the same name (None for other forms)."""
+    for attr in node.attribute:
+        if attr.name == "value":
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(attr.t)
+        elif attr.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            value = onnx.helper.get_attribute_value(attr)
+            dtype = np.float32 if attr.name.startswith("value_float") else np.int64
+            tensor = numpy_helper.from_array(np.array(value, dtype=dtype))
+        else:
+            continue
+        tensor.name = node.output[0]
+        return tensor
+    return None
+
+
+class OnnxFile:
+    """The graph of model.onnx, its initializers by name, and mapped views of its external data."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.folder = self.path.parent
+        if not self.path.is_file():
+            raise ModelFileError(f"{self.path}: missing")
+        try:
+            self.proto = onnx.load(str(self.path), load_external_data=False)
+        except Exception as exc:  # protobuf's DecodeError and friends
+            raise ModelFileError(f"{self.path}: not a valid ONNX model ({type(exc).__name__}: {exc})") from None
+        if not self.proto.graph.node:
+            raise ModelFileError(f"{self.path}: the ONNX graph has no nodes (corrupt or empty model)")
+        self._fold_constants()
+        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.proto.graph.initializer}
+        self._maps: dict[str, np.memmap] = {}
+        self._check_external_data()
+
+    def _fold_constants(self) -> None:
+        """Turn Constant nodes into initializers so every partition can read them without a cut."""
+        graph = self.proto.graph
+        kept = []
+        for node in graph.node:
+            tensor = _constant_to_initializer(node) if node.op_type == "Constant" and node.domain in ("", "ai.onnx") else None
+            if tensor is None:
+                kept.append(node)
+            else:
+                graph.initializer.append(tensor)
+        del graph.node[:]
+        graph.node.extend(kept)
+
+    def _check_external_data(self) -> None:
+        sizes: dict[str, int] = {}
+        for tensor in self.initializers.values():
+            ref = _external_ref(tensor)
+            if ref is None:
+                continue
+            if not ref.location or Path(ref.location).is_absolute() or ".." in Path(ref.location).parts:
+                raise ModelFileError(
+                    f"{self.path}: initializer '{tensor.name}' points outside the model folder ('{ref.location}')")
+            data_path = self.folder / ref.location
+            if ref.location not in sizes:
+                if not data_path.is_file():
+                    raise ModelFileError(f"{data_path}: missing (external data of initializer '{tensor.name}')")
+                sizes[ref.location] = data_path.stat().st_size
+            expected = self.tensor_nbytes(tensor)
+            length = expected if ref.length < 0 else ref.length
+            if length != expected:
+                raise ModelFileError(
+                    f"{data_path}: initializer '{tensor.name}' has length {length} but its shape needs {expected} bytes")
+            if ref.offset + length > sizes[ref.location]:
+                raise ModelFileError(
+                    f"{data_path}: truncated: initializer '{tensor.name}' needs bytes {ref.offset}..{ref.offset + length} "
+                    f"but the file has {sizes[ref.location]}")
+
+    @staticmethod
+    def tensor_dtype(tensor: onnx.TensorProto) -> np.dtype:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
+
+    @classmethod
+    def tensor_nbytes(cls, tensor: onnx.TensorProto) -> int:
+        count = int(np.prod(tensor.dims, dtype=np.int64)) if len(tensor.dims) else 1
+        return count * cls.tensor_dtype(tensor).itemsize
+
+    def is_external(self, name: str) -> bool:
+        return _external_ref(self.initializers[name]) is not None
+
+    def nbytes(self, name: str) -> int:
+        return self.tensor_nbytes(self.initializers[name])
+
+    def array(self, name: str) -> np.ndarray:
+        """The initializer's values: a read-only memory-mapped view for external data (no copy)."""
+        tensor = self.initializers[name]
+        ref = _external_ref(tensor)
+        if ref is None:
+            return numpy_helper.to_array(tensor)
+        mapping = self._maps.get(ref.location)
+        if mapping is None:
+            mapping = np.memmap(self.folder / ref.location, dtype=np.uint8, mode="r")
+            self._maps[ref.location] = mapping
+        dtype = self.tensor_dtype(tensor)
+        view = mapping[ref.offset:ref.offset + self.tensor_nbytes(tensor)]
+        return np.ndarray(tuple(tensor.dims), dtype=dtype, buffer=view)

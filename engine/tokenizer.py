@@ -1,0 +1,125 @@
+"""The model's tokenizer (HF tokenizers, tokenizer.json) and chat template (sandboxed Jinja2)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from engine.errors import ModelFileError, PromptError
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    """A chat template rendered in a sandbox: a model folder is data, never code."""
+
+    def __init__(self, source: str, origin: str, special_tokens: dict[str, str | None]):
+        self.origin = origin
+        # The same environment transformers uses for chat templates, sandboxed.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = self._raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ModelFileError(f"{origin}: chat template does not parse ({exc})") from None
+        self._special = special_tokens
+
+    def _raise(self, message: str):
+        raise PromptError(f"{self.origin}: the chat template refused the conversation: {message}")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+        except jinja2.TemplateError as exc:
+            raise ModelFileError(f"{self.origin}: chat template failed to render ({exc})") from None
+
+
+class ModelTokenizer:
+    """Encodes prompts, decodes streamed tokens, and applies the chat template."""
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ModelFileError(f"{path}: missing")
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise ModelFileError(f"{path}: not a valid tokenizer ({str(exc).splitlines()[0]})") from None
+        config = self._read_config(folder / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template = self._load_template(folder, config)
+
+    @staticmethod
+    def _read_config(path: Path) -> dict:
+        if not path.is_file():
+            return {}
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise ModelFileError(f"{path}: expected a JSON object")
+        return config
+
+    def _load_template(self, folder: Path, config: dict) -> ChatTemplate | None:
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), special)
+        if isinstance(config.get("chat_template"), str):
+            return ChatTemplate(config["chat_template"], str(folder / "tokenizer_config.json"), special)
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str | None) -> int | None:
+        return None if text is None else self._tok.token_to_id(text)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise PromptError("this model has no chat template (tokenizer_config.json or chat_template.jinja); use --raw")
+        return self.chat_template.render(messages, add_generation_prompt)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text increments, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer: ModelTokenizer):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character is not complete yet
+        delta = text[len(self._emitted):] if text.startswith(self._emitted) else text
+        self._emitted = text
+        return delta
+
+    @property
+    def text(self) -> str:
+        return self._emitted

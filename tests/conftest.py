@@ -1,0 +1,52 @@
+"""Shared test set-up: fixture model folders, the offscreen Qt platform, the gpu marker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures" / "genai"
+FIXTURE_NAMES = ("gptoss", "lfm2moe", "qwen35moe")
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _have_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def fixture_folder(name: str) -> Path:
+    path = FIXTURES / name
+    if not path.is_dir():
+        pytest.skip(f"fixture model folder {path} is not present")
+    return path
+
+
+@pytest.fixture
+def copy_fixture(tmp_path):
+    """A writable copy of a fixture folder, for tests that damage it."""
+    def make(name: str) -> Path:
+        target = tmp_path / name
+        shutil.copytree(fixture_folder(name), target)
+        for file in target.iterdir():
+            file.chmod(0o644)
+        return target
+    return make

@@ -1,0 +1,38 @@
+"""Project rules that are checked, not hoped for."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+QT_MODULES = ("PySide6", "pyqtgraph", "shiboken6", "PyQt5", "PyQt6")
+
+
+def test_engine_and_kernels_never_import_qt():
+    offenders = []
+    for package in ("engine", "kernels"):
+        for path in (REPO / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in QT_MODULES]
+    assert offenders == []
+
+
+def test_engine_import_loads_no_qt_module():
+    code = ("import sys, engine.generation, engine.writer, kernels.reference; "
+            f"print([m for m in sys.modules if m.split('.')[0] in {QT_MODULES!r}])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_runtime_selection():
+    sys.path.insert(0, str(REPO / "packaging"))
+    from select_runtime import choose
+
+    assert choose(None) == "cpu"
+    assert choose(580) == "cuda13" and choose(550) == "cuda12"
+    assert choose(None, "cuda13") == "cuda13"

@@ -1,0 +1,102 @@
+"""Bad input: one line that names the file, node or value and what is wrong; non-zero exit; no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from tests.conftest import REPO, fixture_folder
+
+
+def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("moe-workbench: error:"), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_missing_external_data(copy_fixture):
+    folder = copy_fixture("gptoss")
+    (folder / "model.onnx.data").unlink()
+    assert_clean_error(run_cli("inspect", str(folder)), "model.onnx.data", "missing")
+
+
+def test_truncated_external_data(copy_fixture):
+    folder = copy_fixture("gptoss")
+    data = folder / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    assert_clean_error(run_cli("generate", str(folder), "--prompt", "hi"), "model.onnx.data", "truncated")
+
+
+def test_corrupt_model_onnx(copy_fixture):
+    folder = copy_fixture("gptoss")
+    raw = bytearray((folder / "model.onnx").read_bytes())
+    raw[10:400] = b"\xff" * 390
+    (folder / "model.onnx").write_bytes(bytes(raw))
+    assert_clean_error(run_cli("inspect", str(folder)), "model.onnx", "not a valid ONNX model")
+
+
+def test_malformed_genai_config(copy_fixture):
+    folder = copy_fixture("gptoss")
+    (folder / "genai_config.json").write_text('{"model": {"decoder": ')
+    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json", "not valid JSON")
+
+
+def test_genai_config_missing_key(copy_fixture):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    del config["model"]["context_length"]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json", "context_length")
+
+
+def test_malformed_tokenizer(copy_fixture):
+    folder = copy_fixture("gptoss")
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
+    assert_clean_error(run_cli("inspect", str(folder)), "tokenizer.json", "not a valid tokenizer")
+
+
+def test_unsupported_expert_layout(copy_fixture):
+    folder = copy_fixture("gptoss")
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == "QMoE")
+    node.attribute.append(onnx.helper.make_attribute("quant_type", "nvfp4"))
+    onnx.save(model, str(folder / "model.onnx"))
+    result = run_cli("generate", str(folder), "--prompt", "hi")
+    assert_clean_error(result, node.name, "nvfp4")
+    inspect = run_cli("inspect", str(folder))
+    assert inspect.returncode == 1 and "UNSUPPORTED" in inspect.stdout and "nvfp4" in inspect.stdout
+
+
+def test_empty_prompt():
+    assert_clean_error(run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "  "), "prompt is empty")
+
+
+def test_prompt_longer_than_context(copy_fixture):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 64
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    result = run_cli("generate", str(folder), "--raw", "--prompt", "many words " * 60)
+    assert_clean_error(result, "prompt has", "context is 64")
+
+
+def test_not_a_folder(tmp_path):
+    assert_clean_error(run_cli("inspect", str(tmp_path / "nowhere")), "nowhere", "not a folder")
+
+
+def test_bad_sampling_value():
+    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--top-p", "0")
+    assert_clean_error(result, "top_p")

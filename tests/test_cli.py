@@ -1,0 +1,57 @@
+"""The command line on real model folders."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import fixture_folder
+from tests.test_bad_input import run_cli
+
+
+def test_inspect_lists_every_expert_node():
+    result = run_cli("inspect", str(fixture_folder("qwen35moe")), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [n["layer"] for n in report["expert_nodes"]] == [0, 1, 2, 3]
+    node = report["expert_nodes"][0]
+    assert node["experts"] == 8 and node["top_k"] == 2 and node["supported"]
+    assert "int4" in node["layout"] and "32" in node["layout"]
+    # gate_up [8,256,64] u8 + scales [8,256,4] f32 + bias [8,256] f32 + down [8,128,64] + [8,128,4] + [8,128]
+    assert node["bytes"] == 8 * (256 * 64 + 256 * 4 * 4 + 256 * 4 + 128 * 64 + 128 * 4 * 4 + 128 * 4)
+    assert node["bytes_per_expert"] * 8 == node["bytes"]
+    assert report["dense_bytes"] > 0 and report["supported"]
+
+
+def test_inspect_text_has_verdict():
+    result = run_cli("inspect", str(fixture_folder("gptoss")))
+    assert result.returncode == 0
+    assert "runs: all 2 expert nodes are supported" in result.stdout
+
+
+def test_generate_json_greedy_is_deterministic_and_matches_max_tokens():
+    args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "12", "--json")
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    out = json.loads(first.stdout)
+    assert set(out) >= {"prompt_tokens", "tokens", "text", "timings"}
+    assert out["tokens"] == json.loads(second.stdout)["tokens"]
+    assert 1 <= len(out["tokens"]) <= 12
+    assert out["timings"]["load_s"] > 0 and out["timings"]["time_to_first_token_s"] > 0
+
+
+def test_generate_raw_skips_the_template():
+    raw = json.loads(run_cli("generate", str(fixture_folder("gptoss")), "--raw", "--prompt", "Hello",
+                             "--max-new-tokens", "2", "--json").stdout)
+    templated = json.loads(run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "Hello",
+                                   "--max-new-tokens", "2", "--json").stdout)
+    assert len(raw["prompt_tokens"]) < len(templated["prompt_tokens"])
+
+
+def test_chat_reads_more_turns_and_reuses_the_cache():
+    result = run_cli("generate", str(fixture_folder("lfm2moe")), "--chat", "--prompt", "Hi", "--max-new-tokens", "4",
+                     "--json", stdin="And then?\nOne more\n")
+    assert result.returncode == 0, result.stderr
+    turns = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(turns) == 3
+    # Later turns feed only the new tokens: the prompt of turn 2 is much shorter than the whole chat.
+    assert len(turns[1]["prompt_tokens"]) < len(turns[0]["prompt_tokens"]) + len(turns[0]["tokens"]) + 10

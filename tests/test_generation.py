@@ -1,0 +1,117 @@
+"""Generation on a real model: multi-turn cache reuse, stop conditions, cancellation, sampling."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from engine.errors import PromptError
+from engine.generation import Conversation, GenerationParams, LoadedModel, generate
+from engine.sampling import Sampler, SamplingParams
+from tests.conftest import fixture_folder
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LoadedModel.open(fixture_folder("qwen35moe"))
+
+
+def greedy(n: int, **kw) -> GenerationParams:
+    return GenerationParams(max_new_tokens=n, **kw)
+
+
+def test_second_turn_reuses_the_cache_and_equals_a_fresh_run(model):
+    chat = Conversation(model, system_prompt="Be brief.")
+    chat.send("Hello", greedy(6))
+    second = chat.send("Tell me more", greedy(6))
+    assert second.reused_cache_tokens > 0
+    # A fresh run over the whole conversation produces the same tokens.
+    fresh_ids = model.tokenizer.encode(model.tokenizer.render_chat(chat.messages[:-1]))
+    fresh = generate(model, model.new_state(), [], fresh_ids, greedy(6))
+    assert fresh.tokens == second.tokens
+    assert len(second.prompt_tokens) < len(fresh_ids)
+
+
+def test_cancel_between_tokens(model):
+    cancel = threading.Event()
+    seen = []
+
+    def on_text(token, _delta):
+        seen.append(token)
+        if len(seen) == 3:
+            cancel.set()
+
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("count"), greedy(50), on_text, cancel)
+    assert result.finish_reason == "cancelled"
+    assert len(result.tokens) == 3
+
+
+def test_stop_string_trims_the_text(model):
+    ids = model.tokenizer.encode("A story")
+    full = generate(model, model.new_state(), [], ids, greedy(24))
+    visible = full.text.strip()
+    assert len(visible) > 6, "the fixture must produce some text"
+    stop = visible[3:6]
+    stopped = generate(model, model.new_state(), [], ids, greedy(24, stop_strings=(stop,)))
+    assert stopped.finish_reason == "stop_string"
+    assert stop not in stopped.text and full.text.startswith(stopped.text)
+
+
+def test_stops_on_eos(copy_fixture):
+    folder = copy_fixture("gptoss")
+    first = generate(*_fresh(folder), greedy(1)).tokens[0]
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = first
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    result = generate(*_fresh(folder), greedy(10))
+    assert result.finish_reason == "eos" and result.tokens == [first]
+
+
+def _fresh(folder):
+    m = LoadedModel.open(folder)
+    return m, m.new_state(), [], m.tokenizer.encode("Hi")
+
+
+def test_length_and_timings(model):
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(5))
+    assert result.finish_reason in ("length", "eos")
+    t = result.timings
+    assert t.prompt_tokens == len(result.prompt_tokens) and t.generated_tokens == len(result.tokens)
+    assert 0 < t.prefill_s <= t.time_to_first_token_s <= t.total_s
+
+
+def test_empty_prompt_is_refused(model):
+    with pytest.raises(PromptError, match="empty"):
+        generate(model, model.new_state(), [], [], greedy(3))
+
+
+def test_seeded_sampling_is_reproducible(model):
+    params = GenerationParams(max_new_tokens=8, sampling=SamplingParams(do_sample=True, temperature=1.5, seed=7))
+    ids = model.tokenizer.encode("Hi")
+    a = generate(model, model.new_state(), [], ids, params)
+    b = generate(model, model.new_state(), [], ids, params)
+    assert a.tokens == b.tokens
+
+
+def test_sampler_distribution_follows_softmax():
+    logits = np.log(np.array([0.5, 0.3, 0.2, 1e-9]))
+    sampler = Sampler(SamplingParams(do_sample=True, temperature=1.0, seed=0))
+    draws = np.bincount([sampler(logits, []) for _ in range(20000)], minlength=4) / 20000
+    assert np.allclose(draws, [0.5, 0.3, 0.2, 0.0], atol=0.015)
+
+
+def test_sampler_top_p_and_top_k_cut_the_tail():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    top_p = Sampler(SamplingParams(do_sample=True, top_p=0.75, seed=1))
+    assert set(top_p(logits, []) for _ in range(2000)) == {0, 1}
+    top_k = Sampler(SamplingParams(do_sample=True, top_k=1, seed=1))
+    assert set(top_k(logits, []) for _ in range(200)) == {0}
+
+
+def test_repetition_penalty_demotes_seen_tokens():
+    logits = np.array([2.0, 1.9, -1.0])
+    assert Sampler(SamplingParams())(logits, [0]) == 0
+    assert Sampler(SamplingParams(repetition_penalty=1.2))(logits, [0]) == 1
