@@ -7,8 +7,10 @@ chunk, so a 20 GB model is written with a few MB of memory.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable
 
 import numpy as np
 import onnx
@@ -60,26 +62,56 @@ def total_bytes(plans: Iterable[TensorPlan]) -> int:
     return end
 
 
+class _BackgroundWriter:
+    """Writes chunks to f on one thread while the caller generates the next ones.
+
+    At most `depth` chunks wait in the queue, so memory stays at a few chunks."""
+
+    def __init__(self, f: BinaryIO, depth: int = 3):
+        self._f = f
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-writer")
+        self._pending: deque[Future] = deque()
+        self._depth = depth
+
+    def write(self, data) -> None:
+        while len(self._pending) >= self._depth:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._f.write, data))
+
+    def close(self) -> None:
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def write_tensors(f: BinaryIO, plans: Iterable[TensorPlan], location: str,
-                  on_bytes: Callable[[int], None] | None = None) -> Iterator[onnx.TensorProto]:
-    """Write each plan's bytes to f (opened at offset 0), yielding its external TensorProto."""
+                  on_bytes: Callable[[int], None] | None = None) -> list[onnx.TensorProto]:
+    """Write each plan's bytes to f (opened at offset 0); returns their external TensorProtos."""
     end = 0
     np_types: dict[int, np.dtype] = {}
-    for plan in plans:
-        offset = aligned(end, plan.nbytes)
-        if offset > end:
-            f.write(b"\0" * (offset - end))
-        want = np_types.setdefault(plan.elem_type, np.dtype(helper.tensor_dtype_to_np_dtype(plan.elem_type)))
-        written = 0
-        for chunk in plan.chunks():
-            chunk = np.ascontiguousarray(chunk)
-            if chunk.dtype != want:
-                raise TypeError(f"{plan.name}: chunk dtype {chunk.dtype} != {want}")
-            f.write(memoryview(chunk).cast("B"))
-            written += chunk.nbytes
-            if on_bytes is not None:
-                on_bytes(chunk.nbytes)
-        if written != plan.nbytes:
-            raise ValueError(f"{plan.name}: wrote {written} bytes, its shape {plan.dims} needs {plan.nbytes}")
-        end = offset + written
-        yield external_tensor(plan, location, offset)
+    tensors = []
+    writer = _BackgroundWriter(f)
+    try:
+        for plan in plans:
+            offset = aligned(end, plan.nbytes)
+            if offset > end:
+                writer.write(b"\0" * (offset - end))
+            want = np_types.setdefault(plan.elem_type, np.dtype(helper.tensor_dtype_to_np_dtype(plan.elem_type)))
+            written = 0
+            for chunk in plan.chunks():
+                chunk = np.ascontiguousarray(chunk)
+                if chunk.dtype != want:
+                    raise TypeError(f"{plan.name}: chunk dtype {chunk.dtype} != {want}")
+                writer.write(memoryview(chunk).cast("B"))   # the view keeps the chunk alive until written
+                written += chunk.nbytes
+                if on_bytes is not None:
+                    on_bytes(chunk.nbytes)
+            if written != plan.nbytes:
+                raise ValueError(f"{plan.name}: wrote {written} bytes, its shape {plan.dims} needs {plan.nbytes}")
+            end = offset + written
+            tensors.append(external_tensor(plan, location, offset))
+    finally:
+        writer.close()
+    return tensors

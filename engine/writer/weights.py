@@ -61,9 +61,11 @@ def onnx_type(dtype: str) -> int:
 
 
 def _signed_magnitudes(rng: np.random.Generator, shape, base: float) -> np.ndarray:
-    mag = rng.uniform(0.5, 1.5, size=shape) * base
-    sign = rng.integers(0, 2, size=shape, dtype=np.int8) * 2 - 1
-    return mag * sign
+    """float32 values of random sign and magnitude uniform in [0.5, 1.5) * base."""
+    u = rng.random(shape, dtype=np.float32) * 2.0 - 1.0          # sign and magnitude from one draw
+    u += np.copysign(np.float32(0.5), u)
+    u *= np.float32(base)
+    return u
 
 
 def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -89,14 +91,27 @@ def _bands(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
 
 # ---- dense tensors ------------------------------------------------------------------------------
 
+def centred(rng: np.random.Generator, shape, std: float, mean: float = 0.0) -> np.ndarray:
+    """float32 noise with the given mean and std: 256 evenly spaced levels (uniform, symmetric).
+
+    Made from random bytes, several times faster than standard_normal, which matters for a
+    200k x 3k embedding."""
+    x = np.frombuffer(rng.bytes(math.prod(shape)), np.int8).astype(np.float32).reshape(shape)
+    x += np.float32(0.5)                                   # levels -127.5 .. 127.5, mean 0
+    x *= np.float32(std / 73.9002)                         # rms of those levels = 73.9002
+    if mean:
+        x += np.float32(mean)
+    return x
+
+
 def normal(name: str, shape: tuple[int, ...], seed: int, dtype: str, std: float, mean: float = 0.0) -> TensorPlan:
+    """A dense float tensor of zero-mean noise (plus mean), generated in bands of rows."""
     rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, shape[0])
     npd = np_dtype(dtype)
 
     def chunks():
         for a, b in _bands(rows, cols * npd.itemsize):
-            rng = rng_for(seed, name, a)
-            yield (mean + std * rng.standard_normal((b - a, cols))).astype(npd)
+            yield centred(rng_for(seed, name, a), (b - a, cols), std, mean).astype(npd, copy=False)
 
     return TensorPlan(name, onnx_type(dtype), tuple(shape), chunks)
 
@@ -136,7 +151,7 @@ def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, 
         for a, b in _bands(n, blocks * 4):
             s = _signed_magnitudes(rng_for(seed, sname, a), (b - a, blocks), base)
             if row_gain is not None:
-                s *= np.asarray(row_gain, np.float64)[a:b, None]
+                s *= np.asarray(row_gain, np.float32)[a:b, None]
             yield s.astype(npd)
 
     plans = [TensorPlan(qname, onnx.TensorProto.UINT8, (n, blocks, blob), qchunks),
@@ -172,7 +187,7 @@ def expert_projection(prefix: str, experts: int, n: int, k: int, bits: int, bloc
                                 lambda rng: _signed_magnitudes(rng, scale_shape, base).astype(npd))
     if bias:
         out["bias"] = _per_expert(f"{prefix}.bias", onnx_type(dtype), (experts, n), seed,
-                                  lambda rng: (0.1 * rng.standard_normal(n)).astype(npd))
+                                  lambda rng: centred(rng, (n,), 0.1).astype(npd))
     if zero_points:
         if block:
             zp_codes = (n, k // block)

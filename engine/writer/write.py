@@ -54,7 +54,7 @@ def write_model(folder: str | Path, spec: WriterSpec,
     tmp = folder / (DATA_NAME + ".partial")
     try:
         with open(tmp, "wb") as f:
-            initializers = list(write_tensors(f, plan.tensors, DATA_NAME, on_bytes))
+            initializers = write_tensors(f, plan.tensors, DATA_NAME, on_bytes)
         os.replace(tmp, folder / DATA_NAME)
     finally:
         if tmp.exists():
