@@ -5,10 +5,10 @@ depend only on the spec and the seed, never on how they are streamed, and any ex
 regenerated alone.
 
 Magnitudes keep activations O(1) through any number of layers: a quantised matrix gets scales of
-size gain / (rms(q - zero_point) * sqrt(K)), so y = W x has rms ~ gain * rms(x). Scale signs are
-random (per block, or per row without blocks) and the embedding is zero-mean: with positive scales
-the codes' -0.5 mean gives every matrix a common direction and routing collapses onto a few
-experts (anchors.md).
+size gain / (rms(q - zero_point) * sqrt(K)), so y = W x has rms ~ gain * rms(x). Routing must
+spread over all experts, as a random model's does (anchors.md: with all-positive scales it collapsed
+onto a few): scale signs are random (per block, or per row without blocks), codes are centred on the
+zero point, and the embedding and all noise are zero-mean, so no matrix has a mean direction.
 """
 
 from __future__ import annotations
