@@ -1,0 +1,4 @@
+"""CPU (Numba) kernels for com.microsoft QMoE / MoE nodes."""
+from .qmoe import CpuQMoE
+
+__all__ = ["CpuQMoE"]

@@ -1,0 +1,185 @@
+"""Numba kernels of the CPU QMoE path (compiled once per machine: cache=True).
+
+Weights stay in their stored int4/int8 layout; ``gemv_q`` reads the packed bytes once per output row
+(decode), ``dequant_rows`` expands an expert's rows into a float32 matrix for BLAS (prefill).
+Distinct specialisations are kept few: weights / scales / zero points are always passed as
+read-only C-contiguous arrays, scales either float32 or uint16 (fp16 / bf16 bits).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .simd import dqrow_int4_16, dqrow_int4_8, dqrow_int8_16, load_scale, qrow_int4_16, qrow_int4_8, qrow_int8_16
+
+__all__ = ["gemv_q", "dequant_rows", "activate", "ROWS_PER_TASK",
+           "ACT_RELU", "ACT_GELU", "ACT_SILU", "ACT_IDENTITY", "ACT_SWIGLU"]
+
+ACT_RELU, ACT_GELU, ACT_SILU, ACT_IDENTITY, ACT_SWIGLU = 0, 1, 2, 3, 4
+ROWS_PER_TASK = 16
+
+
+@njit(inline="always")
+def _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef):
+    """Zero points of row n of expert e as float32 into zbuf[0:nb]."""
+    if zmode == 0:
+        for b in range(nb):
+            zbuf[b] = zdef
+    elif zmode == 1:  # per row, packed along N
+        if bits == 4:
+            byte = zp[e, n >> 1]
+            zbuf[0] = np.float32((byte >> ((n & 1) * 4)) & 15)
+        else:
+            zbuf[0] = np.float32(zp[e, n])
+    else:  # per block, packed along the block axis
+        base = n * zrb
+        if bits == 4:
+            for b in range(nb):
+                byte = zp[e, base + (b >> 1)]
+                zbuf[b] = np.float32((byte >> ((b & 1) * 4)) & 15)
+        else:
+            for b in range(nb):
+                zbuf[b] = np.float32(zp[e, base + b])
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
+           xa, xb, experts, pair_off, src_row, dst_row, coef, bias, has_bias, out):
+    """out[dst_row[p], n] += coef[p] * (W_e[n, :] . x[src_row[p]] + bias[e, n]) for the pairs p of expert e.
+
+    w [E, N, Kb] uint8; sc [E, N, nb]; zp [E, Zb] uint8 (zmode 0 none, 1 per row, 2 per block);
+    xa / xb [R, Kb] float32 (int4: even / odd k, int8: xa = xb = x); experts [U]; pair_off [U + 1].
+    Parallel over output rows; each row's packed bytes are read once for all of its expert's pairs.
+    """
+    E, N, Kb = w.shape
+    U = experts.shape[0]
+    ntask = (N + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    zdef = np.float32(1 << (bits - 1))
+    zrb = (nb * bits + 7) // 8
+    full = nchunk * chunk
+    for task in prange(ntask):
+        zbuf = np.empty(nb, np.float32)
+        n0 = task * ROWS_PER_TASK
+        n1 = min(N, n0 + ROWS_PER_TASK)
+        for u in range(U):
+            e = experts[u]
+            p0 = pair_off[u]
+            p1 = pair_off[u + 1]
+            if p1 <= p0:
+                continue
+            for n in range(n0, n1):
+                _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef)
+                woff = (e * N + n) * Kb
+                soff = (e * N + n) * nb
+                bval = bias[e, n] if has_bias else np.float32(0.0)
+                for p in range(p0, p1):
+                    r = src_row[p]
+                    xoff = r * Kb
+                    if bits == 4:
+                        if chunk == 16:
+                            acc = qrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff)
+                        else:
+                            acc = qrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff)
+                    else:
+                        acc = qrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff)
+                    if full < Kb:  # ragged tail (per-row quantisation only): one scale, one zero point
+                        s = load_scale(sc, soff + nb - 1, skind)
+                        z = zbuf[nb - 1]
+                        t = np.float32(0.0)
+                        for j in range(full, Kb):
+                            q = w[e, n, j]
+                            if bits == 4:
+                                t += (np.float32(q & 15) - z) * xa[r, j] + (np.float32(q >> 4) - z) * xb[r, j]
+                            else:
+                                t += (np.float32(q) - z) * xa[r, j]
+                        acc += s * t
+                    out[dst_row[p], n] += coef[p] * (acc + bval)
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0, n1, out):
+    """out[n - n0, :] = dequantised row n of expert e (k in the per-chunk permuted order), n0 <= n < n1."""
+    E, N, Kb = w.shape
+    K = out.shape[1]
+    zdef = np.float32(1 << (bits - 1))
+    zrb = (nb * bits + 7) // 8
+    full = nchunk * chunk
+    vals = chunk * (2 if bits == 4 else 1)
+    nrows = n1 - n0
+    ntask = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(ntask):
+        zbuf = np.empty(nb, np.float32)
+        r0 = task * ROWS_PER_TASK
+        r1 = min(nrows, r0 + ROWS_PER_TASK)
+        for rr in range(r0, r1):
+            n = n0 + rr
+            _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef)
+            woff = (e * N + n) * Kb
+            soff = (e * N + n) * nb
+            ooff = rr * K
+            if bits == 4:
+                if chunk == 16:
+                    dqrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
+                else:
+                    dqrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
+            else:
+                dqrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
+            if full < Kb:
+                s = load_scale(sc, soff + nb - 1, skind)
+                z = zbuf[nb - 1]
+                k0 = nchunk * vals
+                for j in range(full, Kb):
+                    q = w[e, n, j]
+                    if bits == 4:
+                        kk = k0 + 2 * (j - full)
+                        out[rr, kk] = (np.float32(q & 15) - z) * s
+                        out[rr, kk + 1] = (np.float32(q >> 4) - z) * s
+                    else:
+                        out[rr, k0 + j - full] = (np.float32(q) - z) * s
+
+
+@njit(fastmath=True, inline="always")
+def _act(kind, g):
+    if kind == ACT_RELU:
+        return max(g, np.float32(0.0))
+    if kind == ACT_GELU:
+        c = np.float32(0.7978845608028654)  # sqrt(2/pi)
+        return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))
+    if kind == ACT_SILU:
+        return g / (np.float32(1.0) + np.exp(-g))
+    return g
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def activate(h1, h3, has_h3, kind, fusion, alpha, beta, limit, has_limit, out):
+    """out [P, I] = activation of FC1 output h1 [P, fusion * I] (and FC3 output h3 [P, I] when has_h3).
+
+    swiglu: fusion 1 interleaved rows (g0, u0, g1, u1, ...), 2 concatenated [g | u], 0 gate = h1, up = h3.
+    Other activations: act(h1), multiplied by h3 when has_h3 (gated FFN).
+    """
+    P, I = out.shape
+    a = np.float32(alpha)
+    bt = np.float32(beta)
+    lim = np.float32(limit)
+    for p in prange(P):
+        if kind == ACT_SWIGLU:
+            for i in range(I):
+                if fusion == 1:
+                    g = h1[p, 2 * i]
+                    l = h1[p, 2 * i + 1]
+                elif fusion == 2:
+                    g = h1[p, i]
+                    l = h1[p, I + i]
+                else:
+                    g = h1[p, i]
+                    l = h3[p, i]
+                if has_limit:
+                    g = min(g, lim)
+                    l = max(min(l, lim), -lim)
+                out[p, i] = g / (np.float32(1.0) + np.exp(-a * g)) * (l + bt)
+        else:
+            for i in range(I):
+                v = _act(kind, h1[p, i])
+                if has_h3:
+                    v *= h3[p, i]
+                out[p, i] = v

@@ -1,0 +1,263 @@
+"""CPU execution of one com.microsoft QMoE (int4 / int8 raw layout) or float MoE node.
+
+Decode (few tokens): per selected expert a fused dequant-GEMV over output rows (``gemv_q``) that
+reads the packed bytes once. Prefill (many tokens): tokens grouped by expert; per expert the
+weights are dequantised into a float32 matrix (``dequant_rows``) and multiplied with NumPy's BLAS.
+Routing (``kernels.cpu.routing``) is kept separate from expert execution (``run_experts``).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ..qmoe_spec import QMoESpec, UnsupportedLayout
+from . import kernels as _k
+from .routing import route
+
+__all__ = ["CpuQMoE", "k_permutation"]
+
+_ACT_CODES = {"relu": _k.ACT_RELU, "gelu": _k.ACT_GELU, "silu": _k.ACT_SILU, "identity": _k.ACT_IDENTITY,
+              "swiglu": _k.ACT_SWIGLU}
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only C-contiguous view (copies only a non-contiguous input)."""
+    a = np.ascontiguousarray(a)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _is_bf16(dt) -> bool:
+    return np.dtype(dt).name == "bfloat16"
+
+
+def k_permutation(K: int, bits: int, chunk: int) -> np.ndarray | None:
+    """Order of k in a row written by ``dequant_rows`` (None = natural order).
+
+    int4: within each whole chunk of ``chunk`` bytes, first the even k (low nibbles), then the odd k.
+    """
+    if bits != 4:
+        return None
+    nchunk = (K // 2) // chunk
+    perm = np.arange(K, dtype=np.int64)
+    if nchunk:
+        c = np.arange(nchunk)[:, None] * (2 * chunk)
+        t = np.arange(chunk)[None, :]
+        perm[: nchunk * 2 * chunk] = np.concatenate([c + 2 * t, c + 2 * t + 1], axis=1).reshape(-1)
+    return perm
+
+
+class _Proj:
+    """One prepared projection (fc1 / fc2 / fc3): views of the stored tensors plus layout constants."""
+
+    def __init__(self, spec: QMoESpec, tensors: dict, name: str, n: int, k: int, bits: int):
+        self.name, self.N, self.K, self.bits = name, n, k, bits
+        E = spec.num_experts
+        w = tensors[f"{name}_experts_weights"]
+        b = tensors.get(f"{name}_experts_bias")
+        self.has_bias = b is not None
+        self.bias = (np.ascontiguousarray(b, dtype=np.float32).reshape(E, n) if b is not None
+                     else np.zeros((1, 1), np.float32))
+        self.quantized = spec.is_quantized
+        if not self.quantized:
+            self.w = np.asarray(w)  # [E, N, K] float, used through BLAS
+            return
+        self.w = _readonly(np.asarray(w, dtype=np.uint8))
+        Kb = self.w.shape[2]
+        bs = spec.block_size
+        self.nb = k // bs if bs else 1
+        s = np.asarray(tensors[f"{name}_scales"])
+        if s.dtype == np.float32:
+            self.skind = 0
+        elif s.dtype == np.float16:
+            s, self.skind = s.view(np.uint16), 1
+        elif _is_bf16(s.dtype) or s.dtype == np.uint16:
+            s, self.skind = s.view(np.uint16), 2
+        else:
+            s, self.skind = s.astype(np.float32), 0
+        self.sc = _readonly(s.reshape(E, n, self.nb))
+        zp = tensors.get(f"{name}_zero_points")
+        if zp is None:
+            self.zmode, self.zp = 0, _readonly(np.zeros((1, 1), np.uint8))
+        else:
+            zp = np.asarray(zp, dtype=np.uint8)
+            self.zmode = 2 if bs else 1
+            self.zp = _readonly(zp.reshape(E, -1))
+        block_bytes = (bs if bs else k) * bits // 8
+        if bs:
+            self.chunk = 8 if block_bytes < 16 else 16
+            self.cshift = int(np.log2(block_bytes // self.chunk))
+        else:
+            self.chunk, self.cshift = 16, 62
+        self.nchunk = Kb // self.chunk
+        self.perm = k_permutation(k, bits, self.chunk)
+
+    # -- decode: fused dequant-GEMV
+    def gemv(self, xa, xb, experts, pair_off, src_row, dst_row, coef, out):
+        _k.gemv_q(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk, self.cshift,
+                  self.nchunk, xa, xb, experts, pair_off, src_row, dst_row, coef, self.bias, self.has_bias, out)
+
+    def split_x(self, x: np.ndarray):
+        """Activation layout the GEMV kernel reads: int4 -> (even k, odd k), int8 -> (x, x)."""
+        if self.bits == 4:
+            return np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
+        x = np.ascontiguousarray(x)
+        return x, x
+
+    # -- prefill: dequantise into a float32 matrix (k permuted, see k_permutation) for BLAS
+    def dense(self, e: int, buf: np.ndarray) -> np.ndarray:
+        if not self.quantized:
+            w = self.w[e]
+            return w if w.dtype == np.float32 else w.astype(np.float32)
+        out = buf[: self.N * self.K].reshape(self.N, self.K)
+        _k.dequant_rows(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk,
+                        self.cshift, self.nchunk, e, 0, self.N, out)
+        return out
+
+    def permute(self, x: np.ndarray) -> np.ndarray:
+        if not self.quantized or self.perm is None:
+            return x
+        return x[:, self.perm]
+
+
+class CpuQMoE:
+    """Executes one QMoE / MoE node on the CPU.
+
+    ``tensors``: QMoE input name -> array (or None when absent); may be read-only np.memmap views of a
+    weight file: they are used in place (no copy of the weight set; only biases are converted to
+    float32). Per-expert weights are touched only when that expert runs.
+    """
+
+    decode_max_tokens = 8  # at most this many tokens: every expert through the fused GEMV
+    gemv_max_rows = 2  # prefill: experts with at most this many tokens still use the GEMV
+
+    def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
+        self.spec = spec
+        self.num_threads = num_threads
+        H, I = spec.hidden_size, spec.inter_size
+        t = {k: v for k, v in tensors.items() if v is not None}
+        for need in ("fc1_experts_weights", "fc2_experts_weights"):
+            if need not in t:
+                raise UnsupportedLayout(f"node '{spec.node_name}': input '{need}' is missing")
+        if spec.activation == "swiglu" and spec.swiglu_fusion == 0 or spec.has_fc3:
+            if "fc3_experts_weights" not in t:
+                raise UnsupportedLayout(f"node '{spec.node_name}': input 'fc3_experts_weights' is missing")
+        self.fc1 = _Proj(spec, t, "fc1", spec.fc1_rows, H, spec.fc1_bits)
+        self.fc2 = _Proj(spec, t, "fc2", H, I, spec.fc2_bits)
+        self.fc3 = _Proj(spec, t, "fc3", I, H, spec.fc3_bits or spec.fc1_bits) if spec.has_fc3 else None
+        self.act_kind = _ACT_CODES[spec.activation]
+        self.has_limit = spec.swiglu_limit is not None
+        self.limit = float(spec.swiglu_limit) if self.has_limit else 0.0
+        self._buf = None  # dequantisation scratch for the prefill path (allocated on first use)
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
+        """Same contract as kernels.reference.qmoe_reference: x [T, H] or [B, S, H] -> same shape and dtype."""
+        x = np.asarray(x)
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.spec.hidden_size)
+        ids, w = route(router_logits, self.spec, router_weights)
+        out = np.zeros((x2.shape[0], self.spec.hidden_size), np.float32)
+        self.run_experts(x2, ids, w, out=out)
+        return out.astype(dtype, copy=False).reshape(shape)
+
+    def run_experts(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray,
+                    out: np.ndarray | None = None) -> np.ndarray:
+        """out[t] += sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x2d[t]); expert id -1 = skipped.
+
+        Without ``out`` a new array in x2d's dtype is returned (accumulated in float32). With ``out``
+        (float32 [T, H], C-contiguous) the contributions are added to it in place and it is returned:
+        the offload engine can then run subsets of experts into one accumulator.
+        """
+        if self.num_threads:
+            numba.set_num_threads(max(1, min(int(self.num_threads), numba.config.NUMBA_NUM_THREADS)))
+        x2d = np.asarray(x2d)
+        H = self.spec.hidden_size
+        T = x2d.shape[0]
+        ret_dtype = x2d.dtype
+        acc = out if out is not None else np.zeros((T, H), np.float32)
+        if T == 0:
+            return acc if out is not None else acc.astype(ret_dtype)
+        x = np.ascontiguousarray(x2d, dtype=np.float32).reshape(T, H)
+        ids = np.asarray(expert_ids).reshape(T, -1).astype(np.int64)
+        wts = np.asarray(weights, dtype=np.float32).reshape(T, -1)
+        valid = ids >= 0
+        if np.any(ids >= self.spec.num_experts):
+            raise ValueError(f"expert id out of range (num_experts={self.spec.num_experts})")
+        tok = np.nonzero(valid)[0].astype(np.int64)
+        eid = ids[valid]
+        pw = wts[valid]
+        if eid.size:
+            order = np.argsort(eid, kind="stable")
+            tok, eid, pw = tok[order], eid[order], pw[order]
+            experts, starts, counts = np.unique(eid, return_index=True, return_counts=True)
+            if T <= self.decode_max_tokens or not self.spec.is_quantized:
+                small = np.ones(experts.size, bool) if self.spec.is_quantized else np.zeros(experts.size, bool)
+            else:
+                small = counts <= self.gemv_max_rows
+            if np.any(small):
+                sel = np.concatenate([np.arange(s, s + c) for s, c in zip(starts[small], counts[small])])
+                self._run_gemv(x, experts[small], counts[small], tok[sel], pw[sel], acc)
+            for e, s, c in zip(experts[~small], starts[~small], counts[~small]):
+                self._run_dense(x, int(e), tok[s:s + c], pw[s:s + c], acc)
+        if out is not None:
+            return acc
+        return acc.astype(ret_dtype, copy=False)
+
+    # ------------------------------------------------------------------ paths
+    def _activate(self, h1, h3):
+        P = h1.shape[0]
+        a = np.empty((P, self.spec.inter_size), np.float32)
+        _k.activate(h1, h3 if h3 is not None else h1, h3 is not None, self.act_kind, self.spec.swiglu_fusion,
+                    self.spec.alpha, self.spec.beta, self.limit, self.has_limit, a)
+        return a
+
+    def _run_gemv(self, x, experts, counts, tok, pw, acc):
+        """Fused dequant-GEMV over all (token, expert) pairs, grouped by expert."""
+        P = tok.size
+        experts = experts.astype(np.int64)
+        pair_off = np.zeros(experts.size + 1, np.int64)
+        np.cumsum(counts, out=pair_off[1:])
+        ar = np.arange(P, dtype=np.int64)
+        ones = np.ones(P, np.float32)
+        xa, xb = self.fc1.split_x(x)
+        h1 = np.zeros((P, self.fc1.N), np.float32)
+        self.fc1.gemv(xa, xb, experts, pair_off, tok, ar, ones, h1)
+        h3 = None
+        if self.fc3 is not None:
+            xa3, xb3 = (xa, xb) if self.fc3.bits == self.fc1.bits else self.fc3.split_x(x)
+            h3 = np.zeros((P, self.fc3.N), np.float32)
+            self.fc3.gemv(xa3, xb3, experts, pair_off, tok, ar, ones, h3)
+        a = self._activate(h1, h3)
+        aa, ab = self.fc2.split_x(a)
+        self.fc2.gemv(aa, ab, experts, pair_off, ar, tok, pw.astype(np.float32), acc)
+
+    def _scratch(self, n):
+        if self._buf is None or self._buf.size < n:
+            sizes = [p.N * p.K for p in (self.fc1, self.fc2, self.fc3) if p is not None]
+            self._buf = np.empty(max(sizes + [n]), np.float32)
+        return self._buf
+
+    def _run_dense(self, x, e, tok, pw, acc):
+        """One expert over a group of tokens: dequantise, BLAS, activation, weighted scatter-add."""
+        xg = x[tok]
+        buf = self._scratch(0)
+        w1 = self.fc1.dense(e, buf)
+        h1 = self.fc1.permute(xg) @ w1.T
+        if self.fc1.has_bias:
+            h1 += self.fc1.bias[e]
+        h3 = None
+        if self.fc3 is not None:
+            w3 = self.fc3.dense(e, buf)
+            h3 = self.fc3.permute(xg) @ w3.T
+            if self.fc3.has_bias:
+                h3 += self.fc3.bias[e]
+        a = self._activate(np.ascontiguousarray(h1, dtype=np.float32),
+                           None if h3 is None else np.ascontiguousarray(h3, dtype=np.float32))
+        w2 = self.fc2.dense(e, buf)
+        y = self.fc2.permute(a) @ w2.T
+        if self.fc2.has_bias:
+            y += self.fc2.bias[e]
+        acc[tok] += pw[:, None] * y

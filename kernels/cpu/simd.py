@@ -1,0 +1,220 @@
+"""Hand-written SIMD inner loops (LLVM IR through numba intrinsics) for the quantised GEMV.
+
+Numba promotes small integer arithmetic to 64 bits, which makes LLVM unpack int4/int8 weights
+eight lanes at a time; the loop over one quantisation block is also too short for the loop
+vectoriser. These intrinsics spell the row dot product out with explicit vector types instead:
+per chunk of 16 (or 8) packed bytes: zero-extend, split nibbles, convert to float, subtract the
+zero point, multiply with the activations, scale, and accumulate in two vector accumulators.
+
+``qrow_int4_16``, ``qrow_int4_8``, ``qrow_int8_16``: float32 dot product of one quantised weight
+row with one activation row::
+
+    qrow(w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff) -> float32
+
+    w      uint8 array (any shape, C-contiguous); woff: byte offset of the row's first chunk
+    nchunk number of whole chunks to process
+    cshift block index of chunk i = i >> cshift (chunks per block = 2**cshift)
+    sc     scales (float32 array, or uint16 array holding fp16 / bf16 bits); soff: element offset
+           of the row's first scale; skind: 0 float32, 1 fp16 bits, 2 bf16 bits
+    zf     float32 array of zero points; zoff: element offset of the row's first block's zero point
+    xa, xb float32 activations; int4: xa = even k, xb = odd k (deinterleaved, indexed by byte);
+           int8: xa = x (xb ignored); xoff: element offset of the row start in xa / xb
+Result: sum over chunks of scale[b] * sum_j (q_j - z_b) * x_j.
+
+``dqrow_*``: dequantise the same chunks of one row into a float32 array (prefill path)::
+
+    dqrow(w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff) -> None
+
+Chunk i is written to out[ooff + i*V : ooff + (i+1)*V] (V values per chunk). For int4 the chunk's
+low nibbles (even k) come first, then its high nibbles (odd k): a per-chunk permutation of k that
+the caller applies to the activations as well (see ``kernels.cpu.qmoe.k_permutation``).
+
+``load_scale(sc, idx, skind)``: one scale as float32 (float32 array or fp16/bf16 bits in uint16).
+"""
+from __future__ import annotations
+
+import llvmlite.ir as ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["qrow_int4_16", "qrow_int4_8", "qrow_int8_16", "dqrow_int4_16", "dqrow_int4_8", "dqrow_int8_16",
+           "load_scale"]
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_I16 = ir.IntType(16)
+_I8 = ir.IntType(8)
+_I64 = ir.IntType(64)
+_FAST = ("fast",)
+
+
+def _fast(instr):
+    instr.flags.extend(_FAST)
+    return instr
+
+
+def _splat(builder, value, n):
+    vt = ir.VectorType(value.type, n)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def _hsum(builder, v, n):
+    """Horizontal sum of a <n x float> vector by halving shuffles."""
+    while n > 1:
+        h = n // 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
+        v = _fast(builder.fadd(lo, hi))
+        n = h
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _load_scale(builder, sc_ptr, idx, sc_is_f32, skind):
+    p = builder.gep(sc_ptr, [idx])
+    if sc_is_f32:
+        return builder.load(p)
+    raw = builder.load(p)  # i16
+    as_half = builder.fpext(builder.bitcast(raw, ir.HalfType()), _F32)
+    as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, _I32), ir.Constant(_I32, 16)), _F32)
+    is_bf = builder.icmp_signed("==", skind, ir.Constant(skind.type, 2))
+    return builder.select(is_bf, as_bf16, as_half)
+
+
+def _make_qrow(bits: int, chunk: int):
+    nvals = chunk  # lanes per float vector (int4: two vectors lo/hi of `chunk` lanes each)
+
+    def codegen(context, builder, sig, args):
+        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff) = args
+        (w_t, _, _, _, sc_t, _, _, zf_t, _, xa_t, xb_t, _) = sig.args
+        w_ptr = context.make_array(w_t)(context, builder, value=w).data
+        sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
+        zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+        xa_ptr = context.make_array(xa_t)(context, builder, value=xa).data
+        xb_ptr = context.make_array(xb_t)(context, builder, value=xb).data
+        sc_is_f32 = sc_t.dtype == types.float32
+
+        wvec_t = ir.VectorType(_I8, chunk)
+        fvec_t = ir.VectorType(_F32, nvals)
+        ivec_t = ir.VectorType(_I32, nvals)
+        zero_v = ir.Constant(fvec_t, [0.0] * nvals)
+        acc0 = cgutils.alloca_once_value(builder, zero_v)
+        acc1 = cgutils.alloca_once_value(builder, zero_v)
+
+        def one_chunk(i, acc_slot):
+            # weights
+            wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, chunk)))])
+            wv = builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1)
+            wi = builder.zext(wv, ivec_t)
+            b = builder.ashr(i, cshift)
+            s = _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind)
+            z = builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)]))
+            zv = _splat(builder, z, nvals)
+            xo = builder.add(xoff, builder.mul(i, ir.Constant(_I64, nvals)))
+            xav = builder.load(builder.bitcast(builder.gep(xa_ptr, [xo]), fvec_t.as_pointer()), align=4)
+            if bits == 4:
+                lo = builder.sitofp(builder.and_(wi, ir.Constant(ivec_t, [15] * nvals)), fvec_t)
+                hi = builder.sitofp(builder.lshr(wi, ir.Constant(ivec_t, [4] * nvals)), fvec_t)
+                xbv = builder.load(builder.bitcast(builder.gep(xb_ptr, [xo]), fvec_t.as_pointer()), align=4)
+                t = _fast(builder.fadd(_fast(builder.fmul(_fast(builder.fsub(lo, zv)), xav)),
+                                       _fast(builder.fmul(_fast(builder.fsub(hi, zv)), xbv))))
+            else:
+                q = builder.sitofp(wi, fvec_t)
+                t = _fast(builder.fmul(_fast(builder.fsub(q, zv)), xav))
+            sv = _splat(builder, s, nvals)
+            acc = builder.load(acc_slot)
+            builder.store(_fast(builder.fadd(acc, _fast(builder.fmul(sv, t)))), acc_slot)
+
+        half = builder.ashr(nchunk, ir.Constant(_I64, 1))
+        with cgutils.for_range(builder, half) as loop:
+            i0 = builder.shl(loop.index, ir.Constant(_I64, 1))
+            one_chunk(i0, acc0)
+            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), acc1)
+        odd = builder.icmp_signed("!=", builder.and_(nchunk, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
+        with builder.if_then(odd):
+            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), acc0)
+        total = _fast(builder.fadd(builder.load(acc0), builder.load(acc1)))
+        return _hsum(builder, total, nvals)
+
+    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                            zf, types.int64, xa, xb, types.int64)
+        return sig, codegen
+
+    qrow.__name__ = f"qrow_int{bits}_{chunk}"
+    return intrinsic(qrow)
+
+
+qrow_int4_16 = _make_qrow(4, 16)
+qrow_int4_8 = _make_qrow(4, 8)
+qrow_int8_16 = _make_qrow(8, 16)
+
+
+def _make_dqrow(bits: int, chunk: int):
+    nvals = chunk
+
+    def codegen(context, builder, sig, args):
+        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff) = args
+        (w_t, _, _, _, sc_t, _, _, zf_t, _, out_t, _) = sig.args
+        w_ptr = context.make_array(w_t)(context, builder, value=w).data
+        sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
+        zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+        o_ptr = context.make_array(out_t)(context, builder, value=out).data
+        sc_is_f32 = sc_t.dtype == types.float32
+        wvec_t = ir.VectorType(_I8, chunk)
+        fvec_t = ir.VectorType(_F32, nvals)
+        ivec_t = ir.VectorType(_I32, nvals)
+        per_chunk = nvals * (2 if bits == 4 else 1)
+        with cgutils.for_range(builder, nchunk) as loop:
+            i = loop.index
+            wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, chunk)))])
+            wi = builder.zext(builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1), ivec_t)
+            b = builder.ashr(i, cshift)
+            s = _splat(builder, _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind), nvals)
+            zv = _splat(builder, builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)])), nvals)
+            base = builder.add(ooff, builder.mul(i, ir.Constant(_I64, per_chunk)))
+            if bits == 4:
+                lo = builder.sitofp(builder.and_(wi, ir.Constant(ivec_t, [15] * nvals)), fvec_t)
+                hi = builder.sitofp(builder.lshr(wi, ir.Constant(ivec_t, [4] * nvals)), fvec_t)
+                vals = [(lo, 0), (hi, nvals)]
+            else:
+                vals = [(builder.sitofp(wi, fvec_t), 0)]
+            for v, off in vals:
+                r = _fast(builder.fmul(_fast(builder.fsub(v, zv)), s))
+                p = builder.gep(o_ptr, [builder.add(base, ir.Constant(_I64, off))])
+                builder.store(r, builder.bitcast(p, fvec_t.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, ooff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.none(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                         zf, types.int64, out, types.int64)
+        return sig, codegen
+
+    dqrow.__name__ = f"dqrow_int{bits}_{chunk}"
+    return intrinsic(dqrow)
+
+
+dqrow_int4_16 = _make_dqrow(4, 16)
+dqrow_int4_8 = _make_dqrow(4, 8)
+dqrow_int8_16 = _make_dqrow(8, 16)
+
+
+@intrinsic
+def load_scale(typingctx, sc, idx, skind):
+    if not (isinstance(idx, types.Integer) and isinstance(skind, types.Integer)):
+        return None
+    sig = types.float32(sc, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        sc_v, idx_v, skind_v = args
+        sc_ptr = context.make_array(signature.args[0])(context, builder, value=sc_v).data
+        return _load_scale(builder, sc_ptr, idx_v, signature.args[0].dtype == types.float32, skind_v)
+
+    return sig, codegen
