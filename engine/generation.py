@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 
 from engine.decoder import PartitionedDecoder
 from engine.decoder_state import DecoderState

@@ -77,7 +77,8 @@ class _Builder:
     def matmul(self, x: str, prefix: str, node_prefix: str, n: int, k: int, gain=1.0, out: str | None = None,
                row_gain=None) -> str:
         s = self.spec
-        plans, attrs = W.matmul_nbits(prefix, n, k, s.bits, s.seed, s.dtype, gain=gain, row_gain=row_gain)
+        plans, attrs = W.matmul_nbits(prefix, n, k, s.bits, s.seed, s.dtype, s.dense_accuracy_level, gain=gain,
+                                      row_gain=row_gain)
         names = [self.tensor(p) for p in plans]
         out = out or f"{node_prefix}/MatMul/output_0"
         self.node("MatMulNBits", [x, *names], [out], f"{node_prefix}/MatMul_Q{s.bits}", MS, **attrs)

@@ -37,6 +37,7 @@ class WriterSpec:
     seed: int = 0
     description: str = ""
     attention_sinks: bool = True        # gpt-oss's per-head attention sinks (GroupQueryAttention input 11)
+    dense_accuracy_level: int = 4       # MatMulNBits accuracy_level: 4 (the builder's) quantises activations to int8
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -72,6 +73,7 @@ class WriterSpec:
             if not cond:
                 raise ValueError(f"WriterSpec: {msg}")
 
+        need(self.dense_accuracy_level in (0, 1, 2, 3, 4), f"dense_accuracy_level must be 0..4, got {self.dense_accuracy_level}")
         if self.quant_type != "int" or self.bits not in (4, 8):
             raise ValueError(
                 f"WriterSpec: only integer 4- or 8-bit experts can be written for now "

@@ -131,7 +131,7 @@ def rotary_caches(context_length: int, head_size: int, dtype: str, theta: float 
             TensorPlan("sin_cache", onnx_type(dtype), (context_length, half), make(np.sin))]
 
 
-def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, gain: float = 1.0,
+def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, accuracy_level: int, gain: float = 1.0,
                  block: int = 32, row_gain: np.ndarray | None = None) -> tuple[list[TensorPlan], dict]:
     """A random MatMulNBits weight [N, ceil(K/block), block*bits/8] and its scales [N, K/block].
 
@@ -156,7 +156,7 @@ def matmul_nbits(prefix: str, n: int, k: int, bits: int, seed: int, dtype: str, 
 
     plans = [TensorPlan(qname, onnx.TensorProto.UINT8, (n, blocks, blob), qchunks),
              TensorPlan(sname, onnx_type(dtype), (n, blocks), schunks)]
-    attrs = {"K": k, "N": n, "accuracy_level": 4, "bits": bits, "block_size": block}
+    attrs = {"K": k, "N": n, "accuracy_level": accuracy_level, "bits": bits, "block_size": block}
     return plans, attrs
 
 
