@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import dqrow_int4_16, dqrow_int4_8, dqrow_int8_16, load_scale, qrow_int4_16, qrow_int4_8, qrow_int8_16
+from .simd import (MK_NR, dqrow_int4_16, dqrow_int4_8, dqrow_int8_16, load_scale, microkernel_6x16,
+                   microkernel_6x32, qrow_int4_16, qrow_int4_8, qrow_int8_16)
 
-__all__ = ["gemv_q", "dequant_rows", "activate", "ROWS_PER_TASK",
+__all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
            "ACT_RELU", "ACT_GELU", "ACT_SILU", "ACT_IDENTITY", "ACT_SWIGLU"]
 
 ACT_RELU, ACT_GELU, ACT_SILU, ACT_IDENTITY, ACT_SWIGLU = 0, 1, 2, 3, 4
@@ -99,12 +100,10 @@ def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0, n1, out):
     """out[n - n0, :] = dequantised row n of expert e (k in the per-chunk permuted order), n0 <= n < n1."""
-    E, N, Kb = w.shape
     K = out.shape[1]
+    flat = out.reshape(-1)
     zdef = np.float32(1 << (bits - 1))
     zrb = (nb * bits + 7) // 8
-    full = nchunk * chunk
-    vals = chunk * (2 if bits == 4 else 1)
     nrows = n1 - n0
     ntask = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(ntask):
@@ -112,30 +111,87 @@ def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0
         r0 = task * ROWS_PER_TASK
         r1 = min(nrows, r0 + ROWS_PER_TASK)
         for rr in range(r0, r1):
-            n = n0 + rr
-            _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef)
-            woff = (e * N + n) * Kb
-            soff = (e * N + n) * nb
-            ooff = rr * K
+            _fill_zero_points(zbuf, zp, zmode, e, n0 + rr, bits, nb, zrb, zdef)
+            _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + rr, flat, rr * K)
+
+
+@njit(inline="always")
+def _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, out, ooff):
+    """Row n of expert e into out (flat float32 array) at ooff, k in the per-chunk permuted order."""
+    E, N, Kb = w.shape
+    woff = (e * N + n) * Kb
+    soff = (e * N + n) * nb
+    if bits == 4:
+        if chunk == 16:
+            dqrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
+        else:
+            dqrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
+    else:
+        dqrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
+    full = nchunk * chunk
+    if full < Kb:
+        s = load_scale(sc, soff + nb - 1, skind)
+        z = zbuf[nb - 1]
+        k0 = ooff + nchunk * chunk * (2 if bits == 4 else 1)
+        for j in range(full, Kb):
+            q = w[e, n, j]
             if bits == 4:
-                if chunk == 16:
-                    dqrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
-                else:
-                    dqrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
+                kk = k0 + 2 * (j - full)
+                out[kk] = (np.float32(q & 15) - z) * s
+                out[kk + 1] = (np.float32(q >> 4) - z) * s
             else:
-                dqrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, out, ooff)
-            if full < Kb:
-                s = load_scale(sc, soff + nb - 1, skind)
-                z = zbuf[nb - 1]
-                k0 = nchunk * vals
-                for j in range(full, Kb):
-                    q = w[e, n, j]
-                    if bits == 4:
-                        kk = k0 + 2 * (j - full)
-                        out[rr, kk] = (np.float32(q & 15) - z) * s
-                        out[rr, kk + 1] = (np.float32(q >> 4) - z) * s
-                    else:
-                        out[rr, k0 + j - full] = (np.float32(q) - z) * s
+                out[k0 + j - full] = (np.float32(q) - z) * s
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def qgemm(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, xt, M, bias, has_bias,
+          accumulate, dst, coef, out):
+    """Quantised GEMM for one expert: v[m, n] = sum_k W_e[n, k] * x[m, k] (+ bias[e, n]).
+
+    xt [K, Mpad] float32 = x^T with k in the per-chunk permuted order, Mpad a multiple of 16, columns
+    >= M zero. accumulate = False: out[m, n] = v; True: out[dst[m], n] += coef[m] * v.
+    Parallel over panels of MK_NR output rows: each panel is dequantised once into a small float32
+    buffer (L1/L2 resident) and multiplied with x^T by the 6x32 / 6x16 register-tile micro-kernels.
+    """
+    E, N, Kb = w.shape
+    K = xt.shape[0]
+    Mpad = xt.shape[1]
+    NR = MK_NR
+    npan = (N + NR - 1) // NR
+    ntask = min(npan, 64)
+    zdef = np.float32(1 << (bits - 1))
+    zrb = (nb * bits + 7) // 8
+    for task in prange(ntask):
+        panel = np.zeros(NR * K, np.float32)
+        ct = np.empty(NR * 32, np.float32)
+        zbuf = np.empty(nb, np.float32)
+        pa = task * npan // ntask
+        pb = (task + 1) * npan // ntask
+        for pn in range(pa, pb):
+            n0 = pn * NR
+            rows = min(NR, N - n0)
+            for r in range(rows):
+                _fill_zero_points(zbuf, zp, zmode, e, n0 + r, bits, nb, zrb, zdef)
+                _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + r, panel, r * K)
+            for r in range(rows, NR):
+                for kk in range(K):
+                    panel[r * K + kk] = np.float32(0.0)
+            for m0 in range(0, Mpad, 32):
+                width = 32 if Mpad - m0 >= 32 else 16
+                if width == 32:
+                    microkernel_6x32(panel, 0, K, xt, m0, Mpad, K, ct, 0)
+                else:
+                    microkernel_6x16(panel, 0, K, xt, m0, Mpad, K, ct, 0)
+                mend = min(M, m0 + width)
+                for r in range(rows):
+                    n = n0 + r
+                    bval = bias[e, n] if has_bias else np.float32(0.0)
+                    for m in range(m0, mend):
+                        v = ct[r * width + m - m0] + bval
+                        if accumulate:
+                            out[dst[m], n] += coef[m] * v
+                        else:
+                            out[m, n] = v
 
 
 @njit(fastmath=True, inline="always")

@@ -107,13 +107,30 @@ class _Proj:
         return x, x
 
     # -- prefill: dequantise into a float32 matrix (k permuted, see k_permutation) for BLAS
-    def dense(self, e: int, buf: np.ndarray) -> np.ndarray:
+    def dense(self, e: int, buf: np.ndarray | None = None) -> np.ndarray:
+        """Expert e's [N, K] float32 matrix (quantised: k in the permuted order, see k_permutation)."""
         if not self.quantized:
             w = self.w[e]
             return w if w.dtype == np.float32 else w.astype(np.float32)
-        out = buf[: self.N * self.K].reshape(self.N, self.K)
+        out = np.empty((self.N, self.K), np.float32) if buf is None else buf[: self.N * self.K].reshape(self.N, self.K)
         _k.dequant_rows(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk,
                         self.cshift, self.nchunk, e, 0, self.N, out)
+        return out
+
+    def gemm(self, e: int, x: np.ndarray, accumulate=False, dst=None, coef=None, out=None):
+        """x [M, K] float32 -> [M, N] = x W_e^T + b_e (or scatter-add coef * that into out[dst])."""
+        M = x.shape[0]
+        mpad = (M + 15) // 16 * 16
+        xt = np.zeros((self.K, mpad), np.float32)
+        xt[:, :M] = self.permute(x).T
+        if out is None:
+            out = np.empty((M, self.N), np.float32)
+        if dst is None:
+            dst = np.zeros(1, np.int64)
+            coef = np.zeros(1, np.float32)
+        _k.qgemm(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk, self.cshift,
+                 self.nchunk, e, xt, M, self.bias, self.has_bias, accumulate, dst.astype(np.int64),
+                 coef.astype(np.float32), out)
         return out
 
     def permute(self, x: np.ndarray) -> np.ndarray:
@@ -132,6 +149,7 @@ class CpuQMoE:
 
     decode_max_tokens = 8  # at most this many tokens: every expert through the fused GEMV
     gemv_max_rows = 2  # prefill: experts with at most this many tokens still use the GEMV
+    gemm_max_rows = 128  # prefill: tokens per GEMM call (keeps x^T resident in L2)
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         self.spec = spec
@@ -150,7 +168,6 @@ class CpuQMoE:
         self.act_kind = _ACT_CODES[spec.activation]
         self.has_limit = spec.swiglu_limit is not None
         self.limit = float(spec.swiglu_limit) if self.has_limit else 0.0
-        self._buf = None  # dequantisation scratch for the prefill path (allocated on first use)
 
     # ------------------------------------------------------------------ public API
     def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
@@ -234,30 +251,32 @@ class CpuQMoE:
         aa, ab = self.fc2.split_x(a)
         self.fc2.gemv(aa, ab, experts, pair_off, ar, tok, pw.astype(np.float32), acc)
 
-    def _scratch(self, n):
-        if self._buf is None or self._buf.size < n:
-            sizes = [p.N * p.K for p in (self.fc1, self.fc2, self.fc3) if p is not None]
-            self._buf = np.empty(max(sizes + [n]), np.float32)
-        return self._buf
-
     def _run_dense(self, x, e, tok, pw, acc):
-        """One expert over a group of tokens: dequantise, BLAS, activation, weighted scatter-add."""
+        """One expert over a group of tokens: (de)quantised GEMMs, activation, weighted scatter-add."""
+        if not self.spec.is_quantized:
+            return self._run_dense_float(x, e, tok, pw, acc)
+        for m0 in range(0, tok.size, self.gemm_max_rows):
+            t = tok[m0:m0 + self.gemm_max_rows]
+            xg = x[t]
+            M = t.size
+            h1 = self.fc1.gemm(e, xg)
+            h3 = self.fc3.gemm(e, xg) if self.fc3 is not None else None
+            a = self._activate(h1, h3)
+            self.fc2.gemm(e, a, accumulate=True, dst=t, coef=pw[m0:m0 + M], out=acc)
+
+    def _run_dense_float(self, x, e, tok, pw, acc):
         xg = x[tok]
-        buf = self._scratch(0)
-        w1 = self.fc1.dense(e, buf)
-        h1 = self.fc1.permute(xg) @ w1.T
+        h1 = xg @ self.fc1.dense(e, None).T
         if self.fc1.has_bias:
             h1 += self.fc1.bias[e]
         h3 = None
         if self.fc3 is not None:
-            w3 = self.fc3.dense(e, buf)
-            h3 = self.fc3.permute(xg) @ w3.T
+            h3 = xg @ self.fc3.dense(e, None).T
             if self.fc3.has_bias:
                 h3 += self.fc3.bias[e]
         a = self._activate(np.ascontiguousarray(h1, dtype=np.float32),
                            None if h3 is None else np.ascontiguousarray(h3, dtype=np.float32))
-        w2 = self.fc2.dense(e, buf)
-        y = self.fc2.permute(a) @ w2.T
+        y = a @ self.fc2.dense(e, None).T
         if self.fc2.has_bias:
             y += self.fc2.bias[e]
         acc[tok] += pw[:, None] * y
