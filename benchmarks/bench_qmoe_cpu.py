@@ -27,7 +27,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 from kernels.qmoe_spec import QMoESpec  # noqa: E402
 from kernels.cpu import CpuQMoE  # noqa: E402
@@ -107,7 +106,7 @@ def main(argv=None):
 
     import numba
     import onnxruntime as ort
-    from qmoe_oracle import make_session
+    from tests.qmoe_oracle import make_session
 
     cores = os.cpu_count() or 1
     E, H, I, K_TOP, BLOCK = 32, 2880, 2880, 4, 32
