@@ -45,11 +45,12 @@ def _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef):
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
-           xa, xb, experts, pair_off, src_row, dst_row, coef, bias, has_bias, out):
+           xa, xb, xs, experts, pair_off, src_row, dst_row, coef, bias, has_bias, out):
     """out[dst_row[p], n] += coef[p] * (W_e[n, :] . x[src_row[p]] + bias[e, n]) for the pairs p of expert e.
 
     w [E, N, Kb] uint8; sc [E, N, nb]; zp [E, Zb] uint8 (zmode 0 none, 1 per row, 2 per block);
-    xa / xb [R, Kb] float32 (int4: even / odd k, int8: xa = xb = x); experts [U]; pair_off [U + 1].
+    xa / xb [R, Kb] float32 (int4: even / odd k, int8: xa = xb = x); xs [R, nchunk] float32 sums of x over
+    each chunk's values; experts [U]; pair_off [U + 1].
     Parallel over output rows; each row's packed bytes are read once for all of its expert's pairs.
     """
     E, N, Kb = w.shape
@@ -59,7 +60,7 @@ def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
     zrb = (nb * bits + 7) // 8
     full = nchunk * chunk
     for task in prange(ntask):
-        zbuf = np.empty(nb, np.float32)
+        zbuf = np.full(nb, zdef, np.float32)
         n0 = task * ROWS_PER_TASK
         n1 = min(N, n0 + ROWS_PER_TASK)
         for u in range(U):
@@ -69,7 +70,8 @@ def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
             if p1 <= p0:
                 continue
             for n in range(n0, n1):
-                _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef)
+                if zmode != 0:
+                    _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef)
                 woff = (e * N + n) * Kb
                 soff = (e * N + n) * nb
                 bval = bias[e, n] if has_bias else np.float32(0.0)
@@ -78,11 +80,14 @@ def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
                     xoff = r * Kb
                     if bits == 4:
                         if chunk == 16:
-                            acc = qrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff)
+                            acc = qrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff,
+                                           xs, r * nchunk)
                         else:
-                            acc = qrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff)
+                            acc = qrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff,
+                                           xs, r * nchunk)
                     else:
-                        acc = qrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff)
+                        acc = qrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff,
+                                           xs, r * nchunk)
                     if full < Kb:  # ragged tail (per-row quantisation only): one scale, one zero point
                         s = load_scale(sc, soff + nb - 1, skind)
                         z = zbuf[nb - 1]
@@ -107,11 +112,12 @@ def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0
     nrows = n1 - n0
     ntask = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(ntask):
-        zbuf = np.empty(nb, np.float32)
+        zbuf = np.full(nb, zdef, np.float32)
         r0 = task * ROWS_PER_TASK
         r1 = min(nrows, r0 + ROWS_PER_TASK)
         for rr in range(r0, r1):
-            _fill_zero_points(zbuf, zp, zmode, e, n0 + rr, bits, nb, zrb, zdef)
+            if zmode != 0:
+                _fill_zero_points(zbuf, zp, zmode, e, n0 + rr, bits, nb, zrb, zdef)
             _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + rr, flat, rr * K)
 
 
@@ -164,14 +170,15 @@ def qgemm(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, xt, M, bi
     for task in prange(ntask):
         panel = np.zeros(NR * K, np.float32)
         ct = np.empty(NR * 32, np.float32)
-        zbuf = np.empty(nb, np.float32)
+        zbuf = np.full(nb, zdef, np.float32)
         pa = task * npan // ntask
         pb = (task + 1) * npan // ntask
         for pn in range(pa, pb):
             n0 = pn * NR
             rows = min(NR, N - n0)
             for r in range(rows):
-                _fill_zero_points(zbuf, zp, zmode, e, n0 + r, bits, nb, zrb, zdef)
+                if zmode != 0:
+                    _fill_zero_points(zbuf, zp, zmode, e, n0 + r, bits, nb, zrb, zdef)
                 _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + r, panel, r * K)
             for r in range(rows, NR):
                 for kk in range(K):

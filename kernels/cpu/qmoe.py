@@ -95,16 +95,20 @@ class _Proj:
         self.perm = k_permutation(k, bits, self.chunk)
 
     # -- decode: fused dequant-GEMV
-    def gemv(self, xa, xb, experts, pair_off, src_row, dst_row, coef, out):
+    def gemv(self, xa, xb, xs, experts, pair_off, src_row, dst_row, coef, out):
         _k.gemv_q(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk, self.cshift,
-                  self.nchunk, xa, xb, experts, pair_off, src_row, dst_row, coef, self.bias, self.has_bias, out)
+                  self.nchunk, xa, xb, xs, experts, pair_off, src_row, dst_row, coef, self.bias, self.has_bias, out)
 
     def split_x(self, x: np.ndarray):
-        """Activation layout the GEMV kernel reads: int4 -> (even k, odd k), int8 -> (x, x)."""
+        """Activation layout the GEMV kernel reads: int4 -> (even k, odd k), int8 -> (x, x); plus the sums
+        of x over each chunk's values (for the folded zero point)."""
+        vals = self.chunk * (2 if self.bits == 4 else 1)
+        xs = np.ascontiguousarray(x[:, : self.nchunk * vals].reshape(x.shape[0], self.nchunk, vals).sum(axis=2),
+                                  dtype=np.float32)
         if self.bits == 4:
-            return np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
+            return np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]), xs
         x = np.ascontiguousarray(x)
-        return x, x
+        return x, x, xs
 
     # -- prefill: dequantise into a float32 matrix (k permuted, see k_permutation) for BLAS
     def dense(self, e: int, buf: np.ndarray | None = None) -> np.ndarray:
@@ -239,17 +243,17 @@ class CpuQMoE:
         np.cumsum(counts, out=pair_off[1:])
         ar = np.arange(P, dtype=np.int64)
         ones = np.ones(P, np.float32)
-        xa, xb = self.fc1.split_x(x)
+        xa, xb, xs = self.fc1.split_x(x)
         h1 = np.zeros((P, self.fc1.N), np.float32)
-        self.fc1.gemv(xa, xb, experts, pair_off, tok, ar, ones, h1)
+        self.fc1.gemv(xa, xb, xs, experts, pair_off, tok, ar, ones, h1)
         h3 = None
         if self.fc3 is not None:
-            xa3, xb3 = (xa, xb) if self.fc3.bits == self.fc1.bits else self.fc3.split_x(x)
+            xa3, xb3, xs3 = self.fc3.split_x(x)
             h3 = np.zeros((P, self.fc3.N), np.float32)
-            self.fc3.gemv(xa3, xb3, experts, pair_off, tok, ar, ones, h3)
+            self.fc3.gemv(xa3, xb3, xs3, experts, pair_off, tok, ar, ones, h3)
         a = self._activate(h1, h3)
-        aa, ab = self.fc2.split_x(a)
-        self.fc2.gemv(aa, ab, experts, pair_off, ar, tok, pw.astype(np.float32), acc)
+        aa, ab, as_ = self.fc2.split_x(a)
+        self.fc2.gemv(aa, ab, as_, experts, pair_off, ar, tok, pw.astype(np.float32), acc)
 
     def _run_dense(self, x, e, tok, pw, acc):
         """One expert over a group of tokens: (de)quantised GEMMs, activation, weighted scatter-add."""

@@ -9,7 +9,7 @@ zero point, multiply with the activations, scale, and accumulate in two vector a
 ``qrow_int4_16``, ``qrow_int4_8``, ``qrow_int8_16``: float32 dot product of one quantised weight
 row with one activation row::
 
-    qrow(w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff) -> float32
+    qrow(w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff) -> float32
 
     w      uint8 array (any shape, C-contiguous); woff: byte offset of the row's first chunk
     nchunk number of whole chunks to process
@@ -19,6 +19,8 @@ row with one activation row::
     zf     float32 array of zero points; zoff: element offset of the row's first block's zero point
     xa, xb float32 activations; int4: xa = even k, xb = odd k (deinterleaved, indexed by byte);
            int8: xa = x (xb ignored); xoff: element offset of the row start in xa / xb
+    xs     float32 per-chunk sums of the activations (xs[xsoff + i] = sum of the x values chunk i
+           multiplies); the zero point is applied as - scale * z * xs (folded out of the inner loop)
 Result: sum over chunks of scale[b] * sum_j (q_j - z_b) * x_j.
 
 ``dqrow_*``: dequantise the same chunks of one row into a float32 array (prefill path)::
@@ -86,63 +88,68 @@ def _make_qrow(bits: int, chunk: int):
     nvals = chunk  # lanes per float vector (int4: two vectors lo/hi of `chunk` lanes each)
 
     def codegen(context, builder, sig, args):
-        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff) = args
-        (w_t, _, _, _, sc_t, _, _, zf_t, _, xa_t, xb_t, _) = sig.args
+        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff) = args
+        (w_t, _, _, _, sc_t, _, _, zf_t, _, xa_t, xb_t, _, xs_t, _) = sig.args
         w_ptr = context.make_array(w_t)(context, builder, value=w).data
         sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
         zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
         xa_ptr = context.make_array(xa_t)(context, builder, value=xa).data
         xb_ptr = context.make_array(xb_t)(context, builder, value=xb).data
+        xs_ptr = context.make_array(xs_t)(context, builder, value=xs).data
         sc_is_f32 = sc_t.dtype == types.float32
 
         wvec_t = ir.VectorType(_I8, chunk)
         fvec_t = ir.VectorType(_F32, nvals)
         ivec_t = ir.VectorType(_I32, nvals)
         zero_v = ir.Constant(fvec_t, [0.0] * nvals)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3),
+                                             f"llvm.fma.v{nvals}f32")
         acc0 = cgutils.alloca_once_value(builder, zero_v)
         acc1 = cgutils.alloca_once_value(builder, zero_v)
+        corr0 = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        corr1 = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
 
-        def one_chunk(i, acc_slot):
-            # weights
+        def one_chunk(i, acc_slot, corr):
             wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, chunk)))])
             wv = builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1)
             wi = builder.zext(wv, ivec_t)
             b = builder.ashr(i, cshift)
             s = _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind)
             z = builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)]))
-            zv = _splat(builder, z, nvals)
+            xsum = builder.load(builder.gep(xs_ptr, [builder.add(xsoff, i)]))
+            # zero point folded out: sum_j (q_j - z) x_j = sum_j q_j x_j - z * sum_j x_j
+            builder.store(builder.call(fma1, [s, _fast(builder.fmul(z, xsum)), builder.load(corr)]), corr)
             xo = builder.add(xoff, builder.mul(i, ir.Constant(_I64, nvals)))
             xav = builder.load(builder.bitcast(builder.gep(xa_ptr, [xo]), fvec_t.as_pointer()), align=4)
             if bits == 4:
                 lo = builder.sitofp(builder.and_(wi, ir.Constant(ivec_t, [15] * nvals)), fvec_t)
                 hi = builder.sitofp(builder.lshr(wi, ir.Constant(ivec_t, [4] * nvals)), fvec_t)
                 xbv = builder.load(builder.bitcast(builder.gep(xb_ptr, [xo]), fvec_t.as_pointer()), align=4)
-                t = _fast(builder.fadd(_fast(builder.fmul(_fast(builder.fsub(lo, zv)), xav)),
-                                       _fast(builder.fmul(_fast(builder.fsub(hi, zv)), xbv))))
+                t = builder.call(fma, [hi, xbv, _fast(builder.fmul(lo, xav))])
             else:
-                q = builder.sitofp(wi, fvec_t)
-                t = _fast(builder.fmul(_fast(builder.fsub(q, zv)), xav))
-            sv = _splat(builder, s, nvals)
+                t = _fast(builder.fmul(builder.sitofp(wi, fvec_t), xav))
             acc = builder.load(acc_slot)
-            builder.store(_fast(builder.fadd(acc, _fast(builder.fmul(sv, t)))), acc_slot)
+            builder.store(builder.call(fma, [_splat(builder, s, nvals), t, acc]), acc_slot)
 
         half = builder.ashr(nchunk, ir.Constant(_I64, 1))
         with cgutils.for_range(builder, half) as loop:
             i0 = builder.shl(loop.index, ir.Constant(_I64, 1))
-            one_chunk(i0, acc0)
-            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), acc1)
+            one_chunk(i0, acc0, corr0)
+            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), acc1, corr1)
         odd = builder.icmp_signed("!=", builder.and_(nchunk, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
         with builder.if_then(odd):
-            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), acc0)
+            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), acc0, corr0)
         total = _fast(builder.fadd(builder.load(acc0), builder.load(acc1)))
-        return _hsum(builder, total, nvals)
+        corr = _fast(builder.fadd(builder.load(corr0), builder.load(corr1)))
+        return _fast(builder.fsub(_hsum(builder, total, nvals), corr))
 
-    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff):
-        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff)
+    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
         if not all(isinstance(t, types.Integer) for t in ints):
             return None
         sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
-                            zf, types.int64, xa, xb, types.int64)
+                            zf, types.int64, xa, xb, types.int64, xs, types.int64)
         return sig, codegen
 
     qrow.__name__ = f"qrow_int{bits}_{chunk}"
