@@ -1,8 +1,9 @@
 """CPU execution of one com.microsoft QMoE (int4 / int8 raw layout) or float MoE node.
 
-Decode (few tokens): per selected expert a fused dequant-GEMV over output rows (``gemv_q``) that
-reads the packed bytes once. Prefill (many tokens): tokens grouped by expert; per expert the
-weights are dequantised into a float32 matrix (``dequant_rows``) and multiplied with NumPy's BLAS.
+Tokens are grouped by expert. Experts with few tokens (decode) run a fused dequant-GEMV over output
+rows (``gemv_q``) that reads the packed bytes once per row; experts with many tokens (prefill) run a
+fused dequant-GEMM (``qgemm``): panels of 6 weight rows are dequantised into an L1-resident buffer and
+multiplied by AVX-512 register-tile micro-kernels. The float MoE op goes through NumPy's BLAS.
 Routing (``kernels.cpu.routing``) is kept separate from expert execution (``run_experts``).
 """
 from __future__ import annotations
@@ -151,8 +152,10 @@ class CpuQMoE:
     float32). Per-expert weights are touched only when that expert runs.
     """
 
-    decode_max_tokens = 8  # at most this many tokens: every expert through the fused GEMV
-    gemv_max_rows = 2  # prefill: experts with at most this many tokens still use the GEMV
+    # Path choice per expert: the fused GEMV re-unpacks the weights for every token, the GEMM pads
+    # tokens to 16 columns; measured crossover (H = I = 2880, int4, 2 cores) is ~6-7 tokens per expert.
+    gemv_max_rows = 6  # experts with at most this many tokens use the fused dequant-GEMV
+    decode_max_tokens = 0  # batches of at most this many tokens use the GEMV for every expert (tests/tuning)
     gemm_max_rows = 128  # prefill: tokens per GEMM call (keeps x^T resident in L2)
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
@@ -214,8 +217,10 @@ class CpuQMoE:
             order = np.argsort(eid, kind="stable")
             tok, eid, pw = tok[order], eid[order], pw[order]
             experts, starts, counts = np.unique(eid, return_index=True, return_counts=True)
-            if T <= self.decode_max_tokens or not self.spec.is_quantized:
-                small = np.ones(experts.size, bool) if self.spec.is_quantized else np.zeros(experts.size, bool)
+            if not self.spec.is_quantized:
+                small = np.zeros(experts.size, bool)
+            elif T <= self.decode_max_tokens:
+                small = np.ones(experts.size, bool)
             else:
                 small = counts <= self.gemv_max_rows
             if np.any(small):
