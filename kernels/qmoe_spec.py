@@ -96,10 +96,11 @@ class QMoESpec:
     def is_quantized(self) -> bool:
         return self.op_type == "QMoE"
 
-    def expert_bytes(self) -> int:
+    def expert_bytes(self, scale_bytes: int = 4, bias_bytes: int = 4, float_weight_bytes: int = 4) -> int:
         """Bytes of one expert's weights + scales + zero points + biases as stored.
 
-        Scales and biases are counted as 4 bytes (fp32) per value; the float MoE op's weights too.
+        The spec knows shapes, not dtypes: scales, biases and the float MoE op's weights are counted with
+        the given element sizes (default 4, fp32; pass 2 for fp16 / bf16 models).
         """
         H, I, N1 = self.hidden_size, self.inter_size, self.fc1_rows
         projs = [(N1, H, self.fc1_bits), (H, I, self.fc2_bits)]
@@ -108,18 +109,18 @@ class QMoESpec:
         total = 0
         for n, kk, bits in projs:
             if not self.is_quantized:
-                total += n * kk * 4
+                total += n * kk * float_weight_bytes
             else:
                 total += n * (kk * bits // 8)
                 nb = kk // self.block_size if self.block_size else 1
-                total += n * nb * 4
+                total += n * nb * scale_bytes
                 if self.has_zero_points:
                     if self.block_size:
                         total += n * ((nb * bits + 7) // 8)
                     else:
                         total += (n * bits + 7) // 8
             if self.has_bias:
-                total += n * 4
+                total += n * bias_bytes
         return total
 
     def supported_summary(self) -> str:
