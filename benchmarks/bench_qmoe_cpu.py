@@ -7,9 +7,9 @@ threads = all cores. Writes benchmarks/results/<benchmark>-<date>-<host>.json an
 
     python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N]
 
-Note: the sandbox this project was developed in sets OPENBLAS_CORETYPE=Haswell, which keeps NumPy's
-OpenBLAS on AVX2 kernels; the prefill path's GEMMs go through that BLAS. The JSON records the
-OpenBLAS core in use.
+Note: our quantised prefill path uses its own dequant-GEMM micro-kernels, not NumPy's BLAS, so the
+OPENBLAS_CORETYPE that the development sandbox sets does not affect these figures (the JSON records
+the OpenBLAS core anyway: the float MoE op does go through BLAS).
 """
 from __future__ import annotations
 
