@@ -106,9 +106,11 @@ def main(argv=None):
 
     import numba
     import onnxruntime as ort
+    from engine.ort_env import configure_global_threads
     from tests.qmoe_oracle import make_session
 
     cores = os.cpu_count() or 1
+    configure_global_threads(cores)  # onnxruntime's pool: as many threads as Numba gets
     E, H, I, K_TOP, BLOCK = 32, 2880, 2880, 4, 32
     attrs = dict(k=K_TOP, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.702, activation_beta=1.0,
                  swiglu_limit=7.0, normalize_routing_weights=1, expert_weight_bits=4, block_size=BLOCK,
@@ -126,7 +128,7 @@ def main(argv=None):
     for T, label in ((1, "decode"), (512, "prefill")):
         x = rng.standard_normal((T, H)).astype(np.float32)
         logits = rng.standard_normal((T, E)).astype(np.float32) * 2
-        sess, feeds = make_session("QMoE", attrs, tensors, x, logits, intra_op_num_threads=cores)
+        sess, feeds = make_session("QMoE", attrs, tensors, x, logits)
         ort_out = sess.run(None, feeds)[0]
         our_out = ours.forward(x, logits)
         rel = float(np.abs(our_out - ort_out).max() / np.abs(ort_out).max())

@@ -154,12 +154,18 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
 
 @dataclass
 class Conversation:
-    """A multi-turn chat whose KV cache and state carry over between turns."""
+    """A multi-turn chat whose KV cache and state carry over between turns.
+
+    The cache holds the tokens actually fed, the model's own answer tokens included (never a
+    re-tokenisation of their text), so a later turn only feeds what the chat template adds.
+    """
     model: LoadedModel
     system_prompt: str | None = None
     messages: list[dict] = field(default_factory=list)
     state: DecoderState | None = None
     fed_tokens: list[int] = field(default_factory=list)
+    _pending: list[int] = field(default_factory=list)  # the last answer token, sampled but not fed yet
+    _rendered: str | None = None  # the conversation text that fed_tokens + _pending stand for
 
     def __post_init__(self):
         if self.system_prompt:
@@ -169,18 +175,23 @@ class Conversation:
         if not user_text.strip():
             raise PromptError("the prompt is empty")
         messages = self.messages + [{"role": "user", "content": user_text}]
-        full = self.model.tokenizer.encode(self.model.tokenizer.render_chat(messages, add_generation_prompt=True))
+        text = self.model.tokenizer.render_chat(messages, add_generation_prompt=True)
         if self.state is None:
             self.state = self.model.new_state()
-        reused = len(self.fed_tokens)
-        if full[:reused] != self.fed_tokens:
-            # The template re-rendered earlier turns differently: the cache can't be reused.
+        if self._rendered is not None and text.startswith(self._rendered):
+            new_tokens = self._pending + self.model.tokenizer.encode(text[len(self._rendered):])
+        else:  # first turn, or the template re-rendered earlier turns differently
             self.state.reset()
             self.fed_tokens = []
-            reused = 0
-        result = generate(self.model, self.state, self.fed_tokens, full[reused:], params, on_text, cancel)
+            new_tokens = self.model.tokenizer.encode(text)
+        reused = len(self.fed_tokens)
+        result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel)
         result.reused_cache_tokens = reused
         self.messages = messages + [{"role": "assistant", "content": result.text}]
+        ended_on_eos = result.finish_reason == "eos"
+        self._pending = [] if ended_on_eos or not result.tokens else [result.tokens[-1]]
+        # A stop string trims the text below what the cache holds: the next turn starts afresh.
+        self._rendered = None if result.finish_reason == "stop_string" else text + result.text
         return result
 
     def reset(self) -> None:
@@ -188,3 +199,5 @@ class Conversation:
         if self.state is not None:
             self.state.reset()
         self.fed_tokens = []
+        self._pending = []
+        self._rendered = None

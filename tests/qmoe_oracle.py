@@ -59,26 +59,26 @@ def build_model(op_type: str, attrs: dict, tensors: dict, x_shape, dtype) -> onn
 
 
 def run_ort(op_type: str, attrs: dict, tensors: dict, x: np.ndarray, router_logits: np.ndarray,
-            router_weights: np.ndarray | None = None, intra_op_num_threads: int = 1) -> np.ndarray:
+            router_weights: np.ndarray | None = None) -> np.ndarray:
     """Run the single node in onnxruntime (CPU) and return its output."""
     import onnxruntime as ort
 
-    sess, feeds = make_session(op_type, attrs, tensors, x, router_logits, router_weights, intra_op_num_threads)
+    sess, feeds = make_session(op_type, attrs, tensors, x, router_logits, router_weights)
     return sess.run(None, feeds)[0]
 
 
-def make_session(op_type, attrs, tensors, x, router_logits, router_weights=None, intra_op_num_threads=1):
+def make_session(op_type, attrs, tensors, x, router_logits, router_weights=None):
     import onnxruntime as ort
+
+    from engine.ort_env import session_options
 
     t = dict(tensors)
     t["router_probs"] = router_logits
     t["router_weights"] = router_weights
     model = build_model(op_type, attrs, t, x.shape, x.dtype)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = intra_op_num_threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    # The engine's options: one process-wide thread pool (onnxruntime refuses per-session pools once
+    # it exists); its size is set by engine.ort_env.configure_global_threads before the first session.
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     feeds = {"input": x, "router_probs": router_logits}
     if router_weights is not None:
         feeds["router_weights"] = router_weights

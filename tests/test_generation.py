@@ -25,14 +25,14 @@ def greedy(n: int, **kw) -> GenerationParams:
 
 def test_second_turn_reuses_the_cache_and_equals_a_fresh_run(model):
     chat = Conversation(model, system_prompt="Be brief.")
-    chat.send("Hello", greedy(6))
+    first = chat.send("Hello", greedy(6))
+    held = list(chat.fed_tokens)
     second = chat.send("Tell me more", greedy(6))
-    assert second.reused_cache_tokens > 0
-    # A fresh run over the whole conversation produces the same tokens.
-    fresh_ids = model.tokenizer.encode(model.tokenizer.render_chat(chat.messages[:-1]))
-    fresh = generate(model, model.new_state(), [], fresh_ids, greedy(6))
+    assert second.reused_cache_tokens == len(held) == len(first.prompt_tokens) + len(first.tokens) - 1
+    # The second turn fed only the new tokens; a fresh state fed everything at once agrees.
+    fresh = generate(model, model.new_state(), [], held + second.prompt_tokens, greedy(6))
     assert fresh.tokens == second.tokens
-    assert len(second.prompt_tokens) < len(fresh_ids)
+    assert len(second.prompt_tokens) < len(held)
 
 
 def test_cancel_between_tokens(model):

@@ -20,8 +20,13 @@ def window(qtbot):
 
 
 def load(qtbot, window, path):
-    with qtbot.waitSignal(window.worker.busyChanged, timeout=120000, check_params_cb=lambda busy: not busy):
-        window.load_model(str(path))
+    """Load through the worker and wait until the window has handled the outcome.
+
+    (The worker emits from its own thread, so a blocker on its signal can wake before the
+    window's queued slots have run: wait on what the window shows instead.)"""
+    window.load_model(str(path))
+    qtbot.waitUntil(lambda: window.open_button.isEnabled() and not window.model_label.text().startswith("Loading"),
+                    timeout=120000)
 
 
 def test_load_and_chat_streams_an_answer(qtbot, window):
@@ -37,7 +42,7 @@ def test_load_and_chat_streams_an_answer(qtbot, window):
     with qtbot.waitSignal(window.worker.answered, timeout=120000) as answered:
         window.send()
     assert answered.args[0]["timings"]["generated_tokens"] >= 1
-    assert "tok/s" in window.stats.text()
+    qtbot.waitUntil(lambda: "tok/s" in window.stats.text())
     assert "".join(tokens) in window.transcript.toPlainText()
 
 

@@ -12,9 +12,11 @@ import jinja2
 import numpy as np
 import onnx
 import onnxruntime as ort
+
 import pytest
 from onnx import helper, numpy_helper
 
+from engine.ort_env import session_options
 from engine.writer import WriterSpec, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +27,7 @@ needs_fixture = pytest.mark.skipif(not FIXTURE.is_dir(), reason="builder fixture
 # ---- helpers ------------------------------------------------------------------------------------
 
 def session(path: Path) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 2
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
 
 
 def empty_past(sess: ort.InferenceSession, spec: WriterSpec) -> dict[str, np.ndarray]:
