@@ -14,36 +14,22 @@ the OpenBLAS core anyway: the float MoE op does go through BLAS).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import socket
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.qmoe_spec import QMoESpec  # noqa: E402
 from kernels.cpu import CpuQMoE  # noqa: E402
 from kernels.reference import route  # noqa: E402
+from benchmarks.common import ROOT, write_result  # noqa: E402
 
 BENCHMARK = "qmoe_cpu"
 REFERENCE = "onnxruntime {} CPU QMoE"
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def openblas_core() -> str | None:
@@ -151,34 +137,21 @@ def main(argv=None):
             figures.append({"name": f"{label} {T} tokens throughput", "value": flops / med["ours"] / 1e9,
                             "unit": "GFLOP/s", "reference": ref_name, "reference_value": flops / med["ort"] / 1e9,
                             "ratio": med["ort"] / med["ours"]})
-        del sess
 
-    host = socket.gethostname()
-    date = datetime.date.today().isoformat()
-    result = {
-        "benchmark": BENCHMARK,
-        "date": date,
-        "machine": {"cpu": cpu_name(), "cores": cores, "gpu": None},
-        "command": " ".join(["python", "benchmarks/bench_qmoe_cpu.py"] + (argv if argv is not None else sys.argv[1:])),
-        "config": {"num_experts": E, "hidden_size": H, "inter_size": I, "k": K_TOP, "quant": f"int4 block {BLOCK}",
-                   "activation": "swiglu fusion 1", "dtype": "float32", "threads": cores,
-                   "numpy": np.__version__, "numba": numba.__version__, "onnxruntime": ort.__version__,
-                   "openblas_core": openblas_core(),
-                   "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}},
-        "figures": figures,
-    }
+    config = {"num_experts": E, "hidden_size": H, "inter_size": I, "k": K_TOP, "quant": f"int4 block {BLOCK}",
+              "activation": "swiglu fusion 1", "dtype": "float32", "threads": cores,
+              "numpy": np.__version__, "numba": numba.__version__, "onnxruntime": ort.__version__,
+              "openblas_core": openblas_core(),
+              "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}}
     print()
     print(f"{'figure':38s} {'ours':>10s} {'onnxruntime':>12s} {'unit':>8s} {'ratio':>7s}")
     for f in figures:
         print(f"{f['name']:38s} {f['value']:10.3f} {f['reference_value']:12.3f} {f['unit']:>8s} {f['ratio']:7.2f}")
     print("(ratio > 1: ours faster)")
     if not args.no_write:
-        out_dir = ROOT / "benchmarks" / "results"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{BENCHMARK}-{date}-{host}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        path = write_result(BENCHMARK, figures, config=config)
         print(f"wrote {path.relative_to(ROOT)}")
-    return result
+    return figures
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 QMOE_INPUT_NAMES = (
     "input", "router_probs", "fc1_experts_weights", "fc1_scales", "fc1_experts_bias",
@@ -61,8 +61,6 @@ def build_model(op_type: str, attrs: dict, tensors: dict, x_shape, dtype) -> onn
 def run_ort(op_type: str, attrs: dict, tensors: dict, x: np.ndarray, router_logits: np.ndarray,
             router_weights: np.ndarray | None = None) -> np.ndarray:
     """Run the single node in onnxruntime (CPU) and return its output."""
-    import onnxruntime as ort
-
     sess, feeds = make_session(op_type, attrs, tensors, x, router_logits, router_weights)
     return sess.run(None, feeds)[0]
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import onnx
-import pytest
 
 from tests.conftest import REPO, fixture_folder
 
