@@ -7,6 +7,7 @@ import onnx
 import onnxruntime as ort
 
 from engine.decoder_state import DecoderState
+from engine.errors import ModelFileError
 from engine.onnx_file import OnnxFile
 from engine.ort_env import elem_type, session_options
 from engine.partition import Segment
@@ -31,9 +32,15 @@ class DenseSegment:
                  providers: list[str] | None = None):
         self.segment = segment
         model = build_segment_model(segment, source, input_types)
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), session_options(str(source.folder)),
-            providers=providers or ["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(
+                model.SerializeToString(), session_options(str(source.folder)),
+                providers=providers or ["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime's errors are long and multi-line
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelFileError(
+                f"{source.path}: onnxruntime cannot load the dense part from node '{segment.nodes[0].name}' "
+                f"to '{segment.nodes[-1].name}': {first}") from None
         self.output_types = {o.name: elem_type(o.type) for o in self.session.get_outputs()}
 
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:

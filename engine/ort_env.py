@@ -7,9 +7,12 @@ with the number of dense segments (a 48-layer model has 49 of them).
 from __future__ import annotations
 
 import os
+from importlib import metadata
 
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state
+
+from engine.errors import WorkbenchError
 
 _ORT_TYPES = {
     "tensor(float)": 1, "tensor(uint8)": 2, "tensor(int8)": 3, "tensor(uint16)": 4, "tensor(int16)": 5,
@@ -24,10 +27,29 @@ def cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def installed_onnxruntime_builds() -> list[str]:
+    """The onnxruntime distributions installed; more than one means they overwrite each other's module."""
+    names = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def require_single_build(builds: list[str]) -> None:
+    if len(builds) > 1:
+        raise WorkbenchError(f"several onnxruntime builds are installed ({', '.join(builds)}); they share one "
+                             "module and break each other: uninstall all but one (make install picks the right one)")
+
+
 def configure_global_threads(threads: int | None = None) -> None:
     """Set the process-wide pool size once, before the first session is created."""
     global _configured_threads
     if _configured_threads is None:
+        require_single_build(installed_onnxruntime_builds())
         _configured_threads = threads or cpu_threads()
         _pybind_state.set_global_thread_pool_sizes(_configured_threads, 1)
 

@@ -36,3 +36,14 @@ def test_runtime_selection():
     assert choose(None) == "cpu"
     assert choose(580) == "cuda13" and choose(550) == "cuda12"
     assert choose(None, "cuda13") == "cuda13"
+
+
+def test_two_onnxruntime_builds_are_refused():
+    import pytest
+
+    from engine.errors import WorkbenchError
+    from engine.ort_env import installed_onnxruntime_builds, require_single_build
+
+    require_single_build(installed_onnxruntime_builds())  # this environment has exactly one
+    with pytest.raises(WorkbenchError, match="onnxruntime 1.32.0, onnxruntime-gpu 1.31.1"):
+        require_single_build(["onnxruntime 1.32.0", "onnxruntime-gpu 1.31.1"])

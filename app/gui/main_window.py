@@ -34,6 +34,7 @@ class MainWindow(QMainWindow):
         mono.setStyleHint(QFont.StyleHint.Monospace)
         self.inspection = QPlainTextEdit(readOnly=True)
         self.inspection.setFont(mono)
+        self.inspection.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
         self.inspection.setPlaceholderText("The inspection of the model's expert layers appears here.")
         self.transcript = QPlainTextEdit(readOnly=True)
         self.transcript.setPlaceholderText("Load a model, then type a message below.")
@@ -121,7 +122,10 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
         self.progress.setVisible(False)
-        self.model_label.setText(f"{info['model']}  (loaded in {info['load_s']:.2f} s; experts on the CPU)")
+        from engine.demo_model import DEMO_NAME
+
+        note = "  — the demo model: RANDOM weights, its text is meaningless" if info["model"].rstrip("/").endswith(DEMO_NAME) else ""
+        self.model_label.setText(f"{info['model']}  (loaded in {info['load_s']:.2f} s; experts on the CPU){note}")
         self.inspection.setPlainText(info["summary"])
 
     @Slot(str)
