@@ -1,0 +1,202 @@
+"""The offload configuration, in onnxruntime 1.32's vocabulary: `session.moe.offload.*` keys and
+value formats (shared/reference/offload-keys.md), so a configuration tuned here means the same
+thing to onnxruntime's own offload. Short names (without the prefix) are accepted too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from engine.errors import WorkbenchError
+
+PREFIX = "session.moe.offload."
+ALIASES = {"gpu_budget_bytes": "device_expert_bytes"}
+AUTO = None  # how 'auto' is held for byte budgets
+
+
+class OffloadConfigError(WorkbenchError):
+    """An offload key or value onnxruntime would refuse."""
+
+
+@dataclass(frozen=True)
+class NodeOverride:
+    max_resident_slots: int | None = None
+    device_expert_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    mode: str = "auto"                      # disabled | auto | required
+    placement: str = "adaptive"             # static | adaptive
+    cpu_execution: str = "auto"             # auto | enabled | disabled
+    device_expert_bytes: int | None = AUTO
+    reserve_device_bytes: int | None = AUTO
+    gpu_device_mem_limit: int = 0           # 0 = no limit
+    host_expert_bytes: int | None = AUTO
+    pinned_bytes: int | None = AUTO
+    device_working_bytes: int | None = None
+    host_working_bytes: int | None = None
+    allow_file_backing: bool = True
+    cpu_threads: int = 0                    # 0 = all cores
+    async_max_tokens: int = 8
+    prefill_wave_experts: int = 8
+    node_overrides: dict[str, NodeOverride] = field(default_factory=dict)
+    popularity_file: str | None = None
+    budget_group: str | None = None
+    source_root: str | None = None
+    derived_cache_dir: str | None = None
+    min_expert_weight: float = 0.0
+    skip_tail_cold_only: bool = False
+    skip_zero_cold_doorbell: bool = False
+    tail_substitution_threshold: float = 0.0
+    tail_substitution_min_rank: int = 1
+
+    @property
+    def approximate_routing(self) -> bool:
+        return self.min_expert_weight > 0 or self.tail_substitution_threshold > 0
+
+    @classmethod
+    def from_entries(cls, entries: dict[str, str]) -> "OffloadConfig":
+        """From key=value entries, full (`session.moe.offload.mode`) or short (`mode`) names."""
+        values = {}
+        for raw_key, raw_value in entries.items():
+            key = raw_key[len(PREFIX):] if raw_key.startswith(PREFIX) else raw_key
+            key = ALIASES.get(key, key)
+            parser = _PARSERS.get(key)
+            if parser is None:
+                raise OffloadConfigError(f"unknown offload key '{raw_key}' (known: {', '.join(sorted(_PARSERS))})")
+            try:
+                values[key] = parser(str(raw_value).strip())
+            except ValueError as exc:
+                raise OffloadConfigError(f"{PREFIX}{key}={raw_value!r}: {exc}") from None
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def updated(self, **changes) -> "OffloadConfig":
+        config = replace(self, **changes)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.tail_substitution_min_rank < 0:
+            raise OffloadConfigError(f"{PREFIX}tail_substitution_min_rank must be >= 0")
+
+    def to_entries(self) -> dict[str, str]:
+        """Every non-default setting as onnxruntime session config entries."""
+        default = OffloadConfig()
+        entries = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != getattr(default, f.name):
+                entries[PREFIX + f.name] = _format(f.name, value)
+        return entries
+
+
+# --- value parsers, one per onnxruntime value format ------------------------------------------
+
+def _choice(*options: str):
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return text
+    return parse
+
+
+def _int(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("expected an integer") from None
+        if value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}")
+        return value
+    return parse
+
+
+def _bytes_or_auto(text: str) -> int | None:
+    return AUTO if text == "auto" else _int(0)(text)
+
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError("expected 0 or 1")
+    return text == "1"
+
+
+def _float(low: float, high: float = math.inf):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("expected a number") from None
+        if not low <= value <= high or math.isnan(value):
+            raise ValueError(f"expected a number in [{low}, {high}]")
+        return value
+    return parse
+
+
+def _text(text: str) -> str:
+    if not text:
+        raise ValueError("expected a non-empty string")
+    return text
+
+
+def _node_overrides(text: str) -> dict[str, NodeOverride]:
+    """`node:max_resident_slots=N,device_expert_bytes=B;node2:...`"""
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        node, sep, settings = item.rpartition(":")
+        if not sep or not node:
+            raise ValueError(f"'{item}' is not node:key=value[,key=value]")
+        values = {}
+        for setting in settings.split(","):
+            key, eq, value = setting.partition("=")
+            key = key.strip()
+            if not eq or key not in ("max_resident_slots", "device_expert_bytes"):
+                raise ValueError(f"'{setting}' in '{item}': expected max_resident_slots=N or device_expert_bytes=B")
+            values[key] = _int(0)(value.strip())
+        overrides[node] = NodeOverride(**values)
+    return overrides
+
+
+_PARSERS = {
+    "mode": _choice("disabled", "auto", "required"),
+    "placement": _choice("static", "adaptive"),
+    "cpu_execution": _choice("auto", "enabled", "disabled"),
+    "device_expert_bytes": _bytes_or_auto,
+    "reserve_device_bytes": _bytes_or_auto,
+    "gpu_device_mem_limit": _int(0),
+    "host_expert_bytes": _bytes_or_auto,
+    "pinned_bytes": _bytes_or_auto,
+    "device_working_bytes": _int(1),
+    "host_working_bytes": _int(1),
+    "allow_file_backing": _flag,
+    "cpu_threads": _int(0),
+    "async_max_tokens": _int(0),
+    "prefill_wave_experts": _int(1),
+    "node_overrides": _node_overrides,
+    "popularity_file": _text,
+    "budget_group": _text,
+    "source_root": _text,
+    "derived_cache_dir": _text,
+    "min_expert_weight": _float(0.0, 1.0),
+    "skip_tail_cold_only": _flag,
+    "skip_zero_cold_doorbell": _flag,
+    "tail_substitution_threshold": _float(0.0),
+    "tail_substitution_min_rank": _int(0),
+}
+
+
+def _format(key: str, value) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if key == "node_overrides":
+        return ";".join(
+            f"{node}:" + ",".join(f"{k}={v}" for k, v in vars(o).items() if v is not None)
+            for node, o in value.items())
+    return str(value)

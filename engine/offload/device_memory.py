@@ -1,0 +1,45 @@
+"""Byte accounting for a device: every allocation the engine makes is counted against the
+device's free memory and the user's hard cap (gpu_device_mem_limit), with a high-water mark."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import WorkbenchError
+
+
+class DeviceMemoryError(WorkbenchError):
+    """An allocation that would pass the device's memory or the user's limit."""
+
+
+@dataclass
+class DeviceMemory:
+    capacity: int            # bytes the device has for this process
+    limit: int = 0           # gpu_device_mem_limit; 0 = no limit
+    used: int = 0
+    high_water: int = 0
+    by_purpose: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ceiling(self) -> int:
+        return min(self.capacity, self.limit) if self.limit else self.capacity
+
+    @property
+    def available(self) -> int:
+        return max(0, self.ceiling - self.used)
+
+    def reserve(self, nbytes: int, purpose: str) -> None:
+        if nbytes < 0:
+            raise ValueError("negative allocation")
+        if self.used + nbytes > self.ceiling:
+            what = "gpu_device_mem_limit" if self.limit and self.limit < self.capacity else "the device's memory"
+            raise DeviceMemoryError(
+                f"device allocation of {nbytes} bytes for {purpose} would exceed {what} "
+                f"({self.used} of {self.ceiling} bytes in use)")
+        self.used += nbytes
+        self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) + nbytes
+        self.high_water = max(self.high_water, self.used)
+
+    def release(self, nbytes: int, purpose: str) -> None:
+        self.used -= nbytes
+        self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) - nbytes

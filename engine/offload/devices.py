@@ -1,0 +1,72 @@
+"""Where resident experts live. The simulated device has the same interface as a GPU: byte
+accounting, per-node slots, a copy-cost model; it computes with the CPU kernels, so CI (no GPU)
+and "what if I had an 8 GB card?" run the real offload logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.offload.device_memory import DeviceMemory
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bytes per second, measured at start-up on a real device, assumed on the simulated one."""
+    pcie: float = 25e9        # host -> device copies from pinned memory, bytes/s
+    hbm: float = 1000e9       # device reads of resident weights, bytes/s
+    cpu: float = 40e9         # CPU expert kernels reading host weights (decode), bytes/s
+    cpu_flops: float = 500e9  # CPU expert kernels on many tokens (prefill), FLOP/s
+
+
+class SimulatedSlots:
+    """One expert node's slots on the simulated device: slot -> expert, computed by the CPU kernel."""
+
+    def __init__(self, device: "SimulatedDevice", name: str, kernel, expert_bytes: int, num_slots: int):
+        self.device, self.name, self.kernel, self.expert_bytes = device, name, kernel, expert_bytes
+        self.num_slots = 0
+        self.resize(num_slots)
+
+    def resize(self, num_slots: int) -> None:
+        delta = (num_slots - self.num_slots) * self.expert_bytes
+        if delta > 0:
+            self.device.memory.reserve(delta, f"expert slots of {self.name}")
+        elif delta < 0:
+            self.device.memory.release(-delta, f"expert slots of {self.name}")
+        self.num_slots = num_slots
+
+    def load(self, slot: int, expert: int) -> float:
+        """Copy one expert into a slot; returns the modelled copy time."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"{self.name}: slot {slot} of {self.num_slots}")
+        return self.device.copy_seconds(self.expert_bytes)
+
+    def stage(self, experts: np.ndarray) -> float:
+        """Copy cold experts into the staging ring for one wave; returns the modelled copy time."""
+        return self.device.copy_seconds(len(experts) * self.expert_bytes)
+
+    def compute(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, out: np.ndarray) -> float:
+        """Add the resident experts' weighted outputs into `out`; returns the modelled device time."""
+        self.kernel.run_experts(x2d, expert_ids, weights, out=out)
+        distinct = np.unique(expert_ids[expert_ids >= 0]).size
+        return distinct * self.expert_bytes / self.device.bandwidths.hbm
+
+
+class SimulatedDevice:
+    kind = "simulated"
+
+    def __init__(self, total_bytes: int = 8 * GIB, mem_limit: int = 0, bandwidths: Bandwidths = Bandwidths(),
+                 name: str | None = None):
+        self.memory = DeviceMemory(capacity=total_bytes, limit=mem_limit)
+        self.bandwidths = bandwidths
+        self.name = name or f"simulated GPU, {total_bytes / GIB:.1f} GiB"
+
+    def copy_seconds(self, nbytes: int) -> float:
+        return nbytes / self.bandwidths.pcie
+
+    def create_slots(self, name: str, kernel, expert_bytes: int, num_slots: int) -> SimulatedSlots:
+        return SimulatedSlots(self, name, kernel, expert_bytes, num_slots)

@@ -1,0 +1,120 @@
+"""The offload engine: owns each expert node's device slots, the placement policy and the
+statistics; re-plans on a loaded model when budgets change."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import WorkbenchError
+from engine.expert_node import CpuExpertNode
+from engine.offload.config import OffloadConfig
+from engine.offload.placement import LayerSlots, make_policy
+from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
+from engine.offload.stats import OffloadStats
+
+
+def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray]:
+    """popularity_file: JSON {node name: [count per expert]}; nodes it omits count as uniform."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise WorkbenchError(f"{path}: cannot read the popularity file ({exc})") from None
+    counts = []
+    for name, count in zip(names, experts):
+        row = np.asarray(data.get(name, [1.0] * count), dtype=np.float64)
+        if row.shape != (count,):
+            raise WorkbenchError(f"{path}: node '{name}' has {row.size} counts, the node has {count} experts")
+        counts.append(row)
+    return counts
+
+
+class OffloadEngine:
+    def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device):
+        self.runners = runners
+        self.infos = [runner.info for runner in runners]
+        self.device = device
+        self.stats = OffloadStats()
+        self.stats.reset(len(runners))
+        self.config = config
+        self.wave_experts = self._reserve_staging(config) if device is not None and config.mode != "disabled" else 0
+        self.plan: OffloadPlan = plan_offload(config, self.infos, device)
+        if self.wave_experts:
+            self.plan.statements.append(
+                f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
+        self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
+        self.stores = [device.create_slots(info.name, runner.kernel, info.bytes_per_expert, self.plan.slots[info.name])
+                       if device is not None else None for info, runner in zip(self.infos, runners)]
+        self._make_policy()
+
+    def _reserve_staging(self, config: OffloadConfig) -> int:
+        """A double-buffered staging ring for prefill waves (and for every miss when cpu_execution
+        is disabled), taken before the expert budget. Returns the experts per wave."""
+        largest = max(info.bytes_per_expert for info in self.infos)
+        wave = min(config.prefill_wave_experts, self.device.memory.available // (2 * largest))
+        if wave == 0 and config.cpu_execution == "disabled":
+            raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
+                                   f"({2 * largest} bytes double-buffered)")
+        if wave:
+            self.device.memory.reserve(2 * wave * largest, "prefill staging ring")
+        return wave
+
+    def _make_policy(self) -> None:
+        popularity = None
+        if self.config.popularity_file:
+            popularity = load_popularity(self.config.popularity_file, [i.name for i in self.infos],
+                                         [i.spec.num_experts for i in self.infos])
+        self.policy = make_policy(self.config.placement, self.slots, popularity)
+        if self.plan.placement_mode == "all_resident" or popularity is not None:
+            self._apply(self.policy.initial() if popularity is not None else self._fill_all())
+
+    def _fill_all(self):
+        from engine.offload.placement import Swap
+
+        swaps = []
+        for index, layer in enumerate(self.slots):
+            cold = iter(np.flatnonzero(layer.slot_of < 0))
+            for slot in np.flatnonzero(layer.expert_in < 0):
+                expert = int(next(cold))
+                layer.place(int(slot), expert)
+                swaps.append(Swap(index, int(slot), None, expert))
+        return swaps
+
+    def _apply(self, swaps) -> None:
+        for swap in swaps:
+            seconds = self.stores[swap.layer].load(swap.slot, swap.loaded)
+            layer = self.stats.layers[swap.layer]
+            layer.copy_bytes += self.infos[swap.layer].bytes_per_expert
+            layer.copy_s += seconds
+            layer.swaps += 1
+
+    def end_step(self) -> None:
+        """A safe point between decoder steps: placement may move experts now."""
+        self.stats.steps += 1
+        if self.device is not None:
+            self._apply(self.policy.rebalance())
+
+    def reconfigure(self, config: OffloadConfig) -> None:
+        """Apply new budgets or policy on the loaded model, without reloading."""
+        if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
+            raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
+        for store in self.stores:  # release first so the new plan sees the whole budget
+            if store is not None:
+                store.resize(0)
+        self.plan = plan_offload(config, self.infos, self.device)
+        for index, info in enumerate(self.infos):
+            count = self.plan.slots[info.name]
+            self.slots[index].resize(count)
+            if self.stores[index] is not None:
+                self.stores[index].resize(count)
+        old_scores = self.policy.scores
+        self.config = config
+        self._make_policy()
+        if config.placement == "adaptive" and len(old_scores) == len(self.policy.scores):
+            self.policy.scores = old_scores  # what placement learnt so far still holds
+
+    def resident_map(self) -> list[np.ndarray]:
+        """Per layer, a bool per expert: resident on the device."""
+        return [layer.slot_of >= 0 for layer in self.slots]

@@ -1,0 +1,73 @@
+"""An expert node run with hybrid offload: resident experts on the device, cold ones on the CPU
+or streamed to the device in waves, results merged. Drop-in for CpuExpertNode in the decoder."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engine.expert_node import CpuExpertNode
+from kernels.cpu.routing import route
+
+
+class HybridExpertNode:
+    def __init__(self, runner: CpuExpertNode, layer: int, engine):
+        self.info = runner.info
+        self.kernel = runner.kernel
+        self.layer = layer
+        self.engine = engine
+
+    def run(self, values: dict[str, np.ndarray]) -> np.ndarray:
+        inputs = self.info.activation_inputs
+        x = values[inputs["input"]]
+        router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
+        spec = self.info.spec
+        x2d = np.ascontiguousarray(x.reshape(-1, spec.hidden_size))
+        ids, weights = route(values[inputs["router_probs"]], spec, router_weights)
+        resident = self.engine.slots[self.layer].slot_of[ids] >= 0
+        stats = self.engine.stats.layers[self.layer]
+        stats.hits += int(np.count_nonzero(resident))
+        stats.misses += int(resident.size - np.count_nonzero(resident))
+
+        out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
+        store = self.engine.stores[self.layer]
+        if store is not None and resident.any():
+            stats.device_s += store.compute(x2d, np.where(resident, ids, -1), weights, out)
+        cold = np.where(resident, -1, ids)
+        if store is not None:
+            for wave in self._waves(cold):
+                stats.copy_s += store.stage(wave)
+                stats.copy_bytes += len(wave) * store.expert_bytes
+                in_wave = np.isin(cold, wave)
+                stats.device_s += store.compute(x2d, np.where(in_wave, cold, -1), weights, out)
+                cold = np.where(in_wave, -1, cold)
+        if (cold >= 0).any():
+            started = time.perf_counter()
+            self.kernel.run_experts(x2d, cold, weights, out=out)
+            stats.cpu_s += time.perf_counter() - started
+        self.engine.policy.observe(self.layer, ids.reshape(-1))
+        return out.astype(x.dtype, copy=False).reshape(x.shape)
+
+    def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
+        """Cold experts worth running on the device, in waves that fit the staging ring."""
+        experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
+        wave = self.engine.wave_experts
+        if experts.size == 0 or wave == 0:
+            return []
+        config = self.engine.config
+        if config.cpu_execution != "disabled":
+            if cold.shape[0] <= config.async_max_tokens:
+                return []  # decode: misses run on the CPU while the device computes the residents
+            # Prefill: stream an expert when copying it costs less than computing its tokens on the CPU.
+            bw = self.engine.device.bandwidths
+            expert_bytes = self.info.bytes_per_expert
+            flops_per_token = 2 * self._weights_per_expert()
+            worth = tokens * flops_per_token / bw.cpu_flops > expert_bytes / bw.pcie
+            experts = experts[worth]
+        return [experts[i:i + wave] for i in range(0, experts.size, wave)]
+
+    def _weights_per_expert(self) -> int:
+        spec = self.info.spec
+        return spec.fc1_rows * spec.hidden_size + spec.hidden_size * spec.inter_size + (
+            spec.inter_size * spec.hidden_size if spec.has_fc3 else 0)

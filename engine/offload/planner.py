@@ -1,0 +1,93 @@
+"""From budgets to slots: how many experts of each node live on the device, and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import WorkbenchError
+from engine.expert_node import ExpertNodeInfo
+from engine.offload.config import OffloadConfig
+from engine.units import human_bytes
+
+# Kept free for KV cache, state and workspace when the automatic budget is computed and the user
+# gave no reserve_device_bytes: a tenth of the device, at least 512 MiB.
+AUTO_RESERVE_FRACTION = 0.10
+AUTO_RESERVE_MIN = 512 << 20
+
+
+class OffloadPlanError(WorkbenchError):
+    """A configuration that cannot be honoured (required mode, a budget too small)."""
+
+
+@dataclass
+class OffloadPlan:
+    placement_mode: str                  # "cpu_only", "all_resident" or "hybrid"
+    budget_bytes: int
+    slots: dict[str, int] = field(default_factory=dict)   # node name -> slots
+    statements: list[str] = field(default_factory=list)   # plain sentences for the user
+
+    def device_bytes(self, experts: list[ExpertNodeInfo]) -> int:
+        return sum(self.slots.get(info.name, 0) * info.bytes_per_expert for info in experts)
+
+
+def automatic_budget(config: OffloadConfig, available: int) -> int:
+    reserve = config.reserve_device_bytes
+    if reserve is None:
+        reserve = max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * available))
+    return max(0, available - reserve)
+
+
+def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -> OffloadPlan:
+    unsupported = [info for info in experts if info.spec is None]
+    if config.mode == "required" and unsupported:
+        raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in unsupported))
+    if device is None or config.mode == "disabled":
+        if config.mode == "required":
+            raise OffloadPlanError("offload mode 'required' but no GPU device is in use (--device cuda or simulated)")
+        why = "offload is disabled" if config.mode == "disabled" else "no GPU device is in use"
+        return OffloadPlan("cpu_only", 0, {info.name: 0 for info in experts},
+                           [f"All experts run on the CPU: {why}."])
+
+    available = device.memory.available
+    budget = config.device_expert_bytes if config.device_expert_bytes is not None else automatic_budget(config, available)
+    clamped = budget > available
+    if clamped:
+        if config.mode == "required":
+            raise OffloadPlanError(f"device_expert_bytes={budget} exceeds the {available} bytes the device has free")
+        budget = available
+    limits = {}
+    for info in experts:
+        override = config.node_overrides.get(info.name)
+        cap = info.spec.num_experts
+        if override and override.max_resident_slots is not None:
+            cap = min(cap, override.max_resident_slots)
+        if override and override.device_expert_bytes is not None:
+            cap = min(cap, override.device_expert_bytes // max(1, info.bytes_per_expert))
+        limits[info.name] = cap
+
+    if config.mode == "required" and budget < min(i.bytes_per_expert for i in experts):
+        raise OffloadPlanError(f"offload mode 'required': the expert budget of {budget} bytes holds no expert "
+                               f"(the smallest needs {min(i.bytes_per_expert for i in experts)} bytes)")
+    slots = {info.name: 0 for info in experts}
+    spent = 0
+    # Even slot counts across layers (each token visits every layer), then leftovers layer by layer.
+    grew = True
+    while grew:
+        grew = False
+        for info in experts:
+            if slots[info.name] < limits[info.name] and spent + info.bytes_per_expert <= budget:
+                slots[info.name] += 1
+                spent += info.bytes_per_expert
+                grew = True
+    total_experts = sum(info.spec.num_experts for info in experts)
+    resident = sum(slots.values())
+    mode = "all_resident" if resident == total_experts else "hybrid"
+    statements = [f"{resident} of {total_experts} experts resident on the {device.name} "
+                  f"({human_bytes(spent)} of a {human_bytes(budget)} expert budget)."]
+    if clamped:
+        statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has free; "
+                          f"the budget is {human_bytes(budget)}.")
+    if mode == "hybrid":
+        statements.append("Cold experts that routing hits during decode run on the CPU." if config.cpu_execution != "disabled"
+                          else "Cold experts that routing hits are copied to the device before they run.")
+    return OffloadPlan(mode, budget, slots, statements)

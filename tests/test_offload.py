@@ -1,0 +1,212 @@
+"""Hybrid offload on the simulated device: same answers as the all-CPU run at every budget,
+budgets enforced, placement that finds the hot set, re-planning without a reload."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.offload.config import OffloadConfigError
+from engine.offload.device_memory import DeviceMemoryError
+from engine.offload.placement import AdaptivePlacement, LayerSlots
+from engine.offload.planner import OffloadPlanError, plan_offload
+from engine.offload.traces import hit_rate, realistic_trace
+from engine.writer import WriterSpec, write_model
+from tests.test_bad_input import assert_clean_error, run_cli
+
+SPEC = WriterSpec(layers=3, num_experts=16, top_k=4, hidden_size=128, inter_size=64, seed=21, dense_accuracy_level=0)
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("offload") / "m", SPEC)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(model_folder):
+    return greedy_run(LoadedModel.open(model_folder))
+
+
+def greedy_run(model: LoadedModel, prompt: str = "The expert offload engine must be exact.", steps: int = STEPS):
+    state = model.new_state()
+    logits = [model.decoder.forward(state, model.tokenizer.encode(prompt))]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(logits[-1][-1].argmax()))
+        logits.append(model.decoder.forward(state, [tokens[-1]]))
+    return logits, tokens
+
+
+def expert_bytes(model_folder) -> int:
+    return LoadedModel.open(model_folder).folder.expert_bytes
+
+
+@pytest.mark.parametrize("placement", ["static", "adaptive"])
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
+@pytest.mark.parametrize("cpu_execution", ["auto", "disabled"])
+def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fraction, cpu_execution):
+    budget = int(fraction * expert_bytes(model_folder))
+    config = OffloadConfig(placement=placement, device_expert_bytes=budget, cpu_execution=cpu_execution)
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, offload=config, device=device)
+    logits, tokens = greedy_run(model)
+    ref_logits, ref_tokens = cpu_run
+    assert tokens == ref_tokens
+    for ours, ref in zip(logits, ref_logits):
+        assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5
+    stats = model.offload.stats.totals()
+    assert stats.hits + stats.misses == (STEPS + 1 + 8) * 0 + stats.hits + stats.misses  # counted every step
+    if fraction == 1.0:
+        assert model.offload.plan.placement_mode == "all_resident" and stats.misses == 0
+    if fraction == 0.0:
+        assert stats.hits == 0 and model.offload.plan.placement_mode == "hybrid"
+    if cpu_execution == "disabled":
+        assert stats.cpu_s == 0.0  # every cold expert went to the device
+
+
+def test_high_water_mark_never_exceeds_the_limit(model_folder):
+    total = expert_bytes(model_folder)
+    limit = total // 2
+    device = SimulatedDevice(1 << 30, mem_limit=limit)
+    config = OffloadConfig(gpu_device_mem_limit=limit, reserve_device_bytes=0)
+    model = LoadedModel.open(model_folder, offload=config, device=device)
+    greedy_run(model, steps=4)
+    assert 0 < device.memory.high_water <= limit
+    with pytest.raises(DeviceMemoryError, match="gpu_device_mem_limit"):
+        device.memory.reserve(limit, "a test allocation")
+    assert device.memory.high_water <= limit
+
+
+def test_required_mode_names_the_unsupported_node(copy_fixture):
+    import onnx
+
+    folder = copy_fixture("gptoss")
+    proto = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    node = next(n for n in proto.graph.node if n.op_type == "QMoE")
+    next(a for a in node.attribute if a.name == "expert_weight_bits").i = 5
+    onnx.save(proto, str(folder / "model.onnx"))
+    result = run_cli("inspect", str(folder), "--device", "simulated", "--offload", "mode=required")
+    assert_clean_error(result, "required", node.name, "bits 5")
+
+
+def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
+    from engine.model_folder import ModelFolder
+
+    experts = ModelFolder.open(model_folder).experts
+    with pytest.raises(OffloadPlanError, match="holds no expert"):
+        plan_offload(OffloadConfig(mode="required", device_expert_bytes=10), experts, SimulatedDevice(1 << 30))
+
+
+def test_adaptive_placement_reaches_the_hot_set():
+    """A skewed workload (a hot set of 6 of 32 experts takes 90% of routing, with recency): once
+    warmed, the resident set is exactly the hot set and nearly every hit is resident."""
+    rng = np.random.default_rng(0)
+    hot = rng.choice(32, 6, replace=False)
+    layer = LayerSlots(32, 6)
+    policy = AdaptivePlacement([layer])
+    hits = total = 0
+    for step in range(400):
+        pool = hot if rng.random() < 0.9 else np.setdiff1d(np.arange(32), hot)
+        ids = rng.choice(pool, 2, replace=False)
+        if step >= 100:
+            hits += np.count_nonzero(layer.slot_of[ids] >= 0)
+            total += ids.size
+        policy.observe(0, ids)
+        policy.rebalance()
+    assert set(layer.resident()) == set(hot.tolist())
+    assert hits / total >= 0.85
+
+
+def test_adaptive_beats_static_on_realistic_routing():
+    trace = realistic_trace(600, 2, 64, 8, seed=5)
+    adaptive, static = hit_rate("adaptive", trace, 64, 32), hit_rate("static", trace, 64, 32)
+    assert adaptive > static + 0.2 and adaptive > 0.8
+
+
+def test_budget_change_takes_effect_without_reload(model_folder, cpu_run):
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0), device=device)
+    segments_before = [id(step) for step in model.decoder.steps]
+    assert sum(model.offload.plan.slots.values()) == 0
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=expert_bytes(model_folder)))
+    assert [id(step) for step in model.decoder.steps] == segments_before  # nothing was rebuilt
+    assert model.offload.plan.placement_mode == "all_resident"
+    model.offload.stats.reset(len(model.offload.slots))
+    logits, tokens = greedy_run(model)
+    assert tokens == cpu_run[1]
+    assert model.offload.stats.totals().misses == 0 and model.offload.stats.totals().hits > 0
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=0))
+    assert device.memory.by_purpose.get("expert slots of /model/layers.0/moe/QMoE") == 0
+
+
+def test_gpu_mem_limit_cannot_change_on_a_loaded_model(model_folder):
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
+    with pytest.raises(Exception, match="gpu_device_mem_limit"):
+        model.offload.reconfigure(model.offload.config.updated(gpu_device_mem_limit=1 << 20))
+
+
+def test_prefill_streams_busy_cold_experts_in_waves(model_folder, cpu_run):
+    device = SimulatedDevice(1 << 30)
+    config = OffloadConfig(device_expert_bytes=0, prefill_wave_experts=3)
+    model = LoadedModel.open(model_folder, offload=config, device=device)
+    prompt = " ".join(["many tokens make the prompt long enough to stream experts"] * 6)
+    state = model.new_state()
+    logits = model.decoder.forward(state, model.tokenizer.encode(prompt))
+    totals = model.offload.stats.totals()
+    assert totals.copy_bytes > 0 and totals.device_s > 0  # experts went to the device through the ring
+    assert device.memory.by_purpose["prefill staging ring"] == 2 * 3 * max(
+        i.bytes_per_expert for i in model.offload.infos)
+    reference = LoadedModel.open(model_folder)
+    expected = reference.decoder.forward(reference.new_state(), reference.tokenizer.encode(prompt))
+    assert np.abs(logits - expected).max() / np.abs(expected).max() <= 1e-5
+
+
+def test_static_placement_from_a_popularity_file(model_folder, tmp_path):
+    from engine.model_folder import ModelFolder
+
+    names = [info.name for info in ModelFolder.open(model_folder).experts]
+    counts = {name: [0] * 16 for name in names}
+    for name in names:
+        counts[name][3] = counts[name][7] = 100
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps(counts))
+    per_expert = expert_bytes(model_folder) // (16 * len(names))
+    config = OffloadConfig(placement="static", popularity_file=str(path), device_expert_bytes=2 * len(names) * per_expert)
+    model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    assert all(set(layer.resident()) == {3, 7} for layer in model.offload.slots)
+
+
+# --- configuration in onnxruntime's vocabulary ---------------------------------------------------
+
+def test_config_accepts_full_and_short_names_and_the_alias():
+    config = OffloadConfig.from_entries({
+        "session.moe.offload.mode": "required", "placement": "static", "gpu_budget_bytes": "1000",
+        "node_overrides": "/model/layers.0/moe/QMoE:max_resident_slots=4,device_expert_bytes=2048;n2:max_resident_slots=1",
+        "min_expert_weight": "0.05", "allow_file_backing": "0"})
+    assert config.mode == "required" and config.placement == "static" and config.device_expert_bytes == 1000
+    assert config.node_overrides["/model/layers.0/moe/QMoE"].max_resident_slots == 4
+    assert config.node_overrides["n2"].device_expert_bytes is None
+    entries = config.to_entries()
+    assert entries["session.moe.offload.device_expert_bytes"] == "1000"
+    assert OffloadConfig.from_entries(entries) == config
+    assert OffloadConfig.from_entries({"device_expert_bytes": "auto"}).device_expert_bytes is None
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("mode", "sometimes", "expected one of disabled, auto, required"),
+    ("device_expert_bytes", "-5", ">= 0"),
+    ("min_expert_weight", "1.5", "[0.0, 1.0]"),
+    ("allow_file_backing", "yes", "expected 0 or 1"),
+    ("prefill_wave_experts", "0", ">= 1"),
+    ("node_overrides", "n:slots=3", "max_resident_slots=N"),
+    ("session.moe.offload.turbo", "1", "unknown offload key"),
+])
+def test_config_rejects_what_onnxruntime_rejects(key, value, message):
+    with pytest.raises(OffloadConfigError) as error:
+        OffloadConfig.from_entries({key: value})
+    assert message in str(error.value) and (key in str(error.value))
