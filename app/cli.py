@@ -23,6 +23,7 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="list every expert node, its layout and bytes, and whether it runs")
     inspect.add_argument("model")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_device_arguments(inspect)
 
     gen = commands.add_parser("generate", help="generate text for a prompt")
     gen.add_argument("model")
@@ -42,6 +43,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     gen.add_argument("--threads", type=int, help="CPU threads for expert kernels (default: all cores)")
+    _add_device_arguments(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per answer: prompt_tokens, tokens, text, timings")
 
@@ -63,11 +65,51 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=["cpu", "simulated", "cuda"], default="cpu",
+                        help="where resident experts live: cpu (none), a simulated GPU, or the CUDA GPU")
+    parser.add_argument("--offload", action="append", default=[], metavar="KEY=VALUE",
+                        help="an offload setting in onnxruntime's vocabulary (session.moe.offload.KEY; "
+                             "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
+    parser.add_argument("--simulated-vram", type=int, default=8 << 30, metavar="BYTES",
+                        help="memory of the simulated GPU (default 8 GiB)")
+
+
+def _offload_setup(args):
+    """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs."""
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    entries = {}
+    for item in args.offload:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise WorkbenchError(f"--offload {item!r}: expected KEY=VALUE")
+        entries[key.strip()] = value.strip()
+    if args.device == "cpu" and not entries:
+        return None, None
+    config = OffloadConfig.from_entries(entries)
+    if args.device == "simulated":
+        return config, SimulatedDevice(args.simulated_vram, mem_limit=config.gpu_device_mem_limit)
+    if args.device == "cuda":
+        from engine.offload.cuda_device import open_cuda_device
+
+        return config, open_cuda_device(mem_limit=config.gpu_device_mem_limit)
+    return config, None
+
+
 def _cmd_inspect(args) -> int:
     from app.inspect_report import format_inspection, inspection
     from engine.model_folder import ModelFolder
 
-    report = inspection(ModelFolder.open(args.model))
+    folder = ModelFolder.open(args.model)
+    report = inspection(folder)
+    config, device = _offload_setup(args)
+    if config is not None:
+        from engine.offload.planner import plan_offload
+
+        plan = plan_offload(config, folder.experts, device)
+        report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
+                             "slots": plan.slots, "statements": plan.statements}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
     return 0 if report["supported"] else 1
 
@@ -89,11 +131,17 @@ def _generation_params(args):
     return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))
 
 
-def _print_result(result, load_s: float, as_json: bool) -> None:
+def _print_result(result, model, as_json: bool) -> None:
     if as_json:
-        timings = {"load_s": load_s, **result.timings.as_dict()}
-        print(json.dumps({"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
-                          "finish_reason": result.finish_reason, "timings": timings}), flush=True)
+        timings = {"load_s": model.load_s, **result.timings.as_dict()}
+        answer = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
+                  "finish_reason": result.finish_reason, "timings": timings}
+        if model.offload is not None:
+            answer["offload"] = {"statements": model.offload.plan.statements, **model.offload.stats.as_dict()}
+        if result.routing_agreement is not None:
+            answer["routing_agreement"] = result.routing_agreement
+            answer["offload"]["approximation"] = vars(model.offload.approximation)
+        print(json.dumps(answer), flush=True)
     else:
         t = result.timings
         print(f"\n[{t.generated_tokens} tokens, first after {t.time_to_first_token_s * 1000:.0f} ms, "
@@ -107,19 +155,20 @@ def _cmd_generate(args) -> int:
     params = _generation_params(args)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
-    model = LoadedModel.open(args.model, threads=args.threads)
+    config, device = _offload_setup(args)
+    model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device)
     stream = None if args.json else (lambda _token, delta: print(delta, end="", flush=True))
     cancel = threading.Event()
     if args.raw:
         ids = model.tokenizer.encode(args.prompt)
         result = generate(model, model.new_state(), [], ids, params, stream, cancel)
-        _print_result(result, model.load_s, args.json)
+        _print_result(result, model, args.json)
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
     while True:
         result = conversation.send(prompt, params, stream, cancel)
-        _print_result(result, model.load_s, args.json)
+        _print_result(result, model, args.json)
         if not args.chat:
             return 0
         line = sys.stdin.readline()

@@ -12,6 +12,8 @@ from engine.decoder import PartitionedDecoder
 from engine.decoder_state import DecoderState
 from engine.errors import PromptError, UnsupportedModelError
 from engine.model_folder import ModelFolder
+from engine.offload import OffloadConfig, attach_offload
+from engine.offload.approximate import AgreementMeter
 from engine.sampling import Sampler, SamplingParams
 from engine.tokenizer import StreamDecoder
 
@@ -56,13 +58,15 @@ class GenerationResult:
     finish_reason: str  # "eos", "length", "stop_string", "cancelled", "context"
     timings: Timings
     reused_cache_tokens: int = 0
+    routing_agreement: float | None = None  # with approximate routing: greedy-token agreement with exact routing
 
 
 class LoadedModel:
     """A model ready to generate: the partitioned decoder built and timed."""
 
     def __init__(self, folder: ModelFolder, threads: int | None = None,
-                 progress: Callable[[float], None] | None = None):
+                 progress: Callable[[float], None] | None = None, offload: OffloadConfig | None = None,
+                 device=None):
         problems = folder.unsupported()
         if problems:
             raise UnsupportedModelError(problems[0] + (f" (and {len(problems) - 1} more nodes)" if len(problems) > 1 else ""))
@@ -71,11 +75,15 @@ class LoadedModel:
         self.config = folder.config
         self.tokenizer = folder.tokenizer
         self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads, progress)
+        self.offload = None
+        if offload is not None:
+            self.offload = attach_offload(self.decoder, offload, device)
         self.load_s = time.perf_counter() - started
 
     @classmethod
-    def open(cls, path, threads: int | None = None, progress=None) -> "LoadedModel":
-        return cls(ModelFolder.open(path), threads, progress)
+    def open(cls, path, threads: int | None = None, progress=None, offload: OffloadConfig | None = None,
+             device=None) -> "LoadedModel":
+        return cls(ModelFolder.open(path), threads, progress, offload, device)
 
     def new_state(self) -> DecoderState:
         return DecoderState(self.config, self.folder.onnx.proto.graph)
@@ -109,8 +117,13 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     stream = StreamDecoder(model.tokenizer)
     eos = model.eos_ids
     timings = Timings(prompt_tokens=len(prompt_tokens))
+    meter = None
+    if model.offload is not None and model.offload.config.approximate_routing:
+        meter = AgreementMeter(model, fed_tokens)
     started = time.perf_counter()
     logits = decoder.forward(state, prompt_tokens)[-1]
+    if meter:
+        meter.step(prompt_tokens, logits)
     fed_tokens.extend(prompt_tokens)
     timings.prefill_s = time.perf_counter() - started
     generated: list[int] = []
@@ -140,6 +153,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             finish = "context"
             break
         logits = decoder.forward(state, [token])[-1]
+        if meter:
+            meter.step([token], logits)
         fed_tokens.append(token)
     now = time.perf_counter()
     timings.decode_s = now - decode_started if decode_started else 0.0
@@ -149,7 +164,10 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     for stop in params.stop_strings:
         if stop in text:
             text = text[:text.index(stop)]
-    return GenerationResult(list(prompt_tokens), generated, text, finish, timings)
+    result = GenerationResult(list(prompt_tokens), generated, text, finish, timings)
+    if meter:
+        result.routing_agreement = meter.agreement
+    return result
 
 
 @dataclass

@@ -210,3 +210,40 @@ def test_config_rejects_what_onnxruntime_rejects(key, value, message):
     with pytest.raises(OffloadConfigError) as error:
         OffloadConfig.from_entries({key: value})
     assert message in str(error.value) and (key in str(error.value))
+
+
+# --- approximate routing -------------------------------------------------------------------------
+
+def test_approximate_routing_is_measured_and_changes_only_cold_tail_experts(model_folder):
+    from engine.generation import GenerationParams, generate
+
+    config = OffloadConfig(device_expert_bytes=expert_bytes(model_folder) // 4, min_expert_weight=0.3,
+                           skip_tail_cold_only=True)
+    model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Approximate routing on"),
+                      GenerationParams(max_new_tokens=10))
+    assert result.routing_agreement is not None and 0.0 <= result.routing_agreement <= 1.0
+    assert model.offload.approximation.dropped > 0
+    exact = LoadedModel.open(model_folder, offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
+    plain = generate(exact, exact.new_state(), [], exact.tokenizer.encode("Approximate routing on"),
+                     GenerationParams(max_new_tokens=10))
+    assert plain.routing_agreement is None
+
+
+def test_approximation_rules():
+    from engine.offload.approximate import ApproximationCounts, approximate_routing
+
+    ids = np.array([[0, 1, 2], [3, 4, 5]])
+    weights = np.array([[0.6, 0.3, 0.1], [0.5, 0.45, 0.05]], np.float32)
+    slot_of = np.array([0, -1, -1, 1, 2, -1, 3, -1])  # resident: 0, 3, 4, 6
+    logits = np.arange(16, dtype=np.float32).reshape(2, 8)
+    counts = ApproximationCounts()
+    dropped = approximate_routing(ids, weights, logits, slot_of, OffloadConfig(min_expert_weight=0.2), counts)
+    assert dropped.tolist() == [[0, 1, -1], [3, 4, -1]] and counts.dropped == 2
+    cold_only = approximate_routing(ids, weights, logits, slot_of,
+                                    OffloadConfig(min_expert_weight=0.5, skip_tail_cold_only=True), counts)
+    assert cold_only.tolist() == [[0, -1, -1], [3, 4, -1]]  # 4 is resident: kept despite its weight
+    substituted = approximate_routing(ids, weights, logits, slot_of,
+                                      OffloadConfig(tail_substitution_threshold=0.2, tail_substitution_min_rank=2),
+                                      counts)
+    assert substituted.tolist() == [[0, 1, 6], [3, 4, 6]]  # rank-2 cold tails -> best free resident (6)

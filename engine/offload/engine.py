@@ -4,12 +4,14 @@ statistics; re-plans on a loaded model when budgets change."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode
+from engine.offload.approximate import ApproximationCounts
 from engine.offload.config import OffloadConfig
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
@@ -37,6 +39,8 @@ class OffloadEngine:
         self.infos = [runner.info for runner in runners]
         self.device = device
         self.stats = OffloadStats()
+        self.shadow = False
+        self.approximation = ApproximationCounts()
         self.stats.reset(len(runners))
         self.config = config
         self.wave_experts = self._reserve_staging(config) if device is not None and config.mode != "disabled" else 0
@@ -90,8 +94,25 @@ class OffloadEngine:
             layer.copy_s += seconds
             layer.swaps += 1
 
+    @contextmanager
+    def exact_routing(self):
+        """Within: no approximate routing, no placement moves, no statistics (the agreement
+        meter's shadow pass)."""
+        saved = self.shadow
+        self.shadow = True
+        try:
+            yield
+        finally:
+            self.shadow = saved
+
+    @property
+    def approximating(self) -> bool:
+        return self.config.approximate_routing and not self.shadow
+
     def end_step(self) -> None:
         """A safe point between decoder steps: placement may move experts now."""
+        if self.shadow:
+            return
         self.stats.steps += 1
         if self.device is not None:
             self._apply(self.policy.rebalance())

@@ -8,6 +8,8 @@ import time
 import numpy as np
 
 from engine.expert_node import CpuExpertNode
+from engine.offload.approximate import approximate_routing
+from engine.offload.stats import LayerStats
 from kernels.cpu.routing import route
 
 
@@ -24,11 +26,16 @@ class HybridExpertNode:
         router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
         spec = self.info.spec
         x2d = np.ascontiguousarray(x.reshape(-1, spec.hidden_size))
-        ids, weights = route(values[inputs["router_probs"]], spec, router_weights)
-        resident = self.engine.slots[self.layer].slot_of[ids] >= 0
-        stats = self.engine.stats.layers[self.layer]
+        logits = values[inputs["router_probs"]].reshape(-1, spec.num_experts)
+        ids, weights = route(logits, spec, router_weights)
+        slot_of = self.engine.slots[self.layer].slot_of
+        if self.engine.approximating:
+            ids = approximate_routing(ids, weights, logits, slot_of, self.engine.config, self.engine.approximation)
+        resident = (ids >= 0) & (slot_of[ids] >= 0)
+        shadow = self.engine.shadow
+        stats = self.engine.stats.layers[self.layer] if not shadow else LayerStats()
         stats.hits += int(np.count_nonzero(resident))
-        stats.misses += int(resident.size - np.count_nonzero(resident))
+        stats.misses += int(np.count_nonzero((ids >= 0) & ~resident))
 
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         store = self.engine.stores[self.layer]
@@ -46,7 +53,8 @@ class HybridExpertNode:
             started = time.perf_counter()
             self.kernel.run_experts(x2d, cold, weights, out=out)
             stats.cpu_s += time.perf_counter() - started
-        self.engine.policy.observe(self.layer, ids.reshape(-1))
+        if not shadow:
+            self.engine.policy.observe(self.layer, ids.reshape(-1))
         return out.astype(x.dtype, copy=False).reshape(x.shape)
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:

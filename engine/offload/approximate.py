@@ -1,0 +1,72 @@
+"""Approximate routing (off by default): drop or substitute tail experts that are cold, and
+measure what it costs in answers.
+
+min_expert_weight drops routed experts whose weight is below it (only cold ones with
+skip_tail_cold_only); tail_substitution_threshold replaces a cold expert of rank >=
+tail_substitution_min_rank and weight below the threshold by the resident expert the router
+scores highest among those not chosen. The top-ranked expert is never touched. Weights are not
+renormalised: a dropped expert's share is simply missing, as in onnxruntime's description.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.offload.config import OffloadConfig
+
+
+@dataclass
+class ApproximationCounts:
+    dropped: int = 0
+    substituted: int = 0
+
+
+def approximate_routing(ids: np.ndarray, weights: np.ndarray, logits: np.ndarray, slot_of: np.ndarray,
+                        config: OffloadConfig, counts: ApproximationCounts) -> np.ndarray:
+    """Returns new expert ids [T, k] (-1 = dropped); `weights` stay aligned by position."""
+    ids = ids.copy()
+    cold = slot_of[ids] < 0
+    rank = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    if config.min_expert_weight > 0:
+        drop = (weights < config.min_expert_weight) & (rank > 0)
+        if config.skip_tail_cold_only:
+            drop &= cold
+        ids[drop] = -1
+        counts.dropped += int(np.count_nonzero(drop))
+    if config.tail_substitution_threshold > 0:
+        candidates = (ids >= 0) & cold & (rank >= max(1, config.tail_substitution_min_rank)) & (
+            weights < config.tail_substitution_threshold)
+        resident = np.flatnonzero(slot_of >= 0)
+        for t, j in zip(*np.nonzero(candidates)):
+            free = resident[~np.isin(resident, ids[t])]
+            if free.size:
+                ids[t, j] = free[np.argmax(logits[t, free])]
+                counts.substituted += 1
+    return ids
+
+
+class AgreementMeter:
+    """Token agreement between the approximate run and exact routing, teacher-forced: a shadow
+    state with exact routing is fed the same tokens, and at each step both greedy choices are
+    compared. It costs a second forward pass, and runs only while approximate routing is on."""
+
+    def __init__(self, model, history: list[int]):
+        self.model = model
+        self.state = model.new_state()
+        self.agreed = 0
+        self.steps = 0
+        if history:  # a later turn: the shadow first catches up on the conversation so far
+            with model.offload.exact_routing():
+                model.decoder.forward(self.state, history)
+
+    def step(self, token_ids, approximate_logits: np.ndarray) -> None:
+        with self.model.offload.exact_routing():
+            exact = self.model.decoder.forward(self.state, token_ids)[-1]
+        self.agreed += int(np.argmax(exact) == np.argmax(approximate_logits))
+        self.steps += 1
+
+    @property
+    def agreement(self) -> float:
+        return self.agreed / self.steps if self.steps else 1.0
