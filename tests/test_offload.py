@@ -247,3 +247,11 @@ def test_approximation_rules():
                                       OffloadConfig(tail_substitution_threshold=0.2, tail_substitution_min_rank=2),
                                       counts)
     assert substituted.tolist() == [[0, 1, 6], [3, 4, 6]]  # rank-2 cold tails -> best free resident (6)
+
+
+def test_cpu_threads_change_on_a_loaded_model(model_folder):
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(cpu_threads=1), device=SimulatedDevice(1 << 30))
+    assert all(r.kernel.num_threads == 1 for r in model.offload.runners)
+    model.offload.reconfigure(model.offload.config.updated(cpu_threads=2))
+    assert all(r.kernel.num_threads == 2 for r in model.offload.runners)
+    greedy_run(model, steps=2)

@@ -12,6 +12,7 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
+from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
@@ -52,6 +53,12 @@ class OffloadEngine:
         self.stores = [device.create_slots(info.name, runner.kernel, info.bytes_per_expert, self.plan.slots[info.name])
                        if device is not None else None for info, runner in zip(self.infos, runners)]
         self._make_policy()
+        self._apply_cpu_threads()
+
+    def _apply_cpu_threads(self) -> None:
+        """cpu_threads (0 = all cores) for the CPU expert kernels; takes effect at the next step."""
+        for runner in self.runners:
+            runner.kernel.num_threads = self.config.cpu_threads or cpu_threads()
 
     def _reserve_staging(self, config: OffloadConfig) -> int:
         """A double-buffered staging ring for prefill waves (and for every miss when cpu_execution
@@ -133,6 +140,7 @@ class OffloadEngine:
         old_scores = self.policy.scores
         self.config = config
         self._make_policy()
+        self._apply_cpu_threads()
         if config.placement == "adaptive" and len(old_scores) == len(self.policy.scores):
             self.policy.scores = old_scores  # what placement learnt so far still holds
 
