@@ -10,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (MK_NR, dqrow_int4_16, dqrow_int4_8, dqrow_int8_16, load_scale, microkernel_6x16,
-                   microkernel_6x32, qrow_int4_16, qrow_int4_8, qrow_int8_16)
+from .simd import (MK_NR, atomic_fetch_add, dqrow_int4_16, dqrow_int4_8, dqrow_int8_16, load_scale,
+                   microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32, prefetch_bytes,
+                   qrow_int4_16, qrow_int4_8, qrow_int8_16)
 
 __all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
+           "group_pairs", "plan_blocks", "plan_tasks", "pack_cols", "qgemm_tasks", "moe_gemv", "reduce_rows",
            "ACT_RELU", "ACT_GELU", "ACT_SILU", "ACT_IDENTITY", "ACT_SWIGLU"]
 
 ACT_RELU, ACT_GELU, ACT_SILU, ACT_IDENTITY, ACT_SWIGLU = 0, 1, 2, 3, 4
@@ -246,3 +248,536 @@ def activate(h1, h3, has_h3, kind, fusion, alpha, beta, limit, has_limit, out):
                 if has_h3:
                     v *= h3[p, i]
                 out[p, i] = v
+
+
+# ============================================================================= batched paths
+# One Numba call per projection for all experts of a batch (instead of one per expert), with the work
+# split into tasks handed out through an atomic counter (prefill), or into equal contiguous spans of
+# the (expert, row) space, one per thread (decode): one fork/join per projection, balanced threads, and
+# each thread streaming one contiguous run of packed weights.
+
+@njit(cache=True, nogil=True)
+def group_pairs(ids, wts, E, small_max):
+    """Group the (token, slot) pairs by expert; id -1 = skipped.
+
+    Returns (experts [U], pair_off [U + 1], tok [P], pw [P], n_small, bad): experts with at most
+    small_max pairs come first (ascending id), then the others (ascending id); within an expert the
+    pairs are in token order. bad = 1 when an id is >= E (nothing else is then meaningful).
+    """
+    T, k = ids.shape
+    cnt = np.zeros(E, np.int64)
+    bad = 0
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            if e < 0:
+                continue
+            if e >= E:
+                bad = 1
+                continue
+            cnt[e] += 1
+    U = 0
+    n_small = 0
+    for e in range(E):
+        if cnt[e] > 0:
+            U += 1
+            if cnt[e] <= small_max:
+                n_small += 1
+    experts = np.empty(U, np.int64)
+    slot = np.full(E, -1, np.int64)
+    a = 0
+    b = n_small
+    for e in range(E):
+        if cnt[e] > 0:
+            if cnt[e] <= small_max:
+                slot[e] = a
+                a += 1
+            else:
+                slot[e] = b
+                b += 1
+            experts[slot[e]] = e
+    pair_off = np.zeros(U + 1, np.int64)
+    for u in range(U):
+        pair_off[u + 1] = pair_off[u] + cnt[experts[u]]
+    P = pair_off[U]
+    tok = np.empty(P, np.int64)
+    pw = np.empty(P, np.float32)
+    fill = pair_off[:U].copy()
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            if e < 0 or e >= E:
+                continue
+            q = fill[slot[e]]
+            tok[q] = t
+            pw[q] = wts[t, j]
+            fill[slot[e]] = q + 1
+    return experts, pair_off, tok, pw, n_small, bad
+
+
+@njit(cache=True, nogil=True)
+def plan_blocks(pair_off, u0, u1, p_base):
+    """Column blocks of 32 (the last one of an expert 16 when at most 16 columns remain) over the pairs of
+    experts u0..u1-1. Returns (ublk [U + 1] first block of each expert, relative to u0; blk_col: first
+    packed column; blk_w: width 16 / 32; blk_pair: first pair, minus p_base; blk_valid: pairs in it)."""
+    nu = u1 - u0
+    ublk = np.zeros(nu + 1, np.int64)
+    for u in range(nu):
+        c = pair_off[u0 + u + 1] - pair_off[u0 + u]
+        ublk[u + 1] = ublk[u] + (c + 31) // 32
+    nblk = ublk[nu]
+    blk_col = np.zeros(nblk + 1, np.int64)
+    blk_w = np.zeros(nblk, np.int64)
+    blk_pair = np.zeros(nblk, np.int64)
+    blk_valid = np.zeros(nblk, np.int64)
+    j = 0
+    for u in range(nu):
+        p = pair_off[u0 + u]
+        left = pair_off[u0 + u + 1] - p
+        while left > 0:
+            wdt = 32 if left > 16 else 16
+            v = min(left, 32)
+            blk_w[j] = wdt
+            blk_pair[j] = p - p_base
+            blk_valid[j] = v
+            blk_col[j + 1] = blk_col[j] + wdt
+            p += v
+            left -= v
+            j += 1
+    return ublk, blk_col, blk_w, blk_pair, blk_valid
+
+
+@njit(cache=True, nogil=True)
+def plan_tasks(experts, u0, ublk, blk_col, N, rt, mt):
+    """GEMM tasks (expert id, n0, n1, j0, j1): rows [n0, n1) (rt rows, a multiple of 6) times a group of
+    consecutive column blocks of one expert spanning at most mt columns; largest first."""
+    nu = ublk.shape[0] - 1
+    nrt = (N + rt - 1) // rt
+    ngrp = 0
+    for u in range(nu):
+        j = ublk[u]
+        while j < ublk[u + 1]:
+            j1 = j + 1
+            while j1 < ublk[u + 1] and blk_col[j1 + 1] - blk_col[j] <= mt:
+                j1 += 1
+            ngrp += 1
+            j = j1
+    tasks = np.empty((ngrp * nrt, 5), np.int64)
+    cost = np.empty(ngrp * nrt, np.int64)
+    t = 0
+    for u in range(nu):
+        j = ublk[u]
+        while j < ublk[u + 1]:
+            j1 = j + 1
+            while j1 < ublk[u + 1] and blk_col[j1 + 1] - blk_col[j] <= mt:
+                j1 += 1
+            for r in range(nrt):
+                n0 = r * rt
+                n1 = min(N, n0 + rt)
+                tasks[t, 0] = experts[u0 + u]
+                tasks[t, 1] = n0
+                tasks[t, 2] = n1
+                tasks[t, 3] = j
+                tasks[t, 4] = j1
+                cost[t] = (n1 - n0) * (blk_col[j1] - blk_col[j])
+                t += 1
+            j = j1
+    order = np.argsort(-cost, kind="mergesort")
+    return tasks[order]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def pack_cols(x, rows, perm, blk_col, blk_w, blk_pair, blk_valid, xp):
+    """Packed activation panels: xp[blk_col[j]*K + kk*w + c] = x[rows[blk_pair[j] + c], perm[kk]] for the
+    valid columns c of block j (w = blk_w[j]), 0 in its padding columns. Block j's panel for k-range
+    [k0, k1) is then the contiguous run of (k1 - k0) * w floats at blk_col[j]*K + k0*w."""
+    K = perm.shape[0]
+    nblk = blk_w.shape[0]
+    nkt = (K + 255) // 256
+    for task in prange(nblk * nkt):
+        j = task // nkt
+        k0 = (task % nkt) * 256
+        k1 = min(K, k0 + 256)
+        wdt = blk_w[j]
+        base = blk_col[j] * K
+        v = blk_valid[j]
+        for c in range(wdt):
+            if c < v:
+                r = rows[blk_pair[j] + c]
+                for kk in range(k0, k1):
+                    xp[base + kk * wdt + c] = x[r, perm[kk]]
+            else:
+                for kk in range(k0, k1):
+                    xp[base + kk * wdt + c] = np.float32(0.0)
+
+
+@njit(inline="always")
+def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
+    """Zero points of blocks b0..b1-1 of row n (zmode 1: the row's one zero point into zbuf[0])."""
+    if zmode == 1:
+        if bits == 4:
+            zbuf[0] = np.float32((zp[e, n >> 1] >> ((n & 1) * 4)) & 15)
+        else:
+            zbuf[0] = np.float32(zp[e, n])
+    elif zmode == 2:
+        base = n * zrb
+        if bits == 4:
+            for b in range(b0, b1):
+                zbuf[b] = np.float32((zp[e, base + (b >> 1)] >> ((b & 1) * 4)) & 15)
+        else:
+            for b in range(b0, b1):
+                zbuf[b] = np.float32(zp[e, base + b])
+
+
+@njit(inline="always")
+def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, c0, c1, tail, out, ooff):
+    """Chunks c0..c1-1 of row n of expert e (k permuted per chunk) into out[ooff:], then, when tail, the
+    ragged bytes after the last whole chunk (per-row quantisation only). c0 is a multiple of 2**cshift."""
+    E, N, Kb = w.shape
+    row = e * N + n
+    woff = row * Kb + c0 * chunk
+    b0 = c0 >> cshift
+    soff = row * nb + b0
+    nck = c1 - c0
+    if nck > 0:
+        if bits == 4:
+            if chunk == 16:
+                dqrow_int4_16(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+            else:
+                dqrow_int4_8(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+        else:
+            dqrow_int8_16(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+    if tail:
+        full = nchunk * chunk
+        s = load_scale(sc, row * nb + nb - 1, skind)
+        z = zbuf[nb - 1]
+        k0 = ooff + nck * chunk * (2 if bits == 4 else 1)
+        for j in range(full, Kb):
+            q = w[e, n, j]
+            if bits == 4:
+                kk = k0 + 2 * (j - full)
+                out[kk] = (np.float32(q & 15) - z) * s
+                out[kk + 1] = (np.float32(q >> 4) - z) * s
+            else:
+                out[k0 + j - full] = (np.float32(q) - z) * s
+
+
+@njit(fastmath=True, inline="always")
+def _swiglu(g, l, alpha, beta, limit, has_limit):
+    if has_limit:
+        g = min(g, limit)
+        l = max(min(l, limit), -limit)
+    return g / (np.float32(1.0) + np.exp(-alpha * g)) * (l + beta)
+
+
+MODE_STORE, MODE_SWIGLU, MODE_SCALE, MODE_ACT = 0, 1, 2, 3
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, K, kcc,
+                xp, blk_col, blk_w, blk_pair, blk_valid, tasks, rt, mt,
+                bias, has_bias, mode, coef, act_kind, alpha, beta, limit, has_limit, pinv, knext, out, nth):
+    """Quantised GEMM of many experts at once: v[p, n] = W_e[n, :] . x_p (+ bias[e, n]) for the pairs p in
+    the column blocks of each task (see pack_cols for xp, plan_tasks for tasks).
+
+    Per task: for each k-block of kcc chunks, the task's rows are dequantised into a thread-local buffer
+    (L2), then for each column block the X panel (k-block x 32 floats, L1) multiplies the 6-row W panels
+    with the register-tile micro-kernels, accumulating into a [rt, mt] C buffer. Epilogue by mode:
+    0 out[p*N + n] = v; 2 out[p*N + n] = coef[p] * v; 1 (swiglu, rows interleaved g, u): a_i packed
+    for the next GEMM (out[blk_col[j]*knext + pinv[i]*w + c]); 3 act(v) packed likewise.
+    Tasks are taken from an atomic counter: one fork/join, dynamic balance.
+    """
+    E, N, Kb = w.shape
+    V = chunk * 2 if bits == 4 else chunk
+    ldw = kcc * V + V
+    nkb = max(1, (nchunk + kcc - 1) // kcc)
+    ragged = nchunk * chunk < Kb
+    rtp = (rt + MK_NR - 1) // MK_NR * MK_NR
+    zdef = np.float32(1 << (bits - 1))
+    zrb = (nb * bits + 7) // 8
+    ntask = tasks.shape[0]
+    counter = np.zeros(1, np.int64)
+    a_ = np.float32(alpha)
+    b_ = np.float32(beta)
+    l_ = np.float32(limit)
+    for th in prange(nth):
+        wbuf = np.zeros(rtp * ldw, np.float32)
+        cbuf = np.empty(rtp * mt, np.float32)
+        zbuf = np.full(nb, zdef, np.float32)
+        while True:
+            ti = atomic_fetch_add(counter, 0, 1)
+            if ti >= ntask:
+                break
+            e = tasks[ti, 0]
+            n0 = tasks[ti, 1]
+            n1 = tasks[ti, 2]
+            j0 = tasks[ti, 3]
+            j1 = tasks[ti, 4]
+            rows = n1 - n0
+            npan = (rows + MK_NR - 1) // MK_NR
+            col0 = blk_col[j0]
+            for kb in range(nkb):
+                c0 = kb * kcc
+                c1 = min(nchunk, c0 + kcc)
+                last = kb == nkb - 1
+                tail = last and ragged
+                kc = (c1 - c0) * V + ((K - nchunk * V) if last else 0)
+                for r in range(rows):
+                    if zmode != 0:
+                        _fill_zp_range(zbuf, zp, zmode, e, n0 + r, bits, zrb, c0 >> cshift,
+                                       nb if last else min(nb, c1 >> cshift))
+                    _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + r, c0, c1,
+                                       tail, wbuf, r * ldw)
+                for r in range(rows, npan * MK_NR):
+                    for kk in range(kc):
+                        wbuf[r * ldw + kk] = np.float32(0.0)
+                for j in range(j0, j1):
+                    wdt = blk_w[j]
+                    xoff = blk_col[j] * K + c0 * V * wdt
+                    ccol = blk_col[j] - col0
+                    for q in range(npan):
+                        if wdt == 32:
+                            microkernel_acc_6x32(wbuf, q * MK_NR * ldw, ldw, xp, xoff, wdt, kc, cbuf,
+                                                 q * MK_NR * mt + ccol, mt, kb)
+                        else:
+                            microkernel_acc_6x16(wbuf, q * MK_NR * ldw, ldw, xp, xoff, wdt, kc, cbuf,
+                                                 q * MK_NR * mt + ccol, mt, kb)
+            # epilogue
+            for j in range(j0, j1):
+                wdt = blk_w[j]
+                ccol = blk_col[j] - col0
+                v = blk_valid[j]
+                pb = blk_pair[j]
+                if mode == MODE_STORE or mode == MODE_SCALE:
+                    for cc in range(v):
+                        p = pb + cc
+                        f = coef[p] if mode == MODE_SCALE else np.float32(1.0)
+                        for r in range(rows):
+                            val = cbuf[r * mt + ccol + cc]
+                            if has_bias:
+                                val += bias[e, n0 + r]
+                            out[p * N + n0 + r] = f * val
+                elif mode == MODE_SWIGLU:
+                    obase = blk_col[j] * knext
+                    for r in range(0, rows, 2):
+                        i = (n0 + r) >> 1
+                        bg = bias[e, n0 + r] if has_bias else np.float32(0.0)
+                        bu = bias[e, n0 + r + 1] if has_bias else np.float32(0.0)
+                        o = obase + pinv[i] * wdt
+                        for cc in range(v):
+                            out[o + cc] = _swiglu(cbuf[r * mt + ccol + cc] + bg, cbuf[(r + 1) * mt + ccol + cc] + bu,
+                                                  a_, b_, l_, has_limit)
+                        for cc in range(v, wdt):
+                            out[o + cc] = np.float32(0.0)
+                else:
+                    obase = blk_col[j] * knext
+                    for r in range(rows):
+                        bval = bias[e, n0 + r] if has_bias else np.float32(0.0)
+                        o = obase + pinv[n0 + r] * wdt
+                        for cc in range(v):
+                            out[o + cc] = _act(act_kind, cbuf[r * mt + ccol + cc] + bval)
+                        for cc in range(v, wdt):
+                            out[o + cc] = np.float32(0.0)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def reduce_rows(y, dst, out, nth):
+    """out[dst[p], :] += y[p, :] (parallel over column spans: no two threads write one element)."""
+    P, H = y.shape
+    for th in prange(nth):
+        h0 = th * H // nth
+        h1 = (th + 1) * H // nth
+        for p in range(P):
+            d = dst[p]
+            for h in range(h0, h1):
+                out[d, h] += y[p, h]
+
+
+@njit(inline="always")
+def _qdot(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, xa, xb, xs, r):
+    """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see gemv_q)."""
+    E, N, Kb = w.shape
+    woff = (e * N + n) * Kb
+    soff = (e * N + n) * nb
+    xoff = r * Kb
+    if bits == 4:
+        if chunk == 16:
+            acc = qrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+        else:
+            acc = qrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+    else:
+        acc = qrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+    full = nchunk * chunk
+    if full < Kb:
+        s = load_scale(sc, soff + nb - 1, skind)
+        z = zbuf[nb - 1]
+        t = np.float32(0.0)
+        for j in range(full, Kb):
+            q = w[e, n, j]
+            if bits == 4:
+                t += (np.float32(q & 15) - z) * xa[r, j] + (np.float32(q >> 4) - z) * xb[r, j]
+            else:
+                t += (np.float32(q) - z) * xa[r, j]
+        acc += s * t
+    return acc
+
+
+@njit(inline="always")
+def _split_row(x, r, bits, chunk, nchunk, xa, xb, xs, o):
+    """Row r of x into row o of (xa, xb, xs): int4 even / odd k, int8 xa = x; per-chunk sums."""
+    K = x.shape[1]
+    if bits == 4:
+        for j in range(K // 2):
+            xa[o, j] = x[r, 2 * j]
+            xb[o, j] = x[r, 2 * j + 1]
+    else:
+        for j in range(K):
+            xa[o, j] = x[r, j]
+    vals = chunk * 2 if bits == 4 else chunk
+    for c in range(nchunk):
+        s = np.float32(0.0)
+        for j in range(c * vals, (c + 1) * vals):
+            s += x[r, j]
+        xs[o, c] = s
+
+
+@njit(inline="always")
+def _prefetch_row(w, sc, e, n, ahead):
+    """Prefetch the packed bytes and the scales of row n + ahead of expert e (clipped to the arrays)."""
+    E, N, Kb = w.shape
+    nb = sc.shape[2]
+    row = e * N + n + ahead
+    prefetch_bytes(w, row * Kb, Kb)
+    prefetch_bytes(sc, row * nb * sc.itemsize, nb * sc.itemsize)
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, src, coef, dst,
+             act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, ws, y, out, do_reduce, nth):
+    """Fused decode: for each pair p (token src[p], expert experts[u], pair_off[u] <= p < pair_off[u + 1])
+    y[p] = coef[p] * (W2_e act(W1_e x + b1_e) + b2_e); with do_reduce also out[dst[p]] += y[p].
+
+    q1 / q2: int64 [skind, zmode, bits, nb, chunk, cshift, nchunk, has_bias] of fc1 / fc2; act: swiglu
+    (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
+    Two parallel regions (FC1 + activation, then FC2), each split into one contiguous span of the
+    (expert, row) space per thread; pf_rows > 0 prefetches that many rows ahead. ws: float32 scratch.
+    """
+    E1, N1, Kb1 = w1.shape
+    E2, H, Kb2 = w2.shape
+    T, Hx = x.shape
+    P = src.shape[0]
+    U = experts.shape[0]
+    I = w2.shape[2] * (2 if q2[2] == 4 else 1)
+    skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1 = q1[0], q1[1], q1[2], q1[3], q1[4], q1[5], q1[6], q1[7]
+    skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, hb2 = q2[0], q2[1], q2[2], q2[3], q2[4], q2[5], q2[6], q2[7]
+    # scratch: x rows (deduplicated tokens) split for fc1, activations split for fc2
+    rowmap = np.full(T, -1, np.int64)
+    nrows = 0
+    for p in range(P):
+        if rowmap[src[p]] < 0:
+            rowmap[src[p]] = nrows
+            nrows += 1
+    o = 0
+    xa1 = ws[o:o + nrows * Kb1].reshape(nrows, Kb1)
+    o += nrows * Kb1
+    xb1 = ws[o:o + nrows * Kb1].reshape(nrows, Kb1)
+    o += nrows * Kb1
+    xs1 = ws[o:o + nrows * nchunk1].reshape(nrows, nchunk1)
+    o += nrows * nchunk1
+    aa = ws[o:o + P * Kb2].reshape(P, Kb2)
+    o += P * Kb2
+    ab = ws[o:o + P * Kb2].reshape(P, Kb2)
+    o += P * Kb2
+    xs2 = ws[o:o + P * nchunk2].reshape(P, nchunk2)
+    for t in range(T):
+        if rowmap[t] >= 0:
+            _split_row(x, t, bits1, chunk1, nchunk1, xa1, xb1, xs1, rowmap[t])
+    if bits1 != 4:
+        xb1 = xa1
+    swiglu = act_kind == ACT_SWIGLU
+    G = I
+    a_ = np.float32(alpha)
+    b_ = np.float32(beta)
+    l_ = np.float32(limit)
+    zdef1 = np.float32(1 << (bits1 - 1))
+    zdef2 = np.float32(1 << (bits2 - 1))
+    zrb1 = (nb1 * bits1 + 7) // 8
+    zrb2 = (nb2 * bits2 + 7) // 8
+    total = U * G
+    for th in prange(nth):
+        zg = np.full(nb1, zdef1, np.float32)
+        zu = np.full(nb1, zdef1, np.float32)
+        lo = th * total // nth
+        hi = (th + 1) * total // nth
+        for idx in range(lo, hi):
+            u = idx // G
+            i = idx - u * G
+            e = experts[u]
+            if swiglu:
+                if fusion == 1:
+                    ng = 2 * i
+                    nu = 2 * i + 1
+                else:
+                    ng = i
+                    nu = I + i
+            else:
+                ng = i
+                nu = i
+            if pf_rows > 0:
+                _prefetch_row(w1, sc1, e, ng, pf_rows)
+                if swiglu and fusion == 2:
+                    _prefetch_row(w1, sc1, e, nu, pf_rows)
+            bg = b1[e, ng] if hb1 else np.float32(0.0)
+            bu = b1[e, nu] if hb1 else np.float32(0.0)
+            if zmode1 != 0:
+                _fill_zp_range(zg, zp1, zmode1, e, ng, bits1, zrb1, 0, nb1)
+                if swiglu:
+                    _fill_zp_range(zu, zp1, zmode1, e, nu, bits1, zrb1, 0, nb1)
+            for p in range(pair_off[u], pair_off[u + 1]):
+                r = rowmap[src[p]]
+                g = _qdot(w1, sc1, skind1, zg, bits1, nb1, chunk1, cshift1, nchunk1, e, ng, xa1, xb1, xs1, r) + bg
+                if swiglu:
+                    l = _qdot(w1, sc1, skind1, zu, bits1, nb1, chunk1, cshift1, nchunk1, e, nu, xa1, xb1, xs1,
+                              r) + bu
+                    a = _swiglu(g, l, a_, b_, l_, has_limit)
+                else:
+                    a = _act(act_kind, g)
+                if bits2 == 4:
+                    if i & 1:
+                        ab[p, i >> 1] = a
+                    else:
+                        aa[p, i >> 1] = a
+                else:
+                    aa[p, i] = a
+    if bits2 != 4:
+        ab = aa
+    for p in range(P):
+        for c in range(nchunk2):
+            s = np.float32(0.0)
+            for j in range(c * chunk2, (c + 1) * chunk2):
+                s += aa[p, j]
+                if bits2 == 4:
+                    s += ab[p, j]
+            xs2[p, c] = s
+    total = U * H
+    for th in prange(nth):
+        zbuf = np.full(nb2, zdef2, np.float32)
+        lo = th * total // nth
+        hi = (th + 1) * total // nth
+        for idx in range(lo, hi):
+            u = idx // H
+            n = idx - u * H
+            e = experts[u]
+            if pf_rows > 0:
+                _prefetch_row(w2, sc2, e, n, pf_rows)
+            if zmode2 != 0:
+                _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
+            bval = b2[e, n] if hb2 else np.float32(0.0)
+            for p in range(pair_off[u], pair_off[u + 1]):
+                y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, bits2, nb2, chunk2, cshift2, nchunk2, e, n,
+                                           aa, ab, xs2, p) + bval)
+    if do_reduce:
+        for p in range(P):
+            d = dst[p]
+            for h in range(H):
+                out[d, h] += y[p, h]

@@ -8,6 +8,8 @@ Routing (``kernels.cpu.routing``) is kept separate from expert execution (``run_
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 
@@ -19,6 +21,21 @@ __all__ = ["CpuQMoE", "k_permutation"]
 
 _ACT_CODES = {"relu": _k.ACT_RELU, "gelu": _k.ACT_GELU, "silu": _k.ACT_SILU, "identity": _k.ACT_IDENTITY,
               "swiglu": _k.ACT_SWIGLU}
+_ONE = np.ones(1, np.float32)
+_NOPERM = np.zeros(1, np.int64)
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, n: int) -> np.ndarray:
+    """A float32 work array of n elements, reused by later calls in this thread (grow-only): large fresh
+    arrays would cost page faults on every prefill call. Shared by all CpuQMoE instances of the thread."""
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    a = bufs.get(name)
+    if a is None or a.size < n:
+        a = bufs[name] = np.empty(max(n, 1024), np.float32)
+    return a[:n]
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -94,6 +111,32 @@ class _Proj:
             self.chunk, self.cshift = 16, 62
         self.nchunk = Kb // self.chunk
         self.perm = k_permutation(k, bits, self.chunk)
+        # batched paths: layout constants as one int64 array, k order of the packed panels and its inverse
+        self.vals = self.chunk * (2 if bits == 4 else 1)  # values per chunk
+        self.qparams = np.array([self.skind, self.zmode, bits, self.nb, self.chunk, self.cshift, self.nchunk,
+                                 int(self.has_bias)], np.int64)
+        self.perm_arr = self.perm if self.perm is not None else np.arange(k, dtype=np.int64)
+        self.pinv = np.empty(k, np.int64)
+        self.pinv[self.perm_arr] = np.arange(k, dtype=np.int64)
+
+    def kcc(self, kc_values: int) -> int:
+        """Chunks per k-block of the batched GEMM: about kc_values values, whole quantisation blocks."""
+        c = max(1, kc_values // self.vals)
+        if self.cshift < 62:
+            per_block = 1 << self.cshift
+            c = max(per_block, c // per_block * per_block)
+        return c
+
+    def gemm_tasks(self, xp, blocks, tasks, owner, mode, out, coef=None, pinv=None, knext=0):
+        """One qgemm_tasks call over all experts' tasks (see kernels.qgemm_tasks)."""
+        _, blk_col, blk_w, blk_pair, blk_valid = blocks
+        sp = owner.spec
+        _k.qgemm_tasks(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk,
+                       self.cshift, self.nchunk, self.K, self.kcc(owner.gemm_kc), xp, blk_col, blk_w, blk_pair,
+                       blk_valid, tasks, owner._rt, owner.gemm_cols, self.bias, self.has_bias, mode,
+                       _ONE if coef is None else coef, owner.act_kind, float(sp.alpha), float(sp.beta),
+                       owner.limit, owner.has_limit, _NOPERM if pinv is None else pinv, knext, out,
+                       numba.get_num_threads())
 
     # -- decode: fused dequant-GEMV
     def gemv(self, xa, xb, xs, experts, pair_off, src_row, dst_row, coef, out):
@@ -156,7 +199,13 @@ class CpuQMoE:
     # tokens to 16 columns; measured crossover (H = I = 2880, int4, 2 cores) is ~6-7 tokens per expert.
     gemv_max_rows = 6  # experts with at most this many tokens use the fused dequant-GEMV
     decode_max_tokens = 0  # batches of at most this many tokens use the GEMV for every expert (tests/tuning)
-    gemm_max_rows = 128  # prefill: tokens per GEMM call (keeps x^T resident in L2)
+    gemm_max_rows = 128  # legacy prefill path: tokens per GEMM call (keeps x^T resident in L2)
+    # Batched paths (quantised nodes): one Numba call per projection for all experts of the batch.
+    batched = True  # False: the per-expert legacy paths (kept for comparison)
+    gemm_kc = 256  # k-block of the batched GEMM, in values (X panel of kc x 32 floats stays in L1)
+    gemm_rows = 72  # weight rows per GEMM task (a multiple of 6)
+    gemm_cols = 128  # at most this many token columns per GEMM task
+    gemv_prefetch_rows = 0  # decode: software prefetch this many rows ahead (0: hardware prefetch only)
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         self.spec = spec
@@ -175,6 +224,11 @@ class CpuQMoE:
         self.act_kind = _ACT_CODES[spec.activation]
         self.has_limit = spec.swiglu_limit is not None
         self.limit = float(spec.swiglu_limit) if self.has_limit else 0.0
+        # what the fused kernels can do in their FC1 epilogue: swiglu with interleaved (fusion 1) rows, or a
+        # non-gated activation; the decode kernel also pairs concatenated (fusion 2) rows
+        swiglu = spec.activation == "swiglu"
+        self._gemm_fused_act = self.fc3 is None and (swiglu and spec.swiglu_fusion == 1 or not swiglu)
+        self._gemv_fused = spec.is_quantized and self.fc3 is None and (not swiglu or spec.swiglu_fusion in (1, 2))
 
     # ------------------------------------------------------------------ public API
     def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
@@ -207,6 +261,9 @@ class CpuQMoE:
         x = np.ascontiguousarray(x2d, dtype=np.float32).reshape(T, H)
         ids = np.asarray(expert_ids).reshape(T, -1).astype(np.int64)
         wts = np.asarray(weights, dtype=np.float32).reshape(T, -1)
+        if self.batched and self.spec.is_quantized:
+            self._run_batched(x, ids, wts, acc)
+            return acc if out is not None else acc.astype(ret_dtype, copy=False)
         valid = ids >= 0
         if np.any(ids >= self.spec.num_experts):
             raise ValueError(f"expert id out of range (num_experts={self.spec.num_experts})")
@@ -231,6 +288,79 @@ class CpuQMoE:
         if out is not None:
             return acc
         return acc.astype(ret_dtype, copy=False)
+
+    # ------------------------------------------------------------------ batched paths (quantised)
+    def _run_batched(self, x, ids, wts, acc):
+        """Experts with few tokens: one fused decode kernel (FC1 + activation + FC2 + weighted sum); the
+        others: one k-blocked GEMM call per projection over all of them, activation in FC1's epilogue."""
+        T = x.shape[0]
+        small_max = ids.size if T <= self.decode_max_tokens else self.gemv_max_rows
+        experts, pair_off, tok, pw, ns, bad = _k.group_pairs(ids, wts, self.spec.num_experts, small_max)
+        if bad:
+            raise ValueError(f"expert id out of range (num_experts={self.spec.num_experts})")
+        U = experts.size
+        if U == 0:
+            return
+        if ns:
+            ps = int(pair_off[ns])
+            if self._gemv_fused:
+                self._gemv_fused_call(x, experts[:ns], pair_off[:ns + 1], tok[:ps], pw[:ps], acc)
+            else:
+                self._run_gemv(x, experts[:ns], np.diff(pair_off[:ns + 1]), tok[:ps], pw[:ps], acc)
+        if ns < U:
+            self._gemm_batched(x, experts, pair_off, ns, tok, pw, acc)
+
+    def _gemv_fused_call(self, x, experts, pair_off, tok, pw, acc):
+        f1, f2 = self.fc1, self.fc2
+        P = tok.size
+        H = self.spec.hidden_size
+        n = 2 * P * f1.w.shape[2] + P * f1.nchunk + 2 * P * f2.w.shape[2] + P * f2.nchunk
+        ws = _scratch("gemv_ws", n)
+        y = _scratch("gemv_y", P * H).reshape(P, H)
+        sp = self.spec
+        _k.moe_gemv(f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f2.w, f2.sc, f2.zp, f2.qparams, f2.bias, x,
+                    experts, pair_off, tok, pw, tok, self.act_kind, sp.swiglu_fusion, float(sp.alpha),
+                    float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), ws, y, acc, True,
+                    numba.get_num_threads())
+
+    def _gemm_batched(self, x, experts, pair_off, u0, tok, pw, acc):
+        f1, f2, f3 = self.fc1, self.fc2, self.fc3
+        U = experts.size
+        p0 = int(pair_off[u0])
+        PL = int(pair_off[U]) - p0
+        rows, coef = tok[p0:], pw[p0:]
+        blocks = _k.plan_blocks(pair_off, u0, U, p0)
+        ublk, blk_col = blocks[0], blocks[1]
+        C = int(blk_col[-1])
+        H, I = self.spec.hidden_size, self.spec.inter_size
+        rt = self._rt = max(6, int(self.gemm_rows) // 6 * 6)
+        xp = _scratch("xp", C * H)
+        _k.pack_cols(x, rows, f1.perm_arr, *blocks[1:], xp)
+        ap = _scratch("ap", C * I)
+        t1 = _k.plan_tasks(experts, u0, ublk, blk_col, f1.N, rt, self.gemm_cols)
+        if self._gemm_fused_act:
+            mode = _k.MODE_SWIGLU if self.spec.activation == "swiglu" else _k.MODE_ACT
+            f1.gemm_tasks(xp, blocks, t1, self, mode, ap, pinv=f2.pinv, knext=I)
+        else:
+            h1 = _scratch("h1", PL * f1.N)
+            f1.gemm_tasks(xp, blocks, t1, self, _k.MODE_STORE, h1)
+            h3 = None
+            if f3 is not None:
+                xp3 = xp
+                if f3.perm is not None and (f1.perm is None or not np.array_equal(f3.perm, f1.perm)) or \
+                        f3.perm is None and f1.perm is not None:
+                    xp3 = _scratch("xp3", C * H)
+                    _k.pack_cols(x, rows, f3.perm_arr, *blocks[1:], xp3)
+                h3 = _scratch("h3", PL * f3.N)
+                t3 = _k.plan_tasks(experts, u0, ublk, blk_col, f3.N, rt, self.gemm_cols)
+                f3.gemm_tasks(xp3, blocks, t3, self, _k.MODE_STORE, h3)
+                h3 = h3.reshape(PL, f3.N)
+            a = self._activate(h1.reshape(PL, f1.N), h3)
+            _k.pack_cols(a, np.arange(PL, dtype=np.int64), f2.perm_arr, *blocks[1:], ap)
+        y = _scratch("y", PL * H)
+        t2 = _k.plan_tasks(experts, u0, ublk, blk_col, f2.N, rt, self.gemm_cols)
+        f2.gemm_tasks(ap, blocks, t2, self, _k.MODE_SCALE, y, coef=coef)
+        _k.reduce_rows(y.reshape(PL, H), rows, acc, numba.get_num_threads())
 
     # ------------------------------------------------------------------ paths
     def _activate(self, h1, h3):

@@ -280,3 +280,120 @@ def _make_microkernel(nr: int, mv: int):
 MK_NR = 6
 microkernel_6x32 = _make_microkernel(MK_NR, 2)
 microkernel_6x16 = _make_microkernel(MK_NR, 1)
+
+
+# ----------------------------------------------------------------------------- batched GEMM / GEMV helpers
+def _make_microkernel_acc(nr: int, mv: int):
+    """C tile [nr, 16*mv] (+)= W panel [nr, kc] (row stride ldw) times X panel [kc, 16*mv] (row stride ldx).
+
+    mk(wp, woff, ldw, xp, xoff, ldx, kc, c, coff, ldc, load_c) -> None: the tile lives at
+    c[coff + r*ldc + j] (row stride ldc); load_c != 0 adds to it, 0 overwrites it. Used with k-blocked
+    panels: the X panel (kc x 32 floats) stays in L1 while the W panels of a task stream past it.
+    """
+    lanes = 16
+
+    def codegen(context, builder, sig, args):
+        (wp, woff, ldw, xt, xoff, ldx, kc, ct, coff, ldc, load_c) = args
+        (wp_t, _, _, xt_t, _, _, _, ct_t, _, _, _) = sig.args
+        w_ptr = context.make_array(wp_t)(context, builder, value=wp).data
+        x_ptr = context.make_array(xt_t)(context, builder, value=xt).data
+        c_ptr = context.make_array(ct_t)(context, builder, value=ct).data
+        fvec_t = ir.VectorType(_F32, lanes)
+        zero_v = ir.Constant(fvec_t, [0.0] * lanes)
+
+        def cptr(r, j):
+            off = builder.add(builder.add(coff, builder.mul(ir.Constant(_I64, r), ldc)), ir.Constant(_I64, lanes * j))
+            return builder.bitcast(builder.gep(c_ptr, [off]), fvec_t.as_pointer())
+
+        accs = [[cgutils.alloca_once_value(builder, zero_v) for _ in range(mv)] for _ in range(nr)]
+        do_load = builder.icmp_signed("!=", load_c, ir.Constant(load_c.type, 0))
+        with builder.if_then(do_load):
+            for r in range(nr):
+                for j in range(mv):
+                    builder.store(builder.load(cptr(r, j), align=4), accs[r][j])
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3),
+                                             "llvm.fma.v16f32")
+        with cgutils.for_range(builder, kc) as loop:
+            k = loop.index
+            xrow = builder.add(xoff, builder.mul(k, ldx))
+            xv = []
+            for j in range(mv):
+                p = builder.gep(x_ptr, [builder.add(xrow, ir.Constant(_I64, lanes * j))])
+                xv.append(builder.load(builder.bitcast(p, fvec_t.as_pointer()), align=4))
+            for r in range(nr):
+                wpos = builder.add(builder.add(woff, builder.mul(ir.Constant(_I64, r), ldw)), k)
+                sv = _splat(builder, builder.load(builder.gep(w_ptr, [wpos])), lanes)
+                for j in range(mv):
+                    a = builder.load(accs[r][j])
+                    builder.store(builder.call(fma, [sv, xv[j], a]), accs[r][j])
+        for r in range(nr):
+            for j in range(mv):
+                builder.store(builder.load(accs[r][j]), cptr(r, j), align=4)
+        return context.get_dummy_value()
+
+    def mk(typingctx, wp, woff, ldw, xt, xoff, ldx, kc, ct, coff, ldc, load_c):
+        if not all(isinstance(t, types.Integer) for t in (woff, ldw, xoff, ldx, kc, coff, ldc, load_c)):
+            return None
+        sig = types.none(wp, types.int64, types.int64, xt, types.int64, types.int64, types.int64, ct, types.int64,
+                         types.int64, types.int64)
+        return sig, codegen
+
+    mk.__name__ = f"microkernel_acc_{nr}x{16 * mv}"
+    return intrinsic(mk)
+
+
+microkernel_acc_6x32 = _make_microkernel_acc(MK_NR, 2)
+microkernel_acc_6x16 = _make_microkernel_acc(MK_NR, 1)
+
+
+@intrinsic
+def atomic_fetch_add(typingctx, arr, idx, val):
+    """old = arr[idx]; arr[idx] += val, atomically (int64 array): a task counter shared by the threads."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)
+            and isinstance(val, types.Integer)):
+        return None
+    sig = types.int64(arr, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        a, i, v = args
+        ptr = builder.gep(context.make_array(signature.args[0])(context, builder, value=a).data, [i])
+        return builder.atomic_rmw("add", ptr, v, "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_bytes(typingctx, arr, byte_off, nbytes):
+    """Software prefetch (read, into all cache levels) of the cache lines of arr's bytes
+    [byte_off, byte_off + nbytes), clipped to the array's extent; nothing is loaded architecturally."""
+    if not (isinstance(arr, types.Array) and isinstance(byte_off, types.Integer) and isinstance(nbytes, types.Integer)):
+        return None
+    sig = types.none(arr, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        a, off, nb = args
+        ary = context.make_array(signature.args[0])(context, builder, value=a)
+        i8p = ir.IntType(8).as_pointer()
+        base = builder.bitcast(ary.data, i8p)
+        total = builder.mul(ary.nitems, ir.Constant(_I64, context.get_abi_sizeof(
+            context.get_data_type(signature.args[0].dtype))))
+        end = builder.add(off, nb)
+        end = builder.select(builder.icmp_signed(">", end, total), total, end)
+        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0i8")
+        cur = cgutils.alloca_once_value(builder, off)
+        cond_bb = builder.append_basic_block("pf.cond")
+        body_bb = builder.append_basic_block("pf.body")
+        done_bb = builder.append_basic_block("pf.done")
+        builder.branch(cond_bb)
+        builder.position_at_end(cond_bb)
+        c = builder.load(cur)
+        builder.cbranch(builder.icmp_signed("<", c, end), body_bb, done_bb)
+        builder.position_at_end(body_bb)
+        builder.call(pf, [builder.gep(base, [c]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        builder.store(builder.add(c, ir.Constant(_I64, 64)), cur)
+        builder.branch(cond_bb)
+        builder.position_at_end(done_bb)
+        return context.get_dummy_value()
+
+    return sig, codegen
