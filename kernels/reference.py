@@ -1,12 +1,14 @@
 """Plain NumPy reference implementation of com.microsoft QMoE / MoE (the oracle for our kernels).
 
-Written for clarity, not speed: float64 internally, one expert at a time.
-Semantics: /work/shared/reference/qmoe.md (CUDA routing semantics).
+Written for clarity, not speed: float64 internally, one expert at a time. Every weight layout of the
+contract is dequantised by kernels/layouts.py; activations may be float32, float16 or bfloat16
+(ml_dtypes arrays). Semantics: /work/shared/reference/qmoe.md (CUDA routing semantics).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from . import layouts as L
 from .qmoe_spec import QMoESpec
 
 __all__ = ["route", "dequantize", "unpack_codes", "unpack_zero_points", "expert_ffn", "qmoe_reference",
@@ -78,12 +80,7 @@ def route(router_logits: np.ndarray, spec: QMoESpec, router_weights: np.ndarray 
 def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     """uint8 [..., B] -> codes [..., B*8/bits]; element i of a byte sits in bits i*bits.. (LSB first)."""
     packed = np.asarray(packed, dtype=np.uint8)
-    if bits == 8:
-        return packed.astype(np.int32)
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    parts = [(packed >> (bits * i)) & mask for i in range(per)]
-    return np.stack(parts, axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per).astype(np.int32)
+    return L.unpack_bits(packed, bits, packed.shape[-1] * 8 // bits)
 
 
 def unpack_zero_points(zero_points, bits: int, n: int, n_blocks: int, block_wise: bool) -> np.ndarray:
@@ -96,45 +93,44 @@ def unpack_zero_points(zero_points, bits: int, n: int, n_blocks: int, block_wise
         return None
     zp = np.asarray(zero_points, dtype=np.uint8)
     if block_wise:
-        return unpack_codes(zp, bits)[..., :n_blocks]
-    return unpack_codes(zp, bits)[..., :n, None]
+        return L.unpack_bits(zp, bits, n_blocks)
+    return L.unpack_bits(zp, bits, n)[..., None]
 
 
-def dequantize(weights, scales, zero_points, bits: int, block_size: int) -> np.ndarray:
-    """Dequantise raw int4/int8 expert weights.
+def dequantize(weights, scales, zero_points, bits: int, block_size: int, k: int | None = None) -> np.ndarray:
+    """Dequantise raw integer expert weights (int2 / int3 / int4 / int8 LSB-first rows).
 
-    weights uint8 [E?, N, K*bits/8]; scales [E?, N] (block_size 0) or [E?, N, K/block_size];
-    zero_points uint8 packed as described in qmoe.md or None. Returns float32 [E?, N, K].
+    weights uint8 [E?, N, ceil(K*bits/8)]; scales [E?, N] (block_size 0) or [E?, N, K/block_size];
+    zero_points uint8 packed as described in qmoe.md or None. K defaults to the whole bytes of a row
+    (give it for int3, whose rows may end in padding bits). Returns float32 [E?, N, K].
     """
-    q = unpack_codes(weights, bits)  # [..., N, K]
-    n, kk = q.shape[-2], q.shape[-1]
-    s = np.asarray(scales).astype(np.float64)
-    block_wise = bool(block_size)
-    if block_size:
-        nb = kk // block_size
-        s = s.reshape(*q.shape[:-1], nb)
-    else:
-        nb = 1
-        block_size = kk
-        s = s.reshape(*q.shape[:-1], 1)
-    zp = unpack_zero_points(zero_points, bits, n, nb, block_wise)
-    if zp is None:
-        zp = np.full(s.shape, 1 << (bits - 1), np.int32)
-    zp = zp.reshape(s.shape)
-    qb = q.reshape(*q.shape[:-1], nb, block_size).astype(np.float64)
-    w = (qb - zp[..., None]) * s[..., None]
-    return w.reshape(q.shape).astype(np.float32)
+    w = np.asarray(weights, dtype=np.uint8)
+    if k is None:
+        s = np.asarray(scales)
+        k = s.shape[-1] * block_size if block_size and bits == 3 else w.shape[-1] * 8 // bits
+    n = w.shape[-2]
+    return L.dequantize_int(w, scales, zero_points, bits, block_size, n, k).astype(np.float32)
 
 
 def _proj_weight(spec: QMoESpec, tensors: dict, proj: str, e: int) -> np.ndarray:
-    """Dequantised [N, K] float64 matrix of projection 'fc1'/'fc2'/'fc3' of expert e."""
+    """Dequantised [N, K] float64 matrix of projection 'fc1'/'fc2'/'fc3' of expert e, in every layout."""
     w = tensors[f"{proj}_experts_weights"][e]
     if not spec.is_quantized:
         return np.asarray(w, dtype=np.float64)
-    bits = {"fc1": spec.fc1_bits, "fc2": spec.fc2_bits, "fc3": spec.fc3_bits}[proj]
-    zp = tensors.get(f"{proj}_zero_points")
-    zp_e = None if zp is None else zp[e]
-    return dequantize(w, tensors[f"{proj}_scales"][e], zp_e, bits, spec.block_size).astype(np.float64)
+    n, k = {p: (nn, kk) for p, nn, kk, _ in spec.projections}[proj]
+    bits = spec.proj_bits(proj)
+    scales = tensors.get(f"{proj}_scales")
+    s_e = None if scales is None else scales[e]
+    g = tensors.get(f"{proj}_global_scale") if spec.has_global_scale else None
+    g_e = None if g is None else g[e]
+    if spec.quant_type == "int":
+        zp = tensors.get(f"{proj}_zero_points")
+        return L.dequantize_int(w, s_e, None if zp is None else zp[e], bits, spec.block_size, n, k, spec.packing)
+    if spec.quant_type in ("fp4", "nvfp4"):
+        return L.dequantize_fp4(w, s_e, g_e, spec.scale_format, spec.block_size, n, k, spec.packing)
+    if spec.quant_type == "fp8":
+        return L.dequantize_fp8(w, s_e, g_e, spec.block_size, n, k)
+    raise ValueError(f"unknown quant_type {spec.quant_type!r}")
 
 
 def _bias(tensors, name, e):
@@ -152,14 +148,31 @@ def activation(kind: str, g: np.ndarray) -> np.ndarray:
         return g / (1.0 + np.exp(-g))
     if kind == "identity":
         return g
+    if kind == "relu2":  # squared ReLU
+        return np.maximum(g, 0.0) ** 2
     raise ValueError(kind)
 
 
 def _swiglu(g, l, spec: QMoESpec):
-    if spec.swiglu_limit is not None:
-        g = np.minimum(g, spec.swiglu_limit)
-        l = np.clip(l, -spec.swiglu_limit, spec.swiglu_limit)
+    lim = spec.swiglu_limit
+    if lim is not None and spec.swiglu_limit_after_activation:
+        a = np.minimum(g / (1.0 + np.exp(-spec.alpha * g)), lim)
+        return a * (np.clip(l, -lim, lim) + spec.beta)
+    if lim is not None:
+        g = np.minimum(g, lim)
+        l = np.clip(l, -lim, lim)
     return g / (1.0 + np.exp(-spec.alpha * g)) * (l + spec.beta)
+
+
+def _geglu(g, l):
+    """GELU-tanh(gate) * up; alpha, beta and swiglu_limit do not apply."""
+    return activation("gelu", g) * l
+
+
+def _up(x, spec, tensors, e):
+    l = x @ _proj_weight(spec, tensors, "fc3", e).T
+    b3 = _bias(tensors, "fc3_experts_bias", e)
+    return l if b3 is None else l + b3
 
 
 def expert_ffn(x, e: int, spec: QMoESpec, tensors: dict) -> np.ndarray:
@@ -171,26 +184,18 @@ def expert_ffn(x, e: int, spec: QMoESpec, tensors: dict) -> np.ndarray:
     if b1 is not None:
         h = h + b1
     I = spec.inter_size
-    if spec.activation == "swiglu":
+    if spec.gated:
         if spec.swiglu_fusion == 1:
             g, l = h[:, 0::2], h[:, 1::2]
         elif spec.swiglu_fusion == 2:
             g, l = h[:, :I], h[:, I:]
         else:
-            g = h
-            l = x @ _proj_weight(spec, tensors, "fc3", e).T
-            b3 = _bias(tensors, "fc3_experts_bias", e)
-            if b3 is not None:
-                l = l + b3
-        a = _swiglu(g, l, spec)
+            g, l = h, _up(x, spec, tensors, e)
+        a = _swiglu(g, l, spec) if spec.activation == "swiglu" else _geglu(g, l)
     else:
         a = activation(spec.activation, h)
         if spec.has_fc3:  # gated: act(FC1 x) * FC3 x
-            l = x @ _proj_weight(spec, tensors, "fc3", e).T
-            b3 = _bias(tensors, "fc3_experts_bias", e)
-            if b3 is not None:
-                l = l + b3
-            a = a * l
+            a = a * _up(x, spec, tensors, e)
     y = a @ _proj_weight(spec, tensors, "fc2", e).T
     b2 = _bias(tensors, "fc2_experts_bias", e)
     if b2 is not None:

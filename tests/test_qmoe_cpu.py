@@ -205,6 +205,8 @@ def _node_error(attrs_update=None, shapes_update=None, case=None):
     return msg
 
 
+# Layouts that are supported now (int2/int3, mixed widths, prepacked, fp4/nvfp4/fp8, geglu, relu2, limit after
+# activation) are admitted in tests/test_qmoe_layouts.py; a mismatching shape still names the layout.
 @pytest.mark.parametrize("attrs_update,needle", [
     ({"quant_type": b"nvfp4"}, "nvfp4"),
     ({"quant_type": "fp4"}, "mxfp4"),
@@ -212,12 +214,8 @@ def _node_error(attrs_update=None, shapes_update=None, case=None):
     ({"quant_type": "wfp4afp8"}, "wfp4afp8"),
     ({"expert_weight_bits": 2}, "int2"),
     ({"expert_weight_bits": 3}, "int3"),
-    ({"fc2_expert_weight_bits": 8}, "mixed"),
-    ({"weights_prepacked": 1}, "prepacked"),
+    ({"fc2_expert_weight_bits": 8}, "int4/int8"),
     ({"activation_type": b"geglu"}, "geglu"),
-    ({"activation_type": "relu2"}, "relu2"),
-    ({"activation_type": "swiglu", "swiglu_fusion": 1, "swiglu_limit_after_activation": 1},
-     "swiglu_limit_after_activation"),
     ({"block_size": 24}, "block_size"),
     ({"use_sparse_mixer": 1, "k": 3}, "sparse mixer"),
 ])

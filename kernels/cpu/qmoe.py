@@ -14,6 +14,7 @@ import numba
 import numpy as np
 
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
+from . import generic as _generic
 from . import kernels as _k
 from .routing import route
 
@@ -210,6 +211,10 @@ class CpuQMoE:
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         self.spec = spec
         self.num_threads = num_threads
+        # layouts / activations these kernels do not implement run in kernels/cpu/generic.py
+        self._delegate = _generic.delegate_for(spec, tensors, num_threads)
+        if self._delegate is not None:
+            return
         H, I = spec.hidden_size, spec.inter_size
         t = {k: v for k, v in tensors.items() if v is not None}
         for need in ("fc1_experts_weights", "fc2_experts_weights"):
@@ -249,6 +254,8 @@ class CpuQMoE:
         (float32 [T, H], C-contiguous) the contributions are added to it in place and it is returned:
         the offload engine can then run subsets of experts into one accumulator.
         """
+        if self._delegate is not None:
+            return self._delegate.run_experts(x2d, expert_ids, weights, out=out)
         if self.num_threads:
             numba.set_num_threads(max(1, min(int(self.num_threads), numba.config.NUMBA_NUM_THREADS)))
         x2d = np.asarray(x2d)
