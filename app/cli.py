@@ -47,6 +47,43 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per answer: prompt_tokens, tokens, text, timings")
 
+    record = commands.add_parser("record", help="run measured scenarios and save resource records")
+    record.add_argument("model")
+    record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
+    record.add_argument("--max-new-tokens", type=int, default=64)
+    record.add_argument("--label", default="")
+    record.add_argument("--json", action="store_true", help="print the records as JSON")
+    record.add_argument("--history", help="SQLite history file (default: the user's data folder)")
+    _add_device_arguments(record)
+
+    sweep = commands.add_parser("sweep", help="run scenarios across expert budgets and recommend one")
+    sweep.add_argument("model")
+    sweep.add_argument("--points", type=int, default=5)
+    sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
+    sweep.add_argument("--max-new-tokens", type=int, default=32)
+    sweep.add_argument("--margin", type=float, default=0.10, help="recommend the smallest budget within this "
+                       "fraction of the fastest completion time (default 0.10)")
+    sweep.add_argument("--plot", help="write the sweep plot here (.png or .svg)")
+    sweep.add_argument("--save-as", help="save the recommendation as a named configuration")
+    sweep.add_argument("--json", action="store_true")
+    sweep.add_argument("--history", help="SQLite history file (default: the user's data folder)")
+    _add_device_arguments(sweep)
+
+    history = commands.add_parser("history", help="list or export saved run records")
+    history.add_argument("--model", help="filter: model folder contains this")
+    history.add_argument("--scenario")
+    history.add_argument("--export", choices=["json", "csv", "markdown"], help="print the records in this format")
+    history.add_argument("--history", help="SQLite history file (default: the user's data folder)")
+
+    contention = commands.add_parser("contention", help="document indexing alone, inference alone, then both")
+    contention.add_argument("model")
+    contention.add_argument("--workers", type=int, default=2, help="indexing worker processes")
+    contention.add_argument("--corpus", help="folder of .txt files (default: a generated corpus)")
+    contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short")
+    contention.add_argument("--max-new-tokens", type=int, default=64)
+    contention.add_argument("--json", action="store_true")
+    _add_device_arguments(contention)
+
     write = commands.add_parser("write-model", help="write a random-weight model folder in the builder's format")
     write.add_argument("folder")
     write.add_argument("--layers", type=int, default=2)
@@ -194,6 +231,118 @@ def _cmd_write_model(args) -> int:
     return 0
 
 
+class _ProgressLine:
+    """A progress line on standard error (the CLI's progress bar)."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __call__(self, fraction: float) -> None:
+        end = "\n" if fraction >= 1 else ""
+        print(f"\r{self.what}: {fraction:6.1%}", end=end, file=sys.stderr, flush=True)
+
+
+def _scenarios(name: str) -> list[str]:
+    from engine.records.scenarios import SCENARIOS
+
+    return list(SCENARIOS) if name == "all" else [name]
+
+
+def _cmd_record(args) -> int:
+    from engine.generation import GenerationParams, LoadedModel
+    from engine.records.history import History
+    from engine.records.scenarios import run_scenario
+
+    config, device = _offload_setup(args)
+    model = LoadedModel.open(args.model, offload=config, device=device)
+    history = History(args.history)
+    records = []
+    for scenario in _scenarios(args.scenario):
+        record = run_scenario(model, scenario, GenerationParams(max_new_tokens=args.max_new_tokens), device,
+                              label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
+        run_id = history.add(record)
+        records.append(record)
+        if not args.json:
+            t = record.timings
+            print(f"{scenario}: run {run_id}: load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
+                  f"decode {t['decode_tokens_per_s'] or 0:.1f} tok/s, completion {t['completion_s']:.2f} s, "
+                  f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB")
+    if args.json:
+        print(json.dumps([r.to_dict() for r in records], indent=2))
+    return 0
+
+
+def _cmd_sweep(args) -> int:
+    from engine.generation import GenerationParams, LoadedModel
+    from engine.records.configurations import save_configuration
+    from engine.records.history import History
+    from engine.records.sweep import recommend, run_sweep
+
+    if args.device == "cpu":
+        raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
+    config, device = _offload_setup(args)
+    model = LoadedModel.open(args.model, offload=config, device=device)
+    points = run_sweep(model, device, args.points, _scenarios(args.scenario),
+                       GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"))
+    history = History(args.history)
+    for point in points:
+        for record in point.records:
+            history.add(record)
+    best = recommend(points, args.margin)
+    rows = [p.as_dict() for p in points]
+    if args.plot:
+        from app.sweep_plot import export_sweep_plot
+
+        export_sweep_plot(rows, best.budget_bytes, args.plot)
+    if args.save_as:
+        save_configuration(args.save_as, args.model, model.offload.config.updated(device_expert_bytes=best.budget_bytes),
+                           note=f"sweep recommendation within {args.margin:.0%} of the fastest")
+    if args.json:
+        print(json.dumps({"points": rows, "recommended_budget_bytes": best.budget_bytes}, indent=2))
+    else:
+        print(f"{'budget':>12}  {'resident':>8}  {'completion':>10}  {'decode tok/s':>12}  {'device peak':>11}  {'RSS peak':>9}")
+        for p in rows:
+            mark = "  <- recommended" if p["budget_bytes"] == best.budget_bytes else ""
+            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}  {p['completion_s']:>9.2f}s  "
+                  f"{p['decode_tokens_per_s']:>12.1f}  {p['peak_device_bytes'] / 2**20:>8.0f} MiB  "
+                  f"{p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
+    return 0
+
+
+def _cmd_history(args) -> int:
+    from engine.records.history import History
+
+    history = History(args.history)
+    if args.export:
+        print(history.export(args.export, model=args.model, scenario=args.scenario), end="")
+        return 0
+    for row in history.rows(model=args.model, scenario=args.scenario):
+        print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {row['device'] or 'cpu':<28}  "
+              f"completion {row['completion_s']:.2f} s  {row['model']}")
+    return 0
+
+
+def _cmd_contention(args) -> int:
+    from pathlib import Path
+
+    from engine.generation import GenerationParams, LoadedModel
+    from engine.records.contention import default_corpus, run_contention
+    from engine.records.scenarios import run_scenario
+
+    if args.workers < 1:
+        raise WorkbenchError(f"--workers must be at least 1, got {args.workers}")
+    config, device = _offload_setup(args)
+    model = LoadedModel.open(args.model, offload=config, device=device)
+    corpus = Path(args.corpus) if args.corpus else default_corpus()
+    if not any(corpus.glob("*.txt")):
+        raise WorkbenchError(f"{corpus}: no .txt files to index")
+    params = GenerationParams(max_new_tokens=args.max_new_tokens)
+    report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
+                            corpus, args.workers, progress=_ProgressLine("contention"))
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.markdown(), end="")
+    return 0
+
+
 def _cmd_gui(args) -> int:
     from app.gui.main import run_gui
 
@@ -205,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "gui"
     if args.command is None:
         args.model = None
-    handlers = {"gui": _cmd_gui, "inspect": _cmd_inspect, "generate": _cmd_generate, "write-model": _cmd_write_model}
+    handlers = {"gui": _cmd_gui, "inspect": _cmd_inspect, "generate": _cmd_generate, "write-model": _cmd_write_model,
+                "record": _cmd_record, "sweep": _cmd_sweep, "history": _cmd_history, "contention": _cmd_contention}
     try:
         return handlers[command](args)
     except WorkbenchError as exc:

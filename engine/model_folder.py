@@ -24,7 +24,7 @@ class ModelFolder:
 
     @classmethod
     def open(cls, folder: str | Path) -> "ModelFolder":
-        folder = Path(folder).expanduser()
+        folder = Path(folder).expanduser().resolve()
         if not folder.is_dir():
             raise ModelFileError(f"{folder}: not a folder (point at the folder holding genai_config.json and model.onnx)")
         config = load_genai_config(folder)

@@ -1,0 +1,65 @@
+"""A budget sweep drawn with pyqtgraph and exported as PNG or SVG (offscreen; no window needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | Path) -> Path:
+    """points: SweepPoint.as_dict() rows. Four panels against the expert budget (GiB)."""
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    import pyqtgraph as pg
+    import pyqtgraph.exporters
+    from PySide6.QtWidgets import QApplication
+
+    _app = QApplication.instance() or QApplication([])
+    pg.setConfigOptions(antialias=True, background="w", foreground="k")
+    layout = pg.GraphicsLayoutWidget()
+    layout.resize(1100, 700)
+    byte_unit, byte_scale = _byte_unit(max(p["budget_bytes"] for p in points))
+    budgets = [p["budget_bytes"] / byte_scale for p in points]
+    rss_unit, rss_scale = _byte_unit(max(p["peak_rss_bytes"] for p in points))
+    device_unit, device_scale = _byte_unit(max(p["peak_device_bytes"] for p in points))
+    panels = (("completion time", "s", "completion_s", 1), ("decode", "tokens/s", "decode_tokens_per_s", 1),
+              ("device memory peak", device_unit, "peak_device_bytes", device_scale),
+              ("process RSS peak", rss_unit, "peak_rss_bytes", rss_scale))
+    for index, (title, unit, key, scale) in enumerate(panels):
+        plot = layout.addPlot(row=index // 2, col=index % 2, title=title)
+        plot.setLabel("bottom", f"expert budget, device_expert_bytes ({byte_unit})")
+        plot.setLabel("left", unit)
+        plot.showGrid(x=True, y=True, alpha=0.3)
+        values = [(p[key] or 0) / scale for p in points]
+        plot.plot(budgets, values, pen=pg.mkPen("#1f6feb", width=2), symbol="o", symbolBrush="#1f6feb")
+        plot.addItem(pg.InfiniteLine(recommended_budget / byte_scale, angle=90,
+                                     pen=pg.mkPen("#d1242f", width=2, style=pg.QtCore.Qt.PenStyle.DashLine)))
+    layout.show()
+    _app.processEvents()
+    path = Path(path)
+    if path.suffix.lower() == ".svg":
+        # pyqtgraph's own SVG exporter trips over some items; Qt's SVG painter draws the widget as is.
+        from PySide6.QtCore import QRect, QSize
+        from PySide6.QtGui import QPainter
+        from PySide6.QtSvg import QSvgGenerator
+
+        generator = QSvgGenerator()
+        generator.setFileName(str(path))
+        generator.setSize(QSize(layout.width(), layout.height()))
+        generator.setViewBox(QRect(0, 0, layout.width(), layout.height()))
+        generator.setTitle("MoE Workbench budget sweep")
+        painter = QPainter(generator)
+        layout.render(painter)
+        painter.end()
+    else:
+        exporter = pg.exporters.ImageExporter(layout.scene())
+        exporter.parameters()["width"] = 1100
+        exporter.export(str(path))
+    layout.close()
+    return path
+
+
+def _byte_unit(largest: float) -> tuple[str, int]:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= scale:
+            return unit, scale
+    return "bytes", 1

@@ -1,0 +1,125 @@
+"""The contention test: a real document-indexing workload (text files into SQLite FTS5 shards by
+worker processes) alone, inference alone, then both at once; each one's time and slowdown."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import sqlite3
+import tempfile
+import threading
+import time
+from contextlib import closing
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import platformdirs
+
+_WORDS = ("expert router token layer memory bandwidth cache offload device budget prefill decode "
+          "placement resident cold hot kernel thread index search query document corpus record sweep "
+          "latency throughput model weight quantise scale block matrix vector attention context window "
+          "report summary meeting invoice contract project schedule design review release build test").split()
+
+
+def make_corpus(folder: Path, files: int = 2000, words_per_file: int = 1500, seed: int = 0) -> Path:
+    """Deterministic text files (about 10 KB each) to index; reused when already complete."""
+    folder = Path(folder)
+    marker = folder / f".complete-{files}-{words_per_file}-{seed}"
+    if marker.is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    vocabulary = np.array(_WORDS + [f"term{i}" for i in range(5000)])
+    weights = 1.0 / np.arange(1, len(vocabulary) + 1) ** 1.1  # Zipf, like real text
+    weights /= weights.sum()
+    for index in range(files):
+        words = rng.choice(vocabulary, words_per_file, p=weights)
+        lines = [" ".join(words[i:i + 15]) + "." for i in range(0, words_per_file, 15)]
+        (folder / f"doc{index:05d}.txt").write_text("\n".join(lines))
+    marker.touch()
+    return folder
+
+
+def default_corpus() -> Path:
+    return make_corpus(Path(platformdirs.user_cache_dir("moe-workbench")) / "contention-corpus")
+
+
+def _index_shard(args: tuple[list[str], str]) -> int:
+    """One worker: index its files into its own FTS5 database."""
+    paths, database = args
+    with closing(sqlite3.connect(database)) as db, db:
+        db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS docs USING fts5(path, body)")
+        for path in paths:
+            db.execute("INSERT INTO docs (path, body) VALUES (?, ?)", (path, Path(path).read_text()))
+        db.execute("INSERT INTO docs(docs) VALUES ('optimize')")
+    return len(paths)
+
+
+def index_folder(folder: Path, workers: int) -> tuple[int, float]:
+    """Index every .txt file of `folder` with `workers` processes; (documents, seconds)."""
+    paths = sorted(str(p) for p in Path(folder).glob("*.txt"))
+    scratch = Path(tempfile.mkdtemp(prefix="moe-workbench-index-"))
+    try:
+        jobs = [(paths[i::workers], str(scratch / f"shard{i}.sqlite3")) for i in range(workers)]
+        started = time.perf_counter()
+        # spawn: the parent holds onnxruntime and Numba thread pools, which must not be forked.
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            documents = sum(pool.map(_index_shard, jobs))
+        return documents, time.perf_counter() - started
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@dataclass
+class ContentionReport:
+    workers: int
+    documents: int
+    indexing_alone_s: float
+    inference_alone_s: float
+    indexing_with_inference_s: float
+    inference_with_indexing_s: float
+
+    @property
+    def indexing_slowdown(self) -> float:
+        return self.indexing_with_inference_s / self.indexing_alone_s
+
+    @property
+    def inference_slowdown(self) -> float:
+        return self.inference_with_indexing_s / self.inference_alone_s
+
+    def as_dict(self) -> dict:
+        return {**vars(self), "indexing_slowdown": self.indexing_slowdown,
+                "inference_slowdown": self.inference_slowdown}
+
+    def markdown(self) -> str:
+        return "\n".join([
+            "| workload | alone | together | slowdown |", "|---|---|---|---|",
+            f"| indexing {self.documents} files, {self.workers} workers | {self.indexing_alone_s:.2f} s | "
+            f"{self.indexing_with_inference_s:.2f} s | {self.indexing_slowdown:.2f}x |",
+            f"| inference | {self.inference_alone_s:.2f} s | {self.inference_with_indexing_s:.2f} s | "
+            f"{self.inference_slowdown:.2f}x |"]) + "\n"
+
+
+def run_contention(run_inference, corpus: Path, workers: int, progress=None) -> ContentionReport:
+    """`run_inference()` runs one inference workload and returns its completion time in seconds."""
+    documents, indexing_alone = index_folder(corpus, workers)
+    if progress:
+        progress(1 / 3)
+    inference_alone = run_inference()
+    if progress:
+        progress(2 / 3)
+    together: dict[str, float] = {}
+
+    def indexing() -> None:
+        together["indexing"] = index_folder(corpus, workers)[1]
+
+    thread = threading.Thread(target=indexing, name="contention-indexing")
+    thread.start()
+    time.sleep(0.2)  # let the workers start so inference runs under load from its first token
+    together["inference"] = run_inference()
+    thread.join()
+    if progress:
+        progress(1.0)
+    return ContentionReport(workers, documents, indexing_alone, inference_alone,
+                            together["indexing"], together["inference"])

@@ -1,0 +1,80 @@
+"""Versions and machine facts for a run record."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from importlib import metadata
+
+import psutil
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def onnxruntime_build() -> dict:
+    import onnxruntime
+
+    builds = {name: _version(name) for name in ("onnxruntime", "onnxruntime-gpu")}
+    return {"version": onnxruntime.__version__,
+            "build": next((name for name, version in builds.items() if version), "unknown"),
+            "providers": onnxruntime.get_available_providers()}
+
+
+def cuda_versions() -> dict:
+    """CuPy and the CUDA runtime/driver, where present (never fails)."""
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        return {"cupy": cupy.__version__, "cuda_runtime": runtime.runtimeGetVersion(),
+                "cuda_driver": runtime.driverGetVersion()}
+    except Exception:
+        return {"cupy": None, "cuda_runtime": None, "cuda_driver": None}
+
+
+def gpus() -> list[dict]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        found = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            found.append({"name": name.decode() if isinstance(name, bytes) else name,
+                          "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                          "driver": pynvml.nvmlSystemGetDriverVersion()})
+        return found
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict:
+    return {"app": _version("moe-workbench") or "source", "python": sys.version.split()[0],
+            "onnxruntime": onnxruntime_build(), "numpy": _version("numpy"), "numba": _version("numba"),
+            **cuda_versions()}
+
+
+def machine() -> dict:
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
+            "gpus": gpus(), "os": platform.platform()}

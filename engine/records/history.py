@@ -1,0 +1,95 @@
+"""The history of run records in SQLite under the user's data folder; export to JSON, CSV, Markdown."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import platformdirs
+
+from engine.records.schema import RunRecord
+
+COLUMNS = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
+           "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
+
+
+def default_path() -> Path:
+    return Path(platformdirs.user_data_dir("moe-workbench")) / "history.sqlite3"
+
+
+class History:
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with closing(self._connect()) as db, db:
+            db.execute("""CREATE TABLE IF NOT EXISTS runs (
+                id INTEGER PRIMARY KEY, created TEXT, scenario TEXT, label TEXT, model TEXT, device TEXT,
+                budget TEXT, load_s REAL, ttft_s REAL, decode_tokens_per_s REAL, completion_s REAL,
+                peak_device_bytes INTEGER, peak_rss_bytes INTEGER, record TEXT NOT NULL)""")
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path)
+
+    def add(self, record: RunRecord) -> int:
+        t, p = record.timings, record.peaks
+        row = (record.created, record.scenario, record.label, record.model.get("folder"),
+               record.offload.get("device"), str(record.offload.get("entries", {}).get(
+                   "session.moe.offload.device_expert_bytes", "auto")),
+               t.get("load_s"), t.get("time_to_first_token_s"), t.get("decode_tokens_per_s"), t.get("completion_s"),
+               p.get("device_bytes"), p.get("rss_bytes"), json.dumps(record.to_dict()))
+        with closing(self._connect()) as db, db:
+            cursor = db.execute(f"INSERT INTO runs ({', '.join(COLUMNS[1:])}, record) VALUES "
+                                f"({', '.join('?' * (len(COLUMNS)))})", row)
+            return int(cursor.lastrowid)
+
+    def get(self, run_id: int) -> RunRecord:
+        with closing(self._connect()) as db:
+            row = db.execute("SELECT record FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no run {run_id} in {self.path}")
+        return RunRecord.from_dict(json.loads(row[0]))
+
+    def rows(self, model: str | None = None, scenario: str | None = None, label: str | None = None,
+             limit: int = 1000) -> list[dict]:
+        """Summary rows, newest first, filtered by model folder substring, scenario and label."""
+        clauses, params = [], []
+        if model:
+            clauses.append("model LIKE ?")
+            params.append(f"%{model}%")
+        if scenario:
+            clauses.append("scenario = ?")
+            params.append(scenario)
+        if label:
+            clauses.append("label LIKE ?")
+            params.append(f"%{label}%")
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        with closing(self._connect()) as db:
+            found = db.execute(f"SELECT {', '.join(COLUMNS)} FROM runs {where} ORDER BY id DESC LIMIT ?",
+                               (*params, limit)).fetchall()
+        return [dict(zip(COLUMNS, row)) for row in found]
+
+    def export(self, fmt: str, **filters) -> str:
+        rows = self.rows(**filters)
+        if fmt == "json":
+            return json.dumps([self.get(row["id"]).to_dict() for row in rows], indent=2)
+        if fmt == "csv":
+            out = io.StringIO()
+            writer = csv.DictWriter(out, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+            return out.getvalue()
+        if fmt == "markdown":
+            lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+            lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+            return "\n".join(lines) + "\n"
+        raise ValueError(f"unknown export format '{fmt}' (json, csv, markdown)")
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value).replace("|", "\\|")

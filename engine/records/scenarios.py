@@ -1,0 +1,145 @@
+"""Measured scenarios (short question, long input, multi-turn chat) that produce run records."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timezone
+
+import psutil
+
+from engine.errors import PromptError
+from engine.generation import Conversation, GenerationParams, LoadedModel
+from engine.records.environment import machine, versions
+from engine.records.schema import RunRecord, model_identity
+
+SCENARIOS = ("short", "long", "multiturn")
+LONG_PROMPT_TOKENS = 2000
+MULTITURN_QUESTIONS = (
+    "What is a mixture-of-experts model?",
+    "Why do its experts not all fit in GPU memory?",
+    "Which experts should stay on the GPU?",
+    "What happens when routing hits a cold expert?",
+    "How would you measure whether offload helps?",
+    "Summarise our conversation in one sentence.",
+)
+_PASSAGE = ("Mixture-of-experts language models route every token through a few of many expert "
+            "feed-forward networks. Only the routed experts are read for a token, so a model far larger "
+            "than the GPU's memory can still answer quickly when the experts that matter stay resident "
+            "and the rest are computed on the CPU or copied in just in time. ")
+
+
+def scenario_turns(name: str, tokenizer, context_length: int, max_new_tokens: int) -> list[str]:
+    if name == "short":
+        return ["In two sentences, what does a CPU/GPU expert offload engine do?"]
+    if name == "multiturn":
+        return list(MULTITURN_QUESTIONS)
+    if name == "long":
+        if context_length < LONG_PROMPT_TOKENS + max_new_tokens:
+            raise PromptError(f"the long-input scenario needs a context of at least "
+                              f"{LONG_PROMPT_TOKENS + max_new_tokens} tokens; the model has {context_length}")
+        return [_long_prompt(tokenizer)]
+    raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
+
+
+def _long_prompt(tokenizer) -> str:
+    """A report whose chat-rendered prompt is just over LONG_PROMPT_TOKENS tokens."""
+    def tokens(text: str) -> int:
+        return len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": text}])))
+
+    text = "Read this report and list its three main points.\n\n"
+    while tokens(text + _PASSAGE) < LONG_PROMPT_TOKENS:
+        text += _PASSAGE
+    for word in (_PASSAGE.split() * 4):  # then word by word, so the prompt ends just past the target
+        if tokens(text) >= LONG_PROMPT_TOKENS:
+            break
+        text += word + " "
+    return text
+
+
+class PeakSampler:
+    """Samples this process's RSS and the device's memory in use every `interval` seconds."""
+
+    def __init__(self, device=None, interval: float = 0.05):
+        self.device, self.interval = device, interval
+        self.rss = 0
+        self.device_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
+        self._process = psutil.Process()
+
+    def _sample(self) -> None:
+        self.rss = max(self.rss, self._process.memory_info().rss)
+        if self.device is not None:
+            self.device_bytes = max(self.device_bytes, self.device.memory.used, self.device.memory.high_water)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "PeakSampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def offload_description(model: LoadedModel, device) -> dict:
+    if model.offload is None:
+        return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU."}
+    return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
+            "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
+            "statements": model.offload.plan.statements}
+
+
+def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",
+                 cancel: threading.Event | None = None, progress=None) -> RunRecord:
+    """Run one named scenario on a loaded model and measure it."""
+    turns_text = scenario_turns(name, model.tokenizer, model.config.context_length, params.max_new_tokens)
+    return run_turns(model, turns_text, params, device, name, label, cancel, progress)
+
+
+def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device=None,
+              scenario: str = "custom", label: str = "", cancel: threading.Event | None = None, progress=None,
+              on_text=None) -> RunRecord:
+    """Send the turns as one conversation and measure it: timings, peaks, offload statistics."""
+    name = scenario
+    if model.offload is not None:
+        model.offload.stats.reset(len(model.offload.slots))
+    conversation = Conversation(model)
+    turns = []
+    started = time.perf_counter()
+    with PeakSampler(device) as peaks:
+        for index, text in enumerate(turns_text):
+            if cancel is not None and cancel.is_set():
+                break
+            result = conversation.send(text, params, on_text=on_text, cancel=cancel)
+            turns.append({"prompt": text, "answer": result.text, "prompt_tokens": len(result.prompt_tokens),
+                          "tokens": result.tokens,
+                          "generated_tokens": len(result.tokens), "finish_reason": result.finish_reason,
+                          "reused_cache_tokens": result.reused_cache_tokens, "timings": result.timings.as_dict(),
+                          "routing_agreement": result.routing_agreement})
+            if progress:
+                progress((index + 1) / len(turns_text))
+    completion = time.perf_counter() - started
+    decode_s = sum(t["timings"]["decode_s"] for t in turns)
+    decoded = sum(max(0, t["generated_tokens"] - 1) for t in turns)
+    stats = model.offload.stats.as_dict() if model.offload is not None else None
+    agreements = [t["routing_agreement"] for t in turns if t["routing_agreement"] is not None]
+    return RunRecord(
+        scenario=name, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        versions=versions(), machine=machine(), model=model_identity(model.folder),
+        offload=offload_description(model, device),
+        timings={"load_s": model.load_s, "prefill_s": turns[0]["timings"]["prefill_s"] if turns else None,
+                 "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
+                 "decode_tokens_per_s": decoded / decode_s if decode_s else None, "completion_s": completion,
+                 "turns": len(turns), "cancelled": len(turns) < len(turns_text)},
+        peaks={"device_bytes": peaks.device_bytes if device is not None else None, "process_device_bytes": None,
+               "rss_bytes": peaks.rss, "pinned_bytes": None},
+        layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,
+        turns=turns, approximate_routing=bool(model.offload and model.offload.config.approximate_routing),
+        routing_agreement=sum(agreements) / len(agreements) if agreements else None, label=label)

@@ -1,0 +1,63 @@
+"""The run record: one versioned JSON document per measured run."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+
+class RecordError(ValueError):
+    pass
+
+
+@dataclass
+class RunRecord:
+    scenario: str                         # short, long, multiturn, sweep point, side-by-side, contention, ...
+    created: str                          # ISO 8601 UTC
+    versions: dict
+    machine: dict
+    model: dict                           # folder, type, content hash, expert layouts per node
+    offload: dict                         # the full configuration (onnxruntime entries), device, plan
+    timings: dict                         # load_s, prefill_s, time_to_first_token_s, decode_tokens_per_s, completion_s
+    peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, pinned_bytes
+    layers: list[dict] = field(default_factory=list)  # per expert node: hit rate, bytes copied, times
+    bytes_moved: int = 0
+    turns: list[dict] = field(default_factory=list)   # prompt, answer, tokens and timings per turn
+    approximate_routing: bool = False
+    routing_agreement: float | None = None
+    label: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunRecord":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise RecordError(f"run record schema version {version!r} is not {SCHEMA_VERSION}")
+        known = set(cls.__dataclass_fields__)
+        missing = [name for name, f in cls.__dataclass_fields__.items()
+                   if name not in data and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise RecordError(f"run record lacks {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+
+def model_identity(folder) -> dict:
+    """Folder, type, a content hash of model.onnx and each expert node's layout."""
+    digest = hashlib.sha256(Path(folder.onnx.path).read_bytes()).hexdigest()
+    nodes = []
+    for info in folder.experts:
+        spec = info.spec
+        nodes.append({"node": info.name, "layer": info.layer, "experts": spec.num_experts if spec else None,
+                      "top_k": spec.k if spec else None, "quant_type": spec.quant_type if spec else None,
+                      "bits": spec.fc1_bits if spec else None, "block_size": spec.block_size if spec else None,
+                      "layout": spec.supported_summary() if spec else info.unsupported,
+                      "bytes_per_expert": info.bytes_per_expert})
+    return {"folder": str(folder.folder), "type": folder.config.model_type, "onnx_sha256": digest,
+            "expert_bytes": folder.expert_bytes, "dense_bytes": folder.dense_bytes, "expert_nodes": nodes}

@@ -1,0 +1,169 @@
+"""Run records, SQLite history, scenarios, budget sweeps, side-by-side and the contention runner."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from engine.generation import GenerationParams, LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.records.contention import make_corpus, run_contention
+from engine.records.history import History
+from engine.records.scenarios import run_scenario, scenario_turns
+from engine.records.schema import SCHEMA_VERSION, RecordError, RunRecord
+from engine.records.side_by_side import Side, compare, first_divergence
+from engine.records.sweep import SweepPoint, recommend, run_sweep
+from tests.conftest import fixture_folder
+
+PARAMS = GenerationParams(max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def simulated_model():
+    device = SimulatedDevice(1 << 30)
+    return LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=200_000),
+                            device=device), device
+
+
+@pytest.fixture(scope="module")
+def short_record(simulated_model):
+    model, device = simulated_model
+    return run_scenario(model, "short", PARAMS, device, label="unit")
+
+
+def test_record_has_what_a_user_decides_with(short_record):
+    r = short_record
+    assert r.schema_version == SCHEMA_VERSION and r.scenario == "short"
+    assert r.versions["onnxruntime"]["version"] and r.versions["python"]
+    assert r.machine["cores"] >= 1 and r.machine["ram_bytes"] > 0
+    assert len(r.model["onnx_sha256"]) == 64 and r.model["expert_nodes"][0]["bits"] == 4
+    assert r.model["expert_nodes"][0]["block_size"] == 32
+    assert r.offload["entries"]["session.moe.offload.device_expert_bytes"] == "200000"
+    assert r.timings["load_s"] > 0 and r.timings["time_to_first_token_s"] > 0
+    assert r.timings["completion_s"] >= r.timings["time_to_first_token_s"]
+    assert r.peaks["rss_bytes"] > 10 << 20 and r.peaks["device_bytes"] > 0
+    assert len(r.layers) == 2 and {"hits", "misses", "hit_rate"} <= set(r.layers[0])
+    assert r.turns[0]["prompt"].startswith("In two sentences") and isinstance(r.turns[0]["answer"], str)
+    assert r.turns[0]["generated_tokens"] == len(r.turns[0]["tokens"]) >= 1
+
+
+def test_schema_round_trip(short_record):
+    data = json.loads(json.dumps(short_record.to_dict()))
+    assert RunRecord.from_dict(data) == short_record
+    with pytest.raises(RecordError, match="schema version"):
+        RunRecord.from_dict(dict(data, schema_version=99))
+    del data["timings"]
+    with pytest.raises(RecordError, match="timings"):
+        RunRecord.from_dict(data)
+
+
+def test_history_write_read_filter_export(short_record, tmp_path):
+    history = History(tmp_path / "h.sqlite3")
+    first = history.add(short_record)
+    other = RunRecord.from_dict(dict(short_record.to_dict(), scenario="long", label="other"))
+    second = history.add(other)
+    assert history.get(first) == short_record
+    assert [row["id"] for row in history.rows()] == [second, first]
+    assert [row["id"] for row in history.rows(scenario="long")] == [second]
+    assert [row["id"] for row in history.rows(model="gptoss", scenario="short")] == [first]
+    assert history.rows(model="no-such-model") == []
+    exported = json.loads(history.export("json"))
+    assert [RunRecord.from_dict(d) for d in exported] == [other, short_record]
+    rows = list(csv.DictReader(io.StringIO(history.export("csv", scenario="short"))))
+    assert len(rows) == 1 and float(rows[0]["completion_s"]) == pytest.approx(short_record.timings["completion_s"])
+    markdown = history.export("markdown").splitlines()
+    assert markdown[0].startswith("| id |") and len(markdown) == 4
+
+
+def test_long_and_multiturn_scenarios_are_what_they_claim(simulated_model):
+    model, _ = simulated_model
+    long_prompt = scenario_turns("long", model.tokenizer, model.config.context_length, 8)[0]
+    rendered = model.tokenizer.render_chat([{"role": "user", "content": long_prompt}])
+    assert 2000 <= len(model.tokenizer.encode(rendered)) <= 2040
+    assert len(scenario_turns("multiturn", model.tokenizer, 2048, 8)) >= 5
+
+
+def test_multiturn_record_reuses_the_cache(simulated_model):
+    model, device = simulated_model
+    record = run_scenario(model, "multiturn", GenerationParams(max_new_tokens=4), device)
+    assert record.timings["turns"] >= 5
+    assert all(turn["reused_cache_tokens"] > 0 for turn in record.turns[1:])
+
+
+def test_recommendation_follows_the_numbers():
+    def point(budget, completion):
+        p = SweepPoint(budget, 0.0)
+        p.records = [RunRecord("short", "", {}, {}, {}, {}, {"completion_s": completion, "decode_tokens_per_s": 1},
+                               {"device_bytes": budget, "rss_bytes": 1})]
+        return p
+
+    points = [point(0, 10.0), point(100, 5.4), point(200, 5.0), point(300, 4.95)]
+    assert recommend(points, margin=0.10).budget_bytes == 100   # 5.4 <= 4.95 * 1.1
+    assert recommend(points, margin=0.05).budget_bytes == 200
+    assert recommend(points, margin=0.0).budget_bytes == 300
+
+
+def test_sweep_on_the_simulated_device(tmp_path):
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=4))
+    assert [p.fraction for p in points] == [0.0, 0.5, 1.0]
+    assert points[0].budget_bytes == 0 and points[-1].budget_bytes == model.folder.expert_bytes
+    assert points[0].peak_device_bytes < points[-1].peak_device_bytes  # resident experts cost device memory
+    assert points[-1].records[0].layers[0]["misses"] == 0 and points[0].records[0].layers[0]["hits"] == 0
+    best = recommend(points, 0.10)
+    fastest = min(p.completion_s for p in points)
+    assert best.completion_s <= fastest * 1.10
+    assert all(p.budget_bytes >= best.budget_bytes for p in points if p.completion_s <= fastest * 1.10)
+
+
+def test_side_by_side_gives_two_records_and_the_divergence(simulated_model):
+    model, device = simulated_model
+    other = LoadedModel.open(fixture_folder("gptoss"))
+    streamed = {0: [], 1: []}
+    comparison = compare(Side(model, device, "offload"), Side(other, None, "cpu"), "Compare us", PARAMS,
+                         on_text=lambda side, token, delta: streamed[side].append(token))
+    a, b = comparison.records
+    assert (a.label, b.label) == ("offload", "cpu") and a.scenario == b.scenario == "side-by-side"
+    assert comparison.divergence is None  # exact offload: same greedy answer as the all-CPU run
+    assert streamed[0] == a.turns[0]["tokens"][:len(streamed[0])] and streamed[1]
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 5]) == 2
+
+
+def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
+    model, device = simulated_model
+    corpus = make_corpus(tmp_path / "corpus", files=40, words_per_file=300)
+    report = run_contention(lambda: run_scenario(model, "short", PARAMS, device).timings["completion_s"],
+                            corpus, workers=2)
+    assert report.documents == 40
+    assert report.indexing_alone_s > 0 and report.inference_alone_s > 0
+    assert report.indexing_with_inference_s > 0 and report.inference_with_indexing_s > 0
+    assert report.inference_slowdown == pytest.approx(report.inference_with_indexing_s / report.inference_alone_s)
+    assert "| inference |" in report.markdown()
+
+
+def test_cli_record_sweep_history_contention(tmp_path):
+    from tests.test_bad_input import run_cli
+
+    model, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite3")
+    record = run_cli("record", model, "--scenario", "short", "--max-new-tokens", "3", "--json", "--history", history)
+    assert record.returncode == 0, record.stderr
+    assert json.loads(record.stdout)[0]["scenario"] == "short"
+    plot = tmp_path / "sweep.png"
+    sweep = run_cli("sweep", model, "--device", "simulated", "--points", "2", "--max-new-tokens", "3",
+                    "--plot", str(plot), "--json", "--history", history)
+    assert sweep.returncode == 0, sweep.stderr
+    result = json.loads(sweep.stdout)
+    assert len(result["points"]) == 2 and result["recommended_budget_bytes"] in [p["budget_bytes"] for p in result["points"]]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    listed = run_cli("history", "--history", history, "--export", "csv")
+    assert len(listed.stdout.strip().splitlines()) == 1 + 1 + 2  # header, record, two sweep points
+    corpus = make_corpus(tmp_path / "corpus", files=10, words_per_file=100)
+    contention = run_cli("contention", model, "--workers", "1", "--corpus", str(corpus), "--max-new-tokens", "3", "--json")
+    assert contention.returncode == 0, contention.stderr
+    assert set(json.loads(contention.stdout)) >= {"indexing_alone_s", "inference_alone_s",
+                                                  "indexing_with_inference_s", "inference_with_indexing_s"}
+    assert "progress" not in contention.stdout and "contention: 100.0%" in contention.stderr
