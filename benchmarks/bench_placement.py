@@ -11,33 +11,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_result  # noqa: E402
-from engine.offload.placement import AdaptivePlacement, LayerSlots, StaticPlacement  # noqa: E402
-from engine.offload.traces import realistic_trace, uniform_trace  # noqa: E402
+from engine.offload.placement import AdaptivePlacement, StaticPlacement  # noqa: E402
+from engine.offload.traces import realistic_trace, replay, uniform_trace  # noqa: E402
 
 WARMUP = 100
-
-
-def replay(make_policy, trace: np.ndarray, num_experts: int, slots: int) -> tuple[float, float]:
-    """(hit rate after warm-up, swaps per layer per token)."""
-    layers = [LayerSlots(num_experts, slots) for _ in range(trace.shape[1])]
-    policy = make_policy(layers)
-    hits = total = swaps = 0
-    for t in range(trace.shape[0]):
-        for index in range(trace.shape[1]):
-            ids = trace[t, index]
-            if t >= WARMUP:
-                hits += int(np.count_nonzero(layers[index].slot_of[ids] >= 0))
-                total += ids.size
-            policy.observe(index, ids)
-        if t + 1 == WARMUP and isinstance(policy, StaticPlacement):
-            policy.initial()  # static: fixed from the popularity measured over the warm-up
-        swaps += len(policy.rebalance()) if t >= WARMUP else 0
-    return hits / total, swaps / ((trace.shape[0] - WARMUP) * trace.shape[1])
 
 
 POLICIES = {
@@ -56,7 +37,7 @@ def main() -> None:
                                ("uniform", uniform_trace(800, 4, experts, k, seed=7))):
             for fraction in (0.125, 0.25, 0.5, 0.75):
                 slots = max(k, int(fraction * experts))
-                rates = {name: replay(make, trace, experts, slots) for name, make in POLICIES.items()}
+                rates = {name: replay(make, trace, experts, slots, WARMUP) for name, make in POLICIES.items()}
                 print(f"{shape:22s} {routing:10s} {slots:6d}  " + "  ".join(f"{r[0]:18.3f} ({r[1]:4.2f}/t)" for r in rates.values()))
                 static = rates["static (warm-up popularity)"][0]
                 adaptive_name = next(iter(POLICIES))

@@ -9,45 +9,24 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import re
 import sys
 from pathlib import Path
+
+from engine.records.environment import cpu_model, gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def gpu_name() -> str | None:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            if pynvml.nvmlDeviceGetCount() == 0:
-                return None
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-            return name.decode() if isinstance(name, bytes) else name
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return None
+    found = gpus()
+    return found[0]["name"] if found else None
 
 
 def machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu": cpu_name(), "cores": cores, "gpu": gpu_name()}
+    return {"cpu": cpu_model(), "cores": cores, "gpu": gpu_name()}
 
 
 def machine_tag(info: dict) -> str:

@@ -9,11 +9,8 @@ import onnx
 
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.onnx_file import OnnxFile
-from kernels.qmoe_spec import QMOE_INPUT_NAMES, QMoESpec, UnsupportedLayout
+from kernels.qmoe_spec import MOE_INPUT_NAMES, QMOE_INPUT_NAMES, QMoESpec, UnsupportedLayout
 
-# The float MoE op's inputs, by position, named as the QMoE contract names them.
-MOE_INPUT_NAMES = ("input", "router_probs", "fc1_experts_weights", "fc1_experts_bias", "fc2_experts_weights",
-                   "fc2_experts_bias", "fc3_experts_weights", "fc3_experts_bias")
 ACTIVATION_INPUTS = ("input", "router_probs", "router_weights")
 
 

@@ -9,17 +9,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-QMOE_INPUT_NAMES = (
-    "input", "router_probs", "fc1_experts_weights", "fc1_scales", "fc1_experts_bias",
-    "fc2_experts_weights", "fc2_scales", "fc2_experts_bias", "fc3_experts_weights",
-    "fc3_scales", "fc3_experts_bias", "fc1_zero_points", "fc2_zero_points", "fc3_zero_points",
-    "router_weights", "fc1_global_scale", "fc2_global_scale", "fc1_act_scale", "fc2_act_scale",
-    "fc1_act_block_scale", "fc2_act_block_scale",
-)
-MOE_INPUT_NAMES = (
-    "input", "router_probs", "fc1_experts_weights", "fc1_experts_bias", "fc2_experts_weights",
-    "fc2_experts_bias", "fc3_experts_weights", "fc3_experts_bias",
-)
+from kernels.qmoe_spec import MOE_INPUT_NAMES, QMOE_INPUT_NAMES  # noqa: E402  (the contract's input order)
+
 # Inputs fed at run time (everything else becomes an initializer).
 _RUNTIME_INPUTS = ("input", "router_probs", "router_weights")
 

@@ -50,13 +50,14 @@ def uniform_trace(num_tokens: int, num_layers: int, num_experts: int, k: int, se
                      for _ in range(num_tokens)]).astype(np.int32)
 
 
-def hit_rate(policy_name: str, trace: np.ndarray, num_experts: int, slots: int, warmup: int = 50) -> float:
-    """Fraction of routed experts found resident, replaying a trace through a placement policy."""
-    from engine.offload.placement import LayerSlots, make_policy
+def replay(make_policy, trace: np.ndarray, num_experts: int, slots: int, warmup: int = 50) -> tuple[float, float]:
+    """Replay a trace through a placement policy: (fraction of routed experts found resident after
+    the warm-up, swaps per layer per token). Static placement is fixed from the warm-up's counts."""
+    from engine.offload.placement import LayerSlots, StaticPlacement
 
     layers = [LayerSlots(num_experts, slots) for _ in range(trace.shape[1])]
-    policy = make_policy(policy_name, layers)
-    hits = total = 0
+    policy = make_policy(layers)
+    hits = total = swaps = 0
     for t in range(trace.shape[0]):
         for layer in range(trace.shape[1]):
             ids = trace[t, layer]
@@ -64,7 +65,14 @@ def hit_rate(policy_name: str, trace: np.ndarray, num_experts: int, slots: int, 
                 hits += int(np.count_nonzero(layers[layer].slot_of[ids] >= 0))
                 total += ids.size
             policy.observe(layer, ids)
-        if policy_name == "static" and t + 1 == warmup:
+        if t + 1 == warmup and isinstance(policy, StaticPlacement):
             policy.initial()
-        policy.rebalance()
-    return hits / max(1, total)
+        moved = len(policy.rebalance())
+        swaps += moved if t >= warmup else 0
+    return hits / max(1, total), swaps / max(1, (trace.shape[0] - warmup) * trace.shape[1])
+
+
+def hit_rate(policy_name: str, trace: np.ndarray, num_experts: int, slots: int, warmup: int = 50) -> float:
+    from engine.offload.placement import make_policy
+
+    return replay(lambda layers: make_policy(policy_name, layers), trace, num_experts, slots, warmup)[0]
