@@ -3,15 +3,7 @@
 from __future__ import annotations
 
 from engine.model_folder import ModelFolder
-
-
-def human_bytes(count: int) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+from engine.units import human_bytes
 
 
 def inspection(folder: ModelFolder) -> dict:
@@ -55,4 +47,5 @@ def format_inspection(report: dict) -> str:
     lines.append(f"experts: {human_bytes(report['expert_bytes'])} in {len(report['expert_nodes'])} nodes; "
                  f"dense part: {human_bytes(report['dense_bytes'])} in {report['dense_segments']} onnxruntime segments")
     lines.append(report["verdict"])
+    lines += report.get("offload", {}).get("statements", [])
     return "\n".join(lines)

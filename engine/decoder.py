@@ -26,7 +26,8 @@ class PartitionedDecoder:
         self.logits_name = logits_name
         types = {i.name: i.type.tensor_type.elem_type for i in source.proto.graph.input}
         by_name = {info.name: info for info in experts}
-        self.steps: list[DenseSegment | CpuExpertNode] = []
+        self.steps: list = []  # DenseSegment, or an expert runner (CpuExpertNode, HybridExpertNode)
+        self.on_step_end = None  # called after every step: the safe point for expert placement
         total = len(plan.steps)
         for done, step in enumerate(plan.steps, start=1):
             if isinstance(step, ExpertStep):
@@ -44,11 +45,13 @@ class PartitionedDecoder:
         """Logits [tokens, vocab] for the new tokens; the state advances past them."""
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         for runner in self.steps:
-            if isinstance(runner, CpuExpertNode):
-                values[runner.info.output] = runner.run(values)
-            else:
+            if isinstance(runner, DenseSegment):
                 values.update(runner.run(values, state))
+            else:
+                values[runner.info.output] = runner.run(values)
         state.advance(len(token_ids))
+        if self.on_step_end is not None:
+            self.on_step_end()
         return values[self.logits_name].reshape(len(token_ids), -1)
 
 

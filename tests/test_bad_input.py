@@ -71,12 +71,12 @@ def test_unsupported_expert_layout(copy_fixture):
     folder = copy_fixture("gptoss")
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     node = next(n for n in model.graph.node if n.op_type == "QMoE")
-    node.attribute.append(onnx.helper.make_attribute("quant_type", "nvfp4"))
+    next(a for a in node.attribute if a.name == "expert_weight_bits").i = 5
     onnx.save(model, str(folder / "model.onnx"))
     result = run_cli("generate", str(folder), "--prompt", "hi")
-    assert_clean_error(result, node.name, "nvfp4")
+    assert_clean_error(result, node.name, "bits 5")
     inspect = run_cli("inspect", str(folder))
-    assert inspect.returncode == 1 and "UNSUPPORTED" in inspect.stdout and "nvfp4" in inspect.stdout
+    assert inspect.returncode == 1 and "UNSUPPORTED" in inspect.stdout and "bits 5" in inspect.stdout
 
 
 def test_empty_prompt():
