@@ -401,14 +401,16 @@ def pack_cols(x, rows, perm, blk_col, blk_w, blk_pair, blk_valid, xp):
         wdt = blk_w[j]
         base = blk_col[j] * K
         v = blk_valid[j]
-        for c in range(wdt):
-            if c < v:
-                r = rows[blk_pair[j] + c]
-                for kk in range(k0, k1):
-                    xp[base + kk * wdt + c] = x[r, perm[kk]]
-            else:
-                for kk in range(k0, k1):
-                    xp[base + kk * wdt + c] = np.float32(0.0)
+        rr = np.empty(32, np.int64)
+        for c in range(v):
+            rr[c] = rows[blk_pair[j] + c]
+        for kk in range(k0, k1):  # contiguous writes; the block's 32 source rows stay in L1
+            pk = perm[kk]
+            o = base + kk * wdt
+            for c in range(v):
+                xp[o + c] = x[rr[c], pk]
+            for c in range(v, wdt):
+                xp[o + c] = np.float32(0.0)
 
 
 @njit(inline="always")
@@ -651,6 +653,53 @@ def _prefetch_row(w, sc, e, n, ahead):
     prefetch_bytes(sc, row * nb * sc.itemsize, nb * sc.itemsize)
 
 
+@njit(fastmath=True, cache=True, nogil=True)
+def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, zrb1,
+                   experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
+                   act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi):
+    """FC1 + activation for the row groups lo..hi-1 of the (expert, group) space (see moe_gemv)."""
+    for idx in range(lo, hi):
+        u = idx // G
+        i = idx - u * G
+        e = experts[u]
+        if swiglu:
+            if fusion == 1:
+                ng = 2 * i
+                nu = 2 * i + 1
+            else:
+                ng = i
+                nu = I + i
+        else:
+            ng = i
+            nu = i
+        if pf_rows > 0:
+            _prefetch_row(w1, sc1, e, ng, pf_rows)
+            if swiglu and fusion == 2:
+                _prefetch_row(w1, sc1, e, nu, pf_rows)
+        bg = b1[e, ng] if hb1 else np.float32(0.0)
+        bu = b1[e, nu] if hb1 else np.float32(0.0)
+        if zmode1 != 0:
+            _fill_zp_range(zg, zp1, zmode1, e, ng, bits1, zrb1, 0, nb1)
+            if swiglu:
+                _fill_zp_range(zu, zp1, zmode1, e, nu, bits1, zrb1, 0, nb1)
+        for p in range(pair_off[u], pair_off[u + 1]):
+            r = rowmap[src[p]]
+            g = _qdot(w1, sc1, skind1, zg, bits1, nb1, chunk1, cshift1, nchunk1, e, ng, xa1, xb1, xs1, r) + bg
+            if swiglu:
+                l = _qdot(w1, sc1, skind1, zu, bits1, nb1, chunk1, cshift1, nchunk1, e, nu, xa1, xb1, xs1,
+                          r) + bu
+                a = _swiglu(g, l, a_, b_, l_, has_limit)
+            else:
+                a = _act(act_kind, g)
+            if bits2 == 4:
+                if i & 1:
+                    ab[p, i >> 1] = a
+                else:
+                    aa[p, i >> 1] = a
+            else:
+                aa[p, i] = a
+
+
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, src, coef, dst,
              act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, ws, y, out, do_reduce, nth):
@@ -659,8 +708,9 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
 
     q1 / q2: int64 [skind, zmode, bits, nb, chunk, cshift, nchunk, has_bias] of fc1 / fc2; act: swiglu
     (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
-    Two parallel regions (FC1 + activation, then FC2), each split into one contiguous span of the
-    (expert, row) space per thread; pf_rows > 0 prefetches that many rows ahead. ws: float32 scratch.
+    Two parallel regions (FC1 + activation, then FC2) over the (expert, row) space, handed out in
+    contiguous ~64 KB chunks through an atomic counter; pf_rows > 0 prefetches that many rows ahead.
+    ws: float32 scratch.
     """
     E1, N1, Kb1 = w1.shape
     E2, H, Kb2 = w2.shape
@@ -704,51 +754,24 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
     zrb1 = (nb1 * bits1 + 7) // 8
     zrb2 = (nb2 * bits2 + 7) // 8
     total = U * G
+    # work handed out in chunks of ~64 KB of packed rows through an atomic counter: a thread that is
+    # descheduled or slowed (SMT sibling, other tenants) does not hold up the whole region
+    rpg = 2 if swiglu else 1
+    ch = max(1, 65536 // (rpg * (Kb1 + nb1 * sc1.itemsize)))
+    nck = (total + ch - 1) // ch
+    counter = np.zeros(2, np.int64)
     for th in prange(nth):
         zg = np.full(nb1, zdef1, np.float32)
         zu = np.full(nb1, zdef1, np.float32)
-        lo = th * total // nth
-        hi = (th + 1) * total // nth
-        for idx in range(lo, hi):
-            u = idx // G
-            i = idx - u * G
-            e = experts[u]
-            if swiglu:
-                if fusion == 1:
-                    ng = 2 * i
-                    nu = 2 * i + 1
-                else:
-                    ng = i
-                    nu = I + i
-            else:
-                ng = i
-                nu = i
-            if pf_rows > 0:
-                _prefetch_row(w1, sc1, e, ng, pf_rows)
-                if swiglu and fusion == 2:
-                    _prefetch_row(w1, sc1, e, nu, pf_rows)
-            bg = b1[e, ng] if hb1 else np.float32(0.0)
-            bu = b1[e, nu] if hb1 else np.float32(0.0)
-            if zmode1 != 0:
-                _fill_zp_range(zg, zp1, zmode1, e, ng, bits1, zrb1, 0, nb1)
-                if swiglu:
-                    _fill_zp_range(zu, zp1, zmode1, e, nu, bits1, zrb1, 0, nb1)
-            for p in range(pair_off[u], pair_off[u + 1]):
-                r = rowmap[src[p]]
-                g = _qdot(w1, sc1, skind1, zg, bits1, nb1, chunk1, cshift1, nchunk1, e, ng, xa1, xb1, xs1, r) + bg
-                if swiglu:
-                    l = _qdot(w1, sc1, skind1, zu, bits1, nb1, chunk1, cshift1, nchunk1, e, nu, xa1, xb1, xs1,
-                              r) + bu
-                    a = _swiglu(g, l, a_, b_, l_, has_limit)
-                else:
-                    a = _act(act_kind, g)
-                if bits2 == 4:
-                    if i & 1:
-                        ab[p, i >> 1] = a
-                    else:
-                        aa[p, i >> 1] = a
-                else:
-                    aa[p, i] = a
+        while True:
+            ci = atomic_fetch_add(counter, 0, 1)
+            if ci >= nck:
+                break
+            lo = ci * ch
+            hi = min(total, lo + ch)
+            _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, zrb1,
+                           experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
+                           act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi)
     if bits2 != 4:
         ab = aa
     for p in range(P):
@@ -760,22 +783,28 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
                     s += ab[p, j]
             xs2[p, c] = s
     total = U * H
+    ch = max(1, 65536 // (Kb2 + nb2 * sc2.itemsize))
+    nck = (total + ch - 1) // ch
     for th in prange(nth):
         zbuf = np.full(nb2, zdef2, np.float32)
-        lo = th * total // nth
-        hi = (th + 1) * total // nth
-        for idx in range(lo, hi):
-            u = idx // H
-            n = idx - u * H
-            e = experts[u]
-            if pf_rows > 0:
-                _prefetch_row(w2, sc2, e, n, pf_rows)
-            if zmode2 != 0:
-                _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
-            bval = b2[e, n] if hb2 else np.float32(0.0)
-            for p in range(pair_off[u], pair_off[u + 1]):
-                y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, bits2, nb2, chunk2, cshift2, nchunk2, e, n,
-                                           aa, ab, xs2, p) + bval)
+        while True:
+            ci = atomic_fetch_add(counter, 1, 1)
+            if ci >= nck:
+                break
+            lo = ci * ch
+            hi = min(total, lo + ch)
+            for idx in range(lo, hi):
+                u = idx // H
+                n = idx - u * H
+                e = experts[u]
+                if pf_rows > 0:
+                    _prefetch_row(w2, sc2, e, n, pf_rows)
+                if zmode2 != 0:
+                    _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
+                bval = b2[e, n] if hb2 else np.float32(0.0)
+                for p in range(pair_off[u], pair_off[u + 1]):
+                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, bits2, nb2, chunk2, cshift2, nchunk2, e, n,
+                                               aa, ab, xs2, p) + bval)
     if do_reduce:
         for p in range(P):
             d = dst[p]
