@@ -255,9 +255,10 @@ def test_fp16_spec_uses_fp16_io_scales_and_caches(tmp_path):
 
 
 def test_invalid_specs_raise_clear_errors(tmp_path):
-    for bad, words in [(dict(bits=2), "4- or 8-bit"), (dict(quant_type="fp4"), "4- or 8-bit"),
+    # (more layouts, and their invalid combinations: tests/test_writer_layouts.py)
+    for bad, words in [(dict(bits=5), "2, 3, 4 or 8"), (dict(quant_type="fp6"), "quant_type"),
                        (dict(block_size=48), "power of two"), (dict(block_size=256), "divisible"),
-                       (dict(activation="geglu"), "activation"), (dict(vocab_size=100), "vocab_size"),
+                       (dict(activation="swish"), "activation"), (dict(vocab_size=100), "vocab_size"),
                        (dict(num_heads=3, num_kv_heads=2), "multiple"), (dict(top_k=9), "top_k")]:
         with pytest.raises(ValueError, match=words):
             write_model(tmp_path / "bad", WriterSpec(**bad))

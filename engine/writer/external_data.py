@@ -104,7 +104,8 @@ def write_tensors(f: BinaryIO, plans: Iterable[TensorPlan], location: str,
                 chunk = np.ascontiguousarray(chunk)
                 if chunk.dtype != want:
                     raise TypeError(f"{plan.name}: chunk dtype {chunk.dtype} != {want}")
-                writer.write(memoryview(chunk).cast("B"))   # the view keeps the chunk alive until written
+                # as bytes (ml_dtypes float8 arrays have no buffer format); the view keeps the chunk alive
+                writer.write(memoryview(chunk.reshape(-1).view(np.uint8)))
                 written += chunk.nbytes
                 if on_bytes is not None:
                     on_bytes(chunk.nbytes)

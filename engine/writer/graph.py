@@ -77,11 +77,11 @@ class _Builder:
     def matmul(self, x: str, prefix: str, node_prefix: str, n: int, k: int, gain=1.0, out: str | None = None,
                row_gain=None) -> str:
         s = self.spec
-        plans, attrs = W.matmul_nbits(prefix, n, k, s.bits, s.seed, s.dtype, s.dense_accuracy_level, gain=gain,
+        plans, attrs = W.matmul_nbits(prefix, n, k, s.dense_bits, s.seed, s.dtype, s.dense_accuracy_level, gain=gain,
                                       row_gain=row_gain)
         names = [self.tensor(p) for p in plans]
         out = out or f"{node_prefix}/MatMul/output_0"
-        self.node("MatMulNBits", [x, *names], [out], f"{node_prefix}/MatMul_Q{s.bits}", MS, **attrs)
+        self.node("MatMulNBits", [x, *names], [out], f"{node_prefix}/MatMul_Q{s.dense_bits}", MS, **attrs)
         return out
 
     def add_bias(self, x: str, bias_name: str, node_prefix: str, n: int, std=DENSE_BIAS_STD) -> str:
@@ -170,13 +170,12 @@ class _Builder:
         router = self.node("Reshape", [logits, shape], [f"{np_}/router/Reshape/output_0"], f"{np_}/router/Reshape")[0]
 
         names = expert_names(layer, s)
-        common = dict(bits=s.bits, block=s.block_size, zero_points=s.zero_points, bias=s.expert_bias,
-                      seed=s.seed, dtype=s.dtype)
-        fc1 = W.expert_projection(names["fc1"], E, s.fc1_rows, H, **common)
-        fc2 = W.expert_projection(names["fc2"], E, H, I, **common)
-        fc3 = W.expert_projection(names["fc3"], E, I, H, **common) if s.has_fc3 else {}
-        projections = [fc1, fc2, fc3]
-        for part in ("qweight", "scales", "bias", "zero_points"):   # the builder's file order
+        shapes = {"fc1": (s.fc1_rows, H), "fc2": (H, I)}
+        if s.has_fc3:
+            shapes["fc3"] = (I, H)
+        projections = [self.expert_tensors(names[p], p, n, k) for p, (n, k) in shapes.items()]
+        projections += [{}] * (3 - len(projections))
+        for part in ("qweight", "scales", "bias", "zero_points", "global_scale"):   # the builder's file order
             for proj in projections:
                 if part in proj:
                     self.tensor(proj[part])
@@ -188,18 +187,49 @@ class _Builder:
         for proj in projections:
             inputs += [ref(proj, "qweight"), ref(proj, "scales"), ref(proj, "bias")]
         inputs += [ref(p, "zero_points") for p in projections]
+        if "global_scale" in projections[0]:
+            inputs += ["", ref(projections[0], "global_scale"), ref(projections[1], "global_scale")]
 
         attrs: dict = {}
         if s.gated:
             attrs.update(activation_alpha=float(s.alpha), activation_beta=float(s.beta))
-        attrs.update(activation_type=s.activation, expert_weight_bits=s.bits, k=s.top_k,
-                     normalize_routing_weights=1, swiglu_fusion=s.swiglu_fusion if s.gated else 0,
-                     use_sparse_mixer=0)
+        attrs.update(activation_type=s.activation, expert_weight_bits=s.bits if s.quant_type == "int" else
+                     s.projection_bits("fc1"), k=s.top_k, normalize_routing_weights=1,
+                     swiglu_fusion=s.swiglu_fusion if s.gated else 0, use_sparse_mixer=0)
         if s.gated and s.swiglu_limit is not None:
             attrs["swiglu_limit"] = float(s.swiglu_limit)
-        if s.block_size:
-            attrs["block_size"] = s.block_size
+            if s.swiglu_limit_after_activation and s.activation == "swiglu":
+                attrs["swiglu_limit_after_activation"] = 1
+        if s.quant_type == "int":
+            for p in ("fc1", "fc2", "fc3"):
+                if getattr(s, f"{p}_bits") is not None:
+                    attrs[f"{p}_expert_weight_bits"] = getattr(s, f"{p}_bits")
+            if s.block_size:
+                attrs["block_size"] = s.block_size
+            if s.prepacked:
+                attrs["weights_prepacked"] = 1
+            elif any(s.projection_bits(p) in (2, 3) for p in shapes):
+                attrs["weights_prepacked"] = 0
+        else:
+            attrs["quant_type"] = s.quant_type
+            if s.quant_type == "fp8" and s.block_size:
+                attrs["block_size"] = s.block_size
+            if s.quant_type == "nvfp4":
+                attrs["weights_prepacked"] = 1 if s.nvfp4_packing == "k_packed" else 0
         return self.node("QMoE", inputs, [f"{np_}/QMoE/output_0"], f"{np_}/QMoE", MS, **attrs)[0]
+
+    def expert_tensors(self, prefix: str, proj: str, n: int, k: int) -> dict:
+        """The plans of one projection of a layer's experts, in the spec's layout."""
+        s = self.spec
+        E = s.num_experts
+        if s.quant_type in ("fp4", "nvfp4"):
+            return W.fp4_projection(prefix, E, n, k, s.quant_type, s.nvfp4_packing if s.quant_type == "nvfp4"
+                                    else "k_packed", s.expert_bias, s.seed, s.dtype)
+        if s.quant_type == "fp8":
+            return W.fp8_projection(prefix, E, n, k, s.block_size, s.expert_bias, s.seed, s.dtype)
+        return W.expert_projection(prefix, E, n, k, bits=s.projection_bits(proj), block=s.block_size,
+                                   zero_points=s.zero_points, bias=s.expert_bias, seed=s.seed, dtype=s.dtype,
+                                   **({"prepacked": True} if s.prepacked else {}))
 
     def build(self) -> GraphPlan:
         s = self.spec

@@ -17,10 +17,12 @@ import math
 import zlib
 from typing import Callable, Iterator
 
+import ml_dtypes
 import numpy as np
 import onnx
 
 from engine.writer.external_data import TensorPlan
+from kernels import layouts as L
 
 BAND_BYTES = 8 << 20   # dense tensors are generated in bands of rows of at most this many bytes
 
@@ -52,6 +54,14 @@ def random_codes(rng: np.random.Generator, nbytes: int, bits: int) -> np.ndarray
     return b
 
 
+def random_code_values(rng: np.random.Generator, shape, bits: int) -> np.ndarray:
+    """uint8 codes (one per value) centred on 2^(bits-1), like random_codes: uniform, with the lowest code
+    replaced by the middle one (int2: -1, 0, 0, +1; int3: -3..+3 with 0 twice as likely)."""
+    mid = 1 << (bits - 1)
+    c = np.frombuffer(rng.bytes(math.prod(shape)), np.uint8).reshape(shape) & np.uint8((1 << bits) - 1)
+    return np.where(c == 0, np.uint8(mid), c)
+
+
 def np_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.float16 if dtype == "float16" else np.float32)
 
@@ -69,7 +79,10 @@ def _signed_magnitudes(rng: np.random.Generator, shape, base: float) -> np.ndarr
 
 
 def _pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Pack uint8 codes along the last axis: int4 = two per byte, low nibble = even index."""
+    """Pack uint8 codes along the last axis: int4 = two per byte, low nibble = even index (int2 / int3:
+    LSB-first bit stream)."""
+    if bits in (2, 3):
+        return L.pack_bits(codes, bits)
     if bits == 8:
         return codes.astype(np.uint8)
     if codes.shape[-1] % 2:
@@ -173,15 +186,28 @@ def _per_expert(name: str, elem_type: int, dims: tuple[int, ...], seed: int,
     return TensorPlan(name, elem_type, dims, chunks)
 
 
+def _int_qweight(rng: np.random.Generator, n: int, k: int, bits: int, prepacked: bool) -> np.ndarray:
+    """One expert's integer codes: raw rows [N, ceil(K*bits/8)], or (prepacked) the same codes in the SM80
+    layout [K, N*bits/8]."""
+    if bits in (4, 8):
+        raw = random_codes(rng, n * k * bits // 8, bits)
+        if not prepacked:
+            return raw
+        return L.sm80_pack(L.unpack_bits(raw.reshape(n, -1), bits, k), bits)
+    return L.pack_bits(random_code_values(rng, (n, k), bits), bits)
+
+
 def expert_projection(prefix: str, experts: int, n: int, k: int, bits: int, block: int, zero_points: bool,
-                      bias: bool, seed: int, dtype: str, gain: float = 1.0) -> dict[str, TensorPlan]:
-    """qweight [E, N, K*bits/8], scales [E, N, K/block] (or [E, N]), bias [E, N], zero points packed."""
+                      bias: bool, seed: int, dtype: str, gain: float = 1.0, prepacked: bool = False) -> dict[str, TensorPlan]:
+    """qweight [E, N, ceil(K*bits/8)] (prepacked: SM80 [E, K, N*bits/8]), scales [E, N, K/block] (or [E, N]),
+    bias [E, N], zero points packed. bits 2, 3, 4 or 8."""
     npd = np_dtype(dtype)
     base = gain / (code_rms(bits) * math.sqrt(k))
-    row_bytes = k * bits // 8
+    row_bytes = (k * bits + 7) // 8
+    qdims = (experts, k, n * bits // 8) if prepacked else (experts, n, row_bytes)
     out = {"qweight": _per_expert(
-        f"{prefix}.qweight", onnx.TensorProto.UINT8, (experts, n, row_bytes), seed,
-        lambda rng: random_codes(rng, n * row_bytes, bits))}
+        f"{prefix}.qweight", onnx.TensorProto.UINT8, qdims, seed,
+        lambda rng: _int_qweight(rng, n, k, bits, prepacked))}
     scale_shape = (n, k // block) if block else (n,)
     out["scales"] = _per_expert(f"{prefix}.scales", onnx_type(dtype), (experts,) + scale_shape, seed,
                                 lambda rng: _signed_magnitudes(rng, scale_shape, base).astype(npd))
@@ -198,3 +224,81 @@ def expert_projection(prefix: str, experts: int, n: int, k: int, bits: int, bloc
         out["zero_points"] = _per_expert(f"{prefix}.zero_points", onnx.TensorProto.UINT8, (experts,) + zp_dims,
                                          seed, lambda rng: _pack_codes(_zero_point_codes(rng, zp_codes, bits), bits))
     return out
+
+
+# ---- floating-point expert layouts (MXFP4, NVFP4, FP8) --------------------------------------------
+
+E2M1_RMS = math.sqrt(float(np.mean(L.E2M1_VALUES.astype(np.float64) ** 2)))   # rms of uniform E2M1 codes
+FP8_STD = 16.0                                                                # std of the fp8 weight values
+
+
+def _global_scale(seed: int, prefix: str, e: int, base: float) -> np.float32:
+    """Per-expert global scale: base * uniform(0.5, 2), from its own generator (the block scales recompute it)."""
+    return np.float32(base * rng_for(seed, f"{prefix}.global_scale", e).uniform(0.5, 2.0))
+
+
+def fp4_projection(prefix: str, experts: int, n: int, k: int, quant_type: str, packing: str, bias: bool, seed: int,
+                   dtype: str, gain: float = 1.0) -> dict[str, TensorPlan]:
+    """E2M1 codes (K-packed [E, N, K/2] or, nvfp4 'n_packed', [E, K, N/2]), block scales (nvfp4: e4m3 of random
+    sign, block 16; mxfp4 ('fp4'): e8m0, block 32), global scales [E] and bias [E, N]."""
+    blk = 32 if quant_type == "fp4" else 16
+    base = gain / (E2M1_RMS * math.sqrt(k))
+    gbase = 2.0 ** -6 if quant_type == "nvfp4" else 1.0   # nvfp4: block scales land mid-range of e4m3
+
+    def codes(rng):
+        b = np.frombuffer(rng.bytes(n * k // 2), np.uint8).reshape(n, k // 2)
+        if packing == "n_packed":
+            return L.pack_bits(L.unpack_bits(b, 4, k).T, 4)
+        return b
+
+    def scales():
+        for e in range(experts):
+            rng = rng_for(seed, f"{prefix}.scales", e)
+            target = base / _global_scale(seed, prefix, e, gbase) * rng.uniform(0.5, 1.5, size=(n, k // blk))
+            if quant_type == "nvfp4":
+                target *= rng.choice(np.array([-1.0, 1.0]), size=target.shape)
+                yield L.float_to_e4m3(target).view(ml_dtypes.float8_e4m3fn)[None]
+            else:
+                yield np.clip(np.round(np.log2(target)) + 127, 1, 254).astype(np.uint8).view(
+                    ml_dtypes.float8_e8m0fnu)[None]
+
+    def globals_():
+        yield np.array([_global_scale(seed, prefix, e, gbase) for e in range(experts)], np.float32)
+
+    qdims = (experts, k, n // 2) if packing == "n_packed" else (experts, n, k // 2)
+    out = {
+        "qweight": _per_expert(f"{prefix}.qweight", onnx.TensorProto.UINT8, qdims, seed, codes),
+        "scales": TensorPlan(f"{prefix}.scales", onnx.TensorProto.FLOAT8E4M3FN if quant_type == "nvfp4"
+                             else onnx.TensorProto.FLOAT8E8M0, (experts, n, k // blk), scales),
+        "global_scale": TensorPlan(f"{prefix}.global_scale", onnx.TensorProto.FLOAT, (experts,), globals_),
+    }
+    if bias:
+        out["bias"] = _expert_bias(prefix, experts, n, seed, dtype)
+    return out
+
+
+def fp8_projection(prefix: str, experts: int, n: int, k: int, block: int, bias: bool, seed: int, dtype: str,
+                   gain: float = 1.0) -> dict[str, TensorPlan]:
+    """float8 e4m3 weights [E, N, K]; square block scales [E, ceil(N/bs), ceil(K/bs)] of random sign in the
+    activation type (block > 0) or per-expert global scales [E] (block 0); bias [E, N]."""
+    npd = np_dtype(dtype)
+    base = gain / (FP8_STD * math.sqrt(k))
+    out = {"qweight": _per_expert(f"{prefix}.qweight", onnx.TensorProto.FLOAT8E4M3FN, (experts, n, k), seed,
+                                  lambda rng: centred(rng, (n, k), FP8_STD).astype(ml_dtypes.float8_e4m3fn))}
+    if block:
+        shape = (-(-n // block), -(-k // block))
+        out["scales"] = _per_expert(f"{prefix}.scales", onnx_type(dtype), (experts,) + shape, seed,
+                                    lambda rng: _signed_magnitudes(rng, shape, base).astype(npd))
+    else:
+        def globals_():
+            yield np.array([_global_scale(seed, prefix, e, base) for e in range(experts)], np.float32)
+        out["global_scale"] = TensorPlan(f"{prefix}.global_scale", onnx.TensorProto.FLOAT, (experts,), globals_)
+    if bias:
+        out["bias"] = _expert_bias(prefix, experts, n, seed, dtype)
+    return out
+
+
+def _expert_bias(prefix: str, experts: int, n: int, seed: int, dtype: str) -> TensorPlan:
+    npd = np_dtype(dtype)
+    return _per_expert(f"{prefix}.bias", onnx_type(dtype), (experts, n), seed,
+                       lambda rng: centred(rng, (n,), 0.1).astype(npd))
