@@ -1,0 +1,332 @@
+"""Benchmark: our GPU QMoE kernels (kernels.gpu.GpuQMoE) against the GPU's own ceilings measured in the same run,
+and against our CPU kernel (kernels.cpu.CpuQMoE) and onnxruntime's CPU QMoE on the same node.
+
+Ceilings: HBM bandwidth = a 2 GiB device-to-device copy (bytes read + written / time); fp16 matrix throughput =
+cupy.matmul of 8192^3 fp16. Shapes (int4, block 32, swiglu fusion 1, fp32 scales and activations):
+  A  hidden 2880, intermediate 2880, 32 experts, top-4 (gpt-oss-20b-like, alpha 1.702, beta 1, limit 7)
+  B  hidden 2048, intermediate 768, 128 experts, top-8 (Qwen3-30B-A3B-like)
+Decode: 1 token, routing rotated over 256 random logit rows (different experts every launch), one forward =
+routing + grouping + FC1 + FC2, captured as a CUDA graph; time = CUDA events around one replay, queued behind a
+spin kernel so that host launch latency is not counted; median over many replays. Bytes = the k routed experts'
+bytes in our layout (weights + scales + biases). Also the per-token time in a graph of 32 back-to-back forwards.
+Prefill: 512 tokens, random routing (distinct experts counted), median of CUDA-event timings.
+Useful FLOPs = 2 * tokens * k * (2I*H + H*I).
+
+    python benchmarks/bench_qmoe_gpu.py [--gpu-only] [--quick] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import ROOT, write_result  # noqa: E402
+from kernels.qmoe_spec import QMoESpec  # noqa: E402
+from kernels.reference import route as ref_route  # noqa: E402
+
+BENCHMARK = "qmoe_gpu"
+
+SHAPES = {
+    "A": dict(E=32, H=2880, I=2880, k=4, block=32, alpha=1.702, beta=1.0, limit=7.0,
+              label="hidden 2880, inter 2880, 32 experts, top-4"),
+    "B": dict(E=128, H=2048, I=768, k=8, block=32, alpha=1.0, beta=0.0, limit=None,
+              label="hidden 2048, inter 768, 128 experts, top-8"),
+}
+
+_SPIN_SRC = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+"""
+
+
+def make_weights(E, H, I, block, seed=0, scale_dtype=np.float32):
+    rng = np.random.default_rng(seed)
+
+    def scales(n, k):
+        s = rng.uniform(0.5, 1.5, size=(E, n, k // block)) * rng.choice([-1, 1], size=(E, n, k // block))
+        return (s * (0.25 / np.sqrt(k))).astype(scale_dtype)
+
+    return {
+        "fc1_experts_weights": rng.integers(0, 256, size=(E, 2 * I, H // 2), dtype=np.uint8),
+        "fc1_scales": scales(2 * I, H),
+        "fc1_experts_bias": (rng.standard_normal((E, 2 * I)) * 0.1).astype(np.float32),
+        "fc2_experts_weights": rng.integers(0, 256, size=(E, H, I // 2), dtype=np.uint8),
+        "fc2_scales": scales(H, I),
+        "fc2_experts_bias": (rng.standard_normal((E, H)) * 0.1).astype(np.float32),
+    }
+
+
+def attrs_for(sh):
+    a = dict(k=sh["k"], activation_type="swiglu", swiglu_fusion=1, activation_alpha=sh["alpha"],
+             activation_beta=sh["beta"], normalize_routing_weights=1, expert_weight_bits=4, block_size=sh["block"],
+             weights_prepacked=0)
+    if sh["limit"] is not None:
+        a["swiglu_limit"] = sh["limit"]
+    return a
+
+
+class Timer:
+    """CUDA-event timing of GPU work queued behind a spin kernel (host launch latency hidden)."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.spin = cp.RawKernel(_SPIN_SRC, "spin")
+        self.e0, self.e1 = cp.cuda.Event(), cp.cuda.Event()
+
+    def once(self, fn, spin_cycles=100_000):
+        cp = self.cp
+        self.spin((1,), (1,), (np.int64(spin_cycles),))
+        self.e0.record()
+        fn()
+        self.e1.record()
+        self.e1.synchronize()
+        return cp.cuda.get_elapsed_time(self.e0, self.e1) * 1e-3  # seconds
+
+    def median(self, fn, iters, warmup=3, prep=None, spin_cycles=100_000):
+        for i in range(warmup):
+            if prep:
+                prep(i)
+            fn()
+        ts = []
+        for i in range(iters):
+            if prep:
+                prep(i)
+            ts.append(self.once(fn, spin_cycles))
+        ts = np.asarray(ts)
+        return float(np.median(ts)), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
+
+
+def measure_hbm(cp, timer, nbytes=2 << 30):
+    a = cp.ones(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    t, _, _ = timer.median(lambda: b.data.copy_from_device_async(a.data, nbytes), iters=10)
+    del a, b
+    return 2 * nbytes / t / 1e9
+
+
+def measure_matmul(cp, timer, n=8192):
+    rng = cp.random.default_rng(0)
+    A = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    B = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    C = cp.empty((n, n), cp.float16)
+    t, _, _ = timer.median(lambda: cp.matmul(A, B, out=C), iters=10, spin_cycles=10_000)
+    return 2.0 * n ** 3 / t / 1e12
+
+
+def capture(cp, stream, fn):
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        fn()
+        return stream.end_capture()
+
+
+def bench_decode(cp, m, spec, timer, rng, iters, sweep):
+    H, E = spec.hidden_size, spec.num_experts
+    stream = cp.cuda.Stream(non_blocking=True)
+    bank = cp.asarray((rng.standard_normal((256, E)) * 2.0).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
+    lg = cp.empty((1, E), cp.float32)
+    out = cp.empty((1, H), cp.float32)
+    nbytes = spec.k * m.expert_bytes()
+    results = []
+    configs = [m.dec_cfg.copy()]
+    if sweep:
+        configs = [dict(R1=r1, W1=w1, R2=r2, W2=w2, ksplit2=ks)
+                   for r1, w1 in ((1, 4), (2, 4), (2, 8), (4, 4), (4, 8))
+                   for r2, w2 in ((1, 4), (2, 4), (4, 4), (2, 8))
+                   for ks in (0, 1, 2, 4)]
+    with stream:
+        for cfg in configs:
+            m.dec_cfg = cfg
+            g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
+            prep = (lambda i: lg.__setitem__(Ellipsis, bank[i % 256]))
+            med, p10, p90 = timer.median(lambda: g.launch(stream), iters=max(20, iters // 10) if sweep else iters,
+                                         prep=prep)
+            results.append((med, cfg))
+        best = min(results, key=lambda r: r[0])[1]
+        m.dec_cfg = best
+        g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
+        med, p10, p90 = timer.median(lambda: g.launch(stream), iters=iters,
+                                     prep=lambda i: lg.__setitem__(Ellipsis, bank[(7 * i) % 256]))
+        # 32 forwards back to back in one graph, each with its own routing row
+        N = 32
+        outs = cp.empty((N, 1, H), cp.float32)
+        chain = capture(cp, stream, lambda: [m.forward_into(x, bank[i:i + 1], outs[i]) for i in range(N)])
+        cmed, _, _ = timer.median(lambda: chain.launch(stream), iters=20)
+    return dict(bytes=nbytes, median=med, p10=p10, p90=p90, chain_per_token=cmed / N, best_cfg=best,
+                sweep=[(r[0], r[1]) for r in sorted(results, key=lambda r: r[0])[:5]])
+
+
+def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10):
+    H, E = spec.hidden_size, spec.num_experts
+    x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+    lg_h = (rng.standard_normal((T, E)) * 2.0).astype(np.float32)
+    lg = cp.asarray(lg_h)
+    out = cp.empty((T, H), cp.float32)
+    ids, _ = ref_route(lg_h, spec)
+    best = None
+    for bm in (32, 64):
+        m.prefill_bm = bm
+        med, p10, p90 = timer.median(lambda: m.forward_into(x, lg, out), iters=iters, spin_cycles=300_000)
+        if best is None or med < best[0]:
+            best = (med, p10, p90, bm)
+    m.prefill_bm = best[3]
+    flops = 2.0 * T * spec.k * (spec.fc1_rows * H + H * spec.inter_size)
+    return dict(median=best[0], p10=best[1], p90=best[2], bm=best[3], flops=flops,
+                distinct_experts=int(np.unique(ids).size))
+
+
+def time_host(fn, runs, warmup=1):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpu-only", action="store_true", help="skip the CPU and onnxruntime comparisons")
+    ap.add_argument("--quick", action="store_true", help="no launch-configuration sweep, fewer runs")
+    ap.add_argument("--shapes", default="A,B")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+
+    from kernels.gpu import GpuQMoE
+
+    t_start = time.perf_counter()
+    dev = cp.cuda.Device(0)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    timer = Timer(cp)
+    hbm = measure_hbm(cp, timer)
+    tflops = measure_matmul(cp, timer)
+    print(f"{gpu}: HBM copy {hbm:.0f} GB/s, fp16 matmul 8192^3 {tflops:.0f} TFLOP/s", flush=True)
+    figures = [
+        {"name": "HBM device-to-device copy (read + write)", "value": hbm, "unit": "GB/s",
+         "reference": "H200 datasheet HBM3e", "reference_value": 4800.0, "ratio": hbm / 4800.0},
+        {"name": "fp16 matmul 8192^3 (cupy / cuBLAS)", "value": tflops, "unit": "TFLOP/s",
+         "reference": "H200 datasheet dense fp16", "reference_value": 989.0, "ratio": tflops / 989.0},
+    ]
+    details = {"gpu": gpu, "compute_capability": dev.compute_capability, "cupy": cp.__version__}
+
+    cpu_ctx = None
+    if not args.gpu_only:
+        import numba
+        import onnxruntime as ort
+
+        from engine.ort_env import configure_global_threads
+        from kernels.cpu import CpuQMoE
+        from tests.qmoe_oracle import make_session
+
+        cores = os.cpu_count() or 1
+        configure_global_threads(cores)
+        numba.set_num_threads(min(cores, numba.config.NUMBA_NUM_THREADS))
+        cpu_ctx = (CpuQMoE, make_session, cores, ort.__version__)
+        details.update(cpu_threads=cores, onnxruntime=ort.__version__, numba=numba.__version__)
+
+    rng = np.random.default_rng(1)
+    for key in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        sh = SHAPES[key]
+        E, H, I, k, block = sh["E"], sh["H"], sh["I"], sh["k"], sh["block"]
+        attrs = attrs_for(sh)
+        print(f"\n[{key}] {sh['label']}, int4 block {block}: building weights ...", flush=True)
+        tensors = make_weights(E, H, I, block, seed=0)
+        spec = QMoESpec.from_tensors(f"bench/{key}", "QMoE", attrs, tensors, (1, H))
+        m = GpuQMoE(spec, tensors)
+        details[f"shape_{key}"] = {"label": sh["label"], "expert_bytes_gpu_layout": m.expert_bytes(),
+                                   "compiled_from": m.compiled_from}
+        dec = bench_decode(cp, m, spec, timer, rng, iters=200 if args.quick else 1000, sweep=not args.quick)
+        gbs = dec["bytes"] / dec["median"] / 1e9
+        print(f"[{key}] decode 1 token: {dec['median'] * 1e6:.1f} us (p10 {dec['p10'] * 1e6:.1f}, p90 "
+              f"{dec['p90'] * 1e6:.1f}) = {gbs:.0f} GB/s = {gbs / hbm:.0%} of HBM; 32-chain "
+              f"{dec['chain_per_token'] * 1e6:.1f} us/token; cfg {dec['best_cfg']}", flush=True)
+        pf = bench_prefill(cp, m, spec, timer, rng, iters=5 if args.quick else 10)
+        pf_tf = pf["flops"] / pf["median"] / 1e12
+        print(f"[{key}] prefill 512: {pf['median'] * 1e3:.2f} ms = {pf_tf:.0f} TFLOP/s = {pf_tf / tflops:.0%} of fp16 "
+              f"matmul (BM {pf['bm']}, {pf['distinct_experts']} experts hit)", flush=True)
+        details[f"shape_{key}"].update(decode=dec, prefill={k_: v for k_, v in pf.items()})
+        tag = f"[{key}: {sh['label']}]"
+        figures += [
+            {"name": f"{tag} decode 1 token: routed experts' weight bandwidth", "value": gbs, "unit": "GB/s",
+             "reference": "HBM copy bandwidth measured in this run", "reference_value": hbm, "ratio": gbs / hbm,
+             "latency_us": dec["median"] * 1e6, "bytes_read": dec["bytes"]},
+            {"name": f"{tag} decode 1 token, 32 forwards in one graph: weight bandwidth",
+             "value": dec["bytes"] / dec["chain_per_token"] / 1e9, "unit": "GB/s",
+             "reference": "HBM copy bandwidth measured in this run", "reference_value": hbm,
+             "ratio": dec["bytes"] / dec["chain_per_token"] / 1e9 / hbm},
+            {"name": f"{tag} prefill 512 tokens throughput", "value": pf_tf, "unit": "TFLOP/s",
+             "reference": "fp16 matmul 8192^3 measured in this run", "reference_value": tflops,
+             "ratio": pf_tf / tflops, "latency_ms": pf["median"] * 1e3},
+        ]
+        # fp16 activations (GPU only)
+        x16 = cp.asarray(rng.standard_normal((1, H)).astype(np.float16))
+        lg16 = cp.asarray((rng.standard_normal((1, E)) * 2).astype(np.float16))
+        t16 = timer.median(lambda: m.forward(x16, lg16), iters=50)[0]
+        details[f"shape_{key}"]["decode_fp16_forward_eager_us"] = t16 * 1e6
+
+        if cpu_ctx is not None:
+            CpuQMoE, make_session, cores, ort_version = cpu_ctx
+            ref_name = f"onnxruntime {ort_version} CPU QMoE ({cores} threads)"
+            ours_cpu = CpuQMoE(spec, tensors, num_threads=cores)
+            for T, label, runs in ((1, "decode 1 token", 20), (512, "prefill 512 tokens", 3)):
+                xh = rng.standard_normal((T, H)).astype(np.float32)
+                lh = (rng.standard_normal((T, E)) * 2).astype(np.float32)
+                print(f"[{key}] CPU / onnxruntime {label} ...", flush=True)
+                sess, feeds = make_session("QMoE", attrs, tensors, xh, lh)
+                t_ort = time_host(lambda: sess.run(None, feeds), runs)
+                t_cpu = time_host(lambda: ours_cpu.forward(xh, lh), runs)
+                xd, ld = cp.asarray(xh), cp.asarray(lh)
+                outd = cp.empty((T, H), cp.float32)
+                t_gpu = timer.median(lambda: m.forward_into(xd, ld, outd), iters=20)[0]
+                # same numbers?
+                got = cp.asnumpy(m.forward(xh, lh))
+                ref = sess.run(None, feeds)[0]
+                rel = float(np.abs(got - ref).max() / np.abs(ref).max())
+                figures += [
+                    {"name": f"{tag} {label}: GPU latency vs onnxruntime CPU", "value": t_gpu * 1e3, "unit": "ms",
+                     "reference": ref_name, "reference_value": t_ort * 1e3, "ratio": t_ort / t_gpu,
+                     "max_rel_diff_vs_reference": rel},
+                    {"name": f"{tag} {label}: our CPU kernel vs onnxruntime CPU", "value": t_cpu * 1e3,
+                     "unit": "ms", "reference": ref_name, "reference_value": t_ort * 1e3, "ratio": t_ort / t_cpu},
+                ]
+                print(f"[{key}] {label}: GPU {t_gpu * 1e3:.3f} ms, our CPU {t_cpu * 1e3:.2f} ms, onnxruntime "
+                      f"{t_ort * 1e3:.2f} ms (GPU vs ORT rel diff {rel:.1e})", flush=True)
+            del sess
+        del m
+        cp.get_default_memory_pool().free_all_blocks()
+
+    details["wall_s"] = time.perf_counter() - t_start
+    print()
+    print(f"{'figure':86s} {'value':>10s} {'ref':>10s} {'unit':>8s} {'ratio':>7s}")
+    for f in figures:
+        print(f"{f['name'][:86]:86s} {f['value']:10.3f} {f['reference_value']:10.3f} {f['unit']:>8s} "
+              f"{f['ratio']:7.2f}")
+    if not args.no_write:
+        path = write_result(BENCHMARK, figures, config=details)
+        print(f"wrote {path.relative_to(ROOT)}")
+        out = os.environ.get("OUT")
+        if out:
+            import shutil
+
+            shutil.copy(path, Path(out) / path.name)
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Loading the CUDA module: a prebuilt cubin for this source and architecture if one exists, else NVRTC via CuPy.
+
+The kernels have plain C names (``dec_gemv_4_2_0`` ...), so both ways expose the same functions. Prebuilt cubins
+(``python -m kernels.gpu.build --arch 90``, needs nvcc) live in ``kernels/gpu/_build/`` (or ``$QMOE_GPU_CUBIN_DIR``)
+and are keyed by a hash of the source text; a stale cubin is never used.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parent / "source"
+SOURCES = ("common.cuh", "route.cu", "decode.cu", "prefill.cu", "fma.cu")
+NVRTC_OPTIONS = ("--std=c++17",)
+
+_modules: dict = {}
+
+
+def source_text() -> str:
+    return "\n".join((SOURCE_DIR / name).read_text() for name in SOURCES)
+
+
+def source_hash() -> str:
+    return hashlib.sha256(source_text().encode()).hexdigest()[:16]
+
+
+def cubin_dir() -> Path:
+    return Path(os.environ.get("QMOE_GPU_CUBIN_DIR") or (Path(__file__).resolve().parent / "_build"))
+
+
+def cubin_path(cc: str) -> Path:
+    return cubin_dir() / f"qmoe-sm{cc}-{source_hash()}.cubin"
+
+
+def build_cubin(cc: str, nvcc: str = "nvcc") -> Path:
+    """Compile the source with nvcc for sm_<cc> into the cubin directory (same options as the NVRTC path)."""
+    out = cubin_path(cc)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    src = out.with_suffix(".cu")
+    src.write_text(source_text())
+    subprocess.run([nvcc, f"-arch=sm_{cc}", *NVRTC_OPTIONS, "-cubin", "-o", str(out), str(src)], check=True)
+    src.unlink()
+    return out
+
+
+def load_module(cc: str):
+    """(cupy.RawModule, "cubin" | "nvrtc") for compute capability ``cc`` (e.g. "90"); cached per process."""
+    import cupy
+
+    key = (cc, source_hash())
+    if key not in _modules:
+        path = cubin_path(cc)
+        if path.is_file() and os.environ.get("QMOE_GPU_NO_CUBIN") != "1":
+            _modules[key] = (cupy.RawModule(path=str(path)), "cubin")
+        else:
+            _modules[key] = (cupy.RawModule(code=source_text(), options=NVRTC_OPTIONS), "nvrtc")
+    return _modules[key]

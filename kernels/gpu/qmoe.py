@@ -1,0 +1,466 @@
+"""GPU execution of one com.microsoft QMoE node (int4 / int8 raw layout): CuPy + CUDA C++ kernels.
+
+Mirrors ``kernels.cpu.CpuQMoE``: ``forward(x, router_logits, router_weights=None)`` and
+``run_experts(x2d, expert_ids, weights, out=None)``. CuPy is imported lazily: importing this module never needs it.
+
+Storage: each projection's experts live in *slot* arrays ``[num_slots, ...]`` in the kernels' layout
+(``kernels.gpu.layout``); ``slot_of[expert]`` maps experts to slots (-1 = not resident). By default every expert is
+resident (num_slots = E). ``pack_expert`` converts one expert on the host (do it once, keep the result in pinned
+memory) and ``upload_expert(e, slot, stream)`` copies it into a slot asynchronously: the offload engine's interface.
+Pairs routed to a non-resident expert are skipped (they contribute nothing): the caller computes them elsewhere.
+
+Paths:
+* ``tc`` (sm_80+): decode (<= ``decode_max_tokens`` tokens): one grouped dequant-GEMV launch per projection on the
+  tensor cores with bf16 hi/lo activations (fp32-accurate); prefill: grouped GEMM (fp16 tensor cores, fp32
+  accumulation; per-block scales folded in fp16, so ~1e-3 relative).
+* ``fma`` (any GPU): plain fp32 FMA kernels over the same layout (exact fp32 dequantisation; slow).
+Routing runs on the GPU with the CUDA semantics (softmax over all E, top-k, renormalise when
+normalize_routing_weights; router_weights); the sparse mixer routes on the host (kernels.reference.route).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..qmoe_spec import QMoESpec, UnsupportedLayout
+from .. import reference as _ref
+from . import layout as _lay
+from ._module import load_module
+
+__all__ = ["GpuQMoE", "gpu_available"]
+
+_ACT = {"relu": 0, "gelu": 1, "silu": 2, "identity": 3, "swiglu": 4}
+DT_F32, DT_F16, DT_BF16 = 0, 1, 2
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def gpu_available() -> bool:
+    try:
+        return _cp().cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def _is_bf16(dtype) -> bool:
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Workspace:
+    """Per-instance device buffers, grown on demand (never during a graph capture: warm up first)."""
+
+    def __init__(self):
+        self.T = self.P = self.tiles_cap = 0
+
+
+class GpuQMoE:
+    """Executes one QMoE node on an NVIDIA GPU. See the module docstring."""
+
+    decode_max_tokens = 8  # batches of at most this many tokens take the decode (GEMV) path
+
+    def __init__(self, spec: QMoESpec, tensors: dict, device: int = 0, num_slots: int | None = None,
+                 resident=None, path: str = "auto"):
+        cp = _cp()
+        self.spec = spec
+        self.fc1, self.fc2 = _lay.make_layouts(spec, tensors)
+        E = spec.num_experts
+        if E > 2048:
+            raise UnsupportedLayout(f"node '{spec.node_name}': {E} experts (the GPU grouping kernel takes <= 2048)")
+        self._tensors = {k: v for k, v in tensors.items() if v is not None}
+        self.device = cp.cuda.Device(device)
+        with self.device:
+            self.cc = int(self.device.compute_capability)
+            if path == "auto":
+                path = "tc" if self.cc >= 80 else "fma"
+            if path not in ("tc", "fma"):
+                raise ValueError(f"path must be 'auto', 'tc' or 'fma', not {path!r}")
+            if path == "tc" and self.cc < 80:
+                raise UnsupportedLayout(f"tensor-core kernels need sm_80+, this GPU is sm_{self.cc}")
+            self.path = path
+            self.num_sms = int(self.device.attributes["MultiProcessorCount"])
+            self._mod, self.compiled_from = load_module(str(self.cc))
+            self._fns: dict = {}
+            S = E if num_slots is None else int(num_slots)
+            if S < 1:
+                raise ValueError("num_slots must be >= 1")
+            self.num_slots = S
+            self.slots = {p.name: self._alloc_slots(p, S) for p in (self.fc1, self.fc2)}
+            self.slot_of = np.full(E, -1, np.int32)
+            self.expert_in_slot = np.full(S, -1, np.int32)
+            self._slot_dev = cp.full(E, -1, dtype=cp.int32)
+            self._dummy_u8 = cp.zeros(16, cp.uint8)
+            self._dummy_u16 = cp.zeros(16, cp.uint16)
+            self._dummy_f32 = cp.zeros(16, cp.float32)
+            self._ws = _Workspace()
+            # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these)
+            self.dec_cfg = {"R1": 2, "W1": 4, "R2": 2, "W2": 4, "ksplit2": 0}
+            self.prefill_bm = 64
+            res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
+            if len(res) > S:
+                raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
+            self._upload_initial(res)
+
+    # ------------------------------------------------------------------ storage
+    def _alloc_slots(self, p: _lay.ProjLayout, S: int) -> dict:
+        cp = _cp()
+        d = {"w": cp.zeros((S, p.w_bytes), cp.uint8), "s": cp.zeros((S, p.s_len), p.sdtype)}
+        if p.has_zp:
+            d["z"] = cp.zeros((S, p.s_len), cp.uint8)
+        if p.has_bias:
+            d["b"] = cp.zeros((S, p.NP), cp.float32)
+        return d
+
+    def expert_bytes(self) -> int:
+        """Bytes the kernels read for one expert (weights, scales, zero points, biases of FC1(+FC3) and FC2)."""
+        return self.fc1.slot_bytes() + self.fc2.slot_bytes()
+
+    def _upload_initial(self, experts: list) -> None:
+        cp = _cp()
+        if not experts:
+            self._slot_dev.set(self.slot_of)
+            return
+        raw_per_expert = 3 * (self.fc1.NP * self.fc1.KP + self.fc2.NP * self.fc2.KP)
+        chunk = max(1, (512 << 20) // max(raw_per_expert, 1))
+        for i0 in range(0, len(experts), chunk):
+            es = np.asarray(experts[i0:i0 + chunk], dtype=np.int64)
+            for p in (self.fc1, self.fc2):
+                packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, es, xp=cp), xp=cp)
+                for key, arr in packed.items():
+                    self.slots[p.name][key][i0:i0 + len(es)] = arr
+            for j, e in enumerate(es):
+                self.slot_of[e] = i0 + j
+                self.expert_in_slot[i0 + j] = e
+        cp.cuda.get_current_stream().synchronize()
+        self._slot_dev.set(self.slot_of)
+
+    def pack_expert(self, e: int) -> dict:
+        """Expert e converted to the kernel layout on the host: {"fc1": {"w", "s", ["z"], ["b"]}, "fc2": {...}}
+        of 1-D NumPy arrays. Keep them (in pinned memory) to upload the expert later without converting again."""
+        es = np.asarray([int(e)], dtype=np.int64)
+        out = {}
+        for p in (self.fc1, self.fc2):
+            packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, es, xp=np), xp=np)
+            out[p.name] = {k: np.ascontiguousarray(v[0]) for k, v in packed.items()}
+        return out
+
+    def upload_expert(self, e: int, slot: int, stream=None, packed: dict | None = None) -> None:
+        """Copy expert e (host, converted by ``pack_expert``) into ``slot`` on ``stream`` (default: the current
+        CuPy stream), then point the expert->slot map at it (the expert held by the slot before is evicted).
+        The copies are asynchronous only from pinned host memory; order the kernels that use the slot after
+        ``stream`` (an event), and do not overwrite a slot that kernels in flight still read."""
+        cp = _cp()
+        e, slot = int(e), int(slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range (num_slots={self.num_slots})")
+        if packed is None:
+            packed = self.pack_expert(e)
+        with self.device:
+            stream = stream or cp.cuda.get_current_stream()
+            for p in (self.fc1, self.fc2):
+                for key, arr in self.slots[p.name].items():
+                    arr[slot].set(packed[p.name][key], stream=stream)
+            old = int(self.expert_in_slot[slot])
+            if old >= 0 and old != e:
+                self.slot_of[old] = -1
+            prev = int(self.slot_of[e])
+            if prev >= 0 and prev != slot:
+                self.expert_in_slot[prev] = -1
+            self.slot_of[e] = slot
+            self.expert_in_slot[slot] = e
+            self._slot_dev.set(self.slot_of, stream=stream)
+
+    def evict(self, slot: int, stream=None) -> None:
+        """Mark ``slot`` empty (its expert becomes non-resident)."""
+        cp = _cp()
+        e = int(self.expert_in_slot[slot])
+        if e >= 0:
+            self.slot_of[e] = -1
+        self.expert_in_slot[slot] = -1
+        with self.device:
+            self._slot_dev.set(self.slot_of, stream=stream or cp.cuda.get_current_stream())
+
+    def resident_experts(self) -> np.ndarray:
+        return np.nonzero(self.slot_of >= 0)[0]
+
+    # ------------------------------------------------------------------ helpers
+    def _f(self, name: str):
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fns[name] = self._mod.get_function(name)
+        return f
+
+    def _act_args(self):
+        s = self.spec
+        lim = s.swiglu_limit
+        return (np.int32(_ACT[s.activation]), np.int32(int(self.fc1.gated)), np.float32(s.alpha),
+                np.float32(s.beta), np.float32(0.0 if lim is None else lim), np.int32(lim is not None))
+
+    def _proj_args(self, p: _lay.ProjLayout, bits_arg: bool = False):
+        sl = self.slots[p.name]
+        head = (sl["w"], np.int64(p.w_bytes), np.int32(p.NT), np.int32(p.KT))
+        if bits_arg:
+            head = head + (np.int32(p.bits),)
+        return head + (sl["s"], np.int32(p.sdt), np.int32(p.NB), np.int32(p.bs_log2),
+                       sl.get("z", self._dummy_u8), np.int32(int(p.has_zp)),
+                       sl.get("b", self._dummy_f32), np.int32(int(p.has_bias)), np.int32(p.NP))
+
+    def _workspace(self, T: int, P: int, tiles: int, kind: str) -> _Workspace:
+        cp = _cp()
+        ws = self._ws
+        grow_t, grow_p = T > ws.T, P > ws.P
+        if grow_p or tiles > ws.tiles_cap:
+            ws.P = max(P, 2 * ws.P) if grow_p else ws.P
+            ws.tiles_cap = max(tiles, 2 * ws.tiles_cap, ws.P + 1)
+            ws.ids = cp.zeros(ws.P, cp.int32)
+            ws.w = cp.zeros(ws.P, cp.float32)
+            ws.pair_tok = cp.zeros(ws.P, cp.int32)
+            ws.pair_w = cp.zeros(ws.P, cp.float32)
+            ws.tiles = cp.zeros(ws.tiles_cap * 4, cp.int32)
+            ws.num_tiles = cp.zeros(1, cp.int32)
+            for name in ("ahi", "alo", "a16", "a32"):
+                setattr(ws, name, None)
+        if grow_t:
+            ws.T = max(T, 2 * ws.T)
+            for name in ("xhi", "xlo", "x16", "x32"):
+                setattr(ws, name, None)
+        KP1, KP2 = self.fc1.KP, self.fc2.KP
+        if kind == "dec":
+            if getattr(ws, "xhi", None) is None:
+                ws.xhi = cp.zeros(ws.T * KP1, cp.uint16)
+                ws.xlo = cp.zeros(ws.T * KP1, cp.uint16)
+            if getattr(ws, "ahi", None) is None:
+                ws.ahi = cp.zeros(ws.P * KP2, cp.uint16)
+                ws.alo = cp.zeros(ws.P * KP2, cp.uint16)
+        elif kind == "tc":
+            if getattr(ws, "x16", None) is None:
+                ws.x16 = cp.zeros(ws.T * KP1, cp.uint16)
+            if getattr(ws, "a16", None) is None:
+                ws.a16 = cp.zeros(ws.P * KP2, cp.uint16)
+        else:
+            if getattr(ws, "x32", None) is None:
+                ws.x32 = cp.zeros(ws.T * self.spec.hidden_size, cp.float32)
+            if getattr(ws, "a32", None) is None:
+                ws.a32 = cp.zeros(ws.P * self.spec.inter_size, cp.float32)
+        return ws
+
+    def _to_device_act(self, a, width: int):
+        """(contiguous device array [rows, width], dtype code) for fp32 / fp16 / bf16 (NumPy ml_dtypes) input."""
+        cp = _cp()
+        if isinstance(a, cp.ndarray):
+            if a.dtype == cp.float16:
+                code = DT_F16
+            elif a.dtype == cp.float32:
+                code = DT_F32
+            else:
+                a, code = a.astype(cp.float32), DT_F32
+            return cp.ascontiguousarray(a).reshape(-1, width), code
+        a = np.asarray(a)
+        if _is_bf16(a.dtype):
+            return cp.asarray(np.ascontiguousarray(a).view(np.uint16)).reshape(-1, width), DT_BF16
+        if a.dtype == np.float16:
+            return cp.asarray(np.ascontiguousarray(a)).reshape(-1, width), DT_F16
+        return cp.asarray(np.ascontiguousarray(a, dtype=np.float32)).reshape(-1, width), DT_F32
+
+    def _from_f32(self, out32, code: int):
+        cp = _cp()
+        if code == DT_F32:
+            return out32
+        if code == DT_F16:
+            return out32.astype(cp.float16)
+        res = cp.empty(out32.shape, cp.uint16)
+        n = out32.size
+        self._f("from_f32")((max(1, min(_cdiv(n, 256), 8 * self.num_sms)),), (256,),
+                            (out32, res, np.int32(DT_BF16), np.int64(n)))
+        return res
+
+    @staticmethod
+    def _host_result(res, dtype, shape):
+        cp = _cp()
+        h = cp.asnumpy(res)
+        if _is_bf16(dtype):
+            h = h.view(dtype)
+        return h.reshape(shape)
+
+    # ------------------------------------------------------------------ public API
+    def route(self, router_logits, router_weights=None):
+        """(expert_ids int32 [T, k], weights float32 [T, k]) as CuPy arrays (CUDA semantics, see the module doc)."""
+        cp = _cp()
+        spec = self.spec
+        with self.device:
+            if spec.use_sparse_mixer:
+                ids, w = _ref.route(_as_host(router_logits), spec,
+                                    None if router_weights is None else _as_host(router_weights))
+                return cp.asarray(ids), cp.asarray(w)
+            lg, ldt = self._to_device_act(router_logits, spec.num_experts)
+            T = lg.shape[0]
+            ids = cp.empty((T, spec.k), cp.int32)
+            w = cp.empty((T, spec.k), cp.float32)
+            rw, rwdt = (self._dummy_f32, 0) if router_weights is None else \
+                self._to_device_act(router_weights, spec.num_experts)
+            if T:
+                self._f("route_topk")((_cdiv(T, 8),), (256,), (
+                    lg, np.int32(ldt), rw, np.int32(rwdt), np.int32(router_weights is not None), np.int32(T),
+                    np.int32(spec.num_experts), np.int32(spec.k), np.int32(int(spec.normalize_routing_weights)),
+                    ids, w))
+            return ids, w
+
+    def forward(self, x, router_logits, router_weights=None):
+        """Same contract as kernels.reference.qmoe_reference: x [T, H] or [B, S, H] -> same shape and dtype.
+        NumPy in -> NumPy out, CuPy in -> CuPy out."""
+        cp = _cp()
+        on_host = not isinstance(x, cp.ndarray)
+        dtype, shape = x.dtype, x.shape
+        with self.device:
+            xd, code = self._to_device_act(x, self.spec.hidden_size)
+            out32 = cp.empty((xd.shape[0], self.spec.hidden_size), cp.float32)
+            self.forward_into(xd, router_logits, out32, router_weights, x_code=code)
+            res = self._from_f32(out32, code)
+            if on_host:
+                return self._host_result(res, dtype, shape)
+            return res.reshape(shape)
+
+    def forward_into(self, x_dev, router_logits, out32, router_weights=None, x_code: int | None = None):
+        """forward() on device arrays into a preallocated fp32 ``out32`` [T, H] (overwritten). With device inputs
+        and warmed-up workspaces it launches kernels only (no allocation, no host sync): CUDA-graph capturable."""
+        cp = _cp()
+        spec = self.spec
+        with self.device:
+            if x_code is None:
+                x_dev, x_code = self._to_device_act(x_dev, spec.hidden_size)
+            T = x_dev.shape[0]
+            if spec.use_sparse_mixer:
+                ids, w = self.route(router_logits, router_weights)
+                self._compute(x_dev, x_code, T, out32, ids=ids, wts=w, kk=spec.k, zero_out=True)
+                return out32
+            lg, ldt = self._to_device_act(router_logits, spec.num_experts)
+            if router_weights is None:
+                rw, rwdt = None, 0
+            else:
+                rw, rwdt = self._to_device_act(router_weights, spec.num_experts)
+            self._compute(x_dev, x_code, T, out32, logits=lg, ldt=ldt, rw=rw, rwdt=rwdt, zero_out=True)
+            return out32
+
+    def run_experts(self, x2d, expert_ids, weights, out=None):
+        """out[t] += sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x2d[t]); expert id -1 (and non-resident
+        experts) skipped. Without ``out``: a new array of x2d's kind and dtype. With ``out`` (CuPy float32
+        [T, H], C-contiguous): accumulated in place and returned."""
+        cp = _cp()
+        spec = self.spec
+        on_host = not isinstance(x2d, cp.ndarray)
+        dtype = x2d.dtype
+        with self.device:
+            xd, code = self._to_device_act(x2d, spec.hidden_size)
+            T = xd.shape[0]
+            if isinstance(expert_ids, np.ndarray) and expert_ids.size and int(expert_ids.max()) >= spec.num_experts:
+                raise ValueError(f"expert id out of range (num_experts={spec.num_experts})")
+            ids = cp.ascontiguousarray(cp.asarray(expert_ids).astype(cp.int32, copy=False)).reshape(T, -1)
+            kk = ids.shape[1]
+            w = cp.ascontiguousarray(cp.asarray(weights).astype(cp.float32, copy=False)).reshape(T, kk)
+            acc = out if out is not None else cp.zeros((T, spec.hidden_size), cp.float32)
+            self._compute(xd, code, T, acc, ids=ids, wts=w, kk=kk, zero_out=False)
+            if out is not None:
+                return out
+            res = self._from_f32(acc, code)
+            return self._host_result(res, dtype, (T, spec.hidden_size)) if on_host else res
+
+    # ------------------------------------------------------------------ launches
+    def _compute(self, xd, xdt, T, out, *, logits=None, ldt=0, rw=None, rwdt=0, ids=None, wts=None, kk=None,
+                 zero_out=False):
+        spec = self.spec
+        E, H, I = spec.num_experts, spec.hidden_size, spec.inter_size
+        route = ids is None
+        kk = spec.k if route else int(kk)
+        P = T * kk
+        if P == 0:
+            if zero_out:
+                out.fill(0)
+            return
+        decode = self.path == "tc" and T <= self.decode_max_tokens
+        TM = 8 if decode else (self.prefill_bm if self.path == "tc" else 64)
+        max_tiles = min(P, P // TM + min(E, P))
+        ws = self._workspace(T, P, max_tiles, "dec" if decode else self.path)
+        ids_d = ws.ids if route else ids
+        w_d = ws.w if route else wts
+        has_rw = rw is not None
+        rw_arg = rw if has_rw else self._dummy_f32
+        lg_arg = logits if route else self._dummy_f32
+        route_args = (lg_arg, np.int32(ldt), rw_arg, np.int32(rwdt), np.int32(has_rw), np.int32(E), np.int32(spec.k),
+                      np.int32(int(spec.normalize_routing_weights)))
+        f1, f2 = self.fc1, self.fc2
+        bits = f1.bits
+        act = self._act_args()
+        tiles_args = (ws.tiles, ws.num_tiles, ws.pair_tok, ws.pair_w)
+        if decode:
+            cfg = self.dec_cfg
+            nch = T * (f1.KP // 8)
+            nblk = max(1, min(_cdiv(nch, 256), 4 * self.num_sms))
+            self._f("decode_prep")((nblk,), (256,), (
+                np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
+                ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
+                np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)), shared_mem=16 * E)
+            R1, W1 = cfg["R1"], cfg["W1"]
+            self._f(f"dec_gemv_{bits}_{R1}_0")((_cdiv(f1.NT, R1), max_tiles, 1), (32 * W1,), (
+                *self._proj_args(f1), *tiles_args, ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP), *act,
+                np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32), shared_mem=W1 * R1 * 512)
+            R2, W2 = cfg["R2"], cfg["W2"]
+            ks = cfg["ksplit2"] or self._auto_ksplit(f2, R2, W2, min(P, E))
+            self._f(f"dec_gemv_{bits}_{R2}_1")((_cdiv(f2.NT, R2), max_tiles, ks), (32 * W2,), (
+                *self._proj_args(f2), *tiles_args, ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), *act,
+                np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out), shared_mem=W2 * R2 * 512)
+            return
+        if zero_out:
+            out.fill(0)
+        if route:
+            self._f("route_topk")((_cdiv(T, 8),), (256,), (*route_args[:5], np.int32(T), *route_args[5:], ws.ids,
+                                                           ws.w))
+        self._f("build_tiles")((1,), (1024,), (
+            ids_d, w_d, np.int32(P), np.int32(kk), self._slot_dev, np.int32(E), np.int32(TM), ws.pair_tok, ws.pair_w,
+            ws.tiles, ws.num_tiles, np.int32(max_tiles)), shared_mem=16 * E)
+        nel_blocks = max(1, min(_cdiv(T * f1.KP, 256), 8 * self.num_sms))
+        if self.path == "tc":
+            BM = self.prefill_bm
+            self._f("to_f16_pad")((nel_blocks,), (256,), (xd, np.int32(xdt), np.int32(T), np.int32(H),
+                                                         np.int32(f1.KP), ws.x16))
+            self._f(f"pf_gemm_{bits}_{BM}_0")((_cdiv(f1.NT, 8), max_tiles), (128,), (
+                *self._proj_args(f1), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
+                np.int32(f2.KP), self._dummy_f32))
+            self._f(f"pf_gemm_{bits}_{BM}_1")((_cdiv(f2.NT, 8), max_tiles), (128,), (
+                *self._proj_args(f2), *tiles_args, ws.a16, np.int32(f2.KP), *act, np.int32(H), self._dummy_u16,
+                np.int32(0), out))
+            return
+        if xdt == DT_F32:
+            x32 = xd
+        else:
+            x32 = ws.x32
+            self._f("to_f32")((nel_blocks,), (256,), (xd, np.int32(xdt), np.int64(T * H), x32))
+        self._f("fma_fc1")((_cdiv(I, 8), max_tiles), (256,), (
+            *self._proj_args(f1, bits_arg=True), ws.tiles, ws.num_tiles, ws.pair_tok, x32, np.int32(H), *act,
+            np.int32(I), ws.a32))
+        self._f("fma_fc2")((_cdiv(H, 8), max_tiles), (256,), (
+            *self._proj_args(f2, bits_arg=True), *tiles_args, ws.a32, np.int32(I), np.int32(H), out))
+
+    def _auto_ksplit(self, p: _lay.ProjLayout, R: int, W: int, tiles: int) -> int:
+        blocks = _cdiv(p.NT, R) * max(1, tiles)
+        units = p.KT if p.bs_log2 <= 6 else _cdiv(p.KT, 1 << (p.bs_log2 - 6))
+        want = _cdiv(2 * self.num_sms, blocks)
+        return int(max(1, min(want, units // (2 * W) if units >= 2 * W else 1)))
+
+
+def _as_host(a):
+    try:
+        import cupy
+
+        if isinstance(a, cupy.ndarray):
+            return cupy.asnumpy(a)
+    except ImportError:
+        pass
+    return np.asarray(a)

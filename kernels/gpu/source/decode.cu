@@ -1,0 +1,331 @@
+// Decode (1..8 tokens per expert): grouped dequant-GEMV on the tensor cores.
+//
+// One launch covers every (expert, token-group) tile of the batch: blockIdx.y = tile (expert slot + up to 8 pairs),
+// blockIdx.x = R row tiles of 16 weight rows, blockIdx.z = split of K (FC2 only; partial sums meet in atomicAdd).
+// The weights are the A operand of mma.m16n8k16 (16 rows x 16 k), the 8 columns are the tile's tokens: every weight
+// byte is read once per tile. Weights dequantise exactly to (q - z) in bf16; activations are split into bf16 hi + lo
+// (two MMAs, ~2^-17 relative), so results are fp32-accurate with fp32 accumulation. Scales are applied in fp32 on the
+// accumulators (per row at the end; per block on a block accumulator).
+// MODE 0 (FC1 / FC1+FC3 merged): epilogue = bias + activation, writes the activation (bf16 hi/lo, B-fragment layout)
+// for FC2. MODE 1 (FC2): epilogue = bias, routing weight, atomicAdd into the fp32 output rows of the tokens.
+
+template <int BITS>
+struct QmW;
+template <>
+struct QmW<4> {
+    static const int LW = 1;    // uint4 loads per lane per 64-k tile
+    static const int TB = 512;  // bytes per 16 x 64 tile
+    static const int LB = 16;   // bytes per lane per tile
+};
+template <>
+struct QmW<8> {
+    static const int LW = 2;
+    static const int TB = 1024;
+    static const int LB = 32;
+};
+
+// zero-point constants of rows g (z0) and g+8 (z1): int4 {g, g8, -, -}; int8 {lo g, hi g, lo g8, hi g8}
+template <int BITS>
+static __device__ __forceinline__ void set_bz(u32* zc, int z0, int z1) {
+    if (BITS == 4) {
+        zc[0] = bz4(z0);
+        zc[1] = bz4(z1);
+        zc[2] = zc[0];
+        zc[3] = zc[1];
+    } else {
+        zc[0] = bz8lo(z0);
+        zc[1] = bz8hi(z0);
+        zc[2] = bz8lo(z1);
+        zc[3] = bz8hi(z1);
+    }
+}
+
+static __device__ __forceinline__ float2 sel4f2(const float2* v, int q) {
+    return q == 0 ? v[0] : (q == 1 ? v[1] : (q == 2 ? v[2] : v[3]));
+}
+static __device__ __forceinline__ u32 sel4u(const u32* v, int q) {
+    return q == 0 ? v[0] : (q == 1 ? v[1] : (q == 2 ? v[2] : v[3]));
+}
+
+#define QM_DEC_ARGS                                                                                             \
+    const u8 *__restrict__ W, long long wstride, int NT, int KT, const void *__restrict__ S, int sdt, int NB,       \
+        int bs_log2, const u8 *__restrict__ Z, int has_zp, const float *__restrict__ bias, int has_bias, int NP,   \
+        const int4 *__restrict__ tiles, const int *__restrict__ num_tiles, const int *__restrict__ pair_tok,        \
+        const float *__restrict__ pair_w, const u16 *__restrict__ bhi, const u16 *__restrict__ blo, int split,     \
+        int KPB, int act, int gated, float alpha, float beta, float limit, int has_limit, int n_out,               \
+        u16 *__restrict__ ahi, u16 *__restrict__ alo, int KP2, float *__restrict__ out
+#define QM_DEC_PASS                                                                                             \
+    W, wstride, NT, KT, S, sdt, NB, bs_log2, Z, has_zp, bias, has_bias, NP, tiles, num_tiles, pair_tok, pair_w, bhi, \
+        blo, split, KPB, act, gated, alpha, beta, limit, has_limit, n_out, ahi, alo, KP2, out
+
+template <int BITS, int R, int MODE>
+static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
+#if QM_TC
+    typedef QmW<BITS> TR;
+    extern __shared__ float red[];
+    if ((int)blockIdx.y >= *num_tiles) return;
+    const int4 tl = tiles[blockIdx.y];
+    const int slot = tl.x, start = tl.y, cnt = tl.z;
+    const int rt0 = blockIdx.x * R;
+    if (rt0 >= NT) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const bool blockwise = bs_log2 >= 0;
+
+    // k-tiles of this warp: whole scale blocks ("units"), split over gridDim.z, then over the block's warps
+    const int ulog = bs_log2 > 6 ? bs_log2 - 6 : 0;
+    const int nunits = (KT + (1 << ulog) - 1) >> ulog;
+    const int upb = (nunits + (int)gridDim.z - 1) / (int)gridDim.z;
+    const int ub0 = min(nunits, (int)blockIdx.z * upb);
+    const int ub1 = min(nunits, ub0 + upb);
+    const int upw = (ub1 - ub0 + nw - 1) / nw;
+    const int uw0 = min(ub1, ub0 + warp * upw);
+    const int uw1 = min(ub1, uw0 + upw);
+    const int kt0 = min(KT, uw0 << ulog), kt1 = min(KT, uw1 << ulog);
+
+    // B operand: column g = pair start + g (FC1: that pair's token row of x; FC2: the pair's activation row)
+    const bool bval = g < cnt;
+    long long brow = 0;
+    if (bval) brow = (long long)(MODE == 0 ? pair_tok[start + g] : start + g) * KPB;
+    const uint4* bhp = reinterpret_cast<const uint4*>(bhi + brow + t * 16);
+    const uint4* blp = reinterpret_cast<const uint4*>(blo + brow + t * 16);
+
+    const u8* Ws = W + (long long)slot * wstride;
+    const long long sb = (long long)slot * NT * NB * 16;  // first scale / zero point of this slot
+
+    float acc[R][4], blk[R][4];
+    u32 zc[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            acc[r][c] = 0.0f;
+            blk[r][c] = 0.0f;
+        }
+        int z0 = 1 << (BITS - 1), z1 = 1 << (BITS - 1);
+        if (has_zp && !blockwise && rt0 + r < NT) {
+            const u8* zp = Z + sb + (long long)(rt0 + r) * NB * 16 + g * 2;
+            z0 = zp[0];
+            z1 = zp[1];
+        }
+        set_bz<BITS>(zc[r], z0, z1);
+    }
+
+    const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
+    uint4 wc[R][TR::LW], wn[R][TR::LW];
+    uint4 bh0 = zero4, bh1 = zero4, bl0 = zero4, bl1 = zero4;
+    uint4 nh0 = zero4, nh1 = zero4, nl0 = zero4, nl1 = zero4;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int q = 0; q < TR::LW; ++q) {
+            wc[r][q] = zero4;
+            wn[r][q] = zero4;
+        }
+
+    auto load = [&](int kt, uint4(&wd)[R][TR::LW], uint4& h0, uint4& h1, uint4& l0, uint4& l1) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (rt0 + r < NT) {
+                const uint4* p =
+                    reinterpret_cast<const uint4*>(Ws + ((long long)(rt0 + r) * KT + kt) * TR::TB + lane * TR::LB);
+#pragma unroll
+                for (int q = 0; q < TR::LW; ++q) wd[r][q] = __ldg(p + q);
+            }
+        }
+        if (bval) {
+            h0 = __ldg(bhp + kt * 8);
+            h1 = __ldg(bhp + kt * 8 + 1);
+            if (split) {
+                l0 = __ldg(blp + kt * 8);
+                l1 = __ldg(blp + kt * 8 + 1);
+            }
+        }
+    };
+
+    const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;  // scale blocks per k-tile
+
+    auto compute = [&](int kt, const uint4(&wd)[R][TR::LW], const uint4& h0, const uint4& h1, const uint4& l0,
+                       const uint4& l1) {
+        float2 st[R][4];
+        u32 zr[R][4];
+        const int b0 = blockwise ? ((kt << 6) >> bs_log2) : 0;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                st[r][q] = make_float2(0.0f, 0.0f);
+                zr[r][q] = 0u;
+                if (q < nbt && rt0 + r < NT) {
+                    const long long si = sb + ((long long)(rt0 + r) * NB + b0 + q) * 16 + g * 2;
+                    st[r][q] = load_s2(S, si, sdt);
+                    if (has_zp) zr[r][q] = *(const u16*)(Z + si);
+                }
+            }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int ks = (kt << 2) + j;
+            const int q = (!blockwise || bs_log2 >= 6) ? 0 : (j >> (bs_log2 - 4));
+            const bool last = blockwise && ((((ks + 1) << 4) & ((1 << bs_log2) - 1)) == 0);
+            const uint4& hv = (j < 2) ? h0 : h1;
+            const uint4& lv = (j < 2) ? l0 : l1;
+            const u32 bhA = u4c(hv, (j & 1) * 2), bhB = u4c(hv, (j & 1) * 2 + 1);
+            const u32 blA = u4c(lv, (j & 1) * 2), blB = u4c(lv, (j & 1) * 2 + 1);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                u32 zz[4] = {zc[r][0], zc[r][1], zc[r][2], zc[r][3]};
+                if (has_zp && blockwise) {
+                    const u32 zv = sel4u(zr[r], q);
+                    set_bz<BITS>(zz, (int)(zv & 0xffu), (int)((zv >> 8) & 0xffu));
+                }
+                u32 a[4];
+                if (BITS == 4) {
+                    deq4_bf16(u4c(wd[r][0], j), zz[0], zz[1], a);
+                } else {
+                    const uint4& wv = wd[r][(j >> 1) & (TR::LW - 1)];
+                    const u32 w0 = u4c(wv, (j & 1) * 2), w1 = u4c(wv, (j & 1) * 2 + 1);
+                    a[0] = deq8pair_bf16(w0, 0x4140u, zz[0], zz[1]);
+                    a[1] = deq8pair_bf16(w0, 0x4342u, zz[2], zz[3]);
+                    a[2] = deq8pair_bf16(w1, 0x4140u, zz[0], zz[1]);
+                    a[3] = deq8pair_bf16(w1, 0x4342u, zz[2], zz[3]);
+                }
+                if (blockwise) {
+                    mma_bf16(blk[r], a[0], a[1], a[2], a[3], bhA, bhB);
+                    if (split) mma_bf16(blk[r], a[0], a[1], a[2], a[3], blA, blB);
+                } else {
+                    mma_bf16(acc[r], a[0], a[1], a[2], a[3], bhA, bhB);
+                    if (split) mma_bf16(acc[r], a[0], a[1], a[2], a[3], blA, blB);
+                }
+            }
+            if (last) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const float2 s = sel4f2(st[r], q);
+                    acc[r][0] += s.x * blk[r][0];
+                    acc[r][1] += s.x * blk[r][1];
+                    acc[r][2] += s.y * blk[r][2];
+                    acc[r][3] += s.y * blk[r][3];
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) blk[r][c] = 0.0f;
+                }
+            }
+        }
+    };
+
+    if (kt0 < kt1) {
+        load(kt0, wc, bh0, bh1, bl0, bl1);
+        for (int kt = kt0; kt < kt1; ++kt) {
+            if (kt + 1 < kt1) load(kt + 1, wn, nh0, nh1, nl0, nl1);
+            compute(kt, wc, bh0, bh1, bl0, bl1);
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int q = 0; q < TR::LW; ++q) wc[r][q] = wn[r][q];
+            bh0 = nh0;
+            bh1 = nh1;
+            bl0 = nl0;
+            bl1 = nl1;
+        }
+    }
+
+    // reduce the warps' partial sums
+    float* my = red + warp * (R * 128);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) my[(r * 4 + c) * 32 + lane] = acc[r][c];
+    __syncthreads();
+    for (int r = warp; r < R; r += nw) {
+        const int rt = rt0 + r;
+        if (rt >= NT) break;
+        float v[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            float s = 0.0f;
+            for (int w = 0; w < nw; ++w) s += red[(w * R + r) * 128 + c * 32 + lane];
+            v[c] = s;
+        }
+        if (!blockwise) {
+            const float2 s = load_s2(S, sb + (long long)rt * NB * 16 + g * 2, sdt);
+            v[0] *= s.x;
+            v[1] *= s.x;
+            v[2] *= s.y;
+            v[3] *= s.y;
+        }
+        float bg = 0.0f, bg8 = 0.0f;
+        if (has_bias && (MODE == 0 || blockIdx.z == 0)) {
+            const float* bp = bias + (long long)slot * NP + rt * 16 + g;
+            bg = bp[0];
+            bg8 = bp[8];
+        }
+        if (MODE == 0) {
+            if (gated) {
+                const int i = rt * 8 + g;  // merged tile: rows 0-7 gate, 8-15 up of outputs rt*8 .. rt*8+7
+                if (i < n_out) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int col = 2 * t + c;
+                        if (col < cnt) {
+                            const float a = act_gated(act, v[c] + bg, v[2 + c] + bg8, alpha, beta, limit, has_limit);
+                            const long long o = (long long)(start + col) * KP2 + frag_off(i);
+                            const u16 h = f2bf(a);
+                            ahi[o] = h;
+                            alo[o] = f2bf(a - bf2f(h));
+                        }
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int i = rt * 16 + g + 8 * hh;
+                    if (i < n_out) {
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int col = 2 * t + c;
+                            if (col < cnt) {
+                                const float a = act_one(act, v[hh * 2 + c] + (hh ? bg8 : bg));
+                                const long long o = (long long)(start + col) * KP2 + frag_off(i);
+                                const u16 h = f2bf(a);
+                                ahi[o] = h;
+                                alo[o] = f2bf(a - bf2f(h));
+                            }
+                        }
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int n = rt * 16 + g + 8 * hh;
+                if (n < n_out) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int col = 2 * t + c;
+                        if (col < cnt) {
+                            const int p = start + col;
+                            atomicAdd(out + (long long)pair_tok[p] * n_out + n,
+                                      pair_w[p] * (v[hh * 2 + c] + (hh ? bg8 : bg)));
+                        }
+                    }
+                }
+            }
+        }
+    }
+#endif
+}
+
+// Kernels with plain C names (the same names from NVRTC and from a prebuilt cubin): dec_gemv_<bits>_<R>_<mode>
+#define QM_DEC_KERNEL(B, R, M) \
+    extern "C" __global__ void __launch_bounds__(256) dec_gemv_##B##_##R##_##M(QM_DEC_ARGS) { dec_gemv_impl<B, R, M>(QM_DEC_PASS); }
+QM_DEC_KERNEL(4, 1, 0)
+QM_DEC_KERNEL(4, 2, 0)
+QM_DEC_KERNEL(4, 4, 0)
+QM_DEC_KERNEL(4, 1, 1)
+QM_DEC_KERNEL(4, 2, 1)
+QM_DEC_KERNEL(4, 4, 1)
+QM_DEC_KERNEL(8, 1, 0)
+QM_DEC_KERNEL(8, 2, 0)
+QM_DEC_KERNEL(8, 4, 0)
+QM_DEC_KERNEL(8, 1, 1)
+QM_DEC_KERNEL(8, 2, 1)
+QM_DEC_KERNEL(8, 4, 1)

@@ -1,0 +1,211 @@
+// Routing (CUDA semantics), grouping of (token, expert) pairs into per-expert tiles, activation conversions.
+
+#define QM_FULL 0xffffffffu
+#define QM_NO_ID 0x7fffffff
+
+// One warp routes one token: p = softmax(z) over all E, top-k by z (ties: lower index first),
+// w = p[idx] (or router_weights[idx]), divided by their sum when normalize. E <= 1024.
+static __device__ void route_token_warp(const void* logits, int ldt, const void* rw, int rwdt, int E, int k,
+                                        int normalize, int tok, int* ids, float* wts) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)tok * E;
+    const int per = (E + 31) >> 5;
+    float m = QM_NEG_INF;
+    for (int i = 0; i < per; ++i) {
+        int e = lane + (i << 5);
+        if (e < E) m = fmaxf(m, load_f(logits, row + e, ldt));
+    }
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(QM_FULL, m, o));
+    float s = 0.0f;
+    for (int i = 0; i < per; ++i) {
+        int e = lane + (i << 5);
+        if (e < E) s += expf(load_f(logits, row + e, ldt) - m);
+    }
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(QM_FULL, s, o);
+    u32 taken = 0u;
+    float wsum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        float bv = QM_NEG_INF;
+        int bi = QM_NO_ID;
+        for (int i = 0; i < per; ++i) {
+            int e = lane + (i << 5);
+            if (e < E && !((taken >> i) & 1u)) {
+                float z = load_f(logits, row + e, ldt);
+                if (bi == QM_NO_ID || z > bv) {  // e grows within a lane: ties keep the lower index
+                    bv = z;
+                    bi = e;
+                }
+            }
+        }
+        for (int o = 16; o; o >>= 1) {
+            float ov = __shfl_xor_sync(QM_FULL, bv, o);
+            int oi = __shfl_xor_sync(QM_FULL, bi, o);
+            bool better = (oi != QM_NO_ID) && (bi == QM_NO_ID || ov > bv || (ov == bv && oi < bi));
+            if (better) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        int id = (bi == QM_NO_ID) ? -1 : bi;
+        if (id >= 0 && (id & 31) == lane) taken |= 1u << (id >> 5);
+        float w = 0.0f;
+        if (id >= 0) w = rw ? load_f(rw, row + id, rwdt) : expf(bv - m) / s;
+        wsum += w;
+        if (lane == 0) {
+            ids[j] = id;
+            wts[j] = w;
+        }
+    }
+    if (normalize && wsum != 0.0f && lane == 0)
+        for (int j = 0; j < k; ++j) wts[j] = wts[j] / wsum;
+}
+
+extern "C" __global__ void route_topk(const void* logits, int ldt, const void* rw, int rwdt, int has_rw, int T, int E,
+                                      int k, int normalize, int* ids, float* wts) {
+    const int tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (tok >= T) return;
+    route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok, ids + (long long)tok * k,
+                     wts + (long long)tok * k);
+}
+
+// Groups the P = T*kk (token, expert) pairs by expert: pair_tok / pair_w in expert order, and tiles
+// {slot, first pair, pairs (<= TM), expert} for every resident expert hit. One block; smem 4*E ints.
+static __device__ void build_tiles_block(const int* ids, const float* wts, int P, int kk, const int* slot_map, int E,
+                                         int TM, int* pair_tok, float* pair_w, int4* tiles, int* num_tiles,
+                                         int max_tiles, int* sm) {
+    int* cnt = sm;
+    int* fill = sm + E;
+    int* off = sm + 2 * E;
+    int* toff = sm + 3 * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        cnt[e] = 0;
+        fill[e] = 0;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+        int e = ids[i];
+        if (e >= 0 && e < E && slot_map[e] >= 0) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int per = (E + 31) >> 5;
+        const int b = lane * per;
+        int ls = 0, lt = 0;
+        for (int q = 0; q < per; ++q) {
+            int e = b + q;
+            if (e < E) {
+                int c = cnt[e];
+                ls += c;
+                lt += (c + TM - 1) / TM;
+            }
+        }
+        int s = ls, st = lt;
+        for (int o = 1; o < 32; o <<= 1) {
+            int v = __shfl_up_sync(QM_FULL, s, o);
+            int vt = __shfl_up_sync(QM_FULL, st, o);
+            if (lane >= o) {
+                s += v;
+                st += vt;
+            }
+        }
+        int run = s - ls, runt = st - lt;
+        for (int q = 0; q < per; ++q) {
+            int e = b + q;
+            if (e < E) {
+                int c = cnt[e];
+                off[e] = run;
+                toff[e] = runt;
+                run += c;
+                runt += (c + TM - 1) / TM;
+            }
+        }
+        if (lane == 31) *num_tiles = min(st, max_tiles);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+        int e = ids[i];
+        if (e >= 0 && e < E && slot_map[e] >= 0) {
+            int pos = off[e] + atomicAdd(&fill[e], 1);
+            pair_tok[pos] = i / kk;
+            pair_w[pos] = wts[i];
+        }
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int c = cnt[e];
+        if (c > 0) {
+            int sl = slot_map[e];
+            for (int m = 0; m * TM < c; ++m) {
+                int ti = toff[e] + m;
+                if (ti < max_tiles) tiles[ti] = make_int4(sl, off[e] + m * TM, min(TM, c - m * TM), e);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void build_tiles(const int* ids, const float* wts, int P, int kk, const int* slot_map, int E,
+                                       int TM, int* pair_tok, float* pair_w, int4* tiles, int* num_tiles,
+                                       int max_tiles) {
+    extern __shared__ int sm_tiles[];
+    build_tiles_block(ids, wts, P, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles, sm_tiles);
+}
+
+// Decode preparation in one launch: block 0 routes (route_mode 1) and groups the pairs; every block converts
+// x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] and zeroes the fp32 accumulator when asked.
+extern "C" __global__ void decode_prep(int route_mode, const void* logits, int ldt, const void* rw, int rwdt,
+                                       int has_rw, int E, int k, int normalize, int* ids, float* wts, int T, int kk,
+                                       const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
+                                       int* num_tiles, int max_tiles, const void* x, int xdt, int H, int KP,
+                                       u16* xhi, u16* xlo, float* zero_out, long long zero_n) {
+    extern __shared__ int sm_prep[];
+    if (blockIdx.x == 0) {
+        if (route_mode) {
+            const int nwarps = blockDim.x >> 5;
+            for (int tok = threadIdx.x >> 5; tok < T; tok += nwarps)
+                route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok,
+                                 ids + (long long)tok * k, wts + (long long)tok * k);
+            __syncthreads();
+        }
+        build_tiles_block(ids, wts, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles,
+                          sm_prep);
+    }
+    const int cpr = KP >> 3;  // 8-value chunks per row
+    const long long nch = (long long)T * cpr;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < nch; c += stride) {
+        const int n = (int)(c / cpr);
+        const int k0 = (int)(c % cpr) << 3;
+#pragma unroll
+        for (int p = 0; p < 8; p += 2) {
+            const int kx = k0 + p;
+            float v0 = kx < H ? load_f(x, (long long)n * H + kx, xdt) : 0.0f;
+            float v1 = kx + 1 < H ? load_f(x, (long long)n * H + kx + 1, xdt) : 0.0f;
+            u16 h0 = f2bf(v0), h1 = f2bf(v1);
+            u16 l0 = f2bf(v0 - bf2f(h0)), l1 = f2bf(v1 - bf2f(h1));
+            long long o = (long long)n * KP + frag_off(kx);
+            *(u32*)(xhi + o) = (u32)h0 | ((u32)h1 << 16);
+            *(u32*)(xlo + o) = (u32)l0 | ((u32)l1 << 16);
+        }
+    }
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < zero_n; i += stride) zero_out[i] = 0.0f;
+}
+
+// x [T, H] (any activation dtype) -> fp16 [T, KP], zero padded (prefill A operand)
+extern "C" __global__ void to_f16_pad(const void* x, int xdt, int T, int H, int KP, u16* out) {
+    const long long n = (long long)T * KP;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long t = i / KP;
+        const int kx = (int)(i % KP);
+        out[i] = kx < H ? (xdt == DT_F16 ? ((const u16*)x)[t * H + kx] : f2h(load_f(x, t * H + kx, xdt))) : (u16)0;
+    }
+}
+
+extern "C" __global__ void to_f32(const void* x, int xdt, long long n, float* out) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        out[i] = load_f(x, i, xdt);
+}
+
+extern "C" __global__ void from_f32(const float* in, void* out, int dt, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        store_f(out, i, dt, in[i]);
+}

@@ -1,0 +1,275 @@
+"""kernels.gpu.GpuQMoE against kernels.reference.qmoe_reference (needs an NVIDIA GPU with CuPy; skipped otherwise).
+
+Tolerances (max |got - ref| / max |ref|), fp32 activations:
+* tensor-core decode (<= 8 tokens): 1e-4 (weights dequantise exactly, activations as bf16 hi + lo, fp32 accumulate);
+* tensor-core prefill: 3e-3 (fp16 activations, per-block scales folded into fp16 weights, fp32 accumulate);
+* fp32 FMA fallback: 1e-4.
+fp16 input / output adds the final fp16 rounding: 4e-3 (decode, FMA) and 5e-3 (prefill); bf16 I/O 1.5e-2.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kernels.qmoe_spec import QMoESpec
+from kernels.reference import expert_ffn, qmoe_reference, route as ref_route
+from tests.qmoe_oracle import make_case
+
+pytestmark = pytest.mark.gpu
+
+ACTS = {
+    "relu": dict(activation="relu"),
+    "gelu": dict(activation="gelu"),
+    "silu": dict(activation="silu"),
+    "identity": dict(activation="identity"),
+    "swiglu0": dict(activation="swiglu", swiglu_fusion=0, alpha=1.702, beta=1.0),
+    "swiglu0-limit": dict(activation="swiglu", swiglu_fusion=0, alpha=1.702, beta=1.0, swiglu_limit=0.5),
+    "swiglu1": dict(activation="swiglu", swiglu_fusion=1, alpha=1.0, beta=0.0),
+    "swiglu1-limit": dict(activation="swiglu", swiglu_fusion=1, alpha=1.702, beta=1.0, swiglu_limit=0.5),
+    "swiglu2": dict(activation="swiglu", swiglu_fusion=2, alpha=1.0, beta=0.5),
+    "silu-fc3": dict(activation="silu", fc3=True),
+}
+
+TOL = {  # (path, phase, dtype) -> tolerance
+    ("tc", "decode", np.float32): 1e-4, ("tc", "decode", np.float16): 4e-3,
+    ("tc", "prefill", np.float32): 3e-3, ("tc", "prefill", np.float16): 5e-3,
+    ("fma", "decode", np.float32): 1e-4, ("fma", "decode", np.float16): 4e-3,
+    ("fma", "prefill", np.float32): 1e-4, ("fma", "prefill", np.float16): 4e-3,
+}
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    cp = pytest.importorskip("cupy")
+    from kernels.gpu import GpuQMoE
+
+    return cp, GpuQMoE
+
+
+def _relerr(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite output"
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def _spec(attrs, t, x):
+    return QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+
+
+def _shapes(rng, block):
+    if block:
+        return int(rng.choice(range(block, 3 * block + 1, block))), int(rng.choice(range(block, 3 * block + 1, block)))
+    return int(rng.integers(16, 66)) * 2, int(rng.integers(16, 66)) * 2
+
+
+def _ref_pairs(x, ids, w, spec, t):
+    """sum_j w[t, j] * FFN_{ids[t, j]}(x[t]) over the pairs with ids >= 0 (float64)."""
+    x = np.asarray(x, np.float64)
+    out = np.zeros_like(x)
+    for e in np.unique(ids):
+        if e < 0:
+            continue
+        rows, cols = np.nonzero(ids == e)
+        np.add.at(out, rows, w[rows, cols, None].astype(np.float64) * expert_ffn(x[rows], int(e), spec, t))
+    return out
+
+
+GRID = [(bits, block, zp, act) for bits in (4, 8) for block in (0, 32, 64) for zp in (False, True) for act in ACTS]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bits,block,zp,act", GRID, ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in GRID])
+def test_gpu_matches_reference(gpu, bits, block, zp, act, dtype):
+    cp, GpuQMoE = gpu
+    idx = GRID.index((bits, block, zp, act))
+    seed = 5000 + idx * 2 + (dtype == np.float16)
+    rng = np.random.default_rng(seed)
+    H, I = _shapes(rng, block)
+    attrs, t, x, lg = make_case(seed=seed, E=int(rng.integers(4, 10)), H=H, I=I, k=int(rng.integers(1, 4)),
+                                bits=bits, block_size=block, zero_points=zp, bias=bool(idx % 2), dtype=dtype, T=100,
+                                **ACTS[act])
+    spec = _spec(attrs, t, x)
+    for path in ("tc", "fma"):
+        m = GpuQMoE(spec, t, path=path)
+        for T, phase in ((1, "decode"), (3, "decode"), (100, "prefill")):
+            ref = qmoe_reference(x[:T], lg[:T], spec, t)
+            got = m.forward(x[:T], lg[:T])
+            assert isinstance(got, np.ndarray) and got.dtype == x.dtype and got.shape == (T, H)
+            err = _relerr(got, ref)
+            assert err <= TOL[(path, phase, dtype)], f"{path} T={T}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("bits,block", [(4, 16), (4, 128), (8, 0), (8, 128)])
+def test_gpu_launch_configs(gpu, bits, block):
+    """Larger shapes: several k-tiles per warp, scale blocks spanning tiles, every decode / prefill variant."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=77 + bits + block, E=6, H=512, I=384, k=2, bits=bits, block_size=block,
+                                zero_points=True, bias=True, T=70, activation="swiglu", swiglu_fusion=1,
+                                alpha=1.702, beta=1.0, swiglu_limit=7.0)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t)
+    ref3 = qmoe_reference(x[:3], lg[:3], spec, t)
+    for R in (1, 2, 4):
+        for W in (2, 4, 8):
+            for ks in (1, 3):
+                m.dec_cfg = {"R1": R, "W1": W, "R2": R, "W2": W, "ksplit2": ks}
+                err = _relerr(m.forward(x[:3], lg[:3]), ref3)
+                assert err <= 1e-4, f"R={R} W={W} ksplit={ks}: {err:.2e}"
+    m.dec_cfg["ksplit2"] = 0
+    err = _relerr(m.forward(x[:8], lg[:8]), qmoe_reference(x[:8], lg[:8], spec, t))
+    assert err <= 1e-4, f"8 tokens: {err:.2e}"
+    ref = qmoe_reference(x, lg, spec, t)
+    for bm in (32, 64):
+        m.prefill_bm = bm
+        err = _relerr(m.forward(x, lg), ref)
+        assert err <= 3e-3, f"BM={bm}: {err:.2e}"
+
+
+def test_gpu_routing_matches_reference(gpu):
+    cp, GpuQMoE = gpu
+    rng = np.random.default_rng(3)
+    for k, normalize, E in ((1, 0, 12), (2, 1, 12), (4, 0, 40), (8, 1, 128), (3, 1, 300)):
+        attrs, t, x, _ = make_case(E=E, k=k, normalize=normalize, H=32, I=32)
+        spec = _spec(attrs, t, x)
+        m = GpuQMoE(spec, t)
+        z = rng.standard_normal((50, E)).astype(np.float32)
+        z[0, :] = 1.0  # all tied
+        z[1, :E // 2] = 2.0  # ties among the best
+        for rw in (None, rng.uniform(0.0, 1.0, size=z.shape).astype(np.float32)):
+            ids, w = m.route(z, router_weights=rw)
+            ids_r, w_r = ref_route(z, spec, router_weights=rw)
+            assert cp.asnumpy(ids).tolist() == ids_r.tolist()
+            np.testing.assert_allclose(cp.asnumpy(w), w_r, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("normalize", [0, 1])
+def test_gpu_router_weights(gpu, normalize):
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=7, E=8, H=64, I=96, k=3, bits=4, block_size=32, normalize=normalize, T=37,
+                                activation="swiglu", swiglu_fusion=1, swiglu_limit=7.0, alpha=1.702, beta=1.0)
+    rw = np.random.default_rng(8).uniform(0.0, 1.0, size=lg.shape).astype(np.float32)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t)
+    for T, tol in ((2, 1e-4), (37, 3e-3)):
+        ref = qmoe_reference(x[:T], lg[:T], spec, t, router_weights=rw[:T])
+        assert _relerr(m.forward(x[:T], lg[:T], router_weights=rw[:T]), ref) <= tol
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gpu_sparse_mixer(gpu, bits):
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=9, E=16, H=64, I=64, k=2, bits=bits, sparse_mixer=True, normalize=0, T=37,
+                                activation="silu", bias=True)
+    lg = (lg * 0.05).astype(np.float32)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t)
+    for T, tol in ((3, 1e-4), (37, 3e-3)):
+        assert _relerr(m.forward(x[:T], lg[:T]), qmoe_reference(x[:T], lg[:T], spec, t)) <= tol
+
+
+@pytest.mark.parametrize("T", [2, 40])
+def test_gpu_run_experts_subsets(gpu, T):
+    """Two run_experts calls over disjoint subsets of the pairs into one accumulator == the whole node."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=11, E=8, H=96, I=64, k=3, bits=4, block_size=32, zero_points=True, bias=True,
+                                T=T, activation="swiglu", swiglu_fusion=2, alpha=1.0, beta=0.0)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t)
+    tol = 1e-4 if T <= 8 else 3e-3
+    ids, w = ref_route(lg, spec)
+    first = ids % 2 == 0
+    ids_a = np.where(first, ids, -1).astype(np.int32)
+    ids_b = np.where(first, -1, ids).astype(np.int32)
+    acc = cp.zeros((T, spec.hidden_size), cp.float32)
+    m.run_experts(cp.asarray(x), ids_a, w, out=acc)
+    m.run_experts(x, cp.asarray(ids_b), cp.asarray(w), out=acc)
+    ref = qmoe_reference(x, lg, spec, t)
+    assert _relerr(cp.asnumpy(acc), ref) <= tol
+    part = m.run_experts(x, ids_a, w)  # NumPy in, NumPy out
+    assert isinstance(part, np.ndarray) and part.dtype == x.dtype
+    assert _relerr(part, _ref_pairs(x, ids_a, w, spec, t)) <= tol
+
+
+@pytest.mark.parametrize("T", [1, 30])
+def test_gpu_slot_upload(gpu, T):
+    """Experts uploaded into slots from host-converted copies on a side stream; non-resident experts skipped."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=13, E=8, H=128, I=64, k=2, bits=8, block_size=64, zero_points=True, bias=True,
+                                T=T, activation="gelu")
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, num_slots=3, resident=[])
+    assert m.resident_experts().size == 0
+    tol = 1e-4 if T <= 8 else 3e-3
+    rng = np.random.default_rng(14)
+    ids = rng.integers(0, 8, size=(T, 2)).astype(np.int32)
+    ids[:, 1] = (ids[:, 0] + 1 + rng.integers(0, 7, size=T)) % 8
+    w = rng.uniform(0.1, 1.0, size=(T, 2)).astype(np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    m.upload_expert(5, 0, stream=stream)
+    m.upload_expert(2, 1, stream=stream, packed=m.pack_expert(2))
+    stream.synchronize()
+    mask = np.isin(ids, [5, 2])
+    got = m.run_experts(x, ids, w)  # experts not in a slot are skipped
+    assert _relerr(got, _ref_pairs(x, np.where(mask, ids, -1), w, spec, t)) <= tol
+    m.upload_expert(1, 0, stream=stream)  # evicts expert 5
+    stream.synchronize()
+    assert m.slot_of[5] == -1 and m.slot_of[1] == 0
+    mask = np.isin(ids, [1, 2])
+    got = m.run_experts(x, ids, w)
+    assert _relerr(got, _ref_pairs(x, np.where(mask, ids, -1), w, spec, t)) <= tol
+    full = GpuQMoE(spec, t)  # all resident, initial device-side conversion: same numbers
+    assert _relerr(m.run_experts(x, np.where(mask, ids, -1), w), full.run_experts(x, np.where(mask, ids, -1), w)) \
+        <= 1e-6
+
+
+def test_gpu_cupy_io_and_3d(gpu):
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=4, E=6, H=64, I=64, k=2, bits=4, block_size=32, dtype=np.float16, T=12,
+                                activation="swiglu", swiglu_fusion=1)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t)
+    x3, lg3 = x.reshape(2, 6, 64), lg.reshape(2, 6, 6)
+    got = m.forward(cp.asarray(x3), cp.asarray(lg3))
+    assert isinstance(got, cp.ndarray) and got.dtype == cp.float16 and got.shape == (2, 6, 64)
+    assert _relerr(cp.asnumpy(got).reshape(12, 64), qmoe_reference(x, lg, spec, t)) <= 5e-3
+
+
+def test_gpu_bf16(gpu):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=21, E=8, H=96, I=64, k=2, bits=4, block_size=32, T=40, activation="swiglu",
+                                swiglu_fusion=1, alpha=1.702, beta=1.0, swiglu_limit=7.0, bias=True)
+    bf16 = ml_dtypes.bfloat16
+    t = dict(t, fc1_scales=t["fc1_scales"].astype(bf16), fc2_scales=t["fc2_scales"].astype(bf16))
+    xb, lb = x.astype(bf16), lg.astype(bf16)
+    spec = _spec(attrs, t, xb)
+    m = GpuQMoE(spec, t)
+    for T in (2, 40):
+        got = m.forward(xb[:T], lb[:T])
+        assert got.dtype == bf16
+        assert _relerr(got.astype(np.float32), qmoe_reference(xb[:T], lb[:T], spec, t).astype(np.float32)) <= 1.5e-2
+
+
+def test_gpu_forward_into_graph(gpu):
+    """forward_into is capturable in a CUDA graph; replays with new routing give the forward() numbers."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=31, E=16, H=128, I=128, k=4, bits=4, block_size=32, T=8, activation="swiglu",
+                                swiglu_fusion=1, alpha=1.702, beta=1.0, swiglu_limit=7.0, bias=True)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t)
+    xd = cp.asarray(x[:1])
+    lgd = cp.asarray(lg[:1])
+    out = cp.empty((1, spec.hidden_size), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        m.forward_into(xd, lgd, out)  # warm-up: allocates the workspaces
+        stream.synchronize()
+        stream.begin_capture()
+        m.forward_into(xd, lgd, out)
+        graph = stream.end_capture()
+        for i in range(8):
+            lgd[...] = cp.asarray(lg[i:i + 1])
+            graph.launch(stream)
+            stream.synchronize()
+            assert _relerr(cp.asnumpy(out), qmoe_reference(x[:1], lg[i:i + 1], spec, t)) <= 1e-4
