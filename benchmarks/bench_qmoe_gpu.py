@@ -122,12 +122,22 @@ def measure_matmul(cp, timer, n=8192):
 
 
 def capture(cp, stream, fn):
+    """A replayable callable: the CUDA graph of fn (warmed up first), or fn itself if capture fails."""
     with stream:
         fn()
         stream.synchronize()
-        stream.begin_capture()
-        fn()
-        return stream.end_capture()
+        try:
+            stream.begin_capture()
+            fn()
+            g = stream.end_capture()
+        except Exception as exc:  # noqa: BLE001
+            print(f"graph capture failed ({exc!r}); timing eager launches", flush=True)
+            try:
+                stream.end_capture()
+            except Exception:  # noqa: BLE001
+                pass
+            return fn
+    return lambda: g.launch(stream)
 
 
 def bench_decode(cp, m, spec, timer, rng, iters, sweep):
@@ -150,19 +160,18 @@ def bench_decode(cp, m, spec, timer, rng, iters, sweep):
             m.dec_cfg = cfg
             g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
             prep = (lambda i: lg.__setitem__(Ellipsis, bank[i % 256]))
-            med, p10, p90 = timer.median(lambda: g.launch(stream), iters=max(20, iters // 10) if sweep else iters,
-                                         prep=prep)
+            med, p10, p90 = timer.median(g, iters=max(20, iters // 10) if sweep else iters, prep=prep)
             results.append((med, cfg))
         best = min(results, key=lambda r: r[0])[1]
         m.dec_cfg = best
         g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
-        med, p10, p90 = timer.median(lambda: g.launch(stream), iters=iters,
+        med, p10, p90 = timer.median(g, iters=iters,
                                      prep=lambda i: lg.__setitem__(Ellipsis, bank[(7 * i) % 256]))
         # 32 forwards back to back in one graph, each with its own routing row
         N = 32
         outs = cp.empty((N, 1, H), cp.float32)
         chain = capture(cp, stream, lambda: [m.forward_into(x, bank[i:i + 1], outs[i]) for i in range(N)])
-        cmed, _, _ = timer.median(lambda: chain.launch(stream), iters=20)
+        cmed, _, _ = timer.median(chain, iters=20)
     return dict(bytes=nbytes, median=med, p10=p10, p90=p90, chain_per_token=cmed / N, best_cfg=best,
                 sweep=[(r[0], r[1]) for r in sorted(results, key=lambda r: r[0])[:5]])
 

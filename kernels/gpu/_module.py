@@ -52,8 +52,14 @@ def load_module(cc: str):
     key = (cc, source_hash())
     if key not in _modules:
         path = cubin_path(cc)
+        mod = None
         if path.is_file() and os.environ.get("QMOE_GPU_NO_CUBIN") != "1":
-            _modules[key] = (cupy.RawModule(path=str(path)), "cubin")
-        else:
+            try:
+                mod = cupy.RawModule(path=str(path))
+                mod.get_function("route_topk")  # loads the module: fails here if the driver refuses the cubin
+                _modules[key] = (mod, "cubin")
+            except Exception:  # noqa: BLE001 - fall back to compiling the source
+                mod = None
+        if mod is None:
             _modules[key] = (cupy.RawModule(code=source_text(), options=NVRTC_OPTIONS), "nvrtc")
     return _modules[key]

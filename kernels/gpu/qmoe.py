@@ -296,7 +296,7 @@ class GpuQMoE:
         cp = _cp()
         spec = self.spec
         with self.device:
-            if spec.use_sparse_mixer:
+            if spec.use_sparse_mixer or spec.num_experts > 1024:  # host routing
                 ids, w = _ref.route(_as_host(router_logits), spec,
                                     None if router_weights is None else _as_host(router_weights))
                 return cp.asarray(ids), cp.asarray(w)
@@ -337,7 +337,7 @@ class GpuQMoE:
             if x_code is None:
                 x_dev, x_code = self._to_device_act(x_dev, spec.hidden_size)
             T = x_dev.shape[0]
-            if spec.use_sparse_mixer:
+            if spec.use_sparse_mixer or spec.num_experts > 1024:  # host routing (sparse mixer, > 1024 experts)
                 ids, w = self.route(router_logits, router_weights)
                 self._compute(x_dev, x_code, T, out32, ids=ids, wts=w, kk=spec.k, zero_out=True)
                 return out32
