@@ -263,16 +263,17 @@ def test_cpu_matches_reference(layout, act, dtype):
 
 @pytest.mark.parametrize("layout", ["int3-block32-zp", "int8-sm80-row", "nvfp4-npacked", "fp8-block32"])
 def test_generic_paths_forced(layout):
-    """GEMV only, tiles only (several tiles per projection), and run_experts accumulating subsets."""
+    """Pairs cut into small chunks (4x4 blocks and single-token remainders), and run_experts accumulating subsets."""
     kw = {"quant_type": "int", "H": 128, "I": 128 if "sm80" in layout else 96, **LAYOUTS[layout], **ACTIVATIONS["swiglu1"]}
     attrs, t, x, lg = make_layout_case(seed=3, E=8, k=3, T=30, bias=True, **kw)
     spec = _spec(attrs, t, x)
     ref = qmoe_reference(x, lg, spec, t)
     gen = G.GenericQMoE(spec, t)
-    gen.gemv_max_rows = 10**9
     assert _relerr(CpuQMoE.forward(_as_cpu(spec, gen), x, lg), ref) <= 1e-5
-    gen.gemv_max_rows, gen.tile_bytes = 0, 16 * 128 * 4
-    assert _relerr(CpuQMoE.forward(_as_cpu(spec, gen), x, lg), ref) <= 1e-5
+    for chunk in (1, 7):
+        gen.pairs_per_call = chunk
+        assert _relerr(CpuQMoE.forward(_as_cpu(spec, gen), x, lg), ref) <= 1e-5
+    gen.pairs_per_call = 256
     from kernels.cpu.routing import route
     ids, w = route(lg, spec)
     acc = np.zeros(x.shape, np.float32)

@@ -4,9 +4,10 @@ Every projection, in any layout of the contract (int2 / int3 / int4 / int8 rows,
 e8m0 / e4m3 block scales and global scales, fp8 e4m3 with square-block or global scales), is dequantised
 row by row into float32 inside Numba kernels, never as a whole weight set:
 
-- decode (few tokens per expert): ``gemv_rows`` dequantises each row of an expert once into an L1 buffer and
-  dots it with that expert's tokens (parallel over row blocks);
-- prefill: ``dequant_tile`` expands a tile of rows (parallel over rows) and BLAS multiplies tile @ x^T.
+- ``gemm_rows`` (decode and prefill alike, one call per projection for all experts of a batch): each block of
+  16 output rows is dequantised 4 rows at a time into a small float32 tile, once per expert, and multiplied
+  with that expert's tokens 4 at a time in registers (tile @ x^T); parallel over row blocks;
+- ``dequant_tile`` expands rows of one expert (tests, tools).
 
 Two layouts are converted per expert, lazily, the first time an expert runs (``LazyConverted``): SM80
 prepacked int4 / int8 -> raw rows (which the fast kernels then read: ``delegate_for`` returns a CpuQMoE over
@@ -19,6 +20,7 @@ that have run.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numba
 import numpy as np
@@ -106,40 +108,112 @@ def _dq_row(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gsc, clut, e, n, out)
                 if (bp & 7) + bits > 8:
                     v |= np.int64(zp[e, zb + 1]) << 8
                 z = np.float32((v >> (bp & 7)) & ((1 << bits) - 1))
+            zs = z * s
+            # whole bytes (whole 3-byte groups for int3) first: blocks start on a byte (group) boundary
             if bits == 8:
                 for k in range(k0, k1):
-                    out[k] = (np.float32(w[e, base + k]) - z) * s
+                    out[k] = np.float32(w[e, base + k]) * s - zs
             elif bits == 4:
-                for k in range(k0, k1):
-                    q = (w[e, base + (k >> 1)] >> ((k & 1) * 4)) & 15
-                    out[k] = (np.float32(q) - z) * s
+                j0 = base + (k0 >> 1)
+                for j in range((k1 - k0) >> 1):
+                    v = w[e, j0 + j]
+                    out[k0 + 2 * j] = np.float32(v & 15) * s - zs
+                    out[k0 + 2 * j + 1] = np.float32(v >> 4) * s - zs
+                if (k1 - k0) & 1:
+                    out[k1 - 1] = np.float32(w[e, base + ((k1 - 1) >> 1)] & 15) * s - zs
             elif bits == 2:
-                for k in range(k0, k1):
-                    q = (w[e, base + (k >> 2)] >> ((k & 3) * 2)) & 3
-                    out[k] = (np.float32(q) - z) * s
-            else:  # 3 bits: LSB-first stream, a code may straddle two bytes
+                j0 = base + (k0 >> 2)
+                for j in range((k1 - k0) >> 2):
+                    v = w[e, j0 + j]
+                    o = k0 + 4 * j
+                    out[o] = np.float32(v & 3) * s - zs
+                    out[o + 1] = np.float32((v >> 2) & 3) * s - zs
+                    out[o + 2] = np.float32((v >> 4) & 3) * s - zs
+                    out[o + 3] = np.float32(v >> 6) * s - zs
+                for k in range(k1 - ((k1 - k0) & 3), k1):
+                    out[k] = np.float32((w[e, base + (k >> 2)] >> ((k & 3) * 2)) & 3) * s - zs
+            else:  # 3 bits: LSB-first stream, 8 codes per 3 bytes; a code may straddle two bytes
+                j0 = base + (k0 >> 3) * 3
+                for g in range((k1 - k0) >> 3):
+                    i = j0 + 3 * g
+                    v = np.int64(w[e, i]) | (np.int64(w[e, i + 1]) << 8) | (np.int64(w[e, i + 2]) << 16)
+                    o = k0 + 8 * g
+                    for c in range(8):
+                        out[o + c] = np.float32((v >> (3 * c)) & 7) * s - zs
                 last = base + ip[IP_ROWB] - 1
-                for k in range(k0, k1):
+                for k in range(k1 - ((k1 - k0) & 7), k1):
                     bp = 3 * k
                     i = base + (bp >> 3)
                     v = np.int64(w[e, i]) | (np.int64(w[e, min(i + 1, last)]) << 8)
-                    q = (v >> (bp & 7)) & 7
-                    out[k] = (np.float32(q) - z) * s
-        elif fmt == FMT_FP4:  # K-packed E2M1, low nibble = even k
-            for k in range(k0, k1):
-                q = (w[e, base + (k >> 1)] >> ((k & 1) * 4)) & 15
-                out[k] = clut[q] * s
+                    out[k] = np.float32((v >> (bp & 7)) & 7) * s - zs
+        elif fmt == FMT_FP4:  # K-packed E2M1, low nibble = even k (blocks of 16 / 32: whole bytes)
+            j0 = base + (k0 >> 1)
+            for j in range((k1 - k0) >> 1):
+                v = w[e, j0 + j]
+                out[k0 + 2 * j] = clut[v & 15] * s
+                out[k0 + 2 * j + 1] = clut[v >> 4] * s
         else:  # fp8 e4m3 bytes
             for k in range(k0, k1):
                 out[k] = clut[w[e, base + k]] * s
 
 
+@njit(cache=True, nogil=True, fastmath=True)
+def _dot4x4(t, x, r0, r1, r2, r3, K, acc):
+    """acc[i, j] = t[i, :K] . x[r_j, :K] for 4 dequantised rows and 4 tokens (16 accumulators, k vectorised)."""
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+    for k in range(K):
+        x0 = x[r0, k]
+        x1 = x[r1, k]
+        x2 = x[r2, k]
+        x3 = x[r3, k]
+        w0 = t[0, k]
+        w1 = t[1, k]
+        w2 = t[2, k]
+        w3 = t[3, k]
+        a00 += w0 * x0
+        a01 += w0 * x1
+        a02 += w0 * x2
+        a03 += w0 * x3
+        a10 += w1 * x0
+        a11 += w1 * x1
+        a12 += w1 * x2
+        a13 += w1 * x3
+        a20 += w2 * x0
+        a21 += w2 * x1
+        a22 += w2 * x2
+        a23 += w2 * x3
+        a30 += w3 * x0
+        a31 += w3 * x1
+        a32 += w3 * x2
+        a33 += w3 * x3
+    acc[0, 0], acc[0, 1], acc[0, 2], acc[0, 3] = a00, a01, a02, a03
+    acc[1, 0], acc[1, 1], acc[1, 2], acc[1, 3] = a10, a11, a12, a13
+    acc[2, 0], acc[2, 1], acc[2, 2], acc[2, 3] = a20, a21, a22, a23
+    acc[3, 0], acc[3, 1], acc[3, 2], acc[3, 3] = a30, a31, a32, a33
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def _dot4x1(t, x, r, K, acc):
+    """acc[i, 0] = t[i, :K] . x[r, :K] for 4 dequantised rows and one token."""
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for k in range(K):
+        xv = x[r, k]
+        a0 += t[0, k] * xv
+        a1 += t[1, k] * xv
+        a2 += t[2, k] * xv
+        a3 += t[3, k] * xv
+    acc[0, 0], acc[1, 0], acc[2, 0], acc[3, 0] = a0, a1, a2, a3
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
-def gemv_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
+def gemm_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
               experts, pair_off, src_row, dst_row, coef, x, out):
     """out[dst_row[p], n] += coef[p] * (W_e[n, :] . x[src_row[p]] + bias[e, n]) for the pairs p of each expert.
 
-    Each row is dequantised once into a row buffer and used for all of its expert's pairs.
+    Parallel over blocks of output rows (all experts in one call). Each block's rows are dequantised 4 at a time
+    into a small float32 tile (once per expert and call) and multiplied with the expert's tokens 4 at a time in
+    registers (tile @ x^T): the GEMV of decode and the GEMM of prefill are the same loop.
     """
     N = ip[IP_N]
     K = ip[IP_K]
@@ -147,7 +221,8 @@ def gemv_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
     U = experts.shape[0]
     ntask = (N + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     for task in prange(ntask):
-        row = np.empty(K, np.float32)
+        tile = np.zeros((4, K), np.float32)
+        acc = np.empty((4, 4), np.float32)
         n0 = task * ROWS_PER_TASK
         n1 = min(N, n0 + ROWS_PER_TASK)
         for u in range(U):
@@ -156,15 +231,23 @@ def gemv_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
             p1 = pair_off[u + 1]
             if p1 <= p0:
                 continue
-            for n in range(n0, n1):
-                _dq_row(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs[e], clut, e, n, row)
-                bval = bias[e, n] if has_bias else np.float32(0.0)
-                for p in range(p0, p1):
-                    r = src_row[p]
-                    acc = np.float32(0.0)
-                    for k in range(K):
-                        acc += row[k] * x[r, k]
-                    out[dst_row[p], n] += coef[p] * (acc + bval)
+            for nb in range(n0, n1, 4):
+                rows = min(4, n1 - nb)
+                for i in range(rows):
+                    _dq_row(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs[e], clut, e, nb + i, tile[i])
+                p = p0
+                while p < p1:
+                    if p + 4 <= p1:
+                        _dot4x4(tile, x, src_row[p], src_row[p + 1], src_row[p + 2], src_row[p + 3], K, acc)
+                        width = 4
+                    else:
+                        _dot4x1(tile, x, src_row[p], K, acc)
+                        width = 1
+                    for i in range(rows):
+                        bval = bias[e, nb + i] if has_bias else np.float32(0.0)
+                        for j in range(width):
+                            out[dst_row[p + j], nb + i] += coef[p + j] * (acc[i, j] + bval)
+                    p += width
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=True)
@@ -255,14 +338,18 @@ class LazyConverted:
         self.array = np.empty(shape, np.uint8)
         self.done = np.zeros(shape[0], bool)
         self.convert = convert  # (source[e] flat uint8, destination[e] flat uint8) -> None
+        self._lock = threading.Lock()  # callers on several threads must not see a half-written expert
 
     def ensure(self, experts) -> None:
-        for e in np.asarray(experts).reshape(-1):
-            e = int(e)
-            if 0 <= e < self.done.size and not self.done[e]:
-                src = np.ascontiguousarray(self.source[e]).reshape(-1).view(np.uint8)
-                self.convert(src, self.array[e].reshape(-1))
-                self.done[e] = True
+        todo = [int(e) for e in np.asarray(experts).reshape(-1) if 0 <= int(e) < self.done.size and not self.done[int(e)]]
+        if not todo:
+            return
+        with self._lock:
+            for e in todo:
+                if not self.done[e]:
+                    src = np.ascontiguousarray(self.source[e]).reshape(-1).view(np.uint8)
+                    self.convert(src, self.array[e].reshape(-1))
+                    self.done[e] = True
 
 
 def _lazy_layouts(spec: QMoESpec, tensors: dict) -> tuple[dict, list[LazyConverted]]:
@@ -417,8 +504,8 @@ class _GProj:
         return (self.ip, self.w, self.sc32, self.sc16, self.sc8, self.lut16, self.lut8, self.zp, self.zdef,
                 self.gs, self.clut)
 
-    def gemv(self, experts, pair_off, src_row, dst_row, coef, x, out):
-        gemv_rows(*self._args(), self.bias, experts, pair_off, src_row, dst_row, coef, x, out)
+    def run(self, experts, pair_off, src_row, dst_row, coef, x, out):
+        gemm_rows(*self._args(), self.bias, experts, pair_off, src_row, dst_row, coef, x, out)
 
     def tile(self, e: int, n0: int, n1: int, buf: np.ndarray) -> np.ndarray:
         out = buf[: (n1 - n0) * self.K].reshape(n1 - n0, self.K)
@@ -429,25 +516,16 @@ class _GProj:
         """Expert e's whole [N, K] float32 matrix (tests)."""
         return self.tile(e, 0, self.N, np.empty(self.N * self.K, np.float32)).copy()
 
-    def matmul(self, e: int, xT: np.ndarray, tile_rows: int) -> np.ndarray:
-        """xT [K, M] float32 -> [N, M] = W_e @ xT + b_e, tile by tile (tile_rows rows dequantised at a time)."""
-        M = xT.shape[1]
-        out = np.empty((self.N, M), np.float32)
-        buf = np.empty(min(tile_rows, self.N) * self.K, np.float32)
-        for n0 in range(0, self.N, tile_rows):
-            n1 = min(self.N, n0 + tile_rows)
-            np.matmul(self.tile(e, n0, n1, buf), xT, out=out[n0:n1])
-        if self.has_bias:
-            out += self.bias[e][:, None]
-        return out
-
-
 # ----------------------------------------------------------------------------- the node
 class GenericQMoE:
-    """Runs one QMoE node in any layout; same ``run_experts`` contract as CpuQMoE."""
+    """Runs one QMoE node in any layout; same ``run_experts`` contract as CpuQMoE.
 
-    gemv_max_rows = 6  # experts with at most this many tokens use the fused dequant-GEMV
-    tile_bytes = 1 << 20  # prefill: float32 bytes of weight rows dequantised at a time
+    One ``gemm_rows`` call per projection for all experts of a batch: FC1 (and FC3) into per-pair rows,
+    the activation in NumPy, FC2 scatter-added with the routing weights. Batches with many pairs are cut into
+    chunks of ``pairs_per_call`` (the tokens of a chunk stay in L2 while the rows stream).
+    """
+
+    pairs_per_call = 256
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         self.spec = spec
@@ -484,44 +562,31 @@ class GenericQMoE:
         pw = wts[valid]
         if eid.size:
             order = np.argsort(eid, kind="stable")
-            tok, eid, pw = tok[order], eid[order], pw[order]
-            experts, starts, counts = np.unique(eid, return_index=True, return_counts=True)
+            tok, eid, pw = tok[order], eid[order], pw[order].astype(np.float32)
             for lz in self._lazies:
-                lz.ensure(experts)
-            small = counts <= self.gemv_max_rows
-            if np.any(small):
-                sel = np.concatenate([np.arange(s, s + c) for s, c in zip(starts[small], counts[small])])
-                self._run_gemv(x, experts[small], counts[small], tok[sel], pw[sel], acc)
-            for e, s, c in zip(experts[~small], starts[~small], counts[~small]):
-                self._run_dense(x, int(e), tok[s:s + c], pw[s:s + c], acc)
+                lz.ensure(np.unique(eid))
+            for c0 in range(0, tok.size, self.pairs_per_call):
+                c1 = min(tok.size, c0 + self.pairs_per_call)
+                self._run_pairs(x, tok[c0:c1], eid[c0:c1], pw[c0:c1], acc)
         return acc if out is not None else acc.astype(x2d.dtype, copy=False)
 
-    def _run_gemv(self, x, experts, counts, tok, pw, acc):
-        P = tok.size
+    def _run_pairs(self, x, tok, eid, pw, acc):
+        """(token, expert) pairs sorted by expert: FC1 / FC3 rows per pair, activation, weighted FC2."""
+        experts, counts = np.unique(eid, return_counts=True)
         experts = experts.astype(np.int64)
         pair_off = np.zeros(experts.size + 1, np.int64)
         np.cumsum(counts, out=pair_off[1:])
+        P = tok.size
         ar = np.arange(P, dtype=np.int64)
         ones = np.ones(P, np.float32)
         h1 = np.zeros((P, self.fc1.N), np.float32)
-        self.fc1.gemv(experts, pair_off, tok, ar, ones, x, h1)
+        self.fc1.run(experts, pair_off, tok, ar, ones, x, h1)
         h3 = None
         if self.fc3 is not None:
             h3 = np.zeros((P, self.fc3.N), np.float32)
-            self.fc3.gemv(experts, pair_off, tok, ar, ones, x, h3)
+            self.fc3.run(experts, pair_off, tok, ar, ones, x, h3)
         a = activate(self.spec, h1, h3)
-        self.fc2.gemv(experts, pair_off, ar, tok, pw.astype(np.float32), a, acc)
-
-    def _tile_rows(self, k: int) -> int:
-        return max(16, self.tile_bytes // (4 * k) // 16 * 16)
-
-    def _run_dense(self, x, e, tok, pw, acc):
-        xT = np.ascontiguousarray(x[tok].T)
-        h1 = self.fc1.matmul(e, xT, self._tile_rows(self.fc1.K)).T
-        h3 = self.fc3.matmul(e, xT, self._tile_rows(self.fc3.K)).T if self.fc3 is not None else None
-        a = activate(self.spec, np.ascontiguousarray(h1), None if h3 is None else np.ascontiguousarray(h3))
-        y = self.fc2.matmul(e, np.ascontiguousarray(a.T), self._tile_rows(self.fc2.K))
-        np.add.at(acc, tok, pw[:, None] * y.T)
+        self.fc2.run(experts, pair_off, ar, tok, pw, a, acc)
 
 
 class _ConvertedFast:
