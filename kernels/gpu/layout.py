@@ -96,6 +96,12 @@ def make_layouts(spec: QMoESpec, tensors: dict) -> tuple[ProjLayout, ProjLayout]
     if not spec.is_quantized:
         raise UnsupportedLayout(f"node '{spec.node_name}': the GPU kernels run quantised QMoE nodes only "
                                 "(the float MoE op runs on the CPU)")
+    # QMoESpec admits more layouts than these kernels read (kernels/cpu/generic.py runs them): refuse, by name,
+    # anything but raw int4 / int8 rows with the activations the kernels implement, never misread the bytes
+    if not spec.is_fast_int_layout or spec.activation in ("geglu", "relu2") or spec.swiglu_limit_after_activation:
+        raise UnsupportedLayout(f"node '{spec.node_name}': the GPU kernels read raw int4 / int8 rows with relu, gelu, "
+                                f"silu, identity or swiglu; this node ({spec.layout_summary()}, {spec.activation}) "
+                                "runs on the CPU")
     bits = spec.fc1_bits
     if bits not in (4, 8) or spec.fc2_bits != bits or (spec.has_fc3 and (spec.fc3_bits or bits) != bits):
         raise UnsupportedLayout(f"node '{spec.node_name}': GPU kernels need int4 or int8 for every projection")
