@@ -82,6 +82,7 @@ class CpuExpertNode:
         self.info = info
         tensors = {role: None for role in QMOE_INPUT_NAMES}
         tensors.update({role: source.array(t) for role, t in info.weight_inputs.items()})
+        self.tensors = tensors  # mapped views: a device copies experts from here
         self.kernel = CpuQMoE(info.spec, tensors, num_threads=threads)
 
     def run(self, values: dict[str, np.ndarray]) -> np.ndarray:

@@ -24,10 +24,17 @@ class Bandwidths:
 
 
 class SimulatedSlots:
-    """One expert node's slots on the simulated device: slot -> expert, computed by the CPU kernel."""
+    """One expert node's slots on the simulated device: slot -> expert, computed by the CPU kernel.
 
-    def __init__(self, device: "SimulatedDevice", name: str, kernel, expert_bytes: int, num_slots: int):
-        self.device, self.name, self.kernel, self.expert_bytes = device, name, kernel, expert_bytes
+    The interface every device's slots share: resize(n); load(slot, expert) -> copy seconds;
+    stage(experts) -> copy seconds (the prefill staging ring); launch(x2d, ids, weights) -> pending
+    work (asynchronous on a real GPU), then collect(pending, out) adds it into `out` and returns
+    the device seconds.
+    """
+
+    def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
+        self.device, self.name, self.kernel = device, runner.info.name, runner.kernel
+        self.expert_bytes = runner.info.bytes_per_expert
         self.num_slots = 0
         self.resize(num_slots)
 
@@ -49,11 +56,16 @@ class SimulatedSlots:
         """Copy cold experts into the staging ring for one wave; returns the modelled copy time."""
         return self.device.copy_seconds(len(experts) * self.expert_bytes)
 
-    def compute(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, out: np.ndarray) -> float:
-        """Add the resident experts' weighted outputs into `out`; returns the modelled device time."""
-        self.kernel.run_experts(x2d, expert_ids, weights, out=out)
+    def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
+        partial = np.zeros((x2d.shape[0], self.kernel.spec.hidden_size), np.float32)
+        self.kernel.run_experts(x2d, expert_ids, weights, out=partial)
         distinct = np.unique(expert_ids[expert_ids >= 0]).size
-        return distinct * self.expert_bytes / self.device.bandwidths.hbm
+        return partial, distinct * self.expert_bytes / self.device.bandwidths.hbm
+
+    def collect(self, pending, out: np.ndarray) -> float:
+        partial, seconds = pending
+        out += partial
+        return seconds
 
 
 class SimulatedDevice:
@@ -68,5 +80,5 @@ class SimulatedDevice:
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.bandwidths.pcie
 
-    def create_slots(self, name: str, kernel, expert_bytes: int, num_slots: int) -> SimulatedSlots:
-        return SimulatedSlots(self, name, kernel, expert_bytes, num_slots)
+    def create_slots(self, runner, num_slots: int) -> SimulatedSlots:
+        return SimulatedSlots(self, runner, num_slots)

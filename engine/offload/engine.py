@@ -14,7 +14,7 @@ from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
-from engine.offload.placement import LayerSlots, make_policy
+from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
 from engine.offload.stats import OffloadStats
 
@@ -50,8 +50,8 @@ class OffloadEngine:
             self.plan.statements.append(
                 f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
-        self.stores = [device.create_slots(info.name, runner.kernel, info.bytes_per_expert, self.plan.slots[info.name])
-                       if device is not None else None for info, runner in zip(self.infos, runners)]
+        self.stores = [device.create_slots(runner, self.plan.slots[info.name]) if device is not None else None
+                       for info, runner in zip(self.infos, runners)]
         self._make_policy()
         self._apply_cpu_threads()
 
@@ -82,8 +82,6 @@ class OffloadEngine:
             self._apply(self.policy.initial() if popularity is not None else self._fill_all())
 
     def _fill_all(self):
-        from engine.offload.placement import Swap
-
         swaps = []
         for index, layer in enumerate(self.slots):
             cold = iter(np.flatnonzero(layer.slot_of < 0))
@@ -137,6 +135,10 @@ class OffloadEngine:
             self.slots[index].resize(count)
             if self.stores[index] is not None:
                 self.stores[index].resize(count)
+                # Resized slots start empty on a real device: copy the kept residents back in.
+                for slot, expert in enumerate(self.slots[index].expert_in):
+                    if expert >= 0:
+                        self._apply([Swap(index, slot, None, int(expert))])
         old_scores = self.policy.scores
         self.config = config
         self._make_policy()

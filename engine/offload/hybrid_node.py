@@ -39,20 +39,24 @@ class HybridExpertNode:
 
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         store = self.engine.stores[self.layer]
-        if store is not None and resident.any():
-            stats.device_s += store.compute(x2d, np.where(resident, ids, -1), weights, out)
+        # The device starts on the resident experts; the CPU computes the cold ones meanwhile.
+        pending = store.launch(x2d, np.where(resident, ids, -1), weights) if store is not None and resident.any() else None
         cold = np.where(resident, -1, ids)
         if store is not None:
             for wave in self._waves(cold):
                 stats.copy_s += store.stage(wave)
                 stats.copy_bytes += len(wave) * store.expert_bytes
                 in_wave = np.isin(cold, wave)
-                stats.device_s += store.compute(x2d, np.where(in_wave, cold, -1), weights, out)
+                stats.device_s += store.collect(store.launch(x2d, np.where(in_wave, cold, -1), weights), out)
                 cold = np.where(in_wave, -1, cold)
         if (cold >= 0).any():
             started = time.perf_counter()
             self.kernel.run_experts(x2d, cold, weights, out=out)
             stats.cpu_s += time.perf_counter() - started
+        if pending is not None:
+            waited = time.perf_counter()
+            stats.device_s += store.collect(pending, out)
+            stats.wait_s += time.perf_counter() - waited
         if not shadow:
             self.engine.policy.observe(self.layer, ids.reshape(-1))
         return out.astype(x.dtype, copy=False).reshape(x.shape)

@@ -11,6 +11,7 @@ class LayerStats:
     misses: int = 0          # routed pairs whose expert was cold
     cpu_s: float = 0.0       # wall time of CPU expert compute
     device_s: float = 0.0    # device compute time (measured on CUDA, modelled on the simulated device)
+    wait_s: float = 0.0      # time the CPU waited for the device after finishing its own experts
     copy_bytes: int = 0      # host -> device expert copies (swaps, misses copied in, prefill waves)
     copy_s: float = 0.0
     swaps: int = 0
@@ -40,5 +41,5 @@ class OffloadStats:
     def as_dict(self) -> dict:
         total = self.totals()
         return {"steps": self.steps, "hit_rate": total.hit_rate, "copy_bytes": total.copy_bytes,
-                "cpu_s": total.cpu_s, "device_s": total.device_s, "swaps": total.swaps,
+                "cpu_s": total.cpu_s, "device_s": total.device_s, "wait_s": total.wait_s, "swaps": total.swaps,
                 "layers": [dict(asdict(layer), hit_rate=layer.hit_rate) for layer in self.layers]}
