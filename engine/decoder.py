@@ -6,6 +6,8 @@ onnxruntime session and serves as the oracle in tests and benchmarks.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import onnxruntime as ort
 
@@ -28,6 +30,7 @@ class PartitionedDecoder:
         by_name = {info.name: info for info in experts}
         self.steps: list = []  # DenseSegment, or an expert runner (CpuExpertNode, HybridExpertNode)
         self.on_step_end = None  # called after every step: the safe point for expert placement
+        self.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}  # where step time goes
         total = len(plan.steps)
         for done, step in enumerate(plan.steps, start=1):
             if isinstance(step, ExpertStep):
@@ -43,15 +46,25 @@ class PartitionedDecoder:
 
     def forward(self, state: DecoderState, token_ids) -> np.ndarray:
         """Logits [tokens, vocab] for the new tokens; the state advances past them."""
+        started = time.perf_counter()
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
+        dense = experts = 0.0
         for runner in self.steps:
+            before = time.perf_counter()
             if isinstance(runner, DenseSegment):
                 values.update(runner.run(values, state))
+                dense += time.perf_counter() - before
             else:
                 values[runner.info.output] = runner.run(values)
+                experts += time.perf_counter() - before
         state.advance(len(token_ids))
         if self.on_step_end is not None:
             self.on_step_end()
+        profile = self.profile
+        profile["steps"] += 1
+        profile["dense_s"] += dense
+        profile["experts_s"] += experts
+        profile["total_s"] += time.perf_counter() - started
         return values[self.logits_name].reshape(len(token_ids), -1)
 
 
