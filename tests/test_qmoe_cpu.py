@@ -58,11 +58,14 @@ def _check_paths(spec, t, x, lg, rw=None, tol=1e-5):
     ref = qmoe_reference(x, lg, spec, t, router_weights=rw)
     gemv = CpuQMoE(spec, t)
     gemv.decode_max_tokens = 10**9
+    gemv.gemv_prefetch_rows = 2
     assert _relerr(gemv.forward(x, lg, router_weights=rw), ref) <= tol, "forced GEMV"
     gemm = CpuQMoE(spec, t)
     gemm.decode_max_tokens = 0
     gemm.gemv_max_rows = 0
-    gemm.gemm_max_rows = 16  # several GEMM calls per expert, 16-wide micro-kernel tail
+    gemm.gemm_max_rows = 16  # legacy path: several GEMM calls per expert, 16-wide micro-kernel tail
+    # batched path: several k-blocks, partial 6-row panels, several column groups per expert
+    gemm.gemm_kc, gemm.gemm_rows, gemm.gemm_cols = 64, 12, 32
     assert _relerr(gemm.forward(x, lg, router_weights=rw), ref) <= tol, "forced GEMM"
 
 
@@ -80,6 +83,61 @@ def test_cpu_matches_reference(bits, block, zp, act, dtype):
                                 bits=bits, block_size=block, zero_points=zp, bias=bool((idx + (dtype == np.float16)) % 2),
                                 dtype=dtype, T=37, **ACTS[act])
     _check_paths(_spec(attrs, t, x), t, x, lg, tol=_tol(dtype))
+
+
+LEGACY = [(bits, block, act) for bits in (4, 8) for block in (0, 32) for act in ("swiglu1-limit", "gelu", "swiglu0")]
+
+
+@pytest.mark.parametrize("bits,block,act", LEGACY, ids=[f"int{b}-blk{k}-{a}" for b, k, a in LEGACY])
+def test_cpu_legacy_per_expert_paths(bits, block, act):
+    """The per-expert paths (CpuQMoE.batched = False), kept for comparison, stay correct."""
+    seed = 5000 + LEGACY.index((bits, block, act))
+    rng = np.random.default_rng(seed)
+    H, I = _shapes(rng, block)
+    attrs, t, x, lg = make_case(seed=seed, E=6, H=H, I=I, k=2, bits=bits, block_size=block, zero_points=bool(seed % 2),
+                                bias=True, T=37, **ACTS[act])
+    spec = _spec(attrs, t, x)
+    ref = qmoe_reference(x, lg, spec, t)
+    for T_dec, rows in ((0, 6), (10**9, 6), (0, 0)):
+        m = CpuQMoE(spec, t)
+        m.batched = False
+        m.decode_max_tokens, m.gemv_max_rows = T_dec, rows
+        assert _relerr(m.forward(x, lg), ref) <= 1e-5
+
+
+def test_cpu_kernels_without_avx512(tmp_path):
+    """Code generated for a CPU without AVX-512 (the table-lookup int4 kernels fall back to the
+    convert-based ones) computes the same: run in a subprocess with Numba targeting Haswell."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from kernels.cpu import CpuQMoE\n"
+        "from kernels.cpu.simd import HAS_AVX512F\n"
+        "from kernels.qmoe_spec import QMoESpec\n"
+        "from kernels.reference import qmoe_reference\n"
+        "from tests.qmoe_oracle import make_case\n"
+        "assert not HAS_AVX512F\n"
+        "attrs, t, x, lg = make_case(seed=11, E=6, H=64, I=96, k=2, bits=4, block_size=32, zero_points=True, T=37,\n"
+        "                            bias=True, activation='swiglu', swiglu_fusion=1, swiglu_limit=7.0, alpha=1.702)\n"
+        "spec = QMoESpec.from_tensors('t', 'QMoE', attrs, t, x.shape)\n"
+        "m = CpuQMoE(spec, t)\n"
+        "for T in (1, 37):\n"
+        "    ref = qmoe_reference(x[:T], lg[:T], spec, t)\n"
+        "    err = np.abs(m.forward(x[:T], lg[:T]) - ref).max() / np.abs(ref).max()\n"
+        "    assert err < 1e-5, err\n"
+        "print('ok')\n")
+    feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
+             "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=feats)
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("normalize", [0, 1])

@@ -10,12 +10,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (MK_NR, atomic_fetch_add, dqrow_int4_16, dqrow_int4_8, dqrow_int8_16, load_scale,
-                   microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32, prefetch_bytes,
-                   qrow_int4_16, qrow_int4_8, qrow_int8_16)
+from .simd import (HAS_AVX512F, MK_NR, atomic_fetch_add, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8,
+                   dqrow_int8_16, load_scale, microkernel_6x16, microkernel_6x32, microkernel_acc_6x16,
+                   microkernel_acc_6x32, prefetch_bytes, qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow,
+                   qrow_int4_8, qrow_int8_16)
 
 __all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
            "group_pairs", "plan_blocks", "plan_tasks", "pack_cols", "qgemm_tasks", "moe_gemv", "reduce_rows",
+           "reduce_tokens",
            "ACT_RELU", "ACT_GELU", "ACT_SILU", "ACT_IDENTITY", "ACT_SWIGLU"]
 
 ACT_RELU, ACT_GELU, ACT_SILU, ACT_IDENTITY, ACT_SWIGLU = 0, 1, 2, 3, 4
@@ -260,9 +262,10 @@ def activate(h1, h3, has_h3, kind, fusion, alpha, beta, limit, has_limit, out):
 def group_pairs(ids, wts, E, small_max):
     """Group the (token, slot) pairs by expert; id -1 = skipped.
 
-    Returns (experts [U], pair_off [U + 1], tok [P], pw [P], n_small, bad): experts with at most
-    small_max pairs come first (ascending id), then the others (ascending id); within an expert the
-    pairs are in token order. bad = 1 when an id is >= E (nothing else is then meaningful).
+    Returns (experts [U], pair_off [U + 1], tok [P], pw [P], n_small, bad, tpair [T, k]): experts with at
+    most small_max pairs come first (ascending id), then the others (ascending id); within an expert the
+    pairs are in token order; tpair[t, j] = the pair of slot j of token t (-1: skipped). bad = 1 when an id
+    is >= E (nothing else is then meaningful).
     """
     T, k = ids.shape
     cnt = np.zeros(E, np.int64)
@@ -302,6 +305,7 @@ def group_pairs(ids, wts, E, small_max):
     P = pair_off[U]
     tok = np.empty(P, np.int64)
     pw = np.empty(P, np.float32)
+    tpair = np.full((T, k), -1, np.int64)
     fill = pair_off[:U].copy()
     for t in range(T):
         for j in range(k):
@@ -311,8 +315,9 @@ def group_pairs(ids, wts, E, small_max):
             q = fill[slot[e]]
             tok[q] = t
             pw[q] = wts[t, j]
+            tpair[t, j] = q
             fill[slot[e]] = q + 1
-    return experts, pair_off, tok, pw, n_small, bad
+    return experts, pair_off, tok, pw, n_small, bad, tpair
 
 
 @njit(cache=True, nogil=True)
@@ -444,7 +449,7 @@ def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n
     if nck > 0:
         if bits == 4:
             if chunk == 16:
-                dqrow_int4_16(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+                dqrow_int4_16_lut(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
             else:
                 dqrow_int4_8(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
         else:
@@ -582,6 +587,21 @@ def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, K, kcc
                             out[o + cc] = np.float32(0.0)
 
 
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def reduce_tokens(y, tpair, p0, out, nth):
+    """out[t, :] += y[p - p0, :] for the pairs p >= p0 of token t (tpair from group_pairs): parallel over
+    tokens, each thread reading whole contiguous rows."""
+    T, k = tpair.shape
+    PL, H = y.shape
+    for th in prange(nth):
+        for t in range(th * T // nth, (th + 1) * T // nth):
+            for j in range(k):
+                p = tpair[t, j] - p0
+                if p >= 0 and p < PL:
+                    for h in range(H):
+                        out[t, h] += y[p, h]
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def reduce_rows(y, dst, out, nth):
     """out[dst[p], :] += y[p, :] (parallel over column spans: no two threads write one element)."""
@@ -596,15 +616,20 @@ def reduce_rows(y, dst, out, nth):
 
 
 @njit(inline="always")
-def _qdot(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, xa, xb, xs, r):
-    """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see gemv_q)."""
+def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, e, n, xa, xb, xs, r):
+    """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see gemv_q; xs unused where _uses_lut)."""
     E, N, Kb = w.shape
     woff = (e * N + n) * Kb
     soff = (e * N + n) * nb
     xoff = r * Kb
     if bits == 4:
         if chunk == 16:
-            acc = qrow_int4_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+            if zmode == 2:
+                acc = qrow_int4_16_lut_zblk(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs,
+                                            r * nchunk)
+            else:
+                acc = qrow_int4_16_lut_zrow(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs,
+                                            r * nchunk)
         else:
             acc = qrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
     else:
@@ -625,6 +650,12 @@ def _qdot(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, xa, xb, xs,
 
 
 @njit(inline="always")
+def _uses_lut(bits, chunk):
+    """int4 rows of 16-byte chunks go through the table kernels (no per-chunk activation sums needed)."""
+    return HAS_AVX512F and bits == 4 and chunk == 16
+
+
+@njit(inline="always")
 def _split_row(x, r, bits, chunk, nchunk, xa, xb, xs, o):
     """Row r of x into row o of (xa, xb, xs): int4 even / odd k, int8 xa = x; per-chunk sums."""
     K = x.shape[1]
@@ -636,7 +667,7 @@ def _split_row(x, r, bits, chunk, nchunk, xa, xb, xs, o):
         for j in range(K):
             xa[o, j] = x[r, j]
     vals = chunk * 2 if bits == 4 else chunk
-    for c in range(nchunk):
+    for c in range(nchunk if not _uses_lut(bits, chunk) else 0):
         s = np.float32(0.0)
         for j in range(c * vals, (c + 1) * vals):
             s += x[r, j]
@@ -684,9 +715,9 @@ def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1
                 _fill_zp_range(zu, zp1, zmode1, e, nu, bits1, zrb1, 0, nb1)
         for p in range(pair_off[u], pair_off[u + 1]):
             r = rowmap[src[p]]
-            g = _qdot(w1, sc1, skind1, zg, bits1, nb1, chunk1, cshift1, nchunk1, e, ng, xa1, xb1, xs1, r) + bg
+            g = _qdot(w1, sc1, skind1, zg, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, e, ng, xa1, xb1, xs1, r) + bg
             if swiglu:
-                l = _qdot(w1, sc1, skind1, zu, bits1, nb1, chunk1, cshift1, nchunk1, e, nu, xa1, xb1, xs1,
+                l = _qdot(w1, sc1, skind1, zu, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, e, nu, xa1, xb1, xs1,
                           r) + bu
                 a = _swiglu(g, l, a_, b_, l_, has_limit)
             else:
@@ -774,7 +805,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
                            act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi)
     if bits2 != 4:
         ab = aa
-    for p in range(P):
+    for p in range(P if not _uses_lut(bits2, chunk2) else 0):
         for c in range(nchunk2):
             s = np.float32(0.0)
             for j in range(c * chunk2, (c + 1) * chunk2):
@@ -803,7 +834,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
                     _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
                 bval = b2[e, n] if hb2 else np.float32(0.0)
                 for p in range(pair_off[u], pair_off[u + 1]):
-                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, bits2, nb2, chunk2, cshift2, nchunk2, e, n,
+                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, e, n,
                                                aa, ab, xs2, p) + bval)
     if do_reduce:
         for p in range(P):

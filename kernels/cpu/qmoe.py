@@ -302,7 +302,7 @@ class CpuQMoE:
         others: one k-blocked GEMM call per projection over all of them, activation in FC1's epilogue."""
         T = x.shape[0]
         small_max = ids.size if T <= self.decode_max_tokens else self.gemv_max_rows
-        experts, pair_off, tok, pw, ns, bad = _k.group_pairs(ids, wts, self.spec.num_experts, small_max)
+        experts, pair_off, tok, pw, ns, bad, tpair = _k.group_pairs(ids, wts, self.spec.num_experts, small_max)
         if bad:
             raise ValueError(f"expert id out of range (num_experts={self.spec.num_experts})")
         U = experts.size
@@ -315,7 +315,7 @@ class CpuQMoE:
             else:
                 self._run_gemv(x, experts[:ns], np.diff(pair_off[:ns + 1]), tok[:ps], pw[:ps], acc)
         if ns < U:
-            self._gemm_batched(x, experts, pair_off, ns, tok, pw, acc)
+            self._gemm_batched(x, experts, pair_off, ns, tok, pw, tpair, acc)
 
     def _gemv_fused_call(self, x, experts, pair_off, tok, pw, acc):
         f1, f2 = self.fc1, self.fc2
@@ -330,7 +330,7 @@ class CpuQMoE:
                     float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), ws, y, acc, True,
                     numba.get_num_threads())
 
-    def _gemm_batched(self, x, experts, pair_off, u0, tok, pw, acc):
+    def _gemm_batched(self, x, experts, pair_off, u0, tok, pw, tpair, acc):
         f1, f2, f3 = self.fc1, self.fc2, self.fc3
         U = experts.size
         p0 = int(pair_off[u0])
@@ -367,7 +367,7 @@ class CpuQMoE:
         y = _scratch("y", PL * H)
         t2 = _k.plan_tasks(experts, u0, ublk, blk_col, f2.N, rt, self.gemm_cols)
         f2.gemm_tasks(ap, blocks, t2, self, _k.MODE_SCALE, y, coef=coef)
-        _k.reduce_rows(y.reshape(PL, H), rows, acc, numba.get_num_threads())
+        _k.reduce_tokens(y.reshape(PL, H), tpair, p0, acc, numba.get_num_threads())
 
     # ------------------------------------------------------------------ paths
     def _activate(self, h1, h3):

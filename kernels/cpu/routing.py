@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from ..qmoe_spec import QMoESpec
 
@@ -27,9 +28,55 @@ def _sparse_mixer(z: np.ndarray, eps: float = SPARSE_MIXER_JITTER_EPS):
     return np.stack([i0, i1], axis=1), np.stack([w0, w1], axis=1)
 
 
+@njit(cache=True, nogil=True)
+def _topk_softmax(z, k, normalize):
+    """The common case of route() in one compiled pass (decode calls it per token and layer): top-k by
+    value with ties to the lower index (= stable argsort of -z), softmax over all experts in float64,
+    optional renormalisation. ok = False (nothing else meaningful) when a logit is not finite."""
+    T, E = z.shape
+    ids = np.empty((T, k), np.int32)
+    w = np.empty((T, k), np.float32)
+    taken = np.zeros(E, np.bool_)
+    wk = np.empty(k, np.float64)
+    for t in range(T):
+        m = -np.inf
+        for e in range(E):
+            v = np.float64(z[t, e])
+            if not np.isfinite(v):
+                return ids, w, False
+            if v > m:
+                m = v
+        denom = 0.0
+        for e in range(E):
+            denom += np.exp(np.float64(z[t, e]) - m)
+            taken[e] = False
+        s = 0.0
+        for j in range(k):
+            best = -1
+            bv = -np.inf
+            for e in range(E):
+                if not taken[e] and (best < 0 or np.float64(z[t, e]) > bv):
+                    best = e
+                    bv = np.float64(z[t, e])
+            taken[best] = True
+            ids[t, j] = best
+            wk[j] = np.exp(bv - m) / denom
+            s += wk[j]
+        for j in range(k):
+            w[t, j] = wk[j] / s if (normalize and s != 0.0) else wk[j]
+    return ids, w, True
+
+
 def route(router_logits, spec: QMoESpec, router_weights=None):
     """(expert_ids int32 [T, k], weights float32 [T, k]); see kernels.reference.route."""
     E = spec.num_experts
+    if router_weights is None and not spec.use_sparse_mixer and 0 < spec.k <= E:
+        z = np.asarray(router_logits)
+        if z.dtype not in (np.float32, np.float64):
+            z = z.astype(np.float32)
+        ids, w, ok = _topk_softmax(z.reshape(-1, E), spec.k, bool(spec.normalize_routing_weights))
+        if ok:
+            return ids, w
     z = np.asarray(router_logits).reshape(-1, E).astype(np.float64)
     if spec.use_sparse_mixer:
         ids, w = _sparse_mixer(z)

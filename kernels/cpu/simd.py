@@ -397,3 +397,162 @@ def prefetch_bytes(typingctx, arr, byte_off, nbytes):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# ----------------------------------------------------------------------------- int4 via a 16-entry table
+def _target_has_avx512f() -> bool:
+    """Whether the code Numba generates here may use AVX-512F (same feature source as Numba's codegen)."""
+    try:
+        from numba.core import config
+        from numba.core.codegen import get_host_cpu_features
+
+        feats = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+        return "+avx512f" in feats.split(",")
+    except Exception:
+        return False
+
+
+HAS_AVX512F = _target_has_avx512f()
+
+
+def _int4_indices(builder, wv, ivec_t):
+    """16 packed bytes -> (low-nibble, high-nibble) lane indices as <16 x i32>. Only the low 4 bits of each
+    index are meaningful (vpermps ignores the rest): the high nibbles come from a 16-bit shift, whose
+    spill-over from the neighbouring byte lands in bits 4..7."""
+    lo = builder.zext(wv, ivec_t)
+    w16 = builder.bitcast(wv, ir.VectorType(_I16, 8))
+    sh = builder.lshr(w16, ir.Constant(ir.VectorType(_I16, 8), [4] * 8))
+    hi = builder.zext(builder.bitcast(sh, ir.VectorType(_I8, 16)), ivec_t)
+    return lo, hi
+
+
+def _make_qrow_lut(z_per_block: bool):
+    """int4, 16-byte chunks: same contract as qrow_int4_16, but the nibbles become floats through a
+    16-entry table (vpermps) holding (q - z) * scale: per 32 weights one table multiply, two permutes and
+    two FMAs, instead of mask / shift / two int->float conversions / multiply and a folded zero point.
+    z_per_block False: zf[zoff] is the row's one zero point (zero-point modes 0 and 1); True: zf[zoff + b]
+    per block. xs / xsoff are not used. Without AVX-512F this is qrow_int4_16 (the folded-zero-point code).
+    """
+    if not HAS_AVX512F:
+        return qrow_int4_16
+    nvals = 16
+
+    def codegen(context, builder, sig, args):
+        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff) = args
+        (w_t, _, _, _, sc_t, _, _, zf_t, _, xa_t, xb_t, _, xs_t, _) = sig.args
+        w_ptr = context.make_array(w_t)(context, builder, value=w).data
+        sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
+        zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+        xa_ptr = context.make_array(xa_t)(context, builder, value=xa).data
+        xb_ptr = context.make_array(xb_t)(context, builder, value=xb).data
+        sc_is_f32 = sc_t.dtype == types.float32
+        wvec_t = ir.VectorType(_I8, 16)
+        fvec_t = ir.VectorType(_F32, nvals)
+        ivec_t = ir.VectorType(_I32, nvals)
+        zero_v = ir.Constant(fvec_t, [0.0] * nvals)
+        iota = ir.Constant(fvec_t, [float(i) for i in range(nvals)])
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3),
+                                             "llvm.fma.v16f32")
+        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t, ivec_t]),
+                                              "llvm.x86.avx512.permvar.sf.512")
+        accs = [cgutils.alloca_once_value(builder, zero_v) for _ in range(4)]
+        if not z_per_block:
+            zrow = builder.load(builder.gep(zf_ptr, [zoff]))
+            tbl0 = _fast(builder.fsub(iota, _splat(builder, zrow, nvals)))
+
+        def one_chunk(i, acc_lo, acc_hi):
+            wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, 16)))])
+            wv = builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1)
+            lo_i, hi_i = _int4_indices(builder, wv, ivec_t)
+            b = builder.ashr(i, cshift)
+            s = _splat(builder, _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind), nvals)
+            if z_per_block:
+                z = builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)]))
+                t0 = _fast(builder.fsub(iota, _splat(builder, z, nvals)))
+            else:
+                t0 = tbl0
+            tbl = _fast(builder.fmul(t0, s))
+            lo = builder.call(perm, [tbl, lo_i])
+            hi = builder.call(perm, [tbl, hi_i])
+            xo = builder.add(xoff, builder.mul(i, ir.Constant(_I64, nvals)))
+            xav = builder.load(builder.bitcast(builder.gep(xa_ptr, [xo]), fvec_t.as_pointer()), align=4)
+            xbv = builder.load(builder.bitcast(builder.gep(xb_ptr, [xo]), fvec_t.as_pointer()), align=4)
+            builder.store(builder.call(fma, [lo, xav, builder.load(acc_lo)]), acc_lo)
+            builder.store(builder.call(fma, [hi, xbv, builder.load(acc_hi)]), acc_hi)
+
+        half = builder.ashr(nchunk, ir.Constant(_I64, 1))
+        with cgutils.for_range(builder, half) as loop:
+            i0 = builder.shl(loop.index, ir.Constant(_I64, 1))
+            one_chunk(i0, accs[0], accs[1])
+            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), accs[2], accs[3])
+        odd = builder.icmp_signed("!=", builder.and_(nchunk, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
+        with builder.if_then(odd):
+            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), accs[0], accs[1])
+        t01 = _fast(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+        t23 = _fast(builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+        return _hsum(builder, _fast(builder.fadd(t01, t23)), nvals)
+
+    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                            zf, types.int64, xa, xb, types.int64, xs, types.int64)
+        return sig, codegen
+
+    qrow.__name__ = f"qrow_int4_16_lut_{'zblk' if z_per_block else 'zrow'}"
+    return intrinsic(qrow)
+
+
+qrow_int4_16_lut_zrow = _make_qrow_lut(False)
+qrow_int4_16_lut_zblk = _make_qrow_lut(True)
+
+
+def _make_dqrow_lut():
+    """dqrow_int4_16 through the (q - z) * scale table (AVX-512F); otherwise dqrow_int4_16 itself."""
+    if not HAS_AVX512F:
+        return dqrow_int4_16
+    nvals = 16
+
+    def codegen(context, builder, sig, args):
+        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff) = args
+        (w_t, _, _, _, sc_t, _, _, zf_t, _, out_t, _) = sig.args
+        w_ptr = context.make_array(w_t)(context, builder, value=w).data
+        sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
+        zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+        o_ptr = context.make_array(out_t)(context, builder, value=out).data
+        sc_is_f32 = sc_t.dtype == types.float32
+        wvec_t = ir.VectorType(_I8, 16)
+        fvec_t = ir.VectorType(_F32, nvals)
+        ivec_t = ir.VectorType(_I32, nvals)
+        iota = ir.Constant(fvec_t, [float(i) for i in range(nvals)])
+        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t, ivec_t]),
+                                              "llvm.x86.avx512.permvar.sf.512")
+        with cgutils.for_range(builder, nchunk) as loop:
+            i = loop.index
+            wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, 16)))])
+            lo_i, hi_i = _int4_indices(builder, builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1),
+                                       ivec_t)
+            b = builder.ashr(i, cshift)
+            s = _splat(builder, _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind), nvals)
+            z = _splat(builder, builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)])), nvals)
+            tbl = _fast(builder.fmul(_fast(builder.fsub(iota, z)), s))
+            base = builder.add(ooff, builder.mul(i, ir.Constant(_I64, 2 * nvals)))
+            for idx, off in ((lo_i, 0), (hi_i, nvals)):
+                p = builder.gep(o_ptr, [builder.add(base, ir.Constant(_I64, off))])
+                builder.store(builder.call(perm, [tbl, idx]), builder.bitcast(p, fvec_t.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, ooff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.none(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                         zf, types.int64, out, types.int64)
+        return sig, codegen
+
+    dqrow.__name__ = "dqrow_int4_16_lut"
+    return intrinsic(dqrow)
+
+
+dqrow_int4_16_lut = _make_dqrow_lut()
