@@ -94,9 +94,18 @@ def _build_parser() -> argparse.ArgumentParser:
     write.add_argument("--heads", type=int, default=4)
     write.add_argument("--kv-heads", type=int, default=2)
     write.add_argument("--head-size", type=int, default=32)
-    write.add_argument("--bits", type=int, default=4, choices=[4, 8])
-    write.add_argument("--block-size", type=int, default=32, help="0 = one scale per row")
+    write.add_argument("--quant-type", default="int", choices=["int", "fp4", "nvfp4", "fp8"],
+                       help="expert layout: int (with --bits), fp4 (MXFP4), nvfp4, fp8 (e4m3)")
+    write.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8])
+    write.add_argument("--block-size", type=int, default=32,
+                       help="int: K block, 0 = one scale per row; fp8: square block, 0 = per-expert global scale")
     write.add_argument("--zero-points", action="store_true")
+    write.add_argument("--prepacked", action="store_true", help="int4/int8 in CUTLASS's SM80 prepacked layout")
+    write.add_argument("--nvfp4-packing", default="k_packed", choices=["k_packed", "n_packed"])
+    write.add_argument("--activation", default="swiglu", choices=["swiglu", "geglu", "relu", "relu2", "gelu", "silu",
+                                                                   "identity"])
+    write.add_argument("--sliding-window", type=int, help="window of the even layers (gpt-oss style)")
+    write.add_argument("--context-length", type=int, default=2048)
     write.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     write.add_argument("--seed", type=int, default=0)
     return parser
@@ -223,7 +232,9 @@ def _cmd_write_model(args) -> int:
         spec = WriterSpec(layers=args.layers, hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
                           inter_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
                           head_size=args.head_size, bits=args.bits, block_size=args.block_size,
-                          zero_points=args.zero_points, dtype=args.dtype, seed=args.seed)
+                          zero_points=args.zero_points, dtype=args.dtype, seed=args.seed, quant_type=args.quant_type,
+                          prepacked=args.prepacked, nvfp4_packing=args.nvfp4_packing, activation=args.activation,
+                          sliding_window=args.sliding_window, context_length=args.context_length)
         path = write_model(args.folder, spec)
     except ValueError as exc:
         raise WorkbenchError(str(exc)) from None
