@@ -152,8 +152,8 @@ def bench_decode(cp, m, spec, timer, rng, iters, sweep):
     configs = [m.dec_cfg.copy()]
     if sweep:
         configs = [dict(R1=r1, W1=w1, R2=r2, W2=w2, ksplit2=ks)
-                   for r1, w1 in ((1, 4), (2, 4), (2, 8), (4, 4), (4, 8))
-                   for r2, w2 in ((1, 4), (2, 4), (4, 4), (2, 8))
+                   for r1, w1 in ((1, 4), (1, 8), (2, 4), (2, 8))
+                   for r2, w2 in ((1, 4), (1, 8), (2, 4), (2, 8))
                    for ks in (0, 1, 2, 4)]
     with stream:
         for cfg in configs:
@@ -206,13 +206,44 @@ def time_host(fn, runs, warmup=1):
     return float(np.median(ts))
 
 
+def profile(args):
+    """A few forwards of each shape between cudaProfilerStart / Stop, for ncu --profile-from-start off."""
+    import cupy as cp
+
+    from kernels.gpu import GpuQMoE
+
+    rng = np.random.default_rng(2)
+    runs = []
+    for key in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        sh = SHAPES[key]
+        tensors = make_weights(sh["E"], sh["H"], sh["I"], sh["block"], seed=0)
+        spec = QMoESpec.from_tensors(f"bench/{key}", "QMoE", attrs_for(sh), tensors, (1, sh["H"]))
+        m = GpuQMoE(spec, tensors)
+        for T in (1, 512):
+            x = cp.asarray(rng.standard_normal((T, sh["H"])).astype(np.float32))
+            lg = cp.asarray((rng.standard_normal((T, sh["E"])) * 2).astype(np.float32))
+            out = cp.empty((T, sh["H"]), cp.float32)
+            m.forward_into(x, lg, out)
+            runs.append((m, x, lg, out))
+    cp.cuda.Device().synchronize()
+    cp.cuda.profiler.start()
+    for m, x, lg, out in runs:
+        m.forward_into(x, lg, out)
+    cp.cuda.Device().synchronize()
+    cp.cuda.profiler.stop()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpu-only", action="store_true", help="skip the CPU and onnxruntime comparisons")
     ap.add_argument("--quick", action="store_true", help="no launch-configuration sweep, fewer runs")
     ap.add_argument("--shapes", default="A,B")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="only run a few decode / prefill forwards between cudaProfilerStart/Stop (for ncu)")
     args = ap.parse_args(argv)
+    if args.profile:
+        return profile(args)
 
     import cupy as cp
 

@@ -89,6 +89,7 @@ class GpuQMoE:
             self.num_sms = int(self.device.attributes["MultiProcessorCount"])
             self._mod, self.compiled_from = load_module(str(self.cc))
             self._fns: dict = {}
+            self._smem_set: dict = {}
             S = E if num_slots is None else int(num_slots)
             if S < 1:
                 raise ValueError("num_slots must be >= 1")
@@ -408,14 +409,14 @@ class GpuQMoE:
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
                 np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)), shared_mem=16 * E)
             R1, W1 = cfg["R1"], cfg["W1"]
-            self._f(f"dec_gemv_{bits}_{R1}_0")((_cdiv(f1.NT, R1), max_tiles, 1), (32 * W1,), (
+            self._launch(f"dec_gemv_{bits}_{R1}_0", (_cdiv(f1.NT, R1), max_tiles, 1), (32 * W1,), (
                 *self._proj_args(f1), *tiles_args, ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP), *act,
-                np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32), shared_mem=W1 * R1 * 512)
+                np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32), self._dec_smem(f1, R1, W1))
             R2, W2 = cfg["R2"], cfg["W2"]
             ks = cfg["ksplit2"] or self._auto_ksplit(f2, R2, W2, min(P, E))
-            self._f(f"dec_gemv_{bits}_{R2}_1")((_cdiv(f2.NT, R2), max_tiles, ks), (32 * W2,), (
+            self._launch(f"dec_gemv_{bits}_{R2}_1", (_cdiv(f2.NT, R2), max_tiles, ks), (32 * W2,), (
                 *self._proj_args(f2), *tiles_args, ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), *act,
-                np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out), shared_mem=W2 * R2 * 512)
+                np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out), self._dec_smem(f2, R2, W2))
             return
         if zero_out:
             out.fill(0)
@@ -430,12 +431,12 @@ class GpuQMoE:
             BM = self.prefill_bm
             self._f("to_f16_pad")((nel_blocks,), (256,), (xd, np.int32(xdt), np.int32(T), np.int32(H),
                                                          np.int32(f1.KP), ws.x16))
-            self._f(f"pf_gemm_{bits}_{BM}_0")((_cdiv(f1.NT, 8), max_tiles), (128,), (
+            self._launch(f"pf_gemm_{bits}_{BM}_0", (_cdiv(f1.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f1), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
-                np.int32(f2.KP), self._dummy_f32))
-            self._f(f"pf_gemm_{bits}_{BM}_1")((_cdiv(f2.NT, 8), max_tiles), (128,), (
+                np.int32(f2.KP), self._dummy_f32), self._pf_smem(BM))
+            self._launch(f"pf_gemm_{bits}_{BM}_1", (_cdiv(f2.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f2), *tiles_args, ws.a16, np.int32(f2.KP), *act, np.int32(H), self._dummy_u16,
-                np.int32(0), out))
+                np.int32(0), out), self._pf_smem(BM))
             return
         if xdt == DT_F32:
             x32 = xd
@@ -447,6 +448,27 @@ class GpuQMoE:
             np.int32(I), ws.a32))
         self._f("fma_fc2")((_cdiv(H, 8), max_tiles), (256,), (
             *self._proj_args(f2, bits_arg=True), *tiles_args, ws.a32, np.int32(I), np.int32(H), out))
+
+    def _dec_smem(self, p: _lay.ProjLayout, R: int, W: int) -> int:
+        """Dynamic shared memory of dec_gemv (mirrors dec_lane_stage_bytes in decode.cu, DEC_STAGES = 4)."""
+        nbt = 0 if p.bs_log2 < 0 else (1 if p.bs_log2 >= 6 else 64 >> p.bs_log2)
+        ls = R * (16 if p.bits == 4 else 32) + R * nbt * 8 + (R * nbt * 4 if p.has_zp else 0)
+        ls = (ls + 15) // 16 * 16
+        if (ls // 16) % 2 == 0:
+            ls += 16
+        return W * 4 * 32 * ls + W * R * 512
+
+    def _pf_smem(self, BM: int) -> int:
+        """Dynamic shared memory of pf_gemm (PF_STAGES = 4 stages of PfSmem<bits, BM>::STAGE bytes)."""
+        tb = 512 if self.fc1.bits == 4 else 1024
+        return 4 * (BM * 128 + 8 * tb + 8 * 256 + 8 * 64)
+
+    def _launch(self, name: str, grid, block, args, smem: int = 0):
+        f = self._f(name)
+        if smem > 48 * 1024 and self._smem_set.get(name, 0) < smem:
+            f.max_dynamic_shared_size_bytes = smem
+            self._smem_set[name] = smem
+        f(grid, block, args, shared_mem=smem)
 
     def _auto_ksplit(self, p: _lay.ProjLayout, R: int, W: int, tiles: int) -> int:
         blocks = _cdiv(p.NT, R) * max(1, tiles)

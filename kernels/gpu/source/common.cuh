@@ -160,7 +160,8 @@ static __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u
 #if QM_TC
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
+                 : "r"(addr)
+                 : "memory");
 #else
     r0 = r1 = r2 = r3 = 0;
 #endif
@@ -168,19 +169,32 @@ static __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u
 
 static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
 #if QM_TC
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+#endif
+}
+
+static __device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
+#if QM_TC
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+
+static __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
+#if QM_TC
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 #endif
 }
 
 static __device__ __forceinline__ void cp_async_commit() {
 #if QM_TC
-    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
-static __device__ __forceinline__ void cp_async_wait1() {
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
 #if QM_TC
-    asm volatile("cp.async.wait_group 1;\n" ::);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 

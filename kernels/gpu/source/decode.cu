@@ -40,12 +40,17 @@ static __device__ __forceinline__ void set_bz(u32* zc, int z0, int z1) {
     }
 }
 
-static __device__ __forceinline__ float2 sel4f2(const float2* v, int q) {
-    return q == 0 ? v[0] : (q == 1 ? v[1] : (q == 2 ? v[2] : v[3]));
+#define DEC_STAGES 4
+
+// bytes of one lane's slot in one pipeline stage (weights, scales, zero points), a multiple of 16 that is an odd
+// multiple of 16 (conflict-free 16-byte shared loads across the warp); must match GpuQMoE._dec_smem
+static __device__ __forceinline__ int dec_lane_stage_bytes(int R, int LB, int nbt, int has_zp) {
+    int ls = R * LB + R * nbt * 8 + (has_zp ? R * nbt * 4 : 0);
+    ls = (ls + 15) & ~15;
+    if (((ls >> 4) & 1) == 0) ls += 16;
+    return ls;
 }
-static __device__ __forceinline__ u32 sel4u(const u32* v, int q) {
-    return q == 0 ? v[0] : (q == 1 ? v[1] : (q == 2 ? v[2] : v[3]));
-}
+
 
 #define QM_DEC_ARGS                                                                                             \
     const u8 *__restrict__ W, long long wstride, int NT, int KT, const void *__restrict__ S, int sdt, int NB,       \
@@ -62,7 +67,7 @@ template <int BITS, int R, int MODE>
 static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
 #if QM_TC
     typedef QmW<BITS> TR;
-    extern __shared__ float red[];
+    extern __shared__ __align__(16) unsigned char dsm[];
     if ((int)blockIdx.y >= *num_tiles) return;
     const int4 tl = tiles[blockIdx.y];
     const int slot = tl.x, start = tl.y, cnt = tl.z;
@@ -112,27 +117,48 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
     }
 
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-    uint4 wc[R][TR::LW], wn[R][TR::LW];
-    uint4 bh0 = zero4, bh1 = zero4, bl0 = zero4, bl1 = zero4;
-    uint4 nh0 = zero4, nh1 = zero4, nl0 = zero4, nl1 = zero4;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int q = 0; q < TR::LW; ++q) {
-            wc[r][q] = zero4;
-            wn[r][q] = zero4;
-        }
+    const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;  // scale blocks per k-tile
+    const int ssz = (sdt == DT_F32) ? 4 : 2;
 
-    auto load = [&](int kt, uint4(&wd)[R][TR::LW], uint4& h0, uint4& h1, uint4& l0, uint4& l1) {
+    // Per-warp cp.async pipeline, DEC_STAGES deep: every lane copies exactly the bytes it will read (its 16 / 32
+    // weight bytes per row tile, its two scales and zero points per scale block) into its own shared-memory slot,
+    // so no barrier is needed; DEC_STAGES - 1 k-tiles are in flight while one is computed.
+    const int LS = dec_lane_stage_bytes(R, TR::LB, nbt, has_zp);
+    unsigned char* lane_p = dsm + (warp * DEC_STAGES * 32 + lane) * LS;
+    const u32 lane_a = smem_u32(lane_p);
+    const int so = R * TR::LB;                 // scales in the lane slot
+    const int zo = so + R * nbt * 8;           // zero points in the lane slot
+
+    auto load = [&](int kt, int st) {
+        const u32 d = lane_a + (u32)(st * 32 * LS);
+        const int b0 = blockwise ? ((kt << 6) >> bs_log2) : 0;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            if (rt0 + r < NT) {
-                const uint4* p =
-                    reinterpret_cast<const uint4*>(Ws + ((long long)(rt0 + r) * KT + kt) * TR::TB + lane * TR::LB);
+            const int rt = rt0 + r;
+            const bool ok = rt < NT;
+            const u8* src = ok ? Ws + ((long long)rt * KT + kt) * TR::TB + lane * TR::LB : Ws;
 #pragma unroll
-                for (int q = 0; q < TR::LW; ++q) wd[r][q] = __ldg(p + q);
+            for (int q = 0; q < TR::LW; ++q) cp_async16(d + r * TR::LB + q * 16, src + q * 16, ok ? 16 : 0);
+            if (blockwise && ok) {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    if (q < nbt) {
+                        const long long si = sb + ((long long)rt * NB + b0 + q) * 16 + g * 2;
+                        const u32 ds = d + so + (r * nbt + q) * 8;
+                        if (ssz == 4)
+                            cp_async8(ds, (const float*)S + si);
+                        else
+                            cp_async4(ds, (const u16*)S + si);
+                        if (has_zp) cp_async4(d + zo + (r * nbt + q) * 4, Z + (si & ~3LL));
+                    }
+                }
             }
         }
+    };
+
+    uint4 bh0 = zero4, bh1 = zero4, bl0 = zero4, bl1 = zero4;
+    uint4 nh0 = zero4, nh1 = zero4, nl0 = zero4, nl1 = zero4;
+    auto load_b = [&](int kt, uint4& h0, uint4& h1, uint4& l0, uint4& l1) {
         if (bval) {
             h0 = __ldg(bhp + kt * 8);
             h1 = __ldg(bhp + kt * 8 + 1);
@@ -143,25 +169,13 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
         }
     };
 
-    const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;  // scale blocks per k-tile
-
-    auto compute = [&](int kt, const uint4(&wd)[R][TR::LW], const uint4& h0, const uint4& h1, const uint4& l0,
-                       const uint4& l1) {
-        float2 st[R][4];
-        u32 zr[R][4];
-        const int b0 = blockwise ? ((kt << 6) >> bs_log2) : 0;
+    auto compute = [&](int kt, int st, const uint4& h0, const uint4& h1, const uint4& l0, const uint4& l1) {
+        const unsigned char* p = lane_p + st * 32 * LS;
+        uint4 wv[R][TR::LW];
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                st[r][q] = make_float2(0.0f, 0.0f);
-                zr[r][q] = 0u;
-                if (q < nbt && rt0 + r < NT) {
-                    const long long si = sb + ((long long)(rt0 + r) * NB + b0 + q) * 16 + g * 2;
-                    st[r][q] = load_s2(S, si, sdt);
-                    if (has_zp) zr[r][q] = *(const u16*)(Z + si);
-                }
-            }
+            for (int q = 0; q < TR::LW; ++q) wv[r][q] = *reinterpret_cast<const uint4*>(p + r * TR::LB + q * 16);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int ks = (kt << 2) + j;
@@ -175,15 +189,16 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
             for (int r = 0; r < R; ++r) {
                 u32 zz[4] = {zc[r][0], zc[r][1], zc[r][2], zc[r][3]};
                 if (has_zp && blockwise) {
-                    const u32 zv = sel4u(zr[r], q);
+                    const u32 word = *reinterpret_cast<const u32*>(p + zo + (r * nbt + q) * 4);
+                    const u32 zv = word >> ((g & 1) * 16);
                     set_bz<BITS>(zz, (int)(zv & 0xffu), (int)((zv >> 8) & 0xffu));
                 }
                 u32 a[4];
                 if (BITS == 4) {
-                    deq4_bf16(u4c(wd[r][0], j), zz[0], zz[1], a);
+                    deq4_bf16(u4c(wv[r][0], j), zz[0], zz[1], a);
                 } else {
-                    const uint4& wv = wd[r][(j >> 1) & (TR::LW - 1)];
-                    const u32 w0 = u4c(wv, (j & 1) * 2), w1 = u4c(wv, (j & 1) * 2 + 1);
+                    const uint4& w8 = wv[r][(j >> 1) & (TR::LW - 1)];
+                    const u32 w0 = u4c(w8, (j & 1) * 2), w1 = u4c(w8, (j & 1) * 2 + 1);
                     a[0] = deq8pair_bf16(w0, 0x4140u, zz[0], zz[1]);
                     a[1] = deq8pair_bf16(w0, 0x4342u, zz[2], zz[3]);
                     a[2] = deq8pair_bf16(w1, 0x4140u, zz[0], zz[1]);
@@ -200,11 +215,26 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
             if (last) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const float2 s = sel4f2(st[r], q);
-                    acc[r][0] += s.x * blk[r][0];
-                    acc[r][1] += s.x * blk[r][1];
-                    acc[r][2] += s.y * blk[r][2];
-                    acc[r][3] += s.y * blk[r][3];
+                    const unsigned char* sp = p + so + (r * nbt + q) * 8;
+                    float sx, sy;
+                    if (ssz == 4) {
+                        const float2 v = *reinterpret_cast<const float2*>(sp);
+                        sx = v.x;
+                        sy = v.y;
+                    } else {
+                        const u32 v = *reinterpret_cast<const u32*>(sp);
+                        if (sdt == DT_F16) {
+                            sx = h2f((u16)(v & 0xffffu));
+                            sy = h2f((u16)(v >> 16));
+                        } else {
+                            sx = __uint_as_float(v << 16);
+                            sy = __uint_as_float(v & 0xffff0000u);
+                        }
+                    }
+                    acc[r][0] += sx * blk[r][0];
+                    acc[r][1] += sx * blk[r][1];
+                    acc[r][2] += sy * blk[r][2];
+                    acc[r][3] += sy * blk[r][3];
 #pragma unroll
                     for (int c = 0; c < 4; ++c) blk[r][c] = 0.0f;
                 }
@@ -212,23 +242,30 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
         }
     };
 
-    if (kt0 < kt1) {
-        load(kt0, wc, bh0, bh1, bl0, bl1);
-        for (int kt = kt0; kt < kt1; ++kt) {
-            if (kt + 1 < kt1) load(kt + 1, wn, nh0, nh1, nl0, nl1);
-            compute(kt, wc, bh0, bh1, bl0, bl1);
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int q = 0; q < TR::LW; ++q) wc[r][q] = wn[r][q];
-            bh0 = nh0;
-            bh1 = nh1;
-            bl0 = nl0;
-            bl1 = nl1;
+    for (int s = 0; s < DEC_STAGES - 1; ++s) {
+        if (kt0 + s < kt1) load(kt0 + s, s);
+        cp_async_commit();
+    }
+    if (kt0 < kt1) load_b(kt0, bh0, bh1, bl0, bl1);
+    for (int kt = kt0; kt < kt1; ++kt) {
+        const int i = kt - kt0;
+        cp_async_wait<DEC_STAGES - 2>();
+        {
+            const int nk = kt + DEC_STAGES - 1;
+            if (nk < kt1) load(nk, (i + DEC_STAGES - 1) % DEC_STAGES);
+            cp_async_commit();
         }
+        if (kt + 1 < kt1) load_b(kt + 1, nh0, nh1, nl0, nl1);
+        compute(kt, i % DEC_STAGES, bh0, bh1, bl0, bl1);
+        bh0 = nh0;
+        bh1 = nh1;
+        bl0 = nl0;
+        bl1 = nl1;
     }
 
-    // reduce the warps' partial sums
+    // reduce the warps' partial sums (area after the pipeline)
+    float* red = reinterpret_cast<float*>(dsm + nw * DEC_STAGES * 32 * LS);
     float* my = red + warp * (R * 128);
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -319,13 +356,9 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
     extern "C" __global__ void __launch_bounds__(256) dec_gemv_##B##_##R##_##M(QM_DEC_ARGS) { dec_gemv_impl<B, R, M>(QM_DEC_PASS); }
 QM_DEC_KERNEL(4, 1, 0)
 QM_DEC_KERNEL(4, 2, 0)
-QM_DEC_KERNEL(4, 4, 0)
 QM_DEC_KERNEL(4, 1, 1)
 QM_DEC_KERNEL(4, 2, 1)
-QM_DEC_KERNEL(4, 4, 1)
 QM_DEC_KERNEL(8, 1, 0)
 QM_DEC_KERNEL(8, 2, 0)
-QM_DEC_KERNEL(8, 4, 0)
 QM_DEC_KERNEL(8, 1, 1)
 QM_DEC_KERNEL(8, 2, 1)
-QM_DEC_KERNEL(8, 4, 1)

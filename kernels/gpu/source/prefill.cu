@@ -25,13 +25,27 @@ static __device__ __forceinline__ void set_hz(u32* zc, int z0, int z1) {
     W, wstride, NT, KT, S, sdt, NB, bs_log2, Z, has_zp, bias, has_bias, NP, tiles, num_tiles, pair_tok, pair_w, A,   \
         KPA, act, gated, alpha, beta, limit, has_limit, n_out, a_out, KP2, out
 
+// shared memory of one pipeline stage: the A tile (BM tokens x 64 k, fp16, swizzled), the raw weight tiles of the
+// block's 8 row tiles, their scales (up to 4 blocks x 16 rows, fp32 or 16-bit) and zero points
+template <int BITS, int BM>
+struct PfSmem {
+    static const int A = BM * 128;
+    static const int W = 8 * QmW<BITS>::TB;
+    static const int S = 8 * 256;
+    static const int Z = 8 * 64;
+    static const int STAGE = A + W + S + Z;
+};
+#define PF_STAGES 4
+
 template <int BITS, int BM, int MODE>
 static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #if QM_TC
     typedef QmW<BITS> TR;
-    constexpr int MT = BM / 16;   // m16 tiles of tokens
-    constexpr int CPT = BM / 16;  // 16-byte chunks of the A tile per thread (BM rows x 8 chunks / 128 threads)
-    __shared__ __align__(128) u16 As[2 * BM * 64];
+    typedef PfSmem<BITS, BM> SM;
+    constexpr int MT = BM / 16;                   // m16 tiles of tokens
+    constexpr int CPT = BM / 16;                  // 16-byte A chunks per thread per stage
+    constexpr int WCH = SM::W / 16 / 128;         // 16-byte weight chunks per thread per stage
+    extern __shared__ __align__(128) unsigned char pf_smem[];
     if ((int)blockIdx.y >= *num_tiles) return;
     const int4 tl = tiles[blockIdx.y];
     const int slot = tl.x, start = tl.y, cnt = tl.z;
@@ -41,12 +55,16 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
     const int g = lane >> 2, t = lane & 3;
     const int rtw = rtb + warp * 2;
     const bool blockwise = bs_log2 >= 0;
+    const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;
+    const int ssz = (sdt == DT_F32) ? 4 : 2;
+    const u32 sbase = smem_u32(pf_smem);
+    const u8* Ws = W + (long long)slot * wstride;
+    const long long sb = (long long)slot * NT * NB * 16;
 
     // A tile loader: chunk c = row m (c / 8), 16-byte column cc (c % 8), stored at column cc ^ (m % 8)
-    const u32 as0 = smem_u32(As);
-    const u16* src[CPT];
-    int ssz[CPT];
-    u32 dst[CPT];
+    const u16* asrc[CPT];
+    int asz[CPT];
+    u32 adst[CPT];
 #pragma unroll
     for (int i = 0; i < CPT; ++i) {
         const int c = threadIdx.x + i * 128;
@@ -54,34 +72,41 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
         const bool ok = m < cnt;
         long long row = 0;
         if (ok) row = (MODE == 0) ? (long long)pair_tok[start + m] : (long long)(start + m);
-        src[i] = A + row * KPA + cc * 8;
-        ssz[i] = ok ? 16 : 0;
-        dst[i] = (u32)((m * 64 + ((cc ^ (m & 7)) << 3)) * 2);
+        asrc[i] = A + row * KPA + cc * 8;
+        asz[i] = ok ? 16 : 0;
+        adst[i] = (u32)((m * 64 + ((cc ^ (m & 7)) << 3)) * 2);
     }
-    auto load_a = [&](int kt, int buf) {
+    auto load_stage = [&](int kt, int st) {
+        const u32 base = sbase + (u32)(st * SM::STAGE);
 #pragma unroll
-        for (int i = 0; i < CPT; ++i) cp_async16(as0 + (u32)(buf * BM * 128) + dst[i], src[i] + kt * 64, ssz[i]);
-    };
-
-    const u8* Ws = W + (long long)slot * wstride;
-    const long long sb = (long long)slot * NT * NB * 16;
-    const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-    uint4 wc[2][TR::LW], wn[2][TR::LW];
+        for (int i = 0; i < CPT; ++i) cp_async16(base + adst[i], asrc[i] + kt * 64, asz[i]);
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int q = 0; q < TR::LW; ++q) {
-            wc[r][q] = zero4;
-            wn[r][q] = zero4;
+        for (int i = 0; i < WCH; ++i) {
+            const int c = threadIdx.x + i * 128;
+            const int lt = c / (TR::TB / 16), off = (c % (TR::TB / 16)) * 16;
+            const int rt = rtb + lt;
+            const bool ok = rt < NT;
+            const u8* src = ok ? Ws + ((long long)rt * KT + kt) * TR::TB + off : Ws;
+            cp_async16(base + SM::A + lt * TR::TB + off, src, ok ? 16 : 0);
         }
-    auto load_w = [&](int kt, uint4(&wd)[2][TR::LW]) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            if (rtw + r < NT) {
-                const uint4* p =
-                    reinterpret_cast<const uint4*>(Ws + ((long long)(rtw + r) * KT + kt) * TR::TB + lane * TR::LB);
-#pragma unroll
-                for (int q = 0; q < TR::LW; ++q) wd[r][q] = __ldg(p + q);
+        if (blockwise) {
+            const int b0 = (kt << 6) >> bs_log2;
+            const int per = nbt * ssz;  // 16-byte chunks of scales per row tile
+            if ((int)threadIdx.x < 8 * per) {
+                const int lt = threadIdx.x / per, cc = threadIdx.x % per;
+                const int rt = rtb + lt;
+                const bool ok = rt < NT;
+                const unsigned char* src =
+                    ok ? (const unsigned char*)S + ((sb + ((long long)rt * NB + b0) * 16) * ssz + cc * 16)
+                       : (const unsigned char*)S;
+                cp_async16(base + SM::A + SM::W + lt * 256 + cc * 16, src, ok ? 16 : 0);
+            }
+            if (has_zp && (int)threadIdx.x < 8 * nbt) {
+                const int lt = threadIdx.x / nbt, cc = threadIdx.x % nbt;
+                const int rt = rtb + lt;
+                const bool ok = rt < NT;
+                const u8* src = ok ? Z + sb + ((long long)rt * NB + b0) * 16 + cc * 16 : Z;
+                cp_async16(base + SM::A + SM::W + SM::S + lt * 64 + cc * 16, src, ok ? 16 : 0);
             }
         }
     };
@@ -106,38 +131,28 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
 
-    const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;
-
-    load_a(0, 0);
-    cp_async_commit();
-    load_w(0, wc);
-    for (int kt = 0; kt < KT; ++kt) {
-        if (kt + 1 < KT) {
-            load_a(kt + 1, (kt + 1) & 1);
-            load_w(kt + 1, wn);
-        }
+#pragma unroll
+    for (int s = 0; s < PF_STAGES - 1; ++s) {
+        if (s < KT) load_stage(s, s);
         cp_async_commit();
-        // per-block scales (fp16, folded into the weights) and zero points of this k-tile
-        u32 sg[2][4], sg8[2][4], zr[2][4];
-        const int b0 = blockwise ? ((kt << 6) >> bs_log2) : 0;
+    }
+    for (int kt = 0; kt < KT; ++kt) {
+        cp_async_wait<PF_STAGES - 2>();
+        __syncthreads();
+        {
+            const int nk = kt + PF_STAGES - 1;
+            if (nk < KT) load_stage(nk, nk % PF_STAGES);
+            cp_async_commit();
+        }
+        const int st = kt % PF_STAGES;
+        const unsigned char* sp = pf_smem + st * SM::STAGE;
+        const u32 abase = sbase + (u32)(st * SM::STAGE);
+        uint4 wv[2][TR::LW];
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                sg[r][q] = 0u;
-                sg8[r][q] = 0u;
-                zr[r][q] = 0u;
-                if (q < nbt && rtw + r < NT) {
-                    const long long si = sb + ((long long)(rtw + r) * NB + b0 + q) * 16 + g * 2;
-                    const float2 s = load_s2(S, si, sdt);
-                    sg[r][q] = pair16(f2h(s.x));
-                    sg8[r][q] = pair16(f2h(s.y));
-                    if (has_zp) zr[r][q] = *(const u16*)(Z + si);
-                }
-            }
-        cp_async_wait1();
-        __syncthreads();
-        const u32 abase = as0 + (u32)((kt & 1) * BM * 128);
+            for (int q = 0; q < TR::LW; ++q)
+                wv[r][q] = *reinterpret_cast<const uint4*>(sp + SM::A + (warp * 2 + r) * TR::TB + lane * TR::LB + q * 16);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int q = (!blockwise || bs_log2 >= 6) ? 0 : (j >> (bs_log2 - 4));
@@ -146,17 +161,32 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
             for (int r = 0; r < 2; ++r) {
                 u32 z2[2] = {zc[r][0], zc[r][1]};
                 if (has_zp && blockwise) {
-                    const u32 zv = sel4u(zr[r], q);
+                    const u32 zv = *reinterpret_cast<const u16*>(sp + SM::A + SM::W + SM::S + (warp * 2 + r) * 64 +
+                                                                 q * 16 + g * 2);
                     set_hz<BITS>(z2, (int)(zv & 0xffu), (int)((zv >> 8) & 0xffu));
                 }
                 if (BITS == 4) {
-                    deq4_f16(u4c(wc[r][0], j), z2[0], z2[1], bf[r]);
+                    deq4_f16(u4c(wv[r][0], j), z2[0], z2[1], bf[r]);
                 } else {
-                    const uint4& wv = wc[r][(j >> 1) & (TR::LW - 1)];
-                    deq8_f16(u4c(wv, (j & 1) * 2), u4c(wv, (j & 1) * 2 + 1), z2[0], z2[1], bf[r]);
+                    const uint4& w8 = wv[r][(j >> 1) & (TR::LW - 1)];
+                    deq8_f16(u4c(w8, (j & 1) * 2), u4c(w8, (j & 1) * 2 + 1), z2[0], z2[1], bf[r]);
                 }
                 if (blockwise) {
-                    const u32 s0 = sel4u(sg[r], q), s1 = sel4u(sg8[r], q);
+                    const unsigned char* scp = sp + SM::A + SM::W + (warp * 2 + r) * 256 + (q * 16 + g * 2) * ssz;
+                    u32 s0, s1;
+                    if (sdt == DT_F32) {
+                        const float2 sv = *reinterpret_cast<const float2*>(scp);
+                        s0 = pair16(f2h(sv.x));
+                        s1 = pair16(f2h(sv.y));
+                    } else if (sdt == DT_F16) {
+                        const u32 v = *reinterpret_cast<const u32*>(scp);
+                        s0 = (v & 0xffffu) | (v << 16);
+                        s1 = (v >> 16) | (v & 0xffff0000u);
+                    } else {
+                        const u32 v = *reinterpret_cast<const u32*>(scp);
+                        s0 = pair16(f2h(__uint_as_float(v << 16)));
+                        s1 = pair16(f2h(__uint_as_float(v & 0xffff0000u)));
+                    }
                     bf[r][0] = hmul2(bf[r][0], s0);
                     bf[r][1] = hmul2(bf[r][1], s1);
                     bf[r][2] = hmul2(bf[r][2], s0);
@@ -174,11 +204,6 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
                     mma_f16(acc[mi][ni], a0, a1, a2, a3, bf[ni >> 1][ni & 1], bf[ni >> 1][(ni & 1) + 2]);
             }
         }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int q = 0; q < TR::LW; ++q) wc[r][q] = wn[r][q];
     }
 
     // epilogue: acc[mi][ni][hr * 2 + c] = token row mi*16 + g + 8*hr, weight row (ni & 1) * 8 + 2t + c of row tile
@@ -241,7 +266,7 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #endif
 }
 
-// pf_gemm_<bits>_<BM>_<mode>
+// pf_gemm_<bits>_<BM>_<mode>; dynamic shared memory PF_STAGES * PfSmem<bits, BM>::STAGE bytes
 #define QM_PF_KERNEL(B, BM, M) \
     extern "C" __global__ void __launch_bounds__(128) pf_gemm_##B##_##BM##_##M(QM_PF_ARGS) { pf_gemm_impl<B, BM, M>(QM_PF_PASS); }
 QM_PF_KERNEL(4, 32, 0)
