@@ -733,14 +733,15 @@ def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, src, coef, dst,
-             act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, ws, y, out, do_reduce, nth):
+             act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, ws, y, out, do_reduce, nth):
     """Fused decode: for each pair p (token src[p], expert experts[u], pair_off[u] <= p < pair_off[u + 1])
     y[p] = coef[p] * (W2_e act(W1_e x + b1_e) + b2_e); with do_reduce also out[dst[p]] += y[p].
 
     q1 / q2: int64 [skind, zmode, bits, nb, chunk, cshift, nchunk, has_bias] of fc1 / fc2; act: swiglu
     (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
     Two parallel regions (FC1 + activation, then FC2) over the (expert, row) space, handed out in
-    contiguous ~64 KB chunks through an atomic counter; pf_rows > 0 prefetches that many rows ahead.
+    contiguous chunks of ~chunk_bytes through an atomic counter; pf_rows > 0 prefetches that many rows
+    ahead.
     ws: float32 scratch.
     """
     E1, N1, Kb1 = w1.shape
@@ -785,10 +786,10 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
     zrb1 = (nb1 * bits1 + 7) // 8
     zrb2 = (nb2 * bits2 + 7) // 8
     total = U * G
-    # work handed out in chunks of ~64 KB of packed rows through an atomic counter: a thread that is
+    # work handed out in chunks of packed rows through an atomic counter: a thread that is
     # descheduled or slowed (SMT sibling, other tenants) does not hold up the whole region
     rpg = 2 if swiglu else 1
-    ch = max(1, 65536 // (rpg * (Kb1 + nb1 * sc1.itemsize)))
+    ch = max(1, chunk_bytes // (rpg * (Kb1 + nb1 * sc1.itemsize)))
     nck = (total + ch - 1) // ch
     counter = np.zeros(2, np.int64)
     for th in prange(nth):
@@ -814,7 +815,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
                     s += ab[p, j]
             xs2[p, c] = s
     total = U * H
-    ch = max(1, 65536 // (Kb2 + nb2 * sc2.itemsize))
+    ch = max(1, chunk_bytes // (Kb2 + nb2 * sc2.itemsize))
     nck = (total + ch - 1) // ch
     for th in prange(nth):
         zbuf = np.full(nb2, zdef2, np.float32)

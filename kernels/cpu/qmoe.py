@@ -207,6 +207,7 @@ class CpuQMoE:
     gemm_rows = 72  # weight rows per GEMM task (a multiple of 6)
     gemm_cols = 128  # at most this many token columns per GEMM task
     gemv_prefetch_rows = 0  # decode: software prefetch this many rows ahead (0: hardware prefetch only)
+    gemv_chunk_kb = 64  # decode: threads take the weight rows in chunks of about this many KB
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         self.spec = spec
@@ -327,7 +328,7 @@ class CpuQMoE:
         sp = self.spec
         _k.moe_gemv(f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f2.w, f2.sc, f2.zp, f2.qparams, f2.bias, x,
                     experts, pair_off, tok, pw, tok, self.act_kind, sp.swiglu_fusion, float(sp.alpha),
-                    float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), ws, y, acc, True,
+                    float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024, ws, y, acc, True,
                     numba.get_num_threads())
 
     def _gemm_batched(self, x, experts, pair_off, u0, tok, pw, tpair, acc):
