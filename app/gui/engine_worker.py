@@ -1,103 +1,371 @@
-"""The engine's single worker thread: load, generate and unload never overlap and never block the UI.
+"""The engine's one long-lived worker: open, load, generate, re-plan and unload run one after the
+other in its thread, never overlapping and never blocking the window (GPT4All's chatllm shape).
 
-Every request is a queued signal into the worker; every result and error comes back as a signal.
-An engine error becomes a message, never a crash.
+Every request is a queued signal into the worker; every result comes back as a signal. Stop is a
+threading.Event the window sets directly, so it works at any moment: mid-answer (the next token
+ends the answer) and mid-load (the next progress report ends the load). Any engine error becomes a
+`failed` message; the worker stays usable.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+# Imported here, on the main thread, before the worker starts (see app/gui/__init__.py).
+import engine.offload.engine  # noqa: F401  (the engine imports these lazily when it loads a model)
+import engine.offload.hybrid_node  # noqa: F401
+import kernels.cpu  # noqa: F401
+from app.gui.estimate import layer_summary, model_facts
+from app.inspect_report import inspection
+from engine.demo_model import DEMO_NAME, ensure_demo_model
 from engine.errors import WorkbenchError
+from engine.generation import Conversation, GenerationParams, LoadedModel
+from engine.model_folder import ModelFolder
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.offload.cuda_device import open_cuda_device
+from engine.ort_env import cpu_threads
+from engine.sampling import SamplingParams
+from engine.units import human_bytes
+
+STATS_INTERVAL_S = 0.25
 
 
-def _one_line(exc: Exception) -> str:
+class LoadCancelled(WorkbenchError):
+    """The user stopped a load."""
+
+
+def one_line(exc: BaseException) -> str:
     if isinstance(exc, WorkbenchError):
         return str(exc)
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-class EngineWorker(QObject):
-    loadProgress = Signal(float)
-    loaded = Signal(dict)           # {"model": path, "load_s": ..., "summary": text}
-    token = Signal(str)
-    answered = Signal(dict)         # text, finish_reason, timings
-    failed = Signal(str)            # one line for the user
-    busyChanged = Signal(bool)
+def _needs_reload(old, new) -> list[str]:
+    return [name for name in ("gpu_device_mem_limit",) if getattr(old, name) != getattr(new, name)]
 
-    # Requests (queued into the worker thread)
-    requestLoad = Signal(str)
-    requestSend = Signal(str, dict)
+
+class EngineWorker(QObject):
+    # results, emitted from the worker thread
+    busyChanged = Signal(str)          # "opening" | "loading" | "generating" | "replanning" | "" (idle)
+    inspected = Signal(object)         # app.gui.estimate.ModelFacts
+    loadProgress = Signal(float)
+    loaded = Signal(dict)              # path, load_s, device, statements, landed, entries
+    token = Signal(str)
+    answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement
+    offloadStats = Signal(dict)        # placement and traffic, a few times a second while generating
+    replanned = Signal(dict)           # statements, landed
+    unloaded = Signal()
+    failed = Signal(str)               # one line for the user
+
+    # requests, queued into the worker thread
+    requestOpen = Signal(str)                  # inspect a folder (no sessions)
+    requestDemo = Signal(bool)                 # write (if needed) and open the demo model; load it if True
+    requestLoad = Signal(str, dict)            # path, {"device": {...}, "entries": {...}}
+    requestSend = Signal(str, dict)            # text, options
+    requestRegenerate = Signal(dict)
+    requestNewChat = Signal(str)               # system prompt
+    requestReplan = Signal(dict)               # offload entries
     requestUnload = Signal()
 
-    def __init__(self):
+    def __init__(self, demo_dir: str | None = None):
         super().__init__()
-        self._model = None
-        self._conversation = None
         self.cancel = threading.Event()
+        self.demo_dir = demo_dir
+        self._folder = None
+        self._facts = None
+        self._model = None
+        self._device = None
+        self._conversation = None
+        self._system_prompt = ""
+        self._last_stats = 0.0
+        self._decode_mark = None
+        self.requestOpen.connect(self._open)
+        self.requestDemo.connect(self._demo)
         self.requestLoad.connect(self._load)
         self.requestSend.connect(self._send)
+        self.requestRegenerate.connect(self._regenerate)
+        self.requestNewChat.connect(self._new_chat)
+        self.requestReplan.connect(self._replan)
         self.requestUnload.connect(self._unload)
 
-    @Slot(str)
-    def _load(self, path: str) -> None:
-        from app.inspect_report import format_inspection, inspection
-        from engine.generation import Conversation, LoadedModel
-        from engine.model_folder import ModelFolder
+    # --- opening and loading ---------------------------------------------------------------------
+    def _open_folder(self, path: str):
+        folder = ModelFolder.open(path)
+        facts = model_facts(folder, inspection(folder), is_demo=folder.folder.name == DEMO_NAME)
+        self._folder, self._facts = folder, facts
+        return facts
 
-        self.busyChanged.emit(True)
+    @Slot(str)
+    def _open(self, path: str) -> None:
+        self.busyChanged.emit("opening")
         try:
-            self._unload()
-            folder = ModelFolder.open(path)
-            summary = format_inspection(inspection(folder))
-            self._model = LoadedModel(folder, progress=self.loadProgress.emit)
-            self._conversation = Conversation(self._model)
-            self.loaded.emit({"model": path, "load_s": self._model.load_s, "summary": summary})
-        except Exception as exc:  # the window shows it; the worker stays usable
-            self._model = None
-            self.failed.emit(f"Could not load {path}: {_one_line(exc)}")
+            self.inspected.emit(self._open_folder(path))
+        except Exception as exc:
+            self.failed.emit(f"Could not open {path}: {one_line(exc)}")
         finally:
-            self.busyChanged.emit(False)
+            self.busyChanged.emit("")
+
+    @Slot(bool)
+    def _demo(self, load: bool) -> None:
+        self.busyChanged.emit("opening")
+        try:
+            path = str(ensure_demo_model(self.demo_dir))
+            self.inspected.emit(self._open_folder(path))
+        except Exception as exc:
+            self.failed.emit(f"Could not prepare the demo model: {one_line(exc)}")
+            self.busyChanged.emit("")
+            return
+        self.busyChanged.emit("")
+        if load:
+            self._load(path, {})
+
+    def _make_device(self, choice: dict, config, notes: list[str]):
+        """The device resident experts live on, or None (CPU only). A CUDA GPU that cannot be
+        opened falls back to the CPU with a note, unless mode=required."""
+        kind = choice.get("kind", "cpu")
+        if kind == "simulated":
+            return SimulatedDevice(int(choice.get("capacity", 8 << 30)), mem_limit=config.gpu_device_mem_limit)
+        if kind == "cuda":
+            try:
+                return open_cuda_device(mem_limit=config.gpu_device_mem_limit)
+            except WorkbenchError as exc:
+                if config.mode == "required":
+                    raise
+                notes.append(f"The CUDA GPU was asked for but cannot be used ({exc}); every expert runs on the CPU instead.")
+                return None
+        return None
+
+    @Slot(str, dict)
+    def _load(self, path: str, settings: dict) -> None:
+        self.cancel.clear()
+        self.busyChanged.emit("loading")
+        try:
+            self._drop_model()
+            if self._folder is None or Path(self._folder.folder).resolve() != Path(path).resolve():
+                previous = self._facts.path if self._facts else None
+                self._open_folder(path)
+                if previous is None or Path(previous).resolve() != Path(path).resolve():
+                    self.inspected.emit(self._facts)
+            config = OffloadConfig.from_entries(settings.get("entries", {}))
+            notes: list[str] = []
+            device = self._make_device(settings.get("device", {}), config, notes)
+
+            def progress(fraction: float) -> None:
+                if self.cancel.is_set():
+                    raise LoadCancelled("loading stopped")
+                self.loadProgress.emit(fraction)
+
+            started = time.perf_counter()
+            folder, self._folder = self._folder, None  # a folder's sessions belong to one load
+            model = LoadedModel(folder, progress=progress, offload=config, device=device)
+            self._model, self._device = model, device
+            self._conversation = Conversation(model, system_prompt=self._system_prompt or None)
+            self.loadProgress.emit(1.0)
+            self.loaded.emit({"path": self._facts.path, "load_s": time.perf_counter() - started,
+                              "device": device.name if device is not None else "CPU only",
+                              "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
+                              "entries": config.to_entries(), "is_demo": self._facts.is_demo})
+            self._emit_stats()
+        except Exception as exc:  # the window shows it; the worker stays usable
+            self._drop_model()
+            if isinstance(exc, LoadCancelled):
+                self.failed.emit("Loading stopped.")
+            else:
+                self.failed.emit(f"Could not load {path}: {one_line(exc)}")
+            self.unloaded.emit()
+        finally:
+            self._folder = None
+            self.busyChanged.emit("")
+
+    def _landed(self, notes: list[str]) -> list[str]:
+        """Plain sentences: where every part of the loaded model is, and why."""
+        model, facts, offload = self._model, self._facts, self._model.offload
+        lines = list(notes)
+        per_layer = [(info.layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
+                     for info in offload.infos]
+        lines += offload.plan.statements
+        if self._device is not None:
+            lines.append(f"Experts resident per layer: {layer_summary(per_layer)}.")
+            memory = self._device.memory
+            slots = offload.plan.device_bytes(offload.infos)
+            parts = [f"expert slots {human_bytes(slots)}"] + [
+                f"{purpose} {human_bytes(n)}" for purpose, n in sorted(memory.by_purpose.items())
+                if n and not purpose.startswith("expert slots")]
+            lines.append(f"{self._device.name}: {human_bytes(memory.used)} in use of {human_bytes(memory.ceiling)} "
+                         f"({', '.join(parts)}).")
+        lines.append(f"The dense part ({human_bytes(facts.dense_bytes)}: attention, norms, routers, embeddings, "
+                     f"in {facts.dense_segments} onnxruntime segments) runs on the CPU with onnxruntime's CPU "
+                     "provider: this build has no GPU path for it yet.")
+        lines.append(f"KV cache and state live in host memory beside the dense part: up to "
+                     f"{human_bytes(facts.kv_cache_bytes())} at the full {facts.context_length}-token context.")
+        threads = model.offload.config.cpu_threads
+        lines.append(f"CPU expert kernels use {threads if threads else 'all'} CPU threads"
+                     f"{'' if threads else ' (' + str(_cores()) + ')'}.")
+        if offload.config.approximate_routing:
+            lines.append("Approximate routing is on: answers report their token agreement with exact routing.")
+        return lines
+
+    # --- chat ------------------------------------------------------------------------------------
+    def _params(self, options: dict):
+        temperature = float(options.get("temperature", 0.0))
+        seed = options.get("seed")
+        sampling = SamplingParams(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+                                  top_k=int(options.get("top_k", 0)), top_p=float(options.get("top_p", 1.0)),
+                                  repetition_penalty=float(options.get("repetition_penalty", 1.0)),
+                                  seed=None if seed is None or int(seed) < 0 else int(seed))
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise WorkbenchError(str(exc)) from None
+        stops = tuple(s for s in options.get("stop_strings", ()) if s)
+        return GenerationParams(max_new_tokens=max(1, int(options.get("max_new_tokens", 256))), sampling=sampling,
+                                stop_strings=stops)
+
+    def _run_turn(self, conversation, text: str, options: dict) -> None:
+        self.cancel.clear()
+        self.busyChanged.emit("generating")
+        try:
+            params = self._params(options)
+            self._last_stats = time.perf_counter()
+            self._decode_mark = None
+
+            def on_text(_token, delta):
+                self.token.emit(delta)
+                now = time.perf_counter()
+                if now - self._last_stats >= STATS_INTERVAL_S:
+                    self._last_stats = now
+                    self._emit_stats(decode=True)
+
+            result = conversation.send(text, params, on_text, self.cancel)
+            self._conversation = conversation
+            self.answered.emit({"text": result.text, "finish_reason": result.finish_reason,
+                                "timings": result.timings.as_dict(), "reused_cache_tokens": result.reused_cache_tokens,
+                                "routing_agreement": result.routing_agreement})
+            self._emit_stats()
+        except Exception as exc:
+            self.failed.emit(one_line(exc))
+            self.answered.emit({"text": "", "finish_reason": "error", "error": one_line(exc), "timings": {}})
+        finally:
+            self.busyChanged.emit("")
 
     @Slot(str, dict)
     def _send(self, text: str, options: dict) -> None:
-        from engine.generation import GenerationParams
-
         if self._conversation is None:
-            self.failed.emit("No model is loaded.")
+            self.failed.emit("No model is loaded: open one (or the demo model) first.")
+            self.answered.emit({"text": "", "finish_reason": "error", "error": "no model", "timings": {}})
             return
-        self.cancel.clear()
-        self.busyChanged.emit(True)
+        self._run_turn(self._conversation, text, options)
+
+    @Slot(dict)
+    def _regenerate(self, options: dict) -> None:
+        """Answer the last user message again: the conversation restarts from the turns before it
+        (the cache is refilled from the start, as the last turn's tokens are in it)."""
+        old = self._conversation
+        if old is None or len(old.messages) < 2 or old.messages[-1]["role"] != "assistant":
+            self.failed.emit("There is no answer to regenerate.")
+            self.answered.emit({"text": "", "finish_reason": "error", "error": "nothing to regenerate", "timings": {}})
+            return
+        user_text = old.messages[-2]["content"]
+        fresh = Conversation(self._model, system_prompt=None, messages=[dict(m) for m in old.messages[:-2]])
+        self._run_turn(fresh, user_text, options)
+
+    @Slot(str)
+    def _new_chat(self, system_prompt: str) -> None:
+        self._system_prompt = system_prompt.strip()
+        if self._model is not None:
+            self._conversation = Conversation(self._model, system_prompt=self._system_prompt or None)
+
+    # --- re-planning and statistics --------------------------------------------------------------
+    @Slot(dict)
+    def _replan(self, entries: dict) -> None:
+        if self._model is None:
+            self.failed.emit("No model is loaded: the settings apply at the next load.")
+            return
+        self.busyChanged.emit("replanning")
         try:
-            params = GenerationParams(max_new_tokens=int(options.get("max_new_tokens", 128)))
-            result = self._conversation.send(text, params, lambda _t, delta: self.token.emit(delta), self.cancel)
-            self.answered.emit({"text": result.text, "finish_reason": result.finish_reason,
-                                "timings": result.timings.as_dict()})
+            config = OffloadConfig.from_entries(entries)
+            blocked = _needs_reload(self._model.offload.config, config)
+            if blocked:
+                raise WorkbenchError(f"{', '.join(blocked)} changes only when the model is loaded again (Apply and reload)")
+            self._model.offload.reconfigure(config)
+            self.replanned.emit({"statements": list(self._model.offload.plan.statements), "landed": self._landed([]),
+                                 "entries": config.to_entries()})
+            self._emit_stats()
         except Exception as exc:
-            self.failed.emit(_one_line(exc))
+            self.failed.emit(f"Could not apply the settings: {one_line(exc)}")
         finally:
-            self.busyChanged.emit(False)
+            self.busyChanged.emit("")
+
+    def _emit_stats(self, decode: bool = False) -> None:
+        """Placement and traffic of the loaded model (emitted from the worker, between tokens).
+
+        During decode it also measures the CPU expert throughput since the previous report: the
+        bytes of expert weights the CPU kernels read (one expert per missed token-expert pair) per
+        second of their own time."""
+        offload = self._model.offload if self._model is not None else None
+        if offload is None:
+            return
+        stats = offload.stats
+        layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
+                   "copy_bytes": s.copy_bytes, "swaps": s.swaps} for s in stats.layers]
+        bpe = [info.bytes_per_expert for info in offload.infos]
+        cpu_bytes = sum(layer["misses"] * b for layer, b in zip(layers, bpe))
+        cpu_s = sum(layer["cpu_s"] for layer in layers)
+        rate = 0.0
+        if decode:
+            if self._decode_mark is not None:
+                d_bytes, d_s = cpu_bytes - self._decode_mark[0], cpu_s - self._decode_mark[1]
+                rate = d_bytes / d_s if d_s >= 0.02 and d_bytes > 0 else 0.0
+            self._decode_mark = (cpu_bytes, cpu_s)
+        resident = [row.tolist() for row in offload.resident_map()]
+        try:
+            traffic = [[float(v) for v in row] for row in offload.policy.scores]
+        except Exception:
+            traffic = [[0.0] * len(row) for row in resident]
+        self.offloadStats.emit({
+            "time": time.monotonic(), "steps": stats.steps, "layers": layers, "resident": resident,
+            "traffic": traffic, "placement": offload.config.placement, "layer_names": [i.name for i in offload.infos],
+            "layer_index": [i.layer for i in offload.infos], "bytes_per_expert": bpe,
+            "cpu_expert_bytes": cpu_bytes, "cpu_expert_s": cpu_s, "cpu_expert_rate": rate,
+            "approximation": dict(vars(offload.approximation)),
+        })
+
+    # --- unloading ---------------------------------------------------------------------------------
+    def _drop_model(self) -> None:
+        self._conversation = None
+        self._model = None
+        self._device = None
 
     @Slot()
     def _unload(self) -> None:
-        self._conversation = None
-        self._model = None
+        had = self._model is not None
+        self._drop_model()
+        if had:
+            self.unloaded.emit()
+
+
+def _cores() -> int:
+    return cpu_threads()
 
 
 class WorkerThread:
     """Owns the QThread the worker lives in."""
 
-    def __init__(self):
+    def __init__(self, demo_dir: str | None = None):
         self.thread = QThread()
         self.thread.setObjectName("engine")
-        self.worker = EngineWorker()
+        self.worker = EngineWorker(demo_dir)
         self.worker.moveToThread(self.thread)
         self.thread.start()
 
     def stop(self) -> None:
         self.worker.cancel.set()
         self.thread.quit()
-        self.thread.wait(10000)
+        if not self.thread.wait(15000):
+            self.thread.terminate()
+            self.thread.wait(2000)

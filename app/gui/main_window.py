@@ -1,161 +1,518 @@
-"""A minimal window: open a model (or the demo), see where it runs, chat with it."""
+"""The workstation window: model, budgets, live graphs, placement and chat in docks the user can
+rearrange (remembered), following the system's light or dark scheme, every action on the keyboard.
+
+The engine runs in one worker thread (app.gui.engine_worker), the telemetry sampler in another
+(app.gui.telemetry); this window only shows what they report."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Slot
-from PySide6.QtGui import QFont, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QLineEdit, QMainWindow,
-                               QPlainTextEdit, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
+import hashlib
+import json
+import os
+from pathlib import Path
 
+from PySide6.QtCore import QByteArray, QSettings, Qt, Slot
+from PySide6.QtGui import QAction, QActionGroup, QIcon, QKeySequence
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QVBoxLayout,
+                               QWidget)
+
+from app.gui import theme
+from app.gui.budget_panel import BudgetPanel
+from app.gui.chat_panel import ChatPanel
+from app.gui.contention import ThroughputWatch, check_sample
 from app.gui.engine_worker import WorkerThread
+from app.gui.graphs_panel import GraphsPanel
+from app.gui.model_panel import ModelPanel
+from app.gui.placement_view import PlacementView
+from app.gui.telemetry import SamplerThread
+from app.gui.widgets import Banner
+
+RECENT_MAX = 10
+ICON = Path(__file__).resolve().parents[2] / "resources" / "moe-workbench.svg"
+STATE_VERSION = 1
+
+
+def settings_from_env() -> QSettings:
+    """MOE_WORKBENCH_SETTINGS=/path/file.ini keeps settings in that file (tests, screenshots)."""
+    path = os.environ.get("MOE_WORKBENCH_SETTINGS")
+    if path:
+        return QSettings(path, QSettings.Format.IniFormat)
+    return QSettings("moe-workbench", "moe-workbench")
+
+
+def app_icon() -> QIcon:
+    return QIcon(str(ICON)) if ICON.is_file() else QIcon()
 
 
 class MainWindow(QMainWindow):
-    def __init__(self):
+    def __init__(self, settings: QSettings | None = None, sample_interval_ms: int = 1000, nvml: bool = True,
+                 demo_dir: str | None = None):
         super().__init__()
+        self.setObjectName("mainWindow")
         self.setWindowTitle("MoE Workbench")
-        self.resize(1100, 720)
-        self._worker_thread = WorkerThread()
+        self.setWindowIcon(app_icon())
+        self.settings = settings if settings is not None else settings_from_env()
+        self.facts = None
+        self.loaded_path: str | None = None
+        self.busy = ""
+        self.last_error = ""
+        self._load_settings: dict | None = None
+        self._closed = False
+        self._pending_demo_load = False
+        self.watch = ThroughputWatch()
+        self.contention_seen: list[str] = []
+
+        self._worker_thread = WorkerThread(demo_dir)
         self.worker = self._worker_thread.worker
+        self._sampler_thread = SamplerThread(sample_interval_ms, nvml)
+        self.sampler = self._sampler_thread.sampler
 
-        self.model_label = QLabel("No model loaded")
-        self.open_button = QPushButton("Open model folder…")
-        self.demo_button = QPushButton("Demo model")
-        self.progress = QProgressBar()
-        self.progress.setRange(0, 100)
-        self.progress.setVisible(False)
-        top = QHBoxLayout()
-        top.addWidget(self.model_label, 1)
-        top.addWidget(self.progress)
-        top.addWidget(self.open_button)
-        top.addWidget(self.demo_button)
-
-        mono = QFont("monospace")
-        mono.setStyleHint(QFont.StyleHint.Monospace)
-        self.inspection = QPlainTextEdit(readOnly=True)
-        self.inspection.setFont(mono)
-        self.inspection.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
-        self.inspection.setPlaceholderText("The inspection of the model's expert layers appears here.")
-        self.transcript = QPlainTextEdit(readOnly=True)
-        self.transcript.setPlaceholderText("Load a model, then type a message below.")
-        self.prompt = QLineEdit(placeholderText="Message (Enter to send)")
-        self.send_button = QPushButton("Send")
-        self.stop_button = QPushButton("Stop")
-        self.stop_button.setEnabled(False)
-        self.stats = QLabel("")
-        chat_row = QHBoxLayout()
-        chat_row.addWidget(self.prompt, 1)
-        chat_row.addWidget(self.send_button)
-        chat_row.addWidget(self.stop_button)
-        chat = QWidget()
-        chat_layout = QVBoxLayout(chat)
-        chat_layout.addWidget(self.transcript, 1)
-        chat_layout.addWidget(self.stats)
-        chat_layout.addLayout(chat_row)
-        splitter = QSplitter(Qt.Orientation.Horizontal)
-        splitter.addWidget(self.inspection)
-        splitter.addWidget(chat)
-        splitter.setSizes([450, 650])
-
-        # Errors show here, not in a modal box: the window stays usable.
-        self.error_banner = QLabel(wordWrap=True)
-        self.error_banner.setStyleSheet("QLabel { background: #b3261e; color: white; padding: 6px; border-radius: 4px; }")
-        self.error_banner.setVisible(False)
+        # panels
+        self.model_panel = ModelPanel()
+        self.budget_panel = BudgetPanel()
+        self.graphs = GraphsPanel()
+        self.placement = PlacementView()
+        self.chat = ChatPanel()
+        self.error_banner = Banner("error")
+        self.contention_banner = Banner("warn")
+        self.contention_banner.setAccessibleName("Contention warning")
 
         central = QWidget()
-        layout = QVBoxLayout(central)
-        layout.addLayout(top)
-        layout.addWidget(self.error_banner)
-        layout.addWidget(splitter, 1)
+        column = QVBoxLayout(central)
+        column.setContentsMargins(6, 6, 6, 0)
+        column.addWidget(self.error_banner)
+        column.addWidget(self.contention_banner)
+        column.addWidget(self.chat, 1)
         self.setCentralWidget(central)
+        self.setDockNestingEnabled(True)
+        self.docks = {
+            "model": self._dock("Model", "modelDock", self.model_panel, Qt.DockWidgetArea.LeftDockWidgetArea),
+            "budget": self._dock("Budgets", "budgetDock", self.budget_panel, Qt.DockWidgetArea.LeftDockWidgetArea),
+            "graphs": self._dock("Machine", "graphsDock", self.graphs, Qt.DockWidgetArea.RightDockWidgetArea),
+            "placement": self._dock("Placement", "placementDock", self.placement, Qt.DockWidgetArea.BottomDockWidgetArea),
+        }
+        self.splitDockWidget(self.docks["model"], self.docks["budget"], Qt.Orientation.Vertical)
+        self.status_state = QLabel("Idle")
+        self.status_model = QLabel("No model loaded")
+        self.status_device = QLabel()
+        self.statusBar().addWidget(self.status_state)
+        self.statusBar().addWidget(self.status_model, 1)
+        self.statusBar().addPermanentWidget(self.status_device)
+        self._make_actions()
+        self.resize(1600, 1000)
+        self.resizeDocks([self.docks["model"], self.docks["graphs"]], [430, 470], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["model"], self.docks["budget"]], [430, 520], Qt.Orientation.Vertical)
+        self.resizeDocks([self.docks["placement"]], [220], Qt.Orientation.Vertical)
+        self._default_state = self.saveState(STATE_VERSION)
+        self.setAcceptDrops(True)
 
-        self.open_button.clicked.connect(self.choose_model)
-        self.demo_button.clicked.connect(self.load_demo)
-        self.send_button.clicked.connect(self.send)
-        self.prompt.returnPressed.connect(self.send)
-        self.stop_button.clicked.connect(self.worker.cancel.set)
-        QShortcut(QKeySequence("Ctrl+O"), self, self.choose_model)
-        QShortcut(QKeySequence("Escape"), self, self.worker.cancel.set)
-        self.worker.loadProgress.connect(lambda f: self.progress.setValue(int(f * 100)))
-        self.worker.loaded.connect(self._on_loaded)
-        self.worker.token.connect(self._on_token)
-        self.worker.answered.connect(self._on_answered)
-        self.worker.failed.connect(self._on_failed)
-        self.worker.busyChanged.connect(self._on_busy)
-        self.last_error = ""
+        # wiring: panels -> window -> worker
+        self.model_panel.openRequested.connect(self.choose_model)
+        self.model_panel.recentChosen.connect(self.open_model)
+        self.model_panel.demoRequested.connect(self.load_demo)
+        self.model_panel.loadRequested.connect(self.load)
+        self.model_panel.unloadRequested.connect(self.unload)
+        self.model_panel.stopRequested.connect(self.stop)
+        self.budget_panel.estimateChanged.connect(self.model_panel.show_estimate)
+        self.budget_panel.applyRequested.connect(self.apply_settings)
+        self.chat.sendRequested.connect(self._send)
+        self.chat.regenerateRequested.connect(self._regenerate)
+        self.chat.stopRequested.connect(self.stop)
+        self.chat.newChatRequested.connect(self._new_chat)
+        # worker -> window (queued: the worker emits from its own thread)
+        w = self.worker
+        w.busyChanged.connect(self._on_busy)
+        w.inspected.connect(self._on_inspected)
+        w.loadProgress.connect(self.model_panel.set_progress)
+        w.loaded.connect(self._on_loaded)
+        w.token.connect(self._on_token)
+        w.answered.connect(self._on_answered)
+        w.offloadStats.connect(self._on_stats)
+        w.replanned.connect(self._on_replanned)
+        w.unloaded.connect(self._on_unloaded)
+        w.failed.connect(self._on_failed)
+        self.sampler.sampled.connect(self._on_sample)
 
-    # --- actions --------------------------------------------------------------------------------
+        self._restore()
+        app = QApplication.instance()
+        app.styleHints().colorSchemeChanged.connect(lambda _scheme: self.theme_choice == "system" and self.apply_theme())
+        self.apply_theme()
+        self.model_panel.set_recent(self.recent())
+        self._update_state()
+
+    # --- construction ------------------------------------------------------------------------------
+    def _dock(self, title: str, name: str, widget: QWidget, area) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(name)
+        dock.setWidget(widget)
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable | QDockWidget.DockWidgetFeature.DockWidgetFloatable
+                         | QDockWidget.DockWidgetFeature.DockWidgetClosable)
+        self.addDockWidget(area, dock)
+        return dock
+
+    def _action(self, text: str, slot, shortcut=None, tip: str = "") -> QAction:
+        action = QAction(text, self)
+        if shortcut:
+            action.setShortcut(QKeySequence(shortcut))
+        if tip:
+            action.setStatusTip(tip)
+            action.setToolTip(tip)
+        action.triggered.connect(slot)
+        self.addAction(action)
+        return action
+
+    def _make_actions(self) -> None:
+        self.open_action = self._action("&Open model folder…", self.choose_model, QKeySequence.StandardKey.Open)
+        self.demo_action = self._action("&Demo model", self.load_demo, "Ctrl+D", "Load the embedded random-weight demo model")
+        self.load_action = self._action("&Load", self.load, "Ctrl+L", "Load the open model with the budget panel's settings")
+        self.unload_action = self._action("&Unload", self.unload, "Ctrl+U", "Stop what runs and free the model")
+        self.stop_action = self._action("&Stop", self.stop, "Esc", "Stop the answer or the load")
+        self.quit_action = self._action("&Quit", self.close, QKeySequence.StandardKey.Quit)
+        self.send_action = self._action("&Send", self.chat.send, "Ctrl+Return")
+        self.regenerate_action = self._action("&Regenerate", self.chat.regenerate, "Ctrl+Shift+R")
+        self.new_chat_action = self._action("&New chat", self.chat.new_chat, QKeySequence.StandardKey.New)
+        self.copy_action = self._action("&Copy last answer", self.chat.copy_last, "Ctrl+Shift+C")
+        self.focus_action = self._action("&Focus the message box", lambda: self.chat.prompt.setFocus(), "Ctrl+K")
+        self.pause_action = self._action("&Pause graphs", lambda: self.graphs.set_paused(not self.graphs.paused), "Ctrl+P")
+        self.reset_layout_action = self._action("&Reset layout", self.reset_layout)
+        self.shortcuts_action = self._action("&Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
+
+        menu = self.menuBar().addMenu("&File")
+        menu.addAction(self.open_action)
+        self.recent_menu = menu.addMenu("Open &recent")
+        menu.addAction(self.demo_action)
+        menu.addSeparator()
+        menu.addAction(self.load_action)
+        menu.addAction(self.unload_action)
+        menu.addSeparator()
+        menu.addAction(self.quit_action)
+        menu = self.menuBar().addMenu("&Chat")
+        for action in (self.send_action, self.stop_action, self.regenerate_action, self.new_chat_action, self.copy_action,
+                       self.focus_action):
+            menu.addAction(action)
+        view = self.menuBar().addMenu("&View")
+        for index, (key, dock) in enumerate(self.docks.items(), start=1):
+            toggle = dock.toggleViewAction()
+            toggle.setShortcut(QKeySequence(f"Alt+{index}"))
+            view.addAction(toggle)
+        view.addSeparator()
+        view.addAction(self.pause_action)
+        theme_menu = view.addMenu("&Theme")
+        self.theme_group = QActionGroup(self)
+        self.theme_actions = {}
+        for key, label in (("system", "Follow the &system"), ("light", "&Light"), ("dark", "&Dark")):
+            action = QAction(label, self, checkable=True)
+            action.triggered.connect(lambda _c=False, k=key: self.set_theme(k))
+            self.theme_group.addAction(action)
+            theme_menu.addAction(action)
+            self.theme_actions[key] = action
+        view.addAction(self.reset_layout_action)
+        help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction(self.shortcuts_action)
+
+    # --- settings --------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        s = self.settings
+        geometry = s.value("window/geometry")
+        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
+            self.restoreGeometry(geometry)
+        state = s.value("window/state")
+        if isinstance(state, QByteArray) and not state.isEmpty():
+            self.restoreState(state, STATE_VERSION)
+        self.theme_choice = str(s.value("view/theme", "system"))
+        chat = s.value("chat/options")
+        if chat:
+            try:
+                self.chat.set_options(json.loads(chat))
+            except (ValueError, TypeError):
+                pass
+        self.chat.system_prompt.setPlainText(str(s.value("chat/system_prompt", "")))
+
+    def save_settings(self) -> None:
+        s = self.settings
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/state", self.saveState(STATE_VERSION))
+        s.setValue("view/theme", self.theme_choice)
+        s.setValue("chat/options", json.dumps(self.chat.options()))
+        s.setValue("chat/system_prompt", self.chat.system_prompt.toPlainText())
+        s.sync()
+
+    @staticmethod
+    def _model_key(path: str) -> str:
+        return "models/" + hashlib.sha1(str(Path(path).expanduser().resolve()).encode()).hexdigest()[:16]
+
+    def model_settings(self, path: str) -> dict | None:
+        raw = self.settings.value(self._model_key(path))
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)["budget"]
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def save_model_settings(self, path: str, budget: dict) -> None:
+        self.settings.setValue(self._model_key(path), json.dumps({"path": path, "budget": budget}))
+        self.settings.sync()
+
+    def recent(self) -> list[str]:
+        try:
+            return [p for p in json.loads(self.settings.value("recent", "[]")) if isinstance(p, str)]
+        except (ValueError, TypeError):
+            return []
+
+    def _remember_recent(self, path: str) -> None:
+        paths = [path] + [p for p in self.recent() if p != path]
+        self.settings.setValue("recent", json.dumps(paths[:RECENT_MAX]))
+        self.model_panel.set_recent(paths[:RECENT_MAX])
+        self.recent_menu.clear()
+        for p in paths[:RECENT_MAX]:
+            action = self.recent_menu.addAction(p)
+            action.triggered.connect(lambda _c=False, x=p: self.open_model(x))
+
+    # --- theme and layout --------------------------------------------------------------------------
+    def set_theme(self, choice: str) -> None:
+        self.theme_choice = choice
+        self.apply_theme()
+
+    def apply_theme(self) -> None:
+        t = theme.apply(QApplication.instance(), self.theme_choice)
+        self.theme_actions[self.theme_choice if self.theme_choice in self.theme_actions else "system"].setChecked(True)
+        self.graphs.apply_theme(t)
+        self.placement.apply_theme(t)
+        self.error_banner.restyle()
+        self.contention_banner.restyle()
+        self.chat.render()
+        if self.facts is not None:
+            self.model_panel.show_facts(self.facts)
+        self.budget_panel.refresh()
+        return None
+
+    def reset_layout(self) -> None:
+        self.restoreState(self._default_state, STATE_VERSION)
+        for dock in self.docks.values():
+            dock.show()
+
+    def show_shortcuts(self) -> None:
+        rows = []
+        for action in self.actions():
+            if action.shortcut().toString():
+                rows.append(f"<tr><td><b>{action.shortcut().toString(QKeySequence.SequenceFormat.NativeText)}</b></td>"
+                            f"<td>&nbsp;{action.text().replace('&', '')}</td></tr>")
+        for key, dock in self.docks.items():
+            rows.append(f"<tr><td><b>{dock.toggleViewAction().shortcut().toString()}</b></td><td>&nbsp;show/hide {dock.windowTitle()}</td></tr>")
+        QMessageBox.information(self, "Keyboard shortcuts", "<table>" + "".join(rows) + "</table>")
+
+    # --- actions -----------------------------------------------------------------------------------
     @Slot()
     def choose_model(self) -> None:
-        path = QFileDialog.getExistingDirectory(self, "Open a model folder (genai_config.json, model.onnx)")
+        start = self.facts.path if self.facts else str(Path.home())
+        path = QFileDialog.getExistingDirectory(self, "Open a model folder (genai_config.json, model.onnx)", start)
         if path:
-            self.load_model(path)
+            self.open_model(path)
+
+    def open_model(self, path: str) -> None:
+        """Inspect a folder: the table, the verdict and the estimates appear; loading is one click more."""
+        self.error_banner.hide()
+        self.worker.requestOpen.emit(str(path))
 
     @Slot()
     def load_demo(self) -> None:
-        from engine.demo_model import ensure_demo_model
-
-        try:
-            path = ensure_demo_model()
-        except Exception as exc:
-            self._on_failed(f"Could not write the demo model: {exc}")
-            return
-        self.load_model(str(path))
+        self.error_banner.hide()
+        self._pending_demo_load = True
+        self.worker.requestDemo.emit(False)
 
     def load_model(self, path: str) -> None:
-        self.error_banner.setVisible(False)
-        self.model_label.setText(f"Loading {path} …")
-        self.progress.setValue(0)
-        self.progress.setVisible(True)
-        self.worker.requestLoad.emit(path)
+        """Load a folder (inspecting it first if it is not the open one) with its remembered settings."""
+        path = str(path)
+        same = self.facts is not None and Path(self.facts.path).resolve() == Path(path).resolve()
+        settings = self.budget_panel.settings() if same else (self.model_settings(path) or {})
+        self._start_load(path, settings)
 
     @Slot()
-    def send(self) -> None:
-        text = self.prompt.text().strip()
-        if not text:
-            return
-        self.prompt.clear()
-        self.transcript.appendPlainText(f"\nYou: {text}\nModel: ")
-        self.worker.requestSend.emit(text, {"max_new_tokens": 128})
+    def load(self) -> None:
+        if self.facts is not None and not self.busy:
+            self._start_load(self.facts.path, self.budget_panel.settings())
 
-    # --- engine signals -------------------------------------------------------------------------
+    def _start_load(self, path: str, settings: dict) -> None:
+        self.error_banner.hide()
+        self._load_settings = settings
+        self.model_panel.set_progress(0.0)
+        self.graphs.add_marker("load", "load")
+        self.worker.requestLoad.emit(path, settings)
+
+    @Slot()
+    def unload(self) -> None:
+        self.worker.cancel.set()
+        self.worker.requestUnload.emit()
+
+    @Slot()
+    def stop(self) -> None:
+        if self.busy in ("generating", "loading"):
+            self.worker.cancel.set()
+
+    def apply_settings(self, settings: dict, reload: bool) -> None:
+        if self.facts is None:
+            return
+        self.save_model_settings(self.facts.path, settings)
+        if reload:
+            self._start_load(self.facts.path, settings)
+        else:
+            self._load_settings = settings
+            self.worker.requestReplan.emit(settings.get("entries", {}))
+
+    def _send(self, text: str, options: dict) -> None:
+        self.contention_banner.hide()
+        self.worker.requestSend.emit(text, options)
+
+    def _regenerate(self, options: dict) -> None:
+        self.contention_banner.hide()
+        self.worker.requestRegenerate.emit(options)
+
+    def _new_chat(self, system_prompt: str) -> None:
+        self.worker.requestNewChat.emit(system_prompt)
+
+    # --- drag and drop -----------------------------------------------------------------------------
+    @staticmethod
+    def _dropped_folder(mime) -> str | None:
+        for url in mime.urls() if mime.hasUrls() else []:
+            if url.isLocalFile():
+                path = Path(url.toLocalFile())
+                return str(path if path.is_dir() else path.parent)
+        return None
+
+    def dragEnterEvent(self, event) -> None:
+        if self._dropped_folder(event.mimeData()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        folder = self._dropped_folder(event.mimeData())
+        if folder:
+            event.acceptProposedAction()
+            self.open_model(folder)
+
+    # --- worker signals ----------------------------------------------------------------------------
+    @Slot(str)
+    def _on_busy(self, activity: str) -> None:
+        previous, self.busy = self.busy, activity
+        if activity == "generating":
+            self.graphs.add_marker("generate", "generate")
+            self.contention_seen = []
+        elif previous == "generating":
+            self.graphs.add_marker("answer", "generate")
+        self._update_state()
+
+    @Slot(object)
+    def _on_inspected(self, facts) -> None:
+        self.facts = facts
+        self.model_panel.show_facts(facts)
+        self.budget_panel.set_facts(facts, self._load_settings if self._load_settings is not None and self.busy == "loading"
+                                    else self.model_settings(facts.path))
+        if self.loaded_path is not None and Path(self.loaded_path).resolve() != Path(facts.path).resolve():
+            self.budget_panel.mark_loaded(None)
+        self._remember_recent(facts.path)
+        self.setWindowTitle(f"{facts.name} — MoE Workbench")
+        self._update_state()
+        if self._pending_demo_load:
+            self._pending_demo_load = False
+            self._start_load(facts.path, self.budget_panel.settings())
+
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
-        self.progress.setVisible(False)
-        from engine.demo_model import DEMO_NAME
-
-        note = "  — the demo model: RANDOM weights, its text is meaningless" if info["model"].rstrip("/").endswith(DEMO_NAME) else ""
-        self.model_label.setText(f"{info['model']}  (loaded in {info['load_s']:.2f} s; experts on the CPU){note}")
-        self.inspection.setPlainText(info["summary"])
+        self.loaded_path = info["path"]
+        self.model_panel.loaded_path = info["path"]
+        self.model_panel.show_landed(info["landed"])
+        settings = self._load_settings if self._load_settings else self.budget_panel.settings()
+        self.budget_panel.mark_loaded(settings)
+        self.save_model_settings(info["path"], settings)
+        self.watch.reset()
+        self.graphs.add_marker("loaded", "load")
+        demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
+        self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")
+        self.status_device.setText(f"experts: {info['device']} · dense part: CPU")
+        self._update_state()
 
     @Slot(str)
     def _on_token(self, delta: str) -> None:
-        cursor = self.transcript.textCursor()
-        cursor.movePosition(cursor.MoveOperation.End)
-        cursor.insertText(delta)
-        self.transcript.setTextCursor(cursor)
+        self.chat.append_token(delta)
+        self.graphs.count_tokens()
 
     @Slot(dict)
     def _on_answered(self, result: dict) -> None:
-        t = result["timings"]
-        self.stats.setText(f"first token {t['time_to_first_token_s'] * 1000:.0f} ms · {t['decode_tokens_per_s']:.1f} tok/s · "
-                           f"{t['total_s']:.2f} s · {t['generated_tokens']} tokens · {result['finish_reason']}")
+        self.chat.finish_answer(result)
+        t = result.get("timings") or {}
+        if t:
+            self.status_state.setText(f"Answered: {t['generated_tokens']} tokens, {t['decode_tokens_per_s']:.1f} tok/s")
+        self._update_state()
+
+    @Slot(dict)
+    def _on_stats(self, data: dict) -> None:
+        self.placement.set_stats(data)
+        if data.get("cpu_expert_rate"):
+            self.watch.add(data["cpu_expert_rate"])
+
+    @Slot(dict)
+    def _on_replanned(self, info: dict) -> None:
+        self.model_panel.show_landed(info["landed"])
+        self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
+        self.status_state.setText("Re-planned without reloading")
+
+    @Slot()
+    def _on_unloaded(self) -> None:
+        self.loaded_path = None
+        self.model_panel.loaded_path = None
+        self.model_panel.landed.setText("Not loaded.")
+        self.budget_panel.mark_loaded(None)
+        self.placement.clear()
+        self.status_model.setText("No model loaded")
+        self.status_device.setText("")
+        self._update_state()
 
     @Slot(str)
     def _on_failed(self, message: str) -> None:
+        self._pending_demo_load = False
         self.last_error = message
-        self.progress.setVisible(False)
-        if self.model_label.text().startswith("Loading"):
-            self.model_label.setText("No model loaded")
-        self.error_banner.setText(message)
-        self.error_banner.setVisible(True)
+        self.error_banner.show_message(message)
+        self.graphs.add_marker("error", "error")
 
-    @Slot(bool)
-    def _on_busy(self, busy: bool) -> None:
-        for widget in (self.open_button, self.demo_button, self.send_button):
-            widget.setEnabled(not busy)
-        self.stop_button.setEnabled(busy)
+    @Slot(dict)
+    def _on_sample(self, sample: dict) -> None:
+        self.graphs.add_sample(sample)
+        self.budget_panel.set_gpu(sample.get("gpu"))
+        if self.busy == "generating":
+            warnings = check_sample(sample)
+            slow = self.watch.warning()
+            if slow:
+                warnings.append(slow)
+            self.show_contention(warnings)
+
+    def show_contention(self, warnings: list[str]) -> None:
+        if not warnings:
+            return
+        self.contention_seen = warnings
+        self.contention_banner.show_message("While generating: " + " ".join(warnings))
+
+    # --- state -------------------------------------------------------------------------------------
+    def _update_state(self) -> None:
+        loaded = self.loaded_path is not None
+        busy = self.busy
+        self.model_panel.set_state(busy, loaded)
+        self.chat.set_state(busy=bool(busy), loaded=loaded)
+        for action in (self.open_action, self.demo_action):
+            action.setEnabled(not busy)
+        self.load_action.setEnabled(not busy and self.facts is not None)
+        self.unload_action.setEnabled(loaded or busy in ("loading", "generating"))
+        self.stop_action.setEnabled(busy in ("loading", "generating"))
+        self.budget_panel.apply_button.setEnabled(self.budget_panel.apply_button.isEnabled() and not busy)
+        labels = {"opening": "Opening…", "loading": "Loading…", "generating": "Generating…", "replanning": "Re-planning…"}
+        if busy:
+            self.status_state.setText(labels.get(busy, busy))
+        elif self.status_state.text() in labels.values():
+            self.status_state.setText("Ready" if loaded else "Idle")
 
     def closeEvent(self, event) -> None:
-        self._worker_thread.stop()
+        if not self._closed:
+            self._closed = True
+            self.save_settings()
+            self._sampler_thread.stop()
+            self._worker_thread.stop()
         super().closeEvent(event)

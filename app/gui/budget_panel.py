@@ -1,0 +1,399 @@
+"""The budget panel: every offload setting in onnxruntime's vocabulary, each with a live estimate as
+it moves (experts resident per layer, a VRAM breakdown, host memory), and Apply, which re-plans the
+loaded model without reloading wherever the engine allows."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QGroupBox, QHBoxLayout,
+                               QLabel, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+
+from app.gui import theme
+from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
+from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html
+from engine.offload.config import OffloadConfig
+from engine.units import human_bytes
+
+DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
+RELOAD_FIELDS = ("gpu_device_mem_limit",)
+NOT_USED_YET = "recorded in the settings; the engine does not use it yet"
+
+
+def cuda_status() -> str:
+    """'' when a CUDA device opens, else the engine's message."""
+    from engine.offload.cuda_device import open_cuda_device
+
+    try:
+        open_cuda_device()
+        return ""
+    except Exception as exc:
+        return str(exc)
+
+
+class BudgetPanel(QWidget):
+    estimateChanged = Signal(object, str, str)    # Estimate, mode, device label
+    applyRequested = Signal(dict, bool)           # settings, reload
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("budgetPanel")
+        self.facts = None
+        self.base = OffloadConfig()
+        self.applied: dict | None = None   # what the loaded model runs with
+        self.loaded = False
+        self._cuda_error: str | None = None
+        self._gpu: dict | None = None
+        self.last_estimate = None
+        self._quiet = False
+
+        # device
+        self.device = QComboBox()
+        for key, label in DEVICES:
+            self.device.addItem(label, key)
+        self.device.setAccessibleName("Device for resident experts")
+        self.sim_size = ByteControl(80 * GIB, auto_text=None)
+        self.sim_size.setValue(8 * GIB)
+        self.sim_size.setAccessibleName("Simulated GPU memory")
+        self.device_note = QLabel(wordWrap=True)
+
+        # budgets
+        self.expert_bytes = ByteControl(1 << 30)
+        self.expert_bytes.setAccessibleName("device_expert_bytes")
+        self.reserve_bytes = ByteControl(8 * GIB)
+        self.reserve_bytes.setAccessibleName("reserve_device_bytes")
+        self.mem_limit = ByteControl(8 * GIB, auto_text="none")
+        self.mem_limit.setAccessibleName("gpu_device_mem_limit")
+        self.host_bytes = ByteControl(1 << 30)
+        self.host_bytes.setAccessibleName("host_expert_bytes")
+        self.pinned_bytes = ByteControl(1 << 30)
+        self.pinned_bytes.setAccessibleName("pinned_bytes")
+
+        # policy
+        self.mode = QComboBox()
+        self.mode.addItems(["auto", "required", "disabled"])
+        self.placement = QComboBox()
+        self.placement.addItems(["adaptive", "static"])
+        self.cpu_execution = QComboBox()
+        self.cpu_execution.addItems(["auto", "enabled", "disabled"])
+        self.threads = QSpinBox()
+        self.threads.setRange(0, 1024)
+        self.threads.setSpecialValueText("all cores")
+        self.wave = QSpinBox()
+        self.wave.setRange(1, 4096)
+
+        # approximate routing
+        self.min_weight = QDoubleSpinBox(decimals=3, singleStep=0.01)
+        self.min_weight.setRange(0.0, 1.0)
+        self.min_weight.setSpecialValueText("off")
+        self.cold_only = QCheckBox("only cold experts")
+        self.tail_threshold = QDoubleSpinBox(decimals=3, singleStep=0.01)
+        self.tail_threshold.setRange(0.0, 1.0)
+        self.tail_threshold.setSpecialValueText("off")
+        self.tail_rank = QSpinBox()
+        self.tail_rank.setRange(0, 64)
+        self.kv_tokens = QSpinBox()
+        self.kv_tokens.setRange(1, 10_000_000)
+        self.kv_tokens.setSingleStep(1024)
+        self.kv_tokens.setSuffix(" tokens")
+
+        # the estimate
+        self.layer_bars = LayerBars()
+        self.layer_text = QLabel(wordWrap=True)
+        self.vram_bar = StackedBar()
+        self.vram_legend = QLabel(wordWrap=True)
+        self.vram_title = heading("VRAM")
+        self.host_bar = StackedBar()
+        self.host_legend = QLabel(wordWrap=True)
+        self.statements = QLabel(wordWrap=True)
+        self.statements.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        self.apply_button = QPushButton("Apply")
+        self.apply_button.setToolTip("Re-plan the loaded model with these settings (Ctrl+Return in this panel)")
+        self.defaults_button = QPushButton("Defaults")
+        self.applied_label = QLabel()
+
+        form = lambda: QFormLayout()  # noqa: E731
+        device_box = QGroupBox("Device")
+        f = form()
+        f.addRow("Experts live on", self.device)
+        f.addRow("Simulated size", self.sim_size)
+        f.addRow(self.device_note)
+        device_box.setLayout(f)
+        self._device_form = f
+
+        budget_box = QGroupBox("Budgets")
+        f = form()
+        f.addRow(_label("Expert budget", "device_expert_bytes: bytes of expert weights kept on the device"), self.expert_bytes)
+        f.addRow(_label("Reserve", "reserve_device_bytes: kept free for KV cache and workspace when the budget is auto"),
+                 self.reserve_bytes)
+        f.addRow(_label("Device limit", "gpu_device_mem_limit: a hard cap on all device memory (needs a reload)"),
+                 self.mem_limit)
+        f.addRow(_label("Host cache", "host_expert_bytes: " + NOT_USED_YET), self.host_bytes)
+        f.addRow(_label("Pinned", "pinned_bytes: " + NOT_USED_YET), self.pinned_bytes)
+        budget_box.setLayout(f)
+
+        policy_box = QGroupBox("Policy")
+        f = form()
+        f.addRow(_label("Mode", "mode: disabled (CPU only), auto (offload where possible), required (refuse otherwise)"), self.mode)
+        f.addRow(_label("Placement", "placement: static (fixed residents) or adaptive (decayed hit counts, swaps with hysteresis)"),
+                 self.placement)
+        f.addRow(_label("CPU execution", "cpu_execution: cold experts computed on the CPU (auto/enabled) or copied in (disabled)"),
+                 self.cpu_execution)
+        f.addRow(_label("CPU threads", "cpu_threads for the CPU expert kernels; 0 = all cores; changes without reload"), self.threads)
+        f.addRow(_label("Prefill wave", "prefill_wave_experts: cold experts streamed to the device per wave in prefill"), self.wave)
+        policy_box.setLayout(f)
+
+        approx_box = QGroupBox("Approximate routing")
+        f = form()
+        f.addRow(_label("Drop below weight", "min_expert_weight: drop routed experts (never the top one) below this weight"),
+                 self.min_weight)
+        f.addRow("", self.cold_only)
+        f.addRow(_label("Substitute below", "tail_substitution_threshold: replace a cold tail expert by the best resident one"),
+                 self.tail_threshold)
+        f.addRow(_label("…from rank", "tail_substitution_min_rank"), self.tail_rank)
+        approx_box.setLayout(f)
+
+        estimate_box = QGroupBox("Estimate")
+        v = QVBoxLayout()
+        v.addWidget(heading("Experts resident per layer"))
+        v.addWidget(self.layer_bars)
+        v.addWidget(self.layer_text)
+        v.addWidget(self.vram_title)
+        v.addWidget(self.vram_bar)
+        v.addWidget(self.vram_legend)
+        host_row = QHBoxLayout()
+        host_row.addWidget(heading("Host memory"))
+        host_row.addStretch(1)
+        host_row.addWidget(QLabel("KV for"))
+        host_row.addWidget(self.kv_tokens)
+        v.addLayout(host_row)
+        v.addWidget(self.host_bar)
+        v.addWidget(self.host_legend)
+        v.addWidget(self.statements)
+        estimate_box.setLayout(v)
+
+        inner = QWidget()
+        column = QVBoxLayout(inner)
+        column.addWidget(device_box)
+        column.addWidget(estimate_box)
+        column.addWidget(budget_box)
+        column.addWidget(policy_box)
+        column.addWidget(approx_box)
+        column.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(inner)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.applied_label, 1)
+        buttons.addWidget(self.defaults_button)
+        buttons.addWidget(self.apply_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(scroll, 1)
+        layout.addLayout(buttons)
+
+        # Re-estimate on every change, coalesced into one pass per event-loop turn.
+        self._timer = QTimer(self, singleShot=True, interval=0)
+        self._timer.timeout.connect(self.refresh)
+        for control in (self.sim_size, self.expert_bytes, self.reserve_bytes, self.mem_limit, self.host_bytes,
+                        self.pinned_bytes):
+            control.valueChanged.connect(self._changed)
+        for combo in (self.device, self.mode, self.placement, self.cpu_execution):
+            combo.currentIndexChanged.connect(self._changed)
+        for spin in (self.threads, self.wave, self.tail_rank, self.kv_tokens):
+            spin.valueChanged.connect(self._changed)
+        for spin in (self.min_weight, self.tail_threshold):
+            spin.valueChanged.connect(self._changed)
+        self.cold_only.toggled.connect(self._changed)
+        self.apply_button.clicked.connect(self._apply)
+        self.defaults_button.clicked.connect(self.reset_defaults)
+        self.set_config(OffloadConfig())
+        self.refresh()
+
+    # --- settings in and out -----------------------------------------------------------------------
+    def config(self) -> OffloadConfig:
+        return self.base.updated(
+            mode=self.mode.currentText(), placement=self.placement.currentText(),
+            cpu_execution=self.cpu_execution.currentText(),
+            device_expert_bytes=self.expert_bytes.value(), reserve_device_bytes=self.reserve_bytes.value(),
+            gpu_device_mem_limit=self.mem_limit.value() or 0, host_expert_bytes=self.host_bytes.value(),
+            pinned_bytes=self.pinned_bytes.value(), cpu_threads=self.threads.value(),
+            prefill_wave_experts=self.wave.value(), min_expert_weight=self.min_weight.value(),
+            skip_tail_cold_only=self.cold_only.isChecked(), tail_substitution_threshold=self.tail_threshold.value(),
+            tail_substitution_min_rank=self.tail_rank.value())
+
+    def device_settings(self) -> dict:
+        kind = self.device.currentData()
+        return {"kind": kind, "capacity": int(self.sim_size.value() or GIB)} if kind == "simulated" else {"kind": kind}
+
+    def settings(self) -> dict:
+        """What the window remembers per model and sends to the worker."""
+        return {"device": self.device_settings(), "entries": self.config().to_entries(), "kv_tokens": self.kv_tokens.value()}
+
+    def set_config(self, config: OffloadConfig) -> None:
+        self._quiet = True
+        try:
+            self.base = config
+            self.mode.setCurrentText(config.mode)
+            self.placement.setCurrentText(config.placement)
+            self.cpu_execution.setCurrentText(config.cpu_execution)
+            self.expert_bytes.setValue(config.device_expert_bytes)
+            self.reserve_bytes.setValue(config.reserve_device_bytes)
+            self.mem_limit.setValue(config.gpu_device_mem_limit or None)
+            self.host_bytes.setValue(config.host_expert_bytes)
+            self.pinned_bytes.setValue(config.pinned_bytes)
+            self.threads.setValue(config.cpu_threads)
+            self.wave.setValue(config.prefill_wave_experts)
+            self.min_weight.setValue(config.min_expert_weight)
+            self.cold_only.setChecked(config.skip_tail_cold_only)
+            self.tail_threshold.setValue(config.tail_substitution_threshold)
+            self.tail_rank.setValue(config.tail_substitution_min_rank)
+        finally:
+            self._quiet = False
+
+    def set_settings(self, settings: dict | None) -> None:
+        settings = settings or {}
+        self._quiet = True
+        try:
+            device = settings.get("device", {})
+            index = self.device.findData(device.get("kind", "cpu"))
+            self.device.setCurrentIndex(max(0, index))
+            if device.get("capacity"):
+                self.sim_size.setValue(int(device["capacity"]))
+            if self.facts is not None:
+                self.kv_tokens.setValue(int(settings.get("kv_tokens") or self.facts.context_length))
+        finally:
+            self._quiet = False
+        try:
+            config = OffloadConfig.from_entries(settings.get("entries", {}))
+        except Exception:
+            config = OffloadConfig()
+        self.set_config(config)
+        self.refresh()
+
+    def reset_defaults(self) -> None:
+        self.set_settings({"kv_tokens": self.facts.context_length if self.facts else None})
+
+    # --- model and machine ---------------------------------------------------------------------------
+    def set_facts(self, facts, settings: dict | None) -> None:
+        self.facts = facts
+        self.applied = None
+        self.loaded = False
+        per_expert_max = max(1, facts.expert_bytes)
+        for control in (self.expert_bytes, self.host_bytes, self.pinned_bytes):
+            control.setMaximum(per_expert_max)
+        self.set_settings(settings)
+
+    def set_gpu(self, gpu: dict | None) -> None:
+        """The latest NVML reading: the CUDA choice's capacity and what other processes hold."""
+        changed = (gpu is None) != (self._gpu is None)
+        self._gpu = gpu
+        if changed or (self.device.currentData() == "cuda" and gpu is not None):
+            self._changed()
+
+    def mark_loaded(self, settings: dict | None) -> None:
+        self.loaded = settings is not None
+        self.applied = settings
+        self.refresh()
+
+    def device_choice(self) -> DeviceChoice:
+        kind = self.device.currentData()
+        if kind == "simulated":
+            return DeviceChoice("simulated", int(self.sim_size.value() or GIB))
+        if kind == "cuda":
+            if self._cuda_error is None:
+                self._cuda_error = cuda_status()
+            gpu = self._gpu or {}
+            return DeviceChoice("cuda", gpu.get("total", 0), gpu.get("others", 0), gpu.get("name", "CUDA GPU"),
+                                self._cuda_error)
+        return DeviceChoice("cpu", 0)
+
+    # --- live estimate -----------------------------------------------------------------------------
+    def _changed(self, *_args) -> None:
+        if not self._quiet:
+            self._timer.start()
+
+    def refresh(self) -> None:
+        t = theme.current()
+        choice = self.device_choice()
+        on_device = choice.kind != "cpu"
+        self._device_form.setRowVisible(self.sim_size, choice.kind == "simulated")
+        for control in (self.expert_bytes, self.reserve_bytes, self.mem_limit, self.wave):
+            control.setEnabled(on_device)
+        capacity = choice.capacity if on_device and choice.capacity else 8 * GIB
+        self.reserve_bytes.setMaximum(capacity)
+        self.mem_limit.setMaximum(capacity)
+        if choice.kind == "cpu":
+            self.device_note.setText("Every expert runs on the CPU. Choose a simulated GPU to try budgets "
+                                     "without a card, or the CUDA GPU.")
+        elif choice.kind == "cuda":
+            self.device_note.setText(f"<span style='color:{t.error}'>Unavailable: {choice.error}</span>" if choice.error
+                                     else f"{choice.label}: {human_bytes(choice.capacity)}")
+        else:
+            self.device_note.setText("Resident experts are accounted as on a GPU of this size and computed by the "
+                                     "CPU kernels; copy and device times are modelled.")
+        if self.facts is None:
+            self.layer_text.setText("Open a model to see estimates.")
+            self._update_apply()
+            return
+        config = self.config()
+        est = estimate(self.facts, config, choice, self.kv_tokens.value())
+        self.last_estimate = est
+        self.layer_bars.setRows(est.per_layer)
+        self.layer_text.setText(("<b>%d of %d</b> experts resident: " % (est.resident, est.total_experts))
+                                + layer_summary(est.per_layer))
+        if on_device and not choice.error:
+            self.vram_title.setText(f"VRAM — {choice.label}" + (f", limit {human_bytes(est.ceiling)}" if est.ceiling < est.capacity else ""))
+            self.vram_bar.setParts(est.device_parts)
+            self.vram_legend.setText(legend_html(est.device_parts, t))
+            self.vram_bar.show()
+        else:
+            self.vram_title.setText("VRAM — no GPU device chosen")
+            self.vram_bar.hide()
+            self.vram_legend.setText(f"<span style='color:{t.muted}'>Nothing of the model is on a GPU.</span>")
+        self.host_bar.setParts(est.host_parts)
+        self.host_legend.setText(legend_html(est.host_parts, t))
+        colour = t.error if est.error else t.text
+        self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(est.statements) + "</span>")
+        self._update_apply()
+        self.estimateChanged.emit(est, config.mode, choice.label)
+
+    # --- apply ---------------------------------------------------------------------------------------
+    def needs_reload(self) -> list[str]:
+        """Which changes since the load can only take effect by loading again."""
+        if not self.applied:
+            return []
+        reasons = []
+        if self.applied.get("device") != self.device_settings():
+            reasons.append("device")
+        old = OffloadConfig.from_entries(self.applied.get("entries", {}))
+        new = self.config()
+        reasons += [name for name in RELOAD_FIELDS if getattr(old, name) != getattr(new, name)]
+        return reasons
+
+    def dirty(self) -> bool:
+        if not self.applied:
+            return False
+        return (self.applied.get("entries") != self.config().to_entries()
+                or self.applied.get("device") != self.device_settings())
+
+    def _update_apply(self) -> None:
+        reload = self.needs_reload()
+        self.apply_button.setText("Apply and reload" if reload else "Apply")
+        self.apply_button.setEnabled(self.loaded and self.dirty())
+        if not self.loaded:
+            self.applied_label.setText("Used at the next load")
+        elif self.dirty():
+            self.applied_label.setText("Changed: " + ("needs a reload (" + ", ".join(reload) + ")" if reload else "not applied yet"))
+        else:
+            self.applied_label.setText("Applied to the loaded model")
+
+    def _apply(self) -> None:
+        self.applyRequested.emit(self.settings(), bool(self.needs_reload()))
+
+
+def _label(text: str, tooltip: str) -> QLabel:
+    label = QLabel(text)
+    label.setToolTip(tooltip)
+    return label

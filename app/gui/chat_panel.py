@@ -1,0 +1,297 @@
+"""The chat pane: streaming answers, multi-turn with the cache kept, a system prompt, sampling
+settings, stop, regenerate, copy; under each answer its time to first token, tokens/s, total time
+and tokens."""
+
+from __future__ import annotations
+
+import html
+import time
+
+from PySide6.QtCore import Qt, QUrl, Signal
+from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextCursor
+from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
+                               QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QToolButton, QVBoxLayout, QWidget)
+
+from app.gui import theme
+
+FINISH = {"eos": "end of text", "length": "token limit", "stop_string": "stop text", "cancelled": "stopped",
+          "context": "context full", "error": "error"}
+
+
+class PromptEdit(QPlainTextEdit):
+    """Enter sends, Shift+Enter starts a new line."""
+
+    submitted = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+def stats_line(result: dict) -> str:
+    t = result.get("timings") or {}
+    if result.get("finish_reason") == "error":
+        return f"error: {result.get('error', '')}"
+    if not t:
+        return ""
+    parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms",
+             f"{t['decode_tokens_per_s']:.1f} tok/s",
+             f"{t['total_s']:.2f} s",
+             f"{t['generated_tokens']} tokens"]
+    prompt = f"prompt {t['prompt_tokens']} tokens"
+    if result.get("reused_cache_tokens"):
+        prompt += f" (+{result['reused_cache_tokens']} cached)"
+    parts.append(prompt)
+    if t.get("prefill_tokens_per_s"):
+        parts.append(f"prefill {t['prefill_tokens_per_s']:.0f} tok/s")
+    if result.get("routing_agreement") is not None:
+        parts.append(f"agreement with exact routing {result['routing_agreement']:.0%}")
+    parts.append(FINISH.get(result.get("finish_reason"), result.get("finish_reason", "")))
+    return " · ".join(parts)
+
+
+class ChatPanel(QWidget):
+    sendRequested = Signal(str, dict)
+    regenerateRequested = Signal(dict)
+    stopRequested = Signal()
+    newChatRequested = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("chatPanel")
+        self.entries: list[dict] = []   # {"role": "user"|"assistant", "text", "stats", "result"}
+        self.busy = False
+        self.loaded = False
+        self._started = 0.0
+        self._streamed = 0
+
+        self.transcript = QTextBrowser()
+        self.transcript.setOpenLinks(False)
+        self.transcript.setAccessibleName("Conversation")
+        self.transcript.anchorClicked.connect(self._anchor)
+        self.transcript.setPlaceholderText("Load a model, then ask it something below.")
+        self.live = QLabel()
+        self.live.setAccessibleName("Generation status")
+
+        self.prompt = PromptEdit()
+        self.prompt.setPlaceholderText("Message — Enter sends, Shift+Enter for a new line")
+        self.prompt.setAccessibleName("Message")
+        self.prompt.setMaximumHeight(84)
+        self.prompt.setTabChangesFocus(True)
+        self.send_button = QPushButton("Send")
+        self.send_button.setToolTip("Send  Enter / Ctrl+Return")
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setToolTip("Stop the answer  Esc")
+        self.regenerate_button = QPushButton("Regenerate")
+        self.regenerate_button.setToolTip("Answer the last message again  Ctrl+Shift+R")
+        self.copy_button = QPushButton("Copy")
+        self.copy_button.setToolTip("Copy the last answer  Ctrl+Shift+C")
+        self.new_button = QPushButton("New chat")
+        self.new_button.setToolTip("Start over with the system prompt below  Ctrl+N")
+        self.settings_button = QToolButton(text="Settings ▾")
+        self.settings_button.setCheckable(True)
+        self.settings_button.setToolTip("System prompt and sampling")
+
+        # settings
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setPlaceholderText("System prompt (applies from the next new chat)")
+        self.system_prompt.setMaximumHeight(60)
+        self.system_prompt.setAccessibleName("System prompt")
+        self.system_prompt.setTabChangesFocus(True)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 100_000)
+        self.max_tokens.setValue(256)
+        self.temperature = QDoubleSpinBox(decimals=2, singleStep=0.1)
+        self.temperature.setRange(0.0, 5.0)
+        self.temperature.setSpecialValueText("greedy")
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 100_000)
+        self.top_k.setSpecialValueText("off")
+        self.top_p = QDoubleSpinBox(decimals=2, singleStep=0.05)
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setValue(1.0)
+        self.repetition = QDoubleSpinBox(decimals=2, singleStep=0.05)
+        self.repetition.setRange(0.5, 3.0)
+        self.repetition.setValue(1.0)
+        self.seed = QSpinBox()
+        self.seed.setRange(-1, 2**31 - 1)
+        self.seed.setValue(-1)
+        self.seed.setSpecialValueText("random")
+        self.stops = QLineEdit()
+        self.stops.setPlaceholderText("stop texts, separated by |")
+        self.settings_frame = QFrame()
+        grid = QGridLayout(self.settings_frame)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.addWidget(self.system_prompt, 0, 0, 1, 6)
+        pairs = [("Max tokens", self.max_tokens), ("Temperature", self.temperature), ("Top-k", self.top_k),
+                 ("Top-p", self.top_p), ("Repetition", self.repetition), ("Seed", self.seed)]
+        for i, (name, widget) in enumerate(pairs):
+            label = QLabel(name)
+            label.setBuddy(widget)
+            widget.setAccessibleName(name)
+            grid.addWidget(label, 1 + i // 3, (i % 3) * 2)
+            grid.addWidget(widget, 1 + i // 3, (i % 3) * 2 + 1)
+        stop_label = QLabel("Stop at")
+        stop_label.setBuddy(self.stops)
+        grid.addWidget(stop_label, 3, 0)
+        grid.addWidget(self.stops, 3, 1, 1, 5)
+        self.settings_frame.hide()
+        self.settings_button.toggled.connect(self.settings_frame.setVisible)
+
+        actions = QHBoxLayout()
+        actions.addWidget(self.live, 1)
+        for button in (self.settings_button, self.new_button, self.copy_button, self.regenerate_button):
+            actions.addWidget(button)
+        input_row = QHBoxLayout()
+        input_row.addWidget(self.prompt, 1)
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_button)
+        buttons.addWidget(self.stop_button)
+        input_row.addLayout(buttons)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.transcript, 1)
+        layout.addLayout(actions)
+        layout.addWidget(self.settings_frame)
+        layout.addLayout(input_row)
+
+        self.prompt.submitted.connect(self.send)
+        self.send_button.clicked.connect(self.send)
+        self.stop_button.clicked.connect(self.stopRequested)
+        self.regenerate_button.clicked.connect(self.regenerate)
+        self.copy_button.clicked.connect(self.copy_last)
+        self.new_button.clicked.connect(self.new_chat)
+        self.set_state(busy=False, loaded=False)
+
+    # --- options ---------------------------------------------------------------------------------
+    def options(self) -> dict:
+        return {"max_new_tokens": self.max_tokens.value(), "temperature": self.temperature.value(),
+                "top_k": self.top_k.value(), "top_p": self.top_p.value(),
+                "repetition_penalty": self.repetition.value(), "seed": self.seed.value(),
+                "stop_strings": [s for s in self.stops.text().split("|") if s.strip()]}
+
+    def set_options(self, options: dict) -> None:
+        self.max_tokens.setValue(int(options.get("max_new_tokens", 256)))
+        self.temperature.setValue(float(options.get("temperature", 0.0)))
+        self.top_k.setValue(int(options.get("top_k", 0)))
+        self.top_p.setValue(float(options.get("top_p", 1.0)))
+        self.repetition.setValue(float(options.get("repetition_penalty", 1.0)))
+        self.seed.setValue(int(options.get("seed", -1)))
+        self.stops.setText("|".join(options.get("stop_strings", [])))
+
+    # --- actions ---------------------------------------------------------------------------------
+    def send(self) -> None:
+        text = self.prompt.toPlainText().strip()
+        if not text or self.busy or not self.loaded:
+            return
+        self.prompt.clear()
+        self.entries.append({"role": "user", "text": text})
+        self._begin_answer()
+        self.sendRequested.emit(text, self.options())
+
+    def regenerate(self) -> None:
+        if self.busy or not self.entries or self.entries[-1]["role"] != "assistant":
+            return
+        self.entries.pop()
+        self._begin_answer()
+        self.regenerateRequested.emit(self.options())
+
+    def new_chat(self) -> None:
+        if self.busy:
+            return
+        self.entries.clear()
+        self.render()
+        self.newChatRequested.emit(self.system_prompt.toPlainText())
+
+    def copy_last(self) -> None:
+        for entry in reversed(self.entries):
+            if entry["role"] == "assistant" and entry["text"]:
+                QGuiApplication.clipboard().setText(entry["text"])
+                self.live.setText("Copied the last answer.")
+                return
+
+    def _anchor(self, url: QUrl) -> None:
+        if url.scheme() == "copy":
+            index = int(url.path() or url.host() or 0)
+            if 0 <= index < len(self.entries):
+                QGuiApplication.clipboard().setText(self.entries[index]["text"])
+                self.live.setText("Copied.")
+
+    # --- streaming -------------------------------------------------------------------------------
+    def _begin_answer(self) -> None:
+        self.entries.append({"role": "assistant", "text": "", "stats": "", "streaming": True})
+        self._started = time.monotonic()
+        self._streamed = 0
+        self.render()
+        self.live.setText("Waiting for the first token…")
+
+    def append_token(self, delta: str) -> None:
+        if not self.entries or not self.entries[-1].get("streaming"):
+            return
+        entry = self.entries[-1]
+        entry["text"] += delta
+        self._streamed += 1
+        bar = self.transcript.verticalScrollBar()
+        at_bottom = bar.value() >= bar.maximum() - 4
+        cursor = QTextCursor(self.transcript.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        cursor.insertText(delta)
+        if at_bottom:
+            bar.setValue(bar.maximum())
+        elapsed = time.monotonic() - self._started
+        self.live.setText(f"Generating… {self._streamed} tokens in {elapsed:.1f} s")
+
+    def finish_answer(self, result: dict) -> None:
+        if not self.entries or self.entries[-1]["role"] != "assistant":
+            return
+        entry = self.entries[-1]
+        entry["streaming"] = False
+        if result.get("finish_reason") != "error" or not entry["text"]:
+            entry["text"] = result.get("text", entry["text"]) or entry["text"]
+        entry["stats"] = stats_line(result)
+        entry["result"] = result
+        if result.get("finish_reason") == "error" and not entry["text"]:
+            self.entries.pop()
+            if self.entries and self.entries[-1]["role"] == "user":
+                self.prompt.setPlainText(self.entries.pop()["text"])
+        self.render()
+        self.live.setText(entry["stats"] if result.get("finish_reason") != "error" else "")
+
+    # --- rendering -------------------------------------------------------------------------------
+    def render(self) -> None:
+        t = theme.current()
+        blocks = []
+        for index, entry in enumerate(self.entries):
+            text = html.escape(entry["text"]).replace("\n", "<br>")
+            if entry["role"] == "user":
+                blocks.append(
+                    f"<table width='100%' cellpadding='8' style='margin-top:10px'><tr><td bgcolor='{t.surface}'>"
+                    f"<span style='color:{t.muted}; font-size:small'><b>You</b></span><br>{text}</td></tr></table>")
+            else:
+                stats = ""
+                if entry.get("stats"):
+                    stats = (f"<p style='color:{t.muted}; font-size:small; margin-top:2px'>{html.escape(entry['stats'])}"
+                             f" · <a href='copy:{index}' style='color:{t.accent}'>copy</a></p>")
+                blocks.append(f"<p style='margin-top:8px; margin-bottom:0px'><span style='color:{t.accent}; font-size:small'>"
+                              f"<b>Model</b></span></p><p style='margin-top:2px; margin-bottom:0px'>{text}</p>{stats}")
+        self.transcript.setHtml("".join(blocks))
+        self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
+
+    def last_answer(self) -> dict | None:
+        for entry in reversed(self.entries):
+            if entry["role"] == "assistant":
+                return entry
+        return None
+
+    def set_state(self, busy: bool, loaded: bool) -> None:
+        self.busy, self.loaded = busy, loaded
+        has_answer = bool(self.entries) and self.entries[-1]["role"] == "assistant" and not self.entries[-1].get("streaming")
+        self.send_button.setEnabled(loaded and not busy)
+        self.stop_button.setEnabled(busy)
+        self.regenerate_button.setEnabled(loaded and not busy and has_answer)
+        self.new_button.setEnabled(loaded and not busy)
+        self.copy_button.setEnabled(has_answer)
+        self.prompt.setPlaceholderText("Message — Enter sends, Shift+Enter for a new line" if loaded
+                                       else "Load a model first (the demo model is one click away: Ctrl+D)")

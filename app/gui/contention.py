@@ -1,0 +1,99 @@
+"""When something else on the machine slows the model down (no Qt here).
+
+Two kinds of warning, checked on every telemetry sample while the model generates:
+- other processes take a significant share of the CPU, of host memory or of VRAM (named);
+- the engine's measured CPU expert throughput (bytes of expert weights the CPU kernels read per
+  second of their own time, during decode) falls clearly below what it measured at the start:
+  the sign that something competes for memory bandwidth even when the CPU graph looks calm.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from engine.units import human_bytes
+
+OTHERS_CPU_SHARE = 0.20       # other processes using this share of all cores...
+OTHERS_CPU_MIN_CORES = 0.5    # ...and at least half a core
+HOST_AVAILABLE_SHARE = 0.10   # less host memory available than this share of the total
+VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's memory
+THROUGHPUT_DROP = 0.60        # current / start below this: warn
+
+
+def _cpu(p: dict) -> str:
+    return f"{p['name']} ({p['cores'] * 100:.0f}%)"
+
+
+def _ram(p: dict) -> str:
+    return f"{p['name']} ({human_bytes(p['rss'])})"
+
+
+def _vram(p: dict) -> str:
+    return f"{p['name']} ({human_bytes(p['bytes'])})"
+
+
+def _names(items, fmt) -> str:
+    return ", ".join(fmt(item) for item in items[:3])
+
+
+def check_sample(sample: dict) -> list[str]:
+    """Plain sentences about other processes, from one telemetry sample (app.gui.telemetry)."""
+    warnings = []
+    cores = max(1, len(sample.get("cpu_per_core") or [1]))
+    others = sample.get("others_cpu_cores", 0.0)
+    if others >= max(OTHERS_CPU_MIN_CORES, OTHERS_CPU_SHARE * cores):
+        top = [p for p in sample.get("top_cpu", []) if p["cores"] >= 0.05]
+        warnings.append(f"Other processes use {others:.1f} of {cores} CPU cores"
+                        + ((": " + _names(top, _cpu)) if top else "") + ".")
+    total, available = sample.get("ram_total", 0), sample.get("ram_available", 0)
+    if total and available < HOST_AVAILABLE_SHARE * total:
+        top = sample.get("top_ram", [])
+        warnings.append(f"Host memory is nearly full ({human_bytes(available)} of {human_bytes(total)} available)"
+                        + (("; largest other processes: " + _names(top, _ram)) if top else "")
+                        + ".")
+    gpu = sample.get("gpu")
+    if gpu and gpu.get("total") and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]:
+        top = gpu.get("top", [])
+        warnings.append(f"Other processes hold {human_bytes(gpu['others'])} of the GPU's {human_bytes(gpu['total'])}"
+                        + ((": " + _names(top, _vram)) if top else "") + ".")
+    return warnings
+
+
+@dataclass
+class ThroughputWatch:
+    """CPU expert throughput (bytes/s) measured by the worker during decode, against the start.
+
+    The start is the best of the first few measurements after a load (the very first ones include
+    kernel compilation); the current value is the median of the last few."""
+    start_samples: int = 5
+    recent_samples: int = 3
+    start: list[float] = field(default_factory=list)
+    recent: list[float] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.start.clear()
+        self.recent.clear()
+
+    def add(self, bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            return
+        if len(self.start) < self.start_samples:
+            self.start.append(bytes_per_s)
+            return
+        self.recent.append(bytes_per_s)
+        del self.recent[:-self.recent_samples]
+
+    @property
+    def baseline(self) -> float:
+        return max(self.start) if self.start else 0.0
+
+    @property
+    def current(self) -> float:
+        return statistics.median(self.recent) if len(self.recent) >= self.recent_samples else 0.0
+
+    def warning(self) -> str:
+        if not self.baseline or not self.current or self.current >= THROUGHPUT_DROP * self.baseline:
+            return ""
+        return (f"CPU expert throughput fell to {self.current / 1e9:.2f} GB/s from {self.baseline / 1e9:.2f} GB/s "
+                f"at start ({self.current / self.baseline:.0%}): something competes for memory bandwidth.")

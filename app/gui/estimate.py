@@ -1,0 +1,235 @@
+"""What a model needs and where it would land, computed without loading it (no Qt here).
+
+The budget panel calls `estimate()` on every move of a control: it plans with the engine's own
+planner (`plan_offload`) against a stand-in device of the chosen size, so the numbers are the ones
+the engine will use when the model loads or re-plans.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from engine.offload.config import OffloadConfig
+from engine.offload.devices import SimulatedDevice
+from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, plan_offload
+from engine.units import human_bytes
+
+GIB = 1 << 30
+_ELEM_BYTES = {1: 4, 10: 2, 16: 2, 11: 8, 2: 1, 3: 1, 6: 4, 7: 8}
+
+
+@dataclass
+class ModelFacts:
+    """What the window knows about a model folder once it is opened (before it loads)."""
+    path: str
+    name: str
+    report: dict                       # app.inspect_report.inspection()
+    experts: list                      # engine ExpertNodeInfo, in layer order
+    context_length: int
+    kv_bytes_per_token: int            # every attention layer's key + value, one token
+    kv_window_layers: int              # layers whose KV is a sliding window
+    kv_window_bytes_per_token: int
+    window_tokens: int
+    state_bytes: int                   # conv / recurrent state: fixed, whatever the context
+    dense_bytes: int
+    expert_bytes: int
+    dense_segments: int
+    is_demo: bool = False
+
+    @property
+    def supported(self) -> bool:
+        return bool(self.report.get("supported"))
+
+    def kv_cache_bytes(self, tokens: int | None = None) -> int:
+        tokens = self.context_length if tokens is None else tokens
+        window = min(tokens, self.window_tokens) if self.window_tokens else tokens
+        return self.kv_bytes_per_token * tokens + self.kv_window_bytes_per_token * window + self.state_bytes
+
+
+def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
+    """From an opened engine ModelFolder and its inspection."""
+    config = folder.config
+    window = (config.sliding_window_size or 0) + (config.sliding_cache_slack or 0)
+    per_token = per_window_token = state = window_layers = 0
+    patterns = []
+    for kind, past, _present in config.state_pairs():
+        patterns.append((kind, re.compile("^" + re.escape(past).replace("%d", r"(\d+)") + "$")))
+    for value in folder.onnx.proto.graph.input:
+        for kind, pattern in patterns:
+            match = pattern.match(value.name)
+            if not match:
+                continue
+            tensor = value.type.tensor_type
+            elem = _ELEM_BYTES.get(tensor.elem_type, 4)
+            layer = int(match.group(1))
+            fixed, has_tokens = 1, False
+            for dim in tensor.shape.dim:
+                if dim.HasField("dim_value"):
+                    fixed *= dim.dim_value
+                elif "batch" in dim.dim_param:
+                    continue
+                elif "length" in dim.dim_param or "sequence" in dim.dim_param:
+                    has_tokens = True
+                else:  # kv_cache_dim and the like
+                    fixed *= config.head_size or 1
+            if kind in ("key", "value") and has_tokens:
+                if window and layer in config.sliding_window_layers:
+                    per_window_token += fixed * elem
+                    window_layers += 1
+                else:
+                    per_token += fixed * elem
+            else:
+                state += fixed * elem
+    from pathlib import Path
+
+    return ModelFacts(
+        path=str(folder.folder), name=Path(folder.folder).name, report=report, experts=list(folder.experts),
+        context_length=config.context_length, kv_bytes_per_token=per_token,
+        kv_window_layers=window_layers // 2, kv_window_bytes_per_token=per_window_token, window_tokens=window,
+        state_bytes=state, dense_bytes=report["dense_bytes"], expert_bytes=report["expert_bytes"],
+        dense_segments=report["dense_segments"], is_demo=is_demo)
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where resident experts would live: 'cpu' (nowhere), 'simulated' (a size you choose), 'cuda'."""
+    kind: str = "cpu"
+    capacity: int = 8 * GIB           # simulated size, or the card's memory
+    others_bytes: int = 0             # memory other processes hold on a real card
+    name: str = ""
+    error: str = ""                   # why the chosen device cannot be used
+
+    @property
+    def label(self) -> str:
+        if self.kind == "simulated":
+            return self.name or f"simulated GPU, {human_bytes(self.capacity)}"
+        if self.kind == "cuda":
+            return self.name or "CUDA GPU"
+        return "CPU only"
+
+    @property
+    def usable(self) -> bool:
+        return self.kind != "cpu" and not self.error
+
+
+@dataclass
+class Part:
+    key: str        # experts | dense | kv | workspace | others | free | limit
+    label: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    plan: OffloadPlan | None
+    error: str                         # the planner refused (e.g. mode=required) or the device is unusable
+    per_layer: list[tuple[int, str, int, int]]   # (layer, node, resident, experts)
+    device_parts: list[Part]           # VRAM, adding up to the device's capacity
+    host_parts: list[Part]             # host memory the model takes
+    capacity: int
+    ceiling: int
+    staging_bytes: int
+    statements: list[str] = field(default_factory=list)
+
+    @property
+    def resident(self) -> int:
+        return sum(r for _l, _n, r, _e in self.per_layer)
+
+    @property
+    def total_experts(self) -> int:
+        return sum(e for _l, _n, _r, e in self.per_layer)
+
+
+def staging_ring_bytes(config: OffloadConfig, experts: list, available: int) -> tuple[int, int]:
+    """The prefill staging ring the offload engine reserves before planning (engine/offload/engine.py):
+    (experts per wave, bytes)."""
+    runnable = [info for info in experts if info.spec is not None]
+    if not runnable or config.mode == "disabled":
+        return 0, 0
+    largest = max(info.bytes_per_expert for info in runnable)
+    wave = min(config.prefill_wave_experts, available // max(1, 2 * largest))
+    return wave, 2 * wave * largest
+
+
+def auto_reserve(config: OffloadConfig, available: int) -> int:
+    if config.reserve_device_bytes is not None:
+        return config.reserve_device_bytes
+    return max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * available))
+
+
+def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None) -> Estimate:
+    experts = [info for info in facts.experts if info.spec is not None]
+    kv = facts.kv_cache_bytes(kv_tokens)
+    host_parts = [
+        Part("dense", "dense weights", facts.dense_bytes, "onnxruntime CPU"),
+        Part("experts", "expert weights (memory-mapped)", facts.expert_bytes, "read from the page cache"),
+        Part("kv", "KV cache + state", kv, f"{kv_tokens or facts.context_length} tokens"),
+    ]
+    error = ""
+    stand_in = None
+    staging = 0
+    if device.kind != "cpu":
+        if device.error:
+            error = device.error
+        else:
+            stand_in = SimulatedDevice(device.capacity, mem_limit=config.gpu_device_mem_limit, name=device.label)
+            if device.others_bytes:
+                stand_in.memory.reserve(min(device.others_bytes, stand_in.memory.available), "other processes")
+            if config.mode != "disabled" and experts:
+                _wave, staging = staging_ring_bytes(config, experts, stand_in.memory.available)
+                if staging:
+                    stand_in.memory.reserve(staging, "prefill staging ring")
+    plan = None
+    if not facts.supported and config.mode == "required":
+        error = error or "mode 'required' refuses this model: " + "; ".join(
+            n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
+    elif experts:
+        try:
+            plan = plan_offload(config, experts, stand_in)
+        except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
+            error = str(exc)
+    per_layer = [(info.layer, info.name, plan.slots.get(info.name, 0) if plan else 0,
+                  info.spec.num_experts if info.spec else 0) for info in facts.experts]
+    resident_bytes = plan.device_bytes(experts) if plan else 0
+    capacity = device.capacity if device.kind != "cpu" else 0
+    ceiling = min(capacity, config.gpu_device_mem_limit) if config.gpu_device_mem_limit else capacity
+    device_parts: list[Part] = []
+    if device.kind != "cpu":
+        others = min(device.others_bytes, ceiling)
+        device_parts = [
+            Part("experts", "resident experts", resident_bytes, f"{sum(p[2] for p in per_layer)} experts"),
+            Part("dense", "dense weights", 0, f"{human_bytes(facts.dense_bytes)} in host RAM: the dense part runs on the CPU in this build"),
+            Part("kv", "KV cache", 0, f"{human_bytes(kv)} in host RAM, beside the dense part"),
+            Part("workspace", "workspace (prefill staging ring)", staging if stand_in else 0, ""),
+            Part("others", "other processes", others, "measured (NVML)" if device.kind == "cuda" else "none on a simulated device"),
+        ]
+        used = sum(p.bytes for p in device_parts)
+        device_parts.append(Part("free", "free", max(0, ceiling - used),
+                                 f"reserve kept free: {human_bytes(auto_reserve(config, max(0, ceiling - others - staging)))}"
+                                 + (" (auto)" if config.reserve_device_bytes is None else "")))
+        if ceiling < capacity:
+            device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - ceiling, ""))
+    statements = list(plan.statements) if plan else []
+    if error:
+        statements.insert(0, error)
+    return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements)
+
+
+def layer_summary(per_layer: list[tuple[int, str, int, int]]) -> str:
+    """'8 of 8 in every layer' or 'layers 0-3: 5 of 16; layer 4: 4 of 16'."""
+    if not per_layer:
+        return "no expert layers"
+    counts = [(r, e) for _l, _n, r, e in per_layer]
+    if len(set(counts)) == 1:
+        r, e = counts[0]
+        return f"{r} of {e} in every layer ({len(counts)} layers)"
+    groups: list[list] = []
+    for layer, _n, r, e in per_layer:
+        if groups and groups[-1][2] == (r, e) and groups[-1][1] == layer - 1:
+            groups[-1][1] = layer
+        else:
+            groups.append([layer, layer, (r, e)])
+    parts = [(f"layer {a}" if a == b else f"layers {a}-{b}") + f": {r} of {e}" for a, b, (r, e) in groups]
+    return "; ".join(parts)

@@ -1,0 +1,277 @@
+"""Live graphs of the machine (pyqtgraph): VRAM and GPU utilisation, host memory, CPU per core and in
+total, tokens per second; 1 s samples, 10 minutes of history, pausable, with markers at load and
+generation events. Without an NVIDIA GPU the GPU graphs are replaced by a line saying so."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+
+from app.gui import theme
+
+HISTORY_S = 600
+GIB = float(1 << 30)
+
+
+def _pen(colour: str, width: float = 1.5, alpha: int = 255, style=Qt.PenStyle.SolidLine):
+    c = QColor(colour)
+    c.setAlpha(alpha)
+    return pg.mkPen(c, width=width, style=style)
+
+
+def _brush(colour: str, alpha: int):
+    c = QColor(colour)
+    c.setAlpha(alpha)
+    return pg.mkBrush(c)
+
+
+class GraphsPanel(QWidget):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("graphsPanel")
+        self.samples: deque[dict] = deque()
+        self.markers: list[dict] = []
+        self.paused = False
+        self._tokens = 0
+        self._last_t: float | None = None
+        self._theme = theme.current()
+
+        self.pause_button = QPushButton("Pause")
+        self.pause_button.setCheckable(True)
+        self.pause_button.setToolTip("Freeze the graphs (sampling goes on)  Ctrl+P")
+        self.pause_button.toggled.connect(self.set_paused)
+        self.status = QLabel("waiting for the first sample…")
+        self.gpu_note = QLabel(wordWrap=True)
+        self.gpu_note.hide()
+        top = QHBoxLayout()
+        top.addWidget(self.status, 1)
+        top.addWidget(self.pause_button)
+
+        pg.setConfigOptions(antialias=True)
+        self.rows: dict[str, tuple[QLabel, pg.PlotWidget]] = {}
+        self.vram_plot = self._plot("vram", "VRAM (GiB)")
+        self.util_plot = self._plot("util", "GPU utilisation (%)")
+        self.ram_plot = self._plot("ram", "Host memory (GiB)")
+        self.cpu_plot = self._plot("cpu", "CPU (%)")
+        self.tps_plot = self._plot("tps", "Tokens/s")
+        self.plots = [self.vram_plot, self.util_plot, self.ram_plot, self.cpu_plot, self.tps_plot]
+        for plot in self.plots[:-1]:
+            plot.setXLink(self.tps_plot)
+            plot.getAxis("bottom").setStyle(showValues=False)
+            plot.getAxis("bottom").setHeight(6)
+        self.tps_plot.setLabel("bottom", "seconds ago")
+        self.util_plot.setYRange(0, 100, padding=0.02)
+        self.cpu_plot.setYRange(0, 100, padding=0.02)
+
+        self.curves: dict[str, pg.PlotDataItem] = {}
+        self.core_curves: list[pg.PlotDataItem] = []
+        self._make_curves()
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(2)
+        layout.addLayout(top)
+        layout.addWidget(self.gpu_note)
+        for header, widget in self.rows.values():
+            layout.addWidget(header)
+            layout.addWidget(widget, 1)
+        self._show_gpu(False)
+
+    # --- construction ------------------------------------------------------------------------------
+    def _plot(self, key: str, title: str) -> pg.PlotItem:
+        header = QLabel(f"<b>{title}</b>")
+        header.setWordWrap(True)
+        widget = pg.PlotWidget()
+        widget.setMinimumHeight(70)
+        widget.setAccessibleName(title)
+        plot = widget.getPlotItem()
+        plot.setMenuEnabled(False)
+        plot.setMouseEnabled(x=False, y=False)
+        plot.hideButtons()
+        plot.setClipToView(True)
+        plot.setDownsampling(mode="peak")
+        plot.showGrid(x=True, y=True, alpha=0.25)
+        plot.getAxis("left").setWidth(36)
+        self.rows[key] = (header, widget)
+        plot.header = header
+        return plot
+
+    def _show_gpu(self, gpu: bool) -> None:
+        for key in ("vram", "util"):
+            for widget in self.rows[key]:
+                widget.setVisible(gpu)
+        self._gpu_rows_shown = gpu
+
+    def _make_curves(self) -> None:
+        t = self._theme
+        for plot in self.plots:
+            plot.clear()
+        self.curves = {
+            "vram_used": self.vram_plot.plot(pen=_pen(t.others), fillLevel=0, brush=_brush(t.others, 90)),
+            "vram_this": self.vram_plot.plot(pen=_pen(t.accent), fillLevel=0, brush=_brush(t.accent, 120)),
+            "vram_total": self.vram_plot.plot(pen=_pen(t.muted, 1, style=Qt.PenStyle.DashLine)),
+            "gpu_util": self.util_plot.plot(pen=_pen(t.accent), fillLevel=0, brush=_brush(t.accent, 60)),
+            "ram_used": self.ram_plot.plot(pen=_pen(t.others), fillLevel=0, brush=_brush(t.others, 90)),
+            "ram_this": self.ram_plot.plot(pen=_pen(t.accent), fillLevel=0, brush=_brush(t.accent, 120)),
+            "ram_total": self.ram_plot.plot(pen=_pen(t.muted, 1, style=Qt.PenStyle.DashLine)),
+            "cpu_total": None,
+            "tps": self.tps_plot.plot(pen=_pen(t.tokens, 2), fillLevel=0, brush=_brush(t.tokens, 70)),
+        }
+        self.core_curves = []
+        self.curves["cpu_total"] = self.cpu_plot.plot(pen=_pen(t.accent, 2))
+        for marker in self.markers:
+            marker["lines"] = []
+
+    def apply_theme(self, t: theme.Theme) -> None:
+        self._theme = t
+        for _header, widget in self.rows.values():
+            widget.setBackground(t.background)
+        for plot in self.plots:
+            for name in ("left", "bottom"):
+                axis = plot.getAxis(name)
+                axis.setPen(pg.mkPen(t.grid))
+                axis.setTextPen(pg.mkPen(t.muted))
+        self._make_curves()
+        self._redraw(force=True)
+
+    # --- data in -----------------------------------------------------------------------------------
+    def count_tokens(self, n: int = 1) -> None:
+        self._tokens += n
+
+    def add_marker(self, text: str, kind: str = "event") -> None:
+        self.markers.append({"t": time.monotonic(), "text": text, "kind": kind, "lines": []})
+        self._redraw()
+
+    def add_sample(self, sample: dict) -> None:
+        sample = dict(sample)
+        now = sample["t"]
+        dt = now - self._last_t if self._last_t is not None else None
+        sample["tokens_per_s"] = self._tokens / dt if dt and dt > 0 else 0.0
+        self._tokens = 0
+        self._last_t = now
+        self.samples.append(sample)
+        while self.samples and self.samples[0]["t"] < now - HISTORY_S:
+            self.samples.popleft()
+        gpu = sample.get("gpu") is not None
+        if gpu != self._gpu_rows_shown:
+            self._show_gpu(gpu)
+        if not gpu:
+            self.gpu_note.setText(f"<b>GPU:</b> {sample.get('gpu_note') or 'no NVIDIA GPU'}. VRAM and GPU "
+                                  "utilisation graphs appear on a machine with one.")
+            self.gpu_note.show()
+        else:
+            self.gpu_note.hide()
+        self._redraw()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self.pause_button.setChecked(paused)
+        self.pause_button.setText("Resume" if paused else "Pause")
+        if not paused:
+            self._redraw(force=True)
+
+    @property
+    def sample_count(self) -> int:
+        return len(self.samples)
+
+    # --- drawing -----------------------------------------------------------------------------------
+    def _redraw(self, force: bool = False) -> None:
+        if (self.paused and not force) or not self.samples:
+            return
+        t = self._theme
+        samples = list(self.samples)
+        now = samples[-1]["t"]
+        x = np.array([s["t"] - now for s in samples])
+
+        def col(key, scale=1.0):
+            return np.array([float(s.get(key) or 0.0) for s in samples]) / scale
+
+        ram_total = col("ram_total", GIB)
+        ram_this = col("ram_this", GIB)
+        ram_others = col("ram_others", GIB)
+        self.curves["ram_this"].setData(x, ram_this)
+        self.curves["ram_used"].setData(x, ram_this + ram_others)
+        self.curves["ram_total"].setData(x, ram_total)
+        last = samples[-1]
+        self.ram_plot.header.setText(
+            _title("Host memory", [(t.accent, f"this process {last['ram_this'] / GIB:.2f}"),
+                                   (t.others, f"others {last['ram_others'] / GIB:.1f}"),
+                                   (t.muted, f"available {last['ram_available'] / GIB:.1f} of {last['ram_total'] / GIB:.1f} GiB")], t))
+        self.ram_plot.setYRange(0, max(ram_total.max() if len(ram_total) else 1, 0.1) * 1.02, padding=0)
+
+        cores = np.array([s.get("cpu_per_core") or [0.0] for s in samples], dtype=float)
+        while len(self.core_curves) < cores.shape[1]:
+            self.core_curves.append(self.cpu_plot.plot(pen=_pen(t.muted, 1, alpha=110)))
+        for index, curve in enumerate(self.core_curves):
+            curve.setData(x, cores[:, index] if index < cores.shape[1] else np.zeros_like(x))
+        self.curves["cpu_total"].setData(x, col("cpu_total"))
+        self.curves["cpu_total"].setZValue(10)
+        self.cpu_plot.header.setText(
+            _title("CPU", [(t.accent, f"total {last['cpu_total']:.0f}%"),
+                           (t.muted, f"{cores.shape[1]} cores"),
+                           (t.others, f"other processes {last.get('others_cpu_cores', 0):.1f} cores")], t))
+
+        tps = col("tokens_per_s")
+        self.curves["tps"].setData(x, tps)
+        self.tps_plot.header.setText(_title("Tokens/s", [(t.tokens, f"now {tps[-1]:.1f}"),
+                                                   (t.muted, f"peak {tps.max():.1f}")], t))
+        self.tps_plot.setYRange(0, max(1.0, float(tps.max()) * 1.15), padding=0)
+
+        gpu = last.get("gpu")
+        if gpu:
+            gs = [s.get("gpu") or {} for s in samples]
+            this = np.array([g.get("this", 0) for g in gs], dtype=float) / GIB
+            used = np.array([g.get("used", 0) for g in gs], dtype=float) / GIB
+            total = np.array([g.get("total", 0) for g in gs], dtype=float) / GIB
+            self.curves["vram_this"].setData(x, this)
+            self.curves["vram_used"].setData(x, used)
+            self.curves["vram_total"].setData(x, total)
+            self.vram_plot.setYRange(0, max(total.max(), 0.1) * 1.02, padding=0)
+            per = "" if gpu.get("per_process", True) else " (driver hides per-process use)"
+            self.vram_plot.header.setText(
+                _title(f"VRAM — {gpu.get('name', 'GPU')}", [(t.accent, f"this process {gpu['this'] / GIB:.2f}"),
+                                                          (t.others, f"others {gpu['others'] / GIB:.2f}{per}"),
+                                                          (t.muted, f"free {gpu['free'] / GIB:.1f} of {gpu['total'] / GIB:.1f} GiB")], t))
+            util = np.array([g.get("util") or 0.0 for g in gs], dtype=float)
+            self.curves["gpu_util"].setData(x, util)
+            self.util_plot.header.setText(_title("GPU utilisation", [(t.accent, f"{util[-1]:.0f}%")], t))
+
+        span = max(60.0, -float(x[0]) if len(x) else 60.0)
+        self.tps_plot.setXRange(-span, 0, padding=0.01)
+        self._draw_markers(now)
+        self.status.setText(f"{len(samples)} samples · last {time.strftime('%H:%M:%S', time.localtime(last['wall']))}"
+                            + (" · paused" if self.paused else ""))
+
+    def _draw_markers(self, now: float) -> None:
+        t = self._theme
+        colours = {"load": t.accent, "generate": t.tokens, "error": t.error, "event": t.muted}
+        kept = []
+        for marker in self.markers:
+            if marker["t"] < now - HISTORY_S:
+                for plot, line in marker["lines"]:
+                    plot.removeItem(line)
+                continue
+            kept.append(marker)
+            if not marker["lines"]:
+                for index, plot in enumerate(self.plots):
+                    label = marker["text"] if plot is self.tps_plot else None
+                    line = pg.InfiniteLine(angle=90, movable=False,
+                                           pen=_pen(colours.get(marker["kind"], t.muted), 1, 160, Qt.PenStyle.DotLine),
+                                           label=label, labelOpts={"position": 0.85, "color": t.muted, "rotateAxis": (1, 0),
+                                                                   "anchors": [(0, 0.5), (0, 0.5)]})
+                    plot.addItem(line, ignoreBounds=True)
+                    marker["lines"].append((plot, line))
+            for _plot, line in marker["lines"]:
+                line.setValue(marker["t"] - now)
+        self.markers = kept
+
+
+def _title(name: str, parts: list[tuple[str, str]], t: theme.Theme) -> str:
+    body = " &nbsp; ".join(f"<span style='color:{c}'>■</span> <span style='color:{t.text}'>{text}</span>" for c, text in parts)
+    return f"<span style='color:{t.text}'><b>{name}</b></span> &nbsp; {body}"

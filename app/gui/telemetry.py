@@ -1,0 +1,219 @@
+"""The machine, sampled once a second in a small thread of its own (napari's status_checker shape).
+
+CPU per core and in total, host memory (this process, other processes, available) and the busiest
+other processes through psutil; the GPU through NVML (nvidia-ml-py): memory used by this process
+and by others (per process where the driver tells), free memory and utilisation. Without an
+NVIDIA GPU the sample carries `gpu: None` and a `gpu_note` saying why, so the graphs can say so
+instead of drawing zeros.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
+
+try:  # imported on the main thread, not in the sampler's
+    import pynvml
+except ImportError:  # pragma: no cover
+    pynvml = None
+
+
+class Nvml:
+    """NVML through nvidia-ml-py, with the fallbacks nvitop uses across driver versions."""
+
+    def __init__(self, index: int = 0):
+        self.handle = None
+        self.note = ""
+        self.name = ""
+        if pynvml is None:
+            self.note = "nvidia-ml-py is not installed"
+            return
+        self.nv = pynvml
+        try:
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            if count == 0:
+                self.note = "NVML found no NVIDIA GPU"
+                return
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(self.handle)
+            self.name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            self.handle = None
+            self.note = f"no NVIDIA GPU ({str(exc) or type(exc).__name__})"
+
+    def _processes(self) -> list:
+        """Compute and graphics processes on the GPU (newest NVML call the binding has first)."""
+        found = {}
+        for kind in ("Compute", "Graphics"):
+            for getter in (f"nvmlDeviceGet{kind}RunningProcesses_v3", f"nvmlDeviceGet{kind}RunningProcesses"):
+                function = getattr(self.nv, getter, None)
+                if function is None:
+                    continue
+                try:
+                    for proc in function(self.handle):
+                        found.setdefault(proc.pid, proc)
+                    break
+                except Exception:
+                    continue
+        return list(found.values())
+
+    def sample(self) -> dict | None:
+        if self.handle is None:
+            return None
+        nv = self.nv
+        try:
+            memory = nv.nvmlDeviceGetMemoryInfo(self.handle)
+        except Exception as exc:
+            self.note = f"NVML stopped answering ({exc})"
+            return None
+        try:
+            util = float(nv.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        except Exception:
+            util = None
+        me = os.getpid()
+        this, top, known = 0, [], True
+        for proc in self._processes():
+            used = getattr(proc, "usedGpuMemory", None)
+            if used is None:
+                known = False  # the driver (or a container) hides per-process memory
+                continue
+            if proc.pid == me:
+                this += int(used)
+            else:
+                top.append({"pid": proc.pid, "name": _process_name(proc.pid), "bytes": int(used)})
+        top.sort(key=lambda p: -p["bytes"])
+        used = int(memory.used)
+        return {"name": self.name, "total": int(memory.total), "used": used, "free": int(memory.free),
+                "this": this, "others": max(0, used - this), "util": util, "top": top[:5], "per_process": known}
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except Exception:
+        return f"pid {pid}"
+
+
+class SystemProbe:
+    """One telemetry sample on demand; keeps the state psutil needs between calls."""
+
+    def __init__(self, nvml: bool = True):
+        self.me = psutil.Process()
+        self.me.cpu_percent(None)
+        psutil.cpu_percent(None, percpu=True)
+        self.cores = psutil.cpu_count() or 1
+        self.nvml = Nvml() if nvml else None
+        self._procs: dict[int, psutil.Process] = {}
+
+    def _other_processes(self) -> tuple[float, list[dict], list[dict]]:
+        """(other processes' CPU in cores, top by CPU, top by resident memory)."""
+        alive, rows = {}, []
+        me = self.me.pid
+        for proc in psutil.process_iter(["name"]):
+            if proc.pid == me:
+                continue
+            known = self._procs.get(proc.pid)
+            if known is None:
+                known = proc
+                try:
+                    known.cpu_percent(None)  # first call primes the counter
+                except psutil.Error:
+                    continue
+                alive[proc.pid] = known
+                continue
+            alive[proc.pid] = known
+            try:
+                with known.oneshot():
+                    cpu = known.cpu_percent(None) / 100.0
+                    rss = known.memory_info().rss
+                rows.append({"pid": proc.pid, "name": proc.info.get("name") or f"pid {proc.pid}", "cores": cpu, "rss": rss})
+            except psutil.Error:
+                continue
+        self._procs = alive
+        total = sum(r["cores"] for r in rows)
+        by_cpu = sorted((r for r in rows if r["cores"] > 0), key=lambda r: -r["cores"])[:5]
+        by_ram = sorted(rows, key=lambda r: -r["rss"])[:5]
+        return total, by_cpu, by_ram
+
+    def sample(self) -> dict:
+        per_core = psutil.cpu_percent(None, percpu=True)
+        memory = psutil.virtual_memory()
+        try:
+            rss = self.me.memory_info().rss
+            this_cpu = self.me.cpu_percent(None) / 100.0
+        except psutil.Error:
+            rss, this_cpu = 0, 0.0
+        others_cpu, top_cpu, top_ram = self._other_processes()
+        gpu = self.nvml.sample() if self.nvml else None
+        note = "" if gpu else (self.nvml.note if self.nvml else "GPU sampling is off")
+        return {
+            "t": time.monotonic(), "wall": time.time(),
+            "cpu_per_core": per_core, "cpu_total": sum(per_core) / max(1, len(per_core)),
+            "this_cpu_cores": this_cpu, "others_cpu_cores": others_cpu,
+            "ram_total": memory.total, "ram_available": memory.available, "ram_this": rss,
+            "ram_others": max(0, memory.total - memory.available - rss),
+            "top_cpu": top_cpu, "top_ram": top_ram, "gpu": gpu, "gpu_note": note,
+        }
+
+
+class Sampler(QObject):
+    """Lives in its own QThread; a QTimer there takes a sample every `interval_ms`."""
+
+    sampled = Signal(dict)
+    _start = Signal()
+    _stop = Signal()
+
+    def __init__(self, interval_ms: int = 1000, nvml: bool = True):
+        super().__init__()
+        self.interval_ms = interval_ms
+        self._nvml = nvml
+        self._probe: SystemProbe | None = None
+        self._timer: QTimer | None = None
+        self._start.connect(self._begin)
+        # Blocking: the timer must be stopped and freed in the thread that owns it.
+        self._stop.connect(self._end, Qt.ConnectionType.BlockingQueuedConnection)
+
+    @Slot()
+    def _begin(self) -> None:
+        if self._probe is None:
+            self._probe = SystemProbe(self._nvml)
+        if self._timer is None:
+            self._timer = QTimer(self)
+            self._timer.timeout.connect(self._tick)
+        self._timer.start(self.interval_ms)
+
+    @Slot()
+    def _end(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer.setParent(None)
+            self._timer = None
+
+    @Slot()
+    def _tick(self) -> None:
+        try:
+            self.sampled.emit(self._probe.sample())
+        except Exception:  # a sample is never worth a crash; the next one comes in a second
+            pass
+
+
+class SamplerThread:
+    """Owns the sampler's thread."""
+
+    def __init__(self, interval_ms: int = 1000, nvml: bool = True):
+        self.thread = QThread()
+        self.thread.setObjectName("telemetry")
+        self.sampler = Sampler(interval_ms, nvml)
+        self.sampler.moveToThread(self.thread)
+        self.thread.start()
+        self.sampler._start.emit()
+
+    def stop(self) -> None:
+        if self.thread.isRunning():
+            self.sampler._stop.emit()
+        self.thread.quit()
+        self.thread.wait(5000)

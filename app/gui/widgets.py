@@ -1,0 +1,276 @@
+"""Small widgets the panels share: a byte-budget control, a stacked memory bar, per-layer bars, a banner."""
+
+from __future__ import annotations
+
+import html
+import re
+
+from PySide6.QtCore import QRectF, QSize, Qt, Signal
+from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtWidgets import (QCheckBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QSizePolicy, QSlider, QToolButton,
+                               QToolTip, QWidget)
+
+from app.gui import theme
+from engine.units import human_bytes
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int | None:
+    """'1.5 GiB', '512M', '1000000' -> bytes; 'auto' / '' -> None. Raises ValueError otherwise."""
+    text = text.strip().lower()
+    if text in ("", "auto", "none"):
+        return None
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"'{text}' is not a size (e.g. 512 MiB, 1.5 GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def part_colour(key: str, t: theme.Theme) -> str:
+    return {"experts": t.accent, "dense": "#8250df" if not t.dark else "#a371f7", "kv": "#bf3989" if not t.dark else "#db61a2",
+            "workspace": "#1b7c83" if not t.dark else "#39c5cf", "others": t.others, "free": t.free,
+            "limit": t.grid}.get(key, t.muted)
+
+
+class ByteControl(QWidget):
+    """[auto] [slider] [text]: a byte budget, None meaning auto (or 'none' for a limit)."""
+
+    valueChanged = Signal(object)
+    STEPS = 1000
+
+    def __init__(self, maximum: int = 1 << 30, auto_text: str | None = "auto", parent=None):
+        super().__init__(parent)
+        self._maximum = max(1, maximum)
+        self.auto = QCheckBox(auto_text) if auto_text else None
+        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider.setRange(0, self.STEPS)
+        self.slider.setPageStep(self.STEPS // 20)
+        self.text = QLineEdit()
+        self.text.setMaximumWidth(96)
+        self.text.setAlignment(Qt.AlignmentFlag.AlignRight)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        if self.auto:
+            layout.addWidget(self.auto)
+            self.auto.toggled.connect(self._auto_toggled)
+        layout.addWidget(self.slider, 1)
+        layout.addWidget(self.text)
+        self.slider.valueChanged.connect(self._slid)
+        self.text.editingFinished.connect(self._typed)
+        self._value: int | None = 0
+        self._quiet = False
+        self._show()
+
+    def setAccessibleName(self, name: str) -> None:  # noqa: N802 (Qt naming)
+        super().setAccessibleName(name)
+        self.slider.setAccessibleName(name)
+        self.text.setAccessibleName(name + " (bytes)")
+        if self.auto:
+            self.auto.setAccessibleName(name + ": " + self.auto.text())
+
+    def maximum(self) -> int:
+        return self._maximum
+
+    def setMaximum(self, maximum: int) -> None:  # noqa: N802
+        self._maximum = max(1, int(maximum))
+        self._show()
+
+    def value(self) -> int | None:
+        return None if self.auto and self.auto.isChecked() else self._value
+
+    def setValue(self, value: int | None) -> None:  # noqa: N802
+        self._quiet = True
+        try:
+            if self.auto:
+                self.auto.setChecked(value is None)
+            if value is not None:
+                self._value = int(value)
+            self._show()
+        finally:
+            self._quiet = False
+
+    def _show(self) -> None:
+        auto = self.auto is not None and self.auto.isChecked()
+        self.slider.setEnabled(not auto)
+        self.text.setEnabled(not auto)
+        old = self.slider.blockSignals(True)
+        self.slider.setValue(round(min(1.0, (self._value or 0) / self._maximum) * self.STEPS))
+        self.slider.blockSignals(old)
+        self.text.setText(self.auto.text() if auto else human_bytes(self._value or 0))
+
+    def _emit(self) -> None:
+        if not self._quiet:
+            self.valueChanged.emit(self.value())
+
+    def _auto_toggled(self, _checked: bool) -> None:
+        self._show()
+        self._emit()
+
+    def _slid(self, position: int) -> None:
+        self._value = round(self._maximum * position / self.STEPS)
+        self.text.setText(human_bytes(self._value))
+        self._emit()
+
+    def _typed(self) -> None:
+        try:
+            value = parse_bytes(self.text.text())
+        except ValueError:
+            self._show()
+            return
+        if value is None:
+            if self.auto:
+                self.auto.setChecked(True)
+            return
+        self._value = value
+        self._show()
+        self._emit()
+
+
+class StackedBar(QWidget):
+    """A horizontal bar of (key, label, bytes) parts, coloured by part, with a tooltip per part."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.parts = []
+        self.setMinimumHeight(22)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setMouseTracking(True)
+
+    def sizeHint(self) -> QSize:
+        return QSize(240, 22)
+
+    def setParts(self, parts) -> None:  # noqa: N802
+        self.parts = list(parts)
+        self.update()
+
+    def _rects(self):
+        total = sum(p.bytes for p in self.parts)
+        x, width = 0.0, float(self.width())
+        for part in self.parts:
+            w = width * part.bytes / total if total else 0
+            yield part, QRectF(x, 0, w, self.height())
+            x += w
+
+    def paintEvent(self, _event) -> None:
+        t = theme.current()
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        painter.fillRect(self.rect(), QColor(t.surface))
+        for part, rect in self._rects():
+            if rect.width() <= 0:
+                continue
+            colour = QColor(part_colour(part.key, t))
+            if part.key == "free":
+                colour.setAlpha(90)
+            painter.fillRect(rect, colour)
+            if part.key == "limit":
+                painter.setPen(QPen(QColor(t.muted), 1, Qt.PenStyle.DashLine))
+                for x in range(int(rect.left()), int(rect.right()) + self.height(), 6):
+                    painter.drawLine(x, self.height(), x - self.height(), 0)
+        painter.setPen(QPen(QColor(t.grid)))
+        painter.drawRect(self.rect().adjusted(0, 0, -1, -1))
+
+    def mouseMoveEvent(self, event) -> None:
+        for part, rect in self._rects():
+            if rect.contains(event.position()):
+                QToolTip.showText(event.globalPosition().toPoint(),
+                                  f"{part.label}: {human_bytes(part.bytes)}" + (f"\n{part.note}" if part.note else ""), self)
+                return
+        QToolTip.hideText()
+
+
+def legend_html(parts, t: theme.Theme) -> str:
+    rows = []
+    for part in parts:
+        note = f" <span style='color:{t.muted}'>— {html.escape(part.note)}</span>" if part.note else ""
+        rows.append(f"<tr><td><span style='color:{part_colour(part.key, t)}'>■</span> {html.escape(part.label)}</td>"
+                    f"<td align='right'>&nbsp;{human_bytes(part.bytes)}</td><td>{note}</td></tr>")
+    return "<table cellspacing='0' cellpadding='1'>" + "".join(rows) + "</table>"
+
+
+class LayerBars(QWidget):
+    """One thin column per expert layer: the share of its experts resident on the device."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.rows: list[tuple[int, str, int, int]] = []
+        self.setMinimumHeight(36)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.setMouseTracking(True)
+
+    def sizeHint(self) -> QSize:
+        return QSize(240, 40)
+
+    def setRows(self, rows) -> None:  # noqa: N802
+        self.rows = list(rows)
+        self.update()
+
+    def _column(self, index: int) -> QRectF:
+        n = max(1, len(self.rows))
+        w = self.width() / n
+        return QRectF(index * w, 0, w, self.height())
+
+    def paintEvent(self, _event) -> None:
+        t = theme.current()
+        painter = QPainter(self)
+        painter.fillRect(self.rect(), QColor(t.surface))
+        gap = 1 if self.width() / max(1, len(self.rows)) > 3 else 0
+        for index, (_layer, _node, resident, experts) in enumerate(self.rows):
+            rect = self._column(index).adjusted(0, 0, -gap, 0)
+            painter.fillRect(rect, QColor(t.cold))
+            if experts:
+                h = rect.height() * resident / experts
+                painter.fillRect(QRectF(rect.left(), rect.bottom() - h, rect.width(), h), QColor(t.accent))
+        painter.setPen(QPen(QColor(t.grid)))
+        painter.drawRect(self.rect().adjusted(0, 0, -1, -1))
+
+    def mouseMoveEvent(self, event) -> None:
+        for index, (layer, node, resident, experts) in enumerate(self.rows):
+            if self._column(index).contains(event.position()):
+                QToolTip.showText(event.globalPosition().toPoint(),
+                                  f"layer {layer}: {resident} of {experts} experts resident\n{node}", self)
+                return
+
+
+class Banner(QFrame):
+    """A coloured line of text with a close button: errors and warnings that never block the window."""
+
+    def __init__(self, kind: str = "error", parent=None):
+        super().__init__(parent)
+        self.kind = kind
+        self.label = QLabel(wordWrap=True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.close_button = QToolButton(text="✕")
+        self.close_button.setAutoRaise(True)
+        self.close_button.setAccessibleName("Dismiss")
+        self.close_button.clicked.connect(self.hide)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(10, 6, 6, 6)
+        layout.addWidget(self.label, 1)
+        layout.addWidget(self.close_button, 0, Qt.AlignmentFlag.AlignTop)
+        self.setAccessibleName("Error" if kind == "error" else "Warning")
+        self.restyle()
+        self.hide()
+
+    def restyle(self) -> None:
+        t = theme.current()
+        colour = t.error if self.kind == "error" else t.warn
+        self.setStyleSheet(f"Banner {{ background: {colour}; border-radius: 6px; }} "
+                           f"QLabel, QToolButton {{ color: white; background: transparent; }}")
+
+    def text(self) -> str:
+        return self.label.text()
+
+    def show_message(self, text: str) -> None:
+        self.label.setText(text)
+        self.show()
+
+
+def heading(text: str) -> QLabel:
+    label = QLabel(text)
+    font = QFont(label.font())
+    font.setBold(True)
+    label.setFont(font)
+    return label

@@ -1,0 +1,253 @@
+"""The workstation window against the real engine on fixture models (offscreen Qt).
+
+Every wait is on what the WINDOW shows (qtbot.waitUntil): the worker emits from its own thread, so
+a blocker on a worker signal can wake before the window's queued slots have run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QUrl  # noqa: E402
+from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
+
+from app.gui.main_window import MainWindow  # noqa: E402
+from tests.conftest import fixture_folder  # noqa: E402
+
+WAIT = 120_000
+
+
+def make_window(qtbot, tmp_path, **kwargs):
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    win = MainWindow(settings=settings, sample_interval_ms=kwargs.pop("sample_interval_ms", 200),
+                     demo_dir=str(tmp_path / "demo"), **kwargs)
+    qtbot.addWidget(win)
+    win.show()
+    return win
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    win = make_window(qtbot, tmp_path)
+    yield win
+    win.close()
+
+
+def same(a, b) -> bool:
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
+def load(qtbot, window, path, settings=None):
+    """Load through the worker and wait until the window shows the outcome."""
+    if settings is not None:
+        window.save_model_settings(str(path), settings)
+    window.load_model(str(path))
+    qtbot.waitUntil(lambda: not window.busy and (same(window.loaded_path, path) or window.error_banner.isVisible()),
+                    timeout=WAIT)
+
+
+def ask(qtbot, window, text, max_tokens=24):
+    window.chat.max_tokens.setValue(max_tokens)
+    window.chat.prompt.setPlainText(text)
+    window.chat.send()
+    qtbot.waitUntil(lambda: bool(not window.busy and window.chat.entries and window.chat.entries[-1].get("stats")),
+                    timeout=WAIT)
+    return window.chat.entries[-1]
+
+
+SIMULATED = {"device": {"kind": "simulated", "capacity": 8 << 30},
+             "entries": {"device_expert_bytes": str(3 * 32256)}}  # 3 gpt-oss fixture experts (one layer's worth+)
+
+
+def test_window_opens_and_remembers_layout_and_theme(qtbot, tmp_path):
+    win = make_window(qtbot, tmp_path)
+    assert win.isVisible() and set(win.docks) == {"model", "budget", "graphs", "placement"}
+    assert not win.chat.send_button.isEnabled()  # nothing loaded yet
+    assert win.status_state.text() == "Idle"
+    win.docks["placement"].hide()
+    win.set_theme("dark")
+    qtbot.waitUntil(lambda: win.palette().color(QPalette.ColorRole.Window).lightness() < 128)
+    win.close()
+    again = make_window(qtbot, tmp_path)
+    assert again.docks["placement"].isHidden()
+    assert again.theme_choice == "dark"
+    qtbot.waitUntil(lambda: again.palette().color(QPalette.ColorRole.Window).lightness() < 128)
+    again.set_theme("light")
+    qtbot.waitUntil(lambda: again.palette().color(QPalette.ColorRole.Window).lightness() > 128)
+    again.reset_layout()
+    assert not again.docks["placement"].isHidden()
+    again.close()
+
+
+def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window):
+    progress = []
+    window.worker.loadProgress.connect(progress.append)
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, SIMULATED)
+    assert same(window.loaded_path, path) and not window.error_banner.isVisible()
+    assert progress and progress[-1] == pytest.approx(1.0) and not window.model_panel.progress.isVisible()
+    # the inspection, the verdict for the chosen mode, and where everything landed
+    assert window.model_panel.table.rowCount() == 2
+    assert window.model_panel.table.item(0, 5).text() in ("2/8 on device, rest CPU", "1/8 on device, rest CPU")
+    assert "Runs (mode <b>auto</b>, simulated GPU" in window.model_panel.verdict.text()
+    landed = window.model_panel.landed.text()
+    assert "3 of 16 experts resident on the simulated GPU" in landed
+    assert "dense part" in landed and "runs on the CPU" in landed and "KV cache" in landed
+    assert "Load" not in window.model_panel.load_button.text() or window.model_panel.load_button.text() == "Reload"
+
+    tokens = []
+    window.worker.token.connect(tokens.append)
+    first = ask(qtbot, window, "Hello")
+    assert tokens and "".join(tokens).strip() in first["text"] + "".join(tokens)
+    stats = first["stats"]
+    assert "first token" in stats and "tok/s" in stats and " s · " in stats and "tokens" in stats
+    assert first["text"] and first["text"][:5] in window.chat.transcript.toPlainText()
+    assert "first token" in window.chat.transcript.toPlainText()
+    # the placement view saw the traffic: 3 resident cells, hits and misses counted
+    qtbot.waitUntil(lambda: window.placement.updates > 0 and "hit rate" in window.placement.summary.text())
+    assert sum(map(sum, window.placement.heatmap.data["resident"])) == 3
+    assert window.placement.heatmap.tooltip_at(0, 0).startswith("Layer 0, expert 0:")
+
+    # multi-turn keeps the cache; regenerate answers the last message again
+    second = ask(qtbot, window, "And then?")
+    assert "cached" in second["stats"]
+    entries_before = len(window.chat.entries)
+    window.chat.regenerate()
+    qtbot.waitUntil(lambda: bool(not window.busy and window.chat.entries[-1].get("stats")), timeout=WAIT)
+    assert len(window.chat.entries) == entries_before and window.chat.entries[-2]["text"] == "And then?"
+    window.chat.copy_last()
+    from PySide6.QtGui import QGuiApplication
+
+    assert QGuiApplication.clipboard().text() == window.chat.entries[-1]["text"]
+
+
+def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(qtbot, window):
+    path = fixture_folder("gptoss")
+    window.open_model(str(path))
+    qtbot.waitUntil(lambda: window.facts is not None and window.model_panel.table.rowCount() == 2, timeout=WAIT)
+    budget = window.budget_panel
+    budget.device.setCurrentIndex(budget.device.findData("simulated"))
+    budget.expert_bytes.setValue(4 * 32256)
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: "4 of 16" in budget.layer_text.text())
+    assert "2 of 8 in every layer" in budget.layer_text.text()
+    assert "resident experts" in budget.vram_legend.text() and "KV cache" in budget.vram_legend.text()
+    assert "4 of 16 experts resident" in window.model_panel.verdict.text()
+    # the slider moves the estimate live
+    budget.expert_bytes.slider.setValue(budget.expert_bytes.STEPS)  # everything
+    qtbot.waitUntil(lambda: "16 of 16" in budget.layer_text.text())
+    assert "all 8 on device" == window.model_panel.table.item(1, 5).text()
+    budget.expert_bytes.setValue(2 * 32256)
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: "2 of 16" in budget.layer_text.text())
+
+    loads = []
+    window.worker.loaded.connect(loads.append)
+    window.load()
+    qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
+    assert "2 of 16 experts resident" in window.model_panel.landed.text()
+    assert not budget.apply_button.isEnabled() and budget.applied_label.text() == "Applied to the loaded model"
+
+    budget.expert_bytes.setValue(6 * 32256)
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
+    assert budget.apply_button.text() == "Apply"
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: "6 of 16 experts resident" in window.model_panel.landed.text() and not window.busy,
+                    timeout=WAIT)
+    assert len(loads) == 1, "Apply re-planned without loading again"
+    assert window.status_state.text() == "Re-planned without reloading"
+    # a device limit needs a reload, and the button says so
+    budget.mem_limit.setValue(1 << 30)
+    budget.mem_limit.valueChanged.emit(budget.mem_limit.value())
+    qtbot.waitUntil(lambda: budget.apply_button.text() == "Apply and reload")
+    # settings are remembered per model
+    assert window.model_settings(str(path))["entries"]["session.moe.offload.device_expert_bytes"] == str(6 * 32256)
+
+
+def test_graphs_receive_samples_and_pause(qtbot, window):
+    qtbot.waitUntil(lambda: window.graphs.sample_count >= 3, timeout=10_000)
+    x, y = window.graphs.curves["ram_this"].getData()
+    assert len(x) >= 3 and y[-1] > 0
+    assert len(window.graphs.core_curves) >= 1
+    gpu = window.graphs.samples[-1]["gpu"]
+    if gpu is None:  # no NVIDIA GPU: the graphs say so instead of drawing zeros
+        assert window.graphs.gpu_note.isVisible() and "GPU" in window.graphs.gpu_note.text()
+        assert not window.graphs.rows["vram"][1].isVisible()
+    else:
+        assert window.graphs.rows["vram"][1].isVisible()
+    window.graphs.set_paused(True)
+    frozen = len(window.graphs.curves["ram_this"].getData()[0])
+    count = window.graphs.sample_count
+    qtbot.waitUntil(lambda: window.graphs.sample_count >= count + 2, timeout=10_000)
+    assert len(window.graphs.curves["ram_this"].getData()[0]) == frozen
+    window.graphs.set_paused(False)
+    assert len(window.graphs.curves["ram_this"].getData()[0]) > frozen
+
+
+def test_corrupt_model_shows_a_message_and_the_window_stays_usable(qtbot, window, copy_fixture):
+    broken = copy_fixture("gptoss")
+    (broken / "model.onnx").write_bytes(b"not a model")
+    load(qtbot, window, broken)
+    assert window.error_banner.isVisible()
+    assert "not a valid ONNX model" in window.error_banner.text()
+    assert window.loaded_path is None and window.model_panel.open_button.isEnabled()
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    assert not window.error_banner.isVisible() and same(window.loaded_path, fixture_folder("lfm2moe"))
+    assert "dense part" in window.model_panel.landed.text()
+
+
+def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
+    load(qtbot, window, fixture_folder("gptoss"))
+    window.worker.token.connect(lambda _delta: window.chat.stop_button.click())
+    window.chat.max_tokens.setValue(400)
+    window.chat.prompt.setPlainText("Tell a long story")
+    window.chat.send()
+    qtbot.waitUntil(lambda: bool(not window.busy and window.chat.entries[-1].get("stats")), timeout=WAIT)
+    answer = window.chat.entries[-1]
+    assert answer["result"]["finish_reason"] == "cancelled" and answer["stats"].endswith("stopped")
+    assert answer["result"]["timings"]["generated_tokens"] < 400
+    # unload in the middle of an answer
+    window.worker.token.disconnect()
+    window.worker.token.connect(window._on_token)
+    started = []
+    window.worker.token.connect(lambda _d: started or (started.append(1), window.unload()))
+    window.chat.prompt.setPlainText("Another long one")
+    window.chat.send()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert not window.chat.send_button.isEnabled() and window.placement.heatmap.data is None
+    assert window.model_panel.landed.text() == "Not loaded."
+
+
+def test_contention_banner_names_the_processes(qtbot, window):
+    window._on_busy("generating")
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [90.0, 95.0], "cpu_total": 92.0, "others_cpu_cores": 1.2,
+              "top_cpu": [{"pid": 7, "name": "baloo_file", "cores": 1.1, "rss": 1 << 30}], "top_ram": [],
+              "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+              "gpu": None, "gpu_note": "no NVIDIA GPU"}
+    window._on_sample(sample)
+    assert window.contention_banner.isVisible() and "baloo_file" in window.contention_banner.text()
+    for rate in (10e9, 11e9, 10e9, 9e9, 10e9, 4e9, 4e9, 4e9):
+        window.watch.add(rate)
+    window._on_sample(dict(sample, others_cpu_cores=0.0, top_cpu=[]))
+    assert "fell to 4.00 GB/s from 11.00 GB/s" in window.contention_banner.text()
+    window._on_busy("")
+
+
+def test_drop_a_folder_and_demo_model(qtbot, window):
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(fixture_folder("qwen35moe") / "model.onnx"))])
+    event = QDropEvent(QPointF(10, 10), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                       Qt.KeyboardModifier.NoModifier)
+    window.dropEvent(event)
+    qtbot.waitUntil(lambda: window.facts is not None and window.facts.name == "qwen35moe", timeout=WAIT)
+    assert same(window.recent()[0], fixture_folder("qwen35moe"))
+    window.model_panel.demo_button.click()
+    qtbot.waitUntil(lambda: window.loaded_path is not None and "demo" in window.loaded_path and not window.busy,
+                    timeout=WAIT)
+    assert window.model_panel.badge.isVisible() and "RANDOM" in window.model_panel.badge.text()
+    assert "RANDOM weights" in window.status_model.text()
