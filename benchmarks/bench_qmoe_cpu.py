@@ -162,8 +162,10 @@ def machine_details() -> dict:
 SWEEP = [  # (label, T, attribute overrides of CpuQMoE)
     ("legacy per-expert path", 1, dict(batched=False)),
     ("legacy per-expert path", 512, dict(batched=False)),
+    ("decode no software prefetch", 1, dict(gemv_prefetch_rows=0)),
     ("decode prefetch 2 rows", 1, dict(gemv_prefetch_rows=2)),
     ("decode prefetch 8 rows", 1, dict(gemv_prefetch_rows=8)),
+    ("decode prefetch 16 rows", 1, dict(gemv_prefetch_rows=16)),
     ("decode chunks of 16 KB", 1, dict(gemv_chunk_kb=16)),
     ("decode chunks of 256 KB", 1, dict(gemv_chunk_kb=256)),
     ("decode half the threads", 1, dict(num_threads=-2)),
