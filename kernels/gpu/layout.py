@@ -15,6 +15,8 @@ Per projection ("fc1" = FC1, merged with FC3 when present; "fc2"), per expert sl
   so that a lane reads the scales of its two rows with one 8-byte (fp32) load.
 * ``z``  zero points uint8, same order as ``s`` (unpacked), when the node has them.
 * ``b``  bias float32 ``[NP]`` (merged row order), when the node has one.
+* ``h``  fp16 copy of ``s`` for block scales stored as fp32 / bf16 (the prefill kernel folds block scales into its
+  fp16 weight fragments; decode always uses ``s``). Not counted in ``slot_bytes`` (decode never reads it).
 
 Gated FC1 (swiglu with any fusion, or FC3 gating): the rows are re-ordered so that each 16-row tile holds gate rows
 ``8q .. 8q+7`` (tile rows 0-7) and the matching up rows (tile rows 8-15); one thread then holds gate and up of the
@@ -69,6 +71,7 @@ class ProjLayout:
     sdtype: np.dtype
     has_zp: bool
     has_bias: bool
+    has_h: bool = False  # an fp16 copy of block scales (prefill folds them into fp16 weights)
 
     @property
     def w_bytes(self) -> int:
@@ -147,7 +150,7 @@ def make_layouts(spec: QMoESpec, tensors: dict) -> tuple[ProjLayout, ProjLayout]
         out.append(ProjLayout(name=name, bits=bits, K=K, KP=KP, KT=KP // 64, n_src=n_src, NP=NP, NT=NP // 16,
                               n_out=n_out, gated=(name == "fc1" and gated), block_size=bs, NB=NB, bs_log2=bs_log2,
                               row_src=rows.astype(np.int64), sdt=sdt, sdtype=sdtype, has_zp=has_zp,
-                              has_bias=has_bias))
+                              has_bias=has_bias, has_h=bool(bs) and sdt != DT_F16))
     return out[0], out[1]
 
 
@@ -232,6 +235,10 @@ def pack(lay: ProjLayout, codes, scales, zps, bias, xp=np) -> dict:
         return xp.ascontiguousarray(a).reshape(e, -1)
 
     out["s"] = relay(scales, scales.dtype)
+    if lay.has_h:
+        s = out["s"]
+        f = (s.astype(xp.uint32) << 16).view(xp.float32) if lay.sdt == DT_BF16 else s
+        out["h"] = xp.ascontiguousarray(f.astype(xp.float16))
     if lay.has_zp:
         out["z"] = relay(zps, xp.uint8)
     if lay.has_bias:

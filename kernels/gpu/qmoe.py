@@ -104,7 +104,7 @@ class GpuQMoE:
             self._ws = _Workspace()
             # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these)
             self.dec_cfg = {"R1": 2, "W1": 4, "R2": 2, "W2": 4, "ksplit2": 0}
-            self.prefill_bm = 64
+            self.prefill_bm = 0  # tokens per prefill tile (32 or 64); 0 = by the mean pairs per resident expert
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
             if len(res) > S:
                 raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
@@ -118,6 +118,8 @@ class GpuQMoE:
             d["z"] = cp.zeros((S, p.s_len), cp.uint8)
         if p.has_bias:
             d["b"] = cp.zeros((S, p.NP), cp.float32)
+        if p.has_h:
+            d["h"] = cp.zeros((S, p.s_len), cp.float16)
         return d
 
     def expert_bytes(self) -> int:
@@ -205,12 +207,13 @@ class GpuQMoE:
         return (np.int32(_ACT[s.activation]), np.int32(int(self.fc1.gated)), np.float32(s.alpha),
                 np.float32(s.beta), np.float32(0.0 if lim is None else lim), np.int32(lim is not None))
 
-    def _proj_args(self, p: _lay.ProjLayout, bits_arg: bool = False):
+    def _proj_args(self, p: _lay.ProjLayout, bits_arg: bool = False, fp16_scales: bool = False):
         sl = self.slots[p.name]
         head = (sl["w"], np.int64(p.w_bytes), np.int32(p.NT), np.int32(p.KT))
         if bits_arg:
             head = head + (np.int32(p.bits),)
-        return head + (sl["s"], np.int32(p.sdt), np.int32(p.NB), np.int32(p.bs_log2),
+        s, sdt = (sl["h"], DT_F16) if (fp16_scales and p.has_h) else (sl["s"], p.sdt)
+        return head + (s, np.int32(sdt), np.int32(p.NB), np.int32(p.bs_log2),
                        sl.get("z", self._dummy_u8), np.int32(int(p.has_zp)),
                        sl.get("b", self._dummy_f32), np.int32(int(p.has_bias)), np.int32(p.NP))
 
@@ -386,7 +389,8 @@ class GpuQMoE:
                 out.fill(0)
             return
         decode = self.path == "tc" and T <= self.decode_max_tokens
-        TM = 8 if decode else (self.prefill_bm if self.path == "tc" else 64)
+        BM = self.prefill_bm or (32 if P <= 48 * max(1, int((self.slot_of >= 0).sum())) else 64)
+        TM = 8 if decode else (BM if self.path == "tc" else 64)
         max_tiles = min(P, P // TM + min(E, P))
         ws = self._workspace(T, P, max_tiles, "dec" if decode else self.path)
         ids_d = ws.ids if route else ids
@@ -407,7 +411,8 @@ class GpuQMoE:
             self._f("decode_prep")((nblk,), (256,), (
                 np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
-                np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)), shared_mem=16 * E)
+                np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)),
+                shared_mem=16 * E + 8 * P)
             R1, W1 = cfg["R1"], cfg["W1"]
             self._launch(f"dec_gemv_{bits}_{R1}_0", (_cdiv(f1.NT, R1), max_tiles, 1), (32 * W1,), (
                 *self._proj_args(f1), *tiles_args, ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP), *act,
@@ -428,14 +433,13 @@ class GpuQMoE:
             ws.tiles, ws.num_tiles, np.int32(max_tiles)), shared_mem=16 * E)
         nel_blocks = max(1, min(_cdiv(T * f1.KP, 256), 8 * self.num_sms))
         if self.path == "tc":
-            BM = self.prefill_bm
             self._f("to_f16_pad")((nel_blocks,), (256,), (xd, np.int32(xdt), np.int32(T), np.int32(H),
                                                          np.int32(f1.KP), ws.x16))
             self._launch(f"pf_gemm_{bits}_{BM}_0", (_cdiv(f1.NT, 8), max_tiles), (128,), (
-                *self._proj_args(f1), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
+                *self._proj_args(f1, fp16_scales=True), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
                 np.int32(f2.KP), self._dummy_f32), self._pf_smem(BM))
             self._launch(f"pf_gemm_{bits}_{BM}_1", (_cdiv(f2.NT, 8), max_tiles), (128,), (
-                *self._proj_args(f2), *tiles_args, ws.a16, np.int32(f2.KP), *act, np.int32(H), self._dummy_u16,
+                *self._proj_args(f2, fp16_scales=True), *tiles_args, ws.a16, np.int32(f2.KP), *act, np.int32(H), self._dummy_u16,
                 np.int32(0), out), self._pf_smem(BM))
             return
         if xdt == DT_F32:
@@ -450,13 +454,10 @@ class GpuQMoE:
             *self._proj_args(f2, bits_arg=True), *tiles_args, ws.a32, np.int32(I), np.int32(H), out))
 
     def _dec_smem(self, p: _lay.ProjLayout, R: int, W: int) -> int:
-        """Dynamic shared memory of dec_gemv (mirrors dec_lane_stage_bytes in decode.cu, DEC_STAGES = 4)."""
-        nbt = 0 if p.bs_log2 < 0 else (1 if p.bs_log2 >= 6 else 64 >> p.bs_log2)
-        ls = R * (16 if p.bits == 4 else 32) + R * nbt * 8 + (R * nbt * 4 if p.has_zp else 0)
-        ls = (ls + 15) // 16 * 16
-        if (ls // 16) % 2 == 0:
-            ls += 16
-        return W * 4 * 32 * ls + W * R * 512
+        """Dynamic shared memory of dec_gemv: DEC_STAGES = 4 warp-stages of R * (TB + 320) bytes per warp, then the
+        cross-warp reduction (W * R * 128 floats); mirrors decode.cu."""
+        tb = 512 if p.bits == 4 else 1024
+        return W * 4 * (R * tb + R * 320) + W * R * 512
 
     def _pf_smem(self, BM: int) -> int:
         """Dynamic shared memory of pf_gemm (PF_STAGES = 4 stages of PfSmem<bits, BM>::STAGE bytes)."""

@@ -141,6 +141,17 @@ static __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2
 #endif
 }
 
+// D = A * B (the accumulator starts at zero)
+static __device__ __forceinline__ void mma_bf16_zc(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if QM_TC
+    const float z = 0.0f;
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(z));
+#endif
+}
+
 static __device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if QM_TC
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -170,18 +181,6 @@ static __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u
 static __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
 #if QM_TC
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-#endif
-}
-
-static __device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
-#if QM_TC
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src) : "memory");
-#endif
-}
-
-static __device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
-#if QM_TC
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
 #endif
 }
 

@@ -1,11 +1,15 @@
 // Decode (1..8 tokens per expert): grouped dequant-GEMV on the tensor cores.
 //
 // One launch covers every (expert, token-group) tile of the batch: blockIdx.y = tile (expert slot + up to 8 pairs),
-// blockIdx.x = R row tiles of 16 weight rows, blockIdx.z = split of K (FC2 only; partial sums meet in atomicAdd).
-// The weights are the A operand of mma.m16n8k16 (16 rows x 16 k), the 8 columns are the tile's tokens: every weight
-// byte is read once per tile. Weights dequantise exactly to (q - z) in bf16; activations are split into bf16 hi + lo
-// (two MMAs, ~2^-17 relative), so results are fp32-accurate with fp32 accumulation. Scales are applied in fp32 on the
-// accumulators (per row at the end; per block on a block accumulator).
+// blockIdx.x = R row tiles of 16 weight rows, blockIdx.z = split of K (FC2 only; partial sums meet in atomicAdd);
+// the block's warps split the tile's K further and reduce through shared memory. The weights are the A operand of
+// mma.m16n8k16 (16 rows x 16 k), the 8 columns are the tile's tokens: every weight byte is read once per tile.
+// Weights dequantise exactly to (q - z) in bf16; activations are split into bf16 hi + lo (two MMAs, ~2^-17
+// relative), so results are fp32-accurate with fp32 accumulation. Scales are applied in fp32 on the accumulators
+// (per row at the end; per block when a block accumulator is flushed).
+// Memory pipeline: each warp streams its k-tiles through a DEC_STAGES-deep cp.async ring in shared memory (weights
+// copied lane-by-lane in the global layout, scale / zero-point chunks by the first lanes), so 3 k-tiles per warp
+// are in flight; the activations (a few KB, shared by all blocks) come from L1 / L2 one k-tile ahead.
 // MODE 0 (FC1 / FC1+FC3 merged): epilogue = bias + activation, writes the activation (bf16 hi/lo, B-fragment layout)
 // for FC2. MODE 1 (FC2): epilogue = bias, routing weight, atomicAdd into the fp32 output rows of the tokens.
 
@@ -41,16 +45,6 @@ static __device__ __forceinline__ void set_bz(u32* zc, int z0, int z1) {
 }
 
 #define DEC_STAGES 4
-
-// bytes of one lane's slot in one pipeline stage (weights, scales, zero points), a multiple of 16 that is an odd
-// multiple of 16 (conflict-free 16-byte shared loads across the warp); must match GpuQMoE._dec_smem
-static __device__ __forceinline__ int dec_lane_stage_bytes(int R, int LB, int nbt, int has_zp) {
-    int ls = R * LB + R * nbt * 8 + (has_zp ? R * nbt * 4 : 0);
-    ls = (ls + 15) & ~15;
-    if (((ls >> 4) & 1) == 0) ls += 16;
-    return ls;
-}
-
 
 #define QM_DEC_ARGS                                                                                             \
     const u8 *__restrict__ W, long long wstride, int NT, int KT, const void *__restrict__ S, int sdt, int NB,       \
@@ -119,40 +113,50 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
     const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;  // scale blocks per k-tile
     const int ssz = (sdt == DT_F32) ? 4 : 2;
+    // k-steps per scale block within a tile: q = j >> qsh, block boundaries every (spm + 1) steps;
+    // blocks of >= 128 span tiles: tpm + 1 tiles per block
+    const int qsh = blockwise ? min(2, bs_log2 - 4) : 0;
+    const int spm = blockwise ? (1 << min(2, bs_log2 - 4)) - 1 : 3;
+    const int tpm = (blockwise && bs_log2 > 6) ? (1 << (bs_log2 - 6)) - 1 : 0;
 
-    // Per-warp cp.async pipeline, DEC_STAGES deep: every lane copies exactly the bytes it will read (its 16 / 32
-    // weight bytes per row tile, its two scales and zero points per scale block) into its own shared-memory slot,
-    // so no barrier is needed; DEC_STAGES - 1 k-tiles are in flight while one is computed.
-    const int LS = dec_lane_stage_bytes(R, TR::LB, nbt, has_zp);
-    unsigned char* lane_p = dsm + (warp * DEC_STAGES * 32 + lane) * LS;
-    const u32 lane_a = smem_u32(lane_p);
-    const int so = R * TR::LB;                 // scales in the lane slot
-    const int zo = so + R * nbt * 8;           // zero points in the lane slot
+    // Per-warp cp.async pipeline, DEC_STAGES deep. Stage = [R][TB] weights (each lane copies, and later reads, its
+    // own 16 / 32 bytes: the same layout as global memory) + [R][256] scales + [R][64] zero points of the tile's
+    // scale blocks (copied by the first lanes; read by all after __syncwarp).
+    const int WSB = R * TR::TB + R * 320;  // bytes per warp-stage
+    unsigned char* wp = dsm + warp * DEC_STAGES * WSB;
+    const u32 wpa = smem_u32(wp);
+    const u8* wsrc[R];
+    bool wok[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        wok[r] = rt0 + r < NT;
+        wsrc[r] = Ws + (wok[r] ? (long long)(rt0 + r) * KT * TR::TB + lane * TR::LB : 0);
+    }
+    // scale / zero-point chunk (16 bytes) copied by this lane, if any
+    const int schunks = nbt * ssz;  // 16-byte chunks of scales per row tile and tile
+    const int s_r = schunks ? lane / schunks : R;
+    const bool s_on = blockwise && s_r < R && rt0 + s_r < NT;
+    const unsigned char* ssrc = s_on ? (const unsigned char*)S + (sb + (long long)(rt0 + s_r) * NB * 16) * ssz +
+                                           (lane % schunks) * 16
+                                     : (const unsigned char*)S;
+    const u32 sdst = (u32)(R * TR::TB + s_r * 256 + (schunks ? lane % schunks : 0) * 16);
+    const int z_r = nbt ? lane / nbt : R;
+    const bool z_on = blockwise && has_zp && z_r < R && rt0 + z_r < NT;
+    const u8* zsrc = z_on ? Z + sb + (long long)(rt0 + z_r) * NB * 16 + (lane % nbt) * 16 : Z;
+    const u32 zdst = (u32)(R * TR::TB + R * 256 + z_r * 64 + (nbt ? lane % nbt : 0) * 16);
 
     auto load = [&](int kt, int st) {
-        const u32 d = lane_a + (u32)(st * 32 * LS);
-        const int b0 = blockwise ? ((kt << 6) >> bs_log2) : 0;
+        const u32 d = wpa + (u32)(st * WSB);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int rt = rt0 + r;
-            const bool ok = rt < NT;
-            const u8* src = ok ? Ws + ((long long)rt * KT + kt) * TR::TB + lane * TR::LB : Ws;
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int q = 0; q < TR::LW; ++q) cp_async16(d + r * TR::LB + q * 16, src + q * 16, ok ? 16 : 0);
-            if (blockwise && ok) {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    if (q < nbt) {
-                        const long long si = sb + ((long long)rt * NB + b0 + q) * 16 + g * 2;
-                        const u32 ds = d + so + (r * nbt + q) * 8;
-                        if (ssz == 4)
-                            cp_async8(ds, (const float*)S + si);
-                        else
-                            cp_async4(ds, (const u16*)S + si);
-                        if (has_zp) cp_async4(d + zo + (r * nbt + q) * 4, Z + (si & ~3LL));
-                    }
-                }
-            }
+            for (int q = 0; q < TR::LW; ++q)
+                cp_async16(d + r * TR::TB + lane * TR::LB + q * 16, wsrc[r] + (long long)kt * TR::TB + q * 16,
+                           wok[r] ? 16 : 0);
+        if (blockwise) {
+            const int b0 = (kt << 6) >> bs_log2;
+            if (s_on) cp_async16(d + sdst, ssrc + (long long)b0 * 16 * ssz, 16);
+            if (z_on) cp_async16(d + zdst, zsrc + (long long)b0 * 16, 16);
         }
     };
 
@@ -170,42 +174,51 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
     };
 
     auto compute = [&](int kt, int st, const uint4& h0, const uint4& h1, const uint4& l0, const uint4& l1) {
-        const unsigned char* p = lane_p + st * 32 * LS;
+        const unsigned char* p = wp + st * WSB;
         uint4 wv[R][TR::LW];
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int q = 0; q < TR::LW; ++q) wv[r][q] = *reinterpret_cast<const uint4*>(p + r * TR::LB + q * 16);
+            for (int q = 0; q < TR::LW; ++q)
+                wv[r][q] = *reinterpret_cast<const uint4*>(p + r * TR::TB + lane * TR::LB + q * 16);
+        const bool tfirst = (kt & tpm) == 0, tlast = ((kt + 1) & tpm) == 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int ks = (kt << 2) + j;
-            const int q = (!blockwise || bs_log2 >= 6) ? 0 : (j >> (bs_log2 - 4));
-            const bool last = blockwise && ((((ks + 1) << 4) & ((1 << bs_log2) - 1)) == 0);
+            const int q = j >> qsh;
+            const bool first = blockwise && tfirst && ((j & spm) == 0);
+            const bool last = blockwise && tlast && (((j + 1) & spm) == 0);
             const uint4& hv = (j < 2) ? h0 : h1;
             const uint4& lv = (j < 2) ? l0 : l1;
             const u32 bhA = u4c(hv, (j & 1) * 2), bhB = u4c(hv, (j & 1) * 2 + 1);
             const u32 blA = u4c(lv, (j & 1) * 2), blB = u4c(lv, (j & 1) * 2 + 1);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                u32 zz[4] = {zc[r][0], zc[r][1], zc[r][2], zc[r][3]};
+                u32 z0 = zc[r][0], z1 = zc[r][1], z2 = zc[r][2], z3 = zc[r][3];
                 if (has_zp && blockwise) {
-                    const u32 word = *reinterpret_cast<const u32*>(p + zo + (r * nbt + q) * 4);
-                    const u32 zv = word >> ((g & 1) * 16);
-                    set_bz<BITS>(zz, (int)(zv & 0xffu), (int)((zv >> 8) & 0xffu));
+                    const u32 zv = *reinterpret_cast<const u16*>(p + R * TR::TB + R * 256 + r * 64 + q * 16 + g * 2);
+                    u32 zz[4];
+                    set_bz<BITS>(zz, (int)(zv & 0xffu), (int)(zv >> 8));
+                    z0 = zz[0];
+                    z1 = zz[1];
+                    z2 = zz[2];
+                    z3 = zz[3];
                 }
                 u32 a[4];
                 if (BITS == 4) {
-                    deq4_bf16(u4c(wv[r][0], j), zz[0], zz[1], a);
+                    deq4_bf16(u4c(wv[r][0], j), z0, z1, a);
                 } else {
                     const uint4& w8 = wv[r][(j >> 1) & (TR::LW - 1)];
                     const u32 w0 = u4c(w8, (j & 1) * 2), w1 = u4c(w8, (j & 1) * 2 + 1);
-                    a[0] = deq8pair_bf16(w0, 0x4140u, zz[0], zz[1]);
-                    a[1] = deq8pair_bf16(w0, 0x4342u, zz[2], zz[3]);
-                    a[2] = deq8pair_bf16(w1, 0x4140u, zz[0], zz[1]);
-                    a[3] = deq8pair_bf16(w1, 0x4342u, zz[2], zz[3]);
+                    a[0] = deq8pair_bf16(w0, 0x4140u, z0, z1);
+                    a[1] = deq8pair_bf16(w0, 0x4342u, z2, z3);
+                    a[2] = deq8pair_bf16(w1, 0x4140u, z0, z1);
+                    a[3] = deq8pair_bf16(w1, 0x4342u, z2, z3);
                 }
                 if (blockwise) {
-                    mma_bf16(blk[r], a[0], a[1], a[2], a[3], bhA, bhB);
+                    if (first)
+                        mma_bf16_zc(blk[r], a[0], a[1], a[2], a[3], bhA, bhB);
+                    else
+                        mma_bf16(blk[r], a[0], a[1], a[2], a[3], bhA, bhB);
                     if (split) mma_bf16(blk[r], a[0], a[1], a[2], a[3], blA, blB);
                 } else {
                     mma_bf16(acc[r], a[0], a[1], a[2], a[3], bhA, bhB);
@@ -215,7 +228,7 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
             if (last) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const unsigned char* sp = p + so + (r * nbt + q) * 8;
+                    const unsigned char* sp = p + R * TR::TB + r * 256 + (q * 16 + g * 2) * ssz;
                     float sx, sy;
                     if (ssz == 4) {
                         const float2 v = *reinterpret_cast<const float2*>(sp);
@@ -231,12 +244,10 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
                             sy = __uint_as_float(v & 0xffff0000u);
                         }
                     }
-                    acc[r][0] += sx * blk[r][0];
-                    acc[r][1] += sx * blk[r][1];
-                    acc[r][2] += sy * blk[r][2];
-                    acc[r][3] += sy * blk[r][3];
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) blk[r][c] = 0.0f;
+                    acc[r][0] = fmaf(sx, blk[r][0], acc[r][0]);
+                    acc[r][1] = fmaf(sx, blk[r][1], acc[r][1]);
+                    acc[r][2] = fmaf(sy, blk[r][2], acc[r][2]);
+                    acc[r][3] = fmaf(sy, blk[r][3], acc[r][3]);
                 }
             }
         }
@@ -248,24 +259,26 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
         cp_async_commit();
     }
     if (kt0 < kt1) load_b(kt0, bh0, bh1, bl0, bl1);
+    int st = 0;
     for (int kt = kt0; kt < kt1; ++kt) {
-        const int i = kt - kt0;
         cp_async_wait<DEC_STAGES - 2>();
+        __syncwarp();
         {
             const int nk = kt + DEC_STAGES - 1;
-            if (nk < kt1) load(nk, (i + DEC_STAGES - 1) % DEC_STAGES);
+            if (nk < kt1) load(nk, st == 0 ? DEC_STAGES - 1 : st - 1);
             cp_async_commit();
         }
         if (kt + 1 < kt1) load_b(kt + 1, nh0, nh1, nl0, nl1);
-        compute(kt, i % DEC_STAGES, bh0, bh1, bl0, bl1);
+        compute(kt, st, bh0, bh1, bl0, bl1);
         bh0 = nh0;
         bh1 = nh1;
         bl0 = nl0;
         bl1 = nl1;
+        st = (st == DEC_STAGES - 1) ? 0 : st + 1;
     }
 
     // reduce the warps' partial sums (area after the pipeline)
-    float* red = reinterpret_cast<float*>(dsm + nw * DEC_STAGES * 32 * LS);
+    float* red = reinterpret_cast<float*>(dsm + nw * DEC_STAGES * WSB);
     float* my = red + warp * (R * 128);
 #pragma unroll
     for (int r = 0; r < R; ++r)

@@ -76,38 +76,39 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
         asz[i] = ok ? 16 : 0;
         adst[i] = (u32)((m * 64 + ((cc ^ (m & 7)) << 3)) * 2);
     }
+    const u8* wsrc[WCH];
+    bool wok[WCH];
+    u32 wdst[WCH];
+#pragma unroll
+    for (int i = 0; i < WCH; ++i) {
+        const int c = threadIdx.x + i * 128;
+        const int lt = c / (TR::TB / 16), off = (c % (TR::TB / 16)) * 16;
+        wok[i] = rtb + lt < NT;
+        wsrc[i] = Ws + (wok[i] ? (long long)(rtb + lt) * KT * TR::TB + off : 0);
+        wdst[i] = (u32)(SM::A + lt * TR::TB + off);
+    }
+    const int per = nbt * ssz;  // 16-byte chunks of scales per row tile and k-tile
+    const int s_lt = per ? (int)threadIdx.x / per : 8;
+    const bool s_on = blockwise && s_lt < 8 && rtb + s_lt < NT;
+    const unsigned char* ssrc =
+        s_on ? (const unsigned char*)S + (sb + (long long)(rtb + s_lt) * NB * 16) * ssz + (threadIdx.x % per) * 16
+             : (const unsigned char*)S;
+    const u32 sdst = (u32)(SM::A + SM::W + s_lt * 256 + (per ? threadIdx.x % per : 0) * 16);
+    const int z_lt = nbt ? (int)threadIdx.x / nbt : 8;
+    const bool z_on = blockwise && has_zp && z_lt < 8 && rtb + z_lt < NT;
+    const u8* zsrc = z_on ? Z + sb + (long long)(rtb + z_lt) * NB * 16 + (threadIdx.x % nbt) * 16 : Z;
+    const u32 zdst = (u32)(SM::A + SM::W + SM::S + z_lt * 64 + (nbt ? threadIdx.x % nbt : 0) * 16);
+
     auto load_stage = [&](int kt, int st) {
         const u32 base = sbase + (u32)(st * SM::STAGE);
 #pragma unroll
         for (int i = 0; i < CPT; ++i) cp_async16(base + adst[i], asrc[i] + kt * 64, asz[i]);
 #pragma unroll
-        for (int i = 0; i < WCH; ++i) {
-            const int c = threadIdx.x + i * 128;
-            const int lt = c / (TR::TB / 16), off = (c % (TR::TB / 16)) * 16;
-            const int rt = rtb + lt;
-            const bool ok = rt < NT;
-            const u8* src = ok ? Ws + ((long long)rt * KT + kt) * TR::TB + off : Ws;
-            cp_async16(base + SM::A + lt * TR::TB + off, src, ok ? 16 : 0);
-        }
+        for (int i = 0; i < WCH; ++i) cp_async16(base + wdst[i], wsrc[i] + (long long)kt * TR::TB, wok[i] ? 16 : 0);
         if (blockwise) {
             const int b0 = (kt << 6) >> bs_log2;
-            const int per = nbt * ssz;  // 16-byte chunks of scales per row tile
-            if ((int)threadIdx.x < 8 * per) {
-                const int lt = threadIdx.x / per, cc = threadIdx.x % per;
-                const int rt = rtb + lt;
-                const bool ok = rt < NT;
-                const unsigned char* src =
-                    ok ? (const unsigned char*)S + ((sb + ((long long)rt * NB + b0) * 16) * ssz + cc * 16)
-                       : (const unsigned char*)S;
-                cp_async16(base + SM::A + SM::W + lt * 256 + cc * 16, src, ok ? 16 : 0);
-            }
-            if (has_zp && (int)threadIdx.x < 8 * nbt) {
-                const int lt = threadIdx.x / nbt, cc = threadIdx.x % nbt;
-                const int rt = rtb + lt;
-                const bool ok = rt < NT;
-                const u8* src = ok ? Z + sb + ((long long)rt * NB + b0) * 16 + cc * 16 : Z;
-                cp_async16(base + SM::A + SM::W + SM::S + lt * 64 + cc * 16, src, ok ? 16 : 0);
-            }
+            if (s_on) cp_async16(base + sdst, ssrc + (long long)b0 * 16 * ssz, 16);
+            if (z_on) cp_async16(base + zdst, zsrc + (long long)b0 * 16, 16);
         }
     };
 

@@ -9,32 +9,34 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
                                         int normalize, int tok, int* ids, float* wts) {
     const int lane = threadIdx.x & 31;
     const long long row = (long long)tok * E;
-    const int per = (E + 31) >> 5;
+    float z[32];  // this lane's logits: experts lane + 32 i (E <= 1024), loaded once
     float m = QM_NEG_INF;
-    for (int i = 0; i < per; ++i) {
-        int e = lane + (i << 5);
-        if (e < E) m = fmaxf(m, load_f(logits, row + e, ldt));
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const int e = lane + (i << 5);
+        z[i] = QM_NEG_INF;
+        if (e < E) {
+            z[i] = load_f(logits, row + e, ldt);
+            m = fmaxf(m, z[i]);
+        }
     }
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(QM_FULL, m, o));
     float s = 0.0f;
-    for (int i = 0; i < per; ++i) {
-        int e = lane + (i << 5);
-        if (e < E) s += expf(load_f(logits, row + e, ldt) - m);
-    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+        if (lane + (i << 5) < E) s += expf(z[i] - m);
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(QM_FULL, s, o);
     u32 taken = 0u;
     float wsum = 0.0f;
     for (int j = 0; j < k; ++j) {
         float bv = QM_NEG_INF;
         int bi = QM_NO_ID;
-        for (int i = 0; i < per; ++i) {
-            int e = lane + (i << 5);
-            if (e < E && !((taken >> i) & 1u)) {
-                float z = load_f(logits, row + e, ldt);
-                if (bi == QM_NO_ID || z > bv) {  // e grows within a lane: ties keep the lower index
-                    bv = z;
-                    bi = e;
-                }
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int e = lane + (i << 5);
+            if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || z[i] > bv)) {  // e grows: ties keep lower
+                bv = z[i];
+                bi = e;
             }
         }
         for (int o = 16; o; o >>= 1) {
@@ -157,16 +159,23 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                                        const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
                                        int* num_tiles, int max_tiles, const void* x, int xdt, int H, int KP,
                                        u16* xhi, u16* xlo, float* zero_out, long long zero_n) {
-    extern __shared__ int sm_prep[];
+    extern __shared__ int sm_prep[];  // 4 E ints for the grouping, then T * kk ids and weights
     if (blockIdx.x == 0) {
+        int* sids = sm_prep + 4 * E;
+        float* sw = reinterpret_cast<float*>(sids + T * kk);
         if (route_mode) {
             const int nwarps = blockDim.x >> 5;
             for (int tok = threadIdx.x >> 5; tok < T; tok += nwarps)
                 route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok,
-                                 ids + (long long)tok * k, wts + (long long)tok * k);
-            __syncthreads();
+                                 sids + tok * k, sw + tok * k);
+        } else {
+            for (int i = threadIdx.x; i < T * kk; i += blockDim.x) {
+                sids[i] = ids[i];
+                sw[i] = wts[i];
+            }
         }
-        build_tiles_block(ids, wts, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles,
+        __syncthreads();
+        build_tiles_block(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles,
                           sm_prep);
     }
     const int cpr = KP >> 3;  // 8-value chunks per row
