@@ -375,8 +375,11 @@ class BudgetPanel(QWidget):
     def dirty(self) -> bool:
         if not self.applied:
             return False
-        return (self.applied.get("entries") != self.config().to_entries()
-                or self.applied.get("device") != self.device_settings())
+        try:
+            applied = OffloadConfig.from_entries(self.applied.get("entries", {}))
+        except Exception:
+            return True
+        return applied != self.config() or self.applied.get("device") != self.device_settings()
 
     def _update_apply(self) -> None:
         reload = self.needs_reload()

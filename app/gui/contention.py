@@ -18,7 +18,7 @@ OTHERS_CPU_SHARE = 0.20       # other processes using this share of all cores...
 OTHERS_CPU_MIN_CORES = 0.5    # ...and at least half a core
 HOST_AVAILABLE_SHARE = 0.10   # less host memory available than this share of the total
 VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's memory
-THROUGHPUT_DROP = 0.60        # current / start below this: warn
+THROUGHPUT_DROP = 0.50        # current / start below this: warn
 
 
 def _cpu(p: dict) -> str:
@@ -64,19 +64,25 @@ def check_sample(sample: dict) -> list[str]:
 class ThroughputWatch:
     """CPU expert throughput (bytes/s) measured by the worker during decode, against the start.
 
-    The start is the best of the first few measurements after a load (the very first ones include
-    kernel compilation); the current value is the median of the last few."""
+    The start is the median of the first few measurements after a load, the very first one left out
+    (it can include kernel compilation); the current value is the median of the last few. Medians,
+    so that one slow quarter-second does not raise the banner."""
     start_samples: int = 5
-    recent_samples: int = 3
+    recent_samples: int = 5
+    skipped: int = 0
     start: list[float] = field(default_factory=list)
     recent: list[float] = field(default_factory=list)
 
     def reset(self) -> None:
         self.start.clear()
         self.recent.clear()
+        self.skipped = 0
 
     def add(self, bytes_per_s: float) -> None:
         if bytes_per_s <= 0:
+            return
+        if not self.skipped:
+            self.skipped = 1
             return
         if len(self.start) < self.start_samples:
             self.start.append(bytes_per_s)
@@ -86,7 +92,7 @@ class ThroughputWatch:
 
     @property
     def baseline(self) -> float:
-        return max(self.start) if self.start else 0.0
+        return statistics.median(self.start) if len(self.start) >= self.start_samples else 0.0
 
     @property
     def current(self) -> float:

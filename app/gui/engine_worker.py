@@ -129,7 +129,9 @@ class EngineWorker(QObject):
         opened falls back to the CPU with a note, unless mode=required."""
         kind = choice.get("kind", "cpu")
         if kind == "simulated":
-            return SimulatedDevice(int(choice.get("capacity", 8 << 30)), mem_limit=config.gpu_device_mem_limit)
+            capacity = int(choice.get("capacity", 8 << 30))
+            return SimulatedDevice(capacity, mem_limit=config.gpu_device_mem_limit,
+                                   name=f"simulated GPU, {human_bytes(capacity)}")
         if kind == "cuda":
             try:
                 return open_cuda_device(mem_limit=config.gpu_device_mem_limit)

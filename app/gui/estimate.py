@@ -200,14 +200,14 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         others = min(device.others_bytes, ceiling)
         device_parts = [
             Part("experts", "resident experts", resident_bytes, f"{sum(p[2] for p in per_layer)} experts"),
-            Part("dense", "dense weights", 0, f"{human_bytes(facts.dense_bytes)} in host RAM: the dense part runs on the CPU in this build"),
-            Part("kv", "KV cache", 0, f"{human_bytes(kv)} in host RAM, beside the dense part"),
-            Part("workspace", "workspace (prefill staging ring)", staging if stand_in else 0, ""),
-            Part("others", "other processes", others, "measured (NVML)" if device.kind == "cuda" else "none on a simulated device"),
+            Part("dense", "dense weights", 0, f"runs on the CPU in this build ({human_bytes(facts.dense_bytes)} in host RAM)"),
+            Part("kv", "KV cache", 0, f"in host RAM with the dense part ({human_bytes(kv)})"),
+            Part("workspace", "workspace", staging if stand_in else 0, "prefill staging ring"),
+            Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
         ]
         used = sum(p.bytes for p in device_parts)
         device_parts.append(Part("free", "free", max(0, ceiling - used),
-                                 f"reserve kept free: {human_bytes(auto_reserve(config, max(0, ceiling - others - staging)))}"
+                                 f"reserve {human_bytes(auto_reserve(config, max(0, ceiling - others - staging)))}"
                                  + (" (auto)" if config.reserve_device_bytes is None else "")))
         if ceiling < capacity:
             device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - ceiling, ""))

@@ -203,7 +203,9 @@ class GraphsPanel(QWidget):
             _title("Host memory", [(t.accent, f"this process {last['ram_this'] / GIB:.2f}"),
                                    (t.others, f"others {last['ram_others'] / GIB:.1f}"),
                                    (t.muted, f"available {last['ram_available'] / GIB:.1f} of {last['ram_total'] / GIB:.1f} GiB")], t))
-        self.ram_plot.setYRange(0, max(ram_total.max() if len(ram_total) else 1, 0.1) * 1.02, padding=0)
+        # scaled to what is used (the total is in the header): a 23 GiB axis would flatten a model's growth
+        used_peak = float((ram_this + ram_others).max()) if len(ram_this) else 0.1
+        self.ram_plot.setYRange(0, max(used_peak * 1.25, 0.1), padding=0)
 
         cores = np.array([s.get("cpu_per_core") or [0.0] for s in samples], dtype=float)
         while len(self.core_curves) < cores.shape[1]:
@@ -245,8 +247,11 @@ class GraphsPanel(QWidget):
         span = max(60.0, -float(x[0]) if len(x) else 60.0)
         self.tps_plot.setXRange(-span, 0, padding=0.01)
         self._draw_markers(now)
-        self.status.setText(f"{len(samples)} samples · last {time.strftime('%H:%M:%S', time.localtime(last['wall']))}"
-                            + (" · paused" if self.paused else ""))
+        self.status.setText(
+            f"{len(samples)} samples · last {time.strftime('%H:%M:%S', time.localtime(last['wall']))}"
+            + (" · <b>paused</b>" if self.paused else "")
+            + f" &nbsp; <span style='color:{t.accent}'>┆</span> load &nbsp;<span style='color:{t.tokens}'>┆</span> answer"
+            f" &nbsp;<span style='color:{t.error}'>┆</span> error")
 
     def _draw_markers(self, now: float) -> None:
         t = self._theme
@@ -259,12 +264,10 @@ class GraphsPanel(QWidget):
                 continue
             kept.append(marker)
             if not marker["lines"]:
-                for index, plot in enumerate(self.plots):
-                    label = marker["text"] if plot is self.tps_plot else None
+                for plot in self.plots:
                     line = pg.InfiniteLine(angle=90, movable=False,
-                                           pen=_pen(colours.get(marker["kind"], t.muted), 1, 160, Qt.PenStyle.DotLine),
-                                           label=label, labelOpts={"position": 0.85, "color": t.muted, "rotateAxis": (1, 0),
-                                                                   "anchors": [(0, 0.5), (0, 0.5)]})
+                                           pen=_pen(colours.get(marker["kind"], t.muted), 1.2, 200, Qt.PenStyle.DashLine))
+                    line.setToolTip(marker["text"])
                     plot.addItem(line, ignoreBounds=True)
                     marker["lines"].append((plot, line))
             for _plot, line in marker["lines"]:

@@ -85,6 +85,9 @@ class MainWindow(QMainWindow):
         column.addWidget(self.chat, 1)
         self.setCentralWidget(central)
         self.setDockNestingEnabled(True)
+        # the placement view sits under the chat only; model, budgets and graphs run full height
+        self.setCorner(Qt.Corner.BottomLeftCorner, Qt.DockWidgetArea.LeftDockWidgetArea)
+        self.setCorner(Qt.Corner.BottomRightCorner, Qt.DockWidgetArea.RightDockWidgetArea)
         self.docks = {
             "model": self._dock("Model", "modelDock", self.model_panel, Qt.DockWidgetArea.LeftDockWidgetArea),
             "budget": self._dock("Budgets", "budgetDock", self.budget_panel, Qt.DockWidgetArea.LeftDockWidgetArea),
@@ -100,9 +103,9 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.status_device)
         self._make_actions()
         self.resize(1600, 1000)
-        self.resizeDocks([self.docks["model"], self.docks["graphs"]], [430, 470], Qt.Orientation.Horizontal)
-        self.resizeDocks([self.docks["model"], self.docks["budget"]], [430, 520], Qt.Orientation.Vertical)
-        self.resizeDocks([self.docks["placement"]], [220], Qt.Orientation.Vertical)
+        self.resizeDocks([self.docks["model"], self.docks["graphs"]], [440, 440], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.docks["model"], self.docks["budget"]], [470, 510], Qt.Orientation.Vertical)
+        self.resizeDocks([self.docks["placement"]], [320], Qt.Orientation.Vertical)
         self._default_state = self.saveState(STATE_VERSION)
         self.setAcceptDrops(True)
 

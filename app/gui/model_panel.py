@@ -7,8 +7,9 @@ import html
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QMenu, QProgressBar, QPushButton,
-                               QSizePolicy, QTableWidget, QTableWidgetItem, QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QHeaderView, QLabel, QMenu, QProgressBar,
+                               QPushButton, QScrollArea, QSizePolicy, QSplitter, QTableWidget, QTableWidgetItem,
+                               QToolButton, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.widgets import heading
@@ -102,7 +103,7 @@ class ModelPanel(QWidget):
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         header.setStretchLastSection(True)
         self.table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
-        self.table.setMinimumHeight(90)
+        self.table.setMinimumHeight(70)
 
         self.landed = QLabel("Not loaded.")
         self.landed.setWordWrap(True)
@@ -121,9 +122,22 @@ class ModelPanel(QWidget):
         layout.addLayout(progress_row)
         layout.addWidget(self.summary)
         layout.addWidget(self.verdict)
-        layout.addWidget(self.table, 1)
-        layout.addWidget(heading("Where everything landed"))
-        layout.addWidget(self.landed)
+        landed_box = QWidget()
+        landed_layout = QVBoxLayout(landed_box)
+        landed_layout.setContentsMargins(0, 4, 0, 0)
+        landed_layout.addWidget(heading("Where everything landed"))
+        landed_layout.addWidget(self.landed)
+        landed_layout.addStretch(1)
+        landed_scroll = QScrollArea()
+        landed_scroll.setWidgetResizable(True)
+        landed_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        landed_scroll.setWidget(landed_box)
+        self.splitter = QSplitter(Qt.Orientation.Vertical)
+        self.splitter.addWidget(self.table)
+        self.splitter.addWidget(landed_scroll)
+        self.splitter.setChildrenCollapsible(False)
+        self.splitter.setSizes([170, 200])
+        layout.addWidget(self.splitter, 1)
 
         self.open_button.clicked.connect(self.openRequested)
         self.demo_button.clicked.connect(self.demoRequested)
@@ -190,7 +204,7 @@ class ModelPanel(QWidget):
             elif resident == experts and experts:
                 item.setText(f"all {experts} on device")
             elif resident:
-                item.setText(f"{resident}/{experts} on device, rest CPU")
+                item.setText(f"{resident}/{experts} on device")
             else:
                 item.setText("CPU")
         supported = self.facts.supported

@@ -159,6 +159,8 @@ class PlacementView(QWidget):
         group.addButton(self.traffic)
         self.residency.toggled.connect(lambda on: self.heatmap.set_mode("residency" if on else "traffic"))
         self.summary = QLabel("No model loaded.")
+        self.summary.setWordWrap(True)
+        self.summary.setMinimumWidth(120)
         self.legend = QLabel()
         top = QHBoxLayout()
         top.addWidget(self.residency)

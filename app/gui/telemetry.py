@@ -91,9 +91,29 @@ class Nvml:
                 "this": this, "others": max(0, used - this), "util": util, "top": top[:5], "per_process": known}
 
 
+INTERPRETERS = ("python", "node", "java", "perl", "ruby", "bash", "sh", "dotnet", "mono")
+
+
+def describe(proc: psutil.Process, name: str) -> str:
+    """A process as a person recognises it: 'python bench_qmoe_cpu.py' rather than 'python'."""
+    if not name.lower().startswith(INTERPRETERS):
+        return name
+    try:
+        args = proc.cmdline()[1:]
+    except psutil.Error:
+        return name
+    for arg in args:
+        if arg in ("-m", "-c"):
+            continue
+        if not arg.startswith("-"):
+            return f"{name} {arg.rsplit('/', 1)[-1]}"
+    return name
+
+
 def _process_name(pid: int) -> str:
     try:
-        return psutil.Process(pid).name()
+        proc = psutil.Process(pid)
+        return describe(proc, proc.name())
     except Exception:
         return f"pid {pid}"
 
@@ -137,6 +157,10 @@ class SystemProbe:
         total = sum(r["cores"] for r in rows)
         by_cpu = sorted((r for r in rows if r["cores"] > 0), key=lambda r: -r["cores"])[:5]
         by_ram = sorted(rows, key=lambda r: -r["rss"])[:5]
+        for row in by_cpu[:3] + by_ram[:3]:  # the names a warning may show
+            known = self._procs.get(row["pid"])
+            if known is not None and "described" not in row:
+                row["name"], row["described"] = describe(known, row["name"]), True
         return total, by_cpu, by_ram
 
     def sample(self) -> dict:

@@ -184,9 +184,10 @@ class StackedBar(QWidget):
 def legend_html(parts, t: theme.Theme) -> str:
     rows = []
     for part in parts:
-        note = f" <span style='color:{t.muted}'>— {html.escape(part.note)}</span>" if part.note else ""
-        rows.append(f"<tr><td><span style='color:{part_colour(part.key, t)}'>■</span> {html.escape(part.label)}</td>"
-                    f"<td align='right'>&nbsp;{human_bytes(part.bytes)}</td><td>{note}</td></tr>")
+        note = f"<span style='color:{t.muted}; font-size:small'>{html.escape(part.note)}</span>" if part.note else ""
+        rows.append(f"<tr><td style='white-space:pre'><span style='color:{part_colour(part.key, t)}'>■</span> "
+                    f"{html.escape(part.label)}</td><td align='right' style='white-space:pre'>&nbsp;{human_bytes(part.bytes)}"
+                    f"&nbsp;&nbsp;</td><td>{note}</td></tr>")
     return "<table cellspacing='0' cellpadding='1'>" + "".join(rows) + "</table>"
 
 

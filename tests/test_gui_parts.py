@@ -1,0 +1,147 @@
+"""The window's parts that need no engine run: estimates, contention rules, NVML sampling (with a
+stand-in NVML), byte parsing, the .desktop file and the icon."""
+
+from __future__ import annotations
+
+import configparser
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from app.gui import telemetry  # noqa: E402
+from app.gui.contention import ThroughputWatch, check_sample  # noqa: E402
+from app.gui.estimate import DeviceChoice, estimate, layer_summary, model_facts  # noqa: E402
+from app.gui.widgets import parse_bytes  # noqa: E402
+from app.inspect_report import inspection  # noqa: E402
+from engine.model_folder import ModelFolder  # noqa: E402
+from engine.offload import OffloadConfig  # noqa: E402
+from tests.conftest import REPO, fixture_folder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gptoss():
+    folder = ModelFolder.open(fixture_folder("gptoss"))
+    return model_facts(folder, inspection(folder))
+
+
+def test_kv_cache_estimate_from_the_graph(gptoss):
+    # gpt-oss fixture: layer 0 sliding (window 64), layer 1 full; 2 kv heads x head size 32, fp32, key + value
+    per_token = 2 * 2 * 32 * 4
+    assert gptoss.kv_bytes_per_token == per_token and gptoss.kv_window_bytes_per_token == per_token
+    assert gptoss.kv_cache_bytes(1000) == per_token * 1000 + per_token * 64
+    assert gptoss.kv_cache_bytes(10) == 2 * per_token * 10
+    lfm = ModelFolder.open(fixture_folder("lfm2moe"))
+    facts = model_facts(lfm, inspection(lfm))
+    assert facts.state_bytes == 2 * 128 * 2 * 4  # two conv states, fixed whatever the context
+
+
+def test_estimate_follows_the_planner(gptoss):
+    config = OffloadConfig(device_expert_bytes=5 * 32256)
+    est = estimate(gptoss, config, DeviceChoice("simulated", 1 << 30))
+    assert est.resident == 5 and est.total_experts == 16 and not est.error
+    assert [r for _l, _n, r, _e in est.per_layer] == [3, 2]
+    parts = {p.key: p.bytes for p in est.device_parts}
+    assert parts["experts"] == 5 * 32256 and parts["dense"] == 0 and parts["kv"] == 0
+    assert parts["workspace"] == est.staging_bytes > 0
+    assert sum(parts.values()) == 1 << 30  # the parts add up to the device
+    limited = estimate(gptoss, config.updated(gpu_device_mem_limit=1 << 20), DeviceChoice("simulated", 1 << 30))
+    assert limited.ceiling == 1 << 20 and {p.key for p in limited.device_parts} >= {"limit"}
+    assert estimate(gptoss, config, DeviceChoice("cpu")).resident == 0
+    refused = estimate(gptoss, config.updated(mode="required"), DeviceChoice("cpu"))
+    assert refused.error and "required" in refused.error
+    unusable = estimate(gptoss, config, DeviceChoice("cuda", error="no CUDA device"))
+    assert unusable.error == "no CUDA device" and unusable.resident == 0
+    assert layer_summary(est.per_layer) == "layer 0: 3 of 8; layer 1: 2 of 8"
+
+
+def test_contention_rules():
+    calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
+    assert check_sample(calm) == []
+    busy = dict(calm, others_cpu_cores=2.5, top_cpu=[{"name": "python indexer.py", "cores": 2.4}])
+    assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (240%)."]
+    full = dict(calm, ram_available=5, top_ram=[{"name": "firefox", "rss": 3 << 30}])
+    assert "firefox (3.0 GiB)" in check_sample(full)[0]
+    gpu = dict(calm, gpu={"total": 80 << 30, "others": 20 << 30, "top": [{"name": "blender", "bytes": 20 << 30}]})
+    assert "blender (20.0 GiB)" in check_sample(gpu)[0]
+    watch = ThroughputWatch()
+    for rate in (1, 10, 10, 10, 10, 10, 6, 6, 6, 6, 6):
+        watch.add(rate * 1e9)
+    assert watch.baseline == 10e9 and watch.current == 6e9 and watch.warning() == ""  # 60%: not clearly below
+
+
+class FakeNvml:
+    """nvidia-ml-py's surface that app.gui.telemetry.Nvml uses."""
+
+    def __init__(self, processes, hide_per_process=False):
+        self.processes = processes
+        self.hide = hide_per_process
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return "gpu0"
+
+    def nvmlDeviceGetName(self, handle):
+        return b"NVIDIA Test GPU"
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(total=80 << 30, used=30 << 30, free=50 << 30)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=42)
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=None if self.hide else used) for pid, used in self.processes]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        return []
+
+
+def test_nvml_sample_splits_this_process_from_others(monkeypatch):
+    import os
+
+    monkeypatch.setattr(telemetry, "pynvml", FakeNvml([(os.getpid(), 6 << 30), (999_999_999, 20 << 30)]))
+    sample = telemetry.Nvml().sample()
+    assert sample["name"] == "NVIDIA Test GPU" and sample["util"] == 42.0
+    assert sample["this"] == 6 << 30 and sample["others"] == 24 << 30 and sample["free"] == 50 << 30
+    assert sample["top"][0]["bytes"] == 20 << 30 and sample["per_process"]
+    monkeypatch.setattr(telemetry, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
+    hidden = telemetry.Nvml().sample()
+    assert not hidden["per_process"] and hidden["this"] == 0 and hidden["others"] == 30 << 30
+
+
+def test_no_nvidia_gpu_says_why(monkeypatch):
+    class Missing(FakeNvml):
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(telemetry, "pynvml", Missing([]))
+    probe = telemetry.Nvml()
+    assert probe.sample() is None and "NVML Shared Library Not Found" in probe.note
+
+
+def test_parse_bytes():
+    assert parse_bytes("1.5 GiB") == 3 << 29 and parse_bytes("512M") == 512 << 20 and parse_bytes("1000") == 1000
+    assert parse_bytes("auto") is None
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
+    entry = configparser.ConfigParser(interpolation=None)
+    entry.optionxform = str
+    entry.read(REPO / "packaging" / "moe-workbench.desktop")
+    desktop = entry["Desktop Entry"]
+    assert desktop["Type"] == "Application" and desktop["Exec"].startswith("moe-workbench")
+    assert desktop["StartupWMClass"] == "moe-workbench"
+    assert 'setDesktopFileName("moe-workbench")' in (REPO / "app" / "gui" / "main.py").read_text()
+    icon = REPO / "resources" / f"{desktop['Icon']}.svg"
+    from PySide6.QtGui import QIcon
+
+    assert icon.is_file() and not QIcon(str(icon)).isNull()
