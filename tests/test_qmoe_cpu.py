@@ -58,7 +58,7 @@ def _check_paths(spec, t, x, lg, rw=None, tol=1e-5):
     ref = qmoe_reference(x, lg, spec, t, router_weights=rw)
     gemv = CpuQMoE(spec, t)
     gemv.decode_max_tokens = 10**9
-    gemv.gemv_prefetch_rows = 2
+    gemv.gemv_prefetch_rows, gemv.gemv_schedule, gemv.gemv_chunk_kb = 2, 1, 1  # own spans, then stealing
     assert _relerr(gemv.forward(x, lg, router_weights=rw), ref) <= tol, "forced GEMV"
     gemm = CpuQMoE(spec, t)
     gemm.decode_max_tokens = 0

@@ -674,6 +674,36 @@ def _split_row(x, r, bits, chunk, nchunk, xa, xb, xs, o):
         xs[o, c] = s
 
 
+@njit(cache=True, nogil=True)
+def _claim_init(cnt, nck, nth, order):
+    """Chunk counters of one region (see _claim): order 0 one shared counter at cnt[0]; 1 one counter per
+    thread (64 bytes apart) starting at the thread's own contiguous span of chunks."""
+    if order == 0:
+        cnt[0] = 0
+    else:
+        for t in range(nth):
+            cnt[t * 8] = t * nck // nth
+
+
+@njit(cache=True, nogil=True)
+def _claim(cnt, vic, th, nth, nck, order):
+    """Next chunk for thread th, or -1. order 0: from the shared counter (chunks interleave between
+    threads). order 1: from the thread's own span first (one contiguous stream per thread), then from the
+    other threads' spans (vic[0] = the span it is working on)."""
+    if order == 0:
+        ci = atomic_fetch_add(cnt, 0, 1)
+        return ci if ci < nck else -1
+    while True:
+        v = vic[0]
+        ci = atomic_fetch_add(cnt, v * 8, 1)
+        if ci < (v + 1) * nck // nth:
+            return ci
+        v = v + 1 if v + 1 < nth else 0
+        if v == th:
+            return -1
+        vic[0] = v
+
+
 @njit(inline="always")
 def _prefetch_row(w, sc, e, n, ahead):
     """Prefetch the packed bytes and the scales of row n + ahead of expert e (clipped to the arrays)."""
@@ -733,15 +763,16 @@ def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, src, coef, dst,
-             act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, ws, y, out, do_reduce, nth):
+             act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out, do_reduce,
+             nth):
     """Fused decode: for each pair p (token src[p], expert experts[u], pair_off[u] <= p < pair_off[u + 1])
     y[p] = coef[p] * (W2_e act(W1_e x + b1_e) + b2_e); with do_reduce also out[dst[p]] += y[p].
 
     q1 / q2: int64 [skind, zmode, bits, nb, chunk, cshift, nchunk, has_bias] of fc1 / fc2; act: swiglu
     (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
     Two parallel regions (FC1 + activation, then FC2) over the (expert, row) space, handed out in
-    contiguous chunks of ~chunk_bytes through an atomic counter; pf_rows > 0 prefetches that many rows
-    ahead.
+    contiguous chunks of ~chunk_bytes through atomic counters (order: see _claim); pf_rows > 0 prefetches
+    that many rows ahead.
     ws: float32 scratch.
     """
     E1, N1, Kb1 = w1.shape
@@ -791,13 +822,15 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
     rpg = 2 if swiglu else 1
     ch = max(1, chunk_bytes // (rpg * (Kb1 + nb1 * sc1.itemsize)))
     nck = (total + ch - 1) // ch
-    counter = np.zeros(2, np.int64)
+    cnt = np.zeros(8 * nth, np.int64)
+    _claim_init(cnt, nck, nth, order)
     for th in prange(nth):
         zg = np.full(nb1, zdef1, np.float32)
         zu = np.full(nb1, zdef1, np.float32)
+        vic = np.full(1, th, np.int64)
         while True:
-            ci = atomic_fetch_add(counter, 0, 1)
-            if ci >= nck:
+            ci = _claim(cnt, vic, th, nth, nck, order)
+            if ci < 0:
                 break
             lo = ci * ch
             hi = min(total, lo + ch)
@@ -817,11 +850,14 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
     total = U * H
     ch = max(1, chunk_bytes // (Kb2 + nb2 * sc2.itemsize))
     nck = (total + ch - 1) // ch
+    cnt2 = np.zeros(8 * nth, np.int64)
+    _claim_init(cnt2, nck, nth, order)
     for th in prange(nth):
         zbuf = np.full(nb2, zdef2, np.float32)
+        vic = np.full(1, th, np.int64)
         while True:
-            ci = atomic_fetch_add(counter, 1, 1)
-            if ci >= nck:
+            ci = _claim(cnt2, vic, th, nth, nck, order)
+            if ci < 0:
                 break
             lo = ci * ch
             hi = min(total, lo + ch)
