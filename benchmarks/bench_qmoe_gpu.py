@@ -151,16 +151,14 @@ def bench_decode(cp, m, spec, timer, rng, iters, sweep):
     results = []
     configs = [m.dec_cfg.copy()]
     if sweep:
-        configs = [dict(R1=r1, W1=w1, R2=r2, W2=w2, ksplit2=ks)
-                   for r1, w1 in ((1, 4), (1, 8), (2, 4), (2, 8))
-                   for r2, w2 in ((1, 4), (1, 8), (2, 4), (2, 8))
-                   for ks in (0, 1, 2, 4)]
+        rw = [(r, w) for r in (1, 2) for w in (1, 2, 4, 8)]
+        configs = [dict(R1=r1, W1=w1, R2=r2, W2=w2, ksplit2=ks) for r1, w1 in rw for r2, w2 in rw for ks in (0, 1, 2, 4)]
     with stream:
         for cfg in configs:
             m.dec_cfg = cfg
             g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
             prep = (lambda i: lg.__setitem__(Ellipsis, bank[i % 256]))
-            med, p10, p90 = timer.median(g, iters=max(20, iters // 10) if sweep else iters, prep=prep)
+            med, p10, p90 = timer.median(g, iters=max(20, iters // 20) if sweep else iters, prep=prep)
             results.append((med, cfg))
         best = min(results, key=lambda r: r[0])[1]
         m.dec_cfg = best
@@ -184,7 +182,7 @@ def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10):
     out = cp.empty((T, H), cp.float32)
     ids, _ = ref_route(lg_h, spec)
     best = None
-    for bm in (32, 64):
+    for bm in (32, 64, 128):
         m.prefill_bm = bm
         med, p10, p90 = timer.median(lambda: m.forward_into(x, lg, out), iters=iters, spin_cycles=300_000)
         if best is None or med < best[0]:

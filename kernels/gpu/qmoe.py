@@ -412,7 +412,7 @@ class GpuQMoE:
                 np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
                 np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)),
-                shared_mem=16 * E + 8 * P)
+                shared_mem=16 * E + 8 * P + 256)
             R1, W1 = cfg["R1"], cfg["W1"]
             self._launch(f"dec_gemv_{bits}_{R1}_0", (_cdiv(f1.NT, R1), max_tiles, 1), (32 * W1,), (
                 *self._proj_args(f1), *tiles_args, ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP), *act,

@@ -141,17 +141,6 @@ static __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2
 #endif
 }
 
-// D = A * B (the accumulator starts at zero)
-static __device__ __forceinline__ void mma_bf16_zc(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#if QM_TC
-    const float z = 0.0f;
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};\n"
-        : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(z));
-#endif
-}
-
 static __device__ __forceinline__ void mma_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if QM_TC
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -204,21 +193,28 @@ static __device__ __forceinline__ void cp_async_wait() {
 // int8: two words per k-step, byte b = h8*4 + hi*2 + p.
 // Results: a[0] = (row g, k 2t..2t+1), a[1] = (row g+8, same k), a[2] = (row g, k+8), a[3] = (row g+8, k+8).
 
+// (a & m) | o in one LOP3 (the compiler otherwise splits it when both constants are immediates)
+static __device__ __forceinline__ u32 and_or(u32 a, u32 m, u32 o) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(m), "r"(o));
+    return d;
+}
+
 // bf16, exact (q - z): zg / zg8 = bf16x2 of -(128 + z) for rows g / g+8
 static __device__ __forceinline__ void deq4_bf16(u32 w, u32 zg, u32 zg8, u32* a) {
     const u32 m = 0x000F000Fu, o = 0x43004300u;
-    a[0] = bfma2((w & m) | o, BF_ONE2, zg);
-    a[1] = bfma2(((w >> 4) & m) | o, BF_ONE2, zg8);
-    a[2] = bfma2(((w >> 8) & m) | o, BF_ONE2, zg);
-    a[3] = bfma2(((w >> 12) & m) | o, BF_ONE2, zg8);
+    a[0] = bfma2(and_or(w, m, o), BF_ONE2, zg);
+    a[1] = bfma2(and_or(w >> 4, m, o), BF_ONE2, zg8);
+    a[2] = bfma2(and_or(w >> 8, m, o), BF_ONE2, zg);
+    a[3] = bfma2(and_or(w >> 12, m, o), BF_ONE2, zg8);
 }
 
 // one bf16 pair of int8 codes (q - z), z = 16*zh + zl: zl2 / zh2 = bf16x2 of -(128 + zl) / -(128 + zh)
 static __device__ __forceinline__ u32 deq8pair_bf16(u32 w, u32 sel, u32 zl2, u32 zh2) {
     const u32 m = 0x000F000Fu, o = 0x43004300u;
     u32 t = __byte_perm(w, 0u, sel);
-    u32 lo = bfma2((t & m) | o, BF_ONE2, zl2);
-    u32 hi = bfma2(((t >> 4) & m) | o, BF_ONE2, zh2);
+    u32 lo = bfma2(and_or(t, m, o), BF_ONE2, zl2);
+    u32 hi = bfma2(and_or(t >> 4, m, o), BF_ONE2, zh2);
     return bfma2(hi, BF_SIXTEEN2, lo);
 }
 
@@ -226,11 +222,11 @@ static __device__ __forceinline__ u32 deq8pair_bf16(u32 w, u32 sel, u32 zl2, u32
 // zfma_g8 = fp16x2 of -(64 + z_g8) (int4 high nibbles, scaled by 1/16)
 static __device__ __forceinline__ void deq4_f16(u32 w, u32 zsub_g, u32 zfma_g8, u32* a) {
     const u32 lo = 0x000F000Fu, hi = 0x00F000F0u, o = 0x64006400u;
-    a[0] = hsub2((w & lo) | o, zsub_g);
-    a[1] = hfma2((w & hi) | o, H_SIXTEENTH2, zfma_g8);
+    a[0] = hsub2(and_or(w, lo, o), zsub_g);
+    a[1] = hfma2(and_or(w, hi, o), H_SIXTEENTH2, zfma_g8);
     u32 w2 = w >> 8;
-    a[2] = hsub2((w2 & lo) | o, zsub_g);
-    a[3] = hfma2((w2 & hi) | o, H_SIXTEENTH2, zfma_g8);
+    a[2] = hsub2(and_or(w2, lo, o), zsub_g);
+    a[3] = hfma2(and_or(w2, hi, o), H_SIXTEENTH2, zfma_g8);
 }
 
 // int8 fp16: zsub_g / zsub_g8 = fp16x2 of (1024 + z)

@@ -181,12 +181,15 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
 #pragma unroll
             for (int q = 0; q < TR::LW; ++q)
                 wv[r][q] = *reinterpret_cast<const uint4*>(p + r * TR::TB + lane * TR::LB + q * 16);
-        const bool tfirst = (kt & tpm) == 0, tlast = ((kt + 1) & tpm) == 0;
+        // block accumulator boundaries; one row scale: the warp's whole k-range is one "block" (scale 1 here,
+        // the row scale is applied after the cross-warp reduction)
+        const bool tfirst = blockwise ? ((kt & tpm) == 0) : (kt == kt0);
+        const bool tlast = blockwise ? (((kt + 1) & tpm) == 0) : (kt + 1 == kt1);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int q = j >> qsh;
-            const bool first = blockwise && tfirst && ((j & spm) == 0);
-            const bool last = blockwise && tlast && (((j + 1) & spm) == 0);
+            const bool first = tfirst && ((j & spm) == 0);
+            const bool last = tlast && (((j + 1) & spm) == 0);
             const uint4& hv = (j < 2) ? h0 : h1;
             const uint4& lv = (j < 2) ? l0 : l1;
             const u32 bhA = u4c(hv, (j & 1) * 2), bhB = u4c(hv, (j & 1) * 2 + 1);
@@ -214,34 +217,32 @@ static __device__ __forceinline__ void dec_gemv_impl(QM_DEC_ARGS) {
                     a[2] = deq8pair_bf16(w1, 0x4140u, z0, z1);
                     a[3] = deq8pair_bf16(w1, 0x4342u, z2, z3);
                 }
-                if (blockwise) {
-                    if (first)
-                        mma_bf16_zc(blk[r], a[0], a[1], a[2], a[3], bhA, bhB);
-                    else
-                        mma_bf16(blk[r], a[0], a[1], a[2], a[3], bhA, bhB);
-                    if (split) mma_bf16(blk[r], a[0], a[1], a[2], a[3], blA, blB);
-                } else {
-                    mma_bf16(acc[r], a[0], a[1], a[2], a[3], bhA, bhB);
-                    if (split) mma_bf16(acc[r], a[0], a[1], a[2], a[3], blA, blB);
-                }
+                // unconditional MMAs (a conditional mma.sync costs a branch + WARPSYNC each): the block accumulator
+                // is cleared by selects at a block start; lo is zero for bf16 activations
+#pragma unroll
+                for (int c = 0; c < 4; ++c) blk[r][c] = first ? 0.0f : blk[r][c];
+                mma_bf16(blk[r], a[0], a[1], a[2], a[3], bhA, bhB);
+                mma_bf16(blk[r], a[0], a[1], a[2], a[3], blA, blB);
             }
             if (last) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const unsigned char* sp = p + R * TR::TB + r * 256 + (q * 16 + g * 2) * ssz;
-                    float sx, sy;
-                    if (ssz == 4) {
-                        const float2 v = *reinterpret_cast<const float2*>(sp);
-                        sx = v.x;
-                        sy = v.y;
-                    } else {
-                        const u32 v = *reinterpret_cast<const u32*>(sp);
-                        if (sdt == DT_F16) {
-                            sx = h2f((u16)(v & 0xffffu));
-                            sy = h2f((u16)(v >> 16));
+                    float sx = 1.0f, sy = 1.0f;
+                    if (blockwise) {
+                        const unsigned char* sp = p + R * TR::TB + r * 256 + (q * 16 + g * 2) * ssz;
+                        if (ssz == 4) {
+                            const float2 v = *reinterpret_cast<const float2*>(sp);
+                            sx = v.x;
+                            sy = v.y;
                         } else {
-                            sx = __uint_as_float(v << 16);
-                            sy = __uint_as_float(v & 0xffff0000u);
+                            const u32 v = *reinterpret_cast<const u32*>(sp);
+                            if (sdt == DT_F16) {
+                                sx = h2f((u16)(v & 0xffffu));
+                                sy = h2f((u16)(v >> 16));
+                            } else {
+                                sx = __uint_as_float(v << 16);
+                                sy = __uint_as_float(v & 0xffff0000u);
+                            }
                         }
                     }
                     acc[r][0] = fmaf(sx, blk[r][0], acc[r][0]);

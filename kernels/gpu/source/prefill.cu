@@ -56,7 +56,7 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
     const int rtw = rtb + warp * 2;
     const bool blockwise = bs_log2 >= 0;
     const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;
-    const int ssz = (sdt == DT_F32) ? 4 : 2;
+    const int ssz = 2;  // block scales arrive as fp16 (GpuQMoE passes an fp16 copy); per-row scales use sdt
     const u32 sbase = smem_u32(pf_smem);
     const u8* Ws = W + (long long)slot * wstride;
     const long long sb = (long long)slot * NT * NB * 16;
@@ -173,21 +173,9 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
                     deq8_f16(u4c(w8, (j & 1) * 2), u4c(w8, (j & 1) * 2 + 1), z2[0], z2[1], bf[r]);
                 }
                 if (blockwise) {
-                    const unsigned char* scp = sp + SM::A + SM::W + (warp * 2 + r) * 256 + (q * 16 + g * 2) * ssz;
-                    u32 s0, s1;
-                    if (sdt == DT_F32) {
-                        const float2 sv = *reinterpret_cast<const float2*>(scp);
-                        s0 = pair16(f2h(sv.x));
-                        s1 = pair16(f2h(sv.y));
-                    } else if (sdt == DT_F16) {
-                        const u32 v = *reinterpret_cast<const u32*>(scp);
-                        s0 = (v & 0xffffu) | (v << 16);
-                        s1 = (v >> 16) | (v & 0xffff0000u);
-                    } else {
-                        const u32 v = *reinterpret_cast<const u32*>(scp);
-                        s0 = pair16(f2h(__uint_as_float(v << 16)));
-                        s1 = pair16(f2h(__uint_as_float(v & 0xffff0000u)));
-                    }
+                    const u32 v = *reinterpret_cast<const u32*>(sp + SM::A + SM::W + (warp * 2 + r) * 256 +
+                                                                (q * 16 + g * 2) * 2);
+                    const u32 s0 = __byte_perm(v, v, 0x1010u), s1 = __byte_perm(v, v, 0x3232u);
                     bf[r][0] = hmul2(bf[r][0], s0);
                     bf[r][1] = hmul2(bf[r][1], s1);
                     bf[r][2] = hmul2(bf[r][2], s0);
@@ -278,3 +266,7 @@ QM_PF_KERNEL(8, 32, 0)
 QM_PF_KERNEL(8, 64, 0)
 QM_PF_KERNEL(8, 32, 1)
 QM_PF_KERNEL(8, 64, 1)
+QM_PF_KERNEL(4, 128, 0)
+QM_PF_KERNEL(4, 128, 1)
+QM_PF_KERNEL(8, 128, 0)
+QM_PF_KERNEL(8, 128, 1)

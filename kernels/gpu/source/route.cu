@@ -11,10 +11,12 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
     const long long row = (long long)tok * E;
     float z[32];  // this lane's logits: experts lane + 32 i (E <= 1024), loaded once
     float m = QM_NEG_INF;
+    const int per = (E + 31) >> 5;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-        const int e = lane + (i << 5);
         z[i] = QM_NEG_INF;
+        if (i >= per) continue;
+        const int e = lane + (i << 5);
         if (e < E) {
             z[i] = load_f(logits, row + e, ldt);
             m = fmaxf(m, z[i]);
@@ -23,8 +25,10 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(QM_FULL, m, o));
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < 32; ++i) {
+        if (i >= per) break;
         if (lane + (i << 5) < E) s += expf(z[i] - m);
+    }
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(QM_FULL, s, o);
     u32 taken = 0u;
     float wsum = 0.0f;
@@ -33,6 +37,7 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
         int bi = QM_NO_ID;
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
+            if (i >= per) break;
             const int e = lane + (i << 5);
             if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || z[i] > bv)) {  // e grows: ties keep lower
                 bv = z[i];
@@ -145,6 +150,87 @@ static __device__ void build_tiles_block(const int* ids, const float* wts, int P
     }
 }
 
+// The same grouping by one warp, for P <= 64 pairs and TM >= the largest count of one expert would need... any
+// count is fine: an expert with c pairs gets ceil(c / TM) tiles. No shared arrays over E, one barrier-free pass.
+static __device__ void build_tiles_warp(const int* ids, const float* wts, int P, int kk, const int* slot_map, int E,
+                                        int TM, int* pair_tok, float* pair_w, int4* tiles, int* num_tiles,
+                                        int max_tiles, int* soff) {
+    const int lane = threadIdx.x & 31;
+    int e_[2], sl_[2], rank_[2], cnt_[2], first_[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = lane + 32 * h;
+        int e = i < P ? ids[i] : -1;
+        int sl = (e >= 0 && e < E) ? slot_map[e] : -1;
+        if (sl < 0) e = -1;
+        e_[h] = e;
+        sl_[h] = sl;
+        rank_[h] = 0;
+        cnt_[h] = 0;
+        first_[h] = i;
+    }
+    for (int j = 0; j < P; ++j) {
+        const int ej = ids[j];  // broadcast read
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int i = lane + 32 * h;
+            if (e_[h] >= 0 && ej == e_[h]) {
+                cnt_[h] += 1;
+                if (j < i) rank_[h] += 1;
+                if (j < first_[h]) first_[h] = j;
+            }
+        }
+    }
+    // per expert (its first pair): tiles and pairs, prefix-summed in pair order over the 64 slots
+    int nt_[2], np_[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const bool is_first = e_[h] >= 0 && first_[h] == lane + 32 * h;
+        nt_[h] = is_first ? (cnt_[h] + TM - 1) / TM : 0;
+        np_[h] = is_first ? cnt_[h] : 0;
+    }
+    int t0 = nt_[0], p0 = np_[0];
+    for (int o = 1; o < 32; o <<= 1) {
+        const int vt = __shfl_up_sync(QM_FULL, t0, o), vp = __shfl_up_sync(QM_FULL, p0, o);
+        if (lane >= o) {
+            t0 += vt;
+            p0 += vp;
+        }
+    }
+    const int tot_t0 = __shfl_sync(QM_FULL, t0, 31), tot_p0 = __shfl_sync(QM_FULL, p0, 31);
+    int t1 = nt_[1], p1 = np_[1];
+    for (int o = 1; o < 32; o <<= 1) {
+        const int vt = __shfl_up_sync(QM_FULL, t1, o), vp = __shfl_up_sync(QM_FULL, p1, o);
+        if (lane >= o) {
+            t1 += vt;
+            p1 += vp;
+        }
+    }
+    const int tstart[2] = {t0 - nt_[0], tot_t0 + t1 - nt_[1]};
+    const int pstart[2] = {p0 - np_[0], tot_p0 + p1 - np_[1]};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (np_[h] > 0) {
+            soff[lane + 32 * h] = pstart[h];
+            for (int m = 0; m * TM < np_[h]; ++m) {
+                const int ti = tstart[h] + m;
+                if (ti < max_tiles) tiles[ti] = make_int4(sl_[h], pstart[h] + m * TM, min(TM, np_[h] - m * TM), e_[h]);
+            }
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = lane + 32 * h;
+        if (e_[h] >= 0) {
+            const int pos = soff[first_[h]] + rank_[h];
+            pair_tok[pos] = i / kk;
+            pair_w[pos] = wts[i];
+        }
+    }
+    if (lane == 31) *num_tiles = min(tot_t0 + t1, max_tiles);
+}
+
 extern "C" __global__ void build_tiles(const int* ids, const float* wts, int P, int kk, const int* slot_map, int E,
                                        int TM, int* pair_tok, float* pair_w, int4* tiles, int* num_tiles,
                                        int max_tiles) {
@@ -159,7 +245,7 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                                        const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
                                        int* num_tiles, int max_tiles, const void* x, int xdt, int H, int KP,
                                        u16* xhi, u16* xlo, float* zero_out, long long zero_n) {
-    extern __shared__ int sm_prep[];  // 4 E ints for the grouping, then T * kk ids and weights
+    extern __shared__ int sm_prep[];  // 4 E ints (block grouping), T * kk ids, T * kk weights, 64 ints (warp grouping)
     if (blockIdx.x == 0) {
         int* sids = sm_prep + 4 * E;
         float* sw = reinterpret_cast<float*>(sids + T * kk);
@@ -175,8 +261,14 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
             }
         }
         __syncthreads();
-        build_tiles_block(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles,
-                          sm_prep);
+        if (T * kk <= 64) {
+            if (threadIdx.x < 32)
+                build_tiles_warp(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles,
+                                 max_tiles, reinterpret_cast<int*>(sw + T * kk));
+        } else {
+            build_tiles_block(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles,
+                              sm_prep);
+        }
     }
     const int cpr = KP >> 3;  // 8-value chunks per row
     const long long nch = (long long)T * cpr;
