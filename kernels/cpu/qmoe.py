@@ -1,10 +1,13 @@
 """CPU execution of one com.microsoft QMoE (int4 / int8 raw layout) or float MoE node.
 
-Tokens are grouped by expert. Experts with few tokens (decode) run a fused dequant-GEMV over output
-rows (``gemv_q``) that reads the packed bytes once per row; experts with many tokens (prefill) run a
-fused dequant-GEMM (``qgemm``): panels of 6 weight rows are dequantised into an L1-resident buffer and
-multiplied by AVX-512 register-tile micro-kernels. The float MoE op goes through NumPy's BLAS.
-Routing (``kernels.cpu.routing``) is kept separate from expert execution (``run_experts``).
+Tokens are grouped by expert (``kernels.group_pairs``). Quantised nodes take the batched paths: experts
+with few tokens (decode) run one fused kernel (``moe_gemv``: FC1 + activation + FC2 + weighted sum over
+all of them, weight rows handed to the threads in contiguous chunks); experts with many tokens (prefill)
+run one k-blocked dequant-GEMM call per projection for all of them (``qgemm_tasks``: tasks from an
+atomic counter, 6-row weight panels against L1-resident packed activations, activation fused into FC1's
+epilogue). ``CpuQMoE.batched = False`` keeps the older per-expert paths (``gemv_q`` / ``qgemm``) for
+comparison. The float MoE op goes through NumPy's BLAS. Routing (``kernels.cpu.routing``) is kept
+separate from expert execution (``run_experts``). Measurements: benchmarks/NOTES-cpu-kernels.md.
 """
 from __future__ import annotations
 
