@@ -111,7 +111,7 @@ def test_gpu_launch_configs(gpu, bits, block):
     m = GpuQMoE(spec, t)
     ref3 = qmoe_reference(x[:3], lg[:3], spec, t)
     for R in (1, 2):
-        for W in (1, 4, 8):
+        for W in (1, 2, 4, 8):
             for ks in (1, 3):
                 m.dec_cfg = {"R1": R, "W1": W, "R2": R, "W2": W, "ksplit2": ks}
                 err = _relerr(m.forward(x[:3], lg[:3]), ref3)

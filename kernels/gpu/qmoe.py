@@ -102,9 +102,12 @@ class GpuQMoE:
             self._dummy_u16 = cp.zeros(16, cp.uint16)
             self._dummy_f32 = cp.zeros(16, cp.float32)
             self._ws = _Workspace()
-            # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these)
-            self.dec_cfg = {"R1": 2, "W1": 4, "R2": 2, "W2": 4, "ksplit2": 0}
-            self.prefill_bm = 0  # tokens per prefill tile (32 or 64); 0 = by the mean pairs per resident expert
+            # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these; the defaults
+            # are the H200 optimum at both benchmark shapes, W1 = 0: 2 warps per FC1 block when the FC1 grid
+            # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic)
+            self.dec_cfg = {"R1": 2, "W1": 0, "R2": 2, "W2": 2, "ksplit2": 2}
+            self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
+            # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
             if len(res) > S:
                 raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
@@ -389,7 +392,7 @@ class GpuQMoE:
                 out.fill(0)
             return
         decode = self.path == "tc" and T <= self.decode_max_tokens
-        BM = self.prefill_bm or (32 if P <= 48 * max(1, int((self.slot_of >= 0).sum())) else 64)
+        BM = self.prefill_bm or (32 if P <= 128 * max(1, int((self.slot_of >= 0).sum())) else 64)
         TM = 8 if decode else (BM if self.path == "tc" else 64)
         max_tiles = min(P, P // TM + min(E, P))
         ws = self._workspace(T, P, max_tiles, "dec" if decode else self.path)
@@ -414,6 +417,8 @@ class GpuQMoE:
                 np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)),
                 shared_mem=16 * E + 8 * P + 256)
             R1, W1 = cfg["R1"], cfg["W1"]
+            if not W1:
+                W1 = 2 if _cdiv(f1.NT, R1) * min(P, E) >= 4 * self.num_sms else 4
             self._launch(f"dec_gemv_{bits}_{R1}_0", (_cdiv(f1.NT, R1), max_tiles, 1), (32 * W1,), (
                 *self._proj_args(f1), *tiles_args, ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP), *act,
                 np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32), self._dec_smem(f1, R1, W1))
