@@ -259,3 +259,34 @@ def test_drop_a_folder_and_demo_model(qtbot, window):
                     timeout=WAIT)
     assert window.model_panel.badge.isVisible() and "RANDOM" in window.model_panel.badge.text()
     assert "RANDOM weights" in window.status_model.text()
+
+
+def test_moe_workbench_without_arguments_opens_the_window_on_the_demo(qtbot, tmp_path, monkeypatch):
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from app.gui.main import run_gui
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the demo model gets written
+    monkeypatch.setenv("MOE_WORKBENCH_SETTINGS", str(tmp_path / "settings.ini"))
+    app = QApplication.instance()
+    seen = {}
+
+    def check():
+        windows = [w for w in app.topLevelWidgets() if isinstance(w, MainWindow) and w.isVisible()]
+        if windows and windows[0].loaded_path and not windows[0].busy:
+            seen["path"] = windows[0].loaded_path
+            windows[0].close()
+            app.quit()
+
+    poll = QTimer(interval=100, timeout=check)
+    give_up = QTimer(singleShot=True, interval=60_000, timeout=app.quit)
+    poll.start()
+    give_up.start()
+    try:
+        assert run_gui(None) == 0
+    finally:
+        poll.stop()
+        give_up.stop()
+    assert "demo-moe" in seen.get("path", "") and str(tmp_path / "cache") in seen["path"]
+    assert app.desktopFileName() == "moe-workbench"

@@ -95,6 +95,7 @@ class BudgetPanel(QWidget):
         self.kv_tokens.setRange(1, 10_000_000)
         self.kv_tokens.setSingleStep(1024)
         self.kv_tokens.setSuffix(" tokens")
+        self.kv_tokens.setValue(4096)
 
         # the estimate
         self.layer_bars = LayerBars()

@@ -71,7 +71,6 @@ class ChatPanel(QWidget):
         self.transcript.setOpenLinks(False)
         self.transcript.setAccessibleName("Conversation")
         self.transcript.anchorClicked.connect(self._anchor)
-        self.transcript.setPlaceholderText("Load a model, then ask it something below.")
         self.live = QLabel()
         self.live.setAccessibleName("Generation status")
 
@@ -164,6 +163,7 @@ class ChatPanel(QWidget):
         self.copy_button.clicked.connect(self.copy_last)
         self.new_button.clicked.connect(self.new_chat)
         self.set_state(busy=False, loaded=False)
+        self.render()
 
     # --- options ---------------------------------------------------------------------------------
     def options(self) -> dict:
@@ -260,8 +260,25 @@ class ChatPanel(QWidget):
         self.live.setText(entry["stats"] if result.get("finish_reason") != "error" else "")
 
     # --- rendering -------------------------------------------------------------------------------
+    def welcome_html(self, t) -> str:
+        if self.loaded:
+            return (f"<p style='color:{t.muted}; margin-top:24px' align='center'>Ask the model something below. "
+                    "Enter sends, Shift+Enter starts a new line; Esc stops an answer.</p>")
+        keys = [("Ctrl+O", "open a model folder (or drop one on the window)"), ("Ctrl+D", "load the demo model"),
+                ("Ctrl+L", "load the open model with the budget panel's settings"), ("Alt+1…4", "show or hide panels"),
+                ("F1", "every shortcut")]
+        rows = "".join(f"<tr><td align='right' style='color:{t.accent}'><b>{k}</b></td><td>&nbsp;&nbsp;{v}</td></tr>"
+                       for k, v in keys)
+        return (f"<div align='center' style='margin-top:40px'><p style='font-size:x-large'><b>MoE Workbench</b></p>"
+                f"<p style='color:{t.muted}'>Mixture-of-Experts models whose experts don't fit in VRAM: "
+                "choose where experts live, watch the machine, chat.</p>"
+                f"<table align='center' cellpadding='3' style='margin-top:12px'>{rows}</table></div>")
+
     def render(self) -> None:
         t = theme.current()
+        if not self.entries:
+            self.transcript.setHtml(self.welcome_html(t))
+            return
         blocks = []
         for index, entry in enumerate(self.entries):
             text = html.escape(entry["text"]).replace("\n", "<br>")
@@ -286,6 +303,9 @@ class ChatPanel(QWidget):
         return None
 
     def set_state(self, busy: bool, loaded: bool) -> None:
+        if loaded != self.loaded and not self.entries:
+            self.loaded = loaded
+            self.render()
         self.busy, self.loaded = busy, loaded
         has_answer = bool(self.entries) and self.entries[-1]["role"] == "assistant" and not self.entries[-1].get("streaming")
         self.send_button.setEnabled(loaded and not busy)

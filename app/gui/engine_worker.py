@@ -78,6 +78,7 @@ class EngineWorker(QObject):
         self.demo_dir = demo_dir
         self._folder = None
         self._facts = None
+        self._loaded_facts = None
         self._model = None
         self._device = None
         self._conversation = None
@@ -165,7 +166,7 @@ class EngineWorker(QObject):
             started = time.perf_counter()
             folder, self._folder = self._folder, None  # a folder's sessions belong to one load
             model = LoadedModel(folder, progress=progress, offload=config, device=device)
-            self._model, self._device = model, device
+            self._model, self._device, self._loaded_facts = model, device, self._facts
             self._conversation = Conversation(model, system_prompt=self._system_prompt or None)
             self.loadProgress.emit(1.0)
             self.loaded.emit({"path": self._facts.path, "load_s": time.perf_counter() - started,
@@ -186,7 +187,7 @@ class EngineWorker(QObject):
 
     def _landed(self, notes: list[str]) -> list[str]:
         """Plain sentences: where every part of the loaded model is, and why."""
-        model, facts, offload = self._model, self._facts, self._model.offload
+        model, facts, offload = self._model, self._loaded_facts, self._model.offload
         lines = list(notes)
         per_layer = [(info.layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]

@@ -206,9 +206,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
         ]
         used = sum(p.bytes for p in device_parts)
+        reserve = human_bytes(auto_reserve(config, max(0, ceiling - others - staging)))
         device_parts.append(Part("free", "free", max(0, ceiling - used),
-                                 f"reserve {human_bytes(auto_reserve(config, max(0, ceiling - others - staging)))}"
-                                 + (" (auto)" if config.reserve_device_bytes is None else "")))
+                                 f"the automatic budget keeps {reserve} free" if config.device_expert_bytes is None else ""))
         if ceiling < capacity:
             device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - ceiling, ""))
     statements = list(plan.statements) if plan else []

@@ -140,7 +140,7 @@ class MainWindow(QMainWindow):
         app = QApplication.instance()
         app.styleHints().colorSchemeChanged.connect(lambda _scheme: self.theme_choice == "system" and self.apply_theme())
         self.apply_theme()
-        self.model_panel.set_recent(self.recent())
+        self._show_recent(self.recent())
         self._update_state()
 
     # --- construction ------------------------------------------------------------------------------
@@ -266,11 +266,15 @@ class MainWindow(QMainWindow):
     def _remember_recent(self, path: str) -> None:
         paths = [path] + [p for p in self.recent() if p != path]
         self.settings.setValue("recent", json.dumps(paths[:RECENT_MAX]))
-        self.model_panel.set_recent(paths[:RECENT_MAX])
+        self._show_recent(paths[:RECENT_MAX])
+
+    def _show_recent(self, paths: list[str]) -> None:
+        self.model_panel.set_recent(paths)
         self.recent_menu.clear()
-        for p in paths[:RECENT_MAX]:
+        for p in paths:
             action = self.recent_menu.addAction(p)
             action.triggered.connect(lambda _c=False, x=p: self.open_model(x))
+        self.recent_menu.setEnabled(bool(paths))
 
     # --- theme and layout --------------------------------------------------------------------------
     def set_theme(self, choice: str) -> None:
@@ -338,6 +342,7 @@ class MainWindow(QMainWindow):
 
     def _start_load(self, path: str, settings: dict) -> None:
         self.error_banner.hide()
+        self.worker.requestNewChat.emit(self.chat.system_prompt.toPlainText())  # the new model's first chat
         self._load_settings = settings
         self.model_panel.set_progress(0.0)
         self.graphs.add_marker("load", "load")
@@ -428,6 +433,9 @@ class MainWindow(QMainWindow):
         self.budget_panel.mark_loaded(settings)
         self.save_model_settings(info["path"], settings)
         self.watch.reset()
+        self.chat.entries.clear()  # a load starts a new conversation
+        self.chat.render()
+        self.chat.live.setText(f"New conversation with {Path(info['path']).name}.")
         self.graphs.add_marker("loaded", "load")
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
         self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")
