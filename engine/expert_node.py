@@ -75,15 +75,29 @@ class CpuExpertNode:
     """Runs one expert node on the CPU with the Numba kernels, reading mapped weights."""
 
     def __init__(self, info: ExpertNodeInfo, source: OnnxFile, threads: int | None = None):
-        from kernels.cpu.qmoe import CpuQMoE  # compiled kernels: imported only when a model runs
-
         if info.spec is None:
             raise UnsupportedModelError(info.unsupported)
         self.info = info
+        self.source = source
+        self.in_memory = False
+        self._build(threads)
+
+    def _build(self, threads: int | None) -> None:
+        from kernels.cpu.qmoe import CpuQMoE
+
         tensors = {role: None for role in QMOE_INPUT_NAMES}
-        tensors.update({role: source.array(t) for role, t in info.weight_inputs.items()})
-        self.tensors = tensors  # mapped views: a device copies experts from here
-        self.kernel = CpuQMoE(info.spec, tensors, num_threads=threads)
+        for role, name in self.info.weight_inputs.items():
+            view = self.source.array(name)
+            tensors[role] = np.array(view) if self.in_memory else view
+        self.tensors = tensors  # mapped views (or RAM copies): a device copies experts from here
+        self.kernel = CpuQMoE(self.info.spec, tensors, num_threads=threads)
+
+    def set_file_backing(self, allowed: bool) -> None:
+        """allow_file_backing=0 copies the node's experts into RAM; 1 reads them from the mapped file."""
+        if self.in_memory == (not allowed):
+            return
+        self.in_memory = not allowed
+        self._build(self.kernel.num_threads)
 
     def run(self, values: dict[str, np.ndarray]) -> np.ndarray:
         inputs = self.info.activation_inputs

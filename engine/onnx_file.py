@@ -6,6 +6,7 @@ read-only memory-mapped views, so a model larger than RAM opens.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,7 @@ class OnnxFile:
             raise ModelFileError(f"{self.path}: the ONNX graph has no nodes (corrupt or empty model)")
         self._fold_constants()
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.proto.graph.initializer}
-        self._maps: dict[str, np.memmap] = {}
+        self._maps: dict[str, mmap.mmap] = {}
         self._check_external_data()
 
     def _fold_constants(self) -> None:
@@ -118,16 +119,33 @@ class OnnxFile:
     def nbytes(self, name: str) -> int:
         return self.tensor_nbytes(self.initializers[name])
 
+    def _mapping(self, location: str) -> mmap.mmap:
+        mapping = self._maps.get(location)
+        if mapping is None:
+            with open(self.folder / location, "rb") as data:
+                mapping = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[location] = mapping
+        return mapping
+
     def array(self, name: str) -> np.ndarray:
         """The initializer's values: a read-only memory-mapped view for external data (no copy)."""
         tensor = self.initializers[name]
         ref = _external_ref(tensor)
         if ref is None:
             return numpy_helper.to_array(tensor)
-        mapping = self._maps.get(ref.location)
-        if mapping is None:
-            mapping = np.memmap(self.folder / ref.location, dtype=np.uint8, mode="r")
-            self._maps[ref.location] = mapping
         dtype = self.tensor_dtype(tensor)
-        view = mapping[ref.offset:ref.offset + self.tensor_nbytes(tensor)]
-        return np.ndarray(tuple(tensor.dims), dtype=dtype, buffer=view)
+        count = self.tensor_nbytes(tensor) // dtype.itemsize
+        view = np.frombuffer(self._mapping(ref.location), dtype=dtype, count=count, offset=ref.offset)
+        return view.reshape(tuple(tensor.dims))
+
+    def release_pages(self, name: str, start: int, length: int) -> None:
+        """Let the OS drop the mapped pages of bytes [start, start + length) of an external
+        initializer from this process (they are read back from the file when next touched)."""
+        ref = _external_ref(self.initializers[name])
+        if ref is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        begin = ref.offset + start
+        first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE          # whole pages inside the range only
+        last = (begin + length) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._mapping(ref.location).madvise(mmap.MADV_DONTNEED, first, last - first)

@@ -255,3 +255,35 @@ def test_cpu_threads_change_on_a_loaded_model(model_folder):
     model.offload.reconfigure(model.offload.config.updated(cpu_threads=2))
     assert all(r.kernel.num_threads == 2 for r in model.offload.runners)
     greedy_run(model, steps=2)
+
+
+# --- host memory: the bounded cache and file backing -----------------------------------------------
+
+def test_host_cache_stays_within_its_budget_and_releases_pages(model_folder, cpu_run, monkeypatch):
+    per_expert = expert_bytes(model_folder) // (16 * 3)
+    config = OffloadConfig(device_expert_bytes=0, host_expert_bytes=5 * per_expert)
+    model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    released = []
+    real = model.folder.onnx.release_pages
+    monkeypatch.setattr(model.folder.onnx, "release_pages",
+                        lambda name, start, length: (released.append((name, start, length)), real(name, start, length)))
+    logits, tokens = greedy_run(model)
+    assert tokens == cpu_run[1]  # dropping pages never changes what is computed
+    cache = model.offload.host_cache
+    assert cache.cached_bytes <= 5 * per_expert and cache.evictions > 0
+    info = model.offload.infos[0]
+    weights = info.weight_inputs["fc1_experts_weights"]
+    stride = model.folder.onnx.nbytes(weights) // 16
+    assert any(name == weights and start % stride == 0 and length == stride for name, start, length in released)
+
+
+def test_without_file_backing_experts_are_copied_into_ram(model_folder, cpu_run):
+    config = OffloadConfig(device_expert_bytes=0, allow_file_backing=False)
+    model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    tensor = model.offload.runners[0].tensors["fc1_experts_weights"]
+    assert tensor.flags.owndata and tensor.flags.writeable  # a RAM copy, not a view of the file
+    assert greedy_run(model)[1] == cpu_run[1]
+    model.offload.reconfigure(model.offload.config.updated(allow_file_backing=True))
+    assert not model.offload.runners[0].tensors["fc1_experts_weights"].flags.owndata
+    with pytest.raises(OffloadPlanError, match="host_expert_bytes"):
+        model.offload.reconfigure(model.offload.config.updated(allow_file_backing=False, host_expert_bytes=1000))

@@ -14,6 +14,7 @@ from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
+from engine.offload.host_cache import HostExpertCache
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
 from engine.offload.stats import OffloadStats
@@ -39,11 +40,15 @@ class OffloadEngine:
         self.runners = runners
         self.infos = [runner.info for runner in runners]
         self.device = device
+        self.host_cache = HostExpertCache(runners[0].source if runners else None, self.infos,
+                                          config.host_expert_bytes)
         self.stats = OffloadStats()
         self.shadow = False
         self.approximation = ApproximationCounts()
         self.stats.reset(len(runners))
         self.config = config
+        self._check_file_backing(config)
+        self._apply_file_backing()
         self.wave_experts = self._reserve_staging(config) if device is not None and config.mode != "disabled" else 0
         self.plan: OffloadPlan = plan_offload(config, self.infos, device)
         if self.wave_experts:
@@ -54,6 +59,18 @@ class OffloadEngine:
                        for info, runner in zip(self.infos, runners)]
         self._make_policy()
         self._apply_cpu_threads()
+
+    def _check_file_backing(self, config: OffloadConfig) -> None:
+        """allow_file_backing=0 keeps every expert in host RAM, which host_expert_bytes must hold."""
+        if not config.allow_file_backing:
+            total = sum(info.weight_bytes for info in self.infos)
+            if config.host_expert_bytes is not None and total > config.host_expert_bytes:
+                raise OffloadPlanError(f"allow_file_backing=0 keeps all {total} bytes of experts in host memory, "
+                                       f"more than host_expert_bytes={config.host_expert_bytes}")
+
+    def _apply_file_backing(self) -> None:
+        for runner in self.runners:
+            runner.set_file_backing(self.config.allow_file_backing)
 
     def _apply_cpu_threads(self) -> None:
         """cpu_threads (0 = all cores) for the CPU expert kernels; takes effect at the next step."""
@@ -126,6 +143,7 @@ class OffloadEngine:
         """Apply new budgets or policy on the loaded model, without reloading."""
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
+        self._check_file_backing(config)
         for store in self.stores:  # release first so the new plan sees the whole budget
             if store is not None:
                 store.resize(0)
@@ -141,6 +159,8 @@ class OffloadEngine:
                         self._apply([Swap(index, slot, None, int(expert))])
         old_scores = self.policy.scores
         self.config = config
+        self.host_cache.budget = config.host_expert_bytes
+        self._apply_file_backing()
         self._make_policy()
         self._apply_cpu_threads()
         if config.placement == "adaptive" and len(old_scores) == len(self.policy.scores):

@@ -16,9 +16,13 @@ from kernels.cpu.routing import route
 class HybridExpertNode:
     def __init__(self, runner: CpuExpertNode, layer: int, engine):
         self.info = runner.info
-        self.kernel = runner.kernel
+        self.runner = runner
         self.layer = layer
         self.engine = engine
+
+    @property
+    def kernel(self):
+        return self.runner.kernel  # rebuilt when allow_file_backing changes
 
     def run(self, values: dict[str, np.ndarray]) -> np.ndarray:
         inputs = self.info.activation_inputs
@@ -53,6 +57,8 @@ class HybridExpertNode:
             started = time.perf_counter()
             self.kernel.run_experts(x2d, cold, weights, out=out)
             stats.cpu_s += time.perf_counter() - started
+            if not shadow:
+                self.engine.host_cache.touch(self.layer, np.unique(cold[cold >= 0]))
         if pending is not None:
             waited = time.perf_counter()
             stats.device_s += store.collect(pending, out)

@@ -1,0 +1,50 @@
+"""The bounded host cache of cold experts (host_expert_bytes).
+
+Experts live in the memory-mapped weight file (allow_file_backing=1): the pages of an expert the
+CPU computes come into this process's memory and stay there. This cache keeps the most recently
+computed experts and tells the OS to drop the pages of the least recent ones once their bytes
+pass host_expert_bytes, so the model's share of host memory stays bounded while the file backs
+everything. With allow_file_backing=0 every expert is copied into RAM at load instead.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.expert_node import ExpertNodeInfo
+from engine.onnx_file import OnnxFile
+
+
+class HostExpertCache:
+    def __init__(self, source: OnnxFile, infos: list[ExpertNodeInfo], budget_bytes: int | None):
+        self.source, self.infos = source, infos
+        self.budget = budget_bytes  # None: unbounded (the OS decides)
+        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.cached_bytes = 0
+        self.evictions = 0
+
+    def touch(self, layer: int, experts: np.ndarray) -> None:
+        """The CPU just computed these experts of this layer."""
+        for expert in experts:
+            key = (layer, int(expert))
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                continue
+            size = self.infos[layer].bytes_per_expert
+            self._lru[key] = size
+            self.cached_bytes += size
+        while self.budget is not None and self.cached_bytes > self.budget and len(self._lru) > 1:
+            (old_layer, old_expert), size = self._lru.popitem(last=False)
+            self._release(old_layer, old_expert)
+            self.cached_bytes -= size
+            self.evictions += 1
+
+    def _release(self, layer: int, expert: int) -> None:
+        info = self.infos[layer]
+        for tensor in info.weight_inputs.values():
+            nbytes = self.source.nbytes(tensor)
+            per_expert = nbytes // info.spec.num_experts
+            if per_expert * info.spec.num_experts == nbytes:  # tensors laid out [E, ...]
+                self.source.release_pages(tensor, expert * per_expert, per_expert)
