@@ -287,3 +287,18 @@ def test_without_file_backing_experts_are_copied_into_ram(model_folder, cpu_run)
     assert not model.offload.runners[0].tensors["fc1_experts_weights"].flags.owndata
     with pytest.raises(OffloadPlanError, match="host_expert_bytes"):
         model.offload.reconfigure(model.offload.config.updated(allow_file_backing=False, host_expert_bytes=1000))
+
+
+def test_a_refused_reconfiguration_leaves_the_old_one_in_force(model_folder, cpu_run):
+    device = SimulatedDevice(1 << 30)
+    half = expert_bytes(model_folder) // 2
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=half, prefill_wave_experts=2),
+                             device=device)
+    used, slots = device.memory.used, dict(model.offload.plan.slots)
+    with pytest.raises(OffloadPlanError):
+        model.offload.reconfigure(model.offload.config.updated(mode="required", device_expert_bytes=10))
+    assert device.memory.used == used and model.offload.plan.slots == slots
+    assert model.offload.config.device_expert_bytes == half
+    model.offload.reconfigure(model.offload.config.updated(prefill_wave_experts=4))
+    assert device.memory.by_purpose["prefill staging ring"] == 2 * 4 * max(i.bytes_per_expert for i in model.offload.infos)
+    assert greedy_run(model)[1] == cpu_run[1]

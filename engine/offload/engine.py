@@ -49,11 +49,8 @@ class OffloadEngine:
         self.config = config
         self._check_file_backing(config)
         self._apply_file_backing()
-        self.wave_experts = self._reserve_staging(config) if device is not None and config.mode != "disabled" else 0
-        self.plan: OffloadPlan = plan_offload(config, self.infos, device)
-        if self.wave_experts:
-            self.plan.statements.append(
-                f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
+        self.wave_experts, self._staging_bytes = 0, 0
+        self.plan: OffloadPlan = self._plan(config)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         self.stores = [device.create_slots(runner, self.plan.slots[info.name]) if device is not None else None
                        for info, runner in zip(self.infos, runners)]
@@ -77,17 +74,32 @@ class OffloadEngine:
         for runner in self.runners:
             runner.kernel.num_threads = self.config.cpu_threads or cpu_threads()
 
-    def _reserve_staging(self, config: OffloadConfig) -> int:
+    def _plan(self, config: OffloadConfig) -> OffloadPlan:
+        """Reserve the staging ring, then plan the slots in what the device has left."""
+        if self.device is not None and config.mode != "disabled":
+            self._reserve_staging(config)
+        plan = plan_offload(config, self.infos, self.device)
+        if self.wave_experts:
+            plan.statements.append(
+                f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
+        return plan
+
+    def _reserve_staging(self, config: OffloadConfig) -> None:
         """A double-buffered staging ring for prefill waves (and for every miss when cpu_execution
-        is disabled), taken before the expert budget. Returns the experts per wave."""
+        is disabled), taken before the expert budget."""
         largest = max(info.bytes_per_expert for info in self.infos)
         wave = min(config.prefill_wave_experts, self.device.memory.available // (2 * largest))
         if wave == 0 and config.cpu_execution == "disabled":
             raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
                                    f"({2 * largest} bytes double-buffered)")
-        if wave:
-            self.device.memory.reserve(2 * wave * largest, "prefill staging ring")
-        return wave
+        self._staging_bytes = 2 * wave * largest
+        self.device.memory.reserve(self._staging_bytes, "prefill staging ring")
+        self.wave_experts = wave
+
+    def _release_staging(self) -> None:
+        if self.device is not None:
+            self.device.memory.release(self._staging_bytes, "prefill staging ring")
+        self.wave_experts, self._staging_bytes = 0, 0
 
     def _make_policy(self) -> None:
         popularity = None
@@ -144,19 +156,27 @@ class OffloadEngine:
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)
+        old_counts = [store.num_slots if store is not None else 0 for store in self.stores]
         for store in self.stores:  # release first so the new plan sees the whole budget
             if store is not None:
                 store.resize(0)
-        self.plan = plan_offload(config, self.infos, self.device)
+        self._release_staging()
+        try:
+            self.plan = self._plan(config)
+        except WorkbenchError:  # the old configuration stays in force
+            self._release_staging()
+            self._plan(self.config)
+            for store, count in zip(self.stores, old_counts):
+                if store is not None:
+                    store.resize(count)
+            self._reload_residents()
+            raise
         for index, info in enumerate(self.infos):
             count = self.plan.slots[info.name]
             self.slots[index].resize(count)
             if self.stores[index] is not None:
                 self.stores[index].resize(count)
-                # Resized slots start empty on a real device: copy the kept residents back in.
-                for slot, expert in enumerate(self.slots[index].expert_in):
-                    if expert >= 0:
-                        self._apply([Swap(index, slot, None, int(expert))])
+        self._reload_residents()
         old_scores = self.policy.scores
         self.config = config
         self.host_cache.budget = config.host_expert_bytes
@@ -165,6 +185,13 @@ class OffloadEngine:
         self._apply_cpu_threads()
         if config.placement == "adaptive" and len(old_scores) == len(self.policy.scores):
             self.policy.scores = old_scores  # what placement learnt so far still holds
+
+    def _reload_residents(self) -> None:
+        """Resized slots start empty on a real device: copy the kept residents back in."""
+        for index, layer in enumerate(self.slots):
+            if self.stores[index] is not None:
+                self._apply([Swap(index, slot, None, int(expert))
+                             for slot, expert in enumerate(layer.expert_in) if expert >= 0])
 
     def resident_map(self) -> list[np.ndarray]:
         """Per layer, a bool per expert: resident on the device."""
