@@ -27,8 +27,7 @@ def main() -> int:
     parser.add_argument("--size", default="1680x1020")
     args = parser.parse_args()
 
-    from PySide6.QtCore import QSettings
-    from PySide6.QtTest import QTest
+    from PySide6.QtCore import QEventLoop, QSettings, QTimer
     from PySide6.QtWidgets import QApplication
 
     app = QApplication(sys.argv)
@@ -46,10 +45,13 @@ def main() -> int:
     model = write_model(tmp / "moe-16x32-random", spec)
 
     def wait(condition, timeout=300.0) -> bool:
-        """Run the event loop (sleeping when idle, as app.exec() does) until condition() holds."""
+        """Run the event loop until condition() holds. (QEventLoop.exec releases the GIL while idle, as
+        app.exec() does; QTest.qWait does not, and the engine's worker thread would starve.)"""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            QTest.qWait(50)
+            loop = QEventLoop()
+            QTimer.singleShot(50, loop.quit)
+            loop.exec()
             if condition():
                 return True
         return False

@@ -99,10 +99,12 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window):
     assert "dense part" in landed and "runs on the CPU" in landed and "KV cache" in landed
     assert "Load" not in window.model_panel.load_button.text() or window.model_panel.load_button.text() == "Reload"
 
-    tokens = []
-    window.worker.token.connect(tokens.append)
+    batches = []
+    window.worker.streamed.connect(lambda text, n: batches.append((text, n)))
     first = ask(qtbot, window, "Hello")
-    assert tokens and "".join(tokens).strip() in first["text"] + "".join(tokens)
+    streamed = "".join(text for text, _n in batches)
+    assert batches and sum(n for _t, n in batches) == int(first["stats"].split(" tokens")[0].rsplit(" ", 1)[-1])
+    assert first["text"] and streamed.startswith(first["text"][:10])
     stats = first["stats"]
     assert "first token" in stats and "tok/s" in stats and " s · " in stats and "tokens" in stats
     assert first["text"] and first["text"][:5] in window.chat.transcript.toPlainText()
@@ -204,7 +206,7 @@ def test_corrupt_model_shows_a_message_and_the_window_stays_usable(qtbot, window
 
 def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     load(qtbot, window, fixture_folder("gptoss"))
-    window.worker.token.connect(lambda _delta: window.chat.stop_button.click())
+    window.worker.streamed.connect(lambda _text, _n: window.chat.stop_button.click())
     window.chat.max_tokens.setValue(400)
     window.chat.prompt.setPlainText("Tell a long story")
     window.chat.send()
@@ -213,10 +215,10 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     assert answer["result"]["finish_reason"] == "cancelled" and answer["stats"].endswith("stopped")
     assert answer["result"]["timings"]["generated_tokens"] < 400
     # unload in the middle of an answer
-    window.worker.token.disconnect()
-    window.worker.token.connect(window._on_token)
+    window.worker.streamed.disconnect()
+    window.worker.streamed.connect(window._on_streamed)
     started = []
-    window.worker.token.connect(lambda _d: started or (started.append(1), window.unload()))
+    window.worker.streamed.connect(lambda _t, _n: started or (started.append(1), window.unload()))
     window.chat.prompt.setPlainText("Another long one")
     window.chat.send()
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)

@@ -227,12 +227,12 @@ class ChatPanel(QWidget):
         self.render()
         self.live.setText("Waiting for the first token…")
 
-    def append_token(self, delta: str) -> None:
+    def append_text(self, delta: str, tokens: int = 1) -> None:
         if not self.entries or not self.entries[-1].get("streaming"):
             return
         entry = self.entries[-1]
         entry["text"] += delta
-        self._streamed += 1
+        self._streamed += tokens
         bar = self.transcript.verticalScrollBar()
         at_bottom = bar.value() >= bar.maximum() - 4
         cursor = QTextCursor(self.transcript.document())

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 # Imported here, on the main thread, before the worker starts (see app/gui/__init__.py).
@@ -32,6 +34,7 @@ from engine.sampling import SamplingParams
 from engine.units import human_bytes
 
 STATS_INTERVAL_S = 0.25
+STREAM_INTERVAL_S = 0.033  # tokens are sent to the window in batches: one queued call per token costs decode speed
 
 
 class LoadCancelled(WorkbenchError):
@@ -55,9 +58,9 @@ class EngineWorker(QObject):
     inspected = Signal(object)         # app.gui.estimate.ModelFacts
     loadProgress = Signal(float)
     loaded = Signal(dict)              # path, load_s, device, statements, landed, entries
-    token = Signal(str)
+    streamed = Signal(str, int)        # text, tokens: the answer so far, in batches (at most ~30 a second)
     answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement
-    offloadStats = Signal(dict)        # placement and traffic, a few times a second while generating
+    offloadStats = Signal(object)      # dict: placement and traffic (numpy), a few times a second while generating
     replanned = Signal(dict)           # statements, landed
     unloaded = Signal()
     failed = Signal(str)               # one line for the user
@@ -236,15 +239,28 @@ class EngineWorker(QObject):
             params = self._params(options)
             self._last_stats = time.perf_counter()
             self._decode_mark = None
+            pending: list[str] = []
+            last_flush = [0.0]
+
+            def flush() -> None:
+                if pending:
+                    self.streamed.emit("".join(pending), len(pending))
+                    pending.clear()
 
             def on_text(_token, delta):
-                self.token.emit(delta)
+                pending.append(delta)
                 now = time.perf_counter()
+                if now - last_flush[0] >= STREAM_INTERVAL_S:
+                    last_flush[0] = now
+                    flush()
                 if now - self._last_stats >= STATS_INTERVAL_S:
                     self._last_stats = now
                     self._emit_stats(decode=True)
 
-            result = conversation.send(text, params, on_text, self.cancel)
+            try:
+                result = conversation.send(text, params, on_text, self.cancel)
+            finally:
+                flush()
             self._conversation = conversation
             self.answered.emit({"text": result.text, "finish_reason": result.finish_reason,
                                 "timings": result.timings.as_dict(), "reused_cache_tokens": result.reused_cache_tokens,
@@ -325,14 +341,20 @@ class EngineWorker(QObject):
                 d_bytes, d_s = cpu_bytes - self._decode_mark[0], cpu_s - self._decode_mark[1]
                 rate = d_bytes / d_s if d_s >= 0.02 and d_bytes > 0 else 0.0
             self._decode_mark = (cpu_bytes, cpu_s)
-        resident = [row.tolist() for row in offload.resident_map()]
-        try:
-            traffic = [[float(v) for v in row] for row in offload.policy.scores]
-        except Exception:
-            traffic = [[0.0] * len(row) for row in resident]
+        rows = offload.resident_map()
+        width = max((len(row) for row in rows), default=0)
+        resident = np.zeros((len(rows), width), bool)
+        valid = np.zeros((len(rows), width), bool)
+        traffic = np.zeros((len(rows), width), np.float32)
+        scores = getattr(offload.policy, "scores", None) or []  # recent routing per expert (placement's own count)
+        for index, row in enumerate(rows):
+            resident[index, :len(row)] = row
+            valid[index, :len(row)] = True
+            if index < len(scores):
+                traffic[index, :len(scores[index])] = scores[index]
         self.offloadStats.emit({
             "time": time.monotonic(), "steps": stats.steps, "layers": layers, "resident": resident,
-            "traffic": traffic, "placement": offload.config.placement, "layer_names": [i.name for i in offload.infos],
+            "valid": valid, "traffic": traffic, "placement": offload.config.placement, "layer_names": [i.name for i in offload.infos],
             "layer_index": [i.layer for i in offload.infos], "bytes_per_expert": bpe,
             "cpu_expert_bytes": cpu_bytes, "cpu_expert_s": cpu_s, "cpu_expert_rate": rate,
             "approximation": dict(vars(offload.approximation)),

@@ -128,7 +128,7 @@ class MainWindow(QMainWindow):
         w.inspected.connect(self._on_inspected)
         w.loadProgress.connect(self.model_panel.set_progress)
         w.loaded.connect(self._on_loaded)
-        w.token.connect(self._on_token)
+        w.streamed.connect(self._on_streamed)
         w.answered.connect(self._on_answered)
         w.offloadStats.connect(self._on_stats)
         w.replanned.connect(self._on_replanned)
@@ -442,10 +442,10 @@ class MainWindow(QMainWindow):
         self.status_device.setText(f"experts: {info['device']} · dense part: CPU")
         self._update_state()
 
-    @Slot(str)
-    def _on_token(self, delta: str) -> None:
-        self.chat.append_token(delta)
-        self.graphs.count_tokens()
+    @Slot(str, int)
+    def _on_streamed(self, text: str, tokens: int) -> None:
+        self.chat.append_text(text, tokens)
+        self.graphs.count_tokens(tokens)
 
     @Slot(dict)
     def _on_answered(self, result: dict) -> None:
@@ -455,7 +455,7 @@ class MainWindow(QMainWindow):
             self.status_state.setText(f"Answered: {t['generated_tokens']} tokens, {t['decode_tokens_per_s']:.1f} tok/s")
         self._update_state()
 
-    @Slot(dict)
+    @Slot(object)
     def _on_stats(self, data: dict) -> None:
         self.placement.set_stats(data)
         if data.get("cpu_expert_rate"):

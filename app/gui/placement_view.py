@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from PySide6.QtCore import QRectF, QSize, Qt
-from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtGui import QColor, QFont, QImage, QPainter
 from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, QSizePolicy, QToolTip, QVBoxLayout,
                                QWidget)
 
@@ -18,13 +20,10 @@ from engine.units import human_bytes
 RECENT_MISS = 0.05   # a cold expert with at least this much decayed routing counts as missed recently
 
 
-def _mix(a: QColor, b: QColor, f: float) -> QColor:
-    f = max(0.0, min(1.0, f))
-    return QColor(round(a.red() + (b.red() - a.red()) * f), round(a.green() + (b.green() - a.green()) * f),
-                  round(a.blue() + (b.blue() - a.blue()) * f))
-
-
 class Heatmap(QWidget):
+    """Cells drawn as one image built with numpy (a 48 × 128 grid is 6,144 cells: painting them one
+    by one in Python would take the engine's time, since the GIL is shared)."""
+
     LEFT = 34
     RIGHT = 46
     TOP = 14
@@ -33,6 +32,7 @@ class Heatmap(QWidget):
         super().__init__(parent)
         self.data: dict | None = None
         self.mode = "residency"
+        self._image = None
         self.setMouseTracking(True)
         self.setMinimumHeight(80)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
@@ -49,81 +49,94 @@ class Heatmap(QWidget):
         self.mode = mode
         self.update()
 
-    def _grid(self):
-        rows = len(self.data["resident"])
-        cols = max((len(r) for r in self.data["resident"]), default=1)
-        w = max(1.0, self.width() - self.LEFT - self.RIGHT)
-        h = max(1.0, self.height() - self.TOP - 2)
-        cell_w = min(w / cols, 40.0)
-        cell_h = min(h / max(1, rows), 28.0)
-        return rows, cols, cell_w, cell_h
+    def _grid(self) -> tuple[int, int, int, int]:
+        rows, cols = self.data["resident"].shape
+        w = max(1, self.width() - self.LEFT - self.RIGHT)
+        h = max(1, self.height() - self.TOP - 2)
+        return rows, cols, max(1, min(w // max(1, cols), 40)), max(1, min(h // max(1, rows), 28))
 
     def cell_at(self, x: float, y: float) -> tuple[int, int] | None:
-        if not self.data or not self.data["resident"]:
+        if not self.data or not self.data["resident"].size:
             return None
         rows, cols, cw, ch = self._grid()
-        col = int((x - self.LEFT) // cw)
-        row = int((y - self.TOP) // ch)
-        if 0 <= row < rows and 0 <= col < len(self.data["resident"][row]) and x >= self.LEFT and y >= self.TOP:
+        if x < self.LEFT or y < self.TOP:
+            return None
+        col, row = int((x - self.LEFT) // cw), int((y - self.TOP) // ch)
+        if 0 <= row < rows and 0 <= col < cols and self.data["valid"][row, col]:
             return row, col
         return None
+
+    def _cells(self, t: theme.Theme, cw: int, ch: int) -> np.ndarray:
+        """RGB pixels of the grid: [rows * ch, cols * cw, 3]."""
+        resident, traffic, valid = self.data["resident"], self.data["traffic"], self.data["valid"]
+        rgb = lambda name: np.array(QColor(name).getRgb()[:3], np.float32)  # noqa: E731
+        cold, accent, miss, bg = rgb(t.cold), rgb(t.accent), rgb(t.miss), rgb(t.background)
+        peak = float(traffic.max()) if traffic.size else 0.0
+        heat = np.log1p(traffic) / np.log1p(peak) if peak > 0 else np.zeros_like(traffic)
+        if self.mode == "residency":
+            colour = np.where(resident[..., None], accent, cold)
+        else:
+            base = bg if t.dark else cold
+            target = np.where(resident[..., None], accent, miss)
+            mix = np.where(traffic > 0, 0.15 + 0.85 * heat, 0.0)[..., None]
+            colour = base + (target - base) * mix
+        colour = np.where(valid[..., None], colour, bg)
+        pixels = np.repeat(np.repeat(colour, ch, axis=0), cw, axis=1)
+        rows, cols = resident.shape
+        if self.mode == "residency":
+            # a cold expert that routing hits now: a dot, bigger the more it is hit
+            missed = valid & ~resident & (traffic >= RECENT_MISS)
+            if missed.any():
+                radius = np.maximum(1.0, np.minimum(cw, ch) * (0.15 + 0.25 * heat))
+                yy = np.arange(ch, dtype=np.float32) - (ch - 1) / 2
+                xx = np.arange(cw, dtype=np.float32) - (cw - 1) / 2
+                dist = np.sqrt(yy[:, None] ** 2 + xx[None, :] ** 2)              # [ch, cw]
+                dots = (dist[None, :, None, :] <= radius[:, None, :, None]) & missed[:, None, :, None]
+                pixels[dots.reshape(rows * ch, cols * cw)] = miss
+        if cw >= 4 and ch >= 4:  # a one-pixel gap between cells
+            pixels[ch - 1::ch, :] = bg
+            pixels[:, cw - 1::cw] = bg
+        return np.ascontiguousarray(pixels.astype(np.uint8))
 
     def paintEvent(self, _event) -> None:
         t = theme.current()
         painter = QPainter(self)
         painter.fillRect(self.rect(), QColor(t.background))
-        if not self.data or not self.data["resident"]:
+        if not self.data or not self.data["resident"].size:
             painter.setPen(QColor(t.muted))
             painter.drawText(self.rect(), Qt.AlignmentFlag.AlignCenter,
                              "Load a model to see where its experts live and how routing uses them.")
             return
         rows, cols, cw, ch = self._grid()
+        pixels = self._cells(t, cw, ch)
+        height, width = pixels.shape[:2]
+        self._image = (pixels, QImage(pixels.data, width, height, 3 * width, QImage.Format.Format_RGB888))
+        painter.drawImage(self.LEFT, self.TOP, self._image[1])
         font = QFont(self.font())
         font.setPointSizeF(max(6.5, min(8.5, ch * 0.6)))
         painter.setFont(font)
-        resident, traffic, layers = self.data["resident"], self.data["traffic"], self.data["layers"]
-        peak = max((max(row) if row else 0.0) for row in traffic) if traffic else 0.0
-        scale = math.log1p(peak) if peak > 0 else 1.0
-        cold, accent, miss, bg = QColor(t.cold), QColor(t.accent), QColor(t.miss), QColor(t.background)
-        gap = 1 if cw >= 4 and ch >= 4 else 0
-        for r in range(rows):
+        painter.setPen(QColor(t.muted))
+        every = max(1, int(math.ceil(12 / ch)))  # a label every few rows when rows are thin
+        layers = self.data["layers"]
+        for r in range(0, rows, every):
             y = self.TOP + r * ch
-            for c, on in enumerate(resident[r]):
-                score = traffic[r][c] if r < len(traffic) and c < len(traffic[r]) else 0.0
-                heat = math.log1p(score) / scale if scale else 0.0
-                if self.mode == "residency":
-                    colour = accent if on else cold
-                else:
-                    colour = _mix(cold if not t.dark else bg, accent if on else miss, 0.15 + 0.85 * heat if score > 0 else 0.0)
-                rect = QRectF(self.LEFT + c * cw, y, cw - gap, ch - gap)
-                painter.fillRect(rect, colour)
-                if self.mode == "residency" and not on and score >= RECENT_MISS:
-                    # a cold expert routing hits now: a red dot, bigger the more it is hit
-                    d = max(2.0, min(cw, ch) * (0.3 + 0.5 * heat))
-                    painter.setPen(Qt.PenStyle.NoPen)
-                    painter.setBrush(miss)
-                    painter.drawEllipse(rect.center(), d / 2, d / 2)
-            painter.setPen(QColor(t.muted))
-            if ch >= 8 or r % max(1, int(10 / max(ch, 1))) == 0:
-                painter.drawText(QRectF(0, y, self.LEFT - 4, ch), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
-                                 str(self.data["layer_index"][r]))
+            painter.drawText(QRectF(0, y, self.LEFT - 4, max(ch, 12)), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
+                             str(self.data["layer_index"][r]))
             stats = layers[r] if r < len(layers) else {}
             total = stats.get("hits", 0) + stats.get("misses", 0)
-            if total and (ch >= 8 or r % max(1, int(10 / max(ch, 1))) == 0):
-                painter.drawText(QRectF(self.LEFT + cols * cw + 4, y, self.RIGHT - 4, ch),
+            if total:
+                painter.drawText(QRectF(self.LEFT + cols * cw + 4, y, self.RIGHT - 4, max(ch, 12)),
                                  Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, f"{stats['hits'] / total:.0%}")
-        painter.setPen(QColor(t.muted))
         painter.drawText(QRectF(0, 0, self.LEFT - 4, self.TOP), Qt.AlignmentFlag.AlignRight, "layer")
         step = max(1, int(math.ceil(24 / cw)))
         for c in range(0, cols, step):
             painter.drawText(QRectF(self.LEFT + c * cw, 0, max(cw * step, 20), self.TOP), Qt.AlignmentFlag.AlignLeft, str(c))
         painter.drawText(QRectF(self.LEFT + cols * cw + 4, 0, self.RIGHT, self.TOP), Qt.AlignmentFlag.AlignLeft, "hits")
-        painter.setPen(QPen(QColor(t.grid)))
 
     def tooltip_at(self, row: int, col: int) -> str:
         d = self.data
-        on = d["resident"][row][col]
-        score = d["traffic"][row][col] if row < len(d["traffic"]) and col < len(d["traffic"][row]) else 0.0
+        on = bool(d["resident"][row, col])
+        score = float(d["traffic"][row, col])
         stats = d["layers"][row] if row < len(d["layers"]) else {}
         total = stats.get("hits", 0) + stats.get("misses", 0)
         kind = "decayed routing count (~10 steps)" if d.get("placement") == "adaptive" else "routing count"
@@ -193,8 +206,8 @@ class PlacementView(QWidget):
         hits = sum(layer["hits"] for layer in layers)
         misses = sum(layer["misses"] for layer in layers)
         swaps = sum(layer["swaps"] for layer in layers)
-        resident = sum(sum(row) for row in data["resident"])
-        total = sum(len(row) for row in data["resident"])
+        resident = int(data["resident"].sum())
+        total = int(data["valid"].sum())
         parts = [f"{resident} of {total} experts resident"]
         if hits + misses:
             parts.append(f"hit rate {hits / (hits + misses):.0%} ({hits} hits, {misses} misses)")

@@ -128,9 +128,15 @@ class SystemProbe:
         self.cores = psutil.cpu_count() or 1
         self.nvml = Nvml() if nvml else None
         self._procs: dict[int, psutil.Process] = {}
+        self._top: tuple[list[dict], list[dict]] = ([], [])
+        self._samples = 0
 
-    def _other_processes(self) -> tuple[float, list[dict], list[dict]]:
-        """(other processes' CPU in cores, top by CPU, top by resident memory)."""
+    SCAN_EVERY = 5           # walk every process (for names) once in this many samples...
+    SCAN_WHEN_OTHERS = 0.5   # ...and at once when others take this many cores or host memory runs low
+
+    def _other_processes(self) -> tuple[list[dict], list[dict]]:
+        """(top other processes by CPU, by resident memory), their CPU averaged since the last walk.
+        Walking every process costs the engine time (it holds the GIL), so it is not done every second."""
         alive, rows = {}, []
         me = self.me.pid
         for proc in psutil.process_iter(["name"]):
@@ -154,14 +160,13 @@ class SystemProbe:
             except psutil.Error:
                 continue
         self._procs = alive
-        total = sum(r["cores"] for r in rows)
         by_cpu = sorted((r for r in rows if r["cores"] > 0), key=lambda r: -r["cores"])[:5]
         by_ram = sorted(rows, key=lambda r: -r["rss"])[:5]
         for row in by_cpu[:3] + by_ram[:3]:  # the names a warning may show
             known = self._procs.get(row["pid"])
             if known is not None and "described" not in row:
                 row["name"], row["described"] = describe(known, row["name"]), True
-        return total, by_cpu, by_ram
+        return by_cpu, by_ram
 
     def sample(self) -> dict:
         per_core = psutil.cpu_percent(None, percpu=True)
@@ -171,7 +176,13 @@ class SystemProbe:
             this_cpu = self.me.cpu_percent(None) / 100.0
         except psutil.Error:
             rss, this_cpu = 0, 0.0
-        others_cpu, top_cpu, top_ram = self._other_processes()
+        # other processes' CPU without walking them: what the cores did, less this process
+        others_cpu = max(0.0, sum(per_core) / 100.0 - this_cpu)
+        low_memory = memory.available < 0.1 * memory.total
+        if self._samples % self.SCAN_EVERY == 0 or others_cpu >= self.SCAN_WHEN_OTHERS or low_memory:
+            self._top = self._other_processes()
+        self._samples += 1
+        top_cpu, top_ram = self._top
         gpu = self.nvml.sample() if self.nvml else None
         note = "" if gpu else (self.nvml.note if self.nvml else "GPU sampling is off")
         return {
