@@ -62,7 +62,7 @@ def main() -> int:
     width, height = (int(v) for v in args.size.split("x"))
     window.resize(width, height)
     window.show()
-    wait(lambda: window.graphs.sample_count >= 3, 10)
+    wait(lambda: window.graphs.sample_count >= 25, 40)  # some history in the graphs first
 
     from engine.model_folder import ModelFolder
 
@@ -78,7 +78,8 @@ def main() -> int:
     window.chat.system_prompt.setPlainText("You are a concise assistant.")
     window.chat.new_chat()
     for question, tokens in (("What is a mixture-of-experts model?", 48),
-                             ("Why do some experts stay on the GPU and others on the CPU?", 120)):
+                             ("Why do some experts stay on the GPU and others on the CPU?", 120),
+                             ("How much VRAM would the KV cache take at 8k tokens?", 80)):
         window.chat.max_tokens.setValue(tokens)
         window.chat.prompt.setPlainText(question)
         window.chat.send()

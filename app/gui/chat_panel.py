@@ -10,7 +10,8 @@ import time
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextCursor
 from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QToolButton, QVBoxLayout, QWidget)
+                               QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QTextBrowser, QToolButton,
+                               QVBoxLayout, QWidget)
 
 from app.gui import theme
 
@@ -73,6 +74,7 @@ class ChatPanel(QWidget):
         self.transcript.anchorClicked.connect(self._anchor)
         self.live = QLabel()
         self.live.setAccessibleName("Generation status")
+        self.live.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # long lines never widen the window
 
         self.prompt = PromptEdit()
         self.prompt.setPlaceholderText("Message — Enter sends, Shift+Enter for a new line")

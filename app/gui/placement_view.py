@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, 
 from app.gui import theme
 from engine.units import human_bytes
 
-RECENT_MISS = 0.05   # a cold expert with at least this much decayed routing counts as missed recently
+RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
 
 
 class Heatmap(QWidget):
