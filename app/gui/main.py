@@ -5,6 +5,25 @@ from __future__ import annotations
 import sys
 
 
+def _report_errors_in(window) -> None:
+    """An exception escaping a slot becomes a message in the window (and a traceback on stderr)."""
+    import traceback
+
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        traceback.print_exception(kind, value, tb)
+        if issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, tb)
+        first = str(value).strip().splitlines()[0] if str(value).strip() else ""
+        try:
+            window.show_error(f"Internal error (the window goes on): {kind.__name__}: {first}")
+        except Exception:
+            pass
+
+    sys.excepthook = hook
+
+
 def run_gui(model: str | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
@@ -16,6 +35,7 @@ def run_gui(model: str | None = None) -> int:
     app.setDesktopFileName("moe-workbench")  # matches packaging/moe-workbench.desktop
     app.setWindowIcon(app_icon())
     window = MainWindow()
+    _report_errors_in(window)
     window.show()
     if model:
         window.load_model(model)

@@ -138,7 +138,7 @@ class MainWindow(QMainWindow):
 
         self._restore()
         app = QApplication.instance()
-        app.styleHints().colorSchemeChanged.connect(lambda _scheme: self.theme_choice == "system" and self.apply_theme())
+        app.styleHints().colorSchemeChanged.connect(self._scheme_changed)  # disconnected with the window
         self.apply_theme()
         self._show_recent(self.recent())
         self._update_state()
@@ -277,6 +277,11 @@ class MainWindow(QMainWindow):
         self.recent_menu.setEnabled(bool(paths))
 
     # --- theme and layout --------------------------------------------------------------------------
+    @Slot(Qt.ColorScheme)
+    def _scheme_changed(self, _scheme) -> None:
+        if self.theme_choice == "system":
+            self.apply_theme()
+
     def set_theme(self, choice: str) -> None:
         self.theme_choice = choice
         self.apply_theme()
@@ -477,6 +482,10 @@ class MainWindow(QMainWindow):
         self.status_model.setText("No model loaded")
         self.status_device.setText("")
         self._update_state()
+
+    def show_error(self, message: str) -> None:
+        """Any error, the engine's or the window's own, as a message (never a crash)."""
+        self._on_failed(message)
 
     @Slot(str)
     def _on_failed(self, message: str) -> None:

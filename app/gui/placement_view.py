@@ -93,7 +93,7 @@ class Heatmap(QWidget):
                 dist = np.sqrt(yy[:, None] ** 2 + xx[None, :] ** 2)              # [ch, cw]
                 dots = (dist[None, :, None, :] <= radius[:, None, :, None]) & missed[:, None, :, None]
                 pixels[dots.reshape(rows * ch, cols * cw)] = miss
-        if cw >= 4 and ch >= 4:  # a one-pixel gap between cells
+        if cw >= 4 and ch >= 4:  # a gap of one (device) pixel between cells
             pixels[ch - 1::ch, :] = bg
             pixels[:, cw - 1::cw] = bg
         return np.ascontiguousarray(pixels.astype(np.uint8))
@@ -108,10 +108,13 @@ class Heatmap(QWidget):
                              "Load a model to see where its experts live and how routing uses them.")
             return
         rows, cols, cw, ch = self._grid()
-        pixels = self._cells(t, cw, ch)
+        dpr = self.devicePixelRatioF()  # cells drawn in device pixels: sharp on high-DPI screens
+        pixels = self._cells(t, max(1, round(cw * dpr)), max(1, round(ch * dpr)))
         height, width = pixels.shape[:2]
-        self._image = (pixels, QImage(pixels.data, width, height, 3 * width, QImage.Format.Format_RGB888))
-        painter.drawImage(self.LEFT, self.TOP, self._image[1])
+        image = QImage(pixels.data, width, height, 3 * width, QImage.Format.Format_RGB888)
+        image.setDevicePixelRatio(dpr)
+        self._image = (pixels, image)
+        painter.drawImage(self.LEFT, self.TOP, image)
         font = QFont(self.font())
         font.setPointSizeF(max(6.5, min(8.5, ch * 0.6)))
         painter.setFont(font)
