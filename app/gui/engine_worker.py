@@ -210,7 +210,7 @@ class EngineWorker(QObject):
         lines.append(f"KV cache and state live in host memory beside the dense part: up to "
                      f"{human_bytes(facts.kv_cache_bytes())} at the full {facts.context_length}-token context.")
         threads = model.offload.config.cpu_threads
-        lines.append(f"CPU expert kernels use {threads if threads else 'all'} CPU threads"
+        lines.append(f"CPU expert kernels use {threads if threads else 'all'} CPU thread{'' if threads == 1 else 's'}"
                      f"{'' if threads else ' (' + str(_cores()) + ')'}.")
         if offload.config.approximate_routing:
             lines.append("Approximate routing is on: answers report their token agreement with exact routing.")

@@ -212,6 +212,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         if ceiling < capacity:
             device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - ceiling, ""))
     statements = list(plan.statements) if plan else []
+    if plan and stand_in is not None and config.device_expert_bytes is None and plan.budget_bytes == 0 and experts:
+        statements.append(f"The automatic budget is empty: it keeps {human_bytes(auto_reserve(config, stand_in.memory.available))} "
+                          "free for KV cache and workspace. Set a Reserve or an Expert budget.")
     if error:
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements)
