@@ -129,7 +129,8 @@ class BudgetPanel(QWidget):
                  self.reserve_bytes)
         f.addRow(_label("Device limit", "gpu_device_mem_limit: a hard cap on all device memory (needs a reload)"),
                  self.mem_limit)
-        f.addRow(_label("Host cache", "host_expert_bytes: " + NOT_USED_YET), self.host_bytes)
+        f.addRow(_label("Host cache", "host_expert_bytes: host memory kept for cold experts the CPU computes; "
+                               "the least recently used beyond it are dropped back to the mapped file"), self.host_bytes)
         f.addRow(_label("Pinned", "pinned_bytes: " + NOT_USED_YET), self.pinned_bytes)
         budget_box.setLayout(f)
 
