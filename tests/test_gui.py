@@ -113,6 +113,7 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window):
     qtbot.waitUntil(lambda: window.placement.updates > 0 and "hit rate" in window.placement.summary.text())
     assert sum(map(sum, window.placement.heatmap.data["resident"])) == 3
     assert window.placement.heatmap.tooltip_at(0, 0).startswith("Layer 0, expert 0:")
+    assert "This expert:" in window.placement.heatmap.tooltip_at(0, 0)  # exact per-expert counts from the engine
 
     # multi-turn keeps the cache; regenerate answers the last message again
     second = ask(qtbot, window, "And then?")

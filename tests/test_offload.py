@@ -302,3 +302,15 @@ def test_a_refused_reconfiguration_leaves_the_old_one_in_force(model_folder, cpu
     model.offload.reconfigure(model.offload.config.updated(prefill_wave_experts=4))
     assert device.memory.by_purpose["prefill staging ring"] == 2 * 4 * max(i.bytes_per_expert for i in model.offload.infos)
     assert greedy_run(model)[1] == cpu_run[1]
+
+
+def test_per_expert_counts_add_up_to_the_layer_totals(model_folder):
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=expert_bytes(model_folder) // 3),
+                             device=SimulatedDevice(1 << 30))
+    greedy_run(model, steps=6)
+    stats = model.offload.stats
+    for index, layer in enumerate(stats.layers):
+        assert stats.expert_hits[index].sum() == layer.hits and stats.expert_misses[index].sum() == layer.misses
+        assert layer.hits > 0 and layer.misses > 0
+    record_layer = stats.as_dict()["layers"][0]
+    assert len(record_layer["expert_hits"]) == 16 and sum(record_layer["expert_misses"]) == stats.layers[0].misses

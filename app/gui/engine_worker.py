@@ -331,7 +331,9 @@ class EngineWorker(QObject):
             return
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
-                   "copy_bytes": s.copy_bytes, "swaps": s.swaps} for s in stats.layers]
+                   "copy_bytes": s.copy_bytes, "swaps": s.swaps,
+                   "expert_hits": stats.expert_hits[i].copy(), "expert_misses": stats.expert_misses[i].copy()}
+                  for i, s in enumerate(stats.layers)]
         bpe = [info.bytes_per_expert for info in offload.infos]
         cpu_bytes = sum(layer["misses"] * b for layer, b in zip(layers, bpe))
         cpu_s = sum(layer["cpu_s"] for layer in layers)

@@ -146,6 +146,9 @@ class Heatmap(QWidget):
         lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + ("resident on the device" if on else "cold (runs on the CPU)"),
                  f"Recent routing: {score:.2f} ({kind})" + ("" if on or score < RECENT_MISS else " — missed recently"),
                  f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
+        if "expert_hits" in stats and col < len(stats["expert_hits"]):
+            lines.append(f"This expert: {stats['expert_hits'][col]} hits, {stats['expert_misses'][col]} misses "
+                         f"(routed tokens, counted exactly)")
         if total:
             lines.append(f"Layer {d['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
                          f"({stats['hits'] / total:.0%} hit rate), {stats.get('swaps', 0)} swaps")

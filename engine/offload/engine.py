@@ -45,7 +45,7 @@ class OffloadEngine:
         self.stats = OffloadStats()
         self.shadow = False
         self.approximation = ApproximationCounts()
-        self.stats.reset(len(runners))
+        self.stats.reset(len(runners), [info.spec.num_experts for info in self.infos])
         self.config = config
         self._check_file_backing(config)
         self._apply_file_backing()

@@ -40,6 +40,8 @@ class HybridExpertNode:
         stats = self.engine.stats.layers[self.layer] if not shadow else LayerStats()
         stats.hits += int(np.count_nonzero(resident))
         stats.misses += int(np.count_nonzero((ids >= 0) & ~resident))
+        if not shadow:
+            self.engine.stats.count(self.layer, ids, resident)
 
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         store = self.engine.stores[self.layer]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class LayerStats:
@@ -26,10 +28,24 @@ class LayerStats:
 class OffloadStats:
     layers: list[LayerStats] = field(default_factory=list)
     steps: int = 0
+    expert_hits: list[np.ndarray] = field(default_factory=list)    # per layer, routed pairs per expert found resident
+    expert_misses: list[np.ndarray] = field(default_factory=list)  # per layer, routed pairs per expert found cold
 
-    def reset(self, num_layers: int) -> None:
+    def reset(self, num_layers: int, num_experts: list[int] | None = None) -> None:
         self.layers = [LayerStats() for _ in range(num_layers)]
         self.steps = 0
+        if num_experts is not None:
+            self.expert_hits = [np.zeros(e, np.int64) for e in num_experts]
+            self.expert_misses = [np.zeros(e, np.int64) for e in num_experts]
+        else:
+            for counts in self.expert_hits + self.expert_misses:
+                counts[:] = 0
+
+    def count(self, layer: int, expert_ids: np.ndarray, resident: np.ndarray) -> None:
+        """Count routed (token, expert) pairs of one step, by expert and residency."""
+        routed = expert_ids >= 0
+        np.add.at(self.expert_hits[layer], expert_ids[routed & resident], 1)
+        np.add.at(self.expert_misses[layer], expert_ids[routed & ~resident], 1)
 
     def totals(self) -> LayerStats:
         total = LayerStats()
@@ -42,4 +58,7 @@ class OffloadStats:
         total = self.totals()
         return {"steps": self.steps, "hit_rate": total.hit_rate, "copy_bytes": total.copy_bytes,
                 "cpu_s": total.cpu_s, "device_s": total.device_s, "wait_s": total.wait_s, "swaps": total.swaps,
-                "layers": [dict(asdict(layer), hit_rate=layer.hit_rate) for layer in self.layers]}
+                "layers": [dict(asdict(layer), hit_rate=layer.hit_rate,
+                                **({"expert_hits": self.expert_hits[i].tolist(),
+                                    "expert_misses": self.expert_misses[i].tolist()} if i < len(self.expert_hits) else {}))
+                           for i, layer in enumerate(self.layers)]}
