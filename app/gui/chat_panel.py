@@ -9,7 +9,7 @@ import time
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextCursor
-from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QTextBrowser, QToolButton,
                                QVBoxLayout, QWidget)
 
