@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import stream_read_bandwidth, write_result  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.traces import hit_rate, realistic_trace  # noqa: E402
@@ -33,22 +33,6 @@ SHAPES = {
     "qwen3-30b-a3b-like": dict(layers=48, hidden_size=2048, inter_size=768, num_experts=128, top_k=8, num_heads=32,
                                num_kv_heads=4, head_size=128, vocab_size=4096, swiglu_limit=None, alpha=1.0, beta=0.0),
 }
-
-
-def dram_read_bandwidth() -> float:
-    import numba
-
-    @numba.njit(parallel=True, fastmath=True)
-    def total(a):
-        s = 0.0
-        for i in numba.prange(a.size):
-            s += a[i]
-        return s
-
-    data = np.ones(1 << 29, np.float32)  # 2 GiB
-    total(data)
-    best = min(_timed(lambda: total(data)) for _ in range(5))
-    return data.nbytes / best
 
 
 def _timed(fn) -> float:
@@ -94,7 +78,7 @@ def main() -> None:
     else:
         from engine.offload import SimulatedDevice
         device = SimulatedDevice(200 << 30)
-    b_dram = dram_read_bandwidth()
+    b_dram = stream_read_bandwidth() * 1e9
     b_pcie, b_hbm = device.bandwidths.pcie, device.bandwidths.hbm
     print(f"B_dram {b_dram / 1e9:.1f} GB/s, B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
 

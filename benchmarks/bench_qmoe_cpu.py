@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.qmoe_spec import QMoESpec  # noqa: E402
 from kernels.cpu import CpuQMoE  # noqa: E402
 from kernels.cpu.simd import HAS_AVX512F  # noqa: E402
-from benchmarks.common import ROOT, write_result  # noqa: E402
+from benchmarks.common import ROOT, stream_read_bandwidth, write_result  # noqa: E402
 
 BENCHMARK = "qmoe_cpu"
 REFERENCE = "onnxruntime {} CPU QMoE"
@@ -112,28 +112,6 @@ def decode_routings(rng, E: int, k: int, n: int = 64):
     for i, st in enumerate(sets):
         logits[i, 0, st] += 4.0 + rng.standard_normal(k).astype(np.float32) * 0.5
     return logits, [tuple(int(e) for e in st) for st in sets]
-
-
-def stream_read_bandwidth(gbytes: float = 2.0, repeats: int = 5) -> float:
-    """Streaming read bandwidth in GB/s: Numba parallel sum over a float32 array, all threads, best of n."""
-    from numba import njit, prange
-
-    @njit(parallel=True, fastmath=True)
-    def psum(a):
-        s = np.float32(0.0)
-        for i in prange(a.size):
-            s += a[i]
-        return s
-
-    a = np.ones(int(gbytes * 1e9) // 4, np.float32)
-    psum(a)
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        psum(a)
-        best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
-    del a
-    return best
 
 
 def machine_details() -> dict:
