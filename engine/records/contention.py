@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import platformdirs
 
+from engine.errors import WorkbenchError
+
 _WORDS = ("expert router token layer memory bandwidth cache offload device budget prefill decode "
           "placement resident cold hot kernel thread index search query document corpus record sweep "
           "latency throughput model weight quantise scale block matrix vector attention context window "
@@ -101,14 +103,29 @@ class ContentionReport:
             f"{self.inference_slowdown:.2f}x |"]) + "\n"
 
 
-def run_contention(run_inference, corpus: Path, workers: int, progress=None) -> ContentionReport:
-    """`run_inference()` runs one inference workload and returns its completion time in seconds."""
+class ContentionCancelled(WorkbenchError):
+    """The contention test was stopped between two of its phases."""
+
+
+def run_contention(run_inference, corpus: Path, workers: int, progress=None,
+                   cancel: threading.Event | None = None) -> ContentionReport:
+    """`run_inference()` runs one inference workload and returns its completion time in seconds.
+
+    `cancel` is checked between the three phases (indexing alone, inference alone, both): a set
+    event raises ContentionCancelled there (`run_inference` may watch it too, between tokens)."""
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise ContentionCancelled("the contention test was cancelled")
+
+    check()
     documents, indexing_alone = index_folder(corpus, workers)
     if progress:
         progress(1 / 3)
+    check()
     inference_alone = run_inference()
     if progress:
         progress(2 / 3)
+    check()
     together: dict[str, float] = {}
 
     def indexing() -> None:
@@ -119,6 +136,7 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None) -> 
     time.sleep(0.2)  # let the workers start so inference runs under load from its first token
     together["inference"] = run_inference()
     thread.join()
+    check()
     if progress:
         progress(1.0)
     return ContentionReport(workers, documents, indexing_alone, inference_alone,

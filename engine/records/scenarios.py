@@ -97,10 +97,11 @@ def offload_description(model: LoadedModel, device) -> dict:
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",
-                 cancel: threading.Event | None = None, progress=None) -> RunRecord:
-    """Run one named scenario on a loaded model and measure it."""
+                 cancel: threading.Event | None = None, progress=None, on_text=None) -> RunRecord:
+    """Run one named scenario on a loaded model and measure it. `cancel` ends the answer at the next
+    token (and skips the turns after it); `on_text(token, delta)` streams every answer."""
     turns_text = scenario_turns(name, model.tokenizer, model.config.context_length, params.max_new_tokens)
-    return run_turns(model, turns_text, params, device, name, label, cancel, progress)
+    return run_turns(model, turns_text, params, device, name, label, cancel, progress, on_text)
 
 
 def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device=None,
@@ -137,7 +138,8 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         timings={"load_s": model.load_s, "prefill_s": turns[0]["timings"]["prefill_s"] if turns else None,
                  "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
                  "decode_tokens_per_s": decoded / decode_s if decode_s else None, "completion_s": completion,
-                 "turns": len(turns), "cancelled": len(turns) < len(turns_text)},
+                 "turns": len(turns), "cancelled": len(turns) < len(turns_text)
+                 or any(t["finish_reason"] == "cancelled" for t in turns)},
         peaks={"device_bytes": peaks.device_bytes if device is not None else None, "process_device_bytes": None,
                "rss_bytes": peaks.rss, "pinned_bytes": None},
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,

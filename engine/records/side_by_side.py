@@ -36,13 +36,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def compare(left: Side, right: Side, prompt: str, params: GenerationParams, concurrent: bool = False,
             on_text=None, cancel: threading.Event | None = None) -> Comparison:
-    """on_text(side_index, token, delta) streams both columns."""
+    """on_text(side_index, token, delta) streams both columns (from two threads when concurrent).
+    `cancel` ends the answer at the next token; a side that had not started then has no turn."""
     records: list[RunRecord | None] = [None, None]
+    errors: list[BaseException] = []
 
     def run(index: int, side: Side) -> None:
         stream = (lambda token, delta: on_text(index, token, delta)) if on_text else None
-        records[index] = run_turns(side.model, [prompt], params, side.device, "side-by-side",
-                                   side.label or f"side {'AB'[index]}", cancel, on_text=stream)
+        try:
+            records[index] = run_turns(side.model, [prompt], params, side.device, "side-by-side",
+                                       side.label or f"side {'AB'[index]}", cancel, on_text=stream)
+        except BaseException as exc:  # raised again in the caller's thread
+            errors.append(exc)
 
     if concurrent:
         threads = [threading.Thread(target=run, args=(i, side)) for i, side in enumerate((left, right))]
@@ -52,6 +57,10 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
             thread.join()
     else:
         run(0, left)
-        run(1, right)
-    divergence = first_divergence(records[0].turns[0]["tokens"], records[1].turns[0]["tokens"])
+        if not errors:
+            run(1, right)
+    if errors:
+        raise errors[0]
+    answered = all(record.turns for record in records)
+    divergence = first_divergence(records[0].turns[0]["tokens"], records[1].turns[0]["tokens"]) if answered else None
     return Comparison((records[0], records[1]), divergence)

@@ -48,7 +48,10 @@ def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]
 
 
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
-              label: str = "sweep", progress=None, cancel: threading.Event | None = None) -> list[SweepPoint]:
+              label: str = "sweep", progress=None, cancel: threading.Event | None = None,
+              on_text=None) -> list[SweepPoint]:
+    """Only complete points are returned: `cancel` (checked between tokens) ends the sweep early.
+    `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     results = []
@@ -61,7 +64,10 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
         for offset, scenario in enumerate(scenarios):
             if cancel is not None and cancel.is_set():
                 return results
-            point.records.append(run_scenario(model, scenario, params, device, label=f"{label} {fraction:.0%}"))
+            point.records.append(run_scenario(model, scenario, params, device, label=f"{label} {fraction:.0%}",
+                                              cancel=cancel, on_text=on_text))
+            if cancel is not None and cancel.is_set():  # the point's last answer was cut short: not a result
+                return results
             if progress:
                 progress((index * len(scenarios) + offset + 1) / total_runs)
         results.append(point)
