@@ -31,7 +31,8 @@ import numpy as np
 
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
 
-__all__ = ["ProjLayout", "make_layouts", "raw_sources", "pack", "round_up", "scale_kind", "TILE_BYTES"]
+__all__ = ["ProjLayout", "check_supported", "make_layouts", "raw_sources", "pack", "round_up", "scale_kind",
+           "TILE_BYTES"]
 
 TILE_BYTES = {4: 512, 8: 1024}
 DT_F32, DT_F16, DT_BF16 = 0, 1, 2
@@ -90,24 +91,46 @@ class ProjLayout:
             n += self.NP * 4
         return n
 
+    def device_bytes(self) -> int:
+        """``slot_bytes`` plus the fp16 copy of block scales (``h``): what one expert occupies on the device."""
+        return self.slot_bytes() + (self.s_len * 2 if self.has_h else 0)
+
 
 def _gated(spec: QMoESpec) -> bool:
     return spec.activation == "swiglu" or spec.has_fc3
 
 
-def make_layouts(spec: QMoESpec, tensors: dict) -> tuple[ProjLayout, ProjLayout]:
+def check_activation(spec: QMoESpec) -> None:
+    """Raise UnsupportedLayout unless the kernels implement the node's activation: relu, gelu (tanh), silu,
+    identity, swiglu (fusion 0 / 1 / 2, limit before the activation), FC3 gating. Needs no CuPy."""
+    if spec.activation in ("geglu", "relu2") or spec.swiglu_limit_after_activation:
+        act = spec.activation + (" with the limit after the activation" if spec.swiglu_limit_after_activation else "")
+        raise UnsupportedLayout(f"node '{spec.node_name}': the GPU kernels implement relu, gelu, silu, identity and "
+                                f"swiglu; this node ({spec.layout_summary()}, {act}) runs on the CPU")
+
+
+def check_supported(spec: QMoESpec) -> None:
+    """Raise UnsupportedLayout unless the kernels read ``spec``'s layout and activation as stored: a quantised node,
+    raw int4 / int8 rows of one width for every projection, an activation of ``check_activation``. Needs no CuPy.
+    GpuQMoE first converts other layouts (``kernels.gpu.convert.for_gpu``) and checks the converted spec."""
     if not spec.is_quantized:
         raise UnsupportedLayout(f"node '{spec.node_name}': the GPU kernels run quantised QMoE nodes only "
                                 "(the float MoE op runs on the CPU)")
-    # QMoESpec admits more layouts than these kernels read (kernels/cpu/generic.py runs them): refuse, by name,
-    # anything but raw int4 / int8 rows with the activations the kernels implement, never misread the bytes
-    if not spec.is_fast_int_layout or spec.activation in ("geglu", "relu2") or spec.swiglu_limit_after_activation:
-        raise UnsupportedLayout(f"node '{spec.node_name}': the GPU kernels read raw int4 / int8 rows with relu, gelu, "
-                                f"silu, identity or swiglu; this node ({spec.layout_summary()}, {spec.activation}) "
-                                "runs on the CPU")
+    check_activation(spec)
+    # QMoESpec admits more layouts than these kernels read (kernels/cpu/generic.py runs them; kernels/gpu/convert.py
+    # converts them for GpuQMoE): refuse, by name, anything but raw int4 / int8 rows, never misread the bytes
+    if not spec.is_fast_int_layout:
+        raise UnsupportedLayout(f"node '{spec.node_name}': the GPU kernels read raw int4 / int8 rows; this node's "
+                                f"{spec.layout_summary()} must be converted first (kernels.gpu.convert.for_gpu)")
     bits = spec.fc1_bits
     if bits not in (4, 8) or spec.fc2_bits != bits or (spec.has_fc3 and (spec.fc3_bits or bits) != bits):
-        raise UnsupportedLayout(f"node '{spec.node_name}': GPU kernels need int4 or int8 for every projection")
+        raise UnsupportedLayout(f"node '{spec.node_name}': GPU kernels need int4 or int8 for every projection "
+                                f"({spec.layout_summary()}; kernels.gpu.convert.for_gpu widens it)")
+
+
+def make_layouts(spec: QMoESpec, tensors: dict) -> tuple[ProjLayout, ProjLayout]:
+    check_supported(spec)
+    bits = spec.fc1_bits
     H, I = spec.hidden_size, spec.inter_size
     bs = spec.block_size
     gated = _gated(spec)

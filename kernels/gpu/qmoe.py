@@ -1,4 +1,5 @@
-"""GPU execution of one com.microsoft QMoE node (int4 / int8 raw layout): CuPy + CUDA C++ kernels.
+"""GPU execution of one com.microsoft QMoE node (int4 / int8 raw layout; other layouts converted exactly on upload by
+``kernels.gpu.convert``): CuPy + CUDA C++ kernels.
 
 Mirrors ``kernels.cpu.CpuQMoE``: ``forward(x, router_logits, router_weights=None)`` and
 ``run_experts(x2d, expert_ids, weights, out=None)``. CuPy is imported lazily: importing this module never needs it.
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
 from .. import reference as _ref
+from . import convert as _conv
 from . import layout as _lay
 from ._module import load_module
 
@@ -69,9 +71,15 @@ class GpuQMoE:
 
     def __init__(self, spec: QMoESpec, tensors: dict, device: int = 0, num_slots: int | None = None,
                  resident=None, path: str = "auto"):
-        cp = _cp()
+        # Layouts the kernels do not read (int2 / int3, SM80 prepacked, mixed widths, nvfp4, mxfp4) are converted
+        # exactly on the host, one expert at a time, when the expert is uploaded or packed (kernels.gpu.convert):
+        # from here on spec / tensors describe the converted layout; fp8 weights are refused (no exact conversion)
+        self.source_spec = spec
+        self.conversion = _conv.for_gpu(spec, tensors)
+        spec, tensors = self.conversion.spec, self.conversion.tensors
         self.spec = spec
         self.fc1, self.fc2 = _lay.make_layouts(spec, tensors)
+        cp = _cp()
         E = spec.num_experts
         if E > 2048:
             raise UnsupportedLayout(f"node '{spec.node_name}': {E} experts (the GPU grouping kernel takes <= 2048)")
@@ -126,8 +134,14 @@ class GpuQMoE:
         return d
 
     def expert_bytes(self) -> int:
-        """Bytes the kernels read for one expert (weights, scales, zero points, biases of FC1(+FC3) and FC2)."""
+        """Bytes the kernels read for one expert (weights, scales, zero points, biases of FC1(+FC3) and FC2), in the
+        converted layout when the stored one was converted (int2 / int3 -> int4, fp4 -> int8 ...: up to twice the
+        stored weight bytes; ``kernels.gpu.convert.gpu_expert_bytes`` computes it without CuPy)."""
         return self.fc1.slot_bytes() + self.fc2.slot_bytes()
+
+    def expert_device_bytes(self) -> int:
+        """``expert_bytes`` plus the fp16 copy of block scales the prefill kernel reads: device memory per slot."""
+        return self.fc1.device_bytes() + self.fc2.device_bytes()
 
     def _upload_initial(self, experts: list) -> None:
         cp = _cp()
@@ -149,8 +163,9 @@ class GpuQMoE:
         self._slot_dev.set(self.slot_of)
 
     def pack_expert(self, e: int) -> dict:
-        """Expert e converted to the kernel layout on the host: {"fc1": {"w", "s", ["z"], ["b"]}, "fc2": {...}}
-        of 1-D NumPy arrays. Keep them (in pinned memory) to upload the expert later without converting again."""
+        """Expert e converted to the kernel layout on the host: {"fc1": {"w", "s", ["z"], ["b"], ["h"]}, "fc2": {...}}
+        of 1-D NumPy arrays (a stored layout the kernels do not read is converted first, as at construction). Keep
+        them (in pinned memory) to upload the expert later without converting again."""
         es = np.asarray([int(e)], dtype=np.int64)
         out = {}
         for p in (self.fc1, self.fc2):
