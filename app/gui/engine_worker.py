@@ -22,6 +22,7 @@ import engine.offload.engine  # noqa: F401  (the engine imports these lazily whe
 import engine.offload.hybrid_node  # noqa: F401
 import kernels.cpu  # noqa: F401
 from app.gui.estimate import layer_summary, model_facts
+from app.gui.records_jobs import JobContext
 from app.inspect_report import inspection
 from engine.demo_model import DEMO_NAME, ensure_demo_model
 from engine.errors import WorkbenchError
@@ -64,6 +65,10 @@ class EngineWorker(QObject):
     replanned = Signal(dict)           # statements, landed
     unloaded = Signal()
     failed = Signal(str)               # one line for the user
+    jobProgress = Signal(str, float, str)  # job kind, fraction done, what runs now
+    jobStreamed = Signal(str, object)      # job kind, a batch of streamed answer text (the job's own shape)
+    jobFinished = Signal(str, object)      # job kind, its result
+    jobFailed = Signal(str, str)           # job kind, one line (also sent as `failed`)
 
     # requests, queued into the worker thread
     requestOpen = Signal(str)                  # inspect a folder (no sessions)
@@ -74,6 +79,7 @@ class EngineWorker(QObject):
     requestNewChat = Signal(str)               # system prompt
     requestReplan = Signal(dict)               # offload entries
     requestUnload = Signal()
+    requestJob = Signal(str, object)           # kind ("recording", "sweeping", ...), a records job (app.gui.records_jobs)
 
     def __init__(self, demo_dir: str | None = None):
         super().__init__()
@@ -96,6 +102,8 @@ class EngineWorker(QObject):
         self.requestNewChat.connect(self._new_chat)
         self.requestReplan.connect(self._replan)
         self.requestUnload.connect(self._unload)
+        self.requestJob.connect(self._job)
+        self._device_choice: dict = {}
 
     # --- opening and loading ---------------------------------------------------------------------
     def _open_folder(self, path: str):
@@ -160,6 +168,7 @@ class EngineWorker(QObject):
             config = OffloadConfig.from_entries(settings.get("entries", {}))
             notes: list[str] = []
             device = self._make_device(settings.get("device", {}), config, notes)
+            self._device_choice = dict(settings.get("device", {}))
 
             def progress(fraction: float) -> None:
                 if self.cancel.is_set():
@@ -361,6 +370,30 @@ class EngineWorker(QObject):
             "cpu_expert_bytes": cpu_bytes, "cpu_expert_s": cpu_s, "cpu_expert_rate": rate,
             "approximation": dict(vars(offload.approximation)),
         })
+
+    # --- records jobs: scenarios, sweeps, side-by-side, contention -------------------------------------
+    @Slot(str, object)
+    def _job(self, kind: str, job) -> None:
+        """Run a records job on the loaded model in this thread, so it never overlaps a load, an
+        answer or a re-plan. Stop (self.cancel) reaches it between tokens."""
+        self.cancel.clear()
+        self.busyChanged.emit(kind)
+        try:
+            context = JobContext(
+                model=self._model, device=self._device, device_choice=dict(self._device_choice), cancel=self.cancel,
+                progress=lambda fraction, text="": self.jobProgress.emit(kind, float(fraction), text),
+                stream=lambda payload: self.jobStreamed.emit(kind, payload),
+                make_device=lambda choice, config: self._make_device(choice, config, []))
+            self.jobFinished.emit(kind, job(context))
+        except Exception as exc:  # the window shows it; the worker stays usable
+            self.failed.emit(one_line(exc))
+            self.jobFailed.emit(kind, one_line(exc))
+        finally:
+            try:
+                self._emit_stats()
+            except Exception:
+                pass
+            self.busyChanged.emit("")
 
     # --- unloading ---------------------------------------------------------------------------------
     def _drop_model(self) -> None:

@@ -13,23 +13,31 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, Slot
 from PySide6.QtGui import QAction, QActionGroup, QIcon, QKeySequence
-from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget,
+                               QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.budget_panel import BudgetPanel
 from app.gui.chat_panel import ChatPanel
 from app.gui.contention import ThroughputWatch, check_sample
+from app.gui.contention_view import ContentionView
 from app.gui.engine_worker import WorkerThread
 from app.gui.graphs_panel import GraphsPanel
+from app.gui.history_view import HistoryView
 from app.gui.model_panel import ModelPanel
 from app.gui.placement_view import PlacementView
+from app.gui.scenario_view import ScenarioView
+from app.gui.side_by_side_view import SideBySideView
+from app.gui.sweep_view import SweepView
 from app.gui.telemetry import SamplerThread
 from app.gui.widgets import Banner
 
 RECENT_MAX = 10
 ICON = Path(__file__).resolve().parents[2] / "resources" / "moe-workbench.svg"
 STATE_VERSION = 1
+# what the engine worker reports as busy while a records job runs, and what the status bar says
+JOB_LABELS = {"recording": "Recording scenarios…", "sweeping": "Sweeping budgets…", "comparing": "Comparing side by side…",
+              "contention": "Running the contention test…"}
 
 
 def settings_from_env() -> QSettings:
@@ -46,7 +54,10 @@ def app_icon() -> QIcon:
 
 class MainWindow(QMainWindow):
     def __init__(self, settings: QSettings | None = None, sample_interval_ms: int = 1000, nvml: bool = True,
-                 demo_dir: str | None = None):
+                 demo_dir: str | None = None, history_path: str | Path | None = None,
+                 configurations_path: str | Path | None = None):
+        """history_path / configurations_path: where runs and named configurations are kept
+        (default: the user's data folder)."""
         super().__init__()
         self.setObjectName("mainWindow")
         self.setWindowTitle("MoE Workbench")
@@ -76,13 +87,31 @@ class MainWindow(QMainWindow):
         self.error_banner = Banner("error")
         self.contention_banner = Banner("warn")
         self.contention_banner.setAccessibleName("Contention warning")
+        # records: history (with scenario runs), budget sweep, side-by-side chat, contention test
+        self.scenarios = ScenarioView(history_path)
+        self.history = HistoryView(history_path)
+        self.sweep = SweepView(history_path, configurations_path)
+        self.side_by_side = SideBySideView(history_path)
+        self.contention_view = ContentionView()
+        self.job_views = {"recording": self.scenarios, "sweeping": self.sweep, "comparing": self.side_by_side,
+                          "contention": self.contention_view}
+        self._cancel_when_started: str | None = None
+        history_box = QWidget()
+        history_column = QVBoxLayout(history_box)
+        history_column.setContentsMargins(4, 4, 4, 4)
+        history_column.addWidget(self.scenarios)
+        history_column.addWidget(self.history, 1)
 
         central = QWidget()
         column = QVBoxLayout(central)
         column.setContentsMargins(6, 6, 6, 0)
         column.addWidget(self.error_banner)
         column.addWidget(self.contention_banner)
-        column.addWidget(self.chat, 1)
+        self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)
+        self.tabs.addTab(self.chat, "&Chat")
+        self.tabs.addTab(self.side_by_side, "&Side by side")
+        column.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
         self.setDockNestingEnabled(True)
         # the placement view sits under the chat only; model, budgets and graphs run full height
@@ -95,6 +124,15 @@ class MainWindow(QMainWindow):
             "placement": self._dock("Placement", "placementDock", self.placement, Qt.DockWidgetArea.BottomDockWidgetArea),
         }
         self.splitDockWidget(self.docks["model"], self.docks["budget"], Qt.Orientation.Vertical)
+        area = Qt.DockWidgetArea.BottomDockWidgetArea
+        self.record_docks = {
+            "history": self._dock("History", "historyDock", history_box, area),
+            "sweep": self._dock("Budget sweep", "sweepDock", self.sweep, area),
+            "contention": self._dock("Contention test", "contentionDock", self.contention_view, area),
+        }
+        for dock in self.record_docks.values():
+            self.tabifyDockWidget(self.docks["placement"], dock)
+        self.docks["placement"].raise_()
         self.status_state = QLabel("Idle")
         self.status_model = QLabel("No model loaded")
         self.status_device = QLabel()
@@ -134,6 +172,17 @@ class MainWindow(QMainWindow):
         w.replanned.connect(self._on_replanned)
         w.unloaded.connect(self._on_unloaded)
         w.failed.connect(self._on_failed)
+        w.jobProgress.connect(self._on_job_progress)
+        w.jobStreamed.connect(self._on_job_streamed)
+        w.jobFinished.connect(self._on_job_finished)
+        w.jobFailed.connect(self._on_job_failed)
+        for kind, view in self.job_views.items():
+            view.jobRequested.connect(self.run_job)
+            view.cancelRequested.connect(lambda k=kind: self.cancel_job(k))
+            view.failed.connect(self.show_error)
+            if hasattr(view, "recorded"):
+                view.recorded.connect(lambda _ids: self.history.refresh())
+        self.history.failed.connect(self.show_error)
         self.sampler.sampled.connect(self._on_sample)
 
         self._restore()
@@ -194,7 +243,7 @@ class MainWindow(QMainWindow):
                        self.focus_action):
             menu.addAction(action)
         view = self.menuBar().addMenu("&View")
-        for index, (key, dock) in enumerate(self.docks.items(), start=1):
+        for index, (key, dock) in enumerate({**self.docks, **self.record_docks}.items(), start=1):
             toggle = dock.toggleViewAction()
             toggle.setShortcut(QKeySequence(f"Alt+{index}"))
             view.addAction(toggle)
@@ -291,6 +340,7 @@ class MainWindow(QMainWindow):
         self.theme_actions[self.theme_choice if self.theme_choice in self.theme_actions else "system"].setChecked(True)
         self.graphs.apply_theme(t)
         self.placement.apply_theme(t)
+        self.sweep.apply_theme(t)
         self.error_banner.restyle()
         self.contention_banner.restyle()
         self.chat.render()
@@ -301,7 +351,7 @@ class MainWindow(QMainWindow):
 
     def reset_layout(self) -> None:
         self.restoreState(self._default_state, STATE_VERSION)
-        for dock in self.docks.values():
+        for dock in (*self.docks.values(), *self.record_docks.values()):
             dock.show()
 
     def show_shortcuts(self) -> None:
@@ -310,7 +360,7 @@ class MainWindow(QMainWindow):
             if action.shortcut().toString():
                 rows.append(f"<tr><td><b>{action.shortcut().toString(QKeySequence.SequenceFormat.NativeText)}</b></td>"
                             f"<td>&nbsp;{action.text().replace('&', '')}</td></tr>")
-        for key, dock in self.docks.items():
+        for key, dock in {**self.docks, **self.record_docks}.items():
             rows.append(f"<tr><td><b>{dock.toggleViewAction().shortcut().toString()}</b></td><td>&nbsp;show/hide {dock.windowTitle()}</td></tr>")
         QMessageBox.information(self, "Keyboard shortcuts", "<table>" + "".join(rows) + "</table>")
 
@@ -360,8 +410,40 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def stop(self) -> None:
-        if self.busy in ("generating", "loading"):
+        if self.busy in ("generating", "loading", *JOB_LABELS):
             self.worker.cancel.set()
+
+    # --- records jobs: scenarios, sweeps, side-by-side, contention ---------------------------------------
+    def run_job(self, kind: str, job) -> None:
+        """Queue a records job in the engine worker (after whatever it runs now)."""
+        self.error_banner.hide()
+        self._cancel_when_started = None
+        self.worker.requestJob.emit(kind, job)
+
+    def cancel_job(self, kind: str) -> None:
+        if self.busy == kind:
+            self.worker.cancel.set()
+        else:  # queued, not started: the worker clears the flag when it starts, so cancel it then
+            self._cancel_when_started = kind
+
+    @Slot(str, float, str)
+    def _on_job_progress(self, kind: str, fraction: float, text: str) -> None:
+        self.job_views[kind].on_progress(fraction, text)
+
+    @Slot(str, object)
+    def _on_job_streamed(self, kind: str, payload) -> None:
+        view = self.job_views[kind]
+        if hasattr(view, "on_streamed"):
+            view.on_streamed(payload)
+
+    @Slot(str, object)
+    def _on_job_finished(self, kind: str, result) -> None:
+        self.job_views[kind].on_finished(result)
+        self.history.refresh()
+
+    @Slot(str, str)
+    def _on_job_failed(self, kind: str, message: str) -> None:
+        self.job_views[kind].on_failed(message)
 
     def apply_settings(self, settings: dict, reload: bool) -> None:
         if self.facts is None:
@@ -412,6 +494,11 @@ class MainWindow(QMainWindow):
             self.contention_seen = []
         elif previous == "generating":
             self.graphs.add_marker("answer", "generate")
+        if activity in JOB_LABELS:
+            self.graphs.add_marker(activity, "generate")
+            if self._cancel_when_started == activity:
+                self.worker.cancel.set()
+            self._cancel_when_started = None
         self._update_state()
 
     @Slot(object)
@@ -442,6 +529,7 @@ class MainWindow(QMainWindow):
         self.chat.render()
         self.chat.live.setText(f"New conversation with {Path(info['path']).name}.")
         self.graphs.add_marker("loaded", "load")
+        self.side_by_side.set_loaded(info["path"], info.get("entries"))
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
         self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")
         self.status_device.setText(f"experts: {info['device']} · dense part: CPU")
@@ -471,6 +559,8 @@ class MainWindow(QMainWindow):
         self.model_panel.show_landed(info["landed"])
         self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
         self.status_state.setText("Re-planned without reloading")
+        if "entries" in info:
+            self.side_by_side.set_loaded(self.loaded_path, info["entries"])
 
     @Slot()
     def _on_unloaded(self) -> None:
@@ -479,6 +569,7 @@ class MainWindow(QMainWindow):
         self.model_panel.landed.setText("Not loaded.")
         self.budget_panel.mark_loaded(None)
         self.placement.clear()
+        self.side_by_side.set_loaded(None)
         self.status_model.setText("No model loaded")
         self.status_device.setText("")
         self._update_state()
@@ -520,10 +611,13 @@ class MainWindow(QMainWindow):
         for action in (self.open_action, self.demo_action):
             action.setEnabled(not busy)
         self.load_action.setEnabled(not busy and self.facts is not None)
-        self.unload_action.setEnabled(loaded or busy in ("loading", "generating"))
-        self.stop_action.setEnabled(busy in ("loading", "generating"))
+        self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
+        self.stop_action.setEnabled(busy in ("loading", "generating", *JOB_LABELS))
+        for view in self.job_views.values():
+            view.set_state(busy, loaded)
         self.budget_panel.apply_button.setEnabled(self.budget_panel.apply_button.isEnabled() and not busy)
-        labels = {"opening": "Opening…", "loading": "Loading…", "generating": "Generating…", "replanning": "Re-planning…"}
+        labels = {"opening": "Opening…", "loading": "Loading…", "generating": "Generating…", "replanning": "Re-planning…",
+                  **JOB_LABELS}
         if busy:
             self.status_state.setText(labels.get(busy, busy))
         elif self.status_state.text() in labels.values():

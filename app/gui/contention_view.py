@@ -1,0 +1,131 @@
+"""The contention test in the window: document indexing (worker processes into SQLite FTS5) alone,
+inference alone, then both at once; each one's completion time and slowdown, saved as Markdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
+                               QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from app.gui.job_bar import JobBar
+from app.gui.records_jobs import ContentionJob, ContentionResult
+from engine.records.scenarios import SCENARIOS
+
+KIND = "contention"
+
+
+class ContentionView(QWidget):
+    jobRequested = Signal(str, object)
+    cancelRequested = Signal()
+    failed = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.result: ContentionResult | None = None
+        self.corpus = QLineEdit(placeholderText="folder of .txt files (empty: a generated corpus, ~20 MB, made once)")
+        self.corpus.setAccessibleName("Corpus folder")
+        self.browse = QPushButton("Browse…")
+        self.workers = QSpinBox(minimum=1, maximum=256, value=2)
+        self.workers.setAccessibleName("Indexing worker processes")
+        self.scenario = QComboBox()
+        for name in SCENARIOS:
+            self.scenario.addItem(name)
+        self.scenario.setAccessibleName("Inference scenario")
+        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=32)
+        self.max_tokens.setAccessibleName("Answer tokens")
+        self.bar = JobBar("Run the test", "Cancel takes effect between the three phases (an answer stops at its next token)")
+        note = QLabel("Cancel takes effect between phases: indexing that has started runs to its end.")
+        note.setWordWrap(True)
+        self.table = QTableWidget(2, 4)
+        self.table.setHorizontalHeaderLabels(("workload", "alone", "together", "slowdown"))
+        self.table.setAccessibleName("Contention results")
+        self.table.verticalHeader().hide()
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.table.setMaximumHeight(110)
+        self.save_button = QPushButton("Save report…")
+        self.save_button.setEnabled(False)
+
+        form = QGridLayout()
+        corpus_row = QHBoxLayout()
+        corpus_row.addWidget(self.corpus, 1)
+        corpus_row.addWidget(self.browse)
+        form.addWidget(QLabel("Corpus"), 0, 0)
+        form.addLayout(corpus_row, 0, 1, 1, 3)
+        form.addWidget(QLabel("Workers"), 1, 0)
+        form.addWidget(self.workers, 1, 1)
+        form.addWidget(QLabel("Inference"), 1, 2)
+        inference = QHBoxLayout()
+        inference.addWidget(self.scenario)
+        inference.addWidget(self.max_tokens)
+        form.addLayout(inference, 1, 3)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(form)
+        layout.addWidget(note)
+        layout.addWidget(self.bar)
+        layout.addWidget(self.table)
+        layout.addWidget(self.save_button)
+        layout.addStretch(1)
+        self.bar.runRequested.connect(self.run)
+        self.bar.cancelRequested.connect(self.cancelRequested)
+        self.browse.clicked.connect(self._browse)
+        self.save_button.clicked.connect(lambda: self.save())
+
+    def set_state(self, busy: str, loaded: bool) -> None:
+        self.bar.set_state(bool(busy), loaded)
+
+    def _browse(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "A folder of .txt files to index", self.corpus.text())
+        if path:
+            self.corpus.setText(path)
+
+    def run(self) -> None:
+        job = ContentionJob(self.corpus.text().strip() or None, self.workers.value(), self.scenario.currentText(),
+                            self.max_tokens.value())
+        self.result = None
+        self.save_button.setEnabled(False)
+        self.table.clearContents()
+        self.bar.start("Preparing the corpus…" if job.corpus is None else "Indexing alone…")
+        self.jobRequested.emit(KIND, job)
+
+    def on_progress(self, fraction: float, text: str) -> None:
+        self.bar.set_progress(fraction, text[:1].upper() + text[1:] + ("…" if fraction < 1 else ""))
+
+    def on_finished(self, result: ContentionResult) -> None:
+        self.result = result
+        report = result.report
+        if result.cancelled or report is None:
+            self.bar.finish("Cancelled between phases: no report.")
+            return
+        rows = ((f"indexing {report.documents} files, {report.workers} workers", report.indexing_alone_s,
+                 report.indexing_with_inference_s, report.indexing_slowdown),
+                (f"inference ({self.scenario.currentText()})", report.inference_alone_s,
+                 report.inference_with_indexing_s, report.inference_slowdown))
+        for r, (name, alone, together, slowdown) in enumerate(rows):
+            for c, text in enumerate((name, f"{alone:.2f} s", f"{together:.2f} s", f"{slowdown:.2f}×")):
+                self.table.setItem(r, c, QTableWidgetItem(text))
+        self.save_button.setEnabled(True)
+        self.bar.finish(f"Done: indexing {report.indexing_slowdown:.2f}× slower together, "
+                        f"inference {report.inference_slowdown:.2f}× slower.")
+
+    def on_failed(self, message: str) -> None:
+        self.bar.finish(f"Failed: {message}")
+
+    def save(self, path: str | None = None) -> Path | None:
+        if self.result is None or self.result.report is None:
+            return None
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, "Save the contention report",
+                                                  str(Path.home() / "contention.md"), "Markdown (*.md)")
+            if not path:
+                return None
+        target = Path(path)
+        try:
+            target.write_text(self.result.report.markdown())
+        except OSError as exc:
+            self.failed.emit(f"Could not save the report to {target}: {exc}")
+            return None
+        self.bar.status.setText(f"Report saved to {target}.")
+        return target

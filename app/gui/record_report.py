@@ -1,0 +1,147 @@
+"""Readable views of run records: one run in detail, two runs compared metric by metric (HTML for
+the history view's dialogs; plain values for tests and copying)."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from engine.records.schema import RunRecord
+from engine.units import human_bytes
+
+# (label, how to get it from a record, format, lower is better)
+METRICS = (
+    ("load", lambda r: r.timings.get("load_s"), "s", True),
+    ("first token", lambda r: r.timings.get("time_to_first_token_s"), "s", True),
+    ("prefill", lambda r: r.timings.get("prefill_s"), "s", True),
+    ("decode", lambda r: r.timings.get("decode_tokens_per_s"), "tok/s", False),
+    ("completion", lambda r: r.timings.get("completion_s"), "s", True),
+    ("generated tokens", lambda r: sum(t.get("generated_tokens", 0) for t in r.turns), "n", None),
+    ("device memory peak", lambda r: r.peaks.get("device_bytes"), "bytes", True),
+    ("process RSS peak", lambda r: r.peaks.get("rss_bytes"), "bytes", True),
+    ("bytes copied to the device", lambda r: r.bytes_moved, "bytes", True),
+    ("expert hit rate", lambda r: hit_rate(r), "%", False),
+)
+
+
+def hit_rate(record: RunRecord) -> float | None:
+    hits = sum(layer.get("hits", 0) for layer in record.layers)
+    misses = sum(layer.get("misses", 0) for layer in record.layers)
+    return hits / (hits + misses) if hits + misses else None
+
+
+def fmt(value, unit: str) -> str:
+    if value is None:
+        return "—"
+    if unit == "s":
+        return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+    if unit == "tok/s":
+        return f"{value:.1f} tok/s"
+    if unit == "bytes":
+        return human_bytes(int(value))
+    if unit == "%":
+        return f"{value:.1%}"
+    return str(value)
+
+
+def compare_rows(a: RunRecord, b: RunRecord) -> list[tuple[str, str, str, str, str]]:
+    """(metric, A, B, B − A, B / A) for every key metric."""
+    rows = []
+    for label, get, unit, _lower in METRICS:
+        x, y = get(a), get(b)
+        if x is None and y is None:
+            continue
+        diff = ratio = "—"
+        if x is not None and y is not None:
+            delta = y - x
+            diff = ("+" if delta > 0 else "−" if delta < 0 else "±") + fmt(abs(delta), unit)
+            ratio = f"{y / x:.2f}×" if x else "—"
+        rows.append((label, fmt(x, unit), fmt(y, unit), diff, ratio))
+    return rows
+
+
+def title(record: RunRecord, run_id: int | None = None) -> str:
+    name = Path(str(record.model.get("folder", "?"))).name
+    label = f" “{record.label}”" if record.label else ""
+    number = f"run {run_id}: " if run_id is not None else ""
+    return f"{number}{record.scenario}{label} · {name} · {record.created}"
+
+
+def _table(rows, header=None) -> str:
+    out = ["<table cellspacing='0' cellpadding='3' border='1' style='border-collapse:collapse'>"]
+    if header:
+        out.append("<tr>" + "".join(f"<th align='left'>{html.escape(str(h))}</th>" for h in header) + "</tr>")
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+    return "".join(out) + "</table>"
+
+
+def detail_html(record: RunRecord, run_id: int | None = None) -> str:
+    t, p, o = record.timings, record.peaks, record.offload
+    parts = [f"<h3>{html.escape(title(record, run_id))}</h3>"]
+    parts.append(_table([
+        ("model", record.model.get("folder", "")), ("type", record.model.get("type", "")),
+        ("device", o.get("device", "cpu")), ("placement", o.get("placement_mode", "—")),
+        ("approximate routing", "on" if record.approximate_routing else "off")]
+        + ([("agreement with exact routing", f"{record.routing_agreement:.1%}")]
+           if record.routing_agreement is not None else [])))
+    parts.append("<h4>Timings and peaks</h4>")
+    parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS]
+                        + [("turns", t.get("turns", len(record.turns))),
+                           ("cancelled", "yes" if t.get("cancelled") else "no")]))
+    parts.append("<h4>Configuration</h4>")
+    entries = o.get("entries") or {}
+    parts.append(_table(sorted(entries.items()), ("entry", "value")) if entries
+                 else "<p>Defaults (no offload entries set).</p>")
+    for statement in o.get("statements") or []:
+        parts.append(f"<p>{html.escape(statement)}</p>")
+    if record.layers:
+        parts.append("<h4>Per layer</h4>")
+        rows = []
+        nodes = record.model.get("expert_nodes") or []
+        for index, layer in enumerate(record.layers):
+            name = nodes[index]["node"] if index < len(nodes) else f"layer {index}"
+            rate = layer.get("hit_rate")
+            rows.append((name, layer.get("hits", 0), layer.get("misses", 0), "—" if rate is None else f"{rate:.1%}",
+                         human_bytes(layer.get("copy_bytes", 0)), fmt(layer.get("cpu_s"), "s"),
+                         fmt(layer.get("device_s"), "s")))
+        parts.append(_table(rows, ("expert node", "hits", "misses", "hit rate", "copied", "CPU time", "device time")))
+    parts.append("<h4>Conversation</h4>")
+    for index, turn in enumerate(record.turns, start=1):
+        tt = turn.get("timings", {})
+        parts.append(f"<p><b>Prompt {index}</b> ({turn.get('prompt_tokens', 0)} tokens"
+                     f"{', +' + str(turn['reused_cache_tokens']) + ' cached' if turn.get('reused_cache_tokens') else ''}):"
+                     f"<br>{_text(turn.get('prompt', ''), 600)}</p>")
+        parts.append(f"<p><b>Answer {index}</b> ({turn.get('generated_tokens', 0)} tokens, "
+                     f"{turn.get('finish_reason', '')}, first token {fmt(tt.get('time_to_first_token_s'), 's')}):"
+                     f"<br>{_text(turn.get('answer', ''))}</p>")
+    machine = record.machine or {}
+    versions = record.versions or {}
+    ort = versions.get("onnxruntime") or {}
+    parts.append("<h4>Machine and versions</h4>")
+    parts.append(_table([("CPU", f"{machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)"),
+                         ("RAM", human_bytes(machine.get("ram_bytes") or 0)),
+                         ("app", versions.get("app", "?")), ("onnxruntime", ort.get("version", "?")),
+                         ("python", versions.get("python", "?"))]))
+    return "".join(parts)
+
+
+def compare_html(a: RunRecord, b: RunRecord, ids: tuple[int, int] | None = None) -> str:
+    ids = ids or (None, None)
+    parts = [f"<p><b>A</b> {html.escape(title(a, ids[0]))}<br><b>B</b> {html.escape(title(b, ids[1]))}</p>",
+             _table(compare_rows(a, b), ("metric", "A", "B", "B − A", "B / A"))]
+    ea, eb = a.offload.get("entries") or {}, b.offload.get("entries") or {}
+    changed = [(key, ea.get(key, "default"), eb.get(key, "default")) for key in sorted(set(ea) | set(eb))
+               if ea.get(key) != eb.get(key)]
+    parts.append("<h4>Configuration differences</h4>")
+    parts.append(_table(changed, ("entry", "A", "B")) if changed else "<p>Same offload entries.</p>")
+    for index, (ta, tb) in enumerate(zip(a.turns, b.turns), start=1):
+        parts.append(f"<h4>Answer {index}</h4>" + _table([(_text(ta.get("answer", ""), raw=True),
+                                                            _text(tb.get("answer", ""), raw=True))], ("A", "B")))
+    return "".join(parts)
+
+
+def _text(text: str, limit: int | None = None, raw: bool = False) -> str:
+    if limit and len(text) > limit:
+        text = text[:limit] + f"… ({len(text)} characters)"
+    return text if raw else html.escape(text).replace("\n", "<br>")

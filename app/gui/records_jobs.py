@@ -1,0 +1,314 @@
+"""The record views' work, run in the engine worker's thread (EngineWorker._job) so it never overlaps
+a load, an answer or a re-plan: scenario runs, budget sweeps, side-by-side answers, the contention
+test. No widgets here: a job takes a JobContext, reports progress through it and returns plain
+results the views show. Cancel is the worker's threading.Event: answers end at the next token."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from engine.errors import PromptError, WorkbenchError
+from engine.generation import GenerationParams, LoadedModel
+from engine.offload import OffloadConfig
+from engine.records.contention import ContentionCancelled, ContentionReport, default_corpus, run_contention
+from engine.records.history import History
+from engine.records.scenarios import SCENARIOS, run_scenario
+from engine.records.schema import RunRecord
+from engine.records.side_by_side import Comparison, Side, compare
+from engine.records.sweep import SweepPoint, run_sweep
+
+REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
+
+
+@dataclass
+class JobContext:
+    model: Any                                  # the worker's LoadedModel, or None
+    device: Any                                 # where its resident experts live, or None (CPU)
+    device_choice: dict                         # the Budgets panel's device choice it was loaded with
+    cancel: threading.Event
+    progress: Callable[..., None]               # progress(fraction, text)
+    stream: Callable[[object], None]            # a batch of streamed text, in the job's own shape
+    make_device: Callable[[dict, OffloadConfig], Any]
+
+    def loaded(self) -> LoadedModel:
+        if self.model is None:
+            raise WorkbenchError("No model is loaded: load one first (the demo model is one click away: Ctrl+D).")
+        return self.model
+
+
+def scenario_names(choice: str) -> list[str]:
+    return list(SCENARIOS) if choice == "all" else [choice]
+
+
+def greedy(max_new_tokens: int) -> GenerationParams:
+    if int(max_new_tokens) < 1:
+        raise WorkbenchError(f"the answer length must be at least 1 token, got {max_new_tokens}")
+    return GenerationParams(max_new_tokens=int(max_new_tokens))
+
+
+class _Reporter:
+    """Turns per-token and per-turn callbacks into a few progress reports a second."""
+
+    def __init__(self, ctx: JobContext, start: float, span: float, what: str):
+        self.ctx, self.start, self.span, self.what = ctx, start, span, what
+        self.tokens = 0
+        self.turns = 0.0
+        self._last = 0.0
+
+    def report(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self._last >= REPORT_INTERVAL_S:
+            self._last = now
+            self.ctx.progress(self.start + self.span * min(1.0, self.turns),
+                              f"{self.what} · {self.tokens} token{'' if self.tokens == 1 else 's'}")
+
+    def on_text(self, _token, _delta) -> None:
+        self.tokens += 1
+        self.report()
+
+    def on_turn(self, fraction: float) -> None:
+        self.turns = fraction
+        self.report(force=True)
+
+
+# --- scenarios ---------------------------------------------------------------------------------------
+
+@dataclass
+class ScenarioResult:
+    saved: list[tuple[int, RunRecord]] = field(default_factory=list)   # (history id, record)
+    errors: list[str] = field(default_factory=list)                    # scenarios that could not run, one line each
+    cancelled: RunRecord | None = None                                 # the run cut short (not saved)
+
+
+@dataclass
+class ScenarioJob:
+    """Run scenarios one after the other and save each to the history. A cancelled run is not
+    saved (its timings would mislead); the runs before it are."""
+    scenarios: list[str]
+    max_new_tokens: int
+    history_path: str | None = None
+    label: str = ""
+
+    def __call__(self, ctx: JobContext) -> ScenarioResult:
+        model = ctx.loaded()
+        params = greedy(self.max_new_tokens)
+        history = History(self.history_path)
+        result = ScenarioResult()
+        count = len(self.scenarios)
+        for index, name in enumerate(self.scenarios):
+            if ctx.cancel.is_set():
+                break
+            reporter = _Reporter(ctx, index / count, 1 / count, f"{name} ({index + 1} of {count})")
+            reporter.report(force=True)
+            try:
+                record = run_scenario(model, name, params, ctx.device, label=self.label, cancel=ctx.cancel,
+                                      progress=reporter.on_turn, on_text=reporter.on_text)
+            except PromptError as exc:  # e.g. the long input on a short context: the other scenarios still run
+                result.errors.append(f"{name}: {exc}")
+                continue
+            if record.timings["cancelled"]:
+                result.cancelled = record
+                break
+            result.saved.append((history.add(record), record))
+        return result
+
+
+# --- budget sweep ------------------------------------------------------------------------------------
+
+@dataclass
+class SweepResult:
+    points: list[SweepPoint]
+    requested: int
+    model_folder: str
+    base_entries: dict          # the loaded configuration the sweep started from (restored after it)
+    saved_ids: list[int] = field(default_factory=list)
+
+    @property
+    def cancelled(self) -> bool:
+        return len(self.points) < self.requested
+
+
+@dataclass
+class SweepJob:
+    """Re-plan the loaded model at `points` budgets from none to every expert (no reload), run the
+    scenarios at each, restore the loaded budgets; a complete sweep's records go to the history."""
+    points: int
+    scenarios: list[str]
+    max_new_tokens: int
+    history_path: str | None = None
+    label: str = "sweep"
+
+    def __call__(self, ctx: JobContext) -> SweepResult:
+        model = ctx.loaded()
+        if ctx.device is None or model.offload is None:
+            raise WorkbenchError("A budget sweep needs a device for resident experts: load the model with a "
+                                 "simulated GPU or the CUDA GPU (Budgets panel).")
+        params = greedy(self.max_new_tokens)
+        original = model.offload.config
+        total = self.points * len(self.scenarios)
+        tokens, done, last = [0], [0], [0.0]
+
+        def on_text(_token, _delta) -> None:
+            tokens[0] += 1
+            now = time.perf_counter()
+            if now - last[0] >= REPORT_INTERVAL_S:
+                last[0] = now
+                ctx.progress(done[0] / total, f"run {min(done[0] + 1, total)} of {total} · {tokens[0]} tokens")
+
+        def progress(fraction: float) -> None:
+            done[0] = round(fraction * total)
+            ctx.progress(fraction, f"{done[0]} of {total} runs done")
+
+        ctx.progress(0.0, f"run 1 of {total}")
+        try:
+            points = run_sweep(model, ctx.device, self.points, self.scenarios, params, label=self.label,
+                               progress=progress, cancel=ctx.cancel, on_text=on_text)
+        finally:
+            model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
+        result = SweepResult(points, self.points, str(model.folder.folder), original.to_entries())
+        if not result.cancelled:
+            history = History(self.history_path)
+            result.saved_ids = [history.add(record) for point in points for record in point.records]
+        return result
+
+
+# --- side by side ------------------------------------------------------------------------------------
+
+class _Cancelled(Exception):
+    pass
+
+
+class _SideStreams:
+    """Both columns' streamed text: every token's text kept (for the divergence mark), batches sent."""
+
+    def __init__(self, ctx: JobContext, max_tokens: int):
+        self.ctx, self.max_tokens = ctx, max(1, max_tokens)
+        self.pieces: list[list[str]] = [[], []]
+        self._pending: list[list[str]] = [[], []]
+        self._lock = threading.Lock()
+        self._last = 0.0
+
+    def on_text(self, side: int, _token, delta: str) -> None:
+        with self._lock:
+            self.pieces[side].append(delta)
+            self._pending[side].append(delta)
+            now = time.perf_counter()
+            if now - self._last >= REPORT_INTERVAL_S:
+                self._last = now
+                self._flush()
+
+    def _flush(self) -> None:
+        for side in (0, 1):
+            if self._pending[side]:
+                self.ctx.stream({"side": side, "text": "".join(self._pending[side]), "tokens": len(self._pending[side])})
+                self._pending[side] = []
+        done = (len(self.pieces[0]) + len(self.pieces[1])) / 2
+        self.ctx.progress(0.5 + 0.5 * min(1.0, done / self.max_tokens),
+                          f"answering · {len(self.pieces[0])} and {len(self.pieces[1])} tokens")
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+
+@dataclass
+class SideBySideResult:
+    comparison: Comparison | None
+    pieces: list[list[str]]     # each side's text per streamed token (an eos token streams no text)
+    saved_ids: list[int] = field(default_factory=list)
+    cancelled: bool = False
+
+
+@dataclass
+class SideBySideJob:
+    """Left: the loaded model as it is. Right: `right_folder` (default: the same folder) loaded
+    again with `right_entries`, on a device like the left's. One prompt, both answers, a record
+    each (saved unless cancelled)."""
+    prompt: str
+    max_new_tokens: int
+    right_entries: dict
+    right_folder: str | None = None
+    concurrent: bool = False
+    history_path: str | None = None
+    labels: tuple[str, str] = ("A: current", "B: modified")
+
+    def __call__(self, ctx: JobContext) -> SideBySideResult:
+        left = ctx.loaded()
+        if not self.prompt.strip():
+            raise PromptError("the prompt is empty")
+        params = greedy(self.max_new_tokens)
+        config = OffloadConfig.from_entries(self.right_entries)
+        folder = self.right_folder or str(left.folder.folder)
+
+        def load_progress(fraction: float) -> None:
+            if ctx.cancel.is_set():
+                raise _Cancelled()
+            ctx.progress(0.5 * fraction, "loading the right side")
+
+        ctx.progress(0.0, "loading the right side")
+        device = ctx.make_device(ctx.device_choice, config)
+        try:
+            right = LoadedModel.open(folder, progress=load_progress, offload=config, device=device)
+        except _Cancelled:
+            return SideBySideResult(None, [[], []], cancelled=True)
+        streams = _SideStreams(ctx, params.max_new_tokens)
+        comparison = compare(Side(left, ctx.device, self.labels[0]), Side(right, device, self.labels[1]), self.prompt,
+                             params, concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel)
+        streams.flush()
+        cancelled = ctx.cancel.is_set() or any(not r.turns or r.turns[0]["finish_reason"] == "cancelled"
+                                               for r in comparison.records)
+        result = SideBySideResult(comparison, streams.pieces, cancelled=cancelled)
+        if not cancelled:
+            history = History(self.history_path)
+            result.saved_ids = [history.add(record) for record in comparison.records]
+        return result
+
+
+# --- contention --------------------------------------------------------------------------------------
+
+PHASES = ("indexing alone", "inference alone", "indexing and inference at once")
+
+
+@dataclass
+class ContentionResult:
+    report: ContentionReport | None
+    corpus: str
+    cancelled: bool = False
+
+
+@dataclass
+class ContentionJob:
+    """Index the corpus alone, run the scenario alone, then both at once. Cancel takes effect
+    between phases (an answer in progress ends at its next token)."""
+    corpus: str | None
+    workers: int
+    scenario: str = "short"
+    max_new_tokens: int = 32
+
+    def __call__(self, ctx: JobContext) -> ContentionResult:
+        model = ctx.loaded()
+        if self.workers < 1:
+            raise WorkbenchError(f"the indexing needs at least 1 worker process, got {self.workers}")
+        params = greedy(self.max_new_tokens)
+        ctx.progress(0.0, "preparing the corpus" if not self.corpus else PHASES[0])
+        corpus = Path(self.corpus).expanduser() if self.corpus else default_corpus()
+        if not corpus.is_dir() or not any(corpus.glob("*.txt")):
+            raise WorkbenchError(f"{corpus}: no .txt files to index")
+        ctx.progress(0.0, PHASES[0])
+
+        def inference() -> float:
+            return run_scenario(model, self.scenario, params, ctx.device, cancel=ctx.cancel).timings["completion_s"]
+
+        def progress(fraction: float) -> None:
+            phase = round(fraction * 3)
+            ctx.progress(fraction, PHASES[phase] if phase < 3 else "done")
+
+        try:
+            report = run_contention(inference, corpus, self.workers, progress=progress, cancel=ctx.cancel)
+        except ContentionCancelled:
+            return ContentionResult(None, str(corpus), cancelled=True)
+        return ContentionResult(report, str(corpus))

@@ -1,0 +1,243 @@
+"""Side-by-side chat: one prompt answered by the loaded model as it is (A) and by a modified copy (B:
+other budgets, placement or approximate routing through the offload entries, or another model
+folder), one after the other by default or at once; two streaming columns with the same statistics,
+the first token where the answers differ highlighted in both, a record for each side."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
+                               QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QVBoxLayout, QWidget)
+
+from app.gui import theme
+from app.gui.job_bar import JobBar
+from app.gui.records_jobs import SideBySideJob, SideBySideResult
+from engine.errors import WorkbenchError
+from engine.offload import OffloadConfig
+
+KIND = "comparing"
+STATS = ("first token", "decode", "total", "tokens")
+
+
+def parse_entries(text: str) -> dict:
+    """key=value lines (onnxruntime names, short names allowed); # starts a comment."""
+    entries = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, eq, value = line.partition("=")
+        if not eq or not key.strip():
+            raise WorkbenchError(f"line {number} of B's settings, {line!r}: expected KEY=VALUE")
+        entries[key.strip()] = value.strip()
+    OffloadConfig.from_entries(entries)  # names and values checked here, before anything runs
+    return entries
+
+
+def entries_text(entries: dict) -> str:
+    return "\n".join(f"{key}={value}" for key, value in sorted(entries.items()))
+
+
+def side_stats(record) -> dict[str, str]:
+    if record is None or not record.turns:
+        return dict.fromkeys(STATS, "—")
+    turn = record.turns[0]
+    t = turn["timings"]
+    return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms",
+            "decode": f"{t['decode_tokens_per_s']:.1f} tok/s", "total": f"{t['total_s']:.2f} s",
+            "tokens": str(turn["generated_tokens"])}
+
+
+class Column(QGroupBox):
+    def __init__(self, title: str, parent=None):
+        super().__init__(title, parent)
+        self.text = ""
+        self.tokens = 0
+        self.answer = QTextBrowser()
+        self.answer.setAccessibleName(f"{title} answer")
+        self.values: dict[str, QLabel] = {}
+        grid = QGridLayout()
+        for row, name in enumerate(STATS):
+            grid.addWidget(QLabel(name), row, 0)
+            self.values[name] = QLabel("—")
+            self.values[name].setAccessibleName(f"{title} {name}")
+            grid.addWidget(self.values[name], row, 1)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.answer, 1)
+        layout.addLayout(grid)
+
+    def clear(self) -> None:
+        self.text, self.tokens = "", 0
+        self.answer.clear()
+        for label in self.values.values():
+            label.setText("—")
+
+    def append(self, text: str, tokens: int) -> None:
+        self.text += text
+        self.tokens += tokens
+        self.answer.setPlainText(self.text)
+        self.values["tokens"].setText(f"{self.tokens} …")
+
+    def show_result(self, pieces: list[str], divergence: int | None, stats: dict[str, str]) -> None:
+        """The answer with the token at `divergence` highlighted (an end-of-answer mark when this
+        side stopped there)."""
+        self.text = "".join(pieces)
+        for name, value in stats.items():
+            self.values[name].setText(value)
+        if divergence is None:
+            self.answer.setHtml(_escape(self.text))
+            return
+        t = theme.current()
+        mark = pieces[divergence] if divergence < len(pieces) else ""
+        shown = _escape(mark) if mark.strip() else ("∎ end" if divergence >= len(pieces) else "▯")
+        self.answer.setHtml(f"{_escape(''.join(pieces[:divergence]))}"
+                            f"<span style='background:{t.warn}; color:white'>{shown}</span>"
+                            f"{_escape(''.join(pieces[divergence + 1:]))}")
+
+
+def _escape(text: str) -> str:
+    return html.escape(text).replace("\n", "<br>")
+
+
+class SideBySideView(QWidget):
+    jobRequested = Signal(str, object)
+    cancelRequested = Signal()
+    recorded = Signal(list)
+    failed = Signal(str)
+
+    def __init__(self, history_path=None, parent=None):
+        super().__init__(parent)
+        self.history_path = str(history_path) if history_path else None
+        self.loaded_path: str | None = None
+        self.loaded_entries: dict = {}
+        self.result: SideBySideResult | None = None
+        self.prompt = QPlainTextEdit()
+        self.prompt.setPlaceholderText("One prompt, answered by both sides")
+        self.prompt.setMaximumHeight(70)
+        self.prompt.setAccessibleName("Side-by-side prompt")
+        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=64)
+        self.max_tokens.setAccessibleName("Answer tokens")
+        self.concurrent = QCheckBox("Concurrent")
+        self.concurrent.setToolTip("Answer at the same time (they compete for the CPU); off: one after the other")
+        self.right_folder = QLineEdit(placeholderText="B's model folder (empty: the loaded model's)")
+        self.right_folder.setAccessibleName("B's model folder")
+        self.browse = QPushButton("Browse…")
+        self.right_entries = QPlainTextEdit()
+        self.right_entries.setAccessibleName("B's offload settings")
+        self.right_entries.setPlaceholderText("B's offload settings, KEY=VALUE per line, e.g.\n"
+                                              "device_expert_bytes=0\nplacement=static\nmin_expert_weight=0.1")
+        self.right_entries.setMaximumHeight(90)
+        self.reset_button = QPushButton("Same as A")
+        self.reset_button.setToolTip("B's settings: a copy of the loaded model's, to edit")
+        self.bar = JobBar("Answer both", "Stop at the next token; a cancelled comparison saves nothing")
+        self.left = Column("A: the loaded model")
+        self.right = Column("B: modified")
+        self.divergence = QLabel()
+        self.divergence.setAccessibleName("Divergence")
+        self.divergence.setWordWrap(True)
+
+        options = QHBoxLayout()
+        options.addWidget(QLabel("Tokens"))
+        options.addWidget(self.max_tokens)
+        options.addWidget(self.concurrent)
+        options.addStretch(1)
+        folder = QHBoxLayout()
+        folder.addWidget(self.right_folder, 1)
+        folder.addWidget(self.browse)
+        folder.addWidget(self.reset_button)
+        columns = QHBoxLayout()
+        columns.addWidget(self.left)
+        columns.addWidget(self.right)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.prompt)
+        layout.addLayout(options)
+        layout.addLayout(folder)
+        layout.addWidget(self.right_entries)
+        layout.addWidget(self.bar)
+        layout.addLayout(columns, 1)
+        layout.addWidget(self.divergence)
+        self.bar.runRequested.connect(self.run)
+        self.bar.cancelRequested.connect(self.cancelRequested)
+        self.browse.clicked.connect(self._browse)
+        self.reset_button.clicked.connect(lambda: self.right_entries.setPlainText(entries_text(self.loaded_entries)))
+
+    def set_loaded(self, path: str | None, entries: dict | None = None) -> None:
+        """The loaded model and its settings (side A); B starts as a copy of A's settings."""
+        old = entries_text(self.loaded_entries)
+        self.loaded_path, self.loaded_entries = path, dict(entries or {})
+        self.left.setTitle(f"A: {Path(path).name}, as loaded" if path else "A: the loaded model")
+        if self.right_entries.toPlainText().strip() in ("", old):
+            self.right_entries.setPlainText(entries_text(self.loaded_entries))
+
+    def set_state(self, busy: str, loaded: bool) -> None:
+        self.bar.set_state(bool(busy), loaded)
+
+    def _browse(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "B's model folder", self.right_folder.text() or self.loaded_path or "")
+        if path:
+            self.right_folder.setText(path)
+
+    def _labels(self, entries: dict, folder: str | None) -> tuple[str, str]:
+        name = Path(self.loaded_path).name if self.loaded_path else "model"
+        changed = [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(OffloadConfig.from_entries(entries).to_entries().items())
+                   if self.loaded_entries.get(k) != v]
+        dropped = [k.rsplit(".", 1)[-1] + " default" for k in self.loaded_entries
+                   if k not in OffloadConfig.from_entries(entries).to_entries()]
+        what = ", ".join(changed + dropped) or "same settings"
+        b_name = Path(folder).name if folder else name
+        return f"A: {name} as loaded", f"B: {b_name} · {what}"
+
+    def run(self) -> None:
+        try:
+            entries = parse_entries(self.right_entries.toPlainText())
+            folder = self.right_folder.text().strip() or None
+            labels = self._labels(entries, folder)
+        except WorkbenchError as exc:
+            self.failed.emit(str(exc))
+            return
+        prompt = self.prompt.toPlainText()
+        if not prompt.strip():
+            self.failed.emit("Type a prompt for both sides first.")
+            return
+        self.left.clear()
+        self.right.clear()
+        self.left.setTitle(labels[0])
+        self.right.setTitle(labels[1])
+        self.divergence.setText("")
+        self.result = None
+        job = SideBySideJob(prompt, self.max_tokens.value(), entries, folder, self.concurrent.isChecked(),
+                            self.history_path, labels)
+        self.bar.start("Loading B…")
+        self.jobRequested.emit(KIND, job)
+
+    # --- from the worker ---------------------------------------------------------------------------
+    def on_progress(self, fraction: float, text: str) -> None:
+        self.bar.set_progress(fraction, text)
+
+    def on_streamed(self, payload: dict) -> None:
+        (self.left, self.right)[payload["side"]].append(payload["text"], payload["tokens"])
+
+    def on_finished(self, result: SideBySideResult) -> None:
+        self.result = result
+        comparison = result.comparison
+        records = comparison.records if comparison else (None, None)
+        divergence = comparison.divergence if comparison else None
+        for column, record, pieces in zip((self.left, self.right), records, result.pieces):
+            column.show_result(pieces, divergence, side_stats(record))
+        if result.cancelled:
+            self.divergence.setText("Cancelled: nothing saved.")
+            self.bar.finish("Cancelled.")
+            return
+        if divergence is None:
+            self.divergence.setText("The two answers are identical, token for token.")
+        else:
+            self.divergence.setText(f"The answers diverge at generated token {divergence + 1} (index {divergence}), "
+                                    "highlighted in both columns.")
+        self.bar.finish(f"Saved runs {', '.join(map(str, result.saved_ids))} to the history.")
+        self.recorded.emit(result.saved_ids)
+
+    def on_failed(self, message: str) -> None:
+        self.bar.finish(f"Failed: {message}")

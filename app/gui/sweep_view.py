@@ -1,0 +1,196 @@
+"""The budget sweep in the window: N expert budgets from none to all on the loaded model (re-planned,
+not reloaded), the scenarios at each; device-memory peak, RAM peak, completion time and tokens/s
+against the budget, the recommended point marked, and the recommendation saved as a named
+configuration."""
+
+from __future__ import annotations
+
+import pyqtgraph as pg
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
+                               QSpinBox, QVBoxLayout, QWidget)
+
+from app.gui import theme
+from app.gui.job_bar import JobBar
+from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
+from engine.offload import OffloadConfig
+from engine.records.configurations import save_configuration
+from engine.records.scenarios import SCENARIOS
+from engine.records.sweep import SweepPoint, recommend
+from engine.units import human_bytes
+
+KIND = "sweeping"
+# (key, title, what a point gives, unit scale: bytes plotted in MiB)
+PANELS = (("device", "device memory peak (MiB)", lambda p: p.peak_device_bytes / 2**20),
+          ("rss", "process RAM peak (MiB)", lambda p: p.peak_rss_bytes / 2**20),
+          ("completion", "completion time (s)", lambda p: p.completion_s),
+          ("tokens", "decode (tokens/s)", lambda p: p.decode_tokens_per_s))
+
+
+class SweepView(QWidget):
+    jobRequested = Signal(str, object)
+    cancelRequested = Signal()
+    recorded = Signal(list)
+    failed = Signal(str)
+
+    def __init__(self, history_path=None, configurations_path=None, parent=None):
+        super().__init__(parent)
+        self.history_path = str(history_path) if history_path else None
+        self.configurations_path = configurations_path
+        self.result: SweepResult | None = None
+        self.recommended: SweepPoint | None = None
+        self.points = QSpinBox(minimum=2, maximum=50, value=5)
+        self.points.setAccessibleName("Budget points")
+        self.scenario = QComboBox()
+        for name in (*SCENARIOS, "all"):
+            self.scenario.addItem(name)
+        self.scenario.setAccessibleName("Scenarios at each point")
+        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=32)
+        self.max_tokens.setAccessibleName("Answer tokens")
+        self.margin = QDoubleSpinBox(minimum=0.0, maximum=100.0, value=10.0, suffix=" %", decimals=1, singleStep=1.0)
+        self.margin.setAccessibleName("Margin")
+        self.margin.setToolTip("Recommend the smallest budget whose completion time is within this much of the fastest")
+        self.bar = JobBar("Sweep", "Stop at the next token; a cancelled sweep saves nothing")
+        self.summary = QLabel("Runs the scenarios at each budget on the loaded model (it needs a simulated or CUDA "
+                              "device) and recommends the smallest budget within the margin of the fastest.")
+        self.summary.setWordWrap(True)
+        self.summary.setAccessibleName("Sweep recommendation")
+        self.name = QLineEdit(placeholderText="configuration name")
+        self.name.setAccessibleName("Configuration name")
+        self.save_button = QPushButton("Save as configuration")
+        self.save_button.setEnabled(False)
+        self.plots: dict[str, pg.PlotItem] = {}
+        self.curves: dict[str, pg.PlotDataItem] = {}
+        self.marks: dict[str, pg.InfiniteLine] = {}
+        self.chosen: dict[str, pg.ScatterPlotItem] = {}
+        self.canvas = pg.GraphicsLayoutWidget()
+        self.canvas.setMinimumHeight(260)
+        for index, (key, heading, _get) in enumerate(PANELS):
+            plot = self.canvas.addPlot(row=index // 2, col=index % 2, title=heading)
+            plot.setLabel("bottom", "expert budget (MiB)")
+            plot.showGrid(x=True, y=True, alpha=0.3)
+            self.plots[key] = plot
+            self.curves[key] = plot.plot([], [], symbol="o")
+            self.chosen[key] = pg.ScatterPlotItem(size=14)
+            plot.addItem(self.chosen[key])
+            self.marks[key] = pg.InfiniteLine(angle=90, movable=False)
+            self.marks[key].hide()
+            plot.addItem(self.marks[key])
+
+        options = QGridLayout()
+        options.addWidget(QLabel("Points"), 0, 0)
+        options.addWidget(self.points, 0, 1)
+        options.addWidget(QLabel("Scenarios"), 0, 2)
+        options.addWidget(self.scenario, 0, 3)
+        options.addWidget(QLabel("Tokens"), 1, 0)
+        options.addWidget(self.max_tokens, 1, 1)
+        options.addWidget(QLabel("Margin"), 1, 2)
+        options.addWidget(self.margin, 1, 3)
+        save = QHBoxLayout()
+        save.addWidget(self.name, 1)
+        save.addWidget(self.save_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(options)
+        layout.addWidget(self.bar)
+        layout.addWidget(self.canvas, 1)
+        layout.addWidget(self.summary)
+        layout.addLayout(save)
+        self.bar.runRequested.connect(self.run)
+        self.bar.cancelRequested.connect(self.cancelRequested)
+        self.margin.valueChanged.connect(lambda _v: self._recommend())
+        self.save_button.clicked.connect(lambda: self.save())
+        self.apply_theme(theme.current())
+
+    def apply_theme(self, t: theme.Theme) -> None:
+        self._theme = t
+        self.canvas.setBackground(t.background)
+        for key, plot in self.plots.items():
+            plot.setTitle(plot.titleLabel.text, color=t.text)
+            for name in ("left", "bottom"):
+                plot.getAxis(name).setPen(pg.mkPen(t.grid))
+                plot.getAxis(name).setTextPen(pg.mkPen(t.muted))
+            self.curves[key].setPen(pg.mkPen(t.accent, width=2))
+            self.curves[key].setSymbolBrush(pg.mkBrush(t.accent))
+            self.chosen[key].setPen(pg.mkPen(t.error, width=2))
+            self.chosen[key].setBrush(pg.mkBrush(None))
+            self.marks[key].setPen(pg.mkPen(t.error, width=1, style=pg.QtCore.Qt.PenStyle.DashLine))
+
+    def set_state(self, busy: str, loaded: bool) -> None:
+        self.bar.set_state(bool(busy), loaded)
+
+    def run(self) -> None:
+        job = SweepJob(self.points.value(), scenario_names(self.scenario.currentText()), self.max_tokens.value(),
+                       self.history_path)
+        self.bar.start(f"Sweeping {job.points} budgets…")
+        self.jobRequested.emit(KIND, job)
+
+    # --- from the worker ---------------------------------------------------------------------------
+    def on_progress(self, fraction: float, text: str) -> None:
+        self.bar.set_progress(fraction, text)
+
+    def on_finished(self, result: SweepResult) -> None:
+        self.result = result
+        self.plot(result.points)
+        if result.cancelled:
+            self.recommended = None
+            self.save_button.setEnabled(False)
+            self.summary.setText(f"Cancelled after {len(result.points)} of {result.requested} points: nothing saved, "
+                                 "no recommendation.")
+            self.bar.finish("Cancelled.")
+            return
+        self._recommend()
+        self.bar.finish(f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history.")
+        if result.saved_ids:
+            self.recorded.emit(result.saved_ids)
+
+    def on_failed(self, message: str) -> None:
+        self.bar.finish(f"Failed: {message}")
+
+    # --- plots and the recommendation ---------------------------------------------------------------
+    def plot(self, points: list[SweepPoint]) -> None:
+        budgets = [p.budget_bytes / 2**20 for p in points]
+        for key, _heading, get in PANELS:
+            self.curves[key].setData(budgets, [get(p) for p in points])
+            self.chosen[key].setData([], [])
+            self.marks[key].hide()
+
+    def _recommend(self) -> None:
+        if self.result is None or self.result.cancelled or not self.result.points:
+            return
+        margin = self.margin.value() / 100
+        best = recommend(self.result.points, margin)
+        self.recommended = best
+        for key, _heading, get in PANELS:
+            self.chosen[key].setData([best.budget_bytes / 2**20], [get(best)])
+            self.marks[key].setValue(best.budget_bytes / 2**20)
+            self.marks[key].show()
+        fastest = min(p.completion_s for p in self.result.points)
+        self.summary.setText(
+            f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}), "
+            f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
+            f"{best.decode_tokens_per_s:.1f} tok/s, device peak {human_bytes(best.peak_device_bytes)}, "
+            f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
+        self.save_button.setEnabled(True)
+        if not self.name.text().strip():
+            self.name.setText(f"sweep {human_bytes(best.budget_bytes)}")
+
+    def save(self, name: str | None = None):
+        """Save the recommended budget (on top of the configuration the sweep started from)."""
+        name = (name if name is not None else self.name.text()).strip()
+        if self.recommended is None or self.result is None:
+            return None
+        if not name:
+            self.failed.emit("Give the configuration a name first.")
+            return None
+        try:
+            config = OffloadConfig.from_entries(self.result.base_entries).updated(
+                device_expert_bytes=self.recommended.budget_bytes)
+            path = save_configuration(name, self.result.model_folder, config,
+                                      note=f"sweep recommendation within {self.margin.value():.0f}% of the fastest",
+                                      path=self.configurations_path)
+        except Exception as exc:
+            self.failed.emit(f"Could not save the configuration '{name}': {exc}")
+            return None
+        self.bar.status.setText(f"Saved configuration '{name}' in {path}.")
+        return path
