@@ -1,15 +1,25 @@
 """The CUDA device: resident experts in GPU slots computed by the CuPy kernels (kernels/gpu),
-copies on their own stream, bandwidths measured at start-up, every allocation capped."""
+copies on their own stream through a bounded ring of pinned host memory (pinned_bytes),
+bandwidths measured at start-up (host streaming reads too: the miss policy's B_cpu), every
+allocation capped."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 
 from engine.errors import WorkbenchError
 from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
+from engine.offload.staging import PinnedRing
+
+ALIGN = 256  # byte alignment of every array placed in the pinned ring
+
+
+def _round_up(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 class NoCudaDevice(WorkbenchError):
@@ -55,7 +65,76 @@ def _measure_bandwidths(cp, probe_bytes: int = 256 << 20) -> Bandwidths:
 
     pcie = probe_bytes / timed(lambda: a.set(host_view))
     hbm = 2 * probe_bytes / timed(lambda: b.__setitem__(slice(None), a))  # read + write
-    return Bandwidths(pcie=pcie, hbm=hbm)
+    del host_view, host, a, b
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+    from engine.offload.host_bandwidth import stream_read_bandwidth
+
+    return Bandwidths(pcie=pcie, hbm=hbm, cpu=stream_read_bandwidth())
+
+
+class CudaPinnedRing(PinnedRing):
+    """The pinned staging ring in page-locked host memory (cupy.cuda.alloc_pinned_memory). Regions
+    are handed out in order, wrapping at the end; a region still being copied from (its event not
+    yet reached) is waited for before it is written again."""
+
+    kind = "pinned"
+
+    def __init__(self, cp, capacity: int):
+        super().__init__(capacity)
+        self.cp = cp
+        self._memory = cp.cuda.alloc_pinned_memory(capacity)
+        self.buffer = np.frombuffer(self._memory, np.uint8, capacity)
+        self._head = 0
+        self._flight: deque = deque()  # (start, end, event) of copies issued from the ring
+
+    def _retire(self, start: int = 0, end: int = 0) -> None:
+        """Forget finished copies; wait for those overlapping [start, end)."""
+        kept = deque()
+        for region in self._flight:
+            r_start, r_end, event = region
+            if r_start < end and start < r_end:
+                event.synchronize()
+            elif not event.done:
+                kept.append(region)
+                continue
+            self.in_use -= r_end - r_start
+        self._flight = kept
+
+    def take(self, nbytes: int) -> tuple[int, int]:
+        """A region of `nbytes` (rounded up to ALIGN) free to write: (start, end)."""
+        nbytes = _round_up(nbytes)
+        if nbytes > self.capacity:
+            raise DeviceMemoryError(f"the pinned staging ring ({self.capacity} bytes) cannot hold a copy of {nbytes} bytes")
+        start = self._head if self._head + nbytes <= self.capacity else 0
+        end = start + nbytes
+        self._retire(start, end)
+        self._head = end
+        self._account(nbytes)
+        return start, end
+
+    def view(self, start: int, array: np.ndarray) -> np.ndarray:
+        """`array` copied into the ring at `start`; returns the pinned copy."""
+        pinned = self.buffer[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+        np.copyto(pinned, array, casting="no")
+        return pinned
+
+    def issued(self, start: int, end: int, stream) -> None:
+        """Copies from [start, end) were issued on `stream`: the region is busy until they finish."""
+        self._flight.append((start, end, stream.record()))
+        self.bytes_copied += end - start
+        self.copies += 1
+
+    def wait_all(self) -> None:
+        for _start, _end, event in self._flight:
+            event.synchronize()
+        self._retire()
+
+    def close(self) -> None:
+        self.wait_all()
+        self.buffer = None
+        self._memory = None
+        self.cp.get_default_pinned_memory_pool().free_all_blocks()
+        self.in_use = 0
 
 
 class CudaSlots:
@@ -69,13 +148,14 @@ class CudaSlots:
         self.num_slots = 0
         self.gpu = None
         self._wave = None
+        self.prepare_s = 0.0  # host seconds of the last load before its copy could start
         self.resize(num_slots)
 
-    def _make(self, slots: int, resident: list[int]):
+    def _make(self, slots: int, resident: list[int], tensors: dict | None = None):
         from kernels.gpu.qmoe import GpuQMoE
 
         try:
-            return GpuQMoE(self.runner.info.spec, self.runner.tensors, device=self.device.index,
+            return GpuQMoE(self.runner.info.spec, self.runner.tensors if tensors is None else tensors, device=self.device.index,
                            num_slots=max(1, slots), resident=resident)
         except self.device.cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceMemoryError(f"{self.name}: the GPU ran out of memory for {slots} expert slots ({exc})") from None
@@ -89,22 +169,69 @@ class CudaSlots:
         self.num_slots = num_slots
 
     def load(self, slot: int, expert: int) -> float:
+        """Convert the expert to the kernel layout on the host, write it into the pinned ring and
+        copy it into the slot on the copy stream."""
         started = time.perf_counter()
-        with self.device.copy_stream:
-            self.gpu.upload_expert(expert, slot, stream=self.device.copy_stream)
+        ring = self.device.pinned
+        packed = self.gpu.pack_expert(expert)
+        if ring is None:
+            with self.device.copy_stream:
+                self.gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=packed)
+        else:
+            sizes = [_round_up(a.nbytes) for proj in packed.values() for a in proj.values()]
+            start, end = ring.take(sum(sizes))
+            pinned, offset = {}, start
+            for name, proj in packed.items():
+                pinned[name] = {}
+                for key, array in proj.items():
+                    pinned[name][key] = ring.view(offset, array)
+                    offset += _round_up(array.nbytes)
+            with self.device.copy_stream:
+                self.gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=pinned)
+            ring.issued(start, end, self.device.copy_stream)
+        self.prepare_s = time.perf_counter() - started  # host seconds before the copy runs (miss policy)
         # Kernels on the compute stream must see the copy: order them after it.
         self.device.cp.cuda.get_current_stream().wait_event(self.device.copy_stream.record())
         return time.perf_counter() - started
 
     def stage(self, experts: np.ndarray) -> float:
-        """Copy a wave of cold experts to the GPU (converted there in one batch)."""
+        """Copy a wave of cold experts to the GPU: their raw rows gathered into the pinned ring,
+        copied from there and converted on the GPU in one batch (a GpuQMoE of the wave alone,
+        local ids 0..n-1)."""
         started = time.perf_counter()
-        self._wave = self._make(len(experts), [int(e) for e in experts])
+        experts = np.asarray(experts, dtype=np.int64)
+        ring = self.device.pinned
+        num_experts = self.runner.info.spec.num_experts
+        tensors = self.runner.tensors
+        if ring is None:
+            wave_tensors = tensors
+            resident = [int(e) for e in experts]
+        else:
+            per_expert = {name: t for name, t in tensors.items()
+                          if t is not None and t.ndim >= 1 and t.shape[0] == num_experts}
+            sizes = {name: _round_up(len(experts) * (t.nbytes // num_experts)) for name, t in per_expert.items()}
+            start, end = ring.take(sum(sizes.values()))
+            wave_tensors, offset = dict(tensors), start
+            for name, t in per_expert.items():
+                rows = ring.buffer[offset:offset + len(experts) * (t.nbytes // num_experts)]
+                rows = rows.view(t.dtype).reshape((len(experts),) + t.shape[1:])
+                np.take(t, experts, axis=0, out=rows)
+                wave_tensors[name] = rows.view(_WholeWave)
+                offset += sizes[name]
+            resident = list(range(len(experts)))
+        self._wave = (self._make(len(experts), resident, wave_tensors), None if ring is None else experts)
+        if ring is not None:  # the wave's GpuQMoE synchronised its uploads: the region is free again
+            ring.issued(start, end, self.device.cp.cuda.get_current_stream())
         return time.perf_counter() - started
 
     def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
         cp = self.device.cp
-        gpu, self._wave = (self._wave, None) if self._wave is not None else (self.gpu, None)
+        gpu, local = self.gpu, None
+        if self._wave is not None:
+            (gpu, local), self._wave = self._wave, None
+        if local is not None:  # the wave's GpuQMoE numbers its experts 0..n-1
+            position = np.clip(np.searchsorted(local, expert_ids), 0, len(local) - 1)
+            expert_ids = np.where((expert_ids >= 0) & (local[position] == expert_ids), position, -1)
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record()
         out = gpu.run_experts(cp.asarray(x2d), expert_ids, weights,
@@ -135,9 +262,57 @@ class CudaDevice:
             self.bandwidths = _measure_bandwidths(cp)
         self.memory = DeviceMemory(capacity=free, limit=mem_limit)
         self.name = f"{name} ({total / GIB:.0f} GiB)"
+        self.pinned: CudaPinnedRing | None = None
+        self._staged_bytes: dict[str, int] = {}
+
+    def staging_bytes_per_expert(self, runner) -> int:
+        """Bytes one expert takes in the pinned ring: the larger of its raw rows (prefill waves)
+        and its kernel layout (loads into slots), each array aligned."""
+        name = runner.info.name
+        if name not in self._staged_bytes:
+            num_experts = runner.info.spec.num_experts
+            raw = sum(_round_up(t.nbytes // num_experts) for t in runner.tensors.values()
+                      if t is not None and t.ndim >= 1 and t.shape[0] == num_experts)
+            try:
+                from kernels.gpu import layout
+
+                packed = 0
+                for lay in layout.make_layouts(runner.info.spec, runner.tensors):
+                    arrays = [lay.w_bytes, lay.s_len * lay.sdtype.itemsize]
+                    arrays += [lay.s_len] if lay.has_zp else []
+                    arrays += [lay.NP * 4] if lay.has_bias else []
+                    arrays += [lay.s_len * 2] if lay.has_h else []
+                    packed += sum(_round_up(n) for n in arrays)
+            except Exception:  # a layout the GPU kernels refuse: its slots fail with the reason
+                packed = 0
+            self._staged_bytes[name] = max(raw, packed, _round_up(runner.info.bytes_per_expert))
+        return self._staged_bytes[name]
+
+    def set_pinned_ring(self, nbytes: int) -> None:
+        """(Re)allocate the pinned staging ring; 0 = none. Waits for copies still reading the old one."""
+        if self.pinned is not None and self.pinned.capacity == nbytes:
+            return
+        if self.pinned is not None:
+            self.pinned.close()
+            self.pinned = None
+        if nbytes:
+            with self.cp.cuda.Device(self.index):
+                self.pinned = CudaPinnedRing(self.cp, nbytes)
 
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.bandwidths.pcie
 
     def create_slots(self, runner, num_slots: int) -> CudaSlots:
         return CudaSlots(self, runner, num_slots)
+
+
+class _WholeWave(np.ndarray):
+    """A wave's rows in the pinned ring. The GPU layout code takes `rows[experts]`; for the whole
+    wave in order that is these rows themselves (no pageable copy), so the upload reads pinned memory."""
+
+    def __getitem__(self, index):
+        base = self.view(np.ndarray)
+        if isinstance(index, np.ndarray) and index.ndim == 1 and index.size == base.shape[0] \
+                and np.array_equal(index, np.arange(base.shape[0])):
+            return base
+        return base[index]

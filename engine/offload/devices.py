@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.offload.device_memory import DeviceMemory
+from engine.offload.staging import PinnedRing
 
 GIB = 1 << 30
 
@@ -29,7 +30,7 @@ class SimulatedSlots:
     The interface every device's slots share: resize(n); load(slot, expert) -> copy seconds;
     stage(experts) -> copy seconds (the prefill staging ring); launch(x2d, ids, weights) -> pending
     work (asynchronous on a real GPU), then collect(pending, out) adds it into `out` and returns
-    the device seconds.
+    the device seconds. Every copy goes through the device's pinned staging ring.
     """
 
     def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
@@ -50,10 +51,12 @@ class SimulatedSlots:
         """Copy one expert into a slot; returns the modelled copy time."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"{self.name}: slot {slot} of {self.num_slots}")
+        self.device.through_pinned([self.expert_bytes])
         return self.device.copy_seconds(self.expert_bytes)
 
     def stage(self, experts: np.ndarray) -> float:
         """Copy cold experts into the staging ring for one wave; returns the modelled copy time."""
+        self.device.through_pinned([self.expert_bytes] * len(experts))
         return self.device.copy_seconds(len(experts) * self.expert_bytes)
 
     def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
@@ -76,6 +79,23 @@ class SimulatedDevice:
         self.memory = DeviceMemory(capacity=total_bytes, limit=mem_limit)
         self.bandwidths = bandwidths
         self.name = name or f"simulated GPU, {total_bytes / GIB:.1f} GiB"
+        self.pinned: PinnedRing | None = None  # set by the offload engine (pinned_bytes)
+
+    def staging_bytes_per_expert(self, runner) -> int:
+        """Bytes one expert of this node takes in the pinned staging ring."""
+        return runner.info.bytes_per_expert
+
+    def set_pinned_ring(self, nbytes: int) -> None:
+        """(Re)size the pinned staging ring; 0 = none. Counters start again with a new size."""
+        if self.pinned is not None and self.pinned.capacity == nbytes:
+            return
+        if self.pinned is not None:
+            self.pinned.close()
+        self.pinned = PinnedRing(nbytes) if nbytes else None
+
+    def through_pinned(self, sizes: list[int]) -> None:
+        if self.pinned is not None:
+            self.pinned.transfer(sizes)
 
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.bandwidths.pcie

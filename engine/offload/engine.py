@@ -17,7 +17,9 @@ from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
+from engine.offload.staging import ring_bytes
 from engine.offload.stats import OffloadStats
+from engine.units import human_bytes
 
 
 def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray]:
@@ -56,6 +58,7 @@ class OffloadEngine:
                        for info, runner in zip(self.infos, runners)]
         self._make_policy()
         self._apply_cpu_threads()
+        self.stats.pinned = self.pinned_info()
 
     def _check_file_backing(self, config: OffloadConfig) -> None:
         """allow_file_backing=0 keeps every expert in host RAM, which host_expert_bytes must hold."""
@@ -78,28 +81,50 @@ class OffloadEngine:
         """Reserve the staging ring, then plan the slots in what the device has left."""
         if self.device is not None and config.mode != "disabled":
             self._reserve_staging(config)
+        elif self.device is not None:
+            self.device.set_pinned_ring(0)
         plan = plan_offload(config, self.infos, self.device)
         if self.wave_experts:
             plan.statements.append(
                 f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
+        ring = getattr(self.device, "pinned", None) if config.mode != "disabled" else None
+        if ring is not None:
+            plan.statements.append(f"Copies to the device go through a pinned staging ring of {human_bytes(ring.capacity)} "
+                                   f"({ring.capacity // self._staged_expert_bytes()} experts).")
         return plan
+
+    def _staged_expert_bytes(self) -> int:
+        return max(self.device.staging_bytes_per_expert(runner) for runner in self.runners)
 
     def _reserve_staging(self, config: OffloadConfig) -> None:
         """A double-buffered staging ring for prefill waves (and for every miss when cpu_execution
-        is disabled), taken before the expert budget."""
+        is disabled), taken before the expert budget; and the pinned host ring every copy goes
+        through (pinned_bytes, checked first: a ring that holds no expert is refused)."""
+        staged = self._staged_expert_bytes()
+        pinned = ring_bytes(config, staged)
         largest = max(info.bytes_per_expert for info in self.infos)
-        wave = min(config.prefill_wave_experts, self.device.memory.available // (2 * largest))
+        # A wave streams through the pinned ring double-buffered: an explicit pinned_bytes bounds it.
+        through_ring = max(1, pinned // (2 * staged))
+        wave = min(config.prefill_wave_experts, through_ring, self.device.memory.available // (2 * largest))
         if wave == 0 and config.cpu_execution == "disabled":
             raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
                                    f"({2 * largest} bytes double-buffered)")
         self._staging_bytes = 2 * wave * largest
         self.device.memory.reserve(self._staging_bytes, "prefill staging ring")
         self.wave_experts = wave
+        self.device.set_pinned_ring(pinned)
 
     def _release_staging(self) -> None:
+        """Releases the device's staging ring; the pinned ring stays until the next plan sizes it
+        (kept when its size does not change, so a re-plan does not re-allocate pinned memory)."""
         if self.device is not None:
             self.device.memory.release(self._staging_bytes, "prefill staging ring")
         self.wave_experts, self._staging_bytes = 0, 0
+
+    def pinned_info(self) -> dict:
+        """The pinned staging ring: bytes, in_use, high_water, bytes_copied, copies ({} without one)."""
+        ring = getattr(self.device, "pinned", None)
+        return ring.info() if ring is not None else {}
 
     def _make_policy(self) -> None:
         popularity = None
@@ -147,9 +172,10 @@ class OffloadEngine:
         """A safe point between decoder steps: placement may move experts now."""
         if self.shadow:
             return
-        self.stats.steps += 1
+        self.stats.end_step()
         if self.device is not None:
             self._apply(self.policy.rebalance())
+            self.stats.pinned = self.pinned_info()
 
     def reconfigure(self, config: OffloadConfig) -> None:
         """Apply new budgets or policy on the loaded model, without reloading."""
@@ -185,6 +211,7 @@ class OffloadEngine:
         self._apply_cpu_threads()
         if config.placement == "adaptive" and len(old_scores) == len(self.policy.scores):
             self.policy.scores = old_scores  # what placement learnt so far still holds
+        self.stats.pinned = self.pinned_info()
 
     def _reload_residents(self) -> None:
         """Resized slots start empty on a real device: copy the kept residents back in."""

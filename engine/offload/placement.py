@@ -6,6 +6,11 @@ at safe points between steps, may ask to swap cold experts in. `static` fills th
 every expert by exponentially decayed hits (recency with a memory of frequency) and swaps an
 expert in only when its score beats the weakest resident's by a margin (hysteresis), at most a
 few swaps per layer per safe point, so placement never thrashes.
+
+Between safe points, a decode step's miss policy (miss_policy.py) may copy a missed expert into a
+spare slot: an empty slot or one whose expert the placement does not want (static: anything it did
+not choose itself; adaptive: a resident scored below the slots' worth of best scores). The policy is
+told (admit), and keeps or evicts the expert at later safe points like any other.
 """
 
 from __future__ import annotations
@@ -65,9 +70,43 @@ class PlacementPolicy:
     def __init__(self, layers: list[LayerSlots]):
         self.layers = layers
         self.scores = [np.zeros(layer.num_experts) for layer in layers]
+        self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]  # copied in by the miss policy
+        self.admissions = 0
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
         raise NotImplementedError
+
+    def wanted(self, layer: int) -> np.ndarray:
+        """A bool per expert: the placement wants it resident (base: what it placed itself)."""
+        slots = self.layers[layer]
+        return (slots.slot_of >= 0) & ~self.admitted[layer]
+
+    def spare_slots(self, layer: int, busy: np.ndarray) -> np.ndarray:
+        """Slots a missed expert may be copied into during a step: empty ones first, then those
+        whose expert the placement does not want, weakest first; never one holding an expert in
+        `busy` (routed this step: the device may be reading it)."""
+        slots = self.layers[layer]
+        occupant = slots.expert_in
+        safe = occupant >= 0
+        safe[safe] = ~self.wanted(layer)[occupant[safe]]
+        if busy.size:
+            safe &= ~np.isin(occupant, busy)
+        empty = np.flatnonzero(occupant < 0)
+        spare = np.flatnonzero(safe)
+        spare = spare[np.argsort(self.scores[layer][occupant[spare]], kind="stable")]
+        return np.concatenate([empty, spare]).astype(np.int64)
+
+    def admit(self, layer: int, slot: int, expert: int) -> int | None:
+        """The miss policy copied `expert` into `slot`; returns the expert evicted from it."""
+        evicted = self.layers[layer].place(slot, expert)
+        if evicted is not None:
+            self.admitted[layer][evicted] = False
+        self.admitted[layer][expert] = True
+        self.admissions += 1
+        return evicted
+
+    def _placed(self, layer: int, expert: int) -> None:
+        self.admitted[layer][expert] = False
 
     def initial(self) -> list[Swap]:
         """Fill empty slots with the best-scored experts (all policies)."""
@@ -80,6 +119,7 @@ class PlacementPolicy:
                     break
                 expert = wanted.pop(0)
                 layer.place(int(slot), expert)
+                self._placed(index, expert)
                 swaps.append(Swap(index, int(slot), None, expert))
         return swaps
 
@@ -113,6 +153,16 @@ class AdaptivePlacement(PlacementPolicy):
     def __init__(self, layers: list[LayerSlots], decay: float = 0.9, margin: float = 1.5, max_swaps: int = 2):
         super().__init__(layers)
         self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
+
+    def wanted(self, layer: int) -> np.ndarray:
+        """Residents scored at least the slot count's best score (ties count as wanted)."""
+        slots, scores = self.layers[layer], self.scores[layer]
+        if slots.num_slots == 0:
+            return np.zeros(slots.num_experts, bool)
+        if slots.num_slots >= slots.num_experts:
+            return slots.slot_of >= 0
+        bar = np.partition(scores, scores.size - slots.num_slots)[scores.size - slots.num_slots]
+        return (slots.slot_of >= 0) & (scores >= bar) & (scores > 0)
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
         scores = self.scores[layer]

@@ -17,6 +17,9 @@ class LayerStats:
     copy_bytes: int = 0      # host -> device expert copies (swaps, misses copied in, prefill waves)
     copy_s: float = 0.0
     swaps: int = 0
+    misses_cpu: int = 0      # missed pairs computed on the CPU
+    misses_copied: int = 0   # missed pairs whose expert was copied to the device (spare slot or prefill wave)
+    miss_copies: int = 0     # experts the decode miss policy copied into spare slots
 
     @property
     def hit_rate(self) -> float:
@@ -30,10 +33,19 @@ class OffloadStats:
     steps: int = 0
     expert_hits: list[np.ndarray] = field(default_factory=list)    # per layer, routed pairs per expert found resident
     expert_misses: list[np.ndarray] = field(default_factory=list)  # per layer, routed pairs per expert found cold
+    # per decoder step (the most recent STEP_HISTORY): missed pairs [on the CPU, copied to the device]
+    step_splits: list[tuple[int, int]] = field(default_factory=list)
+    pinned: dict = field(default_factory=dict)  # the pinned staging ring: bytes, high_water, ... (engine fills)
+    _step_cpu: int = 0
+    _step_copied: int = 0
+
+    STEP_HISTORY = 4096
 
     def reset(self, num_layers: int, num_experts: list[int] | None = None) -> None:
         self.layers = [LayerStats() for _ in range(num_layers)]
         self.steps = 0
+        self.step_splits = []
+        self._step_cpu = self._step_copied = 0
         if num_experts is not None:
             self.expert_hits = [np.zeros(e, np.int64) for e in num_experts]
             self.expert_misses = [np.zeros(e, np.int64) for e in num_experts]
@@ -47,6 +59,21 @@ class OffloadStats:
         np.add.at(self.expert_hits[layer], expert_ids[routed & resident], 1)
         np.add.at(self.expert_misses[layer], expert_ids[routed & ~resident], 1)
 
+    def split(self, layer: int, on_cpu: int, copied: int, copies: int = 0) -> None:
+        """Missed pairs of one layer's step: how many ran on the CPU, how many were copied."""
+        stats = self.layers[layer]
+        stats.misses_cpu += on_cpu
+        stats.misses_copied += copied
+        stats.miss_copies += copies
+        self._step_cpu += on_cpu
+        self._step_copied += copied
+
+    def end_step(self) -> None:
+        self.steps += 1
+        self.step_splits.append((self._step_cpu, self._step_copied))
+        del self.step_splits[:-self.STEP_HISTORY]
+        self._step_cpu = self._step_copied = 0
+
     def totals(self) -> LayerStats:
         total = LayerStats()
         for layer in self.layers:
@@ -58,6 +85,8 @@ class OffloadStats:
         total = self.totals()
         return {"steps": self.steps, "hit_rate": total.hit_rate, "copy_bytes": total.copy_bytes,
                 "cpu_s": total.cpu_s, "device_s": total.device_s, "wait_s": total.wait_s, "swaps": total.swaps,
+                "misses_cpu": total.misses_cpu, "misses_copied": total.misses_copied, "miss_copies": total.miss_copies,
+                "step_splits": [list(split) for split in self.step_splits], "pinned": dict(self.pinned),
                 "layers": [dict(asdict(layer), hit_rate=layer.hit_rate,
                                 **({"expert_hits": self.expert_hits[i].tolist(),
                                     "expert_misses": self.expert_misses[i].tolist()} if i < len(self.expert_hits) else {}))

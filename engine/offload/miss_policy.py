@@ -1,0 +1,88 @@
+"""Where a decode step's misses run: on the CPU, or copied over PCIe into a spare device slot and
+computed there in the same step, or both at once (issue #4, anchors.md: misses split between CPU
+compute and PCIe copies).
+
+The model, per layer and step, with n cold experts hit by routing and S spare slots:
+
+    cpu_i   = max(bytes / B_cpu, tokens_i · flops_per_token / F_cpu)   the CPU kernel on miss i
+    copy    = bytes / B_pcie                                           one expert host -> device
+    dev     = bytes / B_hbm                                            the device computing one expert
+    prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the
+              measured conversion to the kernel layout and write into the pinned ring)
+    T(C)    = max( m·prep + Σ_{i ∉ C} cpu_i ,  max(t_resident, m·(prep + copy)) + m·dev ),  m = |C|
+
+for the set C of copied misses, m ≤ S. The CPU readies the copies, then computes its misses while
+the device computes the residents; the copies run on the copy stream meanwhile, and the copied
+experts are computed once both are done. All experts of a layer have the same size, so for a given |C| = m the best C holds
+the m misses with the largest CPU cost; the policy scans m = 0..min(n, S) and keeps the smallest
+T (ties: fewer copies, so no PCIe traffic is spent for nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """Modelled seconds of one step's choices, for one layer."""
+    cpu_s: np.ndarray      # [n] the CPU computing each miss
+    copy_s: float          # copying one expert to the device
+    device_s: float        # the device computing one copied expert
+    resident_s: float      # the device computing this step's resident experts
+    prepare_s: float = 0.0  # host seconds to ready one expert for its copy
+
+    def step_seconds(self, copied: np.ndarray) -> float:
+        """T(C) for a bool mask (or index array) of copied misses."""
+        mask = np.zeros(self.cpu_s.size, bool)
+        mask[copied] = True
+        m = int(np.count_nonzero(mask))
+        return self._time(m, float(self.cpu_s[~mask].sum()))
+
+    def _time(self, m: int, cpu_rest: float) -> float:
+        cpu = m * self.prepare_s + cpu_rest
+        device = max(self.resident_s, m * (self.prepare_s + self.copy_s)) + m * self.device_s
+        return max(cpu, device)
+
+
+@dataclass(frozen=True)
+class MissDecision:
+    copied: np.ndarray     # indices (into the misses) to copy into spare slots
+    predicted_s: float     # T of this choice
+    all_cpu_s: float       # T with every miss on the CPU
+    most_copied_s: float   # T with as many misses copied as there are spare slots (largest CPU costs first)
+
+    @property
+    def num_copied(self) -> int:
+        return int(self.copied.size)
+
+
+def miss_costs(bandwidths, expert_bytes: int, tokens: np.ndarray, resident_s: float,
+               flops_per_token: float = 0.0, prepare_s: float = 0.0) -> MissCosts:
+    """The cost model's inputs from measured (or assumed) bandwidths: `tokens` holds, per miss, the
+    tokens routed to it in this step."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    read = expert_bytes / bandwidths.cpu
+    compute = tokens * flops_per_token / bandwidths.cpu_flops if flops_per_token else np.zeros_like(tokens)
+    return MissCosts(cpu_s=np.maximum(read, compute), copy_s=expert_bytes / bandwidths.pcie,
+                     device_s=expert_bytes / bandwidths.hbm, resident_s=float(resident_s), prepare_s=float(prepare_s))
+
+
+def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
+    """The split of the misses that minimises the step's critical path (see the module docstring)."""
+    n = costs.cpu_s.size
+    order = np.argsort(-costs.cpu_s, kind="stable")
+    total = float(costs.cpu_s.sum())
+    removed = np.concatenate([[0.0], np.cumsum(costs.cpu_s[order])])
+    most = min(n, max(0, int(spare_slots)))
+    times = [costs._time(m, total - removed[m]) for m in range(most + 1)]
+    best = int(np.argmin(times))  # first minimum: the fewest copies among equal times
+    return MissDecision(copied=np.sort(order[:best]), predicted_s=float(times[best]), all_cpu_s=float(times[0]),
+                        most_copied_s=float(times[most]))
+
+
+def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, resident_s: float,
+           flops_per_token: float = 0.0, prepare_s: float = 0.0) -> MissDecision:
+    return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, flops_per_token, prepare_s), spare_slots)

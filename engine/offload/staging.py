@@ -1,0 +1,68 @@
+"""The pinned host staging ring (session.moe.offload.pinned_bytes).
+
+Every host -> device expert copy (placement swaps, misses copied into spare slots, prefill waves)
+goes through a bounded ring of page-locked host memory: an expert is written into a free region
+of the ring, copied from there asynchronously, and the region is reused once its copy has finished.
+Copies from pinned memory run at the full PCIe rate (pageable copies ran at a third of it in
+anchors.md's measurement), and the bound keeps page-locked memory, which the OS cannot swap, small.
+
+'auto' sizes the ring for two prefill waves (prefill_wave_experts experts each: double-buffered);
+an explicit value must hold at least one expert.
+"""
+
+from __future__ import annotations
+
+from engine.offload.config import PREFIX, OffloadConfig
+from engine.offload.planner import OffloadPlanError
+
+
+def ring_bytes(config: OffloadConfig, expert_bytes: int) -> int:
+    """The ring's size for the largest expert as staged (`expert_bytes`); refuses a ring that holds none."""
+    if config.pinned_bytes is None:
+        return 2 * config.prefill_wave_experts * expert_bytes
+    if config.pinned_bytes < expert_bytes:
+        raise OffloadPlanError(f"{PREFIX}pinned_bytes={config.pinned_bytes} holds no expert: "
+                               f"it must be at least {expert_bytes} bytes (the largest expert)")
+    return config.pinned_bytes
+
+
+class PinnedRing:
+    """Byte accounting of the ring; the simulated device's ring (its copies finish at once, so
+    what is in flight is what one transfer streams through the ring). The CUDA device's ring
+    (cuda_device.CudaPinnedRing) holds real page-locked memory with the same counters."""
+
+    kind = "accounted"
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.in_use = 0
+        self.high_water = 0
+        self.bytes_copied = 0
+        self.copies = 0
+
+    def _account(self, nbytes: int) -> None:
+        self.in_use += nbytes
+        self.high_water = max(self.high_water, self.in_use)
+
+    def transfer(self, sizes: list[int]) -> None:
+        """Stream these experts through the ring, as many at once as it holds (at least one)."""
+        if not sizes:
+            return
+        if max(sizes) > self.capacity:
+            raise OffloadPlanError(f"{PREFIX}pinned_bytes={self.capacity} holds no expert of {max(sizes)} bytes")
+        in_flight = []
+        for size in sizes:
+            while in_flight and self.in_use + size > self.capacity:
+                self.in_use -= in_flight.pop(0)  # the oldest copy finished: its region is free again
+            self._account(size)
+            in_flight.append(size)
+            self.bytes_copied += size
+            self.copies += 1
+        self.in_use -= sum(in_flight)
+
+    def info(self) -> dict:
+        return {"kind": self.kind, "bytes": self.capacity, "in_use": self.in_use, "high_water": self.high_water,
+                "bytes_copied": self.bytes_copied, "copies": self.copies}
+
+    def close(self) -> None:
+        self.in_use = 0
