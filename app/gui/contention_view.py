@@ -123,7 +123,7 @@ class ContentionView(QWidget):
                 return None
         target = Path(path)
         try:
-            target.write_text(self.result.report.markdown())
+            target.write_text(self.result.report.markdown(), encoding="utf-8")
         except OSError as exc:
             self.failed.emit(f"Could not save the report to {target}: {exc}")
             return None

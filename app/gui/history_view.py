@@ -208,7 +208,7 @@ class HistoryView(QWidget):
         if not target.suffix:
             target = target.with_suffix(SUFFIX[fmt_name])
         try:
-            target.write_text(self.history.export(fmt_name, **self.filters()))
+            target.write_bytes(self.history.export(fmt_name, **self.filters()).encode("utf-8"))  # as is: CSV keeps \r\n
         except Exception as exc:
             self.failed.emit(f"Could not export to {target}: {exc}")
             return None

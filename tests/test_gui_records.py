@@ -1,0 +1,240 @@
+"""The window's record views against the real engine on the fixture models (offscreen Qt): history,
+scenario runs, budget sweep, side-by-side chat and the contention test, all through the worker.
+
+Waits are on what the window shows (qtbot.waitUntil), as in tests/test_gui.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import QSettings  # noqa: E402
+from PySide6.QtWidgets import QFileDialog  # noqa: E402
+
+from app.gui import theme  # noqa: E402
+from app.gui.main_window import MainWindow  # noqa: E402
+from engine.generation import GenerationParams, LoadedModel  # noqa: E402
+from engine.offload import OffloadConfig, SimulatedDevice  # noqa: E402
+from engine.records.configurations import load_configuration  # noqa: E402
+from engine.records.contention import make_corpus  # noqa: E402
+from engine.records.history import History  # noqa: E402
+from engine.records.scenarios import run_scenario  # noqa: E402
+from engine.records.side_by_side import first_divergence  # noqa: E402
+from engine.records.sweep import recommend  # noqa: E402
+from tests.conftest import fixture_folder  # noqa: E402
+
+WAIT = 60_000
+EXPERT = 32256  # bytes of one gpt-oss fixture expert
+SIMULATED = {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {"device_expert_bytes": str(3 * EXPERT)}}
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    win = MainWindow(settings=settings, sample_interval_ms=1000, nvml=False, demo_dir=str(tmp_path / "demo"),
+                     history_path=tmp_path / "history.sqlite3", configurations_path=tmp_path / "configurations.json")
+    qtbot.addWidget(win)
+    win.show()
+    yield win
+    win.close()
+
+
+def load(qtbot, window, name, settings=None):
+    path = fixture_folder(name)
+    if settings is not None:
+        window.save_model_settings(str(path), settings)
+    window.load_model(str(path))
+    qtbot.waitUntil(lambda: not window.busy and window.loaded_path is not None
+                    and Path(window.loaded_path).resolve() == path.resolve(), timeout=WAIT)
+
+
+def finish(qtbot, window, view):
+    qtbot.waitUntil(lambda: not view.bar.running and not window.busy, timeout=WAIT)
+
+
+def test_history_table_filters_opens_compares_and_exports(qtbot, tmp_path, monkeypatch):
+    history = History(tmp_path / "history.sqlite3")
+    params = GenerationParams(max_new_tokens=4)
+    device = SimulatedDevice(1 << 30)
+    gptoss = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=2 * EXPERT),
+                              device=device)
+    lfm2 = LoadedModel.open(fixture_folder("lfm2moe"))
+    records = [run_scenario(gptoss, "short", params, device, label="baseline"),
+               run_scenario(gptoss, "multiturn", params, device, label="tuned"),
+               run_scenario(lfm2, "short", params, label="baseline")]
+    ids = [history.add(record) for record in records]
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    window = MainWindow(settings=settings, nvml=False, history_path=tmp_path / "history.sqlite3")
+    qtbot.addWidget(window)
+    view = window.history
+    try:
+        assert view.ids() == ids[::-1] and view.count.text() == "3 runs"
+        assert view.table.item(0, 4).text() == "lfm2moe" and view.table.item(2, 3).text() == "baseline"
+        view.model_filter.setText("gptoss")
+        assert view.ids() == [ids[1], ids[0]]
+        view.scenario_filter.setCurrentIndex(view.scenario_filter.findData("short"))
+        assert view.ids() == [ids[0]]
+        view.model_filter.setText("")
+        view.label_filter.setText("base")
+        assert view.ids() == [ids[2], ids[0]]
+        view.scenario_filter.setCurrentIndex(0)
+        view.label_filter.setText("tuned")
+        assert view.ids() == [ids[1]]
+        # one run opened: timings, peaks, configuration, per-layer hit rates, prompts and answers
+        view.select_ids([ids[1]])
+        assert view.open_button.isEnabled() and not view.compare_button.isEnabled()
+        detail = view.open_selected().text()
+        for turn in records[1].turns:
+            assert turn["prompt"] in detail and turn["answer"].strip().splitlines()[0] in detail
+        assert "session.moe.offload.device_expert_bytes" in detail and str(2 * EXPERT) in detail
+        assert "hit rate" in detail and records[1].model["expert_nodes"][0]["node"] in detail
+        assert f"{records[1].layers[0]['hit_rate']:.1%}" in detail
+        # two runs compared: both titles, the key metrics in two columns with difference and ratio
+        view.label_filter.setText("")
+        view.select_ids([ids[0], ids[2]])
+        assert view.compare_button.isEnabled()
+        compared = view.compare_selected().text()
+        assert f"run {ids[0]}: short “baseline” · gptoss" in compared and f"run {ids[2]}: short “baseline” · lfm2moe" in compared
+        rss_a, rss_b = records[0].peaks["rss_bytes"], records[2].peaks["rss_bytes"]
+        assert "process RSS peak" in compared and f"{rss_b / rss_a:.2f}×" in compared
+        assert "session.moe.offload.device_expert_bytes" in compared  # the configurations differ there
+        # export the filtered table: the file holds exactly what History.export gives
+        view.model_filter.setText("gptoss")
+        for fmt, filter_text, name in (("json", "JSON (*.json)", "runs"), ("csv", "CSV (*.csv)", "runs.csv"),
+                                       ("markdown", "Markdown (*.md)", "runs.md")):
+            target = tmp_path / name
+            monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, t=target, f=filter_text, **k: (str(t), f))
+            written = view.export()
+            assert written.read_bytes() == history.export(fmt, model="gptoss").encode()
+        assert [r["scenario"] for r in json.loads((tmp_path / "runs.json").read_text())] == ["multiturn", "short"]
+    finally:
+        window.close()
+
+
+def test_scenario_run_saves_a_record_and_cancel_saves_none(qtbot, window):
+    load(qtbot, window, "lfm2moe")
+    bar = window.scenarios
+    bar.scenario.setCurrentText("short")
+    bar.max_tokens.setValue(6)
+    bar.label.setText("from the window")
+    bar.bar.run_button.click()
+    finish(qtbot, window, bar)
+    assert [run_id for run_id, _ in bar.result.saved] == window.history.ids()
+    run_id, record = bar.result.saved[0]
+    assert record.scenario == "short" and record.label == "from the window"
+    assert record.turns[0]["generated_tokens"] == 6 and record.turns[0]["finish_reason"] == "length"
+    assert window.history.history.get(run_id).turns[0]["answer"] == record.turns[0]["answer"]
+    assert f"Saved run {run_id}." in bar.bar.status.text()
+    # Cancel ends the answer at the next token; a cancelled run is not saved
+    bar.scenario.setCurrentText("multiturn")
+    bar.max_tokens.setValue(300)
+    bar.bar.run_button.click()
+    qtbot.waitUntil(lambda: window.busy == "recording" and "token" in bar.bar.status.text(), timeout=WAIT)
+    bar.bar.cancel_button.click()
+    finish(qtbot, window, bar)
+    cancelled = bar.result.cancelled
+    assert cancelled is not None and cancelled.timings["cancelled"]
+    assert cancelled.turns[-1]["finish_reason"] == "cancelled" and cancelled.turns[-1]["generated_tokens"] < 300
+    assert len(cancelled.turns) < 6 and bar.result.saved == []
+    assert window.history.ids() == [run_id] and "Cancelled during multiturn (not saved)" in bar.bar.status.text()
+    # a sweep on a CPU-only load is a message, and the window goes on
+    window.sweep.points.setValue(2)
+    window.sweep.bar.run_button.click()
+    finish(qtbot, window, window.sweep)
+    assert "needs a device for resident experts" in window.error_banner.text()
+    assert window.sweep.bar.status.text().startswith("Failed:") and window.scenarios.bar.run_button.isEnabled()
+
+
+def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tmp_path):
+    load(qtbot, window, "gptoss", SIMULATED)
+    view = window.sweep
+    view.points.setValue(2)
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(4)
+    view.margin.setValue(10.0)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    points = view.result.points
+    assert [p.budget_bytes for p in points] == [0, 16 * EXPERT] and not view.result.cancelled
+    for key, curve in view.curves.items():
+        x, y = curve.getData()
+        assert list(x) == [0.0, 16 * EXPERT / 2**20] and len(y) == 2
+    assert list(view.curves["completion"].getData()[1]) == [p.completion_s for p in points]
+    assert list(view.curves["device"].getData()[1]) == [p.peak_device_bytes / 2**20 for p in points]
+    assert points[0].peak_device_bytes < points[1].peak_device_bytes
+    best = recommend(points, 0.10)
+    assert view.recommended is best and view.marks["completion"].value() == best.budget_bytes / 2**20
+    view.margin.setValue(0.0)
+    assert view.recommended is recommend(points, 0.0)
+    assert len(window.history.ids()) == 2 and len(view.result.saved_ids) == 2
+    # the loaded model keeps its own budget after the sweep
+    assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT
+    view.name.setText("fast enough")
+    view.save_button.click()
+    folder, config = load_configuration("fast enough", tmp_path / "configurations.json")
+    assert Path(folder) == fixture_folder("gptoss") and config.device_expert_bytes == view.recommended.budget_bytes
+
+
+def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(qtbot, window):
+    load(qtbot, window, "gptoss", SIMULATED)
+    view = window.side_by_side
+    window.tabs.setCurrentWidget(view)
+    assert f"device_expert_bytes={3 * EXPERT}" in view.right_entries.toPlainText()  # B starts as a copy of A
+    streamed = []
+    window.worker.jobStreamed.connect(lambda kind, payload: streamed.append(payload["side"]))
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(8)
+    view.right_entries.setPlainText("device_expert_bytes=0\nplacement=static")
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    a, b = view.result.comparison.records
+    assert view.result.comparison.divergence == first_divergence(a.turns[0]["tokens"], b.turns[0]["tokens"])
+    assert view.result.comparison.divergence is None  # exact offload: the same greedy answer at any budget
+    assert "identical" in view.divergence.text() and set(streamed) == {0, 1}
+    assert b.offload["entries"]["session.moe.offload.device_expert_bytes"] == "0" and b.label.startswith("B: gptoss")
+    assert a.offload["entries"]["session.moe.offload.device_expert_bytes"] == str(3 * EXPERT)
+    for column, record in ((view.left, a), (view.right, b)):
+        assert column.answer.toPlainText() == record.turns[0]["answer"]
+        assert column.values["tokens"].text() == str(record.turns[0]["generated_tokens"])
+        assert column.values["decode"].text() == f"{record.turns[0]['timings']['decode_tokens_per_s']:.1f} tok/s"
+    assert sorted(window.history.ids()) == sorted(view.result.saved_ids) and len(view.result.saved_ids) == 2
+    # another model folder, both at once: the first differing token is highlighted in both columns
+    view.right_folder.setText(str(fixture_folder("qwen35moe")))
+    view.right_entries.setPlainText("")
+    view.concurrent.setChecked(True)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    a, b = view.result.comparison.records
+    divergence = view.result.comparison.divergence
+    assert divergence == first_divergence(a.turns[0]["tokens"], b.turns[0]["tokens"]) and divergence is not None
+    assert b.model["folder"] == str(fixture_folder("qwen35moe"))
+    assert f"at generated token {divergence + 1}" in view.divergence.text()
+    for column, pieces in zip((view.left, view.right), view.result.pieces):
+        marked = column.answer.toHtml()
+        assert f"background-color:{theme.current().warn}" in marked  # the highlighted token
+        assert marked.count("background-color:") == 1
+        assert column.answer.toPlainText().startswith("".join(pieces[:divergence]))
+    assert len(window.history.ids()) == 4
+
+
+def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):
+    load(qtbot, window, "gptoss")
+    view = window.contention_view
+    view.corpus.setText(str(make_corpus(tmp_path / "corpus", files=12, words_per_file=200)))
+    view.workers.setValue(1)
+    view.max_tokens.setValue(4)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    report = view.result.report
+    assert report.documents == 12 and report.workers == 1
+    assert report.indexing_alone_s > 0 and report.inference_alone_s > 0
+    assert report.indexing_with_inference_s > 0 and report.inference_with_indexing_s > 0
+    assert view.table.item(0, 1).text() == f"{report.indexing_alone_s:.2f} s"
+    assert view.table.item(1, 2).text() == f"{report.inference_with_indexing_s:.2f} s"
+    assert view.table.item(1, 3).text() == f"{report.inference_slowdown:.2f}×"
+    saved = view.save(str(tmp_path / "contention.md"))
+    assert saved.read_text() == report.markdown()
