@@ -5,6 +5,10 @@ Tolerances (max |got - ref| / max |ref|), fp32 activations:
 * tensor-core prefill: 3e-3 (fp16 activations, per-block scales folded into fp16 weights, fp32 accumulate);
 * fp32 FMA fallback: 1e-4.
 fp16 input / output adds the final fp16 rounding: 4e-3 (decode, FMA) and 5e-3 (prefill); bf16 I/O 1.5e-2.
+
+Layouts the kernels do not read as stored (int2 / int3, SM80 prepacked, mixed widths, nvfp4, mxfp4) are converted
+exactly on upload (kernels.gpu.convert; CPU checks in tests/test_gpu_layout_conversion.py) and held to the same
+tolerances against the reference on the stored layout (``test_gpu_converted_layouts`` and below).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import pytest
 
 from kernels.qmoe_spec import QMoESpec
 from kernels.reference import expert_ffn, qmoe_reference, route as ref_route
-from tests.qmoe_oracle import make_case
+from tests.qmoe_oracle import make_case, make_layout_case
 
 pytestmark = pytest.mark.gpu
 
@@ -273,3 +277,106 @@ def test_gpu_forward_into_graph(gpu):
             graph.launch(stream)
             stream.synchronize()
             assert _relerr(cp.asnumpy(out), qmoe_reference(x[:1], lg[i:i + 1], spec, t)) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- layouts converted on upload
+CONVERTED = {  # stored layout -> make_layout_case arguments; GpuQMoE converts them (kernels.gpu.convert)
+    "int2-row": dict(bits=2),
+    "int2-block32-zp": dict(bits=2, block_size=32, zero_points=True),
+    "int3-block32-zp": dict(bits=3, block_size=32, zero_points=True),
+    "int3-row-ragged-zp": dict(bits=3, zero_points=True, H=120, I=56),
+    "int3-block64": dict(bits=3, block_size=64, I=128),
+    "int4-sm80-block64": dict(bits=4, block_size=64, packing="sm80"),
+    "int4-sm80-row-zp": dict(bits=4, packing="sm80", zero_points=True),
+    "int8-sm80-block32-zp": dict(bits=8, block_size=32, packing="sm80", zero_points=True, I=128),
+    "mixed-4-8-block32-zp": dict(bits=4, fc2_bits=8, block_size=32, zero_points=True),
+    "mixed-8-2-row": dict(bits=8, fc2_bits=2),
+    "nvfp4-kpacked": dict(quant_type="nvfp4", packing="k_packed"),
+    "nvfp4-kpacked-pow2": dict(quant_type="nvfp4", packing="k_packed", global_pow2=True),
+    "nvfp4-npacked": dict(quant_type="nvfp4", packing="n_packed"),
+    "mxfp4": dict(quant_type="fp4"),
+}
+CONV_ACTS = ("swiglu1-limit", "gelu", "swiglu2", "silu-fc3", "swiglu0", "relu")
+CONV_GRID = [(lay, act) for i, lay in enumerate(CONVERTED) for act in (CONV_ACTS[i % 6], CONV_ACTS[(i + 3) % 6])]
+CONV_GRID = [(lay, act) if not (CONVERTED[lay].get("quant_type") and ACTS[act].get("fc3", act == "swiglu0"))
+             else (lay, "identity") for lay, act in CONV_GRID]  # nvfp4 / mxfp4 have no FC3 (no fc3 global scale)
+
+
+def _layout_case(layout, act, seed, dtype=np.float32, T=100, E=None, k=None):
+    rng = np.random.default_rng(seed)
+    kw = {"H": 128, "I": 64, **CONVERTED[layout], **ACTS[act]}
+    return make_layout_case(seed=seed, E=E or int(rng.integers(4, 10)), k=k or int(rng.integers(1, 4)),
+                            bias=bool(seed % 2), dtype=dtype, T=T, **kw)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout,act", CONV_GRID, ids=[f"{a}-{b}" for a, b in CONV_GRID])
+def test_gpu_converted_layouts(gpu, layout, act, dtype):
+    """Every newly accepted layout, both paths, decode and prefill, against the reference on the stored layout."""
+    cp, GpuQMoE = gpu
+    seed = 9000 + CONV_GRID.index((layout, act)) * 2 + (dtype == np.float16)
+    attrs, t, x, lg = _layout_case(layout, act, seed, dtype)
+    spec = _spec(attrs, t, x)
+    for path in ("tc", "fma"):
+        m = GpuQMoE(spec, t, path=path)
+        assert m.conversion.converted and m.source_spec is spec and m.spec.packing == "raw"
+        for T, phase in ((1, "decode"), (3, "decode"), (100, "prefill")):
+            ref = qmoe_reference(x[:T], lg[:T], spec, t)
+            got = m.forward(x[:T], lg[:T])
+            assert isinstance(got, np.ndarray) and got.dtype == x.dtype and got.shape == (T, spec.hidden_size)
+            err = _relerr(got, ref)
+            assert err <= TOL[(path, phase, dtype)], f"{path} T={T}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("layout", ["int2-block32-zp", "int4-sm80-block64", "mixed-4-8-block32-zp", "nvfp4-npacked",
+                                    "mxfp4"])
+@pytest.mark.parametrize("T", [2, 30])
+def test_gpu_converted_slot_upload(gpu, layout, T):
+    """The offload engine's path for converted layouts: pack_expert (host conversion) + upload_expert into slots on a
+    side stream, non-resident experts skipped; expert_bytes is the converted size (gpu_expert_bytes, no CuPy)."""
+    from kernels.gpu.convert import gpu_expert_bytes
+
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = _layout_case(layout, "swiglu1-limit", seed=17, T=T, E=8, k=2)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, num_slots=3, resident=[])
+    assert m.expert_bytes() == gpu_expert_bytes(spec, t)
+    assert m.expert_device_bytes() == gpu_expert_bytes(spec, t, resident=True)
+    tol = 1e-4 if T <= 8 else 3e-3
+    rng = np.random.default_rng(18)
+    ids = rng.integers(0, 8, size=(T, 2)).astype(np.int32)
+    ids[:, 1] = (ids[:, 0] + 1 + rng.integers(0, 7, size=T)) % 8
+    w = rng.uniform(0.1, 1.0, size=(T, 2)).astype(np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    m.upload_expert(5, 0, stream=stream)
+    m.upload_expert(2, 1, stream=stream, packed=m.pack_expert(2))
+    stream.synchronize()
+    mask = np.isin(ids, [5, 2])
+    got = m.run_experts(x, ids, w)
+    assert _relerr(got, _ref_pairs(x, np.where(mask, ids, -1), w, spec, t)) <= tol
+    full = GpuQMoE(spec, t)  # all resident: the initial upload converts in chunks, same numbers
+    sub = np.where(mask, ids, -1)
+    assert _relerr(m.run_experts(x, sub, w), full.run_experts(x, sub, w)) <= 1e-6
+
+
+def test_gpu_converted_bf16(gpu):
+    """nvfp4 with bf16 activations: the converted fp32 block scales with bf16 I/O."""
+    bf16 = pytest.importorskip("ml_dtypes").bfloat16
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = _layout_case("nvfp4-kpacked", "swiglu1-limit", seed=23, dtype=bf16, T=40, E=8, k=2)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t)
+    for T in (2, 40):
+        got = m.forward(x[:T], lg[:T])
+        assert got.dtype == x.dtype
+        ref = qmoe_reference(x[:T], lg[:T], spec, t)
+        assert _relerr(got.astype(np.float32), ref.astype(np.float32)) <= 1.5e-2
+
+
+def test_gpu_refuses_fp8(gpu):
+    from kernels.qmoe_spec import UnsupportedLayout
+
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_layout_case(seed=0, quant_type="fp8", block_size=32, H=128, I=64)
+    with pytest.raises(UnsupportedLayout, match="no exact conversion"):
+        GpuQMoE(_spec(attrs, t, x), t)
