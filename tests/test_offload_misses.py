@@ -1,0 +1,238 @@
+"""Decode misses split between the CPU and spare device slots by the cost model (miss_policy.py),
+and the bounded pinned staging ring (pinned_bytes), on the simulated device."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import engine.offload.hybrid_node as hybrid_node
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.offload.devices import Bandwidths
+from engine.offload.miss_policy import MissCosts, choose, decide
+from engine.offload.placement import LayerSlots, make_policy
+from engine.offload.planner import OffloadPlanError
+from engine.writer import write_model
+from tests.test_offload import SPEC, greedy_run
+
+# CPU FLOP/s high enough that decode misses cost their bytes / B_cpu (memory-bound, as on real machines)
+FAST_PCIE = Bandwidths(pcie=1e15, hbm=1e15, cpu=1e6, cpu_flops=1e18)     # copying always pays
+SLOW_PCIE = Bandwidths(pcie=1e3, hbm=1e15, cpu=1e15, cpu_flops=1e18)     # the CPU always wins
+BALANCED = Bandwidths(pcie=4e9, hbm=4e9, cpu=1e9, cpu_flops=1e18)        # copy = device = CPU / 4 per expert
+MIXES = {"fast_pcie": FAST_PCIE, "slow_pcie": SLOW_PCIE, "balanced": BALANCED}
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("misses") / "m", SPEC)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(model_folder):
+    return greedy_run(LoadedModel.open(model_folder))
+
+
+@pytest.fixture(scope="module")
+def per_expert(model_folder):
+    return LoadedModel.open(model_folder).folder.experts[0].bytes_per_expert
+
+
+@pytest.fixture
+def decisions(monkeypatch):
+    """Every decision the miss policy takes: (spare slots offered, misses, MissDecision)."""
+    seen = []
+
+    def recording(bandwidths, expert_bytes, tokens, spare_slots, *args, **kwargs):
+        decision = decide(bandwidths, expert_bytes, tokens, spare_slots, *args, **kwargs)
+        seen.append((spare_slots, len(tokens), decision))
+        return decision
+
+    monkeypatch.setattr(hybrid_node, "decide", recording)
+    return seen
+
+
+def assert_same_as_cpu(run, cpu_run):
+    logits, tokens = run
+    ref_logits, ref_tokens = cpu_run
+    assert tokens == ref_tokens
+    for ours, ref in zip(logits, ref_logits):
+        assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5
+
+
+def open_model(model_folder, bandwidths, **config):
+    device = SimulatedDevice(1 << 30, bandwidths=bandwidths)
+    return LoadedModel.open(model_folder, offload=OffloadConfig(**config), device=device), device
+
+
+# --- the cost function ----------------------------------------------------------------------------
+
+def test_the_cost_model_finds_the_best_split_of_every_random_case():
+    rng = np.random.default_rng(4)
+    for _ in range(400):
+        n = int(rng.integers(0, 7))
+        costs = MissCosts(cpu_s=rng.uniform(0.1, 3.0, n) * rng.choice([1e-4, 1e-3]), copy_s=float(rng.uniform(0, 2e-3)),
+                          device_s=float(rng.uniform(0, 1e-3)), resident_s=float(rng.uniform(0, 3e-3)),
+                          prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])))
+        spares = int(rng.integers(0, n + 2))
+        decision = choose(costs, spares)
+        best = min(costs.step_seconds(np.array(subset, dtype=np.int64))
+                   for size in range(min(n, spares) + 1) for subset in itertools.combinations(range(n), size))
+        assert decision.predicted_s == pytest.approx(best, rel=1e-9, abs=1e-15)
+        assert costs.step_seconds(decision.copied) == pytest.approx(decision.predicted_s, rel=1e-9, abs=1e-15)
+        assert decision.num_copied <= min(n, spares)
+        assert decision.predicted_s <= decision.all_cpu_s + 1e-15 and decision.predicted_s <= decision.most_copied_s + 1e-15
+        assert decision.all_cpu_s == pytest.approx(costs.step_seconds(np.empty(0, np.int64)), rel=1e-9, abs=1e-15)
+
+
+def test_the_cost_model_on_plain_numbers():
+    # four single-token misses of 1 MB; CPU 1 GB/s (1 ms each), PCIe and HBM 4 GB/s (0.25 ms each)
+    decision = decide(BALANCED, 1_000_000, np.ones(4), spare_slots=8, resident_s=0.0)
+    assert decision.num_copied == 3 and decision.predicted_s == pytest.approx(1.5e-3)  # max(1 ms, 0.75 + 0.75 ms)
+    assert decision.all_cpu_s == pytest.approx(4e-3) and decision.most_copied_s == pytest.approx(2e-3)
+    assert decide(BALANCED, 1_000_000, np.ones(4), spare_slots=1, resident_s=0.0).num_copied == 1
+    assert decide(BALANCED, 1_000_000, np.ones(4), spare_slots=0, resident_s=0.0).num_copied == 0
+    busy = decide(BALANCED, 1_000_000, np.ones(4), spare_slots=8, resident_s=10e-3)  # the device is busy anyway
+    assert busy.num_copied == 0
+    # the misses with the most tokens are the ones copied when the CPU is compute-bound on them
+    skewed = decide(Bandwidths(pcie=4e9, hbm=4e9, cpu=1e9, cpu_flops=1e9), 1_000_000, np.array([1, 50, 2]),
+                    spare_slots=1, resident_s=0.0, flops_per_token=1e5)
+    assert skewed.copied.tolist() == [1]
+
+
+# --- on the simulated device ------------------------------------------------------------------
+
+@pytest.mark.parametrize("placement", ["static", "adaptive"])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_outputs_equal_the_all_cpu_run_for_every_decision_mix(model_folder, cpu_run, per_expert, decisions,
+                                                             placement, mix):
+    model, device = open_model(model_folder, MIXES[mix], placement=placement,
+                               device_expert_bytes=8 * 3 * per_expert)  # 8 of 16 experts per layer
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = model.offload.stats.totals()
+    assert totals.misses_cpu + totals.misses_copied == totals.misses > 0
+    for _spares, _n, decision in decisions:
+        assert decision.predicted_s <= decision.all_cpu_s and decision.predicted_s <= decision.most_copied_s
+    if placement != "static":
+        return
+    # static placement without a popularity file chooses nothing: every slot is spare for misses
+    assert decisions
+    copied = [d.num_copied for _s, _n, d in decisions]
+    if mix == "fast_pcie":
+        assert all(d.num_copied == min(n, spares) for spares, n, d in decisions)
+        assert totals.miss_copies == sum(copied) > 0
+    elif mix == "slow_pcie":
+        assert sum(copied) == 0 and totals.misses_copied == 0 and totals.misses_cpu == totals.misses
+    else:
+        both = [(n, d) for _s, n, d in decisions if 0 < d.num_copied < n]
+        assert both, "balanced bandwidths should split some step between the CPU and the device"
+        for n, d in both:
+            assert d.predicted_s < d.all_cpu_s and d.predicted_s <= d.most_copied_s
+    splits = model.offload.stats.step_splits
+    assert len(splits) == model.offload.stats.steps and sum(c for c, _ in splits) == totals.misses_cpu
+    record = model.offload.stats.as_dict()
+    assert record["misses_copied"] == totals.misses_copied and len(record["step_splits"]) == len(splits)
+
+
+def test_copied_misses_stay_resident_and_placement_is_told(model_folder, per_expert, decisions):
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static", device_expert_bytes=8 * 3 * per_expert)
+    state = model.new_state()
+    model.decoder.forward(state, model.tokenizer.encode("Copied misses stay"))
+    model.offload.stats.reset(len(model.offload.slots))
+    logits = model.decoder.forward(state, [int(model.tokenizer.encode("x")[0])])
+    policy = model.offload.policy
+    assert policy.admissions > 0
+    for index, layer in enumerate(model.offload.slots):
+        resident = layer.resident()
+        assert set(resident) <= set(np.flatnonzero(policy.admitted[index]))  # static wants none of them
+        assert np.all(layer.slot_of[resident] >= 0)
+    hits_before = model.offload.stats.totals().hits
+    model.decoder.forward(state, [int(logits[-1].argmax())])
+    assert model.offload.stats.totals().hits >= hits_before
+
+
+def test_no_spare_slot_means_every_miss_on_the_cpu(model_folder, cpu_run, decisions):
+    model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=0)
+    state = model.new_state()
+    logits = model.decoder.forward(state, model.tokenizer.encode("The expert offload engine must be exact."))
+    model.offload.stats.reset(len(model.offload.slots))
+    for _ in range(4):
+        logits = model.decoder.forward(state, [int(logits[-1].argmax())])
+    totals = model.offload.stats.totals()
+    assert totals.misses > 0 and totals.misses_cpu == totals.misses and totals.misses_copied == 0
+    assert not decisions  # nothing to decide without a spare slot
+
+
+def test_wanted_residents_are_never_spare():
+    layer = LayerSlots(8, 4)
+    policy = make_policy("adaptive", [layer])
+    for slot, expert in enumerate([0, 1, 2, 3]):
+        layer.place(slot, expert)
+    policy.scores[0][:] = [5, 4, 0.1, 3, 2, 0, 0, 0]  # top 4: experts 0, 1, 3, 4 -> 2 is not wanted
+    assert policy.spare_slots(0, np.array([], np.int64)).tolist() == [2]
+    assert policy.spare_slots(0, np.array([2])).tolist() == []  # routed this step: busy
+    static_layer = LayerSlots(8, 4)
+    static = make_policy("static", [static_layer])
+    static_layer.place(0, 6)  # placed by the placement itself: wanted
+    assert static.spare_slots(0, np.array([], np.int64)).tolist() == [1, 2, 3]
+    static.admit(0, 1, 7)
+    assert static.spare_slots(0, np.array([], np.int64)).tolist() == [2, 3, 1]  # empty first, then admitted
+    assert static.spare_slots(0, np.array([7])).tolist() == [2, 3]
+
+
+def test_cpu_execution_disabled_copies_every_miss(model_folder, cpu_run, per_expert, decisions):
+    model, _device = open_model(model_folder, SLOW_PCIE, cpu_execution="disabled", device_expert_bytes=4 * 3 * per_expert)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = model.offload.stats.totals()
+    assert totals.misses > 0 and totals.misses_copied == totals.misses and totals.misses_cpu == 0 and totals.cpu_s == 0
+    assert not decisions  # no cost model: the mode says where misses run
+
+
+# --- the pinned staging ring -----------------------------------------------------------------
+
+def test_the_pinned_high_water_mark_stays_within_pinned_bytes(model_folder, cpu_run, per_expert):
+    pinned = 3 * per_expert
+    model, device = open_model(model_folder, FAST_PCIE, device_expert_bytes=6 * 3 * per_expert, pinned_bytes=pinned,
+                               prefill_wave_experts=4)
+    assert model.offload.wave_experts == 1  # 3 experts of ring: waves of one, double-buffered
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    ring = device.pinned
+    assert ring.capacity == pinned and ring.copies > 0 and 0 < ring.high_water <= pinned
+    info = model.offload.stats.as_dict()["pinned"]
+    assert info["bytes"] == pinned and info["high_water"] == ring.high_water
+    assert any("pinned staging ring" in line for line in model.offload.plan.statements)
+
+    auto, auto_device = open_model(model_folder, Bandwidths(), device_expert_bytes=0, prefill_wave_experts=3)
+    assert auto_device.pinned.capacity == 2 * 3 * per_expert and auto.offload.wave_experts == 3
+    prompt = " ".join(["many tokens make the prompt long enough to stream experts"] * 6)
+    auto.decoder.forward(auto.new_state(), auto.tokenizer.encode(prompt))
+    assert auto_device.pinned.copies > 0
+    assert auto_device.pinned.high_water == 3 * per_expert  # one wave in flight, half the double-buffered ring
+
+
+def test_a_pinned_ring_that_holds_no_expert_is_refused(model_folder, per_expert):
+    with pytest.raises(OffloadPlanError) as error:
+        open_model(model_folder, FAST_PCIE, pinned_bytes=per_expert - 1)
+    message = str(error.value)
+    assert "session.moe.offload.pinned_bytes" in message and str(per_expert) in message and "\n" not in message
+    model, device = open_model(model_folder, FAST_PCIE, pinned_bytes=per_expert)  # one expert is enough
+    assert device.pinned.capacity == per_expert and model.offload.wave_experts == 1
+
+
+def test_reconfigure_resizes_the_pinned_ring(model_folder, cpu_run, per_expert):
+    model, device = open_model(model_folder, FAST_PCIE, device_expert_bytes=4 * 3 * per_expert, prefill_wave_experts=2)
+    assert device.pinned.capacity == 4 * per_expert
+    model.offload.reconfigure(model.offload.config.updated(pinned_bytes=10 * per_expert, prefill_wave_experts=8))
+    assert device.pinned.capacity == 10 * per_expert and model.offload.wave_experts == 5
+    assert model.offload.stats.pinned["bytes"] == 10 * per_expert
+    with pytest.raises(OffloadPlanError, match="pinned_bytes"):
+        model.offload.reconfigure(model.offload.config.updated(pinned_bytes=100))
+    assert device.pinned.capacity == 10 * per_expert and model.offload.config.pinned_bytes == 10 * per_expert
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert device.pinned.high_water <= 10 * per_expert
+    model.offload.reconfigure(model.offload.config.updated(mode="disabled"))
+    assert device.pinned is None
+    model.offload.reconfigure(model.offload.config.updated(mode="auto", pinned_bytes=None))
+    assert device.pinned.capacity == 2 * 8 * per_expert
