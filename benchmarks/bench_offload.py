@@ -6,7 +6,9 @@ measured in this run and h the measured hit rate), prefill tokens/s for a 2,048-
 against the all-CPU prefill, and the per-layer overhead (Python, synchronisation, launches) left
 when kernel and dense times are taken out. Random weights route almost uniformly, so each point
 also reports the hit rate the adaptive policy reaches on a realistic routing trace at the same
-slot count and the decode rate projected from this run's measured costs at that hit rate.
+slot count and the decode rate projected from this run's measured costs at that hit rate. Each
+decode point also reports how the miss policy split the misses (CPU / copied into spare slots) and
+the pinned staging ring's size and high-water mark.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def main() -> None:
         device = SimulatedDevice(200 << 30)
     b_dram = stream_read_bandwidth() * 1e9
     b_pcie, b_hbm = device.bandwidths.pcie, device.bandwidths.hbm
-    print(f"B_dram {b_dram / 1e9:.1f} GB/s, B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
+    print(f"B_dram {b_dram / 1e9:.1f} GB/s (the engine measured {device.bandwidths.cpu / 1e9:.1f}), "
+          f"B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
 
     model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0), device=device)
     infos = model.folder.experts
@@ -116,7 +119,9 @@ def main() -> None:
         figures += [
             {"name": f"decode tokens/s, {label}", "value": rate, "unit": "tokens/s",
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", "reference_value": 1 / bound_s,
-             "ratio": rate * bound_s, "hit_rate": h, "dense_s_per_token": dense_per_token},
+             "ratio": rate * bound_s, "hit_rate": h, "dense_s_per_token": dense_per_token,
+             "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
+             "pinned": model.offload.pinned_info()},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
              "ratio": prefill / cpu_prefill},
@@ -129,9 +134,12 @@ def main() -> None:
         rows.append((fraction, rate, 1 / bound_s, h, prefill, overhead * 1e6, trace_h, projected, kernels_s))
         print(f"{fraction:5.0%}  decode {rate:7.1f} tok/s (bound {1 / bound_s:7.1f}, hit {h:.2f})  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
-              f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s", flush=True)
+              f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}",
+              flush=True)
     path = write_result("offload", figures, shape=args.shape, device=device.name, expert_bytes=model.folder.expert_bytes,
-                        bytes_per_expert=per_expert, bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm})
+                        bytes_per_expert=per_expert, bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm,
+                                                                 "cpu_engine": device.bandwidths.cpu},
+                        pinned=model.offload.pinned_info())
     print(f"wrote {path}")
 
 

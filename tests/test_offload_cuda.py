@@ -51,3 +51,43 @@ def test_cuda_mem_limit_is_a_clean_error(folder):
     import cupy
 
     cupy.get_default_memory_pool().set_limit(size=0)  # leave the process unlimited for other tests
+
+
+def test_cuda_misses_copied_into_spare_slots_match_the_cpu(folder):
+    """A (pretended) very slow CPU: the miss policy copies misses into spare slots through the
+    pinned ring on the copy stream, computed on the GPU in the same step."""
+    from dataclasses import replace
+
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=8)
+    device = open_cuda_device()
+    assert device.bandwidths.cpu > 1e9  # measured at start, not the default
+    device.bandwidths = replace(device.bandwidths, cpu=1e3)
+    budget = LoadedModel.open(folder).folder.expert_bytes // 2
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget, placement="static"), device=device)
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    totals = model.offload.stats.totals()
+    assert totals.miss_copies > 0 and totals.misses_cpu + totals.misses_copied == totals.misses
+    ring = device.pinned
+    assert ring.kind == "pinned" and ring.copies > 0 and 0 < ring.high_water <= ring.capacity
+
+
+def test_cuda_waves_through_a_one_expert_pinned_ring(folder):
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference = LoadedModel.open(folder)
+    prompt = reference.tokenizer.encode(" ".join(["many tokens make the prompt long enough to stream experts"] * 6))
+    expected = reference.decoder.forward(reference.new_state(), prompt)
+    device = open_cuda_device()
+    probe = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=device)
+    one = max(device.staging_bytes_per_expert(runner) for runner in probe.offload.runners)
+    probe.offload.reconfigure(probe.offload.config.updated(pinned_bytes=one, cpu_execution="disabled"))
+    assert probe.offload.wave_experts == 1 and device.pinned.capacity == one
+    logits = probe.decoder.forward(probe.new_state(), prompt)
+    assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-2
+    assert device.pinned.copies > 0 and device.pinned.high_water <= one
+    assert probe.offload.stats.totals().misses_cpu == 0
