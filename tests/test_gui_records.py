@@ -160,14 +160,20 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     finish(qtbot, window, view)
     points = view.result.points
     assert [p.budget_bytes for p in points] == [0, 16 * EXPERT] and not view.result.cancelled
+    assert view.scales["budget"] == ("KiB", 1024)  # 16 experts of 31.5 KiB
     for key, curve in view.curves.items():
         x, y = curve.getData()
-        assert list(x) == [0.0, 16 * EXPERT / 2**20] and len(y) == 2
+        assert list(x) == [0.0, 16 * EXPERT / 1024] and len(y) == 2
     assert list(view.curves["completion"].getData()[1]) == [p.completion_s for p in points]
-    assert list(view.curves["device"].getData()[1]) == [p.peak_device_bytes / 2**20 for p in points]
+    assert list(view.curves["tokens"].getData()[1]) == [p.decode_tokens_per_s for p in points]
+    unit, scale = view.scales["device"]
+    assert list(view.curves["device"].getData()[1]) == [p.peak_device_bytes / scale for p in points]
+    assert list(view.curves["rss"].getData()[1]) == [p.peak_rss_bytes / view.scales["rss"][1] for p in points]
+    assert view.plots["device"].titleLabel.text.endswith(f"({unit})")
     assert points[0].peak_device_bytes < points[1].peak_device_bytes
     best = recommend(points, 0.10)
-    assert view.recommended is best and view.marks["completion"].value() == best.budget_bytes / 2**20
+    assert view.recommended is best and view.marks["completion"].value() == best.budget_bytes / 1024
+    assert list(view.chosen["completion"].getData()[1]) == [best.completion_s]
     view.margin.setValue(0.0)
     assert view.recommended is recommend(points, 0.0)
     assert len(window.history.ids()) == 2 and len(view.result.saved_ids) == 2

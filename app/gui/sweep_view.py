@@ -20,11 +20,18 @@ from engine.records.sweep import SweepPoint, recommend
 from engine.units import human_bytes
 
 KIND = "sweeping"
-# (key, title, what a point gives, unit scale: bytes plotted in MiB)
-PANELS = (("device", "device memory peak (MiB)", lambda p: p.peak_device_bytes / 2**20),
-          ("rss", "process RAM peak (MiB)", lambda p: p.peak_rss_bytes / 2**20),
-          ("completion", "completion time (s)", lambda p: p.completion_s),
-          ("tokens", "decode (tokens/s)", lambda p: p.decode_tokens_per_s))
+# (key, title, what a point gives, whether it is bytes: those are drawn in the unit that fits)
+PANELS = (("device", "device memory peak", lambda p: p.peak_device_bytes, True),
+          ("rss", "process RAM peak", lambda p: p.peak_rss_bytes, True),
+          ("completion", "completion time (s)", lambda p: p.completion_s, False),
+          ("tokens", "decode (tokens/s)", lambda p: p.decode_tokens_per_s, False))
+
+
+def byte_unit(largest: float) -> tuple[str, int]:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if largest >= scale:
+            return unit, scale
+    return "bytes", 1
 
 
 class SweepView(QWidget):
@@ -65,10 +72,13 @@ class SweepView(QWidget):
         self.chosen: dict[str, pg.ScatterPlotItem] = {}
         self.canvas = pg.GraphicsLayoutWidget()
         self.canvas.setMinimumHeight(260)
-        for index, (key, heading, _get) in enumerate(PANELS):
+        self.scales: dict[str, tuple[str, int]] = {}
+        for index, (key, heading, _get, _is_bytes) in enumerate(PANELS):
             plot = self.canvas.addPlot(row=index // 2, col=index % 2, title=heading)
-            plot.setLabel("bottom", "expert budget (MiB)")
+            plot.setLabel("bottom", "expert budget")
             plot.showGrid(x=True, y=True, alpha=0.3)
+            for axis in ("left", "bottom"):
+                plot.getAxis(axis).enableAutoSIPrefix(False)
             self.plots[key] = plot
             self.curves[key] = plot.plot([], [], symbol="o")
             self.chosen[key] = pg.ScatterPlotItem(size=14)
@@ -149,11 +159,23 @@ class SweepView(QWidget):
 
     # --- plots and the recommendation ---------------------------------------------------------------
     def plot(self, points: list[SweepPoint]) -> None:
-        budgets = [p.budget_bytes / 2**20 for p in points]
-        for key, _heading, get in PANELS:
-            self.curves[key].setData(budgets, [get(p) for p in points])
+        """Each panel against the budget; bytes in the unit that fits (self.x / self.y give plotted values)."""
+        self.scales["budget"] = byte_unit(max((p.budget_bytes for p in points), default=0))
+        for key, heading, get, is_bytes in PANELS:
+            if is_bytes:
+                self.scales[key] = byte_unit(max((get(p) or 0 for p in points), default=0))
+                self.plots[key].setTitle(f"{heading} ({self.scales[key][0]})", color=self._theme.text)
+            self.plots[key].setLabel("bottom", f"expert budget ({self.scales['budget'][0]})")
+            self.curves[key].setData([self.x(p) for p in points], [self.y(key, p) for p in points])
             self.chosen[key].setData([], [])
             self.marks[key].hide()
+
+    def x(self, point: SweepPoint) -> float:
+        return point.budget_bytes / self.scales["budget"][1]
+
+    def y(self, key: str, point: SweepPoint) -> float:
+        get, is_bytes = next((g, b) for k, _h, g, b in PANELS if k == key)
+        return (get(point) or 0) / (self.scales[key][1] if is_bytes else 1)
 
     def _recommend(self) -> None:
         if self.result is None or self.result.cancelled or not self.result.points:
@@ -161,9 +183,9 @@ class SweepView(QWidget):
         margin = self.margin.value() / 100
         best = recommend(self.result.points, margin)
         self.recommended = best
-        for key, _heading, get in PANELS:
-            self.chosen[key].setData([best.budget_bytes / 2**20], [get(best)])
-            self.marks[key].setValue(best.budget_bytes / 2**20)
+        for key, *_rest in PANELS:
+            self.chosen[key].setData([self.x(best)], [self.y(key, best)])
+            self.marks[key].setValue(self.x(best))
             self.marks[key].show()
         fastest = min(p.completion_s for p in self.result.points)
         self.summary.setText(
