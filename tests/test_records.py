@@ -167,3 +167,28 @@ def test_cli_record_sweep_history_contention(tmp_path):
     assert set(json.loads(contention.stdout)) >= {"indexing_alone_s", "inference_alone_s",
                                                   "indexing_with_inference_s", "inference_with_indexing_s"}
     assert "progress" not in contention.stdout and "contention: 100.0%" in contention.stderr
+
+
+def test_sweep_and_contention_stop_when_cancelled(tmp_path):
+    import threading
+
+    from engine.records.contention import ContentionCancelled
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("lfm2moe"), offload=OffloadConfig(), device=device)
+    cancel = threading.Event()
+    streamed = []
+
+    def on_text(_token, _delta):  # cancel during the second point's answer
+        streamed.append(1)
+        if len(streamed) == 8:
+            cancel.set()
+
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=5), cancel=cancel, on_text=on_text)
+    assert len(points) == 1 and len(streamed) == 8  # only complete points; the cut answer stopped at once
+    corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=50)
+    calls, stop = [], threading.Event()
+    with pytest.raises(ContentionCancelled):  # cancelled during the first phase: stops before inference
+        run_contention(lambda: calls.append(1) or 0.1, corpus, workers=1, progress=lambda fraction: stop.set(),
+                       cancel=stop)
+    assert calls == []

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from app.gui.record_report import compare_html, detail_html, fmt, title
-from engine.records.history import History
+from engine.records.history import History, default_path
 from engine.records.scenarios import SCENARIOS
 
 HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "load", "first token", "decode",
@@ -119,8 +119,9 @@ class HistoryView(QWidget):
                 "label": self.label_filter.text().strip() or None}
 
     def refresh(self) -> None:
+        path = Path(self.history_path) if self.history_path else default_path()
         try:
-            rows = self.history.rows(**self.filters())
+            rows = self.history.rows(**self.filters()) if path.is_file() else []  # nothing saved yet: no file made
         except Exception as exc:  # a damaged or locked history file is a message, not a crash
             self.failed.emit(f"Could not read the history {self.history_path or ''}: {exc}")
             rows = []
