@@ -77,7 +77,7 @@ def _table(rows, header=None) -> str:
 
 
 def detail_html(record: RunRecord, run_id: int | None = None) -> str:
-    t, p, o = record.timings, record.peaks, record.offload
+    t, o = record.timings, record.offload
     parts = [f"<h3>{html.escape(title(record, run_id))}</h3>"]
     parts.append(_table([
         ("model", record.model.get("folder", "")), ("type", record.model.get("type", "")),
