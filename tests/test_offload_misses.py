@@ -236,3 +236,75 @@ def test_reconfigure_resizes_the_pinned_ring(model_folder, cpu_run, per_expert):
     assert device.pinned is None
     model.offload.reconfigure(model.offload.config.updated(mode="auto", pinned_bytes=None))
     assert device.pinned.capacity == 2 * 8 * per_expert
+
+
+# --- the CUDA device's ring logic, with a stand-in for CuPy (the GPU itself: tests/test_offload_cuda.py) ----
+
+class _Event:
+    def __init__(self):
+        self.done = False
+
+    def synchronize(self):
+        self.done = True
+
+
+class _Stream:
+    def record(self):
+        return _Event()
+
+
+class _FakeCupy:
+    class cuda:
+        @staticmethod
+        def alloc_pinned_memory(nbytes):
+            return bytearray(nbytes)
+
+    @staticmethod
+    def get_default_pinned_memory_pool():
+        return type("Pool", (), {"free_all_blocks": staticmethod(lambda: None)})()
+
+
+def test_the_cuda_ring_waits_only_for_regions_it_reuses():
+    from engine.offload.cuda_device import ALIGN, CudaPinnedRing
+
+    ring = CudaPinnedRing(_FakeCupy, 4 * ALIGN)
+    stream = _Stream()
+    a = ring.take(100)
+    assert a == (0, ALIGN)
+    pinned = ring.view(a[0], np.arange(25, dtype=np.float32))
+    assert np.shares_memory(pinned, ring.buffer) and pinned[24] == 24
+    ring.issued(*a, stream)
+    b = ring.take(2 * ALIGN - 10)
+    ring.issued(*b, stream)
+    first, second = ring._flight[0][2], ring._flight[1][2]
+    assert b == (ALIGN, 3 * ALIGN) and ring.in_use == 3 * ALIGN and not first.done
+    c = ring.take(2 * ALIGN)  # does not fit after b: wraps to 0 and waits for a and b
+    assert c == (0, 2 * ALIGN) and first.done and second.done
+    assert ring.in_use == 2 * ALIGN and ring.high_water == 3 * ALIGN <= ring.capacity
+    ring.issued(*c, stream)
+    with pytest.raises(Exception, match="cannot hold"):
+        ring.take(5 * ALIGN)
+    ring.close()
+    assert ring.in_use == 0
+
+
+def test_a_wave_gathered_into_the_ring_reads_like_the_model(model_folder):
+    from engine.offload.cuda_device import CudaPinnedRing, gather_wave
+    from kernels.gpu import layout
+
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
+    runner = model.offload.runners[0]
+    spec, tensors = runner.info.spec, {k: v for k, v in runner.tensors.items() if v is not None}
+    experts = np.array([3, 7, 9, 12])
+    ring = CudaPinnedRing(_FakeCupy, 8 * runner.info.bytes_per_expert)
+    wave, start, end = gather_wave(ring, tensors, experts, spec.num_experts)
+    assert end - start <= 5 * runner.info.bytes_per_expert
+    for lay in layout.make_layouts(spec, tensors):
+        ours = layout.raw_sources(spec, wave, lay, np.arange(4), xp=np)
+        theirs = layout.raw_sources(spec, tensors, lay, experts, xp=np)
+        for a, b in zip(ours, theirs):
+            assert (a is None and b is None) or np.array_equal(a, b)
+    name = "fc1_experts_weights"
+    assert np.shares_memory(layout._take(wave[name], np.arange(4)), ring.buffer)  # no pageable copy on the way
+    assert np.shares_memory(layout._take(wave[name], np.arange(1, 3)), ring.buffer)
+    assert np.array_equal(layout._take(wave[name], np.array([2, 0])), tensors[name][[9, 3]])

@@ -137,6 +137,23 @@ class CudaPinnedRing(PinnedRing):
         self.in_use = 0
 
 
+def gather_wave(ring: CudaPinnedRing, tensors: dict, experts: np.ndarray, num_experts: int):
+    """The rows of `experts` of every per-expert tensor, gathered into one region of the pinned ring:
+    (tensors for a GpuQMoE of the wave alone, local ids 0..n-1; region start; region end)."""
+    per_expert = {name: t for name, t in tensors.items()
+                  if t is not None and t.ndim >= 1 and t.shape[0] == num_experts}
+    sizes = {name: _round_up(len(experts) * (t.nbytes // num_experts)) for name, t in per_expert.items()}
+    start, end = ring.take(sum(sizes.values()))
+    wave_tensors, offset = dict(tensors), start
+    for name, t in per_expert.items():
+        rows = ring.buffer[offset:offset + len(experts) * (t.nbytes // num_experts)]
+        rows = rows.view(t.dtype).reshape((len(experts),) + t.shape[1:])
+        np.take(t, experts, axis=0, out=rows, mode="clip")  # ids are valid; clip: no buffering
+        wave_tensors[name] = rows.view(_WholeWave)
+        offset += sizes[name]
+    return wave_tensors, start, end
+
+
 class CudaSlots:
     """One expert node's slots in GPU memory (a GpuQMoE holding `num_slots` experts). A prefill
     wave gets a short-lived GpuQMoE of its own, inside the staging bytes the engine reserved."""
@@ -207,21 +224,13 @@ class CudaSlots:
             wave_tensors = tensors
             resident = [int(e) for e in experts]
         else:
-            per_expert = {name: t for name, t in tensors.items()
-                          if t is not None and t.ndim >= 1 and t.shape[0] == num_experts}
-            sizes = {name: _round_up(len(experts) * (t.nbytes // num_experts)) for name, t in per_expert.items()}
-            start, end = ring.take(sum(sizes.values()))
-            wave_tensors, offset = dict(tensors), start
-            for name, t in per_expert.items():
-                rows = ring.buffer[offset:offset + len(experts) * (t.nbytes // num_experts)]
-                rows = rows.view(t.dtype).reshape((len(experts),) + t.shape[1:])
-                np.take(t, experts, axis=0, out=rows)
-                wave_tensors[name] = rows.view(_WholeWave)
-                offset += sizes[name]
+            wave_tensors, start, end = gather_wave(ring, tensors, experts, num_experts)
             resident = list(range(len(experts)))
-        self._wave = (self._make(len(experts), resident, wave_tensors), None if ring is None else experts)
-        if ring is not None:  # the wave's GpuQMoE synchronised its uploads: the region is free again
-            ring.issued(start, end, self.device.cp.cuda.get_current_stream())
+        try:
+            self._wave = (self._make(len(experts), resident, wave_tensors), None if ring is None else experts)
+        finally:
+            if ring is not None:  # the wave's GpuQMoE synchronised its uploads: the region is free again
+                ring.issued(start, end, self.device.cp.cuda.get_current_stream())
         return time.perf_counter() - started
 
     def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
@@ -307,12 +316,15 @@ class CudaDevice:
 
 
 class _WholeWave(np.ndarray):
-    """A wave's rows in the pinned ring. The GPU layout code takes `rows[experts]`; for the whole
-    wave in order that is these rows themselves (no pageable copy), so the upload reads pinned memory."""
+    """A wave's rows in the pinned ring. The GPU layout code takes `rows[experts]` (an index array);
+    for a run of consecutive rows that is a slice of these rows (no pageable copy), so the upload
+    reads pinned memory."""
 
     def __getitem__(self, index):
         base = self.view(np.ndarray)
-        if isinstance(index, np.ndarray) and index.ndim == 1 and index.size == base.shape[0] \
-                and np.array_equal(index, np.arange(base.shape[0])):
-            return base
+        if isinstance(index, np.ndarray) and index.ndim == 1 and index.size and index.dtype.kind in "iu":
+            first = int(index[0])
+            if 0 <= first and first + index.size <= base.shape[0] \
+                    and np.array_equal(index, np.arange(first, first + index.size)):
+                return base[first:first + index.size]
         return base[index]
