@@ -223,7 +223,18 @@ def test_uploaded_kernel_layout_holds_the_reference_weights(layout):
                 np.testing.assert_array_equal(bias[j][valid], b_src[lay.row_src[valid]])
 
 
-# ----------------------------------------------------------------------------- laziness, bytes, refusals
+# ----------------------------------------------------------------------------- helpers, laziness, bytes, refusals
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("count", [1, 5, 8, 37, 56, 120, 129])
+def test_fast_bit_rows_match_layouts(bits, count):
+    """convert.unpack_rows / pack_rows (byte-wide shifts) == kernels.layouts.unpack_bits / pack_bits."""
+    codes = np.random.default_rng(bits * 1000 + count).integers(0, 1 << bits, size=(3, 2, count))
+    packed = L.pack_bits(codes, bits)
+    got = C.unpack_rows(packed, bits, count)
+    assert got.dtype == np.uint8
+    np.testing.assert_array_equal(got, L.unpack_bits(packed, bits, count))
+    if bits in (4, 8):
+        np.testing.assert_array_equal(C.pack_rows(codes.astype(np.uint8), bits), packed)
 class _Recorder:
     """Wraps a stored tensor; records which experts were read."""
 

@@ -44,7 +44,8 @@ from .. import layouts as L
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
 from .layout import check_activation, make_layouts
 
-__all__ = ["ExpertArray", "GpuConversion", "for_gpu", "gpu_expert_bytes", "gpu_native", "FP4_CODE_TO_INT8"]
+__all__ = ["ExpertArray", "GpuConversion", "for_gpu", "gpu_expert_bytes", "gpu_native", "unpack_rows", "pack_rows",
+           "FP4_CODE_TO_INT8"]
 
 #: int8 code (zero point 128) of each E2M1 code: 128 + 2 * value (code 8 is -0 -> 128)
 FP4_CODE_TO_INT8 = (128 + 2 * L.E2M1_VALUES.astype(np.float64)).astype(np.uint8)
@@ -176,12 +177,53 @@ def gpu_expert_bytes(spec: QMoESpec, tensors: dict, resident: bool = False) -> i
 
 
 # ----------------------------------------------------------------------------- int widths / SM80
+def unpack_rows(packed, bits: int, count: int) -> np.ndarray:
+    """uint8 [..., B] LSB-first rows of ``bits``-bit codes -> uint8 codes [..., count]: the same codes as
+    ``kernels.layouts.unpack_bits`` (which returns int32 and goes through single bits for int3), with byte-wide
+    shifts only. int3: groups of 8 codes = 3 bytes (a row's last partial group is read as if zero-padded)."""
+    p = np.asarray(packed, dtype=np.uint8)
+    lead, B = p.shape[:-1], p.shape[-1]
+    if bits == 8:
+        return p[..., :count]
+    if bits in (2, 4):
+        per = 8 // bits
+        out = np.empty(lead + (B, per), np.uint8)
+        mask = np.uint8((1 << bits) - 1)
+        for i in range(per):
+            out[..., i] = (p >> np.uint8(i * bits)) & mask
+        return out.reshape(lead + (B * per,))[..., :count]
+    if bits != 3:
+        raise ValueError(f"unpack_rows: {bits} bits")
+    groups = -(-count // 8)
+    if B < 3 * groups:
+        p = np.concatenate([p, np.zeros(lead + (3 * groups - B,), np.uint8)], axis=-1)
+    g = p[..., :3 * groups].reshape(lead + (groups, 3)).astype(np.uint32)
+    word = g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16)
+    out = np.empty(lead + (groups, 8), np.uint8)
+    for i in range(8):
+        out[..., i] = (word >> np.uint32(3 * i)) & np.uint32(7)
+    return out.reshape(lead + (groups * 8,))[..., :count]
+
+
+def pack_rows(codes, bits: int) -> np.ndarray:
+    """uint8 codes [..., K] (< 2^bits) -> LSB-first rows uint8 [..., ceil(K * bits / 8)] for 4 or 8 bits: the bytes
+    of ``kernels.layouts.pack_bits`` (int4: low nibble = even k, an odd row's last high nibble zero)."""
+    c = np.asarray(codes, dtype=np.uint8)
+    if bits == 8:
+        return np.ascontiguousarray(c)
+    if bits != 4:
+        raise ValueError(f"pack_rows: {bits} bits")
+    if c.shape[-1] % 2:
+        c = np.concatenate([c, np.zeros(c.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return c[..., 0::2] | (c[..., 1::2] << np.uint8(4))
+
+
 def _codes_of(spec: QMoESpec, w_e, n: int, k: int, bits: int) -> np.ndarray:
-    """Unsigned codes int32 [N, K] of one expert's stored weights (raw rows or SM80 prepacked)."""
+    """Unsigned codes uint8 [N, K] of one expert's stored weights (raw rows or SM80 prepacked)."""
     w = np.asarray(w_e, dtype=np.uint8)
-    if spec.packing == "sm80":
-        return L.sm80_unpack(w, n, k, bits)
-    return L.unpack_bits(w.reshape(n, -1), bits, k)
+    if spec.packing == "sm80":  # the code stream in order, then kernels.layouts' (cached) position of each code
+        return unpack_rows(w.reshape(-1), bits, n * k)[L.sm80_positions(n, k, bits)]
+    return unpack_rows(w.reshape(n, -1), bits, k)
 
 
 def _convert_int(spec: QMoESpec, tensors: dict) -> GpuConversion:
@@ -196,7 +238,8 @@ def _convert_int(spec: QMoESpec, tensors: dict) -> GpuConversion:
             src = tensors[wname]
 
             def conv_w(e, src=src, n=n, k=k, b=b, c=c):
-                return L.pack_bits(_codes_of(spec, src[e], n, k, b) + c, target)
+                q = _codes_of(spec, src[e], n, k, b)
+                return pack_rows(q + np.uint8(c) if c else q, target)  # < 2^(t-1) + 2^(b-1) <= 2^t: no overflow
 
             out[wname] = ExpertArray((E, n, L.row_bytes(k, target)), np.uint8, conv_w, wname)
         zname = f"{proj}_zero_points"
@@ -227,11 +270,11 @@ def _convert_int(spec: QMoESpec, tensors: dict) -> GpuConversion:
 
 # ----------------------------------------------------------------------------- nvfp4 / mxfp4
 def _fp4_codes(w_e, n: int, k: int, packing: str) -> np.ndarray:
-    """E2M1 codes [N, K] (int32) of one expert, as kernels.layouts.dequantize_fp4 reads them."""
+    """E2M1 codes uint8 [N, K] of one expert, as kernels.layouts.dequantize_fp4 reads them."""
     w = np.asarray(w_e, dtype=np.uint8).reshape(-1)
     if packing == "n_packed":
-        return L.unpack_bits(w.reshape(k, n // 2), 4, n).T
-    return L.unpack_bits(w.reshape(n, k // 2), 4, k)  # K-packed rows, whatever the declared dims
+        return unpack_rows(w.reshape(k, n // 2), 4, n).T
+    return unpack_rows(w.reshape(n, k // 2), 4, k)  # K-packed rows, whatever the declared dims
 
 
 def _global_exact(g: np.ndarray, fmt: str) -> bool:
@@ -259,7 +302,7 @@ def _convert_fp4(spec: QMoESpec, tensors: dict) -> GpuConversion:
         exact = exact and (g is None or _global_exact(np.asarray(g), fmt))
 
         def conv_w(e, w=w, n=n, k=k):
-            return FP4_CODE_TO_INT8[_fp4_codes(w[e], n, k, spec.packing)]
+            return np.ascontiguousarray(FP4_CODE_TO_INT8[_fp4_codes(w[e], n, k, spec.packing)])
 
         def conv_s(e, s=s, g=g, n=n, k=k, proj=proj):
             s64 = L.scale_values(np.asarray(s[e]), fmt).reshape(n, k // blk)
