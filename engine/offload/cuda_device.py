@@ -45,7 +45,7 @@ def open_cuda_device(mem_limit: int = 0, index: int = 0) -> "CudaDevice":
     return CudaDevice(index, mem_limit)
 
 
-def _measure_bandwidths(cp, probe_bytes: int = 256 << 20) -> Bandwidths:
+def _measure_bandwidths(cp, probe_bytes: int = 256 << 20) -> tuple[float, float]:
     """Host->device from pinned memory and device->device copies, timed with events."""
     host = cp.cuda.alloc_pinned_memory(probe_bytes)
     host_view = np.frombuffer(host, np.uint8, probe_bytes)
@@ -65,10 +65,15 @@ def _measure_bandwidths(cp, probe_bytes: int = 256 << 20) -> Bandwidths:
 
     pcie = probe_bytes / timed(lambda: a.set(host_view))
     hbm = 2 * probe_bytes / timed(lambda: b.__setitem__(slice(None), a))  # read + write
-    del host_view, host, a, b
-    cp.get_default_pinned_memory_pool().free_all_blocks()
+    return pcie, hbm
+
+
+def _measure_all(cp) -> Bandwidths:
+    """PCIe and HBM, then the host's streaming reads (the CPU kernels' B_cpu for the miss policy)."""
     from engine.offload.host_bandwidth import stream_read_bandwidth
 
+    pcie, hbm = _measure_bandwidths(cp)
+    cp.get_default_pinned_memory_pool().free_all_blocks()  # the probe's pinned buffer
     return Bandwidths(pcie=pcie, hbm=hbm, cpu=stream_read_bandwidth())
 
 
@@ -268,7 +273,7 @@ class CudaDevice:
                 # A hard cap on every CuPy allocation: exceeding it is an OutOfMemoryError, never a crash.
                 cp.get_default_memory_pool().set_limit(size=mem_limit)
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
-            self.bandwidths = _measure_bandwidths(cp)
+            self.bandwidths = _measure_all(cp)
         self.memory = DeviceMemory(capacity=free, limit=mem_limit)
         self.name = f"{name} ({total / GIB:.0f} GiB)"
         self.pinned: CudaPinnedRing | None = None
