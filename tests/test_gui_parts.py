@@ -56,6 +56,55 @@ def test_estimate_follows_the_planner(gptoss):
     assert layer_summary(est.per_layer) == "layer 0: 3 of 8; layer 1: 2 of 8"
 
 
+def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice):
+    """The real offload engine on a simulated device named as the estimate's stand-in."""
+    from engine.generation import LoadedModel
+    from engine.offload import SimulatedDevice
+
+    device = SimulatedDevice(choice.capacity, mem_limit=config.gpu_device_mem_limit, name=choice.label)
+    return LoadedModel.open(fixture_folder(name), offload=config, device=device).offload, device
+
+
+@pytest.mark.parametrize("name", ["gptoss", "lfm2moe", "qwen35moe"])
+def test_estimate_follows_the_engine_for_pinned_bytes(name):
+    folder = ModelFolder.open(fixture_folder(name))
+    facts = model_facts(folder, inspection(folder))
+    per = max(info.bytes_per_expert for info in facts.experts if info.spec)
+    choice = DeviceChoice("simulated", 1 << 30)
+    waves = set()
+    # auto, one expert, just short of two, two, five, and far more than a wave needs
+    for pinned in (None, per, 2 * per - 1, 2 * per, 5 * per, 100 * per):
+        config = OffloadConfig(device_expert_bytes=5 * per, pinned_bytes=pinned, prefill_wave_experts=4)
+        est = estimate(facts, config, choice)
+        engine, device = engine_on(name, config, choice)
+        assert not est.error
+        assert est.staging.pinned_bytes == engine.pinned_info()["bytes"] == device.pinned.capacity
+        assert est.staging.wave_experts == engine.wave_experts
+        assert est.staging_bytes == device.memory.by_purpose["prefill staging ring"]
+        assert [r for _l, _n, r, _e in est.per_layer] == [engine.plan.slots[info.name] for info in engine.infos]
+        assert est.statements[:len(engine.plan.statements)] == engine.plan.statements  # same sentences, ring included
+        parts = {p.key: p.bytes for p in est.host_parts}
+        assert parts["pinned"] == engine.pinned_info()["bytes"]
+        waves.add(est.staging.wave_experts)
+        if pinned is None:
+            assert est.staging.pinned_bytes == 2 * 4 * per and est.staging.wave_experts == 4
+        else:  # an explicit ring bounds the wave: pinned // (2 x expert), at least one
+            assert est.staging.pinned_bytes == pinned and est.staging.wave_experts == min(4, max(1, pinned // (2 * per)))
+    assert waves == {1, 2, 4}
+
+    # below one expert: the engine refuses, and the estimate says the engine's own words
+    config = OffloadConfig(device_expert_bytes=5 * per, pinned_bytes=per - 1)
+    est = estimate(facts, config, choice)
+    with pytest.raises(Exception) as refused:
+        engine_on(name, config, choice)
+    assert est.error == str(refused.value) and "pinned_bytes" in est.error and str(per) in est.error
+    assert est.statements[0] == est.error and est.staging is None and est.resident == 0
+    assert "pinned" not in {p.key for p in est.host_parts}
+    # without a device (or with offload disabled) there is no ring to refuse
+    assert not estimate(facts, config, DeviceChoice("cpu")).error
+    assert not estimate(facts, config.updated(mode="disabled"), choice).error
+
+
 def test_contention_rules():
     calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
     assert check_sample(calm) == []

@@ -2,17 +2,22 @@
 
 The budget panel calls `estimate()` on every move of a control: it plans with the engine's own
 planner (`plan_offload`) against a stand-in device of the chosen size, so the numbers are the ones
-the engine will use when the model loads or re-plans.
+the engine will use when the model loads or re-plans. The staging it takes before planning (the
+pinned host ring and the device's prefill staging ring) is sized by the engine's own
+`engine.offload.staging.ring_bytes`, so an explicit pinned_bytes bounds the ring and the prefill
+wave here exactly as in the engine, and a ring that holds no expert is refused with its message.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from engine.offload.config import OffloadConfig
 from engine.offload.devices import SimulatedDevice
-from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, plan_offload
+from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError, plan_offload
+from engine.offload.staging import ring_bytes
 from engine.units import human_bytes
 
 GIB = 1 << 30
@@ -132,6 +137,7 @@ class Estimate:
     ceiling: int
     staging_bytes: int
     statements: list[str] = field(default_factory=list)
+    staging: "Staging | None" = None   # the pinned ring and prefill wave the engine would take (None: none)
 
     @property
     def resident(self) -> int:
@@ -142,15 +148,38 @@ class Estimate:
         return sum(e for _l, _n, _r, e in self.per_layer)
 
 
-def staging_ring_bytes(config: OffloadConfig, experts: list, available: int) -> tuple[int, int]:
-    """The prefill staging ring the offload engine reserves before planning (engine/offload/engine.py):
-    (experts per wave, bytes)."""
+@dataclass(frozen=True)
+class Staging:
+    """What the offload engine takes before it plans the slots (OffloadEngine._reserve_staging)."""
+    wave_experts: int      # cold experts streamed to the device per prefill wave
+    device_bytes: int      # the device's double-buffered prefill staging ring
+    pinned_bytes: int      # the pinned (page-locked) host ring every copy to the device goes through
+    expert_bytes: int      # one expert as staged in the pinned ring (the largest)
+
+    @property
+    def pinned_experts(self) -> int:
+        return self.pinned_bytes // self.expert_bytes if self.expert_bytes else 0
+
+
+def staging_for(config: OffloadConfig, experts: list, device) -> Staging | None:
+    """The staging the offload engine would take on `device` (engine/offload/engine.py,
+    _reserve_staging): the pinned ring from the engine's own `staging.ring_bytes` (which raises
+    OffloadPlanError for a ring that holds no expert, as the engine does), and the prefill wave,
+    bounded by prefill_wave_experts, by the ring (double-buffered: pinned // (2 x expert), at least
+    1) and by what the device has free. Reserves nothing. None where the engine takes none."""
     runnable = [info for info in experts if info.spec is not None]
-    if not runnable or config.mode == "disabled":
-        return 0, 0
+    if device is None or not runnable or config.mode == "disabled":
+        return None
+    staged = max(device.staging_bytes_per_expert(SimpleNamespace(info=info)) for info in runnable)
+    pinned = ring_bytes(config, staged)
     largest = max(info.bytes_per_expert for info in runnable)
-    wave = min(config.prefill_wave_experts, available // max(1, 2 * largest))
-    return wave, 2 * wave * largest
+    # The engine has no function for the wave (it is computed inside _reserve_staging): same formula.
+    through_ring = max(1, pinned // (2 * staged))
+    wave = min(config.prefill_wave_experts, through_ring, device.memory.available // (2 * largest))
+    if wave == 0 and config.cpu_execution == "disabled":
+        raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
+                               f"({2 * largest} bytes double-buffered)")
+    return Staging(wave, 2 * wave * largest, pinned, staged)
 
 
 def auto_reserve(config: OffloadConfig, available: int) -> int:
@@ -169,6 +198,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     ]
     error = ""
     stand_in = None
+    staged: Staging | None = None
     staging = 0
     if device.kind != "cpu":
         if device.error:
@@ -177,15 +207,20 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             stand_in = SimulatedDevice(device.capacity, mem_limit=config.gpu_device_mem_limit, name=device.label)
             if device.others_bytes:
                 stand_in.memory.reserve(min(device.others_bytes, stand_in.memory.available), "other processes")
-            if config.mode != "disabled" and experts:
-                _wave, staging = staging_ring_bytes(config, experts, stand_in.memory.available)
+            try:
+                staged = staging_for(config, experts, stand_in)
+            except OffloadPlanError as exc:  # the engine refuses to load (or re-plan) with this
+                error = str(exc)
+                stand_in = None
+            if staged is not None:
+                staging = staged.device_bytes
                 if staging:
                     stand_in.memory.reserve(staging, "prefill staging ring")
     plan = None
     if not facts.supported and config.mode == "required":
         error = error or "mode 'required' refuses this model: " + "; ".join(
             n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
-    elif experts:
+    elif experts and not (error and device.usable):  # an unusable device plans as CPU only; a refused ring not at all
         try:
             plan = plan_offload(config, experts, stand_in)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
@@ -202,7 +237,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             Part("experts", "resident experts", resident_bytes, f"{sum(p[2] for p in per_layer)} experts"),
             Part("dense", "dense weights", 0, f"runs on the CPU in this build ({human_bytes(facts.dense_bytes)} in host RAM)"),
             Part("kv", "KV cache", 0, f"in host RAM with the dense part ({human_bytes(kv)})"),
-            Part("workspace", "workspace", staging if stand_in else 0, "prefill staging ring"),
+            Part("workspace", "workspace", staging if stand_in else 0,
+                 f"prefill staging ring: waves of {staged.wave_experts} experts, double-buffered" if staged
+                 else "prefill staging ring"),
             Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
         ]
         used = sum(p.bytes for p in device_parts)
@@ -211,13 +248,25 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                                  f"the automatic budget keeps {reserve} free" if config.device_expert_bytes is None else ""))
         if ceiling < capacity:
             device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - ceiling, ""))
+    if staged is not None and not error:
+        note = f"page-locked; {staged.pinned_experts} experts of {human_bytes(staged.expert_bytes)}"
+        if device.kind == "cuda":
+            note += " as in the file (the kernel layout may be larger)"
+        host_parts.append(Part("pinned", "pinned staging ring", staged.pinned_bytes, note))
     statements = list(plan.statements) if plan else []
+    if plan and staged is not None:  # the sentences the engine adds to its plan
+        if staged.wave_experts:
+            statements.append(f"Cold experts used by many prompt tokens stream to the device in waves of "
+                              f"{staged.wave_experts}.")
+        statements.append(f"Copies to the device go through a pinned staging ring of {human_bytes(staged.pinned_bytes)} "
+                          f"({staged.pinned_experts} experts).")
     if plan and stand_in is not None and config.device_expert_bytes is None and plan.budget_bytes == 0 and experts:
         statements.append(f"The automatic budget is empty: it keeps {human_bytes(auto_reserve(config, stand_in.memory.available))} "
                           "free for KV cache and workspace. Set a Reserve or an Expert budget.")
     if error:
         statements.insert(0, error)
-    return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements)
+    return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
+                    staged if not error else None)
 
 
 def layer_summary(per_layer: list[tuple[int, str, int, int]]) -> str:
