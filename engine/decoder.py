@@ -13,9 +13,10 @@ import onnxruntime as ort
 
 from engine.decoder_state import DecoderState
 from engine.dense_segment import DenseSegment, run_bound
+from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode, ExpertNodeInfo
 from engine.onnx_file import OnnxFile
-from engine.ort_env import session_options
+from engine.ort_env import CPU_DENSE, DenseDevice, session_options
 from engine.partition import ExpertStep, Plan
 
 
@@ -23,30 +24,57 @@ class PartitionedDecoder:
     """Alternates dense segments and expert nodes; only the cut tensors flow between them."""
 
     def __init__(self, source: OnnxFile, plan: Plan, experts: list[ExpertNodeInfo], logits_name: str,
-                 threads: int | None = None, progress=None):
+                 threads: int | None = None, progress=None, dense: DenseDevice | None = CPU_DENSE):
+        """`dense=None` builds the expert runners only; open_dense() then creates the dense sessions
+        (LoadedModel does so once the offload plan has taken its share of the GPU)."""
         self.plan = plan
         self.logits_name = logits_name
-        types = {i.name: i.type.tensor_type.elem_type for i in source.proto.graph.input}
+        self.source = source
+        self.dense: DenseDevice | None = None
         by_name = {info.name: info for info in experts}
         self.steps: list = []  # DenseSegment, or an expert runner (CpuExpertNode, HybridExpertNode)
         self.on_step_end = None  # called after every step: the safe point for expert placement
         self.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}  # where step time goes
-        total = len(plan.steps)
-        for done, step in enumerate(plan.steps, start=1):
+        self._progress, self._built = progress, 0
+        for step in plan.steps:
             if isinstance(step, ExpertStep):
-                info = by_name[step.node.name]
-                runner = CpuExpertNode(info, source, threads)
-                types[info.output] = types[info.activation_inputs["input"]]
+                self.steps.append(CpuExpertNode(by_name[step.node.name], source, threads))
+                self._advance_progress()
             else:
-                runner = DenseSegment(step, source, types)
+                self.steps.append(DenseSegment(step, source))
+        if dense is not None:
+            self.open_dense(dense)
+
+    def _advance_progress(self) -> None:
+        self._built += 1
+        if self._progress:
+            self._progress(self._built / len(self.plan.steps))
+
+    def open_dense(self, dense: DenseDevice) -> None:
+        """Create every dense segment's session on `dense`, in graph order (each segment's input
+        types come from the sessions before it)."""
+        types = {i.name: i.type.tensor_type.elem_type for i in self.source.proto.graph.input}
+        for runner in self.steps:
+            if isinstance(runner, DenseSegment):
+                runner.open(types, dense)
                 types.update(runner.output_types)
-            self.steps.append(runner)
-            if progress:
-                progress(done / total)
+                self._advance_progress()
+            else:
+                info = runner.info
+                types[info.output] = types[info.activation_inputs["input"]]
+        self.dense = dense
+
+    @property
+    def state_backend(self):
+        """Where a conversation's state buffers must live for these sessions (None: NumPy)."""
+        return self.dense.backend if self.dense is not None else None
 
     def forward(self, state: DecoderState, token_ids) -> np.ndarray:
         """Logits [tokens, vocab] for the new tokens; the state advances past them."""
         started = time.perf_counter()
+        if self.dense is not None and state.backend.device_type != ("cuda" if self.dense.kind == "cuda" else "cpu"):
+            raise WorkbenchError(f"the conversation's state is on the {state.backend.device_type} but the dense part "
+                                 f"runs on the {self.dense.kind} (make the state with LoadedModel.new_state)")
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         dense = experts = 0.0
         for runner in self.steps:
@@ -77,6 +105,8 @@ class OrtReferenceDecoder:
             str(source.path), session_options(), providers=["CPUExecutionProvider"])
 
     def forward(self, state: DecoderState, token_ids) -> np.ndarray:
+        if state.backend.device_type != "cpu":
+            raise WorkbenchError("the onnxruntime reference runs on the CPU: give it a state in host memory")
         values = state.step_inputs(token_ids)
         inputs = [i.name for i in self.session.get_inputs()]
         outputs = [o.name for o in self.session.get_outputs()]

@@ -3,6 +3,8 @@
 KV caches are fixed-capacity buffers that onnxruntime writes in place (past and present bound to
 the same memory); sliding-window layers get a buffer of window_size slots; conv and recurrent
 state use two buffers that swap after each step. Position ids are 1-D/2-D or MRoPE's [3, B, S].
+The buffers live where the dense part runs (engine/array_backend.py: NumPy on the host, CuPy on a
+CUDA device) and are bound to onnxruntime by pointer.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
+from engine.array_backend import NUMPY, ArrayBackend
 from engine.errors import ModelFileError, PromptError
 from engine.genai_config import GenaiConfig
 
@@ -28,34 +30,13 @@ class StateSlot:
     layer: int
     shared: bool  # KV: past and present are one buffer written in place
     sliding: bool
-    array: np.ndarray  # what the next step reads as past
-    spare: np.ndarray | None = None  # where a swapped state's present goes
-    _values: tuple[ort.OrtValue, ort.OrtValue] | None = None
-
-    def replace(self, array: np.ndarray) -> None:
-        self.array = array
-        self._values = None
-
-    def _ortvalues(self) -> tuple[ort.OrtValue, ort.OrtValue]:
-        if self._values is None:
-            past = ort.OrtValue.ortvalue_from_numpy(self.array)  # wraps the array, no copy
-            present = past if self.shared else ort.OrtValue.ortvalue_from_numpy(self.spare)
-            self._values = (past, present)
-        return self._values
+    array: object  # what the next step reads as past (a NumPy or CuPy array)
+    spare: object | None = None  # where a swapped state's present goes
 
     @property
-    def past_value(self) -> ort.OrtValue:
-        return self._ortvalues()[0]
-
-    @property
-    def present_value(self) -> ort.OrtValue:
-        return self._ortvalues()[1]
-
-    def after_step(self) -> None:
-        if not self.shared:
-            self.array, self.spare = self.spare, self.array
-            if self._values is not None:
-                self._values = (self._values[1], self._values[0])
+    def present(self):
+        """The buffer the step writes: the past buffer itself for KV (in place), the spare otherwise."""
+        return self.array if self.shared else self.spare
 
 
 def _np_dtype(value_info: onnx.ValueInfoProto) -> np.dtype:
@@ -69,8 +50,9 @@ def _pattern_regex(pattern: str) -> re.Pattern:
 class DecoderState:
     """Everything that carries over between steps for one conversation (batch size 1)."""
 
-    def __init__(self, config: GenaiConfig, graph: onnx.GraphProto):
+    def __init__(self, config: GenaiConfig, graph: onnx.GraphProto, backend: ArrayBackend | None = None):
         self.config = config
+        self.backend = backend or NUMPY
         self.past_length = 0
         self.graph_inputs = {i.name: i for i in graph.input}
         self.input_ids_name = config.inputs.get("input_ids", "input_ids")
@@ -96,7 +78,7 @@ class DecoderState:
                     if present not in outputs:
                         raise ModelFileError(f"{self.config.path}: state input '{name}' has no output '{present}' in the graph")
                     sliding = is_kv and layer in self.config.sliding_window_layers
-                    self._slots.append(StateSlot(name, present, layer, is_kv, sliding, np.empty(0)))
+                    self._slots.append(StateSlot(name, present, layer, is_kv, sliding, None))
                     break
             else:
                 raise ModelFileError(
@@ -105,8 +87,9 @@ class DecoderState:
         self._by_present = {slot.present_name: slot for slot in self._slots}
         for slot in self._slots:
             if not slot.shared:
-                slot.array = np.zeros(self._fixed_shape(slot.past_name), _np_dtype(self.graph_inputs[slot.past_name]))
-                slot.spare = np.zeros_like(slot.array)
+                shape, dtype = self._fixed_shape(slot.past_name), _np_dtype(self.graph_inputs[slot.past_name])
+                slot.array = self.backend.zeros(shape, dtype)
+                slot.spare = self.backend.zeros(shape, dtype)
 
     def _fixed_shape(self, name: str) -> tuple[int, ...]:
         dims = self.graph_inputs[name].type.tensor_type.shape.dim
@@ -125,6 +108,22 @@ class DecoderState:
         heads = dims[1].dim_value or self.config.num_kv_heads
         head_size = dims[3].dim_value or self.config.head_size
         return (1, heads, capacity, head_size)
+
+    def full_context_bytes(self) -> tuple[int, int]:
+        """(bytes of every state buffer with full-attention KV at the whole context, bytes of the
+        largest single KV buffer): a conversation's state at its largest, and the extra a KV buffer
+        needs for a moment while it grows (old and new both held, one layer at a time)."""
+        window = (self.config.sliding_window_size or 0) + self.config.sliding_cache_slack
+        total = largest = 0
+        for slot in self._slots:
+            itemsize = _np_dtype(self.graph_inputs[slot.past_name]).itemsize
+            if slot.shared:
+                nbytes = int(np.prod(self._kv_shape(slot, window if slot.sliding else self.config.context_length))) * itemsize
+                largest = max(largest, nbytes)
+            else:
+                nbytes = 2 * int(np.prod(self._fixed_shape(slot.past_name))) * itemsize
+            total += nbytes
+        return total, largest
 
     # --- per step ------------------------------------------------------------------------------
     @property
@@ -151,13 +150,12 @@ class DecoderState:
             if not slot.shared:
                 continue
             slot_capacity = window if slot.sliding else capacity
-            if slot.array.size and slot.array.shape[2] == slot_capacity:
+            if slot.array is not None and slot.array.shape[2] == slot_capacity:
                 continue
-            grown = np.zeros(self._kv_shape(slot, slot_capacity), _np_dtype(self.graph_inputs[slot.past_name]))
-            if slot.array.size:
-                kept = min(self.past_length, slot.array.shape[2])
-                grown[:, :, :kept] = slot.array[:, :, :kept]
-            slot.replace(grown)
+            grown = self.backend.zeros(self._kv_shape(slot, slot_capacity), _np_dtype(self.graph_inputs[slot.past_name]))
+            if slot.array is not None:
+                self.backend.copy_prefix(grown, slot.array, min(self.past_length, slot.array.shape[2]))
+            slot.array = grown  # the old buffer goes now: one layer's old and new held at a time
         self._kv_capacity = capacity
 
     def step_inputs(self, token_ids: list[int] | np.ndarray) -> dict[str, np.ndarray]:
@@ -179,12 +177,13 @@ class DecoderState:
 
     def advance(self, count: int) -> None:
         for slot in self._slots:
-            slot.after_step()
+            if not slot.shared:
+                slot.array, slot.spare = self.backend.swap(slot.array, slot.spare)
         self.past_length += count
 
     def reset(self) -> None:
         self.past_length = 0
         for slot in self._slots:
             if not slot.shared:
-                slot.array[...] = 0
-                slot.spare[...] = 0
+                self.backend.fill_zero(slot.array)
+                self.backend.fill_zero(slot.spare)

@@ -14,6 +14,7 @@ from engine.errors import PromptError, UnsupportedModelError
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
+from engine.ort_env import DenseDevice, choose_dense_device
 from engine.sampling import Sampler, SamplingParams
 from engine.tokenizer import StreamDecoder
 
@@ -62,7 +63,12 @@ class GenerationResult:
 
 
 class LoadedModel:
-    """A model ready to generate: the partitioned decoder built and timed."""
+    """A model ready to generate: the partitioned decoder built and timed.
+
+    `device` is where resident experts live (None, a SimulatedDevice or a CudaDevice). The dense part
+    follows onto a CUDA device when onnxruntime offers its CUDA execution provider; `dense_device`
+    ("cpu" or "cuda"), `dense_reason` and `dense_statement` say where it landed and why.
+    """
 
     def __init__(self, folder: ModelFolder, threads: int | None = None,
                  progress: Callable[[float], None] | None = None, offload: OffloadConfig | None = None,
@@ -74,10 +80,20 @@ class LoadedModel:
         self.folder = folder
         self.config = folder.config
         self.tokenizer = folder.tokenizer
-        self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads, progress)
+        # Expert runners first, the offload plan next, the dense sessions last: onnxruntime's GPU
+        # arena gets what the plan leaves under gpu_device_mem_limit (ort_env.dense_arena_limit).
+        self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads,
+                                          progress, dense=None)
         self.offload = None
         if offload is not None:
             self.offload = attach_offload(self.decoder, offload, device)
+        total, growth = DecoderState(self.config, folder.onnx.proto.graph).full_context_bytes()
+        self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes)
+        if self.dense.kind == "cuda" and device.memory.limit:
+            # Counted against gpu_device_mem_limit, so a later re-plan cannot give it to experts.
+            device.memory.reserve(total + growth + folder.dense_bytes + self.dense.arena_limit,
+                                  "dense part (onnxruntime arena, dense weights, KV cache and state)")
+        self.decoder.open_dense(self.dense)
         self.load_s = time.perf_counter() - started
 
     @classmethod
@@ -86,7 +102,21 @@ class LoadedModel:
         return cls(ModelFolder.open(path), threads, progress, offload, device)
 
     def new_state(self) -> DecoderState:
-        return DecoderState(self.config, self.folder.onnx.proto.graph)
+        """A conversation's state, on the device the dense part runs on."""
+        return DecoderState(self.config, self.folder.onnx.proto.graph, self.decoder.state_backend)
+
+    @property
+    def dense_device(self) -> str:
+        return self.dense.kind
+
+    @property
+    def dense_reason(self) -> str:
+        return self.dense.reason
+
+    @property
+    def dense_statement(self) -> str:
+        """One sentence for the "where everything landed" statement."""
+        return self.dense.statement
 
     @property
     def eos_ids(self) -> set[int]:

@@ -2,17 +2,23 @@
 
 All sessions use one process-wide intra-op thread pool, so the number of threads does not grow
 with the number of dense segments (a 48-layer model has 49 of them).
+
+Where the dense segments run is a DenseDevice: the CPU, or onnxruntime's CUDA execution provider
+when the experts' device is a CUDA GPU and the installed onnxruntime offers that provider
+(onnxruntime-gpu). Nothing here imports GPU-only modules; CuPy is imported only on the CUDA path.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from importlib import metadata
 
 import onnxruntime as ort
 from onnxruntime.capi import _pybind_state
 
 from engine.errors import WorkbenchError
+from engine.units import human_bytes
 
 _ORT_TYPES = {
     "tensor(float)": 1, "tensor(uint8)": 2, "tensor(int8)": 3, "tensor(uint16)": 4, "tensor(int16)": 5,
@@ -68,3 +74,144 @@ def session_options(external_data_folder: str | None = None) -> ort.SessionOptio
 def elem_type(ort_type: str) -> int:
     """onnxruntime's 'tensor(float)' as ONNX's TensorProto element type."""
     return _ORT_TYPES[ort_type]
+
+
+# --- where the dense part runs ------------------------------------------------------------------
+CUDA_EP = "CUDAExecutionProvider"
+# Under gpu_device_mem_limit, the least onnxruntime's arena may get (activations and workspace of
+# the dense segments); with less, the dense part stays on the CPU and says why.
+MIN_DENSE_ARENA = 64 << 20
+
+
+class DenseDoesNotFit(WorkbenchError):
+    """The dense part cannot go to the GPU (its one-line reason is the message)."""
+
+
+def cuda_provider_options(device_id: int, gpu_mem_limit: int = 0, stream_pointer: int = 0) -> dict[str, str]:
+    """The CUDA EP's options: the experts' device, onnxruntime's arena capped at `gpu_mem_limit` (0 =
+    no cap) and grown by exactly what is asked (kSameAsRequested: no power-of-two overshoot past
+    the cap), and our CuPy stream as its compute stream (array_backend.CupyBackend says why)."""
+    options = {"device_id": str(device_id), "arena_extend_strategy": "kSameAsRequested"}
+    if gpu_mem_limit:
+        options["gpu_mem_limit"] = str(gpu_mem_limit)
+    if stream_pointer:
+        options["user_compute_stream"] = str(stream_pointer)
+    return options
+
+
+def dense_arena_limit(mem_limit: int, available: int, state_bytes: int, dense_weight_bytes: int) -> int:
+    """onnxruntime's gpu_mem_limit under gpu_device_mem_limit (`mem_limit`, 0 = none: returns 0).
+
+    `available` is what the device has left under the limit once the offload plan has taken its
+    expert slots and prefill staging ring (DeviceMemory.available after OffloadEngine is built: the
+    plan's reserve_device_bytes, automatic or given, is the part of it the plan left for KV, state
+    and workspace, plus whatever the slots did not fill). From that, the conversation's state at full
+    context (CuPy, outside onnxruntime's arena, growth included) and the dense weights (allocated
+    exactly, outside the arena: session.use_device_allocator_for_initializers) are taken; the arena,
+    shared by every dense segment, gets the rest.
+    """
+    if not mem_limit:
+        return 0
+    arena = available - state_bytes - dense_weight_bytes
+    if arena < MIN_DENSE_ARENA:
+        raise DenseDoesNotFit(
+            f"gpu_device_mem_limit={mem_limit} leaves {human_bytes(max(0, available))} after the expert slots and "
+            f"staging; the KV cache and state at full context ({human_bytes(state_bytes)}), the dense weights "
+            f"({human_bytes(dense_weight_bytes)}) and onnxruntime's workspace ({human_bytes(MIN_DENSE_ARENA)} at "
+            "least) need more (raise reserve_device_bytes or lower device_expert_bytes)")
+    return arena
+
+
+def cuda_ep_missing_reason() -> str | None:
+    """Why this onnxruntime cannot run the CUDA EP, or None when it offers it."""
+    if CUDA_EP in ort.get_available_providers():
+        return None
+    builds = installed_onnxruntime_builds()
+    if any(build.startswith("onnxruntime-gpu ") for build in builds):
+        return f"the installed {', '.join(builds)} offers no {CUDA_EP}"
+    return "onnxruntime here is the CPU build (install onnxruntime-gpu)"
+
+
+_shared_arenas: dict[int, int] = {}  # device id -> max_mem of the arena registered with onnxruntime's env
+
+
+def register_shared_cuda_arena(device_id: int, max_mem: int) -> None:
+    """One onnxruntime arena on the device for every dense session (session.use_env_allocators):
+    a cap on each of 49 per-session arenas would not cap their sum. onnxruntime keeps an env
+    allocator for the life of the process and cannot replace it."""
+    if device_id in _shared_arenas:
+        if _shared_arenas[device_id] != max_mem:
+            earlier = human_bytes(_shared_arenas[device_id]) if _shared_arenas[device_id] else "no cap"
+            raise DenseDoesNotFit(f"onnxruntime's GPU arena on device {device_id} was made earlier in this process "
+                                  f"with {earlier}; another gpu_device_mem_limit takes a restart")
+        return
+    info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_id, ort.OrtMemType.DEFAULT)
+    arena = ort.OrtArenaCfg({"max_mem": max_mem, "arena_extend_strategy": 1})  # 1 = kSameAsRequested
+    try:
+        ort.create_and_register_allocator_v2(CUDA_EP, info, cuda_provider_options(device_id, max_mem), arena)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DenseDoesNotFit(f"onnxruntime cannot make its GPU arena on device {device_id}: {first}") from None
+    _shared_arenas[device_id] = max_mem
+
+
+@dataclass(frozen=True)
+class DenseDevice:
+    """Where the dense segments run and why. `backend` holds the state buffers (None: NumPy)."""
+    kind: str = "cpu"            # "cpu" or "cuda"
+    reason: str = ""
+    device_id: int = 0
+    arena_limit: int = 0         # onnxruntime's gpu_mem_limit; 0 = no cap
+    state_bytes: int = 0         # the state at full context, growth included (on the GPU)
+    backend: object = None
+
+    def providers(self) -> list:
+        if self.kind != "cuda":
+            return ["CPUExecutionProvider"]
+        stream = getattr(self.backend, "stream_pointer", 0)
+        return [(CUDA_EP, cuda_provider_options(self.device_id, self.arena_limit, stream)), "CPUExecutionProvider"]
+
+    def session_options(self, external_data_folder: str | None = None) -> ort.SessionOptions:
+        options = session_options(external_data_folder)
+        if self.kind == "cuda":
+            options.add_session_config_entry("session.use_env_allocators", "1")
+            # Dense weights take exactly their size, outside the arena (dense_arena_limit counts them).
+            options.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
+        return options
+
+    @property
+    def provider_words(self) -> str:
+        return "'s CUDA execution provider" if self.kind == "cuda" else ""
+
+    @property
+    def statement(self) -> str:
+        if self.kind != "cuda":
+            return f"The dense part runs on the CPU: {self.reason}."
+        cap = f"; onnxruntime's arena is capped at {human_bytes(self.arena_limit)}" if self.arena_limit else ""
+        return (f"The dense part runs on GPU {self.device_id} with onnxruntime's CUDA execution provider; the KV "
+                f"cache and state (up to {human_bytes(self.state_bytes)}) live in GPU memory{cap}.")
+
+
+CPU_DENSE = DenseDevice("cpu", "no GPU device is in use")
+
+
+def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int) -> DenseDevice:
+    """The DenseDevice for experts on `device` (None, a SimulatedDevice or a CudaDevice), after the
+    offload plan has taken its share of the device's memory."""
+    kind = getattr(device, "kind", None)
+    if kind != "cuda":
+        why = ("the GPU is simulated, for the experts only" if kind == "simulated"
+               else "no GPU device is in use (--device cuda puts it on the GPU)")
+        return DenseDevice("cpu", why)
+    missing = cuda_ep_missing_reason()
+    if missing:
+        return DenseDevice("cpu", missing)
+    try:
+        arena = dense_arena_limit(device.memory.limit, device.memory.available, state_bytes, dense_weight_bytes)
+        register_shared_cuda_arena(device.index, arena)
+    except DenseDoesNotFit as exc:
+        return DenseDevice("cpu", str(exc))
+    from engine.array_backend import cupy_backend
+
+    return DenseDevice("cuda", f"onnxruntime's {CUDA_EP} on device {device.index}", device.index, arena,
+                       state_bytes, cupy_backend(device.index))
