@@ -173,6 +173,124 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     assert window.model_settings(str(path))["entries"]["session.moe.offload.device_expert_bytes"] == str(6 * 32256)
 
 
+PER_EXPERT = 32256  # one gpt-oss fixture expert
+
+
+def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
+    from engine.units import human_bytes
+
+    path = fixture_folder("gptoss")
+    settings = {"device": {"kind": "simulated", "capacity": 8 << 30},   # 3 of 16 experts resident; a 3-expert ring
+                "entries": {"device_expert_bytes": str(3 * PER_EXPERT), "pinned_bytes": str(3 * PER_EXPERT)}}
+    load(qtbot, window, path, settings)
+    assert same(window.loaded_path, path) and not window.error_banner.isVisible()
+    offload = window.worker._model.offload  # the worker is idle: the engine's figures hold still
+    pinned = offload.pinned_info()
+    assert pinned["bytes"] == 3 * PER_EXPERT and offload.wave_experts == 1  # the ring bounds the wave: 3 // 2
+    budget = window.budget_panel
+    # the budget panel showed, before the load, the ring and the wave the engine took
+    assert budget.last_estimate.staging.pinned_bytes == pinned["bytes"]
+    assert budget.last_estimate.staging.wave_experts == offload.wave_experts
+    assert f"Ring <b>{human_bytes(pinned['bytes'])}</b> = 3 experts" in budget.pinned_note.text()
+    assert "prefill waves of <b>1</b>" in budget.pinned_note.text()
+    # where everything landed: the ring, its high-water mark and copies, as pinned_info() says
+    landed = window.model_panel.landed.text()
+    assert (f"Pinned staging ring (page-locked host memory every copy to the device goes through): "
+            f"{human_bytes(pinned['bytes'])}, high-water {human_bytes(pinned['high_water'])} so far, "
+            f"{pinned['copies']} copies; prefill waves of 1 experts.") in landed
+
+    before = offload.stats.totals()
+    entry = ask(qtbot, window, "Hello", max_tokens=16)
+    stats = offload.stats
+    totals = stats.totals()
+    assert 0 < totals.misses == totals.misses_cpu + totals.misses_copied  # partially resident: misses happen
+    # the answer's statistics: this answer's split, as the engine counted it
+    answer = (f"misses: {totals.misses_cpu - before.misses_cpu} on the CPU, "
+              f"{totals.misses_copied - before.misses_copied} copied to the device "
+              f"({totals.miss_copies - before.miss_copies} spare-slot copies)")
+    assert answer in entry["stats"] and entry["result"]["offload"]["misses"] == totals.misses - before.misses
+    # the placement view: cumulative split, the last step's split, the ring; every figure the engine's
+    qtbot.waitUntil(lambda: window.placement.split.get("steps") == stats.steps)
+    placement = window.placement
+    assert placement.split == {"steps": stats.steps, "misses": totals.misses, "misses_cpu": totals.misses_cpu,
+                               "misses_copied": totals.misses_copied, "miss_copies": totals.miss_copies,
+                               "admissions": offload.policy.admissions}
+    assert placement.last_step == tuple(stats.step_splits[-1])
+    assert placement.pinned == offload.pinned_info() and placement.pinned["copies"] > pinned["copies"]
+    summary = placement.summary.text()
+    assert (f"misses: {totals.misses_cpu} on the CPU, {totals.misses_copied} copied to the device "
+            f"({totals.miss_copies} spare-slot copies)") in summary
+    assert f"last step: {stats.step_splits[-1][0]} on the CPU, {stats.step_splits[-1][1]} copied" in summary
+    live = offload.pinned_info()
+    assert f"pinned ring {human_bytes(live['bytes'])}, high-water {human_bytes(live['high_water'])}" in summary
+    assert 0 < live["high_water"] <= live["bytes"]
+    layer = stats.layers[0]
+    assert (f"Layer 0 misses: {layer.misses_cpu} on the CPU, {layer.misses_copied} copied to the device "
+            f"({layer.miss_copies} spare-slot copies)") in placement.heatmap.tooltip_at(0, 0)
+    # the budget panel shows the loaded model's ring and high-water too
+    assert (f"Loaded model: ring {human_bytes(live['bytes'])}, high-water {human_bytes(live['high_water'])}, "
+            f"{live['copies']} copies") in budget.pinned_note.text()
+    # CPU throughput counts only the misses the CPU computed
+    data = placement.heatmap.data
+    assert data["cpu_expert_bytes"] == sum(s.misses_cpu * info.bytes_per_expert
+                                           for s, info in zip(stats.layers, offload.infos))
+
+
+def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
+    from engine.offload.config import OffloadConfig
+    from engine.offload.planner import OffloadPlanError
+    from engine.offload.staging import ring_bytes
+
+    path = fixture_folder("gptoss")
+    window.open_model(str(path))
+    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
+    budget = window.budget_panel
+    budget.device.setCurrentIndex(budget.device.findData("simulated"))
+    budget.expert_bytes.setValue(3 * PER_EXPERT)
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: "3 of 16" in budget.layer_text.text())
+    # leaving auto starts from the ring auto gave, not from 0 bytes
+    auto_ring = budget.last_estimate.staging.pinned_bytes
+    budget.pinned_bytes.auto.setChecked(False)
+    qtbot.waitUntil(lambda: budget.config().pinned_bytes == auto_ring and "Ring <b>" in budget.pinned_note.text())
+    # the control moves the ring and the wave live
+    budget.pinned_bytes.setValue(5 * PER_EXPERT)
+    budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
+    qtbot.waitUntil(lambda: "= 5 experts" in budget.pinned_note.text())
+    assert "prefill waves of <b>2</b>" in budget.pinned_note.text()
+    # below one expert: refused, in the engine's words, in the panel and the verdict
+    with pytest.raises(OffloadPlanError) as engine_says:
+        ring_bytes(OffloadConfig(pinned_bytes=PER_EXPERT - 1), PER_EXPERT)
+    message = str(engine_says.value)
+    budget.pinned_bytes.setValue(PER_EXPERT - 1)
+    budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
+    qtbot.waitUntil(lambda: "Refused" in budget.pinned_note.text())
+    assert budget.last_estimate.error == message and message in budget.pinned_note.text()
+    assert message in budget.statements.text() and "Refused" in window.model_panel.verdict.text()
+    # loading with it: the engine refuses with the same message, the window stays usable
+    window.load()
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert message in window.error_banner.text() and window.loaded_path is None
+    budget.pinned_bytes.setValue(PER_EXPERT)
+    budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
+    qtbot.waitUntil(lambda: "= 1 experts" in budget.pinned_note.text())
+    window.load()
+    qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
+    offload = window.worker._model.offload
+    assert offload.pinned_info()["bytes"] == PER_EXPERT and offload.wave_experts == 1
+    # Apply on the loaded model: refused by the engine, the old ring stays in force, answers go on
+    budget.pinned_bytes.setValue(PER_EXPERT - 1)
+    budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
+    qtbot.waitUntil(lambda: budget.apply_button.isEnabled() and "Refused" in budget.pinned_note.text())
+    window.error_banner.hide()
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert window.error_banner.text() == f"Could not apply the settings: {message}"
+    assert offload.pinned_info()["bytes"] == PER_EXPERT and offload.config.pinned_bytes == PER_EXPERT
+    entry = ask(qtbot, window, "Hello", max_tokens=4)
+    assert entry["text"] and "misses:" in entry["stats"]
+
+
 def test_graphs_receive_samples_and_pause(qtbot, window):
     qtbot.waitUntil(lambda: window.graphs.sample_count >= 3, timeout=10_000)
     x, y = window.graphs.curves["ram_this"].getData()

@@ -4,6 +4,8 @@ loaded model without reloading wherever the engine allows."""
 
 from __future__ import annotations
 
+import html
+
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QGroupBox, QHBoxLayout,
                                QLabel, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
@@ -16,7 +18,9 @@ from engine.units import human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
 RELOAD_FIELDS = ("gpu_device_mem_limit",)
-NOT_USED_YET = "recorded in the settings; the engine does not use it yet"
+PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device goes through. auto = two prefill "
+              "waves; a value bounds the ring and the prefill wave (ring // (2 x expert), at least 1); "
+              "below one expert it is refused")
 
 
 def cuda_status() -> str:
@@ -67,6 +71,9 @@ class BudgetPanel(QWidget):
         self.host_bytes.setAccessibleName("host_expert_bytes")
         self.pinned_bytes = ByteControl(1 << 30)
         self.pinned_bytes.setAccessibleName("pinned_bytes")
+        self.pinned_note = QLabel(wordWrap=True)   # the ring and wave the engine would take, or its refusal
+        self.pinned_note.setAccessibleName("pinned_bytes effect")
+        self._live_pinned: dict = {}               # the loaded model's ring (size, high-water), from its statistics
 
         # policy
         self.mode = QComboBox()
@@ -131,7 +138,8 @@ class BudgetPanel(QWidget):
                  self.mem_limit)
         f.addRow(_label("Host cache", "host_expert_bytes: host memory kept for cold experts the CPU computes; "
                                "the least recently used beyond it are dropped back to the mapped file"), self.host_bytes)
-        f.addRow(_label("Pinned", "pinned_bytes: " + NOT_USED_YET), self.pinned_bytes)
+        f.addRow(_label("Pinned", PINNED_TIP), self.pinned_bytes)
+        f.addRow(self.pinned_note)
         budget_box.setLayout(f)
 
         policy_box = QGroupBox("Policy")
@@ -208,6 +216,7 @@ class BudgetPanel(QWidget):
         for spin in (self.min_weight, self.tail_threshold):
             spin.valueChanged.connect(self._changed)
         self.cold_only.toggled.connect(self._changed)
+        self.pinned_bytes.auto.toggled.connect(self._pinned_auto_toggled)
         self.apply_button.clicked.connect(self._apply)
         self.defaults_button.clicked.connect(self.reset_defaults)
         self.set_config(OffloadConfig())
@@ -296,6 +305,8 @@ class BudgetPanel(QWidget):
 
     def mark_loaded(self, settings: dict | None) -> None:
         self.loaded = settings is not None
+        if settings is None:
+            self._live_pinned = {}
         self.applied = settings
         self.refresh()
 
@@ -321,7 +332,7 @@ class BudgetPanel(QWidget):
         choice = self.device_choice()
         on_device = choice.kind != "cpu"
         self._device_form.setRowVisible(self.sim_size, choice.kind == "simulated")
-        for control in (self.expert_bytes, self.reserve_bytes, self.mem_limit, self.wave):
+        for control in (self.expert_bytes, self.reserve_bytes, self.mem_limit, self.wave, self.pinned_bytes):
             control.setEnabled(on_device)
         capacity = choice.capacity if on_device and choice.capacity else 8 * GIB
         self.reserve_bytes.setMaximum(capacity)
@@ -337,6 +348,7 @@ class BudgetPanel(QWidget):
                                      "CPU kernels; copy and device times are modelled.")
         if self.facts is None:
             self.layer_text.setText("Open a model to see estimates.")
+            self.pinned_note.setText("")
             self._update_apply()
             return
         config = self.config()
@@ -356,10 +368,50 @@ class BudgetPanel(QWidget):
             self.vram_legend.setText(f"<span style='color:{t.muted}'>Nothing of the model is on a GPU.</span>")
         self.host_bar.setParts(est.host_parts)
         self.host_legend.setText(legend_html(est.host_parts, t))
+        self._show_pinned(est, choice, config)
         colour = t.error if est.error else t.text
         self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(est.statements) + "</span>")
         self._update_apply()
         self.estimateChanged.emit(est, config.mode, choice.label)
+
+    def _show_pinned(self, est, choice: DeviceChoice, config: OffloadConfig) -> None:
+        """What pinned_bytes does, live: the ring and the prefill wave it gives, or the engine's refusal;
+        and, once loaded, the ring the model runs with and its high-water mark."""
+        t = theme.current()
+        if choice.kind == "cpu" or choice.error:
+            text = f"<span style='color:{t.muted}'>No ring: nothing is copied to a device.</span>"
+        elif config.mode == "disabled":
+            text = f"<span style='color:{t.muted}'>No ring: offload is disabled.</span>"
+        elif est.staging is not None:
+            st = est.staging
+            how = "auto: two prefill waves" if config.pinned_bytes is None else "this value bounds the wave"
+            text = (f"Ring <b>{human_bytes(st.pinned_bytes)}</b> = {st.pinned_experts} experts of "
+                    f"{human_bytes(st.expert_bytes)} · prefill waves of <b>{st.wave_experts}</b> ({how})")
+        elif est.error and "pinned_bytes" in est.error:
+            text = f"<span style='color:{t.error}'>Refused: {html.escape(est.error)}</span>"
+        else:
+            text = ""
+        live = self._live_pinned
+        if live and self.loaded:
+            text += (("<br>" if text else "") + f"<span style='color:{t.muted}'>Loaded model: ring "
+                     f"{human_bytes(live['bytes'])}, high-water {human_bytes(live['high_water'])}, "
+                     f"{live.get('copies', 0)} copies</span>")
+        self.pinned_note.setText(text)
+
+    def set_live_pinned(self, pinned: dict | None) -> None:
+        """The loaded model's pinned ring (OffloadEngine.pinned_info()), from its latest statistics."""
+        pinned = dict(pinned or {})
+        if pinned != self._live_pinned:
+            self._live_pinned = pinned
+            if self.last_estimate is not None:
+                self._show_pinned(self.last_estimate, self.device_choice(), self.config())
+
+    def _pinned_auto_toggled(self, auto: bool) -> None:
+        """Leaving auto starts from the ring auto gave (not from 0 bytes, which holds no expert)."""
+        staging = self.last_estimate.staging if self.last_estimate is not None else None
+        if not auto and staging is not None and (self.pinned_bytes.value() or 0) < staging.expert_bytes:
+            self.pinned_bytes.setValue(staging.pinned_bytes)
+            self._changed()
 
     # --- apply ---------------------------------------------------------------------------------------
     def needs_reload(self) -> list[str]:

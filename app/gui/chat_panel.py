@@ -31,6 +31,14 @@ class PromptEdit(QPlainTextEdit):
         super().keyPressEvent(event)
 
 
+def miss_split_text(split: dict) -> str:
+    """Where this answer's misses ran: 'misses: 12 on the CPU, 3 copied to the device (2 spare-slot copies)'."""
+    if not split.get("misses"):
+        return ""
+    return (f"misses: {split['misses_cpu']} on the CPU, {split['misses_copied']} copied to the device "
+            f"({split['miss_copies']} spare-slot copies)")
+
+
 def stats_line(result: dict) -> str:
     t = result.get("timings") or {}
     if result.get("finish_reason") == "error":
@@ -49,6 +57,9 @@ def stats_line(result: dict) -> str:
         parts.append(f"prefill {t['prefill_tokens_per_s']:.0f} tok/s")
     if result.get("routing_agreement") is not None:
         parts.append(f"agreement with exact routing {result['routing_agreement']:.0%}")
+    split = miss_split_text(result.get("offload") or {})
+    if split:
+        parts.append(split)
     parts.append(FINISH.get(result.get("finish_reason"), result.get("finish_reason", "")))
     return " · ".join(parts)
 
@@ -267,7 +278,7 @@ class ChatPanel(QWidget):
             return (f"<p style='color:{t.muted}; margin-top:24px' align='center'>Ask the model something below. "
                     "Enter sends, Shift+Enter starts a new line; Esc stops an answer.</p>")
         keys = [("Ctrl+O", "open a model folder (or drop one on the window)"), ("Ctrl+D", "load the demo model"),
-                ("Ctrl+L", "load the open model with the budget panel's settings"), ("Alt+1…4", "show or hide panels"),
+                ("Ctrl+L", "load the open model with the budget panel's settings"), ("Alt+1…7", "show or hide panels"),
                 ("F1", "every shortcut")]
         rows = "".join(f"<tr><td align='right' style='color:{t.accent}'><b>{k}</b></td><td>&nbsp;&nbsp;{v}</td></tr>"
                        for k, v in keys)

@@ -60,7 +60,7 @@ class EngineWorker(QObject):
     loadProgress = Signal(float)
     loaded = Signal(dict)              # path, load_s, device, statements, landed, entries
     streamed = Signal(str, int)        # text, tokens: the answer so far, in batches (at most ~30 a second)
-    answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement
+    answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement, offload
     offloadStats = Signal(object)      # dict: placement and traffic (numpy), a few times a second while generating
     replanned = Signal(dict)           # statements, landed
     unloaded = Signal()
@@ -213,6 +213,9 @@ class EngineWorker(QObject):
                 if n and not purpose.startswith("expert slots")]
             lines.append(f"{self._device.name}: {human_bytes(memory.used)} in use of {human_bytes(memory.ceiling)} "
                          f"({', '.join(parts)}).")
+            pinned = offload.pinned_info()
+            if pinned:
+                lines.append(pinned_sentence(pinned, offload.wave_experts))
         lines.append(f"The dense part ({human_bytes(facts.dense_bytes)}: attention, norms, routers, embeddings, "
                      f"in {facts.dense_segments} onnxruntime segments) runs on the CPU with onnxruntime's CPU "
                      "provider: this build has no GPU path for it yet.")
@@ -266,14 +269,17 @@ class EngineWorker(QObject):
                     self._last_stats = now
                     self._emit_stats(decode=True)
 
+            before = miss_split(getattr(self._model, "offload", None))
             try:
                 result = conversation.send(text, params, on_text, self.cancel)
             finally:
                 flush()
             self._conversation = conversation
+            after = miss_split(getattr(self._model, "offload", None))
             self.answered.emit({"text": result.text, "finish_reason": result.finish_reason,
                                 "timings": result.timings.as_dict(), "reused_cache_tokens": result.reused_cache_tokens,
-                                "routing_agreement": result.routing_agreement})
+                                "routing_agreement": result.routing_agreement,
+                                "offload": {key: after[key] - before.get(key, 0) for key in after}})
             self._emit_stats()
         except Exception as exc:
             self.failed.emit(one_line(exc))
@@ -333,18 +339,19 @@ class EngineWorker(QObject):
         """Placement and traffic of the loaded model (emitted from the worker, between tokens).
 
         During decode it also measures the CPU expert throughput since the previous report: the
-        bytes of expert weights the CPU kernels read (one expert per missed token-expert pair) per
-        second of their own time."""
+        bytes of expert weights the CPU kernels read (one expert per missed token-expert pair the CPU
+        computed: misses copied to the device are not read by the CPU) per second of their own time."""
         offload = self._model.offload if self._model is not None else None
         if offload is None:
             return
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
-                   "copy_bytes": s.copy_bytes, "swaps": s.swaps,
+                   "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,
+                   "misses_copied": s.misses_copied, "miss_copies": s.miss_copies,
                    "expert_hits": stats.expert_hits[i].copy(), "expert_misses": stats.expert_misses[i].copy()}
                   for i, s in enumerate(stats.layers)]
         bpe = [info.bytes_per_expert for info in offload.infos]
-        cpu_bytes = sum(layer["misses"] * b for layer, b in zip(layers, bpe))
+        cpu_bytes = sum(layer["misses_cpu"] * b for layer, b in zip(layers, bpe))
         cpu_s = sum(layer["cpu_s"] for layer in layers)
         rate = 0.0
         if decode:
@@ -369,6 +376,8 @@ class EngineWorker(QObject):
             "layer_index": [i.layer for i in offload.infos], "bytes_per_expert": bpe,
             "cpu_expert_bytes": cpu_bytes, "cpu_expert_s": cpu_s, "cpu_expert_rate": rate,
             "approximation": dict(vars(offload.approximation)),
+            "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],
+            "pinned": offload.pinned_info(), "wave_experts": offload.wave_experts,
         })
 
     # --- records jobs: scenarios, sweeps, side-by-side, contention -------------------------------------
@@ -411,6 +420,28 @@ class EngineWorker(QObject):
 
 def _cores() -> int:
     return cpu_threads()
+
+
+STEP_SPLITS = 256  # the most recent decoder steps' miss splits sent to the window
+
+
+def miss_split(offload) -> dict:
+    """Where the misses ran, summed over layers: missed pairs on the CPU and copied to the device
+    (spare slots or prefill waves), experts the decode miss policy copied into spare slots, and the
+    experts the placement admitted from those copies."""
+    if offload is None:
+        return {}
+    total = offload.stats.totals()
+    return {"steps": offload.stats.steps, "misses": total.misses, "misses_cpu": total.misses_cpu,
+            "misses_copied": total.misses_copied, "miss_copies": total.miss_copies,
+            "admissions": int(getattr(offload.policy, "admissions", 0))}
+
+
+def pinned_sentence(pinned: dict, wave_experts: int) -> str:
+    """The pinned staging ring of the loaded model, for 'where everything landed'."""
+    return (f"Pinned staging ring (page-locked host memory every copy to the device goes through): "
+            f"{human_bytes(pinned['bytes'])}, high-water {human_bytes(pinned['high_water'])} so far, "
+            f"{pinned['copies']} copies; prefill waves of {wave_experts} experts.")
 
 
 class WorkerThread:

@@ -3,25 +3,52 @@
 The budget panel calls `estimate()` on every move of a control: it plans with the engine's own
 planner (`plan_offload`) against a stand-in device of the chosen size, so the numbers are the ones
 the engine will use when the model loads or re-plans. The staging it takes before planning (the
-pinned host ring and the device's prefill staging ring) is sized by the engine's own
-`engine.offload.staging.ring_bytes`, so an explicit pinned_bytes bounds the ring and the prefill
-wave here exactly as in the engine, and a ring that holds no expert is refused with its message.
+pinned host ring and the device's prefill staging ring) is sized by the engine's own code
+(OffloadEngine._reserve_staging, which calls engine.offload.staging.ring_bytes) on that stand-in,
+so an explicit pinned_bytes bounds the ring and the prefill wave here exactly as in the engine,
+and a ring that holds no expert is refused with the engine's message.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+
+import numpy as np
 
 from engine.offload.config import OffloadConfig
 from engine.offload.devices import SimulatedDevice
+from engine.offload.engine import OffloadEngine
+from engine.onnx_file import OnnxFile
 from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError, plan_offload
-from engine.offload.staging import ring_bytes
 from engine.units import human_bytes
 
 GIB = 1 << 30
 _ELEM_BYTES = {1: 4, 10: 2, 16: 2, 11: 8, 2: 1, 3: 1, 6: 4, 7: 8}
+
+
+@dataclass(frozen=True)
+class StagedNode:
+    """What a device's staging_bytes_per_expert reads of an expert node's runner (engine
+    CpuExpertNode): its info, and its weight tensors by role, here read-only stand-ins of the right
+    shape and dtype that hold no memory (nothing is loaded to estimate)."""
+    info: object
+    tensors: dict
+
+
+def staged_nodes(folder) -> list[StagedNode]:
+    from kernels.qmoe_spec import QMOE_INPUT_NAMES
+
+    nodes = []
+    for info in folder.experts:
+        if info.spec is None:
+            continue
+        tensors = {role: None for role in QMOE_INPUT_NAMES}
+        for role, name in info.weight_inputs.items():
+            tensor = folder.onnx.initializers[name]
+            tensors[role] = np.broadcast_to(np.zeros((), OnnxFile.tensor_dtype(tensor)), tuple(tensor.dims))
+        nodes.append(StagedNode(info, tensors))
+    return nodes
 
 
 @dataclass
@@ -41,6 +68,7 @@ class ModelFacts:
     expert_bytes: int
     dense_segments: int
     is_demo: bool = False
+    staged_nodes: list = field(default_factory=list)   # StagedNode per runnable expert node (staging estimates)
 
     @property
     def supported(self) -> bool:
@@ -93,7 +121,7 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
         context_length=config.context_length, kv_bytes_per_token=per_token,
         kv_window_layers=window_layers // 2, kv_window_bytes_per_token=per_window_token, window_tokens=window,
         state_bytes=state, dense_bytes=report["dense_bytes"], expert_bytes=report["expert_bytes"],
-        dense_segments=report["dense_segments"], is_demo=is_demo)
+        dense_segments=report["dense_segments"], is_demo=is_demo, staged_nodes=staged_nodes(folder))
 
 
 @dataclass(frozen=True)
@@ -161,25 +189,26 @@ class Staging:
         return self.pinned_bytes // self.expert_bytes if self.expert_bytes else 0
 
 
-def staging_for(config: OffloadConfig, experts: list, device) -> Staging | None:
-    """The staging the offload engine would take on `device` (engine/offload/engine.py,
-    _reserve_staging): the pinned ring from the engine's own `staging.ring_bytes` (which raises
-    OffloadPlanError for a ring that holds no expert, as the engine does), and the prefill wave,
-    bounded by prefill_wave_experts, by the ring (double-buffered: pinned // (2 x expert), at least
-    1) and by what the device has free. Reserves nothing. None where the engine takes none."""
-    runnable = [info for info in experts if info.spec is not None]
-    if device is None or not runnable or config.mode == "disabled":
+def staging_for(config: OffloadConfig, nodes: list[StagedNode], device) -> Staging | None:
+    """Reserve on `device` (the estimate's stand-in) the staging the offload engine takes before it
+    plans: the engine's own OffloadEngine._reserve_staging runs, on an engine shell holding only
+    what it reads (stand-in runners, their infos, the device). So the pinned ring is
+    staging.ring_bytes (an explicit pinned_bytes bounds it; below one expert it raises
+    OffloadPlanError with the engine's message) and the prefill wave is bounded as the engine
+    bounds it (prefill_wave_experts, the ring double-buffered, the device's free memory).
+    None where the engine takes none (no device, offload disabled, no runnable node).
+
+    The engine keeps this in a private method; a public function in engine/offload/staging.py
+    (config, runners, device -> ring, wave) would let the window stop reaching into it."""
+    if device is None or not nodes or config.mode == "disabled":
         return None
-    staged = max(device.staging_bytes_per_expert(SimpleNamespace(info=info)) for info in runnable)
-    pinned = ring_bytes(config, staged)
-    largest = max(info.bytes_per_expert for info in runnable)
-    # The engine has no function for the wave (it is computed inside _reserve_staging): same formula.
-    through_ring = max(1, pinned // (2 * staged))
-    wave = min(config.prefill_wave_experts, through_ring, device.memory.available // (2 * largest))
-    if wave == 0 and config.cpu_execution == "disabled":
-        raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
-                               f"({2 * largest} bytes double-buffered)")
-    return Staging(wave, 2 * wave * largest, pinned, staged)
+    shell = OffloadEngine.__new__(OffloadEngine)
+    shell.runners, shell.infos, shell.device = list(nodes), [node.info for node in nodes], device
+    shell.wave_experts, shell._staging_bytes = 0, 0
+    shell._reserve_staging(config)
+    ring = device.pinned
+    staged = shell._staged_expert_bytes()
+    return Staging(shell.wave_experts, shell._staging_bytes, ring.capacity if ring is not None else 0, staged)
 
 
 def auto_reserve(config: OffloadConfig, available: int) -> int:
@@ -208,14 +237,12 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             if device.others_bytes:
                 stand_in.memory.reserve(min(device.others_bytes, stand_in.memory.available), "other processes")
             try:
-                staged = staging_for(config, experts, stand_in)
+                staged = staging_for(config, facts.staged_nodes, stand_in)  # reserves its device part
             except OffloadPlanError as exc:  # the engine refuses to load (or re-plan) with this
                 error = str(exc)
                 stand_in = None
             if staged is not None:
                 staging = staged.device_bytes
-                if staging:
-                    stand_in.memory.reserve(staging, "prefill staging ring")
     plan = None
     if not facts.supported and config.mode == "required":
         error = error or "mode 'required' refuses this model: " + "; ".join(

@@ -551,6 +551,7 @@ class MainWindow(QMainWindow):
     @Slot(object)
     def _on_stats(self, data: dict) -> None:
         self.placement.set_stats(data)
+        self.budget_panel.set_live_pinned(data.get("pinned"))
         if data.get("cpu_expert_rate"):
             self.watch.add(data["cpu_expert_rate"])
 

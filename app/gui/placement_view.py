@@ -1,7 +1,9 @@
 """The placement view: a layers × experts heatmap of the loaded model, updated live while it
 generates. Residency shows which experts sit on the device (and which cold ones routing hits now);
 traffic shows how much routing each expert gets, blue where it is a hit, red where it is a miss.
-A tooltip names every cell."""
+A tooltip names every cell. The summary line says where the misses ran (on the CPU, or copied
+into a spare device slot by the decode miss policy), in total and in the last step, and how full
+the pinned staging ring got."""
 
 from __future__ import annotations
 
@@ -143,7 +145,8 @@ class Heatmap(QWidget):
         stats = d["layers"][row] if row < len(d["layers"]) else {}
         total = stats.get("hits", 0) + stats.get("misses", 0)
         kind = "decayed routing count (~10 steps)" if d.get("placement") == "adaptive" else "routing count"
-        lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + ("resident on the device" if on else "cold (runs on the CPU)"),
+        lines = [f"Layer {d['layer_index'][row]}, expert {col}: "
+                 + ("resident on the device" if on else "cold (a miss runs on the CPU, or is copied into a spare slot)"),
                  f"Recent routing: {score:.2f} ({kind})" + ("" if on or score < RECENT_MISS else " — missed recently"),
                  f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
         if "expert_hits" in stats and col < len(stats["expert_hits"]):
@@ -152,6 +155,8 @@ class Heatmap(QWidget):
         if total:
             lines.append(f"Layer {d['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
                          f"({stats['hits'] / total:.0%} hit rate), {stats.get('swaps', 0)} swaps")
+        if stats.get("misses"):
+            lines.append(f"Layer {d['layer_index'][row]} misses: {split_text(stats)}")
         lines.append(d["layer_names"][row])
         return "\n".join(lines)
 
@@ -161,6 +166,12 @@ class Heatmap(QWidget):
             QToolTip.hideText()
             return
         QToolTip.showText(event.globalPosition().toPoint(), self.tooltip_at(*cell), self)
+
+
+def split_text(split: dict) -> str:
+    """'12 on the CPU, 3 copied to the device (2 spare-slot copies)'."""
+    return (f"{split.get('misses_cpu', 0)} on the CPU, {split.get('misses_copied', 0)} copied to the device "
+            f"({split.get('miss_copies', 0)} spare-slot copies)")
 
 
 class PlacementView(QWidget):
@@ -181,6 +192,11 @@ class PlacementView(QWidget):
         self.summary.setWordWrap(True)
         self.summary.setMinimumWidth(120)
         self.legend = QLabel()
+        self.legend.setToolTip("Misses (routed token-expert pairs whose expert is cold) run on the CPU, or are copied "
+                               "into a spare device slot and computed there when the cost model says that is faster "
+                               "(and in prefill waves). 'spare-slot copies' counts the experts copied by the decode "
+                               "miss policy. The pinned staging ring is the page-locked host memory every copy goes "
+                               "through (pinned_bytes); its high-water mark is the most it held at once.")
         top = QHBoxLayout()
         top.addWidget(self.residency)
         top.addWidget(self.traffic)
@@ -193,6 +209,9 @@ class PlacementView(QWidget):
         layout.addWidget(self.heatmap, 1)
         self.updates = 0
         self.last_rate = 0.0
+        self.split: dict = {}           # cumulative miss split of the loaded model (engine totals)
+        self.last_step: tuple[int, int] | None = None   # the last decoder step: misses on the CPU, copied
+        self.pinned: dict = {}          # the pinned staging ring (OffloadEngine.pinned_info())
         self.apply_theme(theme.current())
 
     def apply_theme(self, t: theme.Theme) -> None:
@@ -202,6 +221,7 @@ class PlacementView(QWidget):
 
     def clear(self) -> None:
         self.last_rate = 0.0
+        self.split, self.last_step, self.pinned = {}, None, {}
         self.heatmap.set_data(None)
         self.summary.setText("No model loaded.")
 
@@ -217,7 +237,18 @@ class PlacementView(QWidget):
         parts = [f"{resident} of {total} experts resident"]
         if hits + misses:
             parts.append(f"hit rate {hits / (hits + misses):.0%} ({hits} hits, {misses} misses)")
+        self.split = dict(data.get("misses") or {})
+        steps = data.get("step_splits") or []
+        self.last_step = tuple(steps[-1]) if steps else None
+        self.pinned = dict(data.get("pinned") or {})
+        if self.split.get("misses"):
+            parts.append("misses: " + split_text(self.split))
+        if self.last_step is not None:
+            parts.append(f"last step: {self.last_step[0]} on the CPU, {self.last_step[1]} copied")
         parts.append(f"{swaps} swaps")
+        if self.pinned:
+            parts.append(f"pinned ring {human_bytes(self.pinned['bytes'])}, "
+                         f"high-water {human_bytes(self.pinned['high_water'])}")
         if data.get("cpu_expert_rate"):
             self.last_rate = data["cpu_expert_rate"]
         if self.last_rate:
