@@ -12,6 +12,19 @@ from engine.onnx_file import OnnxFile
 from kernels.qmoe_spec import MOE_INPUT_NAMES, QMOE_INPUT_NAMES, QMoESpec, UnsupportedLayout
 
 ACTIVATION_INPUTS = ("input", "router_probs", "router_weights")
+GPU_MAX_EXPERTS = 2048  # kernels.gpu.qmoe.GpuQMoE refuses more (its grouping kernel)
+
+
+@dataclass(frozen=True)
+class GpuFootprint:
+    """One expert of a node in the GPU kernels' layout (kernels/gpu), after the exact host conversion of layouts
+    they do not read as stored (kernels.gpu.convert: int2 / int3 -> int4, SM80 -> raw, mixed widths -> the
+    widest, nvfp4 / mxfp4 -> int8). Computed without CuPy, the same on the CUDA and the simulated device."""
+    slot_bytes: int   # device memory one slot takes (kernel layout + the fp16 block-scale copy the prefill reads):
+                      # convert.gpu_expert_bytes(resident=True); also what a load into a slot copies (pack_expert)
+    read_bytes: int   # what the kernels read of one expert (decode streams it from HBM): gpu_expert_bytes()
+    wave_bytes: int   # what a prefill wave copies per expert: its (converted) rows before the tile layout
+    conversion: str   # "" when the kernels read the stored layout, else what is converted into what
 
 
 @dataclass
@@ -27,10 +40,60 @@ class ExpertNodeInfo:
     spec: QMoESpec | None
     unsupported: str | None            # why our kernels can't run it, or None
     weight_bytes: int
+    gpu: GpuFootprint | None = None    # its experts in the GPU kernels' layout; None when the GPU cannot run it
+    gpu_unsupported: str | None = None  # why the GPU kernels cannot run the node (it runs on the CPU), or None
 
     @property
     def bytes_per_expert(self) -> int:
+        """One expert as stored (host memory, the mapped file, what the CPU kernels read)."""
         return self.weight_bytes // self.spec.num_experts if self.spec else 0
+
+    @property
+    def device_bytes_per_expert(self) -> int:
+        """What one device slot of this node takes (GpuFootprint.slot_bytes); 0 when the GPU cannot run it."""
+        return self.gpu.slot_bytes if self.gpu is not None else 0
+
+
+def gpu_footprint(spec: QMoESpec, tensors: dict) -> GpuFootprint:
+    """The GPU layout of one expert of ``spec`` (kernels.gpu.convert / layout, no CuPy). ``tensors`` may be the
+    node's arrays or stand-ins of their shape and dtype (values are not read). Raises UnsupportedLayout, with the
+    reason, for a node the GPU kernels refuse (fp8 weights, the float MoE op, geglu / relu2, too many experts)."""
+    from kernels.gpu import convert, layout
+
+    if spec.num_experts > GPU_MAX_EXPERTS:
+        raise UnsupportedLayout(f"node '{spec.node_name}': {spec.num_experts} experts (the GPU kernels take "
+                                f"<= {GPU_MAX_EXPERTS})")
+    conv = convert.for_gpu(spec, tensors)
+    layout.check_supported(conv.spec)  # the float MoE op passes for_gpu unconverted and is refused here
+    fc1, fc2 = layout.make_layouts(conv.spec, conv.tensors)
+    E = spec.num_experts
+    wave = 0
+    for proj in ("fc1", "fc2", "fc3"):
+        for role in (f"{proj}_experts_weights", f"{proj}_scales", f"{proj}_zero_points", f"{proj}_experts_bias"):
+            t = conv.tensors.get(role)
+            if t is not None and t.ndim >= 1 and t.shape[0] == E:
+                wave += t.nbytes // E
+    return GpuFootprint(slot_bytes=fc1.device_bytes() + fc2.device_bytes(), read_bytes=fc1.slot_bytes() + fc2.slot_bytes(),
+                        wave_bytes=wave, conversion=conv.note if conv.converted else "")
+
+
+def _stand_in(tensor: onnx.TensorProto) -> np.ndarray:
+    """A read-only array of the initializer's shape and dtype that holds no memory (values all zero)."""
+    return np.broadcast_to(np.zeros((), OnnxFile.tensor_dtype(tensor)), tuple(tensor.dims))
+
+
+def _gpu_verdict(spec: QMoESpec | None, weight_inputs: dict, source: OnnxFile):
+    """(GpuFootprint, None) or (None, why the GPU cannot run the node)."""
+    if spec is None:
+        return None, None  # the CPU cannot run it either: info.unsupported says why
+    tensors = {role: None for role in QMOE_INPUT_NAMES}
+    try:
+        tensors.update({role: _stand_in(source.initializers[t]) for role, t in weight_inputs.items()})
+        return gpu_footprint(spec, tensors), None
+    except UnsupportedLayout as exc:
+        return None, str(exc)
+    except (ValueError, TypeError, KeyError) as exc:  # a layout the GPU code cannot even size: the CPU runs it
+        return None, f"node '{spec.node_name}': the GPU layout of {spec.layout_summary()} cannot be built ({exc})"
 
 
 def _attributes(node: onnx.NodeProto) -> dict:
@@ -64,11 +127,13 @@ def describe_expert_node(node: onnx.NodeProto, layer: int, source: OnnxFile) -> 
         spec, unsupported = QMoESpec.from_node(node.name, node.op_type, attributes, shapes), None
     except UnsupportedLayout as exc:
         spec, unsupported = None, str(exc)
+    gpu, gpu_unsupported = _gpu_verdict(spec, weight_inputs, source)
     return ExpertNodeInfo(
         name=node.name, op_type=node.op_type, layer=layer, attributes=attributes,
         activation_inputs=activation_inputs, weight_inputs=weight_inputs, output=node.output[0],
         spec=spec, unsupported=unsupported,
-        weight_bytes=sum(source.nbytes(t) for t in weight_inputs.values()))
+        weight_bytes=sum(source.nbytes(t) for t in weight_inputs.values()),
+        gpu=gpu, gpu_unsupported=gpu_unsupported)
 
 
 class CpuExpertNode:

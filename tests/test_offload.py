@@ -46,11 +46,18 @@ def expert_bytes(model_folder) -> int:
     return LoadedModel.open(model_folder).folder.expert_bytes
 
 
+def device_expert_bytes(model_folder) -> int:
+    """Every expert in device slots: the GPU kernels' layout (ExpertNodeInfo.device_bytes_per_expert)."""
+    from engine.model_folder import ModelFolder
+
+    return sum(i.device_bytes_per_expert * i.spec.num_experts for i in ModelFolder.open(model_folder).experts)
+
+
 @pytest.mark.parametrize("placement", ["static", "adaptive"])
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 @pytest.mark.parametrize("cpu_execution", ["auto", "disabled"])
 def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fraction, cpu_execution):
-    budget = int(fraction * expert_bytes(model_folder))
+    budget = int(fraction * device_expert_bytes(model_folder))
     config = OffloadConfig(placement=placement, device_expert_bytes=budget, cpu_execution=cpu_execution)
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, offload=config, device=device)
@@ -133,7 +140,7 @@ def test_budget_change_takes_effect_without_reload(model_folder, cpu_run):
     model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0), device=device)
     segments_before = [id(step) for step in model.decoder.steps]
     assert sum(model.offload.plan.slots.values()) == 0
-    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=expert_bytes(model_folder)))
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=device_expert_bytes(model_folder)))
     assert [id(step) for step in model.decoder.steps] == segments_before  # nothing was rebuilt
     assert model.offload.plan.placement_mode == "all_resident"
     model.offload.stats.reset(len(model.offload.slots))
@@ -159,8 +166,8 @@ def test_prefill_streams_busy_cold_experts_in_waves(model_folder, cpu_run):
     logits = model.decoder.forward(state, model.tokenizer.encode(prompt))
     totals = model.offload.stats.totals()
     assert totals.copy_bytes > 0 and totals.device_s > 0  # experts went to the device through the ring
-    assert device.memory.by_purpose["prefill staging ring"] == 2 * 3 * max(
-        i.bytes_per_expert for i in model.offload.infos)
+    assert device.memory.by_purpose["prefill staging ring"] == 2 * 3 * max(  # wave slots in the GPU layout
+        i.device_bytes_per_expert for i in model.offload.infos)
     reference = LoadedModel.open(model_folder)
     expected = reference.decoder.forward(reference.new_state(), reference.tokenizer.encode(prompt))
     assert np.abs(logits - expected).max() / np.abs(expected).max() <= 1e-5
@@ -175,7 +182,7 @@ def test_static_placement_from_a_popularity_file(model_folder, tmp_path):
         counts[name][3] = counts[name][7] = 100
     path = tmp_path / "popularity.json"
     path.write_text(json.dumps(counts))
-    per_expert = expert_bytes(model_folder) // (16 * len(names))
+    per_expert = device_expert_bytes(model_folder) // (16 * len(names))  # one device slot
     config = OffloadConfig(placement="static", popularity_file=str(path), device_expert_bytes=2 * len(names) * per_expert)
     model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
     assert all(set(layer.resident()) == {3, 7} for layer in model.offload.slots)
@@ -300,7 +307,8 @@ def test_a_refused_reconfiguration_leaves_the_old_one_in_force(model_folder, cpu
     assert device.memory.used == used and model.offload.plan.slots == slots
     assert model.offload.config.device_expert_bytes == half
     model.offload.reconfigure(model.offload.config.updated(prefill_wave_experts=4))
-    assert device.memory.by_purpose["prefill staging ring"] == 2 * 4 * max(i.bytes_per_expert for i in model.offload.infos)
+    assert device.memory.by_purpose["prefill staging ring"] == 2 * 4 * max(i.device_bytes_per_expert
+                                                                       for i in model.offload.infos)
     assert greedy_run(model)[1] == cpu_run[1]
 
 

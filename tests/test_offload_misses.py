@@ -37,7 +37,21 @@ def cpu_run(model_folder):
 
 @pytest.fixture(scope="module")
 def per_expert(model_folder):
+    """One expert as stored (what a prefill wave gathers into the pinned ring)."""
     return LoadedModel.open(model_folder).folder.experts[0].bytes_per_expert
+
+
+@pytest.fixture(scope="module")
+def slot_bytes(model_folder):
+    """One device slot: the expert in the GPU kernels' layout (what budgets count)."""
+    return LoadedModel.open(model_folder).folder.experts[0].device_bytes_per_expert
+
+
+@pytest.fixture(scope="module")
+def staged(model_folder):
+    """One expert in the pinned ring (the larger of the stored rows and the packed kernel layout)."""
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(mode="disabled"), device=SimulatedDevice(1 << 30))
+    return max(SimulatedDevice().staging_bytes_per_expert(runner) for runner in model.offload.runners)
 
 
 @pytest.fixture
@@ -106,10 +120,10 @@ def test_the_cost_model_on_plain_numbers():
 
 @pytest.mark.parametrize("placement", ["static", "adaptive"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_outputs_equal_the_all_cpu_run_for_every_decision_mix(model_folder, cpu_run, per_expert, decisions,
+def test_outputs_equal_the_all_cpu_run_for_every_decision_mix(model_folder, cpu_run, slot_bytes, decisions,
                                                              placement, mix):
     model, device = open_model(model_folder, MIXES[mix], placement=placement,
-                               device_expert_bytes=8 * 3 * per_expert)  # 8 of 16 experts per layer
+                               device_expert_bytes=8 * 3 * slot_bytes)  # 8 of 16 experts per layer
     assert_same_as_cpu(greedy_run(model), cpu_run)
     totals = model.offload.stats.totals()
     assert totals.misses_cpu + totals.misses_copied == totals.misses > 0
@@ -136,8 +150,8 @@ def test_outputs_equal_the_all_cpu_run_for_every_decision_mix(model_folder, cpu_
     assert record["misses_copied"] == totals.misses_copied and len(record["step_splits"]) == len(splits)
 
 
-def test_copied_misses_stay_resident_and_placement_is_told(model_folder, per_expert, decisions):
-    model, _device = open_model(model_folder, FAST_PCIE, placement="static", device_expert_bytes=8 * 3 * per_expert)
+def test_copied_misses_stay_resident_and_placement_is_told(model_folder, slot_bytes, decisions):
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static", device_expert_bytes=8 * 3 * slot_bytes)
     state = model.new_state()
     model.decoder.forward(state, model.tokenizer.encode("Copied misses stay"))
     model.offload.stats.reset(len(model.offload.slots))
@@ -182,8 +196,8 @@ def test_wanted_residents_are_never_spare():
     assert static.spare_slots(0, np.array([7])).tolist() == [2, 3]
 
 
-def test_cpu_execution_disabled_copies_every_miss(model_folder, cpu_run, per_expert, decisions):
-    model, _device = open_model(model_folder, SLOW_PCIE, cpu_execution="disabled", device_expert_bytes=4 * 3 * per_expert)
+def test_cpu_execution_disabled_copies_every_miss(model_folder, cpu_run, slot_bytes, decisions):
+    model, _device = open_model(model_folder, SLOW_PCIE, cpu_execution="disabled", device_expert_bytes=4 * 3 * slot_bytes)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     totals = model.offload.stats.totals()
     assert totals.misses > 0 and totals.misses_copied == totals.misses and totals.misses_cpu == 0 and totals.cpu_s == 0
@@ -192,9 +206,9 @@ def test_cpu_execution_disabled_copies_every_miss(model_folder, cpu_run, per_exp
 
 # --- the pinned staging ring -----------------------------------------------------------------
 
-def test_the_pinned_high_water_mark_stays_within_pinned_bytes(model_folder, cpu_run, per_expert):
-    pinned = 3 * per_expert
-    model, device = open_model(model_folder, FAST_PCIE, device_expert_bytes=6 * 3 * per_expert, pinned_bytes=pinned,
+def test_the_pinned_high_water_mark_stays_within_pinned_bytes(model_folder, cpu_run, per_expert, slot_bytes, staged):
+    pinned = 3 * staged
+    model, device = open_model(model_folder, FAST_PCIE, device_expert_bytes=6 * 3 * slot_bytes, pinned_bytes=pinned,
                                prefill_wave_experts=4)
     assert model.offload.wave_experts == 1  # 3 experts of ring: waves of one, double-buffered
     assert_same_as_cpu(greedy_run(model), cpu_run)
@@ -205,37 +219,37 @@ def test_the_pinned_high_water_mark_stays_within_pinned_bytes(model_folder, cpu_
     assert any("pinned staging ring" in line for line in model.offload.plan.statements)
 
     auto, auto_device = open_model(model_folder, Bandwidths(), device_expert_bytes=0, prefill_wave_experts=3)
-    assert auto_device.pinned.capacity == 2 * 3 * per_expert and auto.offload.wave_experts == 3
+    assert auto_device.pinned.capacity == 2 * 3 * staged and auto.offload.wave_experts == 3
     prompt = " ".join(["many tokens make the prompt long enough to stream experts"] * 6)
     auto.decoder.forward(auto.new_state(), auto.tokenizer.encode(prompt))
     assert auto_device.pinned.copies > 0
     assert auto_device.pinned.high_water == 3 * per_expert  # one wave in flight, half the double-buffered ring
 
 
-def test_a_pinned_ring_that_holds_no_expert_is_refused(model_folder, per_expert):
+def test_a_pinned_ring_that_holds_no_expert_is_refused(model_folder, staged):
     with pytest.raises(OffloadPlanError) as error:
-        open_model(model_folder, FAST_PCIE, pinned_bytes=per_expert - 1)
+        open_model(model_folder, FAST_PCIE, pinned_bytes=staged - 1)
     message = str(error.value)
-    assert "session.moe.offload.pinned_bytes" in message and str(per_expert) in message and "\n" not in message
-    model, device = open_model(model_folder, FAST_PCIE, pinned_bytes=per_expert)  # one expert is enough
-    assert device.pinned.capacity == per_expert and model.offload.wave_experts == 1
+    assert "session.moe.offload.pinned_bytes" in message and str(staged) in message and "\n" not in message
+    model, device = open_model(model_folder, FAST_PCIE, pinned_bytes=staged)  # one expert is enough
+    assert device.pinned.capacity == staged and model.offload.wave_experts == 1
 
 
-def test_reconfigure_resizes_the_pinned_ring(model_folder, cpu_run, per_expert):
-    model, device = open_model(model_folder, FAST_PCIE, device_expert_bytes=4 * 3 * per_expert, prefill_wave_experts=2)
-    assert device.pinned.capacity == 4 * per_expert
-    model.offload.reconfigure(model.offload.config.updated(pinned_bytes=10 * per_expert, prefill_wave_experts=8))
-    assert device.pinned.capacity == 10 * per_expert and model.offload.wave_experts == 5
-    assert model.offload.stats.pinned["bytes"] == 10 * per_expert
+def test_reconfigure_resizes_the_pinned_ring(model_folder, cpu_run, slot_bytes, staged):
+    model, device = open_model(model_folder, FAST_PCIE, device_expert_bytes=4 * 3 * slot_bytes, prefill_wave_experts=2)
+    assert device.pinned.capacity == 4 * staged
+    model.offload.reconfigure(model.offload.config.updated(pinned_bytes=10 * staged, prefill_wave_experts=8))
+    assert device.pinned.capacity == 10 * staged and model.offload.wave_experts == 5
+    assert model.offload.stats.pinned["bytes"] == 10 * staged
     with pytest.raises(OffloadPlanError, match="pinned_bytes"):
         model.offload.reconfigure(model.offload.config.updated(pinned_bytes=100))
-    assert device.pinned.capacity == 10 * per_expert and model.offload.config.pinned_bytes == 10 * per_expert
+    assert device.pinned.capacity == 10 * staged and model.offload.config.pinned_bytes == 10 * staged
     assert_same_as_cpu(greedy_run(model), cpu_run)
-    assert device.pinned.high_water <= 10 * per_expert
+    assert device.pinned.high_water <= 10 * staged
     model.offload.reconfigure(model.offload.config.updated(mode="disabled"))
     assert device.pinned is None
     model.offload.reconfigure(model.offload.config.updated(mode="auto", pinned_bytes=None))
-    assert device.pinned.capacity == 2 * 8 * per_expert
+    assert device.pinned.capacity == 2 * 8 * staged
 
 
 # --- the CUDA device's ring logic, with a stand-in for CuPy (the GPU itself: tests/test_offload_cuda.py) ----

@@ -159,6 +159,28 @@ def gather_wave(ring: CudaPinnedRing, tensors: dict, experts: np.ndarray, num_ex
     return wave_tensors, start, end
 
 
+def staged_bytes(runner) -> int:
+    """Bytes one expert of the node takes in the pinned ring (no CuPy): the larger of its stored rows (a prefill
+    wave gathers those, gather_wave) and its packed kernel layout (a load into a slot: GpuQMoE.pack_expert of the
+    converted layout when the stored one is converted, kernels.gpu.convert), each array aligned. Raises
+    UnsupportedLayout for a node the GPU kernels refuse (the engine stages none of those)."""
+    from kernels.gpu import convert, layout
+
+    info = runner.info
+    num_experts = info.spec.num_experts
+    raw = sum(_round_up(t.nbytes // num_experts) for t in runner.tensors.values()
+              if t is not None and t.ndim >= 1 and t.shape[0] == num_experts)
+    conv = convert.for_gpu(info.spec, runner.tensors)
+    packed = 0
+    for lay in layout.make_layouts(conv.spec, conv.tensors):
+        arrays = [lay.w_bytes, lay.s_len * lay.sdtype.itemsize]
+        arrays += [lay.s_len] if lay.has_zp else []
+        arrays += [lay.NP * 4] if lay.has_bias else []
+        arrays += [lay.s_len * 2] if lay.has_h else []
+        packed += sum(_round_up(n) for n in arrays)
+    return max(raw, packed, _round_up(info.bytes_per_expert))
+
+
 class CudaSlots:
     """One expert node's slots in GPU memory (a GpuQMoE holding `num_slots` experts). A prefill
     wave gets a short-lived GpuQMoE of its own, inside the staging bytes the engine reserved."""
@@ -166,7 +188,12 @@ class CudaSlots:
     def __init__(self, device: "CudaDevice", runner, num_slots: int):
         self.device, self.runner = device, runner
         self.name = runner.info.name
-        self.expert_bytes = runner.info.bytes_per_expert
+        gpu = runner.info.gpu
+        if gpu is None:  # the planner gives such nodes no slots; GpuQMoE would refuse them too
+            raise ValueError(f"{self.name}: {runner.info.gpu_unsupported}")
+        self.expert_bytes = gpu.slot_bytes  # one slot in the kernels' layout (converted, fp16 block-scale copy)
+        self.read_bytes = gpu.read_bytes    # what the kernels read of one resident expert
+        self.wave_bytes = gpu.wave_bytes    # what a prefill wave copies per expert (converted rows)
         self.num_slots = 0
         self.gpu = None
         self._wave = None
@@ -280,26 +307,11 @@ class CudaDevice:
         self._staged_bytes: dict[str, int] = {}
 
     def staging_bytes_per_expert(self, runner) -> int:
-        """Bytes one expert takes in the pinned ring: the larger of its raw rows (prefill waves)
-        and its kernel layout (loads into slots), each array aligned."""
+        """Bytes one expert takes in the pinned ring (staged_bytes: stored rows for prefill waves,
+        the converted kernel layout for loads into slots)."""
         name = runner.info.name
         if name not in self._staged_bytes:
-            num_experts = runner.info.spec.num_experts
-            raw = sum(_round_up(t.nbytes // num_experts) for t in runner.tensors.values()
-                      if t is not None and t.ndim >= 1 and t.shape[0] == num_experts)
-            try:
-                from kernels.gpu import layout
-
-                packed = 0
-                for lay in layout.make_layouts(runner.info.spec, runner.tensors):
-                    arrays = [lay.w_bytes, lay.s_len * lay.sdtype.itemsize]
-                    arrays += [lay.s_len] if lay.has_zp else []
-                    arrays += [lay.NP * 4] if lay.has_bias else []
-                    arrays += [lay.s_len * 2] if lay.has_h else []
-                    packed += sum(_round_up(n) for n in arrays)
-            except Exception:  # a layout the GPU kernels refuse: its slots fail with the reason
-                packed = 0
-            self._staged_bytes[name] = max(raw, packed, _round_up(runner.info.bytes_per_expert))
+            self._staged_bytes[name] = staged_bytes(runner)
         return self._staged_bytes[name]
 
     def set_pinned_ring(self, nbytes: int) -> None:

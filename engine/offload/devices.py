@@ -1,6 +1,10 @@
 """Where resident experts live. The simulated device has the same interface as a GPU: byte
 accounting, per-node slots, a copy-cost model; it computes with the CPU kernels, so CI (no GPU)
 and "what if I had an 8 GB card?" run the real offload logic.
+
+It stands in for the CUDA device, so it counts what the CUDA device would: a slot takes an expert in
+the GPU kernels' layout (ExpertNodeInfo.gpu, converted layouts included), copies move that layout,
+and nodes the GPU kernels refuse get no slots (the planner decides, for both devices).
 """
 
 from __future__ import annotations
@@ -35,7 +39,13 @@ class SimulatedSlots:
 
     def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
         self.device, self.name, self.kernel = device, runner.info.name, runner.kernel
-        self.expert_bytes = runner.info.bytes_per_expert
+        gpu = runner.info.gpu
+        if gpu is None:
+            raise ValueError(f"{self.name}: {runner.info.gpu_unsupported}")
+        self.expert_bytes = gpu.slot_bytes  # device memory per slot, and what a load copies (the packed expert)
+        self.read_bytes = gpu.read_bytes    # what computing one resident expert reads from device memory
+        self.wave_bytes = gpu.wave_bytes    # what a prefill wave copies per expert
+        self.stored_bytes = runner.info.bytes_per_expert  # a wave's rows as gathered into the pinned ring
         self.num_slots = 0
         self.resize(num_slots)
 
@@ -56,14 +66,14 @@ class SimulatedSlots:
 
     def stage(self, experts: np.ndarray) -> float:
         """Copy cold experts into the staging ring for one wave; returns the modelled copy time."""
-        self.device.through_pinned([self.expert_bytes] * len(experts))
-        return self.device.copy_seconds(len(experts) * self.expert_bytes)
+        self.device.through_pinned([self.stored_bytes] * len(experts))
+        return self.device.copy_seconds(len(experts) * self.wave_bytes)
 
     def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
         partial = np.zeros((x2d.shape[0], self.kernel.spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, expert_ids, weights, out=partial)
         distinct = np.unique(expert_ids[expert_ids >= 0]).size
-        return partial, distinct * self.expert_bytes / self.device.bandwidths.hbm
+        return partial, distinct * self.read_bytes / self.device.bandwidths.hbm
 
     def collect(self, pending, out: np.ndarray) -> float:
         partial, seconds = pending
@@ -82,8 +92,10 @@ class SimulatedDevice:
         self.pinned: PinnedRing | None = None  # set by the offload engine (pinned_bytes)
 
     def staging_bytes_per_expert(self, runner) -> int:
-        """Bytes one expert of this node takes in the pinned staging ring."""
-        return runner.info.bytes_per_expert
+        """Bytes one expert of this node takes in the pinned staging ring: as the CUDA device counts them."""
+        from engine.offload.cuda_device import staged_bytes
+
+        return staged_bytes(runner)
 
     def set_pinned_ring(self, nbytes: int) -> None:
         """(Re)size the pinned staging ring; 0 = none. Counters start again with a new size."""

@@ -54,7 +54,10 @@ class OffloadEngine:
         self.wave_experts, self._staging_bytes = 0, 0
         self.plan: OffloadPlan = self._plan(config)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
-        self.stores = [device.create_slots(runner, self.plan.slots[info.name]) if device is not None else None
+        # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
+        # store: they run all on the CPU, prefill waves and miss copies included.
+        self.stores = [device.create_slots(runner, self.plan.slots[info.name])
+                       if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
         self._make_policy()
         self._apply_cpu_threads()
@@ -93,16 +96,25 @@ class OffloadEngine:
                                    f"({ring.capacity // self._staged_expert_bytes()} experts).")
         return plan
 
+    def _gpu_runners(self) -> list[CpuExpertNode]:
+        """The nodes whose experts can go on the device (the GPU kernels run their layout)."""
+        return [runner for runner in self.runners if runner.info.gpu is not None]
+
     def _staged_expert_bytes(self) -> int:
-        return max(self.device.staging_bytes_per_expert(runner) for runner in self.runners)
+        return max((self.device.staging_bytes_per_expert(runner) for runner in self._gpu_runners()), default=0)
 
     def _reserve_staging(self, config: OffloadConfig) -> None:
         """A double-buffered staging ring for prefill waves (and for every miss when cpu_execution
         is disabled), taken before the expert budget; and the pinned host ring every copy goes
         through (pinned_bytes, checked first: a ring that holds no expert is refused)."""
         staged = self._staged_expert_bytes()
+        if staged == 0:  # no node the GPU kernels run: nothing is staged, every expert runs on the CPU
+            self.wave_experts, self._staging_bytes = 0, 0
+            self.device.set_pinned_ring(0)
+            return
         pinned = ring_bytes(config, staged)
-        largest = max(info.bytes_per_expert for info in self.infos)
+        # A wave's GpuQMoE holds its experts in device slots of the kernels' layout (converted layouts are larger).
+        largest = max(runner.info.device_bytes_per_expert for runner in self._gpu_runners())
         # A wave streams through the pinned ring double-buffered: an explicit pinned_bytes bounds it.
         through_ring = max(1, pinned // (2 * staged))
         wave = min(config.prefill_wave_experts, through_ring, self.device.memory.available // (2 * largest))
@@ -132,12 +144,16 @@ class OffloadEngine:
             popularity = load_popularity(self.config.popularity_file, [i.name for i in self.infos],
                                          [i.spec.num_experts for i in self.infos])
         self.policy = make_policy(self.config.placement, self.slots, popularity)
-        if self.plan.placement_mode == "all_resident" or popularity is not None:
-            self._apply(self.policy.initial() if popularity is not None else self._fill_all())
+        if popularity is not None:
+            self._apply(self.policy.initial())
+        else:  # layers with a slot for every expert (all of them when all_resident) are filled now
+            self._apply(self._fill_all())
 
     def _fill_all(self):
         swaps = []
         for index, layer in enumerate(self.slots):
+            if layer.expert_in.size < layer.slot_of.size:
+                continue
             cold = iter(np.flatnonzero(layer.slot_of < 0))
             for slot in np.flatnonzero(layer.expert_in < 0):
                 expert = int(next(cold))
@@ -149,7 +165,7 @@ class OffloadEngine:
         for swap in swaps:
             seconds = self.stores[swap.layer].load(swap.slot, swap.loaded)
             layer = self.stats.layers[swap.layer]
-            layer.copy_bytes += self.infos[swap.layer].bytes_per_expert
+            layer.copy_bytes += self.stores[swap.layer].expert_bytes  # the expert in the kernels' layout
             layer.copy_s += seconds
             layer.swaps += 1
 

@@ -56,7 +56,7 @@ class HybridExpertNode:
         if store is not None:
             for wave in self._waves(cold):
                 stats.copy_s += store.stage(wave)
-                stats.copy_bytes += len(wave) * store.expert_bytes
+                stats.copy_bytes += len(wave) * store.wave_bytes
                 in_wave = np.isin(cold, wave)
                 copied_pairs += int(np.count_nonzero(in_wave))
                 stats.device_s += store.collect(store.launch(x2d, np.where(in_wave, cold, -1), weights), out)
@@ -103,16 +103,18 @@ class HybridExpertNode:
             return np.empty(0, np.int64)
         experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
         bandwidths = engine.device.bandwidths
-        expert_bytes = self.info.bytes_per_expert
-        resident_s = np.unique(ids[resident]).size * expert_bytes / bandwidths.hbm
-        decision = decide(bandwidths, expert_bytes, tokens, spare.size, resident_s, 2 * self._weights_per_expert(),
-                          getattr(store, "prepare_s", 0.0))
+        # The CPU reads the stored expert; a copy moves it in the kernels' (converted) layout, which the device
+        # then reads: converted layouts (int2, fp4 ...) cost more on the device side than on the CPU side.
+        resident_s = np.unique(ids[resident]).size * store.read_bytes / bandwidths.hbm
+        decision = decide(bandwidths, self.info.bytes_per_expert, tokens, spare.size, resident_s,
+                          2 * self._weights_per_expert(), getattr(store, "prepare_s", 0.0),
+                          copy_bytes=store.expert_bytes, read_bytes=store.read_bytes)
         self.last_decision = decision
         chosen = experts[decision.copied]
         for slot, expert in zip(spare, chosen):
             policy.admit(self.layer, int(slot), int(expert))
             stats.copy_s += store.load(int(slot), int(expert))
-            stats.copy_bytes += expert_bytes
+            stats.copy_bytes += store.expert_bytes
         return chosen
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
@@ -127,9 +129,9 @@ class HybridExpertNode:
                 return []  # decode: the miss policy splits the misses between the CPU and spare slots
             # Prefill: stream an expert when copying it costs less than computing its tokens on the CPU.
             bw = self.engine.device.bandwidths
-            expert_bytes = self.info.bytes_per_expert
+            wave_bytes = self.engine.stores[self.layer].wave_bytes  # what the wave copies of one expert
             flops_per_token = 2 * self._weights_per_expert()
-            worth = tokens * flops_per_token / bw.cpu_flops > expert_bytes / bw.pcie
+            worth = tokens * flops_per_token / bw.cpu_flops > wave_bytes / bw.pcie
             experts = experts[worth]
         return [experts[i:i + wave] for i in range(0, experts.size, wave)]
 

@@ -5,8 +5,8 @@ compute and PCIe copies).
 The model, per layer and step, with n cold experts hit by routing and S spare slots:
 
     cpu_i   = max(bytes / B_cpu, tokens_i · flops_per_token / F_cpu)   the CPU kernel on miss i
-    copy    = bytes / B_pcie                                           one expert host -> device
-    dev     = bytes / B_hbm                                            the device computing one expert
+    copy    = copy_bytes / B_pcie                                      one expert host -> device
+    dev     = read_bytes / B_hbm                                       the device computing one expert
     prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the
               measured conversion to the kernel layout and write into the pinned ring)
     T(C)    = max( m·prep + Σ_{i ∉ C} cpu_i ,  max(t_resident, m·(prep + copy)) + m·dev ),  m = |C|
@@ -16,6 +16,11 @@ the device computes the residents; the copies run on the copy stream meanwhile, 
 experts are computed once both are done. All experts of a layer have the same size, so for a given |C| = m the best C holds
 the m misses with the largest CPU cost; the policy scans m = 0..min(n, S) and keeps the smallest
 T (ties: fewer copies, so no PCIe traffic is spent for nothing).
+
+bytes is the expert as stored (what the CPU kernel reads); copy_bytes is what a copy moves, the expert
+packed in the GPU kernels' layout (GpuQMoE.pack_expert: converted for int2 / int3 / SM80 / mixed widths /
+nvfp4 / mxfp4, with the fp16 block-scale copy), read_bytes what the device reads to compute it
+(GpuFootprint in engine/expert_node.py). Both default to bytes.
 """
 
 from __future__ import annotations
@@ -60,14 +65,18 @@ class MissDecision:
 
 
 def miss_costs(bandwidths, expert_bytes: int, tokens: np.ndarray, resident_s: float,
-               flops_per_token: float = 0.0, prepare_s: float = 0.0) -> MissCosts:
+               flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
+               read_bytes: int | None = None) -> MissCosts:
     """The cost model's inputs from measured (or assumed) bandwidths: `tokens` holds, per miss, the
-    tokens routed to it in this step."""
+    tokens routed to it in this step. `expert_bytes`: the stored expert (CPU reads); `copy_bytes` /
+    `read_bytes`: the expert in the device's layout, copied / read by the device (default expert_bytes)."""
     tokens = np.asarray(tokens, dtype=np.float64)
+    copy_bytes = expert_bytes if copy_bytes is None else copy_bytes
+    read_bytes = expert_bytes if read_bytes is None else read_bytes
     read = expert_bytes / bandwidths.cpu
     compute = tokens * flops_per_token / bandwidths.cpu_flops if flops_per_token else np.zeros_like(tokens)
-    return MissCosts(cpu_s=np.maximum(read, compute), copy_s=expert_bytes / bandwidths.pcie,
-                     device_s=expert_bytes / bandwidths.hbm, resident_s=float(resident_s), prepare_s=float(prepare_s))
+    return MissCosts(cpu_s=np.maximum(read, compute), copy_s=copy_bytes / bandwidths.pcie,
+                     device_s=read_bytes / bandwidths.hbm, resident_s=float(resident_s), prepare_s=float(prepare_s))
 
 
 def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
@@ -84,5 +93,7 @@ def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
 
 
 def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, resident_s: float,
-           flops_per_token: float = 0.0, prepare_s: float = 0.0) -> MissDecision:
-    return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, flops_per_token, prepare_s), spare_slots)
+           flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
+           read_bytes: int | None = None) -> MissDecision:
+    return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, flops_per_token, prepare_s,
+                             copy_bytes, read_bytes), spare_slots)

@@ -27,7 +27,8 @@ class OffloadPlan:
     statements: list[str] = field(default_factory=list)   # plain sentences for the user
 
     def device_bytes(self, experts: list[ExpertNodeInfo]) -> int:
-        return sum(self.slots.get(info.name, 0) * info.bytes_per_expert for info in experts)
+        """Device memory of the planned slots (each the size of an expert in the GPU kernels' layout)."""
+        return sum(self.slots.get(info.name, 0) * info.device_bytes_per_expert for info in experts)
 
 
 def automatic_budget(config: OffloadConfig, available: int) -> int:
@@ -35,6 +36,39 @@ def automatic_budget(config: OffloadConfig, available: int) -> int:
     if reserve is None:
         reserve = max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * available))
     return max(0, available - reserve)
+
+
+def _layers(infos: list[ExpertNodeInfo]) -> str:
+    layers = [info.layer for info in infos]
+    return f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(str(layer) for layer in layers)
+
+
+def _by_reason(infos: list[ExpertNodeInfo], reason_of) -> dict[str, list[ExpertNodeInfo]]:
+    """Nodes grouped by a reason with their own name taken out ("node 'x': ..."), in layer order."""
+    groups: dict[str, list[ExpertNodeInfo]] = {}
+    for info in infos:
+        groups.setdefault(reason_of(info).replace(f"node '{info.name}': ", ""), []).append(info)
+    return groups
+
+
+def gpu_statements(experts: list[ExpertNodeInfo]) -> list[str]:
+    """Where the GPU layout decides something: nodes the GPU kernels refuse (they run all on the CPU) and layouts
+    converted on upload (a device slot then takes more than the stored expert)."""
+    statements = []
+    refused = [info for info in experts if info.spec is not None and info.gpu_unsupported]
+    for reason, infos in _by_reason(refused, lambda info: info.gpu_unsupported).items():
+        who = f"Expert node '{infos[0].name}' ({_layers(infos)})" if len(infos) == 1 else \
+            f"{len(infos)} expert nodes ({_layers(infos)})"
+        statements.append(f"{who} run{'s' if len(infos) == 1 else ''} all on the CPU: the GPU kernels cannot run "
+                          f"{'it' if len(infos) == 1 else 'them'}: {reason}")
+    converted = [info for info in experts if info.gpu is not None and info.gpu.conversion]
+    for note, infos in _by_reason(converted, lambda info: info.gpu.conversion).items():
+        info = infos[0]
+        statements.append(f"Experts of {_layers(infos)} are converted for the GPU kernels on upload ({note}): a device "
+                          f"slot takes {human_bytes(info.device_bytes_per_expert)} per expert, "
+                          f"{info.device_bytes_per_expert / max(1, info.bytes_per_expert):.2f}x the stored "
+                          f"{human_bytes(info.bytes_per_expert)}.")
+    return statements
 
 
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -> OffloadPlan:
@@ -47,6 +81,15 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -
         why = "offload is disabled" if config.mode == "disabled" else "no GPU device is in use"
         return OffloadPlan("cpu_only", 0, {info.name: 0 for info in experts},
                            [f"All experts run on the CPU: {why}."])
+    # Whether the GPU kernels run a node is decided here, the same on the CUDA and the simulated device
+    # (ExpertNodeInfo.gpu_unsupported: kernels.gpu.convert / layout, no CuPy); slots are sized in the GPU layout.
+    refused = [info for info in experts if info.spec is not None and info.gpu_unsupported]
+    if config.mode == "required" and refused:
+        raise OffloadPlanError("offload mode 'required': " + "; ".join(
+            f"the GPU kernels cannot run node '{info.name}': "
+            + info.gpu_unsupported.replace(f"node '{info.name}': ", "").removesuffix(" (this node runs on the CPU)")
+            for info in refused))
+    runnable = [info for info in experts if info.gpu is not None]
 
     available = device.memory.available
     budget = config.device_expert_bytes if config.device_expert_bytes is not None else automatic_budget(config, available)
@@ -56,30 +99,32 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -
             raise OffloadPlanError(f"device_expert_bytes={budget} exceeds the {available} bytes the device has free")
         budget = available
     limits = {}
-    for info in experts:
+    for info in runnable:
         override = config.node_overrides.get(info.name)
         cap = info.spec.num_experts
         if override and override.max_resident_slots is not None:
             cap = min(cap, override.max_resident_slots)
         if override and override.device_expert_bytes is not None:
-            cap = min(cap, override.device_expert_bytes // max(1, info.bytes_per_expert))
+            cap = min(cap, override.device_expert_bytes // max(1, info.device_bytes_per_expert))
         limits[info.name] = cap
 
-    if config.mode == "required" and budget < min(i.bytes_per_expert for i in experts):
+    smallest = min((i.device_bytes_per_expert for i in runnable), default=0)
+    if config.mode == "required" and budget < smallest:
         raise OffloadPlanError(f"offload mode 'required': the expert budget of {budget} bytes holds no expert "
-                               f"(the smallest needs {min(i.bytes_per_expert for i in experts)} bytes)")
+                               f"(the smallest needs {smallest} bytes on the device)")
     slots = {info.name: 0 for info in experts}
     spent = 0
     # Even slot counts across layers (each token visits every layer), then leftovers layer by layer.
     grew = True
     while grew:
         grew = False
-        for info in experts:
-            if slots[info.name] < limits[info.name] and spent + info.bytes_per_expert <= budget:
+        for info in runnable:
+            size = info.device_bytes_per_expert
+            if slots[info.name] < limits[info.name] and spent + size <= budget:
                 slots[info.name] += 1
-                spent += info.bytes_per_expert
+                spent += size
                 grew = True
-    total_experts = sum(info.spec.num_experts for info in experts)
+    total_experts = sum(info.spec.num_experts for info in experts if info.spec is not None)
     resident = sum(slots.values())
     mode = "all_resident" if resident == total_experts else "hybrid"
     statements = [f"{resident} of {total_experts} experts resident on the {device.name} "
@@ -87,7 +132,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -
     if clamped:
         statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has free; "
                           f"the budget is {human_bytes(budget)}.")
-    if mode == "hybrid":
+    statements += gpu_statements(experts)
+    if mode == "hybrid" and resident < sum(info.spec.num_experts for info in runnable):
         statements.append("Cold experts that routing hits during decode run on the CPU." if config.cpu_execution != "disabled"
                           else "Cold experts that routing hits are copied to the device before they run.")
     return OffloadPlan(mode, budget, slots, statements)
