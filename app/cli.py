@@ -182,6 +182,7 @@ def _print_result(result, model, as_json: bool) -> None:
         timings = {"load_s": model.load_s, **result.timings.as_dict()}
         answer = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
                   "finish_reason": result.finish_reason, "timings": timings}
+        answer["dense"] = {"device": model.dense_device, "reason": model.dense_reason}
         if model.offload is not None:
             answer["offload"] = {"statements": model.offload.plan.statements, **model.offload.stats.as_dict()}
         if result.routing_agreement is not None:
@@ -203,6 +204,8 @@ def _cmd_generate(args) -> int:
         raise PromptError("the prompt is empty")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device)
+    if args.device == "cuda" and not args.json:
+        print(model.dense_statement, file=sys.stderr, flush=True)
     stream = None if args.json else (lambda _token, delta: print(delta, end="", flush=True))
     cancel = threading.Event()
     if args.raw:

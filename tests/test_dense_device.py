@@ -1,0 +1,459 @@
+"""The dense part's device: state buffers through an array backend bound by pointer, the CUDA EP
+options and memory arithmetic, and the fallback to the CPU with its reason.
+
+The CPU tests run everywhere. The `gpu` tests need an NVIDIA GPU with CuPy and onnxruntime-gpu's
+CUDAExecutionProvider; they skip with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import engine.dense_segment as dense_segment
+import engine.ort_env as ort_env
+from engine.array_backend import NUMPY, CupyBackend, NumpyBackend
+from engine.decoder_state import CAPACITY_STEP, DecoderState
+from engine.errors import ModelFileError
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.offload.device_memory import DeviceMemory
+from tests.conftest import REPO, fixture_folder
+
+FIXTURES = ["gptoss", "lfm2moe", "qwen35moe"]
+PROMPT_TOKENS = CAPACITY_STEP - 6  # prefill, then decode steps that grow the KV buffers past CAPACITY_STEP
+DECODE_STEPS = 12
+HAVE_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
+needs_cuda_ep = pytest.mark.skipif(not HAVE_CUDA_EP, reason="onnxruntime here offers no CUDAExecutionProvider "
+                                                           "(install onnxruntime-gpu)")
+
+
+# --- a stand-in for CuPy: NumPy arrays that look like device arrays -------------------------------
+class FakeDeviceArray(np.ndarray):
+    """A NumPy array with CuPy's `.data.ptr` and `.get(stream=)`; records the stream it was made on."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+    def get(self, stream=None):
+        return np.array(self.view(np.ndarray))
+
+
+class FakeCupy:
+    """The parts of CuPy that CupyBackend uses, over NumPy; logs each operation with the device and
+    stream current when it ran."""
+
+    def __init__(self):
+        self.log: list[tuple[str, object, object]] = []
+        self.current_device = None
+        self.current_stream = None
+        fake = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.ptr = 0xC0FFEE
+                self.non_blocking = non_blocking
+                self.synchronized = 0
+
+            def __enter__(self):
+                self._saved, fake.current_stream = fake.current_stream, self
+                return self
+
+            def __exit__(self, *exc):
+                fake.current_stream = self._saved
+
+            def synchronize(self):
+                self.synchronized += 1
+
+        @contextmanager
+        def device(index):
+            saved, fake.current_device = fake.current_device, index
+            try:
+                yield
+            finally:
+                fake.current_device = saved
+
+        self.cuda = SimpleNamespace(Stream=Stream, Device=device)
+
+    def zeros(self, shape, dtype):
+        self.log.append(("zeros", self.current_device, self.current_stream))
+        return np.zeros(shape, dtype).view(FakeDeviceArray)
+
+
+def fake_backend(device_id: int = 0, device_type: str = "cuda") -> CupyBackend:
+    backend = CupyBackend(FakeCupy(), device_id)
+    backend.device_type = device_type
+    return backend
+
+
+# --- the array backend against NumPy semantics -----------------------------------------------------
+@pytest.mark.parametrize("make", [lambda: NumpyBackend(), lambda: fake_backend(3)], ids=["numpy", "cupy-stand-in"])
+def test_backend_operations_match_numpy(make):
+    backend = make()
+    rng = np.random.default_rng(0)
+    src = backend.zeros((1, 2, 8, 4), np.float16)
+    assert src.shape == (1, 2, 8, 4) and src.dtype == np.float16 and not np.asarray(src).any()
+    src[...] = rng.standard_normal(src.shape).astype(np.float16)
+    dst = backend.zeros((1, 2, 16, 4), np.float16)
+    backend.copy_prefix(dst, src, 5)
+    expected = np.zeros((1, 2, 16, 4), np.float16)
+    expected[:, :, :5] = np.asarray(src)[:, :, :5]
+    assert np.array_equal(backend.to_numpy(dst), expected)
+    backend.copy_prefix(dst, src, 0)  # nothing kept: no-op
+    assert np.array_equal(backend.to_numpy(dst), expected)
+
+    a, b = backend.zeros((3,), np.float32), backend.zeros((3,), np.float32)
+    a[...] = 1
+    a2, b2 = backend.swap(a, b)
+    assert a2 is b and b2 is a
+    backend.fill_zero(dst)
+    assert not backend.to_numpy(dst).any()
+    assert isinstance(backend.to_numpy(dst), np.ndarray)
+
+    assert backend.pointer(dst) == np.asarray(dst).ctypes.data
+    with pytest.raises(ValueError, match="C-contiguous"):
+        backend.pointer(dst[:, :, ::2])
+
+
+def test_cupy_backend_runs_every_buffer_operation_on_its_stream_and_device():
+    backend = fake_backend(device_id=2)
+    cp = backend.xp
+    assert backend.stream.non_blocking and backend.stream_pointer == 0xC0FFEE
+    array = backend.zeros((1, 1, 4, 2), np.float32)
+    seen = []
+    original_fill = FakeDeviceArray.fill
+
+    def fill(self, value):
+        seen.append((cp.current_device, cp.current_stream))
+        return original_fill(self, value)
+
+    FakeDeviceArray.fill = fill
+    try:
+        backend.fill_zero(array)
+    finally:
+        FakeDeviceArray.fill = original_fill
+    assert cp.log == [("zeros", 2, backend.stream)]
+    assert seen == [(2, backend.stream)]
+    assert cp.current_stream is None and cp.current_device is None  # scopes are left
+    backend.synchronize()
+    assert backend.stream.synchronized == 1
+
+
+def test_decoder_state_uses_its_backend(tmp_path):
+    model = LoadedModel.open(fixture_folder("lfm2moe"))
+    backend = fake_backend(device_type="cpu")
+    state = DecoderState(model.config, model.folder.onnx.proto.graph, backend)
+    swapped = [slot for slot in state.slots if not slot.shared]
+    assert swapped, "lfm2moe has conv state"
+    assert all(isinstance(slot.array, FakeDeviceArray) and isinstance(slot.spare, FakeDeviceArray) for slot in swapped)
+    before = [(slot.array, slot.spare) for slot in swapped]
+    state.advance(1)
+    assert [(slot.spare, slot.array) for slot in swapped] == before
+    state.reserve(3)
+    assert all(isinstance(slot.array, FakeDeviceArray) for slot in state.slots)
+
+
+# --- the pointer-bound path reproduces the OrtValue-bound one bit for bit -------------------------
+def run_bound_with_ortvalues(session, inputs, outputs, values, state):
+    """The binding before the array backend: state buffers wrapped as OrtValues (NumPy only)."""
+    binding = session.io_binding()
+    wrapped = {}
+
+    def ortvalue(array):
+        if id(array) not in wrapped:
+            wrapped[id(array)] = ort.OrtValue.ortvalue_from_numpy(np.asarray(array))
+        return wrapped[id(array)]
+
+    for name in inputs:
+        slot = state.slot_for_past(name)
+        if slot is None:
+            binding.bind_cpu_input(name, values[name])
+        else:
+            binding.bind_ortvalue_input(name, ortvalue(slot.array))
+    fetched = [name for name in outputs if state.slot_for_present(name) is None]
+    for name in fetched:
+        binding.bind_output(name)
+    for name in outputs:
+        slot = state.slot_for_present(name)
+        if slot is not None:
+            binding.bind_ortvalue_output(name, ortvalue(slot.present))
+    session.run_with_iobinding(binding)
+    results = binding.get_outputs()
+    return {name: results[i].numpy() for i, name in enumerate(fetched)}
+
+
+def greedy_logits(model: LoadedModel, state: DecoderState) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(10, min(model.config.vocab_size or 1000, 1000), PROMPT_TOKENS)]
+    logits = [model.decoder.forward(state, prompt)]
+    for _ in range(DECODE_STEPS):
+        logits.append(model.decoder.forward(state, [int(logits[-1][-1].argmax())]))
+    return logits
+
+
+@pytest.fixture(scope="module", params=FIXTURES)
+def cpu_model(request):
+    return request.param, LoadedModel.open(fixture_folder(request.param))
+
+
+def test_pointer_binding_is_bit_identical_to_ortvalue_binding(cpu_model, monkeypatch):
+    name, model = cpu_model
+    assert model.dense_device == "cpu" and model.decoder.state_backend is None
+    state = model.new_state()
+    assert state.backend is NUMPY
+    ours = greedy_logits(model, state)
+
+    # What the test covers: KV grown past a CAPACITY_STEP boundary, sliding windows, swapped state.
+    full = [slot for slot in state.slots if slot.shared and not slot.sliding]
+    assert full and all(slot.array.shape[2] > CAPACITY_STEP for slot in full)
+    assert state.past_length == PROMPT_TOKENS + DECODE_STEPS > CAPACITY_STEP
+    if name == "gptoss":
+        window = model.config.sliding_window_size + model.config.sliding_cache_slack
+        assert any(slot.sliding for slot in state.slots)
+        assert all(slot.array.shape[2] == window for slot in state.slots if slot.sliding)
+    else:
+        assert any(not slot.shared for slot in state.slots), f"{name} has conv/recurrent state"
+
+    stand_in = DecoderState(model.config, model.folder.onnx.proto.graph, fake_backend(device_type="cpu"))
+    through_stand_in = greedy_logits(model, stand_in)
+
+    monkeypatch.setattr(dense_segment, "run_bound", run_bound_with_ortvalues)
+    before = greedy_logits(model, model.new_state())
+    for step, (a, b, c) in enumerate(zip(ours, before, through_stand_in)):
+        assert np.array_equal(a, b), f"{name}: step {step} differs from the OrtValue binding"
+        assert np.array_equal(a, c), f"{name}: step {step} differs through the backend stand-in"
+
+
+def test_reset_zeroes_swapped_state_and_reuses_buffers():
+    model = LoadedModel.open(fixture_folder("qwen35moe"))
+    state = model.new_state()
+    first = greedy_logits(model, state)
+    swapped = [slot for slot in state.slots if not slot.shared]
+    assert any(np.asarray(slot.array).any() for slot in swapped)
+    state.reset()
+    assert not any(np.asarray(slot.array).any() or np.asarray(slot.spare).any() for slot in swapped)
+    again = greedy_logits(model, state)
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+
+
+def test_full_context_bytes_matches_the_buffers_at_full_context():
+    model = LoadedModel.open(fixture_folder("gptoss"))
+    state = model.new_state()
+    total, largest = state.full_context_bytes()
+    state.reserve(model.config.context_length)
+    arrays = [a for slot in state.slots for a in (slot.array, slot.spare) if a is not None]
+    assert total == sum(a.nbytes for a in arrays)
+    assert largest == max(slot.array.nbytes for slot in state.slots if slot.shared)
+
+
+# --- where the dense part lands, and why ------------------------------------------------------------
+class FakeCudaDevice:
+    kind = "cuda"
+
+    def __init__(self, capacity=80 << 30, limit=0, index=0):
+        self.index = index
+        self.memory = DeviceMemory(capacity=capacity, limit=limit)
+        self.name = "fake GPU"
+
+
+def test_dense_on_cpu_without_cuda_ep_says_why(monkeypatch):
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime 1.32.0"])
+    dense = ort_env.choose_dense_device(FakeCudaDevice(), 1 << 20, 1 << 20)
+    assert dense.kind == "cpu"
+    assert dense.reason == "onnxruntime here is the CPU build (install onnxruntime-gpu)"
+    assert dense.statement == "The dense part runs on the CPU: onnxruntime here is the CPU build (install onnxruntime-gpu)."
+    assert dense.providers() == ["CPUExecutionProvider"]
+
+    monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime-gpu 1.23.2"])
+    assert "onnxruntime-gpu 1.23.2 offers no CUDAExecutionProvider" in ort_env.choose_dense_device(
+        FakeCudaDevice(), 0, 0).reason
+
+
+def test_loaded_model_states_where_the_dense_part_runs(monkeypatch):
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime 1.32.0"])
+    model = LoadedModel.open(fixture_folder("gptoss"), device=FakeCudaDevice())
+    assert model.dense_device == "cpu"
+    assert model.dense_reason == "onnxruntime here is the CPU build (install onnxruntime-gpu)"
+    assert "dense part runs on the CPU" in model.dense_statement
+    assert model.new_state().backend is NUMPY
+
+    plain = LoadedModel.open(fixture_folder("gptoss"))
+    assert plain.dense_device == "cpu" and "no GPU device is in use" in plain.dense_reason
+    simulated = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
+    assert simulated.dense_device == "cpu" and "simulated" in simulated.dense_reason
+
+
+def test_dense_stays_on_cpu_when_the_limit_leaves_no_room(monkeypatch):
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    registered = []
+    monkeypatch.setattr(ort_env, "register_shared_cuda_arena", lambda *args: registered.append(args))
+    device = FakeCudaDevice(limit=1 << 30)
+    device.memory.reserve((1 << 30) - (100 << 20), "expert slots")
+    dense = ort_env.choose_dense_device(device, state_bytes=30 << 20, dense_weight_bytes=20 << 20)
+    assert dense.kind == "cpu" and "gpu_device_mem_limit=1073741824 leaves 100.0 MiB" in dense.reason
+    assert "raise reserve_device_bytes" in dense.reason and not registered
+
+
+def test_gpu_mem_limit_arithmetic():
+    mib = 1 << 20
+    assert ort_env.dense_arena_limit(0, 5 * mib, 10 * mib, 10 * mib) == 0  # no limit: no cap
+    assert ort_env.dense_arena_limit(8192 * mib, 2048 * mib, 300 * mib, 700 * mib) == 1048 * mib
+    exact = ort_env.MIN_DENSE_ARENA + 30 * mib
+    assert ort_env.dense_arena_limit(1, exact, 10 * mib, 20 * mib) == ort_env.MIN_DENSE_ARENA
+    with pytest.raises(ort_env.DenseDoesNotFit):
+        ort_env.dense_arena_limit(1, exact - 1, 10 * mib, 20 * mib)
+    # what LoadedModel reserves under the limit: everything the device has left, no more
+    memory = DeviceMemory(capacity=16384 * mib, limit=8192 * mib)
+    memory.reserve(6000 * mib, "expert slots")
+    arena = ort_env.dense_arena_limit(memory.limit, memory.available, 300 * mib, 700 * mib)
+    memory.reserve(300 * mib + 700 * mib + arena, "dense part")
+    assert memory.used == memory.ceiling == 8192 * mib
+
+
+def test_cuda_provider_options_and_session_options():
+    assert ort_env.cuda_provider_options(1) == {"device_id": "1", "arena_extend_strategy": "kSameAsRequested"}
+    backend = fake_backend(device_id=1)
+    dense = ort_env.DenseDevice("cuda", "test", 1, 123456789, 1000, backend)
+    (name, options), cpu = dense.providers()
+    assert name == "CUDAExecutionProvider" and cpu == "CPUExecutionProvider"
+    assert options == {"device_id": "1", "arena_extend_strategy": "kSameAsRequested", "gpu_mem_limit": "123456789",
+                       "user_compute_stream": str(0xC0FFEE)}
+    session = dense.session_options("/tmp")
+    assert session.get_session_config_entry("session.use_env_allocators") == "1"
+    assert session.get_session_config_entry("session.use_device_allocator_for_initializers") == "1"
+    assert session.use_per_session_threads is False  # the global thread pool still
+    assert "GPU 1" in dense.statement and "capped at 117.7 MiB" in dense.statement
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available provider names")
+def test_cuda_ep_failure_at_session_creation_is_one_line(monkeypatch):
+    """Here the CUDA EP is missing, so onnxruntime builds a CPU-only session: the segment names it."""
+    cuda = ort_env.DenseDevice("cuda", "test", 0, 0, 0, fake_backend())
+    monkeypatch.setattr("engine.generation.choose_dense_device", lambda *args: cuda)
+    with pytest.raises(ModelFileError) as err:
+        LoadedModel.open(fixture_folder("gptoss"), device=FakeCudaDevice())
+    message = str(err.value)
+    assert "\n" not in message and "CUDA execution provider" in message and "from node '" in message
+
+
+def test_state_on_another_device_than_the_dense_part_is_refused():
+    model = LoadedModel.open(fixture_folder("gptoss"))
+    state = DecoderState(model.config, model.folder.onnx.proto.graph, fake_backend(device_type="cuda"))
+    with pytest.raises(Exception, match="state is on the cuda"):
+        model.decoder.forward(state, [1, 2])
+
+
+# --- on an NVIDIA GPU with onnxruntime-gpu ----------------------------------------------------------
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float64) - b).max() / np.abs(b).max())
+
+
+def cuda_model(name: str, mem_limit: int = 0, **offload) -> LoadedModel:
+    from engine.offload.cuda_device import open_cuda_device
+
+    # mode=disabled: every expert on the CPU, so only the dense part differs from the CPU model.
+    config = OffloadConfig().updated(mode="disabled", gpu_device_mem_limit=mem_limit, **offload)
+    return LoadedModel.open(fixture_folder(name), offload=config, device=open_cuda_device(mem_limit=mem_limit))
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+@pytest.mark.parametrize("name", FIXTURES)
+def test_cuda_dense_logits_match_cpu(name):
+    gpu, cpu = cuda_model(name), LoadedModel.open(fixture_folder(name))
+    assert gpu.dense_device == "cuda", gpu.dense_reason
+    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
+    prompt = [int(t) for t in np.random.default_rng(7).integers(10, 1000, PROMPT_TOKENS)]
+    ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
+    errors = [relative_error(ours, ref)]
+    for _ in range(DECODE_STEPS):  # both fed the CPU's token: steps stay aligned past a near-tie
+        token = int(ref[-1].argmax())
+        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
+        errors.append(relative_error(ours, ref))
+    assert gpu_state.past_length > CAPACITY_STEP
+    assert max(errors) <= 1e-3, f"{name}: max relative error {max(errors):.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+def test_cuda_state_buffers_are_device_memory(monkeypatch):
+    import cupy
+
+    model = cuda_model("lfm2moe")
+    state = model.new_state()
+    assert state.backend.device_type == "cuda"
+    bound = []
+    real = ort.IOBinding.bind_input
+
+    def spy(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+        bound.append((device_type, buffer_ptr))
+        return real(self, name, device_type, device_id, element_type, shape, buffer_ptr)
+
+    monkeypatch.setattr(ort.IOBinding, "bind_input", spy)
+    model.decoder.forward(state, [1, 2, 3])
+    assert bound and all(kind == "cuda" for kind, _ in bound)
+    for _kind, pointer in bound:
+        attributes = cupy.cuda.runtime.pointerGetAttributes(pointer)
+        assert attributes.type == cupy.cuda.runtime.memoryTypeDevice
+    assert all(isinstance(slot.array, cupy.ndarray) for slot in state.slots)
+
+
+LIMIT_SCRIPT = r"""
+import json, sys
+import cupy
+from tests.test_dense_device import cuda_model, PROMPT_TOKENS
+free_before = cupy.cuda.runtime.memGetInfo()[0]
+limit = int(sys.argv[1])
+model = cuda_model("gptoss", mem_limit=limit, reserve_device_bytes=int(sys.argv[2]))
+state = model.new_state()
+model.decoder.forward(state, list(range(10, 10 + PROMPT_TOKENS)))
+for token in range(12):
+    model.decoder.forward(state, [token + 20])
+state.reserve(model.config.context_length - state.past_length)  # KV at full context
+cupy.cuda.Device(0).synchronize()
+print(json.dumps({"dense": model.dense_device, "reason": model.dense_reason, "arena": model.dense.arena_limit,
+                  "used": free_before - cupy.cuda.runtime.memGetInfo()[0],
+                  "pool": cupy.get_default_memory_pool().total_bytes()}))
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+def test_gpu_device_mem_limit_is_respected():
+    """In a fresh process each (onnxruntime's shared GPU arena is fixed for a process's life)."""
+    mib = 1 << 20
+
+    def run(limit, reserve):
+        out = subprocess.run([sys.executable, "-c", LIMIT_SCRIPT, str(limit), str(reserve)], cwd=REPO,
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    limit = 2048 * mib
+    landed = run(limit, 1024 * mib)
+    assert landed["dense"] == "cuda", landed["reason"]
+    assert 0 < landed["arena"] < limit
+    assert landed["pool"] <= limit
+    # The CUDA context, cuBLAS/cuDNN handles and loaded kernels are not allocations either cap sees.
+    assert landed["used"] <= limit + 1024 * mib, landed
+    tight = run(16 * mib, 0)
+    assert tight["dense"] == "cpu" and "gpu_device_mem_limit" in tight["reason"]
+
+
+def test_generate_json_says_where_the_dense_part_ran():
+    result = subprocess.run([sys.executable, "-m", "app", "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
+                             "--max-new-tokens", "2", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout.splitlines()[-1])
+    assert answer["dense"]["device"] == "cpu" and "no GPU device is in use" in answer["dense"]["reason"]
