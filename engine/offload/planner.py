@@ -51,16 +51,25 @@ def _by_reason(infos: list[ExpertNodeInfo], reason_of) -> dict[str, list[ExpertN
     return groups
 
 
+def _gpu_refusal(info: ExpertNodeInfo) -> str:
+    """Why the GPU kernels cannot run the node, without the closing "(this node runs on the CPU)"."""
+    return info.gpu_unsupported.removesuffix(" (this node runs on the CPU)")
+
+
+def _names(infos: list[ExpertNodeInfo]) -> str:
+    return ("node " if len(infos) == 1 else "nodes ") + ", ".join(f"'{info.name}'" for info in infos)
+
+
 def gpu_statements(experts: list[ExpertNodeInfo]) -> list[str]:
     """Where the GPU layout decides something: nodes the GPU kernels refuse (they run all on the CPU) and layouts
     converted on upload (a device slot then takes more than the stored expert)."""
     statements = []
     refused = [info for info in experts if info.spec is not None and info.gpu_unsupported]
-    for reason, infos in _by_reason(refused, lambda info: info.gpu_unsupported).items():
+    for reason, infos in _by_reason(refused, _gpu_refusal).items():
         who = f"Expert node '{infos[0].name}' ({_layers(infos)})" if len(infos) == 1 else \
             f"{len(infos)} expert nodes ({_layers(infos)})"
-        statements.append(f"{who} run{'s' if len(infos) == 1 else ''} all on the CPU: the GPU kernels cannot run "
-                          f"{'it' if len(infos) == 1 else 'them'}: {reason}")
+        statements.append(f"{who} run{'s' if len(infos) == 1 else ''} all on the CPU, because the GPU kernels "
+                          f"cannot run {'it' if len(infos) == 1 else 'them'}: {reason.rstrip('.')}.")
     converted = [info for info in experts if info.gpu is not None and info.gpu.conversion]
     for note, infos in _by_reason(converted, lambda info: info.gpu.conversion).items():
         info = infos[0]
@@ -86,9 +95,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -
     refused = [info for info in experts if info.spec is not None and info.gpu_unsupported]
     if config.mode == "required" and refused:
         raise OffloadPlanError("offload mode 'required': " + "; ".join(
-            f"the GPU kernels cannot run node '{info.name}': "
-            + info.gpu_unsupported.replace(f"node '{info.name}': ", "").removesuffix(" (this node runs on the CPU)")
-            for info in refused))
+            f"the GPU kernels cannot run {_names(infos)}: {reason}"
+            for reason, infos in _by_reason(refused, _gpu_refusal).items()))
     runnable = [info for info in experts if info.gpu is not None]
 
     available = device.memory.available
