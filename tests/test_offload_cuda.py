@@ -20,6 +20,11 @@ def folder(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("cuda") / "m", SPEC)
 
 
+def device_total(folder) -> int:
+    """Every expert in device slots (the GPU kernels' layout: ExpertNodeInfo.device_bytes_per_expert)."""
+    return sum(i.device_bytes_per_expert * i.spec.num_experts for i in LoadedModel.open(folder).folder.experts)
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("cpu_execution", ["auto", "disabled"])
 def test_cuda_offload_matches_the_cpu(folder, fraction, cpu_execution):
@@ -27,7 +32,7 @@ def test_cuda_offload_matches_the_cpu(folder, fraction, cpu_execution):
 
     reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=8)
     device = open_cuda_device()
-    budget = int(fraction * LoadedModel.open(folder).folder.expert_bytes)
+    budget = int(fraction * device_total(folder))
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget, cpu_execution=cpu_execution),
                              device=device)
     logits, tokens = greedy_run(model, steps=8)
@@ -64,7 +69,7 @@ def test_cuda_misses_copied_into_spare_slots_match_the_cpu(folder):
     device = open_cuda_device()
     assert device.bandwidths.cpu > 1e9  # measured at start, not the default
     device.bandwidths = replace(device.bandwidths, cpu=1e3)
-    budget = LoadedModel.open(folder).folder.expert_bytes // 2
+    budget = device_total(folder) // 2
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget, placement="static"), device=device)
     logits, tokens = greedy_run(model, steps=8)
     errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
@@ -91,3 +96,50 @@ def test_cuda_waves_through_a_one_expert_pinned_ring(folder):
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 2e-2
     assert device.pinned.copies > 0 and device.pinned.high_water <= one
     assert probe.offload.stats.totals().misses_cpu == 0
+
+
+@pytest.mark.parametrize("layout", [dict(quant_type="nvfp4"), dict(bits=2, block_size=32), dict(bits=4, fc2_bits=8)],
+                         ids=["nvfp4", "int2", "mixed-4-8"])
+def test_cuda_converted_layouts_are_budgeted_at_their_slot_size(tmp_path, layout):
+    """Layouts the kernels convert on upload: the engine's CuPy-free slot size is what GpuQMoE allocates, the
+    plan holds floor(budget / slot) experts, misses copied through the ring and prefill waves work."""
+    from dataclasses import replace
+
+    from engine.offload.cuda_device import open_cuda_device
+
+    folder = write_model(tmp_path / "m", replace(SPEC, **layout))
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=6)
+    device = open_cuda_device()
+    device.bandwidths = replace(device.bandwidths, cpu=1e3)  # misses are copied into spare slots
+    infos = LoadedModel.open(folder).folder.experts
+    slot = infos[0].device_bytes_per_expert
+    assert slot > infos[0].bytes_per_expert
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=20 * slot + slot // 2,
+                                                           placement="static"), device=device)
+    assert sum(model.offload.plan.slots.values()) == 20
+    for store, info in zip(model.offload.stores, infos):
+        assert store.gpu.expert_device_bytes() == info.device_bytes_per_expert == store.expert_bytes
+        assert store.gpu.expert_bytes() == info.gpu.read_bytes
+    logits, tokens = greedy_run(model, steps=6)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:3] == ref_tokens[:3]
+    assert model.offload.stats.totals().miss_copies > 0
+
+
+def test_cuda_fp8_runs_on_the_cpu_in_auto_and_is_refused_in_required(tmp_path):
+    from dataclasses import replace
+
+    from engine.offload.cuda_device import open_cuda_device
+    from engine.offload.planner import OffloadPlanError
+
+    folder = write_model(tmp_path / "m", replace(SPEC, quant_type="fp8", block_size=32))
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=4)
+    device = open_cuda_device()
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=1 << 30), device=device)
+    assert set(model.offload.plan.slots.values()) == {0}
+    assert any("fp8" in line for line in model.offload.plan.statements)
+    logits, tokens = greedy_run(model, steps=4)
+    assert tokens == ref_tokens
+    with pytest.raises(OffloadPlanError, match="fp8"):
+        LoadedModel.open(folder, offload=OffloadConfig(mode="required"), device=open_cuda_device())
