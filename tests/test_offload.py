@@ -49,8 +49,11 @@ def expert_bytes(model_folder) -> int:
 def device_expert_bytes(model_folder) -> int:
     """Every expert in device slots: the GPU kernels' layout (ExpertNodeInfo.device_bytes_per_expert)."""
     from engine.model_folder import ModelFolder
+    from engine.offload.planner import all_resident_bytes
 
-    return sum(i.device_bytes_per_expert * i.spec.num_experts for i in ModelFolder.open(model_folder).experts)
+    experts = ModelFolder.open(model_folder).experts
+    assert all_resident_bytes(experts) == sum(i.device_bytes_per_expert * i.spec.num_experts for i in experts)
+    return all_resident_bytes(experts)
 
 
 @pytest.mark.parametrize("placement", ["static", "adaptive"])

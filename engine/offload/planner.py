@@ -31,6 +31,12 @@ class OffloadPlan:
         return sum(self.slots.get(info.name, 0) * info.device_bytes_per_expert for info in experts)
 
 
+def all_resident_bytes(experts: list[ExpertNodeInfo]) -> int:
+    """The expert budget that holds every expert the GPU kernels can run (device slot sizes, converted layouts
+    included): a budget sweep's 100% point. More than the stored expert bytes (ModelFolder.expert_bytes)."""
+    return sum(info.device_bytes_per_expert * info.spec.num_experts for info in experts if info.gpu is not None)
+
+
 def automatic_budget(config: OffloadConfig, available: int) -> int:
     reserve = config.reserve_device_bytes
     if reserve is None:
