@@ -125,6 +125,10 @@ class DecoderState:
             total += nbytes
         return total, largest
 
+    def kv_dtypes(self) -> set[np.dtype]:
+        """The element types of the KV caches (what GroupQueryAttention reads and writes in place)."""
+        return {_np_dtype(self.graph_inputs[slot.past_name]) for slot in self._slots if slot.shared}
+
     # --- per step ------------------------------------------------------------------------------
     @property
     def slots(self) -> list[StateSlot]:

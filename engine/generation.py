@@ -87,8 +87,13 @@ class LoadedModel:
         self.offload = None
         if offload is not None:
             self.offload = attach_offload(self.decoder, offload, device)
-        total, growth = DecoderState(self.config, folder.onnx.proto.graph).full_context_bytes()
-        self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes)
+        probe = DecoderState(self.config, folder.onnx.proto.graph)
+        total, growth = probe.full_context_bytes()
+        self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
+        if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:
+            # CudaDevice's start-up bandwidth probe leaves blocks cached in CuPy's pool, which no
+            # accounting counts: give them back before onnxruntime's arena takes its share.
+            device.cp.get_default_memory_pool().free_all_blocks()
         if self.dense.kind == "cuda" and device.memory.limit:
             # Counted against gpu_device_mem_limit, so a later re-plan cannot give it to experts.
             device.memory.reserve(total + growth + folder.dense_bytes + self.dense.arena_limit,

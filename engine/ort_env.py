@@ -195,7 +195,24 @@ class DenseDevice:
 CPU_DENSE = DenseDevice("cpu", "no GPU device is in use")
 
 
-def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int) -> DenseDevice:
+def kv_dtype_reason(kv_dtypes) -> str | None:
+    """Why KV caches of these element types cannot live on the GPU, or None.
+
+    onnxruntime's CUDA GroupQueryAttention is registered for fp16 and bf16 only: with an fp32 KV
+    cache onnxruntime would put attention on the CPU EP and copy the cache across every step, and
+    past and present would no longer be one buffer written in place. bf16 buffers would need a
+    CuPy dtype CuPy does not have (a 2-byte stand-in with onnxruntime told the element type: not
+    done yet)."""
+    names = sorted({np_dtype.name for np_dtype in kv_dtypes})
+    if not names or names == ["float16"]:
+        return None
+    if "float32" in names:
+        return ("the model's KV cache is fp32 and onnxruntime's CUDA GroupQueryAttention takes fp16 or bf16 only "
+                "(a CUDA export of the model, with fp16 activations, runs there)")
+    return f"the model's KV cache is {', '.join(names)}; the GPU state buffers take fp16 only for now"
+
+
+def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int, kv_dtypes=()) -> DenseDevice:
     """The DenseDevice for experts on `device` (None, a SimulatedDevice or a CudaDevice), after the
     offload plan has taken its share of the device's memory."""
     kind = getattr(device, "kind", None)
@@ -203,7 +220,7 @@ def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int) -> De
         why = ("the GPU is simulated, for the experts only" if kind == "simulated"
                else "no GPU device is in use (--device cuda puts it on the GPU)")
         return DenseDevice("cpu", why)
-    missing = cuda_ep_missing_reason()
+    missing = cuda_ep_missing_reason() or kv_dtype_reason(kv_dtypes)
     if missing:
         return DenseDevice("cpu", missing)
     try:
