@@ -9,6 +9,7 @@ import json
 import pytest
 
 from engine.generation import GenerationParams, LoadedModel
+from engine.offload.planner import all_resident_bytes
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.records.contention import make_corpus, run_contention
 from engine.records.history import History
@@ -111,7 +112,7 @@ def test_sweep_on_the_simulated_device(tmp_path):
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
     points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=4))
     assert [p.fraction for p in points] == [0.0, 0.5, 1.0]
-    assert points[0].budget_bytes == 0 and points[-1].budget_bytes == model.folder.expert_bytes
+    assert points[0].budget_bytes == 0 and points[-1].budget_bytes == all_resident_bytes(model.offload.infos)
     assert points[0].peak_device_bytes < points[-1].peak_device_bytes  # resident experts cost device memory
     assert points[-1].records[0].layers[0]["misses"] == 0 and points[0].records[0].layers[0]["hits"] == 0
     best = recommend(points, 0.10)

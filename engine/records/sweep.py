@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.generation import GenerationParams, LoadedModel
+from engine.offload.planner import all_resident_bytes
 from engine.records.scenarios import run_scenario
 from engine.records.schema import RunRecord
 
@@ -55,7 +56,9 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     results = []
-    plan = budget_points(model.folder.expert_bytes, points)
+    # 100% = every expert in a device slot: slots may be larger than the stored experts (converted layouts,
+    # the prefill's fp16 scale copy), so the stored size would stop short of all resident
+    plan = budget_points(all_resident_bytes(model.offload.infos), points)
     total_runs = len(plan) * len(scenarios)
     for index, (fraction, budget) in enumerate(plan):
         model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget))
