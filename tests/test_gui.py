@@ -6,6 +6,7 @@ a blocker on a worker signal can wake before the window's queued slots have run.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,27 @@ def ask(qtbot, window, text, max_tokens=24):
     return window.chat.entries[-1]
 
 
-SIMULATED = {"device": {"kind": "simulated", "capacity": 8 << 30},
-             "entries": {"device_expert_bytes": str(3 * 32256)}}  # 3 gpt-oss fixture experts (one layer's worth+)
+@functools.cache
+def slot() -> int:
+    """One gpt-oss fixture expert in a device slot (the GPU kernels' layout), as the planner budgets it."""
+    from engine.model_folder import ModelFolder
+
+    return ModelFolder.open(fixture_folder("gptoss")).experts[0].device_bytes_per_expert
+
+
+@functools.cache
+def staged() -> int:
+    """One gpt-oss fixture expert as the engine stages it in the pinned ring (the device's own count)."""
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    return max(device.staging_bytes_per_expert(runner) for runner in model.offload.runners)
+
+
+def simulated() -> dict:  # 3 gpt-oss fixture experts on the device (one layer's worth+)
+    return {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {"device_expert_bytes": str(3 * slot())}}
 
 
 def test_window_opens_and_remembers_layout_and_theme(qtbot, tmp_path):
@@ -87,7 +107,7 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window):
     progress = []
     window.worker.loadProgress.connect(progress.append)
     path = fixture_folder("gptoss")
-    load(qtbot, window, path, SIMULATED)
+    load(qtbot, window, path, simulated())
     assert same(window.loaded_path, path) and not window.error_banner.isVisible()
     assert progress and progress[-1] == pytest.approx(1.0) and not window.model_panel.progress.isVisible()
     # the inspection, the verdict for the chosen mode, and where everything landed
@@ -135,7 +155,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
                     timeout=WAIT)
     budget = window.budget_panel
     budget.device.setCurrentIndex(budget.device.findData("simulated"))
-    budget.expert_bytes.setValue(4 * 32256)
+    budget.expert_bytes.setValue(4 * slot())
     budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
     qtbot.waitUntil(lambda: "4 of 16" in budget.layer_text.text())
     assert "2 of 8 in every layer" in budget.layer_text.text()
@@ -145,7 +165,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     budget.expert_bytes.slider.setValue(budget.expert_bytes.STEPS)  # everything
     qtbot.waitUntil(lambda: "16 of 16" in budget.layer_text.text())
     assert "all 8 on device" == window.model_panel.table.item(1, 5).text()
-    budget.expert_bytes.setValue(2 * 32256)
+    budget.expert_bytes.setValue(2 * slot())
     budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
     qtbot.waitUntil(lambda: "2 of 16" in budget.layer_text.text())
 
@@ -156,7 +176,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     assert "2 of 16 experts resident" in window.model_panel.landed.text()
     assert not budget.apply_button.isEnabled() and budget.applied_label.text() == "Applied to the loaded model"
 
-    budget.expert_bytes.setValue(6 * 32256)
+    budget.expert_bytes.setValue(6 * slot())
     budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
     qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
     assert budget.apply_button.text() == "Apply"
@@ -170,10 +190,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     budget.mem_limit.valueChanged.emit(budget.mem_limit.value())
     qtbot.waitUntil(lambda: budget.apply_button.text() == "Apply and reload")
     # settings are remembered per model
-    assert window.model_settings(str(path))["entries"]["session.moe.offload.device_expert_bytes"] == str(6 * 32256)
-
-
-PER_EXPERT = 32256  # one gpt-oss fixture expert
+    assert window.model_settings(str(path))["entries"]["session.moe.offload.device_expert_bytes"] == str(6 * slot())
 
 
 def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
@@ -181,12 +198,12 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
 
     path = fixture_folder("gptoss")
     settings = {"device": {"kind": "simulated", "capacity": 8 << 30},   # 3 of 16 experts resident; a 3-expert ring
-                "entries": {"device_expert_bytes": str(3 * PER_EXPERT), "pinned_bytes": str(3 * PER_EXPERT)}}
+                "entries": {"device_expert_bytes": str(3 * slot()), "pinned_bytes": str(3 * staged())}}
     load(qtbot, window, path, settings)
     assert same(window.loaded_path, path) and not window.error_banner.isVisible()
     offload = window.worker._model.offload  # the worker is idle: the engine's figures hold still
     pinned = offload.pinned_info()
-    assert pinned["bytes"] == 3 * PER_EXPERT and offload.wave_experts == 1  # the ring bounds the wave: 3 // 2
+    assert pinned["bytes"] == 3 * staged() and offload.wave_experts == 1  # the ring bounds the wave: 3 // 2
     budget = window.budget_panel
     # the budget panel showed, before the load, the ring and the wave the engine took
     assert budget.last_estimate.staging.pinned_bytes == pinned["bytes"]
@@ -246,7 +263,7 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
     budget = window.budget_panel
     budget.device.setCurrentIndex(budget.device.findData("simulated"))
-    budget.expert_bytes.setValue(3 * PER_EXPERT)
+    budget.expert_bytes.setValue(3 * slot())
     budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
     qtbot.waitUntil(lambda: "3 of 16" in budget.layer_text.text())
     # leaving auto starts from the ring auto gave, not from 0 bytes
@@ -254,15 +271,15 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     budget.pinned_bytes.auto.setChecked(False)
     qtbot.waitUntil(lambda: budget.config().pinned_bytes == auto_ring and "Ring <b>" in budget.pinned_note.text())
     # the control moves the ring and the wave live
-    budget.pinned_bytes.setValue(5 * PER_EXPERT)
+    budget.pinned_bytes.setValue(5 * staged())
     budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
     qtbot.waitUntil(lambda: "= 5 experts" in budget.pinned_note.text())
     assert "prefill waves of <b>2</b>" in budget.pinned_note.text()
     # below one expert: refused, in the engine's words, in the panel and the verdict
     with pytest.raises(OffloadPlanError) as engine_says:
-        ring_bytes(OffloadConfig(pinned_bytes=PER_EXPERT - 1), PER_EXPERT)
+        ring_bytes(OffloadConfig(pinned_bytes=staged() - 1), staged())
     message = str(engine_says.value)
-    budget.pinned_bytes.setValue(PER_EXPERT - 1)
+    budget.pinned_bytes.setValue(staged() - 1)
     budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
     qtbot.waitUntil(lambda: "Refused" in budget.pinned_note.text())
     assert budget.last_estimate.error == message and message in budget.pinned_note.text()
@@ -271,22 +288,22 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     window.load()
     qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
     assert message in window.error_banner.text() and window.loaded_path is None
-    budget.pinned_bytes.setValue(PER_EXPERT)
+    budget.pinned_bytes.setValue(staged())
     budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
     qtbot.waitUntil(lambda: "= 1 experts" in budget.pinned_note.text())
     window.load()
     qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
     offload = window.worker._model.offload
-    assert offload.pinned_info()["bytes"] == PER_EXPERT and offload.wave_experts == 1
+    assert offload.pinned_info()["bytes"] == staged() and offload.wave_experts == 1
     # Apply on the loaded model: refused by the engine, the old ring stays in force, answers go on
-    budget.pinned_bytes.setValue(PER_EXPERT - 1)
+    budget.pinned_bytes.setValue(staged() - 1)
     budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
     qtbot.waitUntil(lambda: budget.apply_button.isEnabled() and "Refused" in budget.pinned_note.text())
     window.error_banner.hide()
     budget.apply_button.click()
     qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
     assert window.error_banner.text() == f"Could not apply the settings: {message}"
-    assert offload.pinned_info()["bytes"] == PER_EXPERT and offload.config.pinned_bytes == PER_EXPERT
+    assert offload.pinned_info()["bytes"] == staged() and offload.config.pinned_bytes == staged()
     entry = ask(qtbot, window, "Hello", max_tokens=4)
     assert entry["text"] and "misses:" in entry["stats"]
 

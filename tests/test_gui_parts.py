@@ -38,12 +38,13 @@ def test_kv_cache_estimate_from_the_graph(gptoss):
 
 
 def test_estimate_follows_the_planner(gptoss):
-    config = OffloadConfig(device_expert_bytes=5 * 32256)
+    slot = gptoss.experts[0].device_bytes_per_expert  # one expert in a device slot (the GPU kernels' layout)
+    config = OffloadConfig(device_expert_bytes=5 * slot)
     est = estimate(gptoss, config, DeviceChoice("simulated", 1 << 30))
     assert est.resident == 5 and est.total_experts == 16 and not est.error
     assert [r for _l, _n, r, _e in est.per_layer] == [3, 2]
     parts = {p.key: p.bytes for p in est.device_parts}
-    assert parts["experts"] == 5 * 32256 and parts["dense"] == 0 and parts["kv"] == 0
+    assert parts["experts"] == 5 * slot and parts["dense"] == 0 and parts["kv"] == 0
     assert parts["workspace"] == est.staging_bytes > 0
     assert sum(parts.values()) == 1 << 30  # the parts add up to the device
     limited = estimate(gptoss, config.updated(gpu_device_mem_limit=1 << 20), DeviceChoice("simulated", 1 << 30))
@@ -69,15 +70,17 @@ def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice):
 def test_estimate_follows_the_engine_for_pinned_bytes(name):
     folder = ModelFolder.open(fixture_folder(name))
     facts = model_facts(folder, inspection(folder))
-    per = max(info.bytes_per_expert for info in facts.experts if info.spec)
+    slot = max(info.device_bytes_per_expert for info in facts.experts)
     choice = DeviceChoice("simulated", 1 << 30)
+    engine, device = engine_on(name, OffloadConfig(), choice)
+    per = max(device.staging_bytes_per_expert(runner) for runner in engine.runners)  # one expert as staged
     waves = set()
     # auto, one expert, just short of two, two, five, and far more than a wave needs
     for pinned in (None, per, 2 * per - 1, 2 * per, 5 * per, 100 * per):
-        config = OffloadConfig(device_expert_bytes=5 * per, pinned_bytes=pinned, prefill_wave_experts=4)
+        config = OffloadConfig(device_expert_bytes=5 * slot, pinned_bytes=pinned, prefill_wave_experts=4)
         est = estimate(facts, config, choice)
         engine, device = engine_on(name, config, choice)
-        assert not est.error
+        assert not est.error and est.staging.expert_bytes == per
         assert est.staging.pinned_bytes == engine.pinned_info()["bytes"] == device.pinned.capacity
         assert est.staging.wave_experts == engine.wave_experts
         assert est.staging_bytes == device.memory.by_purpose["prefill staging ring"]
@@ -93,7 +96,7 @@ def test_estimate_follows_the_engine_for_pinned_bytes(name):
     assert waves == {1, 2, 4}
 
     # below one expert: the engine refuses, and the estimate says the engine's own words
-    config = OffloadConfig(device_expert_bytes=5 * per, pinned_bytes=per - 1)
+    config = OffloadConfig(device_expert_bytes=5 * slot, pinned_bytes=per - 1)
     est = estimate(facts, config, choice)
     with pytest.raises(Exception) as refused:
         engine_on(name, config, choice)

@@ -14,6 +14,7 @@ from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html
 from engine.offload.config import OffloadConfig
+from engine.offload.planner import all_resident_bytes
 from engine.units import human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
@@ -291,9 +292,11 @@ class BudgetPanel(QWidget):
         self.facts = facts
         self.applied = None
         self.loaded = False
-        per_expert_max = max(1, facts.expert_bytes)
-        for control in (self.expert_bytes, self.host_bytes, self.pinned_bytes):
-            control.setMaximum(per_expert_max)
+        # the expert budget's far end holds every expert in device slots (the GPU kernels' layout, larger
+        # than the stored experts); host cache and pinned ring are host memory, of the stored experts
+        self.expert_bytes.setMaximum(max(1, all_resident_bytes(facts.experts), facts.expert_bytes))
+        for control in (self.host_bytes, self.pinned_bytes):
+            control.setMaximum(max(1, facts.expert_bytes))
         self.set_settings(settings)
 
     def set_gpu(self, gpu: dict | None) -> None:
