@@ -7,6 +7,7 @@ a blocker on a worker signal can wake before the window's queued slots have run.
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 
 import pytest
@@ -402,14 +403,20 @@ def test_drop_a_folder_and_demo_model(qtbot, window):
 
 
 def test_moe_workbench_without_arguments_opens_the_window_on_the_demo(qtbot, tmp_path, monkeypatch):
-    from PySide6.QtCore import QTimer
+    from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
     from app.gui.main import run_gui
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the demo model gets written
     monkeypatch.setenv("MOE_WORKBENCH_SETTINGS", str(tmp_path / "settings.ini"))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # run_gui installs its own
     app = QApplication.instance()
+    names = (app.applicationName(), app.organizationName())
+    # run_gui's app.exec() becomes a nested loop: quitting the application itself would leave Qt
+    # "closing" and the worker threads of later tests' windows would never run their event loops
+    loop = QEventLoop()
+    monkeypatch.setattr(app, "exec", loop.exec)
     seen = {}
 
     def check():
@@ -417,10 +424,10 @@ def test_moe_workbench_without_arguments_opens_the_window_on_the_demo(qtbot, tmp
         if windows and windows[0].loaded_path and not windows[0].busy:
             seen["path"] = windows[0].loaded_path
             windows[0].close()
-            app.quit()
+            loop.exit(0)
 
     poll = QTimer(interval=100, timeout=check)
-    give_up = QTimer(singleShot=True, interval=60_000, timeout=app.quit)
+    give_up = QTimer(singleShot=True, interval=60_000, timeout=lambda: loop.exit(1))
     poll.start()
     give_up.start()
     try:
@@ -430,3 +437,5 @@ def test_moe_workbench_without_arguments_opens_the_window_on_the_demo(qtbot, tmp
         give_up.stop()
     assert "demo-moe" in seen.get("path", "") and str(tmp_path / "cache") in seen["path"]
     assert app.desktopFileName() == "moe-workbench"
+    app.setApplicationName(names[0])
+    app.setOrganizationName(names[1])

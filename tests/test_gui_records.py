@@ -28,7 +28,7 @@ from engine.records.sweep import recommend  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 60_000
-EXPERT = 32256  # bytes of one gpt-oss fixture expert
+EXPERT = 35328  # bytes of one gpt-oss fixture expert in a device slot (the GPU kernels' layout)
 SIMULATED = {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {"device_expert_bytes": str(3 * EXPERT)}}
 
 
