@@ -80,7 +80,7 @@ def test_estimate_follows_the_engine_for_pinned_bytes(name):
         config = OffloadConfig(device_expert_bytes=5 * slot, pinned_bytes=pinned, prefill_wave_experts=4)
         est = estimate(facts, config, choice)
         engine, device = engine_on(name, config, choice)
-        assert not est.error and est.staging.expert_bytes == per
+        assert not est.error and est.staging.staged_expert_bytes == per
         assert est.staging.pinned_bytes == engine.pinned_info()["bytes"] == device.pinned.capacity
         assert est.staging.wave_experts == engine.wave_experts
         assert est.staging_bytes == device.memory.by_purpose["prefill staging ring"]

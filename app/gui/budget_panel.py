@@ -389,7 +389,7 @@ class BudgetPanel(QWidget):
             st = est.staging
             how = "auto: two prefill waves" if config.pinned_bytes is None else "this value bounds the wave"
             text = (f"Ring <b>{human_bytes(st.pinned_bytes)}</b> = {st.pinned_experts} experts of "
-                    f"{human_bytes(st.expert_bytes)} · prefill waves of <b>{st.wave_experts}</b> ({how})")
+                    f"{human_bytes(st.staged_expert_bytes)} · prefill waves of <b>{st.wave_experts}</b> ({how})")
         elif est.error and "pinned_bytes" in est.error:
             text = f"<span style='color:{t.error}'>Refused: {html.escape(est.error)}</span>"
         else:
@@ -412,7 +412,7 @@ class BudgetPanel(QWidget):
     def _pinned_auto_toggled(self, auto: bool) -> None:
         """Leaving auto starts from the ring auto gave (not from 0 bytes, which holds no expert)."""
         staging = self.last_estimate.staging if self.last_estimate is not None else None
-        if not auto and staging is not None and (self.pinned_bytes.value() or 0) < staging.expert_bytes:
+        if not auto and staging is not None and (self.pinned_bytes.value() or 0) < staging.staged_expert_bytes:
             self.pinned_bytes.setValue(staging.pinned_bytes)
             self._changed()
 

@@ -4,9 +4,8 @@ The budget panel calls `estimate()` on every move of a control: it plans with th
 planner (`plan_offload`) against a stand-in device of the chosen size, so the numbers are the ones
 the engine will use when the model loads or re-plans. The staging it takes before planning (the
 pinned host ring and the device's prefill staging ring) is sized by the engine's own code
-(OffloadEngine._reserve_staging, which calls engine.offload.staging.ring_bytes) on that stand-in,
-so an explicit pinned_bytes bounds the ring and the prefill wave here exactly as in the engine,
-and a ring that holds no expert is refused with the engine's message.
+(engine.offload.staging.plan_staging), so an explicit pinned_bytes bounds the ring and the prefill
+wave here exactly as in the engine, and a ring that holds no expert is refused with its message.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ import numpy as np
 
 from engine.offload.config import OffloadConfig
 from engine.offload.devices import SimulatedDevice
-from engine.offload.engine import OffloadEngine
 from engine.onnx_file import OnnxFile
+from engine.offload.staging import StagingPlan, plan_staging
 from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError, plan_offload
 from engine.units import human_bytes
 
@@ -165,7 +164,7 @@ class Estimate:
     ceiling: int
     staging_bytes: int
     statements: list[str] = field(default_factory=list)
-    staging: "Staging | None" = None   # the pinned ring and prefill wave the engine would take (None: none)
+    staging: "StagingPlan | None" = None   # the pinned ring and prefill wave the engine would take (None: none)
 
     @property
     def resident(self) -> int:
@@ -176,39 +175,19 @@ class Estimate:
         return sum(e for _l, _n, _r, e in self.per_layer)
 
 
-@dataclass(frozen=True)
-class Staging:
-    """What the offload engine takes before it plans the slots (OffloadEngine._reserve_staging)."""
-    wave_experts: int      # cold experts streamed to the device per prefill wave
-    device_bytes: int      # the device's double-buffered prefill staging ring
-    pinned_bytes: int      # the pinned (page-locked) host ring every copy to the device goes through
-    expert_bytes: int      # one expert as staged in the pinned ring (the largest)
-
-    @property
-    def pinned_experts(self) -> int:
-        return self.pinned_bytes // self.expert_bytes if self.expert_bytes else 0
-
-
-def staging_for(config: OffloadConfig, nodes: list[StagedNode], device) -> Staging | None:
+def staging_for(config: OffloadConfig, nodes: list[StagedNode], device) -> StagingPlan | None:
     """Reserve on `device` (the estimate's stand-in) the staging the offload engine takes before it
-    plans: the engine's own OffloadEngine._reserve_staging runs, on an engine shell holding only
-    what it reads (stand-in runners, their infos, the device). So the pinned ring is
-    staging.ring_bytes (an explicit pinned_bytes bounds it; below one expert it raises
-    OffloadPlanError with the engine's message) and the prefill wave is bounded as the engine
-    bounds it (prefill_wave_experts, the ring double-buffered, the device's free memory).
-    None where the engine takes none (no device, offload disabled, no runnable node).
-
-    The engine keeps this in a private method; a public function in engine/offload/staging.py
-    (config, runners, device -> ring, wave) would let the window stop reaching into it."""
+    plans, sized by the engine's own staging.plan_staging: an explicit pinned_bytes bounds the ring
+    and the prefill wave, and a ring below one expert raises OffloadPlanError with the engine's
+    message. None where the engine takes none (no device, offload disabled)."""
     if device is None or not nodes or config.mode == "disabled":
         return None
-    shell = OffloadEngine.__new__(OffloadEngine)
-    shell.runners, shell.infos, shell.device = list(nodes), [node.info for node in nodes], device
-    shell.wave_experts, shell._staging_bytes = 0, 0
-    shell._reserve_staging(config)
-    ring = device.pinned
-    staged = shell._staged_expert_bytes()
-    return Staging(shell.wave_experts, shell._staging_bytes, ring.capacity if ring is not None else 0, staged)
+    runnable = [node for node in nodes if node.info.gpu is not None]
+    staged = max((device.staging_bytes_per_expert(node) for node in runnable), default=0)
+    largest_slot = max((node.info.device_bytes_per_expert for node in runnable), default=0)
+    staging = plan_staging(config, staged, largest_slot, device.memory.available)
+    device.memory.reserve(staging.device_bytes, "prefill staging ring")
+    return staging
 
 
 def auto_reserve(config: OffloadConfig, available: int) -> int:
@@ -227,7 +206,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     ]
     error = ""
     stand_in = None
-    staged: Staging | None = None
+    staged: StagingPlan | None = None
     staging = 0
     if device.kind != "cpu":
         if device.error:
@@ -276,17 +255,11 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         if ceiling < capacity:
             device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - ceiling, ""))
     if staged is not None and not error:
-        note = f"page-locked; {staged.pinned_experts} experts of {human_bytes(staged.expert_bytes)}"
-        if device.kind == "cuda":
-            note += " as in the file (the kernel layout may be larger)"
+        note = f"page-locked; {staged.pinned_experts} experts of {human_bytes(staged.staged_expert_bytes)}"
         host_parts.append(Part("pinned", "pinned staging ring", staged.pinned_bytes, note))
     statements = list(plan.statements) if plan else []
-    if plan and staged is not None:  # the sentences the engine adds to its plan
-        if staged.wave_experts:
-            statements.append(f"Cold experts used by many prompt tokens stream to the device in waves of "
-                              f"{staged.wave_experts}.")
-        statements.append(f"Copies to the device go through a pinned staging ring of {human_bytes(staged.pinned_bytes)} "
-                          f"({staged.pinned_experts} experts).")
+    if plan and staged is not None:
+        statements.extend(staged.statements())  # the sentences the engine adds to its plan
     if plan and stand_in is not None and config.device_expert_bytes is None and plan.budget_bytes == 0 and experts:
         statements.append(f"The automatic budget is empty: it keeps {human_bytes(auto_reserve(config, stand_in.memory.available))} "
                           "free for KV cache and workspace. Set a Reserve or an Expert budget.")

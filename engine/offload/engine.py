@@ -17,9 +17,8 @@ from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
-from engine.offload.staging import ring_bytes
+from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.stats import OffloadStats
-from engine.units import human_bytes
 
 
 def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray]:
@@ -51,7 +50,7 @@ class OffloadEngine:
         self.config = config
         self._check_file_backing(config)
         self._apply_file_backing()
-        self.wave_experts, self._staging_bytes = 0, 0
+        self.staging = NO_STAGING  # the pinned ring and the device's prefill staging ring
         self.plan: OffloadPlan = self._plan(config)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
@@ -87,14 +86,14 @@ class OffloadEngine:
         elif self.device is not None:
             self.device.set_pinned_ring(0)
         plan = plan_offload(config, self.infos, self.device)
-        if self.wave_experts:
-            plan.statements.append(
-                f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
-        ring = getattr(self.device, "pinned", None) if config.mode != "disabled" else None
-        if ring is not None:
-            plan.statements.append(f"Copies to the device go through a pinned staging ring of {human_bytes(ring.capacity)} "
-                                   f"({ring.capacity // self._staged_expert_bytes()} experts).")
+        if self.device is not None and config.mode != "disabled":
+            plan.statements.extend(self.staging.statements())
         return plan
+
+    @property
+    def wave_experts(self) -> int:
+        """Cold experts streamed to the device per prefill wave (0: no waves)."""
+        return self.staging.wave_experts
 
     def _gpu_runners(self) -> list[CpuExpertNode]:
         """The nodes whose experts can go on the device (the GPU kernels run their layout)."""
@@ -104,34 +103,19 @@ class OffloadEngine:
         return max((self.device.staging_bytes_per_expert(runner) for runner in self._gpu_runners()), default=0)
 
     def _reserve_staging(self, config: OffloadConfig) -> None:
-        """A double-buffered staging ring for prefill waves (and for every miss when cpu_execution
-        is disabled), taken before the expert budget; and the pinned host ring every copy goes
-        through (pinned_bytes, checked first: a ring that holds no expert is refused)."""
-        staged = self._staged_expert_bytes()
-        if staged == 0:  # no node the GPU kernels run: nothing is staged, every expert runs on the CPU
-            self.wave_experts, self._staging_bytes = 0, 0
-            self.device.set_pinned_ring(0)
-            return
-        pinned = ring_bytes(config, staged)
-        # A wave's GpuQMoE holds its experts in device slots of the kernels' layout (converted layouts are larger).
-        largest = max(runner.info.device_bytes_per_expert for runner in self._gpu_runners())
-        # A wave streams through the pinned ring double-buffered: an explicit pinned_bytes bounds it.
-        through_ring = max(1, pinned // (2 * staged))
-        wave = min(config.prefill_wave_experts, through_ring, self.device.memory.available // (2 * largest))
-        if wave == 0 and config.cpu_execution == "disabled":
-            raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
-                                   f"({2 * largest} bytes double-buffered)")
-        self._staging_bytes = 2 * wave * largest
-        self.device.memory.reserve(self._staging_bytes, "prefill staging ring")
-        self.wave_experts = wave
-        self.device.set_pinned_ring(pinned)
+        """Take the pinned ring and the device's prefill staging ring (staging.plan_staging)."""
+        largest_slot = max((runner.info.device_bytes_per_expert for runner in self._gpu_runners()), default=0)
+        staging = plan_staging(config, self._staged_expert_bytes(), largest_slot, self.device.memory.available)
+        self.device.memory.reserve(staging.device_bytes, "prefill staging ring")
+        self.staging = staging  # only once reserved: _release_staging gives back what it holds
+        self.device.set_pinned_ring(staging.pinned_bytes)
 
     def _release_staging(self) -> None:
         """Releases the device's staging ring; the pinned ring stays until the next plan sizes it
         (kept when its size does not change, so a re-plan does not re-allocate pinned memory)."""
         if self.device is not None:
-            self.device.memory.release(self._staging_bytes, "prefill staging ring")
-        self.wave_experts, self._staging_bytes = 0, 0
+            self.device.memory.release(self.staging.device_bytes, "prefill staging ring")
+        self.staging = NO_STAGING
 
     def pinned_info(self) -> dict:
         """The pinned staging ring: bytes, in_use, high_water, bytes_copied, copies ({} without one)."""

@@ -12,8 +12,11 @@ an explicit value must hold at least one expert.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.offload.config import PREFIX, OffloadConfig
 from engine.offload.planner import OffloadPlanError
+from engine.units import human_bytes
 
 
 def ring_bytes(config: OffloadConfig, expert_bytes: int) -> int:
@@ -24,6 +27,51 @@ def ring_bytes(config: OffloadConfig, expert_bytes: int) -> int:
         raise OffloadPlanError(f"{PREFIX}pinned_bytes={config.pinned_bytes} holds no expert: "
                                f"it must be at least {expert_bytes} bytes (the largest expert)")
     return config.pinned_bytes
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """What the engine takes before it plans the expert slots."""
+    pinned_bytes: int         # the pinned host ring every copy to the device goes through
+    wave_experts: int         # cold experts streamed to the device per prefill wave
+    device_bytes: int         # the device's double-buffered prefill staging ring
+    staged_expert_bytes: int  # the largest expert as staged in the pinned ring
+
+    @property
+    def pinned_experts(self) -> int:
+        return self.pinned_bytes // self.staged_expert_bytes if self.staged_expert_bytes else 0
+
+    def statements(self) -> list[str]:
+        """The sentences the plan gives about staging."""
+        said = []
+        if self.wave_experts:
+            said.append(f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
+        if self.pinned_bytes:
+            said.append(f"Copies to the device go through a pinned staging ring of {human_bytes(self.pinned_bytes)} "
+                        f"({self.pinned_experts} experts).")
+        return said
+
+
+NO_STAGING = StagingPlan(0, 0, 0, 0)
+
+
+def plan_staging(config: OffloadConfig, staged_expert_bytes: int, largest_slot_bytes: int,
+                 device_available: int) -> StagingPlan:
+    """The pinned ring (checked first: a ring that holds no expert is refused) and the device's
+    double-buffered prefill staging ring (also used for every miss when cpu_execution is disabled).
+    `staged_expert_bytes`: the largest expert as staged on the host (0: no node the GPU kernels run,
+    nothing is staged); `largest_slot_bytes`: the largest device slot, since a wave holds its experts
+    in slots of the kernels' layout (converted layouts are larger than the stored experts)."""
+    if staged_expert_bytes == 0:
+        return NO_STAGING
+    pinned = ring_bytes(config, staged_expert_bytes)
+    # A wave streams through the pinned ring double-buffered: an explicit pinned_bytes bounds it.
+    through_ring = max(1, pinned // (2 * staged_expert_bytes))
+    wave = min(config.prefill_wave_experts, through_ring, device_available // (2 * largest_slot_bytes))
+    if wave == 0 and config.cpu_execution == "disabled":
+        raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
+                               f"({2 * largest_slot_bytes} bytes double-buffered)")
+    return StagingPlan(pinned, wave, 2 * wave * largest_slot_bytes, staged_expert_bytes)
 
 
 class PinnedRing:
