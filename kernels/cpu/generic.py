@@ -1,4 +1,5 @@
-"""CPU execution of the QMoE layouts the fast int4 / int8 kernels (kernels.py) do not read.
+"""CPU execution of the QMoE layouts / activations the fast kernels (kernels.py) do not read, and a second
+implementation of those they do (``GenericQMoE`` runs any node; tests and the benchmark compare the two).
 
 Every projection, in any layout of the contract (int2 / int3 / int4 / int8 rows, MXFP4 / NVFP4 E2M1 with
 e8m0 / e4m3 block scales and global scales, fp8 e4m3 with square-block or global scales), is dequantised
@@ -10,8 +11,8 @@ row by row into float32 inside Numba kernels, never as a whole weight set:
 - ``dequant_tile`` expands rows of one expert (tests, tools).
 
 Two layouts are converted per expert, lazily, the first time an expert runs (``LazyConverted``): SM80
-prepacked int4 / int8 -> raw rows (which the fast kernels then read: ``delegate_for`` returns a CpuQMoE over
-the converted tensors), and NVFP4 N-packed [K, N/2] -> K-packed rows. The converted experts live in
+prepacked int4 / int8 -> raw rows, and NVFP4 N-packed [K, N/2] -> K-packed rows (which the fast kernels then
+read: ``delegate_for`` returns a CpuQMoE over the converted tensors; GenericQMoE converts them for itself). The converted experts live in
 anonymous memory: a model in those layouts costs up to its expert size once more in RAM, only for experts
 that have run.
 
@@ -29,7 +30,7 @@ from numba import njit, prange
 from .. import layouts as L
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
 
-__all__ = ["delegate_for", "GenericQMoE", "activate", "FAST_ACTIVATIONS", "LazyConverted",
+__all__ = ["delegate_for", "fast_layout", "GenericQMoE", "activate", "FAST_ACTIVATIONS", "LazyConverted",
            "sm80_to_raw", "n_packed_to_k_packed"]
 
 #: activations kernels/cpu/kernels.py implements (fused in its epilogues); others run here
@@ -590,14 +591,16 @@ class GenericQMoE:
 
 
 class _ConvertedFast:
-    """SM80 prepacked int4 / int8: converted per expert, lazily, to raw rows that the fast kernels read."""
+    """SM80 prepacked int4 / int8 and nvfp4 N-packed: converted per expert, lazily, to raw / K-packed rows that
+    the fast kernels read."""
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         from .qmoe import CpuQMoE
 
         t, self._lazies = _lazy_layouts(spec, tensors)
         self.spec = spec
-        self.inner = CpuQMoE(dataclasses.replace(spec, packing="raw", weights_prepacked=0), t, num_threads)
+        packing = "raw" if spec.packing == "sm80" else "k_packed"
+        self.inner = CpuQMoE(dataclasses.replace(spec, packing=packing, weights_prepacked=0), t, num_threads)
 
     def run_experts(self, x2d, expert_ids, weights, out=None) -> np.ndarray:
         ids = np.asarray(expert_ids)
@@ -607,15 +610,29 @@ class _ConvertedFast:
         return self.inner.run_experts(x2d, expert_ids, weights, out=out)
 
 
+def fast_layout(spec: QMoESpec) -> bool:
+    """Whether kernels/cpu/kernels.py reads the node's weight layout (raw / K-packed; SM80 and N-packed after a
+    lazy conversion): int4 / int8 rows; int2 rows (K a multiple of 4, per-row scales or blocks of >= 32);
+    MXFP4; NVFP4."""
+    if spec.quant_type in ("fp4", "nvfp4"):
+        return True
+    if spec.quant_type != "int":
+        return False
+    for _, _, k, b in spec.projections:
+        if b == 2 and (k % 4 or (spec.block_size and spec.block_size < 32)) or b not in (2, 4, 8):
+            return False
+    return spec.packing == "raw" or all(b in (4, 8) for _, _, _, b in spec.projections)
+
+
 def delegate_for(spec: QMoESpec, tensors: dict, num_threads: int | None = None):
-    """What runs a node instead of CpuQMoE's own fast kernels: None for int4 / int8 raw (and float MoE) with a
-    fast activation; a lazily converting wrapper for SM80 prepacked int4 / int8; GenericQMoE for the rest."""
+    """What runs a node instead of CpuQMoE's own fast kernels: None for the layouts they read (``fast_layout``:
+    int2 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed; float MoE) with a fast activation; a lazily converting
+    wrapper for SM80 prepacked int4 / int8 and NVFP4 N-packed; GenericQMoE for the rest."""
     if not spec.is_quantized:
         return None
     fast_act = spec.activation in FAST_ACTIVATIONS and not spec.swiglu_limit_after_activation
-    fast_bits = spec.quant_type == "int" and all(b in (4, 8) for _, _, _, b in spec.projections)
-    if fast_act and fast_bits and spec.packing == "raw":
-        return None
-    if fast_act and fast_bits and spec.packing == "sm80":
+    if not (fast_act and fast_layout(spec)):
+        return GenericQMoE(spec, tensors, num_threads)
+    if spec.packing in ("sm80", "n_packed"):
         return _ConvertedFast(spec, tensors, num_threads)
-    return GenericQMoE(spec, tensors, num_threads)
+    return None

@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (HAS_AVX512F, MK_NR, atomic_fetch_add, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8,
-                   dqrow_int8_16, load_scale, microkernel_6x16, microkernel_6x32, microkernel_acc_6x16,
-                   microkernel_acc_6x32, prefetch_bytes, qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow,
-                   qrow_int4_8, qrow_int8_16)
+from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, dqrow_fp4_1, dqrow_fp4_2, dqrow_int2_1,
+                   dqrow_int2_2, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8, dqrow_int8_16, load_scale,
+                   microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32, prefetch_bytes,
+                   qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zrow_1, qrow_int2_zrow_2,
+                   qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16)
 
 __all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
            "group_pairs", "plan_blocks", "plan_tasks", "pack_cols", "qgemm_tasks", "moe_gemv", "reduce_rows",
@@ -22,6 +23,9 @@ __all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
 
 ACT_RELU, ACT_GELU, ACT_SILU, ACT_IDENTITY, ACT_SWIGLU = 0, 1, 2, 3, 4
 ROWS_PER_TASK = 16
+# code formats of the batched paths: integer codes with zero points (int2 / int4 / int8), or E2M1 codes (fp4:
+# MXFP4 / NVFP4) whose values and fp8 block scales come from a per-expert TBL_RECORD in the projection's aux
+FMT_INT, FMT_FP4 = 0, 1
 
 
 @njit(inline="always")
@@ -424,6 +428,8 @@ def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
     if zmode == 1:
         if bits == 4:
             zbuf[0] = np.float32((zp[e, n >> 1] >> ((n & 1) * 4)) & 15)
+        elif bits == 2:
+            zbuf[0] = np.float32((zp[e, n >> 2] >> ((n & 3) * 2)) & 3)
         else:
             zbuf[0] = np.float32(zp[e, n])
     elif zmode == 2:
@@ -431,23 +437,62 @@ def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
         if bits == 4:
             for b in range(b0, b1):
                 zbuf[b] = np.float32((zp[e, base + (b >> 1)] >> ((b & 1) * 4)) & 15)
+        elif bits == 2:
+            for b in range(b0, b1):
+                zbuf[b] = np.float32((zp[e, base + (b >> 2)] >> ((b & 3) * 2)) & 3)
         else:
             for b in range(b0, b1):
                 zbuf[b] = np.float32(zp[e, base + b])
 
 
 @njit(inline="always")
-def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, c0, c1, tail, out, ooff):
+def _chunk_block(c, cshift, bpc):
+    """First quantisation block of chunk c (bpc = 2: two 8-byte blocks per 16-byte chunk)."""
+    return c * 2 if bpc == 2 else c >> cshift
+
+
+@njit(inline="always")
+def _code_value(q, fmt, z, aux, aoff):
+    """Value of code q before the block scale: q - z (integer codes) or the record's table (fp4)."""
+    if fmt == FMT_FP4:
+        return aux[aoff + q]
+    return np.float32(q) - z
+
+
+@njit(inline="always")
+def _block_scale(sc, idx, skind, fmt, aux, aoff):
+    """Scale at flat index idx of sc: float / fp16 / bf16, or an fp8 code through the record's scale table."""
+    s = load_scale(sc, idx, skind)
+    if fmt == FMT_FP4:
+        return aux[aoff + 16 + np.int64(s)]
+    return s
+
+
+@njit(inline="always")
+def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, c0, c1, tail,
+                       out, ooff):
     """Chunks c0..c1-1 of row n of expert e (k permuted per chunk) into out[ooff:], then, when tail, the
-    ragged bytes after the last whole chunk (per-row quantisation only). c0 is a multiple of 2**cshift."""
+    ragged bytes after the last whole chunk (all in the row's last block). c0 is a multiple of 2**cshift."""
     E, N, Kb = w.shape
     row = e * N + n
     woff = row * Kb + c0 * chunk
-    b0 = c0 >> cshift
+    b0 = _chunk_block(c0, cshift, bpc)
     soff = row * nb + b0
+    aoff = e * TBL_RECORD
     nck = c1 - c0
+    vpb = 8 // bits
     if nck > 0:
-        if bits == 4:
+        if fmt == FMT_FP4:
+            if bpc == 2:
+                dqrow_fp4_2(w, woff, nck, cshift, sc, soff, skind, aux, aoff, out, ooff)
+            else:
+                dqrow_fp4_1(w, woff, nck, cshift, sc, soff, skind, aux, aoff, out, ooff)
+        elif bits == 2:
+            if bpc == 2:
+                dqrow_int2_2(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+            else:
+                dqrow_int2_1(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+        elif bits == 4:
             if chunk == 16:
                 dqrow_int4_16_lut(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
             else:
@@ -456,17 +501,14 @@ def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n
             dqrow_int8_16(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
     if tail:
         full = nchunk * chunk
-        s = load_scale(sc, row * nb + nb - 1, skind)
+        s = _block_scale(sc, row * nb + nb - 1, skind, fmt, aux, aoff)
         z = zbuf[nb - 1]
-        k0 = ooff + nck * chunk * (2 if bits == 4 else 1)
+        k0 = ooff + nck * chunk * vpb
+        mask = (1 << bits) - 1
         for j in range(full, Kb):
             q = w[e, n, j]
-            if bits == 4:
-                kk = k0 + 2 * (j - full)
-                out[kk] = (np.float32(q & 15) - z) * s
-                out[kk + 1] = (np.float32(q >> 4) - z) * s
-            else:
-                out[k0 + j - full] = (np.float32(q) - z) * s
+            for c in range(vpb):
+                out[k0 + vpb * (j - full) + c] = _code_value((q >> (c * bits)) & mask, fmt, z, aux, aoff) * s
 
 
 @njit(fastmath=True, inline="always")
@@ -481,7 +523,7 @@ MODE_STORE, MODE_SWIGLU, MODE_SCALE, MODE_ACT = 0, 1, 2, 3
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, K, kcc,
+def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, K, kcc,
                 xp, blk_col, blk_w, blk_pair, blk_valid, tasks, rt, mt,
                 bias, has_bias, mode, coef, act_kind, alpha, beta, limit, has_limit, pinv, knext, out, nth):
     """Quantised GEMM of many experts at once: v[p, n] = W_e[n, :] . x_p (+ bias[e, n]) for the pairs p in
@@ -492,10 +534,10 @@ def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, K, kcc
     with the register-tile micro-kernels, accumulating into a [rt, mt] C buffer. Epilogue by mode:
     0 out[p*N + n] = v; 2 out[p*N + n] = coef[p] * v; 1 (swiglu, rows interleaved g, u): a_i packed
     for the next GEMM (out[blk_col[j]*knext + pinv[i]*w + c]); 3 act(v) packed likewise.
-    Tasks are taken from an atomic counter: one fork/join, dynamic balance.
+    Tasks are taken from an atomic counter: one fork/join, dynamic balance. fmt / bpc / aux: see _qdot.
     """
     E, N, Kb = w.shape
-    V = chunk * 2 if bits == 4 else chunk
+    V = chunk * (8 // bits)
     ldw = kcc * V + V
     nkb = max(1, (nchunk + kcc - 1) // kcc)
     ragged = nchunk * chunk < Kb
@@ -531,10 +573,10 @@ def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, K, kcc
                 kc = (c1 - c0) * V + ((K - nchunk * V) if last else 0)
                 for r in range(rows):
                     if zmode != 0:
-                        _fill_zp_range(zbuf, zp, zmode, e, n0 + r, bits, zrb, c0 >> cshift,
-                                       nb if last else min(nb, c1 >> cshift))
-                    _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + r, c0, c1,
-                                       tail, wbuf, r * ldw)
+                        _fill_zp_range(zbuf, zp, zmode, e, n0 + r, bits, zrb, _chunk_block(c0, cshift, bpc),
+                                       nb if last else min(nb, _chunk_block(c1, cshift, bpc)))
+                    _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n0 + r,
+                                       c0, c1, tail, wbuf, r * ldw)
                 for r in range(rows, npan * MK_NR):
                     for kk in range(kc):
                         wbuf[r * ldw + kk] = np.float32(0.0)
@@ -616,13 +658,33 @@ def reduce_rows(y, dst, out, nth):
 
 
 @njit(inline="always")
-def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, e, n, xa, xb, xs, r):
-    """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see gemv_q; xs unused where _uses_lut)."""
+def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, xa, xb, xs, r):
+    """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see _split_row; xs unused where _uses_lut).
+
+    fmt FMT_INT: codes minus zero points (zbuf) times the block scales; FMT_FP4: E2M1 codes and fp8 block-scale
+    codes decoded through expert e's TBL_RECORD in aux. bpc: quantisation blocks per 16-byte chunk (1 or 2).
+    """
     E, N, Kb = w.shape
     woff = (e * N + n) * Kb
     soff = (e * N + n) * nb
-    xoff = r * Kb
-    if bits == 4:
+    aoff = e * TBL_RECORD
+    xoff = r * xa.shape[1]
+    if fmt == FMT_FP4:
+        if bpc == 2:
+            acc = qrow_fp4_2(w, woff, nchunk, cshift, sc, soff, skind, aux, aoff, xa, xb, xoff, xs, 0)
+        else:
+            acc = qrow_fp4_1(w, woff, nchunk, cshift, sc, soff, skind, aux, aoff, xa, xb, xoff, xs, 0)
+    elif bits == 2:  # the four slot streams of row r lie Kb apart in xa
+        if zmode == 2:
+            if bpc == 2:
+                acc = qrow_int2_zblk_2(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
+            else:
+                acc = qrow_int2_zblk_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
+        elif bpc == 2:
+            acc = qrow_int2_zrow_2(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
+        else:
+            acc = qrow_int2_zrow_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
+    elif bits == 4:
         if chunk == 16:
             if zmode == 2:
                 acc = qrow_int4_16_lut_zblk(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs,
@@ -635,39 +697,60 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, e, n, xa, 
     else:
         acc = qrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
     full = nchunk * chunk
-    if full < Kb:
-        s = load_scale(sc, soff + nb - 1, skind)
+    if full < Kb:  # ragged tail: the bytes after the last whole chunk, all in the row's last block
+        s = _block_scale(sc, soff + nb - 1, skind, fmt, aux, aoff)
         z = zbuf[nb - 1]
         t = np.float32(0.0)
         for j in range(full, Kb):
             q = w[e, n, j]
             if bits == 4:
-                t += (np.float32(q & 15) - z) * xa[r, j] + (np.float32(q >> 4) - z) * xb[r, j]
+                t += _code_value(q & 15, fmt, z, aux, aoff) * xa[r, j] + _code_value(q >> 4, fmt, z, aux, aoff) * xb[r, j]
+            elif bits == 2:
+                for c in range(4):
+                    t += _code_value((q >> (2 * c)) & 3, fmt, z, aux, aoff) * xa[r, c * Kb + j]
             else:
-                t += (np.float32(q) - z) * xa[r, j]
+                t += _code_value(q, fmt, z, aux, aoff) * xa[r, j]
         acc += s * t
     return acc
 
 
 @njit(inline="always")
-def _uses_lut(bits, chunk):
-    """int4 rows of 16-byte chunks go through the table kernels (no per-chunk activation sums needed)."""
-    return HAS_AVX512F and bits == 4 and chunk == 16
+def _uses_lut(bits, chunk, fmt):
+    """Rows read through the table kernels (no per-chunk activation sums needed): fp4, int2, and int4 rows of
+    16-byte chunks where AVX-512F is available."""
+    return fmt == FMT_FP4 or bits == 2 or (HAS_AVX512F and bits == 4 and chunk == 16)
 
 
 @njit(inline="always")
-def _split_row(x, r, bits, chunk, nchunk, xa, xb, xs, o):
-    """Row r of x into row o of (xa, xb, xs): int4 even / odd k, int8 xa = x; per-chunk sums."""
-    K = x.shape[1]
+def _x_width(bits, Kb):
+    """Floats per row of the xa array the GEMV reads: int2 keeps its four slot streams (Kb each) in xa."""
+    return 4 * Kb if bits == 2 else Kb
+
+
+@njit(inline="always")
+def _put_x(v, i, p, bits, Kb, aa, ab):
+    """Value of input k = i of row p into the GEMV's activation layout (int4: even / odd k in aa / ab;
+    int2: slot i & 3 of byte i >> 2 in aa; int8: aa)."""
     if bits == 4:
-        for j in range(K // 2):
-            xa[o, j] = x[r, 2 * j]
-            xb[o, j] = x[r, 2 * j + 1]
+        if i & 1:
+            ab[p, i >> 1] = v
+        else:
+            aa[p, i >> 1] = v
+    elif bits == 2:
+        aa[p, (i & 3) * Kb + (i >> 2)] = v
     else:
-        for j in range(K):
-            xa[o, j] = x[r, j]
-    vals = chunk * 2 if bits == 4 else chunk
-    for c in range(nchunk if not _uses_lut(bits, chunk) else 0):
+        aa[p, i] = v
+
+
+@njit(inline="always")
+def _split_row(x, r, bits, chunk, nchunk, fmt, xa, xb, xs, o):
+    """Row r of x into row o of (xa, xb, xs) in the GEMV's activation layout (_put_x); per-chunk sums."""
+    K = x.shape[1]
+    Kb = xb.shape[1]
+    for i in range(K):
+        _put_x(x[r, i], i, o, bits, Kb, xa, xb)
+    vals = chunk * (8 // bits)
+    for c in range(nchunk if not _uses_lut(bits, chunk, fmt) else 0):
         s = np.float32(0.0)
         for j in range(c * vals, (c + 1) * vals):
             s += x[r, j]
@@ -715,7 +798,7 @@ def _prefetch_row(w, sc, e, n, ahead):
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, zrb1,
+def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1, zrb1,
                    experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
                    act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi):
     """FC1 + activation for the row groups lo..hi-1 of the (expert, group) space (see moe_gemv)."""
@@ -745,30 +828,26 @@ def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1
                 _fill_zp_range(zu, zp1, zmode1, e, nu, bits1, zrb1, 0, nb1)
         for p in range(pair_off[u], pair_off[u + 1]):
             r = rowmap[src[p]]
-            g = _qdot(w1, sc1, skind1, zg, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, e, ng, xa1, xb1, xs1, r) + bg
+            g = _qdot(w1, sc1, skind1, zg, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, e, ng,
+                      xa1, xb1, xs1, r) + bg
             if swiglu:
-                l = _qdot(w1, sc1, skind1, zu, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, e, nu, xa1, xb1, xs1,
-                          r) + bu
+                l = _qdot(w1, sc1, skind1, zu, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, e, nu,
+                          xa1, xb1, xs1, r) + bu
                 a = _swiglu(g, l, a_, b_, l_, has_limit)
             else:
                 a = _act(act_kind, g)
-            if bits2 == 4:
-                if i & 1:
-                    ab[p, i >> 1] = a
-                else:
-                    aa[p, i >> 1] = a
-            else:
-                aa[p, i] = a
+            _put_x(a, i, p, bits2, ab.shape[1], aa, ab)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, src, coef, dst,
+def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst,
              act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out, do_reduce,
              nth):
     """Fused decode: for each pair p (token src[p], expert experts[u], pair_off[u] <= p < pair_off[u + 1])
     y[p] = coef[p] * (W2_e act(W1_e x + b1_e) + b2_e); with do_reduce also out[dst[p]] += y[p].
 
-    q1 / q2: int64 [skind, zmode, bits, nb, chunk, cshift, nchunk, has_bias] of fc1 / fc2; act: swiglu
+    q1 / q2: int64 [skind, zmode, bits, nb, chunk, cshift, nchunk, has_bias, fmt, bpc] of fc1 / fc2, aux1 / aux2
+    their per-expert TBL_RECORDs (fp4; see _qdot); act: swiglu
     (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
     Two parallel regions (FC1 + activation, then FC2) over the (expert, row) space, handed out in
     contiguous chunks of ~chunk_bytes through atomic counters (order: see _claim); pf_rows > 0 prefetches
@@ -780,9 +859,12 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
     T, Hx = x.shape
     P = src.shape[0]
     U = experts.shape[0]
-    I = w2.shape[2] * (2 if q2[2] == 4 else 1)
+    I = w2.shape[2] * (8 // q2[2])
     skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1 = q1[0], q1[1], q1[2], q1[3], q1[4], q1[5], q1[6], q1[7]
     skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, hb2 = q2[0], q2[1], q2[2], q2[3], q2[4], q2[5], q2[6], q2[7]
+    fmt1, bpc1, fmt2, bpc2 = q1[8], q1[9], q2[8], q2[9]
+    xw1 = _x_width(bits1, Kb1)
+    xw2 = _x_width(bits2, Kb2)
     # scratch: x rows (deduplicated tokens) split for fc1, activations split for fc2
     rowmap = np.full(T, -1, np.int64)
     nrows = 0
@@ -791,21 +873,21 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
             rowmap[src[p]] = nrows
             nrows += 1
     o = 0
-    xa1 = ws[o:o + nrows * Kb1].reshape(nrows, Kb1)
-    o += nrows * Kb1
+    xa1 = ws[o:o + nrows * xw1].reshape(nrows, xw1)
+    o += nrows * xw1
     xb1 = ws[o:o + nrows * Kb1].reshape(nrows, Kb1)
     o += nrows * Kb1
     xs1 = ws[o:o + nrows * nchunk1].reshape(nrows, nchunk1)
     o += nrows * nchunk1
-    aa = ws[o:o + P * Kb2].reshape(P, Kb2)
-    o += P * Kb2
+    aa = ws[o:o + P * xw2].reshape(P, xw2)
+    o += P * xw2
     ab = ws[o:o + P * Kb2].reshape(P, Kb2)
     o += P * Kb2
     xs2 = ws[o:o + P * nchunk2].reshape(P, nchunk2)
     for t in range(T):
         if rowmap[t] >= 0:
-            _split_row(x, t, bits1, chunk1, nchunk1, xa1, xb1, xs1, rowmap[t])
-    if bits1 != 4:
+            _split_row(x, t, bits1, chunk1, nchunk1, fmt1, xa1, xb1, xs1, rowmap[t])
+    if bits1 == 8:
         xb1 = xa1
     swiglu = act_kind == ACT_SWIGLU
     G = I
@@ -834,12 +916,13 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
                 break
             lo = ci * ch
             hi = min(total, lo + ch)
-            _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, zrb1,
+            _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1,
+                           hb1, zrb1,
                            experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
                            act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi)
-    if bits2 != 4:
+    if bits2 == 8:
         ab = aa
-    for p in range(P if not _uses_lut(bits2, chunk2) else 0):
+    for p in range(P if not _uses_lut(bits2, chunk2, fmt2) else 0):
         for c in range(nchunk2):
             s = np.float32(0.0)
             for j in range(c * chunk2, (c + 1) * chunk2):
@@ -871,8 +954,8 @@ def moe_gemv(w1, sc1, zp1, q1, b1, w2, sc2, zp2, q2, b2, x, experts, pair_off, s
                     _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
                 bval = b2[e, n] if hb2 else np.float32(0.0)
                 for p in range(pair_off[u], pair_off[u + 1]):
-                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, e, n,
-                                               aa, ab, xs2, p) + bval)
+                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2, nchunk2,
+                                               fmt2, bpc2, aux2, e, n, aa, ab, xs2, p) + bval)
     if do_reduce:
         for p in range(P):
             d = dst[p]

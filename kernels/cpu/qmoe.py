@@ -1,4 +1,4 @@
-"""CPU execution of one com.microsoft QMoE (int4 / int8 raw layout) or float MoE node.
+"""CPU execution of one com.microsoft QMoE (int2 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed) or float MoE node.
 
 Tokens are grouped by expert (``kernels.group_pairs``). Quantised nodes take the batched paths: experts
 with few tokens (decode) run one fused kernel (``moe_gemv``: FC1 + activation + FC2 + weighted sum over
@@ -16,6 +16,7 @@ import threading
 import numba
 import numpy as np
 
+from .. import layouts as _L
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
 from . import generic as _generic
 from . import kernels as _k
@@ -27,6 +28,7 @@ _ACT_CODES = {"relu": _k.ACT_RELU, "gelu": _k.ACT_GELU, "silu": _k.ACT_SILU, "id
               "swiglu": _k.ACT_SWIGLU}
 _ONE = np.ones(1, np.float32)
 _NOPERM = np.zeros(1, np.int64)
+_NOAUX = np.zeros(_k.TBL_RECORD, np.float32)  # aux of the integer layouts (unused)
 _SCRATCH = threading.local()
 
 
@@ -56,18 +58,20 @@ def _is_bf16(dt) -> bool:
 
 
 def k_permutation(K: int, bits: int, chunk: int) -> np.ndarray | None:
-    """Order of k in a row written by ``dequant_rows`` (None = natural order).
+    """Order of k in a row written by ``dequant_rows`` / the batched GEMM's dequantisation (None = natural).
 
-    int4: within each whole chunk of ``chunk`` bytes, first the even k (low nibbles), then the odd k.
+    int4 / fp4: within each whole chunk of ``chunk`` bytes, first the even k (low nibbles), then the odd k;
+    int2: the k = 0 mod 4 of the chunk (code 0 of each byte), then 1, 2, 3 mod 4. The tail stays in order.
     """
-    if bits != 4:
+    vpb = 8 // bits
+    if vpb == 1:
         return None
-    nchunk = (K // 2) // chunk
+    nchunk = (K // vpb) // chunk
     perm = np.arange(K, dtype=np.int64)
     if nchunk:
-        c = np.arange(nchunk)[:, None] * (2 * chunk)
+        c = np.arange(nchunk)[:, None] * (vpb * chunk)
         t = np.arange(chunk)[None, :]
-        perm[: nchunk * 2 * chunk] = np.concatenate([c + 2 * t, c + 2 * t + 1], axis=1).reshape(-1)
+        perm[: nchunk * vpb * chunk] = np.concatenate([c + vpb * t + s for s in range(vpb)], axis=1).reshape(-1)
     return perm
 
 
@@ -86,12 +90,27 @@ class _Proj:
         if not self.quantized:
             self.w = np.asarray(w)  # [E, N, K] float, used through BLAS
             return
-        self.w = _readonly(np.asarray(w, dtype=np.uint8))
+        fp4 = spec.quant_type in ("fp4", "nvfp4")
+        self.fmt = _k.FMT_FP4 if fp4 else _k.FMT_INT
+        w = np.asarray(w)
+        w = w.view(np.uint8) if w.dtype != np.uint8 and w.dtype.itemsize == 1 else w.astype(np.uint8, copy=False)
+        # fp4: K-packed row-major bytes whatever the declared dims (nvfp4 may declare [E, K, N/2])
+        self.w = _readonly(w.reshape(E, n, k // 2) if fp4 else w)
         Kb = self.w.shape[2]
         bs = spec.block_size
         self.nb = k // bs if bs else 1
         s = np.asarray(tensors[f"{name}_scales"])
-        if s.dtype == np.float32:
+        self.aux = _NOAUX
+        if fp4:  # fp8 scale codes, decoded through a per-expert record: E2M1 values, scale table x global scale
+            s, self.skind = s.view(np.uint8), 3
+            table = _L.E8M0_TABLE if spec.scale_format == "e8m0" else _L.E4M3_TABLE
+            g = np.asarray(tensors[f"{name}_global_scale"], np.float64).reshape(E)
+            aux = np.empty((E, _k.TBL_RECORD), np.float32)
+            aux[:, :16] = _L.E2M1_VALUES
+            with np.errstate(invalid="ignore"):
+                aux[:, 16:] = table.astype(np.float64)[None, :] * g[:, None]
+            self.aux = aux.reshape(-1)
+        elif s.dtype == np.float32:
             self.skind = 0
         elif s.dtype == np.float16:
             s, self.skind = s.view(np.uint16), 1
@@ -108,20 +127,30 @@ class _Proj:
             self.zmode = 2 if bs else 1
             self.zp = _readonly(zp.reshape(E, -1))
         block_bytes = (bs if bs else k) * bits // 8
-        if bs:
+        self.bpc = 1  # quantisation blocks per chunk
+        if not bs:
+            self.chunk, self.cshift = 16, 62
+        elif fp4 or bits == 2:  # table kernels: 16-byte chunks over one or two blocks
+            self.chunk = 16
+            self.bpc = 2 if block_bytes == 8 else 1
+            self.cshift = int(np.log2(block_bytes // 16)) if self.bpc == 1 else 0
+        else:
             self.chunk = 8 if block_bytes < 16 else 16
             self.cshift = int(np.log2(block_bytes // self.chunk))
-        else:
-            self.chunk, self.cshift = 16, 62
         self.nchunk = Kb // self.chunk
         self.perm = k_permutation(k, bits, self.chunk)
         # batched paths: layout constants as one int64 array, k order of the packed panels and its inverse
-        self.vals = self.chunk * (2 if bits == 4 else 1)  # values per chunk
+        self.vals = self.chunk * (8 // bits)  # values per chunk
         self.qparams = np.array([self.skind, self.zmode, bits, self.nb, self.chunk, self.cshift, self.nchunk,
-                                 int(self.has_bias)], np.int64)
+                                 int(self.has_bias), self.fmt, self.bpc], np.int64)
         self.perm_arr = self.perm if self.perm is not None else np.arange(k, dtype=np.int64)
         self.pinv = np.empty(k, np.int64)
         self.pinv[self.perm_arr] = np.arange(k, dtype=np.int64)
+
+    @property
+    def table_layout(self) -> bool:
+        """Layouts only the batched paths read (fp4, int2): no legacy per-expert kernels for them."""
+        return self.fmt == _k.FMT_FP4 or self.bits == 2
 
     def kcc(self, kc_values: int) -> int:
         """Chunks per k-block of the batched GEMM: about kc_values values, whole quantisation blocks."""
@@ -136,7 +165,7 @@ class _Proj:
         _, blk_col, blk_w, blk_pair, blk_valid = blocks
         sp = owner.spec
         _k.qgemm_tasks(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk,
-                       self.cshift, self.nchunk, self.K, self.kcc(owner.gemm_kc), xp, blk_col, blk_w, blk_pair,
+                       self.cshift, self.nchunk, self.fmt, self.bpc, self.aux, self.K, self.kcc(owner.gemm_kc), xp, blk_col, blk_w, blk_pair,
                        blk_valid, tasks, owner._rt, owner.gemm_cols, self.bias, self.has_bias, mode,
                        _ONE if coef is None else coef, owner.act_kind, float(sp.alpha), float(sp.beta),
                        owner.limit, owner.has_limit, _NOPERM if pinv is None else pinv, knext, out,
@@ -243,6 +272,9 @@ class CpuQMoE:
         swiglu = spec.activation == "swiglu"
         self._gemm_fused_act = self.fc3 is None and (swiglu and spec.swiglu_fusion == 1 or not swiglu)
         self._gemv_fused = spec.is_quantized and self.fc3 is None and (not swiglu or spec.swiglu_fusion in (1, 2))
+        # fp4 / int2 projections exist only in the batched paths (the legacy per-expert kernels read int4 / int8):
+        # such nodes always run batched, and where the fused decode kernel does not apply (FC3), on the GEMM path
+        self._table = spec.is_quantized and any(p.table_layout for p in (self.fc1, self.fc2, self.fc3) if p)
 
     # ------------------------------------------------------------------ public API
     def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
@@ -277,7 +309,7 @@ class CpuQMoE:
         x = np.ascontiguousarray(x2d, dtype=np.float32).reshape(T, H)
         ids = np.asarray(expert_ids).reshape(T, -1).astype(np.int64)
         wts = np.asarray(weights, dtype=np.float32).reshape(T, -1)
-        if self.batched and self.spec.is_quantized:
+        if (self.batched or self._table) and self.spec.is_quantized:
             self._run_batched(x, ids, wts, acc)
             return acc if out is not None else acc.astype(ret_dtype, copy=False)
         valid = ids >= 0
@@ -311,6 +343,8 @@ class CpuQMoE:
         others: one k-blocked GEMM call per projection over all of them, activation in FC1's epilogue."""
         T = x.shape[0]
         small_max = ids.size if T <= self.decode_max_tokens else self.gemv_max_rows
+        if self._table and not self._gemv_fused:
+            small_max = 0
         experts, pair_off, tok, pw, ns, bad, tpair = _k.group_pairs(ids, wts, self.spec.num_experts, small_max)
         if bad:
             raise ValueError(f"expert id out of range (num_experts={self.spec.num_experts})")
@@ -330,11 +364,11 @@ class CpuQMoE:
         f1, f2 = self.fc1, self.fc2
         P = tok.size
         H = self.spec.hidden_size
-        n = 2 * P * f1.w.shape[2] + P * f1.nchunk + 2 * P * f2.w.shape[2] + P * f2.nchunk
+        n = P * (sum(p.w.shape[2] * (5 if p.bits == 2 else 2) + p.nchunk for p in (f1, f2)))  # see moe_gemv
         ws = _scratch("gemv_ws", n)
         y = _scratch("gemv_y", P * H).reshape(P, H)
         sp = self.spec
-        _k.moe_gemv(f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f2.w, f2.sc, f2.zp, f2.qparams, f2.bias, x,
+        _k.moe_gemv(f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f1.aux, f2.w, f2.sc, f2.zp, f2.qparams, f2.bias, f2.aux, x,
                     experts, pair_off, tok, pw, tok, self.act_kind, sp.swiglu_fusion, float(sp.alpha),
                     float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024,
                     int(self.gemv_schedule), ws, y, acc, True,

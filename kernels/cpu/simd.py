@@ -31,7 +31,12 @@ Chunk i is written to out[ooff + i*V : ooff + (i+1)*V] (V values per chunk). For
 low nibbles (even k) come first, then its high nibbles (odd k): a per-chunk permutation of k that
 the caller applies to the activations as well (see ``kernels.cpu.qmoe.k_permutation``).
 
-``load_scale(sc, idx, skind)``: one scale as float32 (float32 array or fp16/bf16 bits in uint16).
+``load_scale(sc, idx, skind)``: one scale as float32 (float32 array or fp16/bf16 bits in uint16; for a
+uint8 array of fp8 scale codes, the code itself: callers decode it through a table).
+
+The table kernels (``_make_qrow_tbl`` / ``_make_dqrow_tbl``) serve int4, fp4 (MXFP4 / NVFP4 E2M1 codes) and
+int2 rows: per 16 packed bytes the codes index a 16-entry float table (vpermps) that already holds
+(code value) * block scale.
 """
 from __future__ import annotations
 
@@ -77,7 +82,9 @@ def _load_scale(builder, sc_ptr, idx, sc_is_f32, skind):
     p = builder.gep(sc_ptr, [idx])
     if sc_is_f32:
         return builder.load(p)
-    raw = builder.load(p)  # i16
+    raw = builder.load(p)  # i16 (fp16 / bf16 bits), or i8: an fp8 scale code, returned as its value 0..255
+    if raw.type == _I8:  # (the table kernels decode it through their scale table)
+        return builder.uitofp(raw, _F32)
     as_half = builder.fpext(builder.bitcast(raw, ir.HalfType()), _F32)
     as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, _I32), ir.Constant(_I32, 16)), _F32)
     is_bf = builder.icmp_signed("==", skind, ir.Constant(skind.type, 2))
@@ -399,7 +406,7 @@ def prefetch_bytes(typingctx, arr, byte_off, nbytes):
     return sig, codegen
 
 
-# ----------------------------------------------------------------------------- int4 via a 16-entry table
+# ----------------------------------------------------------------------------- table kernels (int4 / fp4 / int2)
 def _target_has_avx512f() -> bool:
     """Whether the code Numba generates here may use AVX-512F (same feature source as Numba's codegen)."""
     try:
@@ -413,6 +420,8 @@ def _target_has_avx512f() -> bool:
 
 
 HAS_AVX512F = _target_has_avx512f()
+#: per-expert record of the "table" code mode (fp4): 16 code values, then 256 block-scale values
+TBL_RECORD = 16 + 256
 
 
 def _int4_indices(builder, wv, ivec_t):
@@ -426,71 +435,128 @@ def _int4_indices(builder, wv, ivec_t):
     return lo, hi
 
 
-def _make_qrow_lut(z_per_block: bool):
-    """int4, 16-byte chunks: same contract as qrow_int4_16, but the nibbles become floats through a
-    16-entry table (vpermps) holding (q - z) * scale: per 32 weights one table multiply, two permutes and
-    two FMAs, instead of mask / shift / two int->float conversions / multiply and a folded zero point.
-    z_per_block False: zf[zoff] is the row's one zero point (zero-point modes 0 and 1); True: zf[zoff + b]
-    per block. xs / xsoff are not used. Without AVX-512F this is qrow_int4_16 (the folded-zero-point code).
-    """
-    if not HAS_AVX512F:
-        return qrow_int4_16
-    nvals = 16
+def _int2_indices(builder, wv, ivec_t):
+    """16 packed bytes -> 4 lane-index vectors: byte >> 0, 2, 4, 6. Low 2 bits = code slot s of each byte;
+    bits 2..3 hold the next code, which the replicated table (entry j depends on j & 3 only) ignores."""
+    b = builder.zext(wv, ivec_t)
+    return [b] + [builder.lshr(b, ir.Constant(ivec_t, [2 * s] * 16)) for s in (1, 2, 3)]
 
-    def codegen(context, builder, sig, args):
-        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff) = args
-        (w_t, _, _, _, sc_t, _, _, zf_t, _, xa_t, xb_t, _, xs_t, _) = sig.args
-        w_ptr = context.make_array(w_t)(context, builder, value=w).data
-        sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
-        zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
-        xa_ptr = context.make_array(xa_t)(context, builder, value=xa).data
-        xb_ptr = context.make_array(xb_t)(context, builder, value=xb).data
-        sc_is_f32 = sc_t.dtype == types.float32
-        wvec_t = ir.VectorType(_I8, 16)
-        fvec_t = ir.VectorType(_F32, nvals)
-        ivec_t = ir.VectorType(_I32, nvals)
-        zero_v = ir.Constant(fvec_t, [0.0] * nvals)
-        iota = ir.Constant(fvec_t, [float(i) for i in range(nvals)])
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3),
-                                             "llvm.fma.v16f32")
-        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t, ivec_t]),
+
+def _lookup(builder, tbl, idx):
+    """tbl[idx & 15] per lane (<16 x float>, <16 x i32>): one vpermps with AVX-512F; otherwise lane by lane."""
+    fvec_t = ir.VectorType(_F32, 16)
+    if HAS_AVX512F:
+        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t, ir.VectorType(_I32, 16)]),
                                               "llvm.x86.avx512.permvar.sf.512")
-        accs = [cgutils.alloca_once_value(builder, zero_v) for _ in range(4)]
-        if not z_per_block:
-            zrow = builder.load(builder.gep(zf_ptr, [zoff]))
-            tbl0 = _fast(builder.fsub(iota, _splat(builder, zrow, nvals)))
+        return builder.call(perm, [tbl, idx])
+    idx = builder.and_(idx, ir.Constant(ir.VectorType(_I32, 16), [15] * 16))
+    out = ir.Constant(fvec_t, ir.Undefined)
+    for lane in range(16):
+        j = builder.extract_element(idx, ir.Constant(_I32, lane))
+        out = builder.insert_element(out, builder.extract_element(tbl, j), ir.Constant(_I32, lane))
+    return out
 
-        def one_chunk(i, acc_lo, acc_hi):
-            wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, 16)))])
-            wv = builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1)
-            lo_i, hi_i = _int4_indices(builder, wv, ivec_t)
-            b = builder.ashr(i, cshift)
-            s = _splat(builder, _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind), nvals)
-            if z_per_block:
-                z = builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)]))
-                t0 = _fast(builder.fsub(iota, _splat(builder, z, nvals)))
+
+_LOW8 = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1] * 8 + [0] * 8)
+
+
+def _lookup2(builder, ta, tb, idx):
+    """Lanes 0..7 from table ta, lanes 8..15 from tb (a 16-byte chunk over two 8-byte blocks)."""
+    return builder.select(_LOW8, _lookup(builder, ta, idx), _lookup(builder, tb, idx))
+
+
+def _table_parts(context, builder, sig, args, code, slots):
+    """Shared prologue of the table kernels: pointers, the per-row table base and a block -> scaled
+    16-entry table function (see _make_qrow_tbl)."""
+    (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff) = args[:9]
+    (w_t, _, _, _, sc_t, _, _, zf_t, _) = sig.args[:9]
+    w_ptr = context.make_array(w_t)(context, builder, value=w).data
+    sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
+    zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+    fvec_t = ir.VectorType(_F32, 16)
+    sc_u8 = sc_t.dtype == types.uint8
+    iota = ir.Constant(fvec_t, [float(j if slots == 2 else j & 3) for j in range(16)])
+    if code == "zrow":
+        base0 = _fast(builder.fsub(iota, _splat(builder, builder.load(builder.gep(zf_ptr, [zoff])), 16)))
+    elif code == "table":
+        base0 = builder.load(builder.bitcast(builder.gep(zf_ptr, [zoff]), fvec_t.as_pointer()), align=4)
+    else:
+        base0 = None
+
+    def scale(b):
+        if sc_u8:  # fp8 code -> the record's 256-entry scale table (global scale folded in)
+            c = builder.zext(builder.load(builder.gep(sc_ptr, [builder.add(soff, b)])), _I64)
+            return builder.load(builder.gep(zf_ptr, [builder.add(builder.add(zoff, ir.Constant(_I64, 16)), c)]))
+        return _load_scale(builder, sc_ptr, builder.add(soff, b), sc_t.dtype == types.float32, skind)
+
+    def table(b):
+        if code == "zblk":
+            base = _fast(builder.fsub(iota, _splat(builder, builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)])), 16)))
+        else:
+            base = base0
+        return _fast(builder.fmul(base, _splat(builder, scale(b), 16)))
+
+    def chunk_values(i, bpc):
+        """Lookups of chunk i: `slots` vectors of 16 floats (slot s = code s of each of the 16 bytes)."""
+        wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, 16)))])
+        wv = builder.load(builder.bitcast(wp, ir.VectorType(_I8, 16).as_pointer()), align=1)
+        ivec_t = ir.VectorType(_I32, 16)
+        idxs = _int4_indices(builder, wv, ivec_t) if slots == 2 else _int2_indices(builder, wv, ivec_t)
+        if bpc == 1:
+            t = table(builder.ashr(i, cshift))
+            return [_lookup(builder, t, ix) for ix in idxs]
+        b0 = builder.shl(i, ir.Constant(_I64, 1))
+        ta, tb = table(b0), table(builder.add(b0, ir.Constant(_I64, 1)))
+        return [_lookup2(builder, ta, tb, ix) for ix in idxs]
+
+    return chunk_values
+
+
+def _make_qrow_tbl(slots: int, code: str, bpc: int):
+    """Dot product of one quantised row with one activation row through a 16-entry table (vpermps).
+
+    Same contract as qrow_int4_16 (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff),
+    per chunk of 16 packed bytes: slots 2 (int4 / fp4 nibbles: xa = even k, xb = odd k) or 4 (int2: code s of
+    each byte; the four slot streams in xa, slot s at xa[xoff + s * xsoff + ...]; xb unused). xs is not used.
+    code: 'zrow' table (q - zf[zoff]) * scale; 'zblk' (q - zf[zoff + b]) * scale; 'table' zf[zoff : zoff + 16]
+    * scale (fp4: the E2M1 values), and uint8 scales are codes into zf[zoff + 16 : zoff + 272] (a TBL_RECORD).
+    bpc: blocks per chunk, 1 (block b = i >> cshift) or 2 (8-byte blocks 2i, 2i + 1: two tables, lanes 0..7
+    from the first). Per chunk: one table multiply (two when bpc = 2), `slots` permutes and FMAs.
+    """
+    def codegen(context, builder, sig, args):
+        chunk_values = _table_parts(context, builder, sig, args, code, slots)
+        nchunk, xa, xb, xoff, xsoff = args[2], args[9], args[10], args[11], args[13]
+        xa_ptr = context.make_array(sig.args[9])(context, builder, value=xa).data
+        xb_ptr = context.make_array(sig.args[10])(context, builder, value=xb).data
+        fvec_t = ir.VectorType(_F32, 16)
+        zero_v = ir.Constant(fvec_t, [0.0] * 16)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3), "llvm.fma.v16f32")
+        accs = [cgutils.alloca_once_value(builder, zero_v) for _ in range(2 * slots)]
+
+        def xload(i, s):
+            o = builder.add(xoff, builder.mul(i, ir.Constant(_I64, 16)))
+            if slots == 2:
+                ptr = builder.gep(xa_ptr if s == 0 else xb_ptr, [o])
             else:
-                t0 = tbl0
-            tbl = _fast(builder.fmul(t0, s))
-            lo = builder.call(perm, [tbl, lo_i])
-            hi = builder.call(perm, [tbl, hi_i])
-            xo = builder.add(xoff, builder.mul(i, ir.Constant(_I64, nvals)))
-            xav = builder.load(builder.bitcast(builder.gep(xa_ptr, [xo]), fvec_t.as_pointer()), align=4)
-            xbv = builder.load(builder.bitcast(builder.gep(xb_ptr, [xo]), fvec_t.as_pointer()), align=4)
-            builder.store(builder.call(fma, [lo, xav, builder.load(acc_lo)]), acc_lo)
-            builder.store(builder.call(fma, [hi, xbv, builder.load(acc_hi)]), acc_hi)
+                ptr = builder.gep(xa_ptr, [builder.add(o, builder.mul(ir.Constant(_I64, s), xsoff))])
+            return builder.load(builder.bitcast(ptr, fvec_t.as_pointer()), align=4)
+
+        def one_chunk(i, acc_set):
+            for s, v in enumerate(chunk_values(i, bpc)):
+                builder.store(builder.call(fma, [v, xload(i, s), builder.load(acc_set[s])]), acc_set[s])
 
         half = builder.ashr(nchunk, ir.Constant(_I64, 1))
         with cgutils.for_range(builder, half) as loop:
             i0 = builder.shl(loop.index, ir.Constant(_I64, 1))
-            one_chunk(i0, accs[0], accs[1])
-            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), accs[2], accs[3])
+            one_chunk(i0, accs[:slots])
+            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), accs[slots:])
         odd = builder.icmp_signed("!=", builder.and_(nchunk, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
         with builder.if_then(odd):
-            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), accs[0], accs[1])
-        t01 = _fast(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
-        t23 = _fast(builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
-        return _hsum(builder, _fast(builder.fadd(t01, t23)), nvals)
+            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), accs[:slots])
+        vals = [builder.load(a) for a in accs]
+        while len(vals) > 1:
+            vals = [_fast(builder.fadd(vals[j], vals[j + 1])) for j in range(0, len(vals), 2)]
+        return _hsum(builder, vals[0], 16)
 
     def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
         ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
@@ -500,47 +566,24 @@ def _make_qrow_lut(z_per_block: bool):
                             zf, types.int64, xa, xb, types.int64, xs, types.int64)
         return sig, codegen
 
-    qrow.__name__ = f"qrow_int4_16_lut_{'zblk' if z_per_block else 'zrow'}"
+    qrow.__name__ = f"qrow_tbl{slots}_{code}_{bpc}"
     return intrinsic(qrow)
 
 
-qrow_int4_16_lut_zrow = _make_qrow_lut(False)
-qrow_int4_16_lut_zblk = _make_qrow_lut(True)
-
-
-def _make_dqrow_lut():
-    """dqrow_int4_16 through the (q - z) * scale table (AVX-512F); otherwise dqrow_int4_16 itself."""
-    if not HAS_AVX512F:
-        return dqrow_int4_16
-    nvals = 16
-
+def _make_dqrow_tbl(slots: int, code: str, bpc: int):
+    """Dequantise chunks of one row through the table (see _make_qrow_tbl for slots / code / bpc); same contract
+    as dqrow_int4_16: chunk i -> out[ooff + i*16*slots ...], its slot-0 values first, then slot 1, ..."""
     def codegen(context, builder, sig, args):
-        (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff) = args
-        (w_t, _, _, _, sc_t, _, _, zf_t, _, out_t, _) = sig.args
-        w_ptr = context.make_array(w_t)(context, builder, value=w).data
-        sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
-        zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
-        o_ptr = context.make_array(out_t)(context, builder, value=out).data
-        sc_is_f32 = sc_t.dtype == types.float32
-        wvec_t = ir.VectorType(_I8, 16)
-        fvec_t = ir.VectorType(_F32, nvals)
-        ivec_t = ir.VectorType(_I32, nvals)
-        iota = ir.Constant(fvec_t, [float(i) for i in range(nvals)])
-        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t, ivec_t]),
-                                              "llvm.x86.avx512.permvar.sf.512")
+        chunk_values = _table_parts(context, builder, sig, args, code, slots)
+        nchunk, out, ooff = args[2], args[9], args[10]
+        o_ptr = context.make_array(sig.args[9])(context, builder, value=out).data
+        fvec_t = ir.VectorType(_F32, 16)
         with cgutils.for_range(builder, nchunk) as loop:
             i = loop.index
-            wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, 16)))])
-            lo_i, hi_i = _int4_indices(builder, builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1),
-                                       ivec_t)
-            b = builder.ashr(i, cshift)
-            s = _splat(builder, _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind), nvals)
-            z = _splat(builder, builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)])), nvals)
-            tbl = _fast(builder.fmul(_fast(builder.fsub(iota, z)), s))
-            base = builder.add(ooff, builder.mul(i, ir.Constant(_I64, 2 * nvals)))
-            for idx, off in ((lo_i, 0), (hi_i, nvals)):
-                p = builder.gep(o_ptr, [builder.add(base, ir.Constant(_I64, off))])
-                builder.store(builder.call(perm, [tbl, idx]), builder.bitcast(p, fvec_t.as_pointer()), align=4)
+            base = builder.add(ooff, builder.mul(i, ir.Constant(_I64, 16 * slots)))
+            for s, v in enumerate(chunk_values(i, bpc)):
+                p = builder.gep(o_ptr, [builder.add(base, ir.Constant(_I64, 16 * s))])
+                builder.store(v, builder.bitcast(p, fvec_t.as_pointer()), align=4)
         return context.get_dummy_value()
 
     def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
@@ -551,8 +594,24 @@ def _make_dqrow_lut():
                          zf, types.int64, out, types.int64)
         return sig, codegen
 
-    dqrow.__name__ = "dqrow_int4_16_lut"
+    dqrow.__name__ = f"dqrow_tbl{slots}_{code}_{bpc}"
     return intrinsic(dqrow)
 
 
-dqrow_int4_16_lut = _make_dqrow_lut()
+# int4 (zero points per row / per block): without AVX-512F the convert-based kernels (folded zero point)
+qrow_int4_16_lut_zrow = _make_qrow_tbl(2, "zrow", 1) if HAS_AVX512F else qrow_int4_16
+qrow_int4_16_lut_zblk = _make_qrow_tbl(2, "zblk", 1) if HAS_AVX512F else qrow_int4_16
+dqrow_int4_16_lut = _make_dqrow_tbl(2, "zblk", 1) if HAS_AVX512F else dqrow_int4_16
+# fp4 (E2M1 codes through the record's code table; uint8 block scales through its scale table):
+# MXFP4 block 32 = one 16-byte chunk per block, NVFP4 block 16 = two blocks per chunk
+qrow_fp4_1 = _make_qrow_tbl(2, "table", 1)
+qrow_fp4_2 = _make_qrow_tbl(2, "table", 2)
+dqrow_fp4_1 = _make_dqrow_tbl(2, "table", 1)
+dqrow_fp4_2 = _make_dqrow_tbl(2, "table", 2)
+# int2 (4 codes per byte): zero point per row / per block, one or two blocks per chunk
+qrow_int2_zrow_1 = _make_qrow_tbl(4, "zrow", 1)
+qrow_int2_zrow_2 = _make_qrow_tbl(4, "zrow", 2)
+qrow_int2_zblk_1 = _make_qrow_tbl(4, "zblk", 1)
+qrow_int2_zblk_2 = _make_qrow_tbl(4, "zblk", 2)
+dqrow_int2_1 = _make_dqrow_tbl(4, "zblk", 1)
+dqrow_int2_2 = _make_dqrow_tbl(4, "zblk", 2)
