@@ -11,6 +11,8 @@ the expert nodes device arrays instead is the next step.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -43,6 +45,7 @@ class DenseSegment:
         self.segment = segment
         self.source = source
         self.session: ort.InferenceSession | None = None
+        self.bindings = SegmentBindings()  # IO bindings kept across steps, per conversation state
         self.output_types: dict[str, int] = {}
         if input_types is not None:
             self.open(input_types, dense)
@@ -65,38 +68,111 @@ class DenseSegment:
             raise ModelFileError(f"{source.path}: onnxruntime did not start its CUDA execution provider for the "
                                  f"dense part {where} (it offers {', '.join(session.get_providers())})")
         self.session = session
+        self.bindings.clear()
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}
 
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
         """Run with `values` for the cut tensors; returns the segment's non-state outputs."""
-        return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state)
+        return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
+
+
+# A binding kept across steps holds what it was last bound to: the cut tensors fed in and the outputs
+# onnxruntime allocated (the NumPy results share their memory). A decode step's are a few KB; a prefill's
+# can be hundreds of MB, so a binding that would keep more than this alive is not kept.
+KEEP_BINDING_BYTES = 4 << 20
+
+
+class SegmentBinding:
+    """One segment's IO binding for one conversation's state, kept across decode steps.
+
+    Creating a binding and binding every input and output costs host time on every segment of every
+    step (issue #4: the per-layer overhead). Kept, a step binds only what changed: the cut tensors
+    (new arrays every step, bound in place: bind_cpu_input does not copy), the outputs onnxruntime
+    allocates (bound again, unallocated, so each step's results are new arrays and earlier results
+    are never overwritten), and the state buffers whose array changed (a KV buffer grown by
+    DecoderState.reserve, swapped conv/recurrent state after every step). A state buffer is known by
+    a weak reference to its array: the binding never keeps a conversation's buffers alive (nor an
+    old KV buffer once it has grown), and an array that died is bound again, by its new pointer.
+    Outputs are bound first, fetched ones before state ones, so the fetched results are the first
+    of the binding's outputs at every step.
+    """
+
+    def __init__(self, session: ort.InferenceSession, inputs: list[str], outputs: list[str], state: DecoderState):
+        self.session = session
+        self.binding = session.io_binding()
+        backend = self.backend = state.backend
+        self.device = (backend.device_type, backend.device_id)
+        self.cut = [name for name in inputs if state.slot_for_past(name) is None]
+        self.state_inputs = [(name, state.slot_for_past(name)) for name in inputs if state.slot_for_past(name) is not None]
+        self.fetched = [name for name in outputs if state.slot_for_present(name) is None]
+        self.state_outputs = [(name, state.slot_for_present(name)) for name in outputs
+                              if state.slot_for_present(name) is not None]
+        self._bound: dict[str, object] = {}  # name -> weak reference to the array bound by pointer
+        for name in self.fetched:
+            self.binding.bind_output(name)
+
+    def _bind_state(self, name: str, array, bind) -> None:
+        ref = self._bound.get(name)
+        if ref is not None and ref() is array:
+            return  # bound to this very array already
+        bind(name, *self.device, array.dtype, array.shape, self.backend.pointer(array))
+        try:
+            self._bound[name] = weakref.ref(array)
+        except TypeError:  # an array type without weak references: bound again at every step
+            self._bound.pop(name, None)
+
+    def run(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        binding = self.binding
+        for name in self.cut:
+            binding.bind_cpu_input(name, values[name])  # a cut tensor or a step input: host memory
+        for name, slot in self.state_inputs:
+            self._bind_state(name, slot.array, binding.bind_input)
+        for name in self.fetched:
+            binding.bind_output(name)  # onnxruntime allocates it on the host (copied from the GPU if it ran there)
+        for name, slot in self.state_outputs:
+            self._bind_state(name, slot.present, binding.bind_output)
+        self.session.run_with_iobinding(binding)
+        # onnxruntime synchronises its stream at the end of a run; on the GPU this makes sure, at the cost
+        # of a sync on an idle stream, before the host reads outputs or the state buffers are touched again.
+        self.backend.synchronize()
+        results = binding.get_outputs()
+        return {name: results[i].numpy() for i, name in enumerate(self.fetched)}
+
+    def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
+        """Bytes the binding keeps alive until the next step: the cut tensors and the results."""
+        return sum(values[name].nbytes for name in self.cut) + sum(r.nbytes for r in results.values())
+
+
+class SegmentBindings:
+    """A segment's kept bindings, one per live conversation state (weakly keyed: a state that is gone
+    takes its binding with it; the window's agreement meter runs a shadow state next to the main one)."""
+
+    def __init__(self):
+        self._by_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def run(self, session, inputs: list[str], outputs: list[str], values: dict[str, np.ndarray],
+            state: DecoderState) -> dict[str, np.ndarray]:
+        bound = self._by_state.get(state)
+        if bound is None or bound.session is not session:
+            bound = SegmentBinding(session, inputs, outputs, state)
+        results = bound.run(values)
+        if bound.holds(values, results) <= KEEP_BINDING_BYTES:
+            self._by_state[state] = bound
+        else:  # a prefill's tensors: not kept past this step
+            self._by_state.pop(state, None)
+        return results
+
+    def clear(self) -> None:
+        self._by_state.clear()
 
 
 def run_bound(session: ort.InferenceSession, inputs: list[str], outputs: list[str],
-              values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
+              values: dict[str, np.ndarray], state: DecoderState,
+              bindings: SegmentBindings | None = None) -> dict[str, np.ndarray]:
     """Run a session with state tensors bound by pointer to the conversation's buffers (in place
-    for KV: past and present are one buffer) and every other output copied out to the host."""
-    backend = state.backend
-    device = (backend.device_type, backend.device_id)
-    binding = session.io_binding()
-    for name in inputs:
-        slot = state.slot_for_past(name)
-        if slot is None:
-            binding.bind_cpu_input(name, values[name])  # a cut tensor or a step input: host memory
-        else:
-            array = slot.array
-            binding.bind_input(name, *device, array.dtype, array.shape, backend.pointer(array))
-    fetched = [name for name in outputs if state.slot_for_present(name) is None]
-    for name in fetched:
-        binding.bind_output(name)  # onnxruntime allocates it on the host (copied from the GPU if it ran there)
-    for name in outputs:
-        slot = state.slot_for_present(name)
-        if slot is not None:
-            array = slot.present
-            binding.bind_output(name, *device, array.dtype, array.shape, backend.pointer(array))
-    session.run_with_iobinding(binding)
-    # onnxruntime synchronises its stream at the end of a run; on the GPU this makes sure, at the cost
-    # of a sync on an idle stream, before the host reads outputs or the state buffers are touched again.
-    backend.synchronize()
-    results = binding.get_outputs()
-    return {name: results[i].numpy() for i, name in enumerate(fetched)}
+    for KV: past and present are one buffer) and every other output copied out to the host.
+    With `bindings`, the binding is kept for the next step (SegmentBinding); without, it is made
+    for this run only."""
+    if bindings is not None:
+        return bindings.run(session, inputs, outputs, values, state)
+    return SegmentBinding(session, inputs, outputs, state).run(values)

@@ -164,8 +164,9 @@ def test_decoder_state_uses_its_backend(tmp_path):
 
 
 # --- the pointer-bound path reproduces the OrtValue-bound one bit for bit -------------------------
-def run_bound_with_ortvalues(session, inputs, outputs, values, state):
-    """The binding before the array backend: state buffers wrapped as OrtValues (NumPy only)."""
+def run_bound_with_ortvalues(session, inputs, outputs, values, state, bindings=None):
+    """The binding before the array backend: state buffers wrapped as OrtValues (NumPy only), a new
+    binding every run (`bindings`, the kept ones, ignored)."""
     binding = session.io_binding()
     wrapped = {}
 
