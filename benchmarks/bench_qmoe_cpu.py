@@ -12,7 +12,14 @@ prefill cycles through 8 pairs (each touches all 32 experts anyway). The machine
 is measured in the same run (Numba parallel sum over a 2 GB float32 array, all threads, best of 5) and
 decode's weight bytes / time is reported against it.
 
-    python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N] [--sweep]
+    python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N] [--sweep] [--layout int4|mxfp4|nvfp4|int2]
+
+--layout (default int4) picks the expert weight layout of the same node: mxfp4 (E2M1, e8m0 block-32 scales,
+global scales), nvfp4 (E2M1 K-packed, e4m3 block-16 scales, global scales), int2 (block 32, float scales).
+Every run also times, in the same alternating blocks: kernels.cpu.generic's GenericQMoE on the same weights
+(the path these layouts took before they had fast kernels) and, for the other layouts, our int4 fast path on
+int4 weights of the same node; onnxruntime where its CPU QMoE runs the layout (not MXFP4 in 1.32). Results of
+other layouts go to benchmarks/results/qmoe-cpu-<layout>-<date>-<host>.json.
 
 --sweep also times our kernel's tuning knobs and the legacy per-expert path (ours only, same rotation) and
 stores them under "sweep" in the JSON.
@@ -73,6 +80,44 @@ def make_weights(E, H, I, block, seed=0):
         "fc2_experts_bias": (rng.standard_normal((E, H)) * 0.1).astype(np.float32),
     }
     return t
+
+
+def make_layout_weights(layout, E, H, I, seed=0):
+    """(attrs, tensors) of the benchmark node in the given layout: uniform random codes, scales sized so that
+    outputs stay O(1), biases; built from random bytes (the layout cases of the tests would need GBs here)."""
+    attrs = dict(k=4, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.702, activation_beta=1.0,
+                 swiglu_limit=7.0, normalize_routing_weights=1)
+    if layout == "int4":
+        return dict(attrs, expert_weight_bits=4, block_size=32, weights_prepacked=0), make_weights(E, H, I, 32, seed)
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    t = {}
+    for p, n, k in (("fc1", 2 * I, H), ("fc2", H, I)):
+        if layout == "int2":
+            t[f"{p}_experts_weights"] = rng.integers(0, 256, size=(E, n, k // 4), dtype=np.uint8)
+            t[f"{p}_scales"] = (rng.uniform(0.5, 1.5, size=(E, n, k // 32)) * rng.choice([-1, 1], size=(E, n, k // 32))
+                                * (0.5 / np.sqrt(k))).astype(np.float32)
+        else:
+            blk = 32 if layout == "mxfp4" else 16
+            t[f"{p}_experts_weights"] = rng.integers(0, 256, size=(E, n, k // 2), dtype=np.uint8)
+            if layout == "mxfp4":  # e8m0 2^(e - 127) around 2^-1.5 (x global 1/64 x E2M1 ~ 1/sqrt(K))
+                codes = rng.integers(125, 128, size=(E, n, k // blk), dtype=np.uint8)
+                t[f"{p}_scales"] = codes.view(ml_dtypes.float8_e8m0fnu)
+            else:  # e4m3 exponent field 5: 0.25 .. 0.47, random sign
+                codes = ((5 << 3) | rng.integers(0, 8, size=(E, n, k // blk)) |
+                         (rng.integers(0, 2, size=(E, n, k // blk)) << 7)).astype(np.uint8)
+                t[f"{p}_scales"] = codes.view(ml_dtypes.float8_e4m3fn)
+            t[f"{p}_global_scale"] = np.full(E, 1 / 64 * 16 / np.sqrt(k) * (0.5 if layout == "nvfp4" else 1.0),
+                                             np.float32)
+        t[f"{p}_experts_bias"] = (rng.standard_normal((E, n)) * 0.1).astype(np.float32)
+    if layout == "int2":
+        attrs.update(expert_weight_bits=2, block_size=32, weights_prepacked=0)
+    else:
+        attrs.update(quant_type="fp4" if layout == "mxfp4" else "nvfp4", expert_weight_bits=4)
+        if layout == "nvfp4":
+            attrs["weights_prepacked"] = 1  # K-packed: the layout onnxruntime's CPU kernel reads
+    return attrs, t
 
 
 def time_blocks(fns: dict, runs: int, blocks: int = 3, warmup: int = 2, pause: float = 0.2) -> dict:
@@ -160,11 +205,14 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=0)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time our tuning knobs (ours only)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="int4", help="expert weight layout of the node")
+    ap.add_argument("--no-prefill", action="store_true", help="decode only")
     args = ap.parse_args(argv)
 
     import numba
     import onnxruntime as ort
     from engine.ort_env import configure_global_threads
+    from kernels.cpu.generic import GenericQMoE
     from tests.qmoe_oracle import make_session
 
     cores = os.cpu_count() or 1
@@ -173,22 +221,29 @@ def main(argv=None):
     stream_gbs = stream_read_bandwidth()
     print(f"  {stream_gbs:.1f} GB/s", flush=True)
     configure_global_threads(cores)  # onnxruntime's pool: as many threads as Numba gets
-    E, H, I, K_TOP, BLOCK = 32, 2880, 2880, 4, 32
-    attrs = dict(k=K_TOP, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.702, activation_beta=1.0,
-                 swiglu_limit=7.0, normalize_routing_weights=1, expert_weight_bits=4, block_size=BLOCK,
-                 weights_prepacked=0)
-    print(f"building weights: E={E} H={H} I={I} top-{K_TOP} int4 block {BLOCK} swiglu fusion 1 ...", flush=True)
-    tensors = make_weights(E, H, I, BLOCK)
+    E, H, I, K_TOP = 32, 2880, 2880, 4
+    layout = args.layout
+    attrs, tensors = make_layout_weights(layout, E, H, I)
+    print(f"building weights: E={E} H={H} I={I} top-{K_TOP} {layout} swiglu fusion 1 ...", flush=True)
     spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
     ours = CpuQMoE(spec, tensors, num_threads=cores)
+    assert ours._delegate is None, "the layout did not get the fast path"
+    sides = {"ours": ours.forward, "generic": _wrap(spec, GenericQMoE(spec, tensors, num_threads=cores)).forward}
+    if layout != "int4":
+        a4, t4 = make_layout_weights("int4", E, H, I)
+        int4 = CpuQMoE(QMoESpec.from_tensors("bench/QMoE", "QMoE", a4, t4, (1, H)), t4, num_threads=cores)
+        sides["int4"] = int4.forward
     numba.set_num_threads(cores)
-    ref_name = REFERENCE.format(ort.__version__)
+    ort_name = REFERENCE.format(ort.__version__)
     rng = np.random.default_rng(1)
     figures = []
-    expert_weight_bytes = sum(tensors[f"fc{i}_{n}"][0].nbytes for i in (1, 2)
-                              for n in ("experts_weights", "scales", "experts_bias"))
+    expert_bytes = spec.expert_bytes(scale_bytes=4, bias_bytes=4)  # float32 scales / biases as built here
+    int4_bytes = 2 * I * (H // 2 + H // 32 * 4 + 4) + H * (I // 2 + I // 32 * 4 + 4)  # int4 block 32, fp32 scales
     sweep = []
+    ort_error = None
     for T, label in ((1, "decode"), (512, "prefill")):
+        if T > 1 and args.no_prefill:
+            continue
         if T == 1:
             logits_all, sets = decode_routings(rng, E, K_TOP)
             n_in = len(sets)
@@ -196,33 +251,49 @@ def main(argv=None):
             n_in = 8
             logits_all = (rng.standard_normal((n_in, T, E)) * 2).astype(np.float32)
         xs = rng.standard_normal((n_in, T, H)).astype(np.float32)
-        sess, _ = make_session("QMoE", attrs, tensors, xs[0], logits_all[0])
-        feeds = [{"input": xs[i], "router_probs": logits_all[i]} for i in range(n_in)]
-        rel = 0.0
-        for i in range(min(n_in, 4)):
-            ort_out = sess.run(None, feeds[i])[0]
-            our_out = ours.forward(xs[i], logits_all[i])
-            rel = max(rel, float(np.abs(our_out - ort_out).max() / np.abs(ort_out).max()))
+        fns = {k: (lambda f: (lambda i: f(xs[i % n_in], logits_all[i % n_in])))(f) for k, f in sides.items()}
+        rel = {}
+        ref_out = [ours.forward(xs[i], logits_all[i]) for i in range(min(n_in, 2))]
+        try:
+            sess, _ = make_session("QMoE", attrs, tensors, xs[0], logits_all[0])
+            feeds = [{"input": xs[i], "router_probs": logits_all[i]} for i in range(n_in)]
+            fns["ort"] = lambda i: sess.run(None, feeds[i % n_in])
+            rel["ort"] = max(float(np.abs(ref_out[i] - sess.run(None, feeds[i])[0]).max() / np.abs(ref_out[i]).max())
+                             for i in range(len(ref_out)))
+        except Exception as exc:  # onnxruntime's CPU QMoE does not run this layout
+            ort_error = str(exc).splitlines()[0][:300]
+        for i, ro in enumerate(ref_out):
+            g = sides["generic"](xs[i], logits_all[i])
+            rel["generic"] = max(rel.get("generic", 0.0), float(np.abs(ro - g).max() / np.abs(g).max()))
         runs = args.runs or ((7 if T > 1 else 64) if args.quick else (16 if T > 1 else 256))
-        med = time_blocks({"ours": lambda i: ours.forward(xs[i % n_in], logits_all[i % n_in]),
-                           "ort": lambda i: sess.run(None, feeds[i % n_in])}, runs=runs)
-        ratio = med["ort"] / med["ours"]
-        figures.append({"name": f"{label} {T} token{'s' if T > 1 else ''} latency", "value": med["ours"] * 1e3,
-                        "unit": "ms", "reference": ref_name, "reference_value": med["ort"] * 1e3,
-                        "ratio": ratio, "max_rel_diff_vs_reference": rel, "inputs_rotated": n_in})
+        slow = {"generic"} if T > 1 else set()  # the generic prefill (seconds a call): its own, shorter blocks
+        med = time_blocks({k: f for k, f in fns.items() if k not in slow}, runs=runs)
+        for k in slow:
+            med[k] = time_blocks({k: fns[k]}, runs=2, blocks=1, warmup=1)[k]
+        numba.set_num_threads(cores)
+        print(f"  {label}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items()), flush=True)
+        names = {"generic": "kernels.cpu.generic GenericQMoE, same weights",
+                 "int4": "our int4 fast path, int4 block-32 weights of the same node", "ort": ort_name}
+        for k in ("generic", "int4", "ort"):
+            if k not in med:
+                continue
+            fig = {"name": f"{label} {T} token{'s' if T > 1 else ''} latency" + ("" if k == "ort" else f" vs {k}"),
+                   "value": med["ours"] * 1e3, "unit": "ms", "reference": names[k],
+                   "reference_value": med[k] * 1e3, "ratio": med[k] / med["ours"], "inputs_rotated": n_in}
+            if k in rel:
+                fig["max_rel_diff_vs_reference"] = rel[k]
+            figures.append(fig)
         if T == 1:
-            nbytes = K_TOP * expert_weight_bytes  # every decode input routes to 4 different experts
-            figures.append({"name": "decode effective weight bandwidth", "value": nbytes / med["ours"] / 1e9,
-                            "unit": "GB/s", "reference": ref_name, "reference_value": nbytes / med["ort"] / 1e9,
-                            "ratio": (nbytes / med["ours"]) / (nbytes / med["ort"]),
-                            "bytes_read": int(nbytes)})
+            nbytes = K_TOP * expert_bytes  # every decode input routes to 4 different experts
             figures.append({"name": "decode weight bandwidth vs measured DRAM streaming read bandwidth",
                             "value": nbytes / med["ours"] / 1e9, "unit": "GB/s",
                             "reference": f"streaming read, Numba parallel sum over 2 GB float32, {cores} threads, "
                                          "best of 5 (same run)",
                             "reference_value": stream_gbs, "ratio": (nbytes / med["ours"] / 1e9) / stream_gbs,
                             "bytes_read": int(nbytes),
-                            "onnxruntime_ratio": (nbytes / med["ort"] / 1e9) / stream_gbs})
+                            **{f"{k}_ratio": (b / med[k] / 1e9) / stream_gbs
+                               for k, b in (("generic", nbytes), ("ort", nbytes), ("int4", K_TOP * int4_bytes))
+                               if k in med}})
         if args.sweep:
             for name, sT, over in SWEEP:
                 if sT != T:
@@ -242,12 +313,15 @@ def main(argv=None):
         if T > 1:
             flops = 2.0 * T * K_TOP * (2 * I * H + H * I)
             figures.append({"name": f"{label} {T} tokens throughput", "value": flops / med["ours"] / 1e9,
-                            "unit": "GFLOP/s", "reference": ref_name, "reference_value": flops / med["ort"] / 1e9,
-                            "ratio": med["ort"] / med["ours"]})
+                            "unit": "GFLOP/s", "reference": "the sides above, same order",
+                            "reference_value": float("nan"), "ratio": float("nan"),
+                            **{f"{k}_gflops": flops / med[k] / 1e9 for k in med if k != "ours"}})
 
-    config = {"num_experts": E, "hidden_size": H, "inter_size": I, "k": K_TOP, "quant": f"int4 block {BLOCK}",
+    config = {"num_experts": E, "hidden_size": H, "inter_size": I, "k": K_TOP, "layout": layout,
+              "quant": spec.layout_summary(), "expert_bytes": expert_bytes,
               "activation": "swiglu fusion 1", "dtype": "float32", "threads": cores,
               "numpy": np.__version__, "numba": numba.__version__, "onnxruntime": ort.__version__,
+              "onnxruntime_refused": ort_error,
               "openblas_core": openblas_core(), "machine_details": machine_details(),
               "stream_read_gbs": stream_gbs, "int4_table_kernels": bool(HAS_AVX512F),
               "kernel": {k: getattr(ours, k) for k in ("batched", "gemv_max_rows", "gemm_kc", "gemm_rows",
@@ -255,15 +329,27 @@ def main(argv=None):
                                                        "gemv_schedule")},
               "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}}
     print()
-    print(f"{'figure':38s} {'ours':>10s} {'reference':>12s} {'unit':>8s} {'ratio':>7s}")
+    print(f"{'figure':50s} {'ours':>10s} {'reference':>12s} {'unit':>8s} {'ratio':>7s}")
     for f in figures:
-        print(f"{f['name'][:38]:38s} {f['value']:10.3f} {f['reference_value']:12.3f} {f['unit']:>8s} {f['ratio']:7.2f}")
+        print(f"{f['name'][:50]:50s} {f['value']:10.3f} {f['reference_value']:12.3f} {f['unit']:>8s} {f['ratio']:7.2f}")
     print("(ratio > 1: ours faster; the last decode line: ours / streaming read bandwidth)")
+    if ort_error:
+        print(f"onnxruntime refused the layout: {ort_error}")
     if not args.no_write:
         extra = {"sweep": sweep} if sweep else {}
-        path = write_result(BENCHMARK, figures, config=config, **extra)
+        path = write_result(BENCHMARK if layout == "int4" else f"qmoe-cpu-{layout}", figures, config=config, **extra)
         print(f"wrote {path.relative_to(ROOT)}")
     return figures
+
+
+def _wrap(spec, delegate):
+    """A CpuQMoE shell whose experts run in the given delegate (routing stays CpuQMoE's)."""
+    m = CpuQMoE.__new__(CpuQMoE)
+    m.spec, m.num_threads, m._delegate = spec, None, delegate
+    return m
+
+
+LAYOUTS = ("int4", "mxfp4", "nvfp4", "int2")
 
 
 if __name__ == "__main__":
