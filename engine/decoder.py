@@ -77,14 +77,18 @@ class PartitionedDecoder:
                                  f"runs on the {self.dense.kind} (make the state with LoadedModel.new_state)")
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         dense = experts = 0.0
-        for runner in self.steps:
-            before = time.perf_counter()
+        clock = time.perf_counter
+        before = clock()
+        for runner in self.steps:  # one clock reading per runner: its end is the next one's start
             if isinstance(runner, DenseSegment):
                 values.update(runner.run(values, state))
-                dense += time.perf_counter() - before
+                now = clock()
+                dense += now - before
             else:
                 values[runner.info.output] = runner.run(values)
-                experts += time.perf_counter() - before
+                now = clock()
+                experts += now - before
+            before = now
         state.advance(len(token_ids))
         if self.on_step_end is not None:
             self.on_step_end()

@@ -15,12 +15,20 @@ from kernels.cpu.routing import route
 
 
 class HybridExpertNode:
+    """The per-layer host work is kept to a few NumPy calls on decode-sized steps (issue #4: at high
+    residency it is what remains of a token's time): one residency lookup, counts from it, no miss
+    policy where the layer has no slot, no set operations where a mask does."""
+
     def __init__(self, runner: CpuExpertNode, layer: int, engine):
         self.info = runner.info
         self.runner = runner
         self.layer = layer
         self.engine = engine
         self.last_decision = None  # the miss policy's latest MissDecision (tests, diagnostics)
+        spec = self.info.spec
+        self._flops_per_token = 2 * self._weights_per_expert()
+        # expert id -> chosen this step (a copied miss); index -1 (an unrouted pair) reads the last entry, kept False
+        self._chosen = np.zeros(spec.num_experts + 1, bool)
 
     @property
     def kernel(self):
@@ -31,29 +39,37 @@ class HybridExpertNode:
         x = values[inputs["input"]]
         router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
         spec = self.info.spec
+        engine, layer = self.engine, self.layer
         x2d = np.ascontiguousarray(x.reshape(-1, spec.hidden_size))
         logits = values[inputs["router_probs"]].reshape(-1, spec.num_experts)
         ids, weights = route(logits, spec, router_weights)
-        slot_of = self.engine.slots[self.layer].slot_of
-        if self.engine.approximating:
-            ids = approximate_routing(ids, weights, logits, slot_of, self.engine.config, self.engine.approximation)
-        resident = (ids >= 0) & (slot_of[ids] >= 0)
-        shadow = self.engine.shadow
-        stats = self.engine.stats.layers[self.layer] if not shadow else LayerStats()
-        stats.hits += int(np.count_nonzero(resident))
-        stats.misses += int(np.count_nonzero((ids >= 0) & ~resident))
+        slot_of = engine.slots[layer].slot_of
+        if engine.approximating:
+            ids = approximate_routing(ids, weights, logits, slot_of, engine.config, engine.approximation)
+            routed = ids >= 0  # approximate routing drops pairs (-1); route() gives every pair an expert
+            resident = (slot_of[ids] >= 0) & routed
+            routed_pairs = int(np.count_nonzero(routed))
+        else:
+            routed = None
+            resident = slot_of[ids] >= 0
+            routed_pairs = ids.size
+        shadow = engine.shadow
+        stats = engine.stats.layers[layer] if not shadow else LayerStats()
+        hits = int(np.count_nonzero(resident))
+        missed = routed_pairs - hits
+        stats.hits += hits
+        stats.misses += missed
         if not shadow:
-            self.engine.stats.count(self.layer, ids, resident)
+            engine.stats.count(layer, ids, resident, routed)
 
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
-        store = self.engine.stores[self.layer]
+        store = engine.stores[layer]
         # The device starts on the resident experts; the CPU computes the cold ones meanwhile.
-        pending = store.launch(x2d, np.where(resident, ids, -1), weights) if store is not None and resident.any() else None
-        cold = np.where(resident, -1, ids)
-        missed = int(np.count_nonzero(cold >= 0))
+        pending = store.launch(x2d, np.where(resident, ids, -1), weights) if store is not None and hits else None
+        cold = np.where(resident, -1, ids) if hits else ids  # never written in place
         copied_pairs = copies = 0
         pending_copied = None
-        if store is not None:
+        if store is not None and missed:
             for wave in self._waves(cold):
                 stats.copy_s += store.stage(wave)
                 stats.copy_bytes += len(wave) * store.wave_bytes
@@ -61,22 +77,26 @@ class HybridExpertNode:
                 copied_pairs += int(np.count_nonzero(in_wave))
                 stats.device_s += store.collect(store.launch(x2d, np.where(in_wave, cold, -1), weights), out)
                 cold = np.where(in_wave, -1, cold)
-            if not shadow and (cold >= 0).any() and self._decode(cold):
+            if not shadow and copied_pairs < missed and engine.slots[layer].num_slots and self._decode(cold):
                 # Decode: the miss policy copies the misses that pay into spare slots, computed on
                 # the device in this step; the rest run on the CPU.
                 copied = self._copy_misses(ids, resident, cold, stats)
                 if copied.size:
-                    in_copied = np.isin(cold, copied)
+                    chosen = self._chosen
+                    chosen[copied] = True
+                    in_copied = chosen[cold]
+                    chosen[copied] = False
                     copied_pairs += int(np.count_nonzero(in_copied))
                     copies = int(copied.size)
                     pending_copied = store.launch(x2d, np.where(in_copied, cold, -1), weights)
                     cold = np.where(in_copied, -1, cold)
-        if (cold >= 0).any():
+        if copied_pairs < missed:
             started = time.perf_counter()
             self.kernel.run_experts(x2d, cold, weights, out=out)
             stats.cpu_s += time.perf_counter() - started
             if not shadow:
-                self.engine.host_cache.touch(self.layer, np.unique(cold[cold >= 0]))
+                on_cpu = cold[cold >= 0].tolist()
+                engine.host_cache.touch(layer, sorted(set(on_cpu)))
         if pending is not None or pending_copied is not None:
             waited = time.perf_counter()
             for work in (pending, pending_copied):
@@ -84,8 +104,8 @@ class HybridExpertNode:
                     stats.device_s += store.collect(work, out)
             stats.wait_s += time.perf_counter() - waited
         if not shadow:
-            self.engine.stats.split(self.layer, missed - copied_pairs, copied_pairs, copies)
-            self.engine.policy.observe(self.layer, ids.reshape(-1))
+            engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
+            engine.policy.observe(layer, ids.reshape(-1))
         return out.astype(x.dtype, copy=False).reshape(x.shape)
 
     def _decode(self, cold: np.ndarray) -> bool:
@@ -98,40 +118,39 @@ class HybridExpertNode:
         them (the placement policy is told); returns the copied experts."""
         engine, store = self.engine, self.engine.stores[self.layer]
         policy = engine.policy
-        spare = policy.spare_slots(self.layer, np.unique(ids[ids >= 0]))
+        spare = policy.spare_slots(self.layer, ids[ids >= 0])
         if spare.size == 0:
             return np.empty(0, np.int64)
         experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
         bandwidths = engine.device.bandwidths
         # The CPU reads the stored expert; a copy moves it in the kernels' (converted) layout, which the device
         # then reads: converted layouts (int2, fp4 ...) cost more on the device side than on the CPU side.
-        resident_s = np.unique(ids[resident]).size * store.read_bytes / bandwidths.hbm
+        resident_s = len(set(ids[resident].tolist())) * store.read_bytes / bandwidths.hbm
         decision = decide(bandwidths, self.info.bytes_per_expert, tokens, spare.size, resident_s,
-                          2 * self._weights_per_expert(), getattr(store, "prepare_s", 0.0),
+                          self._flops_per_token, getattr(store, "prepare_s", 0.0),
                           copy_bytes=store.expert_bytes, read_bytes=store.read_bytes)
         self.last_decision = decision
         chosen = experts[decision.copied]
-        for slot, expert in zip(spare, chosen):
-            policy.admit(self.layer, int(slot), int(expert))
-            stats.copy_s += store.load(int(slot), int(expert))
+        for slot, expert in zip(spare.tolist(), chosen.tolist()):
+            policy.admit(self.layer, slot, expert)
+            stats.copy_s += store.load(slot, expert)
             stats.copy_bytes += store.expert_bytes
         return chosen
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
         """Cold experts worth running on the device, in waves that fit the staging ring."""
-        experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
         wave = self.engine.wave_experts
-        if experts.size == 0 or wave == 0:
-            return []
         config = self.engine.config
+        if wave == 0 or config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens:
+            return []  # decode: the miss policy splits the misses between the CPU and spare slots
+        experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
+        if experts.size == 0:
+            return []
         if config.cpu_execution != "disabled":
-            if cold.shape[0] <= config.async_max_tokens:
-                return []  # decode: the miss policy splits the misses between the CPU and spare slots
             # Prefill: stream an expert when copying it costs less than computing its tokens on the CPU.
             bw = self.engine.device.bandwidths
             wave_bytes = self.engine.stores[self.layer].wave_bytes  # what the wave copies of one expert
-            flops_per_token = 2 * self._weights_per_expert()
-            worth = tokens * flops_per_token / bw.cpu_flops > wave_bytes / bw.pcie
+            worth = tokens * self._flops_per_token / bw.cpu_flops > wave_bytes / bw.pcie
             experts = experts[worth]
         return [experts[i:i + wave] for i in range(0, experts.size, wave)]
 

@@ -87,13 +87,17 @@ class PlacementPolicy:
         `busy` (routed this step: the device may be reading it)."""
         slots = self.layers[layer]
         occupant = slots.expert_in
-        safe = occupant >= 0
-        safe[safe] = ~self.wanted(layer)[occupant[safe]]
+        # per expert: may be evicted now (resident, not wanted, not routed this step); an empty slot's -1
+        # reads the last expert's entry, and `occupied` masks it out
+        free = ~self.wanted(layer)
         if busy.size:
-            safe &= ~np.isin(occupant, busy)
-        empty = np.flatnonzero(occupant < 0)
+            free[busy] = False
+        occupied = occupant >= 0
+        safe = occupied & free[occupant]
+        empty = np.flatnonzero(~occupied)
         spare = np.flatnonzero(safe)
-        spare = spare[np.argsort(self.scores[layer][occupant[spare]], kind="stable")]
+        if spare.size > 1:
+            spare = spare[np.argsort(self.scores[layer][occupant[spare]], kind="stable")]
         return np.concatenate([empty, spare]).astype(np.int64)
 
     def admit(self, layer: int, slot: int, expert: int) -> int | None:

@@ -36,6 +36,7 @@ class OffloadStats:
     # per decoder step (the most recent STEP_HISTORY): missed pairs [on the CPU, copied to the device]
     step_splits: list[tuple[int, int]] = field(default_factory=list)
     pinned: dict = field(default_factory=dict)  # the pinned staging ring: bytes, high_water, ... (engine fills)
+    _pairs: list[np.ndarray] = field(default_factory=list)  # per layer [hits | misses], viewed by the two above
     _step_cpu: int = 0
     _step_copied: int = 0
 
@@ -47,17 +48,26 @@ class OffloadStats:
         self.step_splits = []
         self._step_cpu = self._step_copied = 0
         if num_experts is not None:
-            self.expert_hits = [np.zeros(e, np.int64) for e in num_experts]
-            self.expert_misses = [np.zeros(e, np.int64) for e in num_experts]
+            # per layer one array [hits per expert | misses per expert]: a step's pairs counted in one call
+            self._pairs = [np.zeros(2 * e, np.int64) for e in num_experts]
+            self.expert_hits = [pairs[:e] for pairs, e in zip(self._pairs, num_experts)]
+            self.expert_misses = [pairs[e:] for pairs, e in zip(self._pairs, num_experts)]
         else:
             for counts in self.expert_hits + self.expert_misses:
                 counts[:] = 0
 
-    def count(self, layer: int, expert_ids: np.ndarray, resident: np.ndarray) -> None:
-        """Count routed (token, expert) pairs of one step, by expert and residency."""
-        routed = expert_ids >= 0
-        np.add.at(self.expert_hits[layer], expert_ids[routed & resident], 1)
-        np.add.at(self.expert_misses[layer], expert_ids[routed & ~resident], 1)
+    def count(self, layer: int, expert_ids: np.ndarray, resident: np.ndarray, routed: np.ndarray | None = None) -> None:
+        """Count routed (token, expert) pairs of one step, by expert and residency. `routed` masks the pairs
+        routed to an expert; None: every pair is (route() gives each one; approximate routing drops some, -1)."""
+        hits = self.expert_hits[layer]
+        pairs = self._pairs[layer] if layer < len(self._pairs) else None
+        if pairs is None or hits.base is not pairs:  # counts not made by reset(): two calls
+            routed = expert_ids >= 0 if routed is None else routed
+            np.add.at(hits, expert_ids[routed & resident], 1)
+            np.add.at(self.expert_misses[layer], expert_ids[routed & ~resident], 1)
+            return
+        index = np.where(resident, expert_ids, expert_ids + hits.size)  # a miss counts in the second half
+        np.add.at(pairs, index if routed is None else index[routed], 1)
 
     def split(self, layer: int, on_cpu: int, copied: int, copies: int = 0) -> None:
         """Missed pairs of one layer's step: how many ran on the CPU, how many were copied."""
