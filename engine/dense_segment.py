@@ -110,6 +110,11 @@ class SegmentBinding:
         self._bound: dict[str, object] = {}  # name -> weak reference to the array bound by pointer
         for name in self.fetched:
             self.binding.bind_output(name)
+        # The per-step binds and the read-back go to onnxruntime's C binding under its Python wrapper
+        # when it has one (the wrapper's bookkeeping for WebGPU graph capture, unused here, costs more
+        # than the binds); `_held` then keeps the bound cut tensors alive, as the wrapper would.
+        self._c_binding, self._host = _c_binding(self.binding)
+        self._held: dict[str, np.ndarray] = {}
 
     def _bind_state(self, name: str, array, bind) -> None:
         ref = self._bound.get(name)
@@ -122,25 +127,44 @@ class SegmentBinding:
             self._bound.pop(name, None)
 
     def run(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        binding = self.binding
-        for name in self.cut:
-            binding.bind_cpu_input(name, values[name])  # a cut tensor or a step input: host memory
+        binding, fast = self.binding, self._c_binding
+        # The cut tensors and step inputs (host memory, bound in place) and the fetched outputs, which
+        # onnxruntime allocates on the host (copied from the GPU if it ran there).
+        if fast is not None:
+            held, host = self._held, self._host
+            for name in self.cut:
+                array = held[name] = values[name]
+                fast.bind_input(name, array)
+            for name in self.fetched:
+                fast.bind_output(name, host)
+        else:
+            for name in self.cut:
+                binding.bind_cpu_input(name, values[name])
+            for name in self.fetched:
+                binding.bind_output(name)
         for name, slot in self.state_inputs:
             self._bind_state(name, slot.array, binding.bind_input)
-        for name in self.fetched:
-            binding.bind_output(name)  # onnxruntime allocates it on the host (copied from the GPU if it ran there)
         for name, slot in self.state_outputs:
             self._bind_state(name, slot.present, binding.bind_output)
         self.session.run_with_iobinding(binding)
         # onnxruntime synchronises its stream at the end of a run; on the GPU this makes sure, at the cost
         # of a sync on an idle stream, before the host reads outputs or the state buffers are touched again.
         self.backend.synchronize()
-        results = binding.get_outputs()
+        results = fast.get_outputs() if fast is not None else binding.get_outputs()
         return {name: results[i].numpy() for i, name in enumerate(self.fetched)}
 
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""
         return sum(values[name].nbytes for name in self.cut) + sum(r.nbytes for r in results.values())
+
+
+def _c_binding(binding: ort.IOBinding):
+    """(onnxruntime's C binding under `binding`, the host device in its terms), or (None, None) when this
+    onnxruntime's Python wrapper is not built that way (the wrapper's own methods are used then)."""
+    try:
+        return binding._iobinding, ort.OrtDevice.make("cpu", 0)._get_c_device()
+    except AttributeError:
+        return None, None
 
 
 class SegmentBindings:
