@@ -4,7 +4,9 @@ At 0/25/50/100% of experts resident: decode tokens/s next to its bound (anchors.
 t_token >= dense + (1-h)·W_act/(B_dram + B_pcie) + h·W_act/B_hbm, with B_dram, B_pcie and B_hbm
 measured in this run and h the measured hit rate), prefill tokens/s for a 2,048-token prompt
 against the all-CPU prefill, and the per-layer overhead (Python, synchronisation, launches) left
-when kernel and dense times are taken out. Random weights route almost uniformly, so each point
+when kernel and dense times are taken out: as (experts_s - cpu_s - wait_s) / (steps x layers), and by
+component from bench_overhead's timing wrappers (dense set-up, hybrid-node Python, launches, waiting
+for the device split into its kernels and the synchronisation / copy back, placement, decoder loop). Random weights route almost uniformly, so each point
 also reports the hit rate the adaptive policy reaches on a realistic routing trace at the same
 slot count and the decode rate projected from this run's measured costs at that hit rate. Each
 decode point also reports how the miss policy split the misses (CPU / copied into spare slots) and
@@ -23,9 +25,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_overhead import instrument, summarise  # noqa: E402
 from benchmarks.common import stream_read_bandwidth, write_result  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import hit_rate, realistic_trace  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
@@ -43,7 +47,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def decode(model: LoadedModel, prompt: list[int], tokens: int) -> float:
+def decode(model: LoadedModel, prompt: list[int], tokens: int) -> tuple[float, list[dict]]:
+    """Decode tokens/s, and per step the seconds at each boundary bench_overhead times (its Meter:
+    dense set-up vs onnxruntime's run, expert node, launch / collect, placement, the decoder loop)."""
+    meter = instrument(model)
     state = model.new_state()
     logits = model.decoder.forward(state, prompt)
     token = int(logits[-1].argmax())
@@ -52,10 +59,28 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int) -> float:
     model.offload.stats.reset(len(model.offload.slots)) if model.offload else None
     profile = model.decoder.profile
     profile.update(steps=0, dense_s=0.0, experts_s=0.0, total_s=0.0)
-    started = time.perf_counter()
+    meter.reset()
+    rows, before, clock = [], meter.snapshot(), time.perf_counter
+    started = clock()
     for _ in range(tokens):
-        token = int(model.decoder.forward(state, [token])[-1].argmax())
-    return tokens / (time.perf_counter() - started)
+        step_started = clock()
+        logits = model.decoder.forward(state, [token])
+        meter.total["step"] += clock() - step_started
+        token = int(logits[-1].argmax())
+        now = meter.snapshot()
+        rows.append({k: now[k] - before[k] for k in now})
+        before = now
+    return tokens / (clock() - started), rows
+
+
+def overhead_breakdown(rows: list[dict], layers: int, simulated: bool, device_s_per_layer: float) -> dict:
+    """µs per layer (medians over the steps) by component; on CUDA `collect` is split into the device's
+    kernel time (CUDA events, stats.device_s) and the rest: synchronisation and the copy back."""
+    parts = summarise(rows, layers, simulated)
+    if not simulated:
+        parts["device_kernels"] = device_s_per_layer * 1e6
+        parts["sync_and_copy_back"] = parts["collect"] - parts["device_kernels"]
+    return parts
 
 
 def main() -> None:
@@ -98,9 +123,12 @@ def main() -> None:
     cpu_prefill = args.prefill_tokens / _timed(lambda: cpu_model.decoder.forward(cpu_model.new_state(), long_prompt))
     figures, rows = [], []
     for fraction in (0.0, 0.25, 0.5, 1.0):
-        model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=int(fraction * model.folder.expert_bytes)))
-        rate = decode(model, short_prompt, args.decode_tokens)
+        # 100% = every expert in a device slot (slots are in the GPU kernels' layout, larger than the stored experts)
+        model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=int(fraction * all_resident_bytes(infos))))
+        rate, step_rows = decode(model, short_prompt, args.decode_tokens)
         stats, profile = model.offload.stats.totals(), model.decoder.profile
+        parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
+                                   stats.device_s / max(1, profile["steps"] * len(infos)))
         h = stats.hit_rate
         dense_per_token = profile["dense_s"] / profile["steps"]
         bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
@@ -127,6 +155,14 @@ def main() -> None:
              "ratio": prefill / cpu_prefill},
             {"name": f"per-layer overhead, {label}", "value": overhead * 1e6, "unit": "µs",
              "reference": "goal", "reference_value": 100.0, "ratio": overhead * 1e6 / 100.0},
+            {"name": f"per-layer overhead by component (bench_overhead's), {label}", "value": parts["overhead"],
+             "unit": "µs", "reference": "goal", "reference_value": 100.0, "ratio": parts["overhead"] / 100.0,
+             "components_us_per_layer": parts,
+             "reading": "overhead = dense_setup (bindings, outputs to NumPy: dense call minus onnxruntime's run) + "
+                        "hybrid_python (routing, stats, miss policy, bookkeeping) + device_python (launch: host side) "
+                        "+ end_step (placement) + decoder_loop (step inputs, loop); medians over the steps; "
+                        "collect = waiting for the device and the copy back (CUDA: device_kernels by events, "
+                        "sync_and_copy_back the rest)"},
             {"name": f"decode tokens/s projected at realistic-trace hit rate, {label}", "value": projected,
              "unit": "tokens/s", "reference": "measured on random routing", "reference_value": rate,
              "ratio": projected / rate, "trace_hit_rate": trace_h},
@@ -136,6 +172,8 @@ def main() -> None:
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}",
               flush=True)
+        print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
+              + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
     path = write_result("offload", figures, shape=args.shape, device=device.name, expert_bytes=model.folder.expert_bytes,
                         bytes_per_expert=per_expert, bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm,
                                                                  "cpu_engine": device.bandwidths.cpu},
