@@ -41,7 +41,10 @@ class PartitionedDecoder:
                 self.steps.append(CpuExpertNode(by_name[step.node.name], source, threads))
                 self._advance_progress()
             else:
-                self.steps.append(DenseSegment(step, source))
+                segment = DenseSegment(step, source)
+                # every cut tensor but the logits is read within the step only: its buffer can be reused
+                segment.bindings.fresh = {logits_name}
+                self.steps.append(segment)
         if dense is not None:
             self.open_dense(dense)
 

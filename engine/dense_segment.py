@@ -97,7 +97,8 @@ class SegmentBinding:
     of the binding's outputs at every step.
     """
 
-    def __init__(self, session: ort.InferenceSession, inputs: list[str], outputs: list[str], state: DecoderState):
+    def __init__(self, session: ort.InferenceSession, inputs: list[str], outputs: list[str], state: DecoderState,
+                 fresh: set[str] | None = None):
         self.session = session
         self.binding = session.io_binding()
         backend = self.backend = state.backend
@@ -115,6 +116,14 @@ class SegmentBinding:
         # than the binds); `_held` then keeps the bound cut tensors alive, as the wrapper would.
         self._c_binding, self._host = _c_binding(self.binding)
         self._held: dict[str, np.ndarray] = {}
+        # Outputs that live only within a step (all fetched ones but `fresh`; None: none) keep their
+        # buffers: while the cut tensors' shapes repeat (decode), they are not bound again and onnxruntime
+        # writes this step's values into last step's arrays, so no new array, read-back or NumPy view is
+        # made. `fresh` outputs (the logits, which callers keep) are new arrays at every step.
+        self._fresh = [i for i, name in enumerate(self.fetched) if fresh is None or name in fresh]
+        self._reusable = fresh is not None and len(self._fresh) < len(self.fetched)
+        self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
+        self._results: dict[str, np.ndarray] | None = None  # its results, their buffers still bound
 
     def _bind_state(self, name: str, array, bind) -> None:
         ref = self._bound.get(name)
@@ -126,32 +135,65 @@ class SegmentBinding:
         except TypeError:  # an array type without weak references: bound again at every step
             self._bound.pop(name, None)
 
+    def _bind_fetched(self, indices) -> None:
+        """Bind fetched outputs unallocated: onnxruntime allocates them on the host at the next run
+        (copied from the GPU if it ran there)."""
+        fast, fetched = self._c_binding, self.fetched
+        for i in indices:
+            if fast is not None:
+                fast.bind_output(fetched[i], self._host)
+            else:
+                self.binding.bind_output(fetched[i])
+
     def run(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         binding, fast = self.binding, self._c_binding
-        # The cut tensors and step inputs (host memory, bound in place) and the fetched outputs, which
-        # onnxruntime allocates on the host (copied from the GPU if it ran there).
+        # The cut tensors and step inputs: host memory, bound in place.
         if fast is not None:
-            held, host = self._held, self._host
+            held = self._held
             for name in self.cut:
                 array = held[name] = values[name]
                 fast.bind_input(name, array)
-            for name in self.fetched:
-                fast.bind_output(name, host)
         else:
             for name in self.cut:
                 binding.bind_cpu_input(name, values[name])
-            for name in self.fetched:
-                binding.bind_output(name)
+        reuse = None
+        if self._reusable:
+            shapes = tuple([values[name].shape for name in self.cut])
+            if shapes == self._shapes:
+                reuse = self._results
+            self._shapes = shapes
+        self._bind_fetched(self._fresh if reuse is not None else range(len(self.fetched)))
         for name, slot in self.state_inputs:
             self._bind_state(name, slot.array, binding.bind_input)
         for name, slot in self.state_outputs:
             self._bind_state(name, slot.present, binding.bind_output)
-        self.session.run_with_iobinding(binding)
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception:
+            if reuse is None:
+                raise
+            # An output's shape changed with equal input shapes (it depends on values): no reuse from now
+            # on. Running again is safe: KV is written in place at the same positions, a swapped state's
+            # present buffer is written whole.
+            self._reusable = False
+            reuse = None
+            self._bind_fetched(range(len(self.fetched)))
+            self.session.run_with_iobinding(binding)
         # onnxruntime synchronises its stream at the end of a run; on the GPU this makes sure, at the cost
         # of a sync on an idle stream, before the host reads outputs or the state buffers are touched again.
         self.backend.synchronize()
-        results = fast.get_outputs() if fast is not None else binding.get_outputs()
-        return {name: results[i].numpy() for i, name in enumerate(self.fetched)}
+        if reuse is not None and not self._fresh:
+            return dict(reuse)
+        outputs = fast.get_outputs() if fast is not None else binding.get_outputs()
+        if reuse is not None:
+            results = dict(reuse)
+            for i in self._fresh:
+                results[self.fetched[i]] = outputs[i].numpy()
+            return results
+        results = {name: outputs[i].numpy() for i, name in enumerate(self.fetched)}
+        if self._reusable:
+            self._results = results
+        return results
 
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""
@@ -173,12 +215,15 @@ class SegmentBindings:
 
     def __init__(self):
         self._by_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # Outputs callers keep past a step (the logits); the others are read within the step only and
+        # their buffers are reused at the next (SegmentBinding). None: every output a new array.
+        self.fresh: set[str] | None = None
 
     def run(self, session, inputs: list[str], outputs: list[str], values: dict[str, np.ndarray],
             state: DecoderState) -> dict[str, np.ndarray]:
         bound = self._by_state.get(state)
         if bound is None or bound.session is not session:
-            bound = SegmentBinding(session, inputs, outputs, state)
+            bound = SegmentBinding(session, inputs, outputs, state, self.fresh)
         results = bound.run(values)
         if bound.holds(values, results) <= KEEP_BINDING_BYTES:
             self._by_state[state] = bound
