@@ -1,0 +1,42 @@
+"""Where Numba keeps the compiled CPU kernels, keyed by the kernels' own source.
+
+Numba's on-disk cache checks only the time stamp of the file that defines a jitted function. The
+kernels in kernels.py are built from intrinsics in simd.py: an upgrade that changes simd.py alone
+would load machine code compiled from the old intrinsics. Caching into a folder named after a hash
+of every source file in this package makes any change start a fresh cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numba
+
+HERE = Path(__file__).resolve().parent
+
+
+def source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(HERE.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """NUMBA_CACHE_DIR when the user set one, else the user's cache folder."""
+    configured = os.environ.get("NUMBA_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("moe-workbench")) / "numba"
+
+
+def configure() -> Path:
+    """Point Numba's cache at this source's folder; must run before the kernel modules are imported
+    (Numba picks the cache location when a function is decorated)."""
+    folder = cache_root() / f"cpu-kernels-{source_digest()}"
+    numba.config.CACHE_DIR = str(folder)
+    return folder
