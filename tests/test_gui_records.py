@@ -182,7 +182,7 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     view.name.setText("fast enough")
     view.save_button.click()
     folder, config = load_configuration("fast enough", tmp_path / "configurations.json")
-    assert Path(folder) == fixture_folder("gptoss") and config.device_expert_bytes == view.recommended.budget_bytes
+    assert Path(folder).resolve() == fixture_folder("gptoss").resolve() and config.device_expert_bytes == view.recommended.budget_bytes
 
 
 def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(qtbot, window):
@@ -217,7 +217,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     a, b = view.result.comparison.records
     divergence = view.result.comparison.divergence
     assert divergence == first_divergence(a.turns[0]["tokens"], b.turns[0]["tokens"]) and divergence is not None
-    assert b.model["folder"] == str(fixture_folder("qwen35moe"))
+    assert Path(b.model["folder"]).resolve() == fixture_folder("qwen35moe").resolve()
     assert f"at generated token {divergence + 1}" in view.divergence.text()
     for column, pieces in zip((view.left, view.right), view.result.pieces):
         marked = column.answer.toHtml()
