@@ -212,17 +212,21 @@ def kv_dtype_reason(kv_dtypes) -> str | None:
     return f"the model's KV cache is {', '.join(names)}; the GPU state buffers take fp16 only for now"
 
 
+def dense_cpu_reason(device_kind: str | None, kv_dtypes=()) -> str | None:
+    """Why the dense part stays on the CPU with experts on a device of this kind ("cuda",
+    "simulated", None), or None when it goes to the GPU (if gpu_device_mem_limit leaves it room)."""
+    if device_kind != "cuda":
+        return ("the GPU is simulated, for the experts only" if device_kind == "simulated"
+                else "no GPU device is in use (--device cuda puts it on the GPU)")
+    return cuda_ep_missing_reason() or kv_dtype_reason(kv_dtypes)
+
+
 def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int, kv_dtypes=()) -> DenseDevice:
     """The DenseDevice for experts on `device` (None, a SimulatedDevice or a CudaDevice), after the
     offload plan has taken its share of the device's memory."""
-    kind = getattr(device, "kind", None)
-    if kind != "cuda":
-        why = ("the GPU is simulated, for the experts only" if kind == "simulated"
-               else "no GPU device is in use (--device cuda puts it on the GPU)")
+    why = dense_cpu_reason(getattr(device, "kind", None), kv_dtypes)
+    if why:
         return DenseDevice("cpu", why)
-    missing = cuda_ep_missing_reason() or kv_dtype_reason(kv_dtypes)
-    if missing:
-        return DenseDevice("cpu", missing)
     try:
         arena = dense_arena_limit(device.memory.limit, device.memory.available, state_bytes, dense_weight_bytes)
         register_shared_cuda_arena(device.index, arena)

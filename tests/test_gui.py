@@ -117,7 +117,8 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window):
     assert "Runs (mode <b>auto</b>, simulated GPU" in window.model_panel.verdict.text()
     landed = window.model_panel.landed.text()
     assert "3 of 16 experts resident on the simulated GPU" in landed
-    assert "dense part" in landed and "runs on the CPU" in landed and "KV cache" in landed
+    assert "The dense part runs on the CPU: the GPU is simulated, for the experts only" in landed and "KV cache" in landed
+    assert window.status_device.text().endswith("dense part: CPU")
     assert "Load" not in window.model_panel.load_button.text() or window.model_panel.load_button.text() == "Reload"
 
     batches = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import configparser
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
@@ -55,6 +56,32 @@ def test_estimate_follows_the_planner(gptoss):
     unusable = estimate(gptoss, config, DeviceChoice("cuda", error="no CUDA device"))
     assert unusable.error == "no CUDA device" and unusable.resident == 0
     assert layer_summary(est.per_layer) == "layer 0: 3 of 8; layer 1: 2 of 8"
+
+
+def test_estimate_puts_the_dense_part_where_the_engine_would(gptoss, monkeypatch):
+    import dataclasses
+
+    from engine import ort_env
+
+    config = OffloadConfig(device_expert_bytes=0)
+    card = DeviceChoice("cuda", 1 << 30, name="test card")
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: "onnxruntime here is the CPU build (install onnxruntime-gpu)")
+    cpu_build = estimate(gptoss, config, card)
+    assert {p.key: p.bytes for p in cpu_build.device_parts}["dense"] == 0
+    assert "The dense part would run on the CPU: onnxruntime here is the CPU build" in " ".join(cpu_build.statements)
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    fp32_kv = estimate(gptoss, config, card)  # the fixtures' KV caches are fp32: GroupQueryAttention on CUDA is fp16/bf16
+    assert gptoss.kv_dtypes == frozenset({np.dtype(np.float32)})
+    assert "KV cache is fp32" in " ".join(fp32_kv.statements)
+    fp16 = dataclasses.replace(gptoss, kv_dtypes=frozenset({np.dtype(np.float16)}))
+    on_gpu = estimate(fp16, config, card)
+    device = {p.key: p.bytes for p in on_gpu.device_parts}
+    host = {p.key: p.bytes for p in on_gpu.host_parts}
+    assert device["dense"] == fp16.dense_bytes and device["kv"] == fp16.kv_cache_bytes()
+    assert host["dense"] == 0 and host["kv"] == 0
+    assert sum(device.values()) == 1 << 30  # the parts still add up to the card
+    simulated = estimate(fp16, config, DeviceChoice("simulated", 1 << 30))
+    assert "The dense part would run on the CPU: the GPU is simulated" in " ".join(simulated.statements)
 
 
 def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice):

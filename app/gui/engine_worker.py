@@ -183,6 +183,7 @@ class EngineWorker(QObject):
             self.loadProgress.emit(1.0)
             self.loaded.emit({"path": self._facts.path, "load_s": time.perf_counter() - started,
                               "device": device.name if device is not None else "CPU only",
+                              "dense_device": "GPU" if model.dense_device == "cuda" else "CPU",
                               "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo})
             self._emit_stats()
@@ -216,11 +217,11 @@ class EngineWorker(QObject):
             pinned = offload.pinned_info()
             if pinned:
                 lines.append(pinned_sentence(pinned, offload.wave_experts))
-        lines.append(f"The dense part ({human_bytes(facts.dense_bytes)}: attention, norms, routers, embeddings, "
-                     f"in {facts.dense_segments} onnxruntime segments) runs on the CPU with onnxruntime's CPU "
-                     "provider: this build has no GPU path for it yet.")
-        lines.append(f"KV cache and state live in host memory beside the dense part: up to "
-                     f"{human_bytes(facts.kv_cache_bytes())} at the full {facts.context_length}-token context.")
+        lines.append(f"The dense part: {human_bytes(facts.dense_bytes)} of attention, norms, routers and embeddings "
+                     f"in {facts.dense_segments} onnxruntime segments. {model.dense_statement}")
+        if model.dense_device != "cuda":
+            lines.append(f"KV cache and state live in host memory beside the dense part: up to "
+                         f"{human_bytes(facts.kv_cache_bytes())} at the full {facts.context_length}-token context.")
         threads = model.offload.config.cpu_threads
         lines.append(f"CPU expert kernels use {threads if threads else 'all'} CPU thread{'' if threads == 1 else 's'}"
                      f"{'' if threads else ' (' + str(_cores()) + ')'}.")

@@ -14,8 +14,10 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 
 from engine.offload.config import OffloadConfig
+from engine.ort_env import dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
 from engine.onnx_file import OnnxFile
 from engine.offload.staging import StagingPlan, plan_staging
@@ -68,6 +70,7 @@ class ModelFacts:
     dense_segments: int
     is_demo: bool = False
     staged_nodes: list = field(default_factory=list)   # StagedNode per runnable expert node (staging estimates)
+    kv_dtypes: frozenset = frozenset()                  # the KV caches' element types (where the dense part can run)
 
     @property
     def supported(self) -> bool:
@@ -84,6 +87,7 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
     config = folder.config
     window = (config.sliding_window_size or 0) + (config.sliding_cache_slack or 0)
     per_token = per_window_token = state = window_layers = 0
+    kv_dtypes = set()
     patterns = []
     for kind, past, _present in config.state_pairs():
         patterns.append((kind, re.compile("^" + re.escape(past).replace("%d", r"(\d+)") + "$")))
@@ -105,6 +109,8 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
                     has_tokens = True
                 else:  # kv_cache_dim and the like
                     fixed *= config.head_size or 1
+            if kind in ("key", "value"):
+                kv_dtypes.add(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)))
             if kind in ("key", "value") and has_tokens:
                 if window and layer in config.sliding_window_layers:
                     per_window_token += fixed * elem
@@ -120,7 +126,8 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
         context_length=config.context_length, kv_bytes_per_token=per_token,
         kv_window_layers=window_layers // 2, kv_window_bytes_per_token=per_window_token, window_tokens=window,
         state_bytes=state, dense_bytes=report["dense_bytes"], expert_bytes=report["expert_bytes"],
-        dense_segments=report["dense_segments"], is_demo=is_demo, staged_nodes=staged_nodes(folder))
+        dense_segments=report["dense_segments"], is_demo=is_demo, staged_nodes=staged_nodes(folder),
+        kv_dtypes=frozenset(kv_dtypes))
 
 
 @dataclass(frozen=True)
@@ -199,10 +206,16 @@ def auto_reserve(config: OffloadConfig, available: int) -> int:
 def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None) -> Estimate:
     experts = [info for info in facts.experts if info.spec is not None]
     kv = facts.kv_cache_bytes(kv_tokens)
+    # Where the engine would put the dense part (LoadedModel: ort_env.choose_dense_device); under
+    # gpu_device_mem_limit it may still fall back to the CPU at load when the plan leaves it no room.
+    dense_cpu = dense_cpu_reason(device.kind if device.kind != "cpu" else None, facts.kv_dtypes)
+    dense_on_gpu = dense_cpu is None
     host_parts = [
-        Part("dense", "dense weights", facts.dense_bytes, "onnxruntime CPU"),
+        Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
+             "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),
         Part("experts", "expert weights (memory-mapped)", facts.expert_bytes, "read from the page cache"),
-        Part("kv", "KV cache + state", kv, f"{kv_tokens or facts.context_length} tokens"),
+        Part("kv", "KV cache + state", 0 if dense_on_gpu else kv,
+             "in GPU memory with the dense part" if dense_on_gpu else f"{kv_tokens or facts.context_length} tokens"),
     ]
     error = ""
     stand_in = None
@@ -241,8 +254,12 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         others = min(device.others_bytes, ceiling)
         device_parts = [
             Part("experts", "resident experts", resident_bytes, f"{sum(p[2] for p in per_layer)} experts"),
-            Part("dense", "dense weights", 0, f"runs on the CPU in this build ({human_bytes(facts.dense_bytes)} in host RAM)"),
-            Part("kv", "KV cache", 0, f"in host RAM with the dense part ({human_bytes(kv)})"),
+            Part("dense", "dense weights", facts.dense_bytes if dense_on_gpu else 0,
+                 "onnxruntime's CUDA execution provider" if dense_on_gpu
+                 else f"on the CPU: {dense_cpu} ({human_bytes(facts.dense_bytes)} in host RAM)"),
+            Part("kv", "KV cache", kv if dense_on_gpu else 0,
+                 f"{kv_tokens or facts.context_length} tokens" if dense_on_gpu
+                 else f"in host RAM with the dense part ({human_bytes(kv)})"),
             Part("workspace", "workspace", staging if stand_in else 0,
                  f"prefill staging ring: waves of {staged.wave_experts} experts, double-buffered" if staged
                  else "prefill staging ring"),
@@ -263,6 +280,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if plan and stand_in is not None and config.device_expert_bytes is None and plan.budget_bytes == 0 and experts:
         statements.append(f"The automatic budget is empty: it keeps {human_bytes(auto_reserve(config, stand_in.memory.available))} "
                           "free for KV cache and workspace. Set a Reserve or an Expert budget.")
+    if device.kind != "cpu":
+        statements.append("The dense part would run on the GPU with onnxruntime's CUDA execution provider, its KV "
+                          "cache and state in GPU memory." if dense_on_gpu else f"The dense part would run on the CPU: {dense_cpu}.")
     if error:
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,

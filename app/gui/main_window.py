@@ -532,7 +532,7 @@ class MainWindow(QMainWindow):
         self.side_by_side.set_loaded(info["path"], info.get("entries"))
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
         self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")
-        self.status_device.setText(f"experts: {info['device']} · dense part: CPU")
+        self.status_device.setText(f"experts: {info['device']} · dense part: {info.get('dense_device', 'CPU')}")
         self._update_state()
 
     @Slot(str, int)
