@@ -12,7 +12,7 @@ import engine.offload.hybrid_node as hybrid_node
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths
-from engine.offload.miss_policy import MissCosts, choose, decide
+from engine.offload.miss_policy import MissCosts, choose, copying_pays, decide
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
@@ -101,6 +101,21 @@ def test_the_cost_model_finds_the_best_split_of_every_random_case():
         assert decision.all_cpu_s == pytest.approx(costs.step_seconds(np.empty(0, np.int64)), rel=1e-9, abs=1e-15)
 
 
+def test_copying_pays_exactly_when_the_policy_would_copy_something():
+    rng = np.random.default_rng(5)
+    for case in range(2000):
+        n = int(rng.integers(0, 9))
+        scale = rng.choice([1e-4, 1e-3])
+        cpu = rng.uniform(0.1, 3.0, n) * scale
+        if case % 3 == 0:  # equal costs and round numbers: ties between T(0), T(1), T(2) ...
+            cpu = np.full(n, float(rng.choice([1e-4, 2.5e-4, 1e-3])))
+        costs = MissCosts(cpu_s=cpu, copy_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 2e-3)])),
+                          device_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 1e-3)])),
+                          resident_s=float(rng.choice([0.0, 3e-4, rng.uniform(0, 3e-3)])),
+                          prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])))
+        assert copying_pays(costs) == (choose(costs, n).num_copied > 0), costs
+
+
 def test_the_cost_model_on_plain_numbers():
     # four single-token misses of 1 MB; CPU 1 GB/s (1 ms each), PCIe and HBM 4 GB/s (0.25 ms each)
     decision = decide(BALANCED, 1_000_000, np.ones(4), spare_slots=8, resident_s=0.0)
@@ -131,8 +146,9 @@ def test_outputs_equal_the_all_cpu_run_for_every_decision_mix(model_folder, cpu_
         assert decision.predicted_s <= decision.all_cpu_s and decision.predicted_s <= decision.most_copied_s
     if placement != "static":
         return
-    # static placement without a popularity file chooses nothing: every slot is spare for misses
-    assert decisions
+    # static placement without a popularity file chooses nothing: every slot is spare for misses; with slow PCIe
+    # no copy can pay, and the node does not even ask (miss_policy.copying_pays)
+    assert bool(decisions) == (mix != "slow_pcie")
     copied = [d.num_copied for _s, _n, d in decisions]
     if mix == "fast_pcie":
         assert all(d.num_copied == min(n, spares) for spares, n, d in decisions)

@@ -9,9 +9,12 @@ import numpy as np
 
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import approximate_routing
-from engine.offload.miss_policy import decide
+from engine.offload.miss_policy import copying_pays, decide, miss_costs
 from engine.offload.stats import LayerStats
 from kernels.cpu.routing import route
+
+_NONE = np.empty(0, np.int64)  # no expert copied (read only)
+_NONE.flags.writeable = False
 
 
 class HybridExpertNode:
@@ -117,25 +120,35 @@ class HybridExpertNode:
         """Decide with the cost model (miss_policy.py) which misses to copy into spare slots; copy
         them (the placement policy is told); returns the copied experts."""
         engine, store = self.engine, self.engine.stores[self.layer]
-        policy = engine.policy
-        spare = policy.spare_slots(self.layer, ids[ids >= 0])
-        if spare.size == 0:
-            return np.empty(0, np.int64)
-        experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
+        # The misses and their tokens in plain Python: a decode step has a handful, and np.unique on
+        # them cost ~35 µs in situ (issue #4). Ascending, as np.unique gave them.
+        tokens_of: dict[int, int] = {}
+        for expert in cold.ravel().tolist():
+            if expert >= 0:
+                tokens_of[expert] = tokens_of.get(expert, 0) + 1
+        experts = sorted(tokens_of)
+        tokens = [tokens_of[expert] for expert in experts]
         bandwidths = engine.device.bandwidths
         # The CPU reads the stored expert; a copy moves it in the kernels' (converted) layout, which the device
         # then reads: converted layouts (int2, fp4 ...) cost more on the device side than on the CPU side.
         resident_s = len(set(ids[resident].tolist())) * store.read_bytes / bandwidths.hbm
-        decision = decide(bandwidths, self.info.bytes_per_expert, tokens, spare.size, resident_s,
-                          self._flops_per_token, getattr(store, "prepare_s", 0.0),
-                          copy_bytes=store.expert_bytes, read_bytes=store.read_bytes)
+        expert_bytes = self.info.bytes_per_expert
+        extra = dict(flops_per_token=self._flops_per_token, prepare_s=getattr(store, "prepare_s", 0.0),
+                     copy_bytes=store.expert_bytes, read_bytes=store.read_bytes)
+        if not copying_pays(miss_costs(bandwidths, expert_bytes, tokens, resident_s, **extra)):
+            return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
+        policy = engine.policy
+        spare = policy.spare_slots(self.layer, ids[ids >= 0])
+        if spare.size == 0:
+            return _NONE
+        decision = decide(bandwidths, expert_bytes, tokens, spare.size, resident_s, **extra)
         self.last_decision = decision
-        chosen = experts[decision.copied]
-        for slot, expert in zip(spare.tolist(), chosen.tolist()):
+        chosen = [experts[i] for i in decision.copied.tolist()]
+        for slot, expert in zip(spare.tolist(), chosen):
             policy.admit(self.layer, slot, expert)
             stats.copy_s += store.load(slot, expert)
             stats.copy_bytes += store.expert_bytes
-        return chosen
+        return np.array(chosen, dtype=np.int64)
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
         """Cold experts worth running on the device, in waves that fit the staging ring."""

@@ -64,32 +64,53 @@ class MissDecision:
         return int(self.copied.size)
 
 
-def miss_costs(bandwidths, expert_bytes: int, tokens: np.ndarray, resident_s: float,
+def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
                read_bytes: int | None = None) -> MissCosts:
     """The cost model's inputs from measured (or assumed) bandwidths: `tokens` holds, per miss, the
     tokens routed to it in this step. `expert_bytes`: the stored expert (CPU reads); `copy_bytes` /
     `read_bytes`: the expert in the device's layout, copied / read by the device (default expert_bytes)."""
-    tokens = np.asarray(tokens, dtype=np.float64)
+    # Plain Python over the few misses of a decode step (n <= 8 per token): NumPy's per-call overhead on
+    # such tiny arrays cost more than the arithmetic (issue #4).
+    tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
     copy_bytes = expert_bytes if copy_bytes is None else copy_bytes
     read_bytes = expert_bytes if read_bytes is None else read_bytes
     read = expert_bytes / bandwidths.cpu
-    compute = tokens * flops_per_token / bandwidths.cpu_flops if flops_per_token else np.zeros_like(tokens)
-    return MissCosts(cpu_s=np.maximum(read, compute), copy_s=copy_bytes / bandwidths.pcie,
+    if flops_per_token:
+        per_token = flops_per_token / bandwidths.cpu_flops
+        cpu = [max(read, float(t) * per_token) for t in tokens]
+    else:
+        cpu = [read] * len(tokens)
+    return MissCosts(cpu_s=np.array(cpu, dtype=np.float64), copy_s=copy_bytes / bandwidths.pcie,
                      device_s=read_bytes / bandwidths.hbm, resident_s=float(resident_s), prepare_s=float(prepare_s))
 
 
 def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
     """The split of the misses that minimises the step's critical path (see the module docstring)."""
-    n = costs.cpu_s.size
-    order = np.argsort(-costs.cpu_s, kind="stable")
-    total = float(costs.cpu_s.sum())
-    removed = np.concatenate([[0.0], np.cumsum(costs.cpu_s[order])])
+    # Plain Python: n is a decode step's misses (a handful); NumPy calls on such arrays cost more (issue #4).
+    cpu = costs.cpu_s.tolist()
+    n = len(cpu)
+    order = sorted(range(n), key=lambda i: -cpu[i])  # stable: equal costs keep their order
+    total = sum(cpu)
     most = min(n, max(0, int(spare_slots)))
-    times = [costs._time(m, total - removed[m]) for m in range(most + 1)]
-    best = int(np.argmin(times))  # first minimum: the fewest copies among equal times
-    return MissDecision(copied=np.sort(order[:best]), predicted_s=float(times[best]), all_cpu_s=float(times[0]),
-                        most_copied_s=float(times[most]))
+    times, removed = [costs._time(0, total)], 0.0
+    for m in range(1, most + 1):
+        removed += cpu[order[m - 1]]
+        times.append(costs._time(m, total - removed))
+    best = times.index(min(times))  # first minimum: the fewest copies among equal times
+    return MissDecision(copied=np.array(sorted(order[:best]), dtype=np.int64), predicted_s=times[best],
+                        all_cpu_s=times[0], most_copied_s=times[most])
+
+
+def copying_pays(costs: MissCosts) -> bool:
+    """Whether copying any miss can shorten the step, whatever the spare slots: T(m) is convex in m (the
+    CPU's term falls by ever smaller steps, the device's grows by ever larger ones), so some m > 0 beats
+    m = 0 exactly when m = 1 does. Lets a caller skip looking for spare slots (issue #4)."""
+    cpu = costs.cpu_s.tolist()
+    if not cpu:
+        return False
+    total = sum(cpu)
+    return costs._time(1, total - max(cpu)) < costs._time(0, total)
 
 
 def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, resident_s: float,
