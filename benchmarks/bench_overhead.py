@@ -54,7 +54,17 @@ QWEN3_LIKE = dict(hidden_size=2048, inter_size=768, num_experts=128, top_k=8, nu
                   head_size=128, vocab_size=4096, swiglu_limit=None, alpha=1.0, beta=0.0)
 
 BUCKETS = ("step", "dense_call", "dense_ort", "expert_call", "kernel_cpu", "kernel_device", "launch", "collect",
-           "load", "stage", "end_step")
+           "load", "stage", "end_step",
+           # finer attribution (nested inside the buckets above): see DETAIL
+           "route", "miss_policy", "spare_slots", "host_cache", "stats", "observe", "numba")
+# Nested timings reported apart (µs per layer), not part of the components' sums:
+#   route        kernels.cpu.routing.route as the expert nodes call it
+#   miss_policy  HybridExpertNode._copy_misses (costs, spare slots, decision, the copies' loads)
+#   spare_slots  placement's spare_slots (inside miss_policy)
+#   host_cache   HostExpertCache.touch;  stats  OffloadStats.count + split;  observe  placement's observe
+#   numba        the compiled kernels' calls (moe_gemv, group_pairs): kernel_wrapper = kernels - numba, the
+#                Python of CpuQMoE.run_experts / forward around them (counted in kernel_cpu / kernel_device)
+DETAIL = ("route", "miss_policy", "spare_slots", "host_cache", "stats", "observe", "kernel_wrapper")
 
 
 class Meter:
@@ -135,7 +145,32 @@ def instrument(model, meter: Meter | None = None) -> Meter:
         kernel = getattr(runner, "kernel", None)
         if kernel is not None:
             _wrap(kernel, "run_experts", meter, "kernel_cpu")
+    _instrument_detail(model, meter)
     return meter
+
+
+def _instrument_detail(model, meter: Meter) -> None:
+    """The nested buckets (DETAIL): module functions the engine looks up at call time, and engine objects."""
+    import engine.offload.hybrid_node as hybrid_node
+    import kernels.cpu.kernels as compiled
+    import kernels.cpu.qmoe as qmoe
+    from engine.offload.hybrid_node import HybridExpertNode
+
+    for module in (hybrid_node, qmoe):
+        _wrap(module, "route", meter, "route")
+    for name in ("moe_gemv", "group_pairs"):
+        _wrap(compiled, name, meter, "numba")
+    engine = model.offload
+    if engine is None:
+        return
+    for runner in model.decoder.steps:
+        if isinstance(runner, HybridExpertNode):
+            _wrap(runner, "_copy_misses", meter, "miss_policy")
+    _wrap(engine.policy, "spare_slots", meter, "spare_slots")
+    _wrap(engine.policy, "observe", meter, "observe")
+    _wrap(engine.host_cache, "touch", meter, "host_cache")
+    _wrap(engine.stats, "count", meter, "stats")
+    _wrap(engine.stats, "split", meter, "stats")
 
 
 def per_layer(deltas: dict, layers: int, simulated: bool) -> dict:
@@ -154,6 +189,8 @@ def per_layer(deltas: dict, layers: int, simulated: bool) -> dict:
         "copies": d["load"] + d["stage"],
         "end_step": d["end_step"],
         "decoder_loop": d["step"] - d["dense_call"] - d["expert_call"] - d["end_step"],
+        **{name: d[name] for name in DETAIL[:-1]},
+        "kernel_wrapper": d["kernel_cpu"] + d["kernel_device"] - d["numba"],
     }
     # What remains of a token once kernels, onnxruntime's run and copies are taken out; on the simulated
     # device collect is `out += partial` (host work), on CUDA it is the wait for the device (not overhead).
@@ -288,7 +325,8 @@ def main() -> None:
             print(f"round {round_index + 1} {point:>4}: step {med['step'] * layers / 1e3:6.2f} ms  "
                   f"overhead {med['overhead']:6.1f} µs/layer (dense setup {med['dense_setup']:5.1f}, hybrid "
                   f"{med['hybrid_python']:5.1f}, device {med['device_python']:5.1f}, loop {med['decoder_loop']:5.1f}, "
-                  f"end_step {med['end_step']:5.1f})", flush=True)
+                  f"end_step {med['end_step']:5.1f})\n{'':12}detail: " + ", ".join(f"{k} {med[k]:5.1f}" for k in DETAIL),
+                  flush=True)
     results = []
     for point in points:
         simulated = point != "cpu"
@@ -314,7 +352,7 @@ def main() -> None:
     print(f"\nmedian µs per layer over {args.rounds}×{args.steps} steps, {layers} layers (one timing wrapper adds "
           f"{cost * 1e6:.2f} µs per wrapped call)")
     keys = ["step", "dense_ort", "kernel_cpu", "kernel_device", "dense_setup", "hybrid_python", "device_python",
-            "collect", "end_step", "decoder_loop", "overhead"]
+            "collect", "end_step", "decoder_loop", "overhead", *DETAIL]
     print(f"{'point':<28}" + "".join(f"{k:>14}" for k in keys))
     for entry in results:
         m = entry["median_us_per_layer"]

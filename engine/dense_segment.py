@@ -123,6 +123,10 @@ class SegmentBinding:
         self._fresh = [i for i, name in enumerate(self.fetched) if fresh is None or name in fresh]
         self._reusable = fresh is not None and len(self._fresh) < len(self.fetched)
         self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
+        # ... but for the attention mask, which grows by one at every decode step: the outputs' shapes do not follow
+        # it in the models seen (GQA reduces it to sequence lengths), so the first segment's outputs are kept too;
+        # where one does follow it, the first such run fails and reuse is turned off (below).
+        self._shape_cut = [name for name in self.cut if name != state.mask_name]
         self._results: dict[str, np.ndarray] | None = None  # its results, their buffers still bound
 
     def _bind_state(self, name: str, array, bind) -> None:
@@ -147,18 +151,21 @@ class SegmentBinding:
 
     def run(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         binding, fast = self.binding, self._c_binding
-        # The cut tensors and step inputs: host memory, bound in place.
-        if fast is not None:
-            held = self._held
-            for name in self.cut:
-                array = held[name] = values[name]
-                fast.bind_input(name, array)
-        else:
-            for name in self.cut:
-                binding.bind_cpu_input(name, values[name])
+        # The cut tensors and step inputs: host memory, bound in place (by pointer, not copied). An input that is
+        # the very array bound at the last run (a previous segment's output buffer kept within the decode shapes)
+        # is bound still: same memory, same shape, kept alive by `_held`; not bound again.
+        held = self._held
+        for name in self.cut:
+            array = values[name]
+            if held.get(name) is not array:
+                held[name] = array
+                if fast is not None:
+                    fast.bind_input(name, array)
+                else:
+                    binding.bind_cpu_input(name, array)
         reuse = None
         if self._reusable:
-            shapes = tuple([values[name].shape for name in self.cut])
+            shapes = tuple([values[name].shape for name in self._shape_cut])
             if shapes == self._shapes:
                 reuse = self._results
             self._shapes = shapes

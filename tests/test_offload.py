@@ -325,3 +325,38 @@ def test_per_expert_counts_add_up_to_the_layer_totals(model_folder):
         assert layer.hits > 0 and layer.misses > 0
     record_layer = stats.as_dict()["layers"][0]
     assert len(record_layer["expert_hits"]) == 16 and sum(record_layer["expert_misses"]) == stats.layers[0].misses
+
+
+def test_buffers_reused_across_decode_steps_are_not_aliased(model_folder, cpu_run):
+    """Decode steps reuse buffers (the hybrid node's output, the dense segments' within-step outputs, bindings
+    of unchanged inputs): what a caller keeps of a step (the logits) stays that step's, and every step is
+    right, while the reuse is in effect."""
+    from engine.dense_segment import DenseSegment
+    from engine.offload.hybrid_node import HybridExpertNode
+
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 2),
+                             device=SimulatedDevice(1 << 30))
+    nodes = [r for r in model.decoder.steps if isinstance(r, HybridExpertNode)]
+    first_segment = next(r for r in model.decoder.steps if isinstance(r, DenseSegment))
+    outputs: list[list[np.ndarray]] = []
+    for node in nodes:  # record what each node returns, by identity
+        run = node.run
+        node.run = lambda values, run=run, seen=[]: seen.append(run(values)) or seen[-1]
+    ref_logits, ref_tokens = cpu_run
+    state = model.new_state()
+    logits = [model.decoder.forward(state, model.tokenizer.encode("The expert offload engine must be exact."))]
+    segment_outputs = []
+    for step in range(4):
+        logits.append(model.decoder.forward(state, [ref_tokens[step]]))
+        segment_outputs.append(first_segment.bindings._by_state[state]._results)
+    kept = [lg.copy() for lg in logits]
+    for node in nodes:
+        seen = node.run.__defaults__[1]
+        decode = seen[1:]  # after the prefill
+        assert all(out is decode[0] for out in decode), "the decode steps' expert outputs share one buffer"
+    assert segment_outputs[1] is not None and all(
+        segment_outputs[-1][name] is segment_outputs[1][name] for name in segment_outputs[1])  # first segment too
+    assert len({id(lg) for lg in logits}) == len(logits)  # the logits are new arrays at every step
+    for step, (ours, copy, ref) in enumerate(zip(logits, kept, ref_logits)):
+        assert np.array_equal(ours, copy), f"step {step}'s logits changed after later steps"
+        assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5, f"step {step}"

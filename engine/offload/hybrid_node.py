@@ -32,6 +32,8 @@ class HybridExpertNode:
         self._flops_per_token = 2 * self._weights_per_expert()
         # expert id -> chosen this step (a copied miss); index -1 (an unrouted pair) reads the last entry, kept False
         self._chosen = np.zeros(spec.num_experts + 1, bool)
+        self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
+        self._out_view: np.ndarray | None = None  # ... and the view of it returned
 
     @property
     def kernel(self):
@@ -65,7 +67,7 @@ class HybridExpertNode:
         if not shadow:
             engine.stats.count(layer, ids, resident, routed)
 
-        out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
+        out = self._output(x2d.shape[0])
         store = engine.stores[layer]
         # The device starts on the resident experts; the CPU computes the cold ones meanwhile.
         pending = store.launch(x2d, np.where(resident, ids, -1), weights) if store is not None and hits else None
@@ -109,7 +111,24 @@ class HybridExpertNode:
         if not shadow:
             engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
             engine.policy.observe(layer, ids.reshape(-1))
+        if out is self._out and x.dtype == np.float32:
+            if self._out_view is None or self._out_view.shape != x.shape:
+                self._out_view = out.reshape(x.shape)
+            return self._out_view
         return out.astype(x.dtype, copy=False).reshape(x.shape)
+
+    def _output(self, tokens: int) -> np.ndarray:
+        """A zeroed float32 [tokens, hidden] accumulator. A decode step's is one buffer per node, returned (as the
+        same view) at every step: the next dense segment finds the very array it bound at the last step and does
+        not bind it again. So a result lives until this node's next run: the decoder reads it within the step."""
+        hidden = self.info.spec.hidden_size
+        if tokens > self.engine.config.async_max_tokens:
+            return np.zeros((tokens, hidden), np.float32)  # prefill: not kept
+        if self._out is None or self._out.shape[0] != tokens:
+            self._out, self._out_view = np.zeros((tokens, hidden), np.float32), None
+        else:
+            self._out.fill(0.0)
+        return self._out
 
     def _decode(self, cold: np.ndarray) -> bool:
         """A decode-sized step (misses judged one by one) with CPU execution allowed."""

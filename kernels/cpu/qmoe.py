@@ -275,6 +275,11 @@ class CpuQMoE:
         # fp4 / int2 projections exist only in the batched paths (the legacy per-expert kernels read int4 / int8):
         # such nodes always run batched, and where the fused decode kernel does not apply (FC3), on the GEMM path
         self._table = spec.is_quantized and any(p.table_layout for p in (self.fc1, self.fc2, self.fc3) if p)
+        # What depends on the node only, read once instead of at every call (issue #4: the Python around the
+        # kernels was 30-50 µs per layer in a decode step): a property of the spec, the decode workspace per pair.
+        self._quantized = spec.is_quantized
+        self._gemv_ws_per_pair = sum(p.w.shape[2] * (5 if p.bits == 2 else 2) + p.nchunk
+                                     for p in (self.fc1, self.fc2)) if self._quantized else 0  # see moe_gemv
 
     # ------------------------------------------------------------------ public API
     def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
@@ -287,6 +292,15 @@ class CpuQMoE:
         self.run_experts(x2, ids, w, out=out)
         return out.astype(dtype, copy=False).reshape(shape)
 
+    def _threads(self) -> int:
+        """Apply num_threads (None: leave Numba's count) and return the count the kernels run with (what
+        set_num_threads set: no get_num_threads call after it)."""
+        if self.num_threads:
+            threads = max(1, min(int(self.num_threads), numba.config.NUMBA_NUM_THREADS))
+            numba.set_num_threads(threads)
+            return threads
+        return numba.get_num_threads()
+
     def run_experts(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray,
                     out: np.ndarray | None = None) -> np.ndarray:
         """out[t] += sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x2d[t]); expert id -1 = skipped.
@@ -297,8 +311,7 @@ class CpuQMoE:
         """
         if self._delegate is not None:
             return self._delegate.run_experts(x2d, expert_ids, weights, out=out)
-        if self.num_threads:
-            numba.set_num_threads(max(1, min(int(self.num_threads), numba.config.NUMBA_NUM_THREADS)))
+        threads = self._threads()
         x2d = np.asarray(x2d)
         H = self.spec.hidden_size
         T = x2d.shape[0]
@@ -309,8 +322,8 @@ class CpuQMoE:
         x = np.ascontiguousarray(x2d, dtype=np.float32).reshape(T, H)
         ids = np.asarray(expert_ids).reshape(T, -1).astype(np.int64)
         wts = np.asarray(weights, dtype=np.float32).reshape(T, -1)
-        if (self.batched or self._table) and self.spec.is_quantized:
-            self._run_batched(x, ids, wts, acc)
+        if (self.batched or self._table) and self._quantized:
+            self._run_batched(x, ids, wts, acc, threads)
             return acc if out is not None else acc.astype(ret_dtype, copy=False)
         valid = ids >= 0
         if np.any(ids >= self.spec.num_experts):
@@ -338,7 +351,7 @@ class CpuQMoE:
         return acc.astype(ret_dtype, copy=False)
 
     # ------------------------------------------------------------------ batched paths (quantised)
-    def _run_batched(self, x, ids, wts, acc):
+    def _run_batched(self, x, ids, wts, acc, threads):
         """Experts with few tokens: one fused decode kernel (FC1 + activation + FC2 + weighted sum); the
         others: one k-blocked GEMM call per projection over all of them, activation in FC1's epilogue."""
         T = x.shape[0]
@@ -354,27 +367,25 @@ class CpuQMoE:
         if ns:
             ps = int(pair_off[ns])
             if self._gemv_fused:
-                self._gemv_fused_call(x, experts[:ns], pair_off[:ns + 1], tok[:ps], pw[:ps], acc)
+                self._gemv_fused_call(x, experts[:ns], pair_off[:ns + 1], tok[:ps], pw[:ps], acc, threads)
             else:
                 self._run_gemv(x, experts[:ns], np.diff(pair_off[:ns + 1]), tok[:ps], pw[:ps], acc)
         if ns < U:
-            self._gemm_batched(x, experts, pair_off, ns, tok, pw, tpair, acc)
+            self._gemm_batched(x, experts, pair_off, ns, tok, pw, tpair, acc, threads)
 
-    def _gemv_fused_call(self, x, experts, pair_off, tok, pw, acc):
+    def _gemv_fused_call(self, x, experts, pair_off, tok, pw, acc, threads):
         f1, f2 = self.fc1, self.fc2
         P = tok.size
         H = self.spec.hidden_size
-        n = P * (sum(p.w.shape[2] * (5 if p.bits == 2 else 2) + p.nchunk for p in (f1, f2)))  # see moe_gemv
-        ws = _scratch("gemv_ws", n)
+        ws = _scratch("gemv_ws", P * self._gemv_ws_per_pair)
         y = _scratch("gemv_y", P * H).reshape(P, H)
         sp = self.spec
         _k.moe_gemv(f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f1.aux, f2.w, f2.sc, f2.zp, f2.qparams, f2.bias, f2.aux, x,
                     experts, pair_off, tok, pw, tok, self.act_kind, sp.swiglu_fusion, float(sp.alpha),
                     float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024,
-                    int(self.gemv_schedule), ws, y, acc, True,
-                    numba.get_num_threads())
+                    int(self.gemv_schedule), ws, y, acc, True, threads)
 
-    def _gemm_batched(self, x, experts, pair_off, u0, tok, pw, tpair, acc):
+    def _gemm_batched(self, x, experts, pair_off, u0, tok, pw, tpair, acc, threads):
         f1, f2, f3 = self.fc1, self.fc2, self.fc3
         U = experts.size
         p0 = int(pair_off[u0])
@@ -411,7 +422,7 @@ class CpuQMoE:
         y = _scratch("y", PL * H)
         t2 = _k.plan_tasks(experts, u0, ublk, blk_col, f2.N, rt, self.gemm_cols)
         f2.gemm_tasks(ap, blocks, t2, self, _k.MODE_SCALE, y, coef=coef)
-        _k.reduce_tokens(y.reshape(PL, H), tpair, p0, acc, numba.get_num_threads())
+        _k.reduce_tokens(y.reshape(PL, H), tpair, p0, acc, threads)
 
     # ------------------------------------------------------------------ paths
     def _activate(self, h1, h3):
