@@ -9,6 +9,7 @@ and nodes the GPU kernels refuse get no slots (the planner decides, for both dev
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,10 @@ class SimulatedSlots:
     stage(experts) -> copy seconds (the prefill staging ring); launch(x2d, ids, weights) -> pending
     work (asynchronous on a real GPU), then collect(pending, out) adds it into `out` and returns
     the device seconds. Every copy goes through the device's pinned staging ring.
+
+    `standin_s` adds up the wall time launch() spends computing the "device" experts with the CPU kernel,
+    synchronously: what a real card would not cost the host (the hybrid node moves it into its layer's
+    LayerStats.standin_s; engine/offload/projection.py takes it out of the measured time).
     """
 
     def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
@@ -47,6 +52,7 @@ class SimulatedSlots:
         self.wave_bytes = gpu.wave_bytes    # what a prefill wave copies per expert
         self.stored_bytes = runner.info.bytes_per_expert  # a wave's rows as gathered into the pinned ring
         self.num_slots = 0
+        self.standin_s = 0.0
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
@@ -70,8 +76,10 @@ class SimulatedSlots:
         return self.device.copy_seconds(len(experts) * self.wave_bytes)
 
     def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
+        started = time.perf_counter()
         partial = np.zeros((x2d.shape[0], self.kernel.spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, expert_ids, weights, out=partial)
+        self.standin_s += time.perf_counter() - started
         distinct = len(set(expert_ids[expert_ids >= 0].tolist()))
         return partial, distinct * self.read_bytes / self.device.bandwidths.hbm
 

@@ -10,6 +10,7 @@ import numpy as np
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import approximate_routing
 from engine.offload.miss_policy import copying_pays, decide, miss_costs
+from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
 from kernels.cpu.routing import route
 
@@ -74,18 +75,26 @@ class HybridExpertNode:
         cold = np.where(resident, -1, ids) if hits else ids  # never written in place
         copied_pairs = copies = 0
         pending_copied = None
+        waves = []      # (copy s, device s) per prefill wave: the projection's critical path (projection.py)
+        miss_copy_s = 0.0
+        standin_before = getattr(store, "standin_s", 0.0) if store is not None else 0.0
         if store is not None and missed:
             for wave in self._waves(cold):
-                stats.copy_s += store.stage(wave)
+                wave_copy = store.stage(wave)
+                stats.copy_s += wave_copy
                 stats.copy_bytes += len(wave) * store.wave_bytes
                 in_wave = np.isin(cold, wave)
                 copied_pairs += int(np.count_nonzero(in_wave))
-                stats.device_s += store.collect(store.launch(x2d, np.where(in_wave, cold, -1), weights), out)
+                wave_device = store.collect(store.launch(x2d, np.where(in_wave, cold, -1), weights), out)
+                stats.device_s += wave_device
+                waves.append((wave_copy, wave_device))
                 cold = np.where(in_wave, -1, cold)
             if not shadow and copied_pairs < missed and engine.slots[layer].num_slots and self._decode(cold):
                 # Decode: the miss policy copies the misses that pay into spare slots, computed on
                 # the device in this step; the rest run on the CPU.
+                copy_before = stats.copy_s
                 copied = self._copy_misses(ids, resident, cold, stats)
+                miss_copy_s = stats.copy_s - copy_before
                 if copied.size:
                     chosen = self._chosen
                     chosen[copied] = True
@@ -95,19 +104,38 @@ class HybridExpertNode:
                     copies = int(copied.size)
                     pending_copied = store.launch(x2d, np.where(in_copied, cold, -1), weights)
                     cold = np.where(in_copied, -1, cold)
+        cpu_s = 0.0
         if copied_pairs < missed:
             started = time.perf_counter()
             self.kernel.run_experts(x2d, cold, weights, out=out)
-            stats.cpu_s += time.perf_counter() - started
+            cpu_s = time.perf_counter() - started
+            stats.cpu_s += cpu_s
             if not shadow:
                 on_cpu = cold[cold >= 0].tolist()
                 engine.host_cache.touch(layer, sorted(set(on_cpu)))
+        resident_s = miss_device_s = 0.0
         if pending is not None or pending_copied is not None:
             waited = time.perf_counter()
-            for work in (pending, pending_copied):
-                if work is not None:
-                    stats.device_s += store.collect(work, out)
+            if pending is not None:
+                resident_s = store.collect(pending, out)
+            if pending_copied is not None:
+                miss_device_s = store.collect(pending_copied, out)
+            stats.device_s += resident_s + miss_device_s
             stats.wait_s += time.perf_counter() - waited
+        # The projection for the simulated card (projection.py): this step's critical path on a real card, and
+        # the wall time the simulated device spent computing its experts on the CPU.
+        phase = engine.stats.phase(x2d.shape[0])
+        if store is None or not (hits or waves or pending_copied is not None):
+            critical = cpu_s  # no device work: the CPU's time, as measured
+            standin = 0.0
+        else:
+            critical = layer_critical_s(cpu_s, resident_s, waves, miss_copy_s, miss_device_s)
+            standin = getattr(store, "standin_s", 0.0) - standin_before
+        stats.critical_s += critical
+        stats.standin_s += standin
+        phase.cpu_s += cpu_s
+        phase.critical_s += critical
+        phase.standin_s += standin
         if not shadow:
             engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
             engine.policy.observe(layer, ids.reshape(-1))

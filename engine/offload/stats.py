@@ -20,6 +20,11 @@ class LayerStats:
     misses_cpu: int = 0      # missed pairs computed on the CPU
     misses_copied: int = 0   # missed pairs whose expert was copied to the device (spare slot or prefill wave)
     miss_copies: int = 0     # experts the decode miss policy copied into spare slots
+    # The simulated device's projection (engine/offload/projection.py). standin_s: wall time the simulated
+    # device spent computing "device" experts with the CPU kernels (0 on CUDA). critical_s: per step, the
+    # modelled critical path of the layer on a real card (CPU and device overlapped), summed over steps.
+    standin_s: float = 0.0
+    critical_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -36,6 +41,9 @@ class OffloadStats:
     # per decoder step (the most recent STEP_HISTORY): missed pairs [on the CPU, copied to the device]
     step_splits: list[tuple[int, int]] = field(default_factory=list)
     pinned: dict = field(default_factory=dict)  # the pinned staging ring: bytes, high_water, ... (engine fills)
+    # the projection's inputs by phase, all layers together, shadow passes included (their wall time is in
+    # the timings too): "prefill" steps (more than one token), "decode" steps (one token); see projection.py
+    phases: dict = field(default_factory=lambda: {"prefill": LayerStats(), "decode": LayerStats()})
     _pairs: list[np.ndarray] = field(default_factory=list)  # per layer [hits | misses], viewed by the two above
     _step_cpu: int = 0
     _step_copied: int = 0
@@ -46,6 +54,7 @@ class OffloadStats:
         self.layers = [LayerStats() for _ in range(num_layers)]
         self.steps = 0
         self.step_splits = []
+        self.phases = {"prefill": LayerStats(), "decode": LayerStats()}
         self._step_cpu = self._step_copied = 0
         if num_experts is not None:
             # per layer one array [hits per expert | misses per expert]: a step's pairs counted in one call
@@ -78,6 +87,10 @@ class OffloadStats:
         self._step_cpu += on_cpu
         self._step_copied += copied
 
+    def phase(self, tokens: int) -> LayerStats:
+        """The projection's accumulator for a step of `tokens` tokens."""
+        return self.phases["decode" if tokens <= 1 else "prefill"]
+
     def end_step(self) -> None:
         self.steps += 1
         self.step_splits.append((self._step_cpu, self._step_copied))
@@ -95,6 +108,9 @@ class OffloadStats:
         total = self.totals()
         return {"steps": self.steps, "hit_rate": total.hit_rate, "copy_bytes": total.copy_bytes,
                 "cpu_s": total.cpu_s, "device_s": total.device_s, "wait_s": total.wait_s, "swaps": total.swaps,
+                "standin_s": total.standin_s, "critical_s": total.critical_s,
+                "phases": {name: {"cpu_s": phase.cpu_s, "standin_s": phase.standin_s, "critical_s": phase.critical_s}
+                           for name, phase in self.phases.items()},
                 "misses_cpu": total.misses_cpu, "misses_copied": total.misses_copied, "miss_copies": total.miss_copies,
                 "step_splits": [list(split) for split in self.step_splits], "pinned": dict(self.pinned),
                 "layers": [dict(asdict(layer), hit_rate=layer.hit_rate,
