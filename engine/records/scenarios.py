@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from datetime import datetime, timezone
@@ -10,6 +11,7 @@ import psutil
 
 from engine.errors import PromptError
 from engine.generation import Conversation, GenerationParams, LoadedModel
+from engine.offload.projection import is_simulated, project_run
 from engine.records.environment import machine, versions
 from engine.records.schema import RunRecord, model_identity
 
@@ -113,6 +115,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         model.offload.stats.reset(len(model.offload.slots))
     conversation = Conversation(model)
     turns = []
+    first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)
     started = time.perf_counter()
     with PeakSampler(device) as peaks:
         for index, text in enumerate(turns_text):
@@ -124,6 +127,8 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
                           "generated_tokens": len(result.tokens), "finish_reason": result.finish_reason,
                           "reused_cache_tokens": result.reused_cache_tokens, "timings": result.timings.as_dict(),
                           "routing_agreement": result.routing_agreement})
+            if index == 0 and model.offload is not None:
+                first_prefill = copy.copy(model.offload.stats.phases["prefill"])
             if progress:
                 progress((index + 1) / len(turns_text))
     completion = time.perf_counter() - started
@@ -131,15 +136,23 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     decoded = sum(max(0, t["generated_tokens"] - 1) for t in turns)
     stats = model.offload.stats.as_dict() if model.offload is not None else None
     agreements = [t["routing_agreement"] for t in turns if t["routing_agreement"] is not None]
+    timings = {"load_s": model.load_s, "prefill_s": turns[0]["timings"]["prefill_s"] if turns else None,
+               "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
+               "decode_tokens_per_s": decoded / decode_s if decode_s else None, "completion_s": completion,
+               "turns": len(turns), "cancelled": len(turns) < len(turns_text)
+               or any(t["finish_reason"] == "cancelled" for t in turns)}
+    if model.offload is not None and is_simulated(device):
+        # What the simulated card would give (engine/offload/projection.py); the measured values stay as they are.
+        phases = model.offload.stats.phases
+        timings["projected"] = project_run(
+            device.bandwidths, completion, list(phases.values()),
+            prefill_s=timings["prefill_s"], prefill_layers=[first_prefill] if first_prefill else [],
+            decode_s=decode_s, decoded_tokens=decoded, decode_layers=[phases["decode"]])
     return RunRecord(
         scenario=name, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         versions=versions(), machine=machine(), model=model_identity(model.folder),
         offload=offload_description(model, device),
-        timings={"load_s": model.load_s, "prefill_s": turns[0]["timings"]["prefill_s"] if turns else None,
-                 "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
-                 "decode_tokens_per_s": decoded / decode_s if decode_s else None, "completion_s": completion,
-                 "turns": len(turns), "cancelled": len(turns) < len(turns_text)
-                 or any(t["finish_reason"] == "cancelled" for t in turns)},
+        timings=timings,
         peaks={"device_bytes": peaks.device_bytes if device is not None else None, "process_device_bytes": None,
                "rss_bytes": peaks.rss, "pinned_bytes": None},
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,

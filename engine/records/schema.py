@@ -21,7 +21,9 @@ class RunRecord:
     machine: dict
     model: dict                           # folder, type, content hash, expert layouts per node
     offload: dict                         # the full configuration (onnxruntime entries), device, plan
-    timings: dict                         # load_s, prefill_s, time_to_first_token_s, decode_tokens_per_s, completion_s
+    timings: dict                         # load_s, prefill_s, time_to_first_token_s, decode_tokens_per_s, completion_s;
+    # on a simulated device also "projected" (optional, absent in older records): decode_tokens_per_s, prefill_s,
+    # completion_s on the simulated card and the bandwidths assumed (engine/offload/projection.py)
     peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, pinned_bytes
     layers: list[dict] = field(default_factory=list)  # per expert node: hit rate, bytes copied, times
     bytes_moved: int = 0

@@ -28,6 +28,33 @@ class SweepPoint:
         return sum(rates) / len(rates) if rates else 0.0
 
     @property
+    def projected(self) -> bool:
+        """Every record carries a projection for the simulated card (a sweep on the simulated device)."""
+        return bool(self.records) and all(r.timings.get("projected") for r in self.records)
+
+    @property
+    def projected_completion_s(self) -> float | None:
+        """Completion time projected for the simulated card (engine/offload/projection.py); None off it."""
+        if not self.projected:
+            return None
+        return sum(r.timings["projected"]["completion_s"] for r in self.records)
+
+    @property
+    def projected_decode_tokens_per_s(self) -> float | None:
+        if not self.projected:
+            return None
+        rates = [r.timings["projected"]["decode_tokens_per_s"] for r in self.records
+                 if r.timings["projected"].get("decode_tokens_per_s")]
+        return sum(rates) / len(rates) if rates else 0.0
+
+    @property
+    def ranking_completion_s(self) -> float:
+        """What the recommendation compares: the projected completion time on a simulated device (its
+        measured wall time computes the card's experts on the CPU), the measured one otherwise."""
+        projected = self.projected_completion_s
+        return self.completion_s if projected is None else projected
+
+    @property
     def peak_device_bytes(self) -> int:
         return max((r.peaks["device_bytes"] or 0) for r in self.records) if self.records else 0
 
@@ -38,7 +65,11 @@ class SweepPoint:
     def as_dict(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
-                "peak_rss_bytes": self.peak_rss_bytes}
+                "peak_rss_bytes": self.peak_rss_bytes,
+                **({"projected_completion_s": self.projected_completion_s,
+                    "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
+                    "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
+                   if self.projected else {})}
 
 
 def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]]:
@@ -78,7 +109,15 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
 
 
 def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
-    """The smallest budget whose completion time is within `margin` of the fastest point."""
-    best = min(point.completion_s for point in points)
-    eligible = [point for point in points if point.completion_s <= best * (1 + margin)]
+    """The smallest budget whose completion time is within `margin` of the fastest point. On a simulated
+    device (every point projected) the projected completion times for the simulated card are compared."""
+    projected = uses_projection(points)
+    key = (lambda point: point.projected_completion_s) if projected else (lambda point: point.completion_s)
+    best = min(key(point) for point in points)
+    eligible = [point for point in points if key(point) <= best * (1 + margin)]
     return min(eligible, key=lambda point: point.budget_bytes)
+
+
+def uses_projection(points: list[SweepPoint]) -> bool:
+    """Whether recommend() compares projected completion times (a sweep on the simulated device)."""
+    return bool(points) and all(point.projected for point in points)
