@@ -290,7 +290,7 @@ def _cmd_sweep(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.configurations import save_configuration
     from engine.records.history import History
-    from engine.records.sweep import recommend, run_sweep
+    from engine.records.sweep import recommend, run_sweep, uses_projection
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
@@ -311,8 +311,22 @@ def _cmd_sweep(args) -> int:
     if args.save_as:
         save_configuration(args.save_as, args.model, model.offload.config.updated(device_expert_bytes=best.budget_bytes),
                            note=f"sweep recommendation within {args.margin:.0%} of the fastest")
+    projected = uses_projection(points)
     if args.json:
-        print(json.dumps({"points": rows, "recommended_budget_bytes": best.budget_bytes}, indent=2))
+        print(json.dumps({"points": rows, "recommended_budget_bytes": best.budget_bytes,
+                          "recommended_by": "projected_completion_s" if projected else "completion_s"}, indent=2))
+    elif projected:
+        bw = rows[0]["projected_bandwidths"]
+        print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
+              f"HBM {bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed); the recommendation uses the projected completion")
+        print(f"{'budget':>12}  {'resident':>8}  {'completion':>10}  {'projected':>10}  {'decode tok/s':>12}  "
+              f"{'projected':>10}  {'device peak':>11}  {'RSS peak':>9}")
+        for p in rows:
+            mark = "  <- recommended" if p["budget_bytes"] == best.budget_bytes else ""
+            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}  {p['completion_s']:>9.2f}s  "
+                  f"{p['projected_completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
+                  f"{p['projected_decode_tokens_per_s'] or 0:>10.1f}  {p['peak_device_bytes'] / 2**20:>8.0f} MiB  "
+                  f"{p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
     else:
         print(f"{'budget':>12}  {'resident':>8}  {'completion':>10}  {'decode tok/s':>12}  {'device peak':>11}  {'RSS peak':>9}")
         for p in rows:

@@ -7,7 +7,10 @@ from pathlib import Path
 
 
 def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | Path) -> Path:
-    """points: SweepPoint.as_dict() rows. Four panels against the expert budget (GiB)."""
+    """points: SweepPoint.as_dict() rows. Four panels against the expert budget (GiB). On a simulated device
+    (rows with projected_completion_s) the completion and decode panels also draw the values projected for the
+    simulated card (orange), next to the measured ones (blue), and the recommendation (red line) follows the
+    projected completion time: the panels' titles say so."""
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import pyqtgraph as pg
     import pyqtgraph.exporters
@@ -21,16 +24,24 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     budgets = [p["budget_bytes"] / byte_scale for p in points]
     rss_unit, rss_scale = _byte_unit(max(p["peak_rss_bytes"] for p in points))
     device_unit, device_scale = _byte_unit(max(p["peak_device_bytes"] for p in points))
+    projected = all(p.get("projected_completion_s") is not None for p in points)
     panels = (("completion time", "s", "completion_s", 1), ("decode", "tokens/s", "decode_tokens_per_s", 1),
               ("device memory peak", device_unit, "peak_device_bytes", device_scale),
               ("process RSS peak", rss_unit, "peak_rss_bytes", rss_scale))
     for index, (title, unit, key, scale) in enumerate(panels):
+        with_projection = projected and key in ("completion_s", "decode_tokens_per_s")
+        if with_projection:
+            title += (": measured (blue), projected for the simulated card (orange)"
+                      + ("; recommended by the projected time" if key == "completion_s" else ""))
         plot = layout.addPlot(row=index // 2, col=index % 2, title=title)
         plot.setLabel("bottom", f"expert budget, device_expert_bytes ({byte_unit})")
         plot.setLabel("left", unit)
         plot.showGrid(x=True, y=True, alpha=0.3)
         values = [(p[key] or 0) / scale for p in points]
         plot.plot(budgets, values, pen=pg.mkPen("#1f6feb", width=2), symbol="o", symbolBrush="#1f6feb")
+        if with_projection:
+            guess = [(p[f"projected_{key}"] or 0) / scale for p in points]
+            plot.plot(budgets, guess, pen=pg.mkPen("#e36209", width=2), symbol="t", symbolBrush="#e36209")
         plot.addItem(pg.InfiniteLine(recommended_budget / byte_scale, angle=90,
                                      pen=pg.mkPen("#d1242f", width=2, style=pg.QtCore.Qt.PenStyle.DashLine)))
     layout.show()

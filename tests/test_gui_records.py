@@ -173,7 +173,13 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     assert points[0].peak_device_bytes < points[1].peak_device_bytes
     best = recommend(points, 0.10)
     assert view.recommended is best and view.marks["completion"].value() == best.budget_bytes / 1024
-    assert list(view.chosen["completion"].getData()[1]) == [best.completion_s]
+    # a simulated device: the projected curves drawn next to the measured ones, the recommendation by the projection
+    assert view.projected and all(p.projected_completion_s is not None for p in points)
+    assert list(view.projected_curves["completion"].getData()[1]) == [p.projected_completion_s for p in points]
+    assert list(view.projected_curves["tokens"].getData()[1]) == [p.projected_decode_tokens_per_s for p in points]
+    assert "projected for the simulated card" in view.plots["completion"].titleLabel.text
+    assert list(view.chosen["completion"].getData()[1]) == [best.projected_completion_s]
+    assert "projected for the simulated card" in view.summary.text()
     view.margin.setValue(0.0)
     assert view.recommended is recommend(points, 0.0)
     assert len(window.history.ids()) == 2 and len(view.result.saved_ids) == 2

@@ -16,7 +16,7 @@ from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
 from engine.offload import OffloadConfig
 from engine.records.configurations import save_configuration
 from engine.records.scenarios import SCENARIOS
-from engine.records.sweep import SweepPoint, recommend
+from engine.records.sweep import SweepPoint, recommend, uses_projection
 from engine.units import human_bytes
 
 KIND = "sweeping"
@@ -25,6 +25,10 @@ PANELS = (("device", "device memory peak", lambda p: p.peak_device_bytes, True),
           ("rss", "process RAM peak", lambda p: p.peak_rss_bytes, True),
           ("completion", "completion time (s)", lambda p: p.completion_s, False),
           ("tokens", "decode (tokens/s)", lambda p: p.decode_tokens_per_s, False))
+# On a simulated device, the same panels' values projected for the simulated card (engine/offload/projection.py):
+# its measured wall time computes the card's experts on the CPU, so they, not the measured ones, say what the card
+# would give; the recommendation follows the projected completion time there.
+PROJECTED = {"completion": lambda p: p.projected_completion_s, "tokens": lambda p: p.projected_decode_tokens_per_s}
 
 
 def byte_unit(largest: float) -> tuple[str, int]:
@@ -70,6 +74,8 @@ class SweepView(QWidget):
         self.curves: dict[str, pg.PlotDataItem] = {}
         self.marks: dict[str, pg.InfiniteLine] = {}
         self.chosen: dict[str, pg.ScatterPlotItem] = {}
+        self.projected_curves: dict[str, pg.PlotDataItem] = {}  # PROJECTED's panels, empty off a simulated device
+        self.projected = False  # the points shown carry projections (a sweep on the simulated device)
         self.canvas = pg.GraphicsLayoutWidget()
         self.canvas.setMinimumHeight(260)
         self.scales: dict[str, tuple[str, int]] = {}
@@ -81,6 +87,8 @@ class SweepView(QWidget):
                 plot.getAxis(axis).enableAutoSIPrefix(False)
             self.plots[key] = plot
             self.curves[key] = plot.plot([], [], symbol="o")
+            if key in PROJECTED:
+                self.projected_curves[key] = plot.plot([], [], symbol="t")
             self.chosen[key] = pg.ScatterPlotItem(size=14)
             plot.addItem(self.chosen[key])
             self.marks[key] = pg.InfiniteLine(angle=90, movable=False)
@@ -122,6 +130,9 @@ class SweepView(QWidget):
                 plot.getAxis(name).setTextPen(pg.mkPen(t.muted))
             self.curves[key].setPen(pg.mkPen(t.accent, width=2))
             self.curves[key].setSymbolBrush(pg.mkBrush(t.accent))
+            if key in self.projected_curves:
+                self.projected_curves[key].setPen(pg.mkPen(t.others, width=2, style=pg.QtCore.Qt.PenStyle.DashLine))
+                self.projected_curves[key].setSymbolBrush(pg.mkBrush(t.others))
             self.chosen[key].setPen(pg.mkPen(t.error, width=2))
             self.chosen[key].setBrush(pg.mkBrush(None))
             self.marks[key].setPen(pg.mkPen(t.error, width=1, style=pg.QtCore.Qt.PenStyle.DashLine))
@@ -161,10 +172,20 @@ class SweepView(QWidget):
     def plot(self, points: list[SweepPoint]) -> None:
         """Each panel against the budget; bytes in the unit that fits (self.x / self.y give plotted values)."""
         self.scales["budget"] = byte_unit(max((p.budget_bytes for p in points), default=0))
+        self.projected = uses_projection(points)
         for key, heading, get, is_bytes in PANELS:
             if is_bytes:
                 self.scales[key] = byte_unit(max((get(p) or 0 for p in points), default=0))
                 self.plots[key].setTitle(f"{heading} ({self.scales[key][0]})", color=self._theme.text)
+            elif key in PROJECTED:
+                title = heading + (": measured (solid), projected for the simulated card (dashed)"
+                                   if self.projected else "")
+                self.plots[key].setTitle(title, color=self._theme.text)
+                curve = self.projected_curves[key]
+                if self.projected:
+                    curve.setData([self.x(p) for p in points], [PROJECTED[key](p) or 0 for p in points])
+                else:
+                    curve.setData([], [])
             self.plots[key].setLabel("bottom", f"expert budget ({self.scales['budget'][0]})")
             self.curves[key].setData([self.x(p) for p in points], [self.y(key, p) for p in points])
             self.chosen[key].setData([], [])
@@ -184,15 +205,30 @@ class SweepView(QWidget):
         best = recommend(self.result.points, margin)
         self.recommended = best
         for key, *_rest in PANELS:
-            self.chosen[key].setData([self.x(best)], [self.y(key, best)])
+            # on a simulated device the recommended point is marked on the projected curve it was chosen by
+            y = (PROJECTED[key](best) or 0) if self.projected and key in PROJECTED else self.y(key, best)
+            self.chosen[key].setData([self.x(best)], [y])
             self.marks[key].setValue(self.x(best))
             self.marks[key].show()
-        fastest = min(p.completion_s for p in self.result.points)
-        self.summary.setText(
-            f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}), "
-            f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
-            f"{best.decode_tokens_per_s:.1f} tok/s, device peak {human_bytes(best.peak_device_bytes)}, "
-            f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
+        if self.projected:
+            fastest = min(p.projected_completion_s for p in self.result.points)
+            bw = best.records[0].timings["projected"].get("bandwidths") or {}
+            self.summary.setText(
+                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}), "
+                f"by the completion time projected for the simulated card (PCIe "
+                f"{bw.get('pcie_bytes_per_s', 0) / 1e9:.0f} GB/s, HBM {bw.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s "
+                f"assumed): {best.projected_completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
+                f"{best.projected_decode_tokens_per_s or 0:.1f} tok/s projected; measured on this machine "
+                f"{best.completion_s:.2f} s, {best.decode_tokens_per_s:.1f} tok/s (the simulated device computes the "
+                f"card's experts on the CPU); device peak {human_bytes(best.peak_device_bytes)}, "
+                f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
+        else:
+            fastest = min(p.completion_s for p in self.result.points)
+            self.summary.setText(
+                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}), "
+                f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
+                f"{best.decode_tokens_per_s:.1f} tok/s, device peak {human_bytes(best.peak_device_bytes)}, "
+                f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
         self.save_button.setEnabled(True)
         if not self.name.text().strip():
             self.name.setText(f"sweep {human_bytes(best.budget_bytes)}")
