@@ -49,6 +49,8 @@ def stats_line(result: dict) -> str:
              f"{t['decode_tokens_per_s']:.1f} tok/s",
              f"{t['total_s']:.2f} s",
              f"{t['generated_tokens']} tokens"]
+    if t.get("projected_decode_tokens_per_s"):  # a simulated device (engine/offload/projection.py)
+        parts.append(f"projected on the simulated card: {t['projected_decode_tokens_per_s']:.1f} tok/s")
     prompt = f"prompt {t['prompt_tokens']} tokens"
     if result.get("reused_cache_tokens"):
         prompt += f" (+{result['reused_cache_tokens']} cached)"

@@ -9,6 +9,7 @@ ends the answer) and mid-load (the next progress report ends the load). Any engi
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import open_cuda_device
+from engine.offload.projection import is_simulated, projected_seconds
+from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
 from engine.sampling import SamplingParams
 from engine.units import human_bytes
@@ -271,14 +274,19 @@ class EngineWorker(QObject):
                     self._emit_stats(decode=True)
 
             before = miss_split(getattr(self._model, "offload", None))
+            decode_before = self._decode_phase()
             try:
                 result = conversation.send(text, params, on_text, self.cancel)
             finally:
                 flush()
             self._conversation = conversation
             after = miss_split(getattr(self._model, "offload", None))
+            timings = result.timings.as_dict()
+            projected = self._projected_decode(decode_before, result.timings)
+            if projected is not None:
+                timings["projected_decode_tokens_per_s"] = projected
             self.answered.emit({"text": result.text, "finish_reason": result.finish_reason,
-                                "timings": result.timings.as_dict(), "reused_cache_tokens": result.reused_cache_tokens,
+                                "timings": timings, "reused_cache_tokens": result.reused_cache_tokens,
                                 "routing_agreement": result.routing_agreement,
                                 "offload": {key: after[key] - before.get(key, 0) for key in after}})
             self._emit_stats()
@@ -287,6 +295,23 @@ class EngineWorker(QObject):
             self.answered.emit({"text": "", "finish_reason": "error", "error": one_line(exc), "timings": {}})
         finally:
             self.busyChanged.emit("")
+
+    def _decode_phase(self):
+        """A copy of the decode steps' projection totals (engine/offload/projection.py) on a simulated device."""
+        offload = getattr(self._model, "offload", None)
+        if offload is None or not is_simulated(self._device):
+            return None
+        return copy.copy(offload.stats.phases["decode"])
+
+    def _projected_decode(self, before, timings) -> float | None:
+        """Decode tokens/s projected for the simulated card over this answer's decode steps; None off it."""
+        after = self._decode_phase()
+        if before is None or after is None or not timings.decode_s or timings.generated_tokens < 2:
+            return None
+        delta = LayerStats(cpu_s=after.cpu_s - before.cpu_s, standin_s=after.standin_s - before.standin_s,
+                           critical_s=after.critical_s - before.critical_s)
+        seconds = projected_seconds(timings.decode_s, [delta])
+        return (timings.generated_tokens - 1) / seconds if seconds > 0 else None
 
     @Slot(str, dict)
     def _send(self, text: str, options: dict) -> None:

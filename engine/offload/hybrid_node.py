@@ -70,6 +70,7 @@ class HybridExpertNode:
 
         out = self._output(x2d.shape[0])
         store = engine.stores[layer]
+        standin_before = getattr(store, "standin_s", 0.0) if store is not None else 0.0
         # The device starts on the resident experts; the CPU computes the cold ones meanwhile.
         pending = store.launch(x2d, np.where(resident, ids, -1), weights) if store is not None and hits else None
         cold = np.where(resident, -1, ids) if hits else ids  # never written in place
@@ -77,7 +78,6 @@ class HybridExpertNode:
         pending_copied = None
         waves = []      # (copy s, device s) per prefill wave: the projection's critical path (projection.py)
         miss_copy_s = 0.0
-        standin_before = getattr(store, "standin_s", 0.0) if store is not None else 0.0
         if store is not None and missed:
             for wave in self._waves(cold):
                 wave_copy = store.stage(wave)
