@@ -61,6 +61,21 @@ def test_schema_round_trip(short_record):
         RunRecord.from_dict(data)
 
 
+def test_simulated_record_carries_the_projection(short_record, simulated_model):
+    _model, device = simulated_model
+    projected = short_record.timings["projected"]
+    assert set(projected) >= {"decode_tokens_per_s", "prefill_s", "completion_s", "bandwidths"}
+    assert projected["bandwidths"] == {"pcie_bytes_per_s": device.bandwidths.pcie,
+                                       "hbm_bytes_per_s": device.bandwidths.hbm}
+    assert 0 < projected["completion_s"] <= short_record.timings["completion_s"] * 1.01
+    assert all("standin_s" in layer and "critical_s" in layer for layer in short_record.layers)
+    data = json.loads(json.dumps(short_record.to_dict()))
+    assert RunRecord.from_dict(data).timings["projected"] == projected
+    # a record written before the projection existed still reads
+    old = dict(data, timings={k: v for k, v in data["timings"].items() if k != "projected"})
+    assert "projected" not in RunRecord.from_dict(old).timings
+
+
 def test_history_write_read_filter_export(short_record, tmp_path):
     history = History(tmp_path / "h.sqlite3")
     first = history.add(short_record)
@@ -107,6 +122,26 @@ def test_recommendation_follows_the_numbers():
     assert recommend(points, margin=0.0).budget_bytes == 300
 
 
+def test_recommendation_follows_the_projection_on_a_simulated_device():
+    def point(budget, completion, projected):
+        p = SweepPoint(budget, 0.0)
+        p.records = [RunRecord("short", "", {}, {}, {}, {},
+                               {"completion_s": completion, "decode_tokens_per_s": 1,
+                                "projected": {"completion_s": projected, "decode_tokens_per_s": 2,
+                                              "prefill_s": 0.1, "bandwidths": {}}},
+                               {"device_bytes": budget, "rss_bytes": 1})]
+        return p
+
+    # measured: slower with more resident (the CPU stands in for the card); projected: the card's way
+    points = [point(0, 4.0, 10.0), point(100, 5.0, 5.4), point(200, 6.0, 5.0), point(300, 7.0, 4.95)]
+    assert recommend(points, margin=0.10).budget_bytes == 100
+    assert recommend(points, margin=0.0).budget_bytes == 300
+    assert points[0].ranking_completion_s == 10.0 and points[0].projected_decode_tokens_per_s == 2
+    # one point without a projection (a CUDA run mixed in): the measured times decide
+    points[0].records[0].timings.pop("projected")
+    assert recommend(points, margin=0.0).budget_bytes == 0
+
+
 def test_sweep_on_the_simulated_device(tmp_path):
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
@@ -115,10 +150,12 @@ def test_sweep_on_the_simulated_device(tmp_path):
     assert points[0].budget_bytes == 0 and points[-1].budget_bytes == all_resident_bytes(model.offload.infos)
     assert points[0].peak_device_bytes < points[-1].peak_device_bytes  # resident experts cost device memory
     assert points[-1].records[0].layers[0]["misses"] == 0 and points[0].records[0].layers[0]["hits"] == 0
+    # a simulated device: the recommendation compares the completion times projected for the simulated card
+    assert all(p.projected and p.as_dict()["projected_completion_s"] == p.projected_completion_s for p in points)
     best = recommend(points, 0.10)
-    fastest = min(p.completion_s for p in points)
-    assert best.completion_s <= fastest * 1.10
-    assert all(p.budget_bytes >= best.budget_bytes for p in points if p.completion_s <= fastest * 1.10)
+    fastest = min(p.projected_completion_s for p in points)
+    assert best.projected_completion_s <= fastest * 1.10
+    assert all(p.budget_bytes >= best.budget_bytes for p in points if p.projected_completion_s <= fastest * 1.10)
 
 
 def test_side_by_side_gives_two_records_and_the_divergence(simulated_model):
