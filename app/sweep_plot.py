@@ -31,8 +31,8 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     for index, (title, unit, key, scale) in enumerate(panels):
         with_projection = projected and key in ("completion_s", "decode_tokens_per_s")
         if with_projection:
-            title += (": measured (blue), projected for the simulated card (orange)"
-                      + ("; recommended by the projected time" if key == "completion_s" else ""))
+            title += ("<br><span style='font-size:9pt'>blue measured, orange projected for the simulated card"
+                      + ("; red: recommended by the projected time" if key == "completion_s" else "") + "</span>")
         plot = layout.addPlot(row=index // 2, col=index % 2, title=title)
         plot.setLabel("bottom", f"expert budget, device_expert_bytes ({byte_unit})")
         plot.setLabel("left", unit)
