@@ -189,6 +189,16 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     view.save_button.click()
     folder, config = load_configuration("fast enough", tmp_path / "configurations.json")
     assert Path(folder).resolve() == fixture_folder("gptoss").resolve() and config.device_expert_bytes == view.recommended.budget_bytes
+    # the chat's statistics line on the simulated device states the decode rate projected for the card
+    window.chat.max_tokens.setValue(6)
+    window.chat.prompt.setPlainText("Hello")
+    window.chat.send()
+    qtbot.waitUntil(lambda: bool(not window.busy and window.chat.entries and window.chat.entries[-1].get("stats")),
+                    timeout=WAIT)
+    entry = window.chat.entries[-1]
+    if entry["result"]["timings"]["generated_tokens"] > 1:
+        assert entry["result"]["timings"]["projected_decode_tokens_per_s"] > 0
+        assert "projected on the simulated card: " in entry["stats"]
 
 
 def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(qtbot, window):
