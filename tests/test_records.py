@@ -74,6 +74,14 @@ def test_simulated_record_carries_the_projection(short_record, simulated_model):
     # a record written before the projection existed still reads
     old = dict(data, timings={k: v for k, v in data["timings"].items() if k != "projected"})
     assert "projected" not in RunRecord.from_dict(old).timings
+    # the history view's detail and comparison show it where a record has it
+    from app.gui.record_report import compare_rows, detail_html, fmt
+
+    detail = detail_html(short_record)
+    assert "projected completion" in detail and fmt(projected["completion_s"], "s") in detail
+    assert "projected" not in detail_html(RunRecord.from_dict(old))
+    rows = {row[0]: row for row in compare_rows(RunRecord.from_dict(old), short_record)}
+    assert rows["projected completion"][1] == "—" and rows["projected completion"][2] == fmt(projected["completion_s"], "s")
 
 
 def test_history_write_read_filter_export(short_record, tmp_path):

@@ -16,6 +16,9 @@ METRICS = (
     ("prefill", lambda r: r.timings.get("prefill_s"), "s", True),
     ("decode", lambda r: r.timings.get("decode_tokens_per_s"), "tok/s", False),
     ("completion", lambda r: r.timings.get("completion_s"), "s", True),
+    # on a simulated device: what the simulated card would give (engine/offload/projection.py)
+    ("projected decode", lambda r: (r.timings.get("projected") or {}).get("decode_tokens_per_s"), "tok/s", False),
+    ("projected completion", lambda r: (r.timings.get("projected") or {}).get("completion_s"), "s", True),
     ("generated tokens", lambda r: sum(t.get("generated_tokens", 0) for t in r.turns), "n", None),
     ("device memory peak", lambda r: r.peaks.get("device_bytes"), "bytes", True),
     ("process RSS peak", lambda r: r.peaks.get("rss_bytes"), "bytes", True),
@@ -86,7 +89,8 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         + ([("agreement with exact routing", f"{record.routing_agreement:.1%}")]
            if record.routing_agreement is not None else [])))
     parts.append("<h4>Timings and peaks</h4>")
-    parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS]
+    parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
+                         if not (label.startswith("projected") and get(record) is None)]
                         + [("turns", t.get("turns", len(record.turns))),
                            ("cancelled", "yes" if t.get("cancelled") else "no")]))
     parts.append("<h4>Configuration</h4>")
