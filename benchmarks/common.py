@@ -11,10 +11,8 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 
 from engine.records.environment import cpu_model, gpus
 
@@ -54,22 +52,8 @@ def write_result(benchmark: str, figures: list[dict], **extra) -> Path:
 
 
 def stream_read_bandwidth(gbytes: float = 2.0, repeats: int = 5) -> float:
-    """Streaming read bandwidth in GB/s: Numba parallel sum over a float32 array, all threads, best of n."""
-    from numba import njit, prange
+    """Streaming read bandwidth in GB/s: the engine's own measurement (a Numba parallel sum over a float32
+    array, all threads, best of n) over a larger array than the engine uses when a device opens."""
+    from engine.offload.host_bandwidth import stream_read_bandwidth as measure
 
-    @njit(parallel=True, fastmath=True)
-    def psum(a):
-        s = np.float32(0.0)
-        for i in prange(a.size):
-            s += a[i]
-        return s
-
-    a = np.ones(int(gbytes * 1e9) // 4, np.float32)
-    psum(a)
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        psum(a)
-        best = max(best, a.nbytes / (time.perf_counter() - t0) / 1e9)
-    del a
-    return best
+    return measure(int(gbytes * 1e9), repeats) / 1e9

@@ -338,7 +338,6 @@ def test_buffers_reused_across_decode_steps_are_not_aliased(model_folder, cpu_ru
                              device=SimulatedDevice(1 << 30))
     nodes = [r for r in model.decoder.steps if isinstance(r, HybridExpertNode)]
     first_segment = next(r for r in model.decoder.steps if isinstance(r, DenseSegment))
-    outputs: list[list[np.ndarray]] = []
     for node in nodes:  # record what each node returns, by identity
         run = node.run
         node.run = lambda values, run=run, seen=[]: seen.append(run(values)) or seen[-1]

@@ -1,7 +1,7 @@
 """The host's streaming read bandwidth, measured once when a real device opens: the rate at which
 the CPU expert kernels can read weights in decode, the miss policy's B_cpu (miss_policy.py).
-A parallel sum over an array larger than the caches, all threads, best of a few runs (the same
-measurement as benchmarks/common.stream_read_bandwidth, smaller, so opening a device stays quick)."""
+A parallel sum over an array larger than the caches, all threads, best of a few runs; the
+benchmarks use the same function over a larger array (benchmarks/common.stream_read_bandwidth)."""
 
 from __future__ import annotations
 
@@ -38,4 +38,5 @@ def stream_read_bandwidth(nbytes: int = 512 << 20, repeats: int = 3) -> float:
         started = time.perf_counter()
         psum(a)
         best = max(best, a.nbytes / max(time.perf_counter() - started, 1e-9))
+    del a
     return best

@@ -20,7 +20,6 @@ normalize_routing_weights; router_weights); the sparse mixer routes on the host 
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
