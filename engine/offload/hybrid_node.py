@@ -185,7 +185,7 @@ class HybridExpertNode:
         if not copying_pays(miss_costs(bandwidths, expert_bytes, tokens, resident_s, **extra)):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
-        spare = policy.spare_slots(self.layer, ids[ids >= 0])
+        spare = policy.spare_slots(self.layer, ids)  # unrouted pairs (-1) are ignored there
         if spare.size == 0:
             return _NONE
         decision = decide(bandwidths, expert_bytes, tokens, spare.size, resident_s, **extra)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from numba import njit
 
 
 @dataclass
@@ -72,6 +73,10 @@ class PlacementPolicy:
         self.scores = [np.zeros(layer.num_experts) for layer in layers]
         self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]  # copied in by the miss policy
         self.admissions = 0
+        # spare_slots in one compiled call where wanted() is one of ours (0: base, 1: adaptive); a subclass with
+        # its own wanted() gets the NumPy formulation
+        wanted = type(self).wanted
+        self._wanted_rule = 0 if wanted is PlacementPolicy.wanted else 1 if wanted is AdaptivePlacement.wanted else -1
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
         raise NotImplementedError
@@ -84,12 +89,16 @@ class PlacementPolicy:
     def spare_slots(self, layer: int, busy: np.ndarray) -> np.ndarray:
         """Slots a missed expert may be copied into during a step: empty ones first, then those
         whose expert the placement does not want, weakest first; never one holding an expert in
-        `busy` (routed this step: the device may be reading it)."""
+        `busy` (routed this step: the device may be reading it; negative ids, unrouted pairs, are ignored)."""
         slots = self.layers[layer]
+        if self._wanted_rule >= 0:
+            return _spare_slots(self.scores[layer], slots.slot_of, slots.expert_in, self.admitted[layer],
+                                busy.reshape(-1), self._wanted_rule, slots.num_slots)
         occupant = slots.expert_in
         # per expert: may be evicted now (resident, not wanted, not routed this step); an empty slot's -1
         # reads the last expert's entry, and `occupied` masks it out
         free = ~self.wanted(layer)
+        busy = busy[busy >= 0]
         if busy.size:
             free[busy] = False
         occupied = occupant >= 0
@@ -142,8 +151,8 @@ class StaticPlacement(PlacementPolicy):
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
         # Only fills slots that are still empty (e.g. no popularity file: the first steps decide).
-        ids = expert_ids[expert_ids >= 0]
-        np.add.at(self.scores[layer], ids, 1.0)
+        # = np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call
+        _observe(self.scores[layer], expert_ids.reshape(-1), 1.0, False)
 
 
 class AdaptivePlacement(PlacementPolicy):
@@ -157,6 +166,7 @@ class AdaptivePlacement(PlacementPolicy):
     def __init__(self, layers: list[LayerSlots], decay: float = 0.9, margin: float = 1.5, max_swaps: int = 2):
         super().__init__(layers)
         self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
+        self._rows: np.ndarray | None = None  # rebalance's swap rows (slot, evicted, loaded)
 
     def wanted(self, layer: int) -> np.ndarray:
         """Residents scored at least the slot count's best score (ties count as wanted)."""
@@ -169,44 +179,160 @@ class AdaptivePlacement(PlacementPolicy):
         return (slots.slot_of >= 0) & (scores >= bar) & (scores > 0)
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
-        scores = self.scores[layer]
-        scores *= self.decay
-        ids = expert_ids[expert_ids >= 0]
-        np.add.at(scores, ids, 1.0)
+        # = scores *= decay; np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call
+        _observe(self.scores[layer], expert_ids.reshape(-1), self.decay, True)
 
     def rebalance(self) -> list[Swap]:
+        """Per layer with slots: fill empty slots with the best positive-scored cold experts; then take the
+        max_swaps best cold experts (highest score first, lowest id on ties) and, in that order, swap each in for
+        the weakest resident (first in slot order on ties) while it scores more than margin times that one's
+        score. One compiled call per layer (_rebalance)."""
         swaps = []
+        rows = self._rows
         for index, layer in enumerate(self.layers):
             if layer.num_slots == 0:
                 continue
-            scores = self.scores[index]
-            swaps += [Swap(index, s, None, e) for s, e in self._fill_empty(layer, scores)]
-            cold = np.flatnonzero(layer.slot_of < 0)
-            if cold.size == 0:
-                continue
-            candidates = cold[np.argsort(-scores[cold], kind="stable")][: self.max_swaps]
-            for expert in candidates:
-                residents = layer.expert_in[layer.expert_in >= 0]
-                weakest = residents[np.argmin(scores[residents])]
-                if scores[expert] <= self.margin * scores[weakest] or scores[expert] <= 0:
-                    break
-                slot = int(layer.slot_of[weakest])
-                layer.place(slot, int(expert))
-                swaps.append(Swap(index, slot, int(weakest), int(expert)))
+            if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
+                rows = self._rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
+            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, rows)
+            if n:
+                for slot, evicted, loaded in rows[:n].tolist():
+                    swaps.append(Swap(index, slot, evicted if evicted >= 0 else None, loaded))
         return swaps
 
-    @staticmethod
-    def _fill_empty(layer: LayerSlots, scores: np.ndarray) -> list[tuple[int, int]]:
-        placed = []
-        empty = np.flatnonzero(layer.expert_in < 0)
-        if empty.size == 0:
-            return placed
-        cold = np.flatnonzero(layer.slot_of < 0)
-        cold = cold[scores[cold] > 0]
-        for slot, expert in zip(empty, cold[np.argsort(-scores[cold], kind="stable")]):
-            layer.place(int(slot), int(expert))
-            placed.append((int(slot), int(expert)))
-        return placed
+
+# --- compiled bookkeeping (issue #4) --------------------------------------------------------------------------
+# A decode step's placement work is a handful of comparisons over 128 scores, but as NumPy calls it was ~10 calls
+# per layer (flatnonzero, argsort, partition, masks, add.at), each 5-10 µs with the caches cold after a kernel.
+# These do the same work in one compiled call each, with the very same floating-point operations (decay multiply,
+# += 1.0 in order, margin * score) and the same tie rules as the NumPy formulation (stable sorts: the lowest
+# index / slot first), so the decisions are identical: tests/test_placement_fast.py checks them against the
+# straightforward NumPy implementation (the reference kept in the methods' docstrings' terms) on random traces.
+
+@njit(cache=True, nogil=True)
+def _observe(scores, ids, decay, decaying):
+    """scores *= decay (when decaying); then scores[e] += 1.0 for every id e >= 0, in order (np.add.at)."""
+    if decaying:
+        for e in range(scores.size):
+            scores[e] *= decay
+    for i in range(ids.size):
+        e = ids[i]
+        if e >= 0:
+            scores[e] += 1.0
+
+
+@njit(cache=True, nogil=True)
+def _spare_slots(scores, slot_of, expert_in, admitted, busy, rule, num_slots):
+    """PlacementPolicy.spare_slots. rule 0: wanted = resident and not admitted (base / static); rule 1: adaptive's
+    wanted (resident, scored at least the num_slots-th best score, > 0; none without slots; every resident when
+    there is a slot per expert)."""
+    E = slot_of.size
+    S = expert_in.size
+    bar = 0.0
+    if rule == 1 and 0 < num_slots < E:
+        bar = np.sort(scores)[E - num_slots]  # the num_slots-th largest value, as np.partition gives it
+    free = np.ones(E, np.bool_)  # per expert: may be evicted now
+    for e in range(E):
+        if slot_of[e] >= 0:
+            if rule == 0:
+                wanted = not admitted[e]
+            elif num_slots == 0:
+                wanted = False
+            elif num_slots >= E:
+                wanted = True
+            else:
+                wanted = scores[e] >= bar and scores[e] > 0
+            free[e] = not wanted
+    for i in range(busy.size):
+        e = busy[i]
+        if e >= 0:
+            free[e] = False
+    out = np.empty(S, np.int64)
+    n = 0
+    for s in range(S):
+        if expert_in[s] < 0:
+            out[n] = s
+            n += 1
+    first = n
+    for s in range(S):
+        e = expert_in[s]
+        if e >= 0 and free[e]:
+            out[n] = s
+            n += 1
+    if n - first > 1:  # weakest first; insertion sort is stable (equal scores keep slot order)
+        for i in range(first + 1, n):
+            slot = out[i]
+            key = scores[expert_in[slot]]
+            j = i - 1
+            while j >= first and scores[expert_in[out[j]]] > key:
+                out[j + 1] = out[j]
+                j -= 1
+            out[j + 1] = slot
+    return out[:n]
+
+
+@njit(cache=True, nogil=True)
+def _best_cold(scores, slot_of, taken, positive):
+    """The cold expert with the highest score (lowest index on ties) not in `taken` (and > 0 when positive); -1."""
+    best = -1
+    for e in range(slot_of.size):
+        if slot_of[e] >= 0 or taken[e]:
+            continue
+        if positive and not scores[e] > 0:
+            continue
+        if best < 0 or scores[e] > scores[best]:
+            best = e
+    return best
+
+
+@njit(cache=True, nogil=True)
+def _rebalance(scores, slot_of, expert_in, margin, max_swaps, swaps):
+    """AdaptivePlacement's safe point for one layer, in place on slot_of / expert_in. swaps [rows, 3] receives
+    (slot, evicted or -1, loaded); returns the row count. Empty slots are filled first (best positive-scored cold
+    experts, slots in order); then up to max_swaps of the best cold experts (chosen before any swap) each replace
+    the weakest resident (the first in slot order on ties) while it scores more than margin times it."""
+    E = slot_of.size
+    S = expert_in.size
+    n = 0
+    taken = np.zeros(E, np.bool_)
+    for s in range(S):
+        if expert_in[s] < 0:
+            e = _best_cold(scores, slot_of, taken, True)
+            if e < 0:
+                break
+            expert_in[s] = e
+            slot_of[e] = s
+            swaps[n, 0] = s
+            swaps[n, 1] = -1
+            swaps[n, 2] = e
+            n += 1
+    candidates = np.empty(max_swaps, np.int64)
+    count = 0
+    for k in range(max_swaps):
+        e = _best_cold(scores, slot_of, taken, False)
+        if e < 0:
+            break
+        candidates[count] = e
+        taken[e] = True
+        count += 1
+    for k in range(count):
+        expert = candidates[k]
+        weakest = -1
+        for s in range(S):
+            r = expert_in[s]
+            if r >= 0 and (weakest < 0 or scores[r] < scores[weakest]):
+                weakest = r
+        if weakest < 0 or scores[expert] <= margin * scores[weakest] or scores[expert] <= 0:
+            break
+        slot = slot_of[weakest]
+        slot_of[weakest] = -1
+        expert_in[slot] = expert
+        slot_of[expert] = slot
+        swaps[n, 0] = slot
+        swaps[n, 1] = weakest
+        swaps[n, 2] = expert
+        n += 1
+    return n
 
 
 def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray] | None = None) -> PlacementPolicy:

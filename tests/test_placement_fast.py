@@ -1,0 +1,159 @@
+"""The placement policies' compiled bookkeeping (observe, spare_slots, rebalance: engine/offload/placement.py, issue #4)
+against the straightforward NumPy implementation they replaced, on random routing traces: the same scores, the
+same spare slots and the same swaps, step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.offload.placement import AdaptivePlacement, LayerSlots, StaticPlacement, Swap, make_policy
+from engine.offload.traces import realistic_trace, uniform_trace
+
+
+class Reference:
+    """The NumPy formulation (placement.py before the compiled kernels), on its own LayerSlots."""
+
+    def __init__(self, layers, adaptive, decay=0.9, margin=1.5, max_swaps=2):
+        self.layers, self.adaptive = layers, adaptive
+        self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
+        self.scores = [np.zeros(layer.num_experts) for layer in layers]
+        self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]
+
+    def observe(self, layer, expert_ids):
+        scores = self.scores[layer]
+        if self.adaptive:
+            scores *= self.decay
+        np.add.at(scores, expert_ids[expert_ids >= 0], 1.0)
+
+    def wanted(self, layer):
+        slots, scores = self.layers[layer], self.scores[layer]
+        if not self.adaptive:
+            return (slots.slot_of >= 0) & ~self.admitted[layer]
+        if slots.num_slots == 0:
+            return np.zeros(slots.num_experts, bool)
+        if slots.num_slots >= slots.num_experts:
+            return slots.slot_of >= 0
+        bar = np.partition(scores, scores.size - slots.num_slots)[scores.size - slots.num_slots]
+        return (slots.slot_of >= 0) & (scores >= bar) & (scores > 0)
+
+    def spare_slots(self, layer, busy):
+        slots = self.layers[layer]
+        occupant = slots.expert_in
+        free = ~self.wanted(layer)
+        if busy.size:
+            free[busy] = False
+        occupied = occupant >= 0
+        safe = occupied & free[occupant]
+        empty = np.flatnonzero(~occupied)
+        spare = np.flatnonzero(safe)
+        if spare.size > 1:
+            spare = spare[np.argsort(self.scores[layer][occupant[spare]], kind="stable")]
+        return np.concatenate([empty, spare]).astype(np.int64)
+
+    def admit(self, layer, slot, expert):
+        evicted = self.layers[layer].place(slot, expert)
+        if evicted is not None:
+            self.admitted[layer][evicted] = False
+        self.admitted[layer][expert] = True
+
+    def rebalance(self):
+        if not self.adaptive:
+            return []
+        swaps = []
+        for index, layer in enumerate(self.layers):
+            if layer.num_slots == 0:
+                continue
+            scores = self.scores[index]
+            empty = np.flatnonzero(layer.expert_in < 0)
+            if empty.size:
+                cold = np.flatnonzero(layer.slot_of < 0)
+                cold = cold[scores[cold] > 0]
+                for slot, expert in zip(empty, cold[np.argsort(-scores[cold], kind="stable")]):
+                    layer.place(int(slot), int(expert))
+                    swaps.append(Swap(index, int(slot), None, int(expert)))
+            cold = np.flatnonzero(layer.slot_of < 0)
+            if cold.size == 0:
+                continue
+            candidates = cold[np.argsort(-scores[cold], kind="stable")][: self.max_swaps]
+            for expert in candidates:
+                residents = layer.expert_in[layer.expert_in >= 0]
+                weakest = residents[np.argmin(scores[residents])]
+                if scores[expert] <= self.margin * scores[weakest] or scores[expert] <= 0:
+                    break
+                slot = int(layer.slot_of[weakest])
+                layer.place(slot, int(expert))
+                swaps.append(Swap(index, slot, int(weakest), int(expert)))
+        return swaps
+
+
+def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit_every=3):
+    """Drive the policy and the reference with the same trace and the same miss-policy admissions; compare."""
+    rng = np.random.default_rng(seed)
+    L = trace.shape[1]
+    ours_layers = [LayerSlots(num_experts, s) for s in slots]
+    ref_layers = [LayerSlots(num_experts, s) for s in slots]
+    policy = make_policy(policy_name, ours_layers, popularity)
+    ref = Reference(ref_layers, policy_name == "adaptive")
+    for index in range(L):
+        ref.scores[index][:] = policy.scores[index]
+    total_swaps = total_spare = 0
+    for step in range(trace.shape[0]):
+        for layer in range(L):
+            ids = trace[step, layer].astype(np.int64)
+            if step % 5 == 4:  # some unrouted pairs (approximate routing drops them)
+                ids = ids.copy()
+                ids[rng.integers(ids.size)] = -1
+            if step % admit_every == 0 and slots[layer]:
+                busy = ids[ids >= 0]
+                spare, expected = policy.spare_slots(layer, ids), ref.spare_slots(layer, busy)
+                assert spare.dtype == np.int64 and spare.tolist() == expected.tolist(), (step, layer)
+                cold = [int(e) for e in busy if ours_layers[layer].slot_of[e] < 0]
+                for slot, expert in zip(spare.tolist(), cold[: int(rng.integers(0, 3))]):
+                    policy.admit(layer, slot, expert)
+                    ref.admit(layer, slot, expert)
+                total_spare += spare.size
+            policy.observe(layer, ids)
+            ref.observe(layer, ids)
+            assert np.array_equal(policy.scores[layer], ref.scores[layer])  # bit for bit
+        swaps, expected = policy.rebalance(), ref.rebalance()
+        assert swaps == expected, step
+        total_swaps += len(swaps)
+        for ours, theirs in zip(ours_layers, ref_layers):
+            assert np.array_equal(ours.expert_in, theirs.expert_in) and np.array_equal(ours.slot_of, theirs.slot_of)
+    return total_swaps, total_spare
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_adaptive_makes_the_reference_swaps_on_realistic_traces(seed):
+    trace = realistic_trace(300, 3, 128, 8, seed=seed, switch_every=100)
+    swaps, spare = _replay("adaptive", trace, 128, [64, 32, 0], seed)
+    assert swaps > 50 and spare > 0  # the comparison saw real work
+
+
+def test_adaptive_makes_the_reference_swaps_with_popularity_and_uniform_routing():
+    rng = np.random.default_rng(7)
+    trace = uniform_trace(300, 2, 64, 6, seed=3)
+    popularity = [rng.integers(0, 5, 64).astype(float) for _ in range(2)]  # ties in the scores
+    swaps, _ = _replay("adaptive", trace, 64, [16, 64], 7, popularity)
+    assert swaps > 0
+
+
+def test_static_keeps_the_reference_spare_slots():
+    trace = realistic_trace(300, 2, 64, 8, seed=4)
+    swaps, spare = _replay("static", trace, 64, [16, 48], 4, admit_every=1)
+    assert swaps == 0 and spare > 0
+
+
+def test_a_subclass_with_its_own_wanted_gets_the_numpy_spare_slots():
+    class Everything(AdaptivePlacement):
+        def wanted(self, layer):
+            return np.zeros(self.layers[layer].num_experts, bool)
+
+    layer = LayerSlots(8, 4)
+    policy = Everything([layer])
+    for slot, expert in enumerate([3, 1, 5, 7]):
+        layer.place(slot, expert)
+    policy.scores[0][:] = [0, 4, 0, 1, 0, 2, 0, 3]
+    assert policy.spare_slots(0, np.array([5])).tolist() == [0, 3, 1]
+    assert StaticPlacement([LayerSlots(4, 2)])._wanted_rule == 0
