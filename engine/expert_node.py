@@ -13,6 +13,7 @@ from kernels.qmoe_spec import MOE_INPUT_NAMES, QMOE_INPUT_NAMES, QMoESpec, Unsup
 
 ACTIVATION_INPUTS = ("input", "router_probs", "router_weights")
 GPU_MAX_EXPERTS = 2048  # kernels.gpu.qmoe.GpuQMoE refuses more (its grouping kernel)
+KEPT_OUTPUT_TOKENS = 8  # CpuExpertNode reuses its output buffer for steps of at most this many tokens (decode)
 
 
 @dataclass(frozen=True)
@@ -145,17 +146,22 @@ class CpuExpertNode:
         self.info = info
         self.source = source
         self.in_memory = False
+        self._out: np.ndarray | None = None       # the decode-sized output, reused at every step (run)
+        self._out_view: np.ndarray | None = None  # ... and the view of it returned
         self._build(threads)
 
     def _build(self, threads: int | None) -> None:
         from kernels.cpu.qmoe import CpuQMoE
+        from kernels.cpu.routing import route
+
+        self._route = route
 
         tensors = {role: None for role in QMOE_INPUT_NAMES}
         for role, name in self.info.weight_inputs.items():
             view = self.source.array(name)
             tensors[role] = np.array(view) if self.in_memory else view
         self.tensors = tensors  # mapped views (or RAM copies): a device copies experts from here
-        self.kernel = CpuQMoE(self.info.spec, tensors, num_threads=threads)
+        self.kernel = self._own_kernel = CpuQMoE(self.info.spec, tensors, num_threads=threads)
 
     def set_file_backing(self, allowed: bool) -> None:
         """allow_file_backing=0 copies the node's experts into RAM; 1 reads them from the mapped file."""
@@ -167,4 +173,30 @@ class CpuExpertNode:
     def run(self, values: dict[str, np.ndarray]) -> np.ndarray:
         inputs = self.info.activation_inputs
         router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
-        return self.kernel.forward(values[inputs["input"]], values[inputs["router_probs"]], router_weights)
+        kernel = self.kernel
+        x = values[inputs["input"]]
+        if kernel is not self._own_kernel or x.dtype != np.float32:  # a stand-in kernel (tests), or fp16 activations
+            return kernel.forward(x, values[inputs["router_probs"]], router_weights)
+        # CpuQMoE.forward with the output kept: a decode step's is one buffer per node, returned (as the same view)
+        # at every step, so the next dense segment finds the very array it bound at the last step and does not bind
+        # it again (as HybridExpertNode._output). A result lives until this node's next run: the decoder reads it
+        # within the step. Prefill-sized outputs are new arrays.
+        spec = kernel.spec
+        x2 = x.reshape(-1, spec.hidden_size)
+        ids, weights = self._route(values[inputs["router_probs"]], spec, router_weights)
+        tokens = x2.shape[0]
+        if tokens > KEPT_OUTPUT_TOKENS:
+            out = np.zeros((tokens, spec.hidden_size), np.float32)
+            kernel.run_experts(x2, ids, weights, out=out)
+            return out.reshape(x.shape)
+        out = self._out
+        if out is None or out.shape[0] != tokens:
+            out = self._out = np.zeros((tokens, spec.hidden_size), np.float32)
+            self._out_view = None
+        else:
+            out.fill(0.0)
+        kernel.run_experts(x2, ids, weights, out=out)
+        view = self._out_view
+        if view is None or view.shape != x.shape:
+            view = self._out_view = out.reshape(x.shape)
+        return view

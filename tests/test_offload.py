@@ -359,3 +359,52 @@ def test_buffers_reused_across_decode_steps_are_not_aliased(model_folder, cpu_ru
     for step, (ours, copy, ref) in enumerate(zip(logits, kept, ref_logits)):
         assert np.array_equal(ours, copy), f"step {step}'s logits changed after later steps"
         assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5, f"step {step}"
+
+
+def test_cpu_node_output_reused_across_decode_steps_is_not_aliased(model_folder):
+    """Device cpu: each expert node returns one output buffer at every decode step (the next dense segment then
+    binds nothing new); what a caller keeps of a step (the logits) stays that step's, and every step equals the
+    run with a new array per call (CpuQMoE.forward, the node's former path)."""
+    from engine.dense_segment import DenseSegment
+    from engine.expert_node import CpuExpertNode
+
+    class Forward:  # the kernel's own forward(): a new output array per call
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def forward(self, *args):
+            return self.kernel.forward(*args)
+
+    def decode(model):
+        state = model.new_state()
+        logits = [model.decoder.forward(state, model.tokenizer.encode("The expert offload engine must be exact."))]
+        segment_outputs = []
+        for _ in range(4):
+            logits.append(model.decoder.forward(state, [int(logits[-1][-1].argmax())]))
+            first = next(r for r in model.decoder.steps if isinstance(r, DenseSegment))
+            segment_outputs.append(first.bindings._by_state[state]._results)
+        return logits, segment_outputs
+
+    model = LoadedModel.open(model_folder)
+    nodes = [r for r in model.decoder.steps if isinstance(r, CpuExpertNode)]
+    assert nodes
+    for node in nodes:  # record what each node returns, by identity
+        run = node.run
+        node.run = lambda values, run=run, seen=[]: seen.append(run(values)) or seen[-1]
+    logits, segment_outputs = decode(model)
+    kept = [lg.copy() for lg in logits]
+    for node in nodes:
+        decode_outputs = node.run.__defaults__[1][1:]  # after the prefill
+        assert all(out is decode_outputs[0] for out in decode_outputs), "the decode steps' outputs share one buffer"
+    assert segment_outputs[1] is not None and all(
+        segment_outputs[-1][name] is segment_outputs[1][name] for name in segment_outputs[1])
+    assert len({id(lg) for lg in logits}) == len(logits)
+
+    reference = LoadedModel.open(model_folder)
+    for node in reference.decoder.steps:
+        if isinstance(node, CpuExpertNode):
+            node.kernel = Forward(node.kernel)
+    ref_logits, _ = decode(reference)
+    for step, (ours, copy, ref) in enumerate(zip(logits, kept, ref_logits)):
+        assert np.array_equal(ours, copy), f"step {step}'s logits changed after later steps"
+        assert np.array_equal(ours, ref), f"step {step}"
