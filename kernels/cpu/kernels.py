@@ -14,11 +14,13 @@ from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, dqrow_fp4_1
                    dqrow_int2_2, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8, dqrow_int8_16, load_scale,
                    microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32, prefetch_bytes,
                    qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zrow_1, qrow_int2_zrow_2,
-                   qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16)
+                   qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16,
+                   INT3_CHUNK, dqrow_int3_zblk_1, dqrow_int3_zblk_2, dqrow_int3_zrow_1, dqrow_int3_zrow_2,
+                   qrow_int3_zblk_1, qrow_int3_zblk_2, qrow_int3_zrow_1, qrow_int3_zrow_2)
 
 __all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
            "group_pairs", "plan_blocks", "plan_tasks", "pack_cols", "qgemm_tasks", "moe_gemv", "reduce_rows",
-           "reduce_tokens",
+           "reduce_tokens", "int3_position", "int3_width", "INT3_CHUNK",
            "ACT_RELU", "ACT_GELU", "ACT_SILU", "ACT_IDENTITY", "ACT_SWIGLU"]
 
 ACT_RELU, ACT_GELU, ACT_SILU, ACT_IDENTITY, ACT_SWIGLU = 0, 1, 2, 3, 4
@@ -423,6 +425,34 @@ def pack_cols(x, rows, perm, blk_col, blk_w, blk_pair, blk_valid, xp):
 
 
 @njit(inline="always")
+def _bits3(a, bp):
+    """The 3-bit code at bit position bp of the LSB-first bit stream in the 1-d uint8 array a."""
+    j = bp >> 3
+    v = np.int64(a[j])
+    if (bp & 7) > 5:
+        v |= np.int64(a[j + 1]) << 8
+    return (v >> (bp & 7)) & 7
+
+
+@njit(inline="always")
+def int3_position(k, nchunk):
+    """Where input k of an int3 row sits in the activation layout of the int3 kernels (nchunk whole 64-code
+    chunks): slot s = k & 3 of lane (k >> 3 & 7) + 8 (k >> 2 & 1) of chunk k >> 6, i.e. s * 16 nchunk + 16 (k >> 6)
+    + lane; after the chunks (k >= 64 nchunk) the tail in order at 80 nchunk + k - 64 nchunk (a fifth stream,
+    the lane sums, sits at 64 nchunk). The prefill panels hold chunk i's slots together: 64 i + 16 s + lane."""
+    if k >= 64 * nchunk:
+        return 16 * nchunk + k
+    return (k & 3) * 16 * nchunk + 16 * (k >> 6) + ((k >> 3) & 7) + 8 * ((k >> 2) & 1)
+
+
+@njit(inline="always")
+def int3_width(Kb, nchunk):
+    """Floats per activation row of an int3 projection (see int3_position): 5 streams + the tail up to the
+    last code that the row's bytes can hold."""
+    return 16 * nchunk + (8 * Kb) // 3
+
+
+@njit(inline="always")
 def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
     """Zero points of blocks b0..b1-1 of row n (zmode 1: the row's one zero point into zbuf[0])."""
     if zmode == 1:
@@ -430,6 +460,8 @@ def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
             zbuf[0] = np.float32((zp[e, n >> 1] >> ((n & 1) * 4)) & 15)
         elif bits == 2:
             zbuf[0] = np.float32((zp[e, n >> 2] >> ((n & 3) * 2)) & 3)
+        elif bits == 3:
+            zbuf[0] = np.float32(_bits3(zp[e], 3 * n))
         else:
             zbuf[0] = np.float32(zp[e, n])
     elif zmode == 2:
@@ -440,6 +472,9 @@ def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
         elif bits == 2:
             for b in range(b0, b1):
                 zbuf[b] = np.float32((zp[e, base + (b >> 2)] >> ((b & 3) * 2)) & 3)
+        elif bits == 3:
+            for b in range(b0, b1):
+                zbuf[b] = np.float32(_bits3(zp[e], 8 * base + 3 * b))
         else:
             for b in range(b0, b1):
                 zbuf[b] = np.float32(zp[e, base + b])
@@ -470,7 +505,7 @@ def _block_scale(sc, idx, skind, fmt, aux, aoff):
 
 @njit(inline="always")
 def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, c0, c1, tail,
-                       out, ooff):
+                       out, ooff, zmode):
     """Chunks c0..c1-1 of row n of expert e (k permuted per chunk) into out[ooff:], then, when tail, the
     ragged bytes after the last whole chunk (all in the row's last block). c0 is a multiple of 2**cshift."""
     E, N, Kb = w.shape
@@ -480,13 +515,23 @@ def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt,
     soff = row * nb + b0
     aoff = e * TBL_RECORD
     nck = c1 - c0
-    vpb = 8 // bits
+    vpb = 8 // bits if bits != 3 else 64
     if nck > 0:
         if fmt == FMT_FP4:
             if bpc == 2:
                 dqrow_fp4_2(w, woff, nck, cshift, sc, soff, skind, aux, aoff, out, ooff)
             else:
                 dqrow_fp4_1(w, woff, nck, cshift, sc, soff, skind, aux, aoff, out, ooff)
+        elif bits == 3:
+            if zmode == 2:
+                if bpc == 2:
+                    dqrow_int3_zblk_2(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+                else:
+                    dqrow_int3_zblk_1(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+            elif bpc == 2:
+                dqrow_int3_zrow_2(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+            else:
+                dqrow_int3_zrow_1(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
         elif bits == 2:
             if bpc == 2:
                 dqrow_int2_2(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
@@ -503,8 +548,14 @@ def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt,
         full = nchunk * chunk
         s = _block_scale(sc, row * nb + nb - 1, skind, fmt, aux, aoff)
         z = zbuf[nb - 1]
-        k0 = ooff + nck * chunk * vpb
         mask = (1 << bits) - 1
+        if bits == 3:  # the codes after the last whole 64-code chunk (padding codes read as 0, never multiplied)
+            k0 = ooff + nck * 64
+            for j in range(nchunk * 64, (8 * Kb) // 3):
+                q = _bits3(w[e, n], 3 * j)
+                out[k0 + j - nchunk * 64] = _code_value(q, fmt, z, aux, aoff) * s
+            return
+        k0 = ooff + nck * chunk * vpb
         for j in range(full, Kb):
             q = w[e, n, j]
             for c in range(vpb):
@@ -537,7 +588,7 @@ def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, fmt, b
     Tasks are taken from an atomic counter: one fork/join, dynamic balance. fmt / bpc / aux: see _qdot.
     """
     E, N, Kb = w.shape
-    V = chunk * (8 // bits)
+    V = chunk * 8 // bits  # values per chunk (int3: 24 bytes = 64 codes)
     ldw = kcc * V + V
     nkb = max(1, (nchunk + kcc - 1) // kcc)
     ragged = nchunk * chunk < Kb
@@ -576,7 +627,7 @@ def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, fmt, b
                         _fill_zp_range(zbuf, zp, zmode, e, n0 + r, bits, zrb, _chunk_block(c0, cshift, bpc),
                                        nb if last else min(nb, _chunk_block(c1, cshift, bpc)))
                     _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n0 + r,
-                                       c0, c1, tail, wbuf, r * ldw)
+                                       c0, c1, tail, wbuf, r * ldw, zmode)
                 for r in range(rows, npan * MK_NR):
                     for kk in range(kc):
                         wbuf[r * ldw + kk] = np.float32(0.0)
@@ -674,6 +725,17 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
             acc = qrow_fp4_2(w, woff, nchunk, cshift, sc, soff, skind, aux, aoff, xa, xb, xoff, xs, 0)
         else:
             acc = qrow_fp4_1(w, woff, nchunk, cshift, sc, soff, skind, aux, aoff, xa, xb, xoff, xs, 0)
+    elif bits == 3:  # four slot streams (+ the lane sums) 16 nchunk apart in xa
+        S = 16 * nchunk
+        if zmode == 2:
+            if bpc == 2:
+                acc = qrow_int3_zblk_2(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, S)
+            else:
+                acc = qrow_int3_zblk_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, S)
+        elif bpc == 2:
+            acc = qrow_int3_zrow_2(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, S)
+        else:
+            acc = qrow_int3_zrow_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, S)
     elif bits == 2:  # the four slot streams of row r lie Kb apart in xa
         if zmode == 2:
             if bpc == 2:
@@ -701,7 +763,11 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
         s = _block_scale(sc, soff + nb - 1, skind, fmt, aux, aoff)
         z = zbuf[nb - 1]
         t = np.float32(0.0)
-        for j in range(full, Kb):
+        if bits == 3:  # codes past K (padding bits) meet zero activations
+            wr = w[e, n]
+            for j in range(nchunk * 64, (8 * Kb) // 3):
+                t += (np.float32(_bits3(wr, 3 * j)) - z) * xa[r, 16 * nchunk + j]
+        for j in range(full, Kb if bits != 3 else 0):
             q = w[e, n, j]
             if bits == 4:
                 t += _code_value(q & 15, fmt, z, aux, aoff) * xa[r, j] + _code_value(q >> 4, fmt, z, aux, aoff) * xb[r, j]
@@ -718,17 +784,20 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
 def _uses_lut(bits, chunk, fmt):
     """Rows read through the table kernels (no per-chunk activation sums needed): fp4, int2, and int4 rows of
     16-byte chunks where AVX-512F is available."""
-    return fmt == FMT_FP4 or bits == 2 or (HAS_AVX512F and bits == 4 and chunk == 16)
+    return fmt == FMT_FP4 or bits == 2 or bits == 3 or (HAS_AVX512F and bits == 4 and chunk == 16)
 
 
 @njit(inline="always")
-def _x_width(bits, Kb):
-    """Floats per row of the xa array the GEMV reads: int2 keeps its four slot streams (Kb each) in xa."""
+def _x_width(bits, Kb, nchunk):
+    """Floats per row of the xa array the GEMV reads: int2 keeps its four slot streams (Kb each) in xa; int3
+    its five streams and tail (int3_width)."""
+    if bits == 3:
+        return int3_width(Kb, nchunk)
     return 4 * Kb if bits == 2 else Kb
 
 
 @njit(inline="always")
-def _put_x(v, i, p, bits, Kb, aa, ab):
+def _put_x(v, i, p, bits, Kb, aa, ab, nchunk):
     """Value of input k = i of row p into the GEMV's activation layout (int4: even / odd k in aa / ab;
     int2: slot i & 3 of byte i >> 2 in aa; int8: aa)."""
     if bits == 4:
@@ -738,8 +807,18 @@ def _put_x(v, i, p, bits, Kb, aa, ab):
             aa[p, i >> 1] = v
     elif bits == 2:
         aa[p, (i & 3) * Kb + (i >> 2)] = v
+    elif bits == 3:
+        aa[p, int3_position(i, nchunk)] = v
     else:
         aa[p, i] = v
+
+
+@njit(inline="always")
+def _int3_lane_sums(xa, o, nchunk):
+    """Fifth int3 activation stream of row o: each lane's sum over the four slots (per-block zero points)."""
+    S = 16 * nchunk
+    for j in range(S):
+        xa[o, 4 * S + j] = xa[o, j] + xa[o, S + j] + xa[o, 2 * S + j] + xa[o, 3 * S + j]
 
 
 @njit(inline="always")
@@ -747,8 +826,13 @@ def _split_row(x, r, bits, chunk, nchunk, fmt, xa, xb, xs, o):
     """Row r of x into row o of (xa, xb, xs) in the GEMV's activation layout (_put_x); per-chunk sums."""
     K = x.shape[1]
     Kb = xb.shape[1]
+    if bits == 3:  # padding positions (codes past K) must read as 0
+        for i in range(xa.shape[1]):
+            xa[o, i] = np.float32(0.0)
     for i in range(K):
-        _put_x(x[r, i], i, o, bits, Kb, xa, xb)
+        _put_x(x[r, i], i, o, bits, Kb, xa, xb, nchunk)
+    if bits == 3:
+        _int3_lane_sums(xa, o, nchunk)
     vals = chunk * (8 // bits)
     for c in range(nchunk if not _uses_lut(bits, chunk, fmt) else 0):
         s = np.float32(0.0)
@@ -800,7 +884,7 @@ def _prefetch_row(w, sc, e, n, ahead):
 @njit(fastmath=True, cache=True, nogil=True)
 def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1, zrb1,
                    experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
-                   act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi):
+                   act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi, nchunk2):
     """FC1 + activation for the row groups lo..hi-1 of the (expert, group) space (see moe_gemv)."""
     for idx in range(lo, hi):
         u = idx // G
@@ -836,7 +920,7 @@ def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1
                 a = _swiglu(g, l, a_, b_, l_, has_limit)
             else:
                 a = _act(act_kind, g)
-            _put_x(a, i, p, bits2, ab.shape[1], aa, ab)
+            _put_x(a, i, p, bits2, ab.shape[1], aa, ab, nchunk2)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -859,12 +943,13 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     T, Hx = x.shape
     P = src.shape[0]
     U = experts.shape[0]
-    I = w2.shape[2] * (8 // q2[2])
+    # inputs of FC2 (int3 rows end in padding bits: I from FC1's rows, 2 I for swiglu, I otherwise)
+    I = w2.shape[2] * (8 // q2[2]) if q2[2] != 3 else (w1.shape[1] // 2 if act_kind == ACT_SWIGLU else w1.shape[1])
     skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1 = q1[0], q1[1], q1[2], q1[3], q1[4], q1[5], q1[6], q1[7]
     skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, hb2 = q2[0], q2[1], q2[2], q2[3], q2[4], q2[5], q2[6], q2[7]
     fmt1, bpc1, fmt2, bpc2 = q1[8], q1[9], q2[8], q2[9]
-    xw1 = _x_width(bits1, Kb1)
-    xw2 = _x_width(bits2, Kb2)
+    xw1 = _x_width(bits1, Kb1, q1[6])
+    xw2 = _x_width(bits2, Kb2, q2[6])
     # scratch: x rows (deduplicated tokens) split for fc1, activations split for fc2
     rowmap = np.full(T, -1, np.int64)
     nrows = 0
@@ -889,6 +974,10 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
             _split_row(x, t, bits1, chunk1, nchunk1, fmt1, xa1, xb1, xs1, rowmap[t])
     if bits1 == 8:
         xb1 = xa1
+    if bits2 == 3:  # FC2's padding positions (codes past I) must read as 0
+        for p in range(P):
+            for j in range(xw2):
+                aa[p, j] = np.float32(0.0)
     swiglu = act_kind == ACT_SWIGLU
     G = I
     a_ = np.float32(alpha)
@@ -919,9 +1008,12 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
             _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1,
                            hb1, zrb1,
                            experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
-                           act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi)
+                           act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi, nchunk2)
     if bits2 == 8:
         ab = aa
+    if bits2 == 3:
+        for p in range(P):
+            _int3_lane_sums(aa, p, nchunk2)
     for p in range(P if not _uses_lut(bits2, chunk2, fmt2) else 0):
         for c in range(nchunk2):
             s = np.float32(0.0)

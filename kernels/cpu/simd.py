@@ -665,3 +665,149 @@ qrow_int2_zblk_1 = _make_qrow_tbl(4, "zblk", 1)
 qrow_int2_zblk_2 = _make_qrow_tbl(4, "zblk", 2)
 dqrow_int2_1 = _make_dqrow_tbl(4, "zblk", 1)
 dqrow_int2_2 = _make_dqrow_tbl(4, "zblk", 2)
+
+
+# ----------------------------------------------------------------------------- int3 (bit stream, 8 codes per 3 bytes)
+# A chunk is 24 packed bytes = 8 groups of 3 bytes = 64 codes. One byte permute (vpermb with AVX512-VBMI) puts
+# group g's 24 bits into dword lanes g and 8 + g; code c of the group is then bits 3c.. of lane g (c < 4) or of
+# lane 8 + g shifted by 12 (c >= 4): slot s = 0..3 is one variable shift (vpsrlvd) by 3s (lanes 0..7) / 12 + 3s
+# (lanes 8..15) and a lookup in a 16-entry table replicated over j & 7 (bits 3.. of the index are ignored).
+# Per chunk: 1 load, 1 byte permute, 4 shifts, 4 vpermps, 4 FMAs + the scale FMA: about int4's work per code.
+# Lane l of slot s holds code k = 64 i + 8 (l & 7) + 4 (l >> 3) + s of chunk i (see kernels.int3_position).
+INT3_CHUNK = 24
+_INT3_SHIFTS = [[3 * s] * 8 + [12 + 3 * s] * 8 for s in range(4)]
+_INT3_BYTES = [3 * (l & 7) + min(b, 2) for l in range(16) for b in range(4)]  # byte 3 of a lane: don't care
+_LOW4OF8 = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1 if (l & 7) < 4 else 0 for l in range(16)])
+
+
+def _int3_parts(context, builder, sig, args, zblk: bool, bpc: int):
+    """Prologue of the int3 kernels: chunk -> 4 unscaled slot vectors, chunk -> lane scales / zero points."""
+    (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff) = args[:9]
+    (w_t, _, _, _, sc_t, _, _, zf_t, _) = sig.args[:9]
+    w_ptr = context.make_array(w_t)(context, builder, value=w).data
+    sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
+    zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+    fvec_t = ir.VectorType(_F32, 16)
+    ivec_t = ir.VectorType(_I32, 16)
+    iota = ir.Constant(fvec_t, [float(j & 7) for j in range(16)])
+    if zblk:
+        base = iota
+    else:  # one zero point per row, folded into the table
+        base = _fast(builder.fsub(iota, _splat(builder, builder.load(builder.gep(zf_ptr, [zoff])), 16)))
+
+    def slots(i):
+        wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, INT3_CHUNK)))])
+        wv = builder.load(builder.bitcast(wp, ir.VectorType(_I8, INT3_CHUNK).as_pointer()), align=1)
+        wb = builder.shuffle_vector(wv, ir.Constant(ir.VectorType(_I8, INT3_CHUNK), ir.Undefined),
+                                    ir.Constant(ir.VectorType(_I32, 64), _INT3_BYTES))
+        d = builder.bitcast(wb, ivec_t)
+        return [_lookup(builder, base, builder.lshr(d, ir.Constant(ivec_t, sh))) for sh in _INT3_SHIFTS]
+
+    def lanes(i, getter):
+        """<16 x float>: getter(block) of each lane's block (bpc 2: blocks 2i (lanes with l & 7 < 4), 2i + 1)."""
+        if bpc == 2:
+            b0 = builder.shl(i, ir.Constant(_I64, 1))
+            return builder.select(_LOW4OF8, _splat(builder, getter(b0), 16),
+                                  _splat(builder, getter(builder.add(b0, ir.Constant(_I64, 1))), 16))
+        return _splat(builder, getter(builder.ashr(i, cshift)), 16)
+
+    def scale(b):
+        return _load_scale(builder, sc_ptr, builder.add(soff, b), sc_t.dtype == types.float32, skind)
+
+    def zpoint(b):
+        return builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)]))
+
+    return slots, (lambda i: lanes(i, scale)), (lambda i: lanes(i, zpoint))
+
+
+def _make_qrow_int3(zblk: bool, bpc: int):
+    """Dot product of one int3 row with one activation row; same contract as the table kernels (_make_qrow_tbl)
+    with 24-byte chunks: the four slot streams in xa (slot s at xa[xoff + s * xsoff + 16 i + lane]), and with
+    zblk (per-block zero points zf[zoff + b]) a fifth stream at xa[xoff + 4 * xsoff + ...] holding each lane's
+    sum of its 4 activations (the zero point is applied as - z * that). bpc 2: block 32 (two blocks per chunk),
+    1: block = i >> cshift (64 << cshift codes; per-row scales with cshift 62). xb, xs unused."""
+    def codegen(context, builder, sig, args):
+        slots, scales, zpoints = _int3_parts(context, builder, sig, args, zblk, bpc)
+        nchunk, xa, xoff, xsoff = args[2], args[9], args[11], args[13]
+        xa_ptr = context.make_array(sig.args[9])(context, builder, value=xa).data
+        fvec_t = ir.VectorType(_F32, 16)
+        zero_v = ir.Constant(fvec_t, [0.0] * 16)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3), "llvm.fma.v16f32")
+        accs = [cgutils.alloca_once_value(builder, zero_v) for _ in range(2)]
+
+        def xload(i, s):
+            o = builder.add(builder.add(xoff, builder.mul(i, ir.Constant(_I64, 16))),
+                            builder.mul(ir.Constant(_I64, s), xsoff))
+            return builder.load(builder.bitcast(builder.gep(xa_ptr, [o]), fvec_t.as_pointer()), align=4)
+
+        def one_chunk(i, acc):
+            v = slots(i)
+            t = _fast(builder.fmul(v[0], xload(i, 0)))
+            for s in range(1, 4):
+                t = builder.call(fma, [v[s], xload(i, s), t])
+            if zblk:
+                t = _fast(builder.fsub(t, _fast(builder.fmul(zpoints(i), xload(i, 4)))))
+            builder.store(builder.call(fma, [scales(i), t, builder.load(acc)]), acc)
+
+        half = builder.ashr(nchunk, ir.Constant(_I64, 1))
+        with cgutils.for_range(builder, half) as loop:
+            i0 = builder.shl(loop.index, ir.Constant(_I64, 1))
+            one_chunk(i0, accs[0])
+            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), accs[1])
+        odd = builder.icmp_signed("!=", builder.and_(nchunk, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
+        with builder.if_then(odd):
+            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), accs[0])
+        return _hsum(builder, _fast(builder.fadd(builder.load(accs[0]), builder.load(accs[1]))), 16)
+
+    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                            zf, types.int64, xa, xb, types.int64, xs, types.int64)
+        return sig, codegen
+
+    qrow.__name__ = f"qrow_int3_{'zblk' if zblk else 'zrow'}_{bpc}"
+    return intrinsic(qrow)
+
+
+def _make_dqrow_int3(zblk: bool, bpc: int):
+    """Dequantise int3 chunks of one row (contract of dqrow_int4_16, 24-byte chunks): chunk i -> out[ooff + 64 i
+    + 16 s + lane] (slot s, lane as in the GEMV; kernels.int3_position gives the k of each position)."""
+    def codegen(context, builder, sig, args):
+        slots, scales, zpoints = _int3_parts(context, builder, sig, args, zblk, bpc)
+        nchunk, out, ooff = args[2], args[9], args[10]
+        o_ptr = context.make_array(sig.args[9])(context, builder, value=out).data
+        fvec_t = ir.VectorType(_F32, 16)
+        with cgutils.for_range(builder, nchunk) as loop:
+            i = loop.index
+            base = builder.add(ooff, builder.mul(i, ir.Constant(_I64, 64)))
+            sv = scales(i)
+            zv = zpoints(i) if zblk else None
+            for s, v in enumerate(slots(i)):
+                if zblk:
+                    v = _fast(builder.fsub(v, zv))
+                p = builder.gep(o_ptr, [builder.add(base, ir.Constant(_I64, 16 * s))])
+                builder.store(_fast(builder.fmul(v, sv)), builder.bitcast(p, fvec_t.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, ooff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.none(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                         zf, types.int64, out, types.int64)
+        return sig, codegen
+
+    dqrow.__name__ = f"dqrow_int3_{'zblk' if zblk else 'zrow'}_{bpc}"
+    return intrinsic(dqrow)
+
+
+qrow_int3_zrow_1 = _make_qrow_int3(False, 1)
+qrow_int3_zrow_2 = _make_qrow_int3(False, 2)
+qrow_int3_zblk_1 = _make_qrow_int3(True, 1)
+qrow_int3_zblk_2 = _make_qrow_int3(True, 2)
+dqrow_int3_zrow_1 = _make_dqrow_int3(False, 1)
+dqrow_int3_zrow_2 = _make_dqrow_int3(False, 2)
+dqrow_int3_zblk_1 = _make_dqrow_int3(True, 1)
+dqrow_int3_zblk_2 = _make_dqrow_int3(True, 2)
