@@ -1,6 +1,7 @@
-"""Fast CPU paths for MXFP4, NVFP4 and int2 experts (kernels/cpu table kernels) against kernels.reference,
+"""Fast CPU paths for MXFP4, NVFP4, int2 and int3 experts (kernels/cpu table kernels) against kernels.reference,
 onnxruntime 1.32's CPU QMoE where it is an oracle for the layout (NVFP4 K-packed with power-of-two global
-scales, int2 per row: see /work/shared/reference/qmoe.md), and the dispatch that sends these layouts there."""
+scales, int2 per row, int3 blocks with fp16 / bf16 activations: see /work/shared/reference/qmoe.md), and the
+dispatch that sends these layouts there."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -26,7 +27,15 @@ LAYOUTS = {
     "int2-block32-zp": (dict(bits=2, block_size=32, zero_points=True), (32, 96, 160)),
     "int2-block64": (dict(bits=2, block_size=64), (64, 128, 192)),
     "int2-fc1-int4-fc2": (dict(bits=2, fc2_bits=4, block_size=32, zero_points=True), (64, 96, 160)),
+    # int3: 64-code chunks of 24 bytes; per row K of any size (rows end in ragged codes and padding bits), blocks
+    # of 32 with odd counts (rows end in half a chunk), blocks of 64 / 128 (whole chunks)
+    "int3-row-zp": (dict(bits=3, zero_points=True), (37, 100, 133, 200)),
+    "int3-row": (dict(bits=3), (64, 71, 150)),
+    "int3-block32-zp": (dict(bits=3, block_size=32, zero_points=True), (32, 96, 160)),
+    "int3-block64": (dict(bits=3, block_size=64), (64, 128, 192)),
+    "int3-block128-zp": (dict(bits=3, block_size=128, zero_points=True), (128, 256)),
 }
+_INT3_FEW = ("int3-row", "int3-block128-zp")  # fewer activations / dtypes: keeps the file's runtime moderate
 ACTS = {
     "relu": dict(activation="relu"),
     "gelu": dict(activation="gelu"),
@@ -41,7 +50,8 @@ _FP4 = ("mxfp4", "nvfp4-kpacked", "nvfp4-kpacked-kn", "nvfp4-npacked")
 GRID = [(lay, act, dt) for lay in LAYOUTS for act in ACTS for dt in DTYPES
         if not (lay in _FP4 and act in ("swiglu0", "silu-fc3"))  # the contract has no fc3 global scale
         and not (lay == "int2-fc1-int4-fc2" and act in ("swiglu0", "silu-fc3"))
-        and (dt == "fp32" or act in ("swiglu1", "swiglu2", "gelu"))]
+        and (dt == "fp32" or act in ("swiglu1", "swiglu2", "gelu"))
+        and not (lay in _INT3_FEW and (act not in ("swiglu1", "swiglu0", "relu") or dt == "fp16"))]
 
 
 def _relerr(a, b):
@@ -70,6 +80,8 @@ def _case(layout, act, dtype, seed, T=24, E=6, k=2):
 def _fast(spec, t):
     m = CpuQMoE(spec, t, num_threads=2)
     inner = m._delegate.inner if isinstance(m._delegate, G._ConvertedFast) else m
+    if isinstance(m._delegate, G._int3_class()):  # int3: a CpuQMoE subclass with the int3 projections
+        inner = m._delegate
     assert inner._delegate is None, "not on the fast path"
     return m, inner
 
@@ -94,7 +106,8 @@ def test_fast_paths_match_reference(layout, act, dtype):
     assert _relerr(m.forward(x, lg), qmoe_reference(x, lg, spec, t)) <= tol, "forced GEMM"
 
 
-@pytest.mark.parametrize("layout", ["mxfp4", "nvfp4-kpacked", "int2-row", "int2-block32-zp"])
+@pytest.mark.parametrize("layout", ["mxfp4", "nvfp4-kpacked", "int2-row", "int2-block32-zp", "int3-block32-zp",
+                                    "int3-row-zp"])
 def test_fast_paths_match_generic_and_accumulate_subsets(layout):
     """The generic path as second implementation; run_experts adding subsets of experts into one accumulator."""
     spec, attrs, t, x, lg = _case(layout, "swiglu1", np.float32, seed=7, T=12, E=8, k=3)
@@ -117,13 +130,17 @@ ORACLE = [  # onnxruntime 1.32 CPU: exact for these (see qmoe.md; nvfp4 only wit
     ("nvfp4-kpacked-fp16", dict(quant_type="nvfp4", packing="k_packed", global_pow2=True), np.float16, 3e-3),
     ("int2-row", dict(bits=2, bias=True), np.float32, 1e-5),
     ("int2-row-zp-fp16", dict(bits=2, zero_points=True), np.float16, 3e-3),
+    # int3: onnxruntime 1.32 runs it with fp16 / bf16 activations, swiglu fusion 1, blocks of 32 / 64 / 128
+    ("int3-block32-fp16", dict(bits=3, block_size=32, nonneg_scales=True, bias=True), np.float16, 3e-3),
+    ("int3-block64-fp16", dict(bits=3, block_size=64, I=128, nonneg_scales=True), np.float16, 3e-3),
+    ("int3-block128-bf16", dict(bits=3, block_size=128, I=128, nonneg_scales=True), ml_dtypes.bfloat16, 2e-2),
 ]
 
 
 @pytest.mark.parametrize("case", ORACLE, ids=[c[0] for c in ORACLE])
 def test_fast_paths_match_onnxruntime(case):
     name, kw, dtype, tol = case
-    attrs, t, x, lg = make_layout_case(seed=len(name), E=8, H=128, I=96, k=2, T=9, dtype=dtype, **kw,
+    attrs, t, x, lg = make_layout_case(seed=len(name), E=8, k=2, T=9, dtype=dtype, **{"H": 128, "I": 96, **kw},
                                        **ACTS["swiglu1"])
     spec = _spec(attrs, t, x)
     m, _ = _fast(spec, t)
@@ -142,12 +159,19 @@ def test_delegate_for_picks_the_fast_paths():
                dict(bits=2, fc2_bits=8, block_size=32), dict(bits=2, activation="swiglu", swiglu_fusion=0)):
         d, fast = delegate(**kw)
         assert d is None and fast, kw
+    for kw in (dict(bits=3), dict(bits=3, block_size=32, zero_points=True), dict(bits=3, block_size=64),
+               dict(bits=3, block_size=128, I=128), dict(bits=3, fc2_bits=4, block_size=32),
+               dict(bits=4, fc2_bits=3, H=126)):
+        d, fast = delegate(**kw)
+        assert isinstance(d, G._int3_class()) and d._delegate is None and fast, kw
     d, fast = delegate(quant_type="nvfp4", packing="n_packed")
     assert isinstance(d, G._ConvertedFast) and d.inner._delegate is None and fast
-    # the generic path stays for what the table kernels do not read: other activations, int2 blocks of 16, int3
+    # the generic path stays for what the table kernels do not read: other activations, int2 / int3 blocks of 16,
+    # fp8
     for kw in (dict(quant_type="fp4", activation="geglu", swiglu_fusion=1),
                dict(quant_type="nvfp4", packing="k_packed", activation="relu2"),
-               dict(bits=2, block_size=16), dict(bits=3, block_size=32), dict(quant_type="fp8")):
+               dict(bits=3, activation="relu2"), dict(bits=2, block_size=16), dict(bits=3, block_size=16),
+               dict(quant_type="fp8")):
         d, fast = delegate(**kw)
         assert isinstance(d, G.GenericQMoE), kw
     d, fast = delegate(bits=2, H=126, I=64)  # K not a multiple of 4: rows end in padding bits
