@@ -158,6 +158,9 @@ def _instrument_detail(model, meter: Meter) -> None:
 
     for module in (hybrid_node, qmoe):
         _wrap(module, "route", meter, "route")
+    for runner in model.decoder.steps:
+        if "_route" in vars(runner):  # CpuExpertNode routes itself (no CpuQMoE.forward) since pass 3
+            _wrap(runner, "_route", meter, "route")
     for name in ("moe_gemv", "group_pairs"):
         _wrap(compiled, name, meter, "numba")
     engine = model.offload
