@@ -12,10 +12,12 @@ prefill cycles through 8 pairs (each touches all 32 experts anyway). The machine
 is measured in the same run (Numba parallel sum over a 2 GB float32 array, all threads, best of 5) and
 decode's weight bytes / time is reported against it.
 
-    python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N] [--sweep] [--layout int4|mxfp4|nvfp4|int2]
+    python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N] [--sweep] [--layout int4|mxfp4|nvfp4|int2|int3]
 
 --layout (default int4) picks the expert weight layout of the same node: mxfp4 (E2M1, e8m0 block-32 scales,
-global scales), nvfp4 (E2M1 K-packed, e4m3 block-16 scales, global scales), int2 (block 32, float scales).
+global scales), nvfp4 (E2M1 K-packed, e4m3 block-16 scales, global scales), int2 (block 32, float scales), int3
+(bit stream, block 32, positive float scales; onnxruntime 1.32 runs int3 only with fp16 / bf16 activations, so its
+side gets the same codes with fp16 activations, scales and biases, which the fp32 ones here are rounded to).
 Every run also times, in the same alternating blocks: kernels.cpu.generic's GenericQMoE on the same weights
 (the path these layouts took before they had fast kernels) and, for the other layouts, our int4 fast path on
 int4 weights of the same node; onnxruntime where its CPU QMoE runs the layout (not MXFP4 in 1.32). Results of
@@ -94,7 +96,11 @@ def make_layout_weights(layout, E, H, I, seed=0):
     rng = np.random.default_rng(seed)
     t = {}
     for p, n, k in (("fc1", 2 * I, H), ("fc2", H, I)):
-        if layout == "int2":
+        if layout == "int3":  # 8 codes per 3 bytes; scales / biases exactly representable in fp16
+            t[f"{p}_experts_weights"] = rng.integers(0, 256, size=(E, n, k * 3 // 8), dtype=np.uint8)
+            t[f"{p}_scales"] = (rng.uniform(0.5, 1.5, size=(E, n, k // 32)) * (0.5 / np.sqrt(k))
+                                ).astype(np.float16).astype(np.float32)
+        elif layout == "int2":
             t[f"{p}_experts_weights"] = rng.integers(0, 256, size=(E, n, k // 4), dtype=np.uint8)
             t[f"{p}_scales"] = (rng.uniform(0.5, 1.5, size=(E, n, k // 32)) * rng.choice([-1, 1], size=(E, n, k // 32))
                                 * (0.5 / np.sqrt(k))).astype(np.float32)
@@ -110,9 +116,9 @@ def make_layout_weights(layout, E, H, I, seed=0):
                 t[f"{p}_scales"] = codes.view(ml_dtypes.float8_e4m3fn)
             t[f"{p}_global_scale"] = np.full(E, 1 / 64 * 16 / np.sqrt(k) * (0.5 if layout == "nvfp4" else 1.0),
                                              np.float32)
-        t[f"{p}_experts_bias"] = (rng.standard_normal((E, n)) * 0.1).astype(np.float32)
-    if layout == "int2":
-        attrs.update(expert_weight_bits=2, block_size=32, weights_prepacked=0)
+        t[f"{p}_experts_bias"] = (rng.standard_normal((E, n)) * 0.1).astype(np.float16).astype(np.float32)
+    if layout in ("int2", "int3"):
+        attrs.update(expert_weight_bits=int(layout[3]), block_size=32, weights_prepacked=0)
     else:
         attrs.update(quant_type="fp4" if layout == "mxfp4" else "nvfp4", expert_weight_bits=4)
         if layout == "nvfp4":
@@ -227,14 +233,18 @@ def main(argv=None):
     print(f"building weights: E={E} H={H} I={I} top-{K_TOP} {layout} swiglu fusion 1 ...", flush=True)
     spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
     ours = CpuQMoE(spec, tensors, num_threads=cores)
-    assert ours._delegate is None, "the layout did not get the fast path"
+    if layout == "int3":  # a CpuQMoE subclass on the int3 kernels (kernels/cpu/generic.py Int3QMoE)
+        from kernels.cpu.generic import _int3_class
+        assert isinstance(ours._delegate, _int3_class()) and ours._delegate._delegate is None
+    else:
+        assert ours._delegate is None, "the layout did not get the fast path"
     sides = {"ours": ours.forward, "generic": _wrap(spec, GenericQMoE(spec, tensors, num_threads=cores)).forward}
     if layout != "int4":
         a4, t4 = make_layout_weights("int4", E, H, I)
         int4 = CpuQMoE(QMoESpec.from_tensors("bench/QMoE", "QMoE", a4, t4, (1, H)), t4, num_threads=cores)
         sides["int4"] = int4.forward
     numba.set_num_threads(cores)
-    ort_name = REFERENCE.format(ort.__version__)
+    ort_name = REFERENCE.format(ort.__version__) + (", fp16 activations / scales / biases" if layout == "int3" else "")
     rng = np.random.default_rng(1)
     figures = []
     expert_bytes = spec.expert_bytes(scale_bytes=4, bias_bytes=4)  # float32 scales / biases as built here
@@ -255,8 +265,14 @@ def main(argv=None):
         rel = {}
         ref_out = [ours.forward(xs[i], logits_all[i]) for i in range(min(n_in, 2))]
         try:
-            sess, _ = make_session("QMoE", attrs, tensors, xs[0], logits_all[0])
-            feeds = [{"input": xs[i], "router_probs": logits_all[i]} for i in range(n_in)]
+            if layout == "int3":  # onnxruntime: "QMoE INT3 requires FP16 or BF16 activations"
+                t16 = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
+                sess, _ = make_session("QMoE", attrs, t16, xs[0].astype(np.float16), logits_all[0].astype(np.float16))
+                feeds = [{"input": xs[i].astype(np.float16), "router_probs": logits_all[i].astype(np.float16)}
+                         for i in range(n_in)]
+            else:
+                sess, _ = make_session("QMoE", attrs, tensors, xs[0], logits_all[0])
+                feeds = [{"input": xs[i], "router_probs": logits_all[i]} for i in range(n_in)]
             fns["ort"] = lambda i: sess.run(None, feeds[i % n_in])
             rel["ort"] = max(float(np.abs(ref_out[i] - sess.run(None, feeds[i])[0]).max() / np.abs(ref_out[i]).max())
                              for i in range(len(ref_out)))
@@ -349,7 +365,7 @@ def _wrap(spec, delegate):
     return m
 
 
-LAYOUTS = ("int4", "mxfp4", "nvfp4", "int2")
+LAYOUTS = ("int4", "mxfp4", "nvfp4", "int2", "int3")
 
 
 if __name__ == "__main__":

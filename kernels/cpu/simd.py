@@ -420,6 +420,20 @@ def _target_has_avx512f() -> bool:
 
 
 HAS_AVX512F = _target_has_avx512f()
+
+
+def _target_has(feature: str) -> bool:
+    try:
+        from numba.core import config
+        from numba.core.codegen import get_host_cpu_features
+
+        feats = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+        return f"+{feature}" in feats.split(",")
+    except Exception:
+        return False
+
+
+HAS_AVX512BW = HAS_AVX512F and _target_has("avx512bw")
 if HAS_AVX512F:  # the table kernels' inline assembly (scale pairs) needs the native assembly parser
     import llvmlite.binding as _llvm
 
@@ -697,8 +711,17 @@ def _int3_parts(context, builder, sig, args, zblk: bool, bpc: int):
 
     def slots(i):
         wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, INT3_CHUNK)))])
-        wv = builder.load(builder.bitcast(wp, ir.VectorType(_I8, INT3_CHUNK).as_pointer()), align=1)
-        wb = builder.shuffle_vector(wv, ir.Constant(ir.VectorType(_I8, INT3_CHUNK), ir.Undefined),
+        if HAS_AVX512BW:  # one masked 32-byte load (bytes 24..31 masked off: no fault past the array's end)
+            v32 = ir.VectorType(_I8, 32)
+            mload = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(v32, [v32.as_pointer(), _I32, ir.VectorType(ir.IntType(1), 32), v32]),
+                "llvm.masked.load.v32i8.p0v32i8")
+            wv = builder.call(mload, [builder.bitcast(wp, v32.as_pointer()), ir.Constant(_I32, 1),
+                                      ir.Constant(ir.VectorType(ir.IntType(1), 32), [1] * 24 + [0] * 8),
+                                      ir.Constant(v32, [0] * 32)])
+        else:
+            wv = builder.load(builder.bitcast(wp, ir.VectorType(_I8, INT3_CHUNK).as_pointer()), align=1)
+        wb = builder.shuffle_vector(wv, ir.Constant(wv.type, ir.Undefined),
                                     ir.Constant(ir.VectorType(_I32, 64), _INT3_BYTES))
         d = builder.bitcast(wb, ivec_t)
         return [_lookup(builder, base, builder.lshr(d, ir.Constant(ivec_t, sh))) for sh in _INT3_SHIFTS]
@@ -707,6 +730,14 @@ def _int3_parts(context, builder, sig, args, zblk: bool, bpc: int):
         """<16 x float>: getter(block) of each lane's block (bpc 2: blocks 2i (lanes with l & 7 < 4), 2i + 1)."""
         if bpc == 2:
             b0 = builder.shl(i, ir.Constant(_I64, 1))
+            if getter is scale and sc_t.dtype == types.float32 and HAS_AVX512F:
+                # the two scales broadcast from memory, the second merged into lanes 4..7, 12..15 under a mask
+                # (load-port uops; LLVM would turn the select of two splats into a vpermt2ps)
+                pa = builder.gep(sc_ptr, [builder.add(soff, b0)])
+                pb = builder.gep(pa, [ir.Constant(_I64, 1)])
+                fty = ir.FunctionType(fvec_t, [_I16, pa.type, pb.type])
+                return builder.asm(fty, "vbroadcastss ($2), $0\n\tvbroadcastss ($3), $0 {$1}", "=&v,^Yk,r,r",
+                                   [ir.Constant(_I16, 0xF0F0), pa, pb], False)
             return builder.select(_LOW4OF8, _splat(builder, getter(b0), 16),
                                   _splat(builder, getter(builder.add(b0, ir.Constant(_I64, 1))), 16))
         return _splat(builder, getter(builder.ashr(i, cshift)), 16)
