@@ -176,3 +176,42 @@ def test_delegate_for_picks_the_fast_paths():
         assert isinstance(d, G.GenericQMoE), kw
     d, fast = delegate(bits=2, H=126, I=64)  # K not a multiple of 4: rows end in padding bits
     assert isinstance(d, G.GenericQMoE) and not fast
+
+
+def test_int3_without_avx512(tmp_path):
+    """The int3 kernels generated for a CPU without AVX-512 (plain 24-byte loads, generic byte shuffles, lane-by-lane
+    lookups) compute the same: a subprocess with Numba targeting Haswell (as tests/test_qmoe_cpu.py does for the
+    other layouts)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from kernels.cpu import CpuQMoE\n"
+        "from kernels.cpu.simd import HAS_AVX512F\n"
+        "from kernels.qmoe_spec import QMoESpec\n"
+        "from kernels.reference import qmoe_reference\n"
+        "from tests.qmoe_oracle import make_layout_case\n"
+        "assert not HAS_AVX512F\n"
+        "for kw in (dict(bits=3, block_size=32, zero_points=True, H=96, I=160), dict(bits=3, zero_points=True, H=100, I=71),\n"
+        "           dict(bits=3, block_size=64, H=128, I=64)):\n"
+        "    attrs, t, x, lg = make_layout_case(seed=5, E=6, k=2, T=20, bias=True, activation='swiglu',\n"
+        "                                       swiglu_fusion=1, swiglu_limit=7.0, alpha=1.702, **kw)\n"
+        "    spec = QMoESpec.from_tensors('t', 'QMoE', attrs, t, x.shape)\n"
+        "    m = CpuQMoE(spec, t)\n"
+        "    assert m._delegate is not None and m._delegate._delegate is None\n"
+        "    for T in (1, 20):\n"
+        "        ref = qmoe_reference(x[:T], lg[:T], spec, t)\n"
+        "        err = np.abs(m.forward(x[:T], lg[:T]) - ref).max() / np.abs(ref).max()\n"
+        "        assert err < 1e-5, (kw, T, err)\n"
+        "print('ok')\n")
+    feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
+             "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd,-avx512vbmi")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=feats)
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
