@@ -633,8 +633,9 @@ def fast_layout(spec: QMoESpec) -> bool:
 
 def delegate_for(spec: QMoESpec, tensors: dict, num_threads: int | None = None):
     """What runs a node instead of CpuQMoE's own fast kernels: None for the layouts they read (``fast_layout``:
-    int2 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed; float MoE) with a fast activation; a lazily converting
-    wrapper for SM80 prepacked int4 / int8 and NVFP4 N-packed; GenericQMoE for the rest."""
+    int2 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed; float MoE) with a fast activation; ``Int3QMoE`` (a CpuQMoE
+    with int3 projections on the int3 kernels) for int3 rows; a lazily converting wrapper for SM80 prepacked
+    int4 / int8 and NVFP4 N-packed; GenericQMoE for the rest."""
     if not spec.is_quantized:
         return None
     fast_act = spec.activation in FAST_ACTIVATIONS and not spec.swiglu_limit_after_activation
