@@ -618,7 +618,7 @@ def _int3_block_ok(bs: int) -> bool:
 def fast_layout(spec: QMoESpec) -> bool:
     """Whether kernels/cpu/kernels.py reads the node's weight layout (raw / K-packed; SM80 and N-packed after a
     lazy conversion): int4 / int8 rows; int2 rows (K a multiple of 4, per-row scales or blocks of >= 32);
-    int3 rows (per-row scales, blocks of 32 or 64 * 2^j; through ``Int3QMoE``); MXFP4; NVFP4."""
+    int3 rows (per-row scales, blocks of 32 or 64 * 2^j); MXFP4; NVFP4."""
     if spec.quant_type in ("fp4", "nvfp4"):
         return True
     if spec.quant_type != "int":
@@ -633,9 +633,8 @@ def fast_layout(spec: QMoESpec) -> bool:
 
 def delegate_for(spec: QMoESpec, tensors: dict, num_threads: int | None = None):
     """What runs a node instead of CpuQMoE's own fast kernels: None for the layouts they read (``fast_layout``:
-    int2 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed; float MoE) with a fast activation; ``Int3QMoE`` (a CpuQMoE
-    with int3 projections on the int3 kernels) for int3 rows; a lazily converting wrapper for SM80 prepacked
-    int4 / int8 and NVFP4 N-packed; GenericQMoE for the rest."""
+    int2 / int3 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed; float MoE) with a fast activation; a lazily
+    converting wrapper for SM80 prepacked int4 / int8 and NVFP4 N-packed; GenericQMoE for the rest."""
     if not spec.is_quantized:
         return None
     fast_act = spec.activation in FAST_ACTIVATIONS and not spec.swiglu_limit_after_activation
@@ -643,76 +642,4 @@ def delegate_for(spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         return GenericQMoE(spec, tensors, num_threads)
     if spec.packing in ("sm80", "n_packed"):
         return _ConvertedFast(spec, tensors, num_threads)
-    if any(b == 3 for _, _, _, b in spec.projections) and not getattr(_INT3_BUILD, "active", False):
-        return _int3_class()(spec, tensors, num_threads)
     return None
-
-
-# ----------------------------------------------------------------------------- int3 on the fast paths
-_INT3_BUILD = threading.local()  # set while Int3QMoE builds its CpuQMoE base (delegate_for then answers None)
-_INT3_CLS = []
-
-
-def _int3_class():
-    """Int3QMoE, defined on first use (kernels/cpu/qmoe.py imports this module)."""
-    if _INT3_CLS:
-        return _INT3_CLS[0]
-    from . import kernels as K
-    from .qmoe import CpuQMoE, _Proj
-
-    class _Int3Proj(_Proj):
-        """An int3 projection for the batched paths: 24-byte chunks of 64 codes (kernels/cpu/simd.py int3
-        kernels); blocks of 32 = two per chunk (bpc 2), 64 << cshift codes (bpc 1), or per row (cshift 62)."""
-
-        def __init__(self, spec, tensors, name, n, k, bits):
-            super().__init__(spec, tensors, name, n, k, bits)
-            bs = spec.block_size
-            self.chunk = K.INT3_CHUNK
-            self.bpc = 2 if bs == 32 else 1
-            self.cshift = 62 if not bs else (0 if bs == 32 else int(bs // 64).bit_length() - 1)
-            self.nchunk = k // 64
-            self.vals = 64
-            # k order of the prefill panels: per chunk slot 0 of the 16 lanes, then slots 1..3; the tail in order
-            # (the GEMV's slot streams, K.int3_position, are 16 nchunk long; the panels hold 64 values per chunk)
-            j, c = np.arange(k, dtype=np.int64), self.nchunk
-            pos = np.where(j >= 64 * c, j, 64 * (j >> 6) + 16 * (j & 3) + ((j >> 3) & 7) + 8 * ((j >> 2) & 1))
-            self.perm_arr = np.empty(k, np.int64)
-            self.perm_arr[pos] = np.arange(k, dtype=np.int64)
-            self.perm = self.perm_arr
-            self.pinv = pos
-            self.qparams = np.array([self.skind, self.zmode, bits, self.nb, self.chunk, self.cshift, self.nchunk,
-                                     int(self.has_bias), self.fmt, self.bpc], np.int64)
-
-        @property
-        def table_layout(self) -> bool:
-            return True
-
-        def gemv_ws(self) -> int:
-            return K.int3_width(self.w.shape[2], self.nchunk) + self.w.shape[2] + self.nchunk
-
-    class Int3QMoE(CpuQMoE):
-        """CpuQMoE with its int3 projections on the int3 kernels (kernels/cpu/qmoe.py's _Proj knows int2 / int4 /
-        int8 / fp4 only): built as a CpuQMoE, then the int3 projections replaced (always the batched paths)."""
-
-        def __init__(self, spec, tensors, num_threads=None):
-            _INT3_BUILD.active = True
-            try:
-                super().__init__(spec, tensors, num_threads)
-            finally:
-                _INT3_BUILD.active = False
-            t = {k: v for k, v in tensors.items() if v is not None}
-            H = spec.hidden_size
-            shapes = {"fc1": (spec.fc1_rows, H, spec.fc1_bits), "fc2": (H, spec.inter_size, spec.fc2_bits),
-                      "fc3": (spec.inter_size, H, spec.fc3_bits or spec.fc1_bits)}
-            for name, (n, k, bits) in shapes.items():
-                if getattr(self, name, None) is not None and bits == 3:
-                    setattr(self, name, _Int3Proj(spec, t, name, n, k, bits))
-            projs = [p for p in (self.fc1, self.fc2, self.fc3) if p]
-            self._table = True
-            self._gemv_ws_per_pair = sum(p.gemv_ws() if isinstance(p, _Int3Proj) else
-                                         p.w.shape[2] * (5 if p.bits == 2 else 2) + p.nchunk
-                                         for p in (self.fc1, self.fc2))
-            assert all(p.quantized for p in projs)
-
-    _INT3_CLS.append(Int3QMoE)
-    return Int3QMoE

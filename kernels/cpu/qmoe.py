@@ -1,4 +1,5 @@
-"""CPU execution of one com.microsoft QMoE (int2 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed) or float MoE node.
+"""CPU execution of one com.microsoft QMoE (int2 / int3 / int4 / int8 raw rows, MXFP4, NVFP4 K-packed) or float
+MoE node.
 
 Tokens are grouped by expert (``kernels.group_pairs``). Quantised nodes take the batched paths: experts
 with few tokens (decode) run one fused kernel (``moe_gemv``: FC1 + activation + FC2 + weighted sum over
@@ -61,8 +62,17 @@ def k_permutation(K: int, bits: int, chunk: int) -> np.ndarray | None:
     """Order of k in a row written by ``dequant_rows`` / the batched GEMM's dequantisation (None = natural).
 
     int4 / fp4: within each whole chunk of ``chunk`` bytes, first the even k (low nibbles), then the odd k;
-    int2: the k = 0 mod 4 of the chunk (code 0 of each byte), then 1, 2, 3 mod 4. The tail stays in order.
+    int2: the k = 0 mod 4 of the chunk (code 0 of each byte), then 1, 2, 3 mod 4; int3 (``chunk`` 24 bytes = 64
+    codes, kernels/cpu/simd.py): slot k & 3 of each of the 16 lanes (lane (k >> 3 & 7) + 8 (k >> 2 & 1)), slots
+    0..3 in turn (see kernels.int3_position). The tail stays in order.
     """
+    if bits == 3:  # pos[k]: where input k sits in the panels (whole 64-code chunks, then the tail)
+        assert chunk * 8 // 3 == 64
+        j = np.arange(K, dtype=np.int64)
+        pos = np.where(j >= 64 * (K // 64), j, 64 * (j >> 6) + 16 * (j & 3) + ((j >> 3) & 7) + 8 * ((j >> 2) & 1))
+        perm = np.empty(K, np.int64)
+        perm[pos] = j
+        return perm
     vpb = 8 // bits
     if vpb == 1:
         return None
@@ -128,7 +138,10 @@ class _Proj:
             self.zp = _readonly(zp.reshape(E, -1))
         block_bytes = (bs if bs else k) * bits // 8
         self.bpc = 1  # quantisation blocks per chunk
-        if not bs:
+        if bits == 3:  # int3 kernels: 24-byte chunks of 64 codes; blocks of 32 = two per chunk, 64 << cshift, per row
+            self.chunk, self.bpc = _k.INT3_CHUNK, 2 if bs == 32 else 1
+            self.cshift = 62 if not bs else (0 if bs == 32 else int(bs // 64).bit_length() - 1)
+        elif not bs:
             self.chunk, self.cshift = 16, 62
         elif fp4 or bits == 2:  # table kernels: 16-byte chunks over one or two blocks
             self.chunk = 16
@@ -137,10 +150,11 @@ class _Proj:
         else:
             self.chunk = 8 if block_bytes < 16 else 16
             self.cshift = int(np.log2(block_bytes // self.chunk))
-        self.nchunk = Kb // self.chunk
+        self.vals = self.chunk * 8 // bits  # values per chunk
+        # int3: whole 64-code chunks of K (the row's last bytes may hold padding bits past K)
+        self.nchunk = k // self.vals if bits == 3 else Kb // self.chunk
         self.perm = k_permutation(k, bits, self.chunk)
         # batched paths: layout constants as one int64 array, k order of the packed panels and its inverse
-        self.vals = self.chunk * (8 // bits)  # values per chunk
         self.qparams = np.array([self.skind, self.zmode, bits, self.nb, self.chunk, self.cshift, self.nchunk,
                                  int(self.has_bias), self.fmt, self.bpc], np.int64)
         self.perm_arr = self.perm if self.perm is not None else np.arange(k, dtype=np.int64)
@@ -149,8 +163,16 @@ class _Proj:
 
     @property
     def table_layout(self) -> bool:
-        """Layouts only the batched paths read (fp4, int2): no legacy per-expert kernels for them."""
-        return self.fmt == _k.FMT_FP4 or self.bits == 2
+        """Layouts only the batched paths read (fp4, int2, int3): no legacy per-expert kernels for them."""
+        return self.fmt == _k.FMT_FP4 or self.bits in (2, 3)
+
+    def gemv_ws(self) -> int:
+        """Floats of moe_gemv's workspace per (token, expert) pair for this projection: the activation streams
+        (int2: four of Kb each + one; int3: kernels.int3_width + Kb; otherwise two of Kb) and the chunk sums."""
+        Kb = self.w.shape[2]
+        if self.bits == 3:
+            return _k.int3_width(Kb, self.nchunk) + Kb + self.nchunk
+        return Kb * (5 if self.bits == 2 else 2) + self.nchunk
 
     def kcc(self, kc_values: int) -> int:
         """Chunks per k-block of the batched GEMM: about kc_values values, whole quantisation blocks."""
@@ -272,14 +294,13 @@ class CpuQMoE:
         swiglu = spec.activation == "swiglu"
         self._gemm_fused_act = self.fc3 is None and (swiglu and spec.swiglu_fusion == 1 or not swiglu)
         self._gemv_fused = spec.is_quantized and self.fc3 is None and (not swiglu or spec.swiglu_fusion in (1, 2))
-        # fp4 / int2 projections exist only in the batched paths (the legacy per-expert kernels read int4 / int8):
-        # such nodes always run batched, and where the fused decode kernel does not apply (FC3), on the GEMM path
+        # fp4 / int2 / int3 projections exist only in the batched paths (the legacy per-expert kernels read int4 /
+        # int8): such nodes always run batched, and where the fused decode kernel does not apply (FC3), on the GEMM path
         self._table = spec.is_quantized and any(p.table_layout for p in (self.fc1, self.fc2, self.fc3) if p)
         # What depends on the node only, read once instead of at every call (issue #4: the Python around the
         # kernels was 30-50 µs per layer in a decode step): a property of the spec, the decode workspace per pair.
         self._quantized = spec.is_quantized
-        self._gemv_ws_per_pair = sum(p.w.shape[2] * (5 if p.bits == 2 else 2) + p.nchunk
-                                     for p in (self.fc1, self.fc2)) if self._quantized else 0  # see moe_gemv
+        self._gemv_ws_per_pair = sum(p.gemv_ws() for p in (self.fc1, self.fc2)) if self._quantized else 0
 
     # ------------------------------------------------------------------ public API
     def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
