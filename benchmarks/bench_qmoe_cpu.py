@@ -233,11 +233,7 @@ def main(argv=None):
     print(f"building weights: E={E} H={H} I={I} top-{K_TOP} {layout} swiglu fusion 1 ...", flush=True)
     spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
     ours = CpuQMoE(spec, tensors, num_threads=cores)
-    if layout == "int3":  # a CpuQMoE subclass on the int3 kernels (kernels/cpu/generic.py Int3QMoE)
-        from kernels.cpu.generic import _int3_class
-        assert isinstance(ours._delegate, _int3_class()) and ours._delegate._delegate is None
-    else:
-        assert ours._delegate is None, "the layout did not get the fast path"
+    assert ours._delegate is None, "the layout did not get the fast path"
     sides = {"ours": ours.forward, "generic": _wrap(spec, GenericQMoE(spec, tensors, num_threads=cores)).forward}
     if layout != "int4":
         a4, t4 = make_layout_weights("int4", E, H, I)
