@@ -91,6 +91,36 @@ def _load_scale(builder, sc_ptr, idx, sc_is_f32, skind):
     return builder.select(is_bf, as_bf16, as_half)
 
 
+def _qrow_intrinsic(codegen, name: str):
+    """A GEMV row kernel's intrinsic (every layout shares the signature): (w, woff, nchunk, cshift, sc, soff,
+    skind, zf, zoff, xa, xb, xoff, xs, xsoff) -> float32, the integer arguments int64."""
+    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                            zf, types.int64, xa, xb, types.int64, xs, types.int64)
+        return sig, codegen
+
+    qrow.__name__ = name
+    return intrinsic(qrow)
+
+
+def _dqrow_intrinsic(codegen, name: str):
+    """A row dequantiser's intrinsic (every layout shares the signature): (w, woff, nchunk, cshift, sc, soff,
+    skind, zf, zoff, out, ooff) -> None, the integer arguments int64."""
+    def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
+        ints = (woff, nchunk, cshift, soff, skind, zoff, ooff)
+        if not all(isinstance(t, types.Integer) for t in ints):
+            return None
+        sig = types.none(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
+                         zf, types.int64, out, types.int64)
+        return sig, codegen
+
+    dqrow.__name__ = name
+    return intrinsic(dqrow)
+
+
 def _make_qrow(bits: int, chunk: int):
     nvals = chunk  # lanes per float vector (int4: two vectors lo/hi of `chunk` lanes each)
 
@@ -151,16 +181,7 @@ def _make_qrow(bits: int, chunk: int):
         corr = _fast(builder.fadd(builder.load(corr0), builder.load(corr1)))
         return _fast(builder.fsub(_hsum(builder, total, nvals), corr))
 
-    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
-        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
-        if not all(isinstance(t, types.Integer) for t in ints):
-            return None
-        sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
-                            zf, types.int64, xa, xb, types.int64, xs, types.int64)
-        return sig, codegen
-
-    qrow.__name__ = f"qrow_int{bits}_{chunk}"
-    return intrinsic(qrow)
+    return _qrow_intrinsic(codegen, f"qrow_int{bits}_{chunk}")
 
 
 qrow_int4_16 = _make_qrow(4, 16)
@@ -203,16 +224,7 @@ def _make_dqrow(bits: int, chunk: int):
                 builder.store(r, builder.bitcast(p, fvec_t.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
-        ints = (woff, nchunk, cshift, soff, skind, zoff, ooff)
-        if not all(isinstance(t, types.Integer) for t in ints):
-            return None
-        sig = types.none(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
-                         zf, types.int64, out, types.int64)
-        return sig, codegen
-
-    dqrow.__name__ = f"dqrow_int{bits}_{chunk}"
-    return intrinsic(dqrow)
+    return _dqrow_intrinsic(codegen, f"dqrow_int{bits}_{chunk}")
 
 
 dqrow_int4_16 = _make_dqrow(4, 16)
@@ -609,16 +621,7 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
             vals = [_fast(builder.fadd(vals[j], vals[j + 1])) for j in range(0, len(vals), 2)]
         return _hsum(builder, vals[0], 16)
 
-    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
-        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
-        if not all(isinstance(t, types.Integer) for t in ints):
-            return None
-        sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
-                            zf, types.int64, xa, xb, types.int64, xs, types.int64)
-        return sig, codegen
-
-    qrow.__name__ = f"qrow_tbl{slots}_{code}_{bpc}"
-    return intrinsic(qrow)
+    return _qrow_intrinsic(codegen, f"qrow_tbl{slots}_{code}_{bpc}")
 
 
 def _make_dqrow_tbl(slots: int, code: str, bpc: int):
@@ -637,16 +640,7 @@ def _make_dqrow_tbl(slots: int, code: str, bpc: int):
                 builder.store(v, builder.bitcast(p, fvec_t.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
-        ints = (woff, nchunk, cshift, soff, skind, zoff, ooff)
-        if not all(isinstance(t, types.Integer) for t in ints):
-            return None
-        sig = types.none(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
-                         zf, types.int64, out, types.int64)
-        return sig, codegen
-
-    dqrow.__name__ = f"dqrow_tbl{slots}_{code}_{bpc}"
-    return intrinsic(dqrow)
+    return _dqrow_intrinsic(codegen, f"dqrow_tbl{slots}_{code}_{bpc}")
 
 
 # int4 (zero points per row / per block): without AVX-512F the convert-based kernels (folded zero point)
@@ -770,16 +764,7 @@ def _make_qrow_int3(zblk: bool, bpc: int):
             one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), accs[0])
         return _hsum(builder, _fast(builder.fadd(builder.load(accs[0]), builder.load(accs[1]))), 16)
 
-    def qrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff):
-        ints = (woff, nchunk, cshift, soff, skind, zoff, xoff, xsoff)
-        if not all(isinstance(t, types.Integer) for t in ints):
-            return None
-        sig = types.float32(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
-                            zf, types.int64, xa, xb, types.int64, xs, types.int64)
-        return sig, codegen
-
-    qrow.__name__ = f"qrow_int3_{'zblk' if zblk else 'zrow'}_{bpc}"
-    return intrinsic(qrow)
+    return _qrow_intrinsic(codegen, f"qrow_int3_{'zblk' if zblk else 'zrow'}_{bpc}")
 
 
 def _make_dqrow_int3(zblk: bool, bpc: int):
@@ -802,16 +787,7 @@ def _make_dqrow_int3(zblk: bool, bpc: int):
                 builder.store(_fast(builder.fmul(v, sv)), builder.bitcast(p, fvec_t.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    def dqrow(typingctx, w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, out, ooff):
-        ints = (woff, nchunk, cshift, soff, skind, zoff, ooff)
-        if not all(isinstance(t, types.Integer) for t in ints):
-            return None
-        sig = types.none(w, types.int64, types.int64, types.int64, sc, types.int64, types.int64,
-                         zf, types.int64, out, types.int64)
-        return sig, codegen
-
-    dqrow.__name__ = f"dqrow_int3_{'zblk' if zblk else 'zrow'}_{bpc}"
-    return intrinsic(dqrow)
+    return _dqrow_intrinsic(codegen, f"dqrow_int3_{'zblk' if zblk else 'zrow'}_{bpc}")
 
 
 qrow_int3_zrow_1 = _make_qrow_int3(False, 1)
