@@ -107,8 +107,8 @@ def test_cpu_legacy_per_expert_paths(bits, block, act):
 
 def test_cpu_kernels_without_avx512(tmp_path):
     """Code generated for a CPU without AVX-512 (the table-lookup int4 kernels fall back to the
-    convert-based ones; the fp4 / int2 table kernels look up lane by lane) computes the same: run in a
-    subprocess with Numba targeting Haswell."""
+    convert-based ones; the fp4 / int2 / int3 table kernels look up lane by lane, int3 with plain 24-byte
+    loads and generic byte shuffles) computes the same: one subprocess with Numba targeting Haswell."""
     import os
     import subprocess
     import sys
@@ -133,7 +133,9 @@ def test_cpu_kernels_without_avx512(tmp_path):
         "    assert err < 1e-5, err\n"
         "from tests.qmoe_oracle import make_layout_case\n"  # table kernels of fp4 / int2: lane-by-lane lookups
         "for kw in (dict(quant_type='nvfp4', packing='k_packed', H=80, I=48), dict(quant_type='fp4', H=64, I=96),\n"
-        "           dict(bits=2, block_size=32, zero_points=True, H=96, I=32), dict(bits=2, H=68, I=36)):\n"
+        "           dict(bits=2, block_size=32, zero_points=True, H=96, I=32), dict(bits=2, H=68, I=36),\n"
+        "           dict(bits=3, block_size=32, zero_points=True, H=96, I=160), dict(bits=3, zero_points=True, H=100, I=71),\n"
+        "           dict(bits=3, block_size=64, H=128, I=64)):\n"
         "    attrs, t, x, lg = make_layout_case(seed=5, E=6, k=2, T=20, bias=True, activation='swiglu',\n"
         "                                       swiglu_fusion=1, swiglu_limit=7.0, alpha=1.702, **kw)\n"
         "    spec = QMoESpec.from_tensors('t', 'QMoE', attrs, t, x.shape)\n"
@@ -145,7 +147,7 @@ def test_cpu_kernels_without_avx512(tmp_path):
         "        assert err < 1e-5, (kw, T, err)\n"
         "print('ok')\n")
     feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
-             "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd")
+             "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd,-avx512vbmi")
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=feats)
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
