@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "simulated"], default="cuda")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--fractions", default="0,0.25,0.5,1", help="resident fractions, comma-separated")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
     args = parser.parse_args()
 
@@ -121,8 +122,8 @@ def main() -> None:
 
     cpu_model = LoadedModel.open(folder / "model")
     cpu_prefill = args.prefill_tokens / _timed(lambda: cpu_model.decoder.forward(cpu_model.new_state(), long_prompt))
-    figures, rows = [], []
-    for fraction in (0.0, 0.25, 0.5, 1.0):
+    figures = []
+    for fraction in [float(f) for f in args.fractions.split(",")]:
         # 100% = every expert in a device slot (slots are in the GPU kernels' layout, larger than the stored experts)
         model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=int(fraction * all_resident_bytes(infos))))
         rate, step_rows = decode(model, short_prompt, args.decode_tokens)
@@ -132,7 +133,6 @@ def main() -> None:
         h = stats.hit_rate
         dense_per_token = profile["dense_s"] / profile["steps"]
         bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
-        kernels_s = stats.cpu_s + stats.device_s - stats.wait_s
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
         prefill = args.prefill_tokens / _timed(lambda: model.decoder.forward(model.new_state(), long_prompt))
         slots = model.offload.plan.slots[infos[0].name]
@@ -167,17 +167,17 @@ def main() -> None:
              "unit": "tokens/s", "reference": "measured on random routing", "reference_value": rate,
              "ratio": projected / rate, "trace_hit_rate": trace_h},
         ]
-        rows.append((fraction, rate, 1 / bound_s, h, prefill, overhead * 1e6, trace_h, projected, kernels_s))
         print(f"{fraction:5.0%}  decode {rate:7.1f} tok/s (bound {1 / bound_s:7.1f}, hit {h:.2f})  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}",
               flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
-    path = write_result("offload", figures, shape=args.shape, device=device.name, expert_bytes=model.folder.expert_bytes,
-                        bytes_per_expert=per_expert, bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm,
-                                                                 "cpu_engine": device.bandwidths.cpu},
-                        pinned=model.offload.pinned_info())
+        # Written after every point: a run stopped by its time limit keeps the points it finished.
+        path = write_result("offload", figures, shape=args.shape, device=device.name,
+                            expert_bytes=model.folder.expert_bytes, bytes_per_expert=per_expert,
+                            bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm, "cpu_engine": device.bandwidths.cpu},
+                            pinned=model.offload.pinned_info())
     print(f"wrote {path}")
 
 

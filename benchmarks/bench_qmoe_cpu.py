@@ -217,7 +217,6 @@ def main(argv=None):
 
     import numba
     import onnxruntime as ort
-    from engine.ort_env import configure_global_threads
     from kernels.cpu.generic import GenericQMoE
     from tests.qmoe_oracle import make_session
 
@@ -226,7 +225,6 @@ def main(argv=None):
     print("measuring streaming read bandwidth (2 GB, all threads) ...", flush=True)
     stream_gbs = stream_read_bandwidth()
     print(f"  {stream_gbs:.1f} GB/s", flush=True)
-    configure_global_threads(cores)  # onnxruntime's pool: as many threads as Numba gets
     E, H, I, K_TOP = 32, 2880, 2880, 4
     layout = args.layout
     attrs, tensors = make_layout_weights(layout, E, H, I)
@@ -263,11 +261,12 @@ def main(argv=None):
         try:
             if layout == "int3":  # onnxruntime: "QMoE INT3 requires FP16 or BF16 activations"
                 t16 = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
-                sess, _ = make_session("QMoE", attrs, t16, xs[0].astype(np.float16), logits_all[0].astype(np.float16))
+                sess, _ = make_session("QMoE", attrs, t16, xs[0].astype(np.float16), logits_all[0].astype(np.float16),
+                                        threads=cores, spinning=True)
                 feeds = [{"input": xs[i].astype(np.float16), "router_probs": logits_all[i].astype(np.float16)}
                          for i in range(n_in)]
             else:
-                sess, _ = make_session("QMoE", attrs, tensors, xs[0], logits_all[0])
+                sess, _ = make_session("QMoE", attrs, tensors, xs[0], logits_all[0], threads=cores, spinning=True)
                 feeds = [{"input": xs[i], "router_probs": logits_all[i]} for i in range(n_in)]
             fns["ort"] = lambda i: sess.run(None, feeds[i % n_in])
             rel["ort"] = max(float(np.abs(ref_out[i] - sess.run(None, feeds[i])[0]).max() / np.abs(ref_out[i]).max())

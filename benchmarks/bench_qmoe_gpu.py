@@ -268,12 +268,10 @@ def main(argv=None):
         import numba
         import onnxruntime as ort
 
-        from engine.ort_env import configure_global_threads
         from kernels.cpu import CpuQMoE
         from tests.qmoe_oracle import make_session
 
         cores = os.cpu_count() or 1
-        configure_global_threads(cores)
         numba.set_num_threads(min(cores, numba.config.NUMBA_NUM_THREADS))
         cpu_ctx = (CpuQMoE, make_session, cores, ort.__version__)
         details.update(cpu_threads=cores, onnxruntime=ort.__version__, numba=numba.__version__)
@@ -326,7 +324,7 @@ def main(argv=None):
                 xh = rng.standard_normal((T, H)).astype(np.float32)
                 lh = (rng.standard_normal((T, E)) * 2).astype(np.float32)
                 print(f"[{key}] CPU / onnxruntime {label} ...", flush=True)
-                sess, feeds = make_session("QMoE", attrs, tensors, xh, lh)
+                sess, feeds = make_session("QMoE", attrs, tensors, xh, lh, threads=cores, spinning=True)
                 t_ort = time_host(lambda: sess.run(None, feeds), runs)
                 t_cpu = time_host(lambda: ours_cpu.forward(xh, lh), runs)
                 xd, ld = cp.asarray(xh), cp.asarray(lh)

@@ -10,12 +10,12 @@ when the experts' device is a CUDA GPU and the installed onnxruntime offers that
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from importlib import metadata
 
 import onnxruntime as ort
-from onnxruntime.capi import _pybind_state
 
 from engine.errors import WorkbenchError
 from engine.units import human_bytes
@@ -25,9 +25,6 @@ _ORT_TYPES = {
     "tensor(int32)": 6, "tensor(int64)": 7, "tensor(string)": 8, "tensor(bool)": 9, "tensor(float16)": 10,
     "tensor(double)": 11, "tensor(uint32)": 12, "tensor(uint64)": 13, "tensor(bfloat16)": 16,
 }
-
-_configured_threads: int | None = None
-
 
 def cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -51,19 +48,25 @@ def require_single_build(builds: list[str]) -> None:
                              "module and break each other: uninstall all but one (make install picks the right one)")
 
 
-def configure_global_threads(threads: int | None = None) -> None:
-    """Set the process-wide pool size once, before the first session is created."""
-    global _configured_threads
-    if _configured_threads is None:
-        require_single_build(installed_onnxruntime_builds())
-        _configured_threads = threads or cpu_threads()
-        _pybind_state.set_global_thread_pool_sizes(_configured_threads, 1)
+@functools.cache
+def _require_single_build_once() -> None:
+    require_single_build(installed_onnxruntime_builds())
 
 
-def session_options(external_data_folder: str | None = None) -> ort.SessionOptions:
-    configure_global_threads()
+# onnxruntime's pool threads spin after each run, waiting for more work, and cannot be told not to
+# in a process-wide pool (Python exposes no spin control for it). Every decode step alternates
+# between onnxruntime (dense segments) and Numba (expert kernels) dozens of times, so spinning
+# pool threads hold the cores the expert kernels need next: each session gets its own pool that
+# blocks instead (session.intra_op.allow_spinning = 0).
+def session_options(external_data_folder: str | None = None, threads: int | None = None,
+                    spinning: bool = False) -> ort.SessionOptions:
+    """Options for an engine session: its own pool of `threads` (default: all cores), not spinning
+    unless asked (a benchmark's reference session, which runs alone)."""
+    _require_single_build_once()
     options = ort.SessionOptions()
-    options.use_per_session_threads = False
+    options.intra_op_num_threads = threads or cpu_threads()
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     options.log_severity_level = 3
     if external_data_folder:
         # Sub-models are built in memory; their dense initializers still point into the model's data file.

@@ -77,7 +77,7 @@ def run_ort(op_type: str, attrs: dict, tensors: dict, x: np.ndarray, router_logi
     return out.astype(x.dtype) if _is_bf16(x.dtype) else out
 
 
-def make_session(op_type, attrs, tensors, x, router_logits, router_weights=None):
+def make_session(op_type, attrs, tensors, x, router_logits, router_weights=None, threads=None, spinning=False):
     import onnxruntime as ort
 
     from engine.ort_env import session_options
@@ -86,9 +86,9 @@ def make_session(op_type, attrs, tensors, x, router_logits, router_weights=None)
     t["router_probs"] = router_logits
     t["router_weights"] = router_weights
     model = build_model(op_type, attrs, t, x.shape, x.dtype)
-    # The engine's options: one process-wide thread pool (onnxruntime refuses per-session pools once
-    # it exists); its size is set by engine.ort_env.configure_global_threads before the first session.
-    sess = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    # The engine's options; a benchmark's reference session, timed alone, asks for a spinning pool.
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(threads=threads, spinning=spinning),
+                                providers=["CPUExecutionProvider"])
     feeds = {"input": x, "router_probs": router_logits}
     if router_weights is not None:
         feeds["router_weights"] = router_weights
