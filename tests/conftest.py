@@ -11,7 +11,9 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "genai"
+# The fixture folders beside the checkout; MOE_WORKBENCH_FIXTURES points elsewhere (a machine where the
+# checkout travels without them).
+FIXTURES = Path(os.environ.get("MOE_WORKBENCH_FIXTURES") or REPO.parent / "shared" / "fixtures" / "genai")
 FIXTURE_NAMES = ("gptoss", "lfm2moe", "qwen35moe")
 
 

@@ -486,7 +486,8 @@ def test_gpu_device_mem_limit_is_respected(tmp_path):
     def run(limit, taken):
         folder = tmp_path / f"model-{taken}"
         out = subprocess.run([sys.executable, "-c", LIMIT_SCRIPT, str(limit), str(taken), str(folder)], cwd=REPO,
-                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
