@@ -14,6 +14,7 @@ import functools
 import os
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 import onnxruntime as ort
 
@@ -31,15 +32,13 @@ def cpu_threads() -> int:
 
 
 def installed_onnxruntime_builds() -> list[str]:
-    """The onnxruntime distributions installed; more than one means they overwrite each other's module."""
+    """The onnxruntime distributions installed in the folder this process imports onnxruntime from; more
+    than one there means they overwrite each other's files. One in another folder of the path is shadowed
+    by the imported one: harmless, not listed."""
+    here = Path(ort.__file__).resolve().parent.parent
     names = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-directml", "onnxruntime-openvino")
-    found = []
-    for name in names:
-        try:
-            found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            continue
-    return found
+    return [f"{name} {dist.version}" for name in names for dist in metadata.distributions(name=name)
+            if Path(dist.locate_file("")).resolve() == here]
 
 
 def require_single_build(builds: list[str]) -> None:
