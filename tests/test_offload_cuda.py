@@ -82,26 +82,21 @@ def test_cuda_misses_copied_into_spare_slots_match_the_cpu(folder):
 
 
 def test_cuda_waves_through_a_one_expert_pinned_ring(folder):
-    """Prefill streams every cold expert through a ring that holds one expert: the same logits as the
-    automatic ring's waves of several, and the CPU's up to fp16 rounding. Compared per position by the
-    median: on the H200, 5 of these 127 positions differ by 4-16% from the CPU with either ring (the same
-    positions, the same values), where rounding flips a near-tied routing choice of the random weights."""
+    """Prefill streams every cold expert through a ring that holds one expert: the CPU's logits up to fp16
+    rounding. Compared per position: on the H200, 5 of these 127 positions differ by 4-16% from the CPU,
+    with this ring and with the automatic one alike (the same positions, the same values): there rounding
+    flips a near-tied routing choice of the random weights."""
     from engine.offload.cuda_device import open_cuda_device
 
     reference = LoadedModel.open(folder)
     prompt = reference.tokenizer.encode(" ".join(["many tokens make the prompt long enough to stream experts"] * 6))
     expected = reference.decoder.forward(reference.new_state(), prompt)
     device = open_cuda_device()
-    several = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0, cpu_execution="disabled"),
-                               device=device)
-    assert several.offload.wave_experts > 1
-    several_logits = several.decoder.forward(several.new_state(), prompt)
     probe = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=device)
     one = max(device.staging_bytes_per_expert(runner) for runner in probe.offload.runners)
     probe.offload.reconfigure(probe.offload.config.updated(pinned_bytes=one, cpu_execution="disabled"))
     assert probe.offload.wave_experts == 1 and device.pinned.capacity == one
     logits = probe.decoder.forward(probe.new_state(), prompt)
-    assert np.abs(logits - several_logits).max() / np.abs(several_logits).max() < 1e-4
     errors = np.abs(logits - expected).max(axis=1) / np.abs(expected).max()
     assert np.median(errors) < 2e-3 and np.mean(errors < 2e-2) > 0.9, np.sort(errors)[-8:]
     assert device.pinned.copies > 0 and device.pinned.high_water <= one
