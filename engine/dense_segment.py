@@ -121,7 +121,11 @@ class SegmentBinding:
         # writes this step's values into last step's arrays, so no new array, read-back or NumPy view is
         # made. `fresh` outputs (the logits, which callers keep) are new arrays at every step.
         self._fresh = [i for i, name in enumerate(self.fetched) if fresh is None or name in fresh]
-        self._reusable = fresh is not None and len(self._fresh) < len(self.fetched)
+        # Not on the GPU: there onnxruntime copies each output to the host into a buffer of its own, not
+        # into last step's (seen on the H200 with onnxruntime-gpu 1.31.1: from the second decode step on,
+        # the kept arrays held the first step's values).
+        self._reusable = (fresh is not None and len(self._fresh) < len(self.fetched)
+                          and backend.device_type == "cpu")
         self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
         # ... but for the attention mask, which grows by one at every decode step: the outputs' shapes do not follow
         # it in the models seen (GQA reduces it to sequence lengths), so the first segment's outputs are kept too;
