@@ -33,7 +33,7 @@ class PartitionedDecoder:
         self.dense: DenseDevice | None = None
         by_name = {info.name: info for info in experts}
         self.steps: list = []  # DenseSegment, or an expert runner (CpuExpertNode, HybridExpertNode)
-        self.on_step_end = None  # called after every step: the safe point for expert placement
+        self.on_step_end = None  # called after every step with its seconds: the safe point for expert placement
         self.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}  # where step time goes
         self._progress, self._built = progress, 0
         for step in plan.steps:
@@ -94,7 +94,7 @@ class PartitionedDecoder:
             before = now
         state.advance(len(token_ids))
         if self.on_step_end is not None:
-            self.on_step_end()
+            self.on_step_end(time.perf_counter() - started)
         profile = self.profile
         profile["steps"] += 1
         profile["dense_s"] += dense

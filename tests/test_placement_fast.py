@@ -19,6 +19,7 @@ class Reference:
         self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
         self.scores = [np.zeros(layer.num_experts) for layer in layers]
         self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]
+        self.turn = 0
 
     def observe(self, layer, expert_ids):
         scores = self.scores[layer]
@@ -57,12 +58,24 @@ class Reference:
             self.admitted[layer][evicted] = False
         self.admitted[layer][expert] = True
 
-    def rebalance(self):
+    def rebalance(self, limit=None):
+        """Under a limit: at most that many swaps in all, layers in turn from a first layer that moves on by
+        one at every call."""
         if not self.adaptive:
             return []
         swaps = []
-        for index, layer in enumerate(self.layers):
-            if layer.num_slots == 0:
+        first = 0
+        if limit is not None:
+            first = self.turn % len(self.layers)
+            self.turn += 1
+        order = [(first + offset) % len(self.layers) for offset in range(len(self.layers))]
+
+        def room():
+            return limit is None or len(swaps) < limit
+
+        for index in order:
+            layer = self.layers[index]
+            if layer.num_slots == 0 or not room():
                 continue
             scores = self.scores[index]
             empty = np.flatnonzero(layer.expert_in < 0)
@@ -70,6 +83,8 @@ class Reference:
                 cold = np.flatnonzero(layer.slot_of < 0)
                 cold = cold[scores[cold] > 0]
                 for slot, expert in zip(empty, cold[np.argsort(-scores[cold], kind="stable")]):
+                    if not room():
+                        break
                     layer.place(int(slot), int(expert))
                     swaps.append(Swap(index, int(slot), None, int(expert)))
             cold = np.flatnonzero(layer.slot_of < 0)
@@ -77,6 +92,8 @@ class Reference:
                 continue
             candidates = cold[np.argsort(-scores[cold], kind="stable")][: self.max_swaps]
             for expert in candidates:
+                if not room():
+                    break
                 residents = layer.expert_in[layer.expert_in >= 0]
                 weakest = residents[np.argmin(scores[residents])]
                 if scores[expert] <= self.margin * scores[weakest] or scores[expert] <= 0:
@@ -87,8 +104,9 @@ class Reference:
         return swaps
 
 
-def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit_every=3):
-    """Drive the policy and the reference with the same trace and the same miss-policy admissions; compare."""
+def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit_every=3, limits=(None,)):
+    """Drive the policy and the reference with the same trace and the same miss-policy admissions; compare.
+    Each safe point's swap limit is drawn from `limits`."""
     rng = np.random.default_rng(seed)
     L = trace.shape[1]
     ours_layers = [LayerSlots(num_experts, s) for s in slots]
@@ -116,7 +134,9 @@ def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit
             policy.observe(layer, ids)
             ref.observe(layer, ids)
             assert np.array_equal(policy.scores[layer], ref.scores[layer])  # bit for bit
-        swaps, expected = policy.rebalance(), ref.rebalance()
+        limit = limits[int(rng.integers(len(limits)))]
+        swaps, expected = policy.rebalance(limit), ref.rebalance(limit)
+        assert limit is None or len(swaps) <= limit
         assert swaps == expected, step
         total_swaps += len(swaps)
         for ours, theirs in zip(ours_layers, ref_layers):
@@ -129,6 +149,24 @@ def test_adaptive_makes_the_reference_swaps_on_realistic_traces(seed):
     trace = realistic_trace(300, 3, 128, 8, seed=seed, switch_every=100)
     swaps, spare = _replay("adaptive", trace, 128, [64, 32, 0], seed)
     assert swaps > 50 and spare > 0  # the comparison saw real work
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adaptive_makes_the_reference_swaps_under_swap_limits(seed):
+    """SwapAllowance's limits: none at some safe points, one or a few at others, no limit at the rest."""
+    trace = realistic_trace(300, 3, 128, 8, seed=seed, switch_every=60)
+    swaps, _ = _replay("adaptive", trace, 128, [64, 32, 0], seed, limits=(0, 1, 3, None))
+    assert swaps > 30
+
+
+def test_under_a_limit_of_one_the_layers_take_turns():
+    layers = [LayerSlots(8, 2) for _ in range(3)]
+    policy = AdaptivePlacement(layers)
+    for layer in range(3):
+        policy.observe(layer, np.array([0, 1, 2, 3, 4, 5]))  # every layer wants to fill its two empty slots
+    assert [swap.layer for swap in [*policy.rebalance(1), *policy.rebalance(1), *policy.rebalance(1)]] == [0, 1, 2]
+    assert [swap.layer for swap in policy.rebalance(0)] == []
+    assert [swap.layer for swap in policy.rebalance(None)] == [0, 1, 2]  # the second slot of each, in order
 
 
 def test_adaptive_makes_the_reference_swaps_with_popularity_and_uniform_routing():

@@ -19,6 +19,7 @@ from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
 from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.stats import OffloadStats
+from engine.offload.swap_allowance import SwapAllowance
 
 
 def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray]:
@@ -59,6 +60,7 @@ class OffloadEngine:
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
         self._make_policy()
+        self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
 
@@ -145,13 +147,17 @@ class OffloadEngine:
                 swaps.append(Swap(index, int(slot), None, expert))
         return swaps
 
-    def _apply(self, swaps) -> None:
+    def _apply(self, swaps) -> list[float]:
+        """Make the swaps; each one's host seconds."""
+        spent = []
         for swap in swaps:
             seconds = self.stores[swap.layer].load(swap.slot, swap.loaded)
             layer = self.stats.layers[swap.layer]
             layer.copy_bytes += self.stores[swap.layer].expert_bytes  # the expert in the kernels' layout
             layer.copy_s += seconds
             layer.swaps += 1
+            spent.append(seconds)
+        return spent
 
     @contextmanager
     def exact_routing(self):
@@ -168,13 +174,15 @@ class OffloadEngine:
     def approximating(self) -> bool:
         return self.config.approximate_routing and not self.shadow
 
-    def end_step(self) -> None:
-        """A safe point between decoder steps: placement may move experts now."""
+    def end_step(self, step_s: float | None = None) -> None:
+        """A safe point between decoder steps: placement may move experts now, within the swap allowance
+        earned by the step's `step_s` seconds (None: without a limit)."""
         if self.shadow:
             return
         self.stats.end_step()
         if self.device is not None:
-            self._apply(self.policy.rebalance())
+            limit = None if step_s is None else self.swap_allowance.grant(step_s)
+            self.swap_allowance.spent(self._apply(self.policy.rebalance(limit)))
             self.stats.pinned = self.pinned_info()
 
     def reconfigure(self, config: OffloadConfig) -> None:

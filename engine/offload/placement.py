@@ -136,7 +136,8 @@ class PlacementPolicy:
                 swaps.append(Swap(index, int(slot), None, expert))
         return swaps
 
-    def rebalance(self) -> list[Swap]:
+    def rebalance(self, limit: int | None = None) -> list[Swap]:
+        """Swaps for this safe point, at most `limit` in all (None: as many as the policy wants)."""
         return []
 
 
@@ -167,6 +168,7 @@ class AdaptivePlacement(PlacementPolicy):
         super().__init__(layers)
         self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
         self._rows: np.ndarray | None = None  # rebalance's swap rows (slot, evicted, loaded)
+        self._turn = 0  # under a limit, the layer that goes first (layers take turns)
 
     def wanted(self, layer: int) -> np.ndarray:
         """Residents scored at least the slot count's best score (ties count as wanted)."""
@@ -182,19 +184,30 @@ class AdaptivePlacement(PlacementPolicy):
         # = scores *= decay; np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call
         _observe(self.scores[layer], expert_ids.reshape(-1), self.decay, True)
 
-    def rebalance(self) -> list[Swap]:
+    def rebalance(self, limit: int | None = None) -> list[Swap]:
         """Per layer with slots: fill empty slots with the best positive-scored cold experts; then take the
         max_swaps best cold experts (highest score first, lowest id on ties) and, in that order, swap each in for
         the weakest resident (first in slot order on ties) while it scores more than margin times that one's
-        score. One compiled call per layer (_rebalance)."""
+        score. One compiled call per layer (_rebalance). Under a `limit` (swaps in all, SwapAllowance), the
+        layers take turns to go first, one further at every call, so none waits on the others for ever."""
         swaps = []
         rows = self._rows
-        for index, layer in enumerate(self.layers):
+        count = len(self.layers)
+        first = 0
+        if limit is not None and count:
+            first = self._turn % count
+            self._turn += 1
+        for offset in range(count):
+            index = (first + offset) % count
+            layer = self.layers[index]
+            left = -1 if limit is None else limit - len(swaps)
+            if left == 0:
+                break
             if layer.num_slots == 0:
                 continue
             if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
                 rows = self._rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
-            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, rows)
+            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, left, rows)
             if n:
                 for slot, evicted, loaded in rows[:n].tolist():
                     swaps.append(Swap(index, slot, evicted if evicted >= 0 else None, loaded))
@@ -286,16 +299,19 @@ def _best_cold(scores, slot_of, taken, positive):
 
 
 @njit(cache=True, nogil=True)
-def _rebalance(scores, slot_of, expert_in, margin, max_swaps, swaps):
+def _rebalance(scores, slot_of, expert_in, margin, max_swaps, limit, swaps):
     """AdaptivePlacement's safe point for one layer, in place on slot_of / expert_in. swaps [rows, 3] receives
-    (slot, evicted or -1, loaded); returns the row count. Empty slots are filled first (best positive-scored cold
-    experts, slots in order); then up to max_swaps of the best cold experts (chosen before any swap) each replace
-    the weakest resident (the first in slot order on ties) while it scores more than margin times it."""
+    (slot, evicted or -1, loaded); returns the row count, at most `limit` (negative: no limit). Empty slots are
+    filled first (best positive-scored cold experts, slots in order); then up to max_swaps of the best cold
+    experts (chosen before any swap) each replace the weakest resident (the first in slot order on ties) while
+    it scores more than margin times it."""
     E = slot_of.size
     S = expert_in.size
     n = 0
     taken = np.zeros(E, np.bool_)
     for s in range(S):
+        if n == limit:
+            return n
         if expert_in[s] < 0:
             e = _best_cold(scores, slot_of, taken, True)
             if e < 0:
@@ -316,6 +332,8 @@ def _rebalance(scores, slot_of, expert_in, margin, max_swaps, swaps):
         taken[e] = True
         count += 1
     for k in range(count):
+        if n == limit:
+            break
         expert = candidates[k]
         weakest = -1
         for s in range(S):
