@@ -4,14 +4,12 @@ stand-in NVML), byte parsing, the .desktop file and the icon."""
 from __future__ import annotations
 
 import configparser
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
 
-from app.gui import telemetry  # noqa: E402
 from app.gui.contention import ThroughputWatch, check_sample  # noqa: E402
 from app.gui.estimate import DeviceChoice, estimate, layer_summary, model_facts  # noqa: E402
 from app.gui.widgets import parse_bytes  # noqa: E402
@@ -148,61 +146,6 @@ def test_contention_rules():
     for rate in (1, 10, 10, 10, 10, 10, 6, 6, 6, 6, 6):
         watch.add(rate * 1e9)
     assert watch.baseline == 10e9 and watch.current == 6e9 and watch.warning() == ""  # 60%: not clearly below
-
-
-class FakeNvml:
-    """nvidia-ml-py's surface that app.gui.telemetry.Nvml uses."""
-
-    def __init__(self, processes, hide_per_process=False):
-        self.processes = processes
-        self.hide = hide_per_process
-
-    def nvmlInit(self):
-        pass
-
-    def nvmlDeviceGetCount(self):
-        return 1
-
-    def nvmlDeviceGetHandleByIndex(self, index):
-        return "gpu0"
-
-    def nvmlDeviceGetName(self, handle):
-        return b"NVIDIA Test GPU"
-
-    def nvmlDeviceGetMemoryInfo(self, handle):
-        return SimpleNamespace(total=80 << 30, used=30 << 30, free=50 << 30)
-
-    def nvmlDeviceGetUtilizationRates(self, handle):
-        return SimpleNamespace(gpu=42)
-
-    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle):
-        return [SimpleNamespace(pid=pid, usedGpuMemory=None if self.hide else used) for pid, used in self.processes]
-
-    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
-        return []
-
-
-def test_nvml_sample_splits_this_process_from_others(monkeypatch):
-    import os
-
-    monkeypatch.setattr(telemetry, "pynvml", FakeNvml([(os.getpid(), 6 << 30), (999_999_999, 20 << 30)]))
-    sample = telemetry.Nvml().sample()
-    assert sample["name"] == "NVIDIA Test GPU" and sample["util"] == 42.0
-    assert sample["this"] == 6 << 30 and sample["others"] == 24 << 30 and sample["free"] == 50 << 30
-    assert sample["top"][0]["bytes"] == 20 << 30 and sample["per_process"]
-    monkeypatch.setattr(telemetry, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
-    hidden = telemetry.Nvml().sample()
-    assert not hidden["per_process"] and hidden["this"] == 0 and hidden["others"] == 30 << 30
-
-
-def test_no_nvidia_gpu_says_why(monkeypatch):
-    class Missing(FakeNvml):
-        def nvmlInit(self):
-            raise RuntimeError("NVML Shared Library Not Found")
-
-    monkeypatch.setattr(telemetry, "pynvml", Missing([]))
-    probe = telemetry.Nvml()
-    assert probe.sample() is None and "NVML Shared Library Not Found" in probe.note
 
 
 def test_parse_bytes():

@@ -12,6 +12,7 @@ import psutil
 from engine.errors import PromptError
 from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.offload.projection import is_simulated, project_run
+from engine.nvml import Nvml
 from engine.records.environment import machine, versions
 from engine.records.schema import RunRecord, model_identity
 
@@ -60,12 +61,16 @@ def _long_prompt(tokenizer) -> str:
 
 
 class PeakSampler:
-    """Samples this process's RSS and the device's memory in use every `interval` seconds."""
+    """Samples this process's RSS, the device's memory in use and, on an NVIDIA GPU, this process's VRAM as NVML
+    reports it every `interval` seconds. The process's VRAM stays None where the driver or a container hides
+    per-process memory (also when NVML lists this process under another pid: a container's namespace)."""
 
     def __init__(self, device=None, interval: float = 0.05):
         self.device, self.interval = device, interval
         self.rss = 0
         self.device_bytes = 0
+        self.process_device_bytes: int | None = None
+        self._nvml = Nvml(device.index) if getattr(device, "kind", None) == "cuda" else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-sampler", daemon=True)
         self._process = psutil.Process()
@@ -74,6 +79,10 @@ class PeakSampler:
         self.rss = max(self.rss, self._process.memory_info().rss)
         if self.device is not None:
             self.device_bytes = max(self.device_bytes, self.device.memory.used, self.device.memory.high_water)
+        if self._nvml is not None:
+            gpu = self._nvml.sample()
+            if gpu is not None and gpu["per_process"] and gpu["this"] > 0:
+                self.process_device_bytes = max(self.process_device_bytes or 0, gpu["this"])
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -88,6 +97,13 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+
+
+def pinned_bytes(model: LoadedModel) -> int | None:
+    """Page-locked host memory the staging ring holds (allocated at load, held throughout); None without a
+    real one (all-CPU, or the simulated device's accounted ring)."""
+    info = model.offload.pinned_info() if model.offload is not None else {}
+    return info["bytes"] if info.get("kind") == "pinned" else None
 
 
 def offload_description(model: LoadedModel, device) -> dict:
@@ -153,8 +169,9 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         versions=versions(), machine=machine(), model=model_identity(model.folder),
         offload=offload_description(model, device),
         timings=timings,
-        peaks={"device_bytes": peaks.device_bytes if device is not None else None, "process_device_bytes": None,
-               "rss_bytes": peaks.rss, "pinned_bytes": None},
+        peaks={"device_bytes": peaks.device_bytes if device is not None else None,
+               "process_device_bytes": peaks.process_device_bytes, "rss_bytes": peaks.rss,
+               "pinned_bytes": pinned_bytes(model)},
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,
         turns=turns, approximate_routing=bool(model.offload and model.offload.config.approximate_routing),
         routing_agreement=sum(agreements) / len(agreements) if agreements else None, label=label)

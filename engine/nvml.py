@@ -1,0 +1,110 @@
+"""The NVIDIA GPU through NVML (nvidia-ml-py): memory used by this process and by others (per process where
+the driver tells), free memory and utilisation. Used by the window's telemetry and by run records."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+try:  # imported once, on the importing thread (the window imports it on the main thread)
+    import pynvml
+except ImportError:  # pragma: no cover
+    pynvml = None
+
+
+class Nvml:
+    """NVML through nvidia-ml-py, with the fallbacks nvitop uses across driver versions."""
+
+    def __init__(self, index: int = 0):
+        self.handle = None
+        self.note = ""
+        self.name = ""
+        if pynvml is None:
+            self.note = "nvidia-ml-py is not installed"
+            return
+        self.nv = pynvml
+        try:
+            pynvml.nvmlInit()
+            count = pynvml.nvmlDeviceGetCount()
+            if count == 0:
+                self.note = "NVML found no NVIDIA GPU"
+                return
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(self.handle)
+            self.name = name.decode() if isinstance(name, bytes) else str(name)
+        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            self.handle = None
+            self.note = f"no NVIDIA GPU ({str(exc) or type(exc).__name__})"
+
+    def _processes(self) -> list:
+        """Compute and graphics processes on the GPU (newest NVML call the binding has first)."""
+        found = {}
+        for kind in ("Compute", "Graphics"):
+            for getter in (f"nvmlDeviceGet{kind}RunningProcesses_v3", f"nvmlDeviceGet{kind}RunningProcesses"):
+                function = getattr(self.nv, getter, None)
+                if function is None:
+                    continue
+                try:
+                    for proc in function(self.handle):
+                        found.setdefault(proc.pid, proc)
+                    break
+                except Exception:
+                    continue
+        return list(found.values())
+
+    def sample(self) -> dict | None:
+        if self.handle is None:
+            return None
+        nv = self.nv
+        try:
+            memory = nv.nvmlDeviceGetMemoryInfo(self.handle)
+        except Exception as exc:
+            self.note = f"NVML stopped answering ({exc})"
+            return None
+        try:
+            util = float(nv.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+        except Exception:
+            util = None
+        me = os.getpid()
+        this, top, known = 0, [], True
+        for proc in self._processes():
+            used = getattr(proc, "usedGpuMemory", None)
+            if used is None:
+                known = False  # the driver (or a container) hides per-process memory
+                continue
+            if proc.pid == me:
+                this += int(used)
+            else:
+                top.append({"pid": proc.pid, "name": _process_name(proc.pid), "bytes": int(used)})
+        top.sort(key=lambda p: -p["bytes"])
+        used = int(memory.used)
+        return {"name": self.name, "total": int(memory.total), "used": used, "free": int(memory.free),
+                "this": this, "others": max(0, used - this), "util": util, "top": top[:5], "per_process": known}
+
+
+INTERPRETERS = ("python", "node", "java", "perl", "ruby", "bash", "sh", "dotnet", "mono")
+
+
+def describe(proc: psutil.Process, name: str) -> str:
+    """A process as a person recognises it: 'python bench_qmoe_cpu.py' rather than 'python'."""
+    if not name.lower().startswith(INTERPRETERS):
+        return name
+    try:
+        args = proc.cmdline()[1:]
+    except psutil.Error:
+        return name
+    for arg in args:
+        if arg in ("-m", "-c"):
+            continue
+        if not arg.startswith("-"):
+            return f"{name} {arg.rsplit('/', 1)[-1]}"
+    return name
+
+
+def _process_name(pid: int) -> str:
+    try:
+        proc = psutil.Process(pid)
+        return describe(proc, proc.name())
+    except Exception:
+        return f"pid {pid}"

@@ -1,0 +1,98 @@
+"""The NVIDIA GPU through NVML (engine/nvml.py) with a stand-in for nvidia-ml-py, and the run records' peaks
+that come from it (this process's VRAM) and from the staging ring (pinned memory)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import engine.nvml as nvml
+from engine.records.scenarios import PeakSampler, pinned_bytes
+
+
+class FakeNvml:
+    """nvidia-ml-py's surface that engine.nvml.Nvml uses."""
+
+    def __init__(self, processes, hide_per_process=False):
+        self.processes = processes
+        self.hide = hide_per_process
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return "gpu0"
+
+    def nvmlDeviceGetName(self, handle):
+        return b"NVIDIA Test GPU"
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(total=80 << 30, used=30 << 30, free=50 << 30)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=42)
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=None if self.hide else used) for pid, used in self.processes]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        return []
+
+
+def test_nvml_sample_splits_this_process_from_others(monkeypatch):
+    import os
+
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 6 << 30), (999_999_999, 20 << 30)]))
+    sample = nvml.Nvml().sample()
+    assert sample["name"] == "NVIDIA Test GPU" and sample["util"] == 42.0
+    assert sample["this"] == 6 << 30 and sample["others"] == 24 << 30 and sample["free"] == 50 << 30
+    assert sample["top"][0]["bytes"] == 20 << 30 and sample["per_process"]
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
+    hidden = nvml.Nvml().sample()
+    assert not hidden["per_process"] and hidden["this"] == 0 and hidden["others"] == 30 << 30
+
+
+def test_no_nvidia_gpu_says_why(monkeypatch):
+    class Missing(FakeNvml):
+        def nvmlInit(self):
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(nvml, "pynvml", Missing([]))
+    probe = nvml.Nvml()
+    assert probe.sample() is None and "NVML Shared Library Not Found" in probe.note
+
+
+class FakeCudaDevice:
+    kind, index = "cuda", 0
+    memory = SimpleNamespace(used=5 << 30, high_water=7 << 30)
+
+
+def test_records_take_this_process_vram_from_nvml(monkeypatch):
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 6 << 30), (999_999_999, 20 << 30)]))
+    with PeakSampler(FakeCudaDevice(), interval=0.01) as peaks:
+        pass
+    assert peaks.process_device_bytes == 6 << 30 and peaks.device_bytes == 7 << 30
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 6 << 30)], hide_per_process=True))
+    with PeakSampler(FakeCudaDevice(), interval=0.01) as hidden:
+        pass
+    assert hidden.process_device_bytes is None  # the driver hides per-process memory: unknown, not 0
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(999_999_999, 6 << 30)]))
+    with PeakSampler(FakeCudaDevice(), interval=0.01) as other_namespace:
+        pass
+    assert other_namespace.process_device_bytes is None  # this pid not listed (a container's pid namespace)
+    with PeakSampler(SimpleNamespace(kind="simulated", memory=FakeCudaDevice.memory), interval=0.01) as simulated:
+        pass
+    assert simulated.process_device_bytes is None and simulated.device_bytes == 7 << 30
+
+
+def test_records_take_pinned_memory_from_the_staging_ring():
+    def model(info):
+        return SimpleNamespace(offload=SimpleNamespace(pinned_info=lambda: info))
+
+    assert pinned_bytes(model({"kind": "pinned", "bytes": 256 << 20, "in_use": 0})) == 256 << 20
+    assert pinned_bytes(model({"kind": "accounted", "bytes": 256 << 20})) is None  # the simulated device's ring
+    assert pinned_bytes(model({})) is None
+    assert pinned_bytes(SimpleNamespace(offload=None)) is None
