@@ -13,6 +13,7 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
+from engine.offload.host_copy import take_rows
 from engine.offload.staging import PinnedRing
 
 ALIGN = 256  # byte alignment of every array placed in the pinned ring
@@ -153,7 +154,7 @@ def gather_wave(ring: CudaPinnedRing, tensors: dict, experts: np.ndarray, num_ex
     for name, t in per_expert.items():
         rows = ring.buffer[offset:offset + len(experts) * (t.nbytes // num_experts)]
         rows = rows.view(t.dtype).reshape((len(experts),) + t.shape[1:])
-        np.take(t, experts, axis=0, out=rows, mode="clip")  # ids are valid; clip: no buffering
+        take_rows(t, experts, rows)
         wave_tensors[name] = rows.view(_WholeWave)
         offset += sizes[name]
     return wave_tensors, start, end
