@@ -11,6 +11,7 @@ from typing import Callable
 from engine.decoder import PartitionedDecoder
 from engine.decoder_state import DecoderState
 from engine.errors import PromptError, UnsupportedModelError
+from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
@@ -100,6 +101,15 @@ class LoadedModel:
                                   "dense part (onnxruntime arena, dense weights, KV cache and state)")
         self.decoder.open_dense(self.dense)
         self.load_s = time.perf_counter() - started
+        self.prefault = ExpertPrefault(folder.onnx, folder.experts).start() if self._prefault_pays(offload) else None
+
+    def _prefault_pays(self, offload: OffloadConfig | None) -> bool:
+        """Experts the CPU reads from the mapped file, with host memory not bounded (expert_prefault.py)."""
+        if offload is None:
+            return True
+        plan = self.offload.plan
+        return (offload.host_expert_bytes is None and bool(offload.allow_file_backing)
+                and plan.placement_mode != "all_resident")
 
     @classmethod
     def open(cls, path, threads: int | None = None, progress=None, offload: OffloadConfig | None = None,

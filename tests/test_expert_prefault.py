@@ -1,0 +1,79 @@
+"""Mapping the experts' pages after load (engine/expert_prefault.py): what is populated, how much, and when not."""
+
+from __future__ import annotations
+
+import sys
+
+import psutil
+import pytest
+
+from engine.expert_prefault import CHUNK, ExpertPrefault, expert_ranges
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.writer import WriterSpec, write_model
+
+SPEC = WriterSpec(layers=2, num_experts=16, top_k=2, hidden_size=512, inter_size=512, seed=41, dense_accuracy_level=0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("prefault") / "m", SPEC)
+
+
+def expert_tensor_bytes(model) -> int:
+    source = model.folder.onnx
+    return sum(source.nbytes(name) for info in model.folder.experts for name in info.weight_inputs.values())
+
+
+def test_ranges_cover_every_expert_tensor_once_in_chunks(folder, monkeypatch):
+    model = LoadedModel.open(folder)
+    monkeypatch.setattr("engine.expert_prefault.CHUNK", 100_000)
+    ranges = expert_ranges(model.folder.onnx, model.folder.experts)
+    assert sum(length for _, _, length in ranges) == expert_tensor_bytes(model)
+    assert max(length for _, _, length in ranges) <= 100_000
+    by_tensor: dict[str, int] = {}
+    for name, start, length in ranges:
+        assert start == by_tensor.get(name, 0)  # contiguous, in order, no overlap
+        by_tensor[name] = start + length
+    assert CHUNK >= 1 << 20
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
+def test_a_loaded_model_maps_its_experts_in_the_background(folder):
+    process = psutil.Process()
+    model = LoadedModel.open(folder)
+    assert model.prefault is not None and model.prefault.done.wait(30)
+    assert model.prefault.supported  # Linux 5.14+
+    total = expert_tensor_bytes(model)
+    assert model.prefault.populated_bytes == total
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
+def test_populated_pages_are_this_process_memory(folder):
+    """A model whose experts were not populated (host memory bounded): populating them by hand grows this
+    process's resident memory by their size, before any expert ran."""
+    process = psutil.Process()
+    model = LoadedModel.open(folder, offload=OffloadConfig(host_expert_bytes=1 << 20), device=SimulatedDevice(1 << 30))
+    assert model.prefault is None
+    total = expert_tensor_bytes(model)
+    before = process.memory_info().rss
+    prefault = ExpertPrefault(model.folder.onnx, model.folder.experts).start()
+    assert prefault.done.wait(30) and prefault.populated_bytes == total
+    assert process.memory_info().rss - before >= 0.9 * total
+
+
+def test_population_stops_at_the_available_memory(folder):
+    model = LoadedModel.open(folder)
+    total = expert_tensor_bytes(model)
+    limited = ExpertPrefault(model.folder.onnx, model.folder.experts, available=total)  # 80% of it
+    assert 0 < sum(length for _, _, length in limited.ranges) <= 0.8 * total
+
+
+def test_no_population_where_host_memory_is_bounded_or_every_expert_is_on_the_device(folder):
+    device = SimulatedDevice(1 << 30)
+    bounded = LoadedModel.open(folder, offload=OffloadConfig(host_expert_bytes=1 << 20), device=device)
+    assert bounded.prefault is None
+    resident = LoadedModel.open(folder, offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
+    assert resident.offload.plan.placement_mode == "all_resident" and resident.prefault is None
+    hybrid = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
+    assert hybrid.prefault is not None
