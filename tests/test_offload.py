@@ -409,3 +409,18 @@ def test_cpu_node_output_reused_across_decode_steps_is_not_aliased(model_folder)
     for step, (ours, copy, ref) in enumerate(zip(logits, kept, ref_logits)):
         assert np.array_equal(ours, copy), f"step {step}'s logits changed after later steps"
         assert np.array_equal(ours, ref), f"step {step}"
+
+
+def test_bounding_an_unbounded_host_cache_drops_the_pages_it_did_not_count(model_folder, cpu_run, monkeypatch):
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
+    greedy_run(model, steps=3)
+    cache = model.offload.host_cache
+    assert cache.budget is None and cache.cached_bytes == 0  # unbounded: nothing accounted
+    released = []
+    monkeypatch.setattr(model.folder.onnx, "release_pages", lambda name, start, length: released.append(name))
+    per_expert = expert_bytes(model_folder) // (16 * 3)
+    model.offload.reconfigure(model.offload.config.updated(host_expert_bytes=5 * per_expert))
+    tensors_per_node = len(model.offload.infos[0].weight_inputs)
+    assert len(released) == 3 * 16 * tensors_per_node  # every expert of every node, each of its tensors
+    logits, tokens = greedy_run(model)
+    assert tokens == cpu_run[1] and 0 < cache.cached_bytes <= 5 * per_expert

@@ -213,7 +213,7 @@ class OffloadEngine:
         self._reload_residents()
         old_scores = self.policy.scores
         self.config = config
-        self.host_cache.budget = config.host_expert_bytes
+        self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy()
         self._apply_cpu_threads()

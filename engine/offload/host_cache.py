@@ -25,8 +25,21 @@ class HostExpertCache:
         self.cached_bytes = 0
         self.evictions = 0
 
-    def touch(self, layer: int, experts: np.ndarray) -> None:
-        """The CPU just computed these experts of this layer."""
+    def set_budget(self, budget_bytes: int | None) -> None:
+        """A new host_expert_bytes. Bounding an unbounded cache drops every expert's pages first: while
+        unbounded it kept no account of what the CPU read (nor did the load's prefault)."""
+        if self.budget is None and budget_bytes is not None:
+            for layer, info in enumerate(self.infos):
+                for expert in range(info.spec.num_experts):
+                    self._release(layer, expert)
+            self._lru.clear()
+            self.cached_bytes = 0
+        self.budget = budget_bytes
+
+    def touch(self, layer: int, experts) -> None:
+        """The CPU just computed these experts of this layer (nothing to account while unbounded)."""
+        if self.budget is None:
+            return
         for expert in experts:
             key = (layer, int(expert))
             if key in self._lru:

@@ -110,9 +110,8 @@ class HybridExpertNode:
             self.kernel.run_experts(x2d, cold, weights, out=out)
             cpu_s = time.perf_counter() - started
             stats.cpu_s += cpu_s
-            if not shadow:
-                on_cpu = cold[cold >= 0].tolist()
-                engine.host_cache.touch(layer, sorted(set(on_cpu)))
+            if not shadow and engine.host_cache.budget is not None:
+                engine.host_cache.touch(layer, sorted(set(cold[cold >= 0].tolist())))
         resident_s = miss_device_s = 0.0
         if pending is not None or pending_copied is not None:
             waited = time.perf_counter()
