@@ -28,6 +28,7 @@ from .. import reference as _ref
 from . import convert as _conv
 from . import layout as _lay
 from ._module import load_module
+from .pack_host import pack_expert_host
 
 __all__ = ["GpuQMoE", "gpu_available"]
 
@@ -162,15 +163,11 @@ class GpuQMoE:
         self._slot_dev.set(self.slot_of)
 
     def pack_expert(self, e: int) -> dict:
-        """Expert e converted to the kernel layout on the host: {"fc1": {"w", "s", ["z"], ["b"], ["h"]}, "fc2": {...}}
+        """Expert e converted to the kernel layout on the host: {"fc1": {"w", "s", ["h"], ["z"], ["b"]}, "fc2": {...}}
         of 1-D NumPy arrays (a stored layout the kernels do not read is converted first, as at construction). Keep
-        them (in pinned memory) to upload the expert later without converting again."""
-        es = np.asarray([int(e)], dtype=np.int64)
-        out = {}
-        for p in (self.fc1, self.fc2):
-            packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, es, xp=np), xp=np)
-            out[p.name] = {k: np.ascontiguousarray(v[0]) for k, v in packed.items()}
-        return out
+        them (in pinned memory) to upload the expert later without converting again. Numba kernels
+        (``kernels.gpu.pack_host``), byte for byte what ``layout.pack`` of ``layout.raw_sources`` gives; no CuPy."""
+        return pack_expert_host(self.spec, self._tensors, self.fc1, self.fc2, e)
 
     def upload_expert(self, e: int, slot: int, stream=None, packed: dict | None = None) -> None:
         """Copy expert e (host, converted by ``pack_expert``) into ``slot`` on ``stream`` (default: the current
