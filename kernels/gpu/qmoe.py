@@ -349,7 +349,6 @@ class GpuQMoE:
     def forward_into(self, x_dev, router_logits, out32, router_weights=None, x_code: int | None = None):
         """forward() on device arrays into a preallocated fp32 ``out32`` [T, H] (overwritten). With device inputs
         and warmed-up workspaces it launches kernels only (no allocation, no host sync): CUDA-graph capturable."""
-        cp = _cp()
         spec = self.spec
         with self.device:
             if x_code is None:
