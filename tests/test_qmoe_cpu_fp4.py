@@ -1,7 +1,8 @@
 """Fast CPU paths for MXFP4, NVFP4, int2 and int3 experts (kernels/cpu table kernels) against kernels.reference,
 onnxruntime 1.32's CPU QMoE where it is an oracle for the layout (NVFP4 K-packed with power-of-two global
-scales, int2 per row, int3 blocks with fp16 / bf16 activations: see /work/shared/reference/qmoe.md), and the
-dispatch that sends these layouts there."""
+scales, int2 per row and block 16 (measured exact to fp32 rounding; not block 32: it quantises the activations),
+int3 blocks with fp16 / bf16 activations: see /work/shared/reference/qmoe.md), and the dispatch that sends these
+layouts there."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -16,7 +17,8 @@ from tests.qmoe_oracle import make_layout_case, run_ort
 
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 # layout -> (make_layout_case kwargs, allowed K values (H and I)); the K sets include odd numbers of blocks,
-# so rows end in half a 16-byte chunk (NVFP4 / int2 block 32) or in ragged bytes (int2 per row)
+# so rows end in half a 16-byte chunk (NVFP4 / int2 block 32), in one to three of its four blocks (int2 block 16),
+# or in ragged bytes (int2 per row)
 LAYOUTS = {
     "mxfp4": (dict(quant_type="fp4"), (32, 64, 96, 160)),
     "nvfp4-kpacked": (dict(quant_type="nvfp4", packing="k_packed"), (16, 48, 64, 80, 112)),
@@ -27,6 +29,9 @@ LAYOUTS = {
     "int2-block32-zp": (dict(bits=2, block_size=32, zero_points=True), (32, 96, 160)),
     "int2-block64": (dict(bits=2, block_size=64), (64, 128, 192)),
     "int2-fc1-int4-fc2": (dict(bits=2, fc2_bits=4, block_size=32, zero_points=True), (64, 96, 160)),
+    # int2 block 16: four 4-byte blocks per 16-byte chunk; 3, 5, 7 blocks leave 3, 1, 3 in the row's tail
+    "int2-block16-zp": (dict(bits=2, block_size=16, zero_points=True), (48, 80, 112, 128)),
+    "int2-block16": (dict(bits=2, block_size=16), (16, 64, 80, 112)),
     # int3: 64-code chunks of 24 bytes; per row K of any size (rows end in ragged codes and padding bits), blocks
     # of 32 with odd counts (rows end in half a chunk), blocks of 64 / 128 (whole chunks)
     "int3-row-zp": (dict(bits=3, zero_points=True), (37, 100, 133, 200)),
@@ -104,8 +109,8 @@ def test_fast_paths_match_reference(layout, act, dtype):
     assert _relerr(m.forward(x, lg), qmoe_reference(x, lg, spec, t)) <= tol, "forced GEMM"
 
 
-@pytest.mark.parametrize("layout", ["mxfp4", "nvfp4-kpacked", "int2-row", "int2-block32-zp", "int3-block32-zp",
-                                    "int3-row-zp"])
+@pytest.mark.parametrize("layout", ["mxfp4", "nvfp4-kpacked", "int2-row", "int2-block32-zp", "int2-block16-zp",
+                                    "int3-block32-zp", "int3-row-zp"])
 def test_fast_paths_match_generic_and_accumulate_subsets(layout):
     """The generic path as second implementation; run_experts adding subsets of experts into one accumulator."""
     spec, attrs, t, x, lg = _case(layout, "swiglu1", np.float32, seed=7, T=12, E=8, k=3)
@@ -128,6 +133,8 @@ ORACLE = [  # onnxruntime 1.32 CPU: exact for these (see qmoe.md; nvfp4 only wit
     ("nvfp4-kpacked-fp16", dict(quant_type="nvfp4", packing="k_packed", global_pow2=True), np.float16, 3e-3),
     ("int2-row", dict(bits=2, bias=True), np.float32, 1e-5),
     ("int2-row-zp-fp16", dict(bits=2, zero_points=True), np.float16, 3e-3),
+    ("int2-block16-zp", dict(bits=2, block_size=16, zero_points=True, H=112, I=80, bias=True), np.float32, 1e-5),
+    ("int2-block16-fp16", dict(bits=2, block_size=16), np.float16, 3e-3),
     # int3: onnxruntime 1.32 runs it with fp16 / bf16 activations, swiglu fusion 1, blocks of 32 / 64 / 128
     ("int3-block32-fp16", dict(bits=3, block_size=32, nonneg_scales=True, bias=True), np.float16, 3e-3),
     ("int3-block64-fp16", dict(bits=3, block_size=64, I=128, nonneg_scales=True), np.float16, 3e-3),
@@ -154,7 +161,9 @@ def test_delegate_for_picks_the_fast_paths():
 
     for kw in (dict(quant_type="fp4"), dict(quant_type="nvfp4", packing="k_packed"), dict(bits=2),
                dict(bits=2, block_size=32, zero_points=True), dict(bits=2, block_size=64),
-               dict(bits=2, fc2_bits=8, block_size=32), dict(bits=2, activation="swiglu", swiglu_fusion=0)):
+               dict(bits=2, fc2_bits=8, block_size=32), dict(bits=2, activation="swiglu", swiglu_fusion=0),
+               dict(bits=2, block_size=16), dict(bits=2, block_size=16, zero_points=True, activation="swiglu",
+                                                 swiglu_fusion=0)):
         d, fast = delegate(**kw)
         assert d is None and fast, kw
     for kw in (dict(bits=3), dict(bits=3, block_size=32, zero_points=True), dict(bits=3, block_size=64),
@@ -164,13 +173,59 @@ def test_delegate_for_picks_the_fast_paths():
         assert d is None and fast, kw  # int3: CpuQMoE's own int3 projections
     d, fast = delegate(quant_type="nvfp4", packing="n_packed")
     assert isinstance(d, G._ConvertedFast) and d.inner._delegate is None and fast
-    # the generic path stays for what the table kernels do not read: other activations, int2 / int3 blocks of 16,
-    # fp8
+    # the generic path stays for what the table kernels do not read: other activations, int3 blocks of 16, fp8
     for kw in (dict(quant_type="fp4", activation="geglu", swiglu_fusion=1),
                dict(quant_type="nvfp4", packing="k_packed", activation="relu2"),
-               dict(bits=3, activation="relu2"), dict(bits=2, block_size=16), dict(bits=3, block_size=16),
-               dict(quant_type="fp8")):
+               dict(bits=3, activation="relu2"), dict(bits=3, block_size=16), dict(quant_type="fp8")):
         d, fast = delegate(**kw)
         assert isinstance(d, G.GenericQMoE), kw
     d, fast = delegate(bits=2, H=126, I=64)  # K not a multiple of 4: rows end in padding bits
     assert isinstance(d, G.GenericQMoE) and not fast
+
+
+def test_int2_block16_projections():
+    """int2 block 16 runs the four-blocks-per-chunk kernels (bpc 4) in every projection, FC3 included."""
+    attrs, t, x, lg = make_layout_case(seed=1, H=112, I=48, bits=2, block_size=16, zero_points=True,
+                                       activation="swiglu", swiglu_fusion=0)
+    _, inner = _fast(_spec(attrs, t, x), t)
+    assert [p.bpc for p in (inner.fc1, inner.fc2, inner.fc3)] == [4, 4, 4]
+    assert [p.nchunk for p in (inner.fc1, inner.fc2, inner.fc3)] == [1, 0, 1]  # 7 and 3 blocks: tails of 3
+
+
+def test_int2_block16_without_avx512(tmp_path):
+    """The int2 block-16 kernels generated for a CPU without AVX-512 (lane-by-lane lookups, generic shuffles of
+    the four blocks' scales) compute the same: a subprocess with Numba targeting Haswell, as in
+    tests/test_qmoe_cpu.py::test_cpu_kernels_without_avx512."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from kernels.cpu import CpuQMoE\n"
+        "from kernels.cpu.simd import HAS_AVX512F\n"
+        "from kernels.qmoe_spec import QMoESpec\n"
+        "from kernels.reference import qmoe_reference\n"
+        "from tests.qmoe_oracle import make_layout_case\n"
+        "assert not HAS_AVX512F\n"
+        "for kw in (dict(zero_points=True, H=112, I=80, swiglu_fusion=1, swiglu_limit=7.0),\n"
+        "           dict(H=80, I=48, swiglu_fusion=0, dtype=np.float16)):\n"
+        "    attrs, t, x, lg = make_layout_case(seed=5, E=6, k=2, T=20, bias=True, bits=2, block_size=16,\n"
+        "                                       activation='swiglu', alpha=1.702, **kw)\n"
+        "    spec = QMoESpec.from_tensors('t', 'QMoE', attrs, t, x.shape)\n"
+        "    m = CpuQMoE(spec, t)\n"
+        "    assert m._delegate is None and m.fc1.bpc == 4\n"
+        "    for T in (1, 20):\n"
+        "        ref = qmoe_reference(x[:T], lg[:T], spec, t).astype(np.float64)\n"
+        "        err = np.abs(m.forward(x[:T], lg[:T]) - ref).max() / np.abs(ref).max()\n"
+        "        assert err < (1e-5 if x.dtype == np.float32 else 4e-3), (kw, T, err)\n"
+        "print('ok')\n")
+    feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
+             "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd,-avx512vbmi")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=feats)
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

@@ -617,14 +617,14 @@ def _int3_block_ok(bs: int) -> bool:
 
 def fast_layout(spec: QMoESpec) -> bool:
     """Whether kernels/cpu/kernels.py reads the node's weight layout (raw / K-packed; SM80 and N-packed after a
-    lazy conversion): int4 / int8 rows; int2 rows (K a multiple of 4, per-row scales or blocks of >= 32);
+    lazy conversion): int4 / int8 rows; int2 rows (K a multiple of 4);
     int3 rows (per-row scales, blocks of 32 or 64 * 2^j); MXFP4; NVFP4."""
     if spec.quant_type in ("fp4", "nvfp4"):
         return True
     if spec.quant_type != "int":
         return False
     for _, _, k, b in spec.projections:
-        if b == 2 and (k % 4 or (spec.block_size and spec.block_size < 32)) or b not in (2, 3, 4, 8):
+        if b == 2 and k % 4 or b not in (2, 3, 4, 8):
             return False
         if b == 3 and not _int3_block_ok(spec.block_size):
             return False

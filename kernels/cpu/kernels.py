@@ -11,9 +11,10 @@ import numpy as np
 from numba import njit, prange
 
 from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, dqrow_fp4_1, dqrow_fp4_2, dqrow_int2_1,
-                   dqrow_int2_2, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8, dqrow_int8_16, load_scale,
+                   dqrow_int2_2, dqrow_int2_4, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8, dqrow_int8_16, load_scale,
                    microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32, prefetch_bytes,
-                   qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zrow_1, qrow_int2_zrow_2,
+                   qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zblk_4, qrow_int2_zrow_1,
+                   qrow_int2_zrow_2, qrow_int2_zrow_4,
                    qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16,
                    INT3_CHUNK, dqrow_int3_zblk_1, dqrow_int3_zblk_2, dqrow_int3_zrow_1, dqrow_int3_zrow_2,
                    qrow_int3_zblk_1, qrow_int3_zblk_2, qrow_int3_zrow_1, qrow_int3_zrow_2)
@@ -482,8 +483,26 @@ def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
 
 @njit(inline="always")
 def _chunk_block(c, cshift, bpc):
-    """First quantisation block of chunk c (bpc = 2: two 8-byte blocks per 16-byte chunk)."""
-    return c * 2 if bpc == 2 else c >> cshift
+    """First quantisation block of chunk c (bpc = 2 / 4: two 8-byte / four 4-byte blocks per 16-byte chunk)."""
+    return c * bpc if bpc > 1 else c >> cshift
+
+
+@njit(inline="always")
+def _int2_b16_tail_dot(w, sc, skind, zbuf, e, n, soff, full, xa, r):
+    """Row n of expert e's ragged tail (bytes full.. after the last whole chunk) . x_r for int2 block 16: up to
+    three 4-byte blocks, each with its own scale and zero point."""
+    Kb = w.shape[2]
+    acc = np.float32(0.0)
+    for j0 in range(full, Kb, 4):
+        b = j0 >> 2
+        z = zbuf[b]
+        t = np.float32(0.0)
+        for j in range(j0, j0 + 4):
+            q = w[e, n, j]
+            for c in range(4):
+                t += (np.float32((q >> (2 * c)) & 3) - z) * xa[r, c * Kb + j]
+        acc += load_scale(sc, soff + b, skind) * t
+    return acc
 
 
 @njit(inline="always")
@@ -507,7 +526,8 @@ def _block_scale(sc, idx, skind, fmt, aux, aoff):
 def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, c0, c1, tail,
                        out, ooff, zmode):
     """Chunks c0..c1-1 of row n of expert e (k permuted per chunk) into out[ooff:], then, when tail, the
-    ragged bytes after the last whole chunk (all in the row's last block). c0 is a multiple of 2**cshift."""
+    ragged bytes after the last whole chunk (in the row's last block; int2 block 16: its last one to three).
+    c0 is a multiple of 2**cshift."""
     E, N, Kb = w.shape
     row = e * N + n
     woff = row * Kb + c0 * chunk
@@ -533,7 +553,9 @@ def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt,
             else:
                 dqrow_int3_zrow_1(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
         elif bits == 2:
-            if bpc == 2:
+            if bpc == 4:
+                dqrow_int2_4(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
+            elif bpc == 2:
                 dqrow_int2_2(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
             else:
                 dqrow_int2_1(w, woff, nck, cshift, sc, soff, skind, zbuf, b0, out, ooff)
@@ -558,6 +580,9 @@ def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt,
         k0 = ooff + nck * chunk * vpb
         for j in range(full, Kb):
             q = w[e, n, j]
+            if bpc == 4:  # int2 block 16: the tail holds up to three 4-byte blocks
+                s = _block_scale(sc, row * nb + (j >> 2), skind, fmt, aux, aoff)
+                z = zbuf[j >> 2]
             for c in range(vpb):
                 out[k0 + vpb * (j - full) + c] = _code_value((q >> (c * bits)) & mask, fmt, z, aux, aoff) * s
 
@@ -713,7 +738,7 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
     """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see _split_row; xs unused where _uses_lut).
 
     fmt FMT_INT: codes minus zero points (zbuf) times the block scales; FMT_FP4: E2M1 codes and fp8 block-scale
-    codes decoded through expert e's TBL_RECORD in aux. bpc: quantisation blocks per 16-byte chunk (1 or 2).
+    codes decoded through expert e's TBL_RECORD in aux. bpc: quantisation blocks per 16-byte chunk (1, 2 or 4).
     """
     E, N, Kb = w.shape
     woff = (e * N + n) * Kb
@@ -736,12 +761,16 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
             acc = qrow_int3_zrow_2(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, S)
         else:
             acc = qrow_int3_zrow_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, S)
-    elif bits == 2:  # the four slot streams of row r lie Kb apart in xa
+    elif bits == 2:  # the four slot streams of row r (and the lane sums, see _lane_sums) lie Kb apart in xa
         if zmode == 2:
-            if bpc == 2:
+            if bpc == 4:
+                acc = qrow_int2_zblk_4(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
+            elif bpc == 2:
                 acc = qrow_int2_zblk_2(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
             else:
                 acc = qrow_int2_zblk_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
+        elif bpc == 4:
+            acc = qrow_int2_zrow_4(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
         elif bpc == 2:
             acc = qrow_int2_zrow_2(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
         else:
@@ -759,7 +788,9 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
     else:
         acc = qrow_int8_16(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
     full = nchunk * chunk
-    if full < Kb:  # ragged tail: the bytes after the last whole chunk, all in the row's last block
+    if full < Kb and bpc == 4:
+        acc += _int2_b16_tail_dot(w, sc, skind, zbuf, e, n, soff, full, xa, r)
+    elif full < Kb:  # ragged tail: the bytes after the last whole chunk, all in the row's last block
         s = _block_scale(sc, soff + nb - 1, skind, fmt, aux, aoff)
         z = zbuf[nb - 1]
         t = np.float32(0.0)
@@ -789,11 +820,11 @@ def _uses_lut(bits, chunk, fmt):
 
 @njit(inline="always")
 def _x_width(bits, Kb, nchunk):
-    """Floats per row of the xa array the GEMV reads: int2 keeps its four slot streams (Kb each) in xa; int3
-    its five streams and tail (int3_width)."""
+    """Floats per row of the xa array the GEMV reads: int2 keeps its four slot streams (Kb each) and a fifth
+    for the lane sums (_lane_sum_stride) in xa; int3 its five streams and tail (int3_width)."""
     if bits == 3:
         return int3_width(Kb, nchunk)
-    return 4 * Kb if bits == 2 else Kb
+    return 5 * Kb if bits == 2 else Kb
 
 
 @njit(inline="always")
@@ -814,16 +845,28 @@ def _put_x(v, i, p, bits, Kb, aa, ab, nchunk):
 
 
 @njit(inline="always")
-def _int3_lane_sums(xa, o, nchunk):
-    """Fifth int3 activation stream of row o: each lane's sum over the four slots (per-block zero points)."""
-    S = 16 * nchunk
+def _lane_sum_stride(bits, zmode, bpc, Kb, nchunk):
+    """Length S of the four slot streams of a row whose kernel reads each lane's sum over them as a fifth stream
+    at 4 S (per-block zero points folded out of the lookups): int3 (S = 16 nchunk), int2 block 16 with zero
+    points (S = Kb); 0 for the others."""
+    if bits == 3:
+        return 16 * nchunk
+    if bits == 2 and zmode == 2 and bpc == 4:
+        return Kb
+    return 0
+
+
+@njit(inline="always")
+def _lane_sums(xa, o, S):
+    """Fifth activation stream of row o: each lane's sum over the four slot streams of length S."""
     for j in range(S):
         xa[o, 4 * S + j] = xa[o, j] + xa[o, S + j] + xa[o, 2 * S + j] + xa[o, 3 * S + j]
 
 
 @njit(inline="always")
 def _split_row(x, r, bits, chunk, nchunk, fmt, xa, xb, xs, o):
-    """Row r of x into row o of (xa, xb, xs) in the GEMV's activation layout (_put_x); per-chunk sums."""
+    """Row r of x into row o of (xa, xb, xs) in the GEMV's activation layout (_put_x); per-chunk sums (the lane
+    sums: _lane_sums)."""
     K = x.shape[1]
     Kb = xb.shape[1]
     if bits == 3:  # padding positions (codes past K) must read as 0
@@ -831,8 +874,6 @@ def _split_row(x, r, bits, chunk, nchunk, fmt, xa, xb, xs, o):
             xa[o, i] = np.float32(0.0)
     for i in range(K):
         _put_x(x[r, i], i, o, bits, Kb, xa, xb, nchunk)
-    if bits == 3:
-        _int3_lane_sums(xa, o, nchunk)
     vals = chunk * (8 // bits)
     for c in range(nchunk if not _uses_lut(bits, chunk, fmt) else 0):
         s = np.float32(0.0)
@@ -969,9 +1010,12 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     ab = ws[o:o + P * Kb2].reshape(P, Kb2)
     o += P * Kb2
     xs2 = ws[o:o + P * nchunk2].reshape(P, nchunk2)
+    lanes1 = _lane_sum_stride(bits1, zmode1, bpc1, Kb1, nchunk1)
+    lanes2 = _lane_sum_stride(bits2, zmode2, bpc2, Kb2, nchunk2)
     for t in range(T):
         if rowmap[t] >= 0:
             _split_row(x, t, bits1, chunk1, nchunk1, fmt1, xa1, xb1, xs1, rowmap[t])
+            _lane_sums(xa1, rowmap[t], lanes1)
     if bits1 == 8:
         xb1 = xa1
     if bits2 == 3:  # FC2's padding positions (codes past I) must read as 0
@@ -1011,9 +1055,8 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
                            act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi, nchunk2)
     if bits2 == 8:
         ab = aa
-    if bits2 == 3:
-        for p in range(P):
-            _int3_lane_sums(aa, p, nchunk2)
+    for p in range(P if lanes2 else 0):
+        _lane_sums(aa, p, lanes2)
     for p in range(P if not _uses_lut(bits2, chunk2, fmt2) else 0):
         for c in range(nchunk2):
             s = np.float32(0.0)

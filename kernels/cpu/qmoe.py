@@ -143,9 +143,9 @@ class _Proj:
             self.cshift = 62 if not bs else (0 if bs == 32 else int(bs // 64).bit_length() - 1)
         elif not bs:
             self.chunk, self.cshift = 16, 62
-        elif fp4 or bits == 2:  # table kernels: 16-byte chunks over one or two blocks
+        elif fp4 or bits == 2:  # table kernels: 16-byte chunks over one, two or four blocks
             self.chunk = 16
-            self.bpc = 2 if block_bytes == 8 else 1
+            self.bpc = max(1, 16 // block_bytes)  # 2: NVFP4 block 16, int2 block 32; 4: int2 block 16
             self.cshift = int(np.log2(block_bytes // 16)) if self.bpc == 1 else 0
         else:
             self.chunk = 8 if block_bytes < 16 else 16
@@ -168,11 +168,12 @@ class _Proj:
 
     def gemv_ws(self) -> int:
         """Floats of moe_gemv's workspace per (token, expert) pair for this projection: the activation streams
-        (int2: four of Kb each + one; int3: kernels.int3_width + Kb; otherwise two of Kb) and the chunk sums."""
+        (int2: four of Kb each, their lane sums + one; int3: kernels.int3_width + Kb; otherwise two of Kb) and the
+        chunk sums."""
         Kb = self.w.shape[2]
         if self.bits == 3:
             return _k.int3_width(Kb, self.nchunk) + Kb + self.nchunk
-        return Kb * (5 if self.bits == 2 else 2) + self.nchunk
+        return Kb * (6 if self.bits == 2 else 2) + self.nchunk
 
     def kcc(self, kc_values: int) -> int:
         """Chunks per k-block of the batched GEMM: about kc_values values, whole quantisation blocks."""

@@ -486,9 +486,35 @@ def _lookup2(builder, ta, tb, idx):
     return builder.select(_LOW8, _lookup(builder, ta, idx), _lookup(builder, tb, idx))
 
 
+_QUAD = ir.Constant(ir.VectorType(_I32, 16), [lane >> 2 for lane in range(16)])
+
+
+def _quad_lanes(builder, v4):
+    """<4 x float> (one value per 4-byte block of a 16-byte chunk) -> <16 x float>: value b in lanes 4b..4b+3."""
+    return builder.shuffle_vector(v4, ir.Constant(v4.type, ir.Undefined), _QUAD)
+
+
+def _load_scales4(builder, sc_ptr, idx, sc_is_f32, skind):
+    """Scales idx..idx+3 as <4 x float>: one vector load (float32, or fp16 / bf16 bits converted as in
+    _load_scale; a uint8 array gives the codes' values, as _load_scale does)."""
+    f4 = ir.VectorType(_F32, 4)
+    p = builder.gep(sc_ptr, [idx])
+    if sc_is_f32:
+        return builder.load(builder.bitcast(p, f4.as_pointer()), align=4)
+    raw_t = ir.VectorType(p.type.pointee, 4)
+    raw = builder.load(builder.bitcast(p, raw_t.as_pointer()), align=1)
+    if p.type.pointee == _I8:
+        return builder.uitofp(raw, f4)
+    as_half = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 4)), f4)
+    as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, ir.VectorType(_I32, 4)), ir.Constant(ir.VectorType(_I32, 4),
+                                                                                                [16] * 4)), f4)
+    is_bf = builder.icmp_signed("==", skind, ir.Constant(skind.type, 2))
+    return builder.select(is_bf, as_bf16, as_half)
+
+
 def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="perm"):
-    """Shared prologue of the table kernels: pointers, the per-row table base and a block -> scaled
-    16-entry table function (see _make_qrow_tbl)."""
+    """Shared prologue of the table kernels (see _make_qrow_tbl): chunk -> its lookups, and chunk -> the
+    per-lane block scales / zero points of the multi-block chunks."""
     (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff) = args[:9]
     (w_t, _, _, _, sc_t, _, _, zf_t, _) = sig.args[:9]
     w_ptr = context.make_array(w_t)(context, builder, value=w).data
@@ -501,8 +527,8 @@ def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="p
         base0 = _fast(builder.fsub(iota, _splat(builder, builder.load(builder.gep(zf_ptr, [zoff])), 16)))
     elif code == "table":
         base0 = builder.load(builder.bitcast(builder.gep(zf_ptr, [zoff]), fvec_t.as_pointer()), align=4)
-    else:
-        base0 = None
+    else:  # zblk: the zero points are applied per block
+        base0 = iota
 
     def scale(b):
         if sc_u8:  # fp8 code -> the record's 256-entry scale table (global scale folded in)
@@ -519,13 +545,21 @@ def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="p
 
     def chunk_values(i, bpc):
         """Lookups of chunk i: `slots` vectors of 16 floats (slot s = code s of each of the 16 bytes); bpc 0:
-        unscaled (the row's base table; scale_pair gives the two blocks' scales)."""
+        unscaled (the row's base table; lane_scales gives the blocks' scales); bpc 4: four 4-byte blocks (lanes
+        4b..4b+3 from block 4i + b), scaled per lane."""
         wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, 16)))])
         wv = builder.load(builder.bitcast(wp, ir.VectorType(_I8, 16).as_pointer()), align=1)
         ivec_t = ir.VectorType(_I32, 16)
         idxs = _int4_indices(builder, wv, ivec_t, dshift) if slots == 2 else _int2_indices(builder, wv, ivec_t)
         if bpc == 0:
             return [_lookup(builder, base0, ix) for ix in idxs]
+        if bpc == 4:
+            vals = [_lookup(builder, base0, ix) for ix in idxs]
+            if code == "zblk":
+                z = lane_zeros(i)
+                vals = [_fast(builder.fsub(v, z)) for v in vals]
+            s = lane_scales(i, 4)
+            return [_fast(builder.fmul(v, s)) for v in vals]
         if bpc == 1:
             t = table(builder.ashr(i, cshift))
             return [_lookup(builder, t, ix) for ix in idxs]
@@ -533,8 +567,18 @@ def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="p
         ta, tb = table(b0), table(builder.add(b0, ir.Constant(_I64, 1)))
         return [_lookup2(builder, ta, tb, ix) for ix in idxs]
 
-    def scale_pair(i):
-        """<16 x float>: the scale of block 2i in lanes 0..7, of block 2i + 1 in lanes 8..15."""
+    def lane_zeros(i):
+        """<16 x float>: the zero points of blocks 4i..4i+3 (bpc 4), each in its 4 lanes."""
+        p = builder.gep(zf_ptr, [builder.add(zoff, builder.shl(i, ir.Constant(_I64, 2)))])
+        return _quad_lanes(builder, builder.load(builder.bitcast(p, ir.VectorType(_F32, 4).as_pointer()), align=4))
+
+    def lane_scales(i, bpc):
+        """<16 x float>: each lane's block scale. bpc 2: block 2i in lanes 0..7, 2i + 1 in lanes 8..15; bpc 4:
+        blocks 4i..4i+3 by one vector load of the four scales, each in its 4 lanes."""
+        if bpc == 4:
+            b0 = builder.shl(i, ir.Constant(_I64, 2))
+            return _quad_lanes(builder, _load_scales4(builder, sc_ptr, builder.add(soff, b0),
+                                                      sc_t.dtype == types.float32, skind))
         b0 = builder.shl(i, ir.Constant(_I64, 1))
         if sc_u8 and HAS_AVX512F and spair == "asm":
             # both codes by one 16-bit load; the two table entries broadcast straight from memory, the second
@@ -551,7 +595,7 @@ def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="p
         return builder.select(_LOW8, _splat(builder, scale(b0), 16),
                               _splat(builder, scale(builder.add(b0, ir.Constant(_I64, 1))), 16))
 
-    return chunk_values, scale_pair
+    return chunk_values, lane_scales, lane_zeros
 
 
 def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", unroll4=True):
@@ -562,11 +606,16 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
     each byte; the four slot streams in xa, slot s at xa[xoff + s * xsoff + ...]; xb unused). xs is not used.
     code: 'zrow' table (q - zf[zoff]) * scale; 'zblk' (q - zf[zoff + b]) * scale; 'table' zf[zoff : zoff + 16]
     * scale (fp4: the E2M1 values), and uint8 scales are codes into zf[zoff + 16 : zoff + 272] (a TBL_RECORD).
-    bpc: blocks per chunk, 1 (block b = i >> cshift) or 2 (8-byte blocks 2i, 2i + 1: two tables, lanes 0..7
-    from the first). Per chunk: one table multiply (two when bpc = 2), `slots` permutes and FMAs.
+    bpc: blocks per chunk, 1 (block b = i >> cshift), 2 (8-byte blocks 2i, 2i + 1: two tables, lanes 0..7
+    from the first) or 4 (int2 block 16: 4-byte blocks 4i + b in lanes 4b..4b+3; with zblk a fifth stream at
+    xa[xoff + 4 * xsoff + ...] holds each byte's sum of its 4 activations, the zero point is applied as
+    - z * that). Per chunk: one table multiply (two when bpc = 2), `slots` permutes and FMAs; the multi-block
+    forms of one per-row table look up unscaled values and apply the lanes' scales once, after the slot sums.
     """
+    scale_after = bpc == 4 or bpc == 2 and code != "zblk"
+
     def codegen(context, builder, sig, args):
-        chunk_values, scale_pair = _table_parts(context, builder, sig, args, code, slots, dshift, spair)
+        chunk_values, lane_scales, lane_zeros = _table_parts(context, builder, sig, args, code, slots, dshift, spair)
         nchunk, xa, xb, xoff, xsoff = args[2], args[9], args[10], args[11], args[13]
         xa_ptr = context.make_array(sig.args[9])(context, builder, value=xa).data
         xb_ptr = context.make_array(sig.args[10])(context, builder, value=xb).data
@@ -584,19 +633,21 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
             return builder.load(builder.bitcast(ptr, fvec_t.as_pointer()), align=4)
 
         def one_chunk(i, acc_set):
-            if bpc == 2 and code != "zblk":
-                # two blocks, one per-row base table: unscaled lookups, sum over the slots, then one FMA with
-                # the two blocks' scales (6 vector ops for int4 / fp4 instead of 10 with two scaled tables)
+            if scale_after:
+                # one per-row base table: unscaled lookups, sum over the slots, then one FMA with the lanes' block
+                # scales (two blocks: 6 vector ops for int4 / fp4 instead of 10 with two scaled tables)
                 vals = chunk_values(i, 0)
                 t = _fast(builder.fmul(vals[0], xload(i, 0)))
                 for s in range(1, slots):
                     t = builder.call(fma, [vals[s], xload(i, s), t])
-                builder.store(builder.call(fma, [scale_pair(i), t, builder.load(acc_set[0])]), acc_set[0])
+                if code == "zblk":  # sum_s (q_s - z) x_s = sum_s q_s x_s - z * (the lane's sum of its x)
+                    t = _fast(builder.fsub(t, _fast(builder.fmul(lane_zeros(i), xload(i, slots)))))
+                builder.store(builder.call(fma, [lane_scales(i, bpc), t, builder.load(acc_set[0])]), acc_set[0])
                 return
             for s, v in enumerate(chunk_values(i, bpc)):
                 builder.store(builder.call(fma, [v, xload(i, s), builder.load(acc_set[s])]), acc_set[s])
 
-        if bpc == 2 and code != "zblk" and unroll4:
+        if scale_after and unroll4:
             # scale-after form: one accumulator per chunk of a group of 4 (the FMA into the accumulator is the
             # only loop-carried dependency: 4 chains instead of 2)
             quad = builder.ashr(nchunk, ir.Constant(_I64, 2))
@@ -628,7 +679,7 @@ def _make_dqrow_tbl(slots: int, code: str, bpc: int):
     """Dequantise chunks of one row through the table (see _make_qrow_tbl for slots / code / bpc); same contract
     as dqrow_int4_16: chunk i -> out[ooff + i*16*slots ...], its slot-0 values first, then slot 1, ..."""
     def codegen(context, builder, sig, args):
-        chunk_values, _ = _table_parts(context, builder, sig, args, code, slots)
+        chunk_values, _, _ = _table_parts(context, builder, sig, args, code, slots)
         nchunk, out, ooff = args[2], args[9], args[10]
         o_ptr = context.make_array(sig.args[9])(context, builder, value=out).data
         fvec_t = ir.VectorType(_F32, 16)
@@ -653,13 +704,16 @@ qrow_fp4_1 = _make_qrow_tbl(2, "table", 1)
 qrow_fp4_2 = _make_qrow_tbl(2, "table", 2)
 dqrow_fp4_1 = _make_dqrow_tbl(2, "table", 1)
 dqrow_fp4_2 = _make_dqrow_tbl(2, "table", 2)
-# int2 (4 codes per byte): zero point per row / per block, one or two blocks per chunk
+# int2 (4 codes per byte): zero point per row / per block, one, two or four (block 16) blocks per chunk
 qrow_int2_zrow_1 = _make_qrow_tbl(4, "zrow", 1)
 qrow_int2_zrow_2 = _make_qrow_tbl(4, "zrow", 2)
+qrow_int2_zrow_4 = _make_qrow_tbl(4, "zrow", 4)
 qrow_int2_zblk_1 = _make_qrow_tbl(4, "zblk", 1)
 qrow_int2_zblk_2 = _make_qrow_tbl(4, "zblk", 2)
+qrow_int2_zblk_4 = _make_qrow_tbl(4, "zblk", 4)
 dqrow_int2_1 = _make_dqrow_tbl(4, "zblk", 1)
 dqrow_int2_2 = _make_dqrow_tbl(4, "zblk", 2)
+dqrow_int2_4 = _make_dqrow_tbl(4, "zblk", 4)
 
 
 # ----------------------------------------------------------------------------- int3 (bit stream, 8 codes per 3 bytes)
