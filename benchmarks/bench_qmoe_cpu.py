@@ -12,10 +12,11 @@ prefill cycles through 8 pairs (each touches all 32 experts anyway). The machine
 is measured in the same run (Numba parallel sum over a 2 GB float32 array, all threads, best of 5) and
 decode's weight bytes / time is reported against it.
 
-    python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N] [--sweep] [--layout int4|mxfp4|nvfp4|int2|int3]
+    python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N] [--sweep] [--layout int4|mxfp4|nvfp4|int2|int2b16|int3]
 
 --layout (default int4) picks the expert weight layout of the same node: mxfp4 (E2M1, e8m0 block-32 scales,
-global scales), nvfp4 (E2M1 K-packed, e4m3 block-16 scales, global scales), int2 (block 32, float scales), int3
+global scales), nvfp4 (E2M1 K-packed, e4m3 block-16 scales, global scales), int2 (block 32, float scales), int2b16
+(int2 block 16, float scales; also timed against our int2 block-32 path on int2 block-32 weights), int3
 (bit stream, block 32, positive float scales; onnxruntime 1.32 runs int3 only with fp16 / bf16 activations, so its
 side gets the same codes with fp16 activations, scales and biases, which the fp32 ones here are rounded to).
 Every run also times, in the same alternating blocks: kernels.cpu.generic's GenericQMoE on the same weights
@@ -100,9 +101,10 @@ def make_layout_weights(layout, E, H, I, seed=0):
             t[f"{p}_experts_weights"] = rng.integers(0, 256, size=(E, n, k * 3 // 8), dtype=np.uint8)
             t[f"{p}_scales"] = (rng.uniform(0.5, 1.5, size=(E, n, k // 32)) * (0.5 / np.sqrt(k))
                                 ).astype(np.float16).astype(np.float32)
-        elif layout == "int2":
+        elif layout in INT2_BLOCKS:
+            nb = k // INT2_BLOCKS[layout]
             t[f"{p}_experts_weights"] = rng.integers(0, 256, size=(E, n, k // 4), dtype=np.uint8)
-            t[f"{p}_scales"] = (rng.uniform(0.5, 1.5, size=(E, n, k // 32)) * rng.choice([-1, 1], size=(E, n, k // 32))
+            t[f"{p}_scales"] = (rng.uniform(0.5, 1.5, size=(E, n, nb)) * rng.choice([-1, 1], size=(E, n, nb))
                                 * (0.5 / np.sqrt(k))).astype(np.float32)
         else:
             blk = 32 if layout == "mxfp4" else 16
@@ -117,8 +119,8 @@ def make_layout_weights(layout, E, H, I, seed=0):
             t[f"{p}_global_scale"] = np.full(E, 1 / 64 * 16 / np.sqrt(k) * (0.5 if layout == "nvfp4" else 1.0),
                                              np.float32)
         t[f"{p}_experts_bias"] = (rng.standard_normal((E, n)) * 0.1).astype(np.float16).astype(np.float32)
-    if layout in ("int2", "int3"):
-        attrs.update(expert_weight_bits=int(layout[3]), block_size=32, weights_prepacked=0)
+    if layout in INT2_BLOCKS or layout == "int3":
+        attrs.update(expert_weight_bits=int(layout[3]), block_size=INT2_BLOCKS.get(layout, 32), weights_prepacked=0)
     else:
         attrs.update(quant_type="fp4" if layout == "mxfp4" else "nvfp4", expert_weight_bits=4)
         if layout == "nvfp4":
@@ -233,16 +235,17 @@ def main(argv=None):
     ours = CpuQMoE(spec, tensors, num_threads=cores)
     assert ours._delegate is None, "the layout did not get the fast path"
     sides = {"ours": ours.forward, "generic": _wrap(spec, GenericQMoE(spec, tensors, num_threads=cores)).forward}
-    if layout != "int4":
-        a4, t4 = make_layout_weights("int4", E, H, I)
-        int4 = CpuQMoE(QMoESpec.from_tensors("bench/QMoE", "QMoE", a4, t4, (1, H)), t4, num_threads=cores)
-        sides["int4"] = int4.forward
+    compare_bytes = {}  # our fast path on other layouts of the same node: side -> bytes of one expert
+    for other in ("int4", "int2") if layout == "int2b16" else ("int4",) if layout != "int4" else ():
+        a_o, t_o = make_layout_weights(other, E, H, I)
+        spec_o = QMoESpec.from_tensors("bench/QMoE", "QMoE", a_o, t_o, (1, H))
+        sides[other] = CpuQMoE(spec_o, t_o, num_threads=cores).forward
+        compare_bytes[other] = spec_o.expert_bytes(scale_bytes=4, bias_bytes=4)
     numba.set_num_threads(cores)
     ort_name = REFERENCE.format(ort.__version__) + (", fp16 activations / scales / biases" if layout == "int3" else "")
     rng = np.random.default_rng(1)
     figures = []
     expert_bytes = spec.expert_bytes(scale_bytes=4, bias_bytes=4)  # float32 scales / biases as built here
-    int4_bytes = 2 * I * (H // 2 + H // 32 * 4 + 4) + H * (I // 2 + I // 32 * 4 + 4)  # int4 block 32, fp32 scales
     sweep = []
     ort_error = None
     for T, label in ((1, "decode"), (512, "prefill")):
@@ -284,8 +287,9 @@ def main(argv=None):
         numba.set_num_threads(cores)
         print(f"  {label}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items()), flush=True)
         names = {"generic": "kernels.cpu.generic GenericQMoE, same weights",
-                 "int4": "our int4 fast path, int4 block-32 weights of the same node", "ort": ort_name}
-        for k in ("generic", "int4", "ort"):
+                 "int4": "our int4 fast path, int4 block-32 weights of the same node",
+                 "int2": "our int2 fast path, int2 block-32 weights of the same node", "ort": ort_name}
+        for k in ("generic", "int4", "int2", "ort"):
             if k not in med:
                 continue
             fig = {"name": f"{label} {T} token{'s' if T > 1 else ''} latency" + ("" if k == "ort" else f" vs {k}"),
@@ -303,7 +307,8 @@ def main(argv=None):
                             "reference_value": stream_gbs, "ratio": (nbytes / med["ours"] / 1e9) / stream_gbs,
                             "bytes_read": int(nbytes),
                             **{f"{k}_ratio": (b / med[k] / 1e9) / stream_gbs
-                               for k, b in (("generic", nbytes), ("ort", nbytes), ("int4", K_TOP * int4_bytes))
+                               for k, b in (("generic", nbytes), ("ort", nbytes),
+                                            *((k, K_TOP * b) for k, b in compare_bytes.items()))
                                if k in med}})
         if args.sweep:
             for name, sT, over in SWEEP:
@@ -360,7 +365,8 @@ def _wrap(spec, delegate):
     return m
 
 
-LAYOUTS = ("int4", "mxfp4", "nvfp4", "int2", "int3")
+LAYOUTS = ("int4", "mxfp4", "nvfp4", "int2", "int2b16", "int3")
+INT2_BLOCKS = {"int2": 32, "int2b16": 16}  # int2 layouts: block size
 
 
 if __name__ == "__main__":

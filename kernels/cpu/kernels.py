@@ -11,10 +11,10 @@ import numpy as np
 from numba import njit, prange
 
 from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, dqrow_fp4_1, dqrow_fp4_2, dqrow_int2_1,
-                   dqrow_int2_2, dqrow_int2_4, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8, dqrow_int8_16, load_scale,
-                   microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32, prefetch_bytes,
-                   qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zblk_4, qrow_int2_zrow_1,
-                   qrow_int2_zrow_2, qrow_int2_zrow_4,
+                   dqrow_int2_2, dqrow_int2_4, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8, dqrow_int8_16,
+                   load_scale, microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32,
+                   prefetch_bytes, qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zblk_4,
+                   qrow_int2_zrow_1, qrow_int2_zrow_2, qrow_int2_zrow_4,
                    qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16,
                    INT3_CHUNK, dqrow_int3_zblk_1, dqrow_int3_zblk_2, dqrow_int3_zrow_1, dqrow_int3_zrow_2,
                    qrow_int3_zblk_1, qrow_int3_zblk_2, qrow_int3_zrow_1, qrow_int3_zrow_2)
