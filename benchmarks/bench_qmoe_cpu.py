@@ -199,6 +199,7 @@ SWEEP = [  # (label, T, attribute overrides of CpuQMoE)
     ("decode prefetch 16 rows", 1, dict(gemv_prefetch_rows=16)),
     ("decode chunks of 16 KB", 1, dict(gemv_chunk_kb=16)),
     ("decode chunks of 256 KB", 1, dict(gemv_chunk_kb=256)),
+    ("decode one shared counter", 1, dict(gemv_schedule=0)),
     ("decode own spans, then steal", 1, dict(gemv_schedule=1)),
     ("decode half the threads", 1, dict(num_threads=-2)),
     ("prefill kc 128", 512, dict(gemm_kc=128)),
@@ -343,6 +344,7 @@ def main(argv=None):
               "kernel": {k: getattr(ours, k) for k in ("batched", "gemv_max_rows", "gemm_kc", "gemm_rows",
                                                        "gemm_cols", "gemv_prefetch_rows", "gemv_chunk_kb",
                                                        "gemv_schedule")},
+              "decode_order": ours.decode_order(cores),
               "env": {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}}
     print()
     print(f"{'figure':50s} {'ours':>10s} {'reference':>12s} {'unit':>8s} {'ratio':>7s}")

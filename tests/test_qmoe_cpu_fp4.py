@@ -102,8 +102,11 @@ def test_fast_paths_match_reference(layout, act, dtype):
         assert got.dtype == x.dtype and got.shape == (T, spec.hidden_size)
         assert _relerr(got, ref) <= tol, f"default T={T}"
     inner.decode_max_tokens = 8  # up to 8 tokens: every expert on the decode kernel (where it applies)
-    for T in (2, 5, 8) if dtype == "fp32" else (8,):
-        assert _relerr(m.forward(x[:T], lg[:T]), qmoe_reference(x[:T], lg[:T], spec, t)) <= tol, f"decode T={T}"
+    for order in (0, 1):  # decode chunk orders: one shared counter, own spans then stealing
+        inner.gemv_schedule = order
+        for T in (2, 5, 8) if dtype == "fp32" else (8,):
+            got = m.forward(x[:T], lg[:T])
+            assert _relerr(got, qmoe_reference(x[:T], lg[:T], spec, t)) <= tol, f"decode T={T} order {order}"
     inner.decode_max_tokens, inner.gemv_max_rows = 0, 0  # everything on the GEMM: several k-blocks, partial panels
     inner.gemm_kc, inner.gemm_rows, inner.gemm_cols = 64, 12, 32
     assert _relerr(m.forward(x, lg), qmoe_reference(x, lg, spec, t)) <= tol, "forced GEMM"

@@ -265,9 +265,12 @@ class CpuQMoE:
     # once the table kernels made decode memory bound, 2-8 rows ahead measured 12-15% faster on the 16-core Xeon
     gemv_chunk_kb = 64  # decode: threads take the weight rows in chunks of about this many KB
     # decode chunk order: 0 one shared counter (chunks interleave between threads; measured on the Xeon);
-    # 1 each thread streams its own contiguous span first, then takes chunks from the others' spans
-    # (1.5x faster on the 2-core Zen 5 VM, not yet measured on the 16-core Xeon)
-    gemv_schedule = 0
+    # 1 each thread streams its own contiguous span first, then takes chunks from the others' spans;
+    # None: 1 on at most gemv_own_spans_threads threads, else 0. Own spans measured 1.2-1.35x faster on the 2-core
+    # Zen 5 VM (int4 and NVFP4 decode: one long stream per thread for the L2 prefetcher); not yet measured on the
+    # 16-core Xeon, which keeps the order measured there
+    gemv_schedule = None
+    gemv_own_spans_threads = 2
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         self.spec = spec
@@ -405,7 +408,13 @@ class CpuQMoE:
         _k.moe_gemv(f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f1.aux, f2.w, f2.sc, f2.zp, f2.qparams, f2.bias, f2.aux, x,
                     experts, pair_off, tok, pw, tok, self.act_kind, sp.swiglu_fusion, float(sp.alpha),
                     float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024,
-                    int(self.gemv_schedule), ws, y, acc, True, threads)
+                    self.decode_order(threads), ws, y, acc, True, threads)
+
+    def decode_order(self, threads: int) -> int:
+        """moe_gemv's chunk order on this many threads (see gemv_schedule)."""
+        if self.gemv_schedule is not None:
+            return int(self.gemv_schedule)
+        return 1 if threads <= self.gemv_own_spans_threads else 0
 
     def _gemm_batched(self, x, experts, pair_off, u0, tok, pw, tpair, acc, threads):
         f1, f2, f3 = self.fc1, self.fc2, self.fc3
