@@ -18,10 +18,10 @@ from tests.qmoe_oracle import make_layout_case, run_ort
 DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 # layout -> (make_layout_case kwargs, allowed K values (H and I)); the K sets include odd numbers of blocks,
 # so rows end in half a 16-byte chunk (NVFP4 / int2 block 32), in one to three of its four blocks (int2 block 16),
-# or in ragged bytes (int2 per row)
+# or in ragged bytes (int2 per row); NVFP4 K 144 / 176: the kernel's 4-chunk loop (one scale-code load) and a tail
 LAYOUTS = {
     "mxfp4": (dict(quant_type="fp4"), (32, 64, 96, 160)),
-    "nvfp4-kpacked": (dict(quant_type="nvfp4", packing="k_packed"), (16, 48, 64, 80, 112)),
+    "nvfp4-kpacked": (dict(quant_type="nvfp4", packing="k_packed"), (16, 48, 64, 80, 112, 144, 176)),
     "nvfp4-kpacked-kn": (dict(quant_type="nvfp4", packing="k_packed", kpacked_dims="kn"), (32, 48, 96)),
     "nvfp4-npacked": (dict(quant_type="nvfp4", packing="n_packed"), (16, 48, 80)),
     "int2-row": (dict(bits=2), (36, 68, 100, 132)),

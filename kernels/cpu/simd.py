@@ -513,8 +513,8 @@ def _load_scales4(builder, sc_ptr, idx, sc_is_f32, skind):
 
 
 def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="perm"):
-    """Shared prologue of the table kernels (see _make_qrow_tbl): chunk -> its lookups, and chunk -> the
-    per-lane block scales / zero points of the multi-block chunks."""
+    """Shared prologue of the table kernels (see _make_qrow_tbl): chunk -> its lookups, chunk -> the per-lane
+    block scales / zero points of the multi-block chunks, and (fp8 scale pairs) 4 chunks -> their scale codes."""
     (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff) = args[:9]
     (w_t, _, _, _, sc_t, _, _, zf_t, _) = sig.args[:9]
     w_ptr = context.make_array(w_t)(context, builder, value=w).data
@@ -572,9 +572,18 @@ def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="p
         p = builder.gep(zf_ptr, [builder.add(zoff, builder.shl(i, ir.Constant(_I64, 2)))])
         return _quad_lanes(builder, builder.load(builder.bitcast(p, ir.VectorType(_F32, 4).as_pointer()), align=4))
 
-    def lane_scales(i, bpc):
-        """<16 x float>: each lane's block scale. bpc 2: block 2i in lanes 0..7, 2i + 1 in lanes 8..15; bpc 4:
-        blocks 4i..4i+3 by one vector load of the four scales, each in its 4 lanes."""
+    def pair_codes4(i0):
+        """The fp8 scale codes of chunks i0..i0+3 by one 64-bit load (chunk i0 + c: bits 16c..16c+15), or None
+        where lane_scales does not read codes in pairs."""
+        if not (sc_u8 and HAS_AVX512F and spair == "asm"):
+            return None
+        cp = builder.gep(sc_ptr, [builder.add(soff, builder.shl(i0, ir.Constant(_I64, 1)))])
+        return builder.load(builder.bitcast(cp, _I64.as_pointer()), align=1)
+
+    def lane_scales(i, bpc, cw=None):
+        """<16 x float>: each lane's block scale. bpc 2: block 2i in lanes 0..7, 2i + 1 in lanes 8..15 (cw: the
+        pair's codes in bits 0..15, from pair_codes4); bpc 4: blocks 4i..4i+3 by one vector load of the four scales,
+        each in its 4 lanes."""
         if bpc == 4:
             b0 = builder.shl(i, ir.Constant(_I64, 2))
             return _quad_lanes(builder, _load_scales4(builder, sc_ptr, builder.add(soff, b0),
@@ -584,18 +593,19 @@ def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="p
             # both codes by one 16-bit load; the two table entries broadcast straight from memory, the second
             # merged into lanes 8..15 under a mask (load-port broadcasts + one blend: no shuffle-port uop; LLVM
             # would turn a select of two splats into scalar loads + vpermt2ps)
-            cp = builder.bitcast(builder.gep(sc_ptr, [builder.add(soff, b0)]), _I16.as_pointer())
-            cw = builder.zext(builder.load(cp, align=1), _I64)
+            if cw is None:
+                cp = builder.bitcast(builder.gep(sc_ptr, [builder.add(soff, b0)]), _I16.as_pointer())
+                cw = builder.zext(builder.load(cp, align=1), _I64)
             tp = builder.gep(zf_ptr, [builder.add(zoff, ir.Constant(_I64, 16))])
             pa = builder.gep(tp, [builder.and_(cw, ir.Constant(_I64, 255))])
-            pb = builder.gep(tp, [builder.lshr(cw, ir.Constant(_I64, 8))])
+            pb = builder.gep(tp, [builder.and_(builder.lshr(cw, ir.Constant(_I64, 8)), ir.Constant(_I64, 255))])
             fty = ir.FunctionType(fvec_t, [_I16, pa.type, pb.type])
             return builder.asm(fty, "vbroadcastss ($2), $0\n\tvbroadcastss ($3), $0 {$1}", "=&v,^Yk,r,r",
                                [ir.Constant(_I16, 0xFF00), pa, pb], False)
         return builder.select(_LOW8, _splat(builder, scale(b0), 16),
                               _splat(builder, scale(builder.add(b0, ir.Constant(_I64, 1))), 16))
 
-    return chunk_values, lane_scales, lane_zeros
+    return chunk_values, lane_scales, lane_zeros, pair_codes4
 
 
 def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", unroll4=True):
@@ -615,7 +625,8 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
     scale_after = bpc == 4 or bpc == 2 and code != "zblk"
 
     def codegen(context, builder, sig, args):
-        chunk_values, lane_scales, lane_zeros = _table_parts(context, builder, sig, args, code, slots, dshift, spair)
+        chunk_values, lane_scales, lane_zeros, pair_codes4 = _table_parts(context, builder, sig, args, code, slots,
+                                                                          dshift, spair)
         nchunk, xa, xb, xoff, xsoff = args[2], args[9], args[10], args[11], args[13]
         xa_ptr = context.make_array(sig.args[9])(context, builder, value=xa).data
         xb_ptr = context.make_array(sig.args[10])(context, builder, value=xb).data
@@ -632,7 +643,7 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
                 ptr = builder.gep(xa_ptr, [builder.add(o, builder.mul(ir.Constant(_I64, s), xsoff))])
             return builder.load(builder.bitcast(ptr, fvec_t.as_pointer()), align=4)
 
-        def one_chunk(i, acc_set):
+        def one_chunk(i, acc_set, cw=None):
             if scale_after:
                 # one per-row base table: unscaled lookups, sum over the slots, then one FMA with the lanes' block
                 # scales (two blocks: 6 vector ops for int4 / fp4 instead of 10 with two scaled tables)
@@ -642,7 +653,7 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
                     t = builder.call(fma, [vals[s], xload(i, s), t])
                 if code == "zblk":  # sum_s (q_s - z) x_s = sum_s q_s x_s - z * (the lane's sum of its x)
                     t = _fast(builder.fsub(t, _fast(builder.fmul(lane_zeros(i), xload(i, slots)))))
-                builder.store(builder.call(fma, [lane_scales(i, bpc), t, builder.load(acc_set[0])]), acc_set[0])
+                builder.store(builder.call(fma, [lane_scales(i, bpc, cw), t, builder.load(acc_set[0])]), acc_set[0])
                 return
             for s, v in enumerate(chunk_values(i, bpc)):
                 builder.store(builder.call(fma, [v, xload(i, s), builder.load(acc_set[s])]), acc_set[s])
@@ -653,8 +664,10 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
             quad = builder.ashr(nchunk, ir.Constant(_I64, 2))
             with cgutils.for_range(builder, quad) as loop:
                 i0 = builder.shl(loop.index, ir.Constant(_I64, 2))
+                q = pair_codes4(i0) if bpc == 2 else None  # the 4 chunks' scale codes by one load
                 for c in range(4):
-                    one_chunk(builder.add(i0, ir.Constant(_I64, c)), accs[c:])
+                    cw = None if q is None else builder.lshr(q, ir.Constant(_I64, 16 * c))
+                    one_chunk(builder.add(i0, ir.Constant(_I64, c)), accs[c:], cw)
             start = builder.shl(quad, ir.Constant(_I64, 2))
             with cgutils.for_range(builder, builder.sub(nchunk, start)) as loop:
                 one_chunk(builder.add(start, loop.index), accs)
@@ -679,7 +692,7 @@ def _make_dqrow_tbl(slots: int, code: str, bpc: int):
     """Dequantise chunks of one row through the table (see _make_qrow_tbl for slots / code / bpc); same contract
     as dqrow_int4_16: chunk i -> out[ooff + i*16*slots ...], its slot-0 values first, then slot 1, ..."""
     def codegen(context, builder, sig, args):
-        chunk_values, _, _ = _table_parts(context, builder, sig, args, code, slots)
+        chunk_values = _table_parts(context, builder, sig, args, code, slots)[0]
         nchunk, out, ooff = args[2], args[9], args[10]
         o_ptr = context.make_array(sig.args[9])(context, builder, value=out).data
         fvec_t = ir.VectorType(_F32, 16)
