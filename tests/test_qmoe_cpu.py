@@ -145,6 +145,18 @@ def test_cpu_kernels_without_avx512(tmp_path):
         "        ref = qmoe_reference(x[:T], lg[:T], spec, t)\n"
         "        err = np.abs(m.forward(x[:T], lg[:T]) - ref).max() / np.abs(ref).max()\n"
         "        assert err < 1e-5, (kw, T, err)\n"
+        # int2 block 16: lane-by-lane lookups, generic shuffles of the four blocks' scales
+        "for kw in (dict(zero_points=True, H=112, I=80, swiglu_fusion=1, swiglu_limit=7.0),\n"
+        "           dict(H=80, I=48, swiglu_fusion=0, dtype=np.float16)):\n"
+        "    attrs, t, x, lg = make_layout_case(seed=5, E=6, k=2, T=20, bias=True, bits=2, block_size=16,\n"
+        "                                       activation='swiglu', alpha=1.702, **kw)\n"
+        "    spec = QMoESpec.from_tensors('t', 'QMoE', attrs, t, x.shape)\n"
+        "    m = CpuQMoE(spec, t)\n"
+        "    assert m._delegate is None and m.fc1.bpc == 4\n"
+        "    for T in (1, 20):\n"
+        "        ref = qmoe_reference(x[:T], lg[:T], spec, t).astype(np.float64)\n"
+        "        err = np.abs(m.forward(x[:T], lg[:T]) - ref).max() / np.abs(ref).max()\n"
+        "        assert err < (1e-5 if x.dtype == np.float32 else 4e-3), (kw, T, err)\n"
         "print('ok')\n")
     feats = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
              "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd,-avx512vbmi")
