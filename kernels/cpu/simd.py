@@ -512,14 +512,17 @@ def _load_scales4(builder, sc_ptr, idx, sc_is_f32, skind):
     return builder.select(is_bf, as_bf16, as_half)
 
 
+def _row_pointers(context, builder, sig, args):
+    """Data pointers of a row intrinsic's weight, scale and zero-point arrays (its arguments 0, 4 and 7)."""
+    return tuple(context.make_array(sig.args[i])(context, builder, value=args[i]).data for i in (0, 4, 7))
+
+
 def _table_parts(context, builder, sig, args, code, slots, dshift=True, spair="perm"):
     """Shared prologue of the table kernels (see _make_qrow_tbl): chunk -> its lookups, chunk -> the per-lane
     block scales / zero points of the multi-block chunks, and (fp8 scale pairs) 4 chunks -> their scale codes."""
     (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff) = args[:9]
-    (w_t, _, _, _, sc_t, _, _, zf_t, _) = sig.args[:9]
-    w_ptr = context.make_array(w_t)(context, builder, value=w).data
-    sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
-    zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+    sc_t = sig.args[4]
+    w_ptr, sc_ptr, zf_ptr = _row_pointers(context, builder, sig, args)
     fvec_t = ir.VectorType(_F32, 16)
     sc_u8 = sc_t.dtype == types.uint8
     iota = ir.Constant(fvec_t, [float(j if slots == 2 else j & 3) for j in range(16)])
@@ -745,10 +748,8 @@ _LOW4OF8 = ir.Constant(ir.VectorType(ir.IntType(1), 16), [1 if (l & 7) < 4 else 
 def _int3_parts(context, builder, sig, args, zblk: bool, bpc: int):
     """Prologue of the int3 kernels: chunk -> 4 unscaled slot vectors, chunk -> lane scales / zero points."""
     (w, woff, nchunk, cshift, sc, soff, skind, zf, zoff) = args[:9]
-    (w_t, _, _, _, sc_t, _, _, zf_t, _) = sig.args[:9]
-    w_ptr = context.make_array(w_t)(context, builder, value=w).data
-    sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
-    zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
+    sc_t = sig.args[4]
+    w_ptr, sc_ptr, zf_ptr = _row_pointers(context, builder, sig, args)
     fvec_t = ir.VectorType(_F32, 16)
     ivec_t = ir.VectorType(_I32, 16)
     iota = ir.Constant(fvec_t, [float(j & 7) for j in range(16)])
