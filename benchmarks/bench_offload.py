@@ -134,7 +134,15 @@ def main() -> None:
         dense_per_token = profile["dense_s"] / profile["steps"]
         bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
-        prefill = args.prefill_tokens / _timed(lambda: model.decoder.forward(model.new_state(), long_prompt))
+        before = model.offload.stats.totals()
+        prefill_s = _timed(lambda: model.decoder.forward(model.new_state(), long_prompt))
+        prefill = args.prefill_tokens / prefill_s
+        after = model.offload.stats.totals()
+        # Where the prefill's time went (the experts' share; the rest is the dense part and the loop): waves'
+        # staging (host gather, upload and conversion: copy_s), device compute, CPU compute.
+        prefill_split = {"wall_s": prefill_s, "stage_s": after.copy_s - before.copy_s,
+                         "device_s": after.device_s - before.device_s, "cpu_s": after.cpu_s - before.cpu_s,
+                         "copied_gb": (after.copy_bytes - before.copy_bytes) / 1e9}
         slots = model.offload.plan.slots[infos[0].name]
         trace_h = hit_rate("adaptive", trace, infos[0].spec.num_experts, slots) if 0 < slots < infos[0].spec.num_experts \
             else float(slots > 0)
@@ -152,7 +160,7 @@ def main() -> None:
              "pinned": model.offload.pinned_info()},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
-             "ratio": prefill / cpu_prefill},
+             "ratio": prefill / cpu_prefill, "split": prefill_split},
             {"name": f"per-layer overhead, {label}", "value": overhead * 1e6, "unit": "µs",
              "reference": "goal", "reference_value": 100.0, "ratio": overhead * 1e6 / 100.0},
             {"name": f"per-layer overhead by component (bench_overhead's), {label}", "value": parts["overhead"],
@@ -171,6 +179,7 @@ def main() -> None:
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}",
               flush=True)
+        print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
         # Written after every point: a run stopped by its time limit keeps the points it finished.
