@@ -13,6 +13,7 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
+from engine.offload.cuda_step import StepBufferPool, StepBuffers
 from engine.offload.host_copy import take_rows
 from engine.offload.staging import PinnedRing
 
@@ -199,6 +200,7 @@ class CudaSlots:
         self.gpu = None
         self._wave = None
         self.prepare_s = 0.0  # host seconds of the last load before its copy could start
+        self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self.resize(num_slots)
 
     def _make(self, slots: int, resident: list[int], tensors: dict | None = None):
@@ -275,6 +277,15 @@ class CudaSlots:
             position = np.clip(np.searchsorted(local, expert_ids), 0, len(local) - 1)
             expert_ids = np.where((expert_ids >= 0) & (local[position] == expert_ids), position, -1)
         start, stop = cp.cuda.Event(), cp.cuda.Event()
+        if x2d.shape[0] <= gpu.decode_max_tokens and x2d.dtype in (np.float32, np.float16):
+            # decode: kept pinned and device buffers, one copy in, kernels that zero the output (cuda_step.py)
+            with gpu.device:
+                buffers = self._step_buffers.take(x2d.shape[0], expert_ids.shape[1])
+                buffers.upload(x2d, expert_ids, weights, cp.cuda.get_current_stream())
+                start.record()
+                gpu.run_staged(buffers.x, buffers.ids, buffers.w, buffers.out)
+                stop.record()
+            return buffers, start, stop
         start.record()
         out = gpu.run_experts(cp.asarray(x2d), expert_ids, weights,
                               out=cp.zeros((x2d.shape[0], x2d.shape[1]), cp.float32))
@@ -283,8 +294,13 @@ class CudaSlots:
 
     def collect(self, pending, out: np.ndarray) -> float:
         result, start, stop = pending
-        out += self.device.cp.asnumpy(result)  # waits for the kernels
-        return self.device.cp.cuda.get_elapsed_time(start, stop) / 1e3
+        cp = self.device.cp
+        if isinstance(result, StepBuffers):
+            out += result.download(cp.cuda.get_current_stream())  # waits for the kernels
+            self._step_buffers.give_back(result)
+        else:
+            out += cp.asnumpy(result)  # waits for the kernels
+        return cp.cuda.get_elapsed_time(start, stop) / 1e3
 
 
 class CudaDevice:

@@ -192,6 +192,18 @@ def _take(arr, experts):
     return np.asarray(arr[experts])
 
 
+def _to_xp(xp, a):
+    """Host array `a` as an `xp` array. To the GPU in one copy straight from `a` on the current stream (a DMA
+    from pinned memory: a prefill wave's rows in the staging ring), not through cupy.asarray's extra copy into
+    CuPy's own pinned buffer. A pageable `a` may be freed once this returns: the driver has staged it by then."""
+    if xp is np or isinstance(a, xp.ndarray):
+        return xp.asarray(a)
+    a = np.ascontiguousarray(a)
+    device = xp.empty(a.shape, a.dtype)
+    device.set(a, stream=xp.cuda.get_current_stream())
+    return device
+
+
 def raw_sources(spec: QMoESpec, tensors: dict, lay: ProjLayout, experts, xp=np):
     """Raw tensors of ``experts`` (index array) for one projection, in the source row order of ``lay``:
     (codes uint8 [e, n_src, K], scales [e, n_src, nb], zero points uint8 [e, n_src, nb] or None,
@@ -203,20 +215,20 @@ def raw_sources(spec: QMoESpec, tensors: dict, lay: ProjLayout, experts, xp=np):
     n_each = [spec.fc1_rows if p == "fc1" else (spec.hidden_size if p == "fc2" else spec.inter_size) for p in projs]
     codes, scales, zps, biases = [], [], [], []
     for p, n in zip(projs, n_each):
-        w = xp.asarray(_take(tensors[f"{p}_experts_weights"], experts)).astype(xp.uint8, copy=False)
+        w = _to_xp(xp, _take(tensors[f"{p}_experts_weights"], experts)).astype(xp.uint8, copy=False)
         codes.append(_unpack(xp, w, bits)[..., :K])
         s = np.asarray(_take(tensors[f"{p}_scales"], experts))
         if lay.sdtype == np.uint16:
             s = s.view(np.uint16)
         else:
             s = s.astype(lay.sdtype, copy=False)
-        scales.append(xp.asarray(s).reshape(s.shape[0], n, nb))
+        scales.append(_to_xp(xp, s).reshape(s.shape[0], n, nb))
         if lay.has_zp:
             z = tensors.get(f"{p}_zero_points")
             if z is None:
                 zps.append(xp.full((len(experts), n, nb), 1 << (bits - 1), dtype=xp.uint8))
             else:
-                zc = _unpack(xp, xp.asarray(_take(z, experts)).astype(xp.uint8, copy=False), bits)
+                zc = _unpack(xp, _to_xp(xp, _take(z, experts)).astype(xp.uint8, copy=False), bits)
                 zps.append((zc[..., :nb] if bs else zc[..., :n, None]).reshape(-1, n, nb))
         if lay.has_bias:
             b = tensors.get(f"{p}_experts_bias")

@@ -389,6 +389,16 @@ class GpuQMoE:
             res = self._from_f32(acc, code)
             return self._host_result(res, dtype, (T, spec.hidden_size)) if on_host else res
 
+    def run_staged(self, x_dev, ids_dev, w_dev, out):
+        """run_experts for device inputs already in the kernels' types, all C-contiguous: x float32 [T, H], expert
+        ids int32 [T, k], weights float32 [T, k]; ``out`` float32 [T, H] is overwritten, not accumulated into.
+        Kernel launches only (no conversion, allocation or copy): the offload engine's decode path
+        (engine/offload/cuda_step.py)."""
+        with self.device:
+            self._compute(x_dev, DT_F32, x_dev.shape[0], out, ids=ids_dev, wts=w_dev, kk=ids_dev.shape[1],
+                          zero_out=True)
+        return out
+
     # ------------------------------------------------------------------ launches
     def _compute(self, xd, xdt, T, out, *, logits=None, ldt=0, rw=None, rwdt=0, ids=None, wts=None, kk=None,
                  zero_out=False):

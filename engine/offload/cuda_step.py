@@ -1,0 +1,74 @@
+"""A decode step's inputs and output between the host and one node's GPU slots, in kept buffers.
+
+A launch used to make about ten CuPy calls before the kernels (copies of the activations, the expert ids and their
+weights from pageable memory, dtype conversions, an output allocation and its memset) and a pageable copy back:
+~340 µs per layer and token on the H200 (benchmarks/RESULTS.md), against 34-63 µs of kernels. Here the three
+inputs are written into one pinned buffer and go over in one asynchronous copy, the decode kernels zero the output
+themselves, and the result comes back through pinned memory. A node may have two launches in flight in one step
+(its residents and the misses copied in that step), so buffers are taken from a small pool and given back at collect.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ALIGN = 256
+H2D, D2H = 1, 2  # cudaMemcpyKind
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class StepBuffers:
+    """Pinned host and device buffers for one launch of `tokens` tokens: x [T, H] float32, expert ids [T, k] int32
+    and weights [T, k] float32 in one copy; the output [T, H] float32 and its pinned copy back."""
+
+    def __init__(self, cp, tokens: int, hidden: int, k: int):
+        self.cp = cp
+        self.tokens, self.k = tokens, k
+        x_bytes, pair_bytes = tokens * hidden * 4, tokens * k * 4
+        self._offsets = (0, _aligned(x_bytes), _aligned(x_bytes) + _aligned(pair_bytes))
+        self.nbytes = self._offsets[2] + pair_bytes
+        self._pinned_in = cp.cuda.alloc_pinned_memory(self.nbytes)
+        host = self._host = np.frombuffer(self._pinned_in, np.uint8, self.nbytes)
+        self.device = cp.empty(self.nbytes, cp.uint8)
+        x_at, ids_at, w_at = self._offsets
+        self.host_x = host[x_at:x_at + x_bytes].view(np.float32).reshape(tokens, hidden)
+        self.host_ids = host[ids_at:ids_at + pair_bytes].view(np.int32).reshape(tokens, k)
+        self.host_w = host[w_at:w_at + pair_bytes].view(np.float32).reshape(tokens, k)
+        self.x = self.device[x_at:x_at + x_bytes].view(cp.float32).reshape(tokens, hidden)
+        self.ids = self.device[ids_at:ids_at + pair_bytes].view(cp.int32).reshape(tokens, k)
+        self.w = self.device[w_at:w_at + pair_bytes].view(cp.float32).reshape(tokens, k)
+        self.out = cp.empty((tokens, hidden), cp.float32)
+        self._pinned_out = cp.cuda.alloc_pinned_memory(x_bytes)
+        self.host_out = np.frombuffer(self._pinned_out, np.float32, tokens * hidden).reshape(tokens, hidden)
+
+    def upload(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, stream) -> None:
+        """The step's inputs into the pinned buffer (ids as int32), then one asynchronous copy on `stream`."""
+        np.copyto(self.host_x, x2d)
+        np.copyto(self.host_ids, expert_ids, casting="unsafe")  # expert ids < 2**31
+        np.copyto(self.host_w, weights)
+        self.cp.cuda.runtime.memcpyAsync(self.device.data.ptr, self._host.ctypes.data, self.nbytes, H2D, stream.ptr)
+
+    def download(self, stream) -> np.ndarray:
+        """The output, copied into pinned memory on `stream` and waited for; valid until the next download."""
+        self.cp.cuda.runtime.memcpyAsync(self.host_out.ctypes.data, self.out.data.ptr, self.host_out.nbytes, D2H,
+                                         stream.ptr)
+        stream.synchronize()
+        return self.host_out
+
+
+class StepBufferPool:
+    """StepBuffers by shape, reused: take one for a launch, give it back when its result is collected."""
+
+    def __init__(self, cp, hidden: int):
+        self.cp, self.hidden = cp, hidden
+        self._free: dict[tuple[int, int], list[StepBuffers]] = {}
+
+    def take(self, tokens: int, k: int) -> StepBuffers:
+        free = self._free.get((tokens, k))
+        return free.pop() if free else StepBuffers(self.cp, tokens, self.hidden, k)
+
+    def give_back(self, buffers: StepBuffers) -> None:
+        self._free.setdefault((buffers.tokens, buffers.k), []).append(buffers)
