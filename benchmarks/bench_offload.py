@@ -91,9 +91,12 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--fractions", default="0,0.25,0.5,1", help="resident fractions, comma-separated")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
+    parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                        help="activations and KV cache; float16 lets the dense part run on onnxruntime-gpu's CUDA EP")
     args = parser.parse_args()
 
-    spec = WriterSpec(**SHAPES[args.shape], bits=4, block_size=32, context_length=4096, seed=7)
+    spec = WriterSpec(**SHAPES[args.shape], bits=4, block_size=32, context_length=4096, seed=7,
+                      dtype=args.dtype)
     folder = Path(args.folder or tempfile.mkdtemp(prefix="bench-offload-"))
     started = time.perf_counter()
     if not (folder / "model" / "genai_config.json").is_file():
@@ -112,6 +115,7 @@ def main() -> None:
           f"B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
 
     model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0), device=device)
+    print(f"dense part on the {model.dense_device}: {model.dense_reason}", flush=True)
     infos = model.folder.experts
     per_expert = infos[0].bytes_per_expert
     w_act = sum(info.spec.k * info.bytes_per_expert for info in infos)
@@ -121,6 +125,7 @@ def main() -> None:
     trace = realistic_trace(600, 4, infos[0].spec.num_experts, infos[0].spec.k, seed=3)
 
     cpu_model = LoadedModel.open(folder / "model")
+    cpu_model.decoder.forward(cpu_model.new_state(), long_prompt[:64])  # untimed: the CPU kernels compiled first
     cpu_prefill = args.prefill_tokens / _timed(lambda: cpu_model.decoder.forward(cpu_model.new_state(), long_prompt))
     figures = []
     for fraction in [float(f) for f in args.fractions.split(",")]:
@@ -183,10 +188,11 @@ def main() -> None:
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
         # Written after every point: a run stopped by its time limit keeps the points it finished.
-        path = write_result("offload", figures, shape=args.shape, device=device.name,
+        path = write_result(f"offload-{args.shape}-{args.dtype}", figures, shape=args.shape, device=device.name,
                             expert_bytes=model.folder.expert_bytes, bytes_per_expert=per_expert,
                             bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm, "cpu_engine": device.bandwidths.cpu},
-                            pinned=model.offload.pinned_info())
+                            pinned=model.offload.pinned_info(), dtype=args.dtype,
+                            dense_device=model.dense_device, dense_reason=model.dense_reason)
     print(f"wrote {path}")
 
 

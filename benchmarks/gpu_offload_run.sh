@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the offload benchmark at full size with the dense part on onnxruntime-gpu's CUDA EP
+# (float16 model: the CUDA EP's attention takes fp16 / bf16 KV caches only), optionally preceded by the offload
+# engine's GPU tests (TESTS=1) and the CPU decode kernels' chunk-order sweep on this machine's cores (CPUSWEEP=1).
+# Run from the repository root with OUT set and SHAPE one of bench_offload's shapes; carry .whl (onnxruntime 1.32
+# CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin) and, with TESTS=1, .fixtures.
+# onnxruntime-gpu's wheel must already be in /tmp/ortgpu in pieces (see gpu_tests_run.sh): it is joined and
+# installed into /tmp/site_gpu, apart from the CPU build, which it must never share a folder with.
+set -u
+export PYTHONUNBUFFERED=1
+[ -d .fixtures ] && export MOE_WORKBENCH_FIXTURES=$PWD/.fixtures
+shape=${SHAPE:-gpt-oss-20b-like}
+log=$OUT/run-$shape.log
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+wheel=/tmp/ortgpu/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
+if [ ! -d /tmp/site_gpu/onnxruntime ]; then
+  [ -f "$wheel" ] || cat /tmp/ortgpu/ortgpu.part.* > "$wheel" || exit 1
+  mkdir -p /tmp/site_gpu
+  cp -r /tmp/site/. /tmp/site_gpu/ && rm -rf /tmp/site_gpu/onnxruntime /tmp/site_gpu/onnxruntime-*.dist-info
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_gpu "$wheel" || exit 1
+fi
+{
+  date -u
+  if [ "${TESTS:-0}" = 1 ]; then
+    echo "== offload engine GPU tests (onnxruntime-gpu for the dense part)"
+    PYTHONPATH=/tmp/site_gpu timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_offload_cuda.py tests/test_cuda_step.py tests/test_offload_layouts.py tests/test_dense_device.py 2>&1 | tail -40
+    date -u
+  fi
+  if [ "${CPUSWEEP:-0}" = 1 ]; then
+    echo "== CPU decode chunk order on this machine's cores (bench_qmoe_cpu --sweep)"
+    PYTHONPATH=/tmp/site timeout 170 python3 benchmarks/bench_qmoe_cpu.py --quick --sweep --no-prefill 2>&1 | tail -30
+    cp benchmarks/results/qmoe_cpu-*h200*.json "$OUT/" 2>/dev/null
+    date -u
+  fi
+  left=$((580 - SECONDS))
+  echo "== offload benchmark, $shape, float16, dense part on the GPU (${left} s left)"
+  PYTHONPATH=/tmp/site_gpu timeout $left python3 benchmarks/bench_offload.py --shape "$shape" --dtype float16 \
+    --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" --prefill-tokens 2048
+  cp benchmarks/results/offload-$shape-*.json "$OUT/" 2>/dev/null
+  date -u
+} > "$log" 2>&1
+tail -c 9000 "$log"
