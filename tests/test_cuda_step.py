@@ -8,6 +8,7 @@ import ctypes
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from engine.offload.cuda_step import D2H, H2D, StepBufferPool, StepBuffers
 
@@ -80,3 +81,43 @@ def test_the_pool_reuses_buffers_once_given_back():
     assert first is not second
     pool.give_back(first)
     assert pool.take(1, 8) is first and pool.take(2, 8) is not second
+
+
+@pytest.mark.gpu
+def test_staged_launches_replayed_as_a_graph_follow_new_inputs_swaps_and_workspace_growth():
+    """GpuQMoE.run_staged: eager at the first call with given buffers, a CUDA graph from the second on. The
+    replays must see each step's new inputs written into the same buffers, experts swapped into slots in place,
+    and a workspace that grew in between (its graphs are dropped)."""
+    cp = pytest.importorskip("cupy")
+    from kernels.gpu import GpuQMoE
+    from kernels.qmoe_spec import QMoESpec
+    from tests.qmoe_oracle import make_case
+    from tests.test_qmoe_gpu import _ref_pairs, _relerr
+
+    attrs, t, x, _ = make_case(seed=31, E=8, H=128, I=64, k=2, bits=4, block_size=32, T=2, activation="swiglu",
+                               swiglu_fusion=1)
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    m = GpuQMoE(spec, t, num_slots=4, resident=[0, 1, 2, 3])
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = StepBufferPool(cp, spec.hidden_size)
+    rng = np.random.default_rng(32)
+    with stream:
+        for step in range(6):
+            if step == 3:
+                m.upload_expert(6, 1, stream=stream)  # expert 1 out, 6 in: the slot map changes in place
+            if step == 4:  # a larger launch grows the workspace: the graphs pointing into it are dropped
+                m.run_experts(rng.standard_normal((40, 128)).astype(np.float32),
+                              rng.integers(0, 8, (40, 2)), np.ones((40, 2), np.float32))
+            xs = rng.standard_normal((2, 128)).astype(np.float32)
+            ids = rng.integers(0, 8, (2, 2))
+            ids[:, 1] = (ids[:, 0] + 1 + rng.integers(0, 7, 2)) % 8  # two different experts per token, as routed
+            w = rng.uniform(0.1, 1, (2, 2)).astype(np.float32)
+            buffers = pool.take(2, 2)
+            buffers.upload(xs, ids, w, stream)
+            m.run_staged(buffers.x, buffers.ids, buffers.w, buffers.out)
+            got = buffers.download(stream).copy()
+            pool.give_back(buffers)
+            resident = m.slot_of[ids] >= 0
+            want = _ref_pairs(xs, np.where(resident, ids, -1), w, spec, t)
+            assert _relerr(got, want) <= 1e-4, f"step {step}"
+            assert (len(m._graphs) == 1) == (step in (1, 2, 3, 5)), f"step {step}: {len(m._graphs)} graphs"

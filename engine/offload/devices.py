@@ -88,6 +88,9 @@ class SimulatedSlots:
         out += partial
         return seconds
 
+    def flush(self, out: np.ndarray) -> None:
+        """Results a device may hold back until the node's last collect (CudaSlots: prefill); here none."""
+
 
 class SimulatedDevice:
     kind = "simulated"

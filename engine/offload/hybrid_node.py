@@ -121,6 +121,8 @@ class HybridExpertNode:
                 miss_device_s = store.collect(pending_copied, out)
             stats.device_s += resident_s + miss_device_s
             stats.wait_s += time.perf_counter() - waited
+        if store is not None and (pending is not None or pending_copied is not None or waves):
+            store.flush(out)
         # The projection for the simulated card (projection.py): this step's critical path on a real card, and
         # the wall time the simulated device spent computing its experts on the CPU.
         phase = engine.stats.phase(x2d.shape[0])

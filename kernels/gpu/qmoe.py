@@ -110,6 +110,9 @@ class GpuQMoE:
             self._dummy_u16 = cp.zeros(16, cp.uint16)
             self._dummy_f32 = cp.zeros(16, cp.float32)
             self._ws = _Workspace()
+            # run_staged's CUDA graphs by launch (buffers, shape, configuration); dropped when the workspace grows
+            self._graphs: dict = {}
+            self._graph_seen: set = set()
             # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these; the defaults
             # are the H200 optimum at both benchmark shapes, W1 = 0: 2 warps per FC1 block when the FC1 grid
             # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic)
@@ -235,6 +238,9 @@ class GpuQMoE:
         cp = _cp()
         ws = self._ws
         grow_t, grow_p = T > ws.T, P > ws.P
+        if grow_t or grow_p or tiles > ws.tiles_cap:
+            self._graphs.clear()  # captured launches point into the buffers replaced here
+            self._graph_seen.clear()
         if grow_p or tiles > ws.tiles_cap:
             ws.P = max(P, 2 * ws.P) if grow_p else ws.P
             ws.tiles_cap = max(tiles, 2 * ws.tiles_cap, ws.P + 1)
@@ -393,11 +399,50 @@ class GpuQMoE:
         """run_experts for device inputs already in the kernels' types, all C-contiguous: x float32 [T, H], expert
         ids int32 [T, k], weights float32 [T, k]; ``out`` float32 [T, H] is overwritten, not accumulated into.
         Kernel launches only (no conversion, allocation or copy): the offload engine's decode path
-        (engine/offload/cuda_step.py)."""
+        (engine/offload/cuda_step.py).
+
+        The decode kernels' launches are replayed as one CUDA graph from the second call with the same buffers on:
+        their Python launch work (argument marshalling of three launches, ~100 µs per layer on the H200) is paid
+        once. A graph stays valid while the buffers it points into do: the workspace (dropped when it grows), the
+        slot arrays and the expert->slot map (updated in place by upload_expert / evict)."""
+        cp = _cp()
+        T, kk = x_dev.shape[0], ids_dev.shape[1]
         with self.device:
-            self._compute(x_dev, DT_F32, x_dev.shape[0], out, ids=ids_dev, wts=w_dev, kk=ids_dev.shape[1],
-                          zero_out=True)
+            stream = cp.cuda.get_current_stream()
+            if self.path != "tc" or T > self.decode_max_tokens or stream.ptr == 0:
+                # (no graph on the legacy default stream: capture needs a stream of its own)
+                self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
+                return out
+            key = (x_dev.data.ptr, ids_dev.data.ptr, w_dev.data.ptr, out.data.ptr, T, kk,
+                   tuple(sorted(self.dec_cfg.items())))
+            graph = self._graphs.get(key)
+            if graph is None and key in self._graph_seen:
+                graph = self._graphs[key] = self._capture(stream, x_dev, ids_dev, w_dev, out)
+            if graph is None or graph is _EAGER:  # first call: eager, so the workspace is sized before a capture
+                self._graph_seen.add(key)
+                self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
+            else:
+                graph.launch(stream)
         return out
+
+    def _capture(self, stream, x_dev, ids_dev, w_dev, out):
+        """run_staged's launches captured as a CUDA graph (thread-local capture: another thread's CUDA calls meanwhile
+        are not affected); _EAGER where this CuPy or driver cannot capture them."""
+        cp = _cp()
+        mode = getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", None)
+        try:
+            stream.begin_capture(*(() if mode is None else (mode,)))
+        except Exception:  # noqa: BLE001 - no graphs here: the launches stay eager
+            return _EAGER
+        try:
+            self._compute(x_dev, DT_F32, x_dev.shape[0], out, ids=ids_dev, wts=w_dev, kk=ids_dev.shape[1], zero_out=True)
+        except Exception:  # noqa: BLE001 - the capture is ended below and the launches run eagerly
+            try:
+                stream.end_capture()
+            except Exception:  # noqa: BLE001
+                pass
+            return _EAGER
+        return stream.end_capture()
 
     # ------------------------------------------------------------------ launches
     def _compute(self, xd, xdt, T, out, *, logits=None, ldt=0, rw=None, rwdt=0, ids=None, wts=None, kk=None,
@@ -501,6 +546,9 @@ class GpuQMoE:
         units = p.KT if p.bs_log2 <= 6 else _cdiv(p.KT, 1 << (p.bs_log2 - 6))
         want = _cdiv(2 * self.num_sms, blocks)
         return int(max(1, min(want, units // (2 * W) if units >= 2 * W else 1)))
+
+
+_EAGER = object()  # GpuQMoE._graphs: a launch that could not be captured runs eagerly
 
 
 def _as_host(a):
