@@ -47,6 +47,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def _gather_seconds(model: LoadedModel) -> float:
+    """Seconds the CUDA slots spent gathering prefill waves' rows into the pinned ring so far (0 when simulated)."""
+    return sum(getattr(store, "wave_gather_s", 0.0) for store in model.offload.stores if store is not None)
+
+
 def decode(model: LoadedModel, prompt: list[int], tokens: int) -> tuple[float, list[dict]]:
     """Decode tokens/s, and per step the seconds at each boundary bench_overhead times (its Meter:
     dense set-up vs onnxruntime's run, expert node, launch / collect, placement, the decoder loop)."""
@@ -140,12 +145,15 @@ def main() -> None:
         bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
         before = model.offload.stats.totals()
+        gathered = _gather_seconds(model)
         prefill_s = _timed(lambda: model.decoder.forward(model.new_state(), long_prompt))
         prefill = args.prefill_tokens / prefill_s
         after = model.offload.stats.totals()
         # Where the prefill's time went (the experts' share; the rest is the dense part and the loop): waves'
-        # staging (host gather, upload and conversion: copy_s), device compute, CPU compute.
+        # staging (host gather, upload and conversion: copy_s; of it the gather into the pinned ring: gather_s),
+        # device compute, CPU compute.
         prefill_split = {"wall_s": prefill_s, "stage_s": after.copy_s - before.copy_s,
+                         "gather_s": _gather_seconds(model) - gathered,
                          "device_s": after.device_s - before.device_s, "cpu_s": after.cpu_s - before.cpu_s,
                          "copied_gb": (after.copy_bytes - before.copy_bytes) / 1e9}
         slots = model.offload.plan.slots[infos[0].name]

@@ -378,6 +378,27 @@ def test_buffers_reused_across_decode_steps_are_not_aliased(model_folder, cpu_ru
         assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5, f"step {step}"
 
 
+def test_fp16_decode_steps_return_one_kept_fp16_buffer(tmp_path):
+    """A float16 model's hybrid node returns the same fp16 array at every decode step (so the next dense segment
+    does not bind a new one), holding that step's result: greedy tokens equal the all-CPU run's."""
+    from engine.offload.hybrid_node import HybridExpertNode
+
+    folder = write_model(tmp_path / "m16", WriterSpec(layers=2, num_experts=8, top_k=2, hidden_size=64, inter_size=64,
+                                                      seed=22, dtype="float16", dense_accuracy_level=0))
+    ref_logits, ref_tokens = greedy_run(LoadedModel.open(folder), steps=6)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 2),
+                             device=SimulatedDevice(1 << 30))
+    node = next(r for r in model.decoder.steps if isinstance(r, HybridExpertNode))
+    run, seen = node.run, []
+    node.run = lambda values: seen.append(run(values)) or seen[-1]
+    logits, tokens = greedy_run(model, steps=6)
+    assert tokens == ref_tokens
+    decode = seen[1:]
+    assert decode[0].dtype == np.float16 and all(out is decode[0] for out in decode)
+    for ours, ref in zip(logits, ref_logits):
+        assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-2
+
+
 def test_cpu_node_output_reused_across_decode_steps_is_not_aliased(model_folder):
     """Device cpu: each expert node returns one output buffer at every decode step (the next dense segment then
     binds nothing new); what a caller keeps of a step (the logits) stays that step's, and every step equals the

@@ -213,6 +213,7 @@ class CudaSlots:
         self.prepare_s = 0.0  # host seconds of the last load before its copy could start
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
+        self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
         self.resize(num_slots)
 
     def _make(self, slots: int, resident: list[int], tensors: dict | None = None):
@@ -276,6 +277,7 @@ class CudaSlots:
         else:
             wave_tensors, start, end = gather_wave(ring, tensors, experts, num_experts)
             resident = list(range(len(experts)))
+        self.wave_gather_s += time.perf_counter() - started
         try:
             self._wave = (self._make(len(experts), resident, wave_tensors), None if ring is None else experts)
         finally:

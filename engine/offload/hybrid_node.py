@@ -34,7 +34,7 @@ class HybridExpertNode:
         # expert id -> chosen this step (a copied miss); index -1 (an unrouted pair) reads the last entry, kept False
         self._chosen = np.zeros(spec.num_experts + 1, bool)
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
-        self._out_view: np.ndarray | None = None  # ... and the view of it returned
+        self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
 
     @property
     def kernel(self):
@@ -140,9 +140,13 @@ class HybridExpertNode:
         if not shadow:
             engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
             engine.policy.observe(layer, ids.reshape(-1))
-        if out is self._out and x.dtype == np.float32:
-            if self._out_view is None or self._out_view.shape != x.shape:
-                self._out_view = out.reshape(x.shape)
+        if out is self._out:
+            # a decode step: the same array at every step (fp16 models: a kept fp16 copy), which the next dense
+            # segment finds bound already
+            if self._out_view is None or self._out_view.shape != x.shape or self._out_view.dtype != x.dtype:
+                self._out_view = out.reshape(x.shape) if x.dtype == np.float32 else np.empty(x.shape, x.dtype)
+            if x.dtype != np.float32:
+                np.copyto(self._out_view, out.reshape(x.shape), casting="same_kind")
             return self._out_view
         return out.astype(x.dtype, copy=False).reshape(x.shape)
 
