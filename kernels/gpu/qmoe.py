@@ -434,7 +434,7 @@ class GpuQMoE:
         if decode:
             cfg = self.dec_cfg
             nch = T * (f1.KP // 8)
-            nblk = max(1, min(_cdiv(nch, 256), 4 * self.num_sms))
+            nblk = 1 + max(1, min(_cdiv(nch, 256), 4 * self.num_sms))  # block 0 routes, the others convert x
             self._f("decode_prep")((nblk,), (256,), (
                 np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),

@@ -93,15 +93,22 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     }
     int c_ti = p_ti, c_rt = p_rt, c_kt = p_kt;  // consumer cursor (same start)
     long long p_left = u1 - u0;
+    // per-lane source pointers of the next unit to copy: weights (contiguous over row tiles within a tile), the
+    // lane's scale / zero-point chunk at block 0 of row tile p_rt, the activation fragments at k-tile 0
+    const bool s_on = lane < NBT * ssz, z_on = ZP && lane < NBT;
+    const long long s_rstep = (long long)NB * 16 * ssz, z_rstep = (long long)NB * 16;
     const u8* p_w = W;
-    long long p_sb = 0;
+    const unsigned char* p_s = (const unsigned char*)S;
+    const u8* p_z = Z;
     const u16* p_bh = bhi;
     const u16* p_bl = blo;
     bool p_bon = false;
-    auto p_setup = [&]() {
+    auto p_setup = [&]() {  // at (p_ti, p_rt, p_kt)
         const int4 tl = tile_at(p_ti);
-        p_w = W + (long long)tl.x * wstride + lane * TR::LB;
-        p_sb = (long long)tl.x * tstride;
+        p_w = W + (long long)tl.x * wstride + ((long long)p_rt * KT + p_kt) * TR::TB + lane * TR::LB;
+        const long long e = (long long)tl.x * tstride + (long long)p_rt * NB * 16;
+        p_s = (const unsigned char*)S + e * ssz + lane * 16;
+        p_z = Z + e + lane * 16;
         p_bon = g < tl.z;
         long long brow = 0;
         if (p_bon) brow = (long long)(MODE == 0 ? ptok_at(tl.y + g) : tl.y + g) * KPB + t * 16;
@@ -112,14 +119,12 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     auto issue = [&](int st) {
         if (p_left > 0) {
             const u32 d = ringa + (u32)(st * STAGE);
-            const u8* ws = p_w + ((long long)p_rt * KT + p_kt) * TR::TB;
 #pragma unroll
-            for (int q = 0; q < TR::LW; ++q) cp_async16(d + lane * TR::LB + q * 16, ws + q * 16, 16);
-            const int b0 = (NBT == 1) ? (p_kt >> tsh) : p_kt * NBT;
-            const long long e0 = p_sb + ((long long)p_rt * NB + b0) * 16;  // first scale element of the chunk
-            if (lane < NBT * ssz)
-                cp_async16(d + SOFF + lane * 16, (const unsigned char*)S + e0 * ssz + lane * 16, 16);
-            if (ZP && lane < NBT) cp_async16(d + ZOFF + lane * 16, Z + e0 + lane * 16, 16);
+            for (int q = 0; q < TR::LW; ++q) cp_async16(d + lane * TR::LB + q * 16, p_w + q * 16, 16);
+            p_w += TR::TB;
+            const int b0 = (NBT == 1) ? (p_kt >> tsh) : p_kt * NBT;  // first scale block of the unit
+            if (s_on) cp_async16(d + SOFF + lane * 16, p_s + b0 * 16 * ssz, 16);
+            if (z_on) cp_async16(d + ZOFF + lane * 16, p_z + b0 * 16, 16);
             if (p_bon) {
                 const u16* bh = p_bh + p_kt * 64;
                 cp_async16_ca(d + BOFF + lane * 64, bh);
@@ -133,6 +138,8 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             --p_left;
             if (++p_kt == KT) {
                 p_kt = 0;
+                p_s += s_rstep;
+                p_z += z_rstep;
                 if (++p_rt == NT) {
                     p_rt = 0;
                     ++p_ti;

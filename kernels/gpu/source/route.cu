@@ -238,8 +238,9 @@ extern "C" __global__ void build_tiles(const int* ids, const float* wts, int P, 
     build_tiles_block(ids, wts, P, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles, sm_tiles);
 }
 
-// Decode preparation in one launch: block 0 routes (route_mode 1) and groups the pairs; every block converts
-// x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] and zeroes the fp32 accumulator when asked.
+// Decode preparation in one launch: block 0 routes (route_mode 1) and groups the pairs; the other blocks (every
+// block when there is only one) convert x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] and zero the fp32
+// accumulator when asked.
 extern "C" __global__ void decode_prep(int route_mode, const void* logits, int ldt, const void* rw, int rwdt,
                                        int has_rw, int E, int k, int normalize, int* ids, float* wts, int T, int kk,
                                        const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
@@ -270,10 +271,14 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                               sm_prep);
         }
     }
+    // with more than one block, block 0 only routes and groups (its serial chain is the critical path) and
+    // blocks 1.. convert x and zero the output
+    if (gridDim.x > 1 && blockIdx.x == 0) return;
+    const int nbk = gridDim.x > 1 ? gridDim.x - 1 : 1, bk = gridDim.x > 1 ? blockIdx.x - 1 : 0;
     const int cpr = KP >> 3;  // 8-value chunks per row
     const long long nch = (long long)T * cpr;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < nch; c += stride) {
+    const long long stride = (long long)nbk * blockDim.x;
+    for (long long c = (long long)bk * blockDim.x + threadIdx.x; c < nch; c += stride) {
         const int n = (int)(c / cpr);
         const int k0 = (int)(c % cpr) << 3;
 #pragma unroll
@@ -288,7 +293,7 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
             *(u32*)(xlo + o) = (u32)l0 | ((u32)l1 << 16);
         }
     }
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < zero_n; i += stride) zero_out[i] = 0.0f;
+    for (long long i = (long long)bk * blockDim.x + threadIdx.x; i < zero_n; i += stride) zero_out[i] = 0.0f;
 }
 
 // x [T, H] (any activation dtype) -> fp16 [T, KP], zero padded (prefill A operand)
