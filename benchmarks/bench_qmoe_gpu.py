@@ -142,7 +142,8 @@ def capture(cp, stream, fn):
 
 def bench_decode(cp, m, spec, timer, rng, iters, sweep, kernel="v4"):
     """Decode timing with m.decode_kernel = kernel ("v4": dec_gemv, its launch configuration dec_cfg swept when
-    ``sweep``; "v5": dec5, blocks per SM dec5_cfg["bps"] in {occupancy, 1, 2, 3, 4} tried, always)."""
+    ``sweep``; "v5": dec5, blocks per SM dec5_cfg["bps"] in {occupancy, 1, 2, 3, 4} and the FC2 L2 prefetch off
+    tried, always)."""
     H, E = spec.hidden_size, spec.num_experts
     m.decode_kernel = kernel
     stream = cp.cuda.Stream(non_blocking=True)
@@ -154,7 +155,8 @@ def bench_decode(cp, m, spec, timer, rng, iters, sweep, kernel="v4"):
     results = []
     if kernel == "v5":
         attr = "dec5_cfg"
-        configs = [dict(bps=b, grid=0) for b in (0, 1, 2, 3, 4)]
+        configs = [dict(bps=b, grid=0, l2_prefetch=1) for b in (0, 1, 2, 3, 4)]
+        configs.append(dict(bps=0, grid=0, l2_prefetch=0))
         sweep = True
     else:
         attr = "dec_cfg"

@@ -120,9 +120,10 @@ class GpuQMoE:
             # decode kernels: "v4" (dec_gemv, grid over (row block, tile, K split)) or "v5" (dec5, stream-K: a grid
             # of the GPU's resident capacity, every warp one contiguous range of (tile, row tile, k-tile) units);
             # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); dec5_cfg["grid"]: a fixed
-            # number of blocks instead (0 = bps * SMs, at most one block per 4 units of work)
+            # number of blocks instead (0 = bps * SMs, at most one block per 4 units of work);
+            # dec5_cfg["l2_prefetch"]: FC1's warps prefetch FC2's weights and scales into L2 when done (1 / 0)
             self.decode_kernel = "v4"
-            self.dec5_cfg = {"bps": 0, "grid": 0}
+            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 1}
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
@@ -441,14 +442,21 @@ class GpuQMoE:
                 np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)),
                 shared_mem=16 * E + 8 * P + 256)
             if self.decode_kernel == "v5":
+                sl2 = self.slots[f2.name]
+                nbt2, tsh2 = self._dec5_kind(f2)
+                pf2 = (sl2["w"], np.int64(f2.w_bytes), np.int32(f2.NT), np.int32(f2.KT), sl2["s"], np.int32(f2.sdt),
+                       np.int32(f2.NB), np.int32(tsh2), np.int32(nbt2),
+                       np.int32(1 if self.dec5_cfg.get("l2_prefetch", 1) else 0))
+                no_pf2 = (self._dummy_u8, np.int64(0), np.int32(0), np.int32(0), self._dummy_f32, np.int32(0),
+                          np.int32(0), np.int32(0), np.int32(1), np.int32(0))
                 self._dec5(f1, 0, max_tiles, P, (
                     *tiles_args, np.int32(P), ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP),
                     np.int32(min(8, P)), *act, np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32,
-                    ws.part, ws.kdone))
+                    ws.part, ws.kdone, *pf2))
                 self._dec5(f2, 1, max_tiles, P, (
                     *tiles_args, np.int32(P), ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), np.int32(min(8, P)),
                     *act, np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out, self._dummy_f32,
-                    self._dummy_i32))
+                    self._dummy_i32, *no_pf2))
                 return
             if self.decode_kernel != "v4":
                 raise ValueError(f"decode_kernel must be 'v4' or 'v5', not {self.decode_kernel!r}")

@@ -19,6 +19,9 @@
 // row, applied per k-tile; 2: block 32; 4: block 16), ZP (zero points), MODE. Block scales are applied in fp32 on
 // per-block accumulators, weights dequantise exactly to (q - z) in bf16, activations are bf16 hi + lo (two MMAs):
 // the same arithmetic as v4 (only the order of the fp32 partial sums differs).
+// FC1 with pf2: when its range is done, each warp prefetches into L2 (prefetch.global.L2) the FC2 weights and
+// scales of an equal share of FC2's units of the same tiles, so that FC2's bytes stream from HBM during FC1's tail
+// and the launch gap (FC2 of 4 experts at shape A is ~21 MB, inside the 50 MB L2).
 
 #define DEC5_STAGES 6
 #define DEC5_TCAP 128  // tiles cached in shared memory (more are read from global memory)
@@ -32,16 +35,26 @@
         const float *__restrict__ pair_w, int npairs, const u16 *__restrict__ bhi, const u16 *__restrict__ blo,        \
         int split, int KPB, int bcols, int act, int gated, float alpha, float beta, float limit, int has_limit,       \
         int n_out, u16 *__restrict__ ahi, u16 *__restrict__ alo, int KP2, float *__restrict__ out,                     \
-        float *__restrict__ part, int *__restrict__ kdone
+        float *__restrict__ part, int *__restrict__ kdone, const u8 *__restrict__ W2, long long wstride2, int NT2,     \
+        int KT2, const void *__restrict__ S2, int sdt2, int NB2, int tsh2, int nbt2, int pf2
 #define QM_D5_PASS                                                                                                  \
     W, wstride, NT, KT, S, sdt, NB, tsh, Z, bias, has_bias, NP, tiles, num_tiles, pair_tok, pair_w, npairs, bhi, blo, \
-        split, KPB, bcols, act, gated, alpha, beta, limit, has_limit, n_out, ahi, alo, KP2, out, part, kdone
+        split, KPB, bcols, act, gated, alpha, beta, limit, has_limit, n_out, ahi, alo, KP2, out, part, kdone, W2,      \
+        wstride2, NT2, KT2, S2, sdt2, NB2, tsh2, nbt2, pf2
 
 // 16-byte copy global -> shared that allocates in L1 (the activation fragments, re-read by the SM's other warps)
 static __device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src) {
 #if QM_TC
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 #endif
+}
+
+// L2 prefetch of the 128-byte lines of [p, p + n) by the lanes of a warp (fire and forget)
+static __device__ __forceinline__ void l2_prefetch_range(const void* p, long long n, int lane) {
+    const unsigned long long a1 = (unsigned long long)p + (unsigned long long)n;
+    for (unsigned long long a = ((unsigned long long)p & ~127ull) + (unsigned long long)lane * 128ull; a < a1;
+         a += 32ull * 128ull)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 
 template <int BITS, int NBT, int ZP, int MODE>
@@ -355,6 +368,31 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
         st = (st == DEC5_STAGES - 1) ? 0 : st + 1;
     }
     cp_async_wait<0>();
+
+    // FC1 (pf2): this warp's share of the FC2 weights and scales of the same tiles (the FC2 launch's unit split)
+    // into L2, so that FC2's loads stream during FC1's tail and the launch gap and FC2 reads from L2
+    if (MODE == 0 && pf2) {
+        const long long per2 = (long long)NT2 * KT2;
+        const long long total2 = per2 * ntl;
+        const long long chunk2 = (total2 + nwt - 1) / nwt;
+        long long v0 = ((long long)blockIdx.x * nw + warp) * chunk2;
+        const long long v1 = min(total2, v0 + chunk2);
+        const int ssz2 = (sdt2 == DT_F32) ? 4 : 2;
+        const long long tstride2 = (long long)NT2 * NB2 * 16;
+        while (v0 < v1) {
+            const long long ti = v0 / per2;
+            const long long a = v0 - ti * per2, b = min(per2, v1 - ti * per2);  // units [a, b) of tile ti
+            const long long slot = tile_at((int)ti).x;
+            l2_prefetch_range(W2 + slot * wstride2 + a * TR::TB, (b - a) * TR::TB, lane);
+            // scale elements from the first unit's chunk to the end of the last unit's ([row tile][block][16])
+            const long long ra = a / KT2, rb = (b - 1) / KT2;
+            const int ka = (int)(a - ra * KT2), kl = (int)(b - 1 - rb * KT2);
+            const long long e0 = slot * tstride2 + (ra * NB2 + (nbt2 == 1 ? (ka >> tsh2) : ka * nbt2)) * 16;
+            const long long e1 = slot * tstride2 + (rb * NB2 + (nbt2 == 1 ? (kl >> tsh2) : kl * nbt2) + nbt2) * 16;
+            l2_prefetch_range((const unsigned char*)S2 + e0 * ssz2, (e1 - e0) * ssz2, lane);
+            v0 = ti * per2 + b;
+        }
+    }
 #endif
 }
 
