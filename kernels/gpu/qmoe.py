@@ -449,12 +449,15 @@ class GpuQMoE:
                        np.int32(1 if self.dec5_cfg.get("l2_prefetch", 1) else 0))
                 no_pf2 = (self._dummy_u8, np.int64(0), np.int32(0), np.int32(0), self._dummy_f32, np.int32(0),
                           np.int32(0), np.int32(0), np.int32(1), np.int32(0))
-                self._dec5(f1, 0, max_tiles, P, (
+                # activation slots per ring stage: FC1 one per token; FC2 one per tile column (<= 8 pairs; <= T
+                # when routed on the GPU: a token picks an expert at most once)
+                bc1, bc2 = T, (min(8, T) if route else min(8, P))
+                self._dec5(f1, 0, max_tiles, bc1, (
                     *tiles_args, np.int32(P), ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP),
-                    np.int32(min(8, P)), *act, np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32,
+                    np.int32(bc1), *act, np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32,
                     ws.part, ws.kdone, *pf2))
-                self._dec5(f2, 1, max_tiles, P, (
-                    *tiles_args, np.int32(P), ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), np.int32(min(8, P)),
+                self._dec5(f2, 1, max_tiles, bc2, (
+                    *tiles_args, np.int32(P), ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), np.int32(bc2),
                     *act, np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out, self._dummy_f32,
                     self._dummy_i32, *no_pf2))
                 return
@@ -546,13 +549,14 @@ class GpuQMoE:
             self._occ[key] = v
         return v
 
-    def _dec5(self, p: _lay.ProjLayout, mode: int, max_tiles: int, P: int, tail: tuple) -> None:
-        """One dec5 launch for projection p (mode 0: FC1 + activation, 1: FC2 into the output). ``tail``: the
-        arguments after the projection's own (tiles ... kdone, see QM_D5_ARGS in decode5.cu)."""
+    def _dec5(self, p: _lay.ProjLayout, mode: int, max_tiles: int, bcols: int, tail: tuple) -> None:
+        """One dec5 launch for projection p (mode 0: FC1 + activation, 1: FC2 into the output). ``bcols``: activation
+        slots per ring stage (the kernel argument of that name, inside ``tail``). ``tail``: the arguments after the
+        projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu)."""
         sl = self.slots[p.name]
         nbt, tsh = self._dec5_kind(p)
         name = f"dec5_{p.bits}_{nbt}_{int(p.has_zp)}_{mode}"
-        smem = self._dec5_smem(p, min(8, P))
+        smem = self._dec5_smem(p, bcols)
         threads = 32 * self.DEC5_WARPS
         f = self._f(name)
         if smem > 48 * 1024 and self._smem_set.get(name, 0) < smem:

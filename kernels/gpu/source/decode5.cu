@@ -89,7 +89,9 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     const int ssz = (sdt == DT_F32) ? 4 : 2;
     const int SOFF = TR::TB;                              // scales: NBT blocks x 16 rows (fp32 size reserved)
     const int ZOFF = SOFF + NBT * 64;                     // zero points: NBT blocks x 16 rows
-    const int BOFF = ZOFF + (ZP ? NBT * 16 : 0);          // activation fragments: 64 bytes per lane of columns < bcols
+    // activation fragments: 4 x 64 bytes per B row slot (lane t of the slot's 4); slots = bcols: FC1 (MODE 0) one per
+    // token (slot = token < T: columns of the same token share it), FC2 one per column
+    const int BOFF = ZOFF + (ZP ? NBT * 16 : 0);
     const int STAGE = BOFF + bcols * 256;
     unsigned char* ring = dsm5 + DEC5_CACHE_BYTES + warp * DEC5_STAGES * STAGE;
     const u32 ringa = smem_u32(ring);
@@ -116,6 +118,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     const u16* p_bh = bhi;
     const u16* p_bl = blo;
     bool p_bon = false;
+    u32 p_barea = 0;  // this lane's byte offset in the stage's activation area
     auto p_setup = [&]() {  // at (p_ti, p_rt, p_kt)
         const int4 tl = tile_at(p_ti);
         p_w = W + (long long)tl.x * wstride + ((long long)p_rt * KT + p_kt) * TR::TB + lane * TR::LB;
@@ -124,7 +127,11 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
         p_z = Z + e + lane * 16;
         p_bon = g < tl.z;
         long long brow = 0;
-        if (p_bon) brow = (long long)(MODE == 0 ? ptok_at(tl.y + g) : tl.y + g) * KPB + t * 16;
+        if (p_bon) {
+            const int tok = MODE == 0 ? ptok_at(tl.y + g) : tl.y + g;
+            brow = (long long)tok * KPB + t * 16;
+            p_barea = (u32)(((MODE == 0 ? tok : g) * 4 + t) * 64);
+        }
         p_bh = bhi + brow;
         p_bl = blo + brow;
     };
@@ -140,12 +147,12 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             if (z_on) cp_async16(d + ZOFF + lane * 16, p_z + b0 * 16, 16);
             if (p_bon) {
                 const u16* bh = p_bh + p_kt * 64;
-                cp_async16_ca(d + BOFF + lane * 64, bh);
-                cp_async16_ca(d + BOFF + lane * 64 + 16, bh + 8);
+                cp_async16_ca(d + BOFF + p_barea, bh);
+                cp_async16_ca(d + BOFF + p_barea + 16, bh + 8);
                 if (split) {
                     const u16* bl = p_bl + p_kt * 64;
-                    cp_async16_ca(d + BOFF + lane * 64 + 32, bl);
-                    cp_async16_ca(d + BOFF + lane * 64 + 48, bl + 8);
+                    cp_async16_ca(d + BOFF + p_barea + 32, bl);
+                    cp_async16_ca(d + BOFF + p_barea + 48, bl + 8);
                 }
             }
             --p_left;
@@ -164,12 +171,13 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     };
 
     // ---------------------------------------------------------------- consumer state
-    int c_slot, c_start, c_cnt;
+    int c_slot, c_start, c_cnt, c_barea;
     auto c_setup = [&]() {
         const int4 tl = tile_at(c_ti);
         c_slot = tl.x;
         c_start = tl.y;
         c_cnt = tl.z;
+        c_barea = g < c_cnt ? ((MODE == 0 ? ptok_at(c_start + g) : g) * 4 + t) * 64 : 0;
     };
     c_setup();
     int c_ka = c_kt;  // first k-tile of the current segment
@@ -273,7 +281,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
         for (int q = 0; q < TR::LW; ++q) wv[q] = *reinterpret_cast<const uint4*>(p + lane * TR::LB + q * 16);
         uint4 h0 = zero4, h1 = zero4, l0 = zero4, l1 = zero4;
         if (g < c_cnt) {
-            const uint4* bp = reinterpret_cast<const uint4*>(p + BOFF + lane * 64);
+            const uint4* bp = reinterpret_cast<const uint4*>(p + BOFF + c_barea);
             h0 = bp[0];
             h1 = bp[1];
             if (split) {
