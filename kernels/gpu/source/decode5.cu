@@ -11,10 +11,10 @@
 // A warp's range crosses row tiles (and tiles): at every row-tile end ("segment" end) the warp flushes its partial
 // sums. FC2 (MODE 1): weighted atomicAdd into the fp32 output, as in v4. FC1 (MODE 0): a warp that covered the
 // whole K of the row tile runs the activation epilogue from registers; otherwise the partials meet in an fp32
-// scratch [tile][row tile][128] by atomicAdd, a per-(tile, row tile) counter of k-tiles done is bumped after a
-// __threadfence, and the warp that completes K reads the sums back with atomicExch(.., 0) (which also leaves the
-// scratch zeroed for the next launch), resets the counter and runs the epilogue (bias, activation, bf16 hi/lo
-// activation rows for FC2).
+// scratch [tile][row tile][128] by atomicAdd, a per-(tile, row tile) counter of k-tiles done is bumped by an atomic
+// with release semantics, and the warp that completes K reads the sums back with atomicExch(.., 0) (which also
+// leaves the scratch zeroed for the next launch), resets the counter and runs the epilogue (bias, activation, bf16
+// hi/lo activation rows for FC2).
 // Compile-time specialisation: BITS (4 / 8), NBT = scale blocks per 64-k tile (1: block >= 64 or one scale per
 // row, applied per k-tile; 2: block 32; 4: block 16), ZP (zero points), MODE. Block scales are applied in fp32 on
 // per-block accumulators, weights dequantise exactly to (q - z) in bf16, activations are bf16 hi + lo (two MMAs):
@@ -47,6 +47,13 @@ static __device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src) {
 #if QM_TC
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 #endif
+}
+
+// atomicAdd with release semantics at GPU scope (MEMBAR.ALL.GPU before the atomic, no L1 invalidation)
+static __device__ __forceinline__ int atom_add_release_gpu(int* p, int v) {
+    int old;
+    asm volatile("atom.release.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
 }
 
 // L2 prefetch of the 128-byte lines of [p, p + n) by the lanes of a warp (fire and forget)
@@ -222,13 +229,15 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #pragma unroll
             for (int c = 0; c < 4; ++c)
                 if (2 * t + (c & 1) < c_cnt) atomicAdd(pp + c * 32, v[c]);
-            __threadfence();
+            // release: the warp's partial sums (ordered before lane 0 by __syncwarp) before its counter update.
+            // No acquire on the completing side: it reads the sums with atomics, performed at L2 after its counter
+            // atomic saw every other warp's released update (an acquire fence / __threadfence also invalidates the
+            // SM's L1, CCTL.IVALL, where the other warps keep their activation fragments).
             __syncwarp();
             int old = 0;
-            if (lane == 0) old = atomicAdd(kdone + cidx, kb - ka);
+            if (lane == 0) old = atom_add_release_gpu(kdone + cidx, kb - ka);
             old = __shfl_sync(0xffffffffu, old, 0);
             if (old + (kb - ka) != KT) return;  // another warp completes this row tile
-            __threadfence();
 #pragma unroll
             for (int c = 0; c < 4; ++c) v[c] = (2 * t + (c & 1) < c_cnt) ? atomicExch(pp + c * 32, 0.0f) : 0.0f;
             if (lane == 0) atomicExch(kdone + cidx, 0);
