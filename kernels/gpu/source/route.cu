@@ -250,8 +250,16 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
     if (blockIdx.x == 0) {
         int* sids = sm_prep + 4 * E;
         float* sw = reinterpret_cast<float*>(sids + T * kk);
+        // warp grouping (<= 64 pairs): the expert -> slot map is copied into sm_prep[0, E) (unused by that path) by
+        // the warps that do not route, while the routing warps run, so that the grouping does not wait on a global
+        // load after the routing; when every warp routes, the copy follows the routing
+        const bool warp_group = T * kk <= 64;
+        const int nwarps = blockDim.x >> 5;
+        const int rwarps = route_mode ? min(T, nwarps) : 0;
+        if (warp_group && rwarps < nwarps)
+            for (int e = threadIdx.x - rwarps * 32; e >= 0 && e < E; e += blockDim.x - rwarps * 32)
+                sm_prep[e] = slot_map[e];
         if (route_mode) {
-            const int nwarps = blockDim.x >> 5;
             for (int tok = threadIdx.x >> 5; tok < T; tok += nwarps)
                 route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok,
                                  sids + tok * k, sw + tok * k);
@@ -261,10 +269,12 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                 sw[i] = wts[i];
             }
         }
+        if (warp_group && rwarps == nwarps)
+            for (int e = threadIdx.x; e < E; e += blockDim.x) sm_prep[e] = slot_map[e];
         __syncthreads();
-        if (T * kk <= 64) {
+        if (warp_group) {
             if (threadIdx.x < 32)
-                build_tiles_warp(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles,
+                build_tiles_warp(sids, sw, T * kk, kk, sm_prep, E, TM, pair_tok, pair_w, tiles, num_tiles,
                                  max_tiles, reinterpret_cast<int*>(sw + T * kk));
         } else {
             build_tiles_block(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles,
