@@ -140,8 +140,12 @@ def capture(cp, stream, fn):
     return lambda: g.launch(stream)
 
 
-def bench_decode(cp, m, spec, timer, rng, iters, sweep):
+def bench_decode(cp, m, spec, timer, rng, iters, sweep, kernel="v4"):
+    """Decode timing with m.decode_kernel = kernel ("v4": dec_gemv, its launch configuration dec_cfg swept when
+    ``sweep``; "v5": dec5, blocks per SM dec5_cfg["bps"] in {occupancy, 1, 2, 3, 4} and the FC2 L2 prefetch off
+    tried, always)."""
     H, E = spec.hidden_size, spec.num_experts
+    m.decode_kernel = kernel
     stream = cp.cuda.Stream(non_blocking=True)
     bank = cp.asarray((rng.standard_normal((256, E)) * 2.0).astype(np.float32))
     x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
@@ -149,19 +153,27 @@ def bench_decode(cp, m, spec, timer, rng, iters, sweep):
     out = cp.empty((1, H), cp.float32)
     nbytes = spec.k * m.expert_bytes()
     results = []
-    configs = [m.dec_cfg.copy()]
-    if sweep:
-        rw = [(r, w) for r in (1, 2) for w in (1, 2, 4, 8)]
-        configs = [dict(R1=r1, W1=w1, R2=r2, W2=w2, ksplit2=ks) for r1, w1 in rw for r2, w2 in rw for ks in (0, 1, 2, 4)]
+    if kernel == "v5":
+        attr = "dec5_cfg"
+        configs = [dict(bps=b, grid=0, l2_prefetch=1) for b in (0, 1, 2, 3, 4)]
+        configs.append(dict(bps=0, grid=0, l2_prefetch=0))
+        sweep = True
+    else:
+        attr = "dec_cfg"
+        configs = [m.dec_cfg.copy()]
+        if sweep:
+            rw = [(r, w) for r in (1, 2) for w in (1, 2, 4, 8)]
+            configs = [dict(R1=r1, W1=w1, R2=r2, W2=w2, ksplit2=ks) for r1, w1 in rw for r2, w2 in rw
+                       for ks in (0, 1, 2, 4)]
     with stream:
         for cfg in configs:
-            m.dec_cfg = cfg
+            setattr(m, attr, cfg)
             g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
             prep = (lambda i: lg.__setitem__(Ellipsis, bank[i % 256]))
             med, p10, p90 = timer.median(g, iters=max(20, iters // 20) if sweep else iters, prep=prep)
             results.append((med, cfg))
         best = min(results, key=lambda r: r[0])[1]
-        m.dec_cfg = best
+        setattr(m, attr, best)
         g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
         med, p10, p90 = timer.median(g, iters=iters,
                                      prep=lambda i: lg.__setitem__(Ellipsis, bank[(7 * i) % 256]))
@@ -170,8 +182,25 @@ def bench_decode(cp, m, spec, timer, rng, iters, sweep):
         outs = cp.empty((N, 1, H), cp.float32)
         chain = capture(cp, stream, lambda: [m.forward_into(x, bank[i:i + 1], outs[i]) for i in range(N)])
         cmed, _, _ = timer.median(chain, iters=20)
-    return dict(bytes=nbytes, median=med, p10=p10, p90=p90, chain_per_token=cmed / N, best_cfg=best,
+    return dict(kernel=kernel, bytes=nbytes, median=med, p10=p10, p90=p90, chain_per_token=cmed / N, best_cfg=best,
                 sweep=[(r[0], r[1]) for r in sorted(results, key=lambda r: r[0])[:5]])
+
+
+def compare_decode(cp, m, decs, H, E, rng, key):
+    """The decode kernels' outputs against the first one's at 1 and 8 tokens (max |diff| / max |first|)."""
+    for T in (1, 8):
+        xq = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+        lq = cp.asarray((rng.standard_normal((T, E)) * 2).astype(np.float32))
+        outs = {}
+        for kern in decs:
+            m.decode_kernel = kern
+            outs[kern] = cp.asnumpy(m.forward(xq, lq)).astype(np.float64)
+        names = list(outs)
+        ref_o = outs[names[0]]
+        for kern in names[1:]:
+            rel = float(np.abs(outs[kern] - ref_o).max() / max(np.abs(ref_o).max(), 1e-30))
+            decs[kern][f"max_rel_diff_vs_{names[0]}_T{T}"] = rel
+            print(f"[{key}] decode {T} token(s): {kern} vs {names[0]} max rel diff {rel:.1e}", flush=True)
 
 
 def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10):
@@ -221,11 +250,14 @@ def profile(args):
             x = cp.asarray(rng.standard_normal((T, sh["H"])).astype(np.float32))
             lg = cp.asarray((rng.standard_normal((T, sh["E"])) * 2).astype(np.float32))
             out = cp.empty((T, sh["H"]), cp.float32)
-            m.forward_into(x, lg, out)
-            runs.append((m, x, lg, out))
+            for kern in (("v4", "v5") if T <= m.decode_max_tokens else ("v4",)):
+                m.decode_kernel = kern
+                m.forward_into(x, lg, out)
+                runs.append((m, x, lg, out, kern))
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.start()
-    for m, x, lg, out in runs:
+    for m, x, lg, out, kern in runs:
+        m.decode_kernel = kern
         m.forward_into(x, lg, out)
     cp.cuda.Device().synchronize()
     cp.cuda.profiler.stop()
@@ -237,6 +269,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="no launch-configuration sweep, fewer runs")
     ap.add_argument("--shapes", default="A,B")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--decode-kernels", default="v4,v5",
+                    help="decode kernels timed in this run (GpuQMoE.decode_kernel), comma-separated; the first is "
+                         "the reference of the max-rel-diff check, v4 keeps the historical figure names")
     ap.add_argument("--profile", action="store_true",
                     help="only run a few decode / prefill forwards between cudaProfilerStart/Stop (for ncu)")
     args = ap.parse_args(argv)
@@ -287,25 +322,63 @@ def main(argv=None):
         m = GpuQMoE(spec, tensors)
         details[f"shape_{key}"] = {"label": sh["label"], "expert_bytes_gpu_layout": m.expert_bytes(),
                                    "compiled_from": m.compiled_from}
-        dec = bench_decode(cp, m, spec, timer, rng, iters=200 if args.quick else 1000, sweep=not args.quick)
+        # decode: v4 and v5 kernels in the same run, and their outputs against each other (1 and 8 tokens)
+        decs = {}
+        for kern in [k_.strip() for k_ in args.decode_kernels.split(",") if k_.strip()]:
+            try:
+                d = bench_decode(cp, m, spec, timer, rng, iters=200 if args.quick else 1000, sweep=not args.quick,
+                                 kernel=kern)
+            except Exception as exc:  # noqa: BLE001 - report it and keep the other kernels' / prefill figures
+                print(f"[{key}] decode {kern}: FAILED {exc!r}", flush=True)
+                details[f"shape_{key}"][f"decode_{kern}_error"] = repr(exc)
+                continue
+            gbs_k = d["bytes"] / d["median"] / 1e9
+            print(f"[{key}] decode 1 token {kern}: {d['median'] * 1e6:.1f} us (p10 {d['p10'] * 1e6:.1f}, p90 "
+                  f"{d['p90'] * 1e6:.1f}) = {gbs_k:.0f} GB/s = {gbs_k / hbm:.0%} of HBM; 32-chain "
+                  f"{d['chain_per_token'] * 1e6:.1f} us/token; cfg {d['best_cfg']}", flush=True)
+            decs[kern] = d
+        if len(decs) > 1:
+            try:
+                compare_decode(cp, m, decs, H, E, rng, key)
+            except Exception as exc:  # noqa: BLE001
+                print(f"[{key}] decode kernels compared: FAILED {exc!r}", flush=True)
+        m.decode_kernel = "v4"
+        if not decs:
+            raise RuntimeError("no decode kernel could be timed")
+        dec = decs.get("v4") or next(iter(decs.values()))
         gbs = dec["bytes"] / dec["median"] / 1e9
-        print(f"[{key}] decode 1 token: {dec['median'] * 1e6:.1f} us (p10 {dec['p10'] * 1e6:.1f}, p90 "
-              f"{dec['p90'] * 1e6:.1f}) = {gbs:.0f} GB/s = {gbs / hbm:.0%} of HBM; 32-chain "
-              f"{dec['chain_per_token'] * 1e6:.1f} us/token; cfg {dec['best_cfg']}", flush=True)
         pf = bench_prefill(cp, m, spec, timer, rng, iters=5 if args.quick else 10)
         pf_tf = pf["flops"] / pf["median"] / 1e12
         print(f"[{key}] prefill 512: {pf['median'] * 1e3:.2f} ms = {pf_tf:.0f} TFLOP/s = {pf_tf / tflops:.0%} of fp16 "
               f"matmul (BM {pf['bm']}, {pf['distinct_experts']} experts hit)", flush=True)
         details[f"shape_{key}"].update(decode=dec, prefill={k_: v for k_, v in pf.items()})
+        for kern, d in decs.items():
+            details[f"shape_{key}"][f"decode_{kern}"] = d
         tag = f"[{key}: {sh['label']}]"
         figures += [
             {"name": f"{tag} decode 1 token: routed experts' weight bandwidth", "value": gbs, "unit": "GB/s",
              "reference": "HBM copy bandwidth measured in this run", "reference_value": hbm, "ratio": gbs / hbm,
-             "latency_us": dec["median"] * 1e6, "bytes_read": dec["bytes"]},
+             "latency_us": dec["median"] * 1e6, "bytes_read": dec["bytes"], "decode_kernel": dec["kernel"]},
             {"name": f"{tag} decode 1 token, 32 forwards in one graph: weight bandwidth",
              "value": dec["bytes"] / dec["chain_per_token"] / 1e9, "unit": "GB/s",
              "reference": "HBM copy bandwidth measured in this run", "reference_value": hbm,
-             "ratio": dec["bytes"] / dec["chain_per_token"] / 1e9 / hbm},
+             "ratio": dec["bytes"] / dec["chain_per_token"] / 1e9 / hbm, "decode_kernel": dec["kernel"]},
+        ]
+        for kern, d in decs.items():
+            if d is dec:
+                continue
+            g_k = d["bytes"] / d["median"] / 1e9
+            g_c = d["bytes"] / d["chain_per_token"] / 1e9
+            figures += [
+                {"name": f"{tag} decode 1 token ({kern} kernels): routed experts' weight bandwidth", "value": g_k,
+                 "unit": "GB/s", "reference": "HBM copy bandwidth measured in this run", "reference_value": hbm,
+                 "ratio": g_k / hbm, "latency_us": d["median"] * 1e6, "bytes_read": d["bytes"], "decode_kernel": kern,
+                 "best_cfg": d["best_cfg"]},
+                {"name": f"{tag} decode 1 token ({kern} kernels), 32 forwards in one graph: weight bandwidth",
+                 "value": g_c, "unit": "GB/s", "reference": "HBM copy bandwidth measured in this run",
+                 "reference_value": hbm, "ratio": g_c / hbm, "decode_kernel": kern},
+            ]
+        figures += [
             {"name": f"{tag} prefill 512 tokens throughput", "value": pf_tf, "unit": "TFLOP/s",
              "reference": "fp16 matmul 8192^3 measured in this run", "reference_value": tflops,
              "ratio": pf_tf / tflops, "latency_ms": pf["median"] * 1e3},

@@ -380,3 +380,191 @@ def test_gpu_refuses_fp8(gpu):
     attrs, t, x, lg = make_layout_case(seed=0, quant_type="fp8", block_size=32, H=128, I=64)
     with pytest.raises(UnsupportedLayout, match="no exact conversion"):
         GpuQMoE(_spec(attrs, t, x), t)
+
+
+# ----------------------------------------------------------------------------- decode v5 (dec5 kernels, decode5.cu)
+# GpuQMoE.decode_kernel = "v5": stream-K over (tile, row tile, k-tile) units, FC1 split-K partials met through an
+# fp32 scratch + counters that every launch leaves zeroed. Same tolerance as v4 (1e-4 fp32 I/O).
+def _v5(m, **cfg):
+    m.decode_kernel = "v5"
+    m.dec5_cfg = {"bps": 0, "grid": 0, **cfg}
+    return m
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bits,block,zp,act", GRID, ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in GRID])
+def test_gpu_v5_decode_matches_reference(gpu, bits, block, zp, act, dtype):
+    """The v4 grid (same seeds and shapes), decode only, v5 kernels at 1, 3 and 8 tokens; v5 == v4 closely."""
+    cp, GpuQMoE = gpu
+    idx = GRID.index((bits, block, zp, act))
+    seed = 5000 + idx * 2 + (dtype == np.float16)
+    rng = np.random.default_rng(seed)
+    H, I = _shapes(rng, block)
+    attrs, t, x, lg = make_case(seed=seed, E=int(rng.integers(4, 10)), H=H, I=I, k=int(rng.integers(1, 4)),
+                                bits=bits, block_size=block, zero_points=zp, bias=bool(idx % 2), dtype=dtype, T=100,
+                                **ACTS[act])
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, path="tc")
+    for T in (1, 3, 8):
+        ref = qmoe_reference(x[:T], lg[:T], spec, t)
+        m.decode_kernel = "v4"
+        got4 = m.forward(x[:T], lg[:T])
+        _v5(m)
+        got = m.forward(x[:T], lg[:T])
+        assert isinstance(got, np.ndarray) and got.dtype == x.dtype and got.shape == (T, H)
+        err = _relerr(got, ref)
+        assert err <= TOL[("tc", "decode", dtype)], f"v5 T={T}: rel err {err:.2e}"
+        if dtype == np.float32:
+            assert _relerr(got, got4) <= 3e-5, f"v5 vs v4 T={T}"
+    got2 = m.forward(x[:1], lg[:1])  # again: the FC1 scratch and counters were left clean
+    assert _relerr(got2, qmoe_reference(x[:1], lg[:1], spec, t)) <= TOL[("tc", "decode", dtype)]
+
+
+@pytest.mark.parametrize("bits,block", [(4, 16), (4, 128), (4, 0), (4, 64), (8, 0), (8, 16), (8, 128)])
+def test_gpu_v5_launch_configs(gpu, bits, block):
+    """Larger shapes; grids from 1 block (4 warps walk every tile, row tile and k-tile: ranges cross row tiles
+    and tiles, split-K partials from several warps) to the occupancy figure; 1..8 tokens; repeated launches."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=91 + bits + block, E=6, H=512, I=384, k=2, bits=bits, block_size=block,
+                                zero_points=True, bias=True, T=70, activation="swiglu", swiglu_fusion=1,
+                                alpha=1.702, beta=1.0, swiglu_limit=7.0)
+    spec = _spec(attrs, t, x)
+    m = _v5(GpuQMoE(spec, t))
+    refs = {T: qmoe_reference(x[:T], lg[:T], spec, t) for T in (1, 2, 3, 5, 8)}
+    for cfg in ({"grid": 1}, {"grid": 3}, {"grid": 37}, {"bps": 1}, {"bps": 2}, {"l2_prefetch": 0}, {}):
+        _v5(m, **cfg)
+        for T, ref in refs.items():
+            err = _relerr(m.forward(x[:T], lg[:T]), ref)
+            assert err <= 1e-4, f"{cfg} T={T}: {err:.2e}"
+
+
+def test_gpu_v5_unfused_activations(gpu):
+    """Non-gated FC1 (relu, per-row scales, int8 zero points) through the split-K epilogue with small grids."""
+    cp, GpuQMoE = gpu
+    for bits, block, act in ((8, 0, "relu"), (4, 32, "gelu"), (4, 0, "silu-fc3")):
+        attrs, t, x, lg = make_case(seed=123 + bits + block, E=5, H=320, I=192, k=2, bits=bits, block_size=block,
+                                    zero_points=True, bias=True, T=8, **ACTS[act])
+        spec = _spec(attrs, t, x)
+        m = GpuQMoE(spec, t)
+        for cfg in ({"grid": 1}, {"grid": 5}, {}):
+            _v5(m, **cfg)
+            for T in (1, 4, 8):
+                err = _relerr(m.forward(x[:T], lg[:T]), qmoe_reference(x[:T], lg[:T], spec, t))
+                assert err <= 1e-4, f"{bits} {block} {act} {cfg} T={T}: {err:.2e}"
+
+
+@pytest.mark.parametrize("T", [2, 8])
+def test_gpu_v5_run_experts_subsets(gpu, T):
+    """Two run_experts calls over disjoint subsets of the pairs into one accumulator == the whole node (v5)."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=11, E=8, H=96, I=64, k=3, bits=4, block_size=32, zero_points=True, bias=True,
+                                T=T, activation="swiglu", swiglu_fusion=2, alpha=1.0, beta=0.0)
+    spec = _spec(attrs, t, x)
+    m = _v5(GpuQMoE(spec, t))
+    ids, w = ref_route(lg, spec)
+    first = ids % 2 == 0
+    ids_a = np.where(first, ids, -1).astype(np.int32)
+    ids_b = np.where(first, -1, ids).astype(np.int32)
+    acc = cp.zeros((T, spec.hidden_size), cp.float32)
+    m.run_experts(cp.asarray(x), ids_a, w, out=acc)
+    m.run_experts(x, cp.asarray(ids_b), cp.asarray(w), out=acc)
+    assert _relerr(cp.asnumpy(acc), qmoe_reference(x, lg, spec, t)) <= 1e-4
+    part = m.run_experts(x, ids_a, w)
+    assert isinstance(part, np.ndarray) and part.dtype == x.dtype
+    assert _relerr(part, _ref_pairs(x, ids_a, w, spec, t)) <= 1e-4
+
+
+def test_gpu_v5_many_tiles_and_pairs(gpu):
+    """run_experts with 8 tokens x 80 experts each of 300: > 128 tiles and > 512 pairs (past dec5's shared-memory
+    caches of tiles and pair tokens), the same expert twice in a row, expert -1."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=41, E=300, H=64, I=64, k=2, bits=4, block_size=32, bias=True, T=8,
+                                activation="swiglu", swiglu_fusion=1, alpha=1.702, beta=1.0)
+    spec = _spec(attrs, t, x)
+    m = _v5(GpuQMoE(spec, t))
+    rng = np.random.default_rng(42)
+    ids = np.stack([rng.permutation(300)[:80] for _ in range(8)]).astype(np.int32)
+    ids[0, 1] = ids[0, 0]  # one expert twice for token 0
+    ids[1, 5] = -1
+    w = rng.uniform(0.1, 1.0, size=ids.shape).astype(np.float32)
+    ref = _ref_pairs(x, ids, w, spec, t)
+    for cfg in ({}, {"grid": 2}):
+        _v5(m, **cfg)
+        assert _relerr(m.run_experts(x, ids, w), ref) <= 1e-4, f"{cfg}"
+
+
+def test_gpu_v5_slot_upload(gpu):
+    """Experts uploaded into slots; pairs of non-resident experts skipped (v5)."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=13, E=8, H=128, I=64, k=2, bits=8, block_size=64, zero_points=True, bias=True,
+                                T=5, activation="gelu")
+    spec = _spec(attrs, t, x)
+    m = _v5(GpuQMoE(spec, t, num_slots=3, resident=[]))
+    rng = np.random.default_rng(14)
+    ids = rng.integers(0, 8, size=(5, 2)).astype(np.int32)
+    ids[:, 1] = (ids[:, 0] + 1 + rng.integers(0, 7, size=5)) % 8
+    w = rng.uniform(0.1, 1.0, size=(5, 2)).astype(np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    m.upload_expert(5, 0, stream=stream)
+    m.upload_expert(2, 1, stream=stream, packed=m.pack_expert(2))
+    stream.synchronize()
+    mask = np.isin(ids, [5, 2])
+    assert _relerr(m.run_experts(x, ids, w), _ref_pairs(x, np.where(mask, ids, -1), w, spec, t)) <= 1e-4
+
+
+def test_gpu_v5_bf16_and_sparse_mixer(gpu):
+    """bf16 activations (no lo half: split = 0) and host routing (sparse mixer) through v5."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=21, E=8, H=96, I=64, k=2, bits=4, block_size=32, T=8, activation="swiglu",
+                                swiglu_fusion=1, alpha=1.702, beta=1.0, swiglu_limit=7.0, bias=True)
+    bf16 = ml_dtypes.bfloat16
+    t = dict(t, fc1_scales=t["fc1_scales"].astype(bf16), fc2_scales=t["fc2_scales"].astype(bf16))
+    xb, lb = x.astype(bf16), lg.astype(bf16)
+    spec = _spec(attrs, t, xb)
+    m = _v5(GpuQMoE(spec, t))
+    for T in (1, 8):
+        got = m.forward(xb[:T], lb[:T])
+        assert got.dtype == bf16
+        assert _relerr(got.astype(np.float32), qmoe_reference(xb[:T], lb[:T], spec, t).astype(np.float32)) <= 1.5e-2
+    attrs, t, x, lg = make_case(seed=9, E=16, H=64, I=64, k=2, bits=8, sparse_mixer=True, normalize=0, T=8,
+                                activation="silu", bias=True)
+    lg = (lg * 0.05).astype(np.float32)
+    spec = _spec(attrs, t, x)
+    m = _v5(GpuQMoE(spec, t))
+    assert _relerr(m.forward(x, lg), qmoe_reference(x, lg, spec, t)) <= 1e-4
+
+
+def test_gpu_v5_forward_into_graph(gpu):
+    """v5 decode captured in a CUDA graph; replays with new routing (the scratch is reused every replay)."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=31, E=16, H=128, I=128, k=4, bits=4, block_size=32, T=8, activation="swiglu",
+                                swiglu_fusion=1, alpha=1.702, beta=1.0, swiglu_limit=7.0, bias=True)
+    spec = _spec(attrs, t, x)
+    for cfg in ({}, {"grid": 2}):
+        m = _v5(GpuQMoE(spec, t), **cfg)
+        xd = cp.asarray(x[:1])
+        lgd = cp.asarray(lg[:1])
+        out = cp.empty((1, spec.hidden_size), cp.float32)
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            m.forward_into(xd, lgd, out)  # warm-up: allocates the workspaces
+            stream.synchronize()
+            stream.begin_capture()
+            m.forward_into(xd, lgd, out)
+            graph = stream.end_capture()
+            for i in range(8):
+                lgd[...] = cp.asarray(lg[i:i + 1])
+                graph.launch(stream)
+                stream.synchronize()
+                assert _relerr(cp.asnumpy(out), qmoe_reference(x[:1], lg[i:i + 1], spec, t)) <= 1e-4, f"{cfg} {i}"
+
+
+def test_gpu_v5_converted_nvfp4(gpu):
+    """nvfp4 (converted to int8 block 16 with fp32 scales: dec5_8_4_*) through v5."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = _layout_case("nvfp4-kpacked", "swiglu1-limit", seed=23, T=8, E=8, k=2)
+    spec = _spec(attrs, t, x)
+    m = _v5(GpuQMoE(spec, t))
+    for T in (1, 8):
+        assert _relerr(m.forward(x[:T], lg[:T]), qmoe_reference(x[:T], lg[:T], spec, t)) <= 1e-4

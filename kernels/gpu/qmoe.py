@@ -109,6 +109,9 @@ class GpuQMoE:
             self._dummy_u8 = cp.zeros(16, cp.uint8)
             self._dummy_u16 = cp.zeros(16, cp.uint16)
             self._dummy_f32 = cp.zeros(16, cp.float32)
+            self._dummy_i32 = cp.zeros(16, cp.int32)
+            self._occ: dict = {}
+            self._carveout_set: set = set()
             self._ws = _Workspace()
             # run_staged's CUDA graphs by launch (buffers, shape, configuration); dropped when the workspace grows
             self._graphs: dict = {}
@@ -117,6 +120,13 @@ class GpuQMoE:
             # are the H200 optimum at both benchmark shapes, W1 = 0: 2 warps per FC1 block when the FC1 grid
             # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic)
             self.dec_cfg = {"R1": 2, "W1": 0, "R2": 2, "W2": 2, "ksplit2": 2}
+            # decode kernels: "v4" (dec_gemv, grid over (row block, tile, K split)) or "v5" (dec5, stream-K: a grid
+            # of the GPU's resident capacity, every warp one contiguous range of (tile, row tile, k-tile) units);
+            # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); dec5_cfg["grid"]: a fixed
+            # number of blocks instead (0 = bps * SMs, at most one block per 4 units of work);
+            # dec5_cfg["l2_prefetch"]: FC1's warps prefetch FC2's weights and scales into L2 when done (1 / 0)
+            self.decode_kernel = "v4"
+            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 1}
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
@@ -250,7 +260,7 @@ class GpuQMoE:
             ws.pair_w = cp.zeros(ws.P, cp.float32)
             ws.tiles = cp.zeros(ws.tiles_cap * 4, cp.int32)
             ws.num_tiles = cp.zeros(1, cp.int32)
-            for name in ("ahi", "alo", "a16", "a32"):
+            for name in ("ahi", "alo", "a16", "a32", "part", "kdone"):
                 setattr(ws, name, None)
         if grow_t:
             ws.T = max(T, 2 * ws.T)
@@ -264,6 +274,11 @@ class GpuQMoE:
             if getattr(ws, "ahi", None) is None:
                 ws.ahi = cp.zeros(ws.P * KP2, cp.uint16)
                 ws.alo = cp.zeros(ws.P * KP2, cp.uint16)
+            if getattr(ws, "part", None) is None:
+                # dec5 FC1 split-K scratch [tile][row tile][128] fp32 and k-tiles-done counters [tile][row tile]:
+                # zero here, left zero by every launch (the completing warp reads with atomicExch(.., 0))
+                ws.part = cp.zeros(ws.tiles_cap * self.fc1.NT * 128, cp.float32)
+                ws.kdone = cp.zeros(ws.tiles_cap * self.fc1.NT, cp.int32)
         elif kind == "tc":
             if getattr(ws, "x16", None) is None:
                 ws.x16 = cp.zeros(ws.T * KP1, cp.uint16)
@@ -475,12 +490,34 @@ class GpuQMoE:
         if decode:
             cfg = self.dec_cfg
             nch = T * (f1.KP // 8)
-            nblk = max(1, min(_cdiv(nch, 256), 4 * self.num_sms))
+            nblk = 1 + max(1, min(_cdiv(nch, 256), 4 * self.num_sms))  # block 0 routes, the others convert x
             self._f("decode_prep")((nblk,), (256,), (
                 np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
                 np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)),
                 shared_mem=16 * E + 8 * P + 256)
+            if self.decode_kernel == "v5":
+                sl2 = self.slots[f2.name]
+                nbt2, tsh2 = self._dec5_kind(f2)
+                pf2 = (sl2["w"], np.int64(f2.w_bytes), np.int32(f2.NT), np.int32(f2.KT), sl2["s"], np.int32(f2.sdt),
+                       np.int32(f2.NB), np.int32(tsh2), np.int32(nbt2),
+                       np.int32(1 if self.dec5_cfg.get("l2_prefetch", 1) else 0))
+                no_pf2 = (self._dummy_u8, np.int64(0), np.int32(0), np.int32(0), self._dummy_f32, np.int32(0),
+                          np.int32(0), np.int32(0), np.int32(1), np.int32(0))
+                # activation slots per ring stage: FC1 one per token; FC2 one per tile column (<= 8 pairs; <= T
+                # when routed on the GPU: a token picks an expert at most once)
+                bc1, bc2 = T, (min(8, T) if route else min(8, P))
+                self._dec5(f1, 0, max_tiles, bc1, (
+                    *tiles_args, np.int32(P), ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP),
+                    np.int32(bc1), *act, np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32,
+                    ws.part, ws.kdone, *pf2))
+                self._dec5(f2, 1, max_tiles, bc2, (
+                    *tiles_args, np.int32(P), ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), np.int32(bc2),
+                    *act, np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out, self._dummy_f32,
+                    self._dummy_i32, *no_pf2))
+                return
+            if self.decode_kernel != "v4":
+                raise ValueError(f"decode_kernel must be 'v4' or 'v5', not {self.decode_kernel!r}")
             R1, W1 = cfg["R1"], cfg["W1"]
             if not W1:
                 W1 = 2 if _cdiv(f1.NT, R1) * min(P, E) >= 4 * self.num_sms else 4
@@ -522,6 +559,79 @@ class GpuQMoE:
             np.int32(I), ws.a32))
         self._f("fma_fc2")((_cdiv(H, 8), max_tiles), (256,), (
             *self._proj_args(f2, bits_arg=True), *tiles_args, ws.a32, np.int32(I), np.int32(H), out))
+
+    # dec5 (decode.cu / decode5.cu): 4 warps per block, DEC5_STAGES = 6 ring stages per warp, a 4096-byte cache of
+    # tiles and pair tokens in front; keep these in step with decode5.cu
+    DEC5_WARPS, DEC5_STAGES, DEC5_CACHE = 4, 6, 4096
+
+    @staticmethod
+    def _dec5_kind(p: _lay.ProjLayout) -> tuple[int, int]:
+        """(scale blocks per 64-k tile NBT, block index shift tsh): NBT 1 = one scale per k-tile (block >= 64: block
+        kt >> tsh; per row: tsh = 30, always block 0), 2 = block 32, 4 = block 16."""
+        if p.bs_log2 < 0:
+            return 1, 30
+        if p.bs_log2 >= 6:
+            return 1, p.bs_log2 - 6
+        return 64 >> p.bs_log2, 0
+
+    def _dec5_smem(self, p: _lay.ProjLayout, bcols: int) -> int:
+        """Dynamic shared memory of dec5: the cache, then per warp DEC5_STAGES stages of weights (512 / 1024 bytes),
+        NBT * 64 bytes of scales, NBT * 16 of zero points (if any), bcols * 256 of activation fragments."""
+        nbt, _ = self._dec5_kind(p)
+        stage = (512 if p.bits == 4 else 1024) + nbt * 64 + (nbt * 16 if p.has_zp else 0) + bcols * 256
+        return self.DEC5_CACHE + self.DEC5_WARPS * self.DEC5_STAGES * stage
+
+    def _blocks_per_sm(self, name: str, threads: int, smem: int) -> int:
+        """Resident blocks per SM of kernel ``name`` (CUDA occupancy calculator; an estimate from its registers and
+        shared memory if that is unavailable). Cached."""
+        key = (name, threads, smem)
+        v = self._occ.get(key)
+        if v is None:
+            cp = _cp()
+            f = self._f(name)
+            v = 0
+            try:
+                v = int(cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(f.kernel.ptr, threads, smem))
+            except Exception:  # noqa: BLE001 - fall back to the estimate below
+                v = 0
+            if v <= 0:
+                try:
+                    regs = int(f.num_regs)
+                except Exception:  # noqa: BLE001
+                    regs = 80
+                regs = max(8, -(-regs // 8) * 8)
+                v = max(1, min(65536 // (regs * threads), (227 * 1024) // (smem + 1024), 2048 // threads, 32))
+            self._occ[key] = v
+        return v
+
+    def _dec5(self, p: _lay.ProjLayout, mode: int, max_tiles: int, bcols: int, tail: tuple) -> None:
+        """One dec5 launch for projection p (mode 0: FC1 + activation, 1: FC2 into the output). ``bcols``: activation
+        slots per ring stage (the kernel argument of that name, inside ``tail``). ``tail``: the arguments after the
+        projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu)."""
+        sl = self.slots[p.name]
+        nbt, tsh = self._dec5_kind(p)
+        name = f"dec5_{p.bits}_{nbt}_{int(p.has_zp)}_{mode}"
+        smem = self._dec5_smem(p, bcols)
+        threads = 32 * self.DEC5_WARPS
+        f = self._f(name)
+        if smem > 48 * 1024 and self._smem_set.get(name, 0) < smem:
+            f.max_dynamic_shared_size_bytes = smem
+            self._smem_set[name] = smem
+        if name not in self._carveout_set:
+            try:  # the occupancy figure assumes the largest shared-memory carveout: ask for it
+                f.preferred_shared_memory_carveout = 100
+            except Exception:  # noqa: BLE001
+                pass
+            self._carveout_set.add(name)
+        grid = int(self.dec5_cfg.get("grid") or 0)  # a fixed grid (tests: long per-warp ranges)
+        if grid <= 0:
+            bps = int(self.dec5_cfg.get("bps") or 0) or self._blocks_per_sm(name, threads, smem)
+            units = max_tiles * p.NT * p.KT
+            grid = max(1, min(bps * self.num_sms, _cdiv(units, self.DEC5_WARPS)))
+        head = (sl["w"], np.int64(p.w_bytes), np.int32(p.NT), np.int32(p.KT), sl["s"], np.int32(p.sdt),
+                np.int32(p.NB), np.int32(tsh), sl.get("z", self._dummy_u8), sl.get("b", self._dummy_f32),
+                np.int32(int(p.has_bias)), np.int32(p.NP))
+        f((grid,), (threads,), head + tuple(tail), shared_mem=smem)
 
     def _dec_smem(self, p: _lay.ProjLayout, R: int, W: int) -> int:
         """Dynamic shared memory of dec_gemv: DEC_STAGES = 4 warp-stages of R * (TB + 320) bytes per warp, then the

@@ -238,8 +238,9 @@ extern "C" __global__ void build_tiles(const int* ids, const float* wts, int P, 
     build_tiles_block(ids, wts, P, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles, sm_tiles);
 }
 
-// Decode preparation in one launch: block 0 routes (route_mode 1) and groups the pairs; every block converts
-// x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] and zeroes the fp32 accumulator when asked.
+// Decode preparation in one launch: block 0 routes (route_mode 1) and groups the pairs; the other blocks (every
+// block when there is only one) convert x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] and zero the fp32
+// accumulator when asked.
 extern "C" __global__ void decode_prep(int route_mode, const void* logits, int ldt, const void* rw, int rwdt,
                                        int has_rw, int E, int k, int normalize, int* ids, float* wts, int T, int kk,
                                        const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
@@ -249,8 +250,16 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
     if (blockIdx.x == 0) {
         int* sids = sm_prep + 4 * E;
         float* sw = reinterpret_cast<float*>(sids + T * kk);
+        // warp grouping (<= 64 pairs): the expert -> slot map is copied into sm_prep[0, E) (unused by that path) by
+        // the warps that do not route, while the routing warps run, so that the grouping does not wait on a global
+        // load after the routing; when every warp routes, the copy follows the routing
+        const bool warp_group = T * kk <= 64;
+        const int nwarps = blockDim.x >> 5;
+        const int rwarps = route_mode ? min(T, nwarps) : 0;
+        if (warp_group && rwarps < nwarps)
+            for (int e = threadIdx.x - rwarps * 32; e >= 0 && e < E; e += blockDim.x - rwarps * 32)
+                sm_prep[e] = slot_map[e];
         if (route_mode) {
-            const int nwarps = blockDim.x >> 5;
             for (int tok = threadIdx.x >> 5; tok < T; tok += nwarps)
                 route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok,
                                  sids + tok * k, sw + tok * k);
@@ -260,20 +269,26 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                 sw[i] = wts[i];
             }
         }
+        if (warp_group && rwarps == nwarps)
+            for (int e = threadIdx.x; e < E; e += blockDim.x) sm_prep[e] = slot_map[e];
         __syncthreads();
-        if (T * kk <= 64) {
+        if (warp_group) {
             if (threadIdx.x < 32)
-                build_tiles_warp(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles,
+                build_tiles_warp(sids, sw, T * kk, kk, sm_prep, E, TM, pair_tok, pair_w, tiles, num_tiles,
                                  max_tiles, reinterpret_cast<int*>(sw + T * kk));
         } else {
             build_tiles_block(sids, sw, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles,
                               sm_prep);
         }
     }
+    // with more than one block, block 0 only routes and groups (its serial chain is the critical path) and
+    // blocks 1.. convert x and zero the output
+    if (gridDim.x > 1 && blockIdx.x == 0) return;
+    const int nbk = gridDim.x > 1 ? gridDim.x - 1 : 1, bk = gridDim.x > 1 ? blockIdx.x - 1 : 0;
     const int cpr = KP >> 3;  // 8-value chunks per row
     const long long nch = (long long)T * cpr;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < nch; c += stride) {
+    const long long stride = (long long)nbk * blockDim.x;
+    for (long long c = (long long)bk * blockDim.x + threadIdx.x; c < nch; c += stride) {
         const int n = (int)(c / cpr);
         const int k0 = (int)(c % cpr) << 3;
 #pragma unroll
@@ -288,7 +303,7 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
             *(u32*)(xlo + o) = (u32)l0 | ((u32)l1 << 16);
         }
     }
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < zero_n; i += stride) zero_out[i] = 0.0f;
+    for (long long i = (long long)bk * blockDim.x + threadIdx.x; i < zero_n; i += stride) zero_out[i] = 0.0f;
 }
 
 // x [T, H] (any activation dtype) -> fp16 [T, KP], zero padded (prefill A operand)
