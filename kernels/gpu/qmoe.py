@@ -429,7 +429,7 @@ class GpuQMoE:
                 self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
                 return out
             key = (x_dev.data.ptr, ids_dev.data.ptr, w_dev.data.ptr, out.data.ptr, T, kk,
-                   tuple(sorted(self.dec_cfg.items())))
+                   self.decode_kernel, tuple(sorted(self.dec_cfg.items())), tuple(sorted(self.dec5_cfg.items())))
             graph = self._graphs.get(key)
             if graph is None and key in self._graph_seen:
                 graph = self._graphs[key] = self._capture(stream, x_dev, ids_dev, w_dev, out)
