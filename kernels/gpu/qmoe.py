@@ -125,7 +125,7 @@ class GpuQMoE:
             # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); dec5_cfg["grid"]: a fixed
             # number of blocks instead (0 = bps * SMs, at most one block per 4 units of work);
             # dec5_cfg["l2_prefetch"]: FC1's warps prefetch FC2's weights and scales into L2 when done (1 / 0)
-            self.decode_kernel = "v4"
+            self.decode_kernel = "v5"
             self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 1}
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
@@ -434,8 +434,8 @@ class GpuQMoE:
             if graph is None and key in self._graph_seen:
                 graph = self._graphs[key] = self._capture(stream, x_dev, ids_dev, w_dev, out)
             if graph is None or graph is _EAGER:  # first call: eager, so the workspace is sized before a capture
-                self._graph_seen.add(key)
                 self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
+                self._graph_seen.add(key)  # after: a workspace that grew in this call forgot what was seen
             else:
                 graph.launch(stream)
         return out
