@@ -206,6 +206,8 @@ def _cmd_generate(args) -> int:
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device)
     if args.device == "cuda" and not args.json:
         print(model.dense_statement, file=sys.stderr, flush=True)
+        if model.host_registration is not None:
+            print(model.host_registration.describe(), file=sys.stderr, flush=True)
     stream = None if args.json else (lambda _token, delta: print(delta, end="", flush=True))
     cancel = threading.Event()
     if args.raw:

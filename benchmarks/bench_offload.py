@@ -121,6 +121,10 @@ def main() -> None:
 
     model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0), device=device)
     print(f"dense part on the {model.dense_device}: {model.dense_reason}", flush=True)
+    registration = model.host_registration
+    if registration is not None:  # measured once the experts' mapping is page-locked (or refused)
+        waited = _timed(lambda: registration.ready.wait(300))
+        print(f"{registration.describe()} (waited {waited:.1f} s after load)", flush=True)
     infos = model.folder.experts
     per_expert = infos[0].bytes_per_expert
     w_act = sum(info.spec.k * info.bytes_per_expert for info in infos)
@@ -200,7 +204,8 @@ def main() -> None:
                             expert_bytes=model.folder.expert_bytes, bytes_per_expert=per_expert,
                             bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm, "cpu_engine": device.bandwidths.cpu},
                             pinned=model.offload.pinned_info(), dtype=args.dtype,
-                            dense_device=model.dense_device, dense_reason=model.dense_reason)
+                            dense_device=model.dense_device, dense_reason=model.dense_reason,
+                            host_registration=registration.describe() if registration is not None else None)
     print(f"wrote {path}")
 
 

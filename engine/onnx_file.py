@@ -118,13 +118,19 @@ class OnnxFile:
         count = int(np.prod(tensor.dims, dtype=np.int64)) if len(tensor.dims) else 1
         return count * cls.tensor_dtype(tensor).itemsize
 
+    def external_location(self, name: str) -> str | None:
+        """The data file (relative to the model folder) holding an initializer's values; None when inline."""
+        ref = _external_ref(self.initializers[name])
+        return None if ref is None else ref.location
+
     def is_external(self, name: str) -> bool:
         return _external_ref(self.initializers[name]) is not None
 
     def nbytes(self, name: str) -> int:
         return self.tensor_nbytes(self.initializers[name])
 
-    def _mapping(self, location: str) -> mmap.mmap:
+    def mapping(self, location: str) -> mmap.mmap:
+        """The read-only memory mapping of an external data file (made at first use, kept)."""
         mapping = self._maps.get(location)
         if mapping is None:
             with open(self.folder / location, "rb") as data:
@@ -140,7 +146,7 @@ class OnnxFile:
             return numpy_helper.to_array(tensor)
         dtype = self.tensor_dtype(tensor)
         count = self.tensor_nbytes(tensor) // dtype.itemsize
-        view = np.frombuffer(self._mapping(ref.location), dtype=dtype, count=count, offset=ref.offset)
+        view = np.frombuffer(self.mapping(ref.location), dtype=dtype, count=count, offset=ref.offset)
         return view.reshape(tuple(tensor.dims))
 
     def populate_pages(self, name: str, start: int, length: int) -> bool:
@@ -153,7 +159,7 @@ class OnnxFile:
         begin = ref.offset + start
         first = begin // mmap.PAGESIZE * mmap.PAGESIZE  # every page the range touches
         try:
-            self._mapping(ref.location).madvise(MADV_POPULATE_READ, first, begin + length - first)
+            self.mapping(ref.location).madvise(MADV_POPULATE_READ, first, begin + length - first)
         except OSError:
             return False
         return True
@@ -168,4 +174,4 @@ class OnnxFile:
         first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE          # whole pages inside the range only
         last = (begin + length) // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
-            self._mapping(ref.location).madvise(mmap.MADV_DONTNEED, first, last - first)
+            self.mapping(ref.location).madvise(mmap.MADV_DONTNEED, first, last - first)

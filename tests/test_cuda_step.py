@@ -121,3 +121,27 @@ def test_staged_launches_replayed_as_a_graph_follow_new_inputs_swaps_and_workspa
             want = _ref_pairs(xs, np.where(resident, ids, -1), w, spec, t)
             assert _relerr(got, want) <= 1e-4, f"step {step}"
             assert (len(m._graphs) == 1) == (step in (1, 2, 3, 5)), f"step {step}: {len(m._graphs)} graphs"
+
+
+@pytest.mark.gpu
+def test_an_expert_converted_on_the_gpu_fills_its_slot_as_the_host_packing_does():
+    """GpuQMoE.upload_expert_device (stored rows copied over, kernel layout made on the GPU) against
+    upload_expert (packed on the host): the same slot contents, byte for byte, and the same map."""
+    cp = pytest.importorskip("cupy")
+    from kernels.gpu import GpuQMoE
+    from kernels.qmoe_spec import QMoESpec
+    from tests.qmoe_oracle import make_case
+
+    attrs, t, x, _ = make_case(seed=33, E=8, H=128, I=64, k=2, bits=4, block_size=32, T=2, activation="swiglu",
+                               swiglu_fusion=1, zero_points=True, bias=True)
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    host, device = GpuQMoE(spec, t, num_slots=3, resident=[]), GpuQMoE(spec, t, num_slots=3, resident=[])
+    stream = cp.cuda.Stream(non_blocking=True)
+    for slot, expert in ((0, 5), (2, 1), (0, 6)):  # the last one evicts expert 5
+        host.upload_expert(expert, slot, stream=stream)
+        device.upload_expert_device(expert, slot, stream=stream)
+    stream.synchronize()
+    for name in host.slots:
+        for key in host.slots[name]:
+            assert cp.array_equal(host.slots[name][key], device.slots[name][key]), (name, key)
+    assert np.array_equal(host.slot_of, device.slot_of) and device.slot_of[5] == -1 and device.slot_of[6] == 0

@@ -58,7 +58,15 @@ def test_cuda_mem_limit_is_a_clean_error(folder):
     cupy.get_default_memory_pool().set_limit(size=0)  # leave the process unlimited for other tests
 
 
-def test_cuda_misses_copied_into_spare_slots_match_the_cpu(folder):
+@pytest.fixture
+def no_registration(monkeypatch):
+    """Expert copies through the pinned staging ring: the experts' mapping is not page-locked (host_register.py)."""
+    from engine.offload.cuda_device import CudaDevice
+
+    monkeypatch.setattr(CudaDevice, "register_experts", lambda self, source, infos, owner: None)
+
+
+def test_cuda_misses_copied_into_spare_slots_match_the_cpu(folder, no_registration):
     """A (pretended) very slow CPU: the miss policy copies misses into spare slots through the
     pinned ring on the copy stream, computed on the GPU in the same step."""
     from dataclasses import replace
@@ -81,7 +89,7 @@ def test_cuda_misses_copied_into_spare_slots_match_the_cpu(folder):
     assert ring.kind == "pinned" and ring.copies > 0 and 0 < ring.high_water <= ring.capacity
 
 
-def test_cuda_waves_through_a_one_expert_pinned_ring(folder):
+def test_cuda_waves_through_a_one_expert_pinned_ring(folder, no_registration):
     """Prefill streams every cold expert through a ring that holds one expert: the CPU's logits up to fp16
     rounding. Compared per position: on the H200, 5 of these 127 positions differ by 4-16% from the CPU,
     with this ring and with the automatic one alike (the same positions, the same values): there rounding
@@ -101,6 +109,37 @@ def test_cuda_waves_through_a_one_expert_pinned_ring(folder):
     assert np.median(errors) < 2e-3 and np.mean(errors < 2e-2) > 0.9, np.sort(errors)[-8:]
     assert device.pinned.copies > 0 and device.pinned.high_water <= one
     assert probe.offload.stats.totals().misses_cpu == 0
+
+
+def test_cuda_copies_from_the_registered_mapping_match_the_cpu(folder):
+    """With the experts' mapping page-locked, misses copied into spare slots (a pretended very slow CPU) and prefill
+    waves (no CPU execution) go over straight from it, converted on the GPU: the pinned ring is not used, and the
+    logits are the CPU's up to fp16 rounding (per position for the prefill, as with the ring)."""
+    from dataclasses import replace
+
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference = LoadedModel.open(folder)
+    ref_logits, ref_tokens = greedy_run(reference, steps=8)
+    device = open_cuda_device()
+    device.bandwidths = replace(device.bandwidths, cpu=1e3)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_total(folder) // 2,
+                                                           placement="static"), device=device)
+    assert model.host_registration.ready.wait(60) and model.host_registration.registered, \
+        model.host_registration.describe()
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, ref_logits)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    totals = model.offload.stats.totals()
+    assert totals.miss_copies > 0 and device.pinned.copies == 0
+    prompt = reference.tokenizer.encode(" ".join(["many tokens make the prompt long enough to stream experts"] * 6))
+    expected = reference.decoder.forward(reference.new_state(), prompt)
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=0, cpu_execution="disabled"))
+    waves = model.decoder.forward(model.new_state(), prompt)
+    errors = np.abs(waves - expected).max(axis=1) / np.abs(expected).max()
+    assert np.median(errors) < 2e-3 and np.mean(errors < 2e-2) > 0.9, np.sort(errors)[-8:]
+    assert model.offload.stats.totals().misses_cpu == totals.misses_cpu and device.pinned.copies == 0
 
 
 @pytest.mark.parametrize("layout", [dict(quant_type="nvfp4"), dict(bits=2, block_size=32), dict(bits=4, fc2_bits=8)],

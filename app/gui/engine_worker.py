@@ -220,6 +220,9 @@ class EngineWorker(QObject):
             pinned = offload.pinned_info()
             if pinned:
                 lines.append(pinned_sentence(pinned, offload.wave_experts))
+            if model.host_registration is not None:
+                description = model.host_registration.describe()
+                lines.append(description[0].upper() + description[1:] + ("" if description.endswith(".") else "."))
         lines.append(f"The dense part: {human_bytes(facts.dense_bytes)} of attention, norms, routers and embeddings "
                      f"in {facts.dense_segments} onnxruntime segments. {model.dense_statement}")
         if model.dense_device != "cuda":

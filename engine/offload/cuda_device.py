@@ -16,6 +16,7 @@ from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
 from engine.offload.cuda_step import StepBufferPool, StepBuffers
 from engine.offload.host_copy import take_rows
+from engine.offload.host_register import HostRegistration, mapping_regions
 from engine.offload.staging import PinnedRing
 
 ALIGN = 256  # byte alignment of every array placed in the pinned ring
@@ -216,6 +217,13 @@ class CudaSlots:
         self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
         self.resize(num_slots)
 
+    def _direct(self) -> bool:
+        """The node's expert weights lie in the registered (page-locked) file mapping, in a layout the GPU reads
+        as stored: copies go straight from there (host_register.py) instead of through the pinned ring."""
+        registration = self.device.host_registration
+        return (registration is not None and not self.runner.info.gpu.conversion
+                and registration.covers(self.runner.tensors["fc1_experts_weights"]))
+
     def _make(self, slots: int, resident: list[int], tensors: dict | None = None):
         from kernels.gpu.qmoe import GpuQMoE
 
@@ -239,6 +247,12 @@ class CudaSlots:
         """Convert the expert to the kernel layout on the host, write it into the pinned ring and
         copy it into the slot on the copy stream."""
         started = time.perf_counter()
+        if self._direct():
+            # straight from the registered file mapping, put in the kernel layout on the GPU: the host only issues it
+            self.gpu.upload_expert_device(expert, slot, stream=self.device.copy_stream)
+            self.prepare_s = time.perf_counter() - started
+            self.device.cp.cuda.get_current_stream().wait_event(self.device.copy_stream.record())
+            return self.prepare_s
         ring = self.device.pinned
         packed = self.gpu.pack_expert(expert)
         if ring is None:
@@ -268,7 +282,7 @@ class CudaSlots:
         local ids 0..n-1)."""
         started = time.perf_counter()
         experts = np.asarray(experts, dtype=np.int64)
-        ring = self.device.pinned
+        ring = None if self._direct() else self.device.pinned  # registered: the wave's rows go over from the mapping
         num_experts = self.runner.info.spec.num_experts
         tensors = self.runner.tensors
         if ring is None:
@@ -361,9 +375,16 @@ class CudaDevice:
             self.compute_stream = cp.cuda.Stream(non_blocking=True)  # every expert kernel and result copy
             self.bandwidths = _measure_all(cp)
         self.memory = DeviceMemory(capacity=free, limit=mem_limit)
+        self.host_registration = None  # the experts' file mapping, page-locked in the background (register_experts)
         self.name = f"{name} ({total / GIB:.0f} GiB)"
         self.pinned: CudaPinnedRing | None = None
         self._staged_bytes: dict[str, int] = {}
+
+    def register_experts(self, source, infos, owner) -> HostRegistration:
+        """Page-lock the data files holding the experts of `infos` for direct copies (host_register.py), in the
+        background, for as long as `owner` (the loaded model) lives."""
+        self.host_registration = HostRegistration(self.cp, self.index, mapping_regions(source, infos), owner)
+        return self.host_registration
 
     def staging_bytes_per_expert(self, runner) -> int:
         """Bytes one expert takes in the pinned ring (staged_bytes: stored rows for prefill waves,

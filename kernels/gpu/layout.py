@@ -204,6 +204,24 @@ def _to_xp(xp, a):
     return device
 
 
+def _rows_to_xp(xp, arr, experts):
+    """arr[experts] as an `xp` array. To the GPU from a plain host array without gathering the rows on the host
+    first: one copy of a run of consecutive experts, else one per expert, straight from `arr` on the current
+    stream (a DMA where `arr` is page-locked: the staging ring, a registered file mapping). Other sources (a
+    converting wrapper, kernels.gpu.convert) are indexed on the host."""
+    if xp is np or not isinstance(arr, np.ndarray):
+        return _to_xp(xp, _take(arr, experts))
+    experts = [int(e) for e in np.asarray(experts).reshape(-1)]
+    first = experts[0] if experts else 0
+    if experts == list(range(first, first + len(experts))):
+        return _to_xp(xp, arr[first:first + len(experts)])
+    device = xp.empty((len(experts),) + arr.shape[1:], arr.dtype)
+    stream = xp.cuda.get_current_stream()
+    for i, e in enumerate(experts):
+        device[i].set(np.ascontiguousarray(arr[e]), stream=stream)
+    return device
+
+
 def raw_sources(spec: QMoESpec, tensors: dict, lay: ProjLayout, experts, xp=np):
     """Raw tensors of ``experts`` (index array) for one projection, in the source row order of ``lay``:
     (codes uint8 [e, n_src, K], scales [e, n_src, nb], zero points uint8 [e, n_src, nb] or None,
@@ -215,20 +233,21 @@ def raw_sources(spec: QMoESpec, tensors: dict, lay: ProjLayout, experts, xp=np):
     n_each = [spec.fc1_rows if p == "fc1" else (spec.hidden_size if p == "fc2" else spec.inter_size) for p in projs]
     codes, scales, zps, biases = [], [], [], []
     for p, n in zip(projs, n_each):
-        w = _to_xp(xp, _take(tensors[f"{p}_experts_weights"], experts)).astype(xp.uint8, copy=False)
+        w = _rows_to_xp(xp, tensors[f"{p}_experts_weights"], experts).astype(xp.uint8, copy=False)
         codes.append(_unpack(xp, w, bits)[..., :K])
-        s = np.asarray(_take(tensors[f"{p}_scales"], experts))
-        if lay.sdtype == np.uint16:
-            s = s.view(np.uint16)
+        s = tensors[f"{p}_scales"]
+        if isinstance(s, np.ndarray) and (lay.sdtype == np.uint16 and s.dtype.itemsize == 2 or s.dtype == lay.sdtype):
+            s = _rows_to_xp(xp, s.view(np.uint16) if lay.sdtype == np.uint16 else s, experts)  # no host conversion
         else:
-            s = s.astype(lay.sdtype, copy=False)
-        scales.append(_to_xp(xp, s).reshape(s.shape[0], n, nb))
+            s = np.asarray(_take(s, experts))
+            s = _to_xp(xp, s.view(np.uint16) if lay.sdtype == np.uint16 else s.astype(lay.sdtype, copy=False))
+        scales.append(s.reshape(s.shape[0], n, nb))
         if lay.has_zp:
             z = tensors.get(f"{p}_zero_points")
             if z is None:
                 zps.append(xp.full((len(experts), n, nb), 1 << (bits - 1), dtype=xp.uint8))
             else:
-                zc = _unpack(xp, _to_xp(xp, _take(z, experts)).astype(xp.uint8, copy=False), bits)
+                zc = _unpack(xp, _rows_to_xp(xp, z, experts).astype(xp.uint8, copy=False), bits)
                 zps.append((zc[..., :nb] if bs else zc[..., :n, None]).reshape(-1, n, nb))
         if lay.has_bias:
             b = tensors.get(f"{p}_experts_bias")

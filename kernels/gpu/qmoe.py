@@ -198,15 +198,36 @@ class GpuQMoE:
             for p in (self.fc1, self.fc2):
                 for key, arr in self.slots[p.name].items():
                     arr[slot].set(packed[p.name][key], stream=stream)
-            old = int(self.expert_in_slot[slot])
-            if old >= 0 and old != e:
-                self.slot_of[old] = -1
-            prev = int(self.slot_of[e])
-            if prev >= 0 and prev != slot:
-                self.expert_in_slot[prev] = -1
-            self.slot_of[e] = slot
-            self.expert_in_slot[slot] = e
-            self._slot_dev.set(self.slot_of, stream=stream)
+            self._map_slot(e, slot, stream)
+
+    def upload_expert_device(self, e: int, slot: int, stream=None) -> None:
+        """upload_expert converting on the GPU: the expert's stored rows are copied over as they are (a DMA when
+        they are page-locked: engine/offload/host_register.py) and put in the kernel layout there, as at
+        construction, on ``stream``; the host only issues the work. Same contents as upload_expert."""
+        cp = _cp()
+        e, slot = int(e), int(slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range (num_slots={self.num_slots})")
+        with self.device:
+            stream = stream or cp.cuda.get_current_stream()
+            with stream:
+                for p in (self.fc1, self.fc2):
+                    packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, np.array([e]), xp=cp), xp=cp)
+                    for key, arr in packed.items():
+                        self.slots[p.name][key][slot] = arr[0]
+            self._map_slot(e, slot, stream)
+
+    def _map_slot(self, e: int, slot: int, stream) -> None:
+        """Point the expert->slot map at `slot` for expert e (evicting the slot's previous expert), on `stream`."""
+        old = int(self.expert_in_slot[slot])
+        if old >= 0 and old != e:
+            self.slot_of[old] = -1
+        prev = int(self.slot_of[e])
+        if prev >= 0 and prev != slot:
+            self.expert_in_slot[prev] = -1
+        self.slot_of[e] = slot
+        self.expert_in_slot[slot] = e
+        self._slot_dev.set(self.slot_of, stream=stream)
 
     def evict(self, slot: int, stream=None) -> None:
         """Mark ``slot`` empty (its expert becomes non-resident)."""
