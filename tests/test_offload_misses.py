@@ -12,7 +12,7 @@ import engine.offload.hybrid_node as hybrid_node
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths
-from engine.offload.miss_policy import MissCosts, choose, copying_pays, decide
+from engine.offload.miss_policy import CpuRate, MissCosts, choose, copying_pays, decide
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
@@ -129,6 +129,42 @@ def test_the_cost_model_on_plain_numbers():
     skewed = decide(Bandwidths(pcie=4e9, hbm=4e9, cpu=1e9, cpu_flops=1e9), 1_000_000, np.array([1, 50, 2]),
                     spare_slots=1, resident_s=0.0, flops_per_token=1e5)
     assert skewed.copied.tolist() == [1]
+
+
+def test_the_measured_cpu_rate_makes_copies_pay_when_the_kernels_fall_short_of_streaming():
+    # BALANCED: the CPU streams at 1 GB/s (1 ms per 1 MB miss), copy and device 0.25 ms each; with prep 1.2 ms a copy
+    # costs the CPU more than computing the miss, unless the kernels reach only 0.25 GB/s (4 ms per miss): then both
+    # are copied, max(2 x 1.2, 2 x (1.2 + 0.25) + 2 x 0.25) = 3.4 ms against 8 ms
+    assert decide(BALANCED, 1_000_000, np.ones(2), spare_slots=2, resident_s=0.0, prepare_s=1.2e-3).num_copied == 0
+    slow = decide(BALANCED, 1_000_000, np.ones(2), spare_slots=2, resident_s=0.0, prepare_s=1.2e-3, cpu_rate=0.25e9)
+    assert slow.num_copied == 2 and slow.predicted_s == pytest.approx(3.4e-3) and slow.all_cpu_s == pytest.approx(8e-3)
+    fast = decide(BALANCED, 1_000_000, np.ones(2), spare_slots=2, resident_s=0.0, prepare_s=1.2e-3, cpu_rate=50e9)
+    assert fast.all_cpu_s == pytest.approx(2e-3)  # never faster than the streaming bandwidth
+    rate = CpuRate(keep=0.5)
+    rate.observe(100, 0.0)  # nothing measured
+    assert rate.value is None
+    rate.observe(1000, 1.0)
+    rate.observe(3000, 1.0)
+    assert rate.value == pytest.approx(2000.0)
+
+
+def test_decode_misses_on_the_cpu_measure_its_rate(model_folder, slot_bytes):
+    """Each decode step's CPU misses are observed once per layer with slots: their distinct experts' bytes over
+    the CPU kernel's seconds; the rate is the running average of those."""
+    model, _device = open_model(model_folder, BALANCED, device_expert_bytes=4 * 3 * slot_bytes)
+    rate = model.offload.cpu_rate
+    assert rate.value is None
+    seen, observe = [], rate.observe
+    rate.observe = lambda nbytes, seconds: seen.append((nbytes, seconds)) or observe(nbytes, seconds)
+    greedy_run(model, steps=4)
+    per_expert = model.folder.experts[0].bytes_per_expert
+    k = model.folder.experts[0].spec.k
+    assert model.offload.stats.totals().misses_cpu > 0 and seen
+    assert all(nbytes % per_expert == 0 and 0 < nbytes <= k * per_expert and seconds > 0 for nbytes, seconds in seen)
+    expected = None
+    for nbytes, seconds in seen:
+        expected = nbytes / seconds if expected is None else 0.9 * expected + 0.1 * nbytes / seconds
+    assert rate.value == pytest.approx(expected)
 
 
 # --- on the simulated device ------------------------------------------------------------------

@@ -15,6 +15,7 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
+from engine.offload.miss_policy import CpuRate
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
 from engine.offload.staging import NO_STAGING, plan_staging
@@ -61,6 +62,7 @@ class OffloadEngine:
                        for info, runner in zip(self.infos, runners)]
         self._make_policy()
         self.swap_allowance = SwapAllowance()
+        self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
 

@@ -110,6 +110,8 @@ class HybridExpertNode:
             self.kernel.run_experts(x2d, cold, weights, out=out)
             cpu_s = time.perf_counter() - started
             stats.cpu_s += cpu_s
+            if not shadow and engine.slots[layer].num_slots and self._decode(cold):  # the miss policy's CPU rate
+                engine.cpu_rate.observe(len(set(cold[cold >= 0].tolist())) * self.info.bytes_per_expert, cpu_s)
             if not shadow and engine.host_cache.budget is not None:
                 engine.host_cache.touch(layer, sorted(set(cold[cold >= 0].tolist())))
         resident_s = miss_device_s = 0.0
@@ -186,7 +188,7 @@ class HybridExpertNode:
         resident_s = len(set(ids[resident].tolist())) * store.read_bytes / bandwidths.hbm
         expert_bytes = self.info.bytes_per_expert
         extra = dict(flops_per_token=self._flops_per_token, prepare_s=getattr(store, "prepare_s", 0.0),
-                     copy_bytes=store.expert_bytes, read_bytes=store.read_bytes)
+                     copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value)
         if not copying_pays(miss_costs(bandwidths, expert_bytes, tokens, resident_s, **extra)):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy

@@ -4,7 +4,9 @@ compute and PCIe copies).
 
 The model, per layer and step, with n cold experts hit by routing and S spare slots:
 
-    cpu_i   = max(bytes / B_cpu, tokens_i · flops_per_token / F_cpu)   the CPU kernel on miss i
+    cpu_i   = max(bytes / B_cpu, tokens_i · flops_per_token / F_cpu)   the CPU kernel on miss i, with B_cpu the
+              lower of the streaming read bandwidth and the rate the CPU kernels reached on this step's
+              earlier misses (CpuRate: their efficiency, and whatever else competes for the CPU)
     copy    = copy_bytes / B_pcie                                      one expert host -> device
     dev     = read_bytes / B_hbm                                       the device computing one expert
     prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the
@@ -28,6 +30,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+
+class CpuRate:
+    """Bytes per second the CPU expert kernels reached on decode misses: an exponential average over the steps
+    (weight `keep` on the past); None until measured. On the H200 machine's Xeon they read 28-43 GB/s of experts
+    against 98 GB/s of streaming bandwidth: the streaming figure alone made a copy look 2-3.5x dearer than it was."""
+
+    def __init__(self, keep: float = 0.9):
+        self.keep = keep
+        self.value: float | None = None
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0 or nbytes <= 0:
+            return
+        rate = nbytes / seconds
+        self.value = rate if self.value is None else self.keep * self.value + (1 - self.keep) * rate
 
 
 @dataclass(frozen=True)
@@ -66,16 +84,17 @@ class MissDecision:
 
 def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
-               read_bytes: int | None = None) -> MissCosts:
+               read_bytes: int | None = None, cpu_rate: float | None = None) -> MissCosts:
     """The cost model's inputs from measured (or assumed) bandwidths: `tokens` holds, per miss, the
     tokens routed to it in this step. `expert_bytes`: the stored expert (CPU reads); `copy_bytes` /
-    `read_bytes`: the expert in the device's layout, copied / read by the device (default expert_bytes)."""
+    `read_bytes`: the expert in the device's layout, copied / read by the device (default expert_bytes);
+    `cpu_rate`: the CPU kernels' measured bytes per second (CpuRate), when lower than bandwidths.cpu."""
     # Plain Python over the few misses of a decode step (n <= 8 per token): NumPy's per-call overhead on
     # such tiny arrays cost more than the arithmetic (issue #4).
     tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
     copy_bytes = expert_bytes if copy_bytes is None else copy_bytes
     read_bytes = expert_bytes if read_bytes is None else read_bytes
-    read = expert_bytes / bandwidths.cpu
+    read = expert_bytes / (bandwidths.cpu if cpu_rate is None else min(bandwidths.cpu, cpu_rate))
     if flops_per_token:
         per_token = flops_per_token / bandwidths.cpu_flops
         cpu = [max(read, float(t) * per_token) for t in tokens]
@@ -115,6 +134,6 @@ def copying_pays(costs: MissCosts) -> bool:
 
 def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, resident_s: float,
            flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
-           read_bytes: int | None = None) -> MissDecision:
+           read_bytes: int | None = None, cpu_rate: float | None = None) -> MissDecision:
     return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, flops_per_token, prepare_s,
-                             copy_bytes, read_bytes), spare_slots)
+                             copy_bytes, read_bytes, cpu_rate), spare_slots)
