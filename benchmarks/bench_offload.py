@@ -98,7 +98,12 @@ def main() -> None:
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="activations and KV cache; float16 lets the dense part run on onnxruntime-gpu's CUDA EP")
+    parser.add_argument("--no-host-register", action="store_true",
+                        help="copy experts through the pinned staging ring only (no page-locked mapping: A/B)")
     args = parser.parse_args()
+    if args.no_host_register:
+        from engine.offload.cuda_device import CudaDevice
+        CudaDevice.register_experts = lambda self, source, infos, owner: None
 
     spec = WriterSpec(**SHAPES[args.shape], bits=4, block_size=32, context_length=4096, seed=7,
                       dtype=args.dtype)
@@ -207,7 +212,8 @@ def main() -> None:
                             bandwidths={"dram": b_dram, "pcie": b_pcie, "hbm": b_hbm, "cpu_engine": device.bandwidths.cpu},
                             pinned=model.offload.pinned_info(), dtype=args.dtype,
                             dense_device=model.dense_device, dense_reason=model.dense_reason,
-                            host_registration=registration.describe() if registration is not None else None)
+                            host_registration=registration.describe() if registration is not None else
+                            "off (--no-host-register)" if args.no_host_register else None)
     print(f"wrote {path}")
 
 

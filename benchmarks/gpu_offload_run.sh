@@ -36,7 +36,7 @@ fi
   left=$((580 - SECONDS))
   echo "== offload benchmark, $shape, float16, dense part on the GPU (${left} s left)"
   PYTHONPATH=/tmp/site_gpu timeout $left python3 benchmarks/bench_offload.py --shape "$shape" --dtype float16 \
-    --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" --prefill-tokens 2048
+    --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" --prefill-tokens 2048 ${BENCH_ARGS:-}
   cp benchmarks/results/offload-$shape-*.json "$OUT/" 2>/dev/null
   date -u
 } > "$log" 2>&1
