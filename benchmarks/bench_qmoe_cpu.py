@@ -136,19 +136,24 @@ def make_layout_weights(layout, E, H, I, seed=0):
     return attrs, t
 
 
-def time_blocks(fns: dict, runs: int, blocks: int = 3, warmup: int = 2, pause: float = 0.2) -> dict:
+def time_blocks(fns: dict, runs: int, blocks: int = 3, warmup: int = 2, pause: float = 0.2,
+                warm_s: float = 0.1) -> dict:
     """Median time per function. Each function takes the call number i and uses input i mod n (its own
     counter, so every side walks the same rotation). Runs come in alternating blocks (A x n, B x n, A x n,
     ...) with a short pause between blocks: on 2 cores, one runtime's thread pool still spinning after its
-    call would otherwise slow the other's next call."""
+    call would otherwise slow the other's next call. Each block starts with at least `warmup` untimed calls
+    lasting at least warm_s seconds: on the dev VM, decode calls in the ~50 ms after a 0.2 s pause ran 1.6x
+    slower (shape B: 1.6 vs 1.0 ms), so 2 warm-up calls left whole decode blocks in that state."""
     times = {k: [] for k in fns}
     calls = {k: 0 for k in fns}
     per_block = max(1, runs // blocks)
     for _ in range(blocks):
         for k, f in fns.items():
-            for _ in range(warmup):
+            n, t_end = 0, time.perf_counter() + warm_s
+            while n < warmup or time.perf_counter() < t_end:
                 f(calls[k])
                 calls[k] += 1
+                n += 1
             for _ in range(per_block):
                 t0 = time.perf_counter()
                 f(calls[k])
