@@ -13,6 +13,14 @@ is measured in the same run (Numba parallel sum over a 2 GB float32 array, all t
 decode's weight bytes / time is reported against it.
 
     python benchmarks/bench_qmoe_cpu.py [--quick] [--runs N] [--sweep] [--layout int4|mxfp4|nvfp4|int2|int2b16|int3]
+                                        [--shape A|B] [--routing rotate|cold] [--no-prefill] [--no-generic]
+
+--shape picks the node: A (default, gpt-oss-20b-like, above) or B (Qwen3-30B-A3B-like: hidden 2048, intermediate
+768, 128 experts, top-8; 2.96 MB an int4 expert, 23.7 MB a decode token). --routing cold: decode inputs take
+their top-k sets as consecutive windows of one fixed random order of all experts, cyclically, so every expert comes
+back only after all the others (B: 15 calls = 355 MB in between, A: 7 calls = 436 MB); the default rotation's
+random partitions (all sets different) can bring an expert back in the next call (B: 21 MB in between, which the
+Xeon's 300 MiB L3 still holds). The JSON records the shortest reuse distance (calls in between) either way.
 
 --layout (default int4) picks the expert weight layout of the same node: mxfp4 (E2M1, e8m0 block-32 scales,
 global scales), nvfp4 (E2M1 K-packed, e4m3 block-16 scales, global scales), int2 (block 32, float scales), int2b16
@@ -128,19 +136,24 @@ def make_layout_weights(layout, E, H, I, seed=0):
     return attrs, t
 
 
-def time_blocks(fns: dict, runs: int, blocks: int = 3, warmup: int = 2, pause: float = 0.2) -> dict:
+def time_blocks(fns: dict, runs: int, blocks: int = 3, warmup: int = 2, pause: float = 0.2,
+                warm_s: float = 0.1) -> dict:
     """Median time per function. Each function takes the call number i and uses input i mod n (its own
     counter, so every side walks the same rotation). Runs come in alternating blocks (A x n, B x n, A x n,
     ...) with a short pause between blocks: on 2 cores, one runtime's thread pool still spinning after its
-    call would otherwise slow the other's next call."""
+    call would otherwise slow the other's next call. Each block starts with at least `warmup` untimed calls
+    lasting at least warm_s seconds: on the dev VM, decode calls in the ~50 ms after a 0.2 s pause ran 1.6x
+    slower (shape B: 1.6 vs 1.0 ms), so 2 warm-up calls left whole decode blocks in that state."""
     times = {k: [] for k in fns}
     calls = {k: 0 for k in fns}
     per_block = max(1, runs // blocks)
     for _ in range(blocks):
         for k, f in fns.items():
-            for _ in range(warmup):
+            n, t_end = 0, time.perf_counter() + warm_s
+            while n < warmup or time.perf_counter() < t_end:
                 f(calls[k])
                 calls[k] += 1
+                n += 1
             for _ in range(per_block):
                 t0 = time.perf_counter()
                 f(calls[k])
@@ -150,10 +163,15 @@ def time_blocks(fns: dict, runs: int, blocks: int = 3, warmup: int = 2, pause: f
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def decode_routings(rng, E: int, k: int, n: int = 64):
-    """n router-logit rows [n, 1, E] whose top-k sets are all different; each run of E // k consecutive rows
-    is one random partition of the experts (so an expert comes back only after all others ran)."""
-    for _ in range(100):
+def decode_routings(rng, E: int, k: int, n: int = 64, cold: bool = False):
+    """n router-logit rows [n, 1, E]; each run of E // k consecutive rows is a partition of the experts.
+    Default: random partitions whose top-k sets are all different. cold: consecutive windows of k of one fixed
+    random order (the same partition every pass; n a multiple of E // k), so an expert comes back only after
+    E // k - 1 other calls."""
+    if cold:
+        order = rng.permutation(E)
+        sets = [np.sort(order[(np.arange(k) + i * k) % E]) for i in range(n)]
+    for _ in range(0 if cold else 100):
         sets = []
         while len(sets) < n:
             perm = rng.permutation(E)
@@ -165,6 +183,18 @@ def decode_routings(rng, E: int, k: int, n: int = 64):
     for i, st in enumerate(sets):
         logits[i, 0, st] += 4.0 + rng.standard_normal(k).astype(np.float32) * 0.5
     return logits, [tuple(int(e) for e in st) for st in sets]
+
+
+def min_reuse_calls(sets) -> int:
+    """Fewest calls between two uses of one expert in the cyclic walk through sets (0: an expert used twice in a
+    row)."""
+    last, best, n = {}, len(sets), len(sets)
+    for i in range(2 * n):
+        for e in sets[i % n]:
+            if e in last:
+                best = min(best, i - last[e] - 1)
+            last[e] = i
+    return best
 
 
 def machine_details() -> dict:
@@ -214,8 +244,13 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=0)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time our tuning knobs (ours only)")
+    ap.add_argument("--sweep-only", action="append", default=[], metavar="TEXT",
+                    help="sweep only the variants whose label contains TEXT (repeatable)")
     ap.add_argument("--layout", choices=LAYOUTS, default="int4", help="expert weight layout of the node")
     ap.add_argument("--no-prefill", action="store_true", help="decode only")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="A", help="node shape (see the module docstring)")
+    ap.add_argument("--routing", choices=("rotate", "cold"), default="rotate", help="decode routing sequence")
+    ap.add_argument("--no-generic", action="store_true", help="do not time kernels.cpu.generic (slow to compile)")
     args = ap.parse_args(argv)
 
     import numba
@@ -228,17 +263,22 @@ def main(argv=None):
     print("measuring streaming read bandwidth (2 GB, all threads) ...", flush=True)
     stream_gbs = stream_read_bandwidth()
     print(f"  {stream_gbs:.1f} GB/s", flush=True)
-    E, H, I, K_TOP = 32, 2880, 2880, 4
+    E, H, I, K_TOP = SHAPES[args.shape]
     layout = args.layout
     attrs, tensors = make_layout_weights(layout, E, H, I)
-    print(f"building weights: E={E} H={H} I={I} top-{K_TOP} {layout} swiglu fusion 1 ...", flush=True)
+    attrs["k"] = K_TOP
+    print(f"building weights: shape {args.shape}: E={E} H={H} I={I} top-{K_TOP} {layout} swiglu fusion 1 ...",
+          flush=True)
     spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
     ours = CpuQMoE(spec, tensors, num_threads=cores)
     assert ours._delegate is None, "the layout did not get the fast path"
-    sides = {"ours": ours.forward, "generic": _wrap(spec, GenericQMoE(spec, tensors, num_threads=cores)).forward}
+    sides = {"ours": ours.forward}
+    if not args.no_generic:
+        sides["generic"] = _wrap(spec, GenericQMoE(spec, tensors, num_threads=cores)).forward
     compare_bytes = {}  # our fast path on other layouts of the same node: side -> bytes of one expert
     for other in ("int4", "int2") if layout == "int2b16" else ("int4",) if layout != "int4" else ():
         a_o, t_o = make_layout_weights(other, E, H, I)
+        a_o["k"] = K_TOP
         spec_o = QMoESpec.from_tensors("bench/QMoE", "QMoE", a_o, t_o, (1, H))
         sides[other] = CpuQMoE(spec_o, t_o, num_threads=cores).forward
         compare_bytes[other] = spec_o.expert_bytes(scale_bytes=4, bias_bytes=4)
@@ -249,12 +289,14 @@ def main(argv=None):
     expert_bytes = spec.expert_bytes(scale_bytes=4, bias_bytes=4)  # float32 scales / biases as built here
     sweep = []
     ort_error = None
+    reuse = None
     for T, label in ((1, "decode"), (512, "prefill")):
         if T > 1 and args.no_prefill:
             continue
         if T == 1:
-            logits_all, sets = decode_routings(rng, E, K_TOP)
+            logits_all, sets = decode_routings(rng, E, K_TOP, cold=args.routing == "cold")
             n_in = len(sets)
+            reuse = min_reuse_calls(sets)
         else:
             n_in = 8
             logits_all = (rng.standard_normal((n_in, T, E)) * 2).astype(np.float32)
@@ -277,7 +319,7 @@ def main(argv=None):
                              for i in range(len(ref_out)))
         except Exception as exc:  # onnxruntime's CPU QMoE does not run this layout
             ort_error = str(exc).splitlines()[0][:300]
-        for i, ro in enumerate(ref_out):
+        for i, ro in enumerate(ref_out if "generic" in sides else ()):
             g = sides["generic"](xs[i], logits_all[i])
             rel["generic"] = max(rel.get("generic", 0.0), float(np.abs(ro - g).max() / np.abs(g).max()))
         runs = args.runs or ((7 if T > 1 else 64) if args.quick else (16 if T > 1 else 256))
@@ -300,7 +342,7 @@ def main(argv=None):
                 fig["max_rel_diff_vs_reference"] = rel[k]
             figures.append(fig)
         if T == 1:
-            nbytes = K_TOP * expert_bytes  # every decode input routes to 4 different experts
+            nbytes = K_TOP * expert_bytes  # every decode input routes to K_TOP different experts
             figures.append({"name": "decode weight bandwidth vs measured DRAM streaming read bandwidth",
                             "value": nbytes / med["ours"] / 1e9, "unit": "GB/s",
                             "reference": f"streaming read, Numba parallel sum over 2 GB float32, {cores} threads, "
@@ -311,9 +353,13 @@ def main(argv=None):
                                for k, b in (("generic", nbytes), ("ort", nbytes),
                                             *((k, K_TOP * b) for k, b in compare_bytes.items()))
                                if k in med}})
+            print(f"  decode reads {nbytes / 1e6:.1f} MB: ours {nbytes / med['ours'] / 1e9:.1f} GB/s = "
+                  f"{nbytes / med['ours'] / 1e9 / stream_gbs:.0%} of the {stream_gbs:.1f} GB/s streaming read"
+                  + (f", onnxruntime {nbytes / med['ort'] / 1e9 / stream_gbs:.0%}" if "ort" in med else ""),
+                  flush=True)
         if args.sweep:
             for name, sT, over in SWEEP:
-                if sT != T:
+                if sT != T or args.sweep_only and not any(w in name for w in args.sweep_only):
                     continue
                 m = CpuQMoE(spec, tensors, num_threads=cores)
                 for key, val in over.items():
@@ -334,7 +380,8 @@ def main(argv=None):
                             "reference_value": float("nan"), "ratio": float("nan"),
                             **{f"{k}_gflops": flops / med[k] / 1e9 for k in med if k != "ours"}})
 
-    config = {"num_experts": E, "hidden_size": H, "inter_size": I, "k": K_TOP, "layout": layout,
+    config = {"shape": args.shape, "decode_routing": args.routing, "decode_min_reuse_calls": reuse,
+              "num_experts": E, "hidden_size": H, "inter_size": I, "k": K_TOP, "layout": layout,
               "quant": spec.layout_summary(), "expert_bytes": expert_bytes,
               "activation": "swiglu fusion 1", "dtype": "float32", "threads": cores,
               "numpy": np.__version__, "numba": numba.__version__, "onnxruntime": ort.__version__,
@@ -355,7 +402,10 @@ def main(argv=None):
         print(f"onnxruntime refused the layout: {ort_error}")
     if not args.no_write:
         extra = {"sweep": sweep} if sweep else {}
-        path = write_result(BENCHMARK if layout == "int4" else f"qmoe-cpu-{layout}", figures, config=config, **extra)
+        name = BENCHMARK if layout == "int4" else f"qmoe-cpu-{layout}"
+        if args.shape != "A" or args.routing != "rotate":
+            name = f"qmoe-cpu-{layout}-shape{args.shape}-{args.routing}"
+        path = write_result(name, figures, config=config, **extra)
         print(f"wrote {path.relative_to(ROOT)}")
     return figures
 
@@ -368,6 +418,7 @@ def _wrap(spec, delegate):
 
 
 LAYOUTS = ("int4", "mxfp4", "nvfp4", "int2", "int2b16", "int3")
+SHAPES = {"A": (32, 2880, 2880, 4), "B": (128, 2048, 768, 8)}  # experts, hidden, intermediate, top-k
 INT2_BLOCKS = {"int2": 32, "int2b16": 16}  # int2 layouts: block size
 
 

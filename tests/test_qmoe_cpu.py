@@ -58,8 +58,12 @@ def _check_paths(spec, t, x, lg, rw=None, tol=1e-5):
     ref = qmoe_reference(x, lg, spec, t, router_weights=rw)
     gemv = CpuQMoE(spec, t)
     gemv.decode_max_tokens = 10**9
-    gemv.gemv_prefetch_rows, gemv.gemv_schedule, gemv.gemv_chunk_kb = 2, 1, 1  # own spans, then stealing
-    assert _relerr(gemv.forward(x, lg, router_weights=rw), ref) <= tol, "forced GEMV"
+    gemv.gemv_prefetch_rows, gemv.gemv_chunk_kb = 2, 1
+    # 1 KB chunks: FC2 chunks meet experts whose FC1 chunks are still running (moe_gemv's per-expert hand-off);
+    # chunk orders: one shared counter, own spans then stealing
+    for order in (0, 1):
+        gemv.gemv_schedule = order
+        assert _relerr(gemv.forward(x, lg, router_weights=rw), ref) <= tol, f"forced GEMV, order {order}"
     gemm = CpuQMoE(spec, t)
     gemm.decode_max_tokens = 0
     gemm.gemv_max_rows = 0

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, dqrow_fp4_1, dqrow_fp4_2, dqrow_int2_1,
-                   dqrow_int2_2, dqrow_int2_4, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8, dqrow_int8_16,
-                   load_scale, microkernel_6x16, microkernel_6x32, microkernel_acc_6x16, microkernel_acc_6x32,
+from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, atomic_load, dqrow_fp4_1, dqrow_fp4_2,
+                   dqrow_int2_1, dqrow_int2_2, dqrow_int2_4, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8,
+                   dqrow_int8_16, load_scale, microkernel_6x16, microkernel_6x32, microkernel_acc_6x16,
+                   microkernel_acc_6x32,
                    prefetch_bytes, qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zblk_4,
                    qrow_int2_zrow_1, qrow_int2_zrow_2, qrow_int2_zrow_4,
                    qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16,
@@ -922,61 +923,135 @@ def _prefetch_row(w, sc, e, n, ahead):
     prefetch_bytes(sc, row * nb * sc.itemsize, nb * sc.itemsize)
 
 
-@njit(fastmath=True, cache=True, nogil=True)
-def _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1, zrb1,
-                   experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
-                   act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi, nchunk2):
-    """FC1 + activation for the row groups lo..hi-1 of the (expert, group) space (see moe_gemv)."""
-    for idx in range(lo, hi):
-        u = idx // G
-        i = idx - u * G
-        e = experts[u]
-        if swiglu:
-            if fusion == 1:
-                ng = 2 * i
-                nu = 2 * i + 1
-            else:
-                ng = i
-                nu = I + i
-        else:
-            ng = i
-            nu = i
-        if pf_rows > 0:
-            _prefetch_row(w1, sc1, e, ng, pf_rows)
-            if swiglu and fusion == 2:
-                _prefetch_row(w1, sc1, e, nu, pf_rows)
-        bg = b1[e, ng] if hb1 else np.float32(0.0)
-        bu = b1[e, nu] if hb1 else np.float32(0.0)
-        if zmode1 != 0:
-            _fill_zp_range(zg, zp1, zmode1, e, ng, bits1, zrb1, 0, nb1)
-            if swiglu:
-                _fill_zp_range(zu, zp1, zmode1, e, nu, bits1, zrb1, 0, nb1)
-        for p in range(pair_off[u], pair_off[u + 1]):
-            r = rowmap[src[p]]
-            g = _qdot(w1, sc1, skind1, zg, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, e, ng,
-                      xa1, xb1, xs1, r) + bg
-            if swiglu:
-                l = _qdot(w1, sc1, skind1, zu, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, e, nu,
-                          xa1, xb1, xs1, r) + bu
-                a = _swiglu(g, l, a_, b_, l_, has_limit)
-            else:
-                a = _act(act_kind, g)
-            _put_x(a, i, p, bits2, ab.shape[1], aa, ab, nchunk2)
+@njit(inline="always")
+def _fc2_input_sums(aa, ab, xs2, p, lanes2, bits2, chunk2, nchunk2, fmt2):
+    """What FC2's kernels read besides pair p's activations (written by FC1): the lane sums (int3, int2 block 16
+    with zero points), or the per-chunk sums (layouts without the table kernels)."""
+    if lanes2:
+        _lane_sums(aa, p, lanes2)
+    if not _uses_lut(bits2, chunk2, fmt2):
+        for c in range(nchunk2):
+            s = np.float32(0.0)
+            for j in range(c * chunk2, (c + 1) * chunk2):
+                s += aa[p, j]
+                if bits2 == 4:
+                    s += ab[p, j]
+            xs2[p, c] = s
+
+
+# The per-thread loops run without NRT reference counting (_nrt=False; they allocate nothing): with it, every
+# inlined _qdot call increfs and decrefs its six array arguments, 12 atomic operations per weight row on cache lines
+# that all threads share (one core: ~50 ns a row of the 20-70 ns of work in a 384-1440-byte row).
+@njit(fastmath=True, cache=True, nogil=True, _nrt=False)
+def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
+                     zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
+                     fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt, th, nth,
+                     nck, ch, order, zg, zu, vic):
+    """Thread th's share of FC1 + activation: chunks of ch row groups of the (expert, group) space claimed from cnt
+    until none is left (see moe_gemv). done[8 u] counts expert u's finished groups; the thread that finishes the
+    last one also writes FC2's input sums of u's pairs, then adds 1 (done[8 u] = G + 1: FC2 may read expert u).
+    zg / zu: nb1 floats of zero-point scratch; vic: the thread's _claim state."""
+    zg[:] = zdef1
+    zu[:] = zdef1
+    vic[0] = th
+    total = experts.shape[0] * G
+    ci = _claim(cnt, vic, th, nth, nck, order)
+    while ci >= 0:
+        idx = ci * ch
+        hi = min(total, idx + ch)
+        while idx < hi:  # the chunk's part in one expert at a time
+            u = idx // G
+            end = min(hi, (u + 1) * G)
+            e = experts[u]
+            for i in range(idx - u * G, end - u * G):
+                if swiglu:
+                    if fusion == 1:
+                        ng = 2 * i
+                        nu = 2 * i + 1
+                    else:
+                        ng = i
+                        nu = I + i
+                else:
+                    ng = i
+                    nu = i
+                if pf_rows > 0:
+                    _prefetch_row(w1, sc1, e, ng, pf_rows)
+                    if swiglu and fusion == 2:
+                        _prefetch_row(w1, sc1, e, nu, pf_rows)
+                bg = b1[e, ng] if hb1 else np.float32(0.0)
+                bu = b1[e, nu] if hb1 else np.float32(0.0)
+                if zmode1 != 0:
+                    _fill_zp_range(zg, zp1, zmode1, e, ng, bits1, zrb1, 0, nb1)
+                    if swiglu:
+                        _fill_zp_range(zu, zp1, zmode1, e, nu, bits1, zrb1, 0, nb1)
+                for p in range(pair_off[u], pair_off[u + 1]):
+                    r = rowmap[src[p]]
+                    g = _qdot(w1, sc1, skind1, zg, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, e,
+                              ng, xa1, xb1, xs1, r) + bg
+                    if swiglu:
+                        l = _qdot(w1, sc1, skind1, zu, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1,
+                                  e, nu, xa1, xb1, xs1, r) + bu
+                        a = _swiglu(g, l, a_, b_, l_, has_limit)
+                    else:
+                        a = _act(act_kind, g)
+                    _put_x(a, i, p, bits2, ab.shape[1], aa, ab, nchunk2)
+            if atomic_fetch_add(done, 8 * u, end - idx) + end - idx == G:
+                for p in range(pair_off[u], pair_off[u + 1]):
+                    _fc2_input_sums(aa, ab, xs2, p, lanes2, bits2, chunk2, nchunk2, fmt2)
+                atomic_fetch_add(done, 8 * u, 1)
+            idx = end
+        ci = _claim(cnt, vic, th, nth, nck, order)
+
+
+@njit(fastmath=True, cache=True, nogil=True, _nrt=False)
+def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
+                     zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt, th, nth, nck, ch,
+                     order, zbuf, vic):
+    """Thread th's share of FC2: chunks of ch rows of the (expert, row) space claimed from cnt into y (see
+    moe_gemv), each expert's rows once its FC1 is finished (done[8 u] = G + 1, see _gemv_fc1_thread).
+    zbuf, vic: as zg, vic of _gemv_fc1_thread."""
+    H = w2.shape[1]
+    zbuf[:] = zdef2
+    vic[0] = th
+    total = experts.shape[0] * H
+    ci = _claim(cnt, vic, th, nth, nck, order)
+    while ci >= 0:
+        idx = ci * ch
+        hi = min(total, idx + ch)
+        while idx < hi:
+            u = idx // H
+            end = min(hi, (u + 1) * H)
+            e = experts[u]
+            while atomic_load(done, 8 * u) <= G:
+                pass
+            for n in range(idx - u * H, end - u * H):
+                if pf_rows > 0:
+                    _prefetch_row(w2, sc2, e, n, pf_rows)
+                if zmode2 != 0:
+                    _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
+                bval = b2[e, n] if hb2 else np.float32(0.0)
+                for p in range(pair_off[u], pair_off[u + 1]):
+                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2, nchunk2,
+                                               fmt2, bpc2, aux2, e, n, aa, ab, xs2, p) + bval)
+            idx = end
+        ci = _claim(cnt, vic, th, nth, nck, order)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst,
-             act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out, do_reduce,
-             nth):
+             act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out,
+             do_reduce, nth):
     """Fused decode: for each pair p (token src[p], expert experts[u], pair_off[u] <= p < pair_off[u + 1])
     y[p] = coef[p] * (W2_e act(W1_e x + b1_e) + b2_e); with do_reduce also out[dst[p]] += y[p].
 
     q1 / q2: int64 [skind, zmode, bits, nb, chunk, cshift, nchunk, has_bias, fmt, bpc] of fc1 / fc2, aux1 / aux2
     their per-expert TBL_RECORDs (fp4; see _qdot); act: swiglu
     (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
-    Two parallel regions (FC1 + activation, then FC2) over the (expert, row) space, handed out in
-    contiguous chunks of ~chunk_bytes through atomic counters (order: see _claim); pf_rows > 0 prefetches
-    that many rows ahead.
+    FC1 + activation, then FC2, over the (expert, row) space, handed out in contiguous chunks of ~chunk_bytes
+    through atomic counters (order: see _claim); pf_rows > 0 prefetches that many rows ahead. One parallel region:
+    a thread goes on to FC2 once it finds no FC1 chunk left and waits only for experts whose FC1 is still running
+    (per-expert counters); two regions cost a second fork / join (waking 16 passively waiting omp threads: tens of
+    µs on the Xeon).
     ws: float32 scratch.
     """
     E1, N1, Kb1 = w1.shape
@@ -1022,6 +1097,8 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
         for p in range(P):
             for j in range(xw2):
                 aa[p, j] = np.float32(0.0)
+    if bits2 == 8:  # FC1 writes int8 activations into aa only; FC2's kernels read them as both streams
+        ab = aa
     swiglu = act_kind == ACT_SWIGLU
     G = I
     a_ = np.float32(alpha)
@@ -1031,66 +1108,29 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     zdef2 = np.float32(1 << (bits2 - 1))
     zrb1 = (nb1 * bits1 + 7) // 8
     zrb2 = (nb2 * bits2 + 7) // 8
-    total = U * G
-    # work handed out in chunks of packed rows through an atomic counter: a thread that is
-    # descheduled or slowed (SMT sibling, other tenants) does not hold up the whole region
+    # work handed out in chunks of packed rows through atomic counters: a thread that is descheduled or slowed
+    # (SMT sibling, other tenants) does not hold up the whole region
     rpg = 2 if swiglu else 1
-    ch = max(1, chunk_bytes // (rpg * (Kb1 + nb1 * sc1.itemsize)))
-    nck = (total + ch - 1) // ch
-    cnt = np.zeros(8 * nth, np.int64)
-    _claim_init(cnt, nck, nth, order)
-    for th in prange(nth):
-        zg = np.full(nb1, zdef1, np.float32)
-        zu = np.full(nb1, zdef1, np.float32)
-        vic = np.full(1, th, np.int64)
-        while True:
-            ci = _claim(cnt, vic, th, nth, nck, order)
-            if ci < 0:
-                break
-            lo = ci * ch
-            hi = min(total, lo + ch)
-            _gemv_fc1_span(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1,
-                           hb1, zrb1,
-                           experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, bits2, G, I, swiglu, fusion,
-                           act_kind, a_, b_, l_, has_limit, pf_rows, zg, zu, lo, hi, nchunk2)
-    if bits2 == 8:
-        ab = aa
-    for p in range(P if lanes2 else 0):
-        _lane_sums(aa, p, lanes2)
-    for p in range(P if not _uses_lut(bits2, chunk2, fmt2) else 0):
-        for c in range(nchunk2):
-            s = np.float32(0.0)
-            for j in range(c * chunk2, (c + 1) * chunk2):
-                s += aa[p, j]
-                if bits2 == 4:
-                    s += ab[p, j]
-            xs2[p, c] = s
-    total = U * H
-    ch = max(1, chunk_bytes // (Kb2 + nb2 * sc2.itemsize))
-    nck = (total + ch - 1) // ch
+    ch1 = max(1, chunk_bytes // (rpg * (Kb1 + nb1 * sc1.itemsize)))
+    nck1 = (U * G + ch1 - 1) // ch1
+    ch2 = max(1, chunk_bytes // (Kb2 + nb2 * sc2.itemsize))
+    nck2 = (U * H + ch2 - 1) // ch2
+    cnt1 = np.zeros(8 * nth, np.int64)
     cnt2 = np.zeros(8 * nth, np.int64)
-    _claim_init(cnt2, nck, nth, order)
+    _claim_init(cnt1, nck1, nth, order)
+    _claim_init(cnt2, nck2, nth, order)
+    done = np.zeros(8 * U, np.int64)  # per expert, 64 bytes apart: FC1 groups finished (see _gemv_fc1_thread)
+    # per-thread scratch (zero points, _claim state): rows of arrays made here (the thread loops allocate nothing)
+    zs = np.empty((nth, 2 * nb1 + nb2), np.float32)
+    vics = np.empty((nth, 8), np.int64)
     for th in prange(nth):
-        zbuf = np.full(nb2, zdef2, np.float32)
-        vic = np.full(1, th, np.int64)
-        while True:
-            ci = _claim(cnt2, vic, th, nth, nck, order)
-            if ci < 0:
-                break
-            lo = ci * ch
-            hi = min(total, lo + ch)
-            for idx in range(lo, hi):
-                u = idx // H
-                n = idx - u * H
-                e = experts[u]
-                if pf_rows > 0:
-                    _prefetch_row(w2, sc2, e, n, pf_rows)
-                if zmode2 != 0:
-                    _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
-                bval = b2[e, n] if hb2 else np.float32(0.0)
-                for p in range(pair_off[u], pair_off[u + 1]):
-                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2, nchunk2,
-                                               fmt2, bpc2, aux2, e, n, aa, ab, xs2, p) + bval)
+        _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
+                         zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
+                         fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt1, th,
+                         nth, nck1, ch1, order, zs[th, :nb1], zs[th, nb1:2 * nb1], vics[th])
+        _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
+                         zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt2, th, nth, nck2,
+                         ch2, order, zs[th, 2 * nb1:], vics[th])
     if do_reduce:
         for p in range(P):
             d = dst[p]

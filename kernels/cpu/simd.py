@@ -382,6 +382,22 @@ def atomic_fetch_add(typingctx, arr, idx, val):
 
 
 @intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx] read atomically with acquire order (int64 array): a flag another thread publishes with
+    atomic_fetch_add; a plain load could be hoisted out of a wait loop."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+        return None
+    sig = types.int64(arr, types.int64)
+
+    def codegen(context, builder, signature, args):
+        a, i = args
+        ptr = builder.gep(context.make_array(signature.args[0])(context, builder, value=a).data, [i])
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return sig, codegen
+
+
+@intrinsic
 def prefetch_bytes(typingctx, arr, byte_off, nbytes):
     """Software prefetch (read, into all cache levels) of the cache lines of arr's bytes
     [byte_off, byte_off + nbytes), clipped to the array's extent; nothing is loaded architecturally."""
