@@ -79,13 +79,9 @@ def _ref_pairs(x, ids, w, spec, t):
     return out
 
 
-GRID = [(bits, block, zp, act) for bits in (4, 8) for block in (0, 32, 64) for zp in (False, True) for act in ACTS]
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("bits,block,zp,act", GRID, ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in GRID])
-def test_gpu_matches_reference(gpu, bits, block, zp, act, dtype):
-    cp, GpuQMoE = gpu
+def _grid_case(bits, block, zp, act, dtype):
+    """(spec, tensors, x [100 tokens], router logits) of one GRID case: the same seeds and shapes for every test
+    that runs the grid."""
     idx = GRID.index((bits, block, zp, act))
     seed = 5000 + idx * 2 + (dtype == np.float16)
     rng = np.random.default_rng(seed)
@@ -93,7 +89,18 @@ def test_gpu_matches_reference(gpu, bits, block, zp, act, dtype):
     attrs, t, x, lg = make_case(seed=seed, E=int(rng.integers(4, 10)), H=H, I=I, k=int(rng.integers(1, 4)),
                                 bits=bits, block_size=block, zero_points=zp, bias=bool(idx % 2), dtype=dtype, T=100,
                                 **ACTS[act])
-    spec = _spec(attrs, t, x)
+    return _spec(attrs, t, x), t, x, lg
+
+
+GRID = [(bits, block, zp, act) for bits in (4, 8) for block in (0, 32, 64) for zp in (False, True) for act in ACTS]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bits,block,zp,act", GRID, ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in GRID])
+def test_gpu_matches_reference(gpu, bits, block, zp, act, dtype):
+    cp, GpuQMoE = gpu
+    spec, t, x, lg = _grid_case(bits, block, zp, act, dtype)
+    H = spec.hidden_size
     for path in ("tc", "fma"):
         m = GpuQMoE(spec, t, path=path)
         for T, phase in ((1, "decode"), (3, "decode"), (100, "prefill")):
@@ -401,14 +408,8 @@ def _v5(m, **cfg):
 def test_gpu_v5_decode_matches_reference(gpu, bits, block, zp, act, dtype):
     """The v4 grid (same seeds and shapes), decode only, v5 kernels at 1, 3 and 8 tokens; v5 == v4 closely."""
     cp, GpuQMoE = gpu
-    idx = GRID.index((bits, block, zp, act))
-    seed = 5000 + idx * 2 + (dtype == np.float16)
-    rng = np.random.default_rng(seed)
-    H, I = _shapes(rng, block)
-    attrs, t, x, lg = make_case(seed=seed, E=int(rng.integers(4, 10)), H=H, I=I, k=int(rng.integers(1, 4)),
-                                bits=bits, block_size=block, zero_points=zp, bias=bool(idx % 2), dtype=dtype, T=100,
-                                **ACTS[act])
-    spec = _spec(attrs, t, x)
+    spec, t, x, lg = _grid_case(bits, block, zp, act, dtype)
+    H = spec.hidden_size
     m = GpuQMoE(spec, t, path="tc")
     for T in (1, 3, 8):
         ref = qmoe_reference(x[:T], lg[:T], spec, t)

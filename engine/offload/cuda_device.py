@@ -244,21 +244,18 @@ class CudaSlots:
 
     @_on_compute_stream
     def load(self, slot: int, expert: int) -> float:
-        """Convert the expert to the kernel layout on the host, write it into the pinned ring and
-        copy it into the slot on the copy stream."""
+        """Copy the expert into the slot on the copy stream: straight from the registered mapping and converted on
+        the GPU, or converted to the kernel layout on the host and written into the pinned ring first."""
         started = time.perf_counter()
+        ring = self.device.pinned
         if self._direct():
             # straight from the registered file mapping, put in the kernel layout on the GPU: the host only issues it
             self.gpu.upload_expert_device(expert, slot, stream=self.device.copy_stream)
-            self.prepare_s = time.perf_counter() - started
-            self.device.cp.cuda.get_current_stream().wait_event(self.device.copy_stream.record())
-            return self.prepare_s
-        ring = self.device.pinned
-        packed = self.gpu.pack_expert(expert)
-        if ring is None:
+        elif ring is None:
             with self.device.copy_stream:
-                self.gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=packed)
+                self.gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=self.gpu.pack_expert(expert))
         else:
+            packed = self.gpu.pack_expert(expert)
             sizes = [_round_up(a.nbytes) for proj in packed.values() for a in proj.values()]
             start, end = ring.take(sum(sizes))
             pinned, offset = {}, start
@@ -333,7 +330,7 @@ class CudaSlots:
         way, 12 waves per layer)."""
         if self._prefill is None or self._prefill[0] is not x2d:
             cp = self.device.cp
-            with self.gpu.device if self.gpu is not None else cp.cuda.Device(self.device.index):
+            with cp.cuda.Device(self.device.index):
                 self._prefill = (x2d, cp.asarray(x2d), cp.zeros(x2d.shape, cp.float32))
         return self._prefill[1], self._prefill[2]
 

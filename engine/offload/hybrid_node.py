@@ -110,10 +110,14 @@ class HybridExpertNode:
             self.kernel.run_experts(x2d, cold, weights, out=out)
             cpu_s = time.perf_counter() - started
             stats.cpu_s += cpu_s
-            if not shadow and engine.slots[layer].num_slots and self._decode(cold):  # the miss policy's CPU rate
-                engine.cpu_rate.observe(len(set(cold[cold >= 0].tolist())) * self.info.bytes_per_expert, cpu_s)
-            if not shadow and engine.host_cache.budget is not None:
-                engine.host_cache.touch(layer, sorted(set(cold[cold >= 0].tolist())))
+            rate = not shadow and engine.slots[layer].num_slots and self._decode(cold)  # the miss policy's CPU rate
+            touch = not shadow and engine.host_cache.budget is not None
+            if rate or touch:
+                on_cpu = set(cold[cold >= 0].tolist())
+                if rate:
+                    engine.cpu_rate.observe(len(on_cpu) * self.info.bytes_per_expert, cpu_s)
+                if touch:
+                    engine.host_cache.touch(layer, sorted(on_cpu))
         resident_s = miss_device_s = 0.0
         if pending is not None or pending_copied is not None:
             waited = time.perf_counter()

@@ -5,8 +5,8 @@ compute and PCIe copies).
 The model, per layer and step, with n cold experts hit by routing and S spare slots:
 
     cpu_i   = max(bytes / B_cpu, tokens_i · flops_per_token / F_cpu)   the CPU kernel on miss i, with B_cpu the
-              lower of the streaming read bandwidth and the rate the CPU kernels reached on this step's
-              earlier misses (CpuRate: their efficiency, and whatever else competes for the CPU)
+              lower of the streaming read bandwidth and the rate the CPU kernels reached on earlier decode
+              steps' misses (CpuRate: their efficiency, and whatever else competes for the CPU)
     copy    = copy_bytes / B_pcie                                      one expert host -> device
     dev     = read_bytes / B_hbm                                       the device computing one expert
     prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the

@@ -445,24 +445,28 @@ class GpuQMoE:
         T, kk = x_dev.shape[0], ids_dev.shape[1]
         with self.device:
             stream = cp.cuda.get_current_stream()
-            if self.path != "tc" or T > self.decode_max_tokens or stream.ptr == 0:
-                # (no graph on the legacy default stream: capture needs a stream of its own)
+
+            def launch():
                 self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
+
+            if self.path != "tc" or T > self.decode_max_tokens or stream.ptr == 0:
+                launch()  # (no graph on the legacy default stream: capture needs a stream of its own)
                 return out
             key = (x_dev.data.ptr, ids_dev.data.ptr, w_dev.data.ptr, out.data.ptr, T, kk,
                    self.decode_kernel, tuple(sorted(self.dec_cfg.items())), tuple(sorted(self.dec5_cfg.items())))
             graph = self._graphs.get(key)
             if graph is None and key in self._graph_seen:
-                graph = self._graphs[key] = self._capture(stream, x_dev, ids_dev, w_dev, out)
+                graph = self._graphs[key] = self._capture(stream, launch)
             if graph is None or graph is _EAGER:  # first call: eager, so the workspace is sized before a capture
-                self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
+                launch()
                 self._graph_seen.add(key)  # after: a workspace that grew in this call forgot what was seen
             else:
                 graph.launch(stream)
         return out
 
-    def _capture(self, stream, x_dev, ids_dev, w_dev, out):
-        """run_staged's launches captured as a CUDA graph (thread-local capture: another thread's CUDA calls meanwhile
+    @staticmethod
+    def _capture(stream, launch):
+        """`launch`'s kernels captured as a CUDA graph (thread-local capture: another thread's CUDA calls meanwhile
         are not affected); _EAGER where this CuPy or driver cannot capture them."""
         cp = _cp()
         mode = getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", None)
@@ -471,7 +475,7 @@ class GpuQMoE:
         except Exception:  # noqa: BLE001 - no graphs here: the launches stay eager
             return _EAGER
         try:
-            self._compute(x_dev, DT_F32, x_dev.shape[0], out, ids=ids_dev, wts=w_dev, kk=ids_dev.shape[1], zero_out=True)
+            launch()
         except Exception:  # noqa: BLE001 - the capture is ended below and the launches run eagerly
             try:
                 stream.end_capture()
@@ -634,13 +638,9 @@ class GpuQMoE:
         name = f"dec5_{p.bits}_{nbt}_{int(p.has_zp)}_{mode}"
         smem = self._dec5_smem(p, bcols)
         threads = 32 * self.DEC5_WARPS
-        f = self._f(name)
-        if smem > 48 * 1024 and self._smem_set.get(name, 0) < smem:
-            f.max_dynamic_shared_size_bytes = smem
-            self._smem_set[name] = smem
         if name not in self._carveout_set:
             try:  # the occupancy figure assumes the largest shared-memory carveout: ask for it
-                f.preferred_shared_memory_carveout = 100
+                self._f(name).preferred_shared_memory_carveout = 100
             except Exception:  # noqa: BLE001
                 pass
             self._carveout_set.add(name)
@@ -652,7 +652,7 @@ class GpuQMoE:
         head = (sl["w"], np.int64(p.w_bytes), np.int32(p.NT), np.int32(p.KT), sl["s"], np.int32(p.sdt),
                 np.int32(p.NB), np.int32(tsh), sl.get("z", self._dummy_u8), sl.get("b", self._dummy_f32),
                 np.int32(int(p.has_bias)), np.int32(p.NP))
-        f((grid,), (threads,), head + tuple(tail), shared_mem=smem)
+        self._launch(name, (grid,), (threads,), head + tuple(tail), smem)
 
     def _dec_smem(self, p: _lay.ProjLayout, R: int, W: int) -> int:
         """Dynamic shared memory of dec_gemv: DEC_STAGES = 4 warp-stages of R * (TB + 320) bytes per warp, then the
