@@ -179,7 +179,8 @@ def main() -> None:
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", "reference_value": 1 / bound_s,
              "ratio": rate * bound_s, "hit_rate": h, "dense_s_per_token": dense_per_token,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
-             "cpu_rate": model.offload.cpu_rate.value,
+             "cpu_rate": model.offload.cpu_rate.value, "miss_slots_per_layer": model.offload.policy.miss_slots,
+             "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
              "pinned": model.offload.pinned_info()},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
@@ -201,7 +202,8 @@ def main() -> None:
         print(f"{fraction:5.0%}  decode {rate:7.1f} tok/s (bound {1 / bound_s:7.1f}, hit {h:.2f})  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
-              + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else ""),
+              + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
+              + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer",
               flush=True)
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")

@@ -12,7 +12,7 @@ import engine.offload.hybrid_node as hybrid_node
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths
-from engine.offload.miss_policy import CpuRate, MissCosts, choose, copying_pays, decide
+from engine.offload.miss_policy import CpuRate, MissCosts, choose, copying_pays, decide, miss_costs, miss_slots
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
@@ -217,6 +217,65 @@ def test_copied_misses_stay_resident_and_placement_is_told(model_folder, slot_by
     hits_before = model.offload.stats.totals().hits
     model.decoder.forward(state, [int(logits[-1].argmax())])
     assert model.offload.stats.totals().hits >= hits_before
+
+
+def test_miss_slots_on_plain_numbers():
+    # BALANCED: a 1 MB miss costs the CPU 1 ms, a copy 0.25 ms and the device 0.25 ms. 8 experts, top-2, 4 slots:
+    # 0 left to misses: 1 hit, 1 miss on the CPU = 1 ms; 1 left: 1.25 misses, one copied: 0.75 x 0.5 + 0.25 x 1 =
+    # 0.625 ms; 2 left: 1.5 misses, 0.5 x 0.5 + 0.5 x 1 = 0.75 ms (two misses cost 1 ms whichever way)
+    assert miss_slots(BALANCED, 1_000_000, 4, 8, 2) == 1
+    assert miss_slots(SLOW_PCIE, 1_000_000, 4, 8, 2) == 0  # copies never pay: every slot holds a resident
+    assert miss_slots(FAST_PCIE, 1_000_000, 4, 8, 2) == 2  # copies are free: enough slots for every miss, no more
+    assert miss_slots(BALANCED, 1_000_000, 4, 8, 2, prepare_s=2e-3) == 0  # a copy's host time dearer than the CPU
+    assert miss_slots(BALANCED, 1_000_000, 4, 8, 2, cpu_rate=0.25e9) == 2  # the kernels read slower: copies pay more
+    assert miss_slots(BALANCED, 1_000_000, 0, 8, 2) == 0
+
+
+def test_miss_slots_minimise_the_expected_step_of_random_cases():
+    """Against a brute force: every split of the slots, every subset of a token's misses copied (step_seconds)."""
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        experts = int(rng.integers(2, 17))
+        top_k = int(rng.integers(1, min(experts, 6) + 1))
+        slots = int(rng.integers(0, experts))
+        bandwidths = Bandwidths(pcie=float(rng.uniform(1e9, 8e9)), hbm=float(rng.uniform(1e10, 1e12)),
+                                cpu=float(rng.uniform(0.5e9, 8e9)), cpu_flops=1e18)
+        prepare = float(rng.choice([0.0, rng.uniform(0, 5e-4)]))
+        cpu_rate = float(rng.choice([np.nan, rng.uniform(0.2e9, 4e9)]))
+        cpu_rate = None if np.isnan(cpu_rate) else cpu_rate
+
+        def expected(spare):
+            hits = top_k * min(slots - spare, experts) / experts
+            misses = top_k - hits
+            total = 0.0
+            for count, share in ((int(misses), 1 - misses % 1), (int(misses) + 1, misses % 1)):
+                if share > 0:
+                    costs = miss_costs(bandwidths, 1_000_000, [1] * count, hits * 1_000_000 / bandwidths.hbm,
+                                       prepare_s=prepare, cpu_rate=cpu_rate)
+                    total += share * min(costs.step_seconds(np.array(c, dtype=np.int64))
+                                         for size in range(min(count, spare) + 1)
+                                         for c in itertools.combinations(range(count), size))
+            return total
+
+        times = [expected(spare) for spare in range(slots + 1)]
+        chosen = miss_slots(bandwidths, 1_000_000, slots, experts, top_k, prepare_s=prepare, cpu_rate=cpu_rate)
+        assert times[chosen] == pytest.approx(min(times), rel=1e-9, abs=1e-15)
+        assert all(t > times[chosen] * (1 - 1e-9) for t in times[:chosen])  # the fewest among equals
+
+
+def test_the_engine_leaves_miss_slots_and_copies_misses_into_them(model_folder, cpu_run, slot_bytes, decisions):
+    """Adaptive placement at half the experts with balanced bandwidths: the engine leaves the slots the cost model
+    asks for empty, decode copies misses into them, and the outputs equal the all-CPU run."""
+    model, _device = open_model(model_folder, BALANCED, device_expert_bytes=8 * 3 * slot_bytes)
+    engine = model.offload
+    info, store = engine.infos[0], engine.stores[0]
+    expected = miss_slots(BALANCED, info.bytes_per_expert, 8, 16, 4, copy_bytes=store.expert_bytes,
+                          read_bytes=store.read_bytes)
+    assert expected > 0 and engine.policy.miss_slots == [expected] * 3
+    assert [int(np.count_nonzero(layer.expert_in >= 0)) for layer in engine.slots] == [8 - expected] * 3
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = engine.stats.totals()
+    assert totals.misses_copied > 0 and totals.misses_cpu > 0  # both the CPU and copies took misses
 
 
 def test_no_spare_slot_means_every_miss_on_the_cpu(model_folder, cpu_run, decisions):

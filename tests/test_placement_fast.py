@@ -18,6 +18,7 @@ class Reference:
         self.layers, self.adaptive = layers, adaptive
         self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
         self.scores = [np.zeros(layer.num_experts) for layer in layers]
+        self.miss_slots = [0] * len(layers)
         self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]
         self.turn = 0
 
@@ -31,11 +32,12 @@ class Reference:
         slots, scores = self.layers[layer], self.scores[layer]
         if not self.adaptive:
             return (slots.slot_of >= 0) & ~self.admitted[layer]
-        if slots.num_slots == 0:
+        wanted = max(0, slots.num_slots - self.miss_slots[layer])
+        if wanted == 0:
             return np.zeros(slots.num_experts, bool)
-        if slots.num_slots >= slots.num_experts:
+        if wanted >= slots.num_experts:
             return slots.slot_of >= 0
-        bar = np.partition(scores, scores.size - slots.num_slots)[scores.size - slots.num_slots]
+        bar = np.partition(scores, scores.size - wanted)[scores.size - wanted]
         return (slots.slot_of >= 0) & (scores >= bar) & (scores > 0)
 
     def spare_slots(self, layer, busy):
@@ -79,6 +81,8 @@ class Reference:
                 continue
             scores = self.scores[index]
             empty = np.flatnonzero(layer.expert_in < 0)
+            fill = layer.num_slots - self.miss_slots[index] - (layer.num_slots - empty.size)  # up to the wanted
+            empty = empty[:max(0, fill)]
             if empty.size:
                 cold = np.flatnonzero(layer.slot_of < 0)
                 cold = cold[scores[cold] > 0]
@@ -104,9 +108,10 @@ class Reference:
         return swaps
 
 
-def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit_every=3, limits=(None,)):
+def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit_every=3, limits=(None,),
+            miss_slots=None):
     """Drive the policy and the reference with the same trace and the same miss-policy admissions; compare.
-    Each safe point's swap limit is drawn from `limits`."""
+    Each safe point's swap limit is drawn from `limits`; `miss_slots` per layer are left to the miss policy."""
     rng = np.random.default_rng(seed)
     L = trace.shape[1]
     ours_layers = [LayerSlots(num_experts, s) for s in slots]
@@ -115,6 +120,8 @@ def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit
     ref = Reference(ref_layers, policy_name == "adaptive")
     for index in range(L):
         ref.scores[index][:] = policy.scores[index]
+    if miss_slots is not None:
+        policy.miss_slots, ref.miss_slots = list(miss_slots), list(miss_slots)
     total_swaps = total_spare = 0
     for step in range(trace.shape[0]):
         for layer in range(L):
@@ -157,6 +164,25 @@ def test_adaptive_makes_the_reference_swaps_under_swap_limits(seed):
     trace = realistic_trace(300, 3, 128, 8, seed=seed, switch_every=60)
     swaps, _ = _replay("adaptive", trace, 128, [64, 32, 0], seed, limits=(0, 1, 3, None))
     assert swaps > 30
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adaptive_with_miss_slots_makes_the_reference_swaps_and_keeps_them_free(seed):
+    """Slots left to the miss policy: the reference's swaps, and never more residents filled in than wanted
+    (admissions of copied misses aside)."""
+    trace = realistic_trace(300, 3, 128, 8, seed=seed, switch_every=80)
+    swaps, spare = _replay("adaptive", trace, 128, [64, 16, 4], seed, miss_slots=[8, 4, 4], limits=(1, 3, None))
+    assert swaps > 30 and spare > 0
+    layers = [LayerSlots(32, 8)]
+    policy = AdaptivePlacement(layers)
+    policy.miss_slots = [3]
+    policy.observe(0, np.arange(32))
+    assert len(policy.initial()) == 5 and np.count_nonzero(layers[0].expert_in >= 0) == 5
+    policy.observe(0, np.arange(8, 16))  # cold experts now score above the residents: swaps, but no fills
+    swaps = policy.rebalance()
+    assert swaps and all(swap.evicted is not None for swap in swaps)
+    assert np.count_nonzero(layers[0].expert_in >= 0) == 5
+    assert policy.spare_slots(0, np.array([], np.int64)).tolist()[:3] == [5, 6, 7]  # the three left empty
 
 
 def test_under_a_limit_of_one_the_layers_take_turns():

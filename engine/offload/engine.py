@@ -15,7 +15,7 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
-from engine.offload.miss_policy import CpuRate
+from engine.offload.miss_policy import CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
 from engine.offload.staging import NO_STAGING, plan_staging
@@ -36,6 +36,11 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
             raise WorkbenchError(f"{path}: node '{name}' has {row.size} counts, the node has {count} experts")
         counts.append(row)
     return counts
+
+
+# The miss slots are weighed when the placement is made, again at its second safe point (the CPU kernels' rate and
+# a copy's host time measured by then: slots filled at load, a first step's misses), then every 16.
+MISS_SLOTS_FIRST, MISS_SLOTS_EVERY = 2, 16
 
 
 class OffloadEngine:
@@ -60,9 +65,10 @@ class OffloadEngine:
         self.stores = [device.create_slots(runner, self.plan.slots[info.name])
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
+        self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
+        self._steps = 0  # safe points (end_step) since the placement was made: the miss slots are weighed again
         self._make_policy()
         self.swap_allowance = SwapAllowance()
-        self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
 
@@ -139,10 +145,37 @@ class OffloadEngine:
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
+        self._weigh_miss_slots()
+        self._steps = 0
         if popularity is not None or self.config.placement == "adaptive":
             self._apply(self.policy.initial())
         else:  # layers with a slot for every expert (all of them when all_resident) are filled now
             self._apply(self._fill_all())
+
+    def _weigh_miss_slots(self) -> None:
+        """Per layer, the slots placement leaves to the miss policy's copies (miss_policy.miss_slots, placement.py),
+        from the measured bandwidths, the CPU kernels' measured rate and the host time a copy took to issue. Only
+        under adaptive placement: static placement keeps the residents it was given (popularity) in every slot.
+        None where the CPU computes no misses (cpu_execution=disabled), where a layer has no slot or a slot per
+        expert, or without a device."""
+        chosen, weighed = [], {}
+        adaptive = self.config.placement == "adaptive"
+        for index, (info, store) in enumerate(zip(self.infos, self.stores)):
+            layer = self.slots[index]
+            spec = info.spec
+            if (not adaptive or store is None or self.config.cpu_execution == "disabled" or layer.num_slots == 0
+                    or layer.num_slots >= spec.num_experts):
+                chosen.append(0)
+                continue
+            key = (layer.num_slots, spec.num_experts, spec.k, info.bytes_per_expert, store.expert_bytes,
+                   store.read_bytes)
+            if key not in weighed:
+                weighed[key] = miss_slots(self.device.bandwidths, info.bytes_per_expert, layer.num_slots,
+                                          spec.num_experts, spec.k, prepare_s=getattr(store, "prepare_s", 0.0),
+                                          copy_bytes=store.expert_bytes, read_bytes=store.read_bytes,
+                                          cpu_rate=self.cpu_rate.value)
+            chosen.append(weighed[key])
+        self.policy.miss_slots = chosen
 
     def _fill_all(self):
         swaps = []
@@ -190,6 +223,9 @@ class OffloadEngine:
             return
         self.stats.end_step()
         if self.device is not None:
+            self._steps += 1
+            if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
+                self._weigh_miss_slots()
             limit = None if step_s is None else self.swap_allowance.grant(step_s)
             self.swap_allowance.spent(self._apply(self.policy.rebalance(limit)))
             self.stats.pinned = self.pinned_info()

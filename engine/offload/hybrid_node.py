@@ -110,7 +110,8 @@ class HybridExpertNode:
             self.kernel.run_experts(x2d, cold, weights, out=out)
             cpu_s = time.perf_counter() - started
             stats.cpu_s += cpu_s
-            rate = not shadow and engine.slots[layer].num_slots and self._decode(cold)  # the miss policy's CPU rate
+            # the miss policy's CPU rate, measured in layers without slots too: a budget raised later uses it at once
+            rate = not shadow and engine.device is not None and self._decode(cold)
             touch = not shadow and engine.host_cache.budget is not None
             if rate or touch:
                 on_cpu = set(cold[cold >= 0].tolist())

@@ -137,3 +137,29 @@ def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, 
            read_bytes: int | None = None, cpu_rate: float | None = None) -> MissDecision:
     return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, flops_per_token, prepare_s,
                              copy_bytes, read_bytes, cpu_rate), spare_slots)
+
+
+def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, top_k: int, prepare_s: float = 0.0,
+               copy_bytes: int | None = None, read_bytes: int | None = None, cpu_rate: float | None = None) -> int:
+    """How many of a layer's `num_slots` to leave to copied misses instead of filling them with residents, for
+    token-by-token decode. For each split, a token's expected hits and misses under uniform routing (the floor:
+    real routing's recency also makes the copied misses hits later) and the miss policy's best time for them
+    (choose; a fractional miss count interpolates between its neighbours); the split with the least time, the
+    fewest miss slots among equals. Each slot left to misses costs hits: it pays when the CPU is slow enough
+    that a copy over PCIe beside it shortens the step more."""
+    read_bytes = expert_bytes if read_bytes is None else read_bytes
+    best, best_s = 0, None
+    for spare in range(num_slots + 1):
+        residents = min(num_slots - spare, num_experts)
+        hits = top_k * residents / num_experts
+        misses = top_k - hits
+        resident_s = hits * read_bytes / bandwidths.hbm
+        seconds = 0.0
+        for count, share in ((int(misses), 1.0 - misses % 1.0), (int(misses) + 1, misses % 1.0)):
+            if share > 0.0:
+                costs = miss_costs(bandwidths, expert_bytes, [1] * count, resident_s, prepare_s=prepare_s,
+                                   copy_bytes=copy_bytes, read_bytes=read_bytes, cpu_rate=cpu_rate)
+                seconds += share * choose(costs, spare).predicted_s
+        if best_s is None or seconds < best_s * (1.0 - 1e-9):
+            best, best_s = spare, seconds
+    return best

@@ -9,8 +9,15 @@ few swaps per layer per safe point, so placement never thrashes.
 
 Between safe points, a decode step's miss policy (miss_policy.py) may copy a missed expert into a
 spare slot: an empty slot or one whose expert the placement does not want (static: anything it did
-not choose itself; adaptive: a resident scored below the slots' worth of best scores). The policy is
+not choose itself; adaptive: a resident scored below the wanted slots' worth of best scores). The policy is
 told (admit), and keeps or evicts the expert at later safe points like any other.
+
+A layer's `miss_slots` (set by the engine under adaptive placement, from the miss policy's cost model:
+miss_policy.miss_slots) are slots the placement leaves to those copies: it wants only num_slots - miss_slots
+residents, fills no more than that at load or at a safe point, and the rest stay empty or hold experts it does
+not want (earlier copied misses), so a decode step always finds a slot to copy a miss into. With the CPU and PCIe both reading misses, a step is
+shorter than with one more resident expert and every miss on the CPU (anchors.md: misses split between CPU
+compute and PCIe copies).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class PlacementPolicy:
         self.scores = [np.zeros(layer.num_experts) for layer in layers]
         self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]  # copied in by the miss policy
         self.admissions = 0
+        self.miss_slots = [0] * len(layers)  # per layer: slots left to the miss policy's copies
         # spare_slots in one compiled call where wanted() is one of ours (0: base, 1: adaptive); a subclass with
         # its own wanted() gets the NumPy formulation
         wanted = type(self).wanted
@@ -80,6 +88,10 @@ class PlacementPolicy:
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
         raise NotImplementedError
+
+    def wanted_slots(self, layer: int) -> int:
+        """The residents the placement wants in the layer: its slots less those left to copied misses."""
+        return max(0, self.layers[layer].num_slots - self.miss_slots[layer])
 
     def wanted(self, layer: int) -> np.ndarray:
         """A bool per expert: the placement wants it resident (base: what it placed itself)."""
@@ -93,7 +105,7 @@ class PlacementPolicy:
         slots = self.layers[layer]
         if self._wanted_rule >= 0:
             return _spare_slots(self.scores[layer], slots.slot_of, slots.expert_in, self.admitted[layer],
-                                busy.reshape(-1), self._wanted_rule, slots.num_slots)
+                                busy.reshape(-1), self._wanted_rule, self.wanted_slots(layer))
         occupant = slots.expert_in
         # per expert: may be evicted now (resident, not wanted, not routed this step); an empty slot's -1
         # reads the last expert's entry, and `occupied` masks it out
@@ -122,11 +134,12 @@ class PlacementPolicy:
         self.admitted[layer][expert] = False
 
     def initial(self) -> list[Swap]:
-        """Fill empty slots with the best-scored experts (all policies)."""
+        """Fill empty slots with the best-scored experts, up to the wanted residents (all policies)."""
         swaps = []
         for index, layer in enumerate(self.layers):
             order = np.argsort(-self.scores[index], kind="stable")
-            wanted = [int(e) for e in order[:layer.num_slots] if layer.slot_of[e] < 0]
+            room = max(0, self.wanted_slots(index) - int(np.count_nonzero(layer.expert_in >= 0)))
+            wanted = [int(e) for e in order[:self.wanted_slots(index)] if layer.slot_of[e] < 0][:room]
             for slot in np.flatnonzero(layer.expert_in < 0):
                 if not wanted:
                     break
@@ -171,13 +184,14 @@ class AdaptivePlacement(PlacementPolicy):
         self._turn = 0  # under a limit, the layer that goes first (layers take turns)
 
     def wanted(self, layer: int) -> np.ndarray:
-        """Residents scored at least the slot count's best score (ties count as wanted)."""
+        """Residents scored at least the wanted slot count's best score (ties count as wanted)."""
         slots, scores = self.layers[layer], self.scores[layer]
-        if slots.num_slots == 0:
+        wanted = self.wanted_slots(layer)
+        if wanted == 0:
             return np.zeros(slots.num_experts, bool)
-        if slots.num_slots >= slots.num_experts:
+        if wanted >= slots.num_experts:
             return slots.slot_of >= 0
-        bar = np.partition(scores, scores.size - slots.num_slots)[scores.size - slots.num_slots]
+        bar = np.partition(scores, scores.size - wanted)[scores.size - wanted]
         return (slots.slot_of >= 0) & (scores >= bar) & (scores > 0)
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
@@ -185,7 +199,8 @@ class AdaptivePlacement(PlacementPolicy):
         _observe(self.scores[layer], expert_ids.reshape(-1), self.decay, True)
 
     def rebalance(self, limit: int | None = None) -> list[Swap]:
-        """Per layer with slots: fill empty slots with the best positive-scored cold experts; then take the
+        """Per layer with slots: fill empty slots with the best positive-scored cold experts, up to the wanted
+        residents (the layer's miss slots stay free for the miss policy); then take the
         max_swaps best cold experts (highest score first, lowest id on ties) and, in that order, swap each in for
         the weakest resident (first in slot order on ties) while it scores more than margin times that one's
         score. One compiled call per layer (_rebalance). Under a `limit` (swaps in all, SwapAllowance), the
@@ -207,7 +222,9 @@ class AdaptivePlacement(PlacementPolicy):
                 continue
             if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
                 rows = self._rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
-            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, left, rows)
+            fill = max(0, self.wanted_slots(index) - int(np.count_nonzero(layer.expert_in >= 0)))
+            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, left, fill,
+                           rows)
             if n:
                 for slot, evicted, loaded in rows[:n].tolist():
                     swaps.append(Swap(index, slot, evicted if evicted >= 0 else None, loaded))
@@ -237,8 +254,8 @@ def _observe(scores, ids, decay, decaying):
 @njit(cache=True, nogil=True)
 def _spare_slots(scores, slot_of, expert_in, admitted, busy, rule, num_slots):
     """PlacementPolicy.spare_slots. rule 0: wanted = resident and not admitted (base / static); rule 1: adaptive's
-    wanted (resident, scored at least the num_slots-th best score, > 0; none without slots; every resident when
-    there is a slot per expert)."""
+    wanted (resident, scored at least the num_slots-th best score, > 0; none when no resident is wanted; every
+    resident when one is wanted per expert). num_slots: the wanted residents (PlacementPolicy.wanted_slots)."""
     E = slot_of.size
     S = expert_in.size
     bar = 0.0
@@ -299,10 +316,10 @@ def _best_cold(scores, slot_of, taken, positive):
 
 
 @njit(cache=True, nogil=True)
-def _rebalance(scores, slot_of, expert_in, margin, max_swaps, limit, swaps):
+def _rebalance(scores, slot_of, expert_in, margin, max_swaps, limit, fill, swaps):
     """AdaptivePlacement's safe point for one layer, in place on slot_of / expert_in. swaps [rows, 3] receives
-    (slot, evicted or -1, loaded); returns the row count, at most `limit` (negative: no limit). Empty slots are
-    filled first (best positive-scored cold experts, slots in order); then up to max_swaps of the best cold
+    (slot, evicted or -1, loaded); returns the row count, at most `limit` (negative: no limit). Up to `fill` empty
+    slots are filled first (best positive-scored cold experts, slots in order); then up to max_swaps of the best cold
     experts (chosen before any swap) each replace the weakest resident (the first in slot order on ties) while
     it scores more than margin times it."""
     E = slot_of.size
@@ -312,6 +329,8 @@ def _rebalance(scores, slot_of, expert_in, margin, max_swaps, limit, swaps):
     for s in range(S):
         if n == limit:
             return n
+        if n == fill:
+            break
         if expert_in[s] < 0:
             e = _best_cold(scores, slot_of, taken, True)
             if e < 0:
