@@ -66,7 +66,6 @@ class OffloadEngine:
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
-        self._steps = 0  # safe points (end_step) since the placement was made: the miss slots are weighed again
         self._make_policy()
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
@@ -146,7 +145,7 @@ class OffloadEngine:
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
         self._weigh_miss_slots()
-        self._steps = 0
+        self._steps = 0  # safe points (end_step) since the placement was made: the miss slots are weighed again
         if popularity is not None or self.config.placement == "adaptive":
             self._apply(self.policy.initial())
         else:  # layers with a slot for every expert (all of them when all_resident) are filled now
