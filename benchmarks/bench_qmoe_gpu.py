@@ -352,6 +352,8 @@ def main(argv=None):
         print(f"[{key}] prefill 512: {pf['median'] * 1e3:.2f} ms = {pf_tf:.0f} TFLOP/s = {pf_tf / tflops:.0%} of fp16 "
               f"matmul (BM {pf['bm']}, {pf['distinct_experts']} experts hit)", flush=True)
         details[f"shape_{key}"].update(decode=dec, prefill={k_: v for k_, v in pf.items()})
+        print(f"[{key}] upload_expert_device host time (pageable rows): "
+              f"{time_host(lambda: m.upload_expert_device(1, 1), 20) * 1e6:.0f} us", flush=True)
         for kern, d in decs.items():
             details[f"shape_{key}"][f"decode_{kern}"] = d
         tag = f"[{key}: {sh['label']}]"

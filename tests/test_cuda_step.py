@@ -123,17 +123,41 @@ def test_staged_launches_replayed_as_a_graph_follow_new_inputs_swaps_and_workspa
             assert (len(m._graphs) == 1) == (step in (1, 2, 3, 5)), f"step {step}: {len(m._graphs)} graphs"
 
 
+# (bits, block_size, zero points, bias, dtype, H, I, activation, swiglu_fusion); the last one has FC3 (gated
+# swiglu_fusion 0): layout.pack on the device, not pack_slot
+_DEVICE_PACK_CASES = [
+    (4, 32, True, True, "float32", 128, 64, "swiglu", 1),
+    (8, 32, True, True, "float32", 128, 64, "swiglu", 1),
+    (4, 64, False, True, "float16", 128, 64, "swiglu", 1),
+    (8, 64, True, False, "bfloat16", 128, 128, "relu", 0),
+    (4, 0, True, True, "bfloat16", 96, 40, "swiglu", 1),
+    (8, 0, False, False, "float32", 96, 40, "relu", 0),
+    (4, 0, True, False, "float16", 96, 40, "relu", 0),
+    (8, 0, True, True, "float16", 80, 36, "swiglu", 1),
+    (4, 32, False, False, "bfloat16", 96, 32, "swiglu", 2),
+    (8, 16, True, True, "float32", 96, 48, "silu", 0),
+    (4, 128, True, False, "float32", 256, 128, "swiglu", 2),
+    (4, 32, True, True, "float32", 128, 64, "swiglu", 0),
+]
+
+
 @pytest.mark.gpu
-def test_an_expert_converted_on_the_gpu_fills_its_slot_as_the_host_packing_does():
-    """GpuQMoE.upload_expert_device (stored rows copied over, kernel layout made on the GPU) against
-    upload_expert (packed on the host): the same slot contents, byte for byte, and the same map."""
+@pytest.mark.parametrize("bits,block_size,zero_points,bias,dtype,H,I,activation,fusion", _DEVICE_PACK_CASES)
+def test_an_expert_converted_on_the_gpu_fills_its_slot_as_the_host_packing_does(bits, block_size, zero_points, bias,
+                                                                                 dtype, H, I, activation, fusion):
+    """GpuQMoE.upload_expert_device (stored rows copied over, kernel layout made on the GPU: one pack_slot launch
+    per projection, or layout.pack for FC3) against upload_expert (packed on the host): the same slot contents,
+    byte for byte, and the same map."""
     cp = pytest.importorskip("cupy")
+    import ml_dtypes
+
     from kernels.gpu import GpuQMoE
     from kernels.qmoe_spec import QMoESpec
     from tests.qmoe_oracle import make_case
 
-    attrs, t, x, _ = make_case(seed=33, E=8, H=128, I=64, k=2, bits=4, block_size=32, T=2, activation="swiglu",
-                               swiglu_fusion=1, zero_points=True, bias=True)
+    attrs, t, x, _ = make_case(seed=33, E=8, H=H, I=I, k=2, bits=bits, block_size=block_size, T=2,
+                               activation=activation, swiglu_fusion=fusion, zero_points=zero_points, bias=bias,
+                               dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
     spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
     host, device = GpuQMoE(spec, t, num_slots=3, resident=[]), GpuQMoE(spec, t, num_slots=3, resident=[])
     stream = cp.cuda.Stream(non_blocking=True)
@@ -141,7 +165,9 @@ def test_an_expert_converted_on_the_gpu_fills_its_slot_as_the_host_packing_does(
         host.upload_expert(expert, slot, stream=stream)
         device.upload_expert_device(expert, slot, stream=stream)
     stream.synchronize()
+    assert device.device_packs == (0 if spec.has_fc3 else 3)
     for name in host.slots:
         for key in host.slots[name]:
-            assert cp.array_equal(host.slots[name][key], device.slots[name][key]), (name, key)
+            assert cp.array_equal(host.slots[name][key].view(cp.uint8), device.slots[name][key].view(cp.uint8)), \
+                (name, key)
     assert np.array_equal(host.slot_of, device.slot_of) and device.slot_of[5] == -1 and device.slot_of[6] == 0

@@ -28,6 +28,7 @@ from .. import reference as _ref
 from . import convert as _conv
 from . import layout as _lay
 from ._module import load_module
+from .pack_device import plan_for
 from .pack_host import pack_expert_host
 
 __all__ = ["GpuQMoE", "gpu_available"]
@@ -133,6 +134,7 @@ class GpuQMoE:
             if len(res) > S:
                 raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
             self._upload_initial(res)
+            self._init_device_pack()
 
     # ------------------------------------------------------------------ storage
     def _alloc_slots(self, p: _lay.ProjLayout, S: int) -> dict:
@@ -202,8 +204,10 @@ class GpuQMoE:
 
     def upload_expert_device(self, e: int, slot: int, stream=None) -> None:
         """upload_expert converting on the GPU: the expert's stored rows are copied over as they are (a DMA when
-        they are page-locked: engine/offload/host_register.py) and put in the kernel layout there, as at
-        construction, on ``stream``; the host only issues the work. Same contents as upload_expert."""
+        they are page-locked: engine/offload/host_register.py) and put in the kernel layout there, on ``stream``;
+        the host only issues the work. Same contents as upload_expert. Common layouts take one ``pack_slot``
+        launch per projection (kernels.gpu.pack_device: tens of µs of host time); others go through layout.pack
+        (~30 CuPy calls per projection)."""
         cp = _cp()
         e, slot = int(e), int(slot)
         if not 0 <= slot < self.num_slots:
@@ -211,11 +215,60 @@ class GpuQMoE:
         with self.device:
             stream = stream or cp.cuda.get_current_stream()
             with stream:
-                for p in (self.fc1, self.fc2):
-                    packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, np.array([e]), xp=cp), xp=cp)
-                    for key, arr in packed.items():
-                        self.slots[p.name][key][slot] = arr[0]
+                if self._pack_plans is not None:
+                    self._pack_slot(e, slot, stream)
+                    self.device_packs += 1
+                else:
+                    for p in (self.fc1, self.fc2):
+                        packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, np.array([e]), xp=cp),
+                                           xp=cp)
+                        for key, arr in packed.items():
+                            self.slots[p.name][key][slot] = arr[0]
             self._map_slot(e, slot, stream)
+
+    def _init_device_pack(self) -> None:
+        """The pack_slot plans of both projections (None: a layout it does not read, layout.pack instead) and their
+        layouts' row sources on the device, made once."""
+        self.device_packs = 0  # experts upload_expert_device packed with pack_slot (tests check the path taken)
+        plan1 = plan_for(self.spec, self._tensors, self.fc1)
+        plan2 = plan_for(self.spec, self._tensors, self.fc2, offset=plan1.nbytes) if plan1 else None
+        self._pack_plans = (plan1, plan2) if plan2 else None
+        if self._pack_plans:
+            cp = _cp()
+            self._pack_bytes = plan1.nbytes + plan2.nbytes
+            self._row_src_dev = {p.name: cp.asarray(p.row_src.astype(np.int32)) for p in (self.fc1, self.fc2)}
+
+    def _pack_slot(self, e: int, slot: int, stream) -> None:
+        """Expert e's stored rows copied to one device buffer (one copy per tensor, on `stream`), then one pack_slot
+        launch per projection writes the slot. The buffer goes back to CuPy's pool for `stream` when this returns:
+        reused only by later work on that stream, after these launches."""
+        cp = _cp()
+        raw = cp.empty(self._pack_bytes, cp.uint8)
+        base = raw.data.ptr
+        for plan in self._pack_plans:
+            for a, off in plan.parts.values():
+                cp.cuda.runtime.memcpyAsync(base + off, a.ctypes.data + e * a.strides[0], a.strides[0],
+                                            cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        for plan in self._pack_plans:
+            self._launch_pack(plan, base, slot)
+
+    def _launch_pack(self, plan, base: int, slot: int) -> None:
+        p, sl = plan.lay, self.slots[plan.lay.name]
+
+        def src(key):  # device address of a staged tensor (0: absent)
+            return np.uint64(base + plan.parts[key][1] if key in plan.parts else 0)
+
+        def dst(key):  # address of the slot's row in a slot array (0: the layout has none)
+            return np.uint64(sl[key].data.ptr + slot * sl[key].strides[0] if key in sl else 0)
+
+        items = p.w_bytes + p.s_len + (p.NP if p.has_bias else 0)
+        grid = max(1, min(_cdiv(items, 256), 16 * self.num_sms))
+        self._f("pack_slot")((grid,), (256,), (
+            src("w"), src("s"), src("z"), src("b"), self._row_src_dev[p.name], np.int32(p.bits), np.int32(p.K),
+            np.int32(p.KT), np.int32(plan.wrow), np.int32(p.NB), np.int32(plan.nb), np.int32(p.sdtype.itemsize),
+            np.int32(p.sdt), np.int32(plan.zrow), np.int32(int(p.has_zp)), np.int32(int(p.has_h)),
+            np.int32(plan.bdt), np.int32(p.NP), np.int64(p.w_bytes), np.int64(p.s_len),
+            dst("w"), dst("s"), dst("h"), dst("z"), dst("b")))
 
     def _map_slot(self, e: int, slot: int, stream) -> None:
         """Point the expert->slot map at `slot` for expert e (evicting the slot's previous expert), on `stream`."""
