@@ -1,0 +1,159 @@
+"""Benchmark: do the CPU's expert reads and the GPU's copies over PCIe share the host's memory bandwidth?
+
+anchors.md bounds a decode step's misses by (1 - h)·W_act / (B_dram + B_pcie): the CPU computing some misses while
+others are copied to the GPU, each at its full rate. But a copy over PCIe reads host memory too. This benchmark
+measures each reader alone and both at once, in one process:
+
+    cpu stream   a Numba parallel sum over 2 GB (the engine's B_dram measurement), all threads
+    cpu kernel   the CPU decode kernel (kernels.cpu.CpuQMoE, int4 block 32, cold routing) at shape A or B
+    pcie         host -> device copies from page-locked memory (1 GiB each, back to back on one stream)
+
+For "both", the copies are queued first (enough for ~0.6 s) and the CPU reader runs call after call while they are in
+flight; only the CPU calls that ended before the last copy count, and the copies' rate is their bytes over their
+CUDA-event time. Reported: each rate alone, each rate while sharing, and the shared sum against B_dram + B_pcie
+(what the anchors' bound adds).
+
+    python benchmarks/bench_host_contention.py [--shape A|B] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_qmoe_cpu import SHAPES, decode_routings, make_layout_weights  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from engine.offload.host_bandwidth import _kernel as stream_kernel  # noqa: E402
+from kernels.cpu import CpuQMoE  # noqa: E402
+from kernels.qmoe_spec import QMoESpec  # noqa: E402
+
+COPY_BYTES = 1 << 30
+
+
+class Copier:
+    """Back-to-back host -> device copies of one page-locked GiB on a stream of their own."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.host = cp.cuda.alloc_pinned_memory(COPY_BYTES)
+        np.frombuffer(self.host, np.uint8, COPY_BYTES)[:] = 1
+        self.device = cp.empty(COPY_BYTES, cp.uint8)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def start(self, count: int):
+        """Queue `count` copies; returns (start event, end event)."""
+        rt = self.cp.cuda.runtime
+        begin = self.stream.record()
+        for _ in range(count):
+            rt.memcpyAsync(self.device.data.ptr, self.host.ptr, COPY_BYTES, rt.memcpyHostToDevice, self.stream.ptr)
+        return begin, self.stream.record()
+
+    def rate_alone(self, count: int = 8) -> float:
+        self.start(1)[1].synchronize()  # warm
+        begin, end = self.start(count)
+        end.synchronize()
+        return count * COPY_BYTES / (self.cp.cuda.get_elapsed_time(begin, end) * 1e-3)
+
+
+def cpu_rate_alone(call, nbytes: int, seconds: float = 0.5) -> float:
+    call()
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        call()
+        done += 1
+    return done * nbytes / (time.perf_counter() - started)
+
+
+def shared_rates(copier: Copier, call, nbytes: int, copies: int) -> tuple[float, float, int]:
+    """(CPU bytes/s, copy bytes/s, CPU calls counted) with both running: CPU calls that ended while copies were
+    still in flight."""
+    begin, end = copier.start(copies)
+    begin.synchronize()
+    done, started, finished = 0, time.perf_counter(), None
+    while True:
+        call()
+        if end.done:
+            break
+        done += 1
+        finished = time.perf_counter()
+    end.synchronize()
+    copy_rate = copies * COPY_BYTES / (copier.cp.cuda.get_elapsed_time(begin, end) * 1e-3)
+    cpu_rate = done * nbytes / (finished - started) if done else float("nan")
+    return cpu_rate, copy_rate, done
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="A")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+
+    import cupy as cp
+    import numba
+
+    cores = os.cpu_count() or 1
+    numba.set_num_threads(cores)
+    psum = stream_kernel()
+    big = np.ones(int(2e9) // 4, np.float32)
+
+    E, H, I, K = SHAPES[args.shape]
+    attrs, tensors = make_layout_weights("int4", E, H, I)
+    attrs["k"] = K
+    spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
+    kernel = CpuQMoE(spec, tensors, num_threads=cores)
+    rng = np.random.default_rng(1)
+    logits, _ = decode_routings(rng, E, K, cold=True)
+    xs = rng.standard_normal((len(logits), 1, H)).astype(np.float32)
+    calls = {"n": 0}
+
+    def decode_call():
+        i = calls["n"] % len(logits)
+        calls["n"] += 1
+        kernel.forward(xs[i], logits[i])
+
+    readers = {"cpu stream (Numba parallel sum, 2 GB)": (lambda: psum(big), big.nbytes),
+               f"cpu decode kernel, shape {args.shape} cold routing":
+                   (decode_call, K * spec.expert_bytes(scale_bytes=4, bias_bytes=4))}
+    copier = Copier(cp)
+    pcie = copier.rate_alone()
+    copies = max(4, int(0.6 * pcie / COPY_BYTES))
+    print(f"shape {args.shape}, {cores} threads; pcie alone {pcie / 1e9:.1f} GB/s; {copies} GiB copied per shared run",
+          flush=True)
+    figures = []
+    stream_alone = None
+    for name, (call, nbytes) in readers.items():
+        alone = cpu_rate_alone(call, nbytes)
+        stream_alone = stream_alone or alone
+        runs = [shared_rates(copier, call, nbytes, copies) for _ in range(3)]
+        cpu_shared = float(np.median([r[0] for r in runs]))
+        copy_shared = float(np.median([r[1] for r in runs]))
+        pcie_again = copier.rate_alone()
+        total = cpu_shared + copy_shared
+        print(f"{name}: alone {alone / 1e9:.1f} GB/s; with copies {cpu_shared / 1e9:.1f} GB/s "
+              f"({cpu_shared / alone:.0%}), copies {copy_shared / 1e9:.1f} GB/s ({copy_shared / pcie:.0%} of alone, "
+              f"{pcie_again / 1e9:.1f} alone after); sum {total / 1e9:.1f} GB/s = {total / (alone + pcie):.0%} of "
+              f"alone + pcie alone; {min(r[2] for r in runs)}+ calls per run", flush=True)
+        figures += [
+            {"name": f"{name} while copies run", "value": cpu_shared / 1e9, "unit": "GB/s",
+             "reference": "the same reader alone (same run)", "reference_value": alone / 1e9,
+             "ratio": cpu_shared / alone},
+            {"name": f"host->device copies while {name} runs", "value": copy_shared / 1e9, "unit": "GB/s",
+             "reference": "the copies alone (same run)", "reference_value": pcie / 1e9, "ratio": copy_shared / pcie},
+            {"name": f"{name} + copies, both running", "value": total / 1e9, "unit": "GB/s",
+             "reference": "each alone, summed (what B_dram + B_pcie assumes)", "reference_value": (alone + pcie) / 1e9,
+             "ratio": total / (alone + pcie)},
+        ]
+    if not args.no_write:
+        print("wrote", write_result(f"host-contention-shape{args.shape}", figures,
+                                    config={"shape": args.shape, "threads": cores, "copy_bytes": COPY_BYTES}))
+    return figures
+
+
+if __name__ == "__main__":
+    main()
