@@ -51,6 +51,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import engine  # noqa: E402,F401  the engine's OpenMP wait default (engine/__init__.py), set before Numba's runtime loads
 from kernels.qmoe_spec import QMoESpec  # noqa: E402
 from kernels.cpu import CpuQMoE  # noqa: E402
 from kernels.cpu.simd import HAS_AVX512F  # noqa: E402
