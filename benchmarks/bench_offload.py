@@ -181,7 +181,7 @@ def main() -> None:
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "cpu_rate": model.offload.cpu_rate.value, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
-             "pinned": model.offload.pinned_info()},
+             "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info()},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
              "ratio": prefill / cpu_prefill, "split": prefill_split},
@@ -203,7 +203,9 @@ def main() -> None:
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
-              + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer",
+              + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
+              + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
+                 if model.offload.copy_reuse.value is not None else ""),
               flush=True)
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")

@@ -12,7 +12,8 @@ import engine.offload.hybrid_node as hybrid_node
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths
-from engine.offload.miss_policy import CpuRate, MissCosts, choose, copying_pays, decide, miss_costs, miss_slots
+from engine.offload.miss_policy import (CopyReuse, CpuRate, MissCosts, choose, copying_pays, decide, miss_costs,
+                                       miss_slots)
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
@@ -89,15 +90,19 @@ def test_the_cost_model_finds_the_best_split_of_every_random_case():
         n = int(rng.integers(0, 7))
         costs = MissCosts(cpu_s=rng.uniform(0.1, 3.0, n) * rng.choice([1e-4, 1e-3]), copy_s=float(rng.uniform(0, 2e-3)),
                           device_s=float(rng.uniform(0, 1e-3)), resident_s=float(rng.uniform(0, 3e-3)),
-                          prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])))
+                          prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),
+                          credit_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])))  # later hits' credit
         spares = int(rng.integers(0, n + 2))
         decision = choose(costs, spares)
-        best = min(costs.step_seconds(np.array(subset, dtype=np.int64))
+        best = min(costs.worth(np.array(subset, dtype=np.int64))
                    for size in range(min(n, spares) + 1) for subset in itertools.combinations(range(n), size))
-        assert decision.predicted_s == pytest.approx(best, rel=1e-9, abs=1e-15)
+        assert decision.worth_s == pytest.approx(best, rel=1e-9, abs=1e-15)
+        assert costs.worth(decision.copied) == pytest.approx(decision.worth_s, rel=1e-9, abs=1e-15)
         assert costs.step_seconds(decision.copied) == pytest.approx(decision.predicted_s, rel=1e-9, abs=1e-15)
         assert decision.num_copied <= min(n, spares)
-        assert decision.predicted_s <= decision.all_cpu_s + 1e-15 and decision.predicted_s <= decision.most_copied_s + 1e-15
+        if costs.credit_s == 0.0:  # without credit, W is the step's time: never above all-CPU or all-copied
+            assert decision.predicted_s <= decision.all_cpu_s + 1e-15
+            assert decision.predicted_s <= decision.most_copied_s + 1e-15
         assert decision.all_cpu_s == pytest.approx(costs.step_seconds(np.empty(0, np.int64)), rel=1e-9, abs=1e-15)
 
 
@@ -112,7 +117,8 @@ def test_copying_pays_exactly_when_the_policy_would_copy_something():
         costs = MissCosts(cpu_s=cpu, copy_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 2e-3)])),
                           device_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 1e-3)])),
                           resident_s=float(rng.choice([0.0, 3e-4, rng.uniform(0, 3e-3)])),
-                          prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])))
+                          prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),
+                          credit_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 1e-3)])))
         assert copying_pays(costs) == (choose(costs, n).num_copied > 0), costs
 
 
@@ -146,6 +152,48 @@ def test_the_measured_cpu_rate_makes_copies_pay_when_the_kernels_fall_short_of_s
     rate.observe(1000, 1.0)
     rate.observe(3000, 1.0)
     assert rate.value == pytest.approx(2000.0)
+
+
+def test_copies_reused_by_later_steps_earn_a_credit_that_can_make_copying_pay():
+    # BALANCED with prep 1.2 ms: one 1 MB miss costs the CPU 1 ms; copying it costs the CPU 1.2 ms of host time, so
+    # this step alone never copies. Each later hit saves read - dev = 1 - 0.25 ms: with 0.5 reuses per copy the
+    # credit is 0.375 ms and W(1) = max(1.2, 1.2 + 0.25 + 0.25) - 0.375 = 1.325 ms > 1 ms: still no copy; with 1
+    # reuse, W(1) = 1.7 - 0.75 = 0.95 ms < 1 ms: copied, though this step takes longer (T = 1.7 ms)
+    args = dict(spare_slots=1, resident_s=0.0, prepare_s=1.2e-3)
+    assert decide(BALANCED, 1_000_000, np.ones(1), **args).num_copied == 0
+    assert decide(BALANCED, 1_000_000, np.ones(1), reuse=0.5, **args).num_copied == 0
+    reused = decide(BALANCED, 1_000_000, np.ones(1), reuse=1.0, **args)
+    assert reused.num_copied == 1 and reused.predicted_s == pytest.approx(1.7e-3)
+    assert reused.worth_s == pytest.approx(0.95e-3)
+    # a credit is never negative: when the device reads an expert slower than the CPU, later hits save nothing
+    slow_device = Bandwidths(pcie=4e9, hbm=0.5e9, cpu=1e9, cpu_flops=1e18)
+    assert miss_costs(slow_device, 1_000_000, [1], 0.0, reuse=3.0).credit_s == 0.0
+
+
+def test_copy_reuse_counts_later_hits_on_copied_experts_within_its_window():
+    reuse = CopyReuse([8, 8], window=2, keep=1.0, min_copies=2)
+    reuse.copied(0, [3, 5])
+    assert reuse.value == 0.0
+    reuse.hit(0, np.array([3, 3, 5]))  # the copy's own step: not a later hit
+    assert reuse.value == 0.0
+    reuse.end_step()
+    reuse.hit(0, np.array([3, 3, 1]))  # one step later: expert 3 once (two tokens), expert 1 was never copied
+    reuse.hit(1, np.array([3, 5]))     # another layer: nothing copied there
+    assert reuse.value == pytest.approx(0.5)
+    reuse.end_step()
+    reuse.hit(0, np.array([3, 5]))
+    assert reuse.value == pytest.approx(1.5)
+    reuse.end_step()
+    reuse.hit(0, np.array([3, 5]))     # three steps after the copy: outside the window
+    assert reuse.value == pytest.approx(1.5)
+    assert CopyReuse([8], min_copies=4).value is None  # nothing measured yet
+    decayed = CopyReuse([8], keep=0.5, min_copies=1)
+    decayed.copied(0, [1])
+    decayed.end_step()
+    decayed.hit(0, np.array([1]))
+    decayed.end_step()
+    decayed.copied(0, [2])  # the first copy two steps ago weighs a quarter, its hit one step ago half
+    assert decayed.value == pytest.approx(0.5 / (0.25 + 1))
 
 
 def test_decode_misses_on_the_cpu_measure_its_rate(model_folder, slot_bytes):
@@ -243,6 +291,8 @@ def test_miss_slots_minimise_the_expected_step_of_random_cases():
         prepare = float(rng.choice([0.0, rng.uniform(0, 5e-4)]))
         cpu_rate = float(rng.choice([np.nan, rng.uniform(0.2e9, 4e9)]))
         cpu_rate = None if np.isnan(cpu_rate) else cpu_rate
+        reuse = float(rng.choice([np.nan, rng.uniform(0.0, 3.0)]))
+        reuse = None if np.isnan(reuse) else reuse
 
         def expected(spare):
             hits = top_k * min(slots - spare, experts) / experts
@@ -251,14 +301,15 @@ def test_miss_slots_minimise_the_expected_step_of_random_cases():
             for count, share in ((int(misses), 1 - misses % 1), (int(misses) + 1, misses % 1)):
                 if share > 0:
                     costs = miss_costs(bandwidths, 1_000_000, [1] * count, hits * 1_000_000 / bandwidths.hbm,
-                                       prepare_s=prepare, cpu_rate=cpu_rate)
-                    total += share * min(costs.step_seconds(np.array(c, dtype=np.int64))
+                                       prepare_s=prepare, cpu_rate=cpu_rate, reuse=reuse)
+                    total += share * min(costs.worth(np.array(c, dtype=np.int64))
                                          for size in range(min(count, spare) + 1)
                                          for c in itertools.combinations(range(count), size))
             return total
 
         times = [expected(spare) for spare in range(slots + 1)]
-        chosen = miss_slots(bandwidths, 1_000_000, slots, experts, top_k, prepare_s=prepare, cpu_rate=cpu_rate)
+        chosen = miss_slots(bandwidths, 1_000_000, slots, experts, top_k, prepare_s=prepare, cpu_rate=cpu_rate,
+                            reuse=reuse)
         assert times[chosen] == pytest.approx(min(times), rel=1e-9, abs=1e-15)
         assert all(t > times[chosen] * (1 - 1e-9) for t in times[:chosen])  # the fewest among equals
 
@@ -433,3 +484,37 @@ def test_a_wave_gathered_into_the_ring_reads_like_the_model(model_folder):
     assert np.shares_memory(layout._take(wave[name], np.arange(4)), ring.buffer)  # no pageable copy on the way
     assert np.shares_memory(layout._take(wave[name], np.arange(1, 3)), ring.buffer)
     assert np.array_equal(layout._take(wave[name], np.array([2, 0])), tensors[name][[9, 3]])
+
+
+def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_policy(model_folder, slot_bytes,
+                                                                                       monkeypatch):
+    """Decode routed (route patched) to one of four disjoint expert sets, each for two steps in a row, with copies
+    always paying: a set's misses are copied at its first step and hit at its second, so the engine measures later
+    hits on copies, and the miss policy's decisions from then on carry them."""
+    original = hybrid_node.route
+    step = {"n": 0}
+
+    def two_steps_per_set(logits, spec, router_weights=None):
+        ids, weights = original(logits, spec, router_weights)
+        if ids.shape[0] > 1:  # the prompt: routed as the model routes
+            return ids, weights
+        first = (step["n"] // (2 * len(model.offload.infos))) % 4 * spec.k
+        step["n"] += 1
+        return np.arange(first, first + spec.k, dtype=ids.dtype).reshape(ids.shape), weights
+
+    offered = []
+
+    def recording(*args, **kwargs):
+        offered.append(kwargs.get("reuse"))
+        return decide(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid_node, "route", two_steps_per_set)
+    monkeypatch.setattr(hybrid_node, "decide", recording)
+    model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=8 * 3 * slot_bytes)
+    greedy_run(model, steps=16)
+    reuse = model.offload.copy_reuse
+    totals = model.offload.stats.totals()
+    assert totals.misses_copied > 0 and totals.hits > 0
+
+    assert reuse.value is not None and reuse.value > 0.25, reuse.value
+    assert offered[0] is None and offered[-1] == pytest.approx(reuse.value, rel=0.5)

@@ -15,7 +15,7 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
-from engine.offload.miss_policy import CpuRate, miss_slots
+from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
 from engine.offload.staging import NO_STAGING, plan_staging
@@ -66,6 +66,7 @@ class OffloadEngine:
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
+        self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
         self._make_policy()
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
@@ -172,7 +173,7 @@ class OffloadEngine:
                 weighed[key] = miss_slots(self.device.bandwidths, info.bytes_per_expert, layer.num_slots,
                                           spec.num_experts, spec.k, prepare_s=getattr(store, "prepare_s", 0.0),
                                           copy_bytes=store.expert_bytes, read_bytes=store.read_bytes,
-                                          cpu_rate=self.cpu_rate.value)
+                                          cpu_rate=self.cpu_rate.value, reuse=self.copy_reuse.value)
             chosen.append(weighed[key])
         self.policy.miss_slots = chosen
 
@@ -221,6 +222,7 @@ class OffloadEngine:
         if self.shadow:
             return
         self.stats.end_step()
+        self.copy_reuse.end_step()
         if self.device is not None:
             self._steps += 1
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:

@@ -67,6 +67,8 @@ class HybridExpertNode:
         stats.misses += missed
         if not shadow:
             engine.stats.count(layer, ids, resident, routed)
+            if hits:
+                engine.copy_reuse.hit(layer, ids[resident])
 
         out = self._output(x2d.shape[0])
         store = engine.stores[layer]
@@ -193,7 +195,8 @@ class HybridExpertNode:
         resident_s = len(set(ids[resident].tolist())) * store.read_bytes / bandwidths.hbm
         expert_bytes = self.info.bytes_per_expert
         extra = dict(flops_per_token=self._flops_per_token, prepare_s=getattr(store, "prepare_s", 0.0),
-                     copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value)
+                     copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value,
+                     reuse=engine.copy_reuse.value)
         if not copying_pays(miss_costs(bandwidths, expert_bytes, tokens, resident_s, **extra)):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
@@ -207,6 +210,7 @@ class HybridExpertNode:
             policy.admit(self.layer, slot, expert)
             stats.copy_s += store.load(slot, expert)
             stats.copy_bytes += store.expert_bytes
+        engine.copy_reuse.copied(self.layer, chosen)
         return np.array(chosen, dtype=np.int64)
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:

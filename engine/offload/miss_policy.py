@@ -15,9 +15,17 @@ The model, per layer and step, with n cold experts hit by routing and S spare sl
 
 for the set C of copied misses, m ≤ S. The CPU readies the copies, then computes its misses while
 the device computes the residents; the copies run on the copy stream meanwhile, and the copied
-experts are computed once both are done. All experts of a layer have the same size, so for a given |C| = m the best C holds
-the m misses with the largest CPU cost; the policy scans m = 0..min(n, S) and keeps the smallest
-T (ties: fewer copies, so no PCIe traffic is spent for nothing).
+experts are computed once both are done. A copied expert stays resident: where routing comes back to it
+in the next steps it is a hit there, and each such hit saves the CPU reading it (the device reads it
+instead). CopyReuse measures r, the later hits a copy earned, so a copy is credited with
+
+    credit  = r · max(0, read − dev)                                   read: one expert's CPU read time
+
+and the policy minimises W(C) = T(C) − m · credit (r = 0 until measured: this step alone, as under the
+uniform routing of random weights; real routing repeats recent experts, anchors.md). All experts of a
+layer have the same size, so for a given |C| = m the best C holds the m misses with the largest CPU
+cost; the policy scans m = 0..min(n, S) and keeps the smallest W (ties: fewer copies, so no PCIe
+traffic is spent for nothing).
 
 bytes is the expert as stored (what the CPU kernel reads); copy_bytes is what a copy moves, the expert
 packed in the GPU kernels' layout (GpuQMoE.pack_expert: converted for int2 / int3 / SM80 / mixed widths /
@@ -48,6 +56,48 @@ class CpuRate:
         self.value = rate if self.value is None else self.keep * self.value + (1 - self.keep) * rate
 
 
+class CopyReuse:
+    """Hits that misses copied into spare slots earned in later steps (the credit in the module docstring).
+
+    Per layer, the step each expert was last copied at; a later step that finds a token routed to it resident,
+    within `window` steps of the copy, counts one reuse (once per step). value: reuses per copy, both counts
+    decayed by `keep` per step so that the current routing weighs most; None until `min_copies` copies were made."""
+
+    def __init__(self, num_experts: list[int], window: int = 8, keep: float = 0.98, min_copies: int = 4):
+        self.window, self.keep, self.min_copies = window, keep, min_copies
+        self._copied_at = [np.full(n, -window - 1, np.int64) for n in num_experts]
+        self._last_copy = [-window - 1] * len(num_experts)
+        self._made = 0  # copies ever made
+        self.step = 0
+        self.copies = 0.0  # decayed
+        self.reuses = 0.0  # decayed
+
+    def end_step(self) -> None:
+        self.step += 1
+        if self.copies > 1e-6:  # frozen once copies stopped long ago: the ratio is kept, no underflow
+            self.copies *= self.keep
+            self.reuses *= self.keep
+
+    def copied(self, layer: int, experts: list[int]) -> None:
+        self._copied_at[layer][experts] = self.step
+        self._last_copy[layer] = self.step
+        self.copies += len(experts)
+        self._made += len(experts)
+
+    def hit(self, layer: int, experts: np.ndarray) -> None:
+        """`experts`: this step's routed experts found resident in `layer` (repeats allowed)."""
+        if self.step - self._last_copy[layer] > self.window:
+            return  # nothing copied lately in this layer: no array work on the decode path
+        at = self._copied_at[layer][experts]
+        recent = experts[(at < self.step) & (at >= self.step - self.window)]
+        if recent.size:
+            self.reuses += len(set(recent.tolist()))
+
+    @property
+    def value(self) -> float | None:
+        return self.reuses / self.copies if self._made >= self.min_copies and self.copies > 0 else None
+
+
 @dataclass(frozen=True)
 class MissCosts:
     """Modelled seconds of one step's choices, for one layer."""
@@ -56,24 +106,37 @@ class MissCosts:
     device_s: float        # the device computing one copied expert
     resident_s: float      # the device computing this step's resident experts
     prepare_s: float = 0.0  # host seconds to ready one expert for its copy
+    credit_s: float = 0.0   # later steps' expected savings per copy (CopyReuse)
 
     def step_seconds(self, copied: np.ndarray) -> float:
         """T(C) for a bool mask (or index array) of copied misses."""
+        m, rest = self._split(copied)
+        return self._time(m, rest)
+
+    def worth(self, copied: np.ndarray) -> float:
+        """W(C) = T(C) - m · credit: what the policy minimises."""
+        m, rest = self._split(copied)
+        return self._worth(m, rest)
+
+    def _split(self, copied) -> tuple[int, float]:
         mask = np.zeros(self.cpu_s.size, bool)
         mask[copied] = True
-        m = int(np.count_nonzero(mask))
-        return self._time(m, float(self.cpu_s[~mask].sum()))
+        return int(np.count_nonzero(mask)), float(self.cpu_s[~mask].sum())
 
     def _time(self, m: int, cpu_rest: float) -> float:
         cpu = m * self.prepare_s + cpu_rest
         device = max(self.resident_s, m * (self.prepare_s + self.copy_s)) + m * self.device_s
         return max(cpu, device)
 
+    def _worth(self, m: int, cpu_rest: float) -> float:
+        return self._time(m, cpu_rest) - m * self.credit_s
+
 
 @dataclass(frozen=True)
 class MissDecision:
     copied: np.ndarray     # indices (into the misses) to copy into spare slots
     predicted_s: float     # T of this choice
+    worth_s: float         # W of this choice (T less the copies' credit)
     all_cpu_s: float       # T with every miss on the CPU
     most_copied_s: float   # T with as many misses copied as there are spare slots (largest CPU costs first)
 
@@ -84,11 +147,13 @@ class MissDecision:
 
 def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
-               read_bytes: int | None = None, cpu_rate: float | None = None) -> MissCosts:
+               read_bytes: int | None = None, cpu_rate: float | None = None,
+               reuse: float | None = None) -> MissCosts:
     """The cost model's inputs from measured (or assumed) bandwidths: `tokens` holds, per miss, the
     tokens routed to it in this step. `expert_bytes`: the stored expert (CPU reads); `copy_bytes` /
     `read_bytes`: the expert in the device's layout, copied / read by the device (default expert_bytes);
-    `cpu_rate`: the CPU kernels' measured bytes per second (CpuRate), when lower than bandwidths.cpu."""
+    `cpu_rate`: the CPU kernels' measured bytes per second (CpuRate), when lower than bandwidths.cpu;
+    `reuse`: later hits per copy (CopyReuse; None: not measured, no credit)."""
     # Plain Python over the few misses of a decode step (n <= 8 per token): NumPy's per-call overhead on
     # such tiny arrays cost more than the arithmetic (issue #4).
     tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
@@ -100,8 +165,10 @@ def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
         cpu = [max(read, float(t) * per_token) for t in tokens]
     else:
         cpu = [read] * len(tokens)
+    device = read_bytes / bandwidths.hbm
     return MissCosts(cpu_s=np.array(cpu, dtype=np.float64), copy_s=copy_bytes / bandwidths.pcie,
-                     device_s=read_bytes / bandwidths.hbm, resident_s=float(resident_s), prepare_s=float(prepare_s))
+                     device_s=device, resident_s=float(resident_s), prepare_s=float(prepare_s),
+                     credit_s=(reuse or 0.0) * max(0.0, read - device))
 
 
 def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
@@ -112,40 +179,43 @@ def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
     order = sorted(range(n), key=lambda i: -cpu[i])  # stable: equal costs keep their order
     total = sum(cpu)
     most = min(n, max(0, int(spare_slots)))
-    times, removed = [costs._time(0, total)], 0.0
+    rests, removed = [total], 0.0
     for m in range(1, most + 1):
         removed += cpu[order[m - 1]]
-        times.append(costs._time(m, total - removed))
-    best = times.index(min(times))  # first minimum: the fewest copies among equal times
-    return MissDecision(copied=np.array(sorted(order[:best]), dtype=np.int64), predicted_s=times[best],
-                        all_cpu_s=times[0], most_copied_s=times[most])
+        rests.append(total - removed)
+    worths = [costs._worth(m, rest) for m, rest in enumerate(rests)]
+    best = worths.index(min(worths))  # first minimum: the fewest copies among equal values
+    return MissDecision(copied=np.array(sorted(order[:best]), dtype=np.int64),
+                        predicted_s=costs._time(best, rests[best]), worth_s=worths[best],
+                        all_cpu_s=costs._time(0, total), most_copied_s=costs._time(most, rests[most]))
 
 
 def copying_pays(costs: MissCosts) -> bool:
-    """Whether copying any miss can shorten the step, whatever the spare slots: T(m) is convex in m (the
-    CPU's term falls by ever smaller steps, the device's grows by ever larger ones), so some m > 0 beats
-    m = 0 exactly when m = 1 does. Lets a caller skip looking for spare slots (issue #4)."""
+    """Whether copying any miss can pay, whatever the spare slots: T(m) is convex in m (the CPU's term
+    falls by ever smaller steps, the device's grows by ever larger ones) and so is W(m) = T(m) - m · credit,
+    so some m > 0 beats m = 0 exactly when m = 1 does. Lets a caller skip looking for spare slots (issue #4)."""
     cpu = costs.cpu_s.tolist()
     if not cpu:
         return False
     total = sum(cpu)
-    return costs._time(1, total - max(cpu)) < costs._time(0, total)
+    return costs._worth(1, total - max(cpu)) < costs._worth(0, total)
 
 
 def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, resident_s: float,
            flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
-           read_bytes: int | None = None, cpu_rate: float | None = None) -> MissDecision:
+           read_bytes: int | None = None, cpu_rate: float | None = None, reuse: float | None = None) -> MissDecision:
     return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, flops_per_token, prepare_s,
-                             copy_bytes, read_bytes, cpu_rate), spare_slots)
+                             copy_bytes, read_bytes, cpu_rate, reuse), spare_slots)
 
 
 def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, top_k: int, prepare_s: float = 0.0,
-               copy_bytes: int | None = None, read_bytes: int | None = None, cpu_rate: float | None = None) -> int:
+               copy_bytes: int | None = None, read_bytes: int | None = None, cpu_rate: float | None = None,
+               reuse: float | None = None) -> int:
     """How many of a layer's `num_slots` to leave to copied misses instead of filling them with residents, for
-    token-by-token decode. For each split, a token's expected hits and misses under uniform routing (the floor:
-    real routing's recency also makes the copied misses hits later) and the miss policy's best time for them
-    (choose; a fractional miss count interpolates between its neighbours); the split with the least time, the
-    fewest miss slots among equals. Each slot left to misses costs hits: it pays when the CPU is slow enough
+    token-by-token decode. For each split, a token's expected hits and misses under uniform routing and the miss
+    policy's best value W for them (choose; with `reuse` measured, the copies' later hits are credited; a
+    fractional miss count interpolates between its neighbours); the split with the least W, the fewest miss slots
+    among equals. Each slot left to misses costs hits: it pays when the CPU is slow enough
     that a copy over PCIe beside it shortens the step more."""
     read_bytes = expert_bytes if read_bytes is None else read_bytes
     best, best_s = 0, None
@@ -158,8 +228,8 @@ def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, 
         for count, share in ((int(misses), 1.0 - misses % 1.0), (int(misses) + 1, misses % 1.0)):
             if share > 0.0:
                 costs = miss_costs(bandwidths, expert_bytes, [1] * count, resident_s, prepare_s=prepare_s,
-                                   copy_bytes=copy_bytes, read_bytes=read_bytes, cpu_rate=cpu_rate)
-                seconds += share * choose(costs, spare).predicted_s
+                                   copy_bytes=copy_bytes, read_bytes=read_bytes, cpu_rate=cpu_rate, reuse=reuse)
+                seconds += share * choose(costs, spare).worth_s
         if best_s is None or seconds < best_s * (1.0 - 1e-9):
             best, best_s = spare, seconds
     return best
