@@ -210,7 +210,8 @@ class HybridExpertNode:
             policy.admit(self.layer, slot, expert)
             stats.copy_s += store.load(slot, expert)
             stats.copy_bytes += store.expert_bytes
-        engine.copy_reuse.copied(self.layer, chosen)
+        if chosen:
+            engine.copy_reuse.copied(self.layer, chosen)
         return np.array(chosen, dtype=np.int64)
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
