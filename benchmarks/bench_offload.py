@@ -8,7 +8,8 @@ when kernel and dense times are taken out: as (experts_s - cpu_s - wait_s) / (st
 component from bench_overhead's timing wrappers (dense set-up, hybrid-node Python, launches, waiting
 for the device split into its kernels and the synchronisation / copy back, placement, decoder loop). Random weights route almost uniformly, so each point
 also reports the hit rate the adaptive policy reaches on a realistic routing trace at the same
-slot count and the decode rate projected from this run's measured costs at that hit rate. Each
+slot count and the decode rate projected from this run's measured costs at that hit rate, and measures decode with
+every step's routing replaced by such a trace (benchmarks/trace_routing.py; --trace-tokens). Each
 decode point also reports how the miss policy split the misses (CPU / copied into spare slots) and
 the pinned staging ring's size and high-water mark.
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_overhead import instrument, summarise  # noqa: E402
 from benchmarks.common import stream_read_bandwidth, write_result  # noqa: E402
+from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
@@ -52,14 +54,14 @@ def _gather_seconds(model: LoadedModel) -> float:
     return sum(getattr(store, "wave_gather_s", 0.0) for store in model.offload.stores if store is not None)
 
 
-def decode(model: LoadedModel, prompt: list[int], tokens: int) -> tuple[float, list[dict]]:
+def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) -> tuple[float, list[dict]]:
     """Decode tokens/s, and per step the seconds at each boundary bench_overhead times (its Meter:
     dense set-up vs onnxruntime's run, expert node, launch / collect, placement, the decoder loop)."""
     meter = instrument(model)
     state = model.new_state()
     logits = model.decoder.forward(state, prompt)
     token = int(logits[-1].argmax())
-    for _ in range(4):  # warm-up: placement fills, kernels compiled
+    for _ in range(warmup):  # warm-up: placement fills, kernels compiled
         token = int(model.decoder.forward(state, [token])[-1].argmax())
     model.offload.stats.reset(len(model.offload.slots)) if model.offload else None
     profile = model.decoder.profile
@@ -76,6 +78,24 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int) -> tuple[float, l
         rows.append({k: now[k] - before[k] for k in now})
         before = now
     return tokens / (clock() - started), rows
+
+
+def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, w_act: float, b_dram: float,
+                 b_pcie: float, b_hbm: float) -> dict:
+    """Decode with every step routed by a realistic trace (TraceRouting): tokens/s after `warmup` trace-routed
+    tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached."""
+    infos = model.folder.experts
+    spec = infos[0].spec
+    trace = realistic_trace(warmup + tokens, len(infos), spec.num_experts, spec.k, seed=5)
+    with TraceRouting(trace, len(infos)):
+        rate, _ = decode(model, prompt, tokens, warmup=warmup)
+    stats, profile = model.offload.stats.totals(), model.decoder.profile
+    h = stats.hit_rate
+    bound_s = profile["dense_s"] / profile["steps"] + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+    return {"value": rate, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
+            "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h, "misses_cpu": stats.misses_cpu,
+            "misses_copied": stats.misses_copied, "copy_reuse": model.offload.copy_reuse.value,
+            "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens"}
 
 
 def overhead_breakdown(rows: list[dict], layers: int, simulated: bool, device_s_per_layer: float) -> dict:
@@ -98,6 +118,10 @@ def main() -> None:
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="activations and KV cache; float16 lets the dense part run on onnxruntime-gpu's CUDA EP")
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
+    parser.add_argument("--trace-tokens", type=int, default=32,
+                        help="decode tokens measured with routing replaced by a realistic trace (0: none)")
+    parser.add_argument("--trace-warmup", type=int, default=32, help="trace-routed decode tokens before those")
     parser.add_argument("--no-host-register", action="store_true",
                         help="copy experts through the pinned staging ring only (no page-locked mapping: A/B)")
     args = parser.parse_args()
@@ -105,8 +129,8 @@ def main() -> None:
         from engine.offload.cuda_device import CudaDevice
         CudaDevice.register_experts = lambda self, source, infos, owner: None
 
-    spec = WriterSpec(**SHAPES[args.shape], bits=4, block_size=32, context_length=4096, seed=7,
-                      dtype=args.dtype)
+    shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
+    spec = WriterSpec(**shape, bits=4, block_size=32, context_length=4096, seed=7, dtype=args.dtype)
     folder = Path(args.folder or tempfile.mkdtemp(prefix="bench-offload-"))
     started = time.perf_counter()
     if not (folder / "model" / "genai_config.json").is_file():
@@ -174,6 +198,11 @@ def main() -> None:
         projected = 1 / (dense_per_token + k_l * ((1 - trace_h) * miss_cost + trace_h * hit_cost)
                          + overhead * len(infos))
         label = f"{args.shape}, {fraction:.0%} resident"
+        traced = None
+        if args.trace_tokens and 0 < slots < infos[0].spec.num_experts:
+            traced = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup, w_act, b_dram, b_pcie,
+                                  b_hbm)
+            figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}", **traced})
         figures += [
             {"name": f"decode tokens/s, {label}", "value": rate, "unit": "tokens/s",
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", "reference_value": 1 / bound_s,
@@ -207,6 +236,10 @@ def main() -> None:
               + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
                  if model.offload.copy_reuse.value is not None else ""),
               flush=True)
+        if traced is not None:
+            print(f"       realistic routing trace (measured): decode {traced['value']:.1f} tok/s (bound "
+                  f"{traced['reference_value']:.1f}: {traced['ratio']:.0%}), hit {traced['hit_rate']:.2f}, misses "
+                  f"cpu/copied {traced['misses_cpu']}/{traced['misses_copied']}", flush=True)
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)

@@ -1,0 +1,45 @@
+"""benchmarks/trace_routing.py: decode steps routed by a trace, for the offload benchmark's real-like routing."""
+import numpy as np
+import pytest
+
+from benchmarks.trace_routing import TraceRouting
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.offload.traces import realistic_trace
+from engine.writer import write_model
+from tests.test_offload import SPEC
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = write_model(tmp_path_factory.mktemp("trace") / "m", SPEC)
+    return LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
+
+
+def test_decode_steps_route_to_the_traces_experts_and_prompts_to_the_models(model):
+    engine = model.offload
+    trace = realistic_trace(6, SPEC.layers, SPEC.num_experts, SPEC.top_k, seed=2)
+    state = model.new_state()
+    with TraceRouting(trace, SPEC.layers) as routing:
+        logits = model.decoder.forward(state, model.tokenizer.encode("A prompt routes as the model routes."))
+        engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+        for _ in range(6):
+            logits = model.decoder.forward(state, [int(logits[-1].argmax())])
+    assert routing.calls == 6 * SPEC.layers
+    for layer in range(SPEC.layers):
+        counted = engine.stats.expert_hits[layer] + engine.stats.expert_misses[layer]
+        assert counted.tolist() == np.bincount(trace[:, layer].ravel(), minlength=SPEC.num_experts).tolist()
+    import engine.offload.hybrid_node as hybrid_node
+    from kernels.cpu.routing import route
+    assert hybrid_node.route is route  # put back on leaving
+
+
+def test_a_trace_too_short_or_of_other_layers_is_refused_by_name(model):
+    with pytest.raises(ValueError, match=r"\[tokens, 3 layers, k\] is needed, not \[4, 2, 4\]"):
+        TraceRouting(np.zeros((4, 2, 4), np.int32), SPEC.layers)
+    state = model.new_state()
+    with TraceRouting(np.zeros((1, SPEC.layers, SPEC.top_k), np.int32) + np.arange(SPEC.top_k), SPEC.layers):
+        logits = model.decoder.forward(state, [5, 6, 7])
+        logits = model.decoder.forward(state, [int(logits[-1].argmax())])
+        with pytest.raises(IndexError, match="holds 1 tokens; decode asked for more"):
+            model.decoder.forward(state, [int(logits[-1].argmax())])
