@@ -37,7 +37,8 @@ fi
   echo "== offload benchmark, $shape, float16, dense part on the GPU (${left} s left)"
   PYTHONPATH=/tmp/site_gpu timeout $left python3 benchmarks/bench_offload.py --shape "$shape" --dtype float16 \
     --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" --prefill-tokens 2048 ${BENCH_ARGS:-}
-  cp benchmarks/results/offload-$shape-*.json "$OUT/" 2>/dev/null
+  # the file this run wrote (the newest), not the committed ones of earlier runs
+  cp "$(ls -t benchmarks/results/offload-$shape-*.json | head -1)" "$OUT/" 2>/dev/null
   date -u
 } > "$log" 2>&1
 tail -c 9000 "$log"
