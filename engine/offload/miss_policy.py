@@ -216,7 +216,10 @@ def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, 
     policy's best value W for them (choose; with `reuse` measured, the copies' later hits are credited; a
     fractional miss count interpolates between its neighbours); the split with the least W, the fewest miss slots
     among equals. Each slot left to misses costs hits: it pays when the CPU is slow enough
-    that a copy over PCIe beside it shortens the step more."""
+    that a copy over PCIe beside it shortens the step more, or when copies earn enough later hits. Once a copy's
+    credit exceeds its cost, every further miss lowers W and the weighing leaves all slots to copies: placement
+    becomes a cache filled by the misses' copies. On the H200 (RESULTS.md, sixth session, run 7) that was the
+    fastest split measured for gpt-oss and no slower for Qwen; the model does not weigh residents' own recency."""
     read_bytes = expert_bytes if read_bytes is None else read_bytes
     best, best_s = 0, None
     for spare in range(num_slots + 1):
