@@ -18,6 +18,7 @@ from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
 
 from app.gui.main_window import MainWindow  # noqa: E402
+from app.gui.placement_view import copies_text  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 120_000
@@ -240,6 +241,8 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     assert (f"misses: {totals.misses_cpu} on the CPU, {totals.misses_copied} copied to the device "
             f"({totals.miss_copies} spare-slot copies)") in summary
     assert f"last step: {stats.step_splits[-1][0]} on the CPU, {stats.step_splits[-1][1]} copied" in summary
+    assert copies_text({"miss_slots": offload.policy.miss_slots,
+                        "later_hits_per_copy": offload.copy_reuse.value}) in summary
     live = offload.pinned_info()
     assert f"pinned ring {human_bytes(live['bytes'])}, high-water {human_bytes(live['high_water'])}" in summary
     assert 0 < live["high_water"] <= live["bytes"]
@@ -440,3 +443,11 @@ def test_moe_workbench_without_arguments_opens_the_window_on_the_demo(qtbot, tmp
     assert app.desktopFileName() == "moe-workbench"
     app.setApplicationName(names[0])
     app.setOrganizationName(names[1])
+
+
+def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
+    assert copies_text({"miss_slots": [0, 2, 1], "later_hits_per_copy": 0.934}) == \
+        "2 slots per layer kept for copies, each copy earning 0.93 later hits"
+    assert copies_text({"miss_slots": [1], "later_hits_per_copy": None}) == "1 slot per layer kept for copies"
+    assert copies_text({"miss_slots": [0, 0], "later_hits_per_copy": 0.5}) == "each copy earning 0.50 later hits"
+    assert copies_text({}) == ""

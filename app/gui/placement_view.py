@@ -174,6 +174,19 @@ def split_text(split: dict) -> str:
             f"({split.get('miss_copies', 0)} spare-slot copies)")
 
 
+def copies_text(copies: dict) -> str:
+    """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits'
+    (the most slots any layer keeps; later hits measured by the engine, absent until enough copies were made)."""
+    parts = []
+    kept = max(copies.get("miss_slots") or [0])
+    if kept:
+        parts.append(f"{kept} slot{'s' if kept != 1 else ''} per layer kept for copies")
+    reuse = copies.get("later_hits_per_copy")
+    if reuse is not None:
+        parts.append(f"each copy earning {reuse:.2f} later hits")
+    return ", ".join(parts)
+
+
 class PlacementView(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -245,6 +258,9 @@ class PlacementView(QWidget):
             parts.append("misses: " + split_text(self.split))
         if self.last_step is not None:
             parts.append(f"last step: {self.last_step[0]} on the CPU, {self.last_step[1]} copied")
+        copies = copies_text(data.get("copies") or {})
+        if copies:
+            parts.append(copies)
         parts.append(f"{swaps} swaps")
         if self.pinned:
             parts.append(f"pinned ring {human_bytes(self.pinned['bytes'])}, "
