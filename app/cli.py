@@ -184,7 +184,7 @@ def _print_result(result, model, as_json: bool) -> None:
                   "finish_reason": result.finish_reason, "timings": timings}
         answer["dense"] = {"device": model.dense_device, "reason": model.dense_reason}
         if model.offload is not None:
-            answer["offload"] = {"statements": model.offload.plan.statements, **model.offload.stats.as_dict()}
+            answer["offload"] = {"statements": model.offload.plan.statements, **model.offload.stats_dict()}
         if result.routing_agreement is not None:
             answer["routing_agreement"] = result.routing_agreement
             answer["offload"]["approximation"] = vars(model.offload.approximation)

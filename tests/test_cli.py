@@ -55,3 +55,21 @@ def test_chat_reads_more_turns_and_reuses_the_cache():
     assert len(turns) == 3
     # Later turns feed only the new tokens: the prompt of turn 2 is much shorter than the whole chat.
     assert len(turns[1]["prompt_tokens"]) < len(turns[0]["prompt_tokens"]) + len(turns[0]["tokens"]) + 10
+
+
+def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits():
+    from engine.model_folder import ModelFolder
+    from engine.offload.planner import all_resident_bytes
+
+    folder = fixture_folder("gptoss")
+    experts = ModelFolder.open(folder).experts
+    budget = all_resident_bytes(experts) // 2  # half the experts resident: misses, spare slots, copies
+    result = run_cli("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "12", "--json",
+                     "--device", "simulated", "--offload", f"device_expert_bytes={budget}")
+    assert result.returncode == 0, result.stderr
+    offload = json.loads(result.stdout)["offload"]
+    assert len(offload["miss_slots"]) == len(experts)
+    assert all(0 <= kept <= info.spec.num_experts // 2 for kept, info in zip(offload["miss_slots"], experts))
+    reuse = offload["later_hits_per_copy"]
+    assert reuse is None or reuse >= 0.0
+    assert offload["misses_cpu"] + offload["misses_copied"] > 0

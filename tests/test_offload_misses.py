@@ -518,3 +518,7 @@ def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_p
 
     assert reuse.value is not None and reuse.value > 0.25, reuse.value
     assert offered[0] is None and offered[-1] == pytest.approx(reuse.value, rel=0.5)
+    # records and --json carry the same state
+    summary = model.offload.stats_dict()
+    assert summary["later_hits_per_copy"] == reuse.value
+    assert summary["miss_slots"] == model.offload.policy.miss_slots and summary["misses_copied"] == totals.misses_copied

@@ -150,7 +150,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     completion = time.perf_counter() - started
     decode_s = sum(t["timings"]["decode_s"] for t in turns)
     decoded = sum(max(0, t["generated_tokens"] - 1) for t in turns)
-    stats = model.offload.stats.as_dict() if model.offload is not None else None
+    stats = model.offload.stats_dict() if model.offload is not None else None
     agreements = [t["routing_agreement"] for t in turns if t["routing_agreement"] is not None]
     timings = {"load_s": model.load_s, "prefill_s": turns[0]["timings"]["prefill_s"] if turns else None,
                "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
