@@ -126,10 +126,8 @@ def main(argv=None):
     print(f"shape {args.shape}, {cores} threads; pcie alone {pcie / 1e9:.1f} GB/s; {copies} GiB copied per shared run",
           flush=True)
     figures = []
-    stream_alone = None
     for name, (call, nbytes) in readers.items():
         alone = cpu_rate_alone(call, nbytes)
-        stream_alone = stream_alone or alone
         runs = [shared_rates(copier, call, nbytes, copies) for _ in range(3)]
         cpu_shared = float(np.median([r[0] for r in runs]))
         copy_shared = float(np.median([r[1] for r in runs]))
