@@ -176,6 +176,8 @@ def main() -> None:
         h = stats.hit_rate
         dense_per_token = profile["dense_s"] / profile["steps"]
         bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+        # without a slot no miss can be copied: the misses' share is then bound by B_dram alone
+        cpu_only_bound_s = dense_per_token + (1 - h) * w_act / b_dram + h * w_act / b_hbm
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
         before = model.offload.stats.totals()
         gathered = _gather_seconds(model)
@@ -207,6 +209,7 @@ def main() -> None:
             {"name": f"decode tokens/s, {label}", "value": rate, "unit": "tokens/s",
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", "reference_value": 1 / bound_s,
              "ratio": rate * bound_s, "hit_rate": h, "dense_s_per_token": dense_per_token,
+             "bound_misses_on_cpu_only": 1 / cpu_only_bound_s, "ratio_to_cpu_only_bound": rate * cpu_only_bound_s,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "cpu_rate": model.offload.cpu_rate.value, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
@@ -228,7 +231,8 @@ def main() -> None:
              "unit": "tokens/s", "reference": "measured on random routing", "reference_value": rate,
              "ratio": projected / rate, "trace_hit_rate": trace_h},
         ]
-        print(f"{fraction:5.0%}  decode {rate:7.1f} tok/s (bound {1 / bound_s:7.1f}, hit {h:.2f})  "
+        cpu_only = f"; misses on the CPU only {1 / cpu_only_bound_s:.1f}" if slots == 0 else ""
+        print(f"{fraction:5.0%}  decode {rate:7.1f} tok/s (bound {1 / bound_s:7.1f}{cpu_only}, hit {h:.2f})  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
