@@ -268,9 +268,10 @@ def test_copied_misses_stay_resident_and_placement_is_told(model_folder, slot_by
 
 
 def test_miss_slots_on_plain_numbers():
-    # BALANCED: a 1 MB miss costs the CPU 1 ms, a copy 0.25 ms and the device 0.25 ms. 8 experts, top-2, 4 slots:
-    # 0 left to misses: 1 hit, 1 miss on the CPU = 1 ms; 1 left: 1.25 misses, one copied: 0.75 x 0.5 + 0.25 x 1 =
-    # 0.625 ms; 2 left: 1.5 misses, 0.5 x 0.5 + 0.5 x 1 = 0.75 ms (two misses cost 1 ms whichever way)
+    # BALANCED: a 1 MB miss costs the CPU 1 ms, a copy 0.25 ms and the device 0.25 ms (a resident too). 8 experts,
+    # top-2, 4 slots: 0 left to misses: 1 hit, 1 miss on the CPU = 1 ms; 1 left: 0.75 hits (0.1875 ms), 1.25
+    # misses, one copied: 0.75 x 0.6875 + 0.25 x 1 = 0.766 ms; 2 left: 0.5 hits, 1.5 misses: 0.5 x 0.625 + 0.5 x 1
+    # = 0.8125 ms (two misses cost at least 1 ms whichever way)
     assert miss_slots(BALANCED, 1_000_000, 4, 8, 2) == 1
     assert miss_slots(SLOW_PCIE, 1_000_000, 4, 8, 2) == 0  # copies never pay: every slot holds a resident
     assert miss_slots(FAST_PCIE, 1_000_000, 4, 8, 2) == 2  # copies are free: enough slots for every miss, no more

@@ -73,15 +73,36 @@ class HybridExpertNode:
         out = self._output(x2d.shape[0])
         store = engine.stores[layer]
         standin_before = getattr(store, "standin_s", 0.0) if store is not None else 0.0
-        # The device starts on the resident experts; the CPU computes the cold ones meanwhile.
-        pending = store.launch(x2d, np.where(resident, ids, -1), weights) if store is not None and hits else None
         cold = np.where(resident, -1, ids) if hits else ids  # never written in place
         copied_pairs = copies = 0
-        pending_copied = None
+        pending = None
         waves = []      # (copy s, device s) per prefill wave: the projection's critical path (projection.py)
         miss_copy_s = 0.0
-        if store is not None and missed:
-            for wave in self._waves(cold):
+        if (store is not None and missed and not shadow and engine.slots[layer].num_slots
+                and self._decode(cold)):
+            # Decode: the miss policy copies the misses that pay into spare slots first; one launch then computes
+            # them with the residents (after the copies), while the CPU computes the rest. A second launch for the
+            # copied ones cost the host an upload, a launch and a collect more (~80 µs a layer on the H200).
+            copy_before = stats.copy_s
+            copied = self._copy_misses(ids, resident, cold, stats)
+            miss_copy_s = stats.copy_s - copy_before
+            on_device = resident
+            if copied.size:
+                chosen = self._chosen
+                chosen[copied] = True
+                in_copied = chosen[cold]
+                chosen[copied] = False
+                copied_pairs = int(np.count_nonzero(in_copied))
+                copies = int(copied.size)
+                on_device = resident | in_copied
+                cold = np.where(in_copied, -1, cold)
+            if hits or copies:
+                pending = store.launch(x2d, np.where(on_device, ids, -1), weights)
+        elif store is not None:
+            # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
+            # rest meanwhile.
+            pending = store.launch(x2d, np.where(resident, ids, -1), weights) if hits else None
+            for wave in self._waves(cold) if missed else ():
                 wave_copy = store.stage(wave)
                 stats.copy_s += wave_copy
                 stats.copy_bytes += len(wave) * store.wave_bytes
@@ -91,21 +112,6 @@ class HybridExpertNode:
                 stats.device_s += wave_device
                 waves.append((wave_copy, wave_device))
                 cold = np.where(in_wave, -1, cold)
-            if not shadow and copied_pairs < missed and engine.slots[layer].num_slots and self._decode(cold):
-                # Decode: the miss policy copies the misses that pay into spare slots, computed on
-                # the device in this step; the rest run on the CPU.
-                copy_before = stats.copy_s
-                copied = self._copy_misses(ids, resident, cold, stats)
-                miss_copy_s = stats.copy_s - copy_before
-                if copied.size:
-                    chosen = self._chosen
-                    chosen[copied] = True
-                    in_copied = chosen[cold]
-                    chosen[copied] = False
-                    copied_pairs += int(np.count_nonzero(in_copied))
-                    copies = int(copied.size)
-                    pending_copied = store.launch(x2d, np.where(in_copied, cold, -1), weights)
-                    cold = np.where(in_copied, -1, cold)
         cpu_s = 0.0
         if copied_pairs < missed:
             started = time.perf_counter()
@@ -121,25 +127,25 @@ class HybridExpertNode:
                     engine.cpu_rate.observe(len(on_cpu) * self.info.bytes_per_expert, cpu_s)
                 if touch:
                     engine.host_cache.touch(layer, sorted(on_cpu))
-        resident_s = miss_device_s = 0.0
-        if pending is not None or pending_copied is not None:
+        device_s = 0.0
+        if pending is not None:
             waited = time.perf_counter()
-            if pending is not None:
-                resident_s = store.collect(pending, out)
-            if pending_copied is not None:
-                miss_device_s = store.collect(pending_copied, out)
-            stats.device_s += resident_s + miss_device_s
+            device_s = store.collect(pending, out)
+            stats.device_s += device_s
             stats.wait_s += time.perf_counter() - waited
-        if store is not None and (pending is not None or pending_copied is not None or waves):
+        if store is not None and (pending is not None or waves):
             store.flush(out)
         # The projection for the simulated card (projection.py): this step's critical path on a real card, and
         # the wall time the simulated device spent computing its experts on the CPU.
         phase = engine.stats.phase(x2d.shape[0])
-        if store is None or not (hits or waves or pending_copied is not None):
+        if pending is None and not waves:
             critical = cpu_s  # no device work: the CPU's time, as measured
             standin = 0.0
         else:
-            critical = layer_critical_s(cpu_s, resident_s, waves, miss_copy_s, miss_device_s)
+            if copies:  # one launch after the copies: residents and copied misses together
+                critical = layer_critical_s(cpu_s, miss_copy_s=miss_copy_s, miss_device_s=device_s)
+            else:
+                critical = layer_critical_s(cpu_s, device_s, waves)
             standin = getattr(store, "standin_s", 0.0) - standin_before
         stats.critical_s += critical
         stats.standin_s += standin

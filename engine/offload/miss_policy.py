@@ -11,11 +11,12 @@ The model, per layer and step, with n cold experts hit by routing and S spare sl
     dev     = read_bytes / B_hbm                                       the device computing one expert
     prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the
               measured conversion to the kernel layout and write into the pinned ring)
-    T(C)    = max( m·prep + Σ_{i ∉ C} cpu_i ,  max(t_resident, m·(prep + copy)) + m·dev ),  m = |C|
+    T(C)    = max( m·prep + Σ_{i ∉ C} cpu_i ,  t_resident + m·(prep + copy + dev) ),  m = |C|
 
-for the set C of copied misses, m ≤ S. The CPU readies the copies, then computes its misses while
-the device computes the residents; the copies run on the copy stream meanwhile, and the copied
-experts are computed once both are done. A copied expert stays resident: where routing comes back to it
+for the set C of copied misses, m ≤ S. The CPU readies the copies, then computes its misses; the copies
+run on the copy stream meanwhile, and one launch computes the residents and the copied experts once the
+copies are in (hybrid_node.py: a second launch for the copied ones cost the host more than the residents'
+few µs of device time it let start earlier). A copied expert stays resident: where routing comes back to it
 in the next steps it is a hit there, and each such hit saves the CPU reading it (the device reads it
 instead). CopyReuse measures r, the later hits a copy earned, so a copy is credited with
 
@@ -38,6 +39,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+
+_TIE = 1e-12  # relative: values of W this close are equal (choose, copying_pays)
 
 
 class CpuRate:
@@ -125,7 +129,7 @@ class MissCosts:
 
     def _time(self, m: int, cpu_rest: float) -> float:
         cpu = m * self.prepare_s + cpu_rest
-        device = max(self.resident_s, m * (self.prepare_s + self.copy_s)) + m * self.device_s
+        device = self.resident_s + m * (self.prepare_s + self.copy_s + self.device_s)
         return max(cpu, device)
 
     def _worth(self, m: int, cpu_rest: float) -> float:
@@ -184,7 +188,10 @@ def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
         removed += cpu[order[m - 1]]
         rests.append(total - removed)
     worths = [costs._worth(m, rest) for m, rest in enumerate(rests)]
-    best = worths.index(min(worths))  # first minimum: the fewest copies among equal values
+    lowest = min(worths)
+    # the fewest copies among equal values; equal within rounding: W is flat where each copy's credit buys back
+    # exactly what it adds to the device's side, and the sums' rounding must not choose copies there
+    best = next(m for m, worth in enumerate(worths) if worth <= lowest + _TIE * abs(lowest))
     return MissDecision(copied=np.array(sorted(order[:best]), dtype=np.int64),
                         predicted_s=costs._time(best, rests[best]), worth_s=worths[best],
                         all_cpu_s=costs._time(0, total), most_copied_s=costs._time(most, rests[most]))
@@ -192,13 +199,14 @@ def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
 
 def copying_pays(costs: MissCosts) -> bool:
     """Whether copying any miss can pay, whatever the spare slots: T(m) is convex in m (the CPU's term
-    falls by ever smaller steps, the device's grows by ever larger ones) and so is W(m) = T(m) - m · credit,
+    falls by ever smaller steps, the device's grows linearly) and so is W(m) = T(m) - m · credit,
     so some m > 0 beats m = 0 exactly when m = 1 does. Lets a caller skip looking for spare slots (issue #4)."""
     cpu = costs.cpu_s.tolist()
     if not cpu:
         return False
     total = sum(cpu)
-    return costs._worth(1, total - max(cpu)) < costs._worth(0, total)
+    stay = costs._worth(0, total)
+    return costs._worth(1, total - max(cpu)) < stay - _TIE * abs(stay)
 
 
 def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, resident_s: float,

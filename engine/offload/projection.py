@@ -18,11 +18,13 @@ with, per layer and step (the hybrid node's order of work, hybrid_node.py, and t
             collected, its compute d_i waits for the copy and for the device's earlier work; the host
             waits for each wave before the next:
                 t = 0, dev = R;  for each wave: t = max(t + c_i, dev) + d_i; dev = t
-    then    decode misses copied into spare slots (m experts, copies m·c on the copy stream, computed m·d
-            after the residents and the copies), while the CPU computes the rest (cpu):
-                T = max(t + cpu, max(dev, t + m·c) + m·d)
+                T = max(t + cpu, dev)        with the CPU computing the rest (cpu)
+    decode  misses copied into spare slots first (m experts, copies m·c on the copy stream), then one launch
+            computes the residents and the copied experts together (R + m·d) once the copies are in, while
+            the CPU computes the rest: the hybrid node passes R + m·d as the copied work:
+                T = max(cpu, m·c + R + m·d)
 
-Without waves this is miss_policy.py's step model, T(C) = max(Σ_{i∉C} cpu_i, max(t_resident, m·copy) + m·dev)
+The decode form is miss_policy.py's step model, T(C) = max(Σ_{i∉C} cpu_i, t_resident + m·(copy + dev))
 (prepare = 0 on the simulated device), with the CPU term measured instead of modelled. Without copies or
 residents, T = cpu. It is Σ over steps of max(...), not max of the sums: the hybrid node adds each step's
 T to LayerStats.critical_s and the stand-in's wall time to LayerStats.standin_s (0 on CUDA).
@@ -40,8 +42,8 @@ from typing import Iterable
 def layer_critical_s(cpu_s: float, resident_s: float = 0.0, waves: Iterable[tuple[float, float]] = (),
                      miss_copy_s: float = 0.0, miss_device_s: float = 0.0) -> float:
     """T of one layer-step (module docstring): `cpu_s` the CPU's measured expert compute, `resident_s` the
-    device's modelled seconds on the resident experts, `waves` (copy s, device s) per prefill wave,
-    `miss_copy_s` / `miss_device_s` the decode misses copied into spare slots (all of them together)."""
+    device's modelled seconds on the resident experts launched first, `waves` (copy s, device s) per prefill
+    wave, `miss_copy_s` the copies into spare slots and `miss_device_s` the device work that waits for them."""
     t, dev = 0.0, resident_s
     for copy_s, device_s in waves:
         t = max(t + copy_s, dev) + device_s
