@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--trace-tokens", type=int, default=32,
                         help="decode tokens measured with routing replaced by a realistic trace (0: none)")
     parser.add_argument("--trace-warmup", type=int, default=32, help="trace-routed decode tokens before those")
+    parser.add_argument("--trace-placements", default="adaptive,static",
+                        help="placements measured under the trace, comma-separated (each from the same budget)")
     parser.add_argument("--no-host-register", action="store_true",
                         help="copy experts through the pinned staging ring only (no page-locked mapping: A/B)")
     args = parser.parse_args()
@@ -200,11 +202,16 @@ def main() -> None:
         projected = 1 / (dense_per_token + k_l * ((1 - trace_h) * miss_cost + trace_h * hit_cost)
                          + overhead * len(infos))
         label = f"{args.shape}, {fraction:.0%} resident"
-        traced = None
+        traced = {}  # placement -> the trace-routed figure
         if args.trace_tokens and 0 < slots < infos[0].spec.num_experts:
-            traced = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup, w_act, b_dram, b_pcie,
-                                  b_hbm)
-            figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}", **traced})
+            config = model.offload.config
+            for placement in args.trace_placements.split(","):
+                model.offload.reconfigure(config.updated(placement=placement))
+                traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup, w_act,
+                                                 b_dram, b_pcie, b_hbm)
+                figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}, "
+                                        f"{placement} placement", **traced[placement]})
+            model.offload.reconfigure(config)
         figures += [
             {"name": f"decode tokens/s, {label}", "value": rate, "unit": "tokens/s",
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", "reference_value": 1 / bound_s,
@@ -240,10 +247,10 @@ def main() -> None:
               + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
                  if model.offload.copy_reuse.value is not None else ""),
               flush=True)
-        if traced is not None:
-            print(f"       realistic routing trace (measured): decode {traced['value']:.1f} tok/s (bound "
-                  f"{traced['reference_value']:.1f}: {traced['ratio']:.0%}), hit {traced['hit_rate']:.2f}, misses "
-                  f"cpu/copied {traced['misses_cpu']}/{traced['misses_copied']}", flush=True)
+        for placement, fig in traced.items():
+            print(f"       realistic routing trace (measured), {placement} placement: decode {fig['value']:.1f} tok/s "
+                  f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
+                  f"cpu/copied {fig['misses_cpu']}/{fig['misses_copied']}", flush=True)
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
