@@ -12,8 +12,7 @@ from numba import njit, prange
 
 from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, atomic_load, dqrow_fp4_1, dqrow_fp4_2,
                    dqrow_int2_1, dqrow_int2_2, dqrow_int2_4, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8,
-                   dqrow_int8_16, load_scale, microkernel_6x16, microkernel_6x32, microkernel_acc_6x16,
-                   microkernel_acc_6x32,
+                   dqrow_int8_16, load_scale, microkernel_acc_6x16, microkernel_acc_6x32,
                    prefetch_bytes, qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zblk_4,
                    qrow_int2_zrow_1, qrow_int2_zrow_2, qrow_int2_zrow_4,
                    qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16,
@@ -197,10 +196,10 @@ def qgemm(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, xt, M, bi
                     panel[r * K + kk] = np.float32(0.0)
             for m0 in range(0, Mpad, 32):
                 width = 32 if Mpad - m0 >= 32 else 16
-                if width == 32:
-                    microkernel_6x32(panel, 0, K, xt, m0, Mpad, K, ct, 0)
+                if width == 32:  # the tile overwritten (load_c 0), rows `width` floats apart
+                    microkernel_acc_6x32(panel, 0, K, xt, m0, Mpad, K, ct, 0, 32, 0)
                 else:
-                    microkernel_6x16(panel, 0, K, xt, m0, Mpad, K, ct, 0)
+                    microkernel_acc_6x16(panel, 0, K, xt, m0, Mpad, K, ct, 0, 16, 0)
                 mend = min(M, m0 + width)
                 for r in range(rows):
                     n = n0 + r

@@ -247,61 +247,9 @@ def load_scale(typingctx, sc, idx, skind):
 
 
 # ----------------------------------------------------------------------------- GEMM micro-kernel
-def _make_microkernel(nr: int, mv: int):
-    """C^T tile [nr, 16*mv] = W panel [nr, kc] (row stride ldw) times X^T [kc, 16*mv] (row stride ldx).
-
-    mk(wp, woff, ldw, xt, xoff, ldx, kc, ct, coff) -> None; the tile is stored (overwritten) at
-    ct[coff + r*16*mv + c]. Accumulators live in nr*mv vector registers; per k one vector load per
-    16 columns of X^T and one broadcast per W row.
-    """
-    lanes = 16
-
-    def codegen(context, builder, sig, args):
-        (wp, woff, ldw, xt, xoff, ldx, kc, ct, coff) = args
-        (wp_t, _, _, xt_t, _, _, _, ct_t, _) = sig.args
-        w_ptr = context.make_array(wp_t)(context, builder, value=wp).data
-        x_ptr = context.make_array(xt_t)(context, builder, value=xt).data
-        c_ptr = context.make_array(ct_t)(context, builder, value=ct).data
-        fvec_t = ir.VectorType(_F32, lanes)
-        zero_v = ir.Constant(fvec_t, [0.0] * lanes)
-        accs = [[cgutils.alloca_once_value(builder, zero_v) for _ in range(mv)] for _ in range(nr)]
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3),
-                                             "llvm.fma.v16f32")
-        with cgutils.for_range(builder, kc) as loop:
-            k = loop.index
-            xrow = builder.add(xoff, builder.mul(k, ldx))
-            xv = []
-            for j in range(mv):
-                p = builder.gep(x_ptr, [builder.add(xrow, ir.Constant(_I64, lanes * j))])
-                xv.append(builder.load(builder.bitcast(p, fvec_t.as_pointer()), align=4))
-            for r in range(nr):
-                wpos = builder.add(builder.add(woff, builder.mul(ir.Constant(_I64, r), ldw)), k)
-                sv = _splat(builder, builder.load(builder.gep(w_ptr, [wpos])), lanes)
-                for j in range(mv):
-                    a = builder.load(accs[r][j])
-                    builder.store(builder.call(fma, [sv, xv[j], a]), accs[r][j])
-        for r in range(nr):
-            for j in range(mv):
-                p = builder.gep(c_ptr, [builder.add(coff, ir.Constant(_I64, r * lanes * mv + lanes * j))])
-                builder.store(builder.load(accs[r][j]), builder.bitcast(p, fvec_t.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    def mk(typingctx, wp, woff, ldw, xt, xoff, ldx, kc, ct, coff):
-        if not all(isinstance(t, types.Integer) for t in (woff, ldw, xoff, ldx, kc, coff)):
-            return None
-        sig = types.none(wp, types.int64, types.int64, xt, types.int64, types.int64, types.int64, ct, types.int64)
-        return sig, codegen
-
-    mk.__name__ = f"microkernel_{nr}x{16 * mv}"
-    return intrinsic(mk)
+MK_NR = 6  # W rows of a register tile
 
 
-MK_NR = 6
-microkernel_6x32 = _make_microkernel(MK_NR, 2)
-microkernel_6x16 = _make_microkernel(MK_NR, 1)
-
-
-# ----------------------------------------------------------------------------- batched GEMM / GEMV helpers
 def _make_microkernel_acc(nr: int, mv: int):
     """C tile [nr, 16*mv] (+)= W panel [nr, kc] (row stride ldw) times X panel [kc, 16*mv] (row stride ldx).
 
@@ -364,6 +312,8 @@ def _make_microkernel_acc(nr: int, mv: int):
 microkernel_acc_6x32 = _make_microkernel_acc(MK_NR, 2)
 microkernel_acc_6x16 = _make_microkernel_acc(MK_NR, 1)
 
+
+# ----------------------------------------------------------------------------- batched GEMM / GEMV helpers
 
 @intrinsic
 def atomic_fetch_add(typingctx, arr, idx, val):
