@@ -35,21 +35,14 @@ POLICIES = {  # name -> environment set before the OpenMP runtime loads
 def child(shape: str, gap_s: float, calls: int) -> dict:
     import numpy as np
 
-    from benchmarks.bench_qmoe_cpu import SHAPES, decode_routings, make_layout_weights
+    from benchmarks.bench_qmoe_cpu import cold_decode_node
     from benchmarks.common import stream_read_bandwidth
     from kernels.cpu import CpuQMoE
-    from kernels.qmoe_spec import QMoESpec
 
     stream = stream_read_bandwidth() * 1e9
-    E, H, I, K = SHAPES[shape]
-    attrs, tensors = make_layout_weights("int4", E, H, I)
-    attrs["k"] = K
-    spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
-    kernel = CpuQMoE(spec, tensors, num_threads=os.cpu_count())
-    rng = np.random.default_rng(1)
-    logits, _ = decode_routings(rng, E, K, cold=True)
-    xs = rng.standard_normal((len(logits), 1, H)).astype(np.float32)
-    nbytes = K * spec.expert_bytes(scale_bytes=4, bias_bytes=4)
+    node = cold_decode_node(shape)
+    kernel = CpuQMoE(node.spec, node.tensors, num_threads=os.cpu_count())
+    logits, xs, nbytes = node.logits, node.xs, node.nbytes
 
     def pause(kind):
         if kind == "sleep":

@@ -31,10 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_qmoe_cpu import SHAPES, decode_routings, make_layout_weights, time_blocks  # noqa: E402
+from benchmarks.bench_qmoe_cpu import SHAPES, cold_decode_node, time_blocks  # noqa: E402
 from benchmarks.common import stream_read_bandwidth, write_result  # noqa: E402
 from kernels.cpu import CpuQMoE  # noqa: E402
-from kernels.qmoe_spec import QMoESpec  # noqa: E402
 
 MADV_COLLAPSE = 25  # linux/mman.h (6.1+); not in Python's mmap module
 BIG = ("fc1_experts_weights", "fc1_scales", "fc2_experts_weights", "fc2_scales")
@@ -106,9 +105,8 @@ def main(argv=None):
     numba.set_num_threads(cores)
     stream = stream_read_bandwidth()
     E, H, I, K = SHAPES[args.shape]
-    attrs, tensors = make_layout_weights("int4", E, H, I)
-    attrs["k"] = K
-    spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
+    node = cold_decode_node(args.shape)
+    spec, tensors, logits, xs = node.spec, node.tensors, node.logits, node.xs
     print(f"shape {args.shape}: E={E} H={H} I={I} top-{K}, streaming read {stream:.1f} GB/s, {cores} threads",
           flush=True)
     keep, kinds, notes, shares = [], {}, {}, {}
@@ -127,9 +125,6 @@ def main(argv=None):
         for name, t in kinds.items():
             shares[name] = _huge_share_of(t["fc1_experts_weights"])
         kernels = {name: CpuQMoE(spec, t, num_threads=cores) for name, t in kinds.items()}
-        rng = np.random.default_rng(1)
-        logits, _ = decode_routings(rng, E, K, cold=True)
-        xs = rng.standard_normal((len(logits), 1, H)).astype(np.float32)
         n = len(logits)
         ref = kernels["numpy"].forward(xs[0], logits[0])
         for name, k in kernels.items():
@@ -138,7 +133,7 @@ def main(argv=None):
         med = time_blocks(fns, runs=args.runs, blocks=4)
     finally:
         os.unlink(path)
-    nbytes = K * spec.expert_bytes(scale_bytes=4, bias_bytes=4)
+    nbytes = node.nbytes
     figures = []
     print(f"{'backing':10s} {'ms':>7s} {'GB/s':>7s} {'of stream':>9s} {'vs numpy':>9s} {'huge pages':>10s}")
     for name, t in med.items():

@@ -27,11 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_qmoe_cpu import SHAPES, decode_routings, make_layout_weights  # noqa: E402
+from benchmarks.bench_qmoe_cpu import SHAPES, cold_decode_node  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
 from engine.offload.host_bandwidth import _kernel as stream_kernel  # noqa: E402
 from kernels.cpu import CpuQMoE  # noqa: E402
-from kernels.qmoe_spec import QMoESpec  # noqa: E402
 
 COPY_BYTES = 1 << 30
 
@@ -102,24 +101,17 @@ def main(argv=None):
     psum = stream_kernel()
     big = np.ones(int(2e9) // 4, np.float32)
 
-    E, H, I, K = SHAPES[args.shape]
-    attrs, tensors = make_layout_weights("int4", E, H, I)
-    attrs["k"] = K
-    spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
-    kernel = CpuQMoE(spec, tensors, num_threads=cores)
-    rng = np.random.default_rng(1)
-    logits, _ = decode_routings(rng, E, K, cold=True)
-    xs = rng.standard_normal((len(logits), 1, H)).astype(np.float32)
+    node = cold_decode_node(args.shape)
+    kernel = CpuQMoE(node.spec, node.tensors, num_threads=cores)
     calls = {"n": 0}
 
     def decode_call():
-        i = calls["n"] % len(logits)
+        i = calls["n"] % len(node.logits)
         calls["n"] += 1
-        kernel.forward(xs[i], logits[i])
+        kernel.forward(node.xs[i], node.logits[i])
 
     readers = {"cpu stream (Numba parallel sum, 2 GB)": (lambda: psum(big), big.nbytes),
-               f"cpu decode kernel, shape {args.shape} cold routing":
-                   (decode_call, K * spec.expert_bytes(scale_bytes=4, bias_bytes=4))}
+               f"cpu decode kernel, shape {args.shape} cold routing": (decode_call, node.nbytes)}
     copier = Copier(cp)
     pcie = copier.rate_alone()
     copies = max(4, int(0.6 * pcie / COPY_BYTES))

@@ -42,6 +42,7 @@ the OpenBLAS core anyway: the float MoE op does go through BLAS).
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import os
 import sys
 import time
@@ -184,6 +185,28 @@ def decode_routings(rng, E: int, k: int, n: int = 64, cold: bool = False):
     for i, st in enumerate(sets):
         logits[i, 0, st] += 4.0 + rng.standard_normal(k).astype(np.float32) * 0.5
     return logits, [tuple(int(e) for e in st) for st in sets]
+
+
+@dataclass
+class ColdDecodeNode:
+    """The int4 block-32 node of a benchmark shape with a cold decode routing (decode_routings cold): what
+    bench_expert_backing, bench_host_contention and bench_cpu_gap time in their own ways."""
+    spec: QMoESpec
+    tensors: dict
+    logits: np.ndarray  # [n, 1, E] router logits, one decode call each
+    xs: np.ndarray      # [n, 1, H] activations
+    nbytes: int         # weight bytes one call reads (top-k experts, float32 scales and biases as built)
+
+
+def cold_decode_node(shape: str) -> ColdDecodeNode:
+    E, H, I, K = SHAPES[shape]
+    attrs, tensors = make_layout_weights("int4", E, H, I)
+    attrs["k"] = K
+    spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
+    rng = np.random.default_rng(1)
+    logits, _ = decode_routings(rng, E, K, cold=True)
+    xs = rng.standard_normal((len(logits), 1, H)).astype(np.float32)
+    return ColdDecodeNode(spec, tensors, logits, xs, K * spec.expert_bytes(scale_bytes=4, bias_bytes=4))
 
 
 def min_reuse_calls(sets) -> int:
