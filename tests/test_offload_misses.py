@@ -170,27 +170,32 @@ def test_copies_reused_by_later_steps_earn_a_credit_that_can_make_copying_pay():
     assert miss_costs(slow_device, 1_000_000, [1], 0.0, reuse=3.0).credit_s == 0.0
 
 
+def _all_resident(ids):
+    """(ids, resident mask) of a step whose routed experts were all found resident."""
+    return np.array(ids), np.ones(len(ids), bool)
+
+
 def test_copy_reuse_counts_later_hits_on_copied_experts_within_its_window():
     reuse = CopyReuse([8, 8], window=2, keep=1.0, min_copies=2)
     reuse.copied(0, [3, 5])
     assert reuse.value == 0.0
-    reuse.hit(0, np.array([3, 3, 5]))  # the copy's own step: not a later hit
+    reuse.hit(0, *_all_resident([3, 3, 5]))  # the copy's own step: not a later hit
     assert reuse.value == 0.0
     reuse.end_step()
-    reuse.hit(0, np.array([3, 3, 1]))  # one step later: expert 3 once (two tokens), expert 1 was never copied
-    reuse.hit(1, np.array([3, 5]))     # another layer: nothing copied there
+    reuse.hit(0, *_all_resident([3, 3, 1]))  # one step later: expert 3 once (two tokens), expert 1 was never copied
+    reuse.hit(1, *_all_resident([3, 5]))     # another layer: nothing copied there
     assert reuse.value == pytest.approx(0.5)
     reuse.end_step()
-    reuse.hit(0, np.array([3, 5]))
+    reuse.hit(0, *_all_resident([3, 5]))
     assert reuse.value == pytest.approx(1.5)
     reuse.end_step()
-    reuse.hit(0, np.array([3, 5]))     # three steps after the copy: outside the window
+    reuse.hit(0, *_all_resident([3, 5]))     # three steps after the copy: outside the window
     assert reuse.value == pytest.approx(1.5)
     assert CopyReuse([8], min_copies=4).value is None  # nothing measured yet
     decayed = CopyReuse([8], keep=0.5, min_copies=1)
     decayed.copied(0, [1])
     decayed.end_step()
-    decayed.hit(0, np.array([1]))
+    decayed.hit(0, *_all_resident([1]))
     decayed.end_step()
     decayed.copied(0, [2])  # the first copy two steps ago weighs a quarter, its hit one step ago half
     assert decayed.value == pytest.approx(0.5 / (0.25 + 1))

@@ -68,7 +68,7 @@ class HybridExpertNode:
         if not shadow:
             engine.stats.count(layer, ids, resident, routed)
             if hits:
-                engine.copy_reuse.hit(layer, ids[resident])
+                engine.copy_reuse.hit(layer, ids, resident)
 
         out = self._output(x2d.shape[0])
         store = engine.stores[layer]

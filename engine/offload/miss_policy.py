@@ -88,10 +88,11 @@ class CopyReuse:
         self.copies += len(experts)
         self._made += len(experts)
 
-    def hit(self, layer: int, experts: np.ndarray) -> None:
-        """`experts`: this step's routed experts found resident in `layer` (repeats allowed)."""
+    def hit(self, layer: int, ids: np.ndarray, resident: np.ndarray) -> None:
+        """`ids[resident]`: this step's routed experts found resident in `layer` (repeats allowed)."""
         if self.step - self._last_copy[layer] > self.window:
             return  # nothing copied lately in this layer: no array work on the decode path
+        experts = ids[resident]
         at = self._copied_at[layer][experts]
         recent = experts[(at < self.step) & (at >= self.step - self.window)]
         if recent.size:
