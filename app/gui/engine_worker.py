@@ -407,8 +407,7 @@ class EngineWorker(QObject):
             "approximation": dict(vars(offload.approximation)),
             "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],
             "pinned": offload.pinned_info(), "wave_experts": offload.wave_experts,
-            "copies": {"miss_slots": list(getattr(offload.policy, "miss_slots", [])),
-                       "later_hits_per_copy": offload.copy_reuse.value},
+            "copies": offload.copy_state(),
         })
 
     # --- records jobs: scenarios, sweeps, side-by-side, contention -------------------------------------

@@ -72,11 +72,14 @@ class OffloadEngine:
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
 
+    def copy_state(self) -> dict:
+        """The miss policy's measured state: the slots each layer keeps for copied misses and the later hits a copy
+        earns (None until enough copies were made)."""
+        return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value}
+
     def stats_dict(self) -> dict:
-        """The statistics (OffloadStats.as_dict) and the miss policy's measured state: the slots each layer keeps for
-        copied misses and the later hits a copy earns (None until enough copies were made): for records and --json."""
-        return {**self.stats.as_dict(), "miss_slots": list(self.policy.miss_slots),
-                "later_hits_per_copy": self.copy_reuse.value}
+        """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
+        return {**self.stats.as_dict(), **self.copy_state()}
 
     def _check_file_backing(self, config: OffloadConfig) -> None:
         """allow_file_backing=0 keeps every expert in host RAM, which host_expert_bytes must hold."""
