@@ -12,8 +12,7 @@ import engine.offload.hybrid_node as hybrid_node
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import Bandwidths
-from engine.offload.miss_policy import (CopyReuse, CpuRate, MissCosts, choose, copying_pays, decide, miss_costs,
-                                       miss_slots)
+from engine.offload.miss_policy import CopyReuse, CpuRate, MissCosts, choose, copying_pays, miss_costs, miss_slots
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
@@ -24,6 +23,11 @@ FAST_PCIE = Bandwidths(pcie=1e15, hbm=1e15, cpu=1e6, cpu_flops=1e18)     # copyi
 SLOW_PCIE = Bandwidths(pcie=1e3, hbm=1e15, cpu=1e15, cpu_flops=1e18)     # the CPU always wins
 BALANCED = Bandwidths(pcie=4e9, hbm=4e9, cpu=1e9, cpu_flops=1e18)        # copy = device = CPU / 4 per expert
 MIXES = {"fast_pcie": FAST_PCIE, "slow_pcie": SLOW_PCIE, "balanced": BALANCED}
+
+
+def decide(bandwidths, expert_bytes, tokens, spare_slots, resident_s, **costs):
+    """The miss policy's decision for one step: the hybrid node's miss_costs, then choose."""
+    return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, **costs), spare_slots)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +64,12 @@ def decisions(monkeypatch):
     """Every decision the miss policy takes: (spare slots offered, misses, MissDecision)."""
     seen = []
 
-    def recording(bandwidths, expert_bytes, tokens, spare_slots, *args, **kwargs):
-        decision = decide(bandwidths, expert_bytes, tokens, spare_slots, *args, **kwargs)
-        seen.append((spare_slots, len(tokens), decision))
+    def recording(costs, spare_slots):
+        decision = choose(costs, spare_slots)
+        seen.append((spare_slots, costs.cpu_s.size, decision))
         return decision
 
-    monkeypatch.setattr(hybrid_node, "decide", recording)
+    monkeypatch.setattr(hybrid_node, "choose", recording)
     return seen
 
 
@@ -524,10 +528,10 @@ def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_p
 
     def recording(*args, **kwargs):
         offered.append(kwargs.get("reuse"))
-        return decide(*args, **kwargs)
+        return miss_costs(*args, **kwargs)
 
     monkeypatch.setattr(hybrid_node, "route", two_steps_per_set)
-    monkeypatch.setattr(hybrid_node, "decide", recording)
+    monkeypatch.setattr(hybrid_node, "miss_costs", recording)
     model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=8 * 3 * slot_bytes)
     greedy_run(model, steps=16)
     reuse = model.offload.copy_reuse

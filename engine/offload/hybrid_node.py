@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import approximate_routing
-from engine.offload.miss_policy import copying_pays, decide, miss_costs
+from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
 from kernels.cpu.routing import route
@@ -199,17 +199,17 @@ class HybridExpertNode:
         # The CPU reads the stored expert; a copy moves it in the kernels' (converted) layout, which the device
         # then reads: converted layouts (int2, fp4 ...) cost more on the device side than on the CPU side.
         resident_s = len(set(ids[resident].tolist())) * store.read_bytes / bandwidths.hbm
-        expert_bytes = self.info.bytes_per_expert
-        extra = dict(flops_per_token=self._flops_per_token, prepare_s=getattr(store, "prepare_s", 0.0),
-                     copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value,
-                     reuse=engine.copy_reuse.value)
-        if not copying_pays(miss_costs(bandwidths, expert_bytes, tokens, resident_s, **extra)):
+        costs = miss_costs(bandwidths, self.info.bytes_per_expert, tokens, resident_s,
+                           flops_per_token=self._flops_per_token, prepare_s=getattr(store, "prepare_s", 0.0),
+                           copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value,
+                           reuse=engine.copy_reuse.value)
+        if not copying_pays(costs):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
         spare = policy.spare_slots(self.layer, ids)  # unrouted pairs (-1) are ignored there
         if spare.size == 0:
             return _NONE
-        decision = decide(bandwidths, expert_bytes, tokens, spare.size, resident_s, **extra)
+        decision = choose(costs, spare.size)
         self.last_decision = decision
         chosen = [experts[i] for i in decision.copied.tolist()]
         for slot, expert in zip(spare.tolist(), chosen):

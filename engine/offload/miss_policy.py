@@ -210,13 +210,6 @@ def copying_pays(costs: MissCosts) -> bool:
     return costs._worth(1, total - max(cpu)) < stay - _TIE * abs(stay)
 
 
-def decide(bandwidths, expert_bytes: int, tokens: np.ndarray, spare_slots: int, resident_s: float,
-           flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
-           read_bytes: int | None = None, cpu_rate: float | None = None, reuse: float | None = None) -> MissDecision:
-    return choose(miss_costs(bandwidths, expert_bytes, tokens, resident_s, flops_per_token, prepare_s,
-                             copy_bytes, read_bytes, cpu_rate, reuse), spare_slots)
-
-
 def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, top_k: int, prepare_s: float = 0.0,
                copy_bytes: int | None = None, read_bytes: int | None = None, cpu_rate: float | None = None,
                reuse: float | None = None) -> int:
