@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.offload.cuda_step import D2H, H2D, StepBufferPool, StepBuffers
+from engine.offload.cuda_step import D2H, H2D, HostCopies, RoutedBuffers, StepBufferPool, StepBuffers
 
 
 class FakeDeviceArray(np.ndarray):
@@ -21,12 +21,16 @@ class FakeDeviceArray(np.ndarray):
 
 class FakeCupy:
     float32, int32, uint8 = np.float32, np.int32, np.uint8
+    ndarray = FakeDeviceArray
     copies: list = []
 
     class cuda:
         @staticmethod
         def alloc_pinned_memory(nbytes):
             return bytearray(nbytes)
+
+        class Event:
+            pass
 
         class runtime:
             @staticmethod
@@ -37,6 +41,10 @@ class FakeCupy:
     @staticmethod
     def empty(shape, dtype):
         return np.zeros(shape, dtype).view(FakeDeviceArray)
+
+    @staticmethod
+    def ascontiguousarray(array):
+        return np.ascontiguousarray(array).view(FakeDeviceArray)
 
 
 class Stream:
@@ -83,6 +91,37 @@ def test_the_pool_reuses_buffers_once_given_back():
     assert pool.take(1, 8) is first and pool.take(2, 8) is not second
 
 
+def test_device_arrays_come_to_the_host_in_one_wait():
+    FakeCupy.copies.clear()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 1, 48)).astype(np.float16).view(FakeDeviceArray)
+    logits = rng.standard_normal((1, 16)).astype(np.float32).view(FakeDeviceArray)
+    on_host = rng.standard_normal((1, 16)).astype(np.float32)  # not in device memory: passed as it is
+    copies, stream = HostCopies(FakeCupy), Stream()
+    got = copies.fetch([x, logits, on_host, None], stream)
+    assert got[2] is on_host and got[3] is None
+    for host, device in zip(got[:2], (x, logits)):
+        assert type(host) is np.ndarray and host.dtype == device.dtype and np.array_equal(host, device)
+        assert not np.shares_memory(host, device)
+    assert FakeCupy.copies == [(D2H, x.nbytes, Stream.ptr), (D2H, logits.nbytes, Stream.ptr)]
+    assert stream.synchronized == 1
+    again = copies.fetch([logits], stream)  # the kept pinned buffer, from its start again
+    assert again[0].ctypes.data == got[0].ctypes.data and np.array_equal(again[0], logits)
+
+
+def test_routed_buffers_keep_a_result_in_the_dense_dtype_and_copy_the_logits_over():
+    FakeCupy.copies.clear()
+    logits = np.arange(16, dtype=np.float16).reshape(1, 16).view(FakeDeviceArray)
+    half = RoutedBuffers(FakeCupy, 1, 32, np.float16, logits)
+    assert half.out32.dtype == np.float32 and half.out.dtype == np.float16 and half.out.shape == (1, 32)
+    single = RoutedBuffers(FakeCupy, 1, 32, np.float32, logits)
+    assert single.out is single.out32  # float32 activations: no conversion
+    half.copy_logits(logits, Stream())
+    assert np.array_equal(half.host_logits, logits) and half.host_logits.dtype == np.float16
+    assert FakeCupy.copies == [(D2H, logits.nbytes, Stream.ptr)]
+    assert half.key == RoutedBuffers.key_of(1, np.float16, logits) != RoutedBuffers.key_of(2, np.float16, logits)
+
+
 @pytest.mark.gpu
 def test_staged_launches_replayed_as_a_graph_follow_new_inputs_swaps_and_workspace_growth():
     """GpuQMoE.run_staged: eager at the first call with given buffers, a CUDA graph from the second on. The
@@ -121,6 +160,42 @@ def test_staged_launches_replayed_as_a_graph_follow_new_inputs_swaps_and_workspa
             want = _ref_pairs(xs, np.where(resident, ids, -1), w, spec, t)
             assert _relerr(got, want) <= 1e-4, f"step {step}"
             assert (len(m._graphs) == 1) == (step in (1, 2, 3, 5)), f"step {step}: {len(m._graphs)} graphs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_routed_launches_replayed_as_a_graph_match_the_reference(dtype):
+    """GpuQMoE.run_routed (a fully resident layer: routing on the GPU, the result converted to the input's dtype):
+    eager at the first call, a CUDA graph from the second; each step's new inputs written into the same buffers."""
+    cp = pytest.importorskip("cupy")
+    from kernels.gpu import GpuQMoE
+    from kernels.qmoe_spec import QMoESpec
+    from kernels.reference import qmoe_reference
+    from tests.qmoe_oracle import make_case
+    from tests.test_qmoe_gpu import _relerr
+
+    attrs, t, x, _ = make_case(seed=33, E=8, H=128, I=64, k=2, bits=4, block_size=32, T=1, activation="swiglu",
+                               swiglu_fusion=1)
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    m = GpuQMoE(spec, t)  # every expert resident
+    stream = cp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(34)
+    x_dev = cp.empty((1, 128), dtype)
+    logits_dev = cp.empty((1, 8), dtype)
+    out32 = cp.empty((1, 128), cp.float32)
+    out = out32 if dtype == "float32" else cp.empty((1, 128), dtype)
+    with stream:
+        for step in range(4):
+            xs = rng.standard_normal((1, 128)).astype(dtype)
+            logits = rng.standard_normal((1, 8)).astype(dtype)
+            x_dev.set(xs, stream=stream)
+            logits_dev.set(logits, stream=stream)
+            result = m.run_routed(x_dev, logits_dev, out32, out)
+            assert result is out
+            got = result.get(stream=stream).astype(np.float32)
+            want = qmoe_reference(xs.astype(np.float32), logits.astype(np.float32), spec, t)
+            assert _relerr(got, want) <= (1e-4 if dtype == "float32" else 2e-3), f"step {step}"
+            assert (len(m._graphs) == 1) == (step >= 1), f"step {step}: {len(m._graphs)} graphs"
 
 
 # (bits, block_size, zero points, bias, dtype, H, I, activation, swiglu_fusion); the last one has FC3 (gated

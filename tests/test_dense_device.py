@@ -7,6 +7,7 @@ CUDAExecutionProvider; they skip with the reason otherwise.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -83,11 +84,20 @@ class FakeCupy:
             finally:
                 fake.current_device = saved
 
-        self.cuda = SimpleNamespace(Stream=Stream, Device=device)
+        def memcpy_async(dst, src, size, kind, stream):
+            self.log.append(("memcpyAsync", self.current_device, self.current_stream))
+            ctypes.memmove(dst, src, size)
+
+        self.cuda = SimpleNamespace(Stream=Stream, Device=device, get_current_stream=lambda: fake.current_stream,
+                                    runtime=SimpleNamespace(memcpyAsync=memcpy_async))
 
     def zeros(self, shape, dtype):
         self.log.append(("zeros", self.current_device, self.current_stream))
         return np.zeros(shape, dtype).view(FakeDeviceArray)
+
+    def empty(self, shape, dtype):
+        self.log.append(("empty", self.current_device, self.current_stream))
+        return np.empty(shape, dtype).view(FakeDeviceArray)
 
 
 def fake_backend(device_id: int = 0, device_type: str = "cuda") -> CupyBackend:
@@ -237,6 +247,52 @@ def test_pointer_binding_matches_ortvalue_binding(cpu_model, monkeypatch):
         scale = np.abs(a).max()
         assert np.abs(a - b).max() <= 1e-6 * scale, f"{name}: step {step} differs from the OrtValue binding"
         assert np.abs(a - c).max() <= 1e-6 * scale, f"{name}: step {step} differs through the backend stand-in"
+
+
+def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(monkeypatch):
+    """DeviceOutputs on the CuPy stand-in (its "device" memory is host memory, bound as the CPU's): every cut
+    tensor but the logits left "on the device", as place_cut_tensors does on the GPU where readers take them."""
+    model = LoadedModel.open(fixture_folder("qwen35moe"))
+    reference = greedy_logits(model, model.new_state())
+    segments = [r for r in model.decoder.steps if isinstance(r, dense_segment.DenseSegment)]
+    for segment in segments:
+        segment.bindings.on_device = frozenset(set(segment.segment.outputs) - {model.decoder.logits_name})
+        segment.bindings.clear()
+    results = []
+    real = dense_segment.DenseSegment.run
+
+    def recording(self, values, state):
+        out = real(self, values, state)
+        results.append(out)
+        return out
+
+    monkeypatch.setattr(dense_segment.DenseSegment, "run", recording)
+    backend = fake_backend(device_type="cpu")
+    state = DecoderState(model.config, model.folder.onnx.proto.graph, backend)
+    waits = []
+    real_forward = model.decoder.forward
+
+    def counting(state, tokens):
+        before = backend.stream.synchronized
+        logits = real_forward(state, tokens)
+        waits.append(backend.stream.synchronized - before)
+        return logits
+
+    monkeypatch.setattr(model.decoder, "forward", counting)
+    ours = greedy_logits(model, state)
+    for step, (a, b) in enumerate(zip(ours, reference)):
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), f"step {step} differs"
+    per_step = len(segments)
+    last, before_last = results[-per_step:], results[-2 * per_step:-per_step]
+    for now, then in zip(last, before_last):  # decode steps: the same kept buffers, written in place
+        for name, array in now.items():
+            if name == model.decoder.logits_name:
+                assert type(array) is np.ndarray and array is not then[name]  # the caller keeps each step's logits
+            else:
+                assert isinstance(array, FakeDeviceArray) and array is then[name]
+    # the prompt and the first decode step (new shapes) wait after every segment; from then on only the segment
+    # with the logits, the one output that goes to the host
+    assert waits[0] == waits[1] == per_step and waits[2:] == [1] * (DECODE_STEPS - 1)
 
 
 def test_reset_zeroes_swapped_state_and_reuses_buffers():
@@ -456,6 +512,57 @@ def test_cuda_state_buffers_are_device_memory(monkeypatch, tmp_path):
         attributes = cupy.cuda.runtime.pointerGetAttributes(pointer)
         assert attributes.type == cupy.cuda.runtime.memoryTypeDevice
     assert all(isinstance(slot.array, cupy.ndarray) for slot in state.slots)
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path, fraction):
+    """Dense part and experts on the GPU: the expert nodes' inputs stay in GPU memory. Fully resident (1.0), each
+    layer routes there and leaves its result there (CudaSlots.launch_routed, no host round trip); with cold experts
+    (0.5) the node brings them to the host itself (CudaSlots.to_host). Logits as the CPU model's either way."""
+    import cupy
+
+    from engine.offload.cuda_device import CudaSlots
+    from engine.offload.planner import all_resident_bytes
+
+    spec = FP16_MODELS["fp16-sliding"]
+    folder = write_model(tmp_path / "fp16", spec)
+    cpu = LoadedModel.open(folder)
+    budget = int(fraction * all_resident_bytes(cpu.folder.experts))
+    gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
+    assert gpu.dense_device == "cuda", gpu.dense_reason
+    routed, fetched = [], []
+    real_launch, real_to_host = CudaSlots.launch_routed, CudaSlots.to_host
+
+    def launch_spy(self, x, logits, router_weights):
+        routed.append((type(x), type(logits)))
+        return real_launch(self, x, logits, router_weights)
+
+    def to_host_spy(self, *arrays):
+        fetched.append(tuple(type(a) for a in arrays if a is not None))
+        return real_to_host(self, *arrays)
+
+    monkeypatch.setattr(CudaSlots, "launch_routed", launch_spy)
+    monkeypatch.setattr(CudaSlots, "to_host", to_host_spy)
+    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
+    prompt = [int(t) for t in np.random.default_rng(9).integers(10, spec.vocab_size, PROMPT_TOKENS)]
+    ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
+    errors = [relative_error(ours, ref)]
+    for _ in range(DECODE_STEPS):
+        token = int(ref[-1].argmax())
+        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
+        errors.append(relative_error(ours, ref))
+    assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
+    calls = spec.layers * (1 + DECODE_STEPS)
+    totals = gpu.offload.stats.totals()
+    assert totals.hits + totals.misses == (PROMPT_TOKENS + DECODE_STEPS) * spec.top_k * spec.layers
+    if fraction == 1.0:
+        assert routed == [(cupy.ndarray, cupy.ndarray)] * calls and fetched == []
+        assert totals.misses == 0 and totals.device_s > 0 and gpu.offload.deferred == []
+    else:
+        assert routed == [] and len(fetched) == calls and all(cupy.ndarray in types for types in fetched)
+        assert totals.misses > 0
 
 
 LIMIT_SCRIPT = r"""

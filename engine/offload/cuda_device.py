@@ -14,7 +14,7 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
-from engine.offload.cuda_step import StepBufferPool, StepBuffers
+from engine.offload.cuda_step import HostCopies, RoutedBuffers, StepBufferPool, StepBuffers
 from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
 from engine.offload.staging import PinnedRing
@@ -199,6 +199,8 @@ class CudaSlots:
     """One expert node's slots in GPU memory (a GpuQMoE holding `num_slots` experts). A prefill
     wave gets a short-lived GpuQMoE of its own, inside the staging bytes the engine reserved."""
 
+    device_inputs = True  # a dense part on the GPU may hand this node's inputs over in GPU memory
+
     def __init__(self, device: "CudaDevice", runner, num_slots: int):
         self.device, self.runner = device, runner
         self.name = runner.info.name
@@ -214,6 +216,8 @@ class CudaSlots:
         self.prepare_s = 0.0  # host seconds of the last load before its copy could start
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
+        self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
+        self._host_copies = HostCopies(device.cp)
         self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
         self.resize(num_slots)
 
@@ -347,6 +351,55 @@ class CudaSlots:
             stop.synchronize()
         return cp.cuda.get_elapsed_time(start, stop) / 1e3
 
+    # --- fully resident layers, inputs in GPU memory (the dense part on the GPU): no host round trip ---------
+
+    def routes_on_device(self, x) -> bool:
+        """Whether launch_routed takes this input: an array in GPU memory (a dense part on the GPU left it there)."""
+        return isinstance(x, self.device.cp.ndarray)
+
+    def to_host(self, *arrays) -> tuple:
+        """`arrays` on the host: those in GPU memory copied over (on the dense part's stream, which made them;
+        one wait), the others as they are."""
+        cp = self.device.cp
+        if not any(isinstance(a, cp.ndarray) for a in arrays):
+            return arrays
+        stream = self.device.dense_stream or self.device.compute_stream
+        with cp.cuda.Device(self.device.index):
+            return tuple(self._host_copies.fetch(arrays, stream))
+
+    @_on_compute_stream
+    def launch_routed(self, x, logits, router_weights):
+        """Every expert of the node resident and the inputs in GPU memory: route and compute on the device, the
+        result left there for the next dense segment. No host synchronisation: the compute stream waits for the
+        dense part's stream, and the dense part's stream for the launch (one event each way). Returns (the result
+        in x's dtype and shape, the pending statistics for routed_done)."""
+        cp = self.device.cp
+        spec = self.runner.info.spec
+        tokens = x.size // spec.hidden_size
+        compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
+        with cp.cuda.Device(self.device.index):
+            logits = cp.ascontiguousarray(logits).reshape(tokens, -1)
+            buffers = self._routed
+            if buffers is None or buffers.key != RoutedBuffers.key_of(tokens, x.dtype, logits):
+                buffers = RoutedBuffers(cp, tokens, spec.hidden_size, x.dtype, logits)
+                if tokens <= self.gpu.decode_max_tokens:
+                    self._routed = buffers  # kept: the same pointers at every decode step (CUDA graph replays)
+            if dense is not None:
+                compute.wait_event(dense.record())
+            buffers.start.record(compute)
+            weights = None if router_weights is None else cp.ascontiguousarray(router_weights).reshape(tokens, -1)
+            self.gpu.run_routed(x.reshape(tokens, spec.hidden_size), logits, buffers.out32, buffers.out, weights)
+            buffers.copy_logits(logits, compute)
+            buffers.stop.record(compute)
+            if dense is not None:
+                dense.wait_event(buffers.stop)
+        return buffers.out.reshape(x.shape), buffers
+
+    def routed_done(self, pending: RoutedBuffers) -> tuple[np.ndarray, float, float]:
+        """At the end of the step: (the router logits on the host, the launch's device seconds, 0: no stand-in)."""
+        pending.stop.synchronize()
+        return pending.host_logits, self.device.cp.cuda.get_elapsed_time(pending.start, pending.stop) / 1e3, 0.0
+
     @_on_compute_stream
     def flush(self, out: np.ndarray) -> None:
         """Add the prefill launches' summed results to `out` (one copy back) and free their buffers."""
@@ -370,6 +423,7 @@ class CudaDevice:
                 cp.get_default_memory_pool().set_limit(size=mem_limit)
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
             self.compute_stream = cp.cuda.Stream(non_blocking=True)  # every expert kernel and result copy
+            self.dense_stream = None  # onnxruntime's stream when the dense part runs on this GPU (LoadedModel)
             self.bandwidths = _measure_all(cp)
         self.memory = DeviceMemory(capacity=free, limit=mem_limit)
         self.host_registration = None  # the experts' file mapping, page-locked in the background (register_experts)

@@ -72,3 +72,59 @@ class StepBufferPool:
 
     def give_back(self, buffers: StepBuffers) -> None:
         self._free.setdefault((buffers.tokens, buffers.k), []).append(buffers)
+
+
+class RoutedBuffers:
+    """A fully resident layer's launch with the routing on the device (CudaSlots.launch_routed): the float32 result
+    and its copy in the dense part's dtype (what the next dense segment reads, in GPU memory), a pinned host copy of
+    the router logits (the step's statistics route them again on the host at the end of the step, when the copy is
+    in), and the launch's start and stop events."""
+
+    def __init__(self, cp, tokens: int, hidden: int, dtype, logits):
+        self.cp = cp
+        self.key = RoutedBuffers.key_of(tokens, dtype, logits)
+        self.out32 = cp.empty((tokens, hidden), cp.float32)
+        self.out = self.out32 if np.dtype(dtype) == np.float32 else cp.empty((tokens, hidden), dtype)
+        self._pinned = cp.cuda.alloc_pinned_memory(max(1, logits.nbytes))
+        self.host_logits = np.frombuffer(self._pinned, logits.dtype, logits.size).reshape(tokens, -1)
+        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
+
+    @staticmethod
+    def key_of(tokens: int, dtype, logits) -> tuple:
+        return tokens, np.dtype(dtype).str, logits.size, logits.dtype.str
+
+    def copy_logits(self, logits, stream) -> None:
+        """The router logits (C-contiguous, on the device) into the pinned copy, asynchronously on `stream`."""
+        self.cp.cuda.runtime.memcpyAsync(self.host_logits.ctypes.data, logits.data.ptr, logits.nbytes, D2H,
+                                         stream.ptr)
+
+
+class HostCopies:
+    """Device arrays a layer needs on the host (the dense part left them in GPU memory, the layer has cold
+    experts): copied into one kept pinned buffer, one wait for them all. The NumPy views returned are valid until
+    the next fetch (the hybrid node reads them within its run)."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self._pinned = None
+        self._buffer = np.empty(0, np.uint8)
+
+    def fetch(self, arrays, stream) -> list:
+        cp = self.cp
+        device = [a for a in arrays if isinstance(a, cp.ndarray)]
+        need = sum(_aligned(a.nbytes) for a in device)
+        if need > self._buffer.size:
+            self._pinned = cp.cuda.alloc_pinned_memory(need)
+            self._buffer = np.frombuffer(self._pinned, np.uint8, need)
+        fetched, offset = [], 0
+        for array in arrays:
+            if not isinstance(array, cp.ndarray):
+                fetched.append(array)
+                continue
+            array = cp.ascontiguousarray(array)
+            host = self._buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
+            cp.cuda.runtime.memcpyAsync(host.ctypes.data, array.data.ptr, array.nbytes, D2H, stream.ptr)
+            fetched.append(host)
+            offset += _aligned(array.nbytes)
+        stream.synchronize()
+        return fetched

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.staging import PinnedRing
+from kernels.cpu.routing import route
 
 GIB = 1 << 30
 
@@ -90,6 +91,30 @@ class SimulatedSlots:
 
     def flush(self, out: np.ndarray) -> None:
         """Results a device may hold back until the node's last collect (CudaSlots: prefill); here none."""
+
+    # Fully resident layers: routing on the device (CudaSlots.launch_routed); here NumPy is device memory.
+    def routes_on_device(self, x) -> bool:
+        return True
+
+    def to_host(self, *arrays) -> tuple:
+        return arrays
+
+    def launch_routed(self, x: np.ndarray, logits: np.ndarray, router_weights):
+        """Route and compute every expert on the "device" (the CPU kernel); returns (the result in x's dtype and
+        shape, what routed_done gives back: the logits, the modelled device seconds, the stand-in's wall time)."""
+        started = time.perf_counter()
+        spec = self.kernel.spec
+        x2d = x.reshape(-1, spec.hidden_size)
+        logits = np.array(logits, copy=True).reshape(x2d.shape[0], -1)  # the dense part may reuse its buffer
+        ids, weights = route(logits, spec, router_weights)
+        out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
+        self.kernel.run_experts(x2d, ids, weights, out=out)
+        seconds = len(set(ids.ravel().tolist())) * self.read_bytes / self.device.bandwidths.hbm
+        result = out.astype(x.dtype, copy=False).reshape(x.shape)
+        return result, (logits, seconds, time.perf_counter() - started)
+
+    def routed_done(self, pending) -> tuple[np.ndarray, float, float]:
+        return pending
 
 
 class SimulatedDevice:

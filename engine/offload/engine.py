@@ -67,6 +67,9 @@ class OffloadEngine:
                        for info, runner in zip(self.infos, runners)]
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
+        # (node, pending) of this step's fully resident layers, whose statistics wait for the end of the step
+        # (HybridExpertNode.account_resident)
+        self.deferred: list = []
         self._make_policy()
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
@@ -230,6 +233,9 @@ class OffloadEngine:
         earned by the step's `step_s` seconds (None: without a limit)."""
         if self.shadow:
             return
+        for node, pending in self.deferred:
+            node.account_resident(pending)
+        self.deferred.clear()
         self.stats.end_step()
         self.copy_reuse.end_step()
         if self.device is not None:

@@ -40,14 +40,27 @@ class HybridExpertNode:
     def kernel(self):
         return self.runner.kernel  # rebuilt when allow_file_backing changes
 
+    @property
+    def takes_device_arrays(self) -> bool:
+        """Whether the dense part may hand this node its inputs in GPU memory (a device store that takes them:
+        run() brings them to the host where the layer needs them there)."""
+        store = self.engine.stores[self.layer]
+        return store is not None and getattr(store, "device_inputs", False)
+
     def run(self, values: dict[str, np.ndarray]) -> np.ndarray:
         inputs = self.info.activation_inputs
         x = values[inputs["input"]]
         router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
+        logits = values[inputs["router_probs"]]
         spec = self.info.spec
         engine, layer = self.engine, self.layer
+        store = engine.stores[layer]
+        if store is not None:
+            if not engine.approximating and engine.slots[layer].all_resident and store.routes_on_device(x):
+                return self._run_resident(store, x, logits, router_weights)
+            x, logits, router_weights = store.to_host(x, logits, router_weights)
         x2d = np.ascontiguousarray(x.reshape(-1, spec.hidden_size))
-        logits = values[inputs["router_probs"]].reshape(-1, spec.num_experts)
+        logits = logits.reshape(-1, spec.num_experts)
         ids, weights = route(logits, spec, router_weights)
         slot_of = engine.slots[layer].slot_of
         if engine.approximating:
@@ -71,7 +84,6 @@ class HybridExpertNode:
                 engine.copy_reuse.hit(layer, ids, resident)
 
         out = self._output(x2d.shape[0])
-        store = engine.stores[layer]
         standin_before = getattr(store, "standin_s", 0.0) if store is not None else 0.0
         cold = np.where(resident, -1, ids) if hits else ids  # never written in place
         copied_pairs = copies = 0
@@ -164,6 +176,37 @@ class HybridExpertNode:
                 np.copyto(self._out_view, out.reshape(x.shape), casting="same_kind")
             return self._out_view
         return out.astype(x.dtype, copy=False).reshape(x.shape)
+
+    def _run_resident(self, store, x, logits, router_weights):
+        """Every expert of the layer resident: routing and experts on the device, the result left there (in GPU
+        memory when the dense part runs on the GPU: no host round trip, no wait). The step's statistics follow at
+        its end (account_resident), once the router logits' copy to the host is in."""
+        out, pending = store.launch_routed(x, logits, router_weights)
+        if not self.engine.shadow:
+            self.engine.deferred.append((self, pending))
+        return out
+
+    def account_resident(self, pending) -> None:
+        """The statistics of one _run_resident step, at the end of the step (OffloadEngine.end_step): its routing
+        done again on the host from the logits (the same route() as run(); router weights do not change which
+        experts are picked), every pair a hit, the launch's device time on the critical path."""
+        engine, layer = self.engine, self.layer
+        logits, device_s, standin = engine.stores[layer].routed_done(pending)
+        ids, _weights = route(logits.reshape(-1, self.info.spec.num_experts), self.info.spec)
+        resident = np.ones(ids.shape, bool)
+        stats = engine.stats.layers[layer]
+        stats.hits += ids.size
+        engine.stats.count(layer, ids, resident)
+        engine.copy_reuse.hit(layer, ids, resident)
+        stats.device_s += device_s
+        critical = layer_critical_s(0.0, device_s)
+        stats.critical_s += critical
+        stats.standin_s += standin
+        phase = engine.stats.phase(ids.shape[0])
+        phase.critical_s += critical
+        phase.standin_s += standin
+        engine.stats.split(layer, 0, 0, 0)
+        engine.policy.observe(layer, ids.reshape(-1))
 
     def _output(self, tokens: int) -> np.ndarray:
         """A zeroed float32 [tokens, hidden] accumulator. A decode step's is one buffer per node, returned (as the
