@@ -65,6 +65,7 @@ def test_fully_resident_layers_route_on_the_device_with_the_host_paths_results_a
         assert (mine.hits, mine.misses, mine.misses_cpu, mine.misses_copied) == \
             (theirs.hits, theirs.misses, theirs.misses_cpu, theirs.misses_copied)
         assert mine.hits > 0 and mine.misses == 0
+        assert (mine.routed_on_device, theirs.routed_on_device) == (1 + STEPS, 0)
         assert mine.device_s == pytest.approx(theirs.device_s) and mine.critical_s == pytest.approx(theirs.critical_s)
         assert np.array_equal(hits, ref_hits)
     assert ours.step_splits == ref.step_splits

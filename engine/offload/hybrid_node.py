@@ -196,6 +196,7 @@ class HybridExpertNode:
         resident = np.ones(ids.shape, bool)
         stats = engine.stats.layers[layer]
         stats.hits += ids.size
+        stats.routed_on_device += 1
         engine.stats.count(layer, ids, resident)
         engine.copy_reuse.hit(layer, ids, resident)
         stats.device_s += device_s
