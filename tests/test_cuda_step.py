@@ -120,6 +120,8 @@ def test_routed_buffers_keep_a_result_in_the_dense_dtype_and_copy_the_logits_ove
     assert np.array_equal(half.host_logits, logits) and half.host_logits.dtype == np.float16
     assert FakeCupy.copies == [(D2H, logits.nbytes, Stream.ptr)]
     assert half.key == RoutedBuffers.key_of(1, np.float16, logits) != RoutedBuffers.key_of(2, np.float16, logits)
+    view = half.result((1, 1, 32))  # the node's output shape: the same view at every step
+    assert view.shape == (1, 1, 32) and np.shares_memory(view, half.out) and half.result((1, 1, 32)) is view
 
 
 @pytest.mark.gpu

@@ -393,7 +393,7 @@ class CudaSlots:
             buffers.stop.record(compute)
             if dense is not None:
                 dense.wait_event(buffers.stop)
-        return buffers.out.reshape(x.shape), buffers
+        return buffers.result(x.shape), buffers
 
     def routed_done(self, pending: RoutedBuffers) -> tuple[np.ndarray, float, float]:
         """At the end of the step: (the router logits on the host, the launch's device seconds, 0: no stand-in)."""

@@ -88,10 +88,16 @@ class RoutedBuffers:
         self._pinned = cp.cuda.alloc_pinned_memory(max(1, logits.nbytes))
         self.host_logits = np.frombuffer(self._pinned, logits.dtype, logits.size).reshape(tokens, -1)
         self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
+        self._result = None  # `out` in the node's output shape: one view, so the next segment binds it only once
 
     @staticmethod
     def key_of(tokens: int, dtype, logits) -> tuple:
         return tokens, np.dtype(dtype).str, logits.size, logits.dtype.str
+
+    def result(self, shape: tuple):
+        if self._result is None or self._result.shape != tuple(shape):
+            self._result = self.out.reshape(shape)
+        return self._result
 
     def copy_logits(self, logits, stream) -> None:
         """The router logits (C-contiguous, on the device) into the pinned copy, asynchronously on `stream`."""
