@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.offload.cuda_step import D2H, H2D, HostCopies, RoutedBuffers, StepBufferPool, StepBuffers
+from engine.offload.cuda_step import (D2H, H2D, HostCopies, MergeBufferPool, RoutedBuffers, StepBufferPool,
+                                      StepBuffers)
 
 
 class FakeDeviceArray(np.ndarray):
@@ -45,6 +46,8 @@ class FakeCupy:
     @staticmethod
     def ascontiguousarray(array):
         return np.ascontiguousarray(array).view(FakeDeviceArray)
+
+    add, copyto = staticmethod(np.add), staticmethod(np.copyto)
 
 
 class Stream:
@@ -122,6 +125,28 @@ def test_routed_buffers_keep_a_result_in_the_dense_dtype_and_copy_the_logits_ove
     assert half.key == RoutedBuffers.key_of(1, np.float16, logits) != RoutedBuffers.key_of(2, np.float16, logits)
     view = half.result((1, 1, 32))  # the node's output shape: the same view at every step
     assert view.shape == (1, 1, 32) and np.shares_memory(view, half.out) and half.result((1, 1, 32)) is view
+
+
+def test_a_merged_result_adds_the_cpus_part_to_the_devices_in_the_dense_dtype():
+    FakeCupy.copies.clear()
+    rng = np.random.default_rng(2)
+    pool = MergeBufferPool(FakeCupy, 24)
+    merge = pool.take(1, np.float16)
+    assert pool.take(1, np.float16) is merge and pool.take(1, np.float32) is not merge
+    cpu_part = rng.standard_normal((1, 24)).astype(np.float32)
+    device_part = rng.standard_normal((1, 24)).astype(np.float32)
+    merge.upload(cpu_part, Stream())
+    assert FakeCupy.copies == [(H2D, cpu_part.nbytes, Stream.ptr)]
+    merge.combine(device_part.copy().view(FakeDeviceArray), True)
+    view = merge.result((1, 1, 24))
+    assert view.dtype == np.float16 and view.shape == (1, 1, 24) and merge.result((1, 1, 24)) is view
+    assert np.array_equal(view.reshape(1, 24), (cpu_part + device_part).astype(np.float16))
+    merge.combine(device_part.copy().view(FakeDeviceArray), False)  # no CPU part this step
+    assert np.array_equal(view.reshape(1, 24), device_part.astype(np.float16))
+    merge.combine(None, True)  # nothing on the device (no resident expert routed)
+    assert np.array_equal(view.reshape(1, 24), cpu_part.astype(np.float16))
+    merge.combine(None, False)
+    assert not view.any()
 
 
 @pytest.mark.gpu

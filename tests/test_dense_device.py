@@ -520,7 +520,8 @@ def test_cuda_state_buffers_are_device_memory(monkeypatch, tmp_path):
 def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path, fraction):
     """Dense part and experts on the GPU: the expert nodes' inputs stay in GPU memory. Fully resident (1.0), each
     layer routes there and leaves its result there (CudaSlots.launch_routed, no host round trip); with cold experts
-    (0.5) the node brings them to the host itself (CudaSlots.to_host). Logits as the CPU model's either way."""
+    (0.5) the node brings its inputs to the host itself (CudaSlots.to_host) and, in decode, adds the CPU's part to
+    the device's on the GPU, leaving the result there (merge_on_device). Logits as the CPU model's either way."""
     import cupy
 
     from engine.offload.cuda_device import CudaSlots
@@ -532,8 +533,8 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
     budget = int(fraction * all_resident_bytes(cpu.folder.experts))
     gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
     assert gpu.dense_device == "cuda", gpu.dense_reason
-    routed, fetched = [], []
-    real_launch, real_to_host = CudaSlots.launch_routed, CudaSlots.to_host
+    routed, fetched, merged = [], [], []
+    real_launch, real_to_host, real_merge = CudaSlots.launch_routed, CudaSlots.to_host, CudaSlots.merge_on_device
 
     def launch_spy(self, x, logits, router_weights):
         routed.append((type(x), type(logits)))
@@ -543,8 +544,14 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
         fetched.append(tuple(type(a) for a in arrays if a is not None))
         return real_to_host(self, *arrays)
 
+    def merge_spy(self, pending, cpu_part, like):
+        result, timing = real_merge(self, pending, cpu_part, like)
+        merged.append(type(result))
+        return result, timing
+
     monkeypatch.setattr(CudaSlots, "launch_routed", launch_spy)
     monkeypatch.setattr(CudaSlots, "to_host", to_host_spy)
+    monkeypatch.setattr(CudaSlots, "merge_on_device", merge_spy)
     gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
     prompt = [int(t) for t in np.random.default_rng(9).integers(10, spec.vocab_size, PROMPT_TOKENS)]
     ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
@@ -558,11 +565,13 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
     totals = gpu.offload.stats.totals()
     assert totals.hits + totals.misses == (PROMPT_TOKENS + DECODE_STEPS) * spec.top_k * spec.layers
     if fraction == 1.0:
-        assert routed == [(cupy.ndarray, cupy.ndarray)] * calls and fetched == []
+        assert routed == [(cupy.ndarray, cupy.ndarray)] * calls and fetched == [] and merged == []
         assert totals.misses == 0 and totals.device_s > 0 and gpu.offload.deferred == []
     else:
         assert routed == [] and len(fetched) == calls and all(cupy.ndarray in types for types in fetched)
-        assert totals.misses > 0
+        # decode steps leave their results in GPU memory (the CPU's part added there); the prompt's come back
+        assert merged == [cupy.ndarray] * (spec.layers * DECODE_STEPS)
+        assert totals.misses > 0 and totals.device_s > 0 and gpu.offload.deferred == []
 
 
 LIMIT_SCRIPT = r"""

@@ -52,7 +52,7 @@ def test_fully_resident_layers_route_on_the_device_with_the_host_paths_results_a
     assert len(routed_calls) == SPEC.layers * (1 + STEPS)  # every layer, prompt and decode steps
     assert model.offload.deferred == []  # the statistics were taken at each step's end
 
-    monkeypatch.setattr(SimulatedSlots, "routes_on_device", lambda self, x: False)  # the host path, as before
+    monkeypatch.setattr(SimulatedSlots, "holds", lambda self, x: False)  # the host path, as before
     host = open_model(model_folder, 1.0, placement=placement)
     host_logits, host_tokens = greedy_run(host)
     assert len(routed_calls) == SPEC.layers * (1 + STEPS)  # no more routed launches
@@ -73,6 +73,41 @@ def test_fully_resident_layers_route_on_the_device_with_the_host_paths_results_a
         assert np.allclose(mine, theirs)  # placement learnt the same routing
     decode, ref_decode = ours.phase(1), ref.phase(1)
     assert decode.critical_s == pytest.approx(ref_decode.critical_s) and decode.critical_s > 0
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_decode_results_merged_on_the_device_match_the_host_merge(model_folder, monkeypatch, fraction):
+    """Layers with cold experts, inputs in the device's memory: in decode the CPU's part is added to the device's
+    there (merge_on_device) and the device time is read at the end of the step; the same answers and statistics as
+    adding them on the host (collect)."""
+    merges = []
+    real = SimulatedSlots.merge_on_device
+
+    def spy(self, pending, cpu_part, like):
+        merges.append(pending is not None)
+        return real(self, pending, cpu_part, like)
+
+    monkeypatch.setattr(SimulatedSlots, "merge_on_device", spy)
+    model = open_model(model_folder, fraction)
+    logits, tokens = greedy_run(model)
+    prompt = len(model.tokenizer.encode("The expert offload engine must be exact."))  # greedy_run's, a prefill
+    assert prompt > 8 and len(merges) == SPEC.layers * STEPS
+    assert any(merges) == (fraction > 0)  # with residents, the device has a part to add
+
+    monkeypatch.setattr(SimulatedSlots, "holds", lambda self, x: False)
+    host = open_model(model_folder, fraction)
+    host_logits, host_tokens = greedy_run(host)
+    assert len(merges) == SPEC.layers * STEPS and tokens == host_tokens
+    for ours, ref in zip(logits, host_logits):
+        assert np.abs(ours - ref).max() <= 1e-6 * np.abs(ref).max()
+    ours, ref = model.offload.stats, host.offload.stats
+    for mine, theirs in zip(ours.layers, ref.layers):
+        assert (mine.hits, mine.misses, mine.misses_cpu, mine.misses_copied, mine.miss_copies) == \
+            (theirs.hits, theirs.misses, theirs.misses_cpu, theirs.misses_copied, theirs.miss_copies)
+        assert mine.device_s == pytest.approx(theirs.device_s)
+    assert ours.step_splits == ref.step_splits and model.offload.deferred == []
+    if fraction:
+        assert ours.totals().device_s > 0
 
 
 def test_layers_with_cold_experts_and_approximate_routing_keep_the_host_path(model_folder, routed_calls):

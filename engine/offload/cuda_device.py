@@ -14,7 +14,7 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
-from engine.offload.cuda_step import HostCopies, RoutedBuffers, StepBufferPool, StepBuffers
+from engine.offload.cuda_step import HostCopies, MergeBufferPool, RoutedBuffers, StepBufferPool, StepBuffers
 from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
 from engine.offload.staging import PinnedRing
@@ -217,6 +217,7 @@ class CudaSlots:
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
         self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
+        self._merges = MergeBufferPool(device.cp, runner.info.spec.hidden_size)  # merge_on_device's, by shape
         self._host_copies = HostCopies(device.cp)
         self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
         self.resize(num_slots)
@@ -353,8 +354,9 @@ class CudaSlots:
 
     # --- fully resident layers, inputs in GPU memory (the dense part on the GPU): no host round trip ---------
 
-    def routes_on_device(self, x) -> bool:
-        """Whether launch_routed takes this input: an array in GPU memory (a dense part on the GPU left it there)."""
+    def holds(self, x) -> bool:
+        """Whether `x` lies in GPU memory (a dense part on the GPU left it there): launch_routed takes it, and a
+        decode step's result goes back there (merge_on_device)."""
         return isinstance(x, self.device.cp.ndarray)
 
     def to_host(self, *arrays) -> tuple:
@@ -394,6 +396,38 @@ class CudaSlots:
             if dense is not None:
                 dense.wait_event(buffers.stop)
         return buffers.result(x.shape), buffers
+
+    @_on_compute_stream
+    def merge_on_device(self, pending, cpu_part: np.ndarray | None, like):
+        """A decode step's result left in GPU memory for the next dense segment: the device's part (launch's
+        pending, or None) plus the CPU's (float32 [T, H] on the host, or None), added and converted to like's dtype
+        on the GPU. The CPU's part goes over from pinned memory, asynchronously; the dense part's stream waits for
+        an event after the addition, the host for nothing. Returns (the result in like's shape, the launch's events
+        for merged_done, or None)."""
+        cp = self.device.cp
+        compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
+        hidden = self.runner.info.spec.hidden_size
+        with cp.cuda.Device(self.device.index):
+            merge = self._merges.take(like.size // hidden, like.dtype)
+            device_part = None
+            if pending is not None:
+                device_part, start, stop = pending
+            if cpu_part is not None:
+                merge.upload(cpu_part, compute)
+            merge.combine(None if device_part is None else device_part.out, cpu_part is not None)
+            if dense is not None:
+                dense.wait_event(compute.record())
+            if device_part is not None:  # its next use is the next step's launch, after the host has waited
+                self._step_buffers.give_back(device_part)
+        return merge.result(like.shape), None if pending is None else (start, stop)
+
+    def merged_done(self, timing) -> float:
+        """At the end of the step: the merged launch's device seconds (0 without one)."""
+        if timing is None:
+            return 0.0
+        start, stop = timing
+        stop.synchronize()
+        return self.device.cp.cuda.get_elapsed_time(start, stop) / 1e3
 
     def routed_done(self, pending: RoutedBuffers) -> tuple[np.ndarray, float, float]:
         """At the end of the step: (the router logits on the host, the launch's device seconds, 0: no stand-in)."""

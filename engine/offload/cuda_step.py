@@ -134,3 +134,57 @@ class HostCopies:
             offset += _aligned(array.nbytes)
         stream.synchronize()
         return fetched
+
+
+class MergeBuffers:
+    """A decode step's result kept in GPU memory (CudaSlots.merge_on_device): the CPU's float32 part in pinned
+    memory and on the device, and the sum in the dense part's dtype, which the next dense segment reads."""
+
+    def __init__(self, cp, tokens: int, hidden: int, dtype):
+        self.cp = cp
+        self._pinned = cp.cuda.alloc_pinned_memory(tokens * hidden * 4)
+        self.host_part = np.frombuffer(self._pinned, np.float32, tokens * hidden).reshape(tokens, hidden)
+        self.part = cp.empty((tokens, hidden), cp.float32)
+        self.sum = cp.empty((tokens, hidden), dtype)
+        self._view = None
+
+    def upload(self, cpu_part: np.ndarray, stream) -> None:
+        """The CPU's part into pinned memory, then over to the device asynchronously on `stream`."""
+        np.copyto(self.host_part, cpu_part.reshape(self.host_part.shape))
+        self.cp.cuda.runtime.memcpyAsync(self.part.data.ptr, self.host_part.ctypes.data, self.host_part.nbytes, H2D,
+                                         stream.ptr)
+
+    def combine(self, device_part, with_cpu_part: bool) -> None:
+        """sum = device part + CPU part (either may be absent: None / False), in sum's dtype, on the current stream."""
+        cp = self.cp
+        if device_part is None:
+            source = self.part if with_cpu_part else None
+        elif with_cpu_part:
+            cp.add(device_part, self.part, out=device_part)
+            source = device_part
+        else:
+            source = device_part
+        if source is None:
+            self.sum.fill(0)
+        else:
+            cp.copyto(self.sum, source, casting="same_kind")
+
+    def result(self, shape: tuple):
+        """The sum in the node's output shape: one view, so the next segment binds it once."""
+        if self._view is None or self._view.shape != tuple(shape):
+            self._view = self.sum.reshape(shape)
+        return self._view
+
+
+class MergeBufferPool:
+    """MergeBuffers by (tokens, dtype), kept: one per node and decode shape."""
+
+    def __init__(self, cp, hidden: int):
+        self.cp, self.hidden = cp, hidden
+        self._kept: dict[tuple[int, str], MergeBuffers] = {}
+
+    def take(self, tokens: int, dtype) -> MergeBuffers:
+        key = (tokens, np.dtype(dtype).str)
+        if key not in self._kept:
+            self._kept[key] = MergeBuffers(self.cp, tokens, self.hidden, dtype)
+        return self._kept[key]

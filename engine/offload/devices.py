@@ -54,6 +54,7 @@ class SimulatedSlots:
         self.stored_bytes = runner.info.bytes_per_expert  # a wave's rows as gathered into the pinned ring
         self.num_slots = 0
         self.standin_s = 0.0
+        self._merged: dict = {}  # merge_on_device's results, by shape and dtype
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
@@ -92,9 +93,28 @@ class SimulatedSlots:
     def flush(self, out: np.ndarray) -> None:
         """Results a device may hold back until the node's last collect (CudaSlots: prefill); here none."""
 
-    # Fully resident layers: routing on the device (CudaSlots.launch_routed); here NumPy is device memory.
-    def routes_on_device(self, x) -> bool:
+    # Inputs and results in the device's memory (CudaSlots.holds); here NumPy is device memory.
+    def holds(self, x) -> bool:
         return True
+
+    def merge_on_device(self, pending, cpu_part: np.ndarray | None, like: np.ndarray):
+        """The CPU's part of a decode step (or None) added to the device's (launch's pending, or None), in like's
+        dtype and shape, and the pending device seconds for merged_done."""
+        hidden = self.kernel.spec.hidden_size
+        total = np.zeros((like.size // hidden, hidden), np.float32) if cpu_part is None else cpu_part.copy()
+        seconds = 0.0
+        if pending is not None:
+            partial, seconds = pending
+            total += partial
+        key = (like.shape, like.dtype.str)
+        result = self._merged.get(key)  # kept, as CudaSlots keeps its: the next segment finds the same array
+        if result is None:
+            result = self._merged[key] = np.empty(like.shape, like.dtype)
+        np.copyto(result, total.reshape(like.shape), casting="same_kind")
+        return result, seconds
+
+    def merged_done(self, seconds: float) -> float:
+        return seconds
 
     def to_host(self, *arrays) -> tuple:
         return arrays

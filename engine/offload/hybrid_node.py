@@ -13,8 +13,10 @@ from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
 from kernels.cpu.routing import route
+from kernels.gpu.qmoe import GpuQMoE
 
 _NONE = np.empty(0, np.int64)  # no expert copied (read only)
+DECODE_MAX_TOKENS = GpuQMoE.decode_max_tokens  # a step merged on the device: the GPU's decode launch
 _NONE.flags.writeable = False
 
 
@@ -55,9 +57,11 @@ class HybridExpertNode:
         spec = self.info.spec
         engine, layer = self.engine, self.layer
         store = engine.stores[layer]
-        if store is not None:
-            if not engine.approximating and engine.slots[layer].all_resident and store.routes_on_device(x):
+        held = store is not None and store.holds(x)  # the inputs lie in the device's memory
+        if held:
+            if not engine.approximating and engine.slots[layer].all_resident:
                 return self._run_resident(store, x, logits, router_weights)
+            like = x  # the result goes back where the inputs came from, in their dtype and shape
             x, logits, router_weights = store.to_host(x, logits, router_weights)
         x2d = np.ascontiguousarray(x.reshape(-1, spec.hidden_size))
         logits = logits.reshape(-1, spec.num_experts)
@@ -139,34 +143,31 @@ class HybridExpertNode:
                     engine.cpu_rate.observe(len(on_cpu) * self.info.bytes_per_expert, cpu_s)
                 if touch:
                     engine.host_cache.touch(layer, sorted(on_cpu))
-        device_s = 0.0
-        if pending is not None:
-            waited = time.perf_counter()
-            device_s = store.collect(pending, out)
-            stats.device_s += device_s
-            stats.wait_s += time.perf_counter() - waited
-        if store is not None and (pending is not None or waves):
-            store.flush(out)
-        # The projection for the simulated card (projection.py): this step's critical path on a real card, and
-        # the wall time the simulated device spent computing its experts on the CPU.
-        phase = engine.stats.phase(x2d.shape[0])
-        if pending is None and not waves:
-            critical = cpu_s  # no device work: the CPU's time, as measured
-            standin = 0.0
+        standin = getattr(store, "standin_s", 0.0) - standin_before if pending is not None or waves else 0.0
+        tokens = x2d.shape[0]
+        result = None
+        if held and not shadow and not waves and tokens <= min(engine.config.async_max_tokens, DECODE_MAX_TOKENS):
+            # Decode with the inputs in device memory: the CPU's part goes over and is added to the device's there,
+            # and the result stays for the next dense segment; the host does not wait for the device. Its time is
+            # read at the end of the step.
+            result, timing = store.merge_on_device(pending, out if copied_pairs < missed else None, like)
+            engine.deferred.append(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing),
+                                                              pending is not None, copies, miss_copy_s, waves, standin))
         else:
-            if copies:  # one launch after the copies: residents and copied misses together
-                critical = layer_critical_s(cpu_s, miss_copy_s=miss_copy_s, miss_device_s=device_s)
-            else:
-                critical = layer_critical_s(cpu_s, device_s, waves)
-            standin = getattr(store, "standin_s", 0.0) - standin_before
-        stats.critical_s += critical
-        stats.standin_s += standin
-        phase.cpu_s += cpu_s
-        phase.critical_s += critical
-        phase.standin_s += standin
+            device_s = 0.0
+            if pending is not None:
+                waited = time.perf_counter()
+                device_s = store.collect(pending, out)
+                stats.wait_s += time.perf_counter() - waited
+            if store is not None and (pending is not None or waves):
+                store.flush(out)
+            self._account_time(stats, tokens, cpu_s, device_s, pending is not None or bool(waves), copies,
+                               miss_copy_s, waves, standin)
         if not shadow:
             engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
             engine.policy.observe(layer, ids.reshape(-1))
+        if result is not None:
+            return result
         if out is self._out:
             # a decode step: the same array at every step (fp16 models: a kept fp16 copy), which the next dense
             # segment finds bound already
@@ -177,13 +178,32 @@ class HybridExpertNode:
             return self._out_view
         return out.astype(x.dtype, copy=False).reshape(x.shape)
 
+    def _account_time(self, stats: LayerStats, tokens: int, cpu_s: float, device_s: float, on_device: bool,
+                      copies: int, miss_copy_s: float, waves, standin: float) -> None:
+        """A step's device time (that of its launch; prefill waves count theirs as they run) and the projection for
+        the simulated card (projection.py): the step's critical path on a real card, and the wall time the
+        simulated device spent computing its experts on the CPU."""
+        stats.device_s += device_s
+        if not on_device:
+            critical = cpu_s  # no device work: the CPU's time, as measured
+        elif copies:  # one launch after the copies: residents and copied misses together
+            critical = layer_critical_s(cpu_s, miss_copy_s=miss_copy_s, miss_device_s=device_s)
+        else:
+            critical = layer_critical_s(cpu_s, device_s, waves)
+        phase = self.engine.stats.phase(tokens)
+        stats.critical_s += critical
+        stats.standin_s += standin
+        phase.cpu_s += cpu_s
+        phase.critical_s += critical
+        phase.standin_s += standin
+
     def _run_resident(self, store, x, logits, router_weights):
         """Every expert of the layer resident: routing and experts on the device, the result left there (in GPU
         memory when the dense part runs on the GPU: no host round trip, no wait). The step's statistics follow at
         its end (account_resident), once the router logits' copy to the host is in."""
         out, pending = store.launch_routed(x, logits, router_weights)
         if not self.engine.shadow:
-            self.engine.deferred.append((self, pending))
+            self.engine.deferred.append(lambda: self.account_resident(pending))
         return out
 
     def account_resident(self, pending) -> None:
@@ -199,13 +219,7 @@ class HybridExpertNode:
         stats.routed_on_device += 1
         engine.stats.count(layer, ids, resident)
         engine.copy_reuse.hit(layer, ids, resident)
-        stats.device_s += device_s
-        critical = layer_critical_s(0.0, device_s)
-        stats.critical_s += critical
-        stats.standin_s += standin
-        phase = engine.stats.phase(ids.shape[0])
-        phase.critical_s += critical
-        phase.standin_s += standin
+        self._account_time(stats, ids.shape[0], 0.0, device_s, True, 0, 0.0, (), standin)
         engine.stats.split(layer, 0, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))
 
