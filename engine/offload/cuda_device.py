@@ -409,16 +409,20 @@ class CudaSlots:
         hidden = self.runner.info.spec.hidden_size
         with cp.cuda.Device(self.device.index):
             merge = self._merges.take(like.size // hidden, like.dtype)
-            device_part = None
+            buffers = device_out = None
             if pending is not None:
-                device_part, start, stop = pending
+                buffers, start, stop = pending
+                if buffers is None:  # launched into the prefill accumulator (inputs the decode path does not take)
+                    device_out, self._prefill = self._prefill[2], None
+                else:
+                    device_out = buffers.out
             if cpu_part is not None:
                 merge.upload(cpu_part, compute)
-            merge.combine(None if device_part is None else device_part.out, cpu_part is not None)
+            merge.combine(device_out, cpu_part is not None)
             if dense is not None:
                 dense.wait_event(compute.record())
-            if device_part is not None:  # its next use is the next step's launch, after the host has waited
-                self._step_buffers.give_back(device_part)
+            if buffers is not None:  # its next use is the next step's launch, after the host has waited
+                self._step_buffers.give_back(buffers)
         return merge.result(like.shape), None if pending is None else (start, stop)
 
     def merged_done(self, timing) -> float:
