@@ -89,6 +89,11 @@ class PartitionedDecoder:
             runner.bindings.clear()
 
     @property
+    def keeps_cut_tensors_on_device(self) -> bool:
+        """Whether place_cut_tensors left any cut tensor in GPU memory."""
+        return any(runner.bindings.on_device for runner in self.steps if isinstance(runner, DenseSegment))
+
+    @property
     def state_backend(self):
         """Where a conversation's state buffers must live for these sessions (None: NumPy)."""
         return self.dense.backend if self.dense is not None else None

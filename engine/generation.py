@@ -136,8 +136,12 @@ class LoadedModel:
 
     @property
     def dense_statement(self) -> str:
-        """One sentence for the "where everything landed" statement."""
-        return self.dense.statement
+        """The "where everything landed" statement's sentences on the dense part."""
+        if not self.decoder.keeps_cut_tensors_on_device:
+            return self.dense.statement
+        return (self.dense.statement + " The expert layers take their inputs in GPU memory: a layer with every expert "
+                "resident routes and computes there and hands its result to the next dense layer without a round trip "
+                "to the host; in decode, a layer with cold experts adds the CPU's part to the GPU's there.")
 
     @property
     def eos_ids(self) -> set[int]:

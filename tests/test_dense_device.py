@@ -533,6 +533,7 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
     budget = int(fraction * all_resident_bytes(cpu.folder.experts))
     gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
     assert gpu.dense_device == "cuda", gpu.dense_reason
+    assert "without a round trip to the host" in gpu.dense_statement
     routed, fetched, merged = [], [], []
     real_launch, real_to_host, real_merge = CudaSlots.launch_routed, CudaSlots.to_host, CudaSlots.merge_on_device
 

@@ -152,12 +152,14 @@ def test_cut_tensors_stay_on_the_gpu_only_where_every_reader_takes_device_arrays
     assert len(nodes) == SPEC.layers == 3
     decoder.place_cut_tensors()
     assert all(s.bindings.on_device == frozenset() for s in segments)  # the dense part is on the CPU here
+    assert not decoder.keeps_cut_tensors_on_device and "round trip" not in model.dense_statement
 
     for node in (nodes[0], nodes[2]):  # as CUDA stores say (CudaSlots.device_inputs)
         model.offload.stores[node.layer].device_inputs = True
     assert [n.takes_device_arrays for n in nodes] == [True, False, True]
     decoder.dense = DenseDevice("cuda", "a test's stand-in")
     decoder.place_cut_tensors()
+    assert decoder.keeps_cut_tensors_on_device
     on_device = set().union(*(s.bindings.on_device for s in segments))
     assert decoder.logits_name not in on_device
     for node in (nodes[0], nodes[2]):
