@@ -25,9 +25,13 @@ def model_folder(tmp_path_factory):
 
 
 def open_model(model_folder, fraction: float, **config):
+    """The model on the simulated device, the CPU kernels' rate left unmeasured: the miss policy's decisions then
+    follow the device's declared bandwidths, the same in two runs whatever this machine's speed."""
     budget = int(fraction * device_expert_bytes(model_folder))
-    return LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget, **config),
-                            device=SimulatedDevice(1 << 30))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget, **config),
+                             device=SimulatedDevice(1 << 30))
+    model.offload.cpu_rate.observe = lambda nbytes, seconds: None
+    return model
 
 
 @pytest.fixture
