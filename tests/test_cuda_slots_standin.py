@@ -23,7 +23,7 @@ from engine.offload.device_memory import DeviceMemory
 from engine.offload.devices import GIB, Bandwidths
 from engine.ort_env import DenseDevice
 from kernels.cpu.routing import route
-from tests.test_offload import SPEC, device_expert_bytes, greedy_run
+from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
 
 
 class FakeDeviceArray(np.ndarray):
@@ -233,13 +233,6 @@ def open_on_standin(model_folder, fraction, monkeypatch):
     model.decoder.dense = dense
     monkeypatch.setattr(model, "new_state", lambda: DecoderState(model.config, model.folder.onnx.proto.graph, backend))
     return model, cp
-
-
-def assert_same_as_cpu(run, cpu_run):
-    (logits, tokens), (ref_logits, ref_tokens) = run, cpu_run
-    assert tokens == ref_tokens
-    for ours, ref in zip(logits, ref_logits):
-        assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_folder, cpu_run, monkeypatch):
