@@ -300,7 +300,7 @@ class DeviceOutputs:
                     cp.cuda.runtime.memcpyAsync(array.data.ptr, value.data_ptr(), array.nbytes, DEVICE_TO_DEVICE,
                                                 stream.ptr)
                 arrays[index] = array
-        if self.keeps:
+        if self.keeps and all(array.nbytes for array in arrays.values()):  # (an empty buffer has no pointer to bind)
             for index, array in arrays.items():
                 owner.binding.bind_output(owner.fetched[index], *owner.device, array.dtype, array.shape,
                                           backend.pointer(array))

@@ -51,7 +51,7 @@ class FakeCupy:
         fake = self
 
         class Event:
-            def __init__(self):
+            def __init__(self, disable_timing=False):
                 self.recorded_on = None
 
             def record(self, stream=None):

@@ -57,6 +57,12 @@ class Stream:
     def synchronize(self):
         self.synchronized += 1
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
 
 def test_one_copy_carries_activations_ids_and_weights():
     FakeCupy.copies.clear()

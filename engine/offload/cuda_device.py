@@ -380,14 +380,14 @@ class CudaSlots:
         tokens = x.size // spec.hidden_size
         compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
         with cp.cuda.Device(self.device.index):
+            if dense is not None:  # first: anything below may read the dense part's outputs
+                compute.wait_event(dense.record(self._ordering_event()))
             logits = cp.ascontiguousarray(logits).reshape(tokens, -1)
             buffers = self._routed
             if buffers is None or buffers.key != RoutedBuffers.key_of(tokens, x.dtype, logits):
                 buffers = RoutedBuffers(cp, tokens, spec.hidden_size, x.dtype, logits)
                 if tokens <= self.gpu.decode_max_tokens:
                     self._routed = buffers  # kept: the same pointers at every decode step (CUDA graph replays)
-            if dense is not None:
-                compute.wait_event(dense.record())
             buffers.start.record(compute)
             weights = None if router_weights is None else cp.ascontiguousarray(router_weights).reshape(tokens, -1)
             self.gpu.run_routed(x.reshape(tokens, spec.hidden_size), logits, buffers.out32, buffers.out, weights)
@@ -420,10 +420,14 @@ class CudaSlots:
                 merge.upload(cpu_part, compute)
             merge.combine(device_out, cpu_part is not None)
             if dense is not None:
-                dense.wait_event(compute.record())
+                dense.wait_event(compute.record(self._ordering_event()))
             if buffers is not None:  # its next use is the next step's launch, after the host has waited
                 self._step_buffers.give_back(buffers)
         return merge.result(like.shape), None if pending is None else (start, stop)
+
+    def _ordering_event(self):
+        """An event that only orders two streams (no timing: cheaper to record and wait on)."""
+        return self.device.cp.cuda.Event(disable_timing=True)
 
     def merged_done(self, timing) -> float:
         """At the end of the step: the merged launch's device seconds (0 without one)."""

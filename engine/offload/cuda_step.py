@@ -123,15 +123,16 @@ class HostCopies:
             self._pinned = cp.cuda.alloc_pinned_memory(need)
             self._buffer = np.frombuffer(self._pinned, np.uint8, need)
         fetched, offset = [], 0
-        for array in arrays:
-            if not isinstance(array, cp.ndarray):
-                fetched.append(array)
-                continue
-            array = cp.ascontiguousarray(array)
-            host = self._buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
-            cp.cuda.runtime.memcpyAsync(host.ctypes.data, array.data.ptr, array.nbytes, D2H, stream.ptr)
-            fetched.append(host)
-            offset += _aligned(array.nbytes)
+        with stream:  # a contiguous copy, where one is needed, is ordered after the work that made the array
+            for array in arrays:
+                if not isinstance(array, cp.ndarray):
+                    fetched.append(array)
+                    continue
+                array = cp.ascontiguousarray(array)
+                host = self._buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data, array.data.ptr, array.nbytes, D2H, stream.ptr)
+                fetched.append(host)
+                offset += _aligned(array.nbytes)
         stream.synchronize()
         return fetched
 
