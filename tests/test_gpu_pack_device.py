@@ -88,3 +88,5 @@ def test_the_descriptor_says_where_each_slot_array_is_and_what_is_absent():
     assert desc[0, field["src_z"]] == -1 and desc[0, field["src_w"]] == 0  # no zero points; FC1 staged first
     assert desc[1, field["src_w"]] == plan1.nbytes  # FC2 staged after FC1
     assert desc[0, field["items"]] == fc1.w_bytes + fc1.s_len + fc1.NP
+    with pytest.raises(ValueError, match=r"fc1: pack_expert writes no slot array \['q'\]"):
+        descriptor(plans, {"fc1": 111, "fc2": 222}, dict(arrays, fc1={"w": (1, 1), "q": (2, 2)}))

@@ -97,6 +97,9 @@ def descriptor(plans, row_src: dict, slot_arrays: dict) -> np.ndarray:
     desc = np.zeros((len(plans), len(DESC_FIELDS)), np.int64)
     for row, plan in zip(desc, plans):
         lay = plan.lay
+        unknown = set(slot_arrays[lay.name]) - set(SLOT_KEYS)
+        if unknown:  # a slot array pack_expert would leave unwritten
+            raise ValueError(f"{lay.name}: pack_expert writes no slot array {sorted(unknown)}")
         values = dict(bits=lay.bits, K=lay.K, KT=lay.KT, wrow=plan.wrow, NB=lay.NB, nbs=plan.nb,
                       ssz=lay.sdtype.itemsize, sdt=lay.sdt, zrow=plan.zrow, has_zp=int(lay.has_zp),
                       has_h=int(lay.has_h), bdt=plan.bdt, NP=lay.NP, w_bytes=lay.w_bytes, s_len=lay.s_len,
