@@ -28,7 +28,7 @@ The per-step numbers are medians over all measured steps (the machine may be sha
 bursts); each point is run `--rounds` times, interleaved, and the spread of the rounds' medians is
 reported. `--profile` adds cProfile's attribution (top functions by own time, per layer per step).
 
-    python benchmarks/bench_overhead.py [--layers 4] [--steps 40] [--rounds 3] [--profile] [--label before]
+    python benchmarks/bench_overhead.py [--layers 4] [--steps 40] [--rounds 3] [--profile] [--label before] [--stub-kernels]
 """
 
 from __future__ import annotations
@@ -275,6 +275,16 @@ def summarise(rows: list[dict], layers: int, simulated: bool) -> dict:
     return {k: float(np.median([t[k] for t in table])) for k in table[0]}
 
 
+def stub_expert_kernels() -> None:
+    """CpuQMoE.run_experts (the CPU's and the simulated device's expert compute) made a no-op, in this process."""
+    from kernels.cpu.qmoe import CpuQMoE
+
+    def no_experts(self, x2d, expert_ids, weights, out=None):
+        return out if out is not None else np.zeros((x2d.shape[0], self.spec.hidden_size), x2d.dtype)
+
+    CpuQMoE.run_experts = no_experts
+
+
 def write_model_once(folder: Path, layers: int) -> Path:
     from engine.writer import WriterSpec, write_model
 
@@ -294,7 +304,12 @@ def main() -> None:
     parser.add_argument("--folder", help="write the model here (default: a temporary folder); reused if present")
     parser.add_argument("--label", default="", help="a tag for the result file (e.g. before / after)")
     parser.add_argument("--out", help="result JSON path (default benchmarks/results/overhead-<date>-<machine>[-label].json)")
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="expert kernels that do nothing: the host's Python per layer without the kernels' time "
+                             "and cache pollution (outputs are meaningless, routing follows them)")
     args = parser.parse_args()
+    if args.stub_kernels:
+        stub_expert_kernels()
 
     from engine.generation import LoadedModel
     from engine.offload import OffloadConfig, SimulatedDevice
@@ -369,7 +384,7 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "benchmark": "overhead", "date": date, "machine": info, "command": " ".join(["python", *sys.argv]),
-        "label": args.label, "layers": layers, "shape": dict(QWEN3_LIKE, layers=layers, bits=4, block_size=32),
+        "label": args.label, "stub_kernels": args.stub_kernels, "layers": layers, "shape": dict(QWEN3_LIKE, layers=layers, bits=4, block_size=32),
         "steps": args.steps, "rounds": args.rounds, "wrapper_cost_us": cost * 1e6,
         "components": __doc__.split("and per layer")[1].split("The per-step")[0].strip(),
         "points": results}, indent=2) + "\n")

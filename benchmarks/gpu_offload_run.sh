@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the offload benchmark at full size with the dense part on onnxruntime-gpu's CUDA EP
 # (float16 model: the CUDA EP's attention takes fp16 / bf16 KV caches only), optionally preceded by the offload
-# engine's GPU tests (TESTS=1) and the CPU decode kernels' chunk-order sweep on this machine's cores (CPUSWEEP=1).
+# engine's GPU tests (TESTS=1) and the CPU decode kernels' knobs swept at both goal shapes on this machine's cores
+# (CPUSWEEP=1).
 # Run from the repository root with OUT set and SHAPE one of bench_offload's shapes; carry .whl (onnxruntime 1.32
 # CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin) and, with TESTS=1, .fixtures.
 # onnxruntime-gpu's wheel must already be in /tmp/ortgpu in pieces (see gpu_tests_run.sh): it is joined and
@@ -28,9 +29,12 @@ fi
     date -u
   fi
   if [ "${CPUSWEEP:-0}" = 1 ]; then
-    echo "== CPU decode chunk order on this machine's cores (bench_qmoe_cpu --sweep)"
-    PYTHONPATH=/tmp/site timeout 170 python3 benchmarks/bench_qmoe_cpu.py --quick --sweep --no-prefill 2>&1 | tail -30
-    cp benchmarks/results/qmoe_cpu-*h200*.json "$OUT/" 2>/dev/null
+    for cpu_shape in B A; do
+      echo "== CPU decode knobs on this machine's cores, shape $cpu_shape, cold routing (bench_qmoe_cpu --sweep)"
+      PYTHONPATH=/tmp/site timeout 150 python3 benchmarks/bench_qmoe_cpu.py --shape $cpu_shape --routing cold --quick \
+        --sweep --sweep-only decode --no-prefill --no-generic 2>&1 | tail -24
+      cp "$(ls -t benchmarks/results/qmoe-cpu-int4-shape$cpu_shape-cold-*.json | head -1)" "$OUT/" 2>/dev/null
+    done
     date -u
   fi
   left=$((580 - SECONDS))

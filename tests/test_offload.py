@@ -42,6 +42,15 @@ def greedy_run(model: LoadedModel, prompt: str = "The expert offload engine must
     return logits, tokens
 
 
+def assert_same_as_cpu(run, reference) -> None:
+    """Two greedy_run results: the same tokens, logits within float32 kernel tolerance of the reference's."""
+    logits, tokens = run
+    ref_logits, ref_tokens = reference
+    assert tokens == ref_tokens
+    for ours, ref in zip(logits, ref_logits):
+        assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5
+
+
 def expert_bytes(model_folder) -> int:
     return LoadedModel.open(model_folder).folder.expert_bytes
 

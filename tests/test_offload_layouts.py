@@ -20,7 +20,7 @@ from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.writer import WriterSpec, write_model
 from kernels.gpu import convert, layout
 from tests.test_bad_input import assert_clean_error, run_cli
-from tests.test_offload import greedy_run
+from tests.test_offload import assert_same_as_cpu, greedy_run
 
 BASE = dict(layers=3, hidden_size=128, inter_size=64, num_experts=8, top_k=2, dense_accuracy_level=0)
 CONVERTED = {
@@ -49,14 +49,6 @@ def cpu_run(folders, cpu_runs, name):
     if name not in cpu_runs:
         cpu_runs[name] = greedy_run(LoadedModel.open(folders[name]), steps=STEPS)
     return cpu_runs[name]
-
-
-def assert_same_as_cpu(run, reference):
-    logits, tokens = run
-    ref_logits, ref_tokens = reference
-    assert tokens == ref_tokens
-    for ours, ref in zip(logits, ref_logits):
-        assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5
 
 
 def real_tensors(folder: ModelFolder, info) -> dict:

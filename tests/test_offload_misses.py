@@ -16,7 +16,7 @@ from engine.offload.miss_policy import CopyReuse, CpuRate, MissCosts, choose, co
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
 from engine.writer import write_model
-from tests.test_offload import SPEC, greedy_run
+from tests.test_offload import SPEC, assert_same_as_cpu, greedy_run
 
 # CPU FLOP/s high enough that decode misses cost their bytes / B_cpu (memory-bound, as on real machines)
 FAST_PCIE = Bandwidths(pcie=1e15, hbm=1e15, cpu=1e6, cpu_flops=1e18)     # copying always pays
@@ -71,14 +71,6 @@ def decisions(monkeypatch):
 
     monkeypatch.setattr(hybrid_node, "choose", recording)
     return seen
-
-
-def assert_same_as_cpu(run, cpu_run):
-    logits, tokens = run
-    ref_logits, ref_tokens = cpu_run
-    assert tokens == ref_tokens
-    for ours, ref in zip(logits, ref_logits):
-        assert np.abs(ours - ref).max() / np.abs(ref).max() <= 1e-5
 
 
 def open_model(model_folder, bandwidths, measure_cpu_rate=False, **config):

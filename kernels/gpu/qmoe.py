@@ -135,6 +135,9 @@ class GpuQMoE:
                 raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
             self._upload_initial(res)
             self._init_device_pack()
+            # The slot arrays' memsets, the expert -> slot map and the pack tables were queued on the current stream;
+            # the offload engine copies experts in on its copy stream, which does not wait for this one.
+            cp.cuda.get_current_stream().synchronize()
 
     # ------------------------------------------------------------------ storage
     def _alloc_slots(self, p: _lay.ProjLayout, S: int) -> dict:
@@ -530,7 +533,10 @@ class GpuQMoE:
             except Exception:  # noqa: BLE001
                 pass
             return _EAGER
-        return stream.end_capture()
+        try:
+            return stream.end_capture()
+        except Exception:  # noqa: BLE001 - a capture invalidated without launch() raising: the launches stay eager
+            return _EAGER
 
     # ------------------------------------------------------------------ launches
     def _compute(self, xd, xdt, T, out, *, logits=None, ldt=0, rw=None, rwdt=0, ids=None, wts=None, kk=None,
