@@ -28,7 +28,8 @@ The per-step numbers are medians over all measured steps (the machine may be sha
 bursts); each point is run `--rounds` times, interleaved, and the spread of the rounds' medians is
 reported. `--profile` adds cProfile's attribution (top functions by own time, per layer per step).
 
-    python benchmarks/bench_overhead.py [--layers 4] [--steps 40] [--rounds 3] [--profile] [--label before] [--stub-kernels]
+    python benchmarks/bench_overhead.py [--layers 4] [--steps 40] [--rounds 3] [--profile] [--label before]
+                                        [--stub-kernels]
 """
 
 from __future__ import annotations
@@ -384,7 +385,8 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
         "benchmark": "overhead", "date": date, "machine": info, "command": " ".join(["python", *sys.argv]),
-        "label": args.label, "stub_kernels": args.stub_kernels, "layers": layers, "shape": dict(QWEN3_LIKE, layers=layers, bits=4, block_size=32),
+        "label": args.label, "stub_kernels": args.stub_kernels, "layers": layers,
+        "shape": dict(QWEN3_LIKE, layers=layers, bits=4, block_size=32),
         "steps": args.steps, "rounds": args.rounds, "wrapper_cost_us": cost * 1e6,
         "components": __doc__.split("and per layer")[1].split("The per-step")[0].strip(),
         "points": results}, indent=2) + "\n")
