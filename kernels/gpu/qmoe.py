@@ -162,6 +162,8 @@ class GpuQMoE:
         return self.fc1.device_bytes() + self.fc2.device_bytes()
 
     def _upload_initial(self, experts: list) -> None:
+        """The resident experts packed into their slots and the expert -> slot map, queued on the current stream
+        (the constructor waits for it)."""
         cp = _cp()
         if not experts:
             self._slot_dev.set(self.slot_of)
@@ -177,7 +179,6 @@ class GpuQMoE:
             for j, e in enumerate(es):
                 self.slot_of[e] = i0 + j
                 self.expert_in_slot[i0 + j] = e
-        cp.cuda.get_current_stream().synchronize()
         self._slot_dev.set(self.slot_of)
 
     def pack_expert(self, e: int) -> dict:
