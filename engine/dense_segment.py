@@ -116,6 +116,7 @@ class SegmentBinding:
         # than the binds); `_held` then keeps the bound cut tensors alive, as the wrapper would.
         self._c_binding, self._host = _c_binding(self.binding)
         self._held: dict[str, np.ndarray] = {}
+        self._inputs_copied_at_bind = backend.device_type != "cpu"
         # Outputs that live only within a step (all fetched ones but `fresh`; None: none) keep their
         # buffers: while the cut tensors' shapes repeat (decode), they are not bound again and onnxruntime
         # writes this step's values into last step's arrays, so no new array, read-back or NumPy view is
@@ -155,13 +156,15 @@ class SegmentBinding:
 
     def run(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         binding, fast = self.binding, self._c_binding
-        # The cut tensors and step inputs: host memory, bound in place (by pointer, not copied). An input that is
-        # the very array bound at the last run (a previous segment's output buffer kept within the decode shapes)
-        # is bound still: same memory, same shape, kept alive by `_held`; not bound again.
-        held = self._held
+        # The cut tensors and step inputs: host memory. On the CPU they are bound in place (by pointer, not copied),
+        # so an input that is the very array bound at the last run (a previous segment's output buffer kept within
+        # the decode shapes) is bound still: same memory, same shape, kept alive by `_held`; not bound again. On the
+        # GPU, onnxruntime copies a host input to the device when it is bound (IOBinding::BindInput), not when it
+        # runs: an array rewritten in place since (an expert node's kept decode output) is bound again at every run.
+        held, rebind = self._held, self._inputs_copied_at_bind
         for name in self.cut:
             array = values[name]
-            if held.get(name) is not array:
+            if rebind or held.get(name) is not array:
                 held[name] = array
                 if fast is not None:
                     fast.bind_input(name, array)

@@ -239,6 +239,32 @@ def test_pointer_binding_matches_ortvalue_binding(cpu_model, monkeypatch):
         assert np.abs(a - c).max() <= 1e-6 * scale, f"{name}: step {step} differs through the backend stand-in"
 
 
+def test_inputs_copied_when_bound_are_bound_again_at_every_run(monkeypatch):
+    """On the GPU, onnxruntime copies a host input to the device when it is bound, not when the session runs. An
+    expert node's kept decode output, rewritten in place at every step, must then be bound again at every run: here
+    a binding that copies at bind time (as on the GPU) gives the logits of the in-place binding."""
+    model = LoadedModel.open(fixture_folder("gptoss"))
+    expected = greedy_logits(model, model.new_state())
+
+    copies = []
+    real_bind, real_init = ort.IOBinding.bind_cpu_input, dense_segment.SegmentBinding.__init__
+
+    def bind_a_copy(self, name, array):
+        copies.append(np.array(array, copy=True))  # what the session will read: the values at bind time
+        return real_bind(self, name, copies[-1])
+
+    def init_as_on_the_gpu(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self._inputs_copied_at_bind = True
+
+    monkeypatch.setattr(dense_segment, "_c_binding", lambda binding: (None, None))
+    monkeypatch.setattr(ort.IOBinding, "bind_cpu_input", bind_a_copy)
+    monkeypatch.setattr(dense_segment.SegmentBinding, "__init__", init_as_on_the_gpu)
+    ours = greedy_logits(model, model.new_state())
+    for step, (a, b) in enumerate(zip(ours, expected)):
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), f"step {step} read an input's values of an earlier run"
+
+
 def test_reset_zeroes_swapped_state_and_reuses_buffers():
     model = LoadedModel.open(fixture_folder("qwen35moe"))
     state = model.new_state()
