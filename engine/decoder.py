@@ -72,8 +72,8 @@ class PartitionedDecoder:
         """With the dense part on the GPU, leave in GPU memory every cut tensor whose readers all take device
         arrays there: later dense segments, and expert nodes that say so (HybridExpertNode with a CUDA store, which
         keeps a fully resident layer's routing and result on the device). Then a fully resident layer costs no copy
-        to the host and no wait. The logits, which the caller reads, and tensors of types CuPy lacks stay on the
-        host; so does everything with the dense part on the CPU."""
+        to the host and no wait. The logits, which the caller reads, and all but float tensors (DEVICE_ONNX_TYPES) stay
+        on the host; so does everything with the dense part on the CPU."""
         on_gpu = self.dense is not None and self.dense.kind == "cuda"
         for position, runner in enumerate(self.steps):
             if not isinstance(runner, DenseSegment):
@@ -81,7 +81,7 @@ class PartitionedDecoder:
             names = set()
             for name in runner.segment.outputs if on_gpu else ():
                 readers = [later for later in self.steps[position + 1:] if name in _inputs_of(later)]
-                if (name != self.logits_name and runner.output_types.get(name) in DEVICE_ONNX_TYPES
+                if (readers and name != self.logits_name and runner.output_types.get(name) in DEVICE_ONNX_TYPES
                         and all(isinstance(r, DenseSegment) or getattr(r, "takes_device_arrays", False)
                                 for r in readers)):
                     names.add(name)

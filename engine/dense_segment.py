@@ -123,6 +123,7 @@ class SegmentBinding:
         # than the binds); `_held` then keeps the bound cut tensors alive, as the wrapper would.
         self._c_binding, self._host = _c_binding(self.binding)
         self._held: dict[str, np.ndarray] = {}
+        self._inputs_copied_at_bind = backend.device_type != "cpu"
         # Outputs that live only within a step (all fetched ones but `fresh`; None: none) keep their
         # buffers: while the cut tensors' shapes repeat (decode), they are not bound again and onnxruntime
         # writes this step's values into last step's arrays, so no new array, read-back or NumPy view is
@@ -166,15 +167,20 @@ class SegmentBinding:
 
     def run(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         binding, fast = self.binding, self._c_binding
-        # The cut tensors and step inputs: host memory, bound in place (by pointer, not copied). An input that is
-        # the very array bound at the last run (a previous segment's output buffer kept within the decode shapes)
-        # is bound still: same memory, same shape, kept alive by `_held`; not bound again.
-        held = self._held
+        # The cut tensors and step inputs: host memory. On the CPU they are bound in place (by pointer, not copied),
+        # so an input that is the very array bound at the last run (a previous segment's output buffer kept within
+        # the decode shapes) is bound still: same memory, same shape, kept alive by `_held`; not bound again. On the
+        # GPU, onnxruntime copies a host input to the device when it is bound (IOBinding::BindInput), not when it
+        # runs: an array rewritten in place since (an expert node's kept decode output) is bound again at every run.
+        # Device arrays (a kept DeviceOutputs buffer, an expert node's result on the GPU) are bound by pointer, read
+        # where they lie: the same array is bound still.
+        held, rebind = self._held, self._inputs_copied_at_bind
         for name in self.cut:
             array = values[name]
-            if held.get(name) is not array:
+            on_host = isinstance(array, np.ndarray)
+            if (rebind and on_host) or held.get(name) is not array:
                 held[name] = array
-                if not isinstance(array, np.ndarray):  # in GPU memory: a device-path expert node's result
+                if not on_host:
                     binding.bind_input(name, *self.device, array.dtype, array.shape, self.backend.pointer(array))
                 elif fast is not None:
                     fast.bind_input(name, array)
@@ -239,11 +245,13 @@ class SegmentBinding:
         return sum(values[name].nbytes for name in self.cut) + sum(r.nbytes for r in results.values())
 
 
-# onnxruntime's element types of the outputs DeviceOutputs can hold (CuPy has no bfloat16)
-DEVICE_OUTPUT_TYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32, "tensor(int64)": np.int64,
-                       "tensor(int32)": np.int32}
+# The outputs DeviceOutputs holds: float activations, by onnxruntime's element type (CuPy has no bfloat16). Integer
+# cut tensors stay on the host: kernels read some on the CPU (GroupQueryAttention's total_sequence_length), and
+# onnxruntime copies such an input over when it is bound, so a kept device buffer would be read at its value of the
+# run that bound it (seen on the H200: sliding-window layers went wrong from the second decode step on).
+DEVICE_OUTPUT_TYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
 DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
-DEVICE_ONNX_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+DEVICE_ONNX_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT}
 
 
 class DeviceOutputs:

@@ -232,7 +232,7 @@ def test_routed_launches_replayed_as_a_graph_match_the_reference(dtype):
 
 
 # (bits, block_size, zero points, bias, dtype, H, I, activation, swiglu_fusion); the last one has FC3 (gated
-# swiglu_fusion 0): layout.pack on the device, not pack_slot
+# swiglu_fusion 0): layout.pack on the device, not pack_expert
 _DEVICE_PACK_CASES = [
     (4, 32, True, True, "float32", 128, 64, "swiglu", 1),
     (8, 32, True, True, "float32", 128, 64, "swiglu", 1),
@@ -253,9 +253,9 @@ _DEVICE_PACK_CASES = [
 @pytest.mark.parametrize("bits,block_size,zero_points,bias,dtype,H,I,activation,fusion", _DEVICE_PACK_CASES)
 def test_an_expert_converted_on_the_gpu_fills_its_slot_as_the_host_packing_does(bits, block_size, zero_points, bias,
                                                                                  dtype, H, I, activation, fusion):
-    """GpuQMoE.upload_expert_device (stored rows copied over, kernel layout made on the GPU: one pack_slot launch
-    per projection, or layout.pack for FC3) against upload_expert (packed on the host): the same slot contents,
-    byte for byte, and the same map."""
+    """GpuQMoE.upload_expert_device (stored rows copied over, kernel layout made on the GPU: one pack_expert launch
+    for both projections, or layout.pack for FC3) against upload_expert (packed on the host): the same slot contents,
+    byte for byte, and the same maps, the device's too."""
     cp = pytest.importorskip("cupy")
     import ml_dtypes
 
@@ -279,3 +279,4 @@ def test_an_expert_converted_on_the_gpu_fills_its_slot_as_the_host_packing_does(
             assert cp.array_equal(host.slots[name][key].view(cp.uint8), device.slots[name][key].view(cp.uint8)), \
                 (name, key)
     assert np.array_equal(host.slot_of, device.slot_of) and device.slot_of[5] == -1 and device.slot_of[6] == 0
+    assert np.array_equal(cp.asnumpy(device._slot_dev), device.slot_of)  # pack_expert updated the device's map

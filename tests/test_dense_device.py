@@ -295,6 +295,32 @@ def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(m
     assert waits[0] == waits[1] == per_step and waits[2:] == [1] * (DECODE_STEPS - 1)
 
 
+def test_inputs_copied_when_bound_are_bound_again_at_every_run(monkeypatch):
+    """On the GPU, onnxruntime copies a host input to the device when it is bound, not when the session runs. An
+    expert node's kept decode output, rewritten in place at every step, must then be bound again at every run: here
+    a binding that copies at bind time (as on the GPU) gives the logits of the in-place binding."""
+    model = LoadedModel.open(fixture_folder("gptoss"))
+    expected = greedy_logits(model, model.new_state())
+
+    copies = []
+    real_bind, real_init = ort.IOBinding.bind_cpu_input, dense_segment.SegmentBinding.__init__
+
+    def bind_a_copy(self, name, array):
+        copies.append(np.array(array, copy=True))  # what the session will read: the values at bind time
+        return real_bind(self, name, copies[-1])
+
+    def init_as_on_the_gpu(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self._inputs_copied_at_bind = True
+
+    monkeypatch.setattr(dense_segment, "_c_binding", lambda binding: (None, None))
+    monkeypatch.setattr(ort.IOBinding, "bind_cpu_input", bind_a_copy)
+    monkeypatch.setattr(dense_segment.SegmentBinding, "__init__", init_as_on_the_gpu)
+    ours = greedy_logits(model, model.new_state())
+    for step, (a, b) in enumerate(zip(ours, expected)):
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), f"step {step} read an input's values of an earlier run"
+
+
 def test_reset_zeroes_swapped_state_and_reuses_buffers():
     model = LoadedModel.open(fixture_folder("qwen35moe"))
     state = model.new_state()

@@ -28,7 +28,7 @@ from .. import reference as _ref
 from . import convert as _conv
 from . import layout as _lay
 from ._module import load_module
-from .pack_device import plan_for
+from .pack_device import descriptor, plan_for
 from .pack_host import pack_expert_host
 
 __all__ = ["GpuQMoE", "gpu_available"]
@@ -209,9 +209,9 @@ class GpuQMoE:
     def upload_expert_device(self, e: int, slot: int, stream=None) -> None:
         """upload_expert converting on the GPU: the expert's stored rows are copied over as they are (a DMA when
         they are page-locked: engine/offload/host_register.py) and put in the kernel layout there, on ``stream``;
-        the host only issues the work. Same contents as upload_expert. Common layouts take one ``pack_slot``
-        launch per projection (kernels.gpu.pack_device: tens of µs of host time); others go through layout.pack
-        (~30 CuPy calls per projection)."""
+        the host only issues the work. Same contents as upload_expert. Common layouts take one ``pack_expert``
+        launch for both projections, which also updates the device's expert -> slot map (kernels.gpu.pack_device);
+        others go through layout.pack (~30 CuPy calls per projection)."""
         cp = _cp()
         e, slot = int(e), int(slot)
         if not 0 <= slot < self.num_slots:
@@ -219,63 +219,53 @@ class GpuQMoE:
         with self.device:
             stream = stream or cp.cuda.get_current_stream()
             with stream:
-                if self._pack_plans is not None:
-                    self._pack_slot(e, slot, stream)
+                if self._pack_desc is not None:
+                    self._pack_expert(e, slot, stream)
                     self.device_packs += 1
-                else:
-                    for p in (self.fc1, self.fc2):
-                        packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, np.array([e]), xp=cp),
-                                           xp=cp)
-                        for key, arr in packed.items():
-                            self.slots[p.name][key][slot] = arr[0]
+                    return
+                for p in (self.fc1, self.fc2):
+                    packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, np.array([e]), xp=cp),
+                                       xp=cp)
+                    for key, arr in packed.items():
+                        self.slots[p.name][key][slot] = arr[0]
             self._map_slot(e, slot, stream)
 
     def _init_device_pack(self) -> None:
-        """The pack_slot plans of both projections (None: a layout it does not read, layout.pack instead) and their
-        layouts' row sources on the device, made once."""
-        self.device_packs = 0  # experts upload_expert_device packed with pack_slot (tests check the path taken)
+        """pack_expert's plans for both projections and their descriptor on the device, made once (None: a layout it
+        does not read, layout.pack instead)."""
+        self.device_packs = 0  # experts upload_expert_device packed with pack_expert (tests check the path taken)
+        self._pack_desc = None
         plan1 = plan_for(self.spec, self._tensors, self.fc1)
         plan2 = plan_for(self.spec, self._tensors, self.fc2, offset=plan1.nbytes) if plan1 else None
-        self._pack_plans = (plan1, plan2) if plan2 else None
-        if self._pack_plans:
-            cp = _cp()
-            self._pack_bytes = plan1.nbytes + plan2.nbytes
-            self._row_src_dev = {p.name: cp.asarray(p.row_src.astype(np.int32)) for p in (self.fc1, self.fc2)}
-
-    def _pack_slot(self, e: int, slot: int, stream) -> None:
-        """Expert e's stored rows copied to one device buffer (one copy per tensor, on `stream`), then one pack_slot
-        launch per projection writes the slot. The buffer goes back to CuPy's pool for `stream` when this returns:
-        reused only by later work on that stream, after these launches."""
+        if plan2 is None:
+            return
         cp = _cp()
-        raw = cp.empty(self._pack_bytes, cp.uint8)
-        base = raw.data.ptr
+        self._pack_plans = (plan1, plan2)
+        self._pack_items = sum(p.w_bytes + p.s_len + (p.NP if p.has_bias else 0) for p in (self.fc1, self.fc2))
+        self._row_src_dev = {p.name: cp.asarray(p.row_src.astype(np.int32)) for p in (self.fc1, self.fc2)}
+        slot_arrays = {name: {key: (a.data.ptr, a.strides[0]) for key, a in arrays.items()}
+                       for name, arrays in self.slots.items()}
+        row_src = {name: a.data.ptr for name, a in self._row_src_dev.items()}
+        self._pack_desc = cp.asarray(descriptor(self._pack_plans, row_src, slot_arrays))
+
+    def _pack_expert(self, e: int, slot: int, stream) -> None:
+        """Expert e's stored rows copied to one device buffer (one copy per tensor, on `stream`), then one pack_expert
+        launch writes the slot and points the device's map at it; the host's maps are updated here. The buffer goes
+        back to CuPy's pool for `stream` when this returns: reused only by later work on that stream."""
+        cp = _cp()
+        staging = cp.empty(sum(p.nbytes for p in self._pack_plans), cp.uint8)
+        base = staging.data.ptr
         for plan in self._pack_plans:
             for a, off in plan.parts.values():
                 cp.cuda.runtime.memcpyAsync(base + off, a.ctypes.data + e * a.strides[0], a.strides[0],
                                             cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        for plan in self._pack_plans:
-            self._launch_pack(plan, base, slot)
+        old = self._map_host(e, slot)
+        grid = max(1, min(_cdiv(self._pack_items, 256), 16 * self.num_sms))
+        self._f("pack_expert")((grid,), (256,), (self._pack_desc, staging, np.int32(slot), self._slot_dev,
+                                                 np.int32(e), np.int32(old)))
 
-    def _launch_pack(self, plan, base: int, slot: int) -> None:
-        p, sl = plan.lay, self.slots[plan.lay.name]
-
-        def src(key):  # device address of a staged tensor (0: absent)
-            return np.uint64(base + plan.parts[key][1] if key in plan.parts else 0)
-
-        def dst(key):  # address of the slot's row in a slot array (0: the layout has none)
-            return np.uint64(sl[key].data.ptr + slot * sl[key].strides[0] if key in sl else 0)
-
-        items = p.w_bytes + p.s_len + (p.NP if p.has_bias else 0)
-        grid = max(1, min(_cdiv(items, 256), 16 * self.num_sms))
-        self._f("pack_slot")((grid,), (256,), (
-            src("w"), src("s"), src("z"), src("b"), self._row_src_dev[p.name], np.int32(p.bits), np.int32(p.K),
-            np.int32(p.KT), np.int32(plan.wrow), np.int32(p.NB), np.int32(plan.nb), np.int32(p.sdtype.itemsize),
-            np.int32(p.sdt), np.int32(plan.zrow), np.int32(int(p.has_zp)), np.int32(int(p.has_h)),
-            np.int32(plan.bdt), np.int32(p.NP), np.int64(p.w_bytes), np.int64(p.s_len),
-            dst("w"), dst("s"), dst("h"), dst("z"), dst("b")))
-
-    def _map_slot(self, e: int, slot: int, stream) -> None:
-        """Point the expert->slot map at `slot` for expert e (evicting the slot's previous expert), on `stream`."""
+    def _map_host(self, e: int, slot: int) -> int:
+        """The host's expert <-> slot maps with e in `slot`; returns the expert the slot held (-1: none)."""
         old = int(self.expert_in_slot[slot])
         if old >= 0 and old != e:
             self.slot_of[old] = -1
@@ -284,6 +274,11 @@ class GpuQMoE:
             self.expert_in_slot[prev] = -1
         self.slot_of[e] = slot
         self.expert_in_slot[slot] = e
+        return old
+
+    def _map_slot(self, e: int, slot: int, stream) -> None:
+        """Point the expert->slot map at `slot` for expert e (evicting the slot's previous expert), on `stream`."""
+        self._map_host(e, slot)
         self._slot_dev.set(self.slot_of, stream=stream)
 
     def evict(self, slot: int, stream=None) -> None:

@@ -1,8 +1,22 @@
-// One expert's stored rows -> its slot arrays in the kernel layout (kernels/gpu/layout.py), for one projection:
-// the fast path of GpuQMoE.upload_expert_device (kernels/gpu/pack_device.py; pack_numpy there is this index math in
-// NumPy, checked against layout.pack on the CPU). One thread per output item, grid-stride: items [0, w_bytes) are
-// weight bytes, then s_len scale entries (s, h, z), then NP biases.
+// One expert's stored rows -> its slot arrays in the kernel layout (kernels/gpu/layout.py), both projections in one
+// launch: the fast path of GpuQMoE.upload_expert_device (kernels/gpu/pack_device.py; pack_numpy there is this index
+// math in NumPy, checked against layout.pack on the CPU). The host copies the expert's stored tensors as they are into
+// one staging buffer and launches pack_expert with a descriptor per projection (made once per GpuQMoE); one thread
+// per output item, grid-stride: per projection, items [0, w_bytes) are weight bytes, then s_len scale entries (s, h,
+// z), then NP biases; projection 0's items come first. The same launch points the expert -> slot map at the slot.
 // Padding rows (row_src < 0) take source row 0 times zero, as layout.pack's mask multiplication gives them.
+
+// Descriptor fields, int64 each, PK_NFIELDS per projection: pack_device.DESC_FIELDS names them in this order (a CPU
+// test compares the two lists). SRC_*: byte offsets into the staging buffer (-1: absent); DST_*: the slot arrays'
+// addresses at slot 0 (0: the layout has none), STR_*: their bytes per slot.
+enum {
+    PK_BITS, PK_K, PK_KT, PK_WROW, PK_NB, PK_NBS, PK_SSZ, PK_SDT, PK_ZROW, PK_HAS_ZP, PK_HAS_H, PK_BDT, PK_NP,
+    PK_W_BYTES, PK_S_LEN, PK_ITEMS, PK_ROW_SRC,
+    PK_SRC_W, PK_SRC_S, PK_SRC_Z, PK_SRC_B,
+    PK_DST_W, PK_DST_S, PK_DST_H, PK_DST_Z, PK_DST_B,
+    PK_STR_W, PK_STR_S, PK_STR_H, PK_STR_Z, PK_STR_B,
+    PK_NFIELDS
+};
 
 // code `i` (flat, in codes) of packed rows: int4 low nibble = even index
 static __device__ __forceinline__ u32 pk_code(const u8* raw, long long i, int bits) {
@@ -62,23 +76,44 @@ static __device__ __forceinline__ void pk_scale(long long q, const int* row_src,
     if (has_zp) z[q] = (u8)zv;
 }
 
-extern "C" __global__ void pack_slot(const u8* __restrict__ wsrc, const void* __restrict__ ssrc,
-                                     const u8* __restrict__ zsrc, const void* __restrict__ bsrc,
-                                     const int* __restrict__ row_src, int bits, int K, int KT, int wrow, int NB,
-                                     int nb, int ssz, int sdt, int zrow, int has_zp, int has_h, int bdt, int NP,
-                                     long long w_bytes, long long s_len, u8* __restrict__ w, void* __restrict__ s,
-                                     u16* __restrict__ h, u8* __restrict__ z, float* __restrict__ b) {
-    const long long n_items = w_bytes + s_len + (bdt >= 0 ? NP : 0);
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n_items;
+// item i of one projection, described by d (in shared memory)
+static __device__ __forceinline__ void pk_item(const long long* d, const u8* staged, int slot, long long i) {
+    const int bits = (int)d[PK_BITS];
+    const long long w_bytes = d[PK_W_BYTES], s_len = d[PK_S_LEN];
+    const int* row_src = (const int*)d[PK_ROW_SRC];
+    if (i < w_bytes) {
+        u8* w = (u8*)(d[PK_DST_W] + slot * d[PK_STR_W]);
+        w[i] = pk_weight_byte(staged + d[PK_SRC_W], row_src, i, bits, (int)d[PK_K], (int)d[PK_KT], (int)d[PK_WROW]);
+    } else if (i < w_bytes + s_len) {
+        const int has_h = (int)d[PK_HAS_H], has_zp = (int)d[PK_HAS_ZP];
+        void* s = (void*)(d[PK_DST_S] + slot * d[PK_STR_S]);
+        u16* h = has_h ? (u16*)(d[PK_DST_H] + slot * d[PK_STR_H]) : (u16*)0;
+        u8* z = has_zp ? (u8*)(d[PK_DST_Z] + slot * d[PK_STR_Z]) : (u8*)0;
+        const u8* zsrc = has_zp ? staged + d[PK_SRC_Z] : (const u8*)0;
+        pk_scale(i - w_bytes, row_src, (int)d[PK_NB], (int)d[PK_NBS], staged + d[PK_SRC_S], (int)d[PK_SSZ],
+                 (int)d[PK_SDT], s, h, has_h, zsrc, (int)d[PK_ZROW], bits, z, has_zp);
+    } else {
+        const int r = (int)(i - w_bytes - s_len), src = row_src[r];
+        const float v = load_f(staged + d[PK_SRC_B], src < 0 ? 0 : src, (int)d[PK_BDT]);
+        ((float*)(d[PK_DST_B] + slot * d[PK_STR_B]))[r] = src < 0 ? v * 0.0f : v;
+    }
+}
+
+// desc: 2 x PK_NFIELDS int64 (FC1, FC2); staged: the expert's stored tensors; e goes into `slot`, whose expert
+// `old` (-1: none) leaves the expert -> slot map
+extern "C" __global__ void pack_expert(const long long* __restrict__ desc, const u8* __restrict__ staged, int slot,
+                                       int* __restrict__ slot_map, int e, int old) {
+    __shared__ long long sd[2 * PK_NFIELDS];
+    for (int f = threadIdx.x; f < 2 * PK_NFIELDS; f += blockDim.x) sd[f] = desc[f];
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        if (old >= 0 && old != e) slot_map[old] = -1;
+        slot_map[e] = slot;
+    }
+    const long long n0 = sd[PK_ITEMS], n = n0 + sd[PK_NFIELDS + PK_ITEMS];
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        if (i < w_bytes) {
-            w[i] = pk_weight_byte(wsrc, row_src, i, bits, K, KT, wrow);
-        } else if (i < w_bytes + s_len) {
-            pk_scale(i - w_bytes, row_src, NB, nb, ssrc, ssz, sdt, s, h, has_h, zsrc, zrow, bits, z, has_zp);
-        } else {
-            const int r = (int)(i - w_bytes - s_len), src = row_src[r];
-            const float v = load_f(bsrc, src < 0 ? 0 : src, bdt);
-            b[r] = src < 0 ? v * 0.0f : v;
-        }
+        if (i < n0) pk_item(sd, staged, slot, i);
+        else pk_item(sd + PK_NFIELDS, staged, slot, i - n0);
     }
 }
