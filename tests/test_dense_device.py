@@ -250,13 +250,15 @@ def test_pointer_binding_matches_ortvalue_binding(cpu_model, monkeypatch):
 
 
 def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(monkeypatch):
-    """DeviceOutputs on the CuPy stand-in (its "device" memory is host memory, bound as the CPU's): every cut
+    """DeviceOutputs on the CuPy stand-in (its "device" memory is host memory, bound as the CPU's): every float cut
     tensor but the logits left "on the device", as place_cut_tensors does on the GPU where readers take them."""
     model = LoadedModel.open(fixture_folder("qwen35moe"))
     reference = greedy_logits(model, model.new_state())
     segments = [r for r in model.decoder.steps if isinstance(r, dense_segment.DenseSegment)]
     for segment in segments:
-        segment.bindings.on_device = frozenset(set(segment.segment.outputs) - {model.decoder.logits_name})
+        segment.bindings.on_device = frozenset(
+            name for name in segment.segment.outputs
+            if name != model.decoder.logits_name and segment.output_types.get(name) in dense_segment.DEVICE_ONNX_TYPES)
         segment.bindings.clear()
     results = []
     real = dense_segment.DenseSegment.run
@@ -284,15 +286,18 @@ def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(m
         assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), f"step {step} differs"
     per_step = len(segments)
     last, before_last = results[-per_step:], results[-2 * per_step:-per_step]
+    on_device = set().union(*(s.bindings.on_device for s in segments))
     for now, then in zip(last, before_last):  # decode steps: the same kept buffers, written in place
         for name, array in now.items():
-            if name == model.decoder.logits_name:
-                assert type(array) is np.ndarray and array is not then[name]  # the caller keeps each step's logits
-            else:
+            if name in on_device:
                 assert isinstance(array, FakeDeviceArray) and array is then[name]
-    # the prompt and the first decode step (new shapes) wait after every segment; from then on only the segment
-    # with the logits, the one output that goes to the host
-    assert waits[0] == waits[1] == per_step and waits[2:] == [1] * (DECODE_STEPS - 1)
+            else:  # the logits, which the caller keeps, and integer tensors: new host arrays at every step
+                assert type(array) is np.ndarray and array is not then[name]
+    # the prompt and the first decode step (new shapes) wait after every segment; from then on only the segments
+    # with an output that goes to the host: the logits, and integer tensors (the attention's sequence lengths)
+    to_host = [out for out in last if set(out) - on_device]
+    assert 1 <= len(to_host) < per_step
+    assert waits[0] == waits[1] == per_step and waits[2:] == [len(to_host)] * (DECODE_STEPS - 1)
 
 
 def test_inputs_copied_when_bound_are_bound_again_at_every_run(monkeypatch):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.dense_segment import DenseSegment
+from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.devices import SimulatedSlots
@@ -169,7 +169,11 @@ def test_cut_tensors_stay_on_the_gpu_only_where_every_reader_takes_device_arrays
     for node in (nodes[0], nodes[2]):
         assert set(node.info.activation_inputs.values()) <= on_device
     assert not set(nodes[1].info.activation_inputs.values()) & on_device
-    # a tensor that only dense segments read (the residual stream past an expert node) stays too
+    # a float tensor that only dense segments read (the residual stream past an expert node) stays too; integer
+    # ones (the attention's sequence lengths, which onnxruntime reads on the CPU) and tensors no one reads do not
     only_dense = [name for s in segments for name in s.segment.outputs if name != decoder.logits_name
                   and _readers(decoder, name) and all(isinstance(r, DenseSegment) for r in _readers(decoder, name))]
-    assert only_dense and set(only_dense) <= on_device
+    floats = {name for s in segments for name in only_dense if s.output_types.get(name) in DEVICE_ONNX_TYPES}
+    assert floats and floats <= on_device
+    assert set(only_dense) - floats and not (set(only_dense) - floats) & on_device
+    assert all(_readers(decoder, name) for name in on_device)
