@@ -12,7 +12,9 @@ Every boundary is timed with perf_counter by wrappers put on the loaded model (n
     expert_call    the expert node's run (CpuExpertNode or HybridExpertNode)
     kernel_cpu     CpuQMoE.run_experts called for the CPU's experts
     kernel_device  CpuQMoE.run_experts called by the simulated device's slots ("device" compute on the CPU here)
-    launch/collect the device slots' launch / collect (CUDA: the host side of the launch, the wait + copy back)
+    launch/collect the device slots' launch / collect (CUDA: the host side of the launch, the wait + copy back);
+                   a fully resident layer's launch_routed and a decode step's merge_on_device count as launches
+                   (their statistics follow in end_step)
     load/stage     copies into slots / prefill waves
     end_step       on_step_end (placement's safe point)
 
@@ -140,6 +142,8 @@ def instrument(model, meter: Meter | None = None) -> Meter:
                 store.kernel = _DeviceKernel(base, meter.timed("kernel_device", original))
             for name in ("launch", "collect", "load", "stage"):
                 _wrap(store, name, meter, name)
+            _wrap(store, "launch_routed", meter, "launch")  # a fully resident layer's launch, routing included
+            _wrap(store, "merge_on_device", meter, "launch")  # a decode result merged on the device: host work
         if decoder.on_step_end is not None:
             _wrap(decoder, "on_step_end", meter, "end_step")
     for runner in decoder.steps:

@@ -24,7 +24,8 @@ fi
   date -u
   if [ "${TESTS:-0}" = 1 ]; then
     echo "== offload engine GPU tests (onnxruntime-gpu for the dense part)"
-    PYTHONPATH=/tmp/site_gpu timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    # (a fresh machine compiles the CPU kernels first: minutes, hence the long limit)
+    PYTHONPATH=/tmp/site_gpu timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE --tb=short \
       tests/test_offload_cuda.py tests/test_cuda_step.py tests/test_offload_layouts.py tests/test_dense_device.py 2>&1 | tail -40
     date -u
   fi

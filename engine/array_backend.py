@@ -18,6 +18,7 @@ class ArrayBackend:
 
     name = "numpy"
     device_type = "cpu"  # as onnxruntime's OrtDevice names it
+    device_arrays = False  # arrays of `xp` live in device memory (dense outputs may stay there: DeviceOutputs)
 
     def __init__(self, xp=np, device_id: int = 0):
         self.xp = xp
@@ -76,6 +77,7 @@ class CupyBackend(ArrayBackend):
 
     name = "cupy"
     device_type = "cuda"
+    device_arrays = True
 
     def __init__(self, cp, device_id: int = 0, stream=None):
         super().__init__(cp, device_id)

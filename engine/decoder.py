@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from engine.decoder_state import DecoderState
-from engine.dense_segment import DenseSegment, run_bound
+from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, run_bound
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode, ExpertNodeInfo
 from engine.onnx_file import OnnxFile
@@ -66,6 +66,32 @@ class PartitionedDecoder:
                 info = runner.info
                 types[info.output] = types[info.activation_inputs["input"]]
         self.dense = dense
+        self.place_cut_tensors()
+
+    def place_cut_tensors(self) -> None:
+        """With the dense part on the GPU, leave in GPU memory every cut tensor whose readers all take device
+        arrays there: later dense segments, and expert nodes that say so (HybridExpertNode with a CUDA store, which
+        keeps a fully resident layer's routing and result on the device). Then a fully resident layer costs no copy
+        to the host and no wait. The logits, which the caller reads, and all but float tensors (DEVICE_ONNX_TYPES) stay
+        on the host; so does everything with the dense part on the CPU."""
+        on_gpu = self.dense is not None and self.dense.kind == "cuda"
+        for position, runner in enumerate(self.steps):
+            if not isinstance(runner, DenseSegment):
+                continue
+            names = set()
+            for name in runner.segment.outputs if on_gpu else ():
+                readers = [later for later in self.steps[position + 1:] if name in _inputs_of(later)]
+                if (readers and name != self.logits_name and runner.output_types.get(name) in DEVICE_ONNX_TYPES
+                        and all(isinstance(r, DenseSegment) or getattr(r, "takes_device_arrays", False)
+                                for r in readers)):
+                    names.add(name)
+            runner.bindings.on_device = frozenset(names)
+            runner.bindings.clear()
+
+    @property
+    def keeps_cut_tensors_on_device(self) -> bool:
+        """Whether place_cut_tensors left any cut tensor in GPU memory."""
+        return any(runner.bindings.on_device for runner in self.steps if isinstance(runner, DenseSegment))
 
     @property
     def state_backend(self):
@@ -101,6 +127,12 @@ class PartitionedDecoder:
         profile["experts_s"] += experts
         profile["total_s"] += time.perf_counter() - started
         return values[self.logits_name].reshape(len(token_ids), -1)
+
+
+def _inputs_of(runner) -> list[str]:
+    if isinstance(runner, DenseSegment):
+        return runner.segment.inputs
+    return list(runner.info.activation_inputs.values())
 
 
 class OrtReferenceDecoder:

@@ -2,11 +2,11 @@
 
 The segment runs where the DenseDevice says (CPU, or onnxruntime's CUDA EP). State tensors are bound
 by pointer to the conversation's buffers, which live on that device. The cut tensors (the hidden
-states that cross into the expert nodes, the logits) stay on the host: the expert nodes take NumPy
-(CpuExpertNode, and HybridExpertNode, which splits a layer's tokens between CPU and GPU kernels),
-so onnxruntime copies each segment's inputs in and its outputs out. On the GPU that is two small
-PCIe copies per layer per step (a [tokens, hidden] activation each way) plus a stream sync; handing
-the expert nodes device arrays instead is the next step.
+states that cross into the expert nodes, the logits) go to the host where a reader needs them there
+(CpuExpertNode; the logits), so onnxruntime copies them out and the host waits for the stream. On the
+GPU, those whose readers all take device arrays (later segments; HybridExpertNode with a CUDA store:
+PartitionedDecoder.place_cut_tensors) stay in GPU memory (DeviceOutputs) and are bound by pointer as
+the next segment's inputs: a fully resident layer then costs no copy and no wait.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class SegmentBinding:
     """
 
     def __init__(self, session: ort.InferenceSession, inputs: list[str], outputs: list[str], state: DecoderState,
-                 fresh: set[str] | None = None):
+                 fresh: set[str] | None = None, on_device: set[str] = frozenset()):
         self.session = session
         self.binding = session.io_binding()
         backend = self.backend = state.backend
@@ -109,8 +109,15 @@ class SegmentBinding:
         self.state_outputs = [(name, state.slot_for_present(name)) for name in outputs
                               if state.slot_for_present(name) is not None]
         self._bound: dict[str, object] = {}  # name -> weak reference to the array bound by pointer
-        for name in self.fetched:
-            self.binding.bind_output(name)
+        # Outputs left in GPU memory (SegmentBindings.on_device; only with the state there): every reader takes
+        # device arrays, so no copy to the host and no wait for the stream. DeviceOutputs keeps their buffers.
+        device_indices = [i for i, name in enumerate(self.fetched) if name in on_device]
+        self._on_device = DeviceOutputs(self, device_indices) if device_indices and backend.device_arrays else None
+        for index, name in enumerate(self.fetched):
+            if self._on_device is not None and index in self._on_device.indices:
+                self.binding.bind_output(name, *self.device)
+            else:
+                self.binding.bind_output(name)
         # The per-step binds and the read-back go to onnxruntime's C binding under its Python wrapper
         # when it has one (the wrapper's bookkeeping for WebGPU graph capture, unused here, costs more
         # than the binds); `_held` then keeps the bound cut tensors alive, as the wrapper would.
@@ -125,8 +132,9 @@ class SegmentBinding:
         # Not on the GPU: there onnxruntime copies each output to the host into a buffer of its own, not
         # into last step's (seen on the H200 with onnxruntime-gpu 1.31.1: from the second decode step on,
         # the kept arrays held the first step's values).
+        # Nor with outputs left in device memory: DeviceOutputs keeps those buffers itself.
         self._reusable = (fresh is not None and len(self._fresh) < len(self.fetched)
-                          and backend.device_type == "cpu")
+                          and backend.device_type == "cpu" and self._on_device is None)
         self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
         # ... but for the attention mask, which grows by one at every decode step: the outputs' shapes do not follow
         # it in the models seen (GQA reduces it to sequence lengths), so the first segment's outputs are kept too;
@@ -146,9 +154,12 @@ class SegmentBinding:
 
     def _bind_fetched(self, indices) -> None:
         """Bind fetched outputs unallocated: onnxruntime allocates them on the host at the next run
-        (copied from the GPU if it ran there)."""
+        (copied from the GPU if it ran there). Outputs left on the device are DeviceOutputs' to bind."""
         fast, fetched = self._c_binding, self.fetched
+        device = self._on_device.indices if self._on_device is not None else ()
         for i in indices:
+            if i in device:
+                continue
             if fast is not None:
                 fast.bind_output(fetched[i], self._host)
             else:
@@ -161,12 +172,17 @@ class SegmentBinding:
         # the decode shapes) is bound still: same memory, same shape, kept alive by `_held`; not bound again. On the
         # GPU, onnxruntime copies a host input to the device when it is bound (IOBinding::BindInput), not when it
         # runs: an array rewritten in place since (an expert node's kept decode output) is bound again at every run.
+        # Device arrays (a kept DeviceOutputs buffer, an expert node's result on the GPU) are bound by pointer, read
+        # where they lie: the same array is bound still.
         held, rebind = self._held, self._inputs_copied_at_bind
         for name in self.cut:
             array = values[name]
-            if rebind or held.get(name) is not array:
+            on_host = isinstance(array, np.ndarray)
+            if (rebind and on_host) or held.get(name) is not array:
                 held[name] = array
-                if fast is not None:
+                if not on_host:
+                    binding.bind_input(name, *self.device, array.dtype, array.shape, self.backend.pointer(array))
+                elif fast is not None:
                     fast.bind_input(name, array)
                 else:
                     binding.bind_cpu_input(name, array)
@@ -181,18 +197,30 @@ class SegmentBinding:
             self._bind_state(name, slot.array, binding.bind_input)
         for name, slot in self.state_outputs:
             self._bind_state(name, slot.present, binding.bind_output)
+        on_device = self._on_device
+        kept = on_device is not None and on_device.bound(values)
+        if on_device is not None and not kept:
+            on_device.unbind()
         try:
-            self.session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding, on_device.no_sync if kept and on_device.all else None)
         except Exception:
-            if reuse is None:
+            if reuse is None and not kept:
                 raise
             # An output's shape changed with equal input shapes (it depends on values): no reuse from now
             # on. Running again is safe: KV is written in place at the same positions, a swapped state's
             # present buffer is written whole.
             self._reusable = False
             reuse = None
+            if kept:
+                on_device.keeps = False  # onnxruntime allocates them at every run from now on
+                on_device.unbind()
+                kept = False
             self._bind_fetched(range(len(self.fetched)))
             self.session.run_with_iobinding(binding)
+        if on_device is not None and on_device.all and kept:
+            # Every output stays in GPU memory, written there already: the host goes on while the stream runs
+            # (the readers' work is queued after it, on this stream or one that waits for it).
+            return dict(on_device.results)
         # onnxruntime synchronises its stream at the end of a run; on the GPU this makes sure, at the cost
         # of a sync on an idle stream, before the host reads outputs or the state buffers are touched again.
         self.backend.synchronize()
@@ -204,7 +232,10 @@ class SegmentBinding:
             for i in self._fresh:
                 results[self.fetched[i]] = outputs[i].numpy()
             return results
-        results = {name: outputs[i].numpy() for i, name in enumerate(self.fetched)}
+        device = {}
+        if on_device is not None:
+            device = on_device.kept() if kept else on_device.keep(outputs, values)
+        results = {name: device[i] if i in device else outputs[i].numpy() for i, name in enumerate(self.fetched)}
         if self._reusable:
             self._results = results
         return results
@@ -212,6 +243,78 @@ class SegmentBinding:
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""
         return sum(values[name].nbytes for name in self.cut) + sum(r.nbytes for r in results.values())
+
+
+# The outputs DeviceOutputs holds: float activations, by onnxruntime's element type (CuPy has no bfloat16). Integer
+# cut tensors stay on the host: kernels read some on the CPU (GroupQueryAttention's total_sequence_length), and
+# onnxruntime copies such an input over when it is bound, so a kept device buffer would be read at its value of the
+# run that bound it (seen on the H200: sliding-window layers went wrong from the second decode step on).
+DEVICE_OUTPUT_TYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
+DEVICE_ONNX_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT}
+
+
+class DeviceOutputs:
+    """A binding's outputs left in GPU memory, in buffers of our own that stay bound.
+
+    A run whose cut tensors have new shapes (the prompt, the first decode step) lets onnxruntime allocate these
+    outputs on the device; keep() copies them (device to device, on the stream) into CuPy buffers and binds those
+    as the outputs, so the following runs with the same shapes write there: the same arrays at every decode step,
+    read within the step by the expert node or dense segment after (as SegmentBinding's reuse on the CPU).
+    onnxruntime's own output values cannot be held instead: the binding overwrites them at its next run."""
+
+    def __init__(self, owner: "SegmentBinding", indices: list[int]):
+        self.owner = owner
+        self.indices = frozenset(indices)
+        self.all = len(self.indices) == len(owner.fetched)  # no output goes to the host: no wait after a run
+        self.keeps = True  # False once an output's shape changed under equal input shapes: allocated at every run
+        self.results: dict[str, object] = {}
+        self._shapes: tuple | None = None  # the cut tensors' shapes the kept buffers were made for
+        # with every output in GPU memory, the host does not wait for the stream at the end of a run
+        self.no_sync = ort.RunOptions()
+        self.no_sync.add_run_config_entry("disable_synchronize_execution_providers", "1")
+
+    def _cut_shapes(self, values) -> tuple:
+        return tuple([values[name].shape for name in self.owner._shape_cut])
+
+    def bound(self, values) -> bool:
+        """Whether the kept buffers are bound and made for this run's cut-tensor shapes."""
+        return self._shapes is not None and self._shapes == self._cut_shapes(values)
+
+    def unbind(self) -> None:
+        """Outputs bound unallocated on the device: onnxruntime allocates them at the next run."""
+        self._shapes, self.results = None, {}
+        owner = self.owner
+        for index in self.indices:
+            owner.binding.bind_output(owner.fetched[index], *owner.device)
+
+    def kept(self) -> dict[int, object]:
+        fetched = self.owner.fetched
+        return {index: self.results[fetched[index]] for index in self.indices}
+
+    def keep(self, outputs, values) -> dict[int, object]:
+        """After a run with onnxruntime's allocations: the outputs copied into CuPy buffers, bound for the next
+        runs (unless `keeps` is off); index -> array."""
+        owner = self.owner
+        backend = owner.backend
+        cp = backend.xp
+        arrays = {}
+        with backend._scope():
+            stream = cp.cuda.get_current_stream()
+            for index in self.indices:
+                value = outputs[index]
+                array = cp.empty(tuple(value.shape()), DEVICE_OUTPUT_TYPES[value.data_type()])
+                if array.nbytes:
+                    cp.cuda.runtime.memcpyAsync(array.data.ptr, value.data_ptr(), array.nbytes, DEVICE_TO_DEVICE,
+                                                stream.ptr)
+                arrays[index] = array
+        if self.keeps and all(array.nbytes for array in arrays.values()):  # (an empty buffer has no pointer to bind)
+            for index, array in arrays.items():
+                owner.binding.bind_output(owner.fetched[index], *owner.device, array.dtype, array.shape,
+                                          backend.pointer(array))
+            self.results = {owner.fetched[index]: array for index, array in arrays.items()}
+            self._shapes = self._cut_shapes(values)
+        return arrays
 
 
 def _c_binding(binding: ort.IOBinding):
@@ -232,12 +335,14 @@ class SegmentBindings:
         # Outputs callers keep past a step (the logits); the others are read within the step only and
         # their buffers are reused at the next (SegmentBinding). None: every output a new array.
         self.fresh: set[str] | None = None
+        # Outputs left in GPU memory when the state is there (PartitionedDecoder.place_cut_tensors)
+        self.on_device: frozenset[str] = frozenset()
 
     def run(self, session, inputs: list[str], outputs: list[str], values: dict[str, np.ndarray],
             state: DecoderState) -> dict[str, np.ndarray]:
         bound = self._by_state.get(state)
         if bound is None or bound.session is not session:
-            bound = SegmentBinding(session, inputs, outputs, state, self.fresh)
+            bound = SegmentBinding(session, inputs, outputs, state, self.fresh, self.on_device)
         results = bound.run(values)
         if bound.holds(values, results) <= KEEP_BINDING_BYTES:
             self._by_state[state] = bound

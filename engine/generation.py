@@ -95,6 +95,9 @@ class LoadedModel:
             # CudaDevice's start-up bandwidth probe leaves blocks cached in CuPy's pool, which no
             # accounting counts: give them back before onnxruntime's arena takes its share.
             device.cp.get_default_memory_pool().free_all_blocks()
+        if self.dense.kind == "cuda" and hasattr(device, "dense_stream"):
+            # fully resident layers order their launches after onnxruntime's stream, and it after them (CudaSlots)
+            device.dense_stream = self.dense.backend.stream
         if self.dense.kind == "cuda" and device.memory.limit:
             # Counted against gpu_device_mem_limit, so a later re-plan cannot give it to experts.
             device.memory.reserve(total + growth + folder.dense_bytes + self.dense.arena_limit,
@@ -133,8 +136,12 @@ class LoadedModel:
 
     @property
     def dense_statement(self) -> str:
-        """One sentence for the "where everything landed" statement."""
-        return self.dense.statement
+        """The "where everything landed" statement's sentences on the dense part."""
+        if not self.decoder.keeps_cut_tensors_on_device:
+            return self.dense.statement
+        return (self.dense.statement + " The expert layers take their inputs in GPU memory: a layer with every expert "
+                "resident routes and computes there and hands its result to the next dense layer without a round trip "
+                "to the host; in decode, a layer with cold experts adds the CPU's part to the GPU's there.")
 
     @property
     def eos_ids(self) -> set[int]:

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.offload.cuda_step import D2H, H2D, StepBufferPool, StepBuffers
+from engine.offload.cuda_step import (D2H, H2D, HostCopies, MergeBufferPool, RoutedBuffers, StepBufferPool,
+                                      StepBuffers)
 
 
 class FakeDeviceArray(np.ndarray):
@@ -21,12 +22,16 @@ class FakeDeviceArray(np.ndarray):
 
 class FakeCupy:
     float32, int32, uint8 = np.float32, np.int32, np.uint8
+    ndarray = FakeDeviceArray
     copies: list = []
 
     class cuda:
         @staticmethod
         def alloc_pinned_memory(nbytes):
             return bytearray(nbytes)
+
+        class Event:
+            pass
 
         class runtime:
             @staticmethod
@@ -38,6 +43,12 @@ class FakeCupy:
     def empty(shape, dtype):
         return np.zeros(shape, dtype).view(FakeDeviceArray)
 
+    @staticmethod
+    def ascontiguousarray(array):
+        return np.ascontiguousarray(array).view(FakeDeviceArray)
+
+    add, copyto = staticmethod(np.add), staticmethod(np.copyto)
+
 
 class Stream:
     ptr = 77
@@ -45,6 +56,12 @@ class Stream:
 
     def synchronize(self):
         self.synchronized += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 def test_one_copy_carries_activations_ids_and_weights():
@@ -81,6 +98,61 @@ def test_the_pool_reuses_buffers_once_given_back():
     assert first is not second
     pool.give_back(first)
     assert pool.take(1, 8) is first and pool.take(2, 8) is not second
+
+
+def test_device_arrays_come_to_the_host_in_one_wait():
+    FakeCupy.copies.clear()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 1, 48)).astype(np.float16).view(FakeDeviceArray)
+    logits = rng.standard_normal((1, 16)).astype(np.float32).view(FakeDeviceArray)
+    on_host = rng.standard_normal((1, 16)).astype(np.float32)  # not in device memory: passed as it is
+    copies, stream = HostCopies(FakeCupy), Stream()
+    got = copies.fetch([x, logits, on_host, None], stream)
+    assert got[2] is on_host and got[3] is None
+    for host, device in zip(got[:2], (x, logits)):
+        assert type(host) is np.ndarray and host.dtype == device.dtype and np.array_equal(host, device)
+        assert not np.shares_memory(host, device)
+    assert FakeCupy.copies == [(D2H, x.nbytes, Stream.ptr), (D2H, logits.nbytes, Stream.ptr)]
+    assert stream.synchronized == 1
+    again = copies.fetch([logits], stream)  # the kept pinned buffer, from its start again
+    assert again[0].ctypes.data == got[0].ctypes.data and np.array_equal(again[0], logits)
+
+
+def test_routed_buffers_keep_a_result_in_the_dense_dtype_and_copy_the_logits_over():
+    FakeCupy.copies.clear()
+    logits = np.arange(16, dtype=np.float16).reshape(1, 16).view(FakeDeviceArray)
+    half = RoutedBuffers(FakeCupy, 1, 32, np.float16, logits)
+    assert half.out32.dtype == np.float32 and half.out.dtype == np.float16 and half.out.shape == (1, 32)
+    single = RoutedBuffers(FakeCupy, 1, 32, np.float32, logits)
+    assert single.out is single.out32  # float32 activations: no conversion
+    half.copy_logits(logits, Stream())
+    assert np.array_equal(half.host_logits, logits) and half.host_logits.dtype == np.float16
+    assert FakeCupy.copies == [(D2H, logits.nbytes, Stream.ptr)]
+    assert half.key == RoutedBuffers.key_of(1, np.float16, logits) != RoutedBuffers.key_of(2, np.float16, logits)
+    view = half.result((1, 1, 32))  # the node's output shape: the same view at every step
+    assert view.shape == (1, 1, 32) and np.shares_memory(view, half.out) and half.result((1, 1, 32)) is view
+
+
+def test_a_merged_result_adds_the_cpus_part_to_the_devices_in_the_dense_dtype():
+    FakeCupy.copies.clear()
+    rng = np.random.default_rng(2)
+    pool = MergeBufferPool(FakeCupy, 24)
+    merge = pool.take(1, np.float16)
+    assert pool.take(1, np.float16) is merge and pool.take(1, np.float32) is not merge
+    cpu_part = rng.standard_normal((1, 24)).astype(np.float32)
+    device_part = rng.standard_normal((1, 24)).astype(np.float32)
+    merge.upload(cpu_part, Stream())
+    assert FakeCupy.copies == [(H2D, cpu_part.nbytes, Stream.ptr)]
+    merge.combine(device_part.copy().view(FakeDeviceArray), True)
+    view = merge.result((1, 1, 24))
+    assert view.dtype == np.float16 and view.shape == (1, 1, 24) and merge.result((1, 1, 24)) is view
+    assert np.array_equal(view.reshape(1, 24), (cpu_part + device_part).astype(np.float16))
+    merge.combine(device_part.copy().view(FakeDeviceArray), False)  # no CPU part this step
+    assert np.array_equal(view.reshape(1, 24), device_part.astype(np.float16))
+    merge.combine(None, True)  # nothing on the device (no resident expert routed)
+    assert np.array_equal(view.reshape(1, 24), cpu_part.astype(np.float16))
+    merge.combine(None, False)
+    assert not view.any()
 
 
 @pytest.mark.gpu
@@ -121,6 +193,42 @@ def test_staged_launches_replayed_as_a_graph_follow_new_inputs_swaps_and_workspa
             want = _ref_pairs(xs, np.where(resident, ids, -1), w, spec, t)
             assert _relerr(got, want) <= 1e-4, f"step {step}"
             assert (len(m._graphs) == 1) == (step in (1, 2, 3, 5)), f"step {step}: {len(m._graphs)} graphs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_routed_launches_replayed_as_a_graph_match_the_reference(dtype):
+    """GpuQMoE.run_routed (a fully resident layer: routing on the GPU, the result converted to the input's dtype):
+    eager at the first call, a CUDA graph from the second; each step's new inputs written into the same buffers."""
+    cp = pytest.importorskip("cupy")
+    from kernels.gpu import GpuQMoE
+    from kernels.qmoe_spec import QMoESpec
+    from kernels.reference import qmoe_reference
+    from tests.qmoe_oracle import make_case
+    from tests.test_qmoe_gpu import _relerr
+
+    attrs, t, x, _ = make_case(seed=33, E=8, H=128, I=64, k=2, bits=4, block_size=32, T=1, activation="swiglu",
+                               swiglu_fusion=1)
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    m = GpuQMoE(spec, t)  # every expert resident
+    stream = cp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(34)
+    x_dev = cp.empty((1, 128), dtype)
+    logits_dev = cp.empty((1, 8), dtype)
+    out32 = cp.empty((1, 128), cp.float32)
+    out = out32 if dtype == "float32" else cp.empty((1, 128), dtype)
+    with stream:
+        for step in range(4):
+            xs = rng.standard_normal((1, 128)).astype(dtype)
+            logits = rng.standard_normal((1, 8)).astype(dtype)
+            x_dev.set(xs, stream=stream)
+            logits_dev.set(logits, stream=stream)
+            result = m.run_routed(x_dev, logits_dev, out32, out)
+            assert result is out
+            got = result.get(stream=stream).astype(np.float32)
+            want = qmoe_reference(xs.astype(np.float32), logits.astype(np.float32), spec, t)
+            assert _relerr(got, want) <= (1e-4 if dtype == "float32" else 2e-3), f"step {step}"
+            assert (len(m._graphs) == 1) == (step >= 1), f"step {step}: {len(m._graphs)} graphs"
 
 
 # (bits, block_size, zero points, bias, dtype, H, I, activation, swiglu_fusion); the last one has FC3 (gated

@@ -167,3 +167,17 @@ def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
     from PySide6.QtGui import QIcon
 
     assert icon.is_file() and not QIcon(str(icon)).isNull()
+
+
+def test_placement_tooltip_says_where_a_fully_resident_layer_routed(qapp):
+    from app.gui.placement_view import Heatmap
+
+    heatmap = Heatmap()
+    layers = [{"hits": 40, "misses": 0, "swaps": 0, "routed_on_device": 10},
+              {"hits": 30, "misses": 10, "swaps": 2, "misses_cpu": 10, "routed_on_device": 0}]
+    heatmap.set_data({"resident": np.array([[True, True], [True, False]]), "traffic": np.zeros((2, 2)),
+                      "valid": np.ones((2, 2), bool), "placement": "adaptive", "layer_names": ["a/QMoE", "b/QMoE"],
+                      "layer_index": [0, 1], "bytes_per_expert": [1024, 1024], "layers": layers})
+    assert ("Layer 0: 10 steps routed and computed on the device (every expert resident: no round trip to the host)"
+            in heatmap.tooltip_at(0, 0))
+    assert "routed and computed on the device" not in heatmap.tooltip_at(1, 0)

@@ -157,6 +157,9 @@ class Heatmap(QWidget):
                          f"({stats['hits'] / total:.0%} hit rate), {stats.get('swaps', 0)} swaps")
         if stats.get("misses"):
             lines.append(f"Layer {d['layer_index'][row]} misses: {split_text(stats)}")
+        if stats.get("routed_on_device"):
+            lines.append(f"Layer {d['layer_index'][row]}: {stats['routed_on_device']} steps routed and computed on "
+                         "the device (every expert resident: no round trip to the host)")
         lines.append(d["layer_names"][row])
         return "\n".join(lines)
 

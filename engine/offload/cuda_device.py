@@ -14,7 +14,7 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
-from engine.offload.cuda_step import StepBufferPool, StepBuffers
+from engine.offload.cuda_step import HostCopies, MergeBufferPool, RoutedBuffers, StepBufferPool, StepBuffers
 from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
 from engine.offload.staging import PinnedRing
@@ -199,6 +199,8 @@ class CudaSlots:
     """One expert node's slots in GPU memory (a GpuQMoE holding `num_slots` experts). A prefill
     wave gets a short-lived GpuQMoE of its own, inside the staging bytes the engine reserved."""
 
+    device_inputs = True  # a dense part on the GPU may hand this node's inputs over in GPU memory
+
     def __init__(self, device: "CudaDevice", runner, num_slots: int):
         self.device, self.runner = device, runner
         self.name = runner.info.name
@@ -214,6 +216,9 @@ class CudaSlots:
         self.prepare_s = 0.0  # host seconds of the last load before its copy could start
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
+        self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
+        self._merges = MergeBufferPool(device.cp, runner.info.spec.hidden_size)  # merge_on_device's, by shape
+        self._host_copies = HostCopies(device.cp)
         self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
         self.resize(num_slots)
 
@@ -347,6 +352,96 @@ class CudaSlots:
             stop.synchronize()
         return cp.cuda.get_elapsed_time(start, stop) / 1e3
 
+    # --- fully resident layers, inputs in GPU memory (the dense part on the GPU): no host round trip ---------
+
+    def holds(self, x) -> bool:
+        """Whether `x` lies in GPU memory (a dense part on the GPU left it there): launch_routed takes it, and a
+        decode step's result goes back there (merge_on_device)."""
+        return isinstance(x, self.device.cp.ndarray)
+
+    def to_host(self, *arrays) -> tuple:
+        """`arrays` on the host: those in GPU memory copied over (on the dense part's stream, which made them;
+        one wait), the others as they are."""
+        cp = self.device.cp
+        if not any(isinstance(a, cp.ndarray) for a in arrays):
+            return arrays
+        stream = self.device.dense_stream or self.device.compute_stream
+        with cp.cuda.Device(self.device.index):
+            return tuple(self._host_copies.fetch(arrays, stream))
+
+    @_on_compute_stream
+    def launch_routed(self, x, logits, router_weights):
+        """Every expert of the node resident and the inputs in GPU memory: route and compute on the device, the
+        result left there for the next dense segment. No host synchronisation: the compute stream waits for the
+        dense part's stream, and the dense part's stream for the launch (one event each way). Returns (the result
+        in x's dtype and shape, the pending statistics for routed_done)."""
+        cp = self.device.cp
+        spec = self.runner.info.spec
+        tokens = x.size // spec.hidden_size
+        compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
+        with cp.cuda.Device(self.device.index):
+            if dense is not None:  # first: anything below may read the dense part's outputs
+                compute.wait_event(dense.record(self._ordering_event()))
+            logits = cp.ascontiguousarray(logits).reshape(tokens, -1)
+            buffers = self._routed
+            if buffers is None or buffers.key != RoutedBuffers.key_of(tokens, x.dtype, logits):
+                buffers = RoutedBuffers(cp, tokens, spec.hidden_size, x.dtype, logits)
+                if tokens <= self.gpu.decode_max_tokens:
+                    self._routed = buffers  # kept: the same pointers at every decode step (CUDA graph replays)
+            buffers.start.record(compute)
+            weights = None if router_weights is None else cp.ascontiguousarray(router_weights).reshape(tokens, -1)
+            self.gpu.run_routed(x.reshape(tokens, spec.hidden_size), logits, buffers.out32, buffers.out, weights)
+            buffers.copy_logits(logits, compute)
+            buffers.stop.record(compute)
+            if dense is not None:
+                dense.wait_event(buffers.stop)
+        return buffers.result(x.shape), buffers
+
+    @_on_compute_stream
+    def merge_on_device(self, pending, cpu_part: np.ndarray | None, like):
+        """A decode step's result left in GPU memory for the next dense segment: the device's part (launch's
+        pending, or None) plus the CPU's (float32 [T, H] on the host, or None), added and converted to like's dtype
+        on the GPU. The CPU's part goes over from pinned memory, asynchronously; the dense part's stream waits for
+        an event after the addition, the host for nothing. Returns (the result in like's shape, the launch's events
+        for merged_done, or None)."""
+        cp = self.device.cp
+        compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
+        hidden = self.runner.info.spec.hidden_size
+        with cp.cuda.Device(self.device.index):
+            merge = self._merges.take(like.size // hidden, like.dtype)
+            buffers = device_out = None
+            if pending is not None:
+                buffers, start, stop = pending
+                if buffers is None:  # launched into the prefill accumulator (inputs the decode path does not take)
+                    device_out, self._prefill = self._prefill[2], None
+                else:
+                    device_out = buffers.out
+            if cpu_part is not None:
+                merge.upload(cpu_part, compute)
+            merge.combine(device_out, cpu_part is not None)
+            if dense is not None:
+                dense.wait_event(compute.record(self._ordering_event()))
+            if buffers is not None:  # its next use is the next step's launch, after the host has waited
+                self._step_buffers.give_back(buffers)
+        return merge.result(like.shape), None if pending is None else (start, stop)
+
+    def _ordering_event(self):
+        """An event that only orders two streams (no timing: cheaper to record and wait on)."""
+        return self.device.cp.cuda.Event(disable_timing=True)
+
+    def merged_done(self, timing) -> float:
+        """At the end of the step: the merged launch's device seconds (0 without one)."""
+        if timing is None:
+            return 0.0
+        start, stop = timing
+        stop.synchronize()
+        return self.device.cp.cuda.get_elapsed_time(start, stop) / 1e3
+
+    def routed_done(self, pending: RoutedBuffers) -> tuple[np.ndarray, float, float]:
+        """At the end of the step: (the router logits on the host, the launch's device seconds, 0: no stand-in)."""
+        pending.stop.synchronize()
+        return pending.host_logits, self.device.cp.cuda.get_elapsed_time(pending.start, pending.stop) / 1e3, 0.0
+
     @_on_compute_stream
     def flush(self, out: np.ndarray) -> None:
         """Add the prefill launches' summed results to `out` (one copy back) and free their buffers."""
@@ -370,6 +465,7 @@ class CudaDevice:
                 cp.get_default_memory_pool().set_limit(size=mem_limit)
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
             self.compute_stream = cp.cuda.Stream(non_blocking=True)  # every expert kernel and result copy
+            self.dense_stream = None  # onnxruntime's stream when the dense part runs on this GPU (LoadedModel)
             self.bandwidths = _measure_all(cp)
         self.memory = DeviceMemory(capacity=free, limit=mem_limit)
         self.host_registration = None  # the experts' file mapping, page-locked in the background (register_experts)

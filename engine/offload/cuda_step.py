@@ -72,3 +72,120 @@ class StepBufferPool:
 
     def give_back(self, buffers: StepBuffers) -> None:
         self._free.setdefault((buffers.tokens, buffers.k), []).append(buffers)
+
+
+class RoutedBuffers:
+    """A fully resident layer's launch with the routing on the device (CudaSlots.launch_routed): the float32 result
+    and its copy in the dense part's dtype (what the next dense segment reads, in GPU memory), a pinned host copy of
+    the router logits (the step's statistics route them again on the host at the end of the step, when the copy is
+    in), and the launch's start and stop events."""
+
+    def __init__(self, cp, tokens: int, hidden: int, dtype, logits):
+        self.cp = cp
+        self.key = RoutedBuffers.key_of(tokens, dtype, logits)
+        self.out32 = cp.empty((tokens, hidden), cp.float32)
+        self.out = self.out32 if np.dtype(dtype) == np.float32 else cp.empty((tokens, hidden), dtype)
+        self._pinned = cp.cuda.alloc_pinned_memory(max(1, logits.nbytes))
+        self.host_logits = np.frombuffer(self._pinned, logits.dtype, logits.size).reshape(tokens, -1)
+        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
+        self._result = None  # `out` in the node's output shape: one view, so the next segment binds it only once
+
+    @staticmethod
+    def key_of(tokens: int, dtype, logits) -> tuple:
+        return tokens, np.dtype(dtype).str, logits.size, logits.dtype.str
+
+    def result(self, shape: tuple):
+        if self._result is None or self._result.shape != tuple(shape):
+            self._result = self.out.reshape(shape)
+        return self._result
+
+    def copy_logits(self, logits, stream) -> None:
+        """The router logits (C-contiguous, on the device) into the pinned copy, asynchronously on `stream`."""
+        self.cp.cuda.runtime.memcpyAsync(self.host_logits.ctypes.data, logits.data.ptr, logits.nbytes, D2H,
+                                         stream.ptr)
+
+
+class HostCopies:
+    """Device arrays a layer needs on the host (the dense part left them in GPU memory, the layer has cold
+    experts): copied into one kept pinned buffer, one wait for them all. The NumPy views returned are valid until
+    the next fetch (the hybrid node reads them within its run)."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self._pinned = None
+        self._buffer = np.empty(0, np.uint8)
+
+    def fetch(self, arrays, stream) -> list:
+        cp = self.cp
+        device = [a for a in arrays if isinstance(a, cp.ndarray)]
+        need = sum(_aligned(a.nbytes) for a in device)
+        if need > self._buffer.size:
+            self._pinned = cp.cuda.alloc_pinned_memory(need)
+            self._buffer = np.frombuffer(self._pinned, np.uint8, need)
+        fetched, offset = [], 0
+        with stream:  # a contiguous copy, where one is needed, is ordered after the work that made the array
+            for array in arrays:
+                if not isinstance(array, cp.ndarray):
+                    fetched.append(array)
+                    continue
+                array = cp.ascontiguousarray(array)
+                host = self._buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data, array.data.ptr, array.nbytes, D2H, stream.ptr)
+                fetched.append(host)
+                offset += _aligned(array.nbytes)
+        stream.synchronize()
+        return fetched
+
+
+class MergeBuffers:
+    """A decode step's result kept in GPU memory (CudaSlots.merge_on_device): the CPU's float32 part in pinned
+    memory and on the device, and the sum in the dense part's dtype, which the next dense segment reads."""
+
+    def __init__(self, cp, tokens: int, hidden: int, dtype):
+        self.cp = cp
+        self._pinned = cp.cuda.alloc_pinned_memory(tokens * hidden * 4)
+        self.host_part = np.frombuffer(self._pinned, np.float32, tokens * hidden).reshape(tokens, hidden)
+        self.part = cp.empty((tokens, hidden), cp.float32)
+        self.sum = cp.empty((tokens, hidden), dtype)
+        self._view = None
+
+    def upload(self, cpu_part: np.ndarray, stream) -> None:
+        """The CPU's part into pinned memory, then over to the device asynchronously on `stream`."""
+        np.copyto(self.host_part, cpu_part.reshape(self.host_part.shape))
+        self.cp.cuda.runtime.memcpyAsync(self.part.data.ptr, self.host_part.ctypes.data, self.host_part.nbytes, H2D,
+                                         stream.ptr)
+
+    def combine(self, device_part, with_cpu_part: bool) -> None:
+        """sum = device part + CPU part (either may be absent: None / False), in sum's dtype, on the current stream."""
+        cp = self.cp
+        if device_part is None:
+            source = self.part if with_cpu_part else None
+        elif with_cpu_part:
+            cp.add(device_part, self.part, out=device_part)
+            source = device_part
+        else:
+            source = device_part
+        if source is None:
+            self.sum.fill(0)
+        else:
+            cp.copyto(self.sum, source, casting="same_kind")
+
+    def result(self, shape: tuple):
+        """The sum in the node's output shape: one view, so the next segment binds it once."""
+        if self._view is None or self._view.shape != tuple(shape):
+            self._view = self.sum.reshape(shape)
+        return self._view
+
+
+class MergeBufferPool:
+    """MergeBuffers by (tokens, dtype), kept: one per node and decode shape."""
+
+    def __init__(self, cp, hidden: int):
+        self.cp, self.hidden = cp, hidden
+        self._kept: dict[tuple[int, str], MergeBuffers] = {}
+
+    def take(self, tokens: int, dtype) -> MergeBuffers:
+        key = (tokens, np.dtype(dtype).str)
+        if key not in self._kept:
+            self._kept[key] = MergeBuffers(self.cp, tokens, self.hidden, dtype)
+        return self._kept[key]

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.staging import PinnedRing
+from kernels.cpu.routing import route
 
 GIB = 1 << 30
 
@@ -53,6 +54,7 @@ class SimulatedSlots:
         self.stored_bytes = runner.info.bytes_per_expert  # a wave's rows as gathered into the pinned ring
         self.num_slots = 0
         self.standin_s = 0.0
+        self._merged: dict = {}  # merge_on_device's results, by shape and dtype
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
@@ -90,6 +92,49 @@ class SimulatedSlots:
 
     def flush(self, out: np.ndarray) -> None:
         """Results a device may hold back until the node's last collect (CudaSlots: prefill); here none."""
+
+    # Inputs and results in the device's memory (CudaSlots.holds); here NumPy is device memory.
+    def holds(self, x) -> bool:
+        return True
+
+    def merge_on_device(self, pending, cpu_part: np.ndarray | None, like: np.ndarray):
+        """The CPU's part of a decode step (or None) added to the device's (launch's pending, or None), in like's
+        dtype and shape, and the pending device seconds for merged_done."""
+        hidden = self.kernel.spec.hidden_size
+        total = np.zeros((like.size // hidden, hidden), np.float32) if cpu_part is None else cpu_part.copy()
+        seconds = 0.0
+        if pending is not None:
+            partial, seconds = pending
+            total += partial
+        key = (like.shape, like.dtype.str)
+        result = self._merged.get(key)  # kept, as CudaSlots keeps its: the next segment finds the same array
+        if result is None:
+            result = self._merged[key] = np.empty(like.shape, like.dtype)
+        np.copyto(result, total.reshape(like.shape), casting="same_kind")
+        return result, seconds
+
+    def merged_done(self, seconds: float) -> float:
+        return seconds
+
+    def to_host(self, *arrays) -> tuple:
+        return arrays
+
+    def launch_routed(self, x: np.ndarray, logits: np.ndarray, router_weights):
+        """Route and compute every expert on the "device" (the CPU kernel); returns (the result in x's dtype and
+        shape, what routed_done gives back: the logits, the modelled device seconds, the stand-in's wall time)."""
+        started = time.perf_counter()
+        spec = self.kernel.spec
+        x2d = x.reshape(-1, spec.hidden_size)
+        logits = np.array(logits, copy=True).reshape(x2d.shape[0], -1)  # the dense part may reuse its buffer
+        ids, weights = route(logits, spec, router_weights)
+        out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
+        self.kernel.run_experts(x2d, ids, weights, out=out)
+        seconds = len(set(ids.ravel().tolist())) * self.read_bytes / self.device.bandwidths.hbm
+        result = out.astype(x.dtype, copy=False).reshape(x.shape)
+        return result, (logits, seconds, time.perf_counter() - started)
+
+    def routed_done(self, pending) -> tuple[np.ndarray, float, float]:
+        return pending
 
 
 class SimulatedDevice:

@@ -67,6 +67,9 @@ class OffloadEngine:
                        for info, runner in zip(self.infos, runners)]
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
+        # statistics of this step that wait for its end, when the device's work is done (HybridExpertNode: fully
+        # resident layers, results merged on the device): callables
+        self.deferred: list = []
         self._make_policy()
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
@@ -230,6 +233,9 @@ class OffloadEngine:
         earned by the step's `step_s` seconds (None: without a limit)."""
         if self.shadow:
             return
+        for account in self.deferred:
+            account()
+        self.deferred.clear()
         self.stats.end_step()
         self.copy_reuse.end_step()
         if self.device is not None:

@@ -13,8 +13,10 @@ from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
 from kernels.cpu.routing import route
+from kernels.gpu.qmoe import GpuQMoE
 
 _NONE = np.empty(0, np.int64)  # no expert copied (read only)
+DECODE_MAX_TOKENS = GpuQMoE.decode_max_tokens  # a step merged on the device: the GPU's decode launch
 _NONE.flags.writeable = False
 
 
@@ -40,14 +42,29 @@ class HybridExpertNode:
     def kernel(self):
         return self.runner.kernel  # rebuilt when allow_file_backing changes
 
+    @property
+    def takes_device_arrays(self) -> bool:
+        """Whether the dense part may hand this node its inputs in GPU memory (a device store that takes them:
+        run() brings them to the host where the layer needs them there)."""
+        store = self.engine.stores[self.layer]
+        return store is not None and getattr(store, "device_inputs", False)
+
     def run(self, values: dict[str, np.ndarray]) -> np.ndarray:
         inputs = self.info.activation_inputs
         x = values[inputs["input"]]
         router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
+        logits = values[inputs["router_probs"]]
         spec = self.info.spec
         engine, layer = self.engine, self.layer
+        store = engine.stores[layer]
+        held = store is not None and store.holds(x)  # the inputs lie in the device's memory
+        if held:
+            if not engine.approximating and engine.slots[layer].all_resident:
+                return self._run_resident(store, x, logits, router_weights)
+            like = x  # the result goes back where the inputs came from, in their dtype and shape
+            x, logits, router_weights = store.to_host(x, logits, router_weights)
         x2d = np.ascontiguousarray(x.reshape(-1, spec.hidden_size))
-        logits = values[inputs["router_probs"]].reshape(-1, spec.num_experts)
+        logits = logits.reshape(-1, spec.num_experts)
         ids, weights = route(logits, spec, router_weights)
         slot_of = engine.slots[layer].slot_of
         if engine.approximating:
@@ -71,7 +88,6 @@ class HybridExpertNode:
                 engine.copy_reuse.hit(layer, ids, resident)
 
         out = self._output(x2d.shape[0])
-        store = engine.stores[layer]
         standin_before = getattr(store, "standin_s", 0.0) if store is not None else 0.0
         cold = np.where(resident, -1, ids) if hits else ids  # never written in place
         copied_pairs = copies = 0
@@ -127,34 +143,31 @@ class HybridExpertNode:
                     engine.cpu_rate.observe(len(on_cpu) * self.info.bytes_per_expert, cpu_s)
                 if touch:
                     engine.host_cache.touch(layer, sorted(on_cpu))
-        device_s = 0.0
-        if pending is not None:
-            waited = time.perf_counter()
-            device_s = store.collect(pending, out)
-            stats.device_s += device_s
-            stats.wait_s += time.perf_counter() - waited
-        if store is not None and (pending is not None or waves):
-            store.flush(out)
-        # The projection for the simulated card (projection.py): this step's critical path on a real card, and
-        # the wall time the simulated device spent computing its experts on the CPU.
-        phase = engine.stats.phase(x2d.shape[0])
-        if pending is None and not waves:
-            critical = cpu_s  # no device work: the CPU's time, as measured
-            standin = 0.0
+        standin = getattr(store, "standin_s", 0.0) - standin_before if pending is not None or waves else 0.0
+        tokens = x2d.shape[0]
+        result = None
+        if held and not shadow and not waves and tokens <= min(engine.config.async_max_tokens, DECODE_MAX_TOKENS):
+            # Decode with the inputs in device memory: the CPU's part goes over and is added to the device's there,
+            # and the result stays for the next dense segment; the host does not wait for the device. Its time is
+            # read at the end of the step.
+            result, timing = store.merge_on_device(pending, out if copied_pairs < missed else None, like)
+            engine.deferred.append(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing),
+                                                              pending is not None, copies, miss_copy_s, waves, standin))
         else:
-            if copies:  # one launch after the copies: residents and copied misses together
-                critical = layer_critical_s(cpu_s, miss_copy_s=miss_copy_s, miss_device_s=device_s)
-            else:
-                critical = layer_critical_s(cpu_s, device_s, waves)
-            standin = getattr(store, "standin_s", 0.0) - standin_before
-        stats.critical_s += critical
-        stats.standin_s += standin
-        phase.cpu_s += cpu_s
-        phase.critical_s += critical
-        phase.standin_s += standin
+            device_s = 0.0
+            if pending is not None:
+                waited = time.perf_counter()
+                device_s = store.collect(pending, out)
+                stats.wait_s += time.perf_counter() - waited
+            if store is not None and (pending is not None or waves):
+                store.flush(out)
+            self._account_time(stats, tokens, cpu_s, device_s, pending is not None or bool(waves), copies,
+                               miss_copy_s, waves, standin)
         if not shadow:
             engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
             engine.policy.observe(layer, ids.reshape(-1))
+        if result is not None:
+            return result
         if out is self._out:
             # a decode step: the same array at every step (fp16 models: a kept fp16 copy), which the next dense
             # segment finds bound already
@@ -164,6 +177,51 @@ class HybridExpertNode:
                 np.copyto(self._out_view, out.reshape(x.shape), casting="same_kind")
             return self._out_view
         return out.astype(x.dtype, copy=False).reshape(x.shape)
+
+    def _account_time(self, stats: LayerStats, tokens: int, cpu_s: float, device_s: float, on_device: bool,
+                      copies: int, miss_copy_s: float, waves, standin: float) -> None:
+        """A step's device time (that of its launch; prefill waves count theirs as they run) and the projection for
+        the simulated card (projection.py): the step's critical path on a real card, and the wall time the
+        simulated device spent computing its experts on the CPU."""
+        stats.device_s += device_s
+        if not on_device:
+            critical = cpu_s  # no device work: the CPU's time, as measured
+        elif copies:  # one launch after the copies: residents and copied misses together
+            critical = layer_critical_s(cpu_s, miss_copy_s=miss_copy_s, miss_device_s=device_s)
+        else:
+            critical = layer_critical_s(cpu_s, device_s, waves)
+        phase = self.engine.stats.phase(tokens)
+        stats.critical_s += critical
+        stats.standin_s += standin
+        phase.cpu_s += cpu_s
+        phase.critical_s += critical
+        phase.standin_s += standin
+
+    def _run_resident(self, store, x, logits, router_weights):
+        """Every expert of the layer resident: routing and experts on the device, the result left there (in GPU
+        memory when the dense part runs on the GPU: no host round trip, no wait). The step's statistics follow at
+        its end (account_resident), once the router logits' copy to the host is in."""
+        out, pending = store.launch_routed(x, logits, router_weights)
+        if not self.engine.shadow:
+            self.engine.deferred.append(lambda: self.account_resident(pending))
+        return out
+
+    def account_resident(self, pending) -> None:
+        """The statistics of one _run_resident step, at the end of the step (OffloadEngine.end_step): its routing
+        done again on the host from the logits (the same route() as run(); router weights do not change which
+        experts are picked), every pair a hit, the launch's device time on the critical path."""
+        engine, layer = self.engine, self.layer
+        logits, device_s, standin = engine.stores[layer].routed_done(pending)
+        ids, _weights = route(logits.reshape(-1, self.info.spec.num_experts), self.info.spec)
+        resident = np.ones(ids.shape, bool)
+        stats = engine.stats.layers[layer]
+        stats.hits += ids.size
+        stats.routed_on_device += 1
+        engine.stats.count(layer, ids, resident)
+        engine.copy_reuse.hit(layer, ids, resident)
+        self._account_time(stats, ids.shape[0], 0.0, device_s, True, 0, 0.0, (), standin)
+        engine.stats.split(layer, 0, 0, 0)
+        engine.policy.observe(layer, ids.reshape(-1))
 
     def _output(self, tokens: int) -> np.ndarray:
         """A zeroed float32 [tokens, hidden] accumulator. A decode step's is one buffer per node, returned (as the

@@ -51,6 +51,11 @@ class LayerSlots:
     def resident(self) -> np.ndarray:
         return self.expert_in[self.expert_in >= 0]
 
+    @property
+    def all_resident(self) -> bool:
+        """Every expert of the node in a slot: routing can stay on the device (hybrid_node.py)."""
+        return self.num_slots >= self.num_experts and bool((self.slot_of >= 0).all())
+
     def place(self, slot: int, expert: int) -> int | None:
         evicted = int(self.expert_in[slot])
         if evicted >= 0:

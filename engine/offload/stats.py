@@ -20,6 +20,7 @@ class LayerStats:
     misses_cpu: int = 0      # missed pairs computed on the CPU
     misses_copied: int = 0   # missed pairs whose expert was copied to the device (spare slot or prefill wave)
     miss_copies: int = 0     # experts the decode miss policy copied into spare slots
+    routed_on_device: int = 0  # steps routed and computed on the device (every expert resident: no host round trip)
     # The simulated device's projection (engine/offload/projection.py). standin_s: wall time the simulated
     # device spent computing "device" experts with the CPU kernels (0 on CUDA). critical_s: per step, the
     # modelled critical path of the layer on a real card (CPU and device overlapped), summed over steps.

@@ -493,19 +493,44 @@ class GpuQMoE:
         their Python launch work (argument marshalling of three launches, ~100 µs per layer on the H200) is paid
         once. A graph stays valid while the buffers it points into do: the workspace (dropped when it grows), the
         slot arrays and the expert->slot map (updated in place by upload_expert / evict)."""
-        cp = _cp()
         T, kk = x_dev.shape[0], ids_dev.shape[1]
+
+        def launch():
+            self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
+
+        self._replayed(("staged", x_dev.data.ptr, ids_dev.data.ptr, w_dev.data.ptr, out.data.ptr, T, kk), T, launch)
+        return out
+
+    def run_routed(self, x_dev, logits_dev, out32, out=None, router_weights=None):
+        """forward_into for device inputs as a dense part on the GPU leaves them (x float32 / float16 [T, H], router
+        logits [T, E], router weights likewise or None), every routed expert resident: the offload engine's fully
+        resident layers. The result goes into ``out32`` (float32 [T, H], overwritten) and, when ``out`` is another
+        array (x's dtype), is converted into it. Kernel launches only; replayed as one CUDA graph from the second
+        call with the same buffers, as run_staged."""
+        cp = _cp()
+        T = x_dev.shape[0]
+
+        def launch():
+            self.forward_into(x_dev, logits_dev, out32, router_weights)
+            if out is not None and out is not out32:
+                cp.copyto(out, out32, casting="same_kind")
+
+        pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, logits_dev, router_weights, out32, out))
+        dtypes = tuple(None if a is None else a.dtype.str for a in (x_dev, logits_dev, router_weights, out))
+        self._replayed(("routed", *pointers, *dtypes, T), T, launch)
+        return out32 if out is None else out
+
+    def _replayed(self, key: tuple, T: int, launch) -> None:
+        """Run `launch` (kernel launches on the current stream, nothing else) eagerly at the first call with this
+        key and as one captured CUDA graph from the second on; eagerly always outside decode sizes or the tc path,
+        or on the legacy default stream (capture needs a stream of its own)."""
+        cp = _cp()
         with self.device:
             stream = cp.cuda.get_current_stream()
-
-            def launch():
-                self._compute(x_dev, DT_F32, T, out, ids=ids_dev, wts=w_dev, kk=kk, zero_out=True)
-
             if self.path != "tc" or T > self.decode_max_tokens or stream.ptr == 0:
-                launch()  # (no graph on the legacy default stream: capture needs a stream of its own)
-                return out
-            key = (x_dev.data.ptr, ids_dev.data.ptr, w_dev.data.ptr, out.data.ptr, T, kk,
-                   self.decode_kernel, tuple(sorted(self.dec_cfg.items())), tuple(sorted(self.dec5_cfg.items())))
+                launch()
+                return
+            key = key + (self.decode_kernel, tuple(sorted(self.dec_cfg.items())), tuple(sorted(self.dec5_cfg.items())))
             graph = self._graphs.get(key)
             if graph is None and key in self._graph_seen:
                 graph = self._graphs[key] = self._capture(stream, launch)
@@ -514,7 +539,6 @@ class GpuQMoE:
                 self._graph_seen.add(key)  # after: a workspace that grew in this call forgot what was seen
             else:
                 graph.launch(stream)
-        return out
 
     @staticmethod
     def _capture(stream, launch):

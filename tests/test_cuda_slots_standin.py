@@ -1,0 +1,278 @@
+"""The CUDA device's slots (engine/offload/cuda_device.py CudaSlots) driven end to end on the CPU: CuPy replaced by
+a stand-in whose "device" memory is host memory (copies are memmove, kernels run at once), GpuQMoE by one that
+computes with the CPU kernel, and the dense part's cut tensors left in that "device" memory (DeviceOutputs over the
+CuPy stand-in), as with the dense part on the GPU. What this checks is the Python of the device path: which path a
+layer takes, buffers, streams and events in their order, statistics; the kernels and onnxruntime's CUDA EP run in
+the gpu-marked tests (tests/test_offload_cuda.py, tests/test_dense_device.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import engine.offload.cuda_device as cuda_device
+from engine.array_backend import CupyBackend
+from engine.decoder_state import DecoderState
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig
+from engine.offload.cuda_device import CudaSlots, staged_bytes
+from engine.offload.device_memory import DeviceMemory
+from engine.offload.devices import GIB, Bandwidths
+from engine.ort_env import DenseDevice
+from kernels.cpu.routing import route
+from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
+
+
+class FakeDeviceArray(np.ndarray):
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.ctypes.data)
+
+    def get(self, stream=None):
+        return np.array(self.view(np.ndarray))
+
+
+def _device(array) -> FakeDeviceArray:
+    return np.ascontiguousarray(array).view(FakeDeviceArray)
+
+
+class FakeCupy:
+    """The CuPy the device path uses, over NumPy; every stream and event op is logged in order."""
+
+    float32, int32, uint8 = np.float32, np.int32, np.uint8
+    ndarray = FakeDeviceArray
+
+    def __init__(self):
+        self.log: list[tuple] = []
+        self.current = None
+        fake = self
+
+        class Event:
+            def __init__(self, disable_timing=False):
+                self.recorded_on = None
+
+            def record(self, stream=None):
+                self.recorded_on = stream or fake.current
+                fake.log.append(("record", self.recorded_on.name))
+
+            def synchronize(self):
+                fake.log.append(("event sync", self.recorded_on.name if self.recorded_on else None))
+
+            done = True
+
+        class Stream:
+            def __init__(self, non_blocking=False, name="stream"):
+                self.name, self.ptr = name, id(self)
+
+            def __enter__(self):
+                self._saved, fake.current = fake.current, self
+                return self
+
+            def __exit__(self, *exc):
+                fake.current = self._saved
+
+            def record(self, event=None):
+                event = event or Event()
+                event.record(self)
+                return event
+
+            def wait_event(self, event):
+                fake.log.append(("wait", self.name, event.recorded_on.name))
+
+            def synchronize(self):
+                fake.log.append(("sync", self.name))
+
+        class Device:
+            def __init__(self, index=0):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+        def memcpy_async(dst, src, size, kind, stream):
+            ctypes.memmove(dst, src, size)
+
+        self.Stream, self.Event = Stream, Event
+        self.default = Stream(name="default")
+        self.cuda = SimpleNamespace(
+            Stream=Stream, Event=Event, Device=Device, alloc_pinned_memory=lambda n: bytearray(max(1, n)),
+            get_current_stream=lambda: fake.current or fake.default, get_elapsed_time=lambda start, stop: 0.25,
+            runtime=SimpleNamespace(memcpyAsync=memcpy_async))
+
+    @staticmethod
+    def empty(shape, dtype):
+        return np.zeros(shape, dtype).view(FakeDeviceArray)
+
+    zeros = empty
+
+    @staticmethod
+    def asarray(array):
+        return _device(array)
+
+    ascontiguousarray = asarray
+    add, copyto = staticmethod(np.add), staticmethod(np.copyto)
+
+    @staticmethod
+    def asnumpy(array):
+        return np.array(array.view(np.ndarray))
+
+
+class _Context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+class FakeGpuQMoE:
+    """GpuQMoE's interface to CudaSlots, computing with the node's CPU kernel on the experts in its slots."""
+
+    decode_max_tokens = 8
+
+    def __init__(self, kernel, resident):
+        self.kernel, self.spec = kernel, kernel.spec
+        self.device = _Context()
+        self.slot_of = np.full(self.spec.num_experts, -1, np.int64)
+        for slot, expert in enumerate(resident):
+            self.slot_of[expert] = slot
+        self.routed = 0
+
+    def pack_expert(self, expert):
+        return None
+
+    def upload_expert(self, expert, slot, stream=None, packed=None):
+        self.slot_of[self.slot_of == slot] = -1
+        self.slot_of[expert] = slot
+
+    def _resident_only(self, ids):
+        ids = np.asarray(ids, np.int64)
+        return np.where((ids >= 0) & (self.slot_of[np.maximum(ids, 0)] >= 0), ids, -1)
+
+    def run_staged(self, x, ids, w, out):
+        target = out.view(np.ndarray)
+        target[...] = 0
+        self.kernel.run_experts(x.view(np.ndarray), self._resident_only(ids), np.asarray(w), out=target)
+
+    def run_experts(self, x, ids, w, out=None):
+        self.kernel.run_experts(np.asarray(x).view(np.ndarray), self._resident_only(ids), np.asarray(w),
+                                out=out.view(np.ndarray))
+        return out
+
+    def run_routed(self, x, logits, out32, out=None, router_weights=None):
+        self.routed += 1
+        ids, weights = route(np.asarray(logits, np.float32), self.spec, router_weights)
+        self.run_staged(x, ids, weights, out32)
+        if out is not None and out is not out32:
+            np.copyto(out, out32, casting="same_kind")
+        return out32 if out is None else out
+
+
+class FakeCudaDevice:
+    """CudaDevice's attributes over the CuPy stand-in (no pinned ring, no page-locked mapping)."""
+
+    kind = "cuda"
+
+    def __init__(self, cp):
+        self.cp, self.index = cp, 0
+        self.memory = DeviceMemory(capacity=8 * GIB)
+        self.bandwidths = Bandwidths(pcie=25e9, hbm=1000e9, cpu=40e9)
+        self.compute_stream = cp.Stream(name="compute")
+        self.copy_stream = cp.Stream(name="copy")
+        self.dense_stream = None
+        self.host_registration = None
+        self.pinned = None
+        self.name = "a CUDA stand-in"
+
+    def staging_bytes_per_expert(self, runner) -> int:
+        return staged_bytes(runner)
+
+    def set_pinned_ring(self, nbytes: int) -> None:
+        pass
+
+    def copy_seconds(self, nbytes: int) -> float:
+        return nbytes / self.bandwidths.pcie
+
+    def create_slots(self, runner, num_slots: int) -> CudaSlots:
+        return CudaSlots(self, runner, num_slots)
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    from engine.writer import write_model
+
+    return write_model(tmp_path_factory.mktemp("standin") / "m", SPEC)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(model_folder):
+    return greedy_run(LoadedModel.open(model_folder))
+
+
+def open_on_standin(model_folder, fraction, monkeypatch):
+    """The model on the stand-in device, its cut tensors left in the stand-in's memory, and a state there."""
+    cp = FakeCupy()
+    monkeypatch.setattr(CudaSlots, "_make",
+                        lambda self, slots, resident, tensors=None: FakeGpuQMoE(self.runner.kernel, resident))
+    device = FakeCudaDevice(cp)
+    model = LoadedModel.open(model_folder, device=device,
+                             offload=OffloadConfig(device_expert_bytes=int(fraction * device_expert_bytes(model_folder))))
+    backend = CupyBackend(cp)
+    backend.device_type = "cpu"  # onnxruntime here binds host memory: the stand-in's "device" memory
+    backend.stream.name = "dense"
+    device.dense_stream = backend.stream
+    dense = model.decoder.dense
+    model.decoder.dense = DenseDevice("cuda", "the stand-in", backend=backend)
+    model.decoder.place_cut_tensors()  # as with the dense part on the GPU
+    model.decoder.dense = dense
+    monkeypatch.setattr(model, "new_state", lambda: DecoderState(model.config, model.folder.onnx.proto.graph, backend))
+    return model, cp
+
+
+def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_folder, cpu_run, monkeypatch):
+    model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    stores = model.offload.stores
+    assert [s.gpu.routed for s in stores] == [1 + len(cpu_run[1])] * SPEC.layers
+    totals = model.offload.stats.totals()
+    assert totals.misses == 0 and totals.hits > 0 and totals.device_s == pytest.approx(
+        0.25e-3 * SPEC.layers * (1 + len(cpu_run[1])))
+    assert model.offload.deferred == []
+    # the last decode step: each routed launch makes the compute stream wait for the dense part's, records start and
+    # stop around the launch, and the dense part's stream waits for stop; the host waits once, for the logits (the
+    # last segment's sync), then for each launch's stop event as the end of the step reads its time
+    one_launch = [("record", "dense"), ("wait", "compute", "dense"), ("record", "compute"), ("record", "compute"),
+                  ("wait", "dense", "compute")]
+    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
+    assert cp.log[last_sync - 5 * SPEC.layers:last_sync] == one_launch * SPEC.layers
+    assert cp.log[last_sync + 1:] == [("event sync", "compute")] * SPEC.layers
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_layers_with_cold_experts_merge_their_decode_results_on_the_standin(model_folder, cpu_run, monkeypatch,
+                                                                            fraction):
+    model, cp = open_on_standin(model_folder, fraction, monkeypatch)
+    merged = []
+    real = CudaSlots.merge_on_device
+
+    def spy(self, pending, cpu_part, like):
+        result, timing = real(self, pending, cpu_part, like)
+        merged.append((type(like), type(result), pending is not None))
+        return result, timing
+
+    monkeypatch.setattr(CudaSlots, "merge_on_device", spy)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    steps = len(cpu_run[1])
+    assert len(merged) == SPEC.layers * steps  # every decode layer-step; the prompt is a prefill
+    assert all(like is FakeDeviceArray and result is FakeDeviceArray for like, result, _ in merged)
+    assert any(launched for *_, launched in merged) == (fraction > 0)
+    totals = model.offload.stats.totals()
+    assert totals.misses > 0 and model.offload.deferred == []
+    # a merge: the dense part's stream waits for the compute stream after the addition, the host for nothing
+    assert cp.log.count(("wait", "dense", "compute")) == len(merged)
