@@ -23,16 +23,8 @@ from engine.offload.device_memory import DeviceMemory
 from engine.offload.devices import GIB, Bandwidths
 from engine.ort_env import DenseDevice
 from kernels.cpu.routing import route
+from tests.test_dense_device import FakeDeviceArray
 from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
-
-
-class FakeDeviceArray(np.ndarray):
-    @property
-    def data(self):
-        return SimpleNamespace(ptr=self.ctypes.data)
-
-    def get(self, stream=None):
-        return np.array(self.view(np.ndarray))
 
 
 def _device(array) -> FakeDeviceArray:
