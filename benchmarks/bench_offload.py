@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_overhead import instrument, summarise  # noqa: E402
+from benchmarks.bench_overhead import instrument, profile_steps, summarise  # noqa: E402
 from benchmarks.common import stream_read_bandwidth, write_result  # noqa: E402
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
@@ -124,6 +124,9 @@ def main() -> None:
     parser.add_argument("--trace-warmup", type=int, default=32, help="trace-routed decode tokens before those")
     parser.add_argument("--trace-placements", default="adaptive,static",
                         help="placements measured under the trace, comma-separated (each from the same budget)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after each point's timings, cProfile's own-time attribution over this many decode steps "
+                             "(top functions, µs per layer per step: where the host's time per layer goes)")
     parser.add_argument("--no-host-register", action="store_true",
                         help="copy experts through the pinned staging ring only (no page-locked mapping: A/B)")
     args = parser.parse_args()
@@ -193,6 +196,9 @@ def main() -> None:
                          "gather_s": _gather_seconds(model) - gathered,
                          "device_s": after.device_s - before.device_s, "cpu_s": after.cpu_s - before.cpu_s,
                          "copied_gb": (after.copy_bytes - before.copy_bytes) / 1e9}
+        # after the timed runs (the profiler slows what it watches: attribution only)
+        attribution = profile_steps(model, args.profile_steps, short_prompt, len(infos), top=15) \
+            if args.profile_steps else []
         slots = model.offload.plan.slots[infos[0].name]
         trace_h = hit_rate("adaptive", trace, infos[0].spec.num_experts, slots) if 0 < slots < infos[0].spec.num_experts \
             else float(slots > 0)
@@ -228,7 +234,7 @@ def main() -> None:
              "reference": "goal", "reference_value": 100.0, "ratio": overhead * 1e6 / 100.0},
             {"name": f"per-layer overhead by component (bench_overhead's), {label}", "value": parts["overhead"],
              "unit": "µs", "reference": "goal", "reference_value": 100.0, "ratio": parts["overhead"] / 100.0,
-             "components_us_per_layer": parts,
+             "components_us_per_layer": parts, "cprofile_top_own_us_per_layer_step": attribution,
              "reading": "overhead = dense_setup (bindings, outputs to NumPy: dense call minus onnxruntime's run) + "
                         "hybrid_python (routing, stats, miss policy, bookkeeping) + device_python (launch: host side) "
                         "+ end_step (placement) + decoder_loop (step inputs, loop); medians over the steps; "
@@ -254,6 +260,9 @@ def main() -> None:
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
+        for row in attribution:
+            print(f"       cProfile own {row['own_us']:7.1f} µs/layer ({row['calls_per_layer_step']:5.2f} calls) "
+                  f"{row['function']}", flush=True)
         # Written after every point: a run stopped by its time limit keeps the points it finished.
         path = write_result(f"offload-{args.shape}-{args.dtype}", figures, shape=args.shape, device=device.name,
                             expert_bytes=model.folder.expert_bytes, bytes_per_expert=per_expert,
