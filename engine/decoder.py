@@ -72,8 +72,9 @@ class PartitionedDecoder:
         """With the dense part on the GPU, leave in GPU memory every cut tensor whose readers all take device
         arrays there: later dense segments, and expert nodes that say so (HybridExpertNode with a CUDA store, which
         keeps a fully resident layer's routing and result on the device). Then a fully resident layer costs no copy
-        to the host and no wait. The logits, which the caller reads, and all but float tensors (DEVICE_ONNX_TYPES) stay
-        on the host; so does everything with the dense part on the CPU."""
+        to the host and no wait. The logits, which the caller reads, all but float tensors (DEVICE_ONNX_TYPES) and
+        tensors a later segment reads in host memory (DenseSegment.host_inputs) stay on the host; so does everything
+        with the dense part on the CPU."""
         on_gpu = self.dense is not None and self.dense.kind == "cuda"
         for position, runner in enumerate(self.steps):
             if not isinstance(runner, DenseSegment):
@@ -82,8 +83,8 @@ class PartitionedDecoder:
             for name in runner.segment.outputs if on_gpu else ():
                 readers = [later for later in self.steps[position + 1:] if name in _inputs_of(later)]
                 if (readers and name != self.logits_name and runner.output_types.get(name) in DEVICE_ONNX_TYPES
-                        and all(isinstance(r, DenseSegment) or getattr(r, "takes_device_arrays", False)
-                                for r in readers)):
+                        and all(name not in r.host_inputs if isinstance(r, DenseSegment)
+                                else getattr(r, "takes_device_arrays", False) for r in readers)):
                     names.add(name)
             runner.bindings.on_device = frozenset(names)
             runner.bindings.clear()

@@ -47,6 +47,7 @@ class DenseSegment:
         self.session: ort.InferenceSession | None = None
         self.bindings = SegmentBindings()  # IO bindings kept across steps, per conversation state
         self.output_types: dict[str, int] = {}
+        self.host_inputs: frozenset[str] = frozenset()  # inputs a session on a device reads in host memory
         if input_types is not None:
             self.open(input_types, dense)
 
@@ -70,10 +71,24 @@ class DenseSegment:
         self.session = session
         self.bindings.clear()
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}
+        self.host_inputs = _inputs_read_on_the_host(session) if dense.kind != "cpu" else frozenset()
+
 
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
         """Run with `values` for the cut tensors; returns the segment's non-state outputs."""
         return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
+
+
+def _inputs_read_on_the_host(session: ort.InferenceSession) -> frozenset[str]:
+    """The inputs a session on a device reads in host memory (onnxruntime's input memory infos: GroupQueryAttention's
+    total_sequence_length, shape inputs of nodes left on the CPU). A device buffer bound to one is copied to the host
+    when bound, so it cannot stay on the device and be bound once. Empty where onnxruntime cannot say (before
+    1.23): the float-only rule of DEVICE_ONNX_TYPES then stands alone."""
+    try:
+        infos = session.get_input_memory_infos()
+    except (AttributeError, RuntimeError):
+        return frozenset()
+    return frozenset(i.name for i, info in zip(session.get_inputs(), infos) if info.name == "Cpu")
 
 
 # A binding kept across steps holds what it was last bound to: the cut tensors fed in and the outputs

@@ -177,3 +177,10 @@ def test_cut_tensors_stay_on_the_gpu_only_where_every_reader_takes_device_arrays
     assert floats and floats <= on_device
     assert set(only_dense) - floats and not (set(only_dense) - floats) & on_device
     assert all(_readers(decoder, name) for name in on_device)
+    # one that a later segment's session reads in host memory (onnxruntime's input memory infos) stays there too
+    read_on_host = sorted(floats)[0]
+    reader = next(r for r in _readers(decoder, read_on_host) if isinstance(r, DenseSegment))
+    reader.host_inputs = frozenset({read_on_host})
+    decoder.place_cut_tensors()
+    now = set().union(*(s.bindings.on_device for s in segments))
+    assert now == on_device - {read_on_host}
