@@ -4,11 +4,18 @@
 # engine's GPU tests (TESTS=1) and the CPU decode kernels' knobs swept at both goal shapes on this machine's cores
 # (CPUSWEEP=1).
 # Run from the repository root with OUT set and SHAPE one of bench_offload's shapes; carry .whl (onnxruntime 1.32
-# CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin) and, with TESTS=1, .fixtures.
+# CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin), with TESTS=1 .fixtures, and
+# .numba-cache where an earlier run's cache was saved.
 # onnxruntime-gpu's wheel must already be in /tmp/ortgpu in pieces (see gpu_tests_run.sh): it is joined and
 # installed into /tmp/site_gpu, apart from the CPU build, which it must never share a folder with.
 set -u
 export PYTHONUNBUFFERED=1
+# Numba's compiled CPU kernels: a fresh machine spends ~4 minutes compiling them. A cache brought back from an earlier
+# run (numba-cache.tgz, carried in .numba-cache/) is used where this machine's CPU and the sources match; Numba
+# recompiles whatever does not. The cache goes back in $OUT at the end, for the next session to carry.
+export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba}
+[ -f .numba-cache/numba-cache.tgz ] && [ ! -d "$NUMBA_CACHE_DIR" ] && mkdir -p "$NUMBA_CACHE_DIR" \
+  && tar xzf .numba-cache/numba-cache.tgz -C "$NUMBA_CACHE_DIR"
 [ -d .fixtures ] && export MOE_WORKBENCH_FIXTURES=$PWD/.fixtures
 shape=${SHAPE:-gpt-oss-20b-like}
 log=$OUT/run-$shape.log
@@ -46,4 +53,6 @@ fi
   cp "$(ls -t benchmarks/results/offload-$shape-*.json | head -1)" "$OUT/" 2>/dev/null
   date -u
 } > "$log" 2>&1
+tar czf "$OUT/numba-cache.tgz" -C "$NUMBA_CACHE_DIR" . 2>/dev/null
+[ "$(stat -c %s "$OUT/numba-cache.tgz" 2>/dev/null || echo 0)" -le 16000000 ] || rm -f "$OUT/numba-cache.tgz"
 tail -c 9000 "$log"
