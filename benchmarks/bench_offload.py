@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_overhead import instrument, profile_steps, summarise  # noqa: E402
-from benchmarks.common import stream_read_bandwidth, write_result  # noqa: E402
+from benchmarks.common import model_folder, stream_read_bandwidth, write_result  # noqa: E402
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
@@ -136,7 +135,7 @@ def main() -> None:
 
     shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
     spec = WriterSpec(**shape, bits=4, block_size=32, context_length=4096, seed=7, dtype=args.dtype)
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="bench-offload-"))
+    folder = model_folder(args.folder, "bench-offload-")
     started = time.perf_counter()
     if not (folder / "model" / "genai_config.json").is_file():
         write_model(folder / "model", spec)

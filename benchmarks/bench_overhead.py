@@ -42,7 +42,6 @@ import io
 import json
 import pstats
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,7 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, machine, machine_tag  # noqa: E402
+from benchmarks.common import RESULTS, machine, machine_tag, model_folder  # noqa: E402
 
 QWEN3_LIKE = dict(hidden_size=2048, inter_size=768, num_experts=128, top_k=8, num_heads=32, num_kv_heads=4,
                   head_size=128, vocab_size=4096, swiglu_limit=None, alpha=1.0, beta=0.0)
@@ -320,7 +319,7 @@ def main() -> None:
     from engine.offload import OffloadConfig, SimulatedDevice
     from engine.offload.planner import all_resident_bytes
 
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="bench-overhead-"))
+    folder = model_folder(args.folder, "bench-overhead-")
     model_path = write_model_once(folder, args.layers)
     points = [p.strip() for p in args.points.split(",") if p.strip()]
     cpu_model = LoadedModel.open(model_path) if "cpu" in points else None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine.ort_env as ort_env  # noqa: E402
 from benchmarks.bench_offload import SHAPES, decode, overhead_breakdown  # noqa: E402
-from benchmarks.common import stream_read_bandwidth, write_result  # noqa: E402
+from benchmarks.common import model_folder, stream_read_bandwidth, write_result  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
@@ -41,7 +40,7 @@ def main() -> None:
 
     spec = WriterSpec(**{**SHAPES[args.shape], "layers": args.layers}, bits=4, block_size=32, context_length=4096,
                       seed=7)
-    folder = Path(args.folder or tempfile.mkdtemp(prefix="bench-threads-")) / "model"
+    folder = model_folder(args.folder, "bench-threads-") / "model"
     started = time.perf_counter()
     if not (folder / "genai_config.json").is_file():
         write_model(folder, spec)

@@ -6,11 +6,14 @@ Result schema: {"benchmark", "date", "machine": {"cpu", "cores", "gpu"}, "comman
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -38,6 +41,16 @@ def machine_tag(info: dict) -> str:
     if info.get("gpu"):
         tag += "-" + re.findall(r"[a-z0-9]+", info["gpu"].lower().replace("nvidia", ""))[0]
     return tag
+
+
+def model_folder(given: str | None, prefix: str) -> Path:
+    """Where a benchmark writes its model: `given` (kept, and reused by later runs), or a temporary folder removed
+    when the benchmark exits (a full-size model is gigabytes: none is left behind in /tmp)."""
+    if given:
+        return Path(given)
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def write_result(benchmark: str, figures: list[dict], **extra) -> Path:

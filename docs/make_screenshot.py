@@ -11,6 +11,8 @@ meaningless: its weights are random (the window says so).
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import sys
 import tempfile
 import time
@@ -39,6 +41,7 @@ def main() -> int:
 
     app.setWindowIcon(app_icon())
     tmp = Path(tempfile.mkdtemp(prefix="moe-workbench-shot-"))
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)  # the written model and settings
     spec = WriterSpec(layers=16, hidden_size=256, num_experts=32, top_k=4, inter_size=256, num_heads=8, num_kv_heads=2,
                       head_size=32, vocab_size=1024, context_length=8192, sliding_window=128, seed=7,
                       description="random weights, for the screenshot")
