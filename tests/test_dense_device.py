@@ -300,11 +300,23 @@ def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(m
     assert waits[0] == waits[1] == per_step and waits[2:] == [len(to_host)] * (DECODE_STEPS - 1)
 
 
-def test_inputs_copied_when_bound_are_bound_again_at_every_run(monkeypatch):
+def _fp16_offloaded(tmp_path) -> LoadedModel:
+    """An fp16 model with half its experts on the simulated device: HybridExpertNode's kept fp16 decode output (what
+    the dense part on the GPU read stale, seen on the H200)."""
+    from engine.offload.planner import all_resident_bytes
+
+    folder = write_model(tmp_path / "fp16", FP16_MODELS["fp16"])
+    budget = all_resident_bytes(LoadedModel.open(folder).folder.experts) // 2
+    return LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget), device=SimulatedDevice(1 << 30))
+
+
+@pytest.mark.parametrize("make", [lambda tmp_path: LoadedModel.open(fixture_folder("gptoss")), _fp16_offloaded],
+                         ids=["cpu-expert-node", "hybrid-node-fp16"])
+def test_inputs_copied_when_bound_are_bound_again_at_every_run(monkeypatch, tmp_path, make):
     """On the GPU, onnxruntime copies a host input to the device when it is bound, not when the session runs. An
     expert node's kept decode output, rewritten in place at every step, must then be bound again at every run: here
     a binding that copies at bind time (as on the GPU) gives the logits of the in-place binding."""
-    model = LoadedModel.open(fixture_folder("gptoss"))
+    model = make(tmp_path)
     expected = greedy_logits(model, model.new_state())
 
     copies = []
