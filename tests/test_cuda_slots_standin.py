@@ -213,8 +213,8 @@ def open_on_standin(model_folder, fraction, monkeypatch):
     monkeypatch.setattr(CudaSlots, "_make",
                         lambda self, slots, resident, tensors=None: FakeGpuQMoE(self.runner.kernel, resident))
     device = FakeCudaDevice(cp)
-    model = LoadedModel.open(model_folder, device=device,
-                             offload=OffloadConfig(device_expert_bytes=int(fraction * device_expert_bytes(model_folder))))
+    budget = int(fraction * device_expert_bytes(model_folder))
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=budget))
     backend = CupyBackend(cp)
     backend.device_type = "cpu"  # onnxruntime here binds host memory: the stand-in's "device" memory
     backend.stream.name = "dense"
