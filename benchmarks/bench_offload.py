@@ -237,6 +237,8 @@ def main() -> None:
              "reading": "overhead = dense_setup (bindings, outputs to NumPy: dense call minus onnxruntime's run) + "
                         "hybrid_python (routing, stats, miss policy, bookkeeping) + device_python (launch: host side) "
                         "+ end_step (placement) + decoder_loop (step inputs, loop); medians over the steps; "
+                        "to_host = a layer with cold experts waiting for the dense part's stream and copying its "
+                        "inputs to the host (a wait, not overhead); "
                         "collect = waiting for the device and the copy back (CUDA: device_kernels by events, "
                         "sync_and_copy_back the rest)"},
             {"name": f"decode tokens/s projected at realistic-trace hit rate, {label}", "value": projected,

@@ -15,13 +15,15 @@ Every boundary is timed with perf_counter by wrappers put on the loaded model (n
     launch/collect the device slots' launch / collect (CUDA: the host side of the launch, the wait + copy back);
                    a fully resident layer's launch_routed and a decode step's merge_on_device count as launches
                    (their statistics follow in end_step)
+    to_host        a layer with cold experts bringing its inputs from GPU memory (the dense part on the GPU): the
+                   wait for the dense part's stream, then the copy; a wait, not overhead
     load/stage     copies into slots / prefill waves
     end_step       on_step_end (placement's safe point)
 
 and per layer (L expert nodes, L+1 dense segments, all divided by L):
 
     dense_setup    = dense_call - dense_ort                  bindings, OrtValues, outputs to NumPy
-    hybrid_python  = expert_call - kernels - device calls     routing, stats, miss policy, bookkeeping
+    hybrid_python  = expert_call - kernels - device calls - to_host   routing, stats, miss policy, bookkeeping
     device_python  = launch - kernel_device                   the device interface's own host work
     decoder_loop   = step - dense_call - expert_call - end_step   step inputs, the loop, state advance
     overhead       = the four above + end_step + collect on the simulated device (collect waits on CUDA)
@@ -56,7 +58,7 @@ QWEN3_LIKE = dict(hidden_size=2048, inter_size=768, num_experts=128, top_k=8, nu
                   head_size=128, vocab_size=4096, swiglu_limit=None, alpha=1.0, beta=0.0)
 
 BUCKETS = ("step", "dense_call", "dense_ort", "expert_call", "kernel_cpu", "kernel_device", "launch", "collect",
-           "load", "stage", "end_step",
+           "to_host", "load", "stage", "end_step",
            # finer attribution (nested inside the buckets above): see DETAIL
            "route", "miss_policy", "spare_slots", "host_cache", "stats", "observe", "numba")
 # Nested timings reported apart (µs per layer), not part of the components' sums:
@@ -143,6 +145,7 @@ def instrument(model, meter: Meter | None = None) -> Meter:
                 _wrap(store, name, meter, name)
             _wrap(store, "launch_routed", meter, "launch")  # a fully resident layer's launch, routing included
             _wrap(store, "merge_on_device", meter, "launch")  # a decode result merged on the device: host work
+            _wrap(store, "to_host", meter, "to_host")  # inputs from GPU memory: waits for the dense part's stream
         if decoder.on_step_end is not None:
             _wrap(decoder, "on_step_end", meter, "end_step")
     for runner in decoder.steps:
@@ -190,9 +193,10 @@ def per_layer(deltas: dict, layers: int, simulated: bool) -> dict:
         "dense_setup": d["dense_call"] - d["dense_ort"],
         "kernel_cpu": d["kernel_cpu"],
         "kernel_device": d["kernel_device"],
-        "hybrid_python": d["expert_call"] - d["kernel_cpu"] - device_calls,
+        "hybrid_python": d["expert_call"] - d["kernel_cpu"] - device_calls - d["to_host"],
         "device_python": d["launch"] - d["kernel_device"],
         "collect": d["collect"],
+        "to_host": d["to_host"],
         "copies": d["load"] + d["stage"],
         "end_step": d["end_step"],
         "decoder_loop": d["step"] - d["dense_call"] - d["expert_call"] - d["end_step"],
@@ -374,7 +378,7 @@ def main() -> None:
     print(f"\nmedian µs per layer over {args.rounds}×{args.steps} steps, {layers} layers (one timing wrapper adds "
           f"{cost * 1e6:.2f} µs per wrapped call)")
     keys = ["step", "dense_ort", "kernel_cpu", "kernel_device", "dense_setup", "hybrid_python", "device_python",
-            "collect", "end_step", "decoder_loop", "overhead", *DETAIL]
+            "collect", "to_host", "end_step", "decoder_loop", "overhead", *DETAIL]
     print(f"{'point':<28}" + "".join(f"{k:>14}" for k in keys))
     for entry in results:
         m = entry["median_us_per_layer"]
