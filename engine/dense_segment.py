@@ -266,7 +266,7 @@ class SegmentBinding:
 # run that bound it (seen on the H200: sliding-window layers went wrong from the second decode step on).
 DEVICE_OUTPUT_TYPES = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
 DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
-DEVICE_ONNX_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT}
+DEVICE_ONNX_TYPES = frozenset(elem_type(name) for name in DEVICE_OUTPUT_TYPES)  # the same, as ONNX element types
 
 
 class DeviceOutputs:

@@ -219,6 +219,9 @@ class CudaSlots:
         self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
         self._merges = MergeBufferPool(device.cp, runner.info.spec.hidden_size)  # merge_on_device's, by shape
         self._host_copies = HostCopies(device.cp)
+        # orders two streams (no timing: cheaper to record and wait on); one, recorded again at each use: a wait
+        # takes the event as last recorded when the wait is queued
+        self._ordering = device.cp.cuda.Event(disable_timing=True)
         self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
         self.resize(num_slots)
 
@@ -381,7 +384,7 @@ class CudaSlots:
         compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
         with cp.cuda.Device(self.device.index):
             if dense is not None:  # first: anything below may read the dense part's outputs
-                compute.wait_event(dense.record(self._ordering_event()))
+                compute.wait_event(dense.record(self._ordering))
             logits = cp.ascontiguousarray(logits).reshape(tokens, -1)
             buffers = self._routed
             if buffers is None or buffers.key != RoutedBuffers.key_of(tokens, x.dtype, logits):
@@ -420,14 +423,10 @@ class CudaSlots:
                 merge.upload(cpu_part, compute)
             merge.combine(device_out, cpu_part is not None)
             if dense is not None:
-                dense.wait_event(compute.record(self._ordering_event()))
+                dense.wait_event(compute.record(self._ordering))
             if buffers is not None:  # its next use is the next step's launch, after the host has waited
                 self._step_buffers.give_back(buffers)
         return merge.result(like.shape), None if pending is None else (start, stop)
-
-    def _ordering_event(self):
-        """An event that only orders two streams (no timing: cheaper to record and wait on)."""
-        return self.device.cp.cuda.Event(disable_timing=True)
 
     def merged_done(self, timing) -> float:
         """At the end of the step: the merged launch's device seconds (0 without one)."""

@@ -16,8 +16,8 @@ from kernels.cpu.routing import route
 from kernels.gpu.qmoe import GpuQMoE
 
 _NONE = np.empty(0, np.int64)  # no expert copied (read only)
-DECODE_MAX_TOKENS = GpuQMoE.decode_max_tokens  # a step merged on the device: the GPU's decode launch
 _NONE.flags.writeable = False
+DECODE_MAX_TOKENS = GpuQMoE.decode_max_tokens  # a step merged on the device: the GPU's decode launch
 
 
 class HybridExpertNode:
