@@ -241,6 +241,7 @@ class GpuQMoE:
             return
         cp = _cp()
         self._pack_plans = (plan1, plan2)
+        self._pack_bytes = plan1.nbytes + plan2.nbytes  # one expert's stored rows, staged for pack_expert
         self._pack_items = sum(p.w_bytes + p.s_len + (p.NP if p.has_bias else 0) for p in (self.fc1, self.fc2))
         self._row_src_dev = {p.name: cp.asarray(p.row_src.astype(np.int32)) for p in (self.fc1, self.fc2)}
         slot_arrays = {name: {key: (a.data.ptr, a.strides[0]) for key, a in arrays.items()}
@@ -253,7 +254,7 @@ class GpuQMoE:
         launch writes the slot and points the device's map at it; the host's maps are updated here. The buffer goes
         back to CuPy's pool for `stream` when this returns: reused only by later work on that stream."""
         cp = _cp()
-        staging = cp.empty(sum(p.nbytes for p in self._pack_plans), cp.uint8)
+        staging = cp.empty(self._pack_bytes, cp.uint8)
         base = staging.data.ptr
         for plan in self._pack_plans:
             for a, off in plan.parts.values():
