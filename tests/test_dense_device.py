@@ -300,6 +300,17 @@ def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(m
     assert waits[0] == waits[1] == per_step and waits[2:] == [len(to_host)] * (DECODE_STEPS - 1)
 
 
+def test_runs_that_do_not_wait_set_every_key_onnxruntime_reads_at_each_run():
+    """onnxruntime's Python run_with_iobinding reads gpu_graph_id from the run options at every run; an unset key
+    costs an exception raised and caught inside it (24 µs on the dev VM), so the options of the runs that do not wait
+    for the stream set it, to -1: onnxruntime's "no CUDA graph capture"."""
+    options = dense_segment.no_sync_run_options()
+    assert options.get_run_config_entry("disable_synchronize_execution_providers") == "1"
+    assert options.get_run_config_entry("gpu_graph_id") == "-1"
+    with pytest.raises(RuntimeError):  # what an unset key costs, on this onnxruntime too
+        ort.RunOptions().get_run_config_entry("gpu_graph_id")
+
+
 def _fp16_offloaded(tmp_path) -> LoadedModel:
     """An fp16 model with half its experts on the simulated device: HybridExpertNode's kept fp16 decode output (what
     the dense part on the GPU read stale, seen on the H200)."""
