@@ -242,6 +242,9 @@ class GpuQMoE:
         cp = _cp()
         self._pack_plans = (plan1, plan2)
         self._pack_bytes = plan1.nbytes + plan2.nbytes  # one expert's stored rows, staged for pack_expert
+        # per stored tensor: (its offset in the staging, its host address, bytes per expert), read at every copy
+        self._pack_copies = [(off, a.ctypes.data, a.strides[0]) for plan in self._pack_plans
+                             for a, off in plan.parts.values()]
         self._pack_items = sum(p.w_bytes + p.s_len + (p.NP if p.has_bias else 0) for p in (self.fc1, self.fc2))
         self._row_src_dev = {p.name: cp.asarray(p.row_src.astype(np.int32)) for p in (self.fc1, self.fc2)}
         slot_arrays = {name: {key: (a.data.ptr, a.strides[0]) for key, a in arrays.items()}
@@ -256,10 +259,9 @@ class GpuQMoE:
         cp = _cp()
         staging = cp.empty(self._pack_bytes, cp.uint8)
         base = staging.data.ptr
-        for plan in self._pack_plans:
-            for a, off in plan.parts.values():
-                cp.cuda.runtime.memcpyAsync(base + off, a.ctypes.data + e * a.strides[0], a.strides[0],
-                                            cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        for offset, address, row_bytes in self._pack_copies:
+            cp.cuda.runtime.memcpyAsync(base + offset, address + e * row_bytes, row_bytes,
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
         old = self._map_host(e, slot)
         grid = max(1, min(_cdiv(self._pack_items, 256), 16 * self.num_sms))
         self._f("pack_expert")((grid,), (256,), (self._pack_desc, staging, np.int32(slot), self._slot_dev,
