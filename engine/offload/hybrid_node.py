@@ -25,6 +25,10 @@ class HybridExpertNode:
     residency it is what remains of a token's time): one residency lookup, counts from it, no miss
     policy where the layer has no slot, no set operations where a mask does."""
 
+    # A decode step's copies and launch are issued from the engine's worker thread while the CPU computes the
+    # misses (False: one after the other on the calling thread; benchmarks compare the two in one run).
+    overlap_device_issue = True
+
     def __init__(self, runner: CpuExpertNode, layer: int, engine):
         self.info = runner.info
         self.runner = runner
@@ -92,16 +96,15 @@ class HybridExpertNode:
         cold = np.where(resident, -1, ids) if hits else ids  # never written in place
         copied_pairs = copies = 0
         pending = None
+        device_work = None  # a decode step's copies and launch, issued while the CPU computes its misses
         waves = []      # (copy s, device s) per prefill wave: the projection's critical path (projection.py)
         miss_copy_s = 0.0
         if (store is not None and missed and not shadow and engine.slots[layer].num_slots
                 and self._decode(cold)):
-            # Decode: the miss policy copies the misses that pay into spare slots first; one launch then computes
-            # them with the residents (after the copies), while the CPU computes the rest. A second launch for the
-            # copied ones cost the host an upload, a launch and a collect more (~80 µs a layer on the H200).
-            copy_before = stats.copy_s
-            copied = self._copy_misses(ids, resident, cold, stats)
-            miss_copy_s = stats.copy_s - copy_before
+            # Decode: the miss policy picks the misses that pay to be copied into spare slots; one launch then
+            # computes them with the residents (after the copies), while the CPU computes the rest. A second launch
+            # for the copied ones cost the host an upload, a launch and a collect more (~80 µs a layer on the H200).
+            copied, spare = self._choose_copies(ids, resident, cold)
             on_device = resident
             if copied.size:
                 chosen = self._chosen
@@ -113,7 +116,7 @@ class HybridExpertNode:
                 on_device = resident | in_copied
                 cold = np.where(in_copied, -1, cold)
             if hits or copies:
-                pending = store.launch(x2d, np.where(on_device, ids, -1), weights)
+                device_work = (store, stats, copied, spare, x2d, np.where(on_device, ids, -1), weights)
         elif store is not None:
             # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
             # rest meanwhile.
@@ -128,11 +131,25 @@ class HybridExpertNode:
                 stats.device_s += wave_device
                 waves.append((wave_copy, wave_device))
                 cold = np.where(in_wave, -1, cold)
+        issuing = None
+        if device_work is not None:
+            if copied_pairs < missed and self.overlap_device_issue:
+                # The host's side of the copies and the launch (~100-400 µs a layer on the H200) runs on the engine's
+                # worker thread while this one computes the CPU's misses (the kernels release the GIL); nothing
+                # else touches what it does until the join below.
+                issuing = engine.device_issue.submit(self._issue_device_work, *device_work)
+            else:
+                pending, miss_copy_s = self._issue_device_work(*device_work)
         cpu_s = 0.0
+        try:
+            if copied_pairs < missed:
+                started = time.perf_counter()
+                self.kernel.run_experts(x2d, cold, weights, out=out)
+                cpu_s = time.perf_counter() - started
+        finally:  # joined even when the kernel raised: the worker must be done before anything else runs
+            if issuing is not None:
+                pending, miss_copy_s = issuing.result()
         if copied_pairs < missed:
-            started = time.perf_counter()
-            self.kernel.run_experts(x2d, cold, weights, out=out)
-            cpu_s = time.perf_counter() - started
             stats.cpu_s += cpu_s
             # the miss policy's CPU rate, measured in layers without slots too: a budget raised later uses it at once
             rate = not shadow and engine.device is not None and self._decode(cold)
@@ -241,9 +258,9 @@ class HybridExpertNode:
         config = self.engine.config
         return config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens
 
-    def _copy_misses(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray, stats: LayerStats) -> np.ndarray:
-        """Decide with the cost model (miss_policy.py) which misses to copy into spare slots; copy
-        them (the placement policy is told); returns the copied experts."""
+    def _choose_copies(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray) -> tuple[np.ndarray, list]:
+        """Decide with the cost model (miss_policy.py) which misses to copy into spare slots (the placement policy
+        is told): the copied experts and their slots, in order (_issue_device_work copies them)."""
         engine, store = self.engine, self.engine.stores[self.layer]
         # The misses and their tokens in plain Python: a decode step has a handful, and np.unique on
         # them cost ~35 µs under cProfile (issue #4). Ascending, as np.unique gave them.
@@ -262,21 +279,32 @@ class HybridExpertNode:
                            copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value,
                            reuse=engine.copy_reuse.value)
         if not copying_pays(costs):
-            return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
+            return _NONE, []  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
         spare = policy.spare_slots(self.layer, ids)  # unrouted pairs (-1) are ignored there
         if spare.size == 0:
-            return _NONE
+            return _NONE, []
         decision = choose(costs, spare.size)
         self.last_decision = decision
         chosen = [experts[i] for i in decision.copied.tolist()]
-        for slot, expert in zip(spare.tolist(), chosen):
+        slots = spare.tolist()[:len(chosen)]
+        for slot, expert in zip(slots, chosen):
             policy.admit(self.layer, slot, expert)
-            stats.copy_s += store.load(slot, expert)
-            stats.copy_bytes += store.expert_bytes
         if chosen:
             engine.copy_reuse.copied(self.layer, chosen)
-        return np.array(chosen, dtype=np.int64)
+        return np.array(chosen, dtype=np.int64), slots
+
+    @staticmethod
+    def _issue_device_work(store, stats: LayerStats, copied: np.ndarray, slots: list, x2d: np.ndarray,
+                           device_ids: np.ndarray, weights: np.ndarray) -> tuple:
+        """A decode step's copies into their slots, then the one launch of its residents and copied misses: the
+        pending launch and the copies' host seconds."""
+        copy_s = 0.0
+        for slot, expert in zip(slots, copied.tolist()):
+            copy_s += store.load(slot, expert)
+        stats.copy_s += copy_s
+        stats.copy_bytes += len(slots) * store.expert_bytes
+        return store.launch(x2d, device_ids, weights), copy_s
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
         """Cold experts worth running on the device, in waves that fit the staging ring."""
