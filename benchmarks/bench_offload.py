@@ -131,7 +131,15 @@ def main() -> None:
     parser.add_argument("--issue-inline", action="store_true",
                         help="issue a decode step's copies and launch on the decoding thread before the CPU computes "
                              "its misses, not from the engine's worker thread meanwhile (A/B)")
+    parser.add_argument("--dense-pool", action="store_true",
+                        help="the dense part on the GPU with onnxruntime's pool of CPU threads, not the caller's "
+                             "thread alone (A/B)")
+    parser.add_argument("--cpu-threads", type=int, default=0,
+                        help="session.moe.offload.cpu_threads: threads of the CPU expert kernels (0: all cores)")
     args = parser.parse_args()
+    if args.dense_pool:
+        from engine.ort_env import DenseDevice
+        DenseDevice.dense_pool_on_gpu = True
     if args.issue_inline:
         from engine.offload.hybrid_node import HybridExpertNode
         HybridExpertNode.overlap_device_issue = False
@@ -158,7 +166,7 @@ def main() -> None:
     print(f"B_dram {b_dram / 1e9:.1f} GB/s (the engine measured {device.bandwidths.cpu / 1e9:.1f}), "
           f"B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
 
-    model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0), device=device)
+    model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
     print(f"dense part on the {model.dense_device}: {model.dense_reason}", flush=True)
     registration = model.host_registration
     if registration is not None:  # measured once the experts' mapping is page-locked (or refused)

@@ -173,8 +173,15 @@ class DenseDevice:
         stream = getattr(self.backend, "stream_pointer", 0)
         return [(CUDA_EP, cuda_provider_options(self.device_id, self.arena_limit, stream)), "CPUExecutionProvider"]
 
+    # On the GPU a dense segment's nodes run on the CUDA EP; its CPU nodes are shape arithmetic. A pool of CPU threads
+    # only adds wake-ups, which compete for cores with the expert kernels' threads (dense runs took 242-320 µs a layer
+    # at 0-50% resident on the H200 machine against 141 µs at 100%, where no CPU kernel runs): one thread, the
+    # caller's. dense_pool_on_gpu = True restores the pool (benchmarks compare the two).
+    dense_pool_on_gpu = False
+
     def session_options(self, external_data_folder: str | None = None) -> ort.SessionOptions:
-        options = session_options(external_data_folder)
+        threads = 1 if self.kind == "cuda" and not DenseDevice.dense_pool_on_gpu else None
+        options = session_options(external_data_folder, threads=threads)
         if self.kind == "cuda":
             options.add_session_config_entry("session.use_env_allocators", "1")
             # Dense weights take exactly their size, outside the arena (dense_arena_limit counts them).

@@ -686,3 +686,12 @@ def test_generate_json_says_where_the_dense_part_ran():
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout.splitlines()[-1])
     assert answer["dense"]["device"] == "cpu" and "no GPU device is in use" in answer["dense"]["reason"]
+
+
+def test_dense_sessions_on_the_gpu_run_on_the_callers_thread_alone(monkeypatch):
+    """On the GPU the dense part's CPU nodes are shape arithmetic: no pool of threads to wake, competing with the
+    expert kernels' threads for cores; on the CPU the dense part keeps a thread per core."""
+    assert ort_env.DenseDevice("cuda").session_options().intra_op_num_threads == 1
+    assert ort_env.DenseDevice("cpu").session_options().intra_op_num_threads == ort_env.cpu_threads()
+    monkeypatch.setattr(ort_env.DenseDevice, "dense_pool_on_gpu", True)  # the benchmarks' A/B
+    assert ort_env.DenseDevice("cuda").session_options().intra_op_num_threads == ort_env.cpu_threads()
