@@ -157,6 +157,9 @@ class FakeGpuQMoE:
                                 out=out.view(np.ndarray))
         return out
 
+    def merge_sum(self, a, b, out):
+        np.copyto(out, a if b is None else a + b, casting="same_kind")
+
     def run_routed(self, x, logits, out32, out=None, router_weights=None):
         self.routed += 1
         ids, weights = route(np.asarray(logits, np.float32), self.spec, router_weights)

@@ -133,6 +133,11 @@ def test_routed_buffers_keep_a_result_in_the_dense_dtype_and_copy_the_logits_ove
     assert view.shape == (1, 1, 32) and np.shares_memory(view, half.out) and half.result((1, 1, 32)) is view
 
 
+def _merge_sum(a, b, out):
+    """GpuQMoE.merge_sum's arithmetic (its kernel runs in the gpu test below): float32 sum, one rounding."""
+    np.copyto(out, a if b is None else a + b, casting="same_kind")
+
+
 def test_a_merged_result_adds_the_cpus_part_to_the_devices_in_the_dense_dtype():
     FakeCupy.copies.clear()
     rng = np.random.default_rng(2)
@@ -141,18 +146,45 @@ def test_a_merged_result_adds_the_cpus_part_to_the_devices_in_the_dense_dtype():
     assert pool.take(1, np.float16) is merge and pool.take(1, np.float32) is not merge
     cpu_part = rng.standard_normal((1, 24)).astype(np.float32)
     device_part = rng.standard_normal((1, 24)).astype(np.float32)
-    merge.upload(cpu_part, Stream())
+    merge.upload(cpu_part, Stream(), to_sum=False)
     assert FakeCupy.copies == [(H2D, cpu_part.nbytes, Stream.ptr)]
-    merge.combine(device_part.copy().view(FakeDeviceArray), True)
+    merge.combine(device_part.copy().view(FakeDeviceArray), True, _merge_sum)
     view = merge.result((1, 1, 24))
     assert view.dtype == np.float16 and view.shape == (1, 1, 24) and merge.result((1, 1, 24)) is view
     assert np.array_equal(view.reshape(1, 24), (cpu_part + device_part).astype(np.float16))
-    merge.combine(device_part.copy().view(FakeDeviceArray), False)  # no CPU part this step
+    merge.combine(device_part.copy().view(FakeDeviceArray), False, _merge_sum)  # no CPU part this step
     assert np.array_equal(view.reshape(1, 24), device_part.astype(np.float16))
-    merge.combine(None, True)  # nothing on the device (no resident expert routed)
+    # nothing on the device (no resident expert routed): converted on the host, copied straight into the sum, and
+    # no kernel (combine is given none to call)
+    FakeCupy.copies.clear()
+    merge.upload(cpu_part, Stream(), to_sum=True)
+    assert FakeCupy.copies == [(H2D, cpu_part.size * 2, Stream.ptr)]
+    merge.combine(None, True, None)
     assert np.array_equal(view.reshape(1, 24), cpu_part.astype(np.float16))
-    merge.combine(None, False)
+    merge.combine(None, False, None)
     assert not view.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_merge_sum_adds_and_converts_as_numpy_does(dtype):
+    """GpuQMoE.merge_sum (source/merge.cu) against NumPy's float32 sum and one rounding, with and without the CPU's
+    part, at a size that is no multiple of the block."""
+    cp = pytest.importorskip("cupy")
+    from kernels.gpu import GpuQMoE
+    from kernels.qmoe_spec import QMoESpec
+    from tests.qmoe_oracle import make_case
+
+    attrs, t, x, _ = make_case(seed=5, E=4, H=64, I=32, k=2, bits=4, block_size=32, T=1, activation="swiglu",
+                               swiglu_fusion=1)
+    gpu = GpuQMoE(QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape), t, num_slots=1, resident=[0])
+    rng = np.random.default_rng(6)
+    a, b = (rng.standard_normal((3, 2881)).astype(np.float32) * 300 for _ in range(2))
+    out = cp.full(a.shape, 7, dtype)
+    gpu.merge_sum(cp.asarray(a), cp.asarray(b), out)
+    assert np.array_equal(out.get(), (a + b).astype(dtype))
+    gpu.merge_sum(cp.asarray(b), None, out)
+    assert np.array_equal(out.get(), b.astype(dtype))
 
 
 @pytest.mark.gpu

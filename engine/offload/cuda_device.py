@@ -430,8 +430,8 @@ class CudaSlots:
                 else:
                     device_out = buffers.out
             if cpu_part is not None:
-                merge.upload(cpu_part, compute)
-            merge.combine(device_out, cpu_part is not None)
+                merge.upload(cpu_part, compute, to_sum=device_out is None)
+            merge.combine(device_out, cpu_part is not None, None if device_out is None else self.gpu.merge_sum)
             if dense is not None:
                 dense.wait_event(compute.record(self._ordering))
             if buffers is not None:  # its next use is the next step's launch, after the host has waited

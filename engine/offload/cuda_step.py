@@ -145,30 +145,30 @@ class MergeBuffers:
         self.cp = cp
         self._pinned = cp.cuda.alloc_pinned_memory(tokens * hidden * 4)
         self.host_part = np.frombuffer(self._pinned, np.float32, tokens * hidden).reshape(tokens, hidden)
+        # the CPU's part already in the sum's dtype, for steps without a device part (the same pinned bytes: a step
+        # uses one or the other)
+        self.host_sum = np.frombuffer(self._pinned, dtype, tokens * hidden).reshape(tokens, hidden)
+        self._host_at = self.host_part.ctypes.data
         self.part = cp.empty((tokens, hidden), cp.float32)
         self.sum = cp.empty((tokens, hidden), dtype)
         self._view = None
 
-    def upload(self, cpu_part: np.ndarray, stream) -> None:
-        """The CPU's part into pinned memory, then over to the device asynchronously on `stream`."""
-        np.copyto(self.host_part, cpu_part.reshape(self.host_part.shape))
-        self.cp.cuda.runtime.memcpyAsync(self.part.data.ptr, self.host_part.ctypes.data, self.host_part.nbytes, H2D,
-                                         stream.ptr)
+    def upload(self, cpu_part: np.ndarray, stream, to_sum: bool) -> None:
+        """The CPU's part into pinned memory, then over to the device asynchronously on `stream`: into `part`, or,
+        for a step without a device part (to_sum), converted to the sum's dtype here and straight into `sum` (no
+        kernel at all)."""
+        host, target = (self.host_sum, self.sum) if to_sum else (self.host_part, self.part)
+        np.copyto(host, cpu_part.reshape(host.shape), casting="same_kind")
+        self.cp.cuda.runtime.memcpyAsync(target.data.ptr, self._host_at, host.nbytes, H2D, stream.ptr)
 
-    def combine(self, device_part, with_cpu_part: bool) -> None:
-        """sum = device part + CPU part (either may be absent: None / False), in sum's dtype, on the current stream."""
-        cp = self.cp
-        if device_part is None:
-            source = self.part if with_cpu_part else None
-        elif with_cpu_part:
-            cp.add(device_part, self.part, out=device_part)
-            source = device_part
-        else:
-            source = device_part
-        if source is None:
+    def combine(self, device_part, with_cpu_part: bool, merge_sum) -> None:
+        """sum = device part + CPU part, in sum's dtype, on the current stream, by `merge_sum(a, b, out)`
+        (GpuQMoE.merge_sum: one launch). Without a device part the CPU's part is in `sum` already (upload to_sum);
+        with neither, zeros."""
+        if device_part is not None:
+            merge_sum(device_part, self.part if with_cpu_part else None, self.sum)
+        elif not with_cpu_part:
             self.sum.fill(0)
-        else:
-            cp.copyto(self.sum, source, casting="same_kind")
 
     def result(self, shape: tuple):
         """The sum in the node's output shape: one view, so the next segment binds it once."""

@@ -523,6 +523,16 @@ class GpuQMoE:
         self._replayed(("routed", *pointers, *dtypes, T), T, launch)
         return out32 if out is None else out
 
+    def merge_sum(self, a, b, out) -> None:
+        """out = a + b (b None: a alone), float32 device arrays in, out's dtype (float16 / float32) out, in one launch
+        on the current stream: the offload engine's decode merge of the device's and the CPU's parts."""
+        n = a.size
+        out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
+        with self.device:
+            self._f("merge_sum")((max(1, min(_cdiv(n, 256), 4 * self.num_sms)),), (256,),
+                                 (a, a if b is None else b, np.int32(b is not None), out, np.int32(out_dt),
+                                  np.int32(n)))
+
     def _replayed(self, key: tuple, T: int, launch) -> None:
         """Run `launch` (kernel launches on the current stream, nothing else) eagerly at the first call with this
         key and as one captured CUDA graph from the second on; eagerly always outside decode sizes or the tc path,
