@@ -73,6 +73,13 @@ def attrs_for(sh):
     return a
 
 
+def node_for(key, seed=0):
+    """(spec, tensors) of shape ``key``'s QMoE node (random weights; decode input shape: 1 token)."""
+    sh = SHAPES[key]
+    tensors = make_weights(sh["E"], sh["H"], sh["I"], sh["block"], seed=seed)
+    return QMoESpec.from_tensors(f"bench/{key}", "QMoE", attrs_for(sh), tensors, (1, sh["H"])), tensors
+
+
 class Timer:
     """CUDA-event timing of GPU work queued behind a spin kernel (host launch latency hidden)."""
 
@@ -261,8 +268,7 @@ def profile(args):
     runs = []
     for key in [s.strip() for s in args.shapes.split(",") if s.strip()]:
         sh = SHAPES[key]
-        tensors = make_weights(sh["E"], sh["H"], sh["I"], sh["block"], seed=0)
-        spec = QMoESpec.from_tensors(f"bench/{key}", "QMoE", attrs_for(sh), tensors, (1, sh["H"]))
+        spec, tensors = node_for(key)
         m = GpuQMoE(spec, tensors)
         for T in (1, 512):
             x = cp.asarray(rng.standard_normal((T, sh["H"])).astype(np.float32))
@@ -456,9 +462,10 @@ def main(argv=None):
     return figures
 
 
-def _write(figures, details, t_start):
+def _write(figures, details, t_start, benchmark=BENCHMARK):
+    """The result JSON under benchmarks/results/, also copied into $OUT when set (the GPU machine's output folder)."""
     details["wall_s"] = time.perf_counter() - t_start
-    path = write_result(BENCHMARK, figures, config=details)
+    path = write_result(benchmark, figures, config=details)
     out = os.environ.get("OUT")
     if out:
         import shutil
