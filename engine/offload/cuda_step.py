@@ -43,18 +43,20 @@ class StepBuffers:
         self.out = cp.empty((tokens, hidden), cp.float32)
         self._pinned_out = cp.cuda.alloc_pinned_memory(x_bytes)
         self.host_out = np.frombuffer(self._pinned_out, np.float32, tokens * hidden).reshape(tokens, hidden)
+        # addresses looked up once: `.ctypes` makes an object at every use (µs a call, several calls a layer)
+        self._host_at, self._device_at = host.ctypes.data, self.device.data.ptr
+        self._host_out_at, self._out_at = self.host_out.ctypes.data, self.out.data.ptr
 
     def upload(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, stream) -> None:
         """The step's inputs into the pinned buffer (ids as int32), then one asynchronous copy on `stream`."""
         np.copyto(self.host_x, x2d)
         np.copyto(self.host_ids, expert_ids, casting="unsafe")  # expert ids < 2**31
         np.copyto(self.host_w, weights)
-        self.cp.cuda.runtime.memcpyAsync(self.device.data.ptr, self._host.ctypes.data, self.nbytes, H2D, stream.ptr)
+        self.cp.cuda.runtime.memcpyAsync(self._device_at, self._host_at, self.nbytes, H2D, stream.ptr)
 
     def download(self, stream) -> np.ndarray:
         """The output, copied into pinned memory on `stream` and waited for; valid until the next download."""
-        self.cp.cuda.runtime.memcpyAsync(self.host_out.ctypes.data, self.out.data.ptr, self.host_out.nbytes, D2H,
-                                         stream.ptr)
+        self.cp.cuda.runtime.memcpyAsync(self._host_out_at, self._out_at, self.host_out.nbytes, D2H, stream.ptr)
         stream.synchronize()
         return self.host_out
 
@@ -87,6 +89,7 @@ class RoutedBuffers:
         self.out = self.out32 if np.dtype(dtype) == np.float32 else cp.empty((tokens, hidden), dtype)
         self._pinned = cp.cuda.alloc_pinned_memory(max(1, logits.nbytes))
         self.host_logits = np.frombuffer(self._pinned, logits.dtype, logits.size).reshape(tokens, -1)
+        self._host_logits_at = self.host_logits.ctypes.data
         self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
         self._result = None  # `out` in the node's output shape: one view, so the next segment binds it only once
 
@@ -101,8 +104,7 @@ class RoutedBuffers:
 
     def copy_logits(self, logits, stream) -> None:
         """The router logits (C-contiguous, on the device) into the pinned copy, asynchronously on `stream`."""
-        self.cp.cuda.runtime.memcpyAsync(self.host_logits.ctypes.data, logits.data.ptr, logits.nbytes, D2H,
-                                         stream.ptr)
+        self.cp.cuda.runtime.memcpyAsync(self._host_logits_at, logits.data.ptr, logits.nbytes, D2H, stream.ptr)
 
 
 class HostCopies:
@@ -114,6 +116,7 @@ class HostCopies:
         self.cp = cp
         self._pinned = None
         self._buffer = np.empty(0, np.uint8)
+        self._buffer_at = 0
 
     def fetch(self, arrays, stream) -> list:
         cp = self.cp
@@ -122,6 +125,7 @@ class HostCopies:
         if need > self._buffer.size:
             self._pinned = cp.cuda.alloc_pinned_memory(need)
             self._buffer = np.frombuffer(self._pinned, np.uint8, need)
+            self._buffer_at = self._buffer.ctypes.data
         fetched, offset = [], 0
         with stream:  # a contiguous copy, where one is needed, is ordered after the work that made the array
             for array in arrays:
@@ -130,7 +134,7 @@ class HostCopies:
                     continue
                 array = cp.ascontiguousarray(array)
                 host = self._buffer[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape)
-                cp.cuda.runtime.memcpyAsync(host.ctypes.data, array.data.ptr, array.nbytes, D2H, stream.ptr)
+                cp.cuda.runtime.memcpyAsync(self._buffer_at + offset, array.data.ptr, array.nbytes, D2H, stream.ptr)
                 fetched.append(host)
                 offset += _aligned(array.nbytes)
         stream.synchronize()
