@@ -128,9 +128,6 @@ def main() -> None:
                              "(top functions, µs per layer per step: where the host's time per layer goes)")
     parser.add_argument("--no-host-register", action="store_true",
                         help="copy experts through the pinned staging ring only (no page-locked mapping: A/B)")
-    parser.add_argument("--issue-inline", action="store_true",
-                        help="issue a decode step's copies and launch on the decoding thread before the CPU computes "
-                             "its misses, not from the engine's worker thread meanwhile (A/B)")
     parser.add_argument("--dense-pool", action="store_true",
                         help="the dense part on the GPU with onnxruntime's pool of CPU threads, not the caller's "
                              "thread alone (A/B)")
@@ -140,9 +137,6 @@ def main() -> None:
     if args.dense_pool:
         from engine.ort_env import DenseDevice
         DenseDevice.dense_pool_on_gpu = True
-    if args.issue_inline:
-        from engine.offload.hybrid_node import HybridExpertNode
-        HybridExpertNode.overlap_device_issue = False
     if args.no_host_register:
         from engine.offload.cuda_device import CudaDevice
         CudaDevice.register_experts = lambda self, source, infos, owner: None

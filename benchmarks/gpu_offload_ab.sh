@@ -3,7 +3,7 @@
 # engine's choices in one hold of the machine (each variant is one flag of bench_offload; "default" is none, run first
 # and last to show the drift between runs). Run after gpu_offload_run.sh in the same warm machine: it uses the
 # onnxruntime-gpu that script installed in /tmp/site_gpu and the model it wrote in /tmp/bench-$SHAPE.
-#   SHAPE=gpt-oss-20b-like FRACTIONS=0,0.25,0.5 VARIANTS="--issue-inline|--dense-pool" bash benchmarks/gpu_offload_ab.sh
+#   SHAPE=gpt-oss-20b-like FRACTIONS=0,0.25,0.5 VARIANTS="--dense-pool|--cpu-threads 15" bash benchmarks/gpu_offload_ab.sh
 set -u
 export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba} PYTHONPATH=/tmp/site_gpu
 shape=${SHAPE:-gpt-oss-20b-like}

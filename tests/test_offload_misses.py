@@ -4,8 +4,6 @@ and the bounded pinned staging ring (pinned_bytes), on the simulated device."""
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -539,52 +537,3 @@ def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_p
     assert summary["later_hits_per_copy"] == reuse.value
     assert summary["miss_slots"] == model.offload.policy.miss_slots and summary["misses_copied"] == totals.misses_copied
 
-
-def test_split_decode_steps_issue_copies_and_launch_from_the_worker_while_the_cpu_computes(
-        model_folder, cpu_run, slot_bytes, decisions, monkeypatch):
-    """A decode step whose misses go partly to spare slots and partly to the CPU issues its copies and its launch
-    from the engine's worker thread while the calling thread computes the CPU's misses
-    (HybridExpertNode.overlap_device_issue); outputs equal the all-CPU run, and the run issued inline bit for bit."""
-    from engine.offload.devices import SimulatedSlots
-
-    calls = []  # (what, thread name, the calling thread inside the CPU kernel at that moment)
-    in_kernel = threading.Event()
-    for name in ("load", "launch"):
-        real = getattr(SimulatedSlots, name)
-
-        def recording(self, *args, _real=real, _name=name):
-            calls.append((_name, threading.current_thread().name, in_kernel.is_set()))
-            return _real(self, *args)
-
-        monkeypatch.setattr(SimulatedSlots, name, recording)
-
-    def runs(overlap: bool):
-        monkeypatch.setattr(hybrid_node.HybridExpertNode, "overlap_device_issue", overlap)
-        calls.clear()
-        model, _device = open_model(model_folder, BALANCED, placement="static", device_expert_bytes=8 * 3 * slot_bytes)
-        for runner in model.offload.runners:
-            kernel = runner.kernel
-            real_run = kernel.run_experts
-
-            def run_experts(*args, _real=real_run, **kwargs):
-                in_kernel.set()
-                try:
-                    time.sleep(0.002)  # long enough that the worker's copies and launch fall inside the kernel
-                    return _real(*args, **kwargs)
-                finally:
-                    in_kernel.clear()
-
-            kernel.run_experts = run_experts
-        return greedy_run(model), list(calls)
-
-    overlapped, overlapped_calls = runs(True)
-    inline, inline_calls = runs(False)
-    assert_same_as_cpu(overlapped, cpu_run)
-    for ours, theirs in zip(overlapped[0], inline[0]):
-        assert np.array_equal(ours, theirs)
-    split = [d for _s, n, d in decisions if 0 < d.num_copied < n]
-    assert split, "balanced bandwidths should split some decode step between the CPU and the device"
-    on_worker = [c for c in overlapped_calls if c[1].startswith("expert-device-issue")]
-    assert {what for what, _t, _k in on_worker} == {"load", "launch"}
-    assert any(during for _w, _t, during in on_worker), "no copy or launch overlapped the CPU's kernel"
-    assert not any(t.startswith("expert-device-issue") for _w, t, _k in inline_calls)

@@ -4,7 +4,6 @@ statistics; re-plans on a loaded model when budgets change."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -71,9 +70,6 @@ class OffloadEngine:
         # statistics of this step that wait for its end, when the device's work is done (HybridExpertNode: fully
         # resident layers, results merged on the device): callables
         self.deferred: list = []
-        # issues a decode step's copies and launch while the calling thread computes the CPU's misses (HybridExpertNode);
-        # its thread starts at the first such step and ends with the engine
-        self.device_issue = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-device-issue")
         self._make_policy()
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()

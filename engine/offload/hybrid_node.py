@@ -25,10 +25,6 @@ class HybridExpertNode:
     residency it is what remains of a token's time): one residency lookup, counts from it, no miss
     policy where the layer has no slot, no set operations where a mask does."""
 
-    # A decode step's copies and launch are issued from the engine's worker thread while the CPU computes the
-    # misses (False: one after the other on the calling thread; benchmarks compare the two in one run).
-    overlap_device_issue = True
-
     def __init__(self, runner: CpuExpertNode, layer: int, engine):
         self.info = runner.info
         self.runner = runner
@@ -96,7 +92,6 @@ class HybridExpertNode:
         cold = np.where(resident, -1, ids) if hits else ids  # never written in place
         copied_pairs = copies = 0
         pending = None
-        device_work = None  # a decode step's copies and launch, issued while the CPU computes its misses
         waves = []      # (copy s, device s) per prefill wave: the projection's critical path (projection.py)
         miss_copy_s = 0.0
         if (store is not None and missed and not shadow and engine.slots[layer].num_slots
@@ -116,7 +111,8 @@ class HybridExpertNode:
                 on_device = resident | in_copied
                 cold = np.where(in_copied, -1, cold)
             if hits or copies:
-                device_work = (store, stats, copied, spare, x2d, np.where(on_device, ids, -1), weights)
+                pending, miss_copy_s = self._copy_and_launch(store, stats, copied, spare, x2d,
+                                                               np.where(on_device, ids, -1), weights)
         elif store is not None:
             # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
             # rest meanwhile.
@@ -131,25 +127,11 @@ class HybridExpertNode:
                 stats.device_s += wave_device
                 waves.append((wave_copy, wave_device))
                 cold = np.where(in_wave, -1, cold)
-        issuing = None
-        if device_work is not None:
-            if copied_pairs < missed and self.overlap_device_issue:
-                # The host's side of the copies and the launch (~100-400 µs a layer on the H200) runs on the engine's
-                # worker thread while this one computes the CPU's misses (the kernels release the GIL); nothing
-                # else touches what it does until the join below.
-                issuing = engine.device_issue.submit(self._issue_device_work, *device_work)
-            else:
-                pending, miss_copy_s = self._issue_device_work(*device_work)
         cpu_s = 0.0
-        try:
-            if copied_pairs < missed:
-                started = time.perf_counter()
-                self.kernel.run_experts(x2d, cold, weights, out=out)
-                cpu_s = time.perf_counter() - started
-        finally:  # joined even when the kernel raised: the worker must be done before anything else runs
-            if issuing is not None:
-                pending, miss_copy_s = issuing.result()
         if copied_pairs < missed:
+            started = time.perf_counter()
+            self.kernel.run_experts(x2d, cold, weights, out=out)
+            cpu_s = time.perf_counter() - started
             stats.cpu_s += cpu_s
             # the miss policy's CPU rate, measured in layers without slots too: a budget raised later uses it at once
             rate = not shadow and engine.device is not None and self._decode(cold)
@@ -260,7 +242,7 @@ class HybridExpertNode:
 
     def _choose_copies(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray) -> tuple[np.ndarray, list]:
         """Decide with the cost model (miss_policy.py) which misses to copy into spare slots (the placement policy
-        is told): the copied experts and their slots, in order (_issue_device_work copies them)."""
+        is told): the copied experts and their slots, in order (_copy_and_launch copies them)."""
         engine, store = self.engine, self.engine.stores[self.layer]
         # The misses and their tokens in plain Python: a decode step has a handful, and np.unique on
         # them cost ~35 µs under cProfile (issue #4). Ascending, as np.unique gave them.
@@ -295,7 +277,7 @@ class HybridExpertNode:
         return np.array(chosen, dtype=np.int64), slots
 
     @staticmethod
-    def _issue_device_work(store, stats: LayerStats, copied: np.ndarray, slots: list, x2d: np.ndarray,
+    def _copy_and_launch(store, stats: LayerStats, copied: np.ndarray, slots: list, x2d: np.ndarray,
                            device_ids: np.ndarray, weights: np.ndarray) -> tuple:
         """A decode step's copies into their slots, then the one launch of its residents and copied misses: the
         pending launch and the copies' host seconds."""
