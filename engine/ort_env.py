@@ -174,9 +174,9 @@ class DenseDevice:
         return [(CUDA_EP, cuda_provider_options(self.device_id, self.arena_limit, stream)), "CPUExecutionProvider"]
 
     # On the GPU a dense segment's nodes run on the CUDA EP; its CPU nodes are shape arithmetic. A pool of CPU threads
-    # only adds wake-ups, which compete for cores with the expert kernels' threads (dense runs took 242-320 µs a layer
-    # at 0-50% resident on the H200 machine against 141 µs at 100%, where no CPU kernel runs): one thread, the
-    # caller's. dense_pool_on_gpu = True restores the pool (benchmarks compare the two).
+    # there only has threads to wake, next to the expert kernels' threads: one thread, the caller's. (On the H200
+    # machine the two differed by less than the noise between runs: RESULTS, ninth session.) dense_pool_on_gpu = True
+    # restores the pool, for benchmarks that compare the two.
     dense_pool_on_gpu = False
 
     def session_options(self, external_data_folder: str | None = None) -> ort.SessionOptions:

@@ -536,4 +536,3 @@ def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_p
     summary = model.offload.stats_dict()
     assert summary["later_hits_per_copy"] == reuse.value
     assert summary["miss_slots"] == model.offload.policy.miss_slots and summary["misses_copied"] == totals.misses_copied
-

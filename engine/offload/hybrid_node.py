@@ -278,7 +278,7 @@ class HybridExpertNode:
 
     @staticmethod
     def _copy_and_launch(store, stats: LayerStats, copied: np.ndarray, slots: list, x2d: np.ndarray,
-                           device_ids: np.ndarray, weights: np.ndarray) -> tuple:
+                         device_ids: np.ndarray, weights: np.ndarray) -> tuple:
         """A decode step's copies into their slots, then the one launch of its residents and copied misses: the
         pending launch and the copies' host seconds."""
         copy_s = 0.0
