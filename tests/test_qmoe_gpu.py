@@ -437,7 +437,7 @@ def test_gpu_v5_launch_configs(gpu, bits, block):
     spec = _spec(attrs, t, x)
     m = _v5(GpuQMoE(spec, t))
     refs = {T: qmoe_reference(x[:T], lg[:T], spec, t) for T in (1, 2, 3, 5, 8)}
-    for cfg in ({"grid": 1}, {"grid": 3}, {"grid": 37}, {"bps": 1}, {"bps": 2}, {"l2_prefetch": 0}, {}):
+    for cfg in ({"grid": 1}, {"grid": 3}, {"grid": 37}, {"bps": 1}, {"bps": 2}, {"l2_prefetch": 1}, {}):
         _v5(m, **cfg)
         for T, ref in refs.items():
             err = _relerr(m.forward(x[:T], lg[:T]), ref)

@@ -125,9 +125,10 @@ class GpuQMoE:
             # of the GPU's resident capacity, every warp one contiguous range of (tile, row tile, k-tile) units);
             # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); dec5_cfg["grid"]: a fixed
             # number of blocks instead (0 = bps * SMs, at most one block per 4 units of work);
-            # dec5_cfg["l2_prefetch"]: FC1's warps prefetch FC2's weights and scales into L2 when done (1 / 0)
+            # dec5_cfg["l2_prefetch"]: FC1's warps prefetch FC2's weights and scales into L2 when done (1 / 0; off: the
+            # forward was 2-4% faster without it at both benchmark shapes on the H200, fourth and ninth sessions)
             self.decode_kernel = "v5"
-            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 1}
+            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 0}
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
@@ -618,7 +619,7 @@ class GpuQMoE:
                 nbt2, tsh2 = self._dec5_kind(f2)
                 pf2 = (sl2["w"], np.int64(f2.w_bytes), np.int32(f2.NT), np.int32(f2.KT), sl2["s"], np.int32(f2.sdt),
                        np.int32(f2.NB), np.int32(tsh2), np.int32(nbt2),
-                       np.int32(1 if self.dec5_cfg.get("l2_prefetch", 1) else 0))
+                       np.int32(1 if self.dec5_cfg.get("l2_prefetch", 0) else 0))
                 no_pf2 = (self._dummy_u8, np.int64(0), np.int32(0), np.int32(0), self._dummy_f32, np.int32(0),
                           np.int32(0), np.int32(0), np.int32(1), np.int32(0))
                 # activation slots per ring stage: FC1 one per token; FC2 one per tile column (<= 8 pairs; <= T
