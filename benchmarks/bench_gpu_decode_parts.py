@@ -21,7 +21,11 @@ Bytes = the k routed experts' bytes of the stage's projection in our layout (wei
 are < 0.1%); forward = both. With l2_prefetch 1 FC1 also prefetches FC2's bytes into L2 (counted in FC1's time)
 and FC2 alone then reads HBM where the forward's FC2 may read L2: both settings are timed.
 
+With ``--dtype float16`` x is fp16 (an fp16 model's dense part on the GPU): both decode paths are timed, the fp16
+kernels (dec5h_*, dec5_cfg f16 = 1, GpuQMoE's default for fp16 x) and the bf16 hi / lo ones (f16 = 0).
+
     python benchmarks/bench_gpu_decode_parts.py [--shapes A,B] [--launches 50] [--replays 20] [--no-write]
+    python benchmarks/bench_gpu_decode_parts.py --dtype float16 ...   # fp16 x: dec5h against dec5
     NCU=1 python benchmarks/bench_gpu_decode_parts.py ...   # also prints the ncu command line of --eager-once
     python benchmarks/bench_gpu_decode_parts.py --eager-once   # eager forwards only, for that ncu command
 """
@@ -45,7 +49,7 @@ from benchmarks.common import ROOT  # noqa: E402
 
 BENCHMARK = "gpu-decode-parts"
 KERNELS_PER_FORWARD = 3  # decode_prep, dec5 FC1, dec5 FC2 (checked against the recorded launches)
-NCU_KERNELS = "^(decode_prep|dec5_)"
+NCU_KERNELS = "^(decode_prep|dec5h?_)"
 ROUTE_TABLES = ("tiles", "num_tiles", "pair_tok", "pair_w")  # what decode_prep writes and FC1 / FC2 read per routing
 
 _EMPTY_SRC = r'extern "C" __global__ void empty_kernel() { }'
@@ -102,7 +106,7 @@ def recorded(m):
 def check_forward(log: list[Launch]) -> None:
     names = [r.name for r in log]
     if len(names) != KERNELS_PER_FORWARD or names[0] != "decode_prep" or not all(
-            n.startswith("dec5_") and n.endswith(f"_{mode}") for n, mode in zip(names[1:], (0, 1))):
+            n.startswith(("dec5_", "dec5h_")) and n.endswith(f"_{mode}") for n, mode in zip(names[1:], (0, 1))):
         raise RuntimeError(f"a decode forward launched {names}, not decode_prep + dec5 FC1 + dec5 FC2")
 
 
@@ -132,13 +136,14 @@ def per_launch(cp, timer, stream, fn, n, replays):
     return timer.median(capture(cp, stream, fn), iters=replays)[0] / n
 
 
-def time_parts(cp, m, timer, stream, rng, n, replays, l2_prefetch) -> dict:
-    """Seconds per launch of (a)-(d) for one dec5 configuration, and FC1's recorded launch (for (e))."""
+def time_parts(cp, m, timer, stream, rng, n, replays, l2_prefetch, dtype=np.float32, f16=1) -> dict:
+    """Seconds per launch of (a)-(d) for one dec5 configuration (x of ``dtype``; ``f16``: dec5_cfg's, the fp16
+    kernels for fp16 x or not), and FC1's recorded launch (for (e))."""
     spec = m.spec
     H, E = spec.hidden_size, spec.num_experts
-    m.dec5_cfg = dict(m.dec5_cfg, l2_prefetch=l2_prefetch)
+    m.dec5_cfg = dict(m.dec5_cfg, l2_prefetch=l2_prefetch, f16=f16)
     bank = cp.asarray((rng.standard_normal((n, E)) * 2.0).astype(np.float32))
-    x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((1, H)).astype(dtype))
     outs = cp.empty((n, 1, H), cp.float32)
     t = {}
     with stream:
@@ -206,8 +211,8 @@ def report(rows, hbm) -> tuple[list[str], dict]:
     return lines, rec
 
 
-def figures_for(key, pf, rec, hbm) -> list[dict]:
-    tag = f"[{key}: {SHAPES[key]['label']}, l2_prefetch {pf}]"
+def figures_for(key, pf, rec, hbm, variant: str = "") -> list[dict]:
+    tag = f"[{key}: {SHAPES[key]['label']}, l2_prefetch {pf}{variant}]"
     fwd = rec["forward"]["us"]
     out = []
     for k, r in rec.items():
@@ -250,7 +255,8 @@ def ncu_command(args) -> str:
     cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-skip", str(skip),
            "--launch-count", str(count), "--section", "SpeedOfLight", "--section", "Occupancy", "--section",
            "LaunchStats", sys.executable, script, "--eager-once", "--shapes", ",".join(keys),
-           "--l2-prefetch", str(prefetch_values(args.l2_prefetch)[0]), "--ncu-warmup", str(args.ncu_warmup)]
+           "--l2-prefetch", str(prefetch_values(args.l2_prefetch)[0]), "--ncu-warmup", str(args.ncu_warmup),
+           "--dtype", args.dtype]
     return shlex.join(cmd)
 
 
@@ -268,7 +274,7 @@ def eager_once(args) -> None:
         m = GpuQMoE(spec, tensors)
         m.dec5_cfg = dict(m.dec5_cfg, l2_prefetch=prefetch_values(args.l2_prefetch)[0])
         H, E = spec.hidden_size, spec.num_experts
-        x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
+        x = cp.asarray(rng.standard_normal((1, H)).astype(args.dtype))
         bank = cp.asarray((rng.standard_normal((args.ncu_warmup + 1, E)) * 2.0).astype(np.float32))
         out = cp.empty((1, H), cp.float32)
         for i in range(args.ncu_warmup):
@@ -301,6 +307,8 @@ def main(argv=None):
                     help="no timing: warm-up forwards, then one eager forward per shape (wrap in the ncu command "
                          "NCU=1 prints)")
     ap.add_argument("--ncu-warmup", type=int, default=2, help="--eager-once: warm-up forwards per shape (default 2)")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                    help="x's dtype (default float32); float16 times both decode paths (dec5h and dec5)")
     ap.add_argument("--no-write", action="store_true", help="no result JSON")
     args = ap.parse_args(argv)
     if args.launches < 1 or args.replays < 1 or args.ncu_warmup < 0:
@@ -325,7 +333,10 @@ def run(args):
     n, replays = args.launches, args.replays
     print(f"{gpu}: HBM copy {hbm:.0f} GB/s; {n} launches per graph, median of {replays} replays", flush=True)
     details = {"gpu": gpu, "cupy": cp.__version__, "hbm_copy_gb_s": hbm, "launches_per_graph": n,
-               "replays": replays}
+               "replays": replays, "x_dtype": args.dtype}
+    dtype = np.dtype(args.dtype)
+    # fp16 x: the fp16 kernels (dec5_cfg f16 = 1) and the bf16 hi / lo ones (0); fp32 x takes the latter either way
+    f16_values = (1, 0) if dtype == np.float16 else (1,)
     figures = [{"name": "HBM device-to-device copy (read + write)", "value": hbm, "unit": "GB/s",
                 "reference": "H200 datasheet HBM3e", "reference_value": 4800.0, "ratio": hbm / 4800.0}]
     rng = np.random.default_rng(1)
@@ -338,16 +349,19 @@ def run(args):
                                                "fc2_bytes": fc2_bytes, "compiled_from": m.compiled_from}
         empty = None
         for pf in prefetch_values(args.l2_prefetch):
-            parts = time_parts(cp, m, timer, stream, rng, n, replays, pf)
-            if empty is None:  # the floor depends on FC1's grid only, the same for both settings
-                empty = time_empty(cp, timer, stream, parts["fc1_launch"], n, replays)
-                shape_rec["empty"] = dict(empty)
-            lines, rec = report(stage_rows(parts["seconds"], empty, fc1_bytes, fc2_bytes, n), hbm)
-            print(f"\n[{key}] {SHAPES[key]['label']}, l2_prefetch {pf}, dec5 {parts['fc1_launch'].name} grid "
-                  f"{parts['fc1_launch'].grid[0]}:", flush=True)
-            print("\n".join(lines), flush=True)
-            shape_rec[f"l2_prefetch_{pf}"] = rec
-            figures += figures_for(key, pf, rec, hbm)
+            for f16 in f16_values:
+                parts = time_parts(cp, m, timer, stream, rng, n, replays, pf, dtype, f16)
+                if empty is None:  # the floor depends on FC1's grid only, the same for both settings
+                    empty = time_empty(cp, timer, stream, parts["fc1_launch"], n, replays)
+                    shape_rec["empty"] = dict(empty)
+                lines, rec = report(stage_rows(parts["seconds"], empty, fc1_bytes, fc2_bytes, n), hbm)
+                variant = f", x {args.dtype}" + (f", f16 {f16}" if dtype == np.float16 else "")
+                print(f"\n[{key}] {SHAPES[key]['label']}, l2_prefetch {pf}{variant}, {parts['fc1_launch'].name} "
+                      f"grid {parts['fc1_launch'].grid[0]}:", flush=True)
+                print("\n".join(lines), flush=True)
+                suffix = f"_{args.dtype}_f16_{f16}" if dtype == np.float16 else ""
+                shape_rec[f"l2_prefetch_{pf}{suffix}"] = rec
+                figures += figures_for(key, pf, rec, hbm, variant if dtype == np.float16 else "")
         del m
         cp.get_default_memory_pool().free_all_blocks()
         if not args.no_write:  # partial results survive a time limit

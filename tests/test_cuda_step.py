@@ -260,6 +260,8 @@ def test_routed_launches_replayed_as_a_graph_match_the_reference(dtype):
             got = result.get(stream=stream).astype(np.float32)
             want = qmoe_reference(xs.astype(np.float32), logits.astype(np.float32), spec, t)
             assert _relerr(got, want) <= (1e-4 if dtype == "float32" else 2e-3), f"step {step}"
+            # fp16 activations: the fp16 decode kernels (dec5h), recorded at the eager call and the capture
+            assert m.last_decode_kernels[0].startswith("dec5h_" if dtype == "float16" else "dec5_")
             assert (len(m._graphs) == 1) == (step >= 1), f"step {step}: {len(m._graphs)} graphs"
 
 

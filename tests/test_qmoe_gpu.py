@@ -420,10 +420,50 @@ def test_gpu_v5_decode_matches_reference(gpu, bits, block, zp, act, dtype):
         assert isinstance(got, np.ndarray) and got.dtype == x.dtype and got.shape == (T, H)
         err = _relerr(got, ref)
         assert err <= TOL[("tc", "decode", dtype)], f"v5 T={T}: rel err {err:.2e}"
+        assert m.last_decode_kernels[0].startswith("dec5h_" if dtype == np.float16 else "dec5_")
         if dtype == np.float32:
             assert _relerr(got, got4) <= 3e-5, f"v5 vs v4 T={T}"
     got2 = m.forward(x[:1], lg[:1])  # again: the FC1 scratch and counters were left clean
     assert _relerr(got2, qmoe_reference(x[:1], lg[:1], spec, t)) <= TOL[("tc", "decode", dtype)]
+
+
+# fp16 activations through v5 take the dec5h kernels (fp16 weights and activations, one f16 MMA per k-step, FC2's
+# activation rows rounded to fp16 by FC1). Against the bf16 hi / lo kernels on the same fp16 input (dec5_cfg f16 = 0,
+# fp32 results through forward_into) the only difference beyond fp32 summation order is that rounding: <= 2^-11
+# relative per activation, random in sign, ~3e-4 of max |out| at most over these shapes; bound 1e-3 (TOL 4e-3).
+F16_CASES = [(4, 32, False, "swiglu1-limit"), (4, 0, True, "gelu"), (4, 16, True, "swiglu0"),
+             (8, 64, False, "relu"), (8, 16, True, "swiglu1-limit"), (8, 0, True, "silu")]
+
+
+@pytest.mark.parametrize("bits,block,zp,act", F16_CASES,
+                         ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in F16_CASES])
+def test_gpu_v5_fp16_path(gpu, bits, block, zp, act):
+    """fp16 input takes dec5h (GpuQMoE.last_decode_kernels): within the fp16 decode tolerance of the reference
+    and within 1e-3 of the bf16 hi / lo path's fp32 result; small grids (split-K epilogue writing fp16 rows)."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=200 + bits + block + zp, E=6, H=512, I=384, k=2, bits=bits, block_size=block,
+                                zero_points=zp, bias=True, T=8, dtype=np.float16, **ACTS[act])
+    spec = _spec(attrs, t, x)
+    H = spec.hidden_size
+    m = GpuQMoE(spec, t, path="tc")
+    for cfg in ({}, {"grid": 3}):
+        for T in (1, 3, 8):
+            ref = qmoe_reference(x[:T], lg[:T], spec, t)
+            _v5(m, **cfg)
+            got = m.forward(x[:T], lg[:T])
+            k1, k2 = m.last_decode_kernels
+            assert k1.startswith("dec5h_") and k1.endswith("_0") and k2.startswith("dec5h_") and k2.endswith("_1")
+            assert got.dtype == np.float16
+            err = _relerr(got, ref)
+            assert err <= TOL[("tc", "decode", np.float16)], f"{cfg} T={T}: rel err {err:.2e}"
+            xd, lgd = cp.asarray(x[:T]), cp.asarray(lg[:T])
+            new = m.forward_into(xd, lgd, cp.empty((T, H), cp.float32)).get()
+            _v5(m, f16=0, **cfg)
+            old = m.forward_into(xd, lgd, cp.empty((T, H), cp.float32)).get()
+            assert all(k.startswith("dec5_") for k in m.last_decode_kernels), m.last_decode_kernels
+            d = _relerr(new, old)
+            assert d <= 1e-3, f"{cfg} T={T}: dec5h vs dec5 {d:.2e}"
+            assert _relerr(old, ref) <= TOL[("tc", "decode", np.float16)]
 
 
 @pytest.mark.parametrize("bits,block", [(4, 16), (4, 128), (4, 0), (4, 64), (8, 0), (8, 16), (8, 128)])

@@ -12,8 +12,9 @@ Pairs routed to a non-resident expert are skipped (they contribute nothing): the
 
 Paths:
 * ``tc`` (sm_80+): decode (<= ``decode_max_tokens`` tokens): one grouped dequant-GEMV launch per projection on the
-  tensor cores with bf16 hi/lo activations (fp32-accurate); prefill: grouped GEMM (fp16 tensor cores, fp32
-  accumulation; per-block scales folded in fp16, so ~1e-3 relative).
+  tensor cores with bf16 hi/lo activations (fp32-accurate); fp16 activations (v5, ``dec5_cfg["f16"]``): fp16
+  weights and activations, one f16 MMA per k-step, fp32 accumulation, FC2's activation rounded to fp16; prefill:
+  grouped GEMM (fp16 tensor cores, fp32 accumulation; per-block scales folded in fp16, so ~1e-3 relative).
 * ``fma`` (any GPU): plain fp32 FMA kernels over the same layout (exact fp32 dequantisation; slow).
 Routing runs on the GPU with the CUDA semantics (softmax over all E, top-k, renormalise when
 normalize_routing_weights; router_weights); the sparse mixer routes on the host (kernels.reference.route).
@@ -126,9 +127,14 @@ class GpuQMoE:
             # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); dec5_cfg["grid"]: a fixed
             # number of blocks instead (0 = bps * SMs, at most one block per 4 units of work);
             # dec5_cfg["l2_prefetch"]: FC1's warps prefetch FC2's weights and scales into L2 when done (1 / 0; off: the
-            # forward was 2-4% faster without it at both benchmark shapes on the H200, fourth and ninth sessions)
+            # forward was 2-4% faster without it at both benchmark shapes on the H200, fourth and ninth sessions);
+            # dec5_cfg["f16"]: fp16 activations take the dec5h kernels (fp16 weights and activations, one f16 MMA per
+            # k-step, FC2's activation rows rounded to fp16) (1, the default when the key is absent) or the bf16
+            # hi / lo kernels as fp32 / bf16 activations do (0)
             self.decode_kernel = "v5"
-            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 0}
+            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 0, "f16": 1}
+            # the dec5 kernels of the last decode call that launched them eagerly (FC1, FC2): tests check the path
+            self.last_decode_kernels: tuple = ()
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
@@ -607,12 +613,14 @@ class GpuQMoE:
         tiles_args = (ws.tiles, ws.num_tiles, ws.pair_tok, ws.pair_w)
         if decode:
             cfg = self.dec_cfg
+            # fp16 activations through v5: the dec5h kernels (x copied as fp16 by decode_prep, FC2's rows fp16)
+            f16 = self.decode_kernel == "v5" and xdt == DT_F16 and bool(self.dec5_cfg.get("f16", 1))
             nch = T * (f1.KP // 8)
             nblk = 1 + max(1, min(_cdiv(nch, 256), 4 * self.num_sms))  # block 0 routes, the others convert x
             self._f("decode_prep")((nblk,), (256,), (
                 np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
-                np.int32(f1.KP), ws.xhi, ws.xlo, out, np.int64(out.size if zero_out else 0)),
+                np.int32(f1.KP), ws.xhi, ws.xlo, np.int32(f16), out, np.int64(out.size if zero_out else 0)),
                 shared_mem=16 * E + 8 * P + 256)
             if self.decode_kernel == "v5":
                 sl2 = self.slots[f2.name]
@@ -625,14 +633,16 @@ class GpuQMoE:
                 # activation slots per ring stage: FC1 one per token; FC2 one per tile column (<= 8 pairs; <= T
                 # when routed on the GPU: a token picks an expert at most once)
                 bc1, bc2 = T, (min(8, T) if route else min(8, P))
-                self._dec5(f1, 0, max_tiles, bc1, (
-                    *tiles_args, np.int32(P), ws.xhi, ws.xlo, np.int32(xdt != DT_BF16), np.int32(f1.KP),
+                # split (lo halves of the activations): x unless bf16, FC1's rows always; never for dec5h
+                n1 = self._dec5(f1, 0, max_tiles, bc1, (
+                    *tiles_args, np.int32(P), ws.xhi, ws.xlo, np.int32(xdt != DT_BF16 and not f16), np.int32(f1.KP),
                     np.int32(bc1), *act, np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32,
-                    ws.part, ws.kdone, *pf2))
-                self._dec5(f2, 1, max_tiles, bc2, (
-                    *tiles_args, np.int32(P), ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), np.int32(bc2),
+                    ws.part, ws.kdone, *pf2), f16)
+                n2 = self._dec5(f2, 1, max_tiles, bc2, (
+                    *tiles_args, np.int32(P), ws.ahi, ws.alo, np.int32(not f16), np.int32(f2.KP), np.int32(bc2),
                     *act, np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out, self._dummy_f32,
-                    self._dummy_i32, *no_pf2))
+                    self._dummy_i32, *no_pf2), f16)
+                self.last_decode_kernels = (n1, n2)
                 return
             if self.decode_kernel != "v4":
                 raise ValueError(f"decode_kernel must be 'v4' or 'v5', not {self.decode_kernel!r}")
@@ -722,13 +732,14 @@ class GpuQMoE:
             self._occ[key] = v
         return v
 
-    def _dec5(self, p: _lay.ProjLayout, mode: int, max_tiles: int, bcols: int, tail: tuple) -> None:
-        """One dec5 launch for projection p (mode 0: FC1 + activation, 1: FC2 into the output). ``bcols``: activation
-        slots per ring stage (the kernel argument of that name, inside ``tail``). ``tail``: the arguments after the
-        projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu)."""
+    def _dec5(self, p: _lay.ProjLayout, mode: int, max_tiles: int, bcols: int, tail: tuple, f16: bool = False) -> str:
+        """One dec5 launch for projection p (mode 0: FC1 + activation, 1: FC2 into the output); returns the kernel's
+        name. ``bcols``: activation slots per ring stage (the kernel argument of that name, inside ``tail``).
+        ``tail``: the arguments after the projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu). ``f16``:
+        the dec5h kernel (fp16 activations; the same arguments and shared memory)."""
         sl = self.slots[p.name]
         nbt, tsh = self._dec5_kind(p)
-        name = f"dec5_{p.bits}_{nbt}_{int(p.has_zp)}_{mode}"
+        name = f"dec5{'h' if f16 else ''}_{p.bits}_{nbt}_{int(p.has_zp)}_{mode}"
         smem = self._dec5_smem(p, bcols)
         threads = 32 * self.DEC5_WARPS
         if name not in self._carveout_set:
@@ -746,6 +757,7 @@ class GpuQMoE:
                 np.int32(p.NB), np.int32(tsh), sl.get("z", self._dummy_u8), sl.get("b", self._dummy_f32),
                 np.int32(int(p.has_bias)), np.int32(p.NP))
         self._launch(name, (grid,), (threads,), head + tuple(tail), smem)
+        return name
 
     def _dec_smem(self, p: _lay.ProjLayout, R: int, W: int) -> int:
         """Dynamic shared memory of dec_gemv: DEC_STAGES = 4 warp-stages of R * (TB + 320) bytes per warp, then the

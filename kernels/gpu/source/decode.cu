@@ -44,6 +44,18 @@ static __device__ __forceinline__ void set_bz(u32* zc, int z0, int z1) {
     }
 }
 
+// fp16 decode (dec5h): zero-point constants of rows g (zc[0]) and g+8 (zc[1]); zc[2] / zc[3] copies.
+// int4: deq4_f16's fp16x2 of (1024 + z_g) (subtracted from 1024 + q) and of -(64 + z_g8) (fma with the high nibble's
+// 1024 + 16 q times 1/16: bits 0xD400 | z << 4, integer code); int8: (1024 + z) for both rows (deq8_f16)
+static __device__ __forceinline__ u32 hz4fma(int z) { return pair16((u16)(0xD400u | ((u32)z << 4))); }
+template <int BITS>
+static __device__ __forceinline__ void set_hzd(u32* zc, int z0, int z1) {
+    zc[0] = hzsub(z0);
+    zc[1] = BITS == 4 ? hz4fma(z1) : hzsub(z1);
+    zc[2] = zc[0];
+    zc[3] = zc[1];
+}
+
 #define DEC_STAGES 4
 
 #define QM_DEC_ARGS                                                                                             \

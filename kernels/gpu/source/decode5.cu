@@ -14,11 +14,15 @@
 // scratch [tile][row tile][128] by atomicAdd, a per-(tile, row tile) counter of k-tiles done is bumped by an atomic
 // with release semantics, and the warp that completes K reads the sums back with atomicExch(.., 0) (which also
 // leaves the scratch zeroed for the next launch), resets the counter and runs the epilogue (bias, activation, bf16
-// hi/lo activation rows for FC2).
+// hi/lo activation rows for FC2; fp16 rows for the F16 kernels).
 // Compile-time specialisation: BITS (4 / 8), NBT = scale blocks per 64-k tile (1: block >= 64 or one scale per
 // row, applied per k-tile; 2: block 32; 4: block 16), ZP (zero points), MODE. Block scales are applied in fp32 on
 // per-block accumulators, weights dequantise exactly to (q - z) in bf16, activations are bf16 hi + lo (two MMAs):
 // the same arithmetic as v4 (only the order of the fp32 partial sums differs).
+// F16 (kernels dec5h_*, fp16 activations): weights dequantise exactly to (q - z) in fp16 (1024 + q - (1024 + z):
+// deq4_f16 / deq8_f16), the activations are fp16 as they come (x) or as FC1 rounds them (FC1 writes FC2's rows as
+// fp16 into ahi, no lo half), ONE m16n8k16 f16 MMA per k-step with fp32 accumulation; block scales in fp32 as
+// above. The ring stage keeps the same layout (the lo 32 bytes of an activation row slot stay unused).
 // FC1 with pf2: when its range is done, each warp prefetches into L2 (prefetch.global.L2) the FC2 weights and
 // scales of an equal share of FC2's units of the same tiles, so that FC2's bytes stream from HBM during FC1's tail
 // and the launch gap (FC2 of 4 experts at shape A is ~21 MB, inside the 50 MB L2).
@@ -64,7 +68,7 @@ static __device__ __forceinline__ void l2_prefetch_range(const void* p, long lon
         asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 
-template <int BITS, int NBT, int ZP, int MODE>
+template <int BITS, int NBT, int ZP, int MODE, int F16>
 static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #if QM_TC
     typedef QmW<BITS> TR;
@@ -156,7 +160,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                 const u16* bh = p_bh + p_kt * 64;
                 cp_async16_ca(d + BOFF + p_barea, bh);
                 cp_async16_ca(d + BOFF + p_barea + 16, bh + 8);
-                if (split) {
+                if (!F16 && split) {
                     const u16* bl = p_bl + p_kt * 64;
                     cp_async16_ca(d + BOFF + p_barea + 32, bl);
                     cp_async16_ca(d + BOFF + p_barea + 48, bl + 8);
@@ -190,7 +194,10 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     int c_ka = c_kt;  // first k-tile of the current segment
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     u32 zc[4];
-    set_bz<BITS>(zc, 1 << (BITS - 1), 1 << (BITS - 1));
+    if (F16)
+        set_hzd<BITS>(zc, 1 << (BITS - 1), 1 << (BITS - 1));
+    else
+        set_bz<BITS>(zc, 1 << (BITS - 1), 1 << (BITS - 1));
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
     const bool sf32 = sdt == DT_F32;
     const bool sf16 = sdt == DT_F16;
@@ -256,9 +263,13 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                     if (col < c_cnt) {
                         const float a = act_gated(act, v[c] + bg, v[2 + c] + bg8, alpha, beta, limit, has_limit);
                         const long long o = (long long)(c_start + col) * KP2 + frag_off(i);
-                        const u16 h = f2bf(a);
-                        ahi[o] = h;
-                        alo[o] = f2bf(a - bf2f(h));
+                        if (F16) {
+                            ahi[o] = f2h(a);
+                        } else {
+                            const u16 h = f2bf(a);
+                            ahi[o] = h;
+                            alo[o] = f2bf(a - bf2f(h));
+                        }
                     }
                 }
             }
@@ -273,9 +284,13 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                         if (col < c_cnt) {
                             const float a = act_one(act, v[hh * 2 + c] + (hh ? bg8 : bg));
                             const long long o = (long long)(c_start + col) * KP2 + frag_off(i);
-                            const u16 h = f2bf(a);
-                            ahi[o] = h;
-                            alo[o] = f2bf(a - bf2f(h));
+                            if (F16) {
+                                ahi[o] = f2h(a);
+                            } else {
+                                const u16 h = f2bf(a);
+                                ahi[o] = h;
+                                alo[o] = f2bf(a - bf2f(h));
+                            }
                         }
                     }
                 }
@@ -293,7 +308,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             const uint4* bp = reinterpret_cast<const uint4*>(p + BOFF + c_barea);
             h0 = bp[0];
             h1 = bp[1];
-            if (split) {
+            if (!F16 && split) {
                 l0 = bp[2];
                 l1 = bp[3];
             }
@@ -306,7 +321,10 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             if (ZP) {
                 if (j % SPB == 0) {
                     const u32 zv = *reinterpret_cast<const u16*>(p + ZOFF + q * 16 + g * 2);
-                    set_bz<BITS>(zc, (int)(zv & 0xffu), (int)(zv >> 8));
+                    if (F16)
+                        set_hzd<BITS>(zc, (int)(zv & 0xffu), (int)(zv >> 8));
+                    else
+                        set_bz<BITS>(zc, (int)(zv & 0xffu), (int)(zv >> 8));
                 }
                 z0 = zc[0];
                 z1 = zc[1];
@@ -318,7 +336,15 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             const u32 bhA = u4c(hv, (j & 1) * 2), bhB = u4c(hv, (j & 1) * 2 + 1);
             const u32 blA = u4c(lv, (j & 1) * 2), blB = u4c(lv, (j & 1) * 2 + 1);
             u32 a[4];
-            if (BITS == 4) {
+            if (F16) {
+                // fp16: rows g / g+8 constants in z0 / z1 (set_hzd)
+                if (BITS == 4) {
+                    deq4_f16(u4c(wv[0], j), z0, z1, a);
+                } else {
+                    const uint4& w8 = wv[(j >> 1) & (TR::LW - 1)];
+                    deq8_f16(u4c(w8, (j & 1) * 2), u4c(w8, (j & 1) * 2 + 1), z0, z1, a);
+                }
+            } else if (BITS == 4) {
                 deq4_bf16(u4c(wv[0], j), z0, z1, a);
             } else {
                 const uint4& w8 = wv[(j >> 1) & (TR::LW - 1)];
@@ -332,8 +358,12 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) blk[c] = 0.0f;
             }
-            mma_bf16(blk, a[0], a[1], a[2], a[3], bhA, bhB);
-            mma_bf16(blk, a[0], a[1], a[2], a[3], blA, blB);
+            if (F16) {
+                mma_f16(blk, a[0], a[1], a[2], a[3], bhA, bhB);
+            } else {
+                mma_bf16(blk, a[0], a[1], a[2], a[3], bhA, bhB);
+                mma_bf16(blk, a[0], a[1], a[2], a[3], blA, blB);
+            }
             if (j % SPB == SPB - 1) {
                 const unsigned char* sp = p + SOFF + (q * 16 + g * 2) * ssz;
                 float sx, sy;
@@ -413,10 +443,13 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #endif
 }
 
-// dec5_<bits>_<nbt>_<zp>_<mode>
+// dec5_<bits>_<nbt>_<zp>_<mode> (bf16 hi / lo activations), dec5h_<bits>_<nbt>_<zp>_<mode> (fp16 activations)
 #define QM_D5_KERNEL(B, N, Z, M)                                                                       \
     extern "C" __global__ void __launch_bounds__(128) dec5_##B##_##N##_##Z##_##M(QM_D5_ARGS) {         \
-        dec5_impl<B, N, Z, M>(QM_D5_PASS);                                                             \
+        dec5_impl<B, N, Z, M, 0>(QM_D5_PASS);                                                          \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) dec5h_##B##_##N##_##Z##_##M(QM_D5_ARGS) {        \
+        dec5_impl<B, N, Z, M, 1>(QM_D5_PASS);                                                          \
     }
 #define QM_D5_KERNELS(B, N, Z) \
     QM_D5_KERNEL(B, N, Z, 0)   \

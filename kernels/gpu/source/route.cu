@@ -239,13 +239,13 @@ extern "C" __global__ void build_tiles(const int* ids, const float* wts, int P, 
 }
 
 // Decode preparation in one launch: block 0 routes (route_mode 1) and groups the pairs; the other blocks (every
-// block when there is only one) convert x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] and zero the fp32
-// accumulator when asked.
+// block when there is only one) convert x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] (xf16 = 1: into
+// fp16 in xhi only, for the dec5h kernels; fp16 x is copied as it is) and zero the fp32 accumulator when asked.
 extern "C" __global__ void decode_prep(int route_mode, const void* logits, int ldt, const void* rw, int rwdt,
                                        int has_rw, int E, int k, int normalize, int* ids, float* wts, int T, int kk,
                                        const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
                                        int* num_tiles, int max_tiles, const void* x, int xdt, int H, int KP,
-                                       u16* xhi, u16* xlo, float* zero_out, long long zero_n) {
+                                       u16* xhi, u16* xlo, int xf16, float* zero_out, long long zero_n) {
     extern __shared__ int sm_prep[];  // 4 E ints (block grouping), T * kk ids, T * kk weights, 64 ints (warp grouping)
     if (blockIdx.x == 0) {
         int* sids = sm_prep + 4 * E;
@@ -291,6 +291,23 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
     for (long long c = (long long)bk * blockDim.x + threadIdx.x; c < nch; c += stride) {
         const int n = (int)(c / cpr);
         const int k0 = (int)(c % cpr) << 3;
+        if (xf16) {
+#pragma unroll
+            for (int p = 0; p < 8; p += 2) {
+                const int kx = k0 + p;
+                const long long i = (long long)n * H + kx;
+                u16 h0 = 0, h1 = 0;
+                if (xdt == DT_F16) {
+                    if (kx < H) h0 = ((const u16*)x)[i];
+                    if (kx + 1 < H) h1 = ((const u16*)x)[i + 1];
+                } else {
+                    if (kx < H) h0 = f2h(load_f(x, i, xdt));
+                    if (kx + 1 < H) h1 = f2h(load_f(x, i + 1, xdt));
+                }
+                *(u32*)(xhi + (long long)n * KP + frag_off(kx)) = (u32)h0 | ((u32)h1 << 16);
+            }
+            continue;
+        }
 #pragma unroll
         for (int p = 0; p < 8; p += 2) {
             const int kx = k0 + p;
