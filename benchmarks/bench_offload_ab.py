@@ -1,0 +1,116 @@
+"""Two offload configurations compared in one process, in alternating rounds (issue #4).
+
+On the H200 machine, runs of one configuration differ by 10-15% between processes at 0-50% resident (RESULTS.md,
+ninth session): more than most engine changes, so an A/B across processes says nothing. Here one loaded model
+alternates between configuration A and B at each resident fraction: `--rounds` rounds, A then B in even rounds and B
+then A in odd ones, each reconfigured (the budget of the fraction plus the variant's offload keys), warmed up and
+decoded for `--decode-tokens` tokens. Reported per fraction: each configuration's median tokens/s and the paired
+ratio B / A of each round (median, min, max). What the engine learns at run time (the miss policy's measured CPU rate
+and copy reuse) carries over from one configuration to the next, as it would for a user who changes a setting.
+
+    python benchmarks/bench_offload_ab.py --shape gpt-oss-20b-like --dtype float16 --fractions 0.25,0.5 \
+        --b cpu_threads=15 [--a KEY=VALUE,...] [--rounds 6] [--decode-tokens 16] [--device cuda|simulated]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_offload import SHAPES, decode  # noqa: E402
+from benchmarks.common import model_folder, write_result  # noqa: E402
+from engine.generation import LoadedModel  # noqa: E402
+from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload.config import PREFIX  # noqa: E402
+from engine.offload.planner import all_resident_bytes  # noqa: E402
+from engine.writer import WriterSpec, write_model  # noqa: E402
+
+
+def variant(text: str) -> dict:
+    """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes."""
+    entries = dict(item.split("=", 1) for item in text.split(",") if item.strip())
+    parsed = OffloadConfig.from_entries(entries)
+    changes = {name[len(PREFIX):]: getattr(parsed, name[len(PREFIX):]) for name in parsed.to_entries()}
+    if "device_expert_bytes" in changes:
+        raise SystemExit("device_expert_bytes is set by --fractions, not by a variant")
+    return changes
+
+
+def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
+                  tokens: int) -> dict[str, list[float]]:
+    """Tokens/s of configurations "A" and "B" (`changes` of each) in `rounds` alternating rounds at one budget."""
+    rates = {"A": [], "B": []}
+    for r in range(rounds):
+        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]))
+            rate, _rows = decode(model, prompt, tokens)
+            rates[name].append(rate)
+    return rates
+
+
+def summary(rates: dict[str, list[float]]) -> dict:
+    ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
+    return {"a_median": statistics.median(rates["A"]), "b_median": statistics.median(rates["B"]),
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "a": rates["A"], "b": rates["B"]}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b-like")
+    parser.add_argument("--device", choices=["cuda", "simulated"], default="cuda")
+    parser.add_argument("--dtype", choices=["float32", "float16"], default="float16")
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
+    parser.add_argument("--folder", help="write the model here (default: a temporary folder); reused if present")
+    parser.add_argument("--fractions", default="0.25,0.5", help="resident fractions, comma-separated")
+    parser.add_argument("--a", default="", help="configuration A: offload entries KEY=VALUE,... ('' = defaults)")
+    parser.add_argument("--b", required=True, help="configuration B: offload entries KEY=VALUE,...")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--no-write", action="store_true", help="print only (no result file)")
+    args = parser.parse_args(argv)
+    changes = {"A": variant(args.a), "B": variant(args.b)}
+
+    shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
+    folder = model_folder(args.folder, "bench-offload-ab-")
+    if not (folder / "model" / "genai_config.json").is_file():
+        write_model(folder / "model", WriterSpec(**shape, bits=4, block_size=32, context_length=4096, seed=7,
+                                                 dtype=args.dtype))
+    if args.device == "cuda":
+        from engine.offload.cuda_device import open_cuda_device
+        device = open_cuda_device()
+    else:
+        from engine.offload import SimulatedDevice
+        device = SimulatedDevice(200 << 30)
+    model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0), device=device)
+    if model.host_registration is not None:
+        model.host_registration.ready.wait(300)  # copies go straight from the page-locked mapping in both
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
+    print(f"A: {changes['A'] or 'defaults'}   B: {changes['B']}   dense part on the {model.dense_device}", flush=True)
+    figures, results = [], {}
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        budget = int(fraction * all_resident_bytes(model.folder.experts))
+        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens))
+        results[f"{fraction:.2f}"] = result
+        print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
+              f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
+              f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
+        figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
+                        "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
+                        "reference_value": result["a_median"], "ratio": result["ratio_median"]})
+    if not args.no_write:
+        path = write_result(f"offload-ab-{args.shape}", figures,
+                            config={"a": changes["A"], "b": changes["B"], "rounds": args.rounds,
+                                    "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
+        print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
