@@ -63,7 +63,7 @@ BUCKETS = ("step", "dense_call", "dense_ort", "expert_call", "kernel_cpu", "kern
            "route", "miss_policy", "spare_slots", "host_cache", "stats", "observe", "numba")
 # Nested timings reported apart (µs per layer), not part of the components' sums:
 #   route        kernels.cpu.routing.route as the expert nodes call it
-#   miss_policy  HybridExpertNode._choose_copies (costs, spare slots, decision; the copies are in `load`)
+#   miss_policy  HybridExpertNode._copy_misses (costs, spare slots, decision, the copies' loads)
 #   spare_slots  placement's spare_slots (inside miss_policy)
 #   host_cache   HostExpertCache.touch;  stats  OffloadStats.count + split;  observe  placement's observe
 #   numba        the compiled kernels' calls (moe_gemv, group_pairs): kernel_wrapper = kernels - numba, the
@@ -175,7 +175,7 @@ def _instrument_detail(model, meter: Meter) -> None:
         return
     for runner in model.decoder.steps:
         if isinstance(runner, HybridExpertNode):
-            _wrap(runner, "_choose_copies", meter, "miss_policy")
+            _wrap(runner, "_copy_misses", meter, "miss_policy")
     _wrap(engine.policy, "spare_slots", meter, "spare_slots")
     _wrap(engine.policy, "observe", meter, "observe")
     _wrap(engine.host_cache, "touch", meter, "host_cache")

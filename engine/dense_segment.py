@@ -73,7 +73,6 @@ class DenseSegment:
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}
         self.host_inputs = _inputs_read_on_the_host(session) if dense.kind != "cpu" else frozenset()
 
-
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
         """Run with `values` for the cut tensors; returns the segment's non-state outputs."""
         return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)

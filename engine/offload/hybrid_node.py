@@ -96,10 +96,12 @@ class HybridExpertNode:
         miss_copy_s = 0.0
         if (store is not None and missed and not shadow and engine.slots[layer].num_slots
                 and self._decode(cold)):
-            # Decode: the miss policy picks the misses that pay to be copied into spare slots; one launch then
-            # computes them with the residents (after the copies), while the CPU computes the rest. A second launch
-            # for the copied ones cost the host an upload, a launch and a collect more (~80 µs a layer on the H200).
-            copied, spare = self._choose_copies(ids, resident, cold)
+            # Decode: the miss policy copies the misses that pay into spare slots first; one launch then computes
+            # them with the residents (after the copies), while the CPU computes the rest. A second launch for the
+            # copied ones cost the host an upload, a launch and a collect more (~80 µs a layer on the H200).
+            copy_before = stats.copy_s
+            copied = self._copy_misses(ids, resident, cold, stats)
+            miss_copy_s = stats.copy_s - copy_before
             on_device = resident
             if copied.size:
                 chosen = self._chosen
@@ -111,8 +113,7 @@ class HybridExpertNode:
                 on_device = resident | in_copied
                 cold = np.where(in_copied, -1, cold)
             if hits or copies:
-                pending, miss_copy_s = self._copy_and_launch(store, stats, copied, spare, x2d,
-                                                               np.where(on_device, ids, -1), weights)
+                pending = store.launch(x2d, np.where(on_device, ids, -1), weights)
         elif store is not None:
             # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
             # rest meanwhile.
@@ -240,9 +241,9 @@ class HybridExpertNode:
         config = self.engine.config
         return config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens
 
-    def _choose_copies(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray) -> tuple[np.ndarray, list]:
-        """Decide with the cost model (miss_policy.py) which misses to copy into spare slots (the placement policy
-        is told): the copied experts and their slots, in order (_copy_and_launch copies them)."""
+    def _copy_misses(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray, stats: LayerStats) -> np.ndarray:
+        """Decide with the cost model (miss_policy.py) which misses to copy into spare slots; copy
+        them (the placement policy is told); returns the copied experts."""
         engine, store = self.engine, self.engine.stores[self.layer]
         # The misses and their tokens in plain Python: a decode step has a handful, and np.unique on
         # them cost ~35 µs under cProfile (issue #4). Ascending, as np.unique gave them.
@@ -261,32 +262,21 @@ class HybridExpertNode:
                            copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value,
                            reuse=engine.copy_reuse.value)
         if not copying_pays(costs):
-            return _NONE, []  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
+            return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
         spare = policy.spare_slots(self.layer, ids)  # unrouted pairs (-1) are ignored there
         if spare.size == 0:
-            return _NONE, []
+            return _NONE
         decision = choose(costs, spare.size)
         self.last_decision = decision
         chosen = [experts[i] for i in decision.copied.tolist()]
-        slots = spare.tolist()[:len(chosen)]
-        for slot, expert in zip(slots, chosen):
+        for slot, expert in zip(spare.tolist(), chosen):
             policy.admit(self.layer, slot, expert)
+            stats.copy_s += store.load(slot, expert)
+            stats.copy_bytes += store.expert_bytes
         if chosen:
             engine.copy_reuse.copied(self.layer, chosen)
-        return np.array(chosen, dtype=np.int64), slots
-
-    @staticmethod
-    def _copy_and_launch(store, stats: LayerStats, copied: np.ndarray, slots: list, x2d: np.ndarray,
-                         device_ids: np.ndarray, weights: np.ndarray) -> tuple:
-        """A decode step's copies into their slots, then the one launch of its residents and copied misses: the
-        pending launch and the copies' host seconds."""
-        copy_s = 0.0
-        for slot, expert in zip(slots, copied.tolist()):
-            copy_s += store.load(slot, expert)
-        stats.copy_s += copy_s
-        stats.copy_bytes += len(slots) * store.expert_bytes
-        return store.launch(x2d, device_ids, weights), copy_s
+        return np.array(chosen, dtype=np.int64)
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
         """Cold experts worth running on the device, in waves that fit the staging ring."""
