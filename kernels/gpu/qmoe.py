@@ -247,17 +247,17 @@ class GpuQMoE:
         if plan2 is None:
             return
         cp = _cp()
-        self._pack_plans = (plan1, plan2)
+        plans = (plan1, plan2)
         self._pack_bytes = plan1.nbytes + plan2.nbytes  # one expert's stored rows, staged for pack_expert
         # per stored tensor: (its offset in the staging, its host address, bytes per expert), read at every copy
-        self._pack_copies = [(off, a.ctypes.data, a.strides[0]) for plan in self._pack_plans
-                             for a, off in plan.parts.values()]
+        self._pack_copies = [(off, a.ctypes.data, a.strides[0]) for plan in plans for a, off in plan.parts.values()]
         self._pack_items = sum(p.w_bytes + p.s_len + (p.NP if p.has_bias else 0) for p in (self.fc1, self.fc2))
+        # kept: the descriptor holds their device addresses
         self._row_src_dev = {p.name: cp.asarray(p.row_src.astype(np.int32)) for p in (self.fc1, self.fc2)}
         slot_arrays = {name: {key: (a.data.ptr, a.strides[0]) for key, a in arrays.items()}
                        for name, arrays in self.slots.items()}
         row_src = {name: a.data.ptr for name, a in self._row_src_dev.items()}
-        self._pack_desc = cp.asarray(descriptor(self._pack_plans, row_src, slot_arrays))
+        self._pack_desc = cp.asarray(descriptor(plans, row_src, slot_arrays))
 
     def _pack_expert(self, e: int, slot: int, stream) -> None:
         """Expert e's stored rows copied to one device buffer (one copy per tensor, on `stream`), then one pack_expert
