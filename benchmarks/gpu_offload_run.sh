@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the offload benchmark at full size with the dense part on onnxruntime-gpu's CUDA EP
 # (float16 model: the CUDA EP's attention takes fp16 / bf16 KV caches only), optionally preceded by the offload
-# engine's GPU tests (TESTS=1) and the CPU decode kernels' knobs swept at both goal shapes on this machine's cores
-# (CPUSWEEP=1).
+# engine's GPU tests (TESTS=1), the CPU decode kernels' knobs swept at both goal shapes on this machine's cores
+# (CPUSWEEP=1) and their scaling with threads (CPUSCALING=1). BENCH=0 leaves the offload benchmark out.
 # Run from the repository root with OUT set and SHAPE one of bench_offload's shapes; carry .whl (onnxruntime 1.32
 # CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin), with TESTS=1 .fixtures, and
 # .numba-cache where an earlier run's cache was saved.
@@ -45,13 +45,23 @@ fi
     done
     date -u
   fi
-  left=$((580 - SECONDS))
-  echo "== offload benchmark, $shape, float16, dense part on the GPU (${left} s left)"
-  PYTHONPATH=/tmp/site_gpu timeout $left python3 benchmarks/bench_offload.py --shape "$shape" --dtype float16 \
-    --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" --prefill-tokens 2048 ${BENCH_ARGS:-}
-  # the file this run wrote (the newest), not the committed ones of earlier runs
-  cp "$(ls -t benchmarks/results/offload-$shape-*.json | head -1)" "$OUT/" 2>/dev/null
-  date -u
+  if [ "${CPUSCALING:-0}" = 1 ]; then
+    for cpu_shape in A B; do
+      echo "== CPU decode kernel against threads, shape $cpu_shape (bench_cpu_scaling)"
+      PYTHONPATH=/tmp/site timeout 120 python3 benchmarks/bench_cpu_scaling.py --shape $cpu_shape --calls 40 2>&1 | tail -9
+      cp "$(ls -t benchmarks/results/cpu-scaling-shape$cpu_shape-*.json | head -1)" "$OUT/" 2>/dev/null
+    done
+    date -u
+  fi
+  if [ "${BENCH:-1}" = 1 ]; then
+    left=$((580 - SECONDS))
+    echo "== offload benchmark, $shape, float16, dense part on the GPU (${left} s left)"
+    PYTHONPATH=/tmp/site_gpu timeout $left python3 benchmarks/bench_offload.py --shape "$shape" --dtype float16 \
+      --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" --prefill-tokens 2048 ${BENCH_ARGS:-}
+    # the file this run wrote (the newest), not the committed ones of earlier runs
+    cp "$(ls -t benchmarks/results/offload-$shape-*.json | head -1)" "$OUT/" 2>/dev/null
+    date -u
+  fi
 } > "$log" 2>&1
 tar czf "$OUT/numba-cache.tgz" -C "$NUMBA_CACHE_DIR" . 2>/dev/null
 [ "$(stat -c %s "$OUT/numba-cache.tgz" 2>/dev/null || echo 0)" -le 16000000 ] || rm -f "$OUT/numba-cache.tgz"
