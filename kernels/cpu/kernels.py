@@ -913,12 +913,21 @@ def _claim(cnt, vic, th, nth, nck, order):
 
 
 @njit(inline="always")
-def _prefetch_row(w, sc, e, n, ahead):
-    """Prefetch the packed bytes and the scales of row n + ahead of expert e (clipped to the arrays)."""
+def _row_kernel_prefetches(bits, chunk, fmt):
+    """Whether the row kernel prefetches its own weight bytes ahead as it reads (simd.ROW_PREFETCH_AHEAD: the
+    table kernels of fp4, int2, and int4 rows of 16-byte chunks where AVX-512F is available)."""
+    return fmt == FMT_FP4 or bits == 2 or (HAS_AVX512F and bits == 4 and chunk == 16)
+
+
+@njit(inline="always")
+def _prefetch_row(w, sc, e, n, ahead, weights):
+    """Prefetch the scales of row n + ahead of expert e, and with `weights` its packed bytes (clipped to the
+    arrays)."""
     E, N, Kb = w.shape
     nb = sc.shape[2]
     row = e * N + n + ahead
-    prefetch_bytes(w, row * Kb, Kb)
+    if weights:
+        prefetch_bytes(w, row * Kb, Kb)
     prefetch_bytes(sc, row * nb * sc.itemsize, nb * sc.itemsize)
 
 
@@ -953,6 +962,7 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
     zg[:] = zdef1
     zu[:] = zdef1
     vic[0] = th
+    pfw = not _row_kernel_prefetches(bits1, chunk1, fmt1)
     total = experts.shape[0] * G
     ci = _claim(cnt, vic, th, nth, nck, order)
     while ci >= 0:
@@ -974,9 +984,9 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
                     ng = i
                     nu = i
                 if pf_rows > 0:
-                    _prefetch_row(w1, sc1, e, ng, pf_rows)
+                    _prefetch_row(w1, sc1, e, ng, pf_rows, pfw)
                     if swiglu and fusion == 2:
-                        _prefetch_row(w1, sc1, e, nu, pf_rows)
+                        _prefetch_row(w1, sc1, e, nu, pf_rows, pfw)
                 bg = b1[e, ng] if hb1 else np.float32(0.0)
                 bu = b1[e, nu] if hb1 else np.float32(0.0)
                 if zmode1 != 0:
@@ -1012,6 +1022,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
     H = w2.shape[1]
     zbuf[:] = zdef2
     vic[0] = th
+    pfw = not _row_kernel_prefetches(bits2, chunk2, fmt2)
     total = experts.shape[0] * H
     ci = _claim(cnt, vic, th, nth, nck, order)
     while ci >= 0:
@@ -1025,7 +1036,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
                 pass
             for n in range(idx - u * H, end - u * H):
                 if pf_rows > 0:
-                    _prefetch_row(w2, sc2, e, n, pf_rows)
+                    _prefetch_row(w2, sc2, e, n, pf_rows, pfw)
                 if zmode2 != 0:
                     _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
                 bval = b2[e, n] if hb2 else np.float32(0.0)
@@ -1047,7 +1058,8 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     their per-expert TBL_RECORDs (fp4; see _qdot); act: swiglu
     (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
     FC1 + activation, then FC2, over the (expert, row) space, handed out in contiguous chunks of ~chunk_bytes
-    through atomic counters (order: see _claim); pf_rows > 0 prefetches that many rows ahead. One parallel region:
+    through atomic counters (order: see _claim); pf_rows > 0 prefetches that many rows ahead (the scales only where
+    the row kernel prefetches its weight bytes itself: _row_kernel_prefetches). One parallel region:
     a thread goes on to FC2 once it finds no FC1 chunk left and waits only for experts whose FC1 is still running
     (per-expert counters); two regions cost a second fork / join (waking 16 passively waiting omp threads: tens of
     µs on the Xeon).

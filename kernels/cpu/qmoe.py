@@ -262,7 +262,9 @@ class CpuQMoE:
     gemm_rows = 72  # weight rows per GEMM task (a multiple of 6)
     gemm_cols = 128  # at most this many token columns per GEMM task
     gemv_prefetch_rows = 4  # decode: software prefetch this many rows ahead (0: hardware prefetch only);
-    # once the table kernels made decode memory bound, 2-8 rows ahead measured 12-15% faster on the 16-core Xeon
+    # once the table kernels made decode memory bound, 2-8 rows ahead measured 12-15% faster on the 16-core Xeon.
+    # The table kernels (int4 with AVX-512, fp4, int2) prefetch their weight bytes in the row loop themselves
+    # (simd.ROW_PREFETCH_AHEAD); for them these rows ahead are the scales' only.
     gemv_chunk_kb = 64  # decode: threads take the weight rows in chunks of about this many KB
     # decode chunk order: 0 one shared counter (chunks interleave between threads; measured on the Xeon);
     # 1 each thread streams its own contiguous span first, then takes chunks from the others' spans;
