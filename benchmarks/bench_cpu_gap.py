@@ -29,6 +29,7 @@ POLICIES = {  # name -> environment set before the OpenMP runtime loads
     "spin200k": {"GOMP_SPINCOUNT": "200000"},
     "spin1M": {"GOMP_SPINCOUNT": "1000000"},
     "spin3M": {"GOMP_SPINCOUNT": "3000000"},
+    "spin30M": {"GOMP_SPINCOUNT": "30000000"},
 }
 
 
