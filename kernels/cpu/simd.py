@@ -612,15 +612,17 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
         zero_v = ir.Constant(fvec_t, [0.0] * 16)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3), "llvm.fma.v16f32")
         accs = [cgutils.alloca_once_value(builder, zero_v) for _ in range(2 * slots)]
-        w_ptr = _row_pointers(context, builder, sig, args)[0]
-        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [w_ptr.type, _I32, _I32, _I32]),
+        i8p = _I8.as_pointer()
+        w_bytes = builder.bitcast(_row_pointers(context, builder, sig, args)[0], i8p)
+        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
                                             "llvm.prefetch.p0i8")
 
         def prefetch_ahead(i):
             """The weight bytes ROW_PREFETCH_AHEAD past chunk i (a prefetch never faults, past the array's end too)."""
             off = builder.add(builder.add(args[1], builder.shl(i, ir.Constant(_I64, 4))),
                               ir.Constant(_I64, ROW_PREFETCH_AHEAD))
-            builder.call(pf, [builder.gep(w_ptr, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            builder.call(pf, [builder.gep(w_bytes, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                              ir.Constant(_I32, 1)])
 
         def xload(i, s):
             o = builder.add(xoff, builder.mul(i, ir.Constant(_I64, 16)))
@@ -663,7 +665,7 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
             half = builder.ashr(nchunk, ir.Constant(_I64, 1))
             with cgutils.for_range(builder, half) as loop:
                 i0 = builder.shl(loop.index, ir.Constant(_I64, 1))
-                prefetch_ahead(i0)  # (twice per cache line: a branch to skip every other one cost as much)
+                prefetch_ahead(i0)  # (twice per cache line: the second finds the line in flight; as measured)
                 one_chunk(i0, accs[:slots])
                 one_chunk(builder.add(i0, ir.Constant(_I64, 1)), accs[slots:])
             odd = builder.icmp_signed("!=", builder.and_(nchunk, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
