@@ -68,6 +68,18 @@ static __device__ __forceinline__ void l2_prefetch_range(const void* p, long lon
         asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
 }
 
+// One FC1 activation into FC2's A-fragment layout: fp16 into hi (F16), or bf16 hi + the lo remainder
+template <int F16>
+static __device__ __forceinline__ void store_act(u16* __restrict__ hi, u16* __restrict__ lo, long long o, float a) {
+    if (F16) {
+        hi[o] = f2h(a);
+    } else {
+        const u16 h = f2bf(a);
+        hi[o] = h;
+        lo[o] = f2bf(a - bf2f(h));
+    }
+}
+
 template <int BITS, int NBT, int ZP, int MODE, int F16>
 static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #if QM_TC
@@ -262,14 +274,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                     const int col = 2 * t + c;
                     if (col < c_cnt) {
                         const float a = act_gated(act, v[c] + bg, v[2 + c] + bg8, alpha, beta, limit, has_limit);
-                        const long long o = (long long)(c_start + col) * KP2 + frag_off(i);
-                        if (F16) {
-                            ahi[o] = f2h(a);
-                        } else {
-                            const u16 h = f2bf(a);
-                            ahi[o] = h;
-                            alo[o] = f2bf(a - bf2f(h));
-                        }
+                        store_act<F16>(ahi, alo, (long long)(c_start + col) * KP2 + frag_off(i), a);
                     }
                 }
             }
@@ -283,14 +288,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                         const int col = 2 * t + c;
                         if (col < c_cnt) {
                             const float a = act_one(act, v[hh * 2 + c] + (hh ? bg8 : bg));
-                            const long long o = (long long)(c_start + col) * KP2 + frag_off(i);
-                            if (F16) {
-                                ahi[o] = f2h(a);
-                            } else {
-                                const u16 h = f2bf(a);
-                                ahi[o] = h;
-                                alo[o] = f2bf(a - bf2f(h));
-                            }
+                            store_act<F16>(ahi, alo, (long long)(c_start + col) * KP2 + frag_off(i), a);
                         }
                     }
                 }
