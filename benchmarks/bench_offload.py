@@ -188,7 +188,7 @@ def main() -> None:
         h = stats.hit_rate
         dense_per_token = profile["dense_s"] / profile["steps"]
         bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
-        # without a slot no miss can be copied: the misses' share is then bound by B_dram alone
+        # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
         cpu_only_bound_s = dense_per_token + (1 - h) * w_act / b_dram + h * w_act / b_hbm
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
         before = model.offload.stats.totals()
@@ -233,7 +233,8 @@ def main() -> None:
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "cpu_rate": model.offload.cpu_rate.value, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
-             "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info()},
+             "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info(),
+             "streaming_slots": [group.num_slots for group in model.offload.streaming.groups]},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
              "ratio": prefill / cpu_prefill, "split": prefill_split},

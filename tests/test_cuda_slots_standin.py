@@ -18,10 +18,11 @@ from engine.array_backend import CupyBackend
 from engine.decoder_state import DecoderState
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig
-from engine.offload.cuda_device import CudaSlots, staged_bytes
+from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, staged_bytes
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.devices import GIB, Bandwidths
 from engine.ort_env import DenseDevice
+from kernels.cpu import CpuQMoE
 from kernels.cpu.routing import route
 from tests.test_dense_device import FakeDeviceArray
 from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
@@ -71,8 +72,8 @@ class FakeCupy:
                 event.record(self)
                 return event
 
-            def wait_event(self, event):
-                fake.log.append(("wait", self.name, event.recorded_on.name))
+            def wait_event(self, event):  # an event never recorded is waited for at once, as in CUDA
+                fake.log.append(("wait", self.name, event.recorded_on.name if event.recorded_on else None))
 
             def synchronize(self):
                 fake.log.append(("sync", self.name))
@@ -139,6 +140,10 @@ class FakeGpuQMoE:
     def pack_expert(self, expert):
         return None
 
+    def set_source(self, spec, tensors):
+        """GpuQMoE.set_source: the streaming slots compute another node's experts from now on."""
+        self.kernel, self.spec = CpuQMoE(spec, tensors), spec
+
     def upload_expert(self, expert, slot, stream=None, packed=None):
         self.slot_of[self.slot_of == slot] = -1
         self.slot_of[expert] = slot
@@ -169,6 +174,13 @@ class FakeGpuQMoE:
         return out32 if out is None else out
 
 
+class FakeStreamingGpuQMoE(FakeGpuQMoE):
+    """FakeGpuQMoE made as CudaStreamingSlots makes its GpuQMoE: from a node's spec and tensors, slots empty."""
+
+    def __init__(self, spec, tensors, device=0, num_slots=None, resident=()):
+        super().__init__(CpuQMoE(spec, tensors), resident)
+
+
 class FakeCudaDevice:
     """CudaDevice's attributes over the CuPy stand-in (no pinned ring, no page-locked mapping)."""
 
@@ -197,6 +209,9 @@ class FakeCudaDevice:
     def create_slots(self, runner, num_slots: int) -> CudaSlots:
         return CudaSlots(self, runner, num_slots)
 
+    def create_streaming_slots(self, runner, num_slots: int) -> CudaStreamingSlots:
+        return CudaStreamingSlots(self, runner, num_slots)
+
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
@@ -215,6 +230,7 @@ def open_on_standin(model_folder, fraction, monkeypatch):
     cp = FakeCupy()
     monkeypatch.setattr(CudaSlots, "_make",
                         lambda self, slots, resident, tensors=None: FakeGpuQMoE(self.runner.kernel, resident))
+    monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", FakeStreamingGpuQMoE)  # what CudaStreamingSlots makes
     device = FakeCudaDevice(cp)
     budget = int(fraction * device_expert_bytes(model_folder))
     model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=budget))
@@ -266,8 +282,37 @@ def test_layers_with_cold_experts_merge_their_decode_results_on_the_standin(mode
     steps = len(cpu_run[1])
     assert len(merged) == SPEC.layers * steps  # every decode layer-step; the prompt is a prefill
     assert all(like is FakeDeviceArray and result is FakeDeviceArray for like, result, _ in merged)
-    assert any(launched for *_, launched in merged) == (fraction > 0)
+    assert any(launched for *_, launched in merged)  # at 0%: the streaming slots' launches
     totals = model.offload.stats.totals()
     assert totals.misses > 0 and model.offload.deferred == []
     # a merge: the dense part's stream waits for the compute stream after the addition, the host for nothing
     assert cp.log.count(("wait", "dense", "compute")) == len(merged)
+
+
+def test_streamed_misses_order_the_copy_and_compute_streams(model_folder, cpu_run, monkeypatch):
+    """A zero budget: decode misses copied into the shared streaming slots. The copy stream waits for the last
+    launch that read the slots (the first wait is for an event never recorded: none), the compute stream for the
+    copies, and the slots' release is recorded on the compute stream after each launch."""
+    model, cp = open_on_standin(model_folder, 0.0, monkeypatch)
+    streams = []
+    real = CudaSlots.stream
+
+    def spy(self, streaming, experts):
+        streams.append((len(cp.log), list(experts)))
+        return real(self, streaming, experts)
+
+    monkeypatch.setattr(CudaSlots, "stream", spy)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    group = model.offload.streaming.groups[0]
+    assert isinstance(group, CudaStreamingSlots) and group.num_slots == SPEC.top_k
+    assert model.offload.device.memory.by_purpose["decode streaming slots"] == SPEC.top_k * group.slot_bytes
+    assert streams and sum(len(e) for _, e in streams) == model.offload.stats.totals().miss_copies
+    first_at = streams[0][0]
+    assert cp.log[first_at] == ("wait", "copy", None)
+    for at, _ in streams[1:]:
+        assert cp.log[at] == ("wait", "copy", "compute")
+    for at, _ in streams:
+        # the copies (memmoves, not logged), the copy stream's event, the compute stream's wait for it, then the
+        # launch's start and stop and the slots' release
+        assert cp.log[at + 1:at + 6] == [("record", "copy"), ("wait", "compute", "copy"), ("record", "compute"),
+                                         ("record", "compute"), ("record", "compute")]

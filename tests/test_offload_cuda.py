@@ -187,3 +187,35 @@ def test_cuda_fp8_runs_on_the_cpu_in_auto_and_is_refused_in_required(tmp_path):
     assert tokens == ref_tokens
     with pytest.raises(OffloadPlanError, match="fp8"):
         LoadedModel.open(folder, offload=OffloadConfig(mode="required"), device=open_cuda_device())
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["registered-mapping", "pinned-ring"])
+def test_cuda_zero_budget_streams_misses_through_the_shared_slots(folder, monkeypatch, registered):
+    """A zero expert budget and a (pretended) very slow CPU: every decode miss of every layer goes through the
+    shared streaming slots (engine/offload/streaming.py), one layer after another overwriting them; the logits
+    are the CPU's up to fp16 rounding."""
+    from dataclasses import replace
+
+    from engine.offload.cuda_device import CudaDevice, open_cuda_device
+
+    if not registered:
+        monkeypatch.setattr(CudaDevice, "register_experts", lambda self, source, infos, owner: None)
+    reference = LoadedModel.open(folder)
+    ref_logits, ref_tokens = greedy_run(reference, steps=8)
+    device = open_cuda_device()
+    device.bandwidths = replace(device.bandwidths, cpu=1e3)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=device)
+    if registered:
+        assert model.host_registration.ready.wait(60) and model.host_registration.registered
+    group = model.offload.streaming.groups[0]
+    assert group.num_slots == SPEC.top_k
+    assert device.memory.by_purpose["decode streaming slots"] == SPEC.top_k * group.slot_bytes
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, ref_logits)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    totals = model.offload.stats.totals()
+    assert totals.hits == 0 and totals.miss_copies > 0
+    assert (device.pinned.copies == 0) == registered
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=device_total(folder)))
+    assert model.offload.streaming.groups == [] and device.memory.by_purpose["decode streaming slots"] == 0

@@ -343,16 +343,32 @@ def test_the_engine_leaves_miss_slots_and_copies_misses_into_them(model_folder, 
     assert totals.misses_copied > 0 and totals.misses_cpu > 0  # both the CPU and copies took misses
 
 
-def test_no_spare_slot_means_every_miss_on_the_cpu(model_folder, cpu_run, decisions):
-    model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=0)
+def _decode_four_steps(model):
     state = model.new_state()
     logits = model.decoder.forward(state, model.tokenizer.encode("The expert offload engine must be exact."))
     model.offload.stats.reset(len(model.offload.slots))
     for _ in range(4):
         logits = model.decoder.forward(state, [int(logits[-1].argmax())])
-    totals = model.offload.stats.totals()
+    return model.offload.stats.totals()
+
+
+def test_no_slot_and_no_streaming_slot_means_every_miss_on_the_cpu(model_folder, slot_bytes, decisions):
+    model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=0, device_working_bytes=slot_bytes - 1)
+    totals = _decode_four_steps(model)
     assert totals.misses > 0 and totals.misses_cpu == totals.misses and totals.misses_copied == 0
-    assert not decisions  # nothing to decide without a spare slot
+    assert not decisions  # nothing to decide without a slot to copy into
+
+
+def test_without_slots_the_streaming_slots_take_the_copies_the_policy_picks(model_folder, decisions):
+    """A zero budget: the policy weighs each layer's misses against the top-k streaming slots, with no residents
+    beside them, and the copies it picks are exactly the step's copied pairs."""
+    model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=0)
+    totals = _decode_four_steps(model)
+    assert decisions and all(spare == 4 for spare, _n, _d in decisions)  # SPEC's top-4: four streaming slots
+    assert all(d.predicted_s <= d.all_cpu_s for _s, _n, d in decisions)
+    decode = decisions[-4 * 3:]  # the four decode steps' three layers
+    assert totals.miss_copies == sum(d.num_copied for _s, _n, d in decode) > 0
+    assert totals.misses_cpu + totals.misses_copied == totals.misses
 
 
 def test_wanted_residents_are_never_spare():

@@ -213,6 +213,7 @@ class CudaSlots:
         self.num_slots = 0
         self.gpu = None
         self._wave = None
+        self._launched = None  # the GpuQMoE of the last launch (this node's, a wave's or the streaming slots'): merges
         self.prepare_s = 0.0  # host seconds of the last load before its copy could start
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
@@ -264,15 +265,36 @@ class CudaSlots:
         """Copy the expert into the slot on the copy stream: straight from the registered mapping and converted on
         the GPU, or converted to the kernel layout on the host and written into the pinned ring first."""
         started = time.perf_counter()
+        self._copy_in(self.gpu, slot, expert)
+        self.prepare_s = time.perf_counter() - started  # host seconds before the copy runs (miss policy)
+        self._order_after_copies()
+        return time.perf_counter() - started
+
+    @_on_compute_stream
+    def stream(self, streaming: "CudaStreamingSlots", experts: list[int]) -> float:
+        """Copy decode misses into the shared streaming slots (0, 1, ...) for this node's next launch(streamed=...);
+        their earlier contents are no longer valid. Returns the host seconds."""
+        started = time.perf_counter()
+        streaming.gpu.set_source(self.runner.info.spec, self.runner.tensors)
+        copy = self.device.copy_stream
+        copy.wait_event(streaming.released)  # no slot is overwritten while a launch still reads it
+        for slot, expert in enumerate(experts):
+            self._copy_in(streaming.gpu, slot, expert)
+        streaming.prepare_s = (time.perf_counter() - started) / max(1, len(experts))
+        self._order_after_copies()
+        return time.perf_counter() - started
+
+    def _copy_in(self, gpu, slot: int, expert: int) -> None:
+        """Issue the copy of this node's expert into `gpu`'s slot on the copy stream."""
         ring = self.device.pinned
         if self._direct():
             # straight from the registered file mapping, put in the kernel layout on the GPU: the host only issues it
-            self.gpu.upload_expert_device(expert, slot, stream=self.device.copy_stream)
+            gpu.upload_expert_device(expert, slot, stream=self.device.copy_stream)
         elif ring is None:
             with self.device.copy_stream:
-                self.gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=self.gpu.pack_expert(expert))
+                gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=gpu.pack_expert(expert))
         else:
-            packed = self.gpu.pack_expert(expert)
+            packed = gpu.pack_expert(expert)
             sizes = [_round_up(a.nbytes) for proj in packed.values() for a in proj.values()]
             start, end = ring.take(sum(sizes))
             pinned, offset = {}, start
@@ -282,13 +304,13 @@ class CudaSlots:
                     pinned[name][key] = ring.view(offset, array)
                     offset += _round_up(array.nbytes)
             with self.device.copy_stream:
-                self.gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=pinned)
+                gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=pinned)
             ring.issued(start, end, self.device.copy_stream)
-        self.prepare_s = time.perf_counter() - started  # host seconds before the copy runs (miss policy)
-        # Kernels on the compute stream must see the copy: order them after it.
+
+    def _order_after_copies(self) -> None:
+        """Kernels queued on the compute stream from now on see the copies issued so far."""
         self._copied.record(self.device.copy_stream)
         self.device.cp.cuda.get_current_stream().wait_event(self._copied)
-        return time.perf_counter() - started
 
     @_on_compute_stream
     def stage(self, experts: np.ndarray) -> float:
@@ -315,11 +337,14 @@ class CudaSlots:
         return time.perf_counter() - started
 
     @_on_compute_stream
-    def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
+    def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, streamed=None):
+        """Compute `expert_ids` (-1: skipped) on the device: from this node's slots, a staged prefill wave, or
+        (`streamed`) the streaming slots stream() just filled. Returns the pending work for collect."""
         cp = self.device.cp
-        gpu, local = self.gpu, None
+        gpu, local = self.gpu if streamed is None else streamed.gpu, None
         if self._wave is not None:
             (gpu, local), self._wave = self._wave, None
+        self._launched = gpu
         if local is not None:  # the wave's GpuQMoE numbers its experts 0..n-1
             position = np.clip(np.searchsorted(local, expert_ids), 0, len(local) - 1)
             expert_ids = np.where((expert_ids >= 0) & (local[position] == expert_ids), position, -1)
@@ -332,6 +357,8 @@ class CudaSlots:
                 start.record()
                 gpu.run_staged(buffers.x, buffers.ids, buffers.w, buffers.out)
                 stop.record()
+                if streamed is not None:
+                    streamed.released.record()
             return buffers, start, stop
         # prefill: the node's launches of one run (its residents, then every wave) share one upload of the
         # activations and one device accumulator, brought back once by flush()
@@ -431,7 +458,7 @@ class CudaSlots:
                     device_out = buffers.out
             if cpu_part is not None:
                 merge.upload(cpu_part, compute, to_sum=device_out is None)
-            merge.combine(device_out, cpu_part is not None, None if device_out is None else self.gpu.merge_sum)
+            merge.combine(device_out, cpu_part is not None, None if device_out is None else self._launched.merge_sum)
             if dense is not None:
                 dense.wait_event(compute.record(self._ordering))
             if buffers is not None:  # its next use is the next step's launch, after the host has waited
@@ -457,6 +484,32 @@ class CudaSlots:
         if self._prefill is not None:
             out += self.device.cp.asnumpy(self._prefill[2])
             self._prefill = None
+
+
+class CudaStreamingSlots:
+    """The decode streaming slots on the GPU (streaming.py): one GpuQMoE of `num_slots` empty slots, shared by the
+    nodes of one layout (CudaSlots.stream points it at a node's tensors before copying)."""
+
+    def __init__(self, device: "CudaDevice", runner, num_slots: int):
+        from kernels.gpu.qmoe import GpuQMoE
+
+        self.device, self.num_slots = device, num_slots
+        self.slot_bytes = runner.info.device_bytes_per_expert
+        self.prepare_s = 0.0  # host seconds to issue one copy, as last measured (miss policy)
+        device.memory.reserve(num_slots * self.slot_bytes, "decode streaming slots")
+        try:
+            with device.compute_stream:
+                self.gpu = GpuQMoE(runner.info.spec, runner.tensors, device=device.index, num_slots=num_slots,
+                                   resident=[])
+        except device.cp.cuda.memory.OutOfMemoryError as exc:
+            device.memory.release(num_slots * self.slot_bytes, "decode streaming slots")
+            raise DeviceMemoryError(f"the GPU ran out of memory for {num_slots} decode streaming slots ({exc})") from None
+        # recorded on the compute stream after each launch that reads the slots: copies into them wait for it
+        self.released = device.cp.cuda.Event(disable_timing=True)
+
+    def close(self) -> None:
+        self.gpu = None
+        self.device.memory.release(self.num_slots * self.slot_bytes, "decode streaming slots")
 
 
 class CudaDevice:
@@ -512,6 +565,9 @@ class CudaDevice:
 
     def create_slots(self, runner, num_slots: int) -> CudaSlots:
         return CudaSlots(self, runner, num_slots)
+
+    def create_streaming_slots(self, runner, num_slots: int) -> CudaStreamingSlots:
+        return CudaStreamingSlots(self, runner, num_slots)
 
 
 class _WholeWave(np.ndarray):

@@ -72,12 +72,22 @@ class SimulatedSlots:
         self.device.through_pinned([self.expert_bytes])
         return self.device.copy_seconds(self.expert_bytes)
 
+    def stream(self, streaming: "SimulatedStreamingSlots", experts: list[int]) -> float:
+        """Copy decode misses into the shared streaming slots for the next launch(streamed=...); returns the
+        modelled copy time."""
+        if len(experts) > streaming.num_slots:
+            raise IndexError(f"{self.name}: {len(experts)} experts for {streaming.num_slots} streaming slots")
+        self.device.through_pinned([self.expert_bytes] * len(experts))
+        return self.device.copy_seconds(len(experts) * self.expert_bytes)
+
     def stage(self, experts: np.ndarray) -> float:
         """Copy cold experts into the staging ring for one wave; returns the modelled copy time."""
         self.device.through_pinned([self.stored_bytes] * len(experts))
         return self.device.copy_seconds(len(experts) * self.wave_bytes)
 
-    def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray):
+    def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, streamed=None):
+        """Compute `expert_ids` (-1: skipped) on the "device" (the CPU kernel; from this node's slots, a staged wave
+        or the streaming slots alike); returns (the result, the modelled device seconds) for collect."""
         started = time.perf_counter()
         partial = np.zeros((x2d.shape[0], self.kernel.spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, expert_ids, weights, out=partial)
@@ -137,6 +147,19 @@ class SimulatedSlots:
         return pending
 
 
+class SimulatedStreamingSlots:
+    """The decode streaming slots on the simulated device (streaming.py): their bytes, counted."""
+
+    def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
+        self.device, self.num_slots = device, num_slots
+        self.slot_bytes = runner.info.device_bytes_per_expert
+        self.prepare_s = 0.0  # no host work readies a simulated copy
+        device.memory.reserve(num_slots * self.slot_bytes, "decode streaming slots")
+
+    def close(self) -> None:
+        self.device.memory.release(self.num_slots * self.slot_bytes, "decode streaming slots")
+
+
 class SimulatedDevice:
     kind = "simulated"
 
@@ -170,3 +193,6 @@ class SimulatedDevice:
 
     def create_slots(self, runner, num_slots: int) -> SimulatedSlots:
         return SimulatedSlots(self, runner, num_slots)
+
+    def create_streaming_slots(self, runner, num_slots: int) -> SimulatedStreamingSlots:
+        return SimulatedStreamingSlots(self, runner, num_slots)

@@ -19,6 +19,7 @@ from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
 from engine.offload.staging import NO_STAGING, plan_staging
+from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
 
@@ -65,6 +66,7 @@ class OffloadEngine:
         self.stores = [device.create_slots(runner, self.plan.slots[info.name])
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
+        self.streaming = self._plan_streaming(config)
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
         # statistics of this step that wait for its end, when the device's work is done (HybridExpertNode: fully
@@ -111,6 +113,12 @@ class OffloadEngine:
         if self.device is not None and config.mode != "disabled":
             plan.statements.extend(self.staging.statements())
         return plan
+
+    def _plan_streaming(self, config: OffloadConfig):
+        """The decode streaming slots of layers without an expert slot (streaming.py), once the slots are made."""
+        streaming = plan_streaming(config, self.runners, [layer.num_slots for layer in self.slots], self.device)
+        self.plan.statements.extend(streaming.statements)
+        return streaming
 
     @property
     def wave_experts(self) -> int:
@@ -252,6 +260,7 @@ class OffloadEngine:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)
         old_counts = [store.num_slots if store is not None else 0 for store in self.stores]
+        self.streaming.close()
         for store in self.stores:  # release first so the new plan sees the whole budget
             if store is not None:
                 store.resize(0)
@@ -265,6 +274,9 @@ class OffloadEngine:
                 if store is not None:
                     store.resize(count)
             self._reload_residents()
+            # the old plan's statements already say what its streaming slots are
+            self.streaming = plan_streaming(self.config, self.runners, [layer.num_slots for layer in self.slots],
+                                            self.device)
             raise
         for index, info in enumerate(self.infos):
             count = self.plan.slots[info.name]
@@ -272,6 +284,7 @@ class OffloadEngine:
             if self.stores[index] is not None:
                 self.stores[index].resize(count)
         self._reload_residents()
+        self.streaming = self._plan_streaming(config)
         old_scores = self.policy.scores
         self.config = config
         self.host_cache.set_budget(config.host_expert_bytes)

@@ -114,6 +114,23 @@ class HybridExpertNode:
                 cold = np.where(in_copied, -1, cold)
             if hits or copies:
                 pending = store.launch(x2d, np.where(on_device, ids, -1), weights)
+        elif (store is not None and missed and not shadow and engine.streaming.by_layer[layer] is not None
+              and self._decode(cold)):
+            # Decode at a layer without slots: the misses that pay are copied into the shared streaming slots and
+            # computed there in one launch, while the CPU computes the rest (streaming.py).
+            copy_before = stats.copy_s
+            copied = self._stream_misses(cold, stats, engine.streaming.by_layer[layer])
+            miss_copy_s = stats.copy_s - copy_before
+            if copied.size:
+                chosen = self._chosen
+                chosen[copied] = True
+                in_copied = chosen[cold]
+                chosen[copied] = False
+                copied_pairs = int(np.count_nonzero(in_copied))
+                copies = int(copied.size)
+                pending = store.launch(x2d, np.where(in_copied, cold, -1), weights,
+                                       streamed=engine.streaming.by_layer[layer])
+                cold = np.where(in_copied, -1, cold)
         elif store is not None:
             # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
             # rest meanwhile.
@@ -241,26 +258,49 @@ class HybridExpertNode:
         config = self.engine.config
         return config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens
 
-    def _copy_misses(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray, stats: LayerStats) -> np.ndarray:
-        """Decide with the cost model (miss_policy.py) which misses to copy into spare slots; copy
-        them (the placement policy is told); returns the copied experts."""
-        engine, store = self.engine, self.engine.stores[self.layer]
-        # The misses and their tokens in plain Python: a decode step has a handful, and np.unique on
-        # them cost ~35 µs under cProfile (issue #4). Ascending, as np.unique gave them.
+    @staticmethod
+    def _misses(cold: np.ndarray) -> tuple[list[int], list[int]]:
+        """The step's missed experts, ascending, and the tokens routed to each. Plain Python: a decode step has a
+        handful, and np.unique on them cost ~35 µs under cProfile (issue #4)."""
         tokens_of: dict[int, int] = {}
         for expert in cold.ravel().tolist():
             if expert >= 0:
                 tokens_of[expert] = tokens_of.get(expert, 0) + 1
         experts = sorted(tokens_of)
-        tokens = [tokens_of[expert] for expert in experts]
-        bandwidths = engine.device.bandwidths
-        # The CPU reads the stored expert; a copy moves it in the kernels' (converted) layout, which the device
-        # then reads: converted layouts (int2, fp4 ...) cost more on the device side than on the CPU side.
-        resident_s = len(set(ids[resident].tolist())) * store.read_bytes / bandwidths.hbm
-        costs = miss_costs(bandwidths, self.info.bytes_per_expert, tokens, resident_s,
-                           flops_per_token=self._flops_per_token, prepare_s=getattr(store, "prepare_s", 0.0),
-                           copy_bytes=store.expert_bytes, read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value,
-                           reuse=engine.copy_reuse.value)
+        return experts, [tokens_of[expert] for expert in experts]
+
+    def _miss_costs(self, tokens: list[int], resident_s: float, prepare_s: float, reuse: float | None):
+        """The miss policy's cost model for this layer's misses (miss_policy.miss_costs). The CPU reads the stored
+        expert; a copy moves it in the kernels' (converted) layout, which the device then reads: converted layouts
+        (int2, fp4 ...) cost more on the device side than on the CPU side."""
+        engine, store = self.engine, self.engine.stores[self.layer]
+        return miss_costs(engine.device.bandwidths, self.info.bytes_per_expert, tokens, resident_s,
+                          flops_per_token=self._flops_per_token, prepare_s=prepare_s, copy_bytes=store.expert_bytes,
+                          read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value, reuse=reuse)
+
+    def _stream_misses(self, cold: np.ndarray, stats: LayerStats, streaming) -> np.ndarray:
+        """Decide with the cost model which misses to copy into the streaming slots (no residents beside them, no
+        later hits to credit: they are overwritten by the next layer); copy them; returns the copied experts."""
+        experts, tokens = self._misses(cold)
+        costs = self._miss_costs(tokens, 0.0, streaming.prepare_s, None)
+        if not copying_pays(costs):
+            return _NONE
+        decision = choose(costs, streaming.num_slots)
+        self.last_decision = decision
+        chosen = [experts[i] for i in decision.copied.tolist()]
+        if chosen:
+            store = self.engine.stores[self.layer]
+            stats.copy_s += store.stream(streaming, chosen)
+            stats.copy_bytes += len(chosen) * store.expert_bytes
+        return np.array(chosen, dtype=np.int64)
+
+    def _copy_misses(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray, stats: LayerStats) -> np.ndarray:
+        """Decide with the cost model (miss_policy.py) which misses to copy into spare slots; copy
+        them (the placement policy is told); returns the copied experts."""
+        engine, store = self.engine, self.engine.stores[self.layer]
+        experts, tokens = self._misses(cold)
+        resident_s = len(set(ids[resident].tolist())) * store.read_bytes / engine.device.bandwidths.hbm
+        costs = self._miss_costs(tokens, resident_s, getattr(store, "prepare_s", 0.0), engine.copy_reuse.value)
         if not copying_pays(costs):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy

@@ -21,6 +21,7 @@ normalize_routing_weights; router_weights); the sparse mixer routes on the host 
 """
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 
@@ -237,11 +238,42 @@ class GpuQMoE:
                         self.slots[p.name][key][slot] = arr[0]
             self._map_slot(e, slot, stream)
 
+    def set_source(self, spec: QMoESpec, tensors: dict) -> None:
+        """Take experts from another node's stored tensors from now on (pack_expert, upload_expert*): one set of
+        slots shared by nodes of the same layout (the offload engine's decode streaming slots, one set for every
+        layer). The node must be read as stored (no conversion) in exactly this instance's layout and staging plan;
+        anything else raises ValueError. Checked once per node (by name), then a dictionary lookup. The slots keep
+        what they hold: the caller decides what is valid."""
+        known = self._sources.get(spec.node_name)
+        if known is None:
+            known = self._sources[spec.node_name] = self._source_of(spec, tensors)
+        self._tensors, self._pack_copies = known
+
+    def _source_of(self, spec: QMoESpec, tensors: dict) -> tuple:
+        """set_source's check: (the tensors, pack_expert's host copies of them)."""
+        if dataclasses.replace(spec, node_name=self.source_spec.node_name) != self.source_spec \
+                or self.conversion.kind != "none":
+            raise ValueError(f"node '{spec.node_name}': a layout other than the slots' ('{self.source_spec.node_name}')")
+        tensors = {k: v for k, v in tensors.items() if v is not None}
+        if set(tensors) != set(self._tensors) or any(
+                tensors[k].shape != self._tensors[k].shape or tensors[k].dtype != self._tensors[k].dtype
+                for k in tensors):
+            raise ValueError(f"node '{spec.node_name}': tensors other than the slots' in shape or dtype")
+        if self._pack_desc is None:
+            return tensors, None
+        plan1 = plan_for(self.spec, tensors, self.fc1)
+        plan2 = plan_for(self.spec, tensors, self.fc2, offset=plan1.nbytes) if plan1 else None
+        if plan2 is None or plan1.nbytes + plan2.nbytes != self._pack_bytes:
+            raise ValueError(f"node '{spec.node_name}': its tensors are not packed as the slots' are")
+        return tensors, [(off, a.ctypes.data, a.strides[0]) for plan in (plan1, plan2) for a, off in plan.parts.values()]
+
     def _init_device_pack(self) -> None:
         """pack_expert's plans for both projections and their descriptor on the device, made once (None: a layout it
         does not read, layout.pack instead)."""
         self.device_packs = 0  # experts upload_expert_device packed with pack_expert (tests check the path taken)
         self._pack_desc = None
+        self._pack_copies = None
+        self._sources: dict = {}  # node name -> (its tensors, pack_expert's copies of them): set_source
         plan1 = plan_for(self.spec, self._tensors, self.fc1)
         plan2 = plan_for(self.spec, self._tensors, self.fc2, offset=plan1.nbytes) if plan1 else None
         if plan2 is None:
@@ -258,6 +290,7 @@ class GpuQMoE:
                        for name, arrays in self.slots.items()}
         row_src = {name: a.data.ptr for name, a in self._row_src_dev.items()}
         self._pack_desc = cp.asarray(descriptor(plans, row_src, slot_arrays))
+        self._sources[self.source_spec.node_name] = (self._tensors, self._pack_copies)
 
     def _pack_expert(self, e: int, slot: int, stream) -> None:
         """Expert e's stored rows copied to one device buffer (one copy per tensor, on `stream`), then one pack_expert

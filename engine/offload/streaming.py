@@ -1,0 +1,79 @@
+"""Decode streaming slots: PCIe for the misses of layers that have no expert slot.
+
+With a zero expert budget (or one too small to give every layer a slot) a layer's decode misses could only run on
+the CPU, and anchors.md's bound for a miss, W / (B_dram + B_pcie), counts the PCIe link beside the CPU. So the engine
+keeps a few device slots outside the expert budget, shared by every such layer: in a decode step the miss policy
+(miss_policy.choose, no resident experts, no credit for later hits) copies the misses that shorten the step into
+them, one launch computes them while the CPU computes the rest, and the next layer's copies overwrite them. Nothing
+stays resident. They are device working memory, as the prefill staging ring is: session.moe.offload.
+device_working_bytes bounds them ('auto': a token's top-k experts per layout); a value below one slot turns them off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from engine.offload.config import OffloadConfig
+from engine.offload.device_memory import DeviceMemoryError
+from engine.units import human_bytes
+
+
+@dataclass
+class StreamingPlan:
+    by_layer: list                               # per expert node: its layout's streaming slots, or None
+    groups: list = field(default_factory=list)   # the streaming slots made (one per layout), to close on re-plan
+    statements: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.close()
+        self.groups.clear()
+        self.by_layer = [None] * len(self.by_layer)
+
+
+def _layout_key(info) -> tuple:
+    """Nodes whose experts one set of slots can hold: the same spec but for the name, the same tensor shapes."""
+    return dataclasses.replace(info.spec, node_name=""), info.device_bytes_per_expert
+
+
+def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], device) -> StreamingPlan:
+    """Streaming slots for the nodes the GPU kernels run as stored (no conversion: the slots take one node's experts
+    after another's) that got no expert slot, when misses may run on the CPU (cpu_execution disabled sends every
+    miss through the prefill staging ring instead). Slots that do not fit in device_working_bytes or in the device's
+    free memory are left out, with a statement; the CPU then computes those layers' misses."""
+    plan = StreamingPlan([None] * len(runners))
+    if device is None or config.mode == "disabled" or config.cpu_execution == "disabled":
+        return plan
+    wanted: dict[tuple, list[int]] = {}
+    for index, (runner, slots) in enumerate(zip(runners, layer_slots)):
+        info = runner.info
+        if slots == 0 and info.gpu is not None and not info.gpu.conversion:
+            wanted.setdefault(_layout_key(info), []).append(index)
+    left = config.device_working_bytes
+    for indices in wanted.values():
+        runner = runners[indices[0]]
+        slot_bytes = runner.info.device_bytes_per_expert
+        count = runner.info.spec.k
+        if left is not None:
+            count = min(count, left // slot_bytes)
+        count = min(count, device.memory.available // slot_bytes)
+        if count == 0:
+            plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots run on the CPU only: "
+                                   f"no room for a streaming slot of {human_bytes(slot_bytes)}.")
+            continue
+        try:
+            group = device.create_streaming_slots(runner, count)
+        except DeviceMemoryError as exc:
+            plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots run on the CPU only: "
+                                   f"{exc}.")
+            continue
+        plan.groups.append(group)
+        if left is not None:
+            left -= count * slot_bytes
+        for index in indices:
+            plan.by_layer[index] = group
+        plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots may also be copied to the "
+                               f"device, through {count} shared streaming slots ({human_bytes(count * slot_bytes)} "
+                               f"of working memory), while the CPU computes the rest.")
+    return plan

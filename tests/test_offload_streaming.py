@@ -1,0 +1,123 @@
+"""Decode streaming slots (engine/offload/streaming.py) on the simulated device: layers without an expert slot copy
+the misses the cost model picks into a few shared device slots and compute them there, with the same answers as the
+all-CPU run; the slots are working memory, counted, bounded by device_working_bytes, and re-planned with budgets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.offload.config import NodeOverride
+from engine.offload.devices import Bandwidths
+from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
+
+PURPOSE = "decode streaming slots"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    from engine.writer import write_model
+
+    return write_model(tmp_path_factory.mktemp("streaming") / "m", SPEC)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(model_folder):
+    return greedy_run(LoadedModel.open(model_folder))
+
+
+def slot_bytes(model) -> int:
+    return model.offload.infos[0].device_bytes_per_expert
+
+
+def decode_split(model) -> tuple[int, int, int]:
+    """(missed pairs on the CPU, missed pairs copied, experts copied) over the run."""
+    totals = model.offload.stats.totals()
+    return totals.misses_cpu, totals.misses_copied, totals.miss_copies
+
+
+def test_a_zero_budget_streams_decode_misses_with_the_same_answers(model_folder, cpu_run):
+    device = SimulatedDevice(1 << 30)  # the default bandwidths: a copy over PCIe beside the CPU pays
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    groups = model.offload.streaming.groups
+    assert len(groups) == 1 and groups[0].num_slots == SPEC.top_k  # one layout: one set of top-k slots for all layers
+    assert device.memory.by_purpose[PURPOSE] == SPEC.top_k * slot_bytes(model)
+    on_cpu, copied, copies = decode_split(model)
+    assert copies > 0 and copied >= copies and on_cpu > 0  # both at once: some misses copied, the rest on the CPU
+    assert model.offload.stats.totals().hits == 0  # nothing stays resident
+    assert any("streaming slots" in s for s in model.offload.plan.statements)
+
+
+def test_a_slow_link_copies_nothing(model_folder, cpu_run):
+    device = SimulatedDevice(1 << 30, bandwidths=Bandwidths(pcie=1e3))  # a copy takes longer than any CPU kernel
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert decode_split(model)[2] == 0  # no decode copy (prefill waves may copy)
+
+
+def test_device_working_bytes_bounds_the_slots(model_folder, cpu_run):
+    one = SimulatedDevice(1 << 30)
+    probe = LoadedModel.open(model_folder, device=one, offload=OffloadConfig(device_expert_bytes=0))
+    size = slot_bytes(probe)
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device,
+                             offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=2 * size + size // 2))
+    assert [g.num_slots for g in model.offload.streaming.groups] == [2]
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert max(step.miss_copies for step in model.offload.stats.layers) > 0
+    off = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=off, offload=OffloadConfig(device_expert_bytes=0,
+                                                                            device_working_bytes=size - 1))
+    assert model.offload.streaming.groups == [] and off.memory.by_purpose.get(PURPOSE, 0) == 0
+    assert any("CPU only" in s for s in model.offload.plan.statements)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert decode_split(model)[2] == 0  # no decode copy (prefill waves may copy)
+
+
+def test_only_layers_without_slots_stream_and_budgets_replan_them(model_folder, cpu_run):
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    engine = model.offload
+    assert all(group is not None for group in engine.streaming.by_layer)
+    # a budget that gives every layer slots: no streaming slots, their memory given back
+    engine.reconfigure(engine.config.updated(device_expert_bytes=device_expert_bytes(model_folder) // 2))
+    assert engine.streaming.by_layer == [None] * SPEC.layers and device.memory.by_purpose[PURPOSE] == 0
+    # slots for the first layer only (node_overrides): the other layers stream
+    no_slots = {info.name: NodeOverride(max_resident_slots=0) for info in engine.infos[1:]}
+    engine.reconfigure(engine.config.updated(device_expert_bytes=SPEC.num_experts * slot_bytes(model),
+                                             node_overrides=no_slots))
+    with_slots = [layer.num_slots > 0 for layer in engine.slots]
+    assert [group is None for group in engine.streaming.by_layer] == with_slots and not all(with_slots)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert device.memory.high_water <= device.memory.ceiling
+
+
+def test_cpu_execution_disabled_takes_no_streaming_slots(model_folder):
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device,
+                             offload=OffloadConfig(device_expert_bytes=0, cpu_execution="disabled"))
+    assert model.offload.streaming.groups == [] and device.memory.by_purpose.get(PURPOSE, 0) == 0
+
+
+def test_a_streaming_launch_carries_only_the_copied_misses(model_folder, monkeypatch):
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    store_type = type(model.offload.stores[0])
+    launched = []
+    real_launch = store_type.launch
+
+    def spy(self, x2d, ids, weights, streamed=None):
+        launched.append((streamed, ids.copy()))
+        return real_launch(self, x2d, ids, weights, streamed=streamed)
+
+    monkeypatch.setattr(store_type, "launch", spy)
+    greedy_run(model, steps=3)
+    group = model.offload.streaming.groups[0]
+    streamed = [ids for by, ids in launched if by is not None]
+    assert streamed and all(by is group for by, _ in launched if by is not None)
+    # at most one expert per slot, each a miss of that step (no slots: every routed expert is one)
+    assert all(0 < len(set(ids[ids >= 0].tolist())) <= group.num_slots for ids in streamed)
+    assert sum(len(set(ids[ids >= 0].tolist())) for ids in streamed) == decode_split(model)[2]
