@@ -143,6 +143,7 @@ def instrument(model, meter: Meter | None = None) -> Meter:
                 store.kernel = _DeviceKernel(base, meter.timed("kernel_device", original))
             for name in ("launch", "collect", "load", "stage"):
                 _wrap(store, name, meter, name)
+            _wrap(store, "stream", meter, "load")  # decode misses into the streaming slots: copies, as loads
             _wrap(store, "launch_routed", meter, "launch")  # a fully resident layer's launch, routing included
             _wrap(store, "merge_on_device", meter, "launch")  # a decode result merged on the device: host work
             _wrap(store, "to_host", meter, "to_host")  # inputs from GPU memory: waits for the dense part's stream
@@ -176,6 +177,7 @@ def _instrument_detail(model, meter: Meter) -> None:
     for runner in model.decoder.steps:
         if isinstance(runner, HybridExpertNode):
             _wrap(runner, "_copy_misses", meter, "miss_policy")
+            _wrap(runner, "_stream_misses", meter, "miss_policy")
     _wrap(engine.policy, "spare_slots", meter, "spare_slots")
     _wrap(engine.policy, "observe", meter, "observe")
     _wrap(engine.host_cache, "touch", meter, "host_cache")

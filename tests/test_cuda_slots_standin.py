@@ -316,3 +316,19 @@ def test_streamed_misses_order_the_copy_and_compute_streams(model_folder, cpu_ru
         # launch's start and stop and the slots' release
         assert cp.log[at + 1:at + 6] == [("record", "copy"), ("wait", "compute", "copy"), ("record", "compute"),
                                          ("record", "compute"), ("record", "compute")]
+
+
+def test_a_slow_first_copy_does_not_stop_streaming(model_folder, monkeypatch):
+    """The host time per copy the miss policy weighs: the first call (one-time costs) left out, then the least of
+    the last 16, so that one slow call cannot make copying look dear for good."""
+    model, _cp = open_on_standin(model_folder, 0.0, monkeypatch)
+    group = CudaStreamingSlots(model.offload.device, model.offload.runners[0], 2)
+    group.issued(5e-3)  # the first call: the pack kernel loaded, ...
+    assert group.prepare_s == 0.0
+    for seconds in (40e-6, 3e-3, 30e-6):
+        group.issued(seconds)
+    assert group.prepare_s == 30e-6
+    for _ in range(16):
+        group.issued(50e-6)
+    assert group.prepare_s == 50e-6  # older figures leave the window
+    group.close()

@@ -278,9 +278,10 @@ class CudaSlots:
         streaming.gpu.set_source(self.runner.info.spec, self.runner.tensors)
         copy = self.device.copy_stream
         copy.wait_event(streaming.released)  # no slot is overwritten while a launch still reads it
+        issuing = time.perf_counter()
         for slot, expert in enumerate(experts):
             self._copy_in(streaming.gpu, slot, expert)
-        streaming.prepare_s = (time.perf_counter() - started) / max(1, len(experts))
+        streaming.issued((time.perf_counter() - issuing) / max(1, len(experts)))
         self._order_after_copies()
         return time.perf_counter() - started
 
@@ -495,7 +496,9 @@ class CudaStreamingSlots:
 
         self.device, self.num_slots = device, num_slots
         self.slot_bytes = runner.info.device_bytes_per_expert
-        self.prepare_s = 0.0  # host seconds to issue one copy, as last measured (miss policy)
+        self.prepare_s = 0.0  # host seconds to issue one copy (issued(); the miss policy's prepare_s)
+        self._recent: deque = deque(maxlen=16)
+        self._calls = 0
         device.memory.reserve(num_slots * self.slot_bytes, "decode streaming slots")
         try:
             with device.compute_stream:
@@ -506,6 +509,16 @@ class CudaStreamingSlots:
             raise DeviceMemoryError(f"the GPU ran out of memory for {num_slots} decode streaming slots ({exc})") from None
         # recorded on the compute stream after each launch that reads the slots: copies into them wait for it
         self.released = device.cp.cuda.Event(disable_timing=True)
+
+    def issued(self, seconds_per_copy: float) -> None:
+        """One stream() call's host seconds per copy. prepare_s is the least of the last 16, the first call left out:
+        it pays one-time costs (the pack kernel's loading), and a pause of the host can inflate any call. An
+        inflated prepare_s would make the miss policy stop copying, and with no copy it would never be measured
+        again (seen on the H200: no copy in a whole benchmark after the first)."""
+        if self._calls:
+            self._recent.append(seconds_per_copy)
+            self.prepare_s = min(self._recent)
+        self._calls += 1
 
     def close(self) -> None:
         self.gpu = None
