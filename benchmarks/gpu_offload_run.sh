@@ -2,7 +2,8 @@
 # One call on the GPU machine: the offload benchmark at full size with the dense part on onnxruntime-gpu's CUDA EP
 # (float16 model: the CUDA EP's attention takes fp16 / bf16 KV caches only), optionally preceded by the offload
 # engine's GPU tests (TESTS=1), the CPU decode kernels' knobs swept at both goal shapes on this machine's cores
-# (CPUSWEEP=1) and their scaling with threads (CPUSCALING=1). BENCH=0 leaves the offload benchmark out.
+# (CPUSWEEP=1), their scaling with threads (CPUSCALING=1) and an A/B of two configurations (AB="bench_offload_ab's
+# arguments"). BENCH=0 leaves the offload benchmark out.
 # Run from the repository root with OUT set and SHAPE one of bench_offload's shapes; carry .whl (onnxruntime 1.32
 # CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin), with TESTS=1 .fixtures, and
 # .numba-cache where an earlier run's cache was saved.
@@ -51,6 +52,15 @@ fi
       PYTHONPATH=/tmp/site timeout 120 python3 benchmarks/bench_cpu_scaling.py --shape $cpu_shape --calls 40 2>&1 | tail -9
       cp "$(ls -t benchmarks/results/cpu-scaling-shape$cpu_shape-*.json | head -1)" "$OUT/" 2>/dev/null
     done
+    date -u
+  fi
+  if [ -n "${AB:-}" ]; then
+    # an A/B of two offload configurations in one process (bench_offload_ab), e.g. AB="--fractions 0 --b
+    # device_working_bytes=1" (the decode streaming slots off in B); the model is written to the bench's folder
+    echo "== offload A/B, $shape, float16: $AB"
+    PYTHONPATH=/tmp/site_gpu timeout 240 python3 benchmarks/bench_offload_ab.py --shape "$shape" --dtype float16 \
+      --device cuda --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" $AB 2>&1 | grep -v "plugin EP"
+    cp "$(ls -t benchmarks/results/offload-ab-$shape-*.json | head -1)" "$OUT/" 2>/dev/null
     date -u
   fi
   if [ "${BENCH:-1}" = 1 ]; then
