@@ -235,7 +235,8 @@ def main() -> None:
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
              "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info(),
              "streaming_slots": [group.num_slots for group in model.offload.streaming.groups],
-             "streaming_prepare_s": [group.prepare_s for group in model.offload.streaming.groups]},
+             "streaming_prepare_s": [group.prepare_s for group in model.offload.streaming.groups],
+             "streaming_launch_s": [group.launch_s for group in model.offload.streaming.groups]},
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
              "ratio": prefill / cpu_prefill, "split": prefill_split},
@@ -261,7 +262,8 @@ def main() -> None:
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
-              + "".join(f", {g.num_slots} streaming slots ({g.prepare_s * 1e6:.0f} µs to issue a copy)"
+              + "".join(f", {g.num_slots} streaming slots ({g.prepare_s * 1e6:.0f} µs to issue a copy, "
+                        f"{g.launch_s * 1e6:.0f} to launch and merge)"
                         for g in model.offload.streaming.groups)
               + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
                  if model.offload.copy_reuse.value is not None else ""),

@@ -93,7 +93,8 @@ def test_the_cost_model_finds_the_best_split_of_every_random_case():
         costs = MissCosts(cpu_s=rng.uniform(0.1, 3.0, n) * rng.choice([1e-4, 1e-3]), copy_s=float(rng.uniform(0, 2e-3)),
                           device_s=float(rng.uniform(0, 1e-3)), resident_s=float(rng.uniform(0, 3e-3)),
                           prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),
-                          credit_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])))  # later hits' credit
+                          credit_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),  # later hits' credit
+                          launch_s=float(rng.choice([0.0, rng.uniform(0, 2e-3)])))  # a launch of the copies' own
         spares = int(rng.integers(0, n + 2))
         decision = choose(costs, spares)
         best = min(costs.worth(np.array(subset, dtype=np.int64))
@@ -120,8 +121,26 @@ def test_copying_pays_exactly_when_the_policy_would_copy_something():
                           device_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 1e-3)])),
                           resident_s=float(rng.choice([0.0, 3e-4, rng.uniform(0, 3e-3)])),
                           prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),
-                          credit_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 1e-3)])))
+                          credit_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 1e-3)])),
+                          launch_s=float(rng.choice([0.0, 0.0, 2e-4, rng.uniform(0, 2e-3)])))
         assert copying_pays(costs) == (choose(costs, n).num_copied > 0), costs
+
+
+def test_a_launch_of_their_own_must_be_earned_by_the_copies():
+    """The streaming slots' copies need a launch and a merge of their own: its host time is paid once, so a
+    single copy may not pay where two do, and a dear enough launch stops all copies."""
+    cpu = np.full(4, 1e-3)  # four misses, 1 ms each on the CPU
+    cheap = MissCosts(cpu_s=cpu, copy_s=0.4e-3, device_s=0.0, resident_s=0.0, prepare_s=0.0, launch_s=0.5e-3)
+    # m = 1: 0.5 + max(3, 0.4) = 3.5 ms; m = 2: 0.5 + max(2, 0.8) = 2.5; m = 3: 0.5 + max(1, 1.2) = 1.7 ms
+    assert choose(cheap, 4).num_copied == 3 and choose(cheap, 4).predicted_s == pytest.approx(1.7e-3)
+    assert copying_pays(cheap)
+    dear = MissCosts(cpu_s=cpu, copy_s=0.4e-3, device_s=0.0, resident_s=0.0, prepare_s=0.0, launch_s=3e-3)
+    assert choose(dear, 4).num_copied == 0 and not copying_pays(dear)  # 3 + max(1, 1.2) = 4.2 > 4 ms at best
+    # m = 1 alone does not pay (1.05 + max(3, 0.2) = 4.05 > 4 ms) but two do (1.05 + 2 = 3.05): every m is tried
+    jump = MissCosts(cpu_s=np.full(4, 1e-3), copy_s=0.2e-3, device_s=0.0, resident_s=0.0, prepare_s=0.0,
+                     launch_s=1.05e-3)
+    assert jump._time(1, 3e-3) > jump._time(0, 4e-3) > jump._time(2, 2e-3)
+    assert copying_pays(jump) and choose(jump, 4).num_copied >= 2
 
 
 def test_the_cost_model_on_plain_numbers():

@@ -214,6 +214,7 @@ class CudaSlots:
         self.gpu = None
         self._wave = None
         self._launched = None  # the GpuQMoE of the last launch (this node's, a wave's or the streaming slots'): merges
+        self._streamed = None  # (the streaming slots, host seconds) of a streamed launch until its merge or collect
         self.prepare_s = 0.0  # host seconds of the last load before its copy could start
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
@@ -281,7 +282,7 @@ class CudaSlots:
         issuing = time.perf_counter()
         for slot, expert in enumerate(experts):
             self._copy_in(streaming.gpu, slot, expert)
-        streaming.issued((time.perf_counter() - issuing) / max(1, len(experts)))
+        streaming.issue.add((time.perf_counter() - issuing) / max(1, len(experts)))
         self._order_after_copies()
         return time.perf_counter() - started
 
@@ -341,6 +342,7 @@ class CudaSlots:
     def launch(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, streamed=None):
         """Compute `expert_ids` (-1: skipped) on the device: from this node's slots, a staged prefill wave, or
         (`streamed`) the streaming slots stream() just filled. Returns the pending work for collect."""
+        started = time.perf_counter()
         cp = self.device.cp
         gpu, local = self.gpu if streamed is None else streamed.gpu, None
         if self._wave is not None:
@@ -360,6 +362,7 @@ class CudaSlots:
                 stop.record()
                 if streamed is not None:
                     streamed.released.record()
+                    self._streamed = (streamed, time.perf_counter() - started)  # finished by the merge or collect
             return buffers, start, stop
         # prefill: the node's launches of one run (its residents, then every wave) share one upload of the
         # activations and one device accumulator, brought back once by flush()
@@ -391,7 +394,9 @@ class CudaSlots:
             self._step_buffers.give_back(result)
         else:
             stop.synchronize()
-        return cp.cuda.get_elapsed_time(start, stop) / 1e3
+        seconds = cp.cuda.get_elapsed_time(start, stop) / 1e3
+        self._finish_streamed(0.0)  # the wait for the device is not host work
+        return seconds
 
     # --- fully resident layers, inputs in GPU memory (the dense part on the GPU): no host round trip ---------
 
@@ -445,6 +450,7 @@ class CudaSlots:
         on the GPU. The CPU's part goes over from pinned memory, asynchronously; the dense part's stream waits for
         an event after the addition, the host for nothing. Returns (the result in like's shape, the launch's events
         for merged_done, or None)."""
+        started = time.perf_counter()
         cp = self.device.cp
         compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
         hidden = self.runner.info.spec.hidden_size
@@ -464,7 +470,15 @@ class CudaSlots:
                 dense.wait_event(compute.record(self._ordering))
             if buffers is not None:  # its next use is the next step's launch, after the host has waited
                 self._step_buffers.give_back(buffers)
+        self._finish_streamed(time.perf_counter() - started)
         return merge.result(like.shape), None if pending is None else (start, stop)
+
+    def _finish_streamed(self, seconds: float) -> None:
+        """A streamed launch's host seconds, with those of its merge or collect, to the streaming slots' launch_s."""
+        if self._streamed is not None:
+            streaming, launched = self._streamed
+            streaming.launching.add(launched + seconds)
+            self._streamed = None
 
     def merged_done(self, timing) -> float:
         """At the end of the step: the merged launch's device seconds (0 without one)."""
@@ -487,6 +501,25 @@ class CudaSlots:
             self._prefill = None
 
 
+class RecentHostSeconds:
+    """Host seconds of a repeated step of the decode path, for the miss policy: the median of the last 16 calls, the
+    first left out. A first call pays one-time costs (the pack kernel's loading, a graph's capture) and a pause of the
+    host can inflate any call; an inflated figure would make the policy stop copying, and with no copy it would
+    never be measured again (seen on the H200: no copy in a whole benchmark after the first)."""
+
+    def __init__(self):
+        self._recent: deque = deque(maxlen=16)
+        self._calls = 0
+        self.value = 0.0
+
+    def add(self, seconds: float) -> None:
+        if self._calls:
+            self._recent.append(seconds)
+            ordered = sorted(self._recent)
+            self.value = ordered[len(ordered) // 2]
+        self._calls += 1
+
+
 class CudaStreamingSlots:
     """The decode streaming slots on the GPU (streaming.py): one GpuQMoE of `num_slots` empty slots, shared by the
     nodes of one layout (CudaSlots.stream points it at a node's tensors before copying)."""
@@ -496,9 +529,10 @@ class CudaStreamingSlots:
 
         self.device, self.num_slots = device, num_slots
         self.slot_bytes = runner.info.device_bytes_per_expert
-        self.prepare_s = 0.0  # host seconds to issue one copy (issued(); the miss policy's prepare_s)
-        self._recent: deque = deque(maxlen=16)
-        self._calls = 0
+        # the miss policy's prepare_s and launch_s: host seconds to issue one copy into the slots, and of the launch
+        # that computes them and the merge of its result (CudaSlots.stream / launch / merge_on_device)
+        self.issue = RecentHostSeconds()
+        self.launching = RecentHostSeconds()
         device.memory.reserve(num_slots * self.slot_bytes, "decode streaming slots")
         try:
             with device.compute_stream:
@@ -510,15 +544,13 @@ class CudaStreamingSlots:
         # recorded on the compute stream after each launch that reads the slots: copies into them wait for it
         self.released = device.cp.cuda.Event(disable_timing=True)
 
-    def issued(self, seconds_per_copy: float) -> None:
-        """One stream() call's host seconds per copy. prepare_s is the least of the last 16, the first call left out:
-        it pays one-time costs (the pack kernel's loading), and a pause of the host can inflate any call. An
-        inflated prepare_s would make the miss policy stop copying, and with no copy it would never be measured
-        again (seen on the H200: no copy in a whole benchmark after the first)."""
-        if self._calls:
-            self._recent.append(seconds_per_copy)
-            self.prepare_s = min(self._recent)
-        self._calls += 1
+    @property
+    def prepare_s(self) -> float:
+        return self.issue.value
+
+    @property
+    def launch_s(self) -> float:
+        return self.launching.value
 
     def close(self) -> None:
         self.gpu = None

@@ -153,7 +153,8 @@ class SimulatedStreamingSlots:
     def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
         self.device, self.num_slots = device, num_slots
         self.slot_bytes = runner.info.device_bytes_per_expert
-        self.prepare_s = 0.0  # no host work readies a simulated copy
+        self.prepare_s = 0.0  # no host work readies a simulated copy ...
+        self.launch_s = 0.0   # ... or launches it (its stand-in compute is taken out of the projection)
         device.memory.reserve(num_slots * self.slot_bytes, "decode streaming slots")
 
     def close(self) -> None:

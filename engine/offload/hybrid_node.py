@@ -269,23 +269,23 @@ class HybridExpertNode:
         experts = sorted(tokens_of)
         return experts, [tokens_of[expert] for expert in experts]
 
-    def _miss_costs(self, tokens: list[int], resident_s: float, prepare_s: float, reuse: float | None):
+    def _miss_costs(self, tokens: list[int], resident_s: float, prepare_s: float, reuse: float | None,
+                    launch_s: float = 0.0):
         """The miss policy's cost model for this layer's misses (miss_policy.miss_costs). The CPU reads the stored
         expert; a copy moves it in the kernels' (converted) layout, which the device then reads: converted layouts
         (int2, fp4 ...) cost more on the device side than on the CPU side."""
         engine, store = self.engine, self.engine.stores[self.layer]
         return miss_costs(engine.device.bandwidths, self.info.bytes_per_expert, tokens, resident_s,
                           flops_per_token=self._flops_per_token, prepare_s=prepare_s, copy_bytes=store.expert_bytes,
-                          read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value, reuse=reuse)
+                          read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value, reuse=reuse, launch_s=launch_s)
 
     def _stream_misses(self, cold: np.ndarray, stats: LayerStats, streaming) -> np.ndarray:
         """Decide with the cost model which misses to copy into the streaming slots (no residents beside them, no
-        later hits to credit: they are overwritten by the next layer); copy them; returns the copied experts."""
+        later hits to credit: they are overwritten by the next layer; a launch and merge of their own, whose host time
+        the copies must earn back); copy them; returns the copied experts."""
         experts, tokens = self._misses(cold)
-        costs = self._miss_costs(tokens, 0.0, streaming.prepare_s, None)
-        if not copying_pays(costs):
-            return _NONE
-        decision = choose(costs, streaming.num_slots)
+        costs = self._miss_costs(tokens, 0.0, streaming.prepare_s, None, launch_s=streaming.launch_s)
+        decision = choose(costs, streaming.num_slots)  # it scans every m: launch_s breaks copying_pays' shortcut
         self.last_decision = decision
         chosen = [experts[i] for i in decision.copied.tolist()]
         if chosen:

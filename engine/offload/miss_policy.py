@@ -11,9 +11,10 @@ The model, per layer and step, with n cold experts hit by routing and S spare sl
     dev     = read_bytes / B_hbm                                       the device computing one expert
     prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the
               measured conversion to the kernel layout and write into the pinned ring)
-    T(C)    = max( m·prep + Σ_{i ∉ C} cpu_i ,  t_resident + m·(prep + copy + dev) ),  m = |C|
+    T(C)    = max( m·prep + Σ_{i ∉ C} cpu_i ,  t_resident + m·(prep + copy + dev) ) + [m > 0]·launch,  m = |C|
 
-for the set C of copied misses, m ≤ S. The CPU readies the copies, then computes its misses; the copies
+for the set C of copied misses, m ≤ S (launch: the host time of a launch and merge of their own, where copies need
+one: the decode streaming slots, streaming.py). The CPU readies the copies, then computes its misses; the copies
 run on the copy stream meanwhile, and one launch computes the residents and the copied experts once the
 copies are in (hybrid_node.py: a second launch for the copied ones cost the host more than the residents'
 few µs of device time it let start earlier). A copied expert stays resident: where routing comes back to it
@@ -112,6 +113,8 @@ class MissCosts:
     resident_s: float      # the device computing this step's resident experts
     prepare_s: float = 0.0  # host seconds to ready one expert for its copy
     credit_s: float = 0.0   # later steps' expected savings per copy (CopyReuse)
+    launch_s: float = 0.0   # host seconds a device part of its own adds once to a step with copies (the streaming
+                            # slots' launch and merge; 0 where a launch of residents runs anyway)
 
     def step_seconds(self, copied: np.ndarray) -> float:
         """T(C) for a bool mask (or index array) of copied misses."""
@@ -131,7 +134,7 @@ class MissCosts:
     def _time(self, m: int, cpu_rest: float) -> float:
         cpu = m * self.prepare_s + cpu_rest
         device = self.resident_s + m * (self.prepare_s + self.copy_s + self.device_s)
-        return max(cpu, device)
+        return max(cpu, device) + (self.launch_s if m else 0.0)  # the host issues the launch before the CPU starts
 
     def _worth(self, m: int, cpu_rest: float) -> float:
         return self._time(m, cpu_rest) - m * self.credit_s
@@ -153,12 +156,12 @@ class MissDecision:
 def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
                read_bytes: int | None = None, cpu_rate: float | None = None,
-               reuse: float | None = None) -> MissCosts:
+               reuse: float | None = None, launch_s: float = 0.0) -> MissCosts:
     """The cost model's inputs from measured (or assumed) bandwidths: `tokens` holds, per miss, the
     tokens routed to it in this step. `expert_bytes`: the stored expert (CPU reads); `copy_bytes` /
     `read_bytes`: the expert in the device's layout, copied / read by the device (default expert_bytes);
     `cpu_rate`: the CPU kernels' measured bytes per second (CpuRate), when lower than bandwidths.cpu;
-    `reuse`: later hits per copy (CopyReuse; None: not measured, no credit)."""
+    `reuse`: later hits per copy (CopyReuse; None: not measured, no credit); `launch_s`: see MissCosts."""
     # Plain Python over the few misses of a decode step (n <= 8 per token): NumPy's per-call overhead on
     # such tiny arrays cost more than the arithmetic (issue #4).
     tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
@@ -173,7 +176,7 @@ def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
     device = read_bytes / bandwidths.hbm
     return MissCosts(cpu_s=np.array(cpu, dtype=np.float64), copy_s=copy_bytes / bandwidths.pcie,
                      device_s=device, resident_s=float(resident_s), prepare_s=float(prepare_s),
-                     credit_s=(reuse or 0.0) * max(0.0, read - device))
+                     credit_s=(reuse or 0.0) * max(0.0, read - device), launch_s=float(launch_s))
 
 
 def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
@@ -201,13 +204,16 @@ def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
 def copying_pays(costs: MissCosts) -> bool:
     """Whether copying any miss can pay, whatever the spare slots: T(m) is convex in m (the CPU's term
     falls by ever smaller steps, the device's grows linearly) and so is W(m) = T(m) - m · credit,
-    so some m > 0 beats m = 0 exactly when m = 1 does. Lets a caller skip looking for spare slots (issue #4)."""
+    so some m > 0 beats m = 0 exactly when m = 1 does. Lets a caller skip looking for spare slots (issue #4).
+    A fixed launch_s breaks that at m = 0 (W jumps by it there): then every m is tried."""
     cpu = costs.cpu_s.tolist()
     if not cpu:
         return False
     total = sum(cpu)
     stay = costs._worth(0, total)
-    return costs._worth(1, total - max(cpu)) < stay - _TIE * abs(stay)
+    if not costs.launch_s:
+        return costs._worth(1, total - max(cpu)) < stay - _TIE * abs(stay)
+    return choose(costs, len(cpu)).num_copied > 0
 
 
 def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, top_k: int, prepare_s: float = 0.0,
