@@ -204,7 +204,8 @@ def test_cuda_zero_budget_streams_misses_through_the_shared_slots(folder, monkey
     ref_logits, ref_tokens = greedy_run(reference, steps=8)
     device = open_cuda_device()
     device.bandwidths = replace(device.bandwidths, cpu=1e3)
-    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=device)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=1 << 30),
+                             device=device)
     if registered:
         assert model.host_registration.ready.wait(60) and model.host_registration.registered
     group = model.offload.streaming.groups[0]

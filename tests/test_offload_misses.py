@@ -381,7 +381,7 @@ def test_no_slot_and_no_streaming_slot_means_every_miss_on_the_cpu(model_folder,
 def test_without_slots_the_streaming_slots_take_the_copies_the_policy_picks(model_folder, decisions):
     """A zero budget: the policy weighs each layer's misses against the top-k streaming slots, with no residents
     beside them, and the copies it picks are exactly the step's copied pairs."""
-    model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=0)
+    model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=0, device_working_bytes=1 << 30)
     totals = _decode_four_steps(model)
     assert decisions and all(spare == 4 for spare, _n, _d in decisions)  # SPEC's top-4: four streaming slots
     assert all(d.predicted_s <= d.all_cpu_s for _s, _n, d in decisions)

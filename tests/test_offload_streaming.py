@@ -14,6 +14,7 @@ from engine.offload.devices import Bandwidths
 from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
 
 PURPOSE = "decode streaming slots"
+STREAMING = dict(device_expert_bytes=0, device_working_bytes=1 << 30)  # a zero budget, streaming slots asked for
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,18 @@ def decode_split(model) -> tuple[int, int, int]:
     return totals.misses_cpu, totals.misses_copied, totals.miss_copies
 
 
+def test_streaming_slots_are_off_unless_device_working_bytes_asks(model_folder, cpu_run):
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    assert model.offload.streaming.groups == [] and device.memory.by_purpose.get(PURPOSE, 0) == 0
+    assert any("device_working_bytes would let" in s for s in model.offload.plan.statements)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert decode_split(model)[2] == 0
+
+
 def test_a_zero_budget_streams_decode_misses_with_the_same_answers(model_folder, cpu_run):
     device = SimulatedDevice(1 << 30)  # the default bandwidths: a copy over PCIe beside the CPU pays
-    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(**STREAMING))
     assert_same_as_cpu(greedy_run(model), cpu_run)
     groups = model.offload.streaming.groups
     assert len(groups) == 1 and groups[0].num_slots == SPEC.top_k  # one layout: one set of top-k slots for all layers
@@ -53,14 +63,14 @@ def test_a_zero_budget_streams_decode_misses_with_the_same_answers(model_folder,
 
 def test_a_slow_link_copies_nothing(model_folder, cpu_run):
     device = SimulatedDevice(1 << 30, bandwidths=Bandwidths(pcie=1e3))  # a copy takes longer than any CPU kernel
-    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(**STREAMING))
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert decode_split(model)[2] == 0  # no decode copy (prefill waves may copy)
 
 
 def test_device_working_bytes_bounds_the_slots(model_folder, cpu_run):
     one = SimulatedDevice(1 << 30)
-    probe = LoadedModel.open(model_folder, device=one, offload=OffloadConfig(device_expert_bytes=0))
+    probe = LoadedModel.open(model_folder, device=one, offload=OffloadConfig(**STREAMING))
     size = slot_bytes(probe)
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, device=device,
@@ -79,7 +89,7 @@ def test_device_working_bytes_bounds_the_slots(model_folder, cpu_run):
 
 def test_only_layers_without_slots_stream_and_budgets_replan_them(model_folder, cpu_run):
     device = SimulatedDevice(1 << 30)
-    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(**STREAMING))
     engine = model.offload
     assert all(group is not None for group in engine.streaming.by_layer)
     # a budget that gives every layer slots: no streaming slots, their memory given back
@@ -98,13 +108,13 @@ def test_only_layers_without_slots_stream_and_budgets_replan_them(model_folder, 
 def test_cpu_execution_disabled_takes_no_streaming_slots(model_folder):
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, device=device,
-                             offload=OffloadConfig(device_expert_bytes=0, cpu_execution="disabled"))
+                             offload=OffloadConfig(**STREAMING, cpu_execution="disabled"))
     assert model.offload.streaming.groups == [] and device.memory.by_purpose.get(PURPOSE, 0) == 0
 
 
 def test_a_streaming_launch_carries_only_the_copied_misses(model_folder, monkeypatch):
     device = SimulatedDevice(1 << 30)
-    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=0))
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(**STREAMING))
     store_type = type(model.offload.stores[0])
     launched = []
     real_launch = store_type.launch

@@ -5,8 +5,12 @@ the CPU, and anchors.md's bound for a miss, W / (B_dram + B_pcie), counts the PC
 keeps a few device slots outside the expert budget, shared by every such layer: in a decode step the miss policy
 (miss_policy.choose, no resident experts, no credit for later hits) copies the misses that shorten the step into
 them, one launch computes them while the CPU computes the rest, and the next layer's copies overwrite them. Nothing
-stays resident. They are device working memory, as the prefill staging ring is: session.moe.offload.
-device_working_bytes bounds them ('auto': a token's top-k experts per layout); a value below one slot turns them off.
+stays resident. They are device working memory, as the prefill staging ring is, and session.moe.offload.
+device_working_bytes asks for them: up to a token's top-k slots per layout within those bytes. Off by default
+('auto'): on the H200 machine they gained 1.05x at gpt-oss-20b-like's 0% and lost 1.1x at Qwen3-30B-A3B-like's
+(benchmarks/RESULTS.md, eleventh session). Each copy and the launch cost the host 40-70 µs and ~100 µs a layer, all
+before the CPU kernel starts, and the copies' DMA reads the same DRAM as the CPU kernel; they pay where the CPU is
+slow against PCIe (fewer cores, or other work on them).
 """
 
 from __future__ import annotations
@@ -38,26 +42,29 @@ def _layout_key(info) -> tuple:
 
 
 def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], device) -> StreamingPlan:
-    """Streaming slots for the nodes the GPU kernels run as stored (no conversion: the slots take one node's experts
-    after another's) that got no expert slot, when misses may run on the CPU (cpu_execution disabled sends every
-    miss through the prefill staging ring instead). Slots that do not fit in device_working_bytes or in the device's
-    free memory are left out, with a statement; the CPU then computes those layers' misses."""
+    """Streaming slots, where device_working_bytes asks for them, for the nodes the GPU kernels run as stored (no
+    conversion: the slots take one node's experts after another's) that got no expert slot, when misses may run on
+    the CPU (cpu_execution disabled sends every miss through the prefill staging ring instead). Slots that do not fit
+    in device_working_bytes or in the device's free memory are left out, with a statement; the CPU then computes
+    those layers' misses."""
     plan = StreamingPlan([None] * len(runners))
     if device is None or config.mode == "disabled" or config.cpu_execution == "disabled":
         return plan
+    left = config.device_working_bytes
     wanted: dict[tuple, list[int]] = {}
     for index, (runner, slots) in enumerate(zip(runners, layer_slots)):
         info = runner.info
         if slots == 0 and info.gpu is not None and not info.gpu.conversion:
             wanted.setdefault(_layout_key(info), []).append(index)
-    left = config.device_working_bytes
+    if wanted and left is None:
+        layers = sum(len(indices) for indices in wanted.values())
+        plan.statements.append(f"Decode misses of {layers} layers without expert slots run on the CPU; "
+                               f"device_working_bytes would let some also go over PCIe (decode streaming slots).")
+        return plan
     for indices in wanted.values():
         runner = runners[indices[0]]
         slot_bytes = runner.info.device_bytes_per_expert
-        count = runner.info.spec.k
-        if left is not None:
-            count = min(count, left // slot_bytes)
-        count = min(count, device.memory.available // slot_bytes)
+        count = min(runner.info.spec.k, left // slot_bytes, device.memory.available // slot_bytes)
         if count == 0:
             plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots run on the CPU only: "
                                    f"no room for a streaming slot of {human_bytes(slot_bytes)}.")
@@ -69,8 +76,7 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
                                    f"{exc}.")
             continue
         plan.groups.append(group)
-        if left is not None:
-            left -= count * slot_bytes
+        left -= count * slot_bytes
         for index in indices:
             plan.by_layer[index] = group
         plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots may also be copied to the "
