@@ -38,6 +38,18 @@ static __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32
 #endif
 }
 
+// fp16x2 (lo, lo) / (hi, hi) of v: plain PTX moves that ptxas can fold into the HMUL2 operand's half selectors
+static __device__ __forceinline__ u32 h2lo(u32 v) {
+    u32 d;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {l, l}; }" : "=r"(d) : "r"(v));
+    return d;
+}
+static __device__ __forceinline__ u32 h2hi(u32 v) {
+    u32 d;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {h, h}; }" : "=r"(d) : "r"(v));
+    return d;
+}
+
 static __device__ __forceinline__ void sts32(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
@@ -57,9 +69,26 @@ struct Pf2Smem {
     static const int TOTAL = BOFF + 2 * PF2_BTILE;
 };
 
-// byte offset of (row, k) (k even) in a B tile
-static __device__ __forceinline__ u32 pf2_boff(int row, int k) {
-    return (u32)(row * 128 + ((((k >> 3) ^ (row & 7))) << 4) + ((k & 7) << 1));
+// the MMAs of one k-tile for the warp's first N m16 token tiles (of MTW): per k-step j, B fragments of the warp's
+// 4 n8 blocks (x4 per row tile r: (rows 0-7, k lo), (rows 0-7, k hi), (rows 8-15, k lo), (rows 8-15, k hi)), then per
+// m16 tile mi (token rows (wm + 2 mi) * 16 ..: 4096 bytes apart) one A ldmatrix and 4 MMAs
+template <int N, int MTW>
+static __device__ __forceinline__ void pf2_mma(float (&acc)[MTW][4][4], u32 abase, u32 bbase, const u32 (&aoff)[4],
+                                               const u32 (&boff)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 b[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) ldmatrix_x4(bbase + boff[j] + r * 2048, b[r][0], b[r][1], b[r][2], b[r][3]);
+#pragma unroll
+        for (int mi = 0; mi < N; ++mi) {
+            u32 a0, a1, a2, a3;
+            ldmatrix_x4(abase + aoff[j] + mi * 4096, a0, a1, a2, a3);
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni)
+                mma_f16(acc[mi][ni], a0, a1, a2, a3, b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+        }
+    }
 }
 
 template <int BITS, int BM, int MODE, int STM>
@@ -133,7 +162,7 @@ static __device__ __forceinline__ void pf2_gemm_impl(QM_PF_ARGS) {
 #pragma unroll
         for (int i = 0; i < CPT; ++i) cp_async16(base + adst[i], asrc[i] + kt * 64, asz[i]);
 #pragma unroll
-        for (int i = 0; i < WCH; ++i) cp_async16(base + wdst[i], wsrc[i] + (long long)kt * TR::TB, wok[i] ? 16 : 0);
+        for (int i = 0; i < WCH; ++i) cp_async16(base + wdst[i], wsrc[i] + kt * TR::TB, wok[i] ? 16 : 0);
         if (blockwise) {
             const int b0 = (kt << 6) >> bs_log2;
             if (s_on) cp_async16(base + sdst, ssrc + (long long)b0 * 16 * ssz, 16);
@@ -153,21 +182,59 @@ static __device__ __forceinline__ void pf2_gemm_impl(QM_PF_ARGS) {
         set_hz<BITS>(zc, z0, z1);
     }
 
-    // dequantise k-tile in ring stage st into B buffer bb: warp's row tile, lane's fragment values
+    // Shared-memory offsets, loop-invariant. In a 128-byte row of the A or B tile, k-step j's 16-byte chunks are
+    // 2j and 2j + 1, stored at chunk ^ (row & 7): the offset of k-step j is k-step 0's XOR (j << 5) (row part in bits
+    // >= 7, chunk in bits 4-6; the stage / buffer offsets added later are multiples of 512).
+    const int l7 = lane & 7;
+    u32 aoff[4], boff[4], soff[4], soff2[4];
+    {
+        const u32 a0 = (u32)((wm * 16 + (lane & 15)) * 128 + (((lane >> 4) ^ l7) << 4));
+        const u32 b0 = (u32)(SM::BOFF + (wn * 32 + l7 + ((lane >> 4) << 3)) * 128 + ((((lane >> 3) & 1) ^ l7) << 4));
+        // dequantised stores: stmatrix (lane: row l7 (+8 for matrices 1, 3), chunk 2j (+1 for matrices 2, 3)) or
+        // st.shared (rows g / g + 8 at +1024: soff = chunk 2j, soff2 = chunk 2j + 1, word t)
+        const u32 s0 = STM ? (u32)(SM::BOFF + (warp * 16 + l7 + ((lane >> 3) & 1) * 8) * 128 + (((lane >> 4) ^ l7) << 4))
+                           : (u32)(SM::BOFF + (warp * 16 + g) * 128 + (g << 4) + 4 * t);
+        const u32 s1 = (u32)(SM::BOFF + (warp * 16 + g) * 128 + ((1 ^ g) << 4) + 4 * t);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            aoff[j] = a0 ^ (u32)(j << 5);
+            boff[j] = b0 ^ (u32)(j << 5);
+            soff[j] = s0 ^ (u32)(j << 5);
+            soff2[j] = s1 ^ (u32)(j << 5);
+        }
+    }
+    const int qsh = (!blockwise || bs_log2 >= 6) ? 8 : bs_log2 - 4;  // scale block of k-step j: j >> qsh
+    const u32 w_off = (u32)(SM::A + warp * TR::TB + lane * TR::LB);
+    const u32 sc_off = (u32)(SM::A + SM::W + warp * 128 + g * 4);
+    const u32 zp_off = (u32)(SM::A + SM::W + SM::S + warp * 64 + g * 2);
+
+    // dequantise the k-tile in ring stage st into B buffer bb: the warp's row tile, the lane's fragment values
     auto dequant = [&](int st, int bb) {
         if (!deq_on) return;
         const unsigned char* sp = pf_smem + st * SM::STAGE;
-        const u32 bbase = sbase + (u32)(SM::BOFF + bb * PF2_BTILE);
+        const u32 bbase = sbase + (u32)(bb * PF2_BTILE);
         uint4 wv[TR::LW];
 #pragma unroll
-        for (int q = 0; q < TR::LW; ++q)
-            wv[q] = *reinterpret_cast<const uint4*>(sp + SM::A + warp * TR::TB + lane * TR::LB + q * 16);
+        for (int q = 0; q < TR::LW; ++q) wv[q] = *reinterpret_cast<const uint4*>(sp + w_off + q * 16);
+        // the block scales of rows g, g + 8 for k-step j: block j >> qsh of the k-tile (qsh 8: one block, 1: block 32,
+        // 0: block 16); the four 32-byte block slots read unconditionally (the stage's scale area is 128 bytes per
+        // row tile), then selected
+        u32 sv[4] = {0u, 0u, 0u, 0u};
+        if (blockwise) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) sv[q] = *reinterpret_cast<const u32*>(sp + sc_off + q * 32);
+            if (qsh != 0) {
+                sv[3] = qsh == 1 ? sv[1] : sv[0];
+                sv[2] = qsh == 1 ? sv[1] : sv[0];
+                sv[1] = sv[0];
+            }
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int q = (!blockwise || bs_log2 >= 6) ? 0 : (j >> (bs_log2 - 4));
+            const int q = j >> qsh;
             u32 z2[2] = {zc[0], zc[1]};
             if (has_zp && blockwise) {
-                const u32 zv = *reinterpret_cast<const u16*>(sp + SM::A + SM::W + SM::S + warp * 64 + q * 16 + g * 2);
+                const u32 zv = *reinterpret_cast<const u16*>(sp + zp_off + q * 16);
                 set_hz<BITS>(z2, (int)(zv & 0xffu), (int)((zv >> 8) & 0xffu));
             }
             u32 bf[4];
@@ -178,8 +245,7 @@ static __device__ __forceinline__ void pf2_gemm_impl(QM_PF_ARGS) {
                 deq8_f16(u4c(w8, (j & 1) * 2), u4c(w8, (j & 1) * 2 + 1), z2[0], z2[1], bf);
             }
             if (blockwise) {
-                const u32 v = *reinterpret_cast<const u32*>(sp + SM::A + SM::W + warp * 128 + (q * 16 + g * 2) * 2);
-                const u32 s0 = __byte_perm(v, v, 0x1010u), s1 = __byte_perm(v, v, 0x3232u);
+                const u32 s0 = h2lo(sv[j]), s1 = h2hi(sv[j]);
                 bf[0] = hmul2(bf[0], s0);
                 bf[1] = hmul2(bf[1], s1);
                 bf[2] = hmul2(bf[2], s0);
@@ -187,16 +253,12 @@ static __device__ __forceinline__ void pf2_gemm_impl(QM_PF_ARGS) {
             }
             // bf[0] = (row g, k 16j + 2t), bf[1] = (row g + 8, same k), bf[2] = (row g, k + 8), bf[3] = (row g + 8, k + 8)
             if (STM) {
-                // stmatrix x4: lanes 8i .. 8i + 7 address the rows of matrix i = bf[i]
-                const int i = lane >> 3;
-                const int row = warp * 16 + (lane & 7) + (i & 1) * 8;
-                stmatrix_x4(bbase + pf2_boff(row, j * 16 + (i >> 1) * 8), bf[0], bf[1], bf[2], bf[3]);
+                stmatrix_x4(bbase + soff[j], bf[0], bf[1], bf[2], bf[3]);
             } else {
-                const int r0 = warp * 16 + g;
-                sts32(bbase + pf2_boff(r0, j * 16 + 2 * t), bf[0]);
-                sts32(bbase + pf2_boff(r0 + 8, j * 16 + 2 * t), bf[1]);
-                sts32(bbase + pf2_boff(r0, j * 16 + 8 + 2 * t), bf[2]);
-                sts32(bbase + pf2_boff(r0 + 8, j * 16 + 8 + 2 * t), bf[3]);
+                sts32(bbase + soff[j], bf[0]);
+                sts32(bbase + soff[j] + 1024, bf[1]);
+                sts32(bbase + soff2[j], bf[2]);
+                sts32(bbase + soff2[j] + 1024, bf[3]);
             }
         }
     };
@@ -222,45 +284,32 @@ static __device__ __forceinline__ void pf2_gemm_impl(QM_PF_ARGS) {
     cp_async_wait<ST - 2>();  // stage 0
     __syncthreads();
     dequant(0, 0);
+    int s_rd = 0;  // kt % ST
     for (int kt = 0; kt < KT; ++kt) {
         // stage kt + 1 landed (groups committed: stages 0 .. kt + ST - 2); B buffer kt & 1 complete; every warp is done
         // with k-tile kt - 1 (its ring stage and B buffer (kt + 1) & 1)
         cp_async_wait<ST - 3>();
         __syncthreads();
+        const int s_nx = s_rd + 1 == ST ? 0 : s_rd + 1;
         {
             const int nk = kt + ST - 1;
-            if (nk < KT) load_stage(nk, nk % ST);
+            if (nk < KT) load_stage(nk, s_rd == 0 ? ST - 1 : s_rd - 1);
             cp_async_commit();
         }
-        if (kt + 1 < KT) dequant((kt + 1) % ST, (kt + 1) & 1);
+        if (kt + 1 < KT) dequant(s_nx, (kt + 1) & 1);
         if (mma_on) {
-            const u32 abase = sbase + (u32)((kt % ST) * SM::STAGE);
-            const u32 bbase = sbase + (u32)(SM::BOFF + (kt & 1) * PF2_BTILE);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                // B fragments of the warp's 4 n8 blocks: x4 per row tile r = matrices (rows 0-7, k lo), (rows 0-7,
-                // k hi), (rows 8-15, k lo), (rows 8-15, k hi)
-                u32 b[2][4];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = wn * 32 + r * 16 + (lane & 7) + ((lane >> 4) << 3);
-                    const int k = j * 16 + ((lane >> 3) & 1) * 8;
-                    ldmatrix_x4(bbase + pf2_boff(row, k), b[r][0], b[r][1], b[r][2], b[r][3]);
-                }
-#pragma unroll
-                for (int mi = 0; mi < MTW; ++mi) {
-                    if (mi < nmt) {
-                        const int row = (wm + 2 * mi) * 16 + (lane & 15);
-                        const int ch = j * 2 + (lane >> 4);
-                        u32 a0, a1, a2, a3;
-                        ldmatrix_x4(abase + (u32)((row * 64 + ((ch ^ (row & 7)) << 3)) * 2), a0, a1, a2, a3);
-#pragma unroll
-                        for (int ni = 0; ni < 4; ++ni)
-                            mma_f16(acc[mi][ni], a0, a1, a2, a3, b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
-                    }
-                }
-            }
+            const u32 abase = sbase + (u32)(s_rd * SM::STAGE);
+            const u32 bbase = sbase + (u32)((kt & 1) * PF2_BTILE);
+            if (nmt >= MTW)
+                pf2_mma<MTW, MTW>(acc, abase, bbase, aoff, boff);
+            else if (nmt == 1)
+                pf2_mma<1, MTW>(acc, abase, bbase, aoff, boff);
+            else if (nmt == 2)
+                pf2_mma<(MTW > 2 ? 2 : 1), MTW>(acc, abase, bbase, aoff, boff);
+            else
+                pf2_mma<(MTW > 3 ? 3 : 1), MTW>(acc, abase, bbase, aoff, boff);
         }
+        s_rd = s_nx;
     }
     cp_async_wait<0>();  // nothing useful is left in flight; do not exit with copies pending
 
