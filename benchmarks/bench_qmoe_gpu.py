@@ -320,9 +320,11 @@ def prefill_ab(args):
                              "p10_ms": times[v][1] * 1e3, "p90_ms": times[v][2] * 1e3, "tflops": tf,
                              "of_matmul": tf / tflops, "speedup_vs_best_v1": speed, "max_rel_diff_vs_v1_bm32": rel,
                              "regs_smem_blocks_per_sm": occ.get(v)})
+                sp_s = "-" if speed is None else f"{speed:.2f}"
+                rel_s = "-" if rel is None else f"{rel:.1e}"
                 print(f"[{key}] prefill {T}: {vname(v):22s} {med * 1e3:7.3f} ms (p10 {times[v][1] * 1e3:.3f}, p90 "
                       f"{times[v][2] * 1e3:.3f}) = {tf:5.0f} TFLOP/s = {tf / tflops:4.0%} of fp16 matmul; "
-                      f"x{speed:.2f} vs best v1; rel diff vs v1 BM32 {rel:.1e}; {occ.get(v)}", flush=True)
+                      f"x{sp_s} vs best v1; rel diff vs v1 BM32 {rel_s}; {occ.get(v)}", flush=True)
             det[f"prefill_{T}"] = {"flops": flops, "tokens_per_expert_min_mean_max": [
                 int(per_expert.min()), float(per_expert.mean()), int(per_expert.max())], "variants": rows}
             tag = f"[{key}: {sh['label']}]"

@@ -690,6 +690,13 @@ class GpuQMoE:
                 sfx = "" if (self.prefill2_cfg.get("stmatrix", 1) and self.cc >= 90) else "_s"
                 names = (f"pf2_{bits}_{BM}_0{sfx}", f"pf2_{bits}_{BM}_1{sfx}")
                 threads, smem = 256, self._pf2_smem(BM)
+                for name in names:  # 2 blocks of 86-109 KB per SM need the largest shared-memory carveout
+                    if name not in self._carveout_set:
+                        try:
+                            self._f(name).preferred_shared_memory_carveout = 100
+                        except Exception:  # noqa: BLE001
+                            pass
+                        self._carveout_set.add(name)
             else:
                 names = (f"pf_gemm_{bits}_{BM}_0", f"pf_gemm_{bits}_{BM}_1")
                 threads, smem = 128, self._pf_smem(BM)
