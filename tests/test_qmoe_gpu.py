@@ -589,3 +589,132 @@ def test_gpu_v5_converted_nvfp4(gpu):
     m = _v5(GpuQMoE(spec, t))
     for T in (1, 8):
         assert _relerr(m.forward(x[:T], lg[:T]), qmoe_reference(x[:T], lg[:T], spec, t)) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- prefill v2 (pf2 kernels, prefill2.cu)
+# GpuQMoE.prefill_kernel = "v2": the block's weight tile dequantised once into shared memory (8 warps, 128 rows x BM
+# tokens, ldmatrix B operand). Same fp16 dequantisation, scale folding and k order as v1, so the same tolerances; FC1's
+# fp16 activation rows should be bit-identical to v1's, FC2 differs from v1 by the atomicAdd order (fp32 I/O: bound 1e-4).
+PF2_CFGS = [(64, 1), (64, 0), (128, 1), (128, 0)]  # (prefill2_cfg["bm"], prefill2_cfg["stmatrix"])
+
+
+def _pf2(m, bm=64, stmatrix=1):
+    m.prefill_kernel = "v2"
+    m.prefill2_cfg = {"bm": bm, "stmatrix": stmatrix}
+    return m
+
+
+def _pf2_names(m, bits, bm, stmatrix):
+    sfx = "" if (stmatrix and m.cc >= 90) else "_s"
+    return (f"pf2_{bits}_{bm}_0{sfx}", f"pf2_{bits}_{bm}_1{sfx}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bits,block,zp,act", GRID, ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in GRID])
+def test_gpu_pf2_matches_reference(gpu, bits, block, zp, act, dtype):
+    """The v4 grid (same seeds and shapes), prefill at 100 tokens (and 9: one partial m16 tile), v2 at BM 64 with
+    stmatrix and one other configuration per case; v2 == v1 closely."""
+    cp, GpuQMoE = gpu
+    spec, t, x, lg = _grid_case(bits, block, zp, act, dtype)
+    H = spec.hidden_size
+    m = GpuQMoE(spec, t, path="tc")
+    other = PF2_CFGS[1 + GRID.index((bits, block, zp, act)) % 3]
+    for T in (100, 9):
+        ref = qmoe_reference(x[:T], lg[:T], spec, t)
+        m.prefill_kernel = "v1"
+        got1 = m.forward(x[:T], lg[:T])
+        for bm, stm in ((64, 1), other):
+            _pf2(m, bm, stm)
+            got = m.forward(x[:T], lg[:T])
+            assert m.last_prefill_kernels == _pf2_names(m, bits, bm, stm)
+            assert isinstance(got, np.ndarray) and got.dtype == x.dtype and got.shape == (T, H)
+            err = _relerr(got, ref)
+            assert err <= TOL[("tc", "prefill", dtype)], f"v2 BM={bm} stm={stm} T={T}: rel err {err:.2e}"
+            if dtype == np.float32:
+                assert _relerr(got, got1) <= 1e-4, f"v2 vs v1 BM={bm} stm={stm} T={T}"
+
+
+PF2_RAGGED = [  # (bits, block, zp, act, dtype)
+    (4, 32, False, "swiglu1-limit", np.float32), (4, 0, True, "gelu", np.float16), (4, 16, True, "swiglu0", np.float32),
+    (4, 128, False, "relu", np.float16), (8, 32, True, "swiglu2", np.float32), (8, 0, False, "silu-fc3", np.float32),
+    (8, 64, True, "identity", np.float16), (8, 16, False, "swiglu1", np.float32), (4, 64, True, "silu", "bf16"),
+    (8, 128, True, "swiglu1-limit", "bf16"),
+]
+
+
+@pytest.mark.parametrize("bits,block,zp,act,dtype", PF2_RAGGED,
+                         ids=[f"int{b}-blk{k}-zp{int(z)}-{a}-{getattr(d, '__name__', d)}" for b, k, z, a, d in PF2_RAGGED])
+def test_gpu_pf2_ragged(gpu, bits, block, zp, act, dtype):
+    """run_experts with 0, 1, 15, 17, 64, 100 (and 129) tokens per expert, each token at most once per expert; shapes
+    with several k-tiles and a partial last block of row tiles in both projections; every v2 configuration; one
+    accumulator shared by two calls."""
+    cp, GpuQMoE = gpu
+    bf16 = None
+    if dtype == "bf16":
+        bf16 = pytest.importorskip("ml_dtypes").bfloat16
+        dtype = np.float32
+    counts = [0, 1, 15, 17, 64, 100, 129]
+    E = len(counts)
+    T = max(counts)
+    # FC2 20 row tiles (a partial last block of 8) except at block 128; FC1 5 / 8 k-tiles; FC1 row tiles 25 / 26 / 24 / 32
+    # (gated) or 13 / 12 / 16 (plain)
+    H = 320 if block != 128 else 512
+    I = {0: 200, 16: 208, 32: 192, 64: 192, 128: 256}[block]
+    attrs, t, x, lg = make_case(seed=1234 + bits + block + zp, E=E, H=H, I=I, k=2, bits=bits, block_size=block,
+                                zero_points=zp, bias=True, dtype=dtype, T=T, **ACTS[act])
+    if bf16 is not None:
+        t = {k_: (v.astype(bf16) if k_.endswith("_scales") else v) for k_, v in t.items()}
+        x = x.astype(bf16)
+    spec = _spec(attrs, t, x)
+    kk = sum(c > 0 for c in counts)
+    ids = np.full((T, kk), -1, np.int32)
+    for tok in range(T):
+        es = [e for e, c in enumerate(counts) if c > tok]
+        ids[tok, :len(es)] = es
+    w = np.random.default_rng(7).uniform(0.1, 1.0, size=(T, kk)).astype(np.float32)
+    ref = _ref_pairs(x.astype(np.float32) if bf16 is not None else x, ids, w, spec, t)
+    tol = 1.5e-2 if bf16 is not None else TOL[("tc", "prefill", dtype)]
+    m = GpuQMoE(spec, t, path="tc")
+    for bm, stm in PF2_CFGS:
+        _pf2(m, bm, stm)
+        got = m.run_experts(x, ids, w)
+        assert m.last_prefill_kernels == _pf2_names(m, bits, bm, stm)
+        got = np.asarray(got.astype(np.float32) if bf16 is not None else got)
+        err = _relerr(got, ref)
+        assert err <= tol, f"BM={bm} stm={stm}: rel err {err:.2e}"
+    # two calls into one fp32 accumulator: the experts split between them
+    _pf2(m)
+    half = np.where(ids % 2 == 0, ids, -1)
+    acc = cp.zeros((T, H), cp.float32)
+    m.run_experts(x, half, w, out=acc)
+    m.run_experts(x, np.where(ids % 2 == 1, ids, -1), w, out=acc)
+    assert _relerr(cp.asnumpy(acc), ref) <= max(tol, 3e-3)
+
+
+@pytest.mark.parametrize("bits,block", [(4, 16), (4, 128), (8, 0), (8, 128)])
+def test_gpu_pf2_launch_configs(gpu, bits, block):
+    """test_gpu_launch_configs' larger case (70 tokens, 6 experts, 8 / 6 k-tiles) and 600 tokens (many tiles per
+    expert, > 512 pairs) through every v2 configuration."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=77 + bits + block, E=6, H=512, I=384, k=2, bits=bits, block_size=block,
+                                zero_points=True, bias=True, T=600, activation="swiglu", swiglu_fusion=1,
+                                alpha=1.702, beta=1.0, swiglu_limit=7.0)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, path="tc")
+    for T in (70, 600):
+        ref = qmoe_reference(x[:T], lg[:T], spec, t)
+        for bm, stm in PF2_CFGS:
+            _pf2(m, bm, stm)
+            err = _relerr(m.forward(x[:T], lg[:T]), ref)
+            assert err <= 3e-3, f"T={T} BM={bm} stm={stm}: {err:.2e}"
+
+
+def test_gpu_pf2_converted_nvfp4(gpu):
+    """nvfp4 (int8, block 16 on the GPU) through v2."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = _layout_case("nvfp4-kpacked", "swiglu1-limit", 4242, T=100)
+    spec = _spec(attrs, t, x)
+    m = _pf2(GpuQMoE(spec, t, path="tc"))
+    err = _relerr(m.forward(x, lg), qmoe_reference(x, lg, spec, t))
+    assert err <= 3e-3, f"{err:.2e}"
+    assert m.last_prefill_kernels[0].startswith("pf2_8_")
