@@ -181,3 +181,21 @@ def test_placement_tooltip_says_where_a_fully_resident_layer_routed(qapp):
     assert ("Layer 0: 10 steps routed and computed on the device (every expert resident: no round trip to the host)"
             in heatmap.tooltip_at(0, 0))
     assert "routed and computed on the device" not in heatmap.tooltip_at(1, 0)
+
+
+@pytest.mark.parametrize("working", [None, 1 << 30])
+def test_estimate_follows_the_engine_for_streaming_slots(working):
+    """A zero expert budget: the decode streaming slots device_working_bytes asks for are workspace in the estimate
+    as in the engine, and the plan's sentences are the engine's (including the hint where none are asked for)."""
+    folder = ModelFolder.open(fixture_folder("gptoss"))
+    facts = model_facts(folder, inspection(folder))
+    choice = DeviceChoice("simulated", 1 << 30)
+    config = OffloadConfig(device_expert_bytes=0, device_working_bytes=working)
+    est = estimate(facts, config, choice)
+    engine, device = engine_on("gptoss", config, choice)
+    workspace = {p.key: p for p in est.device_parts}["workspace"]
+    streaming = device.memory.by_purpose.get("decode streaming slots", 0)
+    assert workspace.bytes == device.memory.by_purpose["prefill staging ring"] + streaming
+    assert (streaming > 0) == (working is not None) and ("decode streaming slots" in workspace.note) == bool(streaming)
+    assert est.statements[:len(engine.plan.statements)] == engine.plan.statements
+    assert any("streaming" in s or "device_working_bytes" in s for s in est.statements)

@@ -21,6 +21,7 @@ from engine.ort_env import dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
 from engine.onnx_file import OnnxFile
 from engine.offload.staging import StagingPlan, plan_staging
+from engine.offload.streaming import plan_streaming
 from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError, plan_offload
 from engine.units import human_bytes
 
@@ -244,6 +245,12 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             plan = plan_offload(config, experts, stand_in)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
+    streaming = None
+    if plan is not None and stand_in is not None and not error:
+        # the engine's decode streaming slots for layers left without slots (device working memory)
+        nodes = facts.staged_nodes
+        streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in)
+    streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups) if streaming else 0
     per_layer = [(info.layer, info.name, plan.slots.get(info.name, 0) if plan else 0,
                   info.spec.num_experts if info.spec else 0) for info in facts.experts]
     resident_bytes = plan.device_bytes(experts) if plan else 0
@@ -260,9 +267,10 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             Part("kv", "KV cache", kv if dense_on_gpu else 0,
                  f"{kv_tokens or facts.context_length} tokens" if dense_on_gpu
                  else f"in host RAM with the dense part ({human_bytes(kv)})"),
-            Part("workspace", "workspace", staging if stand_in else 0,
-                 f"prefill staging ring: waves of {staged.wave_experts} experts, double-buffered" if staged
-                 else "prefill staging ring"),
+            Part("workspace", "workspace", staging + streaming_bytes if stand_in else 0,
+                 (f"prefill staging ring: waves of {staged.wave_experts} experts, double-buffered" if staged
+                  else "prefill staging ring")
+                 + (f"; decode streaming slots {human_bytes(streaming_bytes)}" if streaming_bytes else "")),
             Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
         ]
         used = sum(p.bytes for p in device_parts)
@@ -277,6 +285,8 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     statements = list(plan.statements) if plan else []
     if plan and staged is not None:
         statements.extend(staged.statements())  # the sentences the engine adds to its plan
+    if streaming is not None:
+        statements.extend(streaming.statements)  # ... then those of its streaming slots
     if plan and stand_in is not None and config.device_expert_bytes is None and plan.budget_bytes == 0 and experts:
         statements.append(f"The automatic budget is empty: it keeps {human_bytes(auto_reserve(config, stand_in.memory.available))} "
                           "free for KV cache and workspace. Set a Reserve or an Expert budget.")
