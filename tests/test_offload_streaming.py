@@ -4,29 +4,15 @@ all-CPU run; the slots are working memory, counted, bounded by device_working_by
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
 
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import NodeOverride
 from engine.offload.devices import Bandwidths
-from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
+from tests.test_offload import SPEC, assert_same_as_cpu, cpu_run, device_expert_bytes, greedy_run, model_folder  # noqa: F401
 
 PURPOSE = "decode streaming slots"
 STREAMING = dict(device_expert_bytes=0, device_working_bytes=1 << 30)  # a zero budget, streaming slots asked for
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    from engine.writer import write_model
-
-    return write_model(tmp_path_factory.mktemp("streaming") / "m", SPEC)
-
-
-@pytest.fixture(scope="module")
-def cpu_run(model_folder):
-    return greedy_run(LoadedModel.open(model_folder))
 
 
 def slot_bytes(model) -> int:

@@ -104,12 +104,8 @@ class HybridExpertNode:
             miss_copy_s = stats.copy_s - copy_before
             on_device = resident
             if copied.size:
-                chosen = self._chosen
-                chosen[copied] = True
-                in_copied = chosen[cold]
-                chosen[copied] = False
-                copied_pairs = int(np.count_nonzero(in_copied))
-                copies = int(copied.size)
+                in_copied = self._pairs_of(copied, cold)
+                copied_pairs, copies = int(np.count_nonzero(in_copied)), int(copied.size)
                 on_device = resident | in_copied
                 cold = np.where(in_copied, -1, cold)
             if hits or copies:
@@ -122,12 +118,8 @@ class HybridExpertNode:
             copied = self._stream_misses(cold, stats, engine.streaming.by_layer[layer])
             miss_copy_s = stats.copy_s - copy_before
             if copied.size:
-                chosen = self._chosen
-                chosen[copied] = True
-                in_copied = chosen[cold]
-                chosen[copied] = False
-                copied_pairs = int(np.count_nonzero(in_copied))
-                copies = int(copied.size)
+                in_copied = self._pairs_of(copied, cold)
+                copied_pairs, copies = int(np.count_nonzero(in_copied)), int(copied.size)
                 pending = store.launch(x2d, np.where(in_copied, cold, -1), weights,
                                        streamed=engine.streaming.by_layer[layer])
                 cold = np.where(in_copied, -1, cold)
@@ -257,6 +249,14 @@ class HybridExpertNode:
         """A decode-sized step (misses judged one by one) with CPU execution allowed."""
         config = self.engine.config
         return config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens
+
+    def _pairs_of(self, copied: np.ndarray, cold: np.ndarray) -> np.ndarray:
+        """The (token, k) pairs of `cold` routed to one of the `copied` experts (a bool mask of cold's shape)."""
+        chosen = self._chosen
+        chosen[copied] = True
+        in_copied = chosen[cold]
+        chosen[copied] = False
+        return in_copied
 
     @staticmethod
     def _misses(cold: np.ndarray) -> tuple[list[int], list[int]]:
