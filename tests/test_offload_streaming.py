@@ -4,7 +4,6 @@ all-CPU run; the slots are working memory, counted, bounded by device_working_by
 
 from __future__ import annotations
 
-
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import NodeOverride
