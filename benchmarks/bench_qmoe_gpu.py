@@ -229,126 +229,6 @@ def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10):
                 distinct_experts=int(np.unique(ids).size))
 
 
-PF2_CFGS = [(64, 1), (64, 0), (128, 1), (128, 0)]  # (prefill2_cfg["bm"], prefill2_cfg["stmatrix"])
-
-
-def prefill_ab(args):
-    """--prefill-ab: prefill v1 (pf_gemm, BM 32 / 64 / 128) against v2 (pf2, BM 64 / 128, stmatrix or st.shared) at
-    512 tokens (and --pf-tokens more), shapes A and B, in one process next to the fp16 matmul ceiling measured in the
-    same run; the same input and routing for every variant, all variants timed in turn, --pf-rounds times (the best
-    median counts); v2's output against v1's. Writes benchmarks/results/qmoe_gpu_prefill_ab-*.json (and into $OUT)."""
-    import cupy as cp
-
-    from kernels.gpu import GpuQMoE
-
-    t_start = time.perf_counter()
-    dev = cp.cuda.Device(0)
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    timer = Timer(cp)
-    tflops = measure_matmul(cp, timer)
-    print(f"{gpu}: fp16 matmul 8192^3 {tflops:.0f} TFLOP/s", flush=True)
-    figures = [{"name": "fp16 matmul 8192^3 (cupy / cuBLAS)", "value": tflops, "unit": "TFLOP/s",
-                "reference": "H200 datasheet dense fp16", "reference_value": 989.0, "ratio": tflops / 989.0}]
-    details = {"gpu": gpu, "compute_capability": dev.compute_capability, "cupy": cp.__version__, "shapes": {}}
-    rng = np.random.default_rng(1)
-    token_counts = [512] + [int(v) for v in args.pf_tokens.split(",") if v.strip()]
-    for key in [s_.strip() for s_ in args.shapes.split(",") if s_.strip()]:
-        sh = SHAPES[key]
-        E, H, I, k, block = sh["E"], sh["H"], sh["I"], sh["k"], sh["block"]
-        print(f"\n[{key}] {sh['label']}, int4 block {block}: building weights ...", flush=True)
-        tensors = make_weights(E, H, I, block, seed=0)
-        spec = QMoESpec.from_tensors(f"bench/{key}", "QMoE", attrs_for(sh), tensors, (1, H))
-        m = GpuQMoE(spec, tensors)
-        det = details["shapes"][key] = {"label": sh["label"], "compiled_from": m.compiled_from}
-        variants = [("v1", bm, 0) for bm in (32, 64, 128)] + [("v2", bm, stm) for bm, stm in PF2_CFGS]
-
-        def setv(v):
-            kern, bm, stm = v
-            m.prefill_kernel = kern
-            if kern == "v1":
-                m.prefill_bm = bm
-            else:
-                m.prefill2_cfg = {"bm": bm, "stmatrix": stm}
-
-        def vname(v):
-            return f"v1 BM{v[1]}" if v[0] == "v1" else f"v2 BM{v[1]} {'stmatrix' if v[2] else 'st.shared'}"
-
-        for T in token_counts:
-            x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
-            lg_h = (rng.standard_normal((T, E)) * 2.0).astype(np.float32)
-            lg = cp.asarray(lg_h)
-            ids, _ = ref_route(lg_h, spec)
-            per_expert = np.bincount(ids.ravel(), minlength=E)
-            flops = 2.0 * T * spec.k * (spec.fc1_rows * H + H * spec.inter_size)
-            outs, times, kernels, occ = {}, {}, {}, {}
-            for v in variants:  # warm-up, outputs, kernel names, occupancy
-                setv(v)
-                out = cp.empty((T, H), cp.float32)
-                try:
-                    m.forward_into(x, lg, out)
-                    cp.cuda.runtime.deviceSynchronize()
-                except Exception as exc:  # noqa: BLE001 - report it, time the others
-                    print(f"[{key}] T={T} {vname(v)}: FAILED {exc!r}", flush=True)
-                    continue
-                outs[v] = cp.asnumpy(out)
-                kernels[v] = m.last_prefill_kernels
-                threads = 256 if v[0] == "v2" else 128
-                smem = m._pf2_smem(v[1]) if v[0] == "v2" else m._pf_smem(v[1])
-                try:
-                    occ[v] = [(n, int(m._f(n).num_regs), smem, m._blocks_per_sm(n, threads, smem)) for n in kernels[v]]
-                except Exception as exc:  # noqa: BLE001
-                    occ[v] = repr(exc)
-            for _ in range(args.pf_rounds):
-                for v in outs:
-                    setv(v)
-                    out = cp.empty((T, H), cp.float32)
-                    med, p10, p90 = timer.median(lambda: m.forward_into(x, lg, out), iters=args.pf_iters,
-                                                 spin_cycles=300_000)
-                    if v not in times or med < times[v][0]:
-                        times[v] = (med, p10, p90)
-            ref_v = ("v1", 32, 0)
-            ref = outs.get(ref_v)
-            best1 = min((v for v in times if v[0] == "v1"), key=lambda v: times[v][0], default=None)
-            rows = []
-            for v in outs:
-                med = times[v][0]
-                tf = flops / med / 1e12
-                rel = None if ref is None else float(np.abs(outs[v] - ref).max() / max(np.abs(ref).max(), 1e-30))
-                speed = None if best1 is None else times[best1][0] / med
-                rows.append({"variant": vname(v), "kernels": list(kernels[v]), "median_ms": med * 1e3,
-                             "p10_ms": times[v][1] * 1e3, "p90_ms": times[v][2] * 1e3, "tflops": tf,
-                             "of_matmul": tf / tflops, "speedup_vs_best_v1": speed, "max_rel_diff_vs_v1_bm32": rel,
-                             "regs_smem_blocks_per_sm": occ.get(v)})
-                sp_s = "-" if speed is None else f"{speed:.2f}"
-                rel_s = "-" if rel is None else f"{rel:.1e}"
-                print(f"[{key}] prefill {T}: {vname(v):22s} {med * 1e3:7.3f} ms (p10 {times[v][1] * 1e3:.3f}, p90 "
-                      f"{times[v][2] * 1e3:.3f}) = {tf:5.0f} TFLOP/s = {tf / tflops:4.0%} of fp16 matmul; "
-                      f"x{sp_s} vs best v1; rel diff vs v1 BM32 {rel_s}; {occ.get(v)}", flush=True)
-            det[f"prefill_{T}"] = {"flops": flops, "tokens_per_expert_min_mean_max": [
-                int(per_expert.min()), float(per_expert.mean()), int(per_expert.max())], "variants": rows}
-            tag = f"[{key}: {sh['label']}]"
-            best2 = min((v for v in times if v[0] == "v2"), key=lambda v: times[v][0], default=None)
-            for label, v in (("v1 (best BM)", best1), ("v2 (best configuration)", best2)):
-                if v is None:
-                    continue
-                tf = flops / times[v][0] / 1e12
-                figures.append({"name": f"{tag} prefill {T} tokens {label}: {vname(v)}", "value": tf,
-                                "unit": "TFLOP/s", "reference": "fp16 matmul 8192^3 measured in this run",
-                                "reference_value": tflops, "ratio": tf / tflops, "latency_ms": times[v][0] * 1e3})
-        del m
-        cp.get_default_memory_pool().free_all_blocks()
-        if not args.no_write:
-            _write(figures, details, t_start, benchmark=BENCHMARK + "_prefill_ab")
-    print()
-    for f in figures:
-        print(f"{f['name'][:100]:100s} {f['value']:8.1f} {f['unit']:>8s} {f['ratio']:6.1%}")
-    if not args.no_write:
-        path = _write(figures, details, t_start, benchmark=BENCHMARK + "_prefill_ab")
-        print(f"wrote {path.relative_to(ROOT)}")
-    return figures
-
-
 def time_host(fn, runs, warmup=1):
     for _ in range(warmup):
         fn()
@@ -418,17 +298,9 @@ def main(argv=None):
                          "the reference of the max-rel-diff check, v4 keeps the historical figure names")
     ap.add_argument("--profile", action="store_true",
                     help="only run a few decode / prefill forwards between cudaProfilerStart/Stop (for ncu)")
-    ap.add_argument("--prefill-ab", action="store_true",
-                    help="only prefill: v1 (pf_gemm) against v2 (pf2) configurations, shapes A and B, fp16 matmul "
-                         "ceiling; writes qmoe_gpu_prefill_ab-*.json")
-    ap.add_argument("--pf-tokens", default="", help="--prefill-ab: token counts besides 512, comma-separated")
-    ap.add_argument("--pf-rounds", type=int, default=2, help="--prefill-ab: timing rounds over all variants")
-    ap.add_argument("--pf-iters", type=int, default=10, help="--prefill-ab: timed runs per variant and round")
     args = ap.parse_args(argv)
     if args.profile:
         return profile(args)
-    if args.prefill_ab:
-        return prefill_ab(args)
 
     import cupy as cp
 

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent / "source"
-SOURCES = ("common.cuh", "route.cu", "decode.cu", "decode5.cu", "prefill.cu", "prefill2.cu", "fma.cu", "pack.cu", "merge.cu")
+SOURCES = ("common.cuh", "route.cu", "decode.cu", "decode5.cu", "prefill.cu", "fma.cu", "pack.cu", "merge.cu")
 NVRTC_OPTIONS = ("--std=c++17",)
 
 _modules: dict = {}

@@ -138,14 +138,6 @@ class GpuQMoE:
             self.last_decode_kernels: tuple = ()
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
-            # prefill kernels: "v1" (pf_gemm: each warp dequantises its own weight fragments in registers for the
-            # block's BM tokens) or "v2" (pf2: the block's weight tile dequantised once into shared memory, 8 warps
-            # read it with ldmatrix; prefill2.cu). prefill2_cfg["bm"]: tokens per tile (64 or 128; 0 = 64);
-            # prefill2_cfg["stmatrix"]: 1 = the dequantised tile stored with stmatrix (sm_90), 0 = with st.shared
-            self.prefill_kernel = "v1"
-            self.prefill2_cfg = {"bm": 0, "stmatrix": 1}
-            # the prefill kernels (FC1, FC2) of the last prefill call on the tensor-core path: tests check the path
-            self.last_prefill_kernels: tuple = ()
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
             if len(res) > S:
                 raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
@@ -637,15 +629,7 @@ class GpuQMoE:
                 out.fill(0)
             return
         decode = self.path == "tc" and T <= self.decode_max_tokens
-        pf2 = self.path == "tc" and not decode and self.prefill_kernel == "v2" and self.fc1.bits in (4, 8)
-        if self.prefill_kernel not in ("v1", "v2"):
-            raise ValueError(f"prefill_kernel must be 'v1' or 'v2', not {self.prefill_kernel!r}")
-        if pf2:
-            BM = int(self.prefill2_cfg.get("bm") or 64)
-            if BM not in (64, 128):
-                raise ValueError(f"prefill2_cfg['bm'] must be 0, 64 or 128, not {BM}")
-        else:
-            BM = self.prefill_bm or (32 if P <= 128 * max(1, int((self.slot_of >= 0).sum())) else 64)
+        BM = self.prefill_bm or (32 if P <= 128 * max(1, int((self.slot_of >= 0).sum())) else 64)
         TM = 8 if decode else (BM if self.path == "tc" else 64)
         max_tiles = min(P, P // TM + min(E, P))
         ws = self._workspace(T, P, max_tiles, "dec" if decode else self.path)
@@ -719,27 +703,12 @@ class GpuQMoE:
         if self.path == "tc":
             self._f("to_f16_pad")((nel_blocks,), (256,), (xd, np.int32(xdt), np.int32(T), np.int32(H),
                                                          np.int32(f1.KP), ws.x16))
-            if pf2:  # v2: 8 warps, 128 weight rows x BM tokens per block (prefill2.cu)
-                sfx = "" if (self.prefill2_cfg.get("stmatrix", 1) and self.cc >= 90) else "_s"
-                names = (f"pf2_{bits}_{BM}_0{sfx}", f"pf2_{bits}_{BM}_1{sfx}")
-                threads, smem = 256, self._pf2_smem(BM)
-                for name in names:  # 2 blocks of 86-109 KB per SM need the largest shared-memory carveout
-                    if name not in self._carveout_set:
-                        try:
-                            self._f(name).preferred_shared_memory_carveout = 100
-                        except Exception:  # noqa: BLE001
-                            pass
-                        self._carveout_set.add(name)
-            else:
-                names = (f"pf_gemm_{bits}_{BM}_0", f"pf_gemm_{bits}_{BM}_1")
-                threads, smem = 128, self._pf_smem(BM)
-            self._launch(names[0], (_cdiv(f1.NT, 8), max_tiles), (threads,), (
+            self._launch(f"pf_gemm_{bits}_{BM}_0", (_cdiv(f1.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f1, fp16_scales=True), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
-                np.int32(f2.KP), self._dummy_f32), smem)
-            self._launch(names[1], (_cdiv(f2.NT, 8), max_tiles), (threads,), (
+                np.int32(f2.KP), self._dummy_f32), self._pf_smem(BM))
+            self._launch(f"pf_gemm_{bits}_{BM}_1", (_cdiv(f2.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f2, fp16_scales=True), *tiles_args, ws.a16, np.int32(f2.KP), *act, np.int32(H), self._dummy_u16,
-                np.int32(0), out), smem)
-            self.last_prefill_kernels = names
+                np.int32(0), out), self._pf_smem(BM))
             return
         if xdt == DT_F32:
             x32 = xd
@@ -833,14 +802,6 @@ class GpuQMoE:
         """Dynamic shared memory of pf_gemm (PF_STAGES = 4 stages of PfSmem<bits, BM>::STAGE bytes)."""
         tb = 512 if self.fc1.bits == 4 else 1024
         return 4 * (BM * 128 + 8 * tb + 8 * 256 + 8 * 64)
-
-    def _pf2_smem(self, BM: int) -> int:
-        """Dynamic shared memory of pf2 (Pf2Smem<bits, BM>::TOTAL in prefill2.cu): ST = 4 stages (3 for BM 128) of the
-        activation tile, raw weight tiles, fp16 block scales and zero points, then two dequantised 128 x 64 fp16
-        weight tiles."""
-        tb = 512 if self.fc1.bits == 4 else 1024
-        stages = 3 if BM >= 128 else 4
-        return stages * (BM * 128 + 8 * tb + 8 * 128 + 8 * 64) + 2 * 16384
 
     def _launch(self, name: str, grid, block, args, smem: int = 0):
         f = self._f(name)
