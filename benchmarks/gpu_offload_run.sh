@@ -20,6 +20,11 @@ export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba}
 [ -d .fixtures ] && export MOE_WORKBENCH_FIXTURES=$PWD/.fixtures
 shape=${SHAPE:-gpt-oss-20b-like}
 log=$OUT/run-$shape.log
+# Without the prebuilt cubin for this source (carry kernels/gpu/_build) NVRTC compiles the GPU module on first use, for
+# minutes, and every step's time limit goes to it: say so at once rather than time out silently.
+python3 -c "from kernels.gpu._module import cubin_path; import sys; sys.exit(not cubin_path('90').is_file())" \
+  || echo "WARNING: no prebuilt cubin for this source in kernels/gpu/_build: NVRTC will compile the module (minutes)" \
+  | tee -a "$log"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 wheel=/tmp/ortgpu/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 if [ ! -d /tmp/site_gpu/onnxruntime ]; then
