@@ -22,9 +22,10 @@ shape=${SHAPE:-gpt-oss-20b-like}
 log=$OUT/run-$shape.log
 # Without the prebuilt cubin for this source (carry kernels/gpu/_build) NVRTC compiles the GPU module on first use, for
 # minutes, and every step's time limit goes to it: say so at once rather than time out silently.
+cubin_note=""
 python3 -c "from kernels.gpu._module import cubin_path; import sys; sys.exit(not cubin_path('90').is_file())" \
-  || echo "WARNING: no prebuilt cubin for this source in kernels/gpu/_build: NVRTC will compile the module (minutes)" \
-  | tee -a "$log"
+  || cubin_note="WARNING: no prebuilt cubin for this source in kernels/gpu/_build: NVRTC will compile the module (minutes)"
+[ -n "$cubin_note" ] && echo "$cubin_note"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 wheel=/tmp/ortgpu/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
 if [ ! -d /tmp/site_gpu/onnxruntime ]; then
@@ -35,6 +36,7 @@ if [ ! -d /tmp/site_gpu/onnxruntime ]; then
 fi
 {
   date -u
+  [ -n "$cubin_note" ] && echo "$cubin_note"
   if [ "${TESTS:-0}" = 1 ]; then
     echo "== offload engine GPU tests (onnxruntime-gpu for the dense part)"
     # (a fresh machine compiles the CPU kernels first: minutes, hence the long limit)
