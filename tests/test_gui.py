@@ -313,6 +313,30 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     assert entry["text"] and "misses:" in entry["stats"]
 
 
+def test_streaming_slots_control_is_estimated_and_applied_as_the_engine_plans(qtbot, window):
+    path = fixture_folder("gptoss")
+    window.open_model(str(path))
+    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
+    budget = window.budget_panel
+    budget.device.setCurrentIndex(budget.device.findData("simulated"))
+    budget.expert_bytes.setValue(0)
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: "device_working_bytes would let" in budget.statements.text())  # off: the hint
+    assert budget.config().device_working_bytes is None
+    window.load()
+    qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
+    offload = window.worker._model.offload
+    assert offload.streaming.groups == []
+    budget.working_bytes.setValue(64 << 20)
+    budget.working_bytes.valueChanged.emit(budget.working_bytes.value())
+    qtbot.waitUntil(lambda: "shared streaming slots" in budget.statements.text() and budget.apply_button.isEnabled())
+    assert "decode streaming slots" in budget.vram_legend.text()
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: not window.busy and bool(offload.streaming.groups), timeout=WAIT)
+    assert offload.config.device_working_bytes == 64 << 20 and window.status_state.text() == "Re-planned without reloading"
+    assert window.model_settings(str(path))["entries"]["session.moe.offload.device_working_bytes"] == str(64 << 20)
+
+
 def test_graphs_receive_samples_and_pause(qtbot, window):
     qtbot.waitUntil(lambda: window.graphs.sample_count >= 3, timeout=10_000)
     x, y = window.graphs.curves["ram_this"].getData()
