@@ -227,7 +227,7 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     # the answer's statistics: this answer's split, as the engine counted it
     answer = (f"misses: {totals.misses_cpu - before.misses_cpu} on the CPU, "
               f"{totals.misses_copied - before.misses_copied} copied to the device "
-              f"({totals.miss_copies - before.miss_copies} spare-slot copies)")
+              f"({totals.miss_copies - before.miss_copies} decode copies)")
     assert answer in entry["stats"] and entry["result"]["offload"]["misses"] == totals.misses - before.misses
     # the placement view: cumulative split, the last step's split, the ring; every figure the engine's
     qtbot.waitUntil(lambda: window.placement.split.get("steps") == stats.steps)
@@ -239,7 +239,7 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     assert placement.pinned == offload.pinned_info() and placement.pinned["copies"] > pinned["copies"]
     summary = placement.summary.text()
     assert (f"misses: {totals.misses_cpu} on the CPU, {totals.misses_copied} copied to the device "
-            f"({totals.miss_copies} spare-slot copies)") in summary
+            f"({totals.miss_copies} decode copies)") in summary
     assert f"last step: {stats.step_splits[-1][0]} on the CPU, {stats.step_splits[-1][1]} copied" in summary
     assert copies_text({"miss_slots": offload.policy.miss_slots,
                         "later_hits_per_copy": offload.copy_reuse.value}) in summary
@@ -248,7 +248,7 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     assert 0 < live["high_water"] <= live["bytes"]
     layer = stats.layers[0]
     assert (f"Layer 0 misses: {layer.misses_cpu} on the CPU, {layer.misses_copied} copied to the device "
-            f"({layer.miss_copies} spare-slot copies)") in placement.heatmap.tooltip_at(0, 0)
+            f"({layer.miss_copies} decode copies)") in placement.heatmap.tooltip_at(0, 0)
     # the budget panel shows the loaded model's ring and high-water too
     assert (f"Loaded model: ring {human_bytes(live['bytes'])}, high-water {human_bytes(live['high_water'])}, "
             f"{live['copies']} copies") in budget.pinned_note.text()
@@ -475,3 +475,5 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
     assert copies_text({"miss_slots": [1], "later_hits_per_copy": None}) == "1 slot per layer kept for copies"
     assert copies_text({"miss_slots": [0, 0], "later_hits_per_copy": 0.5}) == "each copy earning 0.50 later hits"
     assert copies_text({}) == ""
+    assert copies_text({"miss_slots": [0], "later_hits_per_copy": None, "streaming_slots": [4]}) == \
+        "4 streaming slots for layers without slots"

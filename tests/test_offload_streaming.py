@@ -43,6 +43,7 @@ def test_a_zero_budget_streams_decode_misses_with_the_same_answers(model_folder,
     on_cpu, copied, copies = decode_split(model)
     assert copies > 0 and copied >= copies and on_cpu > 0  # both at once: some misses copied, the rest on the CPU
     assert model.offload.stats.totals().hits == 0  # nothing stays resident
+    assert model.offload.stats_dict()["streaming_slots"] == [SPEC.top_k]  # in records and --json
     assert any("streaming slots" in s for s in model.offload.plan.statements)
 
 

@@ -32,11 +32,11 @@ class PromptEdit(QPlainTextEdit):
 
 
 def miss_split_text(split: dict) -> str:
-    """Where this answer's misses ran: 'misses: 12 on the CPU, 3 copied to the device (2 spare-slot copies)'."""
+    """Where this answer's misses ran: 'misses: 12 on the CPU, 3 copied to the device (2 decode copies)'."""
     if not split.get("misses"):
         return ""
     return (f"misses: {split['misses_cpu']} on the CPU, {split['misses_copied']} copied to the device "
-            f"({split['miss_copies']} spare-slot copies)")
+            f"({split['miss_copies']} decode copies)")
 
 
 def stats_line(result: dict) -> str:

@@ -172,14 +172,15 @@ class Heatmap(QWidget):
 
 
 def split_text(split: dict) -> str:
-    """'12 on the CPU, 3 copied to the device (2 spare-slot copies)'."""
+    """'12 on the CPU, 3 copied to the device (2 decode copies)'."""
     return (f"{split.get('misses_cpu', 0)} on the CPU, {split.get('misses_copied', 0)} copied to the device "
-            f"({split.get('miss_copies', 0)} spare-slot copies)")
+            f"({split.get('miss_copies', 0)} decode copies)")
 
 
 def copies_text(copies: dict) -> str:
-    """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits'
-    (the most slots any layer keeps; later hits measured by the engine, absent until enough copies were made)."""
+    """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits, 4
+    streaming slots for layers without slots' (the most slots any layer keeps; later hits measured by the engine,
+    absent until enough copies were made; the decode streaming slots device_working_bytes asked for)."""
     parts = []
     kept = max(copies.get("miss_slots") or [0])
     if kept:
@@ -187,6 +188,9 @@ def copies_text(copies: dict) -> str:
     reuse = copies.get("later_hits_per_copy")
     if reuse is not None:
         parts.append(f"each copy earning {reuse:.2f} later hits")
+    streaming = sum(copies.get("streaming_slots") or [])
+    if streaming:
+        parts.append(f"{streaming} streaming slot{'s' if streaming != 1 else ''} for layers without slots")
     return ", ".join(parts)
 
 
@@ -210,7 +214,7 @@ class PlacementView(QWidget):
         self.legend = QLabel()
         self.legend.setToolTip("Misses (routed token-expert pairs whose expert is cold) run on the CPU, or are copied "
                                "into a spare device slot and computed there when the cost model says that is faster "
-                               "(and in prefill waves). 'spare-slot copies' counts the experts copied by the decode "
+                               "(and in prefill waves). 'decode copies' counts the experts copied by the decode "
                                "miss policy. The pinned staging ring is the page-locked host memory every copy goes "
                                "through (pinned_bytes); its high-water mark is the most it held at once.")
         top = QHBoxLayout()

@@ -78,9 +78,10 @@ class OffloadEngine:
         self.stats.pinned = self.pinned_info()
 
     def copy_state(self) -> dict:
-        """The miss policy's measured state: the slots each layer keeps for copied misses and the later hits a copy
-        earns (None until enough copies were made)."""
-        return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value}
+        """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
+        earns (None until enough copies were made), and the decode streaming slots of each layout (streaming.py)."""
+        return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
+                "streaming_slots": [group.num_slots for group in self.streaming.groups]}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
