@@ -258,18 +258,24 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
                                            for s, info in zip(stats.layers, offload.infos))
 
 
-def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
-    from engine.offload.config import OffloadConfig
-    from engine.offload.planner import OffloadPlanError
-    from engine.offload.staging import ring_bytes
-
+def open_on_simulated(qtbot, window, expert_bytes: int):
+    """The gpt-oss fixture opened (not loaded), the budget panel on the simulated GPU with this expert budget."""
     path = fixture_folder("gptoss")
     window.open_model(str(path))
     qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
     budget = window.budget_panel
     budget.device.setCurrentIndex(budget.device.findData("simulated"))
-    budget.expert_bytes.setValue(3 * slot())
+    budget.expert_bytes.setValue(expert_bytes)
     budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    return path, budget
+
+
+def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbot, window):
+    from engine.offload.config import OffloadConfig
+    from engine.offload.planner import OffloadPlanError
+    from engine.offload.staging import ring_bytes
+
+    path, budget = open_on_simulated(qtbot, window, 3 * slot())
     qtbot.waitUntil(lambda: "3 of 16" in budget.layer_text.text())
     # leaving auto starts from the ring auto gave, not from 0 bytes
     auto_ring = budget.last_estimate.staging.pinned_bytes
@@ -314,13 +320,7 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
 
 
 def test_streaming_slots_control_is_estimated_and_applied_as_the_engine_plans(qtbot, window):
-    path = fixture_folder("gptoss")
-    window.open_model(str(path))
-    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
-    budget = window.budget_panel
-    budget.device.setCurrentIndex(budget.device.findData("simulated"))
-    budget.expert_bytes.setValue(0)
-    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    path, budget = open_on_simulated(qtbot, window, 0)
     qtbot.waitUntil(lambda: "device_working_bytes would let" in budget.statements.text())  # off: the hint
     assert budget.config().device_working_bytes is None
     window.load()
@@ -333,7 +333,7 @@ def test_streaming_slots_control_is_estimated_and_applied_as_the_engine_plans(qt
     assert "decode streaming slots" in budget.vram_legend.text()
     budget.apply_button.click()
     qtbot.waitUntil(lambda: not window.busy and bool(offload.streaming.groups), timeout=WAIT)
-    assert offload.config.device_working_bytes == 64 << 20 and window.status_state.text() == "Re-planned without reloading"
+    assert offload.config.device_working_bytes == 64 << 20 and window.worker._model.offload is offload  # no reload
     assert window.model_settings(str(path))["entries"]["session.moe.offload.device_working_bytes"] == str(64 << 20)
 
 
