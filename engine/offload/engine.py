@@ -115,10 +115,12 @@ class OffloadEngine:
             plan.statements.extend(self.staging.statements())
         return plan
 
-    def _plan_streaming(self, config: OffloadConfig):
-        """The decode streaming slots of layers without an expert slot (streaming.py), once the slots are made."""
+    def _plan_streaming(self, config: OffloadConfig, say: bool = True):
+        """The decode streaming slots of layers without an expert slot (streaming.py), once the slots are made; their
+        sentences go into the plan's unless `say` is False (the plan already has them)."""
         streaming = plan_streaming(config, self.runners, [layer.num_slots for layer in self.slots], self.device)
-        self.plan.statements.extend(streaming.statements)
+        if say:
+            self.plan.statements.extend(streaming.statements)
         return streaming
 
     @property
@@ -275,9 +277,7 @@ class OffloadEngine:
                 if store is not None:
                     store.resize(count)
             self._reload_residents()
-            # the old plan's statements already say what its streaming slots are
-            self.streaming = plan_streaming(self.config, self.runners, [layer.num_slots for layer in self.slots],
-                                            self.device)
+            self.streaming = self._plan_streaming(self.config, say=False)  # the old plan says it already
             raise
         for index, info in enumerate(self.infos):
             count = self.plan.slots[info.name]

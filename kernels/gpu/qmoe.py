@@ -261,11 +261,21 @@ class GpuQMoE:
             raise ValueError(f"node '{spec.node_name}': tensors other than the slots' in shape or dtype")
         if self._pack_desc is None:
             return tensors, None
+        plans = self._pack_plans(tensors)
+        if plans is None or sum(plan.nbytes for plan in plans) != self._pack_bytes:
+            raise ValueError(f"node '{spec.node_name}': its tensors are not packed as the slots' are")
+        return tensors, self._host_copies(plans)
+
+    def _pack_plans(self, tensors: dict):
+        """pack_expert's plans for FC1 and FC2 of these tensors, or None (a layout it does not read)."""
         plan1 = plan_for(self.spec, tensors, self.fc1)
         plan2 = plan_for(self.spec, tensors, self.fc2, offset=plan1.nbytes) if plan1 else None
-        if plan2 is None or plan1.nbytes + plan2.nbytes != self._pack_bytes:
-            raise ValueError(f"node '{spec.node_name}': its tensors are not packed as the slots' are")
-        return tensors, [(off, a.ctypes.data, a.strides[0]) for plan in (plan1, plan2) for a, off in plan.parts.values()]
+        return None if plan2 is None else (plan1, plan2)
+
+    @staticmethod
+    def _host_copies(plans) -> list:
+        """Per stored tensor: (its offset in the staging, its host address, bytes per expert), read at every copy."""
+        return [(off, a.ctypes.data, a.strides[0]) for plan in plans for a, off in plan.parts.values()]
 
     def _init_device_pack(self) -> None:
         """pack_expert's plans for both projections and their descriptor on the device, made once (None: a layout it
@@ -274,15 +284,12 @@ class GpuQMoE:
         self._pack_desc = None
         self._pack_copies = None
         self._sources: dict = {}  # node name -> (its tensors, pack_expert's copies of them): set_source
-        plan1 = plan_for(self.spec, self._tensors, self.fc1)
-        plan2 = plan_for(self.spec, self._tensors, self.fc2, offset=plan1.nbytes) if plan1 else None
-        if plan2 is None:
+        plans = self._pack_plans(self._tensors)
+        if plans is None:
             return
         cp = _cp()
-        plans = (plan1, plan2)
-        self._pack_bytes = plan1.nbytes + plan2.nbytes  # one expert's stored rows, staged for pack_expert
-        # per stored tensor: (its offset in the staging, its host address, bytes per expert), read at every copy
-        self._pack_copies = [(off, a.ctypes.data, a.strides[0]) for plan in plans for a, off in plan.parts.values()]
+        self._pack_bytes = sum(plan.nbytes for plan in plans)  # one expert's stored rows, staged for pack_expert
+        self._pack_copies = self._host_copies(plans)
         self._pack_items = sum(p.w_bytes + p.s_len + (p.NP if p.has_bias else 0) for p in (self.fc1, self.fc2))
         # kept: the descriptor holds their device addresses
         self._row_src_dev = {p.name: cp.asarray(p.row_src.astype(np.int32)) for p in (self.fc1, self.fc2)}
