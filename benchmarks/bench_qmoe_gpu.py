@@ -9,10 +9,12 @@ Decode: 1 token, routing rotated over 256 random logit rows (different experts e
 routing + grouping + FC1 + FC2, captured as a CUDA graph; time = CUDA events around one replay, queued behind a
 spin kernel so that host launch latency is not counted; median over many replays. Bytes = the k routed experts'
 bytes in our layout (weights + scales + biases). Also the per-token time in a graph of 32 back-to-back forwards.
-Prefill: 512 tokens, random routing (distinct experts counted), median of CUDA-event timings.
-Useful FLOPs = 2 * tokens * k * (2I*H + H*I).
+Prefill: 512 tokens, random routing (distinct experts counted), median of CUDA-event timings; GpuQMoE's prefill kernel
+(v1c: pf_gemmc where the layout is int4 / block 32 / no zero point, as here) and the general v1 (pf_gemm) next to it,
+each at its fastest tile height, all variants timed in turn. Useful FLOPs = 2 * tokens * k * (2I*H + H*I).
 
     python benchmarks/bench_qmoe_gpu.py [--gpu-only] [--quick] [--no-write]
+    python benchmarks/bench_qmoe_gpu.py --prefill-ab [--shapes A,B] [--pf-rounds 3]   # prefill and fp16 matmul only
 """
 from __future__ import annotations
 
@@ -210,23 +212,108 @@ def compare_decode(cp, m, decs, H, E, rng, key):
             print(f"[{key}] decode {T} token(s): {kern} vs {names[0]} max rel diff {rel:.1e}", flush=True)
 
 
-def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10):
+PF_KERNELS = ("v1c", "v1")  # GpuQMoE.prefill_kernel: its default first, then the general pf_gemm to compare
+PF_BMS = (32, 64, 128)
+
+
+def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10, rounds=2):
+    """Prefill at T tokens through each of PF_KERNELS at each BM of PF_BMS, the same input and routing for all; every
+    variant timed in turn, ``rounds`` times (its best median counts). Returns {kernel: its fastest BM's median, p10,
+    p90, bm, the kernels launched and their registers, median per BM}, flops, distinct experts and v1c's largest
+    relative difference from v1 (same BM); leaves ``m`` on its default kernel at that one's fastest BM."""
     H, E = spec.hidden_size, spec.num_experts
     x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
     lg_h = (rng.standard_normal((T, E)) * 2.0).astype(np.float32)
     lg = cp.asarray(lg_h)
     out = cp.empty((T, H), cp.float32)
     ids, _ = ref_route(lg_h, spec)
-    best = None
-    for bm in (32, 64, 128):
-        m.prefill_bm = bm
-        med, p10, p90 = timer.median(lambda: m.forward_into(x, lg, out), iters=iters, spin_cycles=300_000)
-        if best is None or med < best[0]:
-            best = (med, p10, p90, bm)
-    m.prefill_bm = best[3]  # keep the faster tile height for the comparisons below
-    flops = 2.0 * T * spec.k * (spec.fc1_rows * H + H * spec.inter_size)
-    return dict(median=best[0], p10=best[1], p90=best[2], bm=best[3], flops=flops,
-                distinct_experts=int(np.unique(ids).size))
+    variants = [(kern, bm) for kern in PF_KERNELS for bm in PF_BMS]
+    outs, names, regs, times = {}, {}, {}, {}
+    for v in variants:  # warm-up, outputs, the kernels launched
+        m.prefill_kernel, m.prefill_bm = v
+        m.forward_into(x, lg, out)
+        outs[v] = cp.asnumpy(out)
+        names[v] = list(m.last_prefill_kernels)
+        try:
+            regs[v] = [int(m._f(n).num_regs) for n in names[v]]
+        except Exception:  # noqa: BLE001 - a CuPy without num_regs: the timings still count
+            regs[v] = None
+    for _ in range(rounds):
+        for v in variants:
+            m.prefill_kernel, m.prefill_bm = v
+            med, p10, p90 = timer.median(lambda: m.forward_into(x, lg, out), iters=iters, spin_cycles=300_000)
+            if v not in times or med < times[v][0]:
+                times[v] = (med, p10, p90)
+    res = dict(flops=2.0 * T * spec.k * (spec.fc1_rows * H + H * spec.inter_size),
+               distinct_experts=int(np.unique(ids).size))
+    for kern in PF_KERNELS:
+        bm = min(PF_BMS, key=lambda b: times[(kern, b)][0])
+        med, p10, p90 = times[(kern, bm)]
+        res[kern] = dict(median=med, p10=p10, p90=p90, bm=bm, kernels=names[(kern, bm)], regs=regs[(kern, bm)],
+                         median_by_bm={b: times[(kern, b)][0] for b in PF_BMS})
+    res["max_rel_diff_v1c_vs_v1"] = max(
+        float(np.abs(outs[("v1c", b)] - outs[("v1", b)]).max() / max(np.abs(outs[("v1", b)]).max(), 1e-30))
+        for b in PF_BMS)
+    m.prefill_kernel, m.prefill_bm = PF_KERNELS[0], res[PF_KERNELS[0]]["bm"]  # for the comparisons that follow
+    return res
+
+
+def prefill_figures(key, tag, pf, tflops):
+    """Print bench_prefill's result and return its figures: each kernel at its fastest BM against the fp16 matmul of
+    the same run, with its speed-up over v1 (GpuQMoE's default keeps the historical figure name)."""
+    figures = []
+    for kern in PF_KERNELS:
+        r = pf[kern]
+        tf = pf["flops"] / r["median"] / 1e12
+        speedup = pf["v1"]["median"] / r["median"]
+        by_bm = ", ".join(f"{b}: {t * 1e3:.3f}" for b, t in r["median_by_bm"].items())
+        print(f"[{key}] prefill 512 {kern}: {r['median'] * 1e3:.3f} ms (p10 {r['p10'] * 1e3:.3f}, p90 "
+              f"{r['p90'] * 1e3:.3f}) = {tf:.0f} TFLOP/s = {tf / tflops:.1%} of fp16 matmul, x{speedup:.2f} vs v1 "
+              f"(BM {r['bm']}, {' / '.join(r['kernels'])}, registers {r['regs']}; ms by BM {by_bm})", flush=True)
+        label = "" if kern == PF_KERNELS[0] else f" ({kern} kernels)"
+        figures.append({"name": f"{tag} prefill 512 tokens throughput{label}", "value": tf, "unit": "TFLOP/s",
+                        "reference": "fp16 matmul 8192^3 measured in this run", "reference_value": tflops,
+                        "ratio": tf / tflops, "latency_ms": r["median"] * 1e3, "prefill_kernel": kern, "bm": r["bm"],
+                        "kernels": r["kernels"], "speedup_vs_v1": speedup})
+    print(f"[{key}] prefill 512: {pf['distinct_experts']} experts hit; v1c vs v1 max rel diff "
+          f"{pf['max_rel_diff_v1c_vs_v1']:.1e}", flush=True)
+    return figures
+
+
+def prefill_ab(args):
+    """--prefill-ab: only bench_prefill (v1c and v1 at 512 tokens) for --shapes, next to the fp16 matmul ceiling of
+    the same run, in one process. Writes benchmarks/results/qmoe_gpu_prefill_ab-*.json (and into $OUT)."""
+    import cupy as cp
+
+    from kernels.gpu import GpuQMoE
+
+    t_start = time.perf_counter()
+    dev = cp.cuda.Device(0)
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    timer = Timer(cp)
+    tflops = measure_matmul(cp, timer)
+    print(f"{gpu}: fp16 matmul 8192^3 {tflops:.0f} TFLOP/s", flush=True)
+    figures = [{"name": "fp16 matmul 8192^3 (cupy / cuBLAS)", "value": tflops, "unit": "TFLOP/s",
+                "reference": "H200 datasheet dense fp16", "reference_value": 989.0, "ratio": tflops / 989.0}]
+    details = {"gpu": gpu, "compute_capability": dev.compute_capability, "cupy": cp.__version__}
+    rng = np.random.default_rng(1)
+    for key in [s_.strip() for s_ in args.shapes.split(",") if s_.strip()]:
+        sh = SHAPES[key]
+        print(f"\n[{key}] {sh['label']}, int4 block {sh['block']}: building weights ...", flush=True)
+        spec, tensors = node_for(key)
+        m = GpuQMoE(spec, tensors)
+        pf = bench_prefill(cp, m, spec, timer, rng, rounds=args.pf_rounds)
+        details[f"shape_{key}"] = {"label": sh["label"], "compiled_from": m.compiled_from, "prefill": pf}
+        figures += prefill_figures(key, f"[{key}: {sh['label']}]", pf, tflops)
+        del m
+        cp.get_default_memory_pool().free_all_blocks()
+        if not args.no_write:  # partial results survive a time limit
+            _write(figures, details, t_start, benchmark=BENCHMARK + "_prefill_ab")
+    if not args.no_write:
+        path = _write(figures, details, t_start, benchmark=BENCHMARK + "_prefill_ab")
+        print(f"wrote {path.relative_to(ROOT)}")
+    return figures
 
 
 def time_host(fn, runs, warmup=1):
@@ -298,9 +385,15 @@ def main(argv=None):
                          "the reference of the max-rel-diff check, v4 keeps the historical figure names")
     ap.add_argument("--profile", action="store_true",
                     help="only run a few decode / prefill forwards between cudaProfilerStart/Stop (for ncu)")
+    ap.add_argument("--prefill-ab", action="store_true",
+                    help="only prefill at 512 tokens: GpuQMoE's kernel (v1c) and the general v1 at BM 32 / 64 / 128, "
+                         "next to the fp16 matmul ceiling of the same run; writes qmoe_gpu_prefill_ab-*.json")
+    ap.add_argument("--pf-rounds", type=int, default=2, help="prefill: timing rounds over all kernels and BMs")
     args = ap.parse_args(argv)
     if args.profile:
         return profile(args)
+    if args.prefill_ab:
+        return prefill_ab(args)
 
     import cupy as cp
 
@@ -371,11 +464,9 @@ def main(argv=None):
             raise RuntimeError("no decode kernel could be timed")
         dec = decs.get("v4") or next(iter(decs.values()))
         gbs = dec["bytes"] / dec["median"] / 1e9
-        pf = bench_prefill(cp, m, spec, timer, rng, iters=5 if args.quick else 10)
-        pf_tf = pf["flops"] / pf["median"] / 1e12
-        print(f"[{key}] prefill 512: {pf['median'] * 1e3:.2f} ms = {pf_tf:.0f} TFLOP/s = {pf_tf / tflops:.0%} of fp16 "
-              f"matmul (BM {pf['bm']}, {pf['distinct_experts']} experts hit)", flush=True)
-        details[f"shape_{key}"].update(decode=dec, prefill={k_: v for k_, v in pf.items()})
+        pf = bench_prefill(cp, m, spec, timer, rng, iters=5 if args.quick else 10,
+                           rounds=1 if args.quick else args.pf_rounds)
+        details[f"shape_{key}"].update(decode=dec, prefill=pf)
         pageable = time_host(lambda: m.upload_expert_device(1, 1), 20)
         locked = upload_host_time_locked(m, tensors)
         print(f"[{key}] upload_expert_device host time: {locked * 1e6:.0f} us with the stored rows page-locked (as the "
@@ -407,11 +498,7 @@ def main(argv=None):
                  "value": g_c, "unit": "GB/s", "reference": "HBM copy bandwidth measured in this run",
                  "reference_value": hbm, "ratio": g_c / hbm, "decode_kernel": kern},
             ]
-        figures += [
-            {"name": f"{tag} prefill 512 tokens throughput", "value": pf_tf, "unit": "TFLOP/s",
-             "reference": "fp16 matmul 8192^3 measured in this run", "reference_value": tflops,
-             "ratio": pf_tf / tflops, "latency_ms": pf["median"] * 1e3},
-        ]
+        figures += prefill_figures(key, tag, pf, tflops)
         # fp16 activations (GPU only)
         x16 = cp.asarray(rng.standard_normal((1, H)).astype(np.float16))
         lg16 = cp.asarray((rng.standard_normal((1, E)) * 2).astype(np.float16))

@@ -589,3 +589,112 @@ def test_gpu_v5_converted_nvfp4(gpu):
     m = _v5(GpuQMoE(spec, t))
     for T in (1, 8):
         assert _relerr(m.forward(x[:T], lg[:T]), qmoe_reference(x[:T], lg[:T], spec, t)) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- prefill v1c (pf_gemmc, prefill.cu)
+# GpuQMoE.prefill_kernel = "v1c" (the default) sends int4 / block 32 / no zero point at BM 32 / 64 through pf_gemmc,
+# pf_gemm compiled for that case; "v1" keeps the general pf_gemm. Same dequantisation, scale folding and k order as
+# pf_gemm: the same tolerances, and v1c == v1 up to FC2's atomicAdd order.
+def _pf_names(kernel, bits, block, zp, BM):
+    if kernel == "v1c" and bits == 4 and block == 32 and not zp and BM in (32, 64):
+        return (f"pf_gemmc_4_{BM}_0", f"pf_gemmc_4_{BM}_1")
+    return (f"pf_gemm_{bits}_{BM}_0", f"pf_gemm_{bits}_{BM}_1")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bits,block,zp,act", GRID, ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in GRID])
+def test_gpu_v1c_matches_reference(gpu, bits, block, zp, act, dtype):
+    """The v4 grid (same seeds and shapes), prefill at 100 tokens and 9 (one partial m16 tile), BM 32 and 64: v1c
+    takes pf_gemmc exactly where the layout is int4 / block 32 / no zero point, and matches the reference and v1."""
+    cp, GpuQMoE = gpu
+    spec, t, x, lg = _grid_case(bits, block, zp, act, dtype)
+    H = spec.hidden_size
+    m = GpuQMoE(spec, t, path="tc")
+    for T in (100, 9):
+        ref = qmoe_reference(x[:T], lg[:T], spec, t)
+        for BM in (32, 64):
+            m.prefill_bm = BM
+            got = {}
+            for kernel in ("v1", "v1c"):
+                m.prefill_kernel = kernel
+                got[kernel] = m.forward(x[:T], lg[:T])
+                assert m.last_prefill_kernels == _pf_names(kernel, bits, block, zp, BM)
+                assert isinstance(got[kernel], np.ndarray) and got[kernel].dtype == x.dtype
+                assert got[kernel].shape == (T, H)
+                err = _relerr(got[kernel], ref)
+                assert err <= TOL[("tc", "prefill", dtype)], f"{kernel} BM={BM} T={T}: rel err {err:.2e}"
+            if dtype == np.float32:
+                assert _relerr(got["v1c"], got["v1"]) <= 1e-4, f"v1c vs v1 BM={BM} T={T}"
+
+
+V1C_RAGGED = [  # (bits, block, zp, act, dtype): the common case, then two that keep pf_gemm
+    (4, 32, False, "swiglu1-limit", np.float32), (4, 32, False, "swiglu0", np.float16), (4, 32, False, "gelu", "bf16"),
+    (4, 32, True, "swiglu2", np.float32), (4, 64, False, "silu", np.float16)]
+
+
+@pytest.mark.parametrize("bits,block,zp,act,dtype", V1C_RAGGED,
+                         ids=[f"int{b}-blk{k}-zp{int(z)}-{a}-{getattr(d, '__name__', d)}"
+                              for b, k, z, a, d in V1C_RAGGED])
+def test_gpu_v1c_ragged(gpu, bits, block, zp, act, dtype):
+    """run_experts with 0, 1, 15, 17, 33, 64, 100 and 129 tokens per expert (partial m16 tiles and several tiles per
+    expert), each token at most once per expert; several k-tiles and a partial last block of row tiles; BM 32, 64 and
+    128 through v1c and v1; one accumulator shared by two calls."""
+    cp, GpuQMoE = gpu
+    bf16 = None
+    if dtype == "bf16":
+        bf16 = pytest.importorskip("ml_dtypes").bfloat16
+        dtype = np.float32
+    counts = [0, 1, 15, 17, 33, 64, 100, 129]
+    E = len(counts)
+    T = max(counts)
+    H = 320  # FC1 5 k-tiles
+    # FC1 row tiles 28 (gated, I 224), 14 or 12 (plain, I 224 / 192): partial last blocks of 8; FC2 20 row tiles
+    I = {32: 224, 64: 192}[block]
+    attrs, t, x, lg = make_case(seed=4321 + bits + block + zp, E=E, H=H, I=I, k=2, bits=bits, block_size=block,
+                                zero_points=zp, bias=True, dtype=dtype, T=T, **ACTS[act])
+    if bf16 is not None:
+        t = {k_: (v.astype(bf16) if k_.endswith("_scales") else v) for k_, v in t.items()}
+        x = x.astype(bf16)
+    spec = _spec(attrs, t, x)
+    kk = sum(c > 0 for c in counts)
+    ids = np.full((T, kk), -1, np.int32)
+    for tok in range(T):
+        es = [e for e, c in enumerate(counts) if c > tok]
+        ids[tok, :len(es)] = es
+    w = np.random.default_rng(7).uniform(0.1, 1.0, size=(T, kk)).astype(np.float32)
+    ref = _ref_pairs(x.astype(np.float32) if bf16 is not None else x, ids, w, spec, t)
+    tol = 1.5e-2 if bf16 is not None else TOL[("tc", "prefill", dtype)]
+    m = GpuQMoE(spec, t, path="tc")
+    for BM in (32, 64, 128):
+        m.prefill_bm = BM
+        for kernel in ("v1c", "v1"):
+            m.prefill_kernel = kernel
+            got = m.run_experts(x, ids, w)
+            assert m.last_prefill_kernels == _pf_names(kernel, bits, block, zp, BM)
+            got = np.asarray(got.astype(np.float32) if bf16 is not None else got)
+            err = _relerr(got, ref)
+            assert err <= tol, f"{kernel} BM={BM}: rel err {err:.2e}"
+    m.prefill_kernel, m.prefill_bm = "v1c", 0
+    acc = cp.zeros((T, H), cp.float32)
+    m.run_experts(x, np.where(ids % 2 == 0, ids, -1), w, out=acc)
+    m.run_experts(x, np.where(ids % 2 == 1, ids, -1), w, out=acc)
+    assert _relerr(cp.asnumpy(acc), ref) <= max(tol, 3e-3)
+
+
+@pytest.mark.parametrize("zp", [False, True], ids=["zp0", "zp1"])
+def test_gpu_v1c_launch_configs(gpu, zp):
+    """test_gpu_launch_configs' larger case at int4 block 32 (70 tokens, 6 experts) and 600 tokens (several tiles per
+    expert, > 512 pairs), every BM through v1c: pf_gemmc without zero points at BM 32 / 64, pf_gemm otherwise."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=113, E=6, H=512, I=384, k=2, bits=4, block_size=32, zero_points=zp, bias=True,
+                                T=600, activation="swiglu", swiglu_fusion=1, alpha=1.702, beta=1.0, swiglu_limit=7.0)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, path="tc")
+    auto_bm = {70: 32, 600: 64}  # prefill_bm 0: 64 once the pairs exceed 128 per resident expert (768 here)
+    for T in (70, 600):
+        ref = qmoe_reference(x[:T], lg[:T], spec, t)
+        for bm in (0, 32, 64, 128):
+            m.prefill_bm = bm
+            err = _relerr(m.forward(x[:T], lg[:T]), ref)
+            assert err <= 3e-3, f"T={T} BM={bm}: {err:.2e}"
+            assert m.last_prefill_kernels == _pf_names("v1c", 4, 32, zp, bm or auto_bm[T])

@@ -14,7 +14,8 @@ Paths:
 * ``tc`` (sm_80+): decode (<= ``decode_max_tokens`` tokens): one grouped dequant-GEMV launch per projection on the
   tensor cores with bf16 hi/lo activations (fp32-accurate); fp16 activations (v5, ``dec5_cfg["f16"]``): fp16
   weights and activations, one f16 MMA per k-step, fp32 accumulation, FC2's activation rounded to fp16; prefill:
-  grouped GEMM (fp16 tensor cores, fp32 accumulation; per-block scales folded in fp16, so ~1e-3 relative).
+  grouped GEMM (fp16 tensor cores, fp32 accumulation; per-block scales folded in fp16, so ~1e-3 relative), compiled
+  separately for int4 with blocks of 32 and no zero points (``prefill_kernel``).
 * ``fma`` (any GPU): plain fp32 FMA kernels over the same layout (exact fp32 dequantisation; slow).
 Routing runs on the GPU with the CUDA semantics (softmax over all E, top-k, renormalise when
 normalize_routing_weights; router_weights); the sparse mixer routes on the host (kernels.reference.route).
@@ -138,6 +139,12 @@ class GpuQMoE:
             self.last_decode_kernels: tuple = ()
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
+            # prefill kernels: "v1c" = pf_gemmc (pf_gemm compiled for int4, blocks of 32, no zero point: 1.2x faster
+            # at 512 tokens on the H200) where the projection's layout is that and BM is 32 or 64, else pf_gemm;
+            # "v1" = pf_gemm always (tests and benchmarks compare the two)
+            self.prefill_kernel = "v1c"
+            # the prefill kernels (FC1, FC2) of the last prefill call on the tensor-core path: tests check the path
+            self.last_prefill_kernels: tuple = ()
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
             if len(res) > S:
                 raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
@@ -710,12 +717,14 @@ class GpuQMoE:
         if self.path == "tc":
             self._f("to_f16_pad")((nel_blocks,), (256,), (xd, np.int32(xdt), np.int32(T), np.int32(H),
                                                          np.int32(f1.KP), ws.x16))
-            self._launch(f"pf_gemm_{bits}_{BM}_0", (_cdiv(f1.NT, 8), max_tiles), (128,), (
+            names = (self._pf_name(f1, 0, BM), self._pf_name(f2, 1, BM))
+            self._launch(names[0], (_cdiv(f1.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f1, fp16_scales=True), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
                 np.int32(f2.KP), self._dummy_f32), self._pf_smem(BM))
-            self._launch(f"pf_gemm_{bits}_{BM}_1", (_cdiv(f2.NT, 8), max_tiles), (128,), (
+            self._launch(names[1], (_cdiv(f2.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f2, fp16_scales=True), *tiles_args, ws.a16, np.int32(f2.KP), *act, np.int32(H), self._dummy_u16,
                 np.int32(0), out), self._pf_smem(BM))
+            self.last_prefill_kernels = names
             return
         if xdt == DT_F32:
             x32 = xd
@@ -804,6 +813,16 @@ class GpuQMoE:
         cross-warp reduction (W * R * 128 floats); mirrors decode.cu."""
         tb = 512 if p.bits == 4 else 1024
         return W * 4 * (R * tb + R * 320) + W * R * 512
+
+    def _pf_name(self, p: _lay.ProjLayout, mode: int, BM: int) -> str:
+        """The prefill kernel of projection ``p`` (mode 0 = FC1, 1 = FC2) at BM tokens per tile: pf_gemmc_4_<BM>_<mode>
+        (compiled for int4, blocks of 32, no zero point; block scales always reach it as fp16: the layout's fp16 copy
+        or fp16 as stored) where prefill_kernel "v1c", the layout and BM allow it, else pf_gemm_<bits>_<BM>_<mode>."""
+        if self.prefill_kernel not in ("v1", "v1c"):
+            raise ValueError(f"prefill_kernel must be 'v1' or 'v1c', not {self.prefill_kernel!r}")
+        if self.prefill_kernel == "v1c" and BM in (32, 64) and p.bits == 4 and p.bs_log2 == 5 and not p.has_zp:
+            return f"pf_gemmc_4_{BM}_{mode}"
+        return f"pf_gemm_{p.bits}_{BM}_{mode}"
 
     def _pf_smem(self, BM: int) -> int:
         """Dynamic shared memory of pf_gemm (PF_STAGES = 4 stages of PfSmem<bits, BM>::STAGE bytes)."""

@@ -37,7 +37,8 @@ struct PfSmem {
 };
 #define PF_STAGES 4
 
-template <int BITS, int BM, int MODE>
+// SP: compiled for the common case only (int4, block 32, no zero point; the pf_gemmc kernels, GpuQMoE._pf_name)
+template <int BITS, int BM, int MODE, bool SP = false>
 static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #if QM_TC
     typedef QmW<BITS> TR;
@@ -54,7 +55,11 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int rtw = rtb + warp * 2;
-    const bool blockwise = bs_log2 >= 0;
+    const bool blockwise = SP ? true : bs_log2 >= 0;
+    if (SP) {
+        bs_log2 = 5;
+        has_zp = 0;
+    }
     const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;
     const int ssz = 2;  // block scales arrive as fp16 (GpuQMoE passes an fp16 copy); per-row scales use sdt
     const u32 sbase = smem_u32(pf_smem);
@@ -270,3 +275,10 @@ QM_PF_KERNEL(4, 128, 0)
 QM_PF_KERNEL(4, 128, 1)
 QM_PF_KERNEL(8, 128, 0)
 QM_PF_KERNEL(8, 128, 1)
+// pf_gemmc_4_<BM>_<mode>: the common case (int4, block 32, no zero point) compiled for it
+#define QM_PFC_KERNEL(BM, M) \
+    extern "C" __global__ void __launch_bounds__(128) pf_gemmc_4_##BM##_##M(QM_PF_ARGS) { pf_gemm_impl<4, BM, M, true>(QM_PF_PASS); }
+QM_PFC_KERNEL(32, 0)
+QM_PFC_KERNEL(32, 1)
+QM_PFC_KERNEL(64, 0)
+QM_PFC_KERNEL(64, 1)

@@ -1,0 +1,58 @@
+"""Which prefill kernels GpuQMoE launches (``GpuQMoE._pf_name``), and that the CUDA source defines each of them. CPU
+only: GpuQMoE's constructor needs CuPy, so the attributes ``_pf_name`` reads are set by hand. The kernels themselves
+run in tests/test_qmoe_gpu.py (GPU)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from kernels.gpu import layout
+from kernels.gpu._module import source_text
+from kernels.gpu.qmoe import GpuQMoE
+from kernels.qmoe_spec import QMoESpec
+from tests.qmoe_oracle import make_case
+
+
+def _names(kernel: str, bits: int, block: int, zp: bool, BM: int, dtype=np.float32) -> tuple:
+    """(FC1, FC2) prefill kernels of a swiglu node with this layout and tile height under ``prefill_kernel``."""
+    attrs, t, x, _ = make_case(seed=3, E=2, H=128, I=128, k=1, bits=bits, block_size=block, zero_points=zp,
+                               activation="swiglu", swiglu_fusion=1, dtype=dtype, T=1)
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    m = object.__new__(GpuQMoE)
+    m.prefill_kernel = kernel
+    return tuple(m._pf_name(p, mode, BM) for mode, p in enumerate(layout.make_layouts(spec, t)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32-scales", "fp16-scales"])
+@pytest.mark.parametrize("BM", [32, 64])
+def test_common_case_takes_pf_gemmc(BM, dtype):
+    """int4, block 32, no zero points: pf_gemmc by default, pf_gemm when "v1" is asked for."""
+    assert _names("v1c", 4, 32, False, BM, dtype) == (f"pf_gemmc_4_{BM}_0", f"pf_gemmc_4_{BM}_1")
+    assert _names("v1", 4, 32, False, BM, dtype) == (f"pf_gemm_4_{BM}_0", f"pf_gemm_4_{BM}_1")
+
+
+@pytest.mark.parametrize("bits,block,zp,BM", [(4, 32, True, 32), (4, 64, False, 32), (4, 16, False, 64),
+                                              (4, 0, False, 32), (8, 32, False, 32), (4, 32, False, 128)])
+def test_other_cases_take_pf_gemm(bits, block, zp, BM):
+    """Zero points, other blocks, per-row scales, int8, or BM 128 (no pf_gemmc instance): the general kernels."""
+    assert _names("v1c", bits, block, zp, BM) == (f"pf_gemm_{bits}_{BM}_0", f"pf_gemm_{bits}_{BM}_1")
+
+
+def test_unknown_prefill_kernel_refused():
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        _names("v2", 4, 32, False, 32)
+
+
+def test_source_defines_every_prefill_kernel():
+    """Every name _pf_name can return is instantiated in the CUDA source (QM_PF_KERNEL / QM_PFC_KERNEL in
+    prefill.cu)."""
+    src = source_text()
+    defined = {f"pf_gemm_{b}_{bm}_{mode}" for b, bm, mode in re.findall(r"^QM_PF_KERNEL\((\d+), (\d+), (\d)\)", src,
+                                                                        re.M)}
+    defined |= {f"pf_gemmc_4_{bm}_{mode}" for bm, mode in re.findall(r"^QM_PFC_KERNEL\((\d+), (\d)\)", src, re.M)}
+    wanted = {name for kernel in ("v1", "v1c") for bits in (4, 8) for BM in (32, 64, 128)
+              for name in _names(kernel, bits, 32 if bits == 4 else 0, False, BM)}
+    assert {n for n in wanted if n.startswith("pf_gemmc_")}, "no pf_gemmc kernel selected"
+    assert wanted <= defined, sorted(wanted - defined)
