@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.offload.step_pairs import NO_COUNTS, classify_pairs
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, take_copied
 from engine.offload.stats import OffloadStats
 
 
@@ -50,3 +50,25 @@ def test_classify_pairs_counts_nothing_when_told_not_to():
     assert (hits, missed, residents) == (3, 1, 2)
     assert cold.tolist() == [[-1, -1], [1, -1]] and experts.tolist() == [1] and tokens.tolist() == [1]
     assert NO_COUNTS.size == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_take_copied_equals_the_numpy_masks(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        experts, tokens = int(rng.choice([8, 32, 128])), int(rng.integers(1, 9))
+        k = int(rng.integers(1, min(8, experts) + 1))
+        ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1
+        slot_of = np.where(rng.random(experts) < rng.random(), 0, -1).astype(np.int32)
+        resident, cold, *_rest, misses, _tokens = classify_pairs(ids, slot_of, NO_COUNTS, False)
+        copied = np.sort(rng.choice(misses, int(rng.integers(0, misses.size + 1)), replace=False)) if misses.size \
+            else np.empty(0, np.int64)
+        chosen = np.zeros(experts + 1, bool)  # the hybrid node's former _pairs_of, count and np.where
+        chosen[copied] = True
+        in_copied = chosen[cold]
+        device_ids, rest, taken = take_copied(ids, cold, copied.astype(np.int64))
+        np.testing.assert_array_equal(device_ids, np.where(resident | in_copied, ids, -1))
+        np.testing.assert_array_equal(rest, np.where(in_copied, -1, cold))
+        assert taken == int(np.count_nonzero(in_copied))
+        assert device_ids.dtype == rest.dtype == ids.dtype

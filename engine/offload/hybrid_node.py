@@ -12,7 +12,7 @@ from engine.offload.approximate import approximate_routing
 from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
-from engine.offload.step_pairs import NO_COUNTS, classify_pairs
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, take_copied
 from kernels.cpu.routing import route
 from kernels.gpu.qmoe import GpuQMoE
 
@@ -99,14 +99,12 @@ class HybridExpertNode:
             copy_before = stats.copy_s
             copied = self._copy_misses(ids, residents, miss_experts, miss_tokens, stats)
             miss_copy_s = stats.copy_s - copy_before
-            on_device = resident
             if copied.size:
-                in_copied = self._pairs_of(copied, cold)
-                copied_pairs, copies = int(np.count_nonzero(in_copied)), int(copied.size)
-                on_device = resident | in_copied
-                cold = np.where(in_copied, -1, cold)
-            if hits or copies:
-                pending = store.launch(x2d, np.where(on_device, ids, -1), weights)
+                device_ids, cold, copied_pairs = take_copied(ids, cold, copied)
+                copies = int(copied.size)
+                pending = store.launch(x2d, device_ids, weights)
+            elif hits:
+                pending = store.launch(x2d, np.where(resident, ids, -1), weights)
         elif store is not None and missed and not shadow and engine.streaming.by_layer[layer] is not None and decode:
             # Decode at a layer without slots: the misses that pay are copied into the shared streaming slots and
             # computed there in one launch, while the CPU computes the rest (streaming.py).

@@ -63,3 +63,25 @@ def classify_pairs(ids, slot_of, counts, count):
             miss_tokens[n] = pairs_of[expert]
             n += 1
     return resident, cold, hits, missed, residents, miss_experts, miss_tokens
+
+
+@njit(cache=True, nogil=True)
+def take_copied(ids, cold, copied):
+    """The pairs of `cold` routed to one of the `copied` experts (a decode step's few) go to the device with the
+    resident ones. Returns (the device's ids: ids where resident or copied, else -1; cold without those pairs; the
+    pairs taken), in ids' dtype: what _pairs_of, a count and two np.where gave."""
+    device_ids = np.full(ids.shape, -1, ids.dtype)
+    rest = cold.copy()
+    taken = 0
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            if ids[t, j] < 0:
+                continue  # unrouted
+            expert = cold[t, j]
+            if expert >= 0:
+                if expert not in copied:
+                    continue
+                rest[t, j] = -1
+                taken += 1
+            device_ids[t, j] = ids[t, j]
+    return device_ids, rest, taken
