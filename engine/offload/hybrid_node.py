@@ -59,9 +59,10 @@ class HybridExpertNode:
         spec = self.info.spec
         engine, layer = self.engine, self.layer
         store = engine.stores[layer]
+        approximating = engine.approximating
         held = store is not None and store.holds(x)  # the inputs lie in the device's memory
         if held:
-            if not engine.approximating and engine.slots[layer].all_resident:
+            if not approximating and engine.slots[layer].all_resident:
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape
             x, logits, router_weights = store.to_host(x, logits, router_weights)
@@ -69,7 +70,7 @@ class HybridExpertNode:
         logits = logits.reshape(-1, spec.num_experts)
         ids, weights = route(logits, spec, router_weights)
         slot_of = engine.slots[layer].slot_of
-        if engine.approximating:  # it drops pairs (-1); route() gives every pair an expert
+        if approximating:  # it drops pairs (-1); route() gives every pair an expert
             ids = approximate_routing(ids, weights, logits, slot_of, engine.config, engine.approximation)
         shadow = engine.shadow
         stats = engine.stats.layers[layer] if not shadow else LayerStats()
@@ -121,7 +122,7 @@ class HybridExpertNode:
             # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
             # rest meanwhile.
             pending = store.launch(x2d, np.where(resident, ids, -1), weights) if hits else None
-            for wave in self._waves(cold) if missed else ():
+            for wave in self._waves(cold) if missed and not decode else ():
                 wave_copy = store.stage(wave)
                 stats.copy_s += wave_copy
                 stats.copy_bytes += len(wave) * store.wave_bytes
@@ -302,11 +303,12 @@ class HybridExpertNode:
         return np.array(chosen, dtype=np.int64)
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
-        """Cold experts worth running on the device, in waves that fit the staging ring."""
+        """Cold experts of a step larger than decode (there the miss policy splits the misses between the CPU and spare
+        slots) worth running on the device, in waves that fit the staging ring."""
         wave = self.engine.wave_experts
         config = self.engine.config
-        if wave == 0 or config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens:
-            return []  # decode: the miss policy splits the misses between the CPU and spare slots
+        if wave == 0:
+            return []
         experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
         if experts.size == 0:
             return []
