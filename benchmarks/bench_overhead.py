@@ -65,7 +65,8 @@ BUCKETS = ("step", "dense_call", "dense_ort", "expert_call", "kernel_cpu", "kern
 #   route        kernels.cpu.routing.route as the expert nodes call it
 #   miss_policy  HybridExpertNode._copy_misses (costs, spare slots, decision, the copies' loads)
 #   spare_slots  placement's spare_slots (inside miss_policy)
-#   host_cache   HostExpertCache.touch;  stats  OffloadStats.count + split;  observe  placement's observe
+#   host_cache   HostExpertCache.touch;  stats  OffloadStats.count + split and the hybrid node's classify_pairs
+#                (residency, per-expert counts, misses: step_pairs.py);  observe  placement's observe
 #   numba        the compiled kernels' calls (moe_gemv, group_pairs): kernel_wrapper = kernels - numba, the
 #                Python of CpuQMoE.run_experts / forward around them (counted in kernel_cpu / kernel_device)
 DETAIL = ("route", "miss_policy", "spare_slots", "host_cache", "stats", "observe", "kernel_wrapper")
@@ -166,6 +167,8 @@ def _instrument_detail(model, meter: Meter) -> None:
 
     for module in (hybrid_node, qmoe):
         _wrap(module, "route", meter, "route")
+    if hasattr(hybrid_node, "classify_pairs"):  # the trees before the fourth pass count in OffloadStats.count
+        _wrap(hybrid_node, "classify_pairs", meter, "stats")
     for runner in model.decoder.steps:
         if "_route" in vars(runner):  # CpuExpertNode routes itself (no CpuQMoE.forward) since pass 3
             _wrap(runner, "_route", meter, "route")

@@ -256,7 +256,12 @@ class SegmentBinding:
 
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""
-        return sum(values[name].nbytes for name in self.cut) + sum(r.nbytes for r in results.values())
+        total = 0
+        for name in self.cut:
+            total += values[name].nbytes
+        for result in results.values():
+            total += result.nbytes
+        return total
 
 
 # The outputs DeviceOutputs holds: float activations, by onnxruntime's element type (CuPy has no bfloat16). Integer
@@ -365,12 +370,13 @@ class SegmentBindings:
 
     def run(self, session, inputs: list[str], outputs: list[str], values: dict[str, np.ndarray],
             state: DecoderState) -> dict[str, np.ndarray]:
-        bound = self._by_state.get(state)
+        kept = bound = self._by_state.get(state)
         if bound is None or bound.session is not session:
             bound = SegmentBinding(session, inputs, outputs, state, self.fresh, self.on_device)
         results = bound.run(values)
         if bound.holds(values, results) <= KEEP_BINDING_BYTES:
-            self._by_state[state] = bound
+            if bound is not kept:
+                self._by_state[state] = bound
         else:  # a prefill's tensors: not kept past this step
             self._by_state.pop(state, None)
         return results

@@ -12,6 +12,7 @@ from engine.offload.approximate import approximate_routing
 from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, take_copied
 from kernels.cpu.routing import route
 from kernels.gpu.qmoe import GpuQMoE
 
@@ -22,8 +23,9 @@ DECODE_MAX_TOKENS = GpuQMoE.decode_max_tokens  # a step merged on the device: th
 
 class HybridExpertNode:
     """The per-layer host work is kept to a few NumPy calls on decode-sized steps (issue #4: at high
-    residency it is what remains of a token's time): one residency lookup, counts from it, no miss
-    policy where the layer has no slot, no set operations where a mask does."""
+    residency it is what remains of a token's time): one compiled pass sorts the step's pairs by residency
+    and counts them (step_pairs.py), no miss policy where the layer has no slot, no set operations where a
+    mask does."""
 
     def __init__(self, runner: CpuExpertNode, layer: int, engine):
         self.info = runner.info
@@ -57,9 +59,10 @@ class HybridExpertNode:
         spec = self.info.spec
         engine, layer = self.engine, self.layer
         store = engine.stores[layer]
+        approximating = engine.approximating
         held = store is not None and store.holds(x)  # the inputs lie in the device's memory
         if held:
-            if not engine.approximating and engine.slots[layer].all_resident:
+            if not approximating and engine.slots[layer].all_resident:
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape
             x, logits, router_weights = store.to_host(x, logits, router_weights)
@@ -67,55 +70,47 @@ class HybridExpertNode:
         logits = logits.reshape(-1, spec.num_experts)
         ids, weights = route(logits, spec, router_weights)
         slot_of = engine.slots[layer].slot_of
-        if engine.approximating:
+        if approximating:  # it drops pairs (-1); route() gives every pair an expert
             ids = approximate_routing(ids, weights, logits, slot_of, engine.config, engine.approximation)
-            routed = ids >= 0  # approximate routing drops pairs (-1); route() gives every pair an expert
-            resident = (slot_of[ids] >= 0) & routed
-            routed_pairs = int(np.count_nonzero(routed))
-        else:
-            routed = None
-            resident = slot_of[ids] >= 0
-            routed_pairs = ids.size
         shadow = engine.shadow
         stats = engine.stats.layers[layer] if not shadow else LayerStats()
-        hits = int(np.count_nonzero(resident))
-        missed = routed_pairs - hits
+        counts = None if shadow else engine.stats.pair_counts(layer)
+        # cold: the ids of the pairs not resident (-1 elsewhere; never written in place)
+        resident, cold, hits, missed, residents, miss_experts, miss_tokens = classify_pairs(
+            ids, slot_of, NO_COUNTS if counts is None else counts, counts is not None)
         stats.hits += hits
         stats.misses += missed
         if not shadow:
-            engine.stats.count(layer, ids, resident, routed)
+            if counts is None:
+                engine.stats.count(layer, ids, resident, ids >= 0)
             if hits:
                 engine.copy_reuse.hit(layer, ids, resident)
 
         out = self._output(x2d.shape[0])
         standin_before = getattr(store, "standin_s", 0.0) if store is not None else 0.0
-        cold = np.where(resident, -1, ids) if hits else ids  # never written in place
+        decode = self._decode(x2d.shape[0])
         copied_pairs = copies = 0
         pending = None
         waves = []      # (copy s, device s) per prefill wave: the projection's critical path (projection.py)
         miss_copy_s = 0.0
-        if (store is not None and missed and not shadow and engine.slots[layer].num_slots
-                and self._decode(cold)):
+        if store is not None and missed and not shadow and engine.slots[layer].num_slots and decode:
             # Decode: the miss policy copies the misses that pay into spare slots first; one launch then computes
             # them with the residents (after the copies), while the CPU computes the rest. A second launch for the
             # copied ones cost the host an upload, a launch and a collect more (~80 µs a layer on the H200).
             copy_before = stats.copy_s
-            copied = self._copy_misses(ids, resident, cold, stats)
+            copied = self._copy_misses(ids, residents, miss_experts, miss_tokens, stats)
             miss_copy_s = stats.copy_s - copy_before
-            on_device = resident
             if copied.size:
-                in_copied = self._pairs_of(copied, cold)
-                copied_pairs, copies = int(np.count_nonzero(in_copied)), int(copied.size)
-                on_device = resident | in_copied
-                cold = np.where(in_copied, -1, cold)
-            if hits or copies:
-                pending = store.launch(x2d, np.where(on_device, ids, -1), weights)
-        elif (store is not None and missed and not shadow and engine.streaming.by_layer[layer] is not None
-              and self._decode(cold)):
+                device_ids, cold, copied_pairs = take_copied(ids, cold, copied)
+                copies = int(copied.size)
+                pending = store.launch(x2d, device_ids, weights)
+            elif hits:
+                pending = store.launch(x2d, np.where(resident, ids, -1), weights)
+        elif store is not None and missed and not shadow and engine.streaming.by_layer[layer] is not None and decode:
             # Decode at a layer without slots: the misses that pay are copied into the shared streaming slots and
             # computed there in one launch, while the CPU computes the rest (streaming.py).
             copy_before = stats.copy_s
-            copied = self._stream_misses(cold, stats, engine.streaming.by_layer[layer])
+            copied = self._stream_misses(miss_experts, miss_tokens, stats, engine.streaming.by_layer[layer])
             miss_copy_s = stats.copy_s - copy_before
             if copied.size:
                 in_copied = self._pairs_of(copied, cold)
@@ -127,7 +122,7 @@ class HybridExpertNode:
             # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
             # rest meanwhile.
             pending = store.launch(x2d, np.where(resident, ids, -1), weights) if hits else None
-            for wave in self._waves(cold) if missed else ():
+            for wave in self._waves(cold) if missed and not decode else ():
                 wave_copy = store.stage(wave)
                 stats.copy_s += wave_copy
                 stats.copy_bytes += len(wave) * store.wave_bytes
@@ -144,14 +139,11 @@ class HybridExpertNode:
             cpu_s = time.perf_counter() - started
             stats.cpu_s += cpu_s
             # the miss policy's CPU rate, measured in layers without slots too: a budget raised later uses it at once
-            rate = not shadow and engine.device is not None and self._decode(cold)
-            touch = not shadow and engine.host_cache.budget is not None
-            if rate or touch:
-                on_cpu = set(cold[cold >= 0].tolist())
-                if rate:
-                    engine.cpu_rate.observe(len(on_cpu) * self.info.bytes_per_expert, cpu_s)
-                if touch:
-                    engine.host_cache.touch(layer, sorted(on_cpu))
+            if not shadow and engine.device is not None and decode:
+                # the CPU's experts: the misses less the copied ones (a decode step has no prefill waves)
+                engine.cpu_rate.observe((miss_experts.size - copies) * self.info.bytes_per_expert, cpu_s)
+            if not shadow and engine.host_cache.budget is not None:
+                engine.host_cache.touch(layer, sorted(set(cold[cold >= 0].tolist())))
         standin = getattr(store, "standin_s", 0.0) - standin_before if pending is not None or waves else 0.0
         tokens = x2d.shape[0]
         result = None
@@ -245,10 +237,10 @@ class HybridExpertNode:
             self._out.fill(0.0)
         return self._out
 
-    def _decode(self, cold: np.ndarray) -> bool:
+    def _decode(self, tokens: int) -> bool:
         """A decode-sized step (misses judged one by one) with CPU execution allowed."""
         config = self.engine.config
-        return config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens
+        return config.cpu_execution != "disabled" and tokens <= config.async_max_tokens
 
     def _pairs_of(self, copied: np.ndarray, cold: np.ndarray) -> np.ndarray:
         """The (token, k) pairs of `cold` routed to one of the `copied` experts (a bool mask of cold's shape)."""
@@ -257,17 +249,6 @@ class HybridExpertNode:
         in_copied = chosen[cold]
         chosen[copied] = False
         return in_copied
-
-    @staticmethod
-    def _misses(cold: np.ndarray) -> tuple[list[int], list[int]]:
-        """The step's missed experts, ascending, and the tokens routed to each. Plain Python: a decode step has a
-        handful, and np.unique on them cost ~35 µs under cProfile (issue #4)."""
-        tokens_of: dict[int, int] = {}
-        for expert in cold.ravel().tolist():
-            if expert >= 0:
-                tokens_of[expert] = tokens_of.get(expert, 0) + 1
-        experts = sorted(tokens_of)
-        return experts, [tokens_of[expert] for expert in experts]
 
     def _miss_costs(self, tokens: list[int], resident_s: float, prepare_s: float, reuse: float | None,
                     launch_s: float = 0.0):
@@ -279,12 +260,13 @@ class HybridExpertNode:
                           flops_per_token=self._flops_per_token, prepare_s=prepare_s, copy_bytes=store.expert_bytes,
                           read_bytes=store.read_bytes, cpu_rate=engine.cpu_rate.value, reuse=reuse, launch_s=launch_s)
 
-    def _stream_misses(self, cold: np.ndarray, stats: LayerStats, streaming) -> np.ndarray:
+    def _stream_misses(self, miss_experts: np.ndarray, miss_tokens: np.ndarray, stats: LayerStats,
+                       streaming) -> np.ndarray:
         """Decide with the cost model which misses to copy into the streaming slots (no residents beside them, no
         later hits to credit: they are overwritten by the next layer; a launch and merge of their own, whose host time
         the copies must earn back); copy them; returns the copied experts."""
-        experts, tokens = self._misses(cold)
-        costs = self._miss_costs(tokens, 0.0, streaming.prepare_s, None, launch_s=streaming.launch_s)
+        experts = miss_experts.tolist()
+        costs = self._miss_costs(miss_tokens.tolist(), 0.0, streaming.prepare_s, None, launch_s=streaming.launch_s)
         decision = choose(costs, streaming.num_slots)  # it scans every m: launch_s breaks copying_pays' shortcut
         self.last_decision = decision
         chosen = [experts[i] for i in decision.copied.tolist()]
@@ -294,13 +276,15 @@ class HybridExpertNode:
             stats.copy_bytes += len(chosen) * store.expert_bytes
         return np.array(chosen, dtype=np.int64)
 
-    def _copy_misses(self, ids: np.ndarray, resident: np.ndarray, cold: np.ndarray, stats: LayerStats) -> np.ndarray:
-        """Decide with the cost model (miss_policy.py) which misses to copy into spare slots; copy
-        them (the placement policy is told); returns the copied experts."""
+    def _copy_misses(self, ids: np.ndarray, residents: int, miss_experts: np.ndarray, miss_tokens: np.ndarray,
+                     stats: LayerStats) -> np.ndarray:
+        """Decide with the cost model (miss_policy.py) which misses (distinct experts ascending, the pairs routed to
+        each) to copy into spare slots; copy them (the placement policy is told); returns the copied experts.
+        residents: the distinct resident experts of the step."""
         engine, store = self.engine, self.engine.stores[self.layer]
-        experts, tokens = self._misses(cold)
-        resident_s = len(set(ids[resident].tolist())) * store.read_bytes / engine.device.bandwidths.hbm
-        costs = self._miss_costs(tokens, resident_s, getattr(store, "prepare_s", 0.0), engine.copy_reuse.value)
+        experts = miss_experts.tolist()
+        resident_s = residents * store.read_bytes / engine.device.bandwidths.hbm
+        costs = self._miss_costs(miss_tokens.tolist(), resident_s, getattr(store, "prepare_s", 0.0), engine.copy_reuse.value)
         if not copying_pays(costs):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
@@ -319,11 +303,12 @@ class HybridExpertNode:
         return np.array(chosen, dtype=np.int64)
 
     def _waves(self, cold: np.ndarray) -> list[np.ndarray]:
-        """Cold experts worth running on the device, in waves that fit the staging ring."""
+        """Cold experts of a step larger than decode (there the miss policy splits the misses between the CPU and spare
+        slots) worth running on the device, in waves that fit the staging ring."""
         wave = self.engine.wave_experts
         config = self.engine.config
-        if wave == 0 or config.cpu_execution != "disabled" and cold.shape[0] <= config.async_max_tokens:
-            return []  # decode: the miss policy splits the misses between the CPU and spare slots
+        if wave == 0:
+            return []
         experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
         if experts.size == 0:
             return []

@@ -70,7 +70,8 @@ class CopyReuse:
 
     def __init__(self, num_experts: list[int], window: int = 8, keep: float = 0.98, min_copies: int = 4):
         self.window, self.keep, self.min_copies = window, keep, min_copies
-        self._copied_at = [np.full(n, -window - 1, np.int64) for n in num_experts]
+        # per layer and expert, as Python ints: a decode step looks up a handful (issue #4)
+        self._copied_at = [[-window - 1] * n for n in num_experts]
         self._last_copy = [-window - 1] * len(num_experts)
         self._made = 0  # copies ever made
         self.step = 0
@@ -84,7 +85,9 @@ class CopyReuse:
             self.reuses *= self.keep
 
     def copied(self, layer: int, experts: list[int]) -> None:
-        self._copied_at[layer][experts] = self.step
+        copied_at = self._copied_at[layer]
+        for expert in experts:
+            copied_at[expert] = self.step
         self._last_copy[layer] = self.step
         self.copies += len(experts)
         self._made += len(experts)
@@ -93,11 +96,8 @@ class CopyReuse:
         """`ids[resident]`: this step's routed experts found resident in `layer` (repeats allowed)."""
         if self.step - self._last_copy[layer] > self.window:
             return  # nothing copied lately in this layer: no array work on the decode path
-        experts = ids[resident]
-        at = self._copied_at[layer][experts]
-        recent = experts[(at < self.step) & (at >= self.step - self.window)]
-        if recent.size:
-            self.reuses += len(set(recent.tolist()))
+        copied_at, step, oldest = self._copied_at[layer], self.step, self.step - self.window
+        self.reuses += len({expert for expert in ids[resident].tolist() if oldest <= copied_at[expert] < step})
 
     @property
     def value(self) -> float | None:

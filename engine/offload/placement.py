@@ -227,9 +227,8 @@ class AdaptivePlacement(PlacementPolicy):
                 continue
             if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
                 rows = self._rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
-            fill = max(0, self.wanted_slots(index) - int(np.count_nonzero(layer.expert_in >= 0)))
-            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, left, fill,
-                           rows)
+            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, left,
+                           self.wanted_slots(index), rows)
             if n:
                 for slot, evicted, loaded in rows[:n].tolist():
                     swaps.append(Swap(index, slot, evicted if evicted >= 0 else None, loaded))
@@ -321,14 +320,19 @@ def _best_cold(scores, slot_of, taken, positive):
 
 
 @njit(cache=True, nogil=True)
-def _rebalance(scores, slot_of, expert_in, margin, max_swaps, limit, fill, swaps):
+def _rebalance(scores, slot_of, expert_in, margin, max_swaps, limit, wanted, swaps):
     """AdaptivePlacement's safe point for one layer, in place on slot_of / expert_in. swaps [rows, 3] receives
-    (slot, evicted or -1, loaded); returns the row count, at most `limit` (negative: no limit). Up to `fill` empty
-    slots are filled first (best positive-scored cold experts, slots in order); then up to max_swaps of the best cold
-    experts (chosen before any swap) each replace the weakest resident (the first in slot order on ties) while
-    it scores more than margin times it."""
+    (slot, evicted or -1, loaded); returns the row count, at most `limit` (negative: no limit). Empty slots are
+    filled first, up to `wanted` residents (best positive-scored cold experts, slots in order); then up to max_swaps
+    of the best cold experts (chosen before any swap) each replace the weakest resident (the first in slot order on
+    ties) while it scores more than margin times it."""
     E = slot_of.size
     S = expert_in.size
+    fill = wanted
+    for s in range(S):
+        if expert_in[s] >= 0:
+            fill -= 1
+    fill = max(0, fill)
     n = 0
     taken = np.zeros(E, np.bool_)
     for s in range(S):

@@ -79,6 +79,12 @@ class OffloadStats:
         index = np.where(resident, expert_ids, expert_ids + hits.size)  # a miss counts in the second half
         np.add.at(pairs, index if routed is None else index[routed], 1)
 
+    def pair_counts(self, layer: int) -> np.ndarray | None:
+        """The layer's [hits per expert | misses per expert] array, for a caller that counts a step's pairs itself
+        (step_pairs.classify_pairs); None where the counts are not one such array (count() then)."""
+        pairs = self._pairs[layer] if layer < len(self._pairs) else None
+        return pairs if pairs is not None and self.expert_hits[layer].base is pairs else None
+
     def split(self, layer: int, on_cpu: int, copied: int, copies: int = 0) -> None:
         """Missed pairs of one layer's step: how many ran on the CPU, how many were copied."""
         stats = self.layers[layer]

@@ -1,0 +1,74 @@
+"""step_pairs.classify_pairs against the NumPy expressions it replaced in the hybrid node and OffloadStats.count."""
+
+import numpy as np
+import pytest
+
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, take_copied
+from engine.offload.stats import OffloadStats
+
+
+def numpy_classify(ids, slot_of, stats: OffloadStats):
+    """The hybrid node's former NumPy bookkeeping (hybrid_node.py before the fourth overhead pass)."""
+    routed = ids >= 0
+    resident = (slot_of[ids] >= 0) & routed
+    hits = int(np.count_nonzero(resident))
+    missed = int(np.count_nonzero(routed)) - hits
+    stats.count(0, ids, resident, routed)
+    cold = np.where(resident, -1, ids)
+    residents = len(set(ids[resident].tolist()))
+    experts, tokens = np.unique(cold[cold >= 0], return_counts=True)
+    return resident, cold, hits, missed, residents, experts, tokens
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_classify_pairs_equals_the_numpy_bookkeeping(seed):
+    rng = np.random.default_rng(seed)
+    experts = int(rng.choice([8, 32, 128]))
+    stats_ref, stats_new = OffloadStats(), OffloadStats()
+    stats_ref.reset(1, [experts])
+    stats_new.reset(1, [experts])
+    for _ in range(200):
+        tokens, k = int(rng.integers(1, 9)), int(rng.integers(1, min(8, experts) + 1))
+        ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1  # approximate routing's unrouted pairs
+        slot_of = np.full(experts, -1, np.int32)
+        resident_experts = rng.choice(experts, int(rng.integers(0, experts + 1)), replace=False)
+        slot_of[resident_experts] = np.arange(resident_experts.size)
+        expected = numpy_classify(ids, slot_of, stats_ref)
+        got = classify_pairs(ids, slot_of, stats_new.pair_counts(0), True)
+        for mine, theirs in zip(got, expected):
+            np.testing.assert_array_equal(mine, theirs)
+        assert got[1].dtype == ids.dtype and got[0].dtype == bool
+        np.testing.assert_array_equal(stats_new.expert_hits[0], stats_ref.expert_hits[0])
+        np.testing.assert_array_equal(stats_new.expert_misses[0], stats_ref.expert_misses[0])
+
+
+def test_classify_pairs_counts_nothing_when_told_not_to():
+    ids = np.array([[0, 3], [1, 3]], np.int32)
+    slot_of = np.array([0, -1, -1, 1], np.int32)
+    resident, cold, hits, missed, residents, experts, tokens = classify_pairs(ids, slot_of, NO_COUNTS, False)
+    assert (hits, missed, residents) == (3, 1, 2)
+    assert cold.tolist() == [[-1, -1], [1, -1]] and experts.tolist() == [1] and tokens.tolist() == [1]
+    assert NO_COUNTS.size == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_take_copied_equals_the_numpy_masks(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        experts, tokens = int(rng.choice([8, 32, 128])), int(rng.integers(1, 9))
+        k = int(rng.integers(1, min(8, experts) + 1))
+        ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1
+        slot_of = np.where(rng.random(experts) < rng.random(), 0, -1).astype(np.int32)
+        resident, cold, *_rest, misses, _tokens = classify_pairs(ids, slot_of, NO_COUNTS, False)
+        copied = np.sort(rng.choice(misses, int(rng.integers(0, misses.size + 1)), replace=False)) if misses.size \
+            else np.empty(0, np.int64)
+        chosen = np.zeros(experts + 1, bool)  # the hybrid node's former _pairs_of, count and np.where
+        chosen[copied] = True
+        in_copied = chosen[cold]
+        device_ids, rest, taken = take_copied(ids, cold, copied.astype(np.int64))
+        np.testing.assert_array_equal(device_ids, np.where(resident | in_copied, ids, -1))
+        np.testing.assert_array_equal(rest, np.where(in_copied, -1, cold))
+        assert taken == int(np.count_nonzero(in_copied))
+        assert device_ids.dtype == rest.dtype == ids.dtype
