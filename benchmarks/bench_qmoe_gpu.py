@@ -280,6 +280,11 @@ def prefill_figures(key, tag, pf, tflops):
     return figures
 
 
+def _gpu_name(cp) -> str:
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
 def prefill_ab(args):
     """--prefill-ab: only bench_prefill (v1c and v1 at 512 tokens) for --shapes, next to the fp16 matmul ceiling of
     the same run, in one process. Writes benchmarks/results/qmoe_gpu_prefill_ab-*.json (and into $OUT)."""
@@ -289,8 +294,7 @@ def prefill_ab(args):
 
     t_start = time.perf_counter()
     dev = cp.cuda.Device(0)
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    gpu = _gpu_name(cp)
     timer = Timer(cp)
     tflops = measure_matmul(cp, timer)
     print(f"{gpu}: fp16 matmul 8192^3 {tflops:.0f} TFLOP/s", flush=True)
@@ -401,8 +405,7 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     dev = cp.cuda.Device(0)
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    gpu = _gpu_name(cp)
     timer = Timer(cp)
     hbm = measure_hbm(cp, timer)
     tflops = measure_matmul(cp, timer)
