@@ -36,16 +36,15 @@ def _median_call_s(kernel, xs, logits, calls: int, hot: bool) -> float:
 
 
 def measure(shape: str, threads: list[int], calls: int) -> list[dict]:
-    import numba
-
     from benchmarks.bench_qmoe_cpu import cold_decode_node
     from engine.offload.host_bandwidth import stream_read_bandwidth
     from kernels.cpu import CpuQMoE
+    from kernels.cpu.threads import use_threads
 
     node = cold_decode_node(shape)
     rows = []
     for n in threads:
-        numba.set_num_threads(n)
+        use_threads(n)
         stream = stream_read_bandwidth(1 << 30, 3)
         kernel = CpuQMoE(node.spec, node.tensors, num_threads=n)
         kernel.forward(node.xs[0], node.logits[0])  # compile / warm

@@ -99,10 +99,10 @@ def main(argv=None):
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
 
-    import numba
+    from kernels.cpu.threads import use_threads
 
     cores = os.cpu_count() or 1
-    numba.set_num_threads(cores)
+    use_threads(cores)
     stream = stream_read_bandwidth()
     E, H, I, K = SHAPES[args.shape]
     node = cold_decode_node(args.shape)

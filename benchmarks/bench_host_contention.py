@@ -94,10 +94,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import cupy as cp
-    import numba
+    from kernels.cpu.threads import use_threads
 
     cores = os.cpu_count() or 1
-    numba.set_num_threads(cores)
+    use_threads(cores)
     psum = stream_kernel()
     big = np.ones(int(2e9) // 4, np.float32)
 

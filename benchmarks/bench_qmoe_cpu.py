@@ -56,6 +56,7 @@ import engine  # noqa: E402,F401  the engine's OpenMP wait default (engine/__ini
 from kernels.qmoe_spec import QMoESpec  # noqa: E402
 from kernels.cpu import CpuQMoE  # noqa: E402
 from kernels.cpu.simd import HAS_AVX512F  # noqa: E402
+from kernels.cpu.threads import use_threads  # noqa: E402
 from benchmarks.common import ROOT, stream_read_bandwidth, write_result  # noqa: E402
 
 BENCHMARK = "qmoe_cpu"
@@ -286,7 +287,7 @@ def main(argv=None):
     from tests.qmoe_oracle import make_session
 
     cores = os.cpu_count() or 1
-    numba.set_num_threads(cores)
+    use_threads(cores)
     print("measuring streaming read bandwidth (2 GB, all threads) ...", flush=True)
     stream_gbs = stream_read_bandwidth()
     print(f"  {stream_gbs:.1f} GB/s", flush=True)
@@ -309,7 +310,7 @@ def main(argv=None):
         spec_o = QMoESpec.from_tensors("bench/QMoE", "QMoE", a_o, t_o, (1, H))
         sides[other] = CpuQMoE(spec_o, t_o, num_threads=cores).forward
         compare_bytes[other] = spec_o.expert_bytes(scale_bytes=4, bias_bytes=4)
-    numba.set_num_threads(cores)
+    use_threads(cores)
     ort_name = REFERENCE.format(ort.__version__) + (", fp16 activations / scales / biases" if layout == "int3" else "")
     rng = np.random.default_rng(1)
     figures = []
@@ -354,7 +355,7 @@ def main(argv=None):
         med = time_blocks({k: f for k, f in fns.items() if k not in slow}, runs=runs)
         for k in slow:
             med[k] = time_blocks({k: fns[k]}, runs=2, blocks=1, warmup=1)[k]
-        numba.set_num_threads(cores)
+        use_threads(cores)
         print(f"  {label}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items()), flush=True)
         names = {"generic": "kernels.cpu.generic GenericQMoE, same weights",
                  "int4": "our int4 fast path, int4 block-32 weights of the same node",
@@ -395,7 +396,7 @@ def main(argv=None):
                 t_var = time_blocks({"v": lambda i: m.forward(xs[i % n_in], logits_all[i % n_in]),
                                      "ours": lambda i: ours.forward(xs[i % n_in], logits_all[i % n_in])},
                                     runs=rs, blocks=2, pause=0.05)
-                numba.set_num_threads(cores)
+                use_threads(cores)
                 sweep.append({"variant": name, "tokens": T, "ms": t_var["v"] * 1e3, "default_ms": t_var["ours"] * 1e3,
                               "speedup_vs_default": t_var["ours"] / t_var["v"]})
                 print(f"  sweep {name:28s} T={T:4d} {t_var['v'] * 1e3:9.3f} ms (default {t_var['ours'] * 1e3:.3f})",

@@ -424,10 +424,11 @@ def main(argv=None):
         import onnxruntime as ort
 
         from kernels.cpu import CpuQMoE
+        from kernels.cpu.threads import use_threads
         from tests.qmoe_oracle import make_session
 
         cores = os.cpu_count() or 1
-        numba.set_num_threads(min(cores, numba.config.NUMBA_NUM_THREADS))
+        use_threads(cores)
         cpu_ctx = (CpuQMoE, make_session, cores, ort.__version__)
         details.update(cpu_threads=cores, onnxruntime=ort.__version__, numba=numba.__version__)
 

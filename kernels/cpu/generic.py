@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from .. import layouts as L
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
+from .threads import use_threads
 
 __all__ = ["delegate_for", "fast_layout", "GenericQMoE", "activate", "FAST_ACTIVATIONS", "LazyConverted",
            "sm80_to_raw", "n_packed_to_k_packed"]
@@ -544,8 +544,7 @@ class GenericQMoE:
         self.fc3 = _GProj(spec, t, "fc3", I, H, spec.proj_bits("fc3")) if spec.has_fc3 else None
 
     def run_experts(self, x2d, expert_ids, weights, out=None) -> np.ndarray:
-        if self.num_threads:
-            numba.set_num_threads(max(1, min(int(self.num_threads), numba.config.NUMBA_NUM_THREADS)))
+        use_threads(self.num_threads)
         x2d = np.asarray(x2d)
         H = self.spec.hidden_size
         T = x2d.shape[0]

@@ -22,6 +22,7 @@ from ..qmoe_spec import QMoESpec, UnsupportedLayout
 from . import generic as _generic
 from . import kernels as _k
 from .routing import route
+from .threads import use_threads
 
 __all__ = ["CpuQMoE", "k_permutation"]
 
@@ -319,15 +320,6 @@ class CpuQMoE:
         self.run_experts(x2, ids, w, out=out)
         return out.astype(dtype, copy=False).reshape(shape)
 
-    def _threads(self) -> int:
-        """Apply num_threads (None: leave Numba's count) and return the count the kernels run with (what
-        set_num_threads set: no get_num_threads call after it)."""
-        if self.num_threads:
-            threads = max(1, min(int(self.num_threads), numba.config.NUMBA_NUM_THREADS))
-            numba.set_num_threads(threads)
-            return threads
-        return numba.get_num_threads()
-
     def run_experts(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray,
                     out: np.ndarray | None = None) -> np.ndarray:
         """out[t] += sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x2d[t]); expert id -1 = skipped.
@@ -338,7 +330,7 @@ class CpuQMoE:
         """
         if self._delegate is not None:
             return self._delegate.run_experts(x2d, expert_ids, weights, out=out)
-        threads = self._threads()
+        threads = use_threads(self.num_threads)
         x2d = np.asarray(x2d)
         H = self.spec.hidden_size
         T = x2d.shape[0]

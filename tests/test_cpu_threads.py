@@ -1,0 +1,68 @@
+"""kernels.cpu.threads.use_threads: Numba's thread count per calling thread, set only when it changes."""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+import pytest
+from numba import njit
+
+from kernels.cpu import CpuQMoE
+from kernels.cpu.threads import use_threads
+from kernels.qmoe_spec import QMoESpec
+from kernels.reference import route
+from tests.qmoe_oracle import make_case
+
+ALL = numba.config.NUMBA_NUM_THREADS
+needs_two = pytest.mark.skipif(ALL < 2, reason="needs NUMBA_NUM_THREADS >= 2")
+
+
+@njit
+def _count_inside_compiled_code():
+    return numba.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _all_threads_afterwards():
+    yield
+    use_threads(ALL)
+
+
+@needs_two
+def test_counts_apply_inside_and_after_compiled_code():
+    for n in (1, 2, 1, 1, 2):
+        assert use_threads(n) == n
+        assert numba.get_num_threads() == n
+        assert _count_inside_compiled_code() == n
+    assert use_threads(None) == 2 and use_threads(0) == 2
+    assert use_threads(10 ** 6) == ALL and numba.get_num_threads() == ALL
+
+
+@needs_two
+def test_interleaved_kernels_each_run_with_their_count():
+    attrs, t, x, lg = make_case(seed=3, E=8, H=64, I=64, k=2, bits=4, block_size=32, T=2, activation="gelu")
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    one, two, default = CpuQMoE(spec, t, num_threads=1), CpuQMoE(spec, t, num_threads=2), CpuQMoE(spec, t)
+    ids, w = route(lg, spec)
+    want = one.run_experts(x, ids, w)
+    for kernel, count in ((two, 2), (one, 1), (default, 1), (two, 2), (default, 2), (one, 1)):
+        np.testing.assert_array_equal(kernel.run_experts(x, ids, w), want)
+        assert numba.get_num_threads() == count
+
+
+@needs_two
+def test_a_new_thread_starts_from_numbas_default():
+    use_threads(1)
+    seen = {}
+
+    def in_new_thread():
+        seen["in effect"] = use_threads(None)
+        seen["numba"] = numba.get_num_threads()
+        seen["after set"] = use_threads(1), numba.get_num_threads()
+
+    worker = threading.Thread(target=in_new_thread)
+    worker.start()
+    worker.join()
+    assert seen == {"in effect": ALL, "numba": ALL, "after set": (1, 1)}
+    assert use_threads(None) == 1 and numba.get_num_threads() == 1
