@@ -29,6 +29,7 @@ __all__ = ["CpuQMoE", "k_permutation"]
 _ACT_CODES = {"relu": _k.ACT_RELU, "gelu": _k.ACT_GELU, "silu": _k.ACT_SILU, "identity": _k.ACT_IDENTITY,
               "swiglu": _k.ACT_SWIGLU}
 _ONE = np.ones(1, np.float32)
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 _NOPERM = np.zeros(1, np.int64)
 _NOAUX = np.zeros(_k.TBL_RECORD, np.float32)  # aux of the integer layouts (unused)
 _SCRATCH = threading.local()
@@ -44,6 +45,15 @@ def _scratch(name: str, n: int) -> np.ndarray:
     if a is None or a.size < n:
         a = bufs[name] = np.empty(max(n, 1024), np.float32)
     return a[:n]
+
+
+def _c_array(a, dtype: np.dtype, rows: int, cols: int = -1) -> np.ndarray:
+    """a as a C-contiguous [rows, cols] array of dtype (cols -1: whatever a's size gives); a itself when it is one
+    already: checking costs less than NumPy's conversion calls (each ~1 µs with the caches cold after a kernel)."""
+    if (type(a) is np.ndarray and a.dtype == dtype and a.ndim == 2 and a.shape[0] == rows
+            and (cols < 0 or a.shape[1] == cols) and a.flags.c_contiguous):
+        return a
+    return np.ascontiguousarray(a, dtype=dtype).reshape(rows, cols)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -308,6 +318,13 @@ class CpuQMoE:
         # kernels was 30-50 µs per layer in a decode step): a property of the spec, the decode workspace per pair.
         self._quantized = spec.is_quantized
         self._gemv_ws_per_pair = sum(p.gemv_ws() for p in (self.fc1, self.fc2)) if self._quantized else 0
+        if self._gemv_fused:
+            # moe_gemv's per-node arguments, gathered once: FC1's and FC2's tensors and layout, the activation
+            f1, f2 = self.fc1, self.fc2
+            self._gemv_weights = (f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f1.aux, f2.w, f2.sc, f2.zp, f2.qparams,
+                                  f2.bias, f2.aux)
+            self._gemv_activation = (self.act_kind, spec.swiglu_fusion, float(spec.alpha), float(spec.beta),
+                                     self.limit, self.has_limit)
 
     # ------------------------------------------------------------------ public API
     def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
@@ -338,9 +355,9 @@ class CpuQMoE:
         acc = out if out is not None else np.zeros((T, H), np.float32)
         if T == 0:
             return acc if out is not None else acc.astype(ret_dtype)
-        x = np.ascontiguousarray(x2d, dtype=np.float32).reshape(T, H)
-        ids = np.asarray(expert_ids).reshape(T, -1).astype(np.int64)
-        wts = np.asarray(weights, dtype=np.float32).reshape(T, -1)
+        x = _c_array(x2d, _F32, T, H)
+        ids = _c_array(expert_ids, _I64, T)  # read only: the caller's array when it is int64 already
+        wts = _c_array(weights, _F32, T)
         if (self.batched or self._table) and self._quantized:
             self._run_batched(x, ids, wts, acc, threads)
             return acc if out is not None else acc.astype(ret_dtype, copy=False)
@@ -393,16 +410,13 @@ class CpuQMoE:
             self._gemm_batched(x, experts, pair_off, ns, tok, pw, tpair, acc, threads)
 
     def _gemv_fused_call(self, x, experts, pair_off, tok, pw, acc, threads):
-        f1, f2 = self.fc1, self.fc2
         P = tok.size
         H = self.spec.hidden_size
         ws = _scratch("gemv_ws", P * self._gemv_ws_per_pair)
         y = _scratch("gemv_y", P * H).reshape(P, H)
-        sp = self.spec
-        _k.moe_gemv(f1.w, f1.sc, f1.zp, f1.qparams, f1.bias, f1.aux, f2.w, f2.sc, f2.zp, f2.qparams, f2.bias, f2.aux, x,
-                    experts, pair_off, tok, pw, tok, self.act_kind, sp.swiglu_fusion, float(sp.alpha),
-                    float(sp.beta), self.limit, self.has_limit, int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024,
-                    self.decode_order(threads), ws, y, acc, True, threads)
+        _k.moe_gemv(*self._gemv_weights, x, experts, pair_off, tok, pw, tok, *self._gemv_activation,
+                    int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024, self.decode_order(threads), ws, y,
+                    acc, True, threads)
 
     def decode_order(self, threads: int) -> int:
         """moe_gemv's chunk order on this many threads (see gemv_schedule)."""
