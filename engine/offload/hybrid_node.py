@@ -33,10 +33,7 @@ class HybridExpertNode:
         self.layer = layer
         self.engine = engine
         self.last_decision = None  # the miss policy's latest MissDecision (tests, diagnostics)
-        spec = self.info.spec
         self._flops_per_token = 2 * self._weights_per_expert()
-        # expert id -> chosen this step (a copied miss); index -1 (an unrouted pair) reads the last entry, kept False
-        self._chosen = np.zeros(spec.num_experts + 1, bool)
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
         self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
 
@@ -112,12 +109,10 @@ class HybridExpertNode:
             copy_before = stats.copy_s
             copied = self._stream_misses(miss_experts, miss_tokens, stats, engine.streaming.by_layer[layer])
             miss_copy_s = stats.copy_s - copy_before
-            if copied.size:
-                in_copied = self._pairs_of(copied, cold)
-                copied_pairs, copies = int(np.count_nonzero(in_copied)), int(copied.size)
-                pending = store.launch(x2d, np.where(in_copied, cold, -1), weights,
-                                       streamed=engine.streaming.by_layer[layer])
-                cold = np.where(in_copied, -1, cold)
+            if copied.size:  # no pair is resident here: the device's ids are the copied pairs alone
+                device_ids, cold, copied_pairs = take_copied(ids, cold, copied)
+                copies = int(copied.size)
+                pending = store.launch(x2d, device_ids, weights, streamed=engine.streaming.by_layer[layer])
         elif store is not None:
             # The device starts on the resident experts; prefill waves of cold ones follow; the CPU computes the
             # rest meanwhile.
@@ -241,14 +236,6 @@ class HybridExpertNode:
         """A decode-sized step (misses judged one by one) with CPU execution allowed."""
         config = self.engine.config
         return config.cpu_execution != "disabled" and tokens <= config.async_max_tokens
-
-    def _pairs_of(self, copied: np.ndarray, cold: np.ndarray) -> np.ndarray:
-        """The (token, k) pairs of `cold` routed to one of the `copied` experts (a bool mask of cold's shape)."""
-        chosen = self._chosen
-        chosen[copied] = True
-        in_copied = chosen[cold]
-        chosen[copied] = False
-        return in_copied
 
     def _miss_costs(self, tokens: list[int], resident_s: float, prepare_s: float, reuse: float | None,
                     launch_s: float = 0.0):

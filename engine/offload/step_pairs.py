@@ -69,7 +69,7 @@ def classify_pairs(ids, slot_of, counts, count):
 def take_copied(ids, cold, copied):
     """The pairs of `cold` routed to one of the `copied` experts (a decode step's few) go to the device with the
     resident ones. Returns (the device's ids: ids where resident or copied, else -1; cold without those pairs; the
-    pairs taken), in ids' dtype: what _pairs_of, a count and two np.where gave."""
+    pairs taken), in ids' dtype: what a mask of the copied pairs, a count and two np.where gave."""
     device_ids = np.full(ids.shape, -1, ids.dtype)
     rest = cold.copy()
     taken = 0
