@@ -262,7 +262,8 @@ def test_gpu_bf16(gpu):
         assert _relerr(got.astype(np.float32), qmoe_reference(xb[:T], lb[:T], spec, t).astype(np.float32)) <= 1.5e-2
 
 
-@pytest.mark.parametrize("kernel,cfg", [("v4", {}), ("v5", {}), ("v5", {"grid": 2})], ids=["v4", "v5", "v5-grid2"])
+@pytest.mark.parametrize("kernel,cfg", [("v4", {}), ("v5", {}), ("v5", {"grid": 2}), ("v5", {"pdl": 1})],
+                         ids=["v4", "v5", "v5-grid2", "v5-pdl"])
 def test_gpu_forward_into_graph(gpu, kernel, cfg):
     """forward_into is capturable in a CUDA graph; replays with new routing give the forward() numbers (v5: its
     FC1 scratch is reused by every replay)."""
@@ -464,6 +465,44 @@ def test_gpu_v5_fp16_path(gpu, bits, block, zp, act):
             d = _relerr(new, old)
             assert d <= 1e-3, f"{cfg} T={T}: dec5h vs dec5 {d:.2e}"
             assert _relerr(old, ref) <= TOL[("tc", "decode", np.float16)]
+
+
+# programmatic dependent launch of FC1 and FC2 (dec5_cfg pdl = 1, sm_90+; kernels/gpu/launch_pdl.py)
+PDL_CASES = [(4, 32, False, "swiglu1-limit"), (4, 0, True, "gelu"), (8, 64, False, "relu"), (8, 16, True, "silu-fc3")]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bits,block,zp,act", PDL_CASES,
+                         ids=[f"int{b}-blk{k}-zp{int(z)}-{a}" for b, k, z, a in PDL_CASES])
+def test_gpu_v5_pdl_matches_plain_launches(gpu, bits, block, zp, act, dtype):
+    """With pdl on, FC1 and FC2 may start during the kernel before them and wait in the kernel: 24 forwards in a
+    row on one stream, each with its own routing (a FC1 that read decode_prep's tables early would use the previous
+    forward's experts), against the reference and against plain launches; 1, 3 and 8 tokens; small and full grids."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=300 + bits + block + zp, E=8, H=512, I=384, k=3, bits=bits, block_size=block,
+                                zero_points=zp, bias=True, T=24, dtype=dtype, **ACTS[act])
+    spec = _spec(attrs, t, x)
+    H = spec.hidden_size
+    m = GpuQMoE(spec, t, path="tc")
+    tol = TOL[("tc", "decode", dtype)]
+    for cfg in ({}, {"grid": 3}):
+        for T in (1, 3, 8):
+            xd = cp.asarray(x[:T])
+            outs = {}
+            for pdl in (1, 0):
+                _v5(m, pdl=pdl, **cfg)
+                res = [cp.empty((T, H), cp.float32) for _ in range(24)]
+                for i in range(24):
+                    m.forward_into(xd, cp.asarray(np.roll(lg, -i, axis=0)[:T]), res[i])
+                assert m.last_decode_pdl == bool(pdl and m.cc >= 90)
+                outs[pdl] = [r.get() for r in res]
+            for i in range(24):
+                ref = qmoe_reference(x[:T], np.roll(lg, -i, axis=0)[:T], spec, t)
+                err = _relerr(outs[1][i], ref)
+                assert err <= tol, f"{cfg} T={T} forward {i}: rel err {err:.2e}"
+                # only the atomics' summation order differs (fp16: and an FC2 input rounded to fp16 after it)
+                same = 3e-5 if dtype == np.float32 else 1e-4
+                assert _relerr(outs[1][i], outs[0][i]) <= same, f"{cfg} T={T} forward {i}: pdl vs plain"
 
 
 @pytest.mark.parametrize("bits,block", [(4, 16), (4, 128), (4, 0), (4, 64), (8, 0), (8, 16), (8, 128)])

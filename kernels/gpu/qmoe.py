@@ -31,6 +31,7 @@ from .. import reference as _ref
 from . import convert as _conv
 from . import layout as _lay
 from ._module import load_module
+from .launch_pdl import PdlLauncher
 from .pack_device import descriptor, plan_for
 from .pack_host import pack_expert_host
 
@@ -132,9 +133,15 @@ class GpuQMoE:
             # forward was 2-4% faster without it at both benchmark shapes on the H200, fourth and ninth sessions);
             # dec5_cfg["f16"]: fp16 activations take the dec5h kernels (fp16 weights and activations, one f16 MMA per
             # k-step, FC2's activation rows rounded to fp16) (1, the default when the key is absent) or the bf16
-            # hi / lo kernels as fp32 / bf16 activations do (0)
+            # hi / lo kernels as fp32 / bf16 activations do (0);
+            # dec5_cfg["pdl"]: FC1 and FC2 launched with programmatic dependent launch (launch_pdl.py; sm_90+ only,
+            # ignored below), so each starts its blocks during the previous kernel's tail (1 / 0; on: 4-4.5% less
+            # time per fp16 forward at both benchmark shapes on the H200, 1% with fp32 x; thirteenth session)
             self.decode_kernel = "v5"
-            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 0, "f16": 1}
+            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 0, "f16": 1, "pdl": 1}
+            self._pdl = PdlLauncher.from_driver() if self.cc >= 90 else None
+            # the dec5 launches of the last eager decode call that went through PDL (tests check the path)
+            self.last_decode_pdl = False
             # the dec5 kernels of the last decode call that launched them eagerly (FC1, FC2): tests check the path
             self.last_decode_kernels: tuple = ()
             self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
@@ -805,7 +812,9 @@ class GpuQMoE:
         head = (sl["w"], np.int64(p.w_bytes), np.int32(p.NT), np.int32(p.KT), sl["s"], np.int32(p.sdt),
                 np.int32(p.NB), np.int32(tsh), sl.get("z", self._dummy_u8), sl.get("b", self._dummy_f32),
                 np.int32(int(p.has_bias)), np.int32(p.NP))
-        self._launch(name, (grid,), (threads,), head + tuple(tail), smem)
+        pdl = bool(self.dec5_cfg.get("pdl", 0)) and self._pdl is not None
+        self._launch(name, (grid,), (threads,), head + tuple(tail), smem, pdl=pdl)
+        self.last_decode_pdl = pdl
         return name
 
     def _dec_smem(self, p: _lay.ProjLayout, R: int, W: int) -> int:
@@ -829,12 +838,17 @@ class GpuQMoE:
         tb = 512 if self.fc1.bits == 4 else 1024
         return 4 * (BM * 128 + 8 * tb + 8 * 256 + 8 * 64)
 
-    def _launch(self, name: str, grid, block, args, smem: int = 0):
+    def _launch(self, name: str, grid, block, args, smem: int = 0, pdl: bool = False):
+        """Launch kernel ``name`` on the current stream; ``pdl``: with programmatic dependent launch (the kernel must
+        wait with QM_PDL_WAIT before it reads what earlier kernels wrote)."""
         f = self._f(name)
         if smem > 48 * 1024 and self._smem_set.get(name, 0) < smem:
             f.max_dynamic_shared_size_bytes = smem
             self._smem_set[name] = smem
-        f(grid, block, args, shared_mem=smem)
+        if pdl:
+            self._pdl.launch(f.kernel.ptr, grid, block, args, smem, _cp().cuda.get_current_stream().ptr)
+        else:
+            f(grid, block, args, shared_mem=smem)
 
     def _auto_ksplit(self, p: _lay.ProjLayout, R: int, W: int, tiles: int) -> int:
         blocks = _cdiv(p.NT, R) * max(1, tiles)

@@ -20,6 +20,17 @@ typedef unsigned char u8;
 
 #define QM_NEG_INF __int_as_float(0xff800000)
 
+// Programmatic dependent launch (sm_90+; kernels/gpu/launch_pdl.py): QM_PDL_WAIT blocks until the kernel before this
+// one on the stream has completed and its writes are visible (a no-op when this kernel was launched without the
+// attribute); QM_PDL_LAUNCH lets the next kernel, launched with it, start its blocks now. Nothing on older GPUs.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define QM_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define QM_PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" :::)
+#else
+#define QM_PDL_WAIT() ((void)0)
+#define QM_PDL_LAUNCH() ((void)0)
+#endif
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define QM_TC 1
 #else

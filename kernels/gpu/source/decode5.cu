@@ -87,6 +87,10 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     extern __shared__ __align__(16) unsigned char dsm5[];
     int4* stile = reinterpret_cast<int4*>(dsm5);
     int* sptok = reinterpret_cast<int*>(dsm5 + DEC5_TCAP * 16);
+    // launched with PDL (dec5_cfg["pdl"]) this block may start before decode_prep / FC1 is done: everything below
+    // reads what they wrote; the next kernel (FC2 after FC1) may start its blocks from here on
+    QM_PDL_WAIT();
+    QM_PDL_LAUNCH();
     const int ntl = *num_tiles;
     {
         const int nt_c = min(ntl, DEC5_TCAP), np_c = min(npairs, DEC5_PCAP);

@@ -247,6 +247,7 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                                        int* num_tiles, int max_tiles, const void* x, int xdt, int H, int KP,
                                        u16* xhi, u16* xlo, int xf16, float* zero_out, long long zero_n) {
     extern __shared__ int sm_prep[];  // 4 E ints (block grouping), T * kk ids, T * kk weights, 64 ints (warp grouping)
+    QM_PDL_LAUNCH();  // FC1, launched with PDL, may start its blocks now; they wait for this kernel to complete
     if (blockIdx.x == 0) {
         int* sids = sm_prep + 4 * E;
         float* sw = reinterpret_cast<float*>(sids + T * kk);
