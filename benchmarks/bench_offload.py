@@ -131,6 +131,9 @@ def main() -> None:
     parser.add_argument("--dense-pool", action="store_true",
                         help="the dense part on the GPU with onnxruntime's pool of CPU threads, not the caller's "
                              "thread alone (A/B)")
+    parser.add_argument("--cpu-average-rate", action="store_true",
+                        help="the miss policy prices CPU misses at the kernels' average rate, without the fitted cost "
+                             "per call (CpuRate.fit off: A/B)")
     parser.add_argument("--cpu-threads", type=int, default=0,
                         help="session.moe.offload.cpu_threads: threads of the CPU expert kernels (0: all cores)")
     args = parser.parse_args()
@@ -161,6 +164,7 @@ def main() -> None:
           f"B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
 
     model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
+    model.offload.cpu_rate.fit = not args.cpu_average_rate
     print(f"dense part on the {model.dense_device}: {model.dense_reason}", flush=True)
     registration = model.host_registration
     if registration is not None:  # measured once the experts' mapping is page-locked (or refused)
@@ -231,7 +235,8 @@ def main() -> None:
              "ratio": rate * bound_s, "hit_rate": h, "dense_s_per_token": dense_per_token,
              "bound_misses_on_cpu_only": 1 / cpu_only_bound_s, "ratio_to_cpu_only_bound": rate * cpu_only_bound_s,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
-             "cpu_rate": model.offload.cpu_rate.value, "miss_slots_per_layer": model.offload.policy.miss_slots,
+             "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
+             "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
              "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info(),
              "streaming_slots": [group.num_slots for group in model.offload.streaming.groups],
@@ -260,7 +265,8 @@ def main() -> None:
         print(f"{fraction:5.0%}  decode {rate:7.1f} tok/s (bound {1 / bound_s:7.1f}{cpu_only}, hit {h:.2f})  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
-              + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
+              + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
+                 f" a call, average {model.offload.cpu_rate.average / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
               + "".join(f", {g.num_slots} streaming slots ({g.prepare_s * 1e6:.0f} µs to issue a copy, "
                         f"{g.launch_s * 1e6:.0f} to launch and merge)"

@@ -12,6 +12,7 @@ from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import OffloadConfigError
 from engine.offload.device_memory import DeviceMemoryError
+from engine.offload.miss_policy import CpuRate
 from engine.offload.placement import AdaptivePlacement, LayerSlots
 from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.offload.traces import hit_rate, realistic_trace
@@ -172,8 +173,8 @@ def test_adaptive_slots_are_filled_when_the_budget_changes(model_folder):
     engine = model.offload
     greedy_run(model, steps=2)  # scores learnt without slots
     learnt = [scores.copy() for scores in engine.policy.scores]
-    # the CPU rate measured on this tiny model (mostly call overhead) would leave every slot to copied misses
-    engine.cpu_rate.value = None
+    # the CPU rate measured on this tiny model (mostly call overhead) would leave every slot to copied misses: forgot
+    engine.cpu_rate = CpuRate()
     engine.reconfigure(engine.config.updated(device_expert_bytes=device_expert_bytes(model_folder) // 4))
     for index, (layer, scores) in enumerate(zip(engine.slots, learnt)):
         assert 0 < layer.num_slots < layer.num_experts

@@ -94,7 +94,8 @@ def test_the_cost_model_finds_the_best_split_of_every_random_case():
                           device_s=float(rng.uniform(0, 1e-3)), resident_s=float(rng.uniform(0, 3e-3)),
                           prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),
                           credit_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),  # later hits' credit
-                          launch_s=float(rng.choice([0.0, rng.uniform(0, 2e-3)])))  # a launch of the copies' own
+                          launch_s=float(rng.choice([0.0, rng.uniform(0, 2e-3)])),  # a launch of the copies' own
+                          cpu_fixed_s=float(rng.choice([0.0, rng.uniform(0, 2e-3)])))  # the CPU kernels' per call
         spares = int(rng.integers(0, n + 2))
         decision = choose(costs, spares)
         best = min(costs.worth(np.array(subset, dtype=np.int64))
@@ -122,7 +123,8 @@ def test_copying_pays_exactly_when_the_policy_would_copy_something():
                           resident_s=float(rng.choice([0.0, 3e-4, rng.uniform(0, 3e-3)])),
                           prepare_s=float(rng.choice([0.0, rng.uniform(0, 1e-3)])),
                           credit_s=float(rng.choice([0.0, 1e-4, rng.uniform(0, 1e-3)])),
-                          launch_s=float(rng.choice([0.0, 0.0, 2e-4, rng.uniform(0, 2e-3)])))
+                          launch_s=float(rng.choice([0.0, 0.0, 2e-4, rng.uniform(0, 2e-3)])),
+                          cpu_fixed_s=float(rng.choice([0.0, 0.0, 1e-4, rng.uniform(0, 3e-3)])))
         assert copying_pays(costs) == (choose(costs, n).num_copied > 0), costs
 
 
@@ -141,6 +143,59 @@ def test_a_launch_of_their_own_must_be_earned_by_the_copies():
                      launch_s=1.05e-3)
     assert jump._time(1, 3e-3) > jump._time(0, 4e-3) > jump._time(2, 2e-3)
     assert copying_pays(jump) and choose(jump, 4).num_copied >= 2
+
+
+def test_the_cpu_cost_per_call_is_saved_only_when_no_miss_stays_on_the_cpu():
+    # three misses of 0.1 ms each on the CPU plus 0.5 ms per call; a copy costs 0.15 ms of host time (prep) and
+    # 0.05 ms of PCIe + device: one or two copies only add host time (0.5 + 0.2 + 0.15 = 0.85 ms against 0.8), all
+    # three remove the call: max(3 x 0.15, 3 x 0.2) = 0.6 ms
+    costs = MissCosts(cpu_s=np.full(3, 0.1e-3), copy_s=0.05e-3, device_s=0.0, resident_s=0.0, prepare_s=0.15e-3,
+                      cpu_fixed_s=0.5e-3)
+    assert [costs._time(m, (3 - m) * 0.1e-3) for m in range(4)] == pytest.approx([0.8e-3, 0.85e-3, 0.9e-3, 0.6e-3])
+    assert choose(costs, 3).num_copied == 3 and choose(costs, 3).predicted_s == pytest.approx(0.6e-3)
+    assert choose(costs, 2).num_copied == 0  # two slots cannot take every miss: the call stays, copies don't pay
+    assert copying_pays(costs)
+    # averaged over the call, a miss would look 0.27 ms dear and one copy would pay: 0.15 + 2 x 0.27 < 0.8 ms
+    average = MissCosts(cpu_s=np.full(3, 0.8e-3 / 3), copy_s=0.05e-3, device_s=0.0, resident_s=0.0, prepare_s=0.15e-3)
+    assert choose(average, 2).num_copied == 2
+    # no miss: no call, nothing to save
+    assert MissCosts(cpu_s=np.empty(0), copy_s=0.0, device_s=0.0, resident_s=1e-3,
+                     cpu_fixed_s=0.5e-3).step_seconds(np.empty(0, np.int64)) == pytest.approx(1e-3)
+
+
+def test_the_cpu_cost_fit_separates_a_cost_per_call_from_the_rate():
+    rng = np.random.default_rng(3)
+    expert = 2_960_000  # Qwen3-30B-A3B-like's expert; the H200 Xeon's calls: ~180 µs + bytes / 66 GB/s
+    rate = CpuRate()
+    calls = []
+    for _ in range(60):
+        nbytes = int(rng.integers(1, 9)) * expert
+        seconds = (180e-6 + nbytes / 66e9) * float(rng.uniform(0.95, 1.05))
+        calls.append((nbytes, seconds))
+        rate.observe(nbytes, seconds)
+    assert rate.fixed_s == pytest.approx(180e-6, rel=0.15) and rate.value == pytest.approx(66e9, rel=0.1)
+    average = None
+    for nbytes, seconds in calls:
+        average = nbytes / seconds if average is None else 0.9 * average + 0.1 * nbytes / seconds
+    assert rate.average == pytest.approx(average) and rate.average < 0.7 * rate.value
+    # every call on the same bytes (0% resident: every token's k misses): no line, the average rate alone
+    same = CpuRate()
+    for _ in range(20):
+        same.observe(8 * expert, 540e-6)
+    assert same.fixed_s == 0.0 and same.value == pytest.approx(8 * expert / 540e-6)
+    # too few calls, or the fit switched off (bench_offload --cpu-average-rate): the average rate
+    few, off = CpuRate(), CpuRate(fit=False)
+    for nbytes, seconds in calls[:7]:
+        few.observe(nbytes, seconds)
+    for nbytes, seconds in calls:
+        off.observe(nbytes, seconds)
+    assert few.fixed_s == 0.0 and few.value == few.average
+    assert off.fixed_s == 0.0 and off.value == pytest.approx(average)
+    # a line through negative seconds per call (calls on more bytes disproportionately slower): not used
+    steep = CpuRate()
+    for n in [1, 8] * 6:
+        steep.observe(n * expert, n * n * 50e-6)
+    assert steep.fixed_s == 0.0 and steep.value == steep.average
 
 
 def test_the_cost_model_on_plain_numbers():
@@ -238,7 +293,11 @@ def test_decode_misses_on_the_cpu_measure_its_rate(model_folder, slot_bytes):
     expected = None
     for nbytes, seconds in seen:
         expected = nbytes / seconds if expected is None else 0.9 * expected + 0.1 * nbytes / seconds
-    assert rate.value == pytest.approx(expected)
+    assert rate.average == pytest.approx(expected)
+    refit = CpuRate()
+    for nbytes, seconds in seen:
+        refit.observe(nbytes, seconds)
+    assert (rate.value, rate.fixed_s) == (refit.value, refit.fixed_s)
 
 
 # --- on the simulated device ------------------------------------------------------------------
@@ -326,6 +385,7 @@ def test_miss_slots_minimise_the_expected_step_of_random_cases():
         cpu_rate = None if np.isnan(cpu_rate) else cpu_rate
         reuse = float(rng.choice([np.nan, rng.uniform(0.0, 3.0)]))
         reuse = None if np.isnan(reuse) else reuse
+        fixed = float(rng.choice([0.0, rng.uniform(0, 2e-3)]))
 
         def expected(spare):
             hits = top_k * min(slots - spare, experts) / experts
@@ -334,7 +394,7 @@ def test_miss_slots_minimise_the_expected_step_of_random_cases():
             for count, share in ((int(misses), 1 - misses % 1), (int(misses) + 1, misses % 1)):
                 if share > 0:
                     costs = miss_costs(bandwidths, 1_000_000, [1] * count, hits * 1_000_000 / bandwidths.hbm,
-                                       prepare_s=prepare, cpu_rate=cpu_rate, reuse=reuse)
+                                       prepare_s=prepare, cpu_rate=cpu_rate, reuse=reuse, cpu_fixed_s=fixed)
                     total += share * min(costs.worth(np.array(c, dtype=np.int64))
                                          for size in range(min(count, spare) + 1)
                                          for c in itertools.combinations(range(count), size))
@@ -342,7 +402,7 @@ def test_miss_slots_minimise_the_expected_step_of_random_cases():
 
         times = [expected(spare) for spare in range(slots + 1)]
         chosen = miss_slots(bandwidths, 1_000_000, slots, experts, top_k, prepare_s=prepare, cpu_rate=cpu_rate,
-                            reuse=reuse)
+                            reuse=reuse, cpu_fixed_s=fixed)
         assert times[chosen] == pytest.approx(min(times), rel=1e-9, abs=1e-15)
         assert all(t > times[chosen] * (1 - 1e-9) for t in times[:chosen])  # the fewest among equals
 

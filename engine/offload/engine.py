@@ -196,7 +196,8 @@ class OffloadEngine:
                 weighed[key] = miss_slots(self.device.bandwidths, info.bytes_per_expert, layer.num_slots,
                                           spec.num_experts, spec.k, prepare_s=getattr(store, "prepare_s", 0.0),
                                           copy_bytes=store.expert_bytes, read_bytes=store.read_bytes,
-                                          cpu_rate=self.cpu_rate.value, reuse=self.copy_reuse.value)
+                                          cpu_rate=self.cpu_rate.value, reuse=self.copy_reuse.value,
+                                          cpu_fixed_s=self.cpu_rate.fixed_s)
             chosen.append(weighed[key])
         self.policy.miss_slots = chosen
 

@@ -7,11 +7,14 @@ The model, per layer and step, with n cold experts hit by routing and S spare sl
     cpu_i   = max(bytes / B_cpu, tokens_i · flops_per_token / F_cpu)   the CPU kernel on miss i, with B_cpu the
               lower of the streaming read bandwidth and the rate the CPU kernels reached on earlier decode
               steps' misses (CpuRate: their efficiency, and whatever else competes for the CPU)
+    fixed   = the CPU kernels' cost per call whatever the misses (CpuRate.fixed_s: waking the threads, the
+              wrapper; 0 until measured), paid when any miss stays on the CPU
     copy    = copy_bytes / B_pcie                                      one expert host -> device
     dev     = read_bytes / B_hbm                                       the device computing one expert
     prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the
               measured conversion to the kernel layout and write into the pinned ring)
-    T(C)    = max( m·prep + Σ_{i ∉ C} cpu_i ,  t_resident + m·(prep + copy + dev) ) + [m > 0]·launch,  m = |C|
+    T(C)    = max( m·prep + [m < n]·fixed + Σ_{i ∉ C} cpu_i ,  t_resident + m·(prep + copy + dev) )
+              + [m > 0]·launch,  m = |C|
 
 for the set C of copied misses, m ≤ S (launch: the host time of a launch and merge of their own, where copies need
 one: the decode streaming slots, streaming.py). The CPU readies the copies, then computes its misses; the copies
@@ -46,19 +49,57 @@ _TIE = 1e-12  # relative: values of W this close are equal (choose, copying_pays
 
 
 class CpuRate:
-    """Bytes per second the CPU expert kernels reached on decode misses: an exponential average over the steps
-    (weight `keep` on the past); None until measured. On the H200 machine's Xeon they read 28-43 GB/s of experts
-    against 98 GB/s of streaming bandwidth: the streaming figure alone made a copy look 2-3.5x dearer than it was."""
+    """What the CPU expert kernels cost on decode misses, from their calls: seconds ≈ fixed_s + bytes / value.
 
-    def __init__(self, keep: float = 0.9):
-        self.keep = keep
-        self.value: float | None = None
+    On the H200 machine's Xeon a call on Qwen3-30B-A3B-like's misses took ~180 µs plus ~66 GB/s (thirteenth
+    session's notes), so one miss more or less in a call costs far less than the call's bytes / seconds say: a copy
+    saves only the marginal cost of its miss, and the fixed cost only when no miss is left on the CPU.
+
+    The fit: least squares of seconds on bytes over the calls, each weighted `fit_keep` per later call. It is used
+    once `min_calls` calls were seen with bytes spread enough (standard deviation >= `min_spread` of their mean)
+    and gives a positive slope and a fixed cost >= 0; until then (and with `fit` off) fixed_s is 0 and value the
+    average rate, an exponential average of bytes / seconds per call (weight `keep` on the past). value is None until
+    measured. The average alone read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth."""
+
+    def __init__(self, keep: float = 0.9, fit: bool = True, fit_keep: float = 0.98, min_calls: int = 8,
+                 min_spread: float = 0.2):
+        self.keep, self.fit, self.fit_keep, self.min_calls, self.min_spread = keep, fit, fit_keep, min_calls, min_spread
+        self.average: float | None = None
+        self._sums = [0.0] * 5  # weighted count, Σx, Σy, Σx², Σxy (x bytes, y seconds)
+        self._calls = 0
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if seconds <= 0 or nbytes <= 0:
             return
         rate = nbytes / seconds
-        self.value = rate if self.value is None else self.keep * self.value + (1 - self.keep) * rate
+        self.average = rate if self.average is None else self.keep * self.average + (1 - self.keep) * rate
+        keep, x, y = self.fit_keep, float(nbytes), float(seconds)
+        self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y))]
+        self._calls += 1
+
+    def _line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per byte) of the fitted line, or None where the calls do not give one."""
+        if not self.fit or self._calls < self.min_calls:
+            return None
+        w, sx, sy, sxx, sxy = self._sums
+        mean_x, mean_y = sx / w, sy / w
+        var_x = sxx / w - mean_x * mean_x
+        if var_x < (self.min_spread * mean_x) ** 2:
+            return None
+        slope = (sxy / w - mean_x * mean_y) / var_x
+        fixed = mean_y - slope * mean_x
+        return (fixed, slope) if slope > 0 and fixed >= 0 else None
+
+    @property
+    def value(self) -> float | None:
+        """Bytes per second of one more miss in a call (the fit's slope), else the average rate."""
+        line = self._line()
+        return 1.0 / line[1] if line else self.average
+
+    @property
+    def fixed_s(self) -> float:
+        line = self._line()
+        return line[0] if line else 0.0
 
 
 class CopyReuse:
@@ -115,6 +156,7 @@ class MissCosts:
     credit_s: float = 0.0   # later steps' expected savings per copy (CopyReuse)
     launch_s: float = 0.0   # host seconds a device part of its own adds once to a step with copies (the streaming
                             # slots' launch and merge; 0 where a launch of residents runs anyway)
+    cpu_fixed_s: float = 0.0  # the CPU kernels' cost per call, paid while any miss stays on the CPU (CpuRate)
 
     def step_seconds(self, copied: np.ndarray) -> float:
         """T(C) for a bool mask (or index array) of copied misses."""
@@ -132,7 +174,7 @@ class MissCosts:
         return int(np.count_nonzero(mask)), float(self.cpu_s[~mask].sum())
 
     def _time(self, m: int, cpu_rest: float) -> float:
-        cpu = m * self.prepare_s + cpu_rest
+        cpu = m * self.prepare_s + cpu_rest + (self.cpu_fixed_s if m < self.cpu_s.size else 0.0)
         device = self.resident_s + m * (self.prepare_s + self.copy_s + self.device_s)
         return max(cpu, device) + (self.launch_s if m else 0.0)  # the host issues the launch before the CPU starts
 
@@ -156,12 +198,13 @@ class MissDecision:
 def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
                flops_per_token: float = 0.0, prepare_s: float = 0.0, copy_bytes: int | None = None,
                read_bytes: int | None = None, cpu_rate: float | None = None,
-               reuse: float | None = None, launch_s: float = 0.0) -> MissCosts:
+               reuse: float | None = None, launch_s: float = 0.0, cpu_fixed_s: float = 0.0) -> MissCosts:
     """The cost model's inputs from measured (or assumed) bandwidths: `tokens` holds, per miss, the
     tokens routed to it in this step. `expert_bytes`: the stored expert (CPU reads); `copy_bytes` /
     `read_bytes`: the expert in the device's layout, copied / read by the device (default expert_bytes);
     `cpu_rate`: the CPU kernels' measured bytes per second (CpuRate), when lower than bandwidths.cpu;
-    `reuse`: later hits per copy (CopyReuse; None: not measured, no credit); `launch_s`: see MissCosts."""
+    `reuse`: later hits per copy (CopyReuse; None: not measured, no credit); `launch_s`, `cpu_fixed_s`: see
+    MissCosts (cpu_rate and cpu_fixed_s: CpuRate.value and .fixed_s)."""
     # Plain Python over the few misses of a decode step (n <= 8 per token): NumPy's per-call overhead on
     # such tiny arrays cost more than the arithmetic (issue #4).
     tokens = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
@@ -176,7 +219,8 @@ def miss_costs(bandwidths, expert_bytes: int, tokens, resident_s: float,
     device = read_bytes / bandwidths.hbm
     return MissCosts(cpu_s=np.array(cpu, dtype=np.float64), copy_s=copy_bytes / bandwidths.pcie,
                      device_s=device, resident_s=float(resident_s), prepare_s=float(prepare_s),
-                     credit_s=(reuse or 0.0) * max(0.0, read - device), launch_s=float(launch_s))
+                     credit_s=(reuse or 0.0) * max(0.0, read - device), launch_s=float(launch_s),
+                     cpu_fixed_s=float(cpu_fixed_s))
 
 
 def choose(costs: MissCosts, spare_slots: int) -> MissDecision:
@@ -205,20 +249,23 @@ def copying_pays(costs: MissCosts) -> bool:
     """Whether copying any miss can pay, whatever the spare slots: T(m) is convex in m (the CPU's term
     falls by ever smaller steps, the device's grows linearly) and so is W(m) = T(m) - m · credit,
     so some m > 0 beats m = 0 exactly when m = 1 does. Lets a caller skip looking for spare slots (issue #4).
-    A fixed launch_s breaks that at m = 0 (W jumps by it there): then every m is tried."""
+    The CPU's fixed cost drops out at m = n only (no miss left on the CPU): m = n is tried too. A fixed launch_s
+    breaks convexity at m = 0 (W jumps by it there): then every m is tried."""
     cpu = costs.cpu_s.tolist()
     if not cpu:
         return False
     total = sum(cpu)
     stay = costs._worth(0, total)
     if not costs.launch_s:
-        return costs._worth(1, total - max(cpu)) < stay - _TIE * abs(stay)
+        if costs._worth(1, total - max(cpu)) < stay - _TIE * abs(stay):
+            return True
+        return bool(costs.cpu_fixed_s) and costs._worth(len(cpu), 0.0) < stay - _TIE * abs(stay)
     return choose(costs, len(cpu)).num_copied > 0
 
 
 def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, top_k: int, prepare_s: float = 0.0,
                copy_bytes: int | None = None, read_bytes: int | None = None, cpu_rate: float | None = None,
-               reuse: float | None = None) -> int:
+               reuse: float | None = None, cpu_fixed_s: float = 0.0) -> int:
     """How many of a layer's `num_slots` to leave to copied misses instead of filling them with residents, for
     token-by-token decode. For each split, a token's expected hits and misses under uniform routing and the miss
     policy's best value W for them (choose; with `reuse` measured, the copies' later hits are credited; a
@@ -239,7 +286,8 @@ def miss_slots(bandwidths, expert_bytes: int, num_slots: int, num_experts: int, 
         for count, share in ((int(misses), 1.0 - misses % 1.0), (int(misses) + 1, misses % 1.0)):
             if share > 0.0:
                 costs = miss_costs(bandwidths, expert_bytes, [1] * count, resident_s, prepare_s=prepare_s,
-                                   copy_bytes=copy_bytes, read_bytes=read_bytes, cpu_rate=cpu_rate, reuse=reuse)
+                                   copy_bytes=copy_bytes, read_bytes=read_bytes, cpu_rate=cpu_rate, reuse=reuse,
+                                   cpu_fixed_s=cpu_fixed_s)
                 seconds += share * choose(costs, spare).worth_s
         if best_s is None or seconds < best_s * (1.0 - 1e-9):
             best, best_s = spare, seconds
