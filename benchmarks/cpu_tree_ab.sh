@@ -5,9 +5,9 @@
 # <commit> | tar -x -C .ab_old`, git-excluded), named by TREES (default ".ab_old ."). ROUNDS (2) rounds,
 # THREADS (8,16).
 set -u
-export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba}
-[ -f .numba-cache/numba-cache.tgz ] && [ ! -d "$NUMBA_CACHE_DIR" ] && mkdir -p "$NUMBA_CACHE_DIR" \
-  && tar xzf .numba-cache/numba-cache.tgz -C "$NUMBA_CACHE_DIR"
+export PYTHONUNBUFFERED=1
+. benchmarks/numba_cache.sh
+restore_numba_cache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 {
   for shape in A B; do

@@ -11,12 +11,9 @@
 # installed into /tmp/site_gpu, apart from the CPU build, which it must never share a folder with.
 set -u
 export PYTHONUNBUFFERED=1
-# Numba's compiled CPU kernels: a fresh machine spends ~4 minutes compiling them. A cache brought back from an earlier
-# run (numba-cache.tgz, carried in .numba-cache/) is used where this machine's CPU and the sources match; Numba
-# recompiles whatever does not. The cache goes back in $OUT at the end, for the next session to carry.
-export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba}
-[ -f .numba-cache/numba-cache.tgz ] && [ ! -d "$NUMBA_CACHE_DIR" ] && mkdir -p "$NUMBA_CACHE_DIR" \
-  && tar xzf .numba-cache/numba-cache.tgz -C "$NUMBA_CACHE_DIR"
+# Numba's compiled CPU kernels from an earlier run, where this machine's CPU and the sources match (numba_cache.sh)
+. benchmarks/numba_cache.sh
+restore_numba_cache
 [ -d .fixtures ] && export MOE_WORKBENCH_FIXTURES=$PWD/.fixtures
 shape=${SHAPE:-gpt-oss-20b-like}
 log=$OUT/run-$shape.log
@@ -80,6 +77,5 @@ fi
     date -u
   fi
 } > "$log" 2>&1
-tar czf "$OUT/numba-cache.tgz" -C "$NUMBA_CACHE_DIR" . 2>/dev/null
-[ "$(stat -c %s "$OUT/numba-cache.tgz" 2>/dev/null || echo 0)" -le 16000000 ] || rm -f "$OUT/numba-cache.tgz"
+save_numba_cache "$OUT"  # for the next session to carry in .numba-cache/
 tail -c 9000 "$log"

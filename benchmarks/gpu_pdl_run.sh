@@ -7,9 +7,9 @@
 # .numba-cache (test_cuda_step runs CPU kernels: without a matching cache Numba compiles them first, for minutes).
 #   OUT=... bash benchmarks/gpu_pdl_run.sh
 set -u
-export PYTHONUNBUFFERED=1 NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba}
-[ -f .numba-cache/numba-cache.tgz ] && [ ! -d "$NUMBA_CACHE_DIR" ] && mkdir -p "$NUMBA_CACHE_DIR" \
-  && tar xzf .numba-cache/numba-cache.tgz -C "$NUMBA_CACHE_DIR"
+export PYTHONUNBUFFERED=1
+. benchmarks/numba_cache.sh
+restore_numba_cache
 log=$OUT/gpu-pdl.log
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || echo "wheel install failed"

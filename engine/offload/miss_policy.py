@@ -67,6 +67,7 @@ class CpuRate:
         self.average: float | None = None
         self._sums = [0.0] * 5  # weighted count, Σx, Σy, Σx², Σxy (x bytes, y seconds)
         self._calls = 0
+        self._fitted: tuple[float, float] | None = None  # _line() as of the last call observed
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if seconds <= 0 or nbytes <= 0:
@@ -76,10 +77,11 @@ class CpuRate:
         keep, x, y = self.fit_keep, float(nbytes), float(seconds)
         self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y))]
         self._calls += 1
+        self._fitted = self._line()
 
     def _line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per byte) of the fitted line, or None where the calls do not give one."""
-        if not self.fit or self._calls < self.min_calls:
+        if self._calls < self.min_calls:
             return None
         w, sx, sy, sxx, sxy = self._sums
         mean_x, mean_y = sx / w, sy / w
@@ -93,12 +95,12 @@ class CpuRate:
     @property
     def value(self) -> float | None:
         """Bytes per second of one more miss in a call (the fit's slope), else the average rate."""
-        line = self._line()
+        line = self._fitted if self.fit else None
         return 1.0 / line[1] if line else self.average
 
     @property
     def fixed_s(self) -> float:
-        line = self._line()
+        line = self._fitted if self.fit else None
         return line[0] if line else 0.0
 
 
