@@ -477,3 +477,7 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
     assert copies_text({}) == ""
     assert copies_text({"miss_slots": [0], "later_hits_per_copy": None, "streaming_slots": [4]}) == \
         "4 streaming slots for layers without slots"
+    assert copies_text({"miss_slots": [2], "cpu_bytes_per_s": 64.2e9, "cpu_call_s": 190e-6}) == \
+        "2 slots per layer kept for copies, CPU misses priced at 64.2 GB/s + 190 µs a call"
+    assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == "CPU misses priced at 25.0 GB/s"
+    assert copies_text({"cpu_bytes_per_s": None, "cpu_call_s": 0.0}) == ""

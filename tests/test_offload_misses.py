@@ -298,6 +298,8 @@ def test_decode_misses_on_the_cpu_measure_its_rate(model_folder, slot_bytes):
     for nbytes, seconds in seen:
         refit.observe(nbytes, seconds)
     assert (rate.value, rate.fixed_s) == (refit.value, refit.fixed_s)
+    state = model.offload.stats_dict()  # records, --json and the placement view's copies line carry the pricing
+    assert (state["cpu_bytes_per_s"], state["cpu_call_s"]) == (rate.value, rate.fixed_s)
 
 
 # --- on the simulated device ------------------------------------------------------------------

@@ -179,8 +179,9 @@ def split_text(split: dict) -> str:
 
 def copies_text(copies: dict) -> str:
     """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits, 4
-    streaming slots for layers without slots' (the most slots any layer keeps; later hits measured by the engine,
-    absent until enough copies were made; the decode streaming slots device_working_bytes asked for)."""
+    streaming slots for layers without slots, CPU misses priced at 64.0 GB/s + 190 µs a call' (the most slots any
+    layer keeps; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
+    device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured)."""
     parts = []
     kept = max(copies.get("miss_slots") or [0])
     if kept:
@@ -191,6 +192,9 @@ def copies_text(copies: dict) -> str:
     streaming = sum(copies.get("streaming_slots") or [])
     if streaming:
         parts.append(f"{streaming} streaming slot{'s' if streaming != 1 else ''} for layers without slots")
+    rate, call = copies.get("cpu_bytes_per_s"), copies.get("cpu_call_s")
+    if rate:
+        parts.append(f"CPU misses priced at {rate / 1e9:.1f} GB/s" + (f" + {call * 1e6:.0f} µs a call" if call else ""))
     return ", ".join(parts)
 
 

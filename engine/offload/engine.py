@@ -79,9 +79,12 @@ class OffloadEngine:
 
     def copy_state(self) -> dict:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
-        earns (None until enough copies were made), and the decode streaming slots of each layout (streaming.py)."""
+        earns (None until enough copies were made), the decode streaming slots of each layout (streaming.py), and
+        what it prices the CPU's misses at (CpuRate: bytes per second of a miss, None until measured, and seconds
+        per kernel call, 0 until fitted)."""
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
-                "streaming_slots": [group.num_slots for group in self.streaming.groups]}
+                "streaming_slots": [group.num_slots for group in self.streaming.groups],
+                "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
