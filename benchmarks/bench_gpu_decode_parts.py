@@ -93,14 +93,18 @@ class _Logged:
 
 @contextlib.contextmanager
 def recorded(m):
-    """The kernel launches GpuQMoE ``m`` makes inside, in order (every launch looks its function up through m._f)."""
+    """The kernel launches GpuQMoE ``m`` makes inside, in order (every launch looks its function up through m._f).
+    Inside, FC1 and FC2 are launched plainly (dec5_cfg pdl 0): a programmatic dependent launch goes to the driver
+    with the function's handle, past the stand-in that records."""
     log: list[Launch] = []
-    real = m._f
+    real, cfg = m._f, m.dec5_cfg
     m._f = lambda name: _Logged(name, real(name), log)
+    m.dec5_cfg = {**cfg, "pdl": 0}
     try:
         yield log
     finally:
         del m._f  # the class's method again
+        m.dec5_cfg = cfg
 
 
 def check_forward(log: list[Launch]) -> None:
