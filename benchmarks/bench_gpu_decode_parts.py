@@ -44,7 +44,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_qmoe_gpu import SHAPES, Timer, _write, capture, measure_hbm, node_for  # noqa: E402
+from benchmarks.bench_qmoe_gpu import (SHAPES, Timer, _write, capture, hbm_figure, measure_hbm,  # noqa: E402
+                                       node_for)
 from benchmarks.common import ROOT  # noqa: E402
 
 BENCHMARK = "gpu-decode-parts"
@@ -341,8 +342,7 @@ def run(args):
     dtype = np.dtype(args.dtype)
     # fp16 x: the fp16 kernels (dec5_cfg f16 = 1) and the bf16 hi / lo ones (0); fp32 x takes the latter either way
     f16_values = (1, 0) if dtype == np.float16 else (1,)
-    figures = [{"name": "HBM device-to-device copy (read + write)", "value": hbm, "unit": "GB/s",
-                "reference": "H200 datasheet HBM3e", "reference_value": 4800.0, "ratio": hbm / 4800.0}]
+    figures = [hbm_figure(hbm)]
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)
     for key in shape_keys(args.shapes):

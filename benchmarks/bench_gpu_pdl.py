@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_gpu_decode_parts import per_launch, shape_keys  # noqa: E402
-from benchmarks.bench_qmoe_gpu import SHAPES, Timer, _gpu_name, _write, capture, measure_hbm, node_for  # noqa: E402
+from benchmarks.bench_qmoe_gpu import (SHAPES, Timer, _gpu_name, _write, capture, hbm_figure,  # noqa: E402
+                                       measure_hbm, node_for)
 from benchmarks.common import ROOT  # noqa: E402
 
 BENCHMARK = "gpu-decode-pdl"
@@ -82,8 +83,7 @@ def main(argv=None):
     print(f"{gpu}: HBM copy {hbm:.0f} GB/s; chain of {n} forwards per graph, median of {replays} replays", flush=True)
     details = {"gpu": gpu, "cupy": cp.__version__, "hbm_copy_gb_s": hbm, "launches_per_graph": n,
                "replays": replays, "rounds": args.rounds}
-    figures = [{"name": "HBM device-to-device copy (read + write)", "value": hbm, "unit": "GB/s",
-                "reference": "H200 datasheet HBM3e", "reference_value": 4800.0, "ratio": hbm / 4800.0}]
+    figures = [hbm_figure(hbm)]
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)
     for key in shape_keys(args.shapes):

@@ -121,6 +121,12 @@ def measure_hbm(cp, timer, nbytes=2 << 30):
     return 2 * nbytes / t / 1e9
 
 
+def hbm_figure(hbm: float) -> dict:
+    """The result-file figure of the HBM copy bandwidth measured in a run (measure_hbm), against the datasheet."""
+    return {"name": "HBM device-to-device copy (read + write)", "value": hbm, "unit": "GB/s",
+            "reference": "H200 datasheet HBM3e", "reference_value": 4800.0, "ratio": hbm / 4800.0}
+
+
 def measure_matmul(cp, timer, n=8192):
     rng = cp.random.default_rng(0)
     A = rng.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
@@ -411,8 +417,7 @@ def main(argv=None):
     tflops = measure_matmul(cp, timer)
     print(f"{gpu}: HBM copy {hbm:.0f} GB/s, fp16 matmul 8192^3 {tflops:.0f} TFLOP/s", flush=True)
     figures = [
-        {"name": "HBM device-to-device copy (read + write)", "value": hbm, "unit": "GB/s",
-         "reference": "H200 datasheet HBM3e", "reference_value": 4800.0, "ratio": hbm / 4800.0},
+        hbm_figure(hbm),
         {"name": "fp16 matmul 8192^3 (cupy / cuBLAS)", "value": tflops, "unit": "TFLOP/s",
          "reference": "H200 datasheet dense fp16", "reference_value": 989.0, "ratio": tflops / 989.0},
     ]
