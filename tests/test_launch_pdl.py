@@ -85,3 +85,7 @@ def test_a_refused_launch_names_the_cuda_result():
         PdlLauncher(fn).launch(1, (1,), (32,), (FakeDeviceArray(8), np.int32(1), np.int64(2), np.float32(3)), 0, 0)
     with pytest.raises(ValueError, match="one to three positive sizes"):
         PdlLauncher(fn).launch(1, (0,), (32,), (), 0, 0)
+
+
+def test_the_driver_launcher_is_made_once_per_process():
+    assert PdlLauncher.from_driver() is PdlLauncher.from_driver()  # None on a machine without libcuda

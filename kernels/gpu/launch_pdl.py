@@ -13,6 +13,7 @@ programmatic edge of the CUDA graph (CUDA 12.3+).
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -77,8 +78,10 @@ class PdlLauncher:
         self._attr.value.as_int = 1
 
     @classmethod
+    @functools.cache
     def from_driver(cls) -> "PdlLauncher | None":
-        """The launcher over libcuda's cuLaunchKernelEx, or None where the driver has none (before CUDA 12)."""
+        """The launcher over libcuda's cuLaunchKernelEx (one per process), or None where the driver has none (before
+        CUDA 12)."""
         try:
             driver = ctypes.CDLL("libcuda.so.1")
             launch_ex = driver.cuLaunchKernelEx

@@ -814,7 +814,7 @@ class GpuQMoE:
                 np.int32(int(p.has_bias)), np.int32(p.NP))
         pdl = bool(self.dec5_cfg.get("pdl", 0)) and self._pdl is not None
         self._launch(name, (grid,), (threads,), head + tuple(tail), smem, pdl=pdl)
-        self.last_decode_pdl = pdl
+        self.last_decode_pdl = pdl and self._pdl is not None
         return name
 
     def _dec_smem(self, p: _lay.ProjLayout, R: int, W: int) -> int:
@@ -846,9 +846,12 @@ class GpuQMoE:
             f.max_dynamic_shared_size_bytes = smem
             self._smem_set[name] = smem
         if pdl:
-            self._pdl.launch(f.kernel.ptr, grid, block, args, smem, _cp().cuda.get_current_stream().ptr)
-        else:
-            f(grid, block, args, shared_mem=smem)
+            try:
+                self._pdl.launch(f.kernel.ptr, grid, block, args, smem, _cp().cuda.get_current_stream().ptr)
+                return
+            except RuntimeError:  # a driver that refuses the attribute: plain launches from now on
+                self._pdl = None
+        f(grid, block, args, shared_mem=smem)
 
     def _auto_ksplit(self, p: _lay.ProjLayout, R: int, W: int, tiles: int) -> int:
         blocks = _cdiv(p.NT, R) * max(1, tiles)
