@@ -44,8 +44,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_qmoe_gpu import (SHAPES, Timer, _write, capture, hbm_figure, measure_hbm,  # noqa: E402
-                                       node_for)
+from benchmarks.bench_qmoe_gpu import (SHAPES, Timer, _gpu_name, _write, capture, hbm_figure,  # noqa: E402
+                                       measure_hbm, node_for)
 from benchmarks.common import ROOT  # noqa: E402
 
 BENCHMARK = "gpu-decode-parts"
@@ -331,8 +331,7 @@ def run(args):
     from kernels.gpu import GpuQMoE
 
     t_start = time.perf_counter()
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    gpu = _gpu_name(cp)
     timer = Timer(cp)
     hbm = measure_hbm(cp, timer)
     n, replays = args.launches, args.replays

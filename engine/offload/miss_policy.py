@@ -67,7 +67,8 @@ class CpuRate:
         self.average: float | None = None
         self._sums = [0.0] * 5  # weighted count, Σx, Σy, Σx², Σxy (x bytes, y seconds)
         self._calls = 0
-        self._fitted: tuple[float, float] | None = None  # _line() as of the last call observed
+        self._fitted: tuple[float, float] | None = None  # _line(), computed when read after new calls
+        self._stale = False
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if seconds <= 0 or nbytes <= 0:
@@ -77,7 +78,7 @@ class CpuRate:
         keep, x, y = self.fit_keep, float(nbytes), float(seconds)
         self._sums = [keep * old + new for old, new in zip(self._sums, (1.0, x, y, x * x, x * y))]
         self._calls += 1
-        self._fitted = self._line()
+        self._stale = True  # refitted when read: layers without slots observe calls nobody prices
 
     def _line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per byte) of the fitted line, or None where the calls do not give one."""
@@ -92,15 +93,22 @@ class CpuRate:
         fixed = mean_y - slope * mean_x
         return (fixed, slope) if slope > 0 and fixed >= 0 else None
 
+    def _current(self) -> tuple[float, float] | None:
+        if not self.fit:
+            return None
+        if self._stale:
+            self._fitted, self._stale = self._line(), False
+        return self._fitted
+
     @property
     def value(self) -> float | None:
         """Bytes per second of one more miss in a call (the fit's slope), else the average rate."""
-        line = self._fitted if self.fit else None
+        line = self._current()
         return 1.0 / line[1] if line else self.average
 
     @property
     def fixed_s(self) -> float:
-        line = self._fitted if self.fit else None
+        line = self._current()
         return line[0] if line else 0.0
 
 

@@ -93,8 +93,8 @@ class PdlLauncher:
         return cls(launch_ex)
 
     def launch(self, function_ptr: int, grid, block, args, shared_mem: int, stream_ptr: int) -> None:
-        """Launch the CUfunction at ``function_ptr`` (a CuPy RawKernel's .kernel.ptr) on ``stream_ptr``; raises RuntimeError
-        naming the CUresult when the driver refuses."""
+        """Launch the CUfunction at ``function_ptr`` (a CuPy RawKernel's .kernel.ptr) on ``stream_ptr``; raises
+        RuntimeError naming the CUresult when the driver refuses."""
         config = LaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = _grid3(grid)
         config.blockDimX, config.blockDimY, config.blockDimZ = _grid3(block)
