@@ -80,6 +80,32 @@ static __device__ __forceinline__ void store_act(u16* __restrict__ hi, u16* __re
     }
 }
 
+// Activation slot layout in a ring stage (256 bytes per B row slot; per lane t of the slot's 4, 4 chunks of 16 bytes:
+// h0, h1 = hi k 0-7 / 8-15 of the lane's 16, l0, l1 = lo). Lane t's h0 at dec5_barea(slot, t), h1 at + DEC5_BX, l0
+// at + DEC5_BL, l1 at + DEC5_BX + DEC5_BL. DEC5_BSWZ 0 (before): lane t's 64 bytes at slot * 256 + t * 64: lanes t
+// and t + 2 of a slot 128 bytes apart, a 2-way bank conflict on every activation LDS.128 / cp.async of one slot.
+// DEC5_BSWZ 1: hi chunks at slot * 256 + t * 32 (+ 16), lo at + 128: the 4 lanes of one slot hit 4 different bank
+// quads (conflict-free for one token per tile, as in decode at T = 1; lanes of 8 slots: 2 wavefronts per 128 B
+// instead of 4 before).
+#ifndef DEC5_BSWZ
+#define DEC5_BSWZ 1
+#endif
+#define DEC5_BX 16u
+#define DEC5_BL (DEC5_BSWZ ? 128u : 32u)
+// __syncwarp() as one WARPSYNC (the builtin adds a divergence check, BRA.DIV, per call); all lanes are converged
+static __device__ __forceinline__ void dec5_syncwarp() {
+#if QM_TC
+    asm volatile("bar.warp.sync -1;" ::: "memory");
+#endif
+}
+template <int V>
+struct Dec5I {  // a compile-time int (no <type_traits> under NVRTC)
+    static constexpr int value = V;
+};
+static __device__ __forceinline__ u32 dec5_barea(int slot, int t) {
+    return DEC5_BSWZ ? (u32)(slot * 256 + t * 32) : (u32)((slot * 4 + t) * 64);
+}
+
 template <int BITS, int NBT, int ZP, int MODE, int F16>
 static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #if QM_TC
@@ -125,6 +151,12 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     const long long tstride = (long long)NT * NB * 16;  // scale / zero-point elements per slot
 
     // ---------------------------------------------------------------- producer (cp.async) cursor
+    // The producer copies "runs" (consecutive k-tiles of one row tile): issue_unit() is the cp.asyncs of one unit
+    // with one address computation per stream (source = row-tile base + p_kt * unit step) and ++p_kt. p_next() (once
+    // per row tile) moves the cursor to the next row tile / tile and sizes the next run. Source offsets are those of
+    // the v5 kernel before this restructuring (weights W + slot * wstride + (rt * KT + kt) * TB + lane * LB; scales
+    // S + (slot * tstride + rt * NB * 16 + b0 * 16) * ssz + lane * 16; zero points likewise in bytes; activations
+    // bhi / blo + tok * KPB + t * 16 + kt * 64), see tests/test_dec5_schedule_mirror.py.
     int p_ti, p_rt, p_kt;
     {
         const long long ti = u0 / per_tile;
@@ -133,22 +165,25 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
         p_rt = (int)(rem / KT);
         p_kt = (int)(rem - (long long)p_rt * KT);
     }
-    int c_ti = p_ti, c_rt = p_rt, c_kt = p_kt;  // consumer cursor (same start)
-    long long p_left = u1 - u0;
-    // per-lane source pointers of the next unit to copy: weights (contiguous over row tiles within a tile), the
-    // lane's scale / zero-point chunk at block 0 of row tile p_rt, the activation fragments at k-tile 0
+    int c_ti = p_ti, c_rt = p_rt;  // consumer cursor (same start)
+    const int c_kt0 = p_kt;
+    const int nu = (int)(u1 - u0);  // units of this warp (< 2^31: 2^31 units are >= 1 TiB of weights)
+    int p_run = 0;                  // units left in the current run (p_kt .. p_kt + p_run - 1 of row tile p_rt)
+    // per-lane source pointers at k-tile 0 of row tile p_rt: weights, the lane's scale / zero-point chunk at block
+    // 0, the activation fragments
     const bool s_on = lane < NBT * ssz, z_on = ZP && lane < NBT;
     const long long s_rstep = (long long)NB * 16 * ssz, z_rstep = (long long)NB * 16;
+    const int s16 = 16 * ssz;
     const u8* p_w = W;
     const unsigned char* p_s = (const unsigned char*)S;
     const u8* p_z = Z;
     const u16* p_bh = bhi;
     const u16* p_bl = blo;
     bool p_bon = false;
-    u32 p_barea = 0;  // this lane's byte offset in the stage's activation area
-    auto p_setup = [&]() {  // at (p_ti, p_rt, p_kt)
+    u32 p_barea = 0;  // this lane's byte offset (h0 chunk) in the stage's activation area, see DEC5_BSWZ
+    auto p_setup = [&]() {  // at (p_ti, p_rt), k-tile 0
         const int4 tl = tile_at(p_ti);
-        p_w = W + (long long)tl.x * wstride + ((long long)p_rt * KT + p_kt) * TR::TB + lane * TR::LB;
+        p_w = W + (long long)tl.x * wstride + (long long)p_rt * KT * TR::TB + lane * TR::LB;
         const long long e = (long long)tl.x * tstride + (long long)p_rt * NB * 16;
         p_s = (const unsigned char*)S + e * ssz + lane * 16;
         p_z = Z + e + lane * 16;
@@ -157,57 +192,69 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
         if (p_bon) {
             const int tok = MODE == 0 ? ptok_at(tl.y + g) : tl.y + g;
             brow = (long long)tok * KPB + t * 16;
-            p_barea = (u32)(((MODE == 0 ? tok : g) * 4 + t) * 64);
+            p_barea = dec5_barea(MODE == 0 ? tok : g, t);
         }
         p_bh = bhi + brow;
         p_bl = blo + brow;
     };
     p_setup();
-    auto issue = [&](int st) {
-        if (p_left > 0) {
-            const u32 d = ringa + (u32)(st * STAGE);
-#pragma unroll
-            for (int q = 0; q < TR::LW; ++q) cp_async16(d + lane * TR::LB + q * 16, p_w + q * 16, 16);
-            p_w += TR::TB;
-            const int b0 = (NBT == 1) ? (p_kt >> tsh) : p_kt * NBT;  // first scale block of the unit
-            if (s_on) cp_async16(d + SOFF + lane * 16, p_s + b0 * 16 * ssz, 16);
-            if (z_on) cp_async16(d + ZOFF + lane * 16, p_z + b0 * 16, 16);
-            if (p_bon) {
-                const u16* bh = p_bh + p_kt * 64;
-                cp_async16_ca(d + BOFF + p_barea, bh);
-                cp_async16_ca(d + BOFF + p_barea + 16, bh + 8);
-                if (!F16 && split) {
-                    const u16* bl = p_bl + p_kt * 64;
-                    cp_async16_ca(d + BOFF + p_barea + 32, bl);
-                    cp_async16_ca(d + BOFF + p_barea + 48, bl + 8);
-                }
-            }
-            --p_left;
-            if (++p_kt == KT) {
-                p_kt = 0;
-                p_s += s_rstep;
-                p_z += z_rstep;
-                if (++p_rt == NT) {
-                    p_rt = 0;
-                    ++p_ti;
-                    if (p_left > 0) p_setup();
-                }
+    // the current run is done (p_run == 0) and rem > 0 units are left to copy: to the next row tile if the run ended
+    // it, then the next run
+    auto p_next = [&](int rem) {
+        if (p_kt == KT) {
+            p_kt = 0;
+            p_w += (long long)KT * TR::TB;  // weights are contiguous over the row tiles of a tile
+            p_s += s_rstep;
+            p_z += z_rstep;
+            if (++p_rt == NT) {
+                p_rt = 0;
+                ++p_ti;
+                p_setup();
             }
         }
-        cp_async_commit();
+        p_run = min(KT - p_kt, rem);
+    };
+    // one unit at (p_ti, p_rt, p_kt) into stage address d (within the current run; the caller counts p_run)
+    // (unsigned offsets: one IMAD.WIDE.U32 per source address; p_kt, b0 >= 0)
+    auto issue_unit = [&](u32 d) {
+        const u32 kt = (u32)p_kt;
+#pragma unroll
+        for (int q = 0; q < TR::LW; ++q)
+            cp_async16(d + lane * TR::LB + q * 16, p_w + kt * (u32)TR::TB + q * 16, 16);
+        const u32 b0 = (NBT == 1) ? (kt >> tsh) : kt * NBT;  // first scale block of the unit
+        if (s_on) cp_async16(d + SOFF + lane * 16, p_s + b0 * (u32)s16, 16);
+        if (z_on) cp_async16(d + ZOFF + lane * 16, p_z + b0 * 16u, 16);
+        if (p_bon) {
+            const u32 da = d + BOFF + p_barea, db = da + DEC5_BX;
+            const u16* bh = p_bh + kt * 64u;
+            cp_async16_ca(da, bh);
+            cp_async16_ca(db, bh + 8);
+            if (!F16 && split) {
+                const u16* bl = p_bl + kt * 64u;
+                cp_async16_ca(da + DEC5_BL, bl);
+                cp_async16_ca(db + DEC5_BL, bl + 8);
+            }
+        }
+        ++p_kt;
     };
 
     // ---------------------------------------------------------------- consumer state
-    int c_slot, c_start, c_cnt, c_barea;
+    int c_slot, c_start, c_cnt;
+    u32 c_barea;
     auto c_setup = [&]() {
         const int4 tl = tile_at(c_ti);
         c_slot = tl.x;
         c_start = tl.y;
         c_cnt = tl.z;
-        c_barea = g < c_cnt ? ((MODE == 0 ? ptok_at(c_start + g) : g) * 4 + t) * 64 : 0;
+        // lanes of columns g >= c_cnt read slot 0's fragments: they only reach the MMA's column g, which nothing
+        // uses (flush and the epilogue skip columns >= c_cnt), and save the zeroing and a predicate per unit
+        c_barea = g < c_cnt ? dec5_barea(MODE == 0 ? ptok_at(c_start + g) : g, t) : 0u;
     };
     c_setup();
-    int c_ka = c_kt;  // first k-tile of the current segment
+    // the current segment: k-tiles [c_ka, c_kb) of row tile (c_ti, c_rt), c_run of them still to consume
+    int c_ka = c_kt0;
+    int c_kb = c_ka + min(KT - c_ka, nu);
+    int c_run = c_kb - c_ka;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     u32 zc[4];
     if (F16)
@@ -215,8 +262,6 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     else
         set_bz<BITS>(zc, 1 << (BITS - 1), 1 << (BITS - 1));
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-    const bool sf32 = sdt == DT_F32;
-    const bool sf16 = sdt == DT_F16;
 
     // end of a segment [ka, kb) of row tile (c_ti, c_rt): hand the partial sums on
     auto flush = [&](int ka, int kb) {
@@ -256,7 +301,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             // No acquire on the completing side: it reads the sums with atomics, performed at L2 after its counter
             // atomic saw every other warp's released update (an acquire fence / __threadfence also invalidates the
             // SM's L1, CCTL.IVALL, where the other warps keep their activation fragments).
-            __syncwarp();
+            dec5_syncwarp();
             int old = 0;
             if (lane == 0) old = atom_add_release_gpu(kdone + cidx, kb - ka);
             old = __shfl_sync(0xffffffffu, old, 0);
@@ -300,20 +345,21 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
         }
     };
 
-    auto consume = [&](int st, bool last_unit) {
-        const unsigned char* p = ring + st * STAGE;
+    // SD: the scales' dtype as a compile-time constant (the loops below are instantiated per dtype, so that the
+    // steady state does not test it per unit)
+    auto consume = [&](u32 so, auto SD) {
+        constexpr int SDT = decltype(SD)::value;
+        const unsigned char* p = ring + so;
         uint4 wv[TR::LW];
 #pragma unroll
         for (int q = 0; q < TR::LW; ++q) wv[q] = *reinterpret_cast<const uint4*>(p + lane * TR::LB + q * 16);
-        uint4 h0 = zero4, h1 = zero4, l0 = zero4, l1 = zero4;
-        if (g < c_cnt) {
-            const uint4* bp = reinterpret_cast<const uint4*>(p + BOFF + c_barea);
-            h0 = bp[0];
-            h1 = bp[1];
-            if (!F16 && split) {
-                l0 = bp[2];
-                l1 = bp[3];
-            }
+        uint4 l0 = zero4, l1 = zero4;
+        const unsigned char* ba = p + BOFF + c_barea;
+        const uint4 h0 = *reinterpret_cast<const uint4*>(ba);
+        const uint4 h1 = *reinterpret_cast<const uint4*>(ba + DEC5_BX);
+        if (!F16 && split) {
+            l0 = *reinterpret_cast<const uint4*>(ba + DEC5_BL);
+            l1 = *reinterpret_cast<const uint4*>(ba + DEC5_BX + DEC5_BL);
         }
         constexpr int SPB = 4 / NBT;  // k-steps per scale block
 #pragma unroll
@@ -369,13 +415,13 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             if (j % SPB == SPB - 1) {
                 const unsigned char* sp = p + SOFF + (q * 16 + g * 2) * ssz;
                 float sx, sy;
-                if (sf32) {
+                if (SDT == DT_F32) {
                     const float2 sv = *reinterpret_cast<const float2*>(sp);
                     sx = sv.x;
                     sy = sv.y;
                 } else {
                     const u32 sv = *reinterpret_cast<const u32*>(sp);
-                    if (sf16) {
+                    if (SDT == DT_F16) {
                         sx = h2f((u16)(sv & 0xffffu));
                         sy = h2f((u16)(sv >> 16));
                     } else {
@@ -389,32 +435,88 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                 acc[3] = fmaf(sy, blk[3], acc[3]);
             }
         }
-        ++c_kt;
-        if (c_kt == KT || last_unit) {
-            flush(c_ka, c_kt);
+    };
+    // the end of the consumer's segment (c_run == 0), n units of the range left after it: flush, then the next
+    // segment (the next row tile: a segment ends before KT only at the range's end)
+    auto c_next = [&](int n) {
+        flush(c_ka, c_kb);
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[c] = 0.0f;
-            if (c_kt == KT) {
-                c_kt = 0;
-                if (++c_rt == NT) {
-                    c_rt = 0;
-                    ++c_ti;
-                    if (!last_unit) c_setup();
-                }
+        for (int c = 0; c < 4; ++c) acc[c] = 0.0f;
+        if (n > 0) {
+            c_ka = 0;
+            if (++c_rt == NT) {
+                c_rt = 0;
+                ++c_ti;
+                c_setup();
             }
-            c_ka = c_kt;
+            c_kb = min(KT, n);
+            c_run = c_kb;
         }
     };
 
+    // stage byte offsets: consume at c_off, issue into the stage consumed one iteration earlier (p_off)
+    const u32 RLAST = (u32)((DEC5_STAGES - 1) * STAGE);
+    // prologue: the first DEC5_STAGES - 1 units (empty commit groups if the range is shorter)
 #pragma unroll
-    for (int s = 0; s < DEC5_STAGES - 1; ++s) issue(s);
-    int st = 0;
-    for (long long n = u1 - u0; n > 0; --n) {
-        cp_async_wait<DEC5_STAGES - 2>();
-        __syncwarp();
-        issue(st == 0 ? DEC5_STAGES - 1 : st - 1);
-        consume(st, n == 1);
-        st = (st == DEC5_STAGES - 1) ? 0 : st + 1;
+    for (int s = 0; s < DEC5_STAGES - 1; ++s) {
+        if (s < nu) {
+            if (p_run == 0) p_next(nu - s);
+            issue_unit(ringa + (u32)(s * STAGE));
+            --p_run;
+        }
+        cp_async_commit();
+    }
+    u32 p_off = RLAST;  // the stage of the unit issued last
+    // n: units left to consume; n - (DEC5_STAGES - 1): units left to copy. Each pass runs cnt units without a check:
+    // up to the end of the consumer's segment and of the producer's run (or, once nothing is left to copy, with an
+    // empty commit group per unit, which keeps wait_group's count)
+    // cnt units without a check: issuing (pr > 0: the producer's run covers them) or with empty commit groups
+    // (the producer's stage p_off is always the one before the consumer's: c_off follows from it)
+    auto steady = [&](int cnt, auto SD) {
+        for (const int ke = p_kt + cnt; p_kt < ke;) {  // issue_unit() advances p_kt
+            cp_async_wait<DEC5_STAGES - 2>();
+            dec5_syncwarp();
+            const u32 c_off = (p_off == RLAST) ? 0u : p_off + (u32)STAGE;
+            issue_unit(ringa + p_off);
+            cp_async_commit();
+            consume(c_off, SD);
+            p_off = c_off;
+        }
+    };
+    auto drain = [&](int cnt, auto SD) {
+        for (int k = cnt; k > 0; --k) {
+            cp_async_wait<DEC5_STAGES - 2>();
+            dec5_syncwarp();
+            const u32 c_off = (p_off == RLAST) ? 0u : p_off + (u32)STAGE;
+            cp_async_commit();
+            consume(c_off, SD);
+            p_off = c_off;
+        }
+    };
+    for (int n = nu; n > 0;) {
+        const int pr = n - (DEC5_STAGES - 1);
+        int cnt = c_run;
+        if (pr > 0) {
+            if (p_run == 0) p_next(pr);
+            cnt = min(cnt, p_run);
+            p_run -= cnt;
+            if (sdt == DT_F32)
+                steady(cnt, Dec5I<DT_F32>());
+            else if (sdt == DT_F16)
+                steady(cnt, Dec5I<DT_F16>());
+            else
+                steady(cnt, Dec5I<DT_BF16>());
+        } else {
+            if (sdt == DT_F32)
+                drain(cnt, Dec5I<DT_F32>());
+            else if (sdt == DT_F16)
+                drain(cnt, Dec5I<DT_F16>());
+            else
+                drain(cnt, Dec5I<DT_BF16>());
+        }
+        n -= cnt;
+        c_run -= cnt;
+        if (c_run == 0) c_next(n);
     }
     cp_async_wait<0>();
 
@@ -445,26 +547,35 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #endif
 }
 
-// dec5_<bits>_<nbt>_<zp>_<mode> (bf16 hi / lo activations), dec5h_<bits>_<nbt>_<zp>_<mode> (fp16 activations)
-#define QM_D5_KERNEL(B, N, Z, M)                                                                       \
-    extern "C" __global__ void __launch_bounds__(128) dec5_##B##_##N##_##Z##_##M(QM_D5_ARGS) {         \
-        dec5_impl<B, N, Z, M, 0>(QM_D5_PASS);                                                          \
-    }                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) dec5h_##B##_##N##_##Z##_##M(QM_D5_ARGS) {        \
-        dec5_impl<B, N, Z, M, 1>(QM_D5_PASS);                                                          \
+// dec5_<bits>_<nbt>_<zp>_<mode> (bf16 hi / lo activations), dec5h_<bits>_<nbt>_<zp>_<mode> (fp16 activations).
+// B0 / B1 / H0 / H1: the minimum resident blocks per SM (__launch_bounds__) of dec5 mode 0 / 1 and dec5h mode 0 / 1:
+// the blocks per SM that the registers of the kernels before the fast-loop restructuring allowed (ptxas, sm_90), so
+// that the restructured kernels (whose hot loops keep more loop-invariant addresses in registers) do not lose
+// occupancy to registers (ptxas then spills a few registers in the per-row-tile paths of some instances, never in
+// the steady-state loops). -DDEC5_MINB=0: no minimum (ptxas' own register counts).
+#ifndef DEC5_MINB
+#define DEC5_MINB 1
+#endif
+#define QM_D5_MINB(n) (DEC5_MINB ? (n) : 1)
+#define QM_D5_KERNEL(B, N, Z, M, BB, BH)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128, QM_D5_MINB(BB)) dec5_##B##_##N##_##Z##_##M(QM_D5_ARGS) {  \
+        dec5_impl<B, N, Z, M, 0>(QM_D5_PASS);                                                              \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128, QM_D5_MINB(BH)) dec5h_##B##_##N##_##Z##_##M(QM_D5_ARGS) { \
+        dec5_impl<B, N, Z, M, 1>(QM_D5_PASS);                                                              \
     }
-#define QM_D5_KERNELS(B, N, Z) \
-    QM_D5_KERNEL(B, N, Z, 0)   \
-    QM_D5_KERNEL(B, N, Z, 1)
-QM_D5_KERNELS(4, 1, 0)
-QM_D5_KERNELS(4, 2, 0)
-QM_D5_KERNELS(4, 4, 0)
-QM_D5_KERNELS(4, 1, 1)
-QM_D5_KERNELS(4, 2, 1)
-QM_D5_KERNELS(4, 4, 1)
-QM_D5_KERNELS(8, 1, 0)
-QM_D5_KERNELS(8, 2, 0)
-QM_D5_KERNELS(8, 4, 0)
-QM_D5_KERNELS(8, 1, 1)
-QM_D5_KERNELS(8, 2, 1)
-QM_D5_KERNELS(8, 4, 1)
+#define QM_D5_KERNELS(B, N, Z, B0, B1, H0, H1) \
+    QM_D5_KERNEL(B, N, Z, 0, B0, H0)           \
+    QM_D5_KERNEL(B, N, Z, 1, B1, H1)
+QM_D5_KERNELS(4, 1, 0, 6, 7, 8, 9)
+QM_D5_KERNELS(4, 2, 0, 6, 7, 7, 9)
+QM_D5_KERNELS(4, 4, 0, 7, 6, 8, 8)
+QM_D5_KERNELS(4, 1, 1, 5, 7, 6, 8)
+QM_D5_KERNELS(4, 2, 1, 5, 7, 7, 8)
+QM_D5_KERNELS(4, 4, 1, 6, 6, 5, 8)
+QM_D5_KERNELS(8, 1, 0, 7, 5, 8, 9)
+QM_D5_KERNELS(8, 2, 0, 6, 5, 8, 9)
+QM_D5_KERNELS(8, 4, 0, 6, 6, 7, 8)
+QM_D5_KERNELS(8, 1, 1, 5, 5, 6, 9)
+QM_D5_KERNELS(8, 2, 1, 7, 5, 7, 8)
+QM_D5_KERNELS(8, 4, 1, 5, 5, 5, 8)
