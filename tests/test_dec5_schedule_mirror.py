@@ -23,14 +23,17 @@ DEC5_STAGES = 6
 
 
 # ------------------------------------------------------------------------------------------------ decode5.cu helpers
-def dec5_barea(slot: int, t: int, bswz: int) -> int:
-    # return DEC5_BSWZ ? (u32)(slot * 256 + t * 32) : (u32)((slot * 4 + t) * 64);
-    return slot * 256 + t * 32 if bswz else (slot * 4 + t) * 64
+DEC5_BX, DEC5_BL = 16, 128  # #define DEC5_BX 16u / #define DEC5_BL 128u
 
 
-def bx_bl(bswz: int) -> tuple[int, int]:
-    # #define DEC5_BX 16u / #define DEC5_BL (DEC5_BSWZ ? 128u : 32u)
-    return (16, 128) if bswz else (16, 32)
+def dec5_barea(slot: int, t: int) -> int:
+    # return (u32)(slot * 256 + t * 32);
+    return slot * 256 + t * 32
+
+
+def previous_barea(slot: int, t: int) -> int:
+    """The layout before the fast loop (lane t's 64 bytes at slot * 256 + t * 64, lo at + 32): for comparison."""
+    return (slot * 4 + t) * 64
 
 
 # ------------------------------------------------------------- the kernel before the restructuring (main's formulas)
@@ -66,8 +69,7 @@ def run_warp(c, wid: int, lane: int):
     TB, LB = c["TB"], c["LB"]
     g, t = lane >> 2, lane & 3
     tiles, ptok = c["tiles"], c["ptok"]
-    bswz = c["bswz"]
-    BX, BL = bx_bl(bswz)
+    BX, BL = DEC5_BX, DEC5_BL
     # per_tile = NT * KT; total = per_tile * ntl; nwt = gridDim.x * nw; chunk = ceil(total / nwt)
     per_tile = NT * KT
     total = per_tile * ntl
@@ -109,7 +111,7 @@ def run_warp(c, wid: int, lane: int):
         if st["p_bon"]:
             tok = ptok[tl[1] + g] if MODE == 0 else tl[1] + g
             brow = tok * c["KPB"] + t * 16
-            st["p_barea"] = dec5_barea(tok if MODE == 0 else g, t, bswz)
+            st["p_barea"] = dec5_barea(tok if MODE == 0 else g, t)
         st["p_bh"] = brow
         st["p_bl"] = brow
 
@@ -166,7 +168,7 @@ def run_warp(c, wid: int, lane: int):
         tl = tiles[st["c_ti"]]
         st["c_slot"], st["c_start"], st["c_cnt"] = tl
         st["c_bon"] = g < st["c_cnt"]
-        st["c_barea"] = dec5_barea(ptok[st["c_start"] + g] if MODE == 0 else g, t, bswz) if st["c_bon"] else 0
+        st["c_barea"] = dec5_barea(ptok[st["c_start"] + g] if MODE == 0 else g, t) if st["c_bon"] else 0
 
     c_setup()
     st["c_ka"] = c_kt0  # int c_ka = c_kt0;
@@ -294,7 +296,7 @@ def make_case(rng: random.Random) -> dict:
     return {"NT": NT, "KT": KT, "ntl": ntl, "NBT": NBT, "tsh": tsh, "ssz": ssz, "NB": NB, "ZP": ZP, "MODE": MODE,
             "TB": TB, "LB": LB, "tiles": tiles, "ptok": ptok, "KPB": KT * 64 + rng.choice([0, 64]),
             "wstride": NT * KT * TB + rng.choice([0, 512]), "tstride": NT * NB * 16, "grid": grid, "nw": nw,
-            "STAGE": BOFF + bcols * 256, "bcols": bcols, "bswz": rng.choice([0, 1, 1])}
+            "STAGE": BOFF + bcols * 256, "bcols": bcols}
 
 
 def check_case(c, rng: random.Random) -> None:
@@ -382,24 +384,20 @@ def _wavefronts(addrs: list[int]) -> int:
 
 
 def test_dec5_activation_layout_bijective():
-    """Every (slot, t, chunk) of a stage's activation area has its own 16 bytes inside the slot's 256, both layouts;
-    DEC5_BSWZ 1 reads one slot's h0 / h1 chunks (4 lanes) in one wavefront (DEC5_BSWZ 0: two), and 8 slots in 8
-    (DEC5_BSWZ 0: 16; 4 is the minimum for 512 bytes)."""
-    for bswz in (0, 1):
-        BX, BL = bx_bl(bswz)
-        seen = set()
-        for slot in range(64):
-            for t in range(4):
-                a = dec5_barea(slot, t, bswz)
-                offs = (a, a + BX, a + BL, a + BX + BL)
-                for o in offs:
-                    assert o % 16 == 0 and slot * 256 <= o < slot * 256 + 256
-                    assert o not in seen
-                    seen.add(o)
-        assert len(seen) == 64 * 4 * 4
-    for bswz, one, eight in ((0, 2, 16), (1, 1, 8)):
-        BX, _ = bx_bl(bswz)
+    """Every (slot, t, chunk) of a stage's activation area has its own 16 bytes inside the slot's 256; one slot's h0 /
+    h1 chunks (4 lanes) are read in one wavefront (the previous layout: two), and 8 slots in 8 (previous: 16; 4 is
+    the minimum for 512 bytes)."""
+    seen = set()
+    for slot in range(64):
+        for t in range(4):
+            a = dec5_barea(slot, t)
+            for o in (a, a + DEC5_BX, a + DEC5_BL, a + DEC5_BX + DEC5_BL):
+                assert o % 16 == 0 and slot * 256 <= o < slot * 256 + 256
+                assert o not in seen
+                seen.add(o)
+    assert len(seen) == 64 * 4 * 4
+    for barea, one, eight in ((previous_barea, 2, 16), (dec5_barea, 1, 8)):
         for slot in range(8):
-            assert _wavefronts([dec5_barea(slot, t, bswz) for t in range(4)]) == one
-            assert _wavefronts([dec5_barea(slot, t, bswz) + BX for t in range(4)]) == one
-        assert _wavefronts([dec5_barea(s_, t, bswz) for s_ in range(8) for t in range(4)]) == eight
+            assert _wavefronts([barea(slot, t) for t in range(4)]) == one
+            assert _wavefronts([barea(slot, t) + DEC5_BX for t in range(4)]) == one
+        assert _wavefronts([barea(s_, t) for s_ in range(8) for t in range(4)]) == eight

@@ -82,16 +82,13 @@ static __device__ __forceinline__ void store_act(u16* __restrict__ hi, u16* __re
 
 // Activation slot layout in a ring stage (256 bytes per B row slot; per lane t of the slot's 4, 4 chunks of 16 bytes:
 // h0, h1 = hi k 0-7 / 8-15 of the lane's 16, l0, l1 = lo). Lane t's h0 at dec5_barea(slot, t), h1 at + DEC5_BX, l0
-// at + DEC5_BL, l1 at + DEC5_BX + DEC5_BL. DEC5_BSWZ 0 (before): lane t's 64 bytes at slot * 256 + t * 64: lanes t
-// and t + 2 of a slot 128 bytes apart, a 2-way bank conflict on every activation LDS.128 / cp.async of one slot.
-// DEC5_BSWZ 1: hi chunks at slot * 256 + t * 32 (+ 16), lo at + 128: the 4 lanes of one slot hit 4 different bank
-// quads (conflict-free for one token per tile, as in decode at T = 1; lanes of 8 slots: 2 wavefronts per 128 B
-// instead of 4 before).
-#ifndef DEC5_BSWZ
-#define DEC5_BSWZ 1
-#endif
+// at + DEC5_BL, l1 at + DEC5_BX + DEC5_BL: hi chunks at slot * 256 + t * 32 (+ 16), lo at + 128, so the 4 lanes of
+// one slot hit 4 different bank quads (conflict-free for one token per tile, as in decode at T = 1; lanes of 8
+// slots: 2 wavefronts per 128 B). The layout before (lane t's 64 bytes at slot * 256 + t * 64) put lanes t and t + 2
+// on the same banks: a 2-way conflict on every activation LDS.128 / cp.async (ncu, fourteenth session: FC2's excess
+// shared wavefronts 4 per unit -> 0).
 #define DEC5_BX 16u
-#define DEC5_BL (DEC5_BSWZ ? 128u : 32u)
+#define DEC5_BL 128u
 // __syncwarp() as one WARPSYNC (the builtin adds a divergence check, BRA.DIV, per call); all lanes are converged
 static __device__ __forceinline__ void dec5_syncwarp() {
 #if QM_TC
@@ -103,7 +100,7 @@ struct Dec5I {  // a compile-time int (no <type_traits> under NVRTC)
     static constexpr int value = V;
 };
 static __device__ __forceinline__ u32 dec5_barea(int slot, int t) {
-    return DEC5_BSWZ ? (u32)(slot * 256 + t * 32) : (u32)((slot * 4 + t) * 64);
+    return (u32)(slot * 256 + t * 32);
 }
 
 template <int BITS, int NBT, int ZP, int MODE, int F16>
@@ -180,7 +177,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     const u16* p_bh = bhi;
     const u16* p_bl = blo;
     bool p_bon = false;
-    u32 p_barea = 0;  // this lane's byte offset (h0 chunk) in the stage's activation area, see DEC5_BSWZ
+    u32 p_barea = 0;  // this lane's byte offset (h0 chunk) in the stage's activation area, see dec5_barea
     auto p_setup = [&]() {  // at (p_ti, p_rt), k-tile 0
         const int4 tl = tile_at(p_ti);
         p_w = W + (long long)tl.x * wstride + (long long)p_rt * KT * TR::TB + lane * TR::LB;
@@ -552,16 +549,12 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 // the blocks per SM that the registers of the kernels before the fast-loop restructuring allowed (ptxas, sm_90), so
 // that the restructured kernels (whose hot loops keep more loop-invariant addresses in registers) do not lose
 // occupancy to registers (ptxas then spills a few registers in the per-row-tile paths of some instances, never in
-// the steady-state loops). -DDEC5_MINB=0: no minimum (ptxas' own register counts).
-#ifndef DEC5_MINB
-#define DEC5_MINB 1
-#endif
-#define QM_D5_MINB(n) (DEC5_MINB ? (n) : 1)
+// the steady-state loops).
 #define QM_D5_KERNEL(B, N, Z, M, BB, BH)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, QM_D5_MINB(BB)) dec5_##B##_##N##_##Z##_##M(QM_D5_ARGS) {  \
+    extern "C" __global__ void __launch_bounds__(128, BB) dec5_##B##_##N##_##Z##_##M(QM_D5_ARGS) {  \
         dec5_impl<B, N, Z, M, 0>(QM_D5_PASS);                                                              \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128, QM_D5_MINB(BH)) dec5h_##B##_##N##_##Z##_##M(QM_D5_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(128, BH) dec5h_##B##_##N##_##Z##_##M(QM_D5_ARGS) { \
         dec5_impl<B, N, Z, M, 1>(QM_D5_PASS);                                                              \
     }
 #define QM_D5_KERNELS(B, N, Z, B0, B1, H0, H1) \
