@@ -11,6 +11,18 @@ Each timed call packs the next expert (round robin), so the stored rows are not 
 Both paths' outputs are compared byte for byte first.
 
     python benchmarks/bench_pack_host.py [--runs N] [--no-write]
+
+--issue (needs CUDA): instead, the host seconds to ISSUE a decode step's copies of m = 1, 4, 8 experts straight
+from page-locked stored rows (the engine's registered mapping) into GPU slots 0..m-1, converted there: one
+GpuQMoE.upload_expert_device per expert (the stored tensors' copies and one pack_expert launch), through the driver
+(kernels.gpu.driver_calls: staging buffer and launch arguments made once) against through CuPy (a pool allocation,
+CuPy's runtime calls and RawKernel call), the switch GpuQMoE.driver_copies. Only the issuing calls are timed (not
+the engine's order-after-copies event pair). Median of --runs batches per path, the two paths taking turns on the
+same experts, the device drained between batches (not timed); before each batch slots 0..m-1 are filled with a byte
+pattern and evicted, after it their contents, both host maps and the device's expert -> slot map are kept and
+compared byte for byte between the two paths.
+
+    python benchmarks/bench_pack_host.py --issue [--runs N] [--no-write]
 """
 from __future__ import annotations
 
@@ -82,11 +94,98 @@ def bench_shape(sh: dict, runs: int) -> tuple[list[dict], dict]:
                      "packed_mb": packed_mb}
 
 
+def issue_seconds(gpu, copy_stream, experts: list, driver: bool) -> float:
+    """Host seconds to issue the copies of `experts` into slots 0..m-1 one by one, through the driver or CuPy."""
+    gpu.driver_copies = driver
+    started = time.perf_counter()
+    for slot, e in enumerate(experts):
+        gpu.upload_expert_device(e, slot, stream=copy_stream)
+    seconds = time.perf_counter() - started
+    copy_stream.synchronize()
+    return seconds
+
+
+def clear_slots(gpu, copy_stream, m: int) -> None:
+    """Slots 0..m-1 filled with a byte pattern and evicted (not timed): a path that wrote nothing cannot pass the
+    comparison with the other's leftovers."""
+    with copy_stream:
+        for arrays in gpu.slots.values():
+            for a in arrays.values():
+                a[:m].view(np.uint8).fill(0xA5)
+    for slot in range(m):
+        gpu.evict(slot, stream=copy_stream)
+    copy_stream.synchronize()
+
+
+def slot_snapshot(cp, gpu, m: int) -> dict:
+    """Slots 0..m-1 and the maps, on the host, after the copies finished."""
+    snap = {f"{name}.{key}": cp.asnumpy(a[:m]).view(np.uint8) for name, arrays in gpu.slots.items()
+            for key, a in arrays.items()}
+    snap.update(slot_of=gpu.slot_of.copy(), expert_in_slot=gpu.expert_in_slot.copy(),
+                slot_dev=cp.asnumpy(gpu._slot_dev))
+    return snap
+
+
+def assert_same_snapshot(got: dict, want: dict, what: str) -> None:
+    for key, a in want.items():
+        assert got[key].tobytes() == a.tobytes(), f"{what}: {key} differs between the driver and CuPy paths"
+
+
+def bench_issue(key: str, sh: dict, runs: int) -> list[dict]:
+    """--issue for one shape: host seconds through the driver against through CuPy for m = 1, 4, 8."""
+    import cupy as cp
+
+    from benchmarks.bench_qmoe_gpu import node_for
+    from kernels.gpu.qmoe import GpuQMoE
+
+    spec, tensors = node_for(key)
+    registered = [a for a in tensors.values() if isinstance(a, np.ndarray) and a.ndim == 3]
+    for a in registered:  # page-locked, as the engine's registered mapping: the copies are DMAs
+        cp.cuda.runtime.hostRegister(a.ctypes.data, a.nbytes, 0)
+    try:
+        gpu = GpuQMoE(spec, tensors, num_slots=8, resident=[])
+        assert gpu._pack_desc is not None, "this layout does not take pack_expert"
+        copy_stream = cp.cuda.Stream(non_blocking=True)
+        expert_mb = gpu._pack_bytes / 1e6
+        figures, turn = [], 0
+        for m in (1, 4, 8):
+            times = {True: [], False: []}
+            for run in range(runs + 1):  # the first: kernel loading, pool growth, the staging buffer
+                experts = [(turn + j) % sh["E"] for j in range(m)]
+                turn += m
+                snaps = {}
+                for driver in ((True, False) if run % 2 else (False, True)):  # taking turns to go first
+                    clear_slots(gpu, copy_stream, m)
+                    times[driver].append(issue_seconds(gpu, copy_stream, experts, driver))
+                    snaps[driver] = slot_snapshot(cp, gpu, m)
+                assert_same_snapshot(snaps[True], snaps[False], f"{sh['label']}, m={m}, experts {experts}")
+            assert gpu.driver_copy_fallback is None, f"the driver path fell back: {gpu.driver_copy_fallback}"
+            med = {driver: float(np.median(t[1:])) * 1e6 for driver, t in times.items()}
+            print(f"{sh['label']:45s} {expert_mb:5.2f} MB/expert  m={m}  CuPy {med[False]:7.1f} us "
+                  f"({med[False] / m:5.1f}/expert)   driver {med[True]:7.1f} us ({med[True] / m:5.1f}/expert)   "
+                  f"x{med[False] / med[True]:.2f}   byte-identical")
+            figures.append({"name": f"issue {m} expert copies through the driver, {sh['label']}", "value": med[True],
+                            "unit": "us", "reference": "the same copies through CuPy (GpuQMoE.driver_copies False)",
+                            "reference_value": med[False], "ratio": med[False] / med[True], "expert_mb": expert_mb,
+                            "copies_per_expert": len(gpu._pack_copies)})
+        gpu.driver_copies = True
+        return figures
+    finally:
+        for a in registered:
+            cp.cuda.runtime.hostUnregister(a.ctypes.data)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=41, help="timed calls of the Numba path (NumPy: a quarter)")
     ap.add_argument("--no-write", action="store_true", help="print only, write no result file")
+    ap.add_argument("--issue", action="store_true", help="CUDA: host seconds to issue m expert copies (see above)")
     args = ap.parse_args()
+    if args.issue:
+        figures = [f for key, sh in SHAPES.items() for f in bench_issue(key, sh, args.runs)]
+        if not args.no_write:
+            print(f"wrote {write_result('copy-issue', figures)}")
+        return
     figures, config = [], {"threads": numba.get_num_threads(), "numba": numba.__version__, "numpy": np.__version__}
     for name, sh in SHAPES.items():
         shape_figures, config[name] = bench_shape(sh, args.runs)

@@ -46,17 +46,29 @@ _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int
 
 
 def kernel_argument(value):
-    """The ctypes value a kernel parameter slot holds: a device array's address, or a NumPy scalar as its C type.
-    Anything else is refused: a Python int has no width, and a wrong width shifts every later parameter."""
+    """The ctypes value a kernel parameter slot holds: a device array's address, a NumPy scalar as its C type, a copy
+    of a ctypes scalar. Anything else is refused: a Python int has no width, and a wrong width shifts every later
+    parameter."""
     if isinstance(value, np.generic):
         ctype = _SCALARS.get(value.dtype)
         if ctype is None:
             raise TypeError(f"kernel argument of dtype {value.dtype} is not supported")
         return ctype(value.item())
+    if isinstance(value, ctypes._SimpleCData):  # already a C value (a device address as c_void_p): a copy of it
+        return type(value)(value.value)
     data = getattr(value, "data", None)
     if data is not None and hasattr(data, "ptr"):  # a CuPy ndarray
         return ctypes.c_void_p(int(data.ptr))
     raise TypeError(f"kernel argument {type(value).__name__} is neither a NumPy scalar nor a device array")
+
+
+@functools.cache
+def libcuda() -> "ctypes.CDLL | None":
+    """The CUDA driver library (loaded once per process), or None where there is none."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
 
 
 def _grid3(dims) -> tuple[int, int, int]:
@@ -83,9 +95,8 @@ class PdlLauncher:
         """The launcher over libcuda's cuLaunchKernelEx (one per process), or None where the driver has none (before
         CUDA 12)."""
         try:
-            driver = ctypes.CDLL("libcuda.so.1")
-            launch_ex = driver.cuLaunchKernelEx
-        except (OSError, AttributeError):
+            launch_ex = libcuda().cuLaunchKernelEx
+        except AttributeError:  # no driver (None), or one without the call
             return None
         launch_ex.restype = ctypes.c_int
         launch_ex.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),

@@ -8,12 +8,14 @@ writes every output byte of the slot arrays from the raw rows, and points the ex
 
 ``plan_for`` decides, once per projection, whether the stored tensors are simple enough (no FC3, int4 / int8 rows
 as stored, scales in the layout's dtype, zero points and bias as stored); ``None`` sends the expert through
-``layout.pack``. ``stage_numpy`` is what the host's copies put in the staging buffer and ``pack_numpy`` the kernel's
-index arithmetic in NumPy, reading the descriptor's fields as the kernel does: the CPU tests check the two together
-against ``layout.pack``.
+``layout.pack``. ``DriverPackIssuer`` issues the copies and the launch straight through the driver, its staging
+buffer and launch arguments made once. ``stage_numpy`` is what the host's copies put in the staging buffer and
+``pack_numpy`` the kernel's index arithmetic in NumPy, reading the descriptor's fields as the kernel does: the CPU
+tests check the two together against ``layout.pack``.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +23,8 @@ import numpy as np
 from . import layout as _lay
 from ..qmoe_spec import QMoESpec
 
-__all__ = ["ProjPlan", "plan_for", "descriptor", "stage_numpy", "pack_numpy", "BIAS_DT", "DESC_FIELDS"]
+__all__ = ["ProjPlan", "plan_for", "descriptor", "DriverPackIssuer", "stage_numpy", "pack_numpy", "BIAS_DT",
+           "DESC_FIELDS"]
 
 ALIGN = 256
 BIAS_DT = {"float32": _lay.DT_F32, "float16": _lay.DT_F16, "bfloat16": _lay.DT_BF16}
@@ -112,6 +115,34 @@ def descriptor(plans, row_src: dict, slot_arrays: dict) -> np.ndarray:
         for name, value in values.items():
             row[F[name]] = value
     return desc
+
+
+class DriverPackIssuer:
+    """Issues expert copies into slots on one stream straight through the driver (kernels.gpu.driver_calls): each
+    stored tensor's rows copied to a staging buffer kept for this stream (cuMemcpyHtoDAsync), then pack_expert
+    launched with its arguments prepared once; per copy only (slot, e, old) are rewritten. The buffer can be reused
+    at once: the next copy's memcpys are ordered on the stream after the previous pack_expert that read it."""
+
+    # pack_expert(desc, staged, slot, slot_map, e, old): source/pack.cu
+    SLOT, EXPERT, OLD = 2, 4, 5
+
+    def __init__(self, calls, function_ptr: int, grid: int, desc_ptr: int, staging_ptr: int, slot_map_ptr: int,
+                 stream_ptr: int):
+        self._memcpy = calls.memcpy_htod_async
+        self._staging, self._stream = int(staging_ptr), int(stream_ptr)
+        self.launch = calls.prepare(function_ptr, (grid,), (256,), (
+            ctypes.c_void_p(desc_ptr), ctypes.c_void_p(staging_ptr), np.int32(0), ctypes.c_void_p(slot_map_ptr),
+            np.int32(-1), np.int32(-1)), 0, stream_ptr)
+        self._slot, self._e, self._old = (self.launch.argument(i) for i in (self.SLOT, self.EXPERT, self.OLD))
+
+    def issue(self, copies, e: int, slot: int, old: int) -> None:
+        """Expert e into `slot` (whose expert `old`, -1 none, leaves the device's map). `copies`: per stored tensor
+        (its staging offset, its host address at expert 0, bytes per expert): GpuQMoE._host_copies."""
+        memcpy, staging, stream = self._memcpy, self._staging, self._stream
+        for offset, address, row_bytes in copies:
+            memcpy(staging + offset, address + e * row_bytes, row_bytes, stream)
+        self._slot.value, self._e.value, self._old.value = slot, e, old
+        self.launch.launch()
 
 
 def stage_numpy(plans, e: int) -> np.ndarray:

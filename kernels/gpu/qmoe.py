@@ -23,6 +23,7 @@ normalize_routing_weights; router_weights); the sparse mixer routes on the host 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -31,8 +32,9 @@ from .. import reference as _ref
 from . import convert as _conv
 from . import layout as _lay
 from ._module import load_module
+from .driver_calls import DriverCalls, DriverError
 from .launch_pdl import PdlLauncher
-from .pack_device import descriptor, plan_for
+from .pack_device import DriverPackIssuer, descriptor, plan_for
 from .pack_host import pack_expert_host
 
 __all__ = ["GpuQMoE", "gpu_available"]
@@ -90,6 +92,7 @@ class GpuQMoE:
             raise UnsupportedLayout(f"node '{spec.node_name}': {E} experts (the GPU grouping kernel takes <= 2048)")
         self._tensors = {k: v for k, v in tensors.items() if v is not None}
         self.device = cp.cuda.Device(device)
+        self._device_id = int(self.device.id)
         with self.device:
             self.cc = int(self.device.compute_capability)
             if path == "auto":
@@ -233,11 +236,23 @@ class GpuQMoE:
         they are page-locked: engine/offload/host_register.py) and put in the kernel layout there, on ``stream``;
         the host only issues the work. Same contents as upload_expert. Common layouts take one ``pack_expert``
         launch for both projections, which also updates the device's expert -> slot map (kernels.gpu.pack_device);
-        others go through layout.pack (~30 CuPy calls per projection)."""
+        others go through layout.pack (~30 CuPy calls per projection). The common layouts' copies and launch go
+        straight through the driver (``driver_copies``, kernels.gpu.driver_calls: a few us of host time instead of
+        CuPy's ~40-55) unless that failed before its first copy (``driver_copy_fallback`` says why)."""
         cp = _cp()
         e, slot = int(e), int(slot)
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range (num_slots={self.num_slots})")
+        if self.driver_copies and self._pack_desc is not None and self.driver_copy_fallback is None:
+            stream = stream or cp.cuda.get_current_stream()
+            if cp.cuda.runtime.getDevice() == self._device_id:  # the driver's calls act on the current GPU
+                issued = self._pack_expert_driver(e, slot, stream)
+            else:
+                with self.device:
+                    issued = self._pack_expert_driver(e, slot, stream)
+            if issued:
+                self.device_packs += 1
+                return
         with self.device:
             stream = stream or cp.cuda.get_current_stream()
             with stream:
@@ -295,6 +310,14 @@ class GpuQMoE:
         """pack_expert's plans for both projections and their descriptor on the device, made once (None: a layout it
         does not read, layout.pack instead)."""
         self.device_packs = 0  # experts upload_expert_device packed with pack_expert (tests check the path taken)
+        # pack_expert's copies and launch through the driver's calls (True) or CuPy's (False: the benchmarks' A/B);
+        # driver_copy_fallback: why CuPy's calls are taken for good (None: they are not); driver_packs: experts the
+        # driver path packed (tests check the path taken)
+        self.driver_copies = True
+        self.driver_copy_fallback = None
+        self.driver_packs = 0
+        self._driver_issuers: dict = {}  # stream pointer -> its DriverPackIssuer
+        self._driver_staging: dict = {}  # stream pointer -> the staging buffer its issuer copies into
         self._pack_desc = None
         self._pack_copies = None
         self._sources: dict = {}  # node name -> (its tensors, pack_expert's copies of them): set_source
@@ -327,6 +350,38 @@ class GpuQMoE:
         grid = max(1, min(_cdiv(self._pack_items, 256), 16 * self.num_sms))
         self._f("pack_expert")((grid,), (256,), (self._pack_desc, staging, np.int32(slot), self._slot_dev,
                                                  np.int32(e), np.int32(old)))
+
+    def _pack_expert_driver(self, e: int, slot: int, stream) -> bool:
+        """_pack_expert through the driver's calls, the staging buffer and launch arguments made once per stream
+        (pack_device.DriverPackIssuer); the host's maps are updated once the launch is queued. False where the
+        driver path failed before its first copy: CuPy's calls from then on, the reason in driver_copy_fallback.
+        The device must be current."""
+        try:
+            issuer = self._driver_issuers.get(stream.ptr)
+            if issuer is None:
+                issuer = self._driver_issuer(stream)
+            issuer.issue(self._pack_copies, e, slot, int(self.expert_in_slot[slot]))
+        except DriverError as err:
+            if self.driver_packs:  # it worked before: a real failure (a bad address ...), not a missing feature
+                raise
+            self.driver_copy_fallback = str(err)
+            return False
+        self._map_host(e, slot)
+        self.driver_packs += 1
+        return True
+
+    def _driver_issuer(self, stream) -> DriverPackIssuer:
+        """The driver path's issuer for `stream` (made on its first copy there)."""
+        calls = DriverCalls.from_driver()
+        if calls is None:
+            raise DriverError("loading libcuda's cuMemcpyHtoDAsync_v2 and cuLaunchKernel", -1)
+        staging = _staging_for(self._device_id, stream, self._pack_bytes)
+        grid = max(1, min(_cdiv(self._pack_items, 256), 16 * self.num_sms))
+        issuer = DriverPackIssuer(calls, self._f("pack_expert").kernel.ptr, grid, self._pack_desc.data.ptr,
+                                  staging.array.data.ptr, self._slot_dev.data.ptr, stream.ptr)
+        self._driver_issuers[stream.ptr] = issuer
+        self._driver_staging[stream.ptr] = staging  # kept while this instance may copy on the stream
+        return issuer
 
     def _map_host(self, e: int, slot: int) -> int:
         """The host's expert <-> slot maps with e in `slot`; returns the expert the slot held (-1: none)."""
@@ -861,6 +916,31 @@ class GpuQMoE:
 
 
 _EAGER = object()  # GpuQMoE._graphs: a launch that could not be captured runs eagerly
+
+
+class _Staging:
+    """A device buffer the driver path's copies stage experts in (a holder: weak references need one)."""
+
+    def __init__(self, array):
+        self.array = array
+
+
+# (device id, stream pointer) -> the staging buffer of the driver path's copies on that stream, shared by every
+# GpuQMoE copying there (one per layer in the offload engine: one buffer, not one per layer, as CuPy's pool did).
+# Sharing is safe: every user queues its copies and pack_expert on the same stream, so they run one after another.
+_STAGING: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _staging_for(device_id: int, stream, nbytes: int) -> _Staging:
+    """A staging buffer of at least `nbytes` for copies on `stream` (the device current), allocated on first need
+    from CuPy's pool for that stream: a block the pool hands back is free once the stream's earlier work is done."""
+    key = (device_id, stream.ptr)
+    staging = _STAGING.get(key)
+    if staging is None or staging.array.nbytes < nbytes:
+        cp = _cp()
+        with stream:
+            staging = _STAGING[key] = _Staging(cp.empty(nbytes, cp.uint8))
+    return staging
 
 
 def _as_host(a):
