@@ -131,6 +131,27 @@ def assert_same_snapshot(got: dict, want: dict, what: str) -> None:
         assert got[key].tobytes() == a.tobytes(), f"{what}: {key} differs between the driver and CuPy paths"
 
 
+def driver_parts(gpu, copy_stream, num_experts: int, runs: int) -> tuple[float, float]:
+    """Per expert, median host us of the driver path's memcpys alone and of its prepared launch alone (what remains
+    of upload_expert_device is Python around them). Leaves the last slot written inconsistent with the maps: run
+    last."""
+    issuer = gpu._driver_issuers[copy_stream.ptr]
+    memcpy, staging, stream = issuer._memcpy, issuer._staging, copy_stream.ptr
+    copies_s, launch_s = [], []
+    for i in range(runs + 1):
+        e = i % num_experts
+        started = time.perf_counter()
+        for offset, address, row_bytes in gpu._pack_copies:
+            memcpy(staging + offset, address + e * row_bytes, row_bytes, stream)
+        copied = time.perf_counter()
+        issuer.launch.launch()
+        launched = time.perf_counter()
+        copy_stream.synchronize()
+        copies_s.append(copied - started)
+        launch_s.append(launched - copied)
+    return float(np.median(copies_s[1:])) * 1e6, float(np.median(launch_s[1:])) * 1e6
+
+
 def bench_issue(key: str, sh: dict, runs: int) -> list[dict]:
     """--issue for one shape: host seconds through the driver against through CuPy for m = 1, 4, 8."""
     import cupy as cp
@@ -169,6 +190,13 @@ def bench_issue(key: str, sh: dict, runs: int) -> list[dict]:
                             "reference_value": med[False], "ratio": med[False] / med[True], "expert_mb": expert_mb,
                             "copies_per_expert": len(gpu._pack_copies)})
         gpu.driver_copies = True
+        memcpys_us, launch_us = driver_parts(gpu, copy_stream, sh["E"], runs)
+        print(f"{sh['label']:45s} driver path per expert: {len(gpu._pack_copies)} memcpys {memcpys_us:5.1f} us, "
+              f"launch {launch_us:5.1f} us (the rest: Python around them)")
+        figures.append({"name": f"driver path per expert, memcpys alone, {sh['label']}", "value": memcpys_us,
+                        "unit": "us", "copies_per_expert": len(gpu._pack_copies)})
+        figures.append({"name": f"driver path per expert, launch alone, {sh['label']}", "value": launch_us,
+                        "unit": "us"})
         return figures
     finally:
         for a in registered:

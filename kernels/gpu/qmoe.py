@@ -23,6 +23,7 @@ normalize_routing_weights; router_weights); the sparse mixer routes on the host 
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 
 import numpy as np
@@ -310,10 +311,10 @@ class GpuQMoE:
         """pack_expert's plans for both projections and their descriptor on the device, made once (None: a layout it
         does not read, layout.pack instead)."""
         self.device_packs = 0  # experts upload_expert_device packed with pack_expert (tests check the path taken)
-        # pack_expert's copies and launch through the driver's calls (True) or CuPy's (False: the benchmarks' A/B);
-        # driver_copy_fallback: why CuPy's calls are taken for good (None: they are not); driver_packs: experts the
-        # driver path packed (tests check the path taken)
-        self.driver_copies = True
+        # pack_expert's copies and launch through the driver's calls (True) or CuPy's (False: the benchmarks' A/B;
+        # MOE_DRIVER_COPIES=0 for the engine's, gpu_offload_ab.sh); driver_copy_fallback: why CuPy's calls are taken
+        # for good (None: they are not); driver_packs: experts the driver path packed (tests check the path taken)
+        self.driver_copies = os.environ.get("MOE_DRIVER_COPIES", "1") != "0"
         self.driver_copy_fallback = None
         self.driver_packs = 0
         self._driver_issuers: dict = {}  # stream pointer -> its DriverPackIssuer
@@ -926,7 +927,7 @@ class _Staging:
 
 
 # (device id, stream pointer) -> the staging buffer of the driver path's copies on that stream, shared by every
-# GpuQMoE copying there (one per layer in the offload engine: one buffer, not one per layer, as CuPy's pool did).
+# GpuQMoE copying there (the offload engine's, one per layer, share one buffer as they shared CuPy's cached block).
 # Sharing is safe: every user queues its copies and pack_expert on the same stream, so they run one after another.
 _STAGING: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
