@@ -238,19 +238,19 @@ class GpuQMoE:
         the host only issues the work. Same contents as upload_expert. Common layouts take one ``pack_expert``
         launch for both projections, which also updates the device's expert -> slot map (kernels.gpu.pack_device);
         others go through layout.pack (~30 CuPy calls per projection). The common layouts' copies and launch go
-        straight through the driver (``driver_copies``, kernels.gpu.driver_calls: a few us of host time instead of
-        CuPy's ~40-55) unless that failed before its first copy (``driver_copy_fallback`` says why)."""
+        straight through the driver (``driver_copies``, kernels.gpu.driver_calls: to cut the host's ~40-55 us per
+        expert through CuPy, benchmarks/bench_pack_host.py --issue) unless that failed before its first copy
+        (``driver_copy_fallback`` says why)."""
         cp = _cp()
         e, slot = int(e), int(slot)
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range (num_slots={self.num_slots})")
         if self.driver_copies and self._pack_desc is not None and self.driver_copy_fallback is None:
-            stream = stream or cp.cuda.get_current_stream()
             if cp.cuda.runtime.getDevice() == self._device_id:  # the driver's calls act on the current GPU
-                issued = self._pack_expert_driver(e, slot, stream)
+                issued = self._pack_expert_driver(e, slot, stream or cp.cuda.get_current_stream())
             else:
                 with self.device:
-                    issued = self._pack_expert_driver(e, slot, stream)
+                    issued = self._pack_expert_driver(e, slot, stream or cp.cuda.get_current_stream())
             if issued:
                 self.device_packs += 1
                 return
