@@ -50,7 +50,11 @@ def route_rank_block(z: np.ndarray, k: int, normalize: bool, rw: np.ndarray | No
             e = el - tok * E if valid else 0
             row = skey[tok * E:(tok + 1) * E].astype(np.int64)
             mine = int(row[e])
-            j = np.arange(sub, E, q)
+            if E % (4 * q) == 0:  # a contiguous run of E / q keys a lane, read 16 bytes at a time
+                n = E // q
+                j = np.arange(sub * n, sub * n + n)
+            else:
+                j = np.arange(sub, E, q)
             c = int(np.count_nonzero(row[j] >= mine + (j >= e)))
             counts.setdefault(tid >> lq, []).append((c, valid, sub, tok, e, mine))
         for group in counts.values():

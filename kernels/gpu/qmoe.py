@@ -679,7 +679,7 @@ class GpuQMoE:
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
                 np.int32(f1.KP), ws.xhi, ws.xlo, np.int32(f16), out, np.int64(out.size if zero_out else 0),
                 np.int32(rank_route)),
-                shared_mem=16 * E + 8 * P + 256 + (4 * (T * E + P) if rank_route else 0))
+                shared_mem=16 * E + 8 * P + 256 + (4 * (T * E + P) + 12 if rank_route else 0))
             if self.decode_kernel == "v5":
                 sl2 = self.slots[f2.name]
                 nbt2, tsh2 = self._dec5_kind(f2)
