@@ -15,7 +15,8 @@ export PYTHONPATH=/tmp/site
 here=$PWD
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in "$here" "$here/$OTHER"; do
-    echo "== round $round: $(basename "$tree")"; date -u
+    [ "$tree" = "$here" ] && name="this tree" || name="$OTHER"
+    echo "== round $round: $name"; date -u
     (cd "$tree" && timeout 200 python3 $BENCH 2>&1 | grep -E "^\[|chain|single|HBM copy")
   done
 done
