@@ -1,18 +1,22 @@
-"""Benchmark: the v5 decode forward (decode_prep, dec5 FC1, dec5 FC2) with FC1 and FC2 launched plainly or with
-programmatic dependent launch (GpuQMoE.dec5_cfg["pdl"], kernels/gpu/launch_pdl.py), in one run, at shapes A and B
-of bench_qmoe_gpu (int4 block 32, every expert resident), 1 token, x fp16 and fp32, the HBM copy bandwidth measured
-in the same run.
+"""Benchmark: the v5 decode forward (decode_prep, dec5 FC1, dec5 FC2) with one of its switches off and on, in one run,
+at shapes A and B of bench_qmoe_gpu (int4 block 32, every expert resident), 1 token, x fp16 and fp32, the HBM copy
+bandwidth measured in the same run. Switches (--switch):
+  pdl: FC1 and FC2 launched plainly or with programmatic dependent launch (GpuQMoE.dec5_cfg["pdl"],
+       kernels/gpu/launch_pdl.py); the default;
+  rank_route: decode_prep routing one warp per token in k arg-max rounds, or by ranks counted by the whole block
+              (GpuQMoE.dec_cfg["rank_route"], route.cu).
 
 Per variant, two figures (CUDA events behind a spin kernel, bench_qmoe_gpu.Timer, median over replays):
   chain: a CUDA graph of N forwards back to back, each with its own routing row, / N (the launch gaps inside a
          forward and between forwards);
   single: one forward per graph replay, the routing row changed between replays (bench_qmoe_gpu's headline: graph
           launch latency included).
-The variants alternate over --rounds rounds (plain first), so drift between them shows; the outputs of both are
+The variants alternate over --rounds rounds (off first), so drift between them shows; the outputs of both are
 compared on the same inputs. % of HBM = the k routed experts' bytes (weights + scales + biases, our layout) / time /
 the measured copy bandwidth (read + write counted).
 
-    python benchmarks/bench_gpu_pdl.py [--shapes A,B] [--dtypes float16,float32] [--launches 32] [--replays 30]
+    python benchmarks/bench_gpu_pdl.py [--switch pdl|rank_route] [--shapes A,B] [--dtypes float16,float32]
+                                       [--launches 32] [--replays 30]
 """
 from __future__ import annotations
 
@@ -30,8 +34,17 @@ from benchmarks.bench_qmoe_gpu import (SHAPES, Timer, _gpu_name, _write, capture
                                        measure_hbm, node_for)
 from benchmarks.common import ROOT  # noqa: E402
 
-BENCHMARK = "gpu-decode-pdl"
-VARIANTS = (("plain", 0), ("pdl", 1))
+SWITCHES = {"pdl": ("dec5_cfg", ("plain", "pdl")), "rank_route": ("dec_cfg", ("warp", "ranks"))}  # cfg, names off / on
+
+
+def set_switch(m, switch: str, value: int) -> None:
+    cfg = SWITCHES[switch][0]
+    setattr(m, cfg, {**getattr(m, cfg), switch: value})
+
+
+def variants(switch: str) -> tuple:
+    """((name, value) off, (name, value) on)."""
+    return tuple(zip(SWITCHES[switch][1], (0, 1)))
 
 
 def time_variant(cp, m, timer, stream, x, bank, outs, n, replays) -> tuple[float, float]:
@@ -51,18 +64,19 @@ def time_variant(cp, m, timer, stream, x, bank, outs, n, replays) -> tuple[float
     return t_chain, t_single
 
 
-def outputs_agree(cp, m, x, bank, n) -> float:
-    """max |pdl - plain| / max |plain| over n eager forwards."""
-    got = {}
-    for name, pdl in VARIANTS:
-        m.dec5_cfg = {**m.dec5_cfg, "pdl": pdl}
-        got[name] = np.stack([m.forward_into(x, bank[i:i + 1], cp.empty((1, x.shape[1]), cp.float32)).get()
-                              for i in range(n)])
-    return float(np.abs(got["pdl"] - got["plain"]).max() / max(np.abs(got["plain"]).max(), 1e-30))
+def outputs_agree(cp, m, switch, x, bank, n) -> float:
+    """max |on - off| / max |off| over n eager forwards."""
+    got = []
+    for _, value in variants(switch):
+        set_switch(m, switch, value)
+        got.append(np.stack([m.forward_into(x, bank[i:i + 1], cp.empty((1, x.shape[1]), cp.float32)).get()
+                             for i in range(n)]))
+    return float(np.abs(got[1] - got[0]).max() / max(np.abs(got[0]).max(), 1e-30))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="pdl")
     ap.add_argument("--shapes", default="A,B")
     ap.add_argument("--dtypes", default="float16,float32")
     ap.add_argument("--launches", type=int, default=32)
@@ -75,6 +89,8 @@ def main(argv=None):
 
     from kernels.gpu import GpuQMoE
 
+    switch = args.switch
+    (off, _), (on, _) = variants(switch)
     t_start = time.perf_counter()
     gpu = _gpu_name(cp)
     timer = Timer(cp)
@@ -82,7 +98,7 @@ def main(argv=None):
     n, replays = args.launches, args.replays
     print(f"{gpu}: HBM copy {hbm:.0f} GB/s; chain of {n} forwards per graph, median of {replays} replays", flush=True)
     details = {"gpu": gpu, "cupy": cp.__version__, "hbm_copy_gb_s": hbm, "launches_per_graph": n,
-               "replays": replays, "rounds": args.rounds}
+               "replays": replays, "rounds": args.rounds, "switch": switch}
     figures = [hbm_figure(hbm)]
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -95,17 +111,17 @@ def main(argv=None):
         rec = {"bytes": nbytes, "compiled_from": m.compiled_from, "pdl_available": m._pdl is not None}
         for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
             x = cp.asarray(rng.standard_normal((1, spec.hidden_size)).astype(dtype))
-            runs = {name: [] for name, _ in VARIANTS}
+            runs = {name: [] for name, _ in variants(switch)}
             for _ in range(args.rounds):
-                for name, pdl in VARIANTS:
-                    m.dec5_cfg = {**m.dec5_cfg, "pdl": pdl}
+                for name, value in variants(switch):
+                    set_switch(m, switch, value)
                     runs[name].append(time_variant(cp, m, timer, stream, x, bank, outs, n, replays))
                     rec.setdefault(f"kernels_{dtype}", list(m.last_decode_kernels))
-            diff = outputs_agree(cp, m, x, bank, n)
-            print(f"\n[{key}] {SHAPES[key]['label']}, x {dtype}: {nbytes / 1e6:.1f} MB per token; pdl vs plain "
+            diff = outputs_agree(cp, m, switch, x, bank, n)
+            print(f"\n[{key}] {SHAPES[key]['label']}, x {dtype}: {nbytes / 1e6:.1f} MB per token; {on} vs {off} "
                   f"max rel diff {diff:.1e}", flush=True)
             rec[f"{dtype}_max_rel_diff"] = diff
-            for name, _ in VARIANTS:
+            for name, _ in variants(switch):
                 chains = [c for c, _ in runs[name]]
                 singles = [s for _, s in runs[name]]
                 for label, values in (("chain", chains), ("single", singles)):
@@ -118,14 +134,14 @@ def main(argv=None):
                                     "unit": "us", "reference": "HBM copy bandwidth (same run)",
                                     "reference_value": hbm, "ratio": gbs / hbm})
             for label, i in (("chain", 0), ("single", 1)):
-                plain = np.median([r[i] for r in runs["plain"]])
-                pdl = np.median([r[i] for r in runs["pdl"]])
-                print(f"  {label}: pdl / plain time {pdl / plain:.3f}", flush=True)
+                t_off = np.median([r[i] for r in runs[off]])
+                t_on = np.median([r[i] for r in runs[on]])
+                print(f"  {label}: {on} / {off} time {t_on / t_off:.3f}", flush=True)
         details[f"shape_{key}"] = rec
         del m
         cp.get_default_memory_pool().free_all_blocks()
     if not args.no_write:
-        path = _write(figures, details, t_start, benchmark=BENCHMARK)
+        path = _write(figures, details, t_start, benchmark=f"gpu-decode-{switch.replace('_', '-')}")
         print(f"\nwrote {path.relative_to(ROOT)}")
     return figures
 

@@ -154,6 +154,59 @@ def test_gpu_routing_matches_reference(gpu):
             np.testing.assert_allclose(cp.asnumpy(w), w_r, rtol=2e-6, atol=1e-7)
 
 
+def _decode_prep_routing(cp, m, T):
+    """The (token, expert) -> weight pairs decode_prep left in the workspace (tiles, pair_tok, pair_w)."""
+    ws = m._ws
+    tiles = cp.asnumpy(ws.tiles).reshape(-1, 4)[:int(cp.asnumpy(ws.num_tiles)[0])]
+    pair_tok, pair_w = cp.asnumpy(ws.pair_tok), cp.asnumpy(ws.pair_w)
+    got = [dict() for _ in range(T)]
+    for _slot, first, count, e in tiles:
+        for p in range(first, first + count):
+            got[pair_tok[p]][int(e)] = float(pair_w[p])
+    return got
+
+
+# (T, E, k): decode_prep routes by ranks where T * E <= 4096 (dec_cfg rank_route), else one warp per token
+PREP_CASES = [(1, 32, 4), (1, 128, 8), (3, 60, 4), (8, 128, 8), (4, 1024, 8), (1, 1024, 16), (8, 8, 8), (2, 7, 3),
+              (8, 600, 4)]
+
+
+@pytest.mark.parametrize("T,E,k", PREP_CASES, ids=[f"T{t}-E{e}-k{k}" for t, e, k in PREP_CASES])
+def test_gpu_decode_prep_routing(gpu, T, E, k):
+    """decode_prep's routing and grouping, read back from the tables FC1 / FC2 take, against the reference for
+    random, tied and special logits (-0, -inf, NaN with router weights), both routing paths (ranks by the whole
+    block, and one warp per token), normalized or not, with and without router weights."""
+    cp, GpuQMoE = gpu
+    rng = np.random.default_rng(T * 7919 + E * 31 + k)
+    for normalize in (0, 1):
+        attrs, t, x, _ = make_case(seed=E + k, E=E, k=k, normalize=normalize, H=32, I=32, T=T)
+        spec = _spec(attrs, t, x)
+        m = GpuQMoE(spec, t, path="tc")
+        for trial in range(4):
+            z = rng.standard_normal((T, E)).astype(np.float32)
+            if trial == 1:
+                z = np.round(z * 2.0) / 2.0  # many ties
+            if trial >= 2:
+                z[:, ::3] = 0.5
+                z[0, :] = -0.0
+                z[-1, 1::4] = 0.0
+                z[-1, ::5] = -np.inf
+            rw = rng.uniform(0.1, 1.0, size=z.shape).astype(np.float32) if trial % 2 else None
+            if trial == 3:
+                z[0, 1::7] = np.nan  # ranked after every number; weights from the router weights
+                rw = rng.uniform(0.1, 1.0, size=z.shape).astype(np.float32)
+            ids_r, w_r = ref_route(z, spec, router_weights=rw)
+            for rank_route in ((1, 0) if trial < 3 else (1,)):  # the warp path orders NaN by its own rule
+                m.dec_cfg["rank_route"] = rank_route
+                m.forward(x[:T], z, router_weights=rw)
+                got = _decode_prep_routing(cp, m, T)
+                for tok in range(T):
+                    want = dict(zip(ids_r[tok].tolist(), w_r[tok].tolist()))
+                    assert sorted(got[tok]) == sorted(want), f"rank_route {rank_route} trial {trial} token {tok}"
+                    np.testing.assert_allclose([got[tok][e] for e in sorted(want)], [want[e] for e in sorted(want)],
+                                               rtol=2e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("normalize", [0, 1])
 def test_gpu_router_weights(gpu, normalize):
     cp, GpuQMoE = gpu

@@ -127,8 +127,9 @@ class GpuQMoE:
             self._graph_seen: set = set()
             # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these; the defaults
             # are the H200 optimum at both benchmark shapes, W1 = 0: 2 warps per FC1 block when the FC1 grid
-            # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic)
-            self.dec_cfg = {"R1": 2, "W1": 0, "R2": 2, "W2": 2, "ksplit2": 2}
+            # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic); rank_route: decode_prep routes by ranks
+            # counted by the whole block (1, where T * E <= 4096) or one warp per token in k arg-max rounds (0)
+            self.dec_cfg = {"R1": 2, "W1": 0, "R2": 2, "W2": 2, "ksplit2": 2, "rank_route": 1}
             # decode kernels: "v4" (dec_gemv, grid over (row block, tile, K split)) or "v5" (dec5, stream-K: a grid
             # of the GPU's resident capacity, every warp one contiguous range of (tile, row tile, k-tile) units);
             # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); dec5_cfg["grid"]: a fixed
@@ -727,11 +728,14 @@ class GpuQMoE:
             f16 = self.decode_kernel == "v5" and xdt == DT_F16 and bool(self.dec5_cfg.get("f16", 1))
             nch = T * (f1.KP // 8)
             nblk = 1 + max(1, min(_cdiv(nch, 256), 4 * self.num_sms))  # block 0 routes, the others convert x
+            # routing by ranks (route.cu, route_rank_block): the whole block at once, T * E keys in shared memory
+            rank_route = (route and P <= 64 and spec.k <= E and T * E <= 4096 and bool(cfg.get("rank_route", 1)))
             self._f("decode_prep")((nblk,), (256,), (
                 np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
                 ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles, np.int32(max_tiles), xd, np.int32(xdt), np.int32(H),
-                np.int32(f1.KP), ws.xhi, ws.xlo, np.int32(f16), out, np.int64(out.size if zero_out else 0)),
-                shared_mem=16 * E + 8 * P + 256)
+                np.int32(f1.KP), ws.xhi, ws.xlo, np.int32(f16), out, np.int64(out.size if zero_out else 0),
+                np.int32(rank_route)),
+                shared_mem=16 * E + 8 * P + 256 + (4 * (T * E + P) + 12 if rank_route else 0))
             if self.decode_kernel == "v5":
                 sl2 = self.slots[f2.name]
                 nbt2, tsh2 = self._dec5_kind(f2)

@@ -67,6 +67,94 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
         for (int j = 0; j < k; ++j) wts[j] = wts[j] / wsum;
 }
 
+// Routing key of a logit: a larger float gets a larger key; -0 counts as +0 and NaN gets 0 (below -inf: ranked
+// after every number, as numpy's argsort of -z). route_key_value inverts it (key 0 -> NaN).
+static __device__ __forceinline__ u32 route_key(float z) {
+    if (z != z) return 0u;
+    const u32 b = __float_as_uint(z == 0.0f ? 0.0f : z);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+static __device__ __forceinline__ float route_key_value(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// The whole block routes T tokens, with the same results as route_token_warp (k <= E, T * k <= 64), in a short
+// chain: one warp walking k rounds of arg-max was decode_prep's critical path (~8 µs at E = 128, k = 8 on an H200).
+// Every expert's rank in its token's order (larger logit first, ties: lower index first) is counted by q lanes at
+// once over the T * E keys in shared memory; the experts of rank < k are the top k, in order. Then one warp per
+// token computes the weights. Also copies slot_map into smap[0, E) for build_tiles_warp. skey: T * E keys, ssel:
+// T * k. Ends with the block synchronised.
+static __device__ void route_rank_block(const void* logits, int ldt, const void* rw, int rwdt, int E, int k,
+                                        int normalize, int T, const int* slot_map, int* smap, int* sids, float* sw,
+                                        u32* skey, u32* ssel) {
+    const int nth = blockDim.x, TE = T * E;
+    // loops kept rolled: a launch runs this code once, from a cold instruction cache (NOTES-gpu-kernels.md)
+#pragma unroll 1
+    for (int i = threadIdx.x; i < TE; i += nth) skey[i] = route_key(load_f(logits, i, ldt));
+#pragma unroll 1
+    for (int e = threadIdx.x; e < E; e += nth) smap[e] = slot_map[e];
+    __syncthreads();
+    int lq = 0;  // q = 2^lq lanes per expert: the block's threads spread over the T * E experts, at most a warp each
+    while (lq < 5 && (TE << (lq + 1)) <= nth) ++lq;
+    const int q = 1 << lq;
+    for (int g0 = 0; g0 < (TE << lq); g0 += nth) {  // the same trip count in every lane: all take part in the shuffles
+        const int g = g0 + threadIdx.x, el = g >> lq, sub = g & (q - 1);
+        const bool valid = el < TE;
+        const int tok = valid ? el / E : 0, e = valid ? el - tok * E : 0;
+        const u32* row = skey + tok * E;
+        const u32 mine = row[e];
+        // c: the experts before e: a larger key, or the same key at a lower index (keys <= 0xff800000: no wrap)
+        int c = 0;
+        if ((E & ((4 << lq) - 1)) == 0) {  // lane sub compares keys [sub * n, sub * n + n), 4 a 16-byte load
+            const int n = E >> lq, j0 = sub * n;
+            const uint4* r4 = reinterpret_cast<const uint4*>(row + j0);  // skey is 16-byte aligned, E % 4 == 0
+#pragma unroll 4
+            for (int i = 0; i < (n >> 2); ++i) {
+                const uint4 v = r4[i];
+                const int j = j0 + 4 * i;
+                c += (v.x >= mine + (u32)(j >= e)) + (v.y >= mine + (u32)(j + 1 >= e)) +
+                     (v.z >= mine + (u32)(j + 2 >= e)) + (v.w >= mine + (u32)(j + 3 >= e));
+            }
+        } else {
+            for (int j = sub; j < E; j += q) c += row[j] >= mine + (u32)(j >= e);
+        }
+        for (int o = 1; o < q; o <<= 1) c += __shfl_xor_sync(QM_FULL, c, o);
+        if (valid && sub == 0 && c < k) {
+            sids[tok * k + c] = e;
+            ssel[tok * k + c] = mine;
+        }
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    for (int tok = threadIdx.x >> 5; tok < T; tok += nth >> 5) {
+        const float m = route_key_value(ssel[tok * k]);  // rank 0: the largest logit
+        float s = 1.0f;  // softmax's denominator; it cancels out when the weights are normalized
+        if (!rw && !normalize) {
+            s = 0.0f;
+            for (int e = lane; e < E; e += 32) s += expf(route_key_value(skey[tok * E + e]) - m);
+            for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(QM_FULL, s, o);
+        }
+        float w[2], wsum = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // k <= 64
+            const int j = lane + 32 * h;
+            w[h] = 0.0f;
+            if (j < k)
+                w[h] = rw ? load_f(rw, (long long)tok * E + sids[tok * k + j], rwdt)
+                          : expf(route_key_value(ssel[tok * k + j]) - m) / s;
+            wsum += w[h];
+        }
+        if (normalize)
+            for (int o = 16; o; o >>= 1) wsum += __shfl_xor_sync(QM_FULL, wsum, o);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int j = lane + 32 * h;
+            if (j < k) sw[tok * k + j] = (normalize && wsum != 0.0f) ? w[h] / wsum : w[h];
+        }
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void route_topk(const void* logits, int ldt, const void* rw, int rwdt, int has_rw, int T, int E,
                                       int k, int normalize, int* ids, float* wts) {
     const int tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -245,34 +333,43 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                                        int has_rw, int E, int k, int normalize, int* ids, float* wts, int T, int kk,
                                        const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
                                        int* num_tiles, int max_tiles, const void* x, int xdt, int H, int KP,
-                                       u16* xhi, u16* xlo, int xf16, float* zero_out, long long zero_n) {
-    extern __shared__ int sm_prep[];  // 4 E ints (block grouping), T * kk ids, T * kk weights, 64 ints (warp grouping)
+                                       u16* xhi, u16* xlo, int xf16, float* zero_out, long long zero_n,
+                                       int rank_route) {
+    // shared: 4 E ints (block grouping), T * kk ids, T * kk weights, 64 ints (warp grouping); with rank_route also
+    // T * E + T * kk keys (route_rank_block) from the next 16-byte boundary
+    extern __shared__ int sm_prep[];
     QM_PDL_LAUNCH();  // FC1, launched with PDL, may start its blocks now; they wait for this kernel to complete
     if (blockIdx.x == 0) {
         int* sids = sm_prep + 4 * E;
         float* sw = reinterpret_cast<float*>(sids + T * kk);
-        // warp grouping (<= 64 pairs): the expert -> slot map is copied into sm_prep[0, E) (unused by that path) by
-        // the warps that do not route, while the routing warps run, so that the grouping does not wait on a global
-        // load after the routing; when every warp routes, the copy follows the routing
         const bool warp_group = T * kk <= 64;
-        const int nwarps = blockDim.x >> 5;
-        const int rwarps = route_mode ? min(T, nwarps) : 0;
-        if (warp_group && rwarps < nwarps)
-            for (int e = threadIdx.x - rwarps * 32; e >= 0 && e < E; e += blockDim.x - rwarps * 32)
-                sm_prep[e] = slot_map[e];
-        if (route_mode) {
-            for (int tok = threadIdx.x >> 5; tok < T; tok += nwarps)
-                route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok,
-                                 sids + tok * k, sw + tok * k);
+        if (rank_route) {  // route_mode, warp_group and k <= E (the host checks)
+            u32* skey = reinterpret_cast<u32*>(sm_prep + ((4 * E + 2 * T * kk + 64 + 3) & ~3));  // 16-byte aligned
+            route_rank_block(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, T, slot_map, sm_prep,
+                             sids, sw, skey, skey + T * E);
         } else {
-            for (int i = threadIdx.x; i < T * kk; i += blockDim.x) {
-                sids[i] = ids[i];
-                sw[i] = wts[i];
+            // warp grouping (<= 64 pairs): the expert -> slot map is copied into sm_prep[0, E) (unused by that path)
+            // by the warps that do not route, while the routing warps run, so that the grouping does not wait on a
+            // global load after the routing; when every warp routes, the copy follows the routing
+            const int nwarps = blockDim.x >> 5;
+            const int rwarps = route_mode ? min(T, nwarps) : 0;
+            if (warp_group && rwarps < nwarps)
+                for (int e = threadIdx.x - rwarps * 32; e >= 0 && e < E; e += blockDim.x - rwarps * 32)
+                    sm_prep[e] = slot_map[e];
+            if (route_mode) {
+                for (int tok = threadIdx.x >> 5; tok < T; tok += nwarps)
+                    route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok,
+                                     sids + tok * k, sw + tok * k);
+            } else {
+                for (int i = threadIdx.x; i < T * kk; i += blockDim.x) {
+                    sids[i] = ids[i];
+                    sw[i] = wts[i];
+                }
             }
+            if (warp_group && rwarps == nwarps)
+                for (int e = threadIdx.x; e < E; e += blockDim.x) sm_prep[e] = slot_map[e];
+            __syncthreads();
         }
-        if (warp_group && rwarps == nwarps)
-            for (int e = threadIdx.x; e < E; e += blockDim.x) sm_prep[e] = slot_map[e];
-        __syncthreads();
         if (warp_group) {
             if (threadIdx.x < 32)
                 build_tiles_warp(sids, sw, T * kk, kk, sm_prep, E, TM, pair_tok, pair_w, tiles, num_tiles,
@@ -286,17 +383,27 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
     // blocks 1.. convert x and zero the output
     if (gridDim.x > 1 && blockIdx.x == 0) return;
     const int nbk = gridDim.x > 1 ? gridDim.x - 1 : 1, bk = gridDim.x > 1 ? blockIdx.x - 1 : 0;
+    // int indices: decode_prep takes at most decode_max_tokens rows (no 64-bit division in this code)
     const int cpr = KP >> 3;  // 8-value chunks per row
-    const long long nch = (long long)T * cpr;
-    const long long stride = (long long)nbk * blockDim.x;
-    for (long long c = (long long)bk * blockDim.x + threadIdx.x; c < nch; c += stride) {
-        const int n = (int)(c / cpr);
-        const int k0 = (int)(c % cpr) << 3;
+    const int nch = T * cpr, stride = nbk * blockDim.x;
+    // fp16 x into the fp16 fragment layout: one 16-byte load a chunk
+    const bool vec16 = xf16 && xdt == DT_F16 && (H & 7) == 0 && ((size_t)x & 15) == 0;
+    for (int c = bk * blockDim.x + threadIdx.x; c < nch; c += stride) {
+        const int n = c / cpr, k0 = (c - n * cpr) << 3;
+        u16* hrow = xhi + n * KP;
+        if (vec16) {
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (k0 < H) v = *reinterpret_cast<const uint4*>((const u16*)x + n * H + k0);
+            *(u32*)(hrow + frag_off(k0)) = v.x;
+            *(u32*)(hrow + frag_off(k0 + 2)) = v.y;
+            *(u32*)(hrow + frag_off(k0 + 4)) = v.z;
+            *(u32*)(hrow + frag_off(k0 + 6)) = v.w;
+            continue;
+        }
         if (xf16) {
 #pragma unroll
             for (int p = 0; p < 8; p += 2) {
-                const int kx = k0 + p;
-                const long long i = (long long)n * H + kx;
+                const int kx = k0 + p, i = n * H + kx;
                 u16 h0 = 0, h1 = 0;
                 if (xdt == DT_F16) {
                     if (kx < H) h0 = ((const u16*)x)[i];
@@ -305,23 +412,23 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
                     if (kx < H) h0 = f2h(load_f(x, i, xdt));
                     if (kx + 1 < H) h1 = f2h(load_f(x, i + 1, xdt));
                 }
-                *(u32*)(xhi + (long long)n * KP + frag_off(kx)) = (u32)h0 | ((u32)h1 << 16);
+                *(u32*)(hrow + frag_off(kx)) = (u32)h0 | ((u32)h1 << 16);
             }
             continue;
         }
 #pragma unroll
         for (int p = 0; p < 8; p += 2) {
             const int kx = k0 + p;
-            float v0 = kx < H ? load_f(x, (long long)n * H + kx, xdt) : 0.0f;
-            float v1 = kx + 1 < H ? load_f(x, (long long)n * H + kx + 1, xdt) : 0.0f;
+            float v0 = kx < H ? load_f(x, n * H + kx, xdt) : 0.0f;
+            float v1 = kx + 1 < H ? load_f(x, n * H + kx + 1, xdt) : 0.0f;
             u16 h0 = f2bf(v0), h1 = f2bf(v1);
             u16 l0 = f2bf(v0 - bf2f(h0)), l1 = f2bf(v1 - bf2f(h1));
-            long long o = (long long)n * KP + frag_off(kx);
+            const int o = n * KP + frag_off(kx);
             *(u32*)(xhi + o) = (u32)h0 | ((u32)h1 << 16);
             *(u32*)(xlo + o) = (u32)l0 | ((u32)l1 << 16);
         }
     }
-    for (long long i = (long long)bk * blockDim.x + threadIdx.x; i < zero_n; i += stride) zero_out[i] = 0.0f;
+    for (int i = bk * blockDim.x + threadIdx.x; i < (int)zero_n; i += stride) zero_out[i] = 0.0f;  // T * H
 }
 
 // x [T, H] (any activation dtype) -> fp16 [T, KP], zero padded (prefill A operand)
