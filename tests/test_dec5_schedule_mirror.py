@@ -10,6 +10,12 @@ loop, tail loop) of one warp, checked against a plain enumeration of the units i
   kernel before the restructuring (main's ``p_setup`` / ``issue``: the ``main_*`` functions below);
 * flushes [ka, kb) exactly at row-tile ends and at the range end, with the consumer's (tile, row tile);
 * split K: per (tile, row tile) the warps' segments add to KT and exactly one warp completes it (runs the epilogue);
+* FC2 (MODE 1) before its PDL wait (``QM_PDL_WAIT``): the prologue issues the first units' weights, scales and zero
+  points (not committed), reading only decode_prep's tables (L2-coherent loads) and the weights; after the wait it
+  moves the producer back to the range start and issues each of those units' activation fragments (FC1's output)
+  with one commit group per unit. Every weight and activation copy a consumer reads sits in a group it waited for;
+  FC1 (MODE 0) waits before anything. ``test_dec5_mirror_catches_faults`` checks that the checks fail for a mirror
+  with an activation copy before the wait, a commit before the unit's activations, or no cursor replay;
 * the activation slot layout (``dec5_barea`` / ``DEC5_BX`` / ``DEC5_BL``): the producer writes each (slot, t, chunk)
   where the consumer reads it (lanes of columns >= the tile's count read slot 0's fragments, unused), and the chunks
   of distinct (slot, t, chunk) never overlap.
@@ -20,6 +26,13 @@ from __future__ import annotations
 import random
 
 DEC5_STAGES = 6
+DEC5_TCAP = 128  # #define DEC5_TCAP 128 (make_case lowers it at times, to reach the tables' global-memory path)
+DEC5_PCAP = 512
+
+# what each kernel may read before its PDL wait: FC2 (MODE 1) decode_prep's tables (only through L2-coherent loads)
+# and the weights / scales / zero points; FC1 (MODE 0) nothing
+TABLES = {"num_tiles", "tiles", "pair_tok"}
+PRE_WAIT_OK = {1: TABLES | {"W", "S", "Z"}, 0: set()}
 
 
 # ------------------------------------------------------------------------------------------------ decode5.cu helpers
@@ -60,16 +73,51 @@ def main_sources(c, ti: int, rt: int, kt: int, lane: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------- mirror of one warp of dec5_impl
-def run_warp(c, wid: int, lane: int):
-    """Returns (issued, consumed, flushes, groups) of warp ``wid`` (blockIdx.x * nw + warp), or None if it has no
-    units. issued: (unit (ti, rt, kt), stage offset, sources); consumed: ((ti, rt, kt), stage offset); flushes:
-    (ti, rt, ka, kb)."""
-    NT, KT, ntl = c["NT"], c["KT"], c["ntl"]
+def run_warp(c, wid: int, lane: int, fault: str | None = None):
+    """Returns (issued, consumed, flushes, groups, (u0, u1), reads) of warp ``wid`` (blockIdx.x * nw + warp), or None
+    if it has no units. issued: (unit (ti, rt, kt), stage offset, sources) in the order of the units' weight copies;
+    consumed: ((ti, rt, kt), stage offset, activation reads, tile); flushes: (ti, rt, ka, kb); reads: (buffer, load
+    kind, after the PDL wait) of the warp's global reads. ``fault`` (tests of the checks only): "act_before_wait"
+    (FC2's prologue copies whole units before the wait), "commit_before_act" (after the wait, the commit before the
+    unit's activations), "no_replay" (the producer cursor not moved back to the range start after the wait)."""
+    NT, KT = c["NT"], c["KT"]
     NBT, tsh, ssz, NB, ZP, MODE = c["NBT"], c["tsh"], c["ssz"], c["NB"], c["ZP"], c["MODE"]
     TB, LB = c["TB"], c["LB"]
+    TCAP = c.get("TCAP", DEC5_TCAP)
     g, t = lane >> 2, lane & 3
     tiles, ptok = c["tiles"], c["ptok"]
     BX, BL = DEC5_BX, DEC5_BL
+    reads = []
+    pdl = {"waited": False}
+
+    def read(buf, how="ld"):  # a global load (or the source of a cp.async) of the warp
+        reads.append((buf, how, pdl["waited"]))
+
+    def pdl_wait():  # QM_PDL_WAIT(); QM_PDL_LAUNCH();
+        assert not pdl["waited"]
+        pdl["waited"] = True
+
+    if MODE == 0:  # if (MODE == 0) { QM_PDL_WAIT(); QM_PDL_LAUNCH(); }
+        pdl_wait()
+    cg = "cg" if MODE == 1 else "ld"  # MODE == 1 ? __ldcg(..) : ..
+    read("num_tiles", cg)  # const int ntl = MODE == 1 ? __ldcg(num_tiles) : *num_tiles;
+    ntl = c["ntl"]
+    if ntl > 0:  # stile[i] = MODE == 1 ? __ldcg(tiles + i) : tiles[i] (i < min(ntl, DEC5_TCAP)), sptok likewise
+        read("tiles", cg)
+    if len(ptok) > 0:
+        read("pair_tok", cg)
+
+    def tile_at(i):  # i < DEC5_TCAP ? stile[i] : (MODE == 1 ? __ldcg(tiles + i) : __ldg(tiles + i))
+        assert 0 <= i < c["ntl"], "a tile beyond num_tiles"
+        if i >= TCAP:
+            read("tiles", "cg" if MODE == 1 else "nc")
+        return tiles[i]
+
+    def ptok_at(p):  # p < DEC5_PCAP ? sptok[p] : __ldg(pair_tok + p)
+        if p >= DEC5_PCAP:
+            read("pair_tok", "nc")
+        return ptok[p]
+
     # per_tile = NT * KT; total = per_tile * ntl; nwt = gridDim.x * nw; chunk = ceil(total / nwt)
     per_tile = NT * KT
     total = per_tile * ntl
@@ -101,7 +149,7 @@ def run_warp(c, wid: int, lane: int):
     s16 = 16 * ssz
 
     def p_setup():  # auto p_setup = [&]() {  // at (p_ti, p_rt), k-tile 0
-        tl = tiles[st["p_ti"]]
+        tl = tile_at(st["p_ti"])
         st["p_w"] = tl[0] * c["wstride"] + st["p_rt"] * KT * TB + lane * LB
         e = tl[0] * tstride + st["p_rt"] * NB * 16
         st["p_s"] = e * ssz + lane * 16
@@ -109,7 +157,7 @@ def run_warp(c, wid: int, lane: int):
         st["p_bon"] = g < tl[2]
         brow = 0
         if st["p_bon"]:
-            tok = ptok[tl[1] + g] if MODE == 0 else tl[1] + g
+            tok = ptok_at(tl[1] + g) if MODE == 0 else tl[1] + g
             brow = tok * c["KPB"] + t * 16
             st["p_barea"] = dec5_barea(tok if MODE == 0 else g, t)
         st["p_bh"] = brow
@@ -133,42 +181,65 @@ def run_warp(c, wid: int, lane: int):
         st["p_run"] = min(KT - st["p_kt"], rem)  # p_run = min(KT - p_kt, rem);
 
     issued, consumed, flushes, groups = [], [], [], []
-    ring = {}  # stage offset -> (unit, group index) currently held
+    by_unit = {}  # unit -> its entry of issued (the activation part of FC2's prologue completes it)
+    # stage offset -> {"unit": the unit being copied into / held by the stage, "w" / "a": the commit group of its
+    # weight (+ scale + zero-point) / activation copies, None while not committed}
+    ring = {}
     state = {"ngroups": 0, "open": []}
 
-    def issue_unit(d):  # auto issue_unit = [&](u32 d) {
+    def copy_into(d, unit, kind):  # a cp.async of one part of ``unit`` into stage d (open until the next commit)
+        if d in ring:
+            assert ring[d]["unit"] == unit, "a ring stage overwritten before it was consumed"
+            assert kind not in ring[d], "a part of a unit copied twice"
+        else:
+            ring[d] = {"unit": unit}
+        ring[d][kind] = None
+        state["open"].append((d, kind))
+
+    def issue_unit(d, PT):  # auto issue_unit = [&](u32 d, auto PART) {  (PT: 0 all, 1 weights, 2 activations)
         kt = st["p_kt"]
-        src = {"w": st["p_w"] + kt * TB}  # cp_async16(d + lane * LB + q * 16, p_w + p_kt * TB + q * 16, 16)
-        b0 = (kt >> tsh) if NBT == 1 else kt * NBT  # const int b0 = (NBT == 1) ? (p_kt >> tsh) : p_kt * NBT;
-        src["s"] = st["p_s"] + b0 * s16 if s_on else None  # if (s_on) cp_async16(.., p_s + b0 * s16, 16);
-        src["z"] = st["p_z"] + b0 * 16 if z_on else None  # if (z_on) cp_async16(.., p_z + b0 * 16, 16);
-        src["bon"] = st["p_bon"]
-        if st["p_bon"]:  # if (p_bon) {
-            # da = d + BOFF + p_barea; bh = p_bh + kt * 64u
-            src["bh"] = st["p_bh"] + kt * 64
-            src["bl"] = st["p_bl"] + kt * 64
-            src["da"] = BOFF + st["p_barea"]
-            src["db"] = src["da"] + BX  # db = da + DEC5_BX
-            src["dla"], src["dlb"] = src["da"] + BL, src["db"] + BL
         unit = (st["p_ti"], st["p_rt"], kt)
-        issued.append((unit, d, src))
-        state["open"].append((unit, d))
+        if PT != 2:  # if (PT != 2) {
+            src = {"w": st["p_w"] + kt * TB}  # cp_async16(d + lane * LB + q * 16, p_w + kt * TB + q * 16, 16)
+            b0 = (kt >> tsh) if NBT == 1 else kt * NBT  # const u32 b0 = (NBT == 1) ? (kt >> tsh) : kt * NBT;
+            src["s"] = st["p_s"] + b0 * s16 if s_on else None  # if (s_on) cp_async16(.., p_s + b0 * s16, 16);
+            src["z"] = st["p_z"] + b0 * 16 if z_on else None  # if (z_on) cp_async16(.., p_z + b0 * 16u, 16);
+            read("W")
+            read("S")
+            if ZP:
+                read("Z")
+            copy_into(d, unit, "w")
+            assert unit not in by_unit
+            by_unit[unit] = src
+            issued.append((unit, d, src))
+        if PT != 1:  # if (PT != 1 && p_bon) {  (lanes 0-3 always have p_bon: the warp reads the rows)
+            src = by_unit.get(unit)
+            assert src is not None and "bon" not in src, "activations of a unit whose weights were not issued"
+            src["bon"] = st["p_bon"]
+            if st["p_bon"]:
+                # da = d + BOFF + p_barea; bh = p_bh + kt * 64u
+                src["bh"] = st["p_bh"] + kt * 64
+                src["bl"] = st["p_bl"] + kt * 64
+                src["da"] = BOFF + st["p_barea"]
+                src["db"] = src["da"] + BX  # db = da + DEC5_BX
+                src["dla"], src["dlb"] = src["da"] + BL, src["db"] + BL
+            read("bhi")  # FC2: FC1's output rows; FC1: decode_prep's x
+            copy_into(d, unit, "a")
         st["p_kt"] += 1  # ++p_kt;
 
     def commit():  # cp_async_commit();
         gi = state["ngroups"]
-        for unit, d in state["open"]:
-            assert d not in ring, "a ring stage overwritten before it was consumed"
-            ring[d] = (unit, gi)
+        for d, kind in state["open"]:
+            ring[d][kind] = gi
         state["open"] = []
         state["ngroups"] += 1
         groups.append(gi)
 
     def c_setup():  # auto c_setup = [&]() {
-        tl = tiles[st["c_ti"]]
+        tl = tile_at(st["c_ti"])
         st["c_slot"], st["c_start"], st["c_cnt"] = tl
         st["c_bon"] = g < st["c_cnt"]
-        st["c_barea"] = dec5_barea(ptok[st["c_start"] + g] if MODE == 0 else g, t) if st["c_bon"] else 0
+        st["c_barea"] = dec5_barea(ptok_at(st["c_start"] + g) if MODE == 0 else g, t) if st["c_bon"] else 0
 
     c_setup()
     st["c_ka"] = c_kt0  # int c_ka = c_kt0;
@@ -177,16 +248,22 @@ def run_warp(c, wid: int, lane: int):
     st["c_done"] = 0  # (test only: units of the segment consumed, for the k-tile of the next consume)
 
     def wait_group():  # cp_async_wait<DEC5_STAGES - 2>(): all but the newest DEC5_STAGES - 2 groups complete
-        return state["ngroups"] - (DEC5_STAGES - 2)
+        state["complete"] = state["ngroups"] - (DEC5_STAGES - 2)
+
+    state["complete"] = 0
 
     def consume(so):  # auto consume = [&](u32 so, auto SD) {  (the per-unit part: no cursor logic left in it)
         kt = st["c_ka"] + st["c_done"]  # the k-tile this consume computes (test bookkeeping)
         st["c_done"] += 1
         unit = (st["c_ti"], st["c_rt"], kt)
         assert so in ring, "consumed an empty stage"
-        held, gi = ring.pop(so)
-        assert held == unit, (held, unit)
-        assert gi < wait_group(), "consumed a stage whose cp.async group may be pending"
+        held = ring.pop(so)
+        assert held["unit"] == unit, (held, unit)
+        for kind in ("w", "a"):  # every weight and activation byte read comes from a group the consumer waited for
+            assert kind in held, f"consumed a unit whose {kind} copies were never issued"
+            assert held[kind] is not None, f"consumed a unit whose {kind} copies are not committed"
+            assert held[kind] < state["complete"], f"consumed a stage whose {kind} cp.async group may be pending"
+        assert pdl["waited"], "consumed before the PDL wait"
         # ba = p + BOFF + c_barea: h0 at ba, h1 at ba + DEC5_BX, l0 at ba + DEC5_BL, l1 at ba + DEC5_BX + DEC5_BL
         ba = BOFF + st["c_barea"]
         bread = (ba, ba + BX, ba + BL, ba + BX + BL) if g < st["c_cnt"] else None
@@ -194,6 +271,7 @@ def run_warp(c, wid: int, lane: int):
 
     def c_next(n):  # auto c_next = [&](int n) {
         flushes.append((st["c_ti"], st["c_rt"], st["c_ka"], st["c_kb"]))  # flush(c_ka, c_kb);
+        read("pair_w" if MODE == 1 else "part")  # FC2: __ldg(pair_w + p), atomicAdd(out ..); FC1: the scratch
         assert st["c_done"] == st["c_kb"] - st["c_ka"]
         st["c_done"] = 0
         if n > 0:  # if (n > 0) {
@@ -207,27 +285,51 @@ def run_warp(c, wid: int, lane: int):
             st["c_run"] = st["c_kb"]  # c_run = c_kb;
 
     RLAST = (DEC5_STAGES - 1) * STAGE  # const u32 RLAST = (u32)((DEC5_STAGES - 1) * STAGE);
-    for s in range(DEC5_STAGES - 1):  # for (int s = 0; s < DEC5_STAGES - 1; ++s) {
-        if s < nu:  # if (s < nu) {
-            if st["p_run"] == 0:  # if (p_run == 0) p_next(nu - s);
-                p_next(nu - s)
-            issue_unit(s * STAGE)  # issue_unit(ringa + (u32)(s * STAGE));
-            st["p_run"] -= 1  # --p_run;
-        commit()  # cp_async_commit();
+    if MODE == 1:  # if (MODE == 1) {
+        for s in range(DEC5_STAGES - 1):  # for (int s = 0; s < DEC5_STAGES - 1; ++s) {
+            if s < nu:  # if (s < nu) {
+                if st["p_run"] == 0:  # if (p_run == 0) p_next(nu - s);
+                    p_next(nu - s)
+                issue_unit(s * STAGE, 0 if fault == "act_before_wait" else 1)  # issue_unit(.., Dec5I<1>());
+                st["p_run"] -= 1  # --p_run;
+        pdl_wait()  # QM_PDL_WAIT(); QM_PDL_LAUNCH();
+        if fault not in ("no_replay", "act_before_wait"):  # (act_before_wait: main's prologue, wait moved down)
+            # p_ti = c_ti; p_rt = c_rt; p_kt = c_kt0; p_run = 0; p_setup();
+            st["p_ti"], st["p_rt"], st["p_kt"], st["p_run"] = st["c_ti"], st["c_rt"], c_kt0, 0
+            p_setup()
+        for s in range(DEC5_STAGES - 1):  # for (int s = 0; s < DEC5_STAGES - 1; ++s) {
+            if fault == "commit_before_act":
+                commit()
+            if s < nu and fault != "act_before_wait":  # if (s < nu) {
+                if st["p_run"] == 0:  # if (p_run == 0) p_next(nu - s);
+                    p_next(nu - s)
+                issue_unit(s * STAGE, 2)  # issue_unit(ringa + (u32)(s * STAGE), Dec5I<2>());
+                st["p_run"] -= 1  # --p_run;
+            if fault != "commit_before_act":
+                commit()  # cp_async_commit();
+    else:
+        for s in range(DEC5_STAGES - 1):  # for (int s = 0; s < DEC5_STAGES - 1; ++s) {
+            if s < nu:  # if (s < nu) {
+                if st["p_run"] == 0:  # if (p_run == 0) p_next(nu - s);
+                    p_next(nu - s)
+                issue_unit(s * STAGE, 0)  # issue_unit(ringa + (u32)(s * STAGE), Dec5I<0>());
+                st["p_run"] -= 1  # --p_run;
+            commit()  # cp_async_commit();
     p_off = [RLAST]  # u32 p_off = RLAST;
 
     def steady(cnt):  # auto steady = [&](int cnt, auto SD) {
         ke = st["p_kt"] + cnt
         while st["p_kt"] < ke:  # for (const int ke = p_kt + cnt; p_kt < ke;) {
-            # cp_async_wait<DEC5_STAGES - 2>(); dec5_syncwarp();
+            wait_group()  # cp_async_wait<DEC5_STAGES - 2>(); dec5_syncwarp();
             c_off = 0 if p_off[0] == RLAST else p_off[0] + STAGE  # const u32 c_off = (p_off == RLAST) ? 0u : ..
-            issue_unit(p_off[0])  # issue_unit(ringa + p_off);
+            issue_unit(p_off[0], 0)  # issue_unit(ringa + p_off, Dec5I<0>());
             commit()  # cp_async_commit();
             consume(c_off)  # consume(c_off, SD);
             p_off[0] = c_off  # p_off = c_off;
 
     def drain(cnt):  # auto drain = [&](int cnt, auto SD) {
         for _ in range(cnt):  # for (int k = cnt; k > 0; --k) {
+            wait_group()  # cp_async_wait<DEC5_STAGES - 2>(); dec5_syncwarp();
             c_off = 0 if p_off[0] == RLAST else p_off[0] + STAGE
             commit()  # cp_async_commit();
             consume(c_off)  # consume(c_off, SD);
@@ -253,7 +355,7 @@ def run_warp(c, wid: int, lane: int):
         if st["c_run"] == 0:  # if (c_run == 0) c_next(n);
             c_next(n)
     assert not ring and not state["open"]
-    return issued, consumed, flushes, groups, (u0, u1)
+    return issued, consumed, flushes, groups, (u0, u1), reads
 
 
 # --------------------------------------------------------------------------------------------------- random cases
@@ -296,7 +398,20 @@ def make_case(rng: random.Random) -> dict:
     return {"NT": NT, "KT": KT, "ntl": ntl, "NBT": NBT, "tsh": tsh, "ssz": ssz, "NB": NB, "ZP": ZP, "MODE": MODE,
             "TB": TB, "LB": LB, "tiles": tiles, "ptok": ptok, "KPB": KT * 64 + rng.choice([0, 64]),
             "wstride": NT * KT * TB + rng.choice([0, 512]), "tstride": NT * NB * 16, "grid": grid, "nw": nw,
-            "STAGE": BOFF + bcols * 256, "bcols": bcols}
+            "STAGE": BOFF + bcols * 256, "bcols": bcols,
+            "TCAP": DEC5_TCAP if rng.random() < 0.7 else rng.randint(1, 3)}  # tables beyond the cache: global loads
+
+
+def check_reads(c, reads) -> None:
+    """Before its PDL wait a warp reads only what PRE_WAIT_OK allows its kernel, decode_prep's tables only through
+    L2-coherent loads; it waits before its first activation copy and before its flushes."""
+    assert any(not after for _, _, after in reads) == (c["MODE"] == 1)  # FC2 reads tables and weights first
+    for buf, how, after in reads:
+        if not after:
+            assert buf in PRE_WAIT_OK[c["MODE"]], f"{buf} read before the PDL wait (mode {c['MODE']})"
+            if buf in TABLES:
+                assert how == "cg", f"{buf} read before the PDL wait through L1 ({how})"
+    assert any(buf == "bhi" and after for buf, _, after in reads)
 
 
 def check_case(c, rng: random.Random) -> None:
@@ -312,7 +427,8 @@ def check_case(c, rng: random.Random) -> None:
         r = run_warp(c, wid, lane)
         if r is None:
             continue
-        issued, consumed, flushes, groups, (u0, u1) = r
+        issued, consumed, flushes, groups, (u0, u1), reads = r
+        check_reads(c, reads)
         ref = [(u // per_tile, (u % per_tile) // KT, u % KT) for u in range(u0, u1)]
         covered.extend(range(u0, u1))
         # issued / consumed exactly once each, in order
@@ -371,6 +487,34 @@ def test_dec5_schedule_mirror_random():
         check_case(c, rng)
         n += 1
     assert n >= 2000
+
+
+def test_dec5_mirror_catches_faults():
+    """The checks above fail for FC2 prologues with an activation copy before the PDL wait, a commit group closed
+    before its unit's activation copies, or no move of the producer cursor back to the range start after the wait;
+    and they pass for the same cases without the fault."""
+    rng = random.Random(7)
+    cases = 0
+    while cases < 60:
+        c = make_case(rng)
+        if c["MODE"] != 1:
+            continue
+        per_tile = c["NT"] * c["KT"]
+        total = per_tile * c["ntl"]
+        chunk = -(-total // (c["grid"] * c["nw"]))
+        lane = rng.randrange(32)
+        wid = 0  # warp 0 always has units
+        assert chunk >= 1
+        r = run_warp(c, wid, lane)
+        check_reads(c, r[5])
+        for fault in ("act_before_wait", "commit_before_act", "no_replay"):
+            try:
+                r = run_warp(c, wid, lane, fault)
+                check_reads(c, r[5])
+            except AssertionError:
+                continue
+            raise AssertionError(f"fault {fault} not caught: {c}")
+        cases += 1
 
 
 def _wavefronts(addrs: list[int]) -> int:

@@ -110,18 +110,32 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     extern __shared__ __align__(16) unsigned char dsm5[];
     int4* stile = reinterpret_cast<int4*>(dsm5);
     int* sptok = reinterpret_cast<int*>(dsm5 + DEC5_TCAP * 16);
-    // launched with PDL (dec5_cfg["pdl"]) this block may start before decode_prep / FC1 is done: everything below
-    // reads what they wrote; the next kernel (FC2 after FC1) may start its blocks from here on
-    QM_PDL_WAIT();
-    QM_PDL_LAUNCH();
-    const int ntl = *num_tiles;
+    // launched with PDL (dec5_cfg["pdl"]) this block may start before decode_prep / FC1 is done.
+    // FC1 (MODE 0) waits here: everything below reads what decode_prep wrote; FC2 may start its blocks from here on.
+    // FC2 (MODE 1) waits only before its first activation copy (the prologue below): until then it reads nothing but
+    // decode_prep's tables (num_tiles, tiles, pair_tok) and the weights / scales / zero points, none of which FC1
+    // writes. decode_prep is complete when any FC2 block starts: FC2 starts its blocks once every FC1 block has
+    // executed QM_PDL_LAUNCH or exited, and every FC1 block executes QM_PDL_WAIT (which returns once decode_prep has
+    // completed and its writes are visible) before its QM_PDL_LAUNCH, before anything else. The tables are read
+    // with L2-coherent loads (__ldcg, ld.global.cg: L2 is the GPU's point of coherence, where decode_prep's writes
+    // are) so that no L1 line of an earlier forward's tables, from a load of an earlier grid on this SM, can be hit
+    // before the wait (griddepcontrol.wait is what makes the earlier grids' writes visible to this grid's other
+    // loads). With pdl off (or no PDL before sm_90) FC2 starts after FC1 has completed and the order does not matter.
+    if (MODE == 0) {
+        QM_PDL_WAIT();
+        QM_PDL_LAUNCH();
+    }
+    const int ntl = MODE == 1 ? __ldcg(num_tiles) : *num_tiles;
     {
         const int nt_c = min(ntl, DEC5_TCAP), np_c = min(npairs, DEC5_PCAP);
-        for (int i = threadIdx.x; i < nt_c; i += blockDim.x) stile[i] = tiles[i];
-        for (int i = threadIdx.x; i < np_c; i += blockDim.x) sptok[i] = pair_tok[i];
+        for (int i = threadIdx.x; i < nt_c; i += blockDim.x) stile[i] = MODE == 1 ? __ldcg(tiles + i) : tiles[i];
+        for (int i = threadIdx.x; i < np_c; i += blockDim.x) sptok[i] = MODE == 1 ? __ldcg(pair_tok + i) : pair_tok[i];
     }
     __syncthreads();  // the only block-wide barrier: from here on warps are independent
-    auto tile_at = [&](int i) -> int4 { return i < DEC5_TCAP ? stile[i] : __ldg(tiles + i); };
+    // (FC2 reads tiles beyond the cache before its PDL wait as well: L2-coherent, see above)
+    auto tile_at = [&](int i) -> int4 {
+        return i < DEC5_TCAP ? stile[i] : (MODE == 1 ? __ldcg(tiles + i) : __ldg(tiles + i));
+    };
     auto ptok_at = [&](int p) -> int { return p < DEC5_PCAP ? sptok[p] : __ldg(pair_tok + p); };
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -212,16 +226,21 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
         p_run = min(KT - p_kt, rem);
     };
     // one unit at (p_ti, p_rt, p_kt) into stage address d (within the current run; the caller counts p_run)
-    // (unsigned offsets: one IMAD.WIDE.U32 per source address; p_kt, b0 >= 0)
-    auto issue_unit = [&](u32 d) {
+    // (unsigned offsets: one IMAD.WIDE.U32 per source address; p_kt, b0 >= 0). PART (a Dec5I): 0 the whole unit,
+    // 1 its weights, scales and zero points only, 2 its activation fragments only (FC2's prologue: 1 before the PDL
+    // wait, 2 after it)
+    auto issue_unit = [&](u32 d, auto PART) {
+        constexpr int PT = decltype(PART)::value;
         const u32 kt = (u32)p_kt;
+        if (PT != 2) {
 #pragma unroll
-        for (int q = 0; q < TR::LW; ++q)
-            cp_async16(d + lane * TR::LB + q * 16, p_w + kt * (u32)TR::TB + q * 16, 16);
-        const u32 b0 = (NBT == 1) ? (kt >> tsh) : kt * NBT;  // first scale block of the unit
-        if (s_on) cp_async16(d + SOFF + lane * 16, p_s + b0 * (u32)s16, 16);
-        if (z_on) cp_async16(d + ZOFF + lane * 16, p_z + b0 * 16u, 16);
-        if (p_bon) {
+            for (int q = 0; q < TR::LW; ++q)
+                cp_async16(d + lane * TR::LB + q * 16, p_w + kt * (u32)TR::TB + q * 16, 16);
+            const u32 b0 = (NBT == 1) ? (kt >> tsh) : kt * NBT;  // first scale block of the unit
+            if (s_on) cp_async16(d + SOFF + lane * 16, p_s + b0 * (u32)s16, 16);
+            if (z_on) cp_async16(d + ZOFF + lane * 16, p_z + b0 * 16u, 16);
+        }
+        if (PT != 1 && p_bon) {
             const u32 da = d + BOFF + p_barea, db = da + DEC5_BX;
             const u16* bh = p_bh + kt * 64u;
             cp_async16_ca(da, bh);
@@ -453,15 +472,47 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 
     // stage byte offsets: consume at c_off, issue into the stage consumed one iteration earlier (p_off)
     const u32 RLAST = (u32)((DEC5_STAGES - 1) * STAGE);
-    // prologue: the first DEC5_STAGES - 1 units (empty commit groups if the range is shorter)
+    // prologue: the first DEC5_STAGES - 1 units (empty commit groups if the range is shorter), one commit group each
+    if (MODE == 1) {
+        // FC2: their weights, scales and zero points before the PDL wait (not committed yet: they join group 0, so
+        // the first wait_group covers all of them, issued at the same time), then, after the wait, the producer
+        // cursor back at the range start (the consumer's cursor has not moved: c_ti, c_rt, c_kt0) and per unit its
+        // activation fragments (FC1's output) and one commit group, as for FC1. Unit s's weights are in group 0,
+        // its activations in group s: both complete when the consumer's wait_group lets it read unit s.
 #pragma unroll
-    for (int s = 0; s < DEC5_STAGES - 1; ++s) {
-        if (s < nu) {
-            if (p_run == 0) p_next(nu - s);
-            issue_unit(ringa + (u32)(s * STAGE));
-            --p_run;
+        for (int s = 0; s < DEC5_STAGES - 1; ++s) {
+            if (s < nu) {
+                if (p_run == 0) p_next(nu - s);
+                issue_unit(ringa + (u32)(s * STAGE), Dec5I<1>());
+                --p_run;
+            }
         }
-        cp_async_commit();
+        QM_PDL_WAIT();
+        QM_PDL_LAUNCH();
+        p_ti = c_ti;
+        p_rt = c_rt;
+        p_kt = c_kt0;
+        p_run = 0;
+        p_setup();
+#pragma unroll
+        for (int s = 0; s < DEC5_STAGES - 1; ++s) {
+            if (s < nu) {
+                if (p_run == 0) p_next(nu - s);
+                issue_unit(ringa + (u32)(s * STAGE), Dec5I<2>());
+                --p_run;
+            }
+            cp_async_commit();
+        }
+    } else {
+#pragma unroll
+        for (int s = 0; s < DEC5_STAGES - 1; ++s) {
+            if (s < nu) {
+                if (p_run == 0) p_next(nu - s);
+                issue_unit(ringa + (u32)(s * STAGE), Dec5I<0>());
+                --p_run;
+            }
+            cp_async_commit();
+        }
     }
     u32 p_off = RLAST;  // the stage of the unit issued last
     // n: units left to consume; n - (DEC5_STAGES - 1): units left to copy. Each pass runs cnt units without a check:
@@ -474,7 +525,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
             cp_async_wait<DEC5_STAGES - 2>();
             dec5_syncwarp();
             const u32 c_off = (p_off == RLAST) ? 0u : p_off + (u32)STAGE;
-            issue_unit(ringa + p_off);
+            issue_unit(ringa + p_off, Dec5I<0>());
             cp_async_commit();
             consume(c_off, SD);
             p_off = c_off;
