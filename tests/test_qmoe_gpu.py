@@ -530,7 +530,10 @@ PDL_CASES = [(4, 32, False, "swiglu1-limit"), (4, 0, True, "gelu"), (8, 64, Fals
 def test_gpu_v5_pdl_matches_plain_launches(gpu, bits, block, zp, act, dtype):
     """With pdl on, FC1 and FC2 may start during the kernel before them and wait in the kernel: 24 forwards in a
     row on one stream, each with its own routing (a FC1 that read decode_prep's tables early would use the previous
-    forward's experts), against the reference and against plain launches; 1, 3 and 8 tokens; small and full grids."""
+    forward's experts), against the reference and against plain launches; 1, 3 and 8 tokens; small and full grids.
+    FC2 copies the weights of its first ring stages before its wait and their activations after it: the full grid
+    gives its warps 1-2 units (fewer than the prologue's DEC5_STAGES - 1), grid 3 dozens, grid 29 about 5 (FC2 at
+    T = 1: 576 units over 116 warps, ranges of 5 that cross row tiles of 6 k-tiles and tiles inside the prologue)."""
     cp, GpuQMoE = gpu
     attrs, t, x, lg = make_case(seed=300 + bits + block + zp, E=8, H=512, I=384, k=3, bits=bits, block_size=block,
                                 zero_points=zp, bias=True, T=24, dtype=dtype, **ACTS[act])
@@ -538,7 +541,7 @@ def test_gpu_v5_pdl_matches_plain_launches(gpu, bits, block, zp, act, dtype):
     H = spec.hidden_size
     m = GpuQMoE(spec, t, path="tc")
     tol = TOL[("tc", "decode", dtype)]
-    for cfg in ({}, {"grid": 3}):
+    for cfg in ({}, {"grid": 3}, {"grid": 29}):
         for T in (1, 3, 8):
             xd = cp.asarray(x[:T])
             outs = {}
