@@ -532,7 +532,7 @@ def test_gpu_v5_pdl_matches_plain_launches(gpu, bits, block, zp, act, dtype):
     row on one stream, each with its own routing (a FC1 that read decode_prep's tables early would use the previous
     forward's experts), against the reference and against plain launches; 1, 3 and 8 tokens; small and full grids.
     FC2 copies the weights of its first ring stages before its wait and their activations after it: the full grid
-    gives its warps 1-2 units (fewer than the prologue's DEC5_STAGES - 1), grid 3 dozens, grid 29 about 5 (FC2 at
+    gives its warps 1 unit each (fewer than the prologue's DEC5_STAGES - 1), grid 3 dozens, grid 29 about 5 (FC2 at
     T = 1: 576 units over 116 warps, ranges of 5 that cross row tiles of 6 k-tiles and tiles inside the prologue)."""
     cp, GpuQMoE = gpu
     attrs, t, x, lg = make_case(seed=300 + bits + block + zp, E=8, H=512, I=384, k=3, bits=bits, block_size=block,
