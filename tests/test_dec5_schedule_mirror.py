@@ -97,7 +97,8 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
         assert not pdl["waited"]
         pdl["waited"] = True
 
-    if MODE == 0:  # if (MODE == 0) { QM_PDL_WAIT(); QM_PDL_LAUNCH(); }
+    early_fc2 = MODE == 1 and c.get("pdl", 1) == 1  # const bool early_fc2 = MODE == 1 && pdl;
+    if not early_fc2:  # if (!early_fc2) { QM_PDL_WAIT(); QM_PDL_LAUNCH(); }
         pdl_wait()
     cg = "cg" if MODE == 1 else "ld"  # MODE == 1 ? __ldcg(..) : ..
     read("num_tiles", cg)  # const int ntl = MODE == 1 ? __ldcg(num_tiles) : *num_tiles;
@@ -285,7 +286,7 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
             st["c_run"] = st["c_kb"]  # c_run = c_kb;
 
     RLAST = (DEC5_STAGES - 1) * STAGE  # const u32 RLAST = (u32)((DEC5_STAGES - 1) * STAGE);
-    if MODE == 1:  # if (MODE == 1) {
+    if early_fc2:  # if (early_fc2) {
         for s in range(DEC5_STAGES - 1):  # for (int s = 0; s < DEC5_STAGES - 1; ++s) {
             if s < nu:  # if (s < nu) {
                 if st["p_run"] == 0:  # if (p_run == 0) p_next(nu - s);
@@ -398,14 +399,15 @@ def make_case(rng: random.Random) -> dict:
     return {"NT": NT, "KT": KT, "ntl": ntl, "NBT": NBT, "tsh": tsh, "ssz": ssz, "NB": NB, "ZP": ZP, "MODE": MODE,
             "TB": TB, "LB": LB, "tiles": tiles, "ptok": ptok, "KPB": KT * 64 + rng.choice([0, 64]),
             "wstride": NT * KT * TB + rng.choice([0, 512]), "tstride": NT * NB * 16, "grid": grid, "nw": nw,
-            "STAGE": BOFF + bcols * 256, "bcols": bcols,
+            "STAGE": BOFF + bcols * 256, "bcols": bcols, "pdl": rng.choice([0, 1, 1]),
             "TCAP": DEC5_TCAP if rng.random() < 0.7 else rng.randint(1, 3)}  # tables beyond the cache: global loads
 
 
 def check_reads(c, reads) -> None:
     """Before its PDL wait a warp reads only what PRE_WAIT_OK allows its kernel, decode_prep's tables only through
     L2-coherent loads; it waits before its first activation copy and before its flushes."""
-    assert any(not after for _, _, after in reads) == (c["MODE"] == 1)  # FC2 reads tables and weights first
+    early_fc2 = c["MODE"] == 1 and c["pdl"] == 1  # FC2 launched with PDL reads tables and weights first
+    assert any(not after for _, _, after in reads) == early_fc2
     for buf, how, after in reads:
         if not after:
             assert buf in PRE_WAIT_OK[c["MODE"]], f"{buf} read before the PDL wait (mode {c['MODE']})"
@@ -497,7 +499,7 @@ def test_dec5_mirror_catches_faults():
     cases = 0
     while cases < 60:
         c = make_case(rng)
-        if c["MODE"] != 1:
+        if c["MODE"] != 1 or not c["pdl"]:  # the split prologue: FC2 launched with PDL
             continue
         per_tile = c["NT"] * c["KT"]
         total = per_tile * c["ntl"]

@@ -851,7 +851,8 @@ class GpuQMoE:
     def _dec5(self, p: _lay.ProjLayout, mode: int, max_tiles: int, bcols: int, tail: tuple, f16: bool = False) -> str:
         """One dec5 launch for projection p (mode 0: FC1 + activation, 1: FC2 into the output); returns the kernel's
         name. ``bcols``: activation slots per ring stage (the kernel argument of that name, inside ``tail``).
-        ``tail``: the arguments after the projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu). ``f16``:
+        ``tail``: the arguments after the projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu; pdl, whether
+        the launch uses PDL, is appended here). ``f16``:
         the dec5h kernel (fp16 activations; the same arguments and shared memory)."""
         sl = self.slots[p.name]
         nbt, tsh = self._dec5_kind(p)
@@ -873,7 +874,7 @@ class GpuQMoE:
                 np.int32(p.NB), np.int32(tsh), sl.get("z", self._dummy_u8), sl.get("b", self._dummy_f32),
                 np.int32(int(p.has_bias)), np.int32(p.NP))
         pdl = bool(self.dec5_cfg.get("pdl", 0)) and self._pdl is not None
-        self._launch(name, (grid,), (threads,), head + tuple(tail), smem, pdl=pdl)
+        self._launch(name, (grid,), (threads,), head + tuple(tail) + (np.int32(pdl),), smem, pdl=pdl)
         self.last_decode_pdl = pdl and self._pdl is not None
         return name
 

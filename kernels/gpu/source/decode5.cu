@@ -40,11 +40,11 @@
         int split, int KPB, int bcols, int act, int gated, float alpha, float beta, float limit, int has_limit,       \
         int n_out, u16 *__restrict__ ahi, u16 *__restrict__ alo, int KP2, float *__restrict__ out,                     \
         float *__restrict__ part, int *__restrict__ kdone, const u8 *__restrict__ W2, long long wstride2, int NT2,     \
-        int KT2, const void *__restrict__ S2, int sdt2, int NB2, int tsh2, int nbt2, int pf2
+        int KT2, const void *__restrict__ S2, int sdt2, int NB2, int tsh2, int nbt2, int pf2, int pdl
 #define QM_D5_PASS                                                                                                  \
     W, wstride, NT, KT, S, sdt, NB, tsh, Z, bias, has_bias, NP, tiles, num_tiles, pair_tok, pair_w, npairs, bhi, blo, \
         split, KPB, bcols, act, gated, alpha, beta, limit, has_limit, n_out, ahi, alo, KP2, out, part, kdone, W2,      \
-        wstride2, NT2, KT2, S2, sdt2, NB2, tsh2, nbt2, pf2
+        wstride2, NT2, KT2, S2, sdt2, NB2, tsh2, nbt2, pf2, pdl
 
 // 16-byte copy global -> shared that allocates in L1 (the activation fragments, re-read by the SM's other warps)
 static __device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src) {
@@ -121,7 +121,10 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     // are) so that no L1 line of an earlier forward's tables, from a load of an earlier grid on this SM, can be hit
     // before the wait (griddepcontrol.wait is what makes the earlier grids' writes visible to this grid's other
     // loads). With pdl off (or no PDL before sm_90) FC2 starts after FC1 has completed and the order does not matter.
-    if (MODE == 0) {
+    // pdl: this launch used PDL (GpuQMoE._dec5). Without it the split prologue would only cost time (4-5% of a
+    // forward on an H200 in the fourteenth session's A/B), so FC2 then waits here as FC1 does.
+    const bool early_fc2 = MODE == 1 && pdl;
+    if (!early_fc2) {
         QM_PDL_WAIT();
         QM_PDL_LAUNCH();
     }
@@ -473,7 +476,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     // stage byte offsets: consume at c_off, issue into the stage consumed one iteration earlier (p_off)
     const u32 RLAST = (u32)((DEC5_STAGES - 1) * STAGE);
     // prologue: the first DEC5_STAGES - 1 units (empty commit groups if the range is shorter), one commit group each
-    if (MODE == 1) {
+    if (early_fc2) {
         // FC2: their weights, scales and zero points before the PDL wait (not committed yet: they join group 0, so
         // the first wait_group covers all of them, issued at the same time), then, after the wait, the producer
         // cursor back at the range start (the consumer's cursor has not moved: c_ti, c_rt, c_kt0) and per unit its
