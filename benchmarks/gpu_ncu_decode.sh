@@ -9,7 +9,7 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site
-for kernel in dec5h_4_2_0_0 dec5h_4_2_0_1; do
+for kernel in dec5h_4_2_0_0 dec5h_4_2_0_1 dec5h_4_2_0_1p; do
   cuobjdump -sass -fun "$kernel" kernels/gpu/_build/*.cubin > "$OUT/sass-$kernel.txt" 2>&1
 done
 # per shape: 2 warm-up forwards x 3 kernels skipped, then one forward (3 kernels) per shape profiled

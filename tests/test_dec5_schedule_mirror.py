@@ -97,7 +97,7 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
         assert not pdl["waited"]
         pdl["waited"] = True
 
-    early_fc2 = MODE == 1 and c.get("pdl", 1) == 1  # const bool early_fc2 = MODE == 1 && pdl;
+    early_fc2 = MODE == 1 and c.get("pdl", 1) == 1  # constexpr bool early_fc2 = MODE == 1 && EARLY; (EARLY: pdl)
     if not early_fc2:  # if (!early_fc2) { QM_PDL_WAIT(); QM_PDL_LAUNCH(); }
         pdl_wait()
     cg = "cg" if MODE == 1 else "ld"  # MODE == 1 ? __ldcg(..) : ..

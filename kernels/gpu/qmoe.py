@@ -851,12 +851,14 @@ class GpuQMoE:
     def _dec5(self, p: _lay.ProjLayout, mode: int, max_tiles: int, bcols: int, tail: tuple, f16: bool = False) -> str:
         """One dec5 launch for projection p (mode 0: FC1 + activation, 1: FC2 into the output); returns the kernel's
         name. ``bcols``: activation slots per ring stage (the kernel argument of that name, inside ``tail``).
-        ``tail``: the arguments after the projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu; pdl, whether
-        the launch uses PDL, is appended here). ``f16``:
+        ``tail``: the arguments after the projection's own (tiles ... pf2, see QM_D5_ARGS in decode5.cu). ``f16``:
         the dec5h kernel (fp16 activations; the same arguments and shared memory)."""
         sl = self.slots[p.name]
         nbt, tsh = self._dec5_kind(p)
-        name = f"dec5{'h' if f16 else ''}_{p.bits}_{nbt}_{int(p.has_zp)}_{mode}"
+        pdl = bool(self.dec5_cfg.get("pdl", 0)) and self._pdl is not None
+        # FC2 launched with PDL takes the instance that copies its weights before waiting for FC1 (suffix p)
+        early = "p" if pdl and mode == 1 else ""
+        name = f"dec5{'h' if f16 else ''}_{p.bits}_{nbt}_{int(p.has_zp)}_{mode}{early}"
         smem = self._dec5_smem(p, bcols)
         threads = 32 * self.DEC5_WARPS
         if name not in self._carveout_set:
@@ -873,8 +875,7 @@ class GpuQMoE:
         head = (sl["w"], np.int64(p.w_bytes), np.int32(p.NT), np.int32(p.KT), sl["s"], np.int32(p.sdt),
                 np.int32(p.NB), np.int32(tsh), sl.get("z", self._dummy_u8), sl.get("b", self._dummy_f32),
                 np.int32(int(p.has_bias)), np.int32(p.NP))
-        pdl = bool(self.dec5_cfg.get("pdl", 0)) and self._pdl is not None
-        self._launch(name, (grid,), (threads,), head + tuple(tail) + (np.int32(pdl),), smem, pdl=pdl)
+        self._launch(name, (grid,), (threads,), head + tuple(tail), smem, pdl=pdl)
         self.last_decode_pdl = pdl and self._pdl is not None
         return name
 

@@ -40,11 +40,11 @@
         int split, int KPB, int bcols, int act, int gated, float alpha, float beta, float limit, int has_limit,       \
         int n_out, u16 *__restrict__ ahi, u16 *__restrict__ alo, int KP2, float *__restrict__ out,                     \
         float *__restrict__ part, int *__restrict__ kdone, const u8 *__restrict__ W2, long long wstride2, int NT2,     \
-        int KT2, const void *__restrict__ S2, int sdt2, int NB2, int tsh2, int nbt2, int pf2, int pdl
+        int KT2, const void *__restrict__ S2, int sdt2, int NB2, int tsh2, int nbt2, int pf2
 #define QM_D5_PASS                                                                                                  \
     W, wstride, NT, KT, S, sdt, NB, tsh, Z, bias, has_bias, NP, tiles, num_tiles, pair_tok, pair_w, npairs, bhi, blo, \
         split, KPB, bcols, act, gated, alpha, beta, limit, has_limit, n_out, ahi, alo, KP2, out, part, kdone, W2,      \
-        wstride2, NT2, KT2, S2, sdt2, NB2, tsh2, nbt2, pf2, pdl
+        wstride2, NT2, KT2, S2, sdt2, NB2, tsh2, nbt2, pf2
 
 // 16-byte copy global -> shared that allocates in L1 (the activation fragments, re-read by the SM's other warps)
 static __device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src) {
@@ -103,7 +103,7 @@ static __device__ __forceinline__ u32 dec5_barea(int slot, int t) {
     return (u32)(slot * 256 + t * 32);
 }
 
-template <int BITS, int NBT, int ZP, int MODE, int F16>
+template <int BITS, int NBT, int ZP, int MODE, int F16, int EARLY>
 static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 #if QM_TC
     typedef QmW<BITS> TR;
@@ -121,23 +121,24 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     // are) so that no L1 line of an earlier forward's tables, from a load of an earlier grid on this SM, can be hit
     // before the wait (griddepcontrol.wait is what makes the earlier grids' writes visible to this grid's other
     // loads). With pdl off (or no PDL before sm_90) FC2 starts after FC1 has completed and the order does not matter.
-    // pdl: this launch used PDL (GpuQMoE._dec5). Without it the split prologue would only cost time (4-5% of a
-    // forward on an H200 in the fourteenth session's A/B), so FC2 then waits here as FC1 does.
-    const bool early_fc2 = MODE == 1 && pdl;
+    // EARLY: the FC2 instances launched with PDL (dec5*_..._1p, GpuQMoE._dec5). FC2 launched plainly keeps main's
+    // code exactly (dec5*_..._1): the split prologue cost plain launches 2-5% of a forward on an H200 (fourteenth
+    // session), and GPUs before sm_90 have no PDL.
+    constexpr bool early_fc2 = MODE == 1 && EARLY;
     if (!early_fc2) {
         QM_PDL_WAIT();
         QM_PDL_LAUNCH();
     }
-    const int ntl = MODE == 1 ? __ldcg(num_tiles) : *num_tiles;
+    const int ntl = early_fc2 ? __ldcg(num_tiles) : *num_tiles;
     {
         const int nt_c = min(ntl, DEC5_TCAP), np_c = min(npairs, DEC5_PCAP);
-        for (int i = threadIdx.x; i < nt_c; i += blockDim.x) stile[i] = MODE == 1 ? __ldcg(tiles + i) : tiles[i];
-        for (int i = threadIdx.x; i < np_c; i += blockDim.x) sptok[i] = MODE == 1 ? __ldcg(pair_tok + i) : pair_tok[i];
+        for (int i = threadIdx.x; i < nt_c; i += blockDim.x) stile[i] = early_fc2 ? __ldcg(tiles + i) : tiles[i];
+        for (int i = threadIdx.x; i < np_c; i += blockDim.x) sptok[i] = early_fc2 ? __ldcg(pair_tok + i) : pair_tok[i];
     }
     __syncthreads();  // the only block-wide barrier: from here on warps are independent
     // (FC2 reads tiles beyond the cache before its PDL wait as well: L2-coherent, see above)
     auto tile_at = [&](int i) -> int4 {
-        return i < DEC5_TCAP ? stile[i] : (MODE == 1 ? __ldcg(tiles + i) : __ldg(tiles + i));
+        return i < DEC5_TCAP ? stile[i] : (early_fc2 ? __ldcg(tiles + i) : __ldg(tiles + i));
     };
     auto ptok_at = [&](int p) -> int { return p < DEC5_PCAP ? sptok[p] : __ldg(pair_tok + p); };
 
@@ -604,16 +605,18 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
 // that the restructured kernels (whose hot loops keep more loop-invariant addresses in registers) do not lose
 // occupancy to registers (ptxas then spills a few registers in the per-row-tile paths of some instances, never in
 // the steady-state loops).
-#define QM_D5_KERNEL(B, N, Z, M, BB, BH)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128, BB) dec5_##B##_##N##_##Z##_##M(QM_D5_ARGS) {  \
-        dec5_impl<B, N, Z, M, 0>(QM_D5_PASS);                                                              \
+#define QM_D5_KERNEL(B, N, Z, M, BB, BH, SFX, EARLY)                                                      \
+    extern "C" __global__ void __launch_bounds__(128, BB) dec5_##B##_##N##_##Z##_##M##SFX(QM_D5_ARGS) {      \
+        dec5_impl<B, N, Z, M, 0, EARLY>(QM_D5_PASS);                                                       \
     }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128, BH) dec5h_##B##_##N##_##Z##_##M(QM_D5_ARGS) { \
-        dec5_impl<B, N, Z, M, 1>(QM_D5_PASS);                                                              \
+    extern "C" __global__ void __launch_bounds__(128, BH) dec5h_##B##_##N##_##Z##_##M##SFX(QM_D5_ARGS) {     \
+        dec5_impl<B, N, Z, M, 1, EARLY>(QM_D5_PASS);                                                       \
     }
+// FC1 (mode 0), FC2 (mode 1) and FC2 launched with PDL (mode 1, suffix p: the early prologue)
 #define QM_D5_KERNELS(B, N, Z, B0, B1, H0, H1) \
-    QM_D5_KERNEL(B, N, Z, 0, B0, H0)           \
-    QM_D5_KERNEL(B, N, Z, 1, B1, H1)
+    QM_D5_KERNEL(B, N, Z, 0, B0, H0, , 0)      \
+    QM_D5_KERNEL(B, N, Z, 1, B1, H1, , 0)      \
+    QM_D5_KERNEL(B, N, Z, 1, B1, H1, p, 1)
 QM_D5_KERNELS(4, 1, 0, 6, 7, 8, 9)
 QM_D5_KERNELS(4, 2, 0, 6, 7, 7, 9)
 QM_D5_KERNELS(4, 4, 0, 7, 6, 8, 8)
