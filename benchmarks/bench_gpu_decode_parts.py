@@ -242,6 +242,15 @@ def prefetch_values(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def measured_start(cp, launches: int, replays: int):
+    """What a GPU decode benchmark measures before its figures: (its timer, the HBM copy bandwidth in GB/s, the result's
+    details: GPU, CuPy, bandwidth, launches per graph, replays)."""
+    timer = Timer(cp)
+    hbm = measure_hbm(cp, timer)
+    return timer, hbm, {"gpu": _gpu_name(cp), "cupy": cp.__version__, "hbm_copy_gb_s": hbm,
+                        "launches_per_graph": launches, "replays": replays}
+
+
 def shape_keys(text: str) -> list[str]:
     keys = [s.strip() for s in text.split(",") if s.strip()]
     bad = [k for k in keys if k not in SHAPES]
@@ -331,13 +340,10 @@ def run(args):
     from kernels.gpu import GpuQMoE
 
     t_start = time.perf_counter()
-    gpu = _gpu_name(cp)
-    timer = Timer(cp)
-    hbm = measure_hbm(cp, timer)
     n, replays = args.launches, args.replays
-    print(f"{gpu}: HBM copy {hbm:.0f} GB/s; {n} launches per graph, median of {replays} replays", flush=True)
-    details = {"gpu": gpu, "cupy": cp.__version__, "hbm_copy_gb_s": hbm, "launches_per_graph": n,
-               "replays": replays, "x_dtype": args.dtype}
+    timer, hbm, details = measured_start(cp, n, replays)
+    print(f"{details['gpu']}: HBM copy {hbm:.0f} GB/s; {n} launches per graph, median of {replays} replays", flush=True)
+    details["x_dtype"] = args.dtype
     dtype = np.dtype(args.dtype)
     # fp16 x: the fp16 kernels (dec5_cfg f16 = 1) and the bf16 hi / lo ones (0); fp32 x takes the latter either way
     f16_values = (1, 0) if dtype == np.float16 else (1,)

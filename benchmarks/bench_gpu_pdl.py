@@ -29,9 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_gpu_decode_parts import per_launch, shape_keys  # noqa: E402
-from benchmarks.bench_qmoe_gpu import (SHAPES, Timer, _gpu_name, _write, capture, hbm_figure,  # noqa: E402
-                                       measure_hbm, node_for)
+from benchmarks.bench_gpu_decode_parts import measured_start, per_launch, shape_keys  # noqa: E402
+from benchmarks.bench_qmoe_gpu import SHAPES, _write, capture, hbm_figure, node_for  # noqa: E402
 from benchmarks.common import ROOT  # noqa: E402
 
 SWITCHES = {"pdl": ("dec5_cfg", ("plain", "pdl")), "rank_route": ("dec_cfg", ("warp", "ranks"))}  # cfg, names off / on
@@ -92,13 +91,11 @@ def main(argv=None):
     switch = args.switch
     (off, _), (on, _) = variants(switch)
     t_start = time.perf_counter()
-    gpu = _gpu_name(cp)
-    timer = Timer(cp)
-    hbm = measure_hbm(cp, timer)
     n, replays = args.launches, args.replays
-    print(f"{gpu}: HBM copy {hbm:.0f} GB/s; chain of {n} forwards per graph, median of {replays} replays", flush=True)
-    details = {"gpu": gpu, "cupy": cp.__version__, "hbm_copy_gb_s": hbm, "launches_per_graph": n,
-               "replays": replays, "rounds": args.rounds, "switch": switch}
+    timer, hbm, details = measured_start(cp, n, replays)
+    print(f"{details['gpu']}: HBM copy {hbm:.0f} GB/s; chain of {n} forwards per graph, median of {replays} replays",
+          flush=True)
+    details.update(rounds=args.rounds, switch=switch)
     figures = [hbm_figure(hbm)]
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)
