@@ -7,6 +7,9 @@ then A in odd ones, each reconfigured (the budget of the fraction plus the varia
 decoded for `--decode-tokens` tokens. Reported per fraction: each configuration's median tokens/s and the paired
 ratio B / A of each round (median, min, max). What the engine learns at run time (the miss policy's measured CPU rate
 and copy reuse) carries over from one configuration to the next, as it would for a user who changes a setting.
+A variant may also set switches of the GPU kernels' objects, `gpu.NAME=INT` (an attribute of every GpuQMoE the
+engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), set after each reconfiguration;
+a switch one variant names and the other does not keeps its default there.
 
     python benchmarks/bench_offload_ab.py --shape gpt-oss-20b-like --dtype float16 --fractions 0.25,0.5 \
         --b cpu_threads=15 [--a KEY=VALUE,...] [--rounds 6] [--decode-tokens 16] [--device cuda|simulated]
@@ -32,9 +35,14 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
+GPU_SWITCH = "gpu."  # a variant's entries with this prefix are GpuQMoE switches, not offload keys
+
+
 def variant(text: str) -> dict:
-    """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes."""
-    entries = dict(item.split("=", 1) for item in text.split(",") if item.strip())
+    """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes (gpu.*
+    switches left out: gpu_switches)."""
+    entries = dict(item.split("=", 1) for item in text.split(",")
+                   if item.strip() and not item.strip().startswith(GPU_SWITCH))
     parsed = OffloadConfig.from_entries(entries)
     changes = {name[len(PREFIX):]: getattr(parsed, name[len(PREFIX):]) for name in parsed.to_entries()}
     if "device_expert_bytes" in changes:
@@ -42,13 +50,52 @@ def variant(text: str) -> dict:
     return changes
 
 
+def gpu_switches(text: str) -> dict[str, int]:
+    """A variant's 'gpu.NAME=INT' entries as {NAME: INT}."""
+    switches = {}
+    for item in text.split(","):
+        item = item.strip()
+        if item.startswith(GPU_SWITCH):
+            name, _, value = item[len(GPU_SWITCH):].partition("=")
+            try:
+                switches[name] = int(value)
+            except ValueError:
+                raise SystemExit(f"{item}: a GPU switch takes an integer") from None
+    return switches
+
+
+def gpu_kernels(model: LoadedModel) -> list:
+    """Every GpuQMoE the offload engine holds now (its nodes' slots, the streaming slots), each once."""
+    engine = model.offload
+    found = [getattr(store, "gpu", None) for store in engine.stores]
+    found += [getattr(group, "gpu", None) for group in engine.streaming.by_layer]
+    unique = {id(gpu): gpu for gpu in found if gpu is not None}
+    return list(unique.values())
+
+
+def set_gpu_switches(model: LoadedModel, switches: dict[str, int]) -> None:
+    for gpu in gpu_kernels(model):
+        for name, value in switches.items():
+            if not hasattr(gpu, name):
+                raise SystemExit(f"gpu.{name}: GpuQMoE has no such switch")
+            setattr(gpu, name, value)
+
+
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
-                  tokens: int) -> dict[str, list[float]]:
-    """Tokens/s of configurations "A" and "B" (`changes` of each) in `rounds` alternating rounds at one budget."""
+                  tokens: int, switches: dict | None = None) -> dict[str, list[float]]:
+    """Tokens/s of configurations "A" and "B" (`changes` of each, and their GPU `switches`: every name either
+    names, with its default where one does not) in `rounds` alternating rounds at one budget."""
+    switches = switches or {"A": {}, "B": {}}
     rates = {"A": [], "B": []}
+    defaults = None
     for r in range(rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
             model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]))
+            kernels = gpu_kernels(model)
+            if defaults is None and kernels:
+                names = set(switches["A"]) | set(switches["B"])
+                defaults = {n: getattr(kernels[0], n) for n in names if hasattr(kernels[0], n)}
+            set_gpu_switches(model, {**(defaults or {}), **switches[name]})
             rate, _rows = decode(model, prompt, tokens)
             rates[name].append(rate)
     return rates
@@ -76,6 +123,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-write", action="store_true", help="print only (no result file)")
     args = parser.parse_args(argv)
     changes = {"A": variant(args.a), "B": variant(args.b)}
+    switches = {"A": gpu_switches(args.a), "B": gpu_switches(args.b)}
 
     shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
     folder = model_folder(args.folder, "bench-offload-ab-")
@@ -92,11 +140,11 @@ def main(argv=None) -> dict:
     if model.host_registration is not None:
         model.host_registration.ready.wait(300)  # copies go straight from the page-locked mapping in both
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
-    print(f"A: {changes['A'] or 'defaults'}   B: {changes['B']}   dense part on the {model.dense_device}", flush=True)
+    print(f"A: {args.a or 'defaults'}   B: {args.b}   dense part on the {model.dense_device}", flush=True)
     figures, results = [], {}
     for fraction in [float(f) for f in args.fractions.split(",")]:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
-        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens))
+        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, switches))
         results[f"{fraction:.2f}"] = result
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
@@ -106,7 +154,8 @@ def main(argv=None) -> dict:
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})
     if not args.no_write:
         path = write_result(f"offload-ab-{args.shape}", figures,
-                            config={"a": changes["A"], "b": changes["B"], "rounds": args.rounds,
+                            config={"a": changes["A"], "b": changes["B"], "a_gpu": switches["A"],
+                                    "b_gpu": switches["B"], "rounds": args.rounds,
                                     "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
         print(f"wrote {path}")
     return results

@@ -20,3 +20,56 @@ def test_the_summary_pairs_each_round_of_b_with_the_round_of_a_beside_it():
     assert result["a_median"] == 20.0 and result["b_median"] == 18.0
     assert result["ratio_min"] == pytest.approx(0.9) and result["ratio_max"] == pytest.approx(1.2)
     assert result["ratio_median"] == pytest.approx(1.1)  # per-round ratios 1.1, 0.9, 1.2: not 18 / 20
+
+
+def test_gpu_switches_are_read_apart_from_the_offload_keys():
+    from benchmarks.bench_offload_ab import gpu_switches
+
+    text = "cpu_threads=15,gpu.driver_copies=0, gpu.batch_copies=1"
+    assert variant(text) == {"cpu_threads": 15}
+    assert gpu_switches(text) == {"driver_copies": 0, "batch_copies": 1}
+    assert gpu_switches("") == {}
+    with pytest.raises(SystemExit, match="gpu.driver_copies=off: a GPU switch takes an integer"):
+        gpu_switches("gpu.driver_copies=off")
+
+
+class _Kernel:
+    def __init__(self):
+        self.driver_copies = True
+
+
+class _Engine:
+    """The parts of OffloadEngine the A/B reads: stores (one without a GPU kernel), the streaming slots (shared by
+    two layers), and reconfigure, which makes new kernels as a budget change would."""
+
+    def __init__(self):
+        self.reconfigured = []
+        self.reconfigure(None)
+
+    def reconfigure(self, config):
+        self.reconfigured.append(config)
+        shared = type("Group", (), {"gpu": _Kernel()})()
+        self.stores = [type("Slots", (), {"gpu": _Kernel()})(), None, type("Sim", (), {})()]
+        self.streaming = type("Plan", (), {"by_layer": [shared, None, shared]})()
+
+
+def test_paired_rounds_set_each_variants_gpu_switches_on_every_kernel_after_reconfiguring(monkeypatch):
+    import benchmarks.bench_offload_ab as ab
+
+    model = type("Model", (), {"offload": _Engine()})()
+    seen = []
+
+    def fake_decode(model, prompt, tokens):
+        kernels = ab.gpu_kernels(model)
+        assert len(kernels) == 2  # the node's and the shared streaming slots', once
+        seen.append([k.driver_copies for k in kernels])
+        return (100.0 if kernels[0].driver_copies else 90.0), []
+
+    monkeypatch.setattr(ab, "decode", fake_decode)
+    rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 3, [1], 4,
+                             {"A": {}, "B": {"driver_copies": 0}})
+    # rounds alternate A B / B A / A B; A keeps the kernels' default (True), B sets 0
+    assert seen == [[True, True], [0, 0], [0, 0], [True, True], [True, True], [0, 0]]
+    assert rates == {"A": [100.0] * 3, "B": [90.0] * 3}
+    with pytest.raises(SystemExit, match="gpu.no_such: GpuQMoE has no such switch"):
+        ab.set_gpu_switches(model, {"no_such": 1})
