@@ -60,9 +60,10 @@ fi
   fi
   if [ -n "${AB:-}" ]; then
     # an A/B of two offload configurations in one process (bench_offload_ab), e.g. AB="--fractions 0 --b
-    # device_working_bytes=1" (the decode streaming slots off in B); the model is written to the bench's folder
+    # device_working_bytes=1" (the decode streaming slots off in B), or of GPU switches (--b gpu.driver_copies=0); the
+    # model is written to the bench's folder (AB_LIMIT: its time limit, 240 s unless set)
     echo "== offload A/B, $shape, float16: $AB"
-    PYTHONPATH=/tmp/site_gpu timeout 240 python3 benchmarks/bench_offload_ab.py --shape "$shape" --dtype float16 \
+    PYTHONPATH=/tmp/site_gpu timeout "${AB_LIMIT:-240}" python3 benchmarks/bench_offload_ab.py --shape "$shape" --dtype float16 \
       --device cuda --folder /tmp/bench-$shape --decode-tokens "${DECODE:-16}" $AB 2>&1 | grep -v "plugin EP"
     cp "$(ls -t benchmarks/results/offload-ab-$shape-*.json | head -1)" "$OUT/" 2>/dev/null
     date -u
