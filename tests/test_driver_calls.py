@@ -230,7 +230,7 @@ def test_a_batch_copies_every_stored_tensor_in_one_call_from_the_experts_rows():
                 for plan in plans for a, off in plan.parts.values()]
         batch = driver.batches[-1]
         assert list(zip(batch["dsts"], batch["srcs"], batch["sizes"])) == want and batch["count"] == 8
-        assert batch["attr"] == (1, (0, 0), (0, 0), 0)  # sources in stream order, no hints, no flags
+        assert batch["attr"] == (3, (0, 0), (0, 0), 0)  # sources in any order, no hints, no flags
         assert (batch["attrs_idxs"], batch["num_attrs"], batch["stream"]) == ([0], 1, STREAM)
         assert batch["abi"] == "v2" and batch["fail_idx"] is None
         assert staging.tobytes() == stage_numpy(plans, e).tobytes()  # what pack_expert reads
