@@ -15,12 +15,13 @@ Both paths' outputs are compared byte for byte first.
 --issue (needs CUDA): instead, the host seconds to ISSUE a decode step's copies of m = 1, 4, 8 experts straight
 from page-locked stored rows (the engine's registered mapping) into GPU slots 0..m-1, converted there: one
 GpuQMoE.upload_expert_device per expert (the stored tensors' copies and one pack_expert launch), through the driver
-(kernels.gpu.driver_calls: staging buffer and launch arguments made once) against through CuPy (a pool allocation,
-CuPy's runtime calls and RawKernel call), the switch GpuQMoE.driver_copies. Only the issuing calls are timed (not
-the engine's order-after-copies event pair). Median of --runs batches per path, the two paths taking turns on the
-same experts, the device drained between batches (not timed); before each batch slots 0..m-1 are filled with a byte
-pattern and evicted, after it their contents, both host maps and the device's expert -> slot map are kept and
-compared byte for byte between the two paths.
+(kernels.gpu.driver_calls: staging buffer, memcpy batch and launch arguments made once) with an expert's memcpys in
+one cuMemcpyBatchAsync ("batch") or one cuMemcpyHtoDAsync per stored tensor ("driver"; the switch
+GpuQMoE.batch_copies) against through CuPy (a pool allocation, CuPy's runtime calls and RawKernel call; the switch
+GpuQMoE.driver_copies). Only the issuing calls are timed (not the engine's order-after-copies event pair). Median of
+--runs batches per path, the three paths taking turns on the same experts, the device drained between batches (not
+timed); before each batch slots 0..m-1 are filled with a byte pattern and evicted, after it their contents, both host
+maps and the device's expert -> slot map are kept and compared byte for byte between the paths.
 
     python benchmarks/bench_pack_host.py --issue [--runs N] [--no-write]
 """
@@ -94,9 +95,13 @@ def bench_shape(sh: dict, runs: int) -> tuple[list[dict], dict]:
                      "packed_mb": packed_mb}
 
 
-def issue_seconds(gpu, copy_stream, experts: list, driver: bool) -> float:
-    """Host seconds to issue the copies of `experts` into slots 0..m-1 one by one, through the driver or CuPy."""
-    gpu.driver_copies = driver
+# --issue's paths: (GpuQMoE.driver_copies, GpuQMoE.batch_copies)
+PATHS = {"CuPy": (False, False), "driver": (True, False), "batch": (True, True)}
+
+
+def issue_seconds(gpu, copy_stream, experts: list, path: str) -> float:
+    """Host seconds to issue the copies of `experts` into slots 0..m-1 one by one, along one of PATHS."""
+    gpu.driver_copies, gpu.batch_copies = PATHS[path]
     started = time.perf_counter()
     for slot, e in enumerate(experts):
         gpu.upload_expert_device(e, slot, stream=copy_stream)
@@ -128,16 +133,16 @@ def slot_snapshot(cp, gpu, m: int) -> dict:
 
 def assert_same_snapshot(got: dict, want: dict, what: str) -> None:
     for key, a in want.items():
-        assert got[key].tobytes() == a.tobytes(), f"{what}: {key} differs between the driver and CuPy paths"
+        assert got[key].tobytes() == a.tobytes(), f"{what}: {key} differs"
 
 
-def driver_parts(gpu, copy_stream, num_experts: int, runs: int) -> tuple[float, float]:
-    """Per expert, median host us of the driver path's memcpys alone and of its prepared launch alone (what remains
-    of upload_expert_device is Python around them). Leaves the last slot written inconsistent with the maps: run
-    last."""
+def driver_parts(gpu, copy_stream, num_experts: int, runs: int) -> tuple[float, float, float]:
+    """Per expert, median host us of the driver path's single memcpys alone, of its memcpy batch alone (the sources
+    written and the one call) and of its prepared launch alone (what remains of upload_expert_device is Python around
+    them). Leaves the last slot written inconsistent with the maps: run last."""
     issuer = gpu._driver_issuers[copy_stream.ptr]
-    memcpy, staging, stream = issuer._memcpy, issuer._staging, copy_stream.ptr
-    copies_s, launch_s = [], []
+    memcpy, staging, stream, batch = issuer._memcpy, issuer._staging, copy_stream.ptr, issuer.batch
+    copies_s, batch_s, launch_s = [], [], []
     for i in range(runs + 1):
         e = i % num_experts
         started = time.perf_counter()
@@ -147,13 +152,22 @@ def driver_parts(gpu, copy_stream, num_experts: int, runs: int) -> tuple[float, 
         issuer.launch.launch()
         launched = time.perf_counter()
         copy_stream.synchronize()
+        batch_started = time.perf_counter()
+        for j, (_, address, row_bytes) in enumerate(gpu._pack_copies):
+            batch.sources[j] = address + e * row_bytes
+        batch.copy()
+        batched = time.perf_counter()
+        issuer.launch.launch()
+        copy_stream.synchronize()
         copies_s.append(copied - started)
+        batch_s.append(batched - batch_started)
         launch_s.append(launched - copied)
-    return float(np.median(copies_s[1:])) * 1e6, float(np.median(launch_s[1:])) * 1e6
+    return tuple(float(np.median(t[1:])) * 1e6 for t in (copies_s, batch_s, launch_s))
 
 
 def bench_issue(key: str, sh: dict, runs: int) -> list[dict]:
-    """--issue for one shape: host seconds through the driver against through CuPy for m = 1, 4, 8."""
+    """--issue for one shape: host seconds through the driver (batched memcpys, single memcpys) against through
+    CuPy for m = 1, 4, 8."""
     import cupy as cp
 
     from benchmarks.bench_qmoe_gpu import node_for
@@ -170,31 +184,48 @@ def bench_issue(key: str, sh: dict, runs: int) -> list[dict]:
         expert_mb = gpu._pack_bytes / 1e6
         figures, turn = [], 0
         for m in (1, 4, 8):
-            times = {True: [], False: []}
-            for run in range(runs + 1):  # the first: kernel loading, pool growth, the staging buffer
+            times = {path: [] for path in PATHS}
+            for run in range(runs + 1):  # the first: kernel loading, pool growth, the staging buffer, the batch
                 experts = [(turn + j) % sh["E"] for j in range(m)]
                 turn += m
                 snaps = {}
-                for driver in ((True, False) if run % 2 else (False, True)):  # taking turns to go first
+                order = list(PATHS)[run % 3:] + list(PATHS)[:run % 3]  # taking turns to go first
+                for path in order:
                     clear_slots(gpu, copy_stream, m)
-                    times[driver].append(issue_seconds(gpu, copy_stream, experts, driver))
-                    snaps[driver] = slot_snapshot(cp, gpu, m)
-                assert_same_snapshot(snaps[True], snaps[False], f"{sh['label']}, m={m}, experts {experts}")
+                    times[path].append(issue_seconds(gpu, copy_stream, experts, path))
+                    snaps[path] = slot_snapshot(cp, gpu, m)
+                for path in ("driver", "batch"):
+                    assert_same_snapshot(snaps[path], snaps["CuPy"],
+                                         f"{sh['label']}, m={m}, experts {experts}: the {path} path against CuPy's")
             assert gpu.driver_copy_fallback is None, f"the driver path fell back: {gpu.driver_copy_fallback}"
-            med = {driver: float(np.median(t[1:])) * 1e6 for driver, t in times.items()}
-            print(f"{sh['label']:45s} {expert_mb:5.2f} MB/expert  m={m}  CuPy {med[False]:7.1f} us "
-                  f"({med[False] / m:5.1f}/expert)   driver {med[True]:7.1f} us ({med[True] / m:5.1f}/expert)   "
-                  f"x{med[False] / med[True]:.2f}   byte-identical")
-            figures.append({"name": f"issue {m} expert copies through the driver, {sh['label']}", "value": med[True],
-                            "unit": "us", "reference": "the same copies through CuPy (GpuQMoE.driver_copies False)",
-                            "reference_value": med[False], "ratio": med[False] / med[True], "expert_mb": expert_mb,
-                            "copies_per_expert": len(gpu._pack_copies)})
-        gpu.driver_copies = True
-        memcpys_us, launch_us = driver_parts(gpu, copy_stream, sh["E"], runs)
+            assert gpu.batch_copy_fallback is None, f"the batch memcpy fell back: {gpu.batch_copy_fallback}"
+            med = {path: float(np.median(t[1:])) * 1e6 for path, t in times.items()}
+            print(f"{sh['label']:45s} {expert_mb:5.2f} MB/expert  m={m}  "
+                  + "   ".join(f"{path} {med[path]:7.1f} us ({med[path] / m:5.1f}/expert)" for path in PATHS)
+                  + f"   x{med['CuPy'] / med['driver']:.2f} x{med['CuPy'] / med['batch']:.2f}   byte-identical")
+            figures.append({"name": f"issue {m} expert copies through the driver, {sh['label']}",
+                            "value": med["driver"], "unit": "us",
+                            "reference": "the same copies through CuPy (GpuQMoE.driver_copies False)",
+                            "reference_value": med["CuPy"], "ratio": med["CuPy"] / med["driver"],
+                            "expert_mb": expert_mb, "copies_per_expert": len(gpu._pack_copies)})
+            figures.append({"name": f"issue {m} expert copies through the driver, one batch memcpy per expert, "
+                                    f"{sh['label']}", "value": med["batch"], "unit": "us",
+                            "reference": "the same copies through the driver, one memcpy per stored tensor "
+                                         "(GpuQMoE.batch_copies False)",
+                            "reference_value": med["driver"], "ratio": med["driver"] / med["batch"],
+                            "cupy_value": med["CuPy"], "expert_mb": expert_mb,
+                            "copies_per_expert": len(gpu._pack_copies),
+                            "batch_call": gpu._driver_issuers[copy_stream.ptr].batch.name})
+        gpu.driver_copies = gpu.batch_copies = True
+        memcpys_us, batch_us, launch_us = driver_parts(gpu, copy_stream, sh["E"], runs)
         print(f"{sh['label']:45s} driver path per expert: {len(gpu._pack_copies)} memcpys {memcpys_us:5.1f} us, "
-              f"launch {launch_us:5.1f} us (the rest: Python around them)")
+              f"one batch of them {batch_us:5.1f} us, launch {launch_us:5.1f} us (the rest: Python around them)")
         figures.append({"name": f"driver path per expert, memcpys alone, {sh['label']}", "value": memcpys_us,
                         "unit": "us", "copies_per_expert": len(gpu._pack_copies)})
+        figures.append({"name": f"driver path per expert, one batch memcpy alone, {sh['label']}", "value": batch_us,
+                        "unit": "us", "reference": "the same copies one memcpy per stored tensor",
+                        "reference_value": memcpys_us, "ratio": memcpys_us / batch_us,
+                        "copies_per_expert": len(gpu._pack_copies)})
         figures.append({"name": f"driver path per expert, launch alone, {sh['label']}", "value": launch_us,
                         "unit": "us"})
         return figures

@@ -1,8 +1,8 @@
 """GpuQMoE.upload_expert_device through the driver (kernels.gpu.driver_calls; marker gpu, skipped without a GPU):
-the same slot contents, byte for byte, and the same maps (the device's too) as through CuPy's calls and as
-upload_expert (packed on the host), over layouts, slots, streams and instances sharing a staging buffer; decode
-forwards after such copies against the reference; the fallback to CuPy's calls. The CPU half is
-tests/test_driver_calls.py."""
+the same slot contents, byte for byte, and the same maps (the device's too) with an expert's memcpys in one
+cuMemcpyBatchAsync and one by one as through CuPy's calls and as upload_expert (packed on the host), over layouts,
+slots, streams and instances sharing a staging buffer; decode forwards after such copies against the reference; the
+fallback to CuPy's calls. The CPU half is tests/test_driver_calls.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +31,13 @@ def _node(bits, block_size, zero_points, bias, dtype, H, I, activation, fusion, 
     return QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape), t, x, lg
 
 
+def _batched(n: int) -> int:
+    """The experts of n driver copies that go in one batch memcpy: none where the driver predates CUDA 12.8."""
+    from kernels.gpu.driver_calls import DriverCalls
+
+    return n if DriverCalls.from_driver().batch_call else 0
+
+
 def _assert_same_slots(cp, got, want, what=""):
     for name in want.slots:
         for key in want.slots[name]:
@@ -46,18 +53,24 @@ def test_driver_copies_fill_slots_as_cupys_calls_and_the_host_packing_do(case):
     from kernels.gpu import GpuQMoE
 
     spec, t, _, _ = _node(*case)
-    host, through_cupy, through_driver = (GpuQMoE(spec, t, num_slots=3, resident=[]) for _ in range(3))
+    host, through_cupy, through_driver, batched = (GpuQMoE(spec, t, num_slots=3, resident=[]) for _ in range(4))
     through_cupy.driver_copies = False
+    through_driver.batch_copies = False  # one memcpy per stored tensor
     stream = cp.cuda.Stream(non_blocking=True)
     for slot, expert in SEQUENCE:
         host.upload_expert(expert, slot, stream=stream)
         through_cupy.upload_expert_device(expert, slot, stream=stream)
         through_driver.upload_expert_device(expert, slot, stream=stream)
+        batched.upload_expert_device(expert, slot, stream=stream)
     stream.synchronize()
     packs = 0 if spec.has_fc3 else len(SEQUENCE)  # FC3: layout.pack, neither path
     assert (through_driver.driver_packs, through_driver.device_packs, through_cupy.driver_packs) == (packs, packs, 0)
-    assert through_driver.driver_copy_fallback is None
+    assert (through_driver.batch_packs, batched.driver_packs, batched.batch_packs) == (0, packs, _batched(packs))
+    assert through_driver.driver_copy_fallback is None and batched.driver_copy_fallback is None
+    assert batched.batch_copy_fallback is None or not _batched(1), batched.batch_copy_fallback
+    _assert_same_slots(cp, batched, through_driver, "batched vs one memcpy per tensor")
     _assert_same_slots(cp, through_driver, host, "driver vs host")
+    _assert_same_slots(cp, batched, host, "batched vs host")
     _assert_same_slots(cp, through_cupy, host, "CuPy vs host")
 
 
@@ -82,6 +95,7 @@ def test_driver_copies_on_two_streams_and_instances_sharing_a_stream():
     s1.synchronize()
     s2.synchronize()
     assert a.driver_packs == b.driver_packs == len(SEQUENCE)
+    assert a.batch_packs == b.batch_packs == _batched(len(SEQUENCE))
     assert a._driver_staging[s1.ptr] is b._driver_staging[s1.ptr]  # one buffer per stream
     assert a._driver_staging[s1.ptr] is not a._driver_staging[s2.ptr]
     _assert_same_slots(cp, a, host_a, "a")
@@ -104,12 +118,13 @@ def test_set_source_copies_through_the_driver_from_the_other_nodes_rows():
         slots.upload_expert_device(expert, slot, stream=stream)
         host_b.upload_expert(expert, slot, stream=stream)
     stream.synchronize()
-    assert slots.driver_packs == 3
+    assert slots.driver_packs == 3 and slots.batch_packs == _batched(3)  # the other node's rows in the same batch
     _assert_same_slots(cp, slots, host_b)
 
 
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "one-memcpy-per-tensor"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_decode_after_driver_copies_matches_the_reference(dtype):
+def test_decode_after_driver_copies_matches_the_reference(dtype, batch):
     cp = pytest.importorskip("cupy")
     from kernels.gpu import GpuQMoE
     from kernels.reference import qmoe_reference
@@ -118,11 +133,13 @@ def test_decode_after_driver_copies_matches_the_reference(dtype):
     spec, t, x, lg = _node(4, 32, False, True, dtype, 128, 64, "swiglu", 1, T=4)
     full = GpuQMoE(spec, t)
     m = GpuQMoE(spec, t, num_slots=spec.num_experts, resident=[])
+    m.batch_copies = batch
     stream = cp.cuda.Stream(non_blocking=True)
     for slot, expert in enumerate(np.random.default_rng(2).permutation(spec.num_experts)):
         m.upload_expert_device(int(expert), slot, stream=stream)
     stream.synchronize()
     assert m.driver_packs == spec.num_experts and m.resident_experts().size == spec.num_experts
+    assert m.batch_packs == (_batched(spec.num_experts) if batch else 0)
     # the decode tolerances of tests/test_qmoe_gpu.py; against all resident from the start: the same kernels on the
     # same slot contents, in another slot order (fp16 output: an ulp where a sum's order differs)
     tol_ref, tol_full = (1e-4, 1e-6) if dtype == "float32" else (4e-3, 2e-3)

@@ -8,10 +8,10 @@ writes every output byte of the slot arrays from the raw rows, and points the ex
 
 ``plan_for`` decides, once per projection, whether the stored tensors are simple enough (no FC3, int4 / int8 rows
 as stored, scales in the layout's dtype, zero points and bias as stored); ``None`` sends the expert through
-``layout.pack``. ``DriverPackIssuer`` issues the copies and the launch straight through the driver, its staging
-buffer and launch arguments made once. ``stage_numpy`` is what the host's copies put in the staging buffer and
-``pack_numpy`` the kernel's index arithmetic in NumPy, reading the descriptor's fields as the kernel does: the CPU
-tests check the two together against ``layout.pack``.
+``layout.pack``. ``DriverPackIssuer`` issues the copies (one batched memcpy where the driver has it) and the launch
+straight through the driver, its staging buffer, memcpy batch and launch arguments made once. ``stage_numpy`` is
+what the host's copies put in the staging buffer and ``pack_numpy`` the kernel's index arithmetic in NumPy, reading
+the descriptor's fields as the kernel does: the CPU tests check the two together against ``layout.pack``.
 """
 from __future__ import annotations
 
@@ -119,30 +119,55 @@ def descriptor(plans, row_src: dict, slot_arrays: dict) -> np.ndarray:
 
 class DriverPackIssuer:
     """Issues expert copies into slots on one stream straight through the driver (kernels.gpu.driver_calls): each
-    stored tensor's rows copied to a staging buffer kept for this stream (cuMemcpyHtoDAsync), then pack_expert
-    launched with its arguments prepared once; per copy only (slot, e, old) are rewritten. The buffer can be reused
-    at once: the next copy's memcpys are ordered on the stream after the previous pack_expert that read it."""
+    stored tensor's rows copied to a staging buffer kept for this stream, in one cuMemcpyBatchAsync (``batch``) or
+    one cuMemcpyHtoDAsync each, then pack_expert launched with its arguments prepared once; per copy only the sources
+    and (slot, e, old) are rewritten. The buffer can be reused at once: the next copy's memcpys are ordered on the
+    stream after the previous pack_expert that read it."""
 
     # pack_expert(desc, staged, slot, slot_map, e, old): source/pack.cu
     SLOT, EXPERT, OLD = 2, 4, 5
 
     def __init__(self, calls, function_ptr: int, grid: int, desc_ptr: int, staging_ptr: int, slot_map_ptr: int,
                  stream_ptr: int):
-        self._memcpy = calls.memcpy_htod_async
+        self._calls, self._memcpy = calls, calls.memcpy_htod_async
         self._staging, self._stream = int(staging_ptr), int(stream_ptr)
         self.launch = calls.prepare(function_ptr, (grid,), (256,), (
             ctypes.c_void_p(desc_ptr), ctypes.c_void_p(staging_ptr), np.int32(0), ctypes.c_void_p(slot_map_ptr),
             np.int32(-1), np.int32(-1)), 0, stream_ptr)
         self._slot, self._e, self._old = (self.launch.argument(i) for i in (self.SLOT, self.EXPERT, self.OLD))
+        self.batch = None  # the prepared batch memcpy of `_batch_copies`' destinations and sizes (None: none yet)
+        self._batch_copies = self._batch_layout = None
 
-    def issue(self, copies, e: int, slot: int, old: int) -> None:
+    def issue(self, copies, e: int, slot: int, old: int, batch: bool = False) -> bool:
         """Expert e into `slot` (whose expert `old`, -1 none, leaves the device's map). `copies`: per stored tensor
-        (its staging offset, its host address at expert 0, bytes per expert): GpuQMoE._host_copies."""
-        memcpy, staging, stream = self._memcpy, self._staging, self._stream
-        for offset, address, row_bytes in copies:
-            memcpy(staging + offset, address + e * row_bytes, row_bytes, stream)
+        (its staging offset, its host address at expert 0, bytes per expert): GpuQMoE._host_copies. `batch`: the
+        copies in one driver call (not on the legacy NULL stream, where they go one by one). True when they were
+        batched; a DriverError of the batch call (or of a driver without one) is raised before the launch."""
+        prepared = None
+        if batch and self._stream:
+            prepared = self.batch if copies is self._batch_copies else self._prepare_batch(copies)
+        if prepared is None:
+            memcpy, staging, stream = self._memcpy, self._staging, self._stream
+            for offset, address, row_bytes in copies:
+                memcpy(staging + offset, address + e * row_bytes, row_bytes, stream)
+        else:
+            sources = prepared.sources
+            for i, (_, address, row_bytes) in enumerate(copies):
+                sources[i] = address + e * row_bytes
+            prepared.copy()
         self._slot.value, self._e.value, self._old.value = slot, e, old
         self.launch.launch()
+        return prepared is not None
+
+    def _prepare_batch(self, copies):
+        """The batch for `copies` (another node's, set_source): made again only where its offsets or sizes differ."""
+        layout = [(offset, row_bytes) for offset, _, row_bytes in copies]
+        if layout != self._batch_layout:
+            self.batch = self._calls.prepare_batch([self._staging + offset for offset, _ in layout],
+                                                   [row_bytes for _, row_bytes in layout], self._stream)
+            self._batch_layout = layout
+        self._batch_copies = copies
+        return self.batch
 
 
 def stage_numpy(plans, e: int) -> np.ndarray:

@@ -241,7 +241,7 @@ class GpuQMoE:
         others go through layout.pack (~30 CuPy calls per projection). The common layouts' copies and launch go
         straight through the driver (``driver_copies``, kernels.gpu.driver_calls: to cut the host's ~40-55 us per
         expert through CuPy, benchmarks/bench_pack_host.py --issue) unless that failed before its first copy
-        (``driver_copy_fallback`` says why)."""
+        (``driver_copy_fallback`` says why), the memcpys of an expert in one batch (``batch_copies``)."""
         cp = _cp()
         e, slot = int(e), int(slot)
         if not 0 <= slot < self.num_slots:
@@ -318,6 +318,12 @@ class GpuQMoE:
         self.driver_copies = os.environ.get("MOE_DRIVER_COPIES", "1") != "0"
         self.driver_copy_fallback = None
         self.driver_packs = 0
+        # the driver path's memcpys of an expert in one cuMemcpyBatchAsync (True) or one call per stored tensor
+        # (False: the A/B, MOE_BATCH_MEMCPY=0 for the engine's); batch_copy_fallback: why they go one by one for good
+        # (no batch memcpy in the driver, a refused batch before the first went through); batch_packs: batched experts
+        self.batch_copies = os.environ.get("MOE_BATCH_MEMCPY", "1") != "0"
+        self.batch_copy_fallback = None
+        self.batch_packs = 0
         self._driver_issuers: dict = {}  # stream pointer -> its DriverPackIssuer
         self._driver_staging: dict = {}  # stream pointer -> the staging buffer its issuer copies into
         self._pack_desc = None
@@ -357,12 +363,22 @@ class GpuQMoE:
         """_pack_expert through the driver's calls, the staging buffer and launch arguments made once per stream
         (pack_device.DriverPackIssuer); the host's maps are updated once the launch is queued. False where the
         driver path failed before its first copy: CuPy's calls from then on, the reason in driver_copy_fallback.
-        The device must be current."""
+        The memcpys go in one batch (``batch_copies``) unless that failed before the first batch went through: one
+        call per tensor from then on, the reason in batch_copy_fallback. The device must be current."""
         try:
             issuer = self._driver_issuers.get(stream.ptr)
             if issuer is None:
                 issuer = self._driver_issuer(stream)
-            issuer.issue(self._pack_copies, e, slot, int(self.expert_in_slot[slot]))
+            old = int(self.expert_in_slot[slot])
+            try:
+                batched = issuer.issue(self._pack_copies, e, slot, old,
+                                       self.batch_copies and self.batch_copy_fallback is None)
+            except DriverError as err:
+                # raised before the launch; after a batch went through, a real failure as below
+                if "cuMemcpyBatchAsync" not in err.call or self.batch_packs:
+                    raise
+                self.batch_copy_fallback = str(err)
+                batched = issuer.issue(self._pack_copies, e, slot, old, False)
         except DriverError as err:
             if self.driver_packs:  # it worked before: a real failure (a bad address ...), not a missing feature
                 raise
@@ -370,6 +386,7 @@ class GpuQMoE:
             return False
         self._map_host(e, slot)
         self.driver_packs += 1
+        self.batch_packs += batched
         return True
 
     def _driver_issuer(self, stream) -> DriverPackIssuer:
