@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from engine import dense_graph
 from engine.decoder_state import DecoderState
 from engine.errors import ModelFileError
 from engine.onnx_file import OnnxFile
@@ -71,22 +72,22 @@ class DenseSegment:
         self.session = session
         self.bindings.clear()
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}
-        self.host_inputs = _inputs_read_on_the_host(session) if dense.kind != "cpu" else frozenset()
+        self.host_inputs = (_inputs_read_on_the_host(session) or frozenset()) if dense.kind != "cpu" else frozenset()
 
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
         """Run with `values` for the cut tensors; returns the segment's non-state outputs."""
         return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
 
 
-def _inputs_read_on_the_host(session: ort.InferenceSession) -> frozenset[str]:
+def _inputs_read_on_the_host(session: ort.InferenceSession) -> frozenset[str] | None:
     """The inputs a session on a device reads in host memory (onnxruntime's input memory infos: GroupQueryAttention's
     total_sequence_length, shape inputs of nodes left on the CPU). A device buffer bound to one is copied to the host
-    when bound, so it cannot stay on the device and be bound once. Empty where onnxruntime cannot say (before
-    1.23): the float-only rule of DEVICE_ONNX_TYPES then stands alone."""
+    when bound, so it cannot stay on the device and be bound once. None where onnxruntime cannot say (before 1.23):
+    the float-only rule of DEVICE_ONNX_TYPES then stands alone, and no run is replayed as a graph."""
     try:
         infos = session.get_input_memory_infos()
     except (AttributeError, RuntimeError):
-        return frozenset()
+        return None
     return frozenset(i.name for i, info in zip(session.get_inputs(), infos) if info.name == "Cpu")
 
 
@@ -149,6 +150,10 @@ class SegmentBinding:
         # Nor with outputs left in device memory: DeviceOutputs keeps those buffers itself.
         self._reusable = (fresh is not None and len(self._fresh) < len(self.fetched)
                           and backend.device_type == "cpu" and self._on_device is None)
+        # Every output left in GPU memory: the decode run may be replayed as a CUDA graph (dense_graph.py)
+        host_read = _inputs_read_on_the_host(session)
+        self._graphs = (dense_graph.SegmentGraphs(backend, host_read)
+                        if self._on_device is not None and self._on_device.all and host_read is not None else None)
         self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
         # ... but for the attention mask, which grows by one at every decode step: the outputs' shapes do not follow
         # it in the models seen (GQA reduces it to sequence lengths), so the first segment's outputs are kept too;
@@ -189,9 +194,12 @@ class SegmentBinding:
         # Device arrays (a kept DeviceOutputs buffer, an expert node's result on the GPU) are bound by pointer, read
         # where they lie: the same array is bound still.
         held, rebind = self._held, self._inputs_copied_at_bind
+        graphs = self._graphs if dense_graph.enabled and self._graphs is not None and not self._graphs.failed else None
         for name in self.cut:
             array = values[name]
             on_host = isinstance(array, np.ndarray)
+            if graphs is not None and on_host and name not in graphs.host_read:
+                array, on_host = graphs.stage(name, array), False  # the same device buffer at every step
             if (rebind and on_host) or held.get(name) is not array:
                 held[name] = array
                 if not on_host:
@@ -215,6 +223,11 @@ class SegmentBinding:
         kept = on_device is not None and on_device.bound(values)
         if on_device is not None and not kept:
             on_device.unbind()
+        if graphs is not None and kept:
+            key = self._graph_key()
+            if graphs.replay(key) or (graphs.due(key) and graphs.capture(
+                    key, lambda: self.session.run_with_iobinding(binding, on_device.no_sync))):
+                return dict(on_device.results)
         try:
             self.session.run_with_iobinding(binding, on_device.no_sync if kept and on_device.all else None)
         except Exception:
@@ -253,6 +266,15 @@ class SegmentBinding:
         if self._reusable:
             self._results = results
         return results
+
+    def _graph_key(self) -> tuple:
+        """The device buffers this run reads and writes (the inputs bound, the state buffers, the kept outputs), by
+        pointer and shape: a captured run replays only onto the very buffers it was captured with."""
+        key = [(a.data.ptr, a.shape) for a in (self._held[name] for name in self.cut) if not isinstance(a, np.ndarray)]
+        key += [(slot.array.data.ptr, slot.array.shape) for _, slot in self.state_inputs]
+        key += [(slot.present.data.ptr, slot.present.shape) for _, slot in self.state_outputs]
+        key += [(a.data.ptr, a.shape) for a in self._on_device.results.values()]
+        return tuple(key)
 
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""

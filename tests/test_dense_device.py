@@ -695,3 +695,59 @@ def test_dense_sessions_on_the_gpu_run_on_the_callers_thread_alone(monkeypatch):
     assert ort_env.DenseDevice("cpu").session_options().intra_op_num_threads == ort_env.cpu_threads()
     monkeypatch.setattr(ort_env.DenseDevice, "dense_pool_on_gpu", True)  # the benchmarks' A/B
     assert ort_env.DenseDevice("cuda").session_options().intra_op_num_threads == ort_env.cpu_threads()
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("name", sorted(FP16_MODELS))
+def test_cuda_dense_graphs_replay_what_onnxruntime_runs(monkeypatch, tmp_path, name, fraction):
+    """Decode with the dense segments' runs replayed as CUDA graphs (engine/dense_graph.py) gives the logits of
+    onnxruntime's own runs at every step, fully resident (inputs from launch_routed) and half resident (from
+    merge_on_device), across a KV buffer's growth (a new key, captured again) and past a sliding window; and the
+    graphs were replayed, not skipped."""
+    from engine import dense_graph
+    from engine.offload.planner import all_resident_bytes
+
+    folder = write_model(tmp_path / name, FP16_MODELS[name])
+    budget = int(fraction * all_resident_bytes(LoadedModel.open(folder).folder.experts))
+    eager = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
+    graphed = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
+    assert graphed.dense_device == "cuda", graphed.dense_reason
+    replays, captures, failures = [], [], []
+    real_replay, real_capture = dense_graph.SegmentGraphs.replay, dense_graph.SegmentGraphs.capture
+
+    def replay_spy(self, key):
+        done = real_replay(self, key)
+        replays.append(done)
+        return done
+
+    def capture_spy(self, key, run):
+        done = real_capture(self, key, run)
+        captures.append((id(self), done))
+        failures.extend([self.failed] if self.failed else [])
+        return done
+
+    monkeypatch.setattr(dense_graph.SegmentGraphs, "replay", replay_spy)
+    monkeypatch.setattr(dense_graph.SegmentGraphs, "capture", capture_spy)
+    eager_state, graphed_state = eager.new_state(), graphed.new_state()
+    prompt = [int(t) for t in np.random.default_rng(5).integers(10, FP16_MODELS[name].vocab_size, PROMPT_TOKENS)]
+    monkeypatch.setattr(dense_graph, "enabled", False)
+    ref = eager.decoder.forward(eager_state, prompt)
+    monkeypatch.setattr(dense_graph, "enabled", True)
+    ours = graphed.decoder.forward(graphed_state, prompt)
+    errors = []
+    for _ in range(40):  # both fed the eager model's token
+        token = int(ref[-1].argmax())
+        monkeypatch.setattr(dense_graph, "enabled", False)
+        ref = eager.decoder.forward(eager_state, [token])
+        monkeypatch.setattr(dense_graph, "enabled", True)
+        ours = graphed.decoder.forward(graphed_state, [token])
+        errors.append(relative_error(ours, ref))
+    assert graphed_state.past_length > CAPACITY_STEP  # the KV buffers grew during the decode
+    assert failures == [] and captures and all(done for _, done in captures), failures
+    segments = len({owner for owner, _ in captures})  # the segments whose outputs all stay on the GPU
+    assert segments == FP16_MODELS[name].layers - 1
+    # 2 eager runs and a capture per key (the KV buffers' growth makes a second): the rest replayed
+    assert sum(replays) >= segments * (40 - 2 * (dense_graph.WARM_RUNS + 1)), (sum(replays), segments)
+    assert max(errors) <= 1e-3, f"max relative error {max(errors):.2e} (step {int(np.argmax(errors))})"

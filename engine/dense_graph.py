@@ -1,0 +1,105 @@
+"""A dense segment's decode run on the GPU, replayed as a CUDA graph.
+
+onnxruntime's run of one dense segment costs the host 140-250 µs a layer on the H200 (RESULTS.md: `dense_ort`) for
+about ten nodes of GPU work: at high residency most of a decode step. Here, once a segment's decode run has repeated
+with the same buffers, onnxruntime runs it once more while the dense stream (its user_compute_stream) is captured:
+its kernels are recorded into a graph instead of run, and later steps launch that graph in one call while every
+buffer it reads and writes lies where it did.
+
+What lies where it did: the bound device buffers (the cut tensors, the KV and state buffers, the kept outputs: the
+graph's key, so a grown KV buffer or a swapped state buffer takes a graph of its own) and onnxruntime's scratch,
+which its arena hands out again to later runs of any segment, but only to runs queued on the same stream, one after
+another, as for its own runs. Inputs given on the host that onnxruntime reads on the device (GroupQueryAttention's
+seqlens_k) are copied into a buffer of ours before each run, the same buffer at every step; inputs it reads on the
+host (total_sequence_length) are read by the captured run only, so a segment whose kernels depend on such a value
+beyond the run it was captured in must not be replayed: the GPU tests compare replayed decoding with onnxruntime's.
+
+Off unless MOE_DENSE_GRAPHS=1 (or `enabled` set): measured against onnxruntime's runs in the same process first.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+H2D = 1  # cudaMemcpyKind
+WARM_RUNS = 2  # runs with a key before it is captured: onnxruntime's first runs allocate and tune
+MAX_GRAPHS = 4  # per binding: a swapped state buffer alternates between two keys; a grown KV buffer makes a new one
+
+enabled = os.environ.get("MOE_DENSE_GRAPHS", "0") == "1"
+
+
+class SegmentGraphs:
+    """The captured runs of one SegmentBinding, by key (the bound buffers), and the device copies of its host inputs
+    that onnxruntime reads on the device. `failed`: why capture stopped for this binding (it runs eagerly then)."""
+
+    def __init__(self, backend, host_read: frozenset[str]):
+        self.backend = backend
+        self.host_read = host_read
+        self.failed: str | None = None
+        self._graphs: OrderedDict = OrderedDict()
+        self._seen: dict[tuple, int] = {}
+        self._staged: dict[str, object] = {}  # input name -> its device buffer
+
+    def stage(self, name: str, array: np.ndarray):
+        """`array` (host) copied into this input's device buffer, queued on the dense stream; returns the buffer."""
+        cp = self.backend.xp
+        buffer = self._staged.get(name)
+        if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+            with self.backend._scope():
+                buffer = self._staged[name] = cp.empty(array.shape, array.dtype)
+        array = np.ascontiguousarray(array)
+        if array.nbytes:
+            cp.cuda.runtime.memcpyAsync(buffer.data.ptr, array.ctypes.data, array.nbytes, H2D,
+                                        self.backend.stream.ptr)
+        return buffer
+
+    def replay(self, key: tuple) -> bool:
+        """Launch the graph captured for `key` on the dense stream; False when there is none."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            return False
+        self._graphs.move_to_end(key)
+        graph.launch(self.backend.stream)
+        return True
+
+    def due(self, key: tuple) -> bool:
+        """Count an eager run with `key`; True when the next one should be captured."""
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        if len(self._seen) > 4 * MAX_GRAPHS:  # keys of buffers long gone (KV growth, other shapes)
+            self._seen = {key: seen}
+        return seen > WARM_RUNS
+
+    def capture(self, key: tuple, run) -> bool:
+        """`run()` (onnxruntime's run of the bound segment, no synchronisation) under capture of the dense stream,
+        then its graph launched (the capture recorded the kernels, it did not run them). False, with `failed` set,
+        where this onnxruntime or driver cannot capture it: the caller runs it eagerly, now and from now on."""
+        cp = self.backend.xp
+        stream = self.backend.stream
+        mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)  # onnxruntime's arena may allocate
+        try:
+            stream.begin_capture(*(() if mode is None else (mode,)))
+        except Exception as exc:  # noqa: BLE001 - no capture here: eager runs
+            self.failed = f"cannot begin a capture: {exc}"
+            return False
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - whatever onnxruntime raised under capture
+            self.failed = f"onnxruntime's run under capture: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+            try:
+                stream.end_capture()
+            except Exception:  # noqa: BLE001 - the capture was invalidated already
+                pass
+            return False
+        try:
+            graph = stream.end_capture()
+        except Exception as exc:  # noqa: BLE001 - invalidated by a call capture does not allow
+            self.failed = f"the capture was invalidated: {exc}"
+            return False
+        self._graphs[key] = graph
+        if len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        graph.launch(stream)
+        return True

@@ -1,0 +1,110 @@
+"""engine/dense_graph.py on the CPU, with a stand-in for CuPy's stream capture: when a segment's run is captured,
+replayed, given up on, and how its host inputs reach the device. The GPU test (test_dense_device.py,
+test_cuda_dense_graphs_replay_what_onnxruntime_runs) checks replayed decoding against onnxruntime's own runs."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine import dense_graph
+from engine.dense_graph import MAX_GRAPHS, WARM_RUNS, SegmentGraphs
+
+
+class FakeStream:
+    ptr = 77
+
+    def __init__(self, log):
+        self.log = log
+        self.capturing = False
+
+    def begin_capture(self, mode=None):
+        self.log.append(("begin", mode))
+        self.capturing = True
+
+    def end_capture(self):
+        self.log.append(("end",))
+        self.capturing = False
+        return SimpleNamespace(launch=lambda stream: self.log.append(("launch", stream.ptr)))
+
+
+class FakeBackend:
+    def __init__(self):
+        self.log = []
+        self.stream = FakeStream(self.log)
+        runtime = SimpleNamespace(streamCaptureModeRelaxed=2,
+                                  memcpyAsync=lambda dst, src, n, kind, stream: self.log.append(("copy", n, kind, stream)))
+        buffers = self
+
+        class Array(np.ndarray):
+            @property
+            def data(self):
+                return SimpleNamespace(ptr=self.ctypes.data)
+
+        def empty(shape, dtype):
+            buffers.log.append(("alloc", tuple(shape)))
+            return np.empty(shape, dtype).view(Array)
+
+        self.xp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime), empty=empty)
+
+    def _scope(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_a_key_is_captured_after_its_warm_runs_then_replayed():
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset())
+    key = ((1, (1, 8)),)
+    assert not graphs.replay(key)
+    assert [graphs.due(key) for _ in range(WARM_RUNS + 1)] == [False] * WARM_RUNS + [True]
+    ran = []
+    assert graphs.capture(key, lambda: ran.append(backend.stream.capturing))
+    assert ran == [True]  # onnxruntime's run happened under capture, relaxed (its arena may allocate)
+    assert backend.log == [("begin", 2), ("end",), ("launch", 77)]  # and the captured graph ran once
+    assert graphs.replay(key) and backend.log[-1] == ("launch", 77)
+    assert not graphs.replay(((2, (1, 8)),))  # other buffers: not this graph
+
+
+def test_a_run_that_fails_under_capture_ends_it_and_stops_capturing_for_the_binding():
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset())
+
+    def run():
+        raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing\nmore detail")
+
+    assert not graphs.capture(("k",), run)
+    assert backend.log == [("begin", 2), ("end",)]
+    assert graphs.failed == "onnxruntime's run under capture: CUDA failure 900: operation not permitted when stream " \
+                            "is capturing"
+    assert not graphs.replay(("k",))
+
+
+def test_old_graphs_give_way_to_new_keys():
+    graphs = SegmentGraphs(FakeBackend(), frozenset())
+    keys = [(i,) for i in range(MAX_GRAPHS + 1)]
+    for key in keys:
+        assert graphs.capture(key, lambda: None)
+    assert not graphs.replay(keys[0]) and all(graphs.replay(key) for key in keys[1:])
+
+
+def test_host_inputs_read_on_the_device_go_through_one_buffer():
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset({"total_sequence_length"}))
+    first = graphs.stage("seqlens_k", np.array([5], np.int32))
+    again = graphs.stage("seqlens_k", np.array([6], np.int32))
+    assert again is first  # the same device buffer at every step: the graph's pointer
+    assert backend.log == [("alloc", (1,)), ("copy", 4, 1, 77), ("copy", 4, 1, 77)]
+    grown = graphs.stage("seqlens_k", np.array([[6, 7]], np.int32))
+    assert grown is not first and grown.shape == (1, 2)
+
+
+def test_graphs_are_off_unless_asked(monkeypatch):
+    import importlib
+
+    monkeypatch.delenv("MOE_DENSE_GRAPHS", raising=False)
+    assert importlib.reload(dense_graph).enabled is False
+    monkeypatch.setenv("MOE_DENSE_GRAPHS", "1")
+    assert importlib.reload(dense_graph).enabled is True
+    monkeypatch.delenv("MOE_DENSE_GRAPHS")
+    importlib.reload(dense_graph)
