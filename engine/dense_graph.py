@@ -10,15 +10,21 @@ What lies where it did: the bound device buffers (the cut tensors, the KV and st
 graph's key, so a grown KV buffer or a swapped state buffer takes a graph of its own) and onnxruntime's scratch,
 which its arena hands out again to later runs of any segment, but only to runs queued on the same stream, one after
 another, as for its own runs. Inputs given on the host that onnxruntime reads on the device (GroupQueryAttention's
-seqlens_k) are copied into a buffer of ours before each run, the same buffer at every step; inputs it reads on the
-host (total_sequence_length) are read by the captured run only, so a segment whose kernels depend on such a value
-beyond the run it was captured in must not be replayed: the GPU tests compare replayed decoding with onnxruntime's.
+seqlens_k) are copied into a buffer of ours before each run, the same buffer at every step.
+
+An input onnxruntime reads on the host is read by the captured run only. The one such input of a decode segment is
+GroupQueryAttention's total_sequence_length, "the max of total sequence lengths": its flash-decoding kernels take
+their split of the keys from it (seen on the H200: replays with the captured value went wrong from the first replay
+on), while each sequence's own length comes from seqlens_k on the device. So graphed runs are given the KV buffer's
+capacity instead, the same at every step (a grown buffer makes a new key); segments with a sliding-window
+GroupQueryAttention, or any other input read on the host, are not replayed.
 
 Off unless MOE_DENSE_GRAPHS=1 (or `enabled` set): measured against onnxruntime's runs in the same process first.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import OrderedDict
 
@@ -31,13 +37,31 @@ MAX_GRAPHS = 4  # per binding: a swapped state buffer alternates between two key
 enabled = os.environ.get("MOE_DENSE_GRAPHS", "0") == "1"
 
 
+def total_length_inputs(nodes, inputs) -> dict[str, str] | None:
+    """{each segment input that is a GroupQueryAttention's total_sequence_length: that node's past_key input}, or None
+    where the segment's runs must not be replayed (a GroupQueryAttention with a local window, or without a past_key
+    to take the capacity from)."""
+    found = {}
+    for node in nodes:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        window = next((attribute.i for attribute in node.attribute if attribute.name == "local_window_size"), -1)
+        if window != -1 or len(node.input) < 7 or not node.input[3]:
+            return None
+        if node.input[6] in inputs:
+            found[node.input[6]] = node.input[3]
+    return found
+
+
 class SegmentGraphs:
     """The captured runs of one SegmentBinding, by key (the bound buffers), and the device copies of its host inputs
     that onnxruntime reads on the device. `failed`: why capture stopped for this binding (it runs eagerly then)."""
 
-    def __init__(self, backend, host_read: frozenset[str]):
+    def __init__(self, backend, host_read: frozenset[str], lengths: dict):
         self.backend = backend
         self.host_read = host_read
+        self.lengths = lengths  # total_sequence_length input -> the StateSlot of its KV buffer
+        self._capacities: dict[int, np.ndarray] = {}
         self.failed: str | None = None
         self._graphs: OrderedDict = OrderedDict()
         self._seen: dict[tuple, int] = {}
@@ -55,6 +79,14 @@ class SegmentGraphs:
             cp.cuda.runtime.memcpyAsync(buffer.data.ptr, array.ctypes.data, array.nbytes, H2D,
                                         self.backend.stream.ptr)
         return buffer
+
+    def total_length(self, name: str) -> np.ndarray:
+        """What a graphed run is given for total_sequence_length input `name`: its KV buffer's capacity."""
+        capacity = int(self.lengths[name].array.shape[2])
+        value = self._capacities.get(capacity)
+        if value is None:
+            value = self._capacities[capacity] = np.array(capacity, np.int32)
+        return value
 
     def replay(self, key: tuple) -> bool:
         """Launch the graph captured for `key` on the dense stream; False when there is none."""
@@ -79,6 +111,15 @@ class SegmentGraphs:
         cp = self.backend.xp
         stream = self.backend.stream
         mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)  # onnxruntime's arena may allocate
+        gc_was_on = gc.isenabled()
+        gc.disable()  # a graph freed by a collection during the capture would fail (not permitted while capturing)
+        try:
+            return self._capture(key, run, stream, mode)
+        finally:
+            if gc_was_on:
+                gc.enable()
+
+    def _capture(self, key: tuple, run, stream, mode) -> bool:
         try:
             stream.begin_capture(*(() if mode is None else (mode,)))
         except Exception as exc:  # noqa: BLE001 - no capture here: eager runs

@@ -72,6 +72,7 @@ class DenseSegment:
         self.session = session
         self.bindings.clear()
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}
+        self.bindings.total_lengths = dense_graph.total_length_inputs(segment.nodes, segment.inputs)
         self.host_inputs = (_inputs_read_on_the_host(session) or frozenset()) if dense.kind != "cpu" else frozenset()
 
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
@@ -113,7 +114,7 @@ class SegmentBinding:
     """
 
     def __init__(self, session: ort.InferenceSession, inputs: list[str], outputs: list[str], state: DecoderState,
-                 fresh: set[str] | None = None, on_device: set[str] = frozenset()):
+                 fresh: set[str] | None = None, on_device: set[str] = frozenset(), total_lengths: dict | None = None):
         self.session = session
         self.binding = session.io_binding()
         backend = self.backend = state.backend
@@ -151,9 +152,13 @@ class SegmentBinding:
         self._reusable = (fresh is not None and len(self._fresh) < len(self.fetched)
                           and backend.device_type == "cpu" and self._on_device is None)
         # Every output left in GPU memory: the decode run may be replayed as a CUDA graph (dense_graph.py)
+        # (total_lengths: dense_graph.total_length_inputs; every input read on the host must be one of them)
         host_read = _inputs_read_on_the_host(session)
-        self._graphs = (dense_graph.SegmentGraphs(backend, host_read)
-                        if self._on_device is not None and self._on_device.all and host_read is not None else None)
+        lengths = {name: state.slot_for_past(past) for name, past in (total_lengths or {}).items()}
+        replayable = (self._on_device is not None and self._on_device.all and host_read is not None
+                      and total_lengths is not None and host_read <= set(lengths)
+                      and all(slot is not None and slot.shared for slot in lengths.values()))
+        self._graphs = dense_graph.SegmentGraphs(backend, host_read, lengths) if replayable else None
         self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
         # ... but for the attention mask, which grows by one at every decode step: the outputs' shapes do not follow
         # it in the models seen (GQA reduces it to sequence lengths), so the first segment's outputs are kept too;
@@ -198,8 +203,11 @@ class SegmentBinding:
         for name in self.cut:
             array = values[name]
             on_host = isinstance(array, np.ndarray)
-            if graphs is not None and on_host and name not in graphs.host_read:
-                array, on_host = graphs.stage(name, array), False  # the same device buffer at every step
+            if graphs is not None and on_host:
+                if name in graphs.lengths:
+                    array = graphs.total_length(name)  # the KV buffer's capacity, the same at every step
+                elif name not in graphs.host_read:
+                    array, on_host = graphs.stage(name, array), False  # the same device buffer at every step
             if (rebind and on_host) or held.get(name) is not array:
                 held[name] = array
                 if not on_host:
@@ -387,6 +395,9 @@ class SegmentBindings:
         # Outputs callers keep past a step (the logits); the others are read within the step only and
         # their buffers are reused at the next (SegmentBinding). None: every output a new array.
         self.fresh: set[str] | None = None
+        # GroupQueryAttention's total_sequence_length inputs and their KV inputs (dense_graph.total_length_inputs):
+        # None where the segment's decode runs may not be replayed as CUDA graphs
+        self.total_lengths: dict[str, str] | None = None
         # Outputs left in GPU memory when the state is there (PartitionedDecoder.place_cut_tensors)
         self.on_device: frozenset[str] = frozenset()
 
@@ -394,7 +405,7 @@ class SegmentBindings:
             state: DecoderState) -> dict[str, np.ndarray]:
         kept = bound = self._by_state.get(state)
         if bound is None or bound.session is not session:
-            bound = SegmentBinding(session, inputs, outputs, state, self.fresh, self.on_device)
+            bound = SegmentBinding(session, inputs, outputs, state, self.fresh, self.on_device, self.total_lengths)
         results = bound.run(values)
         if bound.holds(values, results) <= KEEP_BINDING_BYTES:
             if bound is not kept:

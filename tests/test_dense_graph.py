@@ -54,7 +54,7 @@ class FakeBackend:
 
 def test_a_key_is_captured_after_its_warm_runs_then_replayed():
     backend = FakeBackend()
-    graphs = SegmentGraphs(backend, frozenset())
+    graphs = SegmentGraphs(backend, frozenset(), {})
     key = ((1, (1, 8)),)
     assert not graphs.replay(key)
     assert [graphs.due(key) for _ in range(WARM_RUNS + 1)] == [False] * WARM_RUNS + [True]
@@ -68,7 +68,7 @@ def test_a_key_is_captured_after_its_warm_runs_then_replayed():
 
 def test_a_run_that_fails_under_capture_ends_it_and_stops_capturing_for_the_binding():
     backend = FakeBackend()
-    graphs = SegmentGraphs(backend, frozenset())
+    graphs = SegmentGraphs(backend, frozenset(), {})
 
     def run():
         raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing\nmore detail")
@@ -81,7 +81,7 @@ def test_a_run_that_fails_under_capture_ends_it_and_stops_capturing_for_the_bind
 
 
 def test_old_graphs_give_way_to_new_keys():
-    graphs = SegmentGraphs(FakeBackend(), frozenset())
+    graphs = SegmentGraphs(FakeBackend(), frozenset(), {})
     keys = [(i,) for i in range(MAX_GRAPHS + 1)]
     for key in keys:
         assert graphs.capture(key, lambda: None)
@@ -90,7 +90,7 @@ def test_old_graphs_give_way_to_new_keys():
 
 def test_host_inputs_read_on_the_device_go_through_one_buffer():
     backend = FakeBackend()
-    graphs = SegmentGraphs(backend, frozenset({"total_sequence_length"}))
+    graphs = SegmentGraphs(backend, frozenset({"total_sequence_length"}), {})
     first = graphs.stage("seqlens_k", np.array([5], np.int32))
     again = graphs.stage("seqlens_k", np.array([6], np.int32))
     assert again is first  # the same device buffer at every step: the graph's pointer
@@ -108,3 +108,24 @@ def test_graphs_are_off_unless_asked(monkeypatch):
     assert importlib.reload(dense_graph).enabled is True
     monkeypatch.delenv("MOE_DENSE_GRAPHS")
     importlib.reload(dense_graph)
+
+
+def test_replayed_runs_take_the_kv_capacity_for_total_sequence_length():
+    import onnx
+
+    def gqa(name, window=-1, total="total_seq_len"):
+        return onnx.helper.make_node("GroupQueryAttention", ["q", "", "", f"past_{name}.key", f"past_{name}.value",
+                                     "seqlens_k", total], ["o", "pk", "pv"], domain="com.microsoft",
+                                     local_window_size=window, num_heads=4, kv_num_heads=2)
+
+    add = onnx.helper.make_node("Add", ["a", "b"], ["c"])
+    inputs = ["q", "seqlens_k", "total_seq_len", "past_1.key", "past_1.value"]
+    assert dense_graph.total_length_inputs([add, gqa("1")], inputs) == {"total_seq_len": "past_1.key"}
+    assert dense_graph.total_length_inputs([add], inputs) == {}
+    assert dense_graph.total_length_inputs([gqa("1", window=16)], inputs) is None  # sliding window: not replayed
+    slot = SimpleNamespace(array=np.zeros((1, 2, 256, 8), np.float16))
+    graphs = SegmentGraphs(FakeBackend(), frozenset({"total_seq_len"}), {"total_seq_len": slot})
+    first = graphs.total_length("total_seq_len")
+    assert first.dtype == np.int32 and int(first) == 256 and graphs.total_length("total_seq_len") is first
+    slot.array = np.zeros((1, 2, 512, 8), np.float16)  # the KV buffer grew
+    assert int(graphs.total_length("total_seq_len")) == 512
