@@ -745,12 +745,12 @@ def test_cuda_dense_graphs_replay_what_onnxruntime_runs(monkeypatch, tmp_path, n
         ours = graphed.decoder.forward(graphed_state, [token])
         errors.append(relative_error(ours, ref))
     assert graphed_state.past_length > CAPACITY_STEP  # the KV buffers grew during the decode
+    assert max(errors) <= 1e-3, f"max relative error {max(errors):.2e} (step {int(np.argmax(errors))}): {errors}"
     assert failures == [] and captures and all(done for _, done in captures), failures
     segments = len({owner for owner, _ in captures})
     # the segments between two expert nodes (outputs all on the GPU) without a sliding-window attention
     dense = [runner for runner in graphed.decoder.steps if isinstance(runner, dense_segment.DenseSegment)]
     assert segments == sum(runner.bindings.total_lengths is not None for runner in dense[1:-1])
     assert segments >= (1 if FP16_MODELS[name].sliding_window is None else 0)
-    # 2 eager runs and a capture per key (the KV buffers' growth makes a second): the rest replayed
-    assert sum(replays) >= segments * (40 - 2 * (dense_graph.WARM_RUNS + 1)), (sum(replays), segments)
-    assert max(errors) <= 1e-3, f"max relative error {max(errors):.2e} (step {int(np.argmax(errors))})"
+    # per key (the KV buffers' growth makes a second) its warm eager runs and its capture: the rest replayed
+    assert sum(replays) >= segments * (40 - 3 * (dense_graph.WARM_RUNS + 1)), (sum(replays), segments)
