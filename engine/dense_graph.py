@@ -19,7 +19,10 @@ on), while each sequence's own length comes from seqlens_k on the device. So gra
 capacity instead, the same at every step (a grown buffer makes a new key); segments with a sliding-window
 GroupQueryAttention, or any other input read on the host, are not replayed.
 
-Off unless MOE_DENSE_GRAPHS=1 (or `enabled` set): measured against onnxruntime's runs in the same process first.
+Only segments made of the operators in REPLAYED_OPS are replayed: those whose replays were checked against
+onnxruntime's own runs on the GPU (the writer's models, as genai's builder makes them: attention by
+GroupQueryAttention, int4 MatMulNBits projections). Others (a convolution's or a linear attention's state updates)
+run as before. MOE_DENSE_GRAPHS=0 turns replays off.
 """
 
 from __future__ import annotations
@@ -34,15 +37,19 @@ H2D = 1  # cudaMemcpyKind
 WARM_RUNS = 2  # runs with a key before it is captured: onnxruntime's first runs allocate and tune
 MAX_GRAPHS = 4  # per binding: a swapped state buffer alternates between two keys; a grown KV buffer makes a new one
 
-enabled = os.environ.get("MOE_DENSE_GRAPHS", "0") == "1"
+enabled = os.environ.get("MOE_DENSE_GRAPHS", "1") != "0"
+REPLAYED_OPS = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMulNBits", "Add",
+                          "GroupQueryAttention", "Reshape"})
 
 
 def total_length_inputs(nodes, inputs) -> dict[str, str] | None:
     """{each segment input that is a GroupQueryAttention's total_sequence_length: that node's past_key input}, or None
     where the segment's runs must not be replayed (a GroupQueryAttention with a local window, or without a past_key
-    to take the capacity from)."""
+    to take the capacity from, or an operator outside REPLAYED_OPS)."""
     found = {}
     for node in nodes:
+        if node.op_type not in REPLAYED_OPS:
+            return None
         if node.op_type != "GroupQueryAttention":
             continue
         window = next((attribute.i for attribute in node.attribute if attribute.name == "local_window_size"), -1)

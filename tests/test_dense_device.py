@@ -745,7 +745,9 @@ def test_cuda_dense_graphs_replay_what_onnxruntime_runs(monkeypatch, tmp_path, n
         ours = graphed.decoder.forward(graphed_state, [token])
         errors.append(relative_error(ours, ref))
     assert graphed_state.past_length > CAPACITY_STEP  # the KV buffers grew during the decode
-    assert max(errors) <= 1e-3, f"max relative error {max(errors):.2e} (step {int(np.argmax(errors))}): {errors}"
+    # (half resident, the two models' miss policies may split a step's misses differently between the CPU's kernels
+    # and the GPU's: fp16 rounding apart, ~1e-3; replays with a wrong attention length were off by 0.06-0.6)
+    assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e} (step {int(np.argmax(errors))})"
     assert failures == [] and captures and all(done for _, done in captures), failures
     segments = len({owner for owner, _ in captures})
     # the segments between two expert nodes (outputs all on the GPU) without a sliding-window attention

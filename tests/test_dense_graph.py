@@ -99,13 +99,13 @@ def test_host_inputs_read_on_the_device_go_through_one_buffer():
     assert grown is not first and grown.shape == (1, 2)
 
 
-def test_graphs_are_off_unless_asked(monkeypatch):
+def test_graphs_are_on_unless_turned_off(monkeypatch):
     import importlib
 
     monkeypatch.delenv("MOE_DENSE_GRAPHS", raising=False)
-    assert importlib.reload(dense_graph).enabled is False
-    monkeypatch.setenv("MOE_DENSE_GRAPHS", "1")
     assert importlib.reload(dense_graph).enabled is True
+    monkeypatch.setenv("MOE_DENSE_GRAPHS", "0")
+    assert importlib.reload(dense_graph).enabled is False
     monkeypatch.delenv("MOE_DENSE_GRAPHS")
     importlib.reload(dense_graph)
 
@@ -123,6 +123,8 @@ def test_replayed_runs_take_the_kv_capacity_for_total_sequence_length():
     assert dense_graph.total_length_inputs([add, gqa("1")], inputs) == {"total_seq_len": "past_1.key"}
     assert dense_graph.total_length_inputs([add], inputs) == {}
     assert dense_graph.total_length_inputs([gqa("1", window=16)], inputs) is None  # sliding window: not replayed
+    conv = onnx.helper.make_node("Conv", ["a", "w"], ["y"])
+    assert dense_graph.total_length_inputs([add, conv, gqa("1")], inputs) is None  # not checked on a GPU: not replayed
     slot = SimpleNamespace(array=np.zeros((1, 2, 256, 8), np.float16))
     graphs = SegmentGraphs(FakeBackend(), frozenset({"total_seq_len"}), {"total_seq_len": slot})
     first = graphs.total_length("total_seq_len")
