@@ -199,7 +199,11 @@ class SegmentBinding:
         # Device arrays (a kept DeviceOutputs buffer, an expert node's result on the GPU) are bound by pointer, read
         # where they lie: the same array is bound still.
         held, rebind = self._held, self._inputs_copied_at_bind
-        graphs = self._graphs if dense_graph.enabled and self._graphs is not None and not self._graphs.failed else None
+        # graphs: decode runs with the kept outputs' shapes only (a prompt's run takes onnxruntime's own path: with
+        # the capacity as its total length GroupQueryAttention would not see a first prompt)
+        graphs = self._graphs
+        if graphs is not None and not (dense_graph.enabled and not graphs.failed and self._on_device.bound(values)):
+            graphs = None
         for name in self.cut:
             array = values[name]
             on_host = isinstance(array, np.ndarray)
