@@ -23,6 +23,7 @@ normalize_routing_weights; router_weights); the sparse mixer routes on the host 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import weakref
 
@@ -691,7 +692,19 @@ class GpuQMoE:
     @staticmethod
     def _capture(stream, launch):
         """`launch`'s kernels captured as a CUDA graph (thread-local capture: another thread's CUDA calls meanwhile
-        are not affected); _EAGER where this CuPy or driver cannot capture them."""
+        are not affected); _EAGER where this CuPy or driver cannot capture them. No garbage collection meanwhile: a
+        graph it freed (another node's, one of a resized set of slots) would fail to be destroyed during the capture
+        and leave CUDA's last error set for the next kernel that checks it (onnxruntime's nodes do)."""
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return GpuQMoE._capture_launches(stream, launch)
+        finally:
+            if gc_was_on:
+                gc.enable()
+
+    @staticmethod
+    def _capture_launches(stream, launch):
         cp = _cp()
         mode = getattr(cp.cuda.runtime, "streamCaptureModeThreadLocal", None)
         try:
