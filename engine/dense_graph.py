@@ -38,11 +38,6 @@ WARM_RUNS = 2  # runs with a key before it is captured: onnxruntime's first runs
 MAX_GRAPHS = 4  # per binding: a swapped state buffer alternates between two keys; a grown KV buffer makes a new one
 
 enabled = os.environ.get("MOE_DENSE_GRAPHS", "1") != "0"
-# Graphs of bindings that are gone, or evicted: freed at the next capture or missed replay, never in between. A graph
-# freed while a stream of the thread captures (a garbage collection during GpuQMoE's own capture on the compute stream)
-# fails, and leaves CUDA's last error set for whichever kernel checks it next (seen on the H200: an onnxruntime node).
-_retired: list = []
-
 REPLAYED_OPS = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMulNBits", "Add",
                           "GroupQueryAttention", "Reshape"})
 
@@ -92,9 +87,6 @@ class SegmentGraphs:
                                         self.backend.stream.ptr)
         return buffer
 
-    def __del__(self):
-        _retired.extend(self._graphs.values())
-
     def total_length(self, name: str) -> np.ndarray:
         """What a graphed run is given for total_sequence_length input `name`: its KV buffer's capacity."""
         capacity = int(self.lengths[name].array.shape[2])
@@ -107,7 +99,6 @@ class SegmentGraphs:
         """Launch the graph captured for `key` on the dense stream; False when there is none."""
         graph = self._graphs.get(key)
         if graph is None:
-            _retired.clear()  # (no capture is running here: the decoder's thread is between two runs)
             return False
         self._graphs.move_to_end(key)
         graph.launch(self.backend.stream)
@@ -128,7 +119,7 @@ class SegmentGraphs:
         stream = self.backend.stream
         mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)  # onnxruntime's arena may allocate
         gc_was_on = gc.isenabled()
-        gc.disable()  # a graph freed by a collection during the capture would fail (not permitted while capturing)
+        gc.disable()  # a graph freed during the capture fails and leaves CUDA's last error set (GpuQMoE._capture)
         try:
             return self._capture(key, run, stream, mode)
         finally:
@@ -157,6 +148,6 @@ class SegmentGraphs:
             return False
         self._graphs[key] = graph
         if len(self._graphs) > MAX_GRAPHS:
-            _retired.append(self._graphs.popitem(last=False)[1])
+            self._graphs.popitem(last=False)
         graph.launch(stream)
         return True
