@@ -38,6 +38,11 @@ WARM_RUNS = 2  # runs with a key before it is captured: onnxruntime's first runs
 MAX_GRAPHS = 4  # per binding: a swapped state buffer alternates between two keys; a grown KV buffer makes a new one
 
 enabled = os.environ.get("MOE_DENSE_GRAPHS", "1") != "0"
+# A diagnosis (MOE_DENSE_GRAPHS_VERIFY=1): every replay is followed by onnxruntime's own run of the same bound segment
+# (it writes the same KV positions and outputs again) and the two outputs compared; differences go to `mismatches`.
+verify = os.environ.get("MOE_DENSE_GRAPHS_VERIFY", "0") == "1"
+mismatches: list[dict] = []
+VERIFY_TOLERANCE = 1e-3
 REPLAYED_OPS = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMulNBits", "Add",
                           "GroupQueryAttention", "Reshape"})
 
@@ -70,6 +75,7 @@ class SegmentGraphs:
         self.lengths = lengths  # total_sequence_length input -> the StateSlot of its KV buffer
         self._capacities: dict[int, np.ndarray] = {}
         self.failed: str | None = None
+        self.replays = self.checked = 0  # (counts, for the diagnosis)
         self._graphs: OrderedDict = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self._staged: dict[str, object] = {}  # input name -> its device buffer
@@ -102,7 +108,23 @@ class SegmentGraphs:
             return False
         self._graphs.move_to_end(key)
         graph.launch(self.backend.stream)
+        self.replays += 1
         return True
+
+    def check(self, key: tuple, outputs: dict, run) -> None:
+        """`verify`: the replay's `outputs` (name -> device array) against onnxruntime's run of the segment right
+        after (`run`, which writes them again); a relative difference above VERIFY_TOLERANCE is kept in `mismatches`."""
+        cp = self.backend.xp
+        with self.backend._scope():
+            replayed = {name: array.copy() for name, array in outputs.items()}
+            run()
+            for name, array in outputs.items():
+                scale = float(cp.abs(array).max()) if array.size else 0.0
+                diff = float(cp.abs(array.astype(cp.float32) - replayed[name].astype(cp.float32)).max()) if array.size else 0.0
+                if diff > VERIFY_TOLERANCE * max(scale, 1e-30):
+                    mismatches.append({"output": name, "relative": diff / max(scale, 1e-30), "key": hash(key),
+                                       "replays_of_binding": self.replays})
+        self.checked += 1
 
     def due(self, key: tuple) -> bool:
         """Count an eager run with `key`; True when the next one should be captured."""

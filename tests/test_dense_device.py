@@ -729,6 +729,7 @@ def test_cuda_dense_graphs_replay_what_onnxruntime_runs(monkeypatch, tmp_path, n
         return done
 
     monkeypatch.setattr(dense_graph.SegmentGraphs, "replay", replay_spy)
+    monkeypatch.setattr(dense_graph, "mismatches", [])
     monkeypatch.setattr(dense_graph.SegmentGraphs, "capture", capture_spy)
     cpu = LoadedModel.open(folder)  # all on the CPU: which of the two strays, if one does
     eager_state, graphed_state, cpu_state = eager.new_state(), graphed.new_state(), cpu.new_state()
@@ -752,6 +753,7 @@ def test_cuda_dense_graphs_replay_what_onnxruntime_runs(monkeypatch, tmp_path, n
     # (half resident, the two models' miss policies may split a step's misses differently between the CPU's kernels
     # and the GPU's: fp16 rounding apart, ~1e-3; replays with a wrong attention length were off by 0.06-0.6)
     worst = int(np.argmax(errors))
+    assert dense_graph.mismatches == [], dense_graph.mismatches  # MOE_DENSE_GRAPHS_VERIFY=1 (the diagnosis)
     assert max(errors) <= FP16_TOLERANCE, (f"max relative error {max(errors):.2e} (step {worst}; eager / graphed "
                                            f"against the CPU there: {against_cpu[worst]}; every step: {against_cpu})")
     assert failures == [] and captures and all(done for _, done in captures), failures

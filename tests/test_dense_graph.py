@@ -132,3 +132,29 @@ def test_replayed_runs_take_the_kv_capacity_for_total_sequence_length():
     slot.array = np.zeros((1, 2, 512, 8), np.float16)  # the KV buffer grew
     assert int(graphs.total_length("total_seq_len")) == 512
 
+
+
+def test_the_diagnosis_compares_a_replay_with_onnxruntimes_run_after_it(monkeypatch):
+    backend = FakeBackend()
+
+    class Out(np.ndarray):
+        def copy(self):
+            return np.array(self).view(Out)
+
+    backend.xp.abs, backend.xp.float32 = np.abs, np.float32
+    out = np.array([1.0, 2.0], np.float32).view(Out)
+    graphs = SegmentGraphs(backend, frozenset(), {})
+    monkeypatch.setattr(dense_graph, "mismatches", [])
+
+    def same():
+        out[:] = [1.0, 2.0]
+
+    graphs.check(("k",), {"y": out}, same)
+    assert dense_graph.mismatches == [] and graphs.checked == 1
+
+    def differs():
+        out[:] = [1.0, 2.5]
+
+    graphs.check(("k",), {"y": out}, differs)
+    assert [m["output"] for m in dense_graph.mismatches] == ["y"]
+    assert dense_graph.mismatches[0]["relative"] == pytest.approx(0.5 / 2.5)
