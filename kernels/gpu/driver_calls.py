@@ -17,8 +17,8 @@ import functools
 
 from .launch_pdl import CUDA_SUCCESS, _grid3, kernel_argument, libcuda
 
-__all__ = ["DriverError", "DriverCalls", "PreparedLaunch", "PreparedBatch", "MemLocation", "MemcpyAttributes",
-           "MEMCPY_HTOD_ASYNC", "MEMCPY_BATCH_ASYNC_V2", "MEMCPY_BATCH_ASYNC", "LAUNCH_KERNEL",
+__all__ = ["DriverError", "BatchCopyError", "DriverCalls", "PreparedLaunch", "PreparedBatch", "MemLocation",
+           "MemcpyAttributes", "MEMCPY_HTOD_ASYNC", "MEMCPY_BATCH_ASYNC_V2", "MEMCPY_BATCH_ASYNC", "LAUNCH_KERNEL",
            "SRC_ACCESS_ORDER_ANY"]
 
 # cuda.h: CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream)
@@ -62,6 +62,10 @@ class DriverError(RuntimeError):
     def __init__(self, call: str, status: int):
         super().__init__(f"{call} failed: CUresult {status}")
         self.call, self.status = call, status
+
+
+class BatchCopyError(DriverError):
+    """A batch memcpy the driver refused, or has not (before CUDA 12.8): the copies can go one by one instead."""
 
 
 class PreparedLaunch:
@@ -113,7 +117,7 @@ class PreparedBatch:
     def copy(self) -> None:
         status = self._batch_async(*self._call)
         if status != CUDA_SUCCESS:
-            raise DriverError(self.name, status)
+            raise BatchCopyError(self.name, status)
 
 
 class DriverCalls:
@@ -162,9 +166,9 @@ class DriverCalls:
 
     def prepare_batch(self, dsts, sizes, stream_ptr: int) -> PreparedBatch:
         """Copies of ``sizes[i]`` bytes to device addresses ``dsts[i]`` on ``stream_ptr`` (not the legacy NULL
-        stream), in one driver call each time; DriverError where the driver has no batch memcpy (before CUDA 12.8)."""
+        stream), in one driver call each time; BatchCopyError where the driver has no batch memcpy (before CUDA 12.8)."""
         if self._batch is None:
-            raise DriverError("loading libcuda's cuMemcpyBatchAsync_v2 or cuMemcpyBatchAsync", -1)
+            raise BatchCopyError("loading libcuda's cuMemcpyBatchAsync_v2 or cuMemcpyBatchAsync", -1)
         function, name, fail_index = self._batch
         return PreparedBatch(function, name, dsts, sizes, stream_ptr, fail_index)
 

@@ -142,7 +142,7 @@ class DriverPackIssuer:
         """Expert e into `slot` (whose expert `old`, -1 none, leaves the device's map). `copies`: per stored tensor
         (its staging offset, its host address at expert 0, bytes per expert): GpuQMoE._host_copies. `batch`: the
         copies in one driver call (not on the legacy NULL stream, where they go one by one). True when they were
-        batched; a DriverError of the batch call (or of a driver without one) is raised before the launch."""
+        batched; a BatchCopyError of the batch call (or of a driver without one) is raised before the launch."""
         prepared = None
         if batch and self._stream:
             prepared = self.batch if copies is self._batch_copies else self._prepare_batch(copies)

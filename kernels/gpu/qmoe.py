@@ -34,7 +34,7 @@ from .. import reference as _ref
 from . import convert as _conv
 from . import layout as _lay
 from ._module import load_module
-from .driver_calls import DriverCalls, DriverError
+from .driver_calls import BatchCopyError, DriverCalls, DriverError
 from .launch_pdl import PdlLauncher
 from .pack_device import DriverPackIssuer, descriptor, plan_for
 from .pack_host import pack_expert_host
@@ -374,9 +374,9 @@ class GpuQMoE:
             try:
                 batched = issuer.issue(self._pack_copies, e, slot, old,
                                        self.batch_copies and self.batch_copy_fallback is None)
-            except DriverError as err:
+            except BatchCopyError as err:
                 # raised before the launch; after a batch went through, a real failure as below
-                if "cuMemcpyBatchAsync" not in err.call or self.batch_packs:
+                if self.batch_packs:
                     raise
                 self.batch_copy_fallback = str(err)
                 batched = issuer.issue(self._pack_copies, e, slot, old, False)
