@@ -6,7 +6,9 @@ did in the step (copies, swaps, CPU misses, replays), in several variants. One l
 
 Variants: test (as the test), verify (every replay checked against onnxruntime's run), static (both models' placement
 static), eager (graphs off in both models: do two eager models agree?), sync_replay (the device synchronised after
-each replay), sync_node (after each expert node), nocopy (the miss policy never copies).
+each replay), sync_node (after each expert node), nocopy (the miss policy never copies), check (as sync_node, and every expert node's result
+checked against the CPU kernels on the same inputs, and placement's expert -> slot map against GpuQMoE's host and
+device maps, after every node and step).
 """
 
 from __future__ import annotations
@@ -32,6 +34,63 @@ def counters(model) -> tuple:
     return tuple(sum(getattr(s, name) for s in layers) for name in ("swaps", "miss_copies", "misses_cpu", "hits"))
 
 
+def maps_differ(engine) -> list[str]:
+    """Where placement's expert -> slot map and GpuQMoE's (host, device) disagree, per layer."""
+    found = []
+    for layer, (slots, store) in enumerate(zip(engine.slots, engine.stores)):
+        gpu = getattr(store, "gpu", None)
+        if gpu is None:
+            continue
+        device = gpu._slot_dev.get()
+        resident = slots.slot_of >= 0
+        if not (np.array_equal(slots.slot_of[resident], gpu.slot_of[resident])
+                and np.array_equal(gpu.slot_of, device)):
+            found.append(f"layer {layer}: placement {slots.slot_of.tolist()} gpu host {gpu.slot_of.tolist()} "
+                         f"device {device.tolist()}")
+    return found
+
+
+def checked_nodes(cp, names: dict, step_of: list) -> list:
+    """HybridExpertNode.run wrapped: the device synchronised around it, its result against the CPU kernels'."""
+    from engine.offload import hybrid_node
+    from kernels.cpu.routing import route
+
+    real_run = hybrid_node.HybridExpertNode.run
+
+    def host(a):
+        return None if a is None else (cp.asnumpy(a) if isinstance(a, cp.ndarray) else np.array(a))
+
+    def run(self, values):
+        inputs = self.info.activation_inputs
+        cp.cuda.Device().synchronize()
+        x, logits = host(values[inputs["input"]]), host(values[inputs["router_probs"]])
+        weights_in = host(values[inputs["router_weights"]]) if "router_weights" in inputs else None
+        spec = self.info.spec
+        before = [(s.hits, s.misses, s.miss_copies, s.misses_cpu) for s in [self.engine.stats.layers[self.layer]]]
+        out = real_run(self, values)
+        cp.cuda.Device().synchronize()
+        got = host(out).astype(np.float32).reshape(-1, spec.hidden_size)
+        ids, weights = route(logits.reshape(-1, spec.num_experts), spec, weights_in)
+        ref = self.kernel.run_experts(x.reshape(-1, spec.hidden_size), ids, weights,
+                                      out=np.zeros(got.shape, np.float32))
+        error = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+        stats = self.engine.stats.layers[self.layer]
+        who = names.get(id(self.engine), "?")
+        if error > 2e-2:
+            gpu = getattr(self.engine.stores[self.layer], "gpu", None)
+            print(f"    NODE step {step_of[0]} {who} layer {self.layer}: relative error {error:.4f}; routed "
+                  f"{ids.tolist()} placement slots {self.engine.slots[self.layer].slot_of[ids].tolist()} gpu slots "
+                  f"{None if gpu is None else gpu.slot_of[ids].tolist()} (hits, misses, copies, cpu) before "
+                  f"{before[0]} after {(stats.hits, stats.misses, stats.miss_copies, stats.misses_cpu)} "
+                  f"held {isinstance(values[inputs['input']], cp.ndarray)}", flush=True)
+        for line in maps_differ(self.engine):
+            print(f"    MAP after node, step {step_of[0]} {who}: {line}", flush=True)
+        return out
+
+    hybrid_node.HybridExpertNode.run = run
+    return [(hybrid_node.HybridExpertNode, "run", real_run)]
+
+
 def scenario(name: str, variant: str, steps: int = 40) -> None:
     import cupy as cp
 
@@ -43,6 +102,7 @@ def scenario(name: str, variant: str, steps: int = 40) -> None:
     dense_graph.verify = variant == "verify"
     dense_graph.mismatches.clear()
     patches = []
+    step_of = [-1]
     if variant == "sync_replay":
         real = dense_graph.SegmentGraphs.replay
 
@@ -63,6 +123,8 @@ def scenario(name: str, variant: str, steps: int = 40) -> None:
             return out
         patches.append((hybrid_node.HybridExpertNode, "run", real_run))
         hybrid_node.HybridExpertNode.run = run
+    if variant == "check":
+        patches += checked_nodes(cp, {id(eager.offload): "eager", id(graphed.offload): "graphed"}, step_of)
     if variant == "nocopy":
         from engine.offload import hybrid_node
         real_copy = hybrid_node.HybridExpertNode._copy_misses
@@ -80,6 +142,7 @@ def scenario(name: str, variant: str, steps: int = 40) -> None:
         graphed.decoder.forward(gs, prompt)
         worst = 0.0
         for step in range(steps):
+            step_of[0] = step
             token = int(ref[-1].argmax())
             before = counters(eager), counters(graphed), len(dense_graph.mismatches)
             dense_graph.enabled = False
@@ -88,6 +151,10 @@ def scenario(name: str, variant: str, steps: int = 40) -> None:
             dense_graph.enabled = graphs_on
             ours = graphed.decoder.forward(gs, [token])
             after = counters(eager), counters(graphed)
+            if variant == "check":
+                for who, model in (("eager", eager), ("graphed", graphed)):
+                    for line in maps_differ(model.offload):
+                        print(f"    MAP at the step's end, step {step} {who}: {line}", flush=True)
             error = relative_error(ours, ref)
             worst = max(worst, error)
             d_eager = tuple(a - b for a, b in zip(after[0], before[0]))
