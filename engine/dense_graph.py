@@ -9,7 +9,8 @@ buffer it reads and writes lies where it did.
 What lies where it did: the bound device buffers (the cut tensors, the KV and state buffers, the kept outputs: the
 graph's key, so a grown KV buffer or a swapped state buffer takes a graph of its own) and onnxruntime's scratch,
 which its arena hands out again to later runs of any segment, but only to runs queued on the same stream, one after
-another, as for its own runs. Inputs given on the host that onnxruntime reads on the device (GroupQueryAttention's
+another, as for its own runs: another model's runs on its own stream share the arena too, and the steps of models on
+one GPU run one at a time (ort_env.dense_step_lock). Inputs given on the host that onnxruntime reads on the device (GroupQueryAttention's
 seqlens_k) are copied into a buffer of ours before each run, the same buffer at every step.
 
 An input onnxruntime reads on the host is read by the captured run only. The one such input of a decode segment is
