@@ -10,7 +10,10 @@ What lies where it did: the bound device buffers (the cut tensors, the KV and st
 graph's key, so a grown KV buffer or a swapped state buffer takes a graph of its own) and onnxruntime's scratch,
 which its arena hands out again to later runs of any segment, but only to runs queued on the same stream, one after
 another, as for its own runs: another model's runs on its own stream share the arena too, and the steps of models on
-one GPU run one at a time (ort_env.dense_step_lock). Inputs given on the host that onnxruntime reads on the device (GroupQueryAttention's
+one GPU run one at a time (ort_env.dense_step_lock). What onnxruntime allocates from the arena to keep (a kernel's own
+buffers, made with the session: GroupQueryAttention's zeros) may land in a graph's scratch if made after the capture,
+and every replay would overwrite it: graphs captured before a dense session was created on the GPU, by any model, are
+dropped (arena_changed) and captured again. Inputs given on the host that onnxruntime reads on the device (GroupQueryAttention's
 seqlens_k) are copied into a buffer of ours before each run, the same buffer at every step.
 
 An input onnxruntime reads on the host is read by the captured run only. The one such input of a decode segment is
@@ -43,9 +46,17 @@ enabled = os.environ.get("MOE_DENSE_GRAPHS", "1") != "0"
 # (it writes the same KV positions and outputs again) and the two outputs compared; differences go to `mismatches`.
 verify = os.environ.get("MOE_DENSE_GRAPHS_VERIFY", "0") == "1"
 mismatches: list[dict] = []
+_arena_generation = 0  # dense sessions created on the GPU so far (arena_changed)
 VERIFY_TOLERANCE = 1e-3
 REPLAYED_OPS = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMulNBits", "Add",
                           "GroupQueryAttention", "Reshape"})
+
+
+def arena_changed() -> None:
+    """A dense session was created on the GPU: its persistent buffers came from the shared arena, perhaps from scratch
+    that graphs captured earlier write; those are not replayed again (SegmentGraphs.replay)."""
+    global _arena_generation
+    _arena_generation += 1
 
 
 def total_length_inputs(nodes, inputs) -> dict[str, str] | None:
@@ -80,6 +91,7 @@ class SegmentGraphs:
         self._graphs: OrderedDict = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self._staged: dict[str, object] = {}  # input name -> its device buffer
+        self._generation = _arena_generation  # of the graphs held
 
     def stage(self, name: str, array: np.ndarray):
         """`array` (host) copied into this input's device buffer, queued on the dense stream; returns the buffer."""
@@ -103,7 +115,13 @@ class SegmentGraphs:
         return value
 
     def replay(self, key: tuple) -> bool:
-        """Launch the graph captured for `key` on the dense stream; False when there is none."""
+        """Launch the graph captured for `key` on the dense stream; False when there is none (or the arena has
+        changed since it was captured: then every graph held is dropped, to be captured again)."""
+        if self._generation != _arena_generation:
+            self._graphs.clear()
+            self._seen.clear()
+            self._generation = _arena_generation
+            return False
         graph = self._graphs.get(key)
         if graph is None:
             return False

@@ -69,6 +69,8 @@ class DenseSegment:
         if dense.kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise ModelFileError(f"{source.path}: onnxruntime did not start its CUDA execution provider for the "
                                  f"dense part {where} (it offers {', '.join(session.get_providers())})")
+        if dense.kind == "cuda":
+            dense_graph.arena_changed()
         self.session = session
         self.bindings.clear()
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}

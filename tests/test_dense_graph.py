@@ -80,6 +80,18 @@ def test_a_run_that_fails_under_capture_ends_it_and_stops_capturing_for_the_bind
     assert not graphs.replay(("k",))
 
 
+def test_graphs_captured_before_a_dense_session_was_created_on_the_gpu_are_captured_again():
+    """A session created later (another model loaded) may keep buffers in a graph's scratch: the graph is dropped."""
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset(), {})
+    key = ((1, (1, 8)),)
+    assert graphs.capture(key, lambda: None) and graphs.replay(key)
+    dense_graph.arena_changed()
+    assert not graphs.replay(key) and not graphs.replay(key)  # dropped, not replayed again
+    assert [graphs.due(key) for _ in range(WARM_RUNS + 1)] == [False] * WARM_RUNS + [True]  # warm runs again
+    assert graphs.capture(key, lambda: None) and graphs.replay(key)
+
+
 def test_old_graphs_give_way_to_new_keys():
     graphs = SegmentGraphs(FakeBackend(), frozenset(), {})
     keys = [(i,) for i in range(MAX_GRAPHS + 1)]
