@@ -7,9 +7,10 @@ then A in odd ones, each reconfigured (the budget of the fraction plus the varia
 decoded for `--decode-tokens` tokens. Reported per fraction: each configuration's median tokens/s and the paired
 ratio B / A of each round (median, min, max). What the engine learns at run time (the miss policy's measured CPU rate
 and copy reuse) carries over from one configuration to the next, as it would for a user who changes a setting.
-A variant may also set switches of the GPU kernels' objects, `gpu.NAME=INT` (an attribute of every GpuQMoE the
-engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), set after each reconfiguration;
-a switch one variant names and the other does not keeps its default there.
+A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an attribute of every GpuQMoE the
+engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0) and `dense.graphs=0|1` (the dense
+segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one variant names and the other does
+not keeps its default there.
 
     python benchmarks/bench_offload_ab.py --shape gpt-oss-20b-like --dtype float16 --fractions 0.25,0.5 \
         --b cpu_threads=15 [--a KEY=VALUE,...] [--rounds 6] [--decode-tokens 16] [--device cuda|simulated]
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES, decode  # noqa: E402
 from benchmarks.common import model_folder, write_result  # noqa: E402
+from engine import dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
@@ -35,14 +37,14 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-GPU_SWITCH = "gpu."  # a variant's entries with this prefix are GpuQMoE switches, not offload keys
+SWITCH_PREFIXES = ("gpu.", "dense.")  # a variant's entries with these prefixes are switches, not offload keys
 
 
 def variant(text: str) -> dict:
-    """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes (gpu.*
-    switches left out: gpu_switches)."""
+    """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes (switches
+    left out: switches())."""
     entries = dict(item.split("=", 1) for item in text.split(",")
-                   if item.strip() and not item.strip().startswith(GPU_SWITCH))
+                   if item.strip() and not item.strip().startswith(SWITCH_PREFIXES))
     parsed = OffloadConfig.from_entries(entries)
     changes = {name[len(PREFIX):]: getattr(parsed, name[len(PREFIX):]) for name in parsed.to_entries()}
     if "device_expert_bytes" in changes:
@@ -50,18 +52,21 @@ def variant(text: str) -> dict:
     return changes
 
 
-def gpu_switches(text: str) -> dict[str, int]:
-    """A variant's 'gpu.NAME=INT' entries as {NAME: INT}."""
-    switches = {}
+def switches(text: str) -> dict[str, int]:
+    """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
+    holds, 'dense.graphs' the dense segments' CUDA graphs (engine.dense_graph.enabled)."""
+    found = {}
     for item in text.split(","):
         item = item.strip()
-        if item.startswith(GPU_SWITCH):
-            name, _, value = item[len(GPU_SWITCH):].partition("=")
+        if item.startswith(SWITCH_PREFIXES):
+            name, _, value = item.partition("=")
+            if name.startswith("dense.") and name != "dense.graphs":
+                raise SystemExit(f"{item}: the dense switch is dense.graphs")
             try:
-                switches[name] = int(value)
+                found[name] = int(value)
             except ValueError:
-                raise SystemExit(f"{item}: a GPU switch takes an integer") from None
-    return switches
+                raise SystemExit(f"{item}: a switch takes an integer") from None
+    return found
 
 
 def gpu_kernels(model: LoadedModel) -> list:
@@ -73,29 +78,44 @@ def gpu_kernels(model: LoadedModel) -> list:
     return list(unique.values())
 
 
-def set_gpu_switches(model: LoadedModel, switches: dict[str, int]) -> None:
-    for gpu in gpu_kernels(model):
-        for name, value in switches.items():
-            if not hasattr(gpu, name):
-                raise SystemExit(f"gpu.{name}: GpuQMoE has no such switch")
-            setattr(gpu, name, value)
+def current_switches(model: LoadedModel, names) -> dict[str, int]:
+    """The values the named switches have now (a GpuQMoE's attribute as the first kernel has it)."""
+    kernels = gpu_kernels(model)
+    values = {}
+    for name in names:
+        if name == "dense.graphs":
+            values[name] = int(dense_graph.enabled)
+        elif kernels and hasattr(kernels[0], name[len("gpu."):]):
+            values[name] = int(getattr(kernels[0], name[len("gpu."):]))
+    return values
+
+
+def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
+    kernels = gpu_kernels(model)
+    for name, value in values.items():
+        if name == "dense.graphs":
+            dense_graph.enabled = bool(value)
+            continue
+        attribute = name[len("gpu."):]
+        for gpu in kernels:
+            if not hasattr(gpu, attribute):
+                raise SystemExit(f"{name}: GpuQMoE has no such switch")
+            setattr(gpu, attribute, value)
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
-                  tokens: int, switches: dict | None = None) -> dict[str, list[float]]:
-    """Tokens/s of configurations "A" and "B" (`changes` of each, and their GPU `switches`: every name either
-    names, with its default where one does not) in `rounds` alternating rounds at one budget."""
-    switches = switches or {"A": {}, "B": {}}
+                  tokens: int, variant_switches: dict | None = None) -> dict[str, list[float]]:
+    """Tokens/s of configurations "A" and "B" (`changes` of each, and their switches: every name either names, with
+    its default where one does not) in `rounds` alternating rounds at one budget."""
+    variant_switches = variant_switches or {"A": {}, "B": {}}
     rates = {"A": [], "B": []}
     defaults = None
     for r in range(rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
             model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]))
-            kernels = gpu_kernels(model)
-            if defaults is None and kernels:
-                names = set(switches["A"]) | set(switches["B"])
-                defaults = {n: getattr(kernels[0], n) for n in names if hasattr(kernels[0], n)}
-            set_gpu_switches(model, {**(defaults or {}), **switches[name]})
+            if defaults is None:
+                defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
+            set_switches(model, {**defaults, **variant_switches[name]})
             rate, _rows = decode(model, prompt, tokens)
             rates[name].append(rate)
     return rates
@@ -123,7 +143,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-write", action="store_true", help="print only (no result file)")
     args = parser.parse_args(argv)
     changes = {"A": variant(args.a), "B": variant(args.b)}
-    switches = {"A": gpu_switches(args.a), "B": gpu_switches(args.b)}
+    chosen = {"A": switches(args.a), "B": switches(args.b)}
 
     shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
     folder = model_folder(args.folder, "bench-offload-ab-")
@@ -144,7 +164,7 @@ def main(argv=None) -> dict:
     figures, results = [], {}
     for fraction in [float(f) for f in args.fractions.split(",")]:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
-        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, switches))
+        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen))
         results[f"{fraction:.2f}"] = result
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
@@ -154,8 +174,8 @@ def main(argv=None) -> dict:
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})
     if not args.no_write:
         path = write_result(f"offload-ab-{args.shape}", figures,
-                            config={"a": changes["A"], "b": changes["B"], "a_gpu": switches["A"],
-                                    "b_gpu": switches["B"], "rounds": args.rounds,
+                            config={"a": changes["A"], "b": changes["B"], "a_switches": chosen["A"],
+                                    "b_switches": chosen["B"], "rounds": args.rounds,
                                     "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
         print(f"wrote {path}")
     return results

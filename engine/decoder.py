@@ -6,6 +6,7 @@ onnxruntime session and serves as the oracle in tests and benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, run_bound
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode, ExpertNodeInfo
 from engine.onnx_file import OnnxFile
-from engine.ort_env import CPU_DENSE, DenseDevice, session_options
+from engine.ort_env import CPU_DENSE, DenseDevice, dense_step_lock, session_options
 from engine.partition import ExpertStep, Plan
 
 
@@ -106,6 +107,21 @@ class PartitionedDecoder:
             raise WorkbenchError(f"the conversation's state is on the {state.backend.device_type} but the dense part "
                                  f"runs on the {self.dense.kind} (make the state with LoadedModel.new_state)")
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
+        on_gpu = self.dense is not None and self.dense.kind == "cuda"
+        with dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
+            dense, experts = self._run_steps(values, state)
+        state.advance(len(token_ids))
+        if self.on_step_end is not None:
+            self.on_step_end(time.perf_counter() - started)
+        profile = self.profile
+        profile["steps"] += 1
+        profile["dense_s"] += dense
+        profile["experts_s"] += experts
+        profile["total_s"] += time.perf_counter() - started
+        return values[self.logits_name].reshape(len(token_ids), -1)
+
+    def _run_steps(self, values: dict, state: DecoderState) -> tuple[float, float]:
+        """Every runner in order on `values` (updated in place); returns the seconds of (dense segments, experts)."""
         dense = experts = 0.0
         clock = time.perf_counter
         before = clock()
@@ -119,16 +135,7 @@ class PartitionedDecoder:
                 now = clock()
                 experts += now - before
             before = now
-        state.advance(len(token_ids))
-        if self.on_step_end is not None:
-            self.on_step_end(time.perf_counter() - started)
-        profile = self.profile
-        profile["steps"] += 1
-        profile["dense_s"] += dense
-        profile["experts_s"] += experts
-        profile["total_s"] += time.perf_counter() - started
-        return values[self.logits_name].reshape(len(token_ids), -1)
-
+        return dense, experts
 
 def _inputs_of(runner) -> list[str]:
     if isinstance(runner, DenseSegment):

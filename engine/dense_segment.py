@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from engine import dense_graph
 from engine.decoder_state import DecoderState
 from engine.errors import ModelFileError
 from engine.onnx_file import OnnxFile
@@ -68,25 +69,28 @@ class DenseSegment:
         if dense.kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise ModelFileError(f"{source.path}: onnxruntime did not start its CUDA execution provider for the "
                                  f"dense part {where} (it offers {', '.join(session.get_providers())})")
+        if dense.kind == "cuda":
+            dense_graph.arena_changed()
         self.session = session
         self.bindings.clear()
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}
-        self.host_inputs = _inputs_read_on_the_host(session) if dense.kind != "cpu" else frozenset()
+        self.bindings.total_lengths = dense_graph.total_length_inputs(segment.nodes, segment.inputs)
+        self.host_inputs = (_inputs_read_on_the_host(session) or frozenset()) if dense.kind != "cpu" else frozenset()
 
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
         """Run with `values` for the cut tensors; returns the segment's non-state outputs."""
         return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
 
 
-def _inputs_read_on_the_host(session: ort.InferenceSession) -> frozenset[str]:
+def _inputs_read_on_the_host(session: ort.InferenceSession) -> frozenset[str] | None:
     """The inputs a session on a device reads in host memory (onnxruntime's input memory infos: GroupQueryAttention's
     total_sequence_length, shape inputs of nodes left on the CPU). A device buffer bound to one is copied to the host
-    when bound, so it cannot stay on the device and be bound once. Empty where onnxruntime cannot say (before
-    1.23): the float-only rule of DEVICE_ONNX_TYPES then stands alone."""
+    when bound, so it cannot stay on the device and be bound once. None where onnxruntime cannot say (before 1.23):
+    the float-only rule of DEVICE_ONNX_TYPES then stands alone, and no run is replayed as a graph."""
     try:
         infos = session.get_input_memory_infos()
     except (AttributeError, RuntimeError):
-        return frozenset()
+        return None
     return frozenset(i.name for i, info in zip(session.get_inputs(), infos) if info.name == "Cpu")
 
 
@@ -112,7 +116,7 @@ class SegmentBinding:
     """
 
     def __init__(self, session: ort.InferenceSession, inputs: list[str], outputs: list[str], state: DecoderState,
-                 fresh: set[str] | None = None, on_device: set[str] = frozenset()):
+                 fresh: set[str] | None = None, on_device: set[str] = frozenset(), total_lengths: dict | None = None):
         self.session = session
         self.binding = session.io_binding()
         backend = self.backend = state.backend
@@ -149,6 +153,14 @@ class SegmentBinding:
         # Nor with outputs left in device memory: DeviceOutputs keeps those buffers itself.
         self._reusable = (fresh is not None and len(self._fresh) < len(self.fetched)
                           and backend.device_type == "cpu" and self._on_device is None)
+        # Every output left in GPU memory: the decode run may be replayed as a CUDA graph (dense_graph.py)
+        # (total_lengths: dense_graph.total_length_inputs; every input read on the host must be one of them)
+        host_read = _inputs_read_on_the_host(session)
+        lengths = {name: state.slot_for_past(past) for name, past in (total_lengths or {}).items()}
+        replayable = (self._on_device is not None and self._on_device.all and host_read is not None
+                      and total_lengths is not None and host_read <= set(lengths)
+                      and all(slot is not None and slot.shared for slot in lengths.values()))
+        self._graphs = dense_graph.SegmentGraphs(backend, host_read, lengths) if replayable else None
         self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
         # ... but for the attention mask, which grows by one at every decode step: the outputs' shapes do not follow
         # it in the models seen (GQA reduces it to sequence lengths), so the first segment's outputs are kept too;
@@ -189,9 +201,19 @@ class SegmentBinding:
         # Device arrays (a kept DeviceOutputs buffer, an expert node's result on the GPU) are bound by pointer, read
         # where they lie: the same array is bound still.
         held, rebind = self._held, self._inputs_copied_at_bind
+        # graphs: decode runs with the kept outputs' shapes only (a prompt's run takes onnxruntime's own path: with
+        # the capacity as its total length GroupQueryAttention would not see a first prompt)
+        graphs = self._graphs
+        if graphs is not None and not (dense_graph.enabled and not graphs.failed and self._on_device.bound(values)):
+            graphs = None
         for name in self.cut:
             array = values[name]
             on_host = isinstance(array, np.ndarray)
+            if graphs is not None and on_host:
+                if name in graphs.lengths:
+                    array = graphs.total_length(name)  # the KV buffer's capacity, the same at every step
+                elif name not in graphs.host_read:
+                    array, on_host = graphs.stage(name, array), False  # the same device buffer at every step
             if (rebind and on_host) or held.get(name) is not array:
                 held[name] = array
                 if not on_host:
@@ -215,6 +237,13 @@ class SegmentBinding:
         kept = on_device is not None and on_device.bound(values)
         if on_device is not None and not kept:
             on_device.unbind()
+        if graphs is not None and kept:
+            key = self._graph_key()
+            run = lambda: self.session.run_with_iobinding(binding, on_device.no_sync)  # noqa: E731
+            if graphs.replay(key) or (graphs.due(key) and graphs.capture(key, run)):
+                if dense_graph.verify:
+                    graphs.check(key, on_device.results, run)
+                return dict(on_device.results)
         try:
             self.session.run_with_iobinding(binding, on_device.no_sync if kept and on_device.all else None)
         except Exception:
@@ -253,6 +282,15 @@ class SegmentBinding:
         if self._reusable:
             self._results = results
         return results
+
+    def _graph_key(self) -> tuple:
+        """The device buffers this run reads and writes (the inputs bound, the state buffers, the kept outputs), by
+        pointer and shape: a captured run replays only onto the very buffers it was captured with."""
+        key = [(a.data.ptr, a.shape) for a in (self._held[name] for name in self.cut) if not isinstance(a, np.ndarray)]
+        key += [(slot.array.data.ptr, slot.array.shape) for _, slot in self.state_inputs]
+        key += [(slot.present.data.ptr, slot.present.shape) for _, slot in self.state_outputs]
+        key += [(a.data.ptr, a.shape) for a in self._on_device.results.values()]
+        return tuple(key)
 
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""
@@ -365,6 +403,9 @@ class SegmentBindings:
         # Outputs callers keep past a step (the logits); the others are read within the step only and
         # their buffers are reused at the next (SegmentBinding). None: every output a new array.
         self.fresh: set[str] | None = None
+        # GroupQueryAttention's total_sequence_length inputs and their KV inputs (dense_graph.total_length_inputs):
+        # None where the segment's decode runs may not be replayed as CUDA graphs
+        self.total_lengths: dict[str, str] | None = None
         # Outputs left in GPU memory when the state is there (PartitionedDecoder.place_cut_tensors)
         self.on_device: frozenset[str] = frozenset()
 
@@ -372,7 +413,7 @@ class SegmentBindings:
             state: DecoderState) -> dict[str, np.ndarray]:
         kept = bound = self._by_state.get(state)
         if bound is None or bound.session is not session:
-            bound = SegmentBinding(session, inputs, outputs, state, self.fresh, self.on_device)
+            bound = SegmentBinding(session, inputs, outputs, state, self.fresh, self.on_device, self.total_lengths)
         results = bound.run(values)
         if bound.holds(values, results) <= KEEP_BINDING_BYTES:
             if bound is not kept:

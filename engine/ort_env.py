@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -135,6 +136,19 @@ def cuda_ep_missing_reason() -> str | None:
 
 
 _shared_arenas: dict[int, int] = {}  # device id -> max_mem of the arena registered with onnxruntime's env
+_arena_locks: dict[int, threading.Lock] = {}
+_arena_locks_made = threading.Lock()
+
+
+def dense_step_lock(device_id: int) -> threading.Lock:
+    """Held for a decode or prompt step of a model whose dense part is on GPU `device_id`: the steps of models that
+    share the device's arena (register_shared_cuda_arena) run one at a time, as in a side-by-side chat answered at
+    once. onnxruntime gives a run's scratch back to the arena when the run returns, before its kernels have run on
+    the model's stream (runs are not synchronised: DeviceOutputs.no_sync), and a run on another model's stream may be
+    handed it at once; a replayed CUDA graph (dense_graph.py) writes the scratch it was captured with. A step ends
+    with the logits on the host, its dense work done."""
+    with _arena_locks_made:
+        return _arena_locks.setdefault(device_id, threading.Lock())
 
 
 def register_shared_cuda_arena(device_id: int, max_mem: int) -> None:

@@ -22,15 +22,17 @@ def test_the_summary_pairs_each_round_of_b_with_the_round_of_a_beside_it():
     assert result["ratio_median"] == pytest.approx(1.1)  # per-round ratios 1.1, 0.9, 1.2: not 18 / 20
 
 
-def test_gpu_switches_are_read_apart_from_the_offload_keys():
-    from benchmarks.bench_offload_ab import gpu_switches
+def test_switches_are_read_apart_from_the_offload_keys():
+    from benchmarks.bench_offload_ab import switches
 
-    text = "cpu_threads=15,gpu.driver_copies=0, gpu.batch_copies=1"
+    text = "cpu_threads=15,gpu.driver_copies=0, gpu.batch_copies=1,dense.graphs=1"
     assert variant(text) == {"cpu_threads": 15}
-    assert gpu_switches(text) == {"driver_copies": 0, "batch_copies": 1}
-    assert gpu_switches("") == {}
-    with pytest.raises(SystemExit, match="gpu.driver_copies=off: a GPU switch takes an integer"):
-        gpu_switches("gpu.driver_copies=off")
+    assert switches(text) == {"gpu.driver_copies": 0, "gpu.batch_copies": 1, "dense.graphs": 1}
+    assert switches("") == {}
+    with pytest.raises(SystemExit, match="gpu.driver_copies=off: a switch takes an integer"):
+        switches("gpu.driver_copies=off")
+    with pytest.raises(SystemExit, match="dense.pool=1: the dense switch is dense.graphs"):
+        switches("dense.pool=1")
 
 
 class _Kernel:
@@ -53,8 +55,9 @@ class _Engine:
         self.streaming = type("Plan", (), {"by_layer": [shared, None, shared]})()
 
 
-def test_paired_rounds_set_each_variants_gpu_switches_on_every_kernel_after_reconfiguring(monkeypatch):
+def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatch):
     import benchmarks.bench_offload_ab as ab
+    from engine import dense_graph
 
     model = type("Model", (), {"offload": _Engine()})()
     seen = []
@@ -62,14 +65,16 @@ def test_paired_rounds_set_each_variants_gpu_switches_on_every_kernel_after_reco
     def fake_decode(model, prompt, tokens):
         kernels = ab.gpu_kernels(model)
         assert len(kernels) == 2  # the node's and the shared streaming slots', once
-        seen.append([k.driver_copies for k in kernels])
+        seen.append(([k.driver_copies for k in kernels], dense_graph.enabled))
         return (100.0 if kernels[0].driver_copies else 90.0), []
 
     monkeypatch.setattr(ab, "decode", fake_decode)
+    monkeypatch.setattr(dense_graph, "enabled", False)
     rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 3, [1], 4,
-                             {"A": {}, "B": {"driver_copies": 0}})
-    # rounds alternate A B / B A / A B; A keeps the kernels' default (True), B sets 0
-    assert seen == [[True, True], [0, 0], [0, 0], [True, True], [True, True], [0, 0]]
+                             {"A": {}, "B": {"gpu.driver_copies": 0, "dense.graphs": 1}})
+    # rounds alternate A B / B A / A B; A keeps the defaults (driver copies on, no graphs), B sets its switches
+    a, b = ([1, 1], False), ([0, 0], True)
+    assert seen == [a, b, b, a, a, b]
     assert rates == {"A": [100.0] * 3, "B": [90.0] * 3}
     with pytest.raises(SystemExit, match="gpu.no_such: GpuQMoE has no such switch"):
-        ab.set_gpu_switches(model, {"no_such": 1})
+        ab.set_switches(model, {"gpu.no_such": 1})

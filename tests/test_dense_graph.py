@@ -1,0 +1,172 @@
+"""engine/dense_graph.py on the CPU, with a stand-in for CuPy's stream capture: when a segment's run is captured,
+replayed, given up on, and how its host inputs reach the device. The GPU test (test_dense_device.py,
+test_cuda_dense_graphs_replay_what_onnxruntime_runs) checks replayed decoding against onnxruntime's own runs."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine import dense_graph
+from engine.dense_graph import MAX_GRAPHS, WARM_RUNS, SegmentGraphs
+
+
+class FakeStream:
+    ptr = 77
+
+    def __init__(self, log):
+        self.log = log
+        self.capturing = False
+
+    def begin_capture(self, mode=None):
+        self.log.append(("begin", mode))
+        self.capturing = True
+
+    def end_capture(self):
+        self.log.append(("end",))
+        self.capturing = False
+        return SimpleNamespace(launch=lambda stream: self.log.append(("launch", stream.ptr)))
+
+
+class FakeBackend:
+    def __init__(self):
+        self.log = []
+        self.stream = FakeStream(self.log)
+        runtime = SimpleNamespace(streamCaptureModeRelaxed=2,
+                                  memcpyAsync=lambda dst, src, n, kind, stream: self.log.append(("copy", n, kind, stream)))
+        buffers = self
+
+        class Array(np.ndarray):
+            @property
+            def data(self):
+                return SimpleNamespace(ptr=self.ctypes.data)
+
+        def empty(shape, dtype):
+            buffers.log.append(("alloc", tuple(shape)))
+            return np.empty(shape, dtype).view(Array)
+
+        self.xp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime), empty=empty)
+
+    def _scope(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_a_key_is_captured_after_its_warm_runs_then_replayed():
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset(), {})
+    key = ((1, (1, 8)),)
+    assert not graphs.replay(key)
+    assert [graphs.due(key) for _ in range(WARM_RUNS + 1)] == [False] * WARM_RUNS + [True]
+    ran = []
+    assert graphs.capture(key, lambda: ran.append(backend.stream.capturing))
+    assert ran == [True]  # onnxruntime's run happened under capture, relaxed (its arena may allocate)
+    assert backend.log == [("begin", 2), ("end",), ("launch", 77)]  # and the captured graph ran once
+    assert graphs.replay(key) and backend.log[-1] == ("launch", 77)
+    assert not graphs.replay(((2, (1, 8)),))  # other buffers: not this graph
+
+
+def test_a_run_that_fails_under_capture_ends_it_and_stops_capturing_for_the_binding():
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset(), {})
+
+    def run():
+        raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing\nmore detail")
+
+    assert not graphs.capture(("k",), run)
+    assert backend.log == [("begin", 2), ("end",)]
+    assert graphs.failed == "onnxruntime's run under capture: CUDA failure 900: operation not permitted when stream " \
+                            "is capturing"
+    assert not graphs.replay(("k",))
+
+
+def test_graphs_captured_before_a_dense_session_was_created_on_the_gpu_are_captured_again():
+    """A session created later (another model loaded) may keep buffers in a graph's scratch: the graph is dropped."""
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset(), {})
+    key = ((1, (1, 8)),)
+    assert graphs.capture(key, lambda: None) and graphs.replay(key)
+    dense_graph.arena_changed()
+    assert not graphs.replay(key) and not graphs.replay(key)  # dropped, not replayed again
+    assert [graphs.due(key) for _ in range(WARM_RUNS + 1)] == [False] * WARM_RUNS + [True]  # warm runs again
+    assert graphs.capture(key, lambda: None) and graphs.replay(key)
+
+
+def test_old_graphs_give_way_to_new_keys():
+    graphs = SegmentGraphs(FakeBackend(), frozenset(), {})
+    keys = [(i,) for i in range(MAX_GRAPHS + 1)]
+    for key in keys:
+        assert graphs.capture(key, lambda: None)
+    assert not graphs.replay(keys[0]) and all(graphs.replay(key) for key in keys[1:])
+
+
+def test_host_inputs_read_on_the_device_go_through_one_buffer():
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset({"total_sequence_length"}), {})
+    first = graphs.stage("seqlens_k", np.array([5], np.int32))
+    again = graphs.stage("seqlens_k", np.array([6], np.int32))
+    assert again is first  # the same device buffer at every step: the graph's pointer
+    assert backend.log == [("alloc", (1,)), ("copy", 4, 1, 77), ("copy", 4, 1, 77)]
+    grown = graphs.stage("seqlens_k", np.array([[6, 7]], np.int32))
+    assert grown is not first and grown.shape == (1, 2)
+
+
+def test_graphs_are_on_unless_turned_off(monkeypatch):
+    import importlib
+
+    monkeypatch.delenv("MOE_DENSE_GRAPHS", raising=False)
+    assert importlib.reload(dense_graph).enabled is True
+    monkeypatch.setenv("MOE_DENSE_GRAPHS", "0")
+    assert importlib.reload(dense_graph).enabled is False
+    monkeypatch.delenv("MOE_DENSE_GRAPHS")
+    importlib.reload(dense_graph)
+
+
+def test_replayed_runs_take_the_kv_capacity_for_total_sequence_length():
+    import onnx
+
+    def gqa(name, window=-1, total="total_seq_len"):
+        return onnx.helper.make_node("GroupQueryAttention", ["q", "", "", f"past_{name}.key", f"past_{name}.value",
+                                     "seqlens_k", total], ["o", "pk", "pv"], domain="com.microsoft",
+                                     local_window_size=window, num_heads=4, kv_num_heads=2)
+
+    add = onnx.helper.make_node("Add", ["a", "b"], ["c"])
+    inputs = ["q", "seqlens_k", "total_seq_len", "past_1.key", "past_1.value"]
+    assert dense_graph.total_length_inputs([add, gqa("1")], inputs) == {"total_seq_len": "past_1.key"}
+    assert dense_graph.total_length_inputs([add], inputs) == {}
+    assert dense_graph.total_length_inputs([gqa("1", window=16)], inputs) is None  # sliding window: not replayed
+    conv = onnx.helper.make_node("Conv", ["a", "w"], ["y"])
+    assert dense_graph.total_length_inputs([add, conv, gqa("1")], inputs) is None  # not checked on a GPU: not replayed
+    slot = SimpleNamespace(array=np.zeros((1, 2, 256, 8), np.float16))
+    graphs = SegmentGraphs(FakeBackend(), frozenset({"total_seq_len"}), {"total_seq_len": slot})
+    first = graphs.total_length("total_seq_len")
+    assert first.dtype == np.int32 and int(first) == 256 and graphs.total_length("total_seq_len") is first
+    slot.array = np.zeros((1, 2, 512, 8), np.float16)  # the KV buffer grew
+    assert int(graphs.total_length("total_seq_len")) == 512
+
+
+
+def test_the_diagnosis_compares_a_replay_with_onnxruntimes_run_after_it(monkeypatch):
+    backend = FakeBackend()
+
+    class Out(np.ndarray):
+        def copy(self):
+            return np.array(self).view(Out)
+
+    backend.xp.abs, backend.xp.float32 = np.abs, np.float32
+    out = np.array([1.0, 2.0], np.float32).view(Out)
+    graphs = SegmentGraphs(backend, frozenset(), {})
+    monkeypatch.setattr(dense_graph, "mismatches", [])
+
+    def same():
+        out[:] = [1.0, 2.0]
+
+    graphs.check(("k",), {"y": out}, same)
+    assert dense_graph.mismatches == [] and graphs.checked == 1
+
+    def differs():
+        out[:] = [1.0, 2.5]
+
+    graphs.check(("k",), {"y": out}, differs)
+    assert [m["output"] for m in dense_graph.mismatches] == ["y"]
+    assert dense_graph.mismatches[0]["relative"] == pytest.approx(0.5 / 2.5)
