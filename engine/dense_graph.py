@@ -14,7 +14,8 @@ one GPU run one at a time (ort_env.dense_step_lock). What onnxruntime allocates 
 buffers, made with the session: GroupQueryAttention's zeros) may land in a graph's scratch if made after the capture,
 and every replay would overwrite it: graphs captured before a dense session was created on the GPU, by any model, are
 dropped (arena_changed) and captured again. Inputs given on the host that onnxruntime reads on the device (GroupQueryAttention's
-seqlens_k) are copied into a buffer of ours before each run, the same buffer at every step.
+seqlens_k) are copied into a buffer of ours before each run, the same buffer at every step, one per model and input
+(HostInputStaging): the segments of a step read the same lengths, and the first one's copy serves them all.
 
 An input onnxruntime reads on the host is read by the captured run only. The one such input of a decode segment is
 GroupQueryAttention's total_sequence_length, "the max of total sequence lengths": its flash-decoding kernels take
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -77,6 +79,44 @@ def total_length_inputs(nodes, inputs) -> dict[str, str] | None:
     return found
 
 
+class HostInputStaging:
+    """The device buffers that host inputs read on the device (GroupQueryAttention's seqlens_k) are copied into, one
+    per input name for all the segments of a model (its backend: one dense stream). A copy is queued on the dense
+    stream only when the values differ from the last ones copied: the buffer holds those in stream order, as every
+    replay that reads it is queued on that stream too."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._buffers: dict[str, tuple] = {}  # input name -> (device buffer, the bytes last copied into it)
+
+    def stage(self, name: str, array: np.ndarray):
+        """`array` (host, small) in this input's device buffer from the dense stream's point of view; the buffer."""
+        cp = self.backend.xp
+        buffer, last = self._buffers.get(name, (None, None))
+        if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+            with self.backend._scope():
+                buffer, last = cp.empty(array.shape, array.dtype), None
+        array = np.ascontiguousarray(array)
+        values = array.tobytes()
+        if values != last:
+            if array.nbytes:
+                cp.cuda.runtime.memcpyAsync(buffer.data.ptr, array.ctypes.data, array.nbytes, H2D,
+                                            self.backend.stream.ptr)
+            self._buffers[name] = (buffer, values)
+        return buffer
+
+
+_staging: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def staging_for(backend) -> HostInputStaging:
+    """The model's (backend's) HostInputStaging, made on first use."""
+    staging = _staging.get(backend)
+    if staging is None:
+        staging = _staging[backend] = HostInputStaging(backend)
+    return staging
+
+
 class SegmentGraphs:
     """The captured runs of one SegmentBinding, by key (the bound buffers), and the device copies of its host inputs
     that onnxruntime reads on the device. `failed`: why capture stopped for this binding (it runs eagerly then)."""
@@ -90,21 +130,12 @@ class SegmentGraphs:
         self.replays = self.checked = 0  # (counts, for the diagnosis)
         self._graphs: OrderedDict = OrderedDict()
         self._seen: dict[tuple, int] = {}
-        self._staged: dict[str, object] = {}  # input name -> its device buffer
+        self._staging = staging_for(backend)
         self._generation = _arena_generation  # of the graphs held
 
     def stage(self, name: str, array: np.ndarray):
-        """`array` (host) copied into this input's device buffer, queued on the dense stream; returns the buffer."""
-        cp = self.backend.xp
-        buffer = self._staged.get(name)
-        if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
-            with self.backend._scope():
-                buffer = self._staged[name] = cp.empty(array.shape, array.dtype)
-        array = np.ascontiguousarray(array)
-        if array.nbytes:
-            cp.cuda.runtime.memcpyAsync(buffer.data.ptr, array.ctypes.data, array.nbytes, H2D,
-                                        self.backend.stream.ptr)
-        return buffer
+        """`array` (host) in this input's device buffer, the model's (HostInputStaging); returns the buffer."""
+        return self._staging.stage(name, array)
 
     def total_length(self, name: str) -> np.ndarray:
         """What a graphed run is given for total_sequence_length input `name`: its KV buffer's capacity."""

@@ -100,15 +100,19 @@ def test_old_graphs_give_way_to_new_keys():
     assert not graphs.replay(keys[0]) and all(graphs.replay(key) for key in keys[1:])
 
 
-def test_host_inputs_read_on_the_device_go_through_one_buffer():
+def test_host_inputs_read_on_the_device_go_through_one_buffer_per_model():
     backend = FakeBackend()
     graphs = SegmentGraphs(backend, frozenset({"total_sequence_length"}), {})
+    later = SegmentGraphs(backend, frozenset({"total_sequence_length"}), {})  # the next segment of the step
     first = graphs.stage("seqlens_k", np.array([5], np.int32))
+    assert later.stage("seqlens_k", np.array([5], np.int32)) is first  # the same values: no second copy
     again = graphs.stage("seqlens_k", np.array([6], np.int32))
     assert again is first  # the same device buffer at every step: the graph's pointer
     assert backend.log == [("alloc", (1,)), ("copy", 4, 1, 77), ("copy", 4, 1, 77)]
     grown = graphs.stage("seqlens_k", np.array([[6, 7]], np.int32))
-    assert grown is not first and grown.shape == (1, 2)
+    assert grown is not first and grown.shape == (1, 2) and backend.log[-1] == ("copy", 8, 1, 77)
+    other = SegmentGraphs(FakeBackend(), frozenset(), {})  # another model: buffers of its own
+    assert other.stage("seqlens_k", np.array([[6, 7]], np.int32)) is not grown
 
 
 def test_graphs_are_on_unless_turned_off(monkeypatch):
