@@ -208,7 +208,7 @@ def main() -> None:
                          "device_s": after.device_s - before.device_s, "cpu_s": after.cpu_s - before.cpu_s,
                          "copied_gb": (after.copy_bytes - before.copy_bytes) / 1e9}
         # after the timed runs (the profiler slows what it watches: attribution only)
-        attribution = profile_steps(model, args.profile_steps, short_prompt, len(infos), top=15) \
+        attribution = profile_steps(model, args.profile_steps, short_prompt, len(infos), top=30) \
             if args.profile_steps else []
         slots = model.offload.plan.slots[infos[0].name]
         trace_h = hit_rate("adaptive", trace, infos[0].spec.num_experts, slots) if 0 < slots < infos[0].spec.num_experts \
