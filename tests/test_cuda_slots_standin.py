@@ -289,6 +289,43 @@ def test_layers_with_cold_experts_merge_their_decode_results_on_the_standin(mode
     assert cp.log.count(("wait", "dense", "compute")) == len(merged)
 
 
+def test_a_nodes_loads_are_waited_for_once_before_its_next_launch(model_folder, cpu_run, monkeypatch):
+    """Loads into a node's slots (the residents at the start, the misses the policy copies, placement's swaps) go on
+    the copy stream; the compute stream waits for them once, at the node's next launch, however many there were,
+    and not at a launch with none since."""
+    model, cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    calls = []
+    real_load, real_launch = CudaSlots.load, CudaSlots.launch
+
+    def load(self, slot, expert):
+        calls.append(("load", self.name, len(cp.log)))
+        return real_load(self, slot, expert)
+
+    def launch(self, *args, **kwargs):
+        at = len(cp.log)
+        result = real_launch(self, *args, **kwargs)
+        calls.append(("launch", self.name, cp.log[at:at + 2]))
+        return result
+
+    monkeypatch.setattr(CudaSlots, "load", load)
+    monkeypatch.setattr(CudaSlots, "launch", launch)
+    model.offload.reconfigure(model.offload.config)  # the residents loaded again, through the spy
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    pending, waited = {}, 0
+    for kind, node, logged in calls:
+        if kind == "load":
+            pending[node] = pending.get(node, 0) + 1
+            continue
+        if pending.pop(node, 0):
+            assert logged == [("record", "copy"), ("wait", "compute", "copy")]
+            waited += 1
+        else:
+            assert ("wait", "compute", "copy") not in logged
+    loads = sum(kind == "load" for kind, *_ in calls)
+    assert waited and loads > waited  # several loads, fewer waits
+    assert cp.log.count(("wait", "compute", "copy")) == waited
+
+
 def test_streamed_misses_order_the_copy_and_compute_streams(model_folder, cpu_run, monkeypatch):
     """A zero budget: decode misses copied into the shared streaming slots. The copy stream waits for the last
     launch that read the slots (the first wait is for an event never recorded: none), the compute stream for the
@@ -338,3 +375,20 @@ def test_streamed_launches_and_copies_are_timed_for_the_policy(model_folder, cpu
     group = model.offload.streaming.groups[0]
     assert group.issue._calls > 1 and group.prepare_s > 0.0
     assert group.launching._calls == group.issue._calls and group.launch_s > 0.0  # each streamed launch, merged
+
+
+def test_routed_launches_reuse_their_input_views_only_for_the_same_contiguous_arrays(model_folder, monkeypatch):
+    """launch_routed's [T, H] / [T, E] views of the dense part's kept buffers are made once while the same arrays
+    come back; a non-contiguous input is copied at every call (a view kept of a copy would go stale)."""
+    model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
+    store = next(s for s in model.offload.stores if s is not None)
+    x = _device(np.arange(2 * SPEC.hidden_size, dtype=np.float32).reshape(1, 2, SPEC.hidden_size))
+    logits = _device(np.ones((1, 2, SPEC.num_experts), np.float32))
+    first = store._routed_views(x, logits, None, 2)
+    assert first[0].shape == (2, SPEC.hidden_size) and first[1].shape == (2, SPEC.num_experts) and first[2] is None
+    assert all(a is b for a, b in zip(store._routed_views(x, logits, None, 2), first))
+    assert store._routed_views(x.copy(), logits, None, 2)[0] is not first[0]  # another array: new views
+    strided = _device(np.ones((2, SPEC.num_experts * 2), np.float32))[:, ::2]
+    again = store._routed_views(x, strided, None, 2)
+    strided[0, 0] = 7.0
+    assert float(store._routed_views(x, strided, None, 2)[1][0, 0]) == 7.0 and float(again[1][0, 0]) == 1.0

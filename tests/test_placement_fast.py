@@ -221,3 +221,21 @@ def test_a_subclass_with_its_own_wanted_gets_the_numpy_spare_slots():
     policy.scores[0][:] = [0, 4, 0, 1, 0, 2, 0, 3]
     assert policy.spare_slots(0, np.array([5])).tolist() == [0, 3, 1]
     assert StaticPlacement([LayerSlots(4, 2)])._wanted_rule == 0
+
+
+def test_all_resident_follows_placement_and_resizing():
+    """all_resident (asked at every layer-step) keeps its answer once true, until a slot changes or the slots do."""
+    layer = LayerSlots(num_experts=4, num_slots=4)
+    assert not layer.all_resident
+    for expert in range(4):
+        layer.place(expert, expert)
+    assert layer.all_resident and layer.all_resident
+    layer.resize(3)  # fewer slots than experts
+    assert not layer.all_resident
+    layer.resize(4)
+    assert not layer.all_resident  # the fourth slot came back empty
+    layer.place(3, 3)
+    assert layer.all_resident
+    layer.slot_of[2] = -1  # (not how placement moves experts: to see that place() asks again)
+    layer.place(3, 3)
+    assert not layer.all_resident

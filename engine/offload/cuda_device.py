@@ -219,12 +219,14 @@ class CudaSlots:
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
         self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
+        self._views: tuple | None = None  # (x, logits, router weights, their views) of the last launch_routed
         self._merges = MergeBufferPool(device.cp, runner.info.spec.hidden_size)  # merge_on_device's, by shape
         self._host_copies = HostCopies(device.cp)
         # orders two streams (no timing: cheaper to record and wait on); one, recorded again at each use: a wait
         # takes the event as last recorded when the wait is queued
         self._ordering = device.cp.cuda.Event(disable_timing=True)
         self._copied = device.cp.cuda.Event(disable_timing=True)  # the same, for loads on the copy stream
+        self._loads_pending = False  # loads issued that the compute stream has not been made to wait for
         self._direct_known: tuple | None = None  # (the registration, _direct's answer) once it has finished
         self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
         self.resize(num_slots)
@@ -261,15 +263,15 @@ class CudaSlots:
         self.gpu = self._make(num_slots, []) if num_slots else None
         self.num_slots = num_slots
 
-    @_on_compute_stream
     def load(self, slot: int, expert: int) -> float:
         """Copy the expert into the slot on the copy stream: straight from the registered mapping and converted on
-        the GPU, or converted to the kernel layout on the host and written into the pinned ring first."""
+        the GPU, or converted to the kernel layout on the host and written into the pinned ring first. The compute
+        stream waits for the copies before the node's next launch (one wait for all the loads of a step)."""
         started = time.perf_counter()
         self._copy_in(self.gpu, slot, expert)
+        self._loads_pending = True
         self.prepare_s = time.perf_counter() - started  # host seconds before the copy runs (miss policy)
-        self._order_after_copies()
-        return time.perf_counter() - started
+        return self.prepare_s
 
     @_on_compute_stream
     def stream(self, streaming: "CudaStreamingSlots", experts: list[int]) -> float:
@@ -313,6 +315,13 @@ class CudaSlots:
         """Kernels queued on the compute stream from now on see the copies issued so far."""
         self._copied.record(self.device.copy_stream)
         self.device.cp.cuda.get_current_stream().wait_event(self._copied)
+        self._loads_pending = False
+
+    def _order_after_loads(self) -> None:
+        """Before a launch that reads the node's slots (on the compute stream): the loads issued since the last one
+        are waited for, once."""
+        if self._loads_pending:
+            self._order_after_copies()
 
     @_on_compute_stream
     def stage(self, experts: np.ndarray) -> float:
@@ -351,6 +360,8 @@ class CudaSlots:
         if local is not None:  # the wave's GpuQMoE numbers its experts 0..n-1
             position = np.clip(np.searchsorted(local, expert_ids), 0, len(local) - 1)
             expert_ids = np.where((expert_ids >= 0) & (local[position] == expert_ids), position, -1)
+        if streamed is None:
+            self._order_after_loads()
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         if x2d.shape[0] <= gpu.decode_max_tokens and x2d.dtype in (np.float32, np.float16):
             # decode: kept pinned and device buffers, one copy in, kernels that zero the output (cuda_step.py)
@@ -428,20 +439,35 @@ class CudaSlots:
         with cp.cuda.Device(self.device.index):
             if dense is not None:  # first: anything below may read the dense part's outputs
                 compute.wait_event(dense.record(self._ordering))
-            logits = cp.ascontiguousarray(logits).reshape(tokens, -1)
+            self._order_after_loads()
+            x2d, logits, weights = self._routed_views(x, logits, router_weights, tokens)
             buffers = self._routed
             if buffers is None or buffers.key != RoutedBuffers.key_of(tokens, x.dtype, logits):
                 buffers = RoutedBuffers(cp, tokens, spec.hidden_size, x.dtype, logits)
                 if tokens <= self.gpu.decode_max_tokens:
                     self._routed = buffers  # kept: the same pointers at every decode step (CUDA graph replays)
             buffers.start.record(compute)
-            weights = None if router_weights is None else cp.ascontiguousarray(router_weights).reshape(tokens, -1)
-            self.gpu.run_routed(x.reshape(tokens, spec.hidden_size), logits, buffers.out32, buffers.out, weights)
+            self.gpu.run_routed(x2d, logits, buffers.out32, buffers.out, weights)
             buffers.copy_logits(logits, compute)
             buffers.stop.record(compute)
             if dense is not None:
                 dense.wait_event(buffers.stop)
         return buffers.result(x.shape), buffers
+
+    def _routed_views(self, x, logits, router_weights, tokens: int) -> tuple:
+        """x [T, H], the router logits and weights [T, E] (contiguous) for run_routed: views of the dense part's kept
+        output buffers, made once while the same (contiguous) arrays come back at every step (CuPy's reshape costs
+        µs a call); a copy, made at every call, where one is not contiguous."""
+        cached = self._views
+        if cached is not None and cached[0] is x and cached[1] is logits and cached[2] is router_weights:
+            return cached[3]
+        cp = self.device.cp
+        views = (cp.ascontiguousarray(x).reshape(tokens, -1), cp.ascontiguousarray(logits).reshape(tokens, -1),
+                 None if router_weights is None else cp.ascontiguousarray(router_weights).reshape(tokens, -1))
+        inputs = (x, logits, router_weights)
+        if all(a is None or a.flags.c_contiguous for a in inputs):
+            self._views = (*inputs, views)
+        return views
 
     @_on_compute_stream
     def merge_on_device(self, pending, cpu_part: np.ndarray | None, like):

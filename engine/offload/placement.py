@@ -44,6 +44,8 @@ class LayerSlots:
     slot_of: np.ndarray = field(init=False)     # [E] int32, -1 = cold
     expert_in: np.ndarray = field(init=False)   # [slots] int32, -1 = empty
 
+    _all_resident: bool = field(init=False, default=False, repr=False)  # all_resident's answer, once true
+
     def __post_init__(self):
         self.slot_of = np.full(self.num_experts, -1, np.int32)
         self.expert_in = np.full(self.num_slots, -1, np.int32)
@@ -53,10 +55,14 @@ class LayerSlots:
 
     @property
     def all_resident(self) -> bool:
-        """Every expert of the node in a slot: routing can stay on the device (hybrid_node.py)."""
-        return self.num_slots >= self.num_experts and bool((self.slot_of >= 0).all())
+        """Every expert of the node in a slot: routing can stay on the device (hybrid_node.py). Asked at every step of
+        every layer; once true it stays so (no expert is cold, so none is swapped in) until place() or resize()."""
+        if not self._all_resident:
+            self._all_resident = self.num_slots >= self.num_experts and bool((self.slot_of >= 0).all())
+        return self._all_resident
 
     def place(self, slot: int, expert: int) -> int | None:
+        self._all_resident = False
         evicted = int(self.expert_in[slot])
         if evicted >= 0:
             self.slot_of[evicted] = -1
@@ -66,6 +72,7 @@ class LayerSlots:
 
     def resize(self, num_slots: int) -> list[int]:
         """Change the slot count keeping the first residents; returns the experts dropped."""
+        self._all_resident = False
         kept = self.expert_in[:num_slots]
         dropped = [int(e) for e in self.expert_in[num_slots:] if e >= 0]
         self.expert_in = np.concatenate([kept, np.full(max(0, num_slots - len(kept)), -1, np.int32)])
