@@ -185,6 +185,19 @@ def test_merge_sum_adds_and_converts_as_numpy_does(dtype):
     assert np.array_equal(out.get(), (a + b).astype(dtype))
     gpu.merge_sum(cp.asarray(b), None, out)
     assert np.array_equal(out.get(), b.astype(dtype))
+    # on a stream of its own (the engine's compute stream) the launch is prepared once per buffers and goes to the
+    # driver; new values in the same buffers are summed at every call
+    a_dev, b_dev = cp.asarray(a), cp.asarray(b)
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        for scale in (1.0, -0.5):
+            a_dev.set(a * scale, stream=stream)
+            gpu.merge_sum(a_dev, b_dev, out)
+            stream.synchronize()
+            assert np.array_equal(out.get(), (a * np.float32(scale) + b).astype(dtype))
+        gpu.merge_sum(b_dev, None, out)
+        stream.synchronize()
+        assert np.array_equal(out.get(), b.astype(dtype))
+    assert len(gpu._merge_launches) == 2  # (a, b) and (b alone): prepared once each
 
 
 @pytest.mark.gpu

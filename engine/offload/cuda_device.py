@@ -362,11 +362,11 @@ class CudaSlots:
             expert_ids = np.where((expert_ids >= 0) & (local[position] == expert_ids), position, -1)
         if streamed is None:
             self._order_after_loads()
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
         if x2d.shape[0] <= gpu.decode_max_tokens and x2d.dtype in (np.float32, np.float16):
             # decode: kept pinned and device buffers, one copy in, kernels that zero the output (cuda_step.py)
             with gpu.device:
                 buffers = self._step_buffers.take(x2d.shape[0], expert_ids.shape[1])
+                start, stop = buffers.start, buffers.stop
                 buffers.upload(x2d, expert_ids, weights, cp.cuda.get_current_stream())
                 start.record()
                 gpu.run_staged(buffers.x, buffers.ids, buffers.w, buffers.out)
@@ -377,6 +377,7 @@ class CudaSlots:
             return buffers, start, stop
         # prefill: the node's launches of one run (its residents, then every wave) share one upload of the
         # activations and one device accumulator, brought back once by flush()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
         x_dev, total = self._prefill_buffers(x2d)
         start.record()
         gpu.run_experts(x_dev, expert_ids, weights, out=total)

@@ -46,6 +46,9 @@ class StepBuffers:
         # addresses looked up once: `.ctypes` makes an object at every use (µs a call, several calls a layer)
         self._host_at, self._device_at = host.ctypes.data, self.device.data.ptr
         self._host_out_at, self._out_at = self.host_out.ctypes.data, self.out.data.ptr
+        # the launch's start and stop, recorded again at each launch with these buffers: the step reads them before
+        # the buffers are taken again (they go back to the pool at the merge or collect of their launch)
+        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
 
     def upload(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray, stream) -> None:
         """The step's inputs into the pinned buffer (ids as int32), then one asynchronous copy on `stream`."""

@@ -126,6 +126,7 @@ class GpuQMoE:
             # run_staged's CUDA graphs by launch (buffers, shape, configuration); dropped when the workspace grows
             self._graphs: dict = {}
             self._graph_seen: set = set()
+            self._merge_launches: dict = {}  # merge_sum's prepared launches by (buffers, size, dtype, stream)
             # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these; the defaults
             # are the H200 optimum at both benchmark shapes, W1 = 0: 2 warps per FC1 block when the FC1 grid
             # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic); rank_route: decode_prep routes by ranks
@@ -661,13 +662,33 @@ class GpuQMoE:
 
     def merge_sum(self, a, b, out) -> None:
         """out = a + b (b None: a alone), float32 device arrays in, out's dtype (float16 / float32) out, in one launch
-        on the current stream: the offload engine's decode merge of the device's and the CPU's parts."""
-        n = a.size
-        out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
-        with self.device:
-            self._f("merge_sum")((max(1, min(_cdiv(n, 256), 4 * self.num_sms)),), (256,),
-                                 (a, a if b is None else b, np.int32(b is not None), out, np.int32(out_dt),
-                                  np.int32(n)))
+        on the current stream: the offload engine's decode merge of the device's and the CPU's parts, at every layer
+        with CPU misses. The launch is prepared once per (buffers, stream) and goes straight to the driver
+        (driver_calls.PreparedLaunch: CuPy's launch marshals its arguments at every call); through CuPy where the
+        driver's calls cannot be had, or on the legacy default stream."""
+        cp = _cp()
+        stream_ptr = cp.cuda.get_current_stream().ptr
+        key = (a.data.ptr, 0 if b is None else b.data.ptr, out.data.ptr, a.size, out.dtype.char, stream_ptr)
+        prepared = self._merge_launches.get(key)
+        if prepared is None:
+            n = a.size
+            out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
+            grid, args = (max(1, min(_cdiv(n, 256), 4 * self.num_sms)),), (
+                a, a if b is None else b, np.int32(b is not None), out, np.int32(out_dt), np.int32(n))
+            calls = DriverCalls.from_driver() if stream_ptr else None
+            with self.device:
+                if calls is None:
+                    self._f("merge_sum")(grid, (256,), args)
+                    return
+                prepared = calls.prepare(self._f("merge_sum").kernel.ptr, grid, (256,), args, 0, stream_ptr)
+            if len(self._merge_launches) >= 16:  # buffers of shapes gone by (a decode of more tokens, a resize)
+                self._merge_launches.clear()
+            self._merge_launches[key] = prepared
+        if cp.cuda.runtime.getDevice() == self._device_id:  # the driver launches on the current GPU
+            prepared.launch()
+        else:
+            with self.device:
+                prepared.launch()
 
     def _replayed(self, key: tuple, T: int, launch) -> None:
         """Run `launch` (kernel launches on the current stream, nothing else) eagerly at the first call with this
