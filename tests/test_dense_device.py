@@ -569,14 +569,6 @@ def test_cuda_state_buffers_are_device_memory(monkeypatch, tmp_path):
     assert all(isinstance(slot.array, cupy.ndarray) for slot in state.slots)
 
 
-def _logging_routes(observe, log: list):
-    """A placement policy's observe(layer, ids) that also appends (layer, the experts picked, sorted) to `log`."""
-    def logged(layer, ids):
-        log.append((layer, np.sort(ids.reshape(-1)).tolist()))
-        observe(layer, ids)
-    return logged
-
-
 @pytest.mark.gpu
 @needs_cuda_ep
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
