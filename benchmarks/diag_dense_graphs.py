@@ -6,7 +6,9 @@ did in the step (copies, swaps, CPU misses, replays), in several variants. One l
 
 Variants: test (as the test), verify (every replay checked against onnxruntime's run), static (both models' placement
 static), eager (graphs off in both models: do two eager models agree?), sync_replay (the device synchronised after
-each replay), sync_node (after each expert node), nocopy (the miss policy never copies), check (as sync_node, and every expert node's result
+each replay), sync_node (after each expert node), nocopy (the miss policy never copies), sliding (sliding-window segments replayed too, given
+their KV buffer's capacity as total length like the others: an experiment), check (as sync_node, and every expert
+node's result
 checked against the CPU kernels on the same inputs, and placement's expert -> slot map against GpuQMoE's host and
 device maps, after every node and step).
 """
@@ -94,6 +96,20 @@ def checked_nodes(cp, names: dict, step_of: list) -> list:
 def scenario(name: str, variant: str, steps: int = 40) -> None:
     import cupy as cp
 
+    patches = []
+    if variant == "sliding":  # before the models open: their segments ask at open
+        real_lengths = dense_graph.total_length_inputs
+
+        def total_length_inputs(nodes, inputs):
+            found = {}
+            for node in nodes:
+                if node.op_type not in dense_graph.REPLAYED_OPS:
+                    return None
+                if node.op_type == "GroupQueryAttention" and node.input[6] in inputs:
+                    found[node.input[6]] = node.input[3]
+            return found
+        patches.append((dense_graph, "total_length_inputs", real_lengths))
+        dense_graph.total_length_inputs = total_length_inputs
     folder = write_model(Path(tempfile.mkdtemp()) / name, FP16_MODELS[name])
     budget = int(0.5 * all_resident_bytes(LoadedModel.open(folder).folder.experts))
     placement = "static" if variant == "static" else "adaptive"
@@ -101,8 +117,15 @@ def scenario(name: str, variant: str, steps: int = 40) -> None:
     eager, graphed, cpu = cuda_model(folder, offload=config), cuda_model(folder, offload=config), LoadedModel.open(folder)
     dense_graph.verify = variant == "verify"
     dense_graph.mismatches.clear()
-    patches = []
     step_of = [-1]
+    captures, real_capture = [], dense_graph.SegmentGraphs.capture
+
+    def capture(self, key, run):
+        done = real_capture(self, key, run)
+        captures.append(done or self.failed)
+        return done
+    patches.append((dense_graph.SegmentGraphs, "capture", real_capture))
+    dense_graph.SegmentGraphs.capture = capture
     if variant == "sync_replay":
         real = dense_graph.SegmentGraphs.replay
 
@@ -164,7 +187,9 @@ def scenario(name: str, variant: str, steps: int = 40) -> None:
                 print(f"  step {step:2d}: graphed/eager {error:.4f}  eager/cpu {relative_error(ref, on_cpu):.4f}  "
                       f"graphed/cpu {relative_error(ours, on_cpu):.4f}  (swaps, copies, cpu misses, hits) eager "
                       f"{d_eager} graphed {d_graphed}  mismatches {new_mismatches}", flush=True)
-        print(f"{name} {variant}: worst graphed/eager {worst:.4f}; mismatches {len(dense_graph.mismatches)}", flush=True)
+        failed = sorted({str(c) for c in captures if c is not True})
+        print(f"{name} {variant}: worst graphed/eager {worst:.4f}; mismatches {len(dense_graph.mismatches)}; "
+              f"captures {sum(c is True for c in captures)}, failed {failed}", flush=True)
     finally:
         for owner, attribute, value in patches:
             setattr(owner, attribute, value)
