@@ -148,10 +148,7 @@ class SegmentGraphs:
     def replay(self, key: tuple) -> bool:
         """Launch the graph captured for `key` on the dense stream; False when there is none (or the arena has
         changed since it was captured: then every graph held is dropped, to be captured again)."""
-        if self._generation != _arena_generation:
-            self._graphs.clear()
-            self._seen.clear()
-            self._generation = _arena_generation
+        if self._forget_if_arena_changed():
             return False
         graph = self._graphs.get(key)
         if graph is None:
@@ -159,6 +156,16 @@ class SegmentGraphs:
         self._graphs.move_to_end(key)
         graph.launch(self.backend.stream)
         self.replays += 1
+        return True
+
+    def _forget_if_arena_changed(self) -> bool:
+        """Drop every graph held (and the warm runs counted) if a dense session was created on the GPU since they
+        were captured (arena_changed); True when it did."""
+        if self._generation == _arena_generation:
+            return False
+        self._graphs.clear()
+        self._seen.clear()
+        self._generation = _arena_generation
         return True
 
     def check(self, key: tuple, outputs: dict, run) -> None:
@@ -187,6 +194,7 @@ class SegmentGraphs:
         """`run()` (onnxruntime's run of the bound segment, no synchronisation) under capture of the dense stream,
         then its graph launched (the capture recorded the kernels, it did not run them). False, with `failed` set,
         where this onnxruntime or driver cannot capture it: the caller runs it eagerly, now and from now on."""
+        self._forget_if_arena_changed()  # graphs of an older arena go; this one is captured in the current one
         cp = self.backend.xp
         stream = self.backend.stream
         mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)  # onnxruntime's arena may allocate

@@ -90,6 +90,9 @@ def test_graphs_captured_before_a_dense_session_was_created_on_the_gpu_are_captu
     assert not graphs.replay(key) and not graphs.replay(key)  # dropped, not replayed again
     assert [graphs.due(key) for _ in range(WARM_RUNS + 1)] == [False] * WARM_RUNS + [True]  # warm runs again
     assert graphs.capture(key, lambda: None) and graphs.replay(key)
+    other = ((2, (1, 8)),)
+    dense_graph.arena_changed()  # a capture after the change: the older graphs go, the new one replays at once
+    assert graphs.capture(other, lambda: None) and graphs.replay(other) and not graphs.replay(key)
 
 
 def test_old_graphs_give_way_to_new_keys():
