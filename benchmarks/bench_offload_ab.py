@@ -8,9 +8,9 @@ decoded for `--decode-tokens` tokens. Reported per fraction: each configuration'
 ratio B / A of each round (median, min, max). What the engine learns at run time (the miss policy's measured CPU rate
 and copy reuse) carries over from one configuration to the next, as it would for a user who changes a setting.
 A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an attribute of every GpuQMoE the
-engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0) and `dense.graphs=0|1` (the dense
-segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one variant names and the other does
-not keeps its default there.
+engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), `cpu.NAME=INT` (an attribute of
+every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16) and `dense.graphs=0|1` (the dense segments' decode runs replayed
+as CUDA graphs, engine/dense_graph.py); a switch one variant names and the other does not keeps its default there.
 
     python benchmarks/bench_offload_ab.py --shape gpt-oss-20b-like --dtype float16 --fractions 0.25,0.5 \
         --b cpu_threads=15 [--a KEY=VALUE,...] [--rounds 6] [--decode-tokens 16] [--device cuda|simulated]
@@ -37,7 +37,7 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "dense.")  # a variant's entries with these prefixes are switches, not offload keys
+SWITCH_PREFIXES = ("gpu.", "cpu.", "dense.")  # a variant's entries with these prefixes are switches, not offload keys
 
 
 def variant(text: str) -> dict:
@@ -54,7 +54,8 @@ def variant(text: str) -> dict:
 
 def switches(text: str) -> dict[str, int]:
     """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
-    holds, 'dense.graphs' the dense segments' CUDA graphs (engine.dense_graph.enabled)."""
+    holds, 'cpu.NAME' one of every CPU expert kernel, 'dense.graphs' the dense segments' CUDA graphs
+    (engine.dense_graph.enabled)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
@@ -78,29 +79,44 @@ def gpu_kernels(model: LoadedModel) -> list:
     return list(unique.values())
 
 
+def cpu_kernels(model: LoadedModel) -> list:
+    """Every expert node's CPU kernel (what `cpu.` switches set), each once."""
+    found = [getattr(runner, "kernel", None) for runner in model.decoder.steps]
+    unique = {id(kernel): kernel for kernel in found if kernel is not None}
+    return list(unique.values())
+
+
+def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
+    """(the objects switch `name` sets, the attribute, what they are called in errors)."""
+    prefix, _, attribute = name.partition(".")
+    if prefix == "cpu":
+        return cpu_kernels(model), attribute, "the CPU expert kernel"
+    return gpu_kernels(model), attribute, "GpuQMoE"
+
+
 def current_switches(model: LoadedModel, names) -> dict[str, int]:
-    """The values the named switches have now (a GpuQMoE's attribute as the first kernel has it)."""
-    kernels = gpu_kernels(model)
+    """The values the named switches have now (an attribute as the first kernel has it)."""
     values = {}
     for name in names:
         if name == "dense.graphs":
             values[name] = int(dense_graph.enabled)
-        elif kernels and hasattr(kernels[0], name[len("gpu."):]):
-            values[name] = int(getattr(kernels[0], name[len("gpu."):]))
+            continue
+        kernels, attribute, _ = _targets(model, name)
+        if kernels and hasattr(kernels[0], attribute):
+            values[name] = int(getattr(kernels[0], attribute))
     return values
 
 
 def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
-    kernels = gpu_kernels(model)
     for name, value in values.items():
         if name == "dense.graphs":
             dense_graph.enabled = bool(value)
             continue
-        attribute = name[len("gpu."):]
-        for gpu in kernels:
-            if not hasattr(gpu, attribute):
-                raise SystemExit(f"{name}: GpuQMoE has no such switch")
-            setattr(gpu, attribute, value)
+        kernels, attribute, what = _targets(model, name)
+        for kernel in kernels:
+            if not hasattr(kernel, attribute):
+                raise SystemExit(f"{name}: {what} has no such switch")
+            setattr(kernel, attribute, value)
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],

@@ -25,9 +25,10 @@ def test_the_summary_pairs_each_round_of_b_with_the_round_of_a_beside_it():
 def test_switches_are_read_apart_from_the_offload_keys():
     from benchmarks.bench_offload_ab import switches
 
-    text = "cpu_threads=15,gpu.driver_copies=0, gpu.batch_copies=1,dense.graphs=1"
-    assert variant(text) == {"cpu_threads": 15}
-    assert switches(text) == {"gpu.driver_copies": 0, "gpu.batch_copies": 1, "dense.graphs": 1}
+    text = "cpu_threads=15,gpu.driver_copies=0, gpu.batch_copies=1,dense.graphs=1,cpu.gemv_chunk_kb=16"
+    assert variant(text) == {"cpu_threads": 15}  # an offload key, though it starts with "cpu"
+    assert switches(text) == {"gpu.driver_copies": 0, "gpu.batch_copies": 1, "dense.graphs": 1,
+                              "cpu.gemv_chunk_kb": 16}
     assert switches("") == {}
     with pytest.raises(SystemExit, match="gpu.driver_copies=off: a switch takes an integer"):
         switches("gpu.driver_copies=off")
@@ -38,6 +39,10 @@ def test_switches_are_read_apart_from_the_offload_keys():
 class _Kernel:
     def __init__(self):
         self.driver_copies = True
+
+
+class _CpuKernel:
+    gemv_chunk_kb = 64
 
 
 class _Engine:
@@ -59,22 +64,28 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
     import benchmarks.bench_offload_ab as ab
     from engine import dense_graph
 
-    model = type("Model", (), {"offload": _Engine()})()
+    cpu = _CpuKernel()  # shared by two nodes' runners, as a node's kernel is its runner's
+    steps = [type("Node", (), {"kernel": cpu})(), type("Segment", (), {})(), type("Node", (), {"kernel": cpu})()]
+    model = type("Model", (), {"offload": _Engine(), "decoder": type("Decoder", (), {"steps": steps})()})()
     seen = []
 
     def fake_decode(model, prompt, tokens):
         kernels = ab.gpu_kernels(model)
         assert len(kernels) == 2  # the node's and the shared streaming slots', once
-        seen.append(([k.driver_copies for k in kernels], dense_graph.enabled))
+        assert ab.cpu_kernels(model) == [cpu]
+        seen.append(([k.driver_copies for k in kernels], dense_graph.enabled, cpu.gemv_chunk_kb))
         return (100.0 if kernels[0].driver_copies else 90.0), []
 
     monkeypatch.setattr(ab, "decode", fake_decode)
     monkeypatch.setattr(dense_graph, "enabled", False)
     rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 3, [1], 4,
-                             {"A": {}, "B": {"gpu.driver_copies": 0, "dense.graphs": 1}})
-    # rounds alternate A B / B A / A B; A keeps the defaults (driver copies on, no graphs), B sets its switches
-    a, b = ([1, 1], False), ([0, 0], True)
+                             {"A": {}, "B": {"gpu.driver_copies": 0, "dense.graphs": 1, "cpu.gemv_chunk_kb": 16}})
+    # rounds alternate A B / B A / A B; A keeps the defaults (driver copies on, no graphs, 64 KB chunks), B sets its
+    # switches
+    a, b = ([1, 1], False, 64), ([0, 0], True, 16)
     assert seen == [a, b, b, a, a, b]
     assert rates == {"A": [100.0] * 3, "B": [90.0] * 3}
     with pytest.raises(SystemExit, match="gpu.no_such: GpuQMoE has no such switch"):
         ab.set_switches(model, {"gpu.no_such": 1})
+    with pytest.raises(SystemExit, match="cpu.no_such: the CPU expert kernel has no such switch"):
+        ab.set_switches(model, {"cpu.no_such": 1})
