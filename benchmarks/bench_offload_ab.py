@@ -119,6 +119,28 @@ def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
             setattr(kernel, attribute, value)
 
 
+def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = "float16", device: str = "cuda",
+               prefix: str = "bench-offload-ab-") -> tuple[LoadedModel, list[int]]:
+    """The shape's model (written into `folder` once, reused after), loaded with no expert budget on `device` ("cuda"
+    or "simulated") once the page-locking of its experts has finished (copies go straight from the page-locked
+    mapping in every configuration); and a 16-token prompt."""
+    spec = dict(SHAPES[shape], **({"layers": layers} if layers else {}))
+    where = model_folder(folder, prefix)
+    if not (where / "model" / "genai_config.json").is_file():
+        write_model(where / "model", WriterSpec(**spec, bits=4, block_size=32, context_length=4096, seed=7,
+                                                dtype=dtype))
+    if device == "cuda":
+        from engine.offload.cuda_device import open_cuda_device
+        opened = open_cuda_device()
+    else:
+        from engine.offload import SimulatedDevice
+        opened = SimulatedDevice(200 << 30)
+    model = LoadedModel.open(where / "model", offload=OffloadConfig(device_expert_bytes=0), device=opened)
+    if model.host_registration is not None:
+        model.host_registration.ready.wait(300)
+    return model, [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
+
+
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
                   tokens: int, variant_switches: dict | None = None) -> dict[str, list[float]]:
     """Tokens/s of configurations "A" and "B" (`changes` of each, and their switches: every name either names, with
@@ -161,21 +183,7 @@ def main(argv=None) -> dict:
     changes = {"A": variant(args.a), "B": variant(args.b)}
     chosen = {"A": switches(args.a), "B": switches(args.b)}
 
-    shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
-    folder = model_folder(args.folder, "bench-offload-ab-")
-    if not (folder / "model" / "genai_config.json").is_file():
-        write_model(folder / "model", WriterSpec(**shape, bits=4, block_size=32, context_length=4096, seed=7,
-                                                 dtype=args.dtype))
-    if args.device == "cuda":
-        from engine.offload.cuda_device import open_cuda_device
-        device = open_cuda_device()
-    else:
-        from engine.offload import SimulatedDevice
-        device = SimulatedDevice(200 << 30)
-    model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0), device=device)
-    if model.host_registration is not None:
-        model.host_registration.ready.wait(300)  # copies go straight from the page-locked mapping in both
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
+    model, prompt = open_model(args.shape, args.layers, args.folder, args.dtype, args.device, "bench-offload-ab-")
     print(f"A: {args.a or 'defaults'}   B: {args.b}   dense part on the {model.dense_device}", flush=True)
     figures, results = [], {}
     for fraction in [float(f) for f in args.fractions.split(",")]:

@@ -26,12 +26,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES, decode  # noqa: E402
-from benchmarks.common import model_folder  # noqa: E402
-from engine.generation import LoadedModel  # noqa: E402
+from benchmarks.bench_offload_ab import open_model  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
 def empty_region():
@@ -82,17 +80,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--folder")
     args = parser.parse_args()
-    shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
-    folder = model_folder(args.folder, "diag-cpu-calls-")
-    if not (folder / "model" / "genai_config.json").is_file():
-        write_model(folder / "model", WriterSpec(**shape, bits=4, block_size=32, context_length=4096, seed=7,
-                                                 dtype="float16"))
-    from engine.offload.cuda_device import open_cuda_device
-
-    model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0), device=open_cuda_device())
-    if model.host_registration is not None:
-        model.host_registration.ready.wait(300)
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
+    model, prompt = open_model(args.shape, args.layers, args.folder, prefix="diag-cpu-calls-")
     rows: dict = defaultdict(list)
     timed_kernels(model, rows)
     for fraction in [float(f) for f in args.fractions.split(",")]:
