@@ -136,8 +136,7 @@ def cuda_ep_missing_reason() -> str | None:
 
 
 _shared_arenas: dict[int, int] = {}  # device id -> max_mem of the arena registered with onnxruntime's env
-_arena_locks: dict[int, threading.Lock] = {}
-_arena_locks_made = threading.Lock()
+_arena_locks: dict[int, threading.Lock] = {}  # device id -> dense_step_lock's lock
 
 
 def dense_step_lock(device_id: int) -> threading.Lock:
@@ -147,8 +146,7 @@ def dense_step_lock(device_id: int) -> threading.Lock:
     the model's stream (runs are not synchronised: DeviceOutputs.no_sync), and a run on another model's stream may be
     handed it at once; a replayed CUDA graph (dense_graph.py) writes the scratch it was captured with. A step ends
     with the logits on the host, its dense work done."""
-    with _arena_locks_made:
-        return _arena_locks.setdefault(device_id, threading.Lock())
+    return _arena_locks.setdefault(device_id, threading.Lock())  # one call: atomic, two threads get the same lock
 
 
 def register_shared_cuda_arena(device_id: int, max_mem: int) -> None:

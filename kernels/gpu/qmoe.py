@@ -22,6 +22,7 @@ normalize_routing_weights; router_weights); the sparse mixer routes on the host 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -249,11 +250,8 @@ class GpuQMoE:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range (num_slots={self.num_slots})")
         if self.driver_copies and self._pack_desc is not None and self.driver_copy_fallback is None:
-            if cp.cuda.runtime.getDevice() == self._device_id:  # the driver's calls act on the current GPU
+            with self._made_current():
                 issued = self._pack_expert_driver(e, slot, stream or cp.cuda.get_current_stream())
-            else:
-                with self.device:
-                    issued = self._pack_expert_driver(e, slot, stream or cp.cuda.get_current_stream())
             if issued:
                 self.device_packs += 1
                 return
@@ -684,11 +682,13 @@ class GpuQMoE:
             if len(self._merge_launches) >= 16:  # buffers of shapes gone by (a decode of more tokens, a resize)
                 self._merge_launches.clear()
             self._merge_launches[key] = prepared
-        if cp.cuda.runtime.getDevice() == self._device_id:  # the driver launches on the current GPU
+        with self._made_current():
             prepared.launch()
-        else:
-            with self.device:
-                prepared.launch()
+
+    def _made_current(self):
+        """This GPU made current for driver calls (they act on the current one): a no-op where it is already, which
+        saves the hot paths (an expert's copy, the decode merge) CuPy's switch there and back."""
+        return contextlib.nullcontext() if _cp().cuda.runtime.getDevice() == self._device_id else self.device
 
     def _replayed(self, key: tuple, T: int, launch) -> None:
         """Run `launch` (kernel launches on the current stream, nothing else) eagerly at the first call with this
