@@ -12,10 +12,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from kernels.cpu.threads import PRANGE_ONLY
+
 CHUNK = 1 << 20  # bytes per parallel job: large enough to stream, small enough to spread a row over cores
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
 def _take_rows(src, rows, out):
     """out[i, :] = src[rows[i], :] for uint8 2-D src / out, in CHUNK-byte jobs spread over the threads."""
     width = src.shape[1]

@@ -28,7 +28,7 @@ from numba import njit, prange
 
 from .. import layouts as L
 from ..qmoe_spec import QMoESpec, UnsupportedLayout
-from .threads import use_threads
+from .threads import PRANGE_ONLY, use_threads
 
 __all__ = ["delegate_for", "fast_layout", "GenericQMoE", "activate", "FAST_ACTIVATIONS", "LazyConverted",
            "sm80_to_raw", "n_packed_to_k_packed"]
@@ -207,7 +207,7 @@ def _dot4x1(t, x, r, K, acc):
     acc[0, 0], acc[1, 0], acc[2, 0], acc[3, 0] = a0, a1, a2, a3
 
 
-@njit(parallel=True, cache=True, nogil=True, fastmath=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, fastmath=True)
 def gemm_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
               experts, pair_off, src_row, dst_row, coef, x, out):
     """out[dst_row[p], n] += coef[p] * (W_e[n, :] . x[src_row[p]] + bias[e, n]) for the pairs p of each expert.
@@ -251,7 +251,7 @@ def gemm_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
                     p += width
 
 
-@njit(parallel=True, cache=True, nogil=True, fastmath=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, fastmath=True)
 def dequant_tile(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, e, n0, n1, out):
     """Rows n0..n1 of expert e, dequantised into out[0:n1-n0, 0:K] (parallel over rows)."""
     for i in prange(n1 - n0):
@@ -259,7 +259,7 @@ def dequant_tile(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, e, n0,
 
 
 # ----------------------------------------------------------------------------- Numba: per-expert conversions
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
 def _sm80_to_raw_expert(src, N, K, bits, dst):
     """One expert: SM80 prepacked bytes (flat) -> raw rows [N, K*bits/8] (flat); see layouts.sm80_positions."""
     if bits == 4:
@@ -292,7 +292,7 @@ def _sm80_to_raw_expert(src, N, K, bits, dst):
                 dst[n * rowb + k] = src[pos]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
 def _n_to_k_packed_expert(src, N, K, dst):
     """One expert: nvfp4 N-packed bytes [K, N/2] -> K-packed rows [N, K/2]."""
     half_n = N // 2

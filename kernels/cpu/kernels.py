@@ -18,6 +18,7 @@ from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, atomic_load
                    qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16,
                    INT3_CHUNK, dqrow_int3_zblk_1, dqrow_int3_zblk_2, dqrow_int3_zrow_1, dqrow_int3_zrow_2,
                    qrow_int3_zblk_1, qrow_int3_zblk_2, qrow_int3_zrow_1, qrow_int3_zrow_2)
+from .threads import PRANGE_ONLY
 
 __all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
            "group_pairs", "plan_blocks", "plan_tasks", "pack_cols", "qgemm_tasks", "moe_gemv", "reduce_rows",
@@ -54,7 +55,7 @@ def _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef):
                 zbuf[b] = np.float32(zp[e, base + b])
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
            xa, xb, xs, experts, pair_off, src_row, dst_row, coef, bias, has_bias, out):
     """out[dst_row[p], n] += coef[p] * (W_e[n, :] . x[src_row[p]] + bias[e, n]) for the pairs p of expert e.
@@ -113,7 +114,7 @@ def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
                     out[dst_row[p], n] += coef[p] * (acc + bval)
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0, n1, out):
     """out[n - n0, :] = dequantised row n of expert e (k in the per-chunk permuted order), n0 <= n < n1."""
     K = out.shape[1]
@@ -160,7 +161,7 @@ def _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, 
                 out[k0 + j - full] = (np.float32(q) - z) * s
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def qgemm(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, xt, M, bias, has_bias,
           accumulate, dst, coef, out):
     """Quantised GEMM for one expert: v[m, n] = sum_k W_e[n, k] * x[m, k] (+ bias[e, n]).
@@ -224,7 +225,7 @@ def _act(kind, g):
     return g
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def activate(h1, h3, has_h3, kind, fusion, alpha, beta, limit, has_limit, out):
     """out [P, I] = activation of FC1 output h1 [P, fusion * I] (and FC3 output h3 [P, I] when has_h3).
 
@@ -398,7 +399,7 @@ def plan_tasks(experts, u0, ublk, blk_col, N, rt, mt):
     return tasks[order]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
 def pack_cols(x, rows, perm, blk_col, blk_w, blk_pair, blk_valid, xp):
     """Packed activation panels: xp[blk_col[j]*K + kk*w + c] = x[rows[blk_pair[j] + c], perm[kk]] for the
     valid columns c of block j (w = blk_w[j]), 0 in its padding columns. Block j's panel for k-range
@@ -598,7 +599,7 @@ def _swiglu(g, l, alpha, beta, limit, has_limit):
 MODE_STORE, MODE_SWIGLU, MODE_SCALE, MODE_ACT = 0, 1, 2, 3
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, K, kcc,
                 xp, blk_col, blk_w, blk_pair, blk_valid, tasks, rt, mt,
                 bias, has_bias, mode, coef, act_kind, alpha, beta, limit, has_limit, pinv, knext, out, nth):
@@ -705,7 +706,7 @@ def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, fmt, b
                             out[o + cc] = np.float32(0.0)
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def reduce_tokens(y, tpair, p0, out, nth):
     """out[t, :] += y[p - p0, :] for the pairs p >= p0 of token t (tpair from group_pairs): parallel over
     tokens, each thread reading whole contiguous rows."""
@@ -720,7 +721,7 @@ def reduce_tokens(y, tpair, p0, out, nth):
                         out[t, h] += y[p, h]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
 def reduce_rows(y, dst, out, nth):
     """out[dst[p], :] += y[p, :] (parallel over column spans: no two threads write one element)."""
     P, H = y.shape
@@ -1047,7 +1048,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
         ci = _claim(cnt, vic, th, nth, nck, order)
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst,
              act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out,
              do_reduce, nth):

@@ -12,7 +12,7 @@ import threading
 
 import numba
 
-__all__ = ["use_threads"]
+__all__ = ["PRANGE_ONLY", "use_threads"]
 
 _IN_EFFECT = threading.local()  # .count: Numba's thread count in this thread, once known
 
@@ -30,3 +30,12 @@ def use_threads(count: int | None) -> int:
         numba.set_num_threads(threads)
         _IN_EFFECT.count = threads
     return threads
+
+
+# Numba's parallel options for the kernels: prange loops only. With parallel=True Numba also turns every array
+# expression outside a prange loop (np.zeros, np.full, a[:] = 0, ...) into a parallel loop of its own, each a fork and
+# join of all the threads: 1.4 µs a statement on the 2-core dev VM, and 28 µs of moe_gemv's ~95 µs on one expert on
+# the H200 machine's 16 cores (benchmarks/diag_gemv_timeline.py, RESULTS.md "Seventeenth session"). The kernels'
+# array statements outside prange are small set-ups; their parallel work is the prange loops.
+PRANGE_ONLY = {"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
+               "setitem": False, "numpy": False, "stencil": False, "fusion": False}
