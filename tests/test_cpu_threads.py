@@ -66,3 +66,19 @@ def test_a_new_thread_starts_from_numbas_default():
     worker.join()
     assert seen == {"in effect": ALL, "numba": ALL, "after set": (1, 1)}
     assert use_threads(None) == 1 and numba.get_num_threads() == 1
+
+
+def test_compiled_kernels_run_only_their_prange_loops_in_parallel():
+    """parallel=True would also make each array statement outside prange a fork and join of all threads (28 µs of a
+    one-expert decode call on a 16-core Xeon): every parallel kernel takes PRANGE_ONLY instead."""
+    from numba.core.registry import CPUDispatcher
+
+    from engine.offload import host_copy
+    from kernels.cpu import generic, kernels
+    from kernels.cpu.threads import PRANGE_ONLY
+
+    parallel = {f"{module.__name__}.{name}": fn.targetoptions["parallel"]
+                for module in (kernels, generic, host_copy) for name, fn in vars(module).items()
+                if isinstance(fn, CPUDispatcher) and fn.targetoptions.get("parallel")}
+    assert "kernels.cpu.kernels.moe_gemv" in parallel and len(parallel) >= 10
+    assert {name: options for name, options in parallel.items() if options != PRANGE_ONLY} == {}
