@@ -198,12 +198,16 @@ def _print_result(result, model, as_json: bool) -> None:
 def _cmd_generate(args) -> int:
     from engine.errors import PromptError
     from engine.generation import Conversation, LoadedModel, generate
+    from kernels.cpu.threads import binding_warning
 
     params = _generation_params(args)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device)
+    binding = binding_warning()
+    if binding and not args.json:
+        print(f"warning: {binding}", file=sys.stderr, flush=True)
     if args.device == "cuda" and not args.json:
         print(model.dense_statement, file=sys.stderr, flush=True)
         if model.host_registration is not None:

@@ -73,3 +73,18 @@ def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits():
     reuse = offload["later_hits_per_copy"]
     assert reuse is None or reuse >= 0.0
     assert offload["misses_cpu"] + offload["misses_copied"] > 0
+
+
+def test_generate_warns_of_openmp_thread_binding():
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_bad_input import REPO
+
+    env = {**os.environ, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+    result = subprocess.run([sys.executable, "-m", "app", "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
+                             "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning: OpenMP thread binding")]
+    assert len(warning) == 1 and "OMP_PROC_BIND=close OMP_PLACES=cores" in warning[0]

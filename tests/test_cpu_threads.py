@@ -82,3 +82,22 @@ def test_compiled_kernels_run_only_their_prange_loops_in_parallel():
                 if isinstance(fn, CPUDispatcher) and fn.targetoptions.get("parallel")}
     assert "kernels.cpu.kernels.moe_gemv" in parallel and len(parallel) >= 10
     assert {name: options for name, options in parallel.items() if options != PRANGE_ONLY} == {}
+
+
+@pytest.mark.parametrize("env,warned", [
+    ({}, False),
+    ({"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, True),
+    ({"OMP_PROC_BIND": "spread"}, True),
+    ({"OMP_PLACES": "cores"}, True),              # GCC binds when places are given and OMP_PROC_BIND is not
+    ({"GOMP_CPU_AFFINITY": "0-15"}, True),
+    ({"OMP_PROC_BIND": "false", "OMP_PLACES": "cores"}, False),
+    ({"OMP_PROC_BIND": "FALSE"}, False),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, False),
+])
+def test_thread_binding_in_the_environment_is_named_in_a_warning(env, warned):
+    from kernels.cpu.threads import binding_warning
+
+    text = binding_warning(env)
+    assert (text is not None) == warned
+    if warned:
+        assert all(f"{name}={value}" in text for name, value in env.items()) and "unset it" in text

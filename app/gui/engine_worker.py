@@ -36,6 +36,7 @@ from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
 from engine.sampling import SamplingParams
 from engine.units import human_bytes
+from kernels.cpu.threads import binding_warning
 
 STATS_INTERVAL_S = 0.25
 STREAM_INTERVAL_S = 0.033  # tokens are sent to the window in batches: one queued call per token costs decode speed
@@ -231,6 +232,9 @@ class EngineWorker(QObject):
         threads = model.offload.config.cpu_threads
         lines.append(f"CPU expert kernels use {threads if threads else 'all'} CPU thread{'' if threads == 1 else 's'}"
                      f"{'' if threads else ' (' + str(_cores()) + ')'}.")
+        binding = binding_warning()
+        if binding:
+            lines.append(binding[0].upper() + binding[1:])
         if offload.config.approximate_routing:
             lines.append("Approximate routing is on: answers report their token agreement with exact routing.")
         return lines

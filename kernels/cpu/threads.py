@@ -8,11 +8,12 @@ while every change of the count goes through ``use_threads``: no code in this re
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numba
 
-__all__ = ["PRANGE_ONLY", "use_threads"]
+__all__ = ["PRANGE_ONLY", "binding_warning", "use_threads"]
 
 _IN_EFFECT = threading.local()  # .count: Numba's thread count in this thread, once known
 
@@ -39,3 +40,20 @@ def use_threads(count: int | None) -> int:
 # array statements outside prange are small set-ups; their parallel work is the prange loops.
 PRANGE_ONLY = {"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
                "setitem": False, "numpy": False, "stencil": False, "fusion": False}
+
+
+def binding_warning(environ=None) -> str | None:
+    """A sentence for the user when OpenMP thread binding is asked for in the environment, else None.
+
+    GNU OpenMP then binds the thread that starts the first parallel region (the engine's) to one core, and every
+    thread the process starts later (onnxruntime's pools, CUDA's) inherits that core. With OMP_PROC_BIND=close
+    OMP_PLACES=cores the CPU expert kernels ran 7-11x slower in the engine on the H200 machine's 16-core Xeon
+    (RESULTS.md, seventeenth session). GCC binds by default when OMP_PLACES or GOMP_CPU_AFFINITY is set."""
+    env = os.environ if environ is None else environ
+    asked = {name: env[name] for name in ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY") if env.get(name)}
+    proc_bind = asked.get("OMP_PROC_BIND", "").strip().lower()
+    if proc_bind == "false" or not asked:
+        return None
+    settings = " ".join(f"{name}={value}" for name, value in asked.items())
+    return (f"OpenMP thread binding is set ({settings}): the expert kernels' threads and every thread started after "
+            "them share cores, which made CPU experts 7-11x slower on a 16-core Xeon; unset it for this app.")
