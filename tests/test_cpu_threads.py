@@ -6,7 +6,7 @@ import threading
 import numba
 import numpy as np
 import pytest
-from numba import njit
+from numba import njit, prange
 
 from kernels.cpu import CpuQMoE
 from kernels.cpu.threads import use_threads
@@ -70,18 +70,46 @@ def test_a_new_thread_starts_from_numbas_default():
 
 def test_compiled_kernels_run_only_their_prange_loops_in_parallel():
     """parallel=True would also make each array statement outside prange a fork and join of all threads (28 µs of a
-    one-expert decode call on a 16-core Xeon): every parallel kernel takes PRANGE_ONLY instead."""
+    one-expert decode call on a 16-core Xeon): every parallel kernel takes PRANGE_ONLY instead, and keeps it once it
+    has compiled (Numba empties an options dict as it reads it)."""
+    from numba.core.cpu import ParallelOptions
     from numba.core.registry import CPUDispatcher
 
     from engine.offload import host_copy
     from kernels.cpu import generic, kernels
-    from kernels.cpu.threads import PRANGE_ONLY
 
+    y, out = np.ones((3, 4), np.float32), np.zeros((3, 4), np.float32)
+    kernels.reduce_rows(y, np.array([0, 2, 0], np.int64), out, 2)  # one of them compiled (or loaded) first
+    assert out[:, 0].tolist() == [2.0, 0.0, 1.0]
     parallel = {f"{module.__name__}.{name}": fn.targetoptions["parallel"]
                 for module in (kernels, generic, host_copy) for name, fn in vars(module).items()
                 if isinstance(fn, CPUDispatcher) and fn.targetoptions.get("parallel")}
     assert "kernels.cpu.kernels.moe_gemv" in parallel and len(parallel) >= 10
-    assert {name: options for name, options in parallel.items() if options != PRANGE_ONLY} == {}
+    fields = ("enabled", "prange", "comprehension", "reduction", "inplace_binop", "setitem", "numpy", "stencil",
+              "fusion")
+    prange_only = (True, True) + (False,) * 7
+    assert {name: tuple(getattr(options, field) for field in fields) for name, options in parallel.items()
+            if not isinstance(options, ParallelOptions) or tuple(getattr(options, f) for f in fields) != prange_only
+            } == {}
+
+
+def test_prange_only_serial_statements_stay_serial_in_every_specialisation():
+    """The array statement before the prange loop does not start a parallel region, in the second specialisation
+    too: the loop is the only parallel loop Numba made (its parfor diagnostics, per signature)."""
+    from kernels.cpu.threads import PRANGE_ONLY
+
+    @njit(parallel=PRANGE_ONLY)
+    def count_up(n, like):
+        a = np.zeros(8 * n, like.dtype)
+        for i in prange(n):
+            a[8 * i] += 1
+        return a
+
+    for like in (np.zeros(1, np.int64), np.zeros(1, np.float32)):
+        assert count_up(2, like).sum() == 2
+    for signature in count_up.signatures:
+        parfors = count_up.overloads[signature].metadata["parfor_diagnostics"].initial_parfors
+        assert len(parfors) == 1, parfors
 
 
 @pytest.mark.parametrize("env,warned", [

@@ -12,6 +12,7 @@ import os
 import threading
 
 import numba
+from numba.core.cpu import ParallelOptions
 
 __all__ = ["PRANGE_ONLY", "binding_warning", "use_threads"]
 
@@ -37,9 +38,11 @@ def use_threads(count: int | None) -> int:
 # expression outside a prange loop (np.zeros, np.full, a[:] = 0, ...) into a parallel loop of its own, each a fork and
 # join of all the threads: 1.4 µs a statement on the 2-core dev VM, and 28 µs of moe_gemv's ~95 µs on one expert on
 # the H200 machine's 16 cores (benchmarks/diag_gemv_timeline.py, RESULTS.md "Seventeenth session"). The kernels'
-# array statements outside prange are small set-ups; their parallel work is the prange loops.
-PRANGE_ONLY = {"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
-               "setitem": False, "numpy": False, "stencil": False, "fusion": False}
+# array statements outside prange are small set-ups; their parallel work is the prange loops. An options object, not
+# a dict: Numba empties a dict as it reads it, so the second function compiled (or a function's second
+# specialisation) would find no options left and take all of them.
+PRANGE_ONLY = ParallelOptions({"prange": True, "comprehension": False, "reduction": False, "inplace_binop": False,
+                               "setitem": False, "numpy": False, "stencil": False, "fusion": False})
 
 
 def binding_warning(environ=None) -> str | None:
