@@ -1,6 +1,7 @@
 """kernels.cpu.CpuQMoE against kernels.reference.qmoe_reference, and QMoESpec.from_node admission."""
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -354,3 +355,26 @@ def test_from_node_accepts_and_describes():
                                 "fc2_experts_weights": (4, 48, 40)})
     assert (fspec.num_experts, fspec.hidden_size, fspec.inter_size) == (4, 48, 40)
     assert "float weights" in fspec.supported_summary()
+
+
+ROW_SCALES = [("fp16", np.float16, 416, 288), ("bf16", ml_dtypes.bfloat16, 416, 288),
+              ("fp16-wide", np.float16, 32 * 1025, 32), ("bf16-wide", ml_dtypes.bfloat16, 32 * 1025, 32)]
+
+
+@pytest.mark.parametrize("name,dtype,H,I", ROW_SCALES, ids=[r[0] for r in ROW_SCALES])
+def test_16_bit_scales_converted_per_row_match_reference(name, dtype, H, I):
+    """The table kernels convert a row's fp16 / bf16 scales eight at a time before its chunks (13 and 9 blocks a
+    row: one group of eight and a tail); a row of more blocks than they convert up front (1025 > MAX_ROW_BLOCKS)
+    has its scales kept in float32 instead. int4 block 32, decode and prefill, against the reference."""
+    from kernels.cpu import simd
+
+    attrs, t, x, lg = make_case(seed=77, E=3, H=H, I=I, k=2, bits=4, block_size=32, bias=True, dtype=dtype, T=9,
+                                **ACTS["swiglu1-limit"])
+    spec = _spec(attrs, t, x)
+    wide = H // 32 > simd.MAX_ROW_BLOCKS
+    node = CpuQMoE(spec, t, num_threads=2)
+    assert (node.fc1.sc.dtype == np.float32) == wide and (node.fc2.sc.dtype == np.uint16)
+    tol = 4e-3 if dtype is np.float16 else 2e-2
+    for T in (1, x.shape[0]):
+        ref = qmoe_reference(x[:T], lg[:T], spec, t)
+        assert _relerr(node.forward(x[:T], lg[:T]), ref) <= tol, (name, T)
