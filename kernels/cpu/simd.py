@@ -91,6 +91,51 @@ def _load_scale(builder, sc_ptr, idx, sc_is_f32, skind):
     return builder.select(is_bf, as_bf16, as_half)
 
 
+#: Blocks of one row whose 16-bit scales the row kernels convert up front (a stack buffer of this many floats);
+#: kernels/cpu/qmoe.py keeps the scales of projections with more blocks per row in float32.
+MAX_ROW_BLOCKS = 1024
+
+
+def _row_scales_f32(builder, sc_ptr, soff, skind, nblk):
+    """Scales soff .. soff + nblk - 1 (fp16 or bf16 bits, skind 1 / 2) as float32 in a stack buffer of
+    MAX_ROW_BLOCKS, eight at a time (one vcvtph2ps, or a widen and shift for bf16), the rest one by one. Converting
+    a row's scales once before its chunk loop instead of one per chunk, with the fp16 / bf16 choice each time, made a
+    one-expert int4 decode call with fp16 scales 1.2-1.6x slower than with float32 ones on the dev VM."""
+    buf = cgutils.alloca_once(builder, _F32, size=ir.Constant(_I64, MAX_ROW_BLOCKS))
+    i16x8, i32x8, f32x8 = ir.VectorType(_I16, 8), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+    is_bf = builder.icmp_signed("==", skind, ir.Constant(skind.type, 2))
+    groups = builder.ashr(nblk, ir.Constant(_I64, 3))
+    with cgutils.for_range(builder, groups) as loop:
+        b0 = builder.shl(loop.index, ir.Constant(_I64, 3))
+        raw = builder.load(builder.bitcast(builder.gep(sc_ptr, [builder.add(soff, b0)]), i16x8.as_pointer()), align=1)
+        as_half = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), f32x8)
+        as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, i32x8), ir.Constant(i32x8, [16] * 8)), f32x8)
+        builder.store(builder.select(is_bf, as_bf16, as_half),
+                      builder.bitcast(builder.gep(buf, [b0]), f32x8.as_pointer()), align=4)
+    start = builder.shl(groups, ir.Constant(_I64, 3))
+    with cgutils.for_range(builder, builder.sub(nblk, start)) as loop:
+        b = builder.add(start, loop.index)
+        builder.store(_load_scale(builder, sc_ptr, builder.add(soff, b), False, skind), builder.gep(buf, [b]))
+    return buf
+
+
+def _block_scales(builder, sc_ptr, sc_t, soff, skind, nblk):
+    """A row's block scales as float32, b -> block b's (the row's first at soff): 16-bit ones (fp16 / bf16 bits)
+    converted up front for its nblk blocks (_row_scales_f32), float32 ones read where they are. Emit before the
+    row's chunk loop."""
+    if sc_t.dtype == types.uint16:
+        buf = _row_scales_f32(builder, sc_ptr, soff, skind, nblk)
+        return lambda b: builder.load(builder.gep(buf, [b]))
+    is_f32 = sc_t.dtype == types.float32
+    return lambda b: _load_scale(builder, sc_ptr, builder.add(soff, b), is_f32, skind)
+
+
+def _row_blocks(builder, nchunk, cshift):
+    """Blocks that chunks 0 .. nchunk - 1 fall in when chunk i is in block i >> cshift (0 for no chunk)."""
+    one = ir.Constant(_I64, 1)
+    return builder.add(builder.ashr(builder.sub(nchunk, one), cshift), one)
+
+
 def _qrow_intrinsic(codegen, name: str):
     """A GEMV row kernel's intrinsic (every layout shares the signature): (w, woff, nchunk, cshift, sc, soff,
     skind, zf, zoff, xa, xb, xoff, xs, xsoff) -> float32, the integer arguments int64."""
@@ -133,7 +178,6 @@ def _make_qrow(bits: int, chunk: int):
         xa_ptr = context.make_array(xa_t)(context, builder, value=xa).data
         xb_ptr = context.make_array(xb_t)(context, builder, value=xb).data
         xs_ptr = context.make_array(xs_t)(context, builder, value=xs).data
-        sc_is_f32 = sc_t.dtype == types.float32
 
         wvec_t = ir.VectorType(_I8, chunk)
         fvec_t = ir.VectorType(_F32, nvals)
@@ -147,12 +191,14 @@ def _make_qrow(bits: int, chunk: int):
         corr1 = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
         fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
 
+        block_scale = _block_scales(builder, sc_ptr, sc_t, soff, skind, _row_blocks(builder, nchunk, cshift))
+
         def one_chunk(i, acc_slot, corr):
             wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, chunk)))])
             wv = builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1)
             wi = builder.zext(wv, ivec_t)
             b = builder.ashr(i, cshift)
-            s = _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind)
+            s = block_scale(b)
             z = builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)]))
             xsum = builder.load(builder.gep(xs_ptr, [builder.add(xsoff, i)]))
             # zero point folded out: sum_j (q_j - z) x_j = sum_j q_j x_j - z * sum_j x_j
@@ -199,17 +245,17 @@ def _make_dqrow(bits: int, chunk: int):
         sc_ptr = context.make_array(sc_t)(context, builder, value=sc).data
         zf_ptr = context.make_array(zf_t)(context, builder, value=zf).data
         o_ptr = context.make_array(out_t)(context, builder, value=out).data
-        sc_is_f32 = sc_t.dtype == types.float32
         wvec_t = ir.VectorType(_I8, chunk)
         fvec_t = ir.VectorType(_F32, nvals)
         ivec_t = ir.VectorType(_I32, nvals)
         per_chunk = nvals * (2 if bits == 4 else 1)
+        block_scale = _block_scales(builder, sc_ptr, sc_t, soff, skind, _row_blocks(builder, nchunk, cshift))
         with cgutils.for_range(builder, nchunk) as loop:
             i = loop.index
             wp = builder.gep(w_ptr, [builder.add(woff, builder.mul(i, ir.Constant(_I64, chunk)))])
             wi = builder.zext(builder.load(builder.bitcast(wp, wvec_t.as_pointer()), align=1), ivec_t)
             b = builder.ashr(i, cshift)
-            s = _splat(builder, _load_scale(builder, sc_ptr, builder.add(soff, b), sc_is_f32, skind), nvals)
+            s = _splat(builder, block_scale(b), nvals)
             zv = _splat(builder, builder.load(builder.gep(zf_ptr, [builder.add(zoff, b)])), nvals)
             base = builder.add(ooff, builder.mul(i, ir.Constant(_I64, per_chunk)))
             if bits == 4:
@@ -478,34 +524,6 @@ def _load_scales4(builder, sc_ptr, idx, sc_is_f32, skind):
     return builder.select(is_bf, as_bf16, as_half)
 
 
-#: Blocks of one row whose 16-bit scales the table kernels convert up front (a stack buffer of this many floats);
-#: kernels/cpu/qmoe.py keeps the scales of projections with more blocks per row in float32.
-MAX_ROW_BLOCKS = 1024
-
-
-def _row_scales_f32(builder, sc_ptr, soff, skind, nblk):
-    """Scales soff .. soff + nblk - 1 (fp16 or bf16 bits, skind 1 / 2) as float32 in a stack buffer of
-    MAX_ROW_BLOCKS, eight at a time (one vcvtph2ps, or a widen and shift for bf16), the rest one by one. Converting
-    a row's scales once before its chunk loop instead of one per chunk, with the fp16 / bf16 choice each time, made a
-    one-expert int4 decode call with fp16 scales 1.2-1.6x slower than with float32 ones on the dev VM."""
-    buf = cgutils.alloca_once(builder, _F32, size=ir.Constant(_I64, MAX_ROW_BLOCKS))
-    i16x8, i32x8, f32x8 = ir.VectorType(_I16, 8), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
-    is_bf = builder.icmp_signed("==", skind, ir.Constant(skind.type, 2))
-    groups = builder.ashr(nblk, ir.Constant(_I64, 3))
-    with cgutils.for_range(builder, groups) as loop:
-        b0 = builder.shl(loop.index, ir.Constant(_I64, 3))
-        raw = builder.load(builder.bitcast(builder.gep(sc_ptr, [builder.add(soff, b0)]), i16x8.as_pointer()), align=1)
-        as_half = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), 8)), f32x8)
-        as_bf16 = builder.bitcast(builder.shl(builder.zext(raw, i32x8), ir.Constant(i32x8, [16] * 8)), f32x8)
-        builder.store(builder.select(is_bf, as_bf16, as_half),
-                      builder.bitcast(builder.gep(buf, [b0]), f32x8.as_pointer()), align=4)
-    start = builder.shl(groups, ir.Constant(_I64, 3))
-    with cgutils.for_range(builder, builder.sub(nblk, start)) as loop:
-        b = builder.add(start, loop.index)
-        builder.store(_load_scale(builder, sc_ptr, builder.add(soff, b), False, skind), builder.gep(buf, [b]))
-    return buf
-
-
 def _row_pointers(context, builder, sig, args):
     """Data pointers of a row intrinsic's weight, scale and zero-point arrays (its arguments 0, 4 and 7)."""
     return tuple(context.make_array(sig.args[i])(context, builder, value=args[i]).data for i in (0, 4, 7))
@@ -520,12 +538,10 @@ def _table_parts(context, builder, sig, args, code, slots, bpc, dshift=True, spa
     w_ptr, sc_ptr, zf_ptr = _row_pointers(context, builder, sig, args)
     fvec_t = ir.VectorType(_F32, 16)
     sc_u8 = sc_t.dtype == types.uint8
-    row_scales = None
-    if sc_t.dtype == types.uint16 and bpc in (1, 2):
-        one = ir.Constant(_I64, 1)  # blocks of chunks 0 .. nchunk - 1: bpc 1 block i >> cshift, bpc 2 blocks 2i, 2i + 1
-        nblk = (builder.add(builder.ashr(builder.sub(nchunk, one), cshift), one) if bpc == 1
-                else builder.shl(nchunk, one))
-        row_scales = _row_scales_f32(builder, sc_ptr, soff, skind, nblk)
+    block_scale = None  # bpc 1: chunk i in block i >> cshift; bpc 2: chunk i over blocks 2i, 2i + 1
+    if not sc_u8 and bpc in (1, 2):
+        nblk = _row_blocks(builder, nchunk, cshift) if bpc == 1 else builder.shl(nchunk, ir.Constant(_I64, 1))
+        block_scale = _block_scales(builder, sc_ptr, sc_t, soff, skind, nblk)
     iota = ir.Constant(fvec_t, [float(j if slots == 2 else j & 3) for j in range(16)])
     if code == "zrow":
         base0 = _fast(builder.fsub(iota, _splat(builder, builder.load(builder.gep(zf_ptr, [zoff])), 16)))
@@ -538,8 +554,8 @@ def _table_parts(context, builder, sig, args, code, slots, bpc, dshift=True, spa
         if sc_u8:  # fp8 code -> the record's 256-entry scale table (global scale folded in)
             c = builder.zext(builder.load(builder.gep(sc_ptr, [builder.add(soff, b)])), _I64)
             return builder.load(builder.gep(zf_ptr, [builder.add(builder.add(zoff, ir.Constant(_I64, 16)), c)]))
-        if row_scales is not None:
-            return builder.load(builder.gep(row_scales, [b]))
+        if block_scale is not None:
+            return block_scale(b)
         return _load_scale(builder, sc_ptr, builder.add(soff, b), sc_t.dtype == types.float32, skind)
 
     def table(b):
