@@ -134,10 +134,11 @@ class _Proj:
             self.aux = aux.reshape(-1)
         elif s.dtype == np.float32:
             self.skind = 0
-        elif self.nb > _simd.MAX_ROW_BLOCKS and s.dtype != np.float32:
-            # more blocks a row than the table kernels convert up front (simd._row_scales_f32): float32 here
-            s, self.skind = (s.astype(np.float32) if not (_is_bf16(s.dtype) or s.dtype == np.uint16) else
-                             (np.asarray(s).view(np.uint16).astype(np.uint32) << 16).view(np.float32)), 0
+        elif self.nb > _simd.MAX_ROW_BLOCKS:
+            # more blocks a row than the row kernels convert up front (simd._block_scales): float32 here
+            bf16_bits = _is_bf16(s.dtype) or s.dtype == np.uint16
+            s = (s.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16_bits else s.astype(np.float32)
+            self.skind = 0
         elif s.dtype == np.float16:
             s, self.skind = s.view(np.uint16), 1
         elif _is_bf16(s.dtype) or s.dtype == np.uint16:
