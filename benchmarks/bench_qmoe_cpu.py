@@ -32,6 +32,9 @@ Every run also times, in the same alternating blocks: kernels.cpu.generic's Gene
 int4 weights of the same node; onnxruntime where its CPU QMoE runs the layout (not MXFP4 in 1.32). Results of
 other layouts go to benchmarks/results/qmoe-cpu-<layout>-<date>-<host>.json.
 
+--dtype float16 makes the node what fp16 models carry: fp16 activations, scales and biases, on both sides; our fast
+path on the float32 node with the same codes is timed beside it (results: ...-shapeX-ROUTING-float16.json).
+
 --sweep also times our kernel's tuning knobs and the legacy per-expert path (ours only, same rotation) and
 stores them under "sweep" in the JSON.
 
@@ -279,6 +282,9 @@ def main(argv=None):
     ap.add_argument("--shape", choices=tuple(SHAPES), default="A", help="node shape (see the module docstring)")
     ap.add_argument("--routing", choices=("rotate", "cold"), default="rotate", help="decode routing sequence")
     ap.add_argument("--no-generic", action="store_true", help="do not time kernels.cpu.generic (slow to compile)")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                    help="the node's activations, scales and biases (float16: as fp16 models carry them, on both "
+                         "sides; our fast path on the float32 node is timed beside it)")
     args = ap.parse_args(argv)
 
     import numba
@@ -295,8 +301,13 @@ def main(argv=None):
     layout = args.layout
     attrs, tensors = make_layout_weights(layout, E, H, I)
     attrs["k"] = K_TOP
-    print(f"building weights: shape {args.shape}: E={E} H={H} I={I} top-{K_TOP} {layout} swiglu fusion 1 ...",
-          flush=True)
+    half = args.dtype == "float16"
+    act = np.float16 if half else np.float32
+    print(f"building weights: shape {args.shape}: E={E} H={H} I={I} top-{K_TOP} {layout} swiglu fusion 1, "
+          f"{args.dtype} ...", flush=True)
+    float32_tensors = tensors
+    if half:
+        tensors = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
     spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, (1, H))
     ours = CpuQMoE(spec, tensors, num_threads=cores)
     assert ours._delegate is None, "the layout did not get the fast path"
@@ -304,6 +315,11 @@ def main(argv=None):
     if not args.no_generic:
         sides["generic"] = _wrap(spec, GenericQMoE(spec, tensors, num_threads=cores)).forward
     compare_bytes = {}  # our fast path on other layouts of the same node: side -> bytes of one expert
+    if half:  # the same codes with float32 scales, biases and activations
+        spec_32 = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, float32_tensors, (1, H))
+        float32_node = CpuQMoE(spec_32, float32_tensors, num_threads=cores)
+        sides["float32"] = lambda x, lg: float32_node.forward(x.astype(np.float32), lg.astype(np.float32))
+        compare_bytes["float32"] = spec_32.expert_bytes(scale_bytes=4, bias_bytes=4)
     for other in ("int4", "int2") if layout == "int2b16" else ("int4",) if layout != "int4" else ():
         a_o, t_o = make_layout_weights(other, E, H, I)
         a_o["k"] = K_TOP
@@ -311,10 +327,11 @@ def main(argv=None):
         sides[other] = CpuQMoE(spec_o, t_o, num_threads=cores).forward
         compare_bytes[other] = spec_o.expert_bytes(scale_bytes=4, bias_bytes=4)
     use_threads(cores)
-    ort_name = REFERENCE.format(ort.__version__) + (", fp16 activations / scales / biases" if layout == "int3" else "")
+    ort_half = layout == "int3" or half
+    ort_name = REFERENCE.format(ort.__version__) + (", fp16 activations / scales / biases" if ort_half else "")
     rng = np.random.default_rng(1)
     figures = []
-    expert_bytes = spec.expert_bytes(scale_bytes=4, bias_bytes=4)  # float32 scales / biases as built here
+    expert_bytes = spec.expert_bytes(scale_bytes=2 if half else 4, bias_bytes=2 if half else 4)  # as built here
     sweep = []
     ort_error = None
     reuse = None
@@ -328,12 +345,13 @@ def main(argv=None):
         else:
             n_in = 8
             logits_all = (rng.standard_normal((n_in, T, E)) * 2).astype(np.float32)
-        xs = rng.standard_normal((n_in, T, H)).astype(np.float32)
+        xs = rng.standard_normal((n_in, T, H)).astype(act)
+        logits_all = logits_all.astype(act)
         fns = {k: (lambda f: (lambda i: f(xs[i % n_in], logits_all[i % n_in])))(f) for k, f in sides.items()}
         rel = {}
         ref_out = [ours.forward(xs[i], logits_all[i]) for i in range(min(n_in, 2))]
         try:
-            if layout == "int3":  # onnxruntime: "QMoE INT3 requires FP16 or BF16 activations"
+            if ort_half:  # onnxruntime: "QMoE INT3 requires FP16 or BF16 activations"; --dtype float16
                 t16 = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
                 sess, _ = make_session("QMoE", attrs, t16, xs[0].astype(np.float16), logits_all[0].astype(np.float16),
                                         threads=cores, spinning=True)
@@ -358,9 +376,10 @@ def main(argv=None):
         use_threads(cores)
         print(f"  {label}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in med.items()), flush=True)
         names = {"generic": "kernels.cpu.generic GenericQMoE, same weights",
+                 "float32": "our fast path, the same codes with float32 scales, biases and activations",
                  "int4": "our int4 fast path, int4 block-32 weights of the same node",
                  "int2": "our int2 fast path, int2 block-32 weights of the same node", "ort": ort_name}
-        for k in ("generic", "int4", "int2", "ort"):
+        for k in ("generic", "float32", "int4", "int2", "ort"):
             if k not in med:
                 continue
             fig = {"name": f"{label} {T} token{'s' if T > 1 else ''} latency" + ("" if k == "ort" else f" vs {k}"),
@@ -411,7 +430,7 @@ def main(argv=None):
     config = {"shape": args.shape, "decode_routing": args.routing, "decode_min_reuse_calls": reuse,
               "num_experts": E, "hidden_size": H, "inter_size": I, "k": K_TOP, "layout": layout,
               "quant": spec.layout_summary(), "expert_bytes": expert_bytes,
-              "activation": "swiglu fusion 1", "dtype": "float32", "threads": cores,
+              "activation": "swiglu fusion 1", "dtype": args.dtype, "threads": cores,
               "numpy": np.__version__, "numba": numba.__version__, "onnxruntime": ort.__version__,
               "onnxruntime_refused": ort_error,
               "openblas_core": openblas_core(), "machine_details": machine_details(),
@@ -431,8 +450,8 @@ def main(argv=None):
     if not args.no_write:
         extra = {"sweep": sweep} if sweep else {}
         name = BENCHMARK if layout == "int4" else f"qmoe-cpu-{layout}"
-        if args.shape != "A" or args.routing != "rotate":
-            name = f"qmoe-cpu-{layout}-shape{args.shape}-{args.routing}"
+        if args.shape != "A" or args.routing != "rotate" or half:
+            name = f"qmoe-cpu-{layout}-shape{args.shape}-{args.routing}" + ("-float16" if half else "")
         path = write_result(name, figures, config=config, **extra)
         print(f"wrote {path.relative_to(ROOT)}")
     return figures
