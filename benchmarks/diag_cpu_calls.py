@@ -26,9 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES, decode  # noqa: E402
-from benchmarks.bench_offload_ab import open_model  # noqa: E402
+from benchmarks.bench_offload_ab import cpu_kernels, open_model  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
-from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 
 
@@ -50,10 +49,7 @@ def timed_kernels(model, rows: dict) -> None:
 
     lanes = np.zeros(numba.get_num_threads(), np.float64)
     touch(lanes)
-    for runner in model.decoder.steps:
-        if not isinstance(runner, HybridExpertNode):
-            continue
-        kernel = runner.kernel
+    for kernel in cpu_kernels(model):
         real = kernel.run_experts
 
         def run_experts(x2d, expert_ids, weights, out=None, real=real):

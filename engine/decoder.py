@@ -137,6 +137,7 @@ class PartitionedDecoder:
             before = now
         return dense, experts
 
+
 def _inputs_of(runner) -> list[str]:
     if isinstance(runner, DenseSegment):
         return runner.segment.inputs

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from tests.conftest import fixture_folder
-from tests.test_bad_input import run_cli
+from tests.test_bad_input import REPO, run_cli
 
 
 def test_inspect_lists_every_expert_node():
@@ -76,12 +79,6 @@ def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits():
 
 
 def test_generate_warns_of_openmp_thread_binding():
-    import os
-    import subprocess
-    import sys
-
-    from tests.test_bad_input import REPO
-
     env = {**os.environ, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
     result = subprocess.run([sys.executable, "-m", "app", "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
                              "--max-new-tokens", "2"], cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
