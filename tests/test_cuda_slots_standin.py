@@ -41,6 +41,7 @@ class FakeCupy:
     def __init__(self):
         self.log: list[tuple] = []
         self.current = None
+        self.events_done = True  # what an event query answers: the GPU keeps up with the host, or not
         fake = self
 
         class Event:
@@ -54,7 +55,10 @@ class FakeCupy:
             def synchronize(self):
                 fake.log.append(("event sync", self.recorded_on.name if self.recorded_on else None))
 
-            done = True
+            @property
+            def done(self):  # cudaEventQuery: whether the work before the event finished (events_done says)
+                fake.log.append(("event query", self.recorded_on.name if self.recorded_on else None))
+                return fake.events_done
 
         class Stream:
             def __init__(self, non_blocking=False, name="stream"):
@@ -246,23 +250,50 @@ def open_on_standin(model_folder, fraction, monkeypatch, **config):
     return model, cp
 
 
+ONE_ROUTED_LAUNCH = [("record", "dense"), ("wait", "compute", "dense"), ("record", "compute"), ("record", "compute"),
+                     ("wait", "dense", "compute")]
+ACCOUNT = [("event query", "compute"), ("event sync", "compute")]  # a launch found done, its statistics taken
+
+
 def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_folder, cpu_run, monkeypatch):
     model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
+    cp.events_done = False  # a GPU behind the host: no launch is done before the step's end
     assert_same_as_cpu(greedy_run(model), cpu_run)
     stores = model.offload.stores
     assert [s.gpu.routed for s in stores] == [1 + len(cpu_run[1])] * SPEC.layers
     totals = model.offload.stats.totals()
     assert totals.misses == 0 and totals.hits > 0 and totals.device_s == pytest.approx(
         0.25e-3 * SPEC.layers * (1 + len(cpu_run[1])))
-    assert model.offload.deferred == []
+    assert not model.offload.deferred
     # the last decode step: each routed launch makes the compute stream wait for the dense part's, records start and
-    # stop around the launch, and the dense part's stream waits for stop; the host waits once, for the logits (the
-    # last segment's sync), then for each launch's stop event as the end of the step reads its time
-    one_launch = [("record", "dense"), ("wait", "compute", "dense"), ("record", "compute"), ("record", "compute"),
-                  ("wait", "dense", "compute")]
+    # stop around the launch, and the dense part's stream waits for stop; each layer asks once whether the oldest
+    # launch is done (it is not); the host waits once, for the logits (the last segment's sync), then for each
+    # launch's stop event as the end of the step reads its time
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
-    assert cp.log[last_sync - 5 * SPEC.layers:last_sync] == one_launch * SPEC.layers
+    assert cp.log[last_sync - 6 * SPEC.layers:last_sync] == (ONE_ROUTED_LAUNCH + [("event query", "compute")]) * SPEC.layers
     assert cp.log[last_sync + 1:] == [("event sync", "compute")] * SPEC.layers
+
+
+def test_fully_resident_layers_statistics_are_taken_in_the_step_once_their_launch_is_done(model_folder, cpu_run,
+                                                                                        monkeypatch):
+    """A GPU that keeps up with the host: each layer takes its launch's statistics as soon as the launch is done
+    (OffloadEngine.settle), not after the step's last segment, with the same statistics as taken at the step's end."""
+    behind, behind_cp = open_on_standin(model_folder, 1.0, monkeypatch)
+    behind_cp.events_done = False
+    greedy_run(behind)
+    model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert not model.offload.deferred
+    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
+    assert cp.log[last_sync - 7 * SPEC.layers:last_sync] == (ONE_ROUTED_LAUNCH + ACCOUNT) * SPEC.layers
+    assert cp.log[last_sync + 1:] == []  # nothing left for the step's end
+    ours, ref = model.offload.stats.as_dict(), behind.offload.stats.as_dict()
+    for mine, theirs in zip(ours.pop("layers"), ref.pop("layers")):
+        del mine["copy_s"], theirs["copy_s"]  # the loads' host time, measured
+        assert mine == theirs and mine["routed_on_device"] == 1 + len(cpu_run[1])
+    assert ours == ref
+    for mine, theirs in zip(model.offload.policy.scores, behind.offload.policy.scores):
+        assert np.array_equal(mine, theirs)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
@@ -284,7 +315,7 @@ def test_layers_with_cold_experts_merge_their_decode_results_on_the_standin(mode
     assert all(like is FakeDeviceArray and result is FakeDeviceArray for like, result, _ in merged)
     assert any(launched for *_, launched in merged) == (fraction > 0)
     totals = model.offload.stats.totals()
-    assert totals.misses > 0 and model.offload.deferred == []
+    assert totals.misses > 0 and not model.offload.deferred
     # a merge: the dense part's stream waits for the compute stream after the addition, the host for nothing
     assert cp.log.count(("wait", "dense", "compute")) == len(merged)
 

@@ -625,12 +625,12 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
     assert totals.hits + totals.misses == (PROMPT_TOKENS + DECODE_STEPS) * spec.top_k * spec.layers
     if fraction == 1.0:
         assert routed == [(cupy.ndarray, cupy.ndarray)] * calls and fetched == [] and merged == []
-        assert totals.misses == 0 and totals.device_s > 0 and gpu.offload.deferred == []
+        assert totals.misses == 0 and totals.device_s > 0 and not gpu.offload.deferred
     else:
         assert routed == [] and len(fetched) == calls and all(cupy.ndarray in types for types in fetched)
         # decode steps leave their results in GPU memory (the CPU's part added there); the prompt's come back
         assert merged == [cupy.ndarray] * (spec.layers * DECODE_STEPS)
-        assert totals.misses > 0 and totals.device_s > 0 and gpu.offload.deferred == []
+        assert totals.misses > 0 and totals.device_s > 0 and not gpu.offload.deferred
 
 
 LIMIT_SCRIPT = r"""

@@ -54,7 +54,7 @@ def test_fully_resident_layers_route_on_the_device_with_the_host_paths_results_a
     model = open_model(model_folder, 1.0, placement=placement)
     logits, tokens = greedy_run(model)
     assert len(routed_calls) == SPEC.layers * (1 + STEPS)  # every layer, prompt and decode steps
-    assert model.offload.deferred == []  # the statistics were taken at each step's end
+    assert not model.offload.deferred  # the statistics were taken at each step's end
 
     monkeypatch.setattr(SimulatedSlots, "holds", lambda self, x: False)  # the host path, as before
     host = open_model(model_folder, 1.0, placement=placement)
@@ -109,7 +109,7 @@ def test_decode_results_merged_on_the_device_match_the_host_merge(model_folder, 
         assert (mine.hits, mine.misses, mine.misses_cpu, mine.misses_copied, mine.miss_copies) == \
             (theirs.hits, theirs.misses, theirs.misses_cpu, theirs.misses_copied, theirs.miss_copies)
         assert mine.device_s == pytest.approx(theirs.device_s)
-    assert ours.step_splits == ref.step_splits and model.offload.deferred == []
+    assert ours.step_splits == ref.step_splits and not model.offload.deferred
     if fraction:
         assert ours.totals().device_s > 0
 
@@ -128,7 +128,7 @@ def test_the_agreement_meters_shadow_pass_counts_nothing(model_folder, routed_ca
     state = model.new_state()
     with model.offload.exact_routing():
         model.decoder.forward(state, [1, 2, 3])
-    assert len(routed_calls) == SPEC.layers and model.offload.deferred == []
+    assert len(routed_calls) == SPEC.layers and not model.offload.deferred
     assert model.offload.stats.totals().hits == 0 and model.offload.stats.steps == 0
 
 

@@ -1,9 +1,9 @@
-"""step_pairs.classify_pairs against the NumPy expressions it replaced in the hybrid node and OffloadStats.count."""
+"""step_pairs' compiled passes against the NumPy expressions they replaced in the hybrid node and OffloadStats.count."""
 
 import numpy as np
 import pytest
 
-from engine.offload.step_pairs import NO_COUNTS, classify_pairs, take_copied
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, take_copied
 from engine.offload.stats import OffloadStats
 
 
@@ -72,3 +72,22 @@ def test_take_copied_equals_the_numpy_masks(seed):
         np.testing.assert_array_equal(rest, np.where(in_copied, -1, cold))
         assert taken == int(np.count_nonzero(in_copied))
         assert device_ids.dtype == rest.dtype == ids.dtype
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_count_routed_equals_counting_every_pair_resident(seed):
+    """A fully resident layer's step (HybridExpertNode.account_resident): what OffloadStats.count did with a mask of
+    every pair, the misses' half untouched."""
+    rng = np.random.default_rng(seed)
+    experts = int(rng.choice([8, 32, 128]))
+    stats_ref, stats_new = OffloadStats(), OffloadStats()
+    stats_ref.reset(1, [experts])
+    stats_new.reset(1, [experts])
+    for _ in range(100):
+        tokens, k = int(rng.integers(1, 9)), int(rng.integers(1, min(8, experts) + 1))
+        ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+        ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1
+        stats_ref.count(0, ids, np.ones(ids.shape, bool))
+        assert count_routed(ids, stats_new.expert_hits[0]) == int(np.count_nonzero(ids >= 0))
+    np.testing.assert_array_equal(stats_new.expert_hits[0], stats_ref.expert_hits[0])
+    assert stats_new.expert_hits[0].sum() > 0 and not stats_new.expert_misses[0].any()

@@ -508,15 +508,24 @@ class CudaSlots:
             self._streamed = None
 
     def merged_done(self, timing) -> float:
-        """At the end of the step: the merged launch's device seconds (0 without one)."""
+        """Once the launch is done (merged_ready; at the latest at the step's end): its device seconds (0 without one)."""
         if timing is None:
             return 0.0
         start, stop = timing
         stop.synchronize()
         return self.device.cp.cuda.get_elapsed_time(start, stop) / 1e3
 
+    def merged_ready(self, timing) -> bool:
+        """Whether merged_done would not wait: no launch, or its stop event passed (a query, no wait)."""
+        return timing is None or timing[1].done
+
+    def routed_ready(self, pending: RoutedBuffers) -> bool:
+        """Whether routed_done would not wait: the launch's stop event passed, and with it the logits' copy."""
+        return pending.stop.done
+
     def routed_done(self, pending: RoutedBuffers) -> tuple[np.ndarray, float, float]:
-        """At the end of the step: (the router logits on the host, the launch's device seconds, 0: no stand-in)."""
+        """Once the launch is done (routed_ready; at the latest at the step's end): (the router logits on the host, the
+        launch's device seconds, 0: no stand-in)."""
         pending.stop.synchronize()
         return pending.host_logits, self.device.cp.cuda.get_elapsed_time(pending.start, pending.stop) / 1e3, 0.0
 

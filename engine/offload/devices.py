@@ -126,6 +126,10 @@ class SimulatedSlots:
     def merged_done(self, seconds: float) -> float:
         return seconds
 
+    def merged_ready(self, seconds: float) -> bool:
+        """Whether merged_done would not wait (CudaSlots: the launch's stop event); here nothing runs apart."""
+        return True
+
     def to_host(self, *arrays) -> tuple:
         return arrays
 
@@ -145,6 +149,10 @@ class SimulatedSlots:
 
     def routed_done(self, pending) -> tuple[np.ndarray, float, float]:
         return pending
+
+    def routed_ready(self, pending) -> bool:
+        """Whether routed_done would not wait (CudaSlots: the launch's stop event); here nothing runs apart."""
+        return True
 
 
 class SimulatedStreamingSlots:

@@ -12,7 +12,7 @@ from engine.offload.approximate import approximate_routing
 from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
-from engine.offload.step_pairs import NO_COUNTS, classify_pairs, take_copied
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, take_copied
 from kernels.cpu.routing import route
 from kernels.gpu.qmoe import GpuQMoE
 
@@ -36,6 +36,7 @@ class HybridExpertNode:
         self._flops_per_token = 2 * self._weights_per_expert()
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
         self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
+        self._every_pair: np.ndarray | None = None  # account_resident's mask: every routed pair resident
 
     @property
     def kernel(self):
@@ -147,8 +148,9 @@ class HybridExpertNode:
             # and the result stays for the next dense segment; the host does not wait for the device. Its time is
             # read at the end of the step.
             result, timing = store.merge_on_device(pending, out if copied_pairs < missed else None, like)
-            engine.deferred.append(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing),
-                                                              pending is not None, copies, miss_copy_s, waves, standin))
+            engine.defer(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing), pending is not None,
+                                                    copies, miss_copy_s, waves, standin),
+                         lambda: store.merged_ready(timing))
         else:
             device_s = 0.0
             if pending is not None:
@@ -162,6 +164,7 @@ class HybridExpertNode:
         if not shadow:
             engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
             engine.policy.observe(layer, ids.reshape(-1))
+            engine.settle()
         if result is not None:
             return result
         if out is self._out:
@@ -195,26 +198,29 @@ class HybridExpertNode:
 
     def _run_resident(self, store, x, logits, router_weights):
         """Every expert of the layer resident: routing and experts on the device, the result left there (in GPU
-        memory when the dense part runs on the GPU: no host round trip, no wait). The step's statistics follow at
-        its end (account_resident), once the router logits' copy to the host is in."""
+        memory when the dense part runs on the GPU: no host round trip, no wait). The step's statistics follow
+        (account_resident) once the launch is done and the router logits' copy to the host is in: in a later layer
+        (OffloadEngine.settle) or at the step's end."""
         out, pending = store.launch_routed(x, logits, router_weights)
-        if not self.engine.shadow:
-            self.engine.deferred.append(lambda: self.account_resident(pending))
+        engine = self.engine
+        if not engine.shadow:
+            engine.defer(lambda: self.account_resident(pending), lambda: store.routed_ready(pending))
+            engine.settle()
         return out
 
     def account_resident(self, pending) -> None:
-        """The statistics of one _run_resident step, at the end of the step (OffloadEngine.end_step): its routing
-        done again on the host from the logits (the same route() as run(); router weights do not change which
-        experts are picked), every pair a hit, the launch's device time on the critical path."""
+        """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): its
+        routing done again on the host from the logits (the same route() as run(); router weights do not change
+        which experts are picked), every pair a hit, the launch's device time on the critical path."""
         engine, layer = self.engine, self.layer
         logits, device_s, standin = engine.stores[layer].routed_done(pending)
         ids, _weights = route(logits.reshape(-1, self.info.spec.num_experts), self.info.spec)
-        resident = np.ones(ids.shape, bool)
         stats = engine.stats.layers[layer]
-        stats.hits += ids.size
+        stats.hits += count_routed(ids, engine.stats.expert_hits[layer])
         stats.routed_on_device += 1
-        engine.stats.count(layer, ids, resident)
-        engine.copy_reuse.hit(layer, ids, resident)
+        if self._every_pair is None or self._every_pair.shape != ids.shape:
+            self._every_pair = np.ones(ids.shape, bool)
+        engine.copy_reuse.hit(layer, ids, self._every_pair)
         self._account_time(stats, ids.shape[0], 0.0, device_s, True, 0, 0.0, (), standin)
         engine.stats.split(layer, 0, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))

@@ -230,7 +230,7 @@ class AdaptivePlacement(PlacementPolicy):
             left = -1 if limit is None else limit - len(swaps)
             if left == 0:
                 break
-            if layer.num_slots == 0:
+            if layer.num_slots == 0 or layer.all_resident:  # no cold expert to bring in
                 continue
             if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
                 rows = self._rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)

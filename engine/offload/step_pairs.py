@@ -85,3 +85,18 @@ def take_copied(ids, cold, copied):
                 taken += 1
             device_ids[t, j] = ids[t, j]
     return device_ids, rest, taken
+
+
+@njit(cache=True, nogil=True)
+def count_routed(ids, counts):
+    """Every routed pair of ids [T, k] (-1: unrouted) added to counts [E] by expert: a step whose experts were all
+    resident, counted into the layer's hits per expert (what OffloadStats.count did with a mask of every pair, in
+    three NumPy calls). Returns the pairs counted."""
+    counted = 0
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            expert = ids[t, j]
+            if expert >= 0:
+                counts[expert] += 1
+                counted += 1
+    return counted
