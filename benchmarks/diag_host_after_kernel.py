@@ -1,0 +1,123 @@
+"""Diagnosis (GPU machine's Xeon): is the host's work slower right after a CPU decode kernel because the kernel's
+expert rows went through the calling thread's caches? (issue #4)
+
+Inside the engine the host's work between the kernels (Python bookkeeping, onnxruntime's runs of the dense segments)
+ran 1.5-2x slower at 0% resident, where a CPU kernel runs at every layer, than at 100%, where none does; threads
+spinning or sleeping did not explain it (NOTES-overhead.md, twelfth session). The calling thread takes its share of
+the kernel's chunks, so ~1/threads of the experts' bytes (1.3 MB of a shape-B layer on 16 threads) passes through its
+core's L1 and L2 and replaces the host's working set there.
+
+Here a host workload is timed right after each of three things, in rounds that alternate them:
+- gap:     a Python busy wait as long as the kernel takes (no memory traffic: what the host work costs warm);
+- kernel:  the decode kernel on 8 cold experts of shape B (hidden 2048, intermediate 768, int4 block 32), the
+           calling thread taking chunks as it does today;
+- spared:  the same kernel with CpuQMoE.gemv_spare_caller = 1 (the calling thread takes none).
+The workload is what a decode layer's host path does: route() and classify_pairs on the router logits, the miss
+policy's cost model, a few small NumPy operations, and an onnxruntime CPU session run of a small graph (a 1 x 2048 by
+2048 x 128 MatMul and a Softmax: onnxruntime's host-side code). Printed: the medians of the workload's µs after each,
+and of the kernel's own µs with and without the calling thread.
+
+    python benchmarks/diag_host_after_kernel.py [--threads 16] [--rounds 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine  # noqa: E402,F401  the engine's OpenMP wait default, set before Numba's runtime loads
+from benchmarks.diag_cpu_fixed import E, H, node_of_shape_b  # noqa: E402
+from engine.offload.devices import Bandwidths  # noqa: E402
+from engine.offload.miss_policy import choose, miss_costs  # noqa: E402
+from engine.offload.step_pairs import classify_pairs  # noqa: E402
+from kernels.cpu.routing import route  # noqa: E402
+from kernels.cpu.threads import use_threads  # noqa: E402
+
+
+def small_session():
+    """An onnxruntime CPU session of MatMul [1, 2048] x [2048, 128] then Softmax, and its feed."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(1).standard_normal((H, E)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["z"]), helper.make_node("Softmax", ["z"], ["p"], axis=-1)], "router",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, H])],
+        [helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, E])], [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=400)
+    args = parser.parse_args()
+    node = node_of_shape_b()
+    node.num_threads = args.threads
+    use_threads(args.threads)
+    spec = node.spec
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, H)).astype(np.float32)
+    logits = rng.standard_normal((1, E)).astype(np.float32)
+    out = np.zeros((1, H), np.float32)
+    weights = np.full((1, 8), 0.125, np.float32)
+    slot_of = np.full(E, -1, np.int32)
+    counts = np.zeros(2 * E, np.int64)
+    bandwidths = Bandwidths(pcie=55e9, hbm=4.2e12, cpu=84e9)
+    session = small_session()
+    feed = {"x": x}
+    rotating = iter(np.arange(10 ** 7) % (E // 8))
+
+    def kernel():
+        start = next(rotating) * 8
+        node.run_experts(x, np.arange(start, start + 8, dtype=np.int64).reshape(1, 8), weights, out=out)
+
+    def host_work() -> float:
+        started = time.perf_counter()
+        ids, _w = route(logits, spec)
+        _resident, _cold, _hits, missed, _n, _experts, tokens = classify_pairs(ids, slot_of, counts, True)
+        choose(miss_costs(bandwidths, 2_661_376, tokens.tolist(), 0.0), 2)
+        out.fill(0.0)
+        np.copyto(out, x)
+        session.run(None, feed)
+        return time.perf_counter() - started
+
+    def busy(seconds: float) -> None:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+
+    for _ in range(20):  # compiled and warm
+        kernel()
+        host_work()
+    after = {"gap": [], "kernel": [], "spared": []}
+    kernel_s = {"kernel": [], "spared": []}
+    for _ in range(args.rounds):
+        for case in ("kernel", "gap", "spared"):
+            if case == "gap":
+                busy(statistics.median(kernel_s["kernel"]))
+            else:
+                node.gemv_spare_caller = int(case == "spared")
+                started = time.perf_counter()
+                kernel()
+                kernel_s[case].append(time.perf_counter() - started)
+            after[case].append(host_work())
+    node.gemv_spare_caller = 0
+    print(f"{args.threads} threads, shape B, 8 cold experts; medians of {args.rounds} rounds, µs")
+    print("host work right after: " + "  ".join(f"{case} {statistics.median(v) * 1e6:7.1f}" for case, v in after.items()))
+    print("the kernel itself:     " + "  ".join(f"{case} {statistics.median(v) * 1e6:7.1f}"
+                                                 for case, v in kernel_s.items()))
+
+
+if __name__ == "__main__":
+    main()
