@@ -635,6 +635,10 @@ def _table_parts(context, builder, sig, args, code, slots, bpc, dshift=True, spa
 #: 23 cache lines) made the int4 decode kernel 1.42x faster at shape A (0.66 against 0.94 ms, 16 threads, cold
 #: experts) and 1.05-1.14x at shape B (NOTES-cpu-kernels.md, "Prefetch in the row loop").
 ROW_PREFETCH_AHEAD = 4096
+#: llvm.prefetch's locality for those prefetches: 3 = into every cache level (prefetcht0). Branch `nta-prefetch` has 0
+#: (prefetchnta: the rows, read once a token, would then not replace the host's working set in L2 and L3): to measure
+#: on the Xeon (benchmarks/diag_host_after_kernel.py in both trees).
+ROW_PREFETCH_LOCALITY = 3
 
 
 def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", unroll4=True):
@@ -674,8 +678,8 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
             """The weight bytes ROW_PREFETCH_AHEAD past chunk i (a prefetch never faults, past the array's end too)."""
             off = builder.add(builder.add(args[1], builder.shl(i, ir.Constant(_I64, 4))),
                               ir.Constant(_I64, ROW_PREFETCH_AHEAD))
-            builder.call(pf, [builder.gep(w_bytes, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                              ir.Constant(_I32, 1)])
+            builder.call(pf, [builder.gep(w_bytes, [off]), ir.Constant(_I32, 0),
+                              ir.Constant(_I32, ROW_PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
 
         def xload(i, s):
             o = builder.add(xoff, builder.mul(i, ir.Constant(_I64, 16)))
