@@ -146,7 +146,7 @@ class HybridExpertNode:
         if held and not shadow and not waves and tokens <= min(engine.config.async_max_tokens, DECODE_MAX_TOKENS):
             # Decode with the inputs in device memory: the CPU's part goes over and is added to the device's there,
             # and the result stays for the next dense segment; the host does not wait for the device. Its time is
-            # read at the end of the step.
+            # read once the launch is done (OffloadEngine.settle), at the latest at the end of the step.
             result, timing = store.merge_on_device(pending, out if copied_pairs < missed else None, like)
             engine.defer(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing), pending is not None,
                                                     copies, miss_copy_s, waves, standin),
