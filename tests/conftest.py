@@ -1,4 +1,5 @@
-"""Shared test set-up: fixture model folders, the offscreen Qt platform, the gpu marker."""
+"""Shared test set-up: fixture model folders, the offscreen Qt platform, the gpu marker, the Haswell check started
+early."""
 
 from __future__ import annotations
 
@@ -27,12 +28,32 @@ def _have_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    _start_haswell_check(items)
     if _have_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _start_haswell_check(items) -> None:
+    """test_cpu_kernels_without_avx512's subprocess compiles every kernel again for a CPU without AVX-512: 4-5
+    minutes with a cold Numba cache (a third of the suite on the 2-core dev VM), one core busy while this process
+    waited. Started once collection shows the test will run, it compiles beside the other tests."""
+    if any(item.nodeid.endswith("test_cpu_kernels_without_avx512") for item in items):
+        from tests import haswell_check
+
+        haswell_check.running = haswell_check.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import haswell_check
+
+    if haswell_check.running is not None:  # started, never read (a run stopped early): not left behind
+        haswell_check.running.kill()
+        haswell_check.running.communicate()
+        haswell_check.running = None
 
 
 def fixture_folder(name: str) -> Path:

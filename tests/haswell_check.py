@@ -1,0 +1,80 @@
+"""The CPU kernels as Numba compiles them for a CPU without AVX-512 (Haswell), checked against the reference: the
+table-lookup int4 kernels fall back to the convert-based ones, the fp4 / int2 / int3 table kernels look up lane by
+lane, int3 with plain 24-byte loads and generic byte shuffles. Run in a subprocess of its own with Numba targeting
+Haswell (start()); it prints "ok" when every case agrees (test_qmoe_cpu.test_cpu_kernels_without_avx512).
+
+It compiles every kernel it runs again for that target: minutes with a cold Numba cache, on one core. conftest.py
+starts it as soon as collection shows the test will run, so that it compiles beside the other tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
+            "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd,-avx512vbmi")
+ROOT = Path(__file__).resolve().parents[1]
+running: subprocess.Popen | None = None  # the check conftest.py started, for the test to read (or to stop)
+
+
+def start() -> subprocess.Popen:
+    """This module's checks in a subprocess with Numba targeting Haswell; read its output with communicate()."""
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=FEATURES)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, "-m", "tests.haswell_check"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _check(attrs, t, x, lg, tokens, tol, label, own_kernels=True):
+    import numpy as np
+
+    from kernels.cpu import CpuQMoE
+    from kernels.qmoe_spec import QMoESpec
+    from kernels.reference import qmoe_reference
+
+    spec = QMoESpec.from_tensors("t", "QMoE", attrs, t, x.shape)
+    m = CpuQMoE(spec, t)
+    assert m._delegate is None or not own_kernels, label
+    for T in tokens:
+        ref = np.asarray(qmoe_reference(x[:T], lg[:T], spec, t), np.float64)
+        err = np.abs(np.asarray(m.forward(x[:T], lg[:T]), np.float64) - ref).max() / np.abs(ref).max()
+        assert err < tol, (label, T, err)
+    return m
+
+
+def main() -> None:
+    import ml_dtypes
+    import numpy as np
+
+    from kernels.cpu.simd import HAS_AVX512F
+    from tests.qmoe_oracle import make_case, make_layout_case
+
+    assert not HAS_AVX512F
+    # int4: the convert-based kernels; scales in the activations' type: fp16 / bf16 rows converted up front
+    # (13 blocks a row)
+    for dtype, tol, hidden in ((np.float32, 1e-5, 64), (np.float16, 4e-3, 416), (ml_dtypes.bfloat16, 2e-2, 416)):
+        case = make_case(seed=11, E=6, H=hidden, I=96, k=2, bits=4, block_size=32, zero_points=True, T=37,
+                         bias=True, activation="swiglu", swiglu_fusion=1, swiglu_limit=7.0, alpha=1.702, dtype=dtype)
+        _check(*case, (1, 37), tol, dtype, own_kernels=False)
+    # table kernels of fp4 / int2 / int3: lane-by-lane lookups
+    for kw in (dict(quant_type="nvfp4", packing="k_packed", H=80, I=48), dict(quant_type="fp4", H=64, I=96),
+               dict(bits=2, block_size=32, zero_points=True, H=96, I=32), dict(bits=2, H=68, I=36),
+               dict(bits=3, block_size=32, zero_points=True, H=96, I=160), dict(bits=3, zero_points=True, H=100, I=71),
+               dict(bits=3, block_size=64, H=128, I=64)):
+        case = make_layout_case(seed=5, E=6, k=2, T=20, bias=True, activation="swiglu", swiglu_fusion=1,
+                                swiglu_limit=7.0, alpha=1.702, **kw)
+        _check(*case, (1, 20), 1e-5, kw)
+    # int2 block 16: lane-by-lane lookups, generic shuffles of the four blocks' scales
+    for kw in (dict(zero_points=True, H=112, I=80, swiglu_fusion=1, swiglu_limit=7.0),
+               dict(H=80, I=48, swiglu_fusion=0, dtype=np.float16)):
+        case = make_layout_case(seed=5, E=6, k=2, T=20, bias=True, bits=2, block_size=16, activation="swiglu",
+                                alpha=1.702, **kw)
+        m = _check(*case, (1, 20), 1e-5 if case[2].dtype == np.float32 else 4e-3, kw)
+        assert m.fc1.bpc == 4
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
