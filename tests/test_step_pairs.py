@@ -20,17 +20,30 @@ def numpy_classify(ids, slot_of, stats: OffloadStats):
     return resident, cold, hits, missed, residents, experts, tokens
 
 
+def random_step(rng, experts: int) -> np.ndarray:
+    """A decode or short prefill step's routed ids [T, k] (distinct experts per token), some pairs unrouted (-1) as
+    approximate routing leaves them in some steps."""
+    tokens, k = int(rng.integers(1, 9)), int(rng.integers(1, min(8, experts) + 1))
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1
+    return ids
+
+
+def fresh_stats(experts: int) -> tuple[OffloadStats, OffloadStats]:
+    """Two OffloadStats of one layer: the reference's and the compiled pass's."""
+    pair = OffloadStats(), OffloadStats()
+    for stats in pair:
+        stats.reset(1, [experts])
+    return pair
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_classify_pairs_equals_the_numpy_bookkeeping(seed):
     rng = np.random.default_rng(seed)
     experts = int(rng.choice([8, 32, 128]))
-    stats_ref, stats_new = OffloadStats(), OffloadStats()
-    stats_ref.reset(1, [experts])
-    stats_new.reset(1, [experts])
+    stats_ref, stats_new = fresh_stats(experts)
     for _ in range(200):
-        tokens, k = int(rng.integers(1, 9)), int(rng.integers(1, min(8, experts) + 1))
-        ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
-        ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1  # approximate routing's unrouted pairs
+        ids = random_step(rng, experts)
         slot_of = np.full(experts, -1, np.int32)
         resident_experts = rng.choice(experts, int(rng.integers(0, experts + 1)), replace=False)
         slot_of[resident_experts] = np.arange(resident_experts.size)
@@ -56,10 +69,8 @@ def test_classify_pairs_counts_nothing_when_told_not_to():
 def test_take_copied_equals_the_numpy_masks(seed):
     rng = np.random.default_rng(seed)
     for _ in range(300):
-        experts, tokens = int(rng.choice([8, 32, 128])), int(rng.integers(1, 9))
-        k = int(rng.integers(1, min(8, experts) + 1))
-        ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
-        ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1
+        experts = int(rng.choice([8, 32, 128]))
+        ids = random_step(rng, experts)
         slot_of = np.where(rng.random(experts) < rng.random(), 0, -1).astype(np.int32)
         resident, cold, *_rest, misses, _tokens = classify_pairs(ids, slot_of, NO_COUNTS, False)
         copied = np.sort(rng.choice(misses, int(rng.integers(0, misses.size + 1)), replace=False)) if misses.size \
@@ -80,13 +91,9 @@ def test_count_routed_equals_counting_every_pair_resident(seed):
     every pair, the misses' half untouched."""
     rng = np.random.default_rng(seed)
     experts = int(rng.choice([8, 32, 128]))
-    stats_ref, stats_new = OffloadStats(), OffloadStats()
-    stats_ref.reset(1, [experts])
-    stats_new.reset(1, [experts])
+    stats_ref, stats_new = fresh_stats(experts)
     for _ in range(100):
-        tokens, k = int(rng.integers(1, 9)), int(rng.integers(1, min(8, experts) + 1))
-        ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]).astype(np.int32)
-        ids[rng.random(ids.shape) < rng.choice([0.0, 0.2])] = -1
+        ids = random_step(rng, experts)
         stats_ref.count(0, ids, np.ones(ids.shape, bool))
         assert count_routed(ids, stats_new.expert_hits[0]) == int(np.count_nonzero(ids >= 0))
     np.testing.assert_array_equal(stats_new.expert_hits[0], stats_ref.expert_hits[0])
