@@ -11,11 +11,15 @@ Here a host workload is timed right after each of three things, in rounds that a
 - gap:     a Python busy wait as long as the kernel takes (no memory traffic: what the host work costs warm);
 - kernel:  the decode kernel on 8 cold experts of shape B (hidden 2048, intermediate 768, int4 block 32), the
            calling thread taking chunks as it does today;
-- spared:  the same kernel with CpuQMoE.gemv_spare_caller = 1 (the calling thread takes none).
+- spared:  the same kernel with CpuQMoE.gemv_spare_caller = 1 (the calling thread takes none);
+- read:    the busy gap, then the calling thread alone reading 4 MB (more than its core's 2 MB L2) with NumPy: what
+           a caller's share of expert rows does to its caches, without the other threads' traffic.
 The workload is what a decode layer's host path does: route() and classify_pairs on the router logits, the miss
 policy's cost model, a few small NumPy operations, and an onnxruntime CPU session run of a small graph (a 1 x 2048 by
 2048 x 128 MatMul and a Softmax: onnxruntime's host-side code). Printed: the medians of the workload's µs after each,
-and of the kernel's own µs with and without the calling thread.
+and of the kernel's own µs with and without the calling thread. Reading it: kernel ≈ read > gap says the caller's
+caches (spared should then come close to gap); kernel > read ≈ gap says the other threads' traffic or the region's
+end (L3, memory, the threads' spinning), which sparing the caller does not change.
 
     python benchmarks/diag_host_after_kernel.py [--threads 16] [--rounds 400]
 """
@@ -77,6 +81,7 @@ def main() -> None:
     session = small_session()
     feed = {"x": x}
     rotating = iter(np.arange(10 ** 7) % (E // 8))
+    scratch = np.ones(1 << 20, np.float32)  # 4 MB
 
     def kernel():
         start = next(rotating) * 8
@@ -100,12 +105,14 @@ def main() -> None:
     for _ in range(20):  # compiled and warm
         kernel()
         host_work()
-    after = {"gap": [], "kernel": [], "spared": []}
+    after = {"gap": [], "kernel": [], "spared": [], "read": []}
     kernel_s = {"kernel": [], "spared": []}
     for _ in range(args.rounds):
-        for case in ("kernel", "gap", "spared"):
-            if case == "gap":
+        for case in ("kernel", "gap", "spared", "read"):
+            if case in ("gap", "read"):
                 busy(statistics.median(kernel_s["kernel"]))
+                if case == "read":
+                    scratch.sum()
             else:
                 node.gemv_spare_caller = int(case == "spared")
                 started = time.perf_counter()
