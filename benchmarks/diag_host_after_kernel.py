@@ -121,7 +121,8 @@ def main() -> None:
             after[case].append(host_work())
     node.gemv_spare_caller = 0
     print(f"{args.threads} threads, shape B, 8 cold experts; medians of {args.rounds} rounds, µs")
-    print("host work right after: " + "  ".join(f"{case} {statistics.median(v) * 1e6:7.1f}" for case, v in after.items()))
+    print("host work right after: "
+          + "  ".join(f"{case} {statistics.median(v) * 1e6:7.1f}" for case, v in after.items()))
     print("the kernel itself:     " + "  ".join(f"{case} {statistics.median(v) * 1e6:7.1f}"
                                                  for case, v in kernel_s.items()))
 

@@ -44,15 +44,14 @@ def _start_haswell_check(items) -> None:
     if any(item.nodeid.endswith("test_cpu_kernels_without_avx512") for item in items):
         from tests import haswell_check
 
-        haswell_check.running = haswell_check.start()
+        haswell_check.running = haswell_check.Check()
 
 
 def pytest_sessionfinish(session, exitstatus):
     from tests import haswell_check
 
     if haswell_check.running is not None:  # started, never read (a run stopped early): not left behind
-        haswell_check.running.kill()
-        haswell_check.running.communicate()
+        haswell_check.running.stop()
         haswell_check.running = None
 
 

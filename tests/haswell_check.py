@@ -1,7 +1,7 @@
 """The CPU kernels as Numba compiles them for a CPU without AVX-512 (Haswell), checked against the reference: the
 table-lookup int4 kernels fall back to the convert-based ones, the fp4 / int2 / int3 table kernels look up lane by
 lane, int3 with plain 24-byte loads and generic byte shuffles. Run in a subprocess of its own with Numba targeting
-Haswell (start()); it prints "ok" when every case agrees (test_qmoe_cpu.test_cpu_kernels_without_avx512).
+Haswell (Check); it prints "all cases agree" when every one does (test_qmoe_cpu.test_cpu_kernels_without_avx512).
 
 It compiles every kernel it runs again for that target: minutes with a cold Numba cache, on one core. conftest.py
 starts it as soon as collection shows the test will run, so that it compiles beside the other tests."""
@@ -11,20 +11,40 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
             "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd,-avx512vbmi")
 ROOT = Path(__file__).resolve().parents[1]
-running: subprocess.Popen | None = None  # the check conftest.py started, for the test to read (or to stop)
 
 
-def start() -> subprocess.Popen:
-    """This module's checks in a subprocess with Numba targeting Haswell; read its output with communicate()."""
-    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=FEATURES)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, "-m", "tests.haswell_check"], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Check:
+    """This module's checks running in a subprocess with Numba targeting Haswell. Its output goes to a file, not a
+    pipe: a pipe nobody reads until the test runs could fill and stop it halfway."""
+
+    def __init__(self):
+        env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=FEATURES)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        self._output = tempfile.TemporaryFile(mode="w+")
+        self._process = subprocess.Popen([sys.executable, "-m", "tests.haswell_check"], env=env, cwd=ROOT,
+                                         stdout=self._output, stderr=subprocess.STDOUT, text=True)
+
+    def result(self, timeout: float) -> tuple[int, str]:
+        """(its exit status, what it printed), once it has ended."""
+        status = self._process.wait(timeout)
+        self._output.seek(0)
+        printed = self._output.read()
+        self._output.close()
+        return status, printed
+
+    def stop(self) -> None:
+        self._process.kill()
+        self._process.wait()
+        self._output.close()
+
+
+running: Check | None = None  # the check conftest.py started, for the test to read (or to stop)
 
 
 def _check(attrs, t, x, lg, tokens, tol, label, own_kernels=True):
@@ -73,7 +93,7 @@ def main() -> None:
                                 alpha=1.702, **kw)
         m = _check(*case, (1, 20), 1e-5 if case[2].dtype == np.float32 else 4e-3, kw)
         assert m.fc1.bpc == 4
-    print("ok")
+    print("all cases agree")
 
 
 if __name__ == "__main__":

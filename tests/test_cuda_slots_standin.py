@@ -270,7 +270,8 @@ def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_
     # launch is done (it is not); the host waits once, for the logits (the last segment's sync), then for each
     # launch's stop event as the end of the step reads its time
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
-    assert cp.log[last_sync - 6 * SPEC.layers:last_sync] == (ONE_ROUTED_LAUNCH + [("event query", "compute")]) * SPEC.layers
+    queried = ONE_ROUTED_LAUNCH + [("event query", "compute")]
+    assert cp.log[last_sync - 6 * SPEC.layers:last_sync] == queried * SPEC.layers
     assert cp.log[last_sync + 1:] == [("event sync", "compute")] * SPEC.layers
 
 

@@ -516,7 +516,8 @@ class CudaSlots:
             self._streamed = None
 
     def merged_done(self, timing) -> float:
-        """Once the launch is done (merged_ready; at the latest at the step's end): its device seconds (0 without one)."""
+        """Once the launch is done (merged_ready; at the latest at the step's end): its device seconds (0 without
+        one)."""
         if timing is None:
             return 0.0
         start, stop = timing

@@ -148,8 +148,8 @@ class HybridExpertNode:
             # and the result stays for the next dense segment; the host does not wait for the device. Its time is
             # read once the launch is done (OffloadEngine.settle), at the latest at the end of the step.
             result, timing = store.merge_on_device(pending, out if copied_pairs < missed else None, like)
-            engine.defer(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing), pending is not None,
-                                                    copies, miss_copy_s, waves, standin),
+            engine.defer(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing),
+                                                    pending is not None, copies, miss_copy_s, waves, standin),
                          lambda: store.merged_ready(timing))
         else:
             device_s = 0.0
