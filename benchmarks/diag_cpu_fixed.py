@@ -117,8 +117,8 @@ def main() -> None:
                 "dispatch": median_us(lambda: takes(*captured[0]), args.runs),
                 "region": median_us(lambda: region(lanes), args.runs),
             }
-            print(f"{threads:3d} threads, chunks {chunk_kb} KB order {order}, {u} experts: " + "  ".join(f"{k} {v:7.1f}" for k, v in row.items()),
-                  flush=True)
+            cells = "  ".join(f"{k} {v:7.1f}" for k, v in row.items())
+            print(f"{threads:3d} threads, chunks {chunk_kb} KB order {order}, {u} experts: {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -134,17 +134,19 @@ class _Proj:
             self.aux = aux.reshape(-1)
         elif s.dtype == np.float32:
             self.skind = 0
-        elif self.nb > _simd.MAX_ROW_BLOCKS:
-            # more blocks a row than the row kernels convert up front (simd._block_scales): float32 here
-            bf16_bits = _is_bf16(s.dtype) or s.dtype == np.uint16
-            s = (s.view(np.uint16).astype(np.uint32) << 16).view(np.float32) if bf16_bits else s.astype(np.float32)
-            self.skind = 0
         elif s.dtype == np.float16:
             s, self.skind = s.view(np.uint16), 1
         elif _is_bf16(s.dtype) or s.dtype == np.uint16:
             s, self.skind = s.view(np.uint16), 2
         else:
             s, self.skind = s.astype(np.float32), 0
+        if self.skind in (1, 2) and self.nb > _simd.MAX_ROW_BLOCKS:
+            # more blocks a row than the row kernels convert up front (simd._block_scales): float32 here
+            if self.skind == 1:
+                s = s.view(np.float16).astype(np.float32)
+            else:  # bf16 bits: the upper half of a float32
+                s = (s.astype(np.uint32) << 16).view(np.float32)
+            self.skind = 0
         self.sc = _readonly(s.reshape(E, n, self.nb))
         zp = tensors.get(f"{name}_zero_points")
         if zp is None:
