@@ -9,10 +9,10 @@ ratio B / A of each round (median, min, max). What the engine learns at run time
 and copy reuse) carries over from one configuration to the next, as it would for a user who changes a setting.
 A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an attribute of every GpuQMoE the
 engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), `cpu.NAME=INT` (an attribute of
-every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16), `slots.NAME=INT` (an attribute of every node's device slots,
-e.g. slots.routed_on_dense=1), `rate.NAME=INT` (an attribute of the miss policy's measured CPU rate, CpuRate, e.g.
-rate.fit=0: no fixed cost per call fitted, the average rate alone) and `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs,
-engine/dense_graph.py); a switch one variant names and the other does not keeps its default there.
+every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16), `rate.NAME=INT` (an attribute of the miss policy's measured CPU
+rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted) and `dense.graphs=0|1` (the
+dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one variant names and the other
+does not keeps its default there.
 
     python benchmarks/bench_offload_ab.py --shape gpt-oss-20b-like --dtype float16 --fractions 0.25,0.5 \
         --b cpu_threads=15 [--a KEY=VALUE,...] [--rounds 6] [--decode-tokens 16] [--device cuda|simulated]
@@ -39,7 +39,7 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "slots.", "rate.", "dense.")  # a variant's entries with these prefixes are switches
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "dense.")  # a variant's entries with these prefixes are switches
 
 
 def variant(text: str) -> dict:
@@ -56,8 +56,8 @@ def variant(text: str) -> dict:
 
 def switches(text: str) -> dict[str, int]:
     """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
-    holds, 'cpu.NAME' one of every CPU expert kernel, 'slots.NAME' one of every node's device slots (CudaSlots, e.g.
-    slots.routed_on_dense=1), 'rate.NAME' one of the engine's CpuRate, 'dense.graphs' the dense segments' CUDA graphs (engine.dense_graph.enabled)."""
+    holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'dense.graphs' the
+    dense segments' CUDA graphs (engine.dense_graph.enabled)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
@@ -93,8 +93,6 @@ def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
     prefix, _, attribute = name.partition(".")
     if prefix == "cpu":
         return cpu_kernels(model), attribute, "the CPU expert kernel"
-    if prefix == "slots":
-        return [store for store in model.offload.stores if store is not None], attribute, "the device slots"
     if prefix == "rate":
         return [model.offload.cpu_rate], attribute, "the CPU rate"
     return gpu_kernels(model), attribute, "GpuQMoE"

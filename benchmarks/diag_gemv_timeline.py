@@ -73,8 +73,7 @@ def traced_source() -> str:
             indent = anchor[:len(anchor) - len(anchor.lstrip())]
         source = source[:at] + f"{indent}{target} = cycles()\n" + source[at:]
     source += "    stamps[0, 2] = cycles()\n"  # after the reduction, moe_gemv's last statement
-    source = source.replace("def moe_gemv(", "def traced_gemv(", 1).replace("do_reduce, nth, spare_caller):",
-                                                                            "do_reduce, nth, spare_caller, stamps):", 1)
+    source = source.replace("def moe_gemv(", "def traced_gemv(", 1).replace("do_reduce, nth):", "do_reduce, nth, stamps):", 1)
     return source.replace("cache=True", "cache=False", 1)
 
 def compile_traced():

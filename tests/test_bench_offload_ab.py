@@ -25,11 +25,10 @@ def test_the_summary_pairs_each_round_of_b_with_the_round_of_a_beside_it():
 def test_switches_are_read_apart_from_the_offload_keys():
     from benchmarks.bench_offload_ab import switches
 
-    text = "cpu_threads=15,gpu.driver_copies=0, gpu.batch_copies=1,dense.graphs=1,cpu.gemv_chunk_kb=16," \
-           "slots.routed_on_dense=1"
+    text = "cpu_threads=15,gpu.driver_copies=0, gpu.batch_copies=1,dense.graphs=1,cpu.gemv_chunk_kb=16"
     assert variant(text) == {"cpu_threads": 15}  # an offload key, though it starts with "cpu"
     assert switches(text) == {"gpu.driver_copies": 0, "gpu.batch_copies": 1, "dense.graphs": 1,
-                              "cpu.gemv_chunk_kb": 16, "slots.routed_on_dense": 1}
+                              "cpu.gemv_chunk_kb": 16}
     assert switches("") == {}
     with pytest.raises(SystemExit, match="gpu.driver_copies=off: a switch takes an integer"):
         switches("gpu.driver_copies=off")
@@ -90,18 +89,6 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
         ab.set_switches(model, {"gpu.no_such": 1})
     with pytest.raises(SystemExit, match="cpu.no_such: the CPU expert kernel has no such switch"):
         ab.set_switches(model, {"cpu.no_such": 1})
-
-
-def test_slots_switches_set_every_nodes_device_slots():
-    import benchmarks.bench_offload_ab as ab
-
-    slots = [type("Slots", (), {"routed_on_dense": False})() for _ in range(2)]
-    model = type("Model", (), {"offload": type("Engine", (), {"stores": [slots[0], None, slots[1]]})()})()
-    assert ab.current_switches(model, {"slots.routed_on_dense"}) == {"slots.routed_on_dense": 0}
-    ab.set_switches(model, {"slots.routed_on_dense": 1})
-    assert [s.routed_on_dense for s in slots] == [1, 1]
-    with pytest.raises(SystemExit, match="slots.no_such: the device slots has no such switch"):
-        ab.set_switches(model, {"slots.no_such": 1})
 
 
 def test_rate_switches_set_the_engines_cpu_rate():

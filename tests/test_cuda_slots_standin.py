@@ -275,24 +275,6 @@ def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_
     assert cp.log[last_sync + 1:] == [("event sync", "compute")] * SPEC.layers
 
 
-def test_fully_resident_layers_routed_on_the_dense_stream_need_no_cross_stream_wait(model_folder, cpu_run,
-                                                                                   monkeypatch):
-    """CudaSlots.routed_on_dense: the routed launch goes on the dense part's stream, in its order, so neither stream
-    waits for the other; the same answers and statistics."""
-    monkeypatch.setattr(CudaSlots, "routed_on_dense", True)
-    model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
-    cp.events_done = False
-    assert_same_as_cpu(greedy_run(model), cpu_run)
-    totals = model.offload.stats.totals()
-    assert totals.misses == 0 and totals.device_s == pytest.approx(0.25e-3 * SPEC.layers * (1 + len(cpu_run[1])))
-    # the last decode step: start and stop recorded on the dense stream around each launch, no wait either way
-    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
-    one_layer = [("record", "dense"), ("record", "dense"), ("event query", "dense")]
-    assert cp.log[last_sync - 3 * SPEC.layers:last_sync] == one_layer * SPEC.layers
-    assert cp.log[last_sync + 1:] == [("event sync", "dense")] * SPEC.layers
-    assert not any(entry[0] == "wait" and "compute" in entry for entry in cp.log[last_sync - 3 * SPEC.layers:])
-
-
 def test_fully_resident_layers_statistics_are_taken_in_the_step_once_their_launch_is_done(model_folder, cpu_run,
                                                                                         monkeypatch):
     """A GPU that keeps up with the host: each layer takes its launch's statistics as soon as the launch is done

@@ -571,19 +571,16 @@ def test_cuda_state_buffers_are_device_memory(monkeypatch, tmp_path):
 
 @pytest.mark.gpu
 @needs_cuda_ep
-@pytest.mark.parametrize("fraction, on_dense", [(1.0, False), (1.0, True), (0.5, False)])
-def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path, fraction, on_dense):
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path, fraction):
     """Dense part and experts on the GPU: the expert nodes' inputs stay in GPU memory. Fully resident (1.0), each
-    layer routes there and leaves its result there (CudaSlots.launch_routed, no host round trip; on_dense: launched
-    on the dense part's stream, CudaSlots.routed_on_dense); with cold experts (0.5) the node brings its inputs to the
-    host itself (CudaSlots.to_host) and, in decode, adds the CPU's part to the device's on the GPU, leaving the result
-    there (merge_on_device). Logits as the CPU model's either way."""
+    layer routes there and leaves its result there (CudaSlots.launch_routed, no host round trip); with cold experts
+    (0.5) the node brings its inputs to the host itself (CudaSlots.to_host) and, in decode, adds the CPU's part to
+    the device's on the GPU, leaving the result there (merge_on_device). Logits as the CPU model's either way."""
     import cupy
 
     from engine.offload.cuda_device import CudaSlots
     from engine.offload.planner import all_resident_bytes
-
-    monkeypatch.setattr(CudaSlots, "routed_on_dense", on_dense)
 
     spec = FP16_MODELS["fp16-sliding"]
     folder = write_model(tmp_path / "fp16", spec)

@@ -200,11 +200,6 @@ class CudaSlots:
     wave gets a short-lived GpuQMoE of its own, inside the staging bytes the engine reserved."""
 
     device_inputs = True  # a dense part on the GPU may hand this node's inputs over in GPU memory
-    # A fully resident layer's routed launch on the dense part's stream itself (True) instead of the compute stream
-    # between two cross-stream waits (dense -> compute before it, compute -> dense after it): at 100% resident the GPU
-    # is the limit and each such wait is a gap between kernels. An experiment until measured on the H200
-    # (bench_offload_ab.py --b slots.routed_on_dense=1; NOTES-overhead.md, eighteenth session).
-    routed_on_dense = False
 
     def __init__(self, device: "CudaDevice", runner, num_slots: int):
         self.device, self.runner = device, runner
@@ -436,17 +431,14 @@ class CudaSlots:
     def launch_routed(self, x, logits, router_weights):
         """Every expert of the node resident and the inputs in GPU memory: route and compute on the device, the
         result left there for the next dense segment. No host synchronisation: the compute stream waits for the
-        dense part's stream, and the dense part's stream for the launch (one event each way), or, with
-        routed_on_dense, the launch goes on the dense part's stream. Returns (the result in x's dtype and shape, the
-        pending statistics for routed_done)."""
+        dense part's stream, and the dense part's stream for the launch (one event each way). Returns (the result
+        in x's dtype and shape, the pending statistics for routed_done)."""
         cp = self.device.cp
         spec = self.runner.info.spec
         tokens = x.size // spec.hidden_size
         compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
-        crossing = dense is not None and not self.routed_on_dense  # else one stream: its own order is enough
-        stream = compute if dense is None or crossing else dense
-        with cp.cuda.Device(self.device.index), stream:
-            if crossing:  # first: anything below may read the dense part's outputs
+        with cp.cuda.Device(self.device.index):
+            if dense is not None:  # first: anything below may read the dense part's outputs
                 compute.wait_event(dense.record(self._ordering))
             self._order_after_loads()
             x2d, logits, weights = self._routed_views(x, logits, router_weights, tokens)
@@ -455,11 +447,11 @@ class CudaSlots:
                 buffers = RoutedBuffers(cp, tokens, spec.hidden_size, x.dtype, logits)
                 if tokens <= self.gpu.decode_max_tokens:
                     self._routed = buffers  # kept: the same pointers at every decode step (CUDA graph replays)
-            buffers.start.record(stream)
+            buffers.start.record(compute)
             self.gpu.run_routed(x2d, logits, buffers.out32, buffers.out, weights)
-            buffers.copy_logits(logits, stream)
-            buffers.stop.record(stream)
-            if crossing:
+            buffers.copy_logits(logits, compute)
+            buffers.stop.record(compute)
+            if dense is not None:
                 dense.wait_event(buffers.stop)
         return buffers.result(x.shape), buffers
 

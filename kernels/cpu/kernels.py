@@ -8,7 +8,7 @@ read-only C-contiguous arrays, scales either float32 or uint16 (fp16 / bf16 bits
 from __future__ import annotations
 
 import numpy as np
-from numba import get_thread_id, njit, prange
+from numba import njit, prange
 
 from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, atomic_load, dqrow_fp4_1, dqrow_fp4_2,
                    dqrow_int2_1, dqrow_int2_2, dqrow_int2_4, dqrow_int4_16, dqrow_int4_16_lut, dqrow_int4_8,
@@ -1051,7 +1051,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
 @njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
 def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst,
              act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out,
-             do_reduce, nth, spare_caller):
+             do_reduce, nth):
     """Fused decode: for each pair p (token src[p], expert experts[u], pair_off[u] <= p < pair_off[u + 1])
     y[p] = coef[p] * (W2_e act(W1_e x + b1_e) + b2_e); with do_reduce also out[dst[p]] += y[p].
 
@@ -1063,8 +1063,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     the row kernel prefetches its weight bytes itself: _row_kernel_prefetches). One parallel region:
     a thread goes on to FC2 once it finds no FC1 chunk left and waits only for experts whose FC1 is still running
     (per-expert counters); two regions cost a second fork / join (waking 16 passively waiting omp threads: tens of
-    µs on the Xeon). spare_caller (with nth > 1): the calling thread takes no chunk and waits at the region's end,
-    so the expert rows do not go through its core's caches (see CpuQMoE.gemv_spare_caller).
+    µs on the Xeon).
     ws: float32 scratch.
     """
     E1, N1, Kb1 = w1.shape
@@ -1137,8 +1136,6 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     zs = np.empty((nth, 2 * nb1 + nb2), np.float32)
     vics = np.empty((nth, 8), np.int64)
     for th in prange(nth):
-        if spare_caller and nth > 1 and get_thread_id() == 0:  # the chunks go to the others (_claim)
-            continue
         _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
                          zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
                          fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt1, th,

@@ -292,11 +292,6 @@ class CpuQMoE:
     # 16-core Xeon, which keeps the order measured there
     gemv_schedule = None
     gemv_own_spans_threads = 2
-    # decode: 1 leaves the calling thread (the engine's, which runs the host's work between the kernels: Python,
-    # onnxruntime's runs) out of the weight rows' chunks; it waits while the other threads stream the experts, so
-    # its core's caches keep the host's working set. The host's work inside the engine runs 1.5-2x slower at 0%
-    # resident than at 100% on the H200 machine's Xeon (NOTES-overhead.md): to measure there before a default
-    gemv_spare_caller = 0
 
     def __init__(self, spec: QMoESpec, tensors: dict, num_threads: int | None = None):
         self.spec = spec
@@ -429,7 +424,7 @@ class CpuQMoE:
         y = _scratch("gemv_y", P * H).reshape(P, H)
         _k.moe_gemv(*self._gemv_weights, x, experts, pair_off, tok, pw, tok, *self._gemv_activation,
                     int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024, self.decode_order(threads), ws, y,
-                    acc, True, threads, bool(self.gemv_spare_caller))
+                    acc, True, threads)
 
     def decode_order(self, threads: int) -> int:
         """moe_gemv's chunk order on this many threads (see gemv_schedule)."""

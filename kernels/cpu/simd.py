@@ -635,9 +635,9 @@ def _table_parts(context, builder, sig, args, code, slots, bpc, dshift=True, spa
 #: 23 cache lines) made the int4 decode kernel 1.42x faster at shape A (0.66 against 0.94 ms, 16 threads, cold
 #: experts) and 1.05-1.14x at shape B (NOTES-cpu-kernels.md, "Prefetch in the row loop").
 ROW_PREFETCH_AHEAD = 4096
-#: llvm.prefetch's locality for those prefetches: 3 = into every cache level (prefetcht0). Branch `nta-prefetch` has 0
-#: (prefetchnta: the rows, read once a token, would then not replace the host's working set in L2 and L3): to measure
-#: on the Xeon (benchmarks/diag_host_after_kernel.py in both trees).
+#: llvm.prefetch's locality for those prefetches: 3 = into every cache level (prefetcht0). 0 (prefetchnta, so that the
+#: rows, read once a token, would not replace the host's working set) made the engine's CPU kernel slower on the
+#: H200 machine's Xeon: 531-546 against 428 µs a layer at 0% resident (RESULTS.md, nineteenth session).
 ROW_PREFETCH_LOCALITY = 3
 
 
