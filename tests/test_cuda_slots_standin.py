@@ -199,6 +199,7 @@ class FakeCudaDevice:
         self.dense_stream = None
         self.host_registration = None
         self.pinned = None
+        self.load_issue = {}
         self.name = "a CUDA stand-in"
 
     def staging_bytes_per_expert(self, runner) -> int:
@@ -356,6 +357,24 @@ def test_a_nodes_loads_are_waited_for_once_before_its_next_launch(model_folder, 
     loads = sum(kind == "load" for kind, *_ in calls)
     assert waited and loads > waited  # several loads, fewer waits
     assert cp.log.count(("wait", "compute", "copy")) == waited
+
+
+def test_the_host_seconds_of_loads_are_pooled_over_the_nodes_for_the_policy(model_folder, cpu_run, monkeypatch):
+    """Every node's prepare_s (the miss policy's host seconds to ready one copy) is the median of the recent loads of
+    experts that size on the device, whichever node made them: a node's first copies are priced by the others', and
+    the slot weighing, which asks one node per layer shape, does not hang on that node's last copy alone."""
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    (issue,) = model.offload.device.load_issue.values()  # one expert size in this model
+    before, loads = issue._calls, []  # the residents' loads at open
+    real_load = CudaSlots.load
+    monkeypatch.setattr(CudaSlots, "load", lambda self, slot, expert: loads.append(real_load(self, slot, expert))
+                        or loads[-1])
+    model.offload.reconfigure(model.offload.config)  # the residents loaded again, through the spy
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    stores = [store for store in model.offload.stores if store is not None]
+    assert len(stores) > 1 and before > 0 and issue._calls - before == len(loads) >= 16
+    assert issue.value == sorted(loads[-16:])[8] > 0.0  # the median of the window
+    assert {store.prepare_s for store in stores} == {issue.value}
 
 
 def test_streamed_misses_order_the_copy_and_compute_streams(model_folder, cpu_run, monkeypatch):

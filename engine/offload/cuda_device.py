@@ -215,7 +215,10 @@ class CudaSlots:
         self._wave = None
         self._launched = None  # the GpuQMoE of the last launch (this node's, a wave's or the streaming slots'): merges
         self._streamed = None  # (the streaming slots, host seconds) of a streamed launch until its merge or collect
-        self.prepare_s = 0.0  # host seconds of the last load before its copy could start
+        # host seconds to issue one load (the miss policy's prepare_s): pooled over every node whose slots take
+        # experts of this size, so that a node's first copies are priced too, and the slot weighing
+        # (OffloadEngine._weigh_miss_slots, which asks one node per layer shape) reads more than one copy's figure
+        self._issue = device.load_issue.setdefault(self.expert_bytes, RecentHostSeconds())
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
         self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
@@ -270,8 +273,15 @@ class CudaSlots:
         started = time.perf_counter()
         self._copy_in(self.gpu, slot, expert)
         self._loads_pending = True
-        self.prepare_s = time.perf_counter() - started  # host seconds before the copy runs (miss policy)
-        return self.prepare_s
+        seconds = time.perf_counter() - started  # host seconds before the copy runs
+        self._issue.add(seconds)
+        return seconds
+
+    @property
+    def prepare_s(self) -> float:
+        """The miss policy's host seconds to ready one expert for its copy: the median of recent loads of experts
+        this size on this device (RecentHostSeconds)."""
+        return self._issue.value
 
     @_on_compute_stream
     def stream(self, streaming: "CudaStreamingSlots", experts: list[int]) -> float:
@@ -616,6 +626,7 @@ class CudaDevice:
         self.name = f"{name} ({total / GIB:.0f} GiB)"
         self.pinned: CudaPinnedRing | None = None
         self._staged_bytes: dict[str, int] = {}
+        self.load_issue: dict[int, RecentHostSeconds] = {}  # per slot size: host seconds of loads (CudaSlots)
 
     def register_experts(self, source, infos, owner) -> HostRegistration:
         """Page-lock the data files holding the experts of `infos` for direct copies (host_register.py), in the

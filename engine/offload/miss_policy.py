@@ -12,7 +12,8 @@ The model, per layer and step, with n cold experts hit by routing and S spare sl
     copy    = copy_bytes / B_pcie                                      one expert host -> device
     dev     = read_bytes / B_hbm                                       the device computing one expert
     prep    = host seconds to ready one expert for its copy (0 on the simulated device; on CUDA the
-              measured conversion to the kernel layout and write into the pinned ring)
+              median of the device's recent loads of experts that size: issuing the copy, with the
+              conversion to the kernel layout and the write into the pinned ring where there is one)
     T(C)    = max( m·prep + [m < n]·fixed + Σ_{i ∉ C} cpu_i ,  t_resident + m·(prep + copy + dev) )
               + [m > 0]·launch,  m = |C|
 
