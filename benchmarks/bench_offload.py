@@ -97,6 +97,28 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
             "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens"}
 
 
+def decode_repeats(repeats: list[dict]) -> dict:
+    """The decode figure of a fraction measured `--repeats` times: the median tokens/s, the median bound and the
+    median of the per-repeat ratios (each repeat's rate against its own bound: the dense time and the hit rate it
+    measured), with every repeat kept. The other figures of the point (overhead, statistics, projection) are the last
+    repeat's: by then placement and the miss policy have run longest on this fraction."""
+    middle = len(repeats) // 2
+
+    def median(key: str) -> float:
+        values = sorted(r[key] for r in repeats)
+        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+    return {"value": median("value"), "reference_value": median("reference_value"), "ratio": median("ratio"),
+            "repeats": repeats}
+
+
+def decoded_spread(decoded: dict) -> str:
+    """', ratios 23% / 26% / 20%' where a point was measured more than once."""
+    if len(decoded["repeats"]) < 2:
+        return ""
+    return ", ratios " + " / ".join(f"{r['ratio']:.0%}" for r in decoded["repeats"])
+
+
 def overhead_breakdown(rows: list[dict], layers: int, simulated: bool, device_s_per_layer: float) -> dict:
     """µs per layer (medians over the steps) by component; on CUDA `collect` is split into the device's
     kernel time (CUDA events, stats.device_s) and the rest: synchronisation and the copy back."""
@@ -114,6 +136,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--fractions", default="0,0.25,0.5,1", help="resident fractions, comma-separated")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="decode measurements per fraction (the figure: their median; see decode_repeats)")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="activations and KV cache; float16 lets the dense part run on onnxruntime-gpu's CUDA EP")
@@ -185,13 +209,19 @@ def main() -> None:
     for fraction in [float(f) for f in args.fractions.split(",")]:
         # 100% = every expert in a device slot (slots are in the GPU kernels' layout, larger than the stored experts)
         model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=int(fraction * all_resident_bytes(infos))))
-        rate, step_rows = decode(model, short_prompt, args.decode_tokens)
-        stats, profile = model.offload.stats.totals(), model.decoder.profile
+        repeats = []
+        for _ in range(args.repeats):
+            rate, step_rows = decode(model, short_prompt, args.decode_tokens)
+            stats, profile = model.offload.stats.totals(), model.decoder.profile
+            h = stats.hit_rate
+            dense_per_token = profile["dense_s"] / profile["steps"]
+            bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+            repeats.append({"value": rate, "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h,
+                            "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied,
+                            "miss_slots": max(model.offload.policy.miss_slots, default=0)})
+        decoded = decode_repeats(repeats)
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
-        h = stats.hit_rate
-        dense_per_token = profile["dense_s"] / profile["steps"]
-        bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
         # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
         cpu_only_bound_s = dense_per_token + (1 - h) * w_act / b_dram + h * w_act / b_hbm
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
@@ -230,9 +260,9 @@ def main() -> None:
                                         f"{placement} placement", **traced[placement]})
             model.offload.reconfigure(config)
         figures += [
-            {"name": f"decode tokens/s, {label}", "value": rate, "unit": "tokens/s",
-             "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", "reference_value": 1 / bound_s,
-             "ratio": rate * bound_s, "hit_rate": h, "dense_s_per_token": dense_per_token,
+            {"name": f"decode tokens/s, {label}", "unit": "tokens/s",
+             "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
+             "hit_rate": h, "dense_s_per_token": dense_per_token,
              "bound_misses_on_cpu_only": 1 / cpu_only_bound_s, "ratio_to_cpu_only_bound": rate * cpu_only_bound_s,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
@@ -262,7 +292,8 @@ def main() -> None:
              "ratio": projected / rate, "trace_hit_rate": trace_h},
         ]
         cpu_only = f"; misses on the CPU only {1 / cpu_only_bound_s:.1f}" if slots == 0 else ""
-        print(f"{fraction:5.0%}  decode {rate:7.1f} tok/s (bound {1 / bound_s:7.1f}{cpu_only}, hit {h:.2f})  "
+        print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s (bound {decoded['reference_value']:7.1f}{cpu_only}, "
+              f"hit {h:.2f}{decoded_spread(decoded)})  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
