@@ -367,8 +367,12 @@ def test_the_host_seconds_of_loads_are_pooled_over_the_nodes_for_the_policy(mode
     (issue,) = model.offload.device.load_issue.values()  # one expert size in this model
     before, loads = issue._calls, []  # the residents' loads at open
     real_load = CudaSlots.load
-    monkeypatch.setattr(CudaSlots, "load", lambda self, slot, expert: loads.append(real_load(self, slot, expert))
-                        or loads[-1])
+
+    def load(self, slot, expert):
+        loads.append(real_load(self, slot, expert))
+        return loads[-1]
+
+    monkeypatch.setattr(CudaSlots, "load", load)
     model.offload.reconfigure(model.offload.config)  # the residents loaded again, through the spy
     assert_same_as_cpu(greedy_run(model), cpu_run)
     stores = [store for store in model.offload.stores if store is not None]
