@@ -8,6 +8,8 @@
 #     bash benchmarks/gpu_engine_tree_ab.sh
 # Run after onnxruntime-gpu's five pieces are in /tmp/ortgpu; carry .whl, kernels/gpu/_build and the other tree
 # (its cubin must be built for its GPU source: the one in kernels/gpu/_build where that source is unchanged).
+# An other tree without kernels/ (an engine change alone: rm -r .ab_old/kernels) runs this tree's kernels, from
+# this tree's Numba cache: no second compile of the CPU kernels (minutes on a fresh machine).
 set -u
 export PYTHONUNBUFFERED=1
 shape=${SHAPE:-qwen3-30b-a3b-like}
@@ -17,9 +19,10 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in "$here" "$here/$OTHER"; do
     [ "$tree" = "$here" ] && name="this tree" || name="$OTHER"
     echo "== round $round: $name"; date -u
-    # this tree: the cache gpu_offload_run.sh restored from .numba-cache; the other: its own
-    cache=$([ "$tree" = "$here" ] && echo /tmp/numba || echo /tmp/numba-other)
-    (cd "$tree" && NUMBA_CACHE_DIR=$cache PYTHONPATH=/tmp/site_gpu timeout "${LIMIT:-280}" \
+    # this tree's kernels: the cache gpu_offload_run.sh restored from .numba-cache; the other tree's own: its own
+    cache=/tmp/numba
+    [ "$tree" != "$here" ] && [ -d "$tree/kernels" ] && cache=/tmp/numba-other
+    (cd "$tree" && NUMBA_CACHE_DIR=$cache PYTHONPATH=/tmp/site_gpu:$here timeout "${LIMIT:-280}" \
       python3 benchmarks/bench_offload.py --shape "$shape" --dtype float16 --folder "/tmp/bench-$shape" \
       --decode-tokens "${DECODE:-16}" --prefill-tokens 256 --trace-tokens 0 ${ARGS:-} 2>&1 \
       | grep -E "decode .*tok/s|per layer µs" | cut -c1-420)
