@@ -100,7 +100,7 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
 def decode_repeats(repeats: list[dict]) -> dict:
     """The decode figure of a fraction measured `--repeats` times: the median tokens/s, the median bound and the
     median of the per-repeat ratios (each repeat's rate against its own bound: the dense time and the hit rate it
-    measured), with every repeat kept. The other figures of the point (overhead, statistics, projection) are the last
+    measured), the same for the bound with the misses on the CPU alone, with every repeat kept. The other figures of the point (overhead, statistics, projection) are the last
     repeat's: by then placement and the miss policy have run longest on this fraction."""
     middle = len(repeats) // 2
 
@@ -109,7 +109,8 @@ def decode_repeats(repeats: list[dict]) -> dict:
         return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
     return {"value": median("value"), "reference_value": median("reference_value"), "ratio": median("ratio"),
-            "repeats": repeats}
+            "bound_misses_on_cpu_only": median("bound_misses_on_cpu_only"),
+            "ratio_to_cpu_only_bound": median("ratio_to_cpu_only_bound"), "repeats": repeats}
 
 
 def decoded_spread(decoded: dict) -> str:
@@ -117,6 +118,34 @@ def decoded_spread(decoded: dict) -> str:
     if len(decoded["repeats"]) < 2:
         return ""
     return ", ratios " + " / ".join(f"{r['ratio']:.0%}" for r in decoded["repeats"])
+
+
+def host_probe_us(spec, rounds: int = 300) -> float:
+    """Median µs of a fixed piece of a decode layer's host work (route() on fixed router logits, the miss policy's
+    choice among four misses, one NumPy reduction), timed right before a fraction's decode: how fast this machine
+    runs host work at that moment. On the H200 machine the same engine's host components moved 1.5-2x between runs
+    (RESULTS.md, nineteenth session); runs compare by their decode rates only where their probes agree."""
+    from engine.offload.devices import Bandwidths
+    from engine.offload.miss_policy import choose, miss_costs
+    from kernels.cpu.routing import route
+
+    logits = np.random.default_rng(11).standard_normal((1, spec.num_experts)).astype(np.float32)
+    bandwidths = Bandwidths(pcie=55e9, hbm=4e12, cpu=90e9)
+    scratch = np.ones(4096, np.float32)
+
+    def work() -> None:
+        route(logits, spec)
+        choose(miss_costs(bandwidths, 2_661_376, [1, 1, 1, 1], 0.0, prepare_s=30e-6, cpu_fixed_s=100e-6), 3)
+        scratch.sum()
+
+    for _ in range(20):  # compiled and warm
+        work()
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times) * 1e6)
 
 
 def overhead_breakdown(rows: list[dict], layers: int, simulated: bool, device_s_per_layer: float) -> dict:
@@ -209,6 +238,7 @@ def main() -> None:
     for fraction in [float(f) for f in args.fractions.split(",")]:
         # 100% = every expert in a device slot (slots are in the GPU kernels' layout, larger than the stored experts)
         model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=int(fraction * all_resident_bytes(infos))))
+        probe = host_probe_us(infos[0].spec)
         repeats = []
         for _ in range(args.repeats):
             rate, step_rows = decode(model, short_prompt, args.decode_tokens)
@@ -216,14 +246,16 @@ def main() -> None:
             h = stats.hit_rate
             dense_per_token = profile["dense_s"] / profile["steps"]
             bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+            # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
+            cpu_only_bound_s = dense_per_token + (1 - h) * w_act / b_dram + h * w_act / b_hbm
             repeats.append({"value": rate, "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h,
-                            "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied,
+                            "bound_misses_on_cpu_only": 1 / cpu_only_bound_s,
+                            "ratio_to_cpu_only_bound": rate * cpu_only_bound_s, "misses_cpu": stats.misses_cpu,
+                            "misses_copied": stats.misses_copied,
                             "miss_slots": max(model.offload.policy.miss_slots, default=0)})
         decoded = decode_repeats(repeats)
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
-        # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
-        cpu_only_bound_s = dense_per_token + (1 - h) * w_act / b_dram + h * w_act / b_hbm
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
         before = model.offload.stats.totals()
         gathered = _gather_seconds(model)
@@ -262,8 +294,7 @@ def main() -> None:
         figures += [
             {"name": f"decode tokens/s, {label}", "unit": "tokens/s",
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
-             "hit_rate": h, "dense_s_per_token": dense_per_token,
-             "bound_misses_on_cpu_only": 1 / cpu_only_bound_s, "ratio_to_cpu_only_bound": rate * cpu_only_bound_s,
+             "hit_rate": h, "dense_s_per_token": dense_per_token, "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
              "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
@@ -291,9 +322,9 @@ def main() -> None:
              "unit": "tokens/s", "reference": "measured on random routing", "reference_value": rate,
              "ratio": projected / rate, "trace_hit_rate": trace_h},
         ]
-        cpu_only = f"; misses on the CPU only {1 / cpu_only_bound_s:.1f}" if slots == 0 else ""
+        cpu_only = f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}" if slots == 0 else ""
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s (bound {decoded['reference_value']:7.1f}{cpu_only}, "
-              f"hit {h:.2f}{decoded_spread(decoded)})  "
+              f"hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
