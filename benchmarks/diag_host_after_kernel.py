@@ -22,6 +22,12 @@ On the H200 machine's Xeon (RESULTS.md, nineteenth session) the host work took 1
 after the gap; a variant whose calling thread took no chunk brought that back to the gap's figure but cost the kernel
 2-4%, and made no difference in the engine (it was removed).
 
+Before the host work, each case also times `alu`: a compiled chain of dependent scalar multiply-adds that touches no
+memory. Its time moves only with the core's clock and with what shares the core: slower after the kernel than after
+the gap says the calling core runs slower after it (an AVX-512 frequency licence kept for a while after the kernel's
+512-bit FMAs, or OpenMP workers spinning on the core's sibling thread); run it again with OMP_WAIT_POLICY=PASSIVE
+(no spinning workers) to tell those two apart. Equal `alu`, slower host work: the caches.
+
     python benchmarks/diag_host_after_kernel.py [--threads 16] [--rounds 400]
 """
 
@@ -38,12 +44,22 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402,F401  the engine's OpenMP wait default, set before Numba's runtime loads
+from numba import njit  # noqa: E402
 from benchmarks.diag_cpu_fixed import E, H, node_of_shape_b  # noqa: E402
 from engine.offload.devices import Bandwidths  # noqa: E402
 from engine.offload.miss_policy import choose, miss_costs  # noqa: E402
 from engine.offload.step_pairs import classify_pairs  # noqa: E402
 from kernels.cpu.routing import route  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
+
+
+@njit(cache=False)
+def _alu_chain(n: int) -> float:
+    """n dependent multiply-adds on one float, no memory: its time follows the core's clock."""
+    a = 1.0
+    for _ in range(n):
+        a = a * 1.0000001 + 1e-9
+    return a
 
 
 def small_session():
@@ -88,6 +104,11 @@ def main() -> None:
         start = next(rotating) * 8
         node.run_experts(x, np.arange(start, start + 8, dtype=np.int64).reshape(1, 8), weights, out=out)
 
+    def alu() -> float:
+        started = time.perf_counter()
+        _alu_chain(4000)
+        return time.perf_counter() - started
+
     def host_work() -> float:
         started = time.perf_counter()
         ids, _w = route(logits, spec)
@@ -105,8 +126,10 @@ def main() -> None:
 
     for _ in range(20):  # compiled and warm
         kernel()
+        alu()
         host_work()
     after = {"gap": [], "kernel": [], "read": []}
+    alu_after = {case: [] for case in after}
     kernel_s = []
     for _ in range(args.rounds):
         for case in ("kernel", "gap", "read"):
@@ -118,10 +141,13 @@ def main() -> None:
                 busy(statistics.median(kernel_s))
                 if case == "read":
                     scratch.sum()
+            alu_after[case].append(alu())
             after[case].append(host_work())
     print(f"{args.threads} threads, shape B, 8 cold experts; medians of {args.rounds} rounds, µs")
     print("host work right after: "
           + "  ".join(f"{case} {statistics.median(v) * 1e6:7.1f}" for case, v in after.items()))
+    print("alu right after:       "
+          + "  ".join(f"{case} {statistics.median(v) * 1e6:7.1f}" for case, v in alu_after.items()))
     print(f"the kernel itself:     {statistics.median(kernel_s) * 1e6:7.1f}")
 
 
