@@ -17,6 +17,7 @@ the pinned staging ring's size and high-water mark.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,13 +101,12 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
 def decode_repeats(repeats: list[dict]) -> dict:
     """The decode figure of a fraction measured `--repeats` times: the median tokens/s, the median bound and the
     median of the per-repeat ratios (each repeat's rate against its own bound: the dense time and the hit rate it
-    measured), the same for the bound with the misses on the CPU alone, with every repeat kept. The other figures of the point (overhead, statistics, projection) are the last
-    repeat's: by then placement and the miss policy have run longest on this fraction."""
-    middle = len(repeats) // 2
+    measured), the same for the bound with the misses on the CPU alone, with every repeat kept. The other figures of
+    the point (overhead, statistics, projection) are the last repeat's: by then placement and the miss policy have run
+    longest on this fraction."""
 
     def median(key: str) -> float:
-        values = sorted(r[key] for r in repeats)
-        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+        return statistics.median(r[key] for r in repeats)
 
     return {"value": median("value"), "reference_value": median("reference_value"), "ratio": median("ratio"),
             "bound_misses_on_cpu_only": median("bound_misses_on_cpu_only"),
@@ -323,8 +323,8 @@ def main() -> None:
              "ratio": projected / rate, "trace_hit_rate": trace_h},
         ]
         cpu_only = f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}" if slots == 0 else ""
-        print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s (bound {decoded['reference_value']:7.1f}{cpu_only}, "
-              f"hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
+        print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
+              f"(bound {decoded['reference_value']:7.1f}{cpu_only}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
