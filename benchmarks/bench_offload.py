@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_overhead import instrument, profile_steps, summarise  # noqa: E402
-from benchmarks.common import model_folder, stream_read_bandwidth, write_result  # noqa: E402
+from benchmarks.common import median_seconds, model_folder, stream_read_bandwidth, write_result  # noqa: E402
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
@@ -138,14 +138,7 @@ def host_probe_us(spec, rounds: int = 300) -> float:
         choose(miss_costs(bandwidths, 2_661_376, [1, 1, 1, 1], 0.0, prepare_s=30e-6, cpu_fixed_s=100e-6), 3)
         scratch.sum()
 
-    for _ in range(20):  # compiled and warm
-        work()
-    times = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        work()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times) * 1e6)
+    return median_seconds(work, rounds, warmup=20) * 1e6  # the warm-up: compiled and warm
 
 
 def overhead_breakdown(rows: list[dict], layers: int, simulated: bool, device_s_per_layer: float) -> dict:

@@ -352,7 +352,8 @@ def main(argv=None):
         ref_out = [ours.forward(xs[i], logits_all[i]) for i in range(min(n_in, 2))]
         try:
             if ort_half:  # onnxruntime: "QMoE INT3 requires FP16 or BF16 activations"; --dtype float16
-                t16 = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
+                t16 = tensors if half else {k: v.astype(np.float16) if v.dtype == np.float32 else v
+                                            for k, v in tensors.items()}
                 sess, _ = make_session("QMoE", attrs, t16, xs[0].astype(np.float16), logits_all[0].astype(np.float16),
                                         threads=cores, spinning=True)
                 feeds = [{"input": xs[i].astype(np.float16), "router_probs": logits_all[i].astype(np.float16)}

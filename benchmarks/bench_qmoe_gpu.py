@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import ROOT, write_result  # noqa: E402
+from benchmarks.common import ROOT, median_seconds, write_result  # noqa: E402
 from kernels.qmoe_spec import QMoESpec  # noqa: E402
 from kernels.reference import route as ref_route  # noqa: E402
 
@@ -326,17 +326,6 @@ def prefill_ab(args):
     return figures
 
 
-def time_host(fn, runs, warmup=1):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
 def upload_host_time_locked(m, tensors) -> float:
     """upload_expert_device's host seconds with the node's large stored tensors page-locked in place
     (cudaHostRegister), as engine/offload/host_register.py leaves the experts' mapping: the copies are then DMAs the
@@ -348,7 +337,7 @@ def upload_host_time_locked(m, tensors) -> float:
     for a in arrays:
         rt.hostRegister(a.ctypes.data, a.nbytes, 0)
     try:
-        return time_host(lambda: m.upload_expert_device(1, 1), 20)
+        return median_seconds(lambda: m.upload_expert_device(1, 1), 20, warmup=1)
     finally:
         cp.cuda.Device().synchronize()
         for a in arrays:
@@ -476,7 +465,7 @@ def main(argv=None):
         pf = bench_prefill(cp, m, spec, timer, rng, iters=5 if args.quick else 10,
                            rounds=1 if args.quick else args.pf_rounds)
         details[f"shape_{key}"].update(decode=dec, prefill=pf)
-        pageable = time_host(lambda: m.upload_expert_device(1, 1), 20)
+        pageable = median_seconds(lambda: m.upload_expert_device(1, 1), 20, warmup=1)
         locked = upload_host_time_locked(m, tensors)
         print(f"[{key}] upload_expert_device host time: {locked * 1e6:.0f} us with the stored rows page-locked (as the "
               f"engine's registered mapping has them), {pageable * 1e6:.0f} us pageable", flush=True)
@@ -523,8 +512,8 @@ def main(argv=None):
                 lh = (rng.standard_normal((T, E)) * 2).astype(np.float32)
                 print(f"[{key}] CPU / onnxruntime {label} ...", flush=True)
                 sess, feeds = make_session("QMoE", attrs, tensors, xh, lh, threads=cores, spinning=True)
-                t_ort = time_host(lambda: sess.run(None, feeds), runs)
-                t_cpu = time_host(lambda: ours_cpu.forward(xh, lh), runs)
+                t_ort = median_seconds(lambda: sess.run(None, feeds), runs, warmup=1)
+                t_cpu = median_seconds(lambda: ours_cpu.forward(xh, lh), runs, warmup=1)
                 xd, ld = cp.asarray(xh), cp.asarray(lh)
                 outd = cp.empty((T, H), cp.float32)
                 t_gpu = timer.median(lambda: m.forward_into(xd, ld, outd), iters=20)[0]

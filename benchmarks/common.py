@@ -14,8 +14,11 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+
+import numpy as np
 
 from engine.records.environment import cpu_model, gpus
 
@@ -70,3 +73,15 @@ def stream_read_bandwidth(gbytes: float = 2.0, repeats: int = 5) -> float:
     from engine.offload.host_bandwidth import stream_read_bandwidth as measure
 
     return measure(int(gbytes * 1e9), repeats) / 1e9
+
+
+def median_seconds(fn, runs: int, warmup: int = 0) -> float:
+    """The median wall seconds of `runs` calls of fn(), after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
