@@ -34,12 +34,13 @@ from benchmarks.common import model_folder, write_result  # noqa: E402
 from engine import dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
-from engine.offload.config import PREFIX  # noqa: E402
+from engine.offload.config import PREFIX, NodeOverride  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "dense.")  # a variant's entries with these prefixes are switches
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "dense.", "plan.")  # a variant's entries with these prefixes are switches
+PLAN_WHOLE_LAYERS = "plan.whole_layers"
 
 
 def variant(text: str) -> dict:
@@ -65,11 +66,26 @@ def switches(text: str) -> dict[str, int]:
             name, _, value = item.partition("=")
             if name.startswith("dense.") and name != "dense.graphs":
                 raise SystemExit(f"{item}: the dense switch is dense.graphs")
+            if name.startswith("plan.") and name != PLAN_WHOLE_LAYERS:
+                raise SystemExit(f"{item}: the plan switch is {PLAN_WHOLE_LAYERS}")
             try:
                 found[name] = int(value)
             except ValueError:
                 raise SystemExit(f"{item}: a switch takes an integer") from None
     return found
+
+
+def whole_layer_overrides(infos, budget: int) -> dict[str, NodeOverride]:
+    """node_overrides that spend `budget` on whole layers: the expert nodes in layer order keep every expert while
+    their device bytes fit, the rest none (nodes the GPU kernels cannot run are left out)."""
+    overrides, spent = {}, 0
+    for info in sorted((i for i in infos if i.gpu is not None), key=lambda i: i.layer):
+        layer_bytes = info.device_bytes_per_expert * info.spec.num_experts
+        if spent + layer_bytes <= budget:
+            spent += layer_bytes
+        else:
+            overrides[info.name] = NodeOverride(max_resident_slots=0)
+    return overrides
 
 
 def gpu_kernels(model: LoadedModel) -> list:
@@ -102,6 +118,9 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
     """The values the named switches have now (an attribute as the first kernel has it)."""
     values = {}
     for name in names:
+        if name == PLAN_WHOLE_LAYERS:
+            values[name] = 0
+            continue
         if name == "dense.graphs":
             values[name] = int(dense_graph.enabled)
             continue
@@ -113,6 +132,8 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
 
 def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
     for name, value in values.items():
+        if name == PLAN_WHOLE_LAYERS:
+            continue  # applied with the configuration (paired_rounds)
         if name == "dense.graphs":
             dense_graph.enabled = bool(value)
             continue
@@ -154,7 +175,10 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
     defaults = None
     for r in range(rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]))
+            config = dict(changes[name])
+            if variant_switches[name].get(PLAN_WHOLE_LAYERS):
+                config["node_overrides"] = whole_layer_overrides(model.folder.experts, budget)
+            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **config))
             if defaults is None:
                 defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
             set_switches(model, {**defaults, **variant_switches[name]})

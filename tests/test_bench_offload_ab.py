@@ -106,3 +106,23 @@ def test_rate_switches_set_the_engines_cpu_rate():
     assert rate.fixed_s == 0.0 and rate.value == pytest.approx(rate.average)
     with pytest.raises(SystemExit, match="rate.no_such: the CPU rate has no such switch"):
         ab.set_switches(model, {"rate.no_such": 1})
+
+
+def test_whole_layers_spend_the_budget_on_the_first_layers_that_fit():
+    import benchmarks.bench_offload_ab as ab
+    from engine.offload.config import NodeOverride
+
+    def node(name, layer, runnable=True):
+        spec = type("Spec", (), {"num_experts": 4})()
+        return type("Info", (), {"name": name, "layer": layer, "spec": spec, "device_bytes_per_expert": 10,
+                                 "gpu": object() if runnable else None})()
+
+    infos = [node("n2", 2), node("n0", 0), node("cpu_only", 1, runnable=False), node("n3", 3)]
+    zero = NodeOverride(max_resident_slots=0)
+    # 40 bytes a layer: 95 bytes hold layers 0 and 2 whole (layer order, not the list's); layer 3 gets nothing
+    assert ab.whole_layer_overrides(infos, 95) == {"n3": zero}
+    assert ab.whole_layer_overrides(infos, 39) == {"n0": zero, "n2": zero, "n3": zero}
+    assert ab.whole_layer_overrides(infos, 120) == {}
+    assert ab.switches("plan.whole_layers=1") == {"plan.whole_layers": 1}
+    with pytest.raises(SystemExit, match="plan.layers=1: the plan switch is plan.whole_layers"):
+        ab.switches("plan.layers=1")
