@@ -113,6 +113,18 @@ def decode_repeats(repeats: list[dict]) -> dict:
             "ratio_to_cpu_only_bound": median("ratio_to_cpu_only_bound"), "repeats": repeats}
 
 
+def split_text(split: dict) -> str:
+    """', whole layers (trial: 20.1 / 30.2 ms a step whole / spread)' where the budget holds whole layers or a trial
+    measured both; '' otherwise."""
+    measured = split.get("measured_ms") or {}
+    if not split.get("whole_layers") and not measured:
+        return ""
+    text = ", whole layers" if split.get("whole_layers") else ", spread"
+    if {"whole", "spread"} <= measured.keys():
+        text += f" (trial: {measured['whole']:.1f} / {measured['spread']:.1f} ms a step whole / spread)"
+    return text
+
+
 def decoded_spread(decoded: dict) -> str:
     """', ratios 23% / 26% / 20%' where a point was measured more than once."""
     if len(decoded["repeats"]) < 2:
@@ -158,6 +170,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--fractions", default="0,0.25,0.5,1", help="resident fractions, comma-separated")
+    parser.add_argument("--decode-warmup", type=int, default=4,
+                        help="decode steps before the timed ones (48: the engine's layer-split trial is done by then, "
+                             "engine/offload/layer_split.py)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="decode measurements per fraction (the figure: their median; see decode_repeats)")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
@@ -166,7 +181,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
     parser.add_argument("--trace-tokens", type=int, default=32,
                         help="decode tokens measured with routing replaced by a realistic trace (0: none)")
-    parser.add_argument("--trace-warmup", type=int, default=32, help="trace-routed decode tokens before those")
+    parser.add_argument("--trace-warmup", type=int, default=48,
+                        help="trace-routed decode tokens before those (48: the layer-split trial is done by then)")
     parser.add_argument("--trace-placements", default="adaptive,static",
                         help="placements measured under the trace, comma-separated (each from the same budget)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -234,7 +250,7 @@ def main() -> None:
         probe = host_probe_us(infos[0].spec)
         repeats = []
         for _ in range(args.repeats):
-            rate, step_rows = decode(model, short_prompt, args.decode_tokens)
+            rate, step_rows = decode(model, short_prompt, args.decode_tokens, warmup=args.decode_warmup)
             stats, profile = model.offload.stats.totals(), model.decoder.profile
             h = stats.hit_rate
             dense_per_token = profile["dense_s"] / profile["steps"]
@@ -265,7 +281,8 @@ def main() -> None:
         # after the timed runs (the profiler slows what it watches: attribution only)
         attribution = profile_steps(model, args.profile_steps, short_prompt, len(infos), top=30) \
             if args.profile_steps else []
-        slots = model.offload.plan.slots[infos[0].name]
+        # slots a layer holds on average (with the budget on whole layers, some layers hold all and the others none)
+        slots = round(sum(model.offload.plan.slots.values()) / len(infos))
         trace_h = hit_rate("adaptive", trace, infos[0].spec.num_experts, slots) if 0 < slots < infos[0].spec.num_experts \
             else float(slots > 0)
         miss_cost = stats.cpu_s / max(1, stats.misses)     # measured seconds per cold (token, expert)
@@ -293,6 +310,7 @@ def main() -> None:
              "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
              "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info(),
+             "layer_split": model.offload.copy_state()["layer_split"],
              "streaming_slots": [group.num_slots for group in model.offload.streaming.groups],
              "streaming_prepare_s": [group.prepare_s for group in model.offload.streaming.groups],
              "streaming_launch_s": [group.launch_s for group in model.offload.streaming.groups]},
@@ -323,6 +341,7 @@ def main() -> None:
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
                  f" a call, average {model.offload.cpu_rate.average / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
+              + split_text(model.offload.copy_state()["layer_split"])
               + "".join(f", {g.num_slots} streaming slots ({g.prepare_s * 1e6:.0f} µs to issue a copy, "
                         f"{g.launch_s * 1e6:.0f} to launch and merge)"
                         for g in model.offload.streaming.groups)

@@ -34,20 +34,21 @@ from benchmarks.common import model_folder, write_result  # noqa: E402
 from engine import dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
-from engine.offload.config import PREFIX, NodeOverride  # noqa: E402
+from engine.offload.config import PREFIX  # noqa: E402
+from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "dense.", "plan.")  # a variant's entries with these prefixes are switches
-PLAN_WHOLE_LAYERS = "plan.whole_layers"
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "dense.")  # a variant's entries with these prefixes are switches
+SPLIT = "split="  # a variant's layer split
 
 
 def variant(text: str) -> dict:
     """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes (switches
     left out: switches())."""
     entries = dict(item.split("=", 1) for item in text.split(",")
-                   if item.strip() and not item.strip().startswith(SWITCH_PREFIXES))
+                   if item.strip() and not item.strip().startswith(SWITCH_PREFIXES + (SPLIT,)))
     parsed = OffloadConfig.from_entries(entries)
     changes = {name[len(PREFIX):]: getattr(parsed, name[len(PREFIX):]) for name in parsed.to_entries()}
     if "device_expert_bytes" in changes:
@@ -66,8 +67,6 @@ def switches(text: str) -> dict[str, int]:
             name, _, value = item.partition("=")
             if name.startswith("dense.") and name != "dense.graphs":
                 raise SystemExit(f"{item}: the dense switch is dense.graphs")
-            if name.startswith("plan.") and name != PLAN_WHOLE_LAYERS:
-                raise SystemExit(f"{item}: the plan switch is {PLAN_WHOLE_LAYERS}")
             try:
                 found[name] = int(value)
             except ValueError:
@@ -75,17 +74,13 @@ def switches(text: str) -> dict[str, int]:
     return found
 
 
-def whole_layer_overrides(infos, budget: int) -> dict[str, NodeOverride]:
-    """node_overrides that spend `budget` on whole layers: the expert nodes in layer order keep every expert while
-    their device bytes fit, the rest none (nodes the GPU kernels cannot run are left out)."""
-    overrides, spent = {}, 0
-    for info in sorted((i for i in infos if i.gpu is not None), key=lambda i: i.layer):
-        layer_bytes = info.device_bytes_per_expert * info.spec.num_experts
-        if spent + layer_bytes <= budget:
-            spent += layer_bytes
-        else:
-            overrides[info.name] = NodeOverride(max_resident_slots=0)
-    return overrides
+def layer_split(text: str) -> str:
+    """A variant's layer split ('split=...'; spread where it names none)."""
+    named = [item.strip()[len(SPLIT):] for item in text.split(",") if item.strip().startswith(SPLIT)]
+    split = named[-1] if named else SPREAD
+    if split not in SPLIT_MODES:
+        raise SystemExit(f"split={split}: one of {', '.join(SPLIT_MODES)}")
+    return split
 
 
 def gpu_kernels(model: LoadedModel) -> list:
@@ -118,9 +113,6 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
     """The values the named switches have now (an attribute as the first kernel has it)."""
     values = {}
     for name in names:
-        if name == PLAN_WHOLE_LAYERS:
-            values[name] = 0
-            continue
         if name == "dense.graphs":
             values[name] = int(dense_graph.enabled)
             continue
@@ -132,8 +124,6 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
 
 def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
     for name, value in values.items():
-        if name == PLAN_WHOLE_LAYERS:
-            continue  # applied with the configuration (paired_rounds)
         if name == "dense.graphs":
             dense_graph.enabled = bool(value)
             continue
@@ -167,18 +157,18 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
-                  tokens: int, variant_switches: dict | None = None) -> dict[str, list[float]]:
-    """Tokens/s of configurations "A" and "B" (`changes` of each, and their switches: every name either names, with
-    its default where one does not) in `rounds` alternating rounds at one budget."""
+                  tokens: int, variant_switches: dict | None = None,
+                  splits: dict | None = None) -> dict[str, list[float]]:
+    """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
+    default where one does not, and their layer splits) in `rounds` alternating rounds at one budget."""
     variant_switches = variant_switches or {"A": {}, "B": {}}
+    splits = splits or {"A": SPREAD, "B": SPREAD}
     rates = {"A": [], "B": []}
     defaults = None
     for r in range(rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            config = dict(changes[name])
-            if variant_switches[name].get(PLAN_WHOLE_LAYERS):
-                config["node_overrides"] = whole_layer_overrides(model.folder.experts, budget)
-            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **config))
+            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]))
+            model.offload.set_layer_split(splits[name])
             if defaults is None:
                 defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
             set_switches(model, {**defaults, **variant_switches[name]})
@@ -210,13 +200,14 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     changes = {"A": variant(args.a), "B": variant(args.b)}
     chosen = {"A": switches(args.a), "B": switches(args.b)}
+    splits = {"A": layer_split(args.a), "B": layer_split(args.b)}
 
     model, prompt = open_model(args.shape, args.layers, args.folder, args.dtype, args.device, "bench-offload-ab-")
     print(f"A: {args.a or 'defaults'}   B: {args.b}   dense part on the {model.dense_device}", flush=True)
     figures, results = [], {}
     for fraction in [float(f) for f in args.fractions.split(",")]:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
-        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen))
+        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits))
         results[f"{fraction:.2f}"] = result
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
@@ -227,7 +218,8 @@ def main(argv=None) -> dict:
     if not args.no_write:
         path = write_result(f"offload-ab-{args.shape}", figures,
                             config={"a": changes["A"], "b": changes["B"], "a_switches": chosen["A"],
-                                    "b_switches": chosen["B"], "rounds": args.rounds,
+                                    "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"],
+                                    "rounds": args.rounds,
                                     "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
         print(f"wrote {path}")
     return results

@@ -34,7 +34,7 @@ class PartitionedDecoder:
         self.dense: DenseDevice | None = None
         by_name = {info.name: info for info in experts}
         self.steps: list = []  # DenseSegment, or an expert runner (CpuExpertNode, HybridExpertNode)
-        self.on_step_end = None  # called after every step with its seconds: the safe point for expert placement
+        self.on_step_end = None  # called after every step with its seconds and tokens: the safe point for placement
         self.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}  # where step time goes
         self._progress, self._built = progress, 0
         for step in plan.steps:
@@ -112,7 +112,7 @@ class PartitionedDecoder:
             dense, experts = self._run_steps(values, state)
         state.advance(len(token_ids))
         if self.on_step_end is not None:
-            self.on_step_end(time.perf_counter() - started)
+            self.on_step_end(time.perf_counter() - started, len(token_ids))
         profile = self.profile
         profile["steps"] += 1
         profile["dense_s"] += dense

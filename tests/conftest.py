@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# The offload engine's layer-split trials decide from wall-clock step times (engine/offload/layer_split.py): tests must
+# not depend on how fast the machine runs, so the budget stays spread unless a test drives the trials itself
+# (tests/test_layer_split.py).
+os.environ.setdefault("MOE_LAYER_SPLIT", "spread")
 
 REPO = Path(__file__).resolve().parents[1]
 # The fixture folders beside the checkout; MOE_WORKBENCH_FIXTURES points elsewhere (a machine where the

@@ -55,6 +55,10 @@ class _Engine:
 
     def reconfigure(self, config):
         self.reconfigured.append(config)
+        self.split = None
+
+    def set_layer_split(self, mode):
+        self.split = mode
         shared = type("Group", (), {"gpu": _Kernel()})()
         self.stores = [type("Slots", (), {"gpu": _Kernel()})(), None, type("Sim", (), {})()]
         self.streaming = type("Plan", (), {"by_layer": [shared, None, shared]})()
@@ -73,16 +77,17 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
         kernels = ab.gpu_kernels(model)
         assert len(kernels) == 2  # the node's and the shared streaming slots', once
         assert ab.cpu_kernels(model) == [cpu]
-        seen.append(([k.driver_copies for k in kernels], dense_graph.enabled, cpu.gemv_chunk_kb))
+        seen.append(([k.driver_copies for k in kernels], dense_graph.enabled, cpu.gemv_chunk_kb, model.offload.split))
         return (100.0 if kernels[0].driver_copies else 90.0), []
 
     monkeypatch.setattr(ab, "decode", fake_decode)
     monkeypatch.setattr(dense_graph, "enabled", False)
     rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 3, [1], 4,
-                             {"A": {}, "B": {"gpu.driver_copies": 0, "dense.graphs": 1, "cpu.gemv_chunk_kb": 16}})
+                             {"A": {}, "B": {"gpu.driver_copies": 0, "dense.graphs": 1, "cpu.gemv_chunk_kb": 16}},
+                             {"A": "spread", "B": "whole"})
     # rounds alternate A B / B A / A B; A keeps the defaults (driver copies on, no graphs, 64 KB chunks), B sets its
-    # switches
-    a, b = ([1, 1], False, 64), ([0, 0], True, 16)
+    # switches; each its layer split
+    a, b = ([1, 1], False, 64, "spread"), ([0, 0], True, 16, "whole")
     assert seen == [a, b, b, a, a, b]
     assert rates == {"A": [100.0] * 3, "B": [90.0] * 3}
     with pytest.raises(SystemExit, match="gpu.no_such: GpuQMoE has no such switch"):
@@ -108,21 +113,13 @@ def test_rate_switches_set_the_engines_cpu_rate():
         ab.set_switches(model, {"rate.no_such": 1})
 
 
-def test_whole_layers_spend_the_budget_on_the_first_layers_that_fit():
-    import benchmarks.bench_offload_ab as ab
-    from engine.offload.config import NodeOverride
 
-    def node(name, layer, runnable=True):
-        spec = type("Spec", (), {"num_experts": 4})()
-        return type("Info", (), {"name": name, "layer": layer, "spec": spec, "device_bytes_per_expert": 10,
-                                 "gpu": object() if runnable else None})()
+def test_a_variants_layer_split_is_read_apart_and_defaults_to_the_spread():
+    from benchmarks.bench_offload_ab import layer_split
 
-    infos = [node("n2", 2), node("n0", 0), node("cpu_only", 1, runnable=False), node("n3", 3)]
-    zero = NodeOverride(max_resident_slots=0)
-    # 40 bytes a layer: 95 bytes hold layers 0 and 2 whole (layer order, not the list's); layer 3 gets nothing
-    assert ab.whole_layer_overrides(infos, 95) == {"n3": zero}
-    assert ab.whole_layer_overrides(infos, 39) == {"n0": zero, "n2": zero, "n3": zero}
-    assert ab.whole_layer_overrides(infos, 120) == {}
-    assert ab.switches("plan.whole_layers=1") == {"plan.whole_layers": 1}
-    with pytest.raises(SystemExit, match="plan.layers=1: the plan switch is plan.whole_layers"):
-        ab.switches("plan.layers=1")
+    assert variant("split=whole,cpu_threads=3") == {"cpu_threads": 3}
+    assert layer_split("split=whole,cpu_threads=3") == "whole"
+    assert layer_split("cpu_threads=3") == "spread" and layer_split("") == "spread"
+    assert layer_split("split=auto") == "auto"
+    with pytest.raises(SystemExit, match="split=layers: one of auto, spread, whole"):
+        layer_split("split=layers")

@@ -835,3 +835,48 @@ def test_steps_of_models_whose_dense_parts_share_a_gpu_run_one_at_a_time():
     assert len(steps) == 8 and all(len({model for model, _ in step}) == 1 for step in steps), log
     assert ort_env.dense_step_lock(7) is ort_env.dense_step_lock(7) is not ort_env.dense_step_lock(8)
     assert not ort_env.dense_step_lock(7).locked()
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+def test_cuda_layer_split_switches_mid_conversation_with_the_cpu_models_logits(tmp_path):
+    """Dense part on the GPU, half the experts' budget: the engine's layer-split trials (driven here by given step
+    times) move the budget from every layer to whole layers and back within one conversation; the layers that become
+    fully resident route on the device, the others bring their inputs to the host, and the dense segments' graphs
+    are captured again for the new buffers. Logits as the CPU model's at every step."""
+    from engine.offload.layer_split import LayerSplitTrials
+    from engine.offload.planner import all_resident_bytes
+
+    spec = FP16_MODELS["fp16"]
+    folder = write_model(tmp_path / "fp16", spec)
+    cpu = LoadedModel.open(folder)
+    gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=all_resident_bytes(cpu.folder.experts) // 2))
+    assert gpu.dense_device == "cuda", gpu.dense_reason
+    engine = gpu.offload
+    engine.set_layer_split("auto")
+    engine.split_trials = LayerSplitTrials(first=1, settle=1, window=2, recheck=4)
+    splits = []
+
+    def step_seconds() -> float:
+        """The spread 30 ms a step; whole layers 20 ms in the first trial, 40 ms later: to whole layers, then back."""
+        if not engine.whole_layers:
+            return 0.030
+        return 0.020 if engine.split_trials.trials == 0 else 0.040
+
+    def end_step(seconds, tokens):
+        engine.end_step(step_seconds() if tokens == 1 else seconds, tokens)
+        splits.append(engine.whole_layers)
+
+    gpu.decoder.on_step_end = end_step
+    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
+    prompt = [int(t) for t in np.random.default_rng(5).integers(10, spec.vocab_size, PROMPT_TOKENS)]
+    ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
+    errors = [relative_error(ours[-1:], ref[-1:])]
+    for _ in range(20):
+        token = int(ref[-1].argmax())
+        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
+        errors.append(relative_error(ours, ref))
+    assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
+    assert True in splits and splits[-1] is False, splits  # whole layers for a while, the spread at the end
+    assert engine.split_trials.trials >= 2
+    assert engine.device.memory.high_water <= engine.device.memory.ceiling

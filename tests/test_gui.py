@@ -477,6 +477,10 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
     assert copies_text({}) == ""
     assert copies_text({"miss_slots": [0], "later_hits_per_copy": None, "streaming_slots": [4]}) == \
         "4 streaming slots for layers without slots"
+    assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {"spread": 30.04, "whole": 20.0}}}) == \
+        "whole layers on the device (measured 20.0 ms a token against 30.0 spread)"
+    assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {}}}) == "whole layers on the device"
+    assert copies_text({"layer_split": {"whole_layers": False, "measured_ms": {"spread": 20.0, "whole": 30.0}}}) == ""
     assert copies_text({"miss_slots": [2], "cpu_bytes_per_s": 64.2e9, "cpu_call_s": 190e-6}) == \
         "2 slots per layer kept for copies, CPU misses priced at 64.2 GB/s + 190 µs a call"
     assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == "CPU misses priced at 25.0 GB/s"

@@ -76,7 +76,7 @@ def test_expensive_swaps_are_rationed_by_step_time(folder, monkeypatch):
             load = store.load
             monkeypatch.setattr(store, "load", lambda slot, expert, load=load: (load(slot, expert), 1.0)[1])
         if not rationed:
-            model.decoder.on_step_end = lambda step_s: engine.end_step(None)
+            model.decoder.on_step_end = lambda step_s, tokens: engine.end_step(None)
         logits, tokens = greedy_run(model, steps=16)
         return tokens, engine.stats.totals().swaps - filled, engine.swap_allowance
 

@@ -43,3 +43,28 @@ def test_a_trace_too_short_or_of_other_layers_is_refused_by_name(model):
         logits = model.decoder.forward(state, [int(logits[-1].argmax())])
         with pytest.raises(IndexError, match="holds 1 tokens; decode asked for more"):
             model.decoder.forward(state, [int(logits[-1].argmax())])
+
+
+def test_with_whole_layers_only_the_layers_on_the_cpu_take_the_trace(tmp_path):
+    from benchmarks.bench_overhead import instrument
+    from tests.test_offload import device_expert_bytes
+
+    folder = write_model(tmp_path / "m", SPEC)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 2),
+                             device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    engine.set_layer_split("whole")
+    whole = [layer for layer, slots in enumerate(engine.slots) if slots.all_resident]
+    assert whole == [0]  # 3 layers: half the budget holds the first whole
+    trace = realistic_trace(5, SPEC.layers, SPEC.num_experts, SPEC.top_k, seed=4)
+    state = model.new_state()
+    with TraceRouting(trace, SPEC.layers) as routing:
+        instrument(model)  # timing wrappers around route, as bench_offload's decode puts them
+        logits = model.decoder.forward(state, model.tokenizer.encode("Whole layers under a trace."))
+        engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+        for _ in range(5):
+            logits = model.decoder.forward(state, [int(logits[-1].argmax())])
+    assert routing.calls == 5 * (SPEC.layers - 1)
+    for layer in (1, 2):  # each step's token of the trace, at its own layer
+        counted = engine.stats.expert_hits[layer] + engine.stats.expert_misses[layer]
+        assert counted.tolist() == np.bincount(trace[:, layer].ravel(), minlength=SPEC.num_experts).tolist()

@@ -181,7 +181,9 @@ def copies_text(copies: dict) -> str:
     """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits, 4
     streaming slots for layers without slots, CPU misses priced at 64.0 GB/s + 190 µs a call' (the most slots any
     layer keeps; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
-    device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured)."""
+    device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured), and
+    whether the budget holds whole layers instead of being spread (engine/offload/layer_split.py), with the step
+    times that chose it."""
     parts = []
     kept = max(copies.get("miss_slots") or [0])
     if kept:
@@ -195,6 +197,12 @@ def copies_text(copies: dict) -> str:
     rate, call = copies.get("cpu_bytes_per_s"), copies.get("cpu_call_s")
     if rate:
         parts.append(f"CPU misses priced at {rate / 1e9:.1f} GB/s" + (f" + {call * 1e6:.0f} µs a call" if call else ""))
+    split = copies.get("layer_split") or {}
+    measured = split.get("measured_ms") or {}
+    if split.get("whole_layers"):
+        parts.append("whole layers on the device" + (
+            f" (measured {measured['whole']:.1f} ms a token against {measured['spread']:.1f} spread)"
+            if {"whole", "spread"} <= measured.keys() else ""))
     return ", ".join(parts)
 
 

@@ -4,6 +4,7 @@ statistics; re-plans on a loaded model when budgets change."""
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
+from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD, WHOLE, LayerSplitTrials
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
@@ -63,6 +65,13 @@ class OffloadEngine:
         self._check_file_backing(config)
         self._apply_file_backing()
         self.staging = NO_STAGING  # the pinned ring and the device's prefill staging ring
+        # the budget spread over every layer or spent on whole layers (layer_split.py): measured by trials under
+        # "auto"; MOE_LAYER_SPLIT=spread|whole fixes it (benchmarks' A/Bs)
+        self.layer_split_mode = os.environ.get("MOE_LAYER_SPLIT", "auto")
+        if self.layer_split_mode not in SPLIT_MODES:
+            raise WorkbenchError(f"MOE_LAYER_SPLIT={self.layer_split_mode}: one of {', '.join(SPLIT_MODES)}")
+        self.split_trials = LayerSplitTrials()
+        self.whole_layers = self.layer_split_mode == WHOLE
         self.plan: OffloadPlan = self._plan(config)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
@@ -88,7 +97,9 @@ class OffloadEngine:
         per kernel call, 0 until fitted)."""
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
-                "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s}
+                "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s,
+                "layer_split": {"mode": self.layer_split_mode, "whole_layers": self.whole_layers,
+                                **self.split_trials.state()}}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
@@ -117,7 +128,7 @@ class OffloadEngine:
             self._reserve_staging(config)
         elif self.device is not None:
             self.device.set_pinned_ring(0)
-        plan = plan_offload(config, self.infos, self.device)
+        plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers)
         if self.device is not None and config.mode != "disabled":
             plan.statements.extend(self.staging.statements())
         return plan
@@ -262,9 +273,10 @@ class OffloadEngine:
     def approximating(self) -> bool:
         return self.config.approximate_routing and not self.shadow
 
-    def end_step(self, step_s: float | None = None) -> None:
-        """A safe point between decoder steps: placement may move experts now, within the swap allowance
-        earned by the step's `step_s` seconds (None: without a limit)."""
+    def end_step(self, step_s: float | None = None, tokens: int = 1) -> None:
+        """A safe point between decoder steps of `tokens` tokens: placement may move experts now, within the swap
+        allowance earned by the step's `step_s` seconds (None: without a limit), or the layer split's trials
+        (layer_split.py) re-plan the slots."""
         if self.shadow:
             return
         for _ready, account in self.deferred:
@@ -273,6 +285,14 @@ class OffloadEngine:
         self.stats.end_step()
         self.copy_reuse.end_step()
         if self.device is not None:
+            if step_s is not None and self.layer_split_mode == "auto" and self._split_is_choosable():
+                wanted = self.split_trials.step(step_s, tokens)
+                if wanted is not None:
+                    try:
+                        self._set_whole_layers(wanted == WHOLE)
+                    except WorkbenchError:  # the plan in force stays (_replan restored it), with no more trials
+                        self.layer_split_mode = WHOLE if self.whole_layers else SPREAD
+                    return
             self._steps += 1
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
                 self._weigh_miss_slots()
@@ -280,8 +300,46 @@ class OffloadEngine:
             self.swap_allowance.spent(self._apply(self.policy.rebalance(limit)))
             self.stats.pinned = self.pinned_info()
 
+    def _split_is_choosable(self) -> bool:
+        """Whether spreading the budget and whole layers are two plans to choose between: a hybrid plan under
+        adaptive placement with the CPU computing misses, no node placed by the user (node_overrides), and a budget
+        that holds at least one whole layer."""
+        config = self.config
+        if (config.mode == "disabled" or config.placement != "adaptive" or config.cpu_execution == "disabled"
+                or config.node_overrides or self.plan.placement_mode != "hybrid"):
+            return False
+        smallest = min((info.device_bytes_per_expert * info.spec.num_experts for info in self.infos
+                        if info.gpu is not None), default=None)
+        return smallest is not None and smallest <= self.plan.budget_bytes
+
+    def _set_whole_layers(self, whole: bool) -> None:
+        """Re-plan the same configuration with the budget on whole layers or spread (at a safe point)."""
+        if whole == self.whole_layers:
+            return
+        self.whole_layers = whole
+        try:
+            self._replan(self.config)
+        except WorkbenchError:
+            self.whole_layers = not whole
+            raise
+
+    def set_layer_split(self, mode: str) -> None:
+        """"auto" (trials decide, from spread), "spread" or "whole" (fixed); re-plans where the split changes."""
+        if mode not in SPLIT_MODES:
+            raise WorkbenchError(f"layer split '{mode}': one of {', '.join(SPLIT_MODES)}")
+        self.layer_split_mode = mode
+        self.split_trials = LayerSplitTrials()
+        self._set_whole_layers(mode == WHOLE)
+
     def reconfigure(self, config: OffloadConfig) -> None:
-        """Apply new budgets or policy on the loaded model, without reloading."""
+        """Apply new budgets or policy on the loaded model, without reloading. Under the "auto" layer split the
+        trials start again, from the budget spread over every layer."""
+        if self.layer_split_mode == "auto":
+            self.split_trials = LayerSplitTrials()
+            self.whole_layers = False
+        self._replan(config)
+
+    def _replan(self, config: OffloadConfig) -> None:
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)

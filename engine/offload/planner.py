@@ -86,7 +86,10 @@ def gpu_statements(experts: list[ExpertNodeInfo]) -> list[str]:
     return statements
 
 
-def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -> OffloadPlan:
+def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device, whole_layers: bool = False) -> OffloadPlan:
+    """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
+    `whole_layers` it goes to whole layers instead, in layer order (layer_split.py: the engine measures which of the
+    two decodes faster)."""
     unsupported = [info for info in experts if info.spec is None]
     if config.mode == "required" and unsupported:
         raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in unsupported))
@@ -128,8 +131,16 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -
                                f"(the smallest needs {smallest} bytes on the device)")
     slots = {info.name: 0 for info in experts}
     spent = 0
+    if whole_layers:
+        # Every expert of a layer while the layer fits: those layers run all on the GPU, the others all on the CPU
+        # (as llama.cpp's --n-cpu-moe); what is left over stays unspent.
+        for info in sorted(runnable, key=lambda i: i.layer):
+            need = limits[info.name] * info.device_bytes_per_expert
+            if limits[info.name] == info.spec.num_experts and spent + need <= budget:
+                slots[info.name] = limits[info.name]
+                spent += need
     # Even slot counts across layers (each token visits every layer), then leftovers layer by layer.
-    grew = True
+    grew = not whole_layers
     while grew:
         grew = False
         for info in runnable:
@@ -143,6 +154,10 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -
     mode = "all_resident" if resident == total_experts else "hybrid"
     statements = [f"{resident} of {total_experts} experts resident on the {device.name} "
                   f"({human_bytes(spent)} of a {human_bytes(budget)} expert budget)."]
+    if whole_layers:
+        full = sum(1 for info in runnable if slots[info.name] == info.spec.num_experts)
+        statements.append(f"The budget holds whole layers: {full} of {len(runnable)} expert layers keep all their "
+                          f"experts on the {device.name}, the others run theirs on the CPU.")
     if clamped:
         statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has free; "
                           f"the budget is {human_bytes(budget)}.")

@@ -1,0 +1,71 @@
+"""Whether the expert budget is spread over every layer or spent on whole layers, chosen by measuring both (issue #4).
+
+The planner spreads the budget evenly, as onnxruntime's offload does: every layer keeps some experts resident, and
+where routing repeats recent experts most of a token's experts are hits in every layer. But every layer then takes the
+hybrid path: its inputs come to the host, the miss policy decides, the CPU computes the misses and the result goes
+back to the device, some hundreds of µs of host work a layer on the H200 machine. A layer that keeps all its experts
+runs all on the device with no host round trip; a layer with none runs all on the CPU. Where routing has little
+locality (random weights; nearly uniform routers) the spread's hit rate is only its slot fraction, and whole layers
+decoded 1.14-1.66x faster on the H200 machine; with real-like routing the spread was as fast or faster (RESULTS.md,
+twentieth session). Which one wins depends on the model, the routing and the machine, so the engine measures it.
+
+A trial: the median seconds of `window` decode steps with the split in force, then, after `settle` steps (the
+re-planned residents' copies, the dense graphs captured again), of `window` steps with the other; whole layers are
+kept only when `margin` faster. The first trial starts after `first` decode steps (placement warms up), the next
+`recheck` decode steps after the last one, as routing changes with the conversation. Steps of more than one token
+(prefill) are not counted and do not interrupt a trial.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+SPREAD, WHOLE = "spread", "whole"
+MODES = ("auto", SPREAD, WHOLE)  # auto: trials decide; spread / whole: that split, no trials
+
+
+class LayerSplitTrials:
+    def __init__(self, first: int = 16, settle: int = 4, window: int = 12, recheck: int = 512,
+                 margin: float = 0.05):
+        self.first, self.settle, self.window, self.recheck, self.margin = first, settle, window, recheck, margin
+        self.split = SPREAD
+        self.measured: dict[str, float] = {}  # each split's median decode step seconds in the last finished trial
+        self.trials = 0                       # finished trials
+        self._skip = first                    # decode steps to let pass before the next sample
+        self._queue: list[str] = []           # the splits this trial still measures, the one measured now first
+        self._results: dict[str, float] = {}
+        self._samples: list[float] = []
+
+    def step(self, seconds: float, tokens: int) -> str | None:
+        """One step's seconds; the split to re-plan to now, or None to keep the one in force."""
+        if tokens != 1:
+            return None
+        if self._skip:
+            self._skip -= 1
+            return None
+        if not self._queue:  # a new trial: the split in force first, then the other
+            self._queue = [self.split, WHOLE if self.split == SPREAD else SPREAD]
+            self._results = {}
+        self._samples.append(seconds)
+        if len(self._samples) < self.window:
+            return None
+        self._results[self._queue.pop(0)] = statistics.median(self._samples)
+        self._samples = []
+        if self._queue:
+            self._skip = self.settle
+            return self._use(self._queue[0])
+        self.measured = dict(self._results)
+        self.trials += 1
+        self._skip = self.recheck
+        faster = self._results[WHOLE] < (1.0 - self.margin) * self._results[SPREAD]
+        return self._use(WHOLE if faster else SPREAD)
+
+    def _use(self, split: str) -> str | None:
+        if split == self.split:
+            return None
+        self.split = split
+        return split
+
+    def state(self) -> dict:
+        """For records and the GUI: the trials finished and what the last one measured (ms a decode step)."""
+        return {"trials": self.trials, "measured_ms": {name: seconds * 1e3 for name, seconds in self.measured.items()}}

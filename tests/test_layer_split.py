@@ -1,0 +1,124 @@
+"""The expert budget spread over every layer or spent on whole layers (engine/offload/layer_split.py): the planner's
+whole-layer plan, the trials that measure both and keep the faster, and the engine switching between them at safe
+points with the same answers as the all-CPU run."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.offload.config import NodeOverride
+from engine.offload.layer_split import LayerSplitTrials
+from engine.offload.planner import plan_offload
+from tests.test_offload import assert_same_as_cpu, device_expert_bytes, greedy_run, model_folder, cpu_run  # noqa: F401
+
+
+def feed(trials: LayerSplitTrials, seconds: float, steps: int, tokens: int = 1) -> list[str]:
+    """`steps` steps of `seconds`; the re-plans the trials asked for."""
+    asked = []
+    for _ in range(steps):
+        wanted = trials.step(seconds, tokens)
+        if wanted is not None:
+            asked.append(wanted)
+    return asked
+
+
+def test_trials_keep_whole_layers_where_they_decode_faster_and_measure_again_later():
+    trials = LayerSplitTrials(first=3, settle=2, window=4, recheck=10, margin=0.05)
+    assert feed(trials, 0.5, 5, tokens=7) == []   # prefill steps neither count nor interrupt
+    assert feed(trials, 0.030, 3) == []           # the first decode steps: placement warms up
+    assert feed(trials, 0.030, 4) == ["whole"]    # the spread measured: whole layers next
+    assert trials.split == "whole" and trials.trials == 0
+    assert feed(trials, 0.100, 2) == []           # settling after the re-plan: not counted
+    assert feed(trials, 0.020, 4) == []           # whole layers measured faster: kept, no re-plan
+    assert trials.split == "whole" and trials.trials == 1
+    assert trials.state() == {"trials": 1, "measured_ms": {"spread": pytest.approx(30.0), "whole": pytest.approx(20.0)}}
+    assert feed(trials, 0.020, 10) == []          # until the recheck
+    assert feed(trials, 0.020, 4) == ["spread"]   # the split in force measured again first, then the other
+    assert feed(trials, 0.020, 2) == []
+    assert feed(trials, 0.0195, 4) == []          # whole layers no longer faster by the margin: the spread stays
+    assert trials.split == "spread" and trials.trials == 2
+    assert trials.state()["measured_ms"] == {"whole": pytest.approx(20.0), "spread": pytest.approx(19.5)}
+
+
+def test_trials_go_back_to_the_spread_where_whole_layers_are_not_faster_by_the_margin():
+    trials = LayerSplitTrials(first=0, settle=1, window=3, recheck=100, margin=0.05)
+    assert feed(trials, 0.020, 3) == ["whole"]
+    assert feed(trials, 0.0195, 4) == ["spread"]  # 2.5% faster: not enough
+    assert trials.split == "spread" and trials.trials == 1
+
+
+def _info(name: str, layer: int, experts: int = 4, slot: int = 10):
+    spec = type("Spec", (), {"num_experts": experts})()
+    return type("Info", (), {"name": name, "layer": layer, "spec": spec, "device_bytes_per_expert": slot,
+                             "bytes_per_expert": slot, "gpu": type("Gpu", (), {"conversion": ""})(),
+                             "gpu_unsupported": "", "unsupported": ""})()
+
+
+def test_the_whole_layer_plan_fills_layers_in_order_and_leaves_the_rest_unspent():
+    infos = [_info("b", 1), _info("a", 0), _info("c", 2)]  # 40 bytes a layer
+    device = SimulatedDevice(1 << 30)
+    spread = plan_offload(OffloadConfig(device_expert_bytes=95), infos, device)
+    assert spread.slots == {"a": 3, "b": 3, "c": 3}
+    whole = plan_offload(OffloadConfig(device_expert_bytes=95), infos, device, whole_layers=True)
+    assert whole.slots == {"a": 4, "b": 4, "c": 0}  # layer order, not the list's; 15 bytes left unspent
+    assert "The budget holds whole layers: 2 of 3 expert layers keep all their experts" in " ".join(whole.statements)
+    # a layer the user capped below all its experts is never whole
+    capped = OffloadConfig(device_expert_bytes=95, node_overrides={"a": NodeOverride(max_resident_slots=3)})
+    assert plan_offload(capped, infos, device, whole_layers=True).slots == {"a": 0, "b": 4, "c": 4}
+
+
+def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_answers(model_folder, cpu_run):
+    budget = int(0.5 * device_expert_bytes(model_folder))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget),
+                             device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    engine.set_layer_split("auto")
+    engine.split_trials = LayerSplitTrials(first=1, settle=1, window=2, recheck=1000)
+    num_experts = model.folder.experts[0].spec.num_experts
+    assert engine.whole_layers is False and all(0 < layer.num_slots < num_experts for layer in engine.slots)
+    # step times as a machine where whole layers decode in two thirds of the spread's time would give them
+    model.decoder.on_step_end = lambda seconds, tokens: engine.end_step(
+        0.020 if engine.whole_layers else 0.030, tokens)
+    run = greedy_run(model)
+    assert engine.whole_layers is True and engine.split_trials.trials == 1
+    counts = sorted(layer.num_slots for layer in engine.slots)
+    assert counts[0] == 0 and counts[-1] == num_experts and set(counts) == {0, num_experts}
+    assert any("The budget holds whole layers" in text for text in engine.plan.statements)
+    assert engine.copy_state()["layer_split"] == {"mode": "auto", "whole_layers": True, "trials": 1,
+                                                   "measured_ms": {"spread": pytest.approx(30.0),
+                                                                   "whole": pytest.approx(20.0)}}
+    assert_same_as_cpu(run, cpu_run)  # the switch mid-conversation changes no answer
+    # a budget change starts again from the spread
+    engine.reconfigure(OffloadConfig(device_expert_bytes=budget))
+    assert engine.whole_layers is False and engine.split_trials.trials == 0
+
+
+def test_no_trials_where_the_user_placed_the_nodes_or_placement_is_static(model_folder):
+    budget = int(0.5 * device_expert_bytes(model_folder))
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    for config in (OffloadConfig(device_expert_bytes=budget, placement="static"),
+                   OffloadConfig(device_expert_bytes=budget, node_overrides={names[0]: NodeOverride(2)}),
+                   OffloadConfig(device_expert_bytes=0)):
+        model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+        engine = model.offload
+        engine.set_layer_split("auto")
+        engine.split_trials = LayerSplitTrials(first=0, settle=0, window=1)
+        for seconds in (0.030, 0.001, 0.001):
+            engine.end_step(seconds, 1)
+        assert engine.whole_layers is False and engine.split_trials.trials == 0
+
+
+def test_a_fixed_split_is_planned_at_once_and_an_unknown_one_refused(model_folder):
+    budget = int(0.5 * device_expert_bytes(model_folder))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget),
+                             device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    engine.set_layer_split("whole")
+    assert engine.whole_layers is True and engine.copy_state()["layer_split"]["mode"] == "whole"
+    engine.end_step(0.001, 1)  # no trials under a fixed split
+    assert engine.whole_layers is True
+    from engine.errors import WorkbenchError
+    with pytest.raises(WorkbenchError, match="layer split 'layers': one of auto, spread, whole"):
+        engine.set_layer_split("layers")
