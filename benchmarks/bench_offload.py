@@ -263,6 +263,7 @@ def main() -> None:
                             "misses_copied": stats.misses_copied,
                             "miss_slots": max(model.offload.policy.miss_slots, default=0)})
         decoded = decode_repeats(repeats)
+        split = model.offload.copy_state()["layer_split"]  # the trials' outcome (the traces below re-plan)
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
@@ -310,7 +311,7 @@ def main() -> None:
              "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
              "copy_reuse": model.offload.copy_reuse.value, "pinned": model.offload.pinned_info(),
-             "layer_split": model.offload.copy_state()["layer_split"],
+             "layer_split": split,
              "streaming_slots": [group.num_slots for group in model.offload.streaming.groups],
              "streaming_prepare_s": [group.prepare_s for group in model.offload.streaming.groups],
              "streaming_launch_s": [group.launch_s for group in model.offload.streaming.groups]},
@@ -341,7 +342,7 @@ def main() -> None:
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
                  f" a call, average {model.offload.cpu_rate.average / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
-              + split_text(model.offload.copy_state()["layer_split"])
+              + split_text(split)
               + "".join(f", {g.num_slots} streaming slots ({g.prepare_s * 1e6:.0f} µs to issue a copy, "
                         f"{g.launch_s * 1e6:.0f} to launch and merge)"
                         for g in model.offload.streaming.groups)
