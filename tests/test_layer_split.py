@@ -43,10 +43,15 @@ def test_trials_keep_whole_layers_where_they_decode_faster_and_measure_again_lat
 
 
 def test_trials_go_back_to_the_spread_where_whole_layers_are_not_faster_by_the_margin():
-    trials = LayerSplitTrials(first=0, settle=1, window=3, recheck=100, margin=0.05)
+    trials = LayerSplitTrials(first=0, settle=1, window=3, recheck=5, recheck_max=12, margin=0.05)
     assert feed(trials, 0.020, 3) == ["whole"]
     assert feed(trials, 0.0195, 4) == ["spread"]  # 2.5% faster: not enough
     assert trials.split == "spread" and trials.trials == 1
+    # a trial that keeps the split in force doubles the wait for the next one, up to recheck_max
+    assert trials.wait == 10
+    assert feed(trials, 0.020, 10) == []
+    assert feed(trials, 0.020, 3) == ["whole"] and feed(trials, 0.0195, 4) == ["spread"]
+    assert trials.trials == 2 and trials.wait == 12
 
 
 def _info(name: str, layer: int, experts: int = 4, slot: int = 10):

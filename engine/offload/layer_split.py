@@ -12,8 +12,10 @@ twentieth session). Which one wins depends on the model, the routing and the mac
 A trial: the median seconds of `window` decode steps with the split in force, then, after `settle` steps (the
 re-planned residents' copies, the dense graphs captured again), of `window` steps with the other; whole layers are
 kept only when `margin` faster. The first trial starts after `first` decode steps (placement warms up), the next
-`recheck` decode steps after the last one, as routing changes with the conversation. Steps of more than one token
-(prefill) are not counted and do not interrupt a trial.
+`recheck` decode steps after the last one, as routing changes with the conversation; each trial that keeps the split
+in force doubles that wait, up to `recheck_max`, since a trial costs up to two re-plans (the residents copied again:
+~0.2-0.3 s for Qwen3-30B-A3B-like at half residency) and steps the slower way. Steps of more than one token (prefill)
+are not counted and do not interrupt a trial.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ MODES = ("auto", SPREAD, WHOLE)  # auto: trials decide; spread / whole: that spl
 
 class LayerSplitTrials:
     def __init__(self, first: int = 16, settle: int = 4, window: int = 12, recheck: int = 512,
-                 margin: float = 0.05):
-        self.first, self.settle, self.window, self.recheck, self.margin = first, settle, window, recheck, margin
+                 recheck_max: int = 8192, margin: float = 0.05):
+        self.first, self.settle, self.window, self.margin = first, settle, window, margin
+        self.recheck, self.recheck_max = recheck, max(recheck, recheck_max)
+        self.wait = recheck                   # decode steps from one trial to the next
         self.split = SPREAD
         self.measured: dict[str, float] = {}  # each split's median decode step seconds in the last finished trial
         self.trials = 0                       # finished trials
@@ -35,6 +39,7 @@ class LayerSplitTrials:
         self._queue: list[str] = []           # the splits this trial still measures, the one measured now first
         self._results: dict[str, float] = {}
         self._samples: list[float] = []
+        self._before = SPREAD                 # the split in force when the current trial began
 
     def step(self, seconds: float, tokens: int) -> str | None:
         """One step's seconds; the split to re-plan to now, or None to keep the one in force."""
@@ -46,6 +51,7 @@ class LayerSplitTrials:
         if not self._queue:  # a new trial: the split in force first, then the other
             self._queue = [self.split, WHOLE if self.split == SPREAD else SPREAD]
             self._results = {}
+            self._before = self.split
         self._samples.append(seconds)
         if len(self._samples) < self.window:
             return None
@@ -56,9 +62,11 @@ class LayerSplitTrials:
             return self._use(self._queue[0])
         self.measured = dict(self._results)
         self.trials += 1
-        self._skip = self.recheck
         faster = self._results[WHOLE] < (1.0 - self.margin) * self._results[SPREAD]
-        return self._use(WHOLE if faster else SPREAD)
+        chosen = WHOLE if faster else SPREAD
+        self.wait = min(2 * self.wait, self.recheck_max) if chosen == self._before else self.recheck
+        self._skip = self.wait
+        return self._use(chosen)
 
     def _use(self, split: str) -> str | None:
         if split == self.split:
