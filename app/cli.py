@@ -119,6 +119,9 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
     parser.add_argument("--simulated-vram", type=int, default=8 << 30, metavar="BYTES",
                         help="memory of the simulated GPU (default 8 GiB)")
+    parser.add_argument("--layer-split", choices=["auto", "spread", "whole"],
+                        help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
+                             "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")
 
 
 def _offload_setup(args):
@@ -153,7 +156,7 @@ def _cmd_inspect(args) -> int:
     if config is not None:
         from engine.offload.planner import plan_offload
 
-        plan = plan_offload(config, folder.experts, device)
+        plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole")
         report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
                              "slots": plan.slots, "statements": plan.statements}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
@@ -204,7 +207,8 @@ def _cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
     config, device = _offload_setup(args)
-    model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device)
+    model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,
+                             layer_split=args.layer_split)
     binding = binding_warning()
     if binding and not args.json:
         print(f"warning: {binding}", file=sys.stderr, flush=True)
@@ -274,7 +278,7 @@ def _cmd_record(args) -> int:
     from engine.records.scenarios import run_scenario
 
     config, device = _offload_setup(args)
-    model = LoadedModel.open(args.model, offload=config, device=device)
+    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split)
     history = History(args.history)
     records = []
     for scenario in _scenarios(args.scenario):
@@ -301,7 +305,7 @@ def _cmd_sweep(args) -> int:
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
     config, device = _offload_setup(args)
-    model = LoadedModel.open(args.model, offload=config, device=device)
+    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split)
     points = run_sweep(model, device, args.points, _scenarios(args.scenario),
                        GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"))
     history = History(args.history)
@@ -366,7 +370,7 @@ def _cmd_contention(args) -> int:
     if args.workers < 1:
         raise WorkbenchError(f"--workers must be at least 1, got {args.workers}")
     config, device = _offload_setup(args)
-    model = LoadedModel.open(args.model, offload=config, device=device)
+    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split)
     corpus = Path(args.corpus) if args.corpus else default_corpus()
     if not any(corpus.glob("*.txt")):
         raise WorkbenchError(f"{corpus}: no .txt files to index")

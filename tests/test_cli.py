@@ -85,3 +85,24 @@ def test_generate_warns_of_openmp_thread_binding():
     assert result.returncode == 0, result.stderr
     warning = [line for line in result.stderr.splitlines() if line.startswith("warning: OpenMP thread binding")]
     assert len(warning) == 1 and "OMP_PROC_BIND=close OMP_PLACES=cores" in warning[0]
+
+
+def test_layer_split_whole_puts_the_budget_on_whole_layers_and_says_so():
+    from engine.model_folder import ModelFolder
+    from engine.offload.planner import all_resident_bytes
+
+    folder = fixture_folder("gptoss")
+    experts = ModelFolder.open(folder).experts
+    budget = all_resident_bytes(experts) // 2
+    common = ("--device", "simulated", "--offload", f"device_expert_bytes={budget}")
+    result = run_cli("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "3", "--json",
+                     "--layer-split", "whole", *common)
+    assert result.returncode == 0, result.stderr
+    offload = json.loads(result.stdout)["offload"]
+    assert offload["layer_split"]["mode"] == "whole" and offload["layer_split"]["whole_layers"] is True
+    assert any(text.startswith("The budget holds whole layers:") for text in offload["statements"])
+    inspected = json.loads(run_cli("inspect", str(folder), "--json", "--layer-split", "whole", *common).stdout)
+    counts = sorted(inspected["offload"]["slots"].values())
+    assert set(counts) == {0, experts[0].spec.num_experts}, counts
+    refused = run_cli("generate", str(folder), "--prompt", "Hi", "--layer-split", "layers", *common)
+    assert refused.returncode != 0 and "invalid choice: 'layers'" in refused.stderr

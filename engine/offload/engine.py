@@ -51,7 +51,7 @@ SETTLE_PER_LAYER = 2
 
 
 class OffloadEngine:
-    def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device):
+    def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None):
         self.runners = runners
         self.infos = [runner.info for runner in runners]
         self.device = device
@@ -66,10 +66,10 @@ class OffloadEngine:
         self._apply_file_backing()
         self.staging = NO_STAGING  # the pinned ring and the device's prefill staging ring
         # the budget spread over every layer or spent on whole layers (layer_split.py): measured by trials under
-        # "auto"; MOE_LAYER_SPLIT=spread|whole fixes it (benchmarks' A/Bs)
-        self.layer_split_mode = os.environ.get("MOE_LAYER_SPLIT", "auto")
+        # "auto"; "spread" / "whole" fix it (the CLI's --layer-split, or MOE_LAYER_SPLIT where none is given)
+        self.layer_split_mode = layer_split or os.environ.get("MOE_LAYER_SPLIT", "auto")
         if self.layer_split_mode not in SPLIT_MODES:
-            raise WorkbenchError(f"MOE_LAYER_SPLIT={self.layer_split_mode}: one of {', '.join(SPLIT_MODES)}")
+            raise WorkbenchError(f"layer split '{self.layer_split_mode}': one of {', '.join(SPLIT_MODES)}")
         self.split_trials = LayerSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
         self.plan: OffloadPlan = self._plan(config)
