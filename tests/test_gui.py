@@ -485,3 +485,28 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
         "2 slots per layer kept for copies, CPU misses priced at 64.2 GB/s + 190 µs a call"
     assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == "CPU misses priced at 25.0 GB/s"
     assert copies_text({"cpu_bytes_per_s": None, "cpu_call_s": 0.0}) == ""
+
+
+def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_applies_without_reload(qtbot, window):
+    path = fixture_folder("gptoss")
+    window.open_model(str(path))
+    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
+    budget = window.budget_panel
+    budget.device.setCurrentIndex(budget.device.findData("simulated"))
+    budget.expert_bytes.setValue(8 * slot())  # half of the 16 experts: one of the two layers whole
+    budget.layer_split.setCurrentIndex(budget.layer_split.findData("whole"))
+    qtbot.waitUntil(lambda: "layer 0: 8 of 8; layer 1: 0 of 8" in budget.layer_text.text())
+    window.load()
+    qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
+    engine = window.worker._model.offload
+    assert engine.layer_split_mode == "whole" and engine.whole_layers
+    assert "The budget holds whole layers: 1 of 2 expert layers" in window.model_panel.landed.text()
+    assert not budget.apply_button.isEnabled()
+    # back to the spread: applied on the loaded model, no reload
+    budget.layer_split.setCurrentIndex(budget.layer_split.findData("spread"))
+    qtbot.waitUntil(lambda: budget.apply_button.isEnabled() and "4 of 8 in every layer" in budget.layer_text.text())
+    assert budget.apply_button.text() == "Apply"
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: engine.layer_split_mode == "spread" and not window.busy, timeout=WAIT)
+    assert not engine.whole_layers and [layer.num_slots for layer in engine.slots] == [4, 4]
+    assert window.model_settings(str(path))["layer_split"] == "spread"

@@ -23,6 +23,14 @@ WORKING_TIP = ("device_working_bytes: device memory for decode streaming slots, 
                "slot, so that their misses can also be copied over PCIe while the CPU computes the rest. Off by default: "
                "on the H200 machine they gained 1.05x for large experts (gpt-oss-20b) and lost 1.1x for small ones "
                "(Qwen3-30B-A3B); they pay where the CPU is slow against PCIe")
+SPLITS = (("auto", "measured while decoding"), ("spread", "spread over every layer"),
+          ("whole", "whole layers on the device"))
+SPLIT_TIP = ("How the expert budget is spent across layers. Spread (onnxruntime's way): every layer keeps some experts "
+             "on the device, good where routing repeats recent experts, but every layer then pays a round trip "
+             "through the host. Whole layers (llama.cpp's --n-cpu-moe): the first layers keep all their experts and "
+             "run all on the device, the others run all on the CPU; faster where routing has little locality. "
+             "Measured while decoding: the engine times both and keeps the faster (adaptive placement only). "
+             "Not an onnxruntime key: this app's own setting")
 PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device goes through. auto = two prefill "
               "waves; a value bounds the ring and the prefill wave (ring // (2 x expert), at least 1); "
               "below one expert it is refused")
@@ -94,6 +102,10 @@ class BudgetPanel(QWidget):
         self.threads.setSpecialValueText("all cores")
         self.wave = QSpinBox()
         self.wave.setRange(1, 4096)
+        self.layer_split = QComboBox()
+        for key, label in SPLITS:
+            self.layer_split.addItem(label, key)
+        self.layer_split.setAccessibleName("Layer split")
 
         # approximate routing
         self.min_weight = QDoubleSpinBox(decimals=3, singleStep=0.01)
@@ -159,6 +171,7 @@ class BudgetPanel(QWidget):
                  self.cpu_execution)
         f.addRow(_label("CPU threads", "cpu_threads for the CPU expert kernels; 0 = all cores; changes without reload"), self.threads)
         f.addRow(_label("Prefill wave", "prefill_wave_experts: cold experts streamed to the device per wave in prefill"), self.wave)
+        f.addRow(_label("Layer split", SPLIT_TIP), self.layer_split)
         policy_box.setLayout(f)
 
         approx_box = QGroupBox("Approximate routing")
@@ -217,7 +230,7 @@ class BudgetPanel(QWidget):
         for control in (self.sim_size, self.expert_bytes, self.reserve_bytes, self.mem_limit, self.host_bytes,
                         self.pinned_bytes, self.working_bytes):
             control.valueChanged.connect(self._changed)
-        for combo in (self.device, self.mode, self.placement, self.cpu_execution):
+        for combo in (self.device, self.mode, self.placement, self.cpu_execution, self.layer_split):
             combo.currentIndexChanged.connect(self._changed)
         for spin in (self.threads, self.wave, self.tail_rank, self.kv_tokens):
             spin.valueChanged.connect(self._changed)
@@ -248,8 +261,10 @@ class BudgetPanel(QWidget):
         return {"kind": kind, "capacity": int(self.sim_size.value() or GIB)} if kind == "simulated" else {"kind": kind}
 
     def settings(self) -> dict:
-        """What the window remembers per model and sends to the worker."""
-        return {"device": self.device_settings(), "entries": self.config().to_entries(), "kv_tokens": self.kv_tokens.value()}
+        """What the window remembers per model and sends to the worker: the device, the offload entries
+        (onnxruntime's keys), the KV length the estimate counts and the layer split (this app's own setting)."""
+        return {"device": self.device_settings(), "entries": self.config().to_entries(), "kv_tokens": self.kv_tokens.value(),
+                "layer_split": self.layer_split.currentData()}
 
     def set_config(self, config: OffloadConfig) -> None:
         self._quiet = True
@@ -284,6 +299,7 @@ class BudgetPanel(QWidget):
                 self.sim_size.setValue(int(device["capacity"]))
             if self.facts is not None:
                 self.kv_tokens.setValue(int(settings.get("kv_tokens") or self.facts.context_length))
+            self.layer_split.setCurrentIndex(max(0, self.layer_split.findData(settings.get("layer_split", "auto"))))
         finally:
             self._quiet = False
         try:
@@ -365,7 +381,8 @@ class BudgetPanel(QWidget):
             self._update_apply()
             return
         config = self.config()
-        est = estimate(self.facts, config, choice, self.kv_tokens.value())
+        est = estimate(self.facts, config, choice, self.kv_tokens.value(),
+                       whole_layers=self.layer_split.currentData() == "whole")
         self.last_estimate = est
         self.layer_bars.setRows(est.per_layer)
         self.layer_text.setText(("<b>%d of %d</b> experts resident: " % (est.resident, est.total_experts))
@@ -446,7 +463,8 @@ class BudgetPanel(QWidget):
             applied = OffloadConfig.from_entries(self.applied.get("entries", {}))
         except Exception:
             return True
-        return applied != self.config() or self.applied.get("device") != self.device_settings()
+        return (applied != self.config() or self.applied.get("device") != self.device_settings()
+                or self.applied.get("layer_split", "auto") != self.layer_split.currentData())
 
     def _update_apply(self) -> None:
         reload = self.needs_reload()

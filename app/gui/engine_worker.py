@@ -31,6 +31,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import open_cuda_device
+from engine.offload.layer_split import default_mode as default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
@@ -81,7 +82,7 @@ class EngineWorker(QObject):
     requestSend = Signal(str, dict)            # text, options
     requestRegenerate = Signal(dict)
     requestNewChat = Signal(str)               # system prompt
-    requestReplan = Signal(dict)               # offload entries
+    requestReplan = Signal(dict)               # {"entries": offload entries, "layer_split": ...}
     requestUnload = Signal()
     requestJob = Signal(str, object)           # kind ("recording", "sweeping", ...), a records job (app.gui.records_jobs)
 
@@ -181,7 +182,8 @@ class EngineWorker(QObject):
 
             started = time.perf_counter()
             folder, self._folder = self._folder, None  # a folder's sessions belong to one load
-            model = LoadedModel(folder, progress=progress, offload=config, device=device)
+            model = LoadedModel(folder, progress=progress, offload=config, device=device,
+                                layer_split=_layer_split(settings))
             self._model, self._device, self._loaded_facts = model, device, self._facts
             self._conversation = Conversation(model, system_prompt=self._system_prompt or None)
             self.loadProgress.emit(1.0)
@@ -349,17 +351,21 @@ class EngineWorker(QObject):
 
     # --- re-planning and statistics --------------------------------------------------------------
     @Slot(dict)
-    def _replan(self, entries: dict) -> None:
+    def _replan(self, settings: dict) -> None:
         if self._model is None:
             self.failed.emit("No model is loaded: the settings apply at the next load.")
             return
         self.busyChanged.emit("replanning")
         try:
-            config = OffloadConfig.from_entries(entries)
+            config = OffloadConfig.from_entries(settings.get("entries", {}))
             blocked = _needs_reload(self._model.offload.config, config)
             if blocked:
                 raise WorkbenchError(f"{', '.join(blocked)} changes only when the model is loaded again (Apply and reload)")
-            self._model.offload.reconfigure(config)
+            offload = self._model.offload
+            offload.reconfigure(config)
+            split = _layer_split(settings)
+            if split != offload.layer_split_mode:
+                offload.set_layer_split(split)
             self.replanned.emit({"statements": list(self._model.offload.plan.statements), "landed": self._landed([]),
                                  "entries": config.to_entries()})
             self._emit_stats()
@@ -450,6 +456,12 @@ class EngineWorker(QObject):
         self._drop_model()
         if had:
             self.unloaded.emit()
+
+
+def _layer_split(settings: dict) -> str:
+    """The budget panel's layer split for the engine; "auto" is the engine's default (layer_split.default_mode)."""
+    split = settings.get("layer_split") or "auto"
+    return default_layer_split() if split == "auto" else split
 
 
 def _cores() -> int:

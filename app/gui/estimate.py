@@ -204,7 +204,8 @@ def auto_reserve(config: OffloadConfig, available: int) -> int:
     return max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * available))
 
 
-def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None) -> Estimate:
+def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None,
+             whole_layers: bool = False) -> Estimate:
     experts = [info for info in facts.experts if info.spec is not None]
     kv = facts.kv_cache_bytes(kv_tokens)
     # Where the engine would put the dense part (LoadedModel: ort_env.choose_dense_device); under
@@ -242,7 +243,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
     elif experts and not (error and device.usable):  # an unusable device plans as CPU only; a refused ring not at all
         try:
-            plan = plan_offload(config, experts, stand_in)
+            plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
     streaming = None

@@ -453,7 +453,7 @@ class MainWindow(QMainWindow):
             self._start_load(self.facts.path, settings)
         else:
             self._load_settings = settings
-            self.worker.requestReplan.emit(settings.get("entries", {}))
+            self.worker.requestReplan.emit(settings)
 
     def _send(self, text: str, options: dict) -> None:
         self.contention_banner.hide()

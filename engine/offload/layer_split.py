@@ -20,10 +20,17 @@ are not counted and do not interrupt a trial.
 
 from __future__ import annotations
 
+import os
 import statistics
 
 SPREAD, WHOLE = "spread", "whole"
 MODES = ("auto", SPREAD, WHOLE)  # auto: trials decide; spread / whole: that split, no trials
+
+
+def default_mode() -> str:
+    """The split an engine takes when none is asked for: MOE_LAYER_SPLIT (benchmarks' A/Bs, the test suite), else
+    auto."""
+    return os.environ.get("MOE_LAYER_SPLIT", "auto")
 
 
 class LayerSplitTrials:
