@@ -224,6 +224,17 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
         assert column.values["tokens"].text() == str(record.turns[0]["generated_tokens"])
         assert column.values["decode"].text() == f"{record.turns[0]['timings']['decode_tokens_per_s']:.1f} tok/s"
     assert sorted(window.history.ids()) == sorted(view.result.saved_ids) and len(view.result.saved_ids) == 2
+    # B with whole layers (this app's own setting beside onnxruntime's keys): the same answer, and its record says so
+    view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}\nlayer_split=whole")
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    a, b = view.result.comparison.records
+    assert view.result.comparison.divergence is None and "layer_split=whole" in b.label
+    assert b.offload["layer_split"]["mode"] == "whole" and a.offload["layer_split"]["mode"] != "whole"
+    assert "session.moe.offload.layer_split" not in b.offload["entries"]
+    view.right_entries.setPlainText("layer_split=layers")
+    view.bar.run_button.click()
+    assert "layer_split=layers: one of auto, spread, whole" in window.last_error
     # another model folder, both at once: the first differing token is highlighted in both columns
     view.right_folder.setText(str(fixture_folder("qwen35moe")))
     view.right_entries.setPlainText("")
@@ -240,7 +251,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
         assert f"background-color:{theme.current().warn}" in marked  # the highlighted token
         assert marked.count("background-color:") == 1
         assert column.answer.toPlainText().startswith("".join(pieces[:divergence]))
-    assert len(window.history.ids()) == 4
+    assert len(window.history.ids()) == 6
 
 
 def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):

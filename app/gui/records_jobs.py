@@ -226,8 +226,8 @@ class SideBySideResult:
 @dataclass
 class SideBySideJob:
     """Left: the loaded model as it is. Right: `right_folder` (default: the same folder) loaded
-    again with `right_entries`, on a device like the left's. One prompt, both answers, a record
-    each (saved unless cancelled)."""
+    again with `right_entries` (and `right_layer_split`; None: the engine's default), on a device like the
+    left's. One prompt, both answers, a record each (saved unless cancelled)."""
     prompt: str
     max_new_tokens: int
     right_entries: dict
@@ -235,6 +235,7 @@ class SideBySideJob:
     concurrent: bool = False
     history_path: str | None = None
     labels: tuple[str, str] = ("A: current", "B: modified")
+    right_layer_split: str | None = None
 
     def __call__(self, ctx: JobContext) -> SideBySideResult:
         left = ctx.loaded()
@@ -252,7 +253,8 @@ class SideBySideJob:
         ctx.progress(0.0, "loading the right side")
         device = ctx.make_device(ctx.device_choice, config)
         try:
-            right = LoadedModel.open(folder, progress=load_progress, offload=config, device=device)
+            right = LoadedModel.open(folder, progress=load_progress, offload=config, device=device,
+                                     layer_split=self.right_layer_split)
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
         streams = _SideStreams(ctx, params.max_new_tokens)

@@ -111,7 +111,7 @@ def offload_description(model: LoadedModel, device) -> dict:
         return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU."}
     return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
-            "statements": model.offload.plan.statements}
+            "statements": model.offload.plan.statements, "layer_split": model.offload.copy_state()["layer_split"]}
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",
