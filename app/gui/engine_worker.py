@@ -31,7 +31,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import open_cuda_device
-from engine.offload.layer_split import default_mode as default_layer_split
+from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
@@ -459,7 +459,7 @@ class EngineWorker(QObject):
 
 
 def _layer_split(settings: dict) -> str:
-    """The budget panel's layer split for the engine; "auto" is the engine's default (layer_split.default_mode)."""
+    """The budget panel's layer split for the engine; "auto" is the engine's default (default_layer_split)."""
     split = settings.get("layer_split") or "auto"
     return default_layer_split() if split == "auto" else split
 

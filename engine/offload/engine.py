@@ -16,8 +16,7 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
-from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD, WHOLE, LayerSplitTrials
-from engine.offload.layer_split import default_mode as default_split
+from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD, WHOLE, LayerSplitTrials, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
@@ -67,7 +66,7 @@ class OffloadEngine:
         self.staging = NO_STAGING  # the pinned ring and the device's prefill staging ring
         # the budget spread over every layer or spent on whole layers (layer_split.py): measured by trials under
         # "auto"; "spread" / "whole" fix it (the CLI's --layer-split, or MOE_LAYER_SPLIT where none is given)
-        self.layer_split_mode = layer_split or default_split()
+        self.layer_split_mode = layer_split or default_layer_split()
         if self.layer_split_mode not in SPLIT_MODES:
             raise WorkbenchError(f"layer split '{self.layer_split_mode}': one of {', '.join(SPLIT_MODES)}")
         self.split_trials = LayerSplitTrials()

@@ -27,7 +27,7 @@ SPREAD, WHOLE = "spread", "whole"
 MODES = ("auto", SPREAD, WHOLE)  # auto: trials decide; spread / whole: that split, no trials
 
 
-def default_mode() -> str:
+def default_layer_split() -> str:
     """The split an engine takes when none is asked for: MOE_LAYER_SPLIT (benchmarks' A/Bs, the test suite), else
     auto."""
     return os.environ.get("MOE_LAYER_SPLIT", "auto")

@@ -86,7 +86,8 @@ def gpu_statements(experts: list[ExpertNodeInfo]) -> list[str]:
     return statements
 
 
-def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device, whole_layers: bool = False) -> OffloadPlan:
+def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
+                 whole_layers: bool = False) -> OffloadPlan:
     """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
     `whole_layers` it goes to whole layers instead, in layer order (layer_split.py: the engine measures which of the
     two decodes faster)."""
