@@ -494,8 +494,13 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     budget = window.budget_panel
     budget.device.setCurrentIndex(budget.device.findData("simulated"))
     budget.expert_bytes.setValue(8 * slot())  # half of the 16 experts: one of the two layers whole
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: "4 of 8 in every layer" in budget.layer_text.text())
+    assert ("While decoding, the engine also tries this budget on whole layers (1 of 2 layers keeping all their "
+            "experts)") in budget.statements.text()  # the measured split, the default
     budget.layer_split.setCurrentIndex(budget.layer_split.findData("whole"))
     qtbot.waitUntil(lambda: "layer 0: 8 of 8; layer 1: 0 of 8" in budget.layer_text.text())
+    assert "While decoding" not in budget.statements.text()
     window.load()
     qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
     engine = window.worker._model.offload

@@ -10,7 +10,7 @@ from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import NodeOverride
 from engine.offload.layer_split import LayerSplitTrials
-from engine.offload.planner import plan_offload
+from engine.offload.planner import plan_offload, whole_layers_held
 from tests.test_offload import assert_same_as_cpu, device_expert_bytes, greedy_run, model_folder, cpu_run  # noqa: F401
 
 
@@ -69,6 +69,7 @@ def test_the_whole_layer_plan_fills_layers_in_order_and_leaves_the_rest_unspent(
     whole = plan_offload(OffloadConfig(device_expert_bytes=95), infos, device, whole_layers=True)
     assert whole.slots == {"a": 4, "b": 4, "c": 0}  # layer order, not the list's; 15 bytes left unspent
     assert "The budget holds whole layers: 2 of 3 expert layers keep all their experts" in " ".join(whole.statements)
+    assert whole_layers_held(infos, 95) == 2 and whole_layers_held(infos, 39) == 0 and whole_layers_held(infos, 120) == 3
     # a layer the user capped below all its experts is never whole
     capped = OffloadConfig(device_expert_bytes=95, node_overrides={"a": NodeOverride(max_resident_slots=3)})
     assert plan_offload(capped, infos, device, whole_layers=True).slots == {"a": 0, "b": 4, "c": 4}
@@ -127,3 +128,25 @@ def test_a_fixed_split_is_planned_at_once_and_an_unknown_one_refused(model_folde
     from engine.errors import WorkbenchError
     with pytest.raises(WorkbenchError, match="layer split 'layers': one of auto, spread, whole"):
         engine.set_layer_split("layers")
+
+
+def test_a_re_plan_the_trials_ask_for_that_fails_keeps_the_plan_in_force_and_ends_the_trials(model_folder, monkeypatch):
+    from engine.errors import WorkbenchError
+
+    budget = int(0.5 * device_expert_bytes(model_folder))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget),
+                             device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    engine.set_layer_split("auto")
+    engine.split_trials = LayerSplitTrials(first=0, settle=0, window=1)
+    slots = [layer.num_slots for layer in engine.slots]
+
+    def refused(config):
+        raise WorkbenchError("the GPU ran out of memory")
+
+    monkeypatch.setattr(engine, "_replan", refused)
+    engine.end_step(0.030, 1)  # the spread measured: whole layers asked for, refused
+    assert engine.whole_layers is False and engine.layer_split_mode == "spread"
+    assert [layer.num_slots for layer in engine.slots] == slots
+    engine.end_step(0.001, 1)  # no more trials
+    assert engine.split_trials.trials == 0

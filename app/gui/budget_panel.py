@@ -14,7 +14,7 @@ from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html
 from engine.offload.config import OffloadConfig
-from engine.offload.planner import all_resident_bytes
+from engine.offload.planner import all_resident_bytes, whole_layers_held
 from engine.units import human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
@@ -400,9 +400,25 @@ class BudgetPanel(QWidget):
         self.host_legend.setText(legend_html(est.host_parts, t))
         self._show_pinned(est, choice, config)
         colour = t.error if est.error else t.text
-        self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(est.statements) + "</span>")
+        statements = est.statements + self._split_statement(est, config)
+        self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(statements) + "</span>")
         self._update_apply()
         self.estimateChanged.emit(est, config.mode, choice.label)
+
+    def _split_statement(self, est, config: OffloadConfig) -> list[str]:
+        """Under the measured layer split, what the engine will try besides the spread plan shown (the conditions of
+        OffloadEngine._split_is_choosable)."""
+        plan = est.plan
+        if (self.layer_split.currentData() != "auto" or plan is None or plan.placement_mode != "hybrid"
+                or config.mode == "disabled" or config.placement != "adaptive" or config.cpu_execution == "disabled"
+                or config.node_overrides):
+            return []
+        held = whole_layers_held(self.facts.experts, plan.budget_bytes)
+        if held == 0:
+            return []
+        layers = sum(1 for info in self.facts.experts if info.gpu is not None)
+        return [f"While decoding, the engine also tries this budget on whole layers ({held} of {layers} layers "
+                f"keeping all their experts) and keeps whichever decodes faster (Layer split)."]
 
     def _show_pinned(self, est, choice: DeviceChoice, config: OffloadConfig) -> None:
         """What pinned_bytes does, live: the ring and the prefill wave it gives, or the engine's refusal;

@@ -19,7 +19,7 @@ from engine.offload.host_cache import HostExpertCache
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD, WHOLE, LayerSplitTrials, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
-from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload
+from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, whole_layers_held
 from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
@@ -307,9 +307,7 @@ class OffloadEngine:
         if (config.mode == "disabled" or config.placement != "adaptive" or config.cpu_execution == "disabled"
                 or config.node_overrides or self.plan.placement_mode != "hybrid"):
             return False
-        smallest = min((info.device_bytes_per_expert * info.spec.num_experts for info in self.infos
-                        if info.gpu is not None), default=None)
-        return smallest is not None and smallest <= self.plan.budget_bytes
+        return whole_layers_held(self.infos, self.plan.budget_bytes) > 0
 
     def _set_whole_layers(self, whole: bool) -> None:
         """Re-plan the same configuration with the budget on whole layers or spread (at a safe point)."""

@@ -37,6 +37,18 @@ def all_resident_bytes(experts: list[ExpertNodeInfo]) -> int:
     return sum(info.device_bytes_per_expert * info.spec.num_experts for info in experts if info.gpu is not None)
 
 
+def whole_layers_held(experts: list[ExpertNodeInfo], budget: int) -> int:
+    """How many expert layers `budget` holds whole, filled in layer order as plan_offload(whole_layers=True) fills
+    them (without node_overrides; nodes the GPU kernels cannot run are left out)."""
+    held = spent = 0
+    for info in sorted((i for i in experts if i.gpu is not None), key=lambda i: i.layer):
+        need = info.device_bytes_per_expert * info.spec.num_experts
+        if spent + need <= budget:
+            spent += need
+            held += 1
+    return held
+
+
 def automatic_budget(config: OffloadConfig, available: int) -> int:
     reserve = config.reserve_device_bytes
     if reserve is None:
