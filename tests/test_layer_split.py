@@ -96,6 +96,12 @@ def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_
                                                    "measured_ms": {"spread": pytest.approx(30.0),
                                                                    "whole": pytest.approx(20.0)}}
     assert_same_as_cpu(run, cpu_run)  # the switch mid-conversation changes no answer
+    # a prompt under whole layers: the layers without slots stream their busy experts in prefill waves
+    prompt = model.tokenizer.encode("A second prompt, prefilled with the budget on whole layers.")
+    ours = model.decoder.forward(model.new_state(), prompt)
+    cpu = LoadedModel.open(model_folder)
+    ref = cpu.decoder.forward(cpu.new_state(), prompt)
+    assert abs(ours - ref).max() / abs(ref).max() <= 1e-5
     # a budget change starts again from the spread
     engine.reconfigure(OffloadConfig(device_expert_bytes=budget))
     assert engine.whole_layers is False and engine.split_trials.trials == 0
