@@ -14,8 +14,12 @@ rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call f
 dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one variant names and the other
 does not keeps its default there.
 
+With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
+B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
+
     python benchmarks/bench_offload_ab.py --shape gpt-oss-20b-like --dtype float16 --fractions 0.25,0.5 \
-        --b cpu_threads=15 [--a KEY=VALUE,...] [--rounds 6] [--decode-tokens 16] [--device cuda|simulated]
+        --b cpu_threads=15 [--a KEY=VALUE,...] [--rounds 6] [--decode-tokens 16] [--device cuda|simulated] \
+        [--trace --decode-warmup 32]
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES, decode  # noqa: E402
 from benchmarks.common import model_folder, write_result  # noqa: E402
+from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine import dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
+from engine.offload.traces import realistic_trace  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
@@ -156,11 +162,22 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
     return model, [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
 
 
+def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, seed: int) -> float:
+    """Decode tokens/s with every step routed by a realistic trace (`seed`), after `warmup` routed steps."""
+    infos = model.folder.experts
+    spec = infos[0].spec
+    trace = realistic_trace(warmup + tokens, len(infos), spec.num_experts, spec.k, seed=seed)
+    with TraceRouting(trace, len(infos)):
+        rate, _rows = decode(model, prompt, tokens, warmup=warmup)
+    return rate
+
+
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
-                  tokens: int, variant_switches: dict | None = None,
-                  splits: dict | None = None) -> dict[str, list[float]]:
+                  tokens: int, variant_switches: dict | None = None, splits: dict | None = None,
+                  trace: bool = False, warmup: int = 4) -> dict[str, list[float]]:
     """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
-    default where one does not, and their layer splits) in `rounds` alternating rounds at one budget."""
+    default where one does not, and their layer splits) in `rounds` alternating rounds at one budget; with `trace`,
+    routed by a realistic trace, the same for both in a round."""
     variant_switches = variant_switches or {"A": {}, "B": {}}
     splits = splits or {"A": SPREAD, "B": SPREAD}
     rates = {"A": [], "B": []}
@@ -172,7 +189,10 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
             if defaults is None:
                 defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
             set_switches(model, {**defaults, **variant_switches[name]})
-            rate, _rows = decode(model, prompt, tokens)
+            if trace:
+                rate = traced_decode(model, prompt, tokens, warmup, seed=100 + r)
+            else:
+                rate, _rows = decode(model, prompt, tokens, warmup=warmup)
             rates[name].append(rate)
     return rates
 
@@ -196,6 +216,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--b", required=True, help="configuration B: offload entries KEY=VALUE,...")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--decode-warmup", type=int, default=4, help="decode steps before the timed ones")
+    parser.add_argument("--trace", action="store_true", help="route every decode step by a realistic trace")
     parser.add_argument("--no-write", action="store_true", help="print only (no result file)")
     args = parser.parse_args(argv)
     changes = {"A": variant(args.a), "B": variant(args.b)}
@@ -207,7 +229,8 @@ def main(argv=None) -> dict:
     figures, results = [], {}
     for fraction in [float(f) for f in args.fractions.split(",")]:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
-        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits))
+        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits,
+                                       args.trace, args.decode_warmup))
         results[f"{fraction:.2f}"] = result
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
@@ -219,7 +242,7 @@ def main(argv=None) -> dict:
         path = write_result(f"offload-ab-{args.shape}", figures,
                             config={"a": changes["A"], "b": changes["B"], "a_switches": chosen["A"],
                                     "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"],
-                                    "rounds": args.rounds,
+                                    "rounds": args.rounds, "trace": args.trace, "decode_warmup": args.decode_warmup,
                                     "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
         print(f"wrote {path}")
     return results

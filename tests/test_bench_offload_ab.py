@@ -73,7 +73,7 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
     model = type("Model", (), {"offload": _Engine(), "decoder": type("Decoder", (), {"steps": steps})()})()
     seen = []
 
-    def fake_decode(model, prompt, tokens):
+    def fake_decode(model, prompt, tokens, warmup=4):
         kernels = ab.gpu_kernels(model)
         assert len(kernels) == 2  # the node's and the shared streaming slots', once
         assert ab.cpu_kernels(model) == [cpu]
@@ -123,3 +123,18 @@ def test_a_variants_layer_split_is_read_apart_and_defaults_to_the_spread():
     assert layer_split("split=auto") == "auto"
     with pytest.raises(SystemExit, match="split=layers: one of auto, spread, whole"):
         layer_split("split=layers")
+
+
+def test_traced_rounds_route_a_and_b_by_the_same_trace_in_each_round(monkeypatch):
+    import benchmarks.bench_offload_ab as ab
+
+    seeds = []
+
+    def traced(model, prompt, tokens, warmup, seed):
+        seeds.append((seed, warmup))
+        return 50.0
+
+    monkeypatch.setattr(ab, "traced_decode", traced)
+    model = type("Model", (), {"offload": _Engine(), "decoder": type("Decoder", (), {"steps": []})()})()
+    rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 2, [1], 4, trace=True, warmup=32)
+    assert seeds == [(100, 32), (100, 32), (101, 32), (101, 32)] and rates == {"A": [50.0] * 2, "B": [50.0] * 2}
