@@ -633,3 +633,27 @@ def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_p
     summary = model.offload.stats_dict()
     assert summary["later_hits_per_copy"] == reuse.value
     assert summary["miss_slots"] == model.offload.policy.miss_slots and summary["misses_copied"] == totals.misses_copied
+
+
+def test_a_cpu_cost_fit_stays_while_later_calls_of_one_size_give_none():
+    # calls of 1-8 experts give the line (~180 µs + bytes / 66 GB/s); then calls of one expert each, as under
+    # real-like routing with most experts resident, give none: the line stays, not the average rate, which would
+    # price one expert's miss at a whole call (2.96 MB in 225 µs: 13 GB/s)
+    expert = 2_960_000
+    rate = CpuRate()
+    for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2:
+        rate.observe(n * expert, 180e-6 + n * expert / 66e9)
+    fitted = (rate.value, rate.fixed_s)
+    assert fitted == (pytest.approx(66e9, rel=1e-6), pytest.approx(180e-6, rel=1e-6))
+    for _ in range(400):  # the older calls decay away: no spread left among the calls the sums hold
+        rate.observe(expert, 180e-6 + expert / 66e9)
+    assert rate._line() is None and rate.average == pytest.approx(expert / (180e-6 + expert / 66e9))
+    assert (rate.value, rate.fixed_s) == fitted
+    rate.keep_fit = False  # the switch the A/B sets (bench_offload_ab --b rate.keep_fit=0): the average rate alone
+    rate.observe(expert, 180e-6 + expert / 66e9)
+    assert rate.fixed_s == 0.0 and rate.value == pytest.approx(rate.average)
+    # calls of many sizes again: a new line
+    rate.keep_fit = True
+    for n in [1, 8, 2, 6] * 100:
+        rate.observe(n * expert, 100e-6 + n * expert / 80e9)
+    assert rate.value == pytest.approx(80e9, rel=0.05) and rate.fixed_s == pytest.approx(100e-6, rel=0.1)

@@ -60,11 +60,17 @@ class CpuRate:
     once `min_calls` calls were seen with bytes spread enough (standard deviation >= `min_spread` of their mean)
     and gives a positive slope and a fixed cost >= 0; until then (and with `fit` off) fixed_s is 0 and value the
     average rate, an exponential average of bytes / seconds per call (weight `keep` on the past). value is None until
-    measured. The average alone read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth."""
+    measured. The average alone read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth.
+
+    A fit, once made, stays (`keep_fit`) while later calls give none, until they give a new one: calls of one size
+    (a token's one or two misses under real-like routing) give no line, and the average rate then prices every
+    miss at a whole call, fixed cost included (19 GB/s on the H200 machine's Qwen3-30B-A3B-like calls of one
+    expert), which made the slot weighing leave every slot to copies (NOTES-overhead.md, twentieth session)."""
 
     def __init__(self, keep: float = 0.9, fit: bool = True, fit_keep: float = 0.98, min_calls: int = 8,
-                 min_spread: float = 0.2):
+                 min_spread: float = 0.2, keep_fit: bool = True):
         self.keep, self.fit, self.fit_keep, self.min_calls, self.min_spread = keep, fit, fit_keep, min_calls, min_spread
+        self.keep_fit = keep_fit
         self.average: float | None = None
         self._sums = [0.0] * 5  # weighted count, Σx, Σy, Σx², Σxy (x bytes, y seconds)
         self._calls = 0
@@ -98,7 +104,10 @@ class CpuRate:
         if not self.fit:
             return None
         if self._stale:
-            self._fitted, self._stale = self._line(), False
+            line = self._line()
+            if line is not None or not self.keep_fit:
+                self._fitted = line
+            self._stale = False
         return self._fitted
 
     @property
