@@ -24,6 +24,18 @@ def feed(trials: LayerSplitTrials, seconds: float, steps: int, tokens: int = 1) 
     return asked
 
 
+def half_budget_engine(model_folder, mode: str = "auto", **trials):
+    """The model with half its experts' budget on the simulated device, its engine in `mode`; under auto, trials
+    with the given settings."""
+    budget = int(0.5 * device_expert_bytes(model_folder))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget),
+                             device=SimulatedDevice(1 << 30))
+    model.offload.set_layer_split(mode)
+    if trials:
+        model.offload.split_trials = LayerSplitTrials(**trials)
+    return model, model.offload
+
+
 def test_trials_keep_whole_layers_where_they_decode_faster_and_measure_again_later():
     trials = LayerSplitTrials(first=3, settle=2, window=4, recheck=10, margin=0.05)
     assert feed(trials, 0.5, 5, tokens=7) == []   # prefill steps neither count nor interrupt
@@ -76,12 +88,8 @@ def test_the_whole_layer_plan_fills_layers_in_order_and_leaves_the_rest_unspent(
 
 
 def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_answers(model_folder, cpu_run):
-    budget = int(0.5 * device_expert_bytes(model_folder))
-    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget),
-                             device=SimulatedDevice(1 << 30))
-    engine = model.offload
-    engine.set_layer_split("auto")
-    engine.split_trials = LayerSplitTrials(first=1, settle=1, window=2, recheck=1000)
+    model, engine = half_budget_engine(model_folder, first=1, settle=1, window=2, recheck=1000)
+    budget = engine.plan.budget_bytes
     num_experts = model.folder.experts[0].spec.num_experts
     assert engine.whole_layers is False and all(0 < layer.num_slots < num_experts for layer in engine.slots)
     # step times as a machine where whole layers decode in two thirds of the spread's time would give them
@@ -123,11 +131,7 @@ def test_no_trials_where_the_user_placed_the_nodes_or_placement_is_static(model_
 
 
 def test_a_fixed_split_is_planned_at_once_and_an_unknown_one_refused(model_folder):
-    budget = int(0.5 * device_expert_bytes(model_folder))
-    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget),
-                             device=SimulatedDevice(1 << 30))
-    engine = model.offload
-    engine.set_layer_split("whole")
+    _model, engine = half_budget_engine(model_folder, "whole")
     assert engine.whole_layers is True and engine.copy_state()["layer_split"]["mode"] == "whole"
     engine.end_step(0.001, 1)  # no trials under a fixed split
     assert engine.whole_layers is True
@@ -139,12 +143,7 @@ def test_a_fixed_split_is_planned_at_once_and_an_unknown_one_refused(model_folde
 def test_a_re_plan_the_trials_ask_for_that_fails_keeps_the_plan_in_force_and_ends_the_trials(model_folder, monkeypatch):
     from engine.errors import WorkbenchError
 
-    budget = int(0.5 * device_expert_bytes(model_folder))
-    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget),
-                             device=SimulatedDevice(1 << 30))
-    engine = model.offload
-    engine.set_layer_split("auto")
-    engine.split_trials = LayerSplitTrials(first=0, settle=0, window=1)
+    _model, engine = half_budget_engine(model_folder, first=0, settle=0, window=1)
     slots = [layer.num_slots for layer in engine.slots]
 
     def refused(config):
