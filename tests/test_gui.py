@@ -515,3 +515,15 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     qtbot.waitUntil(lambda: engine.layer_split_mode == "spread" and not window.busy, timeout=WAIT)
     assert not engine.whole_layers and [layer.num_slots for layer in engine.slots] == [4, 4]
     assert window.model_settings(str(path))["layer_split"] == "spread"
+    qtbot.waitUntil(lambda: "Layer split fixed: spread over every layer." in window.model_panel.landed.text(),
+                    timeout=WAIT)
+    # the engine's own re-plan (a trial found whole layers faster): the window says so and shows where things landed
+    engine.layer_split_mode = "auto"
+    engine.split_trials.measured = {"spread": 0.030, "whole": 0.020}
+    engine._set_whole_layers(True)
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: "Measured faster: the expert budget now holds whole layers" in window.status_state.text(),
+                    timeout=WAIT)
+    assert ("Layer split measured while decoding: whole layers (a decode step took 20.0 ms with whole layers, "
+            "30.0 ms spread).") in window.model_panel.landed.text()
+    assert "The budget holds whole layers: 1 of 2 expert layers" in window.model_panel.landed.text()

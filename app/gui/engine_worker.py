@@ -67,7 +67,7 @@ class EngineWorker(QObject):
     streamed = Signal(str, int)        # text, tokens: the answer so far, in batches (at most ~30 a second)
     answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement, offload
     offloadStats = Signal(object)      # dict: placement and traffic (numpy), a few times a second while generating
-    replanned = Signal(dict)           # statements, landed
+    replanned = Signal(dict)           # statements, landed; by_engine: why, when the engine re-planned by itself
     unloaded = Signal()
     failed = Signal(str)               # one line for the user
     jobProgress = Signal(str, float, str)  # job kind, fraction done, what runs now
@@ -99,6 +99,7 @@ class EngineWorker(QObject):
         self._system_prompt = ""
         self._last_stats = 0.0
         self._decode_mark = None
+        self._landed_whole = False  # the layer split the last "landed" statements described (engine re-plans)
         self.requestOpen.connect(self._open)
         self.requestDemo.connect(self._demo)
         self.requestLoad.connect(self._load)
@@ -207,10 +208,14 @@ class EngineWorker(QObject):
     def _landed(self, notes: list[str]) -> list[str]:
         """Plain sentences: where every part of the loaded model is, and why."""
         model, facts, offload = self._model, self._loaded_facts, self._model.offload
+        self._landed_whole = offload.whole_layers
         lines = list(notes)
         per_layer = [(info.layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]
         lines += offload.plan.statements
+        split = split_sentence(offload.copy_state()["layer_split"])
+        if split:
+            lines.append(split)
         if self._device is not None:
             lines.append(f"Experts resident per layer: {layer_summary(per_layer)}.")
             memory = self._device.memory
@@ -383,6 +388,10 @@ class EngineWorker(QObject):
         offload = self._model.offload if self._model is not None else None
         if offload is None:
             return
+        if offload.whole_layers != self._landed_whole:  # the layer split's trials re-planned (layer_split.py)
+            self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
+                                 "by_engine": "Measured faster: the expert budget now holds " + (
+                                     "whole layers" if offload.whole_layers else "part of every layer")})
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
                    "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,
@@ -456,6 +465,18 @@ class EngineWorker(QObject):
         self._drop_model()
         if had:
             self.unloaded.emit()
+
+
+def split_sentence(split: dict) -> str:
+    """The layer split in force and why, for "where everything landed" ('' before any trial under auto)."""
+    measured = split.get("measured_ms") or {}
+    if split.get("mode") in ("spread", "whole"):
+        return f"Layer split fixed: {'whole layers' if split['mode'] == 'whole' else 'spread over every layer'}."
+    if not {"spread", "whole"} <= measured.keys():
+        return ""
+    kept = "whole layers" if split.get("whole_layers") else "the budget spread over every layer"
+    return (f"Layer split measured while decoding: {kept} (a decode step took {measured['whole']:.1f} ms with whole "
+            f"layers, {measured['spread']:.1f} ms spread).")
 
 
 def _layer_split(settings: dict) -> str:

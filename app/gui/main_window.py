@@ -559,7 +559,9 @@ class MainWindow(QMainWindow):
     def _on_replanned(self, info: dict) -> None:
         self.model_panel.show_landed(info["landed"])
         self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
-        self.status_state.setText("Re-planned without reloading")
+        self.status_state.setText(info.get("by_engine") or "Re-planned without reloading")
+        if info.get("by_engine"):
+            self.graphs.add_marker("whole layers" if "whole layers" in info["by_engine"] else "spread", "event")
         if "entries" in info:
             self.side_by_side.set_loaded(self.loaded_path, info["entries"])
 
