@@ -170,9 +170,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--fractions", default="0,0.25,0.5,1", help="resident fractions, comma-separated")
-    parser.add_argument("--decode-warmup", type=int, default=4,
-                        help="decode steps before the timed ones (48: the engine's layer-split trial is done by then, "
-                             "engine/offload/layer_split.py)")
+    parser.add_argument("--decode-warmup", type=int, default=48,
+                        help="decode steps before the timed ones: by 48 the engine's layer-split trial is done "
+                             "(engine/offload/layer_split.py), so the figure is the split it keeps")
     parser.add_argument("--repeats", type=int, default=1,
                         help="decode measurements per fraction (the figure: their median; see decode_repeats)")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
