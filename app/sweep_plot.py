@@ -10,7 +10,9 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     """points: SweepPoint.as_dict() rows. Four panels against the expert budget (GiB). On a simulated device
     (rows with projected_completion_s) the completion and decode panels also draw the values projected for the
     simulated card (orange), next to the measured ones (blue), and the recommendation (red line) follows the
-    projected completion time: the panels' titles say so."""
+    projected completion time: the panels' titles say so. Where the sweep compared layer splits (rows with
+    split "whole"), the whole-layer points are squares beside the spread's line. (Not a line: a further line
+    series in this export aborted the CLI's process at exit, in pyqtgraph / PySide6's teardown, on the dev VM.)"""
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import pyqtgraph as pg
     import pyqtgraph.exporters
@@ -21,9 +23,11 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     layout = pg.GraphicsLayoutWidget()
     layout.resize(1100, 700)
     byte_unit, byte_scale = _byte_unit(max(p["budget_bytes"] for p in points))
-    budgets = [p["budget_bytes"] / byte_scale for p in points]
     rss_unit, rss_scale = _byte_unit(max(p["peak_rss_bytes"] for p in points))
     device_unit, device_scale = _byte_unit(max(p["peak_device_bytes"] for p in points))
+    whole = [p for p in points if p.get("split") == "whole"]
+    points = [p for p in points if p.get("split") != "whole"]  # every budget once: the spread (or the only split)
+    budgets = [p["budget_bytes"] / byte_scale for p in points]
     projected = all(p.get("projected_completion_s") is not None for p in points)
     panels = (("completion time", "s", "completion_s", 1), ("decode", "tokens/s", "decode_tokens_per_s", 1),
               ("device memory peak", device_unit, "peak_device_bytes", device_scale),
@@ -33,6 +37,8 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
         if with_projection:
             title += ("<br><span style='font-size:9pt'>blue measured, orange projected for the simulated card"
                       + ("; red: recommended by the projected time" if key == "completion_s" else "") + "</span>")
+        if whole:
+            title += "<br><span style='font-size:9pt'>squares: the budget on whole layers</span>"
         plot = layout.addPlot(row=index // 2, col=index % 2, title=title)
         plot.setLabel("bottom", f"expert budget, device_expert_bytes ({byte_unit})")
         plot.setLabel("left", unit)
@@ -42,6 +48,12 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
         if with_projection:
             guess = [(p[f"projected_{key}"] or 0) / scale for p in points]
             plot.plot(budgets, guess, pen=pg.mkPen("#e36209", width=2), symbol="t", symbolBrush="#e36209")
+        if whole:
+            x = [p["budget_bytes"] / byte_scale for p in whole]
+            plot.plot(x, [(p[key] or 0) / scale for p in whole], pen=None, symbol="s", symbolBrush="#1f6feb")
+            if with_projection:
+                plot.plot(x, [(p[f"projected_{key}"] or 0) / scale for p in whole], pen=None, symbol="s",
+                          symbolBrush="#e36209")
         plot.addItem(pg.InfiniteLine(recommended_budget / byte_scale, angle=90,
                                      pen=pg.mkPen("#d1242f", width=2, style=pg.QtCore.Qt.PenStyle.DashLine)))
     layout.show()

@@ -191,6 +191,28 @@ def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
     assert "| inference |" in report.markdown()
 
 
+def test_a_sweep_of_both_layer_splits_runs_whole_layers_where_the_budget_holds_some(tmp_path):
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, layer_split="auto")
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=3), splits=("spread", "whole"))
+    # 2 layers: half the budget holds one whole, none and all hold 0 and 2: one run there
+    assert [(p.fraction, p.split) for p in points] == [(0.0, "spread"), (0.5, "spread"), (0.5, "whole"),
+                                                       (1.0, "spread")]
+    spread, whole = points[1].records[0], points[2].records[0]
+    assert spread.offload["layer_split"]["mode"] == "spread" and whole.offload["layer_split"]["mode"] == "whole"
+    assert sorted(whole.offload["slots"].values()) == [0, 8] and sorted(spread.offload["slots"].values()) == [4, 4]
+    assert points[2].as_dict()["split"] == "whole" and "whole" in whole.label
+    assert model.offload.layer_split_mode == "auto"  # the model's own split, put back
+    # of one budget's splits, the recommendation takes the faster
+    fast = SweepPoint(100, 0.5, split="whole")
+    slow = SweepPoint(100, 0.5, split="spread")
+    for point, seconds in ((fast, 1.0), (slow, 2.0)):
+        point.records.append(RunRecord(scenario="s", created="", versions={}, machine={}, model={}, offload={},
+                                       timings={"completion_s": seconds, "decode_tokens_per_s": 1.0},
+                                       peaks={"device_bytes": 0, "rss_bytes": 0}))
+    assert recommend([slow, fast], margin=0.5) is fast
+
+
 def test_cli_record_sweep_history_contention(tmp_path):
     from tests.test_bad_input import run_cli
 
@@ -205,6 +227,12 @@ def test_cli_record_sweep_history_contention(tmp_path):
     result = json.loads(sweep.stdout)
     assert len(result["points"]) == 2 and result["recommended_budget_bytes"] in [p["budget_bytes"] for p in result["points"]]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = run_cli("sweep", model, "--device", "simulated", "--points", "3", "--max-new-tokens", "2", "--both-splits",
+                   "--plot", str(plot), "--json", "--history", str(tmp_path / "other.sqlite3"))
+    assert both.returncode == 0, both.stderr
+    result = json.loads(both.stdout)
+    assert [p["split"] for p in result["points"]] == ["spread", "spread", "whole", "spread"]
+    assert result["recommended_split"] in ("spread", "whole")
     listed = run_cli("history", "--history", history, "--export", "csv")
     assert len(listed.stdout.strip().splitlines()) == 1 + 1 + 2  # header, record, two sweep points
     corpus = make_corpus(tmp_path / "corpus", files=10, words_per_file=100)

@@ -1,5 +1,8 @@
 """Budget sweeps: run the scenarios at several expert budgets on one loaded model (re-planned,
-not reloaded) and recommend the smallest budget within a margin of the best."""
+not reloaded) and recommend the smallest budget within a margin of the best. With `splits`, each budget
+that holds some but not all expert layers whole is run with the budget spread over every layer and on whole
+layers (engine/offload/layer_split.py), fixed for the point: the engine's own trials need more decode steps than
+a sweep's scenarios give."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.generation import GenerationParams, LoadedModel
-from engine.offload.planner import all_resident_bytes
+from engine.offload.layer_split import SPREAD
+from engine.offload.planner import all_resident_bytes, whole_layers_held
 from engine.records.scenarios import run_scenario
 from engine.records.schema import RunRecord
 
@@ -17,6 +21,7 @@ class SweepPoint:
     budget_bytes: int
     fraction: float
     records: list[RunRecord] = field(default_factory=list)
+    split: str | None = None  # the layer split the point ran with, where the sweep compared splits
 
     @property
     def completion_s(self) -> float:
@@ -63,7 +68,8 @@ class SweepPoint:
         return max(r.peaks["rss_bytes"] for r in self.records) if self.records else 0
 
     def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "completion_s": self.completion_s,
+        return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "split": self.split,
+                "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes,
                 **({"projected_completion_s": self.projected_completion_s,
@@ -79,36 +85,62 @@ def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]
     return [(i / (count - 1), round(total_expert_bytes * i / (count - 1))) for i in range(count)]
 
 
+def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None = None) -> list[tuple]:
+    """(fraction, budget, split) of every point: each budget once (split None), or with `splits` once per split
+    where the splits differ (a budget that holds some but not all expert layers whole), once (spread) elsewhere."""
+    infos = model.offload.infos
+    layers = sum(1 for info in infos if info.gpu is not None)
+    plan = []
+    # 100% = every expert in a device slot: slots may be larger than the stored experts (converted layouts,
+    # the prefill's fp16 scale copy), so the stored size would stop short of all resident
+    for fraction, budget in budget_points(all_resident_bytes(infos), points):
+        if not splits:
+            plan.append((fraction, budget, None))
+        elif 0 < whole_layers_held(infos, budget) < layers:
+            plan += [(fraction, budget, split) for split in splits]
+        else:
+            plan.append((fraction, budget, SPREAD))
+    return plan
+
+
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
-              on_text=None) -> list[SweepPoint]:
+              on_text=None, splits: tuple[str, ...] | None = None) -> list[SweepPoint]:
     """Only complete points are returned: `cancel` (checked between tokens) ends the sweep early.
-    `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer."""
+    `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer. `splits` (e.g.
+    ("spread", "whole")): the layer splits to compare at each budget (sweep_plan); the model's own layer split
+    is put back afterwards."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     results = []
-    # 100% = every expert in a device slot: slots may be larger than the stored experts (converted layouts,
-    # the prefill's fp16 scale copy), so the stored size would stop short of all resident
-    plan = budget_points(all_resident_bytes(model.offload.infos), points)
+    plan = sweep_plan(model, points, splits)
     total_runs = len(plan) * len(scenarios)
+    mode = model.offload.layer_split_mode
     # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
     # kernel 476 µs per step at the first point against 145 µs when repeated).
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
-    for index, (fraction, budget) in enumerate(plan):
-        model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget))
-        device.memory.high_water = device.memory.used  # peaks per point
-        point = SweepPoint(budget, fraction)
-        for offset, scenario in enumerate(scenarios):
-            if cancel is not None and cancel.is_set():
-                return results
-            point.records.append(run_scenario(model, scenario, params, device, label=f"{label} {fraction:.0%}",
-                                              cancel=cancel, on_text=on_text))
-            if cancel is not None and cancel.is_set():  # the point's last answer was cut short: not a result
-                return results
-            if progress:
-                progress((index * len(scenarios) + offset + 1) / total_runs)
-        results.append(point)
-    return results
+    try:
+        for index, (fraction, budget, split) in enumerate(plan):
+            model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget))
+            if split is not None:
+                model.offload.set_layer_split(split)
+            device.memory.high_water = device.memory.used  # peaks per point
+            point = SweepPoint(budget, fraction, split=split)
+            tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
+            for offset, scenario in enumerate(scenarios):
+                if cancel is not None and cancel.is_set():
+                    return results
+                point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel,
+                                                  on_text=on_text))
+                if cancel is not None and cancel.is_set():  # the point's last answer was cut short: not a result
+                    return results
+                if progress:
+                    progress((index * len(scenarios) + offset + 1) / total_runs)
+            results.append(point)
+        return results
+    finally:
+        if model.offload.layer_split_mode != mode:
+            model.offload.set_layer_split(mode)
 
 
 def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
@@ -118,7 +150,7 @@ def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
     key = (lambda point: point.projected_completion_s) if projected else (lambda point: point.completion_s)
     best = min(key(point) for point in points)
     eligible = [point for point in points if key(point) <= best * (1 + margin)]
-    return min(eligible, key=lambda point: point.budget_bytes)
+    return min(eligible, key=lambda point: (point.budget_bytes, key(point)))  # of one budget's splits, the faster
 
 
 def uses_projection(points: list[SweepPoint]) -> bool:
