@@ -271,3 +271,29 @@ def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, 
     assert view.table.item(1, 3).text() == f"{report.inference_slowdown:.2f}×"
     saved = view.save(str(tmp_path / "contention.md"))
     assert saved.read_text() == report.markdown()
+
+
+def test_sweep_view_runs_both_layer_splits_and_draws_the_whole_layer_points_apart(qtbot, window):
+    load(qtbot, window, "gptoss", SIMULATED)
+    view = window.sweep
+    view.points.setValue(3)
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(3)
+    view.both_splits.setChecked(True)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    points = view.result.points
+    # 2 layers: half the budget holds one whole; none and all hold 0 and 2 (one run there)
+    assert [(p.fraction, p.split) for p in points] == [(0.0, "spread"), (0.5, "spread"), (0.5, "whole"),
+                                                       (1.0, "spread")]
+    assert view.result.requested == 4 and not view.result.cancelled
+    x, _y = view.curves["completion"].getData()
+    assert list(x) == [view.x(p) for p in points if p.split == "spread"]  # the curve: every budget once
+    whole_x, whole_y = view.whole["completion"].getData()
+    assert list(whole_x) == [view.x(points[2])] and list(whole_y) == [points[2].completion_s]
+    assert list(view.projected_whole["tokens"].getData()[1]) == [points[2].projected_decode_tokens_per_s]
+    best = view.recommended
+    assert best is recommend(points, view.margin.value() / 100)
+    where = {"whole": "on whole layers", "spread": "spread over every layer"}[best.split]
+    assert where in view.summary.text()
+    assert window.worker._model.offload.layer_split_mode == "spread"  # the loaded model's split (the suite's), back

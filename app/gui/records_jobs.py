@@ -19,7 +19,7 @@ from engine.records.history import History
 from engine.records.scenarios import SCENARIOS, run_scenario
 from engine.records.schema import RunRecord
 from engine.records.side_by_side import Comparison, Side, compare
-from engine.records.sweep import SweepPoint, run_sweep
+from engine.records.sweep import SweepPoint, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 
@@ -122,7 +122,7 @@ class ScenarioJob:
 @dataclass
 class SweepResult:
     points: list[SweepPoint]
-    requested: int
+    requested: int              # the points the sweep planned (with both layer splits, two at some budgets)
     model_folder: str
     base_entries: dict          # the loaded configuration the sweep started from (restored after it)
     saved_ids: list[int] = field(default_factory=list)
@@ -135,12 +135,14 @@ class SweepResult:
 @dataclass
 class SweepJob:
     """Re-plan the loaded model at `points` budgets from none to every expert (no reload), run the
-    scenarios at each, restore the loaded budgets; a complete sweep's records go to the history."""
+    scenarios at each (with `both_splits`, spread and on whole layers where a budget holds some layers whole:
+    engine.records.sweep.sweep_plan), restore the loaded budgets; a complete sweep's records go to the history."""
     points: int
     scenarios: list[str]
     max_new_tokens: int
     history_path: str | None = None
     label: str = "sweep"
+    both_splits: bool = False
 
     def __call__(self, ctx: JobContext) -> SweepResult:
         model = ctx.loaded()
@@ -149,7 +151,9 @@ class SweepJob:
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
         params = greedy(self.max_new_tokens)
         original = model.offload.config
-        total = self.points * len(self.scenarios)
+        splits = ("spread", "whole") if self.both_splits else None
+        planned = len(sweep_plan(model, self.points, splits))
+        total = planned * len(self.scenarios)
         tokens, done, last = [0], [0], [0.0]
 
         def on_text(_token, _delta) -> None:
@@ -166,10 +170,10 @@ class SweepJob:
         ctx.progress(0.0, f"run 1 of {total}")
         try:
             points = run_sweep(model, ctx.device, self.points, self.scenarios, params, label=self.label,
-                               progress=progress, cancel=ctx.cancel, on_text=on_text)
+                               progress=progress, cancel=ctx.cancel, on_text=on_text, splits=splits)
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
-        result = SweepResult(points, self.points, str(model.folder.folder), original.to_entries())
+        result = SweepResult(points, planned, str(model.folder.folder), original.to_entries())
         if not result.cancelled:
             history = History(self.history_path)
             result.saved_ids = [history.add(record) for point in points for record in point.records]

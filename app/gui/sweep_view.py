@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pyqtgraph as pg
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
-                               QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
+                               QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.job_bar import JobBar
@@ -61,6 +61,10 @@ class SweepView(QWidget):
         self.margin = QDoubleSpinBox(minimum=0.0, maximum=100.0, value=10.0, suffix=" %", decimals=1, singleStep=1.0)
         self.margin.setAccessibleName("Margin")
         self.margin.setToolTip("Recommend the smallest budget whose completion time is within this much of the fastest")
+        self.both_splits = QCheckBox("Both layer splits")
+        self.both_splits.setToolTip("At every budget that holds some but not all layers whole, run the budget spread over "
+                                    "every layer and on whole layers (squares), and recommend across both: the "
+                                    "engine's own trial needs more decode steps than a sweep's scenarios give")
         self.bar = JobBar("Sweep", "Stop at the next token; a cancelled sweep saves nothing")
         self.summary = QLabel("Runs the scenarios at each budget on the loaded model (it needs a simulated or CUDA "
                               "device) and recommends the smallest budget within the margin of the fastest.")
@@ -75,6 +79,8 @@ class SweepView(QWidget):
         self.marks: dict[str, pg.InfiniteLine] = {}
         self.chosen: dict[str, pg.ScatterPlotItem] = {}
         self.projected_curves: dict[str, pg.PlotDataItem] = {}  # PROJECTED's panels, empty off a simulated device
+        self.whole: dict[str, pg.ScatterPlotItem] = {}  # the whole-layer points (squares), where the sweep ran both
+        self.projected_whole: dict[str, pg.ScatterPlotItem] = {}
         self.projected = False  # the points shown carry projections (a sweep on the simulated device)
         self.canvas = pg.GraphicsLayoutWidget()
         self.canvas.setMinimumHeight(260)
@@ -89,6 +95,10 @@ class SweepView(QWidget):
             self.curves[key] = plot.plot([], [], symbol="o")
             if key in PROJECTED:
                 self.projected_curves[key] = plot.plot([], [], symbol="t")
+                self.projected_whole[key] = pg.ScatterPlotItem(symbol="s", size=9)
+                plot.addItem(self.projected_whole[key])
+            self.whole[key] = pg.ScatterPlotItem(symbol="s", size=9)
+            plot.addItem(self.whole[key])
             self.chosen[key] = pg.ScatterPlotItem(size=14)
             plot.addItem(self.chosen[key])
             self.marks[key] = pg.InfiniteLine(angle=90, movable=False)
@@ -104,6 +114,7 @@ class SweepView(QWidget):
         options.addWidget(self.max_tokens, 1, 1)
         options.addWidget(QLabel("Margin"), 1, 2)
         options.addWidget(self.margin, 1, 3)
+        options.addWidget(self.both_splits, 2, 0, 1, 4)
         save = QHBoxLayout()
         save.addWidget(self.name, 1)
         save.addWidget(self.save_button)
@@ -133,6 +144,8 @@ class SweepView(QWidget):
             if key in self.projected_curves:
                 self.projected_curves[key].setPen(pg.mkPen(t.others, width=2, style=pg.QtCore.Qt.PenStyle.DashLine))
                 self.projected_curves[key].setSymbolBrush(pg.mkBrush(t.others))
+                self.projected_whole[key].setBrush(pg.mkBrush(t.others))
+            self.whole[key].setBrush(pg.mkBrush(t.accent))
             self.chosen[key].setPen(pg.mkPen(t.error, width=2))
             self.chosen[key].setBrush(pg.mkBrush(None))
             self.marks[key].setPen(pg.mkPen(t.error, width=1, style=pg.QtCore.Qt.PenStyle.DashLine))
@@ -142,7 +155,7 @@ class SweepView(QWidget):
 
     def run(self) -> None:
         job = SweepJob(self.points.value(), scenario_names(self.scenario.currentText()), self.max_tokens.value(),
-                       self.history_path)
+                       self.history_path, both_splits=self.both_splits.isChecked())
         self.bar.start(f"Sweeping {job.points} budgets…")
         self.jobRequested.emit(KIND, job)
 
@@ -170,9 +183,12 @@ class SweepView(QWidget):
 
     # --- plots and the recommendation ---------------------------------------------------------------
     def plot(self, points: list[SweepPoint]) -> None:
-        """Each panel against the budget; bytes in the unit that fits (self.x / self.y give plotted values)."""
+        """Each panel against the budget; bytes in the unit that fits (self.x / self.y give plotted values). Where
+        the sweep ran both layer splits, the whole-layer points are squares beside the spread's curve."""
         self.scales["budget"] = byte_unit(max((p.budget_bytes for p in points), default=0))
         self.projected = uses_projection(points)
+        whole = [p for p in points if p.split == "whole"]
+        curve_points = [p for p in points if p.split != "whole"]  # every budget once
         for key, heading, get, is_bytes in PANELS:
             if is_bytes:
                 self.scales[key] = byte_unit(max((get(p) or 0 for p in points), default=0))
@@ -183,11 +199,15 @@ class SweepView(QWidget):
                 self.plots[key].setTitle(title, color=self._theme.text)
                 curve = self.projected_curves[key]
                 if self.projected:
-                    curve.setData([self.x(p) for p in points], [PROJECTED[key](p) or 0 for p in points])
+                    curve.setData([self.x(p) for p in curve_points], [PROJECTED[key](p) or 0 for p in curve_points])
+                    self.projected_whole[key].setData([self.x(p) for p in whole],
+                                                      [PROJECTED[key](p) or 0 for p in whole])
                 else:
                     curve.setData([], [])
+                    self.projected_whole[key].setData([], [])
             self.plots[key].setLabel("bottom", f"expert budget ({self.scales['budget'][0]})")
-            self.curves[key].setData([self.x(p) for p in points], [self.y(key, p) for p in points])
+            self.curves[key].setData([self.x(p) for p in curve_points], [self.y(key, p) for p in curve_points])
+            self.whole[key].setData([self.x(p) for p in whole], [self.y(key, p) for p in whole])
             self.chosen[key].setData([], [])
             self.marks[key].hide()
 
@@ -204,6 +224,7 @@ class SweepView(QWidget):
         margin = self.margin.value() / 100
         best = recommend(self.result.points, margin)
         self.recommended = best
+        where = {"whole": ", on whole layers", "spread": ", spread over every layer"}.get(best.split, "")
         for key, *_rest in PANELS:
             # on a simulated device the recommended point is marked on the projected curve it was chosen by
             y = (PROJECTED[key](best) or 0) if self.projected and key in PROJECTED else self.y(key, best)
@@ -214,7 +235,7 @@ class SweepView(QWidget):
             fastest = min(p.projected_completion_s for p in self.result.points)
             bw = best.records[0].timings["projected"].get("bandwidths") or {}
             self.summary.setText(
-                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}), "
+                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
                 f"by the completion time projected for the simulated card (PCIe "
                 f"{bw.get('pcie_bytes_per_s', 0) / 1e9:.0f} GB/s, HBM {bw.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s "
                 f"assumed): {best.projected_completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
@@ -225,7 +246,7 @@ class SweepView(QWidget):
         else:
             fastest = min(p.completion_s for p in self.result.points)
             self.summary.setText(
-                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}), "
+                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
                 f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
                 f"{best.decode_tokens_per_s:.1f} tok/s, device peak {human_bytes(best.peak_device_bytes)}, "
                 f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
@@ -244,9 +265,11 @@ class SweepView(QWidget):
         try:
             config = OffloadConfig.from_entries(self.result.base_entries).updated(
                 device_expert_bytes=self.recommended.budget_bytes)
+            # the layer split is this app's own setting, not an onnxruntime key: said in the note
+            split = ("; with the Layer split on whole layers" if self.recommended.split == "whole" else "")
             path = save_configuration(name, self.result.model_folder, config,
-                                      note=f"sweep recommendation within {self.margin.value():.0f}% of the fastest",
-                                      path=self.configurations_path)
+                                      note=f"sweep recommendation within {self.margin.value():.0f}% of the fastest"
+                                           + split, path=self.configurations_path)
         except Exception as exc:
             self.failed.emit(f"Could not save the configuration '{name}': {exc}")
             return None
