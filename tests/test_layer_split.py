@@ -92,7 +92,9 @@ def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_
     budget = engine.plan.budget_bytes
     num_experts = model.folder.experts[0].spec.num_experts
     assert engine.whole_layers is False and all(0 < layer.num_slots < num_experts for layer in engine.slots)
-    # step times as a machine where whole layers decode in two thirds of the spread's time would give them
+    # step times as a machine where whole layers decode in two thirds of the spread's time would give them, taken as
+    # the card's (the simulated device's projection of them: the last test)
+    engine._trial_seconds = lambda seconds: seconds
     model.decoder.on_step_end = lambda seconds, tokens: engine.end_step(
         0.020 if engine.whole_layers else 0.030, tokens)
     run = greedy_run(model)
@@ -155,3 +157,16 @@ def test_a_re_plan_the_trials_ask_for_that_fails_keeps_the_plan_in_force_and_end
     assert [layer.num_slots for layer in engine.slots] == slots
     engine.end_step(0.001, 1)  # no more trials
     assert engine.split_trials.trials == 0
+
+
+def test_on_the_simulated_device_the_trials_compare_the_cards_projected_step_times(model_folder, monkeypatch):
+    _model, engine = half_budget_engine(model_folder, first=0, settle=0, window=1)
+    seen = []
+    monkeypatch.setattr(engine.split_trials, "step", lambda seconds, tokens: seen.append(seconds))
+    decode = engine.stats.phases["decode"]
+    engine.end_step(0.050, 1)  # the first safe point: no totals to difference yet, the wall time
+    decode.cpu_s += 0.010      # this step: the CPU's experts 10 ms, the stand-in's 20 ms, the card's path 4 ms
+    decode.standin_s += 0.020
+    decode.critical_s += 0.004
+    engine.end_step(0.050, 1)
+    assert seen == [0.050, pytest.approx(0.050 - 0.010 - 0.020 + 0.004)]

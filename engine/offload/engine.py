@@ -20,6 +20,7 @@ from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD, WHOLE, Laye
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, whole_layers_held
+from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
@@ -71,6 +72,7 @@ class OffloadEngine:
             raise WorkbenchError(f"layer split '{self.layer_split_mode}': one of {', '.join(SPLIT_MODES)}")
         self.split_trials = LayerSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
+        self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
         self.plan: OffloadPlan = self._plan(config)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
@@ -284,8 +286,9 @@ class OffloadEngine:
         self.stats.end_step()
         self.copy_reuse.end_step()
         if self.device is not None:
-            if step_s is not None and self.layer_split_mode == "auto" and self._split_is_choosable():
-                wanted = self.split_trials.step(step_s, tokens)
+            trial_s = self._trial_seconds(step_s)
+            if trial_s is not None and self.layer_split_mode == "auto" and self._split_is_choosable():
+                wanted = self.split_trials.step(trial_s, tokens)
                 if wanted is not None:
                     try:
                         self._set_whole_layers(wanted == WHOLE)
@@ -298,6 +301,17 @@ class OffloadEngine:
             limit = None if step_s is None else self.swap_allowance.grant(step_s)
             self.swap_allowance.spent(self._apply(self.policy.rebalance(limit)))
             self.stats.pinned = self.pinned_info()
+
+    def _trial_seconds(self, step_s: float | None) -> float | None:
+        """A step's seconds as the layer split's trials compare them: the wall time, or on the simulated device the
+        card's (projection.py: the stand-in's and the CPU's expert time replaced by the step's critical path), from
+        the decode phase's totals since the last safe point (the step's deferred accounts are in by now)."""
+        decode = self.stats.phases["decode"]
+        mark = (decode, decode.cpu_s, decode.standin_s, decode.critical_s)
+        last, self._decode_mark = self._decode_mark, mark
+        if step_s is None or not is_simulated(self.device) or last is None or last[0] is not decode:
+            return step_s  # no projection, or the statistics were reset since: the wall time
+        return step_s - (mark[1] - last[1]) - (mark[2] - last[2]) + (mark[3] - last[3])
 
     def _split_is_choosable(self) -> bool:
         """Whether spreading the budget and whole layers are two plans to choose between: a hybrid plan under

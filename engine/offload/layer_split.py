@@ -15,7 +15,9 @@ kept only when `margin` faster. The first trial starts after `first` decode step
 `recheck` decode steps after the last one, as routing changes with the conversation; each trial that keeps the split
 in force doubles that wait, up to `recheck_max`, since a trial costs up to two re-plans (the residents copied again:
 ~0.2-0.3 s for Qwen3-30B-A3B-like at half residency) and steps the slower way. Steps of more than one token (prefill)
-are not counted and do not interrupt a trial.
+are not counted and do not interrupt a trial. On the simulated device the step times compared are those projected
+for the card it simulates (OffloadEngine._trial_seconds, projection.py): its wall time computes the "device" experts
+on the CPU.
 """
 
 from __future__ import annotations
