@@ -220,3 +220,25 @@ def test_cuda_zero_budget_streams_misses_through_the_shared_slots(folder, monkey
     assert (device.pinned.copies == 0) == registered
     model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=device_total(folder)))
     assert model.offload.streaming.groups == [] and device.memory.by_purpose["decode streaming slots"] == 0
+
+
+def test_cuda_whole_layers_and_back_match_the_cpu(folder):
+    """The layer split on real CUDA slots, the dense part on the CPU: half the budget on whole layers (one layer with
+    every expert, routed on the device's slots; the others all on the CPU), then spread again, on one loaded model."""
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=8)
+    device = open_cuda_device()
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_total(folder) // 2),
+                             device=device, layer_split="whole")
+    engine = model.offload
+    num_experts = SPEC.num_experts
+    assert sorted(layer.num_slots for layer in engine.slots) == [0, 0, num_experts]
+    for split in ("whole", "spread"):
+        engine.set_layer_split(split)
+        logits, tokens = greedy_run(model, steps=8)
+        errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
+        assert max(errors) < 2e-2, (split, errors)
+        assert tokens[:4] == ref_tokens[:4]
+    assert engine.whole_layers is False and all(0 < layer.num_slots < num_experts for layer in engine.slots)
+    assert device.memory.high_water <= device.memory.ceiling
