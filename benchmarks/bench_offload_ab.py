@@ -184,8 +184,8 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
     defaults = None
     for r in range(rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]))
-            model.offload.set_layer_split(splits[name])
+            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]),
+                                      layer_split=splits[name])
             if defaults is None:
                 defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
             set_switches(model, {**defaults, **variant_switches[name]})

@@ -53,12 +53,9 @@ class _Engine:
         self.reconfigured = []
         self.reconfigure(None)
 
-    def reconfigure(self, config):
+    def reconfigure(self, config, layer_split=None):
         self.reconfigured.append(config)
-        self.split = None
-
-    def set_layer_split(self, mode):
-        self.split = mode
+        self.split = layer_split
         shared = type("Group", (), {"gpu": _Kernel()})()
         self.stores = [type("Slots", (), {"gpu": _Kernel()})(), None, type("Sim", (), {})()]
         self.streaming = type("Plan", (), {"by_layer": [shared, None, shared]})()

@@ -14,7 +14,7 @@ from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html
 from engine.offload.config import OffloadConfig
-from engine.offload.planner import all_resident_bytes, whole_layers_held
+from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.units import human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
@@ -406,14 +406,11 @@ class BudgetPanel(QWidget):
         self.estimateChanged.emit(est, config.mode, choice.label)
 
     def _split_statement(self, est, config: OffloadConfig) -> list[str]:
-        """Under the measured layer split, what the engine will try besides the spread plan shown (the conditions of
-        OffloadEngine._split_is_choosable)."""
-        plan = est.plan
-        if (self.layer_split.currentData() != "auto" or plan is None or plan.placement_mode != "hybrid"
-                or config.mode == "disabled" or config.placement != "adaptive" or config.cpu_execution == "disabled"
-                or config.node_overrides):
-            return []
-        held = whole_layers_held(self.facts.experts, plan.budget_bytes)
+        """Under the measured layer split, what the engine will try besides the spread plan shown (where
+        planner.split_choosable, as the engine asks it)."""
+        held = 0
+        if self.layer_split.currentData() == "auto" and est.plan is not None:
+            held = split_choosable(config, est.plan, self.facts.experts)
         if held == 0:
             return []
         layers = sum(1 for info in self.facts.experts if info.gpu is not None)

@@ -366,11 +366,7 @@ class EngineWorker(QObject):
             blocked = _needs_reload(self._model.offload.config, config)
             if blocked:
                 raise WorkbenchError(f"{', '.join(blocked)} changes only when the model is loaded again (Apply and reload)")
-            offload = self._model.offload
-            offload.reconfigure(config)
-            split = _layer_split(settings)
-            if split != offload.layer_split_mode:
-                offload.set_layer_split(split)
+            self._model.offload.reconfigure(config, layer_split=_layer_split(settings))
             self.replanned.emit({"statements": list(self._model.offload.plan.statements), "landed": self._landed([]),
                                  "entries": config.to_entries()})
             self._emit_stats()

@@ -16,10 +16,10 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload.host_cache import HostExpertCache
-from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD, WHOLE, LayerSplitTrials, default_layer_split
+from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
-from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, whole_layers_held
+from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.streaming import plan_streaming
@@ -67,12 +67,11 @@ class OffloadEngine:
         self.staging = NO_STAGING  # the pinned ring and the device's prefill staging ring
         # the budget spread over every layer or spent on whole layers (layer_split.py): measured by trials under
         # "auto"; "spread" / "whole" fix it (the CLI's --layer-split, or MOE_LAYER_SPLIT where none is given)
-        self.layer_split_mode = layer_split or default_layer_split()
-        if self.layer_split_mode not in SPLIT_MODES:
-            raise WorkbenchError(f"layer split '{self.layer_split_mode}': one of {', '.join(SPLIT_MODES)}")
+        self.layer_split_mode = checked_split(layer_split or default_layer_split())
         self.split_trials = LayerSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
+        self._choosable: tuple | None = None  # (the plan, whether its split is choosable): _split_is_choosable
         self.plan: OffloadPlan = self._plan(config)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
@@ -314,14 +313,10 @@ class OffloadEngine:
         return step_s - (mark[1] - last[1]) - (mark[2] - last[2]) + (mark[3] - last[3])
 
     def _split_is_choosable(self) -> bool:
-        """Whether spreading the budget and whole layers are two plans to choose between: a hybrid plan under
-        adaptive placement with the CPU computing misses, no node placed by the user (node_overrides), and a budget
-        that holds at least one whole layer."""
-        config = self.config
-        if (config.mode == "disabled" or config.placement != "adaptive" or config.cpu_execution == "disabled"
-                or config.node_overrides or self.plan.placement_mode != "hybrid"):
-            return False
-        return whole_layers_held(self.infos, self.plan.budget_bytes) > 0
+        """planner.split_choosable for the plan in force, worked out once per plan (asked at every safe point)."""
+        if self._choosable is None or self._choosable[0] is not self.plan:
+            self._choosable = (self.plan, split_choosable(self.config, self.plan, self.infos) > 0)
+        return self._choosable[1]
 
     def _set_whole_layers(self, whole: bool) -> None:
         """Re-plan the same configuration with the budget on whole layers or spread (at a safe point)."""
@@ -336,18 +331,18 @@ class OffloadEngine:
 
     def set_layer_split(self, mode: str) -> None:
         """"auto" (trials decide, from spread), "spread" or "whole" (fixed); re-plans where the split changes."""
-        if mode not in SPLIT_MODES:
-            raise WorkbenchError(f"layer split '{mode}': one of {', '.join(SPLIT_MODES)}")
-        self.layer_split_mode = mode
+        self.layer_split_mode = checked_split(mode)
         self.split_trials = LayerSplitTrials()
         self._set_whole_layers(mode == WHOLE)
 
-    def reconfigure(self, config: OffloadConfig) -> None:
-        """Apply new budgets or policy on the loaded model, without reloading. Under the "auto" layer split the
-        trials start again, from the budget spread over every layer."""
-        if self.layer_split_mode == "auto":
-            self.split_trials = LayerSplitTrials()
-            self.whole_layers = False
+    def reconfigure(self, config: OffloadConfig, layer_split: str | None = None) -> None:
+        """Apply new budgets or policy on the loaded model, without reloading; `layer_split` ("auto", "spread" or
+        "whole") changes the split in the same re-plan. Under "auto" the trials start again, from the budget spread
+        over every layer."""
+        if layer_split is not None:
+            self.layer_split_mode = checked_split(layer_split)
+        self.split_trials = LayerSplitTrials()
+        self.whole_layers = self.layer_split_mode == WHOLE
         self._replan(config)
 
     def _replan(self, config: OffloadConfig) -> None:

@@ -25,8 +25,17 @@ from __future__ import annotations
 import os
 import statistics
 
+from engine.errors import WorkbenchError
+
 SPREAD, WHOLE = "spread", "whole"
 MODES = ("auto", SPREAD, WHOLE)  # auto: trials decide; spread / whole: that split, no trials
+
+
+def checked_split(mode: str) -> str:
+    """`mode` if it is one of MODES; else a WorkbenchError naming it."""
+    if mode not in MODES:
+        raise WorkbenchError(f"layer split '{mode}': one of {', '.join(MODES)}")
+    return mode
 
 
 def default_layer_split() -> str:

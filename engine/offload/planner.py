@@ -49,6 +49,16 @@ def whole_layers_held(experts: list[ExpertNodeInfo], budget: int) -> int:
     return held
 
 
+def split_choosable(config: OffloadConfig, plan: OffloadPlan, experts: list[ExpertNodeInfo]) -> int:
+    """Whether the budget spread over every layer and on whole layers are two plans to choose between (the layer
+    split's trials, layer_split.py): a hybrid plan under adaptive placement with the CPU computing misses and no node
+    placed by the user (node_overrides). Returns how many layers the budget holds whole, 0 where there is no choice."""
+    if (config.mode == "disabled" or config.placement != "adaptive" or config.cpu_execution == "disabled"
+            or config.node_overrides or plan.placement_mode != "hybrid"):
+        return 0
+    return whole_layers_held(experts, plan.budget_bytes)
+
+
 def automatic_budget(config: OffloadConfig, available: int) -> int:
     reserve = config.reserve_device_bytes
     if reserve is None:

@@ -121,9 +121,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
     try:
         for index, (fraction, budget, split) in enumerate(plan):
-            model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget))
-            if split is not None:
-                model.offload.set_layer_split(split)
+            model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget), layer_split=split)
             device.memory.high_water = device.memory.used  # peaks per point
             point = SweepPoint(budget, fraction, split=split)
             tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
