@@ -9,6 +9,7 @@ import sys
 import threading
 
 from engine.errors import WorkbenchError
+from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 
 PROG = "moe-workbench"
 
@@ -122,7 +123,7 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
     parser.add_argument("--simulated-vram", type=int, default=8 << 30, metavar="BYTES",
                         help="memory of the simulated GPU (default 8 GiB)")
-    parser.add_argument("--layer-split", choices=["auto", "spread", "whole"],
+    parser.add_argument("--layer-split", choices=SPLIT_MODES,
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
                              "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")
 
@@ -311,7 +312,7 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split)
     points = run_sweep(model, device, args.points, _scenarios(args.scenario),
                        GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"),
-                       splits=("spread", "whole") if args.both_splits else None)
+                       splits=BOTH_SPLITS if args.both_splits else None)
     history = History(args.history)
     for point in points:
         for record in point.records:

@@ -19,6 +19,7 @@ from engine.records.history import History
 from engine.records.scenarios import SCENARIOS, run_scenario
 from engine.records.schema import RunRecord
 from engine.records.side_by_side import Comparison, Side, compare
+from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.records.sweep import SweepPoint, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
@@ -151,7 +152,7 @@ class SweepJob:
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
         params = greedy(self.max_new_tokens)
         original = model.offload.config
-        splits = ("spread", "whole") if self.both_splits else None
+        splits = BOTH_SPLITS if self.both_splits else None
         planned = len(sweep_plan(model, self.points, splits))
         total = planned * len(self.scenarios)
         tokens, done, last = [0], [0], [0.0]

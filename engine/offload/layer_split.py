@@ -29,6 +29,7 @@ from engine.errors import WorkbenchError
 
 SPREAD, WHOLE = "spread", "whole"
 MODES = ("auto", SPREAD, WHOLE)  # auto: trials decide; spread / whole: that split, no trials
+BOTH = (SPREAD, WHOLE)  # a budget sweep's splits where it compares them (engine/records/sweep.py)
 
 
 def checked_split(mode: str) -> str:
