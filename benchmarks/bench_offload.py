@@ -80,15 +80,21 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) 
     return tokens / (clock() - started), rows
 
 
+def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, seed: int) -> float:
+    """Decode tokens/s with every step routed by a realistic trace (`seed`), after `warmup` routed steps."""
+    infos = model.folder.experts
+    spec = infos[0].spec
+    trace = realistic_trace(warmup + tokens, len(infos), spec.num_experts, spec.k, seed=seed)
+    with TraceRouting(trace, len(infos)):
+        rate, _rows = decode(model, prompt, tokens, warmup=warmup)
+    return rate
+
+
 def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, w_act: float, b_dram: float,
                  b_pcie: float, b_hbm: float) -> dict:
     """Decode with every step routed by a realistic trace (TraceRouting): tokens/s after `warmup` trace-routed
     tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached."""
-    infos = model.folder.experts
-    spec = infos[0].spec
-    trace = realistic_trace(warmup + tokens, len(infos), spec.num_experts, spec.k, seed=5)
-    with TraceRouting(trace, len(infos)):
-        rate, _ = decode(model, prompt, tokens, warmup=warmup)
+    rate = traced_decode(model, prompt, tokens, warmup, seed=5)
     stats, profile = model.offload.stats.totals(), model.decoder.profile
     h = stats.hit_rate
     bound_s = profile["dense_s"] / profile["steps"] + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm

@@ -33,16 +33,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_offload import SHAPES, decode  # noqa: E402
+from benchmarks.bench_offload import SHAPES, decode, traced_decode  # noqa: E402
 from benchmarks.common import model_folder, write_result  # noqa: E402
-from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine import dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.offload.traces import realistic_trace  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
@@ -160,16 +158,6 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
     if model.host_registration is not None:
         model.host_registration.ready.wait(300)
     return model, [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
-
-
-def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, seed: int) -> float:
-    """Decode tokens/s with every step routed by a realistic trace (`seed`), after `warmup` routed steps."""
-    infos = model.folder.experts
-    spec = infos[0].spec
-    trace = realistic_trace(warmup + tokens, len(infos), spec.num_experts, spec.k, seed=seed)
-    with TraceRouting(trace, len(infos)):
-        rate, _rows = decode(model, prompt, tokens, warmup=warmup)
-    return rate
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
