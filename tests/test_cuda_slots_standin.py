@@ -211,6 +211,9 @@ class FakeCudaDevice:
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.bandwidths.pcie
 
+    def quiesce(self) -> None:
+        self.cp.log.append(("device sync",))
+
     def create_slots(self, runner, num_slots: int) -> CudaSlots:
         return CudaSlots(self, runner, num_slots)
 
@@ -357,6 +360,37 @@ def test_a_nodes_loads_are_waited_for_once_before_its_next_launch(model_folder, 
     loads = sum(kind == "load" for kind, *_ in calls)
     assert waited and loads > waited  # several loads, fewer waits
     assert cp.log.count(("wait", "compute", "copy")) == waited
+
+
+def test_a_replan_frees_slots_only_after_the_queued_work_is_done(model_folder, cpu_run, monkeypatch):
+    """A re-plan (a budget change, the layer split's trials) frees every node's slots. Loads queued on the copy
+    stream may still write them, and CuPy's pool hands freed memory out again at once: the device is waited for
+    before any slots go, and so before the new plan's slots are made."""
+    model, cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    events = []
+
+    class Traced(FakeGpuQMoE):
+        def __del__(self):
+            events.append(("freed", len(cp.log)))
+
+    def make(self, slots, resident, tensors=None):
+        events.append(("made", len(cp.log)))
+        return Traced(self.runner.kernel, resident)
+
+    monkeypatch.setattr(CudaSlots, "_make", make)
+    model.offload.reconfigure(model.offload.config)  # the plan's slots made again, now traced
+    assert_same_as_cpu(greedy_run(model), cpu_run)  # loads and launches issued
+    for slots in model.offload.stores:
+        slots._launched = None  # the last launch's GpuQMoE: freed with the node's slots below
+    cp.log.clear()
+    events.clear()
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    syncs = [at for at, entry in enumerate(cp.log) if entry == ("device sync",)]
+    freed = [at for kind, at in events if kind == "freed"]
+    made = [at for kind, at in events if kind == "made"]
+    assert len(freed) == len(model.offload.stores) and made and syncs
+    assert min(syncs) < min(freed) and min(freed) <= min(made)  # waited for, then freed, then made anew
+    assert_same_as_cpu(greedy_run(model), cpu_run)
 
 
 def test_the_host_seconds_of_loads_are_pooled_over_the_nodes_for_the_policy(model_folder, cpu_run, monkeypatch):

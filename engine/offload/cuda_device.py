@@ -261,6 +261,8 @@ class CudaSlots:
     def resize(self, num_slots: int) -> None:
         """New, empty slots (the engine uploads the residents again)."""
         self.device.memory.release(self.num_slots * self.expert_bytes, f"expert slots of {self.name}")
+        if self.gpu is not None:
+            self.device.quiesce()
         self.gpu = None
         self.device.memory.reserve(num_slots * self.expert_bytes, f"expert slots of {self.name}")
         self.gpu = self._make(num_slots, []) if num_slots else None
@@ -600,6 +602,8 @@ class CudaStreamingSlots:
         return self.launching.value
 
     def close(self) -> None:
+        if self.gpu is not None:
+            self.device.quiesce()
         self.gpu = None
         self.device.memory.release(self.num_slots * self.slot_bytes, "decode streaming slots")
 
@@ -655,6 +659,14 @@ class CudaDevice:
 
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.bandwidths.pcie
+
+    def quiesce(self) -> None:
+        """Wait for the work queued on every stream of the GPU (loads, launches, onnxruntime's). Slots are freed only
+        after this: a load still queued on the copy stream writes the slots and the expert -> slot map, and CuPy's pool
+        hands freed memory out again at once, for the compute stream (on the H200 a re-plan's new slots, zeroed under
+        a pending pack_expert launch, gave an illegal address)."""
+        with self.cp.cuda.Device(self.index):
+            self.cp.cuda.runtime.deviceSynchronize()
 
     def create_slots(self, runner, num_slots: int) -> CudaSlots:
         return CudaSlots(self, runner, num_slots)
