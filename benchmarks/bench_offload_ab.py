@@ -10,7 +10,8 @@ and copy reuse) carries over from one configuration to the next, as it would for
 A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an attribute of every GpuQMoE the
 engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), `cpu.NAME=INT` (an attribute of
 every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16), `rate.NAME=INT` (an attribute of the miss policy's measured CPU
-rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted) and `dense.graphs=0|1` (the
+rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted), `engine.NAME=INT` (an attribute of the offload
+engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses) and `dense.graphs=0|1` (the
 dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one variant names and the other
 does not keeps its default there.
 
@@ -44,7 +45,7 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "dense.")  # a variant's entries with these prefixes are switches
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "dense.")  # a variant's entries with these prefixes are switches
 SPLIT = "split="  # a variant's layer split
 
 
@@ -62,8 +63,8 @@ def variant(text: str) -> dict:
 
 def switches(text: str) -> dict[str, int]:
     """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
-    holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'dense.graphs' the
-    dense segments' CUDA graphs (engine.dense_graph.enabled)."""
+    holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'engine.NAME' one of
+    the offload engine, 'dense.graphs' the dense segments' CUDA graphs (engine.dense_graph.enabled)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
@@ -110,6 +111,8 @@ def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
         return cpu_kernels(model), attribute, "the CPU expert kernel"
     if prefix == "rate":
         return [model.offload.cpu_rate], attribute, "the CPU rate"
+    if prefix == "engine":
+        return [model.offload], attribute, "the offload engine"
     return gpu_kernels(model), attribute, "GpuQMoE"
 
 

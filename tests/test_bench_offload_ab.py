@@ -110,6 +110,19 @@ def test_rate_switches_set_the_engines_cpu_rate():
         ab.set_switches(model, {"rate.no_such": 1})
 
 
+def test_engine_switches_set_the_offload_engines_attributes():
+    import benchmarks.bench_offload_ab as ab
+
+    engine = type("Engine", (), {"weigh_miss_slots": True})()
+    model = type("Model", (), {"offload": engine})()
+    assert ab.switches("engine.weigh_miss_slots=0,cpu_threads=4") == {"engine.weigh_miss_slots": 0}
+    assert ab.current_switches(model, {"engine.weigh_miss_slots"}) == {"engine.weigh_miss_slots": 1}
+    ab.set_switches(model, {"engine.weigh_miss_slots": 0})
+    assert engine.weigh_miss_slots == 0
+    with pytest.raises(SystemExit, match="engine.no_such: the offload engine has no such switch"):
+        ab.set_switches(model, {"engine.no_such": 1})
+
+
 
 def test_a_variants_layer_split_is_read_apart_and_defaults_to_the_spread():
     from benchmarks.bench_offload_ab import layer_split

@@ -424,6 +424,19 @@ def test_the_engine_leaves_miss_slots_and_copies_misses_into_them(model_folder, 
     assert totals.misses_copied > 0 and totals.misses_cpu > 0  # both the CPU and copies took misses
 
 
+def test_with_the_weighing_off_placement_wants_every_slot_for_a_resident(model_folder, cpu_run, slot_bytes):
+    """The benchmarks' switch weigh_miss_slots=False: from the next weighing (here the re-plan's) adaptive placement
+    leaves no slot to copies and fills them all with residents; the outputs still equal the all-CPU run."""
+    model, _device = open_model(model_folder, BALANCED, device_expert_bytes=8 * 3 * slot_bytes)
+    engine = model.offload
+    assert engine.policy.miss_slots[0] > 0  # the weighing leaves some, as in the test above
+    engine.weigh_miss_slots = False
+    engine.reconfigure(engine.config)
+    assert engine.policy.miss_slots == [0] * 3
+    assert [int(np.count_nonzero(layer.expert_in >= 0)) for layer in engine.slots] == [8] * 3
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+
+
 def _decode_four_steps(model):
     state = model.new_state()
     logits = model.decoder.forward(state, model.tokenizer.encode("The expert offload engine must be exact."))

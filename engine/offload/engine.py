@@ -82,6 +82,9 @@ class OffloadEngine:
         self.streaming = self._plan_streaming(config)
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
+        # False: adaptive placement leaves no slot to copied misses (every slot wanted for a resident), from the next
+        # weighing on; a benchmark switch (bench_offload_ab's engine.weigh_miss_slots=0), the weighing on by default
+        self.weigh_miss_slots = True
         # statistics of this step that wait for the device's work (HybridExpertNode: fully resident layers, results
         # merged on the device), oldest first: (ready, account) pairs, see defer()
         self.deferred: deque = deque()
@@ -204,8 +207,8 @@ class OffloadEngine:
         for index, (info, store) in enumerate(zip(self.infos, self.stores)):
             layer = self.slots[index]
             spec = info.spec
-            if (not adaptive or store is None or self.config.cpu_execution == "disabled" or layer.num_slots == 0
-                    or layer.num_slots >= spec.num_experts):
+            if (not adaptive or not self.weigh_miss_slots or store is None or self.config.cpu_execution == "disabled"
+                    or layer.num_slots == 0 or layer.num_slots >= spec.num_experts):
                 chosen.append(0)
                 continue
             key = (layer.num_slots, spec.num_experts, spec.k, info.bytes_per_expert, store.expert_bytes,
