@@ -393,6 +393,28 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     assert window.model_panel.landed.text() == "Not loaded."
 
 
+def test_unloading_waits_for_the_gpus_queued_work_and_survives_a_gpu_error(qtbot, window):
+    """The worker waits for the device (CudaDevice.quiesce: placement's last copies into the slots) before it lets
+    the model go; a GPU in an error state is reported in one line and the model is unloaded all the same."""
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, simulated())
+    worker, waited = window.worker, []
+    worker._device.quiesce = lambda: waited.append(worker._model is not None)
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert waited == [True]  # waited for while the model still held its slots
+    load(qtbot, window, path, simulated())
+
+    def broken():
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered")
+
+    worker._device.quiesce = broken
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert "an illegal memory access was encountered" in window.error_banner.text()
+    assert worker._model is None and window.model_panel.landed.text() == "Not loaded."
+
+
 def test_contention_banner_names_the_processes(qtbot, window):
     window._on_busy("generating")
     sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [90.0, 95.0], "cpu_total": 92.0, "others_cpu_cores": 1.2,

@@ -451,6 +451,13 @@ class EngineWorker(QObject):
 
     # --- unloading ---------------------------------------------------------------------------------
     def _drop_model(self) -> None:
+        """Forget the loaded model. The GPU's queued work (placement's last copies into the model's slots) is waited
+        for first: once freed, the slots' memory goes to the next allocations at once (CudaDevice.quiesce)."""
+        if self._model is not None and self._device is not None:
+            try:
+                self._device.quiesce()
+            except Exception as exc:  # a GPU in an error state: the model is dropped all the same
+                self.failed.emit(one_line(exc))
         self._conversation = None
         self._model = None
         self._device = None

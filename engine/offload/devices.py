@@ -197,6 +197,9 @@ class SimulatedDevice:
         if self.pinned is not None:
             self.pinned.transfer(sizes)
 
+    def quiesce(self) -> None:
+        """CudaDevice.quiesce: nothing is ever queued here (the stand-in computes at once)."""
+
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.bandwidths.pcie
 
