@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from engine.errors import WorkbenchError
+from engine.errors import WorkbenchError, one_line
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 
 PROG = "moe-workbench"
@@ -415,6 +415,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the user gets one line; MOE_WORKBENCH_DEBUG=1 shows the traceback
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"{PROG}: internal error: {type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"{PROG}: internal error: {one_line(exc)}", file=sys.stderr)
         return 3

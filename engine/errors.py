@@ -21,3 +21,31 @@ class PromptError(WorkbenchError):
 
 class UnsupportedModelError(WorkbenchError):
     """A model our engine cannot run yet, e.g. an expert layout without kernels."""
+
+
+# CUDA errors after which the process's GPU context is unusable (CUDA's "sticky" errors): every later call on that
+# GPU fails too, so the user must know that only a restart gives the GPU back. CuPy names them as the runtime or the
+# driver does; onnxruntime reports the runtime's number ("CUDA failure 700: ...").
+_STICKY_CUDA_ERRORS = (
+    ("cudaErrorIllegalAddress", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA failure 700"),
+    ("cudaErrorHardwareStackError", "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA failure 714"),
+    ("cudaErrorIllegalInstruction", "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA failure 715"),
+    ("cudaErrorMisalignedAddress", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA failure 716"),
+    ("cudaErrorInvalidAddressSpace", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA failure 717"),
+    ("cudaErrorInvalidPc", "CUDA_ERROR_INVALID_PC", "CUDA failure 718"),
+    ("cudaErrorLaunchFailure", "CUDA_ERROR_LAUNCH_FAILED", "CUDA failure 719"),
+    ("cudaErrorECCUncorrectable", "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA failure 214"),
+)
+GPU_LOST = "the GPU cannot be used again in this process: restart MoE Workbench to use it (the CPU still works)"
+
+
+def one_line(exc: BaseException) -> str:
+    """What the user is told of an exception, on one line: a WorkbenchError's message as it is, anything else as its
+    type and first line, with what to do when the GPU's context is lost."""
+    if isinstance(exc, WorkbenchError):
+        return str(exc)
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    if any(name in text for names in _STICKY_CUDA_ERRORS for name in names):
+        text += f"; {GPU_LOST}"
+    return text

@@ -99,3 +99,37 @@ def test_not_a_folder(tmp_path):
 def test_bad_sampling_value():
     result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--top-p", "0")
     assert_clean_error(result, "top_p")
+
+
+def test_a_lost_gpu_context_is_told_in_one_line_with_what_to_do():
+    """CUDA's sticky errors (the GPU context is unusable from then on) get a restart hint, from CuPy's runtime and
+    driver names and onnxruntime's numbers alike; other errors and the engine's own messages stay as they are."""
+    from engine.errors import GPU_LOST, WorkbenchError, one_line
+
+    CUDARuntimeError = type("CUDARuntimeError", (RuntimeError,), {})
+    CUDADriverError = type("CUDADriverError", (RuntimeError,), {})
+    runtime = CUDARuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+    assert one_line(runtime) == ("CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access was encountered; "
+                                 + GPU_LOST)
+    driver = CUDADriverError("CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure\nmore")
+    assert one_line(driver) == f"CUDADriverError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure; {GPU_LOST}"
+    ort = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access was encountered")
+    assert one_line(ort).endswith(GPU_LOST) and "restart MoE Workbench" in GPU_LOST
+    assert one_line(CUDARuntimeError("cudaErrorMemoryAllocation: out of memory")) == \
+        "CUDARuntimeError: cudaErrorMemoryAllocation: out of memory"  # not sticky: no hint
+    assert one_line(ValueError("bad value\nsecond line")) == "ValueError: bad value"
+    assert one_line(WorkbenchError("model.onnx: truncated")) == "model.onnx: truncated"
+
+
+def test_the_cli_tells_an_internal_gpu_fault_in_one_line(monkeypatch, capsys):
+    import app.cli as cli
+
+    def fault(_args):
+        raise type("CUDARuntimeError", (RuntimeError,), {})("cudaErrorIllegalAddress: an illegal memory access")
+
+    monkeypatch.setattr(cli, "_cmd_inspect", fault)
+    monkeypatch.delenv("MOE_WORKBENCH_DEBUG", raising=False)
+    assert cli.main(["inspect", "somewhere"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "internal error: CUDARuntimeError: cudaErrorIllegalAddress" in err
+    assert err.endswith("restart MoE Workbench to use it (the CPU still works)")

@@ -26,7 +26,7 @@ from app.gui.estimate import layer_summary, model_facts
 from app.gui.records_jobs import JobContext
 from app.inspect_report import inspection
 from engine.demo_model import DEMO_NAME, ensure_demo_model
-from engine.errors import WorkbenchError
+from engine.errors import WorkbenchError, one_line
 from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
@@ -45,13 +45,6 @@ STREAM_INTERVAL_S = 0.033  # tokens are sent to the window in batches: one queue
 
 class LoadCancelled(WorkbenchError):
     """The user stopped a load."""
-
-
-def one_line(exc: BaseException) -> str:
-    if isinstance(exc, WorkbenchError):
-        return str(exc)
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _needs_reload(old, new) -> list[str]:
