@@ -176,9 +176,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--fractions", default="0,0.25,0.5,1", help="resident fractions, comma-separated")
-    parser.add_argument("--decode-warmup", type=int, default=48,
-                        help="decode steps before the timed ones: by 48 the engine's layer-split trial is done "
-                             "(engine/offload/layer_split.py), so the figure is the split it keeps")
+    parser.add_argument("--decode-warmup", type=int, default=64,
+                        help="decode steps before the timed ones: by 64 the engine's layer-split trial (~60 steps, "
+                             "engine/offload/layer_split.py) is done, so the figure is the split it keeps")
     parser.add_argument("--repeats", type=int, default=1,
                         help="decode measurements per fraction (the figure: their median; see decode_repeats)")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
@@ -187,8 +187,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
     parser.add_argument("--trace-tokens", type=int, default=32,
                         help="decode tokens measured with routing replaced by a realistic trace (0: none)")
-    parser.add_argument("--trace-warmup", type=int, default=48,
-                        help="trace-routed decode tokens before those (48: the layer-split trial is done by then)")
+    parser.add_argument("--trace-warmup", type=int, default=64,
+                        help="trace-routed decode tokens before those (64: the layer-split trial is done by then)")
     parser.add_argument("--trace-placements", default="adaptive,static",
                         help="placements measured under the trace, comma-separated (each from the same budget)")
     parser.add_argument("--profile-steps", type=int, default=0,

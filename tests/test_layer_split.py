@@ -43,13 +43,14 @@ def test_trials_keep_whole_layers_where_they_decode_faster_and_measure_again_lat
     assert feed(trials, 0.030, 4) == ["whole"]    # the spread measured: whole layers next
     assert trials.split == "whole" and trials.trials == 0
     assert feed(trials, 0.100, 2) == []           # settling after the re-plan: not counted
-    assert feed(trials, 0.020, 4) == []           # whole layers measured faster: kept, no re-plan
+    assert feed(trials, 0.020, 4) == ["spread"]   # whole layers measured: the spread again (A-B-A)
+    assert feed(trials, 0.100, 2) + feed(trials, 0.031, 4) == ["whole"]  # still slower: whole layers kept
     assert trials.split == "whole" and trials.trials == 1
     assert trials.state() == {"trials": 1, "measured_ms": {"spread": pytest.approx(30.0), "whole": pytest.approx(20.0)}}
     assert feed(trials, 0.020, 10) == []          # until the recheck
-    assert feed(trials, 0.020, 4) == ["spread"]   # the split in force measured again first, then the other
-    assert feed(trials, 0.020, 2) == []
-    assert feed(trials, 0.0195, 4) == []          # whole layers no longer faster by the margin: the spread stays
+    assert feed(trials, 0.020, 4) == ["spread"]   # the split in force measured first, then the other, then it again
+    assert feed(trials, 0.020, 2) + feed(trials, 0.0195, 4) == ["whole"]
+    assert feed(trials, 0.020, 2) + feed(trials, 0.021, 4) == ["spread"]  # whole layers not faster by the margin
     assert trials.split == "spread" and trials.trials == 2
     assert trials.state()["measured_ms"] == {"whole": pytest.approx(20.0), "spread": pytest.approx(19.5)}
 
@@ -57,13 +58,29 @@ def test_trials_keep_whole_layers_where_they_decode_faster_and_measure_again_lat
 def test_trials_go_back_to_the_spread_where_whole_layers_are_not_faster_by_the_margin():
     trials = LayerSplitTrials(first=0, settle=1, window=3, recheck=5, recheck_max=12, margin=0.05)
     assert feed(trials, 0.020, 3) == ["whole"]
-    assert feed(trials, 0.0195, 4) == ["spread"]  # 2.5% faster: not enough
+    assert feed(trials, 0.0195, 4) == ["spread"]  # whole layers measured: the spread again
+    assert feed(trials, 0.020, 4) == []           # 2.5% faster: not enough, the spread stays (no re-plan)
     assert trials.split == "spread" and trials.trials == 1
     # a trial that keeps the split in force doubles the wait for the next one, up to recheck_max
     assert trials.wait == 10
     assert feed(trials, 0.020, 10) == []
     assert feed(trials, 0.020, 3) == ["whole"] and feed(trials, 0.0195, 4) == ["spread"]
-    assert trials.trials == 2 and trials.wait == 12
+    assert feed(trials, 0.020, 4) == [] and trials.trials == 2 and trials.wait == 12
+
+
+def test_the_split_in_force_counts_with_its_faster_window():
+    """A-B-A: the spread's first window right after a budget change can catch placement still learning the routing
+    (or the machine in a slow spell); its second, after whole layers', decides when faster."""
+    trials = LayerSplitTrials(first=0, settle=1, window=3, recheck=100, margin=0.05)
+    assert feed(trials, 0.040, 3) == ["whole"]    # the spread while placement moves: slow
+    assert feed(trials, 0.030, 4) == ["spread"]   # whole layers: faster than that window
+    assert feed(trials, 0.025, 4) == []           # the spread settled: faster than whole layers, kept
+    assert trials.split == "spread" and trials.state()["measured_ms"] == {"spread": pytest.approx(25.0),
+                                                                         "whole": pytest.approx(30.0)}
+    # and where whole layers are faster than both of the spread's windows they are kept
+    trials = LayerSplitTrials(first=0, settle=1, window=3, recheck=100, margin=0.05)
+    assert feed(trials, 0.040, 3) + feed(trials, 0.030, 4) + feed(trials, 0.035, 4) == ["whole", "spread", "whole"]
+    assert trials.split == "whole" and trials.state()["measured_ms"]["spread"] == pytest.approx(35.0)
 
 
 def _info(name: str, layer: int, experts: int = 4, slot: int = 10):

@@ -10,11 +10,18 @@ decoded 1.14-1.66x faster on the H200 machine; with real-like routing the spread
 twentieth session). Which one wins depends on the model, the routing and the machine, so the engine measures it.
 
 A trial: the median seconds of `window` decode steps with the split in force, then, after `settle` steps (the
-re-planned residents' copies, the dense graphs captured again), of `window` steps with the other; whole layers are
-kept only when `margin` faster. The first trial starts after `first` decode steps (placement warms up), the next
+re-planned residents' copies, the dense graphs captured again), of `window` steps with the other, then of `window`
+steps with the first again (A-B-A). The split in force counts with the faster of its two windows; whole layers
+are kept only when `margin` faster than the spread (the spread is onnxruntime's way and follows routing's locality:
+it wins ties). The second window of the split in force comes after the other's: a drift in the machine's speed during the trial (separate processes on the H200 machine differ by up to
+1.5x) then cannot favour the other, and the spread's second window comes after adaptive placement has learnt the
+routing for longer (its scores go on learning under whole layers too, and a re-plan fills the slots by them). On the
+H200 machine its first window, right after a budget change, caught placement still moving to a realistic trace's
+experts, and whole layers won a trial against it while the spread decoded faster (RESULTS.md, twenty-first
+session). The first trial starts after `first` decode steps (placement warms up), the next
 `recheck` decode steps after the last one, as routing changes with the conversation; each trial that keeps the split
-in force doubles that wait, up to `recheck_max`, since a trial costs up to two re-plans (the residents copied again:
-~0.2-0.3 s for Qwen3-30B-A3B-like at half residency) and steps the slower way. Steps of more than one token (prefill)
+in force doubles that wait, up to `recheck_max`, since a trial costs two re-plans, three where it switches (the
+residents copied again: ~0.1-0.3 s for Qwen3-30B-A3B-like at half residency), and steps the slower way. Steps of more than one token (prefill)
 are not counted and do not interrupt a trial. On the simulated device the step times compared are those projected
 for the card it simulates (OffloadEngine._trial_seconds, projection.py): its wall time computes the "device" experts
 on the CPU.
@@ -67,14 +74,16 @@ class LayerSplitTrials:
         if self._skip:
             self._skip -= 1
             return None
-        if not self._queue:  # a new trial: the split in force first, then the other
-            self._queue = [self.split, WHOLE if self.split == SPREAD else SPREAD]
+        if not self._queue:  # a new trial: the split in force, the other, the split in force again
+            other = WHOLE if self.split == SPREAD else SPREAD
+            self._queue = [self.split, other, self.split]
             self._results = {}
             self._before = self.split
         self._samples.append(seconds)
         if len(self._samples) < self.window:
             return None
-        self._results[self._queue.pop(0)] = statistics.median(self._samples)
+        split, median = self._queue.pop(0), statistics.median(self._samples)
+        self._results[split] = min(median, self._results.get(split, median))  # the faster of its windows
         self._samples = []
         if self._queue:
             self._skip = self.settle
