@@ -11,20 +11,21 @@ twentieth session). Which one wins depends on the model, the routing and the mac
 
 A trial: the median seconds of `window` decode steps with the split in force, then, after `settle` steps (the
 re-planned residents' copies, the dense graphs captured again), of `window` steps with the other, then of `window`
-steps with the first again (A-B-A). The split in force counts with the faster of its two windows; whole layers
-are kept only when `margin` faster than the spread (the spread is onnxruntime's way and follows routing's locality:
-it wins ties). The second window of the split in force comes after the other's: a drift in the machine's speed during the trial (separate processes on the H200 machine differ by up to
-1.5x) then cannot favour the other, and the spread's second window comes after adaptive placement has learnt the
-routing for longer (its scores go on learning under whole layers too, and a re-plan fills the slots by them). On the
-H200 machine a trial under a realistic trace chose whole layers where the spread decoded faster in other runs
-(RESULTS.md, twenty-first session): a first window caught in a slow spell or with placement still moving to the
-trace's experts is the likely reason, not confirmed. The first trial starts after `first` decode steps (placement warms up), the next
-`recheck` decode steps after the last one, as routing changes with the conversation; each trial that keeps the split
-in force doubles that wait, up to `recheck_max`, since a trial costs two re-plans, three where it switches (the
-residents copied again: ~0.1-0.3 s for Qwen3-30B-A3B-like at half residency), and steps the slower way. Steps of more than one token (prefill)
-are not counted and do not interrupt a trial. On the simulated device the step times compared are those projected
-for the card it simulates (OffloadEngine._trial_seconds, projection.py): its wall time computes the "device" experts
-on the CPU.
+steps with the first again (A-B-A). The split in force counts with the faster of its two windows; whole layers are
+kept only when `margin` faster than the spread (the spread is onnxruntime's way and follows routing's locality: it
+wins ties). The second window of the split in force comes after the other's: a drift in the machine's speed during
+the trial (separate processes on the H200 machine differ by up to 1.5x) then cannot favour the other, and the
+spread's second window comes after adaptive placement has learnt the routing for longer (its scores go on learning
+under whole layers too, and a re-plan fills the slots by them). On the H200 machine a trial under a realistic trace
+chose whole layers where the spread decoded faster in other runs (RESULTS.md, twenty-first session): a first window
+caught in a slow spell or with placement still moving to the trace's experts is the likely reason, not confirmed.
+The first trial starts after `first` decode steps (placement warms up), the next `recheck` decode steps after the
+last one, as routing changes with the conversation; each trial that keeps the split in force doubles that wait, up
+to `recheck_max`, since a trial costs two re-plans, three where it switches (the residents copied again: ~0.1-0.3 s
+for Qwen3-30B-A3B-like at half residency), and steps the slower way. Steps of more than one token (prefill) are not
+counted and do not interrupt a trial. On the simulated device the step times compared are those projected for the
+card it simulates (OffloadEngine._trial_seconds, projection.py): its wall time computes the "device" experts on the
+CPU.
 """
 
 from __future__ import annotations
