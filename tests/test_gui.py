@@ -503,6 +503,10 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
         "whole layers on the device (measured 20.0 ms a token against 30.0 spread)"
     assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {}}}) == "whole layers on the device"
     assert copies_text({"layer_split": {"whole_layers": False, "measured_ms": {"spread": 20.0, "whole": 30.0}}}) == ""
+    assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {}, "measuring": "whole"}}) == \
+        "timing the layer split: whole layers now"
+    assert copies_text({"miss_slots": [1], "layer_split": {"whole_layers": False, "measuring": "spread"}}) == \
+        "1 slot per layer kept for copies, timing the layer split: the budget spread over every layer now"
     assert copies_text({"miss_slots": [2], "cpu_bytes_per_s": 64.2e9, "cpu_call_s": 190e-6}) == \
         "2 slots per layer kept for copies, CPU misses priced at 64.2 GB/s + 190 µs a call"
     assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == "CPU misses priced at 25.0 GB/s"

@@ -46,9 +46,12 @@ def test_trials_keep_whole_layers_where_they_decode_faster_and_measure_again_lat
     assert feed(trials, 0.020, 4) == ["spread"]   # whole layers measured: the spread again (A-B-A)
     assert feed(trials, 0.100, 2) + feed(trials, 0.031, 4) == ["whole"]  # still slower: whole layers kept
     assert trials.split == "whole" and trials.trials == 1
-    assert trials.state() == {"trials": 1, "measured_ms": {"spread": pytest.approx(30.0), "whole": pytest.approx(20.0)}}
+    assert trials.state() == {"trials": 1, "measured_ms": {"spread": pytest.approx(30.0), "whole": pytest.approx(20.0)},
+                              "measuring": None}
     assert feed(trials, 0.020, 10) == []          # until the recheck
-    assert feed(trials, 0.020, 4) == ["spread"]   # the split in force measured first, then the other, then it again
+    assert feed(trials, 0.020, 1) == [] and trials.state()["measuring"] == "whole"  # a trial runs: whole layers timed
+    assert feed(trials, 0.020, 3) == ["spread"]   # the split in force measured first, then the other, then it again
+    assert trials.state()["measuring"] == "spread"
     assert feed(trials, 0.020, 2) + feed(trials, 0.0195, 4) == ["whole"]
     assert feed(trials, 0.020, 2) + feed(trials, 0.021, 4) == ["spread"]  # whole layers not faster by the margin
     assert trials.split == "spread" and trials.trials == 2
@@ -119,7 +122,7 @@ def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_
     counts = sorted(layer.num_slots for layer in engine.slots)
     assert counts[0] == 0 and counts[-1] == num_experts and set(counts) == {0, num_experts}
     assert any("The budget holds whole layers" in text for text in engine.plan.statements)
-    assert engine.copy_state()["layer_split"] == {"mode": "auto", "whole_layers": True, "trials": 1,
+    assert engine.copy_state()["layer_split"] == {"mode": "auto", "whole_layers": True, "trials": 1, "measuring": None,
                                                    "measured_ms": {"spread": pytest.approx(30.0),
                                                                    "whole": pytest.approx(20.0)}}
     assert_same_as_cpu(run, cpu_run)  # the switch mid-conversation changes no answer

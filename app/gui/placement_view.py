@@ -183,7 +183,7 @@ def copies_text(copies: dict) -> str:
     layer keeps; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
     device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured), and
     whether the budget holds whole layers instead of being spread (engine/offload/layer_split.py), with the step
-    times that chose it."""
+    times that chose it, or which split a trial is timing now."""
     parts = []
     kept = max(copies.get("miss_slots") or [0])
     if kept:
@@ -199,7 +199,10 @@ def copies_text(copies: dict) -> str:
         parts.append(f"CPU misses priced at {rate / 1e9:.1f} GB/s" + (f" + {call * 1e6:.0f} µs a call" if call else ""))
     split = copies.get("layer_split") or {}
     measured = split.get("measured_ms") or {}
-    if split.get("whole_layers"):
+    if split.get("measuring"):  # decode speed moves with the split for the trial's few dozen steps
+        now = "whole layers" if split["measuring"] == "whole" else "the budget spread over every layer"
+        parts.append(f"timing the layer split: {now} now")
+    elif split.get("whole_layers"):
         parts.append("whole layers on the device" + (
             f" (measured {measured['whole']:.1f} ms a token against {measured['spread']:.1f} spread)"
             if {"whole", "spread"} <= measured.keys() else ""))

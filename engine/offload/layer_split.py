@@ -104,5 +104,7 @@ class LayerSplitTrials:
         return split
 
     def state(self) -> dict:
-        """For records and the GUI: the trials finished and what the last one measured (ms a decode step)."""
-        return {"trials": self.trials, "measured_ms": {name: seconds * 1e3 for name, seconds in self.measured.items()}}
+        """For records and the GUI: the trials finished, what the last one measured (ms a decode step) and, while a
+        trial runs, the split it times now (decode speed moves with it), else None."""
+        return {"trials": self.trials, "measured_ms": {name: seconds * 1e3 for name, seconds in self.measured.items()},
+                "measuring": self._queue[0] if self._queue else None}
