@@ -393,6 +393,26 @@ def test_a_replan_frees_slots_only_after_the_queued_work_is_done(model_folder, c
     assert_same_as_cpu(greedy_run(model), cpu_run)
 
 
+def test_a_replan_frees_the_streaming_slots_only_after_the_queued_work_is_done(model_folder, cpu_run, monkeypatch):
+    """The decode streaming slots (a zero budget: misses copied into them) go at a re-plan too: after the wait."""
+    model, cp = open_on_standin(model_folder, 0.0, monkeypatch, device_working_bytes=1 << 30)
+    freed = []
+
+    class Traced(FakeStreamingGpuQMoE):
+        def __del__(self):
+            freed.append(len(cp.log))
+
+    monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", Traced)
+    model.offload.reconfigure(model.offload.config)  # streaming slots made again, now traced
+    assert_same_as_cpu(greedy_run(model), cpu_run)  # misses copied into them
+    for slots in model.offload.stores:
+        slots._launched = None
+    cp.log.clear()
+    model.offload.reconfigure(model.offload.config)
+    syncs = [at for at, entry in enumerate(cp.log) if entry == ("device sync",)]
+    assert freed and syncs and min(syncs) < min(freed)
+
+
 def test_the_host_seconds_of_loads_are_pooled_over_the_nodes_for_the_policy(model_folder, cpu_run, monkeypatch):
     """Every node's prepare_s (the miss policy's host seconds to ready one copy) is the median of the recent loads of
     experts that size on the device, whichever node made them: a node's first copies are priced by the others', and
