@@ -163,12 +163,24 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
     return model, [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
 
 
+def engine_figures(model: LoadedModel) -> dict:
+    """What the offload engine did in the decode just timed (its statistics are reset after the warm-up): the hit
+    rate, the misses computed on the CPU and copied, the experts the miss policy copied, placement's swaps, the most
+    slots a layer left to copies and the layer split in force, so that a ratio can be read against its causes."""
+    engine = model.offload
+    totals, state = engine.stats.totals(), engine.copy_state()
+    return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
+            "miss_copies": totals.miss_copies, "swaps": totals.swaps, "miss_slots": max(state["miss_slots"], default=0),
+            "whole_layers": state["layer_split"]["whole_layers"]}
+
+
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
                   tokens: int, variant_switches: dict | None = None, splits: dict | None = None,
-                  trace: bool = False, warmup: int = 4) -> dict[str, list[float]]:
+                  trace: bool = False, warmup: int = 4, details: dict | None = None) -> dict[str, list[float]]:
     """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
     default where one does not, and their layer splits) in `rounds` alternating rounds at one budget; with `trace`,
-    routed by a realistic trace, the same for both in a round."""
+    routed by a realistic trace, the same for both in a round. `details` ({"A": [], "B": []}), where given, gets each
+    round's engine_figures."""
     variant_switches = variant_switches or {"A": {}, "B": {}}
     splits = splits or {"A": SPREAD, "B": SPREAD}
     rates = {"A": [], "B": []}
@@ -185,6 +197,8 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
             else:
                 rate, _rows = decode(model, prompt, tokens, warmup=warmup)
             rates[name].append(rate)
+            if details is not None:
+                details[name].append(engine_figures(model))
     return rates
 
 
@@ -220,12 +234,18 @@ def main(argv=None) -> dict:
     figures, results = [], {}
     for fraction in [float(f) for f in args.fractions.split(",")]:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
+        details = {"A": [], "B": []}
         result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits,
-                                       args.trace, args.decode_warmup))
-        results[f"{fraction:.2f}"] = result
+                                       args.trace, args.decode_warmup, details))
+        results[f"{fraction:.2f}"] = {**result, "a_rounds": details["A"], "b_rounds": details["B"]}
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
               f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
+        for name in ("A", "B"):  # the last round's engine figures
+            last = details[name][-1]
+            print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied {last['misses_cpu']}/"
+                  f"{last['misses_copied']}, copies {last['miss_copies']}, swaps {last['swaps']}, miss slots "
+                  f"{last['miss_slots']}, {'whole layers' if last['whole_layers'] else 'spread'}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})

@@ -148,3 +148,28 @@ def test_traced_rounds_route_a_and_b_by_the_same_trace_in_each_round(monkeypatch
     model = type("Model", (), {"offload": _Engine(), "decoder": type("Decoder", (), {"steps": []})()})()
     rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 2, [1], 4, trace=True, warmup=32)
     assert seeds == [(100, 32), (100, 32), (101, 32), (101, 32)] and rates == {"A": [50.0] * 2, "B": [50.0] * 2}
+
+
+def test_each_rounds_engine_figures_are_those_of_the_timed_decode(tmp_path):
+    """A model at half its experts on the simulated device, through the real decode: each round's figures are the
+    engine's statistics of that round's timed steps (reset after the warm-up), by variant."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    folder = write_model(tmp_path / "m", SPEC)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
+    budget = all_resident_bytes(model.folder.experts) // 2
+    details = {"A": [], "B": []}
+    rates = ab.paired_rounds(model, budget, {"A": {}, "B": {"placement": "static"}}, 2, [5, 6, 7], 3, warmup=2,
+                             details=details)
+    assert len(details["A"]) == len(details["B"]) == 2 and all(r > 0 for r in rates["A"] + rates["B"])
+    totals = model.offload.stats.totals()  # the last round's (A's: rounds go A B, then B A)
+    last = details["A"][-1]
+    assert last["hit_rate"] == totals.hit_rate and last["misses_cpu"] == totals.misses_cpu
+    assert totals.hits + totals.misses == 3 * SPEC.layers * SPEC.top_k  # three timed tokens, every layer's top-k
+    assert all(0.0 < r["hit_rate"] < 1.0 and r["whole_layers"] is False for r in details["A"] + details["B"])
+    assert all(r["miss_slots"] == 0 for r in details["B"])  # static placement leaves no slot to copies
