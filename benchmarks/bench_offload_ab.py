@@ -10,10 +10,11 @@ and copy reuse) carries over from one configuration to the next, as it would for
 A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an attribute of every GpuQMoE the
 engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), `cpu.NAME=INT` (an attribute of
 every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16), `rate.NAME=INT` (an attribute of the miss policy's measured CPU
-rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted), `engine.NAME=INT` (an attribute of the offload
-engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses) and `dense.graphs=0|1` (the
-dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one variant names and the other
-does not keeps its default there.
+rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted), `engine.NAME=INT` (an
+attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses)
+and `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one
+variant names and the other does not keeps its default there. Each round's engine figures (hit rate, misses, copies,
+swaps, slots left to copies, the split in force: engine_figures) go into the result file beside the rates.
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
