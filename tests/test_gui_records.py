@@ -201,9 +201,11 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
         assert "projected on the simulated card: " in entry["stats"]
 
 
-def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(qtbot, window):
+def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(qtbot, window, monkeypatch):
     load(qtbot, window, "gptoss", SIMULATED)
     view = window.side_by_side
+    waits = []  # the right side's device is waited for before its model goes (CudaDevice.quiesce)
+    monkeypatch.setattr(SimulatedDevice, "quiesce", lambda device: waits.append(device), raising=True)
     window.tabs.setCurrentWidget(view)
     assert f"device_expert_bytes={3 * EXPERT}" in view.right_entries.toPlainText()  # B starts as a copy of A
     streamed = []
@@ -224,6 +226,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
         assert column.values["tokens"].text() == str(record.turns[0]["generated_tokens"])
         assert column.values["decode"].text() == f"{record.turns[0]['timings']['decode_tokens_per_s']:.1f} tok/s"
     assert sorted(window.history.ids()) == sorted(view.result.saved_ids) and len(view.result.saved_ids) == 2
+    assert len(waits) == 1 and waits[0] is not window.worker._device  # the right side's own device, once
     # B with whole layers (this app's own setting beside onnxruntime's keys): the same answer, and its record says so
     view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}\nlayer_split=whole")
     view.bar.run_button.click()

@@ -263,8 +263,13 @@ class SideBySideJob:
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
         streams = _SideStreams(ctx, params.max_new_tokens)
-        comparison = compare(Side(left, ctx.device, self.labels[0]), Side(right, device, self.labels[1]), self.prompt,
-                             params, concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel)
+        try:
+            comparison = compare(Side(left, ctx.device, self.labels[0]), Side(right, device, self.labels[1]),
+                                 self.prompt, params, concurrent=self.concurrent, on_text=streams.on_text,
+                                 cancel=ctx.cancel)
+        finally:
+            if device is not None:  # the right model's queued copies done before its slots go back to CuPy's pool,
+                device.quiesce()    # which the loaded model's allocations share (CudaDevice.quiesce)
         streams.flush()
         cancelled = ctx.cancel.is_set() or any(not r.turns or r.turns[0]["finish_reason"] == "cancelled"
                                                for r in comparison.records)
