@@ -158,22 +158,28 @@ def instrument(model, meter: Meter | None = None) -> Meter:
     return meter
 
 
-def _instrument_detail(model, meter: Meter) -> None:
-    """The nested buckets (DETAIL): module functions the engine looks up at call time, and engine objects."""
+def wrapped_module_functions() -> list[tuple]:
+    """(module, function name, bucket) of the module functions instrument() wraps: the engine looks them up at call
+    time. They stay wrapped in the process (a test that instruments a model puts them back)."""
     import engine.offload.hybrid_node as hybrid_node
     import kernels.cpu.kernels as compiled
     import kernels.cpu.qmoe as qmoe
+
+    found = [(hybrid_node, "route", "route"), (qmoe, "route", "route")]
+    if hasattr(hybrid_node, "classify_pairs"):  # the trees before the fourth pass count in OffloadStats.count
+        found.append((hybrid_node, "classify_pairs", "stats"))
+    return found + [(compiled, "moe_gemv", "numba"), (compiled, "group_pairs", "numba")]
+
+
+def _instrument_detail(model, meter: Meter) -> None:
+    """The nested buckets (DETAIL): module functions the engine looks up at call time, and engine objects."""
     from engine.offload.hybrid_node import HybridExpertNode
 
-    for module in (hybrid_node, qmoe):
-        _wrap(module, "route", meter, "route")
-    if hasattr(hybrid_node, "classify_pairs"):  # the trees before the fourth pass count in OffloadStats.count
-        _wrap(hybrid_node, "classify_pairs", meter, "stats")
+    for module, name, bucket in wrapped_module_functions():
+        _wrap(module, name, meter, bucket)
     for runner in model.decoder.steps:
         if "_route" in vars(runner):  # CpuExpertNode routes itself (no CpuQMoE.forward) since pass 3
             _wrap(runner, "_route", meter, "route")
-    for name in ("moe_gemv", "group_pairs"):
-        _wrap(compiled, name, meter, "numba")
     engine = model.offload
     if engine is None:
         return

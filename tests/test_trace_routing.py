@@ -46,15 +46,10 @@ def test_a_trace_too_short_or_of_other_layers_is_refused_by_name(model):
 
 
 def test_with_whole_layers_only_the_layers_on_the_cpu_take_the_trace(tmp_path, monkeypatch):
-    import engine.offload.hybrid_node as hybrid_node
-    import kernels.cpu.kernels as compiled
-    import kernels.cpu.qmoe as qmoe
-    from benchmarks.bench_overhead import instrument
+    from benchmarks.bench_overhead import instrument, wrapped_module_functions
     from tests.test_offload import device_expert_bytes
 
-    # instrument() wraps these module functions for good (a benchmark's process): put back after this test
-    for module, name in ((hybrid_node, "route"), (qmoe, "route"), (hybrid_node, "classify_pairs"),
-                         (compiled, "moe_gemv"), (compiled, "group_pairs")):
+    for module, name, _bucket in wrapped_module_functions():  # wrapped for good by instrument(): put back after
         monkeypatch.setattr(module, name, getattr(module, name))
 
     folder = write_model(tmp_path / "m", SPEC)
