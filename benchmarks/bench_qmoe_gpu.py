@@ -219,7 +219,7 @@ def compare_decode(cp, m, decs, H, E, rng, key):
 
 
 PF_KERNELS = ("v1c", "v1")  # GpuQMoE.prefill_kernel: its default first, then the general pf_gemm to compare
-PF_BMS = (32, 64, 128)
+PF_BMS = (32, 48, 64, 128)
 
 
 def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10, rounds=2):

@@ -26,7 +26,7 @@ def _names(kernel: str, bits: int, block: int, zp: bool, BM: int, dtype=np.float
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32-scales", "fp16-scales"])
-@pytest.mark.parametrize("BM", [32, 64])
+@pytest.mark.parametrize("BM", [32, 48, 64])
 def test_common_case_takes_pf_gemmc(BM, dtype):
     """int4, block 32, no zero points: pf_gemmc by default, pf_gemm when "v1" is asked for."""
     assert _names("v1c", 4, 32, False, BM, dtype) == (f"pf_gemmc_4_{BM}_0", f"pf_gemmc_4_{BM}_1")
@@ -52,7 +52,7 @@ def test_source_defines_every_prefill_kernel():
     defined = {f"pf_gemm_{b}_{bm}_{mode}" for b, bm, mode in re.findall(r"^QM_PF_KERNEL\((\d+), (\d+), (\d)\)", src,
                                                                         re.M)}
     defined |= {f"pf_gemmc_4_{bm}_{mode}" for bm, mode in re.findall(r"^QM_PFC_KERNEL\((\d+), (\d)\)", src, re.M)}
-    wanted = {name for kernel in ("v1", "v1c") for bits in (4, 8) for BM in (32, 64, 128)
+    wanted = {name for kernel in ("v1", "v1c") for bits in (4, 8) for BM in (32, 48, 64, 128)
               for name in _names(kernel, bits, 32 if bits == 4 else 0, False, BM)}
     assert {n for n in wanted if n.startswith("pf_gemmc_")}, "no pf_gemmc kernel selected"
     assert wanted <= defined, sorted(wanted - defined)

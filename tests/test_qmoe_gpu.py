@@ -131,7 +131,7 @@ def test_gpu_launch_configs(gpu, bits, block):
     err = _relerr(m.forward(x[:8], lg[:8]), qmoe_reference(x[:8], lg[:8], spec, t))
     assert err <= 1e-4, f"8 tokens: {err:.2e}"
     ref = qmoe_reference(x, lg, spec, t)
-    for bm in (32, 64, 128):
+    for bm in (32, 48, 64, 128):
         m.prefill_bm = bm
         err = _relerr(m.forward(x, lg), ref)
         assert err <= 3e-3, f"BM={bm}: {err:.2e}"
@@ -691,7 +691,7 @@ def test_gpu_v5_converted_nvfp4(gpu):
 # pf_gemm compiled for that case; "v1" keeps the general pf_gemm. Same dequantisation, scale folding and k order as
 # pf_gemm: the same tolerances, and v1c == v1 up to FC2's atomicAdd order.
 def _pf_names(kernel, bits, block, zp, BM):
-    if kernel == "v1c" and bits == 4 and block == 32 and not zp and BM in (32, 64):
+    if kernel == "v1c" and bits == 4 and block == 32 and not zp and BM in (32, 48, 64):
         return (f"pf_gemmc_4_{BM}_0", f"pf_gemmc_4_{BM}_1")
     return (f"pf_gemm_{bits}_{BM}_0", f"pf_gemm_{bits}_{BM}_1")
 
@@ -707,7 +707,7 @@ def test_gpu_v1c_matches_reference(gpu, bits, block, zp, act, dtype):
     m = GpuQMoE(spec, t, path="tc")
     for T in (100, 9):
         ref = qmoe_reference(x[:T], lg[:T], spec, t)
-        for BM in (32, 64):
+        for BM in (32, 48, 64):
             m.prefill_bm = BM
             got = {}
             for kernel in ("v1", "v1c"):
@@ -760,7 +760,7 @@ def test_gpu_v1c_ragged(gpu, bits, block, zp, act, dtype):
     ref = _ref_pairs(x.astype(np.float32) if bf16 is not None else x, ids, w, spec, t)
     tol = 1.5e-2 if bf16 is not None else TOL[("tc", "prefill", dtype)]
     m = GpuQMoE(spec, t, path="tc")
-    for BM in (32, 64, 128):
+    for BM in (32, 48, 64, 128):
         m.prefill_bm = BM
         for kernel in ("v1c", "v1"):
             m.prefill_kernel = kernel
@@ -788,7 +788,7 @@ def test_gpu_v1c_launch_configs(gpu, zp):
     auto_bm = {70: 32, 600: 64}  # prefill_bm 0: 64 once the pairs exceed 128 per resident expert (768 here)
     for T in (70, 600):
         ref = qmoe_reference(x[:T], lg[:T], spec, t)
-        for bm in (0, 32, 64, 128):
+        for bm in (0, 32, 48, 64, 128):
             m.prefill_bm = bm
             err = _relerr(m.forward(x[:T], lg[:T]), ref)
             assert err <= 3e-3, f"T={T} BM={bm}: {err:.2e}"

@@ -152,7 +152,7 @@ class GpuQMoE:
             self.last_decode_pdl = False
             # the dec5 kernels of the last decode call that launched them eagerly (FC1, FC2): tests check the path
             self.last_decode_kernels: tuple = ()
-            self.prefill_bm = 0  # tokens per prefill tile (32, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
+            self.prefill_bm = 0  # tokens per prefill tile (32, 48, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
             # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
             # prefill kernels: "v1c" = pf_gemmc (pf_gemm compiled for int4, blocks of 32, no zero point: 1.2x faster
             # at 512 tokens on the H200) where the projection's layout is that and BM is 32 or 64, else pf_gemm;
@@ -942,7 +942,7 @@ class GpuQMoE:
         or fp16 as stored) where prefill_kernel "v1c", the layout and BM allow it, else pf_gemm_<bits>_<BM>_<mode>."""
         if self.prefill_kernel not in ("v1", "v1c"):
             raise ValueError(f"prefill_kernel must be 'v1' or 'v1c', not {self.prefill_kernel!r}")
-        if self.prefill_kernel == "v1c" and BM in (32, 64) and p.bits == 4 and p.bs_log2 == 5 and not p.has_zp:
+        if self.prefill_kernel == "v1c" and BM in (32, 48, 64) and p.bits == 4 and p.bs_log2 == 5 and not p.has_zp:
             return f"pf_gemmc_4_{BM}_{mode}"
         return f"pf_gemm_{p.bits}_{BM}_{mode}"
 

@@ -264,6 +264,10 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #define QM_PF_KERNEL(B, BM, M) \
     extern "C" __global__ void __launch_bounds__(128) pf_gemm_##B##_##BM##_##M(QM_PF_ARGS) { pf_gemm_impl<B, BM, M>(QM_PF_PASS); }
 QM_PF_KERNEL(4, 32, 0)
+QM_PF_KERNEL(4, 48, 0)
+QM_PF_KERNEL(4, 48, 1)
+QM_PF_KERNEL(8, 48, 0)
+QM_PF_KERNEL(8, 48, 1)
 QM_PF_KERNEL(4, 64, 0)
 QM_PF_KERNEL(4, 32, 1)
 QM_PF_KERNEL(4, 64, 1)
@@ -280,5 +284,7 @@ QM_PF_KERNEL(8, 128, 1)
     extern "C" __global__ void __launch_bounds__(128) pf_gemmc_4_##BM##_##M(QM_PF_ARGS) { pf_gemm_impl<4, BM, M, true>(QM_PF_PASS); }
 QM_PFC_KERNEL(32, 0)
 QM_PFC_KERNEL(32, 1)
+QM_PFC_KERNEL(48, 0)
+QM_PFC_KERNEL(48, 1)
 QM_PFC_KERNEL(64, 0)
 QM_PFC_KERNEL(64, 1)
