@@ -10,7 +10,7 @@ import pytest
 
 from kernels.gpu import layout
 from kernels.gpu._module import source_text
-from kernels.gpu.qmoe import GpuQMoE
+from kernels.gpu.qmoe import GpuQMoE, default_prefill_bm
 from kernels.qmoe_spec import QMoESpec
 from tests.qmoe_oracle import make_case
 
@@ -56,3 +56,18 @@ def test_source_defines_every_prefill_kernel():
               for name in _names(kernel, bits, 32 if bits == 4 else 0, False, BM)}
     assert {n for n in wanted if n.startswith("pf_gemmc_")}, "no pf_gemmc kernel selected"
     assert wanted <= defined, sorted(wanted - defined)
+
+
+@pytest.mark.parametrize("pairs, resident, bm", [
+    (512 * 8, 128, 48),   # shape B at 512 tokens: 32 pairs an expert, where 48 was fastest (0.248 ms against 0.259)
+    (512 * 4, 32, 32),    # shape A at 512 tokens: 64 an expert (32 and 64 within 1%, 48 10% slower)
+    (2048 * 8, 128, 32),  # 128 an expert: still one tile of 32 rows per 32 pairs
+    (2049 * 8, 128, 64),  # past 128 an expert
+    (140, 6, 32),         # 23 an expert: mostly one tile of 32
+    (150, 6, 48),         # 25
+    (288, 6, 48),         # 48
+    (294, 6, 32),         # 49
+    (16, 0, 32),          # no resident expert counted: the pairs as one expert's
+])
+def test_default_prefill_tile_follows_the_pairs_per_resident_expert(pairs, resident, bm):
+    assert default_prefill_bm(pairs, resident) == bm

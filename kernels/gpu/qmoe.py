@@ -59,6 +59,17 @@ def gpu_available() -> bool:
         return False
 
 
+def default_prefill_bm(pairs: int, resident_experts: int) -> int:
+    """Tokens per prefill tile, from the mean (token, expert) pairs per resident expert m. An expert whose pairs exceed
+    a tile takes a second one and dequantises its weights again. Measured on the H200 at 512 tokens (twenty-second
+    session, pf_gemmc): m = 32 (shape B) BM 48 0.248 ms, 32 0.259, 64 0.291; m = 64 (shape A) BM 32 0.464, 48 0.509,
+    64 0.459. 48 where m is 24-48 (measured at 32 only); 64 past 128 pairs (not measured); 32 otherwise."""
+    m = pairs / max(1, resident_experts)
+    if m > 128:
+        return 64
+    return 48 if 24 < m <= 48 else 32
+
+
 def _is_bf16(dtype) -> bool:
     return np.dtype(dtype).name == "bfloat16"
 
@@ -152,10 +163,9 @@ class GpuQMoE:
             self.last_decode_pdl = False
             # the dec5 kernels of the last decode call that launched them eagerly (FC1, FC2): tests check the path
             self.last_decode_kernels: tuple = ()
-            self.prefill_bm = 0  # tokens per prefill tile (32, 48, 64, 128); 0 = 32 (fastest at 512 tokens on the H200)
-            # unless the mean pairs per resident expert exceed 128 (64 then; not measured)
+            self.prefill_bm = 0  # tokens per prefill tile (32, 48, 64, 128); 0 = default_prefill_bm's choice
             # prefill kernels: "v1c" = pf_gemmc (pf_gemm compiled for int4, blocks of 32, no zero point: 1.2x faster
-            # at 512 tokens on the H200) where the projection's layout is that and BM is 32 or 64, else pf_gemm;
+            # at 512 tokens on the H200) where the projection's layout is that and BM is 32, 48 or 64, else pf_gemm;
             # "v1" = pf_gemm always (tests and benchmarks compare the two)
             self.prefill_kernel = "v1c"
             # the prefill kernels (FC1, FC2) of the last prefill call on the tensor-core path: tests check the path
@@ -758,7 +768,7 @@ class GpuQMoE:
                 out.fill(0)
             return
         decode = self.path == "tc" and T <= self.decode_max_tokens
-        BM = self.prefill_bm or (32 if P <= 128 * max(1, int((self.slot_of >= 0).sum())) else 64)
+        BM = self.prefill_bm or default_prefill_bm(P, int((self.slot_of >= 0).sum()))
         TM = 8 if decode else (BM if self.path == "tc" else 64)
         max_tiles = min(P, P // TM + min(E, P))
         ws = self._workspace(T, P, max_tiles, "dec" if decode else self.path)
