@@ -453,7 +453,7 @@ def test_gpu_refuses_fp8(gpu):
 # fp32 scratch + counters that every launch leaves zeroed. Same tolerance as v4 (1e-4 fp32 I/O).
 def _v5(m, **cfg):
     m.decode_kernel = "v5"
-    m.dec5_cfg = {"bps": 0, "grid": 0, **cfg}
+    m.dec5_cfg = {"bps": 0, "bps1": 0, "bps2": 0, "grid": 0, **cfg}
     return m
 
 
@@ -533,7 +533,8 @@ def test_gpu_v5_pdl_matches_plain_launches(gpu, bits, block, zp, act, dtype):
     forward's experts), against the reference and against plain launches; 1, 3 and 8 tokens; small and full grids.
     FC2 copies the weights of its first ring stages before its wait and their activations after it: the full grid
     gives its warps 1 unit each (fewer than the prologue's DEC5_STAGES - 1), grid 3 dozens, grid 29 about 5 (FC2 at
-    T = 1: 576 units over 116 warps, ranges of 5 that cross row tiles of 6 k-tiles and tiles inside the prologue)."""
+    T = 1: 576 units over 116 warps, ranges of 5 that cross row tiles of 6 k-tiles and tiles inside the prologue).
+    bps1 1 / bps2 3: FC1's grid leaves room on every SM, so FC2's blocks run their pre-wait prologue while FC1 runs."""
     cp, GpuQMoE = gpu
     attrs, t, x, lg = make_case(seed=300 + bits + block + zp, E=8, H=512, I=384, k=3, bits=bits, block_size=block,
                                 zero_points=zp, bias=True, T=24, dtype=dtype, **ACTS[act])
@@ -541,7 +542,7 @@ def test_gpu_v5_pdl_matches_plain_launches(gpu, bits, block, zp, act, dtype):
     H = spec.hidden_size
     m = GpuQMoE(spec, t, path="tc")
     tol = TOL[("tc", "decode", dtype)]
-    for cfg in ({}, {"grid": 3}, {"grid": 29}):
+    for cfg in ({}, {"grid": 3}, {"grid": 29}, {"bps1": 1, "bps2": 3}):
         for T in (1, 3, 8):
             xd = cp.asarray(x[:T])
             outs = {}
@@ -572,7 +573,8 @@ def test_gpu_v5_launch_configs(gpu, bits, block):
     spec = _spec(attrs, t, x)
     m = _v5(GpuQMoE(spec, t))
     refs = {T: qmoe_reference(x[:T], lg[:T], spec, t) for T in (1, 2, 3, 5, 8)}
-    for cfg in ({"grid": 1}, {"grid": 3}, {"grid": 37}, {"bps": 1}, {"bps": 2}, {"l2_prefetch": 1}, {}):
+    for cfg in ({"grid": 1}, {"grid": 3}, {"grid": 37}, {"bps": 1}, {"bps": 2}, {"bps1": 1, "bps2": 2},
+                {"l2_prefetch": 1}, {}):
         _v5(m, **cfg)
         for T, ref in refs.items():
             err = _relerr(m.forward(x[:T], lg[:T]), ref)
@@ -778,15 +780,17 @@ def test_gpu_v1c_ragged(gpu, bits, block, zp, act, dtype):
 
 @pytest.mark.parametrize("zp", [False, True], ids=["zp0", "zp1"])
 def test_gpu_v1c_launch_configs(gpu, zp):
-    """test_gpu_launch_configs' larger case at int4 block 32 (70 tokens, 6 experts) and 600 tokens (several tiles per
-    expert, > 512 pairs), every BM through v1c: pf_gemmc without zero points at BM 32 / 64, pf_gemm otherwise."""
+    """test_gpu_launch_configs' larger case at int4 block 32 (70 and 100 tokens, 6 experts) and 600 tokens (several
+    tiles per expert, > 512 pairs), every BM through v1c: pf_gemmc without zero points at BM 32 / 48 / 64, pf_gemm
+    otherwise."""
     cp, GpuQMoE = gpu
     attrs, t, x, lg = make_case(seed=113, E=6, H=512, I=384, k=2, bits=4, block_size=32, zero_points=zp, bias=True,
                                 T=600, activation="swiglu", swiglu_fusion=1, alpha=1.702, beta=1.0, swiglu_limit=7.0)
     spec = _spec(attrs, t, x)
     m = GpuQMoE(spec, t, path="tc")
-    auto_bm = {70: 32, 600: 64}  # prefill_bm 0: 64 once the pairs exceed 128 per resident expert (768 here)
-    for T in (70, 600):
+    # prefill_bm 0 (default_prefill_bm): pairs per resident expert 23 -> 32, 33 -> 48, 200 -> 64
+    auto_bm = {70: 32, 100: 48, 600: 64}
+    for T in (70, 100, 600):
         ref = qmoe_reference(x[:T], lg[:T], spec, t)
         for bm in (0, 32, 48, 64, 128):
             m.prefill_bm = bm

@@ -146,8 +146,10 @@ class GpuQMoE:
             self.dec_cfg = {"R1": 2, "W1": 0, "R2": 2, "W2": 2, "ksplit2": 2, "rank_route": 1}
             # decode kernels: "v4" (dec_gemv, grid over (row block, tile, K split)) or "v5" (dec5, stream-K: a grid
             # of the GPU's resident capacity, every warp one contiguous range of (tile, row tile, k-tile) units);
-            # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); dec5_cfg["grid"]: a fixed
-            # number of blocks instead (0 = bps * SMs, at most one block per 4 units of work);
+            # dec5_cfg["bps"]: blocks per SM (0 = the occupancy calculator's figure); "bps1" / "bps2": the same for
+            # FC1 / FC2 alone (0 = "bps"): an FC1 grid that leaves room lets FC2's blocks (PDL) become resident
+            # during FC1 and copy their first units' weights then; dec5_cfg["grid"]: a fixed number of blocks
+            # instead (0 = bps * SMs, at most one block per 4 units of work);
             # dec5_cfg["l2_prefetch"]: FC1's warps prefetch FC2's weights and scales into L2 when done (1 / 0; off: the
             # forward was 2-4% faster without it at both benchmark shapes on the H200, fourth and ninth sessions);
             # dec5_cfg["f16"]: fp16 activations take the dec5h kernels (fp16 weights and activations, one f16 MMA per
@@ -157,7 +159,7 @@ class GpuQMoE:
             # ignored below), so each starts its blocks during the previous kernel's tail (1 / 0; on: 4-4.5% less
             # time per fp16 forward at both benchmark shapes on the H200, 1% with fp32 x; thirteenth session)
             self.decode_kernel = "v5"
-            self.dec5_cfg = {"bps": 0, "grid": 0, "l2_prefetch": 0, "f16": 1, "pdl": 1}
+            self.dec5_cfg = {"bps": 0, "bps1": 0, "bps2": 0, "grid": 0, "l2_prefetch": 0, "f16": 1, "pdl": 1}
             self._pdl = PdlLauncher.from_driver() if self.cc >= 90 else None
             # the dec5 launches of the last eager decode call that went through PDL (tests check the path)
             self.last_decode_pdl = False
@@ -930,7 +932,8 @@ class GpuQMoE:
             self._carveout_set.add(name)
         grid = int(self.dec5_cfg.get("grid") or 0)  # a fixed grid (tests: long per-warp ranges)
         if grid <= 0:
-            bps = int(self.dec5_cfg.get("bps") or 0) or self._blocks_per_sm(name, threads, smem)
+            bps = (int(self.dec5_cfg.get(f"bps{mode + 1}") or 0) or int(self.dec5_cfg.get("bps") or 0)
+                   or self._blocks_per_sm(name, threads, smem))
             units = max_tiles * p.NT * p.KT
             grid = max(1, min(bps * self.num_sms, _cdiv(units, self.DEC5_WARPS)))
         head = (sl["w"], np.int64(p.w_bytes), np.int32(p.NT), np.int32(p.KT), sl["s"], np.int32(p.sdt),
