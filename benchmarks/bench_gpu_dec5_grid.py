@@ -23,8 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_gpu_decode_parts import measured_start, shape_keys  # noqa: E402
-from benchmarks.bench_gpu_pdl import time_variant  # noqa: E402
-from benchmarks.bench_qmoe_gpu import SHAPES, _write, hbm_figure, node_for  # noqa: E402
+from benchmarks.bench_gpu_pdl import decode_case, time_variant  # noqa: E402
+from benchmarks.bench_qmoe_gpu import SHAPES, _write, hbm_figure  # noqa: E402
 from benchmarks.common import ROOT  # noqa: E402
 
 
@@ -70,8 +70,6 @@ def main(argv=None):
 
     import cupy as cp
 
-    from kernels.gpu import GpuQMoE
-
     t_start = time.perf_counter()
     n, replays = args.launches, args.replays
     timer, hbm, details = measured_start(cp, n, replays)
@@ -82,11 +80,8 @@ def main(argv=None):
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)
     for key in shape_keys(args.shapes):
-        spec, tensors = node_for(key)
-        m = GpuQMoE(spec, tensors)
-        nbytes = spec.k * (m.fc1.slot_bytes() + m.fc2.slot_bytes())
-        bank = cp.asarray((rng.standard_normal((n, spec.num_experts)) * 2.0).astype(np.float32))
-        outs = cp.empty((n, 1, spec.hidden_size), cp.float32)
+        m, nbytes, bank, outs = decode_case(cp, key, rng, n)
+        spec = m.spec
         x = cp.asarray(rng.standard_normal((1, spec.hidden_size)).astype(args.dtype))
         runs = {c: [] for c in configs}
         for _ in range(args.rounds):

@@ -63,6 +63,18 @@ def time_variant(cp, m, timer, stream, x, bank, outs, n, replays) -> tuple[float
     return t_chain, t_single
 
 
+def decode_case(cp, key: str, rng, n: int) -> tuple:
+    """(GpuQMoE of shape `key` with every expert resident, the bytes its k routed experts read per token, n routing
+    rows, n output rows) for a chain of n one-token forwards."""
+    from kernels.gpu import GpuQMoE
+
+    spec, tensors = node_for(key)
+    m = GpuQMoE(spec, tensors)
+    nbytes = spec.k * (m.fc1.slot_bytes() + m.fc2.slot_bytes())
+    bank = cp.asarray((rng.standard_normal((n, spec.num_experts)) * 2.0).astype(np.float32))
+    return m, nbytes, bank, cp.empty((n, 1, spec.hidden_size), cp.float32)
+
+
 def outputs_agree(cp, m, switch, x, bank, n) -> float:
     """max |on - off| / max |off| over n eager forwards."""
     got = []
@@ -86,8 +98,6 @@ def main(argv=None):
 
     import cupy as cp
 
-    from kernels.gpu import GpuQMoE
-
     switch = args.switch
     (off, _), (on, _) = variants(switch)
     t_start = time.perf_counter()
@@ -100,11 +110,8 @@ def main(argv=None):
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)
     for key in shape_keys(args.shapes):
-        spec, tensors = node_for(key)
-        m = GpuQMoE(spec, tensors)
-        nbytes = spec.k * (m.fc1.slot_bytes() + m.fc2.slot_bytes())
-        bank = cp.asarray((rng.standard_normal((n, spec.num_experts)) * 2.0).astype(np.float32))
-        outs = cp.empty((n, 1, spec.hidden_size), cp.float32)
+        m, nbytes, bank, outs = decode_case(cp, key, rng, n)
+        spec = m.spec
         rec = {"bytes": nbytes, "compiled_from": m.compiled_from, "pdl_available": m._pdl is not None}
         for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
             x = cp.asarray(rng.standard_normal((1, spec.hidden_size)).astype(dtype))
