@@ -63,7 +63,7 @@ def default_prefill_bm(pairs: int, resident_experts: int) -> int:
     """Tokens per prefill tile, from the mean (token, expert) pairs per resident expert m. An expert whose pairs exceed
     a tile takes a second one and dequantises its weights again. Measured on the H200 at 512 tokens (twenty-second
     session, pf_gemmc): m = 32 (shape B) BM 48 0.248 ms, 32 0.259, 64 0.291; m = 64 (shape A) BM 32 0.464, 48 0.509,
-    64 0.459. 48 where m is 24-48 (measured at 32 only); 64 past 128 pairs (not measured); 32 otherwise."""
+    64 0.459. 48 where m is 24-48 (measured at 32 only); 64 where m exceeds 128 (not measured); 32 otherwise."""
     m = pairs / max(1, resident_experts)
     if m > 128:
         return 64
