@@ -22,8 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_gpu_decode_parts import measured_start, shape_keys  # noqa: E402
-from benchmarks.bench_gpu_pdl import decode_case, time_variant  # noqa: E402
+from benchmarks.bench_gpu_decode_parts import shape_keys  # noqa: E402
+from benchmarks.bench_gpu_pdl import add_chain_options, chain_start, decode_case, time_variant  # noqa: E402
 from benchmarks.bench_qmoe_gpu import SHAPES, _write, hbm_figure  # noqa: E402
 from benchmarks.common import ROOT  # noqa: E402
 
@@ -59,12 +59,8 @@ def outputs_differ(cp, m, config, x, bank, n) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="0:0,5:2,4:3,3:4,3:5,2:5")
-    ap.add_argument("--shapes", default="A,B")
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--launches", type=int, default=32)
-    ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-write", action="store_true")
+    add_chain_options(ap)
     args = ap.parse_args(argv)
     configs = parse_configs(args.configs)
 
@@ -72,10 +68,8 @@ def main(argv=None):
 
     t_start = time.perf_counter()
     n, replays = args.launches, args.replays
-    timer, hbm, details = measured_start(cp, n, replays)
-    print(f"{details['gpu']}: HBM copy {hbm:.0f} GB/s; chain of {n} forwards per graph, median of {replays} replays",
-          flush=True)
-    details.update(rounds=args.rounds, configs=[f"{a}:{b}" for a, b in configs], dtype=args.dtype)
+    timer, hbm, details = chain_start(cp, args)
+    details.update(configs=[f"{a}:{b}" for a, b in configs], dtype=args.dtype)
     figures = [hbm_figure(hbm)]
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)

@@ -63,6 +63,26 @@ def time_variant(cp, m, timer, stream, x, bank, outs, n, replays) -> tuple[float
     return t_chain, t_single
 
 
+def add_chain_options(ap: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that times chains of one-token forwards in alternating rounds (this one and
+    bench_gpu_dec5_grid.py)."""
+    ap.add_argument("--shapes", default="A,B")
+    ap.add_argument("--launches", type=int, default=32)
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+
+
+def chain_start(cp, args) -> tuple:
+    """measured_start for add_chain_options' arguments, its figures printed: (timer, HBM copy GB/s, details)."""
+    n, replays = args.launches, args.replays
+    timer, hbm, details = measured_start(cp, n, replays)
+    print(f"{details['gpu']}: HBM copy {hbm:.0f} GB/s; chain of {n} forwards per graph, median of {replays} replays",
+          flush=True)
+    details["rounds"] = args.rounds
+    return timer, hbm, details
+
+
 def decode_case(cp, key: str, rng, n: int) -> tuple:
     """(GpuQMoE of shape `key` with every expert resident, the bytes its k routed experts read per token, n routing
     rows, n output rows) for a chain of n one-token forwards."""
@@ -88,12 +108,8 @@ def outputs_agree(cp, m, switch, x, bank, n) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pdl")
-    ap.add_argument("--shapes", default="A,B")
     ap.add_argument("--dtypes", default="float16,float32")
-    ap.add_argument("--launches", type=int, default=32)
-    ap.add_argument("--replays", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-write", action="store_true")
+    add_chain_options(ap)
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -102,10 +118,8 @@ def main(argv=None):
     (off, _), (on, _) = variants(switch)
     t_start = time.perf_counter()
     n, replays = args.launches, args.replays
-    timer, hbm, details = measured_start(cp, n, replays)
-    print(f"{details['gpu']}: HBM copy {hbm:.0f} GB/s; chain of {n} forwards per graph, median of {replays} replays",
-          flush=True)
-    details.update(rounds=args.rounds, switch=switch)
+    timer, hbm, details = chain_start(cp, args)
+    details["switch"] = switch
     figures = [hbm_figure(hbm)]
     rng = np.random.default_rng(1)
     stream = cp.cuda.Stream(non_blocking=True)
