@@ -218,7 +218,9 @@ def compare_decode(cp, m, decs, H, E, rng, key):
             print(f"[{key}] decode {T} token(s): {kern} vs {names[0]} max rel diff {rel:.1e}", flush=True)
 
 
-PF_KERNELS = ("v1c", "v1")  # GpuQMoE.prefill_kernel: its default first, then the general pf_gemm to compare
+# GpuQMoE.prefill_kernel: its default first, then the general pf_gemm to compare, then pf_gemmw (wgmma; as v1c where
+# the module has none)
+PF_KERNELS = ("v1c", "v1", "v1w")
 PF_BMS = (32, 48, 64, 128)
 
 
@@ -257,9 +259,10 @@ def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10, rounds=2):
         med, p10, p90 = times[(kern, bm)]
         res[kern] = dict(median=med, p10=p10, p90=p90, bm=bm, kernels=names[(kern, bm)], regs=regs[(kern, bm)],
                          median_by_bm={b: times[(kern, b)][0] for b in PF_BMS})
-    res["max_rel_diff_v1c_vs_v1"] = max(
-        float(np.abs(outs[("v1c", b)] - outs[("v1", b)]).max() / max(np.abs(outs[("v1", b)]).max(), 1e-30))
-        for b in PF_BMS)
+    for kern in PF_KERNELS[::2]:
+        res[f"max_rel_diff_{kern}_vs_v1"] = max(
+            float(np.abs(outs[(kern, b)] - outs[("v1", b)]).max() / max(np.abs(outs[("v1", b)]).max(), 1e-30))
+            for b in PF_BMS)
     m.prefill_kernel, m.prefill_bm = PF_KERNELS[0], res[PF_KERNELS[0]]["bm"]  # for the comparisons that follow
     return res
 
@@ -281,8 +284,8 @@ def prefill_figures(key, tag, pf, tflops):
                         "reference": "fp16 matmul 8192^3 measured in this run", "reference_value": tflops,
                         "ratio": tf / tflops, "latency_ms": r["median"] * 1e3, "prefill_kernel": kern, "bm": r["bm"],
                         "kernels": r["kernels"], "speedup_vs_v1": speedup})
-    print(f"[{key}] prefill 512: {pf['distinct_experts']} experts hit; v1c vs v1 max rel diff "
-          f"{pf['max_rel_diff_v1c_vs_v1']:.1e}", flush=True)
+    print(f"[{key}] prefill 512: {pf['distinct_experts']} experts hit; max rel diff vs v1: "
+          + ", ".join(f"{k} {pf[f'max_rel_diff_{k}_vs_v1']:.1e}" for k in PF_KERNELS[::2]), flush=True)
     return figures
 
 

@@ -689,13 +689,26 @@ def test_gpu_v5_converted_nvfp4(gpu):
 
 
 # ----------------------------------------------------------------------------- prefill v1c (pf_gemmc, prefill.cu)
-# GpuQMoE.prefill_kernel = "v1c" (the default) sends int4 / block 32 / no zero point at BM 32 / 64 through pf_gemmc,
-# pf_gemm compiled for that case; "v1" keeps the general pf_gemm. Same dequantisation, scale folding and k order as
-# pf_gemm: the same tolerances, and v1c == v1 up to FC2's atomicAdd order.
-def _pf_names(kernel, bits, block, zp, BM):
-    if kernel == "v1c" and bits == 4 and block == 32 and not zp and BM in (32, 48, 64):
-        return (f"pf_gemmc_4_{BM}_0", f"pf_gemmc_4_{BM}_1")
+# GpuQMoE.prefill_kernel = "v1c" (the default) sends int4 / block 32 / no zero point at BM 32 / 48 / 64 through
+# pf_gemmc, pf_gemm compiled for that case; "v1" keeps the general pf_gemm; "v1w" takes pf_gemmw (pf_gemmc on wgmma)
+# where v1c takes pf_gemmc and the module has wgmma (m.has_wgmma: an sm_90a cubin), else pf_gemmc. Same
+# dequantisation, scale folding and k order as pf_gemm: the same tolerances, and v1c == v1 up to FC2's atomicAdd order.
+def _pf_names(kernel, bits, block, zp, BM, wgmma=False):
+    if kernel in ("v1c", "v1w") and bits == 4 and block == 32 and not zp and BM in (32, 48, 64):
+        c = "w" if kernel == "v1w" and wgmma else "c"
+        return (f"pf_gemm{c}_4_{BM}_0", f"pf_gemm{c}_4_{BM}_1")
     return (f"pf_gemm_{bits}_{BM}_0", f"pf_gemm_{bits}_{BM}_1")
+
+
+def test_gpu_wgmma_in_the_prebuilt_cubin(gpu):
+    """On a 9.0 GPU with the prebuilt cubin (built for sm_90a) the module has the wgmma kernels, so the v1w tests
+    below run pf_gemmw there and not pf_gemmc under its name."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=5, E=4, H=128, I=64, k=2, bits=4, block_size=32, T=4)
+    m = GpuQMoE(_spec(attrs, t, x), t, path="tc")
+    if m.cc != 90 or m.compiled_from != "cubin":
+        pytest.skip(f"sm_{m.cc}, module from {m.compiled_from}: wgmma needs the sm_90a cubin")
+    assert m.has_wgmma
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
@@ -712,16 +725,17 @@ def test_gpu_v1c_matches_reference(gpu, bits, block, zp, act, dtype):
         for BM in (32, 48, 64):
             m.prefill_bm = BM
             got = {}
-            for kernel in ("v1", "v1c"):
+            for kernel in ("v1", "v1c", "v1w"):
                 m.prefill_kernel = kernel
                 got[kernel] = m.forward(x[:T], lg[:T])
-                assert m.last_prefill_kernels == _pf_names(kernel, bits, block, zp, BM)
+                assert m.last_prefill_kernels == _pf_names(kernel, bits, block, zp, BM, m.has_wgmma)
                 assert isinstance(got[kernel], np.ndarray) and got[kernel].dtype == x.dtype
                 assert got[kernel].shape == (T, H)
                 err = _relerr(got[kernel], ref)
                 assert err <= TOL[("tc", "prefill", dtype)], f"{kernel} BM={BM} T={T}: rel err {err:.2e}"
             if dtype == np.float32:
                 assert _relerr(got["v1c"], got["v1"]) <= 1e-4, f"v1c vs v1 BM={BM} T={T}"
+                assert _relerr(got["v1w"], got["v1c"]) <= 1e-4, f"v1w vs v1c BM={BM} T={T}"
 
 
 V1C_RAGGED = [  # (bits, block, zp, act, dtype): the common case, then two that keep pf_gemm
@@ -764,10 +778,10 @@ def test_gpu_v1c_ragged(gpu, bits, block, zp, act, dtype):
     m = GpuQMoE(spec, t, path="tc")
     for BM in (32, 48, 64, 128):
         m.prefill_bm = BM
-        for kernel in ("v1c", "v1"):
+        for kernel in ("v1c", "v1", "v1w"):
             m.prefill_kernel = kernel
             got = m.run_experts(x, ids, w)
-            assert m.last_prefill_kernels == _pf_names(kernel, bits, block, zp, BM)
+            assert m.last_prefill_kernels == _pf_names(kernel, bits, block, zp, BM, m.has_wgmma)
             got = np.asarray(got.astype(np.float32) if bf16 is not None else got)
             err = _relerr(got, ref)
             assert err <= tol, f"{kernel} BM={BM}: rel err {err:.2e}"
@@ -792,8 +806,10 @@ def test_gpu_v1c_launch_configs(gpu, zp):
     auto_bm = {70: 32, 100: 48, 600: 64}
     for T in (70, 100, 600):
         ref = qmoe_reference(x[:T], lg[:T], spec, t)
-        for bm in (0, 32, 48, 64, 128):
-            m.prefill_bm = bm
-            err = _relerr(m.forward(x[:T], lg[:T]), ref)
-            assert err <= 3e-3, f"T={T} BM={bm}: {err:.2e}"
-            assert m.last_prefill_kernels == _pf_names("v1c", 4, 32, zp, bm or auto_bm[T])
+        for kernel in ("v1c", "v1w"):
+            m.prefill_kernel = kernel
+            for bm in (0, 32, 48, 64, 128):
+                m.prefill_bm = bm
+                err = _relerr(m.forward(x[:T], lg[:T]), ref)
+                assert err <= 3e-3, f"{kernel} T={T} BM={bm}: {err:.2e}"
+                assert m.last_prefill_kernels == _pf_names(kernel, 4, 32, zp, bm or auto_bm[T], m.has_wgmma)

@@ -16,6 +16,7 @@ SOURCES = ("common.cuh", "route.cu", "decode.cu", "decode5.cu", "prefill.cu", "f
 NVRTC_OPTIONS = ("--std=c++17",)
 
 _modules: dict = {}
+_wgmma: dict = {}
 
 
 def source_text() -> str:
@@ -34,13 +35,20 @@ def cubin_path(cc: str) -> Path:
     return cubin_dir() / f"qmoe-sm{cc}-{source_hash()}.cubin"
 
 
+def nvcc_arch(cc: str) -> str:
+    """nvcc's target for compute capability ``cc``: sm_90a on 9.0, whose arch-specific instructions (wgmma: the
+    pf_gemmw prefill kernels) a plain sm_90 build leaves out; a cubin for sm_90a loads on 9.0 devices only, which is
+    what a cubin named for sm90 is loaded on."""
+    return f"sm_{cc}a" if cc == "90" else f"sm_{cc}"
+
+
 def build_cubin(cc: str, nvcc: str = "nvcc") -> Path:
-    """Compile the source with nvcc for sm_<cc> into the cubin directory (same options as the NVRTC path)."""
+    """Compile the source with nvcc for ``nvcc_arch(cc)`` into the cubin directory (same options as the NVRTC path)."""
     out = cubin_path(cc)
     out.parent.mkdir(parents=True, exist_ok=True)
     src = out.with_suffix(".cu")
     src.write_text(source_text())
-    subprocess.run([nvcc, f"-arch=sm_{cc}", *NVRTC_OPTIONS, "-cubin", "-o", str(out), str(src)], check=True)
+    subprocess.run([nvcc, f"-arch={nvcc_arch(cc)}", *NVRTC_OPTIONS, "-cubin", "-o", str(out), str(src)], check=True)
     src.unlink()
     return out
 
@@ -63,3 +71,17 @@ def load_module(cc: str):
         if mod is None:
             _modules[key] = (cupy.RawModule(code=source_text(), options=NVRTC_OPTIONS), "nvrtc")
     return _modules[key]
+
+
+def has_wgmma(cc: str) -> bool:
+    """Whether the module loaded for ``cc`` holds working wgmma kernels (pf_gemmw), asked of the module itself: only
+    a cubin built for sm_90a does (NVRTC through CuPy compiles for compute_90, where they trap). Cached per process."""
+    import cupy
+
+    mod, _ = load_module(cc)
+    key = (cc, source_hash())
+    if key not in _wgmma:
+        flag = cupy.zeros(1, cupy.int32)
+        mod.get_function("qm_features")((1,), (1,), (flag,))
+        _wgmma[key] = bool(int(flag.get()[0]))
+    return _wgmma[key]

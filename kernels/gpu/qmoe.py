@@ -34,7 +34,7 @@ from ..qmoe_spec import QMoESpec, UnsupportedLayout
 from .. import reference as _ref
 from . import convert as _conv
 from . import layout as _lay
-from ._module import load_module
+from ._module import has_wgmma, load_module
 from .driver_calls import BatchCopyError, DriverCalls, DriverError
 from .launch_pdl import PdlLauncher
 from .pack_device import DriverPackIssuer, descriptor, plan_for
@@ -118,6 +118,8 @@ class GpuQMoE:
             self.path = path
             self.num_sms = int(self.device.attributes["MultiProcessorCount"])
             self._mod, self.compiled_from = load_module(str(self.cc))
+            # asked here, not at the first prefill: that may run inside a CUDA graph's capture
+            self.has_wgmma = path == "tc" and has_wgmma(str(self.cc))
             self._fns: dict = {}
             self._smem_set: dict = {}
             S = E if num_slots is None else int(num_slots)
@@ -168,7 +170,8 @@ class GpuQMoE:
             self.prefill_bm = 0  # tokens per prefill tile (32, 48, 64, 128); 0 = default_prefill_bm's choice
             # prefill kernels: "v1c" = pf_gemmc (pf_gemm compiled for int4, blocks of 32, no zero point: 1.2x faster
             # at 512 tokens on the H200) where the projection's layout is that and BM is 32, 48 or 64, else pf_gemm;
-            # "v1" = pf_gemm always (tests and benchmarks compare the two)
+            # "v1" = pf_gemm always (tests and benchmarks compare the two); "v1w" = pf_gemmw (pf_gemmc on wgmma) where
+            # v1c would take pf_gemmc and the module was built with wgmma (a cubin for sm_90a), else as v1c
             self.prefill_kernel = "v1c"
             # the prefill kernels (FC1, FC2) of the last prefill call on the tensor-core path: tests check the path
             self.last_prefill_kernels: tuple = ()
@@ -850,10 +853,10 @@ class GpuQMoE:
             names = (self._pf_name(f1, 0, BM), self._pf_name(f2, 1, BM))
             self._launch(names[0], (_cdiv(f1.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f1, fp16_scales=True), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
-                np.int32(f2.KP), self._dummy_f32), self._pf_smem(BM))
+                np.int32(f2.KP), self._dummy_f32), self._pf_smem(names[0], BM))
             self._launch(names[1], (_cdiv(f2.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f2, fp16_scales=True), *tiles_args, ws.a16, np.int32(f2.KP), *act, np.int32(H), self._dummy_u16,
-                np.int32(0), out), self._pf_smem(BM))
+                np.int32(0), out), self._pf_smem(names[1], BM))
             self.last_prefill_kernels = names
             return
         if xdt == DT_F32:
@@ -953,16 +956,21 @@ class GpuQMoE:
         """The prefill kernel of projection ``p`` (mode 0 = FC1, 1 = FC2) at BM tokens per tile: pf_gemmc_4_<BM>_<mode>
         (compiled for int4, blocks of 32, no zero point; block scales always reach it as fp16: the layout's fp16 copy
         or fp16 as stored) where prefill_kernel "v1c", the layout and BM allow it, else pf_gemm_<bits>_<BM>_<mode>."""
-        if self.prefill_kernel not in ("v1", "v1c"):
-            raise ValueError(f"prefill_kernel must be 'v1' or 'v1c', not {self.prefill_kernel!r}")
-        if self.prefill_kernel == "v1c" and BM in (32, 48, 64) and p.bits == 4 and p.bs_log2 == 5 and not p.has_zp:
-            return f"pf_gemmc_4_{BM}_{mode}"
+        if self.prefill_kernel not in ("v1", "v1c", "v1w"):
+            raise ValueError(f"prefill_kernel must be 'v1', 'v1c' or 'v1w', not {self.prefill_kernel!r}")
+        if self.prefill_kernel != "v1" and BM in (32, 48, 64) and p.bits == 4 and p.bs_log2 == 5 and not p.has_zp:
+            wg = self.prefill_kernel == "v1w" and self.has_wgmma
+            return f"pf_gemm{'w' if wg else 'c'}_4_{BM}_{mode}"
         return f"pf_gemm_{p.bits}_{BM}_{mode}"
 
-    def _pf_smem(self, BM: int) -> int:
-        """Dynamic shared memory of pf_gemm (PF_STAGES = 4 stages of PfSmem<bits, BM>::STAGE bytes)."""
+    def _pf_smem(self, name: str, BM: int) -> int:
+        """Dynamic shared memory of prefill kernel ``name``: PF_STAGES = 4 stages of PfSmem<bits, BM>::STAGE bytes;
+        pf_gemmw's stages rounded up to 1024 bytes, and 1024 more to align the first (prefill.cu)."""
         tb = 512 if self.fc1.bits == 4 else 1024
-        return 4 * (BM * 128 + 8 * tb + 8 * 256 + 8 * 64)
+        stage = BM * 128 + 8 * tb + 8 * 256 + 8 * 64
+        if name.startswith("pf_gemmw"):
+            return 4 * _cdiv(stage, 1024) * 1024 + 1024
+        return 4 * stage
 
     def _launch(self, name: str, grid, block, args, smem: int = 0, pdl: bool = False):
         """Launch kernel ``name`` on the current stream; ``pdl``: with programmatic dependent launch (the kernel must

@@ -34,15 +34,102 @@ struct PfSmem {
     static const int S = 8 * 256;
     static const int Z = 8 * 64;
     static const int STAGE = A + W + S + Z;
+    static const int STAGE_WG = (STAGE + 1023) & ~1023;  // pf_gemmw: each stage's A tile on a 1024-byte boundary
 };
 #define PF_STAGES 4
 
+// pf_gemmw (sm_90a): the weights are wgmma's A operand, dequantised in registers (the fragments pf_gemm feeds to
+// mma.sync as B are exactly wgmma's register A fragments: rows g / g+8 of each warp's 16 rows, k 2t.. / 2t+8..), the
+// tile's tokens its B operand (N = BM) read by the tensor cores straight from the swizzled A tile in shared memory:
+// pf_gemm's 16-byte chunk XOR (row % 8) layout is wgmma's 128-byte swizzle, K-major, 8-row atoms 1024 bytes apart.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QM_WG 1
+#else
+#define QM_WG 0
+#endif
+
+static __device__ __forceinline__ unsigned long long wg_desc(u32 saddr) {
+    // start address >> 4, leading byte offset 16 (unused with the swizzle), stride byte offset 1024, 128-byte swizzle
+    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void wg_fence() {
+#if QM_WG
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void wg_commit_wait_all() {
+#if QM_WG
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+
+// shared memory written by cp.async (generic proxy) made visible to wgmma's reads (async proxy)
+static __device__ __forceinline__ void fence_proxy_async() {
+#if QM_WG
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// d (64 x N, fp32; BM / 2 per thread) += a (64 x 16 fp16, registers) * B (16 x N, shared memory, descriptor)
+template <int N>
+static __device__ __forceinline__ void wg_mma_rs(float* d, const u32* a, unsigned long long desc);
+
+template <>
+__device__ __forceinline__ void wg_mma_rs<32>(float* d, const u32* a, unsigned long long desc) {
+#if QM_WG
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#else
+    __trap();
+#endif
+}
+template <>
+__device__ __forceinline__ void wg_mma_rs<48>(float* d, const u32* a, unsigned long long desc) {
+#if QM_WG
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
+        "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#else
+    __trap();
+#endif
+}
+template <>
+__device__ __forceinline__ void wg_mma_rs<64>(float* d, const u32* a, unsigned long long desc) {
+#if QM_WG
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#else
+    __trap();
+#endif
+}
+
 // SP: compiled for the common case only (int4, block 32, no zero point; the pf_gemmc kernels, GpuQMoE._pf_name)
-template <int BITS, int BM, int MODE, bool SP = false>
+// WG: pf_gemmw (wgmma; with SP only)
+template <int BITS, int BM, int MODE, bool SP = false, bool WG = false>
 static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #if QM_TC
     typedef QmW<BITS> TR;
     typedef PfSmem<BITS, BM> SM;
+    constexpr int STG = WG ? SM::STAGE_WG : SM::STAGE;  // bytes per pipeline stage
     constexpr int MT = BM / 16;                   // m16 tiles of tokens
     constexpr int CPT = BM / 16;                  // 16-byte A chunks per thread per stage
     constexpr int WCH = SM::W / 16 / 128;         // 16-byte weight chunks per thread per stage
@@ -62,7 +149,9 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
     }
     const int nbt = blockwise ? (bs_log2 >= 6 ? 1 : (64 >> bs_log2)) : 0;
     const int ssz = 2;  // block scales arrive as fp16 (GpuQMoE passes an fp16 copy); per-row scales use sdt
-    const u32 sbase = smem_u32(pf_smem);
+    const u32 sraw = smem_u32(pf_smem);
+    const u32 sbase = WG ? ((sraw + 1023u) & ~1023u) : sraw;  // pf_gemmw: launched with 1024 bytes to spare
+    unsigned char* const smem0 = pf_smem + (sbase - sraw);
     const u8* Ws = W + (long long)slot * wstride;
     const long long sb = (long long)slot * NT * NB * 16;
 
@@ -105,7 +194,7 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
     const u32 zdst = (u32)(SM::A + SM::W + SM::S + z_lt * 64 + (nbt ? threadIdx.x % nbt : 0) * 16);
 
     auto load_stage = [&](int kt, int st) {
-        const u32 base = sbase + (u32)(st * SM::STAGE);
+        const u32 base = sbase + (u32)(st * STG);
 #pragma unroll
         for (int i = 0; i < CPT; ++i) cp_async16(base + adst[i], asrc[i] + kt * 64, asz[i]);
 #pragma unroll
@@ -129,13 +218,23 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
         set_hz<BITS>(zc[r], z0, z1);
     }
 
+    // mma.sync: acc[mi][ni] = token rows mi*16.., weight rows (ni & 1) * 8.. of row tile rtw + (ni >> 1);
+    // wgmma: accw[r] = this warp's 16 rows of row tile rtw + r x the BM tokens (see the epilogue)
     float acc[MT][4][4];
+    float accw[WG ? 2 : 1][WG ? BM / 2 : 1];
+    if constexpr (WG) {
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
+            for (int i = 0; i < BM / 2; ++i) accw[r][i] = 0.0f;
+    } else {
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
+    }
 
 #pragma unroll
     for (int s = 0; s < PF_STAGES - 1; ++s) {
@@ -145,14 +244,16 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
     for (int kt = 0; kt < KT; ++kt) {
         cp_async_wait<PF_STAGES - 2>();
         __syncthreads();
+        if constexpr (WG) fence_proxy_async();
         {
             const int nk = kt + PF_STAGES - 1;
             if (nk < KT) load_stage(nk, nk % PF_STAGES);
             cp_async_commit();
         }
         const int st = kt % PF_STAGES;
-        const unsigned char* sp = pf_smem + st * SM::STAGE;
-        const u32 abase = sbase + (u32)(st * SM::STAGE);
+        const unsigned char* sp = smem0 + st * STG;
+        const u32 abase = sbase + (u32)(st * STG);
+        const unsigned long long desc = wg_desc(abase);
         uint4 wv[2][TR::LW];
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -162,7 +263,9 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int q = (!blockwise || bs_log2 >= 6) ? 0 : (j >> (bs_log2 - 4));
-            u32 bf[2][4];
+            // wgmma reads its A registers asynchronously (until the wait below): one set per k-step j
+            u32 bfj[WG ? 4 : 1][2][4];
+            u32(&bf)[2][4] = bfj[WG ? j : 0];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 u32 z2[2] = {zc[r][0], zc[r][1]};
@@ -187,76 +290,132 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
                     bf[r][3] = hmul2(bf[r][3], s1);
                 }
             }
+            if constexpr (WG) {
+                wg_fence();
+                // k-step j: 16 k = 32 bytes into each token's 128-byte row (the swizzle applies to the address)
+                wg_mma_rs<BM>(accw[0], bf[0], desc + (unsigned long long)(j * 2));
+                wg_mma_rs<BM>(accw[1], bf[1], desc + (unsigned long long)(j * 2));
+            } else {
 #pragma unroll
-            for (int mi = 0; mi < MT; ++mi) {
-                const int row = mi * 16 + (lane & 15);
-                const int ch = j * 2 + (lane >> 4);
-                u32 a0, a1, a2, a3;
-                ldmatrix_x4(abase + (u32)((row * 64 + ((ch ^ (row & 7)) << 3)) * 2), a0, a1, a2, a3);
+                for (int mi = 0; mi < MT; ++mi) {
+                    const int row = mi * 16 + (lane & 15);
+                    const int ch = j * 2 + (lane >> 4);
+                    u32 a0, a1, a2, a3;
+                    ldmatrix_x4(abase + (u32)((row * 64 + ((ch ^ (row & 7)) << 3)) * 2), a0, a1, a2, a3);
 #pragma unroll
-                for (int ni = 0; ni < 4; ++ni)
-                    mma_f16(acc[mi][ni], a0, a1, a2, a3, bf[ni >> 1][ni & 1], bf[ni >> 1][(ni & 1) + 2]);
-            }
-        }
-    }
-
-    // epilogue: acc[mi][ni][hr * 2 + c] = token row mi*16 + g + 8*hr, weight row (ni & 1) * 8 + 2t + c of row tile
-    // rtw + (ni >> 1)
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            const int m = mi * 16 + g + 8 * hr;
-            if (m >= cnt) continue;
-            const int p = start + m;
-            int tok = 0;
-            float pw = 0.0f;
-            if (MODE == 1) {
-                tok = pair_tok[p];
-                pw = pair_w[p];
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int rt = rtw + r;
-                if (rt >= NT) continue;
-                const long long srow = sb + (long long)rt * NB * 16;  // per-row scales (NB == 1)
-                const float* bp = bias + (long long)slot * NP + rt * 16;
-                if (MODE == 0 && gated) {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int gg = 2 * t + c;
-                        const int i = rt * 8 + gg;
-                        if (i >= n_out) continue;
-                        float gv = acc[mi][r * 2][hr * 2 + c], uv = acc[mi][r * 2 + 1][hr * 2 + c];
-                        if (!blockwise) {
-                            gv *= load_f(S, srow + gg * 2, sdt);
-                            uv *= load_f(S, srow + gg * 2 + 1, sdt);
-                        }
-                        if (has_bias) {
-                            gv += bp[gg];
-                            uv += bp[8 + gg];
-                        }
-                        a_out[(long long)p * KP2 + i] = f2h(act_gated(act, gv, uv, alpha, beta, limit, has_limit));
-                    }
-                } else {
-#pragma unroll
-                    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-                        for (int c = 0; c < 2; ++c) {
-                            const int row16 = hh * 8 + 2 * t + c;
-                            const int n = rt * 16 + row16;
-                            if (n >= n_out) continue;
-                            float v = acc[mi][r * 2 + hh][hr * 2 + c];
-                            if (!blockwise) v *= load_f(S, srow + (row16 & 7) * 2 + (row16 >> 3), sdt);
-                            if (has_bias) v += bp[row16];
-                            if (MODE == 0)
-                                a_out[(long long)p * KP2 + n] = f2h(act_one(act, v));
-                            else
-                                atomicAdd(out + (long long)tok * n_out + n, pw * v);
-                        }
+                    for (int ni = 0; ni < 4; ++ni)
+                        mma_f16(acc[mi][ni], a0, a1, a2, a3, bf[ni >> 1][ni & 1], bf[ni >> 1][(ni & 1) + 2]);
                 }
             }
         }
+        if constexpr (WG) wg_commit_wait_all();  // before the next k-step's barrier lets this stage be refilled
+    }
+
+    if constexpr (WG) {
+        // accw[r][i * 4 + hr * 2 + c] = weight row g + 8 hr of row tile rtw + r, token m = 8 i + 2 t + c (SP: block
+        // scales already folded in; gated FC1: row g is the gate and g + 8 the up projection of output rt * 8 + g)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int rt = rtw + r;
+            if (rt >= NT) continue;
+            const float* bp = bias + (long long)slot * NP + rt * 16;
+#pragma unroll
+            for (int i = 0; i < BM / 8; ++i)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int m = 8 * i + 2 * t + c;
+                    if (m >= cnt) continue;
+                    const int p = start + m;
+                    const float* d = &accw[r][i * 4];
+                    if (MODE == 0 && gated) {
+                        const int o = rt * 8 + g;
+                        if (o >= n_out) continue;
+                        float gv = d[c], uv = d[2 + c];
+                        if (has_bias) {
+                            gv += bp[g];
+                            uv += bp[8 + g];
+                        }
+                        a_out[(long long)p * KP2 + o] = f2h(act_gated(act, gv, uv, alpha, beta, limit, has_limit));
+                        continue;
+                    }
+                    int tok = 0;
+                    float pw = 0.0f;
+                    if (MODE == 1) {
+                        tok = pair_tok[p];
+                        pw = pair_w[p];
+                    }
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int n = rt * 16 + g + 8 * hr;
+                        if (n >= n_out) continue;
+                        float v = d[hr * 2 + c];
+                        if (has_bias) v += bp[g + 8 * hr];
+                        if (MODE == 0)
+                            a_out[(long long)p * KP2 + n] = f2h(act_one(act, v));
+                        else
+                            atomicAdd(out + (long long)tok * n_out + n, pw * v);
+                    }
+                }
+        }
+    } else {
+        // epilogue: acc[mi][ni][hr * 2 + c] = token row mi*16 + g + 8*hr, weight row (ni & 1) * 8 + 2t + c of row tile
+        // rtw + (ni >> 1)
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int m = mi * 16 + g + 8 * hr;
+                if (m >= cnt) continue;
+                const int p = start + m;
+                int tok = 0;
+                float pw = 0.0f;
+                if (MODE == 1) {
+                    tok = pair_tok[p];
+                    pw = pair_w[p];
+                }
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int rt = rtw + r;
+                    if (rt >= NT) continue;
+                    const long long srow = sb + (long long)rt * NB * 16;  // per-row scales (NB == 1)
+                    const float* bp = bias + (long long)slot * NP + rt * 16;
+                    if (MODE == 0 && gated) {
+#pragma unroll
+                        for (int c = 0; c < 2; ++c) {
+                            const int gg = 2 * t + c;
+                            const int i = rt * 8 + gg;
+                            if (i >= n_out) continue;
+                            float gv = acc[mi][r * 2][hr * 2 + c], uv = acc[mi][r * 2 + 1][hr * 2 + c];
+                            if (!blockwise) {
+                                gv *= load_f(S, srow + gg * 2, sdt);
+                                uv *= load_f(S, srow + gg * 2 + 1, sdt);
+                            }
+                            if (has_bias) {
+                                gv += bp[gg];
+                                uv += bp[8 + gg];
+                            }
+                            a_out[(long long)p * KP2 + i] = f2h(act_gated(act, gv, uv, alpha, beta, limit, has_limit));
+                        }
+                    } else {
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                            for (int c = 0; c < 2; ++c) {
+                                const int row16 = hh * 8 + 2 * t + c;
+                                const int n = rt * 16 + row16;
+                                if (n >= n_out) continue;
+                                float v = acc[mi][r * 2 + hh][hr * 2 + c];
+                                if (!blockwise) v *= load_f(S, srow + (row16 & 7) * 2 + (row16 >> 3), sdt);
+                                if (has_bias) v += bp[row16];
+                                if (MODE == 0)
+                                    a_out[(long long)p * KP2 + n] = f2h(act_one(act, v));
+                                else
+                                    atomicAdd(out + (long long)tok * n_out + n, pw * v);
+                            }
+                    }
+                }
+            }
+    }
 #endif
 }
 
@@ -288,3 +447,18 @@ QM_PFC_KERNEL(48, 0)
 QM_PFC_KERNEL(48, 1)
 QM_PFC_KERNEL(64, 0)
 QM_PFC_KERNEL(64, 1)
+// pf_gemmw_4_<BM>_<mode>: pf_gemmc on wgmma (sm_90a builds; elsewhere they trap and GpuQMoE never picks them);
+// dynamic shared memory PF_STAGES * PfSmem<4, BM>::STAGE_WG + 1024 bytes
+#define QM_PFW_KERNEL(BM, M)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) pf_gemmw_4_##BM##_##M(QM_PF_ARGS) {                    \
+        pf_gemm_impl<4, BM, M, true, true>(QM_PF_PASS);                                                       \
+    }
+QM_PFW_KERNEL(32, 0)
+QM_PFW_KERNEL(32, 1)
+QM_PFW_KERNEL(48, 0)
+QM_PFW_KERNEL(48, 1)
+QM_PFW_KERNEL(64, 0)
+QM_PFW_KERNEL(64, 1)
+
+// out[0] = 1 where this module was built with wgmma (nvcc -arch=sm_90a: kernels/gpu/_module.py), else 0
+extern "C" __global__ void qm_features(int* out) { out[0] = QM_WG; }
