@@ -10,8 +10,9 @@ routing + grouping + FC1 + FC2, captured as a CUDA graph; time = CUDA events aro
 spin kernel so that host launch latency is not counted; median over many replays. Bytes = the k routed experts'
 bytes in our layout (weights + scales + biases). Also the per-token time in a graph of 32 back-to-back forwards.
 Prefill: 512 tokens, random routing (distinct experts counted), median of CUDA-event timings; GpuQMoE's prefill kernel
-(v1c: pf_gemmc where the layout is int4 / block 32 / no zero point, as here) and the general v1 (pf_gemm) next to it,
-each at its fastest tile height, all variants timed in turn. Useful FLOPs = 2 * tokens * k * (2I*H + H*I).
+(v1w: pf_gemmw on wgmma where the layout is int4 / block 32 / no zero point, as here, and the module has wgmma), v1c
+(pf_gemmc, the same on mma.sync) and the general v1 (pf_gemm) next to it, each at its fastest tile height, all
+variants timed in turn. Useful FLOPs = 2 * tokens * k * (2I*H + H*I).
 
     python benchmarks/bench_qmoe_gpu.py [--gpu-only] [--quick] [--no-write]
     python benchmarks/bench_qmoe_gpu.py --prefill-ab [--shapes A,B] [--pf-rounds 3]   # prefill and fp16 matmul only
@@ -218,17 +219,17 @@ def compare_decode(cp, m, decs, H, E, rng, key):
             print(f"[{key}] decode {T} token(s): {kern} vs {names[0]} max rel diff {rel:.1e}", flush=True)
 
 
-# GpuQMoE.prefill_kernel: its default first, then the general pf_gemm to compare, then pf_gemmw (wgmma; as v1c where
-# the module has none)
-PF_KERNELS = ("v1c", "v1", "v1w")
+# GpuQMoE.prefill_kernel: its default first (pf_gemmw: wgmma; as v1c where the module has none), then pf_gemmc, then
+# the general pf_gemm that the others are compared with
+PF_KERNELS = ("v1w", "v1c", "v1")
 PF_BMS = (32, 48, 64, 128)
 
 
 def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10, rounds=2):
     """Prefill at T tokens through each of PF_KERNELS at each BM of PF_BMS, the same input and routing for all; every
     variant timed in turn, ``rounds`` times (its best median counts). Returns {kernel: its fastest BM's median, p10,
-    p90, bm, the kernels launched and their registers, median per BM}, flops, distinct experts and v1c's largest
-    relative difference from v1 (same BM); leaves ``m`` on its default kernel at that one's fastest BM."""
+    p90, bm, the kernels launched and their registers, median per BM}, flops, distinct experts and each kernel's
+    largest relative difference from v1 (same BM); leaves ``m`` on its default kernel at that one's fastest BM."""
     H, E = spec.hidden_size, spec.num_experts
     x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
     lg_h = (rng.standard_normal((T, E)) * 2.0).astype(np.float32)
@@ -259,7 +260,7 @@ def bench_prefill(cp, m, spec, timer, rng, T=512, iters=10, rounds=2):
         med, p10, p90 = times[(kern, bm)]
         res[kern] = dict(median=med, p10=p10, p90=p90, bm=bm, kernels=names[(kern, bm)], regs=regs[(kern, bm)],
                          median_by_bm={b: times[(kern, b)][0] for b in PF_BMS})
-    for kern in PF_KERNELS[::2]:
+    for kern in PF_KERNELS[:-1]:
         res[f"max_rel_diff_{kern}_vs_v1"] = max(
             float(np.abs(outs[(kern, b)] - outs[("v1", b)]).max() / max(np.abs(outs[("v1", b)]).max(), 1e-30))
             for b in PF_BMS)
@@ -285,7 +286,7 @@ def prefill_figures(key, tag, pf, tflops):
                         "ratio": tf / tflops, "latency_ms": r["median"] * 1e3, "prefill_kernel": kern, "bm": r["bm"],
                         "kernels": r["kernels"], "speedup_vs_v1": speedup})
     print(f"[{key}] prefill 512: {pf['distinct_experts']} experts hit; max rel diff vs v1: "
-          + ", ".join(f"{k} {pf[f'max_rel_diff_{k}_vs_v1']:.1e}" for k in PF_KERNELS[::2]), flush=True)
+          + ", ".join(f"{k} {pf[f'max_rel_diff_{k}_vs_v1']:.1e}" for k in PF_KERNELS[:-1]), flush=True)
     return figures
 
 
@@ -295,7 +296,7 @@ def _gpu_name(cp) -> str:
 
 
 def prefill_ab(args):
-    """--prefill-ab: only bench_prefill (v1c and v1 at 512 tokens) for --shapes, next to the fp16 matmul ceiling of
+    """--prefill-ab: only bench_prefill (PF_KERNELS at 512 tokens) for --shapes, next to the fp16 matmul ceiling of
     the same run, in one process. Writes benchmarks/results/qmoe_gpu_prefill_ab-*.json (and into $OUT)."""
     import cupy as cp
 
@@ -388,7 +389,7 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="only run a few decode / prefill forwards between cudaProfilerStart/Stop (for ncu)")
     ap.add_argument("--prefill-ab", action="store_true",
-                    help="only prefill at 512 tokens: GpuQMoE's kernel (v1c) and the general v1 at BM 32 / 64 / 128, "
+                    help="only prefill at 512 tokens: GpuQMoE's kernel (v1w), v1c and the general v1 at BM 32 / 48 / 64 / 128, "
                          "next to the fp16 matmul ceiling of the same run; writes qmoe_gpu_prefill_ab-*.json")
     ap.add_argument("--pf-rounds", type=int, default=2, help="prefill: timing rounds over all kernels and BMs")
     args = ap.parse_args(argv)

@@ -689,8 +689,8 @@ def test_gpu_v5_converted_nvfp4(gpu):
 
 
 # ----------------------------------------------------------------------------- prefill v1c (pf_gemmc, prefill.cu)
-# GpuQMoE.prefill_kernel = "v1c" (the default) sends int4 / block 32 / no zero point at BM 32 / 48 / 64 through
-# pf_gemmc, pf_gemm compiled for that case; "v1" keeps the general pf_gemm; "v1w" takes pf_gemmw (pf_gemmc on wgmma)
+# GpuQMoE.prefill_kernel = "v1c" sends int4 / block 32 / no zero point at BM 32 / 48 / 64 through pf_gemmc, pf_gemm
+# compiled for that case; "v1" keeps the general pf_gemm; "v1w" (the default) takes pf_gemmw (pf_gemmc on wgmma)
 # where v1c takes pf_gemmc and the module has wgmma (m.has_wgmma: an sm_90a cubin), else pf_gemmc. Same
 # dequantisation, scale folding and k order as pf_gemm: the same tolerances, and v1c == v1 up to FC2's atomicAdd order.
 def _pf_names(kernel, bits, block, zp, BM, wgmma=False):
@@ -804,6 +804,7 @@ def test_gpu_v1c_launch_configs(gpu, zp):
     m = GpuQMoE(spec, t, path="tc")
     # prefill_bm 0 (default_prefill_bm): pairs per resident expert 23 -> 32, 33 -> 48, 200 -> 64
     auto_bm = {70: 32, 100: 48, 600: 64}
+    assert m.prefill_kernel == "v1w"  # the default
     for T in (70, 100, 600):
         ref = qmoe_reference(x[:T], lg[:T], spec, t)
         for kernel in ("v1c", "v1w"):

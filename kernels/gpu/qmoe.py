@@ -15,7 +15,7 @@ Paths:
   tensor cores with bf16 hi/lo activations (fp32-accurate); fp16 activations (v5, ``dec5_cfg["f16"]``): fp16
   weights and activations, one f16 MMA per k-step, fp32 accumulation, FC2's activation rounded to fp16; prefill:
   grouped GEMM (fp16 tensor cores, fp32 accumulation; per-block scales folded in fp16, so ~1e-3 relative), compiled
-  separately for int4 with blocks of 32 and no zero points (``prefill_kernel``).
+  separately for int4 with blocks of 32 and no zero points, on wgmma where the module has it (``prefill_kernel``).
 * ``fma`` (any GPU): plain fp32 FMA kernels over the same layout (exact fp32 dequantisation; slow).
 Routing runs on the GPU with the CUDA semantics (softmax over all E, top-k, renormalise when
 normalize_routing_weights; router_weights); the sparse mixer routes on the host (kernels.reference.route).
@@ -168,11 +168,12 @@ class GpuQMoE:
             # the dec5 kernels of the last decode call that launched them eagerly (FC1, FC2): tests check the path
             self.last_decode_kernels: tuple = ()
             self.prefill_bm = 0  # tokens per prefill tile (32, 48, 64, 128); 0 = default_prefill_bm's choice
-            # prefill kernels: "v1c" = pf_gemmc (pf_gemm compiled for int4, blocks of 32, no zero point: 1.2x faster
-            # at 512 tokens on the H200) where the projection's layout is that and BM is 32, 48 or 64, else pf_gemm;
-            # "v1" = pf_gemm always (tests and benchmarks compare the two); "v1w" = pf_gemmw (pf_gemmc on wgmma) where
-            # v1c would take pf_gemmc and the module was built with wgmma (a cubin for sm_90a), else as v1c
-            self.prefill_kernel = "v1c"
+            # prefill kernels: "v1w" = pf_gemmw (pf_gemmc on wgmma: 1.11x faster than pf_gemmc at 512 tokens on the
+            # H200, twenty-third session) where v1c takes pf_gemmc and the module has wgmma (the sm_90a cubin), else
+            # as v1c; "v1c" = pf_gemmc (pf_gemm compiled for int4, blocks of 32, no zero point: 1.2x faster than
+            # pf_gemm) where the projection's layout is that and BM is 32, 48 or 64, else pf_gemm; "v1" = pf_gemm
+            # always (tests and benchmarks compare them)
+            self.prefill_kernel = "v1w"
             # the prefill kernels (FC1, FC2) of the last prefill call on the tensor-core path: tests check the path
             self.last_prefill_kernels: tuple = ()
             res = list(range(min(E, S))) if resident is None else [int(e) for e in resident]
@@ -955,7 +956,8 @@ class GpuQMoE:
     def _pf_name(self, p: _lay.ProjLayout, mode: int, BM: int) -> str:
         """The prefill kernel of projection ``p`` (mode 0 = FC1, 1 = FC2) at BM tokens per tile: pf_gemmc_4_<BM>_<mode>
         (compiled for int4, blocks of 32, no zero point; block scales always reach it as fp16: the layout's fp16 copy
-        or fp16 as stored) where prefill_kernel "v1c", the layout and BM allow it, else pf_gemm_<bits>_<BM>_<mode>."""
+        or fp16 as stored) where prefill_kernel "v1c", the layout and BM allow it, else pf_gemm_<bits>_<BM>_<mode>;
+        "v1w" takes pf_gemmw_4_<BM>_<mode> where v1c would take pf_gemmc and the module has wgmma."""
         if self.prefill_kernel not in ("v1", "v1c", "v1w"):
             raise ValueError(f"prefill_kernel must be 'v1', 'v1c' or 'v1w', not {self.prefill_kernel!r}")
         if self.prefill_kernel != "v1" and BM in (32, 48, 64) and p.bits == 4 and p.bs_log2 == 5 and not p.has_zp:
