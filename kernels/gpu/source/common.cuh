@@ -136,6 +136,14 @@ static __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     return d;
 }
 
+// (lo, lo) and (hi, hi) of the fp16 pair v: ptxas folds these moves into the f16x2 instruction that reads them (the
+// .H0_H0 / .H1_H1 operand selectors), where __byte_perm costs a PRMT each
+static __device__ __forceinline__ void h2_bcast(u32 v, u32& lo2, u32& hi2) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; mov.b32 %0, {l, l}; mov.b32 %1, {h, h}; }"
+        : "=r"(lo2), "=r"(hi2)
+        : "r"(v));
+}
+
 static __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
     u32 d;
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));

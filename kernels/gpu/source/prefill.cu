@@ -260,6 +260,19 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #pragma unroll
             for (int q = 0; q < TR::LW; ++q)
                 wv[r][q] = *reinterpret_cast<const uint4*>(sp + SM::A + (warp * 2 + r) * TR::TB + lane * TR::LB + q * 16);
+        // SP: the k-step's two block scales per row tile as fp16x2 broadcasts of rows g / g+8, read once: the MMA
+        // asm's memory clobbers would otherwise have them read again for every k16 step j
+        u32 ssp[SP ? 2 : 1][2][2];
+        if constexpr (SP) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int qq = 0; qq < 2; ++qq) {
+                    const u32 v = *reinterpret_cast<const u32*>(sp + SM::A + SM::W + (warp * 2 + r) * 256 +
+                                                                (qq * 16 + g * 2) * 2);
+                    h2_bcast(v, ssp[r][qq][0], ssp[r][qq][1]);
+                }
+        }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int q = (!blockwise || bs_log2 >= 6) ? 0 : (j >> (bs_log2 - 4));
@@ -281,9 +294,15 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
                     deq8_f16(u4c(w8, (j & 1) * 2), u4c(w8, (j & 1) * 2 + 1), z2[0], z2[1], bf[r]);
                 }
                 if (blockwise) {
-                    const u32 v = *reinterpret_cast<const u32*>(sp + SM::A + SM::W + (warp * 2 + r) * 256 +
-                                                                (q * 16 + g * 2) * 2);
-                    const u32 s0 = __byte_perm(v, v, 0x1010u), s1 = __byte_perm(v, v, 0x3232u);
+                    u32 s0, s1;
+                    if constexpr (SP) {
+                        s0 = ssp[r][j >> 1][0];
+                        s1 = ssp[r][j >> 1][1];
+                    } else {
+                        const u32 v = *reinterpret_cast<const u32*>(sp + SM::A + SM::W + (warp * 2 + r) * 256 +
+                                                                    (q * 16 + g * 2) * 2);
+                        h2_bcast(v, s0, s1);
+                    }
                     bf[r][0] = hmul2(bf[r][0], s0);
                     bf[r][1] = hmul2(bf[r][1], s1);
                     bf[r][2] = hmul2(bf[r][2], s0);
