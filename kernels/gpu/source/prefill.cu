@@ -126,6 +126,28 @@ __device__ __forceinline__ void wg_mma_rs<64>(float* d, const u32* a, unsigned l
 #endif
 }
 
+// the token and routing weight of pair p where the epilogue needs them (FC2: MODE 1)
+template <int MODE>
+static __device__ __forceinline__ void pf_pair(const int* pair_tok, const float* pair_w, int p, int& tok, float& pw) {
+    tok = 0;
+    pw = 0.0f;
+    if (MODE == 1) {
+        tok = pair_tok[p];
+        pw = pair_w[p];
+    }
+}
+
+// one ungated output of a tile: FC1 (MODE 0) its activation, as fp16, at a_out[a_at]; FC2 the pair's weighted value
+// added into out[o_at]
+template <int MODE>
+static __device__ __forceinline__ void pf_emit(float v, int act, u16* a_out, long long a_at, float* out, long long o_at,
+                                               float pw) {
+    if (MODE == 0)
+        a_out[a_at] = f2h(act_one(act, v));
+    else
+        atomicAdd(out + o_at, pw * v);
+}
+
 // SP: compiled for the common case only (int4, block 32, no zero point; the pf_gemmc kernels, GpuQMoE._pf_name)
 // WG: pf_gemmw (wgmma; with SP only)
 template <int BITS, int BM, int MODE, bool SP = false, bool WG = false>
@@ -361,22 +383,16 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
                         a_out[(long long)p * KP2 + o] = f2h(act_gated(act, gv, uv, alpha, beta, limit, has_limit));
                         continue;
                     }
-                    int tok = 0;
-                    float pw = 0.0f;
-                    if (MODE == 1) {
-                        tok = pair_tok[p];
-                        pw = pair_w[p];
-                    }
+                    int tok;
+                    float pw;
+                    pf_pair<MODE>(pair_tok, pair_w, p, tok, pw);
 #pragma unroll
                     for (int hr = 0; hr < 2; ++hr) {
                         const int n = rt * 16 + g + 8 * hr;
                         if (n >= n_out) continue;
                         float v = d[hr * 2 + c];
                         if (has_bias) v += bp[g + 8 * hr];
-                        if (MODE == 0)
-                            a_out[(long long)p * KP2 + n] = f2h(act_one(act, v));
-                        else
-                            atomicAdd(out + (long long)tok * n_out + n, pw * v);
+                        pf_emit<MODE>(v, act, a_out, (long long)p * KP2 + n, out, (long long)tok * n_out + n, pw);
                     }
                 }
         }
@@ -390,12 +406,9 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
                 const int m = mi * 16 + g + 8 * hr;
                 if (m >= cnt) continue;
                 const int p = start + m;
-                int tok = 0;
-                float pw = 0.0f;
-                if (MODE == 1) {
-                    tok = pair_tok[p];
-                    pw = pair_w[p];
-                }
+                int tok;
+                float pw;
+                pf_pair<MODE>(pair_tok, pair_w, p, tok, pw);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int rt = rtw + r;
@@ -430,10 +443,8 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
                                 float v = acc[mi][r * 2 + hh][hr * 2 + c];
                                 if (!blockwise) v *= load_f(S, srow + (row16 & 7) * 2 + (row16 >> 3), sdt);
                                 if (has_bias) v += bp[row16];
-                                if (MODE == 0)
-                                    a_out[(long long)p * KP2 + n] = f2h(act_one(act, v));
-                                else
-                                    atomicAdd(out + (long long)tok * n_out + n, pw * v);
+                                pf_emit<MODE>(v, act, a_out, (long long)p * KP2 + n, out, (long long)tok * n_out + n,
+                                              pw);
                             }
                     }
                 }
