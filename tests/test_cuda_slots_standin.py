@@ -200,6 +200,7 @@ class FakeCudaDevice:
         self.host_registration = None
         self.pinned = None
         self.load_issue = {}
+        self.slot_launch = {}
         self.name = "a CUDA stand-in"
 
     def staging_bytes_per_expert(self, runner) -> int:
@@ -484,6 +485,16 @@ def test_streamed_launches_and_copies_are_timed_for_the_policy(model_folder, cpu
     group = model.offload.streaming.groups[0]
     assert group.issue._calls > 1 and group.prepare_s > 0.0
     assert group.launching._calls == group.issue._calls and group.launch_s > 0.0  # each streamed launch, merged
+
+
+def test_slot_launches_are_timed_for_the_policy(model_folder, cpu_run, monkeypatch):
+    """Each decode launch from a node's slots, with its merge, is timed for the miss policy (launch_s: what copies
+    cost a step whose device part they alone make), pooled by expert size like the loads."""
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    store = next(s for s in model.offload.stores if s is not None and s.num_slots)
+    assert store._launching._calls > 1 and store.launch_s > 0.0
+    assert store._launching is model.offload.device.slot_launch[store.expert_bytes]
 
 
 def test_routed_launches_reuse_their_input_views_only_for_the_same_contiguous_arrays(model_folder, monkeypatch):

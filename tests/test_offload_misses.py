@@ -11,7 +11,7 @@ import pytest
 import engine.offload.hybrid_node as hybrid_node
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
-from engine.offload.devices import Bandwidths
+from engine.offload.devices import Bandwidths, SimulatedSlots
 from engine.offload.miss_policy import CopyReuse, CpuRate, MissCosts, choose, copying_pays, miss_costs, miss_slots
 from engine.offload.placement import LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError
@@ -358,6 +358,35 @@ def test_copied_misses_stay_resident_and_placement_is_told(model_folder, slot_by
     hits_before = model.offload.stats.totals().hits
     model.decoder.forward(state, [int(logits[-1].argmax())])
     assert model.offload.stats.totals().hits >= hits_before
+
+
+def test_copies_that_would_be_a_steps_only_device_work_are_charged_its_launch(model_folder, cpu_run, slot_bytes,
+                                                                            monkeypatch):
+    """A step whose routing hits no resident expert has no device part unless misses are copied: the copies are
+    charged the slots' launch and merge (the store's launch_s), and a launch dearer than the CPU's work keeps every
+    miss of such steps on the CPU. With residents routed the launch happens anyway and costs the copies nothing."""
+    def run(launch_s):
+        monkeypatch.setattr(SimulatedSlots, "launch_s", launch_s, raising=False)
+        asked = []  # (the costs of a step's misses, whether copying any can pay)
+
+        def recording(costs):
+            pays = copying_pays(costs)
+            asked.append((costs, pays))
+            return pays
+
+        monkeypatch.setattr(hybrid_node, "copying_pays", recording)
+        # 5 of 16 experts a layer resident: some steps route to none of them
+        model, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=5 * 3 * slot_bytes)
+        assert_same_as_cpu(greedy_run(model), cpu_run)
+        return asked
+
+    cheap = run(0.0)
+    alone = [pays for costs, pays in cheap if costs.resident_s == 0.0]
+    assert alone and all(alone) and len(alone) < len(cheap)  # fast PCIe: copies pay, also as the only device work
+    dear = run(1.0)
+    assert {costs.resident_s == 0.0 for costs, _pays in dear} == {True, False}
+    assert all(costs.launch_s == (1.0 if costs.resident_s == 0.0 else 0.0) for costs, _pays in dear)
+    assert not any(pays for costs, pays in dear if costs.resident_s == 0.0)
 
 
 def test_miss_slots_on_plain_numbers():

@@ -214,11 +214,16 @@ class CudaSlots:
         self.gpu = None
         self._wave = None
         self._launched = None  # the GpuQMoE of the last launch (this node's, a wave's or the streaming slots'): merges
-        self._streamed = None  # (the streaming slots, host seconds) of a streamed launch until its merge or collect
+        # (where its host seconds go, host seconds so far) of a decode launch until its merge or collect: the streaming
+        # slots' launch_s for a streamed launch, this node's slot launches' otherwise
+        self._launch_host: tuple | None = None
         # host seconds to issue one load (the miss policy's prepare_s): pooled over every node whose slots take
         # experts of this size, so that a node's first copies are priced too, and the slot weighing
         # (OffloadEngine._weigh_miss_slots, which asks one node per layer shape) reads more than one copy's figure
         self._issue = device.load_issue.setdefault(self.expert_bytes, RecentHostSeconds())
+        # host seconds of a decode launch from the slots with its merge or collect (the miss policy's launch_s where
+        # copies would be the step's only device work), pooled the same way
+        self._launching = device.slot_launch.setdefault(self.expert_bytes, RecentHostSeconds())
         self._step_buffers = StepBufferPool(device.cp, runner.info.spec.hidden_size)
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
         self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
@@ -284,6 +289,13 @@ class CudaSlots:
         """The miss policy's host seconds to ready one expert for its copy: the median of recent loads of experts
         this size on this device (RecentHostSeconds)."""
         return self._issue.value
+
+    @property
+    def launch_s(self) -> float:
+        """The miss policy's host seconds of a decode launch from the slots and its merge: what copies cost a step
+        with no resident expert routed, whose device part they alone would make (RecentHostSeconds, pooled as
+        prepare_s)."""
+        return self._launching.value
 
     @_on_compute_stream
     def stream(self, streaming: "CudaStreamingSlots", experts: list[int]) -> float:
@@ -385,7 +397,9 @@ class CudaSlots:
                 stop.record()
                 if streamed is not None:
                     streamed.released.record()
-                    self._streamed = (streamed, time.perf_counter() - started)  # finished by the merge or collect
+                # finished by the merge or collect
+                self._launch_host = (self._launching if streamed is None else streamed.launching,
+                                     time.perf_counter() - started)
             return buffers, start, stop
         # prefill: the node's launches of one run (its residents, then every wave) share one upload of the
         # activations and one device accumulator, brought back once by flush()
@@ -419,7 +433,7 @@ class CudaSlots:
         else:
             stop.synchronize()
         seconds = cp.cuda.get_elapsed_time(start, stop) / 1e3
-        self._finish_streamed(0.0)  # the wait for the device is not host work
+        self._finish_launch(0.0)  # the wait for the device is not host work
         return seconds
 
     # --- fully resident layers, inputs in GPU memory (the dense part on the GPU): no host round trip ---------
@@ -509,15 +523,16 @@ class CudaSlots:
                 dense.wait_event(compute.record(self._ordering))
             if buffers is not None:  # its next use is the next step's launch, after the host has waited
                 self._step_buffers.give_back(buffers)
-        self._finish_streamed(time.perf_counter() - started)
+        self._finish_launch(time.perf_counter() - started)
         return merge.result(like.shape), None if pending is None else (start, stop)
 
-    def _finish_streamed(self, seconds: float) -> None:
-        """A streamed launch's host seconds, with those of its merge or collect, to the streaming slots' launch_s."""
-        if self._streamed is not None:
-            streaming, launched = self._streamed
-            streaming.launching.add(launched + seconds)
-            self._streamed = None
+    def _finish_launch(self, seconds: float) -> None:
+        """A decode launch's host seconds, with those of its merge or collect, to the streaming slots' launch_s (a
+        streamed launch) or to this node's (launch_s)."""
+        if self._launch_host is not None:
+            sink, launched = self._launch_host
+            sink.add(launched + seconds)
+            self._launch_host = None
 
     def merged_done(self, timing) -> float:
         """Once the launch is done (merged_ready; at the latest at the step's end): its device seconds (0 without
@@ -631,6 +646,7 @@ class CudaDevice:
         self.pinned: CudaPinnedRing | None = None
         self._staged_bytes: dict[str, int] = {}
         self.load_issue: dict[int, RecentHostSeconds] = {}  # per slot size: host seconds of loads (CudaSlots)
+        self.slot_launch: dict[int, RecentHostSeconds] = {}  # per slot size: ... of decode launches and merges
 
     def register_experts(self, source, infos, owner) -> HostRegistration:
         """Page-lock the data files holding the experts of `infos` for direct copies (host_register.py), in the

@@ -274,11 +274,14 @@ class HybridExpertNode:
                      stats: LayerStats) -> np.ndarray:
         """Decide with the cost model (miss_policy.py) which misses (distinct experts ascending, the pairs routed to
         each) to copy into spare slots; copy them (the placement policy is told); returns the copied experts.
-        residents: the distinct resident experts of the step."""
+        residents: the distinct resident experts of the step. With none, copies would make the step's device part
+        on their own: its launch and merge are charged to them (the store's launch_s)."""
         engine, store = self.engine, self.engine.stores[self.layer]
         experts = miss_experts.tolist()
         resident_s = residents * store.read_bytes / engine.device.bandwidths.hbm
-        costs = self._miss_costs(miss_tokens.tolist(), resident_s, getattr(store, "prepare_s", 0.0), engine.copy_reuse.value)
+        launch_s = 0.0 if residents else getattr(store, "launch_s", 0.0)
+        costs = self._miss_costs(miss_tokens.tolist(), resident_s, getattr(store, "prepare_s", 0.0),
+                                 engine.copy_reuse.value, launch_s=launch_s)
         if not copying_pays(costs):
             return _NONE  # no copy can pay, whatever the spare slots: placement's spare_slots is not asked
         policy = engine.policy
