@@ -199,3 +199,19 @@ def test_estimate_follows_the_engine_for_streaming_slots(working):
     assert (streaming > 0) == (working is not None) and ("decode streaming slots" in workspace.note) == bool(streaming)
     assert est.statements[:len(engine.plan.statements)] == engine.plan.statements
     assert any("streaming" in s or "device_working_bytes" in s for s in est.statements)
+
+
+def test_the_budget_panels_cuda_status_opens_no_device(monkeypatch):
+    """The budget panel asks from the GUI thread whether CUDA is there: it must not open a device, whose host
+    bandwidth probe would leave an OpenMP pool on the GUI thread beside the engine thread's (cuda_device_problem)."""
+    import app.gui.budget_panel as budget_panel
+    import engine.offload.cuda_device as cuda_device
+
+    def opened(*_args, **_kwargs):
+        raise AssertionError("opened a CUDA device on the GUI thread")
+    monkeypatch.setattr(cuda_device, "open_cuda_device", opened)
+    monkeypatch.setattr(cuda_device, "CudaDevice", opened)
+    monkeypatch.setattr(cuda_device, "cuda_device_problem", lambda index=0: "no CUDA device: stand-in")
+    assert budget_panel.cuda_status() == "no CUDA device: stand-in"
+    monkeypatch.setattr(cuda_device, "cuda_device_problem", lambda index=0: "")
+    assert budget_panel.cuda_status() == ""

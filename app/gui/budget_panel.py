@@ -37,13 +37,13 @@ PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device 
 
 
 def cuda_status() -> str:
-    """'' when a CUDA device opens, else the engine's message."""
-    from engine.offload.cuda_device import open_cuda_device
+    """'' when CuPy finds a CUDA device, else the engine's message. The device is not opened here: the engine thread
+    opens it (cuda_device_problem says why no other thread should)."""
+    from engine.offload.cuda_device import cuda_device_problem
 
     try:
-        open_cuda_device()
-        return ""
-    except Exception as exc:
+        return cuda_device_problem()
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA install: shown, never raised into the GUI
         return str(exc)
 
 

@@ -38,15 +38,35 @@ def _cupy():
     return cupy
 
 
-def open_cuda_device(mem_limit: int = 0, index: int = 0) -> "CudaDevice":
-    cp = _cupy()
+def _check_device(cp, index: int) -> None:
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cudaErrorNoDevice, driver missing or too old
         raise NoCudaDevice(f"no CUDA device: {str(exc).splitlines()[0]}") from None
     if count <= index:
         raise NoCudaDevice(f"no CUDA device {index}: {count} found")
+
+
+def open_cuda_device(mem_limit: int = 0, index: int = 0) -> "CudaDevice":
+    cp = _cupy()
+    _check_device(cp, index)
     return CudaDevice(index, mem_limit)
+
+
+def cuda_device_problem(index: int = 0) -> str:
+    """Why open_cuda_device would refuse device `index` ('' when CuPy and the device are there), without opening it.
+
+    For a thread other than the engine's (the GUI's): opening a CudaDevice measures the host's streaming reads with a
+    Numba parallel loop, and GNU OpenMP then keeps a pool of threads for the calling thread for good. Beside the
+    engine thread's pool that makes every waiting thread sleep after 100 spins instead of GOMP_SPINCOUNT's, so each
+    CPU expert kernel call pays to wake its threads (21 against 90 µs for a small call on the H200 machine,
+    NOTES-overhead.md, twelfth session). Opening also times copies through 256 MiB of pinned host memory and 512 MiB
+    of GPU memory."""
+    try:
+        _check_device(_cupy(), index)
+    except NoCudaDevice as exc:
+        return str(exc)
+    return ""
 
 
 def _measure_bandwidths(cp, probe_bytes: int = 256 << 20) -> tuple[float, float]:
