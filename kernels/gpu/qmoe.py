@@ -853,13 +853,13 @@ class GpuQMoE:
             # 16 tokens, then conversion blocks, as many as fit beside them in one wave (the routing's registers
             # allow one 512-thread block per SM), at least half as many as SMs
             nrb = _cdiv(T, 16)
-            room = self._blocks_per_sm("prefill_prep", 512, 12 * E) * self.num_sms - nrb
+            room = self._blocks_per_sm("prefill_prep", 512, 16 * E) * self.num_sms - nrb
             nconv = max(1, min(_cdiv(T * (f1.KP // 8), 512), max(room, self.num_sms // 2)))
             self._f("prefill_prep")((nrb + nconv,), (512,), (
                 np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
                 ws.ranks, ws.counts, ws.ticket, np.int32(nrb), ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles,
                 np.int32(max_tiles), xd, np.int32(xdt), np.int32(H), np.int32(f1.KP), ws.x16, out,
-                np.int64(out.size if zero_out else 0)), shared_mem=12 * E)
+                np.int64(out.size if zero_out else 0)), shared_mem=16 * E)
             names = (self._pf_name(f1, 0, BM), self._pf_name(f2, 1, BM))
             self._launch(names[0], (_cdiv(f1.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f1, fp16_scales=True), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,

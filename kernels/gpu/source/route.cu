@@ -3,71 +3,6 @@
 #define QM_FULL 0xffffffffu
 #define QM_NO_ID 0x7fffffff
 
-// One warp routes one token: p = softmax(z) over all E, top-k by z (ties: lower index first),
-// w = p[idx] (or router_weights[idx]), divided by their sum when normalize. E <= 1024. Lane j % 32 writes pair j:
-// other lanes read ids / wts only after a barrier.
-static __device__ void route_token_warp(const void* logits, int ldt, const void* rw, int rwdt, int E, int k,
-                                        int normalize, int tok, int* ids, float* wts) {
-    const int lane = threadIdx.x & 31;
-    const long long row = (long long)tok * E;
-    float z[32];  // this lane's logits: experts lane + 32 i (E <= 1024), loaded once
-    float m = QM_NEG_INF;
-    const int per = (E + 31) >> 5;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        z[i] = QM_NEG_INF;
-        if (i >= per) continue;
-        const int e = lane + (i << 5);
-        if (e < E) {
-            z[i] = load_f(logits, row + e, ldt);
-            m = fmaxf(m, z[i]);
-        }
-    }
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(QM_FULL, m, o));
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        if (i >= per) break;
-        if (lane + (i << 5) < E) s += expf(z[i] - m);
-    }
-    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(QM_FULL, s, o);
-    u32 taken = 0u;
-    float wsum = 0.0f;
-    for (int j = 0; j < k; ++j) {
-        float bv = QM_NEG_INF;
-        int bi = QM_NO_ID;
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-            if (i >= per) break;
-            const int e = lane + (i << 5);
-            if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || z[i] > bv)) {  // e grows: ties keep lower
-                bv = z[i];
-                bi = e;
-            }
-        }
-        for (int o = 16; o; o >>= 1) {
-            float ov = __shfl_xor_sync(QM_FULL, bv, o);
-            int oi = __shfl_xor_sync(QM_FULL, bi, o);
-            bool better = (oi != QM_NO_ID) && (bi == QM_NO_ID || ov > bv || (ov == bv && oi < bi));
-            if (better) {
-                bv = ov;
-                bi = oi;
-            }
-        }
-        int id = (bi == QM_NO_ID) ? -1 : bi;
-        if (id >= 0 && (id & 31) == lane) taken |= 1u << (id >> 5);
-        float w = 0.0f;
-        if (id >= 0) w = rw ? load_f(rw, row + id, rwdt) : expf(bv - m) / s;
-        wsum += w;
-        if ((j & 31) == lane) {  // pair j is lane j % 32's: the normalisation below reads only its own writes
-            ids[j] = id;
-            wts[j] = w;
-        }
-    }
-    if (normalize && wsum != 0.0f)
-        for (int j = lane; j < k; j += 32) wts[j] = wts[j] / wsum;
-}
-
 // Routing key of a logit: a larger float gets a larger key; -0 counts as +0 and NaN gets 0 (below -inf: ranked
 // after every number, as numpy's argsort of -z). route_key_value inverts it (key 0 -> NaN).
 static __device__ __forceinline__ u32 route_key(float z) {
@@ -77,6 +12,73 @@ static __device__ __forceinline__ u32 route_key(float z) {
 }
 static __device__ __forceinline__ float route_key_value(u32 key) {
     return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// One warp routes one token: p = softmax(z) over all E, top-k by z (ties: lower index first; NaN after every
+// number), w = p[idx] (or router_weights[idx]), divided by their sum when normalize. E <= 1024. The experts compare
+// by routing key and index, a total order, so every lane agrees on each pick; lane j % 32 writes pair j: other
+// lanes read ids / wts only after a barrier.
+static __device__ void route_token_warp(const void* logits, int ldt, const void* rw, int rwdt, int E, int k,
+                                        int normalize, int tok, int* ids, float* wts) {
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)tok * E;
+    u32 key[32];  // this lane's routing keys: experts lane + 32 i (E <= 1024), loaded once
+    float m = QM_NEG_INF;
+    const int per = (E + 31) >> 5;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        key[i] = 0u;
+        if (i >= per) continue;
+        const int e = lane + (i << 5);
+        if (e < E) {
+            const float z = load_f(logits, row + e, ldt);
+            key[i] = route_key(z);
+            m = fmaxf(m, z);
+        }
+    }
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(QM_FULL, m, o));
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        if (i >= per) break;
+        if (lane + (i << 5) < E) s += expf(route_key_value(key[i]) - m);
+    }
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(QM_FULL, s, o);
+    u32 taken = 0u;
+    float wsum = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        u32 bk = 0u;
+        int bi = QM_NO_ID;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            if (i >= per) break;
+            const int e = lane + (i << 5);
+            if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || key[i] > bk)) {  // e grows: ties keep lower
+                bk = key[i];
+                bi = e;
+            }
+        }
+        for (int o = 16; o; o >>= 1) {
+            const u32 ok = __shfl_xor_sync(QM_FULL, bk, o);
+            const int oi = __shfl_xor_sync(QM_FULL, bi, o);
+            const bool better = (oi != QM_NO_ID) && (bi == QM_NO_ID || ok > bk || (ok == bk && oi < bi));
+            if (better) {
+                bk = ok;
+                bi = oi;
+            }
+        }
+        int id = (bi == QM_NO_ID) ? -1 : bi;
+        if (id >= 0 && (id & 31) == lane) taken |= 1u << (id >> 5);
+        float w = 0.0f;
+        if (id >= 0) w = rw ? load_f(rw, row + id, rwdt) : expf(route_key_value(bk) - m) / s;
+        wsum += w;
+        if ((j & 31) == lane) {  // pair j is lane j % 32's: the normalisation below reads only its own writes
+            ids[j] = id;
+            wts[j] = w;
+        }
+    }
+    if (normalize && wsum != 0.0f)
+        for (int j = lane; j < k; j += 32) wts[j] = wts[j] / wsum;
 }
 
 // The whole block routes T tokens, with the same results as route_token_warp (k <= E, T * k <= 64), in a short
@@ -447,28 +449,48 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
 
 // prefill_prep's grouping, by the last routing block to finish: the experts' offsets from the counts the routing
 // blocks left, each pair at its expert's offset plus its rank, the tiles; then counts set back to zero for the next
-// launch. Reads what other blocks wrote through L2 (__ldcg). smem 3 E ints.
+// launch. Reads what other blocks wrote through L2 (__ldcg), PREP_BATCH pairs a thread at once so that their loads
+// overlap; the slot map from shared memory. smem 4 E ints.
+#define PREP_BATCH 8
 static __device__ void prefill_group(const int* ids, const float* wts, const int* ranks, int* counts, int P, int kk,
                                      const int* slot_map, int E, int TM, int* pair_tok, float* pair_w, int4* tiles,
                                      int* num_tiles, int max_tiles, int* sm) {
     int* cnt = sm;
     int* off = sm + E;
     int* toff = sm + 2 * E;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = __ldcg(counts + e);
+    int* smap = sm + 3 * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        cnt[e] = __ldcg(counts + e);
+        smap[e] = slot_map[e];
+    }
     __syncthreads();
     tile_offsets(cnt, E, TM, off, toff, num_tiles, max_tiles);
     __syncthreads();
-    for (int i = threadIdx.x; i < P; i += blockDim.x) {
-        const int e = __ldcg(ids + i);
-        if (e >= 0 && e < E && slot_map[e] >= 0) {
-            const int pos = off[e] + __ldcg(ranks + i);
-            pair_tok[pos] = i / kk;
-            pair_w[pos] = __ldcg(wts + i);
+    for (int i0 = threadIdx.x; i0 < P; i0 += PREP_BATCH * blockDim.x) {
+        int e[PREP_BATCH], r[PREP_BATCH];
+        float w[PREP_BATCH];
+#pragma unroll
+        for (int b = 0; b < PREP_BATCH; ++b) {
+            const int i = i0 + b * blockDim.x;
+            e[b] = i < P ? __ldcg(ids + i) : -1;
+            r[b] = i < P ? __ldcg(ranks + i) : 0;
+            w[b] = i < P ? __ldcg(wts + i) : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < PREP_BATCH; ++b) {
+            const int i = i0 + b * blockDim.x;
+            if (e[b] >= 0 && e[b] < E && smap[e[b]] >= 0) {
+                const int pos = off[e[b]] + r[b];
+                pair_tok[pos] = i / kk;
+                pair_w[pos] = w[b];
+            }
         }
     }
-    write_tiles(cnt, off, toff, slot_map, E, TM, tiles, max_tiles);
+    write_tiles(cnt, off, toff, smap, E, TM, tiles, max_tiles);
     for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
 }
+
+static __device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
 
 #define PREP_THREADS 512
 #define PREP_TOKENS (PREP_THREADS / 32)  // tokens per routing block: one a warp
@@ -479,7 +501,7 @@ static __device__ void prefill_group(const int* ids, const float* wts, const int
 // only). The last routing block to finish (a ticket, as in CUDA's threadFenceReduction sample) groups the pairs
 // (prefill_group) and sets the ticket back to zero. Blocks [nrb, grid) convert x [T, H] (any activation dtype) into
 // fp16 [T, KP], zero padded, and zero the fp32 output's first zero_n values. counts [E] and the ticket are zero on
-// entry and left zero. T * KP < 2^34 (the host checks). smem 3 E ints.
+// entry and left zero. T * KP < 2^34 (the host checks). smem 4 E ints.
 extern "C" __global__ void __launch_bounds__(PREP_THREADS)
 prefill_prep(int route_mode, const void* logits, int ldt, const void* rw, int rwdt, int has_rw, int E, int k,
              int normalize, int* ids, float* wts, int T, int kk, const int* slot_map, int TM, int* ranks, int* counts,
@@ -514,13 +536,20 @@ prefill_prep(int route_mode, const void* logits, int ldt, const void* rw, int rw
     const int nbk = gridDim.x - nrb, stride = nbk * PREP_THREADS;
     const int cpr = KP >> 3;  // 8-value chunks per row: one 16-byte store each
     const int nch = T * cpr;
-    const bool vec16 = xdt == DT_F16 && (H & 7) == 0 && ((size_t)x & 15) == 0;
+    // whole 16-byte loads where the rows allow: fp16 one, fp32 two
+    const bool vec = (xdt == DT_F16 || xdt == DT_F32) && (H & 7) == 0 && ((size_t)x & 15) == 0;
     for (int c = (blockIdx.x - nrb) * PREP_THREADS + threadIdx.x; c < nch; c += stride) {
         const int n = c / cpr, k0 = (c - n * cpr) << 3;
         const long long src = (long long)n * H + k0;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (vec16) {
-            if (k0 < H) v = *reinterpret_cast<const uint4*>((const u16*)x + src);
+        if (vec) {
+            if (k0 < H && xdt == DT_F16) {
+                v = *reinterpret_cast<const uint4*>((const u16*)x + src);
+            } else if (k0 < H) {
+                const float4 a = reinterpret_cast<const float4*>((const float*)x + src)[0];
+                const float4 b = reinterpret_cast<const float4*>((const float*)x + src)[1];
+                v = make_uint4(pack_h2(a.x, a.y), pack_h2(a.z, a.w), pack_h2(b.x, b.y), pack_h2(b.z, b.w));
+            }
         } else {
             u32 h[4];
 #pragma unroll
