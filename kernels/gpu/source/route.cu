@@ -15,25 +15,24 @@ static __device__ __forceinline__ float route_key_value(u32 key) {
 }
 
 // One warp routes one token: p = softmax(z) over all E, top-k by z (ties: lower index first; NaN after every
-// number), w = p[idx] (or router_weights[idx]), divided by their sum when normalize. E <= 1024. The experts compare
-// by routing key and index, a total order, so every lane agrees on each pick; lane j % 32 writes pair j: other
-// lanes read ids / wts only after a barrier.
+// number, as route_key orders them), w = p[idx] (or router_weights[idx]), divided by their sum when normalize.
+// E <= 1024. The order is total, so every lane agrees on each pick; lane j % 32 writes pair j: other lanes read
+// ids / wts only after a barrier.
 static __device__ void route_token_warp(const void* logits, int ldt, const void* rw, int rwdt, int E, int k,
                                         int normalize, int tok, int* ids, float* wts) {
     const int lane = threadIdx.x & 31;
     const long long row = (long long)tok * E;
-    u32 key[32];  // this lane's routing keys: experts lane + 32 i (E <= 1024), loaded once
+    float z[32];  // this lane's logits: experts lane + 32 i (E <= 1024), loaded once
     float m = QM_NEG_INF;
     const int per = (E + 31) >> 5;
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-        key[i] = 0u;
+        z[i] = QM_NEG_INF;
         if (i >= per) continue;
         const int e = lane + (i << 5);
         if (e < E) {
-            const float z = load_f(logits, row + e, ldt);
-            key[i] = route_key(z);
-            m = fmaxf(m, z);
+            z[i] = load_f(logits, row + e, ldt);
+            m = fmaxf(m, z[i]);
         }
     }
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(QM_FULL, m, o));
@@ -41,36 +40,40 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
         if (i >= per) break;
-        if (lane + (i << 5) < E) s += expf(route_key_value(key[i]) - m);
+        if (lane + (i << 5) < E) s += expf(z[i] - m);
     }
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(QM_FULL, s, o);
     u32 taken = 0u;
     float wsum = 0.0f;
     for (int j = 0; j < k; ++j) {
-        u32 bk = 0u;
+        float bv = QM_NEG_INF;
         int bi = QM_NO_ID;
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             if (i >= per) break;
             const int e = lane + (i << 5);
-            if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || key[i] > bk)) {  // e grows: ties keep lower
-                bk = key[i];
+            // e grows: ties keep the lower; a NaN best gives way to any number
+            if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || z[i] > bv || (bv != bv && z[i] == z[i]))) {
+                bv = z[i];
                 bi = e;
             }
         }
         for (int o = 16; o; o >>= 1) {
-            const u32 ok = __shfl_xor_sync(QM_FULL, bk, o);
+            const float ov = __shfl_xor_sync(QM_FULL, bv, o);
             const int oi = __shfl_xor_sync(QM_FULL, bi, o);
-            const bool better = (oi != QM_NO_ID) && (bi == QM_NO_ID || ok > bk || (ok == bk && oi < bi));
+            const bool o_nan = ov != ov, b_nan = bv != bv;
+            const bool better = (oi != QM_NO_ID) &&
+                                (bi == QM_NO_ID || (o_nan == b_nan ? (ov > bv || ((ov == bv || o_nan) && oi < bi))
+                                                                   : b_nan));
             if (better) {
-                bk = ok;
+                bv = ov;
                 bi = oi;
             }
         }
         int id = (bi == QM_NO_ID) ? -1 : bi;
         if (id >= 0 && (id & 31) == lane) taken |= 1u << (id >> 5);
         float w = 0.0f;
-        if (id >= 0) w = rw ? load_f(rw, row + id, rwdt) : expf(route_key_value(bk) - m) / s;
+        if (id >= 0) w = rw ? load_f(rw, row + id, rwdt) : expf(bv - m) / s;
         wsum += w;
         if ((j & 31) == lane) {  // pair j is lane j % 32's: the normalisation below reads only its own writes
             ids[j] = id;
