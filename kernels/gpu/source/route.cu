@@ -3,21 +3,8 @@
 #define QM_FULL 0xffffffffu
 #define QM_NO_ID 0x7fffffff
 
-// Routing key of a logit: a larger float gets a larger key; -0 counts as +0 and NaN gets 0 (below -inf: ranked
-// after every number, as numpy's argsort of -z). route_key_value inverts it (key 0 -> NaN).
-static __device__ __forceinline__ u32 route_key(float z) {
-    if (z != z) return 0u;
-    const u32 b = __float_as_uint(z == 0.0f ? 0.0f : z);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-static __device__ __forceinline__ float route_key_value(u32 key) {
-    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
-}
-
-// One warp routes one token: p = softmax(z) over all E, top-k by z (ties: lower index first; NaN after every
-// number, as route_key orders them), w = p[idx] (or router_weights[idx]), divided by their sum when normalize.
-// E <= 1024. The order is total, so every lane agrees on each pick; lane j % 32 writes pair j: other lanes read
-// ids / wts only after a barrier.
+// One warp routes one token: p = softmax(z) over all E, top-k by z (ties: lower index first),
+// w = p[idx] (or router_weights[idx]), divided by their sum when normalize. E <= 1024.
 static __device__ void route_token_warp(const void* logits, int ldt, const void* rw, int rwdt, int E, int k,
                                         int normalize, int tok, int* ids, float* wts) {
     const int lane = threadIdx.x & 31;
@@ -52,19 +39,15 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
         for (int i = 0; i < 32; ++i) {
             if (i >= per) break;
             const int e = lane + (i << 5);
-            // e grows: ties keep the lower; a NaN best gives way to any number
-            if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || z[i] > bv || (bv != bv && z[i] == z[i]))) {
+            if (e < E && !((taken >> i) & 1u) && (bi == QM_NO_ID || z[i] > bv)) {  // e grows: ties keep lower
                 bv = z[i];
                 bi = e;
             }
         }
         for (int o = 16; o; o >>= 1) {
-            const float ov = __shfl_xor_sync(QM_FULL, bv, o);
-            const int oi = __shfl_xor_sync(QM_FULL, bi, o);
-            const bool o_nan = ov != ov, b_nan = bv != bv;
-            const bool better = (oi != QM_NO_ID) &&
-                                (bi == QM_NO_ID || (o_nan == b_nan ? (ov > bv || ((ov == bv || o_nan) && oi < bi))
-                                                                   : b_nan));
+            float ov = __shfl_xor_sync(QM_FULL, bv, o);
+            int oi = __shfl_xor_sync(QM_FULL, bi, o);
+            bool better = (oi != QM_NO_ID) && (bi == QM_NO_ID || ov > bv || (ov == bv && oi < bi));
             if (better) {
                 bv = ov;
                 bi = oi;
@@ -75,13 +58,24 @@ static __device__ void route_token_warp(const void* logits, int ldt, const void*
         float w = 0.0f;
         if (id >= 0) w = rw ? load_f(rw, row + id, rwdt) : expf(bv - m) / s;
         wsum += w;
-        if ((j & 31) == lane) {  // pair j is lane j % 32's: the normalisation below reads only its own writes
+        if (lane == 0) {
             ids[j] = id;
             wts[j] = w;
         }
     }
-    if (normalize && wsum != 0.0f)
-        for (int j = lane; j < k; j += 32) wts[j] = wts[j] / wsum;
+    if (normalize && wsum != 0.0f && lane == 0)
+        for (int j = 0; j < k; ++j) wts[j] = wts[j] / wsum;
+}
+
+// Routing key of a logit: a larger float gets a larger key; -0 counts as +0 and NaN gets 0 (below -inf: ranked
+// after every number, as numpy's argsort of -z). route_key_value inverts it (key 0 -> NaN).
+static __device__ __forceinline__ u32 route_key(float z) {
+    if (z != z) return 0u;
+    const u32 b = __float_as_uint(z == 0.0f ? 0.0f : z);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+static __device__ __forceinline__ float route_key_value(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
 // The whole block routes T tokens, with the same results as route_token_warp (k <= E, T * k <= 64), in a short
@@ -517,10 +511,11 @@ prefill_prep(int route_mode, const void* logits, int ldt, const void* rw, int rw
         const int tok = blockIdx.x * PREP_TOKENS + (threadIdx.x >> 5);
         if (tok < T) {
             const int i0 = tok * kk;
-            if (route_mode)
+            if (route_mode) {
                 route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok, ids + i0,
                                  wts + i0);
-            // pair j is lane j % 32's: route_token_warp wrote it from this lane
+                __syncwarp();  // lane 0 wrote the token's ids
+            }
             for (int j = lane; j < kk; j += 32) {
                 const int e = ids[i0 + j];
                 if (e >= 0 && e < E && slot_map[e] >= 0) ranks[i0 + j] = atomicAdd(counts + e, 1);
