@@ -154,8 +154,9 @@ def test_gpu_routing_matches_reference(gpu):
             np.testing.assert_allclose(cp.asnumpy(w), w_r, rtol=2e-6, atol=1e-7)
 
 
-def _decode_prep_routing(cp, m, T):
-    """The (token, expert) -> weight pairs decode_prep left in the workspace (tiles, pair_tok, pair_w)."""
+def _grouped_pairs(cp, m, T):
+    """The (token, expert) -> weight pairs the last forward's preparation (decode_prep or prefill_prep) left in the
+    workspace (tiles, pair_tok, pair_w)."""
     ws = m._ws
     tiles = cp.asnumpy(ws.tiles).reshape(-1, 4)[:int(cp.asnumpy(ws.num_tiles)[0])]
     pair_tok, pair_w = cp.asnumpy(ws.pair_tok), cp.asnumpy(ws.pair_w)
@@ -199,12 +200,57 @@ def test_gpu_decode_prep_routing(gpu, T, E, k):
             for rank_route in ((1, 0) if trial < 3 else (1,)):  # the warp path orders NaN by its own rule
                 m.dec_cfg["rank_route"] = rank_route
                 m.forward(x[:T], z, router_weights=rw)
-                got = _decode_prep_routing(cp, m, T)
+                got = _grouped_pairs(cp, m, T)
                 for tok in range(T):
                     want = dict(zip(ids_r[tok].tolist(), w_r[tok].tolist()))
                     assert sorted(got[tok]) == sorted(want), f"rank_route {rank_route} trial {trial} token {tok}"
                     np.testing.assert_allclose([got[tok][e] for e in sorted(want)], [want[e] for e in sorted(want)],
                                                rtol=2e-6, atol=1e-7)
+
+
+def test_gpu_prefill_prep_with_many_routing_blocks(gpu):
+    """prefill_prep at 1,000 tokens (63 routing blocks of 16 tokens; 64 experts, top-8): three routings in a row
+    group exactly the reference's pairs into tiles of at most BM, the output matches the reference, and the
+    per-expert counts and the blocks' ticket are left zero; with the pairs given and 24 experts not in a slot, only
+    the resident experts' pairs are grouped, and the output is theirs."""
+    cp, GpuQMoE = gpu
+    T, E, k = 1000, 64, 8
+    attrs, t, x, _ = make_case(seed=77, E=E, k=k, normalize=1, H=64, I=64, bits=4, block_size=32, T=T,
+                               activation="swiglu", swiglu_fusion=1, alpha=1.702, beta=1.0)
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, path="tc")
+    tol = TOL[("tc", "prefill", np.float32)]
+    rng = np.random.default_rng(78)
+
+    def check_tables(want_pairs):
+        got = _grouped_pairs(cp, m, T)
+        for tok in range(T):
+            assert sorted(got[tok]) == sorted(want_pairs[tok]), f"token {tok}"
+            np.testing.assert_allclose([got[tok][e] for e in sorted(want_pairs[tok])],
+                                       [want_pairs[tok][e] for e in sorted(want_pairs[tok])], rtol=2e-6, atol=1e-7)
+        tiles = cp.asnumpy(m._ws.tiles).reshape(-1, 4)[:int(cp.asnumpy(m._ws.num_tiles)[0])]
+        assert tiles[:, 2].min() >= 1 and tiles[:, 2].max() <= m.prefill_bm
+        assert not cp.asnumpy(m._ws.counts).any() and int(cp.asnumpy(m._ws.ticket)[0]) == 0
+
+    m.prefill_bm = 48
+    for trial in range(3):
+        z = rng.standard_normal((T, E)).astype(np.float32)
+        if trial == 1:
+            z = np.round(z * 2.0) / 2.0  # many ties
+        out = m.forward(x, z)
+        assert _relerr(out, qmoe_reference(x, z, spec, t)) <= tol, f"trial {trial}"
+        ids_r, w_r = ref_route(z, spec)
+        check_tables([dict(zip(ids_r[tok].tolist(), w_r[tok].tolist())) for tok in range(T)])
+    resident = rng.permutation(E)[:40]
+    m = GpuQMoE(spec, t, path="tc", num_slots=40, resident=resident)
+    m.prefill_bm = 32
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+    ids[::7, -1] = -1
+    w = rng.uniform(0.1, 1.0, size=(T, k)).astype(np.float32)
+    kept = np.where(np.isin(ids, resident), ids, -1)
+    got = m.run_experts(x, ids, w)
+    assert _relerr(got, _ref_pairs(x, kept, w, spec, t)) <= tol
+    check_tables([{int(e): float(wj) for e, wj in zip(kept[tok], w[tok]) if e >= 0} for tok in range(T)])
 
 
 @pytest.mark.parametrize("normalize", [0, 1])

@@ -487,7 +487,7 @@ class GpuQMoE:
             ws.pair_w = cp.zeros(ws.P, cp.float32)
             ws.tiles = cp.zeros(ws.tiles_cap * 4, cp.int32)
             ws.num_tiles = cp.zeros(1, cp.int32)
-            for name in ("ahi", "alo", "a16", "a32", "part", "kdone"):
+            for name in ("ahi", "alo", "a16", "a32", "part", "kdone", "ranks"):
                 setattr(ws, name, None)
         if grow_t:
             ws.T = max(T, 2 * ws.T)
@@ -507,8 +507,17 @@ class GpuQMoE:
                 ws.part = cp.zeros(ws.tiles_cap * self.fc1.NT * 128, cp.float32)
                 ws.kdone = cp.zeros(ws.tiles_cap * self.fc1.NT, cp.int32)
         elif kind == "tc":
+            if T * KP1 >= 1 << 34:  # prefill_prep counts x16's 16-byte chunks in 32-bit ints
+                raise ValueError(f"{self.spec.node_name}: {T} tokens of {KP1} features are too many for one prefill "
+                                 "call")
             if getattr(ws, "x16", None) is None:
                 ws.x16 = cp.zeros(ws.T * KP1, cp.uint16)
+            if getattr(ws, "ranks", None) is None:
+                ws.ranks = cp.zeros(ws.P, cp.int32)  # each pair's rank among its expert's pairs (prefill_prep)
+            if getattr(ws, "counts", None) is None:
+                # pairs per expert and the routing blocks' ticket: zero here, left zero by every prefill_prep
+                ws.counts = cp.zeros(self.spec.num_experts, cp.int32)
+                ws.ticket = cp.zeros(1, cp.int32)
             if getattr(ws, "a16", None) is None:
                 ws.a16 = cp.zeros(ws.P * KP2, cp.uint16)
         else:
@@ -839,18 +848,18 @@ class GpuQMoE:
                 *self._proj_args(f2), *tiles_args, ws.ahi, ws.alo, np.int32(1), np.int32(f2.KP), *act,
                 np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out), self._dec_smem(f2, R2, W2))
             return
-        if zero_out:
-            out.fill(0)
-        if route:
-            self._f("route_topk")((_cdiv(T, 8),), (256,), (*route_args[:5], np.int32(T), *route_args[5:], ws.ids,
-                                                           ws.w))
-        self._f("build_tiles")((1,), (1024,), (
-            ids_d, w_d, np.int32(P), np.int32(kk), self._slot_dev, np.int32(E), np.int32(TM), ws.pair_tok, ws.pair_w,
-            ws.tiles, ws.num_tiles, np.int32(max_tiles)), shared_mem=16 * E)
-        nel_blocks = max(1, min(_cdiv(T * f1.KP, 256), 8 * self.num_sms))
         if self.path == "tc":
-            self._f("to_f16_pad")((nel_blocks,), (256,), (xd, np.int32(xdt), np.int32(T), np.int32(H),
-                                                         np.int32(f1.KP), ws.x16))
+            # routing, grouping, x into fp16 and the output's zeroing in one launch (route.cu): a routing block per
+            # 16 tokens, then conversion blocks, as many as fit beside them in one wave (the routing's registers
+            # allow one 512-thread block per SM), at least half as many as SMs
+            nrb = _cdiv(T, 16)
+            room = self._blocks_per_sm("prefill_prep", 512, 16 * E) * self.num_sms - nrb
+            nconv = max(1, min(_cdiv(T * (f1.KP // 8), 512), max(room, self.num_sms // 2)))
+            self._f("prefill_prep")((nrb + nconv,), (512,), (
+                np.int32(route), *route_args, ids_d, w_d, np.int32(T), np.int32(kk), self._slot_dev, np.int32(TM),
+                ws.ranks, ws.counts, ws.ticket, np.int32(nrb), ws.pair_tok, ws.pair_w, ws.tiles, ws.num_tiles,
+                np.int32(max_tiles), xd, np.int32(xdt), np.int32(H), np.int32(f1.KP), ws.x16, out,
+                np.int64(out.size if zero_out else 0)), shared_mem=16 * E)
             names = (self._pf_name(f1, 0, BM), self._pf_name(f2, 1, BM))
             self._launch(names[0], (_cdiv(f1.NT, 8), max_tiles), (128,), (
                 *self._proj_args(f1, fp16_scales=True), *tiles_args, ws.x16, np.int32(f1.KP), *act, np.int32(I), ws.a16,
@@ -860,6 +869,15 @@ class GpuQMoE:
                 np.int32(0), out), self._pf_smem(names[1], BM))
             self.last_prefill_kernels = names
             return
+        if zero_out:
+            out.fill(0)
+        if route:
+            self._f("route_topk")((_cdiv(T, 8),), (256,), (*route_args[:5], np.int32(T), *route_args[5:], ws.ids,
+                                                           ws.w))
+        self._f("build_tiles")((1,), (1024,), (
+            ids_d, w_d, np.int32(P), np.int32(kk), self._slot_dev, np.int32(E), np.int32(TM), ws.pair_tok, ws.pair_w,
+            ws.tiles, ws.num_tiles, np.int32(max_tiles)), shared_mem=16 * E)
+        nel_blocks = max(1, min(_cdiv(T * f1.KP, 256), 8 * self.num_sms))
         if xdt == DT_F32:
             x32 = xd
         else:

@@ -163,6 +163,62 @@ extern "C" __global__ void route_topk(const void* logits, int ldt, const void* r
                      wts + (long long)tok * k);
 }
 
+// Prefix sums of the per-expert pair counts cnt[0, E) (experts not in a slot count 0) into the experts' first pair
+// off[e] and first tile toff[e] (ceil(count / TM) tiles an expert), by the block's first warp; the total tiles, at
+// most max_tiles, into *num_tiles. The caller synchronises before and after.
+static __device__ void tile_offsets(const int* cnt, int E, int TM, int* off, int* toff, int* num_tiles,
+                                    int max_tiles) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    const int per = (E + 31) >> 5;
+    const int b = lane * per;
+    int ls = 0, lt = 0;
+    for (int q = 0; q < per; ++q) {
+        int e = b + q;
+        if (e < E) {
+            int c = cnt[e];
+            ls += c;
+            lt += (c + TM - 1) / TM;
+        }
+    }
+    int s = ls, st = lt;
+    for (int o = 1; o < 32; o <<= 1) {
+        int v = __shfl_up_sync(QM_FULL, s, o);
+        int vt = __shfl_up_sync(QM_FULL, st, o);
+        if (lane >= o) {
+            s += v;
+            st += vt;
+        }
+    }
+    int run = s - ls, runt = st - lt;
+    for (int q = 0; q < per; ++q) {
+        int e = b + q;
+        if (e < E) {
+            int c = cnt[e];
+            off[e] = run;
+            toff[e] = runt;
+            run += c;
+            runt += (c + TM - 1) / TM;
+        }
+    }
+    if (lane == 31) *num_tiles = min(st, max_tiles);
+}
+
+// The tiles {slot, first pair, pairs (<= TM), expert} of every expert with pairs, from tile_offsets' tables.
+static __device__ void write_tiles(const int* cnt, const int* off, const int* toff, const int* slot_map, int E,
+                                   int TM, int4* tiles, int max_tiles) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int c = cnt[e];
+        if (c > 0) {
+            int sl = slot_map[e];
+            for (int m = 0; m * TM < c; ++m) {
+                int ti = toff[e] + m;
+                if (ti < max_tiles) tiles[ti] = make_int4(sl, off[e] + m * TM, min(TM, c - m * TM), e);
+            }
+        }
+    }
+}
+
 // Groups the P = T*kk (token, expert) pairs by expert: pair_tok / pair_w in expert order, and tiles
 // {slot, first pair, pairs (<= TM), expert} for every resident expert hit. One block; smem 4*E ints.
 static __device__ void build_tiles_block(const int* ids, const float* wts, int P, int kk, const int* slot_map, int E,
@@ -182,41 +238,7 @@ static __device__ void build_tiles_block(const int* ids, const float* wts, int P
         if (e >= 0 && e < E && slot_map[e] >= 0) atomicAdd(&cnt[e], 1);
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        const int per = (E + 31) >> 5;
-        const int b = lane * per;
-        int ls = 0, lt = 0;
-        for (int q = 0; q < per; ++q) {
-            int e = b + q;
-            if (e < E) {
-                int c = cnt[e];
-                ls += c;
-                lt += (c + TM - 1) / TM;
-            }
-        }
-        int s = ls, st = lt;
-        for (int o = 1; o < 32; o <<= 1) {
-            int v = __shfl_up_sync(QM_FULL, s, o);
-            int vt = __shfl_up_sync(QM_FULL, st, o);
-            if (lane >= o) {
-                s += v;
-                st += vt;
-            }
-        }
-        int run = s - ls, runt = st - lt;
-        for (int q = 0; q < per; ++q) {
-            int e = b + q;
-            if (e < E) {
-                int c = cnt[e];
-                off[e] = run;
-                toff[e] = runt;
-                run += c;
-                runt += (c + TM - 1) / TM;
-            }
-        }
-        if (lane == 31) *num_tiles = min(st, max_tiles);
-    }
+    tile_offsets(cnt, E, TM, off, toff, num_tiles, max_tiles);
     __syncthreads();
     for (int i = threadIdx.x; i < P; i += blockDim.x) {
         int e = ids[i];
@@ -226,16 +248,7 @@ static __device__ void build_tiles_block(const int* ids, const float* wts, int P
             pair_w[pos] = wts[i];
         }
     }
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int c = cnt[e];
-        if (c > 0) {
-            int sl = slot_map[e];
-            for (int m = 0; m * TM < c; ++m) {
-                int ti = toff[e] + m;
-                if (ti < max_tiles) tiles[ti] = make_int4(sl, off[e] + m * TM, min(TM, c - m * TM), e);
-            }
-        }
-    }
+    write_tiles(cnt, off, toff, slot_map, E, TM, tiles, max_tiles);
 }
 
 // The same grouping by one warp, for P <= 64 pairs and TM >= the largest count of one expert would need... any
@@ -431,14 +444,130 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
     for (int i = bk * blockDim.x + threadIdx.x; i < (int)zero_n; i += stride) zero_out[i] = 0.0f;  // T * H
 }
 
-// x [T, H] (any activation dtype) -> fp16 [T, KP], zero padded (prefill A operand)
-extern "C" __global__ void to_f16_pad(const void* x, int xdt, int T, int H, int KP, u16* out) {
-    const long long n = (long long)T * KP;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long t = i / KP;
-        const int kx = (int)(i % KP);
-        out[i] = kx < H ? (xdt == DT_F16 ? ((const u16*)x)[t * H + kx] : f2h(load_f(x, t * H + kx, xdt))) : (u16)0;
+// prefill_prep's grouping, by the last routing block to finish: the experts' offsets from the counts the routing
+// blocks left, each pair at its expert's offset plus its rank, the tiles; then counts set back to zero for the next
+// launch. Reads what other blocks wrote through L2 (__ldcg), PREP_BATCH pairs a thread at once so that their loads
+// overlap; the slot map from shared memory. smem 4 E ints.
+#define PREP_BATCH 8
+static __device__ void prefill_group(const int* ids, const float* wts, const int* ranks, int* counts, int P, int kk,
+                                     const int* slot_map, int E, int TM, int* pair_tok, float* pair_w, int4* tiles,
+                                     int* num_tiles, int max_tiles, int* sm) {
+    int* cnt = sm;
+    int* off = sm + E;
+    int* toff = sm + 2 * E;
+    int* smap = sm + 3 * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        cnt[e] = __ldcg(counts + e);
+        smap[e] = slot_map[e];
     }
+    __syncthreads();
+    tile_offsets(cnt, E, TM, off, toff, num_tiles, max_tiles);
+    __syncthreads();
+    for (int i0 = threadIdx.x; i0 < P; i0 += PREP_BATCH * blockDim.x) {
+        int e[PREP_BATCH], r[PREP_BATCH];
+        float w[PREP_BATCH];
+#pragma unroll
+        for (int b = 0; b < PREP_BATCH; ++b) {
+            const int i = i0 + b * blockDim.x;
+            e[b] = i < P ? __ldcg(ids + i) : -1;
+            r[b] = i < P ? __ldcg(ranks + i) : 0;
+            w[b] = i < P ? __ldcg(wts + i) : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < PREP_BATCH; ++b) {
+            const int i = i0 + b * blockDim.x;
+            if (e[b] >= 0 && e[b] < E && smap[e[b]] >= 0) {
+                const int pos = off[e[b]] + r[b];
+                pair_tok[pos] = i / kk;
+                pair_w[pos] = w[b];
+            }
+        }
+    }
+    write_tiles(cnt, off, toff, smap, E, TM, tiles, max_tiles);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+}
+
+static __device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+
+#define PREP_THREADS 512
+#define PREP_TOKENS (PREP_THREADS / 32)  // tokens per routing block: one a warp
+
+// The tensor-core prefill's preparation in one launch (route_topk, build_tiles, to_f16_pad and the output's memset
+// before it). Blocks [0, nrb) take PREP_TOKENS tokens each: a warp routes its token (route_mode 1; else the ids are
+// given) and ranks each of the token's pairs among its expert's pairs with an atomic on counts[e] (experts in a slot
+// only). The last routing block to finish (a ticket, as in CUDA's threadFenceReduction sample) groups the pairs
+// (prefill_group) and sets the ticket back to zero. Blocks [nrb, grid) convert x [T, H] (any activation dtype) into
+// fp16 [T, KP], zero padded, and zero the fp32 output's first zero_n values. counts [E] and the ticket are zero on
+// entry and left zero. T * KP < 2^34 (the host checks). smem 4 E ints.
+extern "C" __global__ void __launch_bounds__(PREP_THREADS)
+prefill_prep(int route_mode, const void* logits, int ldt, const void* rw, int rwdt, int has_rw, int E, int k,
+             int normalize, int* ids, float* wts, int T, int kk, const int* slot_map, int TM, int* ranks, int* counts,
+             int* ticket, int nrb, int* pair_tok, float* pair_w, int4* tiles, int* num_tiles, int max_tiles,
+             const void* x, int xdt, int H, int KP, u16* x16, float* zero_out, long long zero_n) {
+    extern __shared__ int sm_pprep[];
+    __shared__ int last_block;
+    if (blockIdx.x < nrb) {
+        const int lane = threadIdx.x & 31;
+        const int tok = blockIdx.x * PREP_TOKENS + (threadIdx.x >> 5);
+        if (tok < T) {
+            const int i0 = tok * kk;
+            if (route_mode) {
+                route_token_warp(logits, ldt, has_rw ? rw : (const void*)0, rwdt, E, k, normalize, tok, ids + i0,
+                                 wts + i0);
+                __syncwarp();  // lane 0 wrote the token's ids
+            }
+            for (int j = lane; j < kk; j += 32) {
+                const int e = ids[i0 + j];
+                if (e >= 0 && e < E && slot_map[e] >= 0) ranks[i0 + j] = atomicAdd(counts + e, 1);
+            }
+        }
+        __threadfence();  // this thread's ids, weights and ranks are visible device-wide before the ticket is taken
+        __syncthreads();
+        if (threadIdx.x == 0) last_block = atomicAdd(ticket, 1) == nrb - 1;
+        __syncthreads();
+        if (!last_block) return;
+        prefill_group(ids, wts, ranks, counts, T * kk, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles,
+                      max_tiles, sm_pprep);
+        if (threadIdx.x == 0) *ticket = 0;
+        return;
+    }
+    const int nbk = gridDim.x - nrb, stride = nbk * PREP_THREADS;
+    const int cpr = KP >> 3;  // 8-value chunks per row: one 16-byte store each
+    const int nch = T * cpr;
+    // whole 16-byte loads where the rows allow: fp16 one, fp32 two
+    const bool vec = (xdt == DT_F16 || xdt == DT_F32) && (H & 7) == 0 && ((size_t)x & 15) == 0;
+    for (int c = (blockIdx.x - nrb) * PREP_THREADS + threadIdx.x; c < nch; c += stride) {
+        const int n = c / cpr, k0 = (c - n * cpr) << 3;
+        const long long src = (long long)n * H + k0;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (vec) {
+            if (k0 < H && xdt == DT_F16) {
+                v = *reinterpret_cast<const uint4*>((const u16*)x + src);
+            } else if (k0 < H) {
+                const float4 a = reinterpret_cast<const float4*>((const float*)x + src)[0];
+                const float4 b = reinterpret_cast<const float4*>((const float*)x + src)[1];
+                v = make_uint4(pack_h2(a.x, a.y), pack_h2(a.z, a.w), pack_h2(b.x, b.y), pack_h2(b.z, b.w));
+            }
+        } else {
+            u32 h[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int kx = k0 + 2 * p;
+                u16 h0 = 0, h1 = 0;
+                if (kx < H) h0 = xdt == DT_F16 ? ((const u16*)x)[src + 2 * p] : f2h(load_f(x, src + 2 * p, xdt));
+                if (kx + 1 < H)
+                    h1 = xdt == DT_F16 ? ((const u16*)x)[src + 2 * p + 1] : f2h(load_f(x, src + 2 * p + 1, xdt));
+                h[p] = (u32)h0 | ((u32)h1 << 16);
+            }
+            v = make_uint4(h[0], h[1], h[2], h[3]);
+        }
+        *reinterpret_cast<uint4*>(x16 + (long long)n * KP + k0) = v;
+    }
+    // the output: 16-byte stores where it is aligned, then the rest one value at a time
+    const long long first = (long long)(blockIdx.x - nrb) * PREP_THREADS + threadIdx.x;
+    const long long n4 = ((size_t)zero_out & 15) == 0 ? zero_n >> 2 : 0;
+    for (long long i = first; i < n4; i += stride) reinterpret_cast<float4*>(zero_out)[i] = make_float4(0, 0, 0, 0);
+    for (long long i = 4 * n4 + first; i < zero_n; i += stride) zero_out[i] = 0.0f;
 }
 
 extern "C" __global__ void to_f32(const void* x, int xdt, long long n, float* out) {
