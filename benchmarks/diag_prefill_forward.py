@@ -8,6 +8,9 @@ with profiling off sees exactly that forward's kernels, however many it launches
         python benchmarks/diag_prefill_forward.py --shape B
     python benchmarks/diag_prefill_forward.py --shape B --time     # the forward's median by CUDA events
 
+--pairs-given does the same with the routed pairs given (run_experts, as the engine's prefill waves call it), so the
+preparation only ranks and groups them: against the routed forward, the routing's share.
+
 benchmarks/gpu_prefill_breakdown.sh runs both at shapes B and A on the GPU machine.
 """
 from __future__ import annotations
@@ -28,6 +31,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="B")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--time", action="store_true", help="time the forward by CUDA events (no profiler range)")
+    parser.add_argument("--pairs-given", action="store_true",
+                        help="the routed pairs given (run_experts, as the engine's prefill waves): the preparation "
+                             "only groups them, so its routing's share shows against the routed forward")
     args = parser.parse_args()
 
     import cupy as cp
@@ -41,16 +47,25 @@ def main() -> None:
     x = cp.asarray(rng.standard_normal((args.tokens, spec.hidden_size)).astype(np.float32))
     logits = cp.asarray((rng.standard_normal((args.tokens, spec.num_experts)) * 2).astype(np.float32))
     out = cp.empty((args.tokens, spec.hidden_size), cp.float32)
+    if args.pairs_given:
+        ids, w = m.route(logits)
+
+        def forward():
+            m.run_experts(x, ids, w, out=out)
+    else:
+        def forward():
+            m.forward_into(x, logits, out)
     for _ in range(2):  # workspaces, kernel loading
-        m.forward_into(x, logits, out)
+        forward()
     cp.cuda.Device().synchronize()
     if args.time:
-        med, p10, p90 = Timer(cp).median(lambda: m.forward_into(x, logits, out), iters=20, spin_cycles=300_000)
-        print(f"[{args.shape}] {args.tokens} tokens: forward {med * 1e6:.1f} µs (p10 {p10 * 1e6:.1f}, p90 "
+        med, p10, p90 = Timer(cp).median(forward, iters=20, spin_cycles=300_000)
+        what = "pairs given" if args.pairs_given else "forward"
+        print(f"[{args.shape}] {args.tokens} tokens: {what} {med * 1e6:.1f} µs (p10 {p10 * 1e6:.1f}, p90 "
               f"{p90 * 1e6:.1f}); prefill kernels {' / '.join(m.last_prefill_kernels)}", flush=True)
         return
     with cupyx.profiler.profile():  # cudaProfilerStart / Stop
-        m.forward_into(x, logits, out)
+        forward()
         cp.cuda.Device().synchronize()
 
 
