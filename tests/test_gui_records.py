@@ -249,6 +249,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     assert divergence == first_divergence(a.turns[0]["tokens"], b.turns[0]["tokens"]) and divergence is not None
     assert Path(b.model["folder"]).resolve() == fixture_folder("qwen35moe").resolve()
     assert f"at generated token {divergence + 1}" in view.divergence.text()
+    assert a.scenario == b.scenario == "side-by-side, at once"  # their timings are not a lone run's
     for column, pieces in zip((view.left, view.right), view.result.pieces):
         marked = column.answer.toHtml()
         assert f"background-color:{theme.current().warn}" in marked  # the highlighted token

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
 from app.gui.record_report import compare_html, detail_html, fmt, title
 from engine.records.history import History, default_path
 from engine.records.scenarios import SCENARIOS
+from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
 
 HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "load", "first token", "decode",
            "completion", "device peak", "RSS peak")
@@ -60,7 +61,7 @@ class HistoryView(QWidget):
         self.model_filter = QLineEdit(placeholderText="model folder contains…", clearButtonEnabled=True)
         self.scenario_filter = QComboBox()
         self.scenario_filter.addItem("any scenario", "")
-        for name in (*SCENARIOS, "side-by-side"):
+        for name in (*SCENARIOS, SIDE_BY_SIDE, SIDE_BY_SIDE_AT_ONCE):
             self.scenario_filter.addItem(name, name)
         self.label_filter = QLineEdit(placeholderText="label contains…", clearButtonEnabled=True)
         for widget, name in ((self.model_filter, "Filter by model"), (self.scenario_filter, "Filter by scenario"),

@@ -134,7 +134,9 @@ class SideBySideView(QWidget):
         self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=64)
         self.max_tokens.setAccessibleName("Answer tokens")
         self.concurrent = QCheckBox("Concurrent")
-        self.concurrent.setToolTip("Answer at the same time (they compete for the CPU); off: one after the other")
+        self.concurrent.setToolTip("Answer at the same time: they compete for the CPU, so their timings are not "
+                                   "those of a run alone (saved as \"side-by-side, at once\"); off: one after the "
+                                   "other")
         self.right_folder = QLineEdit(placeholderText="B's model folder (empty: the loaded model's)")
         self.right_folder.setAccessibleName("B's model folder")
         self.browse = QPushButton("Browse…")

@@ -11,6 +11,13 @@ from engine.records.scenarios import run_turns
 from engine.records.schema import RunRecord
 
 
+SCENARIO = "side-by-side"
+# Answered at the same time: the two shared the cores, and each side's CPU expert kernels ran beside the other side's
+# OpenMP pool (a pool beside alone made a kernel call 1.32x as long on the H200 machine's 16 cores: RESULTS.md,
+# twenty-fifth session), so their timings are not those of a run alone; the history keeps them apart.
+SCENARIO_AT_ONCE = "side-by-side, at once"
+
+
 @dataclass
 class Side:
     model: LoadedModel
@@ -37,14 +44,16 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def compare(left: Side, right: Side, prompt: str, params: GenerationParams, concurrent: bool = False,
             on_text=None, cancel: threading.Event | None = None) -> Comparison:
     """on_text(side_index, token, delta) streams both columns (from two threads when concurrent).
-    `cancel` ends the answer at the next token; a side that had not started then has no turn."""
+    `cancel` ends the answer at the next token; a side that had not started then has no turn. The records' scenario
+    is SCENARIO, or SCENARIO_AT_ONCE when concurrent."""
     records: list[RunRecord | None] = [None, None]
     errors: list[BaseException] = []
+    scenario = SCENARIO_AT_ONCE if concurrent else SCENARIO
 
     def run(index: int, side: Side) -> None:
         stream = (lambda token, delta: on_text(index, token, delta)) if on_text else None
         try:
-            records[index] = run_turns(side.model, [prompt], params, side.device, "side-by-side",
+            records[index] = run_turns(side.model, [prompt], params, side.device, scenario,
                                        side.label or f"side {'AB'[index]}", cancel, on_text=stream)
         except BaseException as exc:  # raised again in the caller's thread
             errors.append(exc)
