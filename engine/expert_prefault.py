@@ -21,7 +21,7 @@ import psutil
 from engine.expert_node import ExpertNodeInfo
 from engine.onnx_file import OnnxFile
 
-CHUNK = 64 << 20      # bytes per call: the thread lets go of the interpreter between calls
+CHUNK = 64 << 20      # bytes per call (the call itself runs without the interpreter: OnnxFile.populate_pages)
 AVAILABLE_SHARE = 0.8  # of the memory available at load, at most, is populated
 
 

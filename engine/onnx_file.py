@@ -6,6 +6,7 @@ read-only memory-mapped views, so a model larger than RAM opens.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import sys
 from dataclasses import dataclass
@@ -51,6 +52,33 @@ def _constant_to_initializer(node: onnx.NodeProto) -> onnx.TensorProto | None:
 
 # Linux's value (5.14+); Python < 3.13 does not name it. Other systems have no such advice.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22) if sys.platform == "linux" else None
+
+
+def _libc_madvise():
+    """libc's madvise through ctypes, which lets go of the interpreter during the call: mmap.madvise holds it, and a
+    populate reads tens of MB (from disk where the page cache lacks them), all that time stopping every other
+    Python thread (the engine's decode, the GUI) at its next bytecode. None where there is no libc to ask."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _libc_madvise() if MADV_POPULATE_READ is not None else None
+
+
+def populate(mapping: mmap.mmap, offset: int, length: int) -> bool:
+    """MADV_POPULATE_READ on bytes [offset, offset + length) of a mapping (offset page-aligned), the interpreter
+    free meanwhile. False where the system cannot (older kernels, other systems)."""
+    if _MADVISE is None:
+        return False
+    view = np.frombuffer(mapping, np.uint8)  # for the mapping's address only
+    base = view.ctypes.data
+    del view  # no buffer export kept on the mapping
+    return _MADVISE(base + offset, length, MADV_POPULATE_READ) == 0
 
 
 class OnnxFile:
@@ -152,17 +180,14 @@ class OnnxFile:
     def populate_pages(self, name: str, start: int, length: int) -> bool:
         """Map the pages of bytes [start, start + length) of an external initializer into this process now
         (MADV_POPULATE_READ, Linux 5.14+: read from the file where not in the page cache) instead of one fault
-        per page at first use. False where the system cannot (older kernels, other systems)."""
+        per page at first use, without holding the interpreter meanwhile. False where the system cannot (older
+        kernels, other systems)."""
         ref = _external_ref(self.initializers[name])
-        if ref is None or MADV_POPULATE_READ is None:
+        if ref is None:
             return False
         begin = ref.offset + start
         first = begin // mmap.PAGESIZE * mmap.PAGESIZE  # every page the range touches
-        try:
-            self.mapping(ref.location).madvise(MADV_POPULATE_READ, first, begin + length - first)
-        except OSError:
-            return False
-        return True
+        return populate(self.mapping(ref.location), first, begin + length - first)
 
     def release_pages(self, name: str, start: int, length: int) -> None:
         """Let the OS drop the mapped pages of bytes [start, start + length) of an external

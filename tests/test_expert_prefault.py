@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import sys
+import threading
+import time
 
 import psutil
 import pytest
@@ -60,6 +63,37 @@ def test_populated_pages_are_this_process_memory(folder):
     prefault = ExpertPrefault(model.folder.onnx, model.folder.experts).start()
     assert prefault.done.wait(30) and prefault.populated_bytes == total
     assert process.memory_info().rss - before >= 0.9 * total
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
+def test_populating_lets_other_threads_run(folder):
+    """The populate call lets go of the interpreter: while another thread maps an expert tensor's pages (released
+    first, so that each call has pages to map), this thread keeps running. mmap.madvise held it for the whole call
+    (every call window below empty), which stalled the engine's decode and the GUI while a model's experts were
+    mapped after load."""
+    model = LoadedModel.open(folder, offload=OffloadConfig(host_expert_bytes=1 << 20), device=SimulatedDevice(1 << 30))
+    source = model.folder.onnx
+    name = max((n for info in model.folder.experts for n in info.weight_inputs.values()), key=source.nbytes)
+    size = source.nbytes(name)
+    windows, ticks, done = [], [], threading.Event()
+
+    def populate():
+        for _ in range(20):
+            source.release_pages(name, 0, size)
+            started = time.perf_counter()
+            ok = source.populate_pages(name, 0, size)
+            windows.append((started, time.perf_counter(), ok))
+        done.set()
+
+    thread = threading.Thread(target=populate)
+    thread.start()
+    while not done.is_set():
+        ticks.append(time.perf_counter())
+    thread.join()
+    if not all(ok for _, _, ok in windows):
+        pytest.skip("this kernel cannot populate a mapping (MADV_POPULATE_READ: Linux 5.14+)")
+    ran = sum(bisect.bisect_left(ticks, end) > bisect.bisect_right(ticks, start) for start, end, _ in windows)
+    assert ran >= len(windows) // 2, f"this thread ran during {ran} of {len(windows)} populate calls"
 
 
 def test_population_stops_at_the_available_memory(folder):
