@@ -49,6 +49,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
+def _wait_for_population(model: LoadedModel, what: str) -> None:
+    """Time only once the experts' pages are mapped (engine/expert_prefault.py): the population reads the whole file
+    beside whatever runs meanwhile."""
+    if model.prefault is not None:
+        waited = _timed(lambda: model.prefault.done.wait(300))
+        print(f"{what}: {model.prefault.populated_bytes / 1e9:.1f} GB of experts mapped (waited {waited:.1f} s)",
+              flush=True)
+
+
 def _gather_seconds(model: LoadedModel) -> float:
     """Seconds the CUDA slots spent gathering prefill waves' rows into the pinned ring so far (0 when simulated)."""
     return sum(getattr(store, "wave_gather_s", 0.0) for store in model.offload.stores if store is not None)
@@ -238,6 +247,7 @@ def main() -> None:
     if registration is not None:  # measured once the experts' mapping is page-locked (or refused)
         waited = _timed(lambda: registration.ready.wait(300))
         print(f"{registration.describe()} (waited {waited:.1f} s after load)", flush=True)
+    _wait_for_population(model, "the hybrid model")
     infos = model.folder.experts
     per_expert = infos[0].bytes_per_expert
     w_act = sum(info.spec.k * info.bytes_per_expert for info in infos)
@@ -247,6 +257,7 @@ def main() -> None:
     trace = realistic_trace(600, 4, infos[0].spec.num_experts, infos[0].spec.k, seed=3)
 
     cpu_model = LoadedModel.open(folder / "model")
+    _wait_for_population(cpu_model, "the all-CPU model")
     cpu_model.decoder.forward(cpu_model.new_state(), long_prompt[:64])  # untimed: the CPU kernels compiled first
     cpu_prefill = args.prefill_tokens / _timed(lambda: cpu_model.decoder.forward(cpu_model.new_state(), long_prompt))
     figures = []
