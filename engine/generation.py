@@ -109,6 +109,20 @@ class LoadedModel:
         self.host_registration = (device.register_experts(folder.onnx, folder.experts, owner=self)
                                   if self.prefault is not None and hasattr(device, "register_experts") else None)
 
+    def wait_until_settled(self, cancel: threading.Event | None = None, limit_s: float = 300.0) -> float:
+        """Wait for the work load left running in the background (the experts' pages mapped, their mapping
+        page-locked for the GPU's copies), so that what is measured next is the model's steady state, not its first
+        seconds; returns the seconds waited. `cancel` ends the wait early, and so does `limit_s`."""
+        started = time.perf_counter()
+        events = [work for work in (self.prefault.done if self.prefault is not None else None,
+                                    self.host_registration.ready if self.host_registration is not None else None)
+                  if work is not None]
+        for event in events:
+            while not event.wait(0.1):
+                if (cancel is not None and cancel.is_set()) or time.perf_counter() - started > limit_s:
+                    return time.perf_counter() - started
+        return time.perf_counter() - started
+
     def _prefault_pays(self, offload: OffloadConfig | None) -> bool:
         """Experts the CPU reads from the mapped file, with host memory not bounded (expert_prefault.py)."""
         if offload is None:

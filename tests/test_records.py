@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,11 +46,33 @@ def test_record_has_what_a_user_decides_with(short_record):
     assert r.model["expert_nodes"][0]["block_size"] == 32
     assert r.offload["entries"]["session.moe.offload.device_expert_bytes"] == "200000"
     assert r.timings["load_s"] > 0 and r.timings["time_to_first_token_s"] > 0
-    assert r.timings["completion_s"] >= r.timings["time_to_first_token_s"]
+    assert r.timings["completion_s"] >= r.timings["time_to_first_token_s"] and r.timings["settle_s"] >= 0
     assert r.peaks["rss_bytes"] > 10 << 20 and r.peaks["device_bytes"] > 0
     assert len(r.layers) == 2 and {"hits", "misses", "hit_rate"} <= set(r.layers[0])
     assert r.turns[0]["prompt"].startswith("In two sentences") and isinstance(r.turns[0]["answer"], str)
     assert r.turns[0]["generated_tokens"] == len(r.turns[0]["tokens"]) >= 1
+
+
+def test_a_run_waits_for_the_models_background_work(simulated_model):
+    """A model still mapping its experts in the background (as right after load: side-by-side's B, a sweep's first
+    point): the run starts once that is done and its record says how long it waited; a cancel ends the wait."""
+    model, device = simulated_model
+    kept = model.prefault
+    population = SimpleNamespace(done=threading.Event())  # a population that finishes 0.3 s from now
+    model.prefault = population
+    timer = threading.Timer(0.3, population.done.set)
+    timer.start()
+    try:
+        record = run_scenario(model, "short", PARAMS, device)
+        assert record.timings["settle_s"] >= 0.25 and record.turns and population.done.is_set()
+        population.done.clear()  # never finishes now: only the cancel ends the wait
+        cancel = threading.Event()
+        threading.Timer(0.2, cancel.set).start()
+        record = run_scenario(model, "short", PARAMS, device, cancel=cancel)
+        assert 0.15 <= record.timings["settle_s"] < 5 and record.timings["cancelled"] and not record.turns
+    finally:
+        timer.cancel()
+        model.prefault = kept
 
 
 def test_schema_round_trip(short_record):

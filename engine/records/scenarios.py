@@ -129,6 +129,8 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     name = scenario
     if model.offload is not None:
         model.offload.stats.reset(len(model.offload.slots))
+    # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background
+    settle_s = model.wait_until_settled(cancel)
     conversation = Conversation(model)
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)
@@ -156,7 +158,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
                "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
                "decode_tokens_per_s": decoded / decode_s if decode_s else None, "completion_s": completion,
                "turns": len(turns), "cancelled": len(turns) < len(turns_text)
-               or any(t["finish_reason"] == "cancelled" for t in turns)}
+               or any(t["finish_reason"] == "cancelled" for t in turns), "settle_s": settle_s}
     if model.offload is not None and is_simulated(device):
         # What the simulated card would give (engine/offload/projection.py); the measured values stay as they are.
         phases = model.offload.stats.phases
