@@ -109,15 +109,22 @@ class LoadedModel:
         self.host_registration = (device.register_experts(folder.onnx, folder.experts, owner=self)
                                   if self.prefault is not None and hasattr(device, "register_experts") else None)
 
+    def _background_work(self) -> list[threading.Event]:
+        """What load left running in the background: the experts' pages mapped, their mapping page-locked."""
+        return [work for work in (self.prefault.done if self.prefault is not None else None,
+                                  self.host_registration.ready if self.host_registration is not None else None)
+                if work is not None]
+
+    @property
+    def settled(self) -> bool:
+        """Whether the background work after load is done."""
+        return all(event.is_set() for event in self._background_work())
+
     def wait_until_settled(self, cancel: threading.Event | None = None, limit_s: float = 300.0) -> float:
-        """Wait for the work load left running in the background (the experts' pages mapped, their mapping
-        page-locked for the GPU's copies), so that what is measured next is the model's steady state, not its first
-        seconds; returns the seconds waited. `cancel` ends the wait early, and so does `limit_s`."""
+        """Wait for the background work after load, so that what is measured next is the model's steady state, not
+        its first seconds; returns the seconds waited. `cancel` ends the wait early, and so does `limit_s`."""
         started = time.perf_counter()
-        events = [work for work in (self.prefault.done if self.prefault is not None else None,
-                                    self.host_registration.ready if self.host_registration is not None else None)
-                  if work is not None]
-        for event in events:
+        for event in self._background_work():
             while not event.wait(0.1):
                 if (cancel is not None and cancel.is_set()) or time.perf_counter() - started > limit_s:
                     return time.perf_counter() - started

@@ -75,6 +75,30 @@ def test_a_run_waits_for_the_models_background_work(simulated_model):
         model.prefault = kept
 
 
+def test_a_job_says_so_while_a_model_settles(simulated_model):
+    """The window's records jobs name the wait for a model's background work after load, and only when there is
+    one: run_turns would wait silently (app/gui/records_jobs.settle)."""
+    from app.gui.records_jobs import JobContext, settle
+
+    model, device = simulated_model
+    kept = model.prefault
+    said = []
+    ctx = JobContext(model, device, {}, threading.Event(), lambda fraction, text: said.append((fraction, text)),
+                     lambda batch: None, lambda choice, config: None)
+    try:
+        model.prefault = SimpleNamespace(done=threading.Event())
+        model.prefault.done.set()
+        settle(ctx, model, 0.5, "the right side")
+        assert said == [] and model.settled
+        model.prefault = SimpleNamespace(done=threading.Event())
+        threading.Timer(0.2, model.prefault.done.set).start()
+        settle(ctx, model, 0.5, "the right side")
+        assert said == [(0.5, "the right side: mapping its experts after load, before the timed run")]
+        assert model.settled
+    finally:
+        model.prefault = kept
+
+
 def test_schema_round_trip(short_record):
     data = json.loads(json.dumps(short_record.to_dict()))
     assert RunRecord.from_dict(data) == short_record

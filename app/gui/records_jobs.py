@@ -76,6 +76,14 @@ class _Reporter:
         self.report(force=True)
 
 
+def settle(ctx: JobContext, model: LoadedModel, fraction: float, who: str) -> None:
+    """Say so while a model's background work after load finishes (its experts mapped and page-locked: seconds for
+    a large model); the measured runs start after it (run_turns waits for it)."""
+    if not model.settled:
+        ctx.progress(fraction, f"{who}: mapping its experts after load, before the timed run")
+        model.wait_until_settled(ctx.cancel)
+
+
 # --- scenarios ---------------------------------------------------------------------------------------
 
 @dataclass
@@ -100,6 +108,7 @@ class ScenarioJob:
         history = History(self.history_path)
         result = ScenarioResult()
         count = len(self.scenarios)
+        settle(ctx, model, 0.0, "the model")
         for index, name in enumerate(self.scenarios):
             if ctx.cancel.is_set():
                 break
@@ -262,6 +271,7 @@ class SideBySideJob:
                                      layer_split=self.right_layer_split)
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
+        settle(ctx, right, 0.5, "the right side")
         streams = _SideStreams(ctx, params.max_new_tokens)
         try:
             comparison = compare(Side(left, ctx.device, self.labels[0]), Side(right, device, self.labels[1]),
