@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -265,6 +266,9 @@ def main() -> None:
         # 100% = every expert in a device slot (slots are in the GPU kernels' layout, larger than the stored experts)
         model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=int(fraction * all_resident_bytes(infos))))
         probe = host_probe_us(infos[0].spec)
+        others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        if others:  # a Python thread beside the timed decode competes for the interpreter (NOTES-overhead.md)
+            print(f"{fraction:4.0%}: other Python threads alive: {', '.join(others)}", flush=True)
         repeats = []
         for _ in range(args.repeats):
             rate, step_rows = decode(model, short_prompt, args.decode_tokens, warmup=args.decode_warmup)
