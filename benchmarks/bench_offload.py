@@ -51,10 +51,10 @@ def _timed(fn) -> float:
 
 
 def _wait_for_population(model: LoadedModel, what: str) -> None:
-    """Time only once the experts' pages are mapped (engine/expert_prefault.py): the population reads the whole file
-    beside whatever runs meanwhile."""
+    """Time only once the model's background work after load is done (LoadedModel.wait_until_settled): the experts'
+    population reads the whole file beside whatever runs meanwhile."""
+    waited = model.wait_until_settled()
     if model.prefault is not None:
-        waited = _timed(lambda: model.prefault.done.wait(300))
         print(f"{what}: {model.prefault.populated_bytes / 1e9:.1f} GB of experts mapped (waited {waited:.1f} s)",
               flush=True)
 
