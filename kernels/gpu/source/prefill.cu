@@ -148,6 +148,36 @@ static __device__ __forceinline__ void pf_emit(float v, int act, u16* a_out, lon
         atomicAdd(out + o_at, pw * v);
 }
 
+// FC2's wgmma epilogue: this lane's features n0 + g and n0 + g + 8 of one pair's token, weighted and added into out.
+// Lane ^ 4 holds features g ^ 1 of the same token, so one shuffle gives each lane two adjacent features, added with
+// one v2 reduction on sm_90 (half the L2 reductions of one atomicAdd a value). Every lane of the warp must call it;
+// p < 0 marks a lane whose token is past the tile's count.
+static __device__ __forceinline__ void pf_add_pair(float v0, float v1, float b0, float b1, int p, const int* pair_tok,
+                                                   const float* pair_w, int n0, int g, int n_out, float* out) {
+    int tok = 0;
+    float pw = 0.0f;
+    if (p >= 0) {
+        tok = pair_tok[p];
+        pw = pair_w[p];
+    }
+    v0 = pw * (v0 + b0);
+    v1 = pw * (v1 + b1);
+    const bool odd = g & 1;
+    const float got = __shfl_xor_sync(QM_FULL, odd ? v0 : v1, 4);
+    if (p < 0) return;
+    const int n = n0 + (odd ? g + 7 : g);
+    const float lo = odd ? got : v0, hi = odd ? v1 : got;
+    float* at = out + (long long)tok * n_out + n;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (n + 1 < n_out && ((size_t)at & 7) == 0) {
+        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(lo), "f"(hi) : "memory");
+        return;
+    }
+#endif
+    if (n < n_out) atomicAdd(at, lo);
+    if (n + 1 < n_out) atomicAdd(at + 1, hi);
+}
+
 // SP: compiled for the common case only (int4, block 32, no zero point; the pf_gemmc kernels, GpuQMoE._pf_name)
 // WG: pf_gemmw (wgmma; with SP only)
 template <int BITS, int BM, int MODE, bool SP = false, bool WG = false>
@@ -369,9 +399,14 @@ static __device__ __forceinline__ void pf_gemm_impl(QM_PF_ARGS) {
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int m = 8 * i + 2 * t + c;
+                    const float* d = &accw[r][i * 4];
+                    if (MODE == 1) {  // every lane, so that the lane pairs' shuffle has the whole warp
+                        pf_add_pair(d[c], d[2 + c], has_bias ? bp[g] : 0.0f, has_bias ? bp[8 + g] : 0.0f,
+                                    m < cnt ? start + m : -1, pair_tok, pair_w, rt * 16, g, n_out, out);
+                        continue;
+                    }
                     if (m >= cnt) continue;
                     const int p = start + m;
-                    const float* d = &accw[r][i * 4];
                     if (MODE == 0 && gated) {
                         const int o = rt * 8 + g;
                         if (o >= n_out) continue;
