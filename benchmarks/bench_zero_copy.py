@@ -1,0 +1,140 @@
+"""Benchmark (issue 4, a question before a design): how fast does our GPU decode kernel compute experts whose weights
+stay in page-locked host memory, read by the GPU over PCIe during the kernel (zero-copy), against the same kernel on
+HBM slots and against PCIe's own copy bandwidth measured in the same run?
+
+Why it matters: a hybrid layer today waits for the dense part, takes its inputs to the host, routes, computes the
+cold experts on the CPU and merges them on the GPU: ~300 µs a layer of host work besides the CPU kernel (RESULTS.md).
+If the GPU can read a cold expert from host memory at close to PCIe's bandwidth, a layer with cold experts needs no
+host round trip at all, as with every expert resident.
+
+Per shape (bench_qmoe_gpu.py's A and B, int4 block 32), one token, routing rotated over 256 random logit rows, one
+forward = routing + FC1 + FC2 as a CUDA graph, timed with CUDA events behind a spin kernel (bench_qmoe_gpu.Timer):
+  hbm     every expert in HBM slots (GpuQMoE as the engine builds it)
+  mapped  the slots' weights, scales and biases moved to page-locked host memory (cudaHostAlloc; with unified
+          addressing the device reads it through the same pointer): every byte the kernel reads comes over PCIe
+Bytes = the k routed experts' bytes. References in the same process: a 1 GiB pinned host-to-device cudaMemcpy
+(B_pcie) and a plain kernel that reads 1 GiB of the same kind of host memory with 16-byte loads (zero-copy ceiling).
+
+    python benchmarks/bench_zero_copy.py [--shapes A,B] [--iters 200] [--no-write]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_qmoe_gpu import SHAPES, Timer, capture, node_for  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+
+_READ_SRC = r"""
+extern "C" __global__ void read_all(const uint4* __restrict__ src, long long n, unsigned int* out) {
+    unsigned int acc = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 v = src[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads; practically never written
+}
+"""
+
+
+def host_mapped(cp, arr):
+    """A CuPy array with arr's contents in page-locked host memory that kernels read over PCIe."""
+    pinned = cp.cuda.alloc_pinned_memory(arr.nbytes)
+    mem = cp.cuda.UnownedMemory(pinned.ptr, arr.nbytes, pinned)
+    out = cp.ndarray(arr.shape, arr.dtype, cp.cuda.MemoryPointer(mem, 0))
+    out[...] = arr
+    return out
+
+
+def pcie_references(cp, timer, nbytes=1 << 30):
+    """(pinned H2D copy GB/s, zero-copy kernel read GB/s), each the median of 10."""
+    host = cp.cuda.alloc_pinned_memory(nbytes)
+    np.frombuffer(host, np.uint8, nbytes)[:] = 7
+    dev = cp.empty(nbytes, cp.uint8)
+    t_copy, _, _ = timer.median(lambda: dev.data.copy_from_host_async(ctypes.c_void_p(host.ptr), nbytes), iters=10, spin_cycles=10_000)
+    src = cp.ndarray((nbytes // 16, 4), cp.uint32, cp.cuda.MemoryPointer(
+        cp.cuda.UnownedMemory(host.ptr, nbytes, host), 0))
+    sink = cp.zeros(1, cp.uint32)
+    read_all = cp.RawKernel(_READ_SRC, "read_all")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    t_read, _, _ = timer.median(lambda: read_all((sms * 8,), (256,), (src, np.int64(nbytes // 16), sink)), iters=10,
+                                spin_cycles=10_000)
+    return nbytes / t_copy / 1e9, nbytes / t_read / 1e9
+
+
+def decode_time(cp, m, timer, rng, iters):
+    """Median / p10 / p90 seconds of one routed decode forward (CUDA graph), routing rotated over 256 rows."""
+    spec = m.spec
+    H, E = spec.hidden_size, spec.num_experts
+    stream = cp.cuda.Stream(non_blocking=True)
+    bank = cp.asarray((rng.standard_normal((256, E)) * 2.0).astype(np.float32))
+    x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
+    lg = cp.empty((1, E), cp.float32)
+    out = cp.empty((1, H), cp.float32)
+    with stream:
+        g = capture(cp, stream, lambda: m.forward_into(x, lg, out))
+        res = timer.median(g, iters=iters, prep=lambda i: lg.__setitem__(Ellipsis, bank[(7 * i) % 256]))
+        g()
+        stream.synchronize()
+    return res, out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="A,B")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    from kernels.gpu import GpuQMoE
+
+    timer = Timer(cp)
+    b_copy, b_read = pcie_references(cp, timer)
+    print(f"PCIe: pinned H2D copy {b_copy:.1f} GB/s, zero-copy kernel read {b_read:.1f} GB/s", flush=True)
+    figures = [{"name": "pinned host-to-device copy (B_pcie)", "value": b_copy, "unit": "GB/s"},
+               {"name": "zero-copy kernel read of pinned host memory", "value": b_read, "unit": "GB/s",
+                "reference": "pinned host-to-device copy", "reference_value": b_copy, "ratio": b_read / b_copy}]
+    for key in args.shapes.split(","):
+        spec, tensors = node_for(key)
+        m = GpuQMoE(spec, tensors)
+        nbytes = spec.k * m.expert_bytes()
+        rng = np.random.default_rng(1)
+        (t_hbm, p10h, p90h), out_hbm = decode_time(cp, m, timer, rng, args.iters)
+        # the same module with every slot's bytes in host memory (fresh graphs: the captured ones hold the old ones)
+        for proj in m.slots.values():
+            for name in list(proj):
+                proj[name] = host_mapped(cp, proj[name])
+        m._graphs.clear()
+        m._graph_seen.clear()
+        cp.get_default_memory_pool().free_all_blocks()
+        rng = np.random.default_rng(1)
+        (t_map, p10m, p90m), out_map = decode_time(cp, m, timer, rng, args.iters)
+        # FC2 adds pairs into the output with atomics, in no fixed order: equal up to rounding
+        diff = float(cp.abs(out_map - out_hbm).max() / cp.abs(out_hbm).max())
+        print(f"[{key}] {SHAPES[key]['label']}: {nbytes / 1e6:.2f} MB a token\n"
+              f"    hbm    {t_hbm * 1e6:8.1f} µs (p10 {p10h * 1e6:.1f}, p90 {p90h * 1e6:.1f}) = "
+              f"{nbytes / t_hbm / 1e9:7.1f} GB/s\n"
+              f"    mapped {t_map * 1e6:8.1f} µs (p10 {p10m * 1e6:.1f}, p90 {p90m * 1e6:.1f}) = "
+              f"{nbytes / t_map / 1e9:7.1f} GB/s = {nbytes / t_map / 1e9 / b_copy:.2f} of the pinned copy, "
+              f"{nbytes / t_map / 1e9 / b_read:.2f} of the zero-copy read; output vs hbm: max diff {diff:.1e} of max |out|", flush=True)
+        figures.append({"name": f"decode, shape {key}, weights in HBM", "value": nbytes / t_hbm / 1e9,
+                        "unit": "GB/s", "median_us": t_hbm * 1e6})
+        figures.append({"name": f"decode, shape {key}, weights in host memory (zero-copy)",
+                        "value": nbytes / t_map / 1e9, "unit": "GB/s", "median_us": t_map * 1e6,
+                        "reference": "pinned host-to-device copy", "reference_value": b_copy,
+                        "ratio": nbytes / t_map / 1e9 / b_copy, "max_diff_vs_hbm": diff})
+        del m
+        cp.get_default_memory_pool().free_all_blocks()
+    if not args.no_write:
+        print(f"wrote {write_result('zero-copy', figures)}")
+
+
+if __name__ == "__main__":
+    main()
