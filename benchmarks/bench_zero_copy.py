@@ -12,6 +12,9 @@ forward = routing + FC1 + FC2 as a CUDA graph, timed with CUDA events behind a s
   hbm     every expert in HBM slots (GpuQMoE as the engine builds it)
   mapped  the slots' weights, scales and biases moved to page-locked host memory (cudaHostAlloc; with unified
           addressing the device reads it through the same pointer): every byte the kernel reads comes over PCIe
+  tier    GpuQMoE(host_tier=True) with 0%, 25% and 50% of the experts in GPU slots: the others read from their
+          host rows (kernels/gpu/host_tier.py), in one launch with the resident ones; outputs checked against hbm
+  cpu     our CPU kernel (CpuQMoE, every core) on the same node and routing rows, one token a call, timed on the host
 Bytes = the k routed experts' bytes. References in the same process: a 1 GiB pinned host-to-device cudaMemcpy
 (B_pcie) and a plain kernel that reads 1 GiB of the same kind of host memory with 16-byte loads (zero-copy ceiling).
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +90,43 @@ def decode_time(cp, m, timer, rng, iters):
     return res, out
 
 
+def cpu_time(spec, tensors, runs=60):
+    """Median seconds of our CPU kernel on one token, every core, routing rotated over 256 rows (experts vary)."""
+    from kernels.cpu import CpuQMoE
+
+    cpu = CpuQMoE(spec, tensors, num_threads=os.cpu_count())
+    rng = np.random.default_rng(2)
+    bank = (rng.standard_normal((256, spec.num_experts)) * 2.0).astype(np.float32)
+    x = rng.standard_normal((1, spec.hidden_size)).astype(np.float32)
+    for i in range(3):
+        cpu.forward(x, bank[i:i + 1])
+    ts = []
+    for i in range(runs):
+        row = bank[(7 * i) % 256][None]
+        t0 = time.perf_counter()
+        cpu.forward(x, row)
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def tier_rows(cp, GpuQMoE, spec, tensors, timer, iters, out_hbm, nbytes, key):
+    """The host tier at 0 / 25 / 50% of the experts in GPU slots: (printed lines, figures)."""
+    E = spec.num_experts
+    lines, figures = [], []
+    for frac in (0.0, 0.25, 0.5):
+        S = max(1, round(frac * E))
+        m = GpuQMoE(spec, tensors, num_slots=S, resident=list(range(round(frac * E))), host_tier=True)
+        (t, p10, p90), out = decode_time(cp, m, timer, np.random.default_rng(1), iters)
+        diff = float(cp.abs(out - out_hbm).max() / cp.abs(out_hbm).max())
+        lines.append(f"    tier {frac:4.0%} {t * 1e6:8.1f} µs (p10 {p10 * 1e6:.1f}, p90 {p90 * 1e6:.1f}) = "
+                     f"{nbytes / t / 1e9:7.1f} GB/s of routed bytes; output vs hbm: max diff {diff:.1e}")
+        figures.append({"name": f"decode, shape {key}, host tier, {frac:.0%} of experts in GPU slots",
+                        "value": nbytes / t / 1e9, "unit": "GB/s", "median_us": t * 1e6, "max_diff_vs_hbm": diff})
+        del m
+        cp.get_default_memory_pool().free_all_blocks()
+    return lines, figures
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="A,B")
@@ -132,6 +174,14 @@ def main(argv=None):
                         "ratio": nbytes / t_map / 1e9 / b_copy, "max_diff_vs_hbm": diff})
         del m
         cp.get_default_memory_pool().free_all_blocks()
+        lines, tier_figures = tier_rows(cp, GpuQMoE, spec, tensors, timer, args.iters, out_hbm, nbytes, key)
+        t_cpu = cpu_time(spec, tensors)
+        print("\n".join(lines), flush=True)
+        print(f"    cpu      {t_cpu * 1e6:8.1f} µs = {nbytes / t_cpu / 1e9:7.1f} GB/s (our CPU kernel, "
+              f"{os.cpu_count()} threads)", flush=True)
+        figures += tier_figures
+        figures.append({"name": f"decode, shape {key}, our CPU kernel (one token a call)",
+                        "value": nbytes / t_cpu / 1e9, "unit": "GB/s", "median_us": t_cpu * 1e6})
     if not args.no_write:
         print(f"wrote {write_result('zero-copy', figures)}")
 

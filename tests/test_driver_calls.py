@@ -74,12 +74,13 @@ class StandInDriver:
 
 
 def _pack_expert_args(params) -> tuple:
-    """pack_expert(desc, staged, slot, slot_map, e, old) read from the argument array as the kernel's C types."""
+    """pack_expert(desc, staged, slot, slot_map, e, old, host0) read from the argument array as the kernel's C
+    types."""
     def arg(i, ctype):
         return ctypes.cast(params[i], ctypes.POINTER(ctype))[0]
 
     return (arg(0, ctypes.c_void_p), arg(1, ctypes.c_void_p), arg(2, ctypes.c_int32), arg(3, ctypes.c_void_p),
-            arg(4, ctypes.c_int32), arg(5, ctypes.c_int32))
+            arg(4, ctypes.c_int32), arg(5, ctypes.c_int32), arg(6, ctypes.c_int32))
 
 
 def _plans(**kw):
@@ -122,8 +123,8 @@ def test_the_prepared_launch_rewrites_only_slot_expert_and_old():
         issuer.issue(GpuQMoE._host_copies(plans), e, slot, old)
     first, *rest = driver.launches
     assert first == dict(function=0xF00, grid=(7, 1, 1), block=(256, 1, 1), smem=0, stream=STREAM,
-                         params=first["params"], extra=False, args=(0xD000, staging.ctypes.data, 0, 0x5000, 2, -1))
-    assert [launch["args"][2:] for launch in rest] == [(1, 0x5000, 4, 2), (0, 0x5000, 1, 2)]
+                         params=first["params"], extra=False, args=(0xD000, staging.ctypes.data, 0, 0x5000, 2, -1, -1))
+    assert [launch["args"][2:] for launch in rest] == [(1, 0x5000, 4, 2, -1), (0, 0x5000, 1, 2, -1)]
     assert all(launch["params"] == first["params"] for launch in rest)  # the same argument array every time
     assert all({k: v for k, v in launch.items() if k != "args"} == {k: v for k, v in first.items() if k != "args"}
                for launch in rest)
@@ -204,7 +205,7 @@ def test_a_copy_through_the_driver_updates_the_hosts_maps():
     stream = SimpleNamespace(ptr=STREAM)
     assert gpu._pack_expert_driver(3, 1, stream) and gpu._pack_expert_driver(4, 1, stream)  # 4 evicts 3
     assert gpu.slot_of.tolist() == [-1, -1, -1, -1, 1] and gpu.expert_in_slot.tolist() == [-1, 4]
-    assert gpu.driver_packs == 2 and [launch["args"][4:] for launch in driver.launches] == [(3, -1), (4, 3)]
+    assert gpu.driver_packs == 2 and [launch["args"][4:] for launch in driver.launches] == [(3, -1, -1), (4, 3, -1)]
 
 
 # ----------------------------------------------------------------------------- one batched memcpy per expert

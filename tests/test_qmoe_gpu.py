@@ -333,6 +333,43 @@ def test_gpu_slot_upload(gpu, T):
         <= 1e-6
 
 
+@pytest.mark.parametrize("path,T", [("tc", 1), ("tc", 5), ("tc", 40), ("fma", 5)])
+def test_gpu_host_tier_reads_experts_in_no_slot_from_host_memory(gpu, path, T):
+    """host_tier=True: every expert also in page-locked host memory (kernels/gpu/host_tier.py), read from there over
+    PCIe where it is in no GPU slot, so every routed pair is computed as with every expert resident. Uploads (host
+    packed, and packed on the GPU by pack_expert) and evictions point the device's map at the slot or back at the
+    expert's host row."""
+    cp, GpuQMoE = gpu
+    attrs, t, x, lg = make_case(seed=21, E=8, H=128, I=64, k=2, bits=4, block_size=32, bias=True, T=T,
+                                **ACTS["swiglu1-limit"])
+    spec = _spec(attrs, t, x)
+    lg = lg.copy()
+    lg[:, 6] += 10.0  # every token routes to expert 6 (resident at first) and to one of 0, 2, 3, 4, 5, 7 (not)
+    lg[:, 1] -= 10.0
+    m = GpuQMoE(spec, t, num_slots=3, resident=[1, 6], path=path, host_tier=True)
+    h = m.host0
+    assert h >= 3 and list(m.resident_experts()) == [1, 6]
+    assert cp.asnumpy(m._slot_dev).tolist() == [h, 0, h + 2, h + 3, h + 4, h + 5, 1, h + 7]
+    tol = TOL[(path, "decode" if T <= 8 else "prefill", np.float32)]
+    ref = qmoe_reference(x, lg, spec, t)
+    assert _relerr(m.forward(x, lg), ref) <= tol
+    ids, _ = ref_route(lg, spec)
+    assert (ids == 6).sum(axis=1).tolist() == [1] * T and not (ids == 1).any()
+    plain = GpuQMoE(spec, t, num_slots=3, resident=[1, 6], path=path)  # no tier: their pairs are skipped
+    assert _relerr(plain.forward(x, lg), ref) > 10 * tol
+    stream = cp.cuda.Stream(non_blocking=True)
+    m.upload_expert(5, 0, stream=stream)  # evicts expert 1: back to its host row
+    m.upload_expert_device(3, 2, stream=stream)
+    m.upload_expert_device(7, 1, stream=stream)  # evicts expert 6 through pack_expert
+    stream.synchronize()
+    assert m.slot_of.tolist() == [-1, -1, -1, 2, -1, 0, -1, 1]
+    assert cp.asnumpy(m._slot_dev).tolist() == [h, h + 1, h + 2, 2, h + 4, 0, h + 6, 1]
+    assert _relerr(m.forward(x, lg), ref) <= tol
+    m.evict(2)
+    assert cp.asnumpy(m._slot_dev)[3] == h + 3
+    assert _relerr(m.forward(x, lg), ref) <= tol
+
+
 def test_gpu_cupy_io_and_3d(gpu):
     cp, GpuQMoE = gpu
     attrs, t, x, lg = make_case(seed=4, E=6, H=64, I=64, k=2, bits=4, block_size=32, dtype=np.float16, T=12,

@@ -124,16 +124,16 @@ class DriverPackIssuer:
     and (slot, e, old) are rewritten. The buffer can be reused at once: the next copy's memcpys are ordered on the
     stream after the previous pack_expert that read it."""
 
-    # pack_expert(desc, staged, slot, slot_map, e, old): source/pack.cu
+    # pack_expert(desc, staged, slot, slot_map, e, old, host0): source/pack.cu
     SLOT, EXPERT, OLD = 2, 4, 5
 
     def __init__(self, calls, function_ptr: int, grid: int, desc_ptr: int, staging_ptr: int, slot_map_ptr: int,
-                 stream_ptr: int):
+                 stream_ptr: int, host0: int = -1):
         self._calls, self._memcpy = calls, calls.memcpy_htod_async
         self._staging, self._stream = int(staging_ptr), int(stream_ptr)
         self.launch = calls.prepare(function_ptr, (grid,), (256,), (
             ctypes.c_void_p(desc_ptr), ctypes.c_void_p(staging_ptr), np.int32(0), ctypes.c_void_p(slot_map_ptr),
-            np.int32(-1), np.int32(-1)), 0, stream_ptr)
+            np.int32(-1), np.int32(-1), np.int32(host0)), 0, stream_ptr)
         self._slot, self._e, self._old = (self.launch.argument(i) for i in (self.SLOT, self.EXPERT, self.OLD))
         self.batch = None  # the prepared batch memcpy of `_batch_copies`' destinations and sizes (None: none yet)
         self._batch_copies = self._batch_layout = None

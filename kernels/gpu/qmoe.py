@@ -36,6 +36,7 @@ from . import convert as _conv
 from . import layout as _lay
 from ._module import has_wgmma, load_module
 from .driver_calls import BatchCopyError, DriverCalls, DriverError
+from .host_tier import TieredRows
 from .launch_pdl import PdlLauncher
 from .pack_device import DriverPackIssuer, descriptor, plan_for
 from .pack_host import pack_expert_host
@@ -91,7 +92,7 @@ class GpuQMoE:
     decode_max_tokens = 8  # batches of at most this many tokens take the decode (GEMV) path
 
     def __init__(self, spec: QMoESpec, tensors: dict, device: int = 0, num_slots: int | None = None,
-                 resident=None, path: str = "auto"):
+                 resident=None, path: str = "auto", host_tier: bool = False):
         # Layouts the kernels do not read (int2 / int3, SM80 prepacked, mixed widths, nvfp4, mxfp4) are converted
         # exactly on the host, one expert at a time, when the expert is uploaded or packed (kernels.gpu.convert):
         # from here on spec / tensors describe the converted layout; fp8 weights are refused (no exact conversion)
@@ -126,7 +127,12 @@ class GpuQMoE:
             if S < 1:
                 raise ValueError("num_slots must be >= 1")
             self.num_slots = S
-            self.slots = {p.name: self._alloc_slots(p, S) for p in (self.fc1, self.fc2)}
+            # host_tier: every expert also in page-locked host memory, in slot host0 + e of the same arrays, which
+            # the kernels read over PCIe where the expert is in no GPU slot (host_tier.py); None: no such copies,
+            # and the kernels skip the pairs of such experts
+            self.host0 = None
+            self.slots = self._alloc_tiered(S, E) if host_tier else {
+                p.name: self._alloc_slots(p, S) for p in (self.fc1, self.fc2)}
             self.slot_of = np.full(E, -1, np.int32)
             self.expert_in_slot = np.full(S, -1, np.int32)
             self._slot_dev = cp.full(E, -1, dtype=cp.int32)
@@ -180,22 +186,69 @@ class GpuQMoE:
             if len(res) > S:
                 raise ValueError(f"{len(res)} resident experts do not fit in {S} slots")
             self._upload_initial(res)
+            if host_tier:
+                self._fill_host_tier()
             self._init_device_pack()
             # The slot arrays' memsets, the expert -> slot map and the pack tables were queued on the current stream;
             # the offload engine copies experts in on its copy stream, which does not wait for this one.
             cp.cuda.get_current_stream().synchronize()
 
     # ------------------------------------------------------------------ storage
+    @staticmethod
+    def _slot_tensors(p: _lay.ProjLayout) -> dict:
+        """A projection's slot arrays: {key: (elements a slot, dtype)}."""
+        cp = _cp()
+        d = {"w": (p.w_bytes, cp.uint8), "s": (p.s_len, p.sdtype)}
+        if p.has_zp:
+            d["z"] = (p.s_len, cp.uint8)
+        if p.has_bias:
+            d["b"] = (p.NP, cp.float32)
+        if p.has_h:
+            d["h"] = (p.s_len, cp.float16)
+        return d
+
     def _alloc_slots(self, p: _lay.ProjLayout, S: int) -> dict:
         cp = _cp()
-        d = {"w": cp.zeros((S, p.w_bytes), cp.uint8), "s": cp.zeros((S, p.s_len), p.sdtype)}
-        if p.has_zp:
-            d["z"] = cp.zeros((S, p.s_len), cp.uint8)
-        if p.has_bias:
-            d["b"] = cp.zeros((S, p.NP), cp.float32)
-        if p.has_h:
-            d["h"] = cp.zeros((S, p.s_len), cp.float16)
-        return d
+        return {key: cp.zeros((S, n), dt) for key, (n, dt) in self._slot_tensors(p).items()}
+
+    def _alloc_tiered(self, S: int, E: int) -> dict:
+        """The slot arrays with a host tier: rows [0, S) in device memory (zeroed), rows [host0, host0 + E) in
+        page-locked host memory, one address range per array (host_tier.TieredRows)."""
+        cp = _cp()
+        tensors = {p.name: self._slot_tensors(p) for p in (self.fc1, self.fc2)}
+        rows = TieredRows(self._device_id, S, E, [n * cp.dtype(dt).itemsize for t in tensors.values()
+                                                  for n, dt in t.values()])
+        self.host0 = rows.host0
+        slots = {}
+        for name, t in tensors.items():
+            slots[name] = {}
+            for key, (n, dt) in t.items():
+                arr = rows.array(cp, rows.allocate(n * cp.dtype(dt).itemsize), n, dt)
+                arr[:S].fill(0)
+                slots[name][key] = arr
+        return slots
+
+    def _fill_host_tier(self) -> None:
+        """Every expert packed into its host row host0 + e (on the device, in chunks, as _upload_initial)."""
+        E = self.spec.num_experts
+        raw_per_expert = 3 * (self.fc1.NP * self.fc1.KP + self.fc2.NP * self.fc2.KP)
+        chunk = max(1, (512 << 20) // max(raw_per_expert, 1))
+        for e0 in range(0, E, chunk):
+            es = np.arange(e0, min(E, e0 + chunk), dtype=np.int64)
+            for p in (self.fc1, self.fc2):
+                packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, es, xp=_cp()), xp=_cp())
+                for key, arr in packed.items():
+                    self.slots[p.name][key][self.host0 + e0:self.host0 + e0 + len(es)] = arr
+
+    def _host0_arg(self) -> int:
+        """pack_expert's host0: the host tier's first row, -1 without one."""
+        return -1 if self.host0 is None else self.host0
+
+    def _device_map(self) -> np.ndarray:
+        """The expert -> slot map the kernels read: slot_of, with the host tier's row for every expert in no slot."""
+        if self.host0 is None:
+            return self.slot_of
+        return np.where(self.slot_of >= 0, self.slot_of, self.host0 + np.arange(self.slot_of.size)).astype(np.int32)
 
     def expert_bytes(self) -> int:
         """Bytes the kernels read for one expert (weights, scales, zero points, biases of FC1(+FC3) and FC2), in the
@@ -212,7 +265,7 @@ class GpuQMoE:
         (the constructor waits for it)."""
         cp = _cp()
         if not experts:
-            self._slot_dev.set(self.slot_of)
+            self._slot_dev.set(self._device_map())
             return
         raw_per_expert = 3 * (self.fc1.NP * self.fc1.KP + self.fc2.NP * self.fc2.KP)
         chunk = max(1, (512 << 20) // max(raw_per_expert, 1))
@@ -225,7 +278,7 @@ class GpuQMoE:
             for j, e in enumerate(es):
                 self.slot_of[e] = i0 + j
                 self.expert_in_slot[i0 + j] = e
-        self._slot_dev.set(self.slot_of)
+        self._slot_dev.set(self._device_map())
 
     def pack_expert(self, e: int) -> dict:
         """Expert e converted to the kernel layout on the host: {"fc1": {"w", "s", ["h"], ["z"], ["b"]}, "fc2": {...}}
@@ -373,7 +426,7 @@ class GpuQMoE:
         old = self._map_host(e, slot)
         grid = max(1, min(_cdiv(self._pack_items, 256), 16 * self.num_sms))
         self._f("pack_expert")((grid,), (256,), (self._pack_desc, staging, np.int32(slot), self._slot_dev,
-                                                 np.int32(e), np.int32(old)))
+                                                 np.int32(e), np.int32(old), np.int32(self._host0_arg())))
 
     def _pack_expert_driver(self, e: int, slot: int, stream) -> bool:
         """_pack_expert through the driver's calls, the staging buffer and launch arguments made once per stream
@@ -413,7 +466,7 @@ class GpuQMoE:
         staging = _staging_for(self._device_id, stream, self._pack_bytes)
         grid = max(1, min(_cdiv(self._pack_items, 256), 16 * self.num_sms))
         issuer = DriverPackIssuer(calls, self._f("pack_expert").kernel.ptr, grid, self._pack_desc.data.ptr,
-                                  staging.array.data.ptr, self._slot_dev.data.ptr, stream.ptr)
+                                  staging.array.data.ptr, self._slot_dev.data.ptr, stream.ptr, self._host0_arg())
         self._driver_issuers[stream.ptr] = issuer
         self._driver_staging[stream.ptr] = staging  # kept while this instance may copy on the stream
         return issuer
@@ -433,7 +486,7 @@ class GpuQMoE:
     def _map_slot(self, e: int, slot: int, stream) -> None:
         """Point the expert->slot map at `slot` for expert e (evicting the slot's previous expert), on `stream`."""
         self._map_host(e, slot)
-        self._slot_dev.set(self.slot_of, stream=stream)
+        self._slot_dev.set(self._device_map(), stream=stream)
 
     def evict(self, slot: int, stream=None) -> None:
         """Mark ``slot`` empty (its expert becomes non-resident)."""
@@ -443,7 +496,7 @@ class GpuQMoE:
             self.slot_of[e] = -1
         self.expert_in_slot[slot] = -1
         with self.device:
-            self._slot_dev.set(self.slot_of, stream=stream or cp.cuda.get_current_stream())
+            self._slot_dev.set(self._device_map(), stream=stream or cp.cuda.get_current_stream())
 
     def resident_experts(self) -> np.ndarray:
         return np.nonzero(self.slot_of >= 0)[0]

@@ -100,14 +100,15 @@ static __device__ __forceinline__ void pk_item(const long long* d, const u8* sta
 }
 
 // desc: 2 x PK_NFIELDS int64 (FC1, FC2); staged: the expert's stored tensors; e goes into `slot`, whose expert
-// `old` (-1: none) leaves the expert -> slot map
+// `old` (-1: none) leaves the expert -> slot map: for row host0 + old where the slots have a host tier (host0 >= 0:
+// kernels/gpu/host_tier.py), else -1
 extern "C" __global__ void pack_expert(const long long* __restrict__ desc, const u8* __restrict__ staged, int slot,
-                                       int* __restrict__ slot_map, int e, int old) {
+                                       int* __restrict__ slot_map, int e, int old, int host0) {
     __shared__ long long sd[2 * PK_NFIELDS];
     for (int f = threadIdx.x; f < 2 * PK_NFIELDS; f += blockDim.x) sd[f] = desc[f];
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        if (old >= 0 && old != e) slot_map[old] = -1;
+        if (old >= 0 && old != e) slot_map[old] = host0 >= 0 ? host0 + old : -1;
         slot_map[e] = slot;
     }
     const long long n0 = sd[PK_ITEMS], n = n0 + sd[PK_NFIELDS + PK_ITEMS];
