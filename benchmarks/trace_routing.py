@@ -8,10 +8,12 @@ steps (more than one token) route as the model does. The tokens decoded are then
 is what such routing asks for: hits, misses, copies, placement moves.
 
 It wraps `route` where the hybrid expert nodes call it (engine.offload.hybrid_node.route). A node's run() calls it
-once per step, in layer order, except where the layer keeps every expert (with the dense part on the GPU such a layer
-routes on the device: the model's routing, and all of it hits); the layer is the calling node's, and a decode step
-starts where a call's layer is not after the last one's. The statistics' routing of a fully resident layer
-(account_resident) keeps the model's routing, as its launch did.
+once per step, in layer order, except where the step routes on the device (with the dense part on the GPU: a layer
+that keeps every expert, or one whose cold experts the GPU reads from the host tier): there it wraps the node's
+_run_resident, which adds a large bias to the trace's experts' logits in GPU memory (on the dense part's stream,
+which wrote them), so that the device's routing picks them, in the model's order among them; the statistics
+(account_resident) read the same biased logits. The layer is the calling node's, and a decode step starts where a
+call's layer is not after the last one's.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import sys
 import numpy as np
 
 import engine.offload.hybrid_node as hybrid_node
+
+STEER = 64.0  # added to the trace's experts' logits where the device routes: above any other logit's lead
 
 
 def _calling_node(frame, depth: int = 4):
@@ -40,15 +44,12 @@ class TraceRouting:
             raise ValueError(f"a trace of [tokens, {num_layers} layers, k] is needed, not {list(trace.shape)}")
         self.trace, self.num_layers = trace, num_layers
         self.calls = 0  # decode-step calls routed so far
+        self.device_calls = 0  # of them, steps routed on the device (_run_resident)
         self._token, self._last_layer = -1, num_layers  # the trace's token of the current decode step
-        self._route = None
+        self._route = self._run_resident = None
 
-    def _routed(self, logits, spec, router_weights=None):
-        ids, weights = self._route(logits, spec, router_weights)
-        caller = _calling_node(sys._getframe(1))
-        if ids.shape[0] != 1 or caller is None or caller.f_code.co_name != "run":
-            return ids, weights  # a prompt step, or not a node's own routing: the model's
-        layer = caller.f_locals["self"].layer
+    def _chosen(self, layer: int, k: int) -> np.ndarray:
+        """The trace's experts for this layer's decode step (a new token where the layer is not after the last)."""
         if layer <= self._last_layer:
             self._token += 1
         token, self._last_layer = self._token, layer
@@ -56,15 +57,45 @@ class TraceRouting:
             raise IndexError(f"the routing trace holds {self.trace.shape[0]} tokens; decode asked for more")
         self.calls += 1
         chosen = self.trace[token, layer]
-        if chosen.size != ids.shape[1]:
-            raise ValueError(f"the trace routes to {chosen.size} experts per token, the model to {ids.shape[1]}")
+        if chosen.size != k:
+            raise ValueError(f"the trace routes to {chosen.size} experts per token, the model to {k}")
+        return chosen
+
+    def _routed(self, logits, spec, router_weights=None):
+        ids, weights = self._route(logits, spec, router_weights)
+        caller = _calling_node(sys._getframe(1))
+        if ids.shape[0] != 1 or caller is None or caller.f_code.co_name != "run":
+            return ids, weights  # a prompt step, or not a node's own routing: the model's
+        chosen = self._chosen(caller.f_locals["self"].layer, ids.shape[1])
         return chosen.astype(ids.dtype).reshape(ids.shape), weights
+
+    def _resident(self, node, store, x, logits, router_weights):
+        spec = node.info.spec
+        if x.size == spec.hidden_size:  # a decode step: its logits steered to the trace's experts
+            chosen = self._chosen(node.layer, spec.k)
+            self.device_calls += 1
+            if isinstance(logits, np.ndarray):  # the simulated device: the logits are the host's
+                logits.reshape(-1)[chosen] += logits.dtype.type(STEER)
+            else:
+                cp = store.device.cp
+                with cp.cuda.Device(store.device.index), store.device.dense_stream or store.device.compute_stream:
+                    flat = logits.reshape(-1)
+                    flat[cp.asarray(chosen)] += flat.dtype.type(STEER)
+        return self._run_resident(node, store, x, logits, router_weights)
 
     def __enter__(self):
         self._route = hybrid_node.route
         hybrid_node.route = self._routed
+        self._run_resident = hybrid_node.HybridExpertNode._run_resident
+        routing = self
+
+        def run_resident(node, store, x, logits, router_weights):
+            return routing._resident(node, store, x, logits, router_weights)
+
+        hybrid_node.HybridExpertNode._run_resident = run_resident
         return self
 
     def __exit__(self, *exc):
         hybrid_node.route = self._route
+        hybrid_node.HybridExpertNode._run_resident = self._run_resident
         return False

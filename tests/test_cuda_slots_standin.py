@@ -129,12 +129,14 @@ class _Context:
 
 
 class FakeGpuQMoE:
-    """GpuQMoE's interface to CudaSlots, computing with the node's CPU kernel on the experts in its slots."""
+    """GpuQMoE's interface to CudaSlots, computing with the node's CPU kernel on the experts in its slots (with
+    `host_tier`, on every expert, as GpuQMoE's host tier reads the others from host memory)."""
 
     decode_max_tokens = 8
 
-    def __init__(self, kernel, resident):
+    def __init__(self, kernel, resident, host_tier=False):
         self.kernel, self.spec = kernel, kernel.spec
+        self.host_tier = host_tier
         self.device = _Context()
         self.slot_of = np.full(self.spec.num_experts, -1, np.int64)
         for slot, expert in enumerate(resident):
@@ -154,6 +156,8 @@ class FakeGpuQMoE:
 
     def _resident_only(self, ids):
         ids = np.asarray(ids, np.int64)
+        if self.host_tier:
+            return ids
         return np.where((ids >= 0) & (self.slot_of[np.maximum(ids, 0)] >= 0), ids, -1)
 
     def run_staged(self, x, ids, w, out):
@@ -237,8 +241,8 @@ def cpu_run(model_folder):
 def open_on_standin(model_folder, fraction, monkeypatch, **config):
     """The model on the stand-in device, its cut tensors left in the stand-in's memory, and a state there."""
     cp = FakeCupy()
-    monkeypatch.setattr(CudaSlots, "_make",
-                        lambda self, slots, resident, tensors=None: FakeGpuQMoE(self.runner.kernel, resident))
+    monkeypatch.setattr(CudaSlots, "_make", lambda self, slots, resident, tensors=None: FakeGpuQMoE(
+        self.runner.kernel, resident, host_tier=self.host_tier and tensors is None))
     monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", FakeStreamingGpuQMoE)  # what CudaStreamingSlots makes
     device = FakeCudaDevice(cp)
     budget = int(fraction * device_expert_bytes(model_folder))
@@ -300,6 +304,37 @@ def test_fully_resident_layers_statistics_are_taken_in_the_step_once_their_launc
     assert ours == ref
     for mine, theirs in zip(model.offload.policy.scores, behind.offload.policy.scores):
         assert np.array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_device(model_folder, cpu_run,
+                                                                                      monkeypatch, fraction):
+    """OffloadEngine.host_tier: every store made again with the tier and its residents copied back, no slot left to
+    copied misses; decode steps then route and compute on the device as fully resident layers do (the GPU reads
+    the cold experts from host memory: no host round trip, no CPU kernel), with the all-CPU run's tokens; their
+    cold pairs are counted as misses read. The prompt (a prefill) takes the hybrid path as before."""
+    model, cp = open_on_standin(model_folder, fraction, monkeypatch)
+    engine = model.offload
+    residents = [sorted(layer.resident().tolist()) for layer in engine.slots]
+    engine.host_tier = True
+    assert all(store.host_tier and store.reads_cold for store in engine.stores)
+    assert [sorted(np.nonzero(store.gpu.slot_of >= 0)[0].tolist()) for store in engine.stores] == residents
+    assert list(engine.policy.miss_slots) == [0] * SPEC.layers
+    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    steps = len(cpu_run[1])
+    assert [store.gpu.routed for store in engine.stores] == [steps] * SPEC.layers
+    totals = engine.stats.totals()
+    assert totals.routed_on_device == steps * SPEC.layers
+    assert engine.stats.phases["decode"].cpu_s == 0.0  # no CPU kernel in a decode step; the prompt's misses were
+    assert totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
+    decode_pairs = steps * SPEC.layers * SPEC.top_k
+    assert 0 < totals.misses_read <= decode_pairs
+    if fraction == 0.0:
+        assert totals.misses_read == decode_pairs
+    assert engine.stats.as_dict()["misses_read"] == totals.misses_read
+    engine.host_tier = False
+    assert not any(store.reads_cold for store in engine.stores)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])

@@ -45,6 +45,31 @@ def test_cuda_offload_matches_the_cpu(folder, fraction, cpu_execution):
     assert device.memory.high_water <= device.memory.ceiling
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_cuda_host_tier_matches_the_cpu(folder, fraction):
+    """OffloadEngine.host_tier: the GPU reads the experts in no slot from page-locked host memory. With the dense part
+    on the GPU (onnxruntime-gpu) every decode step routes and computes on the device; either way the all-CPU run's
+    tokens. Switched off again, the slots are made without the tier."""
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=8)
+    device = open_cuda_device()
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=int(fraction * device_total(folder))),
+                             device=device)
+    model.offload.host_tier = True
+    assert all(store.reads_cold and store.gpu.host0 is not None for store in model.offload.stores)
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    totals = model.offload.stats.totals()
+    if model.dense_device == "cuda":
+        assert totals.routed_on_device >= 8 * SPEC.layers and totals.misses_read > 0
+    model.offload.host_tier = False
+    assert not any(store.reads_cold for store in model.offload.stores)
+    assert all(store.gpu is None or store.gpu.host0 is None for store in model.offload.stores)
+
+
 def test_cuda_mem_limit_is_a_clean_error(folder):
     from engine.offload.cuda_device import open_cuda_device
     from engine.offload.device_memory import DeviceMemoryError

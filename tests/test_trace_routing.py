@@ -45,7 +45,7 @@ def test_a_trace_too_short_or_of_other_layers_is_refused_by_name(model):
             model.decoder.forward(state, [int(logits[-1].argmax())])
 
 
-def test_with_whole_layers_only_the_layers_on_the_cpu_take_the_trace(tmp_path, monkeypatch):
+def test_with_whole_layers_every_layer_takes_the_trace_the_resident_one_on_the_device(tmp_path, monkeypatch):
     from benchmarks.bench_overhead import instrument, wrapped_module_functions
     from tests.test_offload import device_expert_bytes
 
@@ -67,7 +67,7 @@ def test_with_whole_layers_only_the_layers_on_the_cpu_take_the_trace(tmp_path, m
         engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
         for _ in range(5):
             logits = model.decoder.forward(state, [int(logits[-1].argmax())])
-    assert routing.calls == 5 * (SPEC.layers - 1)
-    for layer in (1, 2):  # each step's token of the trace, at its own layer
+    assert routing.calls == 5 * SPEC.layers and routing.device_calls == 5  # layer 0 routes on the device
+    for layer in (0, 1, 2):  # each step's token of the trace, at its own layer
         counted = engine.stats.expert_hits[layer] + engine.stats.expert_misses[layer]
         assert counted.tolist() == np.bincount(trace[:, layer].ravel(), minlength=SPEC.num_experts).tolist()

@@ -232,6 +232,9 @@ class CudaSlots:
         self.wave_bytes = gpu.wave_bytes    # what a prefill wave copies per expert (converted rows)
         self.num_slots = 0
         self.gpu = None
+        # every expert also in page-locked host memory, read there by decode launches where it is in no slot
+        # (GpuQMoE's host tier); set by OffloadEngine.host_tier, which resizes the slots after
+        self.host_tier = False
         self._wave = None
         self._launched = None  # the GpuQMoE of the last launch (this node's, a wave's or the streaming slots'): merges
         # (where its host seconds go, host seconds so far) of a decode launch until its merge or collect: the streaming
@@ -274,11 +277,13 @@ class CudaSlots:
         return direct
 
     def _make(self, slots: int, resident: list[int], tensors: dict | None = None):
+        """A GpuQMoE of `slots` slots for this node's experts (with the host tier where host_tier is set), or for a
+        prefill wave's `tensors`."""
         from kernels.gpu.qmoe import GpuQMoE
 
         try:
             return GpuQMoE(self.runner.info.spec, self.runner.tensors if tensors is None else tensors, device=self.device.index,
-                           num_slots=max(1, slots), resident=resident)
+                           num_slots=max(1, slots), resident=resident, host_tier=self.host_tier and tensors is None)
         except self.device.cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceMemoryError(f"{self.name}: the GPU ran out of memory for {slots} expert slots ({exc})") from None
 
@@ -290,8 +295,13 @@ class CudaSlots:
             self.device.quiesce()
         self.gpu = None
         self.device.memory.reserve(num_slots * self.expert_bytes, f"expert slots of {self.name}")
-        self.gpu = self._make(num_slots, []) if num_slots else None
+        self.gpu = self._make(num_slots, []) if num_slots or self.host_tier else None
         self.num_slots = num_slots
+
+    @property
+    def reads_cold(self) -> bool:
+        """Whether a decode launch from the slots also computes the experts in no slot (read from the host tier)."""
+        return self.host_tier and self.gpu is not None
 
     def load(self, slot: int, expert: int) -> float:
         """Copy the expert into the slot on the copy stream: straight from the registered mapping and converted on

@@ -43,6 +43,8 @@ class SimulatedSlots:
     LayerStats.standin_s; engine/offload/projection.py takes it out of the measured time).
     """
 
+    reads_cold = False  # no host tier here (CudaSlots.reads_cold)
+
     def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
         self.device, self.name, self.kernel = device, runner.info.name, runner.kernel
         gpu = runner.info.gpu

@@ -85,6 +85,7 @@ class OffloadEngine:
         # False: adaptive placement leaves no slot to copied misses (every slot wanted for a resident), from the next
         # weighing on; a benchmark switch (bench_offload_ab's engine.weigh_miss_slots=0), the weighing on by default
         self.weigh_miss_slots = True
+        self._host_tier = False  # see host_tier
         # statistics of this step that wait for the device's work (HybridExpertNode: fully resident layers, results
         # merged on the device), oldest first: (ready, account) pairs, see defer()
         self.deferred: deque = deque()
@@ -92,6 +93,30 @@ class OffloadEngine:
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
+
+    @property
+    def host_tier(self) -> bool:
+        """Decode steps read the experts in no GPU slot from page-locked host memory on the GPU (GpuQMoE's host
+        tier, kernels/gpu/host_tier.py) instead of computing them on the CPU, so that a layer's step needs no host
+        round trip (HybridExpertNode). Off by default: a benchmark switch (bench_offload_ab's engine.host_tier=1)
+        until it is measured against the CPU path (benchmarks/bench_zero_copy.py has the node-level figures). Every
+        store is made again with the tier (or without it) and the residents copied back."""
+        return self._host_tier
+
+    @host_tier.setter
+    def host_tier(self, on) -> None:
+        on = bool(on)
+        if on == self._host_tier:
+            return
+        if on and getattr(self.device, "kind", None) != "cuda":
+            raise ValueError("the host tier needs a CUDA device: the GPU reads the experts from host memory")
+        self._host_tier = on
+        for store in self.stores:
+            if store is not None:
+                store.host_tier = on
+                store.resize(store.num_slots)
+        self._reload_residents()
+        self._weigh_miss_slots()  # no slot is left to copied misses while the GPU reads them all
 
     def copy_state(self) -> dict:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
@@ -208,7 +233,7 @@ class OffloadEngine:
             layer = self.slots[index]
             spec = info.spec
             if (not adaptive or not self.weigh_miss_slots or store is None or self.config.cpu_execution == "disabled"
-                    or layer.num_slots == 0 or layer.num_slots >= spec.num_experts):
+                    or self._host_tier or layer.num_slots == 0 or layer.num_slots >= spec.num_experts):
                 chosen.append(0)
                 continue
             key = (layer.num_slots, spec.num_experts, spec.k, info.bytes_per_expert, store.expert_bytes,

@@ -60,7 +60,9 @@ class HybridExpertNode:
         approximating = engine.approximating
         held = store is not None and store.holds(x)  # the inputs lie in the device's memory
         if held:
-            if not approximating and engine.slots[layer].all_resident:
+            if not approximating and (engine.slots[layer].all_resident or (
+                    store.reads_cold and x.size <= spec.hidden_size * engine.config.async_max_tokens)):
+                # every expert on the device, or a decode step whose cold experts the GPU reads from the host tier
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape
             x, logits, router_weights = store.to_host(x, logits, router_weights)
@@ -197,10 +199,10 @@ class HybridExpertNode:
         phase.standin_s += standin
 
     def _run_resident(self, store, x, logits, router_weights):
-        """Every expert of the layer resident: routing and experts on the device, the result left there (in GPU
-        memory when the dense part runs on the GPU: no host round trip, no wait). The step's statistics follow
-        (account_resident) once the launch is done and the router logits' copy to the host is in: in a later layer
-        (OffloadEngine.settle) or at the step's end."""
+        """Every expert of the layer resident (or read from the host tier): routing and experts on the device, the
+        result left there (in GPU memory when the dense part runs on the GPU: no host round trip, no wait). The
+        step's statistics follow (account_resident) once the launch is done and the router logits' copy to the host
+        is in: in a later layer (OffloadEngine.settle) or at the step's end."""
         out, pending = store.launch_routed(x, logits, router_weights)
         engine = self.engine
         if not engine.shadow:
@@ -211,16 +213,28 @@ class HybridExpertNode:
     def account_resident(self, pending) -> None:
         """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): its
         routing done again on the host from the logits (the same route() as run(); router weights do not change
-        which experts are picked), every pair a hit, the launch's device time on the critical path."""
+        which experts are picked), every pair in a slot a hit, the others misses the device read from the host tier,
+        the launch's device time on the critical path."""
         engine, layer = self.engine, self.layer
         logits, device_s, standin = engine.stores[layer].routed_done(pending)
         ids, _weights = route(logits.reshape(-1, self.info.spec.num_experts), self.info.spec)
         stats = engine.stats.layers[layer]
-        stats.hits += count_routed(ids, engine.stats.expert_hits[layer])
+        slots = engine.slots[layer]
+        if slots.all_resident:
+            stats.hits += count_routed(ids, engine.stats.expert_hits[layer])
+            if self._every_pair is None or self._every_pair.shape != ids.shape:
+                self._every_pair = np.ones(ids.shape, bool)
+            resident, read = self._every_pair, 0
+        else:
+            resident = slots.slot_of[ids] >= 0
+            engine.stats.count(layer, ids, resident)
+            hits = int(resident.sum())
+            read = ids.size - hits
+            stats.hits += hits
+            stats.misses += read
+            stats.misses_read += read
         stats.routed_on_device += 1
-        if self._every_pair is None or self._every_pair.shape != ids.shape:
-            self._every_pair = np.ones(ids.shape, bool)
-        engine.copy_reuse.hit(layer, ids, self._every_pair)
+        engine.copy_reuse.hit(layer, ids, resident)
         self._account_time(stats, ids.shape[0], 0.0, device_s, True, 0, 0.0, (), standin)
         engine.stats.split(layer, 0, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))

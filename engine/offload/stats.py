@@ -20,7 +20,9 @@ class LayerStats:
     misses_cpu: int = 0      # missed pairs computed on the CPU
     misses_copied: int = 0   # missed pairs whose expert was copied to the device (spare slot or prefill wave)
     miss_copies: int = 0     # experts the decode miss policy copied into spare slots
-    routed_on_device: int = 0  # steps routed and computed on the device (every expert resident: no host round trip)
+    routed_on_device: int = 0  # steps routed and computed on the device (every expert resident or read from the host
+    #                            tier: no host round trip)
+    misses_read: int = 0     # missed pairs the device read from the host tier in such steps (GpuQMoE's host_tier)
     # The simulated device's projection (engine/offload/projection.py). standin_s: wall time the simulated
     # device spent computing "device" experts with the CPU kernels (0 on CUDA). critical_s: per step, the
     # modelled critical path of the layer on a real card (CPU and device overlapped), summed over steps.
@@ -119,6 +121,7 @@ class OffloadStats:
                 "phases": {name: {"cpu_s": phase.cpu_s, "standin_s": phase.standin_s, "critical_s": phase.critical_s}
                            for name, phase in self.phases.items()},
                 "misses_cpu": total.misses_cpu, "misses_copied": total.misses_copied, "miss_copies": total.miss_copies,
+                "misses_read": total.misses_read,
                 "step_splits": [list(split) for split in self.step_splits], "pinned": dict(self.pinned),
                 "layers": [dict(asdict(layer), hit_rate=layer.hit_rate,
                                 **({"expert_hits": self.expert_hits[i].tolist(),
