@@ -214,6 +214,9 @@ def main() -> None:
                              "per call (CpuRate.fit off: A/B)")
     parser.add_argument("--cpu-threads", type=int, default=0,
                         help="session.moe.offload.cpu_threads: threads of the CPU expert kernels (0: all cores)")
+    parser.add_argument("--host-tier", action="store_true",
+                        help="OffloadEngine.host_tier on: decode reads the experts in no GPU slot from page-locked host "
+                             "memory on the GPU (CUDA only)")
     args = parser.parse_args()
     if args.dense_pool:
         from engine.ort_env import DenseDevice
@@ -243,6 +246,7 @@ def main() -> None:
 
     model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
     model.offload.cpu_rate.fit = not args.cpu_average_rate
+    model.offload.host_tier = args.host_tier
     print(f"dense part on the {model.dense_device}: {model.dense_reason}", flush=True)
     registration = model.host_registration
     if registration is not None:  # measured once the experts' mapping is page-locked (or refused)
@@ -328,6 +332,7 @@ def main() -> None:
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
              "hit_rate": h, "dense_s_per_token": dense_per_token, "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
+             "misses_read": stats.misses_read, "host_tier": model.offload.host_tier,
              "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
              "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
@@ -360,6 +365,7 @@ def main() -> None:
               f"(bound {decoded['reference_value']:7.1f}{cpu_only}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
+              + (f"/read {stats.misses_read}" if model.offload.host_tier else "")
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
                  f" a call, average {model.offload.cpu_rate.average / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"

@@ -47,6 +47,7 @@ class TraceRouting:
         self.device_calls = 0  # of them, steps routed on the device (_run_resident)
         self._token, self._last_layer = -1, num_layers  # the trace's token of the current decode step
         self._route = self._run_resident = None
+        self._bias = None  # _device_bias
 
     def _chosen(self, layer: int, k: int) -> np.ndarray:
         """The trace's experts for this layer's decode step (a new token where the layer is not after the last)."""
@@ -60,6 +61,15 @@ class TraceRouting:
         if chosen.size != k:
             raise ValueError(f"the trace routes to {chosen.size} experts per token, the model to {k}")
         return chosen
+
+    def _device_bias(self, cp, dtype, num_experts: int):
+        """[tokens, layers, experts] in GPU memory: STEER at each step's and layer's trace experts, 0 elsewhere
+        (made once, on the current stream)."""
+        if self._bias is None or self._bias.dtype != dtype:
+            bias = np.zeros((*self.trace.shape[:2], num_experts), dtype)
+            np.put_along_axis(bias, self.trace.astype(np.int64), dtype.type(STEER), axis=2)
+            self._bias = cp.asarray(bias)
+        return self._bias
 
     def _routed(self, logits, spec, router_weights=None):
         ids, weights = self._route(logits, spec, router_weights)
@@ -76,11 +86,11 @@ class TraceRouting:
             self.device_calls += 1
             if isinstance(logits, np.ndarray):  # the simulated device: the logits are the host's
                 logits.reshape(-1)[chosen] += logits.dtype.type(STEER)
-            else:
+            else:  # one addition in GPU memory: the host's cost of steering kept to a launch a layer
                 cp = store.device.cp
                 with cp.cuda.Device(store.device.index), store.device.dense_stream or store.device.compute_stream:
                     flat = logits.reshape(-1)
-                    flat[cp.asarray(chosen)] += flat.dtype.type(STEER)
+                    flat += self._device_bias(cp, flat.dtype, spec.num_experts)[self._token, node.layer]
         return self._run_resident(node, store, x, logits, router_weights)
 
     def __enter__(self):

@@ -90,6 +90,15 @@ def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fractio
         assert stats.cpu_s == 0.0  # every cold expert went to the device
 
 
+def test_the_host_tier_needs_a_cuda_device(model_folder):
+    """OffloadEngine.host_tier: the GPU reads cold experts from page-locked host memory; the simulated device has none
+    to read, so switching it on there is refused by name and leaves it off."""
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
+    with pytest.raises(ValueError, match="the host tier needs a CUDA device"):
+        model.offload.host_tier = True
+    assert model.offload.host_tier is False and not any(store.reads_cold for store in model.offload.stores)
+
+
 def test_high_water_mark_never_exceeds_the_limit(model_folder):
     total = expert_bytes(model_folder)
     limit = total // 2

@@ -11,7 +11,7 @@ into one reserved range per tensor:
     rows [S, host0)        not mapped (never addressed)
     rows [host0, host0+E)  page-locked host memory (cuMemCreate at a host location): expert e's copy in row host0 + e
 
-Mappings start and end on the allocation granularity (2 MiB on the H200), so ``host0`` is the first row at or past
+Mappings start and end on the allocation granularity (cuMemGetAllocationGranularity), so ``host0`` is the first row at or past
 the rounded-up device part, the same for every tensor of a node (their row sizes differ): the expert -> slot map
 then holds one index per expert for all of them. Host memory the rows do not need is less than a granule a tensor.
 Driver calls through ctypes (libcuda, as kernels.gpu.launch_pdl loads it). Needs CUDA 12.2+ (host
