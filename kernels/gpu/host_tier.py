@@ -94,6 +94,12 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def first_host_row(slots: int, row_bytes: list[int], granule: int) -> int:
+    """The first row of the host part, the same for every tensor: at or past each tensor's device rows rounded up to
+    the mapping granule (the host mapping starts on a granule at or before that row, past the device mapping)."""
+    return max([slots] + [-(-_round_up(slots * r, granule) // r) for r in row_bytes])
+
+
 def _attribute(lib, attribute: int, device: int) -> int:
     value = ctypes.c_int(-1)
     if lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, int(device)) != CUDA_SUCCESS:
@@ -123,8 +129,7 @@ class TieredRows:
         self._dev_prop = _prop(_LOCATION_DEVICE, self.device)
         self._host_prop = _prop(*host_location(self.device))
         self.granule = max(_granularity(lib, self._dev_prop), _granularity(lib, self._host_prop))
-        # the first host row: past every tensor's rounded-up device part
-        self.host0 = max([self.slots] + [-(-_round_up(self.slots * r, self.granule) // r) for r in row_bytes])
+        self.host0 = first_host_row(self.slots, row_bytes, self.granule)
         self._ranges: list = []  # (base, size, [(offset, size, handle)]) per tensor, for release
         weakref.finalize(self, _release, self._ranges)
 

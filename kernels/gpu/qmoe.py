@@ -229,16 +229,8 @@ class GpuQMoE:
         return slots
 
     def _fill_host_tier(self) -> None:
-        """Every expert packed into its host row host0 + e (on the device, in chunks, as _upload_initial)."""
-        E = self.spec.num_experts
-        raw_per_expert = 3 * (self.fc1.NP * self.fc1.KP + self.fc2.NP * self.fc2.KP)
-        chunk = max(1, (512 << 20) // max(raw_per_expert, 1))
-        for e0 in range(0, E, chunk):
-            es = np.arange(e0, min(E, e0 + chunk), dtype=np.int64)
-            for p in (self.fc1, self.fc2):
-                packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, es, xp=_cp()), xp=_cp())
-                for key, arr in packed.items():
-                    self.slots[p.name][key][self.host0 + e0:self.host0 + e0 + len(es)] = arr
+        """Every expert packed into its host row host0 + e."""
+        self._pack_rows(np.arange(self.spec.num_experts, dtype=np.int64), self.host0)
 
     def _host0_arg(self) -> int:
         """pack_expert's host0: the host tier's first row, -1 without one."""
@@ -263,22 +255,25 @@ class GpuQMoE:
     def _upload_initial(self, experts: list) -> None:
         """The resident experts packed into their slots and the expert -> slot map, queued on the current stream
         (the constructor waits for it)."""
+        es = np.asarray(experts, dtype=np.int64)
+        self._pack_rows(es, 0)
+        self.slot_of[es] = np.arange(len(es), dtype=np.int32)
+        self.expert_in_slot[:len(es)] = es
+        self._slot_dev.set(self._device_map())
+
+    def _pack_rows(self, experts: np.ndarray, first_row: int) -> None:
+        """`experts` packed on the device into consecutive slot-array rows from `first_row` on, ~512 MB of stored
+        rows at a time, on the current stream."""
         cp = _cp()
-        if not experts:
-            self._slot_dev.set(self._device_map())
-            return
         raw_per_expert = 3 * (self.fc1.NP * self.fc1.KP + self.fc2.NP * self.fc2.KP)
         chunk = max(1, (512 << 20) // max(raw_per_expert, 1))
         for i0 in range(0, len(experts), chunk):
-            es = np.asarray(experts[i0:i0 + chunk], dtype=np.int64)
+            es = experts[i0:i0 + chunk]
+            row = first_row + i0
             for p in (self.fc1, self.fc2):
                 packed = _lay.pack(p, *_lay.raw_sources(self.spec, self._tensors, p, es, xp=cp), xp=cp)
                 for key, arr in packed.items():
-                    self.slots[p.name][key][i0:i0 + len(es)] = arr
-            for j, e in enumerate(es):
-                self.slot_of[e] = i0 + j
-                self.expert_in_slot[i0 + j] = e
-        self._slot_dev.set(self._device_map())
+                    self.slots[p.name][key][row:row + len(es)] = arr
 
     def pack_expert(self, e: int) -> dict:
         """Expert e converted to the kernel layout on the host: {"fc1": {"w", "s", ["h"], ["z"], ["b"]}, "fc2": {...}}
