@@ -133,10 +133,13 @@ class FakeGpuQMoE:
     `host_tier`, on every expert, as GpuQMoE's host tier reads the others from host memory)."""
 
     decode_max_tokens = 8
+    tier = None  # GpuQMoE.tier: the host tier's mappings (made_tiers counts those made)
+    made_tiers = 0
 
-    def __init__(self, kernel, resident, host_tier=False):
+    def __init__(self, kernel, resident, host_tier=False, tier=None):
         self.kernel, self.spec = kernel, kernel.spec
-        self.host_tier = host_tier
+        self.host_tier, self.tier = host_tier, tier
+        FakeGpuQMoE.made_tiers += tier is not None
         self.device = _Context()
         self.slot_of = np.full(self.spec.num_experts, -1, np.int64)
         for slot, expert in enumerate(resident):
@@ -238,11 +241,19 @@ def cpu_run(model_folder):
     return greedy_run(LoadedModel.open(model_folder))
 
 
+def _fake_make(slots: CudaSlots, count, resident, tensors=None):
+    """CudaSlots._make on the stand-in; with the host tier, mappings of one slot more than asked on the device (as the
+    granule rounds up) and every expert on the host."""
+    tiered = slots.host_tier and tensors is None
+    tier = SimpleNamespace(device_bytes=(max(1, count) + 1) * slots.expert_bytes,
+                           host_bytes=SPEC.num_experts * slots.expert_bytes) if tiered else None
+    return FakeGpuQMoE(slots.runner.kernel, resident, host_tier=tiered, tier=tier)
+
+
 def open_on_standin(model_folder, fraction, monkeypatch, **config):
     """The model on the stand-in device, its cut tensors left in the stand-in's memory, and a state there."""
     cp = FakeCupy()
-    monkeypatch.setattr(CudaSlots, "_make", lambda self, slots, resident, tensors=None: FakeGpuQMoE(
-        self.runner.kernel, resident, host_tier=self.host_tier and tensors is None))
+    monkeypatch.setattr(CudaSlots, "_make", _fake_make)
     monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", FakeStreamingGpuQMoE)  # what CudaStreamingSlots makes
     device = FakeCudaDevice(cp)
     budget = int(fraction * device_expert_bytes(model_folder))
@@ -335,6 +346,29 @@ def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_d
     assert engine.stats.as_dict()["misses_read"] == totals.misses_read
     engine.host_tier = False
     assert not any(store.reads_cold for store in engine.stores)
+
+
+def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):
+    """The host tier's mappings: their device part (rounded up to the granule: here one slot more) reserved against
+    the device's memory, their host part in pinned_info and the statistics; a re-plan makes each node's tier once
+    (the stores released first, not resized to 0 with a tier of their own); switched off, the device bytes are
+    given back."""
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    engine, memory = model.offload, model.offload.device.memory
+    plain = memory.used
+    counts = [store.num_slots for store in engine.stores]
+    per_expert = engine.stores[0].expert_bytes
+    engine.host_tier = True
+    # the zero-slot layers too get a GpuQMoE: one slot (max(1, 0)) and the rounding's one more
+    extra = sum((2 if count == 0 else 1) * per_expert for count in counts)
+    assert memory.used == plain + extra
+    host = SPEC.layers * SPEC.num_experts * per_expert
+    assert engine.pinned_info()["host_tier_bytes"] == host == engine.stats.pinned["host_tier_bytes"]
+    FakeGpuQMoE.made_tiers = 0
+    engine.reconfigure(engine.config)
+    assert FakeGpuQMoE.made_tiers == SPEC.layers and memory.used == plain + extra
+    engine.host_tier = False
+    assert memory.used == plain and "host_tier_bytes" not in engine.pinned_info()
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])

@@ -231,6 +231,7 @@ class CudaSlots:
         self.read_bytes = gpu.read_bytes    # what the kernels read of one resident expert
         self.wave_bytes = gpu.wave_bytes    # what a prefill wave copies per expert (converted rows)
         self.num_slots = 0
+        self._reserved = 0  # device bytes reserved for the slots (with the host tier: its granule-rounded mappings)
         self.gpu = None
         # every expert also in page-locked host memory, read there by decode launches where it is in no slot
         # (GpuQMoE's host tier); set by OffloadEngine.host_tier, which resizes the slots after
@@ -289,14 +290,44 @@ class CudaSlots:
 
     @_on_compute_stream
     def resize(self, num_slots: int) -> None:
-        """New, empty slots (the engine uploads the residents again)."""
-        self.device.memory.release(self.num_slots * self.expert_bytes, f"expert slots of {self.name}")
+        """New, empty slots (the engine uploads the residents again). With the host tier the node's GpuQMoE is made
+        even without slots (it reads every expert from host memory), and the device part of its mappings, rounded up
+        to the mapping granule, is what is reserved."""
+        self.release()
+        what = f"expert slots of {self.name}"
+        self.device.memory.reserve(num_slots * self.expert_bytes, what)
+        self._reserved = num_slots * self.expert_bytes
+        self.num_slots = num_slots
+        if not (num_slots or self.host_tier):
+            return
+        try:
+            self.gpu = self._make(num_slots, [])
+        except DeviceMemoryError:
+            self.release()
+            raise
+        if self.gpu.tier is not None and self.gpu.tier.device_bytes > self._reserved:
+            extra = self.gpu.tier.device_bytes - self._reserved
+            try:
+                self.device.memory.reserve(extra, what)
+            except DeviceMemoryError:
+                self.release()
+                raise
+            self._reserved += extra
+
+    def release(self) -> None:
+        """No slots and no GpuQMoE: the device memory they took given back (a re-plan frees every node's first; a
+        resize to 0 would make the host tier's GpuQMoE, packing its host rows, only to drop it)."""
+        self.device.memory.release(self._reserved, f"expert slots of {self.name}")
+        self._reserved = 0
         if self.gpu is not None:
             self.device.quiesce()
         self.gpu = None
-        self.device.memory.reserve(num_slots * self.expert_bytes, f"expert slots of {self.name}")
-        self.gpu = self._make(num_slots, []) if num_slots or self.host_tier else None
-        self.num_slots = num_slots
+        self.num_slots = 0
+
+    @property
+    def host_tier_bytes(self) -> int:
+        """Page-locked host memory the host tier maps for this node (0 without it)."""
+        return self.gpu.tier.host_bytes if self.gpu is not None and self.gpu.tier is not None else 0
 
     @property
     def reads_cold(self) -> bool:

@@ -67,6 +67,9 @@ class SimulatedSlots:
             self.device.memory.release(-delta, f"expert slots of {self.name}")
         self.num_slots = num_slots
 
+    def release(self) -> None:
+        self.resize(0)
+
     def load(self, slot: int, expert: int) -> float:
         """Copy one expert into a slot; returns the modelled copy time."""
         if not 0 <= slot < self.num_slots:

@@ -117,6 +117,7 @@ class OffloadEngine:
                 store.resize(store.num_slots)
         self._reload_residents()
         self._weigh_miss_slots()  # no slot is left to copied misses while the GPU reads them all
+        self.stats.pinned = self.pinned_info()
 
     def copy_state(self) -> dict:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
@@ -197,9 +198,13 @@ class OffloadEngine:
         self.staging = NO_STAGING
 
     def pinned_info(self) -> dict:
-        """The pinned staging ring: bytes, in_use, high_water, bytes_copied, copies ({} without one)."""
+        """The pinned staging ring: bytes, in_use, high_water, bytes_copied, copies ({} without one); with the host
+        tier, host_tier_bytes: the page-locked host memory its mappings hold."""
         ring = getattr(self.device, "pinned", None)
-        return ring.info() if ring is not None else {}
+        info = ring.info() if ring is not None else {}
+        if self._host_tier:
+            info["host_tier_bytes"] = sum(store.host_tier_bytes for store in self.stores if store is not None)
+        return info
 
     def _make_policy(self, scores: list[np.ndarray] | None = None) -> None:
         """The placement policy, with `scores` (what adaptive placement learnt before a re-plan) when given.
@@ -381,7 +386,7 @@ class OffloadEngine:
         self.streaming.close()
         for store in self.stores:  # release first so the new plan sees the whole budget
             if store is not None:
-                store.resize(0)
+                store.release()
         self._release_staging()
         try:
             self.plan = self._plan(config)

@@ -130,6 +130,7 @@ class TieredRows:
         self._host_prop = _prop(*host_location(self.device))
         self.granule = max(_granularity(lib, self._dev_prop), _granularity(lib, self._host_prop))
         self.host0 = first_host_row(self.slots, row_bytes, self.granule)
+        self.device_bytes = self.host_bytes = 0  # mapped so far (allocate), granule-rounded
         self._ranges: list = []  # (base, size, [(offset, size, handle)]) per tensor, for release
         weakref.finalize(self, _release, self._ranges)
 
@@ -153,6 +154,10 @@ class TieredRows:
             _call(lib, "cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(length), ctypes.byref(prop),
                   ctypes.c_ulonglong(0))
             parts.append([None, length, handle.value])  # mapped below: unmapped parts are only released
+            if prop is self._dev_prop:
+                self.device_bytes += length
+            else:
+                self.host_bytes += length
             _call(lib, "cuMemMap", ctypes.c_uint64(base.value + offset), ctypes.c_size_t(length), ctypes.c_size_t(0),
                   ctypes.c_ulonglong(handle.value), ctypes.c_ulonglong(0))
             parts[-1][0] = offset

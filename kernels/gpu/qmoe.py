@@ -131,6 +131,7 @@ class GpuQMoE:
             # the kernels read over PCIe where the expert is in no GPU slot (host_tier.py); None: no such copies,
             # and the kernels skip the pairs of such experts
             self.host0 = None
+            self.tier: TieredRows | None = None  # the host tier's mappings (their bytes: device_bytes, host_bytes)
             self.slots = self._alloc_tiered(S, E) if host_tier else {
                 p.name: self._alloc_slots(p, S) for p in (self.fc1, self.fc2)}
             self.slot_of = np.full(E, -1, np.int32)
@@ -216,8 +217,8 @@ class GpuQMoE:
         page-locked host memory, one address range per array (host_tier.TieredRows)."""
         cp = _cp()
         tensors = {p.name: self._slot_tensors(p) for p in (self.fc1, self.fc2)}
-        rows = TieredRows(self._device_id, S, E, [n * cp.dtype(dt).itemsize for t in tensors.values()
-                                                  for n, dt in t.values()])
+        rows = self.tier = TieredRows(self._device_id, S, E, [n * cp.dtype(dt).itemsize for t in tensors.values()
+                                                              for n, dt in t.values()])
         self.host0 = rows.host0
         slots = {}
         for name, t in tensors.items():
