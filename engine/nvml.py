@@ -12,6 +12,30 @@ try:  # imported once, on the importing thread (the window imports it on the mai
 except ImportError:  # pragma: no cover
     pynvml = None
 
+# Why NVML cannot be opened, by binding, once its shared library was not found: nvidia-ml-py tries to load the
+# library (a dlopen) again at every nvmlInit while it is missing, and a dlopen on one thread while another builds or
+# collects Qt objects can deadlock; so on a machine without the library it is tried once. Keyed by the binding
+# object, as tests swap in a stand-in.
+_library_missing: dict[int, str] = {}
+
+
+def init() -> str:
+    """pynvml.nvmlInit(): '' once it succeeded, else why NVML cannot be used (the library missing, no driver ...).
+    Where the library was not found, it is not looked for again in this process (_library_missing)."""
+    if pynvml is None:
+        return "nvidia-ml-py is not installed"
+    missing = _library_missing.get(id(pynvml))
+    if missing is not None:
+        return missing
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        note = f"no NVIDIA GPU ({str(exc) or type(exc).__name__})"
+        if isinstance(exc, getattr(pynvml, "NVMLError_LibraryNotFound", ())):
+            _library_missing[id(pynvml)] = note
+        return note
+    return ""
+
 
 class Nvml:
     """NVML through nvidia-ml-py, with the fallbacks nvitop uses across driver versions."""
@@ -20,12 +44,11 @@ class Nvml:
         self.handle = None
         self.note = ""
         self.name = ""
-        if pynvml is None:
-            self.note = "nvidia-ml-py is not installed"
-            return
         self.nv = pynvml
+        self.note = init()
+        if self.note:
+            return
         try:
-            pynvml.nvmlInit()
             count = pynvml.nvmlDeviceGetCount()
             if count == 0:
                 self.note = "NVML found no NVIDIA GPU"
@@ -33,7 +56,7 @@ class Nvml:
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             name = pynvml.nvmlDeviceGetName(self.handle)
             self.name = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        except Exception as exc:
             self.handle = None
             self.note = f"no NVIDIA GPU ({str(exc) or type(exc).__name__})"
 

@@ -96,3 +96,36 @@ def test_records_take_pinned_memory_from_the_staging_ring():
     assert pinned_bytes(model({"kind": "accounted", "bytes": 256 << 20})) is None  # the simulated device's ring
     assert pinned_bytes(model({})) is None
     assert pinned_bytes(SimpleNamespace(offload=None)) is None
+
+
+def test_a_missing_nvml_library_is_looked_for_once(monkeypatch):
+    """nvidia-ml-py loads the library (a dlopen) at every nvmlInit while it is missing; a dlopen on the telemetry
+    thread while the window's thread built Qt objects deadlocked the suite. Where it was not found, later readers
+    (the records' sampler, the environment) say so without looking again."""
+    class LibraryNotFound(Exception):
+        pass
+
+    class NoLibrary(FakeNvml):
+        NVMLError_LibraryNotFound = LibraryNotFound
+        tries = 0
+
+        def nvmlInit(self):
+            NoLibrary.tries += 1
+            raise LibraryNotFound("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(nvml, "_library_missing", {})
+    monkeypatch.setattr(nvml, "pynvml", NoLibrary([]))
+    first, second = nvml.Nvml(), nvml.Nvml()
+    assert NoLibrary.tries == 1 and first.note == second.note == "no NVIDIA GPU (NVML Shared Library Not Found)"
+    from engine.records.environment import gpus
+
+    assert gpus() == [] and NoLibrary.tries == 1
+
+    class NoDriver(NoLibrary):  # another failure (the driver not loaded): the library was found, tried each time
+        def nvmlInit(self):
+            NoLibrary.tries += 1
+            raise RuntimeError("Driver Not Loaded")
+
+    monkeypatch.setattr(nvml, "pynvml", NoDriver([]))
+    nvml.Nvml(), nvml.Nvml()
+    assert NoLibrary.tries == 3

@@ -100,11 +100,10 @@ class Sampler(QObject):
     _start = Signal()
     _stop = Signal()
 
-    def __init__(self, interval_ms: int = 1000, nvml: bool = True):
+    def __init__(self, probe: SystemProbe, interval_ms: int = 1000):
         super().__init__()
         self.interval_ms = interval_ms
-        self._nvml = nvml
-        self._probe: SystemProbe | None = None
+        self._probe = probe
         self._timer: QTimer | None = None
         self._start.connect(self._begin)
         # Blocking: the timer must be stopped and freed in the thread that owns it.
@@ -112,8 +111,6 @@ class Sampler(QObject):
 
     @Slot()
     def _begin(self) -> None:
-        if self._probe is None:
-            self._probe = SystemProbe(self._nvml)
         if self._timer is None:
             self._timer = QTimer(self)
             self._timer.timeout.connect(self._tick)
@@ -135,12 +132,14 @@ class Sampler(QObject):
 
 
 class SamplerThread:
-    """Owns the sampler's thread."""
+    """Owns the sampler's thread. The probe is made here, on the caller's (the window's) thread: opening NVML loads
+    its shared library (dlopen), and a dlopen on the telemetry thread while the window's thread built or collected Qt
+    objects deadlocked the test suite (the dynamic loader's lock against the interpreter's)."""
 
     def __init__(self, interval_ms: int = 1000, nvml: bool = True):
         self.thread = QThread()
         self.thread.setObjectName("telemetry")
-        self.sampler = Sampler(interval_ms, nvml)
+        self.sampler = Sampler(SystemProbe(nvml), interval_ms)
         self.sampler.moveToThread(self.thread)
         self.thread.start()
         self.sampler._start.emit()

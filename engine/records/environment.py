@@ -9,6 +9,8 @@ from importlib import metadata
 
 import psutil
 
+from engine import nvml
+
 
 def _version(distribution: str) -> str | None:
     try:
@@ -39,12 +41,9 @@ def cuda_versions() -> dict:
 
 
 def gpus() -> list[dict]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
+    if nvml.init():
         return []
+    pynvml = nvml.pynvml
     try:
         found = []
         for index in range(pynvml.nvmlDeviceGetCount()):
