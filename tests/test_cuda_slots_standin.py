@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import engine.offload.cuda_device as cuda_device
+from kernels.gpu.host_tier import HostTierError
 from engine.array_backend import CupyBackend
 from engine.decoder_state import DecoderState
 from engine.generation import LoadedModel
@@ -369,6 +370,15 @@ def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkey
     assert FakeGpuQMoE.made_tiers == SPEC.layers and memory.used == plain + extra
     engine.host_tier = False
     assert memory.used == plain and "host_tier_bytes" not in engine.pinned_info()
+    store, count = engine.stores[0], counts[0]
+
+    def refused(self, slots, resident, tensors=None):
+        raise HostTierError("cuMemCreate failed: CUresult 2")
+
+    monkeypatch.setattr(CudaSlots, "_make", refused)
+    with pytest.raises(HostTierError):
+        store.resize(count)  # nothing kept: the slots' reservation given back with the failed GpuQMoE
+    assert store.gpu is None and store.num_slots == 0 and memory.used == plain - count * per_expert
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])

@@ -302,7 +302,7 @@ class CudaSlots:
             return
         try:
             self.gpu = self._make(num_slots, [])
-        except DeviceMemoryError:
+        except Exception:  # out of device memory, or the host tier's mapping refused (HostTierError): nothing kept
             self.release()
             raise
         if self.gpu.tier is not None and self.gpu.tier.device_bytes > self._reserved:
