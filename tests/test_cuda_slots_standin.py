@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import engine.offload.cuda_device as cuda_device
-from kernels.gpu.host_tier import HostTierError
 from engine.array_backend import CupyBackend
 from engine.decoder_state import DecoderState
+from engine.errors import WorkbenchError
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig
 from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, RecentHostSeconds, staged_bytes
@@ -25,6 +25,7 @@ from engine.offload.devices import GIB, Bandwidths
 from engine.ort_env import DenseDevice
 from kernels.cpu import CpuQMoE
 from kernels.cpu.routing import route
+from kernels.gpu.host_tier import HostTierError
 from tests.test_dense_device import FakeDeviceArray
 from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
 
@@ -347,6 +348,30 @@ def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_d
     assert engine.stats.as_dict()["misses_read"] == totals.misses_read
     engine.host_tier = False
     assert not any(store.reads_cold for store in engine.stores)
+
+
+def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cpu_run, monkeypatch):
+    """A host tier that cannot be mapped (HostTierError) or does not fit the device: a one-line error, and the engine
+    as before (no tier, the plan's slots with their residents)."""
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    engine = model.offload
+    residents = [sorted(layer.resident().tolist()) for layer in engine.slots]
+    counts = [store.num_slots for store in engine.stores]
+    used = engine.device.memory.used
+
+    def refused(self, slots, resident, tensors=None):
+        if self.host_tier and tensors is None:
+            raise HostTierError("cuMemCreate failed: CUresult 2")
+        return _fake_make(self, slots, resident, tensors)
+
+    monkeypatch.setattr(CudaSlots, "_make", refused)
+    with pytest.raises(WorkbenchError, match="the host tier could not be made, decode goes on without it: "
+                                             "cuMemCreate failed"):
+        engine.host_tier = True
+    assert engine.host_tier is False and not any(store.reads_cold for store in engine.stores)
+    assert [store.num_slots for store in engine.stores] == counts and engine.device.memory.used == used
+    assert [sorted(np.nonzero(store.gpu.slot_of >= 0)[0].tolist()) for store in engine.stores] == residents
+    assert_same_as_cpu(greedy_run(model), cpu_run)
 
 
 def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):

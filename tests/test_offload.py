@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from engine.errors import WorkbenchError
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import OffloadConfigError
@@ -94,7 +95,7 @@ def test_the_host_tier_needs_a_cuda_device(model_folder):
     """OffloadEngine.host_tier: the GPU reads cold experts from page-locked host memory; the simulated device has none
     to read, so switching it on there is refused by name and leaves it off."""
     model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
-    with pytest.raises(ValueError, match="the host tier needs a CUDA device"):
+    with pytest.raises(WorkbenchError, match="the host tier needs a CUDA device"):
         model.offload.host_tier = True
     assert model.offload.host_tier is False and not any(store.reads_cold for store in model.offload.stores)
 

@@ -15,6 +15,7 @@ from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
+from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.host_cache import HostExpertCache
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
@@ -25,6 +26,7 @@ from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
+from kernels.gpu.host_tier import HostTierError
 
 
 def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray]:
@@ -109,15 +111,24 @@ class OffloadEngine:
         if on == self._host_tier:
             return
         if on and getattr(self.device, "kind", None) != "cuda":
-            raise ValueError("the host tier needs a CUDA device: the GPU reads the experts from host memory")
-        self._host_tier = on
-        for store in self.stores:
-            if store is not None:
-                store.host_tier = on
-                store.resize(store.num_slots)
-        self._reload_residents()
+            raise WorkbenchError("the host tier needs a CUDA device: the GPU reads the experts from host memory")
+        try:
+            self._make_stores(on)
+        except (HostTierError, DeviceMemoryError) as exc:
+            self._make_stores(False)
+            raise WorkbenchError(f"the host tier could not be made, decode goes on without it: {exc}") from None
         self._weigh_miss_slots()  # no slot is left to copied misses while the GPU reads them all
         self.stats.pinned = self.pinned_info()
+
+    def _make_stores(self, host_tier: bool) -> None:
+        """Every store made again with (or without) the host tier, at the plan's slot counts, the residents copied
+        back."""
+        self._host_tier = host_tier
+        for info, store in zip(self.infos, self.stores):
+            if store is not None:
+                store.host_tier = host_tier
+                store.resize(self.plan.slots[info.name])
+        self._reload_residents()
 
     def copy_state(self) -> dict:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
