@@ -166,12 +166,12 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
 
 def engine_figures(model: LoadedModel) -> dict:
     """What the offload engine did in the decode just timed (its statistics are reset after the warm-up): the hit
-    rate, the misses computed on the CPU and copied, the experts the miss policy copied, placement's swaps, the most
+    rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied, placement's swaps, the most
     slots a layer left to copies and the layer split in force, so that a ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
-            "miss_copies": totals.miss_copies, "swaps": totals.swaps, "miss_slots": max(state["miss_slots"], default=0),
+            "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps, "miss_slots": max(state["miss_slots"], default=0),
             "whole_layers": state["layer_split"]["whole_layers"]}
 
 
@@ -244,8 +244,8 @@ def main(argv=None) -> dict:
               f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
         for name in ("A", "B"):  # the last round's engine figures
             last = details[name][-1]
-            print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied {last['misses_cpu']}/"
-                  f"{last['misses_copied']}, copies {last['miss_copies']}, swaps {last['swaps']}, miss slots "
+            print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"
+                  f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps {last['swaps']}, miss slots "
                   f"{last['miss_slots']}, {'whole layers' if last['whole_layers'] else 'spread'}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",

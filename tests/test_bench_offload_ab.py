@@ -183,6 +183,7 @@ def test_each_rounds_engine_figures_are_those_of_the_timed_decode(tmp_path, monk
     totals = model.offload.stats.totals()  # the last round's (A's: rounds go A B, then B A)
     last = details["A"][-1]
     assert last["hit_rate"] == totals.hit_rate and last["misses_cpu"] == totals.misses_cpu
+    assert last["misses_read"] == totals.misses_read == 0  # no host tier on the simulated device
     assert totals.hits + totals.misses == 3 * SPEC.layers * SPEC.top_k  # three timed tokens, every layer's top-k
     assert all(0.0 < r["hit_rate"] < 1.0 and r["whole_layers"] is False for r in details["A"] + details["B"])
     assert all(r["miss_slots"] == 0 for r in details["B"])  # static placement leaves no slot to copies
