@@ -66,3 +66,64 @@ def test_residents_and_the_host_tier_are_packed_into_their_rows(numpy_gpu):
             assert np.array_equal(rows[:2], residents[name][key]) and not rows[2:7].any()
             assert np.array_equal(rows[7:13], every[name][key])
     assert m._device_map().tolist() == [7, 1, 9, 10, 0, 12]  # in no slot: the expert's host row
+
+
+class FakeDriver:
+    """libcuda's calls TieredRows makes, recording the mappings (granule 2 MiB; host memory where the driver maps it)."""
+
+    def __init__(self):
+        self.next_base, self.maps, self.created = 1 << 40, [], []
+
+    def cuDeviceGetAttribute(self, value, attribute, device):
+        value._obj.value = 1
+        return 0
+
+    def cuMemGetAllocationGranularity(self, granule, prop, option):
+        granule._obj.value = GRANULE
+        return 0
+
+    def cuMemAddressReserve(self, base, size, align, addr, flags):
+        base._obj.value, self.next_base = self.next_base, self.next_base + size.value
+        return 0
+
+    def cuMemCreate(self, handle, size, prop, flags):
+        handle._obj.value = len(self.created)
+        self.created.append((prop._obj.location.type, size.value))
+        return 0
+
+    def cuMemMap(self, at, size, offset, handle, flags):
+        self.maps.append((at.value, size.value, handle.value))
+        return 0
+
+    def cuMemSetAccess(self, at, size, desc, count):
+        return 0
+
+
+def test_each_array_maps_its_slots_on_the_device_and_every_expert_on_the_host(monkeypatch):
+    import kernels.gpu.host_tier as host_tier
+
+    driver = FakeDriver()
+    monkeypatch.setattr(host_tier, "libcuda", lambda: driver)
+    monkeypatch.setattr(host_tier, "_release", lambda ranges: None)
+    memory = []
+
+    class FakeCp:  # the two CuPy calls TieredRows.array makes
+        dtype = np.dtype
+
+        class cuda:
+            UnownedMemory = staticmethod(lambda ptr, size, owner, device: memory.append((ptr, size)) or ptr)
+            MemoryPointer = staticmethod(lambda mem, offset: mem + offset)
+
+        ndarray = staticmethod(lambda shape, dtype, pointer: (shape, np.dtype(dtype), pointer))
+
+    weights, bias = 1_572_864, 6_144  # bytes a row: Qwen's FC1 weights, its bias
+    rows = host_tier.TieredRows(0, 3, 128, [weights, bias])
+    assert rows.host0 == first_host_row(3, [weights, bias], GRANULE) == 342
+    shape, dtype, base = rows.array(FakeCp, weights, np.uint8)
+    assert shape == (342 + 128, weights) and dtype == np.uint8 and memory[0] == (base, (342 + 128) * weights)
+    (device_at, device_size, _), (host_at, host_size, _) = driver.maps
+    assert device_at == base and device_size == -(-3 * weights // GRANULE) * GRANULE
+    assert host_at == base + 342 * weights // GRANULE * GRANULE >= base + device_size
+    assert host_at + host_size >= base + (342 + 128) * weights  # every expert's row mapped
+    assert [t for t, _ in driver.created] == [host_tier._LOCATION_DEVICE, host_tier._LOCATION_HOST]
+    assert rows.device_bytes == device_size and rows.host_bytes == host_size

@@ -119,9 +119,8 @@ def host_location(device: int) -> tuple[int, int]:
 
 
 class TieredRows:
-    """The address ranges of one node's slot tensors (``plan`` first, then ``allocate`` each tensor). Owns the
-    mappings; they are released when this object is collected (after every array made over them is gone: CuPy
-    arrays made by ``array`` keep it alive)."""
+    """The address ranges of one node's slot tensors (``array`` for each). Owns the mappings; they are released when
+    this object is collected (after every array made over them is gone: those arrays keep it alive)."""
 
     def __init__(self, device: int, slots: int, experts: int, row_bytes: list[int]):
         self.device, self.slots, self.experts = int(device), int(slots), int(experts)
@@ -130,13 +129,20 @@ class TieredRows:
         self._host_prop = _prop(*host_location(self.device))
         self.granule = max(_granularity(lib, self._dev_prop), _granularity(lib, self._host_prop))
         self.host0 = first_host_row(self.slots, row_bytes, self.granule)
-        self.device_bytes = self.host_bytes = 0  # mapped so far (allocate), granule-rounded
+        self.device_bytes = self.host_bytes = 0  # mapped so far (array), granule-rounded
         self._ranges: list = []  # (base, size, [(offset, size, handle)]) per tensor, for release
         weakref.finalize(self, _release, self._ranges)
 
-    def allocate(self, row_bytes: int) -> int:
-        """The base address of a new tensor range of rows of `row_bytes`: device rows [0, slots), host rows
-        [host0, host0 + experts). The device rows are not zeroed."""
+    def array(self, cp, row_elems: int, dtype):
+        """A CuPy array [host0 + experts, row_elems] over a new range: device rows [0, slots), host rows [host0,
+        host0 + experts). The device rows are not zeroed."""
+        rows = self.host0 + self.experts
+        nbytes = rows * row_elems * cp.dtype(dtype).itemsize
+        mem = cp.cuda.UnownedMemory(self._map_range(row_elems * cp.dtype(dtype).itemsize), nbytes, self, self.device)
+        return cp.ndarray((rows, row_elems), dtype, cp.cuda.MemoryPointer(mem, 0))
+
+    def _map_range(self, row_bytes: int) -> int:
+        """The base address of a new range of rows of `row_bytes`, its device and host parts mapped."""
         lib = _driver()
         g = self.granule
         size = _round_up((self.host0 + self.experts) * row_bytes, g)
@@ -167,13 +173,6 @@ class TieredRows:
             _call(lib, "cuMemSetAccess", ctypes.c_uint64(base.value + offset), ctypes.c_size_t(length),
                   ctypes.byref(access), ctypes.c_size_t(1))
         return base.value
-
-    def array(self, cp, base: int, row_elems: int, dtype):
-        """A CuPy array [host0 + experts, row_elems] over a range made by ``allocate`` (it keeps this object)."""
-        rows = self.host0 + self.experts
-        nbytes = rows * row_elems * cp.dtype(dtype).itemsize
-        mem = cp.cuda.UnownedMemory(base, nbytes, self, self.device)
-        return cp.ndarray((rows, row_elems), dtype, cp.cuda.MemoryPointer(mem, 0))
 
 
 def _release(ranges: list) -> None:

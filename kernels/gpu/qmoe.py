@@ -224,7 +224,7 @@ class GpuQMoE:
         for name, t in tensors.items():
             slots[name] = {}
             for key, (n, dt) in t.items():
-                arr = rows.array(cp, rows.allocate(n * cp.dtype(dt).itemsize), n, dt)
+                arr = rows.array(cp, n, dt)
                 arr[:S].fill(0)
                 slots[name][key] = arr
         return slots
