@@ -32,6 +32,7 @@ from benchmarks.common import median_seconds, model_folder, stream_read_bandwidt
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload.decode_path import MODES as PATH_MODES  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import hit_rate, realistic_trace  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
@@ -214,9 +215,10 @@ def main() -> None:
                              "per call (CpuRate.fit off: A/B)")
     parser.add_argument("--cpu-threads", type=int, default=0,
                         help="session.moe.offload.cpu_threads: threads of the CPU expert kernels (0: all cores)")
-    parser.add_argument("--host-tier", action="store_true",
-                        help="OffloadEngine.host_tier on: decode reads the experts in no GPU slot from page-locked host "
-                             "memory on the GPU (CUDA only)")
+    parser.add_argument("--decode-path", choices=PATH_MODES, default="auto",
+                        help="where decode computes cold experts (engine/offload/decode_path.py): auto (the engine's "
+                             "default: from cpu_execution, trials under its auto), cpu, or tier (the GPU reads them "
+                             "from page-locked host memory; CUDA only)")
     args = parser.parse_args()
     if args.dense_pool:
         from engine.ort_env import DenseDevice
@@ -246,7 +248,7 @@ def main() -> None:
 
     model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
     model.offload.cpu_rate.fit = not args.cpu_average_rate
-    model.offload.host_tier = args.host_tier
+    model.offload.set_decode_path(args.decode_path)
     print(f"dense part on the {model.dense_device}: {model.dense_reason}", flush=True)
     registration = model.host_registration
     if registration is not None:  # measured once the experts' mapping is page-locked (or refused)
@@ -332,7 +334,7 @@ def main() -> None:
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
              "hit_rate": h, "dense_s_per_token": dense_per_token, "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
-             "misses_read": stats.misses_read, "host_tier": model.offload.host_tier,
+             "misses_read": stats.misses_read, "decode_path": model.offload.copy_state()["decode_path"],
              "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
              "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),

@@ -13,8 +13,9 @@ every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16), `rate.NAME=INT` (an attribu
 rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted), `engine.NAME=INT` (an
 attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses)
 and `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one
-variant names and the other does not keeps its default there. Each round's engine figures (hit rate, misses, copies,
-swaps, slots left to copies, the split in force: engine_figures) go into the result file beside the rates.
+variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
+(spread unless named) and `path=auto|cpu|tier` its decode path (engine/offload/decode_path.py). Each round's engine figures (hit rate, misses, copies,
+swaps, slots left to copies, the split and the decode path in force: engine_figures) go into the result file beside the rates.
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
@@ -41,6 +42,7 @@ from engine import dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
+from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
@@ -48,13 +50,14 @@ from engine.writer import WriterSpec, write_model  # noqa: E402
 
 SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "dense.")  # a variant's entries with these prefixes are switches
 SPLIT = "split="  # a variant's layer split
+PATH = "path="  # a variant's decode path (engine/offload/decode_path.py)
 
 
 def variant(text: str) -> dict:
     """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes (switches
     left out: switches())."""
     entries = dict(item.split("=", 1) for item in text.split(",")
-                   if item.strip() and not item.strip().startswith(SWITCH_PREFIXES + (SPLIT,)))
+                   if item.strip() and not item.strip().startswith(SWITCH_PREFIXES + (SPLIT, PATH)))
     parsed = OffloadConfig.from_entries(entries)
     changes = {name[len(PREFIX):]: getattr(parsed, name[len(PREFIX):]) for name in parsed.to_entries()}
     if "device_expert_bytes" in changes:
@@ -87,6 +90,16 @@ def layer_split(text: str) -> str:
     if split not in SPLIT_MODES:
         raise SystemExit(f"split={split}: one of {', '.join(SPLIT_MODES)}")
     return split
+
+
+def decode_path(text: str) -> str:
+    """A variant's decode path ('path=auto|cpu|tier'; the engine's default where it names none: MOE_DECODE_PATH, else
+    auto, whose trials may switch the path within a round: name it in both variants to compare paths)."""
+    named = [item.strip()[len(PATH):] for item in text.split(",") if item.strip().startswith(PATH)]
+    path = named[-1] if named else default_decode_path()
+    if path not in PATH_MODES:
+        raise SystemExit(f"path={path}: one of {', '.join(PATH_MODES)}")
+    return path
 
 
 def gpu_kernels(model: LoadedModel) -> list:
@@ -172,24 +185,26 @@ def engine_figures(model: LoadedModel) -> dict:
     totals, state = engine.stats.totals(), engine.copy_state()
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps, "miss_slots": max(state["miss_slots"], default=0),
-            "whole_layers": state["layer_split"]["whole_layers"]}
+            "whole_layers": state["layer_split"]["whole_layers"], "decode_path": state["decode_path"]["in_force"]}
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
                   tokens: int, variant_switches: dict | None = None, splits: dict | None = None,
-                  trace: bool = False, warmup: int = 4, details: dict | None = None) -> dict[str, list[float]]:
+                  trace: bool = False, warmup: int = 4, details: dict | None = None,
+                  paths: dict | None = None) -> dict[str, list[float]]:
     """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
     default where one does not, and their layer splits) in `rounds` alternating rounds at one budget; with `trace`,
     routed by a realistic trace, the same for both in a round. `details` ({"A": [], "B": []}), where given, gets each
     round's engine_figures."""
     variant_switches = variant_switches or {"A": {}, "B": {}}
     splits = splits or {"A": SPREAD, "B": SPREAD}
+    paths = paths or {"A": default_decode_path(), "B": default_decode_path()}
     rates = {"A": [], "B": []}
     defaults = None
     for r in range(rounds):
         for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
             model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]),
-                                      layer_split=splits[name])
+                                      layer_split=splits[name], decode_path=paths[name])
             if defaults is None:
                 defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
             set_switches(model, {**defaults, **variant_switches[name]})
@@ -229,6 +244,7 @@ def main(argv=None) -> dict:
     changes = {"A": variant(args.a), "B": variant(args.b)}
     chosen = {"A": switches(args.a), "B": switches(args.b)}
     splits = {"A": layer_split(args.a), "B": layer_split(args.b)}
+    paths = {"A": decode_path(args.a), "B": decode_path(args.b)}
 
     model, prompt = open_model(args.shape, args.layers, args.folder, args.dtype, args.device, "bench-offload-ab-")
     print(f"A: {args.a or 'defaults'}   B: {args.b}   dense part on the {model.dense_device}", flush=True)
@@ -237,7 +253,7 @@ def main(argv=None) -> dict:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
         details = {"A": [], "B": []}
         result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits,
-                                       args.trace, args.decode_warmup, details))
+                                       args.trace, args.decode_warmup, details, paths))
         results[f"{fraction:.2f}"] = {**result, "a_rounds": details["A"], "b_rounds": details["B"]}
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
@@ -246,14 +262,15 @@ def main(argv=None) -> dict:
             last = details[name][-1]
             print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps {last['swaps']}, miss slots "
-                  f"{last['miss_slots']}, {'whole layers' if last['whole_layers'] else 'spread'}", flush=True)
+                  f"{last['miss_slots']}, {'whole layers' if last['whole_layers'] else 'spread'}, decode path "
+                  f"{last['decode_path']}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})
     if not args.no_write:
         path = write_result(f"offload-ab-{args.shape}", figures,
                             config={"a": changes["A"], "b": changes["B"], "a_switches": chosen["A"],
-                                    "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"],
+                                    "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"], "a_path": paths["A"], "b_path": paths["B"],
                                     "rounds": args.rounds, "trace": args.trace, "decode_warmup": args.decode_warmup,
                                     "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
         print(f"wrote {path}")

@@ -73,7 +73,7 @@ class LoadedModel:
 
     def __init__(self, folder: ModelFolder, threads: int | None = None,
                  progress: Callable[[float], None] | None = None, offload: OffloadConfig | None = None,
-                 device=None, layer_split: str | None = None):
+                 device=None, layer_split: str | None = None, decode_path: str | None = None):
         problems = folder.unsupported()
         if problems:
             raise UnsupportedModelError(problems[0] + (f" (and {len(problems) - 1} more nodes)" if len(problems) > 1 else ""))
@@ -87,7 +87,7 @@ class LoadedModel:
                                           progress, dense=None)
         self.offload = None
         if offload is not None:
-            self.offload = attach_offload(self.decoder, offload, device, layer_split)
+            self.offload = attach_offload(self.decoder, offload, device, layer_split, decode_path)
         probe = DecoderState(self.config, folder.onnx.proto.graph)
         total, growth = probe.full_context_bytes()
         self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
@@ -140,10 +140,11 @@ class LoadedModel:
 
     @classmethod
     def open(cls, path, threads: int | None = None, progress=None, offload: OffloadConfig | None = None,
-             device=None, layer_split: str | None = None) -> "LoadedModel":
+             device=None, layer_split: str | None = None, decode_path: str | None = None) -> "LoadedModel":
         """layer_split: how the expert budget is spread over the layers (engine/offload/layer_split.py: "auto",
-        "spread" or "whole"; None: MOE_LAYER_SPLIT, else "auto")."""
-        return cls(ModelFolder.open(path), threads, progress, offload, device, layer_split)
+        "spread" or "whole"; None: MOE_LAYER_SPLIT, else "auto"); decode_path: where decode computes cold experts
+        (engine/offload/decode_path.py: "auto", "cpu" or "tier"; None: MOE_DECODE_PATH, else "auto")."""
+        return cls(ModelFolder.open(path), threads, progress, offload, device, layer_split, decode_path)
 
     def new_state(self) -> DecoderState:
         """A conversation's state, on the device the dense part runs on."""

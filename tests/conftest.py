@@ -14,6 +14,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # not depend on how fast the machine runs, so the budget stays spread unless a test drives the trials itself
 # (tests/test_layer_split.py).
 os.environ.setdefault("MOE_LAYER_SPLIT", "spread")
+# The same for the decode path's trials (engine/offload/decode_path.py): cold experts on the CPU unless a test asks
+# for the host tier or drives the trials itself.
+os.environ.setdefault("MOE_DECODE_PATH", "cpu")
 
 REPO = Path(__file__).resolve().parents[1]
 # The fixture folders beside the checkout; MOE_WORKBENCH_FIXTURES points elsewhere (a machine where the

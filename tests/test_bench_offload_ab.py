@@ -53,9 +53,9 @@ class _Engine:
         self.reconfigured = []
         self.reconfigure(None)
 
-    def reconfigure(self, config, layer_split=None):
+    def reconfigure(self, config, layer_split=None, decode_path=None):
         self.reconfigured.append(config)
-        self.split = layer_split
+        self.split, self.path = layer_split, decode_path
         shared = type("Group", (), {"gpu": _Kernel()})()
         self.stores = [type("Slots", (), {"gpu": _Kernel()})(), None, type("Sim", (), {})()]
         self.streaming = type("Plan", (), {"by_layer": [shared, None, shared]})()
@@ -74,17 +74,18 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
         kernels = ab.gpu_kernels(model)
         assert len(kernels) == 2  # the node's and the shared streaming slots', once
         assert ab.cpu_kernels(model) == [cpu]
-        seen.append(([k.driver_copies for k in kernels], dense_graph.enabled, cpu.gemv_chunk_kb, model.offload.split))
+        seen.append(([k.driver_copies for k in kernels], dense_graph.enabled, cpu.gemv_chunk_kb, model.offload.split,
+                     model.offload.path))
         return (100.0 if kernels[0].driver_copies else 90.0), []
 
     monkeypatch.setattr(ab, "decode", fake_decode)
     monkeypatch.setattr(dense_graph, "enabled", False)
     rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 3, [1], 4,
                              {"A": {}, "B": {"gpu.driver_copies": 0, "dense.graphs": 1, "cpu.gemv_chunk_kb": 16}},
-                             {"A": "spread", "B": "whole"})
+                             {"A": "spread", "B": "whole"}, paths={"A": "cpu", "B": "tier"})
     # rounds alternate A B / B A / A B; A keeps the defaults (driver copies on, no graphs, 64 KB chunks), B sets its
-    # switches; each its layer split
-    a, b = ([1, 1], False, 64, "spread"), ([0, 0], True, 16, "whole")
+    # switches; each its layer split and decode path
+    a, b = ([1, 1], False, 64, "spread", "cpu"), ([0, 0], True, 16, "whole", "tier")
     assert seen == [a, b, b, a, a, b]
     assert rates == {"A": [100.0] * 3, "B": [90.0] * 3}
     with pytest.raises(SystemExit, match="gpu.no_such: GpuQMoE has no such switch"):
@@ -133,6 +134,17 @@ def test_a_variants_layer_split_is_read_apart_and_defaults_to_the_spread():
     assert layer_split("split=auto") == "auto"
     with pytest.raises(SystemExit, match="split=layers: one of auto, spread, whole"):
         layer_split("split=layers")
+
+
+def test_a_variants_decode_path_is_read_apart_and_defaults_to_the_engines(monkeypatch):
+    from benchmarks.bench_offload_ab import decode_path
+
+    assert variant("path=tier,cpu_execution=disabled") == {"cpu_execution": "disabled"}
+    assert decode_path("path=tier,cpu_execution=disabled") == "tier"
+    monkeypatch.setenv("MOE_DECODE_PATH", "auto")
+    assert decode_path("cpu_threads=3") == "auto"
+    with pytest.raises(SystemExit, match="path=gpu: one of auto, cpu, tier"):
+        decode_path("path=gpu")
 
 
 def test_traced_rounds_route_a_and_b_by_the_same_trace_in_each_round(monkeypatch):

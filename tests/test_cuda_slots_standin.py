@@ -18,7 +18,9 @@ from engine.array_backend import CupyBackend
 from engine.decoder_state import DecoderState
 from engine.errors import WorkbenchError
 from engine.generation import LoadedModel
+from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig
+from engine.offload.decode_path import DecodePathTrials
 from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, RecentHostSeconds, staged_bytes
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.devices import GIB, Bandwidths
@@ -252,14 +254,16 @@ def _fake_make(slots: CudaSlots, count, resident, tensors=None):
     return FakeGpuQMoE(slots.runner.kernel, resident, host_tier=tiered, tier=tier)
 
 
-def open_on_standin(model_folder, fraction, monkeypatch, **config):
-    """The model on the stand-in device, its cut tensors left in the stand-in's memory, and a state there."""
+def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, **config):
+    """The model on the stand-in device (its decode path `decode_path`, the tests' default where None), its cut
+    tensors left in the stand-in's memory, and a state there."""
     cp = FakeCupy()
     monkeypatch.setattr(CudaSlots, "_make", _fake_make)
     monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", FakeStreamingGpuQMoE)  # what CudaStreamingSlots makes
     device = FakeCudaDevice(cp)
     budget = int(fraction * device_expert_bytes(model_folder))
-    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=budget, **config))
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=budget, **config),
+                             decode_path=decode_path)
     backend = CupyBackend(cp)
     backend.device_type = "cpu"  # onnxruntime here binds host memory: the stand-in's "device" memory
     backend.stream.name = "dense"
@@ -328,9 +332,9 @@ def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_d
     cold pairs are counted as misses read. The prompt (a prefill) takes the hybrid path as before."""
     model, cp = open_on_standin(model_folder, fraction, monkeypatch)
     engine = model.offload
+    engine.set_decode_path("tier")  # a re-plan: the slots filled again
     residents = [sorted(layer.resident().tolist()) for layer in engine.slots]
-    engine.host_tier = True
-    assert all(store.host_tier and store.reads_cold for store in engine.stores)
+    assert all(store.host_tier and store.reads_cold for store in engine.stores) and engine.reads_tier
     assert [sorted(np.nonzero(store.gpu.slot_of >= 0)[0].tolist()) for store in engine.stores] == residents
     assert list(engine.policy.miss_slots) == [0] * SPEC.layers
     engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
@@ -346,8 +350,8 @@ def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_d
     if fraction == 0.0:
         assert totals.misses_read == decode_pairs
     assert engine.stats.as_dict()["misses_read"] == totals.misses_read
-    engine.host_tier = False
-    assert not any(store.reads_cold for store in engine.stores)
+    engine.set_decode_path("cpu")
+    assert not any(store.reads_cold for store in engine.stores) and not engine.reads_tier
 
 
 def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cpu_run, monkeypatch):
@@ -355,7 +359,6 @@ def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cp
     as before (no tier, the plan's slots with their residents)."""
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
     engine = model.offload
-    residents = [sorted(layer.resident().tolist()) for layer in engine.slots]
     counts = [store.num_slots for store in engine.stores]
     used = engine.device.memory.used
 
@@ -365,13 +368,89 @@ def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cp
         return _fake_make(self, slots, resident, tensors)
 
     monkeypatch.setattr(CudaSlots, "_make", refused)
-    with pytest.raises(WorkbenchError, match="the host tier could not be made, decode goes on without it: "
-                                             "cuMemCreate failed"):
-        engine.host_tier = True
+    with pytest.raises(WorkbenchError, match=r"decode path 'tier': Cold experts are computed on the CPU: the host tier "
+                                             r"could not be made \(cuMemCreate failed"):
+        engine.set_decode_path("tier")
     assert engine.host_tier is False and not any(store.reads_cold for store in engine.stores)
     assert [store.num_slots for store in engine.stores] == counts and engine.device.memory.used == used
+    residents = [sorted(layer.resident().tolist()) for layer in engine.slots]  # the re-plans filled the slots again
     assert [sorted(np.nonzero(store.gpu.slot_of >= 0)[0].tolist()) for store in engine.stores] == residents
     assert_same_as_cpu(greedy_run(model), cpu_run)
+
+
+def test_by_default_the_host_tier_is_made_and_trials_choose_the_decode_path(model_folder, cpu_run, monkeypatch):
+    """Decode path auto under cpu_execution=auto (the defaults): the tier is made at load and the plan says so; the
+    trials (given step times here) time the tier, the CPU path and the tier again and keep the CPU path where it is
+    faster: its decode steps then bring partly resident layers' inputs to the host and compute their cold experts on
+    the CPU, with the all-CPU run's tokens throughout."""
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="auto")
+    engine = model.offload
+    assert engine.host_tier and engine.decode_path_in_force == "tier" and engine.reads_tier
+    assert any(said.startswith("The GPU can read cold experts from a host tier of ") and "measured against computing "
+               "them on the CPU" in said for said in engine.plan.statements)
+    engine.path_trials = DecodePathTrials(first=1, settle=1, window=2, recheck=100)
+    paths = []
+
+    def end_step(seconds, tokens):
+        step_s = 0.030 if engine.decode_path_in_force == "tier" else 0.020
+        engine.end_step(step_s if tokens == 1 else seconds, tokens)
+        paths.append(engine.decode_path_in_force)
+
+    model.decoder.on_step_end = end_step
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    # after each step: the prompt (not counted); decode: 1 skipped, 2 timed (-> the CPU path), 1 settling, 2 timed
+    # (-> the tier), 1 settling, 2 timed (-> the CPU path kept)
+    assert paths[:10] == ["tier"] * 3 + ["cpu"] * 3 + ["tier"] * 3 + ["cpu"], paths
+    assert set(paths[10:]) == {"cpu"}
+    assert engine.path_trials.trials == 1 and not engine.reads_tier and engine.host_tier
+    state = engine.copy_state()["decode_path"]
+    assert state["in_force"] == "cpu" and state["measured_ms"] == {"tier": pytest.approx(30.0),
+                                                                  "cpu": pytest.approx(20.0)}
+    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert engine.stats.totals().misses_read == 0 and engine.stats.totals().misses_cpu > 0
+
+
+@pytest.mark.parametrize("cpu_execution, made, in_force", [("enabled", False, "cpu"), ("disabled", True, "tier")])
+def test_cpu_execution_decides_the_decode_path_without_trials(model_folder, cpu_run, monkeypatch, cpu_execution, made,
+                                                              in_force):
+    """cpu_execution=enabled keeps cold experts on the CPU (no tier made); disabled keeps them off it (the tier, read
+    at every decode step, no trials)."""
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="auto", cpu_execution=cpu_execution)
+    engine = model.offload
+    assert engine.host_tier is made and engine.decode_path_in_force == in_force
+    assert not engine._path_trials_run()
+    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert (engine.stats.totals().misses_read > 0) is made
+
+
+def test_the_host_tier_is_not_made_where_the_host_cannot_spare_the_memory(model_folder, monkeypatch):
+    """Under auto the tier takes at most half the host memory available, and an explicit pinned_bytes bounds
+    page-locked memory to the staging ring: no tier, and the plan says why; asked for ("tier"), only the memory
+    itself refuses it. All experts resident: no tier wanted, nothing said."""
+    import engine.offload.decode_path as decode_path
+
+    tier_bytes = sum(info.spec.num_experts * info.gpu.slot_bytes for info in ModelFolder.open(model_folder).experts)
+    monkeypatch.setattr(decode_path, "host_available", lambda: int(1.5 * tier_bytes))
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="auto")
+    engine = model.offload
+    assert not engine.host_tier and engine.decode_path_in_force == "cpu"
+    assert any(said.startswith("Cold experts are computed on the CPU: no host tier is made, since its ") and
+               "exceed 50% of the host memory available" in said for said in engine.plan.statements)
+    engine.set_decode_path("tier")  # asked for: 1.5x its size is available
+    assert engine.host_tier and engine.reads_tier
+    engine.reconfigure(engine.config.updated(pinned_bytes=1 << 20), decode_path="auto")
+    assert not engine.host_tier
+    assert any("pinned_bytes=1048576 bounds page-locked memory to the staging ring" in said
+               for said in engine.plan.statements)
+    monkeypatch.setattr(decode_path, "host_available", lambda: tier_bytes // 2)
+    with pytest.raises(WorkbenchError, match="decode path 'tier': .* exceed the host memory available"):
+        engine.set_decode_path("tier")
+    assert not engine.host_tier and engine.decode_path_mode == "auto"
+    engine.reconfigure(engine.config.updated(pinned_bytes=None, device_expert_bytes=device_expert_bytes(model_folder)))
+    assert engine.slots[0].all_resident and not engine.host_tier
+    assert not any("host tier" in said for said in engine.plan.statements)
 
 
 def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):
@@ -384,7 +463,7 @@ def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkey
     plain = memory.used
     counts = [store.num_slots for store in engine.stores]
     per_expert = engine.stores[0].expert_bytes
-    engine.host_tier = True
+    engine.set_decode_path("tier")
     # the zero-slot layers too get a GpuQMoE: one slot (max(1, 0)) and the rounding's one more
     extra = sum((2 if count == 0 else 1) * per_expert for count in counts)
     assert memory.used == plain + extra
@@ -393,7 +472,7 @@ def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkey
     FakeGpuQMoE.made_tiers = 0
     engine.reconfigure(engine.config)
     assert FakeGpuQMoE.made_tiers == SPEC.layers and memory.used == plain + extra
-    engine.host_tier = False
+    engine.set_decode_path("cpu")
     assert memory.used == plain and "host_tier_bytes" not in engine.pinned_info()
     store, count = engine.stores[0], counts[0]
 

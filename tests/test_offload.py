@@ -92,12 +92,17 @@ def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fractio
 
 
 def test_the_host_tier_needs_a_cuda_device(model_folder):
-    """OffloadEngine.host_tier: the GPU reads cold experts from page-locked host memory; the simulated device has none
-    to read, so switching it on there is refused by name and leaves it off."""
+    """Decode path 'tier': the GPU reads cold experts from page-locked host memory; the simulated device has none to
+    read, so asking for it there is refused by name and leaves the path as it was; under 'auto' no tier is made and
+    the plan says nothing about one."""
     model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
-    with pytest.raises(WorkbenchError, match="the host tier needs a CUDA device"):
-        model.offload.host_tier = True
+    with pytest.raises(WorkbenchError, match="decode path 'tier' needs a CUDA device"):
+        model.offload.set_decode_path("tier")
     assert model.offload.host_tier is False and not any(store.reads_cold for store in model.offload.stores)
+    assert model.offload.decode_path_mode == "cpu" and model.offload.decode_path_in_force == "cpu"
+    model.offload.set_decode_path("auto")
+    assert model.offload.host_tier is False and model.offload.decode_path_in_force == "cpu"
+    assert not any("host tier" in said for said in model.offload.plan.statements)
 
 
 def test_high_water_mark_never_exceeds_the_limit(model_folder):

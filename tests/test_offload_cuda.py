@@ -56,7 +56,7 @@ def test_cuda_host_tier_matches_the_cpu(folder, fraction):
     device = open_cuda_device()
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=int(fraction * device_total(folder))),
                              device=device)
-    model.offload.host_tier = True
+    model.offload.set_decode_path("tier")
     assert all(store.reads_cold and store.gpu.host0 is not None for store in model.offload.stores)
     logits, tokens = greedy_run(model, steps=8)
     errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
@@ -65,9 +65,41 @@ def test_cuda_host_tier_matches_the_cpu(folder, fraction):
     totals = model.offload.stats.totals()
     if model.dense_device == "cuda":
         assert totals.routed_on_device >= 8 * SPEC.layers and totals.misses_read > 0
-    model.offload.host_tier = False
+    model.offload.set_decode_path("cpu")
     assert not any(store.reads_cold for store in model.offload.stores)
     assert all(store.gpu is None or store.gpu.host0 is None for store in model.offload.stores)
+
+
+def test_cuda_default_decode_path_makes_the_tier_and_switches_paths_mid_conversation(folder):
+    """The defaults (decode path auto, cpu_execution auto) at half the experts: the tier is made at load, and the
+    trials (driven by given step times: the CPU path faster) move decode from the tier to the CPU path and back
+    within one conversation, with the all-CPU run's tokens."""
+    from engine.offload.cuda_device import open_cuda_device
+    from engine.offload.decode_path import DecodePathTrials
+
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=12)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_total(folder) // 2),
+                             device=open_cuda_device(), decode_path="auto")
+    engine = model.offload
+    assert engine.host_tier and engine.decode_path_in_force == "tier", engine.plan.statements
+    engine.path_trials = DecodePathTrials(first=1, settle=1, window=2, recheck=2, margin=0.05)
+    paths = []
+
+    def end_step(seconds, tokens):
+        engine.end_step((0.030 if engine.decode_path_in_force == "tier" else 0.020) if tokens == 1 else seconds,
+                        tokens)
+        paths.append(engine.decode_path_in_force)
+
+    model.decoder.on_step_end = end_step
+    logits, tokens = greedy_run(model, steps=12)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    assert "cpu" in paths and "tier" in paths[3:], paths
+    totals = engine.stats.totals()
+    assert totals.misses_cpu > 0
+    if model.dense_device == "cuda":
+        assert totals.misses_read > 0
 
 
 def test_cuda_mem_limit_is_a_clean_error(folder):

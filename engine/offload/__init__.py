@@ -4,14 +4,16 @@ from engine.offload.config import OffloadConfig, OffloadConfigError
 from engine.offload.devices import SimulatedDevice
 
 
-def attach_offload(decoder, config: OffloadConfig, device, layer_split: str | None = None):
-    """Run the decoder's expert nodes through an OffloadEngine (its layer split: OffloadEngine); returns the engine."""
+def attach_offload(decoder, config: OffloadConfig, device, layer_split: str | None = None,
+                   decode_path: str | None = None):
+    """Run the decoder's expert nodes through an OffloadEngine (its layer split and decode path: OffloadEngine);
+    returns the engine."""
     from engine.expert_node import CpuExpertNode
     from engine.offload.engine import OffloadEngine
     from engine.offload.hybrid_node import HybridExpertNode
 
     positions = [i for i, step in enumerate(decoder.steps) if isinstance(step, CpuExpertNode)]
-    engine = OffloadEngine([decoder.steps[i] for i in positions], config, device, layer_split)
+    engine = OffloadEngine([decoder.steps[i] for i in positions], config, device, layer_split, decode_path)
     for layer, position in enumerate(positions):
         decoder.steps[position] = HybridExpertNode(decoder.steps[position], layer, engine)
     decoder.on_step_end = engine.end_step

@@ -15,6 +15,8 @@ from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
+from engine.offload import decode_path as paths
+from engine.offload.decode_path import CPU, TIER, DecodePathTrials, checked_path, default_decode_path
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.host_cache import HostExpertCache
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
@@ -26,6 +28,7 @@ from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
+from engine.units import human_bytes
 from kernels.gpu.host_tier import HostTierError
 
 
@@ -53,7 +56,8 @@ SETTLE_PER_LAYER = 2
 
 
 class OffloadEngine:
-    def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None):
+    def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None,
+                 decode_path: str | None = None):
         self.runners = runners
         self.infos = [runner.info for runner in runners]
         self.device = device
@@ -72,22 +76,34 @@ class OffloadEngine:
         self.layer_split_mode = checked_split(layer_split or default_layer_split())
         self.split_trials = LayerSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
+        # where decode computes cold experts (decode_path.py): on the CPU, or on the GPU from the host tier; under
+        # "auto" chosen from cpu_execution, by trials under its auto; "cpu" / "tier" fix it (the CLI's --decode-path,
+        # or MOE_DECODE_PATH where none is given)
+        self.decode_path_mode = checked_path(decode_path or default_decode_path())
+        self.path_trials = DecodePathTrials()
+        self._host_tier = False  # see host_tier
+        self.reads_tier = False  # decode steps read cold experts from the host tier now (_update_path)
+        self.tier_statement = ""  # what the plan says about the host tier ('' where none was wanted)
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
         self._choosable: tuple | None = None  # (the plan, whether its split is choosable): _split_is_choosable
         self.plan: OffloadPlan = self._plan(config)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
         # store: they run all on the CPU, prefill waves and miss copies included.
-        self.stores = [device.create_slots(runner, self.plan.slots[info.name])
+        tier = self._tier_choice(config)  # made with the tier: the stores start without slots, made once below
+        self.stores = [device.create_slots(runner, 0 if tier else self.plan.slots[info.name])
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
+        if tier:
+            self._try_host_tier(config)
+        if self.tier_statement:
+            self.plan.statements.append(self.tier_statement)
         self.streaming = self._plan_streaming(config)
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
         # False: adaptive placement leaves no slot to copied misses (every slot wanted for a resident), from the next
         # weighing on; a benchmark switch (bench_offload_ab's engine.weigh_miss_slots=0), the weighing on by default
         self.weigh_miss_slots = True
-        self._host_tier = False  # see host_tier
         # statistics of this step that wait for the device's work (HybridExpertNode: fully resident layers, results
         # merged on the device), oldest first: (ready, account) pairs, see defer()
         self.deferred: deque = deque()
@@ -98,27 +114,78 @@ class OffloadEngine:
 
     @property
     def host_tier(self) -> bool:
-        """Decode steps read the experts in no GPU slot from page-locked host memory on the GPU (GpuQMoE's host
-        tier, kernels/gpu/host_tier.py) instead of computing them on the CPU, so that a layer's step needs no host
-        round trip (HybridExpertNode). Off by default: a benchmark switch (bench_offload_ab's engine.host_tier=1)
-        until it is measured against the CPU path (benchmarks/bench_zero_copy.py has the node-level figures). Every
-        store is made again with the tier (or without it) and the residents copied back."""
+        """Whether every CUDA store has the host tier: the experts in no GPU slot in page-locked host memory, which
+        decode launches read on the GPU (GpuQMoE's host tier, kernels/gpu/host_tier.py), so that a layer's step needs
+        no host round trip (HybridExpertNode). decode_path.py says when the engine makes it (set_decode_path)."""
         return self._host_tier
 
-    @host_tier.setter
-    def host_tier(self, on) -> None:
-        on = bool(on)
-        if on == self._host_tier:
-            return
-        if on and getattr(self.device, "kind", None) != "cuda":
-            raise WorkbenchError("the host tier needs a CUDA device: the GPU reads the experts from host memory")
+    def _tier_choice(self, config: OffloadConfig) -> bool:
+        """Whether the plan in force under `config` gets the host tier (decode_path.py); tier_statement says what the
+        plan tells the user about it."""
+        self.tier_statement = ""
+        if getattr(self.device, "kind", None) != "cuda" or not paths.tier_wanted(self.decode_path_mode, config):
+            return False
+        gpu_infos = [info for info in self.infos if info.gpu is not None]
+        if all(self.plan.slots[info.name] >= info.spec.num_experts for info in gpu_infos):
+            return False  # every expert resident: nothing to read from the host
+        tier_bytes = sum(info.spec.num_experts * info.gpu.slot_bytes for info in gpu_infos)
+        held = sum(store.host_tier_bytes for store in getattr(self, "stores", ()) if store is not None)
+        refusal = paths.tier_refusal(self.decode_path_mode, config, tier_bytes,
+                                           paths.host_available() + held)
+        if refusal:
+            self.tier_statement = f"Cold experts are computed on the CPU: no host tier is made, since {refusal}."
+            return False
+        return True
+
+    def _try_host_tier(self, config: OffloadConfig) -> bool:
+        """Every store made again with the host tier (for `config`, the configuration being put in force); where the
+        driver refuses its mappings or the device cannot hold them, the stores go back to no tier and tier_statement
+        says why. Whether the tier was made."""
         try:
-            self._make_stores(on)
+            self._make_stores(True)
         except (HostTierError, DeviceMemoryError) as exc:
             self._make_stores(False)
-            raise WorkbenchError(f"the host tier could not be made, decode goes on without it: {exc}") from None
-        self._weigh_miss_slots()  # no slot is left to copied misses while the GPU reads them all
+            self.tier_statement = f"Cold experts are computed on the CPU: the host tier could not be made ({exc})."
+            self._update_path()
+            return False
+        held = sum(store.host_tier_bytes for store in self.stores if store is not None)
+        if self._path_under(config) == CPU:
+            said = "but decode computes them on the CPU (cpu_execution=enabled or decode path 'cpu')"
+        elif self.decode_path_mode == TIER:
+            said = "as asked (decode path 'tier')"
+        elif config.cpu_execution == "disabled":
+            said = "as cpu_execution=disabled keeps them off the CPU"
+        else:
+            said = "measured against computing them on the CPU, the faster kept (cpu_execution=auto)"
+
+        self.tier_statement = (f"The GPU can read cold experts from a host tier of {human_bytes(held)} of page-locked "
+                               f"host memory, {said}.")
+        self._update_path()
+        return True
+
+    def _update_path(self) -> None:
+        """reads_tier from the tier and the decode path in force; the miss slots weighed again (no slot is left to
+        copied misses while the GPU reads them all)."""
+        self.reads_tier = self.decode_path_in_force == TIER
+        if hasattr(self, "policy"):
+            self._weigh_miss_slots()
         self.stats.pinned = self.pinned_info()
+
+    @property
+    def decode_path_in_force(self) -> str:
+        """"tier" where decode steps read cold experts from the host tier now, else "cpu"."""
+        return self._path_under(self.config)
+
+    def _path_under(self, config: OffloadConfig) -> str:
+        if not self._host_tier or self.decode_path_mode == CPU or config.cpu_execution == "enabled":
+            return CPU
+        if self.decode_path_mode == TIER or config.cpu_execution == "disabled":
+            return TIER
+        return self.path_trials.choice
+
+    def _path_trials_run(self) -> bool:
+        """The decode path is chosen by trials: cpu_execution=auto, decode path auto, a host tier made."""
+        return self._host_tier and self.decode_path_mode == "auto" and self.config.cpu_execution == "auto"
 
     def _make_stores(self, host_tier: bool) -> None:
         """Every store made again with (or without) the host tier, at the plan's slot counts, the residents copied
@@ -139,7 +206,9 @@ class OffloadEngine:
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
                 "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s,
                 "layer_split": {"mode": self.layer_split_mode, "whole_layers": self.whole_layers,
-                                **self.split_trials.state()}}
+                                **self.split_trials.state()},
+                "decode_path": {"mode": self.decode_path_mode, "in_force": self.decode_path_in_force,
+                                "host_tier": self._host_tier, **self.path_trials.state()}}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
@@ -249,7 +318,7 @@ class OffloadEngine:
             layer = self.slots[index]
             spec = info.spec
             if (not adaptive or not self.weigh_miss_slots or store is None or self.config.cpu_execution == "disabled"
-                    or self._host_tier or layer.num_slots == 0 or layer.num_slots >= spec.num_experts):
+                    or self.reads_tier or layer.num_slots == 0 or layer.num_slots >= spec.num_experts):
                 chosen.append(0)
                 continue
             key = (layer.num_slots, spec.num_experts, spec.k, info.bytes_per_expert, store.expert_bytes,
@@ -330,7 +399,13 @@ class OffloadEngine:
         self.copy_reuse.end_step()
         if self.device is not None:
             trial_s = self._trial_seconds(step_s)
-            if trial_s is not None and self.layer_split_mode == "auto" and self._split_is_choosable():
+            if trial_s is not None and self._path_trials_run() and not self.split_trials.measuring:
+                if self.path_trials.step(trial_s, tokens) is not None:
+                    self._update_path()
+                    return
+            # the layer split's trials only without a host tier: no layer's step then has a host round trip to save
+            if (trial_s is not None and self.layer_split_mode == "auto" and not self._host_tier
+                    and self._split_is_choosable()):
                 wanted = self.split_trials.step(trial_s, tokens)
                 if wanted is not None:
                     try:
@@ -379,13 +454,31 @@ class OffloadEngine:
         self.split_trials = LayerSplitTrials()
         self._set_whole_layers(mode == WHOLE)
 
-    def reconfigure(self, config: OffloadConfig, layer_split: str | None = None) -> None:
+    def set_decode_path(self, mode: str) -> None:
+        """"auto", "cpu" or "tier" (decode_path.py): a re-plan of the configuration in force makes or drops the host
+        tier where that changes it; the trials start again. "tier" where the tier cannot be made (a CPU
+        or simulated device, the host's memory, the driver): a WorkbenchError saying why, the path as it was."""
+        mode, before = checked_path(mode), self.decode_path_mode
+        if mode == TIER and getattr(self.device, "kind", None) != "cuda":
+            raise WorkbenchError("decode path 'tier' needs a CUDA device: the GPU reads the experts from host memory")
+        self.reconfigure(self.config, decode_path=mode)
+        if mode == TIER and not self._host_tier and self.tier_statement:
+            refused = self.tier_statement
+            self.reconfigure(self.config, decode_path=before)
+            raise WorkbenchError(f"decode path 'tier': {refused}")
+
+    def reconfigure(self, config: OffloadConfig, layer_split: str | None = None,
+                    decode_path: str | None = None) -> None:
         """Apply new budgets or policy on the loaded model, without reloading; `layer_split` ("auto", "spread" or
-        "whole") changes the split in the same re-plan. Under "auto" the trials start again, from the budget spread
-        over every layer."""
+        "whole") changes the split and `decode_path` ("auto", "cpu" or "tier", decode_path.py) the decode path in the
+        same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the host
+        tier."""
         if layer_split is not None:
             self.layer_split_mode = checked_split(layer_split)
+        if decode_path is not None:
+            self.decode_path_mode = checked_path(decode_path)
         self.split_trials = LayerSplitTrials()
+        self.path_trials = DecodePathTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
         self._replan(config)
 
@@ -411,14 +504,17 @@ class OffloadEngine:
             self.streaming = self._plan_streaming(self.config, say=False)  # the old plan says it already
             raise
         for index, info in enumerate(self.infos):
-            count = self.plan.slots[info.name]
-            self.slots[index].resize(count)
-            if self.stores[index] is not None:
-                self.stores[index].resize(count)
-        self._reload_residents()
+            self.slots[index].resize(self.plan.slots[info.name])
+        if self._tier_choice(config):
+            self._try_host_tier(config)
+        else:
+            self._make_stores(False)
+        if self.tier_statement:
+            self.plan.statements.append(self.tier_statement)
         self.streaming = self._plan_streaming(config)
         old_scores = self.policy.scores
         self.config = config
+        self._update_path()
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(old_scores)  # what adaptive placement learnt so far still holds

@@ -61,7 +61,8 @@ class HybridExpertNode:
         held = store is not None and store.holds(x)  # the inputs lie in the device's memory
         if held:
             if not approximating and (engine.slots[layer].all_resident or (
-                    store.reads_cold and x.size <= spec.hidden_size * engine.config.async_max_tokens)):
+                    engine.reads_tier and store.reads_cold
+                    and x.size <= spec.hidden_size * engine.config.async_max_tokens)):
                 # every expert on the device, or a decode step whose cold experts the GPU reads from the host tier
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape

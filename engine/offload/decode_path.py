@@ -1,0 +1,81 @@
+"""Where a decode step's cold experts are computed: on the CPU while the GPU computes the resident ones (the hybrid
+path), or on the GPU, read over PCIe from page-locked host memory inside the decode kernel (the host tier,
+kernels/gpu/host_tier.py) (issue #4).
+
+The CPU path costs the CPU kernel plus the host round trip of every partly resident layer (its inputs to the host,
+routing, the miss policy, the merge on the device: ~300 µs a layer for Qwen3-30B-A3B-like on the H200 machine); the
+tier costs the PCIe read of the cold experts and no host work (the layer runs as a fully resident one). Which one is
+faster depends on the machine (PCIe against the CPU's memory bandwidth and cores) and on how many experts are cold:
+on the H200 machine the tier decoded Qwen3-30B-A3B-like 1.02x / 1.29x / 1.85x as fast at 0 / 25 / 50% resident
+(RESULTS.md, twenty-seventh session), while its CPU kernel alone read twice as fast as PCIe at gpt-oss-20B's shape.
+So under cpu_execution=auto the engine measures both (trials.py), the tier preferred on a tie: it leaves the CPU to
+the user's other work. cpu_execution=disabled keeps cold experts off the CPU, so the tier is the decode path there;
+cpu_execution=enabled keeps them on the CPU, so no tier is made.
+
+The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
+a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto' and the tier takes
+at most HOST_SHARE of the host memory available, or where the decode path is asked for as "tier".
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from engine.errors import WorkbenchError
+from engine.offload.config import OffloadConfig
+from engine.offload.trials import AbaTrials
+from engine.units import human_bytes
+
+CPU, TIER = "cpu", "tier"
+MODES = ("auto", CPU, TIER)  # auto: from cpu_execution (trials under its auto); cpu / tier: that path, no trials
+HOST_SHARE = 0.5  # of the host memory available, at most, goes to the tier unless asked for
+
+
+def checked_path(mode: str) -> str:
+    """`mode` if it is one of MODES; else a WorkbenchError naming it."""
+    if mode not in MODES:
+        raise WorkbenchError(f"decode path '{mode}': one of {', '.join(MODES)}")
+    return mode
+
+
+def default_decode_path() -> str:
+    """The decode path an engine takes when none is asked for: MOE_DECODE_PATH (benchmarks' A/Bs), else auto."""
+    return os.environ.get("MOE_DECODE_PATH", "auto")
+
+
+def host_available() -> int:
+    """Host memory available now, in bytes (what the OS could give without swapping)."""
+    return psutil.virtual_memory().available
+
+
+class DecodePathTrials(AbaTrials):
+    """The tier against the CPU path, the tier in force first and winning ties."""
+
+    def __init__(self, **settings):
+        super().__init__(TIER, CPU, **settings)
+
+
+def tier_wanted(mode: str, config: OffloadConfig) -> bool:
+    """Whether the decode path `mode` under `config` wants a host tier (before what the host can hold)."""
+    if mode != "auto":
+        return mode == TIER
+    return config.mode != "disabled" and config.cpu_execution != "enabled"
+
+
+def tier_refusal(mode: str, config: OffloadConfig, tier_bytes: int, available: int) -> str | None:
+    """Why a wanted host tier of `tier_bytes` is not made, with `available` bytes of host memory free; None where it
+    is made. Asked for (mode "tier"), only the memory itself refuses it."""
+    if tier_bytes > available:
+        return (f"its {human_bytes(tier_bytes)} of page-locked experts exceed the host memory available "
+                f"({human_bytes(available)})")
+    if mode == TIER:
+        return None
+    if config.pinned_bytes is not None:
+        return (f"pinned_bytes={config.pinned_bytes} bounds page-locked memory to the staging ring, and the tier pins "
+                f"{human_bytes(tier_bytes)}")
+    if tier_bytes > HOST_SHARE * available:
+        return (f"its {human_bytes(tier_bytes)} of page-locked experts exceed {HOST_SHARE:.0%} of the host memory "
+                f"available ({human_bytes(available)})")
+    return None
