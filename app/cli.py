@@ -9,6 +9,7 @@ import sys
 import threading
 
 from engine.errors import WorkbenchError, one_line
+from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 
 PROG = "moe-workbench"
@@ -126,6 +127,10 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-split", choices=SPLIT_MODES,
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
                              "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")
+    parser.add_argument("--decode-path", choices=PATH_MODES,
+                        help="where decode computes cold experts on a CUDA device: cpu, or tier (the GPU reads them "
+                             "from page-locked host memory); auto (the default) follows cpu_execution and, under its "
+                             "auto, measures both while decoding and keeps the faster")
 
 
 def _offload_setup(args):
@@ -212,7 +217,7 @@ def _cmd_generate(args) -> int:
         raise PromptError("the prompt is empty")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,
-                             layer_split=args.layer_split)
+                             layer_split=args.layer_split, decode_path=args.decode_path)
     binding = binding_warning()
     if binding and not args.json:
         print(f"warning: {binding}", file=sys.stderr, flush=True)
@@ -282,7 +287,8 @@ def _cmd_record(args) -> int:
     from engine.records.scenarios import run_scenario
 
     config, device = _offload_setup(args)
-    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split)
+    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
+                             decode_path=args.decode_path)
     history = History(args.history)
     records = []
     for scenario in _scenarios(args.scenario):
@@ -309,7 +315,8 @@ def _cmd_sweep(args) -> int:
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
     config, device = _offload_setup(args)
-    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split)
+    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
+                             decode_path=args.decode_path)
     points = run_sweep(model, device, args.points, _scenarios(args.scenario),
                        GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"),
                        splits=BOTH_SPLITS if args.both_splits else None)
@@ -380,7 +387,8 @@ def _cmd_contention(args) -> int:
     if args.workers < 1:
         raise WorkbenchError(f"--workers must be at least 1, got {args.workers}")
     config, device = _offload_setup(args)
-    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split)
+    model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
+                             decode_path=args.decode_path)
     corpus = Path(args.corpus) if args.corpus else default_corpus()
     if not any(corpus.glob("*.txt")):
         raise WorkbenchError(f"{corpus}: no .txt files to index")

@@ -513,6 +513,25 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
     assert copies_text({"cpu_bytes_per_s": None, "cpu_call_s": 0.0}) == ""
 
 
+
+def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold_experts():
+    from app.gui.engine_worker import path_sentence
+
+    measured = {"tier": 18.04, "cpu": 25.0}
+    assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measured_ms": measured}}) == \
+        "cold experts read by the GPU from host memory (measured 18.0 ms a token against 25.0 on the CPU)"
+    assert copies_text({"decode_path": {"host_tier": True, "in_force": "cpu", "measured_ms": {}}}) == \
+        "cold experts on the CPU"
+    assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measuring": "cpu"}}) == \
+        "timing where cold experts run: computed on the CPU now"
+    assert copies_text({"decode_path": {"host_tier": False, "in_force": "cpu", "measured_ms": {}}}) == ""
+    assert path_sentence({"host_tier": True, "in_force": "cpu", "measured_ms": {"tier": 30.0, "cpu": 20.04}}) == \
+        ("Cold experts measured while decoding: computed on the CPU (a decode step took 30.0 ms read by the GPU, "
+         "20.0 ms on the CPU).")
+    assert path_sentence({"host_tier": True, "in_force": "tier", "measured_ms": {}}) == ""
+    assert path_sentence({"host_tier": False, "in_force": "cpu", "measured_ms": {"tier": 1.0, "cpu": 2.0}}) == ""
+
+
 def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_applies_without_reload(qtbot, window):
     path = fixture_folder("gptoss")
     window.open_model(str(path))
@@ -541,6 +560,15 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     qtbot.waitUntil(lambda: engine.layer_split_mode == "spread" and not window.busy, timeout=WAIT)
     assert not engine.whole_layers and [layer.num_slots for layer in engine.slots] == [4, 4]
     assert window.model_settings(str(path))["layer_split"] == "spread"
+    # the decode path: this app's own setting too, applied without reload
+    budget.decode_path.setCurrentIndex(budget.decode_path.findData("tier"))
+    qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
+    assert budget.apply_button.text() == "Apply"
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: engine.decode_path_mode == "tier" and not window.busy, timeout=WAIT)
+    assert window.model_settings(str(path))["decode_path"] == "tier"
+    qtbot.waitUntil(lambda: "the host tier needs a CUDA device" in window.model_panel.landed.text(), timeout=WAIT)
+    assert engine.decode_path_in_force == "cpu"
     qtbot.waitUntil(lambda: "Layer split fixed: spread over every layer." in window.model_panel.landed.text(),
                     timeout=WAIT)
     # the engine's own re-plan (a trial found whole layers faster): the window says so and shows where things landed

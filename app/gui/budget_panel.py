@@ -31,6 +31,15 @@ SPLIT_TIP = ("How the expert budget is spent across layers. Spread (onnxruntime'
              "run all on the device, the others run all on the CPU; faster where routing has little locality. "
              "Measured while decoding: the engine times both and keeps the faster (adaptive placement only). "
              "Not an onnxruntime key: this app's own setting")
+PATHS = (("auto", "measured while decoding"), ("cpu", "computed on the CPU"),
+         ("tier", "read by the GPU from host memory"))
+PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the CPU, while the GPU computes the resident "
+            "ones: every partly resident layer then pays a round trip through the host. Read by the GPU: every expert "
+            "is also kept in page-locked host memory (the experts' size again) and the GPU reads the cold ones over "
+            "PCIe inside its kernel, with no round trip. Measured while decoding: the engine times both and keeps the "
+            "faster (under CPU execution auto; disabled reads them on the GPU, enabled computes them on the CPU). "
+            "The host memory is only taken where at most half the memory available holds it. Not an onnxruntime "
+            "key: this app's own setting")
 PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device goes through. auto = two prefill "
               "waves; a value bounds the ring and the prefill wave (ring // (2 x expert), at least 1); "
               "below one expert it is refused")
@@ -106,6 +115,10 @@ class BudgetPanel(QWidget):
         for key, label in SPLITS:
             self.layer_split.addItem(label, key)
         self.layer_split.setAccessibleName("Layer split")
+        self.decode_path = QComboBox()
+        for key, label in PATHS:
+            self.decode_path.addItem(label, key)
+        self.decode_path.setAccessibleName("Cold experts in decode")
 
         # approximate routing
         self.min_weight = QDoubleSpinBox(decimals=3, singleStep=0.01)
@@ -172,6 +185,7 @@ class BudgetPanel(QWidget):
         f.addRow(_label("CPU threads", "cpu_threads for the CPU expert kernels; 0 = all cores; changes without reload"), self.threads)
         f.addRow(_label("Prefill wave", "prefill_wave_experts: cold experts streamed to the device per wave in prefill"), self.wave)
         f.addRow(_label("Layer split", SPLIT_TIP), self.layer_split)
+        f.addRow(_label("Cold experts", PATH_TIP), self.decode_path)
         policy_box.setLayout(f)
 
         approx_box = QGroupBox("Approximate routing")
@@ -230,7 +244,7 @@ class BudgetPanel(QWidget):
         for control in (self.sim_size, self.expert_bytes, self.reserve_bytes, self.mem_limit, self.host_bytes,
                         self.pinned_bytes, self.working_bytes):
             control.valueChanged.connect(self._changed)
-        for combo in (self.device, self.mode, self.placement, self.cpu_execution, self.layer_split):
+        for combo in (self.device, self.mode, self.placement, self.cpu_execution, self.layer_split, self.decode_path):
             combo.currentIndexChanged.connect(self._changed)
         for spin in (self.threads, self.wave, self.tail_rank, self.kv_tokens):
             spin.valueChanged.connect(self._changed)
@@ -262,9 +276,10 @@ class BudgetPanel(QWidget):
 
     def settings(self) -> dict:
         """What the window remembers per model and sends to the worker: the device, the offload entries
-        (onnxruntime's keys), the KV length the estimate counts and the layer split (this app's own setting)."""
+        (onnxruntime's keys), the KV length the estimate counts, the layer split and the decode path (this app's own
+        settings)."""
         return {"device": self.device_settings(), "entries": self.config().to_entries(), "kv_tokens": self.kv_tokens.value(),
-                "layer_split": self.layer_split.currentData()}
+                "layer_split": self.layer_split.currentData(), "decode_path": self.decode_path.currentData()}
 
     def set_config(self, config: OffloadConfig) -> None:
         self._quiet = True
@@ -300,6 +315,7 @@ class BudgetPanel(QWidget):
             if self.facts is not None:
                 self.kv_tokens.setValue(int(settings.get("kv_tokens") or self.facts.context_length))
             self.layer_split.setCurrentIndex(max(0, self.layer_split.findData(settings.get("layer_split", "auto"))))
+            self.decode_path.setCurrentIndex(max(0, self.decode_path.findData(settings.get("decode_path", "auto"))))
         finally:
             self._quiet = False
         try:
@@ -477,7 +493,8 @@ class BudgetPanel(QWidget):
         except Exception:
             return True
         return (applied != self.config() or self.applied.get("device") != self.device_settings()
-                or self.applied.get("layer_split", "auto") != self.layer_split.currentData())
+                or self.applied.get("layer_split", "auto") != self.layer_split.currentData()
+                or self.applied.get("decode_path", "auto") != self.decode_path.currentData())
 
     def _update_apply(self) -> None:
         reload = self.needs_reload()

@@ -31,6 +31,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import open_cuda_device
+from engine.offload.decode_path import default_decode_path
 from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
@@ -93,6 +94,7 @@ class EngineWorker(QObject):
         self._last_stats = 0.0
         self._decode_mark = None
         self._landed_whole = False  # the layer split the last "landed" statements described (engine re-plans)
+        self._landed_path = ""  # ... and the decode path (its trials switch it)
         self.requestOpen.connect(self._open)
         self.requestDemo.connect(self._demo)
         self.requestLoad.connect(self._load)
@@ -177,7 +179,7 @@ class EngineWorker(QObject):
             started = time.perf_counter()
             folder, self._folder = self._folder, None  # a folder's sessions belong to one load
             model = LoadedModel(folder, progress=progress, offload=config, device=device,
-                                layer_split=_layer_split(settings))
+                                layer_split=_layer_split(settings), decode_path=_decode_path(settings))
             self._model, self._device, self._loaded_facts = model, device, self._facts
             self._conversation = Conversation(model, system_prompt=self._system_prompt or None)
             self.loadProgress.emit(1.0)
@@ -202,13 +204,13 @@ class EngineWorker(QObject):
         """Plain sentences: where every part of the loaded model is, and why."""
         model, facts, offload = self._model, self._loaded_facts, self._model.offload
         self._landed_whole = offload.whole_layers
+        self._landed_path = offload.decode_path_in_force
         lines = list(notes)
         per_layer = [(info.layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]
         lines += offload.plan.statements
-        split = split_sentence(offload.copy_state()["layer_split"])
-        if split:
-            lines.append(split)
+        state = offload.copy_state()
+        lines += [said for said in (split_sentence(state["layer_split"]), path_sentence(state["decode_path"])) if said]
         if self._device is not None:
             lines.append(f"Experts resident per layer: {layer_summary(per_layer)}.")
             memory = self._device.memory
@@ -359,7 +361,8 @@ class EngineWorker(QObject):
             blocked = _needs_reload(self._model.offload.config, config)
             if blocked:
                 raise WorkbenchError(f"{', '.join(blocked)} changes only when the model is loaded again (Apply and reload)")
-            self._model.offload.reconfigure(config, layer_split=_layer_split(settings))
+            self._model.offload.reconfigure(config, layer_split=_layer_split(settings),
+                                            decode_path=_decode_path(settings))
             self.replanned.emit({"statements": list(self._model.offload.plan.statements), "landed": self._landed([]),
                                  "entries": config.to_entries()})
             self._emit_stats()
@@ -381,6 +384,11 @@ class EngineWorker(QObject):
             self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
                                  "by_engine": "Measured faster: the expert budget now holds " + (
                                      "whole layers" if offload.whole_layers else "part of every layer")})
+        elif offload.decode_path_in_force != self._landed_path and not offload.path_trials.measuring:
+            self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
+                                 "by_engine": "Measured faster: decode now " + (
+                                     "reads cold experts on the GPU from host memory"
+                                     if offload.decode_path_in_force == "tier" else "computes cold experts on the CPU")})
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
                    "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,
@@ -479,6 +487,23 @@ def _layer_split(settings: dict) -> str:
     """The budget panel's layer split for the engine; "auto" is the engine's default (default_layer_split)."""
     split = settings.get("layer_split") or "auto"
     return default_layer_split() if split == "auto" else split
+
+
+def _decode_path(settings: dict) -> str:
+    """The budget panel's decode path for the engine; "auto" is the engine's default (default_decode_path)."""
+    path = settings.get("decode_path") or "auto"
+    return default_decode_path() if path == "auto" else path
+
+
+def path_sentence(path: dict) -> str:
+    """Where decode computes cold experts, once the trials have measured both ways ('' before, and without a host
+    tier: the plan's statements say why there is none)."""
+    measured = path.get("measured_ms") or {}
+    if not path.get("host_tier") or not {"tier", "cpu"} <= measured.keys():
+        return ""
+    kept = "read by the GPU from host memory" if path.get("in_force") == "tier" else "computed on the CPU"
+    return (f"Cold experts measured while decoding: {kept} (a decode step took {measured['tier']:.1f} ms read by the "
+            f"GPU, {measured['cpu']:.1f} ms on the CPU).")
 
 
 def _cores() -> int:

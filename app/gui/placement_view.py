@@ -183,7 +183,8 @@ def copies_text(copies: dict) -> str:
     layer keeps; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
     device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured), and
     whether the budget holds whole layers instead of being spread (engine/offload/layer_split.py), with the step
-    times that chose it, or which split a trial is timing now."""
+    times that chose it, or which split a trial is timing now; the same for where decode computes cold experts
+    (engine/offload/decode_path.py) where a host tier lets it choose."""
     parts = []
     kept = max(copies.get("miss_slots") or [0])
     if kept:
@@ -206,6 +207,16 @@ def copies_text(copies: dict) -> str:
         parts.append("whole layers on the device" + (
             f" (measured {measured['whole']:.1f} ms a token against {measured['spread']:.1f} spread)"
             if {"whole", "spread"} <= measured.keys() else ""))
+    path = copies.get("decode_path") or {}
+    measured = path.get("measured_ms") or {}
+    if path.get("measuring"):  # the same for the decode path's trial
+        now = "read by the GPU from host memory" if path["measuring"] == "tier" else "computed on the CPU"
+        parts.append(f"timing where cold experts run: {now} now")
+    elif path.get("host_tier"):
+        parts.append(("cold experts read by the GPU from host memory" if path.get("in_force") == "tier"
+                      else "cold experts on the CPU") + (
+            f" (measured {measured['tier']:.1f} ms a token against {measured['cpu']:.1f} on the CPU)"
+            if {"tier", "cpu"} <= measured.keys() else ""))
     return ", ".join(parts)
 
 

@@ -123,7 +123,12 @@ class OffloadEngine:
         """Whether the plan in force under `config` gets the host tier (decode_path.py); tier_statement says what the
         plan tells the user about it."""
         self.tier_statement = ""
-        if getattr(self.device, "kind", None) != "cuda" or not paths.tier_wanted(self.decode_path_mode, config):
+        if not paths.tier_wanted(self.decode_path_mode, config):
+            return False
+        if getattr(self.device, "kind", None) != "cuda":
+            if self.device is not None and self.decode_path_mode == TIER:
+                self.tier_statement = ("Cold experts are computed on the CPU: the host tier needs a CUDA device, which "
+                                       "reads them from host memory.")
             return False
         gpu_infos = [info for info in self.infos if info.gpu is not None]
         if all(self.plan.slots[info.name] >= info.spec.num_experts for info in gpu_infos):
