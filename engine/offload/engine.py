@@ -133,10 +133,9 @@ class OffloadEngine:
         gpu_infos = [info for info in self.infos if info.gpu is not None]
         if all(self.plan.slots[info.name] >= info.spec.num_experts for info in gpu_infos):
             return False  # every expert resident: nothing to read from the host
+        # (asked before the stores are made: a re-plan has released them, and a released tier's memory with them)
         tier_bytes = sum(info.spec.num_experts * info.gpu.slot_bytes for info in gpu_infos)
-        held = sum(store.host_tier_bytes for store in getattr(self, "stores", ()) if store is not None)
-        refusal = paths.tier_refusal(self.decode_path_mode, config, tier_bytes,
-                                           paths.host_available() + held)
+        refusal = paths.tier_refusal(self.decode_path_mode, config, tier_bytes, paths.host_available())
         if refusal:
             self.tier_statement = f"Cold experts are computed on the CPU: no host tier is made, since {refusal}."
             return False
@@ -162,7 +161,6 @@ class OffloadEngine:
             said = "as cpu_execution=disabled keeps them off the CPU"
         else:
             said = "measured against computing them on the CPU, the faster kept (cpu_execution=auto)"
-
         self.tier_statement = (f"The GPU can read cold experts from a host tier of {human_bytes(held)} of page-locked "
                                f"host memory, {said}.")
         self._update_path()
