@@ -111,7 +111,8 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
     bound_s = profile["dense_s"] / profile["steps"] + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
     return {"value": rate, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
             "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h, "misses_cpu": stats.misses_cpu,
-            "misses_copied": stats.misses_copied, "copy_reuse": model.offload.copy_reuse.value,
+            "misses_copied": stats.misses_copied, "misses_read": stats.misses_read,
+            "decode_path": model.offload.copy_state()["decode_path"], "copy_reuse": model.offload.copy_reuse.value,
             "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens"}
 
 
@@ -139,6 +140,16 @@ def split_text(split: dict) -> str:
     text = ", whole layers" if split.get("whole_layers") else ", spread"
     if {"whole", "spread"} <= measured.keys():
         text += f" (trial: {measured['whole']:.1f} / {measured['spread']:.1f} ms a step whole / spread)"
+    return text
+
+
+def path_text(path: dict) -> str:
+    """', decode path tier (trial: 20.1 / 30.2 ms a step tier / cpu)': the path in force, with what its trial measured
+    where one finished."""
+    measured = path.get("measured_ms") or {}
+    text = f", decode path {path.get('in_force')}" + ("" if path.get("host_tier") else " (no host tier)")
+    if {"tier", "cpu"} <= measured.keys():
+        text += f" (trial: {measured['tier']:.1f} / {measured['cpu']:.1f} ms a step tier / cpu)"
     return text
 
 
@@ -290,7 +301,8 @@ def main() -> None:
                             "misses_copied": stats.misses_copied,
                             "miss_slots": max(model.offload.policy.miss_slots, default=0)})
         decoded = decode_repeats(repeats)
-        split = model.offload.copy_state()["layer_split"]  # the trials' outcome (the traces below re-plan)
+        state = model.offload.copy_state()  # the trials' outcomes (the traces below re-plan)
+        split, path = state["layer_split"], state["decode_path"]
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
         overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
@@ -334,7 +346,7 @@ def main() -> None:
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
              "hit_rate": h, "dense_s_per_token": dense_per_token, "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
-             "misses_read": stats.misses_read, "decode_path": model.offload.copy_state()["decode_path"],
+             "misses_read": stats.misses_read, "decode_path": path,
              "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
              "cpu_average_rate": model.offload.cpu_rate.average, "miss_slots_per_layer": model.offload.policy.miss_slots,
              "copy_prepare_s": getattr(model.offload.stores[0], "prepare_s", None),
@@ -367,7 +379,7 @@ def main() -> None:
               f"(bound {decoded['reference_value']:7.1f}{cpu_only}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f} -> {projected:.1f} tok/s  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
-              + (f"/read {stats.misses_read}" if model.offload.host_tier else "")
+              + f"/read {stats.misses_read}" + path_text(path)
               + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
                  f" a call, average {model.offload.cpu_rate.average / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
@@ -381,7 +393,8 @@ def main() -> None:
         for placement, fig in traced.items():
             print(f"       realistic routing trace (measured), {placement} placement: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
-                  f"cpu/copied {fig['misses_cpu']}/{fig['misses_copied']}", flush=True)
+                  f"cpu/copied/read {fig['misses_cpu']}/{fig['misses_copied']}/{fig['misses_read']}"
+                  + path_text(fig["decode_path"]), flush=True)
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
