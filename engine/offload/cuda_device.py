@@ -321,6 +321,8 @@ class CudaSlots:
         self._reserved = 0
         if self.gpu is not None:
             self.device.quiesce()
+        if self._launched is self.gpu:
+            self._launched = None  # nor kept by the last launch: a host tier's memory goes with its GpuQMoE
         self.gpu = None
         self.num_slots = 0
 

@@ -3,6 +3,7 @@ statistics; re-plans on a loaded model when budgets change."""
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import deque
 from contextlib import contextmanager
@@ -491,9 +492,12 @@ class OffloadEngine:
         self._check_file_backing(config)
         old_counts = [store.num_slots if store is not None else 0 for store in self.stores]
         self.streaming.close()
+        held_tier = self._host_tier
         for store in self.stores:  # release first so the new plan sees the whole budget
             if store is not None:
                 store.release()
+        if held_tier:
+            gc.collect()  # the old tier's page-locked memory freed before a new one is made, were it held in a cycle
         self._release_staging()
         try:
             self.plan = self._plan(config)
