@@ -2,7 +2,8 @@
 
 At 0/25/50/100% of experts resident: decode tokens/s next to its bound (anchors.md:
 t_token >= dense + (1-h)·W_act/(B_dram + B_pcie) + h·W_act/B_hbm, with B_dram, B_pcie and B_hbm
-measured in this run and h the measured hit rate), prefill tokens/s for a 2,048-token prompt
+measured in this run, h the measured hit rate and dense the dense part's time a token measured first with every
+expert resident: dense_reference), prefill tokens/s for a 2,048-token prompt
 against the all-CPU prefill, and the per-layer overhead (Python, synchronisation, launches) left
 when kernel and dense times are taken out: as (experts_s - cpu_s - wait_s) / (steps x layers), and by
 component from bench_overhead's timing wrappers (dense set-up, hybrid-node Python, launches, waiting
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_overhead import instrument, profile_steps, summarise  # noqa: E402
 from benchmarks.common import median_seconds, model_folder, stream_read_bandwidth, write_result  # noqa: E402
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
+from engine.errors import WorkbenchError  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES  # noqa: E402
@@ -101,14 +103,33 @@ def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: in
     return rate
 
 
+def dense_reference(model: LoadedModel, infos, prompt: list[int], tokens: int, warmup: int) -> float | None:
+    """The dense part's seconds a decode token with every expert resident: the bound's dense term. A point's own
+    dense time holds whatever the dense calls wait for on the device: with the host tier a layer's experts run on the
+    dense part's stream and its next dense call waits for their PCIe reads (Qwen3-30B-A3B-like at 0%: 21.5 ms a token
+    of "dense" against 2.5 ms at 100%, RESULTS.md twenty-eighth session), which made the bound looser than the decode
+    it bounds. None where every expert does not fit the device."""
+    try:
+        model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=all_resident_bytes(infos)))
+    except WorkbenchError as exc:
+        print(f"no dense reference (every expert resident does not fit: {exc}); each point's own dense time is used",
+              flush=True)
+        return None
+    decode(model, prompt, tokens, warmup=warmup)
+    profile = model.decoder.profile
+    return profile["dense_s"] / profile["steps"]
+
+
 def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, w_act: float, b_dram: float,
-                 b_pcie: float, b_hbm: float) -> dict:
+                 b_pcie: float, b_hbm: float, dense_s: float | None) -> dict:
     """Decode with every step routed by a realistic trace (TraceRouting): tokens/s after `warmup` trace-routed
-    tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached."""
+    tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached (its dense term
+    `dense_s`, dense_reference; the run's own where None)."""
     rate = traced_decode(model, prompt, tokens, warmup, seed=5)
     stats, profile = model.offload.stats.totals(), model.decoder.profile
     h = stats.hit_rate
-    bound_s = profile["dense_s"] / profile["steps"] + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+    dense = profile["dense_s"] / profile["steps"] if dense_s is None else dense_s
+    bound_s = dense + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
     return {"value": rate, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
             "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h, "misses_cpu": stats.misses_cpu,
             "misses_copied": stats.misses_copied, "misses_read": stats.misses_read,
@@ -278,6 +299,10 @@ def main() -> None:
     _wait_for_population(cpu_model, "the all-CPU model")
     cpu_model.decoder.forward(cpu_model.new_state(), long_prompt[:64])  # untimed: the CPU kernels compiled first
     cpu_prefill = args.prefill_tokens / _timed(lambda: cpu_model.decoder.forward(cpu_model.new_state(), long_prompt))
+    dense_ref = dense_reference(model, infos, short_prompt, args.decode_tokens, args.decode_warmup)
+    if dense_ref is not None:
+        print(f"dense part alone (every expert resident): {dense_ref * 1e3:.2f} ms a token, the bounds' dense term",
+              flush=True)
     figures = []
     for fraction in [float(f) for f in args.fractions.split(",")]:
         # 100% = every expert in a device slot (slots are in the GPU kernels' layout, larger than the stored experts)
@@ -292,10 +317,14 @@ def main() -> None:
             stats, profile = model.offload.stats.totals(), model.decoder.profile
             h = stats.hit_rate
             dense_per_token = profile["dense_s"] / profile["steps"]
-            bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+            dense = dense_per_token if dense_ref is None else dense_ref
+            bound_s = dense + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
             # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
-            cpu_only_bound_s = dense_per_token + (1 - h) * w_act / b_dram + h * w_act / b_hbm
+            cpu_only_bound_s = dense + (1 - h) * w_act / b_dram + h * w_act / b_hbm
+            # as earlier sessions reported it: the point's own dense time (with what its dense calls waited for)
+            point_bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
             repeats.append({"value": rate, "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h,
+                            "ratio_with_the_points_dense_time": rate * point_bound_s,
                             "bound_misses_on_cpu_only": 1 / cpu_only_bound_s,
                             "ratio_to_cpu_only_bound": rate * cpu_only_bound_s, "misses_cpu": stats.misses_cpu,
                             "misses_copied": stats.misses_copied,
@@ -337,14 +366,15 @@ def main() -> None:
             for placement in args.trace_placements.split(","):
                 model.offload.reconfigure(config.updated(placement=placement))
                 traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup, w_act,
-                                                 b_dram, b_pcie, b_hbm)
+                                                 b_dram, b_pcie, b_hbm, dense_ref)
                 figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}, "
                                         f"{placement} placement", **traced[placement]})
             model.offload.reconfigure(config)
         figures += [
             {"name": f"decode tokens/s, {label}", "unit": "tokens/s",
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
-             "hit_rate": h, "dense_s_per_token": dense_per_token, "host_probe_us": probe,
+             "hit_rate": h, "dense_s_per_token": dense_per_token, "dense_reference_s_per_token": dense_ref,
+             "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "misses_read": stats.misses_read, "decode_path": path,
              "cpu_rate": model.offload.cpu_rate.value, "cpu_fixed_s": model.offload.cpu_rate.fixed_s,
