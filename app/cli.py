@@ -163,11 +163,14 @@ def _cmd_inspect(args) -> int:
     report = inspection(folder)
     config, device = _offload_setup(args)
     if config is not None:
+        from engine.offload import decode_path as paths
         from engine.offload.planner import plan_offload
 
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole")
+        mode = args.decode_path or paths.default_decode_path()
+        said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
         report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
-                             "slots": plan.slots, "statements": plan.statements}
+                             "slots": plan.slots, "statements": plan.statements + ([said] if said else [])}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
     return 0 if report["supported"] else 1
 

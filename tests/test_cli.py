@@ -31,6 +31,17 @@ def test_inspect_text_has_verdict():
     assert "runs: all 2 expert nodes are supported" in result.stdout
 
 
+def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tier():
+    result = run_cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated",
+                     "--offload", "device_expert_bytes=200000", "--decode-path", "tier")
+    assert result.returncode == 0, result.stderr
+    statements = json.loads(result.stdout)["offload"]["statements"]
+    assert statements[-1] == ("Cold experts are computed on the CPU: the host tier needs a CUDA device, which reads "
+                              "them from host memory.")
+    result = run_cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "gpu")
+    assert result.returncode == 2 and "invalid choice: 'gpu'" in result.stderr
+
+
 def test_generate_json_greedy_is_deterministic_and_matches_max_tokens():
     args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "12", "--json")
     first, second = run_cli(*args), run_cli(*args)

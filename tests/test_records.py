@@ -215,6 +215,42 @@ def test_sweep_on_the_simulated_device(tmp_path):
     assert all(p.budget_bytes >= best.budget_bytes for p in points if p.projected_completion_s <= fastest * 1.10)
 
 
+def test_a_sweep_holds_the_decode_path_in_force_and_records_it(monkeypatch):
+    """The decode path's trials need more decode steps than a sweep's scenarios give: under auto the sweep holds the
+    path in force (the CPU path here: a simulated device has no host tier) and puts auto back afterwards; each record
+    says which path ran."""
+    import engine.records.sweep as sweep
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="auto")
+    seen = []
+    real = sweep.run_scenario
+
+    def spy(model, *args, **kwargs):
+        seen.append(model.offload.decode_path_mode)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", spy)
+    points = run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2))
+    assert seen == ["cpu"] * 3  # the warm-up and both points
+    assert all(p.records[0].offload["decode_path"]["mode"] == "cpu" for p in points)
+    assert points[0].records[0].offload["decode_path"]["in_force"] == "cpu"
+    assert model.offload.decode_path_mode == "auto"
+
+
+def test_the_pinned_peak_counts_the_host_tier():
+    from engine.records.scenarios import pinned_bytes
+
+    def model(info):
+        return SimpleNamespace(offload=SimpleNamespace(pinned_info=lambda: info))
+
+    assert pinned_bytes(model({"kind": "pinned", "bytes": 64 << 20, "host_tier_bytes": 16 << 30})) == \
+        (64 << 20) + (16 << 30)
+    assert pinned_bytes(model({"kind": "pinned", "bytes": 64 << 20})) == 64 << 20
+    assert pinned_bytes(model({"kind": "accounted", "bytes": 64 << 20})) is None
+    assert pinned_bytes(SimpleNamespace(offload=None)) is None
+
+
 def test_side_by_side_gives_two_records_and_the_divergence(simulated_model):
     model, device = simulated_model
     other = LoadedModel.open(fixture_folder("gptoss"))

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout
 from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html
+from engine.offload import decode_path as paths
 from engine.offload.config import OffloadConfig
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.units import human_bytes
@@ -416,7 +417,7 @@ class BudgetPanel(QWidget):
         self.host_legend.setText(legend_html(est.host_parts, t))
         self._show_pinned(est, choice, config)
         colour = t.error if est.error else t.text
-        statements = est.statements + self._split_statement(est, config)
+        statements = est.statements + self._split_statement(est, config) + self._tier_statement(est, config, choice)
         self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(statements) + "</span>")
         self._update_apply()
         self.estimateChanged.emit(est, config.mode, choice.label)
@@ -432,6 +433,17 @@ class BudgetPanel(QWidget):
         layers = sum(1 for info in self.facts.experts if info.gpu is not None)
         return [f"While decoding, the engine also tries this budget on whole layers ({held} of {layers} layers "
                 f"keeping all their experts) and keeps whichever decodes faster (Layer split)."]
+
+    def _tier_statement(self, est, config: OffloadConfig, choice: DeviceChoice) -> list[str]:
+        """Whether decode will read cold experts on the GPU from a host tier for the plan shown, and the host memory
+        it pins, or why there is none (decode_path.tier_verdict, as the engine asks it at load)."""
+        if est.plan is None:
+            return []
+        mode = self.decode_path.currentData()
+        mode = paths.default_decode_path() if mode == "auto" else mode
+        kind = None if choice.kind == "cpu" or choice.error else choice.kind
+        said = paths.tier_preview(mode, config, self.facts.experts, est.plan.slots, kind)
+        return [said] if said else []
 
     def _show_pinned(self, est, choice: DeviceChoice, config: OffloadConfig) -> None:
         """What pinned_bytes does, live: the ring and the prefill wave it gives, or the engine's refusal;

@@ -64,6 +64,39 @@ def tier_wanted(mode: str, config: OffloadConfig) -> bool:
     return config.mode != "disabled" and config.cpu_execution != "enabled"
 
 
+def tier_bytes(infos) -> int:
+    """Page-locked host memory a host tier maps: every expert of every node the GPU kernels run, in their layout."""
+    return sum(info.spec.num_experts * info.gpu.slot_bytes for info in infos if info.gpu is not None)
+
+
+def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
+                 available: int) -> tuple[bool, str]:
+    """Whether a plan of `slots` per node gets a host tier on a device of `device_kind` ("cuda", "simulated" or None),
+    with `available` bytes of host memory free, and the sentence that tells the user about a wanted tier that is not
+    made ('' where it is made or not wanted: the engine says what it made once it has)."""
+    if not tier_wanted(mode, config) or device_kind is None:
+        return False, ""
+    if device_kind != "cuda":
+        return False, ("Cold experts are computed on the CPU: the host tier needs a CUDA device, which reads them from "
+                       "host memory." if mode == TIER else "")
+    if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
+        return False, ""  # every expert resident: nothing to read from the host
+    refusal = tier_refusal(mode, config, tier_bytes(infos), available)
+    if refusal:
+        return False, f"Cold experts are computed on the CPU: no host tier is made, since {refusal}."
+    return True, ""
+
+
+def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None) -> str:
+    """What a plan of `slots` will do about the host tier, said before the engine makes it (the budget panel, inspect):
+    the host memory a tier would pin, why a wanted one is not made, or '' where none is wanted."""
+    made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available())
+    if made:
+        return (f"Decode can read cold experts on the GPU from a host tier of {human_bytes(tier_bytes(infos))} of "
+                f"page-locked host memory.")
+    return said
+
+
 def tier_refusal(mode: str, config: OffloadConfig, tier_bytes: int, available: int) -> str | None:
     """Why a wanted host tier of `tier_bytes` is not made, with `available` bytes of host memory free; None where it
     is made. Asked for (mode "tier"), only the memory itself refuses it."""

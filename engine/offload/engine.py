@@ -123,24 +123,10 @@ class OffloadEngine:
     def _tier_choice(self, config: OffloadConfig) -> bool:
         """Whether the plan in force under `config` gets the host tier (decode_path.py); tier_statement says what the
         plan tells the user about it."""
-        self.tier_statement = ""
-        if not paths.tier_wanted(self.decode_path_mode, config):
-            return False
-        if getattr(self.device, "kind", None) != "cuda":
-            if self.device is not None and self.decode_path_mode == TIER:
-                self.tier_statement = ("Cold experts are computed on the CPU: the host tier needs a CUDA device, which "
-                                       "reads them from host memory.")
-            return False
-        gpu_infos = [info for info in self.infos if info.gpu is not None]
-        if all(self.plan.slots[info.name] >= info.spec.num_experts for info in gpu_infos):
-            return False  # every expert resident: nothing to read from the host
         # (asked before the stores are made: a re-plan has released them, and a released tier's memory with them)
-        tier_bytes = sum(info.spec.num_experts * info.gpu.slot_bytes for info in gpu_infos)
-        refusal = paths.tier_refusal(self.decode_path_mode, config, tier_bytes, paths.host_available())
-        if refusal:
-            self.tier_statement = f"Cold experts are computed on the CPU: no host tier is made, since {refusal}."
-            return False
-        return True
+        made, self.tier_statement = paths.tier_verdict(self.decode_path_mode, config, self.infos, self.plan.slots,
+                                                       getattr(self.device, "kind", None), paths.host_available())
+        return made
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:
         """Every store made again with the host tier (for `config`, the configuration being put in force); where the

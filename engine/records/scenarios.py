@@ -100,10 +100,10 @@ class PeakSampler:
 
 
 def pinned_bytes(model: LoadedModel) -> int | None:
-    """Page-locked host memory the staging ring holds (allocated at load, held throughout); None without a
-    real one (all-CPU, or the simulated device's accounted ring)."""
+    """Page-locked host memory the staging ring and the host tier hold (allocated at load or re-plan, held
+    throughout); None without a real ring (all-CPU, or the simulated device's accounted ring)."""
     info = model.offload.pinned_info() if model.offload is not None else {}
-    return info["bytes"] if info.get("kind") == "pinned" else None
+    return info["bytes"] + info.get("host_tier_bytes", 0) if info.get("kind") == "pinned" else None
 
 
 def offload_description(model: LoadedModel, device) -> dict:
@@ -111,7 +111,8 @@ def offload_description(model: LoadedModel, device) -> dict:
         return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU."}
     return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
-            "statements": model.offload.plan.statements, "layer_split": model.offload.copy_state()["layer_split"]}
+            "statements": model.offload.plan.statements, "layer_split": model.offload.copy_state()["layer_split"],
+            "decode_path": model.offload.copy_state()["decode_path"]}
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",

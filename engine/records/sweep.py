@@ -2,7 +2,8 @@
 not reloaded) and recommend the smallest budget within a margin of the best. With `splits`, each budget
 that holds some but not all expert layers whole is run with the budget spread over every layer and on whole
 layers (engine/offload/layer_split.py), fixed for the point: the engine's own trials need more decode steps than
-a sweep's scenarios give."""
+a sweep's scenarios give. For the same reason the decode path (engine/offload/decode_path.py) is held at the one in
+force when the sweep starts."""
 
 from __future__ import annotations
 
@@ -115,7 +116,9 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     results = []
     plan = sweep_plan(model, points, splits)
     total_runs = len(plan) * len(scenarios)
-    mode = model.offload.layer_split_mode
+    mode, path = model.offload.layer_split_mode, model.offload.decode_path_mode
+    if path == "auto":  # held for the sweep at the path in force: no trials within the points
+        model.offload.reconfigure(model.offload.config, decode_path=model.offload.decode_path_in_force)
     # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
     # kernel 476 µs per step at the first point against 145 µs when repeated).
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
@@ -139,6 +142,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     finally:
         if model.offload.layer_split_mode != mode:
             model.offload.set_layer_split(mode)
+        if model.offload.decode_path_mode != path:
+            model.offload.reconfigure(model.offload.config, decode_path=path)
 
 
 def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:

@@ -1,0 +1,86 @@
+"""Where decode computes cold experts (engine/offload/decode_path.py): when a host tier is wanted, made or refused
+and what the user is told, and the trials between the tier and the CPU path. The engine's use of them: the stand-in
+CUDA tests (test_cuda_slots_standin.py) and the GPU tests (test_offload_cuda.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.errors import WorkbenchError
+from engine.offload import OffloadConfig
+from engine.offload import decode_path as paths
+from engine.offload.decode_path import DecodePathTrials, checked_path, tier_bytes, tier_verdict, tier_wanted
+
+GIB = 1 << 30
+
+
+def node(name: str, experts: int = 8, slot_bytes: int = GIB // 8, gpu: bool = True):
+    """An expert node's facts as the decode path reads them (ExpertNodeInfo's name, spec and gpu footprint)."""
+    return SimpleNamespace(name=name, spec=SimpleNamespace(num_experts=experts),
+                           gpu=SimpleNamespace(slot_bytes=slot_bytes) if gpu else None)
+
+
+NODES = [node("a"), node("b"), node("c", gpu=False)]  # c: a layout the GPU kernels do not run (no tier row)
+HALF = {"a": 4, "b": 4, "c": 0}
+
+
+@pytest.mark.parametrize("mode, mode_key, cpu_execution, wanted", [
+    ("auto", "auto", "auto", True), ("auto", "auto", "disabled", True), ("auto", "auto", "enabled", False),
+    ("auto", "disabled", "auto", False), ("cpu", "auto", "auto", False), ("tier", "auto", "enabled", True)])
+def test_a_tier_is_wanted_from_the_decode_path_and_cpu_execution(mode, mode_key, cpu_execution, wanted):
+    assert tier_wanted(mode, OffloadConfig(mode=mode_key, cpu_execution=cpu_execution)) is wanted
+
+
+def test_a_tier_holds_every_expert_of_the_nodes_the_gpu_runs():
+    assert tier_bytes(NODES) == 2 * 8 * (GIB // 8) == 2 * GIB
+
+
+def test_the_verdict_makes_a_tier_where_the_host_spares_it_and_says_why_not_elsewhere():
+    auto = OffloadConfig()
+    assert tier_verdict("auto", auto, NODES, HALF, "cuda", 5 * GIB) == (True, "")
+    made, said = tier_verdict("auto", auto, NODES, HALF, "cuda", 3 * GIB)  # 2 GiB > half of 3
+    assert not made and said == ("Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB of "
+                                 "page-locked experts exceed 50% of the host memory available (3.0 GiB).")
+    assert tier_verdict("tier", auto, NODES, HALF, "cuda", 3 * GIB) == (True, "")  # asked for: the memory alone
+    made, said = tier_verdict("tier", auto, NODES, HALF, "cuda", GIB)
+    assert not made and said.endswith("its 2.0 GiB of page-locked experts exceed the host memory available "
+                                      "(1.0 GiB).")
+    made, said = tier_verdict("auto", OffloadConfig(pinned_bytes=64 << 20), NODES, HALF, "cuda", 100 * GIB)
+    assert not made and "pinned_bytes=67108864 bounds page-locked memory to the staging ring, and the tier pins " \
+                        "2.0 GiB" in said
+    # every expert resident, or no device, or a tier not wanted: nothing made and nothing said
+    assert tier_verdict("auto", auto, NODES, {"a": 8, "b": 8, "c": 0}, "cuda", 100 * GIB) == (False, "")
+    assert tier_verdict("auto", auto, NODES, HALF, None, 100 * GIB) == (False, "")
+    assert tier_verdict("cpu", auto, NODES, HALF, "cuda", 100 * GIB) == (False, "")
+    # a simulated device has no host memory to read from: said only where the tier was asked for
+    assert tier_verdict("auto", auto, NODES, HALF, "simulated", 100 * GIB) == (False, "")
+    assert tier_verdict("tier", auto, NODES, HALF, "simulated", 100 * GIB) == (
+        False, "Cold experts are computed on the CPU: the host tier needs a CUDA device, which reads them from host "
+               "memory.")
+
+
+def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):
+    monkeypatch.setattr(paths, "host_available", lambda: 100 * GIB)
+    assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda") == (
+        "Decode can read cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory.")
+    monkeypatch.setattr(paths, "host_available", lambda: GIB)
+    assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda").startswith(
+        "Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB")
+
+
+def test_the_trials_keep_the_tier_unless_the_cpu_path_is_faster_by_the_margin():
+    trials = DecodePathTrials(first=0, settle=0, window=2, recheck=100, margin=0.05)
+    asked = [trials.step(seconds, 1) for seconds in (0.020, 0.020, 0.0195, 0.0195, 0.021, 0.021)]
+    assert asked == [None, "cpu", None, "tier", None, None]  # tier, cpu, tier again: the CPU not 5% faster
+    assert trials.choice == "tier" and trials.measured == {"tier": pytest.approx(0.020), "cpu": pytest.approx(0.0195)}
+    trials = DecodePathTrials(first=0, settle=0, window=1, recheck=100, margin=0.05)
+    asked = [trials.step(seconds, 1) for seconds in (0.030, 0.020, 0.030)]
+    assert asked == ["cpu", "tier", "cpu"] and trials.choice == "cpu" and trials.trials == 1
+    assert trials.step(0.5, 12) is None  # a prefill step is not timed
+
+
+def test_an_unknown_decode_path_is_named():
+    with pytest.raises(WorkbenchError, match="decode path 'gpu': one of auto, cpu, tier"):
+        checked_path("gpu")
