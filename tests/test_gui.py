@@ -563,7 +563,8 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     # the decode path: this app's own setting too, applied without reload
     budget.decode_path.setCurrentIndex(budget.decode_path.findData("tier"))
     qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
-    assert "the host tier needs a CUDA device" in budget.statements.text()  # the estimate says so before applying
+    # the estimate says so before applying
+    qtbot.waitUntil(lambda: "the host tier needs a CUDA device" in budget.statements.text(), timeout=WAIT)
     assert budget.apply_button.text() == "Apply"
     budget.apply_button.click()
     qtbot.waitUntil(lambda: engine.decode_path_mode == "tier" and not window.busy, timeout=WAIT)

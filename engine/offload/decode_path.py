@@ -6,10 +6,11 @@ The CPU path costs the CPU kernel plus the host round trip of every partly resid
 routing, the miss policy, the merge on the device: ~300 µs a layer for Qwen3-30B-A3B-like on the H200 machine); the
 tier costs the PCIe read of the cold experts and no host work (the layer runs as a fully resident one). Which one is
 faster depends on the machine (PCIe against the CPU's memory bandwidth and cores) and on how many experts are cold:
-on the H200 machine the tier decoded Qwen3-30B-A3B-like 1.02x / 1.29x / 1.85x as fast at 0 / 25 / 50% resident
-(RESULTS.md, twenty-seventh session), while its CPU kernel alone read twice as fast as PCIe at gpt-oss-20B's shape.
-So under cpu_execution=auto the engine measures both (trials.py), the tier preferred on a tie: it leaves the CPU to
-the user's other work. cpu_execution=disabled keeps cold experts off the CPU, so the tier is the decode path there;
+on the H200 machine the tier decoded 1.02-1.85x as fast at 0 / 25 / 50% resident on Qwen3-30B-A3B-like and
+1.08-1.40x on gpt-oss-20B-like, whose CPU kernel alone reads twice as fast as PCIe (RESULTS.md, twenty-seventh and
+twenty-eighth sessions); a CPU with more memory bandwidth or a slower PCIe link can turn that round. So under
+cpu_execution=auto the engine measures both (trials.py), the tier preferred on a tie: it leaves the CPU to the user's
+other work. cpu_execution=disabled keeps cold experts off the CPU, so the tier is the decode path there;
 cpu_execution=enabled keeps them on the CPU, so no tier is made.
 
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
@@ -81,7 +82,7 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
                        "host memory." if mode == TIER else "")
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
-    refusal = tier_refusal(mode, config, tier_bytes(infos), available)
+    refusal = _refusal(mode, config, tier_bytes(infos), available)
     if refusal:
         return False, f"Cold experts are computed on the CPU: no host tier is made, since {refusal}."
     return True, ""
@@ -97,18 +98,18 @@ def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
     return said
 
 
-def tier_refusal(mode: str, config: OffloadConfig, tier_bytes: int, available: int) -> str | None:
-    """Why a wanted host tier of `tier_bytes` is not made, with `available` bytes of host memory free; None where it
-    is made. Asked for (mode "tier"), only the memory itself refuses it."""
-    if tier_bytes > available:
-        return (f"its {human_bytes(tier_bytes)} of page-locked experts exceed the host memory available "
+def _refusal(mode: str, config: OffloadConfig, nbytes: int, available: int) -> str | None:
+    """Why a wanted host tier of `nbytes` is not made, with `available` bytes of host memory free; None where it is
+    made. Asked for (mode "tier"), only the memory itself refuses it."""
+    if nbytes > available:
+        return (f"its {human_bytes(nbytes)} of page-locked experts exceed the host memory available "
                 f"({human_bytes(available)})")
     if mode == TIER:
         return None
     if config.pinned_bytes is not None:
         return (f"pinned_bytes={config.pinned_bytes} bounds page-locked memory to the staging ring, and the tier pins "
-                f"{human_bytes(tier_bytes)}")
-    if tier_bytes > HOST_SHARE * available:
-        return (f"its {human_bytes(tier_bytes)} of page-locked experts exceed {HOST_SHARE:.0%} of the host memory "
+                f"{human_bytes(nbytes)}")
+    if nbytes > HOST_SHARE * available:
+        return (f"its {human_bytes(nbytes)} of page-locked experts exceed {HOST_SHARE:.0%} of the host memory "
                 f"available ({human_bytes(available)})")
     return None

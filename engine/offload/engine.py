@@ -191,7 +191,7 @@ class OffloadEngine:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
         earns (None until enough copies were made), the decode streaming slots of each layout (streaming.py), and
         what it prices the CPU's misses at (CpuRate: bytes per second of a miss, None until measured, and seconds
-        per kernel call, 0 until fitted)."""
+        per kernel call, 0 until fitted); the layer split and the decode path, each with its trials' state."""
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
                 "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s,
