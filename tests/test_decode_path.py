@@ -54,11 +54,9 @@ def test_the_verdict_makes_a_tier_where_the_host_spares_it_and_says_why_not_else
     assert tier_verdict("auto", auto, NODES, {"a": 8, "b": 8, "c": 0}, "cuda", 100 * GIB) == (False, "")
     assert tier_verdict("auto", auto, NODES, HALF, None, 100 * GIB) == (False, "")
     assert tier_verdict("cpu", auto, NODES, HALF, "cuda", 100 * GIB) == (False, "")
-    # a simulated device has no host memory to read from: said only where the tier was asked for
-    assert tier_verdict("auto", auto, NODES, HALF, "simulated", 100 * GIB) == (False, "")
-    assert tier_verdict("tier", auto, NODES, HALF, "simulated", 100 * GIB) == (
-        False, "Cold experts are computed on the CPU: the host tier needs a CUDA device, which reads them from host "
-               "memory.")
+    # the simulated device simulates a tier by the same rule (its bytes counted, its reads priced)
+    assert tier_verdict("auto", auto, NODES, HALF, "simulated", 5 * GIB) == (True, "")
+    assert tier_verdict("auto", auto, NODES, HALF, "simulated", 3 * GIB)[0] is False
 
 
 def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):

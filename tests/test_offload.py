@@ -70,11 +70,13 @@ def device_expert_bytes(model_folder) -> int:
 @pytest.mark.parametrize("placement", ["static", "adaptive"])
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 @pytest.mark.parametrize("cpu_execution", ["auto", "disabled"])
-def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fraction, cpu_execution):
+@pytest.mark.parametrize("decode_path", ["cpu", "tier"])
+def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fraction, cpu_execution, decode_path):
     budget = int(fraction * device_expert_bytes(model_folder))
     config = OffloadConfig(placement=placement, device_expert_bytes=budget, cpu_execution=cpu_execution)
     device = SimulatedDevice(1 << 30)
-    model = LoadedModel.open(model_folder, offload=config, device=device)
+    model = LoadedModel.open(model_folder, offload=config, device=device, decode_path=decode_path)
+    assert model.offload.host_tier is (decode_path == "tier" and fraction < 1.0)
     logits, tokens = greedy_run(model)
     ref_logits, ref_tokens = cpu_run
     assert tokens == ref_tokens
@@ -91,18 +93,57 @@ def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fractio
         assert stats.cpu_s == 0.0  # every cold expert went to the device
 
 
-def test_the_host_tier_needs_a_cuda_device(model_folder):
-    """Decode path 'tier': the GPU reads cold experts from page-locked host memory; the simulated device has none to
-    read, so asking for it there is refused by name and leaves the path as it was; under 'auto' no tier is made and
-    the plan says nothing about one."""
-    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
-    with pytest.raises(WorkbenchError, match="decode path 'tier' needs a CUDA device"):
-        model.offload.set_decode_path("tier")
-    assert model.offload.host_tier is False and not any(store.reads_cold for store in model.offload.stores)
-    assert model.offload.decode_path_mode == "cpu" and model.offload.decode_path_in_force == "cpu"
-    model.offload.set_decode_path("auto")
-    assert model.offload.host_tier is False and model.offload.decode_path_in_force == "cpu"
-    assert not any("host tier" in said for said in model.offload.plan.statements)
+def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):
+    """Decode path 'tier' on the simulated device: the tier's host bytes counted (no device bytes), decode steps of
+    partly resident layers routed and computed on the "device" as fully resident ones are, with the all-CPU run's
+    tokens, their cold pairs counted as read; each such step's modelled device time prices the experts in a slot at
+    HBM and the others at TIER_READ_SHARE of PCIe. Without a device the path is refused by name."""
+    from engine.offload.devices import TIER_READ_SHARE
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 2),
+                             device=device, decode_path="tier")
+    engine = model.offload
+    used = device.memory.used
+    assert engine.host_tier and engine.decode_path_in_force == "tier"
+    store = engine.stores[0]
+    assert engine.pinned_info()["host_tier_bytes"] == SPEC.layers * SPEC.num_experts * store.expert_bytes
+    assert any(said.startswith("The GPU can read cold experts from a host tier of ") and "as asked" in said
+               for said in engine.plan.statements)
+    timed = []
+    real = engine.stores[1].launch_routed
+
+    def spy(x, logits, router_weights):
+        result, pending = real(x, logits, router_weights)
+        timed.append((pending[0].copy(), pending[1]))
+        return result, pending
+
+    engine.stores[1].launch_routed = spy
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = engine.stats.totals()
+    assert totals.misses_read > 0 and engine.stats.phases["decode"].cpu_s == 0.0
+    assert len(timed) == STEPS and device.memory.used == used
+    held = set(engine.slots[1].resident().tolist())
+    bw = device.bandwidths
+    logits, seconds = timed[-1]  # the last step: placement has not moved since it ran
+    ids = np.argsort(-logits, axis=1)[:, :SPEC.top_k].ravel().tolist()
+    resident, cold = len(set(ids) & held), len(set(ids) - held)
+    assert seconds == pytest.approx(store.read_bytes * (resident / bw.hbm + cold / (TIER_READ_SHARE * bw.pcie)))
+    engine.set_decode_path("cpu")
+    assert not engine.host_tier and "host_tier_bytes" not in engine.pinned_info()
+    with pytest.raises(WorkbenchError, match="decode path 'tier' needs a GPU"):
+        engine_without_device(model_folder).set_decode_path("tier")
+
+
+def engine_without_device(model_folder):
+    """An offload engine planned for no device: every expert node runs on the CPU."""
+    from engine.expert_node import CpuExpertNode
+    from engine.offload.engine import OffloadEngine
+
+    steps = LoadedModel.open(model_folder).decoder.steps
+    runners = [step for step in steps if isinstance(step, CpuExpertNode)]
+    assert len(runners) == SPEC.layers
+    return OffloadEngine(runners, OffloadConfig(), None)
 
 
 def test_high_water_mark_never_exceeds_the_limit(model_folder):

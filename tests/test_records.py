@@ -217,8 +217,8 @@ def test_sweep_on_the_simulated_device(tmp_path):
 
 def test_a_sweep_holds_the_decode_path_in_force_and_records_it(monkeypatch):
     """The decode path's trials need more decode steps than a sweep's scenarios give: under auto the sweep holds the
-    path in force (the CPU path here: a simulated device has no host tier) and puts auto back afterwards; each record
-    says which path ran."""
+    path in force (the CPU path here: every expert fits the default budget, so no tier is made) and puts auto back
+    afterwards; each record says which path ran."""
     import engine.records.sweep as sweep
 
     device = SimulatedDevice(1 << 30)

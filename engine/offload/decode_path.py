@@ -11,7 +11,8 @@ on the H200 machine the tier decoded 1.02-1.85x as fast at 0 / 25 / 50% resident
 twenty-eighth sessions); a CPU with more memory bandwidth or a slower PCIe link can turn that round. So under
 cpu_execution=auto the engine measures both (trials.py), the tier preferred on a tie: it leaves the CPU to the user's
 other work. cpu_execution=disabled keeps cold experts off the CPU, so the tier is the decode path there;
-cpu_execution=enabled keeps them on the CPU, so no tier is made.
+cpu_execution=enabled keeps them on the CPU, so no tier is made. The simulated device simulates the tier
+(devices.py: its bytes counted, its reads priced at PCIe's rate), so that its projections follow the same path.
 
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
 a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto' and the tier takes
@@ -72,14 +73,12 @@ def tier_bytes(infos) -> int:
 
 def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
                  available: int) -> tuple[bool, str]:
-    """Whether a plan of `slots` per node gets a host tier on a device of `device_kind` ("cuda", "simulated" or None),
-    with `available` bytes of host memory free, and the sentence that tells the user about a wanted tier that is not
-    made ('' where it is made or not wanted: the engine says what it made once it has)."""
+    """Whether a plan of `slots` per node gets a host tier on a device of `device_kind` ("cuda", "simulated": the
+    simulated device counts the tier's bytes and prices its reads; None: no device), with `available` bytes of host
+    memory free, and the sentence that tells the user about a wanted tier that is not made ('' where it is made or
+    not wanted: the engine says what it made once it has)."""
     if not tier_wanted(mode, config) or device_kind is None:
         return False, ""
-    if device_kind != "cuda":
-        return False, ("Cold experts are computed on the CPU: the host tier needs a CUDA device, which reads them from "
-                       "host memory." if mode == TIER else "")
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
     refusal = _refusal(mode, config, tier_bytes(infos), available)

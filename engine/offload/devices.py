@@ -19,6 +19,9 @@ from engine.offload.staging import PinnedRing
 from kernels.cpu.routing import route
 
 GIB = 1 << 30
+# A decode kernel reads experts in page-locked host memory (the host tier) at this share of the pinned copy's rate
+# (RESULTS.md, twenty-seventh session: 0.90-0.92 on the H200 machine)
+TIER_READ_SHARE = 0.9
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,6 @@ class SimulatedSlots:
     LayerStats.standin_s; engine/offload/projection.py takes it out of the measured time).
     """
 
-    reads_cold = False  # no host tier here (CudaSlots.reads_cold)
-
     def __init__(self, device: "SimulatedDevice", runner, num_slots: int):
         self.device, self.name, self.kernel = device, runner.info.name, runner.kernel
         gpu = runner.info.gpu
@@ -54,7 +55,12 @@ class SimulatedSlots:
         self.read_bytes = gpu.read_bytes    # what computing one resident expert reads from device memory
         self.wave_bytes = gpu.wave_bytes    # what a prefill wave copies per expert
         self.stored_bytes = runner.info.bytes_per_expert  # a wave's rows as gathered into the pinned ring
+        self.num_experts = runner.info.spec.num_experts
         self.num_slots = 0
+        # every expert also in host memory, read there by decode launches where it is in no slot (CudaSlots' host
+        # tier): its bytes counted, its reads priced at TIER_READ_SHARE of PCIe; set by the offload engine
+        self.host_tier = False
+        self._held = np.full(0, -1)  # the expert each slot holds: what a routed launch reads from device memory
         self.standin_s = 0.0
         self._merged: dict = {}  # merge_on_device's results, by shape and dtype
         self.resize(num_slots)
@@ -66,15 +72,27 @@ class SimulatedSlots:
         elif delta < 0:
             self.device.memory.release(-delta, f"expert slots of {self.name}")
         self.num_slots = num_slots
+        self._held = np.full(num_slots, -1)
 
     def release(self) -> None:
         self.resize(0)
+
+    @property
+    def reads_cold(self) -> bool:
+        """Whether a decode launch from the slots also computes the experts in no slot (read from the host tier)."""
+        return self.host_tier
+
+    @property
+    def host_tier_bytes(self) -> int:
+        """Host memory the host tier would hold for this node (0 without it): every expert in the kernels' layout."""
+        return self.num_experts * self.expert_bytes if self.host_tier else 0
 
     def load(self, slot: int, expert: int) -> float:
         """Copy one expert into a slot; returns the modelled copy time."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"{self.name}: slot {slot} of {self.num_slots}")
         self.device.through_pinned([self.expert_bytes])
+        self._held[slot] = expert
         return self.device.copy_seconds(self.expert_bytes)
 
     def stream(self, streaming: "SimulatedStreamingSlots", experts: list[int]) -> float:
@@ -148,7 +166,12 @@ class SimulatedSlots:
         ids, weights = route(logits, spec, router_weights)
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, ids, weights, out=out)
-        seconds = len(set(ids.ravel().tolist())) * self.read_bytes / self.device.bandwidths.hbm
+        used = set(ids.ravel().tolist())
+        seconds = len(used) * self.read_bytes / self.device.bandwidths.hbm
+        if self.host_tier:  # the experts in no slot read from host memory over PCIe instead
+            cold = len(used - set(self._held.tolist()))
+            seconds += cold * self.read_bytes * (1 / (TIER_READ_SHARE * self.device.bandwidths.pcie)
+                                                 - 1 / self.device.bandwidths.hbm)
         result = out.astype(x.dtype, copy=False).reshape(x.shape)
         return result, (logits, seconds, time.perf_counter() - started)
 

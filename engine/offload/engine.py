@@ -115,7 +115,7 @@ class OffloadEngine:
 
     @property
     def host_tier(self) -> bool:
-        """Whether every CUDA store has the host tier: the experts in no GPU slot in page-locked host memory, which
+        """Whether every device store has the host tier: the experts in no GPU slot in page-locked host memory, which
         decode launches read on the GPU (GpuQMoE's host tier, kernels/gpu/host_tier.py), so that a layer's step needs
         no host round trip (HybridExpertNode). decode_path.py says when the engine makes it (set_decode_path)."""
         return self._host_tier
@@ -446,11 +446,12 @@ class OffloadEngine:
 
     def set_decode_path(self, mode: str) -> None:
         """"auto", "cpu" or "tier" (decode_path.py): a re-plan of the configuration in force makes or drops the host
-        tier where that changes it; the trials start again. "tier" where the tier cannot be made (a CPU
-        or simulated device, the host's memory, the driver): a WorkbenchError saying why, the path as it was."""
+        tier where that changes it; the trials start again. "tier" where the tier cannot be made (no device, the
+        host's memory, the driver): a WorkbenchError saying why, the path as it was."""
         mode, before = checked_path(mode), self.decode_path_mode
-        if mode == TIER and getattr(self.device, "kind", None) != "cuda":
-            raise WorkbenchError("decode path 'tier' needs a CUDA device: the GPU reads the experts from host memory")
+        if mode == TIER and self.device is None:
+            raise WorkbenchError("decode path 'tier' needs a GPU (CUDA or simulated): it reads the experts from host "
+                                 "memory")
         self.reconfigure(self.config, decode_path=mode)
         if mode == TIER and not self._host_tier and self.tier_statement:
             refused = self.tier_statement
