@@ -238,6 +238,17 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     view.right_entries.setPlainText("layer_split=layers")
     view.bar.run_button.click()
     assert "layer_split=layers: one of auto, spread, whole" in window.last_error
+    # B with the cold experts read from the host tier (the simulated GPU simulates it): the same answer
+    view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}\ndecode_path=tier")
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    a, b = view.result.comparison.records
+    assert view.result.comparison.divergence is None and "decode_path=tier" in b.label
+    assert b.offload["decode_path"]["in_force"] == "tier" and a.offload["decode_path"]["in_force"] == "cpu"
+    assert "session.moe.offload.decode_path" not in b.offload["entries"]
+    view.right_entries.setPlainText("decode_path=gpu")
+    view.bar.run_button.click()
+    assert "decode_path=gpu: one of auto, cpu, tier" in window.last_error
     # another model folder, both at once: the first differing token is highlighted in both columns
     view.right_folder.setText(str(fixture_folder("qwen35moe")))
     view.right_entries.setPlainText("")
@@ -255,7 +266,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
         assert f"background-color:{theme.current().warn}" in marked  # the highlighted token
         assert marked.count("background-color:") == 1
         assert column.answer.toPlainText().startswith("".join(pieces[:divergence]))
-    assert len(window.history.ids()) == 6
+    assert len(window.history.ids()) == 8  # four comparisons ran, two records each
 
 
 def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):

@@ -240,7 +240,7 @@ class SideBySideResult:
 @dataclass
 class SideBySideJob:
     """Left: the loaded model as it is. Right: `right_folder` (default: the same folder) loaded
-    again with `right_entries` (and `right_layer_split`; None: the engine's default), on a device like the
+    again with `right_entries` (and `right_layer_split`, `right_decode_path`; None: the engine's defaults), on a device like the
     left's. One prompt, both answers, a record each (saved unless cancelled)."""
     prompt: str
     max_new_tokens: int
@@ -250,6 +250,7 @@ class SideBySideJob:
     history_path: str | None = None
     labels: tuple[str, str] = ("A: current", "B: modified")
     right_layer_split: str | None = None
+    right_decode_path: str | None = None
 
     def __call__(self, ctx: JobContext) -> SideBySideResult:
         left = ctx.loaded()
@@ -268,7 +269,7 @@ class SideBySideJob:
         device = ctx.make_device(ctx.device_choice, config)
         try:
             right = LoadedModel.open(folder, progress=load_progress, offload=config, device=device,
-                                     layer_split=self.right_layer_split)
+                                     layer_split=self.right_layer_split, decode_path=self.right_decode_path)
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
         settle(ctx, right, 0.5, "the right side")

@@ -17,18 +17,21 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SideBySideJob, SideBySideResult
 from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
+from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
 
 KIND = "comparing"
 STATS = ("first token", "decode", "total", "tokens")
 
 
-SPLIT_KEY = "layer_split"  # this app's own setting beside onnxruntime's keys (engine/offload/layer_split.py)
+# this app's own settings beside onnxruntime's keys (engine/offload/layer_split.py, decode_path.py), with their values
+SPLIT_KEY, PATH_KEY = "layer_split", "decode_path"
+OWN_KEYS = {SPLIT_KEY: SPLIT_MODES, PATH_KEY: PATH_MODES}
 
 
 def parse_entries(text: str) -> dict:
-    """key=value lines (onnxruntime names, short names allowed, and layer_split=auto|spread|whole); # starts a
-    comment."""
+    """key=value lines (onnxruntime names, short names allowed, layer_split=auto|spread|whole and
+    decode_path=auto|cpu|tier); # starts a comment."""
     entries = {}
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
@@ -38,16 +41,16 @@ def parse_entries(text: str) -> dict:
         if not eq or not key.strip():
             raise WorkbenchError(f"line {number} of B's settings, {line!r}: expected KEY=VALUE")
         entries[key.strip()] = value.strip()
-    split = entries.get(SPLIT_KEY)
-    if split is not None and split not in SPLIT_MODES:
-        raise WorkbenchError(f"B's settings: layer_split={split}: one of {', '.join(SPLIT_MODES)}")
+    for key, modes in OWN_KEYS.items():
+        if key in entries and entries[key] not in modes:
+            raise WorkbenchError(f"B's settings: {key}={entries[key]}: one of {', '.join(modes)}")
     offload_entries(entries)  # names and values checked here, before anything runs
     return entries
 
 
 def offload_entries(entries: dict) -> OffloadConfig:
-    """The offload configuration of B's entries (all but the layer split)."""
-    return OffloadConfig.from_entries({key: value for key, value in entries.items() if key != SPLIT_KEY})
+    """The offload configuration of B's entries (all but this app's own settings)."""
+    return OffloadConfig.from_entries({key: value for key, value in entries.items() if key not in OWN_KEYS})
 
 
 def entries_text(entries: dict) -> str:
@@ -144,7 +147,7 @@ class SideBySideView(QWidget):
         self.right_entries.setAccessibleName("B's offload settings")
         self.right_entries.setPlaceholderText("B's offload settings, KEY=VALUE per line, e.g.\n"
                                               "device_expert_bytes=0\nplacement=static\nmin_expert_weight=0.1\n"
-                                              "layer_split=whole (this app's own: spread / whole / auto)")
+                                              "layer_split=whole, decode_path=cpu (this app's own)")
         self.right_entries.setMaximumHeight(90)
         self.reset_button = QPushButton("Same as A")
         self.reset_button.setToolTip("B's settings: a copy of the loaded model's, to edit")
@@ -202,8 +205,7 @@ class SideBySideView(QWidget):
         changed = [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(config_entries.items())
                    if self.loaded_entries.get(k) != v]
         dropped = [k.rsplit(".", 1)[-1] + " default" for k in self.loaded_entries if k not in config_entries]
-        if SPLIT_KEY in entries:
-            changed.append(f"{SPLIT_KEY}={entries[SPLIT_KEY]}")
+        changed += [f"{key}={entries[key]}" for key in OWN_KEYS if key in entries]
         what = ", ".join(changed + dropped) or "same settings"
         b_name = Path(folder).name if folder else name
         return f"A: {name} as loaded", f"B: {b_name} · {what}"
@@ -226,9 +228,9 @@ class SideBySideView(QWidget):
         self.right.setTitle(labels[1])
         self.divergence.setText("")
         self.result = None
-        split = entries.pop(SPLIT_KEY, None)
+        split, path = entries.pop(SPLIT_KEY, None), entries.pop(PATH_KEY, None)
         job = SideBySideJob(prompt, self.max_tokens.value(), entries, folder, self.concurrent.isChecked(),
-                            self.history_path, labels, right_layer_split=split)
+                            self.history_path, labels, right_layer_split=split, right_decode_path=path)
         self.bar.start("Loading B…")
         self.jobRequested.emit(KIND, job)
 
