@@ -129,6 +129,11 @@ def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):
     ids = np.argsort(-logits, axis=1)[:, :SPEC.top_k].ravel().tolist()
     resident, cold = len(set(ids) & held), len(set(ids) - held)
     assert seconds == pytest.approx(store.read_bytes * (resident / bw.hbm + cold / (TIER_READ_SHARE * bw.pcie)))
+    engine.reconfigure(engine.config.updated(cpu_execution="enabled"))  # the path asked for wins over it
+    assert engine.host_tier and engine.decode_path_in_force == "tier"
+    engine.set_decode_path("auto")  # ... where under auto, enabled keeps cold experts on the CPU: no tier
+    assert not engine.host_tier and engine.decode_path_in_force == "cpu"
+    engine.set_decode_path("tier")
     engine.set_decode_path("cpu")
     assert not engine.host_tier and "host_tier_bytes" not in engine.pinned_info()
     with pytest.raises(WorkbenchError, match="decode path 'tier' needs a GPU"):

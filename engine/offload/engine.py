@@ -140,9 +140,7 @@ class OffloadEngine:
             self._update_path()
             return False
         held = sum(store.host_tier_bytes for store in self.stores if store is not None)
-        if self._path_under(config) == CPU:
-            said = "but decode computes them on the CPU (cpu_execution=enabled or decode path 'cpu')"
-        elif self.decode_path_mode == TIER:
+        if self.decode_path_mode == TIER:
             said = "as asked (decode path 'tier')"
         elif config.cpu_execution == "disabled":
             said = "as cpu_execution=disabled keeps them off the CPU"
@@ -163,13 +161,12 @@ class OffloadEngine:
 
     @property
     def decode_path_in_force(self) -> str:
-        """"tier" where decode steps read cold experts from the host tier now, else "cpu"."""
-        return self._path_under(self.config)
-
-    def _path_under(self, config: OffloadConfig) -> str:
-        if not self._host_tier or self.decode_path_mode == CPU or config.cpu_execution == "enabled":
+        """"tier" where decode steps read cold experts from the host tier now, else "cpu". A decode path asked for wins
+        over cpu_execution, which says what "auto" does (decode_path.tier_wanted): disabled reads from the tier, auto
+        takes what the trials chose."""
+        if not self._host_tier or self.decode_path_mode == CPU:
             return CPU
-        if self.decode_path_mode == TIER or config.cpu_execution == "disabled":
+        if self.decode_path_mode == TIER or self.config.cpu_execution == "disabled":
             return TIER
         return self.path_trials.choice
 
