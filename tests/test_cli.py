@@ -36,8 +36,8 @@ def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tie
                      "--offload", "device_expert_bytes=200000", "--decode-path", "tier")
     assert result.returncode == 0, result.stderr
     statements = json.loads(result.stdout)["offload"]["statements"]
-    assert statements[-1].startswith("Decode can read cold experts on the GPU from a host tier of ")
-    assert statements[-1].endswith(" KiB of page-locked host memory.")
+    assert statements[-1].startswith("Instead, decode reads cold experts on the GPU from a host tier of ")
+    assert statements[-1].endswith(" KiB of page-locked host memory, as asked (decode path 'tier').")
     result = run_cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "gpu")
     assert result.returncode == 2 and "invalid choice: 'gpu'" in result.stderr
 

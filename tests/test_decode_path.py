@@ -62,7 +62,11 @@ def test_the_verdict_makes_a_tier_where_the_host_spares_it_and_says_why_not_else
 def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):
     monkeypatch.setattr(paths, "host_available", lambda: 100 * GIB)
     assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda") == (
-        "Decode can read cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory.")
+        "Decode can also read cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory: while "
+        "decoding the engine times that against the CPU and keeps the faster.")
+    assert paths.tier_preview("auto", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (
+        "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory "
+        "(cpu_execution=disabled).")
     monkeypatch.setattr(paths, "host_available", lambda: GIB)
     assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda").startswith(
         "Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB")

@@ -564,13 +564,13 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     budget.decode_path.setCurrentIndex(budget.decode_path.findData("tier"))
     qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
     # the estimate says so before applying: the simulated GPU simulates the tier
-    qtbot.waitUntil(lambda: "Decode can read cold experts on the GPU from a host tier of" in budget.statements.text(),
+    qtbot.waitUntil(lambda: "decode reads cold experts on the GPU from a host tier of" in budget.statements.text(),
                     timeout=WAIT)
     assert budget.apply_button.text() == "Apply"
     budget.apply_button.click()
     qtbot.waitUntil(lambda: engine.decode_path_mode == "tier" and not window.busy, timeout=WAIT)
     assert window.model_settings(str(path))["decode_path"] == "tier"
-    qtbot.waitUntil(lambda: "The GPU can read cold experts from a host tier of" in window.model_panel.landed.text(),
+    qtbot.waitUntil(lambda: "decode reads cold experts on the GPU from a host tier of" in window.model_panel.landed.text(),
                     timeout=WAIT)
     assert engine.decode_path_in_force == "tier" and engine.host_tier
     qtbot.waitUntil(lambda: "Layer split fixed: spread over every layer." in window.model_panel.landed.text(),

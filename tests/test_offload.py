@@ -108,7 +108,8 @@ def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):
     assert engine.host_tier and engine.decode_path_in_force == "tier"
     store = engine.stores[0]
     assert engine.pinned_info()["host_tier_bytes"] == SPEC.layers * SPEC.num_experts * store.expert_bytes
-    assert any(said.startswith("The GPU can read cold experts from a host tier of ") and "as asked" in said
+    assert any(said.startswith("Instead, decode reads cold experts on the GPU from a host tier of ") and
+               said.endswith("as asked (decode path 'tier').")
                for said in engine.plan.statements)
     timed = []
     real = engine.stores[1].launch_routed

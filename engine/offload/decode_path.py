@@ -91,10 +91,18 @@ def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
     """What a plan of `slots` will do about the host tier, said before the engine makes it (the budget panel, inspect):
     the host memory a tier would pin, why a wanted one is not made, or '' where none is wanted."""
     made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available())
-    if made:
-        return (f"Decode can read cold experts on the GPU from a host tier of {human_bytes(tier_bytes(infos))} of "
-                f"page-locked host memory.")
-    return said
+    return tier_sentence(mode, config, tier_bytes(infos)) if made else said
+
+
+def tier_sentence(mode: str, config: OffloadConfig, nbytes: int) -> str:
+    """What decode does with a host tier of `nbytes` (after the planner's sentence on where cold experts run)."""
+    tier = f"a host tier of {human_bytes(nbytes)} of page-locked host memory"
+    if mode == TIER:
+        return f"Instead, decode reads cold experts on the GPU from {tier}, as asked (decode path 'tier')."
+    if config.cpu_execution == "disabled":
+        return f"Instead, decode reads cold experts on the GPU from {tier} (cpu_execution=disabled)."
+    return (f"Decode can also read cold experts on the GPU from {tier}: while decoding the engine times that against "
+            f"the CPU and keeps the faster.")
 
 
 def _refusal(mode: str, config: OffloadConfig, nbytes: int, available: int) -> str | None:

@@ -29,7 +29,6 @@ from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
-from engine.units import human_bytes
 from kernels.gpu.host_tier import HostTierError
 
 
@@ -140,14 +139,7 @@ class OffloadEngine:
             self._update_path()
             return False
         held = sum(store.host_tier_bytes for store in self.stores if store is not None)
-        if self.decode_path_mode == TIER:
-            said = "as asked (decode path 'tier')"
-        elif config.cpu_execution == "disabled":
-            said = "as cpu_execution=disabled keeps them off the CPU"
-        else:
-            said = "measured against computing them on the CPU, the faster kept (cpu_execution=auto)"
-        self.tier_statement = (f"The GPU can read cold experts from a host tier of {human_bytes(held)} of page-locked "
-                               f"host memory, {said}.")
+        self.tier_statement = paths.tier_sentence(self.decode_path_mode, config, held)
         self._update_path()
         return True
 
