@@ -82,7 +82,8 @@ class OffloadEngine:
         self.decode_path_mode = checked_path(decode_path or default_decode_path())
         self.path_trials = DecodePathTrials()
         self._host_tier = False  # see host_tier
-        self.reads_tier = False  # decode steps read cold experts from the host tier now (_update_path)
+        self.reads_tier = False  # decode steps read cold experts from the host tier now (decode_path_in_force)
+        self._tier_bytes = 0  # page-locked host memory the tier maps, while there is one
         self.tier_statement = ""  # what the plan says about the host tier ('' where none was wanted)
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
         self._choosable: tuple | None = None  # (the plan, whether its split is choosable): _split_is_choosable
@@ -98,6 +99,7 @@ class OffloadEngine:
             self._try_host_tier(config)
         if self.tier_statement:
             self.plan.statements.append(self.tier_statement)
+        self.reads_tier = self.decode_path_in_force == TIER
         self.streaming = self._plan_streaming(config)
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
@@ -136,20 +138,16 @@ class OffloadEngine:
         except (HostTierError, DeviceMemoryError) as exc:
             self._make_stores(False)
             self.tier_statement = f"Cold experts are computed on the CPU: the host tier could not be made ({exc})."
-            self._update_path()
             return False
-        held = sum(store.host_tier_bytes for store in self.stores if store is not None)
-        self.tier_statement = paths.tier_sentence(self.decode_path_mode, config, held)
-        self._update_path()
+        self._tier_bytes = sum(store.host_tier_bytes for store in self.stores if store is not None)
+        self.tier_statement = paths.tier_sentence(self.decode_path_mode, config, self._tier_bytes)
         return True
 
-    def _update_path(self) -> None:
-        """reads_tier from the tier and the decode path in force; the miss slots weighed again (no slot is left to
-        copied misses while the GPU reads them all)."""
+    def _switch_path(self) -> None:
+        """After a trial switched the decode path: reads_tier follows, and the miss slots are weighed again (no slot
+        is left to copied misses while the GPU reads them all)."""
         self.reads_tier = self.decode_path_in_force == TIER
-        if hasattr(self, "policy"):
-            self._weigh_miss_slots()
-        self.stats.pinned = self.pinned_info()
+        self._weigh_miss_slots()
 
     @property
     def decode_path_in_force(self) -> str:
@@ -262,7 +260,7 @@ class OffloadEngine:
         ring = getattr(self.device, "pinned", None)
         info = ring.info() if ring is not None else {}
         if self._host_tier:
-            info["host_tier_bytes"] = sum(store.host_tier_bytes for store in self.stores if store is not None)
+            info["host_tier_bytes"] = self._tier_bytes
         return info
 
     def _make_policy(self, scores: list[np.ndarray] | None = None) -> None:
@@ -380,7 +378,7 @@ class OffloadEngine:
             trial_s = self._trial_seconds(step_s)
             if trial_s is not None and self._path_trials_run() and not self.split_trials.measuring:
                 if self.path_trials.step(trial_s, tokens) is not None:
-                    self._update_path()
+                    self._switch_path()
                     return
             # the layer split's trials only without a host tier: no layer's step then has a host round trip to save
             if (trial_s is not None and self.layer_split_mode == "auto" and not self._host_tier
@@ -497,7 +495,7 @@ class OffloadEngine:
         self.streaming = self._plan_streaming(config)
         old_scores = self.policy.scores
         self.config = config
-        self._update_path()
+        self.reads_tier = self.decode_path_in_force == TIER  # the miss slots are weighed with the policy below
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(old_scores)  # what adaptive placement learnt so far still holds
