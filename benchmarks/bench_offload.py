@@ -103,6 +103,12 @@ def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: in
     return rate
 
 
+def bound_seconds(dense_s: float, h: float, w_act: float, b_cold: float, b_hbm: float) -> float:
+    """anchors.md's bound on a decode token: the dense part, the misses' share of W_act at `b_cold` (B_dram + B_pcie,
+    or B_dram alone where misses can only run on the CPU) and the hits' at B_hbm."""
+    return dense_s + (1 - h) * w_act / b_cold + h * w_act / b_hbm
+
+
 def dense_reference(model: LoadedModel, infos, prompt: list[int], tokens: int, warmup: int) -> float | None:
     """The dense part's seconds a decode token with every expert resident: the bound's dense term. A point's own
     dense time holds whatever the dense calls wait for on the device: with the host tier a layer's experts run on the
@@ -129,7 +135,7 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
     stats, profile = model.offload.stats.totals(), model.decoder.profile
     h = stats.hit_rate
     dense = profile["dense_s"] / profile["steps"] if dense_s is None else dense_s
-    bound_s = dense + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+    bound_s = bound_seconds(dense, h, w_act, b_dram + b_pcie, b_hbm)
     return {"value": rate, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
             "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h, "misses_cpu": stats.misses_cpu,
             "misses_copied": stats.misses_copied, "misses_read": stats.misses_read,
@@ -250,7 +256,7 @@ def main() -> None:
     parser.add_argument("--decode-path", choices=PATH_MODES, default="auto",
                         help="where decode computes cold experts (engine/offload/decode_path.py): auto (the engine's "
                              "default: from cpu_execution, trials under its auto), cpu, or tier (the GPU reads them "
-                             "from page-locked host memory; CUDA only)")
+                             "from page-locked host memory; a GPU, CUDA or simulated)")
     args = parser.parse_args()
     if args.dense_pool:
         from engine.ort_env import DenseDevice
@@ -318,11 +324,11 @@ def main() -> None:
             h = stats.hit_rate
             dense_per_token = profile["dense_s"] / profile["steps"]
             dense = dense_per_token if dense_ref is None else dense_ref
-            bound_s = dense + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+            bound_s = bound_seconds(dense, h, w_act, b_dram + b_pcie, b_hbm)
             # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
-            cpu_only_bound_s = dense + (1 - h) * w_act / b_dram + h * w_act / b_hbm
+            cpu_only_bound_s = bound_seconds(dense, h, w_act, b_dram, b_hbm)
             # as earlier sessions reported it: the point's own dense time (with what its dense calls waited for)
-            point_bound_s = dense_per_token + (1 - h) * w_act / (b_dram + b_pcie) + h * w_act / b_hbm
+            point_bound_s = bound_seconds(dense_per_token, h, w_act, b_dram + b_pcie, b_hbm)
             repeats.append({"value": rate, "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h,
                             "ratio_with_the_points_dense_time": rate * point_bound_s,
                             "bound_misses_on_cpu_only": 1 / cpu_only_bound_s,

@@ -14,8 +14,9 @@ rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call f
 attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses)
 and `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one
 variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
-(spread unless named) and `path=auto|cpu|tier` its decode path (engine/offload/decode_path.py). Each round's engine figures (hit rate, misses, copies,
-swaps, slots left to copies, the split and the decode path in force: engine_figures) go into the result file beside the rates.
+(spread unless named) and `path=auto|cpu|tier` its decode path (engine/offload/decode_path.py). Each round's engine
+figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
+engine_figures) go into the result file beside the rates.
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
@@ -83,23 +84,24 @@ def switches(text: str) -> dict[str, int]:
     return found
 
 
+def _named(text: str, prefix: str, modes: tuple[str, ...], default: str) -> str:
+    """The last 'prefix=VALUE' entry of a variant (`default` where it names none), checked against `modes`."""
+    named = [item.strip()[len(prefix):] for item in text.split(",") if item.strip().startswith(prefix)]
+    value = named[-1] if named else default
+    if value not in modes:
+        raise SystemExit(f"{prefix}{value}: one of {', '.join(modes)}")
+    return value
+
+
 def layer_split(text: str) -> str:
     """A variant's layer split ('split=...'; spread where it names none)."""
-    named = [item.strip()[len(SPLIT):] for item in text.split(",") if item.strip().startswith(SPLIT)]
-    split = named[-1] if named else SPREAD
-    if split not in SPLIT_MODES:
-        raise SystemExit(f"split={split}: one of {', '.join(SPLIT_MODES)}")
-    return split
+    return _named(text, SPLIT, SPLIT_MODES, SPREAD)
 
 
 def decode_path(text: str) -> str:
     """A variant's decode path ('path=auto|cpu|tier'; the engine's default where it names none: MOE_DECODE_PATH, else
     auto, whose trials may switch the path within a round: name it in both variants to compare paths)."""
-    named = [item.strip()[len(PATH):] for item in text.split(",") if item.strip().startswith(PATH)]
-    path = named[-1] if named else default_decode_path()
-    if path not in PATH_MODES:
-        raise SystemExit(f"path={path}: one of {', '.join(PATH_MODES)}")
-    return path
+    return _named(text, PATH, PATH_MODES, default_decode_path())
 
 
 def gpu_kernels(model: LoadedModel) -> list:
@@ -179,13 +181,15 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
 
 def engine_figures(model: LoadedModel) -> dict:
     """What the offload engine did in the decode just timed (its statistics are reset after the warm-up): the hit
-    rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied, placement's swaps, the most
-    slots a layer left to copies and the layer split in force, so that a ratio can be read against its causes."""
+    rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied,
+    placement's swaps, the most slots a layer left to copies, the layer split and the decode path in force, so that a
+    ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
-            "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps, "miss_slots": max(state["miss_slots"], default=0),
-            "whole_layers": state["layer_split"]["whole_layers"], "decode_path": state["decode_path"]["in_force"]}
+            "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
+            "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
+            "decode_path": state["decode_path"]["in_force"]}
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
@@ -261,8 +265,9 @@ def main(argv=None) -> dict:
         for name in ("A", "B"):  # the last round's engine figures
             last = details[name][-1]
             print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"
-                  f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps {last['swaps']}, miss slots "
-                  f"{last['miss_slots']}, {'whole layers' if last['whole_layers'] else 'spread'}, decode path "
+                  f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
+                  f"{last['swaps']}, miss slots {last['miss_slots']}, "
+                  f"{'whole layers' if last['whole_layers'] else 'spread'}, decode path "
                   f"{last['decode_path']}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
@@ -270,7 +275,8 @@ def main(argv=None) -> dict:
     if not args.no_write:
         path = write_result(f"offload-ab-{args.shape}", figures,
                             config={"a": changes["A"], "b": changes["B"], "a_switches": chosen["A"],
-                                    "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"], "a_path": paths["A"], "b_path": paths["B"],
+                                    "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"],
+                                    "a_path": paths["A"], "b_path": paths["B"],
                                     "rounds": args.rounds, "trace": args.trace, "decode_warmup": args.decode_warmup,
                                     "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
         print(f"wrote {path}")
