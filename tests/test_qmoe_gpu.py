@@ -373,6 +373,57 @@ def test_gpu_host_tier_reads_experts_in_no_slot_from_host_memory(gpu, path, T):
     assert _relerr(m.forward(x, lg), ref) <= tol
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_gpu_route_split_shares_cold_pairs_with_the_host(gpu, T, dtype):
+    """run_routed_split (the "both" decode path): route_split routes on the device, leaves every routed id, the CPU's
+    pairs (kernels.cold_split.split_cold_pairs: the last cpu_take[c] of a token's c cold pairs), the weights and x's
+    bytes in page-locked host memory and raises the flag; the decode kernels compute the other pairs, resident or
+    read from the host tier. The device's part plus the CPU's pairs is the whole layer, over graph replays with new
+    routing and a table changed between launches."""
+    cp, GpuQMoE = gpu
+    from kernels.cold_split import split_cold_pairs
+    from kernels.gpu.published import PublishedRouting
+
+    attrs, t, x, lg = make_case(seed=41, E=16, H=128, I=64, k=4, bits=4, block_size=32, T=T, dtype=dtype,
+                                **ACTS["swiglu1-limit"])
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, num_slots=5, resident=[0, 3, 6, 9], host_tier=True)
+    published = PublishedRouting(cp, T, spec.k, spec.hidden_size, x.dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    tables = [np.array([0, 1, 1, 2, 3]), np.array([0, 0, 0, 0, 0]), np.array([0, 1, 2, 3, 4]),
+              np.array([0, 1, 1, 2, 3])]
+    rng = np.random.default_rng(42)
+    tol = TOL[("tc", "decode", np.dtype(dtype).type)]
+    shares = []
+    with stream:
+        x_dev = cp.asarray(x)
+        lg_dev = cp.empty(lg.shape, lg.dtype)
+        out32 = cp.empty((T, spec.hidden_size), cp.float32)
+        for step, table in enumerate(tables):
+            logits = (lg + rng.normal(0, 2.0, lg.shape)).astype(lg.dtype)
+            lg_dev.set(logits, stream=stream)
+            published.set_cpu_take(table, stream)
+            m.run_routed_split(x_dev, lg_dev, out32, published)
+            published.wait(stream)
+            assert int(published.flag[0]) == step + 1
+            ids, w = ref_route(logits, spec)
+            assert published.ids.tolist() == ids.tolist()
+            assert np.allclose(published.w, w, rtol=1e-5, atol=1e-7)
+            assert published.x.tobytes() == x.tobytes()
+            on_cpu = split_cold_pairs(m.slot_of[ids] < 0, table)
+            assert published.on_cpu.astype(bool).tolist() == on_cpu.tolist()
+            if step == 2:  # every cold pair on the CPU
+                assert on_cpu.tolist() == (m.slot_of[ids] < 0).tolist()
+            gpu_part = cp.asnumpy(out32)  # waits for the decode kernels
+            cpu_part = _ref_pairs(x, np.where(on_cpu, ids, -1), published.w, spec, t)
+            whole = _ref_pairs(x, ids, w, spec, t)
+            # had the device computed the CPU's pairs too, they would count twice here
+            assert _relerr(gpu_part + cpu_part, whole) <= tol
+            shares.append(float(np.abs(cpu_part).max() / np.abs(whole).max()))
+    assert max(shares) > 10 * tol  # the CPU's pairs weighed enough for that to show
+
+
 def test_gpu_cupy_io_and_3d(gpu):
     cp, GpuQMoE = gpu
     attrs, t, x, lg = make_case(seed=4, E=6, H=64, I=64, k=2, bits=4, block_size=32, dtype=np.float16, T=12,

@@ -732,6 +732,45 @@ class GpuQMoE:
         self._replayed(("routed", *pointers, *dtypes, T), T, launch)
         return out32 if out is None else out
 
+    def run_routed_split(self, x_dev, logits_dev, out32, published, router_weights=None):
+        """run_routed for a layer whose cold experts the GPU and the CPU share (the offload engine's "both" decode
+        path): route_split (route.cu) routes on the device, leaves the routing, the CPU's pairs and x in
+        ``published`` (kernels/gpu/published.py: the host waits for it with ``published.wait``), and the decode
+        kernels compute the other pairs (resident, or read from the host tier) into ``out32`` (float32 [T, H],
+        overwritten). The CPU's share per count of cold pairs is ``published.cpu_take``. Kernel launches only,
+        replayed as one CUDA graph from the second call with the same buffers."""
+        spec = self.spec
+        if spec.use_sparse_mixer or spec.num_experts > 1024:
+            raise UnsupportedLayout(f"node '{spec.node_name}': route_split routes on the device (no sparse mixer, "
+                                    f"<= 1024 experts)")
+        T, E, k = x_dev.shape[0], spec.num_experts, spec.k
+        if T > self.decode_max_tokens or (T, k) != published.dev_ids.shape:
+            raise ValueError(f"route_split takes a decode step of <= {self.decode_max_tokens} tokens matching its "
+                             f"buffers {published.dev_ids.shape}, not {T} tokens")
+        x_code = {np.dtype(np.float32): DT_F32, np.dtype(np.float16): DT_F16,
+                  np.dtype(np.uint16): DT_BF16}[np.dtype(x_dev.dtype)]
+        lg, ldt = self._to_device_act(logits_dev, E)
+        rw, rwdt = (None, 0) if router_weights is None else self._to_device_act(router_weights, E)
+        rank_route = T * k <= 64 and k <= E and T * E <= 4096 and bool(self.dec_cfg.get("rank_route", 1))
+        head = E + 2 * T * k
+        smem = 4 * (((head + 3) & ~3) + T * E + T * k if rank_route else head)
+        cold_from = self.host0 if self.host0 is not None else 2 ** 31 - 1
+
+        def launch():
+            self._f("route_split")((1,), (256,), (
+                lg, np.int32(ldt), self._dummy_f32 if rw is None else rw, np.int32(rwdt), np.int32(rw is not None),
+                np.int32(T), np.int32(E), np.int32(k), np.int32(int(spec.normalize_routing_weights)), self._slot_dev,
+                np.int32(cold_from), published.cpu_take, published.dev_ids, published.dev_w,
+                np.uint64(published.device_ptr), np.int32(published.ids_at), np.int32(published.cpu_at),
+                np.int32(published.w_at), np.int32(published.x_at), x_dev, np.int32(published.x_bytes),
+                published.seq, np.int32(rank_route)), shared_mem=smem)
+            self._compute(x_dev, x_code, T, out32, ids=published.dev_ids, wts=published.dev_w, kk=k, zero_out=True)
+
+        pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, lg, rw, out32, published.dev_ids))
+        self._replayed(("split", *pointers, x_code, ldt, rwdt, T), T, launch)
+        published.launched += 1
+        return out32
+
     def merge_sum(self, a, b, out) -> None:
         """out = a + b (b None: a alone), float32 device arrays in, out's dtype (float16 / float32) out, in one launch
         on the current stream: the offload engine's decode merge of the device's and the CPU's parts, at every layer

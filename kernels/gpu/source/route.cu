@@ -163,6 +163,77 @@ extern "C" __global__ void route_topk(const void* logits, int ldt, const void* r
                      wts + (long long)tok * k);
 }
 
+// Decode routing for a layer whose cold experts are shared between the GPU (host tier reads) and the CPU at once
+// (the engine's "both" decode path). One block routes T tokens as route_token_warp / route_rank_block do, then for
+// each token counts its cold pairs c (expert in no slot: slot_map[e] < 0 or >= cold_from) and gives the CPU the last
+// cpu_take[c] of them in rank order (the smallest weights). ids / wts [T, k] (device) get every pair the GPU
+// computes, -1 for the CPU's; the host's block `pub` gets every routed id (pub_ids), which of them the CPU takes
+// (pub_cpu, 0/1), all weights (pub_w) and x's bytes (pub_x), then, after a system-scope fence, the flag at pub[0]
+// set to ++*seq: the host spins on it instead of synchronising a stream (no event, no copy, works inside a CUDA
+// graph). kernels/cold_split.py is the NumPy reference. smem: 4 (E + 2 T k) bytes, with rank routing also 4 (T E +
+// T k) + 16 from the next 16-byte boundary.
+extern "C" __global__ void route_split(const void* logits, int ldt, const void* rw, int rwdt, int has_rw, int T,
+                                       int E, int k, int normalize, const int* slot_map, int cold_from,
+                                       const int* cpu_take, int* ids, float* wts, unsigned char* pub, int ids_at,
+                                       int cpu_at, int w_at, int x_at, const void* x, int x_bytes, unsigned* seq,
+                                       int rank_route) {
+    extern __shared__ int sm_split[];
+    int* smap = sm_split;
+    int* sids = smap + E;
+    float* sw = reinterpret_cast<float*>(sids + T * k);
+    // x to the host first: the posted writes travel while the block routes
+    if ((x_bytes & 3) == 0 && (((size_t)x | (size_t)(pub + x_at)) & 3) == 0) {
+        const u32* src = (const u32*)x;
+        u32* dst = (u32*)(pub + x_at);
+        for (int i = threadIdx.x; i < (x_bytes >> 2); i += blockDim.x) dst[i] = src[i];
+    } else {
+        for (int i = threadIdx.x; i < x_bytes; i += blockDim.x) pub[x_at + i] = ((const unsigned char*)x)[i];
+    }
+    const void* rwp = has_rw ? rw : (const void*)0;
+    if (rank_route) {  // T k <= 64, k <= E, T E <= 4096 (the host checks)
+        u32* skey = reinterpret_cast<u32*>(sm_split + ((E + 2 * T * k + 3) & ~3));
+        route_rank_block(logits, ldt, rwp, rwdt, E, k, normalize, T, slot_map, smap, sids, sw, skey, skey + T * E);
+    } else {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) smap[e] = slot_map[e];
+        for (int tok = threadIdx.x >> 5; tok < T; tok += blockDim.x >> 5)
+            route_token_warp(logits, ldt, rwp, rwdt, E, k, normalize, tok, sids + tok * k, sw + tok * k);
+        __syncthreads();
+    }
+    int* pids = reinterpret_cast<int*>(pub + ids_at);
+    int* pcpu = reinterpret_cast<int*>(pub + cpu_at);
+    float* pw = reinterpret_cast<float*>(pub + w_at);
+    for (int tok = threadIdx.x; tok < T; tok += blockDim.x) {
+        const int* tid = sids + tok * k;
+        int c = 0;
+        for (int j = 0; j < k; ++j) {
+            const int e = tid[j];
+            const int s = e >= 0 ? smap[e] : 0;
+            c += e >= 0 && (s < 0 || s >= cold_from);
+        }
+        int n = cpu_take[c];
+        for (int j = k - 1; j >= 0; --j) {  // the last cold pairs in rank order go to the CPU
+            const int i = tok * k + j, e = tid[j];
+            const int s = e >= 0 ? smap[e] : 0;
+            const bool cold = e >= 0 && (s < 0 || s >= cold_from);
+            const bool on_cpu = cold && n > 0;
+            n -= on_cpu;
+            ids[i] = on_cpu ? -1 : e;
+            wts[i] = sw[i];
+            pids[i] = e;
+            pcpu[i] = on_cpu;
+            pw[i] = sw[i];
+        }
+    }
+    __threadfence_system();  // this thread's writes to the host before the flag
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        const unsigned s = *seq + 1u;
+        *seq = s;
+        *reinterpret_cast<volatile unsigned*>(pub) = s;
+    }
+}
+
 // Prefix sums of the per-expert pair counts cnt[0, E) (experts not in a slot count 0) into the experts' first pair
 // off[e] and first tile toff[e] (ceil(count / TM) tiles an expert), by the block's first warp; the total tiles, at
 // most max_tiles, into *num_tiles. The caller synchronises before and after.

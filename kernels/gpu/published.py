@@ -1,0 +1,79 @@
+"""Where the route_split kernel (route.cu) leaves a decode step's routing for the host, and how the host waits for it.
+
+One page-locked block, written by the kernel over PCIe: a flag, every routed expert id [T, k], which pairs the CPU
+takes [T, k], the weights [T, k] and the activations' bytes [T, H]. The kernel sets the flag to the launch's number
+last, after a system-scope fence; the host spins on it (a few µs after the kernel) instead of synchronising the stream,
+which would also wait for the decode kernels queued behind the routing. Also here: the device's ids and weights of the
+GPU's share (decode_prep's input), the CPU's share per cold count (kernels/cold_split.py) and the launch counter.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+FLAG_BYTES = 128  # the flag on a line of its own
+H2D = 1           # cudaMemcpyKind
+SPIN_S = 0.005    # spinning beyond this, the host lets the driver wait (a GPU far behind the host)
+
+
+def _aligned(n: int, to: int = 128) -> int:
+    return -(-n // to) * to
+
+
+class PublishTimeout(RuntimeError):
+    pass
+
+
+class PublishedRouting:
+    def __init__(self, cp, tokens: int, k: int, hidden: int, x_dtype):
+        self.cp, self.tokens, self.k = cp, tokens, k
+        pair_bytes = tokens * k * 4
+        self.x_bytes = tokens * hidden * np.dtype(x_dtype).itemsize
+        self.ids_at = FLAG_BYTES
+        self.cpu_at = self.ids_at + _aligned(pair_bytes)
+        self.w_at = self.cpu_at + _aligned(pair_bytes)
+        self.x_at = self.w_at + _aligned(pair_bytes)
+        self.take_at = self.x_at + _aligned(self.x_bytes)  # the table's host copy (the host writes it)
+        nbytes = self.take_at + _aligned(4 * (k + 1))
+        self._pinned = cp.cuda.alloc_pinned_memory(nbytes)
+        host = np.frombuffer(self._pinned, np.uint8, nbytes)
+        host[:] = 0
+        self.flag = host[:4].view(np.uint32)
+        self.ids = host[self.ids_at:self.ids_at + pair_bytes].view(np.int32).reshape(tokens, k)
+        self.on_cpu = host[self.cpu_at:self.cpu_at + pair_bytes].view(np.int32).reshape(tokens, k)
+        self.w = host[self.w_at:self.w_at + pair_bytes].view(np.float32).reshape(tokens, k)
+        self.x = host[self.x_at:self.x_at + self.x_bytes].view(x_dtype).reshape(tokens, hidden)
+        self._take = host[self.take_at:self.take_at + 4 * (k + 1)].view(np.int32)
+        self._take_at = self._take.ctypes.data
+        # under unified addressing (every 64-bit CUDA platform) kernels reach page-locked host memory at its host
+        # address (benchmarks/bench_zero_copy.py reads it so)
+        self.device_ptr = host.ctypes.data
+        self.dev_ids = cp.empty((tokens, k), cp.int32)
+        self.dev_w = cp.empty((tokens, k), cp.float32)
+        self.seq = cp.zeros(1, cp.uint32)  # the kernel's count of its runs (graph replays included)
+        self.cpu_take = cp.zeros(k + 1, cp.int32)
+        self.launched = 0  # the host's count of launches: the flag reads this once the latest has published
+
+    def set_cpu_take(self, table: np.ndarray, stream) -> None:
+        """The CPU's share per cold count for the launches from now on (copied in stream order where it changed)."""
+        table = np.asarray(table, np.int32)
+        if not np.array_equal(table, self._take):
+            self._take[:] = table  # a copy still in flight reads the old table or this one: either is whole
+            self.cp.cuda.runtime.memcpyAsync(self.cpu_take.data.ptr, self._take_at, self._take.nbytes, H2D,
+                                             stream.ptr)
+
+    def wait(self, stream) -> float:
+        """Wait for the latest launch's routing; returns the seconds waited. Spins on the flag for up to SPIN_S, then
+        synchronises `stream` (the launch's) and requires the flag set."""
+        expected = self.launched & 0xFFFFFFFF
+        flag = self.flag
+        started = time.perf_counter()
+        while flag[0] != expected:
+            if time.perf_counter() - started > SPIN_S:
+                stream.synchronize()
+                if flag[0] != expected:
+                    raise PublishTimeout(f"route_split published launch {int(flag[0])}, expected {expected}")
+                break
+        return time.perf_counter() - started
