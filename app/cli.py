@@ -128,8 +128,9 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
                              "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")
     parser.add_argument("--decode-path", choices=PATH_MODES,
-                        help="where decode computes cold experts on a CUDA device: cpu, or tier (the GPU reads them "
-                             "from page-locked host memory); auto (the default) follows cpu_execution and, under its "
+                        help="where decode computes cold experts on a CUDA device: cpu, tier (the GPU reads them "
+                             "from page-locked host memory), or both (tier, and the CPU computes a share of them at "
+                             "once); auto (the default) follows cpu_execution and, under its "
                              "auto, measures both while decoding and keeps the faster")
 
 

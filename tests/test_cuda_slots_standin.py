@@ -23,8 +23,9 @@ from engine.offload import OffloadConfig
 from engine.offload.decode_path import DecodePathTrials
 from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, RecentHostSeconds, staged_bytes
 from engine.offload.device_memory import DeviceMemory
-from engine.offload.devices import GIB, Bandwidths
+from engine.offload.devices import GIB, TIER_READ_SHARE, Bandwidths
 from engine.ort_env import DenseDevice
+from kernels.cold_split import cpu_take_table, split_cold_pairs
 from kernels.cpu import CpuQMoE
 from kernels.cpu.routing import route
 from kernels.gpu.host_tier import HostTierError
@@ -39,7 +40,7 @@ def _device(array) -> FakeDeviceArray:
 class FakeCupy:
     """The CuPy the device path uses, over NumPy; every stream and event op is logged in order."""
 
-    float32, int32, uint8 = np.float32, np.int32, np.uint8
+    float32, int32, uint8, uint32 = np.float32, np.int32, np.uint8, np.uint32
     ndarray = FakeDeviceArray
 
     def __init__(self):
@@ -187,6 +188,20 @@ class FakeGpuQMoE:
         if out is not None and out is not out32:
             np.copyto(out, out32, casting="same_kind")
         return out32 if out is None else out
+
+
+    def run_routed_split(self, x, logits, out32, published, router_weights=None):
+        """GpuQMoE.run_routed_split: route_split's rule (kernels.cold_split) on the slots' residency, the routing and
+        x published with the flag raised, the device's pairs computed into out32."""
+        self.split_launches = getattr(self, "split_launches", 0) + 1
+        ids, weights = route(np.asarray(logits, np.float32), self.spec, router_weights)
+        on_cpu = split_cold_pairs(self.slot_of[ids] < 0, np.asarray(published.cpu_take))
+        published.ids[...], published.on_cpu[...], published.w[...] = ids, on_cpu, weights
+        published.x[...] = np.asarray(x).reshape(published.x.shape)
+        self.run_staged(x, np.where(on_cpu, -1, ids), weights, out32)
+        published.launched += 1
+        published.flag[0] = published.launched
+        return out32
 
 
 class FakeStreamingGpuQMoE(FakeGpuQMoE):
@@ -352,6 +367,39 @@ def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_d
     assert engine.stats.as_dict()["misses_read"] == totals.misses_read
     engine.set_decode_path("cpu")
     assert not any(store.reads_cold for store in engine.stores) and not engine.reads_tier
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_reads(model_folder, cpu_run,
+                                                                                       monkeypatch, fraction):
+    """Decode path "both": a decode step of a partly resident layer is routed on the device, which publishes the
+    routing (no stream synchronisation: the host finds the flag raised) and computes every pair but the CPU's share
+    (OffloadEngine.cold_split_table) from its slots and the host tier; the CPU computes that share, and the sum, made
+    on the device, is the all-CPU run's. Each layer's step orders the streams as a routed launch does, with the CPU's
+    part merged before the dense part's stream goes on."""
+    model, cp = open_on_standin(model_folder, fraction, monkeypatch)
+    engine = model.offload
+    engine.set_decode_path("both")
+    assert engine.decode_path_in_force == "both" and engine.reads_tier and engine.splits_cold
+    table = engine.cold_split_table(0)
+    assert table.tolist() == cpu_take_table(
+        SPEC.top_k, engine.infos[0].bytes_per_expert / engine.device.bandwidths.cpu, 0.0,
+        engine.stores[0].read_bytes / (TIER_READ_SHARE * engine.device.bandwidths.pcie)).tolist()
+    assert table[-1] > 0  # the stand-in's rates give the CPU a share
+    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    steps = len(cpu_run[1])
+    assert [store.gpu.split_launches for store in engine.stores] == [steps] * SPEC.layers
+    totals = engine.stats.totals()
+    assert totals.routed_on_device == steps * SPEC.layers
+    assert totals.misses_cpu > 0 and totals.misses_read > 0 and engine.stats.phases["decode"].cpu_s > 0
+    assert totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
+    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
+    step = cp.log[last_sync - 7 * SPEC.layers:last_sync]
+    assert ("sync", "compute") not in step  # the routing reached the host without a stream synchronisation
+    assert step.count(("wait", "dense", "compute")) == SPEC.layers  # each layer's merge before the next segment
+    engine.reconfigure(engine.config.updated(cpu_execution="disabled"))  # no CPU compute: the tier alone
+    assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 
 
 def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cpu_run, monkeypatch):

@@ -28,7 +28,8 @@ HALF = {"a": 4, "b": 4, "c": 0}
 
 @pytest.mark.parametrize("mode, mode_key, cpu_execution, wanted", [
     ("auto", "auto", "auto", True), ("auto", "auto", "disabled", True), ("auto", "auto", "enabled", False),
-    ("auto", "disabled", "auto", False), ("cpu", "auto", "auto", False), ("tier", "auto", "enabled", True)])
+    ("auto", "disabled", "auto", False), ("cpu", "auto", "auto", False), ("tier", "auto", "enabled", True),
+    ("both", "auto", "enabled", True)])
 def test_a_tier_is_wanted_from_the_decode_path_and_cpu_execution(mode, mode_key, cpu_execution, wanted):
     assert tier_wanted(mode, OffloadConfig(mode=mode_key, cpu_execution=cpu_execution)) is wanted
 
@@ -44,6 +45,7 @@ def test_the_verdict_makes_a_tier_where_the_host_spares_it_and_says_why_not_else
     assert not made and said == ("Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB of "
                                  "page-locked experts exceed 50% of the host memory available (3.0 GiB).")
     assert tier_verdict("tier", auto, NODES, HALF, "cuda", 3 * GIB) == (True, "")  # asked for: the memory alone
+    assert tier_verdict("both", OffloadConfig(pinned_bytes=64 << 20), NODES, HALF, "cuda", 3 * GIB) == (True, "")
     made, said = tier_verdict("tier", auto, NODES, HALF, "cuda", GIB)
     assert not made and said.endswith("its 2.0 GiB of page-locked experts exceed the host memory available "
                                       "(1.0 GiB).")
@@ -67,6 +69,9 @@ def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):
     assert paths.tier_preview("auto", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (
         "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory "
         "(cpu_execution=disabled).")
+    assert paths.tier_preview("both", OffloadConfig(), NODES, HALF, "cuda") == (
+        "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory while "
+        "the CPU computes a share of them, as asked (decode path 'both').")
     monkeypatch.setattr(paths, "host_available", lambda: GIB)
     assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda").startswith(
         "Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB")
@@ -84,5 +89,5 @@ def test_the_trials_keep_the_tier_unless_the_cpu_path_is_faster_by_the_margin():
 
 
 def test_an_unknown_decode_path_is_named():
-    with pytest.raises(WorkbenchError, match="decode path 'gpu': one of auto, cpu, tier"):
+    with pytest.raises(WorkbenchError, match="decode path 'gpu': one of auto, cpu, tier, both"):
         checked_path("gpu")

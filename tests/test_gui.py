@@ -521,7 +521,9 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measured_ms": measured}}) == \
         "cold experts read by the GPU from host memory (measured 18.0 ms a token against 25.0 on the CPU)"
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "cpu", "measured_ms": {}}}) == \
-        "cold experts on the CPU"
+        "cold experts computed on the CPU"
+    assert copies_text({"decode_path": {"host_tier": True, "in_force": "both", "measured_ms": {}}}) == \
+        "cold experts read by the GPU from host memory, a share computed on the CPU at once"
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measuring": "cpu"}}) == \
         "timing where cold experts run: computed on the CPU now"
     assert copies_text({"decode_path": {"host_tier": False, "in_force": "cpu", "measured_ms": {}}}) == ""

@@ -70,13 +70,13 @@ def device_expert_bytes(model_folder) -> int:
 @pytest.mark.parametrize("placement", ["static", "adaptive"])
 @pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
 @pytest.mark.parametrize("cpu_execution", ["auto", "disabled"])
-@pytest.mark.parametrize("decode_path", ["cpu", "tier"])
+@pytest.mark.parametrize("decode_path", ["cpu", "tier", "both"])
 def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fraction, cpu_execution, decode_path):
     budget = int(fraction * device_expert_bytes(model_folder))
     config = OffloadConfig(placement=placement, device_expert_bytes=budget, cpu_execution=cpu_execution)
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, offload=config, device=device, decode_path=decode_path)
-    assert model.offload.host_tier is (decode_path == "tier" and fraction < 1.0)
+    assert model.offload.host_tier is (decode_path in ("tier", "both") and fraction < 1.0)
     logits, tokens = greedy_run(model)
     ref_logits, ref_tokens = cpu_run
     assert tokens == ref_tokens
@@ -91,6 +91,9 @@ def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fractio
         assert stats.hits == 0 and model.offload.plan.placement_mode == "hybrid"
     if cpu_execution == "disabled":
         assert stats.cpu_s == 0.0  # every cold expert went to the device
+    elif decode_path == "both" and fraction < 1.0:  # the CPU took a share of the cold pairs, the GPU read others
+        decode = model.offload.stats.phases["decode"]
+        assert decode.cpu_s > 0.0 and stats.misses_read > 0
 
 
 def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):

@@ -46,17 +46,21 @@ def test_cuda_offload_matches_the_cpu(folder, fraction, cpu_execution):
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
-def test_cuda_host_tier_matches_the_cpu(folder, fraction):
+@pytest.mark.parametrize("path", ["tier", "both"])
+def test_cuda_host_tier_matches_the_cpu(folder, fraction, path):
     """OffloadEngine.host_tier: the GPU reads the experts in no slot from page-locked host memory. With the dense part
-    on the GPU (onnxruntime-gpu) every decode step routes and computes on the device; either way the all-CPU run's
-    tokens. Switched off again, the slots are made without the tier."""
+    on the GPU (onnxruntime-gpu) every decode step routes and computes on the device ("both": the CPU computes a
+    share of the cold pairs, published to the host by the routing kernel); either way the all-CPU run's tokens.
+    Switched off again, the slots are made without the tier."""
     from engine.offload.cuda_device import open_cuda_device
 
     reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=8)
     device = open_cuda_device()
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=int(fraction * device_total(folder))),
                              device=device)
-    model.offload.set_decode_path("tier")
+    model.offload.set_decode_path(path)
+    if path == "both":  # a share for the CPU whatever this machine's rates
+        model.offload.cold_split_table = lambda layer: np.array([0, 1, 1, 2, 2])
     assert all(store.reads_cold and store.gpu.host0 is not None for store in model.offload.stores)
     logits, tokens = greedy_run(model, steps=8)
     errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
@@ -65,6 +69,8 @@ def test_cuda_host_tier_matches_the_cpu(folder, fraction):
     totals = model.offload.stats.totals()
     if model.dense_device == "cuda":
         assert totals.routed_on_device >= 8 * SPEC.layers and totals.misses_read > 0
+        if path == "both":
+            assert totals.misses_cpu > 0 and model.offload.stats.phases["decode"].cpu_s > 0
     model.offload.set_decode_path("cpu")
     assert not any(store.reads_cold for store in model.offload.stores)
     assert all(store.gpu is None or store.gpu.host0 is None for store in model.offload.stores)

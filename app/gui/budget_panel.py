@@ -33,11 +33,13 @@ SPLIT_TIP = ("How the expert budget is spent across layers. Spread (onnxruntime'
              "Measured while decoding: the engine times both and keeps the faster (adaptive placement only). "
              "Not an onnxruntime key: this app's own setting")
 PATHS = (("auto", "measured while decoding"), ("cpu", "computed on the CPU"),
-         ("tier", "read by the GPU from host memory"))
+         ("tier", "read by the GPU from host memory"), ("both", "read by the GPU, a share on the CPU"))
 PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the CPU, while the GPU computes the resident "
             "ones: every partly resident layer then pays a round trip through the host. Read by the GPU: every expert "
             "is also kept in page-locked host memory (the experts' size again) and the GPU reads the cold ones over "
-            "PCIe inside its kernel, with no round trip. Measured while decoding: the engine times both and keeps the "
+            "PCIe inside its kernel, with no round trip. Read by the GPU with a share on the CPU: the same, while the CPU "
+            "computes some of each token's cold experts at once (how many, from the speeds measured while decoding); "
+            "it pays for large experts with few resident. Measured while decoding: the engine times both and keeps the "
             "faster (under CPU execution auto; disabled reads them on the GPU, enabled computes them on the CPU). "
             "The host memory is only taken where at most half the memory available holds it. Not an onnxruntime "
             "key: this app's own setting")

@@ -31,7 +31,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import open_cuda_device
-from engine.offload.decode_path import default_decode_path
+from engine.offload.decode_path import PATH_WORDS, default_decode_path
 from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
@@ -386,9 +386,8 @@ class EngineWorker(QObject):
                                      "whole layers" if offload.whole_layers else "part of every layer")})
         elif offload.decode_path_in_force != self._landed_path and not offload.path_trials.measuring:
             self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
-                                 "by_engine": "Measured faster: decode now " + (
-                                     "reads cold experts on the GPU from host memory"
-                                     if offload.decode_path_in_force == "tier" else "computes cold experts on the CPU")})
+                                 "by_engine": "Measured faster: cold experts are now "
+                                              + PATH_WORDS[offload.decode_path_in_force]})
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
                    "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,
@@ -501,7 +500,7 @@ def path_sentence(path: dict) -> str:
     measured = path.get("measured_ms") or {}
     if not path.get("host_tier") or not {"tier", "cpu"} <= measured.keys():
         return ""
-    kept = "read by the GPU from host memory" if path.get("in_force") == "tier" else "computed on the CPU"
+    kept = PATH_WORDS[path.get("in_force", "cpu")]
     return (f"Cold experts measured while decoding: {kept} (a decode step took {measured['tier']:.1f} ms read by the "
             f"GPU, {measured['cpu']:.1f} ms on the CPU).")
 

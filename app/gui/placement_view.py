@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, 
                                QWidget)
 
 from app.gui import theme
+from engine.offload.decode_path import PATH_WORDS
 from engine.units import human_bytes
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
@@ -210,11 +211,9 @@ def copies_text(copies: dict) -> str:
     path = copies.get("decode_path") or {}
     measured = path.get("measured_ms") or {}
     if path.get("measuring"):  # the same for the decode path's trial
-        now = "read by the GPU from host memory" if path["measuring"] == "tier" else "computed on the CPU"
-        parts.append(f"timing where cold experts run: {now} now")
+        parts.append(f"timing where cold experts run: {PATH_WORDS[path['measuring']]} now")
     elif path.get("host_tier"):
-        parts.append(("cold experts read by the GPU from host memory" if path.get("in_force") == "tier"
-                      else "cold experts on the CPU") + (
+        parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + (
             f" (measured {measured['tier']:.1f} ms a token against {measured['cpu']:.1f} on the CPU)"
             if {"tier", "cpu"} <= measured.keys() else ""))
     return ", ".join(parts)

@@ -14,7 +14,8 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
 from engine.offload.devices import GIB, Bandwidths
-from engine.offload.cuda_step import HostCopies, MergeBufferPool, RoutedBuffers, StepBufferPool, StepBuffers
+from engine.offload.cuda_step import (HostCopies, MergeBufferPool, RoutedBuffers, SplitBuffers, StepBufferPool,
+                                      StepBuffers)
 from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
 from engine.offload.staging import PinnedRing
@@ -252,6 +253,7 @@ class CudaSlots:
         self._prefill = None  # (host activations, their device copy, the results' device sum) until flush
         self._routed: RoutedBuffers | None = None  # launch_routed's kept buffers (decode sizes)
         self._views: tuple | None = None  # (x, logits, router weights, their views) of the last launch_routed
+        self._split: SplitBuffers | None = None  # launch_split's kept buffers
         self._merges = MergeBufferPool(device.cp, runner.info.spec.hidden_size)  # merge_on_device's, by shape
         self._host_copies = HostCopies(device.cp)
         # orders two streams (no timing: cheaper to record and wait on); one, recorded again at each use: a wait
@@ -558,6 +560,57 @@ class CudaSlots:
         if all(a is None or a.flags.c_contiguous for a in inputs):
             self._views = (*inputs, views)
         return views
+
+    # --- partly resident layers whose cold experts the GPU and the CPU share (decode path "both") ---------------
+
+    @_on_compute_stream
+    def launch_split(self, x, logits, router_weights, cpu_take: np.ndarray) -> SplitBuffers:
+        """A decode step of a partly resident layer, inputs in GPU memory, with the host tier: routed on the device,
+        where the CPU takes the last cpu_take[c] of a token's c cold pairs (kernels/cold_split.py) and the GPU's decode
+        kernels the others at once, resident or read from the tier; the routing and x are published to the host
+        (split_routing waits for them). The compute stream waits for the dense part's, as in launch_routed; the dense
+        part's waits for merge_split. Returns the pending step."""
+        cp = self.device.cp
+        spec = self.runner.info.spec
+        tokens = x.size // spec.hidden_size
+        compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
+        with cp.cuda.Device(self.device.index):
+            if dense is not None:
+                compute.wait_event(dense.record(self._ordering))
+            self._order_after_loads()
+            x2d, logits, weights = self._routed_views(x, logits, router_weights, tokens)
+            split = self._split
+            if split is None or split.key != SplitBuffers.key_of(tokens, x.dtype):
+                split = self._split = SplitBuffers(cp, tokens, spec.hidden_size, spec.k, x.dtype)
+            split.published.set_cpu_take(cpu_take, compute)
+            split.start.record(compute)
+            self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights)
+            split.stop.record(compute)
+        return split
+
+    def split_routing(self, pending: SplitBuffers) -> tuple:
+        """(x [T, H], every routed expert id [T, k], the pairs the CPU computes (bool [T, k]), the weights [T, k]) on
+        the host once launch_split's routing is published: a spin of a few µs after the routing kernel, no stream
+        synchronisation. x and the weights are views the next launch overwrites."""
+        published = pending.published
+        published.wait(self.device.compute_stream)
+        return published.x, published.ids.copy(), published.on_cpu != 0, published.w
+
+    @_on_compute_stream
+    def merge_split(self, pending: SplitBuffers, cpu_part: np.ndarray | None, like):
+        """launch_split's result in GPU memory for the next dense segment: the GPU's part plus the CPU's (float32
+        [T, H] on the host, or None), added in like's dtype on the device; the dense part's stream waits for it, the
+        host for nothing. Returns (the result in like's shape, the launch's events for merged_done)."""
+        cp = self.device.cp
+        compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
+        with cp.cuda.Device(self.device.index):
+            merge = self._merges.take(like.size // self.runner.info.spec.hidden_size, like.dtype)
+            if cpu_part is not None:
+                merge.upload(cpu_part, compute, to_sum=False)
+            merge.combine(pending.out32, cpu_part is not None, self.gpu.merge_sum)
+            if dense is not None:
+                dense.wait_event(compute.record(self._ordering))
+        return merge.result(like.shape), (pending.start, pending.stop)
 
     @_on_compute_stream
     def merge_on_device(self, pending, cpu_part: np.ndarray | None, like):

@@ -110,6 +110,24 @@ class RoutedBuffers:
         self.cp.cuda.runtime.memcpyAsync(self._host_logits_at, logits.data.ptr, logits.nbytes, D2H, stream.ptr)
 
 
+class SplitBuffers:
+    """A decode step whose cold experts the GPU and the CPU share (CudaSlots.launch_split, decode path "both"): where
+    route_split publishes the routing to the host (kernels/gpu/published.py), the GPU's float32 part, and the
+    launch's start and stop events. Kept per node and shape: a CUDA graph replays with the same pointers."""
+
+    def __init__(self, cp, tokens: int, hidden: int, k: int, dtype):
+        from kernels.gpu.published import PublishedRouting
+
+        self.key = SplitBuffers.key_of(tokens, dtype)
+        self.published = PublishedRouting(cp, tokens, k, hidden, dtype)
+        self.out32 = cp.empty((tokens, hidden), cp.float32)
+        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
+
+    @staticmethod
+    def key_of(tokens: int, dtype) -> tuple:
+        return tokens, np.dtype(dtype).str
+
+
 class HostCopies:
     """Device arrays a layer needs on the host (the dense part left them in GPU memory, the layer has cold
     experts): copied into one kept pinned buffer, one wait for them all. The NumPy views returned are valid until

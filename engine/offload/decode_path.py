@@ -14,6 +14,13 @@ other work. cpu_execution=disabled keeps cold experts off the CPU, so the tier i
 cpu_execution=enabled keeps them on the CPU, so no tier is made. The simulated device simulates the tier
 (devices.py: its bytes counted, its reads priced at PCIe's rate), so that its projections follow the same path.
 
+A third path, "both" (asked for only; not yet among auto's trials): the tier, and a share of each token's cold pairs
+computed by the CPU at once (kernels/cold_split.py: the share from the measured rates). Routing stays on the device; a
+kernel publishes it to page-locked host memory, where the host finds it a few µs later without a stream
+synchronisation (kernels/gpu/published.py), and the CPU's part is added on the device. It pays where the CPU's share
+saves more PCIe reads than its kernel call and the round trip cost: large experts at low residency (one layer of
+gpt-oss-20B-like at 0% resident 1.7x the tier, Qwen3-30B-A3B-like 1.15x; RESULTS.md, twenty-ninth session).
+
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
 a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto' and the tier takes
 at most HOST_SHARE of the host memory available, or where the decode path is asked for as "tier".
@@ -30,8 +37,12 @@ from engine.offload.config import OffloadConfig
 from engine.offload.trials import AbaTrials
 from engine.units import human_bytes
 
-CPU, TIER = "cpu", "tier"
-MODES = ("auto", CPU, TIER)  # auto: from cpu_execution (trials under its auto); cpu / tier: that path, no trials
+CPU, TIER, BOTH = "cpu", "tier", "both"
+MODES = ("auto", CPU, TIER, BOTH)  # auto: from cpu_execution (trials under its auto); the others: that path, no trials
+ASKED_TIER = (TIER, BOTH)  # the paths that read cold experts from the tier
+# what each path does with cold experts, in the words the app shows
+PATH_WORDS = {CPU: "computed on the CPU", TIER: "read by the GPU from host memory",
+              BOTH: "read by the GPU from host memory, a share computed on the CPU at once"}
 HOST_SHARE = 0.5  # of the host memory available, at most, goes to the tier unless asked for
 
 
@@ -62,7 +73,7 @@ class DecodePathTrials(AbaTrials):
 def tier_wanted(mode: str, config: OffloadConfig) -> bool:
     """Whether the decode path `mode` under `config` wants a host tier (before what the host can hold)."""
     if mode != "auto":
-        return mode == TIER
+        return mode in ASKED_TIER
     return config.mode != "disabled" and config.cpu_execution != "enabled"
 
 
@@ -99,6 +110,9 @@ def tier_sentence(mode: str, config: OffloadConfig, nbytes: int) -> str:
     tier = f"a host tier of {human_bytes(nbytes)} of page-locked host memory"
     if mode == TIER:
         return f"Instead, decode reads cold experts on the GPU from {tier}, as asked (decode path 'tier')."
+    if mode == BOTH:
+        return (f"Instead, decode reads cold experts on the GPU from {tier} while the CPU computes a share of them, "
+                f"as asked (decode path 'both').")
     if config.cpu_execution == "disabled":
         return f"Instead, decode reads cold experts on the GPU from {tier} (cpu_execution=disabled)."
     return (f"Decode can also read cold experts on the GPU from {tier}: while decoding the engine times that against "
@@ -107,11 +121,11 @@ def tier_sentence(mode: str, config: OffloadConfig, nbytes: int) -> str:
 
 def _refusal(mode: str, config: OffloadConfig, nbytes: int, available: int) -> str | None:
     """Why a wanted host tier of `nbytes` is not made, with `available` bytes of host memory free; None where it is
-    made. Asked for (mode "tier"), only the memory itself refuses it."""
+    made. Asked for (mode "tier" or "both"), only the memory itself refuses it."""
     if nbytes > available:
         return (f"its {human_bytes(nbytes)} of page-locked experts exceed the host memory available "
                 f"({human_bytes(available)})")
-    if mode == TIER:
+    if mode in ASKED_TIER:
         return None
     if config.pinned_bytes is not None:
         return (f"pinned_bytes={config.pinned_bytes} bounds page-locked memory to the staging ring, and the tier pins "

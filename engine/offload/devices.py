@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.staging import PinnedRing
+from kernels.cold_split import split_cold_pairs
 from kernels.cpu.routing import route
 
 GIB = 1 << 30
@@ -177,6 +178,34 @@ class SimulatedSlots:
 
     def routed_done(self, pending) -> tuple[np.ndarray, float, float]:
         return pending
+
+    def launch_split(self, x: np.ndarray, logits: np.ndarray, router_weights, cpu_take: np.ndarray) -> tuple:
+        """CudaSlots.launch_split on the "device": routed here, the CPU's pairs chosen by route_split's rule
+        (kernels/cold_split.py), the others computed with the CPU kernel as the stand-in and priced as the GPU reads
+        them (residents at HBM's rate, cold experts at the tier's). Returns the pending step for split_routing and
+        merge_split."""
+        started = time.perf_counter()
+        spec = self.kernel.spec
+        x2d = np.array(x, copy=True).reshape(-1, spec.hidden_size)  # the dense part may reuse its buffers
+        ids, weights = route(np.asarray(logits).reshape(x2d.shape[0], -1), spec, router_weights)
+        held = np.isin(ids, self._held[self._held >= 0])
+        on_cpu = split_cold_pairs(~held, cpu_take)
+        partial = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
+        self.kernel.run_experts(x2d, np.where(on_cpu, -1, ids), weights, out=partial)
+        on_gpu = set(ids[~on_cpu].tolist())
+        resident = on_gpu & set(self._held.tolist())
+        bw = self.device.bandwidths
+        seconds = self.read_bytes * (len(resident) / bw.hbm + len(on_gpu - resident) / (TIER_READ_SHARE * bw.pcie))
+        self.standin_s += time.perf_counter() - started
+        return x2d, ids, on_cpu, weights, partial, seconds
+
+    def split_routing(self, pending: tuple) -> tuple:
+        """(x, every routed id, the CPU's pairs, the weights) of launch_split's step."""
+        return pending[:4]
+
+    def merge_split(self, pending: tuple, cpu_part: np.ndarray | None, like: np.ndarray):
+        """launch_split's GPU part plus the CPU's (or None), in like's dtype and shape, and its modelled seconds."""
+        return self.merge_on_device(pending[4:], cpu_part, like)
 
     def routed_ready(self, pending) -> bool:
         """Whether routed_done would not wait (CudaSlots: the launch's stop event); here nothing runs apart."""

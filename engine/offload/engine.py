@@ -17,8 +17,9 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload import decode_path as paths
-from engine.offload.decode_path import CPU, TIER, DecodePathTrials, checked_path, default_decode_path
+from engine.offload.decode_path import BOTH, CPU, TIER, DecodePathTrials, checked_path, default_decode_path
 from engine.offload.device_memory import DeviceMemoryError
+from engine.offload.devices import TIER_READ_SHARE
 from engine.offload.host_cache import HostExpertCache
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
@@ -29,6 +30,7 @@ from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
+from kernels.cold_split import cpu_take_table
 from kernels.gpu.host_tier import HostTierError
 
 
@@ -50,6 +52,7 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
 # The miss slots are weighed when the placement is made, again at its second safe point (the CPU kernels' rate and
 # a copy's host time measured by then: slots filled at load, a first step's misses), then every 16.
 MISS_SLOTS_FIRST, MISS_SLOTS_EVERY = 2, 16
+SPLIT_TABLE_EVERY = 16  # decode steps between two cold_split_table's from the CPU's measured rate
 # deferred accounts a layer takes at most (OffloadEngine.settle): one a layer keeps up with a host that runs ahead of
 # the GPU; two let it catch up after a slower layer
 SETTLE_PER_LAYER = 2
@@ -83,6 +86,8 @@ class OffloadEngine:
         self.path_trials = DecodePathTrials()
         self._host_tier = False  # see host_tier
         self.reads_tier = False  # decode steps read cold experts from the host tier now (decode_path_in_force)
+        self.splits_cold = False  # ... and the CPU computes a share of them at once (decode path "both")
+        self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the CPU's rate moves
         self._tier_bytes = 0  # page-locked host memory the tier maps, while there is one
         self.tier_statement = ""  # what the plan says about the host tier ('' where none was wanted)
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
@@ -99,7 +104,7 @@ class OffloadEngine:
             self._try_host_tier(config)
         if self.tier_statement:
             self.plan.statements.append(self.tier_statement)
-        self.reads_tier = self.decode_path_in_force == TIER
+        self._follow_path()
         self.streaming = self._plan_streaming(config)
         self.cpu_rate = CpuRate()  # the CPU kernels' measured rate on decode misses, for the miss policy
         self.copy_reuse = CopyReuse([info.spec.num_experts for info in self.infos])  # later hits copies earned
@@ -146,8 +151,31 @@ class OffloadEngine:
     def _switch_path(self) -> None:
         """After a trial switched the decode path: reads_tier follows, and the miss slots are weighed again (no slot
         is left to copied misses while the GPU reads them all)."""
-        self.reads_tier = self.decode_path_in_force == TIER
+        self._follow_path()
         self._weigh_miss_slots()
+
+    def _follow_path(self) -> None:
+        """reads_tier and splits_cold as the decode path in force says."""
+        in_force = self.decode_path_in_force
+        self.reads_tier = in_force in (TIER, BOTH)
+        self.splits_cold = in_force == BOTH
+
+    def cold_split_table(self, layer: int) -> np.ndarray:
+        """Under the decode path "both": how many of a token's c cold pairs the CPU takes in this layer's decode steps
+        (kernels/cold_split.py), from the CPU kernels' rate as measured in the engine (CpuRate: a call's fixed cost and
+        the rate of one more expert, each under whatever else the machine reads meanwhile) against the host tier's
+        (TIER_READ_SHARE of the measured PCIe bandwidth); per expert size, made again every few decode steps as the
+        CPU's measured rate moves."""
+        info, store = self.infos[layer], self.stores[layer]
+        key = (info.bytes_per_expert, store.read_bytes, info.spec.k)
+        table = self._split_tables.get(key)
+        if table is None:
+            bandwidths = self.device.bandwidths
+            cpu_bytes_per_s = self.cpu_rate.value or bandwidths.cpu
+            table = self._split_tables[key] = cpu_take_table(
+                info.spec.k, info.bytes_per_expert / cpu_bytes_per_s, self.cpu_rate.fixed_s,
+                store.read_bytes / (TIER_READ_SHARE * bandwidths.pcie))
+        return table
 
     @property
     def decode_path_in_force(self) -> str:
@@ -156,8 +184,10 @@ class OffloadEngine:
         takes what the trials chose."""
         if not self._host_tier or self.decode_path_mode == CPU:
             return CPU
-        if self.decode_path_mode == TIER or self.config.cpu_execution == "disabled":
-            return TIER
+        if self.config.cpu_execution == "disabled":
+            return TIER  # "both" too: the CPU computes no expert
+        if self.decode_path_mode in (TIER, BOTH):
+            return self.decode_path_mode
         return self.path_trials.choice
 
     def _path_trials_run(self) -> bool:
@@ -393,6 +423,8 @@ class OffloadEngine:
             self._steps += 1
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
                 self._weigh_miss_slots()
+            if self._steps % SPLIT_TABLE_EVERY == 0:
+                self._split_tables.clear()
             limit = None if step_s is None else self.swap_allowance.grant(step_s)
             self.swap_allowance.spent(self._apply(self.policy.rebalance(limit)))
             self.stats.pinned = self.pinned_info()
@@ -436,14 +468,14 @@ class OffloadEngine:
         tier where that changes it; the trials start again. "tier" where the tier cannot be made (no device, the
         host's memory, the driver): a WorkbenchError saying why, the path as it was."""
         mode, before = checked_path(mode), self.decode_path_mode
-        if mode == TIER and self.device is None:
-            raise WorkbenchError("decode path 'tier' needs a GPU (CUDA or simulated): it reads the experts from host "
-                                 "memory")
+        if mode in (TIER, BOTH) and self.device is None:
+            raise WorkbenchError(f"decode path '{mode}' needs a GPU (CUDA or simulated): it reads the experts from "
+                                 f"host memory")
         self.reconfigure(self.config, decode_path=mode)
-        if mode == TIER and not self._host_tier and self.tier_statement:
+        if mode in (TIER, BOTH) and not self._host_tier and self.tier_statement:
             refused = self.tier_statement
             self.reconfigure(self.config, decode_path=before)
-            raise WorkbenchError(f"decode path 'tier': {refused}")
+            raise WorkbenchError(f"decode path '{mode}': {refused}")
 
     def reconfigure(self, config: OffloadConfig, layer_split: str | None = None,
                     decode_path: str | None = None) -> None:
@@ -495,7 +527,7 @@ class OffloadEngine:
         self.streaming = self._plan_streaming(config)
         old_scores = self.policy.scores
         self.config = config
-        self.reads_tier = self.decode_path_in_force == TIER  # the miss slots are weighed with the policy below
+        self._follow_path()  # the miss slots are weighed with the policy below
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(old_scores)  # what adaptive placement learnt so far still holds

@@ -60,10 +60,14 @@ class HybridExpertNode:
         approximating = engine.approximating
         held = store is not None and store.holds(x)  # the inputs lie in the device's memory
         if held:
-            if not approximating and (engine.slots[layer].all_resident or (
-                    engine.reads_tier and store.reads_cold
-                    and x.size <= spec.hidden_size * engine.config.async_max_tokens)):
-                # every expert on the device, or a decode step whose cold experts the GPU reads from the host tier
+            if not approximating and engine.slots[layer].all_resident:
+                return self._run_resident(store, x, logits, router_weights)  # every expert on the device
+            if (not approximating and engine.reads_tier and store.reads_cold
+                    and x.size <= spec.hidden_size * engine.config.async_max_tokens):
+                # a decode step whose cold experts the GPU reads from the host tier, the CPU taking a share of them
+                # under the decode path "both" (route_split takes a decode launch's tokens at most)
+                if engine.splits_cold and x.size <= spec.hidden_size * DECODE_MAX_TOKENS:
+                    return self._run_split(store, x, logits, router_weights)
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape
             x, logits, router_weights = store.to_host(x, logits, router_weights)
@@ -210,6 +214,50 @@ class HybridExpertNode:
             engine.defer(lambda: self.account_resident(pending), lambda: store.routed_ready(pending))
             engine.settle()
         return out
+
+    def _run_split(self, store, x, logits, router_weights):
+        """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"):
+        routing and the GPU's part on the device, launched at once; the CPU computes its share of the cold pairs
+        (OffloadEngine.cold_split_table) as soon as the routing reaches the host (published by the routing kernel: a
+        few µs, no stream synchronisation); the sum stays on the device for the next dense segment. The statistics
+        are taken now (the routing is on the host), the device time once the launch is done (settle)."""
+        engine, layer = self.engine, self.layer
+        standin_before = getattr(store, "standin_s", 0.0)
+        pending = store.launch_split(x, logits, router_weights, engine.cold_split_table(layer))
+        x2d, ids, on_cpu, weights = store.split_routing(pending)
+        tokens, cpu_pairs, cpu_s, out = ids.shape[0], int(on_cpu.sum()), 0.0, None
+        if cpu_pairs:
+            out = self._output(tokens)
+            cpu_ids = np.where(on_cpu, ids, -1)
+            started = time.perf_counter()
+            self.kernel.run_experts(x2d, cpu_ids, weights, out=out)
+            cpu_s = time.perf_counter() - started
+            cpu_experts = np.unique(ids[on_cpu])
+            if not engine.shadow:
+                engine.cpu_rate.observe(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
+                if engine.host_cache.budget is not None:
+                    engine.host_cache.touch(layer, cpu_experts.tolist())
+        result, timing = store.merge_split(pending, out, x)
+        if engine.shadow:
+            return result
+        standin = getattr(store, "standin_s", 0.0) - standin_before
+        stats = engine.stats.layers[layer]
+        resident = engine.slots[layer].slot_of[ids] >= 0
+        engine.stats.count(layer, ids, resident)
+        hits = int(resident.sum())
+        stats.hits += hits
+        stats.misses += ids.size - hits
+        stats.misses_read += ids.size - hits - cpu_pairs
+        stats.cpu_s += cpu_s
+        stats.routed_on_device += 1
+        engine.copy_reuse.hit(layer, ids, resident)
+        engine.stats.split(layer, cpu_pairs, 0, 0)
+        engine.policy.observe(layer, ids.reshape(-1))
+        engine.defer(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing), True, 0, 0.0, (),
+                                                standin),
+                     lambda: store.merged_ready(timing))
+        engine.settle()
+        return result
 
     def account_resident(self, pending) -> None:
         """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): its
