@@ -34,7 +34,7 @@ from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.errors import WorkbenchError  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
-from engine.offload.decode_path import MODES as PATH_MODES  # noqa: E402
+from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import hit_rate, realistic_trace  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
@@ -171,12 +171,12 @@ def split_text(split: dict) -> str:
 
 
 def path_text(path: dict) -> str:
-    """', decode path tier (trial: 20.1 / 30.2 ms a step tier / cpu)': the path in force, with what its trial measured
-    where one finished."""
+    """', decode path tier (trial a step: 20.1 ms read by the GPU, 30.2 ms on the CPU, 25.0 ms both)': the path in
+    force, with what its trial measured where one finished."""
     measured = path.get("measured_ms") or {}
     text = f", decode path {path.get('in_force')}" + ("" if path.get("host_tier") else " (no host tier)")
-    if {"tier", "cpu"} <= measured.keys():
-        text += f" (trial: {measured['tier']:.1f} / {measured['cpu']:.1f} ms a step tier / cpu)"
+    if len(measured) > 1:
+        text += f" (trial a step: {measured_words(measured)})"
     return text
 
 
@@ -225,9 +225,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--fractions", default="0,0.25,0.5,1", help="resident fractions, comma-separated")
-    parser.add_argument("--decode-warmup", type=int, default=64,
-                        help="decode steps before the timed ones: by 64 the engine's layer-split trial (~60 steps, "
-                             "engine/offload/layer_split.py) is done, so the figure is the split it keeps")
+    parser.add_argument("--decode-warmup", type=int, default=96,
+                        help="decode steps before the timed ones: by 96 the engine's trials are done (the decode "
+                             "path's, three ways: ~76 steps, engine/offload/trials.py), so the figure is what they keep")
     parser.add_argument("--repeats", type=int, default=1,
                         help="decode measurements per fraction (the figure: their median; see decode_repeats)")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder)")
@@ -236,8 +236,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
     parser.add_argument("--trace-tokens", type=int, default=32,
                         help="decode tokens measured with routing replaced by a realistic trace (0: none)")
-    parser.add_argument("--trace-warmup", type=int, default=64,
-                        help="trace-routed decode tokens before those (64: the layer-split trial is done by then)")
+    parser.add_argument("--trace-warmup", type=int, default=96,
+                        help="trace-routed decode tokens before those (96: the engine's trials are done by then)")
     parser.add_argument("--trace-placements", default="adaptive,static",
                         help="placements measured under the trace, comma-separated (each from the same budget)")
     parser.add_argument("--profile-steps", type=int, default=0,

@@ -428,8 +428,8 @@ def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cp
 
 def test_by_default_the_host_tier_is_made_and_trials_choose_the_decode_path(model_folder, cpu_run, monkeypatch):
     """Decode path auto under cpu_execution=auto (the defaults): the tier is made at load and the plan says so; the
-    trials (given step times here) time the tier, the CPU path and the tier again and keep the CPU path where it is
-    faster: its decode steps then bring partly resident layers' inputs to the host and compute their cold experts on
+    trials (given step times here) time the tier, the CPU path, both and the tier again and keep the CPU path where it
+    is the fastest: its decode steps then bring partly resident layers' inputs to the host and compute their cold experts on
     the CPU, with the all-CPU run's tokens throughout."""
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="auto")
     engine = model.offload
@@ -440,20 +440,19 @@ def test_by_default_the_host_tier_is_made_and_trials_choose_the_decode_path(mode
     paths = []
 
     def end_step(seconds, tokens):
-        step_s = 0.030 if engine.decode_path_in_force == "tier" else 0.020
+        step_s = {"tier": 0.030, "cpu": 0.020, "both": 0.025}[engine.decode_path_in_force]
         engine.end_step(step_s if tokens == 1 else seconds, tokens)
         paths.append(engine.decode_path_in_force)
 
     model.decoder.on_step_end = end_step
     assert_same_as_cpu(greedy_run(model), cpu_run)
     # after each step: the prompt (not counted); decode: 1 skipped, 2 timed (-> the CPU path), 1 settling, 2 timed
-    # (-> the tier), 1 settling, 2 timed (-> the CPU path kept)
-    assert paths[:10] == ["tier"] * 3 + ["cpu"] * 3 + ["tier"] * 3 + ["cpu"], paths
-    assert set(paths[10:]) == {"cpu"}
+    # (-> both), 1 settling, 2 timed (-> the tier), 1 settling, 2 timed (-> the CPU path kept)
+    assert paths == ["tier"] * 3 + ["cpu"] * 3 + ["both"] * 3 + ["tier"] * 3 + ["cpu"], paths
     assert engine.path_trials.trials == 1 and not engine.reads_tier and engine.host_tier
     state = engine.copy_state()["decode_path"]
-    assert state["in_force"] == "cpu" and state["measured_ms"] == {"tier": pytest.approx(30.0),
-                                                                  "cpu": pytest.approx(20.0)}
+    assert state["in_force"] == "cpu" and state["measured_ms"] == {
+        "tier": pytest.approx(30.0), "cpu": pytest.approx(20.0), "both": pytest.approx(25.0)}
     engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert engine.stats.totals().misses_read == 0 and engine.stats.totals().misses_cpu > 0

@@ -77,15 +77,20 @@ def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):
         "Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB")
 
 
-def test_the_trials_keep_the_tier_unless_the_cpu_path_is_faster_by_the_margin():
+def test_the_trials_keep_the_tier_unless_another_path_is_the_fastest_by_the_margin():
     trials = DecodePathTrials(first=0, settle=0, window=2, recheck=100, margin=0.05)
-    asked = [trials.step(seconds, 1) for seconds in (0.020, 0.020, 0.0195, 0.0195, 0.021, 0.021)]
-    assert asked == [None, "cpu", None, "tier", None, None]  # tier, cpu, tier again: the CPU not 5% faster
-    assert trials.choice == "tier" and trials.measured == {"tier": pytest.approx(0.020), "cpu": pytest.approx(0.0195)}
+    asked = [trials.step(seconds, 1) for seconds in (0.020, 0.020, 0.0195, 0.0195, 0.0192, 0.0192, 0.021, 0.021)]
+    # tier, cpu, both, tier again: neither the CPU path nor both 5% faster than the tier's faster window
+    assert asked == [None, "cpu", None, "both", None, "tier", None, None]
+    assert trials.choice == "tier" and trials.measured == {
+        "tier": pytest.approx(0.020), "cpu": pytest.approx(0.0195), "both": pytest.approx(0.0192)}
     trials = DecodePathTrials(first=0, settle=0, window=1, recheck=100, margin=0.05)
-    asked = [trials.step(seconds, 1) for seconds in (0.030, 0.020, 0.030)]
-    assert asked == ["cpu", "tier", "cpu"] and trials.choice == "cpu" and trials.trials == 1
+    asked = [trials.step(seconds, 1) for seconds in (0.030, 0.020, 0.025, 0.030)]
+    assert asked == ["cpu", "both", "tier", "cpu"] and trials.choice == "cpu" and trials.trials == 1  # the fastest
     assert trials.step(0.5, 12) is None  # a prefill step is not timed
+    trials.wait = trials._skip = 0  # the next trial at once, from the CPU path: cpu, tier, both, cpu
+    asked = [trials.step(seconds, 1) for seconds in (0.020, 0.030, 0.010, 0.021)]
+    assert asked == ["tier", "both", "cpu", "both"] and trials.choice == "both"
 
 
 def test_an_unknown_decode_path_is_named():

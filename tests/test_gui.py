@@ -519,7 +519,7 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
 
     measured = {"tier": 18.04, "cpu": 25.0}
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measured_ms": measured}}) == \
-        "cold experts read by the GPU from host memory (measured 18.0 ms a token against 25.0 on the CPU)"
+        "cold experts read by the GPU from host memory (measured a token: 18.0 ms read by the GPU, 25.0 ms on the CPU)"
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "cpu", "measured_ms": {}}}) == \
         "cold experts computed on the CPU"
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "both", "measured_ms": {}}}) == \
@@ -530,6 +530,10 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
     assert path_sentence({"host_tier": True, "in_force": "cpu", "measured_ms": {"tier": 30.0, "cpu": 20.04}}) == \
         ("Cold experts measured while decoding: computed on the CPU (a decode step took 30.0 ms read by the GPU, "
          "20.0 ms on the CPU).")
+    assert path_sentence({"host_tier": True, "in_force": "both",
+                          "measured_ms": {"tier": 30.0, "cpu": 35.0, "both": 25.04}}) == \
+        ("Cold experts measured while decoding: read by the GPU from host memory, a share computed on the CPU at once "
+         "(a decode step took 30.0 ms read by the GPU, 35.0 ms on the CPU, 25.0 ms both).")
     assert path_sentence({"host_tier": True, "in_force": "tier", "measured_ms": {}}) == ""
     assert path_sentence({"host_tier": False, "in_force": "cpu", "measured_ms": {"tier": 1.0, "cpu": 2.0}}) == ""
 

@@ -144,6 +144,28 @@ def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):
         engine_without_device(model_folder).set_decode_path("tier")
 
 
+def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its_steps(model_folder, cpu_run):
+    """Decode path "both" on the simulated device: the CPU's share of the cold pairs (cold_split_table) comes from the
+    rates its steps measure: the CPU kernel's (CpuRate) and the GPU's reads from the tier (TierReadRate: the launch's
+    time less its residents' HBM reads, here the modelled TIER_READ_SHARE of PCIe exactly)."""
+    from engine.offload.devices import TIER_READ_SHARE
+    from kernels.cold_split import cpu_take_table
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    engine = model.offload
+    assert engine.decode_path_in_force == "both" and engine.tier_read.value is None
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert engine.tier_read.value == pytest.approx(TIER_READ_SHARE * device.bandwidths.pcie)
+    assert engine.cpu_rate.value is not None
+    engine._split_tables.clear()
+    info, store = engine.infos[0], engine.stores[0]
+    assert engine.cold_split_table(0).tolist() == cpu_take_table(
+        SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
+        store.read_bytes / engine.tier_read.value).tolist()
+
+
 def engine_without_device(model_folder):
     """An offload engine planned for no device: every expert node runs on the CPU."""
     from engine.expert_node import CpuExpertNode

@@ -31,7 +31,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import open_cuda_device
-from engine.offload.decode_path import PATH_WORDS, default_decode_path
+from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
@@ -498,11 +498,10 @@ def path_sentence(path: dict) -> str:
     """Where decode computes cold experts, once the trials have measured both ways ('' before, and without a host
     tier: the plan's statements say why there is none)."""
     measured = path.get("measured_ms") or {}
-    if not path.get("host_tier") or not {"tier", "cpu"} <= measured.keys():
+    if not path.get("host_tier") or len(measured) < 2:
         return ""
     kept = PATH_WORDS[path.get("in_force", "cpu")]
-    return (f"Cold experts measured while decoding: {kept} (a decode step took {measured['tier']:.1f} ms read by the "
-            f"GPU, {measured['cpu']:.1f} ms on the CPU).")
+    return f"Cold experts measured while decoding: {kept} (a decode step took {measured_words(measured)})."
 
 
 def _cores() -> int:

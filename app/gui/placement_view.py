@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, 
                                QWidget)
 
 from app.gui import theme
-from engine.offload.decode_path import PATH_WORDS
+from engine.offload.decode_path import PATH_WORDS, measured_words
 from engine.units import human_bytes
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
@@ -214,8 +214,7 @@ def copies_text(copies: dict) -> str:
         parts.append(f"timing where cold experts run: {PATH_WORDS[path['measuring']]} now")
     elif path.get("host_tier"):
         parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + (
-            f" (measured {measured['tier']:.1f} ms a token against {measured['cpu']:.1f} on the CPU)"
-            if {"tier", "cpu"} <= measured.keys() else ""))
+            f" (measured a token: {measured_words(measured)})" if len(measured) > 1 else ""))
     return ", ".join(parts)
 
 

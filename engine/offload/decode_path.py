@@ -9,21 +9,23 @@ faster depends on the machine (PCIe against the CPU's memory bandwidth and cores
 on the H200 machine the tier decoded 1.02-1.85x as fast at 0 / 25 / 50% resident on Qwen3-30B-A3B-like and
 1.08-1.40x on gpt-oss-20B-like, whose CPU kernel alone reads twice as fast as PCIe (RESULTS.md, twenty-seventh and
 twenty-eighth sessions); a CPU with more memory bandwidth or a slower PCIe link can turn that round. So under
-cpu_execution=auto the engine measures both (trials.py), the tier preferred on a tie: it leaves the CPU to the user's
+cpu_execution=auto the engine measures them (trials.py), the tier preferred on a tie: it leaves the CPU to the user's
 other work. cpu_execution=disabled keeps cold experts off the CPU, so the tier is the decode path there;
 cpu_execution=enabled keeps them on the CPU, so no tier is made. The simulated device simulates the tier
 (devices.py: its bytes counted, its reads priced at PCIe's rate), so that its projections follow the same path.
 
-A third path, "both" (asked for only; not yet among auto's trials): the tier, and a share of each token's cold pairs
-computed by the CPU at once (kernels/cold_split.py: the share from the measured rates). Routing stays on the device; a
+A third path, "both": the tier, and a share of each token's cold pairs computed by the CPU at once
+(kernels/cold_split.py: the share from the two sides' rates as measured in the engine). Routing stays on the device; a
 kernel publishes it to page-locked host memory, where the host finds it a few µs later without a stream
-synchronisation (kernels/gpu/published.py), and the CPU's part is added on the device. It pays where the CPU's share
-saves more PCIe reads than its kernel call and the round trip cost: large experts at low residency (one layer of
-gpt-oss-20B-like at 0% resident 1.7x the tier, Qwen3-30B-A3B-like 1.15x; RESULTS.md, twenty-ninth session).
+synchronisation (kernels/gpu/published.py), and the CPU's part is added on the device. Each such layer waits for the
+CPU's part before the next dense segment can be issued, where the tier lets the host run ahead, and the CPU's reads
+slow the GPU's over PCIe (both come from host memory). On the H200 machine one layer alone ran 1.7x the tier for
+gpt-oss-20B-like at 0% resident and 1.15x for Qwen3-30B-A3B-like, whole decodes 0.91-1.10x and 0.87-0.95x (RESULTS.md,
+twenty-ninth session): under cpu_execution=auto the trials time it beside the other two.
 
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
 a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto' and the tier takes
-at most HOST_SHARE of the host memory available, or where the decode path is asked for as "tier".
+at most HOST_SHARE of the host memory available, or where the decode path is asked for as "tier" or "both".
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ PATH_WORDS = {CPU: "computed on the CPU", TIER: "read by the GPU from host memor
 HOST_SHARE = 0.5  # of the host memory available, at most, goes to the tier unless asked for
 
 
+def measured_words(measured_ms: dict[str, float]) -> str:
+    """What the last trial measured, path by path: '30.0 ms read by the GPU, 20.0 ms on the CPU, 25.0 ms both'."""
+    short = {TIER: "read by the GPU", CPU: "on the CPU", BOTH: "both"}
+    return ", ".join(f"{measured_ms[path]:.1f} ms {short[path]}" for path in short if path in measured_ms)
+
+
 def checked_path(mode: str) -> str:
     """`mode` if it is one of MODES; else a WorkbenchError naming it."""
     if mode not in MODES:
@@ -63,11 +71,28 @@ def host_available() -> int:
     return psutil.virtual_memory().available
 
 
+class TierReadRate:
+    """Bytes per second at which the GPU reads cold experts from the host tier in "both" steps, as measured there (an
+    exponential average over launches, weight `keep` on the past); None until measured. The CPU's share reads host
+    memory at the same time and slows these reads (RESULTS.md, twenty-ninth session), so the rate start-up measured
+    alone would give the CPU too small a share."""
+
+    def __init__(self, keep: float = 0.9):
+        self.keep = keep
+        self.value: float | None = None
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.value = rate if self.value is None else self.keep * self.value + (1 - self.keep) * rate
+
+
 class DecodePathTrials(AbaTrials):
-    """The tier against the CPU path, the tier in force first and winning ties."""
+    """The tier against the CPU path and "both", the tier in force first and winning ties."""
 
     def __init__(self, **settings):
-        super().__init__(TIER, CPU, **settings)
+        super().__init__(TIER, CPU, BOTH, **settings)
 
 
 def tier_wanted(mode: str, config: OffloadConfig) -> bool:

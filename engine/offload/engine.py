@@ -17,7 +17,8 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload import decode_path as paths
-from engine.offload.decode_path import BOTH, CPU, TIER, DecodePathTrials, checked_path, default_decode_path
+from engine.offload.decode_path import (BOTH, CPU, TIER, DecodePathTrials, TierReadRate, checked_path,
+                                        default_decode_path)
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.devices import TIER_READ_SHARE
 from engine.offload.host_cache import HostExpertCache
@@ -87,7 +88,8 @@ class OffloadEngine:
         self._host_tier = False  # see host_tier
         self.reads_tier = False  # decode steps read cold experts from the host tier now (decode_path_in_force)
         self.splits_cold = False  # ... and the CPU computes a share of them at once (decode path "both")
-        self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the CPU's rate moves
+        self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the rates move
+        self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
         self._tier_bytes = 0  # page-locked host memory the tier maps, while there is one
         self.tier_statement = ""  # what the plan says about the host tier ('' where none was wanted)
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
@@ -163,18 +165,19 @@ class OffloadEngine:
     def cold_split_table(self, layer: int) -> np.ndarray:
         """Under the decode path "both": how many of a token's c cold pairs the CPU takes in this layer's decode steps
         (kernels/cold_split.py), from the CPU kernels' rate as measured in the engine (CpuRate: a call's fixed cost and
-        the rate of one more expert, each under whatever else the machine reads meanwhile) against the host tier's
-        (TIER_READ_SHARE of the measured PCIe bandwidth); per expert size, made again every few decode steps as the
-        CPU's measured rate moves."""
+        the rate of one more expert, each under whatever else the machine reads meanwhile) against the GPU's reads from
+        the host tier as measured in these steps (TierReadRate; until then TIER_READ_SHARE of the measured PCIe
+        bandwidth); per expert size, made again every few decode steps as the measured rates move."""
         info, store = self.infos[layer], self.stores[layer]
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k)
         table = self._split_tables.get(key)
         if table is None:
             bandwidths = self.device.bandwidths
             cpu_bytes_per_s = self.cpu_rate.value or bandwidths.cpu
+            tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
             table = self._split_tables[key] = cpu_take_table(
                 info.spec.k, info.bytes_per_expert / cpu_bytes_per_s, self.cpu_rate.fixed_s,
-                store.read_bytes / (TIER_READ_SHARE * bandwidths.pcie))
+                store.read_bytes / tier_bytes_per_s)
         return table
 
     @property

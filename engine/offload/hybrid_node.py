@@ -253,11 +253,23 @@ class HybridExpertNode:
         engine.copy_reuse.hit(layer, ids, resident)
         engine.stats.split(layer, cpu_pairs, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))
-        engine.defer(lambda: self._account_time(stats, tokens, cpu_s, store.merged_done(timing), True, 0, 0.0, (),
-                                                standin),
+        on_gpu = np.unique(ids[~on_cpu])
+        held = engine.slots[layer].slot_of[on_gpu] >= 0
+        engine.defer(lambda: self._account_split(stats, tokens, cpu_s, store.merged_done(timing), standin,
+                                                 int(held.sum()), int(held.size - held.sum())),
                      lambda: store.merged_ready(timing))
         engine.settle()
         return result
+
+    def _account_split(self, stats: LayerStats, tokens: int, cpu_s: float, device_s: float, standin: float,
+                       resident: int, read: int) -> None:
+        """A "both" step's device time, once its launch is done: the layer's statistics, and the GPU's rate of reading
+        `read` cold experts from the tier beside `resident` ones (their HBM reads taken out) for the split's table."""
+        store, bandwidths = self.engine.stores[self.layer], self.engine.device.bandwidths
+        if read:
+            self.engine.tier_read.observe(read * store.read_bytes,
+                                          device_s - resident * store.read_bytes / bandwidths.hbm)
+        self._account_time(stats, tokens, cpu_s, device_s, True, 0, 0.0, (), standin)
 
     def account_resident(self, pending) -> None:
         """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): its

@@ -1,12 +1,13 @@
-"""A-B-A trials between two ways of running decode, keeping the faster (issue #4): the layer split (layer_split.py)
+"""A-B-A trials between ways of running decode, keeping the fastest (issue #4): the layer split (layer_split.py)
 and where cold experts are computed (decode_path.py) are chosen this way, since which one wins depends on the model,
 its routing and the machine.
 
 A trial: the median seconds of `window` decode steps with the way in force, then, after `settle` steps (a re-plan's
-copies, the dense graphs captured again), of `window` steps with the other, then of `window` steps with the first
-again (A-B-A). The way in force counts with the faster of its two windows: a drift in the machine's speed during the
-trial then cannot favour the other (separate processes on the H200 machine differ by up to 1.5x). The other way is
-kept only when `margin` faster than the preferred one, which wins ties. The first trial starts after `first` decode
+copies, the dense graphs captured again), of `window` steps with each other way in turn, then of `window` steps with
+the first again (A-B-A, or A-B-C-A with three ways). The way in force counts with the faster of its two windows: a
+drift in the machine's speed during the trial then cannot favour another (separate processes on the H200 machine
+differ by up to 1.5x). Another way is kept only when the fastest and `margin` faster than the preferred one, which
+wins ties. The first trial starts after `first` decode
 steps (placement warms up), the next `recheck` decode steps after the last one, as routing changes with the
 conversation; each trial that keeps the way in force doubles that wait, up to `recheck_max`, since a trial costs
 switches and steps the slower way. Steps of more than one token (prefill) are not counted and do not interrupt a
@@ -19,9 +20,9 @@ import statistics
 
 
 class AbaTrials:
-    def __init__(self, preferred: str, other: str, first: int = 16, settle: int = 4, window: int = 12,
+    def __init__(self, preferred: str, *others: str, first: int = 16, settle: int = 4, window: int = 12,
                  recheck: int = 512, recheck_max: int = 8192, margin: float = 0.05):
-        self.preferred, self.other = preferred, other
+        self.preferred, self.ways = preferred, (preferred, *others)
         self.first, self.settle, self.window, self.margin = first, settle, window, margin
         self.recheck, self.recheck_max = recheck, max(recheck, recheck_max)
         self.wait = recheck                   # decode steps from one trial to the next
@@ -46,9 +47,8 @@ class AbaTrials:
         if self._skip:
             self._skip -= 1
             return None
-        if not self._queue:  # a new trial: the way in force, the other, the way in force again
-            other = self.other if self.choice == self.preferred else self.preferred
-            self._queue = [self.choice, other, self.choice]
+        if not self._queue:  # a new trial: the way in force, each other way, the way in force again
+            self._queue = [self.choice, *(way for way in self.ways if way != self.choice), self.choice]
             self._results = {}
             self._before = self.choice
         self._samples.append(seconds)
@@ -62,8 +62,9 @@ class AbaTrials:
             return self._use(self._queue[0])
         self.measured = dict(self._results)
         self.trials += 1
-        faster = self._results[self.other] < (1.0 - self.margin) * self._results[self.preferred]
-        chosen = self.other if faster else self.preferred
+        fastest = min(self._results, key=self._results.get)
+        faster = self._results[fastest] < (1.0 - self.margin) * self._results[self.preferred]
+        chosen = fastest if faster else self.preferred
         self.wait = min(2 * self.wait, self.recheck_max) if chosen == self._before else self.recheck
         self._skip = self.wait
         return self._use(chosen)
