@@ -495,7 +495,7 @@ def _decode_path(settings: dict) -> str:
 
 
 def path_sentence(path: dict) -> str:
-    """Where decode computes cold experts, once the trials have measured both ways ('' before, and without a host
+    """Where decode computes cold experts, once the trials have measured the ways ('' before, and without a host
     tier: the plan's statements say why there is none)."""
     measured = path.get("measured_ms") or {}
     if not path.get("host_tier") or len(measured) < 2:

@@ -31,7 +31,7 @@ OWN_KEYS = {SPLIT_KEY: SPLIT_MODES, PATH_KEY: PATH_MODES}
 
 def parse_entries(text: str) -> dict:
     """key=value lines (onnxruntime names, short names allowed, layer_split=auto|spread|whole and
-    decode_path=auto|cpu|tier); # starts a comment."""
+    decode_path=auto|cpu|tier|both); # starts a comment."""
     entries = {}
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
