@@ -6,14 +6,16 @@ measures each reader alone and both at once, in one process:
 
     cpu stream   a Numba parallel sum over 2 GB (the engine's B_dram measurement), all threads
     cpu kernel   the CPU decode kernel (kernels.cpu.CpuQMoE, int4 block 32, cold routing) at shape A or B
-    pcie         host -> device copies from page-locked memory (1 GiB each, back to back on one stream)
+    pcie         host -> device copies from page-locked memory (1 GiB each, back to back on one stream); with
+                 --gpu-reads kernel, a kernel reading the same page-locked GiB over PCIe instead (zero-copy, as the
+                 decode kernels read the host tier: bench_zero_copy.py's read_all), back to back
 
 For "both", the copies are queued first (enough for ~0.6 s) and the CPU reader runs call after call while they are in
 flight; only the CPU calls that ended before the last copy count, and the copies' rate is their bytes over their
 CUDA-event time. Reported: each rate alone, each rate while sharing, and the shared sum against B_dram + B_pcie
 (what the anchors' bound adds).
 
-    python benchmarks/bench_host_contention.py [--shape A|B] [--no-write]
+    python benchmarks/bench_host_contention.py [--shape A|B] [--gpu-reads copy|kernel] [--threads N] [--no-write]
 """
 from __future__ import annotations
 
@@ -60,6 +62,28 @@ class Copier:
         return count * COPY_BYTES / (self.cp.cuda.get_elapsed_time(begin, end) * 1e-3)
 
 
+class KernelReader(Copier):
+    """Back-to-back launches of a kernel that reads the page-locked GiB over PCIe (zero-copy), on a stream of their
+    own: the GPU's reads of the host tier, where Copier is the copy engine's."""
+
+    def __init__(self, cp):
+        from benchmarks.bench_zero_copy import _READ_SRC
+
+        super().__init__(cp)
+        self.src = cp.ndarray((COPY_BYTES // 16, 4), cp.uint32, cp.cuda.MemoryPointer(
+            cp.cuda.UnownedMemory(self.host.ptr, COPY_BYTES, self.host), 0))
+        self.sink = cp.zeros(1, cp.uint32)
+        self.read_all = cp.RawKernel(_READ_SRC, "read_all")
+        self.blocks = cp.cuda.Device().attributes["MultiProcessorCount"] * 8
+
+    def start(self, count: int):
+        begin = self.stream.record()
+        with self.stream:
+            for _ in range(count):
+                self.read_all((self.blocks,), (256,), (self.src, np.int64(COPY_BYTES // 16), self.sink))
+        return begin, self.stream.record()
+
+
 def cpu_rate_alone(call, nbytes: int, seconds: float = 0.5) -> float:
     call()
     done, started = 0, time.perf_counter()
@@ -90,13 +114,16 @@ def shared_rates(copier: Copier, call, nbytes: int, copies: int) -> tuple[float,
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=tuple(SHAPES), default="A")
+    ap.add_argument("--gpu-reads", choices=("copy", "kernel"), default="copy",
+                    help="the GPU's reader of host memory: the copy engine, or a kernel reading it over PCIe")
+    ap.add_argument("--threads", type=int, help="the CPU readers' threads (default: every core)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
 
     import cupy as cp
     from kernels.cpu.threads import use_threads
 
-    cores = os.cpu_count() or 1
+    cores = args.threads or os.cpu_count() or 1
     use_threads(cores)
     psum = stream_kernel()
     big = np.ones(int(2e9) // 4, np.float32)
@@ -112,7 +139,7 @@ def main(argv=None):
 
     readers = {"cpu stream (Numba parallel sum, 2 GB)": (lambda: psum(big), big.nbytes),
                f"cpu decode kernel, shape {args.shape} cold routing": (decode_call, node.nbytes)}
-    copier = Copier(cp)
+    copier = (KernelReader if args.gpu_reads == "kernel" else Copier)(cp)
     pcie = copier.rate_alone()
     copies = max(4, int(0.6 * pcie / COPY_BYTES))
     print(f"shape {args.shape}, {cores} threads; pcie alone {pcie / 1e9:.1f} GB/s; {copies} GiB copied per shared run",
@@ -140,8 +167,10 @@ def main(argv=None):
              "ratio": total / (alone + pcie)},
         ]
     if not args.no_write:
-        print("wrote", write_result(f"host-contention-shape{args.shape}", figures,
-                                    config={"shape": args.shape, "threads": cores, "copy_bytes": COPY_BYTES}))
+        tag = "" if args.gpu_reads == "copy" else "-kernel-reads"
+        print("wrote", write_result(f"host-contention-shape{args.shape}{tag}-{cores}t", figures,
+                                    config={"shape": args.shape, "threads": cores, "copy_bytes": COPY_BYTES,
+                                            "gpu_reads": args.gpu_reads}))
     return figures
 
 
