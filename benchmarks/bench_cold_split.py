@@ -10,7 +10,9 @@ synchronisation (the next layer's dense part needs the sum). Rows:
   tier        run_routed, then the synchronisation
   split n     run_routed_split with the CPU taking up to n of a token's cold pairs
   split model the table cpu_take_table makes from this run's rates (what the engine would use)
-Also the publish latency (launch to the flag seen, the CPU taking nothing) and the CPU kernel alone.
+Also the publish latency (launch to the flag seen, the CPU taking nothing) and the CPU kernel alone. The CPU kernel's
+threads wait between calls as in the engine (its GOMP_SPINCOUNT, engine/__init__.py): with libgomp's default they fell
+asleep between steps and every step paid to wake them (RESULTS.md, twenty-ninth session).
 
     python benchmarks/bench_cold_split.py [--shapes A,B] [--iters 150] [--no-write]
 """
@@ -26,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import engine  # noqa: E402,F401 - the engine's OpenMP wait (GOMP_SPINCOUNT), set before Numba's runtime starts
 from benchmarks.bench_qmoe_gpu import SHAPES, node_for  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
 from kernels.cold_split import cpu_take_table  # noqa: E402

@@ -18,10 +18,10 @@ A third path, "both": the tier, and a share of each token's cold pairs computed 
 (kernels/cold_split.py: the share from the two sides' rates as measured in the engine). Routing stays on the device; a
 kernel publishes it to page-locked host memory, where the host finds it a few µs later without a stream
 synchronisation (kernels/gpu/published.py), and the CPU's part is added on the device. Each such layer waits for the
-CPU's part before the next dense segment can be issued, where the tier lets the host run ahead, and the CPU's reads
-slow the GPU's over PCIe (both come from host memory). On the H200 machine one layer alone ran 1.7x the tier for
-gpt-oss-20B-like at 0% resident and 1.15x for Qwen3-30B-A3B-like, whole decodes 0.91-1.10x and 0.87-0.95x (RESULTS.md,
-twenty-ninth session): under cpu_execution=auto the trials time it beside the other two.
+CPU's part and then for the host to issue the next dense segment, where the tier lets the host run ahead of the GPU.
+On the H200 machine one layer alone ran 1.7x the tier for gpt-oss-20B-like at 0% resident and 1.4x for
+Qwen3-30B-A3B-like, whole decodes 0.91-1.10x and 0.87-0.95x (RESULTS.md, twenty-ninth session): under
+cpu_execution=auto the trials time it beside the other two.
 
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
 a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto' and the tier takes
@@ -73,9 +73,9 @@ def host_available() -> int:
 
 class TierReadRate:
     """Bytes per second at which the GPU reads cold experts from the host tier in "both" steps, as measured there (an
-    exponential average over launches, weight `keep` on the past); None until measured. The CPU's share reads host
-    memory at the same time and slows these reads (RESULTS.md, twenty-ninth session), so the rate start-up measured
-    alone would give the CPU too small a share."""
+    exponential average over launches, weight `keep` on the past); None until measured. A step's launch reads a few
+    experts at the decode kernel's own rate (its fixed cost included, fewer blocks in flight for fewer experts, the
+    CPU's share reading host memory meanwhile), which the start-up copy measurement does not give."""
 
     def __init__(self, keep: float = 0.9):
         self.keep = keep
