@@ -14,8 +14,8 @@ rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call f
 attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses)
 and `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one
 variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
-(spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's engine
-figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
+(spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's
+engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
 engine_figures) go into the result file beside the rates.
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
@@ -99,8 +99,8 @@ def layer_split(text: str) -> str:
 
 
 def decode_path(text: str) -> str:
-    """A variant's decode path ('path=auto|cpu|tier|both'; the engine's default where it names none: MOE_DECODE_PATH, else
-    auto, whose trials may switch the path within a round: name it in both variants to compare paths)."""
+    """A variant's decode path ('path=auto|cpu|tier|both'; the engine's default where it names none: MOE_DECODE_PATH,
+    else auto, whose trials may switch the path within a round: name it in both variants to compare paths)."""
     return _named(text, PATH, PATH_MODES, default_decode_path())
 
 

@@ -53,7 +53,7 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
 # The miss slots are weighed when the placement is made, again at its second safe point (the CPU kernels' rate and
 # a copy's host time measured by then: slots filled at load, a first step's misses), then every 16.
 MISS_SLOTS_FIRST, MISS_SLOTS_EVERY = 2, 16
-SPLIT_TABLE_EVERY = 16  # decode steps between two cold_split_table's from the CPU's measured rate
+SPLIT_TABLE_EVERY = 16  # decode steps between two cold_split_table's from the measured rates
 # deferred accounts a layer takes at most (OffloadEngine.settle): one a layer keeps up with a host that runs ahead of
 # the GPU; two let it catch up after a slower layer
 SETTLE_PER_LAYER = 2
@@ -182,9 +182,10 @@ class OffloadEngine:
 
     @property
     def decode_path_in_force(self) -> str:
-        """"tier" where decode steps read cold experts from the host tier now, else "cpu". A decode path asked for wins
-        over cpu_execution, which says what "auto" does (decode_path.tier_wanted): disabled reads from the tier, auto
-        takes what the trials chose."""
+        """"tier" where decode steps read cold experts from the host tier now, "both" where the CPU also computes a
+        share of them, else "cpu". A decode path asked for wins over cpu_execution, which says what "auto" does
+        (decode_path.tier_wanted): disabled reads from the tier (the CPU computes none), auto takes what the trials
+        chose."""
         if not self._host_tier or self.decode_path_mode == CPU:
             return CPU
         if self.config.cpu_execution == "disabled":
@@ -467,9 +468,9 @@ class OffloadEngine:
         self._set_whole_layers(mode == WHOLE)
 
     def set_decode_path(self, mode: str) -> None:
-        """"auto", "cpu" or "tier" (decode_path.py): a re-plan of the configuration in force makes or drops the host
-        tier where that changes it; the trials start again. "tier" where the tier cannot be made (no device, the
-        host's memory, the driver): a WorkbenchError saying why, the path as it was."""
+        """"auto", "cpu", "tier" or "both" (decode_path.py): a re-plan of the configuration in force makes or drops the
+        host tier where that changes it; the trials start again. "tier" or "both" where the tier cannot be made (no
+        device, the host's memory, the driver): a WorkbenchError saying why, the path as it was."""
         mode, before = checked_path(mode), self.decode_path_mode
         if mode in (TIER, BOTH) and self.device is None:
             raise WorkbenchError(f"decode path '{mode}' needs a GPU (CUDA or simulated): it reads the experts from "
@@ -483,8 +484,8 @@ class OffloadEngine:
     def reconfigure(self, config: OffloadConfig, layer_split: str | None = None,
                     decode_path: str | None = None) -> None:
         """Apply new budgets or policy on the loaded model, without reloading; `layer_split` ("auto", "spread" or
-        "whole") changes the split and `decode_path` ("auto", "cpu" or "tier", decode_path.py) the decode path in the
-        same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the host
+        "whole") changes the split and `decode_path` ("auto", "cpu", "tier" or "both", decode_path.py) the decode path
+        in the same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the host
         tier."""
         if layer_split is not None:
             self.layer_split_mode = checked_split(layer_split)
