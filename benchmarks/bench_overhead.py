@@ -148,6 +148,10 @@ def instrument(model, meter: Meter | None = None) -> Meter:
             _wrap(store, "launch_routed", meter, "launch")  # a fully resident layer's launch, routing included
             _wrap(store, "merge_on_device", meter, "launch")  # a decode result merged on the device: host work
             _wrap(store, "to_host", meter, "to_host")  # inputs from GPU memory: waits for the dense part's stream
+            # decode path "both": its launch and merge as host work, its wait for the published routing as to_host
+            for name, bucket in (("launch_split", "launch"), ("merge_split", "launch"), ("split_routing", "to_host")):
+                if hasattr(store, name):  # (trees before the twenty-ninth session have none)
+                    _wrap(store, name, meter, bucket)
         if decoder.on_step_end is not None:
             _wrap(decoder, "on_step_end", meter, "end_step")
     for runner in decoder.steps:

@@ -9,10 +9,11 @@ is what such routing asks for: hits, misses, copies, placement moves.
 
 It wraps `route` where the hybrid expert nodes call it (engine.offload.hybrid_node.route). A node's run() calls it
 once per step, in layer order, except where the step routes on the device (with the dense part on the GPU: a layer
-that keeps every expert, or one whose cold experts the GPU reads from the host tier): there it wraps the node's
-_run_resident, which adds a large bias to the trace's experts' logits in GPU memory (on the dense part's stream,
-which wrote them), so that the device's routing picks them, in the model's order among them; the statistics
-(account_resident) read the same biased logits. The layer is the calling node's, and a decode step starts where a
+that keeps every expert, or one whose cold experts the GPU reads from the host tier, with or without the CPU taking a
+share of them): there it wraps the node's _run_resident and _run_split, which add a large bias to the trace's
+experts' logits in GPU memory (on the dense part's stream, which wrote them), so that the device's routing picks them,
+in the model's order among them; the statistics (account_resident, the routing route_split publishes) follow the same
+biased logits. The layer is the calling node's, and a decode step starts where a
 call's layer is not after the last one's.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import engine.offload.hybrid_node as hybrid_node
 
 STEER = 64.0  # added to the trace's experts' logits where the device routes: above any other logit's lead
+DEVICE_ROUTED = ("_run_resident", "_run_split")  # the HybridExpertNode methods whose steps route on the device
 
 
 def _calling_node(frame, depth: int = 4):
@@ -44,9 +46,10 @@ class TraceRouting:
             raise ValueError(f"a trace of [tokens, {num_layers} layers, k] is needed, not {list(trace.shape)}")
         self.trace, self.num_layers = trace, num_layers
         self.calls = 0  # decode-step calls routed so far
-        self.device_calls = 0  # of them, steps routed on the device (_run_resident)
+        self.device_calls = 0  # of them, steps routed on the device (DEVICE_ROUTED)
         self._token, self._last_layer = -1, num_layers  # the trace's token of the current decode step
-        self._route = self._run_resident = None
+        self._route = None
+        self._originals: dict = {}  # DEVICE_ROUTED's methods, wrapped while in the block
         self._bias = None  # _device_bias
 
     def _chosen(self, layer: int, k: int) -> np.ndarray:
@@ -79,7 +82,8 @@ class TraceRouting:
         chosen = self._chosen(caller.f_locals["self"].layer, ids.shape[1])
         return chosen.astype(ids.dtype).reshape(ids.shape), weights
 
-    def _resident(self, node, store, x, logits, router_weights):
+    def _steer(self, node, store, x, logits) -> None:
+        """A decode step routed on the device: its logits steered to the trace's experts, in place."""
         spec = node.info.spec
         if x.size == spec.hidden_size:  # a decode step: its logits steered to the trace's experts
             chosen = self._chosen(node.layer, spec.k)
@@ -91,21 +95,28 @@ class TraceRouting:
                 with cp.cuda.Device(store.device.index), store.device.dense_stream or store.device.compute_stream:
                     flat = logits.reshape(-1)
                     flat += self._device_bias(cp, flat.dtype, spec.num_experts)[self._token, node.layer]
-        return self._run_resident(node, store, x, logits, router_weights)
+
+    def _steered(self, original):
+        """`original` (one of DEVICE_ROUTED) with its step's logits steered first."""
+        routing = self
+
+        def run(node, store, x, logits, router_weights):
+            routing._steer(node, store, x, logits)
+            return original(node, store, x, logits, router_weights)
+
+        return run
 
     def __enter__(self):
         self._route = hybrid_node.route
         hybrid_node.route = self._routed
-        self._run_resident = hybrid_node.HybridExpertNode._run_resident
-        routing = self
-
-        def run_resident(node, store, x, logits, router_weights):
-            return routing._resident(node, store, x, logits, router_weights)
-
-        hybrid_node.HybridExpertNode._run_resident = run_resident
+        node_class = hybrid_node.HybridExpertNode
+        self._originals = {name: getattr(node_class, name) for name in DEVICE_ROUTED}
+        for name, original in self._originals.items():
+            setattr(node_class, name, self._steered(original))
         return self
 
     def __exit__(self, *exc):
         hybrid_node.route = self._route
-        hybrid_node.HybridExpertNode._run_resident = self._run_resident
+        for name, original in self._originals.items():
+            setattr(hybrid_node.HybridExpertNode, name, original)
         return False

@@ -71,3 +71,32 @@ def test_with_whole_layers_every_layer_takes_the_trace_the_resident_one_on_the_d
     for layer in (0, 1, 2):  # each step's token of the trace, at its own layer
         counted = engine.stats.expert_hits[layer] + engine.stats.expert_misses[layer]
         assert counted.tolist() == np.bincount(trace[:, layer].ravel(), minlength=SPEC.num_experts).tolist()
+
+
+@pytest.mark.parametrize("path", ["tier", "both"])
+def test_steps_routed_on_the_device_take_the_trace_under_the_host_tier(tmp_path, path):
+    """With the host tier every decode step of a partly resident layer routes on the device (tier: _run_resident;
+    both: _run_split, whose routing kernel also gives the CPU its share): each takes the trace's experts, steered in
+    its logits, and the wrapped methods are put back on leaving."""
+    import engine.offload.hybrid_node as hybrid_node
+    from tests.test_offload import device_expert_bytes
+
+    folder = write_model(tmp_path / "m", SPEC)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 2),
+                             device=SimulatedDevice(1 << 30), decode_path=path)
+    engine = model.offload
+    originals = {name: getattr(hybrid_node.HybridExpertNode, name) for name in ("_run_resident", "_run_split")}
+    trace = realistic_trace(5, SPEC.layers, SPEC.num_experts, SPEC.top_k, seed=6)
+    state = model.new_state()
+    with TraceRouting(trace, SPEC.layers) as routing:
+        logits = model.decoder.forward(state, model.tokenizer.encode("Cold experts under a trace."))
+        engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+        for _ in range(5):
+            logits = model.decoder.forward(state, [int(logits[-1].argmax())])
+    assert routing.calls == routing.device_calls == 5 * SPEC.layers
+    for layer in range(SPEC.layers):
+        counted = engine.stats.expert_hits[layer] + engine.stats.expert_misses[layer]
+        assert counted.tolist() == np.bincount(trace[:, layer].ravel(), minlength=SPEC.num_experts).tolist()
+    if path == "both":
+        assert engine.stats.totals().misses_cpu > 0
+    assert {name: getattr(hybrid_node.HybridExpertNode, name) for name in originals} == originals
