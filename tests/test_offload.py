@@ -563,3 +563,20 @@ def test_bounding_an_unbounded_host_cache_drops_the_pages_it_did_not_count(model
     assert len(released) == 3 * 16 * tensors_per_node  # every expert of every node, each of its tensors
     logits, tokens = greedy_run(model)
     assert tokens == cpu_run[1] and 0 < cache.cached_bytes <= 5 * per_expert
+
+
+def test_under_decode_path_both_a_table_that_gives_the_cpu_nothing_leaves_the_steps_to_the_tier(model_folder,
+                                                                                                cpu_run):
+    """Where the split's table gives the CPU no pair at any count of cold pairs (a CPU far slower than the tier), a
+    "both" step would only make the host wait for the routing: the layer takes the tier's step instead."""
+    model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 2))
+    engine = model.offload
+    engine.cold_split_table = lambda layer: np.zeros(SPEC.top_k + 1, np.int32)
+    split = []
+    real = engine.stores[1].launch_split
+    engine.stores[1].launch_split = lambda *args: split.append(1) or real(*args)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = engine.stats.totals()
+    assert not split and totals.routed_on_device == STEPS * SPEC.layers and totals.misses_read > 0
+    assert engine.stats.phases["decode"].cpu_s == 0.0

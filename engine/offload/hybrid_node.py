@@ -65,8 +65,10 @@ class HybridExpertNode:
             if (not approximating and engine.reads_tier and store.reads_cold
                     and x.size <= spec.hidden_size * engine.config.async_max_tokens):
                 # a decode step whose cold experts the GPU reads from the host tier, the CPU taking a share of them
-                # under the decode path "both" (route_split takes a decode launch's tokens at most)
-                if engine.splits_cold and x.size <= spec.hidden_size * DECODE_MAX_TOKENS:
+                # under the decode path "both" (route_split takes a decode launch's tokens at most; a table that gives
+                # the CPU nothing leaves the step to the tier, whose host does not wait for the routing)
+                if (engine.splits_cold and x.size <= spec.hidden_size * DECODE_MAX_TOKENS
+                        and engine.cold_split_table(layer).any()):
                     return self._run_split(store, x, logits, router_weights)
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape
