@@ -524,6 +524,9 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
         "cold experts computed on the CPU"
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "both", "measured_ms": {}}}) == \
         "cold experts read by the GPU from host memory, a share computed on the CPU at once"
+    both = {"host_tier": True, "in_force": "both", "measured_ms": {}, "cold_split": {"cpu_takes": [0, 0, 1, 1, 2]}}
+    assert copies_text({"decode_path": both}) == ("cold experts read by the GPU from host memory, a share computed on "
+                                                  "the CPU at once (up to 2 of 4 when all are cold)")
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measuring": "cpu"}}) == \
         "timing where cold experts run: computed on the CPU now"
     assert copies_text({"decode_path": {"host_tier": False, "in_force": "cpu", "measured_ms": {}}}) == ""

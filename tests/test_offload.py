@@ -164,6 +164,10 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     assert engine.cold_split_table(0).tolist() == cpu_take_table(
         SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
         store.read_bytes / engine.tier_read.value).tolist()
+    state = engine.copy_state()["decode_path"]["cold_split"]  # what records and the placement view show
+    assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "tier_read_bytes_per_s": engine.tier_read.value}
+    engine.set_decode_path("tier")
+    assert engine.copy_state()["decode_path"]["cold_split"] is None
 
 
 def engine_without_device(model_folder):

@@ -213,9 +213,17 @@ def copies_text(copies: dict) -> str:
     if path.get("measuring"):  # the same for the decode path's trial
         parts.append(f"timing where cold experts run: {PATH_WORDS[path['measuring']]} now")
     elif path.get("host_tier"):
-        parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + (
+        parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + _cpu_share(path) + (
             f" (measured a token: {measured_words(measured)})" if len(measured) > 1 else ""))
     return ", ".join(parts)
+
+
+def _cpu_share(path: dict) -> str:
+    """' (up to 4 of 8 when all are cold)': the CPU's share under the decode path "both", '' elsewhere."""
+    takes = (path.get("cold_split") or {}).get("cpu_takes")
+    if path.get("in_force") != "both" or not takes:
+        return ""
+    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold)"
 
 
 class PlacementView(QWidget):

@@ -212,14 +212,25 @@ class OffloadEngine:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
         earns (None until enough copies were made), the decode streaming slots of each layout (streaming.py), and
         what it prices the CPU's misses at (CpuRate: bytes per second of a miss, None until measured, and seconds
-        per kernel call, 0 until fitted); the layer split and the decode path, each with its trials' state."""
+        per kernel call, 0 until fitted); the layer split and the decode path, each with its trials' state (and under
+        "both", the CPU's share of the cold pairs)."""
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
                 "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s,
                 "layer_split": {"mode": self.layer_split_mode, "whole_layers": self.whole_layers,
                                 **self.split_trials.state()},
                 "decode_path": {"mode": self.decode_path_mode, "in_force": self.decode_path_in_force,
-                                "host_tier": self._host_tier, **self.path_trials.state()}}
+                                "host_tier": self._host_tier, "cold_split": self._cold_split_state(),
+                                **self.path_trials.state()}}
+
+    def _cold_split_state(self) -> dict | None:
+        """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
+        table: cpu_takes[c] of c cold) and the GPU's measured rate reading the tier (None until measured)."""
+        if not self.splits_cold:
+            return None
+        layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
+        return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
+                "tier_read_bytes_per_s": self.tier_read.value}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
