@@ -221,32 +221,42 @@ class HybridExpertNode:
         """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"):
         routing and the GPU's part on the device, launched at once; the CPU computes its share of the cold pairs
         (OffloadEngine.cold_split_table) as soon as the routing reaches the host (published by the routing kernel: a
-        few µs, no stream synchronisation); the sum stays on the device for the next dense segment. The statistics
-        are taken now (the routing is on the host), the device time once the launch is done (settle)."""
+        few µs, no stream synchronisation); the sum stays on the device for the next dense segment.
+
+        Between the CPU's part and the next layer's routing the GPU waits for the host, so the host's bookkeeping is
+        kept out of that stretch: the earlier layers' accounts are taken while the GPU works towards this layer's
+        routing (the host would only wait there), and this step's statistics join them (account_split)."""
         engine, layer = self.engine, self.layer
         standin_before = getattr(store, "standin_s", 0.0)
         pending = store.launch_split(x, logits, router_weights, engine.cold_split_table(layer))
+        if not engine.shadow:
+            engine.settle()
         x2d, ids, on_cpu, weights = store.split_routing(pending)
-        tokens, cpu_pairs, cpu_s, out = ids.shape[0], int(on_cpu.sum()), 0.0, None
-        if cpu_pairs:
-            out = self._output(tokens)
-            cpu_ids = np.where(on_cpu, ids, -1)
+        cpu_s, out = 0.0, None
+        if on_cpu.any():
+            out = self._output(ids.shape[0])
             started = time.perf_counter()
-            self.kernel.run_experts(x2d, cpu_ids, weights, out=out)
+            self.kernel.run_experts(x2d, np.where(on_cpu, ids, -1), weights, out=out)
             cpu_s = time.perf_counter() - started
-            cpu_experts = np.unique(ids[on_cpu])
-            if not engine.shadow:
-                engine.cpu_rate.observe(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
-                if engine.host_cache.budget is not None:
-                    engine.host_cache.touch(layer, cpu_experts.tolist())
         result, timing = store.merge_split(pending, out, x)
-        if engine.shadow:
-            return result
-        standin = getattr(store, "standin_s", 0.0) - standin_before
-        stats = engine.stats.layers[layer]
-        resident = engine.slots[layer].slot_of[ids] >= 0
+        if not engine.shadow:
+            standin = getattr(store, "standin_s", 0.0) - standin_before
+            engine.defer(lambda: self.account_split(ids, on_cpu, cpu_s, store.merged_done(timing), standin),
+                         lambda: store.merged_ready(timing))
+        return result
+
+    def account_split(self, ids: np.ndarray, on_cpu: np.ndarray, cpu_s: float, device_s: float,
+                      standin: float) -> None:
+        """The statistics of one _run_split step, once its launch is done (OffloadEngine.settle / end_step): the pairs
+        in a slot hits, the others misses the CPU computed (`on_cpu`) or the device read from the tier, the CPU's
+        and the tier's measured rates for the split's table (the tier's: the launch's time less its residents' HBM
+        reads), the step's device time on the critical path beside the CPU's."""
+        engine, layer = self.engine, self.layer
+        store, bandwidths = engine.stores[layer], engine.device.bandwidths
+        slots, stats = engine.slots[layer], engine.stats.layers[layer]
+        resident = slots.slot_of[ids] >= 0
         engine.stats.count(layer, ids, resident)
-        hits = int(resident.sum())
+        hits, cpu_pairs = int(resident.sum()), int(on_cpu.sum())
         stats.hits += hits
         stats.misses += ids.size - hits
         stats.misses_read += ids.size - hits - cpu_pairs
@@ -255,23 +265,17 @@ class HybridExpertNode:
         engine.copy_reuse.hit(layer, ids, resident)
         engine.stats.split(layer, cpu_pairs, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))
+        if cpu_pairs:
+            cpu_experts = np.unique(ids[on_cpu])
+            engine.cpu_rate.observe(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
+            if engine.host_cache.budget is not None:
+                engine.host_cache.touch(layer, cpu_experts.tolist())
         on_gpu = np.unique(ids[~on_cpu])
-        held = engine.slots[layer].slot_of[on_gpu] >= 0
-        engine.defer(lambda: self._account_split(stats, tokens, cpu_s, store.merged_done(timing), standin,
-                                                 int(held.sum()), int(held.size - held.sum())),
-                     lambda: store.merged_ready(timing))
-        engine.settle()
-        return result
-
-    def _account_split(self, stats: LayerStats, tokens: int, cpu_s: float, device_s: float, standin: float,
-                       resident: int, read: int) -> None:
-        """A "both" step's device time, once its launch is done: the layer's statistics, and the GPU's rate of reading
-        `read` cold experts from the tier beside `resident` ones (their HBM reads taken out) for the split's table."""
-        store, bandwidths = self.engine.stores[self.layer], self.engine.device.bandwidths
-        if read:
-            self.engine.tier_read.observe(read * store.read_bytes,
-                                          device_s - resident * store.read_bytes / bandwidths.hbm)
-        self._account_time(stats, tokens, cpu_s, device_s, True, 0, 0.0, (), standin)
+        held = int((slots.slot_of[on_gpu] >= 0).sum())
+        if on_gpu.size > held:
+            engine.tier_read.observe((on_gpu.size - held) * store.read_bytes,
+                                     device_s - held * store.read_bytes / bandwidths.hbm)
+        self._account_time(stats, ids.shape[0], cpu_s, device_s, True, 0, 0.0, (), standin)
 
     def account_resident(self, pending) -> None:
         """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): its
