@@ -16,19 +16,30 @@ def model(tmp_path_factory):
     return LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
 
 
-def test_decode_steps_route_to_the_traces_experts_and_prompts_to_the_models(model):
-    engine = model.offload
-    trace = realistic_trace(6, SPEC.layers, SPEC.num_experts, SPEC.top_k, seed=2)
+def decode_under_trace(model, trace: np.ndarray, prompt: str) -> TraceRouting:
+    """The prompt, then one decode step per trace token under TraceRouting, statistics counted from the first decode
+    step; the routing, for its counts."""
     state = model.new_state()
     with TraceRouting(trace, SPEC.layers) as routing:
-        logits = model.decoder.forward(state, model.tokenizer.encode("A prompt routes as the model routes."))
-        engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
-        for _ in range(6):
+        logits = model.decoder.forward(state, model.tokenizer.encode(prompt))
+        model.offload.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+        for _ in range(trace.shape[0]):
             logits = model.decoder.forward(state, [int(logits[-1].argmax())])
-    assert routing.calls == 6 * SPEC.layers
+    return routing
+
+
+def assert_counted_as_traced(engine, trace: np.ndarray) -> None:
+    """Every layer's counted experts are the trace's, token by token."""
     for layer in range(SPEC.layers):
         counted = engine.stats.expert_hits[layer] + engine.stats.expert_misses[layer]
         assert counted.tolist() == np.bincount(trace[:, layer].ravel(), minlength=SPEC.num_experts).tolist()
+
+
+def test_decode_steps_route_to_the_traces_experts_and_prompts_to_the_models(model):
+    trace = realistic_trace(6, SPEC.layers, SPEC.num_experts, SPEC.top_k, seed=2)
+    routing = decode_under_trace(model, trace, "A prompt routes as the model routes.")
+    assert routing.calls == 6 * SPEC.layers
+    assert_counted_as_traced(model.offload, trace)
     import engine.offload.hybrid_node as hybrid_node
     from kernels.cpu.routing import route
     assert hybrid_node.route is route  # put back on leaving
@@ -87,16 +98,9 @@ def test_steps_routed_on_the_device_take_the_trace_under_the_host_tier(tmp_path,
     engine = model.offload
     originals = {name: getattr(hybrid_node.HybridExpertNode, name) for name in ("_run_resident", "_run_split")}
     trace = realistic_trace(5, SPEC.layers, SPEC.num_experts, SPEC.top_k, seed=6)
-    state = model.new_state()
-    with TraceRouting(trace, SPEC.layers) as routing:
-        logits = model.decoder.forward(state, model.tokenizer.encode("Cold experts under a trace."))
-        engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
-        for _ in range(5):
-            logits = model.decoder.forward(state, [int(logits[-1].argmax())])
+    routing = decode_under_trace(model, trace, "Cold experts under a trace.")
     assert routing.calls == routing.device_calls == 5 * SPEC.layers
-    for layer in range(SPEC.layers):
-        counted = engine.stats.expert_hits[layer] + engine.stats.expert_misses[layer]
-        assert counted.tolist() == np.bincount(trace[:, layer].ravel(), minlength=SPEC.num_experts).tolist()
+    assert_counted_as_traced(engine, trace)
     if path == "both":
         assert engine.stats.totals().misses_cpu > 0
     assert {name: getattr(hybrid_node.HybridExpertNode, name) for name in originals} == originals
