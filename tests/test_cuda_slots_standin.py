@@ -402,6 +402,24 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 
 
+def test_a_decode_steps_routing_that_never_reaches_the_host_is_a_one_line_error(model_folder, monkeypatch):
+    """Decode path "both": where the routing kernel's flag never comes (a launch lost), the host stops spinning,
+    lets the stream finish and, the flag still down, raises an error naming the node instead of waiting for ever."""
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    engine = model.offload
+    engine.set_decode_path("both")
+    real = FakeGpuQMoE.run_routed_split
+
+    def lost(self, x, logits, out32, published, router_weights=None):
+        real(self, x, logits, out32, published, router_weights)
+        published.flag[0] -= 1  # as if the kernel had not run
+
+    monkeypatch.setattr(FakeGpuQMoE, "run_routed_split", lost)
+    with pytest.raises(WorkbenchError, match=r"^[^\n]*: the GPU's routing of a decode step never reached the host "
+                                             r"\(route_split published launch 0, expected 1\)$"):
+        greedy_run(model)
+
+
 def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cpu_run, monkeypatch):
     """A host tier that cannot be mapped (HostTierError) or does not fit the device: a one-line error, and the engine
     as before (no tier, the plan's slots with their residents)."""

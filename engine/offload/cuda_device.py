@@ -18,6 +18,7 @@ from engine.offload.cuda_step import (HostCopies, MergeBufferPool, RoutedBuffers
                                       StepBuffers)
 from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
+from kernels.gpu.published import PublishTimeout
 from engine.offload.staging import PinnedRing
 
 ALIGN = 256  # byte alignment of every array placed in the pinned ring
@@ -593,7 +594,11 @@ class CudaSlots:
         the host once launch_split's routing is published: a spin of a few µs after the routing kernel, no stream
         synchronisation. x and the weights are views the next launch overwrites."""
         published = pending.published
-        published.wait(self.device.compute_stream)
+        try:
+            published.wait(self.device.compute_stream)
+        except PublishTimeout as exc:
+            raise WorkbenchError(f"{self.name}: the GPU's routing of a decode step never reached the host ({exc})") \
+                from None
         return published.x, published.ids.copy(), published.on_cpu != 0, published.w
 
     @_on_compute_stream
