@@ -402,6 +402,31 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 
 
+def test_under_decode_path_both_a_node_the_routing_kernel_cannot_route_takes_the_tiers_step(model_folder, cpu_run,
+                                                                                            monkeypatch):
+    """route_split routes on the device, softmax top-k over at most 1024 experts (GpuQMoE.routes_on_device): a node
+    with a sparse mixer or more experts takes the tier's step under "both", the others split, the tokens the all-CPU
+    run's."""
+    import dataclasses
+
+    from engine.offload.hybrid_node import HybridExpertNode
+    from kernels.gpu.qmoe import GpuQMoE
+
+    spec = LoadedModel.open(model_folder).folder.experts[0].spec
+    assert GpuQMoE.routes_on_device(spec)
+    assert not GpuQMoE.routes_on_device(dataclasses.replace(spec, use_sparse_mixer=True))
+    assert not GpuQMoE.routes_on_device(dataclasses.replace(spec, num_experts=1025))
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    engine = model.offload
+    engine.set_decode_path("both")
+    nodes = [step for step in model.decoder.steps if isinstance(step, HybridExpertNode)]
+    nodes[1]._splittable = False  # as a sparse-mixer node would be
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    steps = len(cpu_run[1])
+    assert [getattr(store.gpu, "split_launches", 0) for store in engine.stores] == [steps, 0, steps]
+    assert engine.stores[1].gpu.routed == steps
+
+
 def test_a_decode_steps_routing_that_never_reaches_the_host_is_a_one_line_error(model_folder, monkeypatch):
     """Decode path "both": where the routing kernel's flag never comes (a launch lost), the host stops spinning,
     lets the stream finish and, the flag still down, raises an error naming the node instead of waiting for ever."""

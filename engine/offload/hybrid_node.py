@@ -37,6 +37,8 @@ class HybridExpertNode:
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
         self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
         self._every_pair: np.ndarray | None = None  # account_resident's mask: every routed pair resident
+        # route_split (the decode path "both") routes on the device: nodes it cannot route take the tier's step there
+        self._splittable = GpuQMoE.routes_on_device(self.info.spec)
 
     @property
     def kernel(self):
@@ -67,7 +69,7 @@ class HybridExpertNode:
                 # a decode step whose cold experts the GPU reads from the host tier, the CPU taking a share of them
                 # under the decode path "both" (route_split takes a decode launch's tokens at most; a table that gives
                 # the CPU nothing leaves the step to the tier, whose host does not wait for the routing)
-                if (engine.splits_cold and x.size <= spec.hidden_size * DECODE_MAX_TOKENS
+                if (engine.splits_cold and self._splittable and x.size <= spec.hidden_size * DECODE_MAX_TOKENS
                         and engine.cold_split_table(layer).any()):
                     return self._run_split(store, x, logits, router_weights)
                 return self._run_resident(store, x, logits, router_weights)
