@@ -404,18 +404,18 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
 
 def test_under_decode_path_both_a_node_the_routing_kernel_cannot_route_takes_the_tiers_step(model_folder, cpu_run,
                                                                                             monkeypatch):
-    """route_split routes on the device, softmax top-k over at most 1024 experts (GpuQMoE.routes_on_device): a node
-    with a sparse mixer or more experts takes the tier's step under "both", the others split, the tokens the all-CPU
-    run's."""
+    """route_split routes on the device, softmax top-k over at most 1024 experts (kernels.gpu.qmoe.routes_on_device):
+    a node with a sparse mixer or more experts takes the tier's step under "both", the others split, the tokens the
+    all-CPU run's."""
     import dataclasses
 
     from engine.offload.hybrid_node import HybridExpertNode
-    from kernels.gpu.qmoe import GpuQMoE
+    from kernels.gpu.qmoe import routes_on_device
 
     spec = LoadedModel.open(model_folder).folder.experts[0].spec
-    assert GpuQMoE.routes_on_device(spec)
-    assert not GpuQMoE.routes_on_device(dataclasses.replace(spec, use_sparse_mixer=True))
-    assert not GpuQMoE.routes_on_device(dataclasses.replace(spec, num_experts=1025))
+    assert routes_on_device(spec)
+    assert not routes_on_device(dataclasses.replace(spec, use_sparse_mixer=True))
+    assert not routes_on_device(dataclasses.replace(spec, num_experts=1025))
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
     engine = model.offload
     engine.set_decode_path("both")

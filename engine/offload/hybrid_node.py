@@ -14,7 +14,7 @@ from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
 from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, take_copied
 from kernels.cpu.routing import route
-from kernels.gpu.qmoe import GpuQMoE
+from kernels.gpu.qmoe import GpuQMoE, routes_on_device
 
 _NONE = np.empty(0, np.int64)  # no expert copied (read only)
 _NONE.flags.writeable = False
@@ -38,7 +38,7 @@ class HybridExpertNode:
         self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
         self._every_pair: np.ndarray | None = None  # account_resident's mask: every routed pair resident
         # route_split (the decode path "both") routes on the device: nodes it cannot route take the tier's step there
-        self._splittable = GpuQMoE.routes_on_device(self.info.spec)
+        self._splittable = routes_on_device(self.info.spec)
 
     @property
     def kernel(self):

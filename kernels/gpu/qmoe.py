@@ -41,7 +41,7 @@ from .launch_pdl import PdlLauncher
 from .pack_device import DriverPackIssuer, descriptor, plan_for
 from .pack_host import pack_expert_host
 
-__all__ = ["GpuQMoE", "gpu_available"]
+__all__ = ["GpuQMoE", "gpu_available", "routes_on_device"]
 
 _ACT = {"relu": 0, "gelu": 1, "silu": 2, "identity": 3, "swiglu": 4}
 DT_F32, DT_F16, DT_BF16 = 0, 1, 2
@@ -51,6 +51,12 @@ def _cp():
     import cupy
 
     return cupy
+
+
+def routes_on_device(spec: QMoESpec) -> bool:
+    """Whether the routing kernels take this node's routing (softmax top-k over at most 1024 experts: no sparse mixer);
+    the others route on the host."""
+    return not spec.use_sparse_mixer and spec.num_experts <= 1024
 
 
 def gpu_available() -> bool:
@@ -615,18 +621,12 @@ class GpuQMoE:
         return h.reshape(shape)
 
     # ------------------------------------------------------------------ public API
-    @staticmethod
-    def routes_on_device(spec: QMoESpec) -> bool:
-        """Whether the routing kernels take this node's routing (softmax top-k over at most 1024 experts: no sparse
-        mixer); the others route on the host."""
-        return not spec.use_sparse_mixer and spec.num_experts <= 1024
-
     def route(self, router_logits, router_weights=None):
         """(expert_ids int32 [T, k], weights float32 [T, k]) as CuPy arrays (CUDA semantics, see the module doc)."""
         cp = _cp()
         spec = self.spec
         with self.device:
-            if not self.routes_on_device(spec):  # host routing
+            if not routes_on_device(spec):  # host routing
                 ids, w = _ref.route(_as_host(router_logits), spec,
                                     None if router_weights is None else _as_host(router_weights))
                 return cp.asarray(ids), cp.asarray(w)
@@ -666,7 +666,7 @@ class GpuQMoE:
             if x_code is None:
                 x_dev, x_code = self._to_device_act(x_dev, spec.hidden_size)
             T = x_dev.shape[0]
-            if not self.routes_on_device(spec):  # host routing (sparse mixer, > 1024 experts)
+            if not routes_on_device(spec):  # host routing (sparse mixer, > 1024 experts)
                 ids, w = self.route(router_logits, router_weights)
                 self._compute(x_dev, x_code, T, out32, ids=ids, wts=w, kk=spec.k, zero_out=True)
                 return out32
@@ -746,7 +746,7 @@ class GpuQMoE:
         overwritten). The CPU's share per count of cold pairs is ``published.cpu_take``. Kernel launches only,
         replayed as one CUDA graph from the second call with the same buffers."""
         spec = self.spec
-        if not self.routes_on_device(spec):
+        if not routes_on_device(spec):
             raise UnsupportedLayout(f"node '{spec.node_name}': route_split routes on the device (no sparse mixer, "
                                     f"<= 1024 experts)")
         T, E, k = x_dev.shape[0], spec.num_experts, spec.k
