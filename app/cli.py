@@ -130,8 +130,8 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-path", choices=PATH_MODES,
                         help="where decode computes cold experts on a CUDA device: cpu, tier (the GPU reads them "
                              "from page-locked host memory), or both (tier, and the CPU computes a share of them at "
-                             "once); auto (the default) follows cpu_execution and, under its "
-                             "auto, measures both while decoding and keeps the faster")
+                             "once); auto (the default) follows cpu_execution and, under its auto, measures the three "
+                             "while decoding and keeps the fastest")
 
 
 def _offload_setup(args):

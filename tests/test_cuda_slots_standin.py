@@ -478,7 +478,8 @@ def test_by_default_the_host_tier_is_made_and_trials_choose_the_decode_path(mode
     engine = model.offload
     assert engine.host_tier and engine.decode_path_in_force == "tier" and engine.reads_tier
     assert any(said.startswith("Decode can also read cold experts on the GPU from a host tier of ") and
-               said.endswith("times that against the CPU and keeps the faster.") for said in engine.plan.statements)
+               said.endswith("times that against the CPU and against both at once, and keeps the fastest.")
+               for said in engine.plan.statements)
     engine.path_trials = DecodePathTrials(first=1, settle=1, window=2, recheck=100)
     paths = []
 

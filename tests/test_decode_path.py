@@ -65,7 +65,7 @@ def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):
     monkeypatch.setattr(paths, "host_available", lambda: 100 * GIB)
     assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda") == (
         "Decode can also read cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory: while "
-        "decoding the engine times that against the CPU and keeps the faster.")
+        "decoding the engine times that against the CPU and against both at once, and keeps the fastest.")
     assert paths.tier_preview("auto", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (
         "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory "
         "(cpu_execution=disabled).")

@@ -141,7 +141,7 @@ def tier_sentence(mode: str, config: OffloadConfig, nbytes: int) -> str:
     if config.cpu_execution == "disabled":
         return f"Instead, decode reads cold experts on the GPU from {tier} (cpu_execution=disabled)."
     return (f"Decode can also read cold experts on the GPU from {tier}: while decoding the engine times that against "
-            f"the CPU and keeps the faster.")
+            f"the CPU and against both at once, and keeps the fastest.")
 
 
 def _refusal(mode: str, config: OffloadConfig, nbytes: int, available: int) -> str | None:
