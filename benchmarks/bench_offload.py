@@ -255,8 +255,9 @@ def main() -> None:
                         help="session.moe.offload.cpu_threads: threads of the CPU expert kernels (0: all cores)")
     parser.add_argument("--decode-path", choices=PATH_MODES, default="auto",
                         help="where decode computes cold experts (engine/offload/decode_path.py): auto (the engine's "
-                             "default: from cpu_execution, trials under its auto), cpu, or tier (the GPU reads them "
-                             "from page-locked host memory; a GPU, CUDA or simulated)")
+                             "default: from cpu_execution, trials under its auto), cpu, tier (the GPU reads them "
+                             "from page-locked host memory; a GPU, CUDA or simulated) or both (tier, and the CPU "
+                             "computes a share of them at once)")
     args = parser.parse_args()
     if args.dense_pool:
         from engine.ort_env import DenseDevice

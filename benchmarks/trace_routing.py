@@ -100,9 +100,9 @@ class TraceRouting:
         """`original` (one of DEVICE_ROUTED) with its step's logits steered first."""
         routing = self
 
-        def run(node, store, x, logits, router_weights):
+        def run(node, store, x, logits, router_weights, *rest):  # rest: _run_split's table
             routing._steer(node, store, x, logits)
-            return original(node, store, x, logits, router_weights)
+            return original(node, store, x, logits, router_weights, *rest)
 
         return run
 

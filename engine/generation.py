@@ -143,7 +143,7 @@ class LoadedModel:
              device=None, layer_split: str | None = None, decode_path: str | None = None) -> "LoadedModel":
         """layer_split: how the expert budget is spread over the layers (engine/offload/layer_split.py: "auto",
         "spread" or "whole"; None: MOE_LAYER_SPLIT, else "auto"); decode_path: where decode computes cold experts
-        (engine/offload/decode_path.py: "auto", "cpu" or "tier"; None: MOE_DECODE_PATH, else "auto")."""
+        (engine/offload/decode_path.py: "auto", "cpu", "tier" or "both"; None: MOE_DECODE_PATH, else "auto")."""
         return cls(ModelFolder.open(path), threads, progress, offload, device, layer_split, decode_path)
 
     def new_state(self) -> DecoderState:

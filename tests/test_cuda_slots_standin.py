@@ -472,8 +472,8 @@ def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cp
 def test_by_default_the_host_tier_is_made_and_trials_choose_the_decode_path(model_folder, cpu_run, monkeypatch):
     """Decode path auto under cpu_execution=auto (the defaults): the tier is made at load and the plan says so; the
     trials (given step times here) time the tier, the CPU path, both and the tier again and keep the CPU path where it
-    is the fastest: its decode steps then bring partly resident layers' inputs to the host and compute their cold experts on
-    the CPU, with the all-CPU run's tokens throughout."""
+    is the fastest: its decode steps then bring partly resident layers' inputs to the host and compute their cold
+    experts on the CPU, with the all-CPU run's tokens throughout."""
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="auto")
     engine = model.offload
     assert engine.host_tier and engine.decode_path_in_force == "tier" and engine.reads_tier

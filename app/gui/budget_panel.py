@@ -40,9 +40,9 @@ PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the C
             "PCIe inside its kernel, with no round trip. Read by the GPU with a share on the CPU: the same, while the "
             "CPU computes some of each token's cold experts at once (how many, from the speeds measured while "
             "decoding); it can pay for large experts with few resident. Measured while decoding: the engine times the "
-            "three and keeps the fastest (under CPU execution auto; disabled reads them on the GPU, enabled computes them on the CPU). "
-            "The host memory is only taken where at most half the memory available holds it. Not an onnxruntime "
-            "key: this app's own setting")
+            "three and keeps the fastest (under CPU execution auto; disabled reads them on the GPU, enabled computes "
+            "them on the CPU). The host memory is only taken where at most half the memory available holds it. Not "
+            "an onnxruntime key: this app's own setting")
 PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device goes through. auto = two prefill "
               "waves; a value bounds the ring and the prefill wave (ring // (2 x expert), at least 1); "
               "below one expert it is refused")

@@ -18,8 +18,8 @@ from engine.offload.cuda_step import (HostCopies, MergeBufferPool, RoutedBuffers
                                       StepBuffers)
 from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
-from kernels.gpu.published import PublishTimeout
 from engine.offload.staging import PinnedRing
+from kernels.gpu.published import PublishTimeout
 
 ALIGN = 256  # byte alignment of every array placed in the pinned ring
 

@@ -167,12 +167,7 @@ class SimulatedSlots:
         ids, weights = route(logits, spec, router_weights)
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, ids, weights, out=out)
-        used = set(ids.ravel().tolist())
-        seconds = len(used) * self.read_bytes / self.device.bandwidths.hbm
-        if self.host_tier:  # the experts in no slot read from host memory over PCIe instead
-            cold = len(used - set(self._held.tolist()))
-            seconds += cold * self.read_bytes * (1 / (TIER_READ_SHARE * self.device.bandwidths.pcie)
-                                                 - 1 / self.device.bandwidths.hbm)
+        seconds = self._read_seconds(set(ids.ravel().tolist()))
         result = out.astype(x.dtype, copy=False).reshape(x.shape)
         return result, (logits, seconds, time.perf_counter() - started)
 
@@ -192,12 +187,16 @@ class SimulatedSlots:
         on_cpu = split_cold_pairs(~held, cpu_take)
         partial = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, np.where(on_cpu, -1, ids), weights, out=partial)
-        on_gpu = set(ids[~on_cpu].tolist())
-        resident = on_gpu & set(self._held.tolist())
-        bw = self.device.bandwidths
-        seconds = self.read_bytes * (len(resident) / bw.hbm + len(on_gpu - resident) / (TIER_READ_SHARE * bw.pcie))
+        seconds = self._read_seconds(set(ids[~on_cpu].tolist()))
         self.standin_s += time.perf_counter() - started
         return x2d, ids, on_cpu, weights, partial, seconds
+
+    def _read_seconds(self, experts: set) -> float:
+        """Modelled device seconds of a routed launch reading `experts`: those in a slot at HBM's rate, with the host
+        tier the others at TIER_READ_SHARE of PCIe."""
+        bw = self.device.bandwidths
+        cold = len(experts - set(self._held.tolist())) if self.host_tier else 0
+        return self.read_bytes * ((len(experts) - cold) / bw.hbm + cold / (TIER_READ_SHARE * bw.pcie))
 
     def split_routing(self, pending: tuple) -> tuple:
         """(x, every routed id, the CPU's pairs, the weights) of launch_split's step."""

@@ -80,9 +80,9 @@ class OffloadEngine:
         self.layer_split_mode = checked_split(layer_split or default_layer_split())
         self.split_trials = LayerSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
-        # where decode computes cold experts (decode_path.py): on the CPU, or on the GPU from the host tier; under
-        # "auto" chosen from cpu_execution, by trials under its auto; "cpu" / "tier" fix it (the CLI's --decode-path,
-        # or MOE_DECODE_PATH where none is given)
+        # where decode computes cold experts (decode_path.py): on the CPU, on the GPU from the host tier, or both at
+        # once; under "auto" chosen from cpu_execution, by trials under its auto; "cpu" / "tier" / "both" fix it (the
+        # CLI's --decode-path, or MOE_DECODE_PATH where none is given)
         self.decode_path_mode = checked_path(decode_path or default_decode_path())
         self.path_trials = DecodePathTrials()
         self._host_tier = False  # see host_tier
@@ -159,7 +159,7 @@ class OffloadEngine:
     def _follow_path(self) -> None:
         """reads_tier and splits_cold as the decode path in force says."""
         in_force = self.decode_path_in_force
-        self.reads_tier = in_force in (TIER, BOTH)
+        self.reads_tier = in_force in paths.ASKED_TIER
         self.splits_cold = in_force == BOTH
 
     def cold_split_table(self, layer: int) -> np.ndarray:
@@ -190,7 +190,7 @@ class OffloadEngine:
             return CPU
         if self.config.cpu_execution == "disabled":
             return TIER  # "both" too: the CPU computes no expert
-        if self.decode_path_mode in (TIER, BOTH):
+        if self.decode_path_mode in paths.ASKED_TIER:
             return self.decode_path_mode
         return self.path_trials.choice
 
@@ -483,11 +483,11 @@ class OffloadEngine:
         host tier where that changes it; the trials start again. "tier" or "both" where the tier cannot be made (no
         device, the host's memory, the driver): a WorkbenchError saying why, the path as it was."""
         mode, before = checked_path(mode), self.decode_path_mode
-        if mode in (TIER, BOTH) and self.device is None:
+        if mode in paths.ASKED_TIER and self.device is None:
             raise WorkbenchError(f"decode path '{mode}' needs a GPU (CUDA or simulated): it reads the experts from "
                                  f"host memory")
         self.reconfigure(self.config, decode_path=mode)
-        if mode in (TIER, BOTH) and not self._host_tier and self.tier_statement:
+        if mode in paths.ASKED_TIER and not self._host_tier and self.tier_statement:
             refused = self.tier_statement
             self.reconfigure(self.config, decode_path=before)
             raise WorkbenchError(f"decode path '{mode}': {refused}")
@@ -496,8 +496,8 @@ class OffloadEngine:
                     decode_path: str | None = None) -> None:
         """Apply new budgets or policy on the loaded model, without reloading; `layer_split` ("auto", "spread" or
         "whole") changes the split and `decode_path` ("auto", "cpu", "tier" or "both", decode_path.py) the decode path
-        in the same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the host
-        tier."""
+        in the same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the
+        host tier."""
         if layer_split is not None:
             self.layer_split_mode = checked_split(layer_split)
         if decode_path is not None:

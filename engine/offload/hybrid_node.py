@@ -69,9 +69,10 @@ class HybridExpertNode:
                 # a decode step whose cold experts the GPU reads from the host tier, the CPU taking a share of them
                 # under the decode path "both" (route_split takes a decode launch's tokens at most; a table that gives
                 # the CPU nothing leaves the step to the tier, whose host does not wait for the routing)
-                if (engine.splits_cold and self._splittable and x.size <= spec.hidden_size * DECODE_MAX_TOKENS
-                        and engine.cold_split_table(layer).any()):
-                    return self._run_split(store, x, logits, router_weights)
+                if engine.splits_cold and self._splittable and x.size <= spec.hidden_size * DECODE_MAX_TOKENS:
+                    table = engine.cold_split_table(layer)
+                    if table.any():
+                        return self._run_split(store, x, logits, router_weights, table)
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape
             x, logits, router_weights = store.to_host(x, logits, router_weights)
@@ -219,18 +220,18 @@ class HybridExpertNode:
             engine.settle()
         return out
 
-    def _run_split(self, store, x, logits, router_weights):
+    def _run_split(self, store, x, logits, router_weights, cpu_take: np.ndarray):
         """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"):
         routing and the GPU's part on the device, launched at once; the CPU computes its share of the cold pairs
-        (OffloadEngine.cold_split_table) as soon as the routing reaches the host (published by the routing kernel: a
-        few µs, no stream synchronisation); the sum stays on the device for the next dense segment.
+        (`cpu_take`: OffloadEngine.cold_split_table) as soon as the routing reaches the host (published by the routing
+        kernel: a few µs, no stream synchronisation); the sum stays on the device for the next dense segment.
 
         Between the CPU's part and the next layer's routing the GPU waits for the host, so the host's bookkeeping is
         kept out of that stretch: the earlier layers' accounts are taken while the GPU works towards this layer's
         routing (the host would only wait there), and this step's statistics join them (account_split)."""
         engine, layer = self.engine, self.layer
         standin_before = getattr(store, "standin_s", 0.0)
-        pending = store.launch_split(x, logits, router_weights, engine.cold_split_table(layer))
+        pending = store.launch_split(x, logits, router_weights, cpu_take)
         if not engine.shadow:
             engine.settle()
         x2d, ids, on_cpu, weights = store.split_routing(pending)

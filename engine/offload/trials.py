@@ -7,11 +7,10 @@ copies, the dense graphs captured again), of `window` steps with each other way 
 the first again (A-B-A, or A-B-C-A with three ways). The way in force counts with the faster of its two windows: a
 drift in the machine's speed during the trial then cannot favour another (separate processes on the H200 machine
 differ by up to 1.5x). Another way is kept only when the fastest and `margin` faster than the preferred one, which
-wins ties. The first trial starts after `first` decode
-steps (placement warms up), the next `recheck` decode steps after the last one, as routing changes with the
-conversation; each trial that keeps the way in force doubles that wait, up to `recheck_max`, since a trial costs
-switches and steps the slower way. Steps of more than one token (prefill) are not counted and do not interrupt a
-trial.
+wins ties. The first trial starts after `first` decode steps (placement warms up), the next `recheck` decode steps
+after the last one, as routing changes with the conversation; each trial that keeps the way in force doubles that
+wait, up to `recheck_max`, since a trial costs switches and steps the slower way. Steps of more than one token
+(prefill) are not counted and do not interrupt a trial.
 """
 
 from __future__ import annotations

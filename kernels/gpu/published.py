@@ -55,9 +55,13 @@ class PublishedRouting:
         self.seq = cp.zeros(1, cp.uint32)  # the kernel's count of its runs (graph replays included)
         self.cpu_take = cp.zeros(k + 1, cp.int32)
         self.launched = 0  # the host's count of launches: the flag reads this once the latest has published
+        self._given = None  # the table last given (set_cpu_take: the engine hands the same one until it remakes it)
 
     def set_cpu_take(self, table: np.ndarray, stream) -> None:
         """The CPU's share per cold count for the launches from now on (copied in stream order where it changed)."""
+        if table is self._given:
+            return
+        self._given = table
         table = np.asarray(table, np.int32)
         if not np.array_equal(table, self._take):
             self._take[:] = table  # a copy still in flight reads the old table or this one: either is whole
