@@ -182,14 +182,23 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
 def engine_figures(model: LoadedModel) -> dict:
     """What the offload engine did in the decode just timed (its statistics are reset after the warm-up): the hit
     rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied,
-    placement's swaps, the most slots a layer left to copies, the layer split and the decode path in force, so that a
-    ratio can be read against its causes."""
+    placement's swaps, the most slots a layer left to copies, the layer split and the decode path in force (under
+    "both", the CPU's share and the host's measured work between layers: cold_split), so that a ratio can be read
+    against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
-            "decode_path": state["decode_path"]["in_force"]}
+            "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"]}
+
+
+def split_words(cold_split: dict | None) -> str:
+    """Under "both": ', CPU takes [0, 0, 1, ...] of c cold, host 120 µs between layers'; else ''."""
+    if cold_split is None:
+        return ""
+    host_us = cold_split["host_gap_s"] * 1e6
+    return f", CPU takes {cold_split['cpu_takes']} of c cold, host {host_us:.0f} µs between layers"
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
@@ -268,7 +277,7 @@ def main(argv=None) -> dict:
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
                   f"{last['swaps']}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}, decode path "
-                  f"{last['decode_path']}", flush=True)
+                  f"{last['decode_path']}{split_words(last['cold_split'])}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})

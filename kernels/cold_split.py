@@ -22,13 +22,16 @@ def split_cold_pairs(cold: np.ndarray, cpu_take: np.ndarray) -> np.ndarray:
     return cold & (from_end <= take[:, None])
 
 
-def cpu_take_table(k: int, cpu_expert_s: float, cpu_fixed_s: float, gpu_expert_s: float) -> np.ndarray:
+def cpu_take_table(k: int, cpu_expert_s: float, cpu_fixed_s: float, gpu_expert_s: float,
+                   host_s: float = 0.0) -> np.ndarray:
     """cpu_take[c] for c = 0..k cold pairs (int32 [k + 1]): the CPU's share n that makes the later of the two parts
     soonest, the CPU's part costing cpu_fixed_s + n * cpu_expert_s (nothing at n = 0), the GPU's (c - n) *
-    gpu_expert_s; ties to the GPU (fewer pairs on the CPU)."""
+    gpu_expert_s; ties to the GPU (fewer pairs on the CPU). `host_s`: the host's own work after the CPU's part, before
+    the GPU can go on to the next layer (the merge's queueing, the decoder, the next dense segment's launch): the
+    GPU's part runs beside it, so it counts on the CPU's side, at n = 0 too (the host still waits for the routing)."""
     table = np.zeros(k + 1, np.int32)
     for c in range(k + 1):
         n = np.arange(c + 1)
-        cpu = np.where(n > 0, cpu_fixed_s + n * cpu_expert_s, 0.0)
+        cpu = host_s + np.where(n > 0, cpu_fixed_s + n * cpu_expert_s, 0.0)
         table[c] = int(np.argmin(np.maximum(cpu, (c - n) * gpu_expert_s)))  # the first (smallest n) of equal times
     return table

@@ -41,3 +41,12 @@ def test_the_table_balances_the_cpus_call_against_the_gpus_reads():
     assert cpu_take_table(4, 1.0, 0.0, 1.0).tolist() == [0, 0, 1, 1, 2]
     # a CPU call dearer than reading every cold expert: nothing on the CPU
     assert cpu_take_table(4, 1e-6, 1.0, 1e-6).tolist() == [0, 0, 0, 0, 0]
+
+
+def test_the_table_counts_the_hosts_own_work_on_the_cpus_side():
+    # a CPU as fast as the GPU, the host's work after the CPU's part as long as one expert: with 4 cold pairs 1 on the
+    # CPU (1 + 1 against 3 read) beats 2 (1 + 2 against 2, a tie the GPU's way below it: 3 against 3); with 2 cold
+    # pairs none (the host's 1 against 2 read ties 1 + 1 against 1)
+    assert cpu_take_table(4, 1.0, 0.0, 1.0, host_s=1.0).tolist() == [0, 0, 0, 1, 1]
+    # the host's work longer than reading every cold pair: nothing on the CPU
+    assert cpu_take_table(4, 1.0, 0.0, 1.0, host_s=5.0).tolist() == [0, 0, 0, 0, 0]

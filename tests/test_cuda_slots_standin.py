@@ -398,6 +398,17 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     step = cp.log[last_sync - 7 * SPEC.layers:last_sync]
     assert ("sync", "compute") not in step  # the routing reached the host without a stream synchronisation
     assert step.count(("wait", "dense", "compute")) == SPEC.layers  # each layer's merge before the next segment
+    # the host's own work from a layer's CPU part to the next layer's launch is measured (HostGap), and the table made
+    # again counts it on the CPU's side
+    assert 0 < engine.host_gap.value < 0.5
+    engine._split_tables.clear()
+    info, store = engine.infos[0], engine.stores[0]
+    assert engine.cold_split_table(0).tolist() == cpu_take_table(
+        SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
+        store.read_bytes / engine.tier_read.value, engine.host_gap.value).tolist()
+    engine.host_gap._gaps.extend([1.0] * engine.host_gap.WINDOW)  # a host slower than any read: all to the GPU
+    engine._split_tables.clear()
+    assert not engine.cold_split_table(0).any()
     engine.reconfigure(engine.config.updated(cpu_execution="disabled"))  # no CPU compute: the tier alone
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 

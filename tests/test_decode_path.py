@@ -11,7 +11,8 @@ import pytest
 from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
 from engine.offload import decode_path as paths
-from engine.offload.decode_path import DecodePathTrials, checked_path, tier_bytes, tier_verdict, tier_wanted
+from engine.offload.decode_path import (DecodePathTrials, HostGap, checked_path, tier_bytes, tier_verdict,
+                                        tier_wanted)
 
 GIB = 1 << 30
 
@@ -96,3 +97,24 @@ def test_the_trials_keep_the_tier_unless_another_path_is_the_fastest_by_the_marg
 def test_an_unknown_decode_path_is_named():
     with pytest.raises(WorkbenchError, match="decode path 'gpu': one of auto, cpu, tier, both"):
         checked_path("gpu")
+
+
+def test_the_host_gap_is_timed_between_consecutive_layers_of_one_step_only():
+    gap = HostGap()
+    assert gap.value == 0.0
+    gap.left(3, 10.0)
+    gap.arrived(4, 10.5)    # layer 3's CPU part to layer 4's launch: 0.5 s
+    gap.left(4, 11.0)
+    gap.arrived(6, 20.0)    # a layer between them took another step: no gap
+    gap.left(6, 21.0)
+    gap.step_ended()
+    gap.arrived(7, 30.0)    # across the step's end: no gap
+    assert gap.value == 0.5
+    for seconds in (0.1, 0.2, 0.3, 4.0):  # the lower quartile: a gap that waited for the GPU does not count
+        gap.left(0, 0.0)
+        gap.arrived(1, seconds)
+    assert gap.value == pytest.approx(0.2)
+    simulated = HostGap(measured=False)
+    simulated.left(0, 0.0)
+    simulated.arrived(1, 1.0)
+    assert simulated.value == 0.0

@@ -165,7 +165,10 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
         SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
         store.read_bytes / engine.tier_read.value).tolist()
     state = engine.copy_state()["decode_path"]["cold_split"]  # what records and the placement view show
-    assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "tier_read_bytes_per_s": engine.tier_read.value}
+    # the simulated device's dense segments are the CPU doing a card's work: no host gap is measured there
+    assert engine.host_gap.value == 0.0
+    assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "tier_read_bytes_per_s": engine.tier_read.value,
+                     "host_gap_s": 0.0}
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
 

@@ -18,7 +18,8 @@ A third path, "both": the tier, and a share of each token's cold pairs computed 
 (kernels/cold_split.py: the share from the two sides' rates as measured in the engine). Routing stays on the device; a
 kernel publishes it to page-locked host memory, where the host finds it a few µs later without a stream
 synchronisation (kernels/gpu/published.py), and the CPU's part is added on the device. Each such layer waits for the
-CPU's part and then for the host to issue the next dense segment, where the tier lets the host run ahead of the GPU.
+CPU's part and then for the host to issue the next dense segment, where the tier lets the host run ahead of the GPU:
+the table counts that host work, as measured (HostGap), on the CPU's side.
 On the H200 machine one layer alone ran 1.7x the tier for gpt-oss-20B-like at 0% resident and 1.4x for
 Qwen3-30B-A3B-like, whole decodes 0.91-1.10x and 0.87-0.95x (RESULTS.md, twenty-ninth session): under
 cpu_execution=auto the trials time it beside the other two.
@@ -31,7 +32,9 @@ at most HOST_SHARE of the host memory available, or where the decode path is ask
 from __future__ import annotations
 
 import os
+from collections import deque
 
+import numpy as np
 import psutil
 
 from engine.errors import WorkbenchError
@@ -86,6 +89,40 @@ class TierReadRate:
             return
         rate = nbytes / seconds
         self.value = rate if self.value is None else self.keep * self.value + (1 - self.keep) * rate
+
+
+class HostGap:
+    """Seconds the host spends from a "both" layer's CPU part to the next layer's launch in the same decode step: the
+    merge's queueing, the decoder's Python, the next dense segment's launch. The GPU's part of the layer runs beside
+    it, the CPU's part before it, so the split's table counts it on the CPU's side (kernels/cold_split.py). The value
+    is the lower quartile of the latest WINDOW gaps (0 until measured): a gap that also waited for the GPU (inside
+    onnxruntime's run of a segment that synchronises) would otherwise push the CPU's share down, the GPU's part up,
+    and the next gaps up with it. `measured` False (the simulated device, whose dense segments are the CPU doing a
+    card's work): always 0."""
+
+    WINDOW = 64
+
+    def __init__(self, measured: bool = True):
+        self.measured = measured
+        self._gaps: deque[float] = deque(maxlen=self.WINDOW)
+        self._left: tuple[int, float] | None = None  # (layer, when) the last CPU part of this step ended
+
+    def arrived(self, layer: int, now: float) -> None:
+        """A "both" step of `layer` starts at `now` (perf_counter): a gap where the layer before was one."""
+        if self._left is not None and self._left[0] == layer - 1:
+            self._gaps.append(now - self._left[1])
+
+    def left(self, layer: int, now: float) -> None:
+        """The CPU's part of `layer`'s "both" step ended at `now`."""
+        if self.measured:
+            self._left = (layer, now)
+
+    def step_ended(self) -> None:
+        self._left = None  # the step's end and the next step's start are no layer's gap
+
+    @property
+    def value(self) -> float:
+        return float(np.percentile(self._gaps, 25)) if self._gaps else 0.0
 
 
 class DecodePathTrials(AbaTrials):

@@ -17,7 +17,7 @@ from engine.offload.approximate import ApproximationCounts
 from engine.ort_env import cpu_threads
 from engine.offload.config import OffloadConfig
 from engine.offload import decode_path as paths
-from engine.offload.decode_path import (BOTH, CPU, TIER, DecodePathTrials, TierReadRate, checked_path,
+from engine.offload.decode_path import (BOTH, CPU, TIER, DecodePathTrials, HostGap, TierReadRate, checked_path,
                                         default_decode_path)
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.devices import TIER_READ_SHARE
@@ -90,6 +90,7 @@ class OffloadEngine:
         self.splits_cold = False  # ... and the CPU computes a share of them at once (decode path "both")
         self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the rates move
         self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
+        self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
         self._tier_bytes = 0  # page-locked host memory the tier maps, while there is one
         self.tier_statement = ""  # what the plan says about the host tier ('' where none was wanted)
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
@@ -167,7 +168,8 @@ class OffloadEngine:
         (kernels/cold_split.py), from the CPU kernels' rate as measured in the engine (CpuRate: a call's fixed cost and
         the rate of one more expert, each under whatever else the machine reads meanwhile) against the GPU's reads from
         the host tier as measured in these steps (TierReadRate; until then TIER_READ_SHARE of the measured PCIe
-        bandwidth); per expert size, made again every few decode steps as the measured rates move."""
+        bandwidth), the host's own work between two such layers on the CPU's side (HostGap); per expert size, made
+        again every few decode steps as the measured rates and gap move."""
         info, store = self.infos[layer], self.stores[layer]
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k)
         table = self._split_tables.get(key)
@@ -177,7 +179,7 @@ class OffloadEngine:
             tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
             table = self._split_tables[key] = cpu_take_table(
                 info.spec.k, info.bytes_per_expert / cpu_bytes_per_s, self.cpu_rate.fixed_s,
-                store.read_bytes / tier_bytes_per_s)
+                store.read_bytes / tier_bytes_per_s, self.host_gap.value)
         return table
 
     @property
@@ -225,12 +227,13 @@ class OffloadEngine:
 
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
-        table: cpu_takes[c] of c cold) and the GPU's measured rate reading the tier (None until measured)."""
+        table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured) and the host's
+        measured work between two such layers (HostGap)."""
         if not self.splits_cold:
             return None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
-                "tier_read_bytes_per_s": self.tier_read.value}
+                "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
@@ -417,6 +420,7 @@ class OffloadEngine:
         for _ready, account in self.deferred:
             account()
         self.deferred.clear()
+        self.host_gap.step_ended()
         self.stats.end_step()
         self.copy_reuse.end_step()
         if self.device is not None:

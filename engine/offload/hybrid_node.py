@@ -228,8 +228,12 @@ class HybridExpertNode:
 
         Between the CPU's part and the next layer's routing the GPU waits for the host, so the host's bookkeeping is
         kept out of that stretch: the earlier layers' accounts are taken while the GPU works towards this layer's
-        routing (the host would only wait there), and this step's statistics join them (account_split)."""
+        routing (the host would only wait there), and this step's statistics join them (account_split). What the
+        host still does there, from the CPU's part to the next layer's launch, is measured (HostGap) for the split's
+        table."""
         engine, layer = self.engine, self.layer
+        if not engine.shadow:
+            engine.host_gap.arrived(layer, time.perf_counter())
         standin_before = getattr(store, "standin_s", 0.0)
         pending = store.launch_split(x, logits, router_weights, cpu_take)
         if not engine.shadow:
@@ -241,6 +245,8 @@ class HybridExpertNode:
             started = time.perf_counter()
             self.kernel.run_experts(x2d, np.where(on_cpu, ids, -1), weights, out=out)
             cpu_s = time.perf_counter() - started
+        if not engine.shadow:
+            engine.host_gap.left(layer, time.perf_counter())
         result, timing = store.merge_split(pending, out, x)
         if not engine.shadow:
             standin = getattr(store, "standin_s", 0.0) - standin_before
