@@ -173,6 +173,40 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     assert engine.copy_state()["decode_path"]["cold_split"] is None
 
 
+def test_a_switch_to_both_makes_its_table_again_once_its_own_steps_measured_the_tiers_reads(model_folder):
+    """At a switch to "both" the GPU's reads from the tier are not yet measured (the table takes TIER_READ_SHARE of
+    PCIe); SPLIT_TABLE_FIRST decode steps later the table is made again from what those steps measured, and then
+    every SPLIT_TABLE_EVERY steps."""
+    from engine.offload.devices import TIER_READ_SHARE
+    from engine.offload.engine import SPLIT_TABLE_EVERY, SPLIT_TABLE_FIRST
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device,
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    engine = model.offload
+    engine.set_decode_path("both")
+    made = []
+    original = engine.cold_split_table
+
+    def counted(layer):
+        fresh = not engine._split_tables
+        table = original(layer)
+        if fresh:
+            made.append(engine.tier_read.value)
+        return table
+
+    engine.cold_split_table = counted
+    state = model.new_state()
+    token = int(model.decoder.forward(state, model.tokenizer.encode("Tables follow the rates."))[-1][-1].argmax())
+    steps = SPLIT_TABLE_FIRST + SPLIT_TABLE_EVERY + 1
+    for _ in range(steps):
+        token = int(model.decoder.forward(state, [token])[-1][-1].argmax())
+    # made at the first step (nothing measured), after SPLIT_TABLE_FIRST steps and SPLIT_TABLE_EVERY after that, each
+    # time from the tier's reads as measured by then
+    assert len(made) == 3 and made[0] is None
+    assert made[1] == made[2] == pytest.approx(TIER_READ_SHARE * device.bandwidths.pcie)
+
+
 def engine_without_device(model_folder):
     """An offload engine planned for no device: every expert node runs on the CPU."""
     from engine.expert_node import CpuExpertNode

@@ -53,7 +53,10 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
 # The miss slots are weighed when the placement is made, again at its second safe point (the CPU kernels' rate and
 # a copy's host time measured by then: slots filled at load, a first step's misses), then every 16.
 MISS_SLOTS_FIRST, MISS_SLOTS_EVERY = 2, 16
-SPLIT_TABLE_EVERY = 16  # decode steps between two cold_split_table's from the measured rates
+SPLIT_TABLE_EVERY = 16  # "both" decode steps between two cold_split_table's from the measured rates
+# "both" decode steps after a switch to it before the table is made again from what its own steps measured (the
+# tier's reads, the host's gap: unmeasured at the switch); the trials' settle, so a trial's window times that table
+SPLIT_TABLE_FIRST = 4
 # deferred accounts a layer takes at most (OffloadEngine.settle): one a layer keeps up with a host that runs ahead of
 # the GPU; two let it catch up after a slower layer
 SETTLE_PER_LAYER = 2
@@ -89,6 +92,7 @@ class OffloadEngine:
         self.reads_tier = False  # decode steps read cold experts from the host tier now (decode_path_in_force)
         self.splits_cold = False  # ... and the CPU computes a share of them at once (decode path "both")
         self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the rates move
+        self._split_tables_due = SPLIT_TABLE_FIRST  # "both" decode steps until they are made again
         self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
         self._tier_bytes = 0  # page-locked host memory the tier maps, while there is one
@@ -161,7 +165,11 @@ class OffloadEngine:
         """reads_tier and splits_cold as the decode path in force says."""
         in_force = self.decode_path_in_force
         self.reads_tier = in_force in paths.ASKED_TIER
-        self.splits_cold = in_force == BOTH
+        splits = in_force == BOTH
+        if splits and not self.splits_cold:  # the tables from the rates as they are, and soon from the step's own
+            self._split_tables.clear()
+            self._split_tables_due = SPLIT_TABLE_FIRST
+        self.splits_cold = splits
 
     def cold_split_table(self, layer: int) -> np.ndarray:
         """Under the decode path "both": how many of a token's c cold pairs the CPU takes in this layer's decode steps
@@ -442,8 +450,11 @@ class OffloadEngine:
             self._steps += 1
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
                 self._weigh_miss_slots()
-            if self._steps % SPLIT_TABLE_EVERY == 0:
-                self._split_tables.clear()
+            if self.splits_cold:
+                self._split_tables_due -= 1
+                if self._split_tables_due <= 0:
+                    self._split_tables.clear()
+                    self._split_tables_due = SPLIT_TABLE_EVERY
             limit = None if step_s is None else self.swap_allowance.grant(step_s)
             self.swap_allowance.spent(self._apply(self.policy.rebalance(limit)))
             self.stats.pinned = self.pinned_info()
