@@ -527,6 +527,9 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
     both = {"host_tier": True, "in_force": "both", "measured_ms": {}, "cold_split": {"cpu_takes": [0, 0, 1, 1, 2]}}
     assert copies_text({"decode_path": both}) == ("cold experts read by the GPU from host memory, a share computed on "
                                                   "the CPU at once (up to 2 of 4 when all are cold)")
+    both["cold_split"]["host_gap_s"] = 190.4e-6
+    assert copies_text({"decode_path": both}).endswith("(up to 2 of 4 when all are cold, after 190 µs of host work a "
+                                                       "layer)")
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measuring": "cpu"}}) == \
         "timing where cold experts run: computed on the CPU now"
     assert copies_text({"decode_path": {"host_tier": False, "in_force": "cpu", "measured_ms": {}}}) == ""

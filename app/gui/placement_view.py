@@ -219,11 +219,15 @@ def copies_text(copies: dict) -> str:
 
 
 def _cpu_share(path: dict) -> str:
-    """' (up to 4 of 8 when all are cold)': the CPU's share under the decode path "both", '' elsewhere."""
-    takes = (path.get("cold_split") or {}).get("cpu_takes")
+    """' (up to 4 of 8 when all are cold, after 190 µs of host work a layer)': the CPU's share under the decode path
+    "both" and the host's measured work between two such layers, which the share is weighed with; '' elsewhere."""
+    split = path.get("cold_split") or {}
+    takes = split.get("cpu_takes")
     if path.get("in_force") != "both" or not takes:
         return ""
-    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold)"
+    host_s = split.get("host_gap_s") or 0.0
+    host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
+    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold{host})"
 
 
 class PlacementView(QWidget):
