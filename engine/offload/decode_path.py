@@ -21,7 +21,8 @@ synchronisation (kernels/gpu/published.py), and the CPU's part is added on the d
 CPU's part and then for the host to issue the next dense segment, where the tier lets the host run ahead of the GPU:
 the table counts that host work, as measured (HostGap), on the CPU's side.
 On the H200 machine one layer alone ran 1.7x the tier for gpt-oss-20B-like at 0% resident and 1.4x for
-Qwen3-30B-A3B-like, whole decodes 0.91-1.10x and 0.87-0.95x (RESULTS.md, twenty-ninth session): under
+Qwen3-30B-A3B-like; whole decodes 1.23x / 1.09x / 0.93x the tier at 0 / 25 / 50% for gpt-oss-20B-like and 0.83x at 0%
+for Qwen3-30B-A3B-like, whose host work per layer outweighs its small experts (RESULTS.md, thirtieth session): under
 cpu_execution=auto the trials time it beside the other two.
 
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
