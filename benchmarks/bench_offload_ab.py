@@ -250,7 +250,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--b", required=True, help="configuration B: offload entries KEY=VALUE,...")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--decode-tokens", type=int, default=16)
-    parser.add_argument("--decode-warmup", type=int, default=4, help="decode steps before the timed ones")
+    parser.add_argument("--decode-warmup", type=int, default=32,
+                        help="decode steps before the timed ones, after each reconfiguration: what the engine "
+                             "measures as it runs settles in them (decode path \"both\" timed its start-up table with "
+                             "4: RESULTS.md, thirtieth session)")
     parser.add_argument("--trace", action="store_true", help="route every decode step by a realistic trace")
     parser.add_argument("--no-write", action="store_true", help="print only (no result file)")
     args = parser.parse_args(argv)
