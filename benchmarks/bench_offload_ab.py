@@ -203,7 +203,7 @@ def split_words(cold_split: dict | None) -> str:
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
                   tokens: int, variant_switches: dict | None = None, splits: dict | None = None,
-                  trace: bool = False, warmup: int = 4, details: dict | None = None,
+                  trace: bool = False, warmup: int = 32, details: dict | None = None,
                   paths: dict | None = None) -> dict[str, list[float]]:
     """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
     default where one does not, and their layer splits) in `rounds` alternating rounds at one budget; with `trace`,
