@@ -424,6 +424,54 @@ def test_gpu_route_split_shares_cold_pairs_with_the_host(gpu, T, dtype):
     assert max(shares) > 10 * tol  # the CPU's pairs weighed enough for that to show
 
 
+@pytest.mark.parametrize("out_dtype", [np.float16, np.float32])
+def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
+    """merge_gated, queued behind run_routed_split before the host has the CPU's part: it waits on the device for the
+    host to write that part and raise the gate, then the sum is the whole layer (over the split's graph replays: each
+    merge waits for its own launch's number). A gate left down: after the timeout the GPU's part alone (the host's
+    stale part left out), and the launch's number in gate_failed()."""
+    cp, GpuQMoE = gpu
+    from kernels.cold_split import split_cold_pairs
+    from kernels.gpu.published import PublishedRouting
+
+    T = 3
+    attrs, t, x, lg = make_case(seed=43, E=16, H=128, I=64, k=4, bits=4, block_size=32, T=T, dtype=np.float16,
+                                **ACTS["swiglu1-limit"])
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, num_slots=5, resident=[0, 3, 6, 9], host_tier=True)
+    published = PublishedRouting(cp, T, spec.k, spec.hidden_size, x.dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    table = np.array([0, 1, 1, 2, 3])
+    rng = np.random.default_rng(44)
+    tol = TOL[("tc", "decode", np.float16)]
+    with stream:
+        x_dev = cp.asarray(x)
+        lg_dev = cp.empty(lg.shape, lg.dtype)
+        out32 = cp.empty((T, spec.hidden_size), cp.float32)
+        out = cp.empty((T, spec.hidden_size), out_dtype)
+        published.set_cpu_take(table, stream)
+        for step in range(4):
+            logits = (lg + rng.normal(0, 2.0, lg.shape)).astype(lg.dtype)
+            lg_dev.set(logits, stream=stream)
+            m.run_routed_split(x_dev, lg_dev, out32, published)
+            m.merge_gated(published, out32, out)  # queued before the CPU's part exists
+            published.wait(stream)
+            ids, w = ref_route(logits, spec)
+            on_cpu = split_cold_pairs(m.slot_of[ids] < 0, table)
+            published.part[:] = _ref_pairs(x, np.where(on_cpu, ids, -1), published.w, spec, t)
+            published.open_gate()
+            stream.synchronize()
+            whole = _ref_pairs(x, ids, w, spec, t)
+            assert _relerr(cp.asnumpy(out).astype(np.float32), whole) <= tol + (1e-3 if out_dtype == np.float16 else 0)
+        assert published.gate_failed() == 0
+        lg_dev.set(lg, stream=stream)
+        m.run_routed_split(x_dev, lg_dev, out32, published)
+        m.merge_gated(published, out32, out, timeout_s=0.001)  # the gate stays down
+        stream.synchronize()
+        assert published.gate_failed() == published.launched
+        assert np.allclose(cp.asnumpy(out).astype(np.float32), cp.asnumpy(out32), rtol=1e-3, atol=1e-6)
+
+
 def test_gpu_cupy_io_and_3d(gpu):
     cp, GpuQMoE = gpu
     attrs, t, x, lg = make_case(seed=4, E=6, H=64, I=64, k=2, bits=4, block_size=32, dtype=np.float16, T=12,

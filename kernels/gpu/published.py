@@ -5,6 +5,11 @@ takes [T, k], the weights [T, k] and the activations' bytes [T, H]. The kernel s
 last, after a system-scope fence; the host spins on it (a few µs after the kernel) instead of synchronising the stream,
 which would also wait for the decode kernels queued behind the routing. Also here: the device's ids and weights of the
 GPU's share (decode_prep's input), the CPU's share per cold count (kernels/cold_split.py) and the launch counter.
+
+The other way, for a merge queued before the CPU's part exists (merge.cu's merge_gated, GpuQMoE.merge_gated): the
+host writes the CPU's part [T, H] (float32) into the block and then raises the gate to the launch's number
+(open_gate); the merge's blocks wait for it, and a gate still down after their timeout leaves the launch's number in
+the `failed` word (gate_failed).
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ class PublishedRouting:
         self.cp, self.tokens, self.k = cp, tokens, k
         pair_bytes = tokens * k * 4
         self.x_bytes = tokens * hidden * np.dtype(x_dtype).itemsize
-        self.ids_at = FLAG_BYTES
+        self.gate_at = FLAG_BYTES  # the host's gate, and the merge's failed word, each on a line of its own
+        self.failed_at = 2 * FLAG_BYTES
+        self.ids_at = 3 * FLAG_BYTES
         self.cpu_at = self.ids_at + _aligned(pair_bytes)
         self.w_at = self.cpu_at + _aligned(pair_bytes)
         self.x_at = self.w_at + _aligned(pair_bytes)
         self.take_at = self.x_at + _aligned(self.x_bytes)  # the table's host copy (the host writes it)
-        nbytes = self.take_at + _aligned(4 * (k + 1))
+        self.part_at = self.take_at + _aligned(4 * (k + 1))  # the CPU's part (the host writes it)
+        nbytes = self.part_at + _aligned(tokens * hidden * 4)
         self._pinned = cp.cuda.alloc_pinned_memory(nbytes)
         host = np.frombuffer(self._pinned, np.uint8, nbytes)
         host[:] = 0
@@ -46,6 +54,9 @@ class PublishedRouting:
         self.w = host[self.w_at:self.w_at + pair_bytes].view(np.float32).reshape(tokens, k)
         self.x = host[self.x_at:self.x_at + self.x_bytes].view(x_dtype).reshape(tokens, hidden)
         self._take = host[self.take_at:self.take_at + 4 * (k + 1)].view(np.int32)
+        self.gate = host[self.gate_at:self.gate_at + 4].view(np.uint32)
+        self.failed = host[self.failed_at:self.failed_at + 4].view(np.uint32)
+        self.part = host[self.part_at:self.part_at + tokens * hidden * 4].view(np.float32).reshape(tokens, hidden)
         self._take_at = self._take.ctypes.data
         # under unified addressing (every 64-bit CUDA platform) kernels reach page-locked host memory at its host
         # address (benchmarks/bench_zero_copy.py reads it so)
@@ -67,6 +78,15 @@ class PublishedRouting:
             self._take[:] = table  # a copy still in flight reads the old table or this one: either is whole
             self.cp.cuda.runtime.memcpyAsync(self.cpu_take.data.ptr, self._take_at, self._take.nbytes, H2D,
                                              stream.ptr)
+
+    def open_gate(self) -> None:
+        """Let the latest launch's gated merge go on: `part` holds the CPU's part by now (x86 keeps stores in order, so
+        the merge, which reads the gate first, finds the part's bytes)."""
+        self.gate[0] = self.launched & 0xFFFFFFFF
+
+    def gate_failed(self) -> int:
+        """The number of a launch whose gated merge gave up waiting (it left the GPU's part alone), else 0."""
+        return int(self.failed[0])
 
     def wait(self, stream) -> float:
         """Wait for the latest launch's routing; returns the seconds waited. Spins on the flag for up to SPIN_S, then

@@ -777,6 +777,24 @@ class GpuQMoE:
         published.launched += 1
         return out32
 
+    def merge_gated(self, published, a, out, timeout_s: float = 1.0) -> None:
+        """out = a + the CPU's part, queued on the current stream before the host has that part: merge.cu's
+        merge_gated waits on the device until the host has written it into ``published.part`` and raised the gate
+        (PublishedRouting.open_gate) for the latest run_routed_split, then adds it, read over PCIe. A gate still down
+        after ``timeout_s`` leaves out = a and the launch's number in ``published.gate_failed()``. ``a`` float32
+        [T, H] on the device, ``out`` float16 / float32; one launch, capturable in a CUDA graph."""
+        n = a.size
+        if published.part.size != n:
+            raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {n}")
+        out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
+        base = published.device_ptr
+        grid = (max(1, min(_cdiv(n, 256), 4 * self.num_sms)),)
+        with self.device:
+            self._f("merge_gated")(grid, (256,), (
+                published.seq, np.uint64(base + published.gate_at), np.uint64(base + published.part_at), a, out,
+                np.int32(out_dt), np.int32(n), np.int64(int(timeout_s * 1e9)),
+                np.uint64(base + published.failed_at)))
+
     def merge_sum(self, a, b, out) -> None:
         """out = a + b (b None: a alone), float32 device arrays in, out's dtype (float16 / float32) out, in one launch
         on the current stream: the offload engine's decode merge of the device's and the CPU's parts, at every layer
