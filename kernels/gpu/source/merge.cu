@@ -47,11 +47,6 @@ extern "C" __global__ void merge_gated(const unsigned* __restrict__ seq, const v
     }
     __syncthreads();
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        const float v = opened ? a[i] + host_part[i] : a[i];
-        if (out_dt == DT_F16) {
-            ((u16*)out)[i] = f2h(v);
-        } else {
-            ((float*)out)[i] = v;
-        }
+        store_f(out, i, out_dt, opened ? a[i] + host_part[i] : a[i]);
     }
 }
