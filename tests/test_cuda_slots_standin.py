@@ -269,6 +269,20 @@ def _fake_make(slots: CudaSlots, count, resident, tensors=None):
     return FakeGpuQMoE(slots.runner.kernel, resident, host_tier=tiered, tier=tier)
 
 
+def decode_on_device(model, cpu_run, launches: str) -> tuple:
+    """A greedy run from fresh statistics: its tokens and logits the all-CPU run's, every layer's decode steps
+    launched on the device once each (the stand-in GpuQMoE's count named `launches`) and counted as routed there.
+    Returns (decode steps, the statistics' totals)."""
+    engine = model.offload
+    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    steps = len(cpu_run[1])
+    assert [getattr(store.gpu, launches) for store in engine.stores] == [steps] * SPEC.layers
+    totals = engine.stats.totals()
+    assert totals.routed_on_device == steps * SPEC.layers
+    return steps, totals
+
+
 def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, **config):
     """The model on the stand-in device (its decode path `decode_path`, the tests' default where None), its cut
     tensors left in the stand-in's memory, and a state there."""
@@ -352,12 +366,7 @@ def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_d
     assert all(store.host_tier and store.reads_cold for store in engine.stores) and engine.reads_tier
     assert [sorted(np.nonzero(store.gpu.slot_of >= 0)[0].tolist()) for store in engine.stores] == residents
     assert list(engine.policy.miss_slots) == [0] * SPEC.layers
-    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
-    assert_same_as_cpu(greedy_run(model), cpu_run)
-    steps = len(cpu_run[1])
-    assert [store.gpu.routed for store in engine.stores] == [steps] * SPEC.layers
-    totals = engine.stats.totals()
-    assert totals.routed_on_device == steps * SPEC.layers
+    steps, totals = decode_on_device(model, cpu_run, "routed")
     assert engine.stats.phases["decode"].cpu_s == 0.0  # no CPU kernel in a decode step; the prompt's misses were
     assert totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
     decode_pairs = steps * SPEC.layers * SPEC.top_k
@@ -386,12 +395,7 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
         SPEC.top_k, engine.infos[0].bytes_per_expert / engine.device.bandwidths.cpu, 0.0,
         engine.stores[0].read_bytes / (TIER_READ_SHARE * engine.device.bandwidths.pcie)).tolist()
     assert table[-1] > 0  # the stand-in's rates give the CPU a share
-    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
-    assert_same_as_cpu(greedy_run(model), cpu_run)
-    steps = len(cpu_run[1])
-    assert [store.gpu.split_launches for store in engine.stores] == [steps] * SPEC.layers
-    totals = engine.stats.totals()
-    assert totals.routed_on_device == steps * SPEC.layers
+    steps, totals = decode_on_device(model, cpu_run, "split_launches")
     assert totals.misses_cpu > 0 and totals.misses_read > 0 and engine.stats.phases["decode"].cpu_s > 0
     assert totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
