@@ -179,7 +179,28 @@ class FakeGpuQMoE:
         return out
 
     def merge_sum(self, a, b, out):
+        self.merge_sums = getattr(self, "merge_sums", 0) + 1
         np.copyto(out, a if b is None else a + b, casting="same_kind")
+
+    gated_merge = True  # GpuQMoE.gated_merge: "both" layers queue merge_gated at the launch
+
+    def merge_gated(self, published, a, out, timeout_s=1.0):
+        """GpuQMoE.merge_gated: the stand-in's kernels run at once, so this merge runs when the host raises the gate
+        to this launch's number (inside open_gate) and not before; with no time to wait (timeout 0) it gives up at
+        once, as the device's does after its timeout: out = a, the launch's number in the failed word."""
+        want = published.launched
+        if timeout_s <= 0:
+            np.copyto(out, a, casting="same_kind")
+            published.failed[0] = want
+            return
+
+        def open_gate():
+            type(published).open_gate(published)
+            if published.gate[0] == want:
+                np.copyto(out, a + published.part, casting="same_kind")
+                self.gated_merges = getattr(self, "gated_merges", 0) + 1
+
+        published.open_gate = open_gate
 
     def run_routed(self, x, logits, out32, out=None, router_weights=None):
         self.routed += 1
@@ -378,14 +399,17 @@ def test_with_the_host_tier_decode_steps_of_partly_resident_layers_stay_on_the_d
     assert not any(store.reads_cold for store in engine.stores) and not engine.reads_tier
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated-merge", "merge-after"])
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_reads(model_folder, cpu_run,
-                                                                                       monkeypatch, fraction):
+                                                                                       monkeypatch, fraction, gated):
     """Decode path "both": a decode step of a partly resident layer is routed on the device, which publishes the
     routing (no stream synchronisation: the host finds the flag raised) and computes every pair but the CPU's share
     (OffloadEngine.cold_split_table) from its slots and the host tier; the CPU computes that share, and the sum, made
     on the device, is the all-CPU run's. Each layer's step orders the streams as a routed launch does, with the CPU's
-    part merged before the dense part's stream goes on."""
+    part merged before the dense part's stream goes on: by the merge queued at the launch, which waits for the host's
+    gate (gated), or by one queued after the CPU's part."""
+    monkeypatch.setattr(FakeGpuQMoE, "gated_merge", gated)
     model, cp = open_on_standin(model_folder, fraction, monkeypatch)
     engine = model.offload
     engine.set_decode_path("both")
@@ -396,6 +420,8 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
         engine.stores[0].read_bytes / (TIER_READ_SHARE * engine.device.bandwidths.pcie)).tolist()
     assert table[-1] > 0  # the stand-in's rates give the CPU a share
     steps, totals = decode_on_device(model, cpu_run, "split_launches")
+    merges = [(getattr(store.gpu, "gated_merges", 0), getattr(store.gpu, "merge_sums", 0)) for store in engine.stores]
+    assert merges == [(steps, 0) if gated else (0, steps)] * SPEC.layers
     assert totals.misses_cpu > 0 and totals.misses_read > 0 and engine.stats.phases["decode"].cpu_s > 0
     assert totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
@@ -415,6 +441,24 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     assert not engine.cold_split_table(0).any()
     engine.reconfigure(engine.config.updated(cpu_execution="disabled"))  # no CPU compute: the tier alone
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
+
+
+def test_a_gated_merge_that_gave_up_waiting_for_the_cpus_part_is_made_again(model_folder, cpu_run, monkeypatch):
+    """Decode path "both" with the gated merge: where the host took longer over the CPU's part than the merge waits
+    on the device (a first call's compilation, a paused host), the merge leaves the GPU's part alone and says so; the
+    host finds that and adds the CPU's part as without the gate (merge_sum), so the tokens are still the all-CPU
+    run's. Where it kept within the time, the gated merge alone adds the part."""
+    monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", 0.0)  # the stand-in's merge gives up at once
+    model, _cp = open_on_standin(model_folder, 0.0, monkeypatch)
+    engine = model.offload
+    engine.set_decode_path("both")
+    steps, totals = decode_on_device(model, cpu_run, "split_launches")
+    assert totals.misses_cpu > 0
+    assert [getattr(store.gpu, "merge_sums", 0) for store in engine.stores] == [steps] * SPEC.layers
+    assert all(getattr(store.gpu, "gated_merges", 0) == 0 for store in engine.stores)
+    monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", 60.0)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert [(store.gpu.gated_merges, store.gpu.merge_sums) for store in engine.stores] == [(steps, steps)] * SPEC.layers
 
 
 def test_under_decode_path_both_a_node_the_routing_kernel_cannot_route_takes_the_tiers_step(model_folder, cpu_run,

@@ -22,6 +22,9 @@ from engine.offload.staging import PinnedRing
 from kernels.gpu.published import PublishTimeout
 
 ALIGN = 256  # byte alignment of every array placed in the pinned ring
+# how long a "both" layer's gated merge waits on the device for the CPU's part before it gives up (merge_split then
+# adds the part as without the gate): far beyond a warm layer's ~0.1-1 ms, short enough not to look like a hang
+GATE_TIMEOUT_S = 1.0
 
 
 def _round_up(n: int, to: int = ALIGN) -> int:
@@ -587,6 +590,13 @@ class CudaSlots:
             split.start.record(compute)
             self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights)
             split.stop.record(compute)
+            split.merge = None
+            if self.gpu.gated_merge:  # queued now, it goes on as soon as the host raises the gate (merge_split)
+                split.merge = self._merges.take(tokens, x.dtype)
+                split.launched_at = time.perf_counter()
+                self.gpu.merge_gated(split.published, split.out32, split.merge.sum, timeout_s=GATE_TIMEOUT_S)
+                if dense is not None:
+                    dense.wait_event(compute.record(self._ordering))
         return split
 
     def split_routing(self, pending: SplitBuffers) -> tuple:
@@ -601,11 +611,32 @@ class CudaSlots:
                 from None
         return published.x, published.ids.copy(), published.on_cpu != 0, published.w
 
+    def split_part(self, pending: SplitBuffers) -> np.ndarray | None:
+        """Where the CPU adds its part of launch_split's step, once split_routing has returned: with the gated merge
+        the published block's float32 [T, H], zeroed, which the merge queued behind the launch reads over PCIe (the
+        routing's flag says the GPU is past the last merge that read it); else None (the caller's own buffer)."""
+        if pending.merge is None:
+            return None
+        part = pending.published.part
+        part.fill(0.0)
+        return part
+
     @_on_compute_stream
     def merge_split(self, pending: SplitBuffers, cpu_part: np.ndarray | None, like):
         """launch_split's result in GPU memory for the next dense segment: the GPU's part plus the CPU's (float32
         [T, H] on the host, or None), added in like's dtype on the device; the dense part's stream waits for it, the
-        host for nothing. Returns (the result in like's shape, the launch's events for merged_done)."""
+        host for nothing. With the gated merge, queued at the launch, the host only raises the gate (the CPU's part
+        is in split_part's buffer by now). Returns (the result in like's shape, the launch's events for merged_done)."""
+        if pending.merge is not None:
+            published = pending.published
+            if cpu_part is None:
+                published.part.fill(0.0)
+            elif cpu_part is not published.part:
+                np.copyto(published.part, cpu_part.reshape(published.part.shape))
+            published.open_gate()
+            if time.perf_counter() - pending.launched_at > GATE_TIMEOUT_S / 2:  # the merge may have given up
+                self._merge_again_if_gate_failed(pending)
+            return pending.merge.result(like.shape), (pending.start, pending.stop)
         cp = self.device.cp
         compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
         with cp.cuda.Device(self.device.index):
@@ -616,6 +647,20 @@ class CudaSlots:
             if dense is not None:
                 dense.wait_event(compute.record(self._ordering))
         return merge.result(like.shape), (pending.start, pending.stop)
+
+    def _merge_again_if_gate_failed(self, pending: SplitBuffers) -> None:
+        """After a CPU part that took the host longer than the gated merge waits (a first call's compilation, a
+        paused host): once the merge has run, if it gave up (it left the GPU's part alone), the CPU's part is added
+        by merge_sum, as without the gate, in stream order before the next dense segment."""
+        compute, dense = self.device.cp.cuda.get_current_stream(), self.device.dense_stream
+        compute.synchronize()
+        published, merge = pending.published, pending.merge
+        if published.gate_failed() != published.launched & 0xFFFFFFFF:
+            return
+        merge.upload(published.part, compute, to_sum=False)
+        merge.combine(pending.out32, True, self.gpu.merge_sum)
+        if dense is not None:
+            dense.wait_event(compute.record(self._ordering))
 
     @_on_compute_stream
     def merge_on_device(self, pending, cpu_part: np.ndarray | None, like):

@@ -202,6 +202,10 @@ class SimulatedSlots:
         """(x, every routed id, the CPU's pairs, the weights) of launch_split's step."""
         return pending[:4]
 
+    def split_part(self, pending: tuple) -> None:
+        """CudaSlots.split_part: no gated merge here, the CPU's part goes into the caller's buffer."""
+        return None
+
     def merge_split(self, pending: tuple, cpu_part: np.ndarray | None, like: np.ndarray):
         """launch_split's GPU part plus the CPU's (or None), in like's dtype and shape, and its modelled seconds."""
         return self.merge_on_device(pending[4:], cpu_part, like)

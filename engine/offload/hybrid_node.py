@@ -240,14 +240,17 @@ class HybridExpertNode:
             engine.settle()
         x2d, ids, on_cpu, weights = store.split_routing(pending)
         cpu_s, out = 0.0, None
-        if on_cpu.any():
-            out = self._output(ids.shape[0])
-            started = time.perf_counter()
-            self.kernel.run_experts(x2d, np.where(on_cpu, ids, -1), weights, out=out)
-            cpu_s = time.perf_counter() - started
-        if not engine.shadow:
-            engine.host_gap.left(layer, time.perf_counter())
-        result, timing = store.merge_split(pending, out, x)
+        try:
+            if on_cpu.any():
+                out = store.split_part(pending)  # the gated merge's buffer, else the node's own
+                out = self._output(ids.shape[0]) if out is None else out
+                started = time.perf_counter()
+                self.kernel.run_experts(x2d, np.where(on_cpu, ids, -1), weights, out=out)
+                cpu_s = time.perf_counter() - started
+        finally:  # a gated merge waits for merge_split: the GPU is let go even when the CPU's part failed
+            if not engine.shadow:
+                engine.host_gap.left(layer, time.perf_counter())
+            result, timing = store.merge_split(pending, out, x)
         if not engine.shadow:
             standin = getattr(store, "standin_s", 0.0) - standin_before
             engine.defer(lambda: self.account_split(ids, on_cpu, cpu_s, store.merged_done(timing), standin),

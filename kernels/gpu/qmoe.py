@@ -153,7 +153,10 @@ class GpuQMoE:
             # run_staged's CUDA graphs by launch (buffers, shape, configuration); dropped when the workspace grows
             self._graphs: dict = {}
             self._graph_seen: set = set()
-            self._merge_launches: dict = {}  # merge_sum's prepared launches by (buffers, size, dtype, stream)
+            self._merge_launches: dict = {}  # merge_sum's and merge_gated's prepared launches (_launch_merge)
+            # the offload engine's "both" decode layers queue their merge before the CPU's part exists (merge_gated,
+            # True) or after it (merge_sum, False: the A/B, MOE_GATED_MERGE=0 for the engine's)
+            self.gated_merge = os.environ.get("MOE_GATED_MERGE", "1") != "0"
             # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these; the defaults
             # are the H200 optimum at both benchmark shapes, W1 = 0: 2 warps per FC1 block when the FC1 grid
             # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic); rank_route: decode_prep routes by ranks
@@ -782,18 +785,21 @@ class GpuQMoE:
         merge_gated waits on the device until the host has written it into ``published.part`` and raised the gate
         (PublishedRouting.open_gate) for the latest run_routed_split, then adds it, read over PCIe. A gate still down
         after ``timeout_s`` leaves out = a and the launch's number in ``published.gate_failed()``. ``a`` float32
-        [T, H] on the device, ``out`` float16 / float32; one launch, capturable in a CUDA graph."""
+        [T, H] on the device, ``out`` float16 / float32; one launch (prepared once, as merge_sum's), capturable in a
+        CUDA graph."""
         n = a.size
         if published.part.size != n:
             raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {n}")
-        out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
         base = published.device_ptr
-        grid = (max(1, min(_cdiv(n, 256), 4 * self.num_sms)),)
-        with self.device:
-            self._f("merge_gated")(grid, (256,), (
-                published.seq, np.uint64(base + published.gate_at), np.uint64(base + published.part_at), a, out,
-                np.int32(out_dt), np.int32(n), np.int64(int(timeout_s * 1e9)),
-                np.uint64(base + published.failed_at)))
+        timeout_ns = int(timeout_s * 1e9)
+
+        def args():
+            out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
+            return (published.seq, np.uint64(base + published.gate_at), np.uint64(base + published.part_at), a, out,
+                    np.int32(out_dt), np.int32(n), np.int64(timeout_ns), np.uint64(base + published.failed_at))
+
+        key = ("merge_gated", base, published.seq.data.ptr, a.data.ptr, out.data.ptr, n, out.dtype.char, timeout_ns)
+        self._launch_merge("merge_gated", key, n, args)
 
     def merge_sum(self, a, b, out) -> None:
         """out = a + b (b None: a alone), float32 device arrays in, out's dtype (float16 / float32) out, in one launch
@@ -801,21 +807,31 @@ class GpuQMoE:
         with CPU misses. The launch is prepared once per (buffers, stream) and goes straight to the driver
         (driver_calls.PreparedLaunch: CuPy's launch marshals its arguments at every call); through CuPy where the
         driver's calls cannot be had, or on the legacy default stream."""
-        cp = _cp()
-        stream_ptr = cp.cuda.get_current_stream().ptr
-        key = (a.data.ptr, 0 if b is None else b.data.ptr, out.data.ptr, a.size, out.dtype.char, stream_ptr)
+        n = a.size
+
+        def args():
+            out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
+            return a, a if b is None else b, np.int32(b is not None), out, np.int32(out_dt), np.int32(n)
+
+        key = ("merge_sum", a.data.ptr, 0 if b is None else b.data.ptr, out.data.ptr, n, out.dtype.char)
+        self._launch_merge("merge_sum", key, n, args)
+
+    def _launch_merge(self, name: str, key: tuple, n: int, args) -> None:
+        """Launch merge kernel `name` over n values on the current stream, with args() its arguments: prepared once
+        per (key, stream) and handed straight to the driver from then on (driver_calls.PreparedLaunch: CuPy's launch
+        marshals its arguments at every call); through CuPy where the driver's calls cannot be had, or on the legacy
+        default stream."""
+        stream_ptr = _cp().cuda.get_current_stream().ptr
+        key = key + (stream_ptr,)
         prepared = self._merge_launches.get(key)
         if prepared is None:
-            n = a.size
-            out_dt = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32}[np.dtype(out.dtype)]
-            grid, args = (max(1, min(_cdiv(n, 256), 4 * self.num_sms)),), (
-                a, a if b is None else b, np.int32(b is not None), out, np.int32(out_dt), np.int32(n))
+            grid = (max(1, min(_cdiv(n, 256), 4 * self.num_sms)),)
             calls = DriverCalls.from_driver() if stream_ptr else None
             with self.device:
                 if calls is None:
-                    self._f("merge_sum")(grid, (256,), args)
+                    self._f(name)(grid, (256,), args())
                     return
-                prepared = calls.prepare(self._f("merge_sum").kernel.ptr, grid, (256,), args, 0, stream_ptr)
+                prepared = calls.prepare(self._f(name).kernel.ptr, grid, (256,), args(), 0, stream_ptr)
             if len(self._merge_launches) >= 16:  # buffers of shapes gone by (a decode of more tokens, a resize)
                 self._merge_launches.clear()
             self._merge_launches[key] = prepared
