@@ -488,8 +488,10 @@ def test_under_decode_path_both_a_node_the_routing_kernel_cannot_route_takes_the
 
 def test_a_decode_steps_routing_that_never_reaches_the_host_is_a_one_line_error(model_folder, monkeypatch):
     """Decode path "both": where the routing kernel's flag never comes (a launch lost), the host stops spinning,
-    lets the stream finish and, the flag still down, raises an error naming the node instead of waiting for ever."""
-    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    waits for the launch to finish and, the flag still down, raises an error naming the node instead of waiting for
+    ever. It waits for the launch's own event, not for its stream: the merge queued behind the launch waits for the
+    host (a stream synchronisation there held a GPU that was behind for the gate's whole timeout)."""
+    model, cp = open_on_standin(model_folder, 0.5, monkeypatch)
     engine = model.offload
     engine.set_decode_path("both")
     real = FakeGpuQMoE.run_routed_split
@@ -502,6 +504,7 @@ def test_a_decode_steps_routing_that_never_reaches_the_host_is_a_one_line_error(
     with pytest.raises(WorkbenchError, match=r"^[^\n]*: the GPU's routing of a decode step never reached the host "
                                              r"\(route_split published launch 0, expected 1\)$"):
         greedy_run(model)
+    assert cp.log[-1] == ("event sync", "compute") and ("sync", "compute") not in cp.log
 
 
 def test_a_host_tier_the_driver_refuses_leaves_decode_as_it_was(model_folder, cpu_run, monkeypatch):

@@ -71,6 +71,9 @@ def test_cuda_host_tier_matches_the_cpu(folder, fraction, path):
         assert totals.routed_on_device >= 8 * SPEC.layers and totals.misses_read > 0
         if path == "both":
             assert totals.misses_cpu > 0 and model.offload.stats.phases["decode"].cpu_s > 0
+            # the CPU's parts went through the merges queued at the launches (merge_gated), none of which gave up
+            splits = [store._split for store in model.offload.stores]
+            assert all(split.merge is not None and split.published.gate_failed() == 0 for split in splits)
     model.offload.set_decode_path("cpu")
     assert not any(store.reads_cold for store in model.offload.stores)
     assert all(store.gpu is None or store.gpu.host0 is None for store in model.offload.stores)

@@ -605,7 +605,7 @@ class CudaSlots:
         synchronisation. x and the weights are views the next launch overwrites."""
         published = pending.published
         try:
-            published.wait(self.device.compute_stream)
+            published.wait(pending.stop)  # not the stream: the gated merge queued behind it waits for this host
         except PublishTimeout as exc:
             raise WorkbenchError(f"{self.name}: the GPU's routing of a decode step never reached the host ({exc})") \
                 from None

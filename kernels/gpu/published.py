@@ -88,15 +88,16 @@ class PublishedRouting:
         """The number of a launch whose gated merge gave up waiting (it left the GPU's part alone), else 0."""
         return int(self.failed[0])
 
-    def wait(self, stream) -> float:
+    def wait(self, launched) -> float:
         """Wait for the latest launch's routing; returns the seconds waited. Spins on the flag for up to SPIN_S, then
-        synchronises `stream` (the launch's) and requires the flag set."""
+        synchronises `launched` (an event recorded right after the launch, or its stream where nothing that waits for
+        the host follows: a gated merge would wait for ever, or for its timeout) and requires the flag set."""
         expected = self.launched & 0xFFFFFFFF
         flag = self.flag
         started = time.perf_counter()
         while flag[0] != expected:
             if time.perf_counter() - started > SPIN_S:
-                stream.synchronize()
+                launched.synchronize()
                 if flag[0] != expected:
                     raise PublishTimeout(f"route_split published launch {int(flag[0])}, expected {expected}")
                 break
