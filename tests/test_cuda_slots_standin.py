@@ -439,6 +439,10 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     engine.host_gap._gaps.extend([1.0] * engine.host_gap.WINDOW)  # a host slower than any read: all to the GPU
     engine._split_tables.clear()
     assert not engine.cold_split_table(0).any()
+    # every layer then takes the tier's step and measures no gap: a later switch to "both" (a trial) measures afresh
+    engine.set_decode_path("tier")
+    engine.set_decode_path("both")
+    assert engine.host_gap.value == 0 and engine.cold_split_table(0).any()
     engine.reconfigure(engine.config.updated(cpu_execution="disabled"))  # no CPU compute: the tier alone
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 

@@ -114,6 +114,10 @@ def test_the_host_gap_is_timed_between_consecutive_layers_of_one_step_only():
         gap.left(0, 0.0)
         gap.arrived(1, seconds)
     assert gap.value == pytest.approx(0.2)
+    gap.left(1, 5.0)
+    gap.clear()             # forgotten, and a CPU part before the clear starts no gap after it
+    gap.arrived(2, 6.0)
+    assert gap.value == 0.0
     simulated = HostGap(measured=False)
     simulated.left(0, 0.0)
     simulated.arrived(1, 1.0)

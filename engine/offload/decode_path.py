@@ -121,6 +121,11 @@ class HostGap:
     def step_ended(self) -> None:
         self._left = None  # the step's end and the next step's start are no layer's gap
 
+    def clear(self) -> None:
+        """Forget every gap: measured again from the next "both" steps."""
+        self._gaps.clear()
+        self._left = None
+
     @property
     def value(self) -> float:
         return float(np.percentile(self._gaps, 25)) if self._gaps else 0.0

@@ -169,6 +169,9 @@ class OffloadEngine:
         if splits and not self.splits_cold:  # the tables from the rates as they are, and soon from the step's own
             self._split_tables.clear()
             self._split_tables_due = SPLIT_TABLE_FIRST
+            # and the host's gap measured afresh: one that gave the CPU nothing would keep every layer on the tier's
+            # step, where no gap is measured, for as long as "both" is in force (a trial of it included)
+            self.host_gap.clear()
         self.splits_cold = splits
 
     def cold_split_table(self, layer: int) -> np.ndarray:
