@@ -799,7 +799,7 @@ class GpuQMoE:
                     np.int32(out_dt), np.int32(n), np.int64(timeout_ns), np.uint64(base + published.failed_at))
 
         key = ("merge_gated", base, published.seq.data.ptr, a.data.ptr, out.data.ptr, n, out.dtype.char, timeout_ns)
-        self._launch_merge("merge_gated", key, n, args)
+        self._launch_merge(self._f("merge_gated"), key, n, args)
 
     def merge_sum(self, a, b, out) -> None:
         """out = a + b (b None: a alone), float32 device arrays in, out's dtype (float16 / float32) out, in one launch
@@ -814,13 +814,13 @@ class GpuQMoE:
             return a, a if b is None else b, np.int32(b is not None), out, np.int32(out_dt), np.int32(n)
 
         key = ("merge_sum", a.data.ptr, 0 if b is None else b.data.ptr, out.data.ptr, n, out.dtype.char)
-        self._launch_merge("merge_sum", key, n, args)
+        self._launch_merge(self._f("merge_sum"), key, n, args)
 
-    def _launch_merge(self, name: str, key: tuple, n: int, args) -> None:
-        """Launch merge kernel `name` over n values on the current stream, with args() its arguments: prepared once
-        per (key, stream) and handed straight to the driver from then on (driver_calls.PreparedLaunch: CuPy's launch
-        marshals its arguments at every call); through CuPy where the driver's calls cannot be had, or on the legacy
-        default stream."""
+    def _launch_merge(self, kernel, key: tuple, n: int, args) -> None:
+        """Launch `kernel` (a merge of the module) over n values on the current stream, args() its arguments: prepared
+        once per (key, stream) and handed straight to the driver from then on (driver_calls.PreparedLaunch: CuPy's
+        launch marshals its arguments at every call); through CuPy where the driver's calls cannot be had, or on the
+        legacy default stream."""
         stream_ptr = _cp().cuda.get_current_stream().ptr
         key = key + (stream_ptr,)
         prepared = self._merge_launches.get(key)
@@ -829,9 +829,9 @@ class GpuQMoE:
             calls = DriverCalls.from_driver() if stream_ptr else None
             with self.device:
                 if calls is None:
-                    self._f(name)(grid, (256,), args())
+                    kernel(grid, (256,), args())
                     return
-                prepared = calls.prepare(self._f(name).kernel.ptr, grid, (256,), args(), 0, stream_ptr)
+                prepared = calls.prepare(kernel.kernel.ptr, grid, (256,), args(), 0, stream_ptr)
             if len(self._merge_launches) >= 16:  # buffers of shapes gone by (a decode of more tokens, a resize)
                 self._merge_launches.clear()
             self._merge_launches[key] = prepared
