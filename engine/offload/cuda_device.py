@@ -586,13 +586,14 @@ class CudaSlots:
             split = self._split
             if split is None or split.key != SplitBuffers.key_of(tokens, x.dtype):
                 split = self._split = SplitBuffers(cp, tokens, spec.hidden_size, spec.k, x.dtype)
+                split.sum_buffers = self._merges.take(tokens, x.dtype)  # the same key: taken once, not at each launch
             split.published.set_cpu_take(cpu_take, compute)
             split.start.record(compute)
             self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights)
             split.stop.record(compute)
             split.merge = None
             if self.gpu.gated_merge:  # queued now, it goes on as soon as the host raises the gate (merge_split)
-                split.merge = self._merges.take(tokens, x.dtype)
+                split.merge = split.sum_buffers
                 split.launched_at = time.perf_counter()
                 self.gpu.merge_gated(split.published, split.out32, split.merge.sum, timeout_s=GATE_TIMEOUT_S)
                 if dense is not None:
@@ -625,42 +626,40 @@ class CudaSlots:
     def merge_split(self, pending: SplitBuffers, cpu_part: np.ndarray | None, like):
         """launch_split's result in GPU memory for the next dense segment: the GPU's part plus the CPU's (float32
         [T, H] on the host, or None), added in like's dtype on the device; the dense part's stream waits for it, the
-        host for nothing. With the gated merge, queued at the launch, the host only raises the gate (the CPU's part
-        is in split_part's buffer by now). Returns (the result in like's shape, the launch's events for merged_done)."""
+        host for nothing. With the gated merge, queued at the launch, the host only raises the gate (cpu_part, where
+        there is one, is split_part's buffer). Returns (the result in like's shape, the launch's events for
+        merged_done)."""
         if pending.merge is not None:
             published = pending.published
             if cpu_part is None:
                 published.part.fill(0.0)
-            elif cpu_part is not published.part:
-                np.copyto(published.part, cpu_part.reshape(published.part.shape))
             published.open_gate()
             if time.perf_counter() - pending.launched_at > GATE_TIMEOUT_S / 2:  # the merge may have given up
                 self._merge_again_if_gate_failed(pending)
             return pending.merge.result(like.shape), (pending.start, pending.stop)
-        cp = self.device.cp
-        compute, dense = cp.cuda.get_current_stream(), self.device.dense_stream
-        with cp.cuda.Device(self.device.index):
-            merge = self._merges.take(like.size // self.runner.info.spec.hidden_size, like.dtype)
+        merge = pending.sum_buffers
+        self._merge_after(pending, merge, cpu_part)
+        return merge.result(like.shape), (pending.start, pending.stop)
+
+    def _merge_after(self, pending: SplitBuffers, merge, cpu_part: np.ndarray | None) -> None:
+        """merge.sum = launch_split's GPU part + the CPU's (or None) by merge_sum, queued on the compute stream after
+        the CPU's part exists; the dense part's stream waits for it."""
+        compute, dense = self.device.cp.cuda.get_current_stream(), self.device.dense_stream
+        with self.device.cp.cuda.Device(self.device.index):
             if cpu_part is not None:
                 merge.upload(cpu_part, compute, to_sum=False)
             merge.combine(pending.out32, cpu_part is not None, self.gpu.merge_sum)
             if dense is not None:
                 dense.wait_event(compute.record(self._ordering))
-        return merge.result(like.shape), (pending.start, pending.stop)
 
     def _merge_again_if_gate_failed(self, pending: SplitBuffers) -> None:
         """After a CPU part that took the host longer than the gated merge waits (a first call's compilation, a
         paused host): once the merge has run, if it gave up (it left the GPU's part alone), the CPU's part is added
         by merge_sum, as without the gate, in stream order before the next dense segment."""
-        compute, dense = self.device.cp.cuda.get_current_stream(), self.device.dense_stream
-        compute.synchronize()
-        published, merge = pending.published, pending.merge
-        if published.gate_failed() != published.launched & 0xFFFFFFFF:
-            return
-        merge.upload(published.part, compute, to_sum=False)
-        merge.combine(pending.out32, True, self.gpu.merge_sum)
-        if dense is not None:
-            dense.wait_event(compute.record(self._ordering))
+        self.device.cp.cuda.get_current_stream().synchronize()
+        published = pending.published
+        if published.gate_failed() == published.launched & 0xFFFFFFFF:
+            self._merge_after(pending, pending.merge, published.part)
 
     @_on_compute_stream
     def merge_on_device(self, pending, cpu_part: np.ndarray | None, like):

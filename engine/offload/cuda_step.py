@@ -122,6 +122,7 @@ class SplitBuffers:
         self.published = PublishedRouting(cp, tokens, k, hidden, dtype)
         self.out32 = cp.empty((tokens, hidden), cp.float32)
         self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
+        self.sum_buffers = None  # the MergeBuffers of this shape (CudaSlots.launch_split sets it)
         self.merge = None  # the step's MergeBuffers where its merge was queued at the launch (the gated merge)
         self.launched_at = 0.0  # perf_counter at the gated merge's launch
 
