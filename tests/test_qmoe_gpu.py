@@ -380,7 +380,8 @@ def test_gpu_route_split_shares_cold_pairs_with_the_host(gpu, T, dtype):
     pairs (kernels.cold_split.split_cold_pairs: the last cpu_take[c] of a token's c cold pairs), the weights and x's
     bytes in page-locked host memory and raises the flag; the decode kernels compute the other pairs, resident or
     read from the host tier. The device's part plus the CPU's pairs is the whole layer, over graph replays with new
-    routing and a table changed between launches."""
+    routing and a table changed between launches: eager, captured, then twice straight to the graph (the same
+    arrays and configuration), and once more eagerly after the decode configuration changed."""
     cp, GpuQMoE = gpu
     from kernels.cold_split import split_cold_pairs
     from kernels.gpu.published import PublishedRouting
@@ -392,7 +393,7 @@ def test_gpu_route_split_shares_cold_pairs_with_the_host(gpu, T, dtype):
     published = PublishedRouting(cp, T, spec.k, spec.hidden_size, x.dtype)
     stream = cp.cuda.Stream(non_blocking=True)
     tables = [np.array([0, 1, 1, 2, 3]), np.array([0, 0, 0, 0, 0]), np.array([0, 1, 2, 3, 4]),
-              np.array([0, 1, 1, 2, 3])]
+              np.array([0, 1, 1, 2, 3]), np.array([0, 1, 2, 2, 2])]
     rng = np.random.default_rng(42)
     tol = TOL[("tc", "decode", np.dtype(dtype).type)]
     shares = []
@@ -404,7 +405,10 @@ def test_gpu_route_split_shares_cold_pairs_with_the_host(gpu, T, dtype):
             logits = (lg + rng.normal(0, 2.0, lg.shape)).astype(lg.dtype)
             lg_dev.set(logits, stream=stream)
             published.set_cpu_take(table, stream)
+            if step == 4:
+                m.dec_cfg["rank_route"] = 0  # changed in place: the graph made before must not replay
             m.run_routed_split(x_dev, lg_dev, out32, published)
+            assert m.split_fast_calls == min(max(0, step - 1), 2)
             published.wait(stream)
             assert int(published.flag[0]) == step + 1
             ids, w = ref_route(logits, spec)

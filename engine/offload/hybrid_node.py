@@ -265,10 +265,10 @@ class HybridExpertNode:
         reads), the step's device time on the critical path beside the CPU's."""
         engine, layer = self.engine, self.layer
         store, bandwidths = engine.stores[layer], engine.device.bandwidths
-        slots, stats = engine.slots[layer], engine.stats.layers[layer]
-        resident = slots.slot_of[ids] >= 0
+        slot_of, stats = engine.slots[layer].slot_of, engine.stats.layers[layer]
+        resident = slot_of[ids] >= 0
         engine.stats.count(layer, ids, resident)
-        hits, cpu_pairs = int(resident.sum()), int(on_cpu.sum())
+        hits, cpu_pairs = int(np.count_nonzero(resident)), int(np.count_nonzero(on_cpu))
         stats.hits += hits
         stats.misses += ids.size - hits
         stats.misses_read += ids.size - hits - cpu_pairs
@@ -277,15 +277,16 @@ class HybridExpertNode:
         engine.copy_reuse.hit(layer, ids, resident)
         engine.stats.split(layer, cpu_pairs, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))
+        # a decode step's few pairs: distinct experts as Python sets (np.unique costs µs a call; this runs per layer)
         if cpu_pairs:
-            cpu_experts = np.unique(ids[on_cpu])
-            engine.cpu_rate.observe(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
+            cpu_experts = sorted(set(ids[on_cpu].tolist()))
+            engine.cpu_rate.observe(len(cpu_experts) * self.info.bytes_per_expert, cpu_s)
             if engine.host_cache.budget is not None:
-                engine.host_cache.touch(layer, cpu_experts.tolist())
-        on_gpu = np.unique(ids[~on_cpu])
-        held = int((slots.slot_of[on_gpu] >= 0).sum())
-        if on_gpu.size > held:
-            engine.tier_read.observe((on_gpu.size - held) * store.read_bytes,
+                engine.host_cache.touch(layer, cpu_experts)
+        on_gpu = set(ids[~on_cpu].tolist())
+        held = sum(1 for expert in on_gpu if slot_of[expert] >= 0)
+        if len(on_gpu) > held:
+            engine.tier_read.observe((len(on_gpu) - held) * store.read_bytes,
                                      device_s - held * store.read_bytes / bandwidths.hbm)
         self._account_time(stats, ids.shape[0], cpu_s, device_s, True, 0, 0.0, (), standin)
 

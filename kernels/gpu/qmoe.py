@@ -153,6 +153,9 @@ class GpuQMoE:
             # run_staged's CUDA graphs by launch (buffers, shape, configuration); dropped when the workspace grows
             self._graphs: dict = {}
             self._graph_seen: set = set()
+            # run_routed_split's graph for the very arrays of its last replay (_SplitReplay); calls that took it
+            self._split_replay: _SplitReplay | None = None
+            self.split_fast_calls = 0
             self._merge_launches: dict = {}  # merge_sum's and merge_gated's prepared launches (_launch_merge)
             # the offload engine's "both" decode layers queue their merge before the CPU's part exists (merge_gated,
             # True) or after it (merge_sum, False: the A/B, MOE_GATED_MERGE=0 for the engine's)
@@ -536,6 +539,7 @@ class GpuQMoE:
         if grow_t or grow_p or tiles > ws.tiles_cap:
             self._graphs.clear()  # captured launches point into the buffers replaced here
             self._graph_seen.clear()
+            self._split_replay = None
         if grow_p or tiles > ws.tiles_cap:
             ws.P = max(P, 2 * ws.P) if grow_p else ws.P
             ws.tiles_cap = max(tiles, 2 * ws.tiles_cap, ws.P + 1)
@@ -747,7 +751,17 @@ class GpuQMoE:
         ``published`` (kernels/gpu/published.py: the host waits for it with ``published.wait``), and the decode
         kernels compute the other pairs (resident, or read from the host tier) into ``out32`` (float32 [T, H],
         overwritten). The CPU's share per count of cold pairs is ``published.cpu_take``. Kernel launches only,
-        replayed as one CUDA graph from the second call with the same buffers."""
+        replayed as one CUDA graph from the second call with the same buffers. A call with the very arrays, stream and
+        decode configuration of the last replay launches that graph at once (_SplitReplay): the checks, conversions
+        and graph key below cost tens of µs a layer of the host's time, which a "both" layer waits for."""
+        stream = _cp().cuda.get_current_stream()
+        arrays = (x_dev, logits_dev, out32, published, router_weights)
+        replay = self._split_replay
+        if replay is not None and replay.matches(arrays, stream.ptr, self._decode_config()):
+            replay.graph.launch(stream)
+            published.launched += 1
+            self.split_fast_calls += 1
+            return out32
         spec = self.spec
         if not routes_on_device(spec):
             raise UnsupportedLayout(f"node '{spec.node_name}': route_split routes on the device (no sparse mixer, "
@@ -776,9 +790,19 @@ class GpuQMoE:
             self._compute(x_dev, x_code, T, out32, ids=published.dev_ids, wts=published.dev_w, kk=k, zero_out=True)
 
         pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, lg, rw, out32, published.dev_ids))
-        self._replayed(("split", *pointers, x_code, ldt, rwdt, T), T, launch)
+        graph = self._replayed(("split", *pointers, x_code, ldt, rwdt, T), T, launch)
+        self._split_replay = None
+        # only where the graph reads the caller's own arrays: a converted copy is made again at every call
+        if (graph is not None and _reads_in_place(lg, logits_dev) and _reads_in_place(rw, router_weights)
+                and _cp().cuda.runtime.getDevice() == self._device_id):  # the stream's device is the graph's
+            self._split_replay = _SplitReplay(arrays, stream.ptr, self._decode_config(), graph)
         published.launched += 1
         return out32
+
+    def _decode_config(self) -> tuple:
+        """What a captured decode launch was made with besides its buffers (compared by value: the dicts are changed
+        in place by benchmarks and tests)."""
+        return self.path, self.decode_max_tokens, self.decode_kernel, self.dec_cfg, self.dec5_cfg
 
     def merge_gated(self, published, a, out, timeout_s: float = 1.0) -> None:
         """out = a + the CPU's part, queued on the current stream before the host has that part: merge.cu's
@@ -843,16 +867,16 @@ class GpuQMoE:
         saves the hot paths (an expert's copy, the decode merge) CuPy's switch there and back."""
         return contextlib.nullcontext() if _cp().cuda.runtime.getDevice() == self._device_id else self.device
 
-    def _replayed(self, key: tuple, T: int, launch) -> None:
+    def _replayed(self, key: tuple, T: int, launch):
         """Run `launch` (kernel launches on the current stream, nothing else) eagerly at the first call with this
         key and as one captured CUDA graph from the second on; eagerly always outside decode sizes or the tc path,
-        or on the legacy default stream (capture needs a stream of its own)."""
+        or on the legacy default stream (capture needs a stream of its own). Returns the graph launched, or None."""
         cp = _cp()
         with self.device:
             stream = cp.cuda.get_current_stream()
             if self.path != "tc" or T > self.decode_max_tokens or stream.ptr == 0:
                 launch()
-                return
+                return None
             key = key + (self.decode_kernel, tuple(sorted(self.dec_cfg.items())), tuple(sorted(self.dec5_cfg.items())))
             graph = self._graphs.get(key)
             if graph is None and key in self._graph_seen:
@@ -860,8 +884,9 @@ class GpuQMoE:
             if graph is None or graph is _EAGER:  # first call: eager, so the workspace is sized before a capture
                 launch()
                 self._graph_seen.add(key)  # after: a workspace that grew in this call forgot what was seen
-            else:
-                graph.launch(stream)
+                return None
+            graph.launch(stream)
+            return graph
 
     @staticmethod
     def _capture(stream, launch):
@@ -1143,6 +1168,30 @@ class GpuQMoE:
 
 
 _EAGER = object()  # GpuQMoE._graphs: a launch that could not be captured runs eagerly
+
+
+def _reads_in_place(device_array, given) -> bool:
+    """Whether `device_array` (what a launch reads) is `given`'s own device memory, not a copy made for the call."""
+    if given is None:
+        return device_array is None
+    return (isinstance(given, _cp().ndarray) and device_array.data.ptr == given.data.ptr
+            and device_array.dtype == given.dtype)
+
+
+class _SplitReplay:
+    """run_routed_split's last replayed graph and what it was launched for: the arrays (by identity: an array
+    object keeps its memory while it lives, and this holds them), the stream, the decode configuration."""
+
+    __slots__ = ("arrays", "stream_ptr", "config", "graph")
+
+    def __init__(self, arrays: tuple, stream_ptr: int, config: tuple, graph):
+        self.arrays, self.stream_ptr, self.graph = arrays, stream_ptr, graph
+        self.config = tuple(dict(c) if isinstance(c, dict) else c for c in config)  # a copy of the dicts' values
+
+    def matches(self, arrays: tuple, stream_ptr: int, config: tuple) -> bool:
+        mine = self.arrays
+        return (stream_ptr == self.stream_ptr and arrays[0] is mine[0] and arrays[1] is mine[1]
+                and arrays[2] is mine[2] and arrays[3] is mine[3] and arrays[4] is mine[4] and config == self.config)
 
 
 class _Staging:
