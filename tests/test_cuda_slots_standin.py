@@ -211,9 +211,11 @@ class FakeGpuQMoE:
         return out32 if out is None else out
 
 
-    def run_routed_split(self, x, logits, out32, published, router_weights=None):
+    def run_routed_split(self, x, logits, out32, published, router_weights=None, *, stop=None, merged=None,
+                         timeout_s=1.0):
         """GpuQMoE.run_routed_split: route_split's rule (kernels.cold_split) on the slots' residency, the routing and
-        x published with the flag raised, the device's pairs computed into out32."""
+        x published with the flag raised, the device's pairs computed into out32; then `stop` recorded and the gated
+        merge into `merged` queued, where given."""
         self.split_launches = getattr(self, "split_launches", 0) + 1
         ids, weights = route(np.asarray(logits, np.float32), self.spec, router_weights)
         on_cpu = split_cold_pairs(self.slot_of[ids] < 0, np.asarray(published.cpu_take))
@@ -222,6 +224,10 @@ class FakeGpuQMoE:
         self.run_staged(x, np.where(on_cpu, -1, ids), weights, out32)
         published.launched += 1
         published.flag[0] = published.launched
+        if stop is not None:
+            stop.record()
+        if merged is not None:
+            self.merge_gated(published, out32, merged, timeout_s)
         return out32
 
 
@@ -500,8 +506,8 @@ def test_a_decode_steps_routing_that_never_reaches_the_host_is_a_one_line_error(
     engine.set_decode_path("both")
     real = FakeGpuQMoE.run_routed_split
 
-    def lost(self, x, logits, out32, published, router_weights=None):
-        real(self, x, logits, out32, published, router_weights)
+    def lost(self, x, logits, out32, published, router_weights=None, **tail):
+        real(self, x, logits, out32, published, router_weights, **tail)
         published.flag[0] -= 1  # as if the kernel had not run
 
     monkeypatch.setattr(FakeGpuQMoE, "run_routed_split", lost)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kernels.gpu import driver_calls, layout as L
-from kernels.gpu.driver_calls import (LAUNCH_KERNEL, MEMCPY_BATCH_ASYNC, MEMCPY_BATCH_ASYNC_V2, MEMCPY_HTOD_ASYNC,
-                                      DriverCalls, DriverError, MemcpyAttributes, MemLocation)
+from kernels.gpu.driver_calls import (EVENT_RECORD_WITH_FLAGS, LAUNCH_KERNEL, MEMCPY_BATCH_ASYNC, MEMCPY_BATCH_ASYNC_V2,
+                                      MEMCPY_HTOD_ASYNC, DriverCalls, DriverError, MemcpyAttributes, MemLocation)
 from kernels.gpu.pack_device import DriverPackIssuer, plan_for, stage_numpy
 from kernels.gpu.qmoe import GpuQMoE
 from kernels.qmoe_spec import QMoESpec
@@ -333,3 +333,26 @@ def test_batch_copies_off_takes_the_single_memcpys():
     gpu.batch_copies = True
     assert gpu._pack_expert_driver(4, 0, stream)
     assert len(driver.copies) == 4 and len(driver.batches) == 1 and (gpu.batch_packs, gpu.driver_packs) == (1, 2)
+
+
+def test_an_event_is_recorded_as_a_graph_node_with_the_external_flag_where_the_driver_has_the_call():
+    """record_external: cuEventRecordWithFlags with CU_EVENT_RECORD_EXTERNAL (1), the legacy NULL stream as 0; a
+    status is a one-line error naming the call; a driver without the symbol says so (records_in_graphs False)."""
+    recorded, status = [], [0]
+
+    def record(event, stream, flags):
+        recorded.append((event, stream, flags))
+        return status[0]
+
+    callback = EVENT_RECORD_WITH_FLAGS(record)  # kept: ctypes frees a callback nobody holds
+    driver = StandInDriver()
+    with_record = DriverCalls.over(SimpleNamespace(**vars(driver.library), cuEventRecordWithFlags=callback))
+    assert with_record.records_in_graphs and not driver.calls.records_in_graphs
+    with_record.record_external(0xE1, STREAM)
+    with_record.record_external(0xE2, 0)
+    assert recorded == [(0xE1, STREAM, 1), (0xE2, None, 1)]
+    status[0] = 400
+    with pytest.raises(DriverError, match=r"^cuEventRecordWithFlags failed: CUresult 400$"):
+        with_record.record_external(0xE1, STREAM)
+    with pytest.raises(DriverError, match=r"^loading libcuda's cuEventRecordWithFlags failed: CUresult -1$"):
+        driver.calls.record_external(0xE1, STREAM)

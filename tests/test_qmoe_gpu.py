@@ -12,6 +12,8 @@ tolerances against the reference on the stored layout (``test_gpu_converted_layo
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -474,6 +476,56 @@ def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
         stream.synchronize()
         assert published.gate_failed() == published.launched
         assert np.allclose(cp.asnumpy(out).astype(np.float32), cp.asnumpy(out32), rtol=1e-3, atol=1e-6)
+
+
+def test_gpu_route_split_records_its_stop_and_queues_the_gated_merge_in_its_graph(gpu):
+    """run_routed_split with `stop` and `merged` (the engine's "both" launch): the stop event is recorded once the
+    GPU's part is done, before the merge, which waits for the host's gate (a host that synchronised `stop` would
+    otherwise wait for itself), and the merged sum is the whole layer: eagerly, in the captured graph (the record as
+    its node, recorded at every replay) and from the third call straight through the graph; the start-to-stop time
+    is the launch's, not the wait for the gate."""
+    cp, GpuQMoE = gpu
+    from kernels.cold_split import split_cold_pairs
+    from kernels.gpu.driver_calls import DriverCalls
+    from kernels.gpu.published import PublishedRouting
+
+    T = 1
+    attrs, t, x, lg = make_case(seed=45, E=16, H=128, I=64, k=4, bits=4, block_size=32, T=T, dtype=np.float16,
+                                **ACTS["swiglu1-limit"])
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, num_slots=5, resident=[0, 3, 6, 9], host_tier=True)
+    published = PublishedRouting(cp, T, spec.k, spec.hidden_size, x.dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    table = np.array([0, 1, 1, 2, 3])
+    rng = np.random.default_rng(46)
+    tol = TOL[("tc", "decode", np.float16)] + 1e-3
+    with stream:
+        x_dev = cp.asarray(x)
+        lg_dev = cp.empty(lg.shape, lg.dtype)
+        out32 = cp.empty((T, spec.hidden_size), cp.float32)
+        merged = cp.empty((T, spec.hidden_size), cp.float16)
+        published.set_cpu_take(table, stream)
+        for step in range(4):
+            logits = (lg + rng.normal(0, 2.0, lg.shape)).astype(lg.dtype)
+            lg_dev.set(logits, stream=stream)
+            start.record(stream)
+            m.run_routed_split(x_dev, lg_dev, out32, published, stop=stop, merged=merged, timeout_s=5.0)
+            published.wait(stream)
+            waited = time.perf_counter()
+            while not stop.done:  # the GPU's part ends while the merge behind it waits for the gate
+                assert time.perf_counter() - waited < 2.0, f"step {step}: stop not recorded before the gated merge"
+            launch_ms = cp.cuda.get_elapsed_time(start, stop)
+            assert 0.0 < launch_ms < 1000.0
+            ids, w = ref_route(logits, spec)
+            on_cpu = split_cold_pairs(m.slot_of[ids] < 0, table)
+            published.part[:] = _ref_pairs(x, np.where(on_cpu, ids, -1), published.w, spec, t)
+            published.open_gate()
+            stream.synchronize()
+            whole = _ref_pairs(x, ids, w, spec, t)
+            assert _relerr(cp.asnumpy(merged).astype(np.float32), whole) <= tol, f"step {step}"
+        assert published.gate_failed() == 0
+    assert m.split_fast_calls == (2 if DriverCalls.from_driver().records_in_graphs else 0)
 
 
 def test_gpu_cupy_io_and_3d(gpu):

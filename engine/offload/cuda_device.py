@@ -589,13 +589,14 @@ class CudaSlots:
                 split.sum_buffers = self._merges.take(tokens, x.dtype)  # the same key: taken once, not at each launch
             split.published.set_cpu_take(cpu_take, compute)
             split.start.record(compute)
-            self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights)
-            split.stop.record(compute)
-            split.merge = None
-            if self.gpu.gated_merge:  # queued now, it goes on as soon as the host raises the gate (merge_split)
-                split.merge = split.sum_buffers
+            # the gated merge, queued now (in the launch's graph), goes on as soon as the host raises the gate
+            # (merge_split); `stop` marks the GPU's part done, before the merge
+            split.merge = split.sum_buffers if self.gpu.gated_merge else None
+            self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights, stop=split.stop,
+                                      merged=None if split.merge is None else split.merge.sum,
+                                      timeout_s=GATE_TIMEOUT_S)
+            if split.merge is not None:
                 split.launched_at = time.perf_counter()
-                self.gpu.merge_gated(split.published, split.out32, split.merge.sum, timeout_s=GATE_TIMEOUT_S)
                 if dense is not None:
                     dense.wait_event(compute.record(self._ordering))
         return split

@@ -19,7 +19,7 @@ from .launch_pdl import CUDA_SUCCESS, _grid3, kernel_argument, libcuda
 
 __all__ = ["DriverError", "BatchCopyError", "DriverCalls", "PreparedLaunch", "PreparedBatch", "MemLocation",
            "MemcpyAttributes", "MEMCPY_HTOD_ASYNC", "MEMCPY_BATCH_ASYNC_V2", "MEMCPY_BATCH_ASYNC", "LAUNCH_KERNEL",
-           "SRC_ACCESS_ORDER_ANY"]
+           "EVENT_RECORD_WITH_FLAGS", "SRC_ACCESS_ORDER_ANY"]
 
 # cuda.h: CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream)
 MEMCPY_HTOD_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
@@ -54,6 +54,11 @@ MEMCPY_BATCH_ASYNC = ctypes.CFUNCTYPE(ctypes.c_int, *_BATCH_ARGS, ctypes.c_void_
 #                         CUstream stream, void** kernelParams, void** extra)
 LAUNCH_KERNEL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p))
+# CUresult cuEventRecordWithFlags(CUevent event, CUstream stream, unsigned int flags) (CUDA 11.1)
+EVENT_RECORD_WITH_FLAGS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+# CU_EVENT_RECORD_EXTERNAL: recorded on a stream being captured, the event becomes an event record node of the graph
+# (recorded at every replay); a plain record there only orders the capture's streams and is never recorded itself
+EVENT_RECORD_EXTERNAL = 1
 
 
 class DriverError(RuntimeError):
@@ -125,9 +130,11 @@ class DriverCalls:
     stand-ins made with MEMCPY_HTOD_ASYNC / LAUNCH_KERNEL); ``memcpy_batch_async_v2`` (CUDA 13's ABI) or else
     ``memcpy_batch_async`` (CUDA 12.8's, with failIdx): the batch memcpy, None where the driver has neither."""
 
-    def __init__(self, memcpy_htod_async, launch_kernel, memcpy_batch_async_v2=None, memcpy_batch_async=None):
+    def __init__(self, memcpy_htod_async, launch_kernel, memcpy_batch_async_v2=None, memcpy_batch_async=None,
+                 event_record_with_flags=None):
         self._memcpy = memcpy_htod_async
         self._launch_kernel = launch_kernel
+        self._event_record = event_record_with_flags
         if memcpy_batch_async_v2 is not None:
             self._batch = (memcpy_batch_async_v2, "cuMemcpyBatchAsync_v2", False)
         elif memcpy_batch_async is not None:
@@ -150,7 +157,22 @@ class DriverCalls:
         if memcpy is None or launch is None:
             return None
         return cls(memcpy, launch, _symbol(MEMCPY_BATCH_ASYNC_V2, "cuMemcpyBatchAsync_v2", driver),
-                   _symbol(MEMCPY_BATCH_ASYNC, "cuMemcpyBatchAsync", driver))
+                   _symbol(MEMCPY_BATCH_ASYNC, "cuMemcpyBatchAsync", driver),
+                   _symbol(EVENT_RECORD_WITH_FLAGS, "cuEventRecordWithFlags", driver))
+
+    @property
+    def records_in_graphs(self) -> bool:
+        """Whether record_external can be had (the driver has cuEventRecordWithFlags)."""
+        return self._event_record is not None
+
+    def record_external(self, event_ptr: int, stream_ptr: int) -> None:
+        """Record the event on the stream, as a node of the graph where the stream is being captured (recorded at each
+        replay: CU_EVENT_RECORD_EXTERNAL), else at once as cuEventRecord does."""
+        if self._event_record is None:
+            raise DriverError("loading libcuda's cuEventRecordWithFlags", -1)
+        status = self._event_record(event_ptr, stream_ptr or None, EVENT_RECORD_EXTERNAL)
+        if status != CUDA_SUCCESS:
+            raise DriverError("cuEventRecordWithFlags", status)
 
     @property
     def batch_call(self) -> "str | None":

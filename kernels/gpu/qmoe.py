@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import operator
 import os
 import weakref
 
@@ -745,19 +746,25 @@ class GpuQMoE:
         self._replayed(("routed", *pointers, *dtypes, T), T, launch)
         return out32 if out is None else out
 
-    def run_routed_split(self, x_dev, logits_dev, out32, published, router_weights=None):
+    def run_routed_split(self, x_dev, logits_dev, out32, published, router_weights=None, *, stop=None, merged=None,
+                         timeout_s: float = 1.0):
         """run_routed for a layer whose cold experts the GPU and the CPU share (the offload engine's "both" decode
         path): route_split (route.cu) routes on the device, leaves the routing, the CPU's pairs and x in
         ``published`` (kernels/gpu/published.py: the host waits for it with ``published.wait``), and the decode
         kernels compute the other pairs (resident, or read from the host tier) into ``out32`` (float32 [T, H],
-        overwritten). The CPU's share per count of cold pairs is ``published.cpu_take``. Kernel launches only,
-        replayed as one CUDA graph from the second call with the same buffers. A call with the very arrays, stream and
-        decode configuration of the last replay launches that graph at once (_SplitReplay): the checks, conversions
-        and graph key below cost tens of µs a layer of the host's time, which a "both" layer waits for."""
+        overwritten). The CPU's share per count of cold pairs is ``published.cpu_take``. Then, where given, the CUDA
+        event ``stop`` is recorded (the GPU's part done) and merge_gated adds the CPU's part into ``merged``
+        (merge_gated's ``out``, with its ``timeout_s``). Kernel launches and that record only, replayed as one CUDA
+        graph from the second call with the same buffers: the record as an event record node, the merge as one
+        launch fewer for the host (where the driver cannot record inside a graph, both follow the graph).
+        A call with the very arrays, stream and configuration of the last replay launches that graph at once
+        (_SplitReplay): the checks, conversions and graph key below cost tens of µs a layer of the host's time,
+        which a "both" layer waits for."""
         stream = _cp().cuda.get_current_stream()
-        arrays = (x_dev, logits_dev, out32, published, router_weights)
+        arrays = (x_dev, logits_dev, out32, published, router_weights, stop, merged)
+        config = (*self._decode_config(), timeout_s)
         replay = self._split_replay
-        if replay is not None and replay.matches(arrays, stream.ptr, self._decode_config()):
+        if replay is not None and replay.matches(arrays, stream.ptr, config):
             replay.graph.launch(stream)
             published.launched += 1
             self.split_fast_calls += 1
@@ -788,16 +795,44 @@ class GpuQMoE:
                 np.int32(published.w_at), np.int32(published.x_at), x_dev, np.int32(published.x_bytes),
                 published.seq, np.int32(rank_route)), shared_mem=smem)
             self._compute(x_dev, x_code, T, out32, ids=published.dev_ids, wts=published.dev_w, kk=k, zero_out=True)
+            if tail_inside:
+                self._split_tail(_cp().cuda.get_current_stream(), published, out32, stop, merged, timeout_s, calls)
 
-        pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, lg, rw, out32, published.dev_ids))
-        graph = self._replayed(("split", *pointers, x_code, ldt, rwdt, T), T, launch)
+        calls = DriverCalls.from_driver()
+        tail_inside = calls is not None and calls.records_in_graphs
+        if merged is not None and published.part.size != out32.size:
+            raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {out32.size}")
+        pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, lg, rw, out32, published.dev_ids, merged))
+        tail = (0 if stop is None else stop.ptr, timeout_s)
+        graph = self._replayed(("split", *pointers, *tail, x_code, ldt, rwdt, T), T, launch)
+        if not tail_inside:
+            with self.device:
+                self._split_tail(_cp().cuda.get_current_stream(), published, out32, stop, merged, timeout_s, None)
         self._split_replay = None
-        # only where the graph reads the caller's own arrays: a converted copy is made again at every call
+        # only where the graph reads the caller's own arrays (a converted copy is made again at every call) and holds
+        # the whole call
         if (graph is not None and _reads_in_place(lg, logits_dev) and _reads_in_place(rw, router_weights)
+                and (tail_inside or (stop is None and merged is None))
                 and _cp().cuda.runtime.getDevice() == self._device_id):  # the stream's device is the graph's
-            self._split_replay = _SplitReplay(arrays, stream.ptr, self._decode_config(), graph)
+            self._split_replay = _SplitReplay(arrays, stream.ptr, config, graph)
         published.launched += 1
         return out32
+
+    def _split_tail(self, stream, published, out32, stop, merged, timeout_s: float, calls) -> None:
+        """run_routed_split's record of `stop` and its gated merge into `merged`, on `stream`: inside the launch that
+        a graph captures (`calls`: the driver's, to record the event as a node of that graph), or after it (None)."""
+        if stop is not None:
+            if calls is not None:
+                calls.record_external(stop.ptr, stream.ptr)
+            else:
+                stop.record(stream)
+        if merged is None:
+            return
+        if calls is None:
+            self.merge_gated(published, out32, merged, timeout_s)
+            return
+        self._f("merge_gated")(self._merge_grid(out32.size), (256,),
+                               self._merge_gated_args(published, out32, merged, timeout_s)())
 
     def _decode_config(self) -> tuple:
         """What a captured decode launch was made with besides its buffers (compared by value: the dicts are changed
@@ -814,6 +849,14 @@ class GpuQMoE:
         n = a.size
         if published.part.size != n:
             raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {n}")
+        key = ("merge_gated", published.device_ptr, published.seq.data.ptr, a.data.ptr, out.data.ptr, n,
+               out.dtype.char, int(timeout_s * 1e9))
+        self._launch_merge(self._f("merge_gated"), key, n, self._merge_gated_args(published, a, out, timeout_s))
+
+    @staticmethod
+    def _merge_gated_args(published, a, out, timeout_s: float):
+        """A function giving merge_gated's arguments."""
+        n = a.size
         base = published.device_ptr
         timeout_ns = int(timeout_s * 1e9)
 
@@ -822,8 +865,11 @@ class GpuQMoE:
             return (published.seq, np.uint64(base + published.gate_at), np.uint64(base + published.part_at), a, out,
                     np.int32(out_dt), np.int32(n), np.int64(timeout_ns), np.uint64(base + published.failed_at))
 
-        key = ("merge_gated", base, published.seq.data.ptr, a.data.ptr, out.data.ptr, n, out.dtype.char, timeout_ns)
-        self._launch_merge(self._f("merge_gated"), key, n, args)
+        return args
+
+    def _merge_grid(self, n: int) -> tuple:
+        """A merge's grid over n values: 256 a block, at most four blocks per SM (grid-stride beyond)."""
+        return (max(1, min(_cdiv(n, 256), 4 * self.num_sms)),)
 
     def merge_sum(self, a, b, out) -> None:
         """out = a + b (b None: a alone), float32 device arrays in, out's dtype (float16 / float32) out, in one launch
@@ -849,7 +895,7 @@ class GpuQMoE:
         key = key + (stream_ptr,)
         prepared = self._merge_launches.get(key)
         if prepared is None:
-            grid = (max(1, min(_cdiv(n, 256), 4 * self.num_sms)),)
+            grid = self._merge_grid(n)
             calls = DriverCalls.from_driver() if stream_ptr else None
             with self.device:
                 if calls is None:
@@ -1189,9 +1235,7 @@ class _SplitReplay:
         self.config = tuple(dict(c) if isinstance(c, dict) else c for c in config)  # a copy of the dicts' values
 
     def matches(self, arrays: tuple, stream_ptr: int, config: tuple) -> bool:
-        mine = self.arrays
-        return (stream_ptr == self.stream_ptr and arrays[0] is mine[0] and arrays[1] is mine[1]
-                and arrays[2] is mine[2] and arrays[3] is mine[3] and arrays[4] is mine[4] and config == self.config)
+        return stream_ptr == self.stream_ptr and all(map(operator.is_, arrays, self.arrays)) and config == self.config
 
 
 class _Staging:
