@@ -478,12 +478,14 @@ def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
         assert np.allclose(cp.asnumpy(out).astype(np.float32), cp.asnumpy(out32), rtol=1e-3, atol=1e-6)
 
 
-def test_gpu_route_split_records_its_stop_and_queues_the_gated_merge_in_its_graph(gpu):
+@pytest.mark.parametrize("fast_split", [True, False])
+def test_gpu_route_split_records_its_stop_and_queues_the_gated_merge_in_its_graph(gpu, fast_split):
     """run_routed_split with `stop` and `merged` (the engine's "both" launch): the stop event is recorded once the
     GPU's part is done, before the merge, which waits for the host's gate (a host that synchronised `stop` would
     otherwise wait for itself), and the merged sum is the whole layer: eagerly, in the captured graph (the record as
-    its node, recorded at every replay) and from the third call straight through the graph; the start-to-stop time
-    is the launch's, not the wait for the gate."""
+    its node, recorded at every replay) and from the third call straight through the graph; with fast_split off,
+    the record and the merge after the graph, every call through the checks. The start-to-stop time is the
+    launch's, not the wait for the gate."""
     cp, GpuQMoE = gpu
     from kernels.cold_split import split_cold_pairs
     from kernels.gpu.driver_calls import DriverCalls
@@ -494,6 +496,7 @@ def test_gpu_route_split_records_its_stop_and_queues_the_gated_merge_in_its_grap
                                 **ACTS["swiglu1-limit"])
     spec = _spec(attrs, t, x)
     m = GpuQMoE(spec, t, num_slots=5, resident=[0, 3, 6, 9], host_tier=True)
+    m.fast_split = fast_split
     published = PublishedRouting(cp, T, spec.k, spec.hidden_size, x.dtype)
     stream = cp.cuda.Stream(non_blocking=True)
     start, stop = cp.cuda.Event(), cp.cuda.Event()
@@ -525,7 +528,7 @@ def test_gpu_route_split_records_its_stop_and_queues_the_gated_merge_in_its_grap
             whole = _ref_pairs(x, ids, w, spec, t)
             assert _relerr(cp.asnumpy(merged).astype(np.float32), whole) <= tol, f"step {step}"
         assert published.gate_failed() == 0
-    assert m.split_fast_calls == (2 if DriverCalls.from_driver().records_in_graphs else 0)
+    assert m.split_fast_calls == (2 if fast_split and DriverCalls.from_driver().records_in_graphs else 0)
 
 
 def test_gpu_cupy_io_and_3d(gpu):

@@ -157,6 +157,10 @@ class GpuQMoE:
             # run_routed_split's graph for the very arrays of its last replay (_SplitReplay); calls that took it
             self._split_replay: _SplitReplay | None = None
             self.split_fast_calls = 0
+            # run_routed_split's stop record and gated merge in its graph, and repeat calls straight to that graph
+            # (True); False: both after the graph, every call through the checks and the key (the thirty-second
+            # session's order, for bench_offload_ab's gpu.fast_split=0)
+            self.fast_split = True
             self._merge_launches: dict = {}  # merge_sum's and merge_gated's prepared launches (_launch_merge)
             # the offload engine's "both" decode layers queue their merge before the CPU's part exists (merge_gated,
             # True) or after it (merge_sum, False: the A/B, MOE_GATED_MERGE=0 for the engine's)
@@ -763,7 +767,7 @@ class GpuQMoE:
         stream = _cp().cuda.get_current_stream()
         arrays = (x_dev, logits_dev, out32, published, router_weights, stop, merged)
         config = (*self._decode_config(), timeout_s)
-        replay = self._split_replay
+        replay = self._split_replay if self.fast_split else None
         if replay is not None and replay.matches(arrays, stream.ptr, config):
             replay.graph.launch(stream)
             published.launched += 1
@@ -799,11 +803,11 @@ class GpuQMoE:
                 self._split_tail(_cp().cuda.get_current_stream(), published, out32, stop, merged, timeout_s, calls)
 
         calls = DriverCalls.from_driver()
-        tail_inside = calls is not None and calls.records_in_graphs
+        tail_inside = self.fast_split and calls is not None and calls.records_in_graphs
         if merged is not None and published.part.size != out32.size:
             raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {out32.size}")
         pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, lg, rw, out32, published.dev_ids, merged))
-        tail = (0 if stop is None else stop.ptr, timeout_s)
+        tail = (0 if stop is None else stop.ptr, timeout_s, tail_inside)
         graph = self._replayed(("split", *pointers, *tail, x_code, ldt, rwdt, T), T, launch)
         if not tail_inside:
             with self.device:
