@@ -166,8 +166,8 @@ class DriverCalls:
         return self._event_record is not None
 
     def record_external(self, event_ptr: int, stream_ptr: int) -> None:
-        """Record the event on the stream, as a node of the graph where the stream is being captured (recorded at each
-        replay: CU_EVENT_RECORD_EXTERNAL), else at once as cuEventRecord does."""
+        """Record the event on the stream, which is being captured, as a node of the graph (recorded at each replay:
+        CU_EVENT_RECORD_EXTERNAL). Outside a capture the H200's driver (580) refuses the flag (CUresult 401)."""
         if self._event_record is None:
             raise DriverError("loading libcuda's cuEventRecordWithFlags", -1)
         status = self._event_record(event_ptr, stream_ptr or None, EVENT_RECORD_EXTERNAL)

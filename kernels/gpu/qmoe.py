@@ -824,9 +824,10 @@ class GpuQMoE:
 
     def _split_tail(self, stream, published, out32, stop, merged, timeout_s: float, calls) -> None:
         """run_routed_split's record of `stop` and its gated merge into `merged`, on `stream`: inside the launch that
-        a graph captures (`calls`: the driver's, to record the event as a node of that graph), or after it (None)."""
+        a graph captures (`calls`: the driver's, to record the event as a node of that graph while the stream is
+        captured; the driver refuses that flag outside a capture, CUDA_ERROR_ILLEGAL_STATE), or after it (None)."""
         if stop is not None:
-            if calls is not None:
+            if calls is not None and stream.is_capturing():
                 calls.record_external(stop.ptr, stream.ptr)
             else:
                 stop.record(stream)
