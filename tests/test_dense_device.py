@@ -633,6 +633,50 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
         assert totals.misses > 0 and totals.device_s > 0 and not gpu.offload.deferred
 
 
+@pytest.mark.gpu
+@needs_cuda_ep
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_path, fraction):
+    """Decode path "both" as the benchmarks run it: the dense part on the GPU, so every decode layer goes through
+    CudaSlots.launch_split (routing published to the host, the GPU's share from the slots and the host tier, the
+    stop event and the gated merge inside the launch's graph, from the third step straight to that graph) while the
+    CPU computes its share; logits as the CPU model's, every merge through the gate, none given up."""
+    from engine.offload.cuda_device import CudaSlots
+    from engine.offload.planner import all_resident_bytes
+
+    spec = FP16_MODELS["fp16"]
+    folder = write_model(tmp_path / "fp16", spec)
+    cpu = LoadedModel.open(folder)
+    budget = int(fraction * all_resident_bytes(cpu.folder.experts))
+    gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
+    assert gpu.dense_device == "cuda", gpu.dense_reason
+    gpu.offload.set_decode_path("both")
+    gpu.offload.cold_split_table = lambda layer: np.array([0, 1, 1])  # a share for the CPU whatever the rates (k 2)
+    launches = []
+    real_launch = CudaSlots.launch_split
+
+    def launch_spy(self, x, logits, router_weights, cpu_take):
+        launches.append(self.name)
+        return real_launch(self, x, logits, router_weights, cpu_take)
+
+    monkeypatch.setattr(CudaSlots, "launch_split", launch_spy)
+    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
+    prompt = [int(t) for t in np.random.default_rng(13).integers(10, spec.vocab_size, PROMPT_TOKENS)]
+    ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
+    errors = [relative_error(ours[-1:], ref[-1:])]
+    for _ in range(DECODE_STEPS):
+        token = int(ref[-1].argmax())
+        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
+        errors.append(relative_error(ours, ref))
+    assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
+    assert len(launches) == spec.layers * DECODE_STEPS
+    totals = gpu.offload.stats.totals()
+    assert totals.misses_cpu > 0 and totals.misses_read > 0 and totals.device_s > 0
+    stores = [store for store in gpu.offload.stores if store is not None]
+    assert all(store._split.merge is not None and store._split.published.gate_failed() == 0 for store in stores)
+    assert all(store.gpu.split_fast_calls >= DECODE_STEPS // 2 for store in stores)
+
+
 LIMIT_SCRIPT = r"""
 import json, sys
 import cupy
