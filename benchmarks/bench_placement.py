@@ -1,9 +1,11 @@
 """Which placement policy? Hit rates of resident experts on routing traces that behave like real
 routing (anchors.md: strong recency, mild popularity) and on uniform routing (random weights).
 
-Compares the adaptive policy (decayed hit counts with hysteresis, the default) with static
-placement from measured popularity, pure LFU (no decay) and near-LRU (fast decay), at several
-slot budgets, for gpt-oss-20b-like (32 experts, top-4) and Qwen3-30B-A3B-like (128, top-8) layers.
+Compares the adaptive policy (decayed hit counts with hysteresis; the default judges its swaps and stops making
+them where they earn less than a hit each: engine/offload/swap_judge.py) with the same policy making every swap,
+static placement from measured popularity, pure LFU (no decay) and near-LRU (fast decay), at several slot budgets,
+for gpt-oss-20b-like (32 experts, top-4) and Qwen3-30B-A3B-like (128, top-8) layers. Each cell: the hit rate after
+the warm-up and the swaps per layer per token.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_result  # noqa: E402
-from engine.offload.placement import AdaptivePlacement, StaticPlacement  # noqa: E402
+from engine.offload.placement import AdaptivePlacement, StaticPlacement, make_policy  # noqa: E402
 from engine.offload.traces import realistic_trace, replay, uniform_trace  # noqa: E402
 
 WARMUP = 100
 
 
 POLICIES = {
-    "adaptive (decay 0.9, margin 1.5, 2 swaps)": lambda layers: AdaptivePlacement(layers),
+    "adaptive, judged (the default)": lambda layers: make_policy("adaptive", layers),
+    "adaptive, every swap made": lambda layers: AdaptivePlacement(layers),
     "near-LRU (decay 0.5)": lambda layers: AdaptivePlacement(layers, decay=0.5, margin=1.0, max_swaps=64),
     "LFU (no decay)": lambda layers: AdaptivePlacement(layers, decay=1.0, margin=1.0, max_swaps=64),
     "static (warm-up popularity)": lambda layers: StaticPlacement(layers),

@@ -496,6 +496,11 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
         "2 slots per layer kept for copies, each copy earning 0.93 later hits"
     assert copies_text({"miss_slots": [1], "later_hits_per_copy": None}) == "1 slot per layer kept for copies"
     assert copies_text({"miss_slots": [0, 0], "later_hits_per_copy": 0.5}) == "each copy earning 0.50 later hits"
+    assert copies_text({"placement": {"swaps_paused": False, "net_hits_per_swap": 2.314}}) == \
+        "each placement swap earning 2.31 hits"
+    assert copies_text({"placement": {"swaps_paused": True, "net_hits_per_swap": 0.046}}) == \
+        "placement's swaps paused (a swap earned 0.05 hits lately: routing shows no recency)"
+    assert copies_text({"placement": {"swaps_paused": False, "net_hits_per_swap": None}}) == ""
     assert copies_text({}) == ""
     assert copies_text({"miss_slots": [0], "later_hits_per_copy": None, "streaming_slots": [4]}) == \
         "4 streaming slots for layers without slots"

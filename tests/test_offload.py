@@ -14,7 +14,7 @@ from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import OffloadConfigError
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.miss_policy import CpuRate
-from engine.offload.placement import AdaptivePlacement, LayerSlots
+from engine.offload.placement import AdaptivePlacement, LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.offload.traces import hit_rate, realistic_trace
 from engine.writer import WriterSpec, write_model
@@ -251,13 +251,15 @@ def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
         plan_offload(OffloadConfig(mode="required", device_expert_bytes=10), experts, SimulatedDevice(1 << 30))
 
 
-def test_adaptive_placement_reaches_the_hot_set():
+@pytest.mark.parametrize("judged", [True, False])
+def test_adaptive_placement_reaches_the_hot_set(judged):
     """A skewed workload (a hot set of 6 of 32 experts takes 90% of routing, with recency): once
-    warmed, the resident set is exactly the hot set and nearly every hit is resident."""
+    warmed, the resident set is exactly the hot set and nearly every hit is resident, the judge of its swaps
+    (swap_judge.py, the default) letting every swap that brings the hot set in be made."""
     rng = np.random.default_rng(0)
     hot = rng.choice(32, 6, replace=False)
     layer = LayerSlots(32, 6)
-    policy = AdaptivePlacement([layer])
+    policy = make_policy("adaptive", [layer]) if judged else AdaptivePlacement([layer])
     hits = total = 0
     for step in range(400):
         pool = hot if rng.random() < 0.9 else np.setdiff1d(np.arange(32), hot)
@@ -312,6 +314,8 @@ def test_adaptive_slots_are_filled_when_the_budget_changes(model_folder):
         best = np.argsort(-scores, kind="stable")[:wanted]
         assert set(layer.expert_in[layer.expert_in >= 0].tolist()) == set(best.tolist())
     assert engine.stats.totals().swaps == sum(engine.policy.wanted_slots(i) for i in range(len(engine.slots)))
+    # what records and the placement view say of placement's swaps: nothing judged yet (fills are not swaps)
+    assert engine.copy_state()["placement"] == {"swaps_paused": False, "net_hits_per_swap": None}
 
 
 def test_gpu_mem_limit_cannot_change_on_a_loaded_model(model_folder):

@@ -117,6 +117,7 @@ def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit
     ours_layers = [LayerSlots(num_experts, s) for s in slots]
     ref_layers = [LayerSlots(num_experts, s) for s in slots]
     policy = make_policy(policy_name, ours_layers, popularity)
+    policy.judge = None  # every swap made, as the reference makes them (the judge: tests/test_swap_judge.py)
     ref = Reference(ref_layers, policy_name == "adaptive")
     for index in range(L):
         ref.scores[index][:] = policy.scores[index]

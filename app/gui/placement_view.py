@@ -179,7 +179,8 @@ def split_text(split: dict) -> str:
 
 
 def copies_text(copies: dict) -> str:
-    """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits, 4
+    """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits, each
+    placement swap earning 2.31 hits (or: placement's swaps paused, ...: swap_judge.py), 4
     streaming slots for layers without slots, CPU misses priced at 64.0 GB/s + 190 µs a call' (the most slots any
     layer keeps; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
     device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured), and
@@ -193,6 +194,12 @@ def copies_text(copies: dict) -> str:
     reuse = copies.get("later_hits_per_copy")
     if reuse is not None:
         parts.append(f"each copy earning {reuse:.2f} later hits")
+    placement = copies.get("placement") or {}
+    earned = placement.get("net_hits_per_swap")
+    if placement.get("swaps_paused"):
+        parts.append(f"placement's swaps paused (a swap earned {earned:.2f} hits lately: routing shows no recency)")
+    elif earned is not None:
+        parts.append(f"each placement swap earning {earned:.2f} hits")
     streaming = sum(copies.get("streaming_slots") or [])
     if streaming:
         parts.append(f"{streaming} streaming slot{'s' if streaming != 1 else ''} for layers without slots")

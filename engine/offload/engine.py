@@ -225,9 +225,12 @@ class OffloadEngine:
         """The miss policy's measured state: the slots each layer keeps for copied misses, the later hits a copy
         earns (None until enough copies were made), the decode streaming slots of each layout (streaming.py), and
         what it prices the CPU's misses at (CpuRate: bytes per second of a miss, None until measured, and seconds
-        per kernel call, 0 until fitted); the layer split and the decode path, each with its trials' state (and under
+        per kernel call, 0 until fitted); whether adaptive placement's swaps are paused for earning too few hits
+        (None: another placement); the layer split and the decode path, each with its trials' state (and under
         "both", the CPU's share of the cold pairs)."""
+        judge = getattr(self.policy, "judge", None)  # adaptive placement's: whether its swaps pay (swap_judge.py)
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
+                "placement": None if judge is None else judge.state(),
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
                 "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s,
                 "layer_split": {"mode": self.layer_split_mode, "whole_layers": self.whole_layers,

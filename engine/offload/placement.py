@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import njit
 
+from engine.offload.swap_judge import SwapJudge
+
 
 @dataclass
 class Swap:
@@ -93,6 +95,7 @@ class PlacementPolicy:
         self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]  # copied in by the miss policy
         self.admissions = 0
         self.miss_slots = [0] * len(layers)  # per layer: slots left to the miss policy's copies
+        self._unwatched = [np.zeros(layer.num_experts) for layer in layers]  # observe's watch where none is judged
         # spare_slots in one compiled call where wanted() is one of ours (0: base, 1: adaptive); a subclass with
         # its own wanted() gets the NumPy formulation
         wanted = type(self).wanted
@@ -178,7 +181,7 @@ class StaticPlacement(PlacementPolicy):
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
         # Only fills slots that are still empty (e.g. no popularity file: the first steps decide).
         # = np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call
-        _observe(self.scores[layer], expert_ids.reshape(-1), 1.0, False)
+        _observe(self.scores[layer], expert_ids.reshape(-1), 1.0, False, self._unwatched[layer])
 
 
 class AdaptivePlacement(PlacementPolicy):
@@ -187,12 +190,16 @@ class AdaptivePlacement(PlacementPolicy):
     decay: weight kept per step (0.9 remembers ~10 steps: strong recency, as real routing has).
     margin: a cold expert must score this many times the weakest resident's score to swap in.
     max_swaps: swaps per layer per safe point (copies must never stall a decode step).
+    judge: whether the swaps pay (swap_judge.py): while they do not, none is made (None: every swap is made).
     """
 
-    def __init__(self, layers: list[LayerSlots], decay: float = 0.9, margin: float = 1.5, max_swaps: int = 2):
+    def __init__(self, layers: list[LayerSlots], decay: float = 0.9, margin: float = 1.5, max_swaps: int = 2,
+                 judge: SwapJudge | None = None):
         super().__init__(layers)
         self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
+        self.judge = judge
         self._rows: np.ndarray | None = None  # rebalance's swap rows (slot, evicted, loaded)
+        self._shadow_rows: np.ndarray | None = None  # the same for the swaps a paused judge watches
         self._turn = 0  # under a limit, the layer that goes first (layers take turns)
 
     def wanted(self, layer: int) -> np.ndarray:
@@ -207,8 +214,14 @@ class AdaptivePlacement(PlacementPolicy):
         return (slots.slot_of >= 0) & (scores >= bar) & (scores > 0)
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
-        # = scores *= decay; np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call
-        _observe(self.scores[layer], expert_ids.reshape(-1), self.decay, True)
+        # = scores *= decay; np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call, which also
+        # counts the net hits on the experts the judge watches
+        judge = self.judge
+        if judge is None:
+            _observe(self.scores[layer], expert_ids.reshape(-1), self.decay, True, self._unwatched[layer])
+        else:
+            judge.step_net += _observe(self.scores[layer], expert_ids.reshape(-1), self.decay, True,
+                                       judge.watch[layer])
 
     def rebalance(self, limit: int | None = None) -> list[Swap]:
         """Per layer with slots: fill empty slots with the best positive-scored cold experts, up to the wanted
@@ -216,8 +229,11 @@ class AdaptivePlacement(PlacementPolicy):
         max_swaps best cold experts (highest score first, lowest id on ties) and, in that order, swap each in for
         the weakest resident (first in slot order on ties) while it scores more than margin times that one's
         score. One compiled call per layer (_rebalance). Under a `limit` (swaps in all, SwapAllowance), the
-        layers take turns to go first, one further at every call, so none waits on the others for ever."""
-        swaps = []
+        layers take turns to go first, one further at every call, so none waits on the others for ever. While the
+        judge finds that swaps do not pay, only empty slots are filled; the swaps that would have been made are
+        handed to the judge all the same, so that it sees when they would pay again."""
+        swaps, watched = [], []
+        paused = self.judge is not None and self.judge.paused
         rows = self._rows
         count = len(self.layers)
         first = 0
@@ -234,12 +250,29 @@ class AdaptivePlacement(PlacementPolicy):
                 continue
             if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
                 rows = self._rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
-            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin, self.max_swaps, left,
-                           self.wanted_slots(index), rows)
-            if n:
-                for slot, evicted, loaded in rows[:n].tolist():
-                    swaps.append(Swap(index, slot, evicted if evicted >= 0 else None, loaded))
+            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin,
+                           0 if paused else self.max_swaps, left, self.wanted_slots(index), rows)
+            swaps += _swaps(index, rows[:n])
+            if paused:
+                watched += self._shadow_swaps(index)
+        if self.judge is not None:
+            self.judge.safe_point(watched if paused else swaps)
         return swaps
+
+    def _shadow_swaps(self, index: int) -> list[Swap]:
+        """The swaps rebalance would make in layer `index`, worked out on copies of its slots (nothing moves)."""
+        layer = self.layers[index]
+        rows = self._shadow_rows
+        if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
+            rows = self._shadow_rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
+        n = _rebalance(self.scores[index], layer.slot_of.copy(), layer.expert_in.copy(), self.margin, self.max_swaps,
+                       -1, self.wanted_slots(index), rows)
+        return _swaps(index, rows[:n])
+
+
+def _swaps(layer: int, rows: np.ndarray) -> list[Swap]:
+    """_rebalance's rows (slot, evicted or -1, loaded) as Swaps of `layer`."""
+    return [Swap(layer, slot, evicted if evicted >= 0 else None, loaded) for slot, evicted, loaded in rows.tolist()]
 
 
 # --- compiled bookkeeping (issue #4) --------------------------------------------------------------------------
@@ -251,15 +284,19 @@ class AdaptivePlacement(PlacementPolicy):
 # straightforward NumPy implementation (the reference kept in the methods' docstrings' terms) on random traces.
 
 @njit(cache=True, nogil=True)
-def _observe(scores, ids, decay, decaying):
-    """scores *= decay (when decaying); then scores[e] += 1.0 for every id e >= 0, in order (np.add.at)."""
+def _observe(scores, ids, decay, decaying, watch):
+    """scores *= decay (when decaying); then scores[e] += 1.0 for every id e >= 0, in order (np.add.at). Returns
+    the sum of watch[e] over those ids (SwapJudge's net hits)."""
     if decaying:
         for e in range(scores.size):
             scores[e] *= decay
+    net = 0.0
     for i in range(ids.size):
         e = ids[i]
         if e >= 0:
             scores[e] += 1.0
+            net += watch[e]
+    return net
 
 
 @njit(cache=True, nogil=True)
@@ -392,7 +429,7 @@ def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray
     if name == "static":
         return StaticPlacement(layers, popularity)
     if name == "adaptive":
-        policy = AdaptivePlacement(layers)
+        policy = AdaptivePlacement(layers, judge=SwapJudge([layer.num_experts for layer in layers]))
         if popularity is not None:
             for index, counts in enumerate(popularity):
                 policy.scores[index] = np.asarray(counts, dtype=np.float64) / max(1.0, float(np.max(counts)))
