@@ -221,14 +221,26 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
             if defaults is None:
                 defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
             set_switches(model, {**defaults, **variant_switches[name]})
+            warm = max(warmup, first_trial_steps(model))
             if trace:
-                rate = traced_decode(model, prompt, tokens, warmup, seed=100 + r)
+                rate = traced_decode(model, prompt, tokens, warm, seed=100 + r)
             else:
-                rate, _rows = decode(model, prompt, tokens, warmup=warmup)
+                rate, _rows = decode(model, prompt, tokens, warmup=warm)
             rates[name].append(rate)
             if details is not None:
                 details[name].append(engine_figures(model))
     return rates
+
+
+def first_trial_steps(model: LoadedModel) -> int:
+    """Decode steps until the decode path's first trial after a reconfiguration has ended, where trials choose the
+    path (decode path auto with a host tier; 0 elsewhere). A variant timed before then is timed on whichever path
+    the trial measures at that moment (the thirty-third session's placement A/B timed mostly the CPU path so)."""
+    engine = model.offload
+    if engine is None or not engine.path_trials_run():
+        return 0
+    trials = engine.path_trials
+    return trials.first + trials.window + len(trials.ways) * (trials.settle + trials.window)
 
 
 def summary(rates: dict[str, list[float]]) -> dict:

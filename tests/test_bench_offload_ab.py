@@ -54,11 +54,17 @@ class _Engine:
         self.reconfigure(None)
 
     def reconfigure(self, config, layer_split=None, decode_path=None):
+        from engine.offload.decode_path import DecodePathTrials
+
         self.reconfigured.append(config)
         self.split, self.path = layer_split, decode_path
+        self.path_trials = DecodePathTrials()  # started again, as a re-plan does
         shared = type("Group", (), {"gpu": _Kernel()})()
         self.stores = [type("Slots", (), {"gpu": _Kernel()})(), None, type("Sim", (), {})()]
         self.streaming = type("Plan", (), {"by_layer": [shared, None, shared]})()
+
+    def path_trials_run(self):
+        return self.path == "auto"  # (the real engine: and a host tier, cpu_execution auto)
 
 
 def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatch):
@@ -71,6 +77,7 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
     seen = []
 
     def fake_decode(model, prompt, tokens, warmup=4):
+        assert warmup == 32  # the default warm-up: no trial to wait for, the paths are given
         kernels = ab.gpu_kernels(model)
         assert len(kernels) == 2  # the node's and the shared streaming slots', once
         assert ab.cpu_kernels(model) == [cpu]
@@ -199,3 +206,21 @@ def test_each_rounds_engine_figures_are_those_of_the_timed_decode(tmp_path, monk
     assert totals.hits + totals.misses == 3 * SPEC.layers * SPEC.top_k  # three timed tokens, every layer's top-k
     assert all(0.0 < r["hit_rate"] < 1.0 and r["whole_layers"] is False for r in details["A"] + details["B"])
     assert all(r["miss_slots"] == 0 for r in details["B"])  # static placement leaves no slot to copies
+
+
+def test_a_variant_under_trials_is_timed_after_the_first_trial_has_chosen_its_path(monkeypatch):
+    """Decode path auto: each reconfiguration starts the trials again, and the warm-up covers the first one (16 steps,
+    then 12 with the tier and 4 + 12 with each of the CPU path, both and the tier again), so that the timed steps
+    run on the path the trial chose, not on the one it measures at that moment."""
+    import benchmarks.bench_offload_ab as ab
+
+    model = type("Model", (), {"offload": _Engine(), "decoder": type("Decoder", (), {"steps": []})()})()
+    warmups = []
+
+    def fake_decode(model, prompt, tokens, warmup=4):
+        warmups.append((model.offload.path, warmup))
+        return 100.0, []
+
+    monkeypatch.setattr(ab, "decode", fake_decode)
+    ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 2, [1], 4, warmup=32, paths={"A": "auto", "B": "both"})
+    assert warmups == [("auto", 16 + 12 + 3 * (4 + 12)), ("both", 32), ("both", 32), ("auto", 76)]

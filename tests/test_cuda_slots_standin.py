@@ -582,7 +582,7 @@ def test_cpu_execution_decides_the_decode_path_without_trials(model_folder, cpu_
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="auto", cpu_execution=cpu_execution)
     engine = model.offload
     assert engine.host_tier is made and engine.decode_path_in_force == in_force
-    assert not engine._path_trials_run()
+    assert not engine.path_trials_run()
     engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert (engine.stats.totals().misses_read > 0) is made

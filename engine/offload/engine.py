@@ -207,7 +207,7 @@ class OffloadEngine:
             return self.decode_path_mode
         return self.path_trials.choice
 
-    def _path_trials_run(self) -> bool:
+    def path_trials_run(self) -> bool:
         """The decode path is chosen by trials: cpu_execution=auto, decode path auto, a host tier made."""
         return self._host_tier and self.decode_path_mode == "auto" and self.config.cpu_execution == "auto"
 
@@ -439,7 +439,7 @@ class OffloadEngine:
         self.copy_reuse.end_step()
         if self.device is not None:
             trial_s = self._trial_seconds(step_s)
-            if trial_s is not None and self._path_trials_run() and not self.split_trials.measuring:
+            if trial_s is not None and self.path_trials_run() and not self.split_trials.measuring:
                 if self.path_trials.step(trial_s, tokens) is not None:
                     self._switch_path()
                     return
