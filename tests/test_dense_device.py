@@ -512,6 +512,33 @@ def cuda_model(folder, mem_limit: int = 0, taken: int = 0, offload: OffloadConfi
     return LoadedModel.open(folder, offload=offload, device=device)
 
 
+def offloaded_on_cuda(tmp_path, spec: WriterSpec, fraction: float) -> tuple[LoadedModel, LoadedModel]:
+    """`spec`'s model written, opened on the CPU and with its dense part and `fraction` of its experts on CUDA device
+    0 (the dense part checked to be there)."""
+    from engine.offload.planner import all_resident_bytes
+
+    folder = write_model(tmp_path / "fp16", spec)
+    cpu = LoadedModel.open(folder)
+    budget = int(fraction * all_resident_bytes(cpu.folder.experts))
+    gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
+    assert gpu.dense_device == "cuda", gpu.dense_reason
+    return cpu, gpu
+
+
+def decode_alongside(gpu: LoadedModel, cpu: LoadedModel, spec: WriterSpec, seed: int) -> list[float]:
+    """A random prompt of PROMPT_TOKENS, then DECODE_STEPS steps, each model fed the CPU model's greedy token (steps
+    stay aligned past a near-tie): the relative error of the prompt's last row, then of each decode step."""
+    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(10, spec.vocab_size, PROMPT_TOKENS)]
+    ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
+    errors = [relative_error(ours[-1:], ref[-1:])]
+    for _ in range(DECODE_STEPS):
+        token = int(ref[-1].argmax())
+        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
+        errors.append(relative_error(ours, ref))
+    return errors
+
+
 @pytest.mark.gpu
 @needs_cuda_ep
 @pytest.mark.parametrize("name", FIXTURES)
@@ -580,14 +607,9 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
     import cupy
 
     from engine.offload.cuda_device import CudaSlots
-    from engine.offload.planner import all_resident_bytes
 
     spec = FP16_MODELS["fp16-sliding"]
-    folder = write_model(tmp_path / "fp16", spec)
-    cpu = LoadedModel.open(folder)
-    budget = int(fraction * all_resident_bytes(cpu.folder.experts))
-    gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
-    assert gpu.dense_device == "cuda", gpu.dense_reason
+    cpu, gpu = offloaded_on_cuda(tmp_path, spec, fraction)
     assert "without a round trip to the host" in gpu.dense_statement
     routed, fetched, merged = [], [], []
     real_launch, real_to_host, real_merge = CudaSlots.launch_routed, CudaSlots.to_host, CudaSlots.merge_on_device
@@ -608,17 +630,10 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
     monkeypatch.setattr(CudaSlots, "launch_routed", launch_spy)
     monkeypatch.setattr(CudaSlots, "to_host", to_host_spy)
     monkeypatch.setattr(CudaSlots, "merge_on_device", merge_spy)
-    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
-    prompt = [int(t) for t in np.random.default_rng(9).integers(10, spec.vocab_size, PROMPT_TOKENS)]
-    ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
     # The prompt's last row, which generation continues from. With this prompt, onnxruntime's CPU and CUDA runs of
     # the dense part disagree on rows 70 and 130-145 of 250 (up to 0.26 relative; H200, onnxruntime-gpu 1.31.1),
     # with the cut tensors on the host as well: the dense part's attention (sliding-window layers), not this path.
-    errors = [relative_error(ours[-1:], ref[-1:])]
-    for _ in range(DECODE_STEPS):
-        token = int(ref[-1].argmax())
-        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
-        errors.append(relative_error(ours, ref))
+    errors = decode_alongside(gpu, cpu, spec, seed=9)
     assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
     calls = spec.layers * (1 + DECODE_STEPS)
     totals = gpu.offload.stats.totals()
@@ -642,14 +657,9 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
     stop event and the gated merge inside the launch's graph, from the third step straight to that graph) while the
     CPU computes its share; logits as the CPU model's, every merge through the gate, none given up."""
     from engine.offload.cuda_device import CudaSlots
-    from engine.offload.planner import all_resident_bytes
 
     spec = FP16_MODELS["fp16"]
-    folder = write_model(tmp_path / "fp16", spec)
-    cpu = LoadedModel.open(folder)
-    budget = int(fraction * all_resident_bytes(cpu.folder.experts))
-    gpu = cuda_model(folder, offload=OffloadConfig(device_expert_bytes=budget))
-    assert gpu.dense_device == "cuda", gpu.dense_reason
+    cpu, gpu = offloaded_on_cuda(tmp_path, spec, fraction)
     gpu.offload.set_decode_path("both")
     gpu.offload.cold_split_table = lambda layer: np.array([0, 1, 1])  # a share for the CPU whatever the rates (k 2)
     launches = []
@@ -660,14 +670,7 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
         return real_launch(self, x, logits, router_weights, cpu_take)
 
     monkeypatch.setattr(CudaSlots, "launch_split", launch_spy)
-    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
-    prompt = [int(t) for t in np.random.default_rng(13).integers(10, spec.vocab_size, PROMPT_TOKENS)]
-    ours, ref = gpu.decoder.forward(gpu_state, prompt), cpu.decoder.forward(cpu_state, prompt)
-    errors = [relative_error(ours[-1:], ref[-1:])]
-    for _ in range(DECODE_STEPS):
-        token = int(ref[-1].argmax())
-        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
-        errors.append(relative_error(ours, ref))
+    errors = decode_alongside(gpu, cpu, spec, seed=13)
     assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
     assert len(launches) == spec.layers * DECODE_STEPS
     totals = gpu.offload.stats.totals()

@@ -430,6 +430,19 @@ def test_gpu_route_split_shares_cold_pairs_with_the_host(gpu, T, dtype):
     assert max(shares) > 10 * tol  # the CPU's pairs weighed enough for that to show
 
 
+def _give_the_cpus_part(m, published, logits, x, spec, t, table, stream) -> np.ndarray:
+    """What the engine's host does once a split launch's routing is published: the CPU's pairs (the reference's)
+    written into the published part, the gate raised; waits for the stream and returns the whole layer's reference."""
+    from kernels.cold_split import split_cold_pairs
+
+    ids, w = ref_route(logits, spec)
+    on_cpu = split_cold_pairs(m.slot_of[ids] < 0, table)
+    published.part[:] = _ref_pairs(x, np.where(on_cpu, ids, -1), published.w, spec, t)
+    published.open_gate()
+    stream.synchronize()
+    return _ref_pairs(x, ids, w, spec, t)
+
+
 @pytest.mark.parametrize("out_dtype", [np.float16, np.float32])
 def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
     """merge_gated, queued behind run_routed_split before the host has the CPU's part: it waits on the device for the
@@ -437,7 +450,6 @@ def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
     merge waits for its own launch's number). A gate left down: after the timeout the GPU's part alone (the host's
     stale part left out), and the launch's number in gate_failed()."""
     cp, GpuQMoE = gpu
-    from kernels.cold_split import split_cold_pairs
     from kernels.gpu.published import PublishedRouting
 
     T = 3
@@ -462,12 +474,7 @@ def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
             m.run_routed_split(x_dev, lg_dev, out32, published)
             m.merge_gated(published, out32, out)  # queued before the CPU's part exists
             published.wait(stream)
-            ids, w = ref_route(logits, spec)
-            on_cpu = split_cold_pairs(m.slot_of[ids] < 0, table)
-            published.part[:] = _ref_pairs(x, np.where(on_cpu, ids, -1), published.w, spec, t)
-            published.open_gate()
-            stream.synchronize()
-            whole = _ref_pairs(x, ids, w, spec, t)
+            whole = _give_the_cpus_part(m, published, logits, x, spec, t, table, stream)
             assert _relerr(cp.asnumpy(out).astype(np.float32), whole) <= tol + (1e-3 if out_dtype == np.float16 else 0)
         assert published.gate_failed() == 0
         lg_dev.set(lg, stream=stream)
@@ -487,7 +494,6 @@ def test_gpu_route_split_records_its_stop_and_queues_the_gated_merge_in_its_grap
     the record and the merge after the graph, every call through the checks. The start-to-stop time is the
     launch's, not the wait for the gate."""
     cp, GpuQMoE = gpu
-    from kernels.cold_split import split_cold_pairs
     from kernels.gpu.driver_calls import DriverCalls
     from kernels.gpu.published import PublishedRouting
 
@@ -520,12 +526,7 @@ def test_gpu_route_split_records_its_stop_and_queues_the_gated_merge_in_its_grap
                 assert time.perf_counter() - waited < 2.0, f"step {step}: stop not recorded before the gated merge"
             launch_ms = cp.cuda.get_elapsed_time(start, stop)
             assert 0.0 < launch_ms < 1000.0
-            ids, w = ref_route(logits, spec)
-            on_cpu = split_cold_pairs(m.slot_of[ids] < 0, table)
-            published.part[:] = _ref_pairs(x, np.where(on_cpu, ids, -1), published.w, spec, t)
-            published.open_gate()
-            stream.synchronize()
-            whole = _ref_pairs(x, ids, w, spec, t)
+            whole = _give_the_cpus_part(m, published, logits, x, spec, t, table, stream)
             assert _relerr(cp.asnumpy(merged).astype(np.float32), whole) <= tol, f"step {step}"
         assert published.gate_failed() == 0
     assert m.split_fast_calls == (2 if fast_split and DriverCalls.from_driver().records_in_graphs else 0)

@@ -12,6 +12,15 @@ from engine.offload.swap_judge import SwapJudge
 from engine.offload.traces import realistic_trace, replay, uniform_trace
 
 
+def _judged(judges: list):
+    """make_policy's adaptive placement (judged), its judge appended to `judges`: for traces.replay."""
+    def make(layers):
+        policy = make_policy("adaptive", layers)
+        judges.append(policy.judge)
+        return policy
+    return make
+
+
 def test_net_hits_are_the_loaded_experts_hits_less_the_evicted_ones_within_the_window():
     layers = [LayerSlots(8, 2), LayerSlots(8, 2)]
     judge = SwapJudge([8, 8], window=3, evidence=0.0)
@@ -41,13 +50,7 @@ def test_under_uniform_routing_adaptive_placement_stops_swapping_at_no_cost_in_h
     Judged, placement makes no swaps after its first steps, and hits as many pairs as a policy that never moves."""
     trace = uniform_trace(600, 4, experts, k, seed=3)
     judges = []
-
-    def judged(layers):
-        policy = make_policy("adaptive", layers)
-        judges.append(policy.judge)
-        return policy
-
-    hit, swaps = replay(judged, trace, experts, slots, warmup=100)
+    hit, swaps = replay(_judged(judges), trace, experts, slots, warmup=100)
     unjudged_hit, unjudged_swaps = replay(lambda layers: AdaptivePlacement(layers), trace, experts, slots, warmup=100)
     static_hit, _ = replay(lambda layers: make_policy("static", layers), trace, experts, slots, warmup=100)
     assert judges[0].paused and abs(judges[0].net_hits_per_swap) < 0.5
@@ -61,14 +64,8 @@ def test_with_recency_every_swap_is_still_made(experts, k, slots):
     placement makes the very swaps it makes unjudged."""
     trace = realistic_trace(800, 4, experts, k, seed=5)
     judges = []
-
-    def judged(layers):
-        policy = make_policy("adaptive", layers)
-        judges.append(policy.judge)
-        return policy
-
-    assert replay(judged, trace, experts, slots) == replay(lambda layers: AdaptivePlacement(layers), trace, experts,
-                                                            slots)
+    assert replay(_judged(judges), trace, experts, slots) == replay(lambda layers: AdaptivePlacement(layers), trace,
+                                                                    experts, slots)
     assert not judges[0].paused and judges[0].net_hits_per_swap > 1.5
 
 
