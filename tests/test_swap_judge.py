@@ -84,3 +84,22 @@ def test_swaps_resume_when_routing_turns_predictable():
         paused_at.append(policy.judge.paused)
     assert all(paused_at[100:300]) and sum(swaps_made[100:300]) == 0
     assert not any(paused_at[400:]) and sum(swaps_made[400:]) > 50
+
+
+def test_while_swaps_are_paused_a_miss_may_not_be_copied_over_a_resident():
+    """A copied miss that evicts a resident is a swap for one step: while the judge pauses swaps, spare slots are the
+    empty ones and those of earlier copies (as under static placement), not the weakest residents."""
+    layer = LayerSlots(16, 6)
+    policy = make_policy("adaptive", [layer])
+    for slot, expert in enumerate([0, 1, 2, 3, 4]):  # slot 5 left empty
+        layer.place(slot, expert)
+    policy.scores[0][:] = np.arange(16, 0, -1)  # experts 0..4 the best: 3 and 4 below the wanted slots' bar
+    policy.scores[0][[3, 4]] = 0.5
+    policy.observe(0, np.array([-1]))  # (decays the scores, routes nothing)
+    assert policy.spare_slots(0, np.array([], np.int64)).tolist() == [5, 3, 4]  # empty, then the weakest
+    policy.admit(0, 5, 9)
+    policy.judge.paused = True
+    assert policy.spare_slots(0, np.array([], np.int64)).tolist() == [5]  # the copy's slot only
+    assert policy.wanted(0).tolist() == [e in (0, 1, 2, 3, 4) for e in range(16)]
+    policy.judge.paused = False  # weakest first: 3 and 4, then the copy (expert 9, below the bar as well)
+    assert policy.spare_slots(0, np.array([], np.int64)).tolist() == [3, 4, 5]

@@ -9,7 +9,8 @@ few swaps per layer per safe point, so placement never thrashes.
 
 Between safe points, a decode step's miss policy (miss_policy.py) may copy a missed expert into a
 spare slot: an empty slot or one whose expert the placement does not want (static: anything it did
-not choose itself; adaptive: a resident scored below the wanted slots' worth of best scores). The policy is
+not choose itself; adaptive: a resident scored below the wanted slots' worth of best scores, or, while its swaps
+are paused for earning nothing (swap_judge.py), anything it did not choose itself, as static). The policy is
 told (admit), and keeps or evicts the expert at later safe points like any other.
 
 A layer's `miss_slots` (set by the engine under adaptive placement, from the miss policy's cost model:
@@ -118,9 +119,10 @@ class PlacementPolicy:
         whose expert the placement does not want, weakest first; never one holding an expert in
         `busy` (routed this step: the device may be reading it; negative ids, unrouted pairs, are ignored)."""
         slots = self.layers[layer]
-        if self._wanted_rule >= 0:
+        rule = self._spare_rule()
+        if rule >= 0:
             return _spare_slots(self.scores[layer], slots.slot_of, slots.expert_in, self.admitted[layer],
-                                busy.reshape(-1), self._wanted_rule, self.wanted_slots(layer))
+                                busy.reshape(-1), rule, self.wanted_slots(layer))
         occupant = slots.expert_in
         # per expert: may be evicted now (resident, not wanted, not routed this step); an empty slot's -1
         # reads the last expert's entry, and `occupied` masks it out
@@ -135,6 +137,10 @@ class PlacementPolicy:
         if spare.size > 1:
             spare = spare[np.argsort(self.scores[layer][occupant[spare]], kind="stable")]
         return np.concatenate([empty, spare]).astype(np.int64)
+
+    def _spare_rule(self) -> int:
+        """_spare_slots' rule for wanted(): 0 the base's, 1 adaptive's, -1 a subclass's own (NumPy)."""
+        return self._wanted_rule
 
     def admit(self, layer: int, slot: int, expert: int) -> int | None:
         """The miss policy copied `expert` into `slot`; returns the expert evicted from it."""
@@ -203,7 +209,10 @@ class AdaptivePlacement(PlacementPolicy):
         self._turn = 0  # under a limit, the layer that goes first (layers take turns)
 
     def wanted(self, layer: int) -> np.ndarray:
-        """Residents scored at least the wanted slot count's best score (ties count as wanted)."""
+        """Residents scored at least the wanted slot count's best score (ties count as wanted); while the judge has
+        paused the swaps, every resident the placement chose: a miss copied over one would be a swap, for a step."""
+        if self._moves_paused():
+            return super().wanted(layer)
         slots, scores = self.layers[layer], self.scores[layer]
         wanted = self.wanted_slots(layer)
         if wanted == 0:
@@ -212,6 +221,12 @@ class AdaptivePlacement(PlacementPolicy):
             return slots.slot_of >= 0
         bar = np.partition(scores, scores.size - wanted)[scores.size - wanted]
         return (slots.slot_of >= 0) & (scores >= bar) & (scores > 0)
+
+    def _moves_paused(self) -> bool:
+        return self.judge is not None and self.judge.paused
+
+    def _spare_rule(self) -> int:
+        return 0 if self._moves_paused() and self._wanted_rule == 1 else self._wanted_rule
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
         # = scores *= decay; np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call, which also
@@ -233,7 +248,7 @@ class AdaptivePlacement(PlacementPolicy):
         judge finds that swaps do not pay, only empty slots are filled; the swaps that would have been made are
         handed to the judge all the same, so that it sees when they would pay again."""
         swaps, watched = [], []
-        paused = self.judge is not None and self.judge.paused
+        paused = self._moves_paused()
         rows = self._rows
         count = len(self.layers)
         first = 0
