@@ -182,15 +182,24 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
 def engine_figures(model: LoadedModel) -> dict:
     """What the offload engine did in the decode just timed (its statistics are reset after the warm-up): the hit
     rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied,
-    placement's swaps, the most slots a layer left to copies, the layer split and the decode path in force (under
-    "both", the CPU's share and the host's measured work between layers: cold_split), so that a ratio can be read
-    against its causes."""
+    placement's swaps (and, under adaptive placement, whether its judge paused them: swap_judge.py), the most slots a
+    layer left to copies, the layer split and the decode path in force (under "both", the CPU's share and the host's
+    measured work between layers: cold_split), so that a ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
-            "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"]}
+            "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"],
+            "placement": state.get("placement")}
+
+
+def judge_words(placement: dict | None) -> str:
+    """' (paused: 0.05 hits a swap)' or ' (2.31 hits a swap)' where adaptive placement's judge has a figure; else ''."""
+    earned = (placement or {}).get("net_hits_per_swap")
+    if earned is None:
+        return ""
+    return f" ({'paused: ' if placement['swaps_paused'] else ''}{earned:.2f} hits a swap)"
 
 
 def split_words(cold_split: dict | None) -> str:
@@ -290,7 +299,7 @@ def main(argv=None) -> dict:
             last = details[name][-1]
             print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
-                  f"{last['swaps']}, miss slots {last['miss_slots']}, "
+                  f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}, decode path "
                   f"{last['decode_path']}{split_words(last['cold_split'])}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],

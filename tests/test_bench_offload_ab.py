@@ -206,6 +206,12 @@ def test_each_rounds_engine_figures_are_those_of_the_timed_decode(tmp_path, monk
     assert totals.hits + totals.misses == 3 * SPEC.layers * SPEC.top_k  # three timed tokens, every layer's top-k
     assert all(0.0 < r["hit_rate"] < 1.0 and r["whole_layers"] is False for r in details["A"] + details["B"])
     assert all(r["miss_slots"] == 0 for r in details["B"])  # static placement leaves no slot to copies
+    # adaptive placement's judge, as copy_state says it (static placement has none)
+    assert all(r["placement"] == model.offload.copy_state()["placement"] for r in details["A"][-1:])
+    assert all(r["placement"] is None for r in details["B"])
+    assert ab.judge_words({"swaps_paused": True, "net_hits_per_swap": 0.046}) == " (paused: 0.05 hits a swap)"
+    assert ab.judge_words({"swaps_paused": False, "net_hits_per_swap": 2.314}) == " (2.31 hits a swap)"
+    assert ab.judge_words({"swaps_paused": False, "net_hits_per_swap": None}) == ab.judge_words(None) == ""
 
 
 def test_a_variant_under_trials_is_timed_after_the_first_trial_has_chosen_its_path(monkeypatch):
