@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, take_copied
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, split_pairs, take_copied
 from engine.offload.stats import OffloadStats
 
 
@@ -54,6 +54,32 @@ def test_classify_pairs_equals_the_numpy_bookkeeping(seed):
         assert got[1].dtype == ids.dtype and got[0].dtype == bool
         np.testing.assert_array_equal(stats_new.expert_hits[0], stats_ref.expert_hits[0])
         np.testing.assert_array_equal(stats_new.expert_misses[0], stats_ref.expert_misses[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_pairs_equals_the_numpy_bookkeeping_of_a_both_step(seed):
+    """split_pairs against account_split's former NumPy expressions: residency, hits, the CPU's pairs and distinct
+    experts, the GPU side's distinct experts and those of them in a slot, the per-expert counts."""
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        experts = int(rng.choice([8, 32, 128]))
+        stats_ref, stats_new = fresh_stats(experts)
+        ids = random_step(rng, experts)
+        on_cpu = (rng.random(ids.shape) < rng.random()) & (ids >= 0)
+        slot_of = np.where(rng.random(experts) < rng.random(), 0, -1).astype(np.int32)
+        routed = ids >= 0
+        resident = (slot_of[ids] >= 0) & routed
+        stats_ref.count(0, ids, resident, routed)
+        on_gpu = np.unique(ids[~on_cpu & routed])
+        got = split_pairs(ids, on_cpu, slot_of, stats_new.pair_counts(0), True)
+        np.testing.assert_array_equal(got[0], resident)
+        assert got[1:3] == (int(resident.sum()), int(on_cpu.sum()))
+        assert got[3].dtype == np.int64 and got[3].tolist() == np.unique(ids[on_cpu]).tolist()
+        assert got[4:] == (on_gpu.size, int((slot_of[on_gpu] >= 0).sum()))
+        np.testing.assert_array_equal(stats_new.pair_counts(0), stats_ref.pair_counts(0))
+    untouched = np.zeros(16, np.int64)
+    split_pairs(np.array([[1, 2]], np.int32), np.array([[True, False]]), np.full(8, -1, np.int32), untouched, False)
+    assert not untouched.any()
 
 
 def test_classify_pairs_counts_nothing_when_told_not_to():

@@ -12,7 +12,7 @@ from engine.offload.approximate import approximate_routing
 from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
-from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, take_copied
+from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, split_pairs, take_copied
 from kernels.cpu.routing import route
 from kernels.gpu.qmoe import GpuQMoE, routes_on_device
 
@@ -265,10 +265,13 @@ class HybridExpertNode:
         reads), the step's device time on the critical path beside the CPU's."""
         engine, layer = self.engine, self.layer
         store, bandwidths = engine.stores[layer], engine.device.bandwidths
-        slot_of, stats = engine.slots[layer].slot_of, engine.stats.layers[layer]
-        resident = slot_of[ids] >= 0
-        engine.stats.count(layer, ids, resident)
-        hits, cpu_pairs = int(np.count_nonzero(resident)), int(np.count_nonzero(on_cpu))
+        stats = engine.stats.layers[layer]
+        counts = engine.stats.pair_counts(layer)
+        # the step's pairs sorted and counted in one compiled pass (NumPy's calls cost µs each; this runs per layer)
+        resident, hits, cpu_pairs, cpu_experts, on_gpu, held = split_pairs(
+            ids, on_cpu, engine.slots[layer].slot_of, NO_COUNTS if counts is None else counts, counts is not None)
+        if counts is None:
+            engine.stats.count(layer, ids, resident)
         stats.hits += hits
         stats.misses += ids.size - hits
         stats.misses_read += ids.size - hits - cpu_pairs
@@ -277,16 +280,12 @@ class HybridExpertNode:
         engine.copy_reuse.hit(layer, ids, resident)
         engine.stats.split(layer, cpu_pairs, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))
-        # a decode step's few pairs: distinct experts as Python sets (np.unique costs µs a call; this runs per layer)
         if cpu_pairs:
-            cpu_experts = sorted(set(ids[on_cpu].tolist()))
-            engine.cpu_rate.observe(len(cpu_experts) * self.info.bytes_per_expert, cpu_s)
+            engine.cpu_rate.observe(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
             if engine.host_cache.budget is not None:
-                engine.host_cache.touch(layer, cpu_experts)
-        on_gpu = set(ids[~on_cpu].tolist())
-        held = sum(1 for expert in on_gpu if slot_of[expert] >= 0)
-        if len(on_gpu) > held:
-            engine.tier_read.observe((len(on_gpu) - held) * store.read_bytes,
+                engine.host_cache.touch(layer, cpu_experts.tolist())
+        if on_gpu > held:
+            engine.tier_read.observe((on_gpu - held) * store.read_bytes,
                                      device_s - held * store.read_bytes / bandwidths.hbm)
         self._account_time(stats, ids.shape[0], cpu_s, device_s, True, 0, 0.0, (), standin)
 

@@ -66,6 +66,56 @@ def classify_pairs(ids, slot_of, counts, count):
 
 
 @njit(cache=True, nogil=True)
+def split_pairs(ids, on_cpu, slot_of, counts, count):
+    """A "both" step's pairs (HybridExpertNode.account_split): ids [T, k] (-1: unrouted), on_cpu bool [T, k] (the
+    pairs the CPU computed), slot_of [E]. Returns
+
+        resident        bool [T, k]: routed to an expert in a slot
+        hits            resident pairs
+        cpu_pairs       routed pairs the CPU computed
+        cpu_experts     int64, the distinct experts of those pairs, ascending
+        gpu_experts     distinct experts of the other routed pairs
+        gpu_held        those of them in a slot
+
+    and, when `count`, adds each routed pair to counts [hits per expert | misses per expert] (OffloadStats.count)."""
+    E = slot_of.size
+    resident = np.zeros(ids.shape, np.bool_)
+    side = np.zeros(E, np.int8)  # per expert: 1 the CPU computed a pair of it, 2 the GPU did, 3 both
+    hits = cpu_pairs = 0
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            expert = ids[t, j]
+            if expert < 0:
+                continue
+            held = slot_of[expert] >= 0
+            if held:
+                resident[t, j] = True
+                hits += 1
+            if count:
+                counts[expert if held else E + expert] += 1
+            if on_cpu[t, j]:
+                cpu_pairs += 1
+                side[expert] |= 1
+            else:
+                side[expert] |= 2
+    distinct = gpu_experts = gpu_held = 0
+    for expert in range(E):
+        if side[expert] & 1:
+            distinct += 1
+        if side[expert] & 2:
+            gpu_experts += 1
+            if slot_of[expert] >= 0:
+                gpu_held += 1
+    cpu_experts = np.empty(distinct, np.int64)
+    n = 0
+    for expert in range(E):
+        if side[expert] & 1:
+            cpu_experts[n] = expert
+            n += 1
+    return resident, hits, cpu_pairs, cpu_experts, gpu_experts, gpu_held
+
+
+@njit(cache=True, nogil=True)
 def take_copied(ids, cold, copied):
     """The pairs of `cold` routed to one of the `copied` experts (a decode step's few) go to the device with the
     resident ones. Returns (the device's ids: ids where resident or copied, else -1; cold without those pairs; the
