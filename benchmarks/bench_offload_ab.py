@@ -246,10 +246,7 @@ def first_trial_steps(model: LoadedModel) -> int:
     path (decode path auto with a host tier; 0 elsewhere). A variant timed before then is timed on whichever path
     the trial measures at that moment (the thirty-third session's placement A/B timed mostly the CPU path so)."""
     engine = model.offload
-    if engine is None or not engine.path_trials_run():
-        return 0
-    trials = engine.path_trials
-    return trials.first + trials.window + len(trials.ways) * (trials.settle + trials.window)
+    return engine.path_trials.first_trial_steps if engine is not None and engine.path_trials_run() else 0
 
 
 def summary(rates: dict[str, list[float]]) -> dict:

@@ -35,6 +35,12 @@ class AbaTrials:
         self._before = preferred              # the way in force when the current trial began
 
     @property
+    def first_trial_steps(self) -> int:
+        """Decode steps from a fresh start to the end of the first trial: the first wait, the way in force's window,
+        then each way's settling and window (the way in force again last)."""
+        return self.first + self.window + len(self.ways) * (self.settle + self.window)
+
+    @property
     def measuring(self) -> bool:
         """A trial is under way (its switches and windows are not to be disturbed)."""
         return bool(self._queue)

@@ -804,8 +804,8 @@ class GpuQMoE:
 
         calls = DriverCalls.from_driver()
         tail_inside = self.fast_split and calls is not None and calls.records_in_graphs
-        if merged is not None and published.part.size != out32.size:
-            raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {out32.size}")
+        if merged is not None:
+            _check_part(published, out32.size)
         pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, lg, rw, out32, published.dev_ids, merged))
         tail = (0 if stop is None else stop.ptr, timeout_s, tail_inside)
         graph = self._replayed(("split", *pointers, *tail, x_code, ldt, rwdt, T), T, launch)
@@ -852,8 +852,7 @@ class GpuQMoE:
         [T, H] on the device, ``out`` float16 / float32; one launch (prepared once, as merge_sum's), capturable in a
         CUDA graph."""
         n = a.size
-        if published.part.size != n:
-            raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {n}")
+        _check_part(published, n)
         key = ("merge_gated", published.device_ptr, published.seq.data.ptr, a.data.ptr, out.data.ptr, n,
                out.dtype.char, int(timeout_s * 1e9))
         self._launch_merge(self._f("merge_gated"), key, n, self._merge_gated_args(published, a, out, timeout_s))
@@ -1219,6 +1218,12 @@ class GpuQMoE:
 
 
 _EAGER = object()  # GpuQMoE._graphs: a launch that could not be captured runs eagerly
+
+
+def _check_part(published, n: int) -> None:
+    """merge_gated's CPU part (published.part) must hold the GPU's n values; else a ValueError saying both."""
+    if published.part.size != n:
+        raise ValueError(f"merge_gated: the CPU's part holds {published.part.size} values, the GPU's {n}")
 
 
 def _reads_in_place(device_array, given) -> bool:
