@@ -414,7 +414,7 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     (OffloadEngine.cold_split_table) from its slots and the host tier; the CPU computes that share, and the sum, made
     on the device, is the all-CPU run's. Each layer's step orders the streams as a routed launch does, with the CPU's
     part merged before the dense part's stream goes on: by the merge queued at the launch, which waits for the host's
-    gate (gated), or by one queued after the CPU's part."""
+    gate (gated, from a layer's second launch), or by one queued after the CPU's part."""
     monkeypatch.setattr(FakeGpuQMoE, "gated_merge", gated)
     model, cp = open_on_standin(model_folder, fraction, monkeypatch)
     engine = model.offload
@@ -427,7 +427,8 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     assert table[-1] > 0  # the stand-in's rates give the CPU a share
     steps, totals = decode_on_device(model, cpu_run, "split_launches")
     merges = [(getattr(store.gpu, "gated_merges", 0), getattr(store.gpu, "merge_sums", 0)) for store in engine.stores]
-    assert merges == [(steps, 0) if gated else (0, steps)] * SPEC.layers
+    # (a layer's first launch merges after the CPU's part: its host may compile for longer than the gate waits)
+    assert merges == [(steps - 1, 1) if gated else (0, steps)] * SPEC.layers
     assert totals.misses_cpu > 0 and totals.misses_read > 0 and engine.stats.phases["decode"].cpu_s > 0
     assert totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))

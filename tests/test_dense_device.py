@@ -654,8 +654,9 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
 def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_path, fraction):
     """Decode path "both" as the benchmarks run it: the dense part on the GPU, so every decode layer goes through
     CudaSlots.launch_split (routing published to the host, the GPU's share from the slots and the host tier, the
-    stop event and the gated merge inside the launch's graph, from the third step straight to that graph) while the
-    CPU computes its share; logits as the CPU model's, every merge through the gate, none given up."""
+    stop event and the gated merge inside the launch's graph, from the fourth step straight to that graph) while the
+    CPU computes its share; logits as the CPU model's, every merge after a layer's first through the gate (the first
+    may compile on the host for longer than the gate waits), none given up."""
     from engine.offload.cuda_device import CudaSlots
 
     spec = FP16_MODELS["fp16"]

@@ -584,14 +584,17 @@ class CudaSlots:
             self._order_after_loads()
             x2d, logits, weights = self._routed_views(x, logits, router_weights, tokens)
             split = self._split
-            if split is None or split.key != SplitBuffers.key_of(tokens, x.dtype):
+            fresh = split is None or split.key != SplitBuffers.key_of(tokens, x.dtype)
+            if fresh:
                 split = self._split = SplitBuffers(cp, tokens, spec.hidden_size, spec.k, x.dtype)
                 split.sum_buffers = self._merges.take(tokens, x.dtype)  # the same key: taken once, not at each launch
             split.published.set_cpu_take(cpu_take, compute)
             split.start.record(compute)
             # the gated merge, queued now (in the launch's graph), goes on as soon as the host raises the gate
-            # (merge_split); `stop` marks the GPU's part done, before the merge
-            split.merge = split.sum_buffers if self.gpu.gated_merge else None
+            # (merge_split); `stop` marks the GPU's part done, before the merge. Not at new buffers' first launch:
+            # the host's first step of a shape compiles (Numba: the CPU kernel, the accounts), for longer than the
+            # merge waits, and the GPU would spin that long before merge_split made the merge again.
+            split.merge = split.sum_buffers if self.gpu.gated_merge and not fresh else None
             self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights, stop=split.stop,
                                       merged=None if split.merge is None else split.merge.sum,
                                       timeout_s=GATE_TIMEOUT_S)
