@@ -377,6 +377,7 @@ def main() -> None:
             {"name": f"decode tokens/s, {label}", "unit": "tokens/s",
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
              "hit_rate": h, "dense_s_per_token": dense_per_token, "dense_reference_s_per_token": dense_ref,
+             "step_ms": [row["step"] * 1e3 for row in step_rows],  # the last repeat's timed steps, in order
              "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "misses_read": stats.misses_read, "decode_path": path,
@@ -431,6 +432,9 @@ def main() -> None:
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
+        steps_ms = sorted(row["step"] * 1e3 for row in step_rows)  # a mean above the median: a few slow steps
+        print(f"       timed steps ms: median {statistics.median(steps_ms):.2f}, mean {statistics.mean(steps_ms):.2f}, "
+              f"slowest {', '.join(f'{ms:.1f}' for ms in steps_ms[-3:])}", flush=True)
         for row in attribution:
             print(f"       cProfile own {row['own_us']:7.1f} µs/layer ({row['calls_per_layer_step']:5.2f} calls) "
                   f"{row['function']}", flush=True)
