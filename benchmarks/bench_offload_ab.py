@@ -37,13 +37,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_offload import SHAPES, decode, traced_decode  # noqa: E402
+from benchmarks.bench_offload import SHAPES, decode, path_text, traced_decode  # noqa: E402
 from benchmarks.common import model_folder, write_result  # noqa: E402
 from engine import dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
-from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path, measured_words  # noqa: E402
+from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
@@ -191,7 +191,7 @@ def engine_figures(model: LoadedModel) -> dict:
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
             "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"],
-            "path_trial_ms": state["decode_path"]["measured_ms"], "placement": state.get("placement")}
+            "path": state["decode_path"], "placement": state.get("placement")}
 
 
 def judge_words(placement: dict | None) -> str:
@@ -200,12 +200,6 @@ def judge_words(placement: dict | None) -> str:
     if earned is None:
         return ""
     return f" ({'paused: ' if placement['swaps_paused'] else ''}{earned:.2f} hits a swap)"
-
-
-def trial_words(measured_ms: dict[str, float]) -> str:
-    """' (trial: 16.5 ms read by the GPU, 17.1 ms on the CPU, 10.0 ms both)' where the decode path's last trial
-    measured; else ''."""
-    return f" (trial: {measured_words(measured_ms)})" if measured_ms else ""
 
 
 def split_words(cold_split: dict | None) -> str:
@@ -303,9 +297,8 @@ def main(argv=None) -> dict:
             print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
                   f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
-                  f"{'whole layers' if last['whole_layers'] else 'spread'}, decode path "
-                  f"{last['decode_path']}{trial_words(last['path_trial_ms'])}{split_words(last['cold_split'])}",
-                  flush=True)
+                  f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
+                  f"{split_words(last['cold_split'])}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})
