@@ -19,6 +19,7 @@ the pinned staging ring's size and high-water mark.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import threading
@@ -82,16 +83,37 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) 
     profile.update(steps=0, dense_s=0.0, experts_s=0.0, total_s=0.0)
     meter.reset()
     rows, before, clock = [], meter.snapshot(), time.perf_counter
-    started = clock()
-    for _ in range(tokens):
-        step_started = clock()
-        logits = model.decoder.forward(state, [token])
-        meter.total["step"] += clock() - step_started
-        token = int(logits[-1].argmax())
-        now = meter.snapshot()
-        rows.append({k: now[k] - before[k] for k in now})
-        before = now
-    return tokens / (clock() - started), rows
+    collector = GcClock()
+    gc.callbacks.append(collector)
+    try:
+        started = clock()
+        for _ in range(tokens):
+            step_started, gc_before = clock(), collector.seconds
+            logits = model.decoder.forward(state, [token])
+            meter.total["step"] += clock() - step_started
+            token = int(logits[-1].argmax())
+            now = meter.snapshot()
+            rows.append({**{k: now[k] - before[k] for k in now}, "gc": collector.seconds - gc_before})
+            before = now
+        rate = tokens / (clock() - started)
+    finally:
+        gc.callbacks.remove(collector)
+    return rate, rows
+
+
+class GcClock:
+    """A gc.callbacks entry: the seconds Python's cyclic garbage collector has run since it was made (a collection
+    inside a decode step is one of the suspects for a slow step)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
 
 
 def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, seed: int) -> float:
@@ -378,6 +400,7 @@ def main() -> None:
              "reference": "bound: dense + (1-h)·W_act/(B_dram+B_pcie) + h·W_act/B_hbm", **decoded,
              "hit_rate": h, "dense_s_per_token": dense_per_token, "dense_reference_s_per_token": dense_ref,
              "step_ms": [row["step"] * 1e3 for row in step_rows],  # the last repeat's timed steps, in order
+             "step_gc_ms": [row["gc"] * 1e3 for row in step_rows],  # of which Python's garbage collector
              "host_probe_us": probe,
              "misses_cpu": stats.misses_cpu, "misses_copied": stats.misses_copied, "miss_copies": stats.miss_copies,
              "misses_read": stats.misses_read, "decode_path": path,
@@ -433,8 +456,10 @@ def main() -> None:
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)
         steps_ms = sorted(row["step"] * 1e3 for row in step_rows)  # a mean above the median: a few slow steps
+        slowest = [f"{row['step'] * 1e3:.1f} (gc {row['gc'] * 1e3:.1f})"
+                   for row in sorted(step_rows, key=lambda row: row["step"])[-3:]]
         print(f"       timed steps ms: median {statistics.median(steps_ms):.2f}, mean {statistics.mean(steps_ms):.2f}, "
-              f"slowest {', '.join(f'{ms:.1f}' for ms in steps_ms[-3:])}", flush=True)
+              f"slowest {', '.join(slowest)}", flush=True)
         for row in attribution:
             print(f"       cProfile own {row['own_us']:7.1f} µs/layer ({row['calls_per_layer_step']:5.2f} calls) "
                   f"{row['function']}", flush=True)
