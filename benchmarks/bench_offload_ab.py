@@ -184,14 +184,16 @@ def engine_figures(model: LoadedModel) -> dict:
     rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied,
     placement's swaps (and, under adaptive placement, whether its judge paused them: swap_judge.py), the most slots a
     layer left to copies, the layer split and the decode path in force (under "both", the CPU's share and the host's
-    measured work between layers: cold_split), so that a ratio can be read against its causes."""
+    measured work between layers: cold_split) and the CPU kernels' rate as the engine measured it (CpuRate: bytes a
+    second and a call's fixed seconds), so that a ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
             "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"],
-            "path": state["decode_path"], "placement": state.get("placement")}
+            "path": state["decode_path"], "placement": state.get("placement"),
+            "cpu_rate": engine.cpu_rate.value, "cpu_fixed_s": engine.cpu_rate.fixed_s}
 
 
 def judge_words(placement: dict | None) -> str:
@@ -208,6 +210,13 @@ def split_words(cold_split: dict | None) -> str:
         return ""
     host_us = cold_split["host_gap_s"] * 1e6
     return f", CPU takes {cold_split['cpu_takes']} of c cold, host {host_us:.0f} µs between layers"
+
+
+def cpu_rate_words(figures: dict) -> str:
+    """', CPU kernels 138 GB/s + 44 µs a call' where the engine measured its CPU kernels; else ''."""
+    if not figures.get("cpu_rate"):
+        return ""
+    return f", CPU kernels {figures['cpu_rate'] / 1e9:.0f} GB/s + {figures['cpu_fixed_s'] * 1e6:.0f} µs a call"
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
@@ -298,7 +307,7 @@ def main(argv=None) -> dict:
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
                   f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
-                  f"{split_words(last['cold_split'])}", flush=True)
+                  f"{split_words(last['cold_split'])}{cpu_rate_words(last)}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})
