@@ -43,3 +43,26 @@ def test_the_host_probe_times_its_fixed_work_and_slows_with_the_machine(monkeypa
         ticks = iter(range(10**6))
         monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks) * step_s)
         assert bench.host_probe_us(spec, rounds=50) == pytest.approx(expected_us)
+
+
+def test_the_gc_clock_counts_the_seconds_of_collections_while_registered_only():
+    import gc
+    import time
+
+    from benchmarks.bench_offload import GcClock
+
+    clock = GcClock()
+    clock("start", {})
+    time.sleep(0.01)
+    clock("stop", {})
+    assert 0.01 <= clock.seconds < 0.5
+    before = clock.seconds
+    gc.callbacks.append(clock)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(clock)
+    assert clock.seconds > before
+    after = clock.seconds
+    gc.collect()
+    assert clock.seconds == after
