@@ -51,6 +51,11 @@ from engine.writer import WriterSpec, write_model  # noqa: E402
 
 SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "dense.")  # a variant's entries with these prefixes are switches
 SPLIT = "split="  # a variant's layer split
+# decode steps after the first trial before a variant under trials is timed: a switch to "both" makes its split
+# tables afresh (engine.py: SPLIT_TABLE_FIRST steps, the host's gap measured again); timed at once, a round ran 19 ms
+# a step where its trial measured 15 and "both" asked for ran 15.6 (thirty-fifth session). bench_offload's 96 warm-up
+# steps leave 20 after the trial
+SETTLE_AFTER_TRIAL = 20
 PATH = "path="  # a variant's decode path (engine/offload/decode_path.py)
 
 
@@ -239,7 +244,8 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
             if defaults is None:
                 defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
             set_switches(model, {**defaults, **variant_switches[name]})
-            warm = max(warmup, first_trial_steps(model))
+            trial = first_trial_steps(model)
+            warm = max(warmup, trial + SETTLE_AFTER_TRIAL if trial else 0)
             if trace:
                 rate = traced_decode(model, prompt, tokens, warm, seed=100 + r)
             else:
@@ -253,7 +259,8 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
 def first_trial_steps(model: LoadedModel) -> int:
     """Decode steps until the decode path's first trial after a reconfiguration has ended, where trials choose the
     path (decode path auto with a host tier; 0 elsewhere). A variant timed before then is timed on whichever path
-    the trial measures at that moment (the thirty-third session's placement A/B timed mostly the CPU path so)."""
+    the trial measures at that moment (the thirty-third session's placement A/B timed mostly the CPU path so), or
+    right after it switched (SETTLE_AFTER_TRIAL)."""
     engine = model.offload
     return engine.path_trials.first_trial_steps if engine is not None and engine.path_trials_run() else 0
 

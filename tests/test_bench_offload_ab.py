@@ -216,8 +216,8 @@ def test_each_rounds_engine_figures_are_those_of_the_timed_decode(tmp_path, monk
 
 def test_a_variant_under_trials_is_timed_after_the_first_trial_has_chosen_its_path(monkeypatch):
     """Decode path auto: each reconfiguration starts the trials again, and the warm-up covers the first one (16 steps,
-    then 12 with the tier and 4 + 12 with each of the CPU path, both and the tier again), so that the timed steps
-    run on the path the trial chose, not on the one it measures at that moment."""
+    then 12 with the tier and 4 + 12 with each of the CPU path, both and the tier again) and 20 steps more, so that
+    the timed steps run on the path the trial chose, settled, not on the one it measures at that moment."""
     import benchmarks.bench_offload_ab as ab
 
     model = type("Model", (), {"offload": _Engine(), "decoder": type("Decoder", (), {"steps": []})()})()
@@ -229,4 +229,4 @@ def test_a_variant_under_trials_is_timed_after_the_first_trial_has_chosen_its_pa
 
     monkeypatch.setattr(ab, "decode", fake_decode)
     ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 2, [1], 4, warmup=32, paths={"A": "auto", "B": "both"})
-    assert warmups == [("auto", 16 + 12 + 3 * (4 + 12)), ("both", 32), ("both", 32), ("auto", 76)]
+    assert warmups == [("auto", 16 + 12 + 3 * (4 + 12) + 20), ("both", 32), ("both", 32), ("auto", 96)]
