@@ -610,6 +610,44 @@ def test_bounding_an_unbounded_host_cache_drops_the_pages_it_did_not_count(model
     assert tokens == cpu_run[1] and 0 < cache.cached_bytes <= 5 * per_expert
 
 
+def test_the_tier_paths_statistics_count_each_routed_pair_by_its_expert_and_residency(model_folder):
+    """Decode path 'tier', half the experts resident: each decode step of a partly resident layer counts every routed
+    pair as a hit of its expert where the expert has a slot, else as a miss read from the tier (account_resident),
+    by the routing of the logits that step launched with."""
+    model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30), decode_path="tier",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 2))
+    engine = model.offload
+    launched = []  # (layer, router logits, the experts in a slot then) of every routed launch
+    for layer, store in enumerate(engine.stores):
+        def spy(x, logits, router_weights, layer=layer, real=store.launch_routed):
+            result, pending = real(x, logits, router_weights)
+            launched.append((layer, pending[0].copy(), engine.slots[layer].slot_of >= 0))
+            return result, pending
+
+        store.launch_routed = spy
+    state = model.new_state()
+    logits = model.decoder.forward(state, model.tokenizer.encode("The expert offload engine must be exact."))
+    stats = engine.stats
+    before = [(stats.expert_hits[layer].copy(), stats.expert_misses[layer].copy(), stats.layers[layer].hits,
+               stats.layers[layer].misses_read) for layer in range(SPEC.layers)]
+    launched.clear()
+    for _ in range(STEPS):
+        logits = model.decoder.forward(state, [int(logits[-1].argmax())])
+    assert len(launched) == STEPS * SPEC.layers
+    expected = [(np.zeros(SPEC.num_experts, np.int64), np.zeros(SPEC.num_experts, np.int64))
+                for _ in range(SPEC.layers)]
+    for layer, router_logits, held in launched:
+        for expert in np.argsort(-router_logits, axis=1)[:, :SPEC.top_k].ravel():
+            expected[layer][0 if held[expert] else 1][expert] += 1
+    for layer, (hits, misses) in enumerate(expected):
+        hits_before, misses_before, layer_hits, layer_read = before[layer]
+        assert 0 < hits.sum() and 0 < misses.sum()  # partly resident: both kinds of pairs
+        np.testing.assert_array_equal(stats.expert_hits[layer] - hits_before, hits)
+        np.testing.assert_array_equal(stats.expert_misses[layer] - misses_before, misses)
+        assert stats.layers[layer].hits - layer_hits == hits.sum()
+        assert stats.layers[layer].misses_read - layer_read == misses.sum()
+
+
 def test_under_decode_path_both_a_table_that_gives_the_cpu_nothing_leaves_the_steps_to_the_tier(model_folder,
                                                                                                 cpu_run):
     """Where the split's table gives the CPU no pair at any count of cold pairs (a CPU far slower than the tier), a

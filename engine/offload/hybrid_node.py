@@ -37,6 +37,7 @@ class HybridExpertNode:
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
         self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
         self._every_pair: np.ndarray | None = None  # account_resident's mask: every routed pair resident
+        self._none_on_cpu: np.ndarray | None = None  # ... and split_pairs' on_cpu there: no pair computed on the CPU
         # route_split (the decode path "both") routes on the device: nodes it cannot route take the tier's step there
         self._splittable = routes_on_device(self.info.spec)
 
@@ -304,10 +305,14 @@ class HybridExpertNode:
             if self._every_pair is None or self._every_pair.shape != ids.shape:
                 self._every_pair = np.ones(ids.shape, bool)
             resident, read = self._every_pair, 0
-        else:
-            resident = slots.slot_of[ids] >= 0
-            engine.stats.count(layer, ids, resident)
-            hits = int(resident.sum())
+        else:  # the residency, its count and the per-expert statistics in one compiled pass, as account_split's
+            if self._none_on_cpu is None or self._none_on_cpu.shape != ids.shape:
+                self._none_on_cpu = np.zeros(ids.shape, bool)
+            counts = engine.stats.pair_counts(layer)
+            resident, hits, _, _, _, _ = split_pairs(ids, self._none_on_cpu, slots.slot_of,
+                                                     NO_COUNTS if counts is None else counts, counts is not None)
+            if counts is None:
+                engine.stats.count(layer, ids, resident)
             read = ids.size - hits
             stats.hits += hits
             stats.misses += read
