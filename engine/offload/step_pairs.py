@@ -67,8 +67,9 @@ def classify_pairs(ids, slot_of, counts, count):
 
 @njit(cache=True, nogil=True)
 def split_pairs(ids, on_cpu, slot_of, counts, count):
-    """A "both" step's pairs (HybridExpertNode.account_split): ids [T, k] (-1: unrouted), on_cpu bool [T, k] (the
-    pairs the CPU computed), slot_of [E]. Returns
+    """A "both" step's pairs (HybridExpertNode.account_split), or with on_cpu all False a tier step's
+    (account_resident): ids [T, k] (-1: unrouted), on_cpu bool [T, k] (the pairs the CPU computed), slot_of [E].
+    Returns
 
         resident        bool [T, k]: routed to an expert in a slot
         hits            resident pairs
