@@ -267,12 +267,7 @@ class HybridExpertNode:
         engine, layer = self.engine, self.layer
         store, bandwidths = engine.stores[layer], engine.device.bandwidths
         stats = engine.stats.layers[layer]
-        counts = engine.stats.pair_counts(layer)
-        # the step's pairs sorted and counted in one compiled pass (NumPy's calls cost µs each; this runs per layer)
-        resident, hits, cpu_pairs, cpu_experts, on_gpu, held = split_pairs(
-            ids, on_cpu, engine.slots[layer].slot_of, NO_COUNTS if counts is None else counts, counts is not None)
-        if counts is None:
-            engine.stats.count(layer, ids, resident)
+        resident, hits, cpu_pairs, cpu_experts, on_gpu, held = self._counted_pairs(ids, on_cpu)
         stats.hits += hits
         stats.misses += ids.size - hits
         stats.misses_read += ids.size - hits - cpu_pairs
@@ -290,6 +285,17 @@ class HybridExpertNode:
                                      device_s - held * store.read_bytes / bandwidths.hbm)
         self._account_time(stats, ids.shape[0], cpu_s, device_s, True, 0, 0.0, (), standin)
 
+    def _counted_pairs(self, ids: np.ndarray, on_cpu: np.ndarray) -> tuple:
+        """step_pairs.split_pairs on this layer's step, its pairs added to the layer's per-expert statistics: the
+        sorting and counting in one compiled pass (NumPy's calls cost µs each; this runs per layer)."""
+        engine, layer = self.engine, self.layer
+        counts = engine.stats.pair_counts(layer)
+        pairs = split_pairs(ids, on_cpu, engine.slots[layer].slot_of, NO_COUNTS if counts is None else counts,
+                            counts is not None)
+        if counts is None:
+            engine.stats.count(layer, ids, pairs[0])
+        return pairs
+
     def account_resident(self, pending) -> None:
         """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): its
         routing done again on the host from the logits (the same route() as run(); router weights do not change
@@ -305,14 +311,10 @@ class HybridExpertNode:
             if self._every_pair is None or self._every_pair.shape != ids.shape:
                 self._every_pair = np.ones(ids.shape, bool)
             resident, read = self._every_pair, 0
-        else:  # the residency, its count and the per-expert statistics in one compiled pass, as account_split's
+        else:
             if self._none_on_cpu is None or self._none_on_cpu.shape != ids.shape:
                 self._none_on_cpu = np.zeros(ids.shape, bool)
-            counts = engine.stats.pair_counts(layer)
-            resident, hits, _, _, _, _ = split_pairs(ids, self._none_on_cpu, slots.slot_of,
-                                                     NO_COUNTS if counts is None else counts, counts is not None)
-            if counts is None:
-                engine.stats.count(layer, ids, resident)
+            resident, hits, _, _, _, _ = self._counted_pairs(ids, self._none_on_cpu)
             read = ids.size - hits
             stats.hits += hits
             stats.misses += read
