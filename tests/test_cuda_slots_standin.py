@@ -202,9 +202,11 @@ class FakeGpuQMoE:
 
         published.open_gate = open_gate
 
-    def run_routed(self, x, logits, out32, out=None, router_weights=None):
+    def run_routed(self, x, logits, out32, out=None, router_weights=None, ids_out=None):
         self.routed += 1
         ids, weights = route(np.asarray(logits, np.float32), self.spec, router_weights)
+        if ids_out is not None:
+            ids_out[...] = ids
         self.run_staged(x, ids, weights, out32)
         if out is not None and out is not out32:
             np.copyto(out, out32, casting="same_kind")

@@ -118,17 +118,19 @@ def test_device_arrays_come_to_the_host_in_one_wait():
     assert again[0].ctypes.data == got[0].ctypes.data and np.array_equal(again[0], logits)
 
 
-def test_routed_buffers_keep_a_result_in_the_dense_dtype_and_copy_the_logits_over():
+def test_routed_buffers_keep_a_result_in_the_dense_dtype_and_copy_the_routed_ids_over():
     FakeCupy.copies.clear()
-    logits = np.arange(16, dtype=np.float16).reshape(1, 16).view(FakeDeviceArray)
-    half = RoutedBuffers(FakeCupy, 1, 32, np.float16, logits)
+    half = RoutedBuffers(FakeCupy, 1, 32, np.float16, 4)
     assert half.out32.dtype == np.float32 and half.out.dtype == np.float16 and half.out.shape == (1, 32)
-    single = RoutedBuffers(FakeCupy, 1, 32, np.float32, logits)
+    assert half.ids.dtype == np.int32 and half.ids.shape == (1, 4)
+    single = RoutedBuffers(FakeCupy, 1, 32, np.float32, 4)
     assert single.out is single.out32  # float32 activations: no conversion
-    half.copy_logits(logits, Stream())
-    assert np.array_equal(half.host_logits, logits) and half.host_logits.dtype == np.float16
-    assert FakeCupy.copies == [(D2H, logits.nbytes, Stream.ptr)]
-    assert half.key == RoutedBuffers.key_of(1, np.float16, logits) != RoutedBuffers.key_of(2, np.float16, logits)
+    half.ids[...] = [[7, 2, 9, 0]]  # what the launch wrote
+    half.copy_ids(Stream())
+    assert half.host_ids.tolist() == [[7, 2, 9, 0]] and half.host_ids.dtype == np.int32
+    assert FakeCupy.copies == [(D2H, 16, Stream.ptr)]
+    assert half.key == RoutedBuffers.key_of(1, np.float16) != RoutedBuffers.key_of(2, np.float16)
+    assert half.key != RoutedBuffers.key_of(1, np.float32)
     view = half.result((1, 1, 32))  # the node's output shape: the same view at every step
     assert view.shape == (1, 1, 32) and np.shares_memory(view, half.out) and half.result((1, 1, 32)) is view
 
@@ -276,6 +278,42 @@ def test_routed_launches_replayed_as_a_graph_match_the_reference(dtype):
             # fp16 activations: the fp16 decode kernels (dec5h), recorded at the eager call and the capture
             assert m.last_decode_kernels[0].startswith("dec5h_" if dtype == "float16" else "dec5_")
             assert (len(m._graphs) == 1) == (step >= 1), f"step {step}: {len(m._graphs)} graphs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,k,T,sparse_mixer", [
+    (8, 2, 1, False),  # decode, routing by ranks
+    (128, 8, 8, False),  # decode, routing by ranks at its limit (T k = 64)
+    (64, 16, 8, False),  # decode, a warp per token (T k > 64) and the block's grouping
+    (32, 4, 300, False),  # prefill (prefill_prep)
+    (8, 2, 3, True),  # sparse mixer: routed on the host
+])
+def test_routed_launches_write_their_routing_to_ids_out(E, k, T, sparse_mixer):
+    """run_routed's ids_out, which the offload engine's statistics of a fully resident layer read instead of routing
+    the logits again on the host: each token's top-k experts in rank order, as the reference routes them, from every
+    routing the launch may take; the result as without ids_out. Decode's later calls replay its CUDA graph."""
+    cp = pytest.importorskip("cupy")
+    from kernels.gpu import GpuQMoE
+    from kernels.qmoe_spec import QMoESpec
+    from kernels.reference import qmoe_reference, route
+    from tests.qmoe_oracle import make_case
+    from tests.test_qmoe_gpu import _relerr
+
+    attrs, t, x, logits = make_case(seed=35 + E + T, E=E, H=64, I=32, k=k, bits=4, block_size=32, T=T,
+                                    activation="swiglu", swiglu_fusion=1, sparse_mixer=sparse_mixer)
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    m = GpuQMoE(spec, t)  # every expert resident
+    want_ids, _ = route(logits, spec)
+    want = qmoe_reference(x, logits, spec, t)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x_dev, logits_dev = cp.asarray(x), cp.asarray(logits)
+        out32, ids_out = cp.empty((T, 64), cp.float32), cp.empty((T, k), cp.int32)
+        for call in range(3):
+            ids_out.fill(-7)
+            m.run_routed(x_dev, logits_dev, out32, ids_out=ids_out)
+            np.testing.assert_array_equal(ids_out.get(stream=stream), want_ids, err_msg=f"call {call}")
+            assert _relerr(out32.get(stream=stream), want) <= 1e-4, f"call {call}"
 
 
 # (bits, block_size, zero points, bias, dtype, H, I, activation, swiglu_fusion); the last one has FC3 (gated

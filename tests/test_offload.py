@@ -621,7 +621,8 @@ def test_the_tier_paths_statistics_count_each_routed_pair_by_its_expert_and_resi
     for layer, store in enumerate(engine.stores):
         def spy(x, logits, router_weights, layer=layer, real=store.launch_routed):
             result, pending = real(x, logits, router_weights)
-            launched.append((layer, pending[0].copy(), engine.slots[layer].slot_of >= 0))
+            router_logits = np.array(logits, np.float32).reshape(-1, SPEC.num_experts)
+            launched.append((layer, router_logits, engine.slots[layer].slot_of >= 0))
             return result, pending
 
         store.launch_routed = spy

@@ -527,7 +527,7 @@ class CudaSlots:
         """Every expert of the node resident and the inputs in GPU memory: route and compute on the device, the
         result left there for the next dense segment. No host synchronisation: the compute stream waits for the
         dense part's stream, and the dense part's stream for the launch (one event each way). Returns (the result
-        in x's dtype and shape, the pending statistics for routed_done)."""
+        in x's dtype and shape, the pending statistics for routed_done: the routed ids come back with them)."""
         cp = self.device.cp
         spec = self.runner.info.spec
         tokens = x.size // spec.hidden_size
@@ -538,13 +538,13 @@ class CudaSlots:
             self._order_after_loads()
             x2d, logits, weights = self._routed_views(x, logits, router_weights, tokens)
             buffers = self._routed
-            if buffers is None or buffers.key != RoutedBuffers.key_of(tokens, x.dtype, logits):
-                buffers = RoutedBuffers(cp, tokens, spec.hidden_size, x.dtype, logits)
+            if buffers is None or buffers.key != RoutedBuffers.key_of(tokens, x.dtype):
+                buffers = RoutedBuffers(cp, tokens, spec.hidden_size, x.dtype, spec.k)
                 if tokens <= self.gpu.decode_max_tokens:
                     self._routed = buffers  # kept: the same pointers at every decode step (CUDA graph replays)
             buffers.start.record(compute)
-            self.gpu.run_routed(x2d, logits, buffers.out32, buffers.out, weights)
-            buffers.copy_logits(logits, compute)
+            self.gpu.run_routed(x2d, logits, buffers.out32, buffers.out, weights, ids_out=buffers.ids)
+            buffers.copy_ids(compute)
             buffers.stop.record(compute)
             if dense is not None:
                 dense.wait_event(buffers.stop)
@@ -717,14 +717,14 @@ class CudaSlots:
         return timing is None or timing[1].done
 
     def routed_ready(self, pending: RoutedBuffers) -> bool:
-        """Whether routed_done would not wait: the launch's stop event passed, and with it the logits' copy."""
+        """Whether routed_done would not wait: the launch's stop event passed, and with it the routed ids' copy."""
         return pending.stop.done
 
     def routed_done(self, pending: RoutedBuffers) -> tuple[np.ndarray, float, float]:
-        """Once the launch is done (routed_ready; at the latest at the step's end): (the router logits on the host, the
-        launch's device seconds, 0: no stand-in)."""
+        """Once the launch is done (routed_ready; at the latest at the step's end): (the routed experts' ids [T, k] on
+        the host, the launch's device seconds, 0: no stand-in)."""
         pending.stop.synchronize()
-        return pending.host_logits, self.device.cp.cuda.get_elapsed_time(pending.start, pending.stop) / 1e3, 0.0
+        return pending.host_ids, self.device.cp.cuda.get_elapsed_time(pending.start, pending.stop) / 1e3, 0.0
 
     @_on_compute_stream
     def flush(self, out: np.ndarray) -> None:

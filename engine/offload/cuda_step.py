@@ -81,33 +81,34 @@ class StepBufferPool:
 
 class RoutedBuffers:
     """A fully resident layer's launch with the routing on the device (CudaSlots.launch_routed): the float32 result
-    and its copy in the dense part's dtype (what the next dense segment reads, in GPU memory), a pinned host copy of
-    the router logits (the step's statistics route them again on the host at the end of the step, when the copy is
-    in), and the launch's start and stop events."""
+    and its copy in the dense part's dtype (what the next dense segment reads, in GPU memory), the routed experts'
+    ids [T, k] the launch writes and their pinned host copy (the step's statistics read them once the copy is in),
+    and the launch's start and stop events."""
 
-    def __init__(self, cp, tokens: int, hidden: int, dtype, logits):
+    def __init__(self, cp, tokens: int, hidden: int, dtype, k: int):
         self.cp = cp
-        self.key = RoutedBuffers.key_of(tokens, dtype, logits)
+        self.key = RoutedBuffers.key_of(tokens, dtype)
         self.out32 = cp.empty((tokens, hidden), cp.float32)
         self.out = self.out32 if np.dtype(dtype) == np.float32 else cp.empty((tokens, hidden), dtype)
-        self._pinned = cp.cuda.alloc_pinned_memory(max(1, logits.nbytes))
-        self.host_logits = np.frombuffer(self._pinned, logits.dtype, logits.size).reshape(tokens, -1)
-        self._host_logits_at = self.host_logits.ctypes.data
+        self.ids = cp.empty((tokens, k), cp.int32)
+        self._pinned = cp.cuda.alloc_pinned_memory(max(1, self.ids.nbytes))
+        self.host_ids = np.frombuffer(self._pinned, np.int32, self.ids.size).reshape(tokens, k)
+        self._host_ids_at = self.host_ids.ctypes.data
         self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
         self._result = None  # `out` in the node's output shape: one view, so the next segment binds it only once
 
     @staticmethod
-    def key_of(tokens: int, dtype, logits) -> tuple:
-        return tokens, np.dtype(dtype).str, logits.size, logits.dtype.str
+    def key_of(tokens: int, dtype) -> tuple:
+        return tokens, np.dtype(dtype).str
 
     def result(self, shape: tuple):
         if self._result is None or self._result.shape != tuple(shape):
             self._result = self.out.reshape(shape)
         return self._result
 
-    def copy_logits(self, logits, stream) -> None:
-        """The router logits (C-contiguous, on the device) into the pinned copy, asynchronously on `stream`."""
-        self.cp.cuda.runtime.memcpyAsync(self._host_logits_at, logits.data.ptr, logits.nbytes, D2H, stream.ptr)
+    def copy_ids(self, stream) -> None:
+        """The launch's routed ids into the pinned copy, asynchronously on `stream`."""
+        self.cp.cuda.runtime.memcpyAsync(self._host_ids_at, self.ids.data.ptr, self.ids.nbytes, D2H, stream.ptr)
 
 
 class SplitBuffers:

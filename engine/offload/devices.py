@@ -159,17 +159,16 @@ class SimulatedSlots:
 
     def launch_routed(self, x: np.ndarray, logits: np.ndarray, router_weights):
         """Route and compute every expert on the "device" (the CPU kernel); returns (the result in x's dtype and
-        shape, what routed_done gives back: the logits, the modelled device seconds, the stand-in's wall time)."""
+        shape, what routed_done gives back: the routed ids, the modelled device seconds, the stand-in's wall time)."""
         started = time.perf_counter()
         spec = self.kernel.spec
         x2d = x.reshape(-1, spec.hidden_size)
-        logits = np.array(logits, copy=True).reshape(x2d.shape[0], -1)  # the dense part may reuse its buffer
-        ids, weights = route(logits, spec, router_weights)
+        ids, weights = route(np.asarray(logits).reshape(x2d.shape[0], -1), spec, router_weights)
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, ids, weights, out=out)
         seconds = self._read_seconds(set(ids.ravel().tolist()))
         result = out.astype(x.dtype, copy=False).reshape(x.shape)
-        return result, (logits, seconds, time.perf_counter() - started)
+        return result, (ids, seconds, time.perf_counter() - started)
 
     def routed_done(self, pending) -> tuple[np.ndarray, float, float]:
         return pending

@@ -212,8 +212,8 @@ class HybridExpertNode:
     def _run_resident(self, store, x, logits, router_weights):
         """Every expert of the layer resident (or read from the host tier): routing and experts on the device, the
         result left there (in GPU memory when the dense part runs on the GPU: no host round trip, no wait). The
-        step's statistics follow (account_resident) once the launch is done and the router logits' copy to the host
-        is in: in a later layer (OffloadEngine.settle) or at the step's end."""
+        step's statistics follow (account_resident) once the launch is done and its routed ids' copy to the host is
+        in: in a later layer (OffloadEngine.settle) or at the step's end."""
         out, pending = store.launch_routed(x, logits, router_weights)
         engine = self.engine
         if not engine.shadow:
@@ -297,13 +297,11 @@ class HybridExpertNode:
         return pairs
 
     def account_resident(self, pending) -> None:
-        """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): its
-        routing done again on the host from the logits (the same route() as run(); router weights do not change
-        which experts are picked), every pair in a slot a hit, the others misses the device read from the host tier,
-        the launch's device time on the critical path."""
+        """The statistics of one _run_resident step, once its launch is done (OffloadEngine.settle / end_step): the
+        routing the launch wrote back (no routing again on the host), every pair in a slot a hit, the others misses
+        the device read from the host tier, the launch's device time on the critical path."""
         engine, layer = self.engine, self.layer
-        logits, device_s, standin = engine.stores[layer].routed_done(pending)
-        ids, _weights = route(logits.reshape(-1, self.info.spec.num_experts), self.info.spec)
+        ids, device_s, standin = engine.stores[layer].routed_done(pending)
         stats = engine.stats.layers[layer]
         slots = engine.slots[layer]
         if slots.all_resident:

@@ -670,9 +670,12 @@ class GpuQMoE:
                 return self._host_result(res, dtype, shape)
             return res.reshape(shape)
 
-    def forward_into(self, x_dev, router_logits, out32, router_weights=None, x_code: int | None = None):
+    def forward_into(self, x_dev, router_logits, out32, router_weights=None, x_code: int | None = None,
+                     ids_out=None):
         """forward() on device arrays into a preallocated fp32 ``out32`` [T, H] (overwritten). With device inputs
-        and warmed-up workspaces it launches kernels only (no allocation, no host sync): CUDA-graph capturable."""
+        and warmed-up workspaces it launches kernels only (no allocation, no host sync): CUDA-graph capturable.
+        Where given, ``ids_out`` (device int32 [T, k], C-contiguous) receives the routed experts of each token, in
+        rank order (the routing kernels write them there)."""
         spec = self.spec
         with self.device:
             if x_code is None:
@@ -680,6 +683,8 @@ class GpuQMoE:
             T = x_dev.shape[0]
             if not routes_on_device(spec):  # host routing (sparse mixer, > 1024 experts)
                 ids, w = self.route(router_logits, router_weights)
+                if ids_out is not None:
+                    _cp().copyto(ids_out, ids.reshape(ids_out.shape))
                 self._compute(x_dev, x_code, T, out32, ids=ids, wts=w, kk=spec.k, zero_out=True)
                 return out32
             lg, ldt = self._to_device_act(router_logits, spec.num_experts)
@@ -687,7 +692,8 @@ class GpuQMoE:
                 rw, rwdt = None, 0
             else:
                 rw, rwdt = self._to_device_act(router_weights, spec.num_experts)
-            self._compute(x_dev, x_code, T, out32, logits=lg, ldt=ldt, rw=rw, rwdt=rwdt, zero_out=True)
+            self._compute(x_dev, x_code, T, out32, logits=lg, ldt=ldt, rw=rw, rwdt=rwdt, zero_out=True,
+                          ids_out=ids_out)
             return out32
 
     def run_experts(self, x2d, expert_ids, weights, out=None):
@@ -731,21 +737,23 @@ class GpuQMoE:
         self._replayed(("staged", x_dev.data.ptr, ids_dev.data.ptr, w_dev.data.ptr, out.data.ptr, T, kk), T, launch)
         return out
 
-    def run_routed(self, x_dev, logits_dev, out32, out=None, router_weights=None):
+    def run_routed(self, x_dev, logits_dev, out32, out=None, router_weights=None, ids_out=None):
         """forward_into for device inputs as a dense part on the GPU leaves them (x float32 / float16 [T, H], router
         logits [T, E], router weights likewise or None), every routed expert resident: the offload engine's fully
         resident layers. The result goes into ``out32`` (float32 [T, H], overwritten) and, when ``out`` is another
-        array (x's dtype), is converted into it. Kernel launches only; replayed as one CUDA graph from the second
-        call with the same buffers, as run_staged."""
+        array (x's dtype), is converted into it; the routing, where ``ids_out`` is given, into it (forward_into).
+        Kernel launches only; replayed as one CUDA graph from the second call with the same buffers, as
+        run_staged."""
         cp = _cp()
         T = x_dev.shape[0]
 
         def launch():
-            self.forward_into(x_dev, logits_dev, out32, router_weights)
+            self.forward_into(x_dev, logits_dev, out32, router_weights, ids_out=ids_out)
             if out is not None and out is not out32:
                 cp.copyto(out, out32, casting="same_kind")
 
-        pointers = tuple(0 if a is None else a.data.ptr for a in (x_dev, logits_dev, router_weights, out32, out))
+        pointers = tuple(0 if a is None else a.data.ptr
+                         for a in (x_dev, logits_dev, router_weights, out32, out, ids_out))
         dtypes = tuple(None if a is None else a.dtype.str for a in (x_dev, logits_dev, router_weights, out))
         self._replayed(("routed", *pointers, *dtypes, T), T, launch)
         return out32 if out is None else out
@@ -975,7 +983,7 @@ class GpuQMoE:
 
     # ------------------------------------------------------------------ launches
     def _compute(self, xd, xdt, T, out, *, logits=None, ldt=0, rw=None, rwdt=0, ids=None, wts=None, kk=None,
-                 zero_out=False):
+                 zero_out=False, ids_out=None):
         spec = self.spec
         E, H, I = spec.num_experts, spec.hidden_size, spec.inter_size
         route = ids is None
@@ -990,7 +998,8 @@ class GpuQMoE:
         TM = 8 if decode else (BM if self.path == "tc" else 64)
         max_tiles = min(P, P // TM + min(E, P))
         ws = self._workspace(T, P, max_tiles, "dec" if decode else self.path)
-        ids_d = ws.ids if route else ids
+        # routed here: the ids go to the workspace, or to ids_out where the caller wants them (forward_into)
+        ids_d = (ws.ids if ids_out is None else ids_out) if route else ids
         w_d = ws.w if route else wts
         has_rw = rw is not None
         rw_arg = rw if has_rw else self._dummy_f32
@@ -1075,8 +1084,8 @@ class GpuQMoE:
         if zero_out:
             out.fill(0)
         if route:
-            self._f("route_topk")((_cdiv(T, 8),), (256,), (*route_args[:5], np.int32(T), *route_args[5:], ws.ids,
-                                                           ws.w))
+            self._f("route_topk")((_cdiv(T, 8),), (256,), (*route_args[:5], np.int32(T), *route_args[5:], ids_d,
+                                                           w_d))
         self._f("build_tiles")((1,), (1024,), (
             ids_d, w_d, np.int32(P), np.int32(kk), self._slot_dev, np.int32(E), np.int32(TM), ws.pair_tok, ws.pair_w,
             ws.tiles, ws.num_tiles, np.int32(max_tiles)), shared_mem=16 * E)

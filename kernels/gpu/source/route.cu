@@ -410,9 +410,10 @@ extern "C" __global__ void build_tiles(const int* ids, const float* wts, int P, 
     build_tiles_block(ids, wts, P, kk, slot_map, E, TM, pair_tok, pair_w, tiles, num_tiles, max_tiles, sm_tiles);
 }
 
-// Decode preparation in one launch: block 0 routes (route_mode 1) and groups the pairs; the other blocks (every
-// block when there is only one) convert x [T, H] into the bf16 hi/lo B-fragment layout [T, KP] (xf16 = 1: into
-// fp16 in xhi only, for the dec5h kernels; fp16 x is copied as it is) and zero the fp32 accumulator when asked.
+// Decode preparation in one launch: block 0 routes (route_mode 1; the top-k ids also go to ids [T, kk], in rank
+// order, for the host) and groups the pairs; the other blocks (every block when there is only one) convert x [T, H]
+// into the bf16 hi/lo B-fragment layout [T, KP] (xf16 = 1: into fp16 in xhi only, for the dec5h kernels; fp16 x is
+// copied as it is) and zero the fp32 accumulator when asked.
 extern "C" __global__ void decode_prep(int route_mode, const void* logits, int ldt, const void* rw, int rwdt,
                                        int has_rw, int E, int k, int normalize, int* ids, float* wts, int T, int kk,
                                        const int* slot_map, int TM, int* pair_tok, float* pair_w, int4* tiles,
@@ -453,6 +454,10 @@ extern "C" __global__ void decode_prep(int route_mode, const void* logits, int l
             if (warp_group && rwarps == nwarps)
                 for (int e = threadIdx.x; e < E; e += blockDim.x) sm_prep[e] = slot_map[e];
             __syncthreads();
+        }
+        if (route_mode) {  // the routing to ids for the host's statistics; warp 0 groups the pairs meanwhile
+            const int first = warp_group ? 32 : 0;
+            for (int i = threadIdx.x - first; i >= 0 && i < T * kk; i += blockDim.x - first) ids[i] = sids[i];
         }
         if (warp_group) {
             if (threadIdx.x < 32)
