@@ -313,7 +313,9 @@ def test_routed_launches_write_their_routing_to_ids_out(E, k, T, sparse_mixer):
             ids_out.fill(-7)
             m.run_routed(x_dev, logits_dev, out32, ids_out=ids_out)
             np.testing.assert_array_equal(ids_out.get(stream=stream), want_ids, err_msg=f"call {call}")
-            assert _relerr(out32.get(stream=stream), want) <= 1e-4, f"call {call}"
+            # the prefill kernels multiply in fp16 on the tensor cores, the decode kernels in bf16 hi/lo pairs
+            assert _relerr(out32.get(stream=stream), want) <= (1e-4 if T <= m.decode_max_tokens else 3e-3), \
+                f"call {call}"
 
 
 # (bits, block_size, zero points, bias, dtype, H, I, activation, swiglu_fusion); the last one has FC3 (gated
