@@ -206,11 +206,12 @@ class SegmentBinding:
         # the capacity as its total length GroupQueryAttention would not see a first prompt)
         graphs = self._graphs
         if graphs is not None and not (dense_graph.enabled and not graphs.failed and self._on_device.bound(values)):
+            graphs.forget_key()
             graphs = None
         inputs = values  # the arrays to bind, by cut tensor
         if graphs is not None:
             inputs = {name: self._graph_input(graphs, name, values[name]) for name in self.cut}
-            key = self._graph_key(inputs)
+            key = self._graph_key(graphs, inputs)
             if not dense_graph.verify and graphs.replay(key):
                 # nothing to bind: the graph reads and writes the buffers of its key, which these are
                 self._replayed = inputs  # alive until the next run, which comes after the replay in stream order
@@ -297,14 +298,14 @@ class SegmentBinding:
             return graphs.total_length(name)
         return array if name in graphs.host_read else graphs.stage(name, array)
 
-    def _graph_key(self, inputs: dict) -> tuple:
+    def _graph_key(self, graphs, inputs: dict) -> tuple:
         """The device buffers this run reads and writes (the cut tensors' `inputs` to bind, the state buffers, the
         kept outputs), by pointer and shape: a captured run replays only onto the very buffers it was captured with."""
-        key = [(a.data.ptr, a.shape) for a in (inputs[name] for name in self.cut) if not isinstance(a, np.ndarray)]
-        key += [(slot.array.data.ptr, slot.array.shape) for _, slot in self.state_inputs]
-        key += [(slot.present.data.ptr, slot.present.shape) for _, slot in self.state_outputs]
-        key += [(a.data.ptr, a.shape) for a in self._on_device.results.values()]
-        return tuple(key)
+        arrays = [a for a in (inputs[name] for name in self.cut) if not isinstance(a, np.ndarray)]
+        arrays += [slot.array for _, slot in self.state_inputs]
+        arrays += [slot.present for _, slot in self.state_outputs]
+        arrays += self._on_device.results.values()
+        return graphs.key_of(arrays)
 
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""

@@ -66,6 +66,34 @@ def test_a_key_is_captured_after_its_warm_runs_then_replayed():
     assert not graphs.replay(((2, (1, 8)),))  # other buffers: not this graph
 
 
+def test_a_runs_key_is_its_buffers_pointers_and_shapes_read_again_only_for_other_arrays():
+    class Buffer:
+        """A device array: reading `.data` is counted (CuPy makes an object each time)."""
+        reads = 0
+
+        def __init__(self, ptr, shape):
+            self._ptr, self.shape = ptr, shape
+
+        @property
+        def data(self):
+            Buffer.reads += 1
+            return SimpleNamespace(ptr=self._ptr)
+
+    graphs = SegmentGraphs(FakeBackend(), frozenset(), {})
+    x, kv, out = Buffer(100, (1, 8)), Buffer(200, (1, 2, 64, 8)), Buffer(300, (1, 8))
+    key = graphs.key_of([x, kv, out])
+    assert key == ((100, (1, 8)), (200, (1, 2, 64, 8)), (300, (1, 8))) and Buffer.reads == 3
+    assert graphs.key_of([x, kv, out]) is key and Buffer.reads == 3  # a decode step's same arrays: nothing read
+    grown = Buffer(400, (1, 2, 128, 8))  # the KV buffer grew: a new array
+    assert graphs.key_of([x, grown, out]) == ((100, (1, 8)), (400, (1, 2, 128, 8)), (300, (1, 8)))
+    assert Buffer.reads == 6
+    assert graphs.key_of([x, grown]) == ((100, (1, 8)), (400, (1, 2, 128, 8)))  # fewer arrays
+    same_place = Buffer(100, (1, 8))  # another object at the same pointer: read, the same key
+    assert graphs.key_of([same_place, grown]) == ((100, (1, 8)), (400, (1, 2, 128, 8))) and Buffer.reads == 10
+    graphs.forget_key()  # a prompt's run: the arrays are not kept
+    assert graphs.key_of([same_place, grown]) == ((100, (1, 8)), (400, (1, 2, 128, 8))) and Buffer.reads == 12
+
+
 def test_a_run_that_fails_under_capture_ends_it_and_stops_capturing_for_the_binding():
     backend = FakeBackend()
     graphs = SegmentGraphs(backend, frozenset(), {})
