@@ -33,6 +33,7 @@ run as before. MOE_DENSE_GRAPHS=0 turns replays off.
 from __future__ import annotations
 
 import gc
+import operator
 import os
 import weakref
 from collections import OrderedDict
@@ -140,7 +141,7 @@ class SegmentGraphs:
         where an array is another object than at the last call; a decode step's run finds the very same arrays, and
         reading their pointers (CuPy makes an object for each `.data`) took ~10 µs a segment on the H200."""
         keyed = self._keyed
-        if len(arrays) != len(keyed) or any(a is not b for a, b in zip(arrays, keyed)):
+        if len(arrays) != len(keyed) or not all(map(operator.is_, arrays, keyed)):  # no Python frame an array
             self._keyed, self._key = tuple(arrays), tuple([(a.data.ptr, a.shape) for a in arrays])
         return self._key
 

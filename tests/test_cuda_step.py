@@ -278,6 +278,8 @@ def test_routed_launches_replayed_as_a_graph_match_the_reference(dtype):
             # fp16 activations: the fp16 decode kernels (dec5h), recorded at the eager call and the capture
             assert m.last_decode_kernels[0].startswith("dec5h_" if dtype == "float16" else "dec5_")
             assert (len(m._graphs) == 1) == (step >= 1), f"step {step}: {len(m._graphs)} graphs"
+            # from the third call on, the same arrays go straight to the graph (no key)
+            assert m.routed_fast_calls == max(0, step - 1), f"step {step}"
 
 
 @pytest.mark.gpu

@@ -641,6 +641,9 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
     if fraction == 1.0:
         assert routed == [(cupy.ndarray, cupy.ndarray)] * calls and fetched == [] and merged == []
         assert totals.misses == 0 and totals.device_s > 0 and not gpu.offload.deferred
+        # decode steps launch with the same arrays: from the third on, straight to the layer's graph
+        stores = [store for store in gpu.offload.stores if store is not None]
+        assert all(store.gpu.routed_fast_calls >= DECODE_STEPS // 2 for store in stores)
     else:
         assert routed == [] and len(fetched) == calls and all(cupy.ndarray in types for types in fetched)
         # decode steps leave their results in GPU memory (the CPU's part added there); the prompt's come back

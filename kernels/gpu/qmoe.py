@@ -157,6 +157,9 @@ class GpuQMoE:
             # run_routed_split's graph for the very arrays of its last replay (_SplitReplay); calls that took it
             self._split_replay: _SplitReplay | None = None
             self.split_fast_calls = 0
+            # the same for run_routed (a fully resident layer's, or the tier's, decode launch)
+            self._routed_replay: _SplitReplay | None = None
+            self.routed_fast_calls = 0
             # run_routed_split's stop record and gated merge in its graph, and repeat calls straight to that graph
             # (True); False: both after the graph, every call through the checks and the key (the thirty-second
             # session's order, for bench_offload_ab's gpu.fast_split=0)
@@ -544,7 +547,7 @@ class GpuQMoE:
         if grow_t or grow_p or tiles > ws.tiles_cap:
             self._graphs.clear()  # captured launches point into the buffers replaced here
             self._graph_seen.clear()
-            self._split_replay = None
+            self._split_replay = self._routed_replay = None
         if grow_p or tiles > ws.tiles_cap:
             ws.P = max(P, 2 * ws.P) if grow_p else ws.P
             ws.tiles_cap = max(tiles, 2 * ws.tiles_cap, ws.P + 1)
@@ -743,8 +746,17 @@ class GpuQMoE:
         resident layers. The result goes into ``out32`` (float32 [T, H], overwritten) and, when ``out`` is another
         array (x's dtype), is converted into it; the routing, where ``ids_out`` is given, into it (forward_into).
         Kernel launches only; replayed as one CUDA graph from the second call with the same buffers, as
-        run_staged."""
+        run_staged. A call with the very arrays, stream and configuration of the last replay launches that graph at
+        once, as run_routed_split does (_SplitReplay): the pointers and the graph key cost ~10 µs a layer."""
         cp = _cp()
+        stream = cp.cuda.get_current_stream()
+        arrays = (x_dev, logits_dev, out32, out, router_weights, ids_out)
+        config = self._decode_config()
+        replay = self._routed_replay
+        if replay is not None and replay.matches(arrays, stream.ptr, config):
+            replay.graph.launch(stream)
+            self.routed_fast_calls += 1
+            return out32 if out is None else out
         T = x_dev.shape[0]
 
         def launch():
@@ -755,7 +767,12 @@ class GpuQMoE:
         pointers = tuple(0 if a is None else a.data.ptr
                          for a in (x_dev, logits_dev, router_weights, out32, out, ids_out))
         dtypes = tuple(None if a is None else a.dtype.str for a in (x_dev, logits_dev, router_weights, out))
-        self._replayed(("routed", *pointers, *dtypes, T), T, launch)
+        graph = self._replayed(("routed", *pointers, *dtypes, T), T, launch)
+        self._routed_replay = None
+        # only where the graph reads the caller's own arrays (forward_into converts others into a copy at each call)
+        if (graph is not None and all(map(_read_as_given, (x_dev, logits_dev, router_weights)))
+                and cp.cuda.runtime.getDevice() == self._device_id):  # the stream's device is the graph's
+            self._routed_replay = _SplitReplay(arrays, stream.ptr, config, graph)
         return out32 if out is None else out
 
     def run_routed_split(self, x_dev, logits_dev, out32, published, router_weights=None, *, stop=None, merged=None,
@@ -1243,9 +1260,17 @@ def _reads_in_place(device_array, given) -> bool:
             and device_array.dtype == given.dtype)
 
 
+def _read_as_given(given) -> bool:
+    """Whether the kernels read activations `given` (or None) in place: float16 / float32 C-contiguous device arrays
+    (GpuQMoE._to_device_act makes a copy of any other)."""
+    return given is None or (isinstance(given, _cp().ndarray) and given.dtype in (np.float16, np.float32)
+                             and given.flags.c_contiguous)
+
+
 class _SplitReplay:
-    """run_routed_split's last replayed graph and what it was launched for: the arrays (by identity: an array
-    object keeps its memory while it lives, and this holds them), the stream, the decode configuration."""
+    """run_routed_split's (or run_routed's) last replayed graph and what it was launched for: the arrays (by
+    identity: an array object keeps its memory while it lives, and this holds them), the stream, the decode
+    configuration."""
 
     __slots__ = ("arrays", "stream_ptr", "config", "graph")
 
