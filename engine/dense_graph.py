@@ -141,7 +141,7 @@ class SegmentGraphs:
         where an array is another object than at the last call; a decode step's run finds the very same arrays, and
         reading their pointers (CuPy makes an object for each `.data`) took ~10 µs a segment on the H200."""
         keyed = self._keyed
-        if len(arrays) != len(keyed) or not all(map(operator.is_, arrays, keyed)):  # no Python frame an array
+        if len(arrays) != len(keyed) or not all(map(operator.is_, arrays, keyed)):  # in C: no Python frame per array
             self._keyed, self._key = tuple(arrays), tuple([(a.data.ptr, a.shape) for a in arrays])
         return self._key
 
