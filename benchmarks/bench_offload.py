@@ -127,8 +127,9 @@ def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: in
 
 
 def bound_seconds(dense_s: float, h: float, w_act: float, b_cold: float, b_hbm: float) -> float:
-    """anchors.md's bound on a decode token: the dense part, the misses' share of W_act at `b_cold` (B_dram + B_pcie,
-    or B_dram alone where misses can only run on the CPU) and the hits' at B_hbm."""
+    """anchors.md's bound on a decode token: the dense part, the misses' share of W_act at `b_cold` (B_dram + B_pcie;
+    B_dram alone where misses can only run on the CPU, B_pcie alone where the GPU reads them all from the host tier)
+    and the hits' at B_hbm."""
     return dense_s + (1 - h) * w_act / b_cold + h * w_act / b_hbm
 
 
@@ -187,7 +188,8 @@ def cap_dense_term(figures: list[dict], dense_s: float, step_s: float) -> list[t
 def decode_repeats(repeats: list[dict]) -> dict:
     """The decode figure of a fraction measured `--repeats` times: the median tokens/s, the median bound and the
     median of the per-repeat ratios (each repeat's rate against its own bound: the dense time and the hit rate it
-    measured), the same for the bound with the misses on the CPU alone, with every repeat kept. The other figures of
+    measured), the same for the bounds with the misses on the CPU alone and on the host tier alone, with every repeat
+    kept. The other figures of
     the point (overhead, statistics, projection) are the last repeat's: by then placement and the miss policy have run
     longest on this fraction."""
 
@@ -196,7 +198,9 @@ def decode_repeats(repeats: list[dict]) -> dict:
 
     return {"value": median("value"), "reference_value": median("reference_value"), "ratio": median("ratio"),
             "bound_misses_on_cpu_only": median("bound_misses_on_cpu_only"),
-            "ratio_to_cpu_only_bound": median("ratio_to_cpu_only_bound"), "repeats": repeats}
+            "ratio_to_cpu_only_bound": median("ratio_to_cpu_only_bound"),
+            "bound_misses_on_tier_only": median("bound_misses_on_tier_only"),
+            "ratio_to_tier_only_bound": median("ratio_to_tier_only_bound"), "repeats": repeats}
 
 
 def split_text(split: dict) -> str:
@@ -369,12 +373,17 @@ def main() -> None:
             bound_s = bound_seconds(dense, h, w_act, b_dram + b_pcie, b_hbm)
             # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
             cpu_only_bound_s = bound_seconds(dense, h, w_act, b_dram, b_hbm)
+            # the misses all read by the GPU from the host tier (decode path "tier"): their share bound by B_pcie; a
+            # tier point cannot pass this, however the host runs (RESULTS.md, thirty-sixth session)
+            tier_only_bound_s = bound_seconds(dense, h, w_act, b_pcie, b_hbm)
             # as earlier sessions reported it: the point's own dense time (with what its dense calls waited for)
             point_bound_s = bound_seconds(dense_per_token, h, w_act, b_dram + b_pcie, b_hbm)
             repeats.append({"value": rate, "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h,
                             "ratio_with_the_points_dense_time": rate * point_bound_s,
                             "bound_misses_on_cpu_only": 1 / cpu_only_bound_s,
-                            "ratio_to_cpu_only_bound": rate * cpu_only_bound_s, "misses_cpu": stats.misses_cpu,
+                            "ratio_to_cpu_only_bound": rate * cpu_only_bound_s,
+                            "bound_misses_on_tier_only": 1 / tier_only_bound_s,
+                            "ratio_to_tier_only_bound": rate * tier_only_bound_s, "misses_cpu": stats.misses_cpu,
                             "misses_copied": stats.misses_copied,
                             "miss_slots": max(model.offload.policy.miss_slots, default=0)})
         decoded = decode_repeats(repeats)
@@ -450,6 +459,9 @@ def main() -> None:
              "ratio": trace_h / h if h else None},
         ]
         cpu_only = f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}" if slots == 0 else ""
+        if h < 1:
+            cpu_only += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
+                         f"{decoded['ratio_to_tier_only_bound']:.0%}")
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
               f"(bound {decoded['reference_value']:7.1f}{cpu_only}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "

@@ -7,8 +7,10 @@ from benchmarks.bench_offload import decode_repeats, decoded_spread
 
 def _repeat(rate: float, bound: float) -> dict:
     cpu_only = bound * 0.75  # the bound with the misses on the CPU alone: lower
+    tier_only = bound * 0.5  # and on the host tier alone: lower still
     return {"value": rate, "reference_value": bound, "ratio": rate / bound, "bound_misses_on_cpu_only": cpu_only,
-            "ratio_to_cpu_only_bound": rate / cpu_only}
+            "ratio_to_cpu_only_bound": rate / cpu_only, "bound_misses_on_tier_only": tier_only,
+            "ratio_to_tier_only_bound": rate / tier_only}
 
 
 def test_a_repeated_decode_point_takes_the_medians_and_keeps_every_repeat():
@@ -19,6 +21,8 @@ def test_a_repeated_decode_point_takes_the_medians_and_keeps_every_repeat():
     assert decoded["ratio"] == pytest.approx(30.4 / 90.8)
     assert decoded["bound_misses_on_cpu_only"] == pytest.approx(86.9 * 0.75)
     assert decoded["ratio_to_cpu_only_bound"] == pytest.approx(30.4 / (90.8 * 0.75))
+    assert decoded["bound_misses_on_tier_only"] == pytest.approx(86.9 * 0.5)
+    assert decoded["ratio_to_tier_only_bound"] == pytest.approx(30.4 / (90.8 * 0.5))
     assert decoded["repeats"] is repeats
     assert decoded_spread(decoded) == ", ratios 30% / 34% / 33%"
 
