@@ -242,6 +242,44 @@ def test_staged_launches_replayed_as_a_graph_follow_new_inputs_swaps_and_workspa
             assert (len(m._graphs) == 1) == (step in (1, 2, 3, 5)), f"step {step}: {len(m._graphs)} graphs"
 
 
+def test_routed_launches_with_the_very_same_arrays_go_straight_to_their_graph(monkeypatch):
+    """GpuQMoE.run_routed's fast path, its control flow on a stand-in (what the graph computes: the GPU tests below).
+    Once a call has been replayed as a graph, a call with the very same arrays, stream and decode configuration
+    launches that graph without making its key; other arrays, another configuration, or inputs the kernels would
+    read through a converted copy go through _replayed again."""
+    from kernels.gpu import qmoe
+
+    stream, graph, keys, launched = Stream(), SimpleNamespace(), [], []
+    graph.launch = lambda on: launched.append(on.ptr)
+    cuda = SimpleNamespace(get_current_stream=lambda: stream, runtime=SimpleNamespace(getDevice=lambda: 0))
+    monkeypatch.setattr(qmoe, "_cp", lambda: SimpleNamespace(ndarray=FakeDeviceArray, cuda=cuda))
+    m = qmoe.GpuQMoE.__new__(qmoe.GpuQMoE)  # the attributes run_routed reads, no module or buffers
+    m.path, m.decode_max_tokens, m.decode_kernel, m.dec_cfg, m.dec5_cfg = "tc", 8, "v5", {"rank_route": 1}, {}
+    m._device_id, m._routed_replay, m.routed_fast_calls = 0, None, 0
+
+    def replayed(key, tokens, launch):  # GpuQMoE._replayed: eager at a key's first call, a graph from its second
+        keys.append(key + (tuple(m.dec_cfg.items()),))  # (its key holds the decode configuration too)
+        return graph if keys.count(keys[-1]) > 1 else None
+
+    m._replayed = replayed
+    x, logits, out32 = (FakeCupy.empty(shape, dtype) for shape, dtype in
+                        (((1, 8), np.float16), ((1, 4), np.float16), ((1, 8), np.float32)))
+    ids = FakeCupy.empty((1, 2), np.int32)
+
+    def call(*arrays, ids_out=ids):
+        assert m.run_routed(*arrays, ids_out=ids_out) is out32
+        return len(keys), m.routed_fast_calls
+
+    assert [call(x, logits, out32) for _ in range(4)] == [(1, 0), (2, 0), (2, 1), (2, 2)]
+    assert launched == [Stream.ptr] * 2  # the graph itself, launched on the current stream
+    m.dec_cfg["rank_route"] = 0  # another decode configuration: the key again (a graph of its own)
+    assert [call(x, logits, out32) for _ in range(3)] == [(3, 2), (4, 2), (4, 3)]
+    assert call(x, logits, out32, ids_out=FakeCupy.empty((1, 2), np.int32)) == (5, 3)  # another array
+    # logits the kernels read through a converted copy (not contiguous): never straight to the graph
+    strided = FakeCupy.empty((1, 8), np.float16)[:, ::2]
+    assert [call(x, strided, out32) for _ in range(3)] == [(6, 3), (7, 3), (8, 3)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_routed_launches_replayed_as_a_graph_match_the_reference(dtype):
