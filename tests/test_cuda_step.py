@@ -246,7 +246,7 @@ def test_routed_launches_with_the_very_same_arrays_go_straight_to_their_graph(mo
     """GpuQMoE.run_routed's fast path, its control flow on a stand-in (what the graph computes: the GPU tests below).
     Once a call has been replayed as a graph, a call with the very same arrays, stream and decode configuration
     launches that graph without making its key; other arrays, another configuration, or inputs the kernels would
-    read through a converted copy go through _replayed again."""
+    read through a converted copy go through _replayed again, as every call does with the switch off."""
     from kernels.gpu import qmoe
 
     stream, graph, keys, launched = Stream(), SimpleNamespace(), [], []
@@ -255,7 +255,7 @@ def test_routed_launches_with_the_very_same_arrays_go_straight_to_their_graph(mo
     monkeypatch.setattr(qmoe, "_cp", lambda: SimpleNamespace(ndarray=FakeDeviceArray, cuda=cuda))
     m = qmoe.GpuQMoE.__new__(qmoe.GpuQMoE)  # the attributes run_routed reads, no module or buffers
     m.path, m.decode_max_tokens, m.decode_kernel, m.dec_cfg, m.dec5_cfg = "tc", 8, "v5", {"rank_route": 1}, {}
-    m._device_id, m._routed_replay, m.routed_fast_calls = 0, None, 0
+    m._device_id, m._routed_replay, m.routed_fast_calls, m.fast_routed = 0, None, 0, True
 
     def replayed(key, tokens, launch):  # GpuQMoE._replayed: eager at a key's first call, a graph from its second
         keys.append(key + (tuple(m.dec_cfg.items()),))  # (its key holds the decode configuration too)
@@ -278,6 +278,8 @@ def test_routed_launches_with_the_very_same_arrays_go_straight_to_their_graph(mo
     # logits the kernels read through a converted copy (not contiguous): never straight to the graph
     strided = FakeCupy.empty((1, 8), np.float16)[:, ::2]
     assert [call(x, strided, out32) for _ in range(3)] == [(6, 3), (7, 3), (8, 3)]
+    m.fast_routed = False  # bench_offload_ab's gpu.fast_routed=0: every call through the key
+    assert [call(x, logits, out32) for _ in range(2)] == [(9, 3), (10, 3)]
 
 
 @pytest.mark.gpu

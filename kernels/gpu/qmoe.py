@@ -157,9 +157,11 @@ class GpuQMoE:
             # run_routed_split's graph for the very arrays of its last replay (_SplitReplay); calls that took it
             self._split_replay: _SplitReplay | None = None
             self.split_fast_calls = 0
-            # the same for run_routed (a fully resident layer's, or the tier's, decode launch)
+            # the same for run_routed (a fully resident layer's, or the tier's, decode launch); fast_routed False:
+            # every call through the key (bench_offload_ab's gpu.fast_routed=0)
             self._routed_replay: _SplitReplay | None = None
             self.routed_fast_calls = 0
+            self.fast_routed = True
             # run_routed_split's stop record and gated merge in its graph, and repeat calls straight to that graph
             # (True); False: both after the graph, every call through the checks and the key (the thirty-second
             # session's order, for bench_offload_ab's gpu.fast_split=0)
@@ -752,7 +754,7 @@ class GpuQMoE:
         stream = cp.cuda.get_current_stream()
         arrays = (x_dev, logits_dev, out32, out, router_weights, ids_out)
         config = self._decode_config()
-        replay = self._routed_replay
+        replay = self._routed_replay if self.fast_routed else None
         if replay is not None and replay.matches(arrays, stream.ptr, config):
             replay.graph.launch(stream)
             self.routed_fast_calls += 1
