@@ -189,9 +189,8 @@ def decode_repeats(repeats: list[dict]) -> dict:
     """The decode figure of a fraction measured `--repeats` times: the median tokens/s, the median bound and the
     median of the per-repeat ratios (each repeat's rate against its own bound: the dense time and the hit rate it
     measured), the same for the bounds with the misses on the CPU alone and on the host tier alone, with every repeat
-    kept. The other figures of
-    the point (overhead, statistics, projection) are the last repeat's: by then placement and the miss policy have run
-    longest on this fraction."""
+    kept. The other figures of the point (overhead, statistics, projection) are the last repeat's: by then placement
+    and the miss policy have run longest on this fraction."""
 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in repeats)
@@ -458,12 +457,12 @@ def main() -> None:
              "value": trace_h, "unit": "fraction", "reference": "hit rate on random routing", "reference_value": h,
              "ratio": trace_h / h if h else None},
         ]
-        cpu_only = f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}" if slots == 0 else ""
+        other_bounds = f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}" if slots == 0 else ""
         if h < 1:
-            cpu_only += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
-                         f"{decoded['ratio_to_tier_only_bound']:.0%}")
+            other_bounds += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
+                             f"{decoded['ratio_to_tier_only_bound']:.0%}")
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
-              f"(bound {decoded['reference_value']:7.1f}{cpu_only}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
+              f"(bound {decoded['reference_value']:7.1f}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f}  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + f"/read {stats.misses_read}" + path_text(path)

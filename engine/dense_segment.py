@@ -211,7 +211,7 @@ class SegmentBinding:
         inputs = values  # the arrays to bind, by cut tensor
         if graphs is not None:
             inputs = {name: self._graph_input(graphs, name, values[name]) for name in self.cut}
-            key = self._graph_key(graphs, inputs)
+            key = self._graph_key(inputs)
             if not dense_graph.verify and graphs.replay(key):
                 # nothing to bind: the graph reads and writes the buffers of its key, which these are
                 self._replayed = inputs  # alive until the next run, which comes after the replay in stream order
@@ -298,14 +298,14 @@ class SegmentBinding:
             return graphs.total_length(name)
         return array if name in graphs.host_read else graphs.stage(name, array)
 
-    def _graph_key(self, graphs, inputs: dict) -> tuple:
+    def _graph_key(self, inputs: dict) -> tuple:
         """The device buffers this run reads and writes (the cut tensors' `inputs` to bind, the state buffers, the
         kept outputs), by pointer and shape: a captured run replays only onto the very buffers it was captured with."""
         arrays = [a for a in (inputs[name] for name in self.cut) if not isinstance(a, np.ndarray)]
         arrays += [slot.array for _, slot in self.state_inputs]
         arrays += [slot.present for _, slot in self.state_outputs]
         arrays += self._on_device.results.values()
-        return graphs.key_of(arrays)
+        return self._graphs.key_of(arrays)
 
     def holds(self, values: dict[str, np.ndarray], results: dict[str, np.ndarray]) -> int:
         """Bytes the binding keeps alive until the next step: the cut tensors and the results."""
