@@ -1,0 +1,98 @@
+"""Diagnosis (GPU machine): what the decode path trials time for "both" against "both" in force (issue #4).
+
+The trials' "both" window timed 26.4 ms a step at Qwen3-30B-A3B-like 0% (thirty-sixth session, host probe 16) where
+"both" asked for ran 16.9 ms a step on the same kind of host (thirty-seventh session). Here one model decodes under
+path auto through its first trial and beyond, and each step prints: its milliseconds, the path in force and the way the
+trial times, the dense segments' graph replays and onnxruntime's own runs in the step, the captures, the CPU's
+and the tier's misses, the split's table of the first node (CPU share per cold count) and the rates it comes from.
+
+    python3 benchmarks/diag_path_trials.py --folder /tmp/bench-qwen3-30b-a3b-like [--fractions 0,0.5] [--steps 110]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_offload import SHAPES  # noqa: E402
+from benchmarks.bench_offload_ab import open_model  # noqa: E402
+from engine.dense_segment import DenseSegment  # noqa: E402
+from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload.planner import all_resident_bytes  # noqa: E402
+
+
+def count_runs(model) -> dict:
+    """onnxruntime's own runs of every dense segment, counted (the sessions' run_with_iobinding wrapped)."""
+    counts = {"runs": 0}
+    for step in model.decoder.steps:
+        if isinstance(step, DenseSegment) and step.session is not None:
+            real = step.session.run_with_iobinding
+
+            def counted(*args, real=real, **kwargs):
+                counts["runs"] += 1
+                return real(*args, **kwargs)
+            step.session.run_with_iobinding = counted
+    return counts
+
+
+def graph_counts(model) -> tuple[int, int]:
+    """(replays, graphs held) over every dense segment."""
+    replays = held = 0
+    for step in model.decoder.steps:
+        graphs = getattr(step, "_graphs", None)
+        if graphs is not None:
+            replays += graphs.replays
+            held += len(graphs._graphs)
+    return replays, held
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b-like")
+    parser.add_argument("--fractions", default="0")
+    parser.add_argument("--steps", type=int, default=110)
+    parser.add_argument("--folder")
+    parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
+    parser.add_argument("--device", choices=["cuda", "simulated"], default="cuda")
+    args = parser.parse_args()
+    model, prompt = open_model(args.shape, args.layers, args.folder, device=args.device, prefix="diag-path-trials-")
+    engine = model.offload
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        engine.reconfigure(OffloadConfig(device_expert_bytes=int(fraction * all_resident_bytes(model.folder.experts))))
+        runs = count_runs(model)
+        state = model.new_state()
+        token = int(model.decoder.forward(state, prompt)[-1].argmax())
+        print(f"== {fraction:.0%} resident; step ms, path in force / trial timing, dense replays / onnxruntime runs "
+              f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs, tier GB/s, host gap µs", flush=True)
+        before_replays, _ = graph_counts(model)
+        before_runs = runs["runs"]
+        stats = engine.stats
+        for step in range(args.steps):
+            cpu_before = sum(layer.misses - layer.misses_read for layer in stats.layers)
+            read_before = sum(layer.misses_read for layer in stats.layers)
+            started = time.perf_counter()
+            token = int(model.decoder.forward(state, [token])[-1].argmax())
+            ms = (time.perf_counter() - started) * 1e3
+            replays, held = graph_counts(model)
+            trial = engine.path_trials.state()
+            table = next(iter(engine._split_tables.values()), None) if engine.splits_cold else None
+            cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
+            read = sum(layer.misses_read for layer in stats.layers) - read_before
+            rate = engine.cpu_rate.value or 0.0
+            tier = engine.tier_read.value or 0.0
+            print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
+                  f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
+                  f"cpu {cpu_misses:4d} read {read:4d}  "
+                  f"table {'' if table is None else ','.join(str(int(t)) for t in table):>17}  "
+                  f"{rate / 1e9:5.1f}+{engine.cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
+                  f"{engine.host_gap.value * 1e6:5.0f}", flush=True)
+            before_replays, before_runs = replays, runs["runs"]
+        print(f"trials: {engine.path_trials.state()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
