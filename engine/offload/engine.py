@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -428,12 +429,17 @@ class OffloadEngine:
     def end_step(self, step_s: float | None = None, tokens: int = 1) -> None:
         """A safe point between decoder steps of `tokens` tokens: placement may move experts now, within the swap
         allowance earned by the step's `step_s` seconds (None: without a limit), or the layer split's trials
-        (layer_split.py) re-plan the slots."""
+        (layer_split.py) re-plan the slots. The trials time a step with the accounts it left for here: a path whose
+        host runs ahead of the GPU (the tier) leaves most of them, one whose host waits for each layer ("both") takes
+        them within the step, and the next step starts after them either way."""
         if self.shadow:
             return
+        accounts_started = time.perf_counter()
         for _ready, account in self.deferred:
             account()
         self.deferred.clear()
+        if step_s is not None:
+            step_s += time.perf_counter() - accounts_started
         self.host_gap.step_ended()
         self.stats.end_step()
         self.copy_reuse.end_step()
