@@ -43,10 +43,13 @@ def graph_counts(model) -> tuple[int, int]:
     """(replays, graphs held) over every dense segment."""
     replays = held = 0
     for step in model.decoder.steps:
-        graphs = getattr(step, "_graphs", None)
-        if graphs is not None:
-            replays += graphs.replays
-            held += len(graphs._graphs)
+        if not isinstance(step, DenseSegment):
+            continue
+        for binding in list(step.bindings._by_state.values()):  # one per live conversation state
+            graphs = binding._graphs
+            if graphs is not None:
+                replays += graphs.replays
+                held += len(graphs._graphs)
     return replays, held
 
 
