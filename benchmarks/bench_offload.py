@@ -41,6 +41,9 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import hit_rate, realistic_trace  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
+# decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
+# a first trial of the CPU's share under "both" takes 16 steps to start and 60 to run
+TRIALS_WARMUP_MAX = 160
 SHAPES = {
     "gpt-oss-20b-like": dict(layers=24, hidden_size=2880, inter_size=2880, num_experts=32, top_k=4, num_heads=64,
                              num_kv_heads=8, head_size=64, vocab_size=4096, sliding_window=128),
@@ -78,6 +81,10 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) 
     token = int(logits[-1].argmax())
     for _ in range(warmup):  # warm-up: placement fills, kernels compiled
         token = int(model.decoder.forward(state, [token])[-1].argmax())
+    for _ in range(TRIALS_WARMUP_MAX):  # ... and the engine's trials over (timed steps would time the ways they try)
+        if not trials_under_way(model):
+            break
+        token = int(model.decoder.forward(state, [token])[-1].argmax())
     model.offload.stats.reset(len(model.offload.slots)) if model.offload else None
     profile = model.decoder.profile
     profile.update(steps=0, dense_s=0.0, experts_s=0.0, total_s=0.0)
@@ -101,6 +108,18 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) 
     return rate, rows
 
 
+def trials_under_way(model: LoadedModel) -> bool:
+    """Whether a trial of the engine's is timing its ways now, or the first trial of the CPU's share under "both"
+    (split_share.py) is still to come: it starts a few steps after "both" comes into force, a first trial of the
+    decode path having chosen it."""
+    engine = model.offload
+    if engine is None:
+        return False
+    share = engine.share_trials
+    return (engine.path_trials.measuring or engine.split_trials.measuring or share.measuring
+            or (engine.splits_cold and share.trials == 0))
+
+
 class GcClock:
     """A gc.callbacks entry: the seconds Python's cyclic garbage collector has run since it was made (a collection
     inside a decode step is one of the suspects for a slow step)."""
@@ -120,7 +139,7 @@ def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: in
     """Decode tokens/s with every step routed by a realistic trace (`seed`), after `warmup` routed steps."""
     infos = model.folder.experts
     spec = infos[0].spec
-    trace = realistic_trace(warmup + tokens, len(infos), spec.num_experts, spec.k, seed=seed)
+    trace = realistic_trace(warmup + TRIALS_WARMUP_MAX + tokens, len(infos), spec.num_experts, spec.k, seed=seed)
     with TraceRouting(trace, len(infos)):
         rate, _rows = decode(model, prompt, tokens, warmup=warmup)
     return rate

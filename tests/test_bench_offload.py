@@ -86,3 +86,26 @@ def test_a_dense_term_longer_than_a_whole_step_caps_every_decode_figures_ratio()
     assert figures[0]["ratio_dense_capped"] == pytest.approx(0.45)
     assert figures[1]["ratio_dense_capped"] == pytest.approx(0.56)
     assert figures[0]["ratio"] == 0.5 and "ratio_dense_capped" not in figures[2]
+
+
+def test_timed_decode_waits_while_a_trial_times_its_ways_or_the_first_share_trial_is_due():
+    """bench_offload.decode's warm-up goes on while the engine's trials time their ways: a decode path trial, or
+    under "both" the CPU's share's (split_share.py), whose first trial starts only after "both" came into force."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_offload import trials_under_way
+    from engine.offload.decode_path import DecodePathTrials
+    from engine.offload.layer_split import LayerSplitTrials
+    from engine.offload.split_share import SplitShareTrials
+
+    engine = SimpleNamespace(path_trials=DecodePathTrials(first=0, window=2), split_trials=LayerSplitTrials(),
+                             share_trials=SplitShareTrials(first=0, window=1, settle=0), splits_cold=False)
+    model = SimpleNamespace(offload=engine)
+    assert not trials_under_way(model) and not trials_under_way(SimpleNamespace(offload=None))
+    engine.splits_cold = True  # "both" in force, its share not yet tried
+    assert trials_under_way(model)
+    for _ in range(4):  # as made, one fewer, one more, as made
+        engine.share_trials.step(0.010, 1)
+    assert engine.share_trials.trials == 1 and not trials_under_way(model)
+    engine.path_trials.step(0.010, 1)  # a path trial's first window under way
+    assert trials_under_way(model)

@@ -535,6 +535,12 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
     both["cold_split"]["host_gap_s"] = 190.4e-6
     assert copies_text({"decode_path": both}).endswith("(up to 2 of 4 when all are cold, after 190 µs of host work a "
                                                        "layer)")
+    both["cold_split"]["share"] = {"shift": 0, "measuring": "one fewer"}  # a trial of the CPU's share (split_share)
+    assert copies_text({"decode_path": both}).endswith("(up to 2 of 4 when all are cold, timing one pair fewer now, "
+                                                       "after 190 µs of host work a layer)")
+    both["cold_split"]["share"] = {"shift": -1, "measuring": None}
+    assert copies_text({"decode_path": both}).endswith("(up to 2 of 4 when all are cold, one pair fewer than the rates "
+                                                       "give, as measured faster, after 190 µs of host work a layer)")
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measuring": "cpu"}}) == \
         "timing where cold experts run: computed on the CPU now"
     assert copies_text({"decode_path": {"host_tier": False, "in_force": "cpu", "measured_ms": {}}}) == ""

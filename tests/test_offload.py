@@ -168,9 +168,59 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     # the simulated device's dense segments are the CPU doing a card's work: no host gap is measured there
     assert engine.host_gap.value == 0.0
     assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "tier_read_bytes_per_s": engine.tier_read.value,
-                     "host_gap_s": 0.0}
+                     "host_gap_s": 0.0,
+                     "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None}}  # (none yet: 12 steps)
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
+
+
+def test_under_decode_path_both_trials_shift_the_cpus_share_where_its_steps_run_faster(model_folder, cpu_run):
+    """The share trials (split_share.py) time "both" steps with the table as made, with the CPU taking one cold pair
+    fewer at every count and one more, and keep the fastest by their margin: here (step times given) one fewer. The
+    tables are then made from the rates and shifted; the answers stay the all-CPU run's throughout."""
+    from kernels.cold_split import cpu_take_table
+    from engine.offload.split_share import FEWER, SplitShareTrials, shifted
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    engine = model.offload
+    engine.share_trials = SplitShareTrials(first=1, settle=1, window=2, recheck=100)
+    engine._trial_seconds = lambda seconds: seconds
+    shifts = []
+
+    def end_step(seconds, tokens):
+        if tokens == 1:  # (a prompt's step is not timed)
+            shifts.append(engine.share_trials.shift)
+            seconds = {0: 0.030, -1: 0.020, 1: 0.040}[engine.share_trials.shift]
+        engine.end_step(seconds, tokens)
+
+    model.decoder.on_step_end = end_step
+    for _ in range(2):  # 24 decode steps
+        assert_same_as_cpu(greedy_run(model), cpu_run)
+    # each decode step's shift: 1 skipped, 2 timed as made, then 1 settling and 2 timed with each shift and as made
+    assert shifts == [0] * 3 + [-1] * 3 + [1] * 3 + [0] * 3 + [-1] * 12, shifts
+    assert engine.share_trials.choice == FEWER and engine.share_trials.trials == 1
+    engine._split_tables.clear()
+    info, store = engine.infos[0], engine.stores[0]
+    made = cpu_take_table(SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
+                          store.read_bytes / engine.tier_read.value)
+    assert engine.cold_split_table(0).tolist() == shifted(made, -1).tolist()
+    assert engine.copy_state()["decode_path"]["cold_split"]["share"] == {
+        "shift": -1, "trials": 1, "measuring": None,
+        "measured_ms": {"as made": pytest.approx(30.0, abs=1.0), "one fewer": pytest.approx(20.0, abs=1.0),
+                        "one more": pytest.approx(40.0, abs=1.0)}}
+
+
+def test_a_shifted_share_stays_within_a_tokens_cold_pairs():
+    from engine.offload.split_share import shifted
+
+    table = np.array([0, 0, 1, 1, 2, 2, 3, 3, 4], np.int32)
+    assert shifted(table, 0) is table
+    assert shifted(table, -1).tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3]
+    assert shifted(table, 1).tolist() == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert shifted(np.arange(5, dtype=np.int32), 1).tolist() == [0, 1, 2, 3, 4]  # never more than the c cold pairs
+    assert shifted(table, 1).dtype == np.int32
 
 
 def test_a_switch_to_both_makes_its_table_again_once_its_own_steps_measured_the_tiers_reads(model_folder):

@@ -21,6 +21,9 @@ from engine.offload.decode_path import PATH_WORDS, measured_words
 from engine.units import human_bytes
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
+# the share trials' ways under "both" (engine/offload/split_share.py), and a shift chosen
+SHARE_WORDS = {"as made": "the share the rates give", "one fewer": "one pair fewer", "one more": "one pair more"}
+SHIFT_WORDS = {-1: "one pair fewer", 1: "one pair more"}
 
 
 class Heatmap(QWidget):
@@ -234,7 +237,14 @@ def _cpu_share(path: dict) -> str:
         return ""
     host_s = split.get("host_gap_s") or 0.0
     host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
-    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold{host})"
+    share = split.get("share") or {}  # the share trials (engine/offload/split_share.py)
+    if share.get("measuring"):
+        trial = f", timing {SHARE_WORDS[share['measuring']]} now"
+    elif share.get("shift"):
+        trial = f", {SHIFT_WORDS[share['shift']]} than the rates give, as measured faster"
+    else:
+        trial = ""
+    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold{trial}{host})"
 
 
 class PlacementView(QWidget):

@@ -26,6 +26,7 @@ from engine.offload.host_cache import HostExpertCache
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
+from engine.offload.split_share import SplitShareTrials, shifted
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
@@ -93,6 +94,7 @@ class OffloadEngine:
         self.reads_tier = False  # decode steps read cold experts from the host tier now (decode_path_in_force)
         self.splits_cold = False  # ... and the CPU computes a share of them at once (decode path "both")
         self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the rates move
+        self.share_trials = SplitShareTrials()  # ... and shifted by one pair as trials of "both" steps say (split_share)
         self._split_tables_due = SPLIT_TABLE_FIRST  # "both" decode steps until they are made again
         self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
@@ -181,7 +183,8 @@ class OffloadEngine:
         the rate of one more expert, each under whatever else the machine reads meanwhile) against the GPU's reads from
         the host tier as measured in these steps (TierReadRate; until then TIER_READ_SHARE of the measured PCIe
         bandwidth), the host's own work between two such layers on the CPU's side (HostGap); per expert size, made
-        again every few decode steps as the measured rates and gap move."""
+        again every few decode steps as the measured rates and gap move; shifted by the share trials' choice
+        (split_share.py)."""
         info, store = self.infos[layer], self.stores[layer]
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k)
         table = self._split_tables.get(key)
@@ -189,9 +192,9 @@ class OffloadEngine:
             bandwidths = self.device.bandwidths
             cpu_bytes_per_s = self.cpu_rate.value or bandwidths.cpu
             tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
-            table = self._split_tables[key] = cpu_take_table(
+            table = self._split_tables[key] = shifted(cpu_take_table(
                 info.spec.k, info.bytes_per_expert / cpu_bytes_per_s, self.cpu_rate.fixed_s,
-                store.read_bytes / tier_bytes_per_s, self.host_gap.value)
+                store.read_bytes / tier_bytes_per_s, self.host_gap.value), self.share_trials.shift)
         return table
 
     @property
@@ -242,13 +245,14 @@ class OffloadEngine:
 
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
-        table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured) and the host's
-        measured work between two such layers (HostGap)."""
+        table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured), the host's
+        measured work between two such layers (HostGap) and the share trials' state with the shift in force."""
         if not self.splits_cold:
             return None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
-                "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value}
+                "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
+                "share": {"shift": self.share_trials.shift, **self.share_trials.state()}}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
@@ -445,9 +449,15 @@ class OffloadEngine:
         self.copy_reuse.end_step()
         if self.device is not None:
             trial_s = self._trial_seconds(step_s)
-            if trial_s is not None and self.path_trials_run() and not self.split_trials.measuring:
+            if (trial_s is not None and self.path_trials_run() and not self.split_trials.measuring
+                    and not self.share_trials.measuring):
                 if self.path_trials.step(trial_s, tokens) is not None:
                     self._switch_path()
+                    return
+            # the CPU's share of the cold pairs, while "both" is in force and no trial of the path is under way
+            if trial_s is not None and self.splits_cold and not self.path_trials.measuring:
+                if self.share_trials.step(trial_s, tokens) is not None:
+                    self._split_tables.clear()  # made again at once with the share now in force
                     return
             # the layer split's trials only without a host tier: no layer's step then has a host round trip to save
             if (trial_s is not None and self.layer_split_mode == "auto" and not self._host_tier
@@ -531,6 +541,7 @@ class OffloadEngine:
             self.decode_path_mode = checked_path(decode_path)
         self.split_trials = LayerSplitTrials()
         self.path_trials = DecodePathTrials()
+        self.share_trials = SplitShareTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
         self._replan(config)
 

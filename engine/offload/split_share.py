@@ -1,0 +1,38 @@
+"""Under the decode path "both": trials of the CPU's share of the cold pairs around the split's table (issue #4).
+
+The table (kernels/cold_split.py: cpu_take_table) models a layer as the later of the CPU's part (the host's gap, the
+call's fixed cost, its experts) and the GPU's reads from the tier. What it leaves out moved the best share on the H200
+machine: the GPU's merge, the next dense segment and the next routing lie in series with whichever side finishes
+last, and the CPU kernel beside the GPU's reads is not the CPU kernel alone. At Qwen3-30B-A3B-like 0% the table gave the
+CPU 4 of 8 cold pairs a token at 21.1 ms a step where 3 ran at 18.4 ms (thirty-seventh session, diag_path_trials.py),
+on a host where another hold had run the 4 at 16.9 ms. So the steps decide: A-B-A trials (trials.py) of the table as
+made, the CPU taking one pair fewer for every count of cold pairs, and one more, the table's own share in force first
+and winning ties. The shift holds until the next trial; the table is made again from the rates meanwhile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.offload.trials import AbaTrials
+
+AS_MADE, FEWER, MORE = "as made", "one fewer", "one more"
+SHIFTS = {AS_MADE: 0, FEWER: -1, MORE: 1}
+
+
+class SplitShareTrials(AbaTrials):
+    """The table as made against one pair fewer and one more on the CPU; `shift` is the one in force."""
+
+    def __init__(self, **settings):
+        super().__init__(AS_MADE, FEWER, MORE, **settings)
+
+    @property
+    def shift(self) -> int:
+        return SHIFTS[self.choice]
+
+
+def shifted(table: np.ndarray, shift: int) -> np.ndarray:
+    """cpu_take with `shift` more pairs for the CPU at every count of cold pairs c (int32 [k + 1]), kept within 0..c."""
+    if shift == 0:
+        return table
+    return np.clip(table + shift, 0, np.arange(table.size)).astype(np.int32)
