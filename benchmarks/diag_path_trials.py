@@ -4,7 +4,8 @@ The trials' "both" window timed 26.4 ms a step at Qwen3-30B-A3B-like 0% (thirty-
 "both" asked for ran 16.9 ms a step on the same kind of host (thirty-seventh session). Here one model decodes under
 path auto through its first trial and beyond, and each step prints: its milliseconds, the path in force and the way the
 trial times, the dense segments' graph replays and onnxruntime's own runs in the step, the captures, the CPU's
-and the tier's misses, the split's table of the first node (CPU share per cold count) and the rates it comes from.
+and the tier's misses, the split's table of the first node (CPU share per cold count), the rates it comes from and the
+share trials' shift (split_share.py).
 
     python3 benchmarks/diag_path_trials.py --folder /tmp/bench-qwen3-30b-a3b-like [--fractions 0,0.5] [--steps 110]
 """
@@ -70,7 +71,8 @@ def main() -> None:
         state = model.new_state()
         token = int(model.decoder.forward(state, prompt)[-1].argmax())
         print(f"== {fraction:.0%} resident; step ms, path in force / trial timing, dense replays / onnxruntime runs "
-              f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs, tier GB/s, host gap µs", flush=True)
+              f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs, tier GB/s, host gap µs, the CPU's "
+              f"share shift in force / trial timing", flush=True)
         before_replays, _ = graph_counts(model)
         before_runs = runs["runs"]
         stats = engine.stats
@@ -92,9 +94,10 @@ def main() -> None:
                   f"cpu {cpu_misses:4d} read {read:4d}  "
                   f"table {'' if table is None else ','.join(str(int(t)) for t in table):>17}  "
                   f"{rate / 1e9:5.1f}+{engine.cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
-                  f"{engine.host_gap.value * 1e6:5.0f}", flush=True)
+                  f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
+                  f"/{engine.share_trials.state()['measuring'] or '-'}", flush=True)
             before_replays, before_runs = replays, runs["runs"]
-        print(f"trials: {engine.path_trials.state()}", flush=True)
+        print(f"trials: {engine.path_trials.state()}, share: {engine.share_trials.state()}", flush=True)
 
 
 if __name__ == "__main__":
