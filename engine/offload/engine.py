@@ -94,7 +94,7 @@ class OffloadEngine:
         self.reads_tier = False  # decode steps read cold experts from the host tier now (decode_path_in_force)
         self.splits_cold = False  # ... and the CPU computes a share of them at once (decode path "both")
         self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the rates move
-        self.share_trials = SplitShareTrials()  # ... and shifted by one pair as trials of "both" steps say (split_share)
+        self.share_trials = SplitShareTrials()  # ... shifted by a pair as "both" steps say (split_share)
         self._split_tables_due = SPLIT_TABLE_FIRST  # "both" decode steps until they are made again
         self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
