@@ -677,6 +677,28 @@ def test_routing_that_comes_back_to_copied_misses_is_measured_and_given_to_the_p
     assert summary["miss_slots"] == model.offload.policy.miss_slots and summary["misses_copied"] == totals.misses_copied
 
 
+def test_a_kept_cpu_cost_fit_follows_what_later_calls_of_one_size_cost():
+    # a line from calls of 1-8 experts (the CPU path's calls); then calls of four experts only (decode path "both"),
+    # each 60 µs cheaper than that line says: the slope stays, the fixed cost moves so that the line passes through
+    # them, and a call of three experts is priced by the slope from there
+    expert = 2_500_000
+    rate = CpuRate()
+    for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2:
+        rate.observe(n * expert, 150e-6 + n * expert / 90e9)
+    assert rate.fixed_s == pytest.approx(150e-6, rel=1e-6)
+    for _ in range(400):
+        rate.observe(4 * expert, 90e-6 + 4 * expert / 90e9)
+    assert rate._line() is None
+    assert rate.value == pytest.approx(90e9, rel=1e-6) and rate.fixed_s == pytest.approx(90e-6, rel=1e-3)
+    cheap = CpuRate()  # calls far below the line: a fixed cost of 0, not less
+    for n in [1, 8, 3, 6, 2, 7, 4, 5] * 2:
+        cheap.observe(n * expert, 150e-6 + n * expert / 90e9)
+    assert cheap.fixed_s > 0  # (the line is fitted when read)
+    for _ in range(400):
+        cheap.observe(4 * expert, 0.5 * 4 * expert / 90e9)
+    assert cheap.fixed_s == 0.0 and cheap.value == pytest.approx(90e9, rel=1e-6)
+
+
 def test_a_cpu_cost_fit_stays_while_later_calls_of_one_size_give_none():
     # calls of 1-8 experts give the line (~180 µs + bytes / 66 GB/s); then calls of one expert each, as under
     # real-like routing with most experts resident, give none: the line stays, not the average rate, which would
@@ -690,7 +712,7 @@ def test_a_cpu_cost_fit_stays_while_later_calls_of_one_size_give_none():
     for _ in range(400):  # the older calls decay away: no spread left among the calls the sums hold
         rate.observe(expert, 180e-6 + expert / 66e9)
     assert rate._line() is None and rate.average == pytest.approx(expert / (180e-6 + expert / 66e9))
-    assert (rate.value, rate.fixed_s) == fitted
+    assert (rate.value, rate.fixed_s) == (pytest.approx(fitted[0], rel=1e-9), pytest.approx(fitted[1], rel=1e-6))
     rate.keep_fit = False  # the switch the A/B sets (bench_offload_ab --b rate.keep_fit=0): the average rate alone
     rate.observe(expert, 180e-6 + expert / 66e9)
     assert rate.fixed_s == 0.0 and rate.value == pytest.approx(rate.average)

@@ -62,7 +62,8 @@ class CpuRate:
     average rate, an exponential average of bytes / seconds per call (weight `keep` on the past). value is None until
     measured. The average alone read 28-43 GB/s on that Xeon against 98 GB/s of streaming bandwidth.
 
-    A fit, once made, stays (`keep_fit`) while later calls give none, until they give a new one: calls of one size
+    A fit's slope, once made, stays (`keep_fit`) while later calls give none, until they give a new one; its fixed
+    cost follows those calls (the line through their mean, _through_recent). Calls of one size
     (a token's one or two misses under real-like routing) give no line, and the average rate then prices every
     miss at a whole call, fixed cost included (19 GB/s on the H200 machine's Qwen3-30B-A3B-like calls of one
     expert), which made the slot weighing leave every slot to copies (NOTES-overhead.md, twentieth session)."""
@@ -107,8 +108,19 @@ class CpuRate:
             line = self._line()
             if line is not None or not self.keep_fit:
                 self._fitted = line
+            elif self._fitted is not None:
+                self._fitted = self._through_recent(self._fitted[1])
             self._stale = False
         return self._fitted
+
+    def _through_recent(self, slope: float) -> tuple[float, float]:
+        """A kept line's slope through the mean of the calls the sums hold now (their fixed cost at least 0): calls of
+        one size give no slope, but they do say what a call of that size costs now. A line fitted on other calls (the
+        CPU path's calls of every cold expert, before a switch to "both", whose calls take a few) would otherwise price
+        these by its own intercept (H200, Qwen3-30B-A3B-like: 143-152 µs a call kept, where one-expert calls in
+        "both" took ~100 µs and four ~210, thirty-seventh session)."""
+        w, sx, sy = self._sums[:3]
+        return max(sy / w - slope * sx / w, 0.0), slope
 
     @property
     def value(self) -> float | None:
