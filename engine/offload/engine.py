@@ -26,10 +26,10 @@ from engine.offload.host_cache import HostExpertCache
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
-from engine.offload.split_share import SplitShareTrials, shifted
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
+from engine.offload.split_share import SplitShareTrials, shifted
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
