@@ -4,10 +4,11 @@ The table (kernels/cold_split.py: cpu_take_table) models a layer as the later of
 call's fixed cost, its experts) and the GPU's reads from the tier. What it leaves out moved the best share on the H200
 machine: the GPU's merge, the next dense segment and the next routing lie in series with whichever side finishes
 last, and the CPU kernel beside the GPU's reads is not the CPU kernel alone. At Qwen3-30B-A3B-like 0% the table gave the
-CPU 4 of 8 cold pairs a token at 21.1 ms a step where 3 ran at 18.4 ms (thirty-seventh session, diag_path_trials.py),
-on a host where another hold had run the 4 at 16.9 ms. So the steps decide: A-B-A trials (trials.py) of the table as
-made, the CPU taking one pair fewer for every count of cold pairs, and one more, the table's own share in force first
-and winning ties. The shift holds until the next trial; the table is made again from the rates meanwhile.
+CPU 4 of 8 cold pairs a token at 21.1 ms a step where 3 ran at 18.0-19.0 ms (thirty-seventh session,
+diag_path_trials.py), on a host where another hold had run the 4 at 16.9 ms, and where a third hold's trial kept the
+table as made (19.96 ms a step against 20.10 with one fewer). So the steps decide: A-B-A trials (trials.py) of the table
+as made, the CPU taking one pair fewer for every count of cold pairs, and one more, the table's own share in force
+first and winning ties. The shift holds until the next trial; the table is made again from the rates meanwhile.
 """
 
 from __future__ import annotations
