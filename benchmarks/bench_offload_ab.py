@@ -62,8 +62,13 @@ PATH = "path="  # a variant's decode path (engine/offload/decode_path.py)
 def variant(text: str) -> dict:
     """Offload entries 'key=value,key=value' (short or full names; '' = none) as OffloadConfig changes (switches
     left out: switches())."""
-    entries = dict(item.split("=", 1) for item in text.split(",")
-                   if item.strip() and not item.strip().startswith(SWITCH_PREFIXES + (SPLIT, PATH)))
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        if item and "=" not in item:  # (gpu_offload_run.sh's AB="--b ''" hands over the two quote characters)
+            raise SystemExit(f"variant item {item!r} is not key=value (no change: an empty variant, or a switch at its "
+                             f"default)")
+    entries = dict(item.split("=", 1) for item in items
+                   if item and not item.startswith(SWITCH_PREFIXES + (SPLIT, PATH)))
     parsed = OffloadConfig.from_entries(entries)
     changes = {name[len(PREFIX):]: getattr(parsed, name[len(PREFIX):]) for name in parsed.to_entries()}
     if "device_expert_bytes" in changes:

@@ -13,6 +13,8 @@ def test_a_variant_is_the_offload_keys_it_names_in_short_or_full_form():
         variant("threads=4")
     with pytest.raises(SystemExit, match="set by --fractions"):
         variant("device_expert_bytes=1000")
+    with pytest.raises(SystemExit, match=r"variant item \"''\" is not key=value"):
+        variant("''")  # what AB="--b ''" hands over through gpu_offload_run.sh's word splitting
 
 
 def test_the_summary_pairs_each_round_of_b_with_the_round_of_a_beside_it():
