@@ -84,7 +84,8 @@ def main() -> None:
             ms = (time.perf_counter() - started) * 1e3
             replays, held = graph_counts(model)
             trial = engine.path_trials.state()
-            table = next(iter(engine._split_tables.values()), None) if engine.splits_cold else None
+            split = engine.copy_state()["decode_path"]["cold_split"]  # None unless "both" is in force
+            table = None if split is None else split["cpu_takes"]
             cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
             read = sum(layer.misses_read for layer in stats.layers) - read_before
             rate = engine.cpu_rate.value or 0.0

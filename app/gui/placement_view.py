@@ -18,12 +18,10 @@ from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, 
 
 from app.gui import theme
 from engine.offload.decode_path import PATH_WORDS, measured_words
+from engine.offload.split_share import SHARE_WORDS, SHIFT_WORDS
 from engine.units import human_bytes
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
-# the share trials' ways under "both" (engine/offload/split_share.py), and a shift chosen
-SHARE_WORDS = {"as made": "the share the rates give", "one fewer": "one pair fewer", "one more": "one pair more"}
-SHIFT_WORDS = {-1: "one pair fewer", 1: "one pair more"}
 
 
 class Heatmap(QWidget):

@@ -19,6 +19,9 @@ from engine.offload.trials import AbaTrials
 
 AS_MADE, FEWER, MORE = "as made", "one fewer", "one more"
 SHIFTS = {AS_MADE: 0, FEWER: -1, MORE: 1}
+# each way in words (the placement view's sentence), and a shift chosen by its way's words
+SHARE_WORDS = {AS_MADE: "the share the rates give", FEWER: "one pair fewer", MORE: "one pair more"}
+SHIFT_WORDS = {SHIFTS[way]: SHARE_WORDS[way] for way in (FEWER, MORE)}
 
 
 class SplitShareTrials(AbaTrials):
