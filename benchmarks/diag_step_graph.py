@@ -17,7 +17,11 @@ part) and checks:
    host's per-layer spin, part and gate, as the engine's decode step) against one chained launch and the same
    per-layer host loop.
 
-Run on the GPU machine: `python benchmarks/diag_step_graph.py [--layers 48] [--steps 200]`.
+With `--engine-parts`, the same question of the engine's own part graphs: a writer-made model with a few layers
+decodes on decode path "both" (dense part on onnxruntime-gpu), and every graph its dense segments and split launches
+hold is added as a child node of one chain, which is instantiated (not launched: the host's gates are not driven).
+
+Run on the GPU machine: `python benchmarks/diag_step_graph.py [--layers 48] [--steps 200] [--engine-parts 4]`.
 """
 
 from __future__ import annotations
@@ -136,6 +140,51 @@ def chain(cuda, layers) -> ctypes.c_void_p:
     return executable
 
 
+def add_chain(cuda, graphs: list) -> tuple[int, str]:
+    """(children added, the outcome) of chaining CuPy graphs as child nodes and instantiating the chain."""
+    parent = ctypes.c_void_p()
+    _check(cuda.cuGraphCreate(ctypes.byref(parent), 0), "cuGraphCreate")
+    previous, added = None, 0
+    for graph in graphs:
+        node = ctypes.c_void_p()
+        deps = (ctypes.c_void_p * 1)(previous) if previous is not None else None
+        status = cuda.cuGraphAddChildGraphNode(ctypes.byref(node), parent, deps, 0 if deps is None else 1,
+                                               ctypes.c_void_p(graph.graph))
+        if status != CUDA_SUCCESS:
+            return added, f"cuGraphAddChildGraphNode refused child {added}: CUresult {status}"
+        previous, added = node, added + 1
+    executable = ctypes.c_void_p()
+    status = cuda.cuGraphInstantiateWithFlags(ctypes.byref(executable), parent, 0)
+    return added, "instantiated" if status == CUDA_SUCCESS else f"cuGraphInstantiateWithFlags: CUresult {status}"
+
+
+def engine_parts(cuda, layers: int, steps: int) -> None:
+    """The engine's part graphs after `steps` decode steps on "both" at 0% resident, chained and instantiated."""
+    from benchmarks.bench_offload_ab import open_model
+    from engine.dense_segment import DenseSegment
+    from kernels.gpu.qmoe import _EAGER
+
+    model, prompt = open_model("qwen3-30b-a3b-like", layers, None, prefix="diag-step-graph-")
+    model.offload.set_decode_path("both")
+    state = model.new_state()
+    token = int(model.decoder.forward(state, prompt)[-1].argmax())
+    for _ in range(steps):
+        token = int(model.decoder.forward(state, [token])[-1].argmax())
+    dense, split = [], []
+    for step in model.decoder.steps:
+        if isinstance(step, DenseSegment):
+            for binding in list(step.bindings._by_state.values()):
+                if binding._graphs is not None:
+                    dense += list(binding._graphs._graphs.values())
+    for store in model.offload.stores:
+        split += [graph for graph in store.gpu._graphs.values() if graph is not _EAGER]
+    print(f"engine parts after {steps} steps on {model.offload.decode_path_in_force!r}: {len(dense)} dense segment "
+          f"graphs, {len(split)} expert launch graphs")
+    for name, graphs in (("dense segments", dense), ("expert launches", split), ("all", dense + split)):
+        added, outcome = add_chain(cuda, graphs)
+        print(f"  {name}: {added} of {len(graphs)} chained, {outcome}")
+
+
 def expected_after(h0: np.ndarray, layers: int, steps: int) -> np.ndarray:
     h = h0.astype(np.float32).copy()
     for _ in range(steps):
@@ -150,10 +199,14 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--engine-parts", type=int, metavar="LAYERS", default=0,
+                        help="also chain the engine's own part graphs of a model with this many layers")
     args = parser.parse_args(argv)
     import cupy as cp
 
     cuda, calls = _driver(), DriverCalls.from_driver()
+    if args.engine_parts:
+        engine_parts(cuda, args.engine_parts, 24)
     module = cp.RawModule(code=SOURCE)
     stream = cp.cuda.Stream(non_blocking=True)
     h = cp.zeros(args.hidden, cp.float32)
