@@ -49,7 +49,7 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "dense.")  # a variant's entries with these prefixes are switches
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")  # a variant's entries with these prefixes are switches
 SPLIT = "split="  # a variant's layer split
 # decode steps after the first trial before a variant under trials is timed: a switch to "both" makes its split
 # tables afresh (engine.py: SPLIT_TABLE_FIRST steps, the host's gap measured again); timed at once, a round ran 19 ms
@@ -79,7 +79,8 @@ def variant(text: str) -> dict:
 def switches(text: str) -> dict[str, int]:
     """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
     holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'engine.NAME' one of
-    the offload engine, 'dense.graphs' the dense segments' CUDA graphs (engine.dense_graph.enabled)."""
+    the offload engine, 'slots.NAME' one of every node's device slots (CudaSlots), 'dense.graphs' the dense segments'
+    CUDA graphs (engine.dense_graph.enabled)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
@@ -139,6 +140,8 @@ def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
         return [model.offload.cpu_rate], attribute, "the CPU rate"
     if prefix == "engine":
         return [model.offload], attribute, "the offload engine"
+    if prefix == "slots":
+        return [store for store in model.offload.stores if store is not None], attribute, "CudaSlots"
     return gpu_kernels(model), attribute, "GpuQMoE"
 
 

@@ -133,8 +133,19 @@ def test_engine_switches_set_the_offload_engines_attributes():
         ab.set_switches(model, {"engine.no_such": 1})
 
 
+def test_slots_switches_set_every_nodes_device_slots():
+    import benchmarks.bench_offload_ab as ab
 
-def test_a_variants_layer_split_is_read_apart_and_defaults_to_the_spread():
+    stores = [type("Slots", (), {"split_on_dense": True})() for _ in range(2)]
+    model = type("Model", (), {"offload": type("Engine", (), {"stores": [stores[0], None, stores[1]]})()})()
+    assert ab.switches("slots.split_on_dense=0,path=both") == {"slots.split_on_dense": 0}
+    assert ab.current_switches(model, {"slots.split_on_dense"}) == {"slots.split_on_dense": 1}
+    ab.set_switches(model, {"slots.split_on_dense": 0})
+    assert [store.split_on_dense for store in stores] == [0, 0]
+    with pytest.raises(SystemExit, match="slots.no_such: CudaSlots has no such switch"):
+        ab.set_switches(model, {"slots.no_such": 1})
+
+
     from benchmarks.bench_offload_ab import layer_split
 
     assert variant("split=whole,cpu_threads=3") == {"cpu_threads": 3}

@@ -219,6 +219,7 @@ class FakeGpuQMoE:
         x published with the flag raised, the device's pairs computed into out32; then `stop` recorded and the gated
         merge into `merged` queued, where given."""
         self.split_launches = getattr(self, "split_launches", 0) + 1
+        self._last_split = ((x, logits, out32, published, router_weights, stop, merged), timeout_s)
         ids, weights = route(np.asarray(logits, np.float32), self.spec, router_weights)
         on_cpu = split_cold_pairs(self.slot_of[ids] < 0, np.asarray(published.cpu_take))
         published.ids[...], published.on_cpu[...], published.w[...] = ids, on_cpu, weights
@@ -231,6 +232,26 @@ class FakeGpuQMoE:
         if merged is not None:
             self.merge_gated(published, out32, merged, timeout_s)
         return out32
+
+
+    def split_graph(self, x, logits, out32, published, router_weights=None, *, stop=None, merged=None,
+                    timeout_s=1.0):
+        """GpuQMoE.split_graph: the last run_routed_split call again (its "graph": the stand-in has none) where these
+        are that call's very arrays and timeout, else None."""
+        last = getattr(self, "_last_split", None)
+        arrays = (x, logits, out32, published, router_weights, stop, merged)
+        if last is None or last[1] != timeout_s or not all(a is b for a, b in zip(arrays, last[0])):
+            return None
+
+        def launch(stream):  # on `stream`: the stop event's record is logged there
+            with stream:
+                self.run_routed_split(*arrays[:5], stop=stop, merged=merged, timeout_s=timeout_s)
+        return SimpleNamespace(launch=launch)
+
+    def relaunch_split(self, graph, published, stream):
+        """GpuQMoE.relaunch_split: the graph's work at once (run_routed_split counts the launch)."""
+        self.split_relaunches = getattr(self, "split_relaunches", 0) + 1
+        graph.launch(stream)
 
 
 class FakeStreamingGpuQMoE(FakeGpuQMoE):
@@ -416,8 +437,10 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     (OffloadEngine.cold_split_table) from its slots and the host tier; the CPU computes that share, and the sum, made
     on the device, is the all-CPU run's. Each layer's step orders the streams as a routed launch does, with the CPU's
     part merged before the dense part's stream goes on: by the merge queued at the launch, which waits for the host's
-    gate (gated, from a layer's second launch), or by one queued after the CPU's part."""
+    gate (gated, from a layer's second launch), or by one queued after the CPU's part. (Every launch through the
+    compute stream here: a step launched again on the dense part's stream is the next test's.)"""
     monkeypatch.setattr(FakeGpuQMoE, "gated_merge", gated)
+    monkeypatch.setattr(CudaSlots, "split_on_dense", False)
     model, cp = open_on_standin(model_folder, fraction, monkeypatch)
     engine = model.offload
     engine.set_decode_path("both")
@@ -456,6 +479,26 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 
 
+def test_a_both_step_launched_again_goes_straight_onto_the_dense_stream(model_folder, cpu_run, monkeypatch):
+    """From a layer's third "both" launch (the first merges after the CPU's part, the second queues the gated merge
+    in its graph), the last launch's graph is launched again on the dense part's stream: the step is the all-CPU
+    run's, and no event, wait or launch of it touches the compute stream."""
+    model, cp = open_on_standin(model_folder, 0.0, monkeypatch)
+    engine = model.offload
+    engine.set_decode_path("both")
+    steps, totals = decode_on_device(model, cpu_run, "split_launches")
+    assert [store.gpu.split_relaunches for store in engine.stores] == [steps - 2] * SPEC.layers
+    assert totals.misses_cpu > 0 and totals.misses_read > 0
+    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
+    step = cp.log[last_sync - 4 * SPEC.layers:last_sync]
+    assert not [entry for entry in step if "compute" in entry]
+    # each layer: the start event and (inside the graph) the stop event recorded on the dense part's stream
+    assert step.count(("record", "dense")) >= 2 * SPEC.layers
+    monkeypatch.setattr(CudaSlots, "split_on_dense", False)  # switched off: through the compute stream again
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert [store.gpu.split_relaunches for store in engine.stores] == [steps - 2] * SPEC.layers
+
+
 def test_a_gated_merge_that_gave_up_waiting_for_the_cpus_part_is_made_again(model_folder, cpu_run, monkeypatch):
     """Decode path "both" with the gated merge: where the host took longer over the CPU's part than the merge waits
     on the device (a first call's compilation, a paused host), the merge leaves the GPU's part alone and says so; the
@@ -469,6 +512,8 @@ def test_a_gated_merge_that_gave_up_waiting_for_the_cpus_part_is_made_again(mode
     assert totals.misses_cpu > 0
     assert [getattr(store.gpu, "merge_sums", 0) for store in engine.stores] == [steps] * SPEC.layers
     assert all(getattr(store.gpu, "gated_merges", 0) == 0 for store in engine.stores)
+    # (launches again on the dense part's stream among them: that stream is the one waited for before the merge)
+    assert [store.gpu.split_relaunches for store in engine.stores] == [steps - 2] * SPEC.layers
     monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", 60.0)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert [(store.gpu.gated_merges, store.gpu.merge_sums) for store in engine.stores] == [(steps, steps)] * SPEC.layers

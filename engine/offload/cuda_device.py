@@ -225,6 +225,9 @@ class CudaSlots:
     wave gets a short-lived GpuQMoE of its own, inside the staging bytes the engine reserved."""
 
     device_inputs = True  # a dense part on the GPU may hand this node's inputs over in GPU memory
+    # a "both" step launched again as the last one goes straight onto the dense part's stream (_launch_split_again);
+    # False: every launch through the compute stream (bench_offload_ab's slots.split_on_dense=0)
+    split_on_dense = True
 
     def __init__(self, device: "CudaDevice", runner, num_slots: int):
         self.device, self.runner = device, runner
@@ -567,13 +570,42 @@ class CudaSlots:
 
     # --- partly resident layers whose cold experts the GPU and the CPU share (decode path "both") ---------------
 
-    @_on_compute_stream
     def launch_split(self, x, logits, router_weights, cpu_take: np.ndarray) -> SplitBuffers:
         """A decode step of a partly resident layer, inputs in GPU memory, with the host tier: routed on the device,
         where the CPU takes the last cpu_take[c] of a token's c cold pairs (kernels/cold_split.py) and the GPU's decode
         kernels the others at once, resident or read from the tier; the routing and x are published to the host
-        (split_routing waits for them). The compute stream waits for the dense part's, as in launch_routed; the dense
-        part's waits for merge_split. Returns the pending step."""
+        (split_routing waits for them). Returns the pending step: launched again as the last one on the dense part's
+        stream where it can be (_launch_split_again), else on the compute stream (_launch_split)."""
+        again = self._launch_split_again(x, logits, router_weights, cpu_take) if self.split_on_dense else None
+        return again if again is not None else self._launch_split(x, logits, router_weights, cpu_take)
+
+    def _launch_split_again(self, x, logits, router_weights, cpu_take: np.ndarray) -> SplitBuffers | None:
+        """The last launch's graph again, queued on the dense part's stream, where that launch queued its gated merge
+        in its graph (every later "both" step of a decode), no load of this node is pending (the compute stream would
+        wait for it) and the inputs are that launch's arrays; None otherwise. A graph runs on whichever stream it is
+        launched on, and this one's work is ordered by that stream alone: the dense segment before it, the next one
+        after its merge. That saves the compute stream's round trip (two event records, two waits, the stream's and
+        the device's contexts: the host's time in a layer that waits for the host)."""
+        split, dense = self._split, self.device.dense_stream
+        if dense is None or split is None or split.merge is None or self._loads_pending:
+            return None
+        tokens = x.size // self.runner.info.spec.hidden_size
+        x2d, logits, weights = self._routed_views(x, logits, router_weights, tokens)
+        published = split.published
+        graph = self.gpu.split_graph(x2d, logits, split.out32, published, weights, stop=split.stop,
+                                     merged=split.merge.sum, timeout_s=GATE_TIMEOUT_S)
+        if graph is None:
+            return None
+        published.set_cpu_take(cpu_take, dense)
+        split.start.record(dense)
+        self.gpu.relaunch_split(graph, published, dense)
+        split.stream, split.launched_at = dense, time.perf_counter()
+        return split
+
+    @_on_compute_stream
+    def _launch_split(self, x, logits, router_weights, cpu_take: np.ndarray) -> SplitBuffers:
+        """launch_split on the compute stream, which waits for the dense part's, as in launch_routed; the dense part's
+        waits for merge_split."""
         cp = self.device.cp
         spec = self.runner.info.spec
         tokens = x.size // spec.hidden_size
@@ -598,6 +630,7 @@ class CudaSlots:
             self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights, stop=split.stop,
                                       merged=None if split.merge is None else split.merge.sum,
                                       timeout_s=GATE_TIMEOUT_S)
+            split.stream = compute
             if split.merge is not None:
                 split.launched_at = time.perf_counter()
                 if dense is not None:
@@ -626,7 +659,6 @@ class CudaSlots:
         part.fill(0.0)
         return part
 
-    @_on_compute_stream
     def merge_split(self, pending: SplitBuffers, cpu_part: np.ndarray | None, like):
         """launch_split's result in GPU memory for the next dense segment: the GPU's part plus the CPU's (float32
         [T, H] on the host, or None), added in like's dtype on the device; the dense part's stream waits for it, the
@@ -645,6 +677,7 @@ class CudaSlots:
         self._merge_after(pending, merge, cpu_part)
         return merge.result(like.shape), (pending.start, pending.stop)
 
+    @_on_compute_stream
     def _merge_after(self, pending: SplitBuffers, merge, cpu_part: np.ndarray | None) -> None:
         """merge.sum = launch_split's GPU part + the CPU's (or None) by merge_sum, queued on the compute stream after
         the CPU's part exists; the dense part's stream waits for it."""
@@ -660,7 +693,7 @@ class CudaSlots:
         """After a CPU part that took the host longer than the gated merge waits (a first call's compilation, a
         paused host): once the merge has run, if it gave up (it left the GPU's part alone), the CPU's part is added
         by merge_sum, as without the gate, in stream order before the next dense segment."""
-        self.device.cp.cuda.get_current_stream().synchronize()
+        pending.stream.synchronize()  # the stream the launch, and its merge, went to
         published = pending.published
         if published.gate_failed() == published.launched & 0xFFFFFFFF:
             self._merge_after(pending, pending.merge, published.part)

@@ -796,9 +796,7 @@ class GpuQMoE:
         config = (*self._decode_config(), timeout_s)
         replay = self._split_replay if self.fast_split else None
         if replay is not None and replay.matches(arrays, stream.ptr, config):
-            replay.graph.launch(stream)
-            published.launched += 1
-            self.split_fast_calls += 1
+            self.relaunch_split(replay.graph, published, stream)
             return out32
         spec = self.spec
         if not routes_on_device(spec):
@@ -848,6 +846,23 @@ class GpuQMoE:
             self._split_replay = _SplitReplay(arrays, stream.ptr, config, graph)
         published.launched += 1
         return out32
+
+    def split_graph(self, x_dev, logits_dev, out32, published, router_weights=None, *, stop=None, merged=None,
+                    timeout_s: float = 1.0):
+        """The graph run_routed_split launched last where these very arrays and the decode configuration are that
+        call's (its fast path's test, less the stream: a graph runs on whichever stream it is launched on), else None.
+        The caller launches it with relaunch_split."""
+        replay = self._split_replay if self.fast_split else None
+        arrays = (x_dev, logits_dev, out32, published, router_weights, stop, merged)
+        if replay is None or not replay.matches(arrays, replay.stream_ptr, (*self._decode_config(), timeout_s)):
+            return None
+        return replay.graph
+
+    def relaunch_split(self, graph, published, stream) -> None:
+        """split_graph's graph launched on `stream`, counted as run_routed_split's fast path counts its launches."""
+        graph.launch(stream)
+        published.launched += 1
+        self.split_fast_calls += 1
 
     def _split_tail(self, stream, published, out32, stop, merged, timeout_s: float, calls) -> None:
         """run_routed_split's record of `stop` and its gated merge into `merged`, on `stream`: inside the launch that
