@@ -11,8 +11,10 @@ A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an 
 engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), `cpu.NAME=INT` (an attribute of
 every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16), `rate.NAME=INT` (an attribute of the miss policy's measured CPU
 rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted), `engine.NAME=INT` (an
-attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses)
-and `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py); a switch one
+attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses),
+`slots.NAME=INT` (an attribute of every node's device slots, e.g. slots.split_on_dense=0: every "both" launch through
+the compute stream), `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs,
+engine/dense_graph.py) and `dense.relaunch=0|1` (a replay launched again at the next step without the run); a switch one
 variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
 (spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's
 engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
@@ -49,7 +51,8 @@ from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")  # a variant's entries with these prefixes are switches
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")
+DENSE_SWITCHES = {"dense.graphs": "enabled", "dense.relaunch": "relaunch"}  # the switches' engine.dense_graph flags  # a variant's entries with these prefixes are switches
 SPLIT = "split="  # a variant's layer split
 # decode steps after the first trial before a variant under trials is timed: a switch to "both" makes its split
 # tables afresh (engine.py: SPLIT_TABLE_FIRST steps, the host's gap measured again); timed at once, a round ran 19 ms
@@ -80,14 +83,14 @@ def switches(text: str) -> dict[str, int]:
     """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
     holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'engine.NAME' one of
     the offload engine, 'slots.NAME' one of every node's device slots (CudaSlots), 'dense.graphs' the dense segments'
-    CUDA graphs (engine.dense_graph.enabled)."""
+    CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
         if item.startswith(SWITCH_PREFIXES):
             name, _, value = item.partition("=")
-            if name.startswith("dense.") and name != "dense.graphs":
-                raise SystemExit(f"{item}: the dense switch is dense.graphs")
+            if name.startswith("dense.") and name not in DENSE_SWITCHES:
+                raise SystemExit(f"{item}: the dense switches are {', '.join(DENSE_SWITCHES)}")
             try:
                 found[name] = int(value)
             except ValueError:
@@ -149,8 +152,8 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
     """The values the named switches have now (an attribute as the first kernel has it)."""
     values = {}
     for name in names:
-        if name == "dense.graphs":
-            values[name] = int(dense_graph.enabled)
+        if name in DENSE_SWITCHES:
+            values[name] = int(getattr(dense_graph, DENSE_SWITCHES[name]))
             continue
         kernels, attribute, _ = _targets(model, name)
         if kernels and hasattr(kernels[0], attribute):
@@ -160,8 +163,8 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
 
 def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
     for name, value in values.items():
-        if name == "dense.graphs":
-            dense_graph.enabled = bool(value)
+        if name in DENSE_SWITCHES:
+            setattr(dense_graph, DENSE_SWITCHES[name], bool(value))
             continue
         kernels, attribute, what = _targets(model, name)
         for kernel in kernels:

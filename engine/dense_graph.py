@@ -45,6 +45,8 @@ WARM_RUNS = 2  # runs with a key before it is captured: onnxruntime's first runs
 MAX_GRAPHS = 4  # per binding: a swapped state buffer alternates between two keys; a grown KV buffer makes a new one
 
 enabled = os.environ.get("MOE_DENSE_GRAPHS", "1") != "0"
+relaunch = True  # a decode step's replay launched again at the next step without the run's work (LastReplay); False:
+#                  every run through SegmentBinding.run (bench_offload_ab's dense.relaunch=0)
 # A diagnosis (MOE_DENSE_GRAPHS_VERIFY=1): every replay is followed by onnxruntime's own run of the same bound segment
 # (it writes the same KV positions and outputs again) and the two outputs compared; differences go to `mismatches`.
 verify = os.environ.get("MOE_DENSE_GRAPHS_VERIFY", "0") == "1"
@@ -118,6 +120,44 @@ def staging_for(backend) -> HostInputStaging:
     return staging
 
 
+class LastReplay:
+    """A segment binding's last replay, for the next decode step to launch again without the run's own work
+    (SegmentBinding.run's inputs, key and lookup: tens of µs of a layer's host time where the host is what a step
+    waits for). It holds where the same graph still reads and writes the right buffers: every device array bound is
+    the very object the replay was launched with (each lives where it did while it lives, and this holds it), so are
+    the conversation's state buffers (a grown KV buffer is another array: and with it the capacity given for
+    total_sequence_length), the host inputs are staged into the same buffers, no dense session was created since
+    (arena_changed) and replays are on. The binding drops it at any run that does not launch it."""
+
+    __slots__ = ("graphs", "graph", "device_inputs", "staged", "state_arrays", "results", "generation")
+
+    def __init__(self, graphs: "SegmentGraphs", graph, device_inputs: tuple, staged: tuple, state_arrays: tuple,
+                 results: dict):
+        self.graphs, self.graph, self.results = graphs, graph, results
+        self.device_inputs = device_inputs  # ((cut tensor, the device array bound), ...)
+        self.staged = staged  # ((host input read on the device, the buffer it is staged in), ...)
+        self.state_arrays = state_arrays
+        self.generation = _arena_generation
+
+    def launch(self, values: dict, state_arrays: list) -> dict | None:
+        """Launch the graph again for this run's `values` and state buffers where it holds; its results (a new dict
+        of the same arrays), or None where the run must take its own way."""
+        graphs = self.graphs
+        if self.generation != _arena_generation or not (enabled and relaunch) or verify or graphs.failed:
+            return None
+        for name, array in self.device_inputs:
+            if values[name] is not array:
+                return None
+        if len(state_arrays) != len(self.state_arrays) or not all(map(operator.is_, state_arrays, self.state_arrays)):
+            return None
+        for name, buffer in self.staged:
+            if graphs.stage(name, values[name]) is not buffer:  # (a buffer made again for another shape)
+                return None
+        self.graph.launch(graphs.backend.stream)
+        graphs.replays += 1
+        return dict(self.results)
+
+
 class SegmentGraphs:
     """The captured runs of one SegmentBinding, by key (the bound buffers), and the device copies of its host inputs
     that onnxruntime reads on the device. `failed`: why capture stopped for this binding (it runs eagerly then)."""
@@ -162,18 +202,18 @@ class SegmentGraphs:
             value = self._capacities[capacity] = np.array(capacity, np.int32)
         return value
 
-    def replay(self, key: tuple) -> bool:
-        """Launch the graph captured for `key` on the dense stream; False when there is none (or the arena has
-        changed since it was captured: then every graph held is dropped, to be captured again)."""
+    def replay(self, key: tuple):
+        """Launch the graph captured for `key` on the dense stream and return it; None when there is none (or the
+        arena has changed since it was captured: then every graph held is dropped, to be captured again)."""
         if self._forget_if_arena_changed():
-            return False
+            return None
         graph = self._graphs.get(key)
         if graph is None:
-            return False
+            return None
         self._graphs.move_to_end(key)
         graph.launch(self.backend.stream)
         self.replays += 1
-        return True
+        return graph
 
     def _forget_if_arena_changed(self) -> bool:
         """Drop every graph held (and the warm runs counted) if a dense session was created on the GPU since they

@@ -162,6 +162,7 @@ class SegmentBinding:
                       and all(slot is not None and slot.shared for slot in lengths.values()))
         self._graphs = dense_graph.SegmentGraphs(backend, host_read, lengths) if replayable else None
         self._replayed: dict | None = None  # the cut tensors of the last replay (not bound: see run)
+        self.last_replay: dense_graph.LastReplay | None = None  # that replay, for run_again
         self._shapes: tuple | None = None  # the cut tensors' shapes of the last run
         # ... but for the attention mask, which grows by one at every decode step: the outputs' shapes do not follow
         # it in the models seen (GQA reduces it to sequence lengths), so the first segment's outputs are kept too;
@@ -205,6 +206,7 @@ class SegmentBinding:
         # graphs: decode runs with the kept outputs' shapes only (a prompt's run takes onnxruntime's own path: with
         # the capacity as its total length GroupQueryAttention would not see a first prompt)
         graphs = self._graphs
+        self.last_replay = None  # (run_again's, from the replay below only)
         if graphs is not None and not (dense_graph.enabled and not graphs.failed and self._on_device.bound(values)):
             graphs.forget_key()
             graphs = None
@@ -212,9 +214,11 @@ class SegmentBinding:
         if graphs is not None:
             inputs = {name: self._graph_input(graphs, name, values[name]) for name in self.cut}
             key = self._graph_key(inputs)
-            if not dense_graph.verify and graphs.replay(key):
+            graph = None if dense_graph.verify else graphs.replay(key)
+            if graph is not None:
                 # nothing to bind: the graph reads and writes the buffers of its key, which these are
                 self._replayed = inputs  # alive until the next run, which comes after the replay in stream order
+                self.last_replay = self._remember(graphs, graph, values, inputs)
                 return dict(self._on_device.results)
         for name in self.cut:
             array = inputs[name]
@@ -287,6 +291,24 @@ class SegmentBinding:
         if self._reusable:
             self._results = results
         return results
+
+    def run_again(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The last run's graph launched again where it holds for `values` (dense_graph.LastReplay: a decode step's
+        replayed segment, the step after); its results, else None (run() then)."""
+        last = self.last_replay
+        return None if last is None else last.launch(values, self._state_arrays())
+
+    def _state_arrays(self) -> list:
+        return [slot.array for _, slot in self.state_inputs] + [slot.present for _, slot in self.state_outputs]
+
+    def _remember(self, graphs, graph, values: dict, inputs: dict) -> dense_graph.LastReplay:
+        """What run_again checks before launching `graph` again: the device arrays bound, the buffers the host inputs
+        read on the device were staged in (total_sequence_length's capacity follows the state buffers)."""
+        device = tuple((name, values[name]) for name in self.cut if not isinstance(values[name], np.ndarray))
+        staged = tuple((name, inputs[name]) for name in self.cut if isinstance(values[name], np.ndarray)
+                       and name not in graphs.lengths and name not in graphs.host_read)
+        return dense_graph.LastReplay(graphs, graph, device, staged, tuple(self._state_arrays()),
+                                      self._on_device.results)
 
     @staticmethod
     def _graph_input(graphs, name: str, array):
@@ -427,6 +449,10 @@ class SegmentBindings:
     def run(self, session, inputs: list[str], outputs: list[str], values: dict[str, np.ndarray],
             state: DecoderState) -> dict[str, np.ndarray]:
         kept = bound = self._by_state.get(state)
+        if bound is not None and bound.session is session:
+            again = bound.run_again(values)  # a decode step's replay, launched as at the last step
+            if again is not None:
+                return again
         if bound is None or bound.session is not session:
             bound = SegmentBinding(session, inputs, outputs, state, self.fresh, self.on_device, self.total_lengths)
         results = bound.run(values)

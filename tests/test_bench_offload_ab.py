@@ -34,7 +34,8 @@ def test_switches_are_read_apart_from_the_offload_keys():
     assert switches("") == {}
     with pytest.raises(SystemExit, match="gpu.driver_copies=off: a switch takes an integer"):
         switches("gpu.driver_copies=off")
-    with pytest.raises(SystemExit, match="dense.pool=1: the dense switch is dense.graphs"):
+    assert switches("dense.relaunch=0") == {"dense.relaunch": 0}
+    with pytest.raises(SystemExit, match="dense.pool=1: the dense switches are dense.graphs, dense.relaunch"):
         switches("dense.pool=1")
 
 

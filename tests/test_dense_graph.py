@@ -146,6 +146,36 @@ def test_host_inputs_read_on_the_device_go_through_one_buffer_per_model():
     assert other.stage("seqlens_k", np.array([[6, 7]], np.int32)) is not grown
 
 
+def test_a_replay_is_launched_again_only_onto_the_same_arrays_and_staging(monkeypatch):
+    """LastReplay (the next decode step's launch of a segment's replay without its run): launched again while the
+    bound device arrays and state buffers are the very objects, the host inputs staged into the same buffer (this
+    step's values copied there first); not where any of them is another, the arena changed, or replays are off."""
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset(), {})
+    assert graphs.capture(("k",), lambda: None)
+    graph = graphs.replay(("k",))
+    hidden, kv = np.zeros(8, np.float32), [np.zeros(4, np.float16), np.zeros(4, np.float16)]
+    staged = graphs.stage("seqlens_k", np.array([5], np.int32))
+    results = {"out": np.zeros(8, np.float32)}
+    last = dense_graph.LastReplay(graphs, graph, (("hidden", hidden),), (("seqlens_k", staged),), tuple(kv), results)
+    replays, log = graphs.replays, len(backend.log)
+    values = {"hidden": hidden, "seqlens_k": np.array([6], np.int32)}
+    again = last.launch(values, list(kv))
+    assert again == results and again is not results and graphs.replays == replays + 1
+    assert backend.log[log:] == [("copy", 4, 1, 77), ("launch", 77)]  # this step's lengths, then the graph
+    assert last.launch({**values, "hidden": hidden.copy()}, list(kv)) is None  # another array bound
+    assert last.launch(values, [kv[0], kv[1].copy()]) is None  # a KV buffer made again (grown)
+    with monkeypatch.context() as patch:
+        patch.setattr(dense_graph, "enabled", False)
+        assert last.launch(values, list(kv)) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(dense_graph, "_arena_generation", dense_graph._arena_generation + 1)  # a session made since
+        assert last.launch(values, list(kv)) is None
+    assert last.launch(values, list(kv)) == results  # each of those alone was what stopped it
+    assert last.launch({**values, "seqlens_k": np.array([[6, 7]], np.int32)}, list(kv)) is None  # staged elsewhere
+    assert graphs.replays == replays + 2 and backend.log.count(("launch", 77)) == 4  # the capture's, replay, 2 again
+
+
 def test_graphs_are_on_unless_turned_off(monkeypatch):
     import importlib
 
