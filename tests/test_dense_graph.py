@@ -176,6 +176,57 @@ def test_a_replay_is_launched_again_only_onto_the_same_arrays_and_staging(monkey
     assert graphs.replays == replays + 2 and backend.log.count(("launch", 77)) == 4  # the capture's, replay, 2 again
 
 
+def test_a_binding_remembers_its_replay_by_what_it_bound_and_staged():
+    """SegmentBinding._remember: the cut tensors given as device arrays are checked by identity, the host ones that
+    are staged by their buffer; total_sequence_length (the capacity) and inputs onnxruntime reads on the host are
+    neither (the state buffers stand for the capacity)."""
+    from engine.dense_segment import SegmentBinding
+
+    backend = FakeBackend()
+    graphs = SegmentGraphs(backend, frozenset({"total_sequence_length"}), {"total_sequence_length": None})
+    hidden = SimpleNamespace(shape=(1, 4))  # a device array: not a NumPy array to the binding
+    kv = SimpleNamespace(array=np.zeros(2), present=np.zeros(2))
+    binding = SimpleNamespace(cut=["hidden", "seqlens_k", "total_sequence_length"], state_inputs=[("past", kv)],
+                              state_outputs=[("present", kv)], _on_device=SimpleNamespace(results={"out": hidden}))
+    binding._state_arrays = lambda: SegmentBinding._state_arrays(binding)
+    values = {"hidden": hidden, "seqlens_k": np.array([3], np.int32), "total_sequence_length": np.array(9, np.int32)}
+    staged = graphs.stage("seqlens_k", values["seqlens_k"])
+    inputs = {"hidden": hidden, "seqlens_k": staged, "total_sequence_length": np.array(64, np.int32)}
+    last = SegmentBinding._remember(binding, graphs, "graph", values, inputs)
+    assert last.device_inputs == (("hidden", hidden),) and last.staged == (("seqlens_k", staged),)
+    assert last.state_arrays == (kv.array, kv.present) and last.results == {"out": hidden}
+
+
+def test_a_kept_binding_launches_its_replay_again_before_running():
+    """SegmentBindings.run: a binding kept for the state whose last replay holds is launched again (run_again's
+    results), with no run; where run_again gives None the binding runs as before."""
+    from engine.dense_segment import SegmentBindings
+
+    calls = []
+    session = object()
+
+    class Bound:
+        def __init__(self, again):
+            self.session, self.again = session, again
+
+        def run_again(self, values):
+            calls.append("again")
+            return self.again
+
+        def run(self, values):
+            calls.append("run")
+            return {"ran": True}
+
+        def holds(self, values, results):
+            return 0
+
+    bindings, state = SegmentBindings(), type("State", (), {})()  # (kept by weak reference)
+    bindings._by_state[state] = Bound({"again": True})
+    assert bindings.run(session, [], [], {}, state) == {"again": True} and calls == ["again"]
+    bindings._by_state[state] = Bound(None)
+    assert bindings.run(session, [], [], {}, state) == {"ran": True} and calls == ["again", "again", "run"]
+
+
 def test_graphs_are_on_unless_turned_off(monkeypatch):
     import importlib
 
