@@ -755,7 +755,7 @@ class GpuQMoE:
         arrays = (x_dev, logits_dev, out32, out, router_weights, ids_out)
         config = self._decode_config()
         replay = self._routed_replay if self.fast_routed else None
-        if replay is not None and replay.matches(arrays, stream.ptr, config):
+        if replay is not None and replay.matches(arrays, config, stream.ptr):
             replay.graph.launch(stream)
             self.routed_fast_calls += 1
             return out32 if out is None else out
@@ -795,7 +795,7 @@ class GpuQMoE:
         arrays = (x_dev, logits_dev, out32, published, router_weights, stop, merged)
         config = (*self._decode_config(), timeout_s)
         replay = self._split_replay if self.fast_split else None
-        if replay is not None and replay.matches(arrays, stream.ptr, config):
+        if replay is not None and replay.matches(arrays, config, stream.ptr):
             self.relaunch_split(replay.graph, published, stream)
             return out32
         spec = self.spec
@@ -850,11 +850,11 @@ class GpuQMoE:
     def split_graph(self, x_dev, logits_dev, out32, published, router_weights=None, *, stop=None, merged=None,
                     timeout_s: float = 1.0):
         """The graph run_routed_split launched last where these very arrays and the decode configuration are that
-        call's (its fast path's test, less the stream: a graph runs on whichever stream it is launched on), else None.
+        call's (its fast path's test on any stream: a graph runs on whichever stream it is launched on), else None.
         The caller launches it with relaunch_split."""
         replay = self._split_replay if self.fast_split else None
         arrays = (x_dev, logits_dev, out32, published, router_weights, stop, merged)
-        if replay is None or not replay.matches(arrays, replay.stream_ptr, (*self._decode_config(), timeout_s)):
+        if replay is None or not replay.matches(arrays, (*self._decode_config(), timeout_s)):
             return None
         return replay.graph
 
@@ -1295,8 +1295,10 @@ class _SplitReplay:
         self.arrays, self.stream_ptr, self.graph = arrays, stream_ptr, graph
         self.config = tuple(dict(c) if isinstance(c, dict) else c for c in config)  # a copy of the dicts' values
 
-    def matches(self, arrays: tuple, stream_ptr: int, config: tuple) -> bool:
-        return stream_ptr == self.stream_ptr and all(map(operator.is_, arrays, self.arrays)) and config == self.config
+    def matches(self, arrays: tuple, config: tuple, stream_ptr: int | None = None) -> bool:
+        """The very arrays and configuration, on the same stream where `stream_ptr` is given (None: any stream)."""
+        return ((stream_ptr is None or stream_ptr == self.stream_ptr) and all(map(operator.is_, arrays, self.arrays))
+                and config == self.config)
 
 
 class _Staging:
