@@ -120,6 +120,11 @@ def staging_for(backend) -> HostInputStaging:
     return staging
 
 
+def _same_objects(arrays, others) -> bool:
+    """Whether two sequences hold the very same objects, in order (compared in C: no Python frame per array)."""
+    return len(arrays) == len(others) and all(map(operator.is_, arrays, others))
+
+
 class LastReplay:
     """A segment binding's last replay, for the next decode step to launch again without the run's own work
     (SegmentBinding.run's inputs, key and lookup: tens of µs of a layer's host time where the host is what a step
@@ -148,7 +153,7 @@ class LastReplay:
         for name, array in self.device_inputs:
             if values[name] is not array:
                 return None
-        if len(state_arrays) != len(self.state_arrays) or not all(map(operator.is_, state_arrays, self.state_arrays)):
+        if not _same_objects(state_arrays, self.state_arrays):
             return None
         for name, buffer in self.staged:
             if graphs.stage(name, values[name]) is not buffer:  # (a buffer made again for another shape)
@@ -180,8 +185,7 @@ class SegmentGraphs:
         """The key of a run that reads and writes the device `arrays`: each one's pointer and shape. Made again only
         where an array is another object than at the last call; a decode step's run finds the very same arrays, and
         reading their pointers (CuPy makes an object for each `.data`) took ~10 µs a segment on the H200."""
-        keyed = self._keyed
-        if len(arrays) != len(keyed) or not all(map(operator.is_, arrays, keyed)):  # in C: no Python frame per array
+        if not _same_objects(arrays, self._keyed):
             self._keyed, self._key = tuple(arrays), tuple([(a.data.ptr, a.shape) for a in arrays])
         return self._key
 
