@@ -471,10 +471,14 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     engine.host_gap._gaps.extend([1.0] * engine.host_gap.WINDOW)  # a host slower than any read: all to the GPU
     engine._split_tables.clear()
     assert not engine.cold_split_table(0).any()
-    # every layer then takes the tier's step and measures no gap: a later switch to "both" (a trial) measures afresh
+    # every layer then takes the tier's step and measures no gap: a later switch to "both" (a trial) measures afresh,
+    # and the table is made again without the gap (whether the CPU then takes a share depends on the measured rates)
     engine.set_decode_path("tier")
     engine.set_decode_path("both")
-    assert engine.host_gap.value == 0 and engine.cold_split_table(0).any()
+    assert engine.host_gap.value == 0 and not engine._split_tables
+    assert engine.cold_split_table(0).tolist() == cpu_take_table(
+        SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
+        store.read_bytes / engine.tier_read.value, 0.0).tolist()
     engine.reconfigure(engine.config.updated(cpu_execution="disabled"))  # no CPU compute: the tier alone
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
 
