@@ -108,6 +108,9 @@ class _Proj:
         self.has_bias = b is not None
         self.bias = (np.ascontiguousarray(b, dtype=np.float32).reshape(E, n) if b is not None
                      else np.zeros((1, 1), np.float32))
+        # always read-only (a view): Numba compiles a kernel once per argument type, and a bias read in place from the
+        # weight file is read-only where a converted one is not (each kernel would be compiled twice, ~1 min each)
+        self.bias.flags.writeable = False
         self.quantized = spec.is_quantized
         if not self.quantized:
             self.w = np.asarray(w)  # [E, N, K] float, used through BLAS
