@@ -326,3 +326,25 @@ def test_16_bit_scales_converted_per_row_match_reference(name, dtype, H, I):
     for T in (1, x.shape[0]):
         ref = qmoe_reference(x[:T], lg[:T], spec, t)
         assert _relerr(node.forward(x[:T], lg[:T]), ref) <= tol, (name, T)
+
+
+def test_a_bias_read_in_place_and_a_converted_one_share_the_compiled_kernels():
+    """Numba compiles a kernel once per argument type, read-only arrays being a type of their own: a bias used in
+    place from the weight file (read-only) and one converted from float16 (a new array) reach the kernels as the same
+    type, else every CPU kernel is compiled twice (about a minute each); the caller's arrays are left as they were."""
+    import numba
+
+    attrs, t, x, lg = make_case(seed=3, E=4, H=64, I=32, k=2, bits=4, block_size=32, T=1, bias=True,
+                                activation="swiglu", swiglu_fusion=1, swiglu_limit=7.0, alpha=1.702)
+    in_place = dict(t)
+    for name in ("fc1_experts_bias", "fc2_experts_bias"):
+        in_place[name] = np.ascontiguousarray(t[name], np.float32)
+        in_place[name].flags.writeable = False  # as numpy_helper gives an initializer mapped from the file
+    converted = dict(t, fc1_experts_bias=t["fc1_experts_bias"].astype(np.float16),
+                     fc2_experts_bias=t["fc2_experts_bias"].astype(np.float16))
+    spec = QMoESpec.from_tensors("t", "QMoE", attrs, t, x.shape)
+    first, second = CpuQMoE(spec, in_place), CpuQMoE(spec, converted)
+    for proj in ("fc1", "fc2"):
+        assert numba.typeof(getattr(first, proj).bias) == numba.typeof(getattr(second, proj).bias)
+        assert converted[f"{proj}_experts_bias"].flags.writeable
+    np.testing.assert_allclose(second.forward(x, lg), first.forward(x, lg), rtol=1e-3, atol=1e-3)
