@@ -1135,7 +1135,10 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     # per-thread scratch (zero points, _claim state): rows of arrays made here (the thread loops allocate nothing)
     zs = np.empty((nth, 2 * nb1 + nb2), np.float32)
     vics = np.empty((nth, 8), np.int64)
-    for th in prange(nth):
+    for th_loop in prange(nth):
+        # the thread's index as int64: Numba types a prange index int64 first and uint64 in the parallel loop it makes,
+        # and would compile each thread function for both (~20 s a layout on a cold cache, one of them never run)
+        th = np.int64(th_loop)
         _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
                          zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
                          fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt1, th,

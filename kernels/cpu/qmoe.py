@@ -106,11 +106,10 @@ class _Proj:
         w = tensors[f"{name}_experts_weights"]
         b = tensors.get(f"{name}_experts_bias")
         self.has_bias = b is not None
-        self.bias = (np.ascontiguousarray(b, dtype=np.float32).reshape(E, n) if b is not None
-                     else np.zeros((1, 1), np.float32))
-        # always read-only (a view): Numba compiles a kernel once per argument type, and a bias read in place from the
-        # weight file is read-only where a converted one is not (each kernel would be compiled twice, ~1 min each)
-        self.bias.flags.writeable = False
+        # read-only like the other tensors: Numba compiles a kernel once per argument type, and a bias read in place
+        # from the weight file is read-only where a converted one is not (each kernel compiled twice, ~1 min each)
+        self.bias = _readonly(np.asarray(b, dtype=np.float32).reshape(E, n) if b is not None
+                              else np.zeros((1, 1), np.float32))
         self.quantized = spec.is_quantized
         if not self.quantized:
             self.w = np.asarray(w)  # [E, N, K] float, used through BLAS
