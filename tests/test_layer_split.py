@@ -194,7 +194,7 @@ def test_the_trials_time_a_step_with_the_accounts_it_left_for_its_safe_point(mod
     assert taken == [1] and not engine.deferred
     assert 0.050 + 0.020 <= seen[0] < 0.050 + 0.5
     engine.end_step(0.050, 1)  # nothing left for the safe point: the step's own seconds (no projection: no CPU work)
-    assert seen[1] == pytest.approx(0.050, abs=0.005)
+    assert seen[1] == pytest.approx(0.050, abs=0.015)  # (not the 20 ms account again; room for a busy machine)
 
 
 def test_on_the_simulated_device_the_trials_compare_the_cards_projected_step_times(model_folder, monkeypatch):
