@@ -76,6 +76,40 @@ def test_a_run_waits_for_the_models_background_work(simulated_model):
         model.prefault = kept
 
 
+def test_a_run_compiles_the_cpu_kernels_before_its_clock_starts(simulated_model, monkeypatch):
+    """A machine's first run compiles the CPU expert kernels (47 s to the first token on the dev VM's demo model):
+    before the timed part, each distinct kernel runs once for a decode step and once through the prefill's GEMM path
+    (engine/kernel_warmup.py), and the record counts that time as settling, not as its first token's."""
+    from engine.generation import Conversation
+    from kernels.cpu import CpuQMoE
+
+    model, device = simulated_model
+    calls, gemm, at_send = [], [], []
+    forward, gemm_batched, send = CpuQMoE.forward, CpuQMoE._gemm_batched, Conversation.send
+
+    def counted_forward(self, x, *args, **kwargs):
+        calls.append((id(self), x.shape[0]))
+        return forward(self, x, *args, **kwargs)
+
+    def counted_gemm(self, *args):
+        gemm.append(id(self))
+        return gemm_batched(self, *args)
+
+    def counted_send(self, *args, **kwargs):
+        at_send.append((len(calls), len(gemm)))
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuQMoE, "forward", counted_forward)
+    monkeypatch.setattr(CpuQMoE, "_gemm_batched", counted_gemm)
+    monkeypatch.setattr(Conversation, "send", counted_send)
+    record = run_scenario(model, "short", PARAMS, device)
+    # the fixture's two expert layers share one layout: the first layer's kernel run, for 1 token and for
+    # gemv_max_rows + 1 (its GEMM path once), all before the conversation's first turn
+    first = next(id(step.kernel) for step in model.decoder.steps if hasattr(step, "kernel"))
+    assert calls[:2] == [(first, 1), (first, CpuQMoE.gemv_max_rows + 1)] and at_send[0] == (2, 1)
+    assert record.turns and record.timings["settle_s"] > 0
+
+
 def test_a_job_says_so_while_a_model_settles(simulated_model):
     """The window's records jobs name the wait for a model's background work after load, and only when there is
     one: run_turns would wait silently (app/gui/records_jobs.settle)."""

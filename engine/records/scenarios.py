@@ -11,6 +11,7 @@ import psutil
 
 from engine.errors import PromptError
 from engine.generation import Conversation, GenerationParams, LoadedModel
+from engine.kernel_warmup import warm_cpu_kernels
 from engine.offload.projection import is_simulated, project_run
 from engine.nvml import Nvml
 from engine.records.environment import machine, versions
@@ -130,8 +131,9 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     name = scenario
     if model.offload is not None:
         model.offload.stats.reset(len(model.offload.slots))
-    # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background
-    settle_s = model.wait_until_settled(cancel)
+    # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background;
+    # and the CPU kernels are compiled (a first run on this machine) before the clock starts
+    settle_s = model.wait_until_settled(cancel) + warm_cpu_kernels(model.decoder.steps)
     conversation = Conversation(model)
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)

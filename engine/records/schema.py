@@ -22,7 +22,8 @@ class RunRecord:
     model: dict                           # folder, type, content hash, expert layouts per node
     offload: dict                         # the full configuration (onnxruntime entries), device, plan
     timings: dict                         # load_s, prefill_s, time_to_first_token_s, decode_tokens_per_s, completion_s,
-    # settle_s (optional: seconds waited before the run for the model's background work after load);
+    # settle_s (optional: seconds waited before the run for the model's background work after load and the CPU
+    # kernels' compilation, engine/kernel_warmup.py);
     # on a simulated device also "projected" (optional, absent in older records): decode_tokens_per_s, prefill_s,
     # completion_s on the simulated card and the bandwidths assumed (engine/offload/projection.py)
     peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, pinned_bytes
