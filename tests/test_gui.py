@@ -105,12 +105,22 @@ def test_window_opens_and_remembers_layout_and_theme(qtbot, tmp_path):
     again.close()
 
 
-def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window):
-    progress = []
+def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, monkeypatch):
+    import app.gui.engine_worker as engine_worker
+
+    progress, busy, warmed = [], [], []
     window.worker.loadProgress.connect(progress.append)
+    window.worker.busyChanged.connect(busy.append)
+    real_warm = engine_worker.warm_cpu_kernels
+    monkeypatch.setattr(engine_worker, "warm_cpu_kernels", lambda steps: warmed.append(steps) or real_warm(steps))
     path = fixture_folder("gptoss")
     load(qtbot, window, path, simulated())
     assert same(window.loaded_path, path) and not window.error_banner.isVisible()
+    # after the load, the CPU kernels compiled (a first run) while the window says so, before any answer
+    assert busy[-3:] == ["loading", "preparing", ""] and warmed == [window.worker._model.decoder.steps]
+    window._on_busy("preparing")
+    assert window.status_state.text() == "Preparing the CPU kernels…" and not window.chat.send_button.isEnabled()
+    window._on_busy("")
     assert progress and progress[-1] == pytest.approx(1.0) and not window.model_panel.progress.isVisible()
     # the inspection, the verdict for the chosen mode, and where everything landed
     assert window.model_panel.table.rowCount() == 2

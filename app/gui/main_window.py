@@ -619,8 +619,8 @@ class MainWindow(QMainWindow):
         for view in self.job_views.values():
             view.set_state(busy, loaded)
         self.budget_panel.apply_button.setEnabled(self.budget_panel.apply_button.isEnabled() and not busy)
-        labels = {"opening": "Opening…", "loading": "Loading…", "generating": "Generating…", "replanning": "Re-planning…",
-                  **JOB_LABELS}
+        labels = {"opening": "Opening…", "loading": "Loading…", "preparing": "Preparing the CPU kernels…",
+                  "generating": "Generating…", "replanning": "Re-planning…", **JOB_LABELS}
         if busy:
             self.status_state.setText(labels.get(busy, busy))
         elif self.status_state.text() in labels.values():
