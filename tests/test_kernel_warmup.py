@@ -27,7 +27,8 @@ def test_each_layout_is_run_once_for_a_decode_step_and_a_prefill(monkeypatch):
         return forward(self, x, logits, router_weights)
 
     monkeypatch.setattr(CpuQMoE, "forward", counted_forward)
-    monkeypatch.setattr(CpuQMoE, "_gemm_batched", lambda self, *args: gemm.append(id(self)) or gemm_batched(self, *args))
+    monkeypatch.setattr(CpuQMoE, "_gemm_batched",
+                        lambda self, *args: gemm.append(id(self)) or gemm_batched(self, *args))
     fp32, fp32_again, fp16 = _kernel(np.float32), _kernel(np.float32), _kernel(np.float16)
     dense = SimpleNamespace()  # a dense segment: no kernel
     seconds = warm_cpu_kernels([dense, SimpleNamespace(kernel=fp32), dense, SimpleNamespace(kernel=fp32_again),
