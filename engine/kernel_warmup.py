@@ -16,15 +16,6 @@ import time
 import numpy as np
 
 
-def _layout_key(kernel):
-    """What the kernels are compiled for: the types of the expert tensors they are handed (kernels of one layout
-    share their compiled code), else the kernel itself."""
-    weights = getattr(kernel, "_gemv_weights", None)
-    if weights is None:
-        return id(kernel)
-    return tuple((a.dtype.str, a.ndim, a.flags.writeable) if isinstance(a, np.ndarray) else type(a) for a in weights)
-
-
 def _warm(kernel) -> None:
     spec = kernel.spec
     # the prefill path computes an expert with more than gemv_max_rows tokens by its GEMM kernels: every token goes to
@@ -42,9 +33,9 @@ def warm_cpu_kernels(runners) -> float:
     seen = set()
     for runner in runners:
         kernel = getattr(runner, "kernel", None)
-        if kernel is None or not hasattr(kernel, "forward"):
+        if kernel is None or not hasattr(kernel, "compiled_for"):
             continue
-        key = _layout_key(kernel)
+        key = kernel.compiled_for
         if key not in seen:
             seen.add(key)
             _warm(kernel)

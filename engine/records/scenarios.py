@@ -133,7 +133,9 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         model.offload.stats.reset(len(model.offload.slots))
     # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background;
     # and the CPU kernels are compiled (a first run on this machine) before the clock starts
-    settle_s = model.wait_until_settled(cancel) + warm_cpu_kernels(model.decoder.steps)
+    settle_s = model.wait_until_settled(cancel)
+    if cancel is None or not cancel.is_set():
+        settle_s += warm_cpu_kernels(model.decoder.steps)
     conversation = Conversation(model)
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)

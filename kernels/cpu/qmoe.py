@@ -337,6 +337,17 @@ class CpuQMoE:
                                      self.limit, self.has_limit)
 
     # ------------------------------------------------------------------ public API
+    @property
+    def compiled_for(self):
+        """What Numba compiles this node's decode and prefill kernels for: the types of the expert tensors they are
+        handed (nodes with equal values share their machine code); the node itself where that is not known (a
+        delegated layout, the legacy paths)."""
+        weights = getattr(self, "_gemv_weights", None)
+        if weights is None:
+            return id(self)
+        return tuple((a.dtype.str, a.ndim, a.flags.writeable) if isinstance(a, np.ndarray) else type(a)
+                     for a in weights)
+
     def forward(self, x, router_logits, router_weights=None) -> np.ndarray:
         """Same contract as kernels.reference.qmoe_reference: x [T, H] or [B, S, H] -> same shape and dtype."""
         x = np.asarray(x)
