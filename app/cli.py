@@ -214,7 +214,6 @@ def _print_result(result, model, as_json: bool) -> None:
 def _cmd_generate(args) -> int:
     from engine.errors import PromptError
     from engine.generation import Conversation, LoadedModel, generate
-    from engine.kernel_warmup import warm_cpu_kernels
     from kernels.cpu.threads import binding_warning
 
     params = _generation_params(args)
@@ -223,10 +222,6 @@ def _cmd_generate(args) -> int:
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,
                              layer_split=args.layer_split, decode_path=args.decode_path)
-    compiled_s = warm_cpu_kernels(model.decoder.steps)  # not in the answer's time to its first token
-    if compiled_s > 1.0 and not args.json:
-        print(f"CPU expert kernels compiled in {compiled_s:.0f} s (a first run on this machine; cached from now on)",
-              file=sys.stderr, flush=True)
     binding = binding_warning()
     if binding and not args.json:
         print(f"warning: {binding}", file=sys.stderr, flush=True)
