@@ -14,7 +14,9 @@ rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call f
 attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses),
 `slots.NAME=INT` (an attribute of every node's device slots, e.g. slots.split_on_dense=0: every "both" launch through
 the compute stream), `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs,
-engine/dense_graph.py) and `dense.relaunch=0|1` (a replay launched again at the next step without the run); a switch one
+engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the next step without the run) and
+`dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are launched:
+engine/decoder.py's launch_ahead); a switch one
 variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
 (spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's
 engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES, decode, path_text, traced_decode  # noqa: E402
 from benchmarks.common import model_folder, write_result  # noqa: E402
-from engine import dense_graph  # noqa: E402
+from engine import decoder, dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
@@ -52,7 +54,9 @@ from engine.writer import WriterSpec, write_model  # noqa: E402
 
 
 SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")
-DENSE_SWITCHES = {"dense.graphs": "enabled", "dense.relaunch": "relaunch"}  # the switches' engine.dense_graph flags  # a variant's entries with these prefixes are switches
+# the dense switches' module flags
+DENSE_SWITCHES = {"dense.graphs": (dense_graph, "enabled"), "dense.relaunch": (dense_graph, "relaunch"),
+                  "dense.ahead": (decoder, "launch_ahead")}
 SPLIT = "split="  # a variant's layer split
 # decode steps after the first trial before a variant under trials is timed: a switch to "both" makes its split
 # tables afresh (engine.py: SPLIT_TABLE_FIRST steps, the host's gap measured again); timed at once, a round ran 19 ms
@@ -83,7 +87,8 @@ def switches(text: str) -> dict[str, int]:
     """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
     holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'engine.NAME' one of
     the offload engine, 'slots.NAME' one of every node's device slots (CudaSlots), 'dense.graphs' the dense segments'
-    CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch)."""
+    CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch),
+    'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
@@ -153,7 +158,7 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
     values = {}
     for name in names:
         if name in DENSE_SWITCHES:
-            values[name] = int(getattr(dense_graph, DENSE_SWITCHES[name]))
+            values[name] = int(getattr(*DENSE_SWITCHES[name]))
             continue
         kernels, attribute, _ = _targets(model, name)
         if kernels and hasattr(kernels[0], attribute):
@@ -164,7 +169,7 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
 def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
     for name, value in values.items():
         if name in DENSE_SWITCHES:
-            setattr(dense_graph, DENSE_SWITCHES[name], bool(value))
+            setattr(*DENSE_SWITCHES[name], bool(value))
             continue
         kernels, attribute, what = _targets(model, name)
         for kernel in kernels:

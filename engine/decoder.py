@@ -21,6 +21,11 @@ from engine.ort_env import CPU_DENSE, DenseDevice, dense_step_lock, session_opti
 from engine.partition import ExpertStep, Plan
 
 
+# A "both" layer's host part left until the next layer is launched (PartitionedDecoder._run_steps); False: done before
+# the next runner (bench_offload_ab's decoder.ahead=0)
+launch_ahead = True
+
+
 class PartitionedDecoder:
     """Alternates dense segments and expert nodes; only the cut tensors flow between them."""
 
@@ -36,6 +41,8 @@ class PartitionedDecoder:
         self.steps: list = []  # DenseSegment, or an expert runner (CpuExpertNode, HybridExpertNode)
         self.on_step_end = None  # called after every step with its seconds and tokens: the safe point for placement
         self.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}  # where step time goes
+        self.steps_run_again = 0  # steps run a second time after a late gate (_run_steps)
+        self.layers_ahead = 0  # "both" layers whose host part ran with the next layer's work queued behind (_run_steps)
         self._progress, self._built = progress, 0
         for step in plan.steps:
             if isinstance(step, ExpertStep):
@@ -109,7 +116,15 @@ class PartitionedDecoder:
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         on_gpu = self.dense is not None and self.dense.kind == "cuda"
         with dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
-            dense, experts = self._run_steps(values, state)
+            dense, experts, late = self._run_steps(values, state, launch_ahead)
+            if late:
+                # a layer's gate was raised after its merge may have stopped waiting, with later layers queued behind
+                # it: the step again (the state advances after it), each layer's host part done before the next
+                # layer is launched. A step's KV is written in place at its positions and a swapped state's present
+                # buffer whole, so running it twice changes nothing.
+                values = state.step_inputs(token_ids)
+                dense, experts, _ = self._run_steps(values, state, False)
+                self.steps_run_again += 1
         state.advance(len(token_ids))
         if self.on_step_end is not None:
             self.on_step_end(time.perf_counter() - started, len(token_ids))
@@ -120,22 +135,62 @@ class PartitionedDecoder:
         profile["total_s"] += time.perf_counter() - started
         return values[self.logits_name].reshape(len(token_ids), -1)
 
-    def _run_steps(self, values: dict, state: DecoderState) -> tuple[float, float]:
-        """Every runner in order on `values` (updated in place); returns the seconds of (dense segments, experts)."""
+    def _run_steps(self, values: dict, state: DecoderState, ahead: bool) -> tuple[float, float, bool]:
+        """Every runner in order on `values` (updated in place); returns the seconds of (dense segments, experts) and
+        whether a layer launched ahead raised its gate late (SplitStep.late: the step must run again).
+
+        `ahead`: a "both" layer's host part (SplitStep.finish: the CPU's share, then the gate) waits until the next
+        dense segment's replay and the next "both" layer are launched, queued behind its gated merge. The GPU then
+        goes from the gate to the next layer's routing without waiting for the host's launches. Anything else (an
+        onnxruntime run, another kind of layer) finishes the waiting layer first: it may wait for the GPU."""
         dense = experts = 0.0
+        late = False
         clock = time.perf_counter
         before = clock()
-        for runner in self.steps:  # one clock reading per runner: its end is the next one's start
-            if isinstance(runner, DenseSegment):
-                values.update(runner.run(values, state))
-                now = clock()
-                dense += now - before
-            else:
-                values[runner.info.output] = runner.run(values)
-                now = clock()
-                experts += now - before
-            before = now
-        return dense, experts
+        waiting = launched = None  # a layer whose host part is left until the next one is launched, and that one
+        behind = False  # whether work is queued behind the waiting layer's merge
+        try:
+            for runner in self.steps:  # one clock reading per runner: its end is the next one's start
+                if isinstance(runner, DenseSegment):
+                    results = runner.run_again(values, state) if waiting is not None else None
+                    if results is None:
+                        late |= self._finish(waiting, behind)
+                        waiting = None
+                        results = runner.run(values, state)
+                    behind = waiting is not None
+                    values.update(results)
+                    now = clock()
+                    dense += now - before
+                else:
+                    launched = runner.launch_ahead(values) if ahead and hasattr(runner, "launch_ahead") else None
+                    late |= self._finish(waiting, behind or launched is not None)
+                    waiting, behind = None, False
+                    if launched is None:
+                        values[runner.info.output] = runner.run(values)
+                    elif launched.result_ahead is not None:
+                        values[runner.info.output], waiting = launched.result_ahead, launched
+                    else:
+                        values[runner.info.output] = launched.finish()
+                    launched = None
+                    now = clock()
+                    experts += now - before
+                before = now
+            late |= self._finish(waiting, behind)
+        except BaseException:
+            for step in (waiting, launched):  # launched, not finished: the GPU is let go past their gates
+                if step is not None:
+                    step.abandon()
+            raise
+        return dense, experts, late
+
+    def _finish(self, step, behind: bool) -> bool:
+        """A layer whose host part was left (SplitStep), or None: that part done, with work queued behind its merge
+        (`behind`) or not; whether its gate was raised late with work behind it."""
+        if step is None:
+            return False
+        step.finish(ahead=behind)
+        self.layers_ahead += behind
+        return behind and step.late
 
 
 def _inputs_of(runner) -> list[str]:

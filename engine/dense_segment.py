@@ -81,6 +81,11 @@ class DenseSegment:
         """Run with `values` for the cut tensors; returns the segment's non-state outputs."""
         return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
 
+    def run_again(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray] | None:
+        """The results of the last step's graph replay launched again for `values` (a launch, nothing that waits for
+        the GPU); None, with nothing launched, where this run must take run()'s way."""
+        return self.bindings.run_again(self.session, values, state)
+
 
 def _inputs_read_on_the_host(session: ort.InferenceSession) -> frozenset[str] | None:
     """The inputs a session on a device reads in host memory (onnxruntime's input memory infos: GroupQueryAttention's
@@ -445,6 +450,11 @@ class SegmentBindings:
         self.total_lengths: dict[str, str] | None = None
         # Outputs left in GPU memory when the state is there (PartitionedDecoder.place_cut_tensors)
         self.on_device: frozenset[str] = frozenset()
+
+    def run_again(self, session, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray] | None:
+        """SegmentBinding.run_again on the state's kept binding; None without one."""
+        bound = self._by_state.get(state)
+        return bound.run_again(values) if bound is not None and bound.session is session else None
 
     def run(self, session, inputs: list[str], outputs: list[str], values: dict[str, np.ndarray],
             state: DecoderState) -> dict[str, np.ndarray]:

@@ -34,9 +34,20 @@ def test_switches_are_read_apart_from_the_offload_keys():
     assert switches("") == {}
     with pytest.raises(SystemExit, match="gpu.driver_copies=off: a switch takes an integer"):
         switches("gpu.driver_copies=off")
-    assert switches("dense.relaunch=0") == {"dense.relaunch": 0}
-    with pytest.raises(SystemExit, match="dense.pool=1: the dense switches are dense.graphs, dense.relaunch"):
+    assert switches("dense.relaunch=0,dense.ahead=0") == {"dense.relaunch": 0, "dense.ahead": 0}
+    with pytest.raises(SystemExit,
+                       match="dense.pool=1: the dense switches are dense.graphs, dense.relaunch, dense.ahead"):
         switches("dense.pool=1")
+
+
+def test_a_dense_switch_sets_its_modules_flag(monkeypatch):
+    import benchmarks.bench_offload_ab as ab
+    from engine import decoder
+
+    monkeypatch.setattr(decoder, "launch_ahead", True)
+    assert ab.current_switches(None, {"dense.ahead"}) == {"dense.ahead": 1}
+    ab.set_switches(None, {"dense.ahead": 0})
+    assert decoder.launch_ahead is False and ab.current_switches(None, {"dense.ahead"}) == {"dense.ahead": 0}
 
 
 class _Kernel:

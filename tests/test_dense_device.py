@@ -682,6 +682,29 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
     stores = [store for store in gpu.offload.stores if store is not None]
     assert all(store._split.merge is not None and store._split.published.gate_failed() == 0 for store in stores)
     assert all(store.gpu.split_fast_calls >= DECODE_STEPS // 2 for store in stores)
+    # the dense segments replayed again and the layers launched before the host's part of the layer before
+    # (PartitionedDecoder._run_steps: launched ahead), none of whose gates came late
+    assert gpu.decoder.layers_ahead >= (spec.layers - 1) * (DECODE_STEPS // 2) and gpu.decoder.steps_run_again == 0
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+def test_cuda_a_late_gate_under_launch_ahead_runs_the_step_again(monkeypatch, tmp_path):
+    """Decode path "both" with the layers launched ahead, where every gated merge gives up at once (as after a host
+    paused for longer than the merge waits): the layers queued behind a merge read the GPU's part alone, so each
+    decode step is run again with each layer finished in turn (its merge made again where it gave up). The logits
+    are still the CPU model's."""
+    from engine.offload import cuda_device
+
+    monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", 0.0)
+    spec = FP16_MODELS["fp16"]
+    cpu, gpu = offloaded_on_cuda(tmp_path, spec, 0.0)
+    gpu.offload.set_decode_path("both")
+    gpu.offload.cold_split_table = lambda layer: np.array([0, 1, 1])
+    errors = decode_alongside(gpu, cpu, spec, seed=13)
+    assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
+    assert gpu.decoder.layers_ahead > 0 and gpu.decoder.steps_run_again >= DECODE_STEPS // 2
+    assert gpu.offload.stats.totals().misses_cpu > 0
 
 
 LIMIT_SCRIPT = r"""

@@ -659,23 +659,41 @@ class CudaSlots:
         part.fill(0.0)
         return part
 
-    def merge_split(self, pending: SplitBuffers, cpu_part: np.ndarray | None, like):
+    def merge_split(self, pending: SplitBuffers, cpu_part: np.ndarray | None, like, ahead: bool = False):
         """launch_split's result in GPU memory for the next dense segment: the GPU's part plus the CPU's (float32
         [T, H] on the host, or None), added in like's dtype on the device; the dense part's stream waits for it, the
         host for nothing. With the gated merge, queued at the launch, the host only raises the gate (cpu_part, where
         there is one, is split_part's buffer). Returns (the result in like's shape, the launch's events for
-        merged_done)."""
+        merged_done). `ahead`: later work is queued behind the merge already, so a gate raised late is left to the
+        caller (split_gate_late) instead of merged again here, which would wait for that work."""
         if pending.merge is not None:
             published = pending.published
             if cpu_part is None:
                 published.part.fill(0.0)
             published.open_gate()
-            if time.perf_counter() - pending.launched_at > GATE_TIMEOUT_S / 2:  # the merge may have given up
+            pending.gate_late = time.perf_counter() - pending.launched_at > GATE_TIMEOUT_S / 2  # may have given up
+            if pending.gate_late and not ahead:
                 self._merge_again_if_gate_failed(pending)
             return pending.merge.result(like.shape), (pending.start, pending.stop)
         merge = pending.sum_buffers
         self._merge_after(pending, merge, cpu_part)
         return merge.result(like.shape), (pending.start, pending.stop)
+
+    def split_result(self, pending: SplitBuffers, like):
+        """Where launch_split queued the gated merge: its result in like's shape (GPU memory, written once the gate is
+        raised, in stream order), known before the host's part; else None."""
+        return None if pending.merge is None else pending.merge.result(like.shape)
+
+    def split_gate_late(self, pending: SplitBuffers) -> bool:
+        """Whether merge_split raised the gated merge's gate after the merge may have stopped waiting for it."""
+        return pending.merge is not None and pending.gate_late
+
+    def abandon_split(self, pending: SplitBuffers) -> None:
+        """Let a gated merge go on without the CPU's part (its step failed on the host): the GPU is not held until
+        the gate's timeout."""
+        if pending.merge is not None:
+            pending.published.part.fill(0.0)
+            pending.published.open_gate()
 
     @_on_compute_stream
     def _merge_after(self, pending: SplitBuffers, merge, cpu_part: np.ndarray | None) -> None:

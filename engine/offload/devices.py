@@ -205,9 +205,19 @@ class SimulatedSlots:
         """CudaSlots.split_part: no gated merge here, the CPU's part goes into the caller's buffer."""
         return None
 
-    def merge_split(self, pending: tuple, cpu_part: np.ndarray | None, like: np.ndarray):
+    def merge_split(self, pending: tuple, cpu_part: np.ndarray | None, like: np.ndarray, ahead: bool = False):
         """launch_split's GPU part plus the CPU's (or None), in like's dtype and shape, and its modelled seconds."""
         return self.merge_on_device(pending[4:], cpu_part, like)
+
+    def split_result(self, pending: tuple, like: np.ndarray) -> None:
+        """CudaSlots.split_result: no merge is queued at the launch here, the result comes from merge_split."""
+        return None
+
+    def split_gate_late(self, pending: tuple) -> bool:
+        return False  # (no gate)
+
+    def abandon_split(self, pending: tuple) -> None:
+        """CudaSlots.abandon_split: nothing waits for the host here."""
 
     def routed_ready(self, pending) -> bool:
         """Whether routed_done would not wait (CudaSlots: the launch's stop event); here nothing runs apart."""

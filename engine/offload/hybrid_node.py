@@ -65,15 +65,12 @@ class HybridExpertNode:
         if held:
             if not approximating and engine.slots[layer].all_resident:
                 return self._run_resident(store, x, logits, router_weights)  # every expert on the device
+            table = self._split_table(store, x)
+            if table is not None:
+                return self._run_split(store, x, logits, router_weights, table).finish()
             if (not approximating and engine.reads_tier and store.reads_cold
                     and x.size <= spec.hidden_size * engine.config.async_max_tokens):
-                # a decode step whose cold experts the GPU reads from the host tier, the CPU taking a share of them
-                # under the decode path "both" (route_split takes a decode launch's tokens at most; a table that gives
-                # the CPU nothing leaves the step to the tier, whose host does not wait for the routing)
-                if engine.splits_cold and self._splittable and x.size <= spec.hidden_size * DECODE_MAX_TOKENS:
-                    table = engine.cold_split_table(layer)
-                    if table.any():
-                        return self._run_split(store, x, logits, router_weights, table)
+                # a decode step whose cold experts the GPU reads from the host tier alone
                 return self._run_resident(store, x, logits, router_weights)
             like = x  # the result goes back where the inputs came from, in their dtype and shape
             x, logits, router_weights = store.to_host(x, logits, router_weights)
@@ -221,24 +218,58 @@ class HybridExpertNode:
             engine.settle()
         return out
 
-    def _run_split(self, store, x, logits, router_weights, cpu_take: np.ndarray):
-        """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"):
-        routing and the GPU's part on the device, launched at once; the CPU computes its share of the cold pairs
-        (`cpu_take`: OffloadEngine.cold_split_table) as soon as the routing reaches the host (published by the routing
-        kernel: a few µs, no stream synchronisation); the sum stays on the device for the next dense segment.
+    def launch_ahead(self, values: dict[str, np.ndarray]) -> "SplitStep | None":
+        """This step launched where run() would take it to _run_split, its host part left to the caller
+        (SplitStep.finish); None, with nothing done, where run() would take another way."""
+        inputs = self.info.activation_inputs
+        x = values[inputs["input"]]
+        store = self.engine.stores[self.layer]
+        if store is None or not store.holds(x):
+            return None
+        table = self._split_table(store, x)
+        if table is None:
+            return None
+        router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
+        return self._run_split(store, x, values[inputs["router_probs"]], router_weights, table)
 
-        Between the CPU's part and the next layer's routing the GPU waits for the host, so the host's bookkeeping is
-        kept out of that stretch: the earlier layers' accounts are taken while the GPU works towards this layer's
-        routing (the host would only wait there), and this step's statistics join them (account_split). What the
-        host still does there, from the CPU's part to the next layer's launch, is measured (HostGap) for the split's
-        table."""
-        engine, layer = self.engine, self.layer
-        if not engine.shadow:
-            engine.host_gap.arrived(layer, time.perf_counter())
+    def _split_table(self, store, x) -> np.ndarray | None:
+        """The split's table (OffloadEngine.cold_split_table) where a step with its inputs in the device's memory is a
+        "both" step: a partly resident layer whose cold experts the GPU reads from the host tier while the CPU takes a
+        share, no approximate routing, a decode launch's tokens at most (route_split's limit); None otherwise, and
+        where the table gives the CPU nothing (the tier's step then, whose host does not wait for the routing)."""
+        engine, spec = self.engine, self.info.spec
+        if (engine.approximating or not engine.splits_cold or not self._splittable or not engine.reads_tier
+                or not store.reads_cold or engine.slots[self.layer].all_resident
+                or x.size > spec.hidden_size * min(engine.config.async_max_tokens, DECODE_MAX_TOKENS)):
+            return None
+        table = engine.cold_split_table(self.layer)
+        return table if table.any() else None
+
+    def _run_split(self, store, x, logits, router_weights, cpu_take: np.ndarray) -> "SplitStep":
+        """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"),
+        launched: routing and the GPU's part on the device; the CPU's share of the cold pairs (`cpu_take`:
+        OffloadEngine.cold_split_table) is the host's part, SplitStep.finish."""
+        engine = self.engine
+        launched_at = time.perf_counter()
         standin_before = getattr(store, "standin_s", 0.0)
         pending = store.launch_split(x, logits, router_weights, cpu_take)
         if not engine.shadow:
             engine.settle()
+        return SplitStep(self, store, pending, x, launched_at, standin_before)
+
+    def _finish_split(self, step: "SplitStep", arrived: float):
+        """SplitStep.finish: the CPU computes its share as soon as the routing reaches the host (published by the
+        routing kernel: a few µs, no stream synchronisation), then raises the gate; the sum stays on the device for
+        the next dense segment.
+
+        Between the CPU's part and the next layer's routing the GPU waits for the host, so the host's bookkeeping is
+        kept out of that stretch: the earlier layers' accounts are taken while the GPU works towards this layer's
+        routing (the host would only wait there), and this step's statistics join them (account_split). What the
+        host does from the CPU's part to the next layer's wait (`arrived`) is measured (HostGap) for the split's
+        table."""
+        engine, layer, store, pending = self.engine, self.layer, step.store, step.pending
+        if not engine.shadow:
+            engine.host_gap.arrived(layer, arrived)
         x2d, ids, on_cpu, weights = store.split_routing(pending)
         cpu_s, out = 0.0, None
         try:
@@ -251,9 +282,9 @@ class HybridExpertNode:
         finally:  # a gated merge waits for merge_split: the GPU is let go even when the CPU's part failed
             if not engine.shadow:
                 engine.host_gap.left(layer, time.perf_counter())
-            result, timing = store.merge_split(pending, out, x)
+            result, timing = store.merge_split(pending, out, step.x, ahead=step.ahead)
         if not engine.shadow:
-            standin = getattr(store, "standin_s", 0.0) - standin_before
+            standin = getattr(store, "standin_s", 0.0) - step.standin_before
             engine.defer(lambda: self.account_split(ids, on_cpu, cpu_s, store.merged_done(timing), standin),
                          lambda: store.merged_ready(timing))
         return result
@@ -419,3 +450,47 @@ class HybridExpertNode:
         spec = self.info.spec
         return spec.fc1_rows * spec.hidden_size + spec.hidden_size * spec.inter_size + (
             spec.inter_size * spec.hidden_size if spec.has_fc3 else 0)
+
+
+class SplitStep:
+    """A "both" step launched (HybridExpertNode._run_split) whose host part is still to do: finish() computes the
+    CPU's share of the cold pairs and raises the gate, and returns the step's result in GPU memory.
+
+    Where the launch queued its merge behind the gate (`result_ahead`: the result's buffer, known at the launch), the
+    GPU orders everything after it, so a caller may launch the next layer's work first (PartitionedDecoder: the GPU
+    then goes on from this gate without waiting for the host's launches). It then calls finish(ahead=True): the gate
+    is not checked there (that would wait for the work queued behind it), `late` says whether the merge may have
+    given up waiting, and abandon() raises the gate of a step that will not be finished (an error elsewhere)."""
+
+    __slots__ = ("node", "store", "pending", "x", "launched_at", "standin_before", "ahead", "done")
+
+    def __init__(self, node: HybridExpertNode, store, pending, x, launched_at: float, standin_before: float):
+        self.node, self.store, self.pending, self.x = node, store, pending, x
+        self.launched_at, self.standin_before = launched_at, standin_before
+        self.ahead = False
+        self.done = False
+
+    @property
+    def result_ahead(self):
+        """The step's result (GPU memory, filled in stream order once the gate is raised) where its merge is queued
+        behind the gate; None where the merge is queued by finish()."""
+        return self.store.split_result(self.pending, self.x)
+
+    def finish(self, ahead: bool = False):
+        """The host's part; the result. `ahead`: the caller launched later work behind this step's merge."""
+        self.ahead = ahead
+        result = self.node._finish_split(self, time.perf_counter() if ahead else self.launched_at)
+        self.done = True
+        return result
+
+    @property
+    def late(self) -> bool:
+        """Whether finish(ahead=True) raised the gate after the merge may have stopped waiting for it."""
+        return self.store.split_gate_late(self.pending)
+
+    def abandon(self) -> None:
+        """The gate raised without the CPU's part (the sum is wrong and must not be used), unless finished: after an
+        error in this step's host part or elsewhere, so that the GPU is not held until the gate's timeout."""
+        if not self.done:
+            self.done = True
+            self.store.abandon_split(self.pending)
