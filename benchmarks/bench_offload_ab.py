@@ -262,14 +262,21 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
             set_switches(model, {**defaults, **variant_switches[name]})
             trial = first_trial_steps(model)
             warm = max(warmup, trial + SETTLE_AFTER_TRIAL if trial else 0)
+            counted = decoder_counts(model)
             if trace:
                 rate = traced_decode(model, prompt, tokens, warm, seed=100 + r)
             else:
                 rate, _rows = decode(model, prompt, tokens, warmup=warm)
             rates[name].append(rate)
             if details is not None:
-                details[name].append(engine_figures(model))
+                ahead, again = (after - before for after, before in zip(decoder_counts(model), counted))
+                details[name].append({**engine_figures(model), "layers_ahead": ahead, "steps_run_again": again})
     return rates
+
+
+def decoder_counts(model: LoadedModel) -> tuple[int, int]:
+    """The decoder's counts so far of layers launched ahead and of steps run again (engine/decoder.py)."""
+    return model.decoder.layers_ahead, model.decoder.steps_run_again
 
 
 def first_trial_steps(model: LoadedModel) -> int:
@@ -330,7 +337,8 @@ def main(argv=None) -> dict:
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
                   f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
-                  f"{split_words(last['cold_split'])}{cpu_rate_words(last)}", flush=True)
+                  f"{split_words(last['cold_split'])}{cpu_rate_words(last)}, {last['layers_ahead']} layers launched "
+                  f"ahead, {last['steps_run_again']} steps run again (the round, warm-up included)", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})

@@ -188,7 +188,7 @@ class PartitionedDecoder:
         (`behind`) or not; whether its gate was raised late with work behind it."""
         if step is None:
             return False
-        step.finish(ahead=behind)
+        step.finish(ahead=behind, queued=True)
         self.layers_ahead += behind
         return behind and step.late
 

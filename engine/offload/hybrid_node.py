@@ -476,10 +476,11 @@ class SplitStep:
         behind the gate; None where the merge is queued by finish()."""
         return self.store.split_result(self.pending, self.x)
 
-    def finish(self, ahead: bool = False):
-        """The host's part; the result. `ahead`: the caller launched later work behind this step's merge."""
+    def finish(self, ahead: bool = False, queued: bool = False):
+        """The host's part; the result. `ahead`: the caller launched later work behind this step's merge. `queued`:
+        the caller did other work since the launch (the host's gap then runs to now, not to the launch)."""
         self.ahead = ahead
-        result = self.node._finish_split(self, time.perf_counter() if ahead else self.launched_at)
+        result = self.node._finish_split(self, time.perf_counter() if queued else self.launched_at)
         self.done = True
         return result
 
