@@ -271,6 +271,8 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
             if details is not None:
                 ahead, again = (after - before for after, before in zip(decoder_counts(model), counted))
                 details[name].append({**engine_figures(model), "layers_ahead": ahead, "steps_run_again": again})
+    if defaults is not None:  # as found: the next budget's rounds take their defaults from here
+        set_switches(model, defaults)
     return rates
 
 

@@ -110,6 +110,8 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
     a, b = ([1, 1], False, 64, "spread", "cpu"), ([0, 0], True, 16, "whole", "tier")
     assert seen == [a, b, b, a, a, b]
     assert rates == {"A": [100.0] * 3, "B": [90.0] * 3}
+    # B's switches taken back after its last round: the next budget's rounds find the defaults
+    assert dense_graph.enabled is False and cpu.gemv_chunk_kb == 64
     with pytest.raises(SystemExit, match="gpu.no_such: GpuQMoE has no such switch"):
         ab.set_switches(model, {"gpu.no_such": 1})
     with pytest.raises(SystemExit, match="cpu.no_such: the CPU expert kernel has no such switch"):
