@@ -21,9 +21,12 @@ from engine.ort_env import CPU_DENSE, DenseDevice, dense_step_lock, session_opti
 from engine.partition import ExpertStep, Plan
 
 
-# A "both" layer's host part left until the next layer is launched (PartitionedDecoder._run_steps); False: done before
-# the next runner (bench_offload_ab's decoder.ahead=0)
-launch_ahead = True
+# A "both" layer's host part left until the next layer is launched (PartitionedDecoder._run_steps; bench_offload_ab's
+# dense.ahead=1). Off: on the H200 it showed no gain (0.87-0.94x in 16-layer A/Bs whose noise is about as wide,
+# RESULTS.md fortieth session): the host's launches of the next layer (~77 µs a layer) outlast the GPU's merge, dense
+# segment and routing (~50 µs) that they would hide behind, and the host's gap, measured longer, gives the CPU fewer
+# cold pairs.
+launch_ahead = False
 
 
 class PartitionedDecoder:
