@@ -914,3 +914,64 @@ def test_routed_launches_reuse_their_input_views_only_for_the_same_contiguous_ar
     again = store._routed_views(x, strided, None, 2)
     strided[0, 0] = 7.0
     assert float(store._routed_views(x, strided, None, 2)[1][0, 0]) == 7.0 and float(again[1][0, 0]) == 1.0
+
+
+def test_the_hosts_wait_for_the_routing_does_its_idle_work_a_piece_at_a_time():
+    """PublishedRouting.wait with `idle` (under launch ahead: the earlier layers' accounts): a piece of work at a time
+    while the flag is down, the flag checked after each; once `idle` has none left it is not asked again, and the host
+    spins, then synchronises the launch's event."""
+    from kernels.gpu.published import PublishedRouting
+
+    published = PublishedRouting(FakeCupy(), 1, SPEC.top_k, 8, np.float16)
+    published.launched = 1
+    pieces = []
+
+    def idle():
+        pieces.append(len(pieces))
+        if len(pieces) == 3:
+            published.flag[0] = 1  # the routing arrives during the third piece
+        return True
+
+    published.wait(None, idle)
+    assert pieces == [0, 1, 2]
+    published.launched, pieces = 2, []
+    arrived = SimpleNamespace(synchronize=lambda: published.flag.__setitem__(0, 2))  # the launch's stop event
+    published.wait(arrived, lambda: pieces.append(1) and False)  # (append returns None: no work)
+    assert pieces == [1]
+
+
+def test_under_launch_ahead_each_both_layer_is_launched_before_its_host_part(model_folder, cpu_run, monkeypatch):
+    """engine.decoder.launch_ahead on the stand-in: every "both" layer is launched by launch_ahead and its host part
+    done by the decoder (SplitStep.finish, queued: earlier layers' accounts taken while it waits for the routing). The
+    stand-in's dense segments are not replayed, so each layer is finished before the next segment runs, with nothing
+    behind its merge. The tokens are the all-CPU run's, as in the same decode without launch ahead before it,
+    and every pair counted once, no account left after a step."""
+    from engine import decoder
+    from engine.offload.hybrid_node import HybridExpertNode, SplitStep
+
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    engine = model.offload
+    engine.set_decode_path("both")
+    _steps, without = decode_on_device(model, cpu_run, "split_launches")
+    finishes = []
+    real_finish = SplitStep.finish
+
+    def finish(step, ahead=False, queued=False):
+        finishes.append((ahead, queued))
+        return real_finish(step, ahead, queued)
+
+    monkeypatch.setattr(SplitStep, "finish", finish)
+    monkeypatch.setattr(decoder, "launch_ahead", True)
+    launched = []
+    real_launch = HybridExpertNode.launch_ahead
+    monkeypatch.setattr(HybridExpertNode, "launch_ahead",
+                        lambda node, values: launched.append(node.layer) or real_launch(node, values))
+    for store in engine.stores:
+        store.gpu.split_launches = 0
+    steps, ahead = decode_on_device(model, cpu_run, "split_launches")
+    assert finishes == [(False, True)] * (steps * SPEC.layers) and len(launched) >= steps * SPEC.layers
+    assert model.decoder.layers_ahead == 0 and model.decoder.steps_run_again == 0
+    # every pair counted once (placement has moved experts since the first decode: the split differs)
+    assert ahead.hits + ahead.misses == without.hits + without.misses
+    assert ahead.misses == ahead.misses_cpu + ahead.misses_copied + ahead.misses_read and ahead.misses_cpu > 0
+    assert not engine.deferred

@@ -637,13 +637,14 @@ class CudaSlots:
                     dense.wait_event(compute.record(self._ordering))
         return split
 
-    def split_routing(self, pending: SplitBuffers) -> tuple:
+    def split_routing(self, pending: SplitBuffers, idle=None) -> tuple:
         """(x [T, H], every routed expert id [T, k], the pairs the CPU computes (bool [T, k]), the weights [T, k]) on
         the host once launch_split's routing is published: a spin of a few µs after the routing kernel, no stream
-        synchronisation. x and the weights are views the next launch overwrites."""
+        synchronisation, with `idle`'s work meanwhile (PublishedRouting.wait). x and the weights are views the next
+        launch overwrites."""
         published = pending.published
         try:
-            published.wait(pending.stop)  # not the stream: the gated merge queued behind it waits for this host
+            published.wait(pending.stop, idle)  # not the stream: the gated merge queued behind it waits for this host
         except PublishTimeout as exc:
             raise WorkbenchError(f"{self.name}: the GPU's routing of a decode step never reached the host ({exc})") \
                 from None

@@ -197,8 +197,9 @@ class SimulatedSlots:
         cold = len(experts - set(self._held.tolist())) if self.host_tier else 0
         return self.read_bytes * ((len(experts) - cold) / bw.hbm + cold / (TIER_READ_SHARE * bw.pcie))
 
-    def split_routing(self, pending: tuple) -> tuple:
-        """(x, every routed id, the CPU's pairs, the weights) of launch_split's step."""
+    def split_routing(self, pending: tuple, idle=None) -> tuple:
+        """(x, every routed id, the CPU's pairs, the weights) of launch_split's step (routed already: no wait, so
+        nothing for `idle`)."""
         return pending[:4]
 
     def split_part(self, pending: tuple) -> None:

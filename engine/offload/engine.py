@@ -405,15 +405,18 @@ class OffloadEngine:
         device's work it reads is done: in a later layer's settle(), or at the latest at the step's end."""
         self.deferred.append((ready, account))
 
-    def settle(self, most: int = SETTLE_PER_LAYER) -> None:
-        """Take up to `most` of the deferred accounts whose device work is done, oldest first. A layer calls it once
-        its own work is issued: with every expert resident the host runs ahead of the GPU, and the accounts taken at
-        the step's end ran while the GPU sat idle (26 µs a layer of a 127 µs layer on the H200 machine, Qwen3-30B-
-        A3B-like, RESULTS.md sixteenth session); taken here, they fit in the host's slack while the GPU works."""
+    def settle(self, most: int = SETTLE_PER_LAYER) -> int:
+        """Take up to `most` of the deferred accounts whose device work is done, oldest first; returns how many. A
+        layer calls it once its own work is issued: with every expert resident the host runs ahead of the GPU, and the
+        accounts taken at the step's end ran while the GPU sat idle (26 µs a layer of a 127 µs layer on the H200
+        machine, Qwen3-30B-A3B-like, RESULTS.md sixteenth session); taken here, they fit in the host's slack while the
+        GPU works."""
         deferred = self.deferred
-        while most and deferred and deferred[0][0]():
+        taken = 0
+        while taken < most and deferred and deferred[0][0]():
             deferred.popleft()[1]()
-            most -= 1
+            taken += 1
+        return taken
 
     @contextmanager
     def exact_routing(self):

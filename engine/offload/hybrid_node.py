@@ -67,7 +67,10 @@ class HybridExpertNode:
                 return self._run_resident(store, x, logits, router_weights)  # every expert on the device
             table = self._split_table(store, x)
             if table is not None:
-                return self._run_split(store, x, logits, router_weights, table).finish()
+                step = self._run_split(store, x, logits, router_weights, table)
+                if not engine.shadow:
+                    engine.settle()  # earlier layers' accounts, while the GPU works towards this layer's routing
+                return step.finish()
             if (not approximating and engine.reads_tier and store.reads_cold
                     and x.size <= spec.hidden_size * engine.config.async_max_tokens):
                 # a decode step whose cold experts the GPU reads from the host tier alone
@@ -220,7 +223,8 @@ class HybridExpertNode:
 
     def launch_ahead(self, values: dict[str, np.ndarray]) -> "SplitStep | None":
         """This step launched where run() would take it to _run_split, its host part left to the caller
-        (SplitStep.finish); None, with nothing done, where run() would take another way."""
+        (SplitStep.finish(queued=True), which takes earlier layers' accounts while it waits for the routing); None,
+        with nothing done, where run() would take another way."""
         inputs = self.info.activation_inputs
         x = values[inputs["input"]]
         store = self.engine.stores[self.layer]
@@ -249,28 +253,26 @@ class HybridExpertNode:
         """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"),
         launched: routing and the GPU's part on the device; the CPU's share of the cold pairs (`cpu_take`:
         OffloadEngine.cold_split_table) is the host's part, SplitStep.finish."""
-        engine = self.engine
         launched_at = time.perf_counter()
         standin_before = getattr(store, "standin_s", 0.0)
         pending = store.launch_split(x, logits, router_weights, cpu_take)
-        if not engine.shadow:
-            engine.settle()
         return SplitStep(self, store, pending, x, launched_at, standin_before)
 
-    def _finish_split(self, step: "SplitStep", arrived: float):
+    def _finish_split(self, step: "SplitStep", arrived: float, settling: bool):
         """SplitStep.finish: the CPU computes its share as soon as the routing reaches the host (published by the
         routing kernel: a few µs, no stream synchronisation), then raises the gate; the sum stays on the device for
         the next dense segment.
 
         Between the CPU's part and the next layer's routing the GPU waits for the host, so the host's bookkeeping is
         kept out of that stretch: the earlier layers' accounts are taken while the GPU works towards this layer's
-        routing (the host would only wait there), and this step's statistics join them (account_split). What the
-        host does from the CPU's part to the next layer's wait (`arrived`) is measured (HostGap) for the split's
-        table."""
+        routing (the host would only wait there: run() before this part, `settling` within the wait for the routing),
+        and this step's statistics join them (account_split). What the host does from the CPU's part to the next
+        layer's wait (`arrived`) is measured (HostGap) for the split's table."""
         engine, layer, store, pending = self.engine, self.layer, step.store, step.pending
         if not engine.shadow:
             engine.host_gap.arrived(layer, arrived)
-        x2d, ids, on_cpu, weights = store.split_routing(pending)
+        idle = (lambda: engine.settle(1) > 0) if settling and not engine.shadow else None
+        x2d, ids, on_cpu, weights = store.split_routing(pending, idle)
         cpu_s, out = 0.0, None
         try:
             if on_cpu.any():
@@ -478,9 +480,10 @@ class SplitStep:
 
     def finish(self, ahead: bool = False, queued: bool = False):
         """The host's part; the result. `ahead`: the caller launched later work behind this step's merge. `queued`:
-        the caller did other work since the launch (the host's gap then runs to now, not to the launch)."""
+        the caller did other work since the launch (the host's gap then runs to now, not to the launch), and earlier
+        layers' accounts are taken while the host waits for this step's routing."""
         self.ahead = ahead
-        result = self.node._finish_split(self, time.perf_counter() if queued else self.launched_at)
+        result = self.node._finish_split(self, time.perf_counter() if queued else self.launched_at, queued)
         self.done = True
         return result
 

@@ -88,14 +88,19 @@ class PublishedRouting:
         """The number of a launch whose gated merge gave up waiting (it left the GPU's part alone), else 0."""
         return int(self.failed[0])
 
-    def wait(self, launched) -> float:
+    def wait(self, launched, idle=None) -> float:
         """Wait for the latest launch's routing; returns the seconds waited. Spins on the flag for up to SPIN_S, then
         synchronises `launched` (an event recorded right after the launch, or its stream where nothing that waits for
-        the host follows: a gated merge would wait for ever, or for its timeout) and requires the flag set."""
+        the host follows: a gated merge would wait for ever, or for its timeout) and requires the flag set. `idle`: the
+        host's own work meanwhile, a piece a call (it returns whether there was one), until none is left."""
         expected = self.launched & 0xFFFFFFFF
         flag = self.flag
         started = time.perf_counter()
         while flag[0] != expected:
+            if idle is not None:
+                if idle():
+                    continue
+                idle = None
             if time.perf_counter() - started > SPIN_S:
                 launched.synchronize()
                 if flag[0] != expected:
