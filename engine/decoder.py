@@ -172,8 +172,8 @@ class PartitionedDecoder:
                         values[runner.info.output] = runner.run(values)
                     elif launched.result_ahead is not None:
                         values[runner.info.output], waiting = launched.result_ahead, launched
-                    else:
-                        values[runner.info.output] = launched.finish()
+                    else:  # its merge is queued by its host part: nothing may be launched behind it
+                        values[runner.info.output] = launched.finish(queued=True)
                     launched = None
                     now = clock()
                     experts += now - before
