@@ -31,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_overhead import instrument, profile_steps, summarise  # noqa: E402
-from benchmarks.common import median_seconds, model_folder, stream_read_bandwidth, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    median_seconds, model_folder, stream_read_bandwidth, write_result, written_model)
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.errors import WorkbenchError  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
@@ -39,7 +40,7 @@ from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import hit_rate, realistic_trace  # noqa: E402
-from engine.writer import WriterSpec, write_model  # noqa: E402
+from engine.writer import WriterSpec  # noqa: E402
 
 # decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
 # a first trial of the CPU's share under "both" takes 16 steps to start and 60 to run
@@ -331,10 +332,8 @@ def main() -> None:
 
     shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
     spec = WriterSpec(**shape, bits=4, block_size=32, context_length=4096, seed=7, dtype=args.dtype)
-    folder = model_folder(args.folder, "bench-offload-")
     started = time.perf_counter()
-    if not (folder / "model" / "genai_config.json").is_file():
-        write_model(folder / "model", spec)
+    path = written_model(model_folder(args.folder, "bench-offload-"), spec)
     print(f"model written in {time.perf_counter() - started:.0f} s", flush=True)
 
     if args.device == "cuda":
@@ -348,7 +347,7 @@ def main() -> None:
     print(f"B_dram {b_dram / 1e9:.1f} GB/s (the engine measured {device.bandwidths.cpu / 1e9:.1f}), "
           f"B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
 
-    model = LoadedModel.open(folder / "model", offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
+    model = LoadedModel.open(path, offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
     model.offload.cpu_rate.fit = not args.cpu_average_rate
     model.offload.set_decode_path(args.decode_path)
     print(f"dense part on the {model.dense_device}: {model.dense_reason}", flush=True)
@@ -365,7 +364,7 @@ def main() -> None:
     long_prompt = [int(t) for t in rng.integers(3, 400, args.prefill_tokens)]
     trace = realistic_trace(600, 4, infos[0].spec.num_experts, infos[0].spec.k, seed=3)
 
-    cpu_model = LoadedModel.open(folder / "model")
+    cpu_model = LoadedModel.open(path)
     _wait_for_population(cpu_model, "the all-CPU model")
     cpu_model.decoder.forward(cpu_model.new_state(), long_prompt[:64])  # untimed: the CPU kernels compiled first
     cpu_prefill = args.prefill_tokens / _timed(lambda: cpu_model.decoder.forward(cpu_model.new_state(), long_prompt))

@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES, decode, path_text, traced_decode  # noqa: E402
-from benchmarks.common import model_folder, write_result  # noqa: E402
+from benchmarks.common import model_folder, write_result, written_model  # noqa: E402
 from engine import decoder, dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
@@ -50,7 +50,7 @@ from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.writer import WriterSpec, write_model  # noqa: E402
+from engine.writer import WriterSpec  # noqa: E402
 
 
 SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")
@@ -185,17 +185,15 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
     (copies go straight from the page-locked mapping in every configuration) and the population of their pages (it
     reads the whole file on the CPU's cores beside the first rounds otherwise); and a 16-token prompt."""
     spec = dict(SHAPES[shape], **({"layers": layers} if layers else {}))
-    where = model_folder(folder, prefix)
-    if not (where / "model" / "genai_config.json").is_file():
-        write_model(where / "model", WriterSpec(**spec, bits=4, block_size=32, context_length=4096, seed=7,
-                                                dtype=dtype))
+    path = written_model(model_folder(folder, prefix), WriterSpec(**spec, bits=4, block_size=32, context_length=4096,
+                                                                 seed=7, dtype=dtype))
     if device == "cuda":
         from engine.offload.cuda_device import open_cuda_device
         opened = open_cuda_device()
     else:
         from engine.offload import SimulatedDevice
         opened = SimulatedDevice(200 << 30)
-    model = LoadedModel.open(where / "model", offload=OffloadConfig(device_expert_bytes=0), device=opened)
+    model = LoadedModel.open(path, offload=OffloadConfig(device_expert_bytes=0), device=opened)
     model.wait_until_settled()
     return model, [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -54,6 +55,18 @@ def model_folder(given: str | None, prefix: str) -> Path:
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
+
+
+def written_model(folder: Path, spec) -> Path:
+    """The model `spec` (a WriterSpec) describes, in `folder`: written there once and reused by later runs. Each spec
+    has a folder of its own (named by a digest of it), so a run asking for fewer layers or another dtype never reuses
+    a model written for another."""
+    from engine.writer import write_model
+
+    path = folder / f"model-{hashlib.sha1(repr(spec).encode()).hexdigest()[:12]}"
+    if not (path / "genai_config.json").is_file():
+        write_model(path, spec)
+    return path
 
 
 def write_result(benchmark: str, figures: list[dict], **extra) -> Path:

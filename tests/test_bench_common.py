@@ -15,3 +15,20 @@ def test_a_given_model_folder_is_kept_and_a_temporary_one_is_removed_at_exit(tmp
     folder = run.stdout.strip()
     assert "bench-test-" in folder
     assert not Path(folder).exists()  # a full-size model is gigabytes: none left in /tmp
+
+
+def test_a_benchmarks_model_is_written_once_per_spec(tmp_path, monkeypatch):
+    """written_model: another spec (fewer layers) gets a folder of its own, never the model written for another; the
+    same spec is written once and reused."""
+    import engine.writer
+    from benchmarks.common import written_model
+    from engine.writer import WriterSpec
+
+    written = []
+    monkeypatch.setattr(engine.writer, "write_model",
+                        lambda path, spec: written.append(spec) or (path.mkdir(parents=True),
+                                                                    (path / "genai_config.json").write_text("{}")))
+    full, few = WriterSpec(layers=48, seed=7), WriterSpec(layers=16, seed=7)
+    first = written_model(tmp_path, full)
+    assert written_model(tmp_path, few) != first
+    assert written_model(tmp_path, full) == first and written == [full, few]
