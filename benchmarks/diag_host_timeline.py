@@ -141,6 +141,37 @@ def run(model, prompt: list[int], steps: int, warmup: int = WARMUP) -> Timeline:
     return timeline
 
 
+def on_standin(args) -> tuple:
+    """The CUDA stand-in's small model (tests/test_cuda_slots_standin.py) timed; (the model, its Timeline)."""
+    import tempfile
+
+    import pytest
+
+    import tests.test_offload as test_offload
+    from benchmarks.profile_standin_step import SPEC
+    from engine.writer import write_model
+    from tests.test_cuda_slots_standin import open_on_standin
+
+    folder = Path(tempfile.mkdtemp(prefix="diag-timeline-")) / "model"
+    write_model(folder, SPEC)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(test_offload, "SPEC", SPEC)  # the stand-in's helpers read the model's spec from there
+        model, _cp = open_on_standin(folder, args.fraction, patch)
+        return model, run(model, model.tokenizer.encode("Where does the host's time go?"), args.steps, args.warmup)
+
+
+def on_cuda(args) -> tuple:
+    """The shape's model (--layers of them) on the GPU, its dense part there, timed; (the model, its Timeline)."""
+    from benchmarks.bench_offload_ab import open_model
+    from engine.offload import OffloadConfig
+    from engine.offload.planner import all_resident_bytes
+
+    model, prompt = open_model(args.shape, args.layers, args.folder, "float16", "cuda", "diag-timeline-")
+    budget = int(args.fraction * all_resident_bytes(model.folder.experts))
+    model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget), decode_path="both")
+    return model, run(model, prompt, args.steps, args.warmup)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b-like")
@@ -152,32 +183,11 @@ def main(argv=None) -> None:
     parser.add_argument("--ahead", action="store_true", help="engine.decoder.launch_ahead on")
     parser.add_argument("--standin", action="store_true", help="the CUDA stand-in's small model (no GPU needed)")
     args = parser.parse_args(argv)
-    decoder.launch_ahead = args.ahead
-    if args.standin:
-        import tempfile
-
-        import pytest
-
-        import tests.test_offload as test_offload
-        from benchmarks.profile_standin_step import SPEC
-        from engine.writer import write_model
-        from tests.test_cuda_slots_standin import open_on_standin
-
-        folder = Path(tempfile.mkdtemp(prefix="diag-timeline-")) / "model"
-        write_model(folder, SPEC)
-        test_offload.SPEC = SPEC  # the stand-in's helpers read the model's spec from there
-        with pytest.MonkeyPatch.context() as patch:
-            model, _cp = open_on_standin(folder, args.fraction, patch)
-            timeline = run(model, model.tokenizer.encode("Where does the host's time go?"), args.steps, args.warmup)
-    else:
-        from benchmarks.bench_offload_ab import open_model
-        from engine.offload import OffloadConfig
-        from engine.offload.planner import all_resident_bytes
-
-        model, prompt = open_model(args.shape, args.layers, args.folder, "float16", "cuda", "diag-timeline-")
-        budget = int(args.fraction * all_resident_bytes(model.folder.experts))
-        model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget), decode_path="both")
-        timeline = run(model, prompt, args.steps, args.warmup)
+    ahead_before, decoder.launch_ahead = decoder.launch_ahead, args.ahead
+    try:
+        model, timeline = on_standin(args) if args.standin else on_cuda(args)
+    finally:
+        decoder.launch_ahead = ahead_before
     print(f"dense part on the {model.dense_device}; launch ahead {'on' if args.ahead else 'off'}; "
           f"{model.decoder.layers_ahead} layers launched ahead")
     print(report(timeline))

@@ -43,7 +43,12 @@ def test_an_event_inside_another_is_part_of_it():
 
 @pytest.mark.parametrize("ahead", [False, True])
 def test_on_the_standin_each_layer_launches_waits_computes_and_raises_its_gate(capsys, ahead):
+    import tests.test_offload as test_offload
+    from engine import decoder
+
+    spec = test_offload.SPEC
     main(["--standin", "--steps", "4", "--warmup", "4"] + (["--ahead"] if ahead else []))
+    assert test_offload.SPEC is spec and decoder.launch_ahead is False  # as they were, for the tests after
     out = capsys.readouterr().out
     assert f"launch ahead {'on' if ahead else 'off'}" in out
     events = [line.split()[0] for line in out.splitlines() if line.strip().split(" ")[0] in
