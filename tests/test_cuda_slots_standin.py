@@ -932,8 +932,8 @@ def test_the_hosts_wait_for_the_routing_does_its_idle_work_a_piece_at_a_time():
             published.flag[0] = 1  # the routing arrives during the third piece
         return True
 
-    published.wait(None, idle)
-    assert pieces == [0, 1, 2]
+    assert published.wait(None, idle) > 0.0 and pieces == [0, 1, 2]
+    assert published.wait(None, idle) == 0.0 and pieces == [0, 1, 2]  # there at once: no work, no wait
     published.launched, pieces = 2, []
     arrived = SimpleNamespace(synchronize=lambda: published.flag.__setitem__(0, 2))  # the launch's stop event
     published.wait(arrived, lambda: pieces.append(1) and False)  # (append returns None: no work)

@@ -122,3 +122,11 @@ def test_the_host_gap_is_timed_between_consecutive_layers_of_one_step_only():
     simulated.left(0, 0.0)
     simulated.arrived(1, 1.0)
     assert simulated.value == 0.0
+
+
+def test_under_launch_ahead_a_host_that_waited_for_the_routing_left_no_gap():
+    gap = HostGap()
+    for layer, (arrived, waited) in enumerate([(0.3, True), (0.2, False), (0.4, True), (0.1, True)], start=1):
+        gap.left(layer - 1, 0.0)
+        gap.arrived(layer, arrived, waited)
+    assert sorted(gap._gaps) == [0.0, 0.0, 0.0, 0.2] and gap.value == 0.0

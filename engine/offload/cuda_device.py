@@ -644,11 +644,16 @@ class CudaSlots:
         launch overwrites."""
         published = pending.published
         try:
-            published.wait(pending.stop, idle)  # not the stream: the gated merge queued behind it waits for this host
+            # not the stream: the gated merge queued behind it waits for this host
+            pending.routing_wait_s = published.wait(pending.stop, idle)
         except PublishTimeout as exc:
             raise WorkbenchError(f"{self.name}: the GPU's routing of a decode step never reached the host ({exc})") \
                 from None
         return published.x, published.ids.copy(), published.on_cpu != 0, published.w
+
+    def routing_waited(self, pending: SplitBuffers) -> bool:
+        """Whether split_routing found the routing still to come (the host was there first)."""
+        return pending.routing_wait_s > 0.0
 
     def split_part(self, pending: SplitBuffers) -> np.ndarray | None:
         """Where the CPU adds its part of launch_split's step, once split_routing has returned: with the gated merge

@@ -108,10 +108,13 @@ class HostGap:
         self._gaps: deque[float] = deque(maxlen=self.WINDOW)
         self._left: tuple[int, float] | None = None  # (layer, when) the last CPU part of this step ended
 
-    def arrived(self, layer: int, now: float) -> None:
-        """A "both" step of `layer` starts at `now` (perf_counter): a gap where the layer before was one."""
+    def arrived(self, layer: int, now: float, waited: bool = False) -> None:
+        """A "both" step of `layer` starts at `now` (perf_counter): a gap where the layer before was one. `waited`:
+        under launch ahead (engine.decoder), the host got to this layer's routing before the GPU published it: its
+        launches of later layers fitted in the GPU's work towards this routing, and the CPU's part waited for the GPU,
+        not the host (a gap of 0)."""
         if self._left is not None and self._left[0] == layer - 1:
-            self._gaps.append(now - self._left[1])
+            self._gaps.append(0.0 if waited else now - self._left[1])
 
     def left(self, layer: int, now: float) -> None:
         """The CPU's part of `layer`'s "both" step ended at `now`."""

@@ -202,6 +202,9 @@ class SimulatedSlots:
         nothing for `idle`)."""
         return pending[:4]
 
+    def routing_waited(self, pending: tuple) -> bool:
+        return False  # (routed at the launch)
+
     def split_part(self, pending: tuple) -> None:
         """CudaSlots.split_part: no gated merge here, the CPU's part goes into the caller's buffer."""
         return None

@@ -267,12 +267,13 @@ class HybridExpertNode:
         kept out of that stretch: the earlier layers' accounts are taken while the GPU works towards this layer's
         routing (the host would only wait there: run() before this part, `settling` within the wait for the routing),
         and this step's statistics join them (account_split). What the host does from the CPU's part to the next
-        layer's wait (`arrived`) is measured (HostGap) for the split's table."""
+        layer's wait (`arrived`) is measured (HostGap) for the split's table; in a queued part (launch ahead) a host
+        that then waited for the routing counts none."""
         engine, layer, store, pending = self.engine, self.layer, step.store, step.pending
-        if not engine.shadow:
-            engine.host_gap.arrived(layer, arrived)
         idle = (lambda: engine.settle(1) > 0) if settling and not engine.shadow else None
         x2d, ids, on_cpu, weights = store.split_routing(pending, idle)
+        if not engine.shadow:  # (a host that waited for the routing in a queued part left the CPU no gap)
+            engine.host_gap.arrived(layer, arrived, settling and store.routing_waited(pending))
         cpu_s, out = 0.0, None
         try:
             if on_cpu.any():

@@ -92,9 +92,12 @@ class PublishedRouting:
         """Wait for the latest launch's routing; returns the seconds waited. Spins on the flag for up to SPIN_S, then
         synchronises `launched` (an event recorded right after the launch, or its stream where nothing that waits for
         the host follows: a gated merge would wait for ever, or for its timeout) and requires the flag set. `idle`: the
-        host's own work meanwhile, a piece a call (it returns whether there was one), until none is left."""
+        host's own work meanwhile, a piece a call (it returns whether there was one), until none is left. 0.0 exactly
+        where the routing was there at once."""
         expected = self.launched & 0xFFFFFFFF
         flag = self.flag
+        if flag[0] == expected:
+            return 0.0
         started = time.perf_counter()
         while flag[0] != expected:
             if idle is not None:
