@@ -188,8 +188,10 @@ def main(argv=None) -> None:
         model, timeline = on_standin(args) if args.standin else on_cuda(args)
     finally:
         decoder.launch_ahead = ahead_before
+    split = model.offload.copy_state()["decode_path"]["cold_split"] or {}
     print(f"dense part on the {model.dense_device}; launch ahead {'on' if args.ahead else 'off'}; "
-          f"{model.decoder.layers_ahead} layers launched ahead")
+          f"{model.decoder.layers_ahead} layers launched ahead; the split's host gap "
+          f"{split.get('host_gap_s', 0.0) * 1e6:.0f} µs, CPU takes {split.get('cpu_takes')} of c cold")
     print(report(timeline))
 
 
