@@ -49,9 +49,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="profile-standin-")) / "model"
     write_model(folder, SPEC)
-    test_offload.SPEC = SPEC  # the stand-in's helpers read the model's spec from there
-    FakeGpuQMoE.run_staged = lambda self, x, ids, w, out: None  # the "GPU"'s work, free
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(test_offload, "SPEC", SPEC)  # the stand-in's helpers read the model's spec from there
+        patch.setattr(FakeGpuQMoE, "run_staged", lambda self, x, ids, w, out: None)  # the "GPU"'s work, free
         model, cp = open_on_standin(folder, args.fraction, patch, decode_path=args.path)
         cp.log = _NoLog()
         state = model.new_state()
