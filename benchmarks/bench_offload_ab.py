@@ -22,6 +22,10 @@ variant names and the other does not keeps its default there. `split=auto|spread
 engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
 engine_figures) go into the result file beside the rates.
 
+With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
+"both" with one table, where the engine would make it again from rates it measures, which move between rounds enough
+for a 1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
+
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
 
@@ -238,17 +242,60 @@ def cpu_rate_words(figures: dict) -> str:
     return f", CPU kernels {figures['cpu_rate'] / 1e9:.0f} GB/s + {figures['cpu_fixed_s'] * 1e6:.0f} µs a call"
 
 
+def split_table(text: str | None):
+    """--split-table: None (the engine's own tables, made again from the rates it measures), "first" (the table the
+    engine made for A after a warm-up, kept), or the CPU's pairs per cold count ("0,0,1,1,2"), an array."""
+    if text is None or text == "first":
+        return text
+    try:
+        return np.array([int(count) for count in text.split(",")], np.int64)
+    except ValueError:
+        raise SystemExit(f"--split-table {text}: 'first' or the CPU's pairs per cold count, e.g. 0,0,1,1,2") from None
+
+
+def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path: str, prompt: list[int],
+                    warmup: int) -> np.ndarray:
+    """Every layer's table under "both" fixed to `table` (split_table's): the share of the cold pairs the same in
+    every round of both variants, where the engine would make it again from rates it measures, which move between
+    rounds (a 1.18x between identical configurations, RESULTS.md fortieth session). Returns the table fixed."""
+    engine = model.offload
+    if isinstance(table, str):  # "first": what the engine makes for A
+        engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
+        decode(model, prompt, 1, warmup=warmup)
+        layer = next(i for i, store in enumerate(engine.stores) if store is not None)
+        table = np.array(engine.cold_split_table(layer))
+    for info in engine.infos:
+        if info.spec.k + 1 != table.size:
+            raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {info.spec.k} experts a token, so a "
+                             f"table of {info.spec.k + 1} counts")
+    engine.cold_split_table = lambda layer: table
+    return table
+
+
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
                   tokens: int, variant_switches: dict | None = None, splits: dict | None = None,
                   trace: bool = False, warmup: int = 32, details: dict | None = None,
-                  paths: dict | None = None) -> dict[str, list[float]]:
+                  paths: dict | None = None, table=None) -> dict[str, list[float]]:
     """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
     default where one does not, and their layer splits) in `rounds` alternating rounds at one budget; with `trace`,
     routed by a realistic trace, the same for both in a round. `details` ({"A": [], "B": []}), where given, gets each
-    round's engine_figures."""
+    round's engine_figures. `table`: split_table's, fixed for every round (fix_split_table), else the engine's own."""
     variant_switches = variant_switches or {"A": {}, "B": {}}
     splits = splits or {"A": SPREAD, "B": SPREAD}
     paths = paths or {"A": default_decode_path(), "B": default_decode_path()}
+    if table is not None:
+        fix_split_table(model, table, budget, changes["A"], paths["A"], prompt, warmup)
+    try:
+        return _alternate(model, budget, changes, rounds, prompt, tokens, variant_switches, splits, trace, warmup,
+                          details, paths)
+    finally:
+        if table is not None:
+            del model.offload.cold_split_table  # the engine's own again
+
+
+def _alternate(model, budget, changes, rounds, prompt, tokens, variant_switches, splits, trace, warmup, details,
+               paths) -> dict[str, list[float]]:
+    """paired_rounds' rounds."""
     rates = {"A": [], "B": []}
     defaults = None
     for r in range(rounds):
@@ -312,6 +359,9 @@ def main(argv=None) -> dict:
                              "measures as it runs settles in them (decode path \"both\" timed its start-up table with "
                              "4: RESULTS.md, thirtieth session)")
     parser.add_argument("--trace", action="store_true", help="route every decode step by a realistic trace")
+    parser.add_argument("--split-table", help="under \"both\": 'first' (the table the engine makes for A, kept for "
+                                              "every round) or the CPU's pairs per cold count (0,0,1,1,2); default: "
+                                              "the engine's own, made again as its measured rates move")
     parser.add_argument("--no-write", action="store_true", help="print only (no result file)")
     args = parser.parse_args(argv)
     changes = {"A": variant(args.a), "B": variant(args.b)}
@@ -326,7 +376,7 @@ def main(argv=None) -> dict:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
         details = {"A": [], "B": []}
         result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits,
-                                       args.trace, args.decode_warmup, details, paths))
+                                       args.trace, args.decode_warmup, details, paths, split_table(args.split_table)))
         results[f"{fraction:.2f}"] = {**result, "a_rounds": details["A"], "b_rounds": details["B"]}
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
@@ -348,6 +398,7 @@ def main(argv=None) -> dict:
                                     "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"],
                                     "a_path": paths["A"], "b_path": paths["B"],
                                     "rounds": args.rounds, "trace": args.trace, "decode_warmup": args.decode_warmup,
+                                    "split_table": args.split_table,
                                     "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
         print(f"wrote {path}")
     return results

@@ -261,3 +261,53 @@ def test_a_variant_under_trials_is_timed_after_the_first_trial_has_chosen_its_pa
     monkeypatch.setattr(ab, "decode", fake_decode)
     ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 2, [1], 4, warmup=32, paths={"A": "auto", "B": "both"})
     assert warmups == [("auto", 16 + 12 + 3 * (4 + 12) + 20), ("both", 32), ("both", 32), ("auto", 96)]
+
+
+def test_a_split_table_is_read_as_first_or_the_cpus_pairs_per_cold_count():
+    import benchmarks.bench_offload_ab as ab
+
+    assert ab.split_table(None) is None and ab.split_table("first") == "first"
+    assert ab.split_table("0,0,1,1,2").tolist() == [0, 0, 1, 1, 2]
+    with pytest.raises(SystemExit, match="--split-table 0,x: 'first' or the CPU's pairs per cold count"):
+        ab.split_table("0,x")
+
+
+@pytest.mark.parametrize("given", ["0,1,1,2,2", "first", "0,1"])
+def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, monkeypatch, given):
+    """--split-table on the simulated device under "both": every round of A and B decodes with the table given, or
+    with the one the engine made for A after a warm-up ('first'); the engine's own tables come back after the rounds.
+    A table whose length is not the layers' k + 1 is refused."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    seen = []
+
+    def decode(model, prompt, tokens, warmup=4):
+        state = model.new_state()
+        token = int(model.decoder.forward(state, prompt)[-1].argmax())
+        for _ in range(warmup + tokens):
+            token = int(model.decoder.forward(state, [token])[-1].argmax())
+            seen.append(model.offload.cold_split_table(0).tolist())
+        return 1.0, []
+
+    monkeypatch.setattr(ab, "decode", decode)
+    folder = write_model(tmp_path / "m", SPEC)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30),
+                             decode_path="both")
+    budget = all_resident_bytes(model.folder.experts) // 2
+    table = ab.split_table(given)
+    rounds = lambda: ab.paired_rounds(model, budget, {"A": {}, "B": {"placement": "static"}}, 2,  # noqa: E731
+                                      [5, 6, 7], 2, warmup=2, paths={"A": "both", "B": "both"}, table=table)
+    if given == "0,1":
+        with pytest.raises(SystemExit, match=rf"--split-table \[0, 1\]: .* takes {SPEC.top_k} experts a token"):
+            rounds()
+        return
+    rounds()
+    first = 3 if given == "first" else 0  # 'first': A's warm-up (2 steps) and one token, its table then the fixed one
+    fixed = seen[first - 1] if first else [0, 1, 1, 2, 2]
+    assert len(seen) == first + 4 * 4 and all(entry == fixed for entry in seen[first:])
+    assert "cold_split_table" not in vars(model.offload)  # the engine's own method again
