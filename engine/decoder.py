@@ -168,10 +168,11 @@ class PartitionedDecoder:
                     launched = runner.launch_ahead(values) if ahead and hasattr(runner, "launch_ahead") else None
                     late |= self._finish(waiting, behind or launched is not None)
                     waiting, behind = None, False
+                    result = None if launched is None else launched.result_ahead
                     if launched is None:
                         values[runner.info.output] = runner.run(values)
-                    elif launched.result_ahead is not None:
-                        values[runner.info.output], waiting = launched.result_ahead, launched
+                    elif result is not None:
+                        values[runner.info.output], waiting = result, launched
                     else:  # its merge is queued by its host part: nothing may be launched behind it
                         values[runner.info.output] = launched.finish(queued=True)
                     launched = None

@@ -258,7 +258,7 @@ class HybridExpertNode:
         pending = store.launch_split(x, logits, router_weights, cpu_take)
         return SplitStep(self, store, pending, x, launched_at, standin_before)
 
-    def _finish_split(self, step: "SplitStep", arrived: float, settling: bool):
+    def _finish_split(self, step: "SplitStep", arrived: float, settling: bool, ahead: bool):
         """SplitStep.finish: the CPU computes its share as soon as the routing reaches the host (published by the
         routing kernel: a few µs, no stream synchronisation), then raises the gate; the sum stays on the device for
         the next dense segment.
@@ -268,7 +268,7 @@ class HybridExpertNode:
         routing (the host would only wait there: run() before this part, `settling` within the wait for the routing),
         and this step's statistics join them (account_split). What the host does from the CPU's part to the next
         layer's wait (`arrived`) is measured (HostGap) for the split's table; in a queued part (launch ahead) a host
-        that then waited for the routing counts none."""
+        that then waited for the routing counts none. `ahead`: work is queued behind the merge (merge_split's)."""
         engine, layer, store, pending = self.engine, self.layer, step.store, step.pending
         idle = (lambda: engine.settle(1) > 0) if settling and not engine.shadow else None
         x2d, ids, on_cpu, weights = store.split_routing(pending, idle)
@@ -285,7 +285,7 @@ class HybridExpertNode:
         finally:  # a gated merge waits for merge_split: the GPU is let go even when the CPU's part failed
             if not engine.shadow:
                 engine.host_gap.left(layer, time.perf_counter())
-            result, timing = store.merge_split(pending, out, step.x, ahead=step.ahead)
+            result, timing = store.merge_split(pending, out, step.x, ahead=ahead)
         if not engine.shadow:
             standin = getattr(store, "standin_s", 0.0) - step.standin_before
             engine.defer(lambda: self.account_split(ids, on_cpu, cpu_s, store.merged_done(timing), standin),
@@ -465,12 +465,11 @@ class SplitStep:
     is not checked there (that would wait for the work queued behind it), `late` says whether the merge may have
     given up waiting, and abandon() raises the gate of a step that will not be finished (an error elsewhere)."""
 
-    __slots__ = ("node", "store", "pending", "x", "launched_at", "standin_before", "ahead", "done")
+    __slots__ = ("node", "store", "pending", "x", "launched_at", "standin_before", "done")
 
     def __init__(self, node: HybridExpertNode, store, pending, x, launched_at: float, standin_before: float):
         self.node, self.store, self.pending, self.x = node, store, pending, x
         self.launched_at, self.standin_before = launched_at, standin_before
-        self.ahead = False
         self.done = False
 
     @property
@@ -483,8 +482,7 @@ class SplitStep:
         """The host's part; the result. `ahead`: the caller launched later work behind this step's merge. `queued`:
         the caller did other work since the launch (the host's gap then runs to now, not to the launch), and earlier
         layers' accounts are taken while the host waits for this step's routing."""
-        self.ahead = ahead
-        result = self.node._finish_split(self, time.perf_counter() if queued else self.launched_at, queued)
+        result = self.node._finish_split(self, time.perf_counter() if queued else self.launched_at, queued, ahead)
         self.done = True
         return result
 
