@@ -254,10 +254,10 @@ def split_table(text: str | None):
 
 
 def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path: str, prompt: list[int],
-                    warmup: int) -> np.ndarray:
+                    warmup: int) -> None:
     """Every layer's table under "both" fixed to `table` (split_table's): the share of the cold pairs the same in
     every round of both variants, where the engine would make it again from rates it measures, which move between
-    rounds (a 1.18x between identical configurations, RESULTS.md fortieth session). Returns the table fixed."""
+    rounds (a 1.18x between identical configurations, RESULTS.md fortieth session)."""
     engine = model.offload
     if isinstance(table, str):  # "first": what the engine makes for A
         engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
@@ -269,7 +269,6 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
             raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {info.spec.k} experts a token, so a "
                              f"table of {info.spec.k + 1} counts")
     engine.cold_split_table = lambda layer: table
-    return table
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
@@ -285,39 +284,32 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
     paths = paths or {"A": default_decode_path(), "B": default_decode_path()}
     if table is not None:
         fix_split_table(model, table, budget, changes["A"], paths["A"], prompt, warmup)
-    try:
-        return _alternate(model, budget, changes, rounds, prompt, tokens, variant_switches, splits, trace, warmup,
-                          details, paths)
-    finally:
-        if table is not None:
-            del model.offload.cold_split_table  # the engine's own again
-
-
-def _alternate(model, budget, changes, rounds, prompt, tokens, variant_switches, splits, trace, warmup, details,
-               paths) -> dict[str, list[float]]:
-    """paired_rounds' rounds."""
     rates = {"A": [], "B": []}
     defaults = None
-    for r in range(rounds):
-        for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
-            model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]),
-                                      layer_split=splits[name], decode_path=paths[name])
-            if defaults is None:
-                defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
-            set_switches(model, {**defaults, **variant_switches[name]})
-            trial = first_trial_steps(model)
-            warm = max(warmup, trial + SETTLE_AFTER_TRIAL if trial else 0)
-            counted = decoder_counts(model)
-            if trace:
-                rate = traced_decode(model, prompt, tokens, warm, seed=100 + r)
-            else:
-                rate, _rows = decode(model, prompt, tokens, warmup=warm)
-            rates[name].append(rate)
-            if details is not None:
-                ahead, again = (after - before for after, before in zip(decoder_counts(model), counted))
-                details[name].append({**engine_figures(model), "layers_ahead": ahead, "steps_run_again": again})
-    if defaults is not None:  # as found: the next budget's rounds take their defaults from here
-        set_switches(model, defaults)
+    try:
+        for r in range(rounds):
+            for name in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                model.offload.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes[name]),
+                                          layer_split=splits[name], decode_path=paths[name])
+                if defaults is None:
+                    defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
+                set_switches(model, {**defaults, **variant_switches[name]})
+                trial = first_trial_steps(model)
+                warm = max(warmup, trial + SETTLE_AFTER_TRIAL if trial else 0)
+                counted = decoder_counts(model)
+                if trace:
+                    rate = traced_decode(model, prompt, tokens, warm, seed=100 + r)
+                else:
+                    rate, _rows = decode(model, prompt, tokens, warmup=warm)
+                rates[name].append(rate)
+                if details is not None:
+                    ahead, again = (after - before for after, before in zip(decoder_counts(model), counted))
+                    details[name].append({**engine_figures(model), "layers_ahead": ahead, "steps_run_again": again})
+    finally:
+        if defaults is not None:  # as found: the next budget's rounds take their defaults from here
+            set_switches(model, defaults)
+        if table is not None:
+            del model.offload.cold_split_table  # the engine's own again
     return rates
 
 
