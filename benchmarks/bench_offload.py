@@ -317,12 +317,18 @@ def main() -> None:
                              "per call (CpuRate.fit off: A/B)")
     parser.add_argument("--cpu-threads", type=int, default=0,
                         help="session.moe.offload.cpu_threads: threads of the CPU expert kernels (0: all cores)")
+    parser.add_argument("--host-part-worker", action="store_true",
+                        help="each \"both\" layer's host part on the host-part worker's thread "
+                             "(engine/decoder.py host_part_worker)")
     parser.add_argument("--decode-path", choices=PATH_MODES, default="auto",
                         help="where decode computes cold experts (engine/offload/decode_path.py): auto (the engine's "
                              "default: from cpu_execution, trials under its auto), cpu, tier (the GPU reads them "
                              "from page-locked host memory; a GPU, CUDA or simulated) or both (tier, and the CPU "
                              "computes a share of them at once)")
     args = parser.parse_args()
+    if args.host_part_worker:
+        from engine import decoder
+        decoder.host_part_worker = True
     if args.dense_pool:
         from engine.ort_env import DenseDevice
         DenseDevice.dense_pool_on_gpu = True

@@ -16,7 +16,8 @@ attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placem
 the compute stream), `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs,
 engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the next step without the run) and
 `dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are launched:
-engine/decoder.py's launch_ahead); a switch one
+engine/decoder.py's launch_ahead), `dense.worker=0|1` (each "both" layer's host part done by the host-part worker's
+thread: engine/decoder.py's host_part_worker); a switch one
 variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
 (spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's
 engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
@@ -60,7 +61,7 @@ from engine.writer import WriterSpec  # noqa: E402
 SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")
 # the dense switches' module flags
 DENSE_SWITCHES = {"dense.graphs": (dense_graph, "enabled"), "dense.relaunch": (dense_graph, "relaunch"),
-                  "dense.ahead": (decoder, "launch_ahead")}
+                  "dense.ahead": (decoder, "launch_ahead"), "dense.worker": (decoder, "host_part_worker")}
 SPLIT = "split="  # a variant's layer split
 # decode steps after the first trial before a variant under trials is timed: a switch to "both" makes its split
 # tables afresh (engine.py: SPLIT_TABLE_FIRST steps, the host's gap measured again); timed at once, a round ran 19 ms
@@ -92,7 +93,8 @@ def switches(text: str) -> dict[str, int]:
     holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'engine.NAME' one of
     the offload engine, 'slots.NAME' one of every node's device slots (CudaSlots), 'dense.graphs' the dense segments'
     CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch),
-    'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead)."""
+    'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead),
+    'dense.worker' the host parts on the host-part worker (engine.decoder.host_part_worker)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
@@ -303,8 +305,9 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
                     rate, _rows = decode(model, prompt, tokens, warmup=warm)
                 rates[name].append(rate)
                 if details is not None:
-                    ahead, again = (after - before for after, before in zip(decoder_counts(model), counted))
-                    details[name].append({**engine_figures(model), "layers_ahead": ahead, "steps_run_again": again})
+                    ahead, beside, again = (after - before for after, before in zip(decoder_counts(model), counted))
+                    details[name].append({**engine_figures(model), "layers_ahead": ahead, "layers_beside": beside,
+                                          "steps_run_again": again})
     finally:
         if defaults is not None:  # as found: the next budget's rounds take their defaults from here
             set_switches(model, defaults)
@@ -313,9 +316,10 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
     return rates
 
 
-def decoder_counts(model: LoadedModel) -> tuple[int, int]:
-    """The decoder's counts so far of layers launched ahead and of steps run again (engine/decoder.py)."""
-    return model.decoder.layers_ahead, model.decoder.steps_run_again
+def decoder_counts(model: LoadedModel) -> tuple[int, int, int]:
+    """The decoder's counts so far of layers launched ahead, of layers whose host part the worker did and of steps
+    run again (engine/decoder.py)."""
+    return model.decoder.layers_ahead, model.decoder.layers_beside, model.decoder.steps_run_again
 
 
 def first_trial_steps(model: LoadedModel) -> int:
@@ -380,7 +384,7 @@ def main(argv=None) -> dict:
                   f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
                   f"{split_words(last['cold_split'])}{cpu_rate_words(last)}, {last['layers_ahead']} layers launched "
-                  f"ahead, {last['steps_run_again']} steps run again (the round, warm-up included)", flush=True)
+                  f"ahead, {last['layers_beside']} on the worker, {last['steps_run_again']} steps run again (the round, warm-up included)", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})

@@ -17,6 +17,7 @@ from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, run_bound
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode, ExpertNodeInfo
 from engine.onnx_file import OnnxFile
+from engine.offload import host_part_worker as worker_module
 from engine.ort_env import CPU_DENSE, DenseDevice, dense_step_lock, session_options
 from engine.partition import ExpertStep, Plan
 
@@ -27,6 +28,11 @@ from engine.partition import ExpertStep, Plan
 # segment and routing (~50 µs) that they would hide behind, and the host's gap, measured longer, gives the CPU fewer
 # cold pairs.
 launch_ahead = False
+
+# A "both" layer's host part done by a worker thread in compiled code (engine/offload/host_part_worker.py) beside the
+# engine's Python for the next layers, which the GPU orders behind the layer's gate (bench_offload_ab's
+# dense.worker=1). Where this machine cannot run it (host_part_worker.supported), the decoder goes on without.
+host_part_worker = False
 
 
 class PartitionedDecoder:
@@ -46,6 +52,8 @@ class PartitionedDecoder:
         self.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}  # where step time goes
         self.steps_run_again = 0  # steps run a second time after a late gate (_run_steps)
         self.layers_ahead = 0  # "both" layers whose host part ran with the next layer's work queued behind (_run_steps)
+        self.layers_beside = 0  # "both" layers whose host part the worker did (_run_steps_beside)
+        self._worker = None  # the host-part worker, made on first use (_host_part_worker)
         self._progress, self._built = progress, 0
         for step in plan.steps:
             if isinstance(step, ExpertStep):
@@ -119,7 +127,11 @@ class PartitionedDecoder:
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         on_gpu = self.dense is not None and self.dense.kind == "cuda"
         with dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
-            dense, experts, late = self._run_steps(values, state, launch_ahead)
+            worker = self._host_part_worker() if host_part_worker else None
+            if worker is not None:
+                dense, experts, late = self._run_steps_beside(values, state, worker)
+            else:
+                dense, experts, late = self._run_steps(values, state, launch_ahead)
             if late:
                 # a layer's gate was raised after its merge may have stopped waiting, with later layers queued behind
                 # it: the step again (the state advances after it), each layer's host part done before the next
@@ -186,6 +198,65 @@ class PartitionedDecoder:
                     step.abandon()
             raise
         return dense, experts, late
+
+    def _run_steps_beside(self, values: dict, state: DecoderState, worker) -> tuple[float, float, bool]:
+        """_run_steps with each "both" layer's host part handed to the worker (its merge waits on the GPU for the
+        worker's gate, so the next dense segment and layer are launched at once); returns as _run_steps, `late` where
+        a gated merge gave up waiting for the worker. A layer the worker cannot take, or that does not split, runs
+        here once the worker's jobs are done (its CPU kernels would otherwise share the cores with the worker's)."""
+        dense = experts = 0.0
+        clock = time.perf_counter
+        before = clock()
+        taken = []
+        step = None  # a layer launched and neither taken nor finished yet
+        try:
+            for runner in self.steps:
+                if isinstance(runner, DenseSegment):
+                    values.update(runner.run(values, state))
+                    now = clock()
+                    dense += now - before
+                else:
+                    step = runner.launch_ahead(values) if hasattr(runner, "launch_ahead") else None
+                    result = None if step is None else step.result_ahead
+                    if result is not None and worker.take(step):
+                        values[runner.info.output] = result
+                        taken.append(step)
+                    else:
+                        worker.drain()
+                        self._collect(worker)
+                        values[runner.info.output] = runner.run(values) if step is None else step.finish(queued=True)
+                    step = None
+                    self._collect(worker)
+                    if taken:
+                        taken[-1].node.engine.settle()  # earlier layers' accounts, whose launches are done
+                    now = clock()
+                    experts += now - before
+                before = now
+            worker.drain()
+            self._collect(worker)
+        except BaseException:
+            worker.cancel()
+            if step is not None:
+                step.abandon()
+            raise
+        self.layers_beside += len(taken)
+        # (the logits are on the host: every merge has run)
+        return dense, experts, any(step.store.split_gate_failed(step.pending) for step in taken)
+
+    @staticmethod
+    def _collect(worker) -> None:
+        for job in worker.collect():
+            job.step.node.host_part_done(job)
+
+    def _host_part_worker(self):
+        """The host-part worker, made on first use where the model has "both"-capable layers and this machine runs
+        the compiled loop; None otherwise."""
+        if self._worker is None and worker_module.supported():
+            nodes = [runner for runner in self.steps if hasattr(runner, "launch_ahead")]
+            if nodes:
+                self._worker = worker_module.HostPartWorker(
+                    worker_module.worker_threads(getattr(nodes[0].kernel, "num_threads", None)))
+        return self._worker
 
     def _finish(self, step, behind: bool) -> bool:
         """A layer whose host part was left (SplitStep), or None: that part done, with work queued behind its merge

@@ -87,7 +87,7 @@ def test_paired_rounds_set_each_variants_switches_after_reconfiguring(monkeypatc
 
     cpu = _CpuKernel()  # shared by two nodes' runners, as a node's kernel is its runner's
     steps = [type("Node", (), {"kernel": cpu})(), type("Segment", (), {})(), type("Node", (), {"kernel": cpu})()]
-    decoder = type("Decoder", (), {"steps": steps, "layers_ahead": 0, "steps_run_again": 0})()
+    decoder = type("Decoder", (), {"steps": steps, "layers_ahead": 0, "layers_beside": 0, "steps_run_again": 0})()
     model = type("Model", (), {"offload": _Engine(), "decoder": decoder})()
     seen = []
 
@@ -192,7 +192,7 @@ def test_traced_rounds_route_a_and_b_by_the_same_trace_in_each_round(monkeypatch
         return 50.0
 
     monkeypatch.setattr(ab, "traced_decode", traced)
-    decoder = type("Decoder", (), {"steps": [], "layers_ahead": 0, "steps_run_again": 0})()
+    decoder = type("Decoder", (), {"steps": [], "layers_ahead": 0, "layers_beside": 0, "steps_run_again": 0})()
     model = type("Model", (), {"offload": _Engine(), "decoder": decoder})()
     rates = ab.paired_rounds(model, 1 << 20, {"A": {}, "B": {}}, 2, [1], 4, trace=True, warmup=32)
     assert seeds == [(100, 32), (100, 32), (101, 32), (101, 32)] and rates == {"A": [50.0] * 2, "B": [50.0] * 2}
@@ -232,7 +232,7 @@ def test_each_rounds_engine_figures_are_those_of_the_timed_decode(tmp_path, monk
     last = details["A"][-1]
     assert last["hit_rate"] == totals.hit_rate and last["misses_cpu"] == totals.misses_cpu
     assert last["misses_read"] == totals.misses_read == 0  # no host tier on the simulated device
-    assert last["layers_ahead"] == last["steps_run_again"] == 0  # (no "both" layer)
+    assert last["layers_ahead"] == last["layers_beside"] == last["steps_run_again"] == 0  # (no "both" layer)
     assert totals.hits + totals.misses == 3 * SPEC.layers * SPEC.top_k  # three timed tokens, every layer's top-k
     assert all(0.0 < r["hit_rate"] < 1.0 and r["whole_layers"] is False for r in details["A"] + details["B"])
     assert all(r["miss_slots"] == 0 for r in details["B"])  # static placement leaves no slot to copies
@@ -250,7 +250,7 @@ def test_a_variant_under_trials_is_timed_after_the_first_trial_has_chosen_its_pa
     the timed steps run on the path the trial chose, settled, not on the one it measures at that moment."""
     import benchmarks.bench_offload_ab as ab
 
-    decoder = type("Decoder", (), {"steps": [], "layers_ahead": 0, "steps_run_again": 0})()
+    decoder = type("Decoder", (), {"steps": [], "layers_ahead": 0, "layers_beside": 0, "steps_run_again": 0})()
     model = type("Model", (), {"offload": _Engine(), "decoder": decoder})()
     warmups = []
 

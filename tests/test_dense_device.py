@@ -654,18 +654,20 @@ def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path
 @pytest.mark.gpu
 @needs_cuda_ep
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
-@pytest.mark.parametrize("ahead", [False, True])
-def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_path, fraction, ahead):
+@pytest.mark.parametrize("mode", ["serial", "ahead", "worker"])
+def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_path, fraction, mode):
     """Decode path "both" as the benchmarks run it: the dense part on the GPU, so every decode layer goes through
     CudaSlots.launch_split (routing published to the host, the GPU's share from the slots and the host tier, the
     stop event and the gated merge inside the launch's graph, from the fourth step straight to that graph) while the
     CPU computes its share; logits as the CPU model's, every merge after a layer's first through the gate (the first
-    may compile on the host for longer than the gate waits), none given up. `ahead`: with the next layer launched
-    before a layer's host part (engine.decoder.launch_ahead)."""
+    may compile on the host for longer than the gate waits), none given up. `mode` "ahead": with the next layer
+    launched before a layer's host part (engine.decoder.launch_ahead); "worker": each host part done by the host-part
+    worker's thread (engine.decoder.host_part_worker)."""
     from engine import decoder
     from engine.offload.cuda_device import CudaSlots
 
-    monkeypatch.setattr(decoder, "launch_ahead", ahead)
+    monkeypatch.setattr(decoder, "launch_ahead", mode == "ahead")
+    monkeypatch.setattr(decoder, "host_part_worker", mode == "worker")
     spec = FP16_MODELS["fp16"]
     cpu, gpu = offloaded_on_cuda(tmp_path, spec, fraction)
     gpu.offload.set_decode_path("both")
@@ -689,21 +691,25 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
     # layers launched before the host's part of the layer before (PartitionedDecoder._run_steps), none of whose gates
     # came late: where the next dense segment's replay is launched again (in 3 of the 12 steps on the H200: a key's
     # warm runs and capture come first, and the KV buffer grows once in these steps)
-    assert (gpu.decoder.layers_ahead >= 2 if ahead else gpu.decoder.layers_ahead == 0)
+    assert (gpu.decoder.layers_ahead >= 2 if mode == "ahead" else gpu.decoder.layers_ahead == 0)
+    # with the worker, every launch whose merge waits for the gate (all but each layer's first)
+    assert gpu.decoder.layers_beside == (spec.layers * (DECODE_STEPS - 1) if mode == "worker" else 0)
     assert gpu.decoder.steps_run_again == 0
 
 
 @pytest.mark.gpu
 @needs_cuda_ep
-def test_cuda_a_late_gate_under_launch_ahead_runs_the_step_again(monkeypatch, tmp_path):
-    """Decode path "both" with the layers launched ahead, where every gated merge gives up at once (as after a host
-    paused for longer than the merge waits): the layers queued behind a merge read the GPU's part alone, so each
-    decode step is run again with each layer finished in turn (its merge made again where it gave up). The logits
-    are still the CPU model's."""
+@pytest.mark.parametrize("mode", ["ahead", "worker"])
+def test_cuda_a_late_gate_under_launch_ahead_runs_the_step_again(monkeypatch, tmp_path, mode):
+    """Decode path "both" with the layers launched ahead (or their host parts on the worker), where every gated
+    merge gives up at once (as after a host paused for longer than the merge waits): the layers queued behind a merge
+    read the GPU's part alone, so each decode step is run again with each layer finished in turn (its merge made
+    again where it gave up). The logits are still the CPU model's."""
     from engine import decoder
     from engine.offload import cuda_device
 
-    monkeypatch.setattr(decoder, "launch_ahead", True)
+    monkeypatch.setattr(decoder, "launch_ahead", mode == "ahead")
+    monkeypatch.setattr(decoder, "host_part_worker", mode == "worker")
     monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", 0.0)
     spec = FP16_MODELS["fp16"]
     cpu, gpu = offloaded_on_cuda(tmp_path, spec, 0.0)
@@ -712,7 +718,10 @@ def test_cuda_a_late_gate_under_launch_ahead_runs_the_step_again(monkeypatch, tm
     errors = decode_alongside(gpu, cpu, spec, seed=13)
     assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
     # (one layer of the two is launched ahead, in the steps whose next segment's replay is launched again)
-    assert gpu.decoder.steps_run_again >= 2 and gpu.decoder.steps_run_again == gpu.decoder.layers_ahead
+    if mode == "ahead":
+        assert gpu.decoder.steps_run_again >= 2 and gpu.decoder.steps_run_again == gpu.decoder.layers_ahead
+    else:  # every step whose layers the worker took (each layer's first launch merges after its part)
+        assert gpu.decoder.steps_run_again == DECODE_STEPS - 1 and gpu.decoder.layers_beside > 0
     assert gpu.offload.stats.totals().misses_cpu > 0
 
 

@@ -694,6 +694,12 @@ class CudaSlots:
         """Whether merge_split raised the gated merge's gate after the merge may have stopped waiting for it."""
         return pending.merge is not None and pending.gate_late
 
+    def split_gate_failed(self, pending: SplitBuffers) -> bool:
+        """Whether the latest launch's gated merge gave up waiting for the gate (it left the GPU's part alone); read
+        once the merge has run."""
+        published = pending.published
+        return pending.merge is not None and published.gate_failed() == published.launched & 0xFFFFFFFF
+
     def abandon_split(self, pending: SplitBuffers) -> None:
         """Let a gated merge go on without the CPU's part (its step failed on the host): the GPU is not held until
         the gate's timeout."""

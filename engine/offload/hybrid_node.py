@@ -292,6 +292,23 @@ class HybridExpertNode:
                          lambda: store.merged_ready(timing))
         return result
 
+    def host_part_done(self, job) -> None:
+        """A SplitStep whose host part the host-part worker did (engine/offload/host_part_worker.py JobDone): the
+        routing copied off the published block before the layer's next launch overwrites it, the host's gap (the
+        worker's, from the previous layer's gate to this job: none where it waited for the GPU's routing) and the
+        step's statistics deferred, as _finish_split's."""
+        engine, layer, step = self.engine, self.layer, job.step
+        if engine.shadow:
+            return
+        published, store = step.pending.published, step.store
+        ids, on_cpu = published.ids.copy(), published.on_cpu != 0
+        engine.host_gap.arrived(layer, job.reached, job.waited)
+        engine.host_gap.left(layer, job.gated)
+        standin = getattr(store, "standin_s", 0.0) - step.standin_before
+        timing = (step.pending.start, step.pending.stop)
+        engine.defer(lambda: self.account_split(ids, on_cpu, job.cpu_s, store.merged_done(timing), standin),
+                     lambda: store.merged_ready(timing))
+
     def account_split(self, ids: np.ndarray, on_cpu: np.ndarray, cpu_s: float, device_s: float,
                       standin: float) -> None:
         """The statistics of one _run_split step, once its launch is done (OffloadEngine.settle / end_step): the pairs

@@ -439,6 +439,18 @@ class CpuQMoE:
                     int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024, self.decode_order(threads), ws, y,
                     acc, True, threads)
 
+    def host_part_args(self, tokens: int, threads: int):
+        """What kernels/cpu/host_parts.py's compiled loop needs to run this node's decode kernel on `threads` threads
+        for at most `tokens` tokens: (moe_gemv's weights, its activation, int64 params [E, small_max, prefetch rows,
+        chunk bytes, order, threads, workspace per pair]); None where that loop cannot (a delegated layout, no fused
+        decode kernel, more tokens than the fused kernel takes per expert)."""
+        if self._delegate is not None or not (self._gemv_fused and self._quantized) or tokens > self.gemv_max_rows:
+            return None
+        small_max = tokens * self.spec.k
+        params = np.array([self.spec.num_experts, small_max, self.gemv_prefetch_rows, self.gemv_chunk_kb * 1024,
+                           self.decode_order(threads), threads, self._gemv_ws_per_pair], np.int64)
+        return self._gemv_weights, self._gemv_activation, params
+
     def decode_order(self, threads: int) -> int:
         """moe_gemv's chunk order on this many threads (see gemv_schedule)."""
         if self.gemv_schedule is not None:

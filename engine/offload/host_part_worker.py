@@ -1,0 +1,279 @@
+"""A thread that computes the CPU's parts of "both" layers beside the engine's Python (decode path "both").
+
+The engine's thread launches a "both" layer (HybridExpertNode.launch_ahead: routing, the GPU's share and a merge that
+waits for the host's gate, all queued on the GPU) and hands its host part to this worker (`take`), then goes on to the
+next dense segment and layer at once: the GPU orders everything behind the gate. The worker's thread stays in one
+compiled loop (kernels/cpu/host_parts.py) that waits for each layer's published routing, computes the CPU's share into
+the published block and raises the gate, holding no GIL. So a layer costs the longer of the host's Python and the
+GPU's chain plus the CPU's part, not their sum (on the H200, Qwen3-30B-A3B-like at 0%: ~100 µs of the host's work
+from a gate to the next routing, then the CPU's ~200 µs part; RESULTS.md forty-first session).
+
+Nothing on the engine's thread may then run a CPU expert kernel while jobs are pending (a second OpenMP pool beside the
+worker's, spinning on the same cores): `drain` first. Nothing here waits for the GPU, so the engine's thread may (an
+onnxruntime run that synchronises): the worker raises the gates it waits for.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numba
+import numpy as np
+from numba.typed import List
+
+from engine.errors import WorkbenchError
+from kernels.cpu import host_parts
+from kernels.cpu.host_parts import CANCEL, DONE, FAILED, PAIRS, QUEUED, T_GATED, T_REACHED, T_ROUTED
+from kernels.cpu.threads import use_threads
+
+CAPACITY = 1024     # jobs in flight at most: a step's layers, many times over
+IDLE_S = 0.02       # the loop returns to Python (and its thread sleeps) after this long without a job
+DRAIN_TIMEOUT_S = 10.0
+WAITED_S = 2e-6     # a routing found later than this after the job was reached: the worker waited for the GPU
+
+
+def supported() -> bool:
+    """Whether this machine runs the compiled loop (x86-64: its time-stamp counter and spin hint)."""
+    return host_parts.SUPPORTED
+
+
+def worker_threads(kernel_threads: int | None) -> int:
+    """The kernels' threads beside the engine's thread: one core less than they would take alone."""
+    cores = kernel_threads or numba.config.NUMBA_NUM_THREADS
+    return max(1, min(cores, (os.cpu_count() or 2) - 1))
+
+
+class CycleClock:
+    """The time-stamp counter as perf_counter seconds, calibrated over a few ms."""
+
+    def __init__(self, span_s: float = 0.005):
+        c0, t0 = host_parts.read_cycles(), time.perf_counter()
+        while time.perf_counter() - t0 < span_s:
+            pass
+        c1, t1 = host_parts.read_cycles(), time.perf_counter()
+        self.hz = (c1 - c0) / (t1 - t0)
+        self.c0, self.t0 = c0, t0
+
+    def seconds(self, cycles: int) -> float:
+        return self.t0 + (cycles - self.c0) / self.hz
+
+
+class JobDone:
+    """A job the loop finished: the step, and when the loop reached it, found its routing and raised its gate."""
+
+    __slots__ = ("step", "reached", "routed", "gated", "pairs")
+
+    def __init__(self, step, reached: float, routed: float, gated: float, pairs: int):
+        self.step, self.reached, self.routed, self.gated, self.pairs = step, reached, routed, gated, pairs
+
+    @property
+    def cpu_s(self) -> float:
+        return self.gated - self.routed
+
+    @property
+    def waited(self) -> bool:
+        """Whether the worker was there before the GPU's routing (the CPU's part waited for the GPU, not the host)."""
+        return self.routed - self.reached > WAITED_S
+
+
+class HostPartWorker:
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.clock = CycleClock()
+        self._layers = None  # numba typed List of the loop's per-layer tuples (host_parts._cpu_part's `layer`)
+        self._item_type = None
+        self._compiled_for = None  # the item type the loop was last compiled for (_compile)
+        self._params = np.zeros((0, 7), np.int64)
+        self._index_of: dict[int, tuple[int, object, object]] = {}  # engine layer -> (index, kernel, published)
+        self._jobs = np.zeros((CAPACITY, 2), np.int64)
+        self._counters = host_parts.new_counters()
+        self._times = np.zeros((CAPACITY, 4), np.int64)
+        self._steps: list = []  # the SplitStep of every job not yet collected, in order
+        self._collected = 0
+        self._scratch_for = (0, 0, 0)  # (pairs, hidden, workspace per pair) the scratch arrays hold
+        self._pair_ids = self._x32 = self._ws = self._y = None
+        self._wake = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._in_loop = False  # the worker's thread is inside the compiled loop (or about to enter it)
+
+    # ---------------------------------------------------------------- the engine's thread
+    def take(self, step) -> bool:
+        """Queue `step`'s host part (a launched SplitStep whose merge waits for the gate); False, with nothing queued,
+        where the compiled loop cannot run its layer's kernel (the caller does the part itself)."""
+        published = step.pending.published
+        kernel = step.node.kernel
+        known = self._index_of.get(step.node.layer)
+        if known is None or known[1] is not kernel or known[2] is not published:
+            if not self._admit(step.node.layer, kernel, published):
+                return False
+            known = self._index_of[step.node.layer]
+        queued = int(self._counters[QUEUED])
+        if queued - self._collected >= CAPACITY:  # (the decoder collects at every layer: never in a decode)
+            return False
+        self._jobs[queued % CAPACITY] = known[0], published.launched & 0xFFFFFFFF
+        self._steps.append(step)
+        self._counters[QUEUED] = queued + 1  # after the job's slot: the loop reads the count first
+        self._start()
+        return True
+
+    def collect(self) -> list[JobDone]:
+        """The jobs done since the last call, in order."""
+        done = int(self._counters[DONE])
+        finished = []
+        seconds = self.clock.seconds
+        while self._collected < done:
+            times = self._times[self._collected % CAPACITY]
+            finished.append(JobDone(self._steps[0], seconds(int(times[T_REACHED])), seconds(int(times[T_ROUTED])),
+                                    seconds(int(times[T_GATED])), int(times[PAIRS])))
+            self._steps.pop(0)
+            self._collected += 1
+        return finished
+
+    @property
+    def pending(self) -> bool:
+        return int(self._counters[DONE]) < int(self._counters[QUEUED])
+
+    def drain(self) -> None:
+        """Wait until every queued job is done (each waits for its layer's routing on the GPU). A failed job, or one
+        still waiting after DRAIN_TIMEOUT_S: every gate left is raised without the CPU's part, and the error says which
+        layer."""
+        started = time.perf_counter()
+        counters = self._counters
+        while counters[DONE] < counters[QUEUED]:
+            if counters[FAILED] or self._error is not None:
+                self._fail()
+            if time.perf_counter() - started > DRAIN_TIMEOUT_S:
+                self._fail(f"waited {DRAIN_TIMEOUT_S:.0f} s for the GPU's routing")
+            time.sleep(0)  # lets the worker's thread take the GIL, where it is between two calls of the loop
+
+    def cancel(self) -> None:
+        """Stop the loop and raise the gates of the jobs left, without their CPU's parts (after an error on the
+        engine's thread: the GPU is not held until the gates' timeout)."""
+        if not self.pending:
+            return
+        self._counters[CANCEL] = 1
+        self._wait_idle()
+        self._abandon_rest()
+
+    # ---------------------------------------------------------------- internals
+    def _admit(self, layer: int, kernel, published) -> bool:
+        """Make `layer`'s entry in the loop's list; False where its kernel, activations' dtype or types differ from
+        what the loop runs. The loop is stopped first: it holds the arrays it was called with."""
+        if not hasattr(kernel, "host_part_args"):
+            return False
+        args = kernel.host_part_args(published.tokens, self.threads)
+        x = published.x
+        if args is None or x.dtype not in (np.float16, np.float32):
+            return False
+        weights, activation, params = args
+        item = (published.flag, published.gate, published.ids, published.on_cpu, published.w,
+                x.view(np.uint16) if x.dtype == np.float16 else x, published.part, weights, activation)
+        item_type = numba.typeof(item)
+        if self._item_type is not None and item_type != self._item_type:
+            return False
+        self._stop_loop()
+        if self._layers is None:
+            self._layers, self._item_type = List.empty_list(item_type), item_type
+        known = self._index_of.get(layer)
+        if known is None:
+            index = len(self._layers)
+            self._layers.append(item)
+            self._params = np.vstack([self._params, params[None]])
+        else:
+            index = known[0]
+            self._layers[index] = item
+            self._params[index] = params
+        self._index_of[layer] = (index, kernel, published)
+        self._size_scratch(published.tokens, published.k, x.shape[1], int(params[6]))
+        if self._compiled_for is not item_type:
+            self._compile()
+            self._compiled_for = item_type
+        return True
+
+    def _compile(self) -> None:
+        """The loop compiled (or loaded from Numba's cache) for these layers here, by a call that returns at once,
+        not in the worker's thread while a gated merge waits for its first job."""
+        cancelled = host_parts.new_counters()
+        cancelled[CANCEL] = 1
+        host_parts.run_host_parts(self._layers, self._params, self._jobs, cancelled, self._times, self._pair_ids,
+                                  self._x32, self._ws, self._y, 0)
+
+    def _size_scratch(self, tokens: int, k: int, hidden: int, ws_per_pair: int) -> None:
+        pairs = tokens * k
+        have = self._scratch_for
+        if have[0] and pairs <= have[0] and hidden <= have[1] and ws_per_pair <= have[2] \
+                and self._pair_ids.shape[1] == k:
+            return
+        pairs, hidden, ws_per_pair = max(pairs, have[0]), max(hidden, have[1]), max(ws_per_pair, have[2])
+        self._pair_ids = np.zeros((pairs // k, k), np.int64)
+        self._x32 = np.zeros((pairs // k, hidden), np.float32)
+        self._ws = np.zeros(max(1, pairs * ws_per_pair), np.float32)
+        self._y = np.zeros(pairs * hidden, np.float32)
+        self._scratch_for = (pairs, hidden, ws_per_pair)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="moe-host-parts", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        """The worker's thread: the compiled loop while jobs come, asleep between decodes."""
+        use_threads(self.threads)
+        idle_cycles = int(IDLE_S * self.clock.hz)
+        counters = self._counters
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self._in_loop = True
+            while True:
+                try:
+                    host_parts.run_host_parts(self._layers, self._params, self._jobs, counters, self._times,
+                                              self._pair_ids, self._x32, self._ws, self._y, idle_cycles)
+                except BaseException as exc:  # reported on the engine's thread (drain)
+                    self._error = exc
+                    break
+                if counters[CANCEL] or counters[FAILED] or counters[DONE] >= counters[QUEUED]:
+                    break
+            self._in_loop = False
+
+    def _stop_loop(self) -> None:
+        """Every job done and the loop returned (jobs already done stay to be collected)."""
+        self.drain()
+        if self._in_loop:
+            self._counters[CANCEL] = 1
+            self._wait_idle()
+            self._counters[CANCEL] = 0
+
+    def _wait_idle(self) -> None:
+        """Until the loop has returned (it looks at CANCEL between jobs and while it waits for a routing)."""
+        deadline = time.perf_counter() + 1.0
+        while self._in_loop and time.perf_counter() < deadline:
+            time.sleep(0.0002)
+
+    def _abandon_rest(self) -> None:
+        """Raise the gates of the jobs not done and take them off the queue; the loop may run again after."""
+        self.collect()
+        for step in self._steps:
+            step.abandon()
+        self._collected += len(self._steps)
+        self._steps.clear()
+        counters = self._counters
+        counters[DONE] = counters[QUEUED] = self._collected
+        counters[FAILED] = counters[CANCEL] = 0
+
+    def _fail(self, why: str | None = None) -> None:
+        failed = int(self._counters[FAILED])
+        error = self._error
+        self._counters[CANCEL] = 1
+        self._wait_idle()
+        self.collect()
+        layer = self._steps[0].node.info.name if self._steps else "?"
+        self._error = None
+        self._abandon_rest()
+        if why is None:
+            why = "an expert id out of range" if failed else f"{type(error).__name__}: {error}"
+        raise WorkbenchError(f"{layer}: the CPU's part of a decode step failed on the host-part worker ({why})")

@@ -1,0 +1,294 @@
+"""The host-part worker (engine/offload/host_part_worker.py, kernels/cpu/host_parts.py): "both" layers' CPU parts
+computed by a compiled loop on a thread of its own. Here a Python thread plays the GPU: it publishes each launched
+layer's routing into the real PublishedRouting block (over host memory) and waits for the gate, as the gated merge
+does; the parts must equal the CPU kernel's on the same pairs. The decoder's side (_run_steps_beside) runs on fakes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine.errors import WorkbenchError
+from engine.offload import host_part_worker
+from engine.offload.host_part_worker import HostPartWorker, JobDone
+from kernels.cpu import CpuQMoE
+from kernels.gpu.published import PublishedRouting
+from kernels.reference import route as ref_route
+from tests.qmoe_oracle import make_case
+from tests.test_decoder_ahead import FakeDense, _Later, _read, make_decoder
+from tests.test_qmoe_cpu import _spec
+
+pytestmark = pytest.mark.skipif(not host_part_worker.supported(), reason="the compiled loop is x86-64 only")
+
+HOST_CUPY = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=bytearray), empty=np.empty, zeros=np.zeros,
+                            int32=np.int32, float32=np.float32, uint32=np.uint32)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    attrs, t, x, _ = make_case(seed=3, E=16, H=128, I=96, k=4, bits=4, block_size=32, T=3, activation="swiglu",
+                               swiglu_fusion=1)
+    kernel = CpuQMoE(_spec(attrs, t, x), t)
+    for dtype in (np.float16, np.float32):  # the loop compiled for both (minutes on a 2-core VM), before any timing
+        warm = HostPartWorker(threads=1)
+        assert warm._admit(0, kernel, blocks(1, 1, kernel, dtype)[0])
+    return kernel
+
+
+class Step:
+    """SplitStep's interface as the worker reads it: the node (layer, kernel, name), the pending launch's block."""
+
+    def __init__(self, layer: int, kernel, published: PublishedRouting):
+        self.node = SimpleNamespace(layer=layer, kernel=kernel, info=SimpleNamespace(name=f"layer{layer}"))
+        self.pending = SimpleNamespace(published=published)
+        self.abandoned = False
+
+    def abandon(self):
+        self.abandoned = True
+        self.pending.published.part.fill(0.0)
+        self.pending.published.open_gate()
+
+
+class FakeGpu(threading.Thread):
+    """Publishes each job's routing once the previous job's gate is up (route_split after the gated merge and the
+    dense segment), then keeps the part the gate let through."""
+
+    def __init__(self, kernel, jobs, seed=0, bad_id=None):
+        super().__init__(daemon=True)
+        self.kernel, self.jobs, self.rng, self.bad_id = kernel, jobs, np.random.default_rng(seed), bad_id
+        self.parts, self.wanted, self.timed_out = [], [], False
+
+    def run(self):
+        spec = self.kernel.spec
+        for step in self.jobs:
+            published = step.pending.published
+            tokens = published.tokens
+            x = self.rng.standard_normal((tokens, spec.hidden_size)).astype(published.x.dtype)
+            ids, w = ref_route(self.rng.standard_normal((tokens, spec.num_experts)).astype(np.float32), spec)
+            on_cpu = self.rng.integers(0, 2, ids.shape)
+            if self.bad_id is not None and step is self.jobs[self.bad_id]:
+                ids[0, 0], on_cpu[0, 0] = spec.num_experts + 3, 1
+            published.x[:], published.ids[:], published.w[:], published.on_cpu[:] = x, ids, w, on_cpu
+            time.sleep(0.002)  # the worker gets there first: it waits for this routing
+            published.flag[0] = published.launched
+            deadline = time.perf_counter() + 60
+            while published.gate[0] != published.launched:
+                if time.perf_counter() > deadline:
+                    self.timed_out = True
+                    return
+            self.parts.append(published.part.copy())
+            if self.bad_id is not None:
+                continue
+            self.wanted.append(self.kernel.run_experts(x.astype(np.float32), np.where(on_cpu != 0, ids, -1), w,
+                                                       out=np.zeros(x.shape, np.float32)))
+
+
+def blocks(layers: int, tokens: int, kernel, dtype=np.float16) -> list[PublishedRouting]:
+    spec = kernel.spec
+    return [PublishedRouting(HOST_CUPY, tokens, spec.k, spec.hidden_size, dtype) for _ in range(layers)]
+
+
+def launch(published: PublishedRouting) -> None:
+    published.launched += 1  # CudaSlots' launch counter: the flag and the gate carry it
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_worker_computes_each_layers_cpu_part_and_raises_its_gate_in_order(kernel, dtype):
+    worker = HostPartWorker(threads=1)
+    published = blocks(3, 2, kernel, dtype)
+    for step_no in range(2):  # two decode steps: the loop carries on from one to the next
+        jobs = []
+        for layer, block in enumerate(published):
+            launch(block)
+            jobs.append(Step(layer, kernel, block))
+        gpu = FakeGpu(kernel, jobs, seed=step_no)
+        gpu.start()
+        for job in jobs:
+            assert worker.take(job)
+        worker.drain()
+        gpu.join(30)
+        assert not gpu.timed_out and len(gpu.parts) == 3
+        for got, want in zip(gpu.parts, gpu.wanted):
+            assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, np.max(np.abs(want)))
+        done = worker.collect()
+        assert [job.step for job in done] == jobs and not worker.collect()
+        for job in done:
+            assert job.reached <= job.routed <= job.gated and job.cpu_s > 0
+            assert job.pairs == np.count_nonzero(job.step.pending.published.on_cpu)
+        assert [int(block.gate[0]) for block in published] == [step_no + 1] * 3
+
+
+def test_a_job_waited_for_the_gpu_where_its_routing_came_after_the_worker_got_there():
+    assert JobDone(None, reached=1.0, routed=1.0 + 1e-4, gated=1.5, pairs=2).waited
+    assert not JobDone(None, reached=1.0, routed=1.0 + 1e-7, gated=1.5, pairs=2).waited  # there already
+    assert JobDone(None, reached=1.0, routed=1.25, gated=1.5, pairs=2).cpu_s == 0.25
+
+
+def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kernel):
+    worker = HostPartWorker(threads=1)
+    published = blocks(3, 1, kernel)
+    jobs = []
+    for layer, block in enumerate(published):
+        launch(block)
+        jobs.append(Step(layer, kernel, block))
+    gpu = FakeGpu(kernel, jobs, bad_id=1)
+    gpu.start()
+    taken = 0
+    with pytest.raises(WorkbenchError, match=r"^layer1: .*expert id out of range"):
+        for job in jobs:  # (the error comes at the next drain: layer 2's admission, or the step's end)
+            assert worker.take(job)
+            taken += 1
+        worker.drain()
+    for job in jobs[taken:]:
+        job.abandon()  # launched, not taken: the decoder lets it go (_run_steps_beside)
+    gpu.join(30)
+    assert not gpu.timed_out  # layer 1's gate (abandoned) and layer 2's came up
+    assert [job.abandoned for job in jobs] == [False, True, True]
+    assert len(worker.collect()) == 0 and not worker.pending
+    # the worker takes jobs again after the failure
+    for block in published:
+        launch(block)
+    jobs = [Step(layer, kernel, block) for layer, block in enumerate(published)]
+    gpu = FakeGpu(kernel, jobs, seed=4)
+    gpu.start()
+    assert all(worker.take(job) for job in jobs)
+    worker.drain()
+    gpu.join(30)
+    assert len(worker.collect()) == 3
+
+
+def test_cancel_raises_the_gates_of_the_jobs_left(kernel):
+    worker = HostPartWorker(threads=1)
+    published = blocks(2, 1, kernel)
+    for layer, block in enumerate(published):
+        assert worker._admit(layer, kernel, block)  # (a layer's first take waits for the jobs before it)
+        launch(block)
+    jobs = [Step(layer, kernel, block) for layer, block in enumerate(published)]
+    assert all(worker.take(job) for job in jobs)  # no routing is ever published
+    time.sleep(0.01)
+    worker.cancel()
+    assert [job.abandoned for job in jobs] == [True, True]
+    assert [int(block.gate[0]) for block in published] == [1, 1] and not worker.pending
+
+
+def test_a_kernel_the_loop_cannot_run_is_not_taken(kernel):
+    worker = HostPartWorker(threads=1)
+    block = blocks(1, 1, kernel)[0]
+    launch(block)
+    assert not worker.take(Step(0, SimpleNamespace(), block))  # no host_part_args: a delegated layout
+    many = PublishedRouting(HOST_CUPY, kernel.gemv_max_rows + 1, kernel.spec.k, kernel.spec.hidden_size, np.float16)
+    launch(many)
+    assert not worker.take(Step(1, kernel, many))  # more tokens than the fused decode kernel takes per expert
+    assert not worker.pending
+
+
+# ---------------------------------------------------------------- the decoder's side, on fakes
+class FakeWorker:
+    """HostPartWorker's interface: takes what `accepts` says, logs drains and collects."""
+
+    def __init__(self, log, accepts=lambda step: True):
+        self.log, self.accepts, self.jobs, self.cancelled = log, accepts, [], False
+
+    def take(self, step):
+        if not self.accepts(step):
+            return False
+        self.log.append(("take", step.node.name))
+        self.jobs.append(step)
+        return True
+
+    def drain(self):
+        self.log.append(("drain",))
+        for step in self.jobs:
+            step.gate["open"] = step.done = True  # the worker's gates
+
+    def collect(self):
+        return []
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class Node:
+    """A layer that launches a "both" step (FakeStep from test_decoder_ahead) or runs whole."""
+
+    def __init__(self, name, source, output, log, both=True, fails=False):
+        from tests.test_decoder_ahead import FakeNode
+
+        self.fake = FakeNode(name, source, output, log, both=both, fails=fails)
+        self.info, self.name, self.log = self.fake.info, name, log
+        self.engine = SimpleNamespace(settle=lambda: 0)
+
+    def launch_ahead(self, values):
+        step = self.fake.launch_ahead(values)
+        if step is not None:
+            step.node = self
+            step.store = SimpleNamespace(split_gate_failed=lambda pending: False)
+            step.pending = None
+        return step
+
+    def run(self, values):
+        return self.fake.run(values)
+
+    @property
+    def fails(self):
+        return self.fake.fails
+
+
+class LaunchingDense(FakeDense):
+    """A dense segment on the GPU: its run is queued behind the gates before it (nothing read on the host)."""
+
+    def run(self, values, state):
+        self.log.append(("run", self.name))
+        return {self.output: _Later(values[self.source], 1)}
+
+
+def decoder_layers(log, count, **node):
+    runners = []
+    for i in range(count):
+        runners.append(LaunchingDense(f"dense{i}", "h0" if i == 0 else f"y{i - 1}", f"x{i}", log))
+        runners.append(Node(f"node{i}", f"x{i}", f"y{i}", log, **node))
+    runners.append(LaunchingDense(f"dense{count}", f"y{count - 1}", "logits", log))
+    return runners
+
+
+def test_the_decoder_hands_each_both_layer_to_the_worker_and_goes_on():
+    log = []
+    model = make_decoder(decoder_layers(log, 2))
+    worker = FakeWorker(log)
+    values = {"h0": 0}
+    model.layers_beside = 0
+    _dense, _experts, late = model._run_steps_beside(values, None, worker)
+    assert not late and _read(values["logits"]) == 23
+    assert [entry for entry in log if entry[0] in ("launch", "take", "drain", "finish")] == [
+        ("launch", "node0"), ("take", "node0"), ("launch", "node1"), ("take", "node1"), ("drain",)]
+    assert model.layers_beside == 2
+
+
+def test_a_layer_the_worker_does_not_take_runs_here_after_a_drain():
+    log = []
+    model = make_decoder(decoder_layers(log, 2))
+    worker = FakeWorker(log, accepts=lambda step: step.node.name != "node1")
+    values = {"h0": 0}
+    model.layers_beside = 0
+    model._run_steps_beside(values, None, worker)
+    assert _read(values["logits"]) == 23
+    kinds = [entry[:2] for entry in log if entry[0] in ("launch", "take", "drain", "finish")]
+    assert kinds == [("launch", "node0"), ("take", "node0"), ("launch", "node1"), ("drain",), ("finish", "node1"),
+                     ("drain",)]
+    assert model.layers_beside == 1
+
+
+def test_an_error_cancels_the_worker_and_abandons_the_layer_launched():
+    log = []
+    runners = decoder_layers(log, 2)
+    model = make_decoder(runners)
+    worker = FakeWorker(log, accepts=lambda step: step.node.name != "node1")
+    runners[3].fake.fails = True  # node1's own host part fails
+    model.layers_beside = 0
+    with pytest.raises(RuntimeError, match="node1 failed"):
+        model._run_steps_beside({"h0": 0}, None, worker)
+    assert worker.cancelled and ("abandon", "node1") in log  # node0's gate is the worker's, node1's raised here
