@@ -16,8 +16,9 @@ attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placem
 the compute stream), `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs,
 engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the next step without the run) and
 `dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are launched:
-engine/decoder.py's launch_ahead), `dense.worker=0|1` (each "both" layer's host part done by the host-part worker's
-thread: engine/decoder.py's host_part_worker); a switch one
+engine/decoder.py's launch_ahead; with dense.worker=0, as the worker takes its place), `dense.worker=0|1` (each
+"both" layer's host part done by the host-part worker's thread: engine/decoder.py's host_part_worker, on by
+default); a switch one
 variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
 (spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's
 engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:

@@ -26,13 +26,16 @@ from engine.partition import ExpertStep, Plan
 # dense.ahead=1). Off: on the H200 it showed no gain (0.87-0.94x in 16-layer A/Bs whose noise is about as wide,
 # RESULTS.md fortieth session): the host's launches of the next layer (~77 µs a layer) outlast the GPU's merge, dense
 # segment and routing (~50 µs) that they would hide behind, and the host's gap, measured longer, gives the CPU fewer
-# cold pairs.
+# cold pairs. The host-part worker (below), where it runs, takes its place.
 launch_ahead = False
 
 # A "both" layer's host part done by a worker thread in compiled code (engine/offload/host_part_worker.py) beside the
 # engine's Python for the next layers, which the GPU orders behind the layer's gate (bench_offload_ab's
-# dense.worker=1). Where this machine cannot run it (host_part_worker.supported), the decoder goes on without.
-host_part_worker = False
+# dense.worker=0 turns it off). On the H200: 1.18x / 1.19x a Qwen3-30B-A3B-like decode at 0 / 25% resident (16-layer
+# A/B, 9 rounds), gpt-oss-20b-like 54 / 39 / 49% -> 65 / 65 / 59% of the bound (RESULTS.md forty-first session).
+# Where this machine cannot run it (host_part_worker.supported) or the dense part is not on the GPU, the decoder goes
+# on without.
+host_part_worker = True
 
 
 class PartitionedDecoder:
@@ -127,7 +130,7 @@ class PartitionedDecoder:
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         on_gpu = self.dense is not None and self.dense.kind == "cuda"
         with dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
-            worker = self._host_part_worker() if host_part_worker else None
+            worker = self._host_part_worker() if host_part_worker and on_gpu else None
             if worker is not None:
                 dense, experts, late = self._run_steps_beside(values, state, worker)
             else:
@@ -221,10 +224,10 @@ class PartitionedDecoder:
                     if result is not None and worker.take(step):
                         values[runner.info.output] = result
                         taken.append(step)
-                    else:
+                    else:  # as _run_steps without launch ahead, once the worker's jobs are done
                         worker.drain()
                         self._collect(worker)
-                        values[runner.info.output] = runner.run(values) if step is None else step.finish(queued=True)
+                        values[runner.info.output] = runner.run(values) if step is None else step.finish_alone()
                     step = None
                     self._collect(worker)
                     if taken:
@@ -251,12 +254,12 @@ class PartitionedDecoder:
     def _host_part_worker(self):
         """The host-part worker, made on first use where the model has "both"-capable layers and this machine runs
         the compiled loop; None otherwise."""
-        if self._worker is None and worker_module.supported():
+        if getattr(self, "_worker", None) is None and worker_module.supported():
             nodes = [runner for runner in self.steps if hasattr(runner, "launch_ahead")]
             if nodes:
                 self._worker = worker_module.HostPartWorker(
                     worker_module.worker_threads(getattr(nodes[0].kernel, "num_threads", None)))
-        return self._worker
+        return getattr(self, "_worker", None)
 
     def _finish(self, step, behind: bool) -> bool:
         """A layer whose host part was left (SplitStep), or None: that part done, with work queued behind its merge

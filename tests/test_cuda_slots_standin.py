@@ -183,6 +183,7 @@ class FakeGpuQMoE:
         np.copyto(out, a if b is None else a + b, casting="same_kind")
 
     gated_merge = True  # GpuQMoE.gated_merge: "both" layers queue merge_gated at the launch
+    gate_waits_on_device = False  # this merge runs inside open_gate: the host-part worker cannot raise the gate
 
     def merge_gated(self, published, a, out, timeout_s=1.0):
         """GpuQMoE.merge_gated: the stand-in's kernels run at once, so this merge runs when the host raises the gate
@@ -962,6 +963,7 @@ def test_under_launch_ahead_each_both_layer_is_launched_before_its_host_part(mod
 
     monkeypatch.setattr(SplitStep, "finish", finish)
     monkeypatch.setattr(decoder, "launch_ahead", True)
+    monkeypatch.setattr(decoder, "host_part_worker", False)
     launched = []
     real_launch = HybridExpertNode.launch_ahead
     monkeypatch.setattr(HybridExpertNode, "launch_ahead",

@@ -52,6 +52,9 @@ class FakeStep:
         self.value = _Later(source, 10, self.gate)
         self.result_ahead = self.value if gated else None
 
+    def finish_alone(self):
+        return self.finish()
+
     def finish(self, ahead: bool = False, queued: bool = False):
         self.node.log.append(("finish", self.node.name, ahead))
         if self.node.fails:

@@ -682,11 +682,16 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
     monkeypatch.setattr(CudaSlots, "launch_split", launch_spy)
     errors = decode_alongside(gpu, cpu, spec, seed=13)
     assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
-    assert len(launches) == spec.layers * DECODE_STEPS
+    # (the worker's loop compiles at its first job, on a cold cache for longer than the gate waits: that step ran
+    # again, each layer launched once more)
+    again = gpu.decoder.steps_run_again
+    assert again == 0 or mode == "worker" and again == 1
+    assert len(launches) == spec.layers * (DECODE_STEPS + again)
     totals = gpu.offload.stats.totals()
     assert totals.misses_cpu > 0 and totals.misses_read > 0 and totals.device_s > 0
     stores = [store for store in gpu.offload.stores if store is not None]
-    assert all(store._split.merge is not None and store._split.published.gate_failed() == 0 for store in stores)
+    assert all(store._split.merge is not None and (store._split.published.gate_failed() == 0 or again)
+               for store in stores)
     assert all(store.gpu.split_fast_calls >= DECODE_STEPS // 2 for store in stores)
     # layers launched before the host's part of the layer before (PartitionedDecoder._run_steps), none of whose gates
     # came late: where the next dense segment's replay is launched again (in 3 of the 12 steps on the H200: a key's
@@ -694,7 +699,6 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
     assert (gpu.decoder.layers_ahead >= 2 if mode == "ahead" else gpu.decoder.layers_ahead == 0)
     # with the worker, every launch whose merge waits for the gate (all but each layer's first)
     assert gpu.decoder.layers_beside == (spec.layers * (DECODE_STEPS - 1) if mode == "worker" else 0)
-    assert gpu.decoder.steps_run_again == 0
 
 
 @pytest.mark.gpu

@@ -42,9 +42,10 @@ def kernel():
 class Step:
     """SplitStep's interface as the worker reads it: the node (layer, kernel, name), the pending launch's block."""
 
-    def __init__(self, layer: int, kernel, published: PublishedRouting):
+    def __init__(self, layer: int, kernel, published: PublishedRouting, gate_on_device: bool = True):
         self.node = SimpleNamespace(layer=layer, kernel=kernel, info=SimpleNamespace(name=f"layer{layer}"))
         self.pending = SimpleNamespace(published=published)
+        self.store = SimpleNamespace(split_gate_on_device=lambda pending: gate_on_device)
         self.abandoned = False
 
     def abandon(self):
@@ -175,11 +176,12 @@ def test_cancel_raises_the_gates_of_the_jobs_left(kernel):
     assert [int(block.gate[0]) for block in published] == [1, 1] and not worker.pending
 
 
-def test_a_kernel_the_loop_cannot_run_is_not_taken(kernel):
+def test_a_step_the_loop_cannot_run_or_gate_is_not_taken(kernel):
     worker = HostPartWorker(threads=1)
     block = blocks(1, 1, kernel)[0]
     launch(block)
     assert not worker.take(Step(0, SimpleNamespace(), block))  # no host_part_args: a delegated layout
+    assert not worker.take(Step(0, kernel, block, gate_on_device=False))  # a merge that does not wait on the GPU
     many = PublishedRouting(HOST_CUPY, kernel.gemv_max_rows + 1, kernel.spec.k, kernel.spec.hidden_size, np.float16)
     launch(many)
     assert not worker.take(Step(1, kernel, many))  # more tokens than the fused decode kernel takes per expert

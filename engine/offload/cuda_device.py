@@ -694,6 +694,11 @@ class CudaSlots:
         """Whether merge_split raised the gated merge's gate after the merge may have stopped waiting for it."""
         return pending.merge is not None and pending.gate_late
 
+    def split_gate_on_device(self, pending: SplitBuffers) -> bool:
+        """Whether the launch's merge waits for its gate on the GPU, so that any thread may raise it (the host-part
+        worker): a gated merge queued at the launch, on a GPU whose merge waits on the device."""
+        return pending.merge is not None and getattr(self.gpu, "gate_waits_on_device", False)
+
     def split_gate_failed(self, pending: SplitBuffers) -> bool:
         """Whether the latest launch's gated merge gave up waiting for the gate (it left the GPU's part alone); read
         once the merge has run."""

@@ -102,7 +102,9 @@ class HostPartWorker:
     # ---------------------------------------------------------------- the engine's thread
     def take(self, step) -> bool:
         """Queue `step`'s host part (a launched SplitStep whose merge waits for the gate); False, with nothing queued,
-        where the compiled loop cannot run its layer's kernel (the caller does the part itself)."""
+        where the compiled loop cannot run its layer's kernel or raise its gate (the caller does the part itself)."""
+        if not step.store.split_gate_on_device(step.pending):
+            return False
         published = step.pending.published
         kernel = step.node.kernel
         known = self._index_of.get(step.node.layer)

@@ -67,10 +67,7 @@ class HybridExpertNode:
                 return self._run_resident(store, x, logits, router_weights)  # every expert on the device
             table = self._split_table(store, x)
             if table is not None:
-                step = self._run_split(store, x, logits, router_weights, table)
-                if not engine.shadow:
-                    engine.settle()  # earlier layers' accounts, while the GPU works towards this layer's routing
-                return step.finish()
+                return self._run_split(store, x, logits, router_weights, table).finish_alone()
             if (not approximating and engine.reads_tier and store.reads_cold
                     and x.size <= spec.hidden_size * engine.config.async_max_tokens):
                 # a decode step whose cold experts the GPU reads from the host tier alone
@@ -494,6 +491,13 @@ class SplitStep:
         """The step's result (GPU memory, filled in stream order once the gate is raised) where its merge is queued
         behind the gate; None where the merge is queued by finish()."""
         return self.store.split_result(self.pending, self.x)
+
+    def finish_alone(self):
+        """The host's part right after the launch, as run() does it: earlier layers' accounts first, while the GPU
+        works towards this layer's routing, then finish()."""
+        if not self.node.engine.shadow:
+            self.node.engine.settle()
+        return self.finish()
 
     def finish(self, ahead: bool = False, queued: bool = False):
         """The host's part; the result. `ahead`: the caller launched later work behind this step's merge. `queued`:

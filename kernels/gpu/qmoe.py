@@ -170,6 +170,8 @@ class GpuQMoE:
             # the offload engine's "both" decode layers queue their merge before the CPU's part exists (merge_gated,
             # True) or after it (merge_sum, False: the A/B, MOE_GATED_MERGE=0 for the engine's)
             self.gated_merge = os.environ.get("MOE_GATED_MERGE", "1") != "0"
+            # a gated merge waits for its gate on the GPU, whoever raises it (the host-part worker's compiled loop)
+            self.gate_waits_on_device = True
             # launch configuration of the decode kernels (benchmarks/bench_qmoe_gpu.py sweeps these; the defaults
             # are the H200 optimum at both benchmark shapes, W1 = 0: 2 warps per FC1 block when the FC1 grid
             # alone fills 4 blocks per SM, else 4; ksplit2 = 0: automatic); rank_route: decode_prep routes by ranks
