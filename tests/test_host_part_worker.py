@@ -235,6 +235,10 @@ class Node:
     def run(self, values):
         return self.fake.run(values)
 
+    @property
+    def fails(self):
+        return self.fake.fails
+
 
 class LaunchingDense(FakeDense):
     """A dense segment on the GPU: its run is queued behind the gates before it (nothing read on the host)."""
