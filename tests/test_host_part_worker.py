@@ -236,7 +236,7 @@ class Node:
         return self.fake.run(values)
 
     @property
-    def fails(self):
+    def fails(self):  # (FakeStep.finish reads its node's)
         return self.fake.fails
 
 
