@@ -20,32 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-import llvmlite.ir as ir
 import numpy as np
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.diag_cpu_fixed import node_of_shape_b  # noqa: E402
 from kernels.cpu import kernels as compiled  # noqa: E402
+from kernels.cpu.host_parts import cycles, read_cycles as now_cycles  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
-
-
-@intrinsic
-def cycles(typingctx):
-    """The CPU's time-stamp counter (llvm.readcyclecounter)."""
-    def codegen(context, builder, sig, args):
-        read = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
-                                              "llvm.readcyclecounter")
-        return builder.call(read, [])
-    return types.int64(), codegen
-
-
-@njit
-def now_cycles():
-    return cycles()
 
 
 # Where traced_gemv stamps stamps[row, column]: [0] the call (start, region start, end), [1 + th] thread th (arrival,

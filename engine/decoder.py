@@ -224,12 +224,12 @@ class PartitionedDecoder:
                     if result is not None and worker.take(step):
                         values[runner.info.output] = result
                         taken.append(step)
+                        self._collect(worker)
                     else:  # as _run_steps without launch ahead, once the worker's jobs are done
                         worker.drain()
                         self._collect(worker)
                         values[runner.info.output] = runner.run(values) if step is None else step.finish_alone()
                     step = None
-                    self._collect(worker)
                     if taken:
                         taken[-1].node.engine.settle()  # earlier layers' accounts, whose launches are done
                     now = clock()
