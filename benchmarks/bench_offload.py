@@ -362,6 +362,7 @@ def main() -> None:
         waited = _timed(lambda: registration.ready.wait(300))
         print(f"{registration.describe()} (waited {waited:.1f} s after load)", flush=True)
     _wait_for_population(model, "the hybrid model")
+    print(f"host-part worker's loop ready in {model.decoder.warm_host_part_loop():.2f} s", flush=True)
     infos = model.folder.experts
     per_expert = infos[0].bytes_per_expert
     w_act = sum(info.spec.k * info.bytes_per_expert for info in infos)

@@ -202,6 +202,7 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
         opened = SimulatedDevice(200 << 30)
     model = LoadedModel.open(path, offload=OffloadConfig(device_expert_bytes=0), device=opened)
     model.wait_until_settled()
+    model.decoder.warm_host_part_loop()
     return model, [int(t) for t in np.random.default_rng(0).integers(3, 400, 16)]
 
 

@@ -54,6 +54,40 @@ def graph_counts(model) -> tuple[int, int]:
     return replays, held
 
 
+def run_steps(model, state, token: int, steps: int, runs: dict) -> int:
+    """`steps` decode steps from `token`, one line each (the columns main's header names); returns the last token."""
+    engine, decoder = model.offload, model.decoder
+    before_replays, _ = graph_counts(model)
+    before_runs = runs["runs"]
+    stats = engine.stats
+    for step in range(steps):
+        beside, again, cpu_s = decoder.layers_beside, decoder.steps_run_again, stats.phases["decode"].cpu_s
+        cpu_before = sum(layer.misses - layer.misses_read for layer in stats.layers)
+        read_before = sum(layer.misses_read for layer in stats.layers)
+        started = time.perf_counter()
+        token = int(decoder.forward(state, [token])[-1].argmax())
+        ms = (time.perf_counter() - started) * 1e3
+        replays, held = graph_counts(model)
+        trial = engine.path_trials.state()
+        split = engine.copy_state()["decode_path"]["cold_split"]  # None unless "both" is in force
+        table = None if split is None else split["cpu_takes"]
+        cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
+        read = sum(layer.misses_read for layer in stats.layers) - read_before
+        rate = engine.cpu_rate.value or 0.0
+        tier = engine.tier_read.value or 0.0
+        print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
+              f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
+              f"cpu {cpu_misses:4d} read {read:4d}  "
+              f"table {'' if table is None else ','.join(str(int(t)) for t in table):>17}  "
+              f"{rate / 1e9:5.1f}+{engine.cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
+              f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
+              f"/{engine.share_trials.state()['measuring'] or '-'}  beside {decoder.layers_beside - beside:2d} "
+              f"again {decoder.steps_run_again - again}  cpu ms {(stats.phases['decode'].cpu_s - cpu_s) * 1e3:5.2f}",
+              flush=True)
+        before_replays, before_runs = replays, runs["runs"]
+    return token
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b-like")
@@ -62,6 +96,8 @@ def main() -> None:
     parser.add_argument("--folder")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
     parser.add_argument("--device", choices=["cuda", "simulated"], default="cuda")
+    parser.add_argument("--then-both", type=int, default=0,
+                        help="after the steps, this many more with the decode path asked for as \"both\" (no trials)")
     args = parser.parse_args()
     model, prompt = open_model(args.shape, args.layers, args.folder, device=args.device, prefix="diag-path-trials-")
     engine = model.offload
@@ -72,33 +108,14 @@ def main() -> None:
         token = int(model.decoder.forward(state, prompt)[-1].argmax())
         print(f"== {fraction:.0%} resident; step ms, path in force / trial timing, dense replays / onnxruntime runs "
               f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs, tier GB/s, host gap µs, the CPU's "
-              f"share shift in force / trial timing", flush=True)
-        before_replays, _ = graph_counts(model)
-        before_runs = runs["runs"]
-        stats = engine.stats
-        for step in range(args.steps):
-            cpu_before = sum(layer.misses - layer.misses_read for layer in stats.layers)
-            read_before = sum(layer.misses_read for layer in stats.layers)
-            started = time.perf_counter()
-            token = int(model.decoder.forward(state, [token])[-1].argmax())
-            ms = (time.perf_counter() - started) * 1e3
-            replays, held = graph_counts(model)
-            trial = engine.path_trials.state()
-            split = engine.copy_state()["decode_path"]["cold_split"]  # None unless "both" is in force
-            table = None if split is None else split["cpu_takes"]
-            cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
-            read = sum(layer.misses_read for layer in stats.layers) - read_before
-            rate = engine.cpu_rate.value or 0.0
-            tier = engine.tier_read.value or 0.0
-            print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
-                  f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
-                  f"cpu {cpu_misses:4d} read {read:4d}  "
-                  f"table {'' if table is None else ','.join(str(int(t)) for t in table):>17}  "
-                  f"{rate / 1e9:5.1f}+{engine.cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
-                  f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
-                  f"/{engine.share_trials.state()['measuring'] or '-'}", flush=True)
-            before_replays, before_runs = replays, runs["runs"]
+              f"share shift in force / trial timing, layers the worker took, steps run again, the CPU's ms", flush=True)
+        token = run_steps(model, state, token, args.steps, runs)
         print(f"trials: {engine.path_trials.state()}, share: {engine.share_trials.state()}", flush=True)
+        if args.then_both:
+            engine.set_decode_path("both")
+            print(f"== {fraction:.0%} resident, decode path \"both\" asked for", flush=True)
+            run_steps(model, state, token, args.then_both, runs)
+            engine.set_decode_path("auto")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import onnxruntime as ort
+from onnx import helper
 
 from engine.decoder_state import DecoderState
 from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, run_bound
@@ -57,6 +58,7 @@ class PartitionedDecoder:
         self.layers_ahead = 0  # "both" layers whose host part ran with the next layer's work queued behind (_run_steps)
         self.layers_beside = 0  # "both" layers whose host part the worker did (_run_steps_beside)
         self._worker = None  # the host-part worker, made on first use (_host_part_worker)
+        self._expert_input_types: dict[str, int] = {}  # each expert node's activations' ONNX type (open_dense)
         self._progress, self._built = progress, 0
         for step in plan.steps:
             if isinstance(step, ExpertStep):
@@ -86,7 +88,7 @@ class PartitionedDecoder:
                 self._advance_progress()
             else:
                 info = runner.info
-                types[info.output] = types[info.activation_inputs["input"]]
+                types[info.output] = self._expert_input_types[info.name] = types[info.activation_inputs["input"]]
         self.dense = dense
         self.place_cut_tensors()
 
@@ -260,6 +262,26 @@ class PartitionedDecoder:
                 self._worker = worker_module.HostPartWorker(
                     worker_module.worker_threads(getattr(nodes[0].kernel, "num_threads", None)))
         return getattr(self, "_worker", None)
+
+    def warm_host_part_loop(self) -> float:
+        """The host-part worker's compiled loop made ready (compiled, or loaded from Numba's cache) for each kind of
+        layer that may hand it a "both" step, where the dense part is on the GPU; returns the seconds it took. At load
+        (kernel_warmup), so that the first "both" step does not wait for it: its gates would come after the merges
+        gave up and the step would run again."""
+        started = time.perf_counter()
+        if not (host_part_worker and self.dense is not None and self.dense.kind == "cuda"
+                and worker_module.supported()):
+            return 0.0
+        done = set()
+        for runner in self.steps:
+            onnx_type = self._expert_input_types.get(runner.info.name) if hasattr(runner, "launch_ahead") else None
+            if onnx_type is None:
+                continue
+            kind = (getattr(runner.kernel, "compiled_for", id(runner.kernel)), onnx_type)
+            if kind not in done:
+                done.add(kind)
+                worker_module.compile_loop(runner.kernel, helper.tensor_dtype_to_np_dtype(onnx_type))
+        return time.perf_counter() - started
 
     def _finish(self, step, behind: bool) -> bool:
         """A layer whose host part was left (SplitStep), or None: that part done, with work queued behind its merge

@@ -9,13 +9,15 @@ import threading
 import time
 from types import SimpleNamespace
 
+import numba
 import numpy as np
 import pytest
+from onnx import TensorProto
 
 from engine.errors import WorkbenchError
 from engine.offload import host_part_worker
 from engine.offload.host_part_worker import HostPartWorker, JobDone
-from kernels.cpu import CpuQMoE
+from kernels.cpu import CpuQMoE, host_parts
 from kernels.gpu.published import PublishedRouting
 from kernels.reference import route as ref_route
 from tests.qmoe_oracle import make_case
@@ -34,8 +36,7 @@ def kernel():
                                swiglu_fusion=1)
     kernel = CpuQMoE(_spec(attrs, t, x), t)
     for dtype in (np.float16, np.float32):  # the loop compiled for both (minutes on a 2-core VM), before any timing
-        warm = HostPartWorker(threads=1)
-        assert warm._admit(0, kernel, blocks(1, 1, kernel, dtype)[0])
+        assert host_part_worker.compile_loop(kernel, dtype)
     return kernel
 
 
@@ -255,6 +256,40 @@ def decoder_layers(log, count, **node):
         runners.append(Node(f"node{i}", f"x{i}", f"y{i}", log, **node))
     runners.append(LaunchingDense(f"dense{count}", f"y{count - 1}", "logits", log))
     return runners
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_loop_compiled_at_load_is_the_one_a_real_block_runs(kernel, dtype):
+    """compile_loop's stand-in block gives the loop the types a published block gives: admitting a real layer after
+    it compiles nothing more."""
+    spec = kernel.spec
+    warm, _ = host_part_worker.loop_item(kernel, host_part_worker.HostBlock(1, spec.k, spec.hidden_size, dtype), 1)
+    real, _ = host_part_worker.loop_item(kernel, blocks(1, 1, kernel, dtype)[0], 4)
+    assert numba.typeof(warm) == numba.typeof(real)
+    compiled = len(host_parts.run_host_parts.signatures)
+    assert HostPartWorker(threads=1)._admit(0, kernel, blocks(1, 1, kernel, dtype)[0])
+    assert len(host_parts.run_host_parts.signatures) == compiled
+
+
+def test_compile_loop_refuses_a_kernel_the_loop_cannot_run(kernel):
+    assert not host_part_worker.compile_loop(SimpleNamespace(spec=kernel.spec), np.float16)  # no host_part_args
+    assert not host_part_worker.compile_loop(kernel, np.float64)  # an activations' dtype the loop has no copy for
+
+
+def test_the_decoder_compiles_the_loop_once_per_kind_of_layer_where_the_dense_part_is_on_the_gpu(monkeypatch):
+    compiled = []
+    monkeypatch.setattr(host_part_worker, "compile_loop", lambda kernel, dtype: compiled.append((kernel, dtype)))
+    first, second = SimpleNamespace(compiled_for=("int4",)), SimpleNamespace(compiled_for=("int8",))
+    runners = decoder_layers([], 3)
+    for node, kernel in zip(runners[1::2], (first, first, second)):
+        node.kernel, node.info = kernel, SimpleNamespace(name=node.name)
+    model = make_decoder(runners)
+    model._expert_input_types = {f"node{i}": TensorProto.FLOAT16 for i in range(3)}
+    assert model.warm_host_part_loop() == 0.0  # the dense part on the CPU: no "both" step takes the worker
+    assert compiled == []
+    model.dense = SimpleNamespace(kind="cuda")
+    model.warm_host_part_loop()
+    assert compiled == [(first, np.float16), (second, np.float16)]
 
 
 def test_the_decoder_hands_each_both_layer_to_the_worker_and_goes_on():

@@ -190,10 +190,12 @@ class EngineWorker(QObject):
                               "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo})
             self._emit_stats()
-            # the CPU kernels compiled now (a first run on this machine: tens of seconds a layout), not in the first
-            # answer's time to its first token; milliseconds once Numba has them cached
+            # the CPU kernels (and the host-part worker's loop) compiled now (a first run on this machine: tens of
+            # seconds a layout), not in the first answer's time to its first token; milliseconds once Numba has them
+            # cached
             self.busyChanged.emit("preparing")
             warm_cpu_kernels(model.decoder.steps)
+            model.decoder.warm_host_part_loop()
         except Exception as exc:  # the window shows it; the worker stays usable
             self._drop_model()
             if isinstance(exc, LoadCancelled):

@@ -45,6 +45,81 @@ def worker_threads(kernel_threads: int | None) -> int:
     return max(1, min(cores, (os.cpu_count() or 2) - 1))
 
 
+def loop_item(kernel, block, threads: int) -> tuple | None:
+    """A layer's entry in the loop's list, and its int64 params (CpuQMoE.host_part_args), for `kernel` on `threads`
+    threads writing into `block` (a PublishedRouting's host views); None where the loop cannot run that kernel or
+    the activations' dtype."""
+    args = kernel.host_part_args(block.tokens, threads) if hasattr(kernel, "host_part_args") else None
+    x = block.x
+    if args is None or x.dtype not in (np.float16, np.float32):
+        return None
+    weights, activation, params = args
+    item = (block.flag, block.gate, block.ids, block.on_cpu, block.w,
+            x.view(np.uint16) if x.dtype == np.float16 else x, block.part, weights, activation)
+    return item, params
+
+
+class HostBlock:
+    """A published block's host views as the loop reads them (kernels/gpu/published.py), over plain memory: what
+    compile_loop compiles the loop with before any block exists."""
+
+    def __init__(self, tokens: int, k: int, hidden: int, x_dtype):
+        self.tokens, self.k = tokens, k
+        self.flag, self.gate = np.zeros(1, np.uint32), np.zeros(1, np.uint32)
+        self.ids, self.on_cpu = np.zeros((tokens, k), np.int32), np.zeros((tokens, k), np.int32)
+        self.w = np.zeros((tokens, k), np.float32)
+        self.x = np.zeros((tokens, hidden), x_dtype)
+        self.part = np.zeros((tokens, hidden), np.float32)
+
+
+def compile_loop(kernel, x_dtype) -> bool:
+    """The loop compiled (or loaded from Numba's cache) for layers of `kernel`'s kind with activations of `x_dtype`,
+    by a call that returns at once: at load, so that no first "both" step waits for it (its gate would come after the
+    merge gave up, and the step would run again). False where the loop cannot run such a layer."""
+    spec = kernel.spec
+    block = HostBlock(1, spec.k, spec.hidden_size, x_dtype)
+    entry = loop_item(kernel, block, 1)
+    if entry is None:
+        return False
+    item, params = entry
+    layers = List.empty_list(numba.typeof(item))
+    layers.append(item)
+    scratch = _Scratch()
+    scratch.size(block.tokens, block.k, spec.hidden_size, int(params[6]))
+    _call_cancelled(layers, params[None], scratch)
+    return True
+
+
+def _call_cancelled(layers, params, scratch) -> None:
+    """run_host_parts called with CANCEL set: compiled for these types, then back at once."""
+    cancelled = host_parts.new_counters()
+    cancelled[CANCEL] = 1
+    host_parts.run_host_parts(layers, params, np.zeros((1, 2), np.int64), cancelled, np.zeros((1, 4), np.int64),
+                              scratch.pair_ids, scratch.x32, scratch.ws, scratch.y, 0)
+
+
+class _Scratch:
+    """The loop's working arrays (pairs' ids, x as float32, the kernel's workspace, per-pair outputs), grown to the
+    largest layer admitted."""
+
+    def __init__(self):
+        self.sized_for = (0, 0, 0)  # (pairs, hidden, workspace per pair)
+        self.pair_ids = self.x32 = self.ws = self.y = None
+
+    def size(self, tokens: int, k: int, hidden: int, ws_per_pair: int) -> None:
+        pairs = tokens * k
+        have = self.sized_for
+        if have[0] and pairs <= have[0] and hidden <= have[1] and ws_per_pair <= have[2] \
+                and self.pair_ids.shape[1] == k:
+            return
+        pairs, hidden, ws_per_pair = max(pairs, have[0]), max(hidden, have[1]), max(ws_per_pair, have[2])
+        self.pair_ids = np.zeros((pairs // k, k), np.int64)
+        self.x32 = np.zeros((pairs // k, hidden), np.float32)
+        self.ws = np.zeros(max(1, pairs * ws_per_pair), np.float32)
+        self.y = np.zeros(pairs * hidden, np.float32)
+        self.sized_for = (pairs, hidden, ws_per_pair)
+
+
 class CycleClock:
     """The time-stamp counter as perf_counter seconds, calibrated over a few ms."""
 
@@ -84,7 +159,7 @@ class HostPartWorker:
         self.clock = CycleClock()
         self._layers = None  # numba typed List of the loop's per-layer tuples (host_parts._cpu_part's `layer`)
         self._item_type = None
-        self._compiled_for = None  # the item type the loop was last compiled for (_compile)
+        self._compiled_for = None  # the item type the loop was last called with (_admit)
         self._params = np.zeros((0, 7), np.int64)
         self._index_of: dict[int, tuple[int, object, object]] = {}  # engine layer -> (index, kernel, published)
         self._jobs = np.zeros((CAPACITY, 2), np.int64)
@@ -92,8 +167,7 @@ class HostPartWorker:
         self._times = np.zeros((CAPACITY, 4), np.int64)
         self._steps: list = []  # the SplitStep of every job not yet collected, in order
         self._collected = 0
-        self._scratch_for = (0, 0, 0)  # (pairs, hidden, workspace per pair) the scratch arrays hold
-        self._pair_ids = self._x32 = self._ws = self._y = None
+        self._scratch = _Scratch()
         self._wake = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -164,15 +238,10 @@ class HostPartWorker:
     def _admit(self, layer: int, kernel, published) -> bool:
         """Make `layer`'s entry in the loop's list; False where its kernel, activations' dtype or types differ from
         what the loop runs. The loop is stopped first: it holds the arrays it was called with."""
-        if not hasattr(kernel, "host_part_args"):
+        entry = loop_item(kernel, published, self.threads)
+        if entry is None:
             return False
-        args = kernel.host_part_args(published.tokens, self.threads)
-        x = published.x
-        if args is None or x.dtype not in (np.float16, np.float32):
-            return False
-        weights, activation, params = args
-        item = (published.flag, published.gate, published.ids, published.on_cpu, published.w,
-                x.view(np.uint16) if x.dtype == np.float16 else x, published.part, weights, activation)
+        item, params = entry
         item_type = numba.typeof(item)
         if self._item_type is not None and item_type != self._item_type:
             return False
@@ -189,32 +258,13 @@ class HostPartWorker:
             self._layers[index] = item
             self._params[index] = params
         self._index_of[layer] = (index, kernel, published)
-        self._size_scratch(published.tokens, published.k, x.shape[1], int(params[6]))
+        self._scratch.size(published.tokens, published.k, published.x.shape[1], int(params[6]))
         if self._compiled_for is not item_type:
-            self._compile()
+            # compiled (or loaded from Numba's cache) here, not in the worker's thread while a gated merge waits for
+            # its first job; at once where compile_loop ran at load
+            _call_cancelled(self._layers, self._params, self._scratch)
             self._compiled_for = item_type
         return True
-
-    def _compile(self) -> None:
-        """The loop compiled (or loaded from Numba's cache) for these layers here, by a call that returns at once,
-        not in the worker's thread while a gated merge waits for its first job."""
-        cancelled = host_parts.new_counters()
-        cancelled[CANCEL] = 1
-        host_parts.run_host_parts(self._layers, self._params, self._jobs, cancelled, self._times, self._pair_ids,
-                                  self._x32, self._ws, self._y, 0)
-
-    def _size_scratch(self, tokens: int, k: int, hidden: int, ws_per_pair: int) -> None:
-        pairs = tokens * k
-        have = self._scratch_for
-        if have[0] and pairs <= have[0] and hidden <= have[1] and ws_per_pair <= have[2] \
-                and self._pair_ids.shape[1] == k:
-            return
-        pairs, hidden, ws_per_pair = max(pairs, have[0]), max(hidden, have[1]), max(ws_per_pair, have[2])
-        self._pair_ids = np.zeros((pairs // k, k), np.int64)
-        self._x32 = np.zeros((pairs // k, hidden), np.float32)
-        self._ws = np.zeros(max(1, pairs * ws_per_pair), np.float32)
-        self._y = np.zeros(pairs * hidden, np.float32)
-        self._scratch_for = (pairs, hidden, ws_per_pair)
 
     def _start(self) -> None:
         if self._thread is None:
@@ -232,9 +282,10 @@ class HostPartWorker:
             self._wake.clear()
             self._in_loop = True
             while True:
+                scratch = self._scratch
                 try:
                     host_parts.run_host_parts(self._layers, self._params, self._jobs, counters, self._times,
-                                              self._pair_ids, self._x32, self._ws, self._y, idle_cycles)
+                                              scratch.pair_ids, scratch.x32, scratch.ws, scratch.y, idle_cycles)
                 except BaseException as exc:  # reported on the engine's thread (drain)
                     self._error = exc
                     break

@@ -135,7 +135,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     # and the CPU kernels are compiled (a first run on this machine) before the clock starts
     settle_s = model.wait_until_settled(cancel)
     if cancel is None or not cancel.is_set():
-        settle_s += warm_cpu_kernels(model.decoder.steps)
+        settle_s += warm_cpu_kernels(model.decoder.steps) + model.decoder.warm_host_part_loop()
     conversation = Conversation(model)
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)
