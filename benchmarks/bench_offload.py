@@ -486,13 +486,15 @@ def main() -> None:
         if h < 1:
             other_bounds += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
                              f"{decoded['ratio_to_tier_only_bound']:.0%}")
+        # the CPU's rate in force: the split's under "both" (its parts), else the CPU path's calls'
+        rate = model.offload.split_cpu_rate if model.offload.splits_cold else model.offload.cpu_rate
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
               f"(bound {decoded['reference_value']:7.1f}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
               f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
               f"trace hit {trace_h:.2f}  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + f"/read {stats.misses_read}" + path_text(path)
-              + (f" (CPU kernels {model.offload.cpu_rate.value / 1e9:.0f} GB/s + {model.offload.cpu_rate.fixed_s * 1e6:.0f} µs"
-                 f" a call, average {model.offload.cpu_rate.average / 1e9:.0f} GB/s)" if model.offload.cpu_rate.value else "")
+              + (f" (CPU kernels {rate.value / 1e9:.0f} GB/s + {rate.fixed_s * 1e6:.0f} µs"
+                 f" a call, average {rate.average / 1e9:.0f} GB/s)" if rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
               + split_text(split)
               + "".join(f", {g.num_slots} streaming slots ({g.prepare_s * 1e6:.0f} µs to issue a copy, "

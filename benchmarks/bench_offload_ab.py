@@ -152,7 +152,7 @@ def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
     if prefix == "cpu":
         return cpu_kernels(model), attribute, "the CPU expert kernel"
     if prefix == "rate":
-        return [model.offload.cpu_rate], attribute, "the CPU rate"
+        return [model.offload.cpu_rate, model.offload.split_rate], attribute, "the CPU rate"
     if prefix == "engine":
         return [model.offload], attribute, "the offload engine"
     if prefix == "slots":
@@ -215,12 +215,13 @@ def engine_figures(model: LoadedModel) -> dict:
     second and a call's fixed seconds), so that a ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
+    rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the "both" parts' under "both"
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
             "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"],
             "path": state["decode_path"], "placement": state.get("placement"),
-            "cpu_rate": engine.cpu_rate.value, "cpu_fixed_s": engine.cpu_rate.fixed_s}
+            "cpu_rate": rate.value, "cpu_fixed_s": rate.fixed_s}
 
 
 def judge_words(placement: dict | None) -> str:

@@ -73,13 +73,14 @@ def run_steps(model, state, token: int, steps: int, runs: dict) -> int:
         table = None if split is None else split["cpu_takes"]
         cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
         read = sum(layer.misses_read for layer in stats.layers) - read_before
-        rate = engine.cpu_rate.value or 0.0
+        cpu_rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the one the table comes from
+        rate = cpu_rate.value or 0.0
         tier = engine.tier_read.value or 0.0
         print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
               f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
               f"cpu {cpu_misses:4d} read {read:4d}  "
               f"table {'' if table is None else ','.join(str(int(t)) for t in table):>17}  "
-              f"{rate / 1e9:5.1f}+{engine.cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
+              f"{rate / 1e9:5.1f}+{cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
               f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
               f"/{engine.share_trials.state()['measuring'] or '-'}  beside {decoder.layers_beside - beside:2d} "
               f"again {decoder.steps_run_again - again}  cpu ms {(stats.phases['decode'].cpu_s - cpu_s) * 1e3:5.2f}",

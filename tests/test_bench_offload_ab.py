@@ -122,15 +122,17 @@ def test_rate_switches_set_the_engines_cpu_rate():
     import benchmarks.bench_offload_ab as ab
     from engine.offload.miss_policy import CpuRate
 
-    rate = CpuRate(min_calls=2)
+    rate, split_rate = CpuRate(min_calls=2), CpuRate(min_calls=2)
     for nbytes, seconds in ((1e6, 2e-4), (3e6, 4e-4), (5e6, 6e-4)):  # 100 µs + 1e-10 s a byte
         rate.observe(int(nbytes), seconds)
-    model = type("Model", (), {"offload": type("Engine", (), {"cpu_rate": rate})()})()
+        split_rate.observe(int(nbytes), seconds)
+    model = type("Model", (), {"offload": type("Engine", (), {"cpu_rate": rate, "split_rate": split_rate})()})()
     assert ab.switches("rate.fit=0") == {"rate.fit": 0}
     assert ab.current_switches(model, {"rate.fit"}) == {"rate.fit": 1}
     assert rate.fixed_s == pytest.approx(1e-4)
-    ab.set_switches(model, {"rate.fit": 0})
+    ab.set_switches(model, {"rate.fit": 0})  # the CPU path's rate and the "both" parts' alike
     assert rate.fixed_s == 0.0 and rate.value == pytest.approx(rate.average)
+    assert split_rate.fixed_s == 0.0 and split_rate.value == pytest.approx(split_rate.average)
     with pytest.raises(SystemExit, match="rate.no_such: the CPU rate has no such switch"):
         ab.set_switches(model, {"rate.no_such": 1})
 

@@ -151,23 +151,35 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     from engine.offload.devices import TIER_READ_SHARE
     from kernels.cold_split import cpu_take_table
 
+    from engine.offload.engine import SPLIT_RATE_SKIP
+
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, device=device, decode_path="both",
                              offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
     engine = model.offload
     assert engine.decode_path_in_force == "both" and engine.tier_read.value is None
+    decode_steps, counted_at = [], []  # the CPU parts the split's rate counts, by the decode steps ended before them
+    end_step, observe = model.decoder.on_step_end, engine.split_rate.observe
+    model.decoder.on_step_end = lambda step_s, tokens: (decode_steps.append(1) if tokens == 1 else None,
+                                                         end_step(step_s, tokens))
+    engine.split_rate.observe = lambda nbytes, seconds: (counted_at.append(len(decode_steps)), observe(nbytes, seconds))
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert engine.tier_read.value == pytest.approx(TIER_READ_SHARE * device.bandwidths.pcie)
-    assert engine.cpu_rate.value is not None
+    # the parts of its first decode steps are not counted (their pools and pages still warming on a real machine)
+    assert counted_at and min(counted_at) == SPLIT_RATE_SKIP
+    # the split's own rate, apart from the CPU path's calls (none here)
+    assert engine.split_rate.value is not None and engine.cpu_rate.value is None
+    assert engine.split_cpu_rate is engine.split_rate
     engine._split_tables.clear()
     info, store = engine.infos[0], engine.stores[0]
     assert engine.cold_split_table(0).tolist() == cpu_take_table(
-        SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
+        SPEC.top_k, info.bytes_per_expert / engine.split_rate.value, engine.split_rate.fixed_s,
         store.read_bytes / engine.tier_read.value).tolist()
     state = engine.copy_state()["decode_path"]["cold_split"]  # what records and the placement view show
     # the simulated device's dense segments are the CPU doing a card's work: no host gap is measured there
     assert engine.host_gap.value == 0.0
-    assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "tier_read_bytes_per_s": engine.tier_read.value,
+    assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "cpu_bytes_per_s": engine.split_rate.value,
+                     "cpu_call_s": engine.split_rate.fixed_s, "tier_read_bytes_per_s": engine.tier_read.value,
                      "host_gap_s": 0.0,
                      "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None}}  # (none yet: 12 steps)
     engine.set_decode_path("tier")
@@ -203,7 +215,7 @@ def test_under_decode_path_both_trials_shift_the_cpus_share_where_its_steps_run_
     assert engine.share_trials.choice == FEWER and engine.share_trials.trials == 1
     engine._split_tables.clear()
     info, store = engine.infos[0], engine.stores[0]
-    made = cpu_take_table(SPEC.top_k, info.bytes_per_expert / engine.cpu_rate.value, engine.cpu_rate.fixed_s,
+    made = cpu_take_table(SPEC.top_k, info.bytes_per_expert / engine.split_rate.value, engine.split_rate.fixed_s,
                           store.read_bytes / engine.tier_read.value)
     assert engine.cold_split_table(0).tolist() == shifted(made, -1).tolist()
     assert engine.copy_state()["decode_path"]["cold_split"]["share"] == {

@@ -59,6 +59,11 @@ SPLIT_TABLE_EVERY = 16  # "both" decode steps between two cold_split_table's fro
 # "both" decode steps after a switch to it before the table is made again from what its own steps measured (the
 # tier's reads, the host's gap: unmeasured at the switch); the trials' settle, so a trial's window times that table
 SPLIT_TABLE_FIRST = 4
+# "both" decode steps, after it came into force or a re-plan, whose CPU parts the split's rate does not count: on the
+# H200 the parts of the first steps after a switch ran up to 10x slower (the engine thread's OpenMP pool still
+# spinning beside the worker's, GOMP_SPINCOUNT; a new tier's first reads), and the table made from them at
+# SPLIT_TABLE_FIRST gave the CPU almost nothing for the trial's whole window (RESULTS.md, forty-second session)
+SPLIT_RATE_SKIP = 3
 # deferred accounts a layer takes at most (OffloadEngine.settle): one a layer keeps up with a host that runs ahead of
 # the GPU; two let it catch up after a slower layer
 SETTLE_PER_LAYER = 2
@@ -98,6 +103,10 @@ class OffloadEngine:
         self._split_tables_due = SPLIT_TABLE_FIRST  # "both" decode steps until they are made again
         self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
+        # the CPU's parts of "both" steps (a few experts a call, beside the GPU's reads of the tier), for the split's
+        # table: a regime of their own, apart from the CPU path's calls of every cold expert
+        self.split_rate = CpuRate()
+        self._split_rate_skip = 0  # "both" decode steps left whose parts split_rate does not count (SPLIT_RATE_SKIP)
         self._tier_bytes = 0  # page-locked host memory the tier maps, while there is one
         self.tier_statement = ""  # what the plan says about the host tier ('' where none was wanted)
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
@@ -164,11 +173,13 @@ class OffloadEngine:
         self._follow_path()
         self._weigh_miss_slots()
 
-    def _follow_path(self) -> None:
-        """reads_tier and splits_cold as the decode path in force says."""
+    def _follow_path(self, replanned: bool = False) -> None:
+        """reads_tier and splits_cold as the decode path in force says (`replanned`: after a re-plan)."""
         in_force = self.decode_path_in_force
         self.reads_tier = in_force in paths.ASKED_TIER
         splits = in_force == BOTH
+        if splits and (replanned or not self.splits_cold):
+            self._split_rate_skip = SPLIT_RATE_SKIP
         if splits and not self.splits_cold:  # the tables from the rates as they are, and soon from the step's own
             self._split_tables.clear()
             self._split_tables_due = SPLIT_TABLE_FIRST
@@ -189,13 +200,24 @@ class OffloadEngine:
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k)
         table = self._split_tables.get(key)
         if table is None:
-            bandwidths = self.device.bandwidths
-            cpu_bytes_per_s = self.cpu_rate.value or bandwidths.cpu
+            bandwidths, rate = self.device.bandwidths, self.split_cpu_rate
+            cpu_bytes_per_s = rate.value or bandwidths.cpu
             tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
             table = self._split_tables[key] = shifted(cpu_take_table(
-                info.spec.k, info.bytes_per_expert / cpu_bytes_per_s, self.cpu_rate.fixed_s,
+                info.spec.k, info.bytes_per_expert / cpu_bytes_per_s, rate.fixed_s,
                 store.read_bytes / tier_bytes_per_s, self.host_gap.value), self.share_trials.shift)
         return table
+
+    @property
+    def split_cpu_rate(self) -> CpuRate:
+        """The CPU's rate the split's table is made from: its parts' in "both" steps once measured, else the CPU
+        path's calls'."""
+        return self.split_rate if self.split_rate.value is not None else self.cpu_rate
+
+    def observe_split_part(self, nbytes: int, seconds: float) -> None:
+        """A "both" step's CPU part of `nbytes` of experts took `seconds` (not counted in its first steps)."""
+        if not self._split_rate_skip:
+            self.split_rate.observe(nbytes, seconds)
 
     @property
     def decode_path_in_force(self) -> str:
@@ -246,11 +268,13 @@ class OffloadEngine:
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
         table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured), the host's
-        measured work between two such layers (HostGap) and the share trials' state with the shift in force."""
+        measured work between two such layers (HostGap) and the share trials' state with the shift in force; the
+        CPU's rate the table comes from (split_cpu_rate)."""
         if not self.splits_cold:
             return None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
+                "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
                 "share": {"shift": self.share_trials.shift, **self.share_trials.state()}}
 
@@ -476,6 +500,7 @@ class OffloadEngine:
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
                 self._weigh_miss_slots()
             if self.splits_cold:
+                self._split_rate_skip = max(self._split_rate_skip - (tokens == 1), 0)
                 self._split_tables_due -= 1
                 if self._split_tables_due <= 0:
                     self._split_tables.clear()
@@ -583,7 +608,7 @@ class OffloadEngine:
         self.streaming = self._plan_streaming(config)
         old_scores = self.policy.scores
         self.config = config
-        self._follow_path()  # the miss slots are weighed with the policy below
+        self._follow_path(replanned=True)  # the miss slots are weighed with the policy below
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(old_scores)  # what adaptive placement learnt so far still holds

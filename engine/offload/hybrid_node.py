@@ -325,7 +325,7 @@ class HybridExpertNode:
         engine.stats.split(layer, cpu_pairs, 0, 0)
         engine.policy.observe(layer, ids.reshape(-1))
         if cpu_pairs:
-            engine.cpu_rate.observe(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
+            engine.observe_split_part(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
             if engine.host_cache.budget is not None:
                 engine.host_cache.touch(layer, cpu_experts.tolist())
         if on_gpu > held:
