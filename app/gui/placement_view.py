@@ -227,14 +227,17 @@ def copies_text(copies: dict) -> str:
 
 
 def _cpu_share(path: dict) -> str:
-    """' (up to 4 of 8 when all are cold, after 190 µs of host work a layer)': the CPU's share under the decode path
-    "both" and the host's measured work between two such layers, which the share is weighed with; '' elsewhere."""
+    """' (up to 4 of 8 when all are cold, the CPU's parts at 65 GB/s, after 190 µs of host work a layer)': the CPU's
+    share under the decode path "both", and the CPU's measured rate and the host's measured work between two such
+    layers, which the share is weighed with; '' elsewhere."""
     split = path.get("cold_split") or {}
     takes = split.get("cpu_takes")
     if path.get("in_force") != "both" or not takes:
         return ""
     host_s = split.get("host_gap_s") or 0.0
     host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
+    rate = split.get("cpu_bytes_per_s")  # what the CPU's parts measured, the table's CPU side
+    rate_words = f", the CPU's parts at {rate / 1e9:.0f} GB/s" if rate else ""
     share = split.get("share") or {}  # the share trials (engine/offload/split_share.py)
     if share.get("measuring"):
         trial = f", timing {SHARE_WORDS[share['measuring']]} now"
@@ -242,7 +245,7 @@ def _cpu_share(path: dict) -> str:
         trial = f", {SHIFT_WORDS[share['shift']]} than the rates give, as measured faster"
     else:
         trial = ""
-    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold{trial}{host})"
+    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold{trial}{rate_words}{host})"
 
 
 class PlacementView(QWidget):
