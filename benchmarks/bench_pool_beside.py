@@ -9,7 +9,9 @@ device's host bandwidth probe (a Numba parallel sum) left exactly such a pool (a
 Each variant runs in a fresh process (OpenMP's state is per process), alternating, `--rounds` times: a thread
 computes a decode-sized QMoE node (CpuQMoE.forward, 1 token) `--calls` times with `--gap-us` of busy host work
 between calls (a decode step's other work between layers); "beside" first runs the engine's host bandwidth probe
-on the main thread, which stays alive. Reported: the median µs a call of each and their ratio.
+on the main thread, which stays alive; "released" does the same, then gives that pool back
+(kernels/cpu/omp_pool.release_pool, as the decoder and the host-part worker do when the other takes over). Reported:
+the median µs a call of each and their ratios to "alone".
 
     python benchmarks/bench_pool_beside.py [--rounds 3] [--calls 400] [--gap-us 500] [--no-write]
 """
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_result  # noqa: E402
 
-SHAPE = dict(E=64, H=512, I=256, k=8)  # small enough that a call's fixed cost shows, as at 25-50% resident
+SHAPE = dict(E=64, H=512, I=256, k=8)
+VARIANTS = ("alone", "beside", "released")  # small enough that a call's fixed cost shows, as at 25-50% resident
 
 
 def _timed_calls(fn, calls: int, gap_s: float) -> float:
@@ -45,14 +48,15 @@ def _timed_calls(fn, calls: int, gap_s: float) -> float:
     return float(np.median(seconds[calls // 8:]))
 
 
-def one_process(beside: bool, calls: int, gap_s: float) -> tuple[float, float]:
+def one_process(variant: str, calls: int, gap_s: float) -> tuple[float, float]:
     """Median seconds of a kernel call and of a nearly empty parallel loop in a second thread (this process's
-    variant)."""
+    variant: "alone", "beside" or "released")."""
     import engine  # noqa: F401 - the engine's OpenMP settings (GOMP_SPINCOUNT), as in the app
     from numba import njit, prange
 
     from engine.offload.host_bandwidth import stream_read_bandwidth
     from kernels.cpu import CpuQMoE
+    from kernels.cpu.omp_pool import release_pool
     from kernels.qmoe_spec import QMoESpec
     from tests.qmoe_oracle import make_case
 
@@ -63,8 +67,10 @@ def one_process(beside: bool, calls: int, gap_s: float) -> tuple[float, float]:
             s += a[i]
         return s
 
-    if beside:
+    if variant != "alone":
         stream_read_bandwidth(64 << 20)  # what opening a CudaDevice ran on the calling thread
+    if variant == "released" and not release_pool():
+        raise SystemExit("no OpenMP pool to give back: Numba's threading layer is not GNU OpenMP here")
     attrs, tensors, x, logits = make_case(seed=1, bits=4, block_size=32, T=1, activation="swiglu", swiglu_fusion=1,
                                           **SHAPE)
     spec = QMoESpec.from_tensors("bench/QMoE", "QMoE", attrs, tensors, x.shape)
@@ -88,28 +94,32 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--gap-us", type=float, default=500.0)
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--variant", choices=["alone", "beside"], help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # a child process
     args = parser.parse_args()
     if args.variant:
-        print(*one_process(args.variant == "beside", args.calls, args.gap_us * 1e-6))
+        print(*one_process(args.variant, args.calls, args.gap_us * 1e-6))
         return
     what = {"kernel": "CPU kernel call (decode-sized QMoE node)", "region": "nearly empty parallel loop"}
-    medians = {(w, v): [] for w in what for v in ("alone", "beside")}
+    medians = {(w, v): [] for w in what for v in VARIANTS}
     for _ in range(args.rounds):
-        for variant in ("alone", "beside"):
+        for variant in VARIANTS:
             out = subprocess.run([sys.executable, __file__, "--variant", variant, "--calls", str(args.calls),
                                   "--gap-us", str(args.gap_us)], capture_output=True, text=True, check=True)
             for w, value in zip(what, out.stdout.split()[-2:]):
                 medians[(w, variant)].append(float(value))
     figures = []
     for w, label in what.items():
-        alone, beside = (statistics.median(medians[(w, v)]) for v in ("alone", "beside"))
-        for variant in ("alone", "beside"):
-            print(f"{w} {variant:6s}: " + ", ".join(f"{v * 1e6:.1f}" for v in medians[(w, variant)]) + " µs a call")
-        print(f"{w} beside / alone: {beside / alone:.2f}")
+        alone, beside, released = (statistics.median(medians[(w, v)]) for v in VARIANTS)
+        for variant in VARIANTS:
+            print(f"{w} {variant:8s}: " + ", ".join(f"{v * 1e6:.1f}" for v in medians[(w, variant)]) + " µs a call")
+        print(f"{w} beside / alone: {beside / alone:.2f}, released / alone: {released / alone:.2f}")
+        rounds = {v: medians[(w, v)] for v in VARIANTS}
         figures.append({"name": f"{label} in the engine thread, another thread's OpenMP pool alive", "unit": "s",
                         "value": beside, "reference": "no other pool (the same, alone)", "reference_value": alone,
-                        "ratio": beside / alone, "rounds": {v: medians[(w, v)] for v in ("alone", "beside")}})
+                        "ratio": beside / alone, "rounds": rounds})
+        figures.append({"name": f"{label} in the engine thread, another thread's OpenMP pool given back", "unit": "s",
+                        "value": released, "reference": "no other pool (the same, alone)", "reference_value": alone,
+                        "ratio": released / alone, "rounds": rounds})
     if not args.no_write:
         print(f"wrote {write_result('pool-beside', figures, shape=SHAPE, gap_us=args.gap_us, calls=args.calls)}")
 

@@ -20,6 +20,7 @@ from engine.expert_node import CpuExpertNode, ExpertNodeInfo
 from engine.onnx_file import OnnxFile
 from engine.offload import host_part_worker as worker_module
 from engine.ort_env import CPU_DENSE, DenseDevice, dense_step_lock, session_options
+from kernels.cpu.omp_pool import release_pool
 from engine.partition import ExpertStep, Plan
 
 
@@ -58,6 +59,9 @@ class PartitionedDecoder:
         self.layers_ahead = 0  # "both" layers whose host part ran with the next layer's work queued behind (_run_steps)
         self.layers_beside = 0  # "both" layers whose host part the worker did (_run_steps_beside)
         self._worker = None  # the host-part worker, made on first use (_host_part_worker)
+        # whether this thread may hold an OpenMP pool (a CPU kernel ran here since it was last given back:
+        # _run_steps_beside gives it back once a step left every CPU part to the worker)
+        self._pool_here = True
         self._expert_input_types: dict[str, int] = {}  # each expert node's activations' ONNX type (open_dense)
         self._progress, self._built = progress, 0
         for step in plan.steps:
@@ -165,6 +169,7 @@ class PartitionedDecoder:
         onnxruntime run, another kind of layer) finishes the waiting layer first: it may wait for the GPU."""
         dense = experts = 0.0
         late = False
+        self._pool_here = True  # (its CPU kernels run on this thread)
         clock = time.perf_counter
         before = clock()
         waiting = launched = None  # a layer whose host part is left until the next one is launched, and that one
@@ -213,6 +218,7 @@ class PartitionedDecoder:
         clock = time.perf_counter
         before = clock()
         taken = []
+        ran_here = False  # whether a layer ran on this thread (its CPU kernels: this thread's OpenMP pool)
         step = None  # a layer launched and neither taken nor finished yet
         try:
             for runner in self.steps:
@@ -228,6 +234,7 @@ class PartitionedDecoder:
                         taken.append(step)
                         self._collect(worker)
                     else:  # as _run_steps without launch ahead, once the worker's jobs are done
+                        ran_here = True
                         worker.drain()
                         self._collect(worker)
                         values[runner.info.output] = runner.run(values) if step is None else step.finish_alone()
@@ -245,8 +252,19 @@ class PartitionedDecoder:
                 step.abandon()
             raise
         self.layers_beside += len(taken)
+        self._give_pool_back(ran_here)
         # (the logits are on the host: every merge has run)
         return dense, experts, any(step.store.split_gate_failed(step.pending) for step in taken)
+
+    def _give_pool_back(self, ran_here: bool) -> None:
+        """After a step beside the worker: where no layer ran here, this thread's OpenMP pool given back (its threads
+        beside the worker's would throttle both: kernels/cpu/omp_pool.py); a step that ran one keeps it, as the next
+        may too (a pool made again at every step costs its threads' start)."""
+        if ran_here:
+            self._pool_here = True
+        elif self._pool_here:
+            release_pool()
+            self._pool_here = False
 
     @staticmethod
     def _collect(worker) -> None:

@@ -37,6 +37,10 @@ def kernel():
     kernel = CpuQMoE(_spec(attrs, t, x), t)
     for dtype in (np.float16, np.float32):  # the loop compiled for both (minutes on a 2-core VM), before any timing
         assert host_part_worker.compile_loop(kernel, dtype)
+    # and the kernel FakeGpu checks the parts with: compiled in its thread on a cold cache, it would hold the GIL for
+    # longer than a drain waits
+    kernel.run_experts(x[:1].astype(np.float32), np.zeros((1, 4), np.int32), np.full((1, 4), 0.25, np.float32),
+                       out=np.zeros((1, kernel.spec.hidden_size), np.float32))
     return kernel
 
 
@@ -317,6 +321,48 @@ def test_a_layer_the_worker_does_not_take_runs_here_after_a_drain():
     assert kinds == [("launch", "node0"), ("take", "node0"), ("launch", "node1"), ("drain",), ("finish", "node1"),
                      ("drain",)]
     assert model.layers_beside == 1
+
+
+def test_the_engine_thread_gives_its_openmp_pool_back_after_a_step_that_left_every_part_to_the_worker(monkeypatch):
+    """Two pools beside each other throttle both (kernels/cpu/omp_pool.py): a step whose layers all went to the
+    worker gives this thread's pool back once; a step that ran a layer here keeps it for the next."""
+    from engine import decoder as decoder_module
+
+    released = []
+    monkeypatch.setattr(decoder_module, "release_pool", lambda: released.append(1) or True)
+    log = []
+    model = make_decoder(decoder_layers(log, 2))
+    refuse = {"node1"}
+    worker = FakeWorker(log, accepts=lambda step: step.node.name not in refuse)
+    model._run_steps_beside({"h0": 0}, None, worker)  # node1 ran here: the pool stays
+    assert released == [] and model._pool_here
+    refuse.clear()
+    model._run_steps_beside({"h0": 0}, None, worker)  # every layer to the worker: the pool given back
+    assert released == [1] and not model._pool_here
+    model._run_steps_beside({"h0": 0}, None, worker)  # none to give back
+    assert released == [1]
+    model._run_steps({"h0": 0}, None, False)  # CPU parts here again (a step run without the worker)
+    model._run_steps_beside({"h0": 0}, None, worker)
+    assert released == [1, 1]
+
+
+def test_the_worker_gives_its_openmp_pool_back_when_it_goes_to_sleep(kernel, monkeypatch):
+    released = []  # by the worker's thread (other tests' workers, asleep, may give theirs back meanwhile)
+    monkeypatch.setattr(host_part_worker, "release_pool", lambda: released.append(threading.current_thread()))
+    worker = HostPartWorker(threads=1)
+    monkeypatch.setattr(host_part_worker, "IDLE_S", 0.001)
+    layers = blocks(1, 1, kernel)
+    steps = [Step(0, kernel, layers[0])]
+    gpu = FakeGpu(kernel, steps)
+    launch(layers[0])
+    assert worker.take(steps[0])
+    gpu.start()
+    worker.drain()
+    gpu.join(10)
+    deadline = time.perf_counter() + 10
+    while worker._thread not in released and time.perf_counter() < deadline:  # the loop returns after IDLE_S idle
+        time.sleep(0.005)
+    assert released.count(worker._thread) == 1
 
 
 def test_an_error_cancels_the_worker_and_abandons_the_layer_launched():

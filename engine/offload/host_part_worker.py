@@ -26,6 +26,7 @@ from numba.typed import List
 from engine.errors import WorkbenchError
 from kernels.cpu import host_parts
 from kernels.cpu.host_parts import CANCEL, DONE, FAILED, PAIRS, QUEUED, T_GATED, T_REACHED, T_ROUTED
+from kernels.cpu.omp_pool import release_pool
 from kernels.cpu.threads import use_threads
 
 CAPACITY = 1024     # jobs in flight at most: a step's layers, many times over
@@ -291,6 +292,10 @@ class HostPartWorker:
                     break
                 if counters[CANCEL] or counters[FAILED] or counters[DONE] >= counters[QUEUED]:
                     break
+            if not (counters[CANCEL] or counters[FAILED] or self._error is not None):
+                # idle, asleep until the next decode: this thread's OpenMP pool given back, so that the engine
+                # thread's kernels (prefill, the CPU path) run without the throttle of two pools (kernels/cpu/omp_pool)
+                release_pool()
             self._in_loop = False
 
     def _stop_loop(self) -> None:
