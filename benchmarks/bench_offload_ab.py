@@ -18,7 +18,8 @@ engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the nex
 `dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are launched:
 engine/decoder.py's launch_ahead; with dense.worker=0, as the worker takes its place), `dense.worker=0|1` (each
 "both" layer's host part done by the host-part worker's thread: engine/decoder.py's host_part_worker, on by
-default); a switch one
+default), `dense.pool_back=0|1` (a thread's OpenMP pool given back when the other takes over the CPU parts:
+kernels/cpu/omp_pool.py, on by default); a switch one
 variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
 (spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's
 engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
@@ -56,13 +57,15 @@ from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
+from kernels.cpu import omp_pool  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
 
 SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")
 # the dense switches' module flags
 DENSE_SWITCHES = {"dense.graphs": (dense_graph, "enabled"), "dense.relaunch": (dense_graph, "relaunch"),
-                  "dense.ahead": (decoder, "launch_ahead"), "dense.worker": (decoder, "host_part_worker")}
+                  "dense.ahead": (decoder, "launch_ahead"), "dense.worker": (decoder, "host_part_worker"),
+                  "dense.pool_back": (omp_pool, "enabled")}
 SPLIT = "split="  # a variant's layer split
 # decode steps after the first trial before a variant under trials is timed: a switch to "both" makes its split
 # tables afresh (engine.py: SPLIT_TABLE_FIRST steps, the host's gap measured again); timed at once, a round ran 19 ms
@@ -95,7 +98,8 @@ def switches(text: str) -> dict[str, int]:
     the offload engine, 'slots.NAME' one of every node's device slots (CudaSlots), 'dense.graphs' the dense segments'
     CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch),
     'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead),
-    'dense.worker' the host parts on the host-part worker (engine.decoder.host_part_worker)."""
+    'dense.worker' the host parts on the host-part worker (engine.decoder.host_part_worker), 'dense.pool_back' a
+    thread's OpenMP pool given back when the other takes over (kernels.cpu.omp_pool.enabled)."""
     found = {}
     for item in text.split(","):
         item = item.strip()

@@ -48,6 +48,11 @@ def test_a_dense_switch_sets_its_modules_flag(monkeypatch):
     assert ab.current_switches(None, {"dense.ahead"}) == {"dense.ahead": 1}
     ab.set_switches(None, {"dense.ahead": 0})
     assert decoder.launch_ahead is False and ab.current_switches(None, {"dense.ahead"}) == {"dense.ahead": 0}
+    from kernels.cpu import omp_pool
+
+    monkeypatch.setattr(omp_pool, "enabled", True)
+    ab.set_switches(None, {"dense.pool_back": 0})  # pools kept: release_pool gives nothing back
+    assert omp_pool.enabled is False and omp_pool.release_pool() is False
 
 
 class _Kernel:

@@ -22,6 +22,7 @@ import sys
 import numba
 
 OMP_PAUSE_SOFT = 1
+enabled = True  # False: pools are kept (bench_offload_ab's dense.pool_back=0, an A/B of the give-back)
 _pause = None  # libgomp's omp_pause_resource_all, once found (False: not in this process)
 
 
@@ -57,6 +58,8 @@ def _loaded_libgomp() -> str | None:
 def release_pool() -> bool:
     """Free the calling thread's OpenMP pool where Numba's kernels run on GNU OpenMP; whether one was freed (or there
     was none to free). Cheap where the thread has no pool; the thread's next parallel region starts a new one."""
+    if not enabled:
+        return False
     try:
         layer = numba.threading_layer()
     except ValueError:  # no parallel region has run in this process: no pool anywhere
