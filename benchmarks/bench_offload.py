@@ -176,14 +176,15 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
     tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached (its dense term
     `dense_s`, dense_reference; the run's own where None)."""
     rate = traced_decode(model, prompt, tokens, warmup, seed=5)
-    stats, profile = model.offload.stats.totals(), model.decoder.profile
+    stats, profile, state = model.offload.stats.totals(), model.decoder.profile, model.offload.copy_state()
     h = stats.hit_rate
     dense = profile["dense_s"] / profile["steps"] if dense_s is None else dense_s
     bound_s = bound_seconds(dense, h, w_act, b_dram + b_pcie, b_hbm)
     return {"value": rate, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
             "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h, "misses_cpu": stats.misses_cpu,
-            "misses_copied": stats.misses_copied, "misses_read": stats.misses_read,
-            "decode_path": model.offload.copy_state()["decode_path"], "copy_reuse": model.offload.copy_reuse.value,
+            "misses_copied": stats.misses_copied, "misses_read": stats.misses_read, "swaps": stats.swaps,
+            "placement": state.get("placement"), "decode_path": state["decode_path"],
+            "copy_reuse": model.offload.copy_reuse.value,
             "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens"}
 
 
@@ -242,6 +243,27 @@ def path_text(path: dict) -> str:
     if len(measured) > 1:
         text += f" (trial a step: {measured_words(measured)})"
     return text
+
+
+def judge_words(placement: dict | None) -> str:
+    """' (paused: 0.05 hits a swap)' or ' (2.31 hits a swap)' where adaptive placement's judge has a figure; else ''."""
+    earned = (placement or {}).get("net_hits_per_swap")
+    if earned is None:
+        return ""
+    return f" ({'paused: ' if placement['swaps_paused'] else ''}{earned:.2f} hits a swap)"
+
+
+def split_words(cold_split: dict | None) -> str:
+    """Under "both": ', CPU takes [0, 0, 1, ...] of c cold (share trials' shift -1), host 120 µs between layers, the
+    GPU reads the tier at 39 GB/s' (the shift where not 0, the tier's rate where measured); else ''."""
+    if cold_split is None:
+        return ""
+    shift = (cold_split.get("share") or {}).get("shift", 0)
+    tier = cold_split.get("tier_read_bytes_per_s")
+    return (f", CPU takes {cold_split['cpu_takes']} of c cold"
+            + (f" (share trials' shift {shift:+d})" if shift else "")
+            + f", host {cold_split['host_gap_s'] * 1e6:.0f} µs between layers"
+            + (f", the GPU reads the tier at {tier / 1e9:.0f} GB/s" if tier else ""))
 
 
 def decoded_spread(decoded: dict) -> str:
@@ -506,8 +528,9 @@ def main() -> None:
         for placement, fig in traced.items():
             print(f"       realistic routing trace (measured), {placement} placement: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
-                  f"cpu/copied/read {fig['misses_cpu']}/{fig['misses_copied']}/{fig['misses_read']}"
-                  + path_text(fig["decode_path"]), flush=True)
+                  f"cpu/copied/read {fig['misses_cpu']}/{fig['misses_copied']}/{fig['misses_read']}, swaps "
+                  f"{fig['swaps']}{judge_words(fig['placement'])}" + path_text(fig["decode_path"])
+                  + split_words(fig["decode_path"].get("cold_split")), flush=True)
         print("       prefill s: " + ", ".join(f"{k} {v:.2f}" for k, v in prefill_split.items()), flush=True)
         print("       per layer µs: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if k != "step")
               + f" (step {parts['step'] * len(infos) / 1e3:.2f} ms)", flush=True)

@@ -48,7 +48,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_offload import SHAPES, decode, path_text, traced_decode  # noqa: E402
+from benchmarks.bench_offload import (SHAPES, decode, judge_words, path_text, split_words,  # noqa: E402
+                                      traced_decode)
 from benchmarks.common import model_folder, write_result, written_model  # noqa: E402
 from engine import decoder, dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
@@ -226,22 +227,6 @@ def engine_figures(model: LoadedModel) -> dict:
             "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"],
             "path": state["decode_path"], "placement": state.get("placement"),
             "cpu_rate": rate.value, "cpu_fixed_s": rate.fixed_s}
-
-
-def judge_words(placement: dict | None) -> str:
-    """' (paused: 0.05 hits a swap)' or ' (2.31 hits a swap)' where adaptive placement's judge has a figure; else ''."""
-    earned = (placement or {}).get("net_hits_per_swap")
-    if earned is None:
-        return ""
-    return f" ({'paused: ' if placement['swaps_paused'] else ''}{earned:.2f} hits a swap)"
-
-
-def split_words(cold_split: dict | None) -> str:
-    """Under "both": ', CPU takes [0, 0, 1, ...] of c cold, host 120 µs between layers'; else ''."""
-    if cold_split is None:
-        return ""
-    host_us = cold_split["host_gap_s"] * 1e6
-    return f", CPU takes {cold_split['cpu_takes']} of c cold, host {host_us:.0f} µs between layers"
 
 
 def cpu_rate_words(figures: dict) -> str:

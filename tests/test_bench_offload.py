@@ -109,3 +109,39 @@ def test_timed_decode_waits_while_a_trial_times_its_ways_or_the_first_share_tria
     assert engine.share_trials.trials == 1 and not trials_under_way(model)
     engine.path_trials.step(0.010, 1)  # a path trial's first window under way
     assert trials_under_way(model)
+
+
+def test_split_words_name_the_table_the_shift_where_not_zero_and_the_tiers_rate_where_measured():
+    from benchmarks.bench_offload import split_words
+
+    state = {"cpu_takes": [0, 0, 1], "host_gap_s": 12e-6, "tier_read_bytes_per_s": None, "share": {"shift": 0}}
+    assert split_words(state) == ", CPU takes [0, 0, 1] of c cold, host 12 µs between layers"
+    state.update(share={"shift": -1}, tier_read_bytes_per_s=39.4e9)
+    assert split_words(state) == (", CPU takes [0, 0, 1] of c cold (share trials' shift -1), host 12 µs between "
+                                  "layers, the GPU reads the tier at 39 GB/s")
+    assert split_words(None) == ""
+
+
+def test_a_trace_point_reports_the_swaps_the_judge_and_the_split_of_its_own_decode(tmp_path):
+    """trace_decode on the simulated device under "both", adaptive placement at half the experts: the figure carries
+    the swaps placement made in the trace's timed steps (the engine's statistics, reset after the warm-up), the
+    judge's state and the split's table, as the engine reports them after the run."""
+    from benchmarks.bench_offload import trace_decode
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    folder = write_model(tmp_path / "m", SPEC)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30),
+                             decode_path="both")
+    model.offload.reconfigure(model.offload.config.updated(
+        device_expert_bytes=all_resident_bytes(model.folder.experts) // 2))
+    figure = trace_decode(model, [5, 6, 7], 6, 4, w_act=1e6, b_dram=50e9, b_pcie=50e9, b_hbm=4e12, dense_s=1e-3)
+    totals, state = model.offload.stats.totals(), model.offload.copy_state()
+    assert figure["swaps"] == totals.swaps and figure["hit_rate"] == totals.hit_rate
+    assert figure["placement"] == state["placement"] and figure["placement"] is not None  # adaptive: its judge
+    cold_split = figure["decode_path"]["cold_split"]
+    assert figure["decode_path"]["in_force"] == "both" and cold_split == state["decode_path"]["cold_split"]
+    assert len(cold_split["cpu_takes"]) == SPEC.top_k + 1
