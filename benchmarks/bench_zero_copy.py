@@ -14,6 +14,8 @@ forward = routing + FC1 + FC2 as a CUDA graph, timed with CUDA events behind a s
           addressing the device reads it through the same pointer): every byte the kernel reads comes over PCIe
   tier    GpuQMoE(host_tier=True) with 0%, 25% and 50% of the experts in GPU slots: the others read from their
           host rows (kernels/gpu/host_tier.py), in one launch with the resident ones; outputs checked against hbm
+  cold c  the tier at 25% with exactly c of a token's k pairs cold (c = 0, 1, 2, 4, k): what a launch costs for few
+          cold experts, as realistic routing gives at high hit rates, next to a pinned copy of the same bytes
   cpu     our CPU kernel (CpuQMoE, every core) on the same node and routing rows, one token a call, timed on the host
 Bytes = the k routed experts' bytes. References in the same process: a 1 GiB pinned host-to-device cudaMemcpy
 (B_pcie) and a plain kernel that reads 1 GiB of the same kind of host memory with 16-byte loads (zero-copy ceiling).
@@ -73,12 +75,15 @@ def pcie_references(cp, timer, nbytes=1 << 30):
     return nbytes / t_copy / 1e9, nbytes / t_read / 1e9
 
 
-def decode_time(cp, m, timer, rng, iters):
-    """Median / p10 / p90 seconds of one routed decode forward (CUDA graph), routing rotated over 256 rows."""
+def decode_time(cp, m, timer, rng, iters, bank=None):
+    """Median / p10 / p90 seconds of one routed decode forward (CUDA graph), routing rotated over 256 rows of router
+    logits (`bank`, float32 [256, E]; random where None)."""
     spec = m.spec
     H, E = spec.hidden_size, spec.num_experts
     stream = cp.cuda.Stream(non_blocking=True)
-    bank = cp.asarray((rng.standard_normal((256, E)) * 2.0).astype(np.float32))
+    if bank is None:
+        bank = (rng.standard_normal((256, E)) * 2.0).astype(np.float32)
+    bank = cp.asarray(bank)
     x = cp.asarray(rng.standard_normal((1, H)).astype(np.float32))
     lg = cp.empty((1, E), cp.float32)
     out = cp.empty((1, H), cp.float32)
@@ -124,6 +129,51 @@ def tier_rows(cp, GpuQMoE, spec, tensors, timer, iters, out_hbm, nbytes, key):
                         "value": nbytes / t / 1e9, "unit": "GB/s", "median_us": t * 1e6, "max_diff_vs_hbm": diff})
         del m
         cp.get_default_memory_pool().free_all_blocks()
+    return lines, figures
+
+
+def cold_bank(rng, num_experts: int, k: int, resident: int, cold: int, rows: int = 256) -> np.ndarray:
+    """Router logits (float32 [rows, num_experts]) whose top k hold exactly `cold` experts in no slot (experts
+    >= `resident`) and k - cold resident ones, different ones in every row: the chosen experts' logits stand far
+    above the others'."""
+    bank = rng.standard_normal((rows, num_experts)).astype(np.float32)
+    for row in bank:
+        hot = rng.choice(resident, k - cold, replace=False)
+        far = resident + rng.choice(num_experts - resident, cold, replace=False)
+        row[np.concatenate([hot, far])] = 20.0 + rng.random(k).astype(np.float32)
+    return bank
+
+
+def cold_count_rows(cp, GpuQMoE, spec, tensors, timer, iters, key):
+    """The host tier at 25% of the experts in GPU slots with exactly c of a token's k pairs cold, c = 0, 1, 2, 4, ...,
+    k: what one launch costs for few cold experts (realistic routing at high hit rates), next to a pinned copy of the
+    same bytes (what staging them into HBM first would take): (printed lines, figures)."""
+    E, k = spec.num_experts, spec.k
+    S = max(1, E // 4)
+    m = GpuQMoE(spec, tensors, num_slots=S, resident=list(range(S)), host_tier=True)
+    expert_bytes = m.expert_bytes()
+    host = cp.cuda.alloc_pinned_memory(k * expert_bytes)
+    dev = cp.empty(k * expert_bytes, cp.uint8)
+    lines, figures, base = [], [], None
+    for c in sorted({0, 1, 2, 4, k} & set(range(k + 1))):
+        bank = cold_bank(np.random.default_rng(3), E, k, S, c)
+        (t, p10, p90), _ = decode_time(cp, m, timer, None, iters, bank=bank)
+        base = t if c == 0 else base
+        nbytes = c * expert_bytes
+        t_copy = timer.median(lambda: dev.data.copy_from_host_async(ctypes.c_void_p(host.ptr), nbytes), iters=20,
+                              spin_cycles=10_000)[0] if c else 0.0
+        extra = t - base
+        rate = nbytes / extra / 1e9 if c and extra > 0 else None
+        lines.append(f"    {c} cold of {k}: {t * 1e6:7.1f} µs (p10 {p10 * 1e6:.1f}, p90 {p90 * 1e6:.1f}), "
+                     f"{extra * 1e6:+6.1f} over none cold"
+                     + (f" = {rate:5.1f} GB/s of the cold bytes; a pinned copy of them {t_copy * 1e6:6.1f} µs"
+                        if rate else ""))
+        figures.append({"name": f"decode, shape {key}, host tier at 25% in slots, {c} of {k} pairs cold",
+                        "value": t * 1e6, "unit": "µs", "reference": "the same launch with no pair cold",
+                        "reference_value": base * 1e6, "cold_bytes": nbytes, "cold_gb_per_s": rate,
+                        "pinned_copy_us": t_copy * 1e6})
+    del m
+    cp.get_default_memory_pool().free_all_blocks()
     return lines, figures
 
 
@@ -177,6 +227,9 @@ def main(argv=None):
         lines, tier_figures = tier_rows(cp, GpuQMoE, spec, tensors, timer, args.iters, out_hbm, nbytes, key)
         t_cpu = cpu_time(spec, tensors)
         print("\n".join(lines), flush=True)
+        lines, cold_figures = cold_count_rows(cp, GpuQMoE, spec, tensors, timer, args.iters, key)
+        print("\n".join(lines), flush=True)
+        figures += cold_figures
         print(f"    cpu      {t_cpu * 1e6:8.1f} µs = {nbytes / t_cpu / 1e9:7.1f} GB/s (our CPU kernel, "
               f"{os.cpu_count()} threads)", flush=True)
         figures += tier_figures
