@@ -62,6 +62,7 @@ class PartitionedDecoder:
         # whether this thread may hold an OpenMP pool (a CPU kernel ran here since it was last given back:
         # _run_steps_beside gives it back once a step left every CPU part to the worker)
         self._pool_here = True
+        self._worker_took = False  # whether the last step handed a layer's CPU part to the worker
         self._expert_input_types: dict[str, int] = {}  # each expert node's activations' ONNX type (open_dense)
         self._progress, self._built = progress, 0
         for step in plan.steps:
@@ -170,6 +171,7 @@ class PartitionedDecoder:
         dense = experts = 0.0
         late = False
         self._pool_here = True  # (its CPU kernels run on this thread)
+        self._worker_took = False
         clock = time.perf_counter
         before = clock()
         waiting = launched = None  # a layer whose host part is left until the next one is launched, and that one
@@ -230,6 +232,8 @@ class PartitionedDecoder:
                     step = runner.launch_ahead(values) if hasattr(runner, "launch_ahead") else None
                     result = None if step is None else step.result_ahead
                     if result is not None and worker.take(step):
+                        if not taken:
+                            self._hand_pool_over()
                         values[runner.info.output] = result
                         taken.append(step)
                         self._collect(worker)
@@ -252,9 +256,20 @@ class PartitionedDecoder:
                 step.abandon()
             raise
         self.layers_beside += len(taken)
+        self._worker_took = bool(taken)
         self._give_pool_back(ran_here)
         # (the logits are on the host: every merge has run)
         return dense, experts, any(step.store.split_gate_failed(step.pending) for step in taken)
+
+    def _hand_pool_over(self) -> None:
+        """A step's first layer handed to the worker where the step before handed it none (a switch to "both", a
+        shape's first ungated launches, a prompt whose CPU experts ran here): this thread's OpenMP pool, whose threads
+        still spin after its last region (GOMP_SPINCOUNT: ~0.2 s), is given back at once, not after the step, which it
+        would slow throughout (the forty-third session's 131.8 ms step after a switch, against ~11 ms). Where the step
+        before handed the worker layers too, this thread's pool, if any, is one some layer keeps using."""
+        if self._pool_here and not self._worker_took:
+            release_pool()
+            self._pool_here = False
 
     def _give_pool_back(self, ran_here: bool) -> None:
         """After a step beside the worker: where no layer ran here, this thread's OpenMP pool given back (its threads

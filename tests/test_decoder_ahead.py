@@ -93,7 +93,7 @@ def make_decoder(runners) -> PartitionedDecoder:
     model.steps, model.dense, model.logits_name, model.on_step_end = runners, None, "logits", None
     model.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
     model.steps_run_again = model.layers_ahead = model.layers_beside = 0
-    model._pool_here = True
+    model._pool_here, model._worker_took = True, False
     return model
 
 

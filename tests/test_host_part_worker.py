@@ -324,14 +324,16 @@ def test_a_layer_the_worker_does_not_take_runs_here_after_a_drain():
 
 
 def test_the_engine_thread_gives_its_openmp_pool_back_after_a_step_that_left_every_part_to_the_worker(monkeypatch):
-    """Two pools beside each other throttle both (kernels/cpu/omp_pool.py): a step whose layers all went to the
-    worker gives this thread's pool back once; a step that ran a layer here keeps it for the next."""
+    """Two pools beside each other throttle both (kernels/cpu/omp_pool.py): once the worker took layers in the step
+    before, a step whose layers all went to the worker gives this thread's pool back after it; a step that ran a layer
+    here keeps it for the next."""
     from engine import decoder as decoder_module
 
     released = []
     monkeypatch.setattr(decoder_module, "release_pool", lambda: released.append(1) or True)
     log = []
     model = make_decoder(decoder_layers(log, 2))
+    model._worker_took = True  # (the steps before handed the worker layers: no pool handed over at a first take)
     refuse = {"node1"}
     worker = FakeWorker(log, accepts=lambda step: step.node.name not in refuse)
     model._run_steps_beside({"h0": 0}, None, worker)  # node1 ran here: the pool stays
@@ -341,9 +343,35 @@ def test_the_engine_thread_gives_its_openmp_pool_back_after_a_step_that_left_eve
     assert released == [1] and not model._pool_here
     model._run_steps_beside({"h0": 0}, None, worker)  # none to give back
     assert released == [1]
-    model._run_steps({"h0": 0}, None, False)  # CPU parts here again (a step run without the worker)
+
+
+def test_a_step_handing_the_worker_its_first_layer_after_a_step_that_handed_none_gives_the_pool_back_at_once(
+        monkeypatch):
+    """After a step whose CPU parts all ran here (a shape's first ungated launches, a step without the worker: a
+    prompt's, one run again), this thread's pool still spins: it is given back right after the step's first layer
+    goes to the worker, before the next layer is launched, not after the step."""
+    from engine import decoder as decoder_module
+
+    log = []
+    monkeypatch.setattr(decoder_module, "release_pool", lambda: log.append(("release",)) or True)
+    model = make_decoder(decoder_layers(log, 2))
+    refuse = {"node0", "node1"}
+    worker = FakeWorker(log, accepts=lambda step: step.node.name not in refuse)
+    model._run_steps_beside({"h0": 0}, None, worker)  # every layer ran here
+    assert ("release",) not in log and model._pool_here
+    refuse.clear()
+    log.clear()
     model._run_steps_beside({"h0": 0}, None, worker)
-    assert released == [1, 1]
+    assert [entry[:2] for entry in log if entry[0] in ("launch", "take", "release")] == [
+        ("launch", "node0"), ("take", "node0"), ("release",), ("launch", "node1"), ("take", "node1")]
+    assert not model._pool_here
+    model._run_steps({"h0": 0}, None, False)  # a step without the worker: CPU parts here again
+    refuse.add("node1")
+    log.clear()
+    model._run_steps_beside({"h0": 0}, None, worker)  # handed over at node0's take, made again by node1 here
+    assert [entry[:2] for entry in log if entry[0] in ("take", "release", "finish")] == [
+        ("take", "node0"), ("release",), ("finish", "node1")]
+    assert model._pool_here  # kept after the step: node1 runs here
 
 
 def test_the_worker_gives_its_openmp_pool_back_when_it_goes_to_sleep(kernel, monkeypatch):
