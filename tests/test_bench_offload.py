@@ -122,17 +122,20 @@ def test_split_words_name_the_table_the_shift_where_not_zero_and_the_tiers_rate_
     assert split_words(None) == ""
 
 
-def test_a_trace_point_reports_the_swaps_the_judge_and_the_split_of_its_own_decode(tmp_path):
+def test_a_trace_point_reports_the_swaps_the_judge_and_the_split_of_its_own_decode(tmp_path, monkeypatch):
     """trace_decode on the simulated device under "both", adaptive placement at half the experts: the figure carries
     the swaps placement made in the trace's timed steps (the engine's statistics, reset after the warm-up), the
     judge's state and the split's table, as the engine reports them after the run."""
     from benchmarks.bench_offload import trace_decode
+    from benchmarks.bench_overhead import wrapped_module_functions
     from engine.generation import LoadedModel
     from engine.offload import OffloadConfig, SimulatedDevice
     from engine.offload.planner import all_resident_bytes
     from engine.writer import write_model
     from tests.test_offload import SPEC
 
+    for module, name, _bucket in wrapped_module_functions():  # wrapped for good by decode's instrument(): put back
+        monkeypatch.setattr(module, name, getattr(module, name))
     folder = write_model(tmp_path / "m", SPEC)
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30),
                              decode_path="both")
