@@ -60,7 +60,7 @@ class PartitionedDecoder:
         self.layers_beside = 0  # "both" layers whose host part the worker did (_run_steps_beside)
         self._worker = None  # the host-part worker, made on first use (_host_part_worker)
         # whether this thread may hold an OpenMP pool (a CPU kernel ran here since it was last given back:
-        # _run_steps_beside gives it back once a step left every CPU part to the worker)
+        # _run_steps_beside gives it back where the worker takes over, _hand_pool_over and _give_pool_back)
         self._pool_here = True
         self._worker_took = False  # whether the last step handed a layer's CPU part to the worker
         self._expert_input_types: dict[str, int] = {}  # each expert node's activations' ONNX type (open_dense)
