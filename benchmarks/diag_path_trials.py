@@ -8,11 +8,17 @@ and the tier's misses, the split's table of the first node (CPU share per cold c
 share trials' shift (split_share.py).
 
     python3 benchmarks/diag_path_trials.py --folder /tmp/bench-qwen3-30b-a3b-like [--fractions 0,0.5] [--steps 110]
+
+With --then-both N and --slowdown STEP:MS, a burst of other work on every core (competing_load.py) starts at that
+step of the "both" window, as a build or an indexer would: whether the split's table comes back after it
+(spike_gate.py). --gate-ab runs that window twice, with the split's slow-step gate and with every step counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES  # noqa: E402
 from benchmarks.bench_offload_ab import open_model  # noqa: E402
+from benchmarks.competing_load import CompetingLoad  # noqa: E402
 from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
@@ -54,9 +61,11 @@ def graph_counts(model) -> tuple[int, int]:
     return replays, held
 
 
-def run_steps(model, state, token: int, steps: int, runs: dict) -> int:
-    """`steps` decode steps from `token`, one line each (the columns main's header names); returns the last token."""
+def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | None = None) -> tuple[int, list]:
+    """`steps` decode steps from `token`, one line each (the columns main's header names), `at_step[i]()` called
+    before step i; returns the last token and the steps' milliseconds."""
     engine, decoder = model.offload, model.decoder
+    step_ms = []
     before_replays, _ = graph_counts(model)
     before_runs = runs["runs"]
     stats = engine.stats
@@ -64,9 +73,12 @@ def run_steps(model, state, token: int, steps: int, runs: dict) -> int:
         beside, again, cpu_s = decoder.layers_beside, decoder.steps_run_again, stats.phases["decode"].cpu_s
         cpu_before = sum(layer.misses - layer.misses_read for layer in stats.layers)
         read_before = sum(layer.misses_read for layer in stats.layers)
+        if at_step and step in at_step:
+            at_step[step]()
         started = time.perf_counter()
         token = int(decoder.forward(state, [token])[-1].argmax())
         ms = (time.perf_counter() - started) * 1e3
+        step_ms.append(ms)
         replays, held = graph_counts(model)
         trial = engine.path_trials.state()
         split = engine.copy_state()["decode_path"]["cold_split"]  # None unless "both" is in force
@@ -86,6 +98,31 @@ def run_steps(model, state, token: int, steps: int, runs: dict) -> int:
               f"again {decoder.steps_run_again - again}  cpu ms {(stats.phases['decode'].cpu_s - cpu_s) * 1e3:5.2f}",
               flush=True)
         before_replays, before_runs = replays, runs["runs"]
+    return token, step_ms
+
+
+def both_window(model, state, token: int, steps: int, runs: dict, slowdown: tuple[int, float] | None,
+                gate: bool) -> int:
+    """`steps` steps with the decode path asked for as "both", a burst of other work on every core at the slowdown's
+    step for its ms, the split's slow-step gate on or off (spike_gate.py); ends with the median step before the
+    burst against the last third's, and the table at the end."""
+    engine = model.offload
+    ratio = engine.split_gate.ratio
+    engine.split_gate.ratio = ratio if gate else float("inf")
+    engine.set_decode_path("both")
+    load = CompetingLoad(os.cpu_count() or 2, slowdown[1]) if slowdown else None
+    try:
+        token, step_ms = run_steps(model, state, token, steps, runs, {slowdown[0]: load.start} if load else None)
+    finally:
+        if load is not None:
+            load.close()
+        engine.split_gate.ratio = ratio
+    split = engine.copy_state()["decode_path"]["cold_split"]
+    before = step_ms[3:slowdown[0]] if slowdown else step_ms[3:]
+    print(f"-- gate {'on' if gate else 'off'}: median ms before the burst {statistics.median(before):.2f}, last "
+          f"third {statistics.median(step_ms[-(steps // 3):]):.2f}; table {split['cpu_takes']}, "
+          f"{split['slow_steps_left_out']} slow steps left out", flush=True)
+    engine.set_decode_path("auto")
     return token
 
 
@@ -99,7 +136,15 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "simulated"], default="cuda")
     parser.add_argument("--then-both", type=int, default=0,
                         help="after the steps, this many more with the decode path asked for as \"both\" (no trials)")
+    parser.add_argument("--slowdown", help="STEP:MS, a burst of other work on every core at that step of the \"both\" "
+                                           "window, for MS milliseconds")
+    parser.add_argument("--gate-ab", action="store_true",
+                        help="the \"both\" window twice: the split's slow-step gate on, then off")
     args = parser.parse_args()
+    slowdown = None
+    if args.slowdown:
+        step, ms = args.slowdown.split(":")
+        slowdown = (int(step), float(ms))
     model, prompt = open_model(args.shape, args.layers, args.folder, device=args.device, prefix="diag-path-trials-")
     engine = model.offload
     for fraction in [float(f) for f in args.fractions.split(",")]:
@@ -110,13 +155,13 @@ def main() -> None:
         print(f"== {fraction:.0%} resident; step ms, path in force / trial timing, dense replays / onnxruntime runs "
               f"/ graphs held, misses cpu / read, table, CPU rate GB/s + fixed µs, tier GB/s, host gap µs, the CPU's "
               f"share shift in force / trial timing, layers the worker took, steps run again, the CPU's ms", flush=True)
-        token = run_steps(model, state, token, args.steps, runs)
+        token, _ = run_steps(model, state, token, args.steps, runs)
         print(f"trials: {engine.path_trials.state()}, share: {engine.share_trials.state()}", flush=True)
-        if args.then_both:
-            engine.set_decode_path("both")
-            print(f"== {fraction:.0%} resident, decode path \"both\" asked for", flush=True)
-            run_steps(model, state, token, args.then_both, runs)
-            engine.set_decode_path("auto")
+        for gate in ((True, False) if args.gate_ab else (True,)) if args.then_both else ():
+            print(f"== {fraction:.0%} resident, decode path \"both\" asked for"
+                  + (f", other work on every core at step {slowdown[0]} for {slowdown[1]:.0f} ms" if slowdown else ""),
+                  flush=True)
+            token = both_window(model, state, token, args.then_both, runs, slowdown, gate)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 # (float16 model: the CUDA EP's attention takes fp16 / bf16 KV caches only), optionally preceded by the offload
 # engine's GPU tests (TESTS=1), the CPU decode kernels' knobs swept at both goal shapes on this machine's cores
 # (CPUSWEEP=1), their scaling with threads (CPUSCALING=1) and an A/B of two configurations (AB="bench_offload_ab's
-# arguments"), the decode path's trials step by step (TRIALS=fraction: diag_path_trials). BENCH=0 leaves the
-# offload benchmark out.
+# arguments"), the decode path's trials step by step (TRIALS=fraction: diag_path_trials, with TRIALS_ARGS in place of
+# its steps' arguments, e.g. "--steps 5 --then-both 80 --slowdown 30:150 --gate-ab"). BENCH=0 leaves the offload
+# benchmark out.
 # Run from the repository root with OUT set and SHAPE one of bench_offload's shapes; carry .whl (onnxruntime 1.32
 # CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin), with TESTS=1 .fixtures, and
 # .numba-cache where an earlier run's cache was saved.
@@ -73,7 +74,7 @@ fi
     # the decode path's trials step by step at one resident fraction (diag_path_trials), then "both" asked for
     echo "== path trials, $shape, float16, ${TRIALS} resident"
     PYTHONPATH=/tmp/site_gpu timeout "${TRIALS_LIMIT:-220}" python3 benchmarks/diag_path_trials.py --shape "$shape" \
-      --folder /tmp/bench-$shape --fractions "$TRIALS" --steps 100 --then-both 40 2>&1 | grep -v "plugin EP"
+      --folder /tmp/bench-$shape --fractions "$TRIALS" ${TRIALS_ARGS:---steps 100 --then-both 40} 2>&1 | grep -v "plugin EP"
     date -u
   fi
   if [ "${BENCH:-1}" = 1 ]; then

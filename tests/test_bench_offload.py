@@ -119,6 +119,9 @@ def test_split_words_name_the_table_the_shift_where_not_zero_and_the_tiers_rate_
     state.update(share={"shift": -1}, tier_read_bytes_per_s=39.4e9)
     assert split_words(state) == (", CPU takes [0, 0, 1] of c cold (share trials' shift -1), host 12 µs between "
                                   "layers, the GPU reads the tier at 39 GB/s")
+    state.update(slow_steps_left_out=2)
+    assert split_words(state).startswith(", CPU takes [0, 0, 1] of c cold (share trials' shift -1; 2 slow steps left "
+                                         "out of its rate), host 12 µs")
     assert split_words(None) == ""
 
 

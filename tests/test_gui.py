@@ -554,6 +554,9 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
     both["cold_split"]["cpu_bytes_per_s"] = 65.4e9  # the "both" parts' measured rate (OffloadEngine.split_rate)
     assert copies_text({"decode_path": both}).endswith("one pair fewer than the rates give, as measured faster, the "
                                                        "CPU's parts at 65 GB/s, after 190 µs of host work a layer)")
+    both["cold_split"]["slow_steps_left_out"] = 3  # steps slowed by other work, not counted (spike_gate)
+    assert copies_text({"decode_path": both}).endswith("the CPU's parts at 65 GB/s (3 slow steps left out), after 190 "
+                                                       "µs of host work a layer)")
     assert copies_text({"decode_path": {"host_tier": True, "in_force": "tier", "measuring": "cpu"}}) == \
         "timing where cold experts run: computed on the CPU now"
     assert copies_text({"decode_path": {"host_tier": False, "in_force": "cpu", "measured_ms": {}}}) == ""

@@ -165,8 +165,9 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     engine.split_rate.observe = lambda nbytes, seconds: (counted_at.append(len(decode_steps)), observe(nbytes, seconds))
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert engine.tier_read.value == pytest.approx(TIER_READ_SHARE * device.bandwidths.pcie)
-    # the parts of its first decode steps are not counted (their pools and pages still warming on a real machine)
-    assert counted_at and min(counted_at) == SPLIT_RATE_SKIP
+    # the parts of its first decode steps are not counted (their pools and pages still warming on a real machine);
+    # the first counted step's parts reach the rate as that step ends (spike_gate), the step's end counted
+    assert counted_at and min(counted_at) == SPLIT_RATE_SKIP + 1
     # the split's own rate, apart from the CPU path's calls (none here)
     assert engine.split_rate.value is not None and engine.cpu_rate.value is None
     assert engine.split_cpu_rate is engine.split_rate
@@ -180,10 +181,35 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     assert engine.host_gap.value == 0.0
     assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "cpu_bytes_per_s": engine.split_rate.value,
                      "cpu_call_s": engine.split_rate.fixed_s, "tier_read_bytes_per_s": engine.tier_read.value,
-                     "host_gap_s": 0.0,
+                     "host_gap_s": 0.0, "slow_steps_left_out": 0,
                      "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None}}  # (none yet: 12 steps)
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
+
+
+def test_under_decode_path_both_a_short_slowdowns_steps_leave_the_cpus_rate_as_it_was(model_folder, cpu_run):
+    """The CPU parts of "both" steps reach the split's rate as each step ends, through its slow-step gate
+    (spike_gate.py): two decode steps whose parts took 3x their time (other work on the machine) are left out, and the
+    rate is the line the other steps' parts lie on (their seconds made exact here: 40 µs + bytes at 80 GB/s)."""
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    engine = model.offload
+    ended, slow = [], [False]  # decode steps ended; whether the parts now observed are slowed
+    end_step, observe = model.decoder.on_step_end, engine.split_gate.observe
+
+    def on_step_end(step_s, tokens):
+        ended.append(tokens == 1)
+        end_step(step_s, tokens)
+        slow[0] = sum(ended) in (6, 7)  # the 7th and 8th decode steps
+
+    model.decoder.on_step_end = on_step_end
+    engine.split_gate.observe = lambda nbytes, seconds: observe(
+        nbytes, (3.0 if slow[0] else 1.0) * (40e-6 + nbytes / 80e9))
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert engine.split_gate.left_out == 2
+    assert engine.split_rate.value == pytest.approx(80e9) and engine.split_rate.fixed_s == pytest.approx(40e-6)
+    assert engine.copy_state()["decode_path"]["cold_split"]["slow_steps_left_out"] == 2
 
 
 def test_under_decode_path_both_trials_shift_the_cpus_share_where_its_steps_run_faster(model_folder, cpu_run):

@@ -238,6 +238,9 @@ def _cpu_share(path: dict) -> str:
     host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
     rate = split.get("cpu_bytes_per_s")  # what the CPU's parts measured, the table's CPU side
     rate_words = f", the CPU's parts at {rate / 1e9:.0f} GB/s" if rate else ""
+    left_out = split.get("slow_steps_left_out") or 0  # steps slowed by other work, which the rate did not count
+    if rate and left_out:
+        rate_words += f" ({left_out} slow step{'s' if left_out > 1 else ''} left out)"
     share = split.get("share") or {}  # the share trials (engine/offload/split_share.py)
     if share.get("measuring"):
         trial = f", timing {SHARE_WORDS[share['measuring']]} now"

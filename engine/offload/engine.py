@@ -29,6 +29,7 @@ from engine.offload.placement import LayerSlots, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
+from engine.offload.spike_gate import SpikeGate
 from engine.offload.split_share import SplitShareTrials, shifted
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
@@ -106,6 +107,7 @@ class OffloadEngine:
         # the CPU's parts of "both" steps (a few experts a call, beside the GPU's reads of the tier), for the split's
         # table: a regime of their own, apart from the CPU path's calls of every cold expert
         self.split_rate = CpuRate()
+        self.split_gate = SpikeGate(self.split_rate)  # ... a step at a time, short slowdowns left out (spike_gate)
         self._split_rate_skip = 0  # "both" decode steps left whose parts split_rate does not count (SPLIT_RATE_SKIP)
         self._tier_bytes = 0  # page-locked host memory the tier maps, while there is one
         self.tier_statement = ""  # what the plan says about the host tier ('' where none was wanted)
@@ -217,7 +219,7 @@ class OffloadEngine:
     def observe_split_part(self, nbytes: int, seconds: float) -> None:
         """A "both" step's CPU part of `nbytes` of experts took `seconds` (not counted in its first steps)."""
         if not self._split_rate_skip:
-            self.split_rate.observe(nbytes, seconds)
+            self.split_gate.observe(nbytes, seconds)
 
     @property
     def decode_path_in_force(self) -> str:
@@ -269,13 +271,14 @@ class OffloadEngine:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
         table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured), the host's
         measured work between two such layers (HostGap) and the share trials' state with the shift in force; the
-        CPU's rate the table comes from (split_cpu_rate)."""
+        CPU's rate the table comes from (split_cpu_rate) and the slow steps that rate left out (spike_gate)."""
         if not self.splits_cold:
             return None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
                 "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
+                "slow_steps_left_out": self.split_gate.left_out,
                 "share": {"shift": self.share_trials.shift, **self.share_trials.state()}}
 
     def stats_dict(self) -> dict:
@@ -469,6 +472,7 @@ class OffloadEngine:
         for _ready, account in self.deferred:
             account()
         self.deferred.clear()
+        self.split_gate.end_step()
         if step_s is not None:
             step_s += time.perf_counter() - accounts_started
         self.host_gap.step_ended()
