@@ -107,7 +107,7 @@ def both_window(model, state, token: int, steps: int, runs: dict, slowdown: tupl
     step for its ms, the split's slow-step gate on or off (spike_gate.py); ends with the median step before the
     burst against the last third's, and the table at the end."""
     engine = model.offload
-    ratio = engine.split_gate.ratio
+    ratio, left_before = engine.split_gate.ratio, engine.split_gate.left_out
     engine.split_gate.ratio = ratio if gate else float("inf")
     engine.set_decode_path("both")
     load = CompetingLoad(os.cpu_count() or 2, slowdown[1]) if slowdown else None
@@ -121,7 +121,7 @@ def both_window(model, state, token: int, steps: int, runs: dict, slowdown: tupl
     before = step_ms[3:slowdown[0]] if slowdown else step_ms[3:]
     print(f"-- gate {'on' if gate else 'off'}: median ms before the burst {statistics.median(before):.2f}, last "
           f"third {statistics.median(step_ms[-(steps // 3):]):.2f}; table {split['cpu_takes']}, "
-          f"{split['slow_steps_left_out']} slow steps left out", flush=True)
+          f"{split['slow_steps_left_out'] - left_before} slow steps left out in the window", flush=True)
     engine.set_decode_path("auto")
     return token
 

@@ -74,7 +74,8 @@ fi
     # the decode path's trials step by step at one resident fraction (diag_path_trials), then "both" asked for
     echo "== path trials, $shape, float16, ${TRIALS} resident"
     PYTHONPATH=/tmp/site_gpu timeout "${TRIALS_LIMIT:-220}" python3 benchmarks/diag_path_trials.py --shape "$shape" \
-      --folder /tmp/bench-$shape --fractions "$TRIALS" ${TRIALS_ARGS:---steps 100 --then-both 40} 2>&1 | grep -v "plugin EP"
+      --folder /tmp/bench-$shape --fractions "$TRIALS" ${TRIALS_ARGS:---steps 100 --then-both 40} 2>&1 \
+      | grep -v "plugin EP"
     date -u
   fi
   if [ "${BENCH:-1}" = 1 ]; then
