@@ -265,8 +265,9 @@ class PartitionedDecoder:
         """A step's first layer handed to the worker where the step before handed it none (a switch to "both", a
         shape's first ungated launches, a prompt whose CPU experts ran here): this thread's OpenMP pool, whose threads
         still spin after its last region (GOMP_SPINCOUNT: ~0.2 s), is given back at once, not after the step, which it
-        would slow throughout (a 131.8 ms step after a switch, against ~11 ms: RESULTS.md, forty-third session). Where
-        the step before handed the worker layers too, this thread's pool, if any, is one some layer keeps using."""
+        would slow throughout. (The slow steps after a switch, 131.8 ms against ~11, were its suspect; they stayed, at
+        164 and 203 ms: RESULTS.md, forty-fourth session.) Where the step before handed the worker layers too, this
+        thread's pool, if any, is one some layer keeps using."""
         if self._pool_here and not self._worker_took:
             release_pool()
             self._pool_here = False
