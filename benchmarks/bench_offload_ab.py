@@ -7,23 +7,23 @@ then A in odd ones, each reconfigured (the budget of the fraction plus the varia
 decoded for `--decode-tokens` tokens. Reported per fraction: each configuration's median tokens/s and the paired
 ratio B / A of each round (median, min, max). What the engine learns at run time (the miss policy's measured CPU rate
 and copy reuse) carries over from one configuration to the next, as it would for a user who changes a setting.
-A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an attribute of every GpuQMoE the
-engine holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), `cpu.NAME=INT` (an attribute of
-every CPU expert kernel, e.g. cpu.gemv_chunk_kb=16), `rate.NAME=INT` (an attribute of the miss policy's measured CPU
-rate, CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted), `engine.NAME=INT` (an
-attribute of the offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses),
-`slots.NAME=INT` (an attribute of every node's device slots, e.g. slots.split_on_dense=0: every "both" launch through
-the compute stream), `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs,
-engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the next step without the run) and
-`dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are launched:
-engine/decoder.py's launch_ahead; with dense.worker=0, as the worker takes its place), `dense.worker=0|1` (each
-"both" layer's host part done by the host-part worker's thread: engine/decoder.py's host_part_worker, on by
+A variant may also set switches, after each reconfiguration: `gpu.NAME=INT` (an attribute of every GpuQMoE the engine
+holds: the nodes' slots and the streaming slots, e.g. gpu.driver_copies=0), `cpu.NAME=INT` (an attribute of every CPU
+expert kernel, e.g. cpu.gemv_chunk_kb=16), `rate.NAME=INT` (an attribute of the miss policy's measured CPU rate,
+CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted), `engine.NAME=INT` (an attribute of the
+offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses), `slots.NAME=INT`
+(an attribute of every node's device slots, e.g. slots.split_on_dense=0: every "both" launch through the compute
+stream), `policy.NAME=NUMBER` (an attribute of the placement policy, e.g. policy.max_swaps=1 or policy.margin=3.0:
+adaptive placement's swaps per layer per safe point and its hysteresis), `dense.graphs=0|1` (the dense segments' decode
+runs replayed as CUDA graphs, engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the next step
+without the run) and `dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are
+launched: engine/decoder.py's launch_ahead; with dense.worker=0, as the worker takes its place), `dense.worker=0|1`
+(each "both" layer's host part done by the host-part worker's thread: engine/decoder.py's host_part_worker, on by
 default), `dense.pool_back=0|1` (a thread's OpenMP pool given back when the other takes over the CPU parts:
-kernels/cpu/omp_pool.py, on by default); a switch one
-variant names and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split
-(spread unless named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's
-engine figures (hit rate, misses, copies, swaps, slots left to copies, the split and the decode path in force:
-engine_figures) go into the result file beside the rates.
+kernels/cpu/omp_pool.py, on by default); a switch one variant names and the other does not keeps its default there.
+`split=auto|spread|whole` sets a variant's layer split (spread unless named) and `path=auto|cpu|tier|both` its decode
+path (engine/offload/decode_path.py). Each round's engine figures (hit rate, misses, copies, swaps, slots left to
+copies, the split and the decode path in force: engine_figures) go into the result file beside the rates.
 
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
 "both" with one table, where the engine would make it again from rates it measures, which move between rounds enough
@@ -62,7 +62,7 @@ from kernels.cpu import omp_pool  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "dense.")
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "policy.", "dense.")
 # the dense switches' module flags
 DENSE_SWITCHES = {"dense.graphs": (dense_graph, "enabled"), "dense.relaunch": (dense_graph, "relaunch"),
                   "dense.ahead": (decoder, "launch_ahead"), "dense.worker": (decoder, "host_part_worker"),
@@ -93,12 +93,13 @@ def variant(text: str) -> dict:
     return changes
 
 
-def switches(text: str) -> dict[str, int]:
-    """A variant's switch entries as {name with its prefix: INT}: 'gpu.NAME' an attribute of every GpuQMoE the engine
-    holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the engine's CpuRate, 'engine.NAME' one of
-    the offload engine, 'slots.NAME' one of every node's device slots (CudaSlots), 'dense.graphs' the dense segments'
-    CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch),
-    'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead),
+def switches(text: str) -> dict[str, int | float]:
+    """A variant's switch entries as {name with its prefix: INT, or a float for 'policy.' switches}: 'gpu.NAME' an
+    attribute of every GpuQMoE the engine holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the
+    engine's CpuRate, 'engine.NAME' one of the offload engine, 'slots.NAME' one of every node's device slots
+    (CudaSlots), 'policy.NAME' one of the placement policy (engine/offload/placement.py), 'dense.graphs' the dense
+    segments' CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run
+    (.relaunch), 'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead),
     'dense.worker' the host parts on the host-part worker (engine.decoder.host_part_worker), 'dense.pool_back' a
     thread's OpenMP pool given back when the other takes over (kernels.cpu.omp_pool.enabled)."""
     found = {}
@@ -111,7 +112,12 @@ def switches(text: str) -> dict[str, int]:
             try:
                 found[name] = int(value)
             except ValueError:
-                raise SystemExit(f"{item}: a switch takes an integer") from None
+                if not name.startswith("policy."):
+                    raise SystemExit(f"{item}: a switch takes an integer") from None
+                try:
+                    found[name] = float(value)
+                except ValueError:
+                    raise SystemExit(f"{item}: a policy switch takes a number") from None
     return found
 
 
@@ -162,11 +168,13 @@ def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
         return [model.offload], attribute, "the offload engine"
     if prefix == "slots":
         return [store for store in model.offload.stores if store is not None], attribute, "CudaSlots"
+    if prefix == "policy":
+        return [model.offload.policy], attribute, "the placement policy"
     return gpu_kernels(model), attribute, "GpuQMoE"
 
 
-def current_switches(model: LoadedModel, names) -> dict[str, int]:
-    """The values the named switches have now (an attribute as the first kernel has it)."""
+def current_switches(model: LoadedModel, names) -> dict[str, int | float]:
+    """The values the named switches have now (an attribute as the first kernel has it; a float stays one)."""
     values = {}
     for name in names:
         if name in DENSE_SWITCHES:
@@ -174,11 +182,12 @@ def current_switches(model: LoadedModel, names) -> dict[str, int]:
             continue
         kernels, attribute, _ = _targets(model, name)
         if kernels and hasattr(kernels[0], attribute):
-            values[name] = int(getattr(kernels[0], attribute))
+            value = getattr(kernels[0], attribute)
+            values[name] = value if isinstance(value, float) else int(value)
     return values
 
 
-def set_switches(model: LoadedModel, values: dict[str, int]) -> None:
+def set_switches(model: LoadedModel, values: dict[str, int | float]) -> None:
     for name, value in values.items():
         if name in DENSE_SWITCHES:
             setattr(*DENSE_SWITCHES[name], bool(value))

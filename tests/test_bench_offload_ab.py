@@ -155,6 +155,30 @@ def test_engine_switches_set_the_offload_engines_attributes():
         ab.set_switches(model, {"engine.no_such": 1})
 
 
+def test_policy_switches_set_the_placement_policys_numbers():
+    """policy.NAME=NUMBER: an attribute of the engine's placement policy, a float where one is given (adaptive
+    placement's margin), an int otherwise (its swaps per layer per safe point); what is there now reads back as
+    it is."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.offload.placement import AdaptivePlacement, LayerSlots
+
+    policy = AdaptivePlacement([LayerSlots(8, 2)])
+    model = type("Model", (), {"offload": type("Engine", (), {"policy": policy})()})()
+    assert ab.switches("placement=adaptive,policy.margin=3.0,policy.max_swaps=1") == {"policy.margin": 3.0,
+                                                                                    "policy.max_swaps": 1}
+    assert ab.variant("placement=static,policy.margin=3.0") == {"placement": "static"}
+    assert ab.current_switches(model, {"policy.margin", "policy.max_swaps"}) == {"policy.margin": 1.5,
+                                                                                 "policy.max_swaps": 2}
+    ab.set_switches(model, {"policy.margin": 3.0, "policy.max_swaps": 1})
+    assert policy.margin == 3.0 and policy.max_swaps == 1
+    with pytest.raises(SystemExit, match="policy.margin=wide: a policy switch takes a number"):
+        ab.switches("policy.margin=wide")
+    with pytest.raises(SystemExit, match="gpu.driver_copies=0.5: a switch takes an integer"):
+        ab.switches("gpu.driver_copies=0.5")
+    with pytest.raises(SystemExit, match="policy.no_such: the placement policy has no such switch"):
+        ab.set_switches(model, {"policy.no_such": 1})
+
+
 def test_slots_switches_set_every_nodes_device_slots():
     import benchmarks.bench_offload_ab as ab
 
