@@ -1021,6 +1021,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
     moe_gemv), each expert's rows once its FC1 is finished (done[8 u] = G + 1, see _gemv_fc1_thread).
     zbuf, vic: as zg, vic of _gemv_fc1_thread."""
     H = w2.shape[1]
+    Kb2 = w2.shape[2]
     zbuf[:] = zdef2
     vic[0] = th
     pfw = not _row_kernel_prefetches(bits2, chunk2, fmt2)
@@ -1033,8 +1034,14 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
             u = idx // H
             end = min(hi, (u + 1) * H)
             e = experts[u]
-            while atomic_load(done, 8 * u) <= G:
-                pass
+            if atomic_load(done, 8 * u) <= G:
+                # expert u's FC1 is still running: fetch this part's rows and scales meanwhile (they do not depend on
+                # it), so that in a small call the threads do not all start cold streams at once when it ends
+                row0 = e * H + idx - u * H
+                prefetch_bytes(w2, row0 * Kb2, (end - idx) * Kb2)
+                prefetch_bytes(sc2, row0 * nb2 * sc2.itemsize, (end - idx) * nb2 * sc2.itemsize)
+                while atomic_load(done, 8 * u) <= G:
+                    pass
             for n in range(idx - u * H, end - u * H):
                 if pf_rows > 0:
                     _prefetch_row(w2, sc2, e, n, pf_rows, pfw)
