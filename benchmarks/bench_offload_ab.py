@@ -14,7 +14,9 @@ CpuRate, e.g. rate.fit=0: the average rate alone, no fixed cost per call fitted)
 offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slot to copied misses), `slots.NAME=INT`
 (an attribute of every node's device slots, e.g. slots.split_on_dense=0: every "both" launch through the compute
 stream), `policy.NAME=NUMBER` (an attribute of the placement policy, e.g. policy.max_swaps=1 or policy.margin=3.0:
-adaptive placement's swaps per layer per safe point and its hysteresis), `dense.graphs=0|1` (the dense segments' decode
+adaptive placement's swaps per layer per safe point and its hysteresis), `judge.NAME=NUMBER` (an attribute of adaptive
+placement's swap judge, engine/offload/swap_judge.py, e.g. judge.pays=3.0: the net hits a swap must earn lately for
+swaps to go on), `dense.graphs=0|1` (the dense segments' decode
 runs replayed as CUDA graphs, engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the next step
 without the run) and `dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are
 launched: engine/decoder.py's launch_ahead; with dense.worker=0, as the worker takes its place), `dense.worker=0|1`
@@ -62,7 +64,8 @@ from kernels.cpu import omp_pool  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
 
-SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "policy.", "dense.")
+SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "policy.", "judge.", "dense.")
+NUMBER_PREFIXES = ("policy.", "judge.")  # switches that take a float as well as an integer
 # the dense switches' module flags
 DENSE_SWITCHES = {"dense.graphs": (dense_graph, "enabled"), "dense.relaunch": (dense_graph, "relaunch"),
                   "dense.ahead": (decoder, "launch_ahead"), "dense.worker": (decoder, "host_part_worker"),
@@ -94,10 +97,11 @@ def variant(text: str) -> dict:
 
 
 def switches(text: str) -> dict[str, int | float]:
-    """A variant's switch entries as {name with its prefix: INT, or a float for 'policy.' switches}: 'gpu.NAME' an
-    attribute of every GpuQMoE the engine holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME' one of the
-    engine's CpuRate, 'engine.NAME' one of the offload engine, 'slots.NAME' one of every node's device slots
-    (CudaSlots), 'policy.NAME' one of the placement policy (engine/offload/placement.py), 'dense.graphs' the dense
+    """A variant's switch entries as {name with its prefix: INT, or a float for 'policy.' and 'judge.' switches}:
+    'gpu.NAME' an attribute of every GpuQMoE the engine holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME'
+    one of the     engine's CpuRate, 'engine.NAME' one of the offload engine, 'slots.NAME' one of every node's device slots
+    (CudaSlots), 'policy.NAME' one of the placement policy (engine/offload/placement.py), 'judge.NAME' one of its swap
+    judge (adaptive placement's, engine/offload/swap_judge.py), 'dense.graphs' the dense
     segments' CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run
     (.relaunch), 'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead),
     'dense.worker' the host parts on the host-part worker (engine.decoder.host_part_worker), 'dense.pool_back' a
@@ -112,12 +116,12 @@ def switches(text: str) -> dict[str, int | float]:
             try:
                 found[name] = int(value)
             except ValueError:
-                if not name.startswith("policy."):
+                if not name.startswith(NUMBER_PREFIXES):
                     raise SystemExit(f"{item}: a switch takes an integer") from None
                 try:
                     found[name] = float(value)
                 except ValueError:
-                    raise SystemExit(f"{item}: a policy switch takes a number") from None
+                    raise SystemExit(f"{item}: a {name.partition('.')[0]} switch takes a number") from None
     return found
 
 
@@ -170,6 +174,10 @@ def _targets(model: LoadedModel, name: str) -> tuple[list, str, str]:
         return [store for store in model.offload.stores if store is not None], attribute, "CudaSlots"
     if prefix == "policy":
         return [model.offload.policy], attribute, "the placement policy"
+    if prefix == "judge":
+        # none under static placement: its variant keeps no judge to set (as a gpu. switch without a GPU)
+        judge = getattr(model.offload.policy, "judge", None)
+        return [] if judge is None else [judge], attribute, "the swap judge"
     return gpu_kernels(model), attribute, "GpuQMoE"
 
 

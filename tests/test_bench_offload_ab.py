@@ -179,6 +179,27 @@ def test_policy_switches_set_the_placement_policys_numbers():
         ab.set_switches(model, {"policy.no_such": 1})
 
 
+def test_judge_switches_set_adaptive_placements_swap_judge():
+    """judge.NAME=NUMBER: an attribute of adaptive placement's swap judge (e.g. the net hits a swap must earn);
+    under a placement without a judge (static) there is nothing to set or read, so an A/B across placements runs."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.offload.placement import LayerSlots, make_policy
+
+    adaptive = make_policy("adaptive", [LayerSlots(8, 2)])
+    model = type("Model", (), {"offload": type("Engine", (), {"policy": adaptive})()})()
+    assert ab.switches("judge.pays=3.0,judge.window=8") == {"judge.pays": 3.0, "judge.window": 8}
+    assert ab.current_switches(model, {"judge.pays", "judge.window"}) == {"judge.pays": 1.0, "judge.window": 16}
+    ab.set_switches(model, {"judge.pays": 3.0})
+    assert adaptive.judge.pays == 3.0
+    with pytest.raises(SystemExit, match="judge.pays=lots: a judge switch takes a number"):
+        ab.switches("judge.pays=lots")
+    with pytest.raises(SystemExit, match="judge.no_such: the swap judge has no such switch"):
+        ab.set_switches(model, {"judge.no_such": 1})
+    model.offload.policy = make_policy("static", [LayerSlots(8, 2)])
+    assert ab.current_switches(model, {"judge.pays"}) == {}
+    ab.set_switches(model, {"judge.pays": 3.0})
+
+
 def test_slots_switches_set_every_nodes_device_slots():
     import benchmarks.bench_offload_ab as ab
 
