@@ -16,16 +16,16 @@ offload engine, e.g. engine.weigh_miss_slots=0: adaptive placement leaves no slo
 stream), `policy.NAME=NUMBER` (an attribute of the placement policy, e.g. policy.max_swaps=1 or policy.margin=3.0:
 adaptive placement's swaps per layer per safe point and its hysteresis), `judge.NAME=NUMBER` (an attribute of adaptive
 placement's swap judge, engine/offload/swap_judge.py, e.g. judge.pays=3.0: the net hits a swap must earn lately for
-swaps to go on), `dense.graphs=0|1` (the dense segments' decode
-runs replayed as CUDA graphs, engine/dense_graph.py), `dense.relaunch=0|1` (a replay launched again at the next step
-without the run) and `dense.ahead=0|1` (a "both" layer's host part left until the next dense segment and layer are
-launched: engine/decoder.py's launch_ahead; with dense.worker=0, as the worker takes its place), `dense.worker=0|1`
-(each "both" layer's host part done by the host-part worker's thread: engine/decoder.py's host_part_worker, on by
-default), `dense.pool_back=0|1` (a thread's OpenMP pool given back when the other takes over the CPU parts:
-kernels/cpu/omp_pool.py, on by default); a switch one variant names and the other does not keeps its default there.
-`split=auto|spread|whole` sets a variant's layer split (spread unless named) and `path=auto|cpu|tier|both` its decode
-path (engine/offload/decode_path.py). Each round's engine figures (hit rate, misses, copies, swaps, slots left to
-copies, the split and the decode path in force: engine_figures) go into the result file beside the rates.
+swaps to go on), `dense.graphs=0|1` (the dense segments' decode runs replayed as CUDA graphs, engine/dense_graph.py),
+`dense.relaunch=0|1` (a replay launched again at the next step without the run) and `dense.ahead=0|1` (a "both" layer's
+host part left until the next dense segment and layer are launched: engine/decoder.py's launch_ahead; with
+dense.worker=0, as the worker takes its place), `dense.worker=0|1` (each "both" layer's host part done by the host-part
+worker's thread: engine/decoder.py's host_part_worker, on by default), `dense.pool_back=0|1` (a thread's OpenMP pool
+given back when the other takes over the CPU parts: kernels/cpu/omp_pool.py, on by default); a switch one variant names
+and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split (spread unless
+named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's engine figures (hit
+rate, misses, copies, swaps, slots left to copies, the split and the decode path in force: engine_figures) go into the
+result file beside the rates.
 
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
 "both" with one table, where the engine would make it again from rates it measures, which move between rounds enough
@@ -99,13 +99,13 @@ def variant(text: str) -> dict:
 def switches(text: str) -> dict[str, int | float]:
     """A variant's switch entries as {name with its prefix: INT, or a float for 'policy.' and 'judge.' switches}:
     'gpu.NAME' an attribute of every GpuQMoE the engine holds, 'cpu.NAME' one of every CPU expert kernel, 'rate.NAME'
-    one of the     engine's CpuRate, 'engine.NAME' one of the offload engine, 'slots.NAME' one of every node's device slots
+    one of the engine's CpuRate, 'engine.NAME' one of the offload engine, 'slots.NAME' one of every node's device slots
     (CudaSlots), 'policy.NAME' one of the placement policy (engine/offload/placement.py), 'judge.NAME' one of its swap
-    judge (adaptive placement's, engine/offload/swap_judge.py), 'dense.graphs' the dense
-    segments' CUDA graphs (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run
-    (.relaunch), 'dense.ahead' the next layer launched before a "both" layer's host part (engine.decoder.launch_ahead),
-    'dense.worker' the host parts on the host-part worker (engine.decoder.host_part_worker), 'dense.pool_back' a
-    thread's OpenMP pool given back when the other takes over (kernels.cpu.omp_pool.enabled)."""
+    judge (adaptive placement's, engine/offload/swap_judge.py), 'dense.graphs' the dense segments' CUDA graphs
+    (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch), 'dense.ahead' the
+    next layer launched before a "both" layer's host part (engine.decoder.launch_ahead), 'dense.worker' the host parts
+    on the host-part worker (engine.decoder.host_part_worker), 'dense.pool_back' a thread's OpenMP pool given back when
+    the other takes over (kernels.cpu.omp_pool.enabled)."""
     found = {}
     for item in text.split(","):
         item = item.strip()
