@@ -17,7 +17,10 @@ of weights and scales, medians of --runs passes:
 It first checks the int8 loop against the exact dot product of the dequantised rows with the rounded activations
 (float32 rounding only) and reports its error against the float activations.
 
-    python benchmarks/diag_int8_rows.py [--rows 1024] [--matrices 768] [--runs 30]
+With --codes 768 the rows are Qwen's FC2 rows (384 bytes): the table kernel's rate a byte there against FC1's rows tells
+how much a row costs besides its chunks.
+
+    python benchmarks/diag_int8_rows.py [--codes 2048] [--rows 1024] [--matrices 768] [--runs 30]
 """
 
 from __future__ import annotations
@@ -40,8 +43,7 @@ import engine  # noqa: E402,F401  the engine's OpenMP wait default, set before N
 from kernels.cpu.simd import HAS_AVX512F, qrow_int4_16_lut_zrow  # noqa: E402
 from kernels.cpu.threads import PRANGE_ONLY, use_threads  # noqa: E402
 
-K = 2048  # codes a row
-KB = K // 2  # bytes a row
+CODES = 2048  # codes a row unless --codes says otherwise (a multiple of 128: the loop reads 64 bytes at a time)
 BLOCK = 32
 ZERO = 8  # the int4 zero point (the QMoE default for unsigned 4-bit codes)
 
@@ -115,9 +117,9 @@ def int8_row_dot(typingctx, w, woff, groups, sc, soff, xe, xo, zinit, xscale):
 
 
 def quantise_activations(x: np.ndarray) -> tuple:
-    """x (K floats) -> (xe, xo, zinit, xscale, xq): int8 per block of 32 (scale max|x| / 127), split into even and odd
-    k as the packed bytes hold them; zinit = -ZERO times each int32 lane's 8 activation bytes; xscale each lane's block
-    scale; xq the rounded activations as floats (their value, for the exact check)."""
+    """x (a row's floats) -> (xe, xo, zinit, xscale, xq): int8 per block of 32 (scale max|x| / 127), split into even and
+    odd k as the packed bytes hold them; zinit = -ZERO times each int32 lane's 8 activation bytes; xscale each lane's
+    block scale; xq the rounded activations as floats (their value, for the exact check)."""
     blocks = x.reshape(-1, BLOCK)
     scale = np.maximum(np.abs(blocks).max(axis=1), 1e-30) / 127.0
     q = np.clip(np.rint(blocks / scale[:, None]), -127, 127).astype(np.int8).reshape(-1)
@@ -157,11 +159,11 @@ def table_rows_parallel(w, sc, m, zf, xa, xb, xs, out):
 
 
 def dequantised(w: np.ndarray, sc: np.ndarray, m: int) -> np.ndarray:
-    """Matrix m's rows as float32 [rows, K]: (code - ZERO) * block scale, k = 2j from byte j's low nibble."""
-    codes = np.empty((w.shape[1], K), np.float32)
+    """Matrix m's rows as float32 [rows, codes]: (code - ZERO) * block scale, k = 2j from byte j's low nibble."""
+    codes = np.empty((w.shape[1], 2 * w.shape[2]), np.float32)
     codes[:, 0::2] = w[m] & 15
     codes[:, 1::2] = w[m] >> 4
-    return ((codes - ZERO).reshape(w.shape[1], -1, BLOCK) * sc[m][:, :, None]).reshape(w.shape[1], K)
+    return ((codes - ZERO).reshape(w.shape[1], -1, BLOCK) * sc[m][:, :, None]).reshape(codes.shape)
 
 
 def check(w, sc, x) -> tuple[float, float, float]:
@@ -170,8 +172,8 @@ def check(w, sc, x) -> tuple[float, float, float]:
     xe, xo, zinit, xscale, xq = quantise_activations(x)
     out, table = np.empty(w.shape[1], np.float32), np.empty(w.shape[1], np.float32)
     int8_rows(w, sc, 0, xe, xo, zinit, xscale, out)
-    table_rows(w, sc, 0, np.full(1, ZERO, np.float32), x[0::2].copy(), x[1::2].copy(), np.zeros(K // BLOCK, np.float32),
-               table)
+    table_rows(w, sc, 0, np.full(1, ZERO, np.float32), x[0::2].copy(), x[1::2].copy(),
+               np.zeros(x.size // BLOCK, np.float32), table)
     rows = dequantised(w, sc, 0).astype(np.float64)
     exact, true = rows @ xq.astype(np.float64), rows @ x.astype(np.float64)
     worst = np.abs(true).max()
@@ -193,11 +195,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--matrices", type=int, default=768)
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--codes", type=int, default=CODES, help="codes a row (Qwen3-30B-A3B: FC1 2048, FC2 768)")
     args = parser.parse_args()
+    K = args.codes
+    if K <= 0 or K % 128:
+        raise SystemExit(f"diag_int8_rows: --codes {K}: a positive multiple of 128")
     if not has_vnni():
         raise SystemExit("diag_int8_rows: this CPU has no AVX-512 VNNI (vpdpbusd), which the int8 loop is made of")
     rng = np.random.default_rng(0)
-    w = rng.integers(0, 256, size=(args.matrices, args.rows, KB), dtype=np.uint8)
+    w = rng.integers(0, 256, size=(args.matrices, args.rows, K // 2), dtype=np.uint8)
     sc = (rng.uniform(0.5, 1.5, size=(args.matrices, args.rows, K // BLOCK)) / np.sqrt(K)).astype(np.float32)
     x = rng.standard_normal(K).astype(np.float32)
     exact, true, table_error = check(w, sc, x)
@@ -208,7 +214,7 @@ def main() -> None:
     xs = np.zeros(K // BLOCK, np.float32)  # (the table kernel takes no activation sums)
     zf = np.full(1, ZERO, np.float32)
     out = np.empty(args.rows, np.float32)
-    matrix_bytes = args.rows * (KB + (K // BLOCK) * 4)
+    matrix_bytes = args.rows * (K // 2 + (K // BLOCK) * 4)
     threads = get_num_threads()
     print(f"rows of {K} int4 codes (block 32, float32 scales), {args.rows} rows a matrix "
           f"({matrix_bytes / 1e6:.1f} MB); GB/s of weights and scales, medians of {args.runs} passes")
@@ -218,6 +224,8 @@ def main() -> None:
                                     (f"dram, {threads} threads", args.matrices, threads)):
         use_threads(n_threads)
         one, many = (int8_rows, table_rows) if n_threads == 1 else (int8_rows_parallel, table_rows_parallel)
+        one(w, sc, 0, xe, xo, zinit, xscale, out)  # compiled before the clock starts
+        many(w, sc, 0, zf, xa, xb, xs, out)
         span = min(count, args.matrices)
         if span > 1:
             flush.sum()

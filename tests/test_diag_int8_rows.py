@@ -7,18 +7,19 @@ from benchmarks import diag_int8_rows as rows
 pytestmark = pytest.mark.skipif(not rows.has_vnni(), reason="needs AVX-512 VNNI")
 
 
-def _matrices(count=2, n=8, seed=3):
+def _matrices(codes, count=2, n=8, seed=3):
     rng = np.random.default_rng(seed)
-    w = rng.integers(0, 256, size=(count, n, rows.KB), dtype=np.uint8)
-    sc = rng.uniform(0.5, 1.5, size=(count, n, rows.K // rows.BLOCK)).astype(np.float32)
+    w = rng.integers(0, 256, size=(count, n, codes // 2), dtype=np.uint8)
+    sc = rng.uniform(0.5, 1.5, size=(count, n, codes // rows.BLOCK)).astype(np.float32)
     return w, sc
 
 
-def test_the_int8_loop_equals_the_exact_dot_with_the_rounded_activations():
+@pytest.mark.parametrize("codes", [2048, 768, 128])
+def test_the_int8_loop_equals_the_exact_dot_with_the_rounded_activations(codes):
     """Codes minus the zero point, times the block scales, against the activations as rounded to int8 per block: the
     loop's integer sums are exact, so only float32 rounding is left; matrix 1 is read at its own offset."""
-    w, sc = _matrices()
-    x = np.random.default_rng(4).standard_normal(rows.K).astype(np.float32)
+    w, sc = _matrices(codes)
+    x = np.random.default_rng(4).standard_normal(codes).astype(np.float32)
     xe, xo, zinit, xscale, xq = rows.quantise_activations(x)
     out = np.empty(w.shape[1], np.float32)
     rows.int8_rows(w, sc, 1, xe, xo, zinit, xscale, out)
@@ -30,7 +31,7 @@ def test_the_int8_loop_equals_the_exact_dot_with_the_rounded_activations():
 
 
 def test_activations_round_per_block_and_the_lanes_carry_the_zero_points_sums():
-    x = np.zeros(rows.K, np.float32)
+    x = np.zeros(rows.CODES, np.float32)
     x[:32] = np.linspace(-2.0, 2.0, 32)  # block 0; every other block is zero
     xe, xo, zinit, xscale, xq = rows.quantise_activations(x)
     assert xscale[:4] == pytest.approx([2.0 / 127] * 4) and xe[0] == -127 and xo[15] == 127
