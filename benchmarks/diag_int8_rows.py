@@ -26,9 +26,7 @@ how much a row costs besides its chunks.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import llvmlite.ir as ir
@@ -40,6 +38,7 @@ from numba.extending import intrinsic
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402,F401  the engine's OpenMP wait default, set before Numba's runtime loads
+from benchmarks.common import median_seconds  # noqa: E402
 from kernels.cpu.simd import HAS_AVX512F, qrow_int4_16_lut_zrow  # noqa: E402
 from kernels.cpu.threads import PRANGE_ONLY, use_threads  # noqa: E402
 
@@ -182,12 +181,7 @@ def check(w, sc, x) -> tuple[float, float, float]:
 
 
 def median_gbs(run, nbytes: int, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / median_seconds(run, runs) / 1e9
 
 
 def main() -> None:
