@@ -948,6 +948,30 @@ def _fc2_input_sums(aa, ab, xs2, p, lanes2, bits2, chunk2, nchunk2, fmt2):
             xs2[p, c] = s
 
 
+@njit(inline="always")
+def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r):
+    """_qdot for int4 rows of whole 16-byte chunks (bits 4, chunk 16, FMT_INT, no ragged tail): the same row kernel
+    call, without the other layouts' branches."""
+    E, N, Kb = w.shape
+    woff = (e * N + n) * Kb
+    soff = (e * N + n) * nb
+    xoff = r * xa.shape[1]
+    if zmode == 2:
+        return qrow_int4_16_lut_zblk(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+    return qrow_int4_16_lut_zrow(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+
+
+@njit(inline="always")
+def _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf):
+    """FC2 row n of expert e before its dot products: the rows ahead prefetched, its zero points into zbuf; returns
+    its bias."""
+    if pf_rows > 0:
+        _prefetch_row(w2, sc2, e, n, pf_rows, pfw)
+    if zmode2 != 0:
+        _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
+    return b2[e, n] if hb2 else np.float32(0.0)
+
+
 # The per-thread loops run without NRT reference counting (_nrt=False; they allocate nothing): with it, every
 # inlined _qdot call increfs and decrefs its six array arguments, 12 atomic operations per weight row on cache lines
 # that all threads share (one core: ~50 ns a row of the 20-70 ns of work in a 384-1440-byte row).
@@ -1025,6 +1049,10 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
     zbuf[:] = zdef2
     vic[0] = th
     pfw = not _row_kernel_prefetches(bits2, chunk2, fmt2)
+    # int4 rows of whole 16-byte chunks (the common layout) run in a loop of their own, which holds their row kernel
+    # alone: in the loop with every layout's row kernel inlined (_qdot), FC2 ran 1.3-2.3x slower on the dev VM, by how
+    # each compiled instance came out (NOTES-cpu-kernels.md, "Forty-fifth session")
+    int4_rows = bits2 == 4 and chunk2 == 16 and fmt2 == FMT_INT and nchunk2 * 16 == Kb2
     total = experts.shape[0] * H
     ci = _claim(cnt, vic, th, nth, nck, order)
     while ci >= 0:
@@ -1042,15 +1070,18 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
                 prefetch_bytes(sc2, row0 * nb2 * sc2.itemsize, (end - idx) * nb2 * sc2.itemsize)
                 while atomic_load(done, 8 * u) <= G:
                     pass
-            for n in range(idx - u * H, end - u * H):
-                if pf_rows > 0:
-                    _prefetch_row(w2, sc2, e, n, pf_rows, pfw)
-                if zmode2 != 0:
-                    _fill_zp_range(zbuf, zp2, zmode2, e, n, bits2, zrb2, 0, nb2)
-                bval = b2[e, n] if hb2 else np.float32(0.0)
-                for p in range(pair_off[u], pair_off[u + 1]):
-                    y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2, nchunk2,
-                                               fmt2, bpc2, aux2, e, n, aa, ab, xs2, p) + bval)
+            if int4_rows:
+                for n in range(idx - u * H, end - u * H):
+                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf)
+                    for p in range(pair_off[u], pair_off[u + 1]):
+                        y[p, n] = coef[p] * (_int4_lut_dot(w2, sc2, skind2, zbuf, zmode2, nb2, cshift2, nchunk2, e, n,
+                                                           aa, ab, xs2, p) + bval)
+            else:
+                for n in range(idx - u * H, end - u * H):
+                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf)
+                    for p in range(pair_off[u], pair_off[u + 1]):
+                        y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2,
+                                                   nchunk2, fmt2, bpc2, aux2, e, n, aa, ab, xs2, p) + bval)
             idx = end
         ci = _claim(cnt, vic, th, nth, nck, order)
 
