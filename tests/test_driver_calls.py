@@ -169,7 +169,9 @@ def _driver_path_only(issuer=None, packs=0):
     gpu.batch_copies, gpu.batch_copy_fallback, gpu.batch_packs = True, None, 0
     gpu.expert_in_slot = np.full(2, -1, np.int32)
     gpu.slot_of = np.full(5, -1, np.int32)
-    gpu._pack_copies = GpuQMoE._host_copies(_plans())
+    plans = _plans()
+    gpu._pack_copies = GpuQMoE._host_copies(plans)
+    gpu._tensors = plans  # held, as GpuQMoE holds its tensors: the copies read the plans' arrays by address
     gpu._driver_issuers = {} if issuer is None else {STREAM: issuer}
     return gpu
 
