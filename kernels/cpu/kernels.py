@@ -735,6 +735,20 @@ def reduce_rows(y, dst, out, nth):
 
 
 @njit(inline="always")
+def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r):
+    """The whole chunks' dot product of an int4 row of 16-byte chunks (bits 4, chunk 16, FMT_INT): _qdot's call for
+    that layout, which a loop over such rows makes directly (without the other layouts' branches) where the row has
+    no ragged tail."""
+    E, N, Kb = w.shape
+    woff = (e * N + n) * Kb
+    soff = (e * N + n) * nb
+    xoff = r * xa.shape[1]
+    if zmode == 2:
+        return qrow_int4_16_lut_zblk(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+    return qrow_int4_16_lut_zrow(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+
+
+@njit(inline="always")
 def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, xa, xb, xs, r):
     """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see _split_row; xs unused where _uses_lut).
 
@@ -778,12 +792,7 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
             acc = qrow_int2_zrow_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
     elif bits == 4:
         if chunk == 16:
-            if zmode == 2:
-                acc = qrow_int4_16_lut_zblk(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs,
-                                            r * nchunk)
-            else:
-                acc = qrow_int4_16_lut_zrow(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs,
-                                            r * nchunk)
+            acc = _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r)
         else:
             acc = qrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
     else:
@@ -946,19 +955,6 @@ def _fc2_input_sums(aa, ab, xs2, p, lanes2, bits2, chunk2, nchunk2, fmt2):
                 if bits2 == 4:
                     s += ab[p, j]
             xs2[p, c] = s
-
-
-@njit(inline="always")
-def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r):
-    """_qdot for int4 rows of whole 16-byte chunks (bits 4, chunk 16, FMT_INT, no ragged tail): the same row kernel
-    call, without the other layouts' branches."""
-    E, N, Kb = w.shape
-    woff = (e * N + n) * Kb
-    soff = (e * N + n) * nb
-    xoff = r * xa.shape[1]
-    if zmode == 2:
-        return qrow_int4_16_lut_zblk(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
-    return qrow_int4_16_lut_zrow(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
 
 
 @njit(inline="always")
