@@ -1,10 +1,9 @@
 """Diagnosis: does the CPU decode kernel run slower as loaded from Numba's cache than as compiled in this process?
 
 On the dev VM the same call of moe_gemv spread 1.3-1.5x between processes (NOTES-cpu-kernels.md, "Forty-fifth" and
-"Forty-sixth session"), while a copy compiled in the process ran steadier. Here the cached moe_gemv and two copies of
-its source compiled in this process (cache off; they call the thread functions as the engine's Numba cache holds
-them) are called on the same arguments, those run_experts gives them (Qwen3-30B-A3B-like node, one token, warm
-experts), alternating in rounds of --calls calls; per thread count and expert count, the median of each round's
+"Forty-sixth session"). Here the cached moe_gemv and two copies of its source compiled in this process (cache off) are
+called on the same arguments, those run_experts gives them (Qwen3-30B-A3B-like node, one token, warm experts),
+alternating in rounds of --calls calls. Per thread count and expert count it prints the median of each round's
 median, and the cached kernel's time over the copies' (> 1: the cached one is slower). Run it in several processes:
 what differs between them is the point.
 
