@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import median_seconds  # noqa: E402
-from benchmarks.diag_cached_kernel import kernel_arguments  # noqa: E402
+from benchmarks.diag_cached_kernel import interleaved_medians, kernel_arguments  # noqa: E402
 from benchmarks.diag_cpu_fixed import node_of_shape_b  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
 
@@ -81,12 +79,7 @@ def main() -> None:
         node.num_threads = threads
         use_threads(threads)
         for experts in [int(e) for e in args.experts.split(",")]:
-            arguments = kernel_arguments(node, x, experts)
-            rounds = {name: [] for name in kernels}
-            for _ in range(args.rounds):
-                for name, kernel in kernels.items():
-                    rounds[name].append(median_seconds(lambda kernel=kernel: kernel(*arguments), args.calls, 2))
-            medians = {name: statistics.median(times) * 1e6 for name, times in rounds.items()}
+            medians = interleaved_medians(kernels, kernel_arguments(node, x, experts), args.rounds, args.calls)
             ratios = [medians[f"new {i + 1}"] / medians[f"old {i + 1}"] for i in range(args.instances)]
             print(f"{threads:3d} threads, {experts} experts: " + "  ".join(f"{name} {m:7.1f}" for name, m in
                                                                          medians.items())

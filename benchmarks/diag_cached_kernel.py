@@ -51,6 +51,16 @@ def kernel_arguments(node, x: np.ndarray, experts: int) -> tuple:
     return captured[0]
 
 
+def interleaved_medians(kernels: dict, arguments: tuple, rounds: int, calls: int) -> dict:
+    """Per kernel, µs: the median over `rounds` rounds of its median call of `calls`, the kernels taking turns in each
+    round on the same arguments."""
+    times = {name: [] for name in kernels}
+    for _ in range(rounds):
+        for name, kernel in kernels.items():
+            times[name].append(median_seconds(lambda kernel=kernel: kernel(*arguments), calls, 2))
+    return {name: statistics.median(seconds) * 1e6 for name, seconds in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,16")
@@ -66,12 +76,7 @@ def main() -> None:
         node.num_threads = threads
         use_threads(threads)
         for experts in [int(e) for e in args.experts.split(",")]:
-            arguments = kernel_arguments(node, x, experts)
-            rounds = {name: [] for name in kernels}
-            for _ in range(args.rounds):
-                for name, kernel in kernels.items():
-                    rounds[name].append(median_seconds(lambda kernel=kernel: kernel(*arguments), args.calls, 2))
-            medians = {name: statistics.median(times) * 1e6 for name, times in rounds.items()}
+            medians = interleaved_medians(kernels, kernel_arguments(node, x, experts), args.rounds, args.calls)
             here = statistics.median([medians["here 1"], medians["here 2"]])
             print(f"{threads:3d} threads, {experts} experts: " + "  ".join(f"{name} {m:7.1f}" for name, m in
                                                                          medians.items())

@@ -29,3 +29,12 @@ def test_the_copy_compiled_here_matches_the_cached_kernel_on_run_experts_argumen
     assert np.abs(out_cached).max() > 0  # the call computed something
     np.testing.assert_allclose(y_here, y_cached, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out_here, out_cached, rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernels_take_turns_round_by_round_on_the_same_arguments():
+    calls = []
+    kernels = {name: (lambda *args, name=name: calls.append((name, args))) for name in ("a", "b")}
+    medians = diag.interleaved_medians(kernels, (1, "x"), rounds=3, calls=2)
+    assert set(medians) == {"a", "b"} and all(m > 0 for m in medians.values())
+    per_round = ["a"] * 4 + ["b"] * 4  # two warm-up calls and two timed ones each, a's turn then b's
+    assert [name for name, _ in calls] == per_round * 3 and {args for _, args in calls} == {(1, "x")}
