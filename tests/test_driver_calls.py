@@ -171,7 +171,7 @@ def _driver_path_only(issuer=None, packs=0):
     gpu.slot_of = np.full(5, -1, np.int32)
     plans = _plans()
     gpu._pack_copies = GpuQMoE._host_copies(plans)
-    gpu._tensors = plans  # held, as GpuQMoE holds its tensors: the copies read the plans' arrays by address
+    gpu._held_plans = plans  # the copies read the plans' arrays by address: kept alive, as GpuQMoE keeps its tensors
     gpu._driver_issuers = {} if issuer is None else {STREAM: issuer}
     return gpu
 

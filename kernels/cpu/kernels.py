@@ -1062,8 +1062,8 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
     vic[0] = th
     pfw = not _row_kernel_prefetches(bits2, chunk2, fmt2)
     # int4 rows of whole 16-byte chunks (the common layout) run in a loop of their own, which holds their row kernel
-    # alone: in the loop with every layout's row kernel inlined (_qdot), FC2 ran 1.3-2.3x slower on the dev VM, by how
-    # each compiled instance came out (NOTES-cpu-kernels.md, "Forty-fifth session")
+    # alone, not every layout's through _qdot: 5-11% less time for the whole call on the dev VM, measured in one
+    # process (ab_kernel_source.py; NOTES-cpu-kernels.md, "Forty-sixth session")
     int4_rows = bits2 == 4 and chunk2 == 16 and fmt2 == FMT_INT and nchunk2 * 16 == Kb2
     total = experts.shape[0] * H
     ci = _claim(cnt, vic, th, nth, nck, order)
