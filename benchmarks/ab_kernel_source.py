@@ -10,7 +10,7 @@ tree's, so the A/B is for changes confined to kernels.py. Each instance compiles
 VM).
 
     python benchmarks/ab_kernel_source.py --old REV_OR_FILE [--new FILE] [--threads 1,16] [--experts 1,8]
-        [--instances 2] [--rounds 8] [--calls 40]
+        [--instances 2] [--rounds 8] [--calls 40] [--scales float32|float16]
 
 REV_OR_FILE: a kernels.py file (e.g. .ab_old/kernels/cpu/kernels.py, from `git archive`), or a git revision of this
 repository; --new defaults to this tree's kernels.py.
@@ -67,13 +67,16 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--scales", choices=("float32", "float16"), default="float32",
+                        help="the node's scales and biases (float16: as float16 models carry them)")
     args = parser.parse_args()
     sources = {"old": kernels_source(args.old), "new": kernels_source(args.new)}
     kernels = {f"{side} {i + 1}": load_kernels(text, f"ab_{side}_{i + 1}").moe_gemv
                for i in range(args.instances) for side, text in sources.items()}
-    node = node_of_shape_b()
-    x = np.random.default_rng(0).standard_normal((1, node.spec.hidden_size)).astype(np.float32)
-    print(f"moe_gemv of kernels.py, old {args.old} against new {args.new}; one token at shape B, warm; µs, median "
+    node = node_of_shape_b(np.dtype(args.scales))
+    x = np.random.default_rng(0).standard_normal((1, node.spec.hidden_size)).astype(args.scales)
+    print(f"moe_gemv of kernels.py, old {args.old} against new {args.new}; one token at shape B, {args.scales} "
+          f"scales, warm; µs, median "
           f"of {args.rounds} rounds' medians of {args.calls} calls", flush=True)
     for threads in [int(t) for t in args.threads.split(",")]:
         node.num_threads = threads

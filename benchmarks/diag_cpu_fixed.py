@@ -63,10 +63,12 @@ def compiled_helpers():
     return takes, region
 
 
-def node_of_shape_b() -> CpuQMoE:
-    """The node: shape B, int4 block 32, top-8 (bench_qmoe_cpu's weights)."""
+def node_of_shape_b(dtype=np.float32) -> CpuQMoE:
+    """The node: shape B, int4 block 32, top-8 (bench_qmoe_cpu's weights); dtype float16: scales and biases in it, as
+    float16 models carry them (bench_qmoe_cpu --dtype float16)."""
     attrs, tensors = make_layout_weights("int4", E, H, I)
     attrs["k"] = 8
+    tensors = {k: v.astype(dtype) if v.dtype == np.float32 else v for k, v in tensors.items()}
     return CpuQMoE(QMoESpec.from_tensors("diag/QMoE", "QMoE", attrs, tensors, (1, H)), tensors)
 
 

@@ -37,7 +37,7 @@ STAMPS = (("    E1, N1, Kb1 = w1.shape\n", "stamps[0, 0]", "before"),
           ("    for th_loop in prange(nth):\n", "stamps[0, 1]", "before"),
           ("        _gemv_fc1_thread(", "stamps[th + 1, 0]", "before"),
           ("        _gemv_fc2_thread(", "stamps[th + 1, 1]", "before"),
-          ("ch2, order, zs[th, 2 * nb1:], vics[th])\n", "stamps[th + 1, 2]", "after"))
+          ("zs[th, 2 * nb1 + nb2:], vics[th])\n", "stamps[th + 1, 2]", "after"))
 
 
 def traced_source() -> str:

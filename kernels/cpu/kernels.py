@@ -16,6 +16,7 @@ from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, atomic_load
                    prefetch_bytes, qrow_fp4_1, qrow_fp4_2, qrow_int2_zblk_1, qrow_int2_zblk_2, qrow_int2_zblk_4,
                    qrow_int2_zrow_1, qrow_int2_zrow_2, qrow_int2_zrow_4,
                    qrow_int4_16, qrow_int4_16_lut_zblk, qrow_int4_16_lut_zrow, qrow_int4_8, qrow_int8_16,
+                   qrow2_int4_16_lut_zblk, qrow2_int4_16_lut_zrow,
                    INT3_CHUNK, dqrow_int3_zblk_1, dqrow_int3_zblk_2, dqrow_int3_zrow_1, dqrow_int3_zrow_2,
                    qrow_int3_zblk_1, qrow_int3_zblk_2, qrow_int3_zrow_1, qrow_int3_zrow_2)
 from .threads import PRANGE_ONLY
@@ -749,6 +750,23 @@ def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, x
 
 
 @njit(inline="always")
+def _int4_lut_dot2(w, sc, skind, zbuf, zbuf2, zmode, nb, cshift, nchunk, e, n, n2, xa, xb, xs, r):
+    """(_int4_lut_dot of row n, the same of row n2 with zero points zbuf2), bit for bit, by one row kernel that
+    loads the activations once for both rows."""
+    E, N, Kb = w.shape
+    woff = (e * N + n) * Kb
+    woff2 = (e * N + n2) * Kb
+    soff = (e * N + n) * nb
+    soff2 = (e * N + n2) * nb
+    xoff = r * xa.shape[1]
+    if zmode == 2:
+        return qrow2_int4_16_lut_zblk(w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zbuf, zbuf2, 0, xa, xb,
+                                      xoff, xs, r * nchunk)
+    return qrow2_int4_16_lut_zrow(w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zbuf, zbuf2, 0, xa, xb,
+                                  xoff, xs, r * nchunk)
+
+
+@njit(inline="always")
 def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, xa, xb, xs, r):
     """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see _split_row; xs unused where _uses_lut).
 
@@ -985,7 +1003,10 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
     vic[0] = th
     pfw = not _row_kernel_prefetches(bits1, chunk1, fmt1)
     # int4 rows of whole 16-byte chunks in a pair loop of their own, holding their row kernel alone (as in
-    # _gemv_fc2_thread): ~3% less time on the dev VM (ab_kernel_source.py, NOTES-cpu-kernels "Forty-sixth session")
+    # _gemv_fc2_thread): ~3% less time on the dev VM (ab_kernel_source.py, NOTES-cpu-kernels "Forty-sixth session").
+    # A gated pair's gate and up rows go through one two-row kernel (the activations loaded once for both), as FC2's
+    # rows in pairs: with both, 5-10% less time on the H200 machine's Xeon, 16 threads (NOTES-cpu-kernels,
+    # "Forty-seventh session")
     int4_rows = bits1 == 4 and chunk1 == 16 and fmt1 == FMT_INT and nchunk1 * 16 == w1.shape[2]
     total = experts.shape[0] * G
     ci = _claim(cnt, vic, th, nth, nck, order)
@@ -1020,14 +1041,13 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
                 if int4_rows:
                     for p in range(pair_off[u], pair_off[u + 1]):
                         r = rowmap[src[p]]
-                        g = _int4_lut_dot(w1, sc1, skind1, zg, zmode1, nb1, cshift1, nchunk1, e, ng, xa1, xb1, xs1,
-                                          r) + bg
                         if swiglu:
-                            l = _int4_lut_dot(w1, sc1, skind1, zu, zmode1, nb1, cshift1, nchunk1, e, nu, xa1, xb1, xs1,
-                                              r) + bu
-                            a = _swiglu(g, l, a_, b_, l_, has_limit)
+                            g, l = _int4_lut_dot2(w1, sc1, skind1, zg, zu, zmode1, nb1, cshift1, nchunk1, e, ng, nu,
+                                                  xa1, xb1, xs1, r)
+                            a = _swiglu(g + bg, l + bu, a_, b_, l_, has_limit)
                         else:
-                            a = _act(act_kind, g)
+                            a = _act(act_kind, _int4_lut_dot(w1, sc1, skind1, zg, zmode1, nb1, cshift1, nchunk1, e, ng,
+                                                             xa1, xb1, xs1, r) + bg)
                         _put_x(a, i, p, bits2, ab.shape[1], aa, ab, nchunk2)
                 else:
                     for p in range(pair_off[u], pair_off[u + 1]):
@@ -1052,18 +1072,20 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
 @njit(fastmath=True, cache=True, nogil=True, _nrt=False)
 def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
                      zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt, th, nth, nck, ch,
-                     order, zbuf, vic):
+                     order, zbuf, zbuf2, vic):
     """Thread th's share of FC2: chunks of ch rows of the (expert, row) space claimed from cnt into y (see
     moe_gemv), each expert's rows once its FC1 is finished (done[8 u] = G + 1, see _gemv_fc1_thread).
-    zbuf, vic: as zg, vic of _gemv_fc1_thread."""
+    zbuf, zbuf2 (the second row's of a pair), vic: as zg, zu, vic of _gemv_fc1_thread."""
     H = w2.shape[1]
     Kb2 = w2.shape[2]
     zbuf[:] = zdef2
+    zbuf2[:] = zdef2
     vic[0] = th
     pfw = not _row_kernel_prefetches(bits2, chunk2, fmt2)
     # int4 rows of whole 16-byte chunks (the common layout) run in a loop of their own, which holds their row kernel
     # alone, not every layout's through _qdot: 5-11% less time for the whole call on the dev VM, measured in one
-    # process (ab_kernel_source.py; NOTES-cpu-kernels.md, "Forty-sixth session")
+    # process (ab_kernel_source.py; NOTES-cpu-kernels.md, "Forty-sixth session"); 6-9% on the Xeon with FC1's loop
+    # (8c80dd8). They go two rows to a row kernel call (Qwen3-30B-A3B's rows are 384 bytes: the per-row work weighs)
     int4_rows = bits2 == 4 and chunk2 == 16 and fmt2 == FMT_INT and nchunk2 * 16 == Kb2
     total = experts.shape[0] * H
     ci = _claim(cnt, vic, th, nth, nck, order)
@@ -1083,7 +1105,18 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
                 while atomic_load(done, 8 * u) <= G:
                     pass
             if int4_rows:
-                for n in range(idx - u * H, end - u * H):
+                n = idx - u * H
+                while n + 1 < end - u * H:  # rows n, n + 1 by one row kernel
+                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf)
+                    bval2 = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n + 1, pf_rows, pfw,
+                                           zbuf2)
+                    for p in range(pair_off[u], pair_off[u + 1]):
+                        d, d2 = _int4_lut_dot2(w2, sc2, skind2, zbuf, zbuf2, zmode2, nb2, cshift2, nchunk2, e, n, n + 1,
+                                               aa, ab, xs2, p)
+                        y[p, n] = coef[p] * (d + bval)
+                        y[p, n + 1] = coef[p] * (d2 + bval2)
+                    n += 2
+                if n < end - u * H:
                     bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf)
                     for p in range(pair_off[u], pair_off[u + 1]):
                         y[p, n] = coef[p] * (_int4_lut_dot(w2, sc2, skind2, zbuf, zmode2, nb2, cshift2, nchunk2, e, n,
@@ -1183,7 +1216,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     _claim_init(cnt2, nck2, nth, order)
     done = np.zeros(8 * U, np.int64)  # per expert, 64 bytes apart: FC1 groups finished (see _gemv_fc1_thread)
     # per-thread scratch (zero points, _claim state): rows of arrays made here (the thread loops allocate nothing)
-    zs = np.empty((nth, 2 * nb1 + nb2), np.float32)
+    zs = np.empty((nth, 2 * nb1 + 2 * nb2), np.float32)
     vics = np.empty((nth, 8), np.int64)
     for th_loop in prange(nth):
         # the thread's index as int64: Numba types a prange index int64 first and uint64 in the parallel loop it makes,
@@ -1195,7 +1228,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
                          nth, nck1, ch1, order, zs[th, :nb1], zs[th, nb1:2 * nb1], vics[th])
         _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
                          zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt2, th, nth, nck2,
-                         ch2, order, zs[th, 2 * nb1:], vics[th])
+                         ch2, order, zs[th, 2 * nb1:2 * nb1 + nb2], zs[th, 2 * nb1 + nb2:], vics[th])
     if do_reduce:
         for p in range(P):
             d = dst[p]

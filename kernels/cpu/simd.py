@@ -43,6 +43,7 @@ from __future__ import annotations
 import llvmlite.ir as ir
 from numba import types
 from numba.core import cgutils
+from numba import njit
 from numba.extending import intrinsic
 
 __all__ = ["qrow_int4_16", "qrow_int4_8", "qrow_int8_16", "dqrow_int4_16", "dqrow_int4_8", "dqrow_int8_16",
@@ -736,6 +737,102 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
     return _qrow_intrinsic(codegen, f"qrow_tbl{slots}_{code}_{bpc}")
 
 
+class _RowSig:
+    """The argument types of one row of a two-row intrinsic, laid out as a one-row intrinsic's (for _table_parts)."""
+
+    def __init__(self, args):
+        self.args = args
+
+
+def _row_args(values, row: int):
+    """One row's arguments of a two-row intrinsic (w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zf, zf2,
+    zoff, xa, xb, xoff, xs, xsoff), in the one-row intrinsics' order (w, woff, nchunk, cshift, sc, soff, skind, zf,
+    zoff, xa, xb, xoff, xs, xsoff); `values` are the arguments or their types."""
+    v = values
+    return (v[0], v[1 + row], v[3], v[4], v[5], v[6 + row], v[8], v[9 + row], *v[11:])
+
+
+def _make_qrow2_int4(code: str):
+    """Dot products of two int4 rows (16-byte chunks, one block a chunk) with one activation row: what two calls of
+    _make_qrow_tbl(2, code, 1)'s kernel return, bit for bit (each row's accumulators and their sums in the same
+    order), with the activation loads and the loop shared. Arguments: (w, woff, woff2, nchunk, cshift, sc, soff,
+    soff2, skind, zf, zf2, zoff, xa, xb, xoff, xs, xsoff), each row its own weight, scale and zero-point offsets /
+    arrays; returns (row 1's dot, row 2's dot)."""
+    def codegen(context, builder, sig, args):
+        row_sig = [_RowSig(_row_args(sig.args, r)) for r in (0, 1)]
+        row_args = [_row_args(args, r) for r in (0, 1)]
+        chunk_values = [_table_parts(context, builder, row_sig[r], row_args[r], code, 2, 1)[0] for r in (0, 1)]
+        nchunk, xa, xb, xoff = args[3], args[12], args[13], args[14]
+        xa_ptr = context.make_array(sig.args[12])(context, builder, value=xa).data
+        xb_ptr = context.make_array(sig.args[13])(context, builder, value=xb).data
+        fvec_t = ir.VectorType(_F32, 16)
+        zero_v = ir.Constant(fvec_t, [0.0] * 16)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3), "llvm.fma.v16f32")
+        accs = [[cgutils.alloca_once_value(builder, zero_v) for _ in range(4)] for _ in (0, 1)]
+        i8p = _I8.as_pointer()
+        w_bytes = builder.bitcast(_row_pointers(context, builder, row_sig[0], row_args[0])[0], i8p)
+        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                            "llvm.prefetch.p0i8")
+
+        def prefetch_ahead(i):
+            for woff in (args[1], args[2]):  # as _make_qrow_tbl's kernel, each row's bytes ahead
+                off = builder.add(builder.add(woff, builder.shl(i, ir.Constant(_I64, 4))),
+                                  ir.Constant(_I64, ROW_PREFETCH_AHEAD))
+                builder.call(pf, [builder.gep(w_bytes, [off]), ir.Constant(_I32, 0),
+                                  ir.Constant(_I32, ROW_PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
+
+        def xload(i, s):
+            ptr = builder.gep(xa_ptr if s == 0 else xb_ptr, [builder.add(xoff, builder.mul(i, ir.Constant(_I64, 16)))])
+            return builder.load(builder.bitcast(ptr, fvec_t.as_pointer()), align=4)
+
+        def one_chunk(i, first):
+            xs = [xload(i, 0), xload(i, 1)]
+            for r in (0, 1):
+                for s, v in enumerate(chunk_values[r](i, 1)):
+                    acc = accs[r][first + s]
+                    builder.store(builder.call(fma, [v, xs[s], builder.load(acc)]), acc)
+
+        half = builder.ashr(nchunk, ir.Constant(_I64, 1))
+        with cgutils.for_range(builder, half) as loop:
+            i0 = builder.shl(loop.index, ir.Constant(_I64, 1))
+            prefetch_ahead(i0)
+            one_chunk(i0, 0)
+            one_chunk(builder.add(i0, ir.Constant(_I64, 1)), 2)
+        odd = builder.icmp_signed("!=", builder.and_(nchunk, ir.Constant(_I64, 1)), ir.Constant(_I64, 0))
+        with builder.if_then(odd):
+            one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), 0)
+        dots = []
+        for r in (0, 1):
+            vals = [builder.load(a) for a in accs[r]]
+            while len(vals) > 1:
+                vals = [_fast(builder.fadd(vals[j], vals[j + 1])) for j in range(0, len(vals), 2)]
+            dots.append(_hsum(builder, vals[0], 16))
+        return context.make_tuple(builder, sig.return_type, dots)
+
+    def qrow2(typingctx, w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zf, zf2, zoff, xa, xb, xoff, xs,
+              xsoff):
+        ints = (woff, woff2, nchunk, cshift, soff, soff2, skind, zoff, xoff, xsoff)
+        if not all(isinstance(t, types.Integer) for t in ints) or zf != zf2:
+            return None
+        i64 = types.int64
+        sig = types.UniTuple(types.float32, 2)(w, i64, i64, i64, i64, sc, i64, i64, i64, zf, zf2, i64, xa, xb, i64,
+                                               xs, i64)
+        return sig, codegen
+
+    qrow2.__name__ = f"qrow2_int4_16_lut_{code}"
+    return intrinsic(qrow2)
+
+
+def _qrow2_by_rows(qrow):
+    """A two-row intrinsic's contract (see _make_qrow2_int4) by two calls of the one-row kernel `qrow`."""
+    @njit(inline="always")
+    def qrow2(w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zf, zf2, zoff, xa, xb, xoff, xs, xsoff):
+        return (qrow(w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff),
+                qrow(w, woff2, nchunk, cshift, sc, soff2, skind, zf2, zoff, xa, xb, xoff, xs, xsoff))
+
+    return qrow2
+
+
 def _make_dqrow_tbl(slots: int, code: str, bpc: int):
     """Dequantise chunks of one row through the table (see _make_qrow_tbl for slots / code / bpc); same contract
     as dqrow_int4_16: chunk i -> out[ooff + i*16*slots ...], its slot-0 values first, then slot 1, ..."""
@@ -759,6 +856,10 @@ def _make_dqrow_tbl(slots: int, code: str, bpc: int):
 qrow_int4_16_lut_zrow = _make_qrow_tbl(2, "zrow", 1) if HAS_AVX512F else qrow_int4_16
 qrow_int4_16_lut_zblk = _make_qrow_tbl(2, "zblk", 1) if HAS_AVX512F else qrow_int4_16
 dqrow_int4_16_lut = _make_dqrow_tbl(2, "zblk", 1) if HAS_AVX512F else dqrow_int4_16
+# two int4 rows with one activation row (FC1's gate and up rows, FC2's rows in pairs); without AVX-512F, two calls
+# of the one-row kernel
+qrow2_int4_16_lut_zrow = _make_qrow2_int4("zrow") if HAS_AVX512F else _qrow2_by_rows(qrow_int4_16)
+qrow2_int4_16_lut_zblk = _make_qrow2_int4("zblk") if HAS_AVX512F else _qrow2_by_rows(qrow_int4_16)
 # fp4 (E2M1 codes through the record's code table; uint8 block scales through its scale table):
 # MXFP4 block 32 = one 16-byte chunk per block, NVFP4 block 16 = two blocks per chunk
 qrow_fp4_1 = _make_qrow_tbl(2, "table", 1)
