@@ -41,9 +41,8 @@ int2 rows: per 16 packed bytes the codes index a 16-entry float table (vpermps) 
 from __future__ import annotations
 
 import llvmlite.ir as ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
-from numba import njit
 from numba.extending import intrinsic
 
 __all__ = ["qrow_int4_16", "qrow_int4_8", "qrow_int8_16", "dqrow_int4_16", "dqrow_int4_8", "dqrow_int8_16",
@@ -642,6 +641,24 @@ ROW_PREFETCH_AHEAD = 4096
 ROW_PREFETCH_LOCALITY = 3
 
 
+def _row_prefetcher(context, builder, sig, args, woffs):
+    """chunk i -> prefetch the weight bytes ROW_PREFETCH_AHEAD past chunk i of each row starting at an offset in
+    woffs (a prefetch never faults, past the array's end too); sig / args: a one-row intrinsic's."""
+    i8p = _I8.as_pointer()
+    w_bytes = builder.bitcast(_row_pointers(context, builder, sig, args)[0], i8p)
+    pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
+                                        "llvm.prefetch.p0i8")
+
+    def prefetch_ahead(i):
+        for woff in woffs:
+            off = builder.add(builder.add(woff, builder.shl(i, ir.Constant(_I64, 4))),
+                              ir.Constant(_I64, ROW_PREFETCH_AHEAD))
+            builder.call(pf, [builder.gep(w_bytes, [off]), ir.Constant(_I32, 0),
+                              ir.Constant(_I32, ROW_PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
+
+    return prefetch_ahead
+
+
 def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", unroll4=True):
     """Dot product of one quantised row with one activation row through a 16-entry table (vpermps).
 
@@ -670,17 +687,7 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
         zero_v = ir.Constant(fvec_t, [0.0] * 16)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3), "llvm.fma.v16f32")
         accs = [cgutils.alloca_once_value(builder, zero_v) for _ in range(2 * slots)]
-        i8p = _I8.as_pointer()
-        w_bytes = builder.bitcast(_row_pointers(context, builder, sig, args)[0], i8p)
-        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                            "llvm.prefetch.p0i8")
-
-        def prefetch_ahead(i):
-            """The weight bytes ROW_PREFETCH_AHEAD past chunk i (a prefetch never faults, past the array's end too)."""
-            off = builder.add(builder.add(args[1], builder.shl(i, ir.Constant(_I64, 4))),
-                              ir.Constant(_I64, ROW_PREFETCH_AHEAD))
-            builder.call(pf, [builder.gep(w_bytes, [off]), ir.Constant(_I32, 0),
-                              ir.Constant(_I32, ROW_PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
+        prefetch_ahead = _row_prefetcher(context, builder, sig, args, (args[1],))
 
         def xload(i, s):
             o = builder.add(xoff, builder.mul(i, ir.Constant(_I64, 16)))
@@ -769,17 +776,7 @@ def _make_qrow2_int4(code: str):
         zero_v = ir.Constant(fvec_t, [0.0] * 16)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(fvec_t, [fvec_t] * 3), "llvm.fma.v16f32")
         accs = [[cgutils.alloca_once_value(builder, zero_v) for _ in range(4)] for _ in (0, 1)]
-        i8p = _I8.as_pointer()
-        w_bytes = builder.bitcast(_row_pointers(context, builder, row_sig[0], row_args[0])[0], i8p)
-        pf = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]),
-                                            "llvm.prefetch.p0i8")
-
-        def prefetch_ahead(i):
-            for woff in (args[1], args[2]):  # as _make_qrow_tbl's kernel, each row's bytes ahead
-                off = builder.add(builder.add(woff, builder.shl(i, ir.Constant(_I64, 4))),
-                                  ir.Constant(_I64, ROW_PREFETCH_AHEAD))
-                builder.call(pf, [builder.gep(w_bytes, [off]), ir.Constant(_I32, 0),
-                                  ir.Constant(_I32, ROW_PREFETCH_LOCALITY), ir.Constant(_I32, 1)])
+        prefetch_ahead = _row_prefetcher(context, builder, row_sig[0], row_args[0], (args[1], args[2]))
 
         def xload(i, s):
             ptr = builder.gep(xa_ptr if s == 0 else xb_ptr, [builder.add(xoff, builder.mul(i, ir.Constant(_I64, 16)))])
