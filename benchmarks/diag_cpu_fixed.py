@@ -68,7 +68,7 @@ def node_of_shape_b(dtype=np.float32) -> CpuQMoE:
     float16 models carry them (bench_qmoe_cpu --dtype float16)."""
     attrs, tensors = make_layout_weights("int4", E, H, I)
     attrs["k"] = 8
-    tensors = {k: v.astype(dtype) if v.dtype == np.float32 else v for k, v in tensors.items()}
+    tensors = {k: v.astype(dtype, copy=False) if v.dtype == np.float32 else v for k, v in tensors.items()}
     return CpuQMoE(QMoESpec.from_tensors("diag/QMoE", "QMoE", attrs, tensors, (1, H)), tensors)
 
 
