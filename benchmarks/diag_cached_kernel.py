@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import median_seconds  # noqa: E402
-from benchmarks.diag_cpu_fixed import node_of_shape_b  # noqa: E402
+from benchmarks.diag_cpu_fixed import kernel_arguments, node_of_shape_b  # noqa: E402
 from kernels.cpu import kernels as compiled  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
 
@@ -36,19 +36,6 @@ def compiled_here():
     namespace = dict(vars(compiled))
     exec(compile(source.replace("cache=True", "cache=False", 1), "<moe_gemv compiled here>", "exec"), namespace)
     return namespace["moe_gemv"]
-
-
-def kernel_arguments(node, x: np.ndarray, experts: int) -> tuple:
-    """The arguments run_experts passes moe_gemv for one token on experts 0 .. experts - 1."""
-    captured = []
-    real = compiled.moe_gemv
-    compiled.moe_gemv = lambda *args: captured.append(args)
-    try:
-        node.run_experts(x, np.arange(experts, dtype=np.int64).reshape(1, experts),
-                         np.full((1, experts), 1.0 / experts, np.float32))
-    finally:
-        compiled.moe_gemv = real
-    return captured[0]
 
 
 def interleaved_medians(kernels: dict, arguments: tuple, rounds: int, calls: int) -> dict:

@@ -72,6 +72,19 @@ def node_of_shape_b(dtype=np.float32) -> CpuQMoE:
     return CpuQMoE(QMoESpec.from_tensors("diag/QMoE", "QMoE", attrs, tensors, (1, H)), tensors)
 
 
+def kernel_arguments(node, x: np.ndarray, experts: int) -> tuple:
+    """The arguments run_experts passes moe_gemv for one token on experts 0 .. experts - 1."""
+    captured = []
+    real = compiled.moe_gemv
+    compiled.moe_gemv = lambda *args: captured.append(args)
+    try:
+        node.run_experts(x, np.arange(experts, dtype=np.int64).reshape(1, experts),
+                         np.full((1, experts), 1.0 / experts, np.float32))
+    finally:
+        compiled.moe_gemv = real
+    return captured[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="16,8,4,2")
@@ -102,11 +115,9 @@ def main() -> None:
                 start = next(rotating) * u
                 node.run_experts(x, np.arange(start, start + u, dtype=np.int64).reshape(1, u), weights, out=out)
 
-            captured = []
-            compiled.moe_gemv = lambda *a: captured.append(a)
-            node.run_experts(x, same, weights, out=out)
+            arguments = kernel_arguments(node, x, u)
             compiled.moe_gemv = takes
-            takes(*captured[0])
+            takes(*arguments)
             python = median_us(lambda: node.run_experts(x, same, weights, out=out), args.runs)
             compiled.moe_gemv = real
             node.run_experts(x, same, weights, out=out)
@@ -114,9 +125,9 @@ def main() -> None:
             row = {
                 "warm": median_us(lambda: node.run_experts(x, same, weights, out=out), args.runs),
                 "cold": median_us(cold, args.runs),
-                "kernel": median_us(lambda: real(*captured[0]), args.runs),
+                "kernel": median_us(lambda: real(*arguments), args.runs),
                 "python": python,
-                "dispatch": median_us(lambda: takes(*captured[0]), args.runs),
+                "dispatch": median_us(lambda: takes(*arguments), args.runs),
                 "region": median_us(lambda: region(lanes), args.runs),
             }
             cells = "  ".join(f"{k} {v:7.1f}" for k, v in row.items())

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.diag_cpu_fixed import node_of_shape_b  # noqa: E402
+from benchmarks.diag_cpu_fixed import kernel_arguments, node_of_shape_b  # noqa: E402
 from kernels.cpu import kernels as compiled  # noqa: E402
 from kernels.cpu.host_parts import cycles, read_cycles as now_cycles  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
@@ -81,23 +81,17 @@ def main() -> None:
     rate = cycles_per_us()
     H = node.spec.hidden_size
     x = np.random.default_rng(0).standard_normal((1, H)).astype(np.float32)
-    out = np.zeros((1, H), np.float32)
-    real = compiled.moe_gemv
     traced_gemv = compile_traced()
     print(f"µs from the call's start, medians of {args.runs} calls (time-stamp counter: {rate:.0f} per µs)")
     for threads in [int(t) for t in args.threads.split(",")]:
         node.num_threads = threads
         use_threads(threads)
         for u in [int(e) for e in args.experts.split(",")]:
-            captured = []
-            compiled.moe_gemv = lambda *a: captured.append(a)
-            node.run_experts(x, np.arange(u, dtype=np.int64).reshape(1, u), np.full((1, u), 1.0 / u, np.float32),
-                             out=out)
-            compiled.moe_gemv = real
+            arguments = kernel_arguments(node, x, u)
             stamps = np.zeros((threads + 1, 3), np.int64)
             rows = []
             for _ in range(args.runs + 5):
-                traced_gemv(*captured[0], stamps)
+                traced_gemv(*arguments, stamps)
                 call, per_thread = stamps[0], stamps[1:] - stamps[0, 0]
                 rows.append([call[1] - call[0], per_thread[:, 0].min(), per_thread[:, 0].max(),
                              per_thread[:, 1].min(), per_thread[:, 1].max(), per_thread[:, 2].min(),

@@ -40,6 +40,8 @@ int2 rows: per 16 packed bytes the codes index a 16-entry float table (vpermps) 
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import llvmlite.ir as ir
 from numba import njit, types
 from numba.core import cgutils
@@ -744,13 +746,6 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
     return _qrow_intrinsic(codegen, f"qrow_tbl{slots}_{code}_{bpc}")
 
 
-class _RowSig:
-    """The argument types of one row of a two-row intrinsic, laid out as a one-row intrinsic's (for _table_parts)."""
-
-    def __init__(self, args):
-        self.args = args
-
-
 def _row_args(values, row: int):
     """One row's arguments of a two-row intrinsic (w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zf, zf2,
     zoff, xa, xb, xoff, xs, xsoff), in the one-row intrinsics' order (w, woff, nchunk, cshift, sc, soff, skind, zf,
@@ -766,7 +761,7 @@ def _make_qrow2_int4(code: str):
     soff2, skind, zf, zf2, zoff, xa, xb, xoff, xs, xsoff), each row its own weight, scale and zero-point offsets /
     arrays; returns (row 1's dot, row 2's dot)."""
     def codegen(context, builder, sig, args):
-        row_sig = [_RowSig(_row_args(sig.args, r)) for r in (0, 1)]
+        row_sig = [SimpleNamespace(args=_row_args(sig.args, r)) for r in (0, 1)]  # what _table_parts reads of sig
         row_args = [_row_args(args, r) for r in (0, 1)]
         chunk_values = [_table_parts(context, builder, row_sig[r], row_args[r], code, 2, 1)[0] for r in (0, 1)]
         nchunk, xa, xb, xoff = args[3], args[12], args[13], args[14]
