@@ -47,8 +47,9 @@ def _read(value):
 class FakeStep:
     """SplitStep's interface: the result known at the launch where the merge is queued (`gated`)."""
 
-    def __init__(self, node, source, gated: bool, late: bool):
+    def __init__(self, node, source, gated: bool, late: bool, gave_up: bool = False):
         self.node, self.gate, self.late, self.done = node, {"open": False}, late, False
+        self.gave_up = gave_up  # the device's word that the merge gave up (read after the step)
         self.value = _Later(source, 10, self.gate)
         self.result_ahead = self.value if gated else None
 
@@ -72,16 +73,17 @@ class FakeNode:
     """An expert layer that launches ahead (`both`: a "both" step, its merge queued at the launch where `gated`) or
     runs whole; its output is its input plus ten."""
 
-    def __init__(self, name: str, source: str, output: str, log: list, both=True, gated=True, late=False, fails=False):
+    def __init__(self, name: str, source: str, output: str, log: list, both=True, gated=True, late=False, fails=False,
+                 gave_up=False):
         self.name, self.source, self.log = name, source, log
-        self.both, self.gated, self.late, self.fails = both, gated, late, fails
+        self.both, self.gated, self.late, self.fails, self.gave_up = both, gated, late, fails, gave_up
         self.info = SimpleNamespace(output=output)
 
     def launch_ahead(self, values):
         if not self.both:
             return None
         self.log.append(("launch", self.name))
-        return FakeStep(self, values[self.source], self.gated, self.late)
+        return FakeStep(self, values[self.source], self.gated, self.late, self.gave_up)
 
     def run(self, values):
         self.log.append(("run", self.name, _read(values[self.source])))
@@ -206,6 +208,22 @@ def test_a_late_gate_with_work_behind_it_runs_the_step_again_without_launching_a
     assert log[-5:] == [("run", "dense0", 0.0), ("run", "node0", 1.0), ("run", "dense1", 11.0),
                         ("run", "node1", 12.0), ("run", "dense2", 22.0)]
     assert ("finish", "node0", True) in log[:-5]
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["work-behind-it", "nothing-behind-it"])
+def test_a_merge_the_device_says_gave_up_runs_the_step_again_though_its_gate_was_not_late(monkeypatch, layer):
+    """The host's clock judged the gate in time, the device's word says the merge gave up: the step again."""
+    log = []
+    runners = layers(log, 2)
+    runners[2 * layer + 1].gave_up = True
+    model = make_decoder(runners)
+    monkeypatch.setattr(decoder, "launch_ahead", True)
+    state = FakeState()
+    logits = model.forward(state, [5])
+    assert float(logits.ravel()[0]) == 23.0 and state.past_length == 1
+    assert model.steps_run_again == 1
+    assert log[-5:] == [("run", "dense0", 0.0), ("run", "node0", 1.0), ("run", "dense1", 11.0),
+                        ("run", "node1", 12.0), ("run", "dense2", 22.0)]
 
 
 def test_a_late_gate_with_nothing_behind_it_is_left_to_the_layer(monkeypatch):

@@ -678,6 +678,7 @@ class CudaSlots:
                 published.part.fill(0.0)
             published.open_gate()
             pending.gate_late = time.perf_counter() - pending.launched_at > GATE_TIMEOUT_S / 2  # may have given up
+            pending.merged_again = False
             if pending.gate_late and not ahead:
                 self._merge_again_if_gate_failed(pending)
             return pending.merge.result(like.shape), (pending.start, pending.stop)
@@ -704,6 +705,12 @@ class CudaSlots:
         once the merge has run."""
         published = pending.published
         return pending.merge is not None and published.gate_failed() == published.launched & 0xFFFFFFFF
+
+    def split_gate_gave_up(self, pending: SplitBuffers) -> bool:
+        """Whether the latest launch's gated merge gave up waiting for the gate and its sum was not made again: the
+        device's own word, read once the merge has run (a step's logits on the host). split_gate_late, which decides
+        at the gate from the host's clock, is the fast path's guess of the same."""
+        return self.split_gate_failed(pending) and not pending.merged_again
 
     def abandon_split(self, pending: SplitBuffers) -> None:
         """Let a gated merge go on without the CPU's part (its step failed on the host): the GPU is not held until
@@ -732,6 +739,7 @@ class CudaSlots:
         published = pending.published
         if published.gate_failed() == published.launched & 0xFFFFFFFF:
             self._merge_after(pending, pending.merge, published.part)
+            pending.merged_again = True
 
     @_on_compute_stream
     def merge_on_device(self, pending, cpu_part: np.ndarray | None, like):

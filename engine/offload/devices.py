@@ -220,6 +220,9 @@ class SimulatedSlots:
     def split_gate_late(self, pending: tuple) -> bool:
         return False  # (no gate)
 
+    def split_gate_gave_up(self, pending: tuple) -> bool:
+        return False  # (no gate)
+
     def abandon_split(self, pending: tuple) -> None:
         """CudaSlots.abandon_split: nothing waits for the host here."""
 

@@ -512,6 +512,12 @@ class SplitStep:
         """Whether finish(ahead=True) raised the gate after the merge may have stopped waiting for it."""
         return self.store.split_gate_late(self.pending)
 
+    @property
+    def gave_up(self) -> bool:
+        """Whether the step's gated merge gave up waiting for the gate and left its sum without the CPU's part: the
+        device's word, read once the merge has run (the step's logits on the host)."""
+        return self.store.split_gate_gave_up(self.pending)
+
     def abandon(self) -> None:
         """The gate raised without the CPU's part (the sum is wrong and must not be used), unless finished: after an
         error in this step's host part or elsewhere, so that the GPU is not held until the gate's timeout."""
