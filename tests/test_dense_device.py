@@ -680,8 +680,23 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
         return real_launch(self, x, logits, router_weights, cpu_take)
 
     monkeypatch.setattr(CudaSlots, "launch_split", launch_spy)
+    lates = []  # per forward without the worker: whether a gate came late (what makes the step run again)
+    real_run_steps = decoder.PartitionedDecoder._run_steps
+
+    def run_steps_spy(self, values, state, ahead):
+        result = real_run_steps(self, values, state, ahead)
+        lates.append(result[2])
+        return result
+
+    monkeypatch.setattr(decoder.PartitionedDecoder, "_run_steps", run_steps_spy)
     errors = decode_alongside(gpu, cpu, spec, seed=13)
-    assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e}"
+    stores = [store for store in gpu.offload.stores if store is not None]
+    # (once, at ec682b0 in the whole GPU suite, ahead-0.0's third decode step came out 0.20 off, the steps after it
+    # right: the message says what the decoder saw, for the next time)
+    assert max(errors) <= FP16_TOLERANCE, (
+        f"max relative error {max(errors):.2e} at {int(np.argmax(errors))} (0: the prompt's last row); late per "
+        f"forward {lates}; steps run again {gpu.decoder.steps_run_again}; gate failed / launched per layer "
+        f"{[(store._split.published.gate_failed(), store._split.published.launched) for store in stores]}")
     # (the worker's loop compiles at its first job, on a cold cache for longer than the gate waits: that step ran
     # again, each layer launched once more)
     again = gpu.decoder.steps_run_again
@@ -689,7 +704,6 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
     assert len(launches) == spec.layers * (DECODE_STEPS + again)
     totals = gpu.offload.stats.totals()
     assert totals.misses_cpu > 0 and totals.misses_read > 0 and totals.device_s > 0
-    stores = [store for store in gpu.offload.stores if store is not None]
     assert all(store._split.merge is not None and (store._split.published.gate_failed() == 0 or again)
                for store in stores)
     assert all(store.gpu.split_fast_calls >= DECODE_STEPS // 2 for store in stores)
