@@ -162,7 +162,8 @@ class PartitionedDecoder:
 
     def _run_steps(self, values: dict, state: DecoderState, ahead: bool) -> tuple[float, float, bool]:
         """Every runner in order on `values` (updated in place); returns the seconds of (dense segments, experts) and
-        whether a layer launched ahead raised its gate late (SplitStep.late: the step must run again).
+        whether the step must run again: a layer launched ahead raised its gate late (SplitStep.late), or a finished
+        layer's merge gave up waiting for its gate (SplitStep.gave_up, read at the end).
 
         `ahead`: a "both" layer's host part (SplitStep.finish: the CPU's share, then the gate) waits until the next
         dense segment's replay and the next "both" layer are launched, queued behind its gated merge. The GPU then
