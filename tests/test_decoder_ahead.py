@@ -194,10 +194,14 @@ class FakeState:
         self.past_length += count
 
 
-def test_a_late_gate_with_work_behind_it_runs_the_step_again_without_launching_ahead(monkeypatch):
+@pytest.mark.parametrize("node,flag", [(0, "late"), (0, "gave_up"), (1, "gave_up")],
+                         ids=["late-gate-work-behind-it", "gave-up-work-behind-it", "gave-up-nothing-behind-it"])
+def test_a_late_gate_with_work_behind_it_or_a_merge_that_gave_up_runs_the_step_again(monkeypatch, node, flag):
+    """late: node0's gate raised after its merge may have given up, node1 queued behind it. gave_up: the host's clock
+    judged the gate in time, the device's word says the merge gave up (node1: nothing queued behind it)."""
     log = []
     runners = layers(log, 2)
-    runners[1].late = True  # node0's gate raised after its merge may have given up, node1 queued behind it
+    setattr(runners[2 * node + 1], flag, True)
     model = make_decoder(runners)
     monkeypatch.setattr(decoder, "launch_ahead", True)
     state = FakeState()
@@ -208,22 +212,6 @@ def test_a_late_gate_with_work_behind_it_runs_the_step_again_without_launching_a
     assert log[-5:] == [("run", "dense0", 0.0), ("run", "node0", 1.0), ("run", "dense1", 11.0),
                         ("run", "node1", 12.0), ("run", "dense2", 22.0)]
     assert ("finish", "node0", True) in log[:-5]
-
-
-@pytest.mark.parametrize("layer", [0, 1], ids=["work-behind-it", "nothing-behind-it"])
-def test_a_merge_the_device_says_gave_up_runs_the_step_again_though_its_gate_was_not_late(monkeypatch, layer):
-    """The host's clock judged the gate in time, the device's word says the merge gave up: the step again."""
-    log = []
-    runners = layers(log, 2)
-    runners[2 * layer + 1].gave_up = True
-    model = make_decoder(runners)
-    monkeypatch.setattr(decoder, "launch_ahead", True)
-    state = FakeState()
-    logits = model.forward(state, [5])
-    assert float(logits.ravel()[0]) == 23.0 and state.past_length == 1
-    assert model.steps_run_again == 1
-    assert log[-5:] == [("run", "dense0", 0.0), ("run", "node0", 1.0), ("run", "dense1", 11.0),
-                        ("run", "node1", 12.0), ("run", "dense2", 22.0)]
 
 
 def test_a_late_gate_with_nothing_behind_it_is_left_to_the_layer(monkeypatch):
