@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_overhead import instrument, profile_steps, summarise  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     median_seconds, model_folder, stream_read_bandwidth, write_result, written_model)
+from benchmarks.host_load import HostLoad, HostLoadMeter  # noqa: E402
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.errors import WorkbenchError  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
@@ -415,7 +416,9 @@ def main() -> None:
             print(f"{fraction:4.0%}: other Python threads alive: {', '.join(others)}", flush=True)
         repeats = []
         for _ in range(args.repeats):
+            meter = HostLoadMeter()
             rate, step_rows = decode(model, short_prompt, args.decode_tokens, warmup=args.decode_warmup)
+            load = meter.read()
             stats, profile = model.offload.stats.totals(), model.decoder.profile
             h = stats.hit_rate
             dense_per_token = profile["dense_s"] / profile["steps"]
@@ -435,7 +438,7 @@ def main() -> None:
                             "bound_misses_on_tier_only": 1 / tier_only_bound_s,
                             "ratio_to_tier_only_bound": rate * tier_only_bound_s, "misses_cpu": stats.misses_cpu,
                             "misses_copied": stats.misses_copied,
-                            "miss_slots": max(model.offload.policy.miss_slots, default=0)})
+                            "miss_slots": max(model.offload.policy.miss_slots, default=0), **load.as_dict()})
         decoded = decode_repeats(repeats)
         state = model.offload.copy_state()  # the trials' outcomes (the traces below re-plan)
         split, path = state["layer_split"], state["decode_path"]
@@ -529,6 +532,9 @@ def main() -> None:
               + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
                  if model.offload.copy_reuse.value is not None else ""),
               flush=True)
+        busiest = max(repeats, key=lambda r: r["host_steal_share"] + r["host_others_share"])
+        print("       host during the decode timings (the busiest repeat): "
+              + HostLoad(busiest["host_steal_share"], busiest["host_others_share"]).describe(), flush=True)
         for placement, fig in traced.items():
             print(f"       realistic routing trace (measured), {placement} placement: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "

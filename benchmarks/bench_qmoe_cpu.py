@@ -63,6 +63,7 @@ from kernels.cpu import CpuQMoE  # noqa: E402
 from kernels.cpu.simd import HAS_AVX512F  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
 from benchmarks.common import ROOT, stream_read_bandwidth, write_result  # noqa: E402
+from benchmarks.host_load import HostLoadMeter  # noqa: E402
 
 BENCHMARK = "qmoe_cpu"
 REFERENCE = "onnxruntime {} CPU QMoE"
@@ -300,6 +301,7 @@ def main(argv=None):
     stream_before = stream_read_bandwidth()
     print(f"  {stream_before:.1f} GB/s", flush=True)
     stream_after = None
+    host_load_decode = {}  # HostLoad.as_dict() of the decode timings
     E, H, I, K_TOP = SHAPES[args.shape]
     layout = args.layout
     attrs, tensors = make_layout_weights(layout, E, H, I)
@@ -374,7 +376,9 @@ def main(argv=None):
             rel["generic"] = max(rel.get("generic", 0.0), float(np.abs(ro - g).max() / np.abs(g).max()))
         runs = args.runs or ((7 if T > 1 else 64) if args.quick else (16 if T > 1 else 256))
         slow = {"generic"} if T > 1 else set()  # the generic prefill (seconds a call): its own, shorter blocks
+        meter = HostLoadMeter()
         med = time_blocks({k: f for k, f in fns.items() if k not in slow}, runs=runs)
+        load = meter.read()  # (the generic sides' own timings below are not decode figures)
         for k in slow:
             med[k] = time_blocks({k: fns[k]}, runs=2, blocks=1, warmup=1)[k]
         use_threads(cores)
@@ -397,6 +401,8 @@ def main(argv=None):
             stream_gbs = max(stream_before, stream_after)
             print(f"  streaming read after the decode timings: {stream_after:.1f} GB/s; the reference: "
                   f"{stream_gbs:.1f}", flush=True)
+            print(f"  host during the decode timings: {load.describe()}", flush=True)
+            host_load_decode = load.as_dict()
             nbytes = K_TOP * expert_bytes  # every decode input routes to K_TOP different experts
             figures.append({"name": "decode weight bandwidth vs measured DRAM streaming read bandwidth",
                             "value": nbytes / med["ours"] / 1e9, "unit": "GB/s",
@@ -408,7 +414,7 @@ def main(argv=None):
                             **{f"{k}_ratio": (b / med[k] / 1e9) / stream_gbs
                                for k, b in (("generic", nbytes), ("ort", nbytes),
                                             *((k, K_TOP * b) for k, b in compare_bytes.items()))
-                               if k in med}})
+                               if k in med}, **host_load_decode})
             print(f"  decode reads {nbytes / 1e6:.1f} MB: ours {nbytes / med['ours'] / 1e9:.1f} GB/s = "
                   f"{nbytes / med['ours'] / 1e9 / stream_gbs:.0%} of the {stream_gbs:.1f} GB/s streaming read"
                   + (f", onnxruntime {nbytes / med['ort'] / 1e9 / stream_gbs:.0%}" if "ort" in med else ""),
@@ -443,7 +449,7 @@ def main(argv=None):
               "numpy": np.__version__, "numba": numba.__version__, "onnxruntime": ort.__version__,
               "onnxruntime_refused": ort_error,
               "openblas_core": openblas_core(), "machine_details": machine_details(),
-              "stream_read_gbs_before": stream_before, "stream_read_gbs_after": stream_after,
+              "stream_read_gbs_before": stream_before, "stream_read_gbs_after": stream_after, **host_load_decode,
               "int4_table_kernels": bool(HAS_AVX512F),
               "kernel": {k: getattr(ours, k) for k in ("batched", "gemv_max_rows", "gemm_kc", "gemm_rows",
                                                        "gemm_cols", "gemv_prefetch_rows", "gemv_chunk_kb",

@@ -1,0 +1,50 @@
+"""benchmarks/host_load.py: the shares of the CPUs' time that other guests (steal) and other processes took while a
+benchmark timed something."""
+from __future__ import annotations
+
+import time
+from collections import namedtuple
+
+import pytest
+
+from benchmarks import host_load
+
+Machine = namedtuple("Machine", "user nice system idle iowait irq softirq steal guest guest_nice")
+Own = namedtuple("Own", "user system children_user children_system")
+
+
+def scripted(monkeypatch, machines, owns):
+    machines, owns = iter(machines), iter(owns)
+    monkeypatch.setattr(host_load.psutil, "cpu_times", lambda: next(machines))
+    monkeypatch.setattr(host_load.psutil, "Process", lambda: type("P", (), {"cpu_times": lambda self: next(owns)})())
+
+
+def test_the_shares_are_of_all_cpus_time_between_the_meter_and_the_read(monkeypatch):
+    # 100 CPU-seconds pass: 30 busy (user + system + irq + softirq; 5 of user were a guest's, counted in user
+    # already), 50 idle, 5 iowait, 15 stolen; this process used 12 of the 30
+    scripted(monkeypatch,
+             [Machine(100, 0, 50, 500, 10, 0, 0, 20, 3, 0), Machine(120, 0, 58, 550, 15, 1, 1, 35, 8, 0)],
+             [Own(10, 2, 0, 0), Own(19, 5, 0, 0)])
+    load = host_load.HostLoadMeter().read()
+    assert load.steal == pytest.approx(15 / 100)
+    assert load.others == pytest.approx((30 - 12) / 100)
+    assert load.as_dict() == {"host_steal_share": load.steal, "host_others_share": load.others}
+    assert load.describe() == "steal 15.0%, other processes 18.0% of the CPUs' time"
+
+
+def test_no_time_passed_reads_zero_and_this_process_alone_reads_no_others(monkeypatch):
+    same = Machine(100, 0, 50, 500, 10, 0, 0, 20, 0, 0)
+    scripted(monkeypatch, [same, same], [Own(1, 1, 0, 0), Own(1, 1, 0, 0)])
+    assert host_load.HostLoadMeter().read() == host_load.HostLoad(0.0, 0.0)
+    # all the busy time was ours (more than the machine's count, by the clocks' ticks): no negative share
+    scripted(monkeypatch, [same, same._replace(user=110, idle=600)], [Own(0, 0, 0, 0), Own(11, 0, 0, 0)])
+    assert host_load.HostLoadMeter().read() == host_load.HostLoad(0.0, 0.0)
+
+
+def test_on_this_machine_the_shares_are_fractions():
+    meter = host_load.HostLoadMeter()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:
+        pass
+    load = meter.read()
+    assert 0.0 <= load.steal <= 1.0 and 0.0 <= load.others <= 1.0
