@@ -140,6 +140,10 @@ def test_contention_rules():
     assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (240%)."]
     full = dict(calm, ram_available=5, top_ram=[{"name": "firefox", "rss": 3 << 30}])
     assert "firefox (3.0 GiB)" in check_sample(full)[0]
+    stolen = dict(calm, cpu_steal_share=0.25)
+    assert check_sample(stolen) == ["This virtual machine's host gives 25% of its CPU time to other guests (steal "
+                                    "time): the CPU's expert kernels run slower and less evenly."]
+    assert check_sample(dict(calm, cpu_steal_share=0.05)) == []
     gpu = dict(calm, gpu={"total": 80 << 30, "others": 20 << 30, "top": [{"name": "blender", "bytes": 20 << 30}]})
     assert "blender (20.0 GiB)" in check_sample(gpu)[0]
     watch = ThroughputWatch()

@@ -21,6 +21,7 @@ def test_the_probe_and_nvml_open_on_the_callers_thread_not_the_samplers(qtbot, m
         with qtbot.waitSignal(sampler.sampler.sampled, timeout=5000) as sampled:
             pass
         assert sampled.args[0]["gpu"] is None and sampled.args[0]["gpu_note"] == "no GPU here"
+        assert 0.0 <= sampled.args[0]["cpu_steal_share"] <= 1.0  # (a share of the CPUs' time; 0 off Linux)
         assert opened == [threading.get_ident()]  # the samples did not open it again
     finally:
         sampler.stop()

@@ -1,7 +1,8 @@
 """When something else on the machine slows the model down (no Qt here).
 
 Two kinds of warning, checked on every telemetry sample while the model generates:
-- other processes take a significant share of the CPU, of host memory or of VRAM (named);
+- other processes take a significant share of the CPU, of host memory or of VRAM (named), or, on a virtual
+  machine, the hypervisor gives a significant share of the CPUs' time to other guests (steal time);
 - the engine's measured CPU expert throughput (bytes of expert weights the CPU kernels read per
   second of their own time, during decode) falls clearly below what it measured at the start:
   the sign that something competes for memory bandwidth even when the CPU graph looks calm.
@@ -18,6 +19,7 @@ OTHERS_CPU_SHARE = 0.20       # other processes using this share of all cores...
 OTHERS_CPU_MIN_CORES = 0.5    # ...and at least half a core
 HOST_AVAILABLE_SHARE = 0.10   # less host memory available than this share of the total
 VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's memory
+CPU_STEAL_SHARE = 0.10        # a virtual machine's CPUs losing this share of their time to other guests
 THROUGHPUT_DROP = 0.50        # current / start below this: warn
 
 
@@ -46,6 +48,11 @@ def check_sample(sample: dict) -> list[str]:
         top = [p for p in sample.get("top_cpu", []) if p["cores"] >= 0.05]
         warnings.append(f"Other processes use {others:.1f} of {cores} CPU cores"
                         + ((": " + _names(top, _cpu)) if top else "") + ".")
+    steal = sample.get("cpu_steal_share", 0.0)
+    if steal >= CPU_STEAL_SHARE:
+        # nothing on this machine to name: the CPU kernels' threads wait for each other, so they slow by more
+        warnings.append(f"This virtual machine's host gives {steal:.0%} of its CPU time to other guests (steal "
+                        "time): the CPU's expert kernels run slower and less evenly.")
     total, available = sample.get("ram_total", 0), sample.get("ram_available", 0)
     if total and available < HOST_AVAILABLE_SHARE * total:
         top = sample.get("top_ram", [])

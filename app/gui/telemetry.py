@@ -23,6 +23,7 @@ class SystemProbe:
         self.me = psutil.Process()
         self.me.cpu_percent(None)
         psutil.cpu_percent(None, percpu=True)
+        psutil.cpu_times_percent(None)  # (primes the steal share: its own counter, not cpu_percent's)
         self.cores = psutil.cpu_count() or 1
         self.nvml = Nvml() if nvml else None
         self._procs: dict[int, psutil.Process] = {}
@@ -68,6 +69,7 @@ class SystemProbe:
 
     def sample(self) -> dict:
         per_core = psutil.cpu_percent(None, percpu=True)
+        steal = getattr(psutil.cpu_times_percent(None), "steal", 0.0) / 100.0  # (Linux only)
         memory = psutil.virtual_memory()
         try:
             rss = self.me.memory_info().rss
@@ -86,7 +88,7 @@ class SystemProbe:
         return {
             "t": time.monotonic(), "wall": time.time(),
             "cpu_per_core": per_core, "cpu_total": sum(per_core) / max(1, len(per_core)),
-            "this_cpu_cores": this_cpu, "others_cpu_cores": others_cpu,
+            "this_cpu_cores": this_cpu, "others_cpu_cores": others_cpu, "cpu_steal_share": steal,
             "ram_total": memory.total, "ram_available": memory.available, "ram_this": rss,
             "ram_others": max(0, memory.total - memory.available - rss),
             "top_cpu": top_cpu, "top_ram": top_ram, "gpu": gpu, "gpu_note": note,
