@@ -177,7 +177,7 @@ class PartitionedDecoder:
         before = clock()
         waiting = launched = None  # a layer whose host part is left until the next one is launched, and that one
         behind = False  # whether work is queued behind the waiting layer's merge
-        finished = []  # the layers finished through _finish, whose merges waited for their gates
+        finished = []  # the "both" layers finished on this thread, whose merges may have waited for their gates
         try:
             for runner in self.steps:  # one clock reading per runner: its end is the next one's start
                 if isinstance(runner, DenseSegment):
@@ -197,6 +197,8 @@ class PartitionedDecoder:
                     result = None if launched is None else launched.result_ahead
                     if launched is None:
                         values[runner.info.output] = runner.run(values)
+                        if getattr(runner, "last_split", None) is not None:  # a "both" step, finished in run()
+                            finished.append(runner.last_split)
                     elif result is not None:
                         values[runner.info.output], waiting = result, launched
                     else:  # its merge is queued by its host part: nothing may be launched behind it
@@ -220,12 +222,13 @@ class PartitionedDecoder:
     def _run_steps_beside(self, values: dict, state: DecoderState, worker) -> tuple[float, float, bool]:
         """_run_steps with each "both" layer's host part handed to the worker (its merge waits on the GPU for the
         worker's gate, so the next dense segment and layer are launched at once); returns as _run_steps, `late` where
-        a gated merge gave up waiting for the worker. A layer the worker cannot take, or that does not split, runs
+        a gated merge gave up waiting for the worker or for this thread. A layer the worker cannot take, or that does not split, runs
         here once the worker's jobs are done (its CPU kernels would otherwise share the cores with the worker's)."""
         dense = experts = 0.0
         clock = time.perf_counter
         before = clock()
         taken = []
+        here = []  # the "both" layers finished on this thread (the worker could not take them)
         ran_here = False  # whether a layer ran on this thread (its CPU kernels: this thread's OpenMP pool)
         step = None  # a layer launched and neither taken nor finished yet
         try:
@@ -248,6 +251,9 @@ class PartitionedDecoder:
                         worker.drain()
                         self._collect(worker)
                         values[runner.info.output] = runner.run(values) if step is None else step.finish_alone()
+                        step = step or getattr(runner, "last_split", None)  # a "both" step, finished here
+                        if step is not None:
+                            here.append(step)
                     step = None
                     if taken:
                         taken[-1].node.engine.settle()  # earlier layers' accounts, whose launches are done
@@ -265,7 +271,8 @@ class PartitionedDecoder:
         self._worker_took = bool(taken)
         self._give_pool_back(ran_here)
         # (the logits are on the host: every merge has run)
-        return dense, experts, any(step.store.split_gate_failed(step.pending) for step in taken)
+        return dense, experts, (any(step.store.split_gate_failed(step.pending) for step in taken)
+                                or any(step.gave_up for step in here))
 
     def _hand_pool_over(self) -> None:
         """A step's first layer handed to the worker where the step before handed it none (a switch to "both", a

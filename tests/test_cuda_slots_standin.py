@@ -459,6 +459,10 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
     merges = [(getattr(store.gpu, "gated_merges", 0), getattr(store.gpu, "merge_sums", 0)) for store in engine.stores]
     # (a layer's first launch merges after the CPU's part: its host may compile for longer than the gate waits)
     assert merges == [(steps - 1, 1) if gated else (0, steps)] * SPEC.layers
+    # each layer's run() left the decoder its step, whose merge did not give up (the decoder asks after each step)
+    nodes = [runner for runner in model.decoder.steps if hasattr(runner, "last_split")]
+    assert len(nodes) == SPEC.layers and all(node.last_split is not None and not node.last_split.gave_up
+                                             for node in nodes)
     assert totals.misses_cpu > 0 and totals.misses_read > 0 and engine.stats.phases["decode"].cpu_s > 0
     assert totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))

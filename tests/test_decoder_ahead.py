@@ -87,6 +87,9 @@ class FakeNode:
 
     def run(self, values):
         self.log.append(("run", self.name, _read(values[self.source])))
+        # (HybridExpertNode.run: the "both" step it finished, whose merge the decoder asks about after the step)
+        self.last_split = FakeStep(self, values[self.source], self.gated, self.late, self.gave_up) if self.both \
+            else None
         return _read(values[self.source]) + 10
 
 
@@ -212,6 +215,18 @@ def test_a_late_gate_with_work_behind_it_or_a_merge_that_gave_up_runs_the_step_a
     assert log[-5:] == [("run", "dense0", 0.0), ("run", "node0", 1.0), ("run", "dense1", 11.0),
                         ("run", "node1", 12.0), ("run", "dense2", 22.0)]
     assert ("finish", "node0", True) in log[:-5]
+
+
+def test_without_launch_ahead_a_step_whose_merge_gave_up_in_a_layers_run_runs_again(monkeypatch):
+    log = []
+    runners = layers(log, 2)
+    runners[3].gave_up = True  # node1's run(): its merge gave up, though its gate was judged in time
+    model = make_decoder(runners)
+    monkeypatch.setattr(decoder, "launch_ahead", False)
+    logits = model.forward(FakeState(), [5])
+    assert float(logits.ravel()[0]) == 23.0 and model.steps_run_again == 1
+    assert [entry[:2] for entry in log] == [("run", "dense0"), ("run", "node0"), ("run", "dense1"), ("run", "node1"),
+                                            ("run", "dense2")] * 2
 
 
 def test_a_late_gate_with_nothing_behind_it_is_left_to_the_layer(monkeypatch):

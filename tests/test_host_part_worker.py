@@ -323,6 +323,19 @@ def test_a_layer_the_worker_does_not_take_runs_here_after_a_drain():
     assert model.layers_beside == 1
 
 
+@pytest.mark.parametrize("gave_up", [False, True])
+def test_a_layer_run_here_whose_merge_gave_up_makes_the_step_run_again(gave_up):
+    """Its merge waited for this thread's gate; the device's word says whether it gave up (read after the step)."""
+    log = []
+    runners = decoder_layers(log, 2)
+    runners[3].fake.gave_up = gave_up
+    model = make_decoder(runners)
+    model.layers_beside = 0
+    _dense, _experts, late = model._run_steps_beside({"h0": 0}, None,
+                                                    FakeWorker(log, accepts=lambda step: step.node.name != "node1"))
+    assert late == gave_up
+
+
 def test_the_engine_thread_gives_its_openmp_pool_back_after_a_step_that_left_every_part_to_the_worker(monkeypatch):
     """Two pools beside each other throttle both (kernels/cpu/omp_pool.py): once the worker took layers in the step
     before, a step whose layers all went to the worker gives this thread's pool back after it; a step that ran a layer

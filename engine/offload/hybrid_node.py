@@ -33,6 +33,7 @@ class HybridExpertNode:
         self.layer = layer
         self.engine = engine
         self.last_decision = None  # the miss policy's latest MissDecision (tests, diagnostics)
+        self.last_split: SplitStep | None = None  # the "both" step the latest run() finished, else None (the decoder)
         self._flops_per_token = 2 * self._weights_per_expert()
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
         self._out_view: np.ndarray | None = None  # ... and the view of it returned (fp16 models: a kept fp16 copy)
@@ -61,13 +62,15 @@ class HybridExpertNode:
         engine, layer = self.engine, self.layer
         store = engine.stores[layer]
         approximating = engine.approximating
+        self.last_split = None
         held = store is not None and store.holds(x)  # the inputs lie in the device's memory
         if held:
             if not approximating and engine.slots[layer].all_resident:
                 return self._run_resident(store, x, logits, router_weights)  # every expert on the device
             table = self._split_table(store, x)
             if table is not None:
-                return self._run_split(store, x, logits, router_weights, table).finish_alone()
+                self.last_split = self._run_split(store, x, logits, router_weights, table)
+                return self.last_split.finish_alone()
             if (not approximating and engine.reads_tier and store.reads_cold
                     and x.size <= spec.hidden_size * engine.config.async_max_tokens):
                 # a decode step whose cold experts the GPU reads from the host tier alone
