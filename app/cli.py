@@ -304,7 +304,9 @@ def _cmd_record(args) -> int:
             t = record.timings
             print(f"{scenario}: run {run_id}: load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
                   f"decode {t['decode_tokens_per_s'] or 0:.1f} tok/s, completion {t['completion_s']:.2f} s, "
-                  f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB")
+                  f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB; CPU time taken by other processes "
+                  f"{record.host_load['host_others_share']:.0%}, by the VM's host "
+                  f"{record.host_load['host_steal_share']:.0%}")
     if args.json:
         print(json.dumps([r.to_dict() for r in records], indent=2))
     return 0

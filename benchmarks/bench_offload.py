@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_overhead import instrument, profile_steps, summarise  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     median_seconds, model_folder, stream_read_bandwidth, write_result, written_model)
-from benchmarks.host_load import HostLoad, HostLoadMeter  # noqa: E402
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.errors import WorkbenchError  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
+from engine.host_load import HostLoad, HostLoadMeter  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402

@@ -63,7 +63,7 @@ from kernels.cpu import CpuQMoE  # noqa: E402
 from kernels.cpu.simd import HAS_AVX512F  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
 from benchmarks.common import ROOT, stream_read_bandwidth, write_result  # noqa: E402
-from benchmarks.host_load import HostLoadMeter  # noqa: E402
+from engine.host_load import HostLoadMeter  # noqa: E402
 
 BENCHMARK = "qmoe_cpu"
 REFERENCE = "onnxruntime {} CPU QMoE"

@@ -17,5 +17,5 @@ def test_the_decode_figure_reads_against_the_larger_of_two_streaming_reads(monke
     assert decode["reference_value"] == 55.0
     assert decode["value"] > 0 and decode["ratio"] == pytest.approx(decode["value"] / 55.0)
     assert "before and after the decode timings" in decode["reference"]
-    # what else used the CPUs meanwhile (benchmarks/host_load.py), beside the figure
+    # what else used the CPUs meanwhile (engine/host_load.py), beside the figure
     assert 0.0 <= decode["host_steal_share"] <= 1.0 and 0.0 <= decode["host_others_share"] <= 1.0

@@ -1,4 +1,4 @@
-"""benchmarks/host_load.py: the shares of the CPUs' time that other guests (steal) and other processes took while a
+"""engine/host_load.py: the shares of the CPUs' time that other guests (steal) and other processes took while a
 benchmark timed something."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import namedtuple
 
 import pytest
 
-from benchmarks import host_load
+from engine import host_load
 
 Machine = namedtuple("Machine", "user nice system idle iowait irq softirq steal guest guest_nice")
 Own = namedtuple("Own", "user system children_user children_system")

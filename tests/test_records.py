@@ -51,6 +51,9 @@ def test_record_has_what_a_user_decides_with(short_record):
     assert len(r.layers) == 2 and {"hits", "misses", "hit_rate"} <= set(r.layers[0])
     assert r.turns[0]["prompt"].startswith("In two sentences") and isinstance(r.turns[0]["answer"], str)
     assert r.turns[0]["generated_tokens"] == len(r.turns[0]["tokens"]) >= 1
+    # what else used the CPUs meanwhile: shares of all CPUs' time
+    assert set(r.host_load) == {"host_steal_share", "host_others_share"}
+    assert all(0.0 <= share <= 1.0 for share in r.host_load.values())
 
 
 def test_a_run_waits_for_the_models_background_work(simulated_model):
@@ -165,6 +168,12 @@ def test_simulated_record_carries_the_projection(short_record, simulated_model):
     assert "projected" not in detail_html(RunRecord.from_dict(old))
     rows = {row[0]: row for row in compare_rows(RunRecord.from_dict(old), short_record)}
     assert rows["projected completion"][1] == "—" and rows["projected completion"][2] == fmt(projected["completion_s"], "s")
+    # a record written before the host load was measured reads with none, and compares as "—"
+    older = {k: v for k, v in old.items() if k != "host_load"}
+    assert RunRecord.from_dict(older).host_load == {}
+    steal = fmt(short_record.host_load["host_steal_share"], "%")
+    rows = {row[0]: row for row in compare_rows(RunRecord.from_dict(older), short_record)}
+    assert rows["CPU time the VM's host took (steal)"][1:3] == ("—", steal)
 
 
 def test_history_write_read_filter_export(short_record, tmp_path):

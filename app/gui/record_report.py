@@ -24,6 +24,9 @@ METRICS = (
     ("process RSS peak", lambda r: r.peaks.get("rss_bytes"), "bytes", True),
     ("bytes copied to the device", lambda r: r.bytes_moved, "bytes", True),
     ("expert hit rate", lambda r: hit_rate(r), "%", False),
+    # what else used the CPUs during the run (a run beside other work, or on a busy virtual machine's host)
+    ("CPU time other processes took", lambda r: r.host_load.get("host_others_share"), "%", True),
+    ("CPU time the VM's host took (steal)", lambda r: r.host_load.get("host_steal_share"), "%", True),
 )
 
 

@@ -11,6 +11,7 @@ import psutil
 
 from engine.errors import PromptError
 from engine.generation import Conversation, GenerationParams, LoadedModel
+from engine.host_load import HostLoadMeter
 from engine.kernel_warmup import warm_cpu_kernels
 from engine.offload.projection import is_simulated, project_run
 from engine.nvml import Nvml
@@ -140,6 +141,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)
     started = time.perf_counter()
+    meter = HostLoadMeter()
     with PeakSampler(device) as peaks:
         for index, text in enumerate(turns_text):
             if cancel is not None and cancel.is_set():
@@ -155,6 +157,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
             if progress:
                 progress((index + 1) / len(turns_text))
     completion = time.perf_counter() - started
+    host_load = meter.read()
     decode_s = sum(t["timings"]["decode_s"] for t in turns)
     decoded = sum(max(0, t["generated_tokens"] - 1) for t in turns)
     stats = model.offload.stats_dict() if model.offload is not None else None
@@ -181,4 +184,5 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
                "pinned_bytes": pinned_bytes(model)},
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,
         turns=turns, approximate_routing=bool(model.offload and model.offload.config.approximate_routing),
+        host_load=host_load.as_dict(),
         routing_agreement=sum(agreements) / len(agreements) if agreements else None, label=label)

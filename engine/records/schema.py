@@ -31,6 +31,9 @@ class RunRecord:
     bytes_moved: int = 0
     turns: list[dict] = field(default_factory=list)   # prompt, answer, tokens and timings per turn
     approximate_routing: bool = False
+    # what else used the CPUs during the run (engine/host_load.py): host_steal_share, host_others_share; empty in
+    # records written before it existed
+    host_load: dict = field(default_factory=dict)
     routing_agreement: float | None = None
     label: str = ""
     schema_version: int = SCHEMA_VERSION

@@ -1,10 +1,11 @@
-"""What else used this machine's CPUs while a benchmark timed something: the share of the CPUs' time the hypervisor
-gave other guests (steal, /proc/stat; a virtual machine's only view of a busy host) and the share that processes other
-than this one used. On the H200 machine the node and goal-table figures moved by several times within minutes
-(RESULTS.md, forty-eighth session) with nothing in the results to tell a disturbed run from a quiet one.
+"""What else used this machine's CPUs while something was timed (a run record, a benchmark): the share of the CPUs'
+time the hypervisor gave other guests (steal, /proc/stat; a virtual machine's only view of a busy host) and the share
+that processes other than this one used. On the H200 machine the benchmarks' figures moved by several times within
+minutes (benchmarks/RESULTS.md, forty-eighth session) with nothing in the results to tell a disturbed run from a quiet
+one; a user comparing two runs' records has the same question.
 
     meter = HostLoadMeter()
-    ...                       # the timings
+    ...                       # the run, or the timings
     load = meter.read()       # HostLoad(steal=..., others=...), shares of the CPUs' time since the meter was made
 """
 
