@@ -271,8 +271,7 @@ class PartitionedDecoder:
         self._worker_took = bool(taken)
         self._give_pool_back(ran_here)
         # (the logits are on the host: every merge has run)
-        return dense, experts, (any(step.store.split_gate_failed(step.pending) for step in taken)
-                                or any(step.gave_up for step in here))
+        return dense, experts, any(step.gave_up for step in taken + here)
 
     def _hand_pool_over(self) -> None:
         """A step's first layer handed to the worker where the step before handed it none (a switch to "both", a

@@ -233,7 +233,6 @@ class Node:
         step = self.fake.launch_ahead(values)
         if step is not None:
             step.node = self
-            step.store = SimpleNamespace(split_gate_failed=lambda pending: False)
             step.pending = None
         return step
 

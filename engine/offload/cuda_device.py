@@ -599,7 +599,7 @@ class CudaSlots:
         published.set_cpu_take(cpu_take, dense)
         split.start.record(dense)
         self.gpu.relaunch_split(graph, published, dense)
-        split.stream, split.launched_at = dense, time.perf_counter()
+        split.stream, split.launched_at, split.merged_again = dense, time.perf_counter(), False
         return split
 
     @_on_compute_stream
@@ -632,7 +632,7 @@ class CudaSlots:
                                       timeout_s=GATE_TIMEOUT_S)
             split.stream = compute
             if split.merge is not None:
-                split.launched_at = time.perf_counter()
+                split.launched_at, split.merged_again = time.perf_counter(), False
                 if dense is not None:
                     dense.wait_event(compute.record(self._ordering))
         return split
@@ -678,7 +678,6 @@ class CudaSlots:
                 published.part.fill(0.0)
             published.open_gate()
             pending.gate_late = time.perf_counter() - pending.launched_at > GATE_TIMEOUT_S / 2  # may have given up
-            pending.merged_again = False
             if pending.gate_late and not ahead:
                 self._merge_again_if_gate_failed(pending)
             return pending.merge.result(like.shape), (pending.start, pending.stop)
@@ -736,9 +735,8 @@ class CudaSlots:
         paused host): once the merge has run, if it gave up (it left the GPU's part alone), the CPU's part is added
         by merge_sum, as without the gate, in stream order before the next dense segment."""
         pending.stream.synchronize()  # the stream the launch, and its merge, went to
-        published = pending.published
-        if published.gate_failed() == published.launched & 0xFFFFFFFF:
-            self._merge_after(pending, pending.merge, published.part)
+        if self.split_gate_failed(pending):
+            self._merge_after(pending, pending.merge, pending.published.part)
             pending.merged_again = True
 
     @_on_compute_stream

@@ -127,7 +127,7 @@ class SplitBuffers:
         self.merge = None  # the step's MergeBuffers where its merge was queued at the launch (the gated merge)
         self.launched_at = 0.0  # perf_counter at the gated merge's launch
         self.gate_late = False  # the latest gate raised after the merge may have stopped waiting (merge_split)
-        self.merged_again = False  # the latest sum made again after its gated merge gave up (merge_split)
+        self.merged_again = False  # the latest launch's sum made again after its gated merge gave up (merge_split)
         self.routing_wait_s = 0.0  # the host's wait for the latest routing (split_routing; 0 where it was there)
         self.stream = None  # the stream of the latest launch (the compute stream, or the dense part's: launch_split)
 
