@@ -36,7 +36,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.trace_routing import TraceRouting  # noqa: E402
 from engine.errors import WorkbenchError  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
-from engine.host_load import HostLoad, HostLoadMeter  # noqa: E402
+from engine.host_load import HostLoadMeter  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
@@ -414,11 +414,12 @@ def main() -> None:
         others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
         if others:  # a Python thread beside the timed decode competes for the interpreter (NOTES-overhead.md)
             print(f"{fraction:4.0%}: other Python threads alive: {', '.join(others)}", flush=True)
-        repeats = []
+        repeats, loads = [], []
         for _ in range(args.repeats):
             meter = HostLoadMeter()
             rate, step_rows = decode(model, short_prompt, args.decode_tokens, warmup=args.decode_warmup)
             load = meter.read()
+            loads.append(load)
             stats, profile = model.offload.stats.totals(), model.decoder.profile
             h = stats.hit_rate
             dense_per_token = profile["dense_s"] / profile["steps"]
@@ -532,9 +533,8 @@ def main() -> None:
               + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
                  if model.offload.copy_reuse.value is not None else ""),
               flush=True)
-        busiest = max(repeats, key=lambda r: r["host_steal_share"] + r["host_others_share"])
-        print("       host during the decode timings (the busiest repeat): "
-              + HostLoad(busiest["host_steal_share"], busiest["host_others_share"]).describe(), flush=True)
+        busiest = max(loads, key=lambda load: load.steal + load.others)
+        print(f"       host during the decode timings (the busiest repeat): {busiest.describe()}", flush=True)
         for placement, fig in traced.items():
             print(f"       realistic routing trace (measured), {placement} placement: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
