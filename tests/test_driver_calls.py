@@ -5,6 +5,7 @@ pack_device.stage_numpy). The GPU half is tests/test_gpu_driver_copies.py (marke
 from __future__ import annotations
 
 import ctypes
+import gc
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +20,10 @@ from kernels.qmoe_spec import QMoESpec
 from tests.qmoe_oracle import make_case
 
 STREAM = 0x5150
+# Every stand-in made, kept for the process. DriverCalls keeps only its functions' addresses (libcuda is never
+# unloaded), so a stand-in collected while an issuer over it lives would leave that issuer calling freed ctypes
+# thunks: the crash CI saw when a test passed StandInDriver(...) straight to _issuer.
+_STAND_INS: list = []
 
 
 class StandInDriver:
@@ -27,6 +32,7 @@ class StandInDriver:
     copy (host memory stands in for the device's)."""
 
     def __init__(self, memcpy_status=0, launch_status=0, pack_expert=True, batch=None, batch_status=0):
+        _STAND_INS.append(self)
         self.memcpy_status, self.launch_status, self.batch_status = memcpy_status, launch_status, batch_status
         self.pack_expert = pack_expert  # the launches are pack_expert's: read its six arguments
         self.copies, self.launches, self.batches = [], [], []
@@ -156,6 +162,17 @@ def test_a_refused_call_names_itself_and_the_cuda_result():
         _issuer(driver, staging).issue(GpuQMoE._host_copies(plans), 0, 0, -1)
     assert (raised.value.call, raised.value.status) == ("cuLaunchKernel", 700)
     assert len(driver.copies) == len(GpuQMoE._host_copies(plans))  # the copies went first
+
+
+def test_an_issuer_over_a_stand_in_nobody_else_holds_still_calls_it():
+    plans = _plans()
+    staging = np.zeros(sum(plan.nbytes for plan in plans), np.uint8)
+    issuer = _issuer(StandInDriver(), staging)
+    gc.collect()
+    later = StandInDriver()  # its thunks would take the freed ones' places
+    issuer.issue(GpuQMoE._host_copies(plans), 2, 0, -1)
+    assert later.copies == [] and later.launches == []
+    assert _STAND_INS[-2].copies and staging.tobytes() == stage_numpy(plans, 2).tobytes()
 
 
 def test_the_driver_calls_are_made_once_per_process():
