@@ -44,7 +44,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
-    gen.add_argument("--threads", type=int, help="CPU threads for expert kernels (default: all cores)")
+    gen.add_argument("--threads", type=int, help="CPU threads for expert kernels (default: automatic, every core "
+                                                 "less those other processes keep busy)")
     _add_device_arguments(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per answer: prompt_tokens, tokens, text, timings")
@@ -220,6 +221,8 @@ def _cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
     config, device = _offload_setup(args)
+    if config is not None and args.threads and not config.cpu_threads:  # the offload engine sets the threads then
+        config = config.updated(cpu_threads=args.threads)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,
                              layer_split=args.layer_split, decode_path=args.decode_path)
     binding = binding_warning()

@@ -17,6 +17,7 @@ from engine.decoder_state import DecoderState
 from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, run_bound
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode, ExpertNodeInfo
+from engine.kernel_threads import KernelThreads
 from engine.onnx_file import OnnxFile
 from engine.offload import host_part_worker as worker_module
 from engine.ort_env import CPU_DENSE, DenseDevice, dense_step_lock, session_options
@@ -74,6 +75,9 @@ class PartitionedDecoder:
                 # every cut tensor but the logits is read within the step only: its buffer can be reused
                 segment.bindings.fresh = {logits_name}
                 self.steps.append(segment)
+        # `threads`, or (None) automatic: every core less those other processes keep busy, moved at each step's end
+        self.kernel_threads = KernelThreads([runner for runner in self.steps if isinstance(runner, CpuExpertNode)],
+                                            threads or 0)
         if dense is not None:
             self.open_dense(dense)
 
@@ -153,6 +157,7 @@ class PartitionedDecoder:
         state.advance(len(token_ids))
         if self.on_step_end is not None:
             self.on_step_end(time.perf_counter() - started, len(token_ids))
+        self.kernel_threads.step_ended()
         profile = self.profile
         profile["steps"] += 1
         profile["dense_s"] += dense

@@ -71,7 +71,7 @@ def test_chat_reads_more_turns_and_reuses_the_cache():
     assert len(turns[1]["prompt_tokens"]) < len(turns[0]["prompt_tokens"]) + len(turns[0]["tokens"]) + 10
 
 
-def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits():
+def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits_and_keeps_threads():
     from engine.model_folder import ModelFolder
     from engine.offload.planner import all_resident_bytes
 
@@ -79,9 +79,11 @@ def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits():
     experts = ModelFolder.open(folder).experts
     budget = all_resident_bytes(experts) // 2  # half the experts resident: misses, spare slots, copies
     result = run_cli("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "12", "--json",
-                     "--device", "simulated", "--offload", f"device_expert_bytes={budget}")
+                     "--device", "simulated", "--offload", f"device_expert_bytes={budget}", "--threads", "1")
     assert result.returncode == 0, result.stderr
     offload = json.loads(result.stdout)["offload"]
+    # --threads holds with an offload configuration that leaves cpu_threads automatic
+    assert offload["cpu_threads"]["cpu_threads_in_force"] == 1 and not offload["cpu_threads"]["cpu_threads_automatic"]
     assert len(offload["miss_slots"]) == len(experts)
     assert all(0 <= kept <= info.spec.num_experts // 2 for kept, info in zip(offload["miss_slots"], experts))
     reuse = offload["later_hits_per_copy"]

@@ -10,6 +10,7 @@ import pytest
 from engine import decoder
 from engine.decoder import PartitionedDecoder
 from engine.dense_segment import DenseSegment
+from engine.kernel_threads import KernelThreads
 
 
 class FakeDense(DenseSegment):
@@ -99,6 +100,7 @@ def make_decoder(runners) -> PartitionedDecoder:
     model.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
     model.steps_run_again = model.layers_ahead = model.layers_beside = 0
     model._pool_here, model._worker_took = True, False
+    model.kernel_threads = KernelThreads([], 1)  # no CPU kernels to set
     return model
 
 

@@ -919,11 +919,13 @@ class _SleepingSegment(dense_segment.DenseSegment):
 
 def _decoder_on(device_id: int, segments: list):
     from engine.decoder import PartitionedDecoder
+    from engine.kernel_threads import KernelThreads
 
     decoder = PartitionedDecoder.__new__(PartitionedDecoder)  # the step loop alone: no model behind it
     decoder.dense = ort_env.DenseDevice("cuda", "a test's stand-in", device_id)
     decoder.steps, decoder.logits_name, decoder.on_step_end = segments, "logits", None
     decoder.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
+    decoder.kernel_threads = KernelThreads([], 1)  # no CPU kernels to set
     return decoder
 
 

@@ -18,7 +18,7 @@ from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
 
 from app.gui.main_window import MainWindow  # noqa: E402
-from app.gui.placement_view import copies_text  # noqa: E402
+from app.gui.placement_view import copies_text, threads_text  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 120_000
@@ -499,6 +499,14 @@ def test_moe_workbench_without_arguments_opens_the_window_on_the_demo(qtbot, tmp
     assert app.desktopFileName() == "moe-workbench"
     app.setApplicationName(names[0])
     app.setOrganizationName(names[1])
+
+
+def test_the_summary_says_when_the_automatic_thread_count_left_cores_to_other_processes():
+    state = {"cpu_threads_in_force": 6, "cpu_threads_automatic": True, "cores": 8, "others_busy_cores": 2.14}
+    assert threads_text(state) == "CPU experts on 6 of 8 threads: other processes keep 2.1 cores busy"
+    assert threads_text({**state, "cpu_threads_in_force": 8}) == ""  # every core
+    assert threads_text({**state, "cpu_threads_automatic": False}) == ""  # a count the user chose
+    assert threads_text({}) == ""  # a record of a version before it
 
 
 def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():

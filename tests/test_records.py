@@ -54,6 +54,9 @@ def test_record_has_what_a_user_decides_with(short_record):
     # what else used the CPUs meanwhile: shares of all CPUs' time
     assert set(r.host_load) == {"host_steal_share", "host_others_share"}
     assert all(0.0 <= share <= 1.0 for share in r.host_load.values())
+    # the CPU kernels' threads at the end of the run: automatic, at most every core
+    threads = r.offload["cpu_threads"]
+    assert threads["cpu_threads_automatic"] and 1 <= threads["cpu_threads_in_force"] <= threads["cores"]
 
 
 def test_a_run_waits_for_the_models_background_work(simulated_model):

@@ -111,7 +111,7 @@ class BudgetPanel(QWidget):
         self.cpu_execution.addItems(["auto", "enabled", "disabled"])
         self.threads = QSpinBox()
         self.threads.setRange(0, 1024)
-        self.threads.setSpecialValueText("all cores")
+        self.threads.setSpecialValueText("automatic")
         self.wave = QSpinBox()
         self.wave.setRange(1, 4096)
         self.layer_split = QComboBox()
@@ -185,7 +185,8 @@ class BudgetPanel(QWidget):
                  self.placement)
         f.addRow(_label("CPU execution", "cpu_execution: cold experts computed on the CPU (auto/enabled) or copied in (disabled)"),
                  self.cpu_execution)
-        f.addRow(_label("CPU threads", "cpu_threads for the CPU expert kernels; 0 = all cores; changes without reload"), self.threads)
+        f.addRow(_label("CPU threads", "cpu_threads for the CPU expert kernels; 0 = automatic: every core less "
+                                       "those other processes keep busy; changes without reload"), self.threads)
         f.addRow(_label("Prefill wave", "prefill_wave_experts: cold experts streamed to the device per wave in prefill"), self.wave)
         f.addRow(_label("Layer split", SPLIT_TIP), self.layer_split)
         f.addRow(_label("Cold experts", PATH_TIP), self.decode_path)

@@ -226,6 +226,15 @@ def copies_text(copies: dict) -> str:
     return ", ".join(parts)
 
 
+def threads_text(threads: dict) -> str:
+    """'CPU experts on 6 of 8 threads: other processes keep 2.1 cores busy' where the automatic thread count
+    (engine/kernel_threads.py) left cores to other processes; '' otherwise."""
+    if not threads.get("cpu_threads_automatic") or threads["cpu_threads_in_force"] >= threads["cores"]:
+        return ""
+    return (f"CPU experts on {threads['cpu_threads_in_force']} of {threads['cores']} threads: other processes keep "
+            f"{threads['others_busy_cores']:.1f} cores busy")
+
+
 def _cpu_share(path: dict) -> str:
     """' (up to 4 of 8 when all are cold, the CPU's parts at 65 GB/s, after 190 µs of host work a layer)': the CPU's
     share under the decode path "both", and the CPU's measured rate and the host's measured work between two such
@@ -325,6 +334,9 @@ class PlacementView(QWidget):
         copies = copies_text(data.get("copies") or {})
         if copies:
             parts.append(copies)
+        threads = threads_text((data.get("copies") or {}).get("cpu_threads") or {})
+        if threads:
+            parts.append(threads)
         parts.append(f"{swaps} swaps")
         if self.pinned:
             parts.append(f"pinned ring {human_bytes(self.pinned['bytes'])}, "

@@ -13,7 +13,8 @@ def attach_offload(decoder, config: OffloadConfig, device, layer_split: str | No
     from engine.offload.hybrid_node import HybridExpertNode
 
     positions = [i for i, step in enumerate(decoder.steps) if isinstance(step, CpuExpertNode)]
-    engine = OffloadEngine([decoder.steps[i] for i in positions], config, device, layer_split, decode_path)
+    engine = OffloadEngine([decoder.steps[i] for i in positions], config, device, layer_split, decode_path,
+                           decoder.kernel_threads)
     for layer, position in enumerate(positions):
         decoder.steps[position] = HybridExpertNode(decoder.steps[position], layer, engine)
     decoder.on_step_end = engine.end_step

@@ -38,7 +38,7 @@ class OffloadConfig:
     device_working_bytes: int | None = None
     host_working_bytes: int | None = None
     allow_file_backing: bool = True
-    cpu_threads: int = 0                    # 0 = all cores
+    cpu_threads: int = 0                    # 0 = automatic (engine/kernel_threads.py)
     async_max_tokens: int = 8
     prefill_wave_experts: int = 8
     node_overrides: dict[str, NodeOverride] = field(default_factory=dict)

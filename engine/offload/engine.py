@@ -15,7 +15,7 @@ import numpy as np
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
-from engine.ort_env import cpu_threads
+from engine.kernel_threads import KernelThreads
 from engine.offload.config import OffloadConfig
 from engine.offload import decode_path as paths
 from engine.offload.decode_path import (BOTH, CPU, TIER, DecodePathTrials, HostGap, TierReadRate, checked_path,
@@ -72,8 +72,10 @@ SETTLE_PER_LAYER = 2
 
 class OffloadEngine:
     def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None,
-                 decode_path: str | None = None):
+                 decode_path: str | None = None, kernel_threads: KernelThreads | None = None):
         self.runners = runners
+        # the runners' CPU kernel threads (cpu_threads; 0: automatic): the decoder's, whose safe points move them
+        self.kernel_threads = kernel_threads if kernel_threads is not None else KernelThreads(runners)
         self.infos = [runner.info for runner in runners]
         self.device = device
         self.host_cache = HostExpertCache(runners[0].source if runners else None, self.infos,
@@ -255,7 +257,7 @@ class OffloadEngine:
         what it prices the CPU's misses at (CpuRate: bytes per second of a miss, None until measured, and seconds
         per kernel call, 0 until fitted); whether adaptive placement's swaps are paused for earning too few hits
         (None: another placement); the layer split and the decode path, each with its trials' state (and under
-        "both", the CPU's share of the cold pairs)."""
+        "both", the CPU's share of the cold pairs); the CPU kernels' threads (KernelThreads.state)."""
         judge = getattr(self.policy, "judge", None)  # adaptive placement's: whether its swaps pay (swap_judge.py)
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
                 "placement": None if judge is None else judge.state(),
@@ -265,7 +267,8 @@ class OffloadEngine:
                                 **self.split_trials.state()},
                 "decode_path": {"mode": self.decode_path_mode, "in_force": self.decode_path_in_force,
                                 "host_tier": self._host_tier, "cold_split": self._cold_split_state(),
-                                **self.path_trials.state()}}
+                                **self.path_trials.state()},
+                "cpu_threads": self.kernel_threads.state()}
 
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
@@ -298,9 +301,8 @@ class OffloadEngine:
             runner.set_file_backing(self.config.allow_file_backing)
 
     def _apply_cpu_threads(self) -> None:
-        """cpu_threads (0 = all cores) for the CPU expert kernels; takes effect at the next step."""
-        for runner in self.runners:
-            runner.kernel.num_threads = self.config.cpu_threads or cpu_threads()
+        """cpu_threads for the CPU expert kernels (0: automatic, engine/kernel_threads.py); from the next step on."""
+        self.kernel_threads.request(self.config.cpu_threads)
 
     def _plan(self, config: OffloadConfig) -> OffloadPlan:
         """Reserve the staging ring, then plan the slots in what the device has left."""

@@ -109,12 +109,15 @@ def pinned_bytes(model: LoadedModel) -> int | None:
 
 
 def offload_description(model: LoadedModel, device) -> dict:
+    """Where the experts ran, and the CPU kernels' threads at the end of the run (engine/kernel_threads.py)."""
+    threads = model.decoder.kernel_threads.state()
     if model.offload is None:
-        return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU."}
+        return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU.", "cpu_threads": threads}
+    state = model.offload.copy_state()
     return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
-            "statements": model.offload.plan.statements, "layer_split": model.offload.copy_state()["layer_split"],
-            "decode_path": model.offload.copy_state()["decode_path"]}
+            "statements": model.offload.plan.statements, "layer_split": state["layer_split"],
+            "decode_path": state["decode_path"], "cpu_threads": threads}
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",

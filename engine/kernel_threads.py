@@ -1,0 +1,89 @@
+"""The CPU expert kernels' thread count: fixed, or automatic (cpu_threads=0): every core this process may use, less
+the cores other processes keep busy.
+
+A kernel call forks its threads and joins them. A thread that shares its core with someone else's busy process is
+preempted for a scheduler tick (4 ms at 250 Hz) and the call's other threads wait for it at the join. On the 2-core
+dev VM beside one busy process, a Qwen3-30B-A3B-like node of eight experts took 2.2-3.0 ms a call on average on two
+threads (p90 5-8 ms) and 1.9-2.0 ms on one (p90 1.8-2.2 ms); alone, two threads take 0.93 ms (benchmarks/RESULTS.md,
+"Forty-ninth session").
+
+So in automatic mode the count follows the cores the others leave. At a safe point between decoder steps, once
+`window_s` has passed, the other processes' share of all CPUs' time over the window (engine/host_load.py) is read as
+busy cores, rounded, and taken off the cores. The count changes when two windows in a row ask for the same new
+count: a burst of a few hundred milliseconds moves nothing. Rounding, not ceiling: a process that would keep a core
+busy shows as 0.55-0.85 of one while two threads of ours compete with it on two cores (1.0 once we leave it the
+core), and a desktop's background of a few tenths of a core should cost no thread.
+
+The VM host's steal time is not counted: fewer threads do not keep the hypervisor from pausing a vCPU mid-call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from engine.host_load import HostLoadMeter
+from engine.ort_env import cpu_threads
+
+WINDOW_S = 0.5  # how often the automatic count looks at the other processes' load
+
+
+def threads_for(cores: int, others_share: float) -> int:
+    """The kernels' threads on `cores` cores while other processes use `others_share` of all their time."""
+    return max(1, cores - math.floor(others_share * cores + 0.5))
+
+
+class KernelThreads:
+    """Sets the thread count of every runner's CPU kernel (`runner.kernel.num_threads`): a fixed count, or the
+    automatic one (module docstring), which `step_ended` moves at safe points."""
+
+    def __init__(self, runners, requested: int = 0, cores: int | None = None, meter=HostLoadMeter,
+                 clock=time.monotonic, window_s: float = WINDOW_S):
+        self.runners = list(runners)
+        self.cores = cores or cpu_threads()
+        self._new_meter, self._clock, self.window_s = meter, clock, window_s
+        self.others_cores = 0.0  # cores the other processes kept busy in the last window (automatic mode)
+        self.changes = 0  # times the automatic count moved
+        self.requested = None
+        self.request(requested)
+
+    @property
+    def automatic(self) -> bool:
+        return self.requested == 0
+
+    def request(self, count: int) -> None:
+        """`count` threads from now on; 0: automatic, starting from every core. The count asked for already: nothing
+        changes (a budget change on a loaded model asks again)."""
+        if count == self.requested:
+            return
+        self.requested = count
+        self._asked = None  # a new count the last window asked for (automatic mode)
+        self._window = (self._new_meter(), self._clock()) if count == 0 else None
+        self._apply(count or self.cores)
+
+    def step_ended(self) -> None:
+        """A safe point: in automatic mode, the count follows the other processes' load of the last window."""
+        if self._window is None:
+            return
+        meter, since = self._window
+        now = self._clock()
+        if now - since < self.window_s:
+            return
+        others = meter.read().others
+        self._window = (self._new_meter(), now)
+        self.others_cores = others * self.cores
+        wanted = threads_for(self.cores, others)
+        if wanted != self.in_force and wanted == self._asked:
+            self._apply(wanted)
+            self.changes += 1
+        self._asked = wanted if wanted != self.in_force else None
+
+    def state(self) -> dict:
+        """For the statistics and the records."""
+        return {"cpu_threads_in_force": self.in_force, "cpu_threads_automatic": self.automatic, "cores": self.cores,
+                "others_busy_cores": self.others_cores, "cpu_threads_changes": self.changes}
+
+    def _apply(self, count: int) -> None:
+        self.in_force = count
+        for runner in self.runners:
+            runner.kernel.num_threads = count

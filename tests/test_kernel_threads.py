@@ -1,0 +1,133 @@
+"""engine/kernel_threads.py: the CPU expert kernels' thread count, fixed or following the cores other processes
+leave free; on scripted loads and clocks, and in a real decode."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engine.generation import LoadedModel
+from engine.host_load import HostLoad
+from engine.kernel_threads import WINDOW_S, KernelThreads, threads_for
+from engine.offload import OffloadConfig, SimulatedDevice
+from tests.test_offload import assert_same_as_cpu, cpu_run, greedy_run, model_folder  # noqa: F401 (fixtures)
+
+
+class ScriptedLoad:
+    """HostLoadMeter's stand-in: each meter made reads the next share of the script (the last one from then on)."""
+
+    def __init__(self, *others):
+        self.others, self.meters, self.reads = list(others), 0, 0
+
+    def __call__(self):
+        self.meters += 1
+        return self
+
+    def read(self) -> HostLoad:
+        self.reads += 1
+        share = self.others.pop(0) if len(self.others) > 1 else self.others[0]
+        return HostLoad(steal=0.0, others=share)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def runners(count=3):
+    return [SimpleNamespace(kernel=SimpleNamespace(num_threads=None)) for _ in range(count)]
+
+
+def windows(threads: KernelThreads, clock: Clock, count: int) -> list[int]:
+    """The count in force after each of `count` windows."""
+    seen = []
+    for _ in range(count):
+        clock.now += WINDOW_S
+        threads.step_ended()
+        seen.append(threads.in_force)
+    return seen
+
+
+@pytest.mark.parametrize("cores, share, want", [
+    (2, 0.0, 2), (2, 0.2, 2), (2, 0.3, 1), (2, 0.5, 1), (2, 1.0, 1),  # 0.4 of a core costs no thread; 0.6 one
+    (16, 0.03, 16), (16, 0.04, 15), (16, 0.5, 8), (16, 0.97, 1)])
+def test_the_automatic_count_leaves_the_busy_cores_rounded(cores, share, want):
+    assert threads_for(cores, share) == want
+
+
+def test_the_count_moves_after_two_windows_that_agree_and_comes_back():
+    load, clock, nodes = ScriptedLoad(0.0, 0.5, 0.5, 0.5, 0.0, 0.0), Clock(), runners()
+    threads = KernelThreads(nodes, 0, cores=4, meter=load, clock=clock)
+    assert threads.in_force == 4 and all(n.kernel.num_threads == 4 for n in nodes)
+    assert windows(threads, clock, 6) == [4, 4, 2, 2, 2, 4]
+    assert all(n.kernel.num_threads == 4 for n in nodes) and threads.changes == 2
+    assert threads.state() == {"cpu_threads_in_force": 4, "cpu_threads_automatic": True, "cores": 4,
+                               "others_busy_cores": 0.0, "cpu_threads_changes": 2}
+
+
+def test_a_window_shorter_than_its_length_reads_nothing_and_a_burst_moves_nothing():
+    load, clock = ScriptedLoad(0.5, 0.0, 0.5, 0.0), Clock()
+    threads = KernelThreads(runners(), 0, cores=4, meter=load, clock=clock)
+    clock.now += WINDOW_S / 2
+    threads.step_ended()
+    assert load.reads == 0
+    assert windows(threads, clock, 4) == [4, 4, 4, 4]  # one busy window at a time: a burst
+    assert threads.others_cores == 0.0 and threads.changes == 0
+
+
+def test_a_fixed_count_never_reads_the_load_and_a_request_for_the_count_in_force_keeps_the_window():
+    load, clock, nodes = ScriptedLoad(0.75), Clock(), runners()
+    threads = KernelThreads(nodes, 3, cores=4, meter=load, clock=clock)
+    assert windows(threads, clock, 3) == [3, 3, 3] and load.meters == 0 and not threads.automatic
+    threads.request(0)  # automatic from every core
+    assert threads.in_force == 4 and all(n.kernel.num_threads == 4 for n in nodes)
+    clock.now += WINDOW_S
+    threads.step_ended()  # the first window asks for one thread
+    threads.request(0)  # asked again (a budget change): the window and the count it asked for stay
+    clock.now += WINDOW_S
+    threads.step_ended()
+    assert threads.in_force == 1 and all(n.kernel.num_threads == 1 for n in nodes)
+    threads.request(2)
+    assert threads.in_force == 2 and all(n.kernel.num_threads == 2 for n in nodes)
+
+
+def test_a_decode_whose_threads_change_mid_run_gives_the_all_cpu_tokens(model_folder, cpu_run):  # noqa: F811
+    model = LoadedModel.open(model_folder)
+    decoder = model.decoder
+    assert decoder.kernel_threads.automatic  # no count given
+    clock = Clock()
+
+    class Ticking(ScriptedLoad):  # every meter read is a window later
+        def read(self):
+            clock.now += WINDOW_S
+            return super().read()
+
+    load = Ticking(0.0, 0.75, 0.75, 0.75, 0.0)
+    nodes = decoder.kernel_threads.runners
+    decoder.kernel_threads = KernelThreads(nodes, 0, cores=4, meter=load, clock=clock)
+    clock.now += WINDOW_S
+    seen = []
+    original = decoder.kernel_threads.step_ended
+
+    def step_ended():
+        original()
+        seen.append(decoder.kernel_threads.in_force)
+    decoder.kernel_threads.step_ended = step_ended
+    run = greedy_run(model)
+    assert seen[:4] == [4, 4, 1, 1] and len(nodes) == len(model.folder.experts)
+    assert_same_as_cpu(run, cpu_run)
+
+
+def test_the_offload_engine_shares_the_decoders_count_and_cpu_threads_sets_it(model_folder):  # noqa: F811
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(cpu_threads=3), device=SimulatedDevice(1 << 30))
+    threads = model.offload.kernel_threads
+    assert threads is model.decoder.kernel_threads and threads.in_force == 3 and not threads.automatic
+    model.offload.reconfigure(model.offload.config.updated(cpu_threads=0))
+    assert threads.automatic and threads.in_force == threads.cores
+    assert all(r.kernel.num_threads == threads.cores for r in model.offload.runners)
+    assert model.offload.stats_dict()["cpu_threads"]["cpu_threads_automatic"] is True
+    assert np.isfinite(greedy_run(model, steps=2)[0][-1]).all()
