@@ -532,6 +532,50 @@ def test_a_gated_merge_that_gave_up_waiting_for_the_cpus_part_is_made_again(mode
     assert [(store.gpu.gated_merges, store.gpu.merge_sums) for store in engine.stores] == [(steps, steps)] * SPEC.layers
 
 
+def test_a_host_held_after_a_gated_launch_finds_the_gate_late_and_merges_again(model_folder, cpu_run, monkeypatch):
+    """The host held between a "both" layer's launch and its return (on the GPU: the garbage collection a CUDA graph's
+    capture deferred, finalizing an object whose teardown syncs the device while the merge waits for the gate) for
+    longer than the merge waits: the merge gives up, and the host's clock must count that time, so merge_split finds
+    the gate late and adds the CPU's part itself. Timed from the launch's return, the gate looked in time: the step
+    ran again, and before the gave-up word was read after each step (dac9782), its logits were wrong (the GPU test's
+    [ahead-0.0] failure, RESULTS.md "Forty-ninth session")."""
+    import time
+
+    timeout = 0.2
+    monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", timeout)
+    monkeypatch.setattr(CudaSlots, "split_on_dense", False)  # every launch through _launch_split
+
+    def merge_gated(self, published, a, out, timeout_s=1.0):  # the device's: it gives up `timeout_s` after its launch
+        want, queued = published.launched, time.perf_counter()
+
+        def open_gate():
+            type(published).open_gate(published)
+            if time.perf_counter() - queued > timeout_s:
+                np.copyto(out, a, casting="same_kind")
+                published.failed[0] = want
+            elif published.gate[0] == want:
+                np.copyto(out, a + published.part, casting="same_kind")
+        published.open_gate = open_gate
+
+    launch = FakeGpuQMoE.run_routed_split
+    held = []
+
+    def held_once(self, *args, **kwargs):
+        out = launch(self, *args, **kwargs)  # queued, the gated merge waiting for the gate ...
+        if kwargs.get("merged") is not None and not held:
+            held.append(self)
+            time.sleep(2 * timeout)  # ... while the host is held
+        return out
+
+    monkeypatch.setattr(FakeGpuQMoE, "merge_gated", merge_gated)
+    monkeypatch.setattr(FakeGpuQMoE, "run_routed_split", held_once)
+    model, _cp = open_on_standin(model_folder, 0.0, monkeypatch)
+    model.offload.set_decode_path("both")
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert held and model.decoder.steps_run_again == 0
+    assert held[0].merge_sums >= 2  # the held launch's merge made again by merge_split (and the first launch's)
+
+
 def test_under_decode_path_both_a_node_the_routing_kernel_cannot_route_takes_the_tiers_step(model_folder, cpu_run,
                                                                                             monkeypatch):
     """route_split routes on the device, softmax top-k over at most 1024 experts (kernels.gpu.qmoe.routes_on_device):

@@ -598,8 +598,9 @@ class CudaSlots:
             return None
         published.set_cpu_take(cpu_take, dense)
         split.start.record(dense)
+        launched_at = time.perf_counter()  # before the launch: a host held after it counts towards a late gate
         self.gpu.relaunch_split(graph, published, dense)
-        split.stream, split.launched_at, split.merged_again = dense, time.perf_counter(), False
+        split.stream, split.launched_at, split.merged_again = dense, launched_at, False
         return split
 
     @_on_compute_stream
@@ -627,12 +628,15 @@ class CudaSlots:
             # the host's first step of a shape compiles (Numba: the CPU kernel, the accounts), for longer than the
             # merge waits, and the GPU would spin that long before merge_split made the merge again.
             split.merge = split.sum_buffers if self.gpu.gated_merge and not fresh else None
+            # before the launch: a host held after it (a capture's deferred garbage collection) counts towards a late
+            # gate, as the merge's own timeout counts from before its gate
+            launched_at = time.perf_counter()
             self.gpu.run_routed_split(x2d, logits, split.out32, split.published, weights, stop=split.stop,
                                       merged=None if split.merge is None else split.merge.sum,
                                       timeout_s=GATE_TIMEOUT_S)
             split.stream = compute
             if split.merge is not None:
-                split.launched_at, split.merged_again = time.perf_counter(), False
+                split.launched_at, split.merged_again = launched_at, False
                 if dense is not None:
                     dense.wait_event(compute.record(self._ordering))
         return split
