@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
+from engine.collection_hold import collection_held
 from engine.decoder_state import DecoderState
 from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, run_bound
 from engine.errors import WorkbenchError
@@ -140,7 +141,8 @@ class PartitionedDecoder:
                                  f"runs on the {self.dense.kind} (make the state with LoadedModel.new_state)")
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         on_gpu = self.dense is not None and self.dense.kind == "cuda"
-        with dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
+        # the collection held off (collection_hold.py): a finalizer's device sync would wait for a gated merge
+        with collection_held(), dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
             worker = self._host_part_worker() if host_part_worker and on_gpu else None
             if worker is not None:
                 dense, experts, late = self._run_steps_beside(values, state, worker)
