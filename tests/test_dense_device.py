@@ -717,6 +717,47 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
 
 @pytest.mark.gpu
 @needs_cuda_ep
+def test_cuda_a_device_sync_while_a_gated_merge_waits_is_repaired_within_the_step(monkeypatch, tmp_path):
+    """What a finalizer syncing the device does in the window between a "both" layer's gated launch and its return
+    (tests/test_cuda_slots_standin.py's host_held test, on the GPU): the sync waits for the merge, which gives up after
+    its timeout; the host's clock counts that wait, so merge_split makes the sum again at once: logits as the CPU
+    model's, no step run again."""
+    import cupy as cp
+
+    from engine.offload import cuda_device
+    from engine.offload.cuda_device import CudaSlots
+    from kernels.gpu.qmoe import GpuQMoE
+
+    monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(CudaSlots, "split_on_dense", False)  # every launch through _launch_split
+    spec = FP16_MODELS["fp16"]
+    cpu, gpu = offloaded_on_cuda(tmp_path, spec, 0.0)
+    gpu.offload.set_decode_path("both")
+    gpu.offload.cold_split_table = lambda layer: np.array([0, 1, 1])  # a share for the CPU whatever the rates (k 2)
+    real_launch, held = GpuQMoE.run_routed_split, []
+
+    def sync_once(self, *args, **kwargs):
+        out = real_launch(self, *args, **kwargs)
+        if kwargs.get("merged") is not None and not held:
+            held.append(self)
+            cp.cuda.runtime.deviceSynchronize()  # returns once the merge gave up waiting for the gate
+        return out
+
+    monkeypatch.setattr(GpuQMoE, "run_routed_split", sync_once)
+    real_again, made_again = CudaSlots._merge_again_if_gate_failed, []
+
+    def again_spy(self, pending):
+        real_again(self, pending)
+        made_again.append(pending.merged_again)
+
+    monkeypatch.setattr(CudaSlots, "_merge_again_if_gate_failed", again_spy)
+    errors = decode_alongside(gpu, cpu, spec, seed=13)
+    assert held and any(made_again) and gpu.decoder.steps_run_again == 0
+    assert max(errors) <= FP16_TOLERANCE, f"max relative error {max(errors):.2e} at {int(np.argmax(errors))}"
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
 @pytest.mark.parametrize("mode", ["ahead", "worker"])
 def test_cuda_a_late_gate_under_launch_ahead_runs_the_step_again(monkeypatch, tmp_path, mode):
     """Decode path "both" with the layers launched ahead (or their host parts on the worker), where every gated
