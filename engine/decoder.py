@@ -145,6 +145,7 @@ class PartitionedDecoder:
         with collection_held(), dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
             worker = self._host_part_worker() if host_part_worker and on_gpu else None
             if worker is not None:
+                worker.set_threads(worker_module.worker_threads(self.kernel_threads.in_force))  # automatic: it moves
                 dense, experts, late = self._run_steps_beside(values, state, worker)
             else:
                 dense, experts, late = self._run_steps(values, state, launch_ahead)

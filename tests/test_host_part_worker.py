@@ -102,30 +102,47 @@ def launch(published: PublishedRouting) -> None:
     published.launched += 1  # CudaSlots' launch counter: the flag and the gate carry it
 
 
+def worker_step(worker, kernel, published, seed) -> list:
+    """One decode step's layers through the worker, each part checked against the kernel's; the step's jobs."""
+    jobs = []
+    for layer, block in enumerate(published):
+        launch(block)
+        jobs.append(Step(layer, kernel, block))
+    gpu = FakeGpu(kernel, jobs, seed=seed)
+    gpu.start()
+    for job in jobs:
+        assert worker.take(job)
+    worker.drain()
+    gpu.join(30)
+    assert not gpu.timed_out and len(gpu.parts) == len(jobs)
+    for got, want in zip(gpu.parts, gpu.wanted):
+        assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, np.max(np.abs(want)))
+    return jobs
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_the_worker_computes_each_layers_cpu_part_and_raises_its_gate_in_order(kernel, dtype):
     worker = HostPartWorker(threads=1)
     published = blocks(3, 2, kernel, dtype)
     for step_no in range(2):  # two decode steps: the loop carries on from one to the next
-        jobs = []
-        for layer, block in enumerate(published):
-            launch(block)
-            jobs.append(Step(layer, kernel, block))
-        gpu = FakeGpu(kernel, jobs, seed=step_no)
-        gpu.start()
-        for job in jobs:
-            assert worker.take(job)
-        worker.drain()
-        gpu.join(30)
-        assert not gpu.timed_out and len(gpu.parts) == 3
-        for got, want in zip(gpu.parts, gpu.wanted):
-            assert np.max(np.abs(got - want)) <= 1e-5 * max(1.0, np.max(np.abs(want)))
+        jobs = worker_step(worker, kernel, published, step_no)
         done = worker.collect()
         assert [job.step for job in done] == jobs and not worker.collect()
         for job in done:
             assert job.reached <= job.routed <= job.gated and job.cpu_s > 0
             assert job.pairs == np.count_nonzero(job.step.pending.published.on_cpu)
         assert [int(block.gate[0]) for block in published] == [step_no + 1] * 3
+
+
+def test_new_threads_remake_every_layers_entry_before_the_next_step(kernel):
+    worker = HostPartWorker(threads=1)
+    published = blocks(3, 2, kernel)
+    worker_step(worker, kernel, published, 0)
+    assert worker._params[:, 5].tolist() == [1, 1, 1]  # host_part_args' threads
+    worker.set_threads(2)  # the automatic count moved (engine/kernel_threads.py)
+    assert worker._params[:, 5].tolist() == [2, 2, 2] and not worker.pending
+    worker_step(worker, kernel, published, 1)
+    assert [int(block.gate[0]) for block in published] == [2, 2, 2]
 
 
 def test_a_job_waited_for_the_gpu_where_its_routing_came_after_the_worker_got_there():

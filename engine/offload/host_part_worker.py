@@ -175,6 +175,15 @@ class HostPartWorker:
         self._in_loop = False  # the worker's thread is inside the compiled loop (or about to enter it)
 
     # ---------------------------------------------------------------- the engine's thread
+    def set_threads(self, threads: int) -> None:
+        """The kernels' threads from the next job on: every layer's entry made again for them (between steps: the
+        loop is stopped once every queued job is done)."""
+        if threads == self.threads:
+            return
+        self.threads = threads
+        for layer, (_index, kernel, published) in list(self._index_of.items()):
+            self._admit(layer, kernel, published)
+
     def take(self, step) -> bool:
         """Queue `step`'s host part (a launched SplitStep whose merge waits for the gate); False, with nothing queued,
         where the compiled loop cannot run its layer's kernel or raise its gate (the caller does the part itself)."""
@@ -275,12 +284,12 @@ class HostPartWorker:
 
     def _run(self) -> None:
         """The worker's thread: the compiled loop while jobs come, asleep between decodes."""
-        use_threads(self.threads)
         idle_cycles = int(IDLE_S * self.clock.hz)
         counters = self._counters
         while True:
             self._wake.wait()
             self._wake.clear()
+            use_threads(self.threads)  # (every layer's entry was made for them: set_threads)
             self._in_loop = True
             while True:
                 scratch = self._scratch
