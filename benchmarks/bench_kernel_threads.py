@@ -14,7 +14,12 @@ experts) is called back to back through `run_experts`, as the engine calls it, f
 configuration: calls a second, the mean, median and p90 of a call, and the counts "automatic" ran at; and automatic's
 calls a second over all cores' (and over quiet's).
 
+With `--model SHAPE` a whole decode instead of the node: a writer-made model of bench_offload's shape with `--layers`
+layers, all on the CPU (LoadedModel without offload), greedy decode steps in place of the calls (each round from a
+fresh state); the count set through the decoder's KernelThreads, as the engine sets it.
+
     python benchmarks/bench_kernel_threads.py [--busy 1] [--experts 8] [--seconds 5] [--rounds 3]
+        [--model qwen3-30b-a3b-like --layers 4 --folder DIR]
 """
 
 from __future__ import annotations
@@ -37,16 +42,63 @@ from engine.kernel_threads import KernelThreads  # noqa: E402
 from engine.ort_env import cpu_threads  # noqa: E402
 
 
-def calls_for(node, threads: KernelThreads, seconds: float, x, ids, weights) -> tuple[list[float], Counter]:
-    """Call the node for `seconds`, the count moved between calls; each call's seconds, the counts it ran at."""
+class NodeCalls:
+    """The shape-B node's calls, as the engine makes them (run_experts), under a KernelThreads of its own."""
+
+    def __init__(self, experts: int):
+        self.node = node_of_shape_b()
+        self.runner = SimpleNamespace(kernel=self.node)
+        self.x = np.random.default_rng(0).standard_normal((1, self.node.spec.hidden_size)).astype(np.float32)
+        self.ids = np.arange(experts, dtype=np.int64).reshape(1, -1)
+        self.weights = np.full((1, experts), 1.0 / experts, np.float32)
+        self.threads = None
+
+    def start(self, requested: int, cores: int) -> None:
+        self.threads = KernelThreads([self.runner], requested, cores=cores)
+
+    def one(self) -> int:
+        """A call; the count it ran at (moved after it, as at a step's end)."""
+        self.node.run_experts(self.x, self.ids, self.weights)
+        self.threads.step_ended()
+        return self.node.num_threads
+
+
+class DecodeSteps:
+    """Greedy decode steps of a writer-made model on the CPU, under the decoder's own KernelThreads."""
+
+    def __init__(self, shape: str, layers: int, folder: str | None):
+        from benchmarks.bench_offload import SHAPES
+        from benchmarks.common import model_folder, written_model
+        from engine.generation import LoadedModel
+        from engine.writer import WriterSpec
+
+        spec = WriterSpec(**dict(SHAPES[shape], layers=layers), bits=4, block_size=32, context_length=4096, seed=7)
+        self.model = LoadedModel.open(written_model(model_folder(folder, "bench-kernel-threads-"), spec))
+        self.model.wait_until_settled()
+        self.state = self.token = None
+
+    def start(self, requested: int, cores: int) -> None:
+        self.model.decoder.kernel_threads.request(requested)  # (the rounds alternate: automatic starts afresh)
+        self.state = self.model.new_state()
+        self.token = int(self.model.decoder.forward(self.state, [1, 2, 3, 4])[-1].argmax())
+
+    def one(self) -> int:
+        """A decode step; the count it ran at (the decoder moves it at the step's end)."""
+        threads = self.model.decoder.kernel_threads.in_force
+        self.token = int(self.model.decoder.forward(self.state, [self.token])[-1].argmax())
+        return threads
+
+
+def calls_for(work, requested: int, cores: int, seconds: float) -> tuple[list[float], Counter]:
+    """`work`'s calls for `seconds` at `requested` threads (0: automatic); each call's seconds, the counts it ran at."""
+    work.start(requested, cores)
     times, counts = [], Counter()
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         started = time.perf_counter()
-        node.run_experts(x, ids, weights)
+        threads = work.one()
         times.append(time.perf_counter() - started)
-        counts[node.num_threads] += 1
-        threads.step_ended()
+        counts[threads] += 1
     return times, counts
 
 
@@ -63,27 +115,28 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=5.0, help="per configuration and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", help="a whole decode of this bench_offload shape instead of the node")
+    parser.add_argument("--layers", type=int, default=4, help="the model's layers (--model)")
+    parser.add_argument("--folder", help="where the model is written and kept (--model; default: a temporary one)")
     args = parser.parse_args()
     cores = cpu_threads()
-    node = node_of_shape_b()
-    runner = SimpleNamespace(kernel=node)
-    x = np.random.default_rng(0).standard_normal((1, node.spec.hidden_size)).astype(np.float32)
-    ids = np.arange(args.experts, dtype=np.int64).reshape(1, -1)
-    weights = np.full((1, args.experts), 1.0 / args.experts, np.float32)
-    every_core = KernelThreads([runner], cores, cores=cores)
-    calls_for(node, every_core, 1.0, x, ids, weights)  # compiled (or loaded from the cache) and warm
-    print(f"shape B node, {args.experts} warm experts, one token; {cores} cores, {args.busy} busy processes; "
-          f"{args.seconds:.0f} s a configuration and round", flush=True)
-    quiet = calls_for(node, every_core, args.seconds, x, ids, weights)
+    if args.model:
+        work, what = DecodeSteps(args.model, args.layers, args.folder), f"{args.model} with {args.layers} layers, " \
+            "greedy decode steps on the CPU"
+    else:
+        work, what = NodeCalls(args.experts), f"shape B node, {args.experts} warm experts, one token"
+    calls_for(work, cores, cores, 1.0)  # compiled (or loaded from the cache) and warm
+    print(f"{what}; {cores} cores, {args.busy} busy processes; {args.seconds:.0f} s a configuration and round",
+          flush=True)
+    quiet = calls_for(work, cores, cores, args.seconds)
     runs = {"all cores": ([], Counter()), "automatic": ([], Counter())}
     load = CompetingLoad(processes=args.busy, ms=1e3 * (args.rounds * 2 * args.seconds + 30))
     try:
         load.start()
         time.sleep(0.5)
         for _ in range(args.rounds):
-            for name, threads in (("all cores", KernelThreads([runner], cores, cores=cores)),
-                                  ("automatic", KernelThreads([runner], 0, cores=cores))):
-                times, counts = calls_for(node, threads, args.seconds, x, ids, weights)
+            for name, requested in (("all cores", cores), ("automatic", 0)):
+                times, counts = calls_for(work, requested, cores, args.seconds)
                 runs[name][0].extend(times)
                 runs[name][1].update(counts)
     finally:
@@ -100,7 +153,7 @@ def main() -> None:
               "automatic_over_quiet": by["automatic"] / by["quiet"],
               "all_cores_over_quiet": by["all cores"] / by["quiet"]}
     print("calls a second: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()), flush=True)
-    path = write_result("kernel_threads", figures, config=vars(args) | {"cores": cores}, ratios=ratios)
+    path = write_result("kernel_threads", figures, config=vars(args) | {"cores": cores, "what": what}, ratios=ratios)
     print(f"wrote {path}")
 
 
