@@ -3,9 +3,10 @@ the cores other processes keep busy.
 
 A kernel call forks its threads and joins them. A thread that shares its core with someone else's busy process is
 preempted for a scheduler tick (4 ms at 250 Hz) and the call's other threads wait for it at the join. On the 2-core
-dev VM beside one busy process, a Qwen3-30B-A3B-like node of eight experts took 2.2-3.0 ms a call on average on two
-threads (p90 5-8 ms) and 1.9-2.0 ms on one (p90 1.8-2.2 ms); alone, two threads take 0.93 ms (benchmarks/RESULTS.md,
-"Forty-ninth session").
+dev VM beside one busy process, a Qwen3-30B-A3B-like node of eight experts took 2.82 ms a call on average on both
+cores (p90 8.0 ms) and 2.29 ms under this count (p90 2.4 ms; alone, on both, 0.92 ms); a 4-layer model of that shape
+decoded 1.14-1.66x as many tokens a second under it as on both cores beside one or two busy processes
+(benchmarks/bench_kernel_threads.py; RESULTS.md, "Forty-ninth session").
 
 So in automatic mode the count follows the cores the others leave. At a safe point between decoder steps, once
 `window_s` has passed, the other processes' share of all CPUs' time over the window (engine/host_load.py) is read as
