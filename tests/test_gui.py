@@ -17,8 +17,10 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
 
+from app.gui.engine_worker import threads_sentence  # noqa: E402
 from app.gui.main_window import MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
+from engine.ort_env import cpu_threads  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 120_000
@@ -129,6 +131,7 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     landed = window.model_panel.landed.text()
     assert "3 of 16 experts resident on the simulated GPU" in landed
     assert "The dense part runs on the CPU: the GPU is simulated, for the experts only" in landed and "KV cache" in landed
+    assert threads_sentence(0, cpu_threads()) in landed  # the budget's cpu_threads: automatic
     assert window.status_device.text().endswith("dense part: CPU")
     assert "Load" not in window.model_panel.load_button.text() or window.model_panel.load_button.text() == "Reload"
 
@@ -499,6 +502,13 @@ def test_moe_workbench_without_arguments_opens_the_window_on_the_demo(qtbot, tmp
     assert app.desktopFileName() == "moe-workbench"
     app.setApplicationName(names[0])
     app.setOrganizationName(names[1])
+
+
+def test_the_landed_sentence_says_a_fixed_or_the_automatic_thread_count():
+    assert threads_sentence(1, 16) == "CPU expert kernels use 1 CPU thread."
+    assert threads_sentence(8, 16) == "CPU expert kernels use 8 CPU threads."
+    assert threads_sentence(0, 16) == ("CPU expert kernels use all 16 CPU threads, fewer while other processes keep "
+                                       "cores busy (cpu_threads automatic).")
 
 
 def test_the_summary_says_when_the_automatic_thread_count_left_cores_to_other_processes():

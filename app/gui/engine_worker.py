@@ -238,9 +238,7 @@ class EngineWorker(QObject):
         if model.dense_device != "cuda":
             lines.append(f"KV cache and state live in host memory beside the dense part: up to "
                          f"{human_bytes(facts.kv_cache_bytes())} at the full {facts.context_length}-token context.")
-        threads = model.offload.config.cpu_threads
-        lines.append(f"CPU expert kernels use {threads if threads else 'all'} CPU thread{'' if threads == 1 else 's'}"
-                     f"{'' if threads else ' (' + str(_cores()) + ')'}.")
+        lines.append(threads_sentence(model.offload.config.cpu_threads, _cores()))
         binding = binding_warning()
         if binding:
             lines.append(binding[0].upper() + binding[1:])
@@ -513,6 +511,14 @@ def path_sentence(path: dict) -> str:
 
 def _cores() -> int:
     return cpu_threads()
+
+
+def threads_sentence(cpu_threads: int, cores: int) -> str:
+    """What the CPU expert kernels' thread count is (engine/kernel_threads.py), for "where everything landed"."""
+    if cpu_threads:
+        return f"CPU expert kernels use {cpu_threads} CPU thread{'' if cpu_threads == 1 else 's'}."
+    return (f"CPU expert kernels use all {cores} CPU threads, fewer while other processes keep cores busy "
+            "(cpu_threads automatic).")
 
 
 STEP_SPLITS = 256  # the most recent decoder steps' miss splits sent to the window
