@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 import time
 
+import numba
+
 from engine.host_load import HostLoadMeter
 from engine.ort_env import cpu_threads
 
@@ -41,7 +43,7 @@ class KernelThreads:
     def __init__(self, runners, requested: int = 0, cores: int | None = None, meter=HostLoadMeter,
                  clock=time.monotonic, window_s: float = WINDOW_S):
         self.runners = list(runners)
-        self.cores = cores or cpu_threads()
+        self.cores = cores or min(cpu_threads(), numba.config.NUMBA_NUM_THREADS)  # the most the kernels can take
         self._new_meter, self._clock, self.window_s = meter, clock, window_s
         self.others_cores = 0.0  # cores the other processes kept busy in the last window (automatic mode)
         self.changes = 0  # times the automatic count moved

@@ -59,6 +59,13 @@ def test_the_automatic_count_leaves_the_busy_cores_rounded(cores, share, want):
     assert threads_for(cores, share) == want
 
 
+def test_the_cores_are_at_most_numbas_threads(monkeypatch):
+    import numba
+
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 1)  # NUMBA_NUM_THREADS=1 in the environment
+    assert KernelThreads(runners()).cores == 1 and KernelThreads(runners(), cores=4).cores == 4
+
+
 def test_the_count_moves_after_two_windows_that_agree_and_comes_back():
     load, clock, nodes = ScriptedLoad(0.0, 0.5, 0.5, 0.5, 0.0, 0.0), Clock(), runners()
     threads = KernelThreads(nodes, 0, cores=4, meter=load, clock=clock)
