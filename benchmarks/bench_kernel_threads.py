@@ -16,16 +16,19 @@ calls a second over all cores' (and over quiet's).
 
 With `--model SHAPE` a whole decode instead of the node: a writer-made model of bench_offload's shape with `--layers`
 layers, all on the CPU (LoadedModel without offload), greedy decode steps in place of the calls (each round from a
-fresh state); the count set through the decoder's KernelThreads, as the engine sets it.
+fresh state); the count set through the decoder's KernelThreads, as the engine sets it. `--side-by-side` decodes two
+such models at once on two threads (a side-by-side chat answered at once; their counts share the cores), the figures
+summed over both.
 
     python benchmarks/bench_kernel_threads.py [--busy 1] [--experts 8] [--seconds 5] [--rounds 3]
-        [--model qwen3-30b-a3b-like --layers 4 --folder DIR]
+        [--model qwen3-30b-a3b-like --layers 4 --folder DIR [--side-by-side]]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -89,6 +92,26 @@ class DecodeSteps:
         return threads
 
 
+def calls_at_once(works: list, requested: int, cores: int, seconds: float) -> tuple[list[float], Counter]:
+    """calls_for of every work at once, one thread each (one work: on this thread); their calls together."""
+    results: list = [None] * len(works)
+
+    def run(i: int) -> None:
+        results[i] = calls_for(works[i], requested, cores, seconds)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(works))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    times, counts = [], Counter()
+    for work_times, work_counts in results:
+        times.extend(work_times)
+        counts.update(work_counts)
+    return times, counts
+
+
 def calls_for(work, requested: int, cores: int, seconds: float) -> tuple[list[float], Counter]:
     """`work`'s calls for `seconds` at `requested` threads (0: automatic); each call's seconds, the counts it ran at."""
     work.start(requested, cores)
@@ -118,17 +141,19 @@ def main() -> None:
     parser.add_argument("--model", help="a whole decode of this bench_offload shape instead of the node")
     parser.add_argument("--layers", type=int, default=4, help="the model's layers (--model)")
     parser.add_argument("--folder", help="where the model is written and kept (--model; default: a temporary one)")
+    parser.add_argument("--side-by-side", action="store_true", help="two models decoding at once (--model)")
     args = parser.parse_args()
     cores = cpu_threads()
     if args.model:
-        work, what = DecodeSteps(args.model, args.layers, args.folder), f"{args.model} with {args.layers} layers, " \
-            "greedy decode steps on the CPU"
+        works = [DecodeSteps(args.model, args.layers, args.folder) for _ in range(2 if args.side_by_side else 1)]
+        what = (f"{args.model} with {args.layers} layers, greedy decode steps on the CPU"
+                + (", two models at once" if args.side_by_side else ""))
     else:
-        work, what = NodeCalls(args.experts), f"shape B node, {args.experts} warm experts, one token"
-    calls_for(work, cores, cores, 1.0)  # compiled (or loaded from the cache) and warm
+        works, what = [NodeCalls(args.experts)], f"shape B node, {args.experts} warm experts, one token"
+    calls_at_once(works, cores, cores, 1.0)  # compiled (or loaded from the cache) and warm
     print(f"{what}; {cores} cores, {args.busy} busy processes; {args.seconds:.0f} s a configuration and round",
           flush=True)
-    quiet = calls_for(work, cores, cores, args.seconds)
+    quiet = calls_at_once(works, cores, cores, args.seconds)
     runs = {"all cores": ([], Counter()), "automatic": ([], Counter())}
     load = CompetingLoad(processes=args.busy, ms=1e3 * (args.rounds * 2 * args.seconds + 30))
     try:
@@ -136,7 +161,7 @@ def main() -> None:
         time.sleep(0.5)
         for _ in range(args.rounds):
             for name, requested in (("all cores", cores), ("automatic", 0)):
-                times, counts = calls_for(work, requested, cores, args.seconds)
+                times, counts = calls_at_once(works, requested, cores, args.seconds)
                 runs[name][0].extend(times)
                 runs[name][1].update(counts)
     finally:

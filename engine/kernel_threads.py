@@ -15,13 +15,19 @@ count: a burst of a few hundred milliseconds moves nothing. Rounding, not ceilin
 busy shows as 0.55-0.85 of one while two threads of ours compete with it on two cores (1.0 once we leave it the
 core), and a desktop's background of a few tenths of a core should cost no thread.
 
+Decoders of this process that step at the same time (a side-by-side chat answered at once) share what is left: each
+automatic count takes an equal part of those cores. Their own threads are not "other processes", and two OpenMP pools
+each as large as the machine throttle each other (README).
+
 The VM host's steal time is not counted: fewer threads do not keep the hypervisor from pausing a vCPU mid-call.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+import weakref
 
 import numba
 
@@ -29,6 +35,9 @@ from engine.host_load import HostLoadMeter
 from engine.ort_env import cpu_threads
 
 WINDOW_S = 0.5  # how often the automatic count looks at the other processes' load
+
+_counts: "weakref.WeakSet[KernelThreads]" = weakref.WeakSet()  # every count of this process (its decoders')
+_counts_lock = threading.Lock()
 
 
 def threads_for(cores: int, others_share: float) -> int:
@@ -47,8 +56,11 @@ class KernelThreads:
         self._new_meter, self._clock, self.window_s = meter, clock, window_s
         self.others_cores = 0.0  # cores the other processes kept busy in the last window (automatic mode)
         self.changes = 0  # times the automatic count moved
+        self.last_step = None  # the clock at the last step's end (automatic mode)
         self.requested = None
         self.request(requested)
+        with _counts_lock:
+            _counts.add(self)
 
     @property
     def automatic(self) -> bool:
@@ -69,17 +81,24 @@ class KernelThreads:
         if self._window is None:
             return
         meter, since = self._window
-        now = self._clock()
+        now = self.last_step = self._clock()
         if now - since < self.window_s:
             return
         others = meter.read().others
         self._window = (self._new_meter(), now)
         self.others_cores = others * self.cores
-        wanted = threads_for(self.cores, others)
+        wanted = max(1, threads_for(self.cores, others) // (1 + self._decoding_beside(now)))
         if wanted != self.in_force and wanted == self._asked:
             self._apply(wanted)
             self.changes += 1
         self._asked = wanted if wanted != self.in_force else None
+
+    def _decoding_beside(self, now: float) -> int:
+        """This process's other automatic counts whose decoders ended a step within the last window."""
+        with _counts_lock:
+            counts = list(_counts)
+        return sum(1 for count in counts if count is not self and count.automatic and count.last_step is not None
+                   and 0 <= now - count.last_step < self.window_s)
 
     def state(self) -> dict:
         """For the statistics and the records."""

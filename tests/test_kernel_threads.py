@@ -76,6 +76,21 @@ def test_the_count_moves_after_two_windows_that_agree_and_comes_back():
                                "others_busy_cores": 0.0, "cpu_threads_changes": 2}
 
 
+def test_decoders_of_this_process_stepping_at_once_share_the_cores_and_one_left_alone_takes_them_back():
+    clock, left_nodes, right_nodes = Clock(), runners(), runners()
+    left = KernelThreads(left_nodes, 0, cores=4, meter=ScriptedLoad(0.0), clock=clock)
+    right = KernelThreads(right_nodes, 0, cores=4, meter=ScriptedLoad(0.0), clock=clock)
+    seen = []
+    for _ in range(12):  # both step four times a window: a side-by-side chat answered at once
+        clock.now += WINDOW_S / 4
+        left.step_ended()
+        right.step_ended()
+        seen.append((left.in_force, right.in_force))
+    assert seen[3::4] == [(4, 4), (2, 2), (2, 2)]  # the first window asks for half each, the second agrees
+    assert all(n.kernel.num_threads == 2 for n in left_nodes + right_nodes)
+    assert windows(left, clock, 3) == [2, 4, 4]  # the right side stopped: its last step is more than a window old
+
+
 def test_a_window_shorter_than_its_length_reads_nothing_and_a_burst_moves_nothing():
     load, clock = ScriptedLoad(0.5, 0.0, 0.5, 0.0), Clock()
     threads = KernelThreads(runners(), 0, cores=4, meter=load, clock=clock)
