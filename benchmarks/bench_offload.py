@@ -439,7 +439,8 @@ def main() -> None:
                             "bound_misses_on_tier_only": 1 / tier_only_bound_s,
                             "ratio_to_tier_only_bound": rate * tier_only_bound_s, "misses_cpu": stats.misses_cpu,
                             "misses_copied": stats.misses_copied,
-                            "miss_slots": max(model.offload.policy.miss_slots, default=0), **load.as_dict()})
+                            "miss_slots": max(model.offload.policy.miss_slots, default=0), **load.as_dict(),
+                            "cpu_threads_in_force": model.decoder.kernel_threads.in_force})
         decoded = decode_repeats(repeats)
         state = model.offload.copy_state()  # the trials' outcomes (the traces below re-plan)
         split, path = state["layer_split"], state["decode_path"]
@@ -534,7 +535,10 @@ def main() -> None:
                  if model.offload.copy_reuse.value is not None else ""),
               flush=True)
         busiest = max(loads, key=lambda load: load.steal + load.others)
-        print(f"       host during the decode timings (the busiest repeat): {busiest.describe()}", flush=True)
+        threads = model.decoder.kernel_threads.state()  # the automatic count follows other processes' load
+        print(f"       host during the decode timings (the busiest repeat): {busiest.describe()}; CPU kernels on "
+              f"{threads['cpu_threads_in_force']} of {threads['cores']} threads at the end"
+              f" ({threads['cpu_threads_changes']} changes)", flush=True)
         for placement, fig in traced.items():
             print(f"       realistic routing trace (measured), {placement} placement: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
