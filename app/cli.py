@@ -403,7 +403,8 @@ def _cmd_contention(args) -> int:
         raise WorkbenchError(f"{corpus}: no .txt files to index")
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
-                            corpus, args.workers, progress=_ProgressLine("contention"))
+                            corpus, args.workers, progress=_ProgressLine("contention"),
+                            threads=model.decoder.kernel_threads.state)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.markdown(), end="")
     return 0
 

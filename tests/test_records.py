@@ -314,12 +314,17 @@ def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
     model, device = simulated_model
     corpus = make_corpus(tmp_path / "corpus", files=40, words_per_file=300)
     report = run_contention(lambda: run_scenario(model, "short", PARAMS, device).timings["completion_s"],
-                            corpus, workers=2)
+                            corpus, workers=2, threads=model.decoder.kernel_threads.state)
     assert report.documents == 40
     assert report.indexing_alone_s > 0 and report.inference_alone_s > 0
     assert report.indexing_with_inference_s > 0 and report.inference_with_indexing_s > 0
     assert report.inference_slowdown == pytest.approx(report.inference_with_indexing_s / report.inference_alone_s)
     assert "| inference |" in report.markdown()
+    # the kernels' thread count after each timed inference (automatic: it may have left the indexing cores)
+    alone, together = report.threads_alone, report.threads_together
+    assert together["cpu_threads_automatic"] and 1 <= together["cpu_threads_in_force"] <= together["cores"]
+    assert (f"CPU expert kernels: {alone['cpu_threads_in_force']} of {alone['cores']} threads at the end of inference "
+            f"alone, {together['cpu_threads_in_force']} beside the indexing (cpu_threads automatic).") in report.markdown()
 
 
 def test_a_sweep_of_both_layer_splits_runs_whole_layers_where_the_budget_holds_some(tmp_path):

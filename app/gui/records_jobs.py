@@ -331,7 +331,8 @@ class ContentionJob:
             ctx.progress(fraction, PHASES[phase] if phase < 3 else "done")
 
         try:
-            report = run_contention(inference, corpus, self.workers, progress=progress, cancel=ctx.cancel)
+            report = run_contention(inference, corpus, self.workers, progress=progress, cancel=ctx.cancel,
+                                    threads=model.decoder.kernel_threads.state)
         except ContentionCancelled:
             return ContentionResult(None, str(corpus), cancelled=True)
         return ContentionResult(report, str(corpus))

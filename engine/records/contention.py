@@ -81,6 +81,10 @@ class ContentionReport:
     inference_alone_s: float
     indexing_with_inference_s: float
     inference_with_indexing_s: float
+    # the CPU expert kernels' threads at the end of inference alone and beside the indexing (KernelThreads.state;
+    # None where not given): the automatic count leaves the indexing's cores to it
+    threads_alone: dict | None = None
+    threads_together: dict | None = None
 
     @property
     def indexing_slowdown(self) -> float:
@@ -95,12 +99,18 @@ class ContentionReport:
                 "inference_slowdown": self.inference_slowdown}
 
     def markdown(self) -> str:
-        return "\n".join([
+        lines = [
             "| workload | alone | together | slowdown |", "|---|---|---|---|",
             f"| indexing {self.documents} files, {self.workers} workers | {self.indexing_alone_s:.2f} s | "
             f"{self.indexing_with_inference_s:.2f} s | {self.indexing_slowdown:.2f}x |",
             f"| inference | {self.inference_alone_s:.2f} s | {self.inference_with_indexing_s:.2f} s | "
-            f"{self.inference_slowdown:.2f}x |"]) + "\n"
+            f"{self.inference_slowdown:.2f}x |"]
+        if self.threads_alone and self.threads_together:
+            alone, together = self.threads_alone, self.threads_together
+            lines += ["", f"CPU expert kernels: {alone['cpu_threads_in_force']} of {alone['cores']} threads at the end "
+                          f"of inference alone, {together['cpu_threads_in_force']} beside the indexing"
+                          + (" (cpu_threads automatic)." if together["cpu_threads_automatic"] else ".")]
+        return "\n".join(lines) + "\n"
 
 
 class ContentionCancelled(WorkbenchError):
@@ -108,8 +118,9 @@ class ContentionCancelled(WorkbenchError):
 
 
 def run_contention(run_inference, corpus: Path, workers: int, progress=None,
-                   cancel: threading.Event | None = None) -> ContentionReport:
-    """`run_inference()` runs one inference workload and returns its completion time in seconds.
+                   cancel: threading.Event | None = None, threads=None) -> ContentionReport:
+    """`run_inference()` runs one inference workload and returns its completion time in seconds; `threads()`, where
+    given, the CPU expert kernels' thread count (KernelThreads.state), read after each timed inference.
 
     `cancel` is checked between the phases (a warm-up of each, indexing alone, inference alone, both): a set
     event raises ContentionCancelled there (`run_inference` may watch it too, between tokens)."""
@@ -133,6 +144,7 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     documents, indexing_alone = index_folder(corpus, workers)
     phase_done(3 / 5)
     inference_alone = run_inference()
+    threads_alone = threads() if threads else None
     phase_done(4 / 5)
     together: dict[str, float] = {}
 
@@ -143,7 +155,8 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     thread.start()
     time.sleep(0.2)  # let the workers start so inference runs under load from its first token
     together["inference"] = run_inference()
+    threads_together = threads() if threads else None
     thread.join()
     phase_done(1.0)
     return ContentionReport(workers, documents, indexing_alone, inference_alone,
-                            together["indexing"], together["inference"])
+                            together["indexing"], together["inference"], threads_alone, threads_together)
