@@ -323,8 +323,10 @@ def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
     # the kernels' thread count after each timed inference (automatic: it may have left the indexing cores)
     alone, together = report.threads_alone, report.threads_together
     assert together["cpu_threads_automatic"] and 1 <= together["cpu_threads_in_force"] <= together["cores"]
+    moved = together["cpu_threads_changes"] - alone["cpu_threads_changes"]
     assert (f"CPU expert kernels: {alone['cpu_threads_in_force']} of {alone['cores']} threads at the end of inference "
-            f"alone, {together['cpu_threads_in_force']} beside the indexing (cpu_threads automatic).") in report.markdown()
+            f"alone, {together['cpu_threads_in_force']} at the end of inference beside the indexing (cpu_threads "
+            f"automatic: it moved {moved} times meanwhile).") in report.markdown()
 
 
 def test_a_sweep_of_both_layer_splits_runs_whole_layers_where_the_budget_holds_some(tmp_path):

@@ -107,9 +107,11 @@ class ContentionReport:
             f"{self.inference_slowdown:.2f}x |"]
         if self.threads_alone and self.threads_together:
             alone, together = self.threads_alone, self.threads_together
+            moved = together["cpu_threads_changes"] - alone["cpu_threads_changes"]
             lines += ["", f"CPU expert kernels: {alone['cpu_threads_in_force']} of {alone['cores']} threads at the end "
-                          f"of inference alone, {together['cpu_threads_in_force']} beside the indexing"
-                          + (" (cpu_threads automatic)." if together["cpu_threads_automatic"] else ".")]
+                          f"of inference alone, {together['cpu_threads_in_force']} at the end of inference beside the "
+                          f"indexing" + (f" (cpu_threads automatic: it moved {moved} times meanwhile)."
+                                         if together["cpu_threads_automatic"] else ".")]
         return "\n".join(lines) + "\n"
 
 
