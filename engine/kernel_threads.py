@@ -35,6 +35,7 @@ from engine.host_load import HostLoadMeter
 from engine.ort_env import cpu_threads
 
 WINDOW_S = 0.5  # how often the automatic count looks at the other processes' load
+STALE_WINDOWS = 4  # a window this many times as long spans a pause between turns: the past, not judged
 
 _counts: "weakref.WeakSet[KernelThreads]" = weakref.WeakSet()  # every count of this process (its decoders')
 _counts_lock = threading.Lock()
@@ -84,8 +85,10 @@ class KernelThreads:
         now = self.last_step = self._clock()
         if now - since < self.window_s:
             return
-        others = meter.read().others
         self._window = (self._new_meter(), now)
+        if now - since > STALE_WINDOWS * self.window_s:
+            return
+        others = meter.read().others
         self.others_cores = others * self.cores
         wanted = max(1, threads_for(self.cores, others) // (1 + self._decoding_beside(now)))
         if wanted != self.in_force and wanted == self._asked:

@@ -91,6 +91,15 @@ def test_decoders_of_this_process_stepping_at_once_share_the_cores_and_one_left_
     assert windows(left, clock, 3) == [2, 4, 4]  # the right side stopped: its last step is more than a window old
 
 
+def test_a_window_across_a_pause_between_turns_is_not_judged():
+    load, clock = ScriptedLoad(0.75, 0.75, 0.0), Clock()
+    threads = KernelThreads(runners(), 0, cores=4, meter=load, clock=clock)
+    clock.now += 10.0  # no step for ten seconds (between two answers), the others busy meanwhile
+    threads.step_ended()
+    assert load.reads == 0
+    assert windows(threads, clock, 3) == [4, 1, 1]  # judged from the first window of the next turn on
+
+
 def test_a_window_shorter_than_its_length_reads_nothing_and_a_burst_moves_nothing():
     load, clock = ScriptedLoad(0.5, 0.0, 0.5, 0.0), Clock()
     threads = KernelThreads(runners(), 0, cores=4, meter=load, clock=clock)
