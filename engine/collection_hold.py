@@ -21,17 +21,6 @@ _steps = 0  # steps holding the collection off now
 _was_enabled = False  # whether it was on before the first of them
 
 
-def collect_unless_held() -> bool:
-    """A full collection now (a dropped model's objects held in reference cycles: its onnxruntime CUDA sessions, CUDA
-    graphs, page-locked registrations, freed before the next load measures free memory), unless a step on another
-    thread holds the collection off: then none (the automatic one runs after that step). True where it ran."""
-    with _lock:  # (a step starting meanwhile waits for the collection's end)
-        if _steps:
-            return False
-        gc.collect()
-        return True
-
-
 @contextmanager
 def collection_held():
     global _steps, _was_enabled

@@ -25,7 +25,6 @@ import kernels.cpu  # noqa: F401
 from app.gui.estimate import layer_summary, model_facts
 from app.gui.records_jobs import JobContext
 from app.inspect_report import inspection
-from engine.collection_hold import collect_unless_held
 from engine.demo_model import DEMO_NAME, ensure_demo_model
 from engine.errors import WorkbenchError, one_line
 from engine.generation import Conversation, GenerationParams, LoadedModel
@@ -467,7 +466,6 @@ class EngineWorker(QObject):
         self._conversation = None
         self._model = None
         self._device = None
-        collect_unless_held()  # what the model held in reference cycles (GPU memory among it) goes back now
 
     @Slot()
     def _unload(self) -> None:
