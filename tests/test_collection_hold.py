@@ -1,10 +1,12 @@
-"""engine/collection_hold.py: no cyclic garbage collection inside decoder steps, the same collection after them."""
+"""engine/collection_hold.py: no cyclic garbage collection inside decoder steps (the same collection after them),
+and the window's timer in place of automatic collection."""
 from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
-from engine.collection_hold import collection_held
+from engine.collection_hold import collect_on_timer, collect_unless_held, collection_held
 from tests.test_offload import greedy_run, model_folder  # noqa: F401 (fixture)
 
 
@@ -68,8 +70,8 @@ def test_no_finalizer_runs_inside_a_decoder_step(model_folder):  # noqa: F811
         try:
             for _ in range(3):
                 Cycle()
-            for _ in range(20_000):  # allocations enough to cross the collection's threshold
-                [object()]
+            kept = [[] for _ in range(2_000)]  # generation 0's count past the collection's threshold
+            del kept
             return forward(*args)
         finally:
             seen["in_step"] = False
@@ -78,3 +80,33 @@ def test_no_finalizer_runs_inside_a_decoder_step(model_folder):  # noqa: F811
     greedy_run(model, steps=2)
     gc.collect()
     assert seen["finalized"] >= 9 and seen["finalized_in_step"] == 0
+
+
+def test_a_window_takes_automatic_collection_over_until_it_lets_go():
+    release = collect_on_timer()
+    try:
+        assert not gc.isenabled()
+        with collection_held():  # a step meanwhile leaves it off
+            assert not collect_unless_held(0)
+        assert not gc.isenabled()
+        assert collect_unless_held(0)  # the window's own collections run between steps
+    finally:
+        release()
+    assert gc.isenabled()
+    release()  # a second release changes nothing
+    assert gc.isenabled()
+
+
+def test_a_collection_asked_for_runs_only_where_no_step_holds_it_off():
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    gc.disable()  # only explicit collections from here
+    try:
+        garbage = weakref.ref(Cycle())
+        with collection_held():
+            assert not collect_unless_held() and garbage() is not None
+        assert collect_unless_held() and garbage() is None
+    finally:
+        gc.enable()

@@ -17,6 +17,7 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
 
+from app.gui.collector import due_generation  # noqa: E402
 from app.gui.engine_worker import threads_sentence  # noqa: E402
 from app.gui.main_window import MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
@@ -426,6 +427,42 @@ def test_unloading_waits_for_the_gpus_queued_work_and_survives_a_gpu_error(qtbot
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
     assert "an illegal memory access was encountered" in window.error_banner.text()
     assert worker._model is None and window.model_panel.landed.text() == "Not loaded."
+
+
+def test_garbage_is_collected_on_the_windows_thread_while_it_lives(qtbot, tmp_path):
+    """No automatic collection while a window lives (one on the engine's thread would destroy a closed window's
+    widgets there); its timer collects on the GUI thread instead, and automatic collection is back once it closes."""
+    import gc
+    import threading
+    import weakref
+
+    win = make_window(qtbot, tmp_path)
+    try:
+        assert not gc.isenabled()
+        threads = []
+
+        class Cycle:
+            def __init__(self):
+                self.me = self
+
+            def __del__(self):
+                threads.append(threading.current_thread())
+
+        garbage = weakref.ref(Cycle())
+        kept = [[] for _ in range(2000)]  # generation 0's count past its threshold
+        qtbot.waitUntil(lambda: garbage() is None, timeout=5000)
+        del kept
+        assert threads == [threading.main_thread()]
+    finally:
+        win.close()
+    assert gc.isenabled()
+
+
+def test_the_collector_picks_the_generation_automatic_collection_would():
+    assert due_generation((701, 3, 2), (700, 10, 10)) == 0
+    assert due_generation((701, 11, 2), (700, 10, 10)) == 1
+    assert due_generation((701, 11, 11), (700, 10, 10)) == 2
+    assert due_generation((700, 11, 11), (700, 10, 10)) is None  # generation 0 not due: none is
 
 
 def test_contention_banner_names_the_processes(qtbot, window):

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, Q
 from app.gui import theme
 from app.gui.budget_panel import BudgetPanel
 from app.gui.chat_panel import ChatPanel
+from app.gui.collector import GuiCollector
 from app.gui.contention import ThroughputWatch, check_sample
 from app.gui.contention_view import ContentionView
 from app.gui.engine_worker import WorkerThread
@@ -62,6 +63,8 @@ class MainWindow(QMainWindow):
         self.setObjectName("mainWindow")
         self.setWindowTitle("MoE Workbench")
         self.setWindowIcon(app_icon())
+        # garbage collected on this thread only (collector.py): Qt objects freed on the engine's thread deadlocked
+        self.collector = GuiCollector(self)
         self.settings = settings if settings is not None else settings_from_env()
         self.facts = None
         self.loaded_path: str | None = None
@@ -632,4 +635,5 @@ class MainWindow(QMainWindow):
             self.save_settings()
             self._sampler_thread.stop()
             self._worker_thread.stop()
+            self.collector.stop()
         super().closeEvent(event)
