@@ -87,6 +87,7 @@ class KernelThreads:
             return
         self._window = (self._new_meter(), now)
         if now - since > STALE_WINDOWS * self.window_s:
+            self._asked = None  # (what the turn before asked for is as old)
             return
         others = meter.read().others
         self.others_cores = others * self.cores
