@@ -376,7 +376,9 @@ class DeviceOutputs:
     onnxruntime's own output values cannot be held instead: the binding overwrites them at its next run."""
 
     def __init__(self, owner: "SegmentBinding", indices: list[int]):
-        self.owner = owner
+        # a proxy, not the binding: the binding holds this, and a cycle between them would keep onnxruntime's session
+        # and these device buffers until a garbage collection, not just until the binding goes
+        self.owner = weakref.proxy(owner)
         self.indices = frozenset(indices)
         self.all = len(self.indices) == len(owner.fetched)  # no output goes to the host: no wait after a run
         self.keeps = True  # False once an output's shape changed under equal input shapes: allocated at every run

@@ -576,6 +576,32 @@ def test_a_host_held_after_a_gated_launch_finds_the_gate_late_and_merges_again(m
     assert held[0].merge_sums >= 2  # the held launch's merge made again by merge_split (and the first launch's)
 
 
+def test_a_binding_with_outputs_left_on_the_device_goes_without_a_garbage_collection(model_folder, monkeypatch):
+    """A dense segment's binding and its DeviceOutputs hold no cycle: once dropped, the binding (onnxruntime's session
+    with it, and the outputs' device buffers) goes at once, not at the next collection; on a GPU a collection comes
+    after the step or on the window's timer, and a load right after an unload would measure less free VRAM."""
+    import gc
+    import weakref
+
+    from engine.dense_segment import DenseSegment
+
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch)
+    state = model.new_state()
+    logits = model.decoder.forward(state, model.tokenizer.encode("Hello there"))
+    model.decoder.forward(state, [int(logits[-1].argmax())])
+    segments = [runner for runner in model.decoder.steps if isinstance(runner, DenseSegment)]
+    bound = [weakref.ref(binding) for segment in segments for binding in segment.bindings._by_state.values()
+             if binding._on_device is not None]
+    assert len(bound) >= 2  # the segments whose outputs the next layer reads on the device
+    gc.disable()
+    try:
+        for segment in segments:
+            segment.bindings.clear()
+        assert [ref() for ref in bound] == [None] * len(bound)
+    finally:
+        gc.enable()
+
+
 def test_under_decode_path_both_a_node_the_routing_kernel_cannot_route_takes_the_tiers_step(model_folder, cpu_run,
                                                                                             monkeypatch):
     """route_split routes on the device, softmax top-k over at most 1024 experts (kernels.gpu.qmoe.routes_on_device):
