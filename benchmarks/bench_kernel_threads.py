@@ -70,13 +70,12 @@ class DecodeSteps:
     """Greedy decode steps of a writer-made model on the CPU, under the decoder's own KernelThreads."""
 
     def __init__(self, shape: str, layers: int, folder: str | None):
-        from benchmarks.bench_offload import SHAPES
+        from benchmarks.bench_offload import shape_spec
         from benchmarks.common import model_folder, written_model
         from engine.generation import LoadedModel
-        from engine.writer import WriterSpec
 
-        spec = WriterSpec(**dict(SHAPES[shape], layers=layers), bits=4, block_size=32, context_length=4096, seed=7)
-        self.model = LoadedModel.open(written_model(model_folder(folder, "bench-kernel-threads-"), spec))
+        self.model = LoadedModel.open(written_model(model_folder(folder, "bench-kernel-threads-"),
+                                                    shape_spec(shape, layers)))
         self.model.wait_until_settled()
         self.state = self.token = None
 

@@ -54,6 +54,12 @@ SHAPES = {
 }
 
 
+def shape_spec(shape: str, layers: int | None = None, dtype: str = "float32") -> WriterSpec:
+    """The writer's spec of a SHAPES model (int4 block 32), with `layers` layers where given (quick runs)."""
+    return WriterSpec(**dict(SHAPES[shape], **({"layers": layers} if layers else {})), bits=4, block_size=32,
+                      context_length=4096, seed=7, dtype=dtype)
+
+
 def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
@@ -363,8 +369,7 @@ def main() -> None:
         from engine.offload.cuda_device import CudaDevice
         CudaDevice.register_experts = lambda self, source, infos, owner: None
 
-    shape = dict(SHAPES[args.shape], **({"layers": args.layers} if args.layers else {}))
-    spec = WriterSpec(**shape, bits=4, block_size=32, context_length=4096, seed=7, dtype=args.dtype)
+    spec = shape_spec(args.shape, args.layers, args.dtype)
     started = time.perf_counter()
     path = written_model(model_folder(args.folder, "bench-offload-"), spec)
     print(f"model written in {time.perf_counter() - started:.0f} s", flush=True)

@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_offload import (SHAPES, decode, judge_words, path_text, split_words,  # noqa: E402
+from benchmarks.bench_offload import (SHAPES, decode, judge_words, path_text, shape_spec, split_words,  # noqa: E402
                                       traced_decode)
 from benchmarks.common import model_folder, write_result, written_model  # noqa: E402
 from engine import decoder, dense_graph  # noqa: E402
@@ -61,7 +61,6 @@ from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path 
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from kernels.cpu import omp_pool  # noqa: E402
-from engine.writer import WriterSpec  # noqa: E402
 
 
 SWITCH_PREFIXES = ("gpu.", "cpu.", "rate.", "engine.", "slots.", "policy.", "judge.", "dense.")
@@ -213,9 +212,7 @@ def open_model(shape: str, layers: int | None, folder: str | None, dtype: str = 
     or "simulated") once the work load leaves in the background has finished: the page-locking of its experts
     (copies go straight from the page-locked mapping in every configuration) and the population of their pages (it
     reads the whole file on the CPU's cores beside the first rounds otherwise); and a 16-token prompt."""
-    spec = dict(SHAPES[shape], **({"layers": layers} if layers else {}))
-    path = written_model(model_folder(folder, prefix), WriterSpec(**spec, bits=4, block_size=32, context_length=4096,
-                                                                 seed=7, dtype=dtype))
+    path = written_model(model_folder(folder, prefix), shape_spec(shape, layers, dtype))
     if device == "cuda":
         from engine.offload.cuda_device import open_cuda_device
         opened = open_cuda_device()

@@ -22,10 +22,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine.ort_env as ort_env  # noqa: E402
-from benchmarks.bench_offload import SHAPES, decode, overhead_breakdown  # noqa: E402
+from benchmarks.bench_offload import SHAPES, decode, overhead_breakdown, shape_spec  # noqa: E402
 from benchmarks.common import model_folder, stream_read_bandwidth, write_result  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
-from engine.writer import WriterSpec, write_model  # noqa: E402
+from engine.writer import write_model  # noqa: E402
 
 
 def main() -> None:
@@ -38,8 +38,7 @@ def main() -> None:
 
     import numba
 
-    spec = WriterSpec(**{**SHAPES[args.shape], "layers": args.layers}, bits=4, block_size=32, context_length=4096,
-                      seed=7)
+    spec = shape_spec(args.shape, args.layers)
     folder = model_folder(args.folder, "bench-threads-") / "model"
     started = time.perf_counter()
     if not (folder / "genai_config.json").is_file():

@@ -20,13 +20,13 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_offload import SHAPES  # noqa: E402
+from benchmarks.bench_offload import shape_spec  # noqa: E402
 from benchmarks.common import model_folder  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.cuda_device import open_cuda_device  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.writer import WriterSpec, write_model  # noqa: E402
+from engine.writer import write_model  # noqa: E402
 from kernels.gpu.host_tier import TieredRows  # noqa: E402
 
 
@@ -43,8 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     where = model_folder(args.folder, "diag-tier-")
     if not (where / "model" / "genai_config.json").is_file():
-        write_model(where / "model", WriterSpec(**dict(SHAPES["qwen3-30b-a3b-like"], layers=args.layers), bits=4,
-                                                block_size=32, context_length=4096, seed=7, dtype="float16"))
+        write_model(where / "model", shape_spec("qwen3-30b-a3b-like", args.layers, "float16"))
     model = LoadedModel.open(where / "model", offload=OffloadConfig(device_expert_bytes=0), device=open_cuda_device(),
                              decode_path="tier")
     engine = model.offload

@@ -230,8 +230,9 @@ class PartitionedDecoder:
     def _run_steps_beside(self, values: dict, state: DecoderState, worker) -> tuple[float, float, bool]:
         """_run_steps with each "both" layer's host part handed to the worker (its merge waits on the GPU for the
         worker's gate, so the next dense segment and layer are launched at once); returns as _run_steps, `late` where
-        a gated merge gave up waiting for the worker or for this thread. A layer the worker cannot take, or that does not split, runs
-        here once the worker's jobs are done (its CPU kernels would otherwise share the cores with the worker's)."""
+        a gated merge gave up waiting for the worker or for this thread. A layer the worker cannot take, or that does
+        not split, runs here once the worker's jobs are done (its CPU kernels would otherwise share the cores with the
+        worker's)."""
         dense = experts = 0.0
         clock = time.perf_counter
         before = clock()
