@@ -218,6 +218,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             finish = "eos"
             break
         delta = stream.push(token)
+        if len(generated) == params.max_new_tokens or state.past_length + 1 > context:
+            delta += stream.finish()  # the answer's last token (the length checks below)
         if on_text:
             on_text(token, delta)
         if params.stop_strings and any(s in stream.text for s in params.stop_strings):
@@ -239,6 +241,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     timings.decode_s = now - decode_started if decode_started else 0.0
     timings.total_s = now - started
     timings.generated_tokens = len(generated)
+    stream.finish()  # an answer that ended otherwise (eos, a stop string, cancelled)
     text = stream.text
     for stop in params.stop_strings:
         if stop in text:

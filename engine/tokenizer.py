@@ -116,6 +116,15 @@ class StreamDecoder:
         text = self._tokenizer.decode(self._ids)
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
+        return self._emit(text)
+
+    def finish(self) -> str:
+        """What push held back when the answer ends: bytes that never made a whole character (an answer cut inside
+        one, or bytes a model writes that no character has) stay as U+FFFD, as a plain decode shows them. Without
+        this, an answer whose every prefix ends so kept no text at all."""
+        return self._emit(self._tokenizer.decode(self._ids))
+
+    def _emit(self, text: str) -> str:
         delta = text[len(self._emitted):] if text.startswith(self._emitted) else text
         self._emitted = text
         return delta

@@ -75,6 +75,49 @@ def _fresh(folder):
     return m, m.new_state(), [], m.tokenizer.encode("Hi")
 
 
+class _ScriptedDecoder:
+    """Logits that pick the scripted tokens in turn (a stand-in for the model's decoder)."""
+
+    def __init__(self, vocab: int, tokens: list[int]):
+        self.vocab, self.tokens = vocab, list(tokens)
+
+    def forward(self, state, token_ids):
+        state.advance(len(token_ids))
+        logits = np.zeros((len(token_ids), self.vocab), np.float32)
+        logits[-1, self.tokens.pop(0)] = 1.0
+        return logits
+
+
+def _scripted_answer(model, answer_ids: list[int], max_new_tokens: int):
+    streamed = []
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(max_new_tokens),
+                      lambda _token, delta: streamed.append(delta),
+                      decoder=_ScriptedDecoder(model.config.vocab_size, answer_ids))
+    return result, streamed
+
+
+def test_an_answer_cut_inside_a_character_keeps_its_bytes(model):
+    # "a中b" is a, three byte tokens of 中, b: an answer of three tokens ends inside 中
+    a, *zhong, b = model.tokenizer.encode("a中b")
+    assert len(zhong) == 3, "the fixture's tokenizer spells 中 in three byte tokens"
+    result, streamed = _scripted_answer(model, [a, zhong[0], zhong[1]], 3)
+    assert result.finish_reason == "length"
+    assert result.text == "a\ufffd" == model.tokenizer.decode(result.tokens)
+    assert streamed == ["a", "", "\ufffd"]  # the held-back byte streams with the last token
+    whole, streamed = _scripted_answer(model, [a, *zhong, b], 5)
+    assert whole.text == "a中b" and streamed == ["a", "", "", "中", "b"]
+
+
+def test_an_answer_of_bytes_that_never_make_a_character_keeps_them(model):
+    # every prefix of this answer decodes to text ending in U+FFFD (two first bytes of 中, then one of é):
+    # streaming holds each back, and the answer's text must still be what its tokens decode to
+    zhong, e_acute = model.tokenizer.encode("中"), model.tokenizer.encode("é")
+    answer = [zhong[0], zhong[0], e_acute[0]]
+    result, streamed = _scripted_answer(model, answer, 3)
+    assert result.text == model.tokenizer.decode(answer) == "\ufffd" * 3
+    assert "".join(streamed) == result.text
+
+
 def test_length_and_timings(model):
     result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(5))
     assert result.finish_reason in ("length", "eos")
