@@ -248,7 +248,7 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     placement = window.placement
     assert placement.split == {"steps": stats.steps, "misses": totals.misses, "misses_cpu": totals.misses_cpu,
                                "misses_copied": totals.misses_copied, "miss_copies": totals.miss_copies,
-                               "admissions": offload.policy.admissions}
+                               "misses_read": 0, "admissions": offload.policy.admissions}
     assert placement.last_step == tuple(stats.step_splits[-1])
     assert placement.pinned == offload.pinned_info() and placement.pinned["copies"] > pinned["copies"]
     summary = placement.summary.text()
@@ -320,12 +320,16 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
     offload = window.worker._model.offload
     assert offload.pinned_info()["bytes"] == staged() and offload.wave_experts == 1
-    # Apply on the loaded model: refused by the engine, the old ring stays in force, answers go on
+    # a ring the estimate refuses: Apply is not offered on the loaded model
     budget.pinned_bytes.setValue(staged() - 1)
     budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
-    qtbot.waitUntil(lambda: budget.apply_button.isEnabled() and "Refused" in budget.pinned_note.text())
+    qtbot.waitUntil(lambda: "Refused" in budget.pinned_note.text())
+    assert not budget.apply_button.isEnabled()
+    assert budget.applied_label.text() == "Changed: refused, not applied (see the estimate)"
+    # asked all the same (where the estimate and the engine disagree): the engine refuses, the old ring stays in
+    # force, answers go on
     window.error_banner.hide()
-    budget.apply_button.click()
+    budget.applyRequested.emit(budget.settings(), bool(budget.needs_reload()))
     qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
     assert window.error_banner.text() == f"Could not apply the settings: {message}"
     assert offload.pinned_info()["bytes"] == staged() and offload.config.pinned_bytes == staged()
@@ -405,6 +409,27 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
     assert not window.chat.send_button.isEnabled() and window.placement.heatmap.data is None
     assert window.model_panel.landed.text() == "Not loaded."
+
+
+def test_opening_another_folder_says_which_model_stays_loaded_and_unload_clears_the_chat(qtbot, window):
+    loaded = fixture_folder("lfm2moe")
+    load(qtbot, window, loaded)
+    window.open_model(str(fixture_folder("gptoss")))  # inspected, not loaded
+    qtbot.waitUntil(lambda: window.facts is not None and window.facts.name == "gptoss" and not window.busy,
+                    timeout=WAIT)
+    assert same(window.loaded_path, loaded)
+    assert window.windowTitle() == "gptoss (not loaded; lfm2moe is) — MoE Workbench"
+    landed = window.model_panel.landed.text()
+    assert "Not loaded. <b>lfm2moe</b> is the loaded model" in landed and "Load to switch" in landed
+    assert window.model_panel.unload_button.toolTip() == "Stop what runs and free lfm2moe  Ctrl+U"
+    assert window.model_panel.load_button.text() == "Load"
+    load(qtbot, window, fixture_folder("gptoss"))
+    assert window.windowTitle() == "gptoss — MoE Workbench"
+    assert window.model_panel.unload_button.toolTip() == "Stop what runs and free gptoss  Ctrl+U"
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert window.model_panel.landed.text() == "Not loaded."
+    assert window.chat.live.text() == "No model loaded: load one to chat." and window.status_state.text() == "Idle"
 
 
 def test_unloading_waits_for_the_gpus_queued_work_and_survives_a_gpu_error(qtbot, window):

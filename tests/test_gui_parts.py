@@ -51,8 +51,12 @@ def test_estimate_follows_the_planner(gptoss):
     assert estimate(gptoss, config, DeviceChoice("cpu")).resident == 0
     refused = estimate(gptoss, config.updated(mode="required"), DeviceChoice("cpu"))
     assert refused.error and "required" in refused.error
+    # an unusable GPU: the engine runs every expert on the CPU in modes auto and disabled, and refuses under required
     unusable = estimate(gptoss, config, DeviceChoice("cuda", error="no CUDA device"))
-    assert unusable.error == "no CUDA device" and unusable.resident == 0
+    assert not unusable.error and unusable.resident == 0 and unusable.device_parts == []
+    assert unusable.statements[0] == "The CUDA GPU cannot be used (no CUDA device): every expert would run on the CPU."
+    required = estimate(gptoss, config.updated(mode="required"), DeviceChoice("cuda", error="no CUDA device"))
+    assert required.error == "no CUDA device" and required.resident == 0
     assert layer_summary(est.per_layer) == "layer 0: 3 of 8; layer 1: 2 of 8"
 
 
@@ -185,6 +189,32 @@ def test_placement_tooltip_says_where_a_fully_resident_layer_routed(qapp):
     assert ("Layer 0: 10 steps routed and computed on the device (every expert resident: no round trip to the host)"
             in heatmap.tooltip_at(0, 0))
     assert "routed and computed on the device" not in heatmap.tooltip_at(1, 0)
+
+
+def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode(qapp):
+    from app.gui.chat_panel import miss_split_text
+    from app.gui.placement_view import PlacementView
+
+    view = PlacementView()
+    layers = [{"hits": 30, "misses": 10, "swaps": 0}]
+    split = {"steps": 4, "misses": 10, "misses_cpu": 4, "misses_copied": 1, "miss_copies": 1, "misses_read": 5}
+    view.set_stats({"resident": np.array([[True, False]]), "traffic": np.ones((1, 2)), "valid": np.ones((1, 2), bool),
+                    "placement": "adaptive", "layer_names": ["a/QMoE"], "layer_index": [0], "bytes_per_expert": [1024],
+                    "layers": layers, "misses": split, "step_splits": [(1, 0, 2)]})
+    summary = view.summary.text()
+    # 4 + 1 + 5: every miss is in the split (the GPU's reads from the host tier were left out)
+    assert ("misses: 4 on the CPU, 1 copied to the device (1 decode copies), 5 read by the GPU from host memory"
+            in summary)
+    assert "last step: 1 on the CPU, 0 copied, 2 read from host memory" in summary
+    assert miss_split_text(split) == ("misses: 4 on the CPU, 1 copied to the device (1 decode copies), 5 read by the "
+                                      "GPU from host memory")
+    assert miss_split_text(dict(split, misses_read=0)) == "misses: 4 on the CPU, 1 copied to the device (1 decode copies)"
+    assert "resident" in view.legend.text() and "missed now" in view.legend.text()
+    view.traffic.setChecked(True)
+    assert view.heatmap.mode == "traffic"
+    assert "hits" in view.legend.text() and "misses" in view.legend.text() and "resident" not in view.legend.text()
+    view.residency.setChecked(True)
+    assert "missed now" in view.legend.text()
 
 
 @pytest.mark.parametrize("working", [None, 1 << 30])

@@ -94,6 +94,10 @@ def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fractio
     elif decode_path == "both" and fraction < 1.0:  # the CPU took a share of the cold pairs, the GPU read others
         decode = model.offload.stats.phases["decode"]
         assert decode.cpu_s > 0.0 and stats.misses_read > 0
+    # every miss is on the CPU, copied or read by the device from the host tier, in the totals and step by step
+    assert stats.misses == stats.misses_cpu + stats.misses_copied + stats.misses_read
+    assert [sum(column) for column in zip(*model.offload.stats.step_splits)] == [
+        stats.misses_cpu, stats.misses_copied, stats.misses_read]
 
 
 def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):

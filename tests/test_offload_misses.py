@@ -338,7 +338,7 @@ def test_outputs_equal_the_all_cpu_run_for_every_decision_mix(model_folder, cpu_
         for n, d in both:
             assert d.worth_s < d.all_cpu_s and d.worth_s <= d.most_copied_s
     splits = model.offload.stats.step_splits
-    assert len(splits) == model.offload.stats.steps and sum(c for c, _ in splits) == totals.misses_cpu
+    assert len(splits) == model.offload.stats.steps and sum(c for c, _, _ in splits) == totals.misses_cpu
     record = model.offload.stats.as_dict()
     assert record["misses_copied"] == totals.misses_copied and len(record["step_splits"]) == len(splits)
 

@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QGridLayout, QHBoxLayout,
                                QVBoxLayout, QWidget)
 
 from app.gui import theme
+from app.gui.placement_view import split_text
 
 FINISH = {"eos": "end of text", "length": "token limit", "stop_string": "stop text", "cancelled": "stopped",
           "context": "context full", "error": "error"}
@@ -32,11 +33,8 @@ class PromptEdit(QPlainTextEdit):
 
 
 def miss_split_text(split: dict) -> str:
-    """Where this answer's misses ran: 'misses: 12 on the CPU, 3 copied to the device (2 decode copies)'."""
-    if not split.get("misses"):
-        return ""
-    return (f"misses: {split['misses_cpu']} on the CPU, {split['misses_copied']} copied to the device "
-            f"({split['miss_copies']} decode copies)")
+    """Where this answer's misses ran: 'misses: 12 on the CPU, 3 copied to the device (2 decode copies)' (split_text)."""
+    return "misses: " + split_text(split) if split.get("misses") else ""
 
 
 def stats_line(result: dict) -> str:

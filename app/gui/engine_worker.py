@@ -396,7 +396,7 @@ class EngineWorker(QObject):
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
                    "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,
-                   "misses_copied": s.misses_copied, "miss_copies": s.miss_copies,
+                   "misses_copied": s.misses_copied, "miss_copies": s.miss_copies, "misses_read": s.misses_read,
                    "expert_hits": stats.expert_hits[i].copy(), "expert_misses": stats.expert_misses[i].copy()}
                   for i, s in enumerate(stats.layers)]
         bpe = [info.bytes_per_expert for info in offload.infos]
@@ -525,14 +525,14 @@ STEP_SPLITS = 256  # the most recent decoder steps' miss splits sent to the wind
 
 
 def miss_split(offload) -> dict:
-    """Where the misses ran, summed over layers: missed pairs on the CPU and copied to the device
-    (spare slots or prefill waves), experts the decode miss policy copied into spare slots, and the
-    experts the placement admitted from those copies."""
+    """Where the misses ran, summed over layers: missed pairs on the CPU, copied to the device (spare slots or
+    prefill waves) and read by the device from the host tier, experts the decode miss policy copied into spare slots,
+    and the experts the placement admitted from those copies."""
     if offload is None:
         return {}
     total = offload.stats.totals()
     return {"steps": offload.stats.steps, "misses": total.misses, "misses_cpu": total.misses_cpu,
-            "misses_copied": total.misses_copied, "miss_copies": total.miss_copies,
+            "misses_copied": total.misses_copied, "miss_copies": total.miss_copies, "misses_read": total.misses_read,
             "admissions": int(getattr(offload.policy, "admissions", 0))}
 
 

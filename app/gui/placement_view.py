@@ -173,10 +173,23 @@ class Heatmap(QWidget):
         QToolTip.showText(event.globalPosition().toPoint(), self.tooltip_at(*cell), self)
 
 
+def legend_text(t: theme.Theme, mode: str) -> str:
+    """The colours of the mode's cells (Heatmap._cells): residency, or traffic (stronger the more routing)."""
+    if mode == "residency":
+        return (f"<span style='color:{t.accent}'>■</span> resident &nbsp; <span style='color:{t.cold}'>■</span> cold"
+                f" &nbsp; <span style='color:{t.miss}'>●</span> missed now")
+    return (f"<span style='color:{t.accent}'>■</span> hits &nbsp; <span style='color:{t.miss}'>■</span> misses"
+            " &nbsp; (stronger: more routing)")
+
+
 def split_text(split: dict) -> str:
-    """'12 on the CPU, 3 copied to the device (2 decode copies)'."""
-    return (f"{split.get('misses_cpu', 0)} on the CPU, {split.get('misses_copied', 0)} copied to the device "
+    """'12 on the CPU, 3 copied to the device (2 decode copies), 5 read by the GPU from host memory' (the last only
+    with a host tier): every miss in one of the three."""
+    text = (f"{split.get('misses_cpu', 0)} on the CPU, {split.get('misses_copied', 0)} copied to the device "
             f"({split.get('miss_copies', 0)} decode copies)")
+    if split.get("misses_read"):
+        text += f", {split['misses_read']} read by the GPU from host memory"
+    return text
 
 
 def copies_text(copies: dict) -> str:
@@ -273,10 +286,9 @@ class PlacementView(QWidget):
         group = QButtonGroup(self)
         group.addButton(self.residency)
         group.addButton(self.traffic)
-        self.residency.toggled.connect(lambda on: self.heatmap.set_mode("residency" if on else "traffic"))
+        self.residency.toggled.connect(self._mode_chosen)
         self.summary = QLabel("No model loaded.")
         self.summary.setWordWrap(True)
-        self.summary.setMinimumWidth(120)
         self.legend = QLabel()
         self.legend.setToolTip("Misses (routed token-expert pairs whose expert is cold) run on the CPU, or are copied "
                                "into a spare device slot and computed there when the cost model says that is faster "
@@ -286,24 +298,27 @@ class PlacementView(QWidget):
         top = QHBoxLayout()
         top.addWidget(self.residency)
         top.addWidget(self.traffic)
-        top.addSpacing(12)
-        top.addWidget(self.summary, 1)
+        top.addStretch(1)
         top.addWidget(self.legend)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(top)
+        layout.addWidget(self.summary)  # a row of its own: in a narrow window it wraps over the whole width
         layout.addWidget(self.heatmap, 1)
         self.updates = 0
         self.last_rate = 0.0
         self.split: dict = {}           # cumulative miss split of the loaded model (engine totals)
-        self.last_step: tuple[int, int] | None = None   # the last decoder step: misses on the CPU, copied
+        self.last_step: tuple[int, int, int] | None = None   # the last decoder step: misses on the CPU, copied, read
         self.pinned: dict = {}          # the pinned staging ring (OffloadEngine.pinned_info())
         self.apply_theme(theme.current())
 
     def apply_theme(self, t: theme.Theme) -> None:
-        self.legend.setText(f"<span style='color:{t.accent}'>■</span> resident &nbsp; <span style='color:{t.cold}'>■</span> cold"
-                            f" &nbsp; <span style='color:{t.miss}'>●</span> missed now")
+        self.legend.setText(legend_text(t, self.heatmap.mode))
         self.heatmap.update()
+
+    def _mode_chosen(self, residency: bool) -> None:
+        self.heatmap.set_mode("residency" if residency else "traffic")
+        self.legend.setText(legend_text(theme.current(), self.heatmap.mode))
 
     def clear(self) -> None:
         self.last_rate = 0.0
@@ -330,7 +345,9 @@ class PlacementView(QWidget):
         if self.split.get("misses"):
             parts.append("misses: " + split_text(self.split))
         if self.last_step is not None:
-            parts.append(f"last step: {self.last_step[0]} on the CPU, {self.last_step[1]} copied")
+            cpu, copied, read = self.last_step
+            parts.append(f"last step: {cpu} on the CPU, {copied} copied" + (f", {read} read from host memory" if read
+                                                                             else ""))
         copies = copies_text(data.get("copies") or {})
         if copies:
             parts.append(copies)

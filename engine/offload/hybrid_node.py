@@ -321,11 +321,10 @@ class HybridExpertNode:
         resident, hits, cpu_pairs, cpu_experts, on_gpu, held = self._counted_pairs(ids, on_cpu)
         stats.hits += hits
         stats.misses += ids.size - hits
-        stats.misses_read += ids.size - hits - cpu_pairs
         stats.cpu_s += cpu_s
         stats.routed_on_device += 1
         engine.copy_reuse.hit(layer, ids, resident)
-        engine.stats.split(layer, cpu_pairs, 0, 0)
+        engine.stats.split(layer, cpu_pairs, 0, 0, read=ids.size - hits - cpu_pairs)
         engine.policy.observe(layer, ids.reshape(-1))
         if cpu_pairs:
             engine.observe_split_part(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
@@ -367,11 +366,10 @@ class HybridExpertNode:
             read = ids.size - hits
             stats.hits += hits
             stats.misses += read
-            stats.misses_read += read
         stats.routed_on_device += 1
         engine.copy_reuse.hit(layer, ids, resident)
         self._account_time(stats, ids.shape[0], 0.0, device_s, True, 0, 0.0, (), standin)
-        engine.stats.split(layer, 0, 0, 0)
+        engine.stats.split(layer, 0, 0, 0, read=read)
         engine.policy.observe(layer, ids.reshape(-1))
 
     def _output(self, tokens: int) -> np.ndarray:

@@ -41,7 +41,8 @@ class OffloadStats:
     steps: int = 0
     expert_hits: list[np.ndarray] = field(default_factory=list)    # per layer, routed pairs per expert found resident
     expert_misses: list[np.ndarray] = field(default_factory=list)  # per layer, routed pairs per expert found cold
-    # per decoder step (the most recent STEP_HISTORY): missed pairs [on the CPU, copied to the device]
+    # per decoder step (the most recent STEP_HISTORY): missed pairs [on the CPU, copied to the device, read by the
+    # device from the host tier]
     step_splits: list[tuple[int, int]] = field(default_factory=list)
     pinned: dict = field(default_factory=dict)  # the pinned staging ring: bytes, high_water, ... (engine fills)
     # the projection's inputs by phase, all layers together, shadow passes included (their wall time is in
@@ -50,6 +51,7 @@ class OffloadStats:
     _pairs: list[np.ndarray] = field(default_factory=list)  # per layer [hits | misses], viewed by the two above
     _step_cpu: int = 0
     _step_copied: int = 0
+    _step_read: int = 0
 
     STEP_HISTORY = 4096
 
@@ -58,7 +60,7 @@ class OffloadStats:
         self.steps = 0
         self.step_splits = []
         self.phases = {"prefill": LayerStats(), "decode": LayerStats()}
-        self._step_cpu = self._step_copied = 0
+        self._step_cpu = self._step_copied = self._step_read = 0
         if num_experts is not None:
             # per layer one array [hits per expert | misses per expert]: a step's pairs counted in one call
             self._pairs = [np.zeros(2 * e, np.int64) for e in num_experts]
@@ -87,14 +89,17 @@ class OffloadStats:
         pairs = self._pairs[layer] if layer < len(self._pairs) else None
         return pairs if pairs is not None and self.expert_hits[layer].base is pairs else None
 
-    def split(self, layer: int, on_cpu: int, copied: int, copies: int = 0) -> None:
-        """Missed pairs of one layer's step: how many ran on the CPU, how many were copied."""
+    def split(self, layer: int, on_cpu: int, copied: int, copies: int = 0, read: int = 0) -> None:
+        """Missed pairs of one layer's step: how many ran on the CPU, how many were copied, how many the device read
+        from the host tier."""
         stats = self.layers[layer]
         stats.misses_cpu += on_cpu
         stats.misses_copied += copied
         stats.miss_copies += copies
+        stats.misses_read += read
         self._step_cpu += on_cpu
         self._step_copied += copied
+        self._step_read += read
 
     def phase(self, tokens: int) -> LayerStats:
         """The projection's accumulator for a step of `tokens` tokens."""
@@ -102,9 +107,9 @@ class OffloadStats:
 
     def end_step(self) -> None:
         self.steps += 1
-        self.step_splits.append((self._step_cpu, self._step_copied))
+        self.step_splits.append((self._step_cpu, self._step_copied, self._step_read))
         del self.step_splits[:-self.STEP_HISTORY]
-        self._step_cpu = self._step_copied = 0
+        self._step_cpu = self._step_copied = self._step_read = 0
 
     def totals(self) -> LayerStats:
         total = LayerStats()
