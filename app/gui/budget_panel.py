@@ -514,9 +514,12 @@ class BudgetPanel(QWidget):
     def _update_apply(self) -> None:
         reload = self.needs_reload()
         self.apply_button.setText("Apply and reload" if reload else "Apply")
-        self.apply_button.setEnabled(self.loaded and self.dirty())
+        refused = self.last_estimate is not None and bool(self.last_estimate.error)
+        self.apply_button.setEnabled(self.loaded and self.dirty() and not refused)
         if not self.loaded:
             self.applied_label.setText("Used at the next load")
+        elif self.dirty() and refused:
+            self.applied_label.setText("Changed: refused, not applied (see the estimate)")
         elif self.dirty():
             self.applied_label.setText("Changed: " + ("needs a reload (" + ", ".join(reload) + ")" if reload else "not applied yet"))
         else:

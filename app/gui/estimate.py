@@ -206,6 +206,13 @@ def auto_reserve(config: OffloadConfig, available: int) -> int:
 
 def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None,
              whole_layers: bool = False) -> Estimate:
+    if device.kind != "cpu" and device.error and config.mode != "required":
+        # as the engine does (engine_worker._make_device): a GPU that cannot be used leaves every expert on the CPU,
+        # and only mode=required refuses the load
+        fallback = estimate(facts, config, DeviceChoice(), kv_tokens, whole_layers)
+        fallback.statements.insert(0, f"The {device.label} cannot be used ({device.error}): every expert would run "
+                                      "on the CPU.")
+        return fallback
     experts = [info for info in facts.experts if info.spec is not None]
     kv = facts.kv_cache_bytes(kv_tokens)
     # Where the engine would put the dense part (LoadedModel: ort_env.choose_dense_device); under
@@ -241,7 +248,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if not facts.supported and config.mode == "required":
         error = error or "mode 'required' refuses this model: " + "; ".join(
             n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
-    elif experts and not (error and device.usable):  # an unusable device plans as CPU only; a refused ring not at all
+    elif experts and not error:  # an unusable device (mode required, above) or a refused ring: no plan
         try:
             plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it

@@ -510,10 +510,12 @@ class MainWindow(QMainWindow):
         self.model_panel.show_facts(facts)
         self.budget_panel.set_facts(facts, self._load_settings if self._load_settings is not None and self.busy == "loading"
                                     else self.model_settings(facts.path))
-        if self.loaded_path is not None and Path(self.loaded_path).resolve() != Path(facts.path).resolve():
+        other_loaded = self.loaded_path is not None and Path(self.loaded_path).resolve() != Path(facts.path).resolve()
+        if other_loaded:
             self.budget_panel.mark_loaded(None)
         self._remember_recent(facts.path)
-        self.setWindowTitle(f"{facts.name} — MoE Workbench")
+        shown = f"{facts.name} (not loaded; {Path(self.loaded_path).name} is)" if other_loaded else facts.name
+        self.setWindowTitle(f"{shown} — MoE Workbench")
         self._update_state()
         if self._pending_demo_load:
             self._pending_demo_load = False
@@ -522,8 +524,8 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
         self.loaded_path = info["path"]
-        self.model_panel.loaded_path = info["path"]
-        self.model_panel.show_landed(info["landed"])
+        self.model_panel.show_loaded(info["path"], info["landed"])
+        self.setWindowTitle(f"{Path(info['path']).name} — MoE Workbench")
         settings = self._load_settings if self._load_settings else self.budget_panel.settings()
         self.budget_panel.mark_loaded(settings)
         self.save_model_settings(info["path"], settings)
@@ -571,13 +573,14 @@ class MainWindow(QMainWindow):
     @Slot()
     def _on_unloaded(self) -> None:
         self.loaded_path = None
-        self.model_panel.loaded_path = None
-        self.model_panel.landed.setText("Not loaded.")
+        self.model_panel.show_unloaded()
         self.budget_panel.mark_loaded(None)
         self.placement.clear()
         self.side_by_side.set_loaded(None)
         self.status_model.setText("No model loaded")
         self.status_device.setText("")
+        self.status_state.setText("Idle")
+        self.chat.live.setText("No model loaded: load one to chat.")
         self._update_state()
 
     def show_error(self, message: str) -> None:

@@ -4,6 +4,7 @@ the admission verdict before loading, load with progress, then read where everyt
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QFont
@@ -16,6 +17,15 @@ from app.gui.widgets import heading
 from engine.units import human_bytes
 
 COLUMNS = ("Layer", "Experts", "Top-k", "Per expert", "Total", "Verdict", "Layout")
+
+
+def not_loaded_text(loaded_path: str | None) -> str:
+    """The model shown is not loaded; another one may be, and the chat, placement view and Unload act on that one."""
+    if not loaded_path:
+        return "Not loaded."
+    name = html.escape(Path(loaded_path).name)
+    return (f"Not loaded. <b>{name}</b> is the loaded model: the chat, the placement view and Unload act on it. "
+            "Load to switch to this one.")
 
 
 def _item(text: str, tooltip: str = "", align_right: bool = False) -> QTableWidgetItem:
@@ -182,7 +192,23 @@ class ModelPanel(QWidget):
             self.table.setItem(row, 5, _item("…" if node["supported"] else "unsupported", tooltip))
             self.table.setItem(row, 6, _item(node["layout"] or f"UNSUPPORTED: {node['reason']}", tooltip))
         if self.loaded_path != facts.path:
-            self.landed.setText("Not loaded.")
+            self.landed.setText(not_loaded_text(self.loaded_path))
+        self._name_unload()
+
+    def _name_unload(self) -> None:
+        """Unload acts on the loaded model, which is not always the one shown: its tooltip names it."""
+        name = Path(self.loaded_path).name if self.loaded_path else "the model"
+        self.unload_button.setToolTip(f"Stop what runs and free {name}  Ctrl+U")
+
+    def show_loaded(self, path: str, landed: list[str]) -> None:
+        self.loaded_path = path
+        self.show_landed(landed)
+        self._name_unload()
+
+    def show_unloaded(self) -> None:
+        self.loaded_path = None
+        self.landed.setText(not_loaded_text(None))
+        self._name_unload()
 
     def show_estimate(self, estimate, mode: str, device_label: str) -> None:
         """The admission verdict for the chosen mode and device, per layer and overall."""
@@ -215,8 +241,12 @@ class ModelPanel(QWidget):
             colour, verdict = t.error, f"Cannot run ({where}): {html.escape(self.facts.report['verdict'])}"
         else:
             total = estimate.total_experts
-            placement = (f"{estimate.resident} of {total} experts resident on the device, the rest on the CPU"
-                         if estimate.resident else "every expert runs on the CPU")
+            if estimate.resident >= total > 0:
+                placement = f"all {total} experts resident on the device"
+            elif estimate.resident:
+                placement = f"{estimate.resident} of {total} experts resident on the device, the rest on the CPU"
+            else:
+                placement = "every expert runs on the CPU"
             colour, verdict = t.tokens, f"Runs ({where}): {placement}."
         self.verdict.setText(f"<span style='color:{colour}'>●</span> {verdict}")
 

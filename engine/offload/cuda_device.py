@@ -39,7 +39,8 @@ def _cupy():
     try:
         import cupy
     except ImportError:
-        raise NoCudaDevice("--device cuda needs CuPy (install with `make install` on a machine with an NVIDIA driver)") from None
+        raise NoCudaDevice("the CUDA GPU needs CuPy (install with `make install` on a machine with an NVIDIA "
+                           "driver)") from None
     return cupy
 
 
