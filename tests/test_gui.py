@@ -16,6 +16,7 @@ pytest.importorskip("pytestqt")
 
 from PySide6.QtCore import QMimeData, QPointF, QSettings, Qt, QUrl  # noqa: E402
 from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
+from PySide6.QtWidgets import QLabel  # noqa: E402
 
 from app.gui.collector import due_generation  # noqa: E402
 from app.gui.engine_worker import threads_sentence  # noqa: E402
@@ -182,6 +183,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     budget.expert_bytes.slider.setValue(budget.expert_bytes.STEPS)  # everything
     qtbot.waitUntil(lambda: "16 of 16" in budget.layer_text.text())
     assert "all 8 on device" == window.model_panel.table.item(1, 5).text()
+    assert "all 16 experts resident on the device." in window.model_panel.verdict.text()
     budget.expert_bytes.setValue(2 * slot())
     budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
     qtbot.waitUntil(lambda: "2 of 16" in budget.layer_text.text())
@@ -430,6 +432,21 @@ def test_opening_another_folder_says_which_model_stays_loaded_and_unload_clears_
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
     assert window.model_panel.landed.text() == "Not loaded."
     assert window.chat.live.text() == "No model loaded: load one to chat." and window.status_state.text() == "Idle"
+
+
+def test_the_window_fits_a_laptop_screen_and_long_status_lines_end_in_an_ellipsis(qtbot, window):
+    # 1366 x 768 less a taskbar: the record views and the side-by-side form scroll rather than set the minimum
+    # (it was 1226 x 1018 before they did)
+    load(qtbot, window, fixture_folder("gptoss"))
+    hint = window.minimumSizeHint()
+    assert hint.width() <= 1280 and hint.height() <= 700, hint
+    window.resize(1280, 720)
+    qtbot.waitUntil(lambda: window.size().height() == 720)
+    live = window.chat.live
+    text = "first token 52 ms · 372.2 tok/s · 0.50 s · 120 tokens · " + "projected on the simulated card " * 8
+    live.setText(text)
+    shown = QLabel.text(live)
+    assert live.text() == live.toolTip() == text and shown.endswith("…") and len(shown) < len(text)
 
 
 def test_unloading_waits_for_the_gpus_queued_work_and_survives_a_gpu_error(qtbot, window):

@@ -206,7 +206,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     view = window.side_by_side
     waits = []  # the right side's device is waited for before its model goes (CudaDevice.quiesce)
     monkeypatch.setattr(SimulatedDevice, "quiesce", lambda device: waits.append(device), raising=True)
-    window.tabs.setCurrentWidget(view)
+    window.tabs.setCurrentIndex(1)  # Side by side
     assert f"device_expert_bytes={3 * EXPERT}" in view.right_entries.toPlainText()  # B starts as a copy of A
     streamed = []
     window.worker.jobStreamed.connect(lambda kind, payload: streamed.append(payload["side"]))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QGroupBox, QHBoxLayout,
-                               QLabel, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout,
+                               QLabel, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
-from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html
+from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html, scrolled
 from engine.offload import decode_path as paths
 from engine.offload.config import OffloadConfig
 from engine.offload.planner import all_resident_bytes, split_choosable
@@ -229,10 +229,7 @@ class BudgetPanel(QWidget):
         column.addWidget(policy_box)
         column.addWidget(approx_box)
         column.addStretch(1)
-        scroll = QScrollArea()
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QFrame.Shape.NoFrame)
-        scroll.setWidget(inner)
+        scroll = scrolled(inner)
         buttons = QHBoxLayout()
         buttons.addWidget(self.applied_label, 1)
         buttons.addWidget(self.defaults_button)

@@ -10,11 +10,12 @@ import time
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextCursor
 from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QTextBrowser, QToolButton,
+                               QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QToolButton,
                                QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.placement_view import split_text
+from app.gui.widgets import OneLineLabel
 
 FINISH = {"eos": "end of text", "length": "token limit", "stop_string": "stop text", "cancelled": "stopped",
           "context": "context full", "error": "error"}
@@ -83,9 +84,8 @@ class ChatPanel(QWidget):
         self.transcript.setOpenLinks(False)
         self.transcript.setAccessibleName("Conversation")
         self.transcript.anchorClicked.connect(self._anchor)
-        self.live = QLabel()
+        self.live = OneLineLabel()
         self.live.setAccessibleName("Generation status")
-        self.live.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # long lines never widen the window
 
         self.prompt = PromptEdit()
         self.prompt.setPlaceholderText("Message — Enter sends, Shift+Enter for a new line")

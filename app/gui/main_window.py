@@ -31,7 +31,7 @@ from app.gui.scenario_view import ScenarioView
 from app.gui.side_by_side_view import SideBySideView
 from app.gui.sweep_view import SweepView
 from app.gui.telemetry import SamplerThread
-from app.gui.widgets import Banner
+from app.gui.widgets import Banner, scrolled
 
 RECENT_MAX = 10
 ICON = Path(__file__).resolve().parents[2] / "resources" / "moe-workbench.svg"
@@ -113,7 +113,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         self.tabs.addTab(self.chat, "&Chat")
-        self.tabs.addTab(self.side_by_side, "&Side by side")
+        self.tabs.addTab(scrolled(self.side_by_side), "&Side by side")
         column.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
         self.setDockNestingEnabled(True)
@@ -129,9 +129,9 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(self.docks["model"], self.docks["budget"], Qt.Orientation.Vertical)
         area = Qt.DockWidgetArea.BottomDockWidgetArea
         self.record_docks = {
-            "history": self._dock("History", "historyDock", history_box, area),
-            "sweep": self._dock("Budget sweep", "sweepDock", self.sweep, area),
-            "contention": self._dock("Contention test", "contentionDock", self.contention_view, area),
+            "history": self._dock("History", "historyDock", scrolled(history_box), area),
+            "sweep": self._dock("Budget sweep", "sweepDock", scrolled(self.sweep), area),
+            "contention": self._dock("Contention test", "contentionDock", scrolled(self.contention_view), area),
         }
         for dock in self.record_docks.values():
             self.tabifyDockWidget(self.docks["placement"], dock)

@@ -83,7 +83,7 @@ class SweepView(QWidget):
         self.projected_whole: dict[str, pg.ScatterPlotItem] = {}
         self.projected = False  # the points shown carry projections (a sweep on the simulated device)
         self.canvas = pg.GraphicsLayoutWidget()
-        self.canvas.setMinimumHeight(260)
+        self.canvas.setMinimumSize(480, 260)  # two plots a row stay readable; a narrower dock scrolls (scrolled)
         self.scales: dict[str, tuple[str, int]] = {}
         for index, (key, heading, _get, _is_bytes) in enumerate(PANELS):
             plot = self.canvas.addPlot(row=index // 2, col=index % 2, title=heading)
