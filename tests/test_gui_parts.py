@@ -217,6 +217,32 @@ def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode
     assert "missed now" in view.legend.text()
 
 
+def test_the_tokens_graph_reads_the_rate_while_answering(qapp):
+    from app.gui.graphs_panel import GraphsPanel
+
+    from app.gui.telemetry import SystemProbe
+
+    graphs = GraphsPanel()
+    sample = SystemProbe(nvml=False).sample()
+    graphs.add_sample(dict(sample, t=100.0))
+    # a 0.25 s answer of 50 tokens inside a 1 s sample: 200 tok/s (not 50, the tokens over the whole sample)
+    graphs.set_answering(True, now=100.5)
+    graphs.count_tokens(50)
+    graphs.set_answering(False, now=100.75)
+    graphs.add_sample(dict(sample, t=101.0))
+    assert graphs.samples[-1]["tokens_per_s"] == pytest.approx(200.0)
+    # an answer running across samples: each sample takes its own part of the time
+    graphs.set_answering(True, now=101.5)
+    graphs.count_tokens(30)
+    graphs.add_sample(dict(sample, t=102.0))
+    graphs.count_tokens(100)
+    graphs.set_answering(False, now=103.0)
+    graphs.add_sample(dict(sample, t=103.0))
+    assert [s["tokens_per_s"] for s in list(graphs.samples)[-2:]] == pytest.approx([60.0, 100.0])
+    graphs.add_sample(dict(sample, t=104.0))
+    assert graphs.samples[-1]["tokens_per_s"] == 0.0
+
+
 @pytest.mark.parametrize("working", [None, 1 << 30])
 def test_estimate_follows_the_engine_for_streaming_slots(working):
     """A zero expert budget: the decode streaming slots device_working_bytes asks for are workspace in the estimate

@@ -39,7 +39,10 @@ class GraphsPanel(QWidget):
         self.markers: list[dict] = []
         self.paused = False
         self._tokens = 0
-        self._last_t: float | None = None
+        # the rate is tokens over the time spent answering within a sample, so an answer shorter than a sample reads
+        # its own rate, as the chat's statistics do, not the share of the sample it took
+        self._answering_since: float | None = None
+        self._answering_s = 0.0
         self._theme = theme.current()
 
         self.pause_button = QPushButton("Pause")
@@ -59,7 +62,7 @@ class GraphsPanel(QWidget):
         self.util_plot = self._plot("util", "GPU utilisation (%)")
         self.ram_plot = self._plot("ram", "Host memory (GiB)")
         self.cpu_plot = self._plot("cpu", "CPU (%)")
-        self.tps_plot = self._plot("tps", "Tokens/s")
+        self.tps_plot = self._plot("tps", "Tokens/s while answering")
         self.plots = [self.vram_plot, self.util_plot, self.ram_plot, self.cpu_plot, self.tps_plot]
         for plot in self.plots[:-1]:
             plot.setXLink(self.tps_plot)
@@ -144,6 +147,15 @@ class GraphsPanel(QWidget):
     def count_tokens(self, n: int = 1) -> None:
         self._tokens += n
 
+    def set_answering(self, answering: bool, now: float | None = None) -> None:
+        """A chat answer starts or ends: the time between counts toward the rate."""
+        now = time.monotonic() if now is None else now
+        if answering and self._answering_since is None:
+            self._answering_since = now
+        elif not answering and self._answering_since is not None:
+            self._answering_s += now - self._answering_since
+            self._answering_since = None
+
     def add_marker(self, text: str, kind: str = "event") -> None:
         self.markers.append({"t": time.monotonic(), "text": text, "kind": kind, "lines": []})
         self._redraw()
@@ -151,10 +163,13 @@ class GraphsPanel(QWidget):
     def add_sample(self, sample: dict) -> None:
         sample = dict(sample)
         now = sample["t"]
-        dt = now - self._last_t if self._last_t is not None else None
-        sample["tokens_per_s"] = self._tokens / dt if dt and dt > 0 else 0.0
+        answering = self._answering_s
+        if self._answering_since is not None:  # still answering: the sample takes the time so far
+            answering += now - self._answering_since
+            self._answering_since = now
+        sample["tokens_per_s"] = self._tokens / answering if self._tokens and answering > 0 else 0.0
         self._tokens = 0
-        self._last_t = now
+        self._answering_s = 0.0
         self.samples.append(sample)
         while self.samples and self.samples[0]["t"] < now - HISTORY_S:
             self.samples.popleft()
@@ -221,7 +236,7 @@ class GraphsPanel(QWidget):
 
         tps = col("tokens_per_s")
         self.curves["tps"].setData(x, tps)
-        self.tps_plot.header.setText(_title("Tokens/s", [(t.tokens, f"now {tps[-1]:.1f}"),
+        self.tps_plot.header.setText(_title("Tokens/s while answering", [(t.tokens, f"now {tps[-1]:.1f}"),
                                                    (t.muted, f"peak {tps.max():.1f}")], t))
         self.tps_plot.setYRange(0, max(1.0, float(tps.max()) * 1.15), padding=0)
 

@@ -492,6 +492,7 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def _on_busy(self, activity: str) -> None:
         previous, self.busy = self.busy, activity
+        self.graphs.set_answering(activity == "generating")
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
             self.contention_seen = []
