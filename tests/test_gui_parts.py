@@ -243,6 +243,13 @@ def test_the_tokens_graph_reads_the_rate_while_answering(qapp):
     assert graphs.samples[-1]["tokens_per_s"] == 0.0
 
 
+def test_report_tables_keep_an_answers_line_breaks_and_escape_its_markup():
+    from app.gui.record_report import _table
+
+    cell = _table([("one\ntwo <b>", "x")], ("A", "B"))
+    assert "<td>one<br>two &lt;b&gt;</td>" in cell
+
+
 @pytest.mark.parametrize("working", [None, 1 << 30])
 def test_estimate_follows_the_engine_for_streaming_slots(working):
     """A zero expert budget: the decode streaming slots device_working_bytes asks for are workspace in the estimate

@@ -201,7 +201,7 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
         assert "projected on the simulated card: " in entry["stats"]
 
 
-def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(qtbot, window, monkeypatch):
+def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(qtbot, window, monkeypatch, tmp_path):
     load(qtbot, window, "gptoss", SIMULATED)
     view = window.side_by_side
     waits = []  # the right side's device is waited for before its model goes (CudaDevice.quiesce)
@@ -249,6 +249,16 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     view.right_entries.setPlainText("decode_path=gpu")
     view.bar.run_button.click()
     assert "decode_path=gpu: one of auto, cpu, tier" in window.last_error
+    # errors say they are B's: a misspelt key (with the key it likely meant), a folder that holds no model
+    view.right_entries.setPlainText("placment=static")
+    view.bar.run_button.click()
+    assert window.last_error == "B's settings: unknown offload key 'placment': did you mean 'placement'?"
+    view.right_entries.setPlainText("")
+    view.right_folder.setText(str(tmp_path))
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert view.bar.status.text() == (f"Failed: B's model: {tmp_path / 'genai_config.json'}: missing (a model folder "
+                                      "from onnxruntime-genai's builder has one)")
     # another model folder, both at once: the first differing token is highlighted in both columns
     view.right_folder.setText(str(fixture_folder("qwen35moe")))
     view.right_entries.setPlainText("")

@@ -473,6 +473,8 @@ def test_config_accepts_full_and_short_names_and_the_alias():
     ("prefill_wave_experts", "0", ">= 1"),
     ("node_overrides", "n:slots=3", "max_resident_slots=N"),
     ("session.moe.offload.turbo", "1", "unknown offload key"),
+    ("session.moe.offload.placment", "static", "unknown offload key 'session.moe.offload.placment': did you mean "
+                                               "'placement'?"),
 ])
 def test_config_rejects_what_onnxruntime_rejects(key, value, message):
     with pytest.raises(OffloadConfigError) as error:

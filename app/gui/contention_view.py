@@ -35,6 +35,7 @@ class ContentionView(QWidget):
         self.scenario.setAccessibleName("Inference scenario")
         self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=32)
         self.max_tokens.setAccessibleName("Answer tokens")
+        self.max_tokens.setSuffix(" tokens")
         self.bar = JobBar("Run the test", "Cancel takes effect between the three phases (an answer stops at its next token)")
         note = QLabel("Cancel takes effect between phases: indexing that has started runs to its end.")
         note.setWordWrap(True)

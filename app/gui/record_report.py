@@ -78,7 +78,7 @@ def _table(rows, header=None) -> str:
     if header:
         out.append("<tr>" + "".join(f"<th align='left'>{html.escape(str(h))}</th>" for h in header) + "</tr>")
     for row in rows:
-        out.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+        out.append("<tr>" + "".join(f"<td>{html.escape(str(c)).replace(chr(10), '<br>')}</td>" for c in row) + "</tr>")
     return "".join(out) + "</table>"
 
 

@@ -272,6 +272,8 @@ class SideBySideJob:
                                      layer_split=self.right_layer_split, decode_path=self.right_decode_path)
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
+        except WorkbenchError as exc:  # the error names the file; say it is B's
+            raise WorkbenchError(f"B's model: {exc}") from None
         settle(ctx, right, 0.5, "the right side")
         streams = _SideStreams(ctx, params.max_new_tokens)
         try:

@@ -44,7 +44,10 @@ def parse_entries(text: str) -> dict:
     for key, modes in OWN_KEYS.items():
         if key in entries and entries[key] not in modes:
             raise WorkbenchError(f"B's settings: {key}={entries[key]}: one of {', '.join(modes)}")
-    offload_entries(entries)  # names and values checked here, before anything runs
+    try:
+        offload_entries(entries)  # names and values checked here, before anything runs
+    except WorkbenchError as exc:
+        raise WorkbenchError(f"B's settings: {exc}") from None
     return entries
 
 

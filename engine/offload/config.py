@@ -5,6 +5,7 @@ thing to onnxruntime's own offload. Short names (without the prefix) are accepte
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields, replace
 
@@ -65,7 +66,9 @@ class OffloadConfig:
             key = ALIASES.get(key, key)
             parser = _PARSERS.get(key)
             if parser is None:
-                raise OffloadConfigError(f"unknown offload key '{raw_key}' (known: {', '.join(sorted(_PARSERS))})")
+                near = difflib.get_close_matches(key, _PARSERS, n=1)
+                raise OffloadConfigError(f"unknown offload key '{raw_key}'" + (
+                    f": did you mean '{near[0]}'?" if near else f" (known: {', '.join(sorted(_PARSERS))})"))
             try:
                 values[key] = parser(str(raw_value).strip())
             except ValueError as exc:
