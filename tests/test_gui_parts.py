@@ -163,6 +163,23 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
+def test_a_log_scale_byte_slider_reaches_small_and_large_sizes(qapp):
+    from app.gui.widgets import ByteControl
+
+    control = ByteControl(80 << 30, auto_text=None, log_from=64 << 20)
+    control.setValue(96 << 20)
+    assert 0 < control.slider.value() < 100  # 96 MiB sits off the left end (a linear slider put it at 1 of 1000)
+    control.slider.setValue(control.STEPS)
+    assert control.value() == 80 << 30
+    control.slider.setValue(0)
+    assert control.value() == 64 << 20
+    control.slider.setValue(control.STEPS // 2)  # the middle of a log scale: the geometric mean
+    assert control.value() == pytest.approx(((64 << 20) * (80 << 30)) ** 0.5, rel=1e-6)
+    linear = ByteControl(1 << 30)
+    linear.slider.setValue(linear.STEPS // 4)
+    assert linear.value() == 1 << 28
+
+
 def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str
@@ -208,7 +225,8 @@ def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode
     assert "last step: 1 on the CPU, 0 copied, 2 read from host memory" in summary
     assert miss_split_text(split) == ("misses: 4 on the CPU, 1 copied to the device (1 decode copies), 5 read by the "
                                       "GPU from host memory")
-    assert miss_split_text(dict(split, misses_read=0)) == "misses: 4 on the CPU, 1 copied to the device (1 decode copies)"
+    assert miss_split_text(dict(split, misses_read=0)) == ("misses: 4 on the CPU, 1 copied to the device (1 decode "
+                                                           "copies)")
     assert "resident" in view.legend.text() and "missed now" in view.legend.text()
     view.traffic.setChecked(True)
     assert view.heatmap.mode == "traffic"
@@ -282,3 +300,15 @@ def test_the_budget_panels_cuda_status_opens_no_device(monkeypatch):
     assert budget_panel.cuda_status() == "no CUDA device: stand-in"
     monkeypatch.setattr(cuda_device, "cuda_device_problem", lambda index=0: "")
     assert budget_panel.cuda_status() == ""
+
+
+def test_defaults_reset_the_budgets_but_keep_the_device(qapp, gptoss):
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20},
+                             "entries": {"device_expert_bytes": "35328", "placement": "static"}})
+    assert panel.config().placement == "static"
+    panel.reset_defaults()
+    assert panel.device_settings() == {"kind": "simulated", "capacity": 96 << 20}
+    assert panel.config() == OffloadConfig()

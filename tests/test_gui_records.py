@@ -93,6 +93,7 @@ def test_history_table_filters_opens_compares_and_exports(qtbot, tmp_path, monke
         assert "session.moe.offload.device_expert_bytes" in detail and str(2 * EXPERT) in detail
         assert "hit rate" in detail and records[1].model["expert_nodes"][0]["node"] in detail
         assert f"{records[1].layers[0]['hit_rate']:.1%}" in detail
+        assert "\nexperts\nhybrid: resident ones on the device, the others on the CPU\nplacement\nadaptive\n" in detail
         # two runs compared: both titles, the key metrics in two columns with difference and ratio
         view.label_filter.setText("")
         view.select_ids([ids[0], ids[2]])

@@ -80,7 +80,7 @@ class BudgetPanel(QWidget):
         for key, label in DEVICES:
             self.device.addItem(label, key)
         self.device.setAccessibleName("Device for resident experts")
-        self.sim_size = ByteControl(80 * GIB, auto_text=None)
+        self.sim_size = ByteControl(80 * GIB, auto_text=None, log_from=64 << 20)
         self.sim_size.setValue(8 * GIB)
         self.sim_size.setAccessibleName("Simulated GPU memory")
         self.device_note = QLabel(wordWrap=True)
@@ -153,6 +153,7 @@ class BudgetPanel(QWidget):
         self.apply_button = QPushButton("Apply")
         self.apply_button.setToolTip("Re-plan the loaded model with these settings (Ctrl+Return in this panel)")
         self.defaults_button = QPushButton("Defaults")
+        self.defaults_button.setToolTip("Every budget and setting back to its default (the device stays as chosen)")
         self.applied_label = QLabel()
 
         form = lambda: QFormLayout()  # noqa: E731
@@ -327,7 +328,9 @@ class BudgetPanel(QWidget):
         self.refresh()
 
     def reset_defaults(self) -> None:
-        self.set_settings({"kv_tokens": self.facts.context_length if self.facts else None})
+        """Every budget and setting back to its default; where the experts live (the device) stays as chosen."""
+        self.set_settings({"kv_tokens": self.facts.context_length if self.facts else None,
+                           "device": self.device_settings()})
 
     # --- model and machine ---------------------------------------------------------------------------
     def set_facts(self, facts, settings: dict | None) -> None:

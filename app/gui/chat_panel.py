@@ -34,7 +34,7 @@ class PromptEdit(QPlainTextEdit):
 
 
 def miss_split_text(split: dict) -> str:
-    """Where this answer's misses ran: 'misses: 12 on the CPU, 3 copied to the device (2 decode copies)' (split_text)."""
+    """Where this answer's misses ran: 'misses: ' and split_text."""
     return "misses: " + split_text(split) if split.get("misses") else ""
 
 

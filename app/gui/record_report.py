@@ -82,12 +82,20 @@ def _table(rows, header=None) -> str:
     return "".join(out) + "</table>"
 
 
+# the offload plan's placement_mode (engine/offload/planner.py), in words
+EXPERTS_WHERE = {"hybrid": "hybrid: resident ones on the device, the others on the CPU",
+                 "all_resident": "every one resident on the device", "cpu_only": "every one on the CPU"}
+
+
 def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     t, o = record.timings, record.offload
     parts = [f"<h3>{html.escape(title(record, run_id))}</h3>"]
     parts.append(_table([
         ("model", record.model.get("folder", "")), ("type", record.model.get("type", "")),
-        ("device", o.get("device", "cpu")), ("placement", o.get("placement_mode", "—")),
+        ("device", o.get("device", "cpu")),
+        ("experts", EXPERTS_WHERE.get(o.get("placement_mode"), "every one on the CPU")),
+        ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
+         if o.get("placement_mode") == "hybrid" else "—"),
         ("approximate routing", "on" if record.approximate_routing else "off")]
         + ([("agreement with exact routing", f"{record.routing_agreement:.1%}")]
            if record.routing_agreement is not None else [])))

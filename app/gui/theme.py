@@ -30,7 +30,7 @@ class Theme:
 
 LIGHT = Theme(False, background="#ffffff", surface="#f4f5f7", text="#1f2328", muted="#656d76", grid="#d0d7de",
               accent="#2f6feb", others="#d9822b", free="#9aa5b1", tokens="#1a7f37", warn="#9a6700",
-              error="#cf222e", cold="#e6e9ed", miss="#d1242f")
+              error="#cf222e", cold="#d3d8de", miss="#d1242f")
 DARK = Theme(True, background="#1e1f22", surface="#2b2d31", text="#e6e6e6", muted="#9da5ad", grid="#3d4148",
              accent="#4c8dff", others="#f0a030", free="#6b7480", tokens="#3fb950", warn="#d29922",
              error="#f85149", cold="#34373c", miss="#ff6b5e")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import math
 import re
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
@@ -73,14 +74,16 @@ def part_colour(key: str, t: theme.Theme) -> str:
 
 
 class ByteControl(QWidget):
-    """[auto] [slider] [text]: a byte budget, None meaning auto (or 'none' for a limit)."""
+    """[auto] [slider] [text]: a byte budget, None meaning auto (or 'none' for a limit). With `log_from` the slider
+    runs on a log scale from that size to the maximum (a GPU's size: 64 MiB and 80 GiB both within reach)."""
 
     valueChanged = Signal(object)
     STEPS = 1000
 
-    def __init__(self, maximum: int = 1 << 30, auto_text: str | None = "auto", parent=None):
+    def __init__(self, maximum: int = 1 << 30, auto_text: str | None = "auto", parent=None, log_from: int = 0):
         super().__init__(parent)
         self._maximum = max(1, maximum)
+        self._log_from = log_from
         self.auto = QCheckBox(auto_text) if auto_text else None
         self.slider = QSlider(Qt.Orientation.Horizontal)
         self.slider.setRange(0, self.STEPS)
@@ -134,7 +137,7 @@ class ByteControl(QWidget):
         self.slider.setEnabled(not auto)
         self.text.setEnabled(not auto)
         old = self.slider.blockSignals(True)
-        self.slider.setValue(round(min(1.0, (self._value or 0) / self._maximum) * self.STEPS))
+        self.slider.setValue(round(self._fraction(self._value or 0) * self.STEPS))
         self.slider.blockSignals(old)
         self.text.setText(self.auto.text() if auto else human_bytes(self._value or 0))
 
@@ -146,8 +149,19 @@ class ByteControl(QWidget):
         self._show()
         self._emit()
 
+    def _fraction(self, value: int) -> float:
+        """Where `value` sits on the slider, 0..1."""
+        if self._log_from and self._maximum > self._log_from:
+            value = max(value, self._log_from)
+            return min(1.0, math.log(value / self._log_from) / math.log(self._maximum / self._log_from))
+        return min(1.0, value / self._maximum)
+
     def _slid(self, position: int) -> None:
-        self._value = round(self._maximum * position / self.STEPS)
+        fraction = position / self.STEPS
+        if self._log_from and self._maximum > self._log_from:
+            self._value = round(self._log_from * (self._maximum / self._log_from) ** fraction)
+        else:
+            self._value = round(self._maximum * fraction)
         self.text.setText(human_bytes(self._value))
         self._emit()
 
