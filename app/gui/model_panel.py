@@ -111,7 +111,7 @@ class ModelPanel(QWidget):
         self.table.setAccessibleName("Expert layers")
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        header.setStretchLastSection(True)
+        self.table.setWordWrap(False)  # the layout column stays whole: one line, the table scrolls sideways
         self.table.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self.table.setMinimumHeight(70)
 
