@@ -312,3 +312,15 @@ def test_defaults_reset_the_budgets_but_keep_the_device(qapp, gptoss):
     panel.reset_defaults()
     assert panel.device_settings() == {"kind": "simulated", "capacity": 96 << 20}
     assert panel.config() == OffloadConfig()
+
+
+def test_the_divergence_sentence_tells_a_near_tie_from_a_clear_difference():
+    from app.gui.side_by_side_view import divergence_text
+
+    assert divergence_text(None, None) == "The two answers are identical, token for token."
+    tie = divergence_text(4, (0.068, 0.05))
+    assert tie.startswith("The answers diverge at generated token 5 (index 4), highlighted in both columns. There A "
+                          "preferred its token to B's by 0.068 in log-probability, and B its own to A's by 0.050: near "
+                          "ties")
+    assert "clearly different" in divergence_text(0, (0.41, 0.72)) and "near ties" not in divergence_text(0, (0.41, 0.05))
+    assert divergence_text(3, None).endswith("highlighted in both columns.")

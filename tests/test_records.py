@@ -310,6 +310,30 @@ def test_side_by_side_gives_two_records_and_the_divergence(simulated_model):
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 5]) == 2
 
 
+def test_side_by_side_says_how_firmly_each_side_chose_where_they_part():
+    """Approximate routing on B parts the answers at the first token; each side's margin there is its logits' preference
+    for its own token over the other's, as onnxruntime's run of the whole model gives it for the exact side."""
+    from engine.decoder import OrtReferenceDecoder
+
+    exact = LoadedModel.open(fixture_folder("gptoss"))
+    device = SimulatedDevice(1 << 30)
+    approximate = LoadedModel.open(fixture_folder("gptoss"), device=device,
+                                   offload=OffloadConfig(device_expert_bytes=0, min_expert_weight=0.5))
+    comparison = compare(Side(exact, None, "exact"), Side(approximate, device, "approximate"), "Compare us", PARAMS)
+    a, b = (record.turns[0]["tokens"][0] for record in comparison.records)
+    assert comparison.divergence == 0 and a != b
+    reference = OrtReferenceDecoder(exact.folder.onnx, exact.folder.logits_name)
+    prompt = exact.tokenizer.encode(exact.tokenizer.render_chat([{"role": "user", "content": "Compare us"}]))
+    logits = reference.forward(exact.new_state(), prompt)[-1]
+    assert comparison.margins[0] == pytest.approx(logits[a] - logits[b], abs=1e-3)
+    assert comparison.margins[0] > 0.1 and comparison.margins[1] > 0.1  # clear choices, not near ties
+    assert comparison.as_dict()["margins"] == comparison.margins
+    # two different models: no margins (each has its own vocabulary and template)
+    other = LoadedModel.open(fixture_folder("qwen35moe"))
+    models = compare(Side(exact, None, "a"), Side(other, None, "b"), "Compare us", PARAMS)
+    assert models.divergence is not None and models.margins is None
+
+
 def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
     model, device = simulated_model
     corpus = make_corpus(tmp_path / "corpus", files=40, words_per_file=300)

@@ -19,6 +19,7 @@ from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
+from engine.records.side_by_side import NEAR_TIE
 
 KIND = "comparing"
 STATS = ("first token", "decode", "total", "tokens")
@@ -27,6 +28,21 @@ STATS = ("first token", "decode", "total", "tokens")
 # this app's own settings beside onnxruntime's keys (engine/offload/layer_split.py, decode_path.py), with their values
 SPLIT_KEY, PATH_KEY = "layer_split", "decode_path"
 OWN_KEYS = {SPLIT_KEY: SPLIT_MODES, PATH_KEY: PATH_MODES}
+
+
+def divergence_text(divergence: int | None, margins: tuple[float, float] | None) -> str:
+    """Where the answers part, and whether each side chose firmly there or between near-tied tokens."""
+    if divergence is None:
+        return "The two answers are identical, token for token."
+    text = f"The answers diverge at generated token {divergence + 1} (index {divergence}), highlighted in both columns."
+    if margins is None:
+        return text
+    a, b = margins
+    text += (f" There A preferred its token to B's by {a:.3f} in log-probability, and B its own to A's by {b:.3f}: ")
+    if max(abs(a), abs(b)) < NEAR_TIE:
+        return text + ("near ties, which rounding differences between the two configurations can tip (random weights "
+                       "make many).")
+    return text + "the two configurations compute clearly different results there."
 
 
 def parse_entries(text: str) -> dict:
@@ -255,11 +271,7 @@ class SideBySideView(QWidget):
             self.divergence.setText("Cancelled: nothing saved.")
             self.bar.finish("Cancelled.")
             return
-        if divergence is None:
-            self.divergence.setText("The two answers are identical, token for token.")
-        else:
-            self.divergence.setText(f"The answers diverge at generated token {divergence + 1} (index {divergence}), "
-                                    "highlighted in both columns.")
+        self.divergence.setText(divergence_text(divergence, comparison.margins))
         self.bar.finish(f"Saved runs {', '.join(map(str, result.saved_ids))} to the history.")
         self.recorded.emit(result.saved_ids)
 

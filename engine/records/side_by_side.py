@@ -1,10 +1,12 @@
 """Side-by-side: two configurations (or models) answer the same prompt, one after the other by
-default so they don't compete, at once on request; a record for each and where they diverge."""
+default so they don't compete, at once on request; a record for each, where they diverge, and how firmly each side
+chose its token there (a near tie that rounding can tip, or a clear difference)."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.generation import GenerationParams, LoadedModel
 from engine.records.scenarios import run_turns
@@ -16,6 +18,9 @@ SCENARIO = "side-by-side"
 # OpenMP pool (a pool beside alone made a kernel call 1.32x as long on the H200 machine's 16 cores: RESULTS.md,
 # twenty-fifth session), so their timings are not those of a run alone; the history keeps them apart.
 SCENARIO_AT_ONCE = "side-by-side, at once"
+# Below this log-probability margin a choice is a near tie: two configurations that round differently (another
+# kernel, another summation order) can choose differently there, and with random weights they often do.
+NEAR_TIE = 0.1
 
 
 @dataclass
@@ -29,9 +34,21 @@ class Side:
 class Comparison:
     records: tuple[RunRecord, RunRecord]
     divergence: int | None   # index of the first generated token where the answers differ; None if identical
+    # at the divergence, by how much each side's model preferred its own token to the other side's (their
+    # logits' difference: the log-probabilities differ by as much); None where one answer only stopped earlier, or
+    # for two models (each has its own vocabulary)
+    margins: tuple[float, float] | None = None
 
     def as_dict(self) -> dict:
-        return {"divergence": self.divergence, "records": [r.to_dict() for r in self.records]}
+        return {"divergence": self.divergence, "margins": self.margins, "records": [r.to_dict() for r in self.records]}
+
+
+def preference(model: LoadedModel, prompt: str, answer: list[int], own: int, other: int) -> float:
+    """How much `model`, fed `prompt` as a new conversation sends it and then `answer`, prefers the token `own` to
+    `other` next: the difference of their logits."""
+    text = model.tokenizer.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    logits = model.decoder.forward(model.new_state(), model.tokenizer.encode(text) + list(answer))[-1]
+    return float(logits[own] - logits[other])
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -71,5 +88,11 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
     if errors:
         raise errors[0]
     answered = all(record.turns for record in records)
-    divergence = first_divergence(records[0].turns[0]["tokens"], records[1].turns[0]["tokens"]) if answered else None
-    return Comparison((records[0], records[1]), divergence)
+    tokens = [record.turns[0]["tokens"] for record in records] if answered else None
+    divergence = first_divergence(*tokens) if answered else None
+    margins = None
+    one_model = Path(left.model.folder.folder).resolve() == Path(right.model.folder.folder).resolve()
+    if one_model and divergence is not None and all(divergence < len(side) for side in tokens):
+        prefix, (a, b) = tokens[0][:divergence], (side[divergence] for side in tokens)
+        margins = (preference(left.model, prompt, prefix, a, b), preference(right.model, prompt, prefix, b, a))
+    return Comparison((records[0], records[1]), divergence, margins)
