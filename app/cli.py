@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+from pathlib import Path
 
 from engine.errors import WorkbenchError, one_line
 from engine.offload.decode_path import MODES as PATH_MODES
@@ -29,23 +30,26 @@ def _build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate text for a prompt")
     gen.add_argument("model")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the (first) user message")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     mode.add_argument("--chat", action="store_true",
                       help="multi-turn chat: after the first answer read more user turns from standard input, one per line")
     gen.add_argument("--system", help="system prompt (chat template only)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=at_least(1), default=128, help="answer length limit (default 128)")
     sampling = gen.add_mutually_exclusive_group()
     sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
     sampling.add_argument("--temperature", type=float, help="sample with this temperature")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (with --temperature; "
+                     "default 0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens holding this "
+                     "probability (with --temperature; default 1.0: all)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the logits of tokens seen so far "
+                     "by this (default 1.0: none)")
+    gen.add_argument("--seed", type=int, help="the sampler's seed, for a repeatable sampled answer (with --temperature)")
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
-    gen.add_argument("--threads", type=int, help="CPU threads for expert kernels (default: automatic, every core "
-                                                 "less those other processes keep busy)")
+    gen.add_argument("--threads", type=at_least(0), help="CPU threads for expert kernels, at most the cores (default "
+                     "or 0: automatic, every core less those other processes keep busy)")
     _add_device_arguments(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per answer: prompt_tokens, tokens, text, timings")
@@ -53,7 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
     record = commands.add_parser("record", help="run measured scenarios and save resource records")
     record.add_argument("model")
     record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
-    record.add_argument("--max-new-tokens", type=int, default=64)
+    record.add_argument("--max-new-tokens", type=at_least(1), default=64, help="answer length limit (default 64)")
     record.add_argument("--label", default="")
     record.add_argument("--json", action="store_true", help="print the records as JSON")
     record.add_argument("--history", help="SQLite history file (default: the user's data folder)")
@@ -61,9 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sweep = commands.add_parser("sweep", help="run scenarios across expert budgets and recommend one")
     sweep.add_argument("model")
-    sweep.add_argument("--points", type=int, default=5)
+    sweep.add_argument("--points", type=at_least(2), default=5, help="budgets tried, from none to every expert "
+                       "(default 5)")
     sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
-    sweep.add_argument("--max-new-tokens", type=int, default=32)
+    sweep.add_argument("--max-new-tokens", type=at_least(1), default=32, help="answer length limit (default 32)")
     sweep.add_argument("--margin", type=float, default=0.10, help="recommend the smallest budget within this "
                        "fraction of the fastest completion time (default 0.10)")
     sweep.add_argument("--plot", help="write the sweep plot here (.png or .svg)")
@@ -83,15 +88,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
     contention = commands.add_parser("contention", help="document indexing alone, inference alone, then both")
     contention.add_argument("model")
-    contention.add_argument("--workers", type=int, default=2, help="indexing worker processes")
+    contention.add_argument("--workers", type=at_least(1), default=2, help="indexing worker processes (default 2)")
     contention.add_argument("--corpus", help="folder of .txt files (default: a generated corpus)")
     contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short")
-    contention.add_argument("--max-new-tokens", type=int, default=64)
+    contention.add_argument("--max-new-tokens", type=at_least(1), default=64, help="answer length limit (default 64)")
     contention.add_argument("--json", action="store_true")
     _add_device_arguments(contention)
 
     write = commands.add_parser("write-model", help="write a random-weight model folder in the builder's format")
-    write.add_argument("folder")
+    write.add_argument("folder", help="a new or empty folder (see --force)")
+    write.add_argument("--force", action="store_true", help="write into a folder that holds files already, replacing "
+                       "the model files there")
     write.add_argument("--layers", type=int, default=2)
     write.add_argument("--hidden", type=int, default=128)
     write.add_argument("--experts", type=int, default=8)
@@ -117,9 +124,22 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def at_least(minimum: int):
+    """An argparse type: an integer of at least `minimum` (argparse names the option in its error)."""
+    def integer(text: str) -> int:
+        value = int(text)  # a ValueError: argparse says "invalid integer value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
+        return value
+    return integer
+
+
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "simulated", "cuda"], default="cpu",
                         help="where resident experts live: cpu (none), a simulated GPU, or the CUDA GPU")
+    parser.add_argument("--config", metavar="NAME",
+                        help="start from a saved configuration's offload settings (sweep --save-as NAME saves one; "
+                             "--offload entries apply on top)")
     parser.add_argument("--offload", action="append", default=[], metavar="KEY=VALUE",
                         help="an offload setting in onnxruntime's vocabulary (session.moe.offload.KEY; "
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
@@ -140,6 +160,10 @@ def _offload_setup(args):
     from engine.offload import OffloadConfig, SimulatedDevice
 
     entries = {}
+    if args.config:
+        from engine.records.configurations import load_configuration
+
+        entries.update(load_configuration(args.config)[1].to_entries())
     for item in args.offload:
         key, eq, value = item.partition("=")
         if not eq:
@@ -165,9 +189,16 @@ def _cmd_inspect(args) -> int:
     report = inspection(folder)
     config, device = _offload_setup(args)
     if config is not None:
+        from app.gui.estimate import staged_nodes, staging_for
         from engine.offload import decode_path as paths
+        from engine.offload.engine import load_popularity
         from engine.offload.planner import plan_offload
 
+        # what the engine checks at load, checked here too: the pinned ring holds an expert, the popularity file reads
+        staging_for(config, staged_nodes(folder), device)
+        if config.popularity_file:
+            runnable = [info for info in folder.experts if info.spec is not None]
+            load_popularity(config.popularity_file, [i.name for i in runnable], [i.spec.num_experts for i in runnable])
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole")
         mode = args.decode_path or paths.default_decode_path()
         said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
@@ -181,8 +212,13 @@ def _generation_params(args):
     from engine.generation import GenerationParams
     from engine.sampling import SamplingParams
 
-    if args.max_new_tokens < 1:
-        raise WorkbenchError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.raw and args.system:
+        raise WorkbenchError("--system needs the chat template, which --raw leaves out")
+    if any(not stop for stop in args.stop):
+        raise WorkbenchError("--stop needs some text (an empty one would stop at the first token)")
+    if not args.temperature and (args.top_k or args.top_p != 1.0 or args.seed is not None):
+        print("warning: --top-k, --top-p and --seed apply only when sampling (--temperature above 0); this answer is "
+              "greedy", file=sys.stderr, flush=True)
     sampling = SamplingParams(
         do_sample=args.temperature is not None and args.temperature > 0,
         temperature=args.temperature if args.temperature is not None else 1.0,
@@ -208,14 +244,23 @@ def _print_result(result, model, as_json: bool) -> None:
         print(json.dumps(answer), flush=True)
     else:
         t = result.timings
-        print(f"\n[{t.generated_tokens} tokens, first after {t.time_to_first_token_s * 1000:.0f} ms, "
+        print(flush=True)  # the streamed answer's line ends on standard output, whatever becomes of standard error
+        print(f"[{t.generated_tokens} tokens, first after {t.time_to_first_token_s * 1000:.0f} ms, "
               f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {result.finish_reason}]", file=sys.stderr, flush=True)
+
+
+def _warn_of_thread_binding() -> None:
+    """On standard error (a --json answer on standard output is not disturbed): OpenMP thread binding asked for."""
+    from kernels.cpu.threads import binding_warning
+
+    binding = binding_warning()
+    if binding:
+        print(f"warning: {binding}", file=sys.stderr, flush=True)
 
 
 def _cmd_generate(args) -> int:
     from engine.errors import PromptError
     from engine.generation import Conversation, LoadedModel, generate
-    from kernels.cpu.threads import binding_warning
 
     params = _generation_params(args)
     if not args.prompt.strip():
@@ -225,9 +270,7 @@ def _cmd_generate(args) -> int:
         config = config.updated(cpu_threads=args.threads)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,
                              layer_split=args.layer_split, decode_path=args.decode_path)
-    binding = binding_warning()
-    if binding and not args.json:
-        print(f"warning: {binding}", file=sys.stderr, flush=True)
+    _warn_of_thread_binding()
     if args.device == "cuda" and not args.json:
         print(model.dense_statement, file=sys.stderr, flush=True)
         if model.host_registration is not None:
@@ -257,6 +300,11 @@ def _cmd_generate(args) -> int:
 def _cmd_write_model(args) -> int:
     from engine.writer import WriterSpec, write_model
 
+    folder = Path(args.folder)
+    if folder.exists() and not folder.is_dir():
+        raise WorkbenchError(f"{folder}: a file, not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not args.force:
+        raise WorkbenchError(f"{folder}: holds files already; writing would replace its model (--force to do so)")
     try:
         spec = WriterSpec(layers=args.layers, hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
                           inter_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
@@ -293,10 +341,11 @@ def _cmd_record(args) -> int:
     from engine.records.history import History
     from engine.records.scenarios import run_scenario
 
+    history = History(args.history)  # a bad history file refused before the model loads
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
-    history = History(args.history)
+    _warn_of_thread_binding()
     records = []
     for scenario in _scenarios(args.scenario):
         record = run_scenario(model, scenario, GenerationParams(max_new_tokens=args.max_new_tokens), device,
@@ -323,13 +372,22 @@ def _cmd_sweep(args) -> int:
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
+    if args.margin < 0:
+        raise WorkbenchError(f"--margin {args.margin}: a share of the fastest completion, 0 or more (0.1 = 10%)")
+    if args.plot:
+        from app.sweep_plot import plot_path_problem
+
+        problem = plot_path_problem(args.plot)
+        if problem:
+            raise WorkbenchError(problem)
+    history = History(args.history)  # a bad history file refused before the sweep runs
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
+    _warn_of_thread_binding()
     points = run_sweep(model, device, args.points, _scenarios(args.scenario),
                        GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"),
                        splits=BOTH_SPLITS if args.both_splits else None)
-    history = History(args.history)
     for point in points:
         for record in point.records:
             history.add(record)
@@ -338,12 +396,18 @@ def _cmd_sweep(args) -> int:
     if args.plot:
         from app.sweep_plot import export_sweep_plot
 
-        export_sweep_plot(rows, best.budget_bytes, args.plot)
+        try:
+            export_sweep_plot(rows, best.budget_bytes, args.plot)
+        except OSError as exc:
+            raise WorkbenchError(f"{exc} (the sweep's runs are saved in the history)") from None
     if args.save_as:
         # the layer split is this app's own setting, not an onnxruntime key: said in the note, not in the entries
         split_note = f"; run it with --layer-split {best.split}" if best.split else ""
-        save_configuration(args.save_as, args.model, model.offload.config.updated(device_expert_bytes=best.budget_bytes),
-                           note=f"sweep recommendation within {args.margin:.0%} of the fastest{split_note}")
+        saved = save_configuration(args.save_as, Path(args.model).resolve(),
+                                   model.offload.config.updated(device_expert_bytes=best.budget_bytes),
+                                   note=f"sweep recommendation within {args.margin:.0%} of the fastest{split_note}")
+        print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as})",
+              file=sys.stderr)
     projected = uses_projection(points)
     marks = ["  <- recommended" if point is best else "" for point in points]
     split_of = [f"  {p['split']:>6}" if args.both_splits else "" for p in rows]
@@ -393,11 +457,10 @@ def _cmd_contention(args) -> int:
     from engine.records.contention import default_corpus, run_contention
     from engine.records.scenarios import run_scenario
 
-    if args.workers < 1:
-        raise WorkbenchError(f"--workers must be at least 1, got {args.workers}")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
+    _warn_of_thread_binding()
     corpus = Path(args.corpus) if args.corpus else default_corpus()
     if not any(corpus.glob("*.txt")):
         raise WorkbenchError(f"{corpus}: no .txt files to index")
@@ -430,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as Python's documentation advises
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:  # the user gets one line; MOE_WORKBENCH_DEBUG=1 shows the traceback
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise

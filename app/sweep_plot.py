@@ -6,6 +6,21 @@ import os
 from pathlib import Path
 
 
+FORMATS = (".png", ".svg", ".jpg", ".jpeg", ".bmp")
+
+
+def plot_path_problem(path: str | Path) -> str | None:
+    """Why the plot could not be written at `path` (checked before a sweep runs), or None."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        return f"--plot {path}: name the file .png or .svg (or {', '.join(FORMATS[2:])})"
+    if not path.parent.is_dir():
+        return f"--plot {path}: no folder {path.parent}"
+    if not os.access(path.parent, os.W_OK):
+        return f"--plot {path}: the folder {path.parent} is not writable"
+    return None
+
+
 def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | Path) -> Path:
     """points: SweepPoint.as_dict() rows. Four panels against the expert budget (GiB). On a simulated device
     (rows with projected_completion_s) the completion and decode panels also draw the values projected for the
@@ -78,6 +93,8 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
         exporter.parameters()["width"] = 1100
         exporter.export(str(path))
     layout.close()
+    if not path.is_file():  # Qt's writers report failure only on their own stderr
+        raise OSError(f"{path}: the plot could not be written")
     return path
 
 

@@ -64,6 +64,17 @@ def _require(obj: dict, key: str, path: Path, where: str):
     return obj[key]
 
 
+def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = None, minimum: int = 0) -> int:
+    """obj[key] as an integer of at least `minimum` (missing: `default`, or required when None); an error names the
+    field and its value."""
+    value = _require(obj, key, path, where) if default is None else obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ModelFileError(f"{path}: '{where}{key}' is {value!r}, not an integer")
+    if value < minimum:
+        raise ModelFileError(f"{path}: '{where}{key}' is {value}, less than {minimum}")
+    return int(value)
+
+
 def load_genai_config(folder: Path) -> GenaiConfig:
     path = Path(folder) / "genai_config.json"
     if not path.is_file():
@@ -90,13 +101,13 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             path=path,
             model_type=str(model.get("type", "unknown")),
             filename=str(decoder.get("filename", "model.onnx")),
-            context_length=int(_require(model, "context_length", path, "model.")),
-            vocab_size=int(model.get("vocab_size", 0)),
-            num_layers=int(decoder.get("num_hidden_layers", 0)),
-            hidden_size=int(decoder.get("hidden_size", 0)),
-            head_size=int(decoder.get("head_size", 0)),
-            num_heads=int(decoder.get("num_attention_heads", 0)),
-            num_kv_heads=int(decoder.get("num_key_value_heads", 0)),
+            context_length=_integer(model, "context_length", path, "model.", minimum=1),
+            vocab_size=_integer(model, "vocab_size", path, "model.", default=0),
+            num_layers=_integer(decoder, "num_hidden_layers", path, "model.decoder.", default=0),
+            hidden_size=_integer(decoder, "hidden_size", path, "model.decoder.", default=0),
+            head_size=_integer(decoder, "head_size", path, "model.decoder.", default=0),
+            num_heads=_integer(decoder, "num_attention_heads", path, "model.decoder.", default=0),
+            num_kv_heads=_integer(decoder, "num_key_value_heads", path, "model.decoder.", default=0),
             bos_token_id=model.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=model.get("pad_token_id"),

@@ -73,11 +73,13 @@ class LoadedModel:
 
     def __init__(self, folder: ModelFolder, threads: int | None = None,
                  progress: Callable[[float], None] | None = None, offload: OffloadConfig | None = None,
-                 device=None, layer_split: str | None = None, decode_path: str | None = None):
+                 device=None, layer_split: str | None = None, decode_path: str | None = None,
+                 opened_s: float = 0.0):
+        """opened_s: the seconds ModelFolder.open took (open() times it), counted in load_s."""
         problems = folder.unsupported()
         if problems:
             raise UnsupportedModelError(problems[0] + (f" (and {len(problems) - 1} more nodes)" if len(problems) > 1 else ""))
-        started = time.perf_counter()
+        started = time.perf_counter() - opened_s
         self.folder = folder
         self.config = folder.config
         self.tokenizer = folder.tokenizer
@@ -144,7 +146,10 @@ class LoadedModel:
         """layer_split: how the expert budget is spread over the layers (engine/offload/layer_split.py: "auto",
         "spread" or "whole"; None: MOE_LAYER_SPLIT, else "auto"); decode_path: where decode computes cold experts
         (engine/offload/decode_path.py: "auto", "cpu", "tier" or "both"; None: MOE_DECODE_PATH, else "auto")."""
-        return cls(ModelFolder.open(path), threads, progress, offload, device, layer_split, decode_path)
+        started = time.perf_counter()
+        folder = ModelFolder.open(path)
+        return cls(folder, threads, progress, offload, device, layer_split, decode_path,
+                   opened_s=time.perf_counter() - started)
 
     def new_state(self) -> DecoderState:
         """A conversation's state, on the device the dense part runs on."""
@@ -176,6 +181,30 @@ class LoadedModel:
         return ids
 
 
+class VisibleText:
+    """How much of an answer's text may be shown while it streams: nothing from a stop string on, and not an end that
+    could still grow into one (the answer's text is cut there too, so what streamed is what the answer says)."""
+
+    def __init__(self, stop_strings):
+        self.stops = [stop for stop in stop_strings if stop]
+        self.shown = 0  # characters given out so far
+
+    def advance(self, text: str, final: bool = False) -> str:
+        """The text to give out now, of the answer's `text` so far (`final`: it grows no more)."""
+        cut = len(text)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                cut = min(cut, at)
+                continue
+            if not final:
+                held = next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0)
+                cut = min(cut, len(text) - held)
+        delta = text[self.shown:cut]
+        self.shown = max(self.shown, cut)
+        return delta
+
+
 def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
              decoder=None) -> GenerationResult:
@@ -194,6 +223,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     decoder = decoder or model.decoder
     sampler = Sampler(params.sampling)
     stream = StreamDecoder(model.tokenizer)
+    visible = VisibleText(params.stop_strings)
     eos = model.eos_ids
     timings = Timings(prompt_tokens=len(prompt_tokens))
     meter = None
@@ -217,12 +247,14 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         if token in eos:
             finish = "eos"
             break
-        delta = stream.push(token)
-        if len(generated) == params.max_new_tokens or state.past_length + 1 > context:
-            delta += stream.finish()  # the answer's last token (the length checks below)
+        stream.push(token)
+        last = len(generated) == params.max_new_tokens or state.past_length + 1 > context  # (the checks below)
+        if last:
+            stream.finish()
+        delta = visible.advance(stream.text, final=last)
         if on_text:
             on_text(token, delta)
-        if params.stop_strings and any(s in stream.text for s in params.stop_strings):
+        if any(stop in stream.text for stop in visible.stops):
             finish = "stop_string"
             break
         if cancel is not None and cancel.is_set():
@@ -242,10 +274,10 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     timings.total_s = now - started
     timings.generated_tokens = len(generated)
     stream.finish()  # an answer that ended otherwise (eos, a stop string, cancelled)
-    text = stream.text
-    for stop in params.stop_strings:
-        if stop in text:
-            text = text[:text.index(stop)]
+    rest = visible.advance(stream.text, final=True)
+    if rest and on_text:  # what was held back as a possible stop string, or an incomplete character
+        on_text(generated[-1], rest)
+    text = stream.text[:visible.shown]
     result = GenerationResult(list(prompt_tokens), generated, text, finish, timings)
     if meter:
         result.routing_agreement = meter.agreement

@@ -68,14 +68,14 @@ class KernelThreads:
         return self.requested == 0
 
     def request(self, count: int) -> None:
-        """`count` threads from now on; 0: automatic, starting from every core. The count asked for already: nothing
-        changes (a budget change on a loaded model asks again)."""
+        """`count` threads from now on (at most the cores: the kernels run no more); 0: automatic, starting from every
+        core. The count asked for already: nothing changes (a budget change on a loaded model asks again)."""
         if count == self.requested:
             return
         self.requested = count
         self._asked = None  # a new count the last window asked for (automatic mode)
         self._window = (self._new_meter(), self._clock()) if count == 0 else None
-        self._apply(count or self.cores)
+        self._apply(min(count, self.cores) if count else self.cores)
 
     def step_ended(self) -> None:
         """A safe point: in automatic mode, the count follows the other processes' load of the last window."""

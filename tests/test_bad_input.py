@@ -133,3 +133,16 @@ def test_the_cli_tells_an_internal_gpu_fault_in_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "internal error: CUDARuntimeError: cudaErrorIllegalAddress" in err
     assert err.endswith("restart MoE Workbench to use it (the CPU still works)")
+
+
+def test_genai_config_fields_of_the_wrong_type_or_range_are_named(copy_fixture):
+    folder = copy_fixture("lfm2moe")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["num_hidden_layers"] = "two"
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json",
+                       "'model.decoder.num_hidden_layers' is 'two', not an integer")
+    config["model"]["decoder"]["num_hidden_layers"] = 2
+    config["model"]["context_length"] = -5
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(run_cli("inspect", str(folder)), "'model.context_length' is -5, less than 1")

@@ -119,3 +119,105 @@ def test_layer_split_whole_puts_the_budget_on_whole_layers_and_says_so():
     assert set(counts) == {0, experts[0].spec.num_experts}, counts
     refused = run_cli("generate", str(folder), "--prompt", "Hi", "--layer-split", "layers", *common)
     assert refused.returncode != 0 and "invalid choice: 'layers'" in refused.stderr
+
+
+# --- the command line's own checks (in this process: main() returns the exit status) -----------------------------
+
+def _main(capsys, *args):
+    from app.cli import main
+
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_write_model_keeps_what_a_folder_holds_unless_forced(tmp_path, capsys):
+    target = tmp_path / "model"
+    small = ("--layers", "1", "--hidden", "64", "--experts", "4", "--intermediate", "64")
+    assert _main(capsys, "write-model", str(target), *small)[0] == 0
+    before = (target / "model.onnx").read_bytes()
+    status, _out, err = _main(capsys, "write-model", str(target), *small, "--seed", "1")
+    assert status == 2 and err.strip() == (f"moe-workbench: error: {target}: holds files already; writing would replace "
+                                           "its model (--force to do so)")
+    assert (target / "model.onnx").read_bytes() == before
+    assert _main(capsys, "write-model", str(target), *small, "--seed", "1", "--force")[0] == 0
+    assert _main(capsys, "write-model", str(target / "model.onnx"), *small)[2].strip().endswith(
+        "model.onnx: a file, not a folder")
+
+
+def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
+    gptoss = str(fixture_folder("gptoss"))
+    common = ("--device", "simulated", "--history", str(tmp_path / "h.sqlite"))
+    status, _out, err = _main(capsys, "sweep", gptoss, *common, "--plot", str(tmp_path / "plot.txt"))
+    assert status == 2 and "plot.txt: name the file .png or .svg" in err
+    status, _out, err = _main(capsys, "sweep", gptoss, *common, "--plot", str(tmp_path / "no" / "plot.png"))
+    assert status == 2 and f"no folder {tmp_path / 'no'}" in err
+    status, _out, err = _main(capsys, "sweep", gptoss, *common, "--margin", "-1")
+    assert status == 2 and "--margin -1.0: a share of the fastest completion" in err
+    assert not (tmp_path / "h.sqlite").exists()  # refused before anything ran or was saved
+
+
+def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):
+    from engine.records import configurations
+
+    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
+    gptoss = str(fixture_folder("gptoss"))
+    status, out, err = _main(capsys, "sweep", gptoss, "--device", "simulated", "--points", "2", "--max-new-tokens", "2",
+                             "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick", "--json",
+                             "--plot", str(tmp_path / "sweep.png"))
+    assert status == 0 and (tmp_path / "sweep.png").stat().st_size > 0
+    budget = json.loads(out)["recommended_budget_bytes"]
+    assert f"saved as configuration 'quick' in {tmp_path / 'configurations.json'} (use it with --config quick)" in err
+    saved = json.loads((tmp_path / "configurations.json").read_text())["quick"]
+    assert saved["model"] == str(fixture_folder("gptoss").resolve())
+    status, out, _err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--max-new-tokens", "2", "--json",
+                              "--device", "simulated", "--config", "quick")
+    assert status == 0
+    status, out, _err = _main(capsys, "inspect", gptoss, "--json", "--device", "simulated", "--config", "quick")
+    assert json.loads(out)["offload"]["budget_bytes"] == budget
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--config", "slow")
+    assert status == 2 and "no saved configuration 'slow'" in err and "(saved: quick)" in err
+
+
+def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flags(capsys):
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--raw", "--system", "Be brief")
+    assert status == 2 and "--system needs the chat template, which --raw leaves out" in err
+    status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--stop", "")
+    assert status == 2 and "--stop needs some text" in err
+    status, out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--max-new-tokens", "2", "--top-k", "5")
+    assert status == 0 and "warning: --top-k, --top-p and --seed apply only when sampling" in err
+    assert out.endswith("\n")  # the answer's line ends on standard output
+
+
+def test_history_refuses_a_file_that_is_not_one(tmp_path, capsys):
+    other = tmp_path / "notes.json"
+    other.write_text('{"not": "a database"}' * 200)
+    status, _out, err = _main(capsys, "history", "--history", str(other))
+    assert status == 2 and f"{other}: not a run history" in err
+    assert other.read_text().startswith('{"not"')  # left as it was
+
+
+def test_inspect_checks_the_pinned_ring_and_the_popularity_file_as_a_load_would(capsys):
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "pinned_bytes=100")
+    assert status == 2 and "pinned_bytes=100 holds no expert" in err
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload",
+                              "popularity_file=/nonexistent/popularity.json")
+    assert status == 2 and "/nonexistent/popularity.json: cannot read the popularity file" in err
+
+
+def test_the_window_without_a_display_says_so_in_one_line():
+    from app.gui.main import display_problem
+
+    assert "no display to open the window on" in display_problem({}, "linux")
+    assert display_problem({"DISPLAY": ":0"}, "linux") is None and display_problem({"WAYLAND_DISPLAY": "w"}, "linux") is None
+    assert display_problem({"QT_QPA_PLATFORM": "offscreen"}, "linux") is None and display_problem({}, "win32") is None
+
+
+def test_chat_answers_end_their_lines_on_standard_output():
+    result = subprocess.run([sys.executable, "-m", "app", "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
+                             "--chat", "--max-new-tokens", "3"], cwd=REPO, capture_output=True, text=True,
+                            input="More\nAgain\n", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) >= 3 and result.stdout.endswith("\n")

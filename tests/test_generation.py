@@ -118,6 +118,25 @@ def test_an_answer_of_bytes_that_never_make_a_character_keeps_them(model):
     assert "".join(streamed) == result.text
 
 
+def test_streaming_never_shows_a_stop_string_or_what_may_become_one(model):
+    answer = model.tokenizer.encode("hello world, and more")
+    streamed = []
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"),
+                      greedy(len(answer), stop_strings=("lo w", "zz")),
+                      lambda token, delta: streamed.append((token, delta)),
+                      decoder=_ScriptedDecoder(model.config.vocab_size, answer))
+    assert result.finish_reason == "stop_string" and result.text == "hel"
+    assert "".join(delta for _t, delta in streamed) == "hel"  # "lo" was held back until it became the stop string
+    assert [t for t, _d in streamed] == result.tokens  # one call a token
+    # an end held back as a possible stop string is given out when the answer ends without one
+    short = model.tokenizer.encode("hello")
+    streamed = []
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(len(short),
+                      stop_strings=("lo w",)), lambda _token, delta: streamed.append(delta),
+                      decoder=_ScriptedDecoder(model.config.vocab_size, short))
+    assert result.finish_reason == "length" and result.text == "hello" == "".join(streamed)
+
+
 def test_length_and_timings(model):
     result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(5))
     assert result.finish_reason in ("length", "eos")
@@ -158,3 +177,18 @@ def test_repetition_penalty_demotes_seen_tokens():
     logits = np.array([2.0, 1.9, -1.0])
     assert Sampler(SamplingParams())(logits, [0]) == 0
     assert Sampler(SamplingParams(repetition_penalty=1.2))(logits, [0]) == 1
+
+
+def test_load_time_counts_opening_the_folder(monkeypatch):
+    import time
+
+    from engine.model_folder import ModelFolder
+
+    real = ModelFolder.open
+
+    def slow_open(path):
+        time.sleep(0.2)
+        return real(path)
+
+    monkeypatch.setattr(ModelFolder, "open", staticmethod(slow_open))
+    assert LoadedModel.open(fixture_folder("lfm2moe")).load_s >= 0.2

@@ -156,7 +156,10 @@ def test_a_decode_whose_threads_change_mid_run_gives_the_all_cpu_tokens(model_fo
 def test_the_offload_engine_shares_the_decoders_count_and_cpu_threads_sets_it(model_folder):  # noqa: F811
     model = LoadedModel.open(model_folder, offload=OffloadConfig(cpu_threads=3), device=SimulatedDevice(1 << 30))
     threads = model.offload.kernel_threads
-    assert threads is model.decoder.kernel_threads and threads.in_force == 3 and not threads.automatic
+    assert threads is model.decoder.kernel_threads and threads.in_force == min(3, threads.cores) and not threads.automatic
+    model.offload.reconfigure(model.offload.config.updated(cpu_threads=64))  # more than the cores: the cores run
+    assert threads.in_force == threads.cores and model.offload.stats_dict()["cpu_threads"]["cpu_threads_in_force"] == \
+        threads.cores
     model.offload.reconfigure(model.offload.config.updated(cpu_threads=0))
     assert threads.automatic and threads.in_force == threads.cores
     assert all(r.kernel.num_threads == threads.cores for r in model.offload.runners)

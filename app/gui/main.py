@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+from engine.errors import WorkbenchError
+
+
+def display_problem(environ=None, platform: str = sys.platform) -> str | None:
+    """Why the window cannot open here (Linux with no display and no Qt platform chosen), else None. Qt itself
+    aborts the process in that case, with a hint about reinstalling."""
+    env = os.environ if environ is None else environ
+    if not platform.startswith("linux") or env.get("QT_QPA_PLATFORM"):
+        return None
+    if env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
+        return None
+    return ("no display to open the window on (neither DISPLAY nor WAYLAND_DISPLAY is set); the commands inspect, "
+            "generate, record, sweep and contention work without one (moe-workbench --help)")
 
 
 def _report_errors_in(window) -> None:
@@ -25,6 +40,11 @@ def _report_errors_in(window) -> None:
 
 
 def run_gui(model: str | None = None) -> int:
+    problem = display_problem()
+    if problem:
+        raise WorkbenchError(problem)
+    if model and not os.path.isdir(model):
+        raise WorkbenchError(f"{model}: not a folder (point at the folder holding genai_config.json and model.onnx)")
     from PySide6.QtWidgets import QApplication
 
     from app.gui.main_window import MainWindow, app_icon

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import platformdirs
 
+from engine.errors import WorkbenchError, one_line
 from engine.offload.config import OffloadConfig
 
 
@@ -25,8 +26,13 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
 
 
 def load_configuration(name: str, path: Path | None = None) -> tuple[str, OffloadConfig]:
+    """(model folder, offload configuration) saved under `name`."""
     path = path or default_path()
-    saved = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise WorkbenchError(f"{path}: not readable as saved configurations ({one_line(exc)})") from None
     if name not in saved:
-        raise KeyError(f"no saved configuration '{name}' in {path}")
+        known = ", ".join(sorted(saved)) or "none saved yet"
+        raise WorkbenchError(f"no saved configuration '{name}' in {path} (saved: {known})")
     return saved[name]["model"], OffloadConfig.from_entries(saved[name]["entries"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import platformdirs
 
+from engine.errors import WorkbenchError
 from engine.records.schema import RunRecord
 
 COLUMNS = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
@@ -25,11 +26,14 @@ class History:
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db, db:
-            db.execute("""CREATE TABLE IF NOT EXISTS runs (
-                id INTEGER PRIMARY KEY, created TEXT, scenario TEXT, label TEXT, model TEXT, device TEXT,
-                budget TEXT, load_s REAL, ttft_s REAL, decode_tokens_per_s REAL, completion_s REAL,
-                peak_device_bytes INTEGER, peak_rss_bytes INTEGER, record TEXT NOT NULL)""")
+        try:
+            with closing(self._connect()) as db, db:
+                db.execute("""CREATE TABLE IF NOT EXISTS runs (
+                    id INTEGER PRIMARY KEY, created TEXT, scenario TEXT, label TEXT, model TEXT, device TEXT,
+                    budget TEXT, load_s REAL, ttft_s REAL, decode_tokens_per_s REAL, completion_s REAL,
+                    peak_device_bytes INTEGER, peak_rss_bytes INTEGER, record TEXT NOT NULL)""")
+        except sqlite3.DatabaseError as exc:  # another file given as the history (or a damaged one): left as it is
+            raise WorkbenchError(f"{self.path}: not a run history ({exc})") from None
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path)
