@@ -324,3 +324,27 @@ def test_the_divergence_sentence_tells_a_near_tie_from_a_clear_difference():
                           "ties")
     assert "clearly different" in divergence_text(0, (0.41, 0.72)) and "near ties" not in divergence_text(0, (0.41, 0.05))
     assert divergence_text(3, None).endswith("highlighted in both columns.")
+
+
+def test_a_saved_configuration_of_this_model_fills_the_budgets(qapp, gptoss, tmp_path):
+    from app.gui.budget_panel import BudgetPanel
+    from engine.records.configurations import save_configuration
+
+    path = tmp_path / "configurations.json"
+    save_configuration("tight", gptoss.path, OffloadConfig(device_expert_bytes=70656, placement="static"),
+                       note="sweep recommendation", path=path)
+    save_configuration("other model", fixture_folder("lfm2moe"), OffloadConfig(device_expert_bytes=1), path=path)
+    panel = BudgetPanel(configurations_path=path)
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}})
+    panel.saved_menu.aboutToShow.emit()
+    actions = panel.saved_menu.actions()
+    assert [a.text() for a in actions] == ["tight"] and actions[0].toolTip() == "sweep recommendation"
+    actions[0].trigger()
+    assert panel.config() == OffloadConfig(device_expert_bytes=70656, placement="static")
+    assert panel.device_settings() == {"kind": "simulated", "capacity": 96 << 20}
+    assert "2 of 16" in panel.layer_text.text()  # the estimate follows
+    empty = BudgetPanel(configurations_path=tmp_path / "none.json")
+    empty.set_facts(gptoss, None)
+    empty.saved_menu.aboutToShow.emit()
+    assert [(a.text(), a.isEnabled()) for a in empty.saved_menu.actions()] == [
+        ("None saved for this model (Budget sweep ▸ Save as configuration)", False)]

@@ -5,10 +5,11 @@ loaded model without reloading wherever the engine allows."""
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout,
-                               QLabel, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+                               QLabel, QMenu, QPushButton, QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
@@ -16,6 +17,7 @@ from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_
 from engine.offload import decode_path as paths
 from engine.offload.config import OffloadConfig
 from engine.offload.planner import all_resident_bytes, split_choosable
+from engine.records.configurations import configurations_for
 from engine.units import human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
@@ -63,9 +65,11 @@ class BudgetPanel(QWidget):
     estimateChanged = Signal(object, str, str)    # Estimate, mode, device label
     applyRequested = Signal(dict, bool)           # settings, reload
 
-    def __init__(self, parent=None):
+    def __init__(self, parent=None, configurations_path=None):
+        """configurations_path: where named configurations are saved (engine/records/configurations.py)."""
         super().__init__(parent)
         self.setObjectName("budgetPanel")
+        self.configurations_path = Path(configurations_path) if configurations_path else None
         self.facts = None
         self.base = OffloadConfig()
         self.applied: dict | None = None   # what the loaded model runs with
@@ -154,6 +158,13 @@ class BudgetPanel(QWidget):
         self.apply_button.setToolTip("Re-plan the loaded model with these settings (Ctrl+Return in this panel)")
         self.defaults_button = QPushButton("Defaults")
         self.defaults_button.setToolTip("Every budget and setting back to its default (the device stays as chosen)")
+        self.saved_button = QToolButton(text="Saved ▾")
+        self.saved_button.setToolTip("Settings saved for this model (a budget sweep's Save as configuration); choose "
+                                     "one, then Apply")
+        self.saved_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        self.saved_menu = QMenu(self.saved_button)
+        self.saved_menu.aboutToShow.connect(self._list_saved)
+        self.saved_button.setMenu(self.saved_menu)
         self.applied_label = QLabel()
 
         form = lambda: QFormLayout()  # noqa: E731
@@ -233,6 +244,7 @@ class BudgetPanel(QWidget):
         scroll = scrolled(inner)
         buttons = QHBoxLayout()
         buttons.addWidget(self.applied_label, 1)
+        buttons.addWidget(self.saved_button)
         buttons.addWidget(self.defaults_button)
         buttons.addWidget(self.apply_button)
         layout = QVBoxLayout(self)
@@ -325,6 +337,20 @@ class BudgetPanel(QWidget):
         except Exception:
             config = OffloadConfig()
         self.set_config(config)
+        self.refresh()
+
+    def _list_saved(self) -> None:
+        self.saved_menu.clear()
+        saved = configurations_for(self.facts.path, self.configurations_path) if self.facts is not None else {}
+        for name, item in sorted(saved.items()):
+            action = self.saved_menu.addAction(name, lambda entries=item["entries"]: self.use_saved(entries))
+            action.setToolTip(item.get("note", ""))
+        if not saved:
+            self.saved_menu.addAction("None saved for this model (Budget sweep ▸ Save as configuration)").setEnabled(False)
+
+    def use_saved(self, entries: dict) -> None:
+        """A saved configuration's offload entries in the panel, on the device chosen; Apply puts them in force."""
+        self.set_settings({**self.settings(), "entries": entries})
         self.refresh()
 
     def reset_defaults(self) -> None:

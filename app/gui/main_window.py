@@ -83,7 +83,7 @@ class MainWindow(QMainWindow):
 
         # panels
         self.model_panel = ModelPanel()
-        self.budget_panel = BudgetPanel()
+        self.budget_panel = BudgetPanel(configurations_path=configurations_path)
         self.graphs = GraphsPanel()
         self.placement = PlacementView()
         self.chat = ChatPanel()

@@ -25,6 +25,18 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
     return path
 
 
+def configurations_for(model_folder: str | Path, path: Path | None = None) -> dict[str, dict]:
+    """The saved configurations of one model folder: {name: {"model", "entries", "note"}} (an unreadable file: none;
+    the sweep that saves the next one says why)."""
+    path = path or default_path()
+    try:
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    folder = Path(model_folder).resolve()
+    return {name: item for name, item in saved.items() if Path(item.get("model", "")).resolve() == folder}
+
+
 def load_configuration(name: str, path: Path | None = None) -> tuple[str, OffloadConfig]:
     """(model folder, offload configuration) saved under `name`."""
     path = path or default_path()
