@@ -143,7 +143,7 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="append", default=[], metavar="KEY=VALUE",
                         help="an offload setting in onnxruntime's vocabulary (session.moe.offload.KEY; "
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
-    parser.add_argument("--simulated-vram", type=int, default=8 << 30, metavar="BYTES",
+    parser.add_argument("--simulated-vram", type=at_least(1 << 20), default=8 << 30, metavar="BYTES",
                         help="memory of the simulated GPU (default 8 GiB)")
     parser.add_argument("--layer-split", choices=SPLIT_MODES,
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "

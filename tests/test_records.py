@@ -190,6 +190,7 @@ def test_history_write_read_filter_export(short_record, tmp_path):
     assert [row["id"] for row in history.rows(model="gptoss", scenario="short")] == [first]
     assert history.rows(model="no-such-model") == []
     exported = json.loads(history.export("json"))
+    assert [d.pop("id") for d in exported] == [second, first]  # the id the list, CSV and Markdown show
     assert [RunRecord.from_dict(d) for d in exported] == [other, short_record]
     rows = list(csv.DictReader(io.StringIO(history.export("csv", scenario="short"))))
     assert len(rows) == 1 and float(rows[0]["completion_s"]) == pytest.approx(short_record.timings["completion_s"])

@@ -79,7 +79,7 @@ class History:
     def export(self, fmt: str, **filters) -> str:
         rows = self.rows(**filters)
         if fmt == "json":
-            return json.dumps([self.get(row["id"]).to_dict() for row in rows], indent=2)
+            return json.dumps([{"id": row["id"], **self.get(row["id"]).to_dict()} for row in rows], indent=2)
         if fmt == "csv":
             out = io.StringIO()
             writer = csv.DictWriter(out, fieldnames=COLUMNS)
