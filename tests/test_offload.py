@@ -345,6 +345,18 @@ def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
         plan_offload(OffloadConfig(mode="required", device_expert_bytes=10), experts, SimulatedDevice(1 << 30))
 
 
+def test_an_automatic_budget_that_holds_no_expert_says_why(model_folder):
+    from engine.model_folder import ModelFolder
+
+    experts = ModelFolder.open(model_folder).experts
+    plan = plan_offload(OffloadConfig(), experts, SimulatedDevice(20 << 20))  # below the automatic 512 MiB reserve
+    assert plan.budget_bytes == 0 and sum(plan.slots.values()) == 0
+    assert ("The automatic budget holds no expert: of the 20.0 MiB the device has free it keeps 20.0 MiB for KV cache "
+            "and workspace (reserve_device_bytes); set a smaller reserve or a device_expert_bytes.") in plan.statements
+    roomy = plan_offload(OffloadConfig(), experts, SimulatedDevice(1 << 30))
+    assert not any("holds no expert" in said for said in roomy.statements)
+
+
 @pytest.mark.parametrize("judged", [True, False])
 def test_adaptive_placement_reaches_the_hot_set(judged):
     """A skewed workload (a hot set of 6 of 32 experts takes 90% of routing, with recency): once

@@ -295,9 +295,6 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         statements.extend(staged.statements())  # the sentences the engine adds to its plan
     if streaming is not None:
         statements.extend(streaming.statements)  # ... then those of its streaming slots
-    if plan and stand_in is not None and config.device_expert_bytes is None and plan.budget_bytes == 0 and experts:
-        statements.append(f"The automatic budget is empty: it keeps {human_bytes(auto_reserve(config, stand_in.memory.available))} "
-                          "free for KV cache and workspace. Set a Reserve or an Expert budget.")
     if device.kind != "cpu":
         statements.append("The dense part would run on the GPU with onnxruntime's CUDA execution provider, its KV "
                           "cache and state in GPU memory." if dense_on_gpu else f"The dense part would run on the CPU: {dense_cpu}.")

@@ -184,6 +184,10 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     if clamped:
         statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has free; "
                           f"the budget is {human_bytes(budget)}.")
+    if config.device_expert_bytes is None and budget < smallest and runnable:
+        statements.append(f"The automatic budget holds no expert: of the {human_bytes(available)} the device has free "
+                          f"it keeps {human_bytes(available - budget)} for KV cache and workspace "
+                          "(reserve_device_bytes); set a smaller reserve or a device_expert_bytes.")
     statements += gpu_statements(experts)
     if mode == "hybrid" and resident < sum(info.spec.num_experts for info in runnable):
         statements.append("Cold experts that routing hits during decode run on the CPU." if config.cpu_execution != "disabled"
