@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -208,6 +209,20 @@ def _cmd_inspect(args) -> int:
     return 0 if report["supported"] else 1
 
 
+# the names the engine's checks use, and the options that set them (so that an error names what the user typed)
+SAMPLING_OPTIONS = {"repetition_penalty": "--repetition-penalty", "temperature": "--temperature", "top_k": "--top-k",
+                    "top_p": "--top-p"}
+WRITER_OPTIONS = {"inter_size": "--intermediate", "hidden_size": "--hidden", "num_experts": "--experts",
+                  "top_k": "--top-k", "num_heads": "--heads", "num_kv_heads": "--kv-heads", "head_size": "--head-size",
+                  "layers": "--layers", "block_size": "--block-size", "context_length": "--context-length",
+                  "sliding_window": "--sliding-window", "bits": "--bits"}
+
+
+def _as_options(message: str, names: dict[str, str]) -> str:
+    """`message` with the engine's field names replaced by the command-line options that set them."""
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda match: names[match.group(1)], message)
+
+
 def _generation_params(args):
     from engine.generation import GenerationParams
     from engine.sampling import SamplingParams
@@ -226,7 +241,7 @@ def _generation_params(args):
     try:
         sampling.validate()
     except ValueError as exc:
-        raise WorkbenchError(str(exc)) from None
+        raise WorkbenchError(_as_options(str(exc), SAMPLING_OPTIONS)) from None
     return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))
 
 
@@ -245,7 +260,7 @@ def _print_result(result, model, as_json: bool) -> None:
     else:
         t = result.timings
         print(flush=True)  # the streamed answer's line ends on standard output, whatever becomes of standard error
-        print(f"[{t.generated_tokens} tokens, first after {t.time_to_first_token_s * 1000:.0f} ms, "
+        print(f"[{t.generated_tokens} token{'s' if t.generated_tokens != 1 else ''}, first after {t.time_to_first_token_s * 1000:.0f} ms, "
               f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {result.finish_reason}]", file=sys.stderr, flush=True)
 
 
@@ -314,20 +329,24 @@ def _cmd_write_model(args) -> int:
                           sliding_window=args.sliding_window, context_length=args.context_length)
         path = write_model(args.folder, spec)
     except ValueError as exc:
-        raise WorkbenchError(str(exc)) from None
+        raise WorkbenchError(_as_options(str(exc).removeprefix("WriterSpec: "), WRITER_OPTIONS)) from None
     print(path)
     return 0
 
 
 class _ProgressLine:
-    """A progress line on standard error (the CLI's progress bar)."""
+    """A progress line on standard error (the CLI's progress bar), redrawn in place on a terminal; elsewhere (a log
+    file, a pipe) one line at the end."""
 
     def __init__(self, what: str):
         self.what = what
+        self.terminal = sys.stderr.isatty()
 
     def __call__(self, fraction: float) -> None:
-        end = "\n" if fraction >= 1 else ""
-        print(f"\r{self.what}: {fraction:6.1%}", end=end, file=sys.stderr, flush=True)
+        if self.terminal:
+            print(f"\r{self.what}: {fraction:6.1%}", end="\n" if fraction >= 1 else "", file=sys.stderr, flush=True)
+        elif fraction >= 1:
+            print(f"{self.what}: done", file=sys.stderr, flush=True)
 
 
 def _scenarios(name: str) -> list[str]:

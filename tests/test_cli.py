@@ -221,3 +221,11 @@ def test_chat_answers_end_their_lines_on_standard_output():
                             input="More\nAgain\n", timeout=300)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) >= 3 and result.stdout.endswith("\n")
+
+
+def test_errors_name_the_options_the_user_typed(tmp_path, capsys):
+    status, _out, err = _main(capsys, "write-model", str(tmp_path / "m"), "--top-k", "9", "--experts", "8")
+    assert status == 2 and err.strip() == "moe-workbench: error: --top-k (9) must be <= --experts (8)"
+    status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
+                              "--repetition-penalty", "0")
+    assert status == 2 and "--repetition-penalty must be > 0" in err
