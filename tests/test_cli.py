@@ -162,10 +162,11 @@ def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsy
 
     monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
     gptoss = str(fixture_folder("gptoss"))
+    # (no --plot in this process: pyqtgraph's widgets made here crash the test process at exit; the plot is
+    # checked in a process of its own, test_records.test_cli_record_sweep_history_contention)
     status, out, err = _main(capsys, "sweep", gptoss, "--device", "simulated", "--points", "2", "--max-new-tokens", "2",
-                             "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick", "--json",
-                             "--plot", str(tmp_path / "sweep.png"))
-    assert status == 0 and (tmp_path / "sweep.png").stat().st_size > 0
+                             "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick", "--json")
+    assert status == 0
     budget = json.loads(out)["recommended_budget_bytes"]
     assert f"saved as configuration 'quick' in {tmp_path / 'configurations.json'} (use it with --config quick)" in err
     saved = json.loads((tmp_path / "configurations.json").read_text())["quick"]
