@@ -326,7 +326,7 @@ def test_the_divergence_sentence_tells_a_near_tie_from_a_clear_difference():
     assert divergence_text(3, None).endswith("highlighted in both columns.")
 
 
-def test_a_saved_configuration_of_this_model_fills_the_budgets(qapp, gptoss, tmp_path):
+def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tmp_path):
     from app.gui.budget_panel import BudgetPanel
     from engine.records.configurations import save_configuration
 
@@ -335,6 +335,7 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qapp, gptoss, tmp
                        note="sweep recommendation", path=path)
     save_configuration("other model", fixture_folder("lfm2moe"), OffloadConfig(device_expert_bytes=1), path=path)
     panel = BudgetPanel(configurations_path=path)
+    qtbot.addWidget(panel)  # deleted at the test's end: a menu with Python slots left to the process's exit crashed it
     panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}})
     panel.saved_menu.aboutToShow.emit()
     actions = panel.saved_menu.actions()
@@ -344,6 +345,7 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qapp, gptoss, tmp
     assert panel.device_settings() == {"kind": "simulated", "capacity": 96 << 20}
     assert "2 of 16" in panel.layer_text.text()  # the estimate follows
     empty = BudgetPanel(configurations_path=tmp_path / "none.json")
+    qtbot.addWidget(empty)
     empty.set_facts(gptoss, None)
     empty.saved_menu.aboutToShow.emit()
     assert [(a.text(), a.isEnabled()) for a in empty.saved_menu.actions()] == [
