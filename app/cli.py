@@ -260,7 +260,8 @@ def _print_result(result, model, as_json: bool) -> None:
     else:
         t = result.timings
         print(flush=True)  # the streamed answer's line ends on standard output, whatever becomes of standard error
-        print(f"[{t.generated_tokens} token{'s' if t.generated_tokens != 1 else ''}, first after {t.time_to_first_token_s * 1000:.0f} ms, "
+        tokens = f"{t.generated_tokens} token{'s' if t.generated_tokens != 1 else ''}"
+        print(f"[{tokens}, first after {t.time_to_first_token_s * 1000:.0f} ms, "
               f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {result.finish_reason}]", file=sys.stderr, flush=True)
 
 
@@ -470,8 +471,6 @@ def _cmd_history(args) -> int:
 
 
 def _cmd_contention(args) -> int:
-    from pathlib import Path
-
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.contention import default_corpus, run_contention
     from engine.records.scenarios import run_scenario

@@ -68,7 +68,8 @@ def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = 
     """obj[key] as an integer of at least `minimum` (missing: `default`, or required when None); an error names the
     field and its value."""
     value = _require(obj, key, path, where) if default is None else obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                          and not value.is_integer()):
         raise ModelFileError(f"{path}: '{where}{key}' is {value!r}, not an integer")
     if value < minimum:
         raise ModelFileError(f"{path}: '{where}{key}' is {value}, less than {minimum}")

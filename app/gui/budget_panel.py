@@ -346,7 +346,8 @@ class BudgetPanel(QWidget):
             action = self.saved_menu.addAction(name, lambda entries=item["entries"]: self.use_saved(entries))
             action.setToolTip(item.get("note", ""))
         if not saved:
-            self.saved_menu.addAction("None saved for this model (Budget sweep ▸ Save as configuration)").setEnabled(False)
+            none = self.saved_menu.addAction("None saved for this model (Budget sweep ▸ Save as configuration)")
+            none.setEnabled(False)
 
     def use_saved(self, entries: dict) -> None:
         """A saved configuration's offload entries in the panel, on the device chosen; Apply puts them in force."""

@@ -176,8 +176,8 @@ class Heatmap(QWidget):
 def legend_text(t: theme.Theme, mode: str) -> str:
     """The colours of the mode's cells (Heatmap._cells): residency, or traffic (stronger the more routing)."""
     if mode == "residency":
-        return (f"<span style='color:{t.accent}'>■</span> resident &nbsp; "
-                f"<span style='color:{t.cold}'>■</span> cold &nbsp; <span style='color:{t.miss}'>●</span> missed now")
+        return (f"<span style='color:{t.accent}'>■</span> resident &nbsp; <span style='color:{t.cold}'>■</span> "
+                f"cold &nbsp; <span style='color:{t.miss}'>●</span> missed now")
     return (f"<span style='color:{t.accent}'>■</span> hits &nbsp; <span style='color:{t.miss}'>■</span> misses"
             " &nbsp; (stronger: more routing)")
 

@@ -43,7 +43,7 @@ class OffloadStats:
     expert_misses: list[np.ndarray] = field(default_factory=list)  # per layer, routed pairs per expert found cold
     # per decoder step (the most recent STEP_HISTORY): missed pairs [on the CPU, copied to the device, read by the
     # device from the host tier]
-    step_splits: list[tuple[int, int]] = field(default_factory=list)
+    step_splits: list[tuple[int, int, int]] = field(default_factory=list)
     pinned: dict = field(default_factory=dict)  # the pinned staging ring: bytes, high_water, ... (engine fills)
     # the projection's inputs by phase, all layers together, shadow passes included (their wall time is in
     # the timings too): "prefill" steps (more than one token), "decode" steps (one token); see projection.py
