@@ -491,8 +491,10 @@ def test_garbage_is_collected_on_the_windows_thread_while_it_lives(qtbot, tmp_pa
                 threads.append(threading.current_thread())
 
         garbage = weakref.ref(Cycle())
-        kept = [[] for _ in range(2000)]  # generation 0's count past its threshold
-        qtbot.waitUntil(lambda: garbage() is None, timeout=5000)
+        # generation 0's count past its threshold. It counts allocations less deallocations, and a closed window's
+        # objects freed meanwhile (an earlier test's) took it back below: so allocate at every look until it collects
+        kept = []
+        qtbot.waitUntil(lambda: kept.append([[] for _ in range(1000)]) or garbage() is None, timeout=5000)
         del kept
         assert threads == [threading.main_thread()]
     finally:
