@@ -721,13 +721,17 @@ def test_cuda_a_device_sync_while_a_gated_merge_waits_is_repaired_within_the_ste
     """What a finalizer syncing the device does in the window between a "both" layer's gated launch and its return
     (tests/test_cuda_slots_standin.py's host_held test, on the GPU): the sync waits for the merge, which gives up after
     its timeout; the host's clock counts that wait, so merge_split makes the sum again at once: logits as the CPU
-    model's, no step run again."""
+    model's, no step run again. On the engine's thread: the host-part worker raises its layers' gates itself, and a
+    merge of its that gave up is repaired by running the step again (test_cuda_a_late_gate_under_launch_ahead_...)."""
     import cupy as cp
 
+    from engine import decoder
     from engine.offload import cuda_device
     from engine.offload.cuda_device import CudaSlots
     from kernels.gpu.qmoe import GpuQMoE
 
+    monkeypatch.setattr(decoder, "host_part_worker", False)  # (its default: the worker took the layers, on the H200)
+    monkeypatch.setattr(decoder, "launch_ahead", False)
     monkeypatch.setattr(cuda_device, "GATE_TIMEOUT_S", 0.2)
     monkeypatch.setattr(CudaSlots, "split_on_dense", False)  # every launch through _launch_split
     spec = FP16_MODELS["fp16"]
