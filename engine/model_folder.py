@@ -13,6 +13,14 @@ from engine.partition import Plan, plan_partition
 from engine.tokenizer import ModelTokenizer
 
 
+def folder_path(folder: str | Path) -> Path:
+    """`folder` resolved, checked to be a folder (a model's: its files are checked as they are read)."""
+    path = Path(folder).expanduser().resolve()
+    if not path.is_dir():
+        raise ModelFileError(f"{path}: not a folder (point at the folder holding genai_config.json and model.onnx)")
+    return path
+
+
 @dataclass
 class ModelFolder:
     folder: Path
@@ -24,9 +32,7 @@ class ModelFolder:
 
     @classmethod
     def open(cls, folder: str | Path) -> "ModelFolder":
-        folder = Path(folder).expanduser().resolve()
-        if not folder.is_dir():
-            raise ModelFileError(f"{folder}: not a folder (point at the folder holding genai_config.json and model.onnx)")
+        folder = folder_path(folder)
         config = load_genai_config(folder)
         tokenizer = ModelTokenizer(folder)
         source = OnnxFile(folder / config.filename)

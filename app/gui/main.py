@@ -6,6 +6,7 @@ import os
 import sys
 
 from engine.errors import WorkbenchError
+from engine.model_folder import folder_path
 
 
 def display_problem(environ=None, platform: str = sys.platform) -> str | None:
@@ -43,8 +44,8 @@ def run_gui(model: str | None = None) -> int:
     problem = display_problem()
     if problem:
         raise WorkbenchError(problem)
-    if model and not os.path.isdir(model):
-        raise WorkbenchError(f"{model}: not a folder (point at the folder holding genai_config.json and model.onnx)")
+    if model:
+        folder_path(model)  # a wrong path said on the command line, before the window opens
     from PySide6.QtWidgets import QApplication
 
     from app.gui.main_window import MainWindow, app_icon

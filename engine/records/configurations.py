@@ -15,11 +15,19 @@ def default_path() -> Path:
     return Path(platformdirs.user_data_dir("moe-workbench")) / "configurations.json"
 
 
+def _saved(path: Path) -> dict:
+    """Every configuration saved in `path` ({} where there is no file yet)."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise WorkbenchError(f"{path}: not readable as saved configurations ({one_line(exc)})") from None
+
+
 def save_configuration(name: str, model_folder: str, config: OffloadConfig, note: str = "",
                        path: Path | None = None) -> Path:
     path = path or default_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    saved = json.loads(path.read_text()) if path.is_file() else {}
+    saved = _saved(path)
     saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note}
     path.write_text(json.dumps(saved, indent=2) + "\n")
     return path
@@ -28,10 +36,9 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
 def configurations_for(model_folder: str | Path, path: Path | None = None) -> dict[str, dict]:
     """The saved configurations of one model folder: {name: {"model", "entries", "note"}} (an unreadable file: none;
     the sweep that saves the next one says why)."""
-    path = path or default_path()
     try:
-        saved = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
+        saved = _saved(path or default_path())
+    except WorkbenchError:
         return {}
     folder = Path(model_folder).resolve()
     return {name: item for name, item in saved.items() if Path(item.get("model", "")).resolve() == folder}
@@ -40,10 +47,7 @@ def configurations_for(model_folder: str | Path, path: Path | None = None) -> di
 def load_configuration(name: str, path: Path | None = None) -> tuple[str, OffloadConfig]:
     """(model folder, offload configuration) saved under `name`."""
     path = path or default_path()
-    try:
-        saved = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError) as exc:
-        raise WorkbenchError(f"{path}: not readable as saved configurations ({one_line(exc)})") from None
+    saved = _saved(path)
     if name not in saved:
         known = ", ".join(sorted(saved)) or "none saved yet"
         raise WorkbenchError(f"no saved configuration '{name}' in {path} (saved: {known})")
