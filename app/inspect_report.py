@@ -12,6 +12,7 @@ def inspection(folder: ModelFolder) -> dict:
         spec = info.spec
         nodes.append({
             "layer": info.layer,
+            "model_layer": info.model_layer,
             "node": info.name,
             "op_type": info.op_type,
             "experts": spec.num_experts if spec else None,
@@ -42,7 +43,7 @@ def format_inspection(report: dict) -> str:
              f"{'layer':>5}  {'experts':>7}  {'top-k':>5}  {'bytes/expert':>12}  {'total':>10}  layout / node"]
     for n in report["expert_nodes"]:
         layout = n["layout"] if n["supported"] else f"UNSUPPORTED: {n['reason']}"
-        lines.append(f"{n['layer']:>5}  {n['experts'] or '?':>7}  {n['top_k'] or '?':>5}  "
+        lines.append(f"{n['model_layer']:>5}  {n['experts'] or '?':>7}  {n['top_k'] or '?':>5}  "
                      f"{human_bytes(n['bytes_per_expert']):>12}  {human_bytes(n['bytes']):>10}  {layout}  [{n['node']}]")
     lines.append(f"experts: {human_bytes(report['expert_bytes'])} in {len(report['expert_nodes'])} nodes; "
                  f"dense part: {human_bytes(report['dense_bytes'])} in {report['dense_segments']} onnxruntime segments")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,8 @@ from kernels.qmoe_spec import MOE_INPUT_NAMES, QMOE_INPUT_NAMES, QMoESpec, Unsup
 
 ACTIVATION_INPUTS = ("input", "router_probs", "router_weights")
 GPU_MAX_EXPERTS = 2048  # kernels.gpu.qmoe.GpuQMoE refuses more (its grouping kernel)
+# onnxruntime-genai's builder names a layer's nodes '/model/layers.12/moe/QMoE' (and our writer does too)
+_MODEL_LAYER = re.compile(r"(?:^|/)layers\.(\d+)/")
 KEPT_OUTPUT_TOKENS = 8  # CpuExpertNode reuses its output buffer for steps of at most this many tokens (decode)
 
 
@@ -33,7 +36,7 @@ class ExpertNodeInfo:
     """What the graph says about one expert node: its attributes, weights and whether we run it."""
     name: str
     op_type: str
-    layer: int
+    layer: int                         # its position among the graph's expert nodes (what the engine indexes by)
     attributes: dict
     activation_inputs: dict[str, str]  # "input" / "router_probs" / "router_weights" -> tensor name
     weight_inputs: dict[str, str]      # contract input name -> initializer name
@@ -43,6 +46,14 @@ class ExpertNodeInfo:
     weight_bytes: int
     gpu: GpuFootprint | None = None    # its experts in the GPU kernels' layout; None when the GPU cannot run it
     gpu_unsupported: str | None = None  # why the GPU kernels cannot run the node (it runs on the CPU), or None
+
+    @property
+    def model_layer(self) -> int:
+        """The model's decoder layer the node belongs to, as its name says, for what users read: a model whose first
+        layers are dense (LFM2-MoE) has its first expert node in layer 1 or 2, not 0. Its position among the expert
+        nodes where the name does not say."""
+        found = _MODEL_LAYER.search(self.name)
+        return int(found.group(1)) if found else self.layer
 
     @property
     def bytes_per_expert(self) -> int:

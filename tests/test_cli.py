@@ -25,6 +25,17 @@ def test_inspect_lists_every_expert_node():
     assert report["dense_bytes"] > 0 and report["supported"]
 
 
+def test_inspect_names_the_models_own_layers_where_the_first_ones_are_dense():
+    # the LFM2-MoE fixture's layer 0 is dense: its expert nodes are in layers 1-3 (their names say so)
+    result = run_cli("inspect", str(fixture_folder("lfm2moe")), "--json")
+    assert result.returncode == 0, result.stderr
+    nodes = json.loads(result.stdout)["expert_nodes"]
+    assert [(n["layer"], n["model_layer"]) for n in nodes] == [(0, 1), (1, 2), (2, 3)]
+    assert all(f"/layers.{n['model_layer']}/" in n["node"] for n in nodes)
+    text = run_cli("inspect", str(fixture_folder("lfm2moe"))).stdout.splitlines()
+    assert [line.split()[0] for line in text[2:5]] == ["1", "2", "3"]
+
+
 def test_inspect_text_has_verdict():
     result = run_cli("inspect", str(fixture_folder("gptoss")))
     assert result.returncode == 0

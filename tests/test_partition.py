@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -69,3 +70,11 @@ def test_thread_pools_do_not_multiply_with_segments():
     segments = [s for s in model.decoder.steps if isinstance(s, DenseSegment)]
     assert len(segments) == 5
     assert _thread_count() - before <= 1
+
+
+def test_an_expert_nodes_model_layer_is_the_one_its_name_gives_else_its_position():
+    info = ModelFolder.open(fixture_folder("gptoss")).experts[1]
+    assert (info.layer, info.model_layer) == (1, 1)
+    assert replace(info, name="/model/layers.17/moe/QMoE").model_layer == 17
+    assert replace(info, name="model.layers.4.mlp/QMoE").model_layer == 1  # not the builder's form: its position
+    assert replace(info, name="/model/sublayers.9/moe").model_layer == 1

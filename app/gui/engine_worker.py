@@ -213,7 +213,7 @@ class EngineWorker(QObject):
         self._landed_whole = offload.whole_layers
         self._landed_path = offload.decode_path_in_force
         lines = list(notes)
-        per_layer = [(info.layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
+        per_layer = [(info.model_layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]
         lines += offload.plan.statements
         state = offload.copy_state()
@@ -422,7 +422,7 @@ class EngineWorker(QObject):
         self.offloadStats.emit({
             "time": time.monotonic(), "steps": stats.steps, "layers": layers, "resident": resident,
             "valid": valid, "traffic": traffic, "placement": offload.config.placement, "layer_names": [i.name for i in offload.infos],
-            "layer_index": [i.layer for i in offload.infos], "bytes_per_expert": bpe,
+            "layer_index": [i.model_layer for i in offload.infos], "bytes_per_expert": bpe,
             "cpu_expert_bytes": cpu_bytes, "cpu_expert_s": cpu_s, "cpu_expert_rate": rate,
             "approximation": dict(vars(offload.approximation)),
             "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],

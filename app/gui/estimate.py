@@ -259,7 +259,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         nodes = facts.staged_nodes
         streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in)
     streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups) if streaming else 0
-    per_layer = [(info.layer, info.name, plan.slots.get(info.name, 0) if plan else 0,
+    per_layer = [(info.model_layer, info.name, plan.slots.get(info.name, 0) if plan else 0,
                   info.spec.num_experts if info.spec else 0) for info in facts.experts]
     resident_bytes = plan.device_bytes(experts) if plan else 0
     capacity = device.capacity if device.kind != "cpu" else 0

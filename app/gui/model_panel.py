@@ -184,7 +184,7 @@ class ModelPanel(QWidget):
         self.table.setRowCount(len(nodes))
         for row, node in enumerate(nodes):
             tooltip = node["node"] + ("" if node["supported"] else f"\nUnsupported: {node['reason']}")
-            self.table.setItem(row, 0, _item(str(node["layer"]), tooltip, True))
+            self.table.setItem(row, 0, _item(str(node["model_layer"]), tooltip, True))
             self.table.setItem(row, 1, _item(str(node["experts"] or "?"), tooltip, True))
             self.table.setItem(row, 2, _item(str(node["top_k"] or "?"), tooltip, True))
             self.table.setItem(row, 3, _item(human_bytes(node["bytes_per_expert"]), tooltip, True))

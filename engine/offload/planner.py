@@ -67,7 +67,7 @@ def automatic_budget(config: OffloadConfig, available: int) -> int:
 
 
 def _layers(infos: list[ExpertNodeInfo]) -> str:
-    layers = [info.layer for info in infos]
+    layers = [info.model_layer for info in infos]
     return f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(str(layer) for layer in layers)
 
 
