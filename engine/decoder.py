@@ -321,7 +321,7 @@ class PartitionedDecoder:
     def warm_host_part_loop(self) -> float:
         """The host-part worker's compiled loop made ready (compiled, or loaded from Numba's cache) for each kind of
         layer that may hand it a "both" step, where the dense part is on the GPU; returns the seconds it took. Called
-        beside warm_cpu_kernels (the GUI's preparing step, run_turns' settling, the offload benchmarks), so that the
+        by kernel_warmup.warm_model (the GUI's preparing step, run_turns' settling) and the offload benchmarks, so that the
         first "both" step does not wait for it: its gates would come after the merges gave up and the step would run
         again."""
         started = time.perf_counter()

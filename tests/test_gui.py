@@ -115,8 +115,8 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     progress, busy, warmed = [], [], []
     window.worker.loadProgress.connect(progress.append)
     window.worker.busyChanged.connect(busy.append)
-    real_warm = engine_worker.warm_cpu_kernels
-    monkeypatch.setattr(engine_worker, "warm_cpu_kernels", lambda steps: warmed.append(steps) or real_warm(steps))
+    real_warm = engine_worker.warm_model
+    monkeypatch.setattr(engine_worker, "warm_model", lambda model: warmed.append(model.decoder.steps) or real_warm(model))
     path = fixture_folder("gptoss")
     load(qtbot, window, path, simulated())
     assert same(window.loaded_path, path) and not window.error_banner.isVisible()

@@ -165,3 +165,19 @@ def test_the_offload_engine_shares_the_decoders_count_and_cpu_threads_sets_it(mo
     assert all(r.kernel.num_threads == threads.cores for r in model.offload.runners)
     assert model.offload.stats_dict()["cpu_threads"]["cpu_threads_automatic"] is True
     assert np.isfinite(greedy_run(model, steps=2)[0][-1]).all()
+
+
+def test_settling_puts_the_count_the_load_asks_for_in_force_at_once_and_a_fixed_count_waits_for_nothing():
+    load, clock, nodes, slept = ScriptedLoad(0.5, 0.0, 0.0), Clock(), runners(), []
+    threads = KernelThreads(nodes, 0, cores=4, meter=load, clock=clock)
+    assert threads.settle(sleep=slept.append) == WINDOW_S and slept == [WINDOW_S]
+    assert threads.in_force == 2 and all(n.kernel.num_threads == 2 for n in nodes) and threads.changes == 1
+    assert threads.others_cores == 2.0
+    assert windows(threads, clock, 3) == [2, 4, 4]  # the steps' windows take it on from there
+    assert threads.settle(sleep=slept.append) == 0.0  # just after a step: those windows follow the load already
+    clock.now += 10.0
+    assert threads.settle(sleep=slept.append) == WINDOW_S and len(slept) == 2  # after a pause
+    fixed = KernelThreads(runners(), 3, cores=4, meter=load, clock=clock)
+    reads = load.reads
+    assert fixed.settle(sleep=slept.append) == 0.0 and fixed.in_force == 3 and load.reads == reads
+    assert len(slept) == 2

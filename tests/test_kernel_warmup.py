@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from engine.kernel_warmup import warm_cpu_kernels
 from kernels.cpu import CpuQMoE
 from kernels.qmoe_spec import QMoESpec
 from tests.qmoe_oracle import make_case
+from tests.test_bad_input import REPO
 
 
 def _kernel(dtype) -> CpuQMoE:
@@ -37,3 +41,48 @@ def test_each_layout_is_run_once_for_a_decode_step_and_a_prefill(monkeypatch):
     # fp32_again shares fp32's layout (the same compiled kernels); fp16's scales are another type
     assert calls == [(id(fp32), 1), (id(fp32), prefill), (id(fp16), 1), (id(fp16), prefill)]
     assert gemm == [id(fp32), id(fp16)] and seconds > 0  # the prefill's tokens reached the GEMM path
+
+
+FIRST_CALLS = r"""
+import sys
+import numba
+from numba.core.dispatcher import Dispatcher
+from engine.demo_model import ensure_demo_model
+from engine.generation import GenerationParams, LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+import engine.records.scenarios as scenarios
+
+timed, first_calls = [False], []
+compile_for_args = Dispatcher._compile_for_args  # what a call of types not yet seen in this process goes through
+
+def spy(self, *args, **kws):
+    if timed[0]:
+        first_calls.append(f"{self.py_func.__qualname__}{tuple(str(numba.typeof(a)) for a in args)}")
+    return compile_for_args(self, *args, **kws)
+
+Dispatcher._compile_for_args = spy
+device = SimulatedDevice(8 << 30) if sys.argv[1] == "simulated" else None
+offload = OffloadConfig(device_expert_bytes=int(sys.argv[2])) if device is not None else None
+model = LoadedModel.open(ensure_demo_model(), offload=offload, device=device, decode_path=sys.argv[3])
+
+class Timed(scenarios.Conversation):  # run_turns makes its conversation when the clock starts
+    def __init__(self, *args, **kwargs):
+        timed[0] = True
+        super().__init__(*args, **kwargs)
+
+scenarios.Conversation = Timed
+record = scenarios.run_scenario(model, "short", GenerationParams(max_new_tokens=12), device)
+assert record.turns[0]["generated_tokens"] == 12
+print("\n".join(first_calls) or "none")
+"""
+
+
+@pytest.mark.parametrize("device,budget,path", [("simulated", 2_000_000, "auto"), ("simulated", 2_000_000, "both"),
+                                                ("simulated", 0, "cpu"), ("cpu", 0, "auto")])
+def test_a_records_timed_part_calls_no_compiled_function_for_the_first_time(device, budget, path):
+    """Numba compiles a function at its first call for each argument type (a first run: seconds), or loads it from
+    its cache (every process); either inside the clock made a record's first token 3x slower (kernel_warmup.py)."""
+    result = subprocess.run([sys.executable, "-c", FIRST_CALLS, device, str(budget), path], capture_output=True,
+                            text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "none", f"first called in the timed part:\n{result.stdout}"

@@ -28,7 +28,7 @@ from app.inspect_report import inspection
 from engine.demo_model import DEMO_NAME, ensure_demo_model
 from engine.errors import WorkbenchError, one_line
 from engine.generation import Conversation, GenerationParams, LoadedModel
-from engine.kernel_warmup import warm_cpu_kernels
+from engine.kernel_warmup import warm_model
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import open_cuda_device
@@ -190,12 +190,11 @@ class EngineWorker(QObject):
                               "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo})
             self._emit_stats()
-            # the CPU kernels (and the host-part worker's loop) compiled now (a first run on this machine: tens of
-            # seconds a layout), not in the first answer's time to its first token; milliseconds once Numba has them
-            # cached
+            # the CPU kernels, the offload engine's bookkeeping and the host-part worker's loop compiled now (a first
+            # run on this machine: tens of seconds a layout), not in the first answer's time to its first token;
+            # milliseconds once Numba has them cached
             self.busyChanged.emit("preparing")
-            warm_cpu_kernels(model.decoder.steps)
-            model.decoder.warm_host_part_loop()
+            warm_model(model)
         except Exception as exc:  # the window shows it; the worker stays usable
             self._drop_model()
             if isinstance(exc, LoadCancelled):

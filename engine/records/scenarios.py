@@ -12,7 +12,7 @@ import psutil
 from engine.errors import PromptError
 from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.host_load import HostLoadMeter
-from engine.kernel_warmup import warm_cpu_kernels
+from engine.kernel_warmup import warm_model
 from engine.offload.projection import is_simulated, project_run
 from engine.nvml import Nvml
 from engine.records.environment import machine, versions
@@ -136,10 +136,11 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     if model.offload is not None:
         model.offload.stats.reset(len(model.offload.slots))
     # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background;
-    # and the CPU kernels are compiled (a first run on this machine) before the clock starts
+    # the CPU kernels are compiled (a first run on this machine) and the automatic thread count follows the other
+    # processes' load before the clock starts
     settle_s = model.wait_until_settled(cancel)
     if cancel is None or not cancel.is_set():
-        settle_s += warm_cpu_kernels(model.decoder.steps) + model.decoder.warm_host_part_loop()
+        settle_s += warm_model(model) + model.decoder.kernel_threads.settle()
     conversation = Conversation(model)
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)
