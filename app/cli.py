@@ -405,12 +405,20 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
-    points = run_sweep(model, device, args.points, _scenarios(args.scenario),
-                       GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"),
-                       splits=BOTH_SPLITS if args.both_splits else None)
-    for point in points:
-        for record in point.records:
-            history.add(record)
+    saved = []  # each point's runs, saved as it completes
+
+    def save(point) -> None:
+        saved.extend(history.add(record) for record in point.records)
+
+    try:
+        points = run_sweep(model, device, args.points, _scenarios(args.scenario),
+                           GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"),
+                           splits=BOTH_SPLITS if args.both_splits else None, on_point=save)
+    except BaseException:
+        if saved:
+            print(f"the sweep's {len(saved)} finished runs are saved in the history (ids {saved[0]} to {saved[-1]})",
+                  file=sys.stderr)
+        raise
     best = recommend(points, args.margin)
     rows = [p.as_dict() for p in points]
     if args.plot:

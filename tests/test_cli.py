@@ -168,6 +168,26 @@ def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     assert not (tmp_path / "h.sqlite").exists()  # refused before anything ran or was saved
 
 
+def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, capsys, monkeypatch):
+    import engine.records.sweep as sweep
+    from engine.records.history import History
+
+    run_scenario, calls = sweep.run_scenario, []
+
+    def interrupted_at_the_third_point(*args, **kwargs):
+        calls.append(kwargs.get("label"))
+        if len(calls) == 4:  # the warm-up, two points, then Ctrl-C
+            raise KeyboardInterrupt
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", interrupted_at_the_third_point)
+    history = tmp_path / "h.sqlite"
+    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                              "--max-new-tokens", "2", "--history", str(history))
+    assert status == 130 and "the sweep's 2 finished runs are saved in the history (ids 1 to 2)" in err
+    assert [row["label"] for row in History(history).rows()] == ["sweep 50%", "sweep 0%"]  # newest first
+
+
 def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):
     from engine.records import configurations
 

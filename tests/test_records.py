@@ -262,6 +262,17 @@ def test_sweep_on_the_simulated_device(tmp_path):
     assert all(p.budget_bytes >= best.budget_bytes for p in points if p.projected_completion_s <= fastest * 1.10)
 
 
+def test_a_sweep_under_mode_required_starts_from_the_smallest_budget_it_admits_and_hands_each_point_on():
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="required"), device=device)
+    handed = []
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2), on_point=handed.append)
+    smallest = min(info.device_bytes_per_expert for info in model.offload.infos)
+    assert [p.budget_bytes for p in points][0] == smallest and points[0].fraction == pytest.approx(
+        smallest / all_resident_bytes(model.offload.infos))
+    assert handed == points and points[0].records[0].layers[0]["hits"] > 0
+
+
 def test_a_sweep_holds_the_decode_path_in_force_and_records_it(monkeypatch):
     """The decode path's trials need more decode steps than a sweep's scenarios give: under auto the sweep holds the
     path in force (the CPU path here: every expert fits the default budget, so no tier is made) and puts auto back

@@ -88,13 +88,19 @@ def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]
 
 def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None = None) -> list[tuple]:
     """(fraction, budget, split) of every point: each budget once (split None), or with `splits` once per split
-    where the splits differ (a budget that holds some but not all expert layers whole), once (spread) elsewhere."""
+    where the splits differ (a budget that holds some but not all expert layers whole), once (spread) elsewhere.
+    Under offload mode 'required', which refuses a budget that holds no expert, the first point is the smallest
+    budget that holds one."""
     infos = model.offload.infos
     layers = sum(1 for info in infos if info.gpu is not None)
     plan = []
     # 100% = every expert in a device slot: slots may be larger than the stored experts (converted layouts,
     # the prefill's fp16 scale copy), so the stored size would stop short of all resident
-    for fraction, budget in budget_points(all_resident_bytes(infos), points):
+    total = all_resident_bytes(infos)
+    for fraction, budget in budget_points(total, points):
+        if budget == 0 and model.offload.config.mode == "required":
+            budget = min(info.device_bytes_per_expert for info in infos if info.gpu is not None)
+            fraction = budget / total
         if not splits:
             plan.append((fraction, budget, None))
         elif 0 < whole_layers_held(infos, budget) < layers:
@@ -106,9 +112,10 @@ def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None =
 
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
-              on_text=None, splits: tuple[str, ...] | None = None) -> list[SweepPoint]:
+              on_text=None, splits: tuple[str, ...] | None = None, on_point=None) -> list[SweepPoint]:
     """Only complete points are returned: `cancel` (checked between tokens) ends the sweep early.
-    `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer. `splits` (e.g.
+    `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_point(point)` as
+    each point completes (the command line saves its runs then: an interrupted sweep keeps them). `splits` (e.g.
     ("spread", "whole")): the layer splits to compare at each budget (sweep_plan); the model's own layer split
     is put back afterwards."""
     if model.offload is None:
@@ -138,6 +145,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                 if progress:
                     progress((index * len(scenarios) + offset + 1) / total_runs)
             results.append(point)
+            if on_point:
+                on_point(point)
         return results
     finally:
         if model.offload.layer_split_mode != mode:
