@@ -83,7 +83,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     history = commands.add_parser("history", help="list or export saved run records")
     history.add_argument("--model", help="filter: model folder contains this")
-    history.add_argument("--scenario")
+    history.add_argument("--scenario", help="filter: runs of this scenario (short, long, multiturn, side-by-side, "
+                                            "'side-by-side, at once')")
+    history.add_argument("--label", help="filter: the run's label contains this (a sweep's: 'sweep 25%%')")
+    history.add_argument("--id", type=at_least(1), nargs="+", metavar="ID",
+                         help="these runs only, as their whole records (JSON unless --export says otherwise)")
     history.add_argument("--export", choices=["json", "csv", "markdown"], help="print the records in this format")
     history.add_argument("--history", help="SQLite history file (default: the user's data folder)")
 
@@ -371,17 +375,22 @@ def _cmd_record(args) -> int:
         record = run_scenario(model, scenario, GenerationParams(max_new_tokens=args.max_new_tokens), device,
                               label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
         run_id = history.add(record)
-        records.append(record)
+        records.append({"id": run_id, **record.to_dict()})  # as `history --export json` gives it
         if not args.json:
             t = record.timings
             print(f"{scenario}: run {run_id}: load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
-                  f"decode {t['decode_tokens_per_s'] or 0:.1f} tok/s, completion {t['completion_s']:.2f} s, "
+                  f"decode {_rate(t['decode_tokens_per_s'])}, completion {t['completion_s']:.2f} s, "
                   f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB; CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
                   f"{record.host_load['host_steal_share']:.0%}")
     if args.json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
+        print(json.dumps(records, indent=2))
     return 0
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    """A decode rate as the user reads it: none for an answer of one token (no decode step after the first)."""
+    return "n/a (one token)" if not tokens_per_s else f"{tokens_per_s:.1f} tok/s"
 
 
 def _cmd_sweep(args) -> int:
@@ -468,14 +477,40 @@ def _cmd_sweep(args) -> int:
 def _cmd_history(args) -> int:
     from engine.records.history import History
 
-    history = History(args.history)
-    if args.export:
-        print(history.export(args.export, model=args.model, scenario=args.scenario), end="")
+    from engine.records.scenarios import SCENARIOS
+    from engine.records.side_by_side import SCENARIO, SCENARIO_AT_ONCE
+
+    known = (*SCENARIOS, SCENARIO, SCENARIO_AT_ONCE)
+    if args.scenario and args.scenario not in known:
+        raise WorkbenchError(f"--scenario {args.scenario!r}: runs are of scenario {', '.join(map(repr, known))}")
+    history = History(args.history, create=False)
+    filters = {"model": args.model, "scenario": args.scenario, "label": args.label, "ids": args.id}
+    if args.export or args.id:
+        unreadable = []
+        print(history.export(args.export or "json", unreadable, **filters), end="")
+        for problem in unreadable:
+            print(f"{PROG}: warning: {problem}: left out", file=sys.stderr)
+        if args.id:
+            missing = sorted(set(args.id) - {row["id"] for row in history.rows(ids=args.id)})
+            if missing:
+                raise WorkbenchError(f"{history.path}: no run {', '.join(map(str, missing))}")
         return 0
-    for row in history.rows(model=args.model, scenario=args.scenario):
-        print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {row['device'] or 'cpu':<28}  "
+    rows = history.rows(**filters)
+    if not rows:
+        filtered = any(value for value in filters.values())
+        print(f"no runs {'match' if filtered else 'saved'} in {history.path}", file=sys.stderr)
+    for row in rows:
+        print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {row['label'] or '-':<14}  "
+              f"{row['device'] or 'cpu':<28}  budget {_budget_text(row['budget'], row['device'])}  "
               f"completion {row['completion_s']:.2f} s  {row['model']}")
     return 0
+
+
+def _budget_text(budget: str | None, device: str | None) -> str:
+    """The expert budget as saved (bytes or 'auto'), in MiB where it is bytes; none for an all-CPU run."""
+    if not device or device == "cpu":
+        return "-"
+    return f"{int(budget) / 2**20:.1f} MiB" if budget and budget.isdigit() else str(budget or "auto")
 
 
 def _cmd_contention(args) -> int:

@@ -188,6 +188,31 @@ def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, ca
     assert [row["label"] for row in History(history).rows()] == ["sweep 50%", "sweep 0%"]  # newest first
 
 
+def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_are_none(tmp_path, capsys):
+    gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
+    status, _out, err = _main(capsys, "history", "--history", history)
+    assert status == 2 and "h.sqlite: no run history there" in err
+    status, out, _err = _main(capsys, "record", gptoss, "--device", "simulated", "--offload",
+                              "device_expert_bytes=2097152", "--max-new-tokens", "1", "--label", "tuned",
+                              "--history", history, "--json")
+    assert status == 0 and json.loads(out)[0]["id"] == 1
+    status, out, _err = _main(capsys, "record", gptoss, "--max-new-tokens", "1", "--history", history)
+    assert status == 0 and "run 2:" in out and "decode n/a (one token)" in out
+    status, out, _err = _main(capsys, "history", "--history", history)
+    lines = out.splitlines()
+    assert "  tuned  " in lines[1] and "budget 2.0 MiB" in lines[1] and "budget -" in lines[0]
+    status, out, _err = _main(capsys, "history", "--history", history, "--label", "TUNED")
+    assert status == 0 and len(out.splitlines()) == 1 and out.lstrip().startswith("1 ")
+    status, out, _err = _main(capsys, "history", "--history", history, "--id", "2")
+    assert status == 0 and [run["id"] for run in json.loads(out)] == [2] and out.endswith("]\n")
+    status, _out, err = _main(capsys, "history", "--history", history, "--id", "2", "9")
+    assert status == 2 and "no run 9" in err
+    status, out, err = _main(capsys, "history", "--history", history, "--scenario", "long")
+    assert status == 0 and out == "" and "no runs match in" in err
+    status, _out, err = _main(capsys, "history", "--history", history, "--scenario", "bogus")
+    assert status == 2 and "--scenario 'bogus': runs are of scenario 'short', 'long'" in err
+
+
 def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):
     from engine.records import configurations
 

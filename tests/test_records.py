@@ -198,6 +198,38 @@ def test_history_write_read_filter_export(short_record, tmp_path):
     assert markdown[0].startswith("| id |") and len(markdown) == 4
 
 
+def test_history_filters_by_label_and_id_takes_folder_names_literally_and_leaves_unreadable_runs_out(
+        short_record, tmp_path):
+    import sqlite3
+
+    history = History(tmp_path / "h.sqlite3")
+    first = history.add(short_record)
+    swept = history.add(RunRecord.from_dict(dict(short_record.to_dict(), label="sweep 25%")))
+    damaged = history.add(short_record)
+    assert [row["id"] for row in history.rows(label="SWEEP 25")] == [swept]
+    assert [row["id"] for row in history.rows(ids=[first, damaged])] == [damaged, first]
+    assert history.rows(model="%") == [] and history.rows(model="gpt_ss") == []  # no LIKE wildcards
+    with sqlite3.connect(history.path) as db:
+        db.execute("UPDATE runs SET record = ? WHERE id = ?", ('{"schema_version": 2', damaged))
+    with pytest.raises(RecordError, match=f"run {damaged} in .*h.sqlite3: unreadable"):
+        history.get(damaged)
+    unreadable = []
+    exported = json.loads(history.export("json", unreadable))
+    assert [d["id"] for d in exported] == [swept, first] and len(unreadable) == 1
+    assert unreadable[0].startswith(f"run {damaged} in ")
+    with pytest.raises(RecordError):
+        history.export("json")  # without the list to say it in, an unreadable run is an error
+
+
+def test_reading_a_history_that_is_not_there_is_an_error_and_makes_nothing(tmp_path):
+    from engine.errors import WorkbenchError
+
+    missing = tmp_path / "typo" / "h.sqlite3"
+    with pytest.raises(WorkbenchError, match="typo/h.sqlite3: no run history there"):
+        History(missing, create=False)
+    assert not missing.parent.exists()
+
+
 def test_long_and_multiturn_scenarios_are_what_they_claim(simulated_model):
     model, _ = simulated_model
     long_prompt = scenario_turns("long", model.tokenizer, model.config.context_length, 8)[0]

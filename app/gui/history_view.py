@@ -209,10 +209,15 @@ class HistoryView(QWidget):
         target = Path(path)
         if not target.suffix:
             target = target.with_suffix(SUFFIX[fmt_name])
+        unreadable: list[str] = []
         try:
-            target.write_bytes(self.history.export(fmt_name, **self.filters()).encode("utf-8"))  # as is: CSV keeps \r\n
+            text = self.history.export(fmt_name, unreadable, **self.filters())
+            target.write_bytes(text.encode("utf-8"))  # as is: CSV keeps \r\n
         except Exception as exc:
             self.failed.emit(f"Could not export to {target}: {exc}")
             return None
         self.count.setText(f"{self.table.rowCount()} runs · exported to {target.name}")
+        if unreadable:
+            self.failed.emit(f"Exported to {target.name} without {len(unreadable)} unreadable runs: {unreadable[0]}"
+                             + (" …" if len(unreadable) > 1 else ""))
         return target

@@ -12,7 +12,7 @@ from pathlib import Path
 import platformdirs
 
 from engine.errors import WorkbenchError
-from engine.records.schema import RunRecord
+from engine.records.schema import RecordError, RunRecord
 
 COLUMNS = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
@@ -23,8 +23,11 @@ def default_path() -> Path:
 
 
 class History:
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, create: bool = True):
+        """`create` False (only reading it): a history that is not there is an error, not a new empty file."""
         self.path = Path(path) if path else default_path()
+        if not create and not self.path.is_file():
+            raise WorkbenchError(f"{self.path}: no run history there (record, sweep and the window save runs)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with closing(self._connect()) as db, db:
@@ -51,35 +54,53 @@ class History:
             return int(cursor.lastrowid)
 
     def get(self, run_id: int) -> RunRecord:
-        with closing(self._connect()) as db:
-            row = db.execute("SELECT record FROM runs WHERE id = ?", (run_id,)).fetchone()
-        if row is None:
-            raise KeyError(f"no run {run_id} in {self.path}")
-        return RunRecord.from_dict(json.loads(row[0]))
+        """The run's record; a KeyError where there is none, a RecordError where it cannot be read (a damaged page,
+        a record of another schema version)."""
+        try:
+            with closing(self._connect()) as db:
+                row = db.execute("SELECT record FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise KeyError(f"no run {run_id} in {self.path}")
+            return RunRecord.from_dict(json.loads(row[0]))
+        except (sqlite3.DatabaseError, ValueError) as exc:  # RecordError and JSON's errors are ValueErrors
+            raise RecordError(f"run {run_id} in {self.path}: unreadable ({exc})") from None
 
     def rows(self, model: str | None = None, scenario: str | None = None, label: str | None = None,
-             limit: int = 1000) -> list[dict]:
-        """Summary rows, newest first, filtered by model folder substring, scenario and label."""
+             limit: int = 1000, ids: list[int] | None = None) -> list[dict]:
+        """Summary rows, newest first, filtered by model folder substring, scenario, label substring and ids."""
         clauses, params = [], []
         if model:
-            clauses.append("model LIKE ?")
-            params.append(f"%{model}%")
+            clauses.append("instr(model, ?) > 0")  # a plain substring: no LIKE wildcards in folder names
+            params.append(model)
         if scenario:
             clauses.append("scenario = ?")
             params.append(scenario)
         if label:
-            clauses.append("label LIKE ?")
-            params.append(f"%{label}%")
+            clauses.append("instr(lower(label), lower(?)) > 0")
+            params.append(label)
+        if ids:
+            clauses.append(f"id IN ({', '.join('?' * len(ids))})")
+            params += list(ids)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         with closing(self._connect()) as db:
             found = db.execute(f"SELECT {', '.join(COLUMNS)} FROM runs {where} ORDER BY id DESC LIMIT ?",
                                (*params, limit)).fetchall()
         return [dict(zip(COLUMNS, row)) for row in found]
 
-    def export(self, fmt: str, **filters) -> str:
+    def export(self, fmt: str, unreadable: list[str] | None = None, **filters) -> str:
+        """The rows `filters` select, in `fmt`. JSON carries whole records: one that cannot be read is left out and
+        said in `unreadable` (without that list, it is an error)."""
         rows = self.rows(**filters)
         if fmt == "json":
-            return json.dumps([{"id": row["id"], **self.get(row["id"]).to_dict()} for row in rows], indent=2)
+            records = []
+            for row in rows:
+                try:
+                    records.append({"id": row["id"], **self.get(row["id"]).to_dict()})
+                except RecordError as exc:
+                    if unreadable is None:
+                        raise
+                    unreadable.append(str(exc))
+            return json.dumps(records, indent=2) + "\n"
         if fmt == "csv":
             out = io.StringIO()
             writer = csv.DictWriter(out, fieldnames=COLUMNS)
