@@ -168,7 +168,11 @@ def _offload_setup(args):
     if args.config:
         from engine.records.configurations import load_configuration
 
-        entries.update(load_configuration(args.config)[1].to_entries())
+        saved_for, saved = load_configuration(args.config)
+        if Path(saved_for).resolve() != Path(args.model).resolve():
+            print(f"warning: configuration '{args.config}' was saved for {saved_for}; its budgets are applied to "
+                  f"{args.model} as they are", file=sys.stderr)
+        entries.update(saved.to_entries())
     for item in args.offload:
         key, eq, value = item.partition("=")
         if not eq:
@@ -410,6 +414,10 @@ def _cmd_sweep(args) -> int:
         if problem:
             raise WorkbenchError(problem)
     history = History(args.history)  # a bad history file refused before the sweep runs
+    if args.save_as:
+        from engine.records.configurations import check_saved
+
+        check_saved()  # and a saved-configurations file the recommendation could not be saved in
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)

@@ -215,6 +215,7 @@ def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_a
 
 def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):
     from engine.records import configurations
+    from engine.records.history import History
 
     monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
     gptoss = str(fixture_folder("gptoss"))
@@ -234,6 +235,14 @@ def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsy
     assert json.loads(out)["offload"]["budget_bytes"] == budget
     status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--config", "slow")
     assert status == 2 and "no saved configuration 'slow'" in err and "(saved: quick)" in err
+    lfm2 = str(fixture_folder("lfm2moe"))
+    status, _out, err = _main(capsys, "inspect", lfm2, "--device", "simulated", "--config", "quick")
+    assert status == 0 and f"warning: configuration 'quick' was saved for {fixture_folder('gptoss').resolve()}" in err
+    (tmp_path / "configurations.json").write_text("{broken")
+    status, _out, err = _main(capsys, "sweep", gptoss, "--device", "simulated", "--points", "2", "--history",
+                              str(tmp_path / "h2.sqlite"), "--save-as", "again")
+    assert status == 2 and "configurations.json: not readable as saved configurations" in err
+    assert not (tmp_path / "h2.sqlite").exists() or not History(tmp_path / "h2.sqlite").rows()  # refused before it ran
 
 
 def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flags(capsys):

@@ -473,3 +473,24 @@ def test_sweep_and_contention_stop_when_cancelled(tmp_path):
         run_contention(lambda: calls.append(1) or 0.1, corpus, workers=1, progress=lambda fraction: stop.set(),
                        cancel=stop)
     assert calls == []
+
+
+def test_configurations_saved_from_two_threads_at_once_are_all_kept(tmp_path):
+    import threading
+
+    from engine.records.configurations import load_configuration, save_configuration
+
+    path = tmp_path / "configurations.json"
+
+    def save(side: str) -> None:
+        for i in range(40):
+            save_configuration(f"{side}{i}", str(tmp_path), OffloadConfig(device_expert_bytes=i), path=path)
+
+    threads = [threading.Thread(target=save, args=(side,)) for side in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    saved = json.loads(path.read_text())
+    assert len(saved) == 80 and load_configuration("b39", path)[1].device_expert_bytes == 39
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configurations.json", "configurations.json.lock"]

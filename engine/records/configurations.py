@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import platformdirs
@@ -23,13 +26,37 @@ def _saved(path: Path) -> dict:
         raise WorkbenchError(f"{path}: not readable as saved configurations ({one_line(exc)})") from None
 
 
+def check_saved(path: Path | None = None) -> None:
+    """A WorkbenchError where the saved configurations cannot be read: a sweep that is to save its recommendation
+    says so before it runs, not after."""
+    _saved(path or default_path())
+
+
+@contextmanager
+def _locked(path: Path):
+    """Saves from two processes at once, one after the other (a lock file beside `path`; POSIX only: elsewhere the
+    atomic replace still keeps the file whole, but one of two saves at the same moment may be lost)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def save_configuration(name: str, model_folder: str, config: OffloadConfig, note: str = "",
                        path: Path | None = None) -> Path:
     path = path or default_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    saved = _saved(path)
-    saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note}
-    path.write_text(json.dumps(saved, indent=2) + "\n")
+    with _locked(path):
+        saved = _saved(path)
+        saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note}
+        # written beside it and renamed over it: a reader never sees half a file
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".new", delete=False) as out:
+            out.write(json.dumps(saved, indent=2) + "\n")
+        os.replace(out.name, path)
     return path
 
 
