@@ -56,7 +56,11 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
             title += "<br><span style='font-size:9pt'>squares: the budget on whole layers</span>"
         plot = layout.addPlot(row=index // 2, col=index % 2, title=title)
         plot.setLabel("bottom", f"expert budget, device_expert_bytes ({byte_unit})")
-        plot.setLabel("left", unit)
+        if unit == "s":
+            plot.setLabel("left", units="s")  # pyqtgraph's own prefix: ms where the times are short
+        else:
+            plot.setLabel("left", unit)
+            plot.getAxis("left").enableAutoSIPrefix(False)  # the unit is scaled already: no "(x0.001)"
         plot.showGrid(x=True, y=True, alpha=0.3)
         values = [(p[key] or 0) / scale for p in points]
         plot.plot(budgets, values, pen=pg.mkPen("#1f6feb", width=2), symbol="o", symbolBrush="#1f6feb")

@@ -222,11 +222,14 @@ def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsy
     # (no --plot in this process: pyqtgraph's widgets made here crash the test process at exit; the plot is
     # checked in a process of its own, test_records.test_cli_record_sweep_history_contention)
     status, out, err = _main(capsys, "sweep", gptoss, "--device", "simulated", "--points", "2", "--max-new-tokens", "2",
-                             "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick", "--json")
+                             "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick", "--json", "--margin",
+                             "0.025", "--simulated-vram", "5000000")
     assert status == 0
     budget = json.loads(out)["recommended_budget_bytes"]
     assert f"saved as configuration 'quick' in {tmp_path / 'configurations.json'} (use it with --config quick)" in err
     saved = json.loads((tmp_path / "configurations.json").read_text())["quick"]
+    assert saved["note"].startswith("sweep recommendation within 2.5% of the fastest")
+    assert History(tmp_path / "h.sqlite").rows()[0]["device"] == "simulated GPU, 4.8 MiB"
     assert saved["model"] == str(fixture_folder("gptoss").resolve())
     status, out, _err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--max-new-tokens", "2", "--json",
                               "--device", "simulated", "--config", "quick")

@@ -238,7 +238,7 @@ class SweepView(QWidget):
                 f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
                 f"by the completion time projected for the simulated card (PCIe "
                 f"{bw.get('pcie_bytes_per_s', 0) / 1e9:.0f} GB/s, HBM {bw.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s "
-                f"assumed): {best.projected_completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
+                f"assumed): {best.projected_completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin * 100:g}%), "
                 f"{best.projected_decode_tokens_per_s or 0:.1f} tok/s projected; measured on this machine "
                 f"{best.completion_s:.2f} s, {best.decode_tokens_per_s:.1f} tok/s (the simulated device computes the "
                 f"card's experts on the CPU); device peak {human_bytes(best.peak_device_bytes)}, "
@@ -247,7 +247,7 @@ class SweepView(QWidget):
             fastest = min(p.completion_s for p in self.result.points)
             self.summary.setText(
                 f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
-                f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin:.0%}), "
+                f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin * 100:g}%), "
                 f"{best.decode_tokens_per_s:.1f} tok/s, device peak {human_bytes(best.peak_device_bytes)}, "
                 f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
         self.save_button.setEnabled(True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.staging import PinnedRing
+from engine.units import human_bytes
 from kernels.cold_split import split_cold_pairs
 from kernels.cpu.routing import route
 
@@ -252,7 +253,7 @@ class SimulatedDevice:
                  name: str | None = None):
         self.memory = DeviceMemory(capacity=total_bytes, limit=mem_limit)
         self.bandwidths = bandwidths
-        self.name = name or f"simulated GPU, {total_bytes / GIB:.1f} GiB"
+        self.name = name or f"simulated GPU, {human_bytes(total_bytes)}"
         self.pinned: PinnedRing | None = None  # set by the offload engine (pinned_bytes)
 
     def staging_bytes_per_expert(self, runner) -> int:
