@@ -384,7 +384,8 @@ def _cmd_record(args) -> int:
             t = record.timings
             print(f"{scenario}: run {run_id}: load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
                   f"decode {_rate(t['decode_tokens_per_s'])}, completion {t['completion_s']:.2f} s, "
-                  f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB; CPU time taken by other processes "
+                  f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "
+                  f"({record.peaks['rss_start_bytes'] / 2**20:.0f} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
                   f"{record.host_load['host_steal_share']:.0%}")
     if args.json:

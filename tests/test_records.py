@@ -48,6 +48,7 @@ def test_record_has_what_a_user_decides_with(short_record):
     assert r.timings["load_s"] > 0 and r.timings["time_to_first_token_s"] > 0
     assert r.timings["completion_s"] >= r.timings["time_to_first_token_s"] and r.timings["settle_s"] >= 0
     assert r.peaks["rss_bytes"] > 10 << 20 and r.peaks["device_bytes"] > 0
+    assert 10 << 20 < r.peaks["rss_start_bytes"] <= r.peaks["rss_bytes"]  # the loaded model was there before the run
     assert len(r.layers) == 2 and {"hits", "misses", "hit_rate"} <= set(r.layers[0])
     assert r.turns[0]["prompt"].startswith("In two sentences") and isinstance(r.turns[0]["answer"], str)
     assert r.turns[0]["generated_tokens"] == len(r.turns[0]["tokens"]) >= 1

@@ -22,6 +22,8 @@ METRICS = (
     ("generated tokens", lambda r: sum(t.get("generated_tokens", 0) for t in r.turns), "n", None),
     ("device memory peak", lambda r: r.peaks.get("device_bytes"), "bytes", True),
     ("process RSS peak", lambda r: r.peaks.get("rss_bytes"), "bytes", True),
+    # what the process held already when the run began (a model loaded earlier, an earlier run's memory kept)
+    ("process RSS at the start", lambda r: r.peaks.get("rss_start_bytes"), "bytes", True),
     ("bytes copied to the device", lambda r: r.bytes_moved, "bytes", True),
     ("expert hit rate", lambda r: hit_rate(r), "%", False),
     # what else used the CPUs during the run (a run beside other work, or on a busy virtual machine's host)

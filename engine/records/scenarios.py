@@ -70,6 +70,7 @@ class PeakSampler:
     def __init__(self, device=None, interval: float = 0.05):
         self.device, self.interval = device, interval
         self.rss = 0
+        self.rss_start = 0  # at the first sample: what the process held already (an earlier run's memory is kept)
         self.device_bytes = 0
         self.process_device_bytes: int | None = None
         self._nvml = Nvml(device.index) if getattr(device, "kind", None) == "cuda" else None
@@ -92,6 +93,7 @@ class PeakSampler:
 
     def __enter__(self) -> "PeakSampler":
         self._sample()
+        self.rss_start = self.rss
         self._thread.start()
         return self
 
@@ -184,7 +186,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         offload=offload_description(model, device),
         timings=timings,
         peaks={"device_bytes": peaks.device_bytes if device is not None else None,
-               "process_device_bytes": peaks.process_device_bytes, "rss_bytes": peaks.rss,
+               "process_device_bytes": peaks.process_device_bytes, "rss_bytes": peaks.rss, "rss_start_bytes": peaks.rss_start,
                "pinned_bytes": pinned_bytes(model)},
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,
         turns=turns, approximate_routing=bool(model.offload and model.offload.config.approximate_routing),

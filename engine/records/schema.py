@@ -26,7 +26,7 @@ class RunRecord:
     # kernels' compilation, engine/kernel_warmup.py);
     # on a simulated device also "projected" (optional, absent in older records): decode_tokens_per_s, prefill_s,
     # completion_s on the simulated card and the bandwidths assumed (engine/offload/projection.py)
-    peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, pinned_bytes
+    peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, rss_start_bytes, pinned_bytes
     layers: list[dict] = field(default_factory=list)  # per expert node: hit rate, bytes copied, times
     bytes_moved: int = 0
     turns: list[dict] = field(default_factory=list)   # prompt, answer, tokens and timings per turn
