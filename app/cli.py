@@ -181,6 +181,13 @@ def _offload_setup(args):
     if args.device == "cpu" and not entries:
         return None, None
     config = OffloadConfig.from_entries(entries)
+    if args.device == "cpu":
+        from engine.offload.config import DEVICE_KEYS, short_key
+
+        idle = sorted({short_key(key) for key in entries} & DEVICE_KEYS)
+        if idle:
+            print(f"warning: {', '.join(idle)}: no effect with --device cpu, where every expert runs on the CPU "
+                  "(--device simulated or cuda)", file=sys.stderr)
     if args.device == "simulated":
         return config, SimulatedDevice(args.simulated_vram, mem_limit=config.gpu_device_mem_limit)
     if args.device == "cuda":

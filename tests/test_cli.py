@@ -248,6 +248,13 @@ def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsy
     assert not (tmp_path / "h2.sqlite").exists() or not History(tmp_path / "h2.sqlite").rows()  # refused before it ran
 
 
+def test_device_budgets_without_a_device_are_said_to_do_nothing(capsys):
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--offload", "device_expert_bytes=4000000",
+                              "--offload", "session.moe.offload.placement=static", "--offload", "cpu_threads=1")
+    assert status == 0 and ("warning: device_expert_bytes, placement: no effect with --device cpu, where every expert "
+                            "runs on the CPU (--device simulated or cuda)") in err
+
+
 def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flags(capsys):
     gptoss = str(fixture_folder("gptoss"))
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--raw", "--system", "Be brief")

@@ -13,6 +13,16 @@ from engine.errors import WorkbenchError
 
 PREFIX = "session.moe.offload."
 ALIASES = {"gpu_budget_bytes": "device_expert_bytes"}
+# keys that only mean something where a device holds experts: without one (every expert on the CPU) they do nothing
+DEVICE_KEYS = frozenset({"device_expert_bytes", "reserve_device_bytes", "gpu_device_mem_limit", "pinned_bytes",
+                         "device_working_bytes", "placement", "prefill_wave_experts", "node_overrides",
+                         "popularity_file"})
+
+
+def short_key(key: str) -> str:
+    """`session.moe.offload.mode` or `mode` (or an alias) as the short name."""
+    key = key[len(PREFIX):] if key.startswith(PREFIX) else key
+    return ALIASES.get(key, key)
 AUTO = None  # how 'auto' is held for byte budgets
 
 
@@ -62,8 +72,7 @@ class OffloadConfig:
         """From key=value entries, full (`session.moe.offload.mode`) or short (`mode`) names."""
         values = {}
         for raw_key, raw_value in entries.items():
-            key = raw_key[len(PREFIX):] if raw_key.startswith(PREFIX) else raw_key
-            key = ALIASES.get(key, key)
+            key = short_key(raw_key)
             parser = _PARSERS.get(key)
             if parser is None:
                 near = difflib.get_close_matches(key, _PARSERS, n=1)
