@@ -15,6 +15,17 @@ class ModelFileError(WorkbenchError):
     """A model folder's file is missing, truncated, corrupt or malformed."""
 
 
+def read_model_text(path) -> str:
+    """A model folder's text file (JSON, a chat template) as UTF-8; a ModelFileError naming it where it is not
+    readable or not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ModelFileError(f"{path}: not readable ({exc.strerror or exc})") from None
+
+
 class PromptError(WorkbenchError):
     """A prompt that cannot be run: empty, or longer than the context."""
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import ModelFileError
+from engine.errors import ModelFileError, read_model_text
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ def load_genai_config(folder: Path) -> GenaiConfig:
     if not path.is_file():
         raise ModelFileError(f"{path}: missing (a model folder from onnxruntime-genai's builder has one)")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = json.loads(read_model_text(path))
+    except json.JSONDecodeError as exc:
         raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
     try:
         model = _require(raw, "model", path, "")

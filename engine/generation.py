@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 
 from engine.decoder import PartitionedDecoder
 from engine.decoder_state import DecoderState
-from engine.errors import PromptError, UnsupportedModelError
+from engine.errors import ModelFileError, PromptError, UnsupportedModelError
 from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
@@ -205,6 +206,16 @@ class VisibleText:
         return delta
 
 
+def _finite(logits, model, position: int):
+    """The logits, where none is NaN or +inf (one pass: max propagates NaN); else a ModelFileError. NaN or inf
+    anywhere in the weights reaches every later logit, and the sampler would pick a token from them silently (an
+    empty answer, in the bad-input review)."""
+    if not np.isfinite(logits.max()):
+        raise ModelFileError(f"{model.folder.folder}: the model computed logits that are not finite (NaN or inf) at "
+                             f"position {position}: its weights hold NaN or inf, or its values overflow")
+    return logits
+
+
 def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
              decoder=None) -> GenerationResult:
@@ -230,7 +241,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     if model.offload is not None and model.offload.config.approximate_routing:
         meter = AgreementMeter(model, fed_tokens)
     started = time.perf_counter()
-    logits = decoder.forward(state, prompt_tokens)[-1]
+    logits = _finite(decoder.forward(state, prompt_tokens)[-1], model, state.past_length - 1)
     if meter:
         meter.step(prompt_tokens, logits)
     fed_tokens.extend(prompt_tokens)
@@ -265,7 +276,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         if state.past_length + 1 > context:
             finish = "context"
             break
-        logits = decoder.forward(state, [token])[-1]
+        logits = _finite(decoder.forward(state, [token])[-1], model, state.past_length - 1)
         if meter:
             meter.step([token], logits)
         fed_tokens.append(token)

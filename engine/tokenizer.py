@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -10,7 +11,10 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.errors import ModelFileError, PromptError
+from engine.errors import ModelFileError, PromptError, WorkbenchError, read_model_text
+
+RENDER_LIMIT_S = 2.0  # a chat template renders in milliseconds; one still running after this is refused
+RENDER_MAX_CHARS = 4_000_000  # the most a * or ** in a template may make (a string, a list, a number's digits)
 
 
 def _token_text(value) -> str | None:
@@ -20,13 +24,44 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja2's sandbox, bounded in time and size: a template that loops for ever or multiplies a string into
+    gigabytes would hang the engine thread, which Stop cannot interrupt. Every call the template makes (range() among
+    them: jinja2's sandbox caps each at 100,000 items, so nested loops come back here often) checks a deadline, and
+    * and ** check what they would make."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.deadline = float("inf")
+
+    def _in_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise jinja2.exceptions.SecurityError(f"still rendering after {RENDER_LIMIT_S:g} s (a loop without end?)")
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+        __self._in_time()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def call_binop(self, context, operator, left, right):
+        self._in_time()
+        if operator == "*":
+            for items, count in ((left, right), (right, left)):
+                if isinstance(items, (str, list, tuple)) and isinstance(count, int) and len(items) * count > RENDER_MAX_CHARS:
+                    raise jinja2.exceptions.SecurityError(f"a * would make {len(items) * count:,} items")
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * abs(left).bit_length() > 4 * RENDER_MAX_CHARS:
+            raise jinja2.exceptions.SecurityError(f"{left} ** {right} is too large")
+        return super().call_binop(context, operator, left, right)
+
+
 class ChatTemplate:
     """A chat template rendered in a sandbox: a model folder is data, never code."""
 
     def __init__(self, source: str, origin: str, special_tokens: dict[str, str | None]):
         self.origin = origin
-        # The same environment transformers uses for chat templates, sandboxed.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        # The same environment transformers uses for chat templates, sandboxed, and bounded.
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = self._raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
@@ -34,16 +69,21 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ModelFileError(f"{origin}: chat template does not parse ({exc})") from None
         self._special = special_tokens
+        self._env = env
 
     def _raise(self, message: str):
         raise PromptError(f"{self.origin}: the chat template refused the conversation: {message}")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        self._env.deadline = time.monotonic() + RENDER_LIMIT_S
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
-        except jinja2.TemplateError as exc:
-            raise ModelFileError(f"{self.origin}: chat template failed to render ({exc})") from None
+        except WorkbenchError:  # raise_exception's refusal
+            raise
+        except Exception as exc:  # the template's own faults: 1/0, a recursion, a loop too long, too much memory
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelFileError(f"{self.origin}: chat template failed to render ({reason})") from None
 
 
 class ModelTokenizer:
@@ -68,8 +108,8 @@ class ModelTokenizer:
         if not path.is_file():
             return {}
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            config = json.loads(read_model_text(path))
+        except json.JSONDecodeError as exc:
             raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(config, dict):
             raise ModelFileError(f"{path}: expected a JSON object")
@@ -79,7 +119,7 @@ class ModelTokenizer:
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
-            return ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), special)
+            return ChatTemplate(read_model_text(jinja_file), str(jinja_file), special)
         if isinstance(config.get("chat_template"), str):
             return ChatTemplate(config["chat_template"], str(folder / "tokenizer_config.json"), special)
         return None

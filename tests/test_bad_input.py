@@ -146,3 +146,39 @@ def test_genai_config_fields_of_the_wrong_type_or_range_are_named(copy_fixture):
     config["model"]["context_length"] = -5
     (folder / "genai_config.json").write_text(json.dumps(config))
     assert_clean_error(run_cli("inspect", str(folder)), "'model.context_length' is -5, less than 1")
+
+
+def _external_offset(folder, name: str) -> int:
+    """Where initializer `name` starts in the folder's model.onnx.data."""
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.name == name)
+    return int({entry.key: entry.value for entry in tensor.external_data}.get("offset", 0))
+
+
+def test_nan_or_inf_in_expert_weights_is_named_not_a_hang_nor_a_silent_answer(copy_fixture):
+    """A ZeroDivisionError that fastmath made of a NaN divisor inside a parallel kernel left its other threads
+    waiting for ever (kernels.py's error_model); a NaN that reaches the logits made an empty answer."""
+    import numpy as np
+
+    folder = copy_fixture("gptoss")
+    scales = _external_offset(folder, "model.layers.0.moe.experts.gate_up_proj.scales")
+    for value, count in ((np.inf, 1), (np.nan, 8192)):
+        with open(folder / "model.onnx.data", "r+b") as data:
+            data.seek(scales)
+            data.write(np.full(count, value, np.float32).tobytes())
+        assert_clean_error(run_cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "4"),
+                           str(folder), "logits that are not finite (NaN or inf)")
+
+
+def test_chat_templates_that_fail_loop_or_grow_are_refused_in_one_line_naming_the_file(copy_fixture):
+    folder = copy_fixture("gptoss")
+    template = folder / "chat_template.jinja"
+    for source, reason in (("{{ 1/0 }}", "division by zero"),
+                           ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                            "still rendering after 2 s"),
+                           ("{{ 'ab ' * 30000000 }}", "a * would make 90,000,000 items")):
+        template.write_text(source)
+        assert_clean_error(run_cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"),
+                           f"{template}: chat template failed to render ({reason}")
+    template.write_bytes(b"\xff\xfe{{ messages }}")
+    assert_clean_error(run_cli("inspect", str(folder)), f"{template}: not UTF-8 text (invalid start byte at byte 0)")

@@ -70,7 +70,7 @@ def _lut16(kind: str) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- Numba: one row
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def _dq_row(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gsc, clut, e, n, out):
     """Row n of expert e, dequantised into out[0:K] (float32)."""
     fmt = ip[IP_FMT]
@@ -158,7 +158,7 @@ def _dq_row(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gsc, clut, e, n, out)
                 out[k] = clut[w[e, base + k]] * s
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def _dot4x4(t, x, r0, r1, r2, r3, K, acc):
     """acc[i, j] = t[i, :K] . x[r_j, :K] for 4 dequantised rows and 4 tokens (16 accumulators, k vectorised)."""
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
@@ -194,7 +194,7 @@ def _dot4x4(t, x, r0, r1, r2, r3, K, acc):
     acc[3, 0], acc[3, 1], acc[3, 2], acc[3, 3] = a30, a31, a32, a33
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def _dot4x1(t, x, r, K, acc):
     """acc[i, 0] = t[i, :K] . x[r, :K] for 4 dequantised rows and one token."""
     a0 = a1 = a2 = a3 = np.float32(0.0)
@@ -207,7 +207,7 @@ def _dot4x1(t, x, r, K, acc):
     acc[0, 0], acc[1, 0], acc[2, 0], acc[3, 0] = a0, a1, a2, a3
 
 
-@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, fastmath=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, fastmath=True, error_model="numpy")
 def gemm_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
               experts, pair_off, src_row, dst_row, coef, x, out):
     """out[dst_row[p], n] += coef[p] * (W_e[n, :] . x[src_row[p]] + bias[e, n]) for the pairs p of each expert.
@@ -251,7 +251,7 @@ def gemm_rows(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, bias,
                     p += width
 
 
-@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, fastmath=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, fastmath=True, error_model="numpy")
 def dequant_tile(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, e, n0, n1, out):
     """Rows n0..n1 of expert e, dequantised into out[0:n1-n0, 0:K] (parallel over rows)."""
     for i in prange(n1 - n0):
@@ -259,7 +259,7 @@ def dequant_tile(ip, w, sc32, sc16, sc8, lut16, lut8, zp, zdef, gs, clut, e, n0,
 
 
 # ----------------------------------------------------------------------------- Numba: per-expert conversions
-@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, error_model="numpy")
 def _sm80_to_raw_expert(src, N, K, bits, dst):
     """One expert: SM80 prepacked bytes (flat) -> raw rows [N, K*bits/8] (flat); see layouts.sm80_positions."""
     if bits == 4:
@@ -292,7 +292,7 @@ def _sm80_to_raw_expert(src, N, K, bits, dst):
                 dst[n * rowb + k] = src[pos]
 
 
-@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, error_model="numpy")
 def _n_to_k_packed_expert(src, N, K, dst):
     """One expert: nvfp4 N-packed bytes [K, N/2] -> K-packed rows [N, K/2]."""
     half_n = N // 2

@@ -108,12 +108,12 @@ def _copy_x(x, x32, tokens):
     return from_float
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def read_cycles() -> int:
     return cycles()
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def _cpu_part(layer, params, pair_ids, x32, ws, y):
     """The CPU's pairs of one published step (on_cpu != 0) into the block's part, zeroed first; returns the pairs,
     -1 for an expert id out of range."""
@@ -142,7 +142,7 @@ def _cpu_part(layer, params, pair_ids, x32, ws, y):
     return pairs
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def run_host_parts(layers, params, jobs, counters, times, pair_ids, x32, ws, y, idle_cycles) -> int:
     """Jobs in order from counters[DONE] until none came for `idle_cycles` or counters[CANCEL] is set; returns the
     jobs done. A job waits for its layer's routing (flag == its launch number), computes the CPU's part into the

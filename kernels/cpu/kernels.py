@@ -4,6 +4,12 @@ Weights stay in their stored int4/int8 layout; ``gemv_q`` reads the packed bytes
 (decode), ``dequant_rows`` expands an expert's rows into a float32 matrix for BLAS (prefill).
 Distinct specialisations are kept few: weights / scales / zero points are always passed as
 read-only C-contiguous arrays, scales either float32 or uint16 (fp16 / bf16 bits).
+
+Every kernel of this package is compiled with error_model="numpy": a division by zero gives inf or NaN, as in NumPy,
+instead of raising. Under fastmath, Python's error model tested divisors that NaN had reached (a damaged model's inf
+or NaN scale) as zero and raised ZeroDivisionError inside a parallel region, where the other threads then waited for
+the raising one for ever (the fifty-first session's bad-input review); the model's NaN is reported where the logits
+are read instead (engine/generation.py).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ ROWS_PER_TASK = 16
 FMT_INT, FMT_FP4 = 0, 1
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef):
     """Zero points of row n of expert e as float32 into zbuf[0:nb]."""
     if zmode == 0:
@@ -56,7 +62,7 @@ def _fill_zero_points(zbuf, zp, zmode, e, n, bits, nb, zrb, zdef):
                 zbuf[b] = np.float32(zp[e, base + b])
 
 
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
            xa, xb, xs, experts, pair_off, src_row, dst_row, coef, bias, has_bias, out):
     """out[dst_row[p], n] += coef[p] * (W_e[n, :] . x[src_row[p]] + bias[e, n]) for the pairs p of expert e.
@@ -115,7 +121,7 @@ def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
                     out[dst_row[p], n] += coef[p] * (acc + bval)
 
 
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0, n1, out):
     """out[n - n0, :] = dequantised row n of expert e (k in the per-chunk permuted order), n0 <= n < n1."""
     K = out.shape[1]
@@ -134,7 +140,7 @@ def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0
             _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + rr, flat, rr * K)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, out, ooff):
     """Row n of expert e into out (flat float32 array) at ooff, k in the per-chunk permuted order."""
     E, N, Kb = w.shape
@@ -162,7 +168,7 @@ def _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n, 
                 out[k0 + j - full] = (np.float32(q) - z) * s
 
 
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def qgemm(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, xt, M, bias, has_bias,
           accumulate, dst, coef, out):
     """Quantised GEMM for one expert: v[m, n] = sum_k W_e[n, k] * x[m, k] (+ bias[e, n]).
@@ -214,7 +220,7 @@ def qgemm(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, xt, M, bi
                             out[m, n] = v
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True, inline="always", error_model="numpy")
 def _act(kind, g):
     if kind == ACT_RELU:
         return max(g, np.float32(0.0))
@@ -226,7 +232,7 @@ def _act(kind, g):
     return g
 
 
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def activate(h1, h3, has_h3, kind, fusion, alpha, beta, limit, has_limit, out):
     """out [P, I] = activation of FC1 output h1 [P, fusion * I] (and FC3 output h3 [P, I] when has_h3).
 
@@ -267,7 +273,7 @@ def activate(h1, h3, has_h3, kind, fusion, alpha, beta, limit, has_limit, out):
 # the (expert, row) space, one per thread (decode): one fork/join per projection, balanced threads, and
 # each thread streaming one contiguous run of packed weights.
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def group_pairs(ids, wts, E, small_max):
     """Group the (token, slot) pairs by expert; id -1 = skipped.
 
@@ -329,7 +335,7 @@ def group_pairs(ids, wts, E, small_max):
     return experts, pair_off, tok, pw, n_small, bad, tpair
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def plan_blocks(pair_off, u0, u1, p_base):
     """Column blocks of 32 (the last one of an expert 16 when at most 16 columns remain) over the pairs of
     experts u0..u1-1. Returns (ublk [U + 1] first block of each expert, relative to u0; blk_col: first
@@ -361,7 +367,7 @@ def plan_blocks(pair_off, u0, u1, p_base):
     return ublk, blk_col, blk_w, blk_pair, blk_valid
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def plan_tasks(experts, u0, ublk, blk_col, N, rt, mt):
     """GEMM tasks (expert id, n0, n1, j0, j1): rows [n0, n1) (rt rows, a multiple of 6) times a group of
     consecutive column blocks of one expert spanning at most mt columns; largest first."""
@@ -400,7 +406,7 @@ def plan_tasks(experts, u0, ublk, blk_col, N, rt, mt):
     return tasks[order]
 
 
-@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, error_model="numpy")
 def pack_cols(x, rows, perm, blk_col, blk_w, blk_pair, blk_valid, xp):
     """Packed activation panels: xp[blk_col[j]*K + kk*w + c] = x[rows[blk_pair[j] + c], perm[kk]] for the
     valid columns c of block j (w = blk_w[j]), 0 in its padding columns. Block j's panel for k-range
@@ -427,7 +433,7 @@ def pack_cols(x, rows, perm, blk_col, blk_w, blk_pair, blk_valid, xp):
                 xp[o + c] = np.float32(0.0)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _bits3(a, bp):
     """The 3-bit code at bit position bp of the LSB-first bit stream in the 1-d uint8 array a."""
     j = bp >> 3
@@ -437,7 +443,7 @@ def _bits3(a, bp):
     return (v >> (bp & 7)) & 7
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def int3_position(k, nchunk):
     """Where input k of an int3 row sits in the activation layout of the int3 kernels (nchunk whole 64-code
     chunks): slot s = k & 3 of lane (k >> 3 & 7) + 8 (k >> 2 & 1) of chunk k >> 6, i.e. s * 16 nchunk + 16 (k >> 6)
@@ -448,14 +454,14 @@ def int3_position(k, nchunk):
     return (k & 3) * 16 * nchunk + 16 * (k >> 6) + ((k >> 3) & 7) + 8 * ((k >> 2) & 1)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def int3_width(Kb, nchunk):
     """Floats per activation row of an int3 projection (see int3_position): 5 streams + the tail up to the
     last code that the row's bytes can hold."""
     return 16 * nchunk + (8 * Kb) // 3
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
     """Zero points of blocks b0..b1-1 of row n (zmode 1: the row's one zero point into zbuf[0])."""
     if zmode == 1:
@@ -483,13 +489,13 @@ def _fill_zp_range(zbuf, zp, zmode, e, n, bits, zrb, b0, b1):
                 zbuf[b] = np.float32(zp[e, base + b])
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _chunk_block(c, cshift, bpc):
     """First quantisation block of chunk c (bpc = 2 / 4: two 8-byte / four 4-byte blocks per 16-byte chunk)."""
     return c * bpc if bpc > 1 else c >> cshift
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _int2_b16_tail_dot(w, sc, skind, zbuf, e, n, soff, full, xa, r):
     """Row n of expert e's ragged tail (bytes full.. after the last whole chunk) . x_r for int2 block 16: up to
     three 4-byte blocks, each with its own scale and zero point."""
@@ -507,7 +513,7 @@ def _int2_b16_tail_dot(w, sc, skind, zbuf, e, n, soff, full, xa, r):
     return acc
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _code_value(q, fmt, z, aux, aoff):
     """Value of code q before the block scale: q - z (integer codes) or the record's table (fp4)."""
     if fmt == FMT_FP4:
@@ -515,7 +521,7 @@ def _code_value(q, fmt, z, aux, aoff):
     return np.float32(q) - z
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _block_scale(sc, idx, skind, fmt, aux, aoff):
     """Scale at flat index idx of sc: float / fp16 / bf16, or an fp8 code through the record's scale table."""
     s = load_scale(sc, idx, skind)
@@ -524,7 +530,7 @@ def _block_scale(sc, idx, skind, fmt, aux, aoff):
     return s
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, c0, c1, tail,
                        out, ooff, zmode):
     """Chunks c0..c1-1 of row n of expert e (k permuted per chunk) into out[ooff:], then, when tail, the
@@ -589,7 +595,7 @@ def _dequant_row_range(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, fmt,
                 out[k0 + vpb * (j - full) + c] = _code_value((q >> (c * bits)) & mask, fmt, z, aux, aoff) * s
 
 
-@njit(fastmath=True, inline="always")
+@njit(fastmath=True, inline="always", error_model="numpy")
 def _swiglu(g, l, alpha, beta, limit, has_limit):
     if has_limit:
         g = min(g, limit)
@@ -600,7 +606,7 @@ def _swiglu(g, l, alpha, beta, limit, has_limit):
 MODE_STORE, MODE_SWIGLU, MODE_SCALE, MODE_ACT = 0, 1, 2, 3
 
 
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, K, kcc,
                 xp, blk_col, blk_w, blk_pair, blk_valid, tasks, rt, mt,
                 bias, has_bias, mode, coef, act_kind, alpha, beta, limit, has_limit, pinv, knext, out, nth):
@@ -707,7 +713,7 @@ def qgemm_tasks(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, fmt, b
                             out[o + cc] = np.float32(0.0)
 
 
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def reduce_tokens(y, tpair, p0, out, nth):
     """out[t, :] += y[p - p0, :] for the pairs p >= p0 of token t (tpair from group_pairs): parallel over
     tokens, each thread reading whole contiguous rows."""
@@ -722,7 +728,7 @@ def reduce_tokens(y, tpair, p0, out, nth):
                         out[t, h] += y[p, h]
 
 
-@njit(parallel=PRANGE_ONLY, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, cache=True, nogil=True, error_model="numpy")
 def reduce_rows(y, dst, out, nth):
     """out[dst[p], :] += y[p, :] (parallel over column spans: no two threads write one element)."""
     P, H = y.shape
@@ -735,7 +741,7 @@ def reduce_rows(y, dst, out, nth):
                 out[d, h] += y[p, h]
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r):
     """The whole chunks' dot product of an int4 row of 16-byte chunks (bits 4, chunk 16, FMT_INT): _qdot's call for
     that layout, which a loop over such rows makes directly (without the other layouts' branches) where the row has
@@ -749,7 +755,7 @@ def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, x
     return qrow_int4_16_lut_zrow(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _int4_lut_dot2(w, sc, skind, zbuf, zbuf2, zmode, nb, cshift, nchunk, e, n, n2, xa, xb, xs, r):
     """(_int4_lut_dot of row n, the same of row n2 with zero points zbuf2), bit for bit, by one row kernel that
     loads the activations once for both rows."""
@@ -766,7 +772,7 @@ def _int4_lut_dot2(w, sc, skind, zbuf, zbuf2, zmode, nb, cshift, nchunk, e, n, n
                                   xoff, xs, r * nchunk)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, aux, e, n, xa, xb, xs, r):
     """W_e[n, :] . x_r with x given as (xa, xb, xs) rows r (see _split_row; xs unused where _uses_lut).
 
@@ -839,14 +845,14 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
     return acc
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _uses_lut(bits, chunk, fmt):
     """Rows read through the table kernels (no per-chunk activation sums needed): fp4, int2, and int4 rows of
     16-byte chunks where AVX-512F is available."""
     return fmt == FMT_FP4 or bits == 2 or bits == 3 or (HAS_AVX512F and bits == 4 and chunk == 16)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _x_width(bits, Kb, nchunk):
     """Floats per row of the xa array the GEMV reads: int2 keeps its four slot streams (Kb each) and a fifth
     for the lane sums (_lane_sum_stride) in xa; int3 its five streams and tail (int3_width)."""
@@ -855,7 +861,7 @@ def _x_width(bits, Kb, nchunk):
     return 5 * Kb if bits == 2 else Kb
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _put_x(v, i, p, bits, Kb, aa, ab, nchunk):
     """Value of input k = i of row p into the GEMV's activation layout (int4: even / odd k in aa / ab;
     int2: slot i & 3 of byte i >> 2 in aa; int8: aa)."""
@@ -872,7 +878,7 @@ def _put_x(v, i, p, bits, Kb, aa, ab, nchunk):
         aa[p, i] = v
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _lane_sum_stride(bits, zmode, bpc, Kb, nchunk):
     """Length S of the four slot streams of a row whose kernel reads each lane's sum over them as a fifth stream
     at 4 S (per-block zero points folded out of the lookups): int3 (S = 16 nchunk), int2 block 16 with zero
@@ -884,14 +890,14 @@ def _lane_sum_stride(bits, zmode, bpc, Kb, nchunk):
     return 0
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _lane_sums(xa, o, S):
     """Fifth activation stream of row o: each lane's sum over the four slot streams of length S."""
     for j in range(S):
         xa[o, 4 * S + j] = xa[o, j] + xa[o, S + j] + xa[o, 2 * S + j] + xa[o, 3 * S + j]
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _split_row(x, r, bits, chunk, nchunk, fmt, xa, xb, xs, o):
     """Row r of x into row o of (xa, xb, xs) in the GEMV's activation layout (_put_x); per-chunk sums (the lane
     sums: _lane_sums)."""
@@ -910,7 +916,7 @@ def _split_row(x, r, bits, chunk, nchunk, fmt, xa, xb, xs, o):
         xs[o, c] = s
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _claim_init(cnt, nck, nth, order):
     """Chunk counters of one region (see _claim): order 0 one shared counter at cnt[0]; 1 one counter per
     thread (64 bytes apart) starting at the thread's own contiguous span of chunks."""
@@ -921,7 +927,7 @@ def _claim_init(cnt, nck, nth, order):
             cnt[t * 8] = t * nck // nth
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _claim(cnt, vic, th, nth, nck, order):
     """Next chunk for thread th, or -1. order 0: from the shared counter (chunks interleave between
     threads). order 1: from the thread's own span first (one contiguous stream per thread), then from the
@@ -940,14 +946,14 @@ def _claim(cnt, vic, th, nth, nck, order):
         vic[0] = v
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _row_kernel_prefetches(bits, chunk, fmt):
     """Whether the row kernel prefetches its own weight bytes ahead as it reads (simd.ROW_PREFETCH_AHEAD: the
     table kernels of fp4, int2, and int4 rows of 16-byte chunks where AVX-512F is available)."""
     return fmt == FMT_FP4 or bits == 2 or (HAS_AVX512F and bits == 4 and chunk == 16)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _prefetch_row(w, sc, e, n, ahead, weights):
     """Prefetch the scales of row n + ahead of expert e, and with `weights` its packed bytes (clipped to the
     arrays)."""
@@ -959,7 +965,7 @@ def _prefetch_row(w, sc, e, n, ahead, weights):
     prefetch_bytes(sc, row * nb * sc.itemsize, nb * sc.itemsize)
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _fc2_input_sums(aa, ab, xs2, p, lanes2, bits2, chunk2, nchunk2, fmt2):
     """What FC2's kernels read besides pair p's activations (written by FC1): the lane sums (int3, int2 block 16
     with zero points), or the per-chunk sums (layouts without the table kernels)."""
@@ -975,7 +981,7 @@ def _fc2_input_sums(aa, ab, xs2, p, lanes2, bits2, chunk2, nchunk2, fmt2):
             xs2[p, c] = s
 
 
-@njit(inline="always")
+@njit(inline="always", error_model="numpy")
 def _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf):
     """FC2 row n of expert e before its dot products: the rows ahead prefetched, its zero points into zbuf; returns
     its bias."""
@@ -989,7 +995,7 @@ def _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_row
 # The per-thread loops run without NRT reference counting (_nrt=False; they allocate nothing): with it, every
 # inlined _qdot call increfs and decrefs its six array arguments, 12 atomic operations per weight row on cache lines
 # that all threads share (one core: ~50 ns a row of the 20-70 ns of work in a 384-1440-byte row).
-@njit(fastmath=True, cache=True, nogil=True, _nrt=False)
+@njit(fastmath=True, cache=True, nogil=True, _nrt=False, error_model="numpy")
 def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
                      zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
                      fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt, th, nth,
@@ -1069,7 +1075,7 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
         ci = _claim(cnt, vic, th, nth, nck, order)
 
 
-@njit(fastmath=True, cache=True, nogil=True, _nrt=False)
+@njit(fastmath=True, cache=True, nogil=True, _nrt=False, error_model="numpy")
 def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
                      zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt, th, nth, nck, ch,
                      order, zbuf, zbuf2, vic):
@@ -1131,7 +1137,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
         ci = _claim(cnt, vic, th, nth, nck, order)
 
 
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True)
+@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst,
              act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out,
              do_reduce, nth):

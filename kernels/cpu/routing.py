@@ -28,7 +28,7 @@ def _sparse_mixer(z: np.ndarray, eps: float = SPARSE_MIXER_JITTER_EPS):
     return np.stack([i0, i1], axis=1), np.stack([w0, w1], axis=1)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _topk_softmax(z, k, normalize):
     """The common case of route() in one compiled pass (decode calls it per token and layer): top-k by
     value with ties to the lower index (= stable argsort of -z), softmax over all experts in float64,

@@ -817,7 +817,7 @@ def _make_qrow2_int4(code: str):
 
 def _qrow2_by_rows(qrow):
     """A two-row intrinsic's contract (see _make_qrow2_int4) by two calls of the one-row kernel `qrow`."""
-    @njit(inline="always")
+    @njit(inline="always", error_model="numpy")
     def qrow2(w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zf, zf2, zoff, xa, xb, xoff, xs, xsoff):
         return (qrow(w, woff, nchunk, cshift, sc, soff, skind, zf, zoff, xa, xb, xoff, xs, xsoff),
                 qrow(w, woff2, nchunk, cshift, sc, soff2, skind, zf2, zoff, xa, xb, xoff, xs, xsoff))
