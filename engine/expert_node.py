@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -13,6 +14,16 @@ from engine.onnx_file import OnnxFile
 from kernels.qmoe_spec import MOE_INPUT_NAMES, QMOE_INPUT_NAMES, QMoESpec, UnsupportedLayout
 
 ACTIVATION_INPUTS = ("input", "router_probs", "router_weights")
+_T = onnx.TensorProto
+_FLOATS = {_T.FLOAT, _T.FLOAT16, _T.BFLOAT16}
+_FP8 = {_T.FLOAT8E4M3FN, getattr(_T, "FLOAT8E8M0", _T.FLOAT8E4M3FN)}
+# the data types qmoe.md's contract allows each weight input (by its name's ending); MoE's weights are all floats
+_QMOE_TYPES = {"experts_weights": {_T.UINT8, _T.FLOAT8E4M3FN}, "scales": _FLOATS | _FP8 | {_T.UINT8}, "experts_bias": _FLOATS,
+               "zero_points": {_T.UINT8}, "global_scale": _FLOATS, "act_scale": _FLOATS, "act_block_scale": _FLOATS}
+_INT_ATTRIBUTES = {"k", "normalize_routing_weights", "use_sparse_mixer", "expert_weight_bits", "fc1_expert_weight_bits",
+                   "fc2_expert_weight_bits", "fc3_expert_weight_bits", "block_size", "weights_prepacked",
+                   "swiglu_fusion", "swiglu_limit_after_activation", "accuracy_level"}
+_FLOAT_ATTRIBUTES = {"activation_alpha", "activation_beta", "swiglu_limit"}  # swiglu_limit inf: no clamp
 GPU_MAX_EXPERTS = 2048  # kernels.gpu.qmoe.GpuQMoE refuses more (its grouping kernel)
 # onnxruntime-genai's builder names a layer's nodes '/model/layers.12/moe/QMoE' (and our writer does too)
 _MODEL_LAYER = re.compile(r"(?:^|/)layers\.(\d+)/")
@@ -116,6 +127,26 @@ def _attributes(node: onnx.NodeProto) -> dict:
     return values
 
 
+def _check_contract(node: onnx.NodeProto, attributes: dict, weight_inputs: dict, source: OnnxFile) -> None:
+    """The node's attributes of the types and its weights of the data types the contract gives them: a scale stored
+    as int32 or codes as int8 would otherwise be read as floats or codes they are not, and answer garbage."""
+    for name, value in attributes.items():
+        if name in _INT_ATTRIBUTES and not isinstance(value, int):
+            raise ModelFileError(f"{source.path}: node '{node.name}' attribute {name}={value!r} is not an integer")
+        if name in _FLOAT_ATTRIBUTES and not (isinstance(value, (int, float))
+                                              and (math.isfinite(value) or name == "swiglu_limit")):
+            raise ModelFileError(f"{source.path}: node '{node.name}' attribute {name}={value!r} is not a finite number")
+    for role, tensor in weight_inputs.items():
+        data_type = source.initializers[tensor].data_type
+        allowed = _FLOATS if node.op_type == "MoE" else next(
+            types for ending, types in _QMOE_TYPES.items() if role.endswith(ending))
+        if data_type not in allowed:
+            names = sorted(onnx.helper.tensor_dtype_to_string(t).removeprefix("TensorProto.").lower() for t in allowed)
+            raise ModelFileError(f"{source.path}: node '{node.name}' input {role} ('{tensor}') is "
+                                 f"{onnx.helper.tensor_dtype_to_string(data_type).removeprefix('TensorProto.').lower()}"
+                                 f"; {node.op_type} takes {' or '.join(names)}")
+
+
 def describe_expert_node(node: onnx.NodeProto, layer: int, source: OnnxFile) -> ExpertNodeInfo:
     names = QMOE_INPUT_NAMES if node.op_type == "QMoE" else MOE_INPUT_NAMES
     activation_inputs, weight_inputs = {}, {}
@@ -135,6 +166,7 @@ def describe_expert_node(node: onnx.NodeProto, layer: int, source: OnnxFile) -> 
     shapes = {role: None for role in QMOE_INPUT_NAMES}
     shapes.update({role: tuple(source.initializers[t].dims) for role, t in weight_inputs.items()})
     attributes = _attributes(node)
+    _check_contract(node, attributes, weight_inputs, source)
     try:
         spec, unsupported = QMoESpec.from_node(node.name, node.op_type, attributes, shapes), None
     except UnsupportedLayout as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 from engine.errors import ModelFileError
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
 from engine.genai_config import GenaiConfig, load_genai_config
-from engine.onnx_file import OnnxFile
+from engine.onnx_file import OnnxFile, inside_folder
 from engine.partition import Plan, plan_partition
 from engine.tokenizer import ModelTokenizer
 
@@ -35,6 +35,9 @@ class ModelFolder:
         folder = folder_path(folder)
         config = load_genai_config(folder)
         tokenizer = ModelTokenizer(folder)
+        if not inside_folder(folder, config.filename):
+            raise ModelFileError(f"{folder / 'genai_config.json'}: model.decoder.filename '{config.filename}' is not a "
+                                 "file inside the model folder")
         source = OnnxFile(folder / config.filename)
         initializers = set(source.initializers)
         try:

@@ -27,10 +27,21 @@ class ExternalRef:
 
 
 def _external_ref(tensor: onnx.TensorProto) -> ExternalRef | None:
+    """Where an initializer's values are (None: inline). Its offset and length were checked when the file was
+    opened (OnnxFile._check_external_data)."""
     if tensor.data_location != onnx.TensorProto.EXTERNAL:
         return None
     fields = {entry.key: entry.value for entry in tensor.external_data}
     return ExternalRef(fields.get("location", ""), int(fields.get("offset", 0)), int(fields.get("length", -1)))
+
+
+def inside_folder(folder: Path, relative: str) -> bool:
+    """Whether `relative` names a file within `folder`, symbolic links followed: a model folder is read whole and
+    nothing outside it (an absolute path, '..', or a link out of it)."""
+    if not relative or Path(relative).is_absolute() or ".." in Path(relative).parts:
+        return False
+    root = Path(folder).resolve()
+    return (root / relative).resolve().is_relative_to(root)
 
 
 def _constant_to_initializer(node: onnx.NodeProto) -> onnx.TensorProto | None:
@@ -98,7 +109,24 @@ class OnnxFile:
         self._fold_constants()
         self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.proto.graph.initializer}
         self._maps: dict[str, mmap.mmap] = {}
+        self._check_initializers()
         self._check_external_data()
+
+    def _check_initializers(self) -> None:
+        """Each initializer of a data type ONNX defines, and its external data's offset and length whole numbers of
+        bytes, so that nothing later fails on them without naming them."""
+        for tensor in self.initializers.values():
+            try:
+                self.tensor_dtype(tensor)
+            except (KeyError, TypeError, ValueError):
+                raise ModelFileError(f"{self.path}: initializer '{tensor.name}' has data type {tensor.data_type}, "
+                                     "which is no tensor type ONNX defines") from None
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            for entry in tensor.external_data:
+                if entry.key in ("offset", "length") and not (entry.value.isdigit() and entry.value.isascii()):
+                    raise ModelFileError(f"{self.path}: initializer '{tensor.name}' has external data {entry.key} "
+                                         f"{entry.value!r}, not a number of bytes")
 
     def _fold_constants(self) -> None:
         """Turn Constant nodes into initializers so every partition can read them without a cut."""
@@ -119,7 +147,7 @@ class OnnxFile:
             ref = _external_ref(tensor)
             if ref is None:
                 continue
-            if not ref.location or Path(ref.location).is_absolute() or ".." in Path(ref.location).parts:
+            if not inside_folder(self.folder, ref.location):
                 raise ModelFileError(
                     f"{self.path}: initializer '{tensor.name}' points outside the model folder ('{ref.location}')")
             data_path = self.folder / ref.location

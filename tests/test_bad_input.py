@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import onnx
+import pytest
 
 from tests.conftest import REPO, fixture_folder
 
@@ -182,3 +183,65 @@ def test_chat_templates_that_fail_loop_or_grow_are_refused_in_one_line_naming_th
                            f"{template}: chat template failed to render ({reason}")
     template.write_bytes(b"\xff\xfe{{ messages }}")
     assert_clean_error(run_cli("inspect", str(folder)), f"{template}: not UTF-8 text (invalid start byte at byte 0)")
+
+
+def _edit_onnx(folder, edit) -> None:
+    """model.onnx rewritten after `edit(model)`; its external data stays where it is."""
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    edit(model)
+    onnx.save(model, str(folder / "model.onnx"))
+
+
+def _initializer(model, name: str):
+    return next(t for t in model.graph.initializer if t.name == name)
+
+
+def _set_external(tensor, key: str, value: str) -> None:
+    next(entry for entry in tensor.external_data if entry.key == key).value = value
+
+
+def _qmoe(model):
+    return next(node for node in model.graph.node if node.op_type == "QMoE")
+
+
+BIAS = "model.layers.0.moe.experts.gate_up_proj.bias"
+SCALES = "model.layers.0.moe.experts.gate_up_proj.scales"
+QWEIGHT = "model.layers.0.moe.experts.gate_up_proj.qweight"
+
+
+def _attribute(node, name: str, value) -> None:
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept + [onnx.helper.make_attribute(name, value)])
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    (lambda m: setattr(_initializer(m, BIAS), "data_type", 0), (f"initializer '{BIAS}' has data type 0",)),
+    (lambda m: _set_external(_initializer(m, QWEIGHT), "offset", "abc"),
+     (f"initializer '{QWEIGHT}' has external data offset 'abc', not a number of bytes",)),
+    (lambda m: _set_external(_initializer(m, QWEIGHT), "offset", "-100"), ("offset '-100', not a number of bytes",)),
+    (lambda m: _attribute(_qmoe(m), "k", "two"), ("node '/model/layers.0/moe/QMoE' attribute k='two' is not an integer",)),
+    (lambda m: _attribute(_qmoe(m), "k", 2.5), ("attribute k=2.5 is not an integer",)),
+    (lambda m: setattr(_initializer(m, SCALES), "data_type", onnx.TensorProto.INT32),
+     (f"input fc1_scales ('{SCALES}') is int32; QMoE takes bfloat16 or float or float16",)),
+    (lambda m: setattr(_initializer(m, QWEIGHT), "data_type", onnx.TensorProto.INT8),
+     ("input fc1_experts_weights", "is int8; QMoE takes float8e4m3fn or uint8")),
+])
+def test_malformed_onnx_fields_are_named_before_anything_runs(copy_fixture, edit, fragments):
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, edit)
+    assert_clean_error(run_cli("inspect", str(folder)), "model.onnx", *fragments)
+
+
+def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = str(fixture_folder("gptoss") / "model.onnx")
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json: model.decoder.filename",
+                       "is not a file inside the model folder")
+    linked = copy_fixture("lfm2moe")
+    (linked / "model.onnx.data").unlink()
+    (linked / "model.onnx.data").symlink_to(tmp_path / "elsewhere.data")
+    (tmp_path / "elsewhere.data").write_bytes(b"\0" * 16)
+    assert_clean_error(run_cli("inspect", str(linked)), "points outside the model folder ('model.onnx.data')")
