@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from engine import dense_graph
 from engine.decoder_state import DecoderState
-from engine.errors import ModelFileError
+from engine.errors import ModelFileError, WorkbenchError, one_line
 from engine.onnx_file import OnnxFile
 from engine.ort_env import CPU_DENSE, DenseDevice, elem_type
 from engine.partition import Segment
@@ -78,8 +78,17 @@ class DenseSegment:
         self.host_inputs = (_inputs_read_on_the_host(session) or frozenset()) if dense.kind != "cpu" else frozenset()
 
     def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
-        """Run with `values` for the cut tensors; returns the segment's non-state outputs."""
-        return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
+        """Run with `values` for the cut tensors; returns the segment's non-state outputs. onnxruntime's own failure
+        (a genai_config that does not match the graph, a token id past the embedding's rows) is a WorkbenchError
+        naming the segment, in one line."""
+        try:
+            return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
+        except Exception as exc:  # its Python wrapper raises RuntimeError("Error in execution: ..."), its core its own
+            if not (type(exc) is RuntimeError or type(exc).__module__.startswith("onnxruntime")):
+                raise
+            nodes = self.segment.nodes
+            raise WorkbenchError(f"{self.source.path}: onnxruntime failed to run the dense part from node "
+                                 f"'{nodes[0].name}' to '{nodes[-1].name}': {one_line(exc)}") from None
 
     def run_again(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray] | None:
         """The results of the last step's graph replay launched again for `values` (a launch, nothing that waits for

@@ -67,7 +67,7 @@ def session_options(external_data_folder: str | None = None, threads: int | None
     options.intra_op_num_threads = threads or cpu_threads()
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # fatal only: a failed run's error says it in its exception, in one line
     if external_data_folder:
         # Sub-models are built in memory; their dense initializers still point into the model's data file.
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", external_data_folder)

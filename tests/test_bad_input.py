@@ -245,3 +245,13 @@ def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path):
     (linked / "model.onnx.data").symlink_to(tmp_path / "elsewhere.data")
     (tmp_path / "elsewhere.data").write_bytes(b"\0" * 16)
     assert_clean_error(run_cli("inspect", str(linked)), "points outside the model folder ('model.onnx.data')")
+
+
+def test_an_onnxruntime_failure_while_running_is_one_line_naming_the_dense_part(copy_fixture):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["head_size"] -= 1  # the KV cache's shape then disagrees with the graph's
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    result = run_cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2")
+    assert_clean_error(result, "model.onnx: onnxruntime failed to run the dense part from node", "GroupQueryAttention")
+    assert "[E:onnxruntime" not in result.stdout + result.stderr  # its logger's own line is not shown
