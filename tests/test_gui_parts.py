@@ -350,3 +350,25 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tm
     empty.saved_menu.aboutToShow.emit()
     assert [(a.text(), a.isEnabled()) for a in empty.saved_menu.actions()] == [
         ("None saved for this model (Budget sweep ▸ Save as configuration)", False)]
+
+
+def test_stopping_a_busy_engine_thread_waits_and_never_terminates_it(qapp):
+    """Terminating the engine's thread inside native code (a first run's compilation) aborted the process: stop()
+    says the thread is still busy, and run_gui then ends the process without destroying it (os._exit)."""
+    import threading
+
+    from PySide6.QtCore import QTimer
+
+    from app.gui.engine_worker import WorkerThread
+
+    engine = WorkerThread()
+    busy, release = threading.Event(), threading.Event()
+    QTimer.singleShot(0, engine.worker, lambda: (busy.set(), release.wait(10)))
+    for _ in range(500):  # (5 s at most)
+        if busy.wait(0.01):
+            break
+        qapp.processEvents()
+    assert busy.is_set()
+    assert engine.stop(wait_ms=100) is False and engine.thread.isRunning()
+    release.set()
+    assert engine.thread.wait(5000) and not engine.thread.isRunning()

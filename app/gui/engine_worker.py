@@ -552,9 +552,10 @@ class WorkerThread:
         self.worker.moveToThread(self.thread)
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_ms: int = 15000) -> bool:
+        """Cancel what the engine does and end its thread; whether it ended within `wait_ms`. It is never terminated:
+        a thread stopped inside native code (Numba compiling a first run's kernels, a CPU kernel) would abort the
+        process or leave its locks held."""
         self.worker.cancel.set()
         self.thread.quit()
-        if not self.thread.wait(15000):
-            self.thread.terminate()
-            self.thread.wait(2000)
+        return self.thread.wait(wait_ms)

@@ -62,4 +62,11 @@ def run_gui(model: str | None = None) -> int:
         window.load_model(model)
     else:
         window.load_demo()
-    return app.exec()
+    status = app.exec()
+    if not window.engine_stopped:
+        # The engine's thread is still inside a call that nothing interrupts (a first run's compilation): Python's
+        # exit would destroy its QThread while it runs, which aborts the process. Settings and history are saved.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

@@ -72,6 +72,7 @@ class MainWindow(QMainWindow):
         self.last_error = ""
         self._load_settings: dict | None = None
         self._closed = False
+        self.engine_stopped = True  # False: the engine's thread was still in a call when the window closed
         self._pending_demo_load = False
         self.watch = ThroughputWatch()
         self.contention_seen: list[str] = []
@@ -638,6 +639,6 @@ class MainWindow(QMainWindow):
             self._closed = True
             self.save_settings()
             self._sampler_thread.stop()
-            self._worker_thread.stop()
+            self.engine_stopped = self._worker_thread.stop()
             self.collector.stop()
         super().closeEvent(event)
