@@ -304,4 +304,4 @@ def test_errors_name_the_options_the_user_typed(tmp_path, capsys):
     assert status == 2 and err.strip() == "moe-workbench: error: --top-k (9) must be <= --experts (8)"
     status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
                               "--repetition-penalty", "0")
-    assert status == 2 and "--repetition-penalty must be > 0" in err
+    assert status == 2 and "--repetition-penalty must be a number > 0" in err
