@@ -458,7 +458,8 @@ def _cmd_sweep(args) -> int:
         split_note = f"; run it with --layer-split {best.split}" if best.split else ""
         saved = save_configuration(args.save_as, Path(args.model).resolve(),
                                    model.offload.config.updated(device_expert_bytes=best.budget_bytes),
-                                   note=f"sweep recommendation within {args.margin * 100:g}% of the fastest{split_note}")
+                                   note=f"sweep recommendation within {args.margin * 100:g}% of the fastest"
+                                        f"{split_note}")
         print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as})",
               file=sys.stderr)
     projected = uses_projection(points)

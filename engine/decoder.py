@@ -321,8 +321,8 @@ class PartitionedDecoder:
     def warm_host_part_loop(self) -> float:
         """The host-part worker's compiled loop made ready (compiled, or loaded from Numba's cache) for each kind of
         layer that may hand it a "both" step, where the dense part is on the GPU; returns the seconds it took. Called
-        by kernel_warmup.warm_model (the GUI's preparing step, run_turns' settling) and the offload benchmarks, so that the
-        first "both" step does not wait for it: its gates would come after the merges gave up and the step would run
+        by kernel_warmup.warm_model (the GUI's preparing step, run_turns' settling) and the offload benchmarks, so that
+        the first "both" step does not wait for it: its gates would come after the merges gave up and the step would run
         again."""
         started = time.perf_counter()
         if not (host_part_worker and self.dense is not None and self.dense.kind == "cuda"

@@ -18,8 +18,9 @@ _T = onnx.TensorProto
 _FLOATS = {_T.FLOAT, _T.FLOAT16, _T.BFLOAT16}
 _FP8 = {_T.FLOAT8E4M3FN, getattr(_T, "FLOAT8E8M0", _T.FLOAT8E4M3FN)}
 # the data types qmoe.md's contract allows each weight input (by its name's ending); MoE's weights are all floats
-_QMOE_TYPES = {"experts_weights": {_T.UINT8, _T.FLOAT8E4M3FN}, "scales": _FLOATS | _FP8 | {_T.UINT8}, "experts_bias": _FLOATS,
-               "zero_points": {_T.UINT8}, "global_scale": _FLOATS, "act_scale": _FLOATS, "act_block_scale": _FLOATS}
+_QMOE_TYPES = {"experts_weights": {_T.UINT8, _T.FLOAT8E4M3FN}, "scales": _FLOATS | _FP8 | {_T.UINT8},
+               "experts_bias": _FLOATS, "zero_points": {_T.UINT8}, "global_scale": _FLOATS, "act_scale": _FLOATS,
+               "act_block_scale": _FLOATS}
 _INT_ATTRIBUTES = {"k", "normalize_routing_weights", "use_sparse_mixer", "expert_weight_bits", "fc1_expert_weight_bits",
                    "fc2_expert_weight_bits", "fc3_expert_weight_bits", "block_size", "weights_prepacked",
                    "swiglu_fusion", "swiglu_limit_after_activation", "accuracy_level"}

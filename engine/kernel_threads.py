@@ -101,10 +101,10 @@ class KernelThreads:
         """Before a timed run, in automatic mode: the count the other processes' load asks for, read over one window
         while this process waits, and put in force at once; the steps' windows move it on from there. Returns the
         seconds waited: 0 for a fixed count, and where steps ended within the last few windows (a sweep's runs one
-        after another), whose windows have kept the count following the load. A record's first answer otherwise ran on every core until two windows
-        had agreed: beside one busy process on the 2-core dev VM it decoded at 94 tokens a second against 800-1190
-        for the turns after it (helper review, fifty-first session). With this process idle, a busy process shows as
-        the whole core it takes."""
+        after another), whose windows have kept the count following the load. A record's turns otherwise ran on every
+        core beside a busy process: on the 2-core dev VM its multiturn turns decoded at 180-711 tokens a second against
+        1155-1223 settled (RESULTS.md, fifty-first session). With this process idle, a busy process shows as the whole
+        core it takes."""
         if not self.automatic or (self.last_step is not None
                                   and self._clock() - self.last_step <= STALE_WINDOWS * self.window_s):
             return 0.0

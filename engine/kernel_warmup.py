@@ -10,7 +10,7 @@ decoder or the offload engine.
 
 The offload engine's own compiled bookkeeping (engine/offload/step_pairs.py, placement.py, host_copy.py) is warmed
 the same way, on tiny arrays of the types a decode step passes: on a first run a simulated-GPU record's first token
-otherwise took 1.26 s against 0.46 (the dev VM), and even from a warm cache each function's first call in a process
+otherwise took 1.26 s against 0.40 (the dev VM), and even from a warm cache each function's first call in a process
 loads it (tests/test_kernel_warmup.py checks that a record's timed part makes no first call).
 """
 

@@ -48,9 +48,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         self._in_time()
         if operator == "*":
             for items, count in ((left, right), (right, left)):
-                if isinstance(items, (str, list, tuple)) and isinstance(count, int) and len(items) * count > RENDER_MAX_CHARS:
+                if (isinstance(items, (str, list, tuple)) and isinstance(count, int)
+                        and len(items) * count > RENDER_MAX_CHARS):
                     raise jinja2.exceptions.SecurityError(f"a * would make {len(items) * count:,} items")
-        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right * abs(left).bit_length() > 4 * RENDER_MAX_CHARS:
+        elif (isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+              and right * abs(left).bit_length() > 4 * RENDER_MAX_CHARS):  # the bits ** would make
             raise jinja2.exceptions.SecurityError(f"{left} ** {right} is too large")
         return super().call_binop(context, operator, left, right)
 

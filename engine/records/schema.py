@@ -61,7 +61,8 @@ def model_identity(folder) -> dict:
     nodes = []
     for info in folder.experts:
         spec = info.spec
-        nodes.append({"node": info.name, "layer": info.layer, "model_layer": info.model_layer, "experts": spec.num_experts if spec else None,
+        nodes.append({"node": info.name, "layer": info.layer, "model_layer": info.model_layer,
+                      "experts": spec.num_experts if spec else None,
                       "top_k": spec.k if spec else None, "quant_type": spec.quant_type if spec else None,
                       "bits": spec.fc1_bits if spec else None, "block_size": spec.block_size if spec else None,
                       "layout": spec.supported_summary() if spec else info.unsupported,
