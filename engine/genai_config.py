@@ -64,10 +64,22 @@ def _require(obj: dict, key: str, path: Path, where: str):
     return obj[key]
 
 
+def _object(obj: dict, key: str, path: Path, where: str, required: bool = True) -> dict:
+    """obj[key] as a JSON object (missing or null where not required: empty); an error names the field."""
+    value = _require(obj, key, path, where) if required else obj.get(key)
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not a JSON object")
+    return value
+
+
 def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = None, minimum: int = 0) -> int:
-    """obj[key] as an integer of at least `minimum` (missing: `default`, or required when None); an error names the
-    field and its value."""
-    value = _require(obj, key, path, where) if default is None else obj.get(key, default)
+    """obj[key] as an integer of at least `minimum` (missing or null: `default`, or required when None); an error
+    names the field and its value."""
+    value = _require(obj, key, path, where) if default is None else obj.get(key)
+    if value is None and default is not None:
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
                                                                           and not value.is_integer()):
         raise ModelFileError(f"{path}: '{where}{key}' is {value!r}, not an integer")
@@ -85,15 +97,20 @@ def load_genai_config(folder: Path) -> GenaiConfig:
     except json.JSONDecodeError as exc:
         raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
     try:
-        model = _require(raw, "model", path, "")
-        decoder = _require(model, "decoder", path, "model.")
-        search = raw.get("search", {})
+        if not isinstance(raw, dict):
+            raise ModelFileError(f"{path}: not a JSON object")
+        model = _object(raw, "model", path, "")
+        decoder = _object(model, "decoder", path, "model.")
+        search = _object(raw, "search", path, "", required=False)
         eos = model.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = decoder.get("sliding_window") or {}
+        if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
+            raise ModelFileError(f"{path}: 'model.eos_token_id' is {json.dumps(eos)[:40]}, not token ids")
+        sliding = _object(decoder, "sliding_window", path, "model.decoder.", required=False)
         providers = tuple(
             name
-            for opt in decoder.get("session_options", {}).get("provider_options", [])
+            for opt in _object(decoder, "session_options", path, "model.decoder.", required=False).get(
+                "provider_options", [])
             if isinstance(opt, dict)
             for name in opt
         )
@@ -112,17 +129,18 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             bos_token_id=model.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=model.get("pad_token_id"),
-            inputs={str(k): str(v) for k, v in _require(decoder, "inputs", path, "model.decoder.").items()},
-            outputs={str(k): str(v) for k, v in _require(decoder, "outputs", path, "model.decoder.").items()},
-            sliding_window_size=int(sliding["window_size"]) if sliding.get("window_size") else None,
+            inputs={str(k): str(v) for k, v in _object(decoder, "inputs", path, "model.decoder.").items()},
+            outputs={str(k): str(v) for k, v in _object(decoder, "outputs", path, "model.decoder.").items()},
+            sliding_window_size=_integer(sliding, "window_size", path, "model.decoder.sliding_window.", default=0)
+            or None,
             sliding_window_layers=tuple(int(i) for i in sliding.get("layers", [])),
-            sliding_cache_slack=int(sliding.get("cache_slack", 0) or 0),
+            sliding_cache_slack=_integer(sliding, "cache_slack", path, "model.decoder.sliding_window.", default=0),
             provider_names=providers,
             search=SearchDefaults(
-                max_length=int(search.get("max_length", defaults.max_length)),
+                max_length=_integer(search, "max_length", path, "search.", default=defaults.max_length),
                 do_sample=bool(search.get("do_sample", defaults.do_sample)),
                 temperature=float(search.get("temperature", defaults.temperature)),
-                top_k=int(search.get("top_k", defaults.top_k)),
+                top_k=_integer(search, "top_k", path, "search.", default=defaults.top_k),
                 top_p=float(search.get("top_p", defaults.top_p)),
                 repetition_penalty=float(search.get("repetition_penalty", defaults.repetition_penalty)),
                 past_present_share_buffer=bool(

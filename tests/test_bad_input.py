@@ -257,3 +257,18 @@ def test_an_onnxruntime_failure_while_running_is_one_line_naming_the_dense_part(
     result = run_cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2")
     assert_clean_error(result, "model.onnx: onnxruntime failed to run the dense part from node", "GroupQueryAttention")
     assert "[E:onnxruntime" not in result.stdout + result.stderr  # its logger's own line is not shown
+
+
+def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture):
+    folder = copy_fixture("gptoss")
+    original = json.loads((folder / "genai_config.json").read_text())
+    for edit, fragment in ((lambda c: c["model"].update(decoder=None), "'model.decoder' is null, not a JSON object"),
+                           (lambda c: c["model"]["decoder"].update(inputs=["input_ids"]),
+                            "'model.decoder.inputs' is [\"input_ids\"], not a JSON object"),
+                           (lambda c: c.update(search=[1]), "'search' is [1], not a JSON object"),
+                           (lambda c: c["model"].update(eos_token_id=-1), "'model.eos_token_id' is -1, not token ids"),
+                           (lambda c: c.update(search={"max_length": "x"}), "'search.max_length' is 'x', not an integer")):
+        config = json.loads(json.dumps(original))
+        edit(config)
+        (folder / "genai_config.json").write_text(json.dumps(config))
+        assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json: " + fragment)
