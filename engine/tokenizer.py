@@ -122,8 +122,16 @@ class ModelTokenizer:
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
             return ChatTemplate(read_model_text(jinja_file), str(jinja_file), special)
-        if isinstance(config.get("chat_template"), str):
-            return ChatTemplate(config["chat_template"], str(folder / "tokenizer_config.json"), special)
+        template = config.get("chat_template")
+        origin = str(folder / "tokenizer_config.json")
+        if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": "..."}, ...]
+            named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
+            if not isinstance(named.get("default"), str):
+                raise ModelFileError(f"{origin}: chat_template names templates {sorted(map(str, named))} but no "
+                                     "'default' one")
+            template, origin = named["default"], f"{origin} (chat template 'default')"
+        if isinstance(template, str):
+            return ChatTemplate(template, origin, special)
         return None
 
     @property

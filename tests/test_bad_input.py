@@ -272,3 +272,20 @@ def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture):
         edit(config)
         (folder / "genai_config.json").write_text(json.dumps(config))
         assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json: " + fragment)
+
+
+def test_transformers_named_chat_templates_use_the_default_one(copy_fixture):
+    from engine.tokenizer import ModelTokenizer
+
+    folder = copy_fixture("qwen35moe")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config["chat_template"] = [{"name": "tool_use", "template": "TOOLS"},
+                               {"name": "default", "template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"}]
+    config_path.write_text(json.dumps(config))
+    assert ModelTokenizer(folder).render_chat([{"role": "user", "content": "hi"}]) == "<hi>"
+    config["chat_template"] = config["chat_template"][:1]
+    config_path.write_text(json.dumps(config))
+    assert_clean_error(run_cli("inspect", str(folder)), "tokenizer_config.json: chat_template names templates "
+                       "['tool_use'] but no 'default' one")
