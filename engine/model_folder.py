@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import ModelFileError
+from engine.errors import ModelFileError, UnsupportedModelError
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
 from engine.genai_config import GenaiConfig, load_genai_config
 from engine.onnx_file import OnnxFile, inside_folder
+from engine.ort_env import unknown_operator
 from engine.partition import Plan, plan_partition
 from engine.tokenizer import ModelTokenizer
 
@@ -44,6 +45,9 @@ class ModelFolder:
             plan = plan_partition(source.proto.graph, initializers)
         except ValueError as exc:
             raise ModelFileError(f"{source.path}: {exc}") from None
+        unknown = unknown_operator(node for segment in plan.segments for node in segment.nodes)
+        if unknown:
+            raise UnsupportedModelError(f"{source.path}: {unknown}")
         experts = [describe_expert_node(step.node, step.layer, source) for step in plan.expert_steps]
         if config.outputs.get("logits", "logits") not in {o.name for o in source.proto.graph.output}:
             raise ModelFileError(f"{source.path}: the graph has no output named '{config.outputs.get('logits')}'")

@@ -28,6 +28,30 @@ _ORT_TYPES = {
     "tensor(double)": 11, "tensor(uint32)": 12, "tensor(uint64)": 13, "tensor(bfloat16)": 16,
 }
 
+@functools.cache
+def known_operators() -> frozenset[tuple[str, str]] | None:
+    """(domain, op type) of every operator this onnxruntime build has a schema for ('ai.onnx' for the default
+    domain); None where the build does not say."""
+    try:
+        from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+    except ImportError:
+        return None
+    return frozenset((schema.domain or "ai.onnx", schema.name) for schema in get_all_operator_schema())
+
+
+def unknown_operator(nodes) -> str | None:
+    """Why onnxruntime could not run one of `nodes` (the dense part's), or None: an operator it does not have, which
+    only its session would otherwise say, at load (inspect would have called the model runnable)."""
+    known = known_operators()
+    if known is None:
+        return None
+    for node in nodes:
+        if (node.domain or "ai.onnx", node.op_type) not in known:
+            return (f"node '{node.name}': operator '{node.op_type}' of domain '{node.domain or 'ai.onnx'}' is not one "
+                    f"onnxruntime {ort.__version__} has")
+    return None
+
+
 def cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

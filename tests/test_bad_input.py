@@ -289,3 +289,15 @@ def test_transformers_named_chat_templates_use_the_default_one(copy_fixture):
     config_path.write_text(json.dumps(config))
     assert_clean_error(run_cli("inspect", str(folder)), "tokenizer_config.json: chat_template names templates "
                        "['tool_use'] but no 'default' one")
+
+
+def test_an_operator_onnxruntime_lacks_is_named_by_inspect_not_only_at_load(copy_fixture):
+    folder = copy_fixture("gptoss")
+
+    def rename(model):
+        node = next(n for n in model.graph.node if n.op_type == "SimplifiedLayerNormalization")
+        node.op_type = "FooBar"
+
+    _edit_onnx(folder, rename)
+    assert_clean_error(run_cli("inspect", str(folder)), "model.onnx: node '",
+                       "operator 'FooBar' of domain 'ai.onnx' is not one onnxruntime")
