@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.decoder_state import DecoderState
 from engine.errors import ModelFileError, UnsupportedModelError
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
 from engine.genai_config import GenaiConfig, load_genai_config
@@ -51,6 +52,7 @@ class ModelFolder:
         experts = [describe_expert_node(step.node, step.layer, source) for step in plan.expert_steps]
         if config.outputs.get("logits", "logits") not in {o.name for o in source.proto.graph.output}:
             raise ModelFileError(f"{source.path}: the graph has no output named '{config.outputs.get('logits')}'")
+        DecoderState(config, source.proto.graph)  # genai_config's past and present names match the graph's (no memory)
         return cls(folder, config, tokenizer, source, plan, experts)
 
     @property

@@ -291,7 +291,7 @@ def test_transformers_named_chat_templates_use_the_default_one(copy_fixture):
                        "['tool_use'] but no 'default' one")
 
 
-def test_an_operator_onnxruntime_lacks_is_named_by_inspect_not_only_at_load(copy_fixture):
+def test_what_only_a_load_found_is_named_by_inspect_an_unknown_operator_and_unmatched_state_names(copy_fixture):
     folder = copy_fixture("gptoss")
 
     def rename(model):
@@ -301,3 +301,9 @@ def test_an_operator_onnxruntime_lacks_is_named_by_inspect_not_only_at_load(copy
     _edit_onnx(folder, rename)
     assert_clean_error(run_cli("inspect", str(folder)), "model.onnx: node '",
                        "operator 'FooBar' of domain 'ai.onnx' is not one onnxruntime")
+    state = copy_fixture("lfm2moe")
+    config = json.loads((state / "genai_config.json").read_text())
+    del config["model"]["decoder"]["inputs"]["past_conv_names"]  # a past state the graph reads, unnamed
+    (state / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(run_cli("inspect", str(state)), "genai_config.json: graph input '",
+                       "is neither a genai_config input nor a past-state pattern")
