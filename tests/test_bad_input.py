@@ -307,3 +307,10 @@ def test_what_only_a_load_found_is_named_by_inspect_an_unknown_operator_and_unma
     (state / "genai_config.json").write_text(json.dumps(config))
     assert_clean_error(run_cli("inspect", str(state)), "genai_config.json: graph input '",
                        "is neither a genai_config input nor a past-state pattern")
+
+
+def test_node_overrides_naming_no_expert_node_are_refused_with_the_nearest_name():
+    result = run_cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                     "node_overrides=/model/layers.0/moe/QMO:max_resident_slots=3")
+    assert_clean_error(result, "node_overrides names '/model/layers.0/moe/QMO', which is no expert node of this model "
+                               "(did you mean '/model/layers.0/moe/QMoE'?)")

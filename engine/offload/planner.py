@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 from engine.errors import WorkbenchError
@@ -113,6 +114,12 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
     `whole_layers` it goes to whole layers instead, in layer order (layer_split.py: the engine measures which of the
     two decodes faster)."""
+    names = [info.name for info in experts]
+    for name in config.node_overrides:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            raise OffloadPlanError(f"node_overrides names '{name}', which is no expert node of this model"
+                                   + (f" (did you mean '{near[0]}'?)" if near else f" (they are {', '.join(names)})"))
     unsupported = [info for info in experts if info.spec is None]
     if config.mode == "required" and unsupported:
         raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in unsupported))
