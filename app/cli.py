@@ -430,19 +430,19 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
-    saved = []  # each point's runs, saved as it completes
+    saved_ids = []  # each point's runs, saved as it completes
 
     def save(point) -> None:
-        saved.extend(history.add(record) for record in point.records)
+        saved_ids.extend(history.add(record) for record in point.records)
 
     try:
         points = run_sweep(model, device, args.points, _scenarios(args.scenario),
                            GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"),
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save)
     except BaseException:
-        if saved:
-            print(f"the sweep's {len(saved)} finished runs are saved in the history (ids {saved[0]} to {saved[-1]})",
-                  file=sys.stderr)
+        if saved_ids:
+            print(f"the sweep's {len(saved_ids)} finished runs are saved in the history (ids {saved_ids[0]} to "
+                  f"{saved_ids[-1]})", file=sys.stderr)
         raise
     best = recommend(points, args.margin)
     rows = [p.as_dict() for p in points]
@@ -493,7 +493,6 @@ def _cmd_sweep(args) -> int:
 
 def _cmd_history(args) -> int:
     from engine.records.history import History
-
     from engine.records.scenarios import SCENARIOS
     from engine.records.side_by_side import SCENARIO, SCENARIO_AT_ONCE
 
