@@ -89,9 +89,7 @@ class KernelThreads:
         if now - since > STALE_WINDOWS * self.window_s:
             self._asked = None  # (what the turn before asked for is as old)
             return
-        others = meter.read().others
-        self.others_cores = others * self.cores
-        wanted = max(1, threads_for(self.cores, others) // (1 + self._decoding_beside(now)))
+        wanted = self._wanted(meter.read().others, now)
         if wanted != self.in_force and wanted == self._asked:
             self._apply(wanted)
             self.changes += 1
@@ -110,15 +108,19 @@ class KernelThreads:
             return 0.0
         meter = self._new_meter()
         sleep(self.window_s)
-        others = meter.read().others
-        self.others_cores = others * self.cores
-        wanted = max(1, threads_for(self.cores, others) // (1 + self._decoding_beside(self._clock())))
+        wanted = self._wanted(meter.read().others, self._clock())
         if wanted != self.in_force:
             self._apply(wanted)
             self.changes += 1
         self._asked = None
         self._window = (self._new_meter(), self._clock())
         return self.window_s
+
+    def _wanted(self, others: float, now: float) -> int:
+        """The count a window in which other processes used `others` of the CPUs' time asks for (noted in
+        others_cores), shared with this process's decoders stepping at the same time."""
+        self.others_cores = others * self.cores
+        return max(1, threads_for(self.cores, others) // (1 + self._decoding_beside(now)))
 
     def _decoding_beside(self, now: float) -> int:
         """This process's other automatic counts whose decoders ended a step within the last window."""

@@ -147,11 +147,11 @@ class OnnxFile:
             ref = _external_ref(tensor)
             if ref is None:
                 continue
-            if not inside_folder(self.folder, ref.location):
-                raise ModelFileError(
-                    f"{self.path}: initializer '{tensor.name}' points outside the model folder ('{ref.location}')")
             data_path = self.folder / ref.location
-            if ref.location not in sizes:
+            if ref.location not in sizes:  # each data file checked once (a model has thousands of initializers)
+                if not inside_folder(self.folder, ref.location):
+                    raise ModelFileError(
+                        f"{self.path}: initializer '{tensor.name}' points outside the model folder ('{ref.location}')")
                 if not data_path.is_file():
                     raise ModelFileError(f"{data_path}: missing (external data of initializer '{tensor.name}')")
                 sizes[ref.location] = data_path.stat().st_size
