@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from engine import dense_graph
 from engine.decoder_state import DecoderState
-from engine.errors import ModelFileError, WorkbenchError, one_line
+from engine.errors import ModelFileError, WorkbenchError, error_reason, one_line
 from engine.onnx_file import OnnxFile
 from engine.ort_env import CPU_DENSE, DenseDevice, elem_type
 from engine.partition import Segment
@@ -63,9 +63,8 @@ class DenseSegment:
                 model.SerializeToString(), dense.session_options(str(source.folder)),
                 providers=dense.providers(), enable_fallback=0)
         except Exception as exc:  # onnxruntime's errors are long and multi-line
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelFileError(f"{source.path}: onnxruntime{dense.provider_words} cannot load the dense part "
-                                 f"{where}: {first}") from None
+                                 f"{where}: {error_reason(exc)}") from None
         if dense.kind == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise ModelFileError(f"{source.path}: onnxruntime did not start its CUDA execution provider for the "
                                  f"dense part {where} (it offers {', '.join(session.get_providers())})")

@@ -1,5 +1,7 @@
 """The one exception type the engine raises for bad input; its message is one line for the user."""
 
+import re
+
 
 class WorkbenchError(Exception):
     """A problem the user can act on: a bad file, an unsupported layout, a prompt too long.
@@ -50,13 +52,29 @@ _STICKY_CUDA_ERRORS = (
 GPU_LOST = "the GPU cannot be used again in this process: restart MoE Workbench to use it (the CPU still works)"
 
 
+# onnxruntime's C++ errors start with its status code and the source line and function that raised them:
+# "[ONNXRuntimeError] : 1 : FAIL : /onnxruntime_src/onnxruntime/core/graph/model.cc:256 onnxruntime::Model::Model(
+# onnx::ModelProto&&, ...) Unsupported model IR version: 99, ...". The user needs only the reason at the end.
+_ORT_STATUS = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+_ORT_SOURCE_LINE = re.compile(r"(?:Load model from \S+ failed:)?\s*/\S+\.(?:cc|cpp|h):\d+ .*?\)(?: const)? ")
+
+
+def error_reason(exc: BaseException) -> str:
+    """An exception's message on one line: its first line, or all of onnxruntime's (its later lines carry the
+    details) without its status code and the source file and function that raised it."""
+    text = str(exc).strip()
+    if not _ORT_STATUS.match(text):
+        return text.splitlines()[0] if text else type(exc).__name__
+    reason = " ".join(_ORT_STATUS.sub("", text).split())
+    return _ORT_SOURCE_LINE.sub(" ", reason, count=1).strip()
+
+
 def one_line(exc: BaseException) -> str:
     """What the user is told of an exception, on one line: a WorkbenchError's message as it is, anything else as its
     type and first line, with what to do when the GPU's context is lost."""
     if isinstance(exc, WorkbenchError):
         return str(exc)
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    text = f"{type(exc).__name__}: {error_reason(exc)}" if str(exc).strip() else type(exc).__name__
     if any(name in text for names in _STICKY_CUDA_ERRORS for name in names):
         text += f"; {GPU_LOST}"
     return text

@@ -10,7 +10,7 @@ from engine.errors import ModelFileError, UnsupportedModelError
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
 from engine.genai_config import GenaiConfig, load_genai_config
 from engine.onnx_file import OnnxFile, inside_folder
-from engine.ort_env import unknown_operator
+from engine.ort_env import unknown_operator, unloadable_versions
 from engine.partition import Plan, plan_partition
 from engine.tokenizer import ModelTokenizer
 
@@ -41,6 +41,9 @@ class ModelFolder:
             raise ModelFileError(f"{folder / 'genai_config.json'}: model.decoder.filename '{config.filename}' is not a "
                                  "file inside the model folder")
         source = OnnxFile(folder / config.filename)
+        versions = unloadable_versions(source.proto)
+        if versions:
+            raise UnsupportedModelError(f"{source.path}: {versions}")
         initializers = set(source.initializers)
         try:
             plan = plan_partition(source.proto.graph, initializers)

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import onnx
 import onnxruntime as ort
 
-from engine.errors import WorkbenchError
+from engine.errors import WorkbenchError, error_reason
 from engine.units import human_bytes
 
 _ORT_TYPES = {
@@ -50,6 +51,30 @@ def unknown_operator(nodes) -> str | None:
             return (f"node '{node.name}': operator '{node.op_type}' of domain '{node.domain or 'ai.onnx'}' is not one "
                     f"onnxruntime {ort.__version__} has")
     return None
+
+
+def unloadable_versions(model: onnx.ModelProto) -> str | None:
+    """Why onnxruntime would refuse `model`'s IR version or operator set versions, or None. Its own answer: a
+    one-node model stamped with the same versions, loaded (milliseconds), since only its session knows its limits."""
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "versions",
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    probe = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
+    probe.ir_version = model.ir_version
+    if not any(o.domain in ("", "ai.onnx") for o in probe.opset_import):
+        probe.opset_import.append(onnx.helper.make_opsetid("", onnx.defs.onnx_opset_version()))
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        return f"onnxruntime {ort.__version__} cannot load IR version {model.ir_version} with operator sets " \
+               f"{_opsets(model)}: {error_reason(exc)}"
+    return None
+
+
+def _opsets(model: onnx.ModelProto) -> str:
+    return ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
 
 
 def cpu_threads() -> int:

@@ -309,6 +309,50 @@ def test_what_only_a_load_found_is_named_by_inspect_an_unknown_operator_and_unma
                        "is neither a genai_config input nor a past-state pattern")
 
 
+def test_versions_onnxruntime_cannot_load_are_named_by_inspect(copy_fixture):
+    """An IR or operator set version newer than the installed onnxruntime's is refused when the folder is opened, in
+    onnxruntime's own words without its source line and function."""
+    def stamp(ir: int | None = None, opset: int | None = None):
+        def edit(model):
+            if ir is not None:
+                model.ir_version = ir
+            for entry in model.opset_import:
+                if opset is not None and entry.domain in ("", "ai.onnx"):
+                    entry.version = opset
+        return edit
+
+    newer_ir = copy_fixture("gptoss")
+    _edit_onnx(newer_ir, stamp(ir=99))
+    assert_clean_error(run_cli("inspect", str(newer_ir)), "model.onnx: onnxruntime ", "cannot load IR version 99 with "
+                       "operator sets ai.onnx 22, com.microsoft 1: Unsupported model IR version: 99, max supported IR "
+                       "version: ")
+    newer_opset = copy_fixture("lfm2moe")
+    _edit_onnx(newer_opset, stamp(opset=40))
+    result = run_cli("inspect", str(newer_opset))
+    assert_clean_error(result, "cannot load IR version 10 with operator sets ai.onnx 40", "Opset 40")
+    assert "onnxruntime_src" not in result.stderr and "[ONNXRuntimeError]" not in result.stderr
+
+
+def test_onnxruntime_errors_lose_their_status_code_and_source_line_but_keep_their_details():
+    from engine.errors import error_reason
+
+    load = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Load model from /m/model.onnx failed:/onnxruntime_src/"
+                        "onnxruntime/core/graph/model.cc:256 onnxruntime::Model::Model(onnx::ModelProto&&, const "
+                        "onnxruntime::PathString&) Unsupported model IR version: 99, max supported IR version: 14")
+    assert error_reason(load) == "Unsupported model IR version: 99, max supported IR version: 14"
+    shapes = RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: x for the "
+                          "following indices\n index: 0 Got: 3 Expected: 1\n")
+    assert error_reason(shapes) == "Got invalid dimensions for input: x for the following indices index: 0 Got: 3 " \
+                                   "Expected: 1"
+    gather = RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running "
+                          "Gather node. Name:'/model/embed_tokens/Gather' Status Message: /onnxruntime_src/onnxruntime/"
+                          "core/providers/cpu/tensor/gather.cc:154 onnxruntime::common::Status onnxruntime::"
+                          "GatherCommon(...) const indices element out of data bounds, idx=99")
+    assert error_reason(gather) == ("Non-zero status code returned while running Gather node. Name:'/model/embed_tokens"
+                                    "/Gather' Status Message: indices element out of data bounds, idx=99")
+    assert error_reason(ValueError("first\nsecond")) == "first"
+
+
 def test_node_overrides_naming_no_expert_node_are_refused_with_the_nearest_name():
     result = run_cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                      "node_overrides=/model/layers.0/moe/QMO:max_resident_slots=3")
