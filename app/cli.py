@@ -89,6 +89,8 @@ def _build_parser() -> argparse.ArgumentParser:
     history.add_argument("--id", type=at_least(1), nargs="+", metavar="ID",
                          help="these runs only, as their whole records (JSON unless --export says otherwise)")
     history.add_argument("--export", choices=["json", "csv", "markdown"], help="print the records in this format")
+    history.add_argument("--json", action="store_const", const="json", dest="export",
+                         help="the same as --export json (as the other commands' --json)")
     history.add_argument("--history", help="SQLite history file (default: the user's data folder)")
 
     contention = commands.add_parser("contention", help="document indexing alone, inference alone, then both")

@@ -203,6 +203,8 @@ def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_a
     assert "  tuned  " in lines[1] and "budget 2.0 MiB" in lines[1] and "budget -" in lines[0]
     status, out, _err = _main(capsys, "history", "--history", history, "--label", "TUNED")
     assert status == 0 and len(out.splitlines()) == 1 and out.lstrip().startswith("1 ")
+    status, out, _err = _main(capsys, "history", "--history", history, "--json")  # as record's and inspect's --json
+    assert status == 0 and [(run["id"], run["label"]) for run in json.loads(out)] == [(2, ""), (1, "tuned")]
     status, out, _err = _main(capsys, "history", "--history", history, "--id", "2")
     assert status == 0 and [run["id"] for run in json.loads(out)] == [2] and out.endswith("]\n")
     status, _out, err = _main(capsys, "history", "--history", history, "--id", "2", "9")
