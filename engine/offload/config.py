@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, field, fields, replace
 
 from engine.errors import WorkbenchError
@@ -79,9 +80,10 @@ class OffloadConfig:
                 raise OffloadConfigError(f"unknown offload key '{raw_key}'" + (
                     f": did you mean '{near[0]}'?" if near else f" (known: {', '.join(sorted(_PARSERS))})"))
             try:
-                values[key] = parser(str(raw_value).strip())
+                values[key] = parser(str(raw_value))
             except ValueError as exc:
-                raise OffloadConfigError(f"{PREFIX}{key}={raw_value!r}: {exc}") from None
+                raise OffloadConfigError(f"{PREFIX}{key}={raw_value!r}: {exc}{_spaces_hint(parser, str(raw_value))}") \
+                    from None
         config = cls(**values)
         config.validate()
         return config
@@ -116,20 +118,32 @@ def _choice(*options: str):
     return parse
 
 
-def _int(minimum: int):
+# onnxruntime reads integers as ASCII digits alone (no sign, spaces, '_' or other scripts' digits), byte counts as
+# 64-bit unsigned and counts of threads, tokens, experts and slots as 32-bit signed
+DIGITS = re.compile(r"[0-9]+")
+UINT64_MAX = 2**64 - 1
+INT32_MAX = 2**31 - 1
+
+
+def _int(minimum: int, maximum: int = INT32_MAX):
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError("expected an integer") from None
+        if not DIGITS.fullmatch(text):
+            raise ValueError(f"expected an integer >= {minimum}, in digits only")
+        value = int(text)
         if value < minimum:
             raise ValueError(f"expected an integer >= {minimum}")
+        if value > maximum:
+            raise ValueError(f"expected an integer from {minimum} to {maximum}")
         return value
     return parse
 
 
+def _bytes(minimum: int):
+    return _int(minimum, UINT64_MAX)
+
+
 def _bytes_or_auto(text: str) -> int | None:
-    return AUTO if text == "auto" else _int(0)(text)
+    return AUTO if text == "auto" else _bytes(0)(text)
 
 
 def _flag(text: str) -> bool:
@@ -169,7 +183,7 @@ def _node_overrides(text: str) -> dict[str, NodeOverride]:
             key = key.strip()
             if not eq or key not in ("max_resident_slots", "device_expert_bytes"):
                 raise ValueError(f"'{setting}' in '{item}': expected max_resident_slots=N or device_expert_bytes=B")
-            values[key] = _int(0)(value.strip())
+            values[key] = (_bytes(0) if key == "device_expert_bytes" else _int(0))(value.strip())
         overrides[node] = NodeOverride(**values)
     return overrides
 
@@ -180,11 +194,11 @@ _PARSERS = {
     "cpu_execution": _choice("auto", "enabled", "disabled"),
     "device_expert_bytes": _bytes_or_auto,
     "reserve_device_bytes": _bytes_or_auto,
-    "gpu_device_mem_limit": _int(0),
+    "gpu_device_mem_limit": _bytes(0),
     "host_expert_bytes": _bytes_or_auto,
     "pinned_bytes": _bytes_or_auto,
-    "device_working_bytes": _int(1),
-    "host_working_bytes": _int(1),
+    "device_working_bytes": _bytes(1),
+    "host_working_bytes": _bytes(1),
     "allow_file_backing": _flag,
     "cpu_threads": _int(0),
     "async_max_tokens": _int(0),
@@ -200,6 +214,17 @@ _PARSERS = {
     "tail_substitution_threshold": _float(0.0),
     "tail_substitution_min_rank": _int(0),
 }
+
+
+def _spaces_hint(parser, text: str) -> str:
+    """Why a value with spaces around it is refused, where the value without them would do."""
+    if text == text.strip():
+        return ""
+    try:
+        parser(text.strip())
+    except ValueError:
+        return ""
+    return " (onnxruntime refuses spaces around the value)"
 
 
 def _format(key: str, value) -> str:

@@ -1,0 +1,80 @@
+"""The offload configuration reads every value as onnxruntime 1.32 does: what it accepts is accepted and means the
+same, what it refuses is refused in one line naming the key, the value and what is wrong."""
+
+import pytest
+
+from engine.offload.config import PREFIX, OffloadConfig, OffloadConfigError
+from tests.conftest import fixture_folder
+
+
+def parsed(key: str, value: str):
+    return getattr(OffloadConfig.from_entries({key: value}), key)
+
+
+def refusal(key: str, value: str) -> str:
+    with pytest.raises(OffloadConfigError) as error:
+        OffloadConfig.from_entries({key: value})
+    return str(error.value)
+
+
+# (key, value) pairs whose fate onnxruntime 1.32 decides one way or the other
+INTEGERS = [("device_expert_bytes", value) for value in (
+    "0", "0100", "18446744073709551615", "18446744073709551616", "+100", "1_000", " 100", "100 ", "-0", "1e9",
+    "\u0661\u0660\u0660")] + [
+    ("gpu_device_mem_limit", "18446744073709551615"), ("gpu_device_mem_limit", "18446744073709551616"),
+    ("device_working_bytes", "0"), ("host_working_bytes", "18446744073709551616"),
+    ("cpu_threads", "2147483647"), ("cpu_threads", "2147483648"), ("cpu_threads", "+1"),
+    ("async_max_tokens", "2147483648"), ("prefill_wave_experts", "2147483648"),
+    ("tail_substitution_min_rank", "2147483648"), ("tail_substitution_min_rank", "01"),
+    ("node_overrides", "n:max_resident_slots=2147483648"), ("node_overrides", "n:max_resident_slots=+1"),
+    ("node_overrides", "n:device_expert_bytes=18446744073709551615"),
+    ("node_overrides", "n:device_expert_bytes=18446744073709551616"),
+]
+
+
+def onnxruntime_accepts(key: str, value: str) -> bool:
+    """Whether onnxruntime's own session creation takes the entry (its validation of session.moe.offload.*)."""
+    ort = pytest.importorskip("onnxruntime")
+    if tuple(int(part) for part in ort.__version__.split(".")[:2]) < (1, 32):
+        pytest.skip(f"onnxruntime {ort.__version__} predates the session.moe.offload keys (1.32)")
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry(PREFIX + key, value)
+    try:
+        ort.InferenceSession(str(fixture_folder("gptoss") / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's refusal, whatever its class
+        assert "session.moe.offload" in str(exc), exc
+        return False
+    return True
+
+
+def we_accept(key: str, value: str) -> bool:
+    try:
+        OffloadConfig.from_entries({key: value})
+    except OffloadConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("key, value", INTEGERS)
+def test_we_accept_what_onnxruntime_accepts(key, value):
+    assert we_accept(key, value) == onnxruntime_accepts(key, value)
+
+
+def test_integers_are_digits_alone_within_onnxruntimes_ranges():
+    assert parsed("device_expert_bytes", "0100") == 100
+    assert parsed("device_expert_bytes", "18446744073709551615") == 2**64 - 1
+    assert refusal("device_expert_bytes", "+100") == ("session.moe.offload.device_expert_bytes='+100': expected an "
+                                                      "integer >= 0, in digits only")
+    assert refusal("device_expert_bytes", "1_000").endswith("expected an integer >= 0, in digits only")
+    assert refusal("cpu_threads", "2147483648") == ("session.moe.offload.cpu_threads='2147483648': expected an "
+                                                    "integer from 0 to 2147483647")
+    assert refusal("gpu_device_mem_limit", str(2**64)).endswith(f"expected an integer from 0 to {2**64 - 1}")
+    assert refusal("node_overrides", "n:max_resident_slots=2147483648").endswith("from 0 to 2147483647")
+
+
+def test_spaces_around_a_value_are_refused_as_onnxruntime_refuses_them():
+    assert refusal("device_expert_bytes", " 100") == ("session.moe.offload.device_expert_bytes=' 100': expected an "
+                                                      "integer >= 0, in digits only (onnxruntime refuses spaces "
+                                                      "around the value)")
+    assert refusal("mode", "auto ").endswith("(onnxruntime refuses spaces around the value)")
