@@ -31,6 +31,15 @@ INTEGERS = [("device_expert_bytes", value) for value in (
     ("node_overrides", "n:device_expert_bytes=18446744073709551616"),
 ]
 
+WORDS = [("mode", value) for value in ("Auto", "REQUIRED", "Disabled", "0", "1", "on", "OFF", "true", "2", "none",
+                                       "enabled")] + [
+    ("placement", "Static"), ("placement", "ADAPTIVE"), ("placement", "1"), ("placement", "dynamic"),
+    ("cpu_execution", "Enabled"), ("cpu_execution", "0"), ("cpu_execution", "1"), ("cpu_execution", "on"),
+    ("device_expert_bytes", "AUTO"), ("reserve_device_bytes", "Auto"), ("gpu_device_mem_limit", "auto"),
+    ("allow_file_backing", "true"), ("allow_file_backing", "FALSE"), ("allow_file_backing", "yes"),
+    ("allow_file_backing", "01"), ("skip_tail_cold_only", "true"), ("skip_zero_cold_doorbell", "False"),
+]
+
 
 def onnxruntime_accepts(key: str, value: str) -> bool:
     """Whether onnxruntime's own session creation takes the entry (its validation of session.moe.offload.*)."""
@@ -56,7 +65,7 @@ def we_accept(key: str, value: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("key, value", INTEGERS)
+@pytest.mark.parametrize("key, value", INTEGERS + WORDS)
 def test_we_accept_what_onnxruntime_accepts(key, value):
     assert we_accept(key, value) == onnxruntime_accepts(key, value)
 
@@ -78,3 +87,15 @@ def test_spaces_around_a_value_are_refused_as_onnxruntime_refuses_them():
                                                       "integer >= 0, in digits only (onnxruntime refuses spaces "
                                                       "around the value)")
     assert refusal("mode", "auto ").endswith("(onnxruntime refuses spaces around the value)")
+
+
+def test_words_are_read_in_any_case_and_onnxruntimes_other_spellings_mean_what_they_mean_there():
+    assert parsed("mode", "REQUIRED") == "required" and parsed("placement", "Static") == "static"
+    assert [parsed("mode", value) for value in ("0", "off", "1", "On")] == ["disabled", "disabled", "required",
+                                                                           "required"]
+    assert [parsed("cpu_execution", value) for value in ("0", "1", "ENABLED")] == ["disabled", "enabled", "enabled"]
+    assert parsed("device_expert_bytes", "AUTO") is None
+    assert parsed("allow_file_backing", "False") is False and parsed("allow_file_backing", "TRUE") is True
+    assert refusal("skip_tail_cold_only", "true") == "session.moe.offload.skip_tail_cold_only='true': expected 0 or 1"
+    # held as the word itself, so that an export says what it means
+    assert OffloadConfig.from_entries({"mode": "1"}).to_entries() == {PREFIX + "mode": "required"}

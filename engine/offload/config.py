@@ -110,11 +110,15 @@ class OffloadConfig:
 
 # --- value parsers, one per onnxruntime value format ------------------------------------------
 
-def _choice(*options: str):
+def _choice(*options: str, aliases: dict[str, str] | None = None):
+    """One of `options`, in any case, as onnxruntime takes them; `aliases` are its other spellings (mode=1 is
+    required there), held as the option they mean."""
+    spellings = {option: option for option in options} | (aliases or {})
+
     def parse(text: str) -> str:
-        if text not in options:
+        if text.lower() not in spellings:
             raise ValueError(f"expected one of {', '.join(options)}")
-        return text
+        return spellings[text.lower()]
     return parse
 
 
@@ -143,13 +147,18 @@ def _bytes(minimum: int):
 
 
 def _bytes_or_auto(text: str) -> int | None:
-    return AUTO if text == "auto" else _bytes(0)(text)
+    return AUTO if text.lower() == "auto" else _bytes(0)(text)
 
 
 def _flag(text: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError("expected 0 or 1")
     return text == "1"
+
+
+def _flag_or_word(text: str) -> bool:
+    """0 or 1, or true or false in any case (onnxruntime's reading of allow_file_backing, not of the skip_ flags)."""
+    return _flag({"true": "1", "false": "0"}.get(text.lower(), text))
 
 
 def _float(low: float, high: float = math.inf):
@@ -189,9 +198,10 @@ def _node_overrides(text: str) -> dict[str, NodeOverride]:
 
 
 _PARSERS = {
-    "mode": _choice("disabled", "auto", "required"),
+    "mode": _choice("disabled", "auto", "required", aliases={"0": "disabled", "off": "disabled", "1": "required",
+                                                             "on": "required"}),
     "placement": _choice("static", "adaptive"),
-    "cpu_execution": _choice("auto", "enabled", "disabled"),
+    "cpu_execution": _choice("auto", "enabled", "disabled", aliases={"1": "enabled", "0": "disabled"}),
     "device_expert_bytes": _bytes_or_auto,
     "reserve_device_bytes": _bytes_or_auto,
     "gpu_device_mem_limit": _bytes(0),
@@ -199,7 +209,7 @@ _PARSERS = {
     "pinned_bytes": _bytes_or_auto,
     "device_working_bytes": _bytes(1),
     "host_working_bytes": _bytes(1),
-    "allow_file_backing": _flag,
+    "allow_file_backing": _flag_or_word,
     "cpu_threads": _int(0),
     "async_max_tokens": _int(0),
     "prefill_wave_experts": _int(1),
