@@ -40,6 +40,13 @@ WORDS = [("mode", value) for value in ("Auto", "REQUIRED", "Disabled", "0", "1",
     ("allow_file_backing", "01"), ("skip_tail_cold_only", "true"), ("skip_zero_cold_doorbell", "False"),
 ]
 
+FLOATS = [("min_expert_weight", value) for value in (
+    "0", "1", "1.0001", "1.00000001", ".5", "5e-1", " 0.5", "0.5 ", "\t0.5", "+0.5", "-0", "-1e-50", "1e-400", "1_0",
+    "0x0.8p0", "0X0.8P0", "nan", "inf", "0.5x", "0.5e", ".")] + [
+    ("tail_substitution_threshold", value) for value in (
+        "0", "-0.0", ".5", "5.", "1E5", "1e10", "3.40282356e38", "3.4028236e38", "1e39", "1e400", "inf", "infinity",
+        "nan", "1e-45", "1e-46", "1e-400", "-1e-400", "-1", "+1", " 1", "1 ", "1_0", "0x10")]
+
 
 def onnxruntime_accepts(key: str, value: str) -> bool:
     """Whether onnxruntime's own session creation takes the entry (its validation of session.moe.offload.*)."""
@@ -65,7 +72,7 @@ def we_accept(key: str, value: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("key, value", INTEGERS + WORDS)
+@pytest.mark.parametrize("key, value", INTEGERS + WORDS + FLOATS)
 def test_we_accept_what_onnxruntime_accepts(key, value):
     assert we_accept(key, value) == onnxruntime_accepts(key, value)
 
@@ -99,3 +106,17 @@ def test_words_are_read_in_any_case_and_onnxruntimes_other_spellings_mean_what_t
     assert refusal("skip_tail_cold_only", "true") == "session.moe.offload.skip_tail_cold_only='true': expected 0 or 1"
     # held as the word itself, so that an export says what it means
     assert OffloadConfig.from_entries({"mode": "1"}).to_entries() == {PREFIX + "mode": "required"}
+
+
+def test_the_two_floats_are_read_as_onnxruntime_reads_each():
+    assert parsed("min_expert_weight", " 0x0.8p0 ") == 0.5 and parsed("min_expert_weight", "+.25") == 0.25
+    assert parsed("min_expert_weight", "1.00000001") == 1.00000001  # 1.0 as a 32-bit float, as there
+    assert refusal("min_expert_weight", "1_0") == "session.moe.offload.min_expert_weight='1_0': expected a number in " \
+                                                  "[0.0, 1.0]"
+    assert parsed("tail_substitution_threshold", "1e-45") == 1e-45
+    assert refusal("tail_substitution_threshold", "inf") == ("session.moe.offload.tail_substitution_threshold='inf': "
+                                                             "expected a number >= 0.0 in decimal digits (no '+' or "
+                                                             "spaces)")
+    assert refusal("tail_substitution_threshold", "1e39").endswith("beyond a 32-bit float's range (1.4e-45 to 3.4e38)")
+    assert refusal("tail_substitution_threshold", "1e-400").endswith("beyond a 32-bit float's range (1.4e-45 to 3.4e38)")
+    assert refusal("tail_substitution_threshold", "-1").endswith("expected a number >= 0.0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import struct
 from dataclasses import dataclass, field, fields, replace
 
 from engine.errors import WorkbenchError
@@ -161,15 +162,48 @@ def _flag_or_word(text: str) -> bool:
     return _flag({"true": "1", "false": "0"}.get(text.lower(), text))
 
 
-def _float(low: float, high: float = math.inf):
+# onnxruntime reads the two floats with two parsers, both into a 32-bit float: min_expert_weight as C's strtof
+# (spaces around it, a '+' and hex floats allowed, an underflow read as 0), tail_substitution_threshold as
+# std::from_chars (decimal alone, no '+' or spaces, an overflow or underflow refused)
+DECIMAL = r"(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+HEX = r"0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?[0-9]+)?"
+STRTOF = re.compile(rf"[+-]?(?:{DECIMAL}|{HEX}|inf(?:inity)?|nan)", re.IGNORECASE)
+FROM_CHARS = re.compile(rf"-?{DECIMAL}")
+C_SPACES = " \t\n\v\f\r"
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to the nearest 32-bit float (inf past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _float_in(low: float, high: float):
+    """strtof's reading, within [low, high]."""
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError("expected a number") from None
-        if not low <= value <= high or math.isnan(value):
+        text = text.strip(C_SPACES)
+        if not STRTOF.fullmatch(text):
+            raise ValueError(f"expected a number in [{low}, {high}]")
+        value = float.fromhex(text) if "x" in text.lower() else float(text)
+        if not low <= _float32(value) <= high:  # NaN fails both
             raise ValueError(f"expected a number in [{low}, {high}]")
         return value
+    return parse
+
+
+def _finite_float(low: float):
+    """std::from_chars's reading, finite and at least `low`."""
+    def parse(text: str) -> float:
+        if not FROM_CHARS.fullmatch(text):
+            raise ValueError(f"expected a number >= {low} in decimal digits (no '+' or spaces)")
+        single = _float32(float(text))
+        if math.isinf(single) or (single == 0 and re.search("[1-9]", re.split("[eE]", text)[0])):
+            raise ValueError("beyond a 32-bit float's range (1.4e-45 to 3.4e38)")
+        if single < low:
+            raise ValueError(f"expected a number >= {low}")
+        return float(text)
     return parse
 
 
@@ -218,10 +252,10 @@ _PARSERS = {
     "budget_group": _text,
     "source_root": _text,
     "derived_cache_dir": _text,
-    "min_expert_weight": _float(0.0, 1.0),
+    "min_expert_weight": _float_in(0.0, 1.0),
     "skip_tail_cold_only": _flag,
     "skip_zero_cold_doorbell": _flag,
-    "tail_substitution_threshold": _float(0.0),
+    "tail_substitution_threshold": _finite_float(0.0),
     "tail_substitution_min_rank": _int(0),
 }
 
