@@ -47,6 +47,13 @@ FLOATS = [("min_expert_weight", value) for value in (
         "0", "-0.0", ".5", "5.", "1E5", "1e10", "3.40282356e38", "3.4028236e38", "1e39", "1e400", "inf", "infinity",
         "nan", "1e-45", "1e-46", "1e-400", "-1e-400", "-1", "+1", " 1", "1 ", "1_0", "0x10")]
 
+TEXTS = [(key, "") for key in ("popularity_file", "budget_group", "source_root", "derived_cache_dir")] + [
+    ("node_overrides", value) for value in (
+        "", " ", ";", "n:max_resident_slots=1;", " n : max_resident_slots = 1 ", "n:max_resident_slots=1,",
+        "n:max_resident_slots=1,device_expert_bytes=5", "a:b:max_resident_slots=1", "n:", "n:,", "n",
+        ":max_resident_slots=1", "n:max_resident_slots=1,,device_expert_bytes=2", "n:max_resident_slots=",
+        "n:device_expert_bytes=auto", "N:MAX_RESIDENT_SLOTS=1")]
+
 
 def onnxruntime_accepts(key: str, value: str) -> bool:
     """Whether onnxruntime's own session creation takes the entry (its validation of session.moe.offload.*)."""
@@ -72,7 +79,7 @@ def we_accept(key: str, value: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("key, value", INTEGERS + WORDS + FLOATS)
+@pytest.mark.parametrize("key, value", INTEGERS + WORDS + FLOATS + TEXTS)
 def test_we_accept_what_onnxruntime_accepts(key, value):
     assert we_accept(key, value) == onnxruntime_accepts(key, value)
 
@@ -120,3 +127,12 @@ def test_the_two_floats_are_read_as_onnxruntime_reads_each():
     assert refusal("tail_substitution_threshold", "1e39").endswith("beyond a 32-bit float's range (1.4e-45 to 3.4e38)")
     assert refusal("tail_substitution_threshold", "1e-400").endswith("beyond a 32-bit float's range (1.4e-45 to 3.4e38)")
     assert refusal("tail_substitution_threshold", "-1").endswith("expected a number >= 0.0")
+
+
+def test_an_empty_name_or_path_is_unset_and_node_overrides_split_as_onnxruntime_splits_them():
+    assert parsed("popularity_file", "") is None and parsed("budget_group", "") is None
+    overrides = parsed("node_overrides", " /model/layers.0/moe/QMoE : max_resident_slots = 2 ,")
+    assert list(overrides) == ["/model/layers.0/moe/QMoE"] and overrides["/model/layers.0/moe/QMoE"].max_resident_slots == 2
+    assert refusal("node_overrides", "a:b:max_resident_slots=1") == (
+        "session.moe.offload.node_overrides='a:b:max_resident_slots=1': 'b:max_resident_slots=1' in "
+        "'a:b:max_resident_slots=1': expected max_resident_slots=N or device_expert_bytes=B")

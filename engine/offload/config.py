@@ -207,21 +207,25 @@ def _finite_float(low: float):
     return parse
 
 
-def _text(text: str) -> str:
-    if not text:
-        raise ValueError("expected a non-empty string")
-    return text
+def _text(text: str) -> str | None:
+    """A name or path as given; empty (which onnxruntime accepts) is unset."""
+    return text or None
 
 
 def _node_overrides(text: str) -> dict[str, NodeOverride]:
-    """`node:max_resident_slots=N,device_expert_bytes=B;node2:...`"""
+    """`node:max_resident_slots=N,device_expert_bytes=B;node2:...`, split as onnxruntime splits it: at a node's first
+    ':' (a name holding one is refused there), spaces around each part dropped, one ',' allowed at the end."""
     overrides = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
-        node, sep, settings = item.rpartition(":")
+        node, sep, settings = item.partition(":")
+        node = node.strip()
         if not sep or not node:
             raise ValueError(f"'{item}' is not node:key=value[,key=value]")
+        parts = settings.split(",")
+        if len(parts) > 1 and parts[-1] == "":
+            parts.pop()
         values = {}
-        for setting in settings.split(","):
+        for setting in parts:
             key, eq, value = setting.partition("=")
             key = key.strip()
             if not eq or key not in ("max_resident_slots", "device_expert_bytes"):
