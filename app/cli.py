@@ -165,8 +165,9 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
 def _offload_setup(args):
     """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs."""
     from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.config import DEVICE_KEYS, short_key
 
-    entries = {}
+    saved_entries = {}
     if args.config:
         from engine.records.configurations import load_configuration
 
@@ -174,18 +175,20 @@ def _offload_setup(args):
         if Path(saved_for).resolve() != Path(args.model).resolve():
             print(f"warning: configuration '{args.config}' was saved for {saved_for}; its budgets are applied to "
                   f"{args.model} as they are", file=sys.stderr)
-        entries.update(saved.to_entries())
+        saved_entries = saved.to_entries()
+    given = {}
     for item in args.offload:
         key, eq, value = item.partition("=")
         if not eq:
             raise WorkbenchError(f"--offload {item!r}: expected KEY=VALUE")
-        entries[key.strip()] = value.strip()
+        given[key.strip()] = value.strip()
+    # --offload replaces the saved setting under whichever of its names (full, short, alias) it is given
+    replaced = {short_key(key) for key in given}
+    entries = {key: value for key, value in saved_entries.items() if short_key(key) not in replaced} | given
     if args.device == "cpu" and not entries:
         return None, None
     config = OffloadConfig.from_entries(entries)
     if args.device == "cpu":
-        from engine.offload.config import DEVICE_KEYS, short_key
-
         idle = sorted({short_key(key) for key in entries} & DEVICE_KEYS)
         if idle:
             print(f"warning: {', '.join(idle)}: no effect with --device cpu, where every expert runs on the CPU "

@@ -250,6 +250,24 @@ def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsy
     assert not (tmp_path / "h2.sqlite").exists() or not History(tmp_path / "h2.sqlite").rows()  # refused before it ran
 
 
+def test_offload_entries_replace_a_saved_configurations_under_any_name_and_must_agree_among_themselves(
+        tmp_path, capsys, monkeypatch):
+    from engine.offload import OffloadConfig
+    from engine.records import configurations
+
+    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
+    gptoss = str(fixture_folder("gptoss"))
+    configurations.save_configuration("small", fixture_folder("gptoss").resolve(),
+                                      OffloadConfig(device_expert_bytes=200_000))
+    status, out, _err = _main(capsys, "inspect", gptoss, "--json", "--device", "simulated", "--config", "small",
+                              "--offload", "gpu_budget_bytes=400000")
+    assert status == 0 and json.loads(out)["offload"]["budget_bytes"] == 400_000
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "device_expert_bytes=1",
+                              "--offload", "gpu_budget_bytes=2")
+    assert status == 2 and err == ("moe-workbench: error: conflicting values for one setting: device_expert_bytes='1' "
+                                   "and gpu_budget_bytes='2'\n")
+
+
 def test_device_budgets_without_a_device_are_said_to_do_nothing(capsys):
     status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--offload", "device_expert_bytes=4000000",
                               "--offload", "session.moe.offload.placement=static", "--offload", "cpu_threads=1")

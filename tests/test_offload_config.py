@@ -136,3 +136,13 @@ def test_an_empty_name_or_path_is_unset_and_node_overrides_split_as_onnxruntime_
     assert refusal("node_overrides", "a:b:max_resident_slots=1") == (
         "session.moe.offload.node_overrides='a:b:max_resident_slots=1': 'b:max_resident_slots=1' in "
         "'a:b:max_resident_slots=1': expected max_resident_slots=N or device_expert_bytes=B")
+
+
+def test_two_names_of_one_setting_must_agree_as_onnxruntime_requires():
+    with pytest.raises(OffloadConfigError) as error:
+        OffloadConfig.from_entries({PREFIX + "device_expert_bytes": "1000", PREFIX + "gpu_budget_bytes": "2000"})
+    assert str(error.value) == ("conflicting values for one setting: session.moe.offload.device_expert_bytes='1000' "
+                                "and session.moe.offload.gpu_budget_bytes='2000'")
+    agreed = OffloadConfig.from_entries({"device_expert_bytes": "1000", PREFIX + "gpu_budget_bytes": "01000",
+                                         "mode": "required", PREFIX + "mode": "ON"})
+    assert agreed.device_expert_bytes == 1000 and agreed.mode == "required"

@@ -72,7 +72,7 @@ class OffloadConfig:
     @classmethod
     def from_entries(cls, entries: dict[str, str]) -> "OffloadConfig":
         """From key=value entries, full (`session.moe.offload.mode`) or short (`mode`) names."""
-        values = {}
+        values, given_as = {}, {}
         for raw_key, raw_value in entries.items():
             key = short_key(raw_key)
             parser = _PARSERS.get(key)
@@ -81,10 +81,15 @@ class OffloadConfig:
                 raise OffloadConfigError(f"unknown offload key '{raw_key}'" + (
                     f": did you mean '{near[0]}'?" if near else f" (known: {', '.join(sorted(_PARSERS))})"))
             try:
-                values[key] = parser(str(raw_value))
+                value = parser(str(raw_value))
             except ValueError as exc:
                 raise OffloadConfigError(f"{PREFIX}{key}={raw_value!r}: {exc}{_spaces_hint(parser, str(raw_value))}") \
                     from None
+            if key in values and values[key] != value:  # as onnxruntime refuses device_expert_bytes != gpu_budget_bytes
+                earlier, earlier_value = given_as[key]
+                raise OffloadConfigError(f"conflicting values for one setting: {earlier}={earlier_value!r} and "
+                                         f"{raw_key}={raw_value!r}")
+            values[key], given_as[key] = value, (raw_key, raw_value)
         config = cls(**values)
         config.validate()
         return config
