@@ -531,6 +531,20 @@ def test_approximation_rules():
     assert substituted.tolist() == [[0, 1, 6], [3, 4, 6]]  # rank-2 cold tails -> best free resident (6)
 
 
+def test_tail_substitution_from_rank_0_may_replace_the_top_ranked_expert():
+    """tail_substitution_min_rank is the lowest rank that may be substituted, 0 included (onnxruntime takes 0 <= r < k)."""
+    from engine.offload.approximate import ApproximationCounts, approximate_routing
+
+    ids = np.array([[1, 0]])
+    weights = np.array([[0.15, 0.1]], np.float32)  # a flat routing: the top expert's weight is below the threshold too
+    slot_of = np.array([0, -1, -1, 1])  # resident: 0 and 3
+    logits = np.array([[0.0, 0.0, 0.0, 1.0]], np.float32)
+    counts = ApproximationCounts()
+    substituted = approximate_routing(ids, weights, logits, slot_of, OffloadConfig(
+        tail_substitution_threshold=0.2, tail_substitution_min_rank=0), counts)
+    assert substituted.tolist() == [[3, 0]] and counts.substituted == 1
+
+
 def test_cpu_threads_change_on_a_loaded_model(model_folder):
     model = LoadedModel.open(model_folder, offload=OffloadConfig(cpu_threads=1), device=SimulatedDevice(1 << 30))
     assert all(r.kernel.num_threads == 1 for r in model.offload.runners)

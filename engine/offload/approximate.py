@@ -2,10 +2,11 @@
 measure what it costs in answers.
 
 min_expert_weight drops routed experts whose weight is below it (only cold ones with
-skip_tail_cold_only); tail_substitution_threshold replaces a cold expert of rank >=
-tail_substitution_min_rank and weight below the threshold by the resident expert the router
-scores highest among those not chosen. The top-ranked expert is never touched. Weights are not
-renormalised: a dropped expert's share is simply missing, as in onnxruntime's description.
+skip_tail_cold_only), never the top-ranked one; tail_substitution_threshold replaces a cold expert
+of rank >= tail_substitution_min_rank (0 = the top-ranked one too, as onnxruntime allows) and weight
+below the threshold by the resident expert the router scores highest among those not chosen.
+Weights are not renormalised: a dropped expert's share is simply missing, as in onnxruntime's
+description.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def approximate_routing(ids: np.ndarray, weights: np.ndarray, logits: np.ndarray
         ids[drop] = -1
         counts.dropped += int(np.count_nonzero(drop))
     if config.tail_substitution_threshold > 0:
-        candidates = (ids >= 0) & cold & (rank >= max(1, config.tail_substitution_min_rank)) & (
+        candidates = (ids >= 0) & cold & (rank >= config.tail_substitution_min_rank) & (
             weights < config.tail_substitution_threshold)
         resident = np.flatnonzero(slot_of >= 0)
         for t, j in zip(*np.nonzero(candidates)):
