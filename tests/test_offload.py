@@ -345,6 +345,22 @@ def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
         plan_offload(OffloadConfig(mode="required", device_expert_bytes=10), experts, SimulatedDevice(1 << 30))
 
 
+def test_a_substitution_rank_no_node_routes_is_refused_while_substitution_is_on(model_folder):
+    from engine.model_folder import ModelFolder
+
+    experts = ModelFolder.open(model_folder).experts
+    k = experts[0].spec.k
+    with pytest.raises(OffloadPlanError) as error:
+        plan_offload(OffloadConfig(tail_substitution_threshold=0.1, tail_substitution_min_rank=k), experts,
+                     SimulatedDevice(1 << 30))
+    assert str(error.value) == (f"tail_substitution_min_rank={k}: node '{experts[0].name}' routes {k} experts a token "
+                                f"(ranks 0 to {k - 1}), so no rank from {k} on is there to substitute (onnxruntime "
+                                f"refuses it while tail_substitution_threshold is set)")
+    plan_offload(OffloadConfig(tail_substitution_threshold=0.1, tail_substitution_min_rank=k - 1), experts,
+                 SimulatedDevice(1 << 30))
+    plan_offload(OffloadConfig(tail_substitution_min_rank=k), experts, SimulatedDevice(1 << 30))  # substitution off
+
+
 def test_an_automatic_budget_that_holds_no_expert_says_why(model_folder):
     from engine.model_folder import ModelFolder
 

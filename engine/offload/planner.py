@@ -109,6 +109,19 @@ def gpu_statements(experts: list[ExpertNodeInfo]) -> list[str]:
     return statements
 
 
+def _check_substitution_rank(config: OffloadConfig, experts: list[ExpertNodeInfo]) -> None:
+    """Tail substitution's lowest rank must be one a node routes (0 <= rank < k), as onnxruntime checks per node."""
+    if config.tail_substitution_threshold <= 0:
+        return
+    rank = config.tail_substitution_min_rank
+    for info in experts:
+        if info.spec is not None and rank >= info.spec.k:
+            raise OffloadPlanError(f"tail_substitution_min_rank={rank}: node '{info.name}' routes {info.spec.k} "
+                                   f"experts a token (ranks 0 to {info.spec.k - 1}), so no rank from {rank} on is "
+                                   f"there to substitute (onnxruntime refuses it while tail_substitution_threshold "
+                                   f"is set)")
+
+
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
                  whole_layers: bool = False) -> OffloadPlan:
     """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
@@ -137,6 +150,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
             f"the GPU kernels cannot run {_names(infos)}: {reason}"
             for reason, infos in _by_reason(refused, _gpu_refusal).items()))
     runnable = [info for info in experts if info.gpu is not None]
+    _check_substitution_rank(config, experts)
 
     available = device.memory.available
     budget = config.device_expert_bytes if config.device_expert_bytes is not None else automatic_budget(config, available)
