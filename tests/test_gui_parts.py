@@ -314,6 +314,23 @@ def test_defaults_reset_the_budgets_but_keep_the_device(qapp, gptoss):
     assert panel.config() == OffloadConfig()
 
 
+def test_the_budget_panel_keeps_a_loaded_configurations_values_as_they_are(qtbot, gptoss):
+    """Values onnxruntime accepts that the controls once rounded or capped (3 decimals, a threshold of at most 1, a
+    wave of at most 4096 experts) are shown and applied as loaded, not rewritten as a change nobody made."""
+    from app.gui.budget_panel import BudgetPanel
+
+    entries = {"session.moe.offload.min_expert_weight": "0.0005", "session.moe.offload.tail_substitution_threshold":
+               "2.5", "session.moe.offload.prefill_wave_experts": "5000", "session.moe.offload.cpu_threads": "2000"}
+    settings = {"device": {"kind": "simulated", "capacity": 96 << 20}, "entries": entries}
+    panel = BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_facts(gptoss, settings)
+    assert panel.config() == OffloadConfig.from_entries(entries) and panel.config().to_entries() == entries
+    panel.mark_loaded(settings)
+    assert not panel.dirty() and panel.applied_label.text() == "Applied to the loaded model"
+    assert panel.min_weight.text() == "0.0005" and panel.tail_threshold.text() == "2.5"
+
+
 def test_the_divergence_sentence_tells_a_near_tie_from_a_clear_difference():
     from app.gui.side_by_side_view import divergence_text
 

@@ -8,14 +8,14 @@ import html
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout,
-                               QLabel, QMenu, QPushButton, QSpinBox, QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QMenu, QPushButton,
+                               QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
-from app.gui.widgets import ByteControl, LayerBars, StackedBar, heading, legend_html, scrolled
+from app.gui.widgets import ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled
 from engine.offload import decode_path as paths
-from engine.offload.config import OffloadConfig
+from engine.offload.config import INT32_MAX, OffloadConfig
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.records.configurations import configurations_for
 from engine.units import human_bytes
@@ -113,11 +113,12 @@ class BudgetPanel(QWidget):
         self.placement.addItems(["adaptive", "static"])
         self.cpu_execution = QComboBox()
         self.cpu_execution.addItems(["auto", "enabled", "disabled"])
+        # the ranges onnxruntime accepts, so that a loaded configuration is shown as it is
         self.threads = QSpinBox()
-        self.threads.setRange(0, 1024)
+        self.threads.setRange(0, INT32_MAX)
         self.threads.setSpecialValueText("automatic")
         self.wave = QSpinBox()
-        self.wave.setRange(1, 4096)
+        self.wave.setRange(1, INT32_MAX)
         self.layer_split = QComboBox()
         for key, label in SPLITS:
             self.layer_split.addItem(label, key)
@@ -128,12 +129,10 @@ class BudgetPanel(QWidget):
         self.decode_path.setAccessibleName("Cold experts in decode")
 
         # approximate routing
-        self.min_weight = QDoubleSpinBox(decimals=3, singleStep=0.01)
-        self.min_weight.setRange(0.0, 1.0)
+        self.min_weight = SettingSpin(1.0)
         self.min_weight.setSpecialValueText("off")
         self.cold_only = QCheckBox("only cold experts")
-        self.tail_threshold = QDoubleSpinBox(decimals=3, singleStep=0.01)
-        self.tail_threshold.setRange(0.0, 1.0)
+        self.tail_threshold = SettingSpin(1e6)  # onnxruntime's bound is a 32-bit float's; a weight is at most 1
         self.tail_threshold.setSpecialValueText("off")
         self.tail_rank = QSpinBox()
         self.tail_rank.setRange(0, 64)

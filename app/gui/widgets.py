@@ -8,8 +8,8 @@ import re
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
-from PySide6.QtWidgets import (QCheckBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QScrollArea, QSizePolicy, QSlider,
-                               QToolButton, QToolTip, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QScrollArea,
+                               QSizePolicy, QSlider, QToolButton, QToolTip, QWidget)
 
 from app.gui import theme
 from engine.units import human_bytes
@@ -178,6 +178,18 @@ class ByteControl(QWidget):
         self._value = value
         self._show()
         self._emit()
+
+
+class SettingSpin(QDoubleSpinBox):
+    """A float setting to six decimals, shown without trailing zeros (0.0005, 2.5): a loaded configuration's value
+    is kept as it is, not rounded to the few decimals a fixed display would show."""
+
+    def __init__(self, maximum: float, single_step: float = 0.01, parent=None):
+        super().__init__(parent, decimals=6, singleStep=single_step)
+        self.setRange(0.0, maximum)
+
+    def textFromValue(self, value: float) -> str:  # noqa: N802 (Qt naming)
+        return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
 class StackedBar(QWidget):
