@@ -275,6 +275,13 @@ def test_device_budgets_without_a_device_are_said_to_do_nothing(capsys):
                             "runs on the CPU (--device simulated or cuda)") in err
 
 
+def test_offload_keys_this_engine_does_not_use_are_said_to_do_nothing_here(capsys):
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                              "session.moe.offload.skip_zero_cold_doorbell=1", "--offload", "budget_group=shared")
+    assert status == 0 and ("warning: budget_group, skip_zero_cold_doorbell: kept for onnxruntime, but this engine does "
+                            "not use them (no effect here)") in err
+
+
 def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flags(capsys):
     gptoss = str(fixture_folder("gptoss"))
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--raw", "--system", "Be brief")

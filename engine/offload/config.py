@@ -19,6 +19,11 @@ ALIASES = {"gpu_budget_bytes": "device_expert_bytes"}
 DEVICE_KEYS = frozenset({"device_expert_bytes", "reserve_device_bytes", "gpu_device_mem_limit", "pinned_bytes",
                          "device_working_bytes", "placement", "prefill_wave_experts", "node_overrides",
                          "popularity_file"})
+# keys onnxruntime takes that this engine has no use for: host scratch it sizes itself, budgets shared across sessions
+# (one model runs here), weights and derived layouts read and made in place, and a CPU doorbell it does not have;
+# they are kept in the configuration, so that it goes to onnxruntime whole
+UNUSED_KEYS = frozenset({"host_working_bytes", "budget_group", "source_root", "derived_cache_dir",
+                         "skip_zero_cold_doorbell"})
 
 
 def short_key(key: str) -> str:
