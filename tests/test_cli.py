@@ -268,6 +268,25 @@ def test_offload_entries_replace_a_saved_configurations_under_any_name_and_must_
                                    "and gpu_budget_bytes='2'\n")
 
 
+def test_a_saved_configuration_that_cannot_be_used_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+    from engine.records import configurations
+
+    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
+    gptoss = str(fixture_folder("gptoss"))
+    (tmp_path / "configurations.json").write_text(json.dumps({
+        "edited": {"model": gptoss, "entries": {"session.moe.offload.mode": "sometimes"}, "note": ""},
+        "broken": ["not", "a", "configuration"]}))
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--config", "edited")
+    assert status == 2 and err == (f"moe-workbench: error: {tmp_path / 'configurations.json'}: configuration 'edited': "
+                                   "session.moe.offload.mode='sometimes': expected one of disabled, auto, required\n")
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--config", "broken")
+    assert status == 2 and err == (f"moe-workbench: error: {tmp_path / 'configurations.json'}: configuration 'broken' "
+                                   "is not a model folder and its offload entries\n")
+    (tmp_path / "configurations.json").write_text("[]")
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--config", "edited")
+    assert status == 2 and err.endswith("not readable as saved configurations (not a JSON object of named ones)\n")
+
+
 def test_device_budgets_without_a_device_are_said_to_do_nothing(capsys):
     status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--offload", "device_expert_bytes=4000000",
                               "--offload", "session.moe.offload.placement=static", "--offload", "cpu_threads=1")

@@ -4,6 +4,7 @@ stand-in NVML), byte parsing, the .desktop file and the icon."""
 from __future__ import annotations
 
 import configparser
+import json
 
 import numpy as np
 import pytest
@@ -361,6 +362,14 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tm
     assert panel.config() == OffloadConfig(device_expert_bytes=70656, placement="static")
     assert panel.device_settings() == {"kind": "simulated", "capacity": 96 << 20}
     assert "2 of 16" in panel.layer_text.text()  # the estimate follows
+    save_configuration("hand-edited", gptoss.path, OffloadConfig(), path=path)
+    edited = json.loads(path.read_text())
+    edited["hand-edited"]["entries"] = {"session.moe.offload.mode": "sometimes"}
+    path.write_text(json.dumps(edited))
+    panel.saved_menu.aboutToShow.emit()
+    assert [(a.text(), a.isEnabled()) for a in panel.saved_menu.actions()] == [
+        ("hand-edited: not usable, session.moe.offload.mode='sometimes': expected one of disabled, auto, required", False),
+        ("tight", True)]
     empty = BudgetPanel(configurations_path=tmp_path / "none.json")
     qtbot.addWidget(empty)
     empty.set_facts(gptoss, None)

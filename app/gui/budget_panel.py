@@ -15,7 +15,7 @@ from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled
 from engine.offload import decode_path as paths
-from engine.offload.config import INT32_MAX, OffloadConfig
+from engine.offload.config import INT32_MAX, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.records.configurations import configurations_for
 from engine.units import human_bytes
@@ -342,6 +342,10 @@ class BudgetPanel(QWidget):
         self.saved_menu.clear()
         saved = configurations_for(self.facts.path, self.configurations_path) if self.facts is not None else {}
         for name, item in sorted(saved.items()):
+            problem = _entries_problem(item["entries"])
+            if problem:  # a hand-edited file: said, not filled in as the defaults
+                self.saved_menu.addAction(f"{name}: not usable, {problem}").setEnabled(False)
+                continue
             action = self.saved_menu.addAction(name, lambda entries=item["entries"]: self.use_saved(entries))
             action.setToolTip(item.get("note", ""))
         if not saved:
@@ -553,6 +557,15 @@ class BudgetPanel(QWidget):
 
     def _apply(self) -> None:
         self.applyRequested.emit(self.settings(), bool(self.needs_reload()))
+
+
+def _entries_problem(entries: dict) -> str:
+    """Why saved offload entries cannot be used ('' where they can)."""
+    try:
+        OffloadConfig.from_entries(entries)
+    except OffloadConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def _label(text: str, tooltip: str) -> QLabel:

@@ -21,9 +21,18 @@ def default_path() -> Path:
 def _saved(path: Path) -> dict:
     """Every configuration saved in `path` ({} where there is no file yet)."""
     try:
-        return json.loads(path.read_text()) if path.is_file() else {}
+        saved = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError) as exc:
         raise WorkbenchError(f"{path}: not readable as saved configurations ({one_line(exc)})") from None
+    if not isinstance(saved, dict):
+        raise WorkbenchError(f"{path}: not readable as saved configurations (not a JSON object of named ones)")
+    return saved
+
+
+def _well_formed(item) -> bool:
+    """A saved configuration as save_configuration writes it: its model folder and its entries (a hand-edited file
+    may hold anything)."""
+    return isinstance(item, dict) and isinstance(item.get("model"), str) and isinstance(item.get("entries"), dict)
 
 
 def check_saved(path: Path | None = None) -> None:
@@ -68,7 +77,7 @@ def configurations_for(model_folder: str | Path, path: Path | None = None) -> di
     except WorkbenchError:
         return {}
     folder = Path(model_folder).resolve()
-    return {name: item for name, item in saved.items() if Path(item.get("model", "")).resolve() == folder}
+    return {name: item for name, item in saved.items() if _well_formed(item) and Path(item["model"]).resolve() == folder}
 
 
 def load_configuration(name: str, path: Path | None = None) -> tuple[str, OffloadConfig]:
@@ -78,4 +87,10 @@ def load_configuration(name: str, path: Path | None = None) -> tuple[str, Offloa
     if name not in saved:
         known = ", ".join(sorted(saved)) or "none saved yet"
         raise WorkbenchError(f"no saved configuration '{name}' in {path} (saved: {known})")
-    return saved[name]["model"], OffloadConfig.from_entries(saved[name]["entries"])
+    item = saved[name]
+    if not _well_formed(item):
+        raise WorkbenchError(f"{path}: configuration '{name}' is not a model folder and its offload entries")
+    try:
+        return item["model"], OffloadConfig.from_entries(item["entries"])
+    except WorkbenchError as exc:
+        raise WorkbenchError(f"{path}: configuration '{name}': {exc}") from None
