@@ -228,7 +228,8 @@ def _cmd_inspect(args) -> int:
         mode = args.decode_path or paths.default_decode_path()
         said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
         report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
-                             "slots": plan.slots, "statements": plan.statements + ([said] if said else [])}
+                             "slots": plan.slots, "statements": plan.statements + ([said] if said else []),
+                             "session_config_entries": config.session_entries()}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
     return 0 if report["supported"] else 1
 

@@ -268,6 +268,15 @@ def test_offload_entries_replace_a_saved_configurations_under_any_name_and_must_
                                    "and gpu_budget_bytes='2'\n")
 
 
+def test_inspect_json_gives_the_configuration_to_copy_out_as_session_config_entries(capsys):
+    status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated",
+                              "--offload", "gpu_budget_bytes=400000", "--offload", "mode=1")
+    entries = json.loads(out)["offload"]["session_config_entries"]
+    assert status == 0 and entries["session.moe.offload.device_expert_bytes"] == "400000"
+    assert entries["session.moe.offload.mode"] == "required"  # onnxruntime's mode=1, in its own word
+    assert entries["session.moe.offload.prefill_wave_experts"] == "8" and len(entries) == 17  # defaults written out
+
+
 def test_a_saved_configuration_that_cannot_be_used_is_named_in_one_line(tmp_path, capsys, monkeypatch):
     from engine.records import configurations
 

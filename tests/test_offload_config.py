@@ -3,7 +3,7 @@ same, what it refuses is refused in one line naming the key, the value and what 
 
 import pytest
 
-from engine.offload.config import PREFIX, OffloadConfig, OffloadConfigError
+from engine.offload.config import PREFIX, NodeOverride, OffloadConfig, OffloadConfigError
 from tests.conftest import fixture_folder
 
 
@@ -57,12 +57,17 @@ TEXTS = [(key, "") for key in ("popularity_file", "budget_group", "source_root",
 
 def onnxruntime_accepts(key: str, value: str) -> bool:
     """Whether onnxruntime's own session creation takes the entry (its validation of session.moe.offload.*)."""
+    return onnxruntime_takes({PREFIX + key: value})
+
+
+def onnxruntime_takes(entries: dict[str, str]) -> bool:
     ort = pytest.importorskip("onnxruntime")
     if tuple(int(part) for part in ort.__version__.split(".")[:2]) < (1, 32):
         pytest.skip(f"onnxruntime {ort.__version__} predates the session.moe.offload keys (1.32)")
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.add_session_config_entry(PREFIX + key, value)
+    for key, value in entries.items():
+        options.add_session_config_entry(key, value)
     try:
         ort.InferenceSession(str(fixture_folder("gptoss") / "model.onnx"), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - onnxruntime's refusal, whatever its class
@@ -146,3 +151,16 @@ def test_two_names_of_one_setting_must_agree_as_onnxruntime_requires():
     agreed = OffloadConfig.from_entries({"device_expert_bytes": "1000", PREFIX + "gpu_budget_bytes": "01000",
                                          "mode": "required", PREFIX + "mode": "ON"})
     assert agreed.device_expert_bytes == 1000 and agreed.mode == "required"
+
+
+@pytest.mark.parametrize("config", [
+    OffloadConfig(),
+    OffloadConfig(mode="required", placement="static", cpu_execution="disabled", device_expert_bytes=0,
+                  gpu_device_mem_limit=2**64 - 1, device_working_bytes=1, allow_file_backing=False, cpu_threads=3,
+                  node_overrides={"n": NodeOverride(1, 2)}, popularity_file="/p.json", min_expert_weight=1e-05,
+                  skip_tail_cold_only=True, tail_substitution_threshold=3.4e38, tail_substitution_min_rank=0)])
+def test_the_exported_session_entries_write_every_setting_in_a_form_onnxruntime_takes(config):
+    entries = config.session_entries()
+    assert onnxruntime_takes(entries) and OffloadConfig.from_entries(entries) == config
+    assert entries[PREFIX + "async_max_tokens"] == str(config.async_max_tokens)  # defaults written out too
+    assert (PREFIX + "popularity_file" in entries) == (config.popularity_file is not None)

@@ -108,6 +108,18 @@ class OffloadConfig:
         if self.tail_substitution_min_rank < 0:
             raise OffloadConfigError(f"{PREFIX}tail_substitution_min_rank must be >= 0")
 
+    def session_entries(self) -> dict[str, str]:
+        """Every setting as onnxruntime session config entries, defaults written out, so that they mean the same
+        there whatever its own defaults are (what a user copies out); a setting left unset that onnxruntime has no
+        value for (a path or group, working bytes, node overrides) is left out."""
+        entries = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if (value is None and f.name not in AUTO_KEYS) or value == {}:
+                continue
+            entries[PREFIX + f.name] = _format(f.name, value)
+        return entries
+
     def to_entries(self) -> dict[str, str]:
         """Every non-default setting as onnxruntime session config entries."""
         default = OffloadConfig()
@@ -272,6 +284,9 @@ _PARSERS = {
     "tail_substitution_threshold": _finite_float(0.0),
     "tail_substitution_min_rank": _int(0),
 }
+
+# the byte budgets whose unset value is onnxruntime's 'auto'
+AUTO_KEYS = frozenset(key for key, parser in _PARSERS.items() if parser is _bytes_or_auto)
 
 
 def _spaces_hint(parser, text: str) -> str:
