@@ -164,3 +164,10 @@ def test_the_exported_session_entries_write_every_setting_in_a_form_onnxruntime_
     assert onnxruntime_takes(entries) and OffloadConfig.from_entries(entries) == config
     assert entries[PREFIX + "async_max_tokens"] == str(config.async_max_tokens)  # defaults written out too
     assert (PREFIX + "popularity_file" in entries) == (config.popularity_file is not None)
+
+
+def test_an_unknown_key_near_the_alias_is_pointed_to_it():
+    assert refusal("session.moe.offload.gpu_budget_byte", "5") == ("unknown offload key "
+                                                                   "'session.moe.offload.gpu_budget_byte': did you mean "
+                                                                   "'gpu_budget_bytes'?")
+    assert "gpu_budget_bytes" in refusal("turbo", "1")  # among the known names

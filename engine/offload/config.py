@@ -82,9 +82,10 @@ class OffloadConfig:
             key = short_key(raw_key)
             parser = _PARSERS.get(key)
             if parser is None:
-                near = difflib.get_close_matches(key, _PARSERS, n=1)
+                names = [*_PARSERS, *ALIASES]
+                near = difflib.get_close_matches(key, names, n=1)
                 raise OffloadConfigError(f"unknown offload key '{raw_key}'" + (
-                    f": did you mean '{near[0]}'?" if near else f" (known: {', '.join(sorted(_PARSERS))})"))
+                    f": did you mean '{near[0]}'?" if near else f" (known: {', '.join(sorted(names))})"))
             try:
                 value = parser(str(raw_value))
             except ValueError as exc:
