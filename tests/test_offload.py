@@ -361,6 +361,16 @@ def test_a_substitution_rank_no_node_routes_is_refused_while_substitution_is_on(
     plan_offload(OffloadConfig(tail_substitution_min_rank=k), experts, SimulatedDevice(1 << 30))  # substitution off
 
 
+def test_a_top_1_model_refuses_substitution_from_the_default_rank_in_plain_words(tmp_path):
+    from engine.model_folder import ModelFolder
+    from engine.writer import WriterSpec, write_model
+
+    experts = ModelFolder.open(write_model(tmp_path / "top1", WriterSpec(layers=1, top_k=1))).experts
+    with pytest.raises(OffloadPlanError) as error:
+        plan_offload(OffloadConfig(tail_substitution_threshold=0.1), experts, SimulatedDevice(1 << 30))
+    assert f"node '{experts[0].name}' routes 1 expert a token (ranks 0 to 0), so no rank from 1 on" in str(error.value)
+
+
 def test_an_automatic_budget_that_holds_no_expert_says_why(model_folder):
     from engine.model_folder import ModelFolder
 

@@ -116,8 +116,9 @@ def _check_substitution_rank(config: OffloadConfig, experts: list[ExpertNodeInfo
     rank = config.tail_substitution_min_rank
     for info in experts:
         if info.spec is not None and rank >= info.spec.k:
-            raise OffloadPlanError(f"tail_substitution_min_rank={rank}: node '{info.name}' routes {info.spec.k} "
-                                   f"experts a token (ranks 0 to {info.spec.k - 1}), so no rank from {rank} on is "
+            routed = f"{info.spec.k} expert" + ("s" if info.spec.k > 1 else "")
+            raise OffloadPlanError(f"tail_substitution_min_rank={rank}: node '{info.name}' routes {routed} a token "
+                                   f"(ranks 0 to {info.spec.k - 1}), so no rank from {rank} on is "
                                    f"there to substitute (onnxruntime refuses it while tail_substitution_threshold "
                                    f"is set)")
 
