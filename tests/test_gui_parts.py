@@ -358,6 +358,7 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tm
     panel.saved_menu.aboutToShow.emit()
     actions = panel.saved_menu.actions()
     assert [a.text() for a in actions] == ["tight"] and actions[0].toolTip() == "sweep recommendation"
+    assert panel.saved_menu.toolTipsVisible()  # a QMenu shows none unless told: the note (a sweep's split) was unseen
     actions[0].trigger()
     assert panel.config() == OffloadConfig(device_expert_bytes=70656, placement="static")
     assert panel.device_settings() == {"kind": "simulated", "capacity": 96 << 20}

@@ -162,6 +162,7 @@ class BudgetPanel(QWidget):
                                      "one, then Apply")
         self.saved_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
         self.saved_menu = QMenu(self.saved_button)
+        self.saved_menu.setToolTipsVisible(True)  # a configuration's note (a sweep's: its layer split) is its tooltip
         self.saved_menu.aboutToShow.connect(self._list_saved)
         self.saved_button.setMenu(self.saved_menu)
         self.applied_label = QLabel()
