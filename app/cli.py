@@ -217,14 +217,19 @@ def _cmd_inspect(args) -> int:
         from app.gui.estimate import staged_nodes, staging_for
         from engine.offload import decode_path as paths
         from engine.offload.engine import load_popularity
+        from engine.decoder_state import DecoderState
         from engine.offload.planner import plan_offload
+        from engine.ort_env import dense_cpu_reason
 
         # what the engine checks at load, checked here too: the pinned ring holds an expert, the popularity file reads
         staging_for(config, staged_nodes(folder), device)
         if config.popularity_file:
             runnable = [info for info in folder.experts if info.spec is not None]
             load_popularity(config.popularity_file, [i.name for i in runnable], [i.spec.num_experts for i in runnable])
-        plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole")
+        dense_on_device = device is not None and dense_cpu_reason(
+            device.kind, DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()) is None
+        plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
+                            dense_on_device=dense_on_device)
         mode = args.decode_path or paths.default_decode_path()
         said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
         report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,

@@ -16,7 +16,7 @@ from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
-from engine.ort_env import DenseDevice, choose_dense_device
+from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason
 from engine.sampling import Sampler, SamplingParams
 from engine.tokenizer import StreamDecoder
 
@@ -88,10 +88,11 @@ class LoadedModel:
         # arena gets what the plan leaves under gpu_device_mem_limit (ort_env.dense_arena_limit).
         self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads,
                                           progress, dense=None)
+        probe = DecoderState(self.config, folder.onnx.proto.graph)
         self.offload = None
         if offload is not None:
-            self.offload = attach_offload(self.decoder, offload, device, layer_split, decode_path)
-        probe = DecoderState(self.config, folder.onnx.proto.graph)
+            dense_on_device = device is not None and dense_cpu_reason(device.kind, probe.kv_dtypes()) is None
+            self.offload = attach_offload(self.decoder, offload, device, layer_split, decode_path, dense_on_device)
         total, growth = probe.full_context_bytes()
         self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:

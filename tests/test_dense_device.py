@@ -24,7 +24,7 @@ import engine.dense_segment as dense_segment
 import engine.ort_env as ort_env
 from engine.array_backend import NUMPY, CupyBackend, NumpyBackend
 from engine.decoder_state import CAPACITY_STEP, DecoderState
-from engine.errors import ModelFileError
+from engine.errors import ModelFileError, WorkbenchError
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.device_memory import DeviceMemory
@@ -568,6 +568,28 @@ def test_cuda_dense_logits_match_cpu(name, tmp_path):
         errors.append(relative_error(ours, ref))
     assert gpu_state.past_length > CAPACITY_STEP
     assert max(errors) <= FP16_TOLERANCE, f"{name}: max relative error {max(errors):.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+def test_cuda_disabled_mode_keeps_every_expert_beside_the_dense_part(tmp_path):
+    """mode=disabled on a CUDA GPU whose onnxruntime runs the dense part there: every expert resident (no budget
+    applies), answers as the CPU's; a device too small for them beside the reserve is refused, naming the mode."""
+    folder = write_model(tmp_path / "fp16", FP16_MODELS["fp16"])
+    gpu, cpu = cuda_model(folder, offload=OffloadConfig(mode="disabled", device_expert_bytes=0)), LoadedModel.open(folder)
+    assert gpu.dense_device == "cuda", gpu.dense_reason
+    assert gpu.offload.plan.placement_mode == "all_resident", gpu.offload.plan.statements
+    gpu_state, cpu_state = gpu.new_state(), cpu.new_state()
+    ours, ref = gpu.decoder.forward(gpu_state, [5, 6, 7, 8]), cpu.decoder.forward(cpu_state, [5, 6, 7, 8])
+    errors = [relative_error(ours, ref)]
+    for _ in range(DECODE_STEPS):
+        token = int(ref[-1].argmax())
+        ours, ref = gpu.decoder.forward(gpu_state, [token]), cpu.decoder.forward(cpu_state, [token])
+        errors.append(relative_error(ours, ref))
+    assert max(errors) <= FP16_TOLERANCE and gpu.offload.stats.totals().misses == 0
+    with pytest.raises(WorkbenchError, match="offload mode 'disabled' keeps every expert where the dense part runs"):
+        cuda_model(folder, mem_limit=gpu.offload.plan.budget_bytes // 2,
+                   offload=OffloadConfig(mode="disabled", reserve_device_bytes=0))
 
 
 @pytest.mark.gpu

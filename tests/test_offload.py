@@ -345,6 +345,39 @@ def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
         plan_offload(OffloadConfig(mode="required", device_expert_bytes=10), experts, SimulatedDevice(1 << 30))
 
 
+def test_disabled_mode_puts_every_expert_where_the_dense_part_runs(model_folder, cpu_run, monkeypatch):
+    """As onnxruntime runs a QMoE node whole on its execution provider when offload is off: every expert on the device
+    where the dense part goes there (whatever the budgets say), on the CPU where it does not, and a device too small
+    for them is refused in one line that says what would run the model."""
+    from engine import generation
+    from engine.model_folder import ModelFolder
+    from engine.offload.planner import all_resident_bytes
+
+    experts = ModelFolder.open(model_folder).experts
+    need = all_resident_bytes(experts)
+    disabled = OffloadConfig(mode="disabled", device_expert_bytes=0, reserve_device_bytes=0)
+    plan = plan_offload(disabled, experts, SimulatedDevice(need), dense_on_device=True)
+    assert plan.placement_mode == "all_resident" and plan.budget_bytes == need
+    assert plan.slots == {info.name: info.spec.num_experts for info in experts}
+    assert plan.statements[0].startswith(f"All {3 * 16} of {3 * 16} experts resident on the simulated GPU")
+    assert "where the dense part runs" in plan.statements[0]
+    on_cpu = plan_offload(disabled, experts, SimulatedDevice(need), dense_on_device=False)
+    assert on_cpu.placement_mode == "cpu_only" and set(on_cpu.slots.values()) == {0}
+    assert on_cpu.statements == ["All experts run on the CPU: offload is disabled, and the dense part runs on the CPU."]
+    with pytest.raises(OffloadPlanError) as error:
+        plan_offload(disabled, experts, SimulatedDevice(need - 1), dense_on_device=True)
+    assert str(error.value).startswith("offload mode 'disabled' keeps every expert where the dense part runs, on the "
+                                       "simulated GPU")
+    assert str(error.value).endswith("mode=auto keeps the experts that do not fit on the CPU")
+    # a load whose dense part goes to the device (as with onnxruntime-gpu on a CUDA GPU) plans so, and answers exactly
+    monkeypatch.setattr(generation, "dense_cpu_reason", lambda kind, dtypes: None)
+    model = LoadedModel.open(model_folder, offload=disabled, device=SimulatedDevice(4 * need))
+    assert model.offload.plan.placement_mode == "all_resident" and model.dense_device == "cpu"
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = model.offload.stats.totals()
+    assert totals.misses == 0 and totals.hits > 0
+
+
 def test_a_substitution_rank_no_node_routes_is_refused_while_substitution_is_on(model_folder):
     from engine.model_folder import ModelFolder
 

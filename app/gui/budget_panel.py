@@ -192,7 +192,8 @@ class BudgetPanel(QWidget):
 
         policy_box = QGroupBox("Policy")
         f = form()
-        f.addRow(_label("Mode", "mode: disabled (CPU only), auto (offload where possible), required (refuse otherwise)"), self.mode)
+        f.addRow(_label("Mode", "mode: disabled (every expert where the dense part runs: the CUDA GPU with onnxruntime-gpu, else the CPU), "
+                             "auto (offload where possible), required (refuse otherwise)"), self.mode)
         f.addRow(_label("Placement", "placement: static (fixed residents) or adaptive (decayed hit counts, swaps with hysteresis)"),
                  self.placement)
         f.addRow(_label("CPU execution", "cpu_execution: cold experts computed on the CPU (auto/enabled) or copied in (disabled)"),

@@ -250,7 +250,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
     elif experts and not error:  # an unusable device (mode required, above) or a refused ring: no plan
         try:
-            plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers)
+            plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
     streaming = None

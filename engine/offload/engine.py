@@ -72,8 +72,10 @@ SETTLE_PER_LAYER = 2
 
 class OffloadEngine:
     def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None,
-                 decode_path: str | None = None, kernel_threads: KernelThreads | None = None):
+                 decode_path: str | None = None, kernel_threads: KernelThreads | None = None,
+                 dense_on_device: bool = False):
         self.runners = runners
+        self.dense_on_device = dense_on_device  # where mode=disabled puts every expert (plan_offload)
         # the runners' CPU kernel threads (cpu_threads; 0: automatic): the decoder's, whose safe points move them
         self.kernel_threads = kernel_threads if kernel_threads is not None else KernelThreads(runners)
         self.infos = [runner.info for runner in runners]
@@ -310,7 +312,8 @@ class OffloadEngine:
             self._reserve_staging(config)
         elif self.device is not None:
             self.device.set_pinned_ring(0)
-        plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers)
+        plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
+                            dense_on_device=self.dense_on_device)
         if self.device is not None and config.mode != "disabled":
             plan.statements.extend(self.staging.statements())
         return plan

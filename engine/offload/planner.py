@@ -123,11 +123,32 @@ def _check_substitution_rank(config: OffloadConfig, experts: list[ExpertNodeInfo
                                    f"is set)")
 
 
+def _plan_beside_dense(config: OffloadConfig, experts: list[ExpertNodeInfo], device) -> OffloadPlan:
+    """mode=disabled with the dense part on the device: every expert there too, as onnxruntime runs a QMoE node whole
+    on its execution provider when offload is off; the budgets do not apply, only what the device has free beside
+    the reserve for KV cache and workspace (a model that does not fit needs mode=auto, which offloads)."""
+    runnable = [info for info in experts if info.gpu is not None]
+    need = all_resident_bytes(runnable)
+    room = automatic_budget(config, device.memory.available)
+    if need > room:
+        raise OffloadPlanError(
+            f"offload mode 'disabled' keeps every expert where the dense part runs, on the {device.name}: they need "
+            f"{human_bytes(need)}, and {human_bytes(room)} is free beside the reserve for KV cache and workspace "
+            "(reserve_device_bytes); mode=auto keeps the experts that do not fit on the CPU")
+    slots = {info.name: info.spec.num_experts if info.gpu is not None else 0 for info in experts}
+    total = sum(info.spec.num_experts for info in experts if info.spec is not None)
+    statements = [f"All {sum(slots.values())} of {total} experts resident on the {device.name}, where the dense part "
+                  f"runs ({human_bytes(need)}): offload is disabled, so the expert budgets do not apply."]
+    statements += gpu_statements(experts)
+    return OffloadPlan("all_resident" if sum(slots.values()) == total else "hybrid", need, slots, statements)
+
+
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
-                 whole_layers: bool = False) -> OffloadPlan:
+                 whole_layers: bool = False, dense_on_device: bool = False) -> OffloadPlan:
     """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
     `whole_layers` it goes to whole layers instead, in layer order (layer_split.py: the engine measures which of the
-    two decodes faster)."""
+    two decodes faster). Under mode=disabled every expert goes where the dense part runs: on the device where
+    `dense_on_device` (onnxruntime's CUDA execution provider runs it there), else on the CPU."""
     names = [info.name for info in experts]
     for name in config.node_overrides:
         if name not in names:
@@ -137,10 +158,13 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     unsupported = [info for info in experts if info.spec is None]
     if config.mode == "required" and unsupported:
         raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in unsupported))
+    if config.mode == "disabled" and device is not None and dense_on_device:
+        return _plan_beside_dense(config, experts, device)
     if device is None or config.mode == "disabled":
         if config.mode == "required":
             raise OffloadPlanError("offload mode 'required' but no GPU device is in use (--device cuda or simulated)")
-        why = "offload is disabled" if config.mode == "disabled" else "no GPU device is in use"
+        why = ("offload is disabled, and the dense part runs on the CPU" if config.mode == "disabled"
+               else "no GPU device is in use")
         return OffloadPlan("cpu_only", 0, {info.name: 0 for info in experts},
                            [f"All experts run on the CPU: {why}."])
     # Whether the GPU kernels run a node is decided here, the same on the CUDA and the simulated device
