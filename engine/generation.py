@@ -325,11 +325,19 @@ class Conversation:
         if self._rendered is not None and text.startswith(self._rendered):
             new_tokens = self._pending + self.model.tokenizer.encode(text[len(self._rendered):])
         else:  # first turn, or the template re-rendered earlier turns differently
-            self.state.reset()
             self.fed_tokens = []
             new_tokens = self.model.tokenizer.encode(text)
+        if self.state.past_length != len(self.fed_tokens):  # it holds more: a failed turn's part, or an old render
+            self.state.reset()
+            new_tokens, self.fed_tokens = self.fed_tokens + new_tokens, []
         reused = len(self.fed_tokens)
-        result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel)
+        try:
+            result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel)
+        except BaseException:
+            # the state may hold this turn's prompt and first answer tokens, which the messages never will: the
+            # conversation stays what it was, and the next turn feeds it again
+            del self.fed_tokens[reused:]
+            raise
         result.reused_cache_tokens = reused
         self.messages = messages + [{"role": "assistant", "content": result.text}]
         ended_on_eos = result.finish_reason == "eos"

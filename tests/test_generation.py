@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from engine.errors import PromptError
+from engine.errors import PromptError, WorkbenchError
 from engine.generation import Conversation, GenerationParams, LoadedModel, generate
 from engine.sampling import Sampler, SamplingParams
 from tests.conftest import fixture_folder
@@ -33,6 +33,30 @@ def test_second_turn_reuses_the_cache_and_equals_a_fresh_run(model):
     fresh = generate(model, model.new_state(), [], held + second.prompt_tokens, greedy(6))
     assert fresh.tokens == second.tokens
     assert len(second.prompt_tokens) < len(held)
+
+
+def test_a_turn_that_fails_mid_answer_leaves_nothing_in_the_next_turns_context(model, monkeypatch):
+    """An error while decoding (the KV cache's growth out of device memory, onnxruntime failing) leaves the failed
+    turn's prompt and first answer tokens in the state but not in the messages: the next turn must not build on them."""
+    chat = Conversation(model)
+    chat.send("Hello", greedy(6))
+    real, calls = model.decoder.forward, []
+
+    def fails_at_the_second_decode_step(state, token_ids):
+        calls.append(len(token_ids))
+        if len(calls) == 3:
+            raise WorkbenchError("out of device memory")
+        return real(state, token_ids)
+
+    monkeypatch.setattr(model.decoder, "forward", fails_at_the_second_decode_step)
+    with pytest.raises(WorkbenchError, match="out of device memory"):
+        chat.send("Tell me more", greedy(6))
+    monkeypatch.setattr(model.decoder, "forward", real)
+    after = chat.send("Something else", greedy(6))
+    without = Conversation(model)  # the same conversation without the failed turn
+    without.send("Hello", greedy(6))
+    assert after.tokens == without.send("Something else", greedy(6)).tokens
+    assert chat.fed_tokens == without.fed_tokens
 
 
 def test_cancel_between_tokens(model):
