@@ -254,12 +254,25 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     view.right_entries.setPlainText("placment=static")
     view.bar.run_button.click()
     assert window.last_error == "B's settings: unknown offload key 'placment': did you mean 'placement'?"
+    # a side that cannot load says so in one line in its column, and the other side answers (and is saved) alone
+    answer = view.left.answer.toPlainText()
     view.right_entries.setPlainText("")
     view.right_folder.setText(str(tmp_path))
     view.bar.run_button.click()
     finish(qtbot, window, view)
-    assert view.bar.status.text() == (f"Failed: B's model: {tmp_path / 'genai_config.json'}: missing (a model folder "
-                                      "from onnxruntime-genai's builder has one)")
+    missing = (f"B's model: {tmp_path / 'genai_config.json'}: missing (a model folder from onnxruntime-genai's "
+               "builder has one)")
+    assert view.divergence.text() == f"B could not answer: {missing}"
+    assert view.right.answer.toPlainText() == f"No answer: {missing}" and view.right.values["tokens"].text() == "—"
+    assert view.left.answer.toPlainText() == answer and view.left.values["tokens"].text() == "8"
+    assert view.bar.status.text() == f"Saved run {view.result.saved_ids[0]} to the history."
+    view.right_folder.setText("")
+    view.right_entries.setPlainText("mode=required\ndevice_expert_bytes=100000000000")  # more than the card holds
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert view.divergence.text().startswith("B could not answer: B's model: device_expert_bytes=100000000000 "
+                                             "exceeds the ")
+    assert view.left.answer.toPlainText() == answer and len(view.result.saved_ids) == 1
     # another model folder, both at once: the first differing token is highlighted in both columns
     view.right_folder.setText(str(fixture_folder("qwen35moe")))
     view.right_entries.setPlainText("")
@@ -277,7 +290,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
         assert f"background-color:{theme.current().warn}" in marked  # the highlighted token
         assert marked.count("background-color:") == 1
         assert column.answer.toPlainText().startswith("".join(pieces[:divergence]))
-    assert len(window.history.ids()) == 8  # four comparisons ran, two records each
+    assert len(window.history.ids()) == 10  # four comparisons ran, two records each, and two A alone
 
 
 def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):

@@ -355,6 +355,30 @@ def test_side_by_side_gives_two_records_and_the_divergence(simulated_model):
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 5]) == 2
 
 
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_side_by_side_answers_with_one_side_when_the_other_fails(simulated_model, monkeypatch, concurrent):
+    """A side that could not load (a budget its device cannot hold) or fails while answering has its one-line error;
+    the other side answers all the same, as it would alone."""
+    model, device = simulated_model
+    alone = compare(Side(model, device, "a"), Side(model, device, "b"), "Compare us", PARAMS).records[0].turns[0]
+    cannot_load = Side(None, label="b", failure="B's model: device_expert_bytes=1000 exceeds the 10 bytes free")
+    comparison = compare(Side(model, device, "a"), cannot_load, "Compare us", PARAMS, concurrent=concurrent)
+    a, b = comparison.records
+    assert b is None and a.turns[0]["tokens"] == alone["tokens"] and comparison.divergence is None
+    assert comparison.failures == (None, "B's model: device_expert_bytes=1000 exceeds the 10 bytes free")
+    assert comparison.as_dict()["records"][1] is None and a.scenario == "side-by-side"  # A answered alone
+    other = LoadedModel.open(fixture_folder("gptoss"))
+
+    def fails(state, token_ids):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+    monkeypatch.setattr(other.decoder, "forward", fails)
+    comparison = compare(Side(other, None, "a"), Side(model, device, "b"), "Compare us", PARAMS, concurrent=concurrent)
+    assert comparison.records[0] is None and comparison.records[1].turns[0]["tokens"] == alone["tokens"]
+    assert comparison.failures[0].startswith("RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert comparison.failures[1] is None and comparison.margins is None
+
+
 def test_side_by_side_says_how_firmly_each_side_chose_where_they_part():
     """Approximate routing on B parts the answers at the first token; each side's margin there is its logits' preference
     for its own token over the other's, as onnxruntime's run of the whole model gives it for the exact side."""

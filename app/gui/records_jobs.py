@@ -241,7 +241,8 @@ class SideBySideResult:
 class SideBySideJob:
     """Left: the loaded model as it is. Right: `right_folder` (default: the same folder) loaded
     again with `right_entries` (and `right_layer_split`, `right_decode_path`; None: the engine's defaults), on a device like the
-    left's. One prompt, both answers, a record each (saved unless cancelled)."""
+    left's. One prompt, both answers, a record each (saved unless cancelled); a side that cannot load or answer has its
+    one-line error instead, and the other side answers alone."""
     prompt: str
     max_new_tokens: int
     right_entries: dict
@@ -266,30 +267,32 @@ class SideBySideJob:
             ctx.progress(0.5 * fraction, "loading the right side")
 
         ctx.progress(0.0, "loading the right side")
-        device = ctx.make_device(ctx.device_choice, config)
+        device = None
         try:
-            right = LoadedModel.open(folder, progress=load_progress, offload=config, device=device,
-                                     layer_split=self.right_layer_split, decode_path=self.right_decode_path)
+            device = ctx.make_device(ctx.device_choice, config)
+            right = Side(LoadedModel.open(folder, progress=load_progress, offload=config, device=device,
+                                          layer_split=self.right_layer_split, decode_path=self.right_decode_path),
+                         device, self.labels[1])
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
-        except WorkbenchError as exc:  # the error names the file; say it is B's
-            raise WorkbenchError(f"B's model: {exc}") from None
-        settle(ctx, right, 0.5, "the right side")
+        except WorkbenchError as exc:  # a budget B's device cannot hold, a folder without a model: A answers alone
+            right = Side(None, label=self.labels[1], failure=f"B's model: {exc}")  # the error names the file
+        if right.model is not None:
+            settle(ctx, right.model, 0.5, "the right side")
         streams = _SideStreams(ctx, params.max_new_tokens)
         try:
-            comparison = compare(Side(left, ctx.device, self.labels[0]), Side(right, device, self.labels[1]),
-                                 self.prompt, params, concurrent=self.concurrent, on_text=streams.on_text,
-                                 cancel=ctx.cancel)
+            comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,
+                                 concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel)
         finally:
             if device is not None:  # the right model's queued copies done before its slots go back to CuPy's pool,
                 device.quiesce()    # which the loaded model's allocations share (CudaDevice.quiesce)
         streams.flush()
         cancelled = ctx.cancel.is_set() or any(not r.turns or r.turns[0]["finish_reason"] == "cancelled"
-                                               for r in comparison.records)
+                                               for r in comparison.records if r is not None)
         result = SideBySideResult(comparison, streams.pieces, cancelled=cancelled)
         if not cancelled:
             history = History(self.history_path)
-            result.saved_ids = [history.add(record) for record in comparison.records]
+            result.saved_ids = [history.add(record) for record in comparison.records if record is not None]
         return result
 
 

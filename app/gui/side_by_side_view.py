@@ -76,6 +76,12 @@ def entries_text(entries: dict) -> str:
     return "\n".join(f"{key}={value}" for key, value in sorted(entries.items()))
 
 
+def saved_text(ids: list[int]) -> str:
+    if not ids:
+        return "Nothing to save: neither side answered."
+    return f"Saved run{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} to the history."
+
+
 def side_stats(record) -> dict[str, str]:
     if record is None or not record.turns:
         return dict.fromkeys(STATS, "—")
@@ -115,6 +121,12 @@ class Column(QGroupBox):
         self.tokens += tokens
         self.answer.setPlainText(self.text)
         self.values["tokens"].setText(f"{self.tokens} …")
+
+    def show_failure(self, message: str) -> None:
+        self.text = ""
+        self.answer.setPlainText(f"No answer: {message}")
+        for label in self.values.values():
+            label.setText("—")
 
     def show_result(self, pieces: list[str], divergence: int | None, stats: dict[str, str]) -> None:
         """The answer with the token at `divergence` highlighted (an end-of-answer mark when this
@@ -264,15 +276,20 @@ class SideBySideView(QWidget):
         self.result = result
         comparison = result.comparison
         records = comparison.records if comparison else (None, None)
+        failures = comparison.failures if comparison else (None, None)
         divergence = comparison.divergence if comparison else None
-        for column, record, pieces in zip((self.left, self.right), records, result.pieces):
-            column.show_result(pieces, divergence, side_stats(record))
+        for column, record, pieces, failure in zip((self.left, self.right), records, result.pieces, failures):
+            if failure:
+                column.show_failure(failure)
+            else:
+                column.show_result(pieces, divergence, side_stats(record))
         if result.cancelled:
             self.divergence.setText("Cancelled: nothing saved.")
             self.bar.finish("Cancelled.")
             return
-        self.divergence.setText(divergence_text(divergence, comparison.margins))
-        self.bar.finish(f"Saved runs {', '.join(map(str, result.saved_ids))} to the history.")
+        failed = [f"{side} could not answer: {failure}" for side, failure in zip("AB", failures) if failure]
+        self.divergence.setText(" ".join(failed) or divergence_text(divergence, comparison.margins))
+        self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)
 
     def on_failed(self, message: str) -> None:

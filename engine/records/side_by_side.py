@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.errors import one_line
 from engine.generation import GenerationParams, LoadedModel
 from engine.records.scenarios import run_turns
 from engine.records.schema import RunRecord
@@ -25,22 +26,25 @@ NEAR_TIE = 0.1
 
 @dataclass
 class Side:
-    model: LoadedModel
+    model: LoadedModel | None  # None: this side could not load (`failure` says why) and answers nothing
     device: object = None
     label: str = ""
+    failure: str | None = None
 
 
 @dataclass
 class Comparison:
-    records: tuple[RunRecord, RunRecord]
+    records: tuple[RunRecord | None, RunRecord | None]  # None: that side failed
     divergence: int | None   # index of the first generated token where the answers differ; None if identical
     # at the divergence, by how much each side's model preferred its own token to the other side's (their
     # logits' difference: the log-probabilities differ by as much); None where one answer only stopped earlier, or
     # for two models (each has its own vocabulary)
     margins: tuple[float, float] | None = None
+    failures: tuple[str | None, str | None] = (None, None)  # each side's error on one line, where it could not answer
 
     def as_dict(self) -> dict:
-        return {"divergence": self.divergence, "margins": self.margins, "records": [r.to_dict() for r in self.records]}
+        return {"divergence": self.divergence, "margins": self.margins, "failures": list(self.failures),
+                "records": [r.to_dict() if r is not None else None for r in self.records]}
 
 
 def preference(model: LoadedModel, prompt: str, answer: list[int], own: int, other: int) -> float:
@@ -49,6 +53,10 @@ def preference(model: LoadedModel, prompt: str, answer: list[int], own: int, oth
     text = model.tokenizer.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     logits = model.decoder.forward(model.new_state(), model.tokenizer.encode(text) + list(answer))[-1]
     return float(logits[own] - logits[other])
+
+
+def same_folder(a: LoadedModel, b: LoadedModel) -> bool:
+    return Path(a.folder.folder).resolve() == Path(b.folder.folder).resolve()
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -62,16 +70,23 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
             on_text=None, cancel: threading.Event | None = None) -> Comparison:
     """on_text(side_index, token, delta) streams both columns (from two threads when concurrent).
     `cancel` ends the answer at the next token; a side that had not started then has no turn. The records' scenario
-    is SCENARIO, or SCENARIO_AT_ONCE when concurrent."""
+    is SCENARIO, or SCENARIO_AT_ONCE when concurrent. A side that fails (or could not load) has no record and its
+    error in `failures`; the other side answers all the same."""
     records: list[RunRecord | None] = [None, None]
+    failures: list[str | None] = [left.failure, right.failure]
     errors: list[BaseException] = []
+    concurrent = concurrent and left.model is not None and right.model is not None  # else one answers alone
     scenario = SCENARIO_AT_ONCE if concurrent else SCENARIO
 
     def run(index: int, side: Side) -> None:
+        if side.model is None:
+            return
         stream = (lambda token, delta: on_text(index, token, delta)) if on_text else None
         try:
             records[index] = run_turns(side.model, [prompt], params, side.device, scenario,
                                        side.label or f"side {'AB'[index]}", cancel, on_text=stream)
+        except Exception as exc:  # this side's answer fails, not the comparison
+            failures[index] = one_line(exc)
         except BaseException as exc:  # raised again in the caller's thread
             errors.append(exc)
 
@@ -87,12 +102,12 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
             run(1, right)
     if errors:
         raise errors[0]
-    answered = all(record.turns for record in records)
+    answered = all(record is not None and record.turns for record in records)
     tokens = [record.turns[0]["tokens"] for record in records] if answered else None
     divergence = first_divergence(*tokens) if answered else None
     margins = None
-    one_model = Path(left.model.folder.folder).resolve() == Path(right.model.folder.folder).resolve()
-    if one_model and divergence is not None and all(divergence < len(side) for side in tokens):
+    if (divergence is not None and same_folder(left.model, right.model)
+            and all(divergence < len(side) for side in tokens)):
         prefix, (a, b) = tokens[0][:divergence], (side[divergence] for side in tokens)
         margins = (preference(left.model, prompt, prefix, a, b), preference(right.model, prompt, prefix, b, a))
-    return Comparison((records[0], records[1]), divergence, margins)
+    return Comparison((records[0], records[1]), divergence, margins, (failures[0], failures[1]))
