@@ -36,6 +36,7 @@ class Timings:
     total_s: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    agreement_s: float = 0.0  # approximate routing's exact-routing shadow passes (AgreementMeter), left out of the rest
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -50,7 +51,7 @@ class Timings:
         return {"prefill_s": self.prefill_s, "time_to_first_token_s": self.time_to_first_token_s,
                 "decode_s": self.decode_s, "total_s": self.total_s, "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated_tokens, "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                "decode_tokens_per_s": self.decode_tokens_per_s}
+                "decode_tokens_per_s": self.decode_tokens_per_s, "agreement_s": self.agreement_s}
 
 
 @dataclass
@@ -241,12 +242,16 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     meter = None
     if model.offload is not None and model.offload.config.approximate_routing:
         meter = AgreementMeter(model, fed_tokens)
+
+    def shadow_s() -> float:  # the meter's steps so far, which no timing counts
+        return meter.step_s if meter else 0.0
+
     started = time.perf_counter()
     logits = _finite(decoder.forward(state, prompt_tokens)[-1], model, state.past_length - 1)
     if meter:
         meter.step(prompt_tokens, logits)
     fed_tokens.extend(prompt_tokens)
-    timings.prefill_s = time.perf_counter() - started
+    timings.prefill_s = time.perf_counter() - started - shadow_s()
     generated: list[int] = []
     finish = "length"
     decode_started = None
@@ -254,8 +259,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         token = sampler(logits, fed_tokens)
         generated.append(token)
         if len(generated) == 1:
-            timings.time_to_first_token_s = time.perf_counter() - started
-            decode_started = time.perf_counter()
+            timings.time_to_first_token_s = time.perf_counter() - started - shadow_s()
+            decode_started, decode_shadow_started = time.perf_counter(), shadow_s()
         if token in eos:
             finish = "eos"
             break
@@ -282,8 +287,9 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             meter.step([token], logits)
         fed_tokens.append(token)
     now = time.perf_counter()
-    timings.decode_s = now - decode_started if decode_started else 0.0
-    timings.total_s = now - started
+    timings.decode_s = now - decode_started - (shadow_s() - decode_shadow_started) if decode_started else 0.0
+    timings.total_s = now - started - shadow_s()
+    timings.agreement_s = meter.catch_up_s + meter.step_s if meter else 0.0
     timings.generated_tokens = len(generated)
     stream.finish()  # an answer that ended otherwise (eos, a stop string, cancelled)
     rest = visible.advance(stream.text, final=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -57,6 +58,39 @@ def test_a_turn_that_fails_mid_answer_leaves_nothing_in_the_next_turns_context(m
     without.send("Hello", greedy(6))
     assert after.tokens == without.send("Something else", greedy(6)).tokens
     assert chat.fed_tokens == without.fed_tokens
+
+
+def test_approximate_routings_timings_leave_out_the_agreement_meters_passes(monkeypatch):
+    """The agreement meter runs every step again with exact routing: its time is no part of the answer's (counted in
+    them, it halved the rate an approximate configuration was measured at, in the chat and in its records)."""
+    from contextlib import contextmanager
+
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.records.scenarios import run_turns
+
+    model = LoadedModel.open(fixture_folder("gptoss"), device=SimulatedDevice(1 << 30),
+                             offload=OffloadConfig(device_expert_bytes=0, min_expert_weight=0.5))
+    generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(4))  # the first steps' warm-up
+    exact_routing = model.offload.exact_routing
+
+    @contextmanager
+    def slow_exact_routing():
+        time.sleep(0.2)
+        with exact_routing():
+            yield
+
+    monkeypatch.setattr(model.offload, "exact_routing", slow_exact_routing)
+    started = time.perf_counter()
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(4))
+    wall = time.perf_counter() - started
+    t = result.timings
+    assert result.routing_agreement is not None and t.agreement_s >= 4 * 0.2  # the prompt's step and three tokens'
+    assert t.total_s + t.agreement_s <= wall and t.decode_s < 3 * 0.2 and t.time_to_first_token_s < 0.2
+    started = time.perf_counter()
+    record = run_turns(model, ["Hi", "And?"], greedy(4))  # the second turn's meter catches up on the first
+    wall = time.perf_counter() - started
+    shadow = sum(turn["timings"]["agreement_s"] for turn in record.turns)
+    assert shadow >= 2 * 4 * 0.2 + 0.2 and record.timings["completion_s"] <= wall - shadow
 
 
 def test_cancel_between_tokens(model):

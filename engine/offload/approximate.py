@@ -11,6 +11,7 @@ description.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,22 +52,29 @@ def approximate_routing(ids: np.ndarray, weights: np.ndarray, logits: np.ndarray
 class AgreementMeter:
     """Token agreement between the approximate run and exact routing, teacher-forced: a shadow
     state with exact routing is fed the same tokens, and at each step both greedy choices are
-    compared. It costs a second forward pass, and runs only while approximate routing is on."""
+    compared. It costs a second forward pass, and runs only while approximate routing is on: `catch_up_s` and `step_s`
+    are its seconds, which the answer's timings leave out (they would halve the rate approximate routing is measured
+    at)."""
 
     def __init__(self, model, history: list[int]):
         self.model = model
         self.state = model.new_state()
         self.agreed = 0
         self.steps = 0
+        self.step_s = 0.0
+        started = time.perf_counter()
         if history:  # a later turn: the shadow first catches up on the conversation so far
             with model.offload.exact_routing():
                 model.decoder.forward(self.state, history)
+        self.catch_up_s = time.perf_counter() - started
 
     def step(self, token_ids, approximate_logits: np.ndarray) -> None:
+        started = time.perf_counter()
         with self.model.offload.exact_routing():
             exact = self.model.decoder.forward(self.state, token_ids)[-1]
         self.agreed += int(np.argmax(exact) == np.argmax(approximate_logits))
         self.steps += 1
+        self.step_s += time.perf_counter() - started
 
     @property
     def agreement(self) -> float:
