@@ -344,6 +344,26 @@ def test_the_divergence_sentence_tells_a_near_tie_from_a_clear_difference():
     assert divergence_text(3, None).endswith("highlighted in both columns.")
 
 
+def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_used():
+    from types import SimpleNamespace
+
+    from app.gui.side_by_side_view import routing_text, speed_text
+
+    def record(first_token_s, rate, scenario="side-by-side", agreement=None):
+        timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate}
+        return SimpleNamespace(turns=[{"timings": timings}], scenario=scenario, approximate_routing=agreement is not None,
+                               routing_agreement=agreement)
+
+    assert speed_text(record(0.012, 40.0), record(0.0034, 50.0)) == (
+        "B gave its first token in 3 ms, A in 12 ms; B decoded at 1.25× A's rate (50.0 against 40.0 tok/s).")
+    assert speed_text(record(0.01, 0.0), record(0.02, 0.0)) == "B gave its first token in 20 ms, A in 10 ms."
+    at_once = "side-by-side, at once"
+    assert speed_text(record(0.01, 40.0, at_once), record(0.01, 20.0, at_once)).endswith(
+        "(20.0 against 40.0 tok/s), answering at once, each slowed by the other.")
+    assert routing_text(record(0.01, 1.0)) == "exact"
+    assert routing_text(record(0.01, 1.0, agreement=0.875)) == "approximate: 88% agreement with exact routing"
+
+
 def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tmp_path):
     from app.gui.budget_panel import BudgetPanel
     from engine.records.configurations import save_configuration

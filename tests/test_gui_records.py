@@ -236,6 +236,16 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     assert view.result.comparison.divergence is None and "layer_split=whole" in b.label
     assert b.offload["layer_split"]["mode"] == "whole" and a.offload["layer_split"]["mode"] != "whole"
     assert "session.moe.offload.layer_split" not in b.offload["entries"]
+    assert view.left.values["routing"].text() == view.right.values["routing"].text() == "exact"
+    assert "B decoded at " in view.divergence.text() and " A's rate (" in view.divergence.text()
+    # approximate routing on B: its agreement with exact routing, beside the tokens it answered
+    view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}\nmin_expert_weight=0.5")
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    a, b = view.result.comparison.records
+    assert b.approximate_routing and not a.approximate_routing and b.routing_agreement is not None
+    assert view.right.values["routing"].text() == f"approximate: {b.routing_agreement:.0%} agreement with exact routing"
+    assert view.left.values["routing"].text() == "exact"
     view.right_entries.setPlainText("layer_split=layers")
     view.bar.run_button.click()
     assert "layer_split=layers: one of auto, spread, whole" in window.last_error
@@ -290,7 +300,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
         assert f"background-color:{theme.current().warn}" in marked  # the highlighted token
         assert marked.count("background-color:") == 1
         assert column.answer.toPlainText().startswith("".join(pieces[:divergence]))
-    assert len(window.history.ids()) == 10  # four comparisons ran, two records each, and two A alone
+    assert len(window.history.ids()) == 12  # five comparisons ran, two records each, and two A alone
 
 
 def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):

@@ -19,10 +19,10 @@ from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
-from engine.records.side_by_side import NEAR_TIE
+from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE
 
 KIND = "comparing"
-STATS = ("first token", "decode", "total", "tokens")
+STATS = ("first token", "decode", "total", "tokens", "routing")
 
 
 # this app's own settings beside onnxruntime's keys (engine/offload/layer_split.py, decode_path.py), with their values
@@ -76,6 +76,28 @@ def entries_text(entries: dict) -> str:
     return "\n".join(f"{key}={value}" for key, value in sorted(entries.items()))
 
 
+def speed_text(a, b) -> str:
+    """B's first token and decode rate against A's (records that answered)."""
+    ta, tb = (record.turns[0]["timings"] for record in (a, b))
+    text = (f"B gave its first token in {tb['time_to_first_token_s'] * 1000:.0f} ms, A in "
+            f"{ta['time_to_first_token_s'] * 1000:.0f} ms")
+    if ta["decode_tokens_per_s"] and tb["decode_tokens_per_s"]:
+        text += (f"; B decoded at {tb['decode_tokens_per_s'] / ta['decode_tokens_per_s']:.2f}× A's rate "
+                 f"({tb['decode_tokens_per_s']:.1f} against {ta['decode_tokens_per_s']:.1f} tok/s)")
+    if a.scenario == SCENARIO_AT_ONCE:
+        text += ", answering at once, each slowed by the other"
+    return text + "."
+
+
+def routing_text(record) -> str:
+    """Exact routing, or approximate with how often its greedy token was the one exact routing chose."""
+    if not record.approximate_routing:
+        return "exact"
+    if record.routing_agreement is None:
+        return "approximate"
+    return f"approximate: {record.routing_agreement:.0%} agreement with exact routing"
+
+
 def saved_text(ids: list[int]) -> str:
     if not ids:
         return "Nothing to save: neither side answered."
@@ -89,7 +111,7 @@ def side_stats(record) -> dict[str, str]:
     t = turn["timings"]
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms",
             "decode": f"{t['decode_tokens_per_s']:.1f} tok/s", "total": f"{t['total_s']:.2f} s",
-            "tokens": str(turn["generated_tokens"])}
+            "tokens": str(turn["generated_tokens"]), "routing": routing_text(record)}
 
 
 class Column(QGroupBox):
@@ -288,7 +310,10 @@ class SideBySideView(QWidget):
             self.bar.finish("Cancelled.")
             return
         failed = [f"{side} could not answer: {failure}" for side, failure in zip("AB", failures) if failure]
-        self.divergence.setText(" ".join(failed) or divergence_text(divergence, comparison.margins))
+        if failed:
+            self.divergence.setText(" ".join(failed))
+        else:
+            self.divergence.setText(divergence_text(divergence, comparison.margins) + " " + speed_text(*records))
         self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)
 
