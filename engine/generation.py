@@ -218,6 +218,13 @@ def _finite(logits, model, position: int):
     return logits
 
 
+def _past_the_context(past: int, new: int, context: int) -> str:
+    if not past:
+        return f"the prompt has {new} tokens but the model's context is {context}"
+    return (f"the conversation so far ({past} tokens) and this message ({new}) come to {past + new} tokens, past the "
+            f"model's context of {context}: start a new conversation")
+
+
 def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
              decoder=None) -> GenerationResult:
@@ -231,8 +238,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         raise PromptError("the prompt is empty")
     context = model.config.context_length
     if state.past_length + len(prompt_tokens) > context:
-        raise PromptError(f"the prompt has {state.past_length + len(prompt_tokens)} tokens "
-                          f"but the model's context is {context}")
+        raise PromptError(_past_the_context(state.past_length, len(prompt_tokens), context))
     decoder = decoder or model.decoder
     sampler = Sampler(params.sampling)
     stream = StreamDecoder(model.tokenizer)

@@ -93,6 +93,24 @@ def test_approximate_routings_timings_leave_out_the_agreement_meters_passes(monk
     assert shadow >= 2 * 4 * 0.2 + 0.2 and record.timings["completion_s"] <= wall - shadow
 
 
+def test_a_conversation_that_reaches_the_context_says_so_and_what_to_do(copy_fixture):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    chat = Conversation(LoadedModel.open(folder))
+    assert chat.send("Hello there", greedy(30)).finish_reason == "length"
+    assert chat.send("Tell me more please now", greedy(30)).finish_reason == "context"
+    assert len(chat.fed_tokens) == 80
+    with pytest.raises(PromptError) as refused:
+        chat.send("again", greedy(30))
+    new = 1 + len(chat.model.tokenizer.encode("<|end|><|start|>user\nagain<|end|><|start|>assistant\n"))
+    assert str(refused.value) == (f"the conversation so far (80 tokens) and this message ({new}) come to {80 + new} "
+                                  "tokens, past the model's context of 80: start a new conversation")
+    with pytest.raises(PromptError, match="^the prompt has 314 tokens but the model's context is 80$"):
+        Conversation(chat.model).send("word " * 100, greedy(30))
+
+
 def test_cancel_between_tokens(model):
     cancel = threading.Event()
     seen = []
