@@ -324,7 +324,7 @@ def _cmd_generate(args) -> int:
     stream = None if args.json else (lambda _token, delta: print(delta, end="", flush=True))
     cancel = threading.Event()
     if args.raw:
-        ids = model.tokenizer.encode(args.prompt)
+        ids = model.tokenizer.encode(args.prompt, add_special_tokens=True)  # a BOS as the tokenizer adds it
         result = generate(model, model.new_state(), [], ids, params, stream, cancel)
         _print_result(result, model, args.json)
         return 0

@@ -72,6 +72,25 @@ def test_generate_raw_skips_the_template():
     assert len(raw["prompt_tokens"]) < len(templated["prompt_tokens"])
 
 
+def test_generate_raw_begins_as_the_tokenizer_does_and_the_template_has_one_bos(copy_fixture):
+    """A tokenizer whose post-processor adds a BOS (Llama's, LFM2's): a raw prompt keeps it, as the tokenizer's own
+    encoding (transformers, onnxruntime-genai) gives it; a rendered chat template, which writes its own, gets no
+    second one."""
+    folder = copy_fixture("gptoss")
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|start|>", "type_id": 0}},
+                                                 {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|start|>": {"id": "<|start|>", "ids": [1], "tokens": ["<|start|>"]}}}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    args = ("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "1", "--json")
+    raw = json.loads(run_cli(*args, "--raw").stdout)["prompt_tokens"]
+    templated = json.loads(run_cli(*args).stdout)["prompt_tokens"]
+    assert raw[0] == 1 and raw.count(1) == 1 and len(raw) > 1
+    assert templated[:2] != [1, 1] and templated[0] == 1 and templated.count(1) == 2  # the template's two <|start|>
+
+
 def test_chat_reads_more_turns_and_reuses_the_cache():
     result = run_cli("generate", str(fixture_folder("lfm2moe")), "--chat", "--prompt", "Hi", "--max-new-tokens", "4",
                      "--json", stdin="And then?\nOne more\n")
