@@ -389,6 +389,34 @@ def test_corrupt_model_shows_a_message_and_the_window_stays_usable(qtbot, window
     assert "dense part" in window.model_panel.landed.text()
 
 
+def test_regenerate_after_an_answer_that_failed_midway_answers_that_message(qtbot, window, monkeypatch):
+    """The failed answer keeps what it streamed in the transcript, but the engine's conversation never took that turn:
+    Regenerate must answer the failed message, not the one before it."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    first = ask(qtbot, window, "Hello", 6)
+    decoder = window.worker._model.decoder
+    real, calls = decoder.forward, []
+
+    def fails_at_the_second_decode_step(state, token_ids):
+        calls.append(len(token_ids))
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: out of memory")
+        return real(state, token_ids)
+
+    monkeypatch.setattr(decoder, "forward", fails_at_the_second_decode_step)
+    failed = ask(qtbot, window, "Tell me more", 6)
+    assert failed["stats"].startswith("error: RuntimeError: CUDA error: out of memory") and failed["text"]
+    monkeypatch.setattr(decoder, "forward", real)
+    window.chat.regenerate()
+    qtbot.waitUntil(lambda: bool(not window.busy and window.chat.entries[-1].get("stats")), timeout=WAIT)
+    answer = window.chat.entries[-1]
+    assert [(e["role"], e["text"]) for e in window.chat.entries[:3]] == [
+        ("user", "Hello"), ("assistant", first["text"]), ("user", "Tell me more")]
+    assert window.worker._conversation.messages == [
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": first["text"]},
+        {"role": "user", "content": "Tell me more"}, {"role": "assistant", "content": answer["text"]}]
+
+
 def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     # lfm2moe's greedy answer runs to the length limit (gptoss's ends on eos after 62 tokens, which a slow
     # machine can reach before the queued stop arrives)

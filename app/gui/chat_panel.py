@@ -207,9 +207,12 @@ class ChatPanel(QWidget):
     def regenerate(self) -> None:
         if self.busy or not self.entries or self.entries[-1]["role"] != "assistant":
             return
-        self.entries.pop()
+        failed = self.entries.pop().get("result", {}).get("finish_reason") == "error"
         self._begin_answer()
-        self.regenerateRequested.emit(self.options())
+        if failed:  # the engine's conversation never took the failed turn: its message is sent again
+            self.sendRequested.emit(self.entries[-2]["text"], self.options())
+        else:
+            self.regenerateRequested.emit(self.options())
 
     def new_chat(self) -> None:
         if self.busy:
