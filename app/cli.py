@@ -241,7 +241,7 @@ def _cmd_inspect(args) -> int:
 
 # the names the engine's checks use, and the options that set them (so that an error names what the user typed)
 SAMPLING_OPTIONS = {"repetition_penalty": "--repetition-penalty", "temperature": "--temperature", "top_k": "--top-k",
-                    "top_p": "--top-p"}
+                    "top_p": "--top-p", "seed": "--seed"}
 WRITER_OPTIONS = {"inter_size": "--intermediate", "hidden_size": "--hidden", "num_experts": "--experts",
                   "top_k": "--top-k", "num_heads": "--heads", "num_kv_heads": "--kv-heads", "head_size": "--head-size",
                   "layers": "--layers", "block_size": "--block-size", "context_length": "--context-length",

@@ -27,6 +27,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty}")
+        if self.seed is not None and self.seed < 0:  # NumPy's generators take none below 0
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
 class Sampler:
