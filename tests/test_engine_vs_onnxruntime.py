@@ -96,6 +96,29 @@ def test_engine_follows_onnxruntime_on_unmodified_fixture(fixture_model):
     assert max(errors) < 2e-2
 
 
+@pytest.mark.parametrize("name", ["gptoss", "lfm2moe", "qwen35moe"])
+def test_engine_matches_onnxruntime_over_a_conversation_past_the_sliding_window(name, tmp_path):
+    """As a chat feeds it: a first prompt longer than gpt-oss's sliding window (64), decode steps, a second turn's
+    prompt fed as one chunk onto the kept state, more decode steps."""
+    model = LoadedModel.open(with_fp32_dense_activations(fixture_folder(name), tmp_path / name))
+    reference = OrtReferenceDecoder(model.folder.onnx, model.folder.logits_name)
+    ours_state, ref_state = model.new_state(), model.new_state()
+    turns = [[int(t) for t in np.random.default_rng(seed).integers(3, 500, size)] for seed, size in ((1, 100), (2, 20))]
+    errors, ours_tokens, ref_tokens = [], [], []
+    for prompt in turns:
+        ours, ref = model.decoder.forward(ours_state, prompt), reference.forward(ref_state, prompt)
+        errors.append(max_relative_error(ours, ref))
+        for _ in range(8):
+            ours_tokens.append(int(ours[-1].argmax()))
+            ref_tokens.append(int(ref[-1].argmax()))
+            ours = model.decoder.forward(ours_state, [ours_tokens[-1]])
+            ref = reference.forward(ref_state, [ref_tokens[-1]])
+            errors.append(max_relative_error(ours, ref))
+    assert ours_state.past_length == ref_state.past_length == 136
+    assert ours_tokens == ref_tokens, f"{name}: greedy tokens diverge"
+    assert max(errors) <= 1e-4, f"{name}: max relative error {max(errors):.2e}"
+
+
 # Dense MatMulNBits at accuracy_level 0 (fp32 activations), as with_fp32_dense_activations explains.
 EXACT = {"dense_accuracy_level": 0}
 WRITER_LAYOUTS = {
