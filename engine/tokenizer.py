@@ -24,6 +24,12 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson for chat templates: Jinja2's own escapes <, >, & and ' for HTML (\\u003c...) and every
+    non-ASCII character, which would put other text (and other tokens) in the prompt than the model was trained on."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja2's sandbox, bounded in time and size: a template that loops for ever or multiplies a string into
     gigabytes would hang the engine thread, which Stop cannot interrupt. Every call the template makes (range() among
@@ -66,6 +72,7 @@ class ChatTemplate:
         env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = self._raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         try:
             self._template = env.from_string(source)
         except jinja2.TemplateError as exc:

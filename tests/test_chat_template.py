@@ -1,0 +1,49 @@
+"""Chat templates render as transformers renders them (its Jinja2 set-up, written out here as the oracle)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import jinja2
+import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.tokenizer import ModelTokenizer
+from tests.conftest import FIXTURE_NAMES, fixture_folder
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>é</b> & 'you'"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Why?"}]
+
+
+def transformers_render(source: str, messages: list[dict], **special) -> str:
+    """transformers' apply_chat_template(tokenize=False, add_generation_prompt=True): its environment and filters."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source).render(messages=messages, add_generation_prompt=True, **special)
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_the_fixtures_templates_render_a_system_prompt_and_turns_as_transformers_and_add_no_second_bos(name):
+    folder = fixture_folder(name)
+    tokenizer = ModelTokenizer(folder)
+    expected = transformers_render((folder / "chat_template.jinja").read_text(), CONVERSATION,
+                                   bos_token="<|start|>", eos_token="<|endoftext|>")
+    rendered = tokenizer.render_chat(CONVERSATION)
+    assert rendered == expected and rendered.endswith("<|end|><|start|>assistant\n")  # the generation prompt
+    ids = tokenizer.encode(rendered)
+    assert ids[0] == tokenizer.token_id("<|start|>") and ids[1] != ids[0]
+    assert ids.count(tokenizer.token_id("<|start|>")) == 5  # four turns and the generation prompt, no BOS added
+
+
+def test_tojson_writes_what_transformers_writes(copy_fixture):
+    """Jinja2's own tojson escapes HTML characters and non-ASCII ones (\\u003cb\\u003e, \\u00e9): tool and
+    structured-content templates would put other text in the prompt than transformers does."""
+    folder = copy_fixture("gptoss")
+    source = "{% for m in messages %}{{ m | tojson }}|{{ m['content'] | tojson(indent=2) }}\n{% endfor %}"
+    (folder / "chat_template.jinja").write_text(source)
+    rendered = ModelTokenizer(folder).render_chat(CONVERSATION[1:2])
+    assert rendered == transformers_render(source, CONVERSATION[1:2])
+    assert rendered == '{"role": "user", "content": "Hi <b>é</b> & \'you\'"}|"Hi <b>é</b> & \'you\'"\n'
