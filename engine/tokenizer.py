@@ -158,7 +158,8 @@ class ModelTokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
-            raise PromptError("this model has no chat template (tokenizer_config.json or chat_template.jinja); use --raw")
+            raise PromptError("this model has no chat template (in tokenizer_config.json or chat_template.jinja), which a "
+                              "chat needs: 'moe-workbench generate --raw' feeds a prompt as it is")
         return self.chat_template.render(messages, add_generation_prompt)
 
 

@@ -9,6 +9,7 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from engine.errors import PromptError
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import FIXTURE_NAMES, fixture_folder
 
@@ -47,3 +48,13 @@ def test_tojson_writes_what_transformers_writes(copy_fixture):
     rendered = ModelTokenizer(folder).render_chat(CONVERSATION[1:2])
     assert rendered == transformers_render(source, CONVERSATION[1:2])
     assert rendered == '{"role": "user", "content": "Hi <b>é</b> & \'you\'"}|"Hi <b>é</b> & \'you\'"\n'
+
+
+def test_a_model_without_a_chat_template_says_what_a_chat_needs_and_what_runs_without(copy_fixture):
+    """The message reaches the window's chat, which has no --raw: it says what --raw belongs to."""
+    folder = copy_fixture("gptoss")
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(PromptError) as refused:
+        ModelTokenizer(folder).render_chat(CONVERSATION)
+    assert str(refused.value) == ("this model has no chat template (in tokenizer_config.json or chat_template.jinja), "
+                                  "which a chat needs: 'moe-workbench generate --raw' feeds a prompt as it is")
