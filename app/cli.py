@@ -291,8 +291,11 @@ def _print_result(result, model, as_json: bool) -> None:
         t = result.timings
         print(flush=True)  # the streamed answer's line ends on standard output, whatever becomes of standard error
         tokens = f"{t.generated_tokens} token{'s' if t.generated_tokens != 1 else ''}"
+        agreement = (f"; agreement with exact routing {result.routing_agreement:.0%}"
+                     if result.routing_agreement is not None else "")
         print(f"[{tokens}, first after {t.time_to_first_token_s * 1000:.0f} ms, "
-              f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {result.finish_reason}]", file=sys.stderr, flush=True)
+              f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {result.finish_reason}{agreement}]",
+              file=sys.stderr, flush=True)
 
 
 def _warn_of_thread_binding() -> None:

@@ -64,6 +64,15 @@ def test_generate_json_greedy_is_deterministic_and_matches_max_tokens():
     assert out["timings"]["load_s"] > 0 and out["timings"]["time_to_first_token_s"] > 0
 
 
+def test_generate_with_approximate_routing_says_its_agreement_with_exact_routing():
+    args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "6", "--device",
+            "simulated", "--offload", "device_expert_bytes=0", "--offload", "min_expert_weight=0.5")
+    agreement = json.loads(run_cli(*args, "--json").stdout)["routing_agreement"]
+    text = run_cli(*args)
+    assert text.returncode == 0, text.stderr
+    assert text.stderr.rstrip().endswith(f"; length; agreement with exact routing {agreement:.0%}]")
+
+
 def test_generate_raw_skips_the_template():
     raw = json.loads(run_cli("generate", str(fixture_folder("gptoss")), "--raw", "--prompt", "Hello",
                              "--max-new-tokens", "2", "--json").stdout)
