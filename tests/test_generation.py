@@ -249,6 +249,41 @@ def test_sampler_top_p_and_top_k_cut_the_tail():
     assert set(top_k(logits, []) for _ in range(200)) == {0}
 
 
+def reference_distribution(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """transformers' warpers in their order, written out in NumPy: temperature, top-k, then top-p (the smallest set of
+    the most likely tokens whose probability reaches top_p), renormalised."""
+    probs = np.exp(logits / temperature - (logits / temperature).max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    kept = order[:top_k] if top_k else order
+    within_k = probs[kept] / probs[kept].sum()
+    reach = len(kept) if top_p >= 1 else int(np.argmax(np.cumsum(within_k) >= top_p)) + 1
+    result = np.zeros_like(probs)
+    result[kept[:reach]] = probs[kept[:reach]]
+    return result / result.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 5, 1.0), (1.3, 0, 0.6), (0.5, 8, 0.8), (1.0, 100, 0.3)])
+def test_sampling_follows_the_reference_warpers(temperature, top_k, top_p):
+    logits = np.random.default_rng(1).normal(size=20) * 2  # top_k 100: more than the vocabulary, no limit
+    sampler = Sampler(SamplingParams(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, seed=3))
+    draws = np.bincount([sampler(logits, []) for _ in range(20000)], minlength=20) / 20000
+    expected = reference_distribution(logits, temperature, top_k, top_p)
+    assert set(np.flatnonzero(draws)) == set(np.flatnonzero(expected))
+    assert np.abs(draws - expected).max() < 0.015
+
+
+def test_sampling_edge_values_are_greedy():
+    logits = np.random.default_rng(2).normal(size=20)
+    best = int(np.argmax(logits))
+    for params in (SamplingParams(do_sample=True, temperature=0.0, seed=1), SamplingParams(do_sample=True, top_p=0.01),
+                   SamplingParams(do_sample=True, top_k=1)):
+        sampler = Sampler(params)
+        assert {sampler(logits, []) for _ in range(50)} == {best}
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0"):
+        Sampler(SamplingParams(do_sample=True, top_p=0))
+
+
 def test_repetition_penalty_demotes_seen_tokens():
     logits = np.array([2.0, 1.9, -1.0])
     assert Sampler(SamplingParams())(logits, [0]) == 0
