@@ -303,6 +303,24 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     assert len(window.history.ids()) == 12  # five comparisons ran, two records each, and two A alone
 
 
+def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, window):
+    load(qtbot, window, "gptoss")  # no device: every expert on the CPU, for A and for B
+    view = window.side_by_side
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(4)
+    view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}\nplacement=static")
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert view.result.comparison.records[1].offload["device"] == "cpu"
+    assert view.divergence.text().endswith(
+        " B's device_expert_bytes, placement changed nothing: the model is loaded for the CPU, where every expert runs "
+        "(choose a simulated or CUDA device in Budgets, then load, to compare budgets).")
+    view.right_entries.setPlainText("cpu_threads=1")  # not a device setting: nothing to say
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert "changed nothing" not in view.divergence.text()
+
+
 def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):
     load(qtbot, window, "gptoss")
     view = window.contention_view

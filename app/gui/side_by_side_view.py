@@ -17,6 +17,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SideBySideJob, SideBySideResult
 from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
+from engine.offload.config import DEVICE_KEYS, short_key
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
 from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE
@@ -87,6 +88,16 @@ def speed_text(a, b) -> str:
     if a.scenario == SCENARIO_AT_ONCE:
         text += ", answering at once, each slowed by the other"
     return text + "."
+
+
+def idle_settings_text(record) -> str:
+    """B's device settings where B, like the loaded model, has no device: they changed nothing (every expert ran on
+    the CPU), which the comparison would not show otherwise."""
+    idle = sorted({short_key(key) for key in record.offload.get("entries", {})} & DEVICE_KEYS)
+    if record.offload.get("device") != "cpu" or not idle:
+        return ""
+    return (f" B's {', '.join(idle)} changed nothing: the model is loaded for the CPU, where every expert runs (choose "
+            "a simulated or CUDA device in Budgets, then load, to compare budgets).")
 
 
 def routing_text(record) -> str:
@@ -313,7 +324,8 @@ class SideBySideView(QWidget):
         if failed:
             self.divergence.setText(" ".join(failed))
         else:
-            self.divergence.setText(divergence_text(divergence, comparison.margins) + " " + speed_text(*records))
+            self.divergence.setText(divergence_text(divergence, comparison.margins) + " " + speed_text(*records)
+                                    + idle_settings_text(records[1]))
         self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)
 
