@@ -334,11 +334,10 @@ class Conversation:
         text = self.model.tokenizer.render_chat(messages, add_generation_prompt=True)
         if self.state is None:
             self.state = self.model.new_state()
-        if self._rendered is not None and text.startswith(self._rendered):
-            new_tokens = self._pending + self.model.tokenizer.encode(text[len(self._rendered):])
-        else:  # first turn, or the template re-rendered earlier turns differently
-            self.fed_tokens = []
-            new_tokens = self.model.tokenizer.encode(text)
+        if self._rendered is None or not text.startswith(self._rendered):
+            # first turn, or the template re-rendered earlier turns differently: all of it is fed afresh
+            self._rendered, self._pending, self.fed_tokens = "", [], []
+        new_tokens = self._pending + self.model.tokenizer.encode(text[len(self._rendered):])
         if self.state.past_length != len(self.fed_tokens):  # it holds more: a failed turn's part, or an old render
             self.state.reset()
             new_tokens, self.fed_tokens = self.fed_tokens + new_tokens, []

@@ -41,23 +41,52 @@ def test_a_turn_that_fails_mid_answer_leaves_nothing_in_the_next_turns_context(m
     turn's prompt and first answer tokens in the state but not in the messages: the next turn must not build on them."""
     chat = Conversation(model)
     chat.send("Hello", greedy(6))
-    real, calls = model.decoder.forward, []
-
-    def fails_at_the_second_decode_step(state, token_ids):
-        calls.append(len(token_ids))
-        if len(calls) == 3:
-            raise WorkbenchError("out of device memory")
-        return real(state, token_ids)
-
-    monkeypatch.setattr(model.decoder, "forward", fails_at_the_second_decode_step)
+    monkeypatch.setattr(model.decoder, "forward", _fails(model.decoder.forward, at_call=3))  # the 2nd decode step
     with pytest.raises(WorkbenchError, match="out of device memory"):
         chat.send("Tell me more", greedy(6))
-    monkeypatch.setattr(model.decoder, "forward", real)
+    monkeypatch.undo()
     after = chat.send("Something else", greedy(6))
     without = Conversation(model)  # the same conversation without the failed turn
     without.send("Hello", greedy(6))
     assert after.tokens == without.send("Something else", greedy(6)).tokens
     assert chat.fed_tokens == without.fed_tokens
+
+
+def test_a_turn_that_fails_after_the_template_rerendered_the_conversation_leaves_nothing_either(model, monkeypatch):
+    """A template that renders earlier turns otherwise (a date, a thought left out) has the whole conversation fed
+    afresh; when that turn fails, the next one must feed all of it again, not only its own message."""
+    chat = Conversation(model)
+    chat.send("Hello", greedy(6))
+    render, renders = model.tokenizer.render_chat, []
+
+    def dated_once(messages, add_generation_prompt=True):  # the second turn's render only: a date line at the top
+        renders.append(messages)
+        text = render(messages, add_generation_prompt)
+        return "Today is Monday.\n" + text if len(renders) == 1 else text
+
+    monkeypatch.setattr(model.tokenizer, "render_chat", dated_once)
+    monkeypatch.setattr(model.decoder, "forward", _fails(model.decoder.forward, at_call=2))
+    with pytest.raises(WorkbenchError, match="out of device memory"):
+        chat.send("Tell me more", greedy(6))
+    monkeypatch.undo()
+    after = chat.send("Something else", greedy(6))
+    conversation = [{"role": "user", "content": "Hello"}, chat.messages[1], {"role": "user", "content": "Something else"}]
+    fresh = generate(model, model.new_state(), [], model.tokenizer.encode(model.tokenizer.render_chat(conversation)),
+                     greedy(6))
+    assert after.prompt_tokens == fresh.prompt_tokens and after.tokens == fresh.tokens
+
+
+def _fails(forward, at_call: int):
+    """`forward`, raising at its call number `at_call` (1 is the first)."""
+    calls = []
+
+    def failing(state, token_ids):
+        calls.append(len(token_ids))
+        if len(calls) == at_call:
+            raise WorkbenchError("out of device memory")
+        return forward(state, token_ids)
+
+    return failing
 
 
 def test_approximate_routings_timings_leave_out_the_agreement_meters_passes(monkeypatch):
