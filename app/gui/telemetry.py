@@ -16,6 +16,13 @@ from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from engine.nvml import Nvml, describe
 
+def others_memory(total: int, available: int, rss: int, file_backed: int) -> int:
+    """Host memory neither available nor this process's: other processes' and the kernel's. This process's file pages
+    (the model's mapped weights) are page cache, which `available` counts already: only the rest of its RSS is taken
+    off, or a mapped model hid as much of the others' memory (0 beside a 0.5 GB model with 0.4 GB in other processes)."""
+    return max(0, total - available - (rss - file_backed))
+
+
 class SystemProbe:
     """One telemetry sample on demand; keeps the state psutil needs between calls."""
 
@@ -72,10 +79,11 @@ class SystemProbe:
         steal = getattr(psutil.cpu_times_percent(None), "steal", 0.0) / 100.0  # (Linux only)
         memory = psutil.virtual_memory()
         try:
-            rss = self.me.memory_info().rss
+            own = self.me.memory_info()
+            rss, file_backed = own.rss, getattr(own, "shared", 0)  # (shared: Linux's file-backed and shmem pages)
             this_cpu = self.me.cpu_percent(None) / 100.0
         except psutil.Error:
-            rss, this_cpu = 0, 0.0
+            rss, file_backed, this_cpu = 0, 0, 0.0
         # other processes' CPU without walking them: what the cores did, less this process
         others_cpu = max(0.0, sum(per_core) / 100.0 - this_cpu)
         low_memory = memory.available < 0.1 * memory.total
@@ -90,7 +98,7 @@ class SystemProbe:
             "cpu_per_core": per_core, "cpu_total": sum(per_core) / max(1, len(per_core)),
             "this_cpu_cores": this_cpu, "others_cpu_cores": others_cpu, "cpu_steal_share": steal,
             "ram_total": memory.total, "ram_available": memory.available, "ram_this": rss,
-            "ram_others": max(0, memory.total - memory.available - rss),
+            "ram_others": others_memory(memory.total, memory.available, rss, file_backed),
             "top_cpu": top_cpu, "top_ram": top_ram, "gpu": gpu, "gpu_note": note,
         }
 
