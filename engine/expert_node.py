@@ -204,6 +204,8 @@ class CpuExpertNode:
         for role, name in self.info.weight_inputs.items():
             view = self.source.array(name)
             tensors[role] = np.array(view) if self.in_memory else view
+            if self.in_memory:  # the file's pages the copy read would stay mapped beside it: the experts twice in RSS
+                self.source.release_pages(name, 0, self.source.nbytes(name))
         self.tensors = tensors  # mapped views (or RAM copies): a device copies experts from here
         self.kernel = self._own_kernel = CpuQMoE(self.info.spec, tensors, num_threads=threads)
 

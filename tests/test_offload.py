@@ -4,6 +4,7 @@ budgets enforced, placement that finds the hot set, re-planning without a reload
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -845,3 +846,24 @@ def test_under_decode_path_both_a_table_that_gives_the_cpu_nothing_leaves_the_st
     totals = engine.stats.totals()
     assert not split and totals.routed_on_device == STEPS * SPEC.layers and totals.misses_read > 0
     assert engine.stats.phases["decode"].cpu_s == 0.0
+
+
+def mapped_pages(array: np.ndarray) -> int:
+    """Pages of `array`'s memory mapped into this process now (/proc/self/pagemap's present bit)."""
+    first, end = array.ctypes.data // 4096, -(-(array.ctypes.data + array.nbytes) // 4096)
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read((end - first) * 8), np.uint64)
+    return int(np.count_nonzero(entries >> np.uint64(63)))
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
+def test_without_file_backing_the_files_pages_leave_this_process_once_copied(model_folder):
+    """allow_file_backing=0 copies the experts into RAM; the file's pages the copy read were left mapped, so the
+    process held the experts twice (1.28 GB peak RSS for 483 MiB of experts, 0.78 GB with the file backing them)."""
+    config = OffloadConfig(device_expert_bytes=0, allow_file_backing=False)
+    model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    onnx = model.folder.onnx
+    names = [name for info in model.offload.infos for name in info.weight_inputs.values()]
+    assert sum(mapped_pages(onnx.array(name)) for name in names) == 0
+    assert sum(onnx.nbytes(name) for name in names) > 100 * 4096  # (pages enough to tell)
