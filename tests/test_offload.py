@@ -867,3 +867,21 @@ def test_without_file_backing_the_files_pages_leave_this_process_once_copied(mod
     names = [name for info in model.offload.infos for name in info.weight_inputs.values()]
     assert sum(mapped_pages(onnx.array(name)) for name in names) == 0
     assert sum(onnx.nbytes(name) for name in names) > 100 * 4096  # (pages enough to tell)
+
+
+def test_without_file_backing_experts_beyond_the_memory_available_are_refused(model_folder, monkeypatch):
+    """allow_file_backing=0 under host_expert_bytes=auto copied the experts into RAM whatever the host had: a model
+    larger than the memory available ended in the OOM killer. It is refused, naming the key and the sizes."""
+    import psutil
+
+    total = expert_bytes(model_folder)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": total - 1}))
+    with pytest.raises(OffloadPlanError) as refused:
+        LoadedModel.open(model_folder, offload=OffloadConfig(allow_file_backing=False), device=None)
+    assert str(refused.value) == (f"allow_file_backing=0 keeps all {total} bytes of experts in host memory, more than "
+                                  f"the {total - 1} bytes of host memory available")
+    # experts already copied into RAM count as available to the same setting on a re-plan
+    monkeypatch.undo()
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(allow_file_backing=False), device=None)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 0}))
+    model.offload.reconfigure(model.offload.config.updated(cpu_threads=1))

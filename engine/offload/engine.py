@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode
@@ -22,7 +23,7 @@ from engine.offload.decode_path import (BOTH, CPU, TIER, DecodePathTrials, HostG
                                         default_decode_path)
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.devices import TIER_READ_SHARE
-from engine.offload.host_cache import HostExpertCache
+from engine.offload.host_cache import HostExpertCache, file_backing_refusal
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import LayerSlots, Swap, make_policy
@@ -291,12 +292,14 @@ class OffloadEngine:
         return {**self.stats.as_dict(), **self.copy_state()}
 
     def _check_file_backing(self, config: OffloadConfig) -> None:
-        """allow_file_backing=0 keeps every expert in host RAM, which host_expert_bytes must hold."""
+        """allow_file_backing=0 keeps every expert in host RAM, which host_expert_bytes and the memory available (with
+        what the experts already copied there hold) must hold."""
         if not config.allow_file_backing:
-            total = sum(info.weight_bytes for info in self.infos)
-            if config.host_expert_bytes is not None and total > config.host_expert_bytes:
-                raise OffloadPlanError(f"allow_file_backing=0 keeps all {total} bytes of experts in host memory, "
-                                       f"more than host_expert_bytes={config.host_expert_bytes}")
+            held = sum(info.weight_bytes for info, runner in zip(self.infos, self.runners) if runner.in_memory)
+            refusal = file_backing_refusal(config, sum(info.weight_bytes for info in self.infos),
+                                           psutil.virtual_memory().available + held)
+            if refusal:
+                raise OffloadPlanError(refusal)
 
     def _apply_file_backing(self) -> None:
         for runner in self.runners:

@@ -14,7 +14,21 @@ from collections import OrderedDict
 import numpy as np
 
 from engine.expert_node import ExpertNodeInfo
+from engine.offload.config import OffloadConfig
 from engine.onnx_file import OnnxFile
+
+
+def file_backing_refusal(config: OffloadConfig, expert_bytes: int, available: int) -> str:
+    """Why allow_file_backing=0 cannot keep `expert_bytes` of experts in host RAM ('' where it can): they must fit
+    host_expert_bytes and the host memory `available` to copy them into (more and the copy ends in the OOM killer)."""
+    if config.allow_file_backing:
+        return ""
+    said = f"allow_file_backing=0 keeps all {expert_bytes} bytes of experts in host memory, more than "
+    if config.host_expert_bytes is not None and expert_bytes > config.host_expert_bytes:
+        return said + f"host_expert_bytes={config.host_expert_bytes}"
+    if expert_bytes > available:
+        return said + f"the {available} bytes of host memory available"
+    return ""
 
 
 class HostExpertCache:
