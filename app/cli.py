@@ -214,14 +214,21 @@ def _cmd_inspect(args) -> int:
     report = inspection(folder)
     config, device = _offload_setup(args)
     if config is not None:
+        import psutil
+
         from app.gui.estimate import staged_nodes, staging_for
         from engine.offload import decode_path as paths
         from engine.offload.engine import load_popularity
         from engine.decoder_state import DecoderState
+        from engine.offload.host_cache import file_backing_refusal
         from engine.offload.planner import plan_offload
         from engine.ort_env import dense_cpu_reason
 
-        # what the engine checks at load, checked here too: the pinned ring holds an expert, the popularity file reads
+        # what the engine checks at load, checked here too: the experts fit where allow_file_backing keeps them, the
+        # pinned ring holds an expert, the popularity file reads
+        refusal = file_backing_refusal(config, folder.expert_bytes, psutil.virtual_memory().available)
+        if refusal:
+            raise WorkbenchError(refusal)
         staging_for(config, staged_nodes(folder), device)
         if config.popularity_file:
             runnable = [info for info in folder.experts if info.spec is not None]

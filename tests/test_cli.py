@@ -364,6 +364,9 @@ def test_inspect_checks_the_pinned_ring_and_the_popularity_file_as_a_load_would(
     status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload",
                               "popularity_file=/nonexistent/popularity.json")
     assert status == 2 and "/nonexistent/popularity.json: cannot read the popularity file" in err
+    status, _out, err = _main(capsys, "inspect", gptoss, "--offload", "allow_file_backing=0", "--offload",
+                              "host_expert_bytes=1000")
+    assert status == 2 and "more than host_expert_bytes=1000" in err  # (inspect called such a model runnable)
 
 
 def test_the_window_without_a_display_says_so_in_one_line():

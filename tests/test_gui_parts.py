@@ -138,6 +138,25 @@ def test_estimate_follows_the_engine_for_pinned_bytes(name):
     assert not estimate(facts, config.updated(mode="disabled"), choice).error
 
 
+def test_host_memory_estimate_follows_the_host_cache_and_file_backing(gptoss):
+    """The experts' host memory as host_expert_bytes and allow_file_backing keep it (the estimate showed the whole
+    mapped file whatever they said), and allow_file_backing=0 refused where the engine refuses it."""
+    total = gptoss.expert_bytes
+
+    def experts(config):
+        return next(p for p in estimate(gptoss, config, DeviceChoice("cpu")).host_parts if p.key == "experts")
+
+    assert experts(OffloadConfig()).bytes == total
+    assert experts(OffloadConfig(host_expert_bytes=total // 4)).bytes == total // 4
+    in_ram = experts(OffloadConfig(allow_file_backing=False))
+    assert in_ram.bytes == total and "allow_file_backing=0" in in_ram.note
+    refused = estimate(gptoss, OffloadConfig(allow_file_backing=False, host_expert_bytes=total - 1),
+                       DeviceChoice("simulated", 1 << 30))
+    assert refused.error == (f"allow_file_backing=0 keeps all {total} bytes of experts in host memory, more than "
+                             f"host_expert_bytes={total - 1}")
+    assert refused.plan is None and refused.statements[0] == refused.error
+
+
 def test_contention_rules():
     calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
     assert check_sample(calm) == []

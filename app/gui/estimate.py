@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
+import psutil
 
 from engine.offload.config import OffloadConfig
 from engine.ort_env import dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
+from engine.offload.host_cache import file_backing_refusal
 from engine.onnx_file import OnnxFile
 from engine.offload.staging import StagingPlan, plan_staging
 from engine.offload.streaming import plan_streaming
@@ -204,6 +206,18 @@ def auto_reserve(config: OffloadConfig, available: int) -> int:
     return max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * available))
 
 
+def experts_in_host_memory(expert_bytes: int, config: OffloadConfig) -> Part:
+    """The experts' share of host memory: the file's pages as the OS keeps them, at most host_expert_bytes of them
+    (the bounded cache, engine/offload/host_cache.py), or all of them copied into RAM (allow_file_backing=0)."""
+    if not config.allow_file_backing:
+        return Part("experts", "expert weights (in RAM)", expert_bytes, "copied from the file at load "
+                    "(allow_file_backing=0)")
+    if config.host_expert_bytes is not None and config.host_expert_bytes < expert_bytes:
+        return Part("experts", "expert weights (memory-mapped)", config.host_expert_bytes,
+                    f"at most host_expert_bytes of the {human_bytes(expert_bytes)}; the rest stays in the file")
+    return Part("experts", "expert weights (memory-mapped)", expert_bytes, "read from the page cache")
+
+
 def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None,
              whole_layers: bool = False) -> Estimate:
     if device.kind != "cpu" and device.error and config.mode != "required":
@@ -222,18 +236,19 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     host_parts = [
         Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
              "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),
-        Part("experts", "expert weights (memory-mapped)", facts.expert_bytes, "read from the page cache"),
+        experts_in_host_memory(facts.expert_bytes, config),
         Part("kv", "KV cache + state", 0 if dense_on_gpu else kv,
              "in GPU memory with the dense part" if dense_on_gpu else f"{kv_tokens or facts.context_length} tokens"),
     ]
-    error = ""
+    # what the engine refuses before it plans (OffloadEngine._check_file_backing)
+    error = file_backing_refusal(config, facts.expert_bytes, psutil.virtual_memory().available)
     stand_in = None
     staged: StagingPlan | None = None
     staging = 0
     if device.kind != "cpu":
         if device.error:
             error = device.error
-        else:
+        elif not error:
             stand_in = SimulatedDevice(device.capacity, mem_limit=config.gpu_device_mem_limit, name=device.label)
             if device.others_bytes:
                 stand_in.memory.reserve(min(device.others_bytes, stand_in.memory.available), "other processes")
