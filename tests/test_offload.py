@@ -885,3 +885,22 @@ def test_without_file_backing_experts_beyond_the_memory_available_are_refused(mo
     model = LoadedModel.open(model_folder, offload=OffloadConfig(allow_file_backing=False), device=None)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 0}))
     model.offload.reconfigure(model.offload.config.updated(cpu_threads=1))
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
+def test_the_host_cache_bounds_the_experts_pages_mapped_into_this_process(tmp_path):
+    """Reading an expert maps the pages around those it faults on (fault-around; a whole large folio of the page cache
+    on Linux 6.18), which spill into the neighbouring experts: the cache counted 15 MiB under host_expert_bytes=16 MiB
+    while 38 MB of experts were mapped. What it does not hold now leaves the process: mapped pages = its bytes (each
+    held expert's first and last pages may be shared with a neighbour's range)."""
+    folder = write_model(tmp_path / "m", WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=256, inter_size=256,
+                                                    seed=5, dense_accuracy_level=0))
+    per_expert = LoadedModel.open(folder).folder.expert_bytes // (2 * 16)
+    model = LoadedModel.open(folder, offload=OffloadConfig(host_expert_bytes=6 * per_expert), device=None)
+    greedy_run(model)
+    cache, onnx = model.offload.host_cache, model.folder.onnx
+    assert cache.evictions > 0 and 0 < cache.cached_bytes <= 6 * per_expert
+    tensors = [name for info in model.offload.infos for name in info.weight_inputs.values()]
+    mapped = sum(mapped_pages(onnx.array(name)) for name in tensors) * 4096
+    held = len(cache._lru)
+    assert mapped <= cache.cached_bytes + held * len(model.offload.infos[0].weight_inputs) * 2 * 4096
