@@ -118,7 +118,9 @@ def describe(proc: psutil.Process, name: str) -> str:
     except psutil.Error:
         return name
     for arg in args:
-        if arg in ("-m", "-c"):
+        if arg == "-c":  # inline code, not a script: its text named the process ('python  8); time.sleep(60)')
+            return f"{name} -c"
+        if arg == "-m":
             continue
         if not arg.startswith("-"):
             return f"{name} {arg.rsplit('/', 1)[-1]}"

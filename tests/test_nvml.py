@@ -129,3 +129,19 @@ def test_a_missing_nvml_library_is_looked_for_once(monkeypatch):
     monkeypatch.setattr(nvml, "pynvml", NoDriver([]))
     nvml.Nvml(), nvml.Nvml()
     assert NoLibrary.tries == 3
+
+
+def test_a_process_is_named_by_its_script_or_module_never_by_inline_code():
+    class Proc:
+        def __init__(self, *args):
+            self.args = args
+
+        def cmdline(self):
+            return list(self.args)
+
+    assert nvml.describe(Proc("python3", "/opt/bench_qmoe_cpu.py", "--shape", "A"), "python3") == "python3 bench_qmoe_cpu.py"
+    assert nvml.describe(Proc("python", "-m", "app"), "python") == "python app"
+    code = "import numpy as np, time; a = np.ones((3 << 30) // 8); time.sleep(60)"
+    assert nvml.describe(Proc("python", "-c", code), "python") == "python -c"  # was 'python  8); time.sleep(60)'
+    assert nvml.describe(Proc("bash", "-c", "make -j8"), "bash") == "bash -c"
+    assert nvml.describe(Proc("firefox", "-P"), "firefox") == "firefox"
