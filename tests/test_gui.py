@@ -552,6 +552,10 @@ def test_contention_banner_names_the_processes(qtbot, window):
     window.watch.add(4e9)
     window._on_sample(dict(sample, others_cpu_cores=0.0, top_cpu=[]))
     assert "fell to 4.00 GB/s from 10.00 GB/s" in window.contention_banner.text()
+    for rate in (10e9,) * 5:  # the CPU's throughput back, the other processes quiet: the banner goes
+        window.watch.add(rate)
+    window._on_sample(dict(sample, others_cpu_cores=0.0, top_cpu=[]))
+    assert not window.contention_banner.isVisible()
     window._on_busy("")
 
 

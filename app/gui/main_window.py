@@ -608,7 +608,10 @@ class MainWindow(QMainWindow):
             self.show_contention(warnings)
 
     def show_contention(self, warnings: list[str]) -> None:
+        """The warnings of a sample taken while generating; a calm one takes the banner down (it stayed up, saying
+        other processes used the cores, until the next answer started)."""
         if not warnings:
+            self.contention_banner.hide()
             return
         self.contention_seen = warnings
         self.contention_banner.show_message("While generating: " + " ".join(warnings))
