@@ -54,11 +54,29 @@ class _Memory:
 class _Process:
     pid = -1
 
-    def __init__(self, rss, shared):
-        self.rss, self.shared = rss, shared
+    def __init__(self, rss, shared, cores=0.0):
+        self.rss, self.shared, self.cores = rss, shared, cores
 
     def memory_info(self):
         return self
 
     def cpu_percent(self, interval):
-        return 0.0
+        return self.cores * 100.0
+
+
+def test_steal_time_is_not_taken_for_other_processes(monkeypatch):
+    """psutil counts a virtual machine's steal time as busy: with nothing else running, 30% steal on 2 cores read as
+    other processes using 0.6 cores (a warning naming nobody)."""
+    monkeypatch.setattr(telemetry.psutil, "cpu_percent", lambda interval, percpu=False: [80.0, 80.0])
+    monkeypatch.setattr(telemetry.psutil, "cpu_times_percent", lambda interval: _Steal(30.0))
+    monkeypatch.setattr(telemetry.psutil, "virtual_memory", lambda: _Memory(total=16 << 30, available=12 << 30))
+    probe = telemetry.SystemProbe(nvml=False)
+    probe.me = _Process(rss=1 << 30, shared=0, cores=1.0)
+    sample = probe.sample()
+    assert sample["cpu_steal_share"] == pytest.approx(0.3)
+    assert sample["others_cpu_cores"] == pytest.approx(0.0)  # 1.6 cores busy: 1.0 this process, 0.6 stolen
+
+
+class _Steal:
+    def __init__(self, steal):
+        self.steal = steal

@@ -84,8 +84,9 @@ class SystemProbe:
             this_cpu = self.me.cpu_percent(None) / 100.0
         except psutil.Error:
             rss, file_backed, this_cpu = 0, 0, 0.0
-        # other processes' CPU without walking them: what the cores did, less this process
-        others_cpu = max(0.0, sum(per_core) / 100.0 - this_cpu)
+        # other processes' CPU without walking them: what the cores did, less this process and less the time the
+        # hypervisor gave other guests (psutil counts steal as busy: a VM's steal read as other processes' work)
+        others_cpu = max(0.0, sum(per_core) / 100.0 - this_cpu - steal * len(per_core))
         low_memory = memory.available < 0.1 * memory.total
         if self._samples % self.SCAN_EVERY == 0 or others_cpu >= self.SCAN_WHEN_OTHERS or low_memory:
             self._top = self._other_processes()
