@@ -110,17 +110,33 @@ def _require_single_build_once() -> None:
 def session_options(external_data_folder: str | None = None, threads: int | None = None,
                     spinning: bool = False) -> ort.SessionOptions:
     """Options for an engine session: its own pool of `threads` (default: all cores), not spinning
-    unless asked (a benchmark's reference session, which runs alone)."""
+    unless asked (a benchmark's reference session, which runs alone); host memory from the shared CPU arena."""
     _require_single_build_once()
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or cpu_threads()
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if _register_shared_cpu_arena():
+        options.add_session_config_entry("session.use_env_allocators", "1")
     options.log_severity_level = 4  # fatal only: a failed run's error says it in its exception, in one line
     if external_data_folder:
         # Sub-models are built in memory; their dense initializers still point into the model's data file.
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", external_data_folder)
     return options
+
+
+@functools.cache
+def _register_shared_cpu_arena() -> bool:
+    """One onnxruntime arena in host memory for every engine session (session.use_env_allocators), made once. A
+    session's own arena keeps the peak of its largest run for good, and the dense part is a session per segment:
+    after two 2000-token prompts an 8-layer, 1024-wide model's 9 sessions held 1.6 GB (0.5 GB with one arena, whose
+    peak is the largest segment's run; the segments run one after the other)."""
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    try:
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))  # 1 = kSameAsRequested
+    except Exception:  # a build that cannot: each session keeps its own arena, as before
+        return False
+    return True
 
 
 def elem_type(ort_type: str) -> int:
@@ -244,7 +260,8 @@ class DenseDevice:
         threads = 1 if self.kind == "cuda" and not DenseDevice.dense_pool_on_gpu else None
         options = session_options(external_data_folder, threads=threads)
         if self.kind == "cuda":
-            options.add_session_config_entry("session.use_env_allocators", "1")
+            if not _register_shared_cpu_arena():  # (where it is, session_options asked for the env's allocators)
+                options.add_session_config_entry("session.use_env_allocators", "1")
             # Dense weights take exactly their size, outside the arena (dense_arena_limit counts them).
             options.add_session_config_entry("session.use_device_allocator_for_initializers", "1")
         return options

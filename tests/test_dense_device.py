@@ -450,7 +450,7 @@ def test_gpu_mem_limit_arithmetic():
     assert memory.used == memory.ceiling == 8192 * mib
 
 
-def test_cuda_provider_options_and_session_options():
+def test_cuda_provider_options_and_session_options(capfd):
     assert ort_env.cuda_provider_options(1) == {"device_id": "1", "arena_extend_strategy": "kSameAsRequested"}
     backend = fake_backend(device_id=1)
     dense = ort_env.DenseDevice("cuda", "test", 1, 123456789, 1000, backend)
@@ -465,6 +465,14 @@ def test_cuda_provider_options_and_session_options():
     assert session.use_per_session_threads is True
     assert session.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert "GPU 1" in dense.statement and "capped at 117.7 MiB" in dense.statement
+    assert "already exists" not in capfd.readouterr().err  # each entry set once (onnxruntime warns of a second)
+
+
+def test_dense_sessions_on_the_cpu_share_one_arena():
+    """Each dense segment's session kept its own arena at the peak of its largest run: after two 2000-token prompts an
+    8-layer, 1024-wide model's 9 sessions held 1.6 GB of host memory, 0.5 GB from the one arena they share now."""
+    for options in (ort_env.CPU_DENSE.session_options("/tmp"), ort_env.session_options(), ort_env.session_options()):
+        assert options.get_session_config_entry("session.use_env_allocators") == "1"
 
 
 @pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available provider names")
