@@ -559,6 +559,24 @@ def test_contention_banner_names_the_processes(qtbot, window):
     window._on_busy("")
 
 
+def test_a_replan_starts_the_cpu_throughput_watch_again(qtbot, window):
+    """A larger expert budget leaves the CPU fewer experts a call, whose bytes a second fall with the call's fixed
+    cost (9 GB/s at no budget, 1-4 GB/s at 75% on the dev VM's 8-layer model): measured against the start under
+    the old plan, that read as something competing for memory bandwidth."""
+    window._on_busy("generating")
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0, 50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+              "top_cpu": [], "top_ram": [], "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30,
+              "ram_others": 7 << 30, "gpu": None, "gpu_note": "no NVIDIA GPU"}
+    for rate in (9e9,) * 6:
+        window.watch.add(rate)
+    window._on_replanned({"landed": ["re-planned"], "statements": []})
+    for rate in (3e9,) * 11:
+        window.watch.add(rate)
+    window._on_sample(sample)
+    assert window.watch.baseline == 3e9 and not window.contention_banner.isVisible()
+    window._on_busy("")
+
+
 def test_drop_a_folder_and_demo_model(qtbot, window):
     mime = QMimeData()
     mime.setUrls([QUrl.fromLocalFile(str(fixture_folder("qwen35moe") / "model.onnx"))])

@@ -564,6 +564,9 @@ class MainWindow(QMainWindow):
 
     @Slot(dict)
     def _on_replanned(self, info: dict) -> None:
+        # the CPU's share of the experts changed, and with it its calls' size and their bytes a second (a call's fixed
+        # cost weighs more on fewer experts): measured against the old plan's start, that read as contention
+        self.watch.reset()
         self.model_panel.show_landed(info["landed"])
         self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
         self.status_state.setText(info.get("by_engine") or "Re-planned without reloading")
