@@ -519,3 +519,26 @@ def test_configurations_saved_from_two_threads_at_once_are_all_kept(tmp_path):
     saved = json.loads(path.read_text())
     assert len(saved) == 80 and load_configuration("b39", path)[1].device_expert_bytes == 39
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configurations.json", "configurations.json.lock"]
+
+
+def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
+    """The window's progress text while each of the contention test's five phases runs: it said 'inference alone'
+    while indexing ran alone and 'indexing and inference at once' while inference ran alone (three names mapped
+    onto five phases)."""
+    import app.gui.records_jobs as jobs
+    import engine.records.contention as contention
+
+    shown, ran = [""], []
+    monkeypatch.setattr(contention, "index_folder", lambda folder, workers: ran.append(("indexing", shown[0])) or (1, 0.1))
+    monkeypatch.setattr(jobs, "run_scenario", lambda *args, **kwargs: ran.append(("inference", shown[0]))
+                        or SimpleNamespace(timings={"completion_s": 0.1}))
+    corpus = make_corpus(tmp_path / "corpus", files=2, words_per_file=10)
+    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)))
+    ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: shown.__setitem__(0, text),
+                          lambda batch: None, None)
+    jobs.ContentionJob(str(corpus), workers=1)(ctx)
+    assert ran[:4] == [("indexing", "warming up: indexing"), ("inference", "warming up: inference"),
+                       ("indexing", "indexing alone"), ("inference", "inference alone")]
+    assert sorted(ran[4:]) == [("indexing", "indexing and inference at once"),
+                               ("inference", "indexing and inference at once")]
+    assert shown[0] == "done"

@@ -88,7 +88,7 @@ class ContentionView(QWidget):
         self.result = None
         self.save_button.setEnabled(False)
         self.table.clearContents()
-        self.bar.start("Preparing the corpus…" if job.corpus is None else "Indexing alone…")
+        self.bar.start("Preparing the corpus…" if job.corpus is None else "Warming up: indexing…")
         self.jobRequested.emit(KIND, job)
 
     def on_progress(self, fraction: float, text: str) -> None:

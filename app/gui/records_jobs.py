@@ -14,7 +14,8 @@ from typing import Any, Callable
 from engine.errors import PromptError, WorkbenchError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
-from engine.records.contention import ContentionCancelled, ContentionReport, default_corpus, run_contention
+from engine.records.contention import (ContentionCancelled, ContentionReport, default_corpus, phase_after,
+                                       run_contention)
 from engine.records.history import History
 from engine.records.scenarios import SCENARIOS, run_scenario
 from engine.records.schema import RunRecord
@@ -298,9 +299,6 @@ class SideBySideJob:
 
 # --- contention --------------------------------------------------------------------------------------
 
-PHASES = ("indexing alone", "inference alone", "indexing and inference at once")
-
-
 @dataclass
 class ContentionResult:
     report: ContentionReport | None
@@ -322,18 +320,17 @@ class ContentionJob:
         if self.workers < 1:
             raise WorkbenchError(f"the indexing needs at least 1 worker process, got {self.workers}")
         params = greedy(self.max_new_tokens)
-        ctx.progress(0.0, "preparing the corpus" if not self.corpus else PHASES[0])
+        ctx.progress(0.0, "preparing the corpus" if not self.corpus else phase_after(0.0))
         corpus = Path(self.corpus).expanduser() if self.corpus else default_corpus()
         if not corpus.is_dir() or not any(corpus.glob("*.txt")):
             raise WorkbenchError(f"{corpus}: no .txt files to index")
-        ctx.progress(0.0, PHASES[0])
+        ctx.progress(0.0, phase_after(0.0))
 
         def inference() -> float:
             return run_scenario(model, self.scenario, params, ctx.device, cancel=ctx.cancel).timings["completion_s"]
 
-        def progress(fraction: float) -> None:
-            phase = round(fraction * 3)
-            ctx.progress(fraction, PHASES[phase] if phase < 3 else "done")
+        def progress(fraction: float) -> None:  # (as a phase ends: the text names the next, which runs now)
+            ctx.progress(fraction, phase_after(fraction))
 
         try:
             report = run_contention(inference, corpus, self.workers, progress=progress, cancel=ctx.cancel,

@@ -115,6 +115,17 @@ class ContentionReport:
         return "\n".join(lines) + "\n"
 
 
+# the phases in the order run_contention runs them; its progress(fraction) comes as each one ends
+PHASES = ("warming up: indexing", "warming up: inference", "indexing alone", "inference alone",
+          "indexing and inference at once")
+
+
+def phase_after(fraction: float) -> str:
+    """The phase that runs once run_contention has reported `fraction` ('done' after the last)."""
+    index = round(fraction * len(PHASES))
+    return PHASES[index] if index < len(PHASES) else "done"
+
+
 class ContentionCancelled(WorkbenchError):
     """The contention test was stopped between two of its phases."""
 
@@ -140,14 +151,14 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     # the page cache; compiled kernels loaded, weights paged in, buffers sized by the first inference). Without
     # it, "inference alone", timed first, came out slower than inference beside the indexing on the dev VM.
     index_folder(corpus, workers)
-    phase_done(1 / 5)
+    phase_done(1 / len(PHASES))
     run_inference()
-    phase_done(2 / 5)
+    phase_done(2 / len(PHASES))
     documents, indexing_alone = index_folder(corpus, workers)
-    phase_done(3 / 5)
+    phase_done(3 / len(PHASES))
     inference_alone = run_inference()
     threads_alone = threads() if threads else None
-    phase_done(4 / 5)
+    phase_done(4 / len(PHASES))
     together: dict[str, float] = {}
 
     def indexing() -> None:
