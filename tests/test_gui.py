@@ -23,6 +23,7 @@ from app.gui.engine_worker import threads_sentence  # noqa: E402
 from app.gui.main_window import MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
 from engine.ort_env import cpu_threads  # noqa: E402
+from engine.units import human_bytes  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 120_000
@@ -152,6 +153,11 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     assert sum(map(sum, window.placement.heatmap.data["resident"])) == 3
     assert window.placement.heatmap.tooltip_at(0, 0).startswith("Layer 0, expert 0:")
     assert "This expert:" in window.placement.heatmap.tooltip_at(0, 0)  # exact per-expert counts from the engine
+    # no NVIDIA GPU to sample: the Machine panel shows the simulated GPU's memory as the engine counts it
+    memory = window.worker._device.memory
+    if window.graphs.samples[-1]["gpu"] is None:
+        assert (f"simulated GPU, 8.0 GiB</b> (the engine's own count): {human_bytes(memory.used)} in use of 8.0 GiB, "
+                f"high-water {human_bytes(memory.high_water)}.") in window.graphs.gpu_note.text()
 
     # multi-turn keeps the cache; regenerate answers the last message again
     second = ask(qtbot, window, "And then?")

@@ -426,8 +426,16 @@ class EngineWorker(QObject):
             "approximation": dict(vars(offload.approximation)),
             "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],
             "pinned": offload.pinned_info(), "wave_experts": offload.wave_experts,
-            "copies": offload.copy_state(),
+            "copies": offload.copy_state(), "device_memory": self._simulated_memory(),
         })
+
+    def _simulated_memory(self) -> dict | None:
+        """A simulated GPU's memory as the engine accounts it (NVML samples a real card's); None on any other."""
+        if not is_simulated(self._device):
+            return None
+        memory = self._device.memory
+        return {"name": self._device.name, "used": memory.used, "high_water": memory.high_water,
+                "ceiling": memory.ceiling}
 
     # --- records jobs: scenarios, sweeps, side-by-side, contention -------------------------------------
     @Slot(str, object)

@@ -14,6 +14,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from app.gui import theme
+from engine.units import human_bytes
 
 HISTORY_S = 600
 GIB = float(1 << 30)
@@ -43,6 +44,7 @@ class GraphsPanel(QWidget):
         # its own rate, as the chat's statistics do, not the share of the sample it took
         self._answering_since: float | None = None
         self._answering_s = 0.0
+        self._simulated: dict | None = None  # the loaded model's simulated GPU, as the engine accounts it
         self._theme = theme.current()
 
         self.pause_button = QPushButton("Pause")
@@ -177,12 +179,26 @@ class GraphsPanel(QWidget):
         if gpu != self._gpu_rows_shown:
             self._show_gpu(gpu)
         if not gpu:
-            self.gpu_note.setText(f"<b>GPU:</b> {sample.get('gpu_note') or 'no NVIDIA GPU'}. VRAM and GPU "
-                                  "utilisation graphs appear on a machine with one.")
-            self.gpu_note.show()
+            self._show_gpu_note(sample.get("gpu_note") or "no NVIDIA GPU")
         else:
             self.gpu_note.hide()
         self._redraw()
+
+    def set_simulated_memory(self, memory: dict | None) -> None:
+        """The loaded model's simulated GPU memory (used, high_water, ceiling, name), or None without one."""
+        self._simulated = memory
+        if self.samples and self.samples[-1].get("gpu") is None:
+            self._show_gpu_note(self.samples[-1].get("gpu_note") or "no NVIDIA GPU")
+
+    def _show_gpu_note(self, why: str) -> None:
+        """Without an NVIDIA GPU to sample: why, and the simulated GPU's memory where a model runs on one."""
+        text = f"<b>GPU:</b> {why}. VRAM and GPU utilisation graphs appear on a machine with one."
+        memory = self._simulated
+        if memory:
+            text += (f"<br><b>{memory['name']}</b> (the engine's own count): {human_bytes(memory['used'])} in use of "
+                     f"{human_bytes(memory['ceiling'])}, high-water {human_bytes(memory['high_water'])}.")
+        self.gpu_note.setText(text)
+        self.gpu_note.show()
 
     def set_paused(self, paused: bool) -> None:
         self.paused = paused

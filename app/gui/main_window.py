@@ -559,6 +559,7 @@ class MainWindow(QMainWindow):
     def _on_stats(self, data: dict) -> None:
         self.placement.set_stats(data)
         self.budget_panel.set_live_pinned(data.get("pinned"))
+        self.graphs.set_simulated_memory(data.get("device_memory"))
         if data.get("cpu_expert_rate"):
             self.watch.add(data["cpu_expert_rate"])
 
@@ -581,6 +582,7 @@ class MainWindow(QMainWindow):
         self.model_panel.show_unloaded()
         self.budget_panel.mark_loaded(None)
         self.placement.clear()
+        self.graphs.set_simulated_memory(None)
         self.side_by_side.set_loaded(None)
         self.status_model.setText("No model loaded")
         self.status_device.setText("")
