@@ -37,11 +37,17 @@ def _busy(times) -> float:
     return _total(times) - times.idle - getattr(times, "iowait", 0.0) - getattr(times, "steal", 0.0)
 
 
-class HostLoadMeter:
-    """The machine's and this process's CPU times when made; read() gives the shares since then."""
+def _own_seconds(times, children: bool) -> float:
+    seconds = times.user + times.system
+    return seconds + getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0) if children else seconds
 
-    def __init__(self):
-        self._process = psutil.Process()
+
+class HostLoadMeter:
+    """The machine's and this process's CPU times when made; read() gives the shares since then. With `children`, the
+    CPU time of this process's children that ended meanwhile (worker processes it waited for) counts as its own."""
+
+    def __init__(self, children: bool = False):
+        self._process, self._children = psutil.Process(), children
         self._machine, self._own = psutil.cpu_times(), self._process.cpu_times()
 
     def read(self) -> HostLoad:
@@ -50,6 +56,6 @@ class HostLoadMeter:
         if total <= 0:
             return HostLoad(0.0, 0.0)
         steal = getattr(machine, "steal", 0.0) - getattr(self._machine, "steal", 0.0)
-        ours = (own.user + own.system) - (self._own.user + self._own.system)
+        ours = _own_seconds(own, self._children) - _own_seconds(self._own, self._children)
         others = _busy(machine) - _busy(self._machine) - ours
         return HostLoad(max(0.0, steal) / total, min(1.0, max(0.0, others) / total))

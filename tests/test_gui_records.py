@@ -336,6 +336,9 @@ def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, 
     assert view.table.item(0, 1).text() == f"{report.indexing_alone_s:.2f} s"
     assert view.table.item(1, 2).text() == f"{report.inference_with_indexing_s:.2f} s"
     assert view.table.item(1, 3).text() == f"{report.inference_slowdown:.2f}×"
+    shares = report.others_share
+    assert view.bar.status.text().endswith(f"Other processes took {shares['indexing_alone']:.0%} and "
+                                           f"{shares['inference_alone']:.0%} of the CPUs' time while each ran alone.")
     saved = view.save(str(tmp_path / "contention.md"))
     assert saved.read_text() == report.markdown()
 

@@ -48,3 +48,13 @@ def test_on_this_machine_the_shares_are_fractions():
         pass
     load = meter.read()
     assert 0.0 <= load.steal <= 1.0 and 0.0 <= load.others <= 1.0
+
+
+def test_with_children_the_worker_processes_this_one_waited_for_are_its_own_work(monkeypatch):
+    # 100 CPU-seconds pass, 30 busy: this process used 5, the indexing workers it started and waited for 20
+    before, after = Machine(100, 0, 50, 500, 10, 0, 0, 0, 0, 0), Machine(130, 0, 50, 570, 10, 0, 0, 0, 0, 0)
+    owns = [Own(10, 0, 0, 0), Own(15, 0, 15, 5)]
+    scripted(monkeypatch, [before, after], owns)
+    assert host_load.HostLoadMeter().read().others == pytest.approx(25 / 100)  # the workers are other processes
+    scripted(monkeypatch, [before, after], owns)
+    assert host_load.HostLoadMeter(children=True).read().others == pytest.approx(5 / 100)

@@ -413,6 +413,13 @@ def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
     assert report.indexing_with_inference_s > 0 and report.inference_with_indexing_s > 0
     assert report.inference_slowdown == pytest.approx(report.inference_with_indexing_s / report.inference_alone_s)
     assert "| inference |" in report.markdown()
+    # what other processes took meanwhile: an "alone" phase beside other work is not alone
+    shares = report.others_share
+    assert set(shares) == {"indexing_alone", "inference_alone", "together"}
+    assert all(0.0 <= share <= 1.0 for share in shares.values())
+    assert (f"Other processes used {shares['indexing_alone']:.0%} of the CPUs' time while the indexing ran alone, "
+            f"{shares['inference_alone']:.0%} while the inference ran alone and {shares['together']:.0%} while both "
+            "ran.") in report.markdown()
     # the kernels' thread count after each timed inference (automatic: it may have left the indexing cores)
     alone, together = report.threads_alone, report.threads_together
     assert together["cpu_threads_automatic"] and 1 <= together["cpu_threads_in_force"] <= together["cores"]

@@ -108,8 +108,11 @@ class ContentionView(QWidget):
             for c, text in enumerate((name, f"{alone:.2f} s", f"{together:.2f} s", f"{slowdown:.2f}×")):
                 self.table.setItem(r, c, QTableWidgetItem(text))
         self.save_button.setEnabled(True)
+        shares = report.others_share or {}
+        beside = (f" Other processes took {shares['indexing_alone']:.0%} and {shares['inference_alone']:.0%} of the "
+                  "CPUs' time while each ran alone." if shares else "")
         self.bar.finish(f"Done: indexing {report.indexing_slowdown:.2f}× slower together, "
-                        f"inference {report.inference_slowdown:.2f}× slower.")
+                        f"inference {report.inference_slowdown:.2f}× slower." + beside)
 
     def on_failed(self, message: str) -> None:
         self.bar.finish(f"Failed: {message}")

@@ -17,6 +17,7 @@ import numpy as np
 import platformdirs
 
 from engine.errors import WorkbenchError
+from engine.host_load import HostLoadMeter
 
 _WORDS = ("expert router token layer memory bandwidth cache offload device budget prefill decode "
           "placement resident cold hot kernel thread index search query document corpus record sweep "
@@ -85,6 +86,9 @@ class ContentionReport:
     # None where not given): the automatic count leaves the indexing's cores to it
     threads_alone: dict | None = None
     threads_together: dict | None = None
+    # the share of the CPUs' time other processes (not this one, nor its indexing workers) used in each timed phase:
+    # an "alone" phase beside other work is not alone (engine/host_load.py); None where not measured
+    others_share: dict | None = None
 
     @property
     def indexing_slowdown(self) -> float:
@@ -105,6 +109,11 @@ class ContentionReport:
             f"{self.indexing_with_inference_s:.2f} s | {self.indexing_slowdown:.2f}x |",
             f"| inference | {self.inference_alone_s:.2f} s | {self.inference_with_indexing_s:.2f} s | "
             f"{self.inference_slowdown:.2f}x |"]
+        if self.others_share:
+            shares = self.others_share
+            lines += ["", f"Other processes used {shares['indexing_alone']:.0%} of the CPUs' time while the indexing ran "
+                          f"alone, {shares['inference_alone']:.0%} while the inference ran alone and "
+                          f"{shares['together']:.0%} while both ran."]
         if self.threads_alone and self.threads_together:
             alone, together = self.threads_alone, self.threads_together
             moved = together["cpu_threads_changes"] - alone["cpu_threads_changes"]
@@ -154,9 +163,13 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     phase_done(1 / len(PHASES))
     run_inference()
     phase_done(2 / len(PHASES))
+    meter = HostLoadMeter(children=True)
     documents, indexing_alone = index_folder(corpus, workers)
+    others = {"indexing_alone": meter.read().others}
     phase_done(3 / len(PHASES))
+    meter = HostLoadMeter(children=True)
     inference_alone = run_inference()
+    others["inference_alone"] = meter.read().others
     threads_alone = threads() if threads else None
     phase_done(4 / len(PHASES))
     together: dict[str, float] = {}
@@ -164,12 +177,14 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     def indexing() -> None:
         together["indexing"] = index_folder(corpus, workers)[1]
 
+    meter = HostLoadMeter(children=True)
     thread = threading.Thread(target=indexing, name="contention-indexing")
     thread.start()
     time.sleep(0.2)  # let the workers start so inference runs under load from its first token
     together["inference"] = run_inference()
     threads_together = threads() if threads else None
     thread.join()
+    others["together"] = meter.read().others
     phase_done(1.0)
     return ContentionReport(workers, documents, indexing_alone, inference_alone,
-                            together["indexing"], together["inference"], threads_alone, threads_together)
+                            together["indexing"], together["inference"], threads_alone, threads_together, others)
