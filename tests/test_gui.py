@@ -23,6 +23,7 @@ from app.gui.engine_worker import threads_sentence  # noqa: E402
 from app.gui.main_window import MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
 from engine.ort_env import cpu_threads  # noqa: E402
+from engine.offload.decode_path import tier_bytes  # noqa: E402
 from engine.units import human_bytes  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
@@ -760,6 +761,8 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     # the estimate says so before applying: the simulated GPU simulates the tier
     qtbot.waitUntil(lambda: "decode reads cold experts on the GPU from a host tier of" in budget.statements.text(),
                     timeout=WAIT)
+    tier = human_bytes(tier_bytes(window.facts.experts))  # ... and the host memory it pins is in the host bar
+    assert f"host tier</td><td align='right' style='white-space:pre'>&nbsp;{tier}" in budget.host_legend.text()
     assert budget.apply_button.text() == "Apply"
     budget.apply_button.click()
     qtbot.waitUntil(lambda: engine.decode_path_mode == "tier" and not window.busy, timeout=WAIT)

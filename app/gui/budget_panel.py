@@ -12,7 +12,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHB
                                QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from app.gui import theme
-from app.gui.estimate import GIB, DeviceChoice, estimate, layer_summary
+from app.gui.estimate import GIB, DeviceChoice, Part, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled
 from engine.offload import decode_path as paths
 from engine.offload.config import INT32_MAX, OffloadConfig, OffloadConfigError
@@ -448,8 +448,9 @@ class BudgetPanel(QWidget):
             self.vram_title.setText("VRAM — no GPU device chosen")
             self.vram_bar.hide()
             self.vram_legend.setText(f"<span style='color:{t.muted}'>Nothing of the model is on a GPU.</span>")
-        self.host_bar.setParts(est.host_parts)
-        self.host_legend.setText(legend_html(est.host_parts, t))
+        host_parts = est.host_parts + self._tier_part(est, config, choice)
+        self.host_bar.setParts(host_parts)
+        self.host_legend.setText(legend_html(host_parts, t))
         self._show_pinned(est, choice, config)
         colour = t.error if est.error else t.text
         statements = est.statements + self._split_statement(est, config) + self._tier_statement(est, config, choice)
@@ -469,15 +470,28 @@ class BudgetPanel(QWidget):
         return [f"While decoding, the engine also tries this budget on whole layers ({held} of {layers} layers "
                 f"keeping all their experts) and keeps whichever decodes faster (Layer split)."]
 
+    def _decode_path_mode(self) -> str:
+        mode = self.decode_path.currentData()
+        return paths.default_decode_path() if mode == "auto" else mode
+
+    def _tier_part(self, est, config: OffloadConfig, choice: DeviceChoice) -> list[Part]:
+        """The host tier's page-locked memory where the plan shown gets one (decode_path.tier_verdict, as the engine
+        asks it at load): the statements named its size, the host-memory bar left it out."""
+        kind = None if choice.kind == "cpu" or choice.error else choice.kind
+        if est.plan is None or not paths.tier_verdict(self._decode_path_mode(), config, self.facts.experts,
+                                                      est.plan.slots, kind, paths.host_available())[0]:
+            return []
+        note = "page-locked: every expert again, in the GPU kernels' layout" + (
+            " (counted, not allocated, on a simulated GPU)" if kind == "simulated" else "")
+        return [Part("tier", "host tier", paths.tier_bytes(self.facts.experts), note)]
+
     def _tier_statement(self, est, config: OffloadConfig, choice: DeviceChoice) -> list[str]:
         """Whether decode will read cold experts on the GPU from a host tier for the plan shown, and the host memory
         it pins, or why there is none (decode_path.tier_verdict, as the engine asks it at load)."""
         if est.plan is None:
             return []
-        mode = self.decode_path.currentData()
-        mode = paths.default_decode_path() if mode == "auto" else mode
         kind = None if choice.kind == "cpu" or choice.error else choice.kind
-        said = paths.tier_preview(mode, config, self.facts.experts, est.plan.slots, kind)
+        said = paths.tier_preview(self._decode_path_mode(), config, self.facts.experts, est.plan.slots, kind)
         return [said] if said else []
 
     def _show_pinned(self, est, choice: DeviceChoice, config: OffloadConfig) -> None:
