@@ -566,6 +566,20 @@ def test_contention_banner_names_the_processes(qtbot, window):
     window._on_busy("")
 
 
+def test_a_model_loaded_without_file_backing_keeps_its_settings_open_to_change(qtbot, window, monkeypatch):
+    """Its experts are in RAM already: the estimate does not ask the host for them again (with less available than
+    their size it refused every setting, Apply disabled, while the model ran with them)."""
+    import psutil
+
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, {"device": {"kind": "cpu"}, "entries": {"allow_file_backing": "0"}})
+    assert same(window.loaded_path, path)
+    budget = window.budget_panel
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 1000}))
+    budget.refresh()
+    assert not budget.last_estimate.error
+
+
 def test_a_replan_starts_the_cpu_throughput_watch_again(qtbot, window):
     """A larger expert budget leaves the CPU fewer experts a call, whose bytes a second fall with the call's fixed
     cost (9 GB/s at no budget, 1-4 GB/s at 75% on the dev VM's 8-layer model): measured against the start under

@@ -157,6 +157,20 @@ def test_host_memory_estimate_follows_the_host_cache_and_file_backing(gptoss):
     assert refused.plan is None and refused.statements[0] == refused.error
 
 
+def test_without_file_backing_the_estimate_counts_the_loaded_models_copy_as_available(gptoss, monkeypatch):
+    """allow_file_backing=0 needs host memory for the copy; a loaded model's experts already copied need none again
+    (as OffloadEngine._check_file_backing counts them), or a model larger than what is left could change no setting."""
+    import psutil
+
+    total = gptoss.expert_bytes
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": total // 2}))
+    config = OffloadConfig(allow_file_backing=False)
+    assert estimate(gptoss, config, DeviceChoice("cpu")).error == (
+        f"allow_file_backing=0 keeps all {total} bytes of experts in host memory, more than the {total // 2} bytes of "
+        "host memory available")
+    assert not estimate(gptoss, config, DeviceChoice("cpu"), experts_in_ram=total).error
+
+
 def test_contention_rules():
     calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
     assert check_sample(calm) == []

@@ -434,7 +434,7 @@ class BudgetPanel(QWidget):
             return
         config = self.config()
         est = estimate(self.facts, config, choice, self.kv_tokens.value(),
-                       whole_layers=self.layer_split.currentData() == "whole")
+                       whole_layers=self.layer_split.currentData() == "whole", experts_in_ram=self._experts_in_ram())
         self.last_estimate = est
         self.layer_bars.setRows(est.per_layer)
         self.layer_text.setText(("<b>%d of %d</b> experts resident: " % (est.resident, est.total_experts))
@@ -469,6 +469,16 @@ class BudgetPanel(QWidget):
         layers = sum(1 for info in self.facts.experts if info.gpu is not None)
         return [f"While decoding, the engine also tries this budget on whole layers ({held} of {layers} layers "
                 f"keeping all their experts) and keeps whichever decodes faster (Layer split)."]
+
+    def _experts_in_ram(self) -> int:
+        """The loaded model's experts copied into RAM (it runs with allow_file_backing=0), else 0."""
+        if not self.loaded or not self.applied:
+            return 0
+        try:
+            applied = OffloadConfig.from_entries(self.applied.get("entries", {}))
+        except Exception:
+            return 0
+        return 0 if applied.allow_file_backing else self.facts.expert_bytes
 
     def _decode_path_mode(self) -> str:
         mode = self.decode_path.currentData()

@@ -219,11 +219,13 @@ def experts_in_host_memory(expert_bytes: int, config: OffloadConfig) -> Part:
 
 
 def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None,
-             whole_layers: bool = False) -> Estimate:
+             whole_layers: bool = False, experts_in_ram: int = 0) -> Estimate:
+    """experts_in_ram: the bytes of experts the loaded model keeps copied in RAM already (allow_file_backing=0), which
+    the same setting does not need again (as the engine counts them)."""
     if device.kind != "cpu" and device.error and config.mode != "required":
         # as the engine does (engine_worker._make_device): a GPU that cannot be used leaves every expert on the CPU,
         # and only mode=required refuses the load
-        fallback = estimate(facts, config, DeviceChoice(), kv_tokens, whole_layers)
+        fallback = estimate(facts, config, DeviceChoice(), kv_tokens, whole_layers, experts_in_ram)
         fallback.statements.insert(0, f"The {device.label} cannot be used ({device.error}): every expert would run "
                                       "on the CPU.")
         return fallback
@@ -241,7 +243,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
              "in GPU memory with the dense part" if dense_on_gpu else f"{kv_tokens or facts.context_length} tokens"),
     ]
     # what the engine refuses before it plans (OffloadEngine._check_file_backing)
-    error = file_backing_refusal(config, facts.expert_bytes, psutil.virtual_memory().available)
+    error = file_backing_refusal(config, facts.expert_bytes, psutil.virtual_memory().available + experts_in_ram)
     stand_in = None
     staged: StagingPlan | None = None
     staging = 0
