@@ -184,6 +184,10 @@ def test_contention_rules():
     assert check_sample(dict(calm, cpu_steal_share=0.05)) == []
     gpu = dict(calm, gpu={"total": 80 << 30, "others": 20 << 30, "top": [{"name": "blender", "bytes": 20 << 30}]})
     assert "blender (20.0 GiB)" in check_sample(gpu)[0]
+    # a driver that hides per-process memory (a container): NVML's "others" is all in use, this process's included
+    hidden = dict(calm, gpu={"total": 80 << 30, "used": 40 << 30, "this": 0, "others": 40 << 30, "top": [],
+                             "per_process": False})
+    assert check_sample(hidden) == []
     watch = ThroughputWatch()
     for rate in (1, 10, 10, 10, 10, 10, 6, 6, 6, 6, 6):
         watch.add(rate * 1e9)

@@ -60,7 +60,9 @@ def check_sample(sample: dict) -> list[str]:
                         + (("; largest other processes: " + _names(top, _ram)) if top else "")
                         + ".")
     gpu = sample.get("gpu")
-    if gpu and gpu.get("total") and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]:
+    # where the driver hides per-process memory (a container), NVML's "others" is all that is used, ours included
+    if (gpu and gpu.get("per_process", True) and gpu.get("total")
+            and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
         top = gpu.get("top", [])
         warnings.append(f"Other processes hold {human_bytes(gpu['others'])} of the GPU's {human_bytes(gpu['total'])}"
                         + ((": " + _names(top, _vram)) if top else "") + ".")
