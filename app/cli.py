@@ -217,9 +217,9 @@ def _cmd_inspect(args) -> int:
         import psutil
 
         from app.gui.estimate import staged_nodes, staging_for
+        from engine.decoder_state import DecoderState
         from engine.offload import decode_path as paths
         from engine.offload.engine import load_popularity
-        from engine.decoder_state import DecoderState
         from engine.offload.host_cache import file_backing_refusal
         from engine.offload.planner import plan_offload
         from engine.ort_env import dense_cpu_reason
