@@ -17,8 +17,8 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
 from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason
+from engine.reasoning import AnswerFormat, answer_format
 from engine.sampling import Sampler, SamplingParams
-from engine.tokenizer import StreamDecoder
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,17 @@ class Timings:
 class GenerationResult:
     prompt_tokens: list[int]
     tokens: list[int]
-    text: str
+    text: str           # the answer: for a model that reasons first, its final text (engine/reasoning.py)
     finish_reason: str  # "eos", "length", "stop_string", "cancelled", "context"
     timings: Timings
     reused_cache_tokens: int = 0
     routing_agreement: float | None = None  # with approximate routing: greedy-token agreement with exact routing
+    reasoning: str = ""  # what the model wrote before its answer (analysis channel, <think>); empty for most models
+
+    @property
+    def cut_in_reasoning(self) -> bool:
+        """Stopped (token limit, context, Stop) while still reasoning: no answer yet."""
+        return bool(self.reasoning) and not self.text and self.finish_reason != "eos"
 
 
 class LoadedModel:
@@ -85,6 +91,7 @@ class LoadedModel:
         self.folder = folder
         self.config = folder.config
         self.tokenizer = folder.tokenizer
+        self.answer_format: AnswerFormat = answer_format(self.tokenizer)
         # Expert runners first, the offload plan next, the dense sessions last: onnxruntime's GPU
         # arena gets what the plan leaves under gpu_device_mem_limit (ort_env.dense_arena_limit).
         self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads,
@@ -227,12 +234,13 @@ def _past_the_context(past: int, new: int, context: int) -> str:
 
 def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
-             decoder=None) -> GenerationResult:
+             decoder=None, on_reasoning: Callable[[int, str], None] | None = None) -> GenerationResult:
     """Feed `prompt_tokens` after what `state` already holds (`fed_tokens`), then decode.
 
     `fed_tokens` is extended in place with every token the state consumes. `on_text(token, delta)`
-    is called as each token is produced. `decoder` defaults to the model's own (tests pass the
-    onnxruntime reference to compare).
+    is called as each token is produced, with the answer's new text; `on_reasoning(token, delta)` just before it,
+    with the reasoning's (engine/reasoning.py; empty for a model that answers at once). Stop strings apply to the
+    answer. `decoder` defaults to the model's own (tests pass the onnxruntime reference to compare).
     """
     if not prompt_tokens:
         raise PromptError("the prompt is empty")
@@ -241,8 +249,22 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         raise PromptError(_past_the_context(state.past_length, len(prompt_tokens), context))
     decoder = decoder or model.decoder
     sampler = Sampler(params.sampling)
-    stream = StreamDecoder(model.tokenizer)
+    split = model.answer_format.split(model.tokenizer, prompt_tokens)
     visible = VisibleText(params.stop_strings)
+    reasoned = 0  # reasoning characters given out
+
+    def give_out(token: int, final: bool, when_new: bool = False) -> None:
+        """Both parts' new text to the callbacks (`when_new`: only where either has some)."""
+        nonlocal reasoned
+        delta, thought = visible.advance(split.answer, final=final), split.reasoning[reasoned:]
+        reasoned = len(split.reasoning)
+        if when_new and not (delta or thought):
+            return
+        if on_reasoning:
+            on_reasoning(token, thought)
+        if on_text:
+            on_text(token, delta)
+
     eos = model.eos_ids
     timings = Timings(prompt_tokens=len(prompt_tokens))
     meter = None
@@ -270,14 +292,12 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         if token in eos:
             finish = "eos"
             break
-        stream.push(token)
+        split.push(token)
         last = len(generated) == params.max_new_tokens or state.past_length + 1 > context  # (the checks below)
         if last:
-            stream.finish()
-        delta = visible.advance(stream.text, final=last)
-        if on_text:
-            on_text(token, delta)
-        if any(stop in stream.text for stop in visible.stops):
+            split.finish()
+        give_out(token, last)
+        if any(stop in split.answer for stop in visible.stops):
             finish = "stop_string"
             break
         if cancel is not None and cancel.is_set():
@@ -297,12 +317,11 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     timings.total_s = now - started - shadow_s()
     timings.agreement_s = meter.catch_up_s + meter.step_s if meter else 0.0
     timings.generated_tokens = len(generated)
-    stream.finish()  # an answer that ended otherwise (eos, a stop string, cancelled)
-    rest = visible.advance(stream.text, final=True)
-    if rest and on_text:  # what was held back as a possible stop string, or an incomplete character
-        on_text(generated[-1], rest)
-    text = stream.text[:visible.shown]
-    result = GenerationResult(list(prompt_tokens), generated, text, finish, timings)
+    split.finish()  # an answer that ended otherwise (eos, a stop string, cancelled)
+    # what was held back as a possible stop string or closing tag, or an incomplete character
+    give_out(generated[-1], True, when_new=True)
+    result = GenerationResult(list(prompt_tokens), generated, split.answer[:visible.shown], finish, timings,
+                              reasoning=split.reasoning)
     if meter:
         result.routing_agreement = meter.agreement
     return result
@@ -327,7 +346,8 @@ class Conversation:
         if self.system_prompt:
             self.messages.append({"role": "system", "content": self.system_prompt})
 
-    def send(self, user_text: str, params: GenerationParams, on_text=None, cancel=None) -> GenerationResult:
+    def send(self, user_text: str, params: GenerationParams, on_text=None, cancel=None,
+             on_reasoning=None) -> GenerationResult:
         if not user_text.strip():
             raise PromptError("the prompt is empty")
         messages = self.messages + [{"role": "user", "content": user_text}]
@@ -343,18 +363,25 @@ class Conversation:
             new_tokens, self.fed_tokens = self.fed_tokens + new_tokens, []
         reused = len(self.fed_tokens)
         try:
-            result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel)
+            result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel,
+                              on_reasoning=on_reasoning)
         except BaseException:
             # the state may hold this turn's prompt and first answer tokens, which the messages never will: the
             # conversation stays what it was, and the next turn feeds it again
             del self.fed_tokens[reused:]
             raise
         result.reused_cache_tokens = reused
+        # the answer as the model's own template expects it: its final text, without the reasoning (gpt-oss's drops
+        # past analysis, Qwen's strips <think> from past turns)
         self.messages = messages + [{"role": "assistant", "content": result.text}]
         ended_on_eos = result.finish_reason == "eos"
         self._pending = [] if ended_on_eos or not result.tokens else [result.tokens[-1]]
-        # A stop string trims the text below what the cache holds: the next turn starts afresh.
-        self._rendered = None if result.finish_reason == "stop_string" else text + result.text
+        # What the cache holds is the answer's every token, reasoning and format's marks included: where the next
+        # render writes the answer otherwise (without its reasoning), the conversation is fed afresh. A stop string
+        # trims the text below what the cache holds: the next turn starts afresh too.
+        answer_tokens = result.tokens[:-1] if ended_on_eos else result.tokens
+        fed_answer = self.model.tokenizer.decode(answer_tokens, keep=self.model.answer_format.marks)
+        self._rendered = None if result.finish_reason == "stop_string" else text + fed_answer
         return result
 
     def reset(self) -> None:

@@ -79,6 +79,7 @@ class ChatTemplate:
             raise ModelFileError(f"{origin}: chat template does not parse ({exc})") from None
         self._special = special_tokens
         self._env = env
+        self.source = source
 
     def _raise(self, message: str):
         raise PromptError(f"{self.origin}: the chat template refused the conversation: {message}")
@@ -111,6 +112,7 @@ class ModelTokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template = self._load_template(folder, config)
+        self.special_ids = frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
 
     @staticmethod
     def _read_config(path: Path) -> dict:
@@ -150,7 +152,10 @@ class ModelTokenizer:
         rendered chat template already holds where the model wants it."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """keep: special tokens written as their text all the same (the marks an answer's format reads)."""
+        if keep and skip_special_tokens:
+            ids, skip_special_tokens = [i for i in ids if i in keep or i not in self.special_ids], False
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_id(self, text: str | None) -> int | None:
@@ -164,16 +169,18 @@ class ModelTokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text increments, holding back incomplete UTF-8."""
+    """Turns a growing list of token ids into text increments, holding back incomplete UTF-8; `keep`: special tokens
+    written as their text (ModelTokenizer.decode)."""
 
-    def __init__(self, tokenizer: ModelTokenizer):
+    def __init__(self, tokenizer: ModelTokenizer, keep: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
+        self._keep = keep
         self._ids: list[int] = []
         self._emitted = ""
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
+        text = self._tokenizer.decode(self._ids, keep=self._keep)
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
         return self._emit(text)
@@ -182,7 +189,7 @@ class StreamDecoder:
         """What push held back when the answer ends: bytes that never made a whole character (an answer cut inside
         one, or bytes a model writes that no character has) stay as U+FFFD, as a plain decode shows them. Without
         this, an answer whose every prefix ends so kept no text at all."""
-        return self._emit(self._tokenizer.decode(self._ids))
+        return self._emit(self._tokenizer.decode(self._ids, keep=self._keep))
 
     def _emit(self, text: str) -> str:
         delta = text[len(self._emitted):] if text.startswith(self._emitted) else text

@@ -1,0 +1,143 @@
+"""Answers that reason before they answer: the model's answer format, recognised from its tokenizer and chat template,
+and an answer split into its reasoning and its final text as its tokens come.
+
+- harmony (gpt-oss): `<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>…`; the
+  final channel is the answer, every other channel (analysis, commentary) reasoning.
+- think tags (Qwen3 and its kin): `<think>…</think>` before the answer, or only `…</think>` where the template's
+  generation prompt opened the tag.
+- plain: all of it is the answer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from engine.tokenizer import ModelTokenizer, StreamDecoder
+
+HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's end (the last two are eos tokens too)
+OPEN, CLOSE = "<think>", "</think>"
+_HARMONY_PIECES = re.compile("(" + "|".join(map(re.escape, HARMONY_MARKS)) + ")")
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    kind: str                              # "harmony", "think" or "plain"
+    marks: frozenset[int] = frozenset()    # the tokens the split reads: decoded as their text, special or not
+
+    def split(self, tokenizer: ModelTokenizer, prompt_tokens: list[int]) -> "AnswerSplit":
+        """A split for the answer to `prompt_tokens` (whose end may open the answer's first message or tag)."""
+        if self.kind == "harmony":
+            opening = _harmony_opening(tokenizer.decode(prompt_tokens, keep=self.marks))
+            return AnswerSplit(StreamDecoder(tokenizer, self.marks), lambda text, _ended: _split_harmony(opening + text))
+        if self.kind == "think":
+            opened = tokenizer.decode(prompt_tokens, keep=self.marks).rstrip().endswith(OPEN)
+            return AnswerSplit(StreamDecoder(tokenizer, self.marks),
+                               lambda text, ended: _split_think(text, opened, ended))
+        return AnswerSplit(StreamDecoder(tokenizer), lambda text, _ended: ("", text))
+
+
+def answer_format(tokenizer: ModelTokenizer) -> AnswerFormat:
+    """Harmony where the tokenizer has <|channel|> and <|message|> tokens; think tags where it has <think> and
+    </think> tokens or the chat template writes the tags; plain otherwise."""
+    def ids(names) -> frozenset[int]:
+        return frozenset(i for i in map(tokenizer.token_id, names) if i is not None)
+
+    if tokenizer.token_id("<|channel|>") is not None and tokenizer.token_id("<|message|>") is not None:
+        return AnswerFormat("harmony", ids(HARMONY_MARKS))
+    tags = ids((OPEN, CLOSE))
+    template = tokenizer.chat_template.source if tokenizer.chat_template is not None else ""
+    if len(tags) == 2 or CLOSE in template:
+        return AnswerFormat("think", tags)
+    return AnswerFormat("plain")
+
+
+class AnswerSplit:
+    """One answer's tokens, as they come, split into `reasoning` and `answer`. Both only grow: what either says while
+    the answer streams it still says at the end (incomplete UTF-8 is held back, and an end that may still become a
+    closing tag)."""
+
+    def __init__(self, stream: StreamDecoder, parse):
+        self._stream = stream
+        self._parse = parse  # (text so far, ended) -> (reasoning, answer)
+        self.reasoning = self.answer = ""
+
+    def push(self, token: int) -> None:
+        self._stream.push(token)
+        self.reasoning, self.answer = self._parse(self._stream.text, False)
+
+    def finish(self) -> None:
+        """The answer ends: what was held back is given out (StreamDecoder.finish)."""
+        self._stream.finish()
+        self.reasoning, self.answer = self._parse(self._stream.text, True)
+
+
+def _harmony_opening(prompt: str) -> str:
+    """What the answer continues: the prompt's last message from its <|start|>, less any text of its body (a prompt
+    that ends inside a message's body, <|start|>assistant<|channel|>final<|message|>…, has the answer continue it)."""
+    at = prompt.rfind("<|start|>")
+    if at < 0:
+        return ""
+    tail = prompt[at:]
+    body = tail.rfind("<|message|>")
+    if body >= 0 and not any(end in tail[body:] for end in HARMONY_ENDS):
+        return tail[:body + len("<|message|>")]
+    return tail
+
+
+def _channel(header: str) -> str | None:
+    """A harmony header's channel: `analysis` of `assistant<|channel|>analysis`, `commentary` of
+    `<|channel|>commentary to=functions.f <|constrain|>json`; None without one."""
+    at = header.rfind("<|channel|>")
+    if at < 0:
+        return None
+    words = header[at + len("<|channel|>"):].split("<|constrain|>")[0].split()
+    return words[0] if words else None
+
+
+def _split_harmony(text: str) -> tuple[str, str]:
+    """The final channel's messages are the answer, the other channels' the reasoning; a message without a channel,
+    and text outside any message (a prompt without harmony's structure), are the answer too. A header (between
+    <|start|> or <|channel|> and <|message|>) is neither."""
+    reasoning: list[str] = []
+    answer: list[str] = []
+    parts, header, state = answer, "", "outside"
+    for piece in _HARMONY_PIECES.split(text):
+        if piece == "<|start|>" or (piece == "<|channel|>" and state != "header"):
+            state, header = "header", piece
+        elif piece in ("<|channel|>", "<|constrain|>"):
+            header += piece if state == "header" else ""
+        elif piece == "<|message|>":
+            parts = answer if _channel(header) in (None, "final") else reasoning
+            parts.append("")
+            state, header = "message", ""
+        elif piece in HARMONY_ENDS:
+            state = "outside"
+        elif state == "header":
+            header += piece
+        elif piece:
+            if state == "outside":
+                parts, state = answer, "message"
+                parts.append("")
+            parts[-1] += piece
+    return "\n\n".join(p for p in reasoning if p), "\n\n".join(p for p in answer if p)
+
+
+def _split_think(text: str, opened: bool, ended: bool) -> tuple[str, str]:
+    """Reasoning between <think> (or the start, where the prompt `opened` the tag) and </think>, the answer after it;
+    an answer that does not begin with <think> is all answer, and one whose tag never closes all reasoning."""
+    body = text.lstrip()
+    if not opened:
+        if not body.startswith(OPEN):
+            if not ended and OPEN.startswith(body):  # nothing yet, or the tag's beginning: which one is not known
+                return "", ""
+            return "", text
+        body = body[len(OPEN):]
+    close = body.find(CLOSE)
+    if close >= 0:
+        return body[:close].strip(), body[close + len(CLOSE):].lstrip()
+    if not ended:  # an end that may become </think> is held back, and trailing space, which the tag would drop
+        held = next((n for n in range(min(len(CLOSE) - 1, len(body)), 0, -1) if body.endswith(CLOSE[:n])), 0)
+        body = body[:len(body) - held]
+    return body.strip(), ""

@@ -1,0 +1,68 @@
+"""Fixture model folders that answer in a reasoning format: the gptoss fixture's tokenizer with harmony's special
+tokens and a template written as gpt-oss's real one renders (past answers as their final channel, analysis dropped),
+or with <think> tags and a template as Qwen3's (reasoning stripped from past answers, the tag opened or not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from tokenizers import AddedToken, Tokenizer
+
+HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|return|>", "<|constrain|>", "<|call|>")
+
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}<|end|>"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1].lstrip() }}"
+    "{% else %}{{ m['content'] }}{% endif %}<|end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{{ opening }}{% endif %}")
+
+
+def _add_tokens(folder: Path, tokens) -> Tokenizer:
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in tokens])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return tokenizer
+
+
+def harmony_folder(copy_fixture) -> Path:
+    """<|return|> and <|call|> end an answer, as in gpt-oss's genai_config.json."""
+    folder = copy_fixture("gptoss")
+    tokenizer = _add_tokens(folder, HARMONY_TOKENS)
+    (folder / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["eos_token_id"] = [0] + [tokenizer.token_to_id(token) for token in ("<|return|>", "<|call|>")]
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def think_folder(copy_fixture, opened: bool, tag_tokens: bool = True) -> Path:
+    """opened: the generation prompt opens <think> (the answer holds only </think>); tag_tokens: the tags are tokens
+    of the tokenizer (else only the template writes them: on the lfm2moe fixture, so that a test can have both)."""
+    folder = copy_fixture("qwen35moe" if tag_tokens else "lfm2moe")
+    if tag_tokens:
+        _add_tokens(folder, ("<think>", "</think>"))
+    (folder / "chat_template.jinja").write_text(THINK_TEMPLATE.replace("{{ opening }}", "<think>\n" if opened else ""))
+    return folder
+
+
+class ScriptedForward:
+    """A decoder's forward whose logits pick the scripted tokens in turn (answers of tokens the fixtures' random
+    weights never write); `fed` records what each call was given."""
+
+    def __init__(self, vocab: int, tokens: list[int]):
+        self.vocab, self.tokens, self.fed = vocab, list(tokens), []
+
+    def __call__(self, state, token_ids):
+        self.fed.append(list(token_ids))
+        state.advance(len(token_ids))
+        logits = np.zeros((len(token_ids), self.vocab), np.float32)
+        logits[-1, self.tokens.pop(0)] = 1.0
+        return logits

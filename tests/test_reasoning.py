@@ -1,0 +1,171 @@
+"""Answers that reason first (engine/reasoning.py): the format recognised from the tokenizer and template, the split
+into reasoning and answer as tokens stream, stop strings on the answer only, and the conversation's history."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.generation import Conversation, GenerationParams, LoadedModel, generate
+from engine.reasoning import answer_format
+from engine.tokenizer import ModelTokenizer
+from tests.conftest import fixture_folder
+from tests.reasoning_models import ScriptedForward, harmony_folder, think_folder
+
+ANALYSIS_THEN_FINAL = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
+                       "<|start|>assistant<|channel|>final<|message|>Hello there!")
+HARMONY_PROMPT = "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+
+
+@pytest.fixture
+def harmony(copy_fixture):
+    return ModelTokenizer(harmony_folder(copy_fixture))
+
+
+def stream(tokenizer, answer: str, prompt: str, end: int | None = None):
+    """Push `answer`'s tokens (the first `end` of them) into a split for `prompt`: the (reasoning, answer) after each
+    token, and the split after finish."""
+    split = answer_format(tokenizer).split(tokenizer, tokenizer.encode(prompt))
+    steps = []
+    for token in tokenizer.encode(answer)[:end]:
+        split.push(token)
+        steps.append((split.reasoning, split.answer))
+    split.finish()
+    return steps, split
+
+
+def grows(steps) -> bool:
+    """Each part only grows, token by token: what streamed is never taken back."""
+    return all(a.startswith(b) and x.startswith(y) for (b, y), (a, x) in zip(steps, steps[1:]))
+
+
+def test_the_format_is_recognised_from_the_tokens_and_the_template(copy_fixture, harmony):
+    assert answer_format(ModelTokenizer(fixture_folder("gptoss"))).kind == "plain"
+    recognised = answer_format(harmony)
+    assert recognised.kind == "harmony"
+    assert {harmony.token_id(t) for t in ("<|channel|>", "<|message|>", "<|start|>", "<|end|>")} <= recognised.marks
+    assert answer_format(ModelTokenizer(think_folder(copy_fixture, opened=False))).kind == "think"
+    only_template = answer_format(ModelTokenizer(think_folder(copy_fixture, opened=True, tag_tokens=False)))
+    assert only_template.kind == "think" and not only_template.marks
+
+
+def test_harmony_analysis_then_final(harmony):
+    steps, split = stream(harmony, ANALYSIS_THEN_FINAL, HARMONY_PROMPT)
+    assert (split.reasoning, split.answer) == ("The user greets; answer briefly.", "Hello there!")
+    assert grows(steps) and steps[-1] == (split.reasoning, split.answer)
+    # no header ever shows: the answer is empty until the final channel's message begins
+    first = next(i for i, (_r, a) in enumerate(steps) if a)
+    assert steps[first - 1] == ("The user greets; answer briefly.", "") and steps[first][1] == "H"
+    assert not any("analysis" in r or "assistant" in a or "final" in a for r, a in steps)
+
+
+def test_harmony_final_only_and_commentary_as_reasoning(harmony):
+    _steps, split = stream(harmony, "<|channel|>final<|message|>Just this.", HARMONY_PROMPT)
+    assert (split.reasoning, split.answer) == ("", "Just this.")
+    _steps, split = stream(harmony, "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|end|>"
+                           "<|start|>assistant<|channel|>analysis<|message|>Then.<|end|>"
+                           "<|start|>assistant<|channel|>final<|message|>Done.", HARMONY_PROMPT)
+    assert (split.reasoning, split.answer) == ("{}\n\nThen.", "Done.")
+
+
+def test_harmony_cut_inside_the_analysis_is_reasoning_only(harmony):
+    tokens = harmony.encode(ANALYSIS_THEN_FINAL)
+    cut = harmony.encode("<|channel|>analysis<|message|>The user")
+    assert tokens[:len(cut)] == cut
+    _steps, split = stream(harmony, ANALYSIS_THEN_FINAL, HARMONY_PROMPT, end=len(cut))
+    assert (split.reasoning, split.answer) == ("The user", "")
+
+
+def test_harmony_prompt_that_opens_the_final_message(harmony):
+    _steps, split = stream(harmony, "Continued.", HARMONY_PROMPT + "<|channel|>final<|message|>Prefilled ")
+    assert (split.reasoning, split.answer) == ("", "Continued.")
+
+
+def test_harmony_reasoning_holds_back_an_incomplete_character(harmony):
+    steps, split = stream(harmony, "<|channel|>analysis<|message|>a中b<|end|>", HARMONY_PROMPT)
+    assert split.reasoning == "a中b" and grows(steps)
+    assert not any("\ufffd" in r for r, _a in steps)
+
+
+@pytest.mark.parametrize("tag_tokens", [True, False])
+def test_think_tags_written_by_the_model(copy_fixture, tag_tokens):
+    tokenizer = ModelTokenizer(think_folder(copy_fixture, opened=False, tag_tokens=tag_tokens))
+    steps, split = stream(tokenizer, "<think>\nFirst, greet.\n</think>\n\nHello!", "<|start|>user\nHi<|end|>\n")
+    assert (split.reasoning, split.answer) == ("First, greet.", "Hello!")
+    assert grows(steps) and steps[-1] == ("First, greet.", "Hello!")
+    assert not any("<" in r + a for r, a in steps)  # neither tag, nor a beginning of one, ever shows
+    _steps, split = stream(tokenizer, "No thinking here.", "<|start|>user\nHi<|end|>\n")
+    assert (split.reasoning, split.answer) == ("", "No thinking here.")
+
+
+def test_think_tag_opened_by_the_template_and_never_closed(copy_fixture):
+    tokenizer = ModelTokenizer(think_folder(copy_fixture, opened=True))
+    prompt = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+    assert prompt.endswith("<think>\n")
+    steps, split = stream(tokenizer, "Greet back.\n</think>\n\nHello!", prompt)
+    assert (split.reasoning, split.answer) == ("Greet back.", "Hello!") and grows(steps)
+    steps, split = stream(tokenizer, "Greet back, then wait", prompt)
+    assert (split.reasoning, split.answer) == ("Greet back, then wait", "")
+
+
+@pytest.fixture
+def harmony_model(copy_fixture):
+    return LoadedModel.open(harmony_folder(copy_fixture))
+
+
+def scripted_answer(model, monkeypatch, answer: str, **params):
+    """`answer` generated (its tokens forced, then <|return|>), streamed through generate."""
+    tokens = model.tokenizer.encode(answer) + [model.tokenizer.token_id("<|return|>")]
+    monkeypatch.setattr(model.decoder, "forward", ScriptedForward(model.tokenizer.vocab_size, tokens))
+    pieces = []
+    result = generate(model, model.new_state(), [], model.tokenizer.encode(HARMONY_PROMPT),
+                      GenerationParams(max_new_tokens=params.pop("max_new_tokens", len(tokens)), **params),
+                      lambda token, delta: pieces.append(("answer", token, delta)),
+                      on_reasoning=lambda token, delta: pieces.append(("reasoning", token, delta)))
+    return result, pieces
+
+
+def test_generate_streams_both_parts_and_the_result_holds_them(harmony_model, monkeypatch):
+    result, pieces = scripted_answer(harmony_model, monkeypatch, ANALYSIS_THEN_FINAL)
+    assert result.finish_reason == "eos" and not result.cut_in_reasoning
+    assert (result.reasoning, result.text) == ("The user greets; answer briefly.", "Hello there!")
+    assert "".join(d for kind, _t, d in pieces if kind == "reasoning") == result.reasoning
+    assert "".join(d for kind, _t, d in pieces if kind == "answer") == result.text
+    # both callbacks once a token, the reasoning's first: the generated tokens but the eos
+    assert [t for kind, t, _d in pieces if kind == "answer"] == result.tokens[:-1]
+    assert [t for kind, t, _d in pieces if kind == "reasoning"] == result.tokens[:-1]
+
+
+def test_a_stop_string_applies_to_the_answer_only(harmony_model, monkeypatch):
+    result, pieces = scripted_answer(harmony_model, monkeypatch, ANALYSIS_THEN_FINAL, stop_strings=("briefly", "re!"))
+    assert result.finish_reason == "stop_string"
+    assert (result.reasoning, result.text) == ("The user greets; answer briefly.", "Hello the")
+    assert "".join(d for kind, _t, d in pieces if kind == "answer") == "Hello the"  # never "r" of "re!"
+
+
+def test_an_answer_cut_inside_the_analysis_says_so(harmony_model, monkeypatch):
+    result, pieces = scripted_answer(harmony_model, monkeypatch, ANALYSIS_THEN_FINAL, max_new_tokens=12)
+    assert result.finish_reason == "length" and result.cut_in_reasoning
+    assert result.text == "" and result.reasoning == "The user greets; answer"[:len(result.reasoning)]
+    assert result.reasoning and "".join(d for kind, _t, d in pieces if kind == "reasoning") == result.reasoning
+
+
+def test_the_history_keeps_the_final_answer_and_the_cache_check_refeeds(harmony_model, monkeypatch):
+    """gpt-oss's template writes a past answer as its final channel and drops its analysis: the conversation keeps
+    the final text as the answer's content, and since the cache holds the analysis the template no longer writes, the
+    next turn feeds the conversation afresh, as a fresh conversation with the same messages would."""
+    tokenizer = harmony_model.tokenizer
+    end = tokenizer.token_id("<|return|>")
+    second_answer = tokenizer.encode("<|channel|>final<|message|>Fine.") + [end]
+    forward = ScriptedForward(tokenizer.vocab_size, tokenizer.encode(ANALYSIS_THEN_FINAL) + [end] + second_answer)
+    monkeypatch.setattr(harmony_model.decoder, "forward", forward)
+    chat = Conversation(harmony_model)
+    first = chat.send("Hi", GenerationParams(max_new_tokens=64))
+    assert chat.messages[-1] == {"role": "assistant", "content": "Hello there!"} and first.text == "Hello there!"
+    second = chat.send("How are you?", GenerationParams(max_new_tokens=64))
+    assert second.text == "Fine." and second.reused_cache_tokens == 0
+    rendered = tokenizer.render_chat([{"role": "user", "content": "Hi"},
+                                      {"role": "assistant", "content": "Hello there!"},
+                                      {"role": "user", "content": "How are you?"}])
+    assert "analysis" not in rendered and forward.fed[-len(second_answer)] == tokenizer.encode(rendered)
+    assert chat.fed_tokens == tokenizer.encode(rendered) + second.tokens[:-1]
+
