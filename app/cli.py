@@ -282,11 +282,35 @@ def _generation_params(args):
     return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))
 
 
+class _StreamedAnswer:
+    """The answer streamed to standard output; a reasoning model's reasoning to standard error, under "Thinking…" and
+    ended by "…done thinking." where the answer begins, so that standard output holds the answer alone."""
+
+    def __init__(self):
+        self.thinking = False
+
+    def reasoning(self, _token, delta: str) -> None:
+        if delta and not self.thinking:
+            print("Thinking…", file=sys.stderr, flush=True)
+            self.thinking = True
+        print(delta, end="", file=sys.stderr, flush=True)
+
+    def answer(self, _token, delta: str) -> None:
+        if delta:
+            self.done_thinking()
+        print(delta, end="", flush=True)
+
+    def done_thinking(self) -> None:
+        if self.thinking:
+            print("\n…done thinking.\n", file=sys.stderr, flush=True)
+            self.thinking = False
+
+
 def _print_result(result, model, as_json: bool) -> None:
     if as_json:
         timings = {"load_s": model.load_s, **result.timings.as_dict()}
         answer = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
-                  "finish_reason": result.finish_reason, "timings": timings}
+                  "reasoning": result.reasoning, "finish_reason": result.finish_reason, "timings": timings}
         answer["dense"] = {"device": model.dense_device, "reason": model.dense_reason}
         if model.offload is not None:
             answer["offload"] = {"statements": model.offload.plan.statements, **model.offload.stats_dict()}
@@ -300,8 +324,9 @@ def _print_result(result, model, as_json: bool) -> None:
         tokens = f"{t.generated_tokens} token{'s' if t.generated_tokens != 1 else ''}"
         agreement = (f"; agreement with exact routing {result.routing_agreement:.0%}"
                      if result.routing_agreement is not None else "")
+        finish = result.finish_reason + (" while reasoning, before any answer" if result.cut_in_reasoning else "")
         print(f"[{tokens}, first after {t.time_to_first_token_s * 1000:.0f} ms, "
-              f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {result.finish_reason}{agreement}]",
+              f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {finish}{agreement}]",
               file=sys.stderr, flush=True)
 
 
@@ -331,17 +356,22 @@ def _cmd_generate(args) -> int:
         print(model.dense_statement, file=sys.stderr, flush=True)
         if model.host_registration is not None:
             print(model.host_registration.describe(), file=sys.stderr, flush=True)
-    stream = None if args.json else (lambda _token, delta: print(delta, end="", flush=True))
+    printed = None if args.json else _StreamedAnswer()
+    stream, reasoning = (printed.answer, printed.reasoning) if printed else (None, None)
     cancel = threading.Event()
     if args.raw:
         ids = model.tokenizer.encode(args.prompt, add_special_tokens=True)  # a BOS as the tokenizer adds it
-        result = generate(model, model.new_state(), [], ids, params, stream, cancel)
+        result = generate(model, model.new_state(), [], ids, params, stream, cancel, on_reasoning=reasoning)
+        if printed:
+            printed.done_thinking()
         _print_result(result, model, args.json)
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
     while True:
-        result = conversation.send(prompt, params, stream, cancel)
+        result = conversation.send(prompt, params, stream, cancel, on_reasoning=reasoning)
+        if printed:
+            printed.done_thinking()
         _print_result(result, model, args.json)
         if not args.chat:
             return 0

@@ -3,6 +3,8 @@ into reasoning and answer as tokens stream, stop strings on the answer only, and
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.generation import Conversation, GenerationParams, LoadedModel, generate
@@ -169,3 +171,42 @@ def test_the_history_keeps_the_final_answer_and_the_cache_check_refeeds(harmony_
     assert "analysis" not in rendered and forward.fed[-len(second_answer)] == tokenizer.encode(rendered)
     assert chat.fed_tokens == tokenizer.encode(rendered) + second.tokens[:-1]
 
+
+def test_the_generate_command_prints_the_answer_and_the_reasoning_apart(copy_fixture, monkeypatch, capsys):
+    """Standard output holds the answer alone (a pipe gets what a plain model would give it); the reasoning streams
+    to standard error; --json carries both."""
+    from app import cli
+    from engine.decoder import PartitionedDecoder
+
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    answer = tokenizer.encode(ANALYSIS_THEN_FINAL) + [tokenizer.token_id("<|return|>")]
+    scripts = [ScriptedForward(tokenizer.vocab_size, answer) for _ in range(2)]
+    monkeypatch.setattr(PartitionedDecoder, "forward", lambda _decoder, state, ids: scripts[0](state, ids))
+    assert cli.main(["generate", str(folder), "--prompt", "Hi", "--max-new-tokens", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hello there!\n"
+    assert "Thinking…\nThe user greets; answer briefly.\n…done thinking.\n" in err
+    scripts.pop(0)
+    assert cli.main(["generate", str(folder), "--prompt", "Hi", "--max-new-tokens", "64", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["text"], printed["reasoning"]) == ("Hello there!", "The user greets; answer briefly.")
+
+
+def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony_model, monkeypatch):
+    from app.gui.record_report import compare_html, detail_html
+    from engine.records.scenarios import run_turns
+    from engine.records.schema import RunRecord
+
+    tokenizer = harmony_model.tokenizer
+    answer = tokenizer.encode(ANALYSIS_THEN_FINAL) + [tokenizer.token_id("<|return|>")]
+    monkeypatch.setattr(harmony_model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, answer))
+    record = RunRecord.from_dict(run_turns(harmony_model, ["Hi"], GenerationParams(max_new_tokens=64)).to_dict())
+    turn = record.turns[0]
+    assert (turn["answer"], turn["reasoning"]) == ("Hello there!", "The user greets; answer briefly.")
+    assert "<b>Reasoning 1</b>:<br><i>The user greets; answer briefly.</i>" in detail_html(record)
+    older = record.to_dict()
+    del older["turns"][0]["reasoning"]  # a record written before answers had reasoning
+    older = RunRecord.from_dict(older)
+    assert "Reasoning" not in detail_html(older) and "Hello there!" in detail_html(older)
+    assert "<h4>Reasoning 1</h4>" in compare_html(older, record)

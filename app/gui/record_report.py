@@ -129,6 +129,8 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         parts.append(f"<p><b>Prompt {index}</b> ({turn.get('prompt_tokens', 0)} tokens"
                      f"{', +' + str(turn['reused_cache_tokens']) + ' cached' if turn.get('reused_cache_tokens') else ''}):"
                      f"<br>{_text(turn.get('prompt', ''), 600)}</p>")
+        if turn.get("reasoning"):
+            parts.append(f"<p><b>Reasoning {index}</b>:<br><i>{_text(turn['reasoning'])}</i></p>")
         parts.append(f"<p><b>Answer {index}</b> ({turn.get('generated_tokens', 0)} tokens, "
                      f"{turn.get('finish_reason', '')}, first token {fmt(tt.get('time_to_first_token_s'), 's')}):"
                      f"<br>{_text(turn.get('answer', ''))}</p>")
@@ -153,6 +155,9 @@ def compare_html(a: RunRecord, b: RunRecord, ids: tuple[int, int] | None = None)
     parts.append("<h4>Configuration differences</h4>")
     parts.append(_table(changed, ("entry", "A", "B")) if changed else "<p>Same offload entries.</p>")
     for index, (ta, tb) in enumerate(zip(a.turns, b.turns), start=1):
+        if ta.get("reasoning") or tb.get("reasoning"):
+            parts.append(f"<h4>Reasoning {index}</h4>" + _table([(_text(ta.get("reasoning", ""), raw=True),
+                                                                   _text(tb.get("reasoning", ""), raw=True))], ("A", "B")))
         parts.append(f"<h4>Answer {index}</h4>" + _table([(_text(ta.get("answer", ""), raw=True),
                                                             _text(tb.get("answer", ""), raw=True))], ("A", "B")))
     return "".join(parts)

@@ -132,8 +132,9 @@ def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device
 
 def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device=None,
               scenario: str = "custom", label: str = "", cancel: threading.Event | None = None, progress=None,
-              on_text=None) -> RunRecord:
-    """Send the turns as one conversation and measure it: timings, peaks, offload statistics."""
+              on_text=None, on_reasoning=None) -> RunRecord:
+    """Send the turns as one conversation and measure it: timings, peaks, offload statistics. `on_text` and
+    `on_reasoning` stream every answer (Conversation.send)."""
     name = scenario
     if model.offload is not None:
         model.offload.stats.reset(len(model.offload.slots))
@@ -152,8 +153,9 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         for index, text in enumerate(turns_text):
             if cancel is not None and cancel.is_set():
                 break
-            result = conversation.send(text, params, on_text=on_text, cancel=cancel)
-            turns.append({"prompt": text, "answer": result.text, "prompt_tokens": len(result.prompt_tokens),
+            result = conversation.send(text, params, on_text=on_text, cancel=cancel, on_reasoning=on_reasoning)
+            turns.append({"prompt": text, "answer": result.text, "reasoning": result.reasoning,
+                          "prompt_tokens": len(result.prompt_tokens),
                           "tokens": result.tokens,
                           "generated_tokens": len(result.tokens), "finish_reason": result.finish_reason,
                           "reused_cache_tokens": result.reused_cache_tokens, "timings": result.timings.as_dict(),

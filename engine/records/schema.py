@@ -29,7 +29,9 @@ class RunRecord:
     peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, rss_start_bytes, pinned_bytes
     layers: list[dict] = field(default_factory=list)  # per expert node: hit rate, bytes copied, times
     bytes_moved: int = 0
-    turns: list[dict] = field(default_factory=list)   # prompt, answer, tokens and timings per turn
+    # prompt, answer, tokens and timings per turn; and "reasoning", what a model that reasons first wrote before its
+    # answer ("" for one that does not; absent in records written before it existed)
+    turns: list[dict] = field(default_factory=list)
     approximate_routing: bool = False
     # what else used the CPUs during the run (engine/host_load.py): host_steal_share, host_others_share; empty in
     # records written before it existed

@@ -67,8 +67,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def compare(left: Side, right: Side, prompt: str, params: GenerationParams, concurrent: bool = False,
-            on_text=None, cancel: threading.Event | None = None) -> Comparison:
-    """on_text(side_index, token, delta) streams both columns (from two threads when concurrent).
+            on_text=None, cancel: threading.Event | None = None, on_reasoning=None) -> Comparison:
+    """on_text(side_index, token, delta) streams both columns (from two threads when concurrent), and
+    on_reasoning(side_index, token, delta) their reasoning (generate's on_reasoning).
     `cancel` ends the answer at the next token; a side that had not started then has no turn. The records' scenario
     is SCENARIO, or SCENARIO_AT_ONCE when concurrent. A side that fails (or could not load) has no record and its
     error in `failures`; the other side answers all the same."""
@@ -82,9 +83,11 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
         if side.model is None:
             return
         stream = (lambda token, delta: on_text(index, token, delta)) if on_text else None
+        reasoning = (lambda token, delta: on_reasoning(index, token, delta)) if on_reasoning else None
         try:
             records[index] = run_turns(side.model, [prompt], params, side.device, scenario,
-                                       side.label or f"side {'AB'[index]}", cancel, on_text=stream)
+                                       side.label or f"side {'AB'[index]}", cancel, on_text=stream,
+                                       on_reasoning=reasoning)
         except Exception as exc:  # this side's answer fails, not the comparison
             failures[index] = one_line(exc)
         except BaseException as exc:  # raised again in the caller's thread
