@@ -140,7 +140,7 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     assert "Load" not in window.model_panel.load_button.text() or window.model_panel.load_button.text() == "Reload"
 
     batches = []
-    window.worker.streamed.connect(lambda text, n: batches.append((text, n)))
+    window.worker.streamed.connect(lambda _reasoning, text, n: batches.append((text, n)))
     first = ask(qtbot, window, "Hello")
     streamed = "".join(text for text, _n in batches)
     assert batches and sum(n for _t, n in batches) == int(first["stats"].split(" tokens")[0].rsplit(" ", 1)[-1])
@@ -428,7 +428,7 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     # lfm2moe's greedy answer runs to the length limit (gptoss's ends on eos after 62 tokens, which a slow
     # machine can reach before the queued stop arrives)
     load(qtbot, window, fixture_folder("lfm2moe"))
-    window.worker.streamed.connect(lambda _text, _n: window.chat.stop_button.click())
+    window.worker.streamed.connect(lambda _reasoning, _text, _n: window.chat.stop_button.click())
     window.chat.max_tokens.setValue(400)
     window.chat.prompt.setPlainText("Tell a long story")
     window.chat.send()
@@ -440,7 +440,7 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     window.worker.streamed.disconnect()
     window.worker.streamed.connect(window._on_streamed)
     started = []
-    window.worker.streamed.connect(lambda _t, _n: started or (started.append(1), window.unload()))
+    window.worker.streamed.connect(lambda _r, _t, _n: started or (started.append(1), window.unload()))
     window.chat.prompt.setPlainText("Another long one")
     window.chat.send()
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)

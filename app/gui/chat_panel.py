@@ -1,6 +1,7 @@
 """The chat pane: streaming answers, multi-turn with the cache kept, a system prompt, sampling
 settings, stop, regenerate, copy; under each answer its time to first token, tokens/s, total time
-and tokens."""
+and tokens. A model that reasons first (engine/reasoning.py) has its reasoning in a muted block above the answer, open
+while it streams ("Thinking…"), collapsed once the answer begins; a click opens or closes it."""
 
 from __future__ import annotations
 
@@ -61,8 +62,26 @@ def stats_line(result: dict) -> str:
     split = miss_split_text(result.get("offload") or {})
     if split:
         parts.append(split)
-    parts.append(FINISH.get(result.get("finish_reason"), result.get("finish_reason", "")))
+    finish = FINISH.get(result.get("finish_reason"), result.get("finish_reason", ""))
+    parts.append(finish + (" while reasoning, before any answer" if result.get("cut_in_reasoning") else ""))
     return " · ".join(parts)
+
+
+def reasoning_html(entry: dict, index: int, t) -> str:
+    """An answer's reasoning: a header that opens and closes it (an anchor), and the text, muted, when open."""
+    if not entry.get("reasoning"):
+        return ""
+    thinking = entry.get("streaming") and not entry["text"]
+    words = len(entry["reasoning"].split())
+    label = "Thinking…" if thinking else f"Reasoning · {words} word{'s' if words != 1 else ''}"
+    arrow = "▾" if entry.get("reasoning_open") else "▸"
+    head = (f"<p style='margin-top:2px; margin-bottom:0px; font-size:small'><a href='reasoning:{index}' "
+            f"style='color:{t.muted}; text-decoration:none'>{arrow} {label}</a></p>")
+    if not entry.get("reasoning_open"):
+        return head
+    text = html.escape(entry["reasoning"]).replace("\n", "<br>")
+    return head + (f"<p style='color:{t.muted}; margin-top:2px; margin-bottom:0px; margin-left:12px'>"
+                   f"<i>{text}</i></p>")
 
 
 class ChatPanel(QWidget):
@@ -74,7 +93,8 @@ class ChatPanel(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.setObjectName("chatPanel")
-        self.entries: list[dict] = []   # {"role": "user"|"assistant", "text", "stats", "result"}
+        # {"role": "user"|"assistant", "text", "stats", "result"}; an answer's also "reasoning", "reasoning_open"
+        self.entries: list[dict] = []
         self.busy = False
         self.loaded = False
         self._started = 0.0
@@ -229,7 +249,12 @@ class ChatPanel(QWidget):
                 return
 
     def _anchor(self, url: QUrl) -> None:
-        if url.scheme() == "copy":
+        if url.scheme() == "reasoning":
+            index = int(url.path() or url.host() or 0)
+            if 0 <= index < len(self.entries):
+                self.entries[index]["reasoning_open"] = not self.entries[index].get("reasoning_open")
+                self.render()
+        elif url.scheme() == "copy":
             index = int(url.path() or url.host() or 0)
             if 0 <= index < len(self.entries):
                 QGuiApplication.clipboard().setText(self.entries[index]["text"])
@@ -237,27 +262,45 @@ class ChatPanel(QWidget):
 
     # --- streaming -------------------------------------------------------------------------------
     def _begin_answer(self) -> None:
-        self.entries.append({"role": "assistant", "text": "", "stats": "", "streaming": True})
+        self.entries.append({"role": "assistant", "text": "", "reasoning": "", "reasoning_open": True, "stats": "",
+                             "streaming": True})
         self._started = time.monotonic()
         self._streamed = 0
         self.render()
         self.live.setText("Waiting for the first token…")
 
-    def append_text(self, delta: str, tokens: int = 1) -> None:
+    def append_text(self, delta: str, tokens: int = 1, reasoning: str = "") -> None:
+        """The answer's new text and its reasoning's. Text goes in at the document's end, which is where the answer
+        (or, before it begins, the open reasoning) ends; the entry is drawn again where that changes."""
         if not self.entries or not self.entries[-1].get("streaming"):
             return
         entry = self.entries[-1]
+        thinking_began = reasoning and not entry["reasoning"]
+        answer_began = delta and not entry["text"] and (entry["reasoning"] or reasoning)
+        reasoning_after_answer = reasoning and entry["text"] and entry["reasoning_open"]
+        entry["reasoning"] += reasoning
         entry["text"] += delta
         self._streamed += tokens
+        if answer_began:
+            entry["reasoning_open"] = False  # the answer is what matters now; the reasoning stays a click away
+        if thinking_began or answer_began or reasoning_after_answer:
+            self.render()
+        else:
+            self._insert_at_end((reasoning if entry["reasoning_open"] else "") + delta)
+        elapsed = time.monotonic() - self._started
+        doing = "Thinking" if entry["reasoning"] and not entry["text"] else "Generating"
+        self.live.setText(f"{doing}… {self._streamed} tokens in {elapsed:.1f} s")
+
+    def _insert_at_end(self, text: str) -> None:
+        if not text:
+            return
         bar = self.transcript.verticalScrollBar()
         at_bottom = bar.value() >= bar.maximum() - 4
         cursor = QTextCursor(self.transcript.document())
         cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertText(delta)
+        cursor.insertText(text)
         if at_bottom:
             bar.setValue(bar.maximum())
-        elapsed = time.monotonic() - self._started
-        self.live.setText(f"Generating… {self._streamed} tokens in {elapsed:.1f} s")
 
     def finish_answer(self, result: dict) -> None:
         if not self.entries or self.entries[-1]["role"] != "assistant":
@@ -266,6 +309,7 @@ class ChatPanel(QWidget):
         entry["streaming"] = False
         if result.get("finish_reason") != "error" or not entry["text"]:
             entry["text"] = result.get("text", entry["text"]) or entry["text"]
+            entry["reasoning"] = result.get("reasoning") or entry["reasoning"]
         entry["stats"] = stats_line(result)
         entry["result"] = result
         if result.get("finish_reason") == "error" and not entry["text"]:
@@ -307,8 +351,11 @@ class ChatPanel(QWidget):
                 if entry.get("stats"):
                     stats = (f"<p style='color:{t.muted}; font-size:small; margin-top:2px'>{html.escape(entry['stats'])}"
                              f" · <a href='copy:{index}' style='color:{t.accent}'>copy</a></p>")
+                # an answer not begun under open reasoning is left out: the reasoning streams in at the document's end
+                answer = (f"<p style='margin-top:2px; margin-bottom:0px'>{text}</p>"
+                          if text or not entry.get("reasoning") or not entry.get("reasoning_open") else "")
                 blocks.append(f"<p style='margin-top:8px; margin-bottom:0px'><span style='color:{t.accent}; font-size:small'>"
-                              f"<b>Model</b></span></p><p style='margin-top:2px; margin-bottom:0px'>{text}</p>{stats}")
+                              f"<b>Model</b></span></p>{reasoning_html(entry, index, t)}{answer}{stats}")
         self.transcript.setHtml("".join(blocks))
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 

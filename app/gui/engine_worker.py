@@ -59,7 +59,7 @@ class EngineWorker(QObject):
     inspected = Signal(object)         # app.gui.estimate.ModelFacts
     loadProgress = Signal(float)
     loaded = Signal(dict)              # path, load_s, device, statements, landed, entries
-    streamed = Signal(str, int)        # text, tokens: the answer so far, in batches (at most ~30 a second)
+    streamed = Signal(str, str, int)   # reasoning, answer, tokens: what came since the last, in batches (~30 a second)
     answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement, offload
     offloadStats = Signal(object)      # dict: placement and traffic (numpy), a few times a second while generating
     replanned = Signal(dict)           # statements, landed; by_engine: why, when the engine re-planned by itself
@@ -269,12 +269,14 @@ class EngineWorker(QObject):
             self._last_stats = time.perf_counter()
             self._decode_mark = None
             pending: list[str] = []
+            thoughts: list[str] = []  # the reasoning's pieces since the last batch (engine/reasoning.py)
             last_flush = [0.0]
 
             def flush() -> None:
                 if pending:
-                    self.streamed.emit("".join(pending), len(pending))
+                    self.streamed.emit("".join(thoughts), "".join(pending), len(pending))
                     pending.clear()
+                    thoughts.clear()
 
             def on_text(_token, delta):
                 pending.append(delta)
@@ -289,7 +291,8 @@ class EngineWorker(QObject):
             before = miss_split(getattr(self._model, "offload", None))
             decode_before = self._decode_phase()
             try:
-                result = conversation.send(text, params, on_text, self.cancel)
+                result = conversation.send(text, params, on_text, self.cancel,
+                                           on_reasoning=lambda _token, delta: thoughts.append(delta))
             finally:
                 flush()
             self._conversation = conversation
@@ -298,7 +301,8 @@ class EngineWorker(QObject):
             projected = self._projected_decode(decode_before, result.timings)
             if projected is not None:
                 timings["projected_decode_tokens_per_s"] = projected
-            self.answered.emit({"text": result.text, "finish_reason": result.finish_reason,
+            self.answered.emit({"text": result.text, "reasoning": result.reasoning,
+                                "cut_in_reasoning": result.cut_in_reasoning, "finish_reason": result.finish_reason,
                                 "timings": timings, "reused_cache_tokens": result.reused_cache_tokens,
                                 "routing_agreement": result.routing_agreement,
                                 "offload": {key: after[key] - before.get(key, 0) for key in after}})

@@ -542,9 +542,9 @@ class MainWindow(QMainWindow):
         self.status_device.setText(f"experts: {info['device']} · dense part: {info.get('dense_device', 'CPU')}")
         self._update_state()
 
-    @Slot(str, int)
-    def _on_streamed(self, text: str, tokens: int) -> None:
-        self.chat.append_text(text, tokens)
+    @Slot(str, str, int)
+    def _on_streamed(self, reasoning: str, text: str, tokens: int) -> None:
+        self.chat.append_text(text, tokens, reasoning)
         self.graphs.count_tokens(tokens)
 
     @Slot(dict)

@@ -198,14 +198,22 @@ class _Cancelled(Exception):
 
 
 class _SideStreams:
-    """Both columns' streamed text: every token's text kept (for the divergence mark), batches sent."""
+    """Both columns' streamed text: every token's text kept (for the divergence mark), its answer's and its
+    reasoning's apart (generate calls on_reasoning just before on_text, with every token), batches sent."""
 
     def __init__(self, ctx: JobContext, max_tokens: int):
         self.ctx, self.max_tokens = ctx, max(1, max_tokens)
         self.pieces: list[list[str]] = [[], []]
+        self.thoughts: list[list[str]] = [[], []]
         self._pending: list[list[str]] = [[], []]
+        self._pending_thoughts: list[list[str]] = [[], []]
         self._lock = threading.Lock()
         self._last = 0.0
+
+    def on_reasoning(self, side: int, _token, delta: str) -> None:
+        with self._lock:
+            self.thoughts[side].append(delta)
+            self._pending_thoughts[side].append(delta)
 
     def on_text(self, side: int, _token, delta: str) -> None:
         with self._lock:
@@ -219,8 +227,9 @@ class _SideStreams:
     def _flush(self) -> None:
         for side in (0, 1):
             if self._pending[side]:
-                self.ctx.stream({"side": side, "text": "".join(self._pending[side]), "tokens": len(self._pending[side])})
-                self._pending[side] = []
+                self.ctx.stream({"side": side, "text": "".join(self._pending[side]), "tokens": len(self._pending[side]),
+                                 "reasoning": "".join(self._pending_thoughts[side])})
+                self._pending[side], self._pending_thoughts[side] = [], []
         done = (len(self.pieces[0]) + len(self.pieces[1])) / 2
         self.ctx.progress(0.5 + 0.5 * min(1.0, done / self.max_tokens),
                           f"answering · {len(self.pieces[0])} and {len(self.pieces[1])} tokens")
@@ -236,6 +245,7 @@ class SideBySideResult:
     pieces: list[list[str]]     # each side's text per streamed token (an eos token streams no text)
     saved_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
+    thoughts: list[list[str]] = field(default_factory=lambda: [[], []])  # each side's reasoning per streamed token
 
 
 @dataclass
@@ -283,14 +293,15 @@ class SideBySideJob:
         streams = _SideStreams(ctx, params.max_new_tokens)
         try:
             comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,
-                                 concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel)
+                                 concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel,
+                                 on_reasoning=streams.on_reasoning)
         finally:
             if device is not None:  # the right model's queued copies done before its slots go back to CuPy's pool,
                 device.quiesce()    # which the loaded model's allocations share (CudaDevice.quiesce)
         streams.flush()
         cancelled = ctx.cancel.is_set() or any(not r.turns or r.turns[0]["finish_reason"] == "cancelled"
                                                for r in comparison.records if r is not None)
-        result = SideBySideResult(comparison, streams.pieces, cancelled=cancelled)
+        result = SideBySideResult(comparison, streams.pieces, cancelled=cancelled, thoughts=streams.thoughts)
         if not cancelled:
             history = History(self.history_path)
             result.saved_ids = [history.add(record) for record in comparison.records if record is not None]

@@ -1,11 +1,13 @@
 """Side-by-side chat: one prompt answered by the loaded model as it is (A) and by a modified copy (B:
 other budgets, placement or approximate routing through the offload entries, or another model
 folder), one after the other by default or at once; two streaming columns with the same statistics,
-the first token where the answers differ highlighted in both, a record for each side."""
+the first token where the answers differ highlighted in both, a record for each side. A model that reasons first
+(engine/reasoning.py) has its reasoning in a muted block above its answer."""
 
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from pathlib import Path
 
 from PySide6.QtCore import Signal
@@ -128,7 +130,7 @@ def side_stats(record) -> dict[str, str]:
 class Column(QGroupBox):
     def __init__(self, title: str, parent=None):
         super().__init__(title, parent)
-        self.text = ""
+        self.text = self.reasoning = ""
         self.tokens = 0
         self.answer = QTextBrowser()
         self.answer.setAccessibleName(f"{title} answer")
@@ -144,38 +146,56 @@ class Column(QGroupBox):
         layout.addLayout(grid)
 
     def clear(self) -> None:
-        self.text, self.tokens = "", 0
+        self.text, self.reasoning, self.tokens = "", "", 0
         self.answer.clear()
         for label in self.values.values():
             label.setText("—")
 
-    def append(self, text: str, tokens: int) -> None:
+    def append(self, text: str, tokens: int, reasoning: str = "") -> None:
         self.text += text
+        self.reasoning += reasoning
         self.tokens += tokens
-        self.answer.setPlainText(self.text)
+        if self.reasoning:
+            self.answer.setHtml(_with_reasoning(_escape(self.reasoning), _escape(self.text)))
+        else:
+            self.answer.setPlainText(self.text)
         self.values["tokens"].setText(f"{self.tokens} …")
 
     def show_failure(self, message: str) -> None:
-        self.text = ""
+        self.text = self.reasoning = ""
         self.answer.setPlainText(f"No answer: {message}")
         for label in self.values.values():
             label.setText("—")
 
-    def show_result(self, pieces: list[str], divergence: int | None, stats: dict[str, str]) -> None:
-        """The answer with the token at `divergence` highlighted (an end-of-answer mark when this
-        side stopped there)."""
-        self.text = "".join(pieces)
+    def show_result(self, pieces: list[str], divergence: int | None, stats: dict[str, str],
+                    thoughts: Sequence[str] = ()) -> None:
+        """The answer, below its reasoning (`thoughts`: its text per token, as `pieces` the answer's), with the token
+        at `divergence` highlighted: in the reasoning where the answer had not begun by then, else in the answer
+        (an end-of-answer mark when this side stopped there)."""
+        self.text, self.reasoning = "".join(pieces), "".join(thoughts)
         for name, value in stats.items():
             self.values[name].setText(value)
-        if divergence is None:
-            self.answer.setHtml(_escape(self.text))
-            return
-        t = theme.current()
-        mark = pieces[divergence] if divergence < len(pieces) else ""
-        shown = _escape(mark) if mark.strip() else ("∎ end" if divergence >= len(pieces) else "▯")
-        self.answer.setHtml(f"{_escape(''.join(pieces[:divergence]))}"
-                            f"<span style='background:{t.warn}; color:white'>{shown}</span>"
-                            f"{_escape(''.join(pieces[divergence + 1:]))}")
+        in_reasoning = (divergence is not None and bool(self.reasoning)
+                        and not "".join(pieces[:divergence + 1]).strip())
+        reasoning = _marked(list(thoughts), divergence) if in_reasoning else _escape(self.reasoning)
+        answer = _escape(self.text) if divergence is None or in_reasoning else _marked(pieces, divergence)
+        self.answer.setHtml(_with_reasoning(reasoning, answer) if self.reasoning else answer)
+
+
+def _marked(pieces: list[str], divergence: int) -> str:
+    """The pieces' text with the one at `divergence` highlighted (a mark where it shows nothing)."""
+    t = theme.current()
+    mark = pieces[divergence] if divergence < len(pieces) else ""
+    shown = _escape(mark) if mark.strip() else ("∎ end" if divergence >= len(pieces) else "▯")
+    return (f"{_escape(''.join(pieces[:divergence]))}<span style='background:{t.warn}; color:white'>{shown}</span>"
+            f"{_escape(''.join(pieces[divergence + 1:]))}")
+
+
+def _with_reasoning(reasoning: str, answer: str) -> str:
+    """An answer's HTML under its reasoning's, the reasoning muted and headed as such."""
+    muted = theme.current().muted
+    return (f"<p style='color:{muted}; font-size:small'><b>Reasoning</b><br><i>{reasoning}</i></p>"
+            f"<p>{answer}</p>")
 
 
 def _escape(text: str) -> str:
@@ -303,7 +323,7 @@ class SideBySideView(QWidget):
         self.bar.set_progress(fraction, text)
 
     def on_streamed(self, payload: dict) -> None:
-        (self.left, self.right)[payload["side"]].append(payload["text"], payload["tokens"])
+        (self.left, self.right)[payload["side"]].append(payload["text"], payload["tokens"], payload.get("reasoning", ""))
 
     def on_finished(self, result: SideBySideResult) -> None:
         self.result = result
@@ -311,11 +331,12 @@ class SideBySideView(QWidget):
         records = comparison.records if comparison else (None, None)
         failures = comparison.failures if comparison else (None, None)
         divergence = comparison.divergence if comparison else None
-        for column, record, pieces, failure in zip((self.left, self.right), records, result.pieces, failures):
+        for column, record, pieces, thoughts, failure in zip((self.left, self.right), records, result.pieces,
+                                                             result.thoughts, failures):
             if failure:
                 column.show_failure(failure)
             else:
-                column.show_result(pieces, divergence, side_stats(record))
+                column.show_result(pieces, divergence, side_stats(record), thoughts)
         if result.cancelled:
             self.divergence.setText("Cancelled: nothing saved.")
             self.bar.finish("Cancelled.")

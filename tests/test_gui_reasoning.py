@@ -1,0 +1,80 @@
+"""The chat pane with a model that reasons first (offscreen Qt, the real engine on a harmony fixture whose answer is
+forced): the reasoning streams in a block above the answer, which collapses when the answer begins; copy copies the
+answer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6.QtCore import QUrl  # noqa: E402
+from PySide6.QtGui import QGuiApplication  # noqa: E402
+
+from engine.decoder import PartitionedDecoder  # noqa: E402
+from engine.tokenizer import ModelTokenizer  # noqa: E402
+from tests.reasoning_models import ScriptedForward, harmony_folder  # noqa: E402
+from tests.test_gui import WAIT, load, make_window  # noqa: E402
+
+REASONING = "The user greets us. A short and friendly answer will do."
+ANSWER = "Hello there!"
+
+
+def test_the_reasoning_streams_above_the_answer_and_collapses_when_it_begins(qtbot, tmp_path, copy_fixture,
+                                                                             monkeypatch):
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    answer = (tokenizer.encode(f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final"
+                               f"<|message|>{ANSWER}") + [tokenizer.token_id("<|return|>")])
+    scripted = ScriptedForward(tokenizer.vocab_size, answer)
+
+    def slow_forward(_decoder, state, ids):  # slow enough for the window to show the reasoning alone first
+        time.sleep(0.05)
+        return scripted(state, ids)
+
+    monkeypatch.setattr(PartitionedDecoder, "forward", slow_forward)
+    window = make_window(qtbot, tmp_path)
+    try:
+        load(qtbot, window, folder)
+        chat = window.chat
+        chat.max_tokens.setValue(len(answer))
+        chat.prompt.setPlainText("Hi")
+        chat.send()
+        qtbot.waitUntil(lambda: "The user greets" in chat.transcript.toPlainText(), timeout=WAIT)
+        shown = chat.transcript.toPlainText()
+        assert "▾ Thinking…" in shown and ANSWER[:2] not in shown and chat.live.text().startswith("Thinking…")
+        qtbot.waitUntil(lambda: bool(not window.busy and chat.entries[-1].get("stats")), timeout=WAIT)
+        entry = chat.entries[-1]
+        assert (entry["text"], entry["reasoning"]) == (ANSWER, REASONING)
+        shown = chat.transcript.toPlainText()
+        assert "▸ Reasoning · 11 words" in shown and ANSWER in shown and "The user greets" not in shown
+        chat._anchor(QUrl("reasoning:1"))  # a click on the header opens it
+        shown = chat.transcript.toPlainText()
+        assert "▾ Reasoning · 11 words" in shown and shown.index(REASONING) < shown.index(ANSWER)
+        chat.copy_last()
+        assert QGuiApplication.clipboard().text() == ANSWER
+    finally:
+        window.close()
+
+
+def test_a_side_by_side_column_shows_the_reasoning_apart_and_marks_a_divergence_in_it(qtbot):
+    from app.gui.side_by_side_view import Column
+
+    column = Column("A")
+    qtbot.addWidget(column)
+    column.append("", 2, reasoning="Think ")
+    column.append("", 1, reasoning="hard")
+    assert column.answer.toPlainText() == "Reasoning\nThink hard\n"
+    column.append("Hi", 1)
+    assert column.answer.toPlainText() == "Reasoning\nThink hard\nHi"
+    # the answers part at token 1, inside the reasoning (this side's answer begins at token 3)
+    thoughts, pieces = ["Think ", "hard", "", ""], ["", "", "", "Hi"]
+    column.show_result(pieces, 1, {"tokens": "4"}, thoughts)
+    assert column.answer.toPlainText() == "Reasoning\nThink hard\nHi"
+    marked = column.answer.toHtml()
+    assert marked.index("hard") < marked.index("Hi") and "background-color" in marked.split("hard")[0][-200:]
+    column.show_result(pieces, 3, {"tokens": "4"}, thoughts)  # at token 3: in the answer
+    marked = column.answer.toHtml()
+    assert "background-color" in marked.split("Hi")[0][-200:] and "background-color" not in marked.split("hard")[0]
