@@ -30,7 +30,8 @@ class AnswerFormat:
         """A split for the answer to `prompt_tokens` (whose end may open the answer's first message or tag)."""
         if self.kind == "harmony":
             opening = _harmony_opening(tokenizer.decode(prompt_tokens, keep=self.marks))
-            return AnswerSplit(StreamDecoder(tokenizer, self.marks), lambda text, _ended: _split_harmony(opening + text))
+            return AnswerSplit(StreamDecoder(tokenizer, self.marks),
+                               lambda text, _ended: _split_harmony(opening + text))
         if self.kind == "think":
             opened = tokenizer.decode(prompt_tokens, keep=self.marks).rstrip().endswith(OPEN)
             return AnswerSplit(StreamDecoder(tokenizer, self.marks),

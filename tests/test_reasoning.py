@@ -4,6 +4,7 @@ into reasoning and answer as tokens stream, stop strings on the answer only, and
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -151,6 +152,23 @@ def test_an_answer_cut_inside_the_analysis_says_so(harmony_model, monkeypatch):
     assert result.reasoning and "".join(d for kind, _t, d in pieces if kind == "reasoning") == result.reasoning
 
 
+def test_an_answer_stopped_inside_the_analysis_is_reasoning_only(harmony_model, monkeypatch):
+    tokenizer = harmony_model.tokenizer
+    answer = tokenizer.encode(ANALYSIS_THEN_FINAL)
+    monkeypatch.setattr(harmony_model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, answer))
+    cancel, thoughts = threading.Event(), []
+
+    def on_reasoning(_token, delta):  # Stop pressed once the reasoning has shown some text
+        thoughts.append(delta)
+        if "".join(thoughts):
+            cancel.set()
+
+    result = generate(harmony_model, harmony_model.new_state(), [], tokenizer.encode(HARMONY_PROMPT),
+                      GenerationParams(max_new_tokens=64), cancel=cancel, on_reasoning=on_reasoning)
+    assert result.finish_reason == "cancelled" and result.cut_in_reasoning
+    assert result.text == "" and result.reasoning == "".join(thoughts) == tokenizer.decode(answer[7:8]) == "T"
+
+
 def test_the_history_keeps_the_final_answer_and_the_cache_check_refeeds(harmony_model, monkeypatch):
     """gpt-oss's template writes a past answer as its final channel and drops its analysis: the conversation keeps
     the final text as the answer's content, and since the cache holds the analysis the template no longer writes, the
@@ -210,3 +228,20 @@ def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony
     older = RunRecord.from_dict(older)
     assert "Reasoning" not in detail_html(older) and "Hello there!" in detail_html(older)
     assert "<h4>Reasoning 1</h4>" in compare_html(older, record)
+
+
+def test_a_think_conversation_keeps_the_answer_and_feeds_what_the_template_writes(copy_fixture, monkeypatch):
+    """A template that opens <think> and strips the reasoning from past answers, as Qwen3's: the answer holds only
+    </think>; the history keeps the text after it, and the next turn is fed as a fresh conversation would be."""
+    model = LoadedModel.open(think_folder(copy_fixture, opened=True))
+    tokenizer = model.tokenizer
+    first, second = (tokenizer.encode(text) + [0] for text in ("Say hello.\n</think>\n\nHello!", "</think>Bye."))
+    forward = ScriptedForward(tokenizer.vocab_size, first + second)
+    monkeypatch.setattr(model.decoder, "forward", forward)
+    chat = Conversation(model)
+    answer = chat.send("Hi", GenerationParams(max_new_tokens=64))
+    assert (answer.reasoning, answer.text) == ("Say hello.", "Hello!")
+    assert chat.messages[-1] == {"role": "assistant", "content": "Hello!"}
+    again = chat.send("Bye", GenerationParams(max_new_tokens=64))
+    assert (again.reasoning, again.text, again.reused_cache_tokens) == ("", "Bye.", 0)
+    assert forward.fed[-len(second)] == tokenizer.encode(tokenizer.render_chat(chat.messages[:-1]))

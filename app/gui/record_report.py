@@ -156,8 +156,8 @@ def compare_html(a: RunRecord, b: RunRecord, ids: tuple[int, int] | None = None)
     parts.append(_table(changed, ("entry", "A", "B")) if changed else "<p>Same offload entries.</p>")
     for index, (ta, tb) in enumerate(zip(a.turns, b.turns), start=1):
         if ta.get("reasoning") or tb.get("reasoning"):
-            parts.append(f"<h4>Reasoning {index}</h4>" + _table([(_text(ta.get("reasoning", ""), raw=True),
-                                                                   _text(tb.get("reasoning", ""), raw=True))], ("A", "B")))
+            reasoning = [(_text(ta.get("reasoning", ""), raw=True), _text(tb.get("reasoning", ""), raw=True))]
+            parts.append(f"<h4>Reasoning {index}</h4>" + _table(reasoning, ("A", "B")))
         parts.append(f"<h4>Answer {index}</h4>" + _table([(_text(ta.get("answer", ""), raw=True),
                                                             _text(tb.get("answer", ""), raw=True))], ("A", "B")))
     return "".join(parts)

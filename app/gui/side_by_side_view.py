@@ -323,7 +323,8 @@ class SideBySideView(QWidget):
         self.bar.set_progress(fraction, text)
 
     def on_streamed(self, payload: dict) -> None:
-        (self.left, self.right)[payload["side"]].append(payload["text"], payload["tokens"], payload.get("reasoning", ""))
+        column = (self.left, self.right)[payload["side"]]
+        column.append(payload["text"], payload["tokens"], payload.get("reasoning", ""))
 
     def on_finished(self, result: SideBySideResult) -> None:
         self.result = result
