@@ -175,12 +175,14 @@ class StreamDecoder:
     def __init__(self, tokenizer: ModelTokenizer, keep: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
         self._keep = keep
-        self._ids: list[int] = []
+        self._ids: list[int] = []  # with `keep`, the special tokens not kept are left out as they come
         self._emitted = ""
 
     def push(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, keep=self._keep)
+        # once a token here, not in every decode of the whole answer (ModelTokenizer.decode's pass over all its ids)
+        if not self._keep or token_id in self._keep or token_id not in self._tokenizer.special_ids:
+            self._ids.append(token_id)
+        text = self._decode()
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character is not complete yet
         return self._emit(text)
@@ -189,7 +191,10 @@ class StreamDecoder:
         """What push held back when the answer ends: bytes that never made a whole character (an answer cut inside
         one, or bytes a model writes that no character has) stay as U+FFFD, as a plain decode shows them. Without
         this, an answer whose every prefix ends so kept no text at all."""
-        return self._emit(self._tokenizer.decode(self._ids, keep=self._keep))
+        return self._emit(self._decode())
+
+    def _decode(self) -> str:
+        return self._tokenizer.decode(self._ids, skip_special_tokens=not self._keep)
 
     def _emit(self, text: str) -> str:
         delta = text[len(self._emitted):] if text.startswith(self._emitted) else text
