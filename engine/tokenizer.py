@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -63,13 +64,27 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' {% generation %}…{% endgeneration %} around an assistant's turn (LFM2.5's template has it): it
+    marks the tokens a training run learns from; a chat writes the body as it is, in a scope of its own as
+    transformers' call block gives it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 class ChatTemplate:
     """A chat template rendered in a sandbox: a model folder is data, never code."""
 
     def __init__(self, source: str, origin: str, special_tokens: dict[str, str | None]):
         self.origin = origin
         # The same environment transformers uses for chat templates, sandboxed, and bounded.
-        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                              extensions=["jinja2.ext.loopcontrols", _GenerationBlocks])
         env.globals["raise_exception"] = self._raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = _tojson
