@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from tokenizers import AddedToken, Tokenizer
 
+from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.reasoning import answer_format
 from engine.tokenizer import ModelTokenizer
+from tests.reasoning_models import ScriptedForward
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -47,3 +50,72 @@ def test_lfm25_template_with_its_generation_blocks_renders(copy_fixture):
         "<|start|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n")
     assert answer_format(tokenizer).kind == "think"
+
+
+def gptoss_folder(copy_fixture) -> Path:
+    """gpt-oss: harmony's marks are special tokens; <|return|> and <|call|> end an answer, <|end|> a message."""
+    return model_folder(copy_fixture, "gptoss", "openai-gpt-oss-120b.jinja",
+                        ("<|channel|>", "<|message|>", "<|return|>", "<|constrain|>", "<|call|>"),
+                        eos=("<|return|>", "<|call|>"))
+
+
+def qwen3_folder(copy_fixture, opened: bool = False) -> Path:
+    """Qwen3 (hybrid thinking), or with `opened` a Qwen3 "2507" Thinking model, whose generation prompt opens
+    <think>."""
+    folder = model_folder(copy_fixture, "qwen35moe", "Qwen-Qwen3-0.6B.jinja", ("<|im_start|>", "<|im_end|>"),
+                          ("<think>", "</think>"), ("<|im_end|>",))
+    if opened:
+        template = (folder / "chat_template.jinja").read_text().split("{%- if add_generation_prompt %}")[0]
+        (folder / "chat_template.jinja").write_text(
+            template + "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}")
+    return folder
+
+
+def lfm2_folder(copy_fixture) -> Path:
+    return model_folder(copy_fixture, "lfm2moe", "LiquidAI-LFM2.jinja", ("<|im_start|>", "<|im_end|>"),
+                        eos=("<|im_end|>",))
+
+
+@pytest.mark.parametrize("make, kind, generation_prompt", [
+    (gptoss_folder, "harmony", "<|start|>user<|message|>Why?<|end|><|start|>assistant"),
+    (qwen3_folder, "think", "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"),
+    (lambda copy: qwen3_folder(copy, opened=True), "think", "<|im_start|>assistant\n<think>\n"),
+    (lfm2_folder, "plain", "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n")])
+def test_real_templates_render_and_their_format_is_recognised(copy_fixture, make, kind, generation_prompt):
+    tokenizer = ModelTokenizer(make(copy_fixture))
+    rendered = tokenizer.render_chat(CONVERSATION)
+    assert rendered.endswith(generation_prompt) and "Be brief." in rendered and "Hello!" in rendered
+    assert answer_format(tokenizer).kind == kind
+
+
+# What each model writes after its generation prompt (its end-of-answer token follows), and its two parts.
+ANSWERS = {
+    "gpt-oss": [("<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final<|message|>"
+                 "Hello!", "The user greets.", "Hello!"),
+                ("<|channel|>final<|message|>No reason.", "", "No reason.")],  # low reasoning effort: final at once
+    "qwen3": [("<think>\nThe user greets.\n</think>\n\nHello!", "The user greets.", "Hello!"),
+              ("<think>\n\n</think>\n\nNo reason.", "", "No reason.")],  # /no_think: an empty block
+    "qwen3-thinking": [("The user greets.\n</think>\n\nHello!", "The user greets.", "Hello!"),
+                       ("Short.\n</think>\n\nNo reason.", "Short.", "No reason.")],
+    "lfm2": [("Hello!", "", "Hello!"), ("No reason.", "", "No reason.")]}
+FOLDERS = {"gpt-oss": (gptoss_folder, "<|return|>"), "qwen3": (qwen3_folder, "<|im_end|>"),
+           "qwen3-thinking": (lambda copy: qwen3_folder(copy, opened=True), "<|im_end|>"),
+           "lfm2": (lfm2_folder, "<|im_end|>")}
+
+
+@pytest.mark.parametrize("name", sorted(ANSWERS))
+def test_a_conversation_splits_each_answer_and_feeds_what_the_template_writes(copy_fixture, monkeypatch, name):
+    """Two turns: each answer split as the model writes it; the history holds the final text alone, and every turn
+    is fed as the real template renders the conversation so far (past reasoning dropped by gpt-oss's and Qwen3's)."""
+    make, end = FOLDERS[name]
+    model = LoadedModel.open(make(copy_fixture))
+    tokenizer = model.tokenizer
+    script = [token for text, _r, _a in ANSWERS[name] for token in tokenizer.encode(text) + [tokenizer.token_id(end)]]
+    monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, script))
+    chat = Conversation(model, system_prompt="Be brief.")
+    for user, (_text, reasoning, answer) in zip(("Hi", "Why?"), ANSWERS[name]):
+        result = chat.send(user, GenerationParams(max_new_tokens=64))
+        assert (result.finish_reason, result.reasoning, result.text) == ("eos", reasoning, answer)
+        assert chat.messages[-1] == {"role": "assistant", "content": answer}
+        fresh = tokenizer.encode(tokenizer.render_chat(chat.messages[:-1]))
+        assert chat.fed_tokens == fresh + result.tokens[:-1]
