@@ -318,8 +318,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     timings.agreement_s = meter.catch_up_s + meter.step_s if meter else 0.0
     timings.generated_tokens = len(generated)
     split.finish()  # an answer that ended otherwise (eos, a stop string, cancelled)
-    # what was held back as a possible stop string or closing tag, or an incomplete character
-    give_out(generated[-1], True, when_new=True)
+    if generated:  # what was held back as a possible stop string or closing tag, or an incomplete character
+        give_out(generated[-1], True, when_new=True)
     result = GenerationResult(list(prompt_tokens), generated, split.answer[:visible.shown], finish, timings,
                               reasoning=split.reasoning)
     if meter:

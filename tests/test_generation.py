@@ -250,6 +250,12 @@ def test_length_and_timings(model):
     assert 0 < t.prefill_s <= t.time_to_first_token_s <= t.total_s
 
 
+def test_no_new_tokens_is_the_prompt_alone(model):
+    """max_new_tokens=0 feeds the prompt and answers nothing (the last flush has no token to name)."""
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Hi"), greedy(0))
+    assert (result.tokens, result.text, result.reasoning, result.finish_reason) == ([], "", "", "length")
+
+
 def test_empty_prompt_is_refused(model):
     with pytest.raises(PromptError, match="empty"):
         generate(model, model.new_state(), [], [], greedy(3))
