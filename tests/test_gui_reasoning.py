@@ -78,3 +78,23 @@ def test_a_side_by_side_column_shows_the_reasoning_apart_and_marks_a_divergence_
     column.show_result(pieces, 3, {"tokens": "4"}, thoughts)  # at token 3: in the answer
     marked = column.answer.toHtml()
     assert "background-color" in marked.split("Hi")[0][-200:] and "background-color" not in marked.split("hard")[0]
+
+
+def test_copy_of_an_answer_stopped_while_reasoning_copies_its_reasoning(qtbot):
+    """Such an answer shows its reasoning alone, with a copy link under it: copy copies what it shows, not nothing
+    (the link) nor the answer before it (the Copy button)."""
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    chat.entries = [{"role": "user", "text": "Hi"}, {"role": "assistant", "text": "Hello!", "stats": "s"},
+                    {"role": "user", "text": "Why?"},
+                    {"role": "assistant", "text": "", "reasoning": "Because", "reasoning_open": True, "stats": "s"}]
+    chat.render()
+    chat.copy_last()
+    assert QGuiApplication.clipboard().text() == "Because"
+    QGuiApplication.clipboard().setText("")
+    chat._anchor(QUrl("copy:3"))
+    assert QGuiApplication.clipboard().text() == "Because"
+    chat._anchor(QUrl("copy:1"))
+    assert QGuiApplication.clipboard().text() == "Hello!"

@@ -84,6 +84,11 @@ def reasoning_html(entry: dict, index: int, t) -> str:
                    f"<i>{text}</i></p>")
 
 
+def copied_text(entry: dict) -> str:
+    """What copy copies of an answer: its text, or its reasoning where it has none (stopped while reasoning)."""
+    return entry["text"] or entry.get("reasoning", "")
+
+
 class ChatPanel(QWidget):
     sendRequested = Signal(str, dict)
     regenerateRequested = Signal(dict)
@@ -243,8 +248,8 @@ class ChatPanel(QWidget):
 
     def copy_last(self) -> None:
         for entry in reversed(self.entries):
-            if entry["role"] == "assistant" and entry["text"]:
-                QGuiApplication.clipboard().setText(entry["text"])
+            if entry["role"] == "assistant" and copied_text(entry):
+                QGuiApplication.clipboard().setText(copied_text(entry))
                 self.live.setText("Copied the last answer.")
                 return
 
@@ -257,7 +262,7 @@ class ChatPanel(QWidget):
         elif url.scheme() == "copy":
             index = int(url.path() or url.host() or 0)
             if 0 <= index < len(self.entries):
-                QGuiApplication.clipboard().setText(self.entries[index]["text"])
+                QGuiApplication.clipboard().setText(copied_text(self.entries[index]))
                 self.live.setText("Copied.")
 
     # --- streaming -------------------------------------------------------------------------------
