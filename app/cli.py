@@ -49,6 +49,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      "by this (default 1.0: none)")
     gen.add_argument("--seed", type=int, help="the sampler's seed, for a repeatable sampled answer (with --temperature)")
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    gen.add_argument("--reasoning", help="the chat template's reasoning setting, where it has one: low, medium or high "
+                                         "(gpt-oss's effort), on or off (Qwen3's thinking); default: the template's")
     gen.add_argument("--threads", type=at_least(0), help="CPU threads for expert kernels, at most the cores (default "
                      "or 0: automatic, every core less those other processes keep busy)")
     _add_device_arguments(gen)
@@ -279,7 +281,8 @@ def _generation_params(args):
         sampling.validate()
     except ValueError as exc:
         raise WorkbenchError(_as_options(str(exc), SAMPLING_OPTIONS)) from None
-    return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop))
+    return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
+                            reasoning=args.reasoning)
 
 
 class _StreamedAnswer:
@@ -346,6 +349,14 @@ def _cmd_generate(args) -> int:
     params = _generation_params(args)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
+    if args.reasoning is not None:  # checked before the model loads: its chat template says what it takes
+        if args.raw:
+            raise PromptError("--reasoning is a chat template setting: it does nothing with --raw")
+        from engine.model_folder import folder_path
+        from engine.reasoning import reasoning_variables
+        from engine.tokenizer import ModelTokenizer
+
+        reasoning_variables(ModelTokenizer(folder_path(args.model)), args.reasoning)
     config, device = _offload_setup(args)
     if config is not None and args.threads and not config.cpu_threads:  # the offload engine sets the threads then
         config = config.updated(cpu_threads=args.threads)

@@ -17,7 +17,7 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
 from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason
-from engine.reasoning import AnswerFormat, answer_format
+from engine.reasoning import AnswerFormat, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
 
 
@@ -26,6 +26,7 @@ class GenerationParams:
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     stop_strings: tuple[str, ...] = ()
+    reasoning: str | None = None  # the chat template's reasoning setting (engine/reasoning.py); None: its default
 
 
 @dataclass
@@ -351,7 +352,8 @@ class Conversation:
         if not user_text.strip():
             raise PromptError("the prompt is empty")
         messages = self.messages + [{"role": "user", "content": user_text}]
-        text = self.model.tokenizer.render_chat(messages, add_generation_prompt=True)
+        variables = reasoning_variables(self.model.tokenizer, params.reasoning)
+        text = self.model.tokenizer.render_chat(messages, add_generation_prompt=True, variables=variables)
         if self.state is None:
             self.state = self.model.new_state()
         if self._rendered is None or not text.startswith(self._rendered):

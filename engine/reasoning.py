@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from engine.errors import PromptError
 from engine.tokenizer import ModelTokenizer, StreamDecoder
 
 HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
@@ -142,3 +143,32 @@ def _split_think(text: str, opened: bool, ended: bool) -> tuple[str, str]:
         held = next((n for n in range(min(len(CLOSE) - 1, len(body)), 0, -1) if body.endswith(CLOSE[:n])), 0)
         body = body[:len(body) - held]
     return body.strip(), ""
+
+
+# The reasoning settings real chat templates read: gpt-oss's `reasoning_effort` (its system message says "Reasoning:
+# low|medium|high", "medium" where unset) and Qwen3's `enable_thinking` (false: the template writes an empty think
+# block, so the model answers at once). Where a template reads neither, it has no such setting.
+EFFORTS = ("low", "medium", "high")
+THINKING = ("on", "off")
+
+
+def reasoning_choices(tokenizer: ModelTokenizer) -> tuple[str, ...]:
+    """The values the model's chat template takes for its reasoning setting (ReasoningChoice), () where it has none."""
+    source = tokenizer.chat_template.source if tokenizer.chat_template is not None else ""
+    if "reasoning_effort" in source:
+        return EFFORTS
+    if "enable_thinking" in source:
+        return THINKING
+    return ()
+
+
+def reasoning_variables(tokenizer: ModelTokenizer, choice: str | None) -> dict:
+    """The chat template's variables for `choice` (None: the template's own default); a PromptError naming the
+    values this model takes where it takes another."""
+    if choice is None:
+        return {}
+    choices = reasoning_choices(tokenizer)
+    if choice not in choices:
+        takes = f"takes {', '.join(choices)}" if choices else "has no reasoning setting"
+        raise PromptError(f"reasoning '{choice}': this model's chat template {takes}")
+    return {"reasoning_effort": choice} if choices == EFFORTS else {"enable_thinking": choice == "on"}

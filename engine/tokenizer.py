@@ -99,11 +99,12 @@ class ChatTemplate:
     def _raise(self, message: str):
         raise PromptError(f"{self.origin}: the chat template refused the conversation: {message}")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+        """`variables`: what else the template reads (a reasoning setting: engine/reasoning.py)."""
         self._env.deadline = time.monotonic() + RENDER_LIMIT_S
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special)
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special, **(variables or {}))
         except WorkbenchError:  # raise_exception's refusal
             raise
         except Exception as exc:  # the template's own faults: 1/0, a recursion, a loop too long, too much memory
@@ -176,11 +177,11 @@ class ModelTokenizer:
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
         if self.chat_template is None:
             raise PromptError("this model has no chat template (in tokenizer_config.json or chat_template.jinja), which a "
                               "chat needs: 'moe-workbench generate --raw' feeds a prompt as it is")
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, variables)
 
 
 class StreamDecoder:

@@ -102,6 +102,10 @@ def test_bad_sampling_value():
     assert_clean_error(result, "--top-p must be in (0, 1], got 0.0")  # the option the user typed, not the field
     result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--seed", "-5")
     assert_clean_error(result, "--seed must be >= 0, got -5")  # before the model loads (it was an internal error after)
+    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--reasoning", "high")
+    assert_clean_error(result, "reasoning 'high': this model's chat template has no reasoning setting")
+    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--raw", "--reasoning", "high")
+    assert_clean_error(result, "--reasoning is a chat template setting: it does nothing with --raw")
     result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "nan")
     assert_clean_error(result, "--temperature must be a number >= 0, got nan")
 

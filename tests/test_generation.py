@@ -59,9 +59,9 @@ def test_a_turn_that_fails_after_the_template_rerendered_the_conversation_leaves
     chat.send("Hello", greedy(6))
     render, renders = model.tokenizer.render_chat, []
 
-    def dated_once(messages, add_generation_prompt=True):  # the second turn's render only: a date line at the top
+    def dated_once(messages, add_generation_prompt=True, variables=None):  # the second turn's only: a date on top
         renders.append(messages)
-        text = render(messages, add_generation_prompt)
+        text = render(messages, add_generation_prompt, variables)
         return "Today is Monday.\n" + text if len(renders) == 1 else text
 
     monkeypatch.setattr(model.tokenizer, "render_chat", dated_once)

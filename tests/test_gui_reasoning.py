@@ -98,3 +98,24 @@ def test_copy_of_an_answer_stopped_while_reasoning_copies_its_reasoning(qtbot):
     assert QGuiApplication.clipboard().text() == "Because"
     chat._anchor(QUrl("copy:1"))
     assert QGuiApplication.clipboard().text() == "Hello!"
+
+
+def test_the_reasoning_setting_offers_what_the_loaded_models_template_takes_and_keeps_the_users_choice(qtbot):
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    assert not chat.reasoning.isEnabled() and chat.options()["reasoning"] is None
+    chat.set_reasoning_choices(["low", "medium", "high"])  # a gpt-oss model loads
+    assert chat.reasoning.isEnabled() and chat.reasoning.itemText(0) == "model default"
+    chat.reasoning.setCurrentIndex(chat.reasoning.findData("high"))
+    chat.reasoning.activated.emit(chat.reasoning.currentIndex())  # as the user's pick
+    assert chat.options()["reasoning"] == "high"
+    chat.set_reasoning_choices([])  # a model without the setting: nothing is sent, the pick is kept
+    assert chat.options()["reasoning"] is None and chat.reasoning.currentText() == "none in this model"
+    chat.set_reasoning_choices(["low", "medium", "high"])
+    assert chat.options()["reasoning"] == "high"
+    chat.set_options({"reasoning": "on"})  # saved for a Qwen3 model, restored beside a gpt-oss one: the default
+    assert chat.options()["reasoning"] is None
+    chat.set_reasoning_choices(["on", "off"])
+    assert chat.options()["reasoning"] == "on"

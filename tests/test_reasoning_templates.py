@@ -11,7 +11,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer
 
 from engine.generation import Conversation, GenerationParams, LoadedModel
-from engine.reasoning import answer_format
+from engine.errors import PromptError
+from engine.reasoning import answer_format, reasoning_choices, reasoning_variables
 from engine.tokenizer import ModelTokenizer
 from tests.reasoning_models import ScriptedForward
 
@@ -119,3 +120,34 @@ def test_a_conversation_splits_each_answer_and_feeds_what_the_template_writes(co
         assert chat.messages[-1] == {"role": "assistant", "content": answer}
         fresh = tokenizer.encode(tokenizer.render_chat(chat.messages[:-1]))
         assert chat.fed_tokens == fresh + result.tokens[:-1]
+
+
+@pytest.mark.parametrize("make, choices", [(gptoss_folder, ("low", "medium", "high")), (qwen3_folder, ("on", "off")),
+                                           (lfm2_folder, ())])
+def test_the_reasoning_setting_is_what_each_template_reads(copy_fixture, make, choices):
+    tokenizer = ModelTokenizer(make(copy_fixture))
+    assert reasoning_choices(tokenizer) == choices
+    with pytest.raises(PromptError) as error:
+        reasoning_variables(tokenizer, "maximal")
+    assert str(error.value) == ("reasoning 'maximal': this model's chat template "
+                                + (f"takes {', '.join(choices)}" if choices else "has no reasoning setting"))
+
+
+@pytest.mark.parametrize("name, setting, fed", [("gpt-oss", "low", "Reasoning: low"),
+                                                ("gpt-oss", "high", "Reasoning: high"),
+                                                ("qwen3", "off", "<think>\n\n</think>\n\n")])
+def test_a_conversation_feeds_the_reasoning_setting_to_the_template(copy_fixture, monkeypatch, name, setting, fed):
+    """gpt-oss's effort goes into its system message (medium where unset); Qwen3 with thinking off has the template
+    write an empty think block after the generation prompt, so the model answers at once."""
+    make, end = FOLDERS[name]
+    model = LoadedModel.open(make(copy_fixture))
+    tokenizer = model.tokenizer
+    script = tokenizer.encode(ANSWERS[name][1][0]) + [tokenizer.token_id(end)]
+    monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, script))
+    chat = Conversation(model)
+    default = tokenizer.decode(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "Hi"}])),
+                               skip_special_tokens=False)
+    result = chat.send("Hi", GenerationParams(max_new_tokens=64, reasoning=setting))
+    prompt = tokenizer.decode(chat.fed_tokens[:len(chat.fed_tokens) - len(result.tokens) + 1], skip_special_tokens=False)
+    assert fed in prompt and fed not in default
+    assert result.text == ANSWERS[name][1][2]

@@ -10,7 +10,7 @@ import time
 
 from PySide6.QtCore import Qt, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent, QTextCursor
-from PySide6.QtWidgets import (QDoubleSpinBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QToolButton,
                                QVBoxLayout, QWidget)
 
@@ -158,6 +158,13 @@ class ChatPanel(QWidget):
         self.seed.setSpecialValueText("random")
         self.stops = QLineEdit()
         self.stops.setPlaceholderText("stop texts, separated by |")
+        # the chat template's reasoning setting (gpt-oss: effort; Qwen3: thinking on or off), where it has one
+        self.reasoning = QComboBox()
+        self.reasoning.setAccessibleName("Reasoning")
+        self.reasoning.setToolTip("What the model's chat template takes for reasoning: gpt-oss's effort (low, medium, "
+                                  "high), Qwen3's thinking (on, off); 'model default' leaves it to the template")
+        self._wanted_reasoning: str | None = None  # the setting kept while a model without one is loaded
+        self.set_reasoning_choices([])
         self.settings_frame = QFrame()
         grid = QGridLayout(self.settings_frame)
         grid.setContentsMargins(0, 0, 0, 0)
@@ -173,7 +180,11 @@ class ChatPanel(QWidget):
         stop_label = QLabel("Stop at")
         stop_label.setBuddy(self.stops)
         grid.addWidget(stop_label, 3, 0)
-        grid.addWidget(self.stops, 3, 1, 1, 5)
+        grid.addWidget(self.stops, 3, 1, 1, 3)
+        reasoning_label = QLabel("Reasoning")
+        reasoning_label.setBuddy(self.reasoning)
+        grid.addWidget(reasoning_label, 3, 4)
+        grid.addWidget(self.reasoning, 3, 5)
         self.settings_frame.hide()
         self.settings_button.toggled.connect(self.settings_frame.setVisible)
 
@@ -200,6 +211,7 @@ class ChatPanel(QWidget):
         self.regenerate_button.clicked.connect(self.regenerate)
         self.copy_button.clicked.connect(self.copy_last)
         self.new_button.clicked.connect(self.new_chat)
+        self.reasoning.activated.connect(lambda _index: setattr(self, "_wanted_reasoning", self.reasoning.currentData()))
         self.set_state(busy=False, loaded=False)
         self.render()
 
@@ -208,7 +220,8 @@ class ChatPanel(QWidget):
         return {"max_new_tokens": self.max_tokens.value(), "temperature": self.temperature.value(),
                 "top_k": self.top_k.value(), "top_p": self.top_p.value(),
                 "repetition_penalty": self.repetition.value(), "seed": self.seed.value(),
-                "stop_strings": [s for s in self.stops.text().split("|") if s.strip()]}
+                "stop_strings": [s for s in self.stops.text().split("|") if s.strip()],
+                "reasoning": self.reasoning.currentData()}
 
     def set_options(self, options: dict) -> None:
         self.max_tokens.setValue(int(options.get("max_new_tokens", 256)))
@@ -218,6 +231,23 @@ class ChatPanel(QWidget):
         self.repetition.setValue(float(options.get("repetition_penalty", 1.0)))
         self.seed.setValue(int(options.get("seed", -1)))
         self.stops.setText("|".join(options.get("stop_strings", [])))
+        self._wanted_reasoning = options.get("reasoning")
+        self._select_reasoning()
+
+    def set_reasoning_choices(self, choices: list[str]) -> None:
+        """The loaded model's reasoning values (engine/reasoning.py), none for a template without the setting."""
+        self.reasoning.blockSignals(True)
+        self.reasoning.clear()
+        self.reasoning.addItem("model default" if choices else "none in this model", None)
+        for choice in choices:
+            self.reasoning.addItem(choice, choice)
+        self.reasoning.setEnabled(bool(choices))
+        self.reasoning.blockSignals(False)
+        self._select_reasoning()
+
+    def _select_reasoning(self) -> None:
+        index = self.reasoning.findData(self._wanted_reasoning)
+        self.reasoning.setCurrentIndex(max(0, index))
 
     # --- actions ---------------------------------------------------------------------------------
     def send(self) -> None:

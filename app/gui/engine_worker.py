@@ -37,6 +37,7 @@ from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
+from engine.reasoning import reasoning_choices
 from engine.sampling import SamplingParams
 from engine.units import human_bytes
 from kernels.cpu.threads import binding_warning
@@ -188,7 +189,8 @@ class EngineWorker(QObject):
                               "device": device.name if device is not None else "CPU only",
                               "dense_device": "GPU" if model.dense_device == "cuda" else "CPU",
                               "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
-                              "entries": config.to_entries(), "is_demo": self._facts.is_demo})
+                              "entries": config.to_entries(), "is_demo": self._facts.is_demo,
+                              "reasoning_choices": list(reasoning_choices(model.tokenizer))})
             self._emit_stats()
             # the CPU kernels, the offload engine's bookkeeping and the host-part worker's loop compiled now (a first
             # run on this machine: tens of seconds a layout), not in the first answer's time to its first token;
@@ -259,7 +261,7 @@ class EngineWorker(QObject):
             raise WorkbenchError(str(exc)) from None
         stops = tuple(s for s in options.get("stop_strings", ()) if s)
         return GenerationParams(max_new_tokens=max(1, int(options.get("max_new_tokens", 256))), sampling=sampling,
-                                stop_strings=stops)
+                                stop_strings=stops, reasoning=options.get("reasoning"))
 
     def _run_turn(self, conversation, text: str, options: dict) -> None:
         self.cancel.clear()

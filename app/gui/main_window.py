@@ -533,6 +533,7 @@ class MainWindow(QMainWindow):
         self.save_model_settings(info["path"], settings)
         self.watch.reset()
         self.chat.entries.clear()  # a load starts a new conversation
+        self.chat.set_reasoning_choices(info.get("reasoning_choices", []))
         self.chat.render()
         self.chat.live.setText(f"New conversation with {Path(info['path']).name}.")
         self.graphs.add_marker("loaded", "load")
