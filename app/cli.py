@@ -39,14 +39,15 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", help="system prompt (chat template only)")
     gen.add_argument("--max-new-tokens", type=at_least(1), default=128, help="answer length limit (default 128)")
     sampling = gen.add_mutually_exclusive_group()
-    sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
+    sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (without this or "
+                          "--temperature: the model's own defaults, genai_config.json's search: greedy unless it samples)")
     sampling.add_argument("--temperature", type=float, help="sample with this temperature")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (with --temperature; "
-                     "default 0: all)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens holding this "
-                     "probability (with --temperature; default 1.0: all)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the logits of tokens seen so far "
-                     "by this (default 1.0: none)")
+    gen.add_argument("--top-k", type=int, help="sample from the k most likely tokens (with --temperature: default 0, "
+                     "all; else the model's)")
+    gen.add_argument("--top-p", type=float, help="sample from the most likely tokens holding this probability (with "
+                     "--temperature: default 1.0, all; else the model's)")
+    gen.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens seen so far by this (with "
+                     "--greedy or --temperature: default 1.0, none; else the model's)")
     gen.add_argument("--seed", type=int, help="the sampler's seed, for a repeatable sampled answer (with --temperature)")
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     gen.add_argument("--reasoning", help="the chat template's reasoning setting, where it has one: low, medium or high "
@@ -263,24 +264,33 @@ def _as_options(message: str, names: dict[str, str]) -> str:
 
 
 def _generation_params(args):
+    from dataclasses import replace
+
     from engine.generation import GenerationParams
-    from engine.sampling import SamplingParams
+    from engine.genai_config import load_genai_config
+    from engine.model_folder import folder_path
+    from engine.sampling import SamplingParams, describe, model_sampling
 
     if args.raw and args.system:
         raise WorkbenchError("--system needs the chat template, which --raw leaves out")
     if any(not stop for stop in args.stop):
         raise WorkbenchError("--stop needs some text (an empty one would stop at the first token)")
-    if not args.temperature and (args.top_k or args.top_p != 1.0 or args.seed is not None):
-        print("warning: --top-k, --top-p and --seed apply only when sampling (--temperature above 0); this answer is "
-              "greedy", file=sys.stderr, flush=True)
-    sampling = SamplingParams(
-        do_sample=args.temperature is not None and args.temperature > 0,
-        temperature=args.temperature if args.temperature is not None else 1.0,
-        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+    own = args.temperature is None and not args.greedy  # the model's defaults, as onnxruntime-genai takes them
+    base = (model_sampling(load_genai_config(folder_path(args.model))) if own else
+            SamplingParams(do_sample=bool(args.temperature), temperature=args.temperature or 1.0))
+    given = {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p),
+                                             ("repetition_penalty", args.repetition_penalty)) if value is not None}
+    sampling = replace(base, seed=args.seed, **given)
     try:
         sampling.validate()
     except ValueError as exc:
         raise WorkbenchError(_as_options(str(exc), SAMPLING_OPTIONS)) from None
+    if not sampling.do_sample and (args.top_k is not None or args.top_p is not None or args.seed is not None):
+        print("warning: --top-k, --top-p and --seed apply only when sampling (--temperature above 0, or a model whose "
+              "genai_config.json samples); this answer is greedy", file=sys.stderr, flush=True)
+    elif own and sampling.do_sample:
+        print(f"sampling as the model's genai_config.json says: {describe(sampling)} (--greedy for greedy answers)",
+              file=sys.stderr, flush=True)
     return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
                             reasoning=args.reasoning)
 

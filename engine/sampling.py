@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.errors import ModelFileError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +31,34 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty}")
         if self.seed is not None and self.seed < 0:  # NumPy's generators take none below 0
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+def model_sampling(config) -> SamplingParams:
+    """A model's own sampling defaults: genai_config.json's search section (which the builder copies from the model's
+    generation_config: Qwen3's temperature 0.6, top-k 20, top-p 0.95, where greedy decoding makes thinking models
+    repeat themselves), greedy unless it says do_sample, as onnxruntime-genai reads it; a value it refuses is named."""
+    search = config.search
+    params = SamplingParams(do_sample=search.do_sample and search.temperature > 0, temperature=search.temperature,
+                            top_k=search.top_k, top_p=search.top_p, repetition_penalty=search.repetition_penalty)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ModelFileError(f"{config.path}: search: {exc}") from None
+    return params
+
+
+def describe(params: SamplingParams) -> str:
+    """'greedy', or the sampling settings in the words of the chat's settings and generate's options."""
+    if not params.do_sample:
+        return "greedy"
+    words = [f"temperature {params.temperature:g}"]
+    if params.top_k:
+        words.append(f"top-k {params.top_k}")
+    if params.top_p < 1:
+        words.append(f"top-p {params.top_p:g}")
+    if params.repetition_penalty != 1:
+        words.append(f"repetition penalty {params.repetition_penalty:g}")
+    return ", ".join(words)
 
 
 class Sampler:

@@ -391,3 +391,27 @@ def test_errors_name_the_options_the_user_typed(tmp_path, capsys):
     status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
                               "--repetition-penalty", "0")
     assert status == 2 and "--repetition-penalty must be a number > 0" in err
+
+
+def test_generate_samples_as_the_models_genai_config_says_unless_told(copy_fixture, capsys):
+    """Without --greedy or --temperature the model's own defaults apply (genai_config.json's search, as
+    onnxruntime-genai reads it): said on standard error; the options given replace them one by one."""
+    folder = copy_fixture("qwen35moe")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"].update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    run = ("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "6", "--json")
+    status, out, err = _main(capsys, *run, "--seed", "3")
+    assert status == 0 and "sampling as the model's genai_config.json says: temperature 0.6, top-k 20, top-p 0.95 " \
+                           "(--greedy for greedy answers)" in err
+    tokens = json.loads(out)["tokens"]
+    assert json.loads(_main(capsys, *run, "--seed", "3")[1])["tokens"] == tokens  # its seed repeats it
+    status, _out, err = _main(capsys, *run, "--top-k", "1", "--seed", "3")
+    assert status == 0 and "says: temperature 0.6, top-k 1, top-p 0.95 (" in err  # what is given replaces its own
+    status, greedy_out, err = _main(capsys, *run, "--greedy")
+    assert status == 0 and "sampling as" not in err
+    assert json.loads(greedy_out)["tokens"] == json.loads(_main(capsys, *run, "--temperature", "0")[1])["tokens"]
+    config["search"]["temperature"] = -1.0
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    status, _out, err = _main(capsys, *run)
+    assert status == 2 and "genai_config.json: search: temperature must be a number >= 0, got -1.0" in err

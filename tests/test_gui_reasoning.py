@@ -119,3 +119,23 @@ def test_the_reasoning_setting_offers_what_the_loaded_models_template_takes_and_
     assert chat.options()["reasoning"] is None
     chat.set_reasoning_choices(["on", "off"])
     assert chat.options()["reasoning"] == "on"
+
+
+def test_model_defaults_fill_in_the_models_own_sampling_and_a_greedy_chat_is_told_of_them(qtbot):
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    assert not chat.model_defaults_button.isEnabled() and chat.model_sampling_hint() == ""
+    chat.set_model_sampling({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0,
+                             "words": "temperature 0.6, top-k 20, top-p 0.95"})
+    assert chat.model_sampling_hint() == (" Its genai_config.json samples (temperature 0.6, top-k 20, top-p 0.95); these "
+                                          "answers are greedy: Settings ▸ Model defaults.")
+    chat.model_defaults_button.click()
+    options = chat.options()
+    assert (options["temperature"], options["top_k"], options["top_p"]) == (0.6, 20, 0.95)
+    assert chat.model_sampling_hint() == ""  # sampling now
+    chat.set_model_sampling({"temperature": 0.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
+                             "words": "greedy"})
+    chat.model_defaults_button.click()
+    assert chat.options()["temperature"] == 0.0 and chat.model_sampling_hint() == ""

@@ -165,6 +165,9 @@ class ChatPanel(QWidget):
                                   "high), Qwen3's thinking (on, off); 'model default' leaves it to the template")
         self._wanted_reasoning: str | None = None  # the setting kept while a model without one is loaded
         self.set_reasoning_choices([])
+        self.model_defaults_button = QPushButton("Model defaults")
+        self._model_sampling: dict | None = None  # the loaded model's own sampling (genai_config.json's search)
+        self.set_model_sampling(None)
         self.settings_frame = QFrame()
         grid = QGridLayout(self.settings_frame)
         grid.setContentsMargins(0, 0, 0, 0)
@@ -185,6 +188,7 @@ class ChatPanel(QWidget):
         reasoning_label.setBuddy(self.reasoning)
         grid.addWidget(reasoning_label, 3, 4)
         grid.addWidget(self.reasoning, 3, 5)
+        grid.addWidget(self.model_defaults_button, 4, 5)
         self.settings_frame.hide()
         self.settings_button.toggled.connect(self.settings_frame.setVisible)
 
@@ -212,6 +216,7 @@ class ChatPanel(QWidget):
         self.copy_button.clicked.connect(self.copy_last)
         self.new_button.clicked.connect(self.new_chat)
         self.reasoning.activated.connect(lambda _index: setattr(self, "_wanted_reasoning", self.reasoning.currentData()))
+        self.model_defaults_button.clicked.connect(self.use_model_sampling)
         self.set_state(busy=False, loaded=False)
         self.render()
 
@@ -244,6 +249,28 @@ class ChatPanel(QWidget):
         self.reasoning.setEnabled(bool(choices))
         self.reasoning.blockSignals(False)
         self._select_reasoning()
+
+    def set_model_sampling(self, sampling: dict | None) -> None:
+        """The loaded model's own sampling settings (engine_worker._model_sampling), which Model defaults fills in."""
+        self._model_sampling = sampling
+        self.model_defaults_button.setEnabled(sampling is not None)
+        self.model_defaults_button.setToolTip(
+            f"Use the model's own sampling settings (its genai_config.json): {sampling['words']}" if sampling
+            else "No model loaded, or its genai_config.json's search section holds a value the sampler refuses")
+
+    def use_model_sampling(self) -> None:
+        if self._model_sampling is not None:
+            self.temperature.setValue(self._model_sampling["temperature"])
+            self.top_k.setValue(self._model_sampling["top_k"])
+            self.top_p.setValue(self._model_sampling["top_p"])
+            self.repetition.setValue(self._model_sampling["repetition_penalty"])
+
+    def model_sampling_hint(self) -> str:
+        """What to say when a model that samples by its own defaults loads while the chat answers greedily."""
+        if self._model_sampling is None or not self._model_sampling["temperature"] or self.temperature.value():
+            return ""
+        return (f" Its genai_config.json samples ({self._model_sampling['words']}); these answers are greedy: "
+                "Settings ▸ Model defaults.")
 
     def _select_reasoning(self) -> None:
         index = self.reasoning.findData(self._wanted_reasoning)

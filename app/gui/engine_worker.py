@@ -38,7 +38,7 @@ from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
 from engine.reasoning import reasoning_choices
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, describe, model_sampling
 from engine.units import human_bytes
 from kernels.cpu.threads import binding_warning
 
@@ -190,7 +190,8 @@ class EngineWorker(QObject):
                               "dense_device": "GPU" if model.dense_device == "cuda" else "CPU",
                               "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo,
-                              "reasoning_choices": list(reasoning_choices(model.tokenizer))})
+                              "reasoning_choices": list(reasoning_choices(model.tokenizer)),
+                              "sampling": _model_sampling(model)})
             self._emit_stats()
             # the CPU kernels, the offload engine's bookkeeping and the host-part worker's loop compiled now (a first
             # run on this machine: tens of seconds a layout), not in the first answer's time to its first token;
@@ -498,6 +499,17 @@ def split_sentence(split: dict) -> str:
     kept = "whole layers" if split.get("whole_layers") else "the budget spread over every layer"
     return (f"Layer split measured while decoding: {kept} (a decode step took {measured['whole']:.1f} ms with whole "
             f"layers, {measured['spread']:.1f} ms spread).")
+
+
+def _model_sampling(model) -> dict | None:
+    """The model's own sampling defaults (genai_config.json's search) for the chat's Model defaults, with their words;
+    None where the search section holds a value the sampler refuses (the chat keeps its own settings then)."""
+    try:
+        params = model_sampling(model.config)
+    except WorkbenchError:
+        return None
+    return {"temperature": params.temperature if params.do_sample else 0.0, "top_k": params.top_k,
+            "top_p": params.top_p, "repetition_penalty": params.repetition_penalty, "words": describe(params)}
 
 
 def _layer_split(settings: dict) -> str:
