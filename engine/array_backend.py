@@ -37,6 +37,18 @@ class ArrayBackend:
             with self._scope():
                 dst[:, :, :kept] = src[:, :, :kept]
 
+    def to_host(self, array) -> np.ndarray:
+        """A copy of `array` in host memory (a state snapshot: no device memory beside the budgets)."""
+        return np.array(self.to_numpy(array), copy=True)
+
+    def load(self, dst, host: np.ndarray) -> None:
+        """dst[..., :n, :] (n: host's length on the token axis, the whole of dst for a state of fixed shape) = host."""
+        with self._scope():
+            if host.shape == dst.shape:
+                dst[...] = self.xp.asarray(host)
+            else:
+                dst[:, :, :host.shape[2]] = self.xp.asarray(host)
+
     def fill_zero(self, array) -> None:
         with self._scope():
             array.fill(0)

@@ -23,6 +23,14 @@ CAPACITY_STEP = 256
 KV_KINDS = {"key", "value"}  # genai_config's past_key_names / past_value_names
 
 
+@dataclass(frozen=True)
+class StateSnapshot:
+    """A conversation's state at one point, in host memory: full-attention KV up to that point, sliding-window KV and
+    conv/recurrent state whole (they cannot be cut back to an earlier point, only restored whole)."""
+    past_length: int
+    arrays: tuple
+
+
 @dataclass
 class StateSlot:
     past_name: str
@@ -188,6 +196,20 @@ class DecoderState:
             if not slot.shared:
                 slot.array, slot.spare = self.backend.swap(slot.array, slot.spare)
         self.past_length += count
+
+    def snapshot(self) -> StateSnapshot:
+        arrays = tuple(None if slot.array is None else  # a KV buffer not made yet (no step reserved it)
+                       self.backend.to_host(slot.array[:, :, :self.past_length] if slot.shared and not slot.sliding
+                                            else slot.array) for slot in self._slots)
+        return StateSnapshot(self.past_length, arrays)
+
+    def restore(self, snapshot: StateSnapshot) -> None:
+        """The state as `snapshot` holds it, written into the buffers in place (their bindings stay), which are at
+        least as large as then: a snapshot is restored to the state it was taken of, which only grows."""
+        for slot, array in zip(self._slots, snapshot.arrays):
+            if array is not None:
+                self.backend.load(slot.array, array)
+        self.past_length = snapshot.past_length
 
     def reset(self) -> None:
         self.past_length = 0

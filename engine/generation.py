@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 
 from engine.decoder import PartitionedDecoder
-from engine.decoder_state import DecoderState
+from engine.decoder_state import DecoderState, StateSnapshot
 from engine.errors import ModelFileError, PromptError, UnsupportedModelError
 from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
@@ -235,15 +235,19 @@ def _past_the_context(past: int, new: int, context: int) -> str:
 
 def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
-             decoder=None, on_reasoning: Callable[[int, str], None] | None = None) -> GenerationResult:
+             decoder=None, on_reasoning: Callable[[int, str], None] | None = None,
+             after_prompt: Callable[[np.ndarray], None] | None = None,
+             prompt_logits: np.ndarray | None = None) -> GenerationResult:
     """Feed `prompt_tokens` after what `state` already holds (`fed_tokens`), then decode.
 
     `fed_tokens` is extended in place with every token the state consumes. `on_text(token, delta)`
     is called as each token is produced, with the answer's new text; `on_reasoning(token, delta)` just before it,
     with the reasoning's (engine/reasoning.py; empty for a model that answers at once). Stop strings apply to the
     answer. `decoder` defaults to the model's own (tests pass the onnxruntime reference to compare).
+    `after_prompt(logits)` is called with the prompt fed (Conversation's snapshot); `prompt_logits` are the last prompt
+    token's logits of a state restored just after it, to answer again with no prompt at all.
     """
-    if not prompt_tokens:
+    if not prompt_tokens and prompt_logits is None:
         raise PromptError("the prompt is empty")
     context = model.config.context_length
     if state.past_length + len(prompt_tokens) > context:
@@ -276,10 +280,15 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         return meter.step_s if meter else 0.0
 
     started = time.perf_counter()
-    logits = _finite(decoder.forward(state, prompt_tokens)[-1], model, state.past_length - 1)
-    if meter:
-        meter.step(prompt_tokens, logits)
-    fed_tokens.extend(prompt_tokens)
+    if prompt_tokens:
+        logits = _finite(decoder.forward(state, prompt_tokens)[-1], model, state.past_length - 1)
+        if meter:
+            meter.step(prompt_tokens, logits)
+        fed_tokens.extend(prompt_tokens)
+        if after_prompt is not None:
+            after_prompt(logits)
+    else:
+        logits = prompt_logits
     timings.prefill_s = time.perf_counter() - started - shadow_s()
     generated: list[int] = []
     finish = "length"
@@ -328,6 +337,14 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     return result
 
 
+@dataclass(frozen=True)
+class PromptSnapshot:
+    text: str             # the rendered conversation up to the answer (the generation prompt's end)
+    fed: list[int]        # its tokens
+    state: StateSnapshot  # the state with all of them fed
+    logits: np.ndarray    # the last one's logits: what the answer's first token is sampled from
+
+
 @dataclass
 class Conversation:
     """A multi-turn chat whose KV cache and state carry over between turns.
@@ -342,6 +359,9 @@ class Conversation:
     fed_tokens: list[int] = field(default_factory=list)
     _pending: list[int] = field(default_factory=list)  # the last answer token, sampled but not fed yet
     _rendered: str | None = None  # the conversation text that fed_tokens + _pending stand for
+    # the state with the last turn's prompt fed but its last token, where the model's template writes an answer
+    # otherwise than it was fed (without its reasoning): the next turn, or a regenerate, goes on from there
+    _prompt_snapshot: PromptSnapshot | None = None
 
     def __post_init__(self):
         if self.system_prompt:
@@ -356,21 +376,34 @@ class Conversation:
         text = self.model.tokenizer.render_chat(messages, add_generation_prompt=True, variables=variables)
         if self.state is None:
             self.state = self.model.new_state()
+        resumed = None  # the last prompt's logits, where this turn is that prompt answered again
         if self._rendered is None or not text.startswith(self._rendered):
-            # first turn, or the template re-rendered earlier turns differently: all of it is fed afresh
-            self._rendered, self._pending, self.fed_tokens = "", [], []
+            snapshot = self._prompt_snapshot
+            if snapshot is not None and text.startswith(snapshot.text):  # the last answer written otherwise
+                self.state.restore(snapshot.state)
+                self._rendered, self._pending, self.fed_tokens = snapshot.text, [], list(snapshot.fed)
+                resumed = snapshot.logits if text == snapshot.text else None
+            else:  # first turn, or the template re-rendered earlier turns differently: all of it is fed afresh
+                self._rendered, self._pending, self.fed_tokens = "", [], []
         new_tokens = self._pending + self.model.tokenizer.encode(text[len(self._rendered):])
         if self.state.past_length != len(self.fed_tokens):  # it holds more: a failed turn's part, or an old render
             self.state.reset()
             new_tokens, self.fed_tokens = self.fed_tokens + new_tokens, []
         reused = len(self.fed_tokens)
+        earlier = self._prompt_snapshot
+
+        def take_snapshot(logits) -> None:
+            self._prompt_snapshot = PromptSnapshot(text, list(self.fed_tokens), self.state.snapshot(), logits.copy())
+
         try:
             result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel,
-                              on_reasoning=on_reasoning)
+                              on_reasoning=on_reasoning, after_prompt=take_snapshot if self._snapshots else None,
+                              prompt_logits=resumed)
         except BaseException:
             # the state may hold this turn's prompt and first answer tokens, which the messages never will: the
             # conversation stays what it was, and the next turn feeds it again
             del self.fed_tokens[reused:]
+            self._prompt_snapshot = earlier
             raise
         result.reused_cache_tokens = reused
         # the answer as the model's own template expects it: its final text, without the reasoning (gpt-oss's drops
@@ -386,8 +419,28 @@ class Conversation:
         self._rendered = None if result.finish_reason == "stop_string" else text + fed_answer
         return result
 
+    @property
+    def _snapshots(self) -> bool:
+        """Whether each turn keeps its prompt's state: where the model's template writes an answer otherwise than it
+        was fed (a reasoning model's, without its reasoning), so the next turn would otherwise feed everything again;
+        not under approximate routing, whose exact-routing shadow follows the conversation token by token."""
+        offload = self.model.offload
+        return self.model.answer_format.kind != "plain" and not (offload and offload.config.approximate_routing)
+
+    def regenerate(self, params: GenerationParams, on_text=None, cancel=None, on_reasoning=None) -> GenerationResult:
+        """The last user message answered again: from the state its prompt left where there is a snapshot of it (a
+        reasoning model's), else with the conversation before it fed afresh."""
+        if len(self.messages) < 2 or self.messages[-1]["role"] != "assistant":
+            raise PromptError("there is no answer to regenerate")
+        user_text = self.messages[-2]["content"]
+        self.messages = self.messages[:-2]
+        if self._prompt_snapshot is None:
+            self._rendered = None  # fed afresh
+        return self.send(user_text, params, on_text, cancel, on_reasoning)
+
     def reset(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]
+        self._prompt_snapshot = None
         if self.state is not None:
             self.state.reset()
         self.fed_tokens = []

@@ -338,3 +338,26 @@ def test_load_time_counts_opening_the_folder(monkeypatch):
 
     monkeypatch.setattr(ModelFolder, "open", staticmethod(slow_open))
     assert LoadedModel.open(fixture_folder("lfm2moe")).load_s >= 0.2
+
+
+@pytest.mark.parametrize("name", ["gptoss", "lfm2moe", "qwen35moe"])
+def test_a_restored_state_snapshot_goes_on_as_a_fresh_state_fed_the_same(name):
+    """A snapshot taken after a prompt, restored after more tokens were fed: the next tokens' logits equal a fresh
+    state's fed the prompt and those tokens (full-attention KV cut back, sliding-window KV and conv/recurrent state
+    restored whole); past its capacity step too (the KV buffers grown in between)."""
+    model = LoadedModel.open(fixture_folder(name))
+    rng = np.random.default_rng(5)
+    prompt, answer, after = (rng.integers(10, 500, n).tolist() for n in (40, 300, 12))
+    state = model.new_state()
+    model.decoder.forward(state, prompt)
+    snapshot = state.snapshot()
+    model.decoder.forward(state, answer)  # an answer the next turn's template drops
+    for _ in range(3):
+        model.decoder.forward(state, [7])
+    state.restore(snapshot)
+    assert state.past_length == len(prompt)
+    ours = model.decoder.forward(state, after)
+    fresh = model.new_state()
+    model.decoder.forward(fresh, prompt)
+    reference = model.decoder.forward(fresh, after)
+    assert np.abs(ours - reference).max() <= 1e-5 * np.abs(reference).max()

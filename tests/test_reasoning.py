@@ -169,25 +169,37 @@ def test_an_answer_stopped_inside_the_analysis_is_reasoning_only(harmony_model, 
     assert result.text == "" and result.reasoning == "".join(thoughts) == tokenizer.decode(answer[7:8]) == "T"
 
 
-def test_the_history_keeps_the_final_answer_and_the_cache_check_refeeds(harmony_model, monkeypatch):
+def test_the_history_keeps_the_final_answer_and_the_next_turn_goes_on_from_the_last_prompt(harmony_model, monkeypatch):
     """gpt-oss's template writes a past answer as its final channel and drops its analysis: the conversation keeps
     the final text as the answer's content, and since the cache holds the analysis the template no longer writes, the
-    next turn feeds the conversation afresh, as a fresh conversation with the same messages would."""
+    next turn goes on from the state the last prompt left (its snapshot), feeding only what the template writes after
+    that prompt; a regenerate answers that prompt again from there, feeding nothing."""
     tokenizer = harmony_model.tokenizer
     end = tokenizer.token_id("<|return|>")
     second_answer = tokenizer.encode("<|channel|>final<|message|>Fine.") + [end]
-    forward = ScriptedForward(tokenizer.vocab_size, tokenizer.encode(ANALYSIS_THEN_FINAL) + [end] + second_answer)
+    again = tokenizer.encode("<|channel|>final<|message|>Good.") + [end]
+    forward = ScriptedForward(tokenizer.vocab_size,
+                              tokenizer.encode(ANALYSIS_THEN_FINAL) + [end] + second_answer + again[1:])
     monkeypatch.setattr(harmony_model.decoder, "forward", forward)
     chat = Conversation(harmony_model)
     first = chat.send("Hi", GenerationParams(max_new_tokens=64))
     assert chat.messages[-1] == {"role": "assistant", "content": "Hello there!"} and first.text == "Hello there!"
+    first_prompt = tokenizer.render_chat([{"role": "user", "content": "Hi"}])
     second = chat.send("How are you?", GenerationParams(max_new_tokens=64))
-    assert second.text == "Fine." and second.reused_cache_tokens == 0
+    assert second.text == "Fine." and second.reused_cache_tokens == len(tokenizer.encode(first_prompt))
     rendered = tokenizer.render_chat([{"role": "user", "content": "Hi"},
                                       {"role": "assistant", "content": "Hello there!"},
                                       {"role": "user", "content": "How are you?"}])
-    assert "analysis" not in rendered and forward.fed[-len(second_answer)] == tokenizer.encode(rendered)
-    assert chat.fed_tokens == tokenizer.encode(rendered) + second.tokens[:-1]
+    assert "analysis" not in rendered and rendered.startswith(first_prompt)
+    suffix = tokenizer.encode(rendered[len(first_prompt):])
+    assert forward.fed[-len(second_answer)] == suffix
+    assert chat.fed_tokens == tokenizer.encode(first_prompt) + suffix + second.tokens[:-1]
+    calls = len(forward.fed)
+    # answered again: its first token sampled from the prompt's kept logits (the forward is not called for them, so
+    # the script's next tokens follow it: again[1:]), no prompt token fed
+    third = chat.regenerate(GenerationParams(max_new_tokens=64))
+    assert third.text == "Good." and third.reused_cache_tokens == len(tokenizer.encode(first_prompt) + suffix)
+    assert forward.fed[calls] == [again[0]] and chat.messages[-1] == {"role": "assistant", "content": "Good."}
 
 
 def test_the_generate_command_prints_the_answer_and_the_reasoning_apart(copy_fixture, monkeypatch, capsys):

@@ -264,7 +264,8 @@ class EngineWorker(QObject):
         return GenerationParams(max_new_tokens=max(1, int(options.get("max_new_tokens", 256))), sampling=sampling,
                                 stop_strings=stops, reasoning=options.get("reasoning"))
 
-    def _run_turn(self, conversation, text: str, options: dict) -> None:
+    def _run_turn(self, conversation, text: str | None, options: dict) -> None:
+        """One answer: to `text`, or the last message answered again where it is None."""
         self.cancel.clear()
         self.busyChanged.emit("generating")
         try:
@@ -294,8 +295,11 @@ class EngineWorker(QObject):
             before = miss_split(getattr(self._model, "offload", None))
             decode_before = self._decode_phase()
             try:
-                result = conversation.send(text, params, on_text, self.cancel,
-                                           on_reasoning=lambda _token, delta: thoughts.append(delta))
+                def on_reasoning(_token, delta):
+                    thoughts.append(delta)
+
+                result = (conversation.send(text, params, on_text, self.cancel, on_reasoning) if text is not None
+                          else conversation.regenerate(params, on_text, self.cancel, on_reasoning))
             finally:
                 flush()
             self._conversation = conversation
@@ -343,16 +347,15 @@ class EngineWorker(QObject):
 
     @Slot(dict)
     def _regenerate(self, options: dict) -> None:
-        """Answer the last user message again: the conversation restarts from the turns before it
-        (the cache is refilled from the start, as the last turn's tokens are in it)."""
+        """Answer the last user message again (Conversation.regenerate: from its prompt's state where the conversation
+        kept it, else with the turns before it fed afresh); a failed one leaves it without that message, as the chat
+        shows it, which sends it again."""
         old = self._conversation
         if old is None or len(old.messages) < 2 or old.messages[-1]["role"] != "assistant":
             self.failed.emit("There is no answer to regenerate.")
             self.answered.emit({"text": "", "finish_reason": "error", "error": "nothing to regenerate", "timings": {}})
             return
-        user_text = old.messages[-2]["content"]
-        fresh = Conversation(self._model, system_prompt=None, messages=[dict(m) for m in old.messages[:-2]])
-        self._run_turn(fresh, user_text, options)
+        self._run_turn(old, None, options)
 
     @Slot(str)
     def _new_chat(self, system_prompt: str) -> None:
