@@ -29,15 +29,6 @@ def test_engine_import_loads_no_qt_module():
     assert out.strip() == "[]"
 
 
-def test_runtime_selection():
-    sys.path.insert(0, str(REPO / "packaging"))
-    from select_runtime import choose
-
-    assert choose(None) == "cpu"
-    assert choose(580) == "cuda13" and choose(550) == "cuda12"
-    assert choose(None, "cuda13") == "cuda13"
-
-
 def test_two_onnxruntime_builds_are_refused():
     import pytest
 
