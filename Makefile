@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 RUNTIME := $(shell $(PYTHON) packaging/select_runtime.py)
+ifeq ($(RUNTIME),)
+ifneq ($(MAKECMDGOALS),clean)
+$(error packaging/select_runtime.py chose no onnxruntime build (why: the line above))
+endif
+endif
 STAMP := $(VENV)/.installed-$(RUNTIME)
 
 .PHONY: run test install clean
