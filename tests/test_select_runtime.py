@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "packaging"))
+import select_runtime  # noqa: E402
 from select_runtime import choose  # noqa: E402
 
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
@@ -22,6 +23,32 @@ def test_runtime_selection():
     assert choose(None) == "cpu"
     assert choose(580) == "cuda13" and choose(550) == "cuda12"
     assert choose(None, "cuda13") == "cuda13"
+
+
+def test_a_driver_older_than_cuda_12_gets_the_cpu_build():
+    # CUDA 11 drivers got the CUDA 12 build, whose CUDA execution provider and CuPy cannot run on them
+    assert [choose(major) for major in (470, 520, 524, 525, 579)] == ["cpu", "cpu", "cpu", "cuda12", "cuda12"]
+    assert "NVIDIA driver 470 is older than CUDA 12 needs (525)" in select_runtime.too_old_note(470, "cpu")
+    assert select_runtime.too_old_note(None, "cpu") is None and select_runtime.too_old_note(550, "cuda12") is None
+
+
+PROPRIETARY = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024\n"
+OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  "
+        "(dvs-builder@U16-I3-B03-4-3)  Sun Jul 27 07:09:45 UTC 2025\nGCC version:  gcc version 12.3.0\n")
+
+
+def test_driver_version_from_proc_or_nvidia_smi(tmp_path, monkeypatch):
+    assert select_runtime.driver_major_in_proc(PROPRIETARY) == 535
+    assert select_runtime.driver_major_in_proc(OPEN) == 580
+    assert select_runtime.driver_major_in_smi("570.86.15\n570.86.15\n") == 570
+    assert select_runtime.driver_major_in_smi("NVIDIA-SMI has failed because it couldn't communicate with the "
+                                              "NVIDIA driver.\n") is None
+    proc = tmp_path / "version"
+    monkeypatch.setattr(select_runtime, "PROC_VERSION", proc)
+    monkeypatch.setattr(select_runtime.shutil, "which", lambda name: None)
+    assert select_runtime.nvidia_driver_version() is None  # neither /proc nor nvidia-smi
+    proc.write_text(OPEN)
+    assert select_runtime.nvidia_driver_version() == 580  # /proc alone (nvidia-smi not installed)
 
 
 def make_dry_run(tmp_path, *goals, runtime: str | None = None) -> subprocess.CompletedProcess:
