@@ -4,7 +4,8 @@ onnxruntime (CPU) and onnxruntime-gpu install the same Python module, so exactly
 installed. A machine with an NVIDIA driver gets the GPU build matching its CUDA generation
 (driver 580 or newer runs CUDA 13, 525 or newer CUDA 12); every other machine, and one whose driver
 is older than CUDA 12, gets the CPU build. MOE_WORKBENCH_RUNTIME (cpu, cuda12, cuda13) overrides
-the choice. Standard library only: it runs before any install.
+the choice. Standard library only: it runs before any install, with the Python make was given,
+so it also refuses a Python the project does not support (make then stops before making .venv).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ CHOICES = ("cpu", "cuda12", "cuda13")
 PROC_VERSION = Path("/proc/driver/nvidia/version")
 CUDA13_DRIVER = 580  # the oldest driver each CUDA generation runs on (Linux)
 CUDA12_DRIVER = 525
+OLDEST_PYTHON = (3, 11)  # pyproject's requires-python
+# onnxruntime-gpu for CUDA 12 is 1.23 (pyproject's cuda12 extra; later builds are for CUDA 13): no wheels past 3.13
+CUDA12_NEWEST_PYTHON = (3, 13)
 
 
 def driver_major_in_proc(text: str) -> int | None:
@@ -50,14 +54,26 @@ def nvidia_driver_version() -> int | None:
     return None
 
 
-def choose(driver_major: int | None, override: str | None = None) -> str:
+def choose(driver_major: int | None, override: str | None = None,
+           python: tuple[int, int] = sys.version_info[:2]) -> str:
+    """The extra for this machine; SystemExit with the reason where none can be installed."""
+    version = ".".join(map(str, python))
+    if python < OLDEST_PYTHON:
+        raise SystemExit(f"moe-workbench needs Python {'.'.join(map(str, OLDEST_PYTHON))} or newer; this is "
+                         f"{version} (make PYTHON=python3.12 …, and make clean if .venv was made with it)")
     if override:
         if override not in CHOICES:
             raise SystemExit(f"MOE_WORKBENCH_RUNTIME must be one of {', '.join(CHOICES)}, got '{override}'")
-        return override
-    if driver_major is None or driver_major < CUDA12_DRIVER:
-        return "cpu"
-    return "cuda13" if driver_major >= CUDA13_DRIVER else "cuda12"
+        runtime = override
+    elif driver_major is None or driver_major < CUDA12_DRIVER:
+        runtime = "cpu"
+    else:
+        runtime = "cuda13" if driver_major >= CUDA13_DRIVER else "cuda12"
+    if runtime == "cuda12" and python > CUDA12_NEWEST_PYTHON:
+        raise SystemExit(f"onnxruntime-gpu for CUDA 12 has no wheels for Python {version}: use Python 3.11-3.13 "
+                         f"(make PYTHON=python3.13 …), a driver {CUDA13_DRIVER} or newer (CUDA 13), "
+                         "or MOE_WORKBENCH_RUNTIME=cpu")
+    return runtime
 
 
 def too_old_note(driver_major: int | None, runtime: str) -> str | None:

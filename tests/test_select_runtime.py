@@ -32,6 +32,18 @@ def test_a_driver_older_than_cuda_12_gets_the_cpu_build():
     assert select_runtime.too_old_note(None, "cpu") is None and select_runtime.too_old_note(550, "cuda12") is None
 
 
+def test_a_python_the_wheels_do_not_exist_for_is_refused_before_install():
+    # make went on to make .venv with it, pip refused the project there, and every later make used that .venv
+    with pytest.raises(SystemExit, match="needs Python 3.11 or newer; this is 3.10"):
+        choose(None, python=(3, 10))
+    assert choose(None, python=(3, 14)) == "cpu" and choose(590, python=(3, 14)) == "cuda13"
+    with pytest.raises(SystemExit, match="onnxruntime-gpu for CUDA 12 has no wheels for Python 3.14"):
+        choose(550, python=(3, 14))
+    with pytest.raises(SystemExit, match="no wheels for Python 3.14"):
+        choose(None, "cuda12", python=(3, 14))
+    assert choose(550, python=(3, 13)) == "cuda12"
+
+
 PROPRIETARY = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024\n"
 OPEN = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  "
         "(dvs-builder@U16-I3-B03-4-3)  Sun Jul 27 07:09:45 UTC 2025\nGCC version:  gcc version 12.3.0\n")
