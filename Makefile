@@ -26,12 +26,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# onnxruntime and onnxruntime-gpu share one module: remove the build this machine should not have.
+# onnxruntime and onnxruntime-gpu share one module: remove the build this machine should not have. The stamps go
+# first, so that an install cut short after the removal is redone by the next make.
 $(STAMP): pyproject.toml packaging/select_runtime.py | $(PY)
+	rm -f $(VENV)/.installed-*
 	@if [ "$(RUNTIME)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y onnxruntime-gpu 2>/dev/null || true; \
 	 else $(PY) -m pip uninstall --quiet -y onnxruntime 2>/dev/null || true; fi
 	$(PY) -m pip install --quiet -e ".[$(RUNTIME),test]"
-	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 clean:

@@ -1,5 +1,5 @@
 """packaging/select_runtime.py's choice of onnxruntime build and the Makefile around it: no network, no GPU (the
-driver and the Python version are given; make runs with -n, printing what it would do)."""
+driver and the Python version are given; make runs with -n, printing what it would do, or on a stand-in .venv)."""
 
 from __future__ import annotations
 
@@ -63,20 +63,43 @@ def test_driver_version_from_proc_or_nvidia_smi(tmp_path, monkeypatch):
     assert select_runtime.nvidia_driver_version() == 580  # /proc alone (nvidia-smi not installed)
 
 
-def make_dry_run(tmp_path, *goals, runtime: str | None = None) -> subprocess.CompletedProcess:
-    """`make -n GOALS` for a .venv in tmp_path (so nothing is up to date), with MOE_WORKBENCH_RUNTIME=runtime."""
+def make(tmp_path, *args, runtime: str | None = None) -> subprocess.CompletedProcess:
+    """`make ARGS` for a .venv in tmp_path, with MOE_WORKBENCH_RUNTIME=runtime."""
     env = {k: v for k, v in os.environ.items() if k != "MOE_WORKBENCH_RUNTIME" and not k.startswith("MAKE")}
     if runtime is not None:
         env["MOE_WORKBENCH_RUNTIME"] = runtime
-    return subprocess.run(["make", "-n", *goals, f"PYTHON={sys.executable}", f"VENV={tmp_path / 'venv'}"],
+    return subprocess.run(["make", *args, f"PYTHON={sys.executable}", f"VENV={tmp_path / 'venv'}"],
                           cwd=REPO, env=env, capture_output=True, text=True)
 
 
 @needs_make
 def test_make_stops_on_a_runtime_it_cannot_install(tmp_path):
     # it went on with an empty choice: uninstalled the CPU build and installed ".[,test]", no onnxruntime at all
-    done = make_dry_run(tmp_path, "install", runtime="gpu")
+    done = make(tmp_path, "-n", "install", runtime="gpu")
     assert done.returncode != 0
     assert "MOE_WORKBENCH_RUNTIME must be one of cpu, cuda12, cuda13, got 'gpu'" in done.stderr
     assert "pip" not in done.stdout
-    assert make_dry_run(tmp_path, "clean", runtime="gpu").returncode == 0
+    assert make(tmp_path, "-n", "clean", runtime="gpu").returncode == 0
+
+
+def stand_in_venv(tmp_path, fail_install: bool = False):
+    """A .venv whose python logs its arguments instead of running pip (and fails `pip install` if asked)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "pip.log"}\n'
+                      + ('case "$*" in *"pip install --quiet -e"*) exit 1;; esac\n' if fail_install else ""))
+    python.chmod(0o755)
+    return venv
+
+
+@needs_make
+def test_a_switch_cut_short_is_redone_by_the_next_make(tmp_path):
+    # the CPU build installed; a switch to CUDA 13 removes it and its install fails: the CPU stamp went only after a
+    # successful install, so going back to the CPU build found it up to date and ran without onnxruntime
+    venv = stand_in_venv(tmp_path, fail_install=True)
+    (venv / ".installed-cpu").touch()
+    assert make(tmp_path, "install", runtime="cuda13").returncode != 0
+    assert not (venv / ".installed-cpu").exists()
+    assert make(tmp_path, "install", runtime="cpu").returncode != 0  # tried again, not "nothing to be done"
+    assert (tmp_path / "pip.log").read_text().count("pip install --quiet -e") == 2
