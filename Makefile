@@ -26,12 +26,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# onnxruntime and onnxruntime-gpu share one module: remove the build this machine should not have. The stamps go
-# first, so that an install cut short after the removal is redone by the next make.
+# onnxruntime and onnxruntime-gpu share one module, as cupy-cuda12x and cupy-cuda13x do: remove the builds this
+# runtime must not have. The stamps go first, so that an install cut short after the removal is redone by the next make.
+CONFLICTS_cpu := onnxruntime-gpu
+CONFLICTS_cuda12 := onnxruntime cupy-cuda13x
+CONFLICTS_cuda13 := onnxruntime cupy-cuda12x
+
 $(STAMP): pyproject.toml packaging/select_runtime.py | $(PY)
 	rm -f $(VENV)/.installed-*
-	@if [ "$(RUNTIME)" = "cpu" ]; then $(PY) -m pip uninstall --quiet -y onnxruntime-gpu 2>/dev/null || true; \
-	 else $(PY) -m pip uninstall --quiet -y onnxruntime 2>/dev/null || true; fi
+	$(PY) -m pip uninstall --quiet -y $(CONFLICTS_$(RUNTIME)) 2>/dev/null || true
 	$(PY) -m pip install --quiet -e ".[$(RUNTIME),test]"
 	touch $(STAMP)
 

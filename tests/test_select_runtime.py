@@ -103,3 +103,12 @@ def test_a_switch_cut_short_is_redone_by_the_next_make(tmp_path):
     assert not (venv / ".installed-cpu").exists()
     assert make(tmp_path, "install", runtime="cpu").returncode != 0  # tried again, not "nothing to be done"
     assert (tmp_path / "pip.log").read_text().count("pip install --quiet -e") == 2
+
+
+@needs_make
+def test_each_runtime_removes_the_builds_that_share_its_modules(tmp_path):
+    # cuda12 -> cuda13 left cupy-cuda12x beside cupy-cuda13x, both installing the one `cupy` module
+    removals = {runtime: [line for line in make(tmp_path, "-n", "install", runtime=runtime).stdout.splitlines()
+                          if "pip uninstall" in line] for runtime in ("cpu", "cuda12", "cuda13")}
+    assert [line.split("-y ")[1].split(" 2>")[0] for lines in removals.values() for line in lines] == [
+        "onnxruntime-gpu", "onnxruntime cupy-cuda13x", "onnxruntime cupy-cuda12x"]
