@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+VENV_READY := $(VENV)/.ready
 RUNTIME := $(shell $(PYTHON) packaging/select_runtime.py)
 ifeq ($(RUNTIME),)
 ifneq ($(MAKECMDGOALS),clean)
@@ -22,9 +23,11 @@ test: $(STAMP)
 
 install: $(STAMP)
 
-$(PY):
-	$(PYTHON) -m venv $(VENV)
+# Made last: a creation cut short (python there, pip not yet) leaves none, and the next make starts the venv afresh.
+$(VENV_READY):
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	touch $@
 
 # onnxruntime and onnxruntime-gpu share one module, as cupy-cuda12x and cupy-cuda13x do: remove the builds this
 # runtime must not have. The stamps go first, so that an install cut short after the removal is redone by the next make.
@@ -32,7 +35,7 @@ CONFLICTS_cpu := onnxruntime-gpu
 CONFLICTS_cuda12 := onnxruntime cupy-cuda13x
 CONFLICTS_cuda13 := onnxruntime cupy-cuda12x
 
-$(STAMP): pyproject.toml packaging/select_runtime.py | $(PY)
+$(STAMP): pyproject.toml packaging/select_runtime.py | $(VENV_READY)
 	rm -f $(VENV)/.installed-*
 	$(PY) -m pip uninstall --quiet -y $(CONFLICTS_$(RUNTIME)) 2>/dev/null || true
 	$(PY) -m pip install --quiet -e ".[$(RUNTIME),test]"

@@ -90,6 +90,7 @@ def stand_in_venv(tmp_path, fail_install: bool = False):
     python.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "pip.log"}\n'
                       + ('case "$*" in *"pip install --quiet -e"*) exit 1;; esac\n' if fail_install else ""))
     python.chmod(0o755)
+    (venv / ".ready").touch()
     return venv
 
 
@@ -112,3 +113,12 @@ def test_each_runtime_removes_the_builds_that_share_its_modules(tmp_path):
                           if "pip uninstall" in line] for runtime in ("cpu", "cuda12", "cuda13")}
     assert [line.split("-y ")[1].split(" 2>")[0] for lines in removals.values() for line in lines] == [
         "onnxruntime-gpu", "onnxruntime cupy-cuda13x", "onnxruntime cupy-cuda12x"]
+
+
+@needs_make
+def test_a_venv_whose_creation_was_cut_short_is_made_afresh(tmp_path):
+    # python was there and pip not: make skipped the venv and every install failed with "No module named pip"
+    venv = stand_in_venv(tmp_path)
+    assert "-m venv" not in make(tmp_path, "-n", "install", runtime="cpu").stdout
+    (venv / ".ready").unlink()
+    assert f"-m venv --clear {venv}" in make(tmp_path, "-n", "install", runtime="cpu").stdout
