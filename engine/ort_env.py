@@ -91,10 +91,13 @@ def installed_onnxruntime_builds() -> list[str]:
             if Path(dist.locate_file("")).resolve() == here]
 
 
+# Uninstalling one of them takes the files they share, so the advice is a clean reinstall (make install alone finds
+# its stamp up to date and does nothing).
 def require_single_build(builds: list[str]) -> None:
     if len(builds) > 1:
         raise WorkbenchError(f"several onnxruntime builds are installed ({', '.join(builds)}); they share one "
-                             "module and break each other: uninstall all but one (make install picks the right one)")
+                             "module and break each other: uninstall them all and install one (in a checkout, "
+                             "make clean install installs the one this machine needs)")
 
 
 @functools.cache

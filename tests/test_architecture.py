@@ -36,8 +36,9 @@ def test_two_onnxruntime_builds_are_refused():
     from engine.ort_env import installed_onnxruntime_builds, require_single_build
 
     require_single_build(installed_onnxruntime_builds())  # this environment has exactly one
-    with pytest.raises(WorkbenchError, match="onnxruntime 1.32.0, onnxruntime-gpu 1.31.1"):
+    with pytest.raises(WorkbenchError, match="onnxruntime 1.32.0, onnxruntime-gpu 1.31.1") as refused:
         require_single_build(["onnxruntime 1.32.0", "onnxruntime-gpu 1.31.1"])
+    assert "make clean install" in str(refused.value)  # make install alone finds its stamp and does nothing
 
 
 def test_only_builds_beside_the_imported_module_conflict(tmp_path, monkeypatch):
