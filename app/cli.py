@@ -15,6 +15,11 @@ from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 
 PROG = "moe-workbench"
+# pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
+# `pip install .` has none
+NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the extra for this machine, "
+                  "pip install '.[cpu]', '.[cuda13]' (NVIDIA driver 580 or newer) or '.[cuda12]' (driver 525 or "
+                  "newer); make does it")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -652,5 +657,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the user gets one line; MOE_WORKBENCH_DEBUG=1 shows the traceback
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "onnxruntime":
+            print(f"{PROG}: error: {NO_ONNXRUNTIME}", file=sys.stderr)
+            return 2
         print(f"{PROG}: internal error: {one_line(exc)}", file=sys.stderr)
         return 3

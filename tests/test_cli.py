@@ -415,3 +415,11 @@ def test_generate_samples_as_the_models_genai_config_says_unless_told(copy_fixtu
     (folder / "genai_config.json").write_text(json.dumps(config))
     status, _out, err = _main(capsys, *run)
     assert status == 2 and "genai_config.json: search: temperature must be a number >= 0, got -1.0" in err
+def test_without_onnxruntime_it_says_which_extra_installs_it():
+    # a plain `pip install .` has no onnxruntime (only the extras name one): this was an "internal error"
+    code = ("import sys; sys.modules['onnxruntime'] = None; from app.cli import main; "
+            f"sys.exit(main(['inspect', {str(fixture_folder('qwen35moe'))!r}]))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("moe-workbench: error: onnxruntime is not installed: install moe-workbench "
+                                    "with the extra for this machine, pip install '.[cpu]'")
