@@ -11,7 +11,7 @@ endif
 endif
 STAMP := $(VENV)/.installed-$(RUNTIME)
 
-.PHONY: run test install clean
+.PHONY: run test install desktop clean
 
 run: $(STAMP)
 	$(PY) -m app
@@ -40,6 +40,17 @@ $(STAMP): pyproject.toml packaging/select_runtime.py | $(VENV_READY)
 	$(PY) -m pip uninstall --quiet -y $(CONFLICTS_$(RUNTIME)) 2>/dev/null || true
 	$(PY) -m pip install --quiet -e ".[$(RUNTIME),test]"
 	touch $(STAMP)
+
+# The menu entry and icon for this checkout's .venv, in the user's data folder (XDG_DATA_HOME, else ~/.local/share):
+# the packaged entry runs moe-workbench from PATH, which make's .venv is not on.
+DATA_HOME := $(or $(XDG_DATA_HOME),$(HOME)/.local/share)
+
+desktop: $(STAMP)
+	install -D -m 644 resources/moe-workbench.svg $(DATA_HOME)/icons/hicolor/scalable/apps/moe-workbench.svg
+	mkdir -p $(DATA_HOME)/applications
+	sed -e 's|^Exec=moe-workbench|Exec=$(abspath $(VENV))/bin/moe-workbench|' \
+	    -e 's|^TryExec=moe-workbench|TryExec=$(abspath $(VENV))/bin/moe-workbench|' \
+	    packaging/moe-workbench.desktop > $(DATA_HOME)/applications/moe-workbench.desktop
 
 clean:
 	rm -rf $(VENV)
