@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 VENV_READY := $(VENV)/.ready
-RUNTIME := $(shell $(PYTHON) packaging/select_runtime.py)
+# given on purpose: $(shell) does not see a variable set on make's command line (make run MOE_WORKBENCH_RUNTIME=cpu)
+RUNTIME := $(shell MOE_WORKBENCH_RUNTIME='$(MOE_WORKBENCH_RUNTIME)' $(PYTHON) packaging/select_runtime.py)
 ifeq ($(RUNTIME),)
 ifneq ($(MAKECMDGOALS),clean)
 $(error packaging/select_runtime.py chose no onnxruntime build (why: the line above))

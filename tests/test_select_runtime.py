@@ -83,6 +83,15 @@ def test_make_stops_on_a_runtime_it_cannot_install(tmp_path):
     assert make(tmp_path, "-n", "clean", runtime="gpu").returncode == 0
 
 
+@needs_make
+def test_the_override_is_read_from_makes_command_line_too(tmp_path):
+    # make install MOE_WORKBENCH_RUNTIME=cuda13 installed the CPU build: $(shell) saw the environment only
+    env = {k: v for k, v in os.environ.items() if k != "MOE_WORKBENCH_RUNTIME" and not k.startswith("MAKE")}
+    done = subprocess.run(["make", "-n", "install", f"PYTHON={sys.executable}", f"VENV={tmp_path / 'venv'}",
+                           "MOE_WORKBENCH_RUNTIME=cuda13"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert '-e ".[cuda13,test]"' in done.stdout
+
+
 def stand_in_venv(tmp_path, fail_install: bool = False):
     """A .venv whose python logs its arguments instead of running pip (and fails `pip install` if asked)."""
     venv = tmp_path / "venv"
