@@ -8,13 +8,14 @@ import onnxruntime as ort
 from engine.expert_node import CpuExpertNode
 from engine.onnx_file import OnnxFile
 from engine.ort_env import session_options
-from tests.qmoe_oracle import build_model
+from tests.qmoe_oracle import build_model, require_oracle
 
 
 class OrtExpertKernel:
     """Same forward() as CpuQMoE, computed by a one-node onnxruntime session."""
 
     def __init__(self, runner: CpuExpertNode, source: OnnxFile):
+        require_oracle()
         info = runner.info
         tensors = {role: np.asarray(source.array(name)) for role, name in info.weight_inputs.items()}
         self._info, self._tensors, self._sessions = info, tensors, {}

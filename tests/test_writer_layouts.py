@@ -20,6 +20,7 @@ from engine.writer import WriterSpec, write_model
 from kernels import layouts as L
 from kernels.reference import qmoe_reference
 from tests.conftest import REPO
+from tests.qmoe_oracle import require_oracle
 
 BASE = dict(layers=2, hidden_size=128, inter_size=64, num_experts=8, top_k=2, dense_accuracy_level=0)
 LAYOUTS = {  # name: (WriterSpec fields, words the inspect summary must contain)
@@ -148,6 +149,7 @@ def test_prepacked_and_n_packed_models_hold_the_same_weights_as_their_plain_twin
 def test_onnxruntime_reads_the_writers_sm80_and_int2_models(tmp_path):
     """onnxruntime 1.32's CPU QMoE reads SM80 int4 (weights_prepacked=1) and int2 per row: the whole writer-made
     model through one onnxruntime session equals the engine's logits."""
+    require_oracle()
     for i, kw in enumerate((dict(block_size=64, inter_size=128, prepacked=True), dict(bits=2, block_size=0))):
         model = LoadedModel.open(write_model(tmp_path / f"m{i}", WriterSpec(seed=9, **{**BASE, **kw})))
         reference = OrtReferenceDecoder(model.folder.onnx, model.folder.logits_name)
