@@ -415,6 +415,8 @@ def test_generate_samples_as_the_models_genai_config_says_unless_told(copy_fixtu
     (folder / "genai_config.json").write_text(json.dumps(config))
     status, _out, err = _main(capsys, *run)
     assert status == 2 and "genai_config.json: search: temperature must be a number >= 0, got -1.0" in err
+
+
 def test_without_onnxruntime_it_says_which_extra_installs_it():
     # a plain `pip install .` has no onnxruntime (only the extras name one): this was an "internal error"
     code = ("import sys; sys.modules['onnxruntime'] = None; from app.cli import main; "
