@@ -197,6 +197,12 @@ class DecoderState:
                 slot.array, slot.spare = self.backend.swap(slot.array, slot.spare)
         self.past_length += count
 
+    def snapshot_bytes(self) -> int:
+        """The host memory snapshot() takes now."""
+        return sum(0 if slot.array is None else slot.array.itemsize * (
+            slot.array.size // slot.array.shape[2] * self.past_length if slot.shared and not slot.sliding
+            else slot.array.size) for slot in self._slots)
+
     def snapshot(self) -> StateSnapshot:
         arrays = tuple(None if slot.array is None else  # a KV buffer not made yet (no step reserved it)
                        self.backend.to_host(slot.array[:, :, :self.past_length] if slot.shared and not slot.sliding

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import psutil
 
 from engine.decoder import PartitionedDecoder
 from engine.decoder_state import DecoderState, StateSnapshot
@@ -337,6 +338,10 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     return result
 
 
+# the most of the host's available memory a conversation's prompt snapshot may take
+SNAPSHOT_SHARE = 0.25
+
+
 @dataclass(frozen=True)
 class PromptSnapshot:
     text: str             # the rendered conversation up to the answer (the generation prompt's end)
@@ -393,6 +398,11 @@ class Conversation:
         earlier = self._prompt_snapshot
 
         def take_snapshot(logits) -> None:
+            # a copy of the KV cache in host memory: left out where it would take much of what the host has free (a
+            # long conversation's), and the next turn feeds the conversation afresh as before
+            if self.state.snapshot_bytes() > SNAPSHOT_SHARE * psutil.virtual_memory().available:
+                self._prompt_snapshot = None
+                return
             self._prompt_snapshot = PromptSnapshot(text, list(self.fed_tokens), self.state.snapshot(), logits.copy())
 
         try:

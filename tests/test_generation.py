@@ -354,8 +354,10 @@ def test_a_restored_state_snapshot_goes_on_as_a_fresh_state_fed_the_same(name):
     model.decoder.forward(state, answer)  # an answer the next turn's template drops
     for _ in range(3):
         model.decoder.forward(state, [7])
+    assert state.snapshot_bytes() > sum(a.nbytes for a in snapshot.arrays if a is not None)  # it grew since
     state.restore(snapshot)
     assert state.past_length == len(prompt)
+    assert state.snapshot_bytes() == sum(a.nbytes for a in snapshot.arrays if a is not None)
     ours = model.decoder.forward(state, after)
     fresh = model.new_state()
     model.decoder.forward(fresh, prompt)

@@ -282,3 +282,23 @@ def test_a_long_answer_is_split_without_a_pass_over_every_token_for_each(harmony
     split.finish()
     assert split.answer == " the" * 990
     assert CountedIds.lookups <= 2 * len(answer)
+
+
+def test_a_prompt_snapshot_that_would_take_much_of_the_hosts_free_memory_is_not_kept(harmony_model, monkeypatch):
+    """A long conversation's KV copy is left out where it would take more than a quarter of the host's available
+    memory: the next turn feeds the conversation afresh, as before snapshots."""
+    from types import SimpleNamespace
+
+    from engine import generation
+
+    tokenizer = harmony_model.tokenizer
+    end = tokenizer.token_id("<|return|>")
+    second_answer = tokenizer.encode("<|channel|>final<|message|>Fine.") + [end]
+    forward = ScriptedForward(tokenizer.vocab_size, tokenizer.encode(ANALYSIS_THEN_FINAL) + [end] + second_answer)
+    monkeypatch.setattr(harmony_model.decoder, "forward", forward)
+    chat = Conversation(harmony_model)
+    monkeypatch.setattr(chat.model.new_state().__class__, "snapshot_bytes", lambda self: 4 << 30)
+    monkeypatch.setattr(generation.psutil, "virtual_memory", lambda: SimpleNamespace(available=8 << 30))
+    chat.send("Hi", GenerationParams(max_new_tokens=64))
+    assert chat._prompt_snapshot is None
+    assert chat.send("How are you?", GenerationParams(max_new_tokens=64)).reused_cache_tokens == 0
