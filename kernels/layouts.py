@@ -224,10 +224,6 @@ def sm80_unpack(packed, n: int, k: int, bits: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- dequantisation
-def _blocks(values: np.ndarray, k: int, block: int) -> int:
-    return k // block if block else 1
-
-
 def dequantize_int(weights, scales, zero_points, bits: int, block_size: int, n: int, k: int,
                    packing: str = "raw") -> np.ndarray:
     """Integer codes of one projection, one expert or a stack [..., ...] -> float64 [..., N, K].

@@ -151,16 +151,6 @@ class QMoESpec:
         return (self.quant_type == "int" and self.packing == "raw"
                 and all(b in (4, 8) for _, _, _, b in self.projections))
 
-    def weight_shape(self, n: int, k: int, bits: int) -> tuple[int, int]:
-        """Stored per-expert shape of a projection's weights (nvfp4 K-packed: the row-major byte shape)."""
-        if not self.is_quantized or self.quant_type == "fp8":
-            return (n, k)
-        if self.packing == "sm80":
-            return (k, n * bits // 8)
-        if self.packing == "n_packed":
-            return (k, n // 2)
-        return (n, _row_bytes(k, bits))
-
     def expert_bytes(self, scale_bytes: int = 4, bias_bytes: int = 4, float_weight_bytes: int = 4) -> int:
         """Bytes of one expert's weights + scales + zero points + global scales + biases as stored.
 
