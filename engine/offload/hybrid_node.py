@@ -32,7 +32,6 @@ class HybridExpertNode:
         self.runner = runner
         self.layer = layer
         self.engine = engine
-        self.last_decision = None  # the miss policy's latest MissDecision (tests, diagnostics)
         self.last_split: SplitStep | None = None  # the "both" step the latest run() finished, else None (the decoder)
         self._flops_per_token = 2 * self._weights_per_expert()
         self._out: np.ndarray | None = None       # the decode-sized accumulator, reused at every step (_output)
@@ -409,7 +408,6 @@ class HybridExpertNode:
         experts = miss_experts.tolist()
         costs = self._miss_costs(miss_tokens.tolist(), 0.0, streaming.prepare_s, None, launch_s=streaming.launch_s)
         decision = choose(costs, streaming.num_slots)  # it scans every m: launch_s breaks copying_pays' shortcut
-        self.last_decision = decision
         chosen = [experts[i] for i in decision.copied.tolist()]
         if chosen:
             store = self.engine.stores[self.layer]
@@ -436,7 +434,6 @@ class HybridExpertNode:
         if spare.size == 0:
             return _NONE
         decision = choose(costs, spare.size)
-        self.last_decision = decision
         chosen = [experts[i] for i in decision.copied.tolist()]
         for slot, expert in zip(spare.tolist(), chosen):
             policy.admit(self.layer, slot, expert)
