@@ -421,12 +421,6 @@ class ChatPanel(QWidget):
         self.transcript.setHtml("".join(blocks))
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 
-    def last_answer(self) -> dict | None:
-        for entry in reversed(self.entries):
-            if entry["role"] == "assistant":
-                return entry
-        return None
-
     def set_state(self, busy: bool, loaded: bool) -> None:
         if loaded != self.loaded and not self.entries:
             self.loaded = loaded

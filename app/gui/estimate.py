@@ -64,7 +64,6 @@ class ModelFacts:
     experts: list                      # engine ExpertNodeInfo, in layer order
     context_length: int
     kv_bytes_per_token: int            # every attention layer's key + value, one token
-    kv_window_layers: int              # layers whose KV is a sliding window
     kv_window_bytes_per_token: int
     window_tokens: int
     state_bytes: int                   # conv / recurrent state: fixed, whatever the context
@@ -89,7 +88,7 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
     """From an opened engine ModelFolder and its inspection."""
     config = folder.config
     window = (config.sliding_window_size or 0) + (config.sliding_cache_slack or 0)
-    per_token = per_window_token = state = window_layers = 0
+    per_token = per_window_token = state = 0
     kv_dtypes = set()
     patterns = []
     for kind, past, _present in config.state_pairs():
@@ -117,7 +116,6 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
             if kind in ("key", "value") and has_tokens:
                 if window and layer in config.sliding_window_layers:
                     per_window_token += fixed * elem
-                    window_layers += 1
                 else:
                     per_token += fixed * elem
             else:
@@ -127,7 +125,7 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
     return ModelFacts(
         path=str(folder.folder), name=Path(folder.folder).name, report=report, experts=list(folder.experts),
         context_length=config.context_length, kv_bytes_per_token=per_token,
-        kv_window_layers=window_layers // 2, kv_window_bytes_per_token=per_window_token, window_tokens=window,
+        kv_window_bytes_per_token=per_window_token, window_tokens=window,
         state_bytes=state, dense_bytes=report["dense_bytes"], expert_bytes=report["expert_bytes"],
         dense_segments=report["dense_segments"], is_demo=is_demo, staged_nodes=staged_nodes(folder),
         kv_dtypes=frozenset(kv_dtypes))
@@ -149,10 +147,6 @@ class DeviceChoice:
         if self.kind == "cuda":
             return self.name or "CUDA GPU"
         return "CPU only"
-
-    @property
-    def usable(self) -> bool:
-        return self.kind != "cpu" and not self.error
 
 
 @dataclass

@@ -75,7 +75,6 @@ class MainWindow(QMainWindow):
         self.engine_stopped = True  # False: the engine's thread was still in a call when the window closed
         self._pending_demo_load = False
         self.watch = ThroughputWatch()
-        self.contention_seen: list[str] = []
 
         self._worker_thread = WorkerThread(demo_dir)
         self.worker = self._worker_thread.worker
@@ -496,7 +495,6 @@ class MainWindow(QMainWindow):
         self.graphs.set_answering(activity == "generating")
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
-            self.contention_seen = []
         elif previous == "generating":
             self.graphs.add_marker("answer", "generate")
         if activity in JOB_LABELS:
@@ -620,7 +618,6 @@ class MainWindow(QMainWindow):
         if not warnings:
             self.contention_banner.hide()
             return
-        self.contention_seen = warnings
         self.contention_banner.show_message("While generating: " + " ".join(warnings))
 
     # --- state -------------------------------------------------------------------------------------
