@@ -1,10 +1,10 @@
-"""Screenshot of the window with a model loaded and an answer shown: docs/window.png.
+"""Screenshot of the window with a model loaded and three answers shown: docs/window.png.
 
     xvfb-run -s "-screen 0 1920x1200x24" .venv/bin/python docs/make_screenshot.py [--theme dark|light] [--out PATH]
 
 It writes a random-weight model (16 expert layers, 32 experts each, top-4) into a temporary folder,
-loads it on a simulated 96 MiB GPU (the model is small) whose expert budget holds 40% of the experts, asks one
-question, lets the graphs gather a few samples and grabs the window. The text the model writes is
+loads it on a simulated 96 MiB GPU (the model is small) whose expert budget holds 40% of the experts, asks three
+questions, lets the graphs gather a few samples and grabs the window. The text the model writes is
 meaningless: its weights are random (the window says so).
 """
 
