@@ -61,7 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      "or 0: automatic, every core less those other processes keep busy)")
     _add_device_arguments(gen)
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object per answer: prompt_tokens, tokens, text, timings")
+                     help="print one JSON object per answer: prompt_tokens, tokens, text, reasoning, finish_reason, "
+                     "timings, dense (and offload with --device, --offload or --config)")
 
     record = commands.add_parser("record", help="run measured scenarios and save resource records")
     record.add_argument("model")

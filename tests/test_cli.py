@@ -58,7 +58,7 @@ def test_generate_json_greedy_is_deterministic_and_matches_max_tokens():
     first, second = run_cli(*args), run_cli(*args)
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
-    assert set(out) >= {"prompt_tokens", "tokens", "text", "timings"}
+    assert set(out) == {"prompt_tokens", "tokens", "text", "reasoning", "finish_reason", "timings", "dense"}
     assert out["tokens"] == json.loads(second.stdout)["tokens"]
     assert 1 <= len(out["tokens"]) <= 12
     assert out["timings"]["load_s"] > 0 and out["timings"]["time_to_first_token_s"] > 0
@@ -425,3 +425,17 @@ def test_without_onnxruntime_it_says_which_extra_installs_it():
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("moe-workbench: error: onnxruntime is not installed: install moe-workbench "
                                     "with the extra for this machine, pip install '.[cpu]'")
+
+
+def test_generate_json_help_names_the_keys_an_answer_has(capsys):
+    """`generate --help` says what `--json` prints: every key of the object (it named four of them)."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        _main(capsys, "generate", "--help")
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("--json"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].strip().startswith("-")), len(lines))
+    json_help = " ".join(" ".join(lines[start:end]).split())
+    for key in ("prompt_tokens", "tokens", "text", "reasoning", "finish_reason", "timings", "dense", "offload"):
+        assert key in json_help
