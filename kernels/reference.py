@@ -11,8 +11,7 @@ import numpy as np
 from . import layouts as L
 from .qmoe_spec import QMoESpec
 
-__all__ = ["route", "dequantize", "unpack_codes", "unpack_zero_points", "expert_ffn", "qmoe_reference",
-           "activation", "SPARSE_MIXER_JITTER_EPS"]
+__all__ = ["route", "dequantize", "expert_ffn", "qmoe_reference", "activation", "SPARSE_MIXER_JITTER_EPS"]
 
 SPARSE_MIXER_JITTER_EPS = 0.01
 
@@ -77,26 +76,6 @@ def route(router_logits: np.ndarray, spec: QMoESpec, router_weights: np.ndarray 
 
 
 # ----------------------------------------------------------------------------- dequantisation
-def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 [..., B] -> codes [..., B*8/bits]; element i of a byte sits in bits i*bits.. (LSB first)."""
-    packed = np.asarray(packed, dtype=np.uint8)
-    return L.unpack_bits(packed, bits, packed.shape[-1] * 8 // bits)
-
-
-def unpack_zero_points(zero_points, bits: int, n: int, n_blocks: int, block_wise: bool) -> np.ndarray:
-    """Zero points of one or more experts -> int32 [..., N, n_blocks].
-
-    Per row: uint8 [..., ceil(N*bits/8)] packed along N. Per block: [..., N, ceil(blocks*bits/8)].
-    None -> the default 2^(bits-1).
-    """
-    if zero_points is None:
-        return None
-    zp = np.asarray(zero_points, dtype=np.uint8)
-    if block_wise:
-        return L.unpack_bits(zp, bits, n_blocks)
-    return L.unpack_bits(zp, bits, n)[..., None]
-
-
 def dequantize(weights, scales, zero_points, bits: int, block_size: int, k: int | None = None) -> np.ndarray:
     """Dequantise raw integer expert weights (int2 / int3 / int4 / int8 LSB-first rows).
 
