@@ -1,4 +1,5 @@
-"""The `moe-workbench` command: open the window, inspect a model, generate text, write a model."""
+"""The `moe-workbench` command: open the window, inspect a model, generate text, record runs, sweep budgets, list the
+history, test contention, write a model."""
 
 from __future__ import annotations
 
