@@ -1,7 +1,8 @@
 """onnxruntime session options shared by every session the engine creates.
 
-All sessions use one process-wide intra-op thread pool, so the number of threads does not grow
-with the number of dense segments (a 48-layer model has 49 of them).
+Each session gets its own intra-op thread pool, which blocks between runs rather than spinning
+(session_options below): a process-wide pool cannot be told not to spin, and its spinning threads
+held the cores the expert kernels needed next.
 
 Where the dense segments run is a DenseDevice: the CPU, or onnxruntime's CUDA execution provider
 when the experts' device is a CUDA GPU and the installed onnxruntime offers that provider
