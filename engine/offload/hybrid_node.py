@@ -1,5 +1,7 @@
-"""An expert node run with hybrid offload: resident experts on the device, cold ones on the CPU
-or streamed to the device in waves, results merged. Drop-in for CpuExpertNode in the decoder."""
+"""An expert node run with hybrid offload: resident experts on the device; in decode, cold ones computed on the CPU or
+copied into spare device slots (the miss policy), read by the GPU from the host tier, or shared between the tier and
+the CPU (decode path "both"); in prefill, on the CPU or, where copying pays, streamed to the device in waves; results
+merged. Drop-in for CpuExpertNode in the decoder."""
 
 from __future__ import annotations
 
