@@ -1,1 +1,2 @@
-"""MoE Workbench kernels: QMoE spec, NumPy reference and CPU (Numba) kernels. No Qt, no engine imports."""
+"""MoE Workbench kernels: QMoE spec, layouts, NumPy reference, CPU (Numba) and GPU (CuPy) kernels. No Qt, no engine
+imports."""
