@@ -1,7 +1,9 @@
 """Numba kernels of the CPU QMoE path (compiled once per machine: cache=True).
 
-Weights stay in their stored int4/int8 layout; ``gemv_q`` reads the packed bytes once per output row
-(decode), ``dequant_rows`` expands an expert's rows into a float32 matrix for BLAS (prefill).
+Weights stay in their stored layout. The batched paths (CpuQMoE's default, kernels/cpu/qmoe.py) are ``moe_gemv``
+(decode: FC1, activation and FC2 of every routed expert in one parallel region) and ``qgemm_tasks`` (prefill: a
+k-blocked dequant-GEMM per projection); ``gemv_q`` and ``qgemm`` are the older per-expert int4/int8 paths
+(CpuQMoE.batched = False), kept for comparison.
 Distinct specialisations are kept few: weights / scales / zero points are always passed as
 read-only C-contiguous arrays, scales either float32 or uint16 (fp16 / bf16 bits).
 
@@ -27,7 +29,7 @@ from .simd import (HAS_AVX512F, MK_NR, TBL_RECORD, atomic_fetch_add, atomic_load
                    qrow_int3_zblk_1, qrow_int3_zblk_2, qrow_int3_zrow_1, qrow_int3_zrow_2)
 from .threads import PRANGE_ONLY
 
-__all__ = ["gemv_q", "dequant_rows", "qgemm", "activate", "ROWS_PER_TASK",
+__all__ = ["gemv_q", "qgemm", "activate", "ROWS_PER_TASK",
            "group_pairs", "plan_blocks", "plan_tasks", "pack_cols", "qgemm_tasks", "moe_gemv", "reduce_rows",
            "reduce_tokens", "int3_position", "int3_width", "INT3_CHUNK",
            "ACT_RELU", "ACT_GELU", "ACT_SILU", "ACT_IDENTITY", "ACT_SWIGLU"]
@@ -119,25 +121,6 @@ def gemv_q(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk,
                                 t += (np.float32(q) - z) * xa[r, j]
                         acc += s * t
                     out[dst_row[p], n] += coef[p] * (acc + bval)
-
-
-@njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
-def dequant_rows(w, sc, skind, zp, zmode, bits, nb, chunk, cshift, nchunk, e, n0, n1, out):
-    """out[n - n0, :] = dequantised row n of expert e (k in the per-chunk permuted order), n0 <= n < n1."""
-    K = out.shape[1]
-    flat = out.reshape(-1)
-    zdef = np.float32(1 << (bits - 1))
-    zrb = (nb * bits + 7) // 8
-    nrows = n1 - n0
-    ntask = (nrows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(ntask):
-        zbuf = np.full(nb, zdef, np.float32)
-        r0 = task * ROWS_PER_TASK
-        r1 = min(nrows, r0 + ROWS_PER_TASK)
-        for rr in range(r0, r1):
-            if zmode != 0:
-                _fill_zero_points(zbuf, zp, zmode, e, n0 + rr, bits, nb, zrb, zdef)
-            _dequant_one_row(w, sc, skind, zbuf, bits, nb, chunk, cshift, nchunk, e, n0 + rr, flat, rr * K)
 
 
 @njit(inline="always", error_model="numpy")

@@ -71,7 +71,7 @@ def _is_bf16(dt) -> bool:
 
 
 def k_permutation(K: int, bits: int, chunk: int) -> np.ndarray | None:
-    """Order of k in a row written by ``dequant_rows`` / the batched GEMM's dequantisation (None = natural).
+    """Order of k in a row written by the GEMMs' dequantisation (``qgemm``, ``qgemm_tasks``; None = natural).
 
     int4 / fp4: within each whole chunk of ``chunk`` bytes, first the even k (low nibbles), then the odd k;
     int2: the k = 0 mod 4 of the chunk (code 0 of each byte), then 1, 2, 3 mod 4; int3 (``chunk`` 24 bytes = 64
@@ -231,16 +231,11 @@ class _Proj:
         x = np.ascontiguousarray(x)
         return x, x, xs
 
-    # -- prefill: dequantise into a float32 matrix (k permuted, see k_permutation) for BLAS
-    def dense(self, e: int, buf: np.ndarray | None = None) -> np.ndarray:
-        """Expert e's [N, K] float32 matrix (quantised: k in the permuted order, see k_permutation)."""
-        if not self.quantized:
-            w = self.w[e]
-            return w if w.dtype == np.float32 else w.astype(np.float32)
-        out = np.empty((self.N, self.K), np.float32) if buf is None else buf[: self.N * self.K].reshape(self.N, self.K)
-        _k.dequant_rows(self.w, self.sc, self.skind, self.zp, self.zmode, self.bits, self.nb, self.chunk,
-                        self.cshift, self.nchunk, e, 0, self.N, out)
-        return out
+    # -- float MoE nodes: the expert's matrix for BLAS
+    def dense(self, e: int) -> np.ndarray:
+        """Expert e's [N, K] float32 matrix (a float MoE node's; quantised nodes run the kernels)."""
+        w = self.w[e]
+        return w if w.dtype == np.float32 else w.astype(np.float32)
 
     def gemm(self, e: int, x: np.ndarray, accumulate=False, dst=None, coef=None, out=None):
         """x [M, K] float32 -> [M, N] = x W_e^T + b_e (or scatter-add coef * that into out[dst])."""
@@ -539,17 +534,17 @@ class CpuQMoE:
 
     def _run_dense_float(self, x, e, tok, pw, acc):
         xg = x[tok]
-        h1 = xg @ self.fc1.dense(e, None).T
+        h1 = xg @ self.fc1.dense(e).T
         if self.fc1.has_bias:
             h1 += self.fc1.bias[e]
         h3 = None
         if self.fc3 is not None:
-            h3 = xg @ self.fc3.dense(e, None).T
+            h3 = xg @ self.fc3.dense(e).T
             if self.fc3.has_bias:
                 h3 += self.fc3.bias[e]
         a = self._activate(np.ascontiguousarray(h1, dtype=np.float32),
                            None if h3 is None else np.ascontiguousarray(h3, dtype=np.float32))
-        y = a @ self.fc2.dense(e, None).T
+        y = a @ self.fc2.dense(e).T
         if self.fc2.has_bias:
             y += self.fc2.bias[e]
         acc[tok] += pw[:, None] * y
