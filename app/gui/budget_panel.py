@@ -154,7 +154,7 @@ class BudgetPanel(QWidget):
         self.statements.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         self.apply_button = QPushButton("Apply")
-        self.apply_button.setToolTip("Re-plan the loaded model with these settings (Ctrl+Return in this panel)")
+        self.apply_button.setToolTip("Re-plan the loaded model with these settings")
         self.defaults_button = QPushButton("Defaults")
         self.defaults_button.setToolTip("Every budget and setting back to its default (the device stays as chosen)")
         self.saved_button = QToolButton(text="Saved ▾")
