@@ -39,6 +39,8 @@ def test_the_reasoning_streams_above_the_answer_and_collapses_when_it_begins(qtb
     try:
         load(qtbot, window, folder)
         chat = window.chat
+        assert "It reasons before it answers, which often takes more than the" in chat.live.text()
+        assert not chat.reasoning.isEnabled()  # this stand-in template reads no reasoning setting
         chat.max_tokens.setValue(len(answer))
         chat.prompt.setPlainText("Hi")
         chat.send()
@@ -126,16 +128,20 @@ def test_model_defaults_fill_in_the_models_own_sampling_and_a_greedy_chat_is_tol
 
     chat = ChatPanel()
     qtbot.addWidget(chat)
-    assert not chat.model_defaults_button.isEnabled() and chat.model_sampling_hint() == ""
+    assert not chat.model_defaults_button.isEnabled() and chat.load_hints(False) == ""
     chat.set_model_sampling({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0,
                              "words": "temperature 0.6, top-k 20, top-p 0.95"})
-    assert chat.model_sampling_hint() == (" Its genai_config.json samples (temperature 0.6, top-k 20, top-p 0.95); these "
-                                          "answers are greedy: Settings ▸ Model defaults.")
+    assert chat.load_hints(False) == (" Its genai_config.json samples (temperature 0.6, top-k 20, top-p 0.95); these "
+                                      "answers are greedy: Settings ▸ Model defaults.")
     chat.model_defaults_button.click()
     options = chat.options()
     assert (options["temperature"], options["top_k"], options["top_p"]) == (0.6, 20, 0.95)
-    assert chat.model_sampling_hint() == ""  # sampling now
+    assert chat.load_hints(False) == ""  # sampling now
+    assert chat.load_hints(True) == (" It reasons before it answers, which often takes more than the 256 tokens "
+                                     "Settings ▸ Max tokens allows.")
+    chat.max_tokens.setValue(4096)
+    assert chat.load_hints(True) == ""
     chat.set_model_sampling({"temperature": 0.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
                              "words": "greedy"})
     chat.model_defaults_button.click()
-    assert chat.options()["temperature"] == 0.0 and chat.model_sampling_hint() == ""
+    assert chat.options()["temperature"] == 0.0 and chat.load_hints(False) == ""

@@ -89,6 +89,10 @@ def copied_text(entry: dict) -> str:
     return entry["text"] or entry.get("reasoning", "")
 
 
+# an answer length below which a model that reasons first is told it may end before it answers (load_hints)
+REASONING_TOKENS = 1024
+
+
 class ChatPanel(QWidget):
     sendRequested = Signal(str, dict)
     regenerateRequested = Signal(dict)
@@ -265,12 +269,17 @@ class ChatPanel(QWidget):
             self.top_p.setValue(self._model_sampling["top_p"])
             self.repetition.setValue(self._model_sampling["repetition_penalty"])
 
-    def model_sampling_hint(self) -> str:
-        """What to say when a model that samples by its own defaults loads while the chat answers greedily."""
-        if self._model_sampling is None or not self._model_sampling["temperature"] or self.temperature.value():
-            return ""
-        return (f" Its genai_config.json samples ({self._model_sampling['words']}); these answers are greedy: "
-                "Settings ▸ Model defaults.")
+    def load_hints(self, reasons_first: bool) -> str:
+        """What to say as a model loads: that it samples by its own defaults while the chat answers greedily, and that
+        a model which reasons first (engine/reasoning.py) often needs more than a short answer length."""
+        hints = ""
+        if self._model_sampling is not None and self._model_sampling["temperature"] and not self.temperature.value():
+            hints += (f" Its genai_config.json samples ({self._model_sampling['words']}); these answers are greedy: "
+                      "Settings ▸ Model defaults.")
+        if reasons_first and self.max_tokens.value() < REASONING_TOKENS:
+            hints += (f" It reasons before it answers, which often takes more than the {self.max_tokens.value()} "
+                      "tokens Settings ▸ Max tokens allows.")
+        return hints
 
     def _select_reasoning(self) -> None:
         index = self.reasoning.findData(self._wanted_reasoning)

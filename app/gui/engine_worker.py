@@ -191,6 +191,7 @@ class EngineWorker(QObject):
                               "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo,
                               "reasoning_choices": list(reasoning_choices(model.tokenizer)),
+                              "reasons_first": model.answer_format.kind != "plain",
                               "sampling": _model_sampling(model)})
             self._emit_stats()
             # the CPU kernels, the offload engine's bookkeeping and the host-part worker's loop compiled now (a first

@@ -534,7 +534,8 @@ class MainWindow(QMainWindow):
         self.chat.set_reasoning_choices(info.get("reasoning_choices", []))
         self.chat.set_model_sampling(info.get("sampling"))
         self.chat.render()
-        self.chat.live.setText(f"New conversation with {Path(info['path']).name}." + self.chat.model_sampling_hint())
+        self.chat.live.setText(f"New conversation with {Path(info['path']).name}."
+                               + self.chat.load_hints(info.get("reasons_first", False)))
         self.graphs.add_marker("loaded", "load")
         self.side_by_side.set_loaded(info["path"], info.get("entries"))
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
