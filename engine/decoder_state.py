@@ -197,17 +197,20 @@ class DecoderState:
                 slot.array, slot.spare = self.backend.swap(slot.array, slot.spare)
         self.past_length += count
 
+    def _kept(self, slot: StateSlot):
+        """What a snapshot keeps of a slot (a view, no copy): full-attention KV to the past length, any other state
+        whole; None for a KV buffer not made yet (no step reserved it)."""
+        if slot.array is None:
+            return None
+        return slot.array[:, :, :self.past_length] if slot.shared and not slot.sliding else slot.array
+
     def snapshot_bytes(self) -> int:
         """The host memory snapshot() takes now."""
-        return sum(0 if slot.array is None else slot.array.itemsize * (
-            slot.array.size // slot.array.shape[2] * self.past_length if slot.shared and not slot.sliding
-            else slot.array.size) for slot in self._slots)
+        return sum(view.nbytes for view in map(self._kept, self._slots) if view is not None)
 
     def snapshot(self) -> StateSnapshot:
-        arrays = tuple(None if slot.array is None else  # a KV buffer not made yet (no step reserved it)
-                       self.backend.to_host(slot.array[:, :, :self.past_length] if slot.shared and not slot.sliding
-                                            else slot.array) for slot in self._slots)
-        return StateSnapshot(self.past_length, arrays)
+        return StateSnapshot(self.past_length, tuple(None if view is None else self.backend.to_host(view)
+                                                     for view in map(self._kept, self._slots)))
 
     def restore(self, snapshot: StateSnapshot) -> None:
         """The state as `snapshot` holds it, written into the buffers in place (their bindings stay), which are at

@@ -49,10 +49,13 @@ def answer_format(tokenizer: ModelTokenizer) -> AnswerFormat:
     if tokenizer.token_id("<|channel|>") is not None and tokenizer.token_id("<|message|>") is not None:
         return AnswerFormat("harmony", ids(HARMONY_MARKS))
     tags = ids((OPEN, CLOSE))
-    template = tokenizer.chat_template.source if tokenizer.chat_template is not None else ""
-    if len(tags) == 2 or CLOSE in template:
+    if len(tags) == 2 or CLOSE in _template_source(tokenizer):
         return AnswerFormat("think", tags)
     return AnswerFormat("plain")
+
+
+def _template_source(tokenizer: ModelTokenizer) -> str:
+    return tokenizer.chat_template.source if tokenizer.chat_template is not None else ""
 
 
 class AnswerSplit:
@@ -154,7 +157,7 @@ THINKING = ("on", "off")
 
 def reasoning_choices(tokenizer: ModelTokenizer) -> tuple[str, ...]:
     """The values the model's chat template takes for its reasoning setting (ReasoningChoice), () where it has none."""
-    source = tokenizer.chat_template.source if tokenizer.chat_template is not None else ""
+    source = _template_source(tokenizer)
     if "reasoning_effort" in source:
         return EFFORTS
     if "enable_thinking" in source:
