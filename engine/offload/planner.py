@@ -136,11 +136,11 @@ def _plan_beside_dense(config: OffloadConfig, experts: list[ExpertNodeInfo], dev
             f"{human_bytes(need)}, and {human_bytes(room)} is free beside the reserve for KV cache and workspace "
             "(reserve_device_bytes); mode=auto keeps the experts that do not fit on the CPU")
     slots = {info.name: info.spec.num_experts if info.gpu is not None else 0 for info in experts}
-    total = sum(info.spec.num_experts for info in experts if info.spec is not None)
-    statements = [f"All {sum(slots.values())} of {total} experts resident on the {device.name}, where the dense part "
-                  f"runs ({human_bytes(need)}): offload is disabled, so the expert budgets do not apply."]
+    resident, total = sum(slots.values()), sum(info.spec.num_experts for info in experts if info.spec is not None)
+    statements = [f"All {resident} of {total} experts resident on the {device.name}, where the dense part runs "
+                  f"({human_bytes(need)}): offload is disabled, so the expert budgets do not apply."]
     statements += gpu_statements(experts)
-    return OffloadPlan("all_resident" if sum(slots.values()) == total else "hybrid", need, slots, statements)
+    return OffloadPlan("all_resident" if resident == total else "hybrid", need, slots, statements)
 
 
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
