@@ -232,7 +232,7 @@ def _cmd_inspect(args) -> int:
         from engine.offload.engine import load_popularity
         from engine.offload.host_cache import file_backing_refusal
         from engine.offload.planner import plan_offload
-        from engine.ort_env import dense_cpu_reason
+        from engine.ort_env import dense_goes_to
 
         # what the engine checks at load, checked here too: the experts fit where allow_file_backing keeps them, the
         # pinned ring holds an expert, the popularity file reads
@@ -243,10 +243,9 @@ def _cmd_inspect(args) -> int:
         if config.popularity_file:
             runnable = [info for info in folder.experts if info.spec is not None]
             load_popularity(config.popularity_file, [i.name for i in runnable], [i.spec.num_experts for i in runnable])
-        dense_on_device = device is not None and dense_cpu_reason(
-            device.kind, DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()) is None
+        kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
-                            dense_on_device=dense_on_device)
+                            dense_on_device=dense_goes_to(device, kv_dtypes))
         mode = args.decode_path or paths.default_decode_path()
         said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
         report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,

@@ -17,7 +17,7 @@ from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
-from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason
+from engine.ort_env import DenseDevice, choose_dense_device, dense_goes_to
 from engine.reasoning import AnswerFormat, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
 
@@ -101,8 +101,8 @@ class LoadedModel:
         probe = DecoderState(self.config, folder.onnx.proto.graph)
         self.offload = None
         if offload is not None:
-            dense_on_device = device is not None and dense_cpu_reason(device.kind, probe.kv_dtypes()) is None
-            self.offload = attach_offload(self.decoder, offload, device, layer_split, decode_path, dense_on_device)
+            self.offload = attach_offload(self.decoder, offload, device, layer_split, decode_path,
+                                          dense_goes_to(device, probe.kv_dtypes()))
         total, growth = probe.full_context_bytes()
         self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:

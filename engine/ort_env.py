@@ -312,6 +312,12 @@ def dense_cpu_reason(device_kind: str | None, kv_dtypes=()) -> str | None:
     return cuda_ep_missing_reason() or kv_dtype_reason(kv_dtypes)
 
 
+def dense_goes_to(device, kv_dtypes=()) -> bool:
+    """Whether the dense part is meant to run on `device` (a CudaDevice whose onnxruntime has the CUDA EP and whose
+    KV caches it takes), where mode=disabled puts every expert too (planner.plan_offload)."""
+    return device is not None and dense_cpu_reason(device.kind, kv_dtypes) is None
+
+
 def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int, kv_dtypes=()) -> DenseDevice:
     """The DenseDevice for experts on `device` (None, a SimulatedDevice or a CudaDevice), after the
     offload plan has taken its share of the device's memory."""

@@ -371,7 +371,7 @@ def test_disabled_mode_puts_every_expert_where_the_dense_part_runs(model_folder,
                                        "simulated GPU")
     assert str(error.value).endswith("mode=auto keeps the experts that do not fit on the CPU")
     # a load whose dense part goes to the device (as with onnxruntime-gpu on a CUDA GPU) plans so, and answers exactly
-    monkeypatch.setattr(generation, "dense_cpu_reason", lambda kind, dtypes: None)
+    monkeypatch.setattr(generation, "dense_goes_to", lambda device, dtypes: device is not None)
     model = LoadedModel.open(model_folder, offload=disabled, device=SimulatedDevice(4 * need))
     assert model.offload.plan.placement_mode == "all_resident" and model.dense_device == "cpu"
     assert_same_as_cpu(greedy_run(model), cpu_run)

@@ -448,12 +448,13 @@ class BudgetPanel(QWidget):
             self.vram_title.setText("VRAM — no GPU device chosen")
             self.vram_bar.hide()
             self.vram_legend.setText(f"<span style='color:{t.muted}'>Nothing of the model is on a GPU.</span>")
-        host_parts = est.host_parts + self._tier_part(est, config, choice)
+        tier_part, tier_statement = self._tier(est, config, choice)
+        host_parts = est.host_parts + tier_part
         self.host_bar.setParts(host_parts)
         self.host_legend.setText(legend_html(host_parts, t))
         self._show_pinned(est, choice, config)
         colour = t.error if est.error else t.text
-        statements = est.statements + self._split_statement(est, config) + self._tier_statement(est, config, choice)
+        statements = est.statements + self._split_statement(est, config) + tier_statement
         self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(statements) + "</span>")
         self._update_apply()
         self.estimateChanged.emit(est, config.mode, choice.label)
@@ -484,25 +485,20 @@ class BudgetPanel(QWidget):
         mode = self.decode_path.currentData()
         return paths.default_decode_path() if mode == "auto" else mode
 
-    def _tier_part(self, est, config: OffloadConfig, choice: DeviceChoice) -> list[Part]:
-        """The host tier's page-locked memory where the plan shown gets one (decode_path.tier_verdict, as the engine
-        asks it at load): the statements named its size, the host-memory bar left it out."""
+    def _tier(self, est, config: OffloadConfig, choice: DeviceChoice) -> tuple[list[Part], list[str]]:
+        """The host tier for the plan shown (decode_path.tier_verdict, as the engine asks it at load): its page-locked
+        memory for the host-memory bar where the plan gets one, and the statement of what decode does with it or why
+        there is none (decode_path.tier_preview's)."""
+        if est.plan is None:
+            return [], []
         kind = None if choice.kind == "cpu" or choice.error else choice.kind
-        if est.plan is None or not paths.tier_verdict(self._decode_path_mode(), config, self.facts.experts,
-                                                      est.plan.slots, kind, paths.host_available())[0]:
-            return []
+        mode, nbytes = self._decode_path_mode(), paths.tier_bytes(self.facts.experts)
+        made, said = paths.tier_verdict(mode, config, self.facts.experts, est.plan.slots, kind, paths.host_available())
+        if not made:
+            return [], [said] if said else []
         note = "page-locked: every expert again, in the GPU kernels' layout" + (
             " (counted, not allocated, on a simulated GPU)" if kind == "simulated" else "")
-        return [Part("tier", "host tier", paths.tier_bytes(self.facts.experts), note)]
-
-    def _tier_statement(self, est, config: OffloadConfig, choice: DeviceChoice) -> list[str]:
-        """Whether decode will read cold experts on the GPU from a host tier for the plan shown, and the host memory
-        it pins, or why there is none (decode_path.tier_verdict, as the engine asks it at load)."""
-        if est.plan is None:
-            return []
-        kind = None if choice.kind == "cpu" or choice.error else choice.kind
-        said = paths.tier_preview(self._decode_path_mode(), config, self.facts.experts, est.plan.slots, kind)
-        return [said] if said else []
+        return [Part("tier", "host tier", nbytes, note)], [paths.tier_sentence(mode, config, nbytes)]
 
     def _show_pinned(self, est, choice: DeviceChoice, config: OffloadConfig) -> None:
         """What pinned_bytes does, live: the ring and the prefill wave it gives, or the engine's refusal;
