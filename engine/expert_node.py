@@ -204,8 +204,6 @@ class CpuExpertNode:
         for role, name in self.info.weight_inputs.items():
             view = self.source.array(name)
             tensors[role] = np.array(view) if self.in_memory else view
-            if self.in_memory:  # the file's pages the copy read would stay mapped beside it: the experts twice in RSS
-                self.source.release_pages(name, 0, self.source.nbytes(name))
         self.tensors = tensors  # mapped views (or RAM copies): a device copies experts from here
         self.kernel = self._own_kernel = CpuQMoE(self.info.spec, tensors, num_threads=threads)
 
@@ -215,6 +213,11 @@ class CpuExpertNode:
             return
         self.in_memory = not allowed
         self._build(self.kernel.num_threads)
+
+    def release_file_pages(self) -> None:
+        """Let the OS drop this node's mapped expert pages from the process (read back from the file if touched)."""
+        for name in self.info.weight_inputs.values():
+            self.source.release_pages(name, 0, self.source.nbytes(name))
 
     def run(self, values: dict[str, np.ndarray]) -> np.ndarray:
         inputs = self.info.activation_inputs

@@ -304,6 +304,12 @@ class OffloadEngine:
     def _apply_file_backing(self) -> None:
         for runner in self.runners:
             runner.set_file_backing(self.config.allow_file_backing)
+        if not self.config.allow_file_backing:
+            # the copies' reads left the file's pages mapped beside them (the experts twice in RSS), and each read maps
+            # pages around it (fault-around, a large folio), the tensor copied before among them: released once all
+            # are copied
+            for runner in self.runners:
+                runner.release_file_pages()
 
     def _apply_cpu_threads(self) -> None:
         """cpu_threads for the CPU expert kernels (0: automatic, engine/kernel_threads.py); from the next step on."""
