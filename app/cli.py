@@ -175,7 +175,7 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
 def _offload_setup(args):
     """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs."""
     from engine.offload import OffloadConfig, SimulatedDevice
-    from engine.offload.config import DEVICE_KEYS, UNUSED_KEYS, short_key
+    from engine.offload.config import DEVICE_KEYS, UNUSED_KEYS, keys_among, short_key
 
     saved_entries = {}
     if args.config:
@@ -199,11 +199,11 @@ def _offload_setup(args):
         return None, None
     config = OffloadConfig.from_entries(entries)
     if args.device == "cpu":
-        idle = sorted({short_key(key) for key in entries} & DEVICE_KEYS)
+        idle = keys_among(entries, DEVICE_KEYS)
         if idle:
             print(f"warning: {', '.join(idle)}: no effect with --device cpu, where every expert runs on the CPU "
                   "(--device simulated or cuda)", file=sys.stderr)
-    unused = sorted({short_key(key) for key in entries} & UNUSED_KEYS)
+    unused = keys_among(entries, UNUSED_KEYS)
     if unused:
         print(f"warning: {', '.join(unused)}: kept for onnxruntime, but this engine does not use "
               f"{'it' if len(unused) == 1 else 'them'} (no effect here)", file=sys.stderr)

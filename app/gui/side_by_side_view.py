@@ -19,7 +19,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SideBySideJob, SideBySideResult
 from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
-from engine.offload.config import DEVICE_KEYS, short_key
+from engine.offload.config import DEVICE_KEYS, keys_among
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
 from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE
@@ -95,7 +95,7 @@ def speed_text(a, b) -> str:
 def idle_settings_text(record) -> str:
     """B's device settings where B, like the loaded model, has no device: they changed nothing (every expert ran on
     the CPU), which the comparison would not show otherwise."""
-    idle = sorted({short_key(key) for key in record.offload.get("entries", {})} & DEVICE_KEYS)
+    idle = keys_among(record.offload.get("entries", {}), DEVICE_KEYS)
     if record.offload.get("device") != "cpu" or not idle:
         return ""
     return (f" B's {', '.join(idle)} changed nothing: the model is loaded for the CPU, where every expert runs (choose "

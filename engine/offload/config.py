@@ -30,6 +30,11 @@ def short_key(key: str) -> str:
     """`session.moe.offload.mode` or `mode` (or an alias) as the short name."""
     key = key[len(PREFIX):] if key.startswith(PREFIX) else key
     return ALIASES.get(key, key)
+
+
+def keys_among(entries, group: frozenset) -> list[str]:
+    """The short names of `entries`' keys (any naming) that are in `group` (DEVICE_KEYS, UNUSED_KEYS), sorted."""
+    return sorted({short_key(key) for key in entries} & group)
 AUTO = None  # how 'auto' is held for byte budgets
 
 
