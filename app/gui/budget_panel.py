@@ -73,6 +73,7 @@ class BudgetPanel(QWidget):
         self.facts = None
         self.base = OffloadConfig()
         self.applied: dict | None = None   # what the loaded model runs with
+        self._applied_config: OffloadConfig | None = None  # its entries parsed once (None: none, or unparsable)
         self.loaded = False
         self._cuda_error: str | None = None
         self._gpu: dict | None = None
@@ -367,7 +368,7 @@ class BudgetPanel(QWidget):
     # --- model and machine ---------------------------------------------------------------------------
     def set_facts(self, facts, settings: dict | None) -> None:
         self.facts = facts
-        self.applied = None
+        self._set_applied(None)
         self.loaded = False
         # the expert budget's far end holds every expert in device slots (the GPU kernels' layout, larger
         # than the stored experts); host cache and pinned ring are host memory, of the stored experts
@@ -387,8 +388,15 @@ class BudgetPanel(QWidget):
         self.loaded = settings is not None
         if settings is None:
             self._live_pinned = {}
-        self.applied = settings
+        self._set_applied(settings)
         self.refresh()
+
+    def _set_applied(self, settings: dict | None) -> None:
+        self.applied = settings
+        try:
+            self._applied_config = OffloadConfig.from_entries(settings.get("entries", {})) if settings else None
+        except OffloadConfigError:
+            self._applied_config = None
 
     def device_choice(self) -> DeviceChoice:
         kind = self.device.currentData()
@@ -473,11 +481,8 @@ class BudgetPanel(QWidget):
 
     def _experts_in_ram(self) -> int:
         """The loaded model's experts copied into RAM (it runs with allow_file_backing=0), else 0."""
-        if not self.loaded or not self.applied:
-            return 0
-        try:
-            applied = OffloadConfig.from_entries(self.applied.get("entries", {}))
-        except Exception:
+        applied = self._applied_config
+        if not self.loaded or applied is None:
             return 0
         return 0 if applied.allow_file_backing else self.facts.expert_bytes
 
@@ -547,19 +552,17 @@ class BudgetPanel(QWidget):
         reasons = []
         if self.applied.get("device") != self.device_settings():
             reasons.append("device")
-        old = OffloadConfig.from_entries(self.applied.get("entries", {}))
-        new = self.config()
-        reasons += [name for name in RELOAD_FIELDS if getattr(old, name) != getattr(new, name)]
+        old, new = self._applied_config, self.config()
+        if old is not None:
+            reasons += [name for name in RELOAD_FIELDS if getattr(old, name) != getattr(new, name)]
         return reasons
 
     def dirty(self) -> bool:
         if not self.applied:
             return False
-        try:
-            applied = OffloadConfig.from_entries(self.applied.get("entries", {}))
-        except Exception:
+        if self._applied_config is None:
             return True
-        return (applied != self.config() or self.applied.get("device") != self.device_settings()
+        return (self._applied_config != self.config() or self.applied.get("device") != self.device_settings()
                 or self.applied.get("layer_split", "auto") != self.layer_split.currentData()
                 or self.applied.get("decode_path", "auto") != self.decode_path.currentData())
 
