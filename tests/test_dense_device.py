@@ -628,6 +628,33 @@ def test_cuda_state_buffers_are_device_memory(monkeypatch, tmp_path):
 
 @pytest.mark.gpu
 @needs_cuda_ep
+def test_cuda_a_restored_state_snapshot_goes_on_as_a_fresh_state_fed_the_same(tmp_path):
+    """Prompt snapshots on the GPU's state (CupyBackend.to_host / load): taken after a prompt into host memory,
+    restored after an answer and decode steps that grew the KV buffers past their capacity step, the next logits
+    equal a fresh state's fed the prompt and the same tokens (full-attention KV cut back, sliding-window KV whole)."""
+    model = cuda_model(write_model(tmp_path / "fp16", FP16_MODELS["fp16-sliding"]))
+    assert model.dense_device == "cuda", model.dense_reason
+    rng = np.random.default_rng(11)
+    prompt, answer, after = (rng.integers(10, 500, n).tolist() for n in (20, PROMPT_TOKENS, 8))
+    state = model.new_state()
+    model.decoder.forward(state, prompt)
+    snapshot = state.snapshot()
+    assert all(isinstance(array, np.ndarray) for array in snapshot.arrays if array is not None)
+    model.decoder.forward(state, answer)
+    for _ in range(3):
+        model.decoder.forward(state, [7])
+    assert state.past_length > CAPACITY_STEP
+    state.restore(snapshot)
+    assert state.past_length == len(prompt)
+    ours = model.decoder.forward(state, after)
+    fresh = model.new_state()
+    model.decoder.forward(fresh, prompt)
+    reference = model.decoder.forward(fresh, after)
+    assert relative_error(ours, reference) <= 1e-3
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_cuda_expert_nodes_take_their_inputs_in_gpu_memory(monkeypatch, tmp_path, fraction):
     """Dense part and experts on the GPU: the expert nodes' inputs stay in GPU memory. Fully resident (1.0), each
