@@ -4,6 +4,7 @@ answer."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -80,6 +81,85 @@ def test_a_side_by_side_column_shows_the_reasoning_apart_and_marks_a_divergence_
     column.show_result(pieces, 3, {"tokens": "4"}, thoughts)  # at token 3: in the answer
     marked = column.answer.toHtml()
     assert "background-color" in marked.split("Hi")[0][-200:] and "background-color" not in marked.split("hard")[0]
+
+
+def _pixels(document, width: int = 240):
+    """The document drawn `width` pixels wide."""
+    from PySide6.QtGui import QColor, QImage, QPainter
+
+    copy = document.clone()
+    copy.setTextWidth(width)
+    image = QImage(width, int(copy.size().height()) + 1, QImage.Format.Format_RGB32)
+    image.fill(QColor("white"))
+    painter = QPainter(image)
+    copy.drawContents(painter)
+    painter.end()
+    return image
+
+
+def _drawn_whole(reasoning: str, text: str):
+    """The column's document as every batch drew it before batches were inserted: the whole of it, again."""
+    from PySide6.QtGui import QTextDocument
+
+    from app.gui.side_by_side_view import _escape, _with_reasoning
+
+    document = QTextDocument()
+    if reasoning:
+        document.setHtml(_with_reasoning(_escape(reasoning), _escape(text)))
+    else:
+        document.setPlainText(text)
+    return document
+
+
+# (answer, reasoning) batches: a reasoning that shows nothing at first, runs of whitespace within and across batches,
+# indented lines, HTML's own characters, more reasoning once the answer has begun (a harmony commentary channel)
+BATCHES = [("", " "), ("", "The user  greets\tus."), ("", " \n  Short & <friendly>"), ("", "\n\n"),
+           ("Hello", " Done"), ("  there!\n", ""), ("- one\n  - two", " (a note after the answer began)"), (" ", "\n"),
+           (" three", "")]
+
+
+def test_a_side_by_side_column_inserts_each_batch_and_shows_what_drawing_it_whole_showed(qtbot):
+    from app.gui.side_by_side_view import Column
+
+    column = Column("A")
+    qtbot.addWidget(column)
+    changes = []
+    column.answer.document().contentsChange.connect(lambda _at, removed, added: changes.append(removed > added))
+    reasoning = text = ""
+    drawn_whole = []
+    for batch, (more_text, more_reasoning) in enumerate(BATCHES):
+        changes.clear()
+        column.append(more_text, 1, more_reasoning)
+        text, reasoning = text + more_text, reasoning + more_reasoning
+        shown = _drawn_whole(reasoning, text)
+        assert column.answer.toPlainText() == shown.toPlainText(), batch
+        assert _pixels(column.answer.document()) == _pixels(shown), batch
+        if any(changes):  # what the document held was removed
+            drawn_whole.append(batch)
+    # only as the reasoning paragraph came (showing nothing yet), as it showed a first character and as the answer did;
+    # every batch drew the whole column before
+    assert drawn_whole == [0, 1, 4]
+
+
+def test_a_side_by_side_columns_streamed_answers_show_as_drawing_them_whole_did(qtbot):
+    """Random batches of words, whitespace and line breaks, with and without reasoning."""
+    from app.gui.side_by_side_view import Column
+
+    column = Column("A")
+    qtbot.addWidget(column)
+    rng = random.Random(5)
+    pieces = ["word", " ", "  ", "\t", "\n", "\n\n", "<&>", "\xa0", "\r\n"]
+    for _ in range(150):
+        column.clear()
+        reasoning = text = ""
+        for _ in range(rng.randint(1, 12)):
+            more_reasoning = "".join(rng.choices(pieces, k=rng.randint(0, 4))) if rng.random() < 0.6 else ""
+            more_text = "".join(rng.choices(pieces, k=rng.randint(0, 4))) if rng.random() < 0.5 else ""
+            column.append(more_text, 1, more_reasoning)
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        shown = _drawn_whole(reasoning, text)
+        assert column.answer.toPlainText() == shown.toPlainText(), (reasoning, text)
+        assert _pixels(column.answer.document()) == _pixels(shown), (reasoning, text)
 
 
 def test_copy_of_an_answer_stopped_while_reasoning_copies_its_reasoning(qtbot):

@@ -7,10 +7,12 @@ the first token where the answers differ highlighted in both, a record for each 
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from PySide6.QtCore import Signal
+from PySide6.QtGui import QTextBlockFormat, QTextCursor
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QVBoxLayout, QWidget)
 
@@ -132,6 +134,10 @@ class Column(QGroupBox):
         super().__init__(title, parent)
         self.text = self.reasoning = ""
         self.tokens = 0
+        # while it streams with a reasoning paragraph: the last character each part shows ("" before any), which decides
+        # whether the next batch's leading whitespace shows (_shown), and where the reasoning ends
+        self._reasoning_end = self._answer_end = ""
+        self._reasoning_cursor: QTextCursor | None = None
         self.answer = QTextBrowser()
         self.answer.setAccessibleName(f"{title} answer")
         self.values: dict[str, QLabel] = {}
@@ -147,18 +153,31 @@ class Column(QGroupBox):
 
     def clear(self) -> None:
         self.text, self.reasoning, self.tokens = "", "", 0
+        self._reasoning_end = self._answer_end = ""
         self.answer.clear()
         for label in self.values.values():
             label.setText("—")
 
     def append(self, text: str, tokens: int, reasoning: str = "") -> None:
+        """A streamed batch. Each part's new text goes in where that part ends, shown as the column drawn whole would
+        show it, a new line in a block of its own: a batch costs the lines it extends, not the answer's length. The
+        column is drawn whole only as its reasoning or its answer shows a first character (text inserted into an empty
+        paragraph would not take the paragraph's format)."""
         self.text += text
         self.reasoning += reasoning
         self.tokens += tokens
-        if self.reasoning:
-            self.answer.setHtml(_with_reasoning(_escape(self.reasoning), _escape(self.text)))
+        end = QTextCursor(self.answer.document())
+        end.movePosition(QTextCursor.MoveOperation.End)
+        if not self.reasoning:
+            end.insertText(text)  # as setPlainText shows it
+        elif self._reasoning_end and (self._answer_end or not _shown(text, "")):
+            self._reasoning_end = _insert_shown(self._reasoning_cursor, reasoning, self._reasoning_end)
+            self._answer_end = _insert_shown(end, text, self._answer_end)
         else:
-            self.answer.setPlainText(self.text)
+            self.answer.setHtml(_with_reasoning(_escape(self.reasoning), _escape(self.text)))
+            self._reasoning_end, self._answer_end = _shown(self.reasoning, "")[-1:], _shown(self.text, "")[-1:]
+            self._reasoning_cursor = QTextCursor(self.answer.document().firstBlock())
+            self._reasoning_cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock)
         self.values["tokens"].setText(f"{self.tokens} …")
 
     def show_failure(self, message: str) -> None:
@@ -200,6 +219,40 @@ def _with_reasoning(reasoning: str, answer: str) -> str:
 
 def _escape(text: str) -> str:
     return html.escape(text).replace("\n", "<br>")
+
+
+# whitespace that an HTML paragraph shows as one space (Qt's white-space: normal): all but line breaks (<br> in
+# _escape), no-break spaces and the separators \x1c-\x1f, which Qt keeps
+_SPACES = re.compile(r"[^\S\n\xa0\x1c-\x1f]+")
+
+
+def _shown(text: str, before: str) -> str:
+    """What an _escape'd paragraph shows of `text` after `before`, the last character it shows ("" at its start):
+    a run of whitespace as one space, none at a line's start."""
+    joined = _SPACES.sub(" ", (before or "\n") + text).replace("\n ", "\n")
+    return joined[1:]
+
+
+def _insert_shown(cursor: QTextCursor, text: str, before: str) -> str:
+    """`text` at `cursor` as setHtml would show it after `before` (_shown), each line after the first in a block of
+    its own; the last character shown there now."""
+    shown = _shown(text, before)
+    for number, line in enumerate(shown.split("\n")):
+        if number:
+            _next_line(cursor)
+        cursor.insertText(line)
+    return shown[-1:] or before
+
+
+def _next_line(cursor: QTextCursor) -> None:
+    """A block that continues the cursor's paragraph on a new line, as <br> does: the paragraph's margin below moves
+    to it, the one above stays where it is."""
+    above = cursor.blockFormat()
+    below = QTextBlockFormat(above)
+    below.setTopMargin(0)
+    above.setBottomMargin(0)
+    cursor.setBlockFormat(above)
+    cursor.insertBlock(below)
 
 
 class SideBySideView(QWidget):
