@@ -226,10 +226,11 @@ def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
     assert desktop["Type"] == "Application" and desktop["Exec"].startswith("moe-workbench")
     assert desktop["StartupWMClass"] == "moe-workbench"
     assert 'setDesktopFileName("moe-workbench")' in (REPO / "app" / "gui" / "main.py").read_text()
-    icon = REPO / "resources" / f"{desktop['Icon']}.svg"
-    from PySide6.QtGui import QIcon
+    from app.gui.main_window import ICON, app_icon
 
-    assert icon.is_file() and not QIcon(str(icon)).isNull()
+    # the window's icon, which make desktop installs under the entry's Icon name
+    assert ICON.is_file() and ICON.name == f"{desktop['Icon']}.svg" and not app_icon().isNull()
+    assert f"install -D -m 644 {ICON.relative_to(REPO)} " in (REPO / "Makefile").read_text()
 
 
 def test_placement_tooltip_says_where_a_fully_resident_layer_routed(qapp):

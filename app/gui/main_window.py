@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from importlib.resources import files
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, Slot
@@ -34,7 +35,8 @@ from app.gui.telemetry import SamplerThread
 from app.gui.widgets import Banner, scrolled
 
 RECENT_MAX = 10
-ICON = Path(__file__).resolve().parents[2] / "resources" / "moe-workbench.svg"
+# package data (pyproject.toml): found in an installed wheel as in the checkout
+ICON = files("app") / "resources" / "moe-workbench.svg"
 STATE_VERSION = 1
 # what the engine worker reports as busy while a records job runs, and what the status bar says
 JOB_LABELS = {"recording": "Recording scenarios…", "sweeping": "Sweeping budgets…", "comparing": "Comparing side by side…",
