@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml packaging/select_runtime.py | $(VENV_READY)
 DATA_HOME := $(or $(XDG_DATA_HOME),$(HOME)/.local/share)
 
 desktop: $(STAMP)
-	install -D -m 644 app/resources/moe-workbench.svg $(DATA_HOME)/icons/hicolor/scalable/apps/moe-workbench.svg
+	install -D -m 644 resources/moe-workbench.svg $(DATA_HOME)/icons/hicolor/scalable/apps/moe-workbench.svg
 	mkdir -p $(DATA_HOME)/applications
 	sed -e 's|^Exec=moe-workbench|Exec=$(abspath $(VENV))/bin/moe-workbench|' \
 	    -e 's|^TryExec=moe-workbench|TryExec=$(abspath $(VENV))/bin/moe-workbench|' \

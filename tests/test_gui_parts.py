@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import configparser
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,7 +231,7 @@ def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
 
     # the window's icon, which make desktop installs under the entry's Icon name
     assert ICON.is_file() and ICON.name == f"{desktop['Icon']}.svg" and not app_icon().isNull()
-    assert f"install -D -m 644 {ICON.relative_to(REPO)} " in (REPO / "Makefile").read_text()
+    assert f"install -D -m 644 {Path(ICON).resolve().relative_to(REPO)} " in (REPO / "Makefile").read_text()
 
 
 def test_placement_tooltip_says_where_a_fully_resident_layer_routed(qapp):
