@@ -11,8 +11,11 @@ when the experts' device is a CUDA GPU and the installed onnxruntime offers that
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
+import re
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -195,13 +198,32 @@ def dense_arena_limit(mem_limit: int, available: int, state_bytes: int, dense_we
 
 
 def cuda_ep_missing_reason() -> str | None:
-    """Why this onnxruntime cannot run the CUDA EP, or None when it offers it."""
+    """Why this onnxruntime cannot run the CUDA EP, or None when it offers it and can load the CUDA libraries it
+    needs."""
     if CUDA_EP in ort.get_available_providers():
-        return None
+        return cuda_libraries_missing()
     builds = installed_onnxruntime_builds()
     if any(build.startswith("onnxruntime-gpu ") for build in builds):
         return f"the installed {', '.join(builds)} offers no {CUDA_EP}"
     return "onnxruntime here is the CPU build (install onnxruntime-gpu)"
+
+
+@functools.cache
+def cuda_libraries_missing() -> str | None:
+    """Load the CUDA libraries onnxruntime-gpu's CUDA EP links (cuBLAS, cuRAND, the CUDA runtime) from the NVIDIA
+    wheels its extras install (pyproject's cuda12 / cuda13: a machine with only the driver has them nowhere else),
+    else from the system's library path: onnxruntime.preload_dlls, once a process. Returns which could not be loaded,
+    or None. preload_dlls prints what it could not load; that text is the reason, not output."""
+    if not hasattr(ort, "preload_dlls"):  # (older than 1.21: the libraries must be on the library path)
+        return None
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ort.preload_dlls(cuda=True, cudnn=True, msvc=False)
+    missing = re.findall(r"^Failed to load (?:\S*/)?(\S+?):", printed.getvalue(), re.MULTILINE)
+    if not missing:
+        return None
+    return (f"onnxruntime-gpu's CUDA execution provider needs {', '.join(dict.fromkeys(missing))}, which cannot be "
+            "loaded (install the cuda12 or cuda13 extra, which brings them: make clean install)")
 
 
 _shared_arenas: dict[int, int] = {}  # device id -> max_mem of the arena registered with onnxruntime's env

@@ -396,6 +396,42 @@ def test_dense_on_cpu_without_cuda_ep_says_why(monkeypatch):
         FakeCudaDevice(), 0, 0).reason
 
 
+def test_dense_on_cpu_names_the_cuda_libraries_onnxruntime_gpu_cannot_load(monkeypatch, capsys):
+    """A machine with only the driver and onnxruntime-gpu without its CUDA wheels: preload_dlls prints what it could not
+    load (as onnxruntime 1.31.1 does); the dense part stays on the CPU naming those libraries, and nothing is printed."""
+    def preload(cuda=True, cudnn=True, msvc=True, directory=None):
+        assert cuda and not msvc
+        print("Failed to load /venv/lib/python3.12/site-packages/nvidia/cu13/lib/libcublasLt.so.13: libcublasLt.so.13: "
+              "cannot open shared object file: No such file or directory")
+        print("Failed to load libcublasLt.so.13: libcublasLt.so.13: cannot open shared object file: No such file")
+        print("Failed to load libcudart.so.13: libcudart.so.13: cannot open shared object file: No such file")
+        print("Please follow https://onnxruntime.ai/docs/install/#cuda-and-cudnn to install CUDA.")
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(ort, "preload_dlls", preload, raising=False)
+    ort_env.cuda_libraries_missing.cache_clear()
+    try:
+        dense = ort_env.choose_dense_device(FakeCudaDevice(), 1 << 20, 1 << 20)
+    finally:
+        ort_env.cuda_libraries_missing.cache_clear()
+    assert dense.kind == "cpu"
+    assert dense.reason == ("onnxruntime-gpu's CUDA execution provider needs libcublasLt.so.13, libcudart.so.13, which "
+                            "cannot be loaded (install the cuda12 or cuda13 extra, which brings them: make clean "
+                            "install)")
+    assert capsys.readouterr().out == ""
+
+
+def test_the_gpu_extras_bring_the_cuda_libraries_as_wheels():
+    """A machine with only the NVIDIA driver has no cuBLAS, CUDA runtime or NVRTC: the GPU extras install NVIDIA's
+    wheels of them (onnxruntime-gpu's [cuda,cudnn], CuPy's [ctk]), which cuda_libraries_missing preloads."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for runtime in ("cuda12", "cuda13"):
+        assert {requirement.split("]")[0] + "]" for requirement in extras[runtime]} == {
+            "onnxruntime-gpu[cuda,cudnn]", f"cupy-{runtime}x[ctk]"}
+
+
 def test_loaded_model_states_where_the_dense_part_runs(monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime 1.32.0"])
