@@ -14,8 +14,10 @@ from pathlib import Path
 from engine.errors import WorkbenchError, one_line
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
+from engine.reasoning import REASONING_ANSWER_TOKENS
 
 PROG = "moe-workbench"
+GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
 # `pip install .` has none
 NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the extra for this machine, "
@@ -43,7 +45,10 @@ def _build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--chat", action="store_true",
                       help="multi-turn chat: after the first answer read more user turns from standard input, one per line")
     gen.add_argument("--system", help="system prompt (chat template only)")
-    gen.add_argument("--max-new-tokens", type=at_least(1), default=128, help="answer length limit (default 128)")
+    gen.add_argument("--max-new-tokens", type=at_least(1),
+                     help=f"answer length limit (default {GENERATE_TOKENS}; for a model that reasons first, room for "
+                     "an answer after the reasoning: its genai_config.json's search.max_length, within its context, at "
+                     f"most {REASONING_ANSWER_TOKENS})")
     sampling = gen.add_mutually_exclusive_group()
     sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (without this or "
                           "--temperature: the model's own defaults, genai_config.json's search: greedy unless it samples)")
@@ -297,8 +302,8 @@ def _generation_params(args):
     elif own and sampling.do_sample:
         print(f"sampling as the model's genai_config.json says: {describe(sampling)} (--greedy for greedy answers)",
               file=sys.stderr, flush=True)
-    return GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
-                            reasoning=args.reasoning)
+    # the answer length once the model is loaded (_cmd_generate): its default follows the model
+    return GenerationParams(sampling=sampling, stop_strings=tuple(args.stop), reasoning=args.reasoning)
 
 
 class _StreamedAnswer:
@@ -359,6 +364,8 @@ def _warn_of_thread_binding() -> None:
 
 
 def _cmd_generate(args) -> int:
+    from dataclasses import replace
+
     from engine.errors import PromptError
     from engine.generation import Conversation, LoadedModel, generate
 
@@ -378,6 +385,7 @@ def _cmd_generate(args) -> int:
         config = config.updated(cpu_threads=args.threads)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,
                              layer_split=args.layer_split, decode_path=args.decode_path)
+    params = replace(params, max_new_tokens=args.max_new_tokens or model.answer_tokens(GENERATE_TOKENS))
     _warn_of_thread_binding()
     if args.device == "cuda" and not args.json:
         print(model.dense_statement, file=sys.stderr, flush=True)

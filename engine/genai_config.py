@@ -11,7 +11,7 @@ from engine.errors import ModelFileError, read_model_text
 
 @dataclass(frozen=True)
 class SearchDefaults:
-    max_length: int = 2048
+    max_length: int = 2048  # the longest sequence, prompt and answer: load_genai_config reads 0 or none as the context
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 50
@@ -115,11 +115,12 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             for name in opt
         )
         defaults = SearchDefaults()
+        context_length = _integer(model, "context_length", path, "model.", minimum=1)
         return GenaiConfig(
             path=path,
             model_type=str(model.get("type", "unknown")),
             filename=str(decoder.get("filename", "model.onnx")),
-            context_length=_integer(model, "context_length", path, "model.", minimum=1),
+            context_length=context_length,
             vocab_size=_integer(model, "vocab_size", path, "model.", default=0),
             num_layers=_integer(decoder, "num_hidden_layers", path, "model.decoder.", default=0),
             hidden_size=_integer(decoder, "hidden_size", path, "model.decoder.", default=0),
@@ -137,7 +138,7 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             sliding_cache_slack=_integer(sliding, "cache_slack", path, "model.decoder.sliding_window.", default=0),
             provider_names=providers,
             search=SearchDefaults(
-                max_length=_integer(search, "max_length", path, "search.", default=defaults.max_length),
+                max_length=_integer(search, "max_length", path, "search.", default=0) or context_length,
                 do_sample=bool(search.get("do_sample", defaults.do_sample)),
                 temperature=float(search.get("temperature", defaults.temperature)),
                 top_k=_integer(search, "top_k", path, "search.", default=defaults.top_k),

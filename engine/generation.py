@@ -18,7 +18,7 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
 from engine.ort_env import DenseDevice, choose_dense_device, dense_goes_to
-from engine.reasoning import AnswerFormat, answer_format, reasoning_variables
+from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
 
 
@@ -183,6 +183,15 @@ class LoadedModel:
         return (self.dense.statement + " The expert layers take their inputs in GPU memory: a layer with every expert "
                 "resident routes and computes there and hands its result to the next dense layer without a round trip "
                 "to the host; in decode, a layer with cold experts adds the CPU's part to the GPU's there.")
+
+    def answer_tokens(self, plain: int) -> int:
+        """The answer length (new tokens) where the user sets none: `plain`, the caller's own, for a model that answers
+        at once; for one that reasons first (engine/reasoning.py), whose reasoning alone can take thousands of tokens,
+        room for an answer after it: as long as genai_config.json's search.max_length lets a sequence run, within the
+        context (an answer stops where the context is full anyway), at most REASONING_ANSWER_TOKENS."""
+        if self.answer_format.kind == "plain":
+            return plain
+        return min(self.config.search.max_length, self.config.context_length, REASONING_ANSWER_TOKENS)
 
     @property
     def eos_ids(self) -> set[int]:

@@ -20,6 +20,9 @@ HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's end (the last two are eos tokens too)
 OPEN, CLOSE = "<think>", "</think>"
 _HARMONY_PIECES = re.compile("(" + "|".join(map(re.escape, HARMONY_MARKS)) + ")")
+# the most new tokens an answer that reasons first takes where nothing else says (LoadedModel.answer_tokens): the output
+# length Qwen3's model card advises for most queries
+REASONING_ANSWER_TOKENS = 32768
 
 
 @dataclass(frozen=True)

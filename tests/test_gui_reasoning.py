@@ -40,7 +40,9 @@ def test_the_reasoning_streams_above_the_answer_and_collapses_when_it_begins(qtb
     try:
         load(qtbot, window, folder)
         chat = window.chat
-        assert "It reasons before it answers, which often takes more than the" in chat.live.text()
+        # the model's own length (its search.max_length) leaves room for an answer after the reasoning
+        assert chat.max_tokens.value() == 2048 and "It reasons before it answers" not in chat.live.text()
+        assert "this model's own length" in chat.max_tokens.toolTip()
         assert not chat.reasoning.isEnabled()  # this stand-in template reads no reasoning setting
         chat.max_tokens.setValue(len(answer))
         chat.prompt.setPlainText("Hi")
@@ -225,3 +227,31 @@ def test_model_defaults_fill_in_the_models_own_sampling_and_a_greedy_chat_is_tol
                              "words": "greedy"})
     chat.model_defaults_button.click()
     assert chat.options()["temperature"] == 0.0 and chat.load_hints(False) == ""
+
+
+def test_max_tokens_follows_the_model_unless_the_user_chose_a_length(qtbot):
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    chat.set_model_answer_tokens(2048)  # a model that reasons first loads
+    assert chat.options()["max_new_tokens"] == 2048 and not chat.options()["max_new_tokens_chosen"]
+    chat.set_model_answer_tokens(256)  # then one that answers at once
+    assert chat.max_tokens.value() == 256
+    chat.max_tokens.setValue(600)  # the user's length, kept from model to model
+    chat.set_model_answer_tokens(2048)
+    assert chat.options()["max_new_tokens"] == 600 and chat.options()["max_new_tokens_chosen"]
+    shown = chat.max_tokens.toolTip()
+    assert "after 600 new tokens, your length" in shown and "2048, this model's own" in shown
+    saved = chat.options()
+    chat.max_tokens.setValue(2048)  # the model's own again: it follows each model
+    chat.set_model_answer_tokens(256)
+    assert chat.max_tokens.value() == 256
+    chat.set_options(saved)  # restored: the user's length stays theirs
+    chat.set_model_answer_tokens(4096)
+    assert chat.max_tokens.value() == 600
+    chat.set_options({"max_new_tokens": 256})  # saved before the length followed the model: the old default
+    assert chat.max_tokens.value() == 4096 and not chat.options()["max_new_tokens_chosen"]
+    chat.set_options({"max_new_tokens": 300})  # ...and a length the user had set
+    chat.set_model_answer_tokens(2048)
+    assert chat.max_tokens.value() == 300

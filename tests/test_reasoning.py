@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from engine.generation import Conversation, GenerationParams, LoadedModel, generate
-from engine.reasoning import answer_format
+from engine.reasoning import REASONING_ANSWER_TOKENS, answer_format
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import fixture_folder
 from tests.reasoning_models import ScriptedForward, harmony_folder, think_folder
@@ -221,6 +221,49 @@ def test_the_generate_command_prints_the_answer_and_the_reasoning_apart(copy_fix
     assert cli.main(["generate", str(folder), "--prompt", "Hi", "--max-new-tokens", "64", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert (printed["text"], printed["reasoning"]) == ("Hello there!", "The user greets; answer briefly.")
+
+
+@pytest.mark.parametrize("search, context, length", [
+    ({"max_length": 1500}, 2048, 1500),  # as long as the model's search.max_length lets a sequence run
+    ({"max_length": 0}, 2048, 2048),     # none named: the context
+    ({}, 2048, 2048),
+    ({"max_length": 4096}, 2048, 2048),  # within the context
+    ({"max_length": 131_072}, 131_072, REASONING_ANSWER_TOKENS)])  # gpt-oss's own: bounded
+def test_the_answer_length_of_a_model_that_reasons_first_leaves_room_for_an_answer(copy_fixture, search, context,
+                                                                                   length):
+    def configured(folder):
+        config = json.loads((folder / "genai_config.json").read_text())
+        config["model"]["context_length"] = context
+        config["search"] = {**{k: v for k, v in config["search"].items() if k != "max_length"}, **search}
+        (folder / "genai_config.json").write_text(json.dumps(config))
+        return folder
+
+    assert LoadedModel.open(configured(harmony_folder(copy_fixture))).answer_tokens(128) == length
+    # one that answers at once: the caller's own
+    assert LoadedModel.open(configured(copy_fixture("lfm2moe"))).answer_tokens(128) == 128
+
+
+def test_the_generate_command_leaves_a_model_that_reasons_first_room_for_its_answer(copy_fixture, monkeypatch,
+                                                                                   capsys):
+    """Without --max-new-tokens, a reasoning of 150 tokens no longer uses up the answer length (128 before); a length
+    asked for is kept."""
+    from app import cli
+    from engine.decoder import PartitionedDecoder
+
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    long_reasoning = ANALYSIS_THEN_FINAL.replace("answer briefly.", "answer briefly." + " the" * 150)
+    answer = tokenizer.encode(long_reasoning) + [tokenizer.token_id("<|return|>")]
+    assert len(answer) > cli.GENERATE_TOKENS
+    scripts = [ScriptedForward(tokenizer.vocab_size, answer) for _ in range(2)]
+    monkeypatch.setattr(PartitionedDecoder, "forward", lambda _decoder, state, ids: scripts[0](state, ids))
+    assert cli.main(["generate", str(folder), "--prompt", "Hi", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["text"], printed["finish_reason"], len(printed["tokens"])) == ("Hello there!", "eos", len(answer))
+    scripts.pop(0)
+    assert cli.main(["generate", str(folder), "--prompt", "Hi", "--json", "--max-new-tokens", "20"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["text"], printed["finish_reason"], len(printed["tokens"])) == ("", "length", 20)
 
 
 def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony_model, monkeypatch):

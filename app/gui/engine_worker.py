@@ -22,6 +22,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 import engine.offload.engine  # noqa: F401  (the engine imports these lazily when it loads a model)
 import engine.offload.hybrid_node  # noqa: F401
 import kernels.cpu  # noqa: F401
+from app.gui.chat_panel import ANSWER_TOKENS
 from app.gui.estimate import layer_summary, model_facts
 from app.gui.records_jobs import JobContext
 from app.inspect_report import inspection
@@ -192,6 +193,7 @@ class EngineWorker(QObject):
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo,
                               "reasoning_choices": list(reasoning_choices(model.tokenizer)),
                               "reasons_first": model.answer_format.kind != "plain",
+                              "answer_tokens": model.answer_tokens(ANSWER_TOKENS),
                               "sampling": _model_sampling(model)})
             self._emit_stats()
             # the CPU kernels, the offload engine's bookkeeping and the host-part worker's loop compiled now (a first
@@ -262,8 +264,8 @@ class EngineWorker(QObject):
         except ValueError as exc:
             raise WorkbenchError(str(exc)) from None
         stops = tuple(s for s in options.get("stop_strings", ()) if s)
-        return GenerationParams(max_new_tokens=max(1, int(options.get("max_new_tokens", 256))), sampling=sampling,
-                                stop_strings=stops, reasoning=options.get("reasoning"))
+        return GenerationParams(max_new_tokens=max(1, int(options.get("max_new_tokens", ANSWER_TOKENS))),
+                                sampling=sampling, stop_strings=stops, reasoning=options.get("reasoning"))
 
     def _run_turn(self, conversation, text: str | None, options: dict) -> None:
         """One answer: to `text`, or the last message answered again where it is None."""
