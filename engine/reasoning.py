@@ -1,8 +1,12 @@
 """Answers that reason before they answer: the model's answer format, recognised from its tokenizer and chat template,
 and an answer split into its reasoning and its final text as its tokens come.
 
-- harmony (gpt-oss): `<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>…`; the
-  final channel is the answer, every other channel (analysis, commentary) reasoning.
+- harmony (gpt-oss): `<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>…`.
+  Harmony's channels: analysis is the reasoning; final the answer; commentary holds tool calls, and preambles, text
+  the model writes for the user before it calls tools (OpenAI's harmony guide: unlike the reasoning, meant to be
+  shown). A commentary message is the answer, then, unless it is addressed to a tool (`to=functions.f`, in the header
+  before or after <|channel|>): a tool call, which the workbench does not run, is reasoning, shown as
+  `→ functions.f: {arguments}`, as is a message of another channel (analysis to a built-in tool among them).
 - think tags (Qwen3 and its kin): `<think>…</think>` before the answer, or only `…</think>` where the template's
   generation prompt opened the tag.
 - plain: all of it is the answer.
@@ -20,6 +24,7 @@ HARMONY_MARKS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's end (the last two are eos tokens too)
 OPEN, CLOSE = "<think>", "</think>"
 _HARMONY_PIECES = re.compile("(" + "|".join(map(re.escape, HARMONY_MARKS)) + ")")
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")  # a harmony header's `to=functions.f`
 # the most new tokens an answer that reasons first takes where nothing else says (LoadedModel.answer_tokens): the output
 # length Qwen3's model card advises for most queries
 REASONING_ANSWER_TOKENS = 32768
@@ -104,10 +109,18 @@ def _channel(header: str) -> str | None:
     return words[0] if words else None
 
 
+def _recipient(header: str) -> str | None:
+    """A harmony header's recipient: `functions.f` of `assistant to=functions.f<|channel|>commentary json` and of
+    `<|channel|>commentary to=functions.f <|constrain|>json`; None without one."""
+    found = _RECIPIENT.search(header)
+    return found.group(1) if found else None
+
+
 def _split_harmony(text: str) -> tuple[str, str]:
-    """The final channel's messages are the answer, the other channels' the reasoning; a message without a channel,
-    and text outside any message (a prompt without harmony's structure), are the answer too. A header (between
-    <|start|> or <|channel|> and <|message|>) is neither."""
+    """The final channel's messages and commentary's preambles are the answer, the other messages (tool calls among
+    them) the reasoning (the module's docstring); a message without a channel, and text outside any message (a prompt
+    without harmony's structure), are the answer too. A header (between <|start|> or <|channel|> and <|message|>) is
+    neither."""
     reasoning: list[str] = []
     answer: list[str] = []
     parts, header, state = answer, "", "outside"
@@ -117,8 +130,9 @@ def _split_harmony(text: str) -> tuple[str, str]:
         elif piece in ("<|channel|>", "<|constrain|>"):
             header += piece if state == "header" else ""
         elif piece == "<|message|>":
-            parts = answer if _channel(header) in (None, "final") else reasoning
-            parts.append("")
+            recipient = _recipient(header)
+            parts = answer if recipient is None and _channel(header) in (None, "final", "commentary") else reasoning
+            parts.append(f"→ {recipient}: " if recipient else "")
             state, header = "message", ""
         elif piece in HARMONY_ENDS:
             state = "outside"

@@ -5,6 +5,7 @@ or with <think> tags and a template as Qwen3's (reasoning stripped from past ans
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +67,15 @@ class ScriptedForward:
         logits = np.zeros((len(token_ids), self.vocab), np.float32)
         logits[-1, self.tokens.pop(0)] = 1.0
         return logits
+
+
+def awkward_tokens(tokenizer, text: str, every: int = 2) -> list[int]:
+    """`text`'s tokens cut at awkward places, as a model may write them: each special token (`<|…|>`) one token, the
+    text between encoded `every` characters at a time (so that words, a header's `to=functions.f`, a stop string
+    are split across tokens; a character of several bytes is several tokens already in the fixtures' small
+    vocabularies)."""
+    tokens = []
+    for piece in re.split(r"(<\|[a-z_]+\|>)", text):
+        chunks = [piece] if piece.startswith("<|") else [piece[i:i + every] for i in range(0, len(piece), every)]
+        tokens += [token for chunk in chunks for token in tokenizer.encode(chunk)]
+    return tokens

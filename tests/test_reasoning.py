@@ -12,7 +12,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel, gener
 from engine.reasoning import REASONING_ANSWER_TOKENS, answer_format
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import fixture_folder
-from tests.reasoning_models import ScriptedForward, harmony_folder, think_folder
+from tests.reasoning_models import ScriptedForward, awkward_tokens, harmony_folder, think_folder
 
 ANALYSIS_THEN_FINAL = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
                        "<|start|>assistant<|channel|>final<|message|>Hello there!")
@@ -24,12 +24,12 @@ def harmony(copy_fixture):
     return ModelTokenizer(harmony_folder(copy_fixture))
 
 
-def stream(tokenizer, answer: str, prompt: str, end: int | None = None):
+def stream(tokenizer, answer: str | list[int], prompt: str, end: int | None = None):
     """Push `answer`'s tokens (the first `end` of them) into a split for `prompt`: the (reasoning, answer) after each
     token, and the split after finish."""
     split = answer_format(tokenizer).split(tokenizer, tokenizer.encode(prompt))
     steps = []
-    for token in tokenizer.encode(answer)[:end]:
+    for token in (tokenizer.encode(answer) if isinstance(answer, str) else answer)[:end]:
         split.push(token)
         steps.append((split.reasoning, split.answer))
     split.finish()
@@ -61,13 +61,34 @@ def test_harmony_analysis_then_final(harmony):
     assert not any("analysis" in r or "assistant" in a or "final" in a for r, a in steps)
 
 
-def test_harmony_final_only_and_commentary_as_reasoning(harmony):
+def test_harmony_final_only(harmony):
     _steps, split = stream(harmony, "<|channel|>final<|message|>Just this.", HARMONY_PROMPT)
     assert (split.reasoning, split.answer) == ("", "Just this.")
-    _steps, split = stream(harmony, "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|end|>"
-                           "<|start|>assistant<|channel|>analysis<|message|>Then.<|end|>"
-                           "<|start|>assistant<|channel|>final<|message|>Done.", HARMONY_PROMPT)
-    assert (split.reasoning, split.answer) == ("{}\n\nThen.", "Done.")
+
+
+# A preamble on the commentary channel (text for the user before tool calls), then two tool calls: the recipient
+# after the channel, as OpenAI's harmony guide writes it, and before it, as gpt-oss's chat template writes a past call.
+PREAMBLE_AND_CALLS = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking Paris… then Rome.<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+    "<|call|>"
+    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Rome"}<|call|>'
+    "<|start|>assistant<|channel|>final<|message|>Sunny in both.")
+
+
+def test_harmony_commentary_is_the_answer_unless_it_calls_a_tool(harmony):
+    """Streamed in tokens cut inside words, headers and a character of three bytes: the preamble shows as the answer
+    as it comes, before the calls; a tool call is reasoning, under its recipient; the answer never shows a header or
+    a call's arguments, and neither part ever takes back what it showed."""
+    tokens = awkward_tokens(harmony, PREAMBLE_AND_CALLS)
+    assert len(tokens) > len(harmony.encode(PREAMBLE_AND_CALLS)) and harmony.decode(tokens, False) == PREAMBLE_AND_CALLS
+    steps, split = stream(harmony, tokens, HARMONY_PROMPT)
+    calls = '→ functions.get_weather: {"city": "Paris"}\n\n→ functions.get_weather: {"city": "Rome"}'
+    assert (split.reasoning, split.answer) == ("Need the weather.\n\n" + calls,
+                                               "Checking Paris… then Rome.\n\nSunny in both.")
+    assert grows(steps) and ("Need the weather.", "Checking Paris… then Rome.") in steps
+    assert not any(word in answer for _r, answer in steps for word in ("commentary", "to=", "json", "city", "\ufffd"))
 
 
 def test_harmony_cut_inside_the_analysis_is_reasoning_only(harmony):

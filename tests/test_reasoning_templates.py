@@ -14,7 +14,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.errors import PromptError
 from engine.reasoning import answer_format, reasoning_choices, reasoning_variables
 from engine.tokenizer import ModelTokenizer
-from tests.reasoning_models import ScriptedForward
+from tests.reasoning_models import ScriptedForward, awkward_tokens
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -151,3 +151,29 @@ def test_a_conversation_feeds_the_reasoning_setting_to_the_template(copy_fixture
     prompt = tokenizer.decode(chat.fed_tokens[:len(chat.fed_tokens) - len(result.tokens) + 1], skip_special_tokens=False)
     assert fed in prompt and fed not in default
     assert result.text == ANSWERS[name][1][2]
+
+
+def test_gpt_oss_preamble_is_the_answer_and_a_tool_call_written_as_its_template_writes_one_reasoning(copy_fixture,
+                                                                                                     monkeypatch):
+    """gpt-oss's template sends tool calls to the commentary channel (its system message says so) and writes a call
+    as `<|start|>assistant to=functions.f<|channel|>commentary json<|message|>…<|call|>`: a model that writes a
+    preamble for the user, then such a call (<|call|> ends the answer), answers with the preamble; the call is in the
+    reasoning, and the history keeps the preamble."""
+    model = LoadedModel.open(gptoss_folder(copy_fixture))
+    tokenizer = model.tokenizer
+    assert "Calls to these tools must go to the commentary channel" in tokenizer.chat_template.source
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                                  "arguments": {"city": "Paris"}}}]}
+    past = tokenizer.render_chat([{"role": "user", "content": "Weather?"}, call], add_generation_prompt=False)
+    written_call = past[past.rindex("<|start|>assistant") + len("<|start|>assistant"):]
+    assert written_call == ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+    answer = ("<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+              "Checking Paris…<|end|><|start|>assistant" + written_call)
+    monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size,
+                                                                  awkward_tokens(tokenizer, answer)))
+    chat, shown = Conversation(model), []
+    result = chat.send("Weather in Paris?", GenerationParams(max_new_tokens=200),
+                       on_text=lambda _token, delta: shown.append(delta))
+    assert (result.finish_reason, result.text, "".join(shown)) == ("eos", "Checking Paris…", "Checking Paris…")
+    assert result.reasoning == 'Look it up.\n\n→ functions.get_weather: {"city": "Paris"}'
+    assert chat.messages[-1] == {"role": "assistant", "content": "Checking Paris…"}
