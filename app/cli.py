@@ -60,7 +60,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens seen so far by this (with "
                      "--greedy or --temperature: default 1.0, none; else the model's)")
     gen.add_argument("--seed", type=int, help="the sampler's seed, for a repeatable sampled answer (with --temperature)")
-    gen.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
+    gen.add_argument("--stop", action="append", default=[], help="stop when this text appears in the answer; it may "
+                     "name a special token, <|im_end|>, which the answer does not show (repeatable)")
     gen.add_argument("--reasoning", help="the chat template's reasoning setting, where it has one: low, medium or high "
                                          "(gpt-oss's effort), on or off (Qwen3's thinking); default: the template's")
     gen.add_argument("--threads", type=at_least(0), help="CPU threads for expert kernels, at most the cores (default "

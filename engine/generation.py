@@ -18,7 +18,7 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
 from engine.ort_env import DenseDevice, choose_dense_device, dense_goes_to
-from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, answer_format, reasoning_variables
+from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, AnswerSplit, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
 
 
@@ -204,14 +204,17 @@ class LoadedModel:
 
 class VisibleText:
     """How much of an answer's text may be shown while it streams: nothing from a stop string on, and not an end that
-    could still grow into one (the answer's text is cut there too, so what streamed is what the answer says)."""
+    could still grow into one (the answer's text is cut there too, so what streamed is what the answer says). Stop
+    strings are looked for in the answer as written, with the special tokens they name (<|im_end|>) as their text
+    (AnswerSplit.written_answer); what is shown leaves those out."""
 
     def __init__(self, stop_strings):
         self.stops = [stop for stop in stop_strings if stop]
         self.shown = 0  # characters given out so far
 
-    def advance(self, text: str, final: bool = False) -> str:
-        """The text to give out now, of the answer's `text` so far (`final`: it grows no more)."""
+    def advance(self, split: AnswerSplit, final: bool = False) -> str:
+        """The text to give out now, of the `split` answer so far (`final`: it grows no more)."""
+        text = split.written_answer
         cut = len(text)
         for stop in self.stops:
             at = text.find(stop)
@@ -221,7 +224,8 @@ class VisibleText:
             if not final:
                 held = next((n for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])), 0)
                 cut = min(cut, len(text) - held)
-        delta = text[self.shown:cut]
+        cut = split.shown_length(cut)
+        delta = split.answer[self.shown:cut]
         self.shown = max(self.shown, cut)
         return delta
 
@@ -264,14 +268,14 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         raise PromptError(_past_the_context(state.past_length, len(prompt_tokens), context))
     decoder = decoder or model.decoder
     sampler = Sampler(params.sampling)
-    split = model.answer_format.split(model.tokenizer, prompt_tokens)
+    split = model.answer_format.split(model.tokenizer, prompt_tokens, model.tokenizer.specials_in(params.stop_strings))
     visible = VisibleText(params.stop_strings)
     reasoned = 0  # reasoning characters given out
 
     def give_out(token: int, final: bool, when_new: bool = False) -> None:
         """Both parts' new text to the callbacks (`when_new`: only where either has some)."""
         nonlocal reasoned
-        delta, thought = visible.advance(split.answer, final=final), split.reasoning[reasoned:]
+        delta, thought = visible.advance(split, final=final), split.reasoning[reasoned:]
         reasoned = len(split.reasoning)
         if when_new and not (delta or thought):
             return
@@ -317,7 +321,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         if last:
             split.finish()
         give_out(token, last)
-        if any(stop in split.answer for stop in visible.stops):
+        if any(stop in split.written_answer for stop in visible.stops):
             finish = "stop_string"
             break
         if cancel is not None and cancel.is_set():

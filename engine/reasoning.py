@@ -35,17 +35,19 @@ class AnswerFormat:
     kind: str                              # "harmony", "think" or "plain"
     marks: frozenset[int] = frozenset()    # the tokens the split reads: decoded as their text, special or not
 
-    def split(self, tokenizer: ModelTokenizer, prompt_tokens: list[int]) -> "AnswerSplit":
-        """A split for the answer to `prompt_tokens` (whose end may open the answer's first message or tag)."""
+    def split(self, tokenizer: ModelTokenizer, prompt_tokens: list[int], named: dict[int, str] | None = None
+              ) -> "AnswerSplit":
+        """A split for the answer to `prompt_tokens` (whose end may open the answer's first message or tag); `named`:
+        the special tokens stop strings name (ModelTokenizer.specials_in), with their text."""
+        named = named or {}
+        stream = StreamDecoder(tokenizer, self.marks | frozenset(named))
         if self.kind == "harmony":
             opening = _harmony_opening(tokenizer.decode(prompt_tokens, keep=self.marks))
-            return AnswerSplit(StreamDecoder(tokenizer, self.marks),
-                               lambda text, _ended: _split_harmony(opening + text))
+            return AnswerSplit(stream, lambda text, _ended: _split_harmony(opening + text), named)
         if self.kind == "think":
             opened = tokenizer.decode(prompt_tokens, keep=self.marks).rstrip().endswith(OPEN)
-            return AnswerSplit(StreamDecoder(tokenizer, self.marks),
-                               lambda text, ended: _split_think(text, opened, ended))
-        return AnswerSplit(StreamDecoder(tokenizer), lambda text, _ended: ("", text))
+            return AnswerSplit(stream, lambda text, ended: _split_think(text, opened, ended), named)
+        return AnswerSplit(stream, lambda text, _ended: ("", text), named)
 
 
 def answer_format(tokenizer: ModelTokenizer) -> AnswerFormat:
@@ -69,21 +71,64 @@ def _template_source(tokenizer: ModelTokenizer) -> str:
 class AnswerSplit:
     """One answer's tokens, as they come, split into `reasoning` and `answer`. Both only grow: what either says while
     the answer streams it still says at the end (incomplete UTF-8 is held back, and an end that may still become a
-    closing tag)."""
+    closing tag). A special token that stop strings name (`named`) is read as its text, which neither part shows, but
+    `written_answer`, the answer where stop strings are looked for (engine/generation.py's VisibleText), holds."""
 
-    def __init__(self, stream: StreamDecoder, parse):
+    def __init__(self, stream: StreamDecoder, parse, named: dict[int, str]):
         self._stream = stream
         self._parse = parse  # (text so far, ended) -> (reasoning, answer)
-        self.reasoning = self.answer = ""
+        self._named = named
+        self._reasoning, self._answer = _Part(), _Part()
 
     def push(self, token: int) -> None:
         self._stream.push(token)
-        self.reasoning, self.answer = self._parse(self._stream.text, False)
+        self._grow(self._parse(self._stream.text, False), self._named.get(token))
 
     def finish(self) -> None:
         """The answer ends: what was held back is given out (StreamDecoder.finish)."""
         self._stream.finish()
-        self.reasoning, self.answer = self._parse(self._stream.text, True)
+        self._grow(self._parse(self._stream.text, True), None)
+
+    def _grow(self, parts: tuple[str, str], special: str | None) -> None:
+        self._reasoning.grow(parts[0], special)
+        self._answer.grow(parts[1], special)
+
+    @property
+    def reasoning(self) -> str:
+        return self._reasoning.shown
+
+    @property
+    def answer(self) -> str:
+        return self._answer.shown
+
+    @property
+    def written_answer(self) -> str:
+        return self._answer.written
+
+    def shown_length(self, written_length: int) -> int:
+        """How much of `answer` the first `written_length` characters of `written_answer` show."""
+        return self._answer.shown_length(written_length)
+
+
+class _Part:
+    """The reasoning or the answer as written, named special tokens as their text, and as shown, without them."""
+
+    def __init__(self):
+        self.written = self.shown = ""
+        self._hidden: list[tuple[int, int]] = []  # where in `written` a special token's text is
+
+    def grow(self, written: str, special: str | None) -> None:
+        """`written` now (it only grows); `special`: the text of the named special token just read, left out of what is
+        shown where this part grew by it (not where the format read it as a mark)."""
+        new = written[len(self.written):]
+        if special and new.endswith(special):
+            self._hidden.append((len(written) - len(special), len(written)))
+            new = new[:-len(special)]
+        self.written, self.shown = written, self.shown + new
+
+    def shown_length(self, written_length: int) -> int:
+        return written_length - sum(min(end, written_length) - start
+                                    for start, end in self._hidden if start < written_length)
 
 
 def _harmony_opening(prompt: str) -> str:

@@ -174,6 +174,11 @@ class ModelTokenizer:
             ids, skip_special_tokens = [i for i in ids if i in keep or i not in self.special_ids], False
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def specials_in(self, texts) -> dict[int, str]:
+        """The special tokens whose text is in one of `texts` (stop strings that name <|im_end|>), with their text."""
+        return {i: token.content for i, token in self._tok.get_added_tokens_decoder().items()
+                if token.special and any(token.content in text for text in texts)}
+
     def token_id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
 

@@ -255,3 +255,14 @@ def test_max_tokens_follows_the_model_unless_the_user_chose_a_length(qtbot):
     chat.set_options({"max_new_tokens": 300})  # ...and a length the user had set
     chat.set_model_answer_tokens(2048)
     assert chat.max_tokens.value() == 300
+
+
+def test_a_stop_text_may_name_a_special_token_whose_bars_separate_nothing(qtbot):
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    chat.stops.setText("<|im_end|>|Bye|x<|return|>y||")
+    assert chat.options()["stop_strings"] == ["<|im_end|>", "Bye", "x<|return|>y"]
+    chat.set_options(chat.options())
+    assert chat.options()["stop_strings"] == ["<|im_end|>", "Bye", "x<|return|>y"]

@@ -1,6 +1,6 @@
 """The real chat templates of the reasoning models the workbench runs (tests/data/chat_templates, see its README):
 they render in the engine's sandbox, the answer's format is recognised from them and the models' own special tokens,
-and a conversation feeds each what its template writes."""
+a conversation feeds each what its template writes, and a stop string may name one of their special tokens."""
 
 from __future__ import annotations
 
@@ -177,3 +177,41 @@ def test_gpt_oss_preamble_is_the_answer_and_a_tool_call_written_as_its_template_
     assert (result.finish_reason, result.text, "".join(shown)) == ("eos", "Checking Paris…", "Checking Paris…")
     assert result.reasoning == 'Look it up.\n\n→ functions.get_weather: {"city": "Paris"}'
     assert chat.messages[-1] == {"role": "assistant", "content": "Checking Paris…"}
+
+
+def answered(model, written: str, stops: tuple[str, ...]):
+    """The answer to "Hi" of a model that writes `written` (in tokens cut at awkward places), with `stops`; and what
+    streamed of its answer."""
+    tokens = awkward_tokens(model.tokenizer, written)
+    model.decoder.forward = ScriptedForward(model.tokenizer.vocab_size, tokens)
+    shown = []
+    result = Conversation(model).send("Hi", GenerationParams(max_new_tokens=len(tokens), stop_strings=stops),
+                                      on_text=lambda _token, delta: shown.append(delta))
+    return result, "".join(shown)
+
+
+def test_a_stop_string_names_a_special_token_which_the_answer_never_shows(copy_fixture):
+    """LFM2 whose genai_config.json ends answers at <|endoftext|> alone, a model that writes its turn's end
+    (<|im_end|>, a special token) and runs on into a next turn: a stop string <|im_end|> ends the answer there; one
+    that begins in the text before the token holds that text back until it matches; one that is only part of the
+    token's text names no token, and the answer runs on, with no special token shown."""
+    model = LoadedModel.open(model_folder(copy_fixture, "lfm2moe", "LiquidAI-LFM2.jinja",
+                                          ("<|im_start|>", "<|im_end|>")))
+    assert model.tokenizer.token_id("<|im_end|>") not in model.eos_ids
+    written = "Hello there!<|im_end|>\n<|im_start|>user\nMore"
+    for stops, finish, text in [(("<|im_end|>",), "stop_string", "Hello there!"),
+                                (("Bye", "there!<|im_end|>"), "stop_string", "Hello "),
+                                (("im_end",), "length", "Hello there!\nuser\nMore")]:
+        result, shown = answered(model, written, stops)
+        assert (result.finish_reason, result.text, shown) == (finish, text, text)
+
+
+def test_a_stop_string_naming_a_special_token_applies_to_the_answer_not_the_reasoning(copy_fixture):
+    """Qwen3 where <|im_end|> does not end an answer: the token in the reasoning neither stops it nor shows; in the
+    answer it stops it."""
+    model = LoadedModel.open(model_folder(copy_fixture, "qwen35moe", "Qwen-Qwen3-0.6B.jinja",
+                                          ("<|im_start|>", "<|im_end|>"), ("<think>", "</think>")))
+    result, shown = answered(model, "<think>\nA turn ends with <|im_end|>.\n</think>\n\nHello!<|im_end|>\n<|im_start|>",
+                             ("<|im_end|>",))
+    assert (result.finish_reason, result.reasoning, result.text, shown) == (
+        "stop_string", "A turn ends with .", "Hello!", "Hello!")

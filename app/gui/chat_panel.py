@@ -6,6 +6,7 @@ while it streams ("Thinking…"), collapsed once the answer begins; a click open
 from __future__ import annotations
 
 import html
+import re
 import time
 
 from PySide6.QtCore import Qt, QUrl, Signal
@@ -18,6 +19,9 @@ from app.gui import theme
 from app.gui.placement_view import split_text
 from app.gui.widgets import OneLineLabel
 
+# Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
+# text may name (engine/generation.py's VisibleText)
+STOP_TEXT = re.compile(r"(?:<\|[^|<>\s]*\|>|[^|])+")
 FINISH = {"eos": "end of text", "length": "token limit", "stop_string": "stop text", "cancelled": "stopped",
           "context": "context full", "error": "error"}
 
@@ -167,7 +171,7 @@ class ChatPanel(QWidget):
         self.seed.setValue(-1)
         self.seed.setSpecialValueText("random")
         self.stops = QLineEdit()
-        self.stops.setPlaceholderText("stop texts, separated by |")
+        self.stops.setPlaceholderText("stop texts, separated by |; a special token, <|im_end|>, is one")
         # the chat template's reasoning setting (gpt-oss: effort; Qwen3: thinking on or off), where it has one
         self.reasoning = QComboBox()
         self.reasoning.setAccessibleName("Reasoning")
@@ -236,7 +240,7 @@ class ChatPanel(QWidget):
                 "temperature": self.temperature.value(),
                 "top_k": self.top_k.value(), "top_p": self.top_p.value(),
                 "repetition_penalty": self.repetition.value(), "seed": self.seed.value(),
-                "stop_strings": [s for s in self.stops.text().split("|") if s.strip()],
+                "stop_strings": [s for s in STOP_TEXT.findall(self.stops.text()) if s.strip()],
                 "reasoning": self.reasoning.currentData()}
 
     def set_options(self, options: dict) -> None:
