@@ -8,6 +8,8 @@ the gpu-marked tests (tests/test_offload_cuda.py, tests/test_dense_device.py).""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -30,7 +32,8 @@ from kernels.cpu import CpuQMoE
 from kernels.cpu.routing import route
 from kernels.gpu.host_tier import HostTierError
 from tests.test_dense_device import FakeDeviceArray
-from tests.test_offload import SPEC, assert_same_as_cpu, device_expert_bytes, greedy_run
+from tests.test_offload import (SPEC, assert_mapped_as_the_cache_holds, assert_same_as_cpu, device_expert_bytes,
+                                greedy_run)
 
 
 def _device(array) -> FakeDeviceArray:
@@ -334,12 +337,14 @@ def decode_on_device(model, cpu_run, launches: str) -> tuple:
     return steps, totals
 
 
-def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, **config):
-    """The model on the stand-in device (its decode path `decode_path`, the tests' default where None), its cut
-    tensors left in the stand-in's memory, and a state there."""
+def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, make=_fake_make,
+                    streaming=FakeStreamingGpuQMoE, **config):
+    """The model on the stand-in device (its decode path `decode_path`, the tests' default where None; its slots made
+    by `make`, its streaming slots' GpuQMoE a `streaming`), its cut tensors left in the stand-in's memory, and a state
+    there."""
     cp = FakeCupy()
-    monkeypatch.setattr(CudaSlots, "_make", _fake_make)
-    monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", FakeStreamingGpuQMoE)  # what CudaStreamingSlots makes
+    monkeypatch.setattr(CudaSlots, "_make", make)
+    monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", streaming)  # what CudaStreamingSlots makes
     # Under "both", the split's table stays the one from the stand-in's bandwidths for a test's decode: made again from
     # the CPU kernel's measured rate and the host's gap, it can give the CPU no pair on a slow or busy machine, and the
     # steps would take the tier's way (correct, but not the step the tests check). test_offload.py tests the remaking.
@@ -1051,3 +1056,133 @@ def test_under_launch_ahead_each_both_layer_is_launched_before_its_host_part(mod
     assert ahead.hits + ahead.misses == without.hits + without.misses
     assert ahead.misses == ahead.misses_cpu + ahead.misses_copied + ahead.misses_read and ahead.misses_cpu > 0
     assert not engine.deferred
+
+
+# --- the bounded host cache and the copies to the device -----------------------------------------------------------
+
+class CopyingGpuQMoE(FakeGpuQMoE):
+    """FakeGpuQMoE with "device memory" of its own, as a GPU has: it computes from its copies of the experts put in
+    it, and reads an expert's rows from the node's (mapped) tensors only to copy them: in pack_expert (GpuQMoE packs
+    them on the host there), for the residents it is made with (a prefill wave's first upload) and, with the host
+    tier, for every expert (the tier's fill). FakeGpuQMoE computes from the mapped file, mapping what it computes."""
+
+    def __init__(self, spec, tensors, device=0, num_slots=None, resident=(), tier=None):
+        self.source = {role: t for role, t in tensors.items() if t is not None}
+        self.rows = {role: np.zeros(t.shape, t.dtype) for role, t in self.source.items()}
+        count = next(iter(self.rows.values())).shape[0]  # a wave's tensors hold its experts alone
+        super().__init__(CpuQMoE(dataclasses.replace(spec, num_experts=count), self.rows), [],
+                         host_tier=tier is not None, tier=tier)
+        if tier is not None:
+            for role, t in self.source.items():
+                self.rows[role][...] = t
+        for slot, expert in enumerate(resident):
+            self.upload_expert(expert, slot, packed=self.pack_expert(expert))
+
+    def pack_expert(self, expert):
+        return {"rows": {role: np.array(t[expert]) for role, t in self.source.items()}}
+
+    def set_source(self, spec, tensors):
+        self.source = {role: t for role, t in tensors.items() if t is not None}
+
+    def upload_expert(self, expert, slot, stream=None, packed=None):
+        super().upload_expert(expert, slot)
+        for role, row in packed["rows"].items():
+            self.rows[role][expert] = row
+
+
+def _copying_make(slots: CudaSlots, count, resident, tensors=None):
+    """_fake_make's CudaSlots._make with CopyingGpuQMoE."""
+    tier = None
+    if slots.host_tier and tensors is None:
+        tier = SimpleNamespace(device_bytes=(max(1, count) + 1) * slots.expert_bytes,
+                               host_bytes=slots.runner.info.spec.num_experts * slots.expert_bytes)
+    return CopyingGpuQMoE(slots.runner.info.spec, slots.runner.tensors if tensors is None else tensors,
+                          resident=resident, tier=tier)
+
+
+@pytest.fixture(scope="module")
+def paged_folder(tmp_path_factory):
+    """Experts large enough to count their pages: 126 KB each, 2 MB a layer."""
+    from engine.writer import WriterSpec, write_model
+
+    return write_model(tmp_path_factory.mktemp("paged") / "m", WriterSpec(
+        layers=3, num_experts=16, top_k=4, hidden_size=256, inter_size=256, seed=5, dense_accuracy_level=0))
+
+
+@pytest.fixture(scope="module")
+def paged_cpu_run(paged_folder):
+    return greedy_run(LoadedModel.open(paged_folder))
+
+
+def open_copying(paged_folder, fraction, monkeypatch, ring=False, **config):
+    """The model on the stand-in device with CopyingGpuQMoE's slots, through the pinned ring or not, under a host cache
+    of 4 experts' bytes; its prompt's cold experts in prefill waves where they pay."""
+    from engine.offload.cuda_device import CudaPinnedRing
+
+    monkeypatch.setattr(FakeCudaDevice, "set_pinned_ring", lambda self, nbytes: setattr(
+        self, "pinned", CudaPinnedRing(self.cp, nbytes) if ring and nbytes else None))
+    per_expert = ModelFolder.open(paged_folder).experts[0].bytes_per_expert
+    model, _cp = open_on_standin(paged_folder, fraction, monkeypatch, make=_copying_make, streaming=CopyingGpuQMoE,
+                                 host_expert_bytes=4 * per_expert, prefill_wave_experts=4, **config)
+    assert (model.offload.device.pinned is not None) == ring
+    return model
+
+
+def copy_slowly(model, monkeypatch) -> list[tuple[str, int, int]]:
+    """A CPU far slower than the copies from now on: every miss that can be is copied, the prompt's cold experts go in
+    prefill waves. Returns the list that collects what is copied: ("load", layer, expert) of each copy into a slot or
+    the streaming slots (_copy_in), ("wave", layer, expert) of each expert of a wave (stage)."""
+    engine, copied = model.offload, []
+    engine.device.bandwidths = dataclasses.replace(engine.device.bandwidths, cpu=1e3)
+    copy_in, stage = CudaSlots._copy_in, CudaSlots.stage
+    monkeypatch.setattr(CudaSlots, "_copy_in", lambda self, gpu, slot, expert: (
+        copied.append(("load", engine.stores.index(self), expert)), copy_in(self, gpu, slot, expert))[1])
+    monkeypatch.setattr(CudaSlots, "stage", lambda self, experts: (
+        copied.extend(("wave", engine.stores.index(self), int(e)) for e in experts), stage(self, experts))[1])
+    return copied
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
+@pytest.mark.parametrize("ring", [False, True], ids=["no-ring", "pinned-ring"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5], ids=["streaming-slots", "spare-slots"])
+def test_experts_copied_to_the_device_leave_the_host_cache_bounded(paged_folder, paged_cpu_run, monkeypatch, ring,
+                                                                    fraction):
+    """host_expert_bytes bounded the weight file's pages mapped for the experts the CPU computes, but the pages an
+    expert's copy to the device read (packed on the host, into the pinned ring or not; a prefill wave's rows), and
+    their neighbours that the reads mapped, stayed: every expert ever copied, the whole file (6.0 MB) here against a
+    cache of 0.5 MB. Once read, those the cache does not hold leave; those it holds stay."""
+    model = open_copying(paged_folder, fraction, monkeypatch, ring, device_working_bytes=1 << 30)
+    engine = model.offload
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)  # the CPU's share of the misses fills the cache
+    assert engine.host_cache.evictions > 0
+    copied, before = copy_slowly(model, monkeypatch), engine.stats.totals().miss_copies
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)
+    assert engine.stats.totals().miss_copies > before and {kind for kind, *_ in copied} == {"load", "wave"}
+    assert_mapped_as_the_cache_holds(model)
+
+
+@pytest.mark.parametrize("ring, fraction", [(False, 0.0), (True, 0.5)], ids=["streaming-no-ring", "slots-pinned-ring"])
+def test_every_copy_read_from_the_file_is_told_to_the_host_cache(paged_folder, monkeypatch, ring, fraction):
+    """Each expert a copy read from the mapped file, whichever way it went, is told to the host cache by its layer."""
+    model = open_copying(paged_folder, fraction, monkeypatch, ring, device_working_bytes=1 << 30)
+    told = []
+    for layer, store in enumerate(model.offload.stores):
+        store.after_file_read = lambda experts, layer=layer, release=store.after_file_read: (
+            told.extend((layer, int(e)) for e in experts), release(experts))
+    copied = copy_slowly(model, monkeypatch)
+    greedy_run(model)
+    assert {kind for kind, *_ in copied} == {"load", "wave"}
+    assert {(layer, expert) for _kind, layer, expert in copied} == set(told)
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
+def test_a_host_tier_filled_from_the_file_leaves_the_host_cache_bounded(paged_folder, paged_cpu_run, monkeypatch):
+    """The host tier's fill reads every expert from the mapped file: those the cache does not hold leave."""
+    model = open_copying(paged_folder, 0.5, monkeypatch)
+    engine = model.offload
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)
+    engine.set_decode_path("tier")
+    assert all(store.host_tier and store.gpu.tier is not None for store in engine.stores)
+    assert_mapped_as_the_cache_holds(model)
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)  # decode from the tier's copies
+    assert_mapped_as_the_cache_holds(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -633,6 +634,32 @@ def test_host_cache_stays_within_its_budget_and_releases_pages(model_folder, cpu
     assert any(name == weights and start % stride == 0 and length == stride for name, start, length in released)
 
 
+def test_experts_read_for_a_copy_leave_with_their_reach_unless_the_cache_holds_them():
+    """HostExpertCache.release_after_read: nothing while unbounded; else the pages of the experts read, and of those
+    within SPILL of them (what the reads' fault-around may have mapped), each run released once, less what the cache
+    holds."""
+    from engine.offload.host_cache import SPILL, HostExpertCache
+
+    released = []
+    per_expert = SPILL // 2  # a read's reach: 2 experts either side
+    source = SimpleNamespace(nbytes=lambda name: 16 * per_expert,
+                             release_pages=lambda name, start, length: released.append(
+                                 (start // per_expert, length // per_expert)))
+    info = SimpleNamespace(spec=SimpleNamespace(num_experts=16), weight_inputs={"fc1_experts_weights": "w"},
+                           bytes_per_expert=per_expert)
+    cache = HostExpertCache(source, [info], budget_bytes=None)
+    cache.release_after_read(0, [5])
+    assert released == []
+    cache.set_budget(4 * per_expert)
+    cache.touch(0, [7])
+    released.clear()
+    cache.release_after_read(0, [6, 5, 12, 7])
+    assert released == [(3, 4), (8, 1), (10, 5)]  # [3, 9) less expert 7, [10, 15)
+    released.clear()
+    cache.release_after_read(0, [7])
+    assert released == []
+
+
 def test_without_file_backing_experts_are_copied_into_ram(model_folder, cpu_run):
     config = OffloadConfig(device_expert_bytes=0, allow_file_backing=False)
     model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
@@ -855,6 +882,20 @@ def mapped_pages(array: np.ndarray) -> int:
         pagemap.seek(first * 8)
         entries = np.frombuffer(pagemap.read((end - first) * 8), np.uint64)
     return int(np.count_nonzero(entries >> np.uint64(63)))
+
+
+def assert_mapped_as_the_cache_holds(model) -> None:
+    """The experts' pages mapped into this process are those of the experts the host cache holds, each held one's
+    whole rows (the first and last page of a held expert's rows may be a neighbour's too)."""
+    cache, onnx, infos = model.offload.host_cache, model.folder.onnx, model.offload.infos
+    assert cache.cached_bytes > 0
+    mapped = sum(mapped_pages(onnx.array(name)) for info in infos for name in info.weight_inputs.values())
+    assert mapped * 4096 <= cache.cached_bytes + len(cache._lru) * len(infos[0].weight_inputs) * 2 * 4096
+    for layer, expert in cache._lru:
+        for name in infos[layer].weight_inputs.values():
+            rows = onnx.array(name)[expert]
+            spanned = -(-(rows.ctypes.data + rows.nbytes) // 4096) - rows.ctypes.data // 4096
+            assert mapped_pages(rows) == spanned, (layer, expert, name)
 
 
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")

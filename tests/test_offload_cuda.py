@@ -8,7 +8,7 @@ import pytest
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig
 from engine.writer import WriterSpec, write_model
-from tests.test_offload import greedy_run
+from tests.test_offload import assert_mapped_as_the_cache_holds, greedy_run
 
 pytestmark = pytest.mark.gpu
 
@@ -286,6 +286,36 @@ def test_cuda_zero_budget_streams_misses_through_the_shared_slots(folder, monkey
     assert (device.pinned.copies == 0) == registered
     model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=device_total(folder)))
     assert model.offload.streaming.groups == [] and device.memory.by_purpose["decode streaming slots"] == 0
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5], ids=["streaming-slots", "spare-slots"])
+def test_cuda_copies_leave_a_bounded_host_cache_bounded(folder, fraction):
+    """Under host_expert_bytes, the weight file's pages that copies to the GPU read on the host (GpuQMoE.pack_expert
+    into the pinned ring for misses copied into slots or the streaming slots, gather_wave for prefill waves) leave
+    this process once read, unless the host cache holds the expert; the logits are the CPU's up to fp16 rounding.
+    (tests/test_cuda_slots_standin.py checks the same on the CPU stand-in, whose copies do not run GpuQMoE's.)"""
+    from dataclasses import replace
+
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference = LoadedModel.open(folder)
+    ref_logits, ref_tokens = greedy_run(reference, steps=8)
+    device = open_cuda_device()
+    per_expert = reference.folder.experts[0].bytes_per_expert
+    model = LoadedModel.open(folder, device=device, offload=OffloadConfig(
+        device_expert_bytes=int(fraction * device_total(folder)), host_expert_bytes=4 * per_expert,
+        device_working_bytes=1 << 30, prefill_wave_experts=4))
+    assert model.host_registration is None and device.pinned is not None  # bounded: copies go through the ring
+    greedy_run(model, steps=8)  # the CPU's share of the misses fills the cache
+    device.bandwidths = replace(device.bandwidths, cpu=1e3)  # from now on every miss that can be is copied
+    before = model.offload.stats.totals()
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, ref_logits)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    totals = model.offload.stats.totals()
+    assert totals.miss_copies > before.miss_copies and totals.copy_bytes > before.copy_bytes
+    assert_mapped_as_the_cache_holds(model)
 
 
 def test_cuda_whole_layers_and_back_match_the_cpu(folder):

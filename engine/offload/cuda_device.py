@@ -271,6 +271,9 @@ class CudaSlots:
         self._loads_pending = False  # loads issued that the compute stream has not been made to wait for
         self._direct_known: tuple | None = None  # (the registration, _direct's answer) once it has finished
         self.wave_gather_s = 0.0  # of stage()'s seconds, those spent gathering rows into the pinned ring (benchmarks)
+        # called with the experts whose rows a copy has read from the mapped weight file on the host, once read: the
+        # engine's bounded host cache releases their pages (HostExpertCache.release_after_read)
+        self.after_file_read = lambda experts: None
         self.resize(num_slots)
 
     def _direct(self) -> bool:
@@ -315,6 +318,8 @@ class CudaSlots:
         except Exception:  # out of device memory, or the host tier's mapping refused (HostTierError): nothing kept
             self.release()
             raise
+        if self.host_tier and not self._direct():  # the tier was filled with every expert, read from the file
+            self.after_file_read(range(self.runner.info.spec.num_experts))
         if self.gpu.tier is not None and self.gpu.tier.device_bytes > self._reserved:
             extra = self.gpu.tier.device_bytes - self._reserved
             try:
@@ -389,10 +394,12 @@ class CudaSlots:
         """Issue the copy of this node's expert into `gpu`'s slot on the copy stream."""
         ring = self.device.pinned
         if self._direct():
-            # straight from the registered file mapping, put in the kernel layout on the GPU: the host only issues it
+            # straight from the registered file mapping, put in the kernel layout on the GPU: the host only issues it.
+            # Its pages are not released: the DMA reads them after this returns, and page-locked they stay in memory.
             gpu.upload_expert_device(expert, slot, stream=self.device.copy_stream)
-        elif ring is None:
-            with self.device.copy_stream:
+            return
+        if ring is None:
+            with self.device.copy_stream:  # (a copy from pageable memory returns once its source is read)
                 gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=gpu.pack_expert(expert))
         else:
             packed = gpu.pack_expert(expert)
@@ -407,6 +414,7 @@ class CudaSlots:
             with self.device.copy_stream:
                 gpu.upload_expert(expert, slot, stream=self.device.copy_stream, packed=pinned)
             ring.issued(start, end, self.device.copy_stream)
+        self.after_file_read((expert,))  # packed on the host: the file's rows are read
 
     def _order_after_copies(self) -> None:
         """Kernels queued on the compute stream from now on see the copies issued so far."""
@@ -427,7 +435,8 @@ class CudaSlots:
         local ids 0..n-1)."""
         started = time.perf_counter()
         experts = np.asarray(experts, dtype=np.int64)
-        ring = None if self._direct() else self.device.pinned  # registered: the wave's rows go over from the mapping
+        direct = self._direct()
+        ring = None if direct else self.device.pinned  # registered: the wave's rows go over from the mapping
         num_experts = self.runner.info.spec.num_experts
         tensors = self.runner.tensors
         if ring is None:
@@ -442,6 +451,8 @@ class CudaSlots:
         finally:
             if ring is not None:  # the wave's GpuQMoE synchronised its uploads: the region is free again
                 ring.issued(start, end, self.device.cp.cuda.get_current_stream())
+        if not direct:  # the rows were read from the file: gathered into the ring, or uploaded by the wave's GpuQMoE
+            self.after_file_read(experts.tolist())
         return time.perf_counter() - started
 
     @_on_compute_stream

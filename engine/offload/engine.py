@@ -3,6 +3,7 @@ statistics; re-plans on a loaded model when budgets change."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import time
@@ -126,6 +127,9 @@ class OffloadEngine:
         self.stores = [device.create_slots(runner, 0 if tier else self.plan.slots[info.name])
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
+        for layer, store in enumerate(self.stores):
+            if hasattr(store, "after_file_read"):  # its copies read the mapped file on the host (CudaSlots)
+                store.after_file_read = functools.partial(self.host_cache.release_after_read, layer)
         if tier:
             self._try_host_tier(config)
         if self.tier_statement:
