@@ -8,7 +8,7 @@ tokens run at their steady speed sooner.
 
 Only where the experts' host memory is not bounded (host_expert_bytes auto: the OS decides), and only as many
 bytes as the machine has available: the bounded host cache releases the pages of experts it evicts, and pages it
-never saw computed would escape its count.
+never saw computed would escape its count (a bound set on the loaded model stops it: OffloadEngine).
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ class ExpertPrefault:
         return self
 
     def stop(self) -> None:
+        """Map no more pages: returns once the thread has finished (its call in progress: CHUNK bytes at most)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
         try:

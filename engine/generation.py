@@ -119,6 +119,8 @@ class LoadedModel:
         self.decoder.open_dense(self.dense)
         self.load_s = time.perf_counter() - started
         self.prefault = ExpertPrefault(folder.onnx, folder.experts).start() if self._prefault_pays(offload) else None
+        if self.offload is not None:
+            self.offload.prefault = self.prefault  # stopped, with the registration below, by a bound set later
         # where the experts stay in host memory anyway, the GPU copies them straight from their page-locked mapping
         self.host_registration = (device.register_experts(folder.onnx, folder.experts, owner=self)
                                   if self.prefault is not None and hasattr(device, "register_experts") else None)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +34,7 @@ from kernels.cpu import CpuQMoE
 from kernels.cpu.routing import route
 from kernels.gpu.host_tier import HostTierError
 from tests.test_dense_device import FakeDeviceArray
+from tests.test_host_register import FakeRuntime
 from tests.test_offload import (SPEC, assert_mapped_as_the_cache_holds, assert_same_as_cpu, device_expert_bytes,
                                 greedy_run)
 
@@ -1066,6 +1069,8 @@ class CopyingGpuQMoE(FakeGpuQMoE):
     them on the host there), for the residents it is made with (a prefill wave's first upload) and, with the host
     tier, for every expert (the tier's fill). FakeGpuQMoE computes from the mapped file, mapping what it computes."""
 
+    direct_uploads = 0  # upload_expert_device calls, all instances: copies straight from a page-locked mapping
+
     def __init__(self, spec, tensors, device=0, num_slots=None, resident=(), tier=None):
         self.source = {role: t for role, t in tensors.items() if t is not None}
         self.rows = {role: np.zeros(t.shape, t.dtype) for role, t in self.source.items()}
@@ -1088,6 +1093,11 @@ class CopyingGpuQMoE(FakeGpuQMoE):
         super().upload_expert(expert, slot)
         for role, row in packed["rows"].items():
             self.rows[role][expert] = row
+
+    def upload_expert_device(self, expert, slot, stream=None):
+        """GpuQMoE.upload_expert_device: the stored rows copied over as they are (read here, as the DMA reads them)."""
+        CopyingGpuQMoE.direct_uploads += 1
+        self.upload_expert(expert, slot, packed=self.pack_expert(expert))
 
 
 def _copying_make(slots: CudaSlots, count, resident, tensors=None):
@@ -1114,16 +1124,17 @@ def paged_cpu_run(paged_folder):
     return greedy_run(LoadedModel.open(paged_folder))
 
 
-def open_copying(paged_folder, fraction, monkeypatch, ring=False, **config):
+def open_copying(paged_folder, fraction, monkeypatch, ring=False, host_experts: int | None = 4, **config):
     """The model on the stand-in device with CopyingGpuQMoE's slots, through the pinned ring or not, under a host cache
-    of 4 experts' bytes; its prompt's cold experts in prefill waves where they pay."""
+    of `host_experts` experts' bytes (None: unbounded); its prompt's cold experts in prefill waves where they pay."""
     from engine.offload.cuda_device import CudaPinnedRing
 
     monkeypatch.setattr(FakeCudaDevice, "set_pinned_ring", lambda self, nbytes: setattr(
         self, "pinned", CudaPinnedRing(self.cp, nbytes) if ring and nbytes else None))
     per_expert = ModelFolder.open(paged_folder).experts[0].bytes_per_expert
     model, _cp = open_on_standin(paged_folder, fraction, monkeypatch, make=_copying_make, streaming=CopyingGpuQMoE,
-                                 host_expert_bytes=4 * per_expert, prefill_wave_experts=4, **config)
+                                 host_expert_bytes=None if host_experts is None else host_experts * per_expert,
+                                 prefill_wave_experts=4, **config)
     assert (model.offload.device.pinned is not None) == ring
     return model
 
@@ -1186,3 +1197,95 @@ def test_a_host_tier_filled_from_the_file_leaves_the_host_cache_bounded(paged_fo
     assert_mapped_as_the_cache_holds(model)
     assert_same_as_cpu(greedy_run(model), paged_cpu_run)  # decode from the tier's copies
     assert_mapped_as_the_cache_holds(model)
+
+
+# --- a bound set on a loaded model whose experts' mapping is page-locked -------------------------------------------
+
+def register_on_standin(monkeypatch, runtime: FakeRuntime) -> None:
+    """FakeCudaDevice page-locks the experts' mapping after load as CudaDevice does (host_register.py), through
+    `runtime`'s cudaHostRegister."""
+    def register_experts(self, source, infos, owner):
+        self.cp.cuda.runtime.hostRegister = runtime.hostRegister
+        self.cp.cuda.runtime.hostUnregister = runtime.hostUnregister
+        return cuda_device.CudaDevice.register_experts(self, source, infos, owner)
+
+    monkeypatch.setattr(FakeCudaDevice, "register_experts", register_experts, raising=False)
+    monkeypatch.setattr(FakeCudaDevice, "unregister_experts", cuda_device.CudaDevice.unregister_experts, raising=False)
+
+
+def bounded_to_four_experts(model) -> OffloadConfig:
+    engine = model.offload
+    return engine.config.updated(host_expert_bytes=4 * engine.infos[0].bytes_per_expert)
+
+
+def assert_copies_bounded_through_the_host(model, cpu_run, monkeypatch) -> None:
+    """No copy goes straight from the mapping any more; the CPU's share of the misses fills the cache, then copies
+    of every miss that can be copied leave the mapped pages those the cache holds."""
+    engine, uploads = model.offload, CopyingGpuQMoE.direct_uploads
+    assert engine.device.host_registration is None and not any(store._direct() for store in engine.stores)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    copied = copy_slowly(model, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert copied and CopyingGpuQMoE.direct_uploads == uploads
+    assert_mapped_as_the_cache_holds(model)
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
+def test_a_bound_set_on_the_loaded_model_undoes_the_page_locked_mapping(paged_folder, paged_cpu_run, monkeypatch):
+    """Loaded with host memory unbounded, the experts' mapping was page-locked and copies went straight from it.
+    host_expert_bytes bounded on the loaded model then left it locked: the cache's madvise cannot release locked pages,
+    and the direct copies released none, so the bound did not hold. The bound undoes the registration first: every
+    region unregistered, copies packed on the host into the pinned ring again, the mapped pages those the cache
+    holds; the landed statement says the mapping is no longer page-locked."""
+    runtime = FakeRuntime()
+    register_on_standin(monkeypatch, runtime)
+    monkeypatch.setattr(CopyingGpuQMoE, "direct_uploads", 0)
+    model = open_copying(paged_folder, 0.5, monkeypatch, ring=True, host_experts=None, device_working_bytes=1 << 30)
+    registration, bandwidths = model.host_registration, model.offload.device.bandwidths
+    assert registration.ready.wait(10) and registration.registered
+    registered = list(runtime.registered)
+    copy_slowly(model, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)
+    assert CopyingGpuQMoE.direct_uploads > 0
+    model.offload.device.bandwidths = bandwidths  # the CPU computes its share of the misses again
+    model.offload.reconfigure(bounded_to_four_experts(model))
+    assert runtime.registered == {} and sorted(runtime.unregistered) == sorted(registered)
+    assert not registration.registered and "no longer page-locked" in registration.describe()
+    copies = model.offload.device.pinned.copies
+    assert_copies_bounded_through_the_host(model, paged_cpu_run, monkeypatch)
+    assert model.offload.device.pinned.copies > copies
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
+def test_a_bound_set_while_the_mapping_is_being_page_locked_waits_and_undoes_it(paged_folder, paged_cpu_run,
+                                                                              monkeypatch):
+    """The bound arrives while load's background work still runs: the registration thread inside a region's
+    cudaHostRegister (seconds for a large model), the prefault inside a call mapping pages in. The re-plan waits for
+    both calls to return; then no region is registered, the prefault maps nothing more, and copies leave the mapped
+    pages those the cache holds."""
+    from engine.onnx_file import OnnxFile
+
+    gate = threading.Event()
+    runtime = FakeRuntime(gate=gate)
+    register_on_standin(monkeypatch, runtime)
+    populate = OnnxFile.populate_pages
+
+    def populate_when_let(self, *args):
+        gate.wait()
+        return populate(self, *args)
+
+    monkeypatch.setattr(OnnxFile, "populate_pages", populate_when_let)
+    model = open_copying(paged_folder, 0.5, monkeypatch, host_experts=None, device_working_bytes=1 << 30)
+    registration, prefault = model.host_registration, model.prefault
+    assert not registration.ready.is_set() and not prefault.done.is_set() and len(prefault.ranges) > 1
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            replan = pool.submit(model.offload.reconfigure, bounded_to_four_experts(model))
+            assert not wait([replan], timeout=0.5).done  # waiting for the calls in progress
+        finally:
+            gate.set()
+        replan.result(timeout=30)
+    assert registration.ready.is_set() and not registration.registered
+    assert len(runtime.unregistered) == 1 and runtime.registered == {}  # the region in progress, undone by its thread
+    assert prefault.done.is_set() and prefault.populated_bytes == prefault.ranges[0][2]  # the call in progress alone
+    assert_copies_bounded_through_the_host(model, paged_cpu_run, monkeypatch)

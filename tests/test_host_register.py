@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import threading
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -19,17 +20,24 @@ from kernels.gpu.layout import _rows_to_xp
 
 
 class FakeRuntime:
-    def __init__(self, fail_after: int | None = None):
+    """`gate`: each cudaHostRegister call waits for it (a large mapping's registration, seconds long)."""
+
+    def __init__(self, fail_after: int | None = None, gate: threading.Event | None = None):
         self.registered: dict[int, tuple[int, int]] = {}
+        self.unregistered: list[int] = []
         self.fail_after = fail_after
+        self.gate = gate
 
     def hostRegister(self, address, size, flags):
+        if self.gate is not None:
+            self.gate.wait()
         if self.fail_after is not None and len(self.registered) >= self.fail_after:
             raise RuntimeError("cudaErrorNotSupported: operation not supported\nmore lines")
         self.registered[address] = (size, flags)
 
     def hostUnregister(self, address):
         del self.registered[address]
+        self.unregistered.append(address)
 
 
 def fake_cp(runtime: FakeRuntime):
@@ -81,6 +89,23 @@ def test_a_refused_registration_is_undone_and_reported(model):
     assert registration.reason == "cudaHostRegister refused the experts' mapping (cudaErrorNotSupported: operation not supported)"
     assert not registration.covers(model.decoder.steps[1].tensors["fc1_experts_weights"])
     assert "staging ring" in registration.describe()
+
+
+def test_an_undone_registration_is_unregistered_once_and_reported(model):
+    """undo (host_expert_bytes bounded on the loaded model) unregisters every region at once; the owner's end later
+    has nothing left to undo."""
+    runtime, owner = FakeRuntime(), Owner()
+    registration = HostRegistration(fake_cp(runtime), 0, mapping_regions(model.folder.onnx, model.folder.experts), owner)
+    assert registration.ready.wait(10) and registration.registered
+    registered = list(runtime.registered)
+    registration.undo()
+    assert runtime.registered == {} and runtime.unregistered == registered
+    assert not registration.registered
+    assert not registration.covers(model.decoder.steps[1].tensors["fc1_experts_weights"])
+    assert "no longer page-locked" in registration.describe()
+    del owner
+    gc.collect()
+    assert runtime.unregistered == registered
 
 
 def test_no_registration_beyond_the_available_memory(model):

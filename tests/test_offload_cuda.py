@@ -318,6 +318,38 @@ def test_cuda_copies_leave_a_bounded_host_cache_bounded(folder, fraction):
     assert_mapped_as_the_cache_holds(model)
 
 
+def test_cuda_a_bound_set_on_the_loaded_model_unregisters_the_experts_mapping(folder):
+    """Loaded with host memory unbounded, the experts' mapping is page-locked and copies go straight from it; a
+    host_expert_bytes bound set on the loaded model unregisters it first (locked pages stay in memory whatever the
+    bounded cache's madvise says): copies go through the pinned ring again, the weight file's mapped pages are those
+    the cache holds, and the logits are the CPU's up to fp16 rounding. (tests/test_cuda_slots_standin.py checks the
+    same, and a bound set while the registration still runs, on the CPU stand-in.)"""
+    from dataclasses import replace
+
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference = LoadedModel.open(folder)
+    ref_logits, ref_tokens = greedy_run(reference, steps=8)
+    device = open_cuda_device()
+    model = LoadedModel.open(folder, device=device, offload=OffloadConfig(
+        device_expert_bytes=device_total(folder) // 2, device_working_bytes=1 << 30, prefill_wave_experts=4))
+    registration = model.host_registration
+    assert registration.ready.wait(60) and registration.registered
+    per_expert = reference.folder.experts[0].bytes_per_expert
+    model.offload.reconfigure(model.offload.config.updated(host_expert_bytes=4 * per_expert))
+    assert device.host_registration is None and not registration.registered
+    assert model.prefault.done.is_set()
+    greedy_run(model, steps=8)  # the CPU's share of the misses fills the cache
+    device.bandwidths = replace(device.bandwidths, cpu=1e3)  # from now on every miss that can be is copied
+    copies = device.pinned.copies
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, ref_logits)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    assert device.pinned.copies > copies
+    assert_mapped_as_the_cache_holds(model)
+
+
 def test_cuda_whole_layers_and_back_match_the_cpu(folder):
     """The layer split on real CUDA slots, the dense part on the CPU: half the budget on whole layers (one layer with
     every expert, routed on the device's slots; the others all on the CPU), then spread again, on one loaded model."""

@@ -84,6 +84,7 @@ class OffloadEngine:
         self.device = device
         self.host_cache = HostExpertCache(runners[0].source if runners else None, self.infos,
                                           config.host_expert_bytes)
+        self.prefault = None  # the load's ExpertPrefault, where host memory is unbounded (LoadedModel sets it)
         self.stats = OffloadStats()
         self.shadow = False
         self.approximation = ApproximationCounts()
@@ -619,6 +620,8 @@ class OffloadEngine:
             self._reload_residents()
             self.streaming = self._plan_streaming(self.config, say=False)  # the old plan says it already
             raise
+        if config.host_expert_bytes is not None:
+            self._end_unbounded_work()
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
         if self._tier_choice(config):
@@ -636,6 +639,17 @@ class OffloadEngine:
         self._make_policy(old_scores)  # what adaptive placement learnt so far still holds
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
+
+    def _end_unbounded_work(self) -> None:
+        """host_expert_bytes bounded on the loaded model: what load started because host memory was unbounded ends
+        before the host cache drops the experts' pages (set_budget), or the bound could not hold: the prefault, which
+        maps pages in behind the cache's count, and the page-locked file mapping (register_experts), whose pages
+        madvise cannot release. Neither starts again should the bound go (auto): a reload starts them."""
+        if self.prefault is not None:
+            self.prefault.stop()
+            self.prefault = None
+        if getattr(self.device, "host_registration", None) is not None:
+            self.device.unregister_experts()
 
     def _reload_residents(self) -> None:
         """Resized slots start empty on a real device: copy the kept residents back in."""

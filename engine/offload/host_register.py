@@ -10,7 +10,9 @@ It locks the experts' pages in RAM, so only where they fit and the OS already de
 (host_expert_bytes auto, file backing on; the caller checks), and only up to a share of the memory available. A
 large model takes seconds to register (every page is read in and locked), so a thread does it after load;
 copies go through the staging ring until it is done. Registration is undone when its owner (the loaded model)
-goes away, before the mapping can be unmapped: this object keeps the mapping alive until then.
+goes away, before the mapping can be unmapped: this object keeps the mapping alive until then; or earlier, for
+good, when host_expert_bytes is bounded on the loaded model (undo): madvise cannot release locked pages, so the
+bounded host cache could not keep its bound.
 """
 
 from __future__ import annotations
@@ -71,6 +73,18 @@ class HostRegistration:
             HostRegistration._undo(self.cp, self.device_index, self._done, self._regions)
         finally:
             self.ready.set()
+
+    def undo(self) -> None:
+        """Unregister now, for good. A thread still at work stops at its next check (the finalizer is no longer
+        alive); the region whose cudaHostRegister it is inside, it unregisters itself once the call returns, and
+        this waits for that: once this returns, no page of the mapping is locked."""
+        if self.ready.is_set() and not self.registered:
+            return  # refused, or undone already: nothing is registered
+        self._finalizer()  # undoes what is registered so far
+        self.ready.wait()
+        self.registered = False
+        self.reason = ("host_expert_bytes was bounded on the loaded model, so the experts' file mapping is no longer "
+                       "page-locked (locked pages stay in memory whatever the bound)")
 
     def covers(self, array: np.ndarray) -> bool:
         """The array's bytes lie in a registered region (False until registration has finished)."""
