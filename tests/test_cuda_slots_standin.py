@@ -1256,6 +1256,27 @@ def test_a_bound_set_on_the_loaded_model_undoes_the_page_locked_mapping(paged_fo
     assert model.offload.device.pinned.copies > copies
 
 
+def test_file_backing_turned_off_on_the_loaded_model_undoes_the_page_locked_mapping(paged_folder, paged_cpu_run,
+                                                                                     monkeypatch):
+    """allow_file_backing=0 on a model loaded with the experts' mapping page-locked: the experts are copied into RAM,
+    and the file's pages would have stayed locked beside them (the experts twice in RAM), the copies still going
+    straight from the mapping. The registration is undone; copies are packed from the RAM copy; answers unchanged."""
+    runtime = FakeRuntime()
+    register_on_standin(monkeypatch, runtime)
+    monkeypatch.setattr(CopyingGpuQMoE, "direct_uploads", 0)
+    model = open_copying(paged_folder, 0.5, monkeypatch, ring=True, host_experts=None, device_working_bytes=1 << 30)
+    registration = model.host_registration
+    assert registration.ready.wait(10) and registration.registered
+    registered = list(runtime.registered)
+    model.offload.reconfigure(model.offload.config.updated(allow_file_backing=False))
+    assert runtime.registered == {} and sorted(runtime.unregistered) == sorted(registered)
+    assert "allow_file_backing=0" in registration.describe() and "no longer page-locked" in registration.describe()
+    assert model.offload.device.host_registration is None and not any(store._direct() for store in model.offload.stores)
+    uploads, copied = CopyingGpuQMoE.direct_uploads, copy_slowly(model, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)
+    assert copied and CopyingGpuQMoE.direct_uploads == uploads
+
+
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
 def test_a_bound_set_while_the_mapping_is_being_page_locked_waits_and_undoes_it(paged_folder, paged_cpu_run,
                                                                               monkeypatch):

@@ -98,7 +98,7 @@ def test_an_undone_registration_is_unregistered_once_and_reported(model):
     registration = HostRegistration(fake_cp(runtime), 0, mapping_regions(model.folder.onnx, model.folder.experts), owner)
     assert registration.ready.wait(10) and registration.registered
     registered = list(runtime.registered)
-    registration.undo()
+    registration.undo("host_expert_bytes was bounded on the loaded model")
     assert runtime.registered == {} and runtime.unregistered == registered
     assert not registration.registered
     assert not registration.covers(model.decoder.steps[1].tensors["fc1_experts_weights"])

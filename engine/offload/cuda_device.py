@@ -913,11 +913,11 @@ class CudaDevice:
         self.host_registration = HostRegistration(self.cp, self.index, mapping_regions(source, infos), owner)
         return self.host_registration
 
-    def unregister_experts(self) -> None:
+    def unregister_experts(self, why: str) -> None:
         """Undo register_experts for good (HostRegistration.undo): copies go through the pinned ring again, and
         CudaSlots._direct, seeing no registration, says so. The copies still reading the mapping finish first."""
         self.quiesce()
-        self.host_registration.undo()
+        self.host_registration.undo(why)
         self.host_registration = None
 
     def staging_bytes_per_expert(self, runner) -> int:

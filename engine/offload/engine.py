@@ -621,7 +621,11 @@ class OffloadEngine:
             self.streaming = self._plan_streaming(self.config, say=False)  # the old plan says it already
             raise
         if config.host_expert_bytes is not None:
-            self._end_unbounded_work()
+            self._end_unbounded_work("host_expert_bytes was bounded on the loaded model (locked pages stay in memory "
+                                     "whatever the bound)")
+        elif not config.allow_file_backing:
+            self._end_unbounded_work("allow_file_backing=0 was set on the loaded model (its experts are copied into "
+                                     "RAM, where copies read them; the file's pages leave)")
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
         if self._tier_choice(config):
@@ -640,16 +644,18 @@ class OffloadEngine:
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
 
-    def _end_unbounded_work(self) -> None:
-        """host_expert_bytes bounded on the loaded model: what load started because host memory was unbounded ends
-        before the host cache drops the experts' pages (set_budget), or the bound could not hold: the prefault, which
-        maps pages in behind the cache's count, and the page-locked file mapping (register_experts), whose pages
-        madvise cannot release. Neither starts again should the bound go (auto): a reload starts them."""
+    def _end_unbounded_work(self, why: str) -> None:
+        """host_expert_bytes bounded, or file backing turned off, on the loaded model: what load started because the
+        file's pages could stay in host memory ends before the host cache drops them (set_budget) or the copy into RAM
+        releases them (_apply_file_backing), or they would stay: the prefault, which maps pages in behind the cache's
+        count, and the page-locked file mapping (register_experts), whose pages madvise cannot release (nor should
+        copies read it once the experts are in RAM). Neither starts again should the setting go back: a reload starts
+        them."""
         if self.prefault is not None:
             self.prefault.stop()
             self.prefault = None
         if getattr(self.device, "host_registration", None) is not None:
-            self.device.unregister_experts()
+            self.device.unregister_experts(why)
 
     def _reload_residents(self) -> None:
         """Resized slots start empty on a real device: copy the kept residents back in."""

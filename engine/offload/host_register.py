@@ -74,17 +74,17 @@ class HostRegistration:
         finally:
             self.ready.set()
 
-    def undo(self) -> None:
-        """Unregister now, for good. A thread still at work stops at its next check (the finalizer is no longer
-        alive); the region whose cudaHostRegister it is inside, it unregisters itself once the call returns, and
-        this waits for that: once this returns, no page of the mapping is locked."""
+    def undo(self, why: str) -> None:
+        """Unregister now, for good (`why`: the setting that asks it, for describe). A thread still at work stops at
+        its next check (the finalizer is no longer alive); the region whose cudaHostRegister it is inside, it
+        unregisters itself once the call returns, and this waits for that: once this returns, no page of the mapping
+        is locked."""
         if self.ready.is_set() and not self.registered:
             return  # refused, or undone already: nothing is registered
         self._finalizer()  # undoes what is registered so far
         self.ready.wait()
         self.registered = False
-        self.reason = ("host_expert_bytes was bounded on the loaded model, so the experts' file mapping is no longer "
-                       "page-locked (locked pages stay in memory whatever the bound)")
+        self.reason = f"{why}, so the experts' file mapping is no longer page-locked"
 
     def covers(self, array: np.ndarray) -> bool:
         """The array's bytes lie in a registered region (False until registration has finished)."""
