@@ -106,8 +106,8 @@ class LoadedModel:
         total, growth = probe.full_context_bytes()
         self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:
-            # CudaDevice's start-up bandwidth probe leaves blocks cached in CuPy's pool, which no
-            # accounting counts: give them back before onnxruntime's arena takes its share.
+            # blocks cached in CuPy's pool (a model dropped before this load left its slots there), which no
+            # accounting counts, go back before onnxruntime's arena takes its share
             device.cp.get_default_memory_pool().free_all_blocks()
         if self.dense.kind == "cuda" and hasattr(device, "dense_stream"):
             # fully resident layers order their launches after onnxruntime's stream, and it after them (CudaSlots)

@@ -119,9 +119,14 @@ def test_cuda_mem_limit_is_a_clean_error(folder):
     device = open_cuda_device(mem_limit=limit)
     with pytest.raises(DeviceMemoryError):
         device.memory.reserve(limit + 1, "a test allocation")
+    import gc
+
     import cupy
 
-    cupy.get_default_memory_pool().set_limit(size=0)  # leave the process unlimited for other tests
+    assert cupy.get_default_memory_pool().get_limit() == limit
+    del device
+    gc.collect()
+    assert cupy.get_default_memory_pool().get_limit() == 0  # the cap went with the device: later loads are not held to it
 
 
 @pytest.fixture

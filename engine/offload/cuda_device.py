@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -103,8 +104,30 @@ def _measure_all(cp) -> Bandwidths:
     from engine.offload.host_bandwidth import stream_read_bandwidth
 
     pcie, hbm = _measure_bandwidths(cp)
-    cp.get_default_pinned_memory_pool().free_all_blocks()  # the probe's pinned buffer
+    # the probe's buffers, which no accounting counts, go back to the driver (its GPU blocks would otherwise stay
+    # cached in CuPy's pool, counted against the pool's limit and beside onnxruntime's arena)
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
     return Bandwidths(pcie=pcie, hbm=hbm, cpu=stream_read_bandwidth())
+
+
+# GPU index -> {id of an open CudaDevice: its gpu_device_mem_limit (0: none)}
+_pool_caps: dict[int, dict[int, int]] = {}
+
+
+def _cap_pool(cp, index: int) -> None:
+    """Set CuPy's memory pool limit on GPU `index` from the devices open on it. The pool is the process's, shared by
+    every model loaded (side-by-side loads B beside A), so one device's cap cannot be the pool's: the pool's limit is
+    the sum of the open devices' caps, and none while any of them has none. Each device's own cap is its
+    DeviceMemory's; the pool's limit is the backstop for what that accounting does not see."""
+    caps = list(_pool_caps.get(index, {}).values())
+    with cp.cuda.Device(index):
+        cp.get_default_memory_pool().set_limit(size=0 if 0 in caps or not caps else sum(caps))
+
+
+def _forget_cap(cp, index: int, key: int) -> None:
+    _pool_caps.get(index, {}).pop(key, None)
+    _cap_pool(cp, index)
 
 
 class CudaPinnedRing(PinnedRing):
@@ -892,13 +915,16 @@ class CudaDevice:
             free, total = cp.cuda.runtime.memGetInfo()
             props = cp.cuda.runtime.getDeviceProperties(index)
             name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-            if mem_limit:
-                # A hard cap on every CuPy allocation: exceeding it is an OutOfMemoryError, never a crash.
-                cp.get_default_memory_pool().set_limit(size=mem_limit)
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
             self.compute_stream = cp.cuda.Stream(non_blocking=True)  # every expert kernel and result copy
             self.dense_stream = None  # onnxruntime's stream when the dense part runs on this GPU (LoadedModel)
+            # measured before the cap applies: the probe's 512 MiB are given back at once and are not the model's
             self.bandwidths = _measure_all(cp)
+        # A hard cap on CuPy's allocations (exceeding it is an OutOfMemoryError, never a crash), for as long as
+        # this device lives
+        _pool_caps.setdefault(index, {})[id(self)] = mem_limit
+        weakref.finalize(self, _forget_cap, cp, index, id(self))
+        _cap_pool(cp, index)
         self.memory = DeviceMemory(capacity=free, limit=mem_limit)
         self.host_registration = None  # the experts' file mapping, page-locked in the background (register_experts)
         self.name = f"{name} ({total / GIB:.0f} GiB)"

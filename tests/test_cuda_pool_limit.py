@@ -1,0 +1,83 @@
+"""gpu_device_mem_limit caps CuPy's memory pool, which is the whole process's: every model loaded shares it (the
+side-by-side comparison loads B beside A). A stand-in CuPy (CPU only) records the limits set."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import types
+
+import pytest
+
+import engine.offload.cuda_device as cuda_device
+from engine.offload.devices import Bandwidths
+
+
+class _Pool:
+    def __init__(self):
+        self.limits: list[int] = []
+        self.freed = 0
+
+    def set_limit(self, size: int) -> None:
+        self.limits.append(size)
+
+    def free_all_blocks(self) -> None:
+        self.freed += 1
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    pool = _Pool()
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (70 << 30, 80 << 30),
+                                    getDeviceProperties=lambda index: {"name": b"Stand-in GPU"})
+    cupy = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(runtime=runtime, Device=lambda index: contextlib.nullcontext(),
+                                   Stream=lambda non_blocking: object()),
+        get_default_memory_pool=lambda: pool)
+    monkeypatch.setattr(cuda_device, "_cupy", lambda: cupy)
+    measured = []
+
+    def measure(cp):
+        measured.append(list(pool.limits))  # the limits in force while the probe allocates
+        return Bandwidths(pcie=50e9, hbm=3e12, cpu=100e9)
+
+    monkeypatch.setattr(cuda_device, "_measure_all", measure)
+    monkeypatch.setattr(cuda_device, "_pool_caps", {})
+    pool.measured = measured
+    return pool
+
+
+def test_the_pool_limit_is_the_sum_of_the_open_devices_caps(pool):
+    a = cuda_device.CudaDevice(0, mem_limit=3 << 30)
+    assert pool.limits[-1] == 3 << 30
+    b = cuda_device.CudaDevice(0, mem_limit=1 << 30)
+    assert pool.limits[-1] == 4 << 30  # B's cap must not shrink A's allocations to B's
+    del b
+    gc.collect()
+    assert pool.limits[-1] == 3 << 30
+    del a
+    gc.collect()
+    assert pool.limits[-1] == 0  # nothing open: the process is unlimited again
+
+
+def test_a_device_without_a_cap_lifts_the_pools_limit_while_it_lives(pool):
+    capped = cuda_device.CudaDevice(0, mem_limit=2 << 30)
+    uncapped = cuda_device.CudaDevice(0)
+    assert pool.limits[-1] == 0  # its DeviceMemory still caps the capped device's own reservations
+    assert capped.memory.limit == 2 << 30 and uncapped.memory.limit == 0
+    del uncapped
+    gc.collect()
+    assert pool.limits[-1] == 2 << 30
+
+
+def test_a_reload_without_a_cap_is_not_held_to_the_last_ones(pool):
+    first = cuda_device.CudaDevice(0, mem_limit=200 << 10)  # far below the probe's 512 MiB
+    del first
+    gc.collect()
+    cuda_device.CudaDevice(0)
+    assert pool.limits[-1] == 0
+
+
+def test_the_start_up_probe_runs_before_the_cap(pool):
+    device = cuda_device.CudaDevice(0, mem_limit=200 << 10)
+    assert pool.measured == [[]]  # no limit set while its 512 MiB were allocated
+    assert pool.limits == [200 << 10] and device.memory.limit == 200 << 10
