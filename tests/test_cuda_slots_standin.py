@@ -1277,6 +1277,34 @@ def test_file_backing_turned_off_on_the_loaded_model_undoes_the_page_locked_mapp
     assert copied and CopyingGpuQMoE.direct_uploads == uploads
 
 
+def test_every_expert_made_resident_on_the_loaded_model_undoes_the_page_locked_mapping(paged_folder, paged_cpu_run,
+                                                                                       monkeypatch):
+    """A budget that makes every expert resident on a model loaded hybrid: nothing reads the experts' mapping any
+    more, and its pages stayed locked in RAM (the whole experts' file, held from the rest of the machine). The
+    registration is undone and the prefault stops; the answers are unchanged; back to hybrid, copies go through the
+    pinned ring until a reload."""
+    from engine.offload.planner import all_resident_bytes
+
+    runtime = FakeRuntime()
+    register_on_standin(monkeypatch, runtime)
+    monkeypatch.setattr(CopyingGpuQMoE, "direct_uploads", 0)
+    model = open_copying(paged_folder, 0.5, monkeypatch, ring=True, host_experts=None, device_working_bytes=1 << 30)
+    registration, engine = model.host_registration, model.offload
+    assert registration.ready.wait(10) and registration.registered and model.prefault is not None
+    registered, hybrid = list(runtime.registered), engine.config
+    engine.reconfigure(hybrid.updated(device_expert_bytes=2 * all_resident_bytes(engine.infos)))
+    assert engine.plan.placement_mode == "all_resident"
+    assert runtime.registered == {} and sorted(runtime.unregistered) == sorted(registered)
+    assert "every expert is now resident" in registration.describe() and "no longer page-locked" in registration.describe()
+    assert engine.prefault is None and engine.device.host_registration is None
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)
+    assert engine.stats.totals().misses == 0
+    engine.reconfigure(hybrid)
+    uploads, copied = CopyingGpuQMoE.direct_uploads, copy_slowly(model, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)
+    assert copied and CopyingGpuQMoE.direct_uploads == uploads and runtime.registered == {}
+
+
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
 def test_a_bound_set_while_the_mapping_is_being_page_locked_waits_and_undoes_it(paged_folder, paged_cpu_run,
                                                                               monkeypatch):

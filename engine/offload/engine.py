@@ -626,6 +626,9 @@ class OffloadEngine:
         elif not config.allow_file_backing:
             self._end_unbounded_work("allow_file_backing=0 was set on the loaded model (its experts are copied into "
                                      "RAM, where copies read them; the file's pages leave)")
+        elif self.plan.placement_mode == "all_resident":
+            self._end_unbounded_work("every expert is now resident on the GPU, so nothing is copied from the file "
+                                     "(a reload page-locks it again)")
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
         if self._tier_choice(config):
@@ -645,8 +648,8 @@ class OffloadEngine:
         self.stats.pinned = self.pinned_info()
 
     def _end_unbounded_work(self, why: str) -> None:
-        """host_expert_bytes bounded, or file backing turned off, on the loaded model: what load started because the
-        file's pages could stay in host memory ends before the host cache drops them (set_budget) or the copy into RAM
+        """host_expert_bytes bounded, file backing turned off, or every expert made resident on the loaded model: what
+        load started because the file's pages could stay in host memory (and be read) ends before the host cache drops them (set_budget) or the copy into RAM
         releases them (_apply_file_backing), or they would stay: the prefault, which maps pages in behind the cache's
         count, and the page-locked file mapping (register_experts), whose pages madvise cannot release (nor should
         copies read it once the experts are in RAM). Neither starts again should the setting go back: a reload starts
