@@ -355,6 +355,26 @@ def test_cuda_a_bound_set_on_the_loaded_model_unregisters_the_experts_mapping(fo
     assert_mapped_as_the_cache_holds(model)
 
 
+def test_cuda_every_expert_made_resident_unregisters_the_experts_mapping(folder):
+    """A budget that makes every expert resident on a model loaded hybrid: nothing reads the experts' mapping, so its
+    registration is undone (its pages no longer locked in RAM), and the logits stay the CPU's up to fp16 rounding."""
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference = LoadedModel.open(folder)
+    ref_logits, ref_tokens = greedy_run(reference, steps=8)
+    device = open_cuda_device()
+    model = LoadedModel.open(folder, device=device, offload=OffloadConfig(device_expert_bytes=device_total(folder) // 2))
+    registration = model.host_registration
+    assert registration.ready.wait(60) and registration.registered
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=2 * device_total(folder)))
+    assert model.offload.plan.placement_mode == "all_resident"
+    assert device.host_registration is None and not registration.registered
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, ref_logits)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4] and model.offload.stats.totals().misses == 0
+
+
 def test_cuda_whole_layers_and_back_match_the_cpu(folder):
     """The layer split on real CUDA slots, the dense part on the CPU: half the budget on whole layers (one layer with
     every expert, routed on the device's slots; the others all on the CPU), then spread again, on one loaded model."""
