@@ -187,12 +187,18 @@ class LoadedModel:
                 "to the host; in decode, a layer with cold experts adds the CPU's part to the GPU's there.")
 
     def answer_tokens(self, plain: int) -> int:
-        """The answer length (new tokens) where the user sets none: `plain`, the caller's own, for a model that answers
-        at once; for one that reasons first (engine/reasoning.py), whose reasoning alone can take thousands of tokens,
-        room for an answer after it: as long as genai_config.json's search.max_length lets a sequence run, within the
-        context (an answer stops where the context is full anyway), at most REASONING_ANSWER_TOKENS."""
+        """The answer length (new tokens) where the user sets none: reasoning_answer_tokens for a model that reasons
+        first, else `plain`, the caller's own."""
+        return self.reasoning_answer_tokens or plain
+
+    @property
+    def reasoning_answer_tokens(self) -> int | None:
+        """For a model that reasons first (engine/reasoning.py), whose reasoning alone can take thousands of tokens,
+        an answer length with room for an answer after it: as long as genai_config.json's search.max_length lets a
+        sequence run, within the context (an answer stops where the context is full anyway), at most
+        REASONING_ANSWER_TOKENS. None for a model that answers at once: any length will do."""
         if self.answer_format.kind == "plain":
-            return plain
+            return None
         return min(self.config.search.max_length, self.config.context_length, REASONING_ANSWER_TOKENS)
 
     @property

@@ -234,26 +234,26 @@ def test_max_tokens_follows_the_model_unless_the_user_chose_a_length(qtbot):
 
     chat = ChatPanel()
     qtbot.addWidget(chat)
-    chat.set_model_answer_tokens(2048)  # a model that reasons first loads
+    chat.max_tokens.set_model(2048)  # a model that reasons first loads
     assert chat.options()["max_new_tokens"] == 2048 and not chat.options()["max_new_tokens_chosen"]
-    chat.set_model_answer_tokens(256)  # then one that answers at once
+    chat.max_tokens.set_model(None)  # then one that answers at once
     assert chat.max_tokens.value() == 256
     chat.max_tokens.setValue(600)  # the user's length, kept from model to model
-    chat.set_model_answer_tokens(2048)
+    chat.max_tokens.set_model(2048)
     assert chat.options()["max_new_tokens"] == 600 and chat.options()["max_new_tokens_chosen"]
     shown = chat.max_tokens.toolTip()
     assert "after 600 new tokens, your length" in shown and "2048, this model's own" in shown
     saved = chat.options()
     chat.max_tokens.setValue(2048)  # the model's own again: it follows each model
-    chat.set_model_answer_tokens(256)
+    chat.max_tokens.set_model(None)
     assert chat.max_tokens.value() == 256
     chat.set_options(saved)  # restored: the user's length stays theirs
-    chat.set_model_answer_tokens(4096)
+    chat.max_tokens.set_model(4096)
     assert chat.max_tokens.value() == 600
     chat.set_options({"max_new_tokens": 256})  # saved before the length followed the model: the old default
     assert chat.max_tokens.value() == 4096 and not chat.options()["max_new_tokens_chosen"]
     chat.set_options({"max_new_tokens": 300})  # ...and a length the user had set
-    chat.set_model_answer_tokens(2048)
+    chat.max_tokens.set_model(2048)
     assert chat.max_tokens.value() == 300
 
 

@@ -259,9 +259,11 @@ def test_the_answer_length_of_a_model_that_reasons_first_leaves_room_for_an_answ
         (folder / "genai_config.json").write_text(json.dumps(config))
         return folder
 
-    assert LoadedModel.open(configured(harmony_folder(copy_fixture))).answer_tokens(128) == length
+    reasons = LoadedModel.open(configured(harmony_folder(copy_fixture)))
+    assert reasons.answer_tokens(128) == reasons.reasoning_answer_tokens == length
     # one that answers at once: the caller's own
-    assert LoadedModel.open(configured(copy_fixture("lfm2moe"))).answer_tokens(128) == 128
+    answers = LoadedModel.open(configured(copy_fixture("lfm2moe")))
+    assert answers.answer_tokens(128) == 128 and answers.reasoning_answer_tokens is None
 
 
 def test_the_generate_command_leaves_a_model_that_reasons_first_room_for_its_answer(copy_fixture, monkeypatch,

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFrame, QGridLayout, Q
 
 from app.gui import theme
 from app.gui.placement_view import split_text
-from app.gui.widgets import OneLineLabel
+from app.gui.widgets import AnswerLength, OneLineLabel
 
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
 # text may name (engine/generation.py's VisibleText)
@@ -148,12 +148,7 @@ class ChatPanel(QWidget):
         self.system_prompt.setMaximumHeight(60)
         self.system_prompt.setAccessibleName("System prompt")
         self.system_prompt.setTabChangesFocus(True)
-        self.max_tokens = QSpinBox()
-        self.max_tokens.setRange(1, 100_000)
-        self._model_tokens = ANSWER_TOKENS  # the loaded model's answer length (set_model_answer_tokens)
-        self._chosen_tokens: int | None = None  # the user's, kept from model to model; None: the model's
-        self._show_max_tokens()
-        self.max_tokens.valueChanged.connect(self._max_tokens_edited)
+        self.max_tokens = AnswerLength(ANSWER_TOKENS)
         self.temperature = QDoubleSpinBox(decimals=2, singleStep=0.1)
         self.temperature.setRange(0.0, 5.0)
         self.temperature.setSpecialValueText("greedy")
@@ -236,7 +231,7 @@ class ChatPanel(QWidget):
 
     # --- options ---------------------------------------------------------------------------------
     def options(self) -> dict:
-        return {"max_new_tokens": self.max_tokens.value(), "max_new_tokens_chosen": self._chosen_tokens is not None,
+        return {"max_new_tokens": self.max_tokens.value(), "max_new_tokens_chosen": self.max_tokens.chosen is not None,
                 "temperature": self.temperature.value(),
                 "top_k": self.top_k.value(), "top_p": self.top_p.value(),
                 "repetition_penalty": self.repetition.value(), "seed": self.seed.value(),
@@ -246,8 +241,7 @@ class ChatPanel(QWidget):
     def set_options(self, options: dict) -> None:
         tokens = int(options.get("max_new_tokens", ANSWER_TOKENS))
         # settings saved before the length followed the model hold it, chosen or not: the old default was not chosen
-        self._chosen_tokens = tokens if options.get("max_new_tokens_chosen", tokens != ANSWER_TOKENS) else None
-        self._show_max_tokens()
+        self.max_tokens.choose(tokens if options.get("max_new_tokens_chosen", tokens != ANSWER_TOKENS) else None)
         self.temperature.setValue(float(options.get("temperature", 0.0)))
         self.top_k.setValue(int(options.get("top_k", 0)))
         self.top_p.setValue(float(options.get("top_p", 1.0)))
@@ -267,28 +261,6 @@ class ChatPanel(QWidget):
         self.reasoning.setEnabled(bool(choices))
         self.reasoning.blockSignals(False)
         self._select_reasoning()
-
-    def set_model_answer_tokens(self, tokens: int) -> None:
-        """The loaded model's answer length (LoadedModel.answer_tokens), which Max tokens takes unless the user chose
-        one."""
-        self._model_tokens = tokens
-        self._show_max_tokens()
-
-    def _max_tokens_edited(self, tokens: int) -> None:
-        """A length other than the model's is the user's, kept for the next model; the model's own follows each."""
-        self._chosen_tokens = None if tokens == self._model_tokens else tokens
-        self._show_max_tokens()
-
-    def _show_max_tokens(self) -> None:
-        tokens = self._chosen_tokens or self._model_tokens
-        self.max_tokens.blockSignals(True)  # not the user's edit
-        self.max_tokens.setValue(tokens)
-        self.max_tokens.blockSignals(False)
-        self.max_tokens.setToolTip(
-            f"Answers stop after {tokens} new tokens, "
-            + (f"your length, kept from model to model; {self._model_tokens}, this model's own, follows the model "
-               "loaded" if self._chosen_tokens else "this model's own length, which follows the model loaded (one "
-               "that reasons first gets room for an answer after its reasoning)"))
 
     def set_model_sampling(self, sampling: dict | None) -> None:
         """The loaded model's own sampling settings (engine_worker._model_sampling), which Model defaults fills in."""

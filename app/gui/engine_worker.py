@@ -193,7 +193,7 @@ class EngineWorker(QObject):
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo,
                               "reasoning_choices": list(reasoning_choices(model.tokenizer)),
                               "reasons_first": model.answer_format.kind != "plain",
-                              "answer_tokens": model.answer_tokens(ANSWER_TOKENS),
+                              "reasoning_answer_tokens": model.reasoning_answer_tokens,
                               "sampling": _model_sampling(model)})
             self._emit_stats()
             # the CPU kernels, the offload engine's bookkeeping and the host-part worker's loop compiled now (a first

@@ -535,7 +535,7 @@ class MainWindow(QMainWindow):
         self.chat.entries.clear()  # a load starts a new conversation
         self.chat.set_reasoning_choices(info.get("reasoning_choices", []))
         self.chat.set_model_sampling(info.get("sampling"))
-        self.chat.set_model_answer_tokens(info["answer_tokens"])
+        self.chat.max_tokens.set_model(info["reasoning_answer_tokens"])
         self.chat.render()
         self.chat.live.setText(f"New conversation with {Path(info['path']).name}."
                                + self.chat.load_hints(info.get("reasons_first", False)))

@@ -1,4 +1,5 @@
-"""Small widgets the panels share: a byte-budget control, a stacked memory bar, per-layer bars, a banner."""
+"""Small widgets the panels share: a byte-budget control, an answer length that follows the model, a stacked memory
+bar, per-layer bars, a banner."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QScrollArea,
-                               QSizePolicy, QSlider, QToolButton, QToolTip, QWidget)
+                               QSizePolicy, QSlider, QSpinBox, QToolButton, QToolTip, QWidget)
 
 from app.gui import theme
 from engine.units import human_bytes
@@ -190,6 +191,47 @@ class SettingSpin(QDoubleSpinBox):
 
     def textFromValue(self, value: float) -> str:  # noqa: N802 (Qt naming)
         return f"{value:.6f}".rstrip("0").rstrip(".")
+
+
+class AnswerLength(QSpinBox):
+    """An answer length in new tokens that follows the loaded model's (set_model) until the user sets another, which
+    is kept from model to model (`chosen`); setting the model's own follows each model again. `plain` is the length
+    for a model that answers at once; `note` ends the tooltip."""
+
+    def __init__(self, plain: int, note: str = ""):
+        super().__init__()
+        self.setRange(1, 100_000)
+        self.plain, self.note = plain, note
+        self.model_tokens = plain  # the loaded model's length
+        self.chosen: int | None = None  # the user's; None: the model's
+        self._show()
+        self.valueChanged.connect(self._edited)
+
+    def set_model(self, reasoning_tokens: int | None) -> None:
+        """The loaded model's length: its own where it reasons first (LoadedModel.reasoning_answer_tokens), else
+        `plain`."""
+        self.model_tokens = reasoning_tokens or self.plain
+        self._show()
+
+    def choose(self, tokens: int | None) -> None:
+        """The user's length, as saved settings restore it (None: the model's)."""
+        self.chosen = tokens
+        self._show()
+
+    def _edited(self, tokens: int) -> None:
+        self.chosen = None if tokens == self.model_tokens else tokens
+        self._show()
+
+    def _show(self) -> None:
+        tokens = self.chosen or self.model_tokens
+        self.blockSignals(True)  # not the user's edit
+        self.setValue(tokens)
+        self.blockSignals(False)
+        self.setToolTip(
+            f"Answers stop after {tokens} new tokens, "
+            + (f"your length, kept from model to model; {self.model_tokens}, this model's own, follows the model "
+               "loaded" if self.chosen else "this model's own length, which follows the model loaded (one that "
+               "reasons first gets room for an answer after its reasoning)") + self.note)
 
 
 class StackedBar(QWidget):
