@@ -69,6 +69,22 @@ class ScriptedForward:
         return logits
 
 
+class ScriptedStates:
+    """A forward to patch on PartitionedDecoder (an instance: called without the decoder) that writes the same
+    scripted answer in every decoder state, each conversation's: two models answering side by side both write it."""
+
+    def __init__(self, vocab: int, tokens: list[int]):
+        self.vocab, self.tokens = vocab, list(tokens)
+        self.scripts: list[tuple[object, ScriptedForward]] = []  # (state, its script), states kept alive
+
+    def __call__(self, state, token_ids):
+        script = next((script for known, script in self.scripts if known is state), None)
+        if script is None:
+            script = ScriptedForward(self.vocab, self.tokens)
+            self.scripts.append((state, script))
+        return script(state, token_ids)
+
+
 def awkward_tokens(tokenizer, text: str, every: int = 2) -> list[int]:
     """`text`'s tokens cut at awkward places, as a model may write them: each special token (`<|…|>`) one token, the
     text between encoded `every` characters at a time (so that words, a header's `to=functions.f`, a stop string

@@ -1,10 +1,11 @@
-"""The chat pane with a model that reasons first (offscreen Qt, the real engine on a harmony fixture whose answer is
-forced): the reasoning streams in a block above the answer, which collapses when the answer begins; copy copies the
-answer."""
+"""The chat pane and the record views with a model that reasons first (offscreen Qt, the real engine on a harmony
+fixture whose answer is forced): the reasoning streams in a block above the answer, which collapses when the answer
+begins; copy copies the answer; answer lengths leave room for an answer after the reasoning."""
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -16,11 +17,22 @@ from PySide6.QtGui import QGuiApplication  # noqa: E402
 
 from engine.decoder import PartitionedDecoder  # noqa: E402
 from engine.tokenizer import ModelTokenizer  # noqa: E402
-from tests.reasoning_models import ScriptedForward, harmony_folder  # noqa: E402
+from engine.generation import LoadedModel  # noqa: E402
+from tests.reasoning_models import ScriptedForward, ScriptedStates, harmony_folder  # noqa: E402
 from tests.test_gui import WAIT, load, make_window  # noqa: E402
 
 REASONING = "The user greets us. A short and friendly answer will do."
 ANSWER = "Hello there!"
+
+
+def long_answer(tokenizer) -> list[int]:
+    """A harmony answer whose reasoning alone takes more tokens than any view's length for a model that answers at
+    once, then ANSWER."""
+    reasoning = REASONING + " Let me think." * 40
+    tokens = (tokenizer.encode(f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant<|channel|>final"
+                               f"<|message|>{ANSWER}") + [tokenizer.token_id("<|return|>")])
+    assert len(tokens) > 100
+    return tokens
 
 
 def test_the_reasoning_streams_above_the_answer_and_collapses_when_it_begins(qtbot, tmp_path, copy_fixture,
@@ -266,3 +278,55 @@ def test_a_stop_text_may_name_a_special_token_whose_bars_separate_nothing(qtbot)
     assert chat.options()["stop_strings"] == ["<|im_end|>", "Bye", "x<|return|>y"]
     chat.set_options(chat.options())
     assert chat.options()["stop_strings"] == ["<|im_end|>", "Bye", "x<|return|>y"]
+
+
+def test_side_by_side_leaves_a_model_that_reasons_first_room_for_its_answer(qtbot, tmp_path, copy_fixture,
+                                                                              monkeypatch):
+    """Tokens follows the loaded model as the chat's Max tokens does: both sides answered after the reasoning where
+    they stopped at 64 tokens inside it; a length the user sets is kept."""
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    answer = long_answer(tokenizer)
+    monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
+    window = make_window(qtbot, tmp_path, history_path=tmp_path / "history.sqlite3")
+    view = window.side_by_side
+
+    def compare() -> list:
+        view.bar.run_button.click()
+        qtbot.waitUntil(lambda: not view.bar.running and not window.busy, timeout=WAIT)
+        return [record.turns[0] for record in view.result.comparison.records]
+
+    try:
+        load(qtbot, window, folder)
+        assert view.max_tokens.value() == 2048 and "this model's own length" in view.max_tokens.toolTip()
+        view.prompt.setPlainText("Hi")
+        for turn, column in zip(compare(), (view.left, view.right)):
+            assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == (ANSWER, "eos", len(answer))
+            assert column.text == ANSWER
+        view.max_tokens.setValue(20)
+        assert [(turn["answer"], turn["generated_tokens"]) for turn in compare()] == [("", 20), ("", 20)]
+    finally:
+        window.close()
+
+
+def test_side_by_side_answers_the_longer_of_the_two_models_own_lengths(copy_fixture, monkeypatch):
+    """B may be another model: where the user set no length, both sides answer the longer of their models' own."""
+    import app.gui.records_jobs as jobs
+
+    answers_at_once, reasons_first = copy_fixture("lfm2moe"), harmony_folder(copy_fixture)
+    lengths = []
+
+    class Compared(Exception):
+        pass
+
+    def compare(_left, _right, _prompt, params, **_kwargs):
+        lengths.append(params.max_new_tokens)
+        raise Compared()
+
+    monkeypatch.setattr(jobs, "compare", compare)
+    ctx = jobs.JobContext(LoadedModel.open(answers_at_once), None, {}, threading.Event(), lambda _f, _t: None,
+                          lambda _batch: None, lambda _choice, _config: None)
+    for right, chosen in ((None, None), (reasons_first, None), (reasons_first, 20)):
+        with pytest.raises(Compared):
+            jobs.SideBySideJob("Hi", chosen, {}, right and str(right))(ctx)
+    assert lengths == [64, 2048, 20]

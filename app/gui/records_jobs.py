@@ -24,6 +24,9 @@ from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.records.sweep import SweepPoint, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
+# the side-by-side answers' length for models that answer at once, where the user sets none; one that reasons first
+# has its own (LoadedModel.answer_tokens)
+SIDE_BY_SIDE_TOKENS = 64
 
 
 @dataclass
@@ -253,9 +256,9 @@ class SideBySideJob:
     """Left: the loaded model as it is. Right: `right_folder` (default: the same folder) loaded
     again with `right_entries` (and `right_layer_split`, `right_decode_path`; None: the engine's defaults), on a device like the
     left's. One prompt, both answers, a record each (saved unless cancelled); a side that cannot load or answer has its
-    one-line error instead, and the other side answers alone."""
+    one-line error instead, and the other side answers alone. `max_new_tokens` None: the models' own length."""
     prompt: str
-    max_new_tokens: int
+    max_new_tokens: int | None
     right_entries: dict
     right_folder: str | None = None
     concurrent: bool = False
@@ -268,7 +271,6 @@ class SideBySideJob:
         left = ctx.loaded()
         if not self.prompt.strip():
             raise PromptError("the prompt is empty")
-        params = greedy(self.max_new_tokens)
         config = OffloadConfig.from_entries(self.right_entries)
         folder = self.right_folder or str(left.folder.folder)
 
@@ -290,6 +292,10 @@ class SideBySideJob:
             right = Side(None, label=self.labels[1], failure=f"B's model: {exc}")  # the error names the file
         if right.model is not None:
             settle(ctx, right.model, 0.5, "the right side")
+        tokens = self.max_new_tokens
+        if tokens is None:  # both sides answer the same length: the longer of the models' own (B's may reason first)
+            tokens = max(model.answer_tokens(SIDE_BY_SIDE_TOKENS) for model in (left, right.model) if model is not None)
+        params = greedy(tokens)
         streams = _SideStreams(ctx, params.max_new_tokens)
         try:
             comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,

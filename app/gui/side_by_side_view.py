@@ -14,11 +14,12 @@ from pathlib import Path
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QTextBlockFormat, QTextCursor
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser, QVBoxLayout, QWidget)
+                               QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout, QWidget)
 
 from app.gui import theme
 from app.gui.job_bar import JobBar
-from app.gui.records_jobs import SideBySideJob, SideBySideResult
+from app.gui.records_jobs import SIDE_BY_SIDE_TOKENS, SideBySideJob, SideBySideResult
+from app.gui.widgets import AnswerLength
 from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
 from engine.offload.config import DEVICE_KEYS, keys_among
@@ -271,7 +272,8 @@ class SideBySideView(QWidget):
         self.prompt.setPlaceholderText("One prompt, answered by both sides")
         self.prompt.setMaximumHeight(70)
         self.prompt.setAccessibleName("Side-by-side prompt")
-        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=64)
+        self.max_tokens = AnswerLength(SIDE_BY_SIDE_TOKENS, note=". Both sides answer the same length: where B is "
+                                       "another model and you set none, the longer of the two models' own")
         self.max_tokens.setAccessibleName("Answer tokens")
         self.concurrent = QCheckBox("Concurrent")
         self.concurrent.setToolTip("Answer at the same time: they compete for the CPU, so their timings are not "
@@ -366,7 +368,7 @@ class SideBySideView(QWidget):
         self.divergence.setText("")
         self.result = None
         split, path = entries.pop(SPLIT_KEY, None), entries.pop(PATH_KEY, None)
-        job = SideBySideJob(prompt, self.max_tokens.value(), entries, folder, self.concurrent.isChecked(),
+        job = SideBySideJob(prompt, self.max_tokens.chosen, entries, folder, self.concurrent.isChecked(),
                             self.history_path, labels, right_layer_split=split, right_decode_path=path)
         self.bar.start("Loading B…")
         self.jobRequested.emit(KIND, job)
