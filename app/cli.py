@@ -17,7 +17,9 @@ from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
 
 PROG = "moe-workbench"
-GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
+# the answer length for a model that answers at once (LoadedModel.answer_tokens): generate's, record's
+GENERATE_TOKENS = 128
+RECORD_TOKENS = 64
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
 # `pip install .` has none
 NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the extra for this machine, "
@@ -45,10 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--chat", action="store_true",
                       help="multi-turn chat: after the first answer read more user turns from standard input, one per line")
     gen.add_argument("--system", help="system prompt (chat template only)")
-    gen.add_argument("--max-new-tokens", type=at_least(1),
-                     help=f"answer length limit (default {GENERATE_TOKENS}; for a model that reasons first, room for "
-                     "an answer after the reasoning: its genai_config.json's search.max_length, within its context, at "
-                     f"most {REASONING_ANSWER_TOKENS})")
+    gen.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(GENERATE_TOKENS))
     sampling = gen.add_mutually_exclusive_group()
     sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (without this or "
                           "--temperature: the model's own defaults, genai_config.json's search: greedy unless it samples)")
@@ -74,7 +73,8 @@ def _build_parser() -> argparse.ArgumentParser:
     record = commands.add_parser("record", help="run measured scenarios and save resource records")
     record.add_argument("model")
     record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
-    record.add_argument("--max-new-tokens", type=at_least(1), default=64, help="answer length limit (default 64)")
+    record.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
+        RECORD_TOKENS, "; the long scenario's within what the context leaves after its input"))
     record.add_argument("--label", default="")
     record.add_argument("--json", action="store_true", help="print the records as JSON")
     record.add_argument("--history", help="SQLite history file (default: the user's data folder)")
@@ -155,6 +155,13 @@ def at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
         return value
     return integer
+
+
+def _answer_length_help(plain: int, more: str = "") -> str:
+    """--max-new-tokens' help where its default follows the model (LoadedModel.answer_tokens)."""
+    return (f"answer length limit (default {plain}; for a model that reasons first, room for an answer after the "
+            "reasoning: its genai_config.json's search.max_length, within its context, at most "
+            f"{REASONING_ANSWER_TOKENS}{more})")
 
 
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -465,7 +472,7 @@ def _scenarios(name: str) -> list[str]:
 def _cmd_record(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.history import History
-    from engine.records.scenarios import run_scenario
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens
 
     history = History(args.history)  # a bad history file refused before the model loads
     config, device = _offload_setup(args)
@@ -474,8 +481,9 @@ def _cmd_record(args) -> int:
     _warn_of_thread_binding()
     records = []
     for scenario in _scenarios(args.scenario):
-        record = run_scenario(model, scenario, GenerationParams(max_new_tokens=args.max_new_tokens), device,
-                              label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
+        tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario, RECORD_TOKENS)
+        record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens), device, label=args.label,
+                              progress=_ProgressLine(f"scenario {scenario}"))
         run_id = history.add(record)
         records.append({"id": run_id, **record.to_dict()})  # as `history --export json` gives it
         if not args.json:

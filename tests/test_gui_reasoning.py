@@ -280,33 +280,40 @@ def test_a_stop_text_may_name_a_special_token_whose_bars_separate_nothing(qtbot)
     assert chat.options()["stop_strings"] == ["<|im_end|>", "Bye", "x<|return|>y"]
 
 
-def test_side_by_side_leaves_a_model_that_reasons_first_room_for_its_answer(qtbot, tmp_path, copy_fixture,
-                                                                              monkeypatch):
-    """Tokens follows the loaded model as the chat's Max tokens does: both sides answered after the reasoning where
-    they stopped at 64 tokens inside it; a length the user sets is kept."""
+@pytest.fixture
+def reasoning_window(qtbot, tmp_path, copy_fixture, monkeypatch):
+    """A window with a harmony model loaded whose every conversation answers long_answer; (window, its tokens)."""
     folder = harmony_folder(copy_fixture)
     tokenizer = ModelTokenizer(folder)
     answer = long_answer(tokenizer)
     monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
     window = make_window(qtbot, tmp_path, history_path=tmp_path / "history.sqlite3")
+    load(qtbot, window, folder)
+    yield window, answer
+    window.close()
+
+
+def run_job(qtbot, window, view):
+    view.bar.run_button.click()
+    qtbot.waitUntil(lambda: not view.bar.running and not window.busy, timeout=WAIT)
+    return view.result
+
+
+def test_side_by_side_leaves_a_model_that_reasons_first_room_for_its_answer(qtbot, reasoning_window):
+    """Tokens follows the loaded model as the chat's Max tokens does: both sides answered after the reasoning where
+    they stopped at 64 tokens inside it; a length the user sets is kept."""
+    window, answer = reasoning_window
     view = window.side_by_side
-
-    def compare() -> list:
-        view.bar.run_button.click()
-        qtbot.waitUntil(lambda: not view.bar.running and not window.busy, timeout=WAIT)
-        return [record.turns[0] for record in view.result.comparison.records]
-
-    try:
-        load(qtbot, window, folder)
-        assert view.max_tokens.value() == 2048 and "this model's own length" in view.max_tokens.toolTip()
-        view.prompt.setPlainText("Hi")
-        for turn, column in zip(compare(), (view.left, view.right)):
-            assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == (ANSWER, "eos", len(answer))
-            assert column.text == ANSWER
-        view.max_tokens.setValue(20)
-        assert [(turn["answer"], turn["generated_tokens"]) for turn in compare()] == [("", 20), ("", 20)]
-    finally:
-        window.close()
+    assert view.max_tokens.value() == 2048 and "this model's own length" in view.max_tokens.toolTip()
+    view.prompt.setPlainText("Hi")
+    records = run_job(qtbot, window, view).comparison.records
+    for record, column in zip(records, (view.left, view.right)):
+        turn = record.turns[0]
+        assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == (ANSWER, "eos", len(answer))
+        assert column.text == ANSWER
+    view.max_tokens.setValue(20)
+    records = run_job(qtbot, window, view).comparison.records
+    assert [(r.turns[0]["answer"], r.turns[0]["generated_tokens"]) for r in records] == [("", 20), ("", 20)]
 
 
 def test_side_by_side_answers_the_longer_of_the_two_models_own_lengths(copy_fixture, monkeypatch):
@@ -330,3 +337,17 @@ def test_side_by_side_answers_the_longer_of_the_two_models_own_lengths(copy_fixt
         with pytest.raises(Compared):
             jobs.SideBySideJob("Hi", chosen, {}, right and str(right))(ctx)
     assert lengths == [64, 2048, 20]
+
+
+def test_a_recorded_scenario_leaves_a_model_that_reasons_first_room_for_its_answer(qtbot, reasoning_window):
+    """History's Record follows the loaded model as the chat does (it stopped at 32 tokens, inside the reasoning); a
+    length the user sets is kept."""
+    window, answer = reasoning_window
+    view = window.scenarios
+    assert view.max_tokens.value() == 2048 and "this model's own length" in view.max_tokens.toolTip()
+    view.scenario.setCurrentText("short")
+    turn = run_job(qtbot, window, view).saved[0][1].turns[0]
+    assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == (ANSWER, "eos", len(answer))
+    view.max_tokens.setValue(20)
+    turn = run_job(qtbot, window, view).saved[0][1].turns[0]
+    assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == ("", "length", 20)

@@ -8,11 +8,12 @@ import threading
 
 import pytest
 
+from engine.errors import PromptError
 from engine.generation import Conversation, GenerationParams, LoadedModel, generate
 from engine.reasoning import REASONING_ANSWER_TOKENS, answer_format
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import fixture_folder
-from tests.reasoning_models import ScriptedForward, awkward_tokens, harmony_folder, think_folder
+from tests.reasoning_models import ScriptedForward, ScriptedStates, awkward_tokens, harmony_folder, think_folder
 
 ANALYSIS_THEN_FINAL = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
                        "<|start|>assistant<|channel|>final<|message|>Hello there!")
@@ -244,6 +245,21 @@ def test_the_generate_command_prints_the_answer_and_the_reasoning_apart(copy_fix
     assert (printed["text"], printed["reasoning"]) == ("Hello there!", "The user greets; answer briefly.")
 
 
+def long_reasoning_answer(tokenizer) -> list[int]:
+    """ANALYSIS_THEN_FINAL's tokens with a reasoning of 150 words more, then its end."""
+    long_reasoning = ANALYSIS_THEN_FINAL.replace("answer briefly.", "answer briefly." + " the" * 150)
+    return tokenizer.encode(long_reasoning) + [tokenizer.token_id("<|return|>")]
+
+
+def configured(folder, context: int, search: dict):
+    """`folder` with this context and these search settings in its genai_config.json (max_length: only where given)."""
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = context
+    config["search"] = {**{k: v for k, v in config["search"].items() if k != "max_length"}, **search}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.mark.parametrize("search, context, length", [
     ({"max_length": 1500}, 2048, 1500),  # as long as the model's search.max_length lets a sequence run
     ({"max_length": 0}, 2048, 2048),     # none named: the context
@@ -252,17 +268,10 @@ def test_the_generate_command_prints_the_answer_and_the_reasoning_apart(copy_fix
     ({"max_length": 131_072}, 131_072, REASONING_ANSWER_TOKENS)])  # gpt-oss's own: bounded
 def test_the_answer_length_of_a_model_that_reasons_first_leaves_room_for_an_answer(copy_fixture, search, context,
                                                                                    length):
-    def configured(folder):
-        config = json.loads((folder / "genai_config.json").read_text())
-        config["model"]["context_length"] = context
-        config["search"] = {**{k: v for k, v in config["search"].items() if k != "max_length"}, **search}
-        (folder / "genai_config.json").write_text(json.dumps(config))
-        return folder
-
-    reasons = LoadedModel.open(configured(harmony_folder(copy_fixture)))
+    reasons = LoadedModel.open(configured(harmony_folder(copy_fixture), context, search))
     assert reasons.answer_tokens(128) == reasons.reasoning_answer_tokens == length
     # one that answers at once: the caller's own
-    answers = LoadedModel.open(configured(copy_fixture("lfm2moe")))
+    answers = LoadedModel.open(configured(copy_fixture("lfm2moe"), context, search))
     assert answers.answer_tokens(128) == 128 and answers.reasoning_answer_tokens is None
 
 
@@ -275,8 +284,7 @@ def test_the_generate_command_leaves_a_model_that_reasons_first_room_for_its_ans
 
     folder = harmony_folder(copy_fixture)
     tokenizer = ModelTokenizer(folder)
-    long_reasoning = ANALYSIS_THEN_FINAL.replace("answer briefly.", "answer briefly." + " the" * 150)
-    answer = tokenizer.encode(long_reasoning) + [tokenizer.token_id("<|return|>")]
+    answer = long_reasoning_answer(tokenizer)
     assert len(answer) > cli.GENERATE_TOKENS
     scripts = [ScriptedForward(tokenizer.vocab_size, answer) for _ in range(2)]
     monkeypatch.setattr(PartitionedDecoder, "forward", lambda _decoder, state, ids: scripts[0](state, ids))
@@ -287,6 +295,43 @@ def test_the_generate_command_leaves_a_model_that_reasons_first_room_for_its_ans
     assert cli.main(["generate", str(folder), "--prompt", "Hi", "--json", "--max-new-tokens", "20"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert (printed["text"], printed["finish_reason"], len(printed["tokens"])) == ("", "length", 20)
+
+
+@pytest.mark.parametrize("context, short, long", [
+    (4096, 4096, 4096 - 2000),  # the long scenario's within what the context leaves after its input
+    (2048, 2048, 64)])          # ...but not below the plain length: scenario_turns refuses that context, as before
+def test_a_scenarios_own_length_leaves_the_long_input_room(copy_fixture, context, short, long):
+    from engine.records.scenarios import scenario_answer_tokens, scenario_turns
+
+    reasons = LoadedModel.open(configured(harmony_folder(copy_fixture), context, {"max_length": context}))
+    lengths = {name: scenario_answer_tokens(reasons, name, 64) for name in ("short", "multiturn", "long")}
+    assert lengths == {"short": short, "multiturn": short, "long": long}
+    if context - 2000 >= 64:
+        assert scenario_turns("long", reasons.tokenizer, context, long)
+    else:
+        with pytest.raises(PromptError, match="needs a context of at least 2064 tokens; the model has 2048"):
+            scenario_turns("long", reasons.tokenizer, context, long)
+    answers = LoadedModel.open(configured(copy_fixture("lfm2moe"), context, {"max_length": context}))
+    assert {scenario_answer_tokens(answers, name, 64) for name in ("short", "multiturn", "long")} == {64}
+
+
+def test_the_record_command_leaves_a_model_that_reasons_first_room_for_its_answer(copy_fixture, monkeypatch, capsys,
+                                                                                 tmp_path):
+    """Without --max-new-tokens, a reasoning of 150 tokens no longer uses up the answer length (64 before); a length
+    asked for is kept."""
+    from app import cli
+    from engine.decoder import PartitionedDecoder
+
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    answer = long_reasoning_answer(tokenizer)
+    assert len(answer) > 64  # record's length for a model that answers at once
+    monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
+    history = str(tmp_path / "history.sqlite3")
+    for asked, expected in (([], ("Hello there!", "eos", len(answer))), (["--max-new-tokens", "20"], ("", "length", 20))):
+        assert cli.main(["record", str(folder), "--json", "--history", history, *asked]) == 0
+        turn = json.loads(capsys.readouterr().out)[0]["turns"][0]
+        assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == expected
 
 
 def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony_model, monkeypatch):

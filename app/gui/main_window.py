@@ -541,7 +541,8 @@ class MainWindow(QMainWindow):
                                + self.chat.load_hints(info.get("reasons_first", False)))
         self.graphs.add_marker("loaded", "load")
         self.side_by_side.set_loaded(info["path"], info.get("entries"))
-        self.side_by_side.max_tokens.set_model(info["reasoning_answer_tokens"])
+        for view in (self.side_by_side, self.scenarios):
+            view.max_tokens.set_model(info["reasoning_answer_tokens"])
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
         self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")
         self.status_device.setText(f"experts: {info['device']} · dense part: {info.get('dense_device', 'CPU')}")

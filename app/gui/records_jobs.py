@@ -17,16 +17,17 @@ from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, default_corpus, phase_after,
                                        run_contention)
 from engine.records.history import History
-from engine.records.scenarios import SCENARIOS, run_scenario
+from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens
 from engine.records.schema import RunRecord
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.records.sweep import SweepPoint, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
-# the side-by-side answers' length for models that answer at once, where the user sets none; one that reasons first
-# has its own (LoadedModel.answer_tokens)
+# the answer length for models that answer at once where the user sets none (one that reasons first has its own,
+# LoadedModel.answer_tokens): side by side's, the scenario runs'
 SIDE_BY_SIDE_TOKENS = 64
+SCENARIO_TOKENS = 32
 
 
 @dataclass
@@ -53,6 +54,12 @@ def greedy(max_new_tokens: int) -> GenerationParams:
     if int(max_new_tokens) < 1:
         raise WorkbenchError(f"the answer length must be at least 1 token, got {max_new_tokens}")
     return GenerationParams(max_new_tokens=int(max_new_tokens))
+
+
+def scenario_params(model: LoadedModel, name: str, chosen: int | None, plain: int) -> GenerationParams:
+    """Greedy answers of the user's length, or where they chose none the model's for the scenario (`plain` for a
+    model that answers at once: scenario_answer_tokens)."""
+    return greedy(scenario_answer_tokens(model, name, plain) if chosen is None else chosen)
 
 
 class _Reporter:
@@ -100,15 +107,14 @@ class ScenarioResult:
 @dataclass
 class ScenarioJob:
     """Run scenarios one after the other and save each to the history. A cancelled run is not
-    saved (its timings would mislead); the runs before it are."""
+    saved (its timings would mislead); the runs before it are. `max_new_tokens` None: the model's length."""
     scenarios: list[str]
-    max_new_tokens: int
+    max_new_tokens: int | None
     history_path: str | None = None
     label: str = ""
 
     def __call__(self, ctx: JobContext) -> ScenarioResult:
         model = ctx.loaded()
-        params = greedy(self.max_new_tokens)
         history = History(self.history_path)
         result = ScenarioResult()
         count = len(self.scenarios)
@@ -118,6 +124,7 @@ class ScenarioJob:
                 break
             reporter = _Reporter(ctx, index / count, 1 / count, f"{name} ({index + 1} of {count})")
             reporter.report(force=True)
+            params = scenario_params(model, name, self.max_new_tokens, SCENARIO_TOKENS)
             try:
                 record = run_scenario(model, name, params, ctx.device, label=self.label, cancel=ctx.cancel,
                                       progress=reporter.on_turn, on_text=reporter.on_text)

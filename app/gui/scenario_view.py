@@ -4,10 +4,11 @@ the engine worker, with progress and Cancel; every finished run becomes a record
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QSpinBox, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QVBoxLayout, QWidget
 
 from app.gui.job_bar import JobBar
-from app.gui.records_jobs import ScenarioJob, ScenarioResult, scenario_names
+from app.gui.records_jobs import SCENARIO_TOKENS, ScenarioJob, ScenarioResult, scenario_names
+from app.gui.widgets import AnswerLength
 from engine.records.scenarios import SCENARIOS
 
 KIND = "recording"
@@ -29,10 +30,10 @@ class ScenarioView(QWidget):
         self.scenario.setAccessibleName("Scenario")
         self.scenario.setToolTip("short: one question · long: a ~2000-token input · multiturn: six turns, cache kept · "
                                  "all: the three in turn")
-        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=32)
+        self.max_tokens = AnswerLength(SCENARIO_TOKENS, note=". Answers are greedy. The long scenario needs 2000 + "
+                                       "a length you set within the model's context; the model's own there is what "
+                                       "the context leaves after that input")
         self.max_tokens.setAccessibleName("Answer tokens")
-        self.max_tokens.setToolTip("The most tokens per answer (greedy). The long scenario needs 2000 + this "
-                                   "within the model's context.")
         self.label = QLineEdit(placeholderText="label (optional)")
         self.label.setAccessibleName("Label for the runs")
         self.bar = JobBar("Record", "Stop at the next token; a cancelled run is not saved")
@@ -55,7 +56,7 @@ class ScenarioView(QWidget):
 
     def run(self) -> None:
         names = scenario_names(self.scenario.currentText())
-        job = ScenarioJob(names, self.max_tokens.value(), self.history_path, self.label.text().strip())
+        job = ScenarioJob(names, self.max_tokens.chosen, self.history_path, self.label.text().strip())
         self.result = None
         self.bar.start(f"Starting {', '.join(names)}…")
         self.jobRequested.emit(KIND, job)

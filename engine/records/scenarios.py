@@ -47,6 +47,16 @@ def scenario_turns(name: str, tokenizer, context_length: int, max_new_tokens: in
     raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
 
 
+def scenario_answer_tokens(model: LoadedModel, name: str, plain: int) -> int:
+    """A scenario's answer length where the user sets none: the model's (LoadedModel.answer_tokens: `plain` for one
+    that answers at once); the long scenario's within what the context leaves after its input, but not below `plain`
+    (scenario_turns refuses a context too short for that)."""
+    tokens = model.answer_tokens(plain)
+    if name == "long":
+        return min(tokens, max(plain, model.config.context_length - LONG_PROMPT_TOKENS))
+    return tokens
+
+
 def _long_prompt(tokenizer) -> str:
     """A report whose chat-rendered prompt is just over LONG_PROMPT_TOKENS tokens."""
     def tokens(text: str) -> int:
