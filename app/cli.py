@@ -17,9 +17,10 @@ from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
 
 PROG = "moe-workbench"
-# the answer length for a model that answers at once (LoadedModel.answer_tokens): generate's, record's
+# the answer length for a model that answers at once (LoadedModel.answer_tokens): generate's, record's, contention's
 GENERATE_TOKENS = 128
 RECORD_TOKENS = 64
+CONTENTION_TOKENS = 64
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
 # `pip install .` has none
 NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the extra for this machine, "
@@ -114,7 +115,9 @@ def _build_parser() -> argparse.ArgumentParser:
     contention.add_argument("--workers", type=at_least(1), default=2, help="indexing worker processes (default 2)")
     contention.add_argument("--corpus", help="folder of .txt files (default: a generated corpus)")
     contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short")
-    contention.add_argument("--max-new-tokens", type=at_least(1), default=64, help="answer length limit (default 64)")
+    contention.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
+        CONTENTION_TOKENS, "; the long scenario's within what the context leaves after its input; the test answers "
+        "three times: a warm-up, alone, beside the indexing"))
     contention.add_argument("--json", action="store_true")
     _add_device_arguments(contention)
 
@@ -631,7 +634,7 @@ def _budget_text(budget: str | None, device: str | None) -> str:
 def _cmd_contention(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.contention import default_corpus, run_contention
-    from engine.records.scenarios import run_scenario
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens
 
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
@@ -640,7 +643,8 @@ def _cmd_contention(args) -> int:
     corpus = Path(args.corpus) if args.corpus else default_corpus()
     if not any(corpus.glob("*.txt")):
         raise WorkbenchError(f"{corpus}: no .txt files to index")
-    params = GenerationParams(max_new_tokens=args.max_new_tokens)
+    params = GenerationParams(max_new_tokens=args.max_new_tokens
+                              or scenario_answer_tokens(model, args.scenario, CONTENTION_TOKENS))
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
                             corpus, args.workers, progress=_ProgressLine("contention"),
                             threads=model.decoder.kernel_threads.state)

@@ -85,6 +85,23 @@ class ScriptedStates:
         return script(state, token_ids)
 
 
+def scenario_answers(monkeypatch, module) -> list[tuple[str, int]]:
+    """The answer and its token count of every scenario run `module` (which imported run_scenario) makes from now on,
+    the indexing of the contention test made instant (its inference is what is looked at)."""
+    import engine.records.contention as contention
+
+    monkeypatch.setattr(contention, "index_folder", lambda _folder, _workers: (1, 0.1))
+    answered, run_scenario = [], module.run_scenario
+
+    def run(*args, **kwargs):
+        record = run_scenario(*args, **kwargs)
+        answered.append((record.turns[0]["answer"], record.turns[0]["generated_tokens"]))
+        return record
+
+    monkeypatch.setattr(module, "run_scenario", run)
+    return answered
+
+
 def awkward_tokens(tokenizer, text: str, every: int = 2) -> list[int]:
     """`text`'s tokens cut at awkward places, as a model may write them: each special token (`<|…|>`) one token, the
     text between encoded `every` characters at a time (so that words, a header's `to=functions.f`, a stop string

@@ -18,7 +18,7 @@ from PySide6.QtGui import QGuiApplication  # noqa: E402
 from engine.decoder import PartitionedDecoder  # noqa: E402
 from engine.tokenizer import ModelTokenizer  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
-from tests.reasoning_models import ScriptedForward, ScriptedStates, harmony_folder  # noqa: E402
+from tests.reasoning_models import ScriptedForward, ScriptedStates, harmony_folder, scenario_answers  # noqa: E402
 from tests.test_gui import WAIT, load, make_window  # noqa: E402
 
 REASONING = "The user greets us. A short and friendly answer will do."
@@ -351,3 +351,22 @@ def test_a_recorded_scenario_leaves_a_model_that_reasons_first_room_for_its_answ
     view.max_tokens.setValue(20)
     turn = run_job(qtbot, window, view).saved[0][1].turns[0]
     assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == ("", "length", 20)
+
+
+def test_the_contention_test_leaves_a_model_that_reasons_first_room_for_its_answer(qtbot, reasoning_window,
+                                                                                  monkeypatch, tmp_path):
+    """Its three inferences follow the loaded model as the chat does (they stopped at 32 tokens, inside the
+    reasoning); a length the user sets is kept."""
+    import app.gui.records_jobs as jobs
+    from engine.records.contention import make_corpus
+
+    window, answer = reasoning_window
+    answered = scenario_answers(monkeypatch, jobs)
+    view = window.contention_view
+    assert view.max_tokens.value() == 2048 and "this model's own length" in view.max_tokens.toolTip()
+    view.corpus.setText(str(make_corpus(tmp_path / "corpus", files=2, words_per_file=10)))
+    assert run_job(qtbot, window, view).report is not None
+    assert answered == [(ANSWER, len(answer))] * 3
+    answered.clear()
+    view.max_tokens.setValue(20)
+    assert run_job(qtbot, window, view).report is not None and answered == [("", 20)] * 3

@@ -13,7 +13,8 @@ from engine.generation import Conversation, GenerationParams, LoadedModel, gener
 from engine.reasoning import REASONING_ANSWER_TOKENS, answer_format
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import fixture_folder
-from tests.reasoning_models import ScriptedForward, ScriptedStates, awkward_tokens, harmony_folder, think_folder
+from tests.reasoning_models import (ScriptedForward, ScriptedStates, awkward_tokens, harmony_folder, scenario_answers,
+                                    think_folder)
 
 ANALYSIS_THEN_FINAL = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
                        "<|start|>assistant<|channel|>final<|message|>Hello there!")
@@ -332,6 +333,27 @@ def test_the_record_command_leaves_a_model_that_reasons_first_room_for_its_answe
         assert cli.main(["record", str(folder), "--json", "--history", history, *asked]) == 0
         turn = json.loads(capsys.readouterr().out)[0]["turns"][0]
         assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == expected
+
+
+def test_the_contention_command_leaves_a_model_that_reasons_first_room_for_its_answer(copy_fixture, monkeypatch,
+                                                                                     capsys, tmp_path):
+    """Each of its three inferences answers after the reasoning of 150 tokens without --max-new-tokens (they stopped
+    at 64, inside it); a length asked for is kept."""
+    import engine.records.scenarios as scenarios
+    from app import cli
+    from engine.decoder import PartitionedDecoder
+    from engine.records.contention import make_corpus
+
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    answer = long_reasoning_answer(tokenizer)
+    monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
+    answered = scenario_answers(monkeypatch, scenarios)
+    corpus = str(make_corpus(tmp_path / "corpus", files=2, words_per_file=10))
+    for asked, expected in (([], ("Hello there!", len(answer))), (["--max-new-tokens", "20"], ("", 20))):
+        answered.clear()
+        assert cli.main(["contention", str(folder), "--corpus", corpus, "--json", *asked]) == 0
+        assert answered == [expected] * 3 and json.loads(capsys.readouterr().out)["inference_alone_s"] > 0
 
 
 def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony_model, monkeypatch):

@@ -543,7 +543,7 @@ def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)))
     ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: shown.__setitem__(0, text),
                           lambda batch: None, None)
-    jobs.ContentionJob(str(corpus), workers=1)(ctx)
+    jobs.ContentionJob(str(corpus), workers=1, max_new_tokens=4)(ctx)
     assert ran[:4] == [("indexing", "warming up: indexing"), ("inference", "warming up: inference"),
                        ("indexing", "indexing alone"), ("inference", "inference alone")]
     assert sorted(ran[4:]) == [("indexing", "indexing and inference at once"),

@@ -10,7 +10,8 @@ from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout,
                                QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.gui.job_bar import JobBar
-from app.gui.records_jobs import ContentionJob, ContentionResult
+from app.gui.records_jobs import CONTENTION_TOKENS, ContentionJob, ContentionResult
+from app.gui.widgets import AnswerLength
 from engine.records.scenarios import SCENARIOS
 
 KIND = "contention"
@@ -33,7 +34,8 @@ class ContentionView(QWidget):
         for name in SCENARIOS:
             self.scenario.addItem(name)
         self.scenario.setAccessibleName("Inference scenario")
-        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=32)
+        self.max_tokens = AnswerLength(CONTENTION_TOKENS, note=". The test answers three times: a warm-up, alone, "
+                                       "beside the indexing")
         self.max_tokens.setAccessibleName("Answer tokens")
         self.max_tokens.setSuffix(" tokens")
         self.bar = JobBar("Run the test", "Cancel takes effect between the three phases (an answer stops at its next token)")
@@ -84,7 +86,7 @@ class ContentionView(QWidget):
 
     def run(self) -> None:
         job = ContentionJob(self.corpus.text().strip() or None, self.workers.value(), self.scenario.currentText(),
-                            self.max_tokens.value())
+                            self.max_tokens.chosen)
         self.result = None
         self.save_button.setEnabled(False)
         self.table.clearContents()

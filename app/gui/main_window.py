@@ -541,7 +541,7 @@ class MainWindow(QMainWindow):
                                + self.chat.load_hints(info.get("reasons_first", False)))
         self.graphs.add_marker("loaded", "load")
         self.side_by_side.set_loaded(info["path"], info.get("entries"))
-        for view in (self.side_by_side, self.scenarios):
+        for view in (self.side_by_side, self.scenarios, self.contention_view):
             view.max_tokens.set_model(info["reasoning_answer_tokens"])
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
         self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")

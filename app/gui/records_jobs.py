@@ -25,9 +25,10 @@ from engine.records.sweep import SweepPoint, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # the answer length for models that answer at once where the user sets none (one that reasons first has its own,
-# LoadedModel.answer_tokens): side by side's, the scenario runs'
+# LoadedModel.answer_tokens): side by side's, the scenario runs', the contention test's
 SIDE_BY_SIDE_TOKENS = 64
 SCENARIO_TOKENS = 32
+CONTENTION_TOKENS = 32
 
 
 @dataclass
@@ -333,17 +334,17 @@ class ContentionResult:
 @dataclass
 class ContentionJob:
     """Index the corpus alone, run the scenario alone, then both at once. Cancel takes effect
-    between phases (an answer in progress ends at its next token)."""
+    between phases (an answer in progress ends at its next token). `max_new_tokens` None: the model's length."""
     corpus: str | None
     workers: int
     scenario: str = "short"
-    max_new_tokens: int = 32
+    max_new_tokens: int | None = None
 
     def __call__(self, ctx: JobContext) -> ContentionResult:
         model = ctx.loaded()
         if self.workers < 1:
             raise WorkbenchError(f"the indexing needs at least 1 worker process, got {self.workers}")
-        params = greedy(self.max_new_tokens)
+        params = scenario_params(model, self.scenario, self.max_new_tokens, CONTENTION_TOKENS)
         ctx.progress(0.0, "preparing the corpus" if not self.corpus else phase_after(0.0))
         corpus = Path(self.corpus).expanduser() if self.corpus else default_corpus()
         if not corpus.is_dir() or not any(corpus.glob("*.txt")):
