@@ -21,6 +21,7 @@ PROG = "moe-workbench"
 GENERATE_TOKENS = 128
 RECORD_TOKENS = 64
 CONTENTION_TOKENS = 64
+SWEEP_TOKENS = 32  # a sweep's for every model (engine/records/sweep.reasoning_length_note)
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
 # `pip install .` has none
 NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the extra for this machine, "
@@ -86,7 +87,10 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--points", type=at_least(2), default=5, help="budgets tried, from none to every expert "
                        "(default 5)")
     sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
-    sweep.add_argument("--max-new-tokens", type=at_least(1), default=32, help="answer length limit (default 32)")
+    sweep.add_argument("--max-new-tokens", type=at_least(1), default=SWEEP_TOKENS,
+                       help=f"answer length limit, the same for every model (default {SWEEP_TOKENS}: a sweep times the "
+                       "same work at each budget; a model that reasons first spends it on its reasoning, which decodes "
+                       "as an answer does)")
     sweep.add_argument("--margin", type=float, default=0.10, help="recommend the smallest budget within this "
                        "fraction of the fastest completion time (default 0.10)")
     sweep.add_argument("--plot", help="write the sweep plot here (.png or .svg)")
@@ -511,7 +515,7 @@ def _cmd_sweep(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.configurations import save_configuration
     from engine.records.history import History
-    from engine.records.sweep import recommend, run_sweep, uses_projection
+    from engine.records.sweep import reasoning_length_note, recommend, run_sweep, uses_projection
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
@@ -532,6 +536,9 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    note = reasoning_length_note(model, args.max_new_tokens)
+    if note:
+        print(f"sweep: {note}; --max-new-tokens sets another", file=sys.stderr, flush=True)
     saved_ids = []  # each point's runs, saved as it completes
 
     def save(point) -> None:

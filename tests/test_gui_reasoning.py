@@ -370,3 +370,34 @@ def test_the_contention_test_leaves_a_model_that_reasons_first_room_for_its_answ
     answered.clear()
     view.max_tokens.setValue(20)
     assert run_job(qtbot, window, view).report is not None and answered == [("", 20)] * 3
+
+
+def test_a_sweep_in_the_window_keeps_its_length_for_a_model_that_reasons_first_and_says_so(qtbot, copy_fixture,
+                                                                                          monkeypatch, tmp_path):
+    """Tokens stays the sweep's own for every model (a reasoning model's own length at every point could make a sweep
+    hours long); where that stops the answers inside the reasoning, the sweep says so as it ends."""
+    import app.gui.records_jobs as jobs
+    from app.gui.sweep_view import SweepView
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, long_answer(tokenizer)))
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=200_000), device=device)
+    view = SweepView(tmp_path / "history.sqlite3")
+    qtbot.addWidget(view)
+    requested = []
+    view.jobRequested.connect(lambda _kind, job: requested.append(job))
+    view.points.setValue(2)
+    view.scenario.setCurrentText("short")
+    view.run()
+    ctx = jobs.JobContext(model, device, {}, threading.Event(), lambda _f, _t: None, lambda _batch: None, None)
+    result = requested[0](ctx)
+    assert [(r.turns[0]["answer"], r.turns[0]["generated_tokens"]) for p in result.points for r in p.records] == [
+        ("", 32), ("", 32)]
+    view.on_finished(result)
+    assert view.bar.status.text() == (
+        "2 points; 2 runs saved to the history. Answers stop after 32 tokens, inside the reasoning of this model, which "
+        "reasons first: a sweep times the same work at each budget, and reasoning decodes as an answer does (the "
+        "model's own length is 2048 tokens a run); Tokens sets another.")

@@ -329,7 +329,8 @@ def test_the_record_command_leaves_a_model_that_reasons_first_room_for_its_answe
     assert len(answer) > 64  # record's length for a model that answers at once
     monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
     history = str(tmp_path / "history.sqlite3")
-    for asked, expected in (([], ("Hello there!", "eos", len(answer))), (["--max-new-tokens", "20"], ("", "length", 20))):
+    for asked, expected in (([], ("Hello there!", "eos", len(answer))),
+                            (["--max-new-tokens", "20"], ("", "length", 20))):
         assert cli.main(["record", str(folder), "--json", "--history", history, *asked]) == 0
         turn = json.loads(capsys.readouterr().out)[0]["turns"][0]
         assert (turn["answer"], turn["finish_reason"], turn["generated_tokens"]) == expected
@@ -354,6 +355,32 @@ def test_the_contention_command_leaves_a_model_that_reasons_first_room_for_its_a
         answered.clear()
         assert cli.main(["contention", str(folder), "--corpus", corpus, "--json", *asked]) == 0
         assert answered == [expected] * 3 and json.loads(capsys.readouterr().out)["inference_alone_s"] > 0
+
+
+def test_the_sweep_command_keeps_its_length_for_a_model_that_reasons_first_and_says_so(copy_fixture, monkeypatch,
+                                                                                      capsys, tmp_path):
+    """A sweep answers its 32 tokens for every model: it times the same work at each budget, which a reasoning
+    model's own length at every point could make hours long. It says where that stops inside the reasoning."""
+    import engine.records.sweep as sweep
+    from app import cli
+    from engine.decoder import PartitionedDecoder
+
+    folder = harmony_folder(copy_fixture)
+    tokenizer = ModelTokenizer(folder)
+    answer = long_reasoning_answer(tokenizer)
+    monkeypatch.setattr(PartitionedDecoder, "forward", ScriptedStates(tokenizer.vocab_size, answer))
+    answered = scenario_answers(monkeypatch, sweep)
+    command = ["sweep", str(folder), "--device", "simulated", "--points", "2", "--json",
+               "--history", str(tmp_path / "history.sqlite3")]
+    assert cli.main(command) == 0
+    assert answered == [("", 4), ("", 32), ("", 32)]  # a warm-up, then each point
+    assert ("sweep: answers stop after 32 tokens, inside the reasoning of this model, which reasons first: a sweep "
+            "times the same work at each budget, and reasoning decodes as an answer does (the model's own length is "
+            "2048 tokens a run); --max-new-tokens sets another\n") in capsys.readouterr().err
+    answered.clear()
+    assert cli.main([*command, "--max-new-tokens", "2048"]) == 0  # room for the answer: nothing to say
+    assert answered[1:] == [("Hello there!", len(answer))] * 2
+    assert "inside the reasoning" not in capsys.readouterr().err
 
 
 def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony_model, monkeypatch):

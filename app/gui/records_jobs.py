@@ -21,7 +21,7 @@ from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_to
 from engine.records.schema import RunRecord
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
-from engine.records.sweep import SweepPoint, run_sweep, sweep_plan
+from engine.records.sweep import SweepPoint, reasoning_length_note, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # the answer length for models that answer at once where the user sets none (one that reasons first has its own,
@@ -148,6 +148,7 @@ class SweepResult:
     model_folder: str
     base_entries: dict          # the loaded configuration the sweep started from (restored after it)
     saved_ids: list[int] = field(default_factory=list)
+    length_note: str = ""       # where the answers stopped inside a reasoning model's reasoning (reasoning_length_note)
 
     @property
     def cancelled(self) -> bool:
@@ -195,7 +196,8 @@ class SweepJob:
                                progress=progress, cancel=ctx.cancel, on_text=on_text, splits=splits)
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
-        result = SweepResult(points, planned, str(model.folder.folder), original.to_entries())
+        result = SweepResult(points, planned, str(model.folder.folder), original.to_entries(),
+                             length_note=reasoning_length_note(model, params.max_new_tokens))
         if not result.cancelled:
             history = History(self.history_path)
             result.saved_ids = [history.add(record) for point in points for record in point.records]

@@ -58,6 +58,9 @@ class SweepView(QWidget):
         self.scenario.setAccessibleName("Scenarios at each point")
         self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=32)
         self.max_tokens.setAccessibleName("Answer tokens")
+        self.max_tokens.setToolTip("The answer length, the same for every model: a sweep times the same work at each "
+                                   "budget; a model that reasons first spends it on its reasoning, which decodes as an "
+                                   "answer does")
         self.margin = QDoubleSpinBox(minimum=0.0, maximum=100.0, value=10.0, suffix=" %", decimals=1, singleStep=1.0)
         self.margin.setAccessibleName("Margin")
         self.margin.setToolTip("Recommend the smallest budget whose completion time is within this much of the fastest")
@@ -174,7 +177,9 @@ class SweepView(QWidget):
             self.bar.finish("Cancelled.")
             return
         self._recommend()
-        self.bar.finish(f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history.")
+        note = result.length_note
+        self.bar.finish(f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history."
+                        + (f" {note[:1].upper()}{note[1:]}; Tokens sets another." if note else ""))
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)
 

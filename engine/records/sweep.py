@@ -110,6 +110,19 @@ def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None =
     return plan
 
 
+def reasoning_length_note(model: LoadedModel, max_new_tokens: int) -> str:
+    """What to say where a sweep's answer length stops a model that reasons first inside its reasoning. A sweep keeps
+    the length it is given for every model: it times the same work at each budget, and reasoning decodes as an
+    answer does, while a reasoning model's own length (LoadedModel.answer_tokens), thousands of tokens a run at every
+    point and scenario, could make a sweep hours long."""
+    own = model.reasoning_answer_tokens
+    if own is None or max_new_tokens >= own:
+        return ""
+    return (f"answers stop after {max_new_tokens} tokens, inside the reasoning of this model, which reasons first: a "
+            f"sweep times the same work at each budget, and reasoning decodes as an answer does (the model's own "
+            f"length is {own} tokens a run)")
+
+
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
               on_text=None, splits: tuple[str, ...] | None = None, on_point=None) -> list[SweepPoint]:
