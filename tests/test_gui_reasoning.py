@@ -83,8 +83,10 @@ def test_a_side_by_side_column_shows_the_reasoning_apart_and_marks_a_divergence_
     qtbot.addWidget(column)
     column.append("", 2, reasoning="Think ")
     column.append("", 1, reasoning="hard")
+    column.flush()
     assert column.answer.toPlainText() == "Reasoning\nThink hard\n"
     column.append("Hi", 1)
+    column.flush()
     assert column.answer.toPlainText() == "Reasoning\nThink hard\nHi"
     # the answers part at token 1, inside the reasoning (this side's answer begins at token 3)
     thoughts, pieces = ["Think ", "hard", "", ""], ["", "", "", "Hi"]
@@ -144,6 +146,7 @@ def test_a_side_by_side_column_inserts_each_batch_and_shows_what_drawing_it_whol
     for batch, (more_text, more_reasoning) in enumerate(BATCHES):
         changes.clear()
         column.append(more_text, 1, more_reasoning)
+        column.flush()
         text, reasoning = text + more_text, reasoning + more_reasoning
         shown = _drawn_whole(reasoning, text)
         assert column.answer.toPlainText() == shown.toPlainText(), batch
@@ -156,7 +159,8 @@ def test_a_side_by_side_column_inserts_each_batch_and_shows_what_drawing_it_whol
 
 
 def test_a_side_by_side_columns_streamed_answers_show_as_drawing_them_whole_did(qtbot):
-    """Random batches of words, whitespace and line breaks, with and without reasoning."""
+    """Random batches of words, whitespace and line breaks, with and without reasoning, shown one by one or several
+    together."""
     from app.gui.side_by_side_view import Column
 
     column = Column("A")
@@ -170,7 +174,10 @@ def test_a_side_by_side_columns_streamed_answers_show_as_drawing_them_whole_did(
             more_reasoning = "".join(rng.choices(pieces, k=rng.randint(0, 4))) if rng.random() < 0.6 else ""
             more_text = "".join(rng.choices(pieces, k=rng.randint(0, 4))) if rng.random() < 0.5 else ""
             column.append(more_text, 1, more_reasoning)
+            if rng.random() < 0.5:
+                column.flush()
             reasoning, text = reasoning + more_reasoning, text + more_text
+        column.flush()
         shown = _drawn_whole(reasoning, text)
         assert column.answer.toPlainText() == shown.toPlainText(), (reasoning, text)
         assert _pixels(column.answer.document()) == _pixels(shown), (reasoning, text)

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, Q
 from app.gui import theme
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SIDE_BY_SIDE_TOKENS, SideBySideJob, SideBySideResult
+from app.gui.stream_pacing import Pacer
 from app.gui.widgets import AnswerLength
 from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
@@ -139,6 +140,9 @@ class Column(QGroupBox):
         # whether the next batch's leading whitespace shows (_shown), and where the reasoning ends
         self._reasoning_end = self._answer_end = ""
         self._reasoning_cursor: QTextCursor | None = None
+        # what came and is not shown yet: the pacer shows it (stream_pacing.py)
+        self._unshown_text = self._unshown_reasoning = ""
+        self._pacer = Pacer(self._show_unshown, self)
         self.answer = QTextBrowser()
         self.answer.setAccessibleName(f"{title} answer")
         self.values: dict[str, QLabel] = {}
@@ -155,18 +159,38 @@ class Column(QGroupBox):
     def clear(self) -> None:
         self.text, self.reasoning, self.tokens = "", "", 0
         self._reasoning_end = self._answer_end = ""
+        self._drop_unshown()
         self.answer.clear()
         for label in self.values.values():
             label.setText("—")
 
     def append(self, text: str, tokens: int, reasoning: str = "") -> None:
-        """A streamed batch. Each part's new text goes in where that part ends, shown as the column drawn whole would
-        show it, a new line in a block of its own: a batch costs the lines it extends, not the answer's length. The
-        column is drawn whole only as its reasoning or its answer shows a first character (text inserted into an empty
-        paragraph would not take the paragraph's format)."""
+        """A streamed batch, shown with those that come before the column's pacer shows them (stream_pacing.py)."""
         self.text += text
         self.reasoning += reasoning
         self.tokens += tokens
+        self._unshown_text += text
+        self._unshown_reasoning += reasoning
+        self._pacer.schedule()
+        self.values["tokens"].setText(f"{self.tokens} …")
+
+    def flush(self) -> None:
+        """What came and is not shown yet, shown now: the stream ended without drawing the column again."""
+        self._pacer.flush()
+
+    def _drop_unshown(self) -> None:
+        self._unshown_text = self._unshown_reasoning = ""
+        self._pacer.cancel()
+
+    def _show_unshown(self) -> None:
+        """The batches not shown yet. Each part's new text goes in where that part ends, shown as the column drawn
+        whole would show it, a new line in a block of its own: a showing costs the lines it extends, not the answer's
+        length. The column is drawn whole only as its reasoning or its answer shows a first character (text inserted
+        into an empty paragraph would not take the paragraph's format)."""
+        text, reasoning = self._unshown_text, self._unshown_reasoning
+        self._unshown_text = self._unshown_reasoning = ""
+        if not text and not reasoning:
+            return
         end = QTextCursor(self.answer.document())
         end.movePosition(QTextCursor.MoveOperation.End)
         if not self.reasoning:
@@ -179,10 +203,10 @@ class Column(QGroupBox):
             self._reasoning_end, self._answer_end = _shown(self.reasoning, "")[-1:], _shown(self.text, "")[-1:]
             self._reasoning_cursor = QTextCursor(self.answer.document().firstBlock())
             self._reasoning_cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock)
-        self.values["tokens"].setText(f"{self.tokens} …")
 
     def show_failure(self, message: str) -> None:
         self.text = self.reasoning = ""
+        self._drop_unshown()
         self.answer.setPlainText(f"No answer: {message}")
         for label in self.values.values():
             label.setText("—")
@@ -193,6 +217,7 @@ class Column(QGroupBox):
         at `divergence` highlighted: in the reasoning where the answer had not begun by then, else in the answer
         (an end-of-answer mark when this side stopped there)."""
         self.text, self.reasoning = "".join(pieces), "".join(thoughts)
+        self._drop_unshown()
         for name, value in stats.items():
             self.values[name].setText(value)
         in_reasoning = (divergence is not None and bool(self.reasoning)
@@ -407,4 +432,6 @@ class SideBySideView(QWidget):
         self.recorded.emit(result.saved_ids)
 
     def on_failed(self, message: str) -> None:
+        self.left.flush()  # what each side streamed stays
+        self.right.flush()
         self.bar.finish(f"Failed: {message}")

@@ -1,0 +1,91 @@
+"""Streamed answers shown at a pace the window keeps (app/gui/stream_pacing.py): the batches that come before a
+showing go in together, and nothing streamed is lost, or shown twice, as the stream ends, is stopped or fails."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from app.gui.stream_pacing import INTERVAL_MS, LOAD, Pacer  # noqa: E402
+
+LONG_LINE = [" a long line", " that never", " breaks"]  # one paragraph: Qt lays it out whole at each insertion
+
+
+def test_a_pacer_shows_what_came_once_and_waits_longer_after_a_costly_showing(qtbot):
+    from PySide6.QtCore import QObject
+
+    shown, cost, owner = [], [0.0], QObject()
+    pacer = Pacer(lambda: (shown.append(1), time.sleep(cost[0])), owner)
+    for _ in range(3):
+        pacer.schedule()
+    assert shown == []
+    qtbot.waitUntil(lambda: shown == [1], timeout=2000)
+    qtbot.wait(3 * INTERVAL_MS)
+    assert shown == [1]  # once for the three
+    cost[0] = 0.02
+    pacer.schedule()
+    pacer.flush()  # at once, and the showing took 20 ms
+    assert shown == [1, 1] and not pacer.timer.isActive()
+    assert pacer.timer.interval() >= LOAD * 20
+    pacer.schedule()
+    pacer.cancel()  # what came is drawn otherwise: not shown by the pacer, and the next stream starts afresh
+    qtbot.wait(3 * INTERVAL_MS)
+    assert shown == [1, 1] and pacer.timer.interval() == INTERVAL_MS
+
+
+def test_a_side_by_side_column_inserts_the_batches_that_come_before_it_shows_them_at_once(qtbot):
+    from app.gui.side_by_side_view import Column
+
+    column = Column("A")
+    qtbot.addWidget(column)
+    insertions = []
+    column.answer.document().contentsChange.connect(lambda at, removed, added: insertions.append(added))
+    for batch in LONG_LINE:
+        column.append(batch, 1)
+    assert insertions == [] and column.answer.toPlainText() == ""
+    assert column.values["tokens"].text() == "3 …"
+    qtbot.waitUntil(lambda: bool(insertions), timeout=2000)
+    qtbot.wait(3 * INTERVAL_MS)
+    assert insertions == [len("".join(LONG_LINE))]  # one insertion for the three
+    assert column.answer.toPlainText() == column.text == "".join(LONG_LINE)
+
+
+def _view(qtbot):
+    from app.gui.side_by_side_view import SideBySideView
+
+    view = SideBySideView()
+    qtbot.addWidget(view)
+    for side in (0, 1):
+        view.on_streamed({"side": side, "text": "Hello", "tokens": 1})
+        view.on_streamed({"side": side, "text": " there", "tokens": 1, "reasoning": ""})
+    return view
+
+
+def test_a_failed_comparison_shows_what_both_sides_streamed_at_once(qtbot):
+    view = _view(qtbot)
+    view.on_failed("the device went away")
+    assert [column.answer.toPlainText() for column in (view.left, view.right)] == ["Hello there"] * 2
+
+
+def test_a_comparison_that_ends_or_is_stopped_shows_its_answers_once(qtbot):
+    """The end draws each column whole: the batches it had not shown yet are not inserted again after it."""
+    from app.gui.records_jobs import SideBySideResult
+
+    view = _view(qtbot)
+    pieces = [["Hello", " there", "!"], ["Hello", " there"]]  # what streamed, and a last batch the end brought
+    view.on_finished(SideBySideResult(None, pieces, cancelled=True))
+    view.right.append(" again", 1)
+    view.right.show_result(["Hello", " there", " again"], 2, {"tokens": "3"})  # the end of one that answered
+    qtbot.wait(3 * INTERVAL_MS)
+    assert [column.answer.toPlainText() for column in (view.left, view.right)] == ["Hello there!", "Hello there again"]
+
+
+def test_a_column_shows_nothing_of_a_stream_it_failed_or_cleared(qtbot):
+    view = _view(qtbot)
+    view.left.show_failure("out of memory")
+    view.right.clear()
+    qtbot.wait(3 * INTERVAL_MS)
+    assert view.left.answer.toPlainText() == "No answer: out of memory" and view.right.answer.toPlainText() == ""
