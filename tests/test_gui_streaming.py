@@ -89,3 +89,43 @@ def test_a_column_shows_nothing_of_a_stream_it_failed_or_cleared(qtbot):
     view.right.clear()
     qtbot.wait(3 * INTERVAL_MS)
     assert view.left.answer.toPlainText() == "No answer: out of memory" and view.right.answer.toPlainText() == ""
+
+
+def _chat(qtbot):
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    chat.set_state(busy=False, loaded=True)
+    chat.prompt.setPlainText("Tell me")
+    chat.send()
+    return chat
+
+
+def test_the_chat_inserts_the_batches_that_come_before_it_shows_them_at_once(qtbot):
+    chat = _chat(qtbot)
+    chat.append_text(LONG_LINE[0])  # the answer's first text draws it
+    insertions = []
+    chat.transcript.document().contentsChange.connect(lambda at, removed, added: insertions.append(added))
+    for batch in LONG_LINE[1:]:
+        chat.append_text(batch)
+    assert insertions == [] and chat.live.text().startswith("Generating… 3 tokens")
+    qtbot.waitUntil(lambda: bool(insertions), timeout=2000)
+    qtbot.wait(3 * INTERVAL_MS)
+    assert len(insertions) == 1  # one insertion for the two
+    assert chat.transcript.toPlainText().endswith("".join(LONG_LINE).strip())
+
+
+@pytest.mark.parametrize("finish_reason", ["eos", "cancelled", "error"])
+def test_an_answer_that_ends_is_stopped_or_fails_shows_what_streamed_once(qtbot, finish_reason):
+    """The end draws the transcript whole: the batches not shown yet are not inserted again after it. A failed answer
+    keeps what it streamed; one that ends has its whole text."""
+    chat = _chat(qtbot)
+    for batch in LONG_LINE:
+        chat.append_text(batch)
+    text = "".join(LONG_LINE)
+    result = {"text": "" if finish_reason == "error" else text, "finish_reason": finish_reason, "timings": {},
+              "error": "boom"}
+    chat.finish_answer(result)
+    qtbot.wait(3 * INTERVAL_MS)
+    assert chat.entries[-1]["text"] == text and chat.transcript.toPlainText().count(text.strip()) == 1

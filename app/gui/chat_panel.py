@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFrame, QGridLayout, Q
 
 from app.gui import theme
 from app.gui.placement_view import split_text
+from app.gui.stream_pacing import Pacer
 from app.gui.widgets import AnswerLength, OneLineLabel
 
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
@@ -115,6 +116,8 @@ class ChatPanel(QWidget):
         self.loaded = False
         self._started = 0.0
         self._streamed = 0
+        self._unshown = ""  # streamed text that goes in at the document's end when the pacer shows it
+        self._pacer = Pacer(self._show_unshown, self)
 
         self.transcript = QTextBrowser()
         self.transcript.setOpenLinks(False)
@@ -350,7 +353,8 @@ class ChatPanel(QWidget):
 
     def append_text(self, delta: str, tokens: int = 1, reasoning: str = "") -> None:
         """The answer's new text and its reasoning's. Text goes in at the document's end, which is where the answer
-        (or, before it begins, the open reasoning) ends; the entry is drawn again where that changes."""
+        (or, before it begins, the open reasoning) ends, with the batches that come before the pacer shows them
+        (stream_pacing.py); the entry is drawn again where that changes."""
         if not self.entries or not self.entries[-1].get("streaming"):
             return
         entry = self.entries[-1]
@@ -365,12 +369,14 @@ class ChatPanel(QWidget):
         if thinking_began or answer_began or reasoning_after_answer:
             self.render()
         else:
-            self._insert_at_end((reasoning if entry["reasoning_open"] else "") + delta)
+            self._unshown += (reasoning if entry["reasoning_open"] else "") + delta
+            self._pacer.schedule()
         elapsed = time.monotonic() - self._started
         doing = "Thinking" if entry["reasoning"] and not entry["text"] else "Generating"
         self.live.setText(f"{doing}… {self._streamed} tokens in {elapsed:.1f} s")
 
-    def _insert_at_end(self, text: str) -> None:
+    def _show_unshown(self) -> None:
+        text, self._unshown = self._unshown, ""
         if not text:
             return
         bar = self.transcript.verticalScrollBar()
@@ -414,6 +420,9 @@ class ChatPanel(QWidget):
                 f"<table align='center' cellpadding='3' style='margin-top:12px'>{rows}</table></div>")
 
     def render(self) -> None:
+        """The whole transcript, streamed text not shown yet included."""
+        self._unshown = ""
+        self._pacer.cancel()
         t = theme.current()
         if not self.entries:
             self.transcript.setHtml(self.welcome_html(t))
