@@ -649,10 +649,10 @@ class OffloadEngine:
 
     def _end_unbounded_work(self, why: str) -> None:
         """host_expert_bytes bounded, file backing turned off, or every expert made resident on the loaded model: what
-        load started because the file's pages could stay in host memory (and be read) ends before the host cache drops them (set_budget) or the copy into RAM
-        releases them (_apply_file_backing), or they would stay: the prefault, which maps pages in behind the cache's
-        count, and the page-locked file mapping (register_experts), whose pages madvise cannot release (nor should
-        copies read it once the experts are in RAM). Neither starts again should the setting go back: a reload starts
+        load started because the file's pages could stay in host memory (and be read) ends before the host cache drops
+        them (set_budget) or the copy into RAM releases them (_apply_file_backing), or they would stay: the prefault,
+        which maps pages in behind the cache's count, and the page-locked file mapping (register_experts), whose pages
+        madvise cannot release (nor should copies read it once the experts are in RAM, or once none is copied). Neither starts again should the setting go back: a reload starts
         them."""
         if self.prefault is not None:
             self.prefault.stop()
