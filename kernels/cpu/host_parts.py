@@ -135,10 +135,14 @@ def _cpu_part(layer, params, pair_ids, x32, ws, y):
     if pairs == 0:
         return 0
     copy_x(x, x32, tokens)
+    # do_reduce is true, but not the constant True: Numba types a constant argument of a call from compiled code as
+    # its literal (Literal[bool](True)), and would compile moe_gemv a second time for this caller (~30-60 s a scales'
+    # type on a cold cache) beside the bool one CpuQMoE's Python calls use
+    reduce = pairs > 0
     moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x32[:tokens], experts[:small],
              pair_off[:small + 1], tok[:pairs], pw[:pairs], tok[:pairs], act_kind, fusion, alpha, beta, limit,
              has_limit, prefetch_rows, chunk_bytes, order, ws[:pairs * ws_per_pair],
-             y[:pairs * x.shape[1]].reshape(pairs, x.shape[1]), part, True, threads)
+             y[:pairs * x.shape[1]].reshape(pairs, x.shape[1]), part, reduce, threads)
     return pairs
 
 
