@@ -28,14 +28,15 @@ from kernels.cpu import kernels as compiled  # noqa: E402
 from kernels.cpu.threads import use_threads  # noqa: E402
 
 
-def compiled_here():
-    """moe_gemv's own source compiled in this process, not cached (the module's names around it)."""
-    source = inspect.getsource(compiled.moe_gemv)
+def compiled_here(name: str = "moe_gemv"):
+    """A kernel's own source (moe_gemv's unless named) compiled in this process, not cached (the module's names around
+    it)."""
+    source = inspect.getsource(getattr(compiled, name))
     if "cache=True" not in source:
-        raise SystemExit("diag_cached_kernel: moe_gemv is no longer cached (cache=True); nothing to compare")
+        raise SystemExit(f"diag_cached_kernel: {name} is no longer cached (cache=True); nothing to compare")
     namespace = dict(vars(compiled))
-    exec(compile(source.replace("cache=True", "cache=False", 1), "<moe_gemv compiled here>", "exec"), namespace)
-    return namespace["moe_gemv"]
+    exec(compile(source.replace("cache=True", "cache=False", 1), f"<{name} compiled here>", "exec"), namespace)
+    return namespace[name]
 
 
 def interleaved_medians(kernels: dict, arguments: tuple, rounds: int, calls: int) -> dict:
