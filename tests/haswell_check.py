@@ -4,11 +4,14 @@ lane, int3 with plain 24-byte loads and generic byte shuffles. Run in a subproce
 Haswell (Check); it prints "all cases agree" when every one does (test_qmoe_cpu.test_cpu_kernels_without_avx512).
 
 It compiles every kernel it runs again for that target: minutes with a cold Numba cache, on one core. conftest.py
-starts it as soon as collection shows the test will run, so that it compiles beside the other tests."""
+starts it as soon as collection shows the test will run, so that it compiles beside the other tests; for a run of the
+whole suite, after tests/warm_kernels.py has compiled the native kernels of the later tests in the same process
+(Check(warm=...)), the Haswell check being needed only near the end."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,16 +22,28 @@ FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+m
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _haswell_env() -> dict:
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=FEATURES)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 class Check:
-    """This module's checks running in a subprocess with Numba targeting Haswell. Its output goes to a file, not a
+    """This module's checks running in a subprocess with Numba targeting Haswell; with `warm` (tests/warm_kernels.py's
+    parts), a process compiling those native kernels first, then starting the check. Its output goes to a file, not a
     pipe: a pipe nobody reads until the test runs could fill and stop it halfway."""
 
-    def __init__(self):
-        env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=FEATURES)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    def __init__(self, warm: tuple[str, ...] = ()):
+        if warm:  # native: the check's process gets the Haswell target from this one
+            env = dict(os.environ)
+            env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+            command = [sys.executable, "-m", "tests.haswell_check", "--warm-first", *warm]
+        else:
+            env, command = _haswell_env(), [sys.executable, "-m", "tests.haswell_check"]
         self._output = tempfile.TemporaryFile(mode="w+")
-        self._process = subprocess.Popen([sys.executable, "-m", "tests.haswell_check"], env=env, cwd=ROOT,
-                                         stdout=self._output, stderr=subprocess.STDOUT, text=True)
+        # a session of its own: stop() ends the check started by the warming process too
+        self._process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=self._output, stderr=subprocess.STDOUT,
+                                         text=True, start_new_session=True)
 
     def result(self, timeout: float) -> tuple[int, str]:
         """(its exit status, what it printed), once it has ended."""
@@ -39,7 +54,10 @@ class Check:
         return status, printed
 
     def stop(self) -> None:
-        self._process.kill()
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # ended, and every process of its session with it
+            pass
         self._process.wait()
         self._output.close()
 
@@ -96,5 +114,17 @@ def main() -> None:
     print("all cases agree")
 
 
+def warm_then_check(parts) -> int:
+    """tests/warm_kernels.py's parts compiled here (native), then this module's checks in a process targeting Haswell;
+    their exit status."""
+    from tests import warm_kernels
+
+    warm_kernels.main(parts)
+    sys.stdout.flush()
+    return subprocess.call([sys.executable, "-m", "tests.haswell_check"], env=_haswell_env(), cwd=ROOT)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--warm-first"]:
+        sys.exit(warm_then_check(sys.argv[2:]))
     main()
