@@ -143,11 +143,14 @@ class GcClock:
             self.seconds += time.perf_counter() - self._started
 
 
-def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, seed: int) -> float:
-    """Decode tokens/s with every step routed by a realistic trace (`seed`), after `warmup` routed steps."""
+def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, seed: int,
+                  switch_every: int = 400) -> float:
+    """Decode tokens/s with every step routed by a realistic trace (`seed`, a topic switch every `switch_every`
+    tokens), after `warmup` routed steps."""
     infos = model.folder.experts
     spec = infos[0].spec
-    trace = realistic_trace(warmup + TRIALS_WARMUP_MAX + tokens, len(infos), spec.num_experts, spec.k, seed=seed)
+    trace = realistic_trace(warmup + TRIALS_WARMUP_MAX + tokens, len(infos), spec.num_experts, spec.k, seed=seed,
+                            switch_every=switch_every)
     with TraceRouting(trace, len(infos)):
         rate, _rows = decode(model, prompt, tokens, warmup=warmup)
     return rate
@@ -177,12 +180,12 @@ def dense_reference(model: LoadedModel, infos, prompt: list[int], tokens: int, w
     return profile["dense_s"] / profile["steps"]
 
 
-def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, w_act: float, b_dram: float,
-                 b_pcie: float, b_hbm: float, dense_s: float | None) -> dict:
+def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, switch_every: int, w_act: float,
+                 b_dram: float, b_pcie: float, b_hbm: float, dense_s: float | None) -> dict:
     """Decode with every step routed by a realistic trace (TraceRouting): tokens/s after `warmup` trace-routed
     tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached (its dense term
     `dense_s`, dense_reference; the run's own where None)."""
-    rate = traced_decode(model, prompt, tokens, warmup, seed=5)
+    rate = traced_decode(model, prompt, tokens, warmup, seed=5, switch_every=switch_every)
     stats, profile, state = model.offload.stats.totals(), model.decoder.profile, model.offload.copy_state()
     h = stats.hit_rate
     dense = profile["dense_s"] / profile["steps"] if dense_s is None else dense_s
@@ -192,7 +195,8 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
             "misses_copied": stats.misses_copied, "misses_read": stats.misses_read, "swaps": stats.swaps,
             "placement": state.get("placement"), "decode_path": state["decode_path"],
             "copy_reuse": model.offload.copy_reuse.value,
-            "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens"}
+            "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens, {tokens} timed, "
+                     f"a topic switch every {switch_every}"}
 
 
 def cap_dense_term(figures: list[dict], dense_s: float, step_s: float) -> list[tuple[str, float]]:
@@ -331,8 +335,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32",
                         help="activations and KV cache; float16 lets the dense part run on onnxruntime-gpu's CUDA EP")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
-    parser.add_argument("--trace-tokens", type=int, default=32,
+    # A session's routing changes topic (a new question, a new document), and a placement's worth shows over such
+    # a change: 32 tokens straight after the warm-up, whose popularity static placement is made from, were static's
+    # best case (RESULTS.md, fifty-fourth session). 256 timed tokens with a switch every 200 hold at least one.
+    parser.add_argument("--trace-tokens", type=int, default=256,
                         help="decode tokens measured with routing replaced by a realistic trace (0: none)")
+    parser.add_argument("--trace-switch-every", type=int, default=200,
+                        help="the trace's topic switches: a third of each layer's live experts move every this many "
+                             "tokens (no more than --trace-tokens, so that the timed tokens hold one)")
     parser.add_argument("--trace-warmup", type=int, default=96,
                         help="trace-routed decode tokens before those (96: the engine's trials are done by then)")
     parser.add_argument("--trace-placements", default="adaptive,static",
@@ -359,6 +369,9 @@ def main() -> None:
                              "from page-locked host memory; a GPU, CUDA or simulated) or both (tier, and the CPU "
                              "computes a share of them at once)")
     args = parser.parse_args()
+    if args.trace_tokens and not 0 < args.trace_switch_every <= args.trace_tokens:
+        parser.error(f"--trace-switch-every {args.trace_switch_every}: between 1 and --trace-tokens "
+                     f"({args.trace_tokens}), so that the timed trace tokens hold a topic switch")
     if args.host_part_worker:
         from engine import decoder
         decoder.host_part_worker = True
@@ -477,8 +490,8 @@ def main() -> None:
             config = model.offload.config
             for placement in args.trace_placements.split(","):
                 model.offload.reconfigure(config.updated(placement=placement))
-                traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup, w_act,
-                                                 b_dram, b_pcie, b_hbm, dense_ref)
+                traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup,
+                                                 args.trace_switch_every, w_act, b_dram, b_pcie, b_hbm, dense_ref)
                 figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}, "
                                         f"{placement} placement", **traced[placement]})
             model.offload.reconfigure(config)

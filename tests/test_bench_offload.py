@@ -144,7 +144,8 @@ def test_a_trace_point_reports_the_swaps_the_judge_and_the_split_of_its_own_deco
                              decode_path="both")
     model.offload.reconfigure(model.offload.config.updated(
         device_expert_bytes=all_resident_bytes(model.folder.experts) // 2))
-    figure = trace_decode(model, [5, 6, 7], 6, 4, w_act=1e6, b_dram=50e9, b_pcie=50e9, b_hbm=4e12, dense_s=1e-3)
+    figure = trace_decode(model, [5, 6, 7], 6, 4, 3, w_act=1e6, b_dram=50e9, b_pcie=50e9, b_hbm=4e12, dense_s=1e-3)
+    assert figure["trace"].endswith("4 warm-up tokens, 6 timed, a topic switch every 3")
     totals, state = model.offload.stats.totals(), model.offload.copy_state()
     assert figure["swaps"] == totals.swaps and figure["hit_rate"] == totals.hit_rate
     assert figure["placement"] == state["placement"] and figure["placement"] is not None  # adaptive: its judge
