@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -118,12 +119,24 @@ class LoadedModel:
                                   "dense part (onnxruntime arena, dense weights, KV cache and state)")
         self.decoder.open_dense(self.dense)
         self.load_s = time.perf_counter() - started
-        self.prefault = ExpertPrefault(folder.onnx, folder.experts).start() if self._prefault_pays(offload) else None
+        self.prefault = self.host_registration = None
+        self._start_unbounded_work(offload, device)
         if self.offload is not None:
-            self.offload.prefault = self.prefault  # stopped, with the registration below, by a bound set later
-        # where the experts stay in host memory anyway, the GPU copies them straight from their page-locked mapping
-        self.host_registration = (device.register_experts(folder.onnx, folder.experts, owner=self)
-                                  if self.prefault is not None and hasattr(device, "register_experts") else None)
+            # a re-plan that leaves every expert resident starts it again (weakly held: the engine must not keep the
+            # model, whose end undoes the registration, alive)
+            self.offload.start_unbounded_work = weakref.WeakMethod(self._start_unbounded_work)
+
+    def _start_unbounded_work(self, offload: OffloadConfig | None, device) -> None:
+        """Where the experts stay in host memory anyway (_prefault_pays), their pages mapped in the background and,
+        on a CUDA device, the GPU copying them straight from their page-locked mapping. The engine stops both when a
+        bound or every expert resident makes them useless (OffloadEngine._end_unbounded_work)."""
+        if not self._prefault_pays(offload):
+            return
+        self.prefault = ExpertPrefault(self.folder.onnx, self.folder.experts).start()
+        if self.offload is not None:
+            self.offload.prefault = self.prefault
+        if hasattr(device, "register_experts"):
+            self.host_registration = device.register_experts(self.folder.onnx, self.folder.experts, owner=self)
 
     def _background_work(self) -> list[threading.Event]:
         """What load left running in the background: the experts' pages mapped, their mapping page-locked."""

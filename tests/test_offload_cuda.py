@@ -357,7 +357,8 @@ def test_cuda_a_bound_set_on_the_loaded_model_unregisters_the_experts_mapping(fo
 
 def test_cuda_every_expert_made_resident_unregisters_the_experts_mapping(folder):
     """A budget that makes every expert resident on a model loaded hybrid: nothing reads the experts' mapping, so its
-    registration is undone (its pages no longer locked in RAM), and the logits stay the CPU's up to fp16 rounding."""
+    registration is undone (its pages no longer locked in RAM), and the logits stay the CPU's up to fp16 rounding;
+    back to hybrid, the mapping is page-locked again."""
     from engine.offload.cuda_device import open_cuda_device
 
     reference = LoadedModel.open(folder)
@@ -373,6 +374,12 @@ def test_cuda_every_expert_made_resident_unregisters_the_experts_mapping(folder)
     errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, ref_logits)]
     assert max(errors) < 2e-2, errors
     assert tokens[:4] == ref_tokens[:4] and model.offload.stats.totals().misses == 0
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=device_total(folder) // 2))
+    again = model.host_registration  # back to hybrid: page-locked again, for the copies
+    assert again is device.host_registration and again.ready.wait(60) and again.registered
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, ref_logits)]
+    assert max(errors) < 2e-2, errors
 
 
 def test_cuda_whole_layers_and_back_match_the_cpu(folder):

@@ -8,6 +8,7 @@ import gc
 import json
 import time
 from collections import deque
+from typing import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -85,6 +86,9 @@ class OffloadEngine:
         self.host_cache = HostExpertCache(runners[0].source if runners else None, self.infos,
                                           config.host_expert_bytes)
         self.prefault = None  # the load's ExpertPrefault, where host memory is unbounded (LoadedModel sets it)
+        # LoadedModel._start_unbounded_work, weakly held: starts the prefault and the page-locked mapping again
+        self.start_unbounded_work: Callable[[], Callable | None] = lambda: None
+        self._unbounded_work_ended_for_good = False  # by a host bound or file backing off: only a reload starts it
         self.stats = OffloadStats()
         self.shadow = False
         self.approximation = ApproximationCounts()
@@ -623,12 +627,21 @@ class OffloadEngine:
         if config.host_expert_bytes is not None:
             self._end_unbounded_work("host_expert_bytes was bounded on the loaded model (locked pages stay in memory "
                                      "whatever the bound)")
+            self._unbounded_work_ended_for_good = True
         elif not config.allow_file_backing:
             self._end_unbounded_work("allow_file_backing=0 was set on the loaded model (its experts are copied into "
                                      "RAM, where copies read them; the file's pages leave)")
+            self._unbounded_work_ended_for_good = True
         elif self.plan.placement_mode == "all_resident":
             self._end_unbounded_work("every expert is now resident on the GPU, so nothing is copied from the file "
-                                     "(a reload page-locks it again)")
+                                     "(fewer resident page-locks it again)")
+        elif self.prefault is None and not self._unbounded_work_ended_for_good:
+            # back from every expert resident (or loaded so): prefill waves, swaps and copied misses read the file
+            # again, and through the pinned ring a 2,048-token prefill at 25% took 2.3x as long (RESULTS.md,
+            # fifty-fifth session)
+            start = self.start_unbounded_work()
+            if start is not None:
+                start(config, self.device)
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
         if self._tier_choice(config):
@@ -652,8 +665,9 @@ class OffloadEngine:
         load started because the file's pages could stay in host memory (and be read) ends before the host cache drops
         them (set_budget) or the copy into RAM releases them (_apply_file_backing), or they would stay: the prefault,
         which maps pages in behind the cache's count, and the page-locked file mapping (register_experts), whose pages
-        madvise cannot release (nor should copies read it once the experts are in RAM, or once none is copied). Neither starts again should the setting go back: a reload starts
-        them."""
+        madvise cannot release (nor should copies read it once the experts are in RAM, or once none is copied). After
+        a bound or file backing off, neither starts again should the setting go back (a reload starts them); after
+        every expert resident, a re-plan with fewer resident starts both again (reconfigure)."""
         if self.prefault is not None:
             self.prefault.stop()
             self.prefault = None
