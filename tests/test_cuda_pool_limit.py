@@ -79,5 +79,26 @@ def test_a_reload_without_a_cap_is_not_held_to_the_last_ones(pool):
 
 def test_the_start_up_probe_runs_before_the_cap(pool):
     device = cuda_device.CudaDevice(0, mem_limit=200 << 10)
-    assert pool.measured == [[]]  # no limit set while its 512 MiB were allocated
-    assert pool.limits == [200 << 10] and device.memory.limit == 200 << 10
+    assert pool.measured == [[0]]  # no limit while its 512 MiB were allocated
+    assert pool.limits == [0, 200 << 10] and device.memory.limit == 200 << 10
+
+
+def test_a_second_devices_probe_is_not_held_to_the_first_ones_cap(pool):
+    """Side by side, B's device opens while A's holds the pool to A's cap, which A's slots may fill: B's probe (512 MiB
+    of its own) ran under that cap and failed with CuPy's out-of-memory error, and B could not load."""
+    a = cuda_device.CudaDevice(0, mem_limit=200 << 10)
+    b = cuda_device.CudaDevice(0, mem_limit=300 << 10)
+    assert pool.measured[1][-1] == 0  # no limit while B's probe allocated
+    assert pool.limits[-1] == 500 << 10 and (a.memory.limit, b.memory.limit) == (200 << 10, 300 << 10)
+
+
+def test_a_failed_probe_leaves_the_open_devices_cap(pool, monkeypatch):
+    a = cuda_device.CudaDevice(0, mem_limit=200 << 10)
+
+    def fail(cp):
+        raise RuntimeError("cudaErrorLaunchFailure")
+
+    monkeypatch.setattr(cuda_device, "_measure_all", fail)
+    with pytest.raises(RuntimeError) as failed:  # its traceback, kept, keeps the half-opened device
+        cuda_device.CudaDevice(0, mem_limit=300 << 10)
+    assert pool.limits[-1] == 200 << 10 and a.memory.limit == 200 << 10 and failed.traceback

@@ -125,6 +125,11 @@ def _cap_pool(cp, index: int) -> None:
         cp.get_default_memory_pool().set_limit(size=0 if 0 in caps or not caps else sum(caps))
 
 
+def _set_cap(cp, index: int, key: int, cap: int) -> None:
+    _pool_caps.setdefault(index, {})[key] = cap
+    _cap_pool(cp, index)
+
+
 def _forget_cap(cp, index: int, key: int) -> None:
     _pool_caps.get(index, {}).pop(key, None)
     _cap_pool(cp, index)
@@ -918,13 +923,18 @@ class CudaDevice:
             self.copy_stream = cp.cuda.Stream(non_blocking=True)
             self.compute_stream = cp.cuda.Stream(non_blocking=True)  # every expert kernel and result copy
             self.dense_stream = None  # onnxruntime's stream when the dense part runs on this GPU (LoadedModel)
-            # measured before the cap applies: the probe's 512 MiB are given back at once and are not the model's
-            self.bandwidths = _measure_all(cp)
-        # A hard cap on CuPy's allocations (exceeding it is an OutOfMemoryError, never a crash), for as long as
-        # this device lives
-        _pool_caps.setdefault(index, {})[id(self)] = mem_limit
-        weakref.finalize(self, _forget_cap, cp, index, id(self))
-        _cap_pool(cp, index)
+        # A hard cap on CuPy's allocations (exceeding it is an OutOfMemoryError, never a crash), for as long as this
+        # device lives; not while its probe runs: the probe's 512 MiB are given back at once and are not the model's,
+        # and another model's cap in force (side by side) may leave no room for them
+        forget = weakref.finalize(self, _forget_cap, cp, index, id(self))
+        _set_cap(cp, index, id(self), 0)
+        try:
+            with cp.cuda.Device(index):
+                self.bandwidths = _measure_all(cp)
+        except BaseException:
+            forget()
+            raise
+        _set_cap(cp, index, id(self), mem_limit)
         self.memory = DeviceMemory(capacity=free, limit=mem_limit)
         self.host_registration = None  # the experts' file mapping, page-locked in the background (register_experts)
         self.name = f"{name} ({total / GIB:.0f} GiB)"
