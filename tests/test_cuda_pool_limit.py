@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import types
 
 import pytest
@@ -102,3 +103,33 @@ def test_a_failed_probe_leaves_the_open_devices_cap(pool, monkeypatch):
     with pytest.raises(RuntimeError) as failed:  # its traceback, kept, keeps the half-opened device
         cuda_device.CudaDevice(0, mem_limit=300 << 10)
     assert pool.limits[-1] == 200 << 10 and a.memory.limit == 200 << 10 and failed.traceback
+
+
+def test_a_device_dropped_on_another_thread_while_one_opens(pool):
+    """A device's cap goes on whichever thread drops it (a finalizer: the window's, a collection's) while the engine's
+    thread opens another. The dropping thread's limit, worked out before the new cap was there, was set after it: the
+    pool held to A's cap alone while A and the new device were open, and the new model's slots failed to allocate."""
+    a = cuda_device.CudaDevice(0, mem_limit=1 << 30)
+    dropped = [cuda_device.CudaDevice(0, mem_limit=2 << 30)]
+    setting, go = threading.Event(), threading.Event()
+    record = pool.set_limit
+
+    def set_limit(size):
+        if threading.current_thread().name == "dropping":
+            setting.set()
+            go.wait(10)
+        record(size)
+
+    pool.set_limit = set_limit
+    dropping = threading.Thread(target=dropped.clear, name="dropping")
+    dropping.start()
+    assert setting.wait(10)
+    opened = []
+    opening = threading.Thread(target=lambda: opened.append(cuda_device.CudaDevice(0, mem_limit=4 << 30)))
+    opening.start()
+    opening.join(1.0)  # done meanwhile, or waiting for the dropping thread
+    go.set()
+    dropping.join(10)
+    opening.join(10)
+    assert len(opened) == 1 and a.memory.limit == 1 << 30
+    assert pool.limits[-1] == 5 << 30  # A's cap and the new device's

@@ -6,6 +6,7 @@ allocation capped."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 from collections import deque
@@ -111,8 +112,11 @@ def _measure_all(cp) -> Bandwidths:
     return Bandwidths(pcie=pcie, hbm=hbm, cpu=stream_read_bandwidth())
 
 
-# GPU index -> {id of an open CudaDevice: its gpu_device_mem_limit (0: none)}
+# GPU index -> {id of an open CudaDevice: its gpu_device_mem_limit (0: none)}, changed and applied under the lock: a
+# device opens on the engine's thread while another's finalizer runs on whichever thread drops it (reentrant: a
+# collection on the thread holding it may finalise one)
 _pool_caps: dict[int, dict[int, int]] = {}
+_caps_lock = threading.RLock()
 
 
 def _cap_pool(cp, index: int) -> None:
@@ -126,13 +130,15 @@ def _cap_pool(cp, index: int) -> None:
 
 
 def _set_cap(cp, index: int, key: int, cap: int) -> None:
-    _pool_caps.setdefault(index, {})[key] = cap
-    _cap_pool(cp, index)
+    with _caps_lock:
+        _pool_caps.setdefault(index, {})[key] = cap
+        _cap_pool(cp, index)
 
 
 def _forget_cap(cp, index: int, key: int) -> None:
-    _pool_caps.get(index, {}).pop(key, None)
-    _cap_pool(cp, index)
+    with _caps_lock:
+        _pool_caps.get(index, {}).pop(key, None)
+        _cap_pool(cp, index)
 
 
 class CudaPinnedRing(PinnedRing):
