@@ -15,16 +15,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,+popcnt,+sse,+sse2,"
             "+sse3,+sse4.1,+sse4.2,+ssse3,+xsave,-avx512f,-avx512bw,-avx512dq,-avx512vl,-avx512cd,-avx512vbmi")
 ROOT = Path(__file__).resolve().parents[1]
+PARENT = "HASWELL_CHECK_PARENT"  # the process that started this one, which it ends with (end_with_parent)
 
 
 def _haswell_env() -> dict:
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=FEATURES)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env[PARENT] = str(os.getpid())
     return env
 
 
@@ -35,7 +39,7 @@ class Check:
 
     def __init__(self, warm: tuple[str, ...] = ()):
         if warm:  # native: the check's process gets the Haswell target from this one
-            env = dict(os.environ)
+            env = dict(os.environ, **{PARENT: str(os.getpid())})
             env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
             command = [sys.executable, "-m", "tests.haswell_check", "--warm-first", *warm]
         else:
@@ -124,7 +128,24 @@ def warm_then_check(parts) -> int:
     return subprocess.call([sys.executable, "-m", "tests.haswell_check"], env=_haswell_env(), cwd=ROOT)
 
 
+def end_with_parent() -> None:
+    """This process ends once the one that started it has gone. Check starts it in a session of its own, out of reach
+    of what ends pytest without its session finishing (a CI time limit's SIGTERM to pytest's group, a closed terminal's
+    SIGHUP, SIGKILL): it would go on compiling on a core for minutes, beside the next run. The check the warming
+    process starts does the same, once that process has gone. The parent is named by its starter (PARENT), as it may
+    have gone before this process got here."""
+    parent = int(os.environ.get(PARENT) or os.getppid())
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 if __name__ == "__main__":
+    end_with_parent()
     if sys.argv[1:2] == ["--warm-first"]:
         sys.exit(warm_then_check(sys.argv[2:]))
     main()
