@@ -35,7 +35,6 @@ def _have_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    _start_haswell_check(config, items)
     if _have_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy")
@@ -44,20 +43,33 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_DESELECTED = pytest.StashKey[bool]()
+
+
+def pytest_deselected(items):
+    if items:  # -k, -m, --lf, --sw, --deselect
+        items[0].config.stash[_DESELECTED] = True
+
+
+def pytest_collection_finish(session):
+    _start_haswell_check(session.config, session.items)
+
+
 def _start_haswell_check(config, items) -> None:
     """test_cpu_kernels_without_avx512's subprocess compiles every kernel again for a CPU without AVX-512: 4-5
     minutes with a cold Numba cache (a third of the suite on the 2-core dev VM), one core busy while this process
-    waited. Started once collection shows the test will run, it compiles beside the other tests.
+    waited. Started once collection shows the test will run (`items`: what is left once -k, -m, --lf or --deselect
+    have deselected theirs), it compiles beside the other tests.
 
-    A run of the whole suite (no paths, -k or -m given) has the same process compile the native kernels that its
-    later tests would compile first (tests/warm_kernels.py), before the Haswell check, which comes near the end: on an
-    empty Numba cache those tests then load them. A run of a few tests does not: they reach their kernels at once,
-    and the two would compile the same ones."""
+    A run of the whole suite (no paths given, no test deselected, no --lf) has the same process compile the native
+    kernels that its later tests would compile first (tests/warm_kernels.py), before the Haswell check, which comes
+    near the end: on an empty Numba cache those tests then load them. A run of a few tests does not: they reach
+    their kernels at once, and the two would compile the same ones."""
     if any(item.nodeid.endswith("test_cpu_kernels_without_avx512") for item in items):
         from tests import haswell_check, warm_kernels
 
-        whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
-                 and not config.option.markexpr)
+        whole = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.stash.get(_DESELECTED, False)
+                 and not config.getoption("lf", False))
         haswell_check.running = haswell_check.Check(warm=tuple(warm_kernels.PARTS) if whole else ())
 
 
