@@ -15,13 +15,10 @@ from engine.errors import WorkbenchError, one_line
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
+from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
 
 PROG = "moe-workbench"
-# the answer length for a model that answers at once (LoadedModel.answer_tokens): generate's, record's, contention's
-GENERATE_TOKENS = 128
-RECORD_TOKENS = 64
-CONTENTION_TOKENS = 64
-SWEEP_TOKENS = 32  # a sweep's for every model (engine/records/sweep.reasoning_length_note)
+GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
 # `pip install .` has none
 NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the extra for this machine, "
@@ -76,7 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
     record.add_argument("model")
     record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
     record.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
-        RECORD_TOKENS, "; the long scenario's within what the context leaves after its input"))
+        SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input"))
     record.add_argument("--label", default="")
     record.add_argument("--json", action="store_true", help="print the records as JSON")
     record.add_argument("--history", help="SQLite history file (default: the user's data folder)")
@@ -120,7 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
     contention.add_argument("--corpus", help="folder of .txt files (default: a generated corpus)")
     contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short")
     contention.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
-        CONTENTION_TOKENS, "; the long scenario's within what the context leaves after its input; the test answers "
+        SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input; the test answers "
         "three times: a warm-up, alone, beside the indexing"))
     contention.add_argument("--json", action="store_true")
     _add_device_arguments(contention)
@@ -488,7 +485,7 @@ def _cmd_record(args) -> int:
     _warn_of_thread_binding()
     records = []
     for scenario in _scenarios(args.scenario):
-        tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario, RECORD_TOKENS)
+        tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
         record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens), device, label=args.label,
                               progress=_ProgressLine(f"scenario {scenario}"))
         run_id = history.add(record)
@@ -651,7 +648,7 @@ def _cmd_contention(args) -> int:
     if not any(corpus.glob("*.txt")):
         raise WorkbenchError(f"{corpus}: no .txt files to index")
     params = GenerationParams(max_new_tokens=args.max_new_tokens
-                              or scenario_answer_tokens(model, args.scenario, CONTENTION_TOKENS))
+                              or scenario_answer_tokens(model, args.scenario))
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
                             corpus, args.workers, progress=_ProgressLine("contention"),
                             threads=model.decoder.kernel_threads.state)

@@ -347,7 +347,7 @@ def test_side_by_side_answers_the_longer_of_the_two_models_own_lengths(copy_fixt
 
 
 def test_a_recorded_scenario_leaves_a_model_that_reasons_first_room_for_its_answer(qtbot, reasoning_window):
-    """History's Record follows the loaded model as the chat does (it stopped at 32 tokens, inside the reasoning); a
+    """History's Record follows the loaded model as the chat does (it stopped at 64 tokens, inside the reasoning); a
     length the user sets is kept."""
     window, answer = reasoning_window
     view = window.scenarios
@@ -362,7 +362,7 @@ def test_a_recorded_scenario_leaves_a_model_that_reasons_first_room_for_its_answ
 
 def test_the_contention_test_leaves_a_model_that_reasons_first_room_for_its_answer(qtbot, reasoning_window,
                                                                                   monkeypatch, tmp_path):
-    """Its three inferences follow the loaded model as the chat does (they stopped at 32 tokens, inside the
+    """Its three inferences follow the loaded model as the chat does (they stopped at 64 tokens, inside the
     reasoning); a length the user sets is kept."""
     import app.gui.records_jobs as jobs
     from engine.records.contention import make_corpus

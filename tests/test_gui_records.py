@@ -6,6 +6,7 @@ Waits are on what the window shows (qtbot.waitUntil), as in tests/test_gui.py.""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -367,3 +368,49 @@ def test_sweep_view_runs_both_layer_splits_and_draws_the_whole_layer_points_apar
     where = {"whole": "on whole layers", "spread": "spread over every layer"}[best.split]
     assert where in view.summary.text()
     assert window.worker._model.offload.layer_split_mode == "spread"  # the loaded model's split (the suite's), back
+
+
+def test_record_and_the_contention_test_answer_the_command_lines_length_for_a_model_that_answers_at_once(
+        qtbot, tmp_path, monkeypatch, capsys):
+    """One default (engine/records/lengths.py): the window's Record and contention test answered 32 tokens where
+    `record` and `contention` answered 64; a sweep's is the command's too."""
+    import app.gui.records_jobs as jobs
+    import engine.records.contention as contention
+    import engine.records.scenarios as scenarios
+    from app.cli import _build_parser, main
+    from app.gui.contention_view import ContentionView
+    from app.gui.scenario_view import ScenarioView
+    from app.gui.sweep_view import SweepView
+    from engine.errors import WorkbenchError
+    from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
+
+    lengths = []
+
+    def run_scenario(_model, name, params, *_args, **_kwargs):
+        lengths.append((name, params.max_new_tokens))
+        raise WorkbenchError("measured")
+
+    monkeypatch.setattr(scenarios, "run_scenario", run_scenario)
+    monkeypatch.setattr(jobs, "run_scenario", run_scenario)
+    for module in (contention, jobs):
+        monkeypatch.setattr(module, "run_contention", lambda inference, *_args, **_kwargs: inference())
+    folder = str(fixture_folder("lfm2moe"))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("words")
+    assert main(["record", folder, "--history", str(tmp_path / "h.sqlite")]) == 2
+    assert main(["contention", folder, "--corpus", str(tmp_path / "corpus")]) == 2
+    assert capsys.readouterr().err.count("measured") == 2
+    ctx = jobs.JobContext(LoadedModel.open(folder), None, {}, threading.Event(), lambda _f, _t: None,
+                          lambda _batch: None, None)
+    with pytest.raises(WorkbenchError, match="measured"):
+        jobs.ScenarioJob(["short"], None, str(tmp_path / "h.sqlite"))(ctx)
+    with pytest.raises(WorkbenchError, match="measured"):
+        jobs.ContentionJob(str(tmp_path / "corpus"), 1)(ctx)
+    assert lengths == [("short", SCENARIO_TOKENS)] * 4 and SCENARIO_TOKENS == 64
+    for view in (ScenarioView(), ContentionView()):  # the boxes show it for such a model
+        qtbot.addWidget(view)
+        view.max_tokens.set_model(None)
+        assert view.max_tokens.value() == SCENARIO_TOKENS and view.max_tokens.chosen is None
+    sweep = SweepView()  # and a sweep's, for every model
+    qtbot.addWidget(sweep)
+    assert sweep.max_tokens.value() == _build_parser().parse_args(["sweep", folder]).max_new_tokens == SWEEP_TOKENS

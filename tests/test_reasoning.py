@@ -305,7 +305,7 @@ def test_a_scenarios_own_length_leaves_the_long_input_room(copy_fixture, context
     from engine.records.scenarios import scenario_answer_tokens, scenario_turns
 
     reasons = LoadedModel.open(configured(harmony_folder(copy_fixture), context, {"max_length": context}))
-    lengths = {name: scenario_answer_tokens(reasons, name, 64) for name in ("short", "multiturn", "long")}
+    lengths = {name: scenario_answer_tokens(reasons, name) for name in ("short", "multiturn", "long")}
     assert lengths == {"short": short, "multiturn": short, "long": long}
     if context - 2000 >= 64:
         assert scenario_turns("long", reasons.tokenizer, context, long)
@@ -313,7 +313,7 @@ def test_a_scenarios_own_length_leaves_the_long_input_room(copy_fixture, context
         with pytest.raises(PromptError, match="needs a context of at least 2064 tokens; the model has 2048"):
             scenario_turns("long", reasons.tokenizer, context, long)
     answers = LoadedModel.open(configured(copy_fixture("lfm2moe"), context, {"max_length": context}))
-    assert {scenario_answer_tokens(answers, name, 64) for name in ("short", "multiturn", "long")} == {64}
+    assert {scenario_answer_tokens(answers, name) for name in ("short", "multiturn", "long")} == {64}
 
 
 def test_the_record_command_leaves_a_model_that_reasons_first_room_for_its_answer(copy_fixture, monkeypatch, capsys,

@@ -10,8 +10,9 @@ from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout,
                                QPushButton, QSpinBox, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from app.gui.job_bar import JobBar
-from app.gui.records_jobs import CONTENTION_TOKENS, ContentionJob, ContentionResult
+from app.gui.records_jobs import ContentionJob, ContentionResult
 from app.gui.widgets import AnswerLength
+from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 
 KIND = "contention"
@@ -34,7 +35,7 @@ class ContentionView(QWidget):
         for name in SCENARIOS:
             self.scenario.addItem(name)
         self.scenario.setAccessibleName("Inference scenario")
-        self.max_tokens = AnswerLength(CONTENTION_TOKENS, note=". The test answers three times: a warm-up, alone, "
+        self.max_tokens = AnswerLength(SCENARIO_TOKENS, note=". The test answers three times: a warm-up, alone, "
                                        "beside the indexing")
         self.max_tokens.setAccessibleName("Answer tokens")
         self.max_tokens.setSuffix(" tokens")

@@ -24,11 +24,9 @@ from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.records.sweep import SweepPoint, reasoning_length_note, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
-# the answer length for models that answer at once where the user sets none (one that reasons first has its own,
-# LoadedModel.answer_tokens): side by side's, the scenario runs', the contention test's
+# side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
+# own, LoadedModel.answer_tokens); the scenario runs' and the contention test's is SCENARIO_TOKENS, the command line's
 SIDE_BY_SIDE_TOKENS = 64
-SCENARIO_TOKENS = 32
-CONTENTION_TOKENS = 32
 
 
 @dataclass
@@ -57,10 +55,10 @@ def greedy(max_new_tokens: int) -> GenerationParams:
     return GenerationParams(max_new_tokens=int(max_new_tokens))
 
 
-def scenario_params(model: LoadedModel, name: str, chosen: int | None, plain: int) -> GenerationParams:
-    """Greedy answers of the user's length, or where they chose none the model's for the scenario (`plain` for a
-    model that answers at once: scenario_answer_tokens)."""
-    return greedy(scenario_answer_tokens(model, name, plain) if chosen is None else chosen)
+def scenario_params(model: LoadedModel, name: str, chosen: int | None) -> GenerationParams:
+    """Greedy answers of the user's length, or where they chose none the model's for the scenario
+    (scenario_answer_tokens)."""
+    return greedy(scenario_answer_tokens(model, name) if chosen is None else chosen)
 
 
 class _Reporter:
@@ -125,7 +123,7 @@ class ScenarioJob:
                 break
             reporter = _Reporter(ctx, index / count, 1 / count, f"{name} ({index + 1} of {count})")
             reporter.report(force=True)
-            params = scenario_params(model, name, self.max_new_tokens, SCENARIO_TOKENS)
+            params = scenario_params(model, name, self.max_new_tokens)
             try:
                 record = run_scenario(model, name, params, ctx.device, label=self.label, cancel=ctx.cancel,
                                       progress=reporter.on_turn, on_text=reporter.on_text)
@@ -346,7 +344,7 @@ class ContentionJob:
         model = ctx.loaded()
         if self.workers < 1:
             raise WorkbenchError(f"the indexing needs at least 1 worker process, got {self.workers}")
-        params = scenario_params(model, self.scenario, self.max_new_tokens, CONTENTION_TOKENS)
+        params = scenario_params(model, self.scenario, self.max_new_tokens)
         ctx.progress(0.0, "preparing the corpus" if not self.corpus else phase_after(0.0))
         corpus = Path(self.corpus).expanduser() if self.corpus else default_corpus()
         if not corpus.is_dir() or not any(corpus.glob("*.txt")):

@@ -7,8 +7,9 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QVBoxLayout, QWidget
 
 from app.gui.job_bar import JobBar
-from app.gui.records_jobs import SCENARIO_TOKENS, ScenarioJob, ScenarioResult, scenario_names
+from app.gui.records_jobs import ScenarioJob, ScenarioResult, scenario_names
 from app.gui.widgets import AnswerLength
+from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 
 KIND = "recording"

@@ -15,6 +15,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
 from engine.offload import OffloadConfig
 from engine.records.configurations import save_configuration
+from engine.records.lengths import SWEEP_TOKENS
 from engine.records.scenarios import SCENARIOS
 from engine.records.sweep import SweepPoint, recommend, uses_projection
 from engine.units import human_bytes
@@ -56,7 +57,7 @@ class SweepView(QWidget):
         for name in (*SCENARIOS, "all"):
             self.scenario.addItem(name)
         self.scenario.setAccessibleName("Scenarios at each point")
-        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=32)
+        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=SWEEP_TOKENS)
         self.max_tokens.setAccessibleName("Answer tokens")
         self.max_tokens.setToolTip("The answer length, the same for every model: a sweep times the same work at each "
                                    "budget; a model that reasons first spends it on its reasoning, which decodes as an "

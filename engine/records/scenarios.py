@@ -16,6 +16,7 @@ from engine.kernel_warmup import warm_model
 from engine.offload.projection import is_simulated, project_run
 from engine.nvml import Nvml
 from engine.records.environment import machine, versions
+from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.schema import RunRecord, model_identity
 
 SCENARIOS = ("short", "long", "multiturn")
@@ -47,13 +48,13 @@ def scenario_turns(name: str, tokenizer, context_length: int, max_new_tokens: in
     raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
 
 
-def scenario_answer_tokens(model: LoadedModel, name: str, plain: int) -> int:
-    """A scenario's answer length where the user sets none: the model's (LoadedModel.answer_tokens: `plain` for one
-    that answers at once); the long scenario's within what the context leaves after its input, but not below `plain`
-    (scenario_turns refuses a context too short for that)."""
-    tokens = model.answer_tokens(plain)
+def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
+    """A scenario's answer length where the user sets none: the model's (LoadedModel.answer_tokens: SCENARIO_TOKENS
+    for one that answers at once); the long scenario's within what the context leaves after its input, but not below
+    SCENARIO_TOKENS (scenario_turns refuses a context too short for that)."""
+    tokens = model.answer_tokens(SCENARIO_TOKENS)
     if name == "long":
-        return min(tokens, max(plain, model.config.context_length - LONG_PROMPT_TOKENS))
+        return min(tokens, max(SCENARIO_TOKENS, model.config.context_length - LONG_PROMPT_TOKENS))
     return tokens
 
 
