@@ -111,6 +111,44 @@ def test_window_opens_and_remembers_layout_and_theme(qtbot, tmp_path):
     again.close()
 
 
+def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_follow_the_model(qtbot, tmp_path):
+    """Side by side's, Record's and the contention test's lengths are kept in the settings as the chat's are: one the
+    user set comes back after a restart, whatever the model; one they did not set follows the model loaded."""
+    win = make_window(qtbot, tmp_path, nvml=False)
+    boxes = (win.side_by_side.max_tokens, win.scenarios.max_tokens, win.contention_view.max_tokens)
+    for box in boxes:
+        box.set_model(2048)  # a model that reasons first
+    win.side_by_side.max_tokens.setValue(600)
+    win.contention_view.max_tokens.setValue(20)
+    win.chat.max_tokens.setValue(300)
+    win.close()
+    again = make_window(qtbot, tmp_path, nvml=False)
+    boxes = (again.side_by_side.max_tokens, again.scenarios.max_tokens, again.contention_view.max_tokens)
+    assert [box.chosen for box in boxes] == [600, None, 20] and again.chat.max_tokens.chosen == 300
+    for box in boxes:
+        box.set_model(4096)
+    assert [box.value() for box in boxes] == [600, 4096, 20]
+    for box in boxes:
+        box.set_model(None)  # one that answers at once: the unset length is that view's own for it
+    assert [box.value() for box in boxes] == [600, 64, 20]
+    again.side_by_side.max_tokens.setValue(64)  # the model's own again: it follows each model from now on
+    again.close()
+    third = make_window(qtbot, tmp_path, nvml=False)
+    third.side_by_side.max_tokens.set_model(2048)
+    assert third.side_by_side.max_tokens.value() == 2048 and third.contention_view.max_tokens.value() == 20
+    third.close()
+
+
+def test_a_settings_file_holding_no_length_that_fits_leaves_the_length_to_the_model(qtbot, tmp_path):
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    for key, raw in (("side_by_side", "0"), ("record", "lots"), ("contention", "true")):
+        settings.setValue(f"{key}/max_new_tokens", raw)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert [box.chosen for box in win.answer_lengths.values()] == [None, None, None]
+    win.close()
+
+
 def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, monkeypatch):
     import app.gui.engine_worker as engine_worker
 

@@ -32,7 +32,7 @@ from app.gui.scenario_view import ScenarioView
 from app.gui.side_by_side_view import SideBySideView
 from app.gui.sweep_view import SweepView
 from app.gui.telemetry import SamplerThread
-from app.gui.widgets import Banner, scrolled
+from app.gui.widgets import MAX_ANSWER_TOKENS, Banner, scrolled
 
 RECENT_MAX = 10
 # package data (pyproject.toml): found in an installed wheel as in the checkout
@@ -49,6 +49,16 @@ def settings_from_env() -> QSettings:
     if path:
         return QSettings(path, QSettings.Format.IniFormat)
     return QSettings("moe-workbench", "moe-workbench")
+
+
+def saved_length(raw) -> int | None:
+    """An answer length the settings keep: the user's, or None (the model's own) where none, or none that fits, is
+    kept (a hand-edited or older settings file)."""
+    try:
+        tokens = json.loads(raw) if raw else None
+    except (ValueError, TypeError):
+        return None
+    return tokens if type(tokens) is int and 1 <= tokens <= MAX_ANSWER_TOKENS else None
 
 
 def app_icon() -> QIcon:
@@ -100,6 +110,9 @@ class MainWindow(QMainWindow):
         self.contention_view = ContentionView()
         self.job_views = {"recording": self.scenarios, "sweeping": self.sweep, "comparing": self.side_by_side,
                           "contention": self.contention_view}
+        # the answer lengths kept in the settings beside the chat's (its options hold its own)
+        self.answer_lengths = {"side_by_side": self.side_by_side.max_tokens, "record": self.scenarios.max_tokens,
+                               "contention": self.contention_view.max_tokens}
         self._cancel_when_started: str | None = None
         history_box = QWidget()
         history_column = QVBoxLayout(history_box)
@@ -284,6 +297,8 @@ class MainWindow(QMainWindow):
             except (ValueError, TypeError):
                 pass
         self.chat.system_prompt.setPlainText(str(s.value("chat/system_prompt", "")))
+        for key, box in self.answer_lengths.items():
+            box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
 
     def save_settings(self) -> None:
         s = self.settings
@@ -292,6 +307,8 @@ class MainWindow(QMainWindow):
         s.setValue("view/theme", self.theme_choice)
         s.setValue("chat/options", json.dumps(self.chat.options()))
         s.setValue("chat/system_prompt", self.chat.system_prompt.toPlainText())
+        for key, box in self.answer_lengths.items():
+            s.setValue(f"{key}/max_new_tokens", json.dumps(box.chosen))  # null: the model's own
         s.sync()
 
     @staticmethod

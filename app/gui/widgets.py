@@ -193,6 +193,9 @@ class SettingSpin(QDoubleSpinBox):
         return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
+MAX_ANSWER_TOKENS = 100_000  # the longest answer a length box takes (a reasoning model's own is at most 32,768)
+
+
 class AnswerLength(QSpinBox):
     """An answer length in new tokens that follows the loaded model's (set_model) until the user sets another, which
     is kept from model to model (`chosen`); setting the model's own follows each model again. `plain` is the length
@@ -200,7 +203,7 @@ class AnswerLength(QSpinBox):
 
     def __init__(self, plain: int, note: str = ""):
         super().__init__()
-        self.setRange(1, 100_000)
+        self.setRange(1, MAX_ANSWER_TOKENS)
         self.plain, self.note = plain, note
         self.model_tokens = plain  # the loaded model's length
         self.chosen: int | None = None  # the user's; None: the model's
