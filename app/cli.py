@@ -533,7 +533,7 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
-    note = reasoning_length_note(model, args.max_new_tokens)
+    note = reasoning_length_note(model.reasoning_answer_tokens, args.max_new_tokens)
     if note:
         print(f"sweep: {note}; --max-new-tokens sets another", file=sys.stderr, flush=True)
     saved_ids = []  # each point's runs, saved as it completes

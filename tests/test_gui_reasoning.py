@@ -382,7 +382,7 @@ def test_the_contention_test_leaves_a_model_that_reasons_first_room_for_its_answ
 def test_a_sweep_in_the_window_keeps_its_length_for_a_model_that_reasons_first_and_says_so(qtbot, copy_fixture,
                                                                                           monkeypatch, tmp_path):
     """Tokens stays the sweep's own for every model (a reasoning model's own length at every point could make a sweep
-    hours long); where that stops the answers inside the reasoning, the sweep says so as it ends."""
+    hours long); where that stops the answers inside the reasoning, the sweep says so before it runs and as it ends."""
     import app.gui.records_jobs as jobs
     from app.gui.sweep_view import SweepView
     from engine.offload import OffloadConfig, SimulatedDevice
@@ -394,6 +394,16 @@ def test_a_sweep_in_the_window_keeps_its_length_for_a_model_that_reasons_first_a
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=200_000), device=device)
     view = SweepView(tmp_path / "history.sqlite3")
     qtbot.addWidget(view)
+    note = ("Answers stop after 32 tokens, inside the reasoning of this model, which reasons first: a sweep times the "
+            "same work at each budget, and reasoning decodes as an answer does (the model's own length is 2048 tokens "
+            "a run); Tokens sets another.")
+    assert view.length_note.isHidden()  # no model yet
+    view.set_model(model.reasoning_answer_tokens)  # said as the model loads, before any sweep
+    assert not view.length_note.isHidden() and view.length_note.text() == note
+    view.max_tokens.setValue(2048)  # room for the reasoning: nothing to say
+    assert view.length_note.isHidden()
+    view.max_tokens.setValue(32)
+    assert view.length_note.text() == note and not view.length_note.isHidden()
     requested = []
     view.jobRequested.connect(lambda _kind, job: requested.append(job))
     view.points.setValue(2)
@@ -404,7 +414,26 @@ def test_a_sweep_in_the_window_keeps_its_length_for_a_model_that_reasons_first_a
     assert [(r.turns[0]["answer"], r.turns[0]["generated_tokens"]) for p in result.points for r in p.records] == [
         ("", 32), ("", 32)]
     view.on_finished(result)
-    assert view.bar.status.text() == (
-        "2 points; 2 runs saved to the history. Answers stop after 32 tokens, inside the reasoning of this model, which "
-        "reasons first: a sweep times the same work at each budget, and reasoning decodes as an answer does (the "
-        "model's own length is 2048 tokens a run); Tokens sets another.")
+    assert view.bar.status.text() == "2 points; 2 runs saved to the history. " + note
+    view.set_model(None)  # one that answers at once
+    assert view.length_note.isHidden()
+
+
+def test_the_sweep_says_where_its_answers_stop_as_a_model_that_reasons_first_loads(qtbot, reasoning_window):
+    window, _answer = reasoning_window
+    note = window.sweep.length_note
+    assert not note.isHidden() and "(the model's own length is 2048" in note.text()
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None, timeout=WAIT)
+    assert window.sweep.length_note.isHidden()
+
+
+def test_the_sweeps_tokens_take_as_long_a_length_as_the_other_views(qtbot):
+    from app.gui.sweep_view import SweepView
+    from app.gui.widgets import AnswerLength
+
+    view = SweepView()
+    qtbot.addWidget(view)
+    assert view.max_tokens.maximum() == AnswerLength(64).maximum() == 100_000
+    view.max_tokens.setValue(32_768)  # a reasoning model's own, at most (engine/reasoning.py): 4096 before
+    assert view.max_tokens.value() == 32_768

@@ -560,6 +560,7 @@ class MainWindow(QMainWindow):
         self.side_by_side.set_loaded(info["path"], info.get("entries"))
         for view in (self.side_by_side, self.scenarios, self.contention_view):
             view.max_tokens.set_model(info["reasoning_answer_tokens"])
+        self.sweep.set_model(info["reasoning_answer_tokens"])
         demo = "  ·  demo model: RANDOM weights, its text is meaningless" if info.get("is_demo") else ""
         self.status_model.setText(f"{Path(info['path']).name} loaded in {info['load_s']:.2f} s{demo}")
         self.status_device.setText(f"experts: {info['device']} · dense part: {info.get('dense_device', 'CPU')}")
@@ -607,6 +608,7 @@ class MainWindow(QMainWindow):
         self.placement.clear()
         self.graphs.set_simulated_memory(None)
         self.side_by_side.set_loaded(None)
+        self.sweep.set_model(None)
         self.status_model.setText("No model loaded")
         self.status_device.setText("")
         self.status_state.setText("Idle")

@@ -195,7 +195,8 @@ class SweepJob:
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
         result = SweepResult(points, planned, str(model.folder.folder), original.to_entries(),
-                             length_note=reasoning_length_note(model, params.max_new_tokens))
+                             length_note=reasoning_length_note(model.reasoning_answer_tokens,
+                                                               params.max_new_tokens))
         if not result.cancelled:
             history = History(self.history_path)
             result.saved_ids = [history.add(record) for point in points for record in point.records]

@@ -13,11 +13,12 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGridLayout
 from app.gui import theme
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
+from app.gui.widgets import MAX_ANSWER_TOKENS
 from engine.offload import OffloadConfig
 from engine.records.configurations import save_configuration
 from engine.records.lengths import SWEEP_TOKENS
 from engine.records.scenarios import SCENARIOS
-from engine.records.sweep import SweepPoint, recommend, uses_projection
+from engine.records.sweep import SweepPoint, reasoning_length_note, recommend, uses_projection
 from engine.units import human_bytes
 
 KIND = "sweeping"
@@ -30,6 +31,11 @@ PANELS = (("device", "device memory peak", lambda p: p.peak_device_bytes, True),
 # its measured wall time computes the card's experts on the CPU, so they, not the measured ones, say what the card
 # would give; the recommendation follows the projected completion time there.
 PROJECTED = {"completion": lambda p: p.projected_completion_s, "tokens": lambda p: p.projected_decode_tokens_per_s}
+
+
+def sentence(note: str) -> str:
+    """reasoning_length_note's words as the view says them ("" stays "")."""
+    return f"{note[:1].upper()}{note[1:]}; Tokens sets another." if note else ""
 
 
 def byte_unit(largest: float) -> tuple[str, int]:
@@ -51,17 +57,22 @@ class SweepView(QWidget):
         self.configurations_path = configurations_path
         self.result: SweepResult | None = None
         self.recommended: SweepPoint | None = None
+        self.model_tokens: int | None = None  # the loaded model's own length where it reasons first (set_model)
         self.points = QSpinBox(minimum=2, maximum=50, value=5)
         self.points.setAccessibleName("Budget points")
         self.scenario = QComboBox()
         for name in (*SCENARIOS, "all"):
             self.scenario.addItem(name)
         self.scenario.setAccessibleName("Scenarios at each point")
-        self.max_tokens = QSpinBox(minimum=1, maximum=4096, value=SWEEP_TOKENS)
+        self.max_tokens = QSpinBox(minimum=1, maximum=MAX_ANSWER_TOKENS, value=SWEEP_TOKENS)
         self.max_tokens.setAccessibleName("Answer tokens")
         self.max_tokens.setToolTip("The answer length, the same for every model: a sweep times the same work at each "
                                    "budget; a model that reasons first spends it on its reasoning, which decodes as an "
                                    "answer does")
+        self.length_note = QLabel()  # said before a sweep runs, not only as it ends
+        self.length_note.setWordWrap(True)
+        self.length_note.setAccessibleName("Answer length note")
+        self.length_note.hide()
         self.margin = QDoubleSpinBox(minimum=0.0, maximum=100.0, value=10.0, suffix=" %", decimals=1, singleStep=1.0)
         self.margin.setAccessibleName("Margin")
         self.margin.setToolTip("Recommend the smallest budget whose completion time is within this much of the fastest")
@@ -125,6 +136,7 @@ class SweepView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(options)
+        layout.addWidget(self.length_note)
         layout.addWidget(self.bar)
         layout.addWidget(self.canvas, 1)
         layout.addWidget(self.summary)
@@ -132,6 +144,7 @@ class SweepView(QWidget):
         self.bar.runRequested.connect(self.run)
         self.bar.cancelRequested.connect(self.cancelRequested)
         self.margin.valueChanged.connect(lambda _v: self._recommend())
+        self.max_tokens.valueChanged.connect(lambda _v: self._show_length_note())
         self.save_button.clicked.connect(lambda: self.save())
         self.apply_theme(theme.current())
 
@@ -157,6 +170,17 @@ class SweepView(QWidget):
     def set_state(self, busy: str, loaded: bool) -> None:
         self.bar.set_state(bool(busy), loaded)
 
+    def set_model(self, reasoning_tokens: int | None) -> None:
+        """The loaded model's own length where it reasons first (LoadedModel.reasoning_answer_tokens), else None
+        (one that answers at once, or none loaded)."""
+        self.model_tokens = reasoning_tokens
+        self._show_length_note()
+
+    def _show_length_note(self) -> None:
+        note = reasoning_length_note(self.model_tokens, self.max_tokens.value())
+        self.length_note.setText(sentence(note))
+        self.length_note.setVisible(bool(note))
+
     def run(self) -> None:
         job = SweepJob(self.points.value(), scenario_names(self.scenario.currentText()), self.max_tokens.value(),
                        self.history_path, both_splits=self.both_splits.isChecked())
@@ -180,7 +204,7 @@ class SweepView(QWidget):
         self._recommend()
         note = result.length_note
         self.bar.finish(f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history."
-                        + (f" {note[:1].upper()}{note[1:]}; Tokens sets another." if note else ""))
+                        + (f" {sentence(note)}" if note else ""))
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)
 

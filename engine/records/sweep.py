@@ -110,12 +110,11 @@ def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None =
     return plan
 
 
-def reasoning_length_note(model: LoadedModel, max_new_tokens: int) -> str:
-    """What to say where a sweep's answer length stops a model that reasons first inside its reasoning. A sweep keeps
-    the length it is given for every model: it times the same work at each budget, and reasoning decodes as an
-    answer does, while a reasoning model's own length (LoadedModel.answer_tokens), thousands of tokens a run at every
-    point and scenario, could make a sweep hours long."""
-    own = model.reasoning_answer_tokens
+def reasoning_length_note(own: int | None, max_new_tokens: int) -> str:
+    """What to say where a sweep's answer length stops a model that reasons first inside its reasoning (`own`: its
+    LoadedModel.reasoning_answer_tokens, None for a model that answers at once). A sweep keeps the length it is given
+    for every model: it times the same work at each budget, and reasoning decodes as an answer does, while a reasoning
+    model's own length, thousands of tokens a run at every point and scenario, could make a sweep hours long."""
     if own is None or max_new_tokens >= own:
         return ""
     return (f"answers stop after {max_new_tokens} tokens, inside the reasoning of this model, which reasons first: a "
