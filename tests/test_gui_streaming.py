@@ -4,6 +4,7 @@ showing go in together, and nothing streamed is lost, or shown twice, as the str
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -129,3 +130,38 @@ def test_an_answer_that_ends_is_stopped_or_fails_shows_what_streamed_once(qtbot,
     chat.finish_answer(result)
     qtbot.wait(3 * INTERVAL_MS)
     assert chat.entries[-1]["text"] == text and chat.transcript.toPlainText().count(text.strip()) == 1
+
+
+def test_side_by_side_says_the_tokens_each_side_streamed_against_the_length_not_a_share_of_it(qtbot):
+    """A reasoning model's length (2,048 here) is where its answer must stop, not where it ends: the run line and both
+    columns say the tokens so far against it, with the same counts, and the bar shows the answering as busy; it read
+    (0.5 + 0.5 · 225 / 2,048), 55%, while the answers may have been nearly done."""
+    import threading
+
+    from app.gui.records_jobs import JobContext, _SideStreams
+    from app.gui.side_by_side_view import SideBySideView, side_stats
+
+    view = SideBySideView()
+    qtbot.addWidget(view)
+    ctx = JobContext(None, None, {}, threading.Event(), view.on_progress, view.on_streamed, None)
+    view.bar.start("Loading B…")
+    view.on_progress(0.25, "loading the right side")  # B's load can tell how far it is
+    assert (view.bar.progress.maximum(), view.bar.progress.value()) == (1000, 250)
+    streams = _SideStreams(ctx, 2048, (True, True))
+    for side, count in ((0, 412), (1, 38)):
+        for _ in range(count):
+            streams.on_text(side, None, "ab"[side])
+    streams.flush()
+    assert view.bar.status.text() == "answering · A: 412, B: 38 tokens (at most 2,048 each)"
+    assert view.bar.progress.minimum() == view.bar.progress.maximum() == 0  # busy, no share
+    assert [column.values["tokens"].text() for column in (view.left, view.right)] == [
+        "412 (at most 2,048) …", "38 (at most 2,048) …"]
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
+    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234}], approximate_routing=False)
+    assert side_stats(record)["tokens"] == "1,234"  # the count the column ends on, written as it streamed
+    view.bar.start("Loading B…")  # the next comparison's load shows its share again
+    assert view.bar.progress.maximum() == 1000
+    alone = _SideStreams(ctx, 64, (True, False))  # B could not load: A answers alone, and the line says A's alone
+    alone.on_text(0, None, "a")
+    alone.flush()
+    assert view.bar.status.text() == "answering · A: 1 token (at most 64)"

@@ -67,7 +67,7 @@ class EngineWorker(QObject):
     replanned = Signal(dict)           # statements, landed; by_engine: why, when the engine re-planned by itself
     unloaded = Signal()
     failed = Signal(str)               # one line for the user
-    jobProgress = Signal(str, float, str)  # job kind, fraction done, what runs now
+    jobProgress = Signal(str, object, str)  # job kind, fraction done (None: how far cannot be told), what runs now
     jobStreamed = Signal(str, object)      # job kind, a batch of streamed answer text (the job's own shape)
     jobFinished = Signal(str, object)      # job kind, its result
     jobFailed = Signal(str, str)           # job kind, one line (also sent as `failed`)
@@ -460,7 +460,8 @@ class EngineWorker(QObject):
         try:
             context = JobContext(
                 model=self._model, device=self._device, device_choice=dict(self._device_choice), cancel=self.cancel,
-                progress=lambda fraction, text="": self.jobProgress.emit(kind, float(fraction), text),
+                progress=lambda fraction, text="": self.jobProgress.emit(
+                    kind, None if fraction is None else float(fraction), text),
                 stream=lambda payload: self.jobStreamed.emit(kind, payload),
                 make_device=lambda choice, config: self._make_device(choice, config, []))
             self.jobFinished.emit(kind, job(context))

@@ -49,14 +49,21 @@ class JobBar(QWidget):
 
     def start(self, text: str) -> None:
         self.running = True
+        self.progress.setRange(0, STEPS)
         self.progress.setValue(0)
         self.progress.show()
         self.status.setText(text)
         self.cancel_button.setEnabled(True)
         self.run_button.setEnabled(False)
 
-    def set_progress(self, fraction: float, text: str = "") -> None:
-        self.progress.setValue(round(max(0.0, min(1.0, fraction)) * STEPS))
+    def set_progress(self, fraction: float | None, text: str = "") -> None:
+        """fraction None: the job cannot tell how far it is (an answer ends where the model ends it), which the bar
+        shows as busy rather than as a share."""
+        if fraction is None:
+            self.progress.setRange(0, 0)
+        else:
+            self.progress.setRange(0, STEPS)
+            self.progress.setValue(round(max(0.0, min(1.0, fraction)) * STEPS))
         if text and self.status.text() != "Cancelling…":
             self.status.setText(text)
 

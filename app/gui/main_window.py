@@ -448,8 +448,8 @@ class MainWindow(QMainWindow):
         else:  # queued, not started: the worker clears the flag when it starts, so cancel it then
             self._cancel_when_started = kind
 
-    @Slot(str, float, str)
-    def _on_job_progress(self, kind: str, fraction: float, text: str) -> None:
+    @Slot(str, object, str)
+    def _on_job_progress(self, kind: str, fraction: float | None, text: str) -> None:
         self.job_views[kind].on_progress(fraction, text)
 
     @Slot(str, object)

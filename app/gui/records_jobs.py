@@ -35,7 +35,7 @@ class JobContext:
     device: Any                                 # where its resident experts live, or None (CPU)
     device_choice: dict                         # the Budgets panel's device choice it was loaded with
     cancel: threading.Event
-    progress: Callable[..., None]               # progress(fraction, text)
+    progress: Callable[..., None]               # progress(fraction, text); fraction None: how far cannot be told
     stream: Callable[[object], None]            # a batch of streamed text, in the job's own shape
     make_device: Callable[[dict, OffloadConfig], Any]
 
@@ -86,7 +86,7 @@ class _Reporter:
         self.report(force=True)
 
 
-def settle(ctx: JobContext, model: LoadedModel, fraction: float, who: str) -> None:
+def settle(ctx: JobContext, model: LoadedModel, fraction: float | None, who: str) -> None:
     """Say so while a model's background work after load finishes (its experts mapped and page-locked: seconds for
     a large model); the measured runs start after it (run_turns waits for it)."""
     if not model.settled:
@@ -209,12 +209,22 @@ class _Cancelled(Exception):
     pass
 
 
+def answering_text(tokens: tuple[int, int], at_most: int, answering: tuple[bool, bool]) -> str:
+    """What the answering sides have streamed, against the length they share. No share of that length: an answer
+    ends where the model ends it, a reasoning model's often far below its thousands of tokens."""
+    counts = [(side, count) for side, count, answers in zip("AB", tokens, answering) if answers]
+    unit = "token" if [count for _side, count in counts] == [1] else "tokens"
+    return (f"answering · {', '.join(f'{side}: {count:,}' for side, count in counts)} {unit} (at most {at_most:,}"
+            f"{' each' if len(counts) > 1 else ''})")
+
+
 class _SideStreams:
     """Both columns' streamed text: every token's text kept (for the divergence mark), its answer's and its
-    reasoning's apart (generate calls on_reasoning just before on_text, with every token), batches sent."""
+    reasoning's apart (generate calls on_reasoning just before on_text, with every token), batches sent with the
+    length the sides answer at most; `answering`: which sides have a model to answer."""
 
-    def __init__(self, ctx: JobContext, max_tokens: int):
-        self.ctx, self.max_tokens = ctx, max(1, max_tokens)
+    def __init__(self, ctx: JobContext, max_tokens: int, answering: tuple[bool, bool]):
+        self.ctx, self.max_tokens, self.answering = ctx, max_tokens, answering
         self.pieces: list[list[str]] = [[], []]
         self.thoughts: list[list[str]] = [[], []]
         self._pending: list[list[str]] = [[], []]
@@ -240,11 +250,10 @@ class _SideStreams:
         for side in (0, 1):
             if self._pending[side]:
                 self.ctx.stream({"side": side, "text": "".join(self._pending[side]), "tokens": len(self._pending[side]),
-                                 "reasoning": "".join(self._pending_thoughts[side])})
+                                 "reasoning": "".join(self._pending_thoughts[side]), "at_most": self.max_tokens})
                 self._pending[side], self._pending_thoughts[side] = [], []
-        done = (len(self.pieces[0]) + len(self.pieces[1])) / 2
-        self.ctx.progress(0.5 + 0.5 * min(1.0, done / self.max_tokens),
-                          f"answering · {len(self.pieces[0])} and {len(self.pieces[1])} tokens")
+        tokens = (len(self.pieces[0]), len(self.pieces[1]))
+        self.ctx.progress(None, answering_text(tokens, self.max_tokens, self.answering))
 
     def flush(self) -> None:
         with self._lock:
@@ -286,7 +295,7 @@ class SideBySideJob:
         def load_progress(fraction: float) -> None:
             if ctx.cancel.is_set():
                 raise _Cancelled()
-            ctx.progress(0.5 * fraction, "loading the right side")
+            ctx.progress(fraction, "loading the right side")
 
         ctx.progress(0.0, "loading the right side")
         device = None
@@ -300,12 +309,12 @@ class SideBySideJob:
         except WorkbenchError as exc:  # a budget B's device cannot hold, a folder without a model: A answers alone
             right = Side(None, label=self.labels[1], failure=f"B's model: {exc}")  # the error names the file
         if right.model is not None:
-            settle(ctx, right.model, 0.5, "the right side")
+            settle(ctx, right.model, None, "the right side")
         tokens = self.max_new_tokens
         if tokens is None:  # both sides answer the same length: the longer of the models' own (B's may reason first)
             tokens = max(model.answer_tokens(SIDE_BY_SIDE_TOKENS) for model in (left, right.model) if model is not None)
         params = greedy(tokens)
-        streams = _SideStreams(ctx, params.max_new_tokens)
+        streams = _SideStreams(ctx, params.max_new_tokens, (True, right.model is not None))
         try:
             comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,
                                  concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel,

@@ -128,7 +128,7 @@ def side_stats(record) -> dict[str, str]:
     t = turn["timings"]
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms",
             "decode": f"{t['decode_tokens_per_s']:.1f} tok/s", "total": f"{t['total_s']:.2f} s",
-            "tokens": str(turn["generated_tokens"]), "routing": routing_text(record)}
+            "tokens": f"{turn['generated_tokens']:,}", "routing": routing_text(record)}
 
 
 class Column(QGroupBox):
@@ -164,15 +164,16 @@ class Column(QGroupBox):
         for label in self.values.values():
             label.setText("—")
 
-    def append(self, text: str, tokens: int, reasoning: str = "") -> None:
-        """A streamed batch, shown with those that come before the column's pacer shows them (stream_pacing.py)."""
+    def append(self, text: str, tokens: int, reasoning: str = "", at_most: int | None = None) -> None:
+        """A streamed batch, shown with those that come before the column's pacer shows them (stream_pacing.py);
+        `at_most`: the length the answer may reach, said beside the tokens so far (as the run line says them)."""
         self.text += text
         self.reasoning += reasoning
         self.tokens += tokens
         self._unshown_text += text
         self._unshown_reasoning += reasoning
         self._pacer.schedule()
-        self.values["tokens"].setText(f"{self.tokens} …")
+        self.values["tokens"].setText(f"{self.tokens:,}" + (f" (at most {at_most:,})" if at_most else "") + " …")
 
     def flush(self) -> None:
         """What came and is not shown yet, shown now: the stream ended without drawing the column again."""
@@ -399,12 +400,12 @@ class SideBySideView(QWidget):
         self.jobRequested.emit(KIND, job)
 
     # --- from the worker ---------------------------------------------------------------------------
-    def on_progress(self, fraction: float, text: str) -> None:
+    def on_progress(self, fraction: float | None, text: str) -> None:
         self.bar.set_progress(fraction, text)
 
     def on_streamed(self, payload: dict) -> None:
         column = (self.left, self.right)[payload["side"]]
-        column.append(payload["text"], payload["tokens"], payload.get("reasoning", ""))
+        column.append(payload["text"], payload["tokens"], payload.get("reasoning", ""), payload.get("at_most"))
 
     def on_finished(self, result: SideBySideResult) -> None:
         self.result = result
