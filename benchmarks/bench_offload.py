@@ -117,15 +117,8 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) 
 
 
 def trials_under_way(model: LoadedModel) -> bool:
-    """Whether a trial of the engine's is timing its ways now, or the first trial of the CPU's share under "both"
-    (split_share.py) is still to come: it starts a few steps after "both" comes into force, a first trial of the
-    decode path having chosen it."""
-    engine = model.offload
-    if engine is None:
-        return False
-    share = engine.share_trials
-    return (engine.path_trials.measuring or engine.split_trials.measuring or share.measuring
-            or (engine.splits_cold and share.trials == 0))
+    """Whether a trial of the engine's is timing its ways now, or a first one is still to come (trials_pending)."""
+    return model.offload is not None and model.offload.trials_pending
 
 
 class GcClock:

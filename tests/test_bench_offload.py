@@ -88,27 +88,33 @@ def test_a_dense_term_longer_than_a_whole_step_caps_every_decode_figures_ratio()
     assert figures[0]["ratio"] == 0.5 and "ratio_dense_capped" not in figures[2]
 
 
-def test_timed_decode_waits_while_a_trial_times_its_ways_or_the_first_share_trial_is_due():
-    """bench_offload.decode's warm-up goes on while the engine's trials time their ways: a decode path trial, or
-    under "both" the CPU's share's (split_share.py), whose first trial starts only after "both" came into force."""
+def test_timed_decode_waits_while_a_trial_times_its_ways_or_a_first_one_is_due():
+    """bench_offload.decode's warm-up goes on while the engine's trials are pending (OffloadEngine.trials_pending): a
+    decode path trial due or under way after a re-plan, then under "both" the CPU's share's, whose first trial starts
+    only after "both" came into force."""
     from types import SimpleNamespace
 
     from benchmarks.bench_offload import trials_under_way
-    from engine.offload.decode_path import DecodePathTrials
-    from engine.offload.layer_split import LayerSplitTrials
-    from engine.offload.split_share import SplitShareTrials
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from tests.test_records import fixture_folder
 
-    engine = SimpleNamespace(path_trials=DecodePathTrials(first=0, window=2), split_trials=LayerSplitTrials(),
-                             share_trials=SplitShareTrials(first=0, window=1, settle=0), splits_cold=False)
-    model = SimpleNamespace(offload=engine)
-    assert not trials_under_way(model) and not trials_under_way(SimpleNamespace(offload=None))
-    engine.splits_cold = True  # "both" in force, its share not yet tried
-    assert trials_under_way(model)
-    for _ in range(4):  # as made, one fewer, one more, as made
-        engine.share_trials.step(0.010, 1)
-    assert engine.share_trials.trials == 1 and not trials_under_way(model)
-    engine.path_trials.step(0.010, 1)  # a path trial's first window under way
-    assert trials_under_way(model)
+    assert not trials_under_way(SimpleNamespace(offload=None))
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=0),
+                             device=SimulatedDevice(1 << 30), decode_path="auto")
+    engine = model.offload
+    engine.reconfigure(engine.config.updated(device_expert_bytes=all_resident_bytes(engine.infos) // 2))
+    assert trials_under_way(model) and engine.path_trials.trials == 0  # due after the re-plan, not yet started
+    state = model.new_state()
+    token, steps, seen_measuring = int(model.decoder.forward(state, [5, 6, 7])[-1].argmax()), 0, False
+    while trials_under_way(model) and steps < 300:
+        seen_measuring |= engine.path_trials.measuring
+        token = int(model.decoder.forward(state, [token])[-1].argmax())
+        steps += 1
+    assert seen_measuring and engine.path_trials.trials == 1 and not engine.path_trials.measuring
+    assert engine.share_trials.trials == (1 if engine.splits_cold else 0)
+    assert steps >= engine.path_trials.first_trial_steps
 
 
 def test_split_words_name_the_table_the_shift_where_not_zero_and_the_tiers_rate_where_measured():

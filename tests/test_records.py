@@ -306,27 +306,36 @@ def test_a_sweep_under_mode_required_starts_from_the_smallest_budget_it_admits_a
     assert handed == points and points[0].records[0].layers[0]["hits"] > 0
 
 
-def test_a_sweep_holds_the_decode_path_in_force_and_records_it(monkeypatch):
-    """The decode path's trials need more decode steps than a sweep's scenarios give: under auto the sweep holds the
-    path in force (the CPU path here: every expert fits the default budget, so no tier is made) and puts auto back
-    afterwards; each record says which path ran."""
+def test_a_sweep_point_times_its_answers_once_the_engines_trials_are_over(monkeypatch):
+    """After each re-plan the engine tries its decode paths for ~76 decode steps (and "both"'s share after them),
+    more than a sweep's answers give: each point decodes, unrecorded, until no trial is under way or due, so its
+    answers run on the path the trials keep, which each record and the point's row say. The sweep used to hold the
+    path in force when it started: the CPU path for a model loaded with every expert resident, at every point."""
     import engine.records.sweep as sweep
+    from engine.offload.planner import all_resident_bytes
 
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="auto")
+    assert model.offload.plan.placement_mode == "all_resident" and model.offload.decode_path_in_force == "cpu"
     seen = []
     real = sweep.run_scenario
 
     def spy(model, *args, **kwargs):
-        seen.append(model.offload.decode_path_mode)
+        seen.append((model.offload.trials_pending, model.offload.path_trials.trials, model.offload.decode_path_mode))
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(sweep, "run_scenario", spy)
-    points = run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2))
-    assert seen == ["cpu"] * 3  # the warm-up and both points
-    assert all(p.records[0].offload["decode_path"]["mode"] == "cpu" for p in points)
-    assert points[0].records[0].offload["decode_path"]["in_force"] == "cpu"
-    assert model.offload.decode_path_mode == "auto"
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2))
+    half = points[1]
+    assert 0 < half.budget_bytes < all_resident_bytes(model.offload.infos)
+    assert [pending for pending, _trials, _mode in seen] == [False] * 4  # the warm-up and the three points
+    assert seen[2][1] == 1  # the half-resident point: its first path trial over before its answer
+    assert 76 <= half.settle_steps <= sweep.SETTLE_STEPS_MAX  # the trial's steps, and "both"'s share trial if kept
+    assert points[0].settle_steps == 0 or points[0].records[0].offload["decode_path"]["in_force"] != "cpu"
+    in_force = half.records[0].offload["decode_path"]["in_force"]
+    assert in_force in ("tier", "both", "cpu") and half.as_dict()["decode_path"] == in_force
+    assert half.as_dict()["settle_steps"] == half.settle_steps
+    assert all(mode == "auto" for _pending, _trials, mode in seen) and model.offload.decode_path_mode == "auto"
 
 
 def test_the_pinned_peak_counts_the_host_tier():

@@ -249,6 +249,21 @@ class OffloadEngine:
             return self.decode_path_mode
         return self.path_trials.choice
 
+    @property
+    def trials_pending(self) -> bool:
+        """A trial is timing its ways now, or a first one since the last re-plan is still to come: the decode path's
+        (where trials choose it), the CPU's share's under "both" (it starts once "both" is in force), the layer
+        split's (auto, no host tier, a split to choose). Until none is, decode steps time the ways the engine tries,
+        not the one it keeps (a sweep's point, a benchmark's timed steps wait for that)."""
+        if self.device is None:
+            return False  # no device, no trials (end_step)
+        if self.path_trials.measuring or self.split_trials.measuring or self.share_trials.measuring:
+            return True
+        return ((self.path_trials_run() and self.path_trials.trials == 0)
+                or (self.splits_cold and self.share_trials.trials == 0)
+                or (self.layer_split_mode == "auto" and not self._host_tier and self._split_is_choosable()
+                    and self.split_trials.trials == 0))
+
     def path_trials_run(self) -> bool:
         """The decode path is chosen by trials: cpu_execution=auto, decode path auto, a host tier made."""
         return self._host_tier and self.decode_path_mode == "auto" and self.config.cpu_execution == "auto"

@@ -1,9 +1,14 @@
 """Budget sweeps: run the scenarios at several expert budgets on one loaded model (re-planned,
 not reloaded) and recommend the smallest budget within a margin of the best. With `splits`, each budget
 that holds some but not all expert layers whole is run with the budget spread over every layer and on whole
-layers (engine/offload/layer_split.py), fixed for the point: the engine's own trials need more decode steps than
-a sweep's scenarios give. For the same reason the decode path (engine/offload/decode_path.py) is held at the one in
-force when the sweep starts."""
+layers (engine/offload/layer_split.py), fixed for the point.
+
+After each re-plan the engine tries its ways (the decode path, the CPU's share under "both", the layer split:
+trials.py) for up to ~150 decode steps, more than a sweep's answers give: a point's answers would time the ways tried,
+not the one kept. So each point first decodes, unrecorded, until those trials are over (`settle`), and its answers
+then run as a user's do at that budget once the engine has chosen. (Holding the path in force at the sweep's start
+instead ran every point on the CPU path where the model was loaded with every expert resident: on the H100 machine
+a 4-layer gpt-oss-20b-shaped model decoded 50 tok/s at 25-75% resident against 118 all-CPU.)"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ class SweepPoint:
     fraction: float
     records: list[RunRecord] = field(default_factory=list)
     split: str | None = None  # the layer split the point ran with, where the sweep compared splits
+    settle_steps: int = 0  # decode steps run before the point's answers, until the engine's trials were over
 
     @property
     def completion_s(self) -> float:
@@ -72,7 +78,8 @@ class SweepPoint:
         return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "split": self.split,
                 "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
-                "peak_rss_bytes": self.peak_rss_bytes,
+                "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
+                "decode_path": self.records[0].offload.get("decode_path", {}).get("in_force") if self.records else None,
                 **({"projected_completion_s": self.projected_completion_s,
                     "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
                     "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
@@ -122,6 +129,24 @@ def reasoning_length_note(own: int | None, max_new_tokens: int) -> str:
             f"length is {own} tokens a run)")
 
 
+SETTLE_STEPS_MAX = 200  # a first decode path trial ends by its 76th step, "both"'s first share trial 76 steps later
+
+
+def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
+    """Greedy decode steps on a conversation of their own, not recorded, until the engine's trials at the budget just
+    planned are over (OffloadEngine.trials_pending), at most SETTLE_STEPS_MAX or what the context holds. Returns the
+    steps run."""
+    state = model.new_state()
+    prompt = model.tokenizer.encode("The experts of a mixture")
+    limit = min(SETTLE_STEPS_MAX, model.config.context_length - len(prompt) - 1)
+    token = int(model.decoder.forward(state, prompt)[-1].argmax())
+    steps = 0
+    while steps < limit and model.offload.trials_pending and not (cancel is not None and cancel.is_set()):
+        token = int(model.decoder.forward(state, [token])[-1].argmax())
+        steps += 1
+    return steps
+
+
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
               on_text=None, splits: tuple[str, ...] | None = None, on_point=None) -> list[SweepPoint]:
@@ -135,17 +160,15 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     results = []
     plan = sweep_plan(model, points, splits)
     total_runs = len(plan) * len(scenarios)
-    mode, path = model.offload.layer_split_mode, model.offload.decode_path_mode
-    if path == "auto":  # held for the sweep at the path in force: no trials within the points
-        model.offload.reconfigure(model.offload.config, decode_path=model.offload.decode_path_in_force)
+    mode = model.offload.layer_split_mode
     # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
     # kernel 476 µs per step at the first point against 145 µs when repeated).
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
     try:
         for index, (fraction, budget, split) in enumerate(plan):
             model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget), layer_split=split)
+            point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
             device.memory.high_water = device.memory.used  # peaks per point
-            point = SweepPoint(budget, fraction, split=split)
             tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
             for offset, scenario in enumerate(scenarios):
                 if cancel is not None and cancel.is_set():
@@ -163,8 +186,6 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     finally:
         if model.offload.layer_split_mode != mode:
             model.offload.set_layer_split(mode)
-        if model.offload.decode_path_mode != path:
-            model.offload.reconfigure(model.offload.config, decode_path=path)
 
 
 def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
