@@ -580,20 +580,20 @@ def _cmd_sweep(args) -> int:
         bw = rows[0]["projected_bandwidths"]
         print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
               f"HBM {bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed); the recommendation uses the projected completion")
-        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'completion':>10}  {'projected':>10}  {'decode tok/s':>12}  "
-              f"{'projected':>10}  {'device peak':>11}  {'RSS peak':>9}")
+        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'projected':>10}  "
+              f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>9}")
         for p, split, mark in zip(rows, split_of, marks):
-            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['completion_s']:>9.2f}s  "
-                  f"{p['projected_completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
+            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
+                  f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
                   f"{p['projected_decode_tokens_per_s'] or 0:>10.1f}  {p['peak_device_bytes'] / 2**20:>8.0f} MiB  "
                   f"{p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
     else:
-        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'completion':>10}  {'decode tok/s':>12}  {'device peak':>11}  "
-              f"{'RSS peak':>9}")
+        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'decode tok/s':>12}  "
+              f"{'device peak':>11}  {'RSS peak':>9}")
         for p, split, mark in zip(rows, split_of, marks):
-            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['completion_s']:>9.2f}s  "
-                  f"{p['decode_tokens_per_s']:>12.1f}  {p['peak_device_bytes'] / 2**20:>8.0f} MiB  "
-                  f"{p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
+            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
+                  f"{p['completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
+                  f"{p['peak_device_bytes'] / 2**20:>8.0f} MiB  {p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
     return 0
 
 

@@ -439,3 +439,17 @@ def test_generate_json_help_names_the_keys_an_answer_has(capsys):
     json_help = " ".join(" ".join(lines[start:end]).split())
     for key in ("prompt_tokens", "tokens", "text", "reasoning", "finish_reason", "timings", "dense", "offload"):
         assert key in json_help
+
+
+def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
+    """Each point's row says the decode path its answers ran on (under auto, what the trials kept once they ended:
+    engine/records/sweep.py settle): asked for the tier, every point with cold experts reads them from the simulated
+    card's host tier, and with every expert resident none is read."""
+    status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--decode-path", "tier")
+    assert status == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if line.strip().startswith("budget"))
+    assert header.split()[:3] == ["budget", "resident", "path"]
+    paths = {line.split()[1]: line.split()[2] for line in lines[lines.index(header) + 1:]}
+    assert paths == {"0%": "tier", "50%": "tier", "100%": "cpu"}
