@@ -68,7 +68,7 @@ class Sink:
 
     def take(self, side: int, text: str, reasoning: str) -> None:
         if self.pane == "column":
-            self.widgets[side].append(text, 1, reasoning)
+            self.widgets[side].append(text, reasoning)
         else:
             self.widgets[0].append_text(text, 1, reasoning)
         self.taken[side] += text

@@ -81,11 +81,11 @@ def test_a_side_by_side_column_shows_the_reasoning_apart_and_marks_a_divergence_
 
     column = Column("A")
     qtbot.addWidget(column)
-    column.append("", 2, reasoning="Think ")
-    column.append("", 1, reasoning="hard")
+    column.append("", reasoning="Think ")
+    column.append("", reasoning="hard")
     column.flush()
     assert column.answer.toPlainText() == "Reasoning\nThink hard\n"
-    column.append("Hi", 1)
+    column.append("Hi")
     column.flush()
     assert column.answer.toPlainText() == "Reasoning\nThink hard\nHi"
     # the answers part at token 1, inside the reasoning (this side's answer begins at token 3)
@@ -145,7 +145,7 @@ def test_a_side_by_side_column_inserts_each_batch_and_shows_what_drawing_it_whol
     drawn_whole = []
     for batch, (more_text, more_reasoning) in enumerate(BATCHES):
         changes.clear()
-        column.append(more_text, 1, more_reasoning)
+        column.append(more_text, more_reasoning)
         column.flush()
         text, reasoning = text + more_text, reasoning + more_reasoning
         shown = _drawn_whole(reasoning, text)
@@ -173,7 +173,7 @@ def test_a_side_by_side_columns_streamed_answers_show_as_drawing_them_whole_did(
         for _ in range(rng.randint(1, 12)):
             more_reasoning = "".join(rng.choices(pieces, k=rng.randint(0, 4))) if rng.random() < 0.6 else ""
             more_text = "".join(rng.choices(pieces, k=rng.randint(0, 4))) if rng.random() < 0.5 else ""
-            column.append(more_text, 1, more_reasoning)
+            column.append(more_text, more_reasoning)
             if rng.random() < 0.5:
                 column.flush()
             reasoning, text = reasoning + more_reasoning, text + more_text

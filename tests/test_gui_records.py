@@ -304,6 +304,50 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     assert len(window.history.ids()) == 12  # five comparisons ran, two records each, and two A alone
 
 
+def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_streams(qtbot, window, monkeypatch):
+    """The run line and both columns at every token the fixture model streams (reported at each one here): one after
+    the other, B waits until A is done; at once, both answer from the start, each done at its own end."""
+    import app.gui.records_jobs as jobs
+
+    monkeypatch.setattr(jobs, "REPORT_INTERVAL_S", 0.0)
+    load(qtbot, window, "gptoss")
+    view = window.side_by_side
+    shown, on_progress = [], view.on_progress
+
+    def showing(fraction, text):  # what the window shows at each run line
+        on_progress(fraction, text)
+        if text.startswith("A "):
+            shown.append((view.bar.status.text(), *(column.values["tokens"].text() for column in (view.left, view.right))))
+
+    monkeypatch.setattr(view, "on_progress", showing)
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(4)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    ends = [(r.turns[0]["finish_reason"], r.turns[0]["generated_tokens"]) for r in view.result.comparison.records]
+    assert ends == [("length", 4)] * 2  # random weights: no end-of-answer token in 4
+    a_answers = [(f"A answering: {n} (at most 4) · B waiting for A", f"answering: {n} (at most 4)", "waiting for A")
+                 for n in range(5)]
+    b_answers = [(f"A stopped at the length (4 tokens) · B answering: {n} (at most 4)",
+                  "stopped at the length (4 tokens)", f"answering: {n} (at most 4)") for n in range(5)]
+    both_done = ("A stopped at the length (4 tokens) · B stopped at the length (4 tokens)",
+                 "stopped at the length (4 tokens)", "stopped at the length (4 tokens)")
+    assert shown == a_answers + b_answers + [both_done, both_done]  # the job's last flush says it again
+    assert [column.values["tokens"].text() for column in (view.left, view.right)] == ["4", "4"]  # the records'
+    shown.clear()
+    view.concurrent.setChecked(True)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert shown[0] == ("A answering: 0 (at most 4) · B answering: 0 (at most 4)", "answering: 0 (at most 4)",
+                        "answering: 0 (at most 4)")
+    assert shown[-1] == both_done
+    statuses = [f"answering: {n} (at most 4)" for n in range(5)] + ["stopped at the length (4 tokens)"]
+    for line, left, right in shown:  # each side's status moves on, never back, and the line says both columns'
+        assert line == f"A {left} · B {right}" and left in statuses and right in statuses
+    for side in (1, 2):
+        assert [statuses.index(texts[side]) for texts in shown] == sorted(statuses.index(texts[side]) for texts in shown)
+
+
 def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, window):
     load(qtbot, window, "gptoss")  # no device: every expert on the CPU, for A and for B
     view = window.side_by_side

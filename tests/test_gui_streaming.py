@@ -45,9 +45,8 @@ def test_a_side_by_side_column_inserts_the_batches_that_come_before_it_shows_the
     insertions = []
     column.answer.document().contentsChange.connect(lambda at, removed, added: insertions.append(added))
     for batch in LONG_LINE:
-        column.append(batch, 1)
+        column.append(batch)
     assert insertions == [] and column.answer.toPlainText() == ""
-    assert column.values["tokens"].text() == "3 …"
     qtbot.waitUntil(lambda: bool(insertions), timeout=2000)
     qtbot.wait(3 * INTERVAL_MS)
     assert insertions == [len("".join(LONG_LINE))]  # one insertion for the three
@@ -60,8 +59,8 @@ def _view(qtbot):
     view = SideBySideView()
     qtbot.addWidget(view)
     for side in (0, 1):
-        view.on_streamed({"side": side, "text": "Hello", "tokens": 1})
-        view.on_streamed({"side": side, "text": " there", "tokens": 1, "reasoning": ""})
+        view.on_streamed({"side": side, "text": "Hello", "reasoning": "", "status": "answering: 1 (at most 8)"})
+        view.on_streamed({"side": side, "text": " there", "reasoning": "", "status": "answering: 2 (at most 8)"})
     return view
 
 
@@ -78,7 +77,7 @@ def test_a_comparison_that_ends_or_is_stopped_shows_its_answers_once(qtbot):
     view = _view(qtbot)
     pieces = [["Hello", " there", "!"], ["Hello", " there"]]  # what streamed, and a last batch the end brought
     view.on_finished(SideBySideResult(None, pieces, cancelled=True))
-    view.right.append(" again", 1)
+    view.right.append(" again")
     view.right.show_result(["Hello", " there", " again"], 2, {"tokens": "3"})  # the end of one that answered
     qtbot.wait(3 * INTERVAL_MS)
     assert [column.answer.toPlainText() for column in (view.left, view.right)] == ["Hello there!", "Hello there again"]
@@ -132,36 +131,94 @@ def test_an_answer_that_ends_is_stopped_or_fails_shows_what_streamed_once(qtbot,
     assert chat.entries[-1]["text"] == text and chat.transcript.toPlainText().count(text.strip()) == 1
 
 
-def test_side_by_side_says_the_tokens_each_side_streamed_against_the_length_not_a_share_of_it(qtbot):
-    """A reasoning model's length (2,048 here) is where its answer must stop, not where it ends: the run line and both
-    columns say the tokens so far against it, with the same counts, and the bar shows the answering as busy; it read
-    (0.5 + 0.5 · 225 / 2,048), 55%, while the answers may have been nearly done."""
+def _side_by_side(qtbot, answering=(True, True), concurrent=False, at_most=2048):
+    """A side-by-side view fed by the streams its job feeds, and what its run line and columns say."""
     import threading
 
-    from app.gui.records_jobs import JobContext, _SideStreams
-    from app.gui.side_by_side_view import SideBySideView, side_stats
+    from app.gui.records_jobs import JobContext
+    from app.gui.side_by_side_view import SideBySideView
+    from app.gui.side_streams import SideStreams
 
     view = SideBySideView()
     qtbot.addWidget(view)
     ctx = JobContext(None, None, {}, threading.Event(), view.on_progress, view.on_streamed, None)
     view.bar.start("Loading B…")
+    streams = SideStreams(ctx, at_most, answering, concurrent, interval_s=3600)  # the test flushes
+
+    def shown():
+        return (view.bar.status.text(), *(column.values["tokens"].text() for column in (view.left, view.right)))
+
+    def answer(side, count):
+        for _ in range(count):
+            streams.on_reasoning(side, None, "")
+            streams.on_text(side, None, "ab"[side])
+
+    return view, streams, shown, answer
+
+
+def test_side_by_side_one_after_the_other_says_that_b_waits_for_a_and_when_a_is_done(qtbot):
+    """Concurrent off: B waits while A answers (the line said "B: 0"), then answers; each side's tokens so far are said
+    against the length it answers at most, and the bar shows busy rather than a share of that length (it read
+    0.5 + 0.5 · 225 / 2,048, 55%, while the answers may have been nearly done). A side's end says how it ended and
+    its length as its record counts it."""
+    view, streams, shown, answer = _side_by_side(qtbot)
     view.on_progress(0.25, "loading the right side")  # B's load can tell how far it is
     assert (view.bar.progress.maximum(), view.bar.progress.value()) == (1000, 250)
-    streams = _SideStreams(ctx, 2048, (True, True))
-    for side, count in ((0, 412), (1, 38)):
-        for _ in range(count):
-            streams.on_text(side, None, "ab"[side])
-    streams.flush()
-    assert view.bar.status.text() == "answering · A: 412, B: 38 tokens (at most 2,048 each)"
+    streams.flush()  # the job's start
+    assert shown() == ("A answering: 0 (at most 2,048) · B waiting for A", "answering: 0 (at most 2,048)",
+                       "waiting for A")
     assert view.bar.progress.minimum() == view.bar.progress.maximum() == 0  # busy, no share
-    assert [column.values["tokens"].text() for column in (view.left, view.right)] == [
-        "412 (at most 2,048) …", "38 (at most 2,048) …"]
-    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
-    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234}], approximate_routing=False)
-    assert side_stats(record)["tokens"] == "1,234"  # the count the column ends on, written as it streamed
+    answer(0, 412)
+    streams.flush()
+    assert shown() == ("A answering: 412 (at most 2,048) · B waiting for A", "answering: 412 (at most 2,048)",
+                       "waiting for A")
+    streams.on_done(0, "eos", 413)  # its end-of-answer token streamed no text
+    assert shown() == ("A done (413 tokens) · B answering: 0 (at most 2,048)", "done (413 tokens)",
+                       "answering: 0 (at most 2,048)")
+    answer(1, 38)
+    streams.flush()
+    assert shown() == ("A done (413 tokens) · B answering: 38 (at most 2,048)", "done (413 tokens)",
+                       "answering: 38 (at most 2,048)")
+    answer(1, 2010)
+    streams.on_done(1, "length", 2048)
+    assert shown() == ("A done (413 tokens) · B stopped at the length (2,048 tokens)", "done (413 tokens)",
+                       "stopped at the length (2,048 tokens)")
+    assert [column.text for column in (view.left, view.right)] == ["a" * 412, "b" * 2048]
     view.bar.start("Loading B…")  # the next comparison's load shows its share again
     assert view.bar.progress.maximum() == 1000
-    alone = _SideStreams(ctx, 64, (True, False))  # B could not load: A answers alone, and the line says A's alone
-    alone.on_text(0, None, "a")
-    alone.flush()
-    assert view.bar.status.text() == "answering · A: 1 token (at most 64)"
+
+
+def test_side_by_side_at_once_says_each_side_answering_and_which_is_done(qtbot):
+    view, streams, shown, answer = _side_by_side(qtbot, concurrent=True)
+    streams.flush()
+    assert shown() == ("A answering: 0 (at most 2,048) · B answering: 0 (at most 2,048)",
+                       "answering: 0 (at most 2,048)", "answering: 0 (at most 2,048)")
+    answer(0, 412)
+    answer(1, 1)
+    streams.flush()
+    assert shown() == ("A answering: 412 (at most 2,048) · B answering: 1 (at most 2,048)",
+                       "answering: 412 (at most 2,048)", "answering: 1 (at most 2,048)")
+    streams.on_done(1, "eos", 2)  # B ends first: A answers on
+    answer(0, 2)
+    streams.flush()
+    assert shown() == ("A answering: 414 (at most 2,048) · B done (2 tokens)", "answering: 414 (at most 2,048)",
+                       "done (2 tokens)")
+    streams.on_done(0, "cancelled", 414)
+    assert shown() == ("A stopped (414 tokens) · B done (2 tokens)", "stopped (414 tokens)", "done (2 tokens)")
+
+
+def test_side_by_side_with_b_unable_to_load_says_what_a_does_alone(qtbot):
+    view, streams, shown, answer = _side_by_side(qtbot, answering=(True, False), at_most=64)
+    streams.flush()
+    assert shown() == ("A answering: 0 (at most 64)", "answering: 0 (at most 64)", "—")
+    answer(0, 1)
+    streams.on_done(0, "error", None)  # it failed: the tokens it streamed
+    assert shown() == ("A failed (1 token)", "failed (1 token)", "—")
+
+
+def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
+    from app.gui.side_by_side_view import side_stats
+
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
+    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234}], approximate_routing=False)
+    assert side_stats(record)["tokens"] == "1,234"

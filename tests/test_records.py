@@ -365,6 +365,29 @@ def test_side_by_side_gives_two_records_and_the_divergence(simulated_model):
 
 
 @pytest.mark.parametrize("concurrent", [False, True])
+def test_side_by_side_says_as_each_side_ends_how_its_answer_ended(simulated_model, concurrent):
+    """One after the other, A's answer ends before B's first token; at once, each side's end follows its last token.
+    Each end comes with the side's finish reason and length, as its record has them."""
+    model, device = simulated_model
+    events = []
+    comparison = compare(Side(model, device, "a"), Side(model, device, "b"), "Compare us", PARAMS,
+                         concurrent=concurrent, on_text=lambda side, token, delta: events.append((side, "token")),
+                         on_done=lambda side, reason, tokens: events.append((side, reason, tokens)))
+    ends = [(record.turns[0]["finish_reason"], record.turns[0]["generated_tokens"]) for record in comparison.records]
+    assert ends == [("length", PARAMS.max_new_tokens)] * 2
+    for side in (0, 1):
+        assert [event for event in events if event[0] == side][-1] == (side, *ends[side])  # its end, after its tokens
+    if not concurrent:
+        assert events.index((0, *ends[0])) < events.index((1, "token"))
+    cancel = threading.Event()
+    cancel.set()  # neither side begins
+    events.clear()
+    compare(Side(model, device, "a"), Side(model, device, "b"), "Compare us", PARAMS, concurrent=concurrent,
+            cancel=cancel, on_done=lambda side, reason, tokens: events.append((side, reason, tokens)))
+    assert sorted(events) == [(0, "cancelled", 0), (1, "cancelled", 0)]
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
 def test_side_by_side_answers_with_one_side_when_the_other_fails(simulated_model, monkeypatch, concurrent):
     """A side that could not load (a budget its device cannot hold) or fails while answering has its one-line error;
     the other side answers all the same, as it would alone."""
@@ -382,7 +405,10 @@ def test_side_by_side_answers_with_one_side_when_the_other_fails(simulated_model
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
 
     monkeypatch.setattr(other.decoder, "forward", fails)
-    comparison = compare(Side(other, None, "a"), Side(model, device, "b"), "Compare us", PARAMS, concurrent=concurrent)
+    ends = []
+    comparison = compare(Side(other, None, "a"), Side(model, device, "b"), "Compare us", PARAMS, concurrent=concurrent,
+                         on_done=lambda side, reason, tokens: ends.append((side, reason, tokens)))
+    assert sorted(ends) == [(0, "error", None), (1, "length", PARAMS.max_new_tokens)]
     assert comparison.records[0] is None and comparison.records[1].turns[0]["tokens"] == alone["tokens"]
     assert comparison.failures[0].startswith("RuntimeError: CUDA error: an illegal memory access was encountered")
     assert comparison.failures[1] is None and comparison.margins is None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from app.gui.side_streams import SideStreams
 from engine.errors import PromptError, WorkbenchError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
@@ -209,57 +210,6 @@ class _Cancelled(Exception):
     pass
 
 
-def answering_text(tokens: tuple[int, int], at_most: int, answering: tuple[bool, bool]) -> str:
-    """What the answering sides have streamed, against the length they share. No share of that length: an answer
-    ends where the model ends it, a reasoning model's often far below its thousands of tokens."""
-    counts = [(side, count) for side, count, answers in zip("AB", tokens, answering) if answers]
-    unit = "token" if [count for _side, count in counts] == [1] else "tokens"
-    return (f"answering · {', '.join(f'{side}: {count:,}' for side, count in counts)} {unit} (at most {at_most:,}"
-            f"{' each' if len(counts) > 1 else ''})")
-
-
-class _SideStreams:
-    """Both columns' streamed text: every token's text kept (for the divergence mark), its answer's and its
-    reasoning's apart (generate calls on_reasoning just before on_text, with every token), batches sent with the
-    length the sides answer at most; `answering`: which sides have a model to answer."""
-
-    def __init__(self, ctx: JobContext, max_tokens: int, answering: tuple[bool, bool]):
-        self.ctx, self.max_tokens, self.answering = ctx, max_tokens, answering
-        self.pieces: list[list[str]] = [[], []]
-        self.thoughts: list[list[str]] = [[], []]
-        self._pending: list[list[str]] = [[], []]
-        self._pending_thoughts: list[list[str]] = [[], []]
-        self._lock = threading.Lock()
-        self._last = 0.0
-
-    def on_reasoning(self, side: int, _token, delta: str) -> None:
-        with self._lock:
-            self.thoughts[side].append(delta)
-            self._pending_thoughts[side].append(delta)
-
-    def on_text(self, side: int, _token, delta: str) -> None:
-        with self._lock:
-            self.pieces[side].append(delta)
-            self._pending[side].append(delta)
-            now = time.perf_counter()
-            if now - self._last >= REPORT_INTERVAL_S:
-                self._last = now
-                self._flush()
-
-    def _flush(self) -> None:
-        for side in (0, 1):
-            if self._pending[side]:
-                self.ctx.stream({"side": side, "text": "".join(self._pending[side]), "tokens": len(self._pending[side]),
-                                 "reasoning": "".join(self._pending_thoughts[side]), "at_most": self.max_tokens})
-                self._pending[side], self._pending_thoughts[side] = [], []
-        tokens = (len(self.pieces[0]), len(self.pieces[1]))
-        self.ctx.progress(None, answering_text(tokens, self.max_tokens, self.answering))
-
-    def flush(self) -> None:
-        with self._lock:
-            self._flush()
-
-
 @dataclass
 class SideBySideResult:
     comparison: Comparison | None
@@ -314,11 +264,13 @@ class SideBySideJob:
         if tokens is None:  # both sides answer the same length: the longer of the models' own (B's may reason first)
             tokens = max(model.answer_tokens(SIDE_BY_SIDE_TOKENS) for model in (left, right.model) if model is not None)
         params = greedy(tokens)
-        streams = _SideStreams(ctx, params.max_new_tokens, (True, right.model is not None))
+        streams = SideStreams(ctx, params.max_new_tokens, (True, right.model is not None), self.concurrent,
+                              REPORT_INTERVAL_S)
+        streams.flush()  # who answers first, who waits
         try:
             comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,
                                  concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel,
-                                 on_reasoning=streams.on_reasoning)
+                                 on_reasoning=streams.on_reasoning, on_done=streams.on_done)
         finally:
             if device is not None:  # the right model's queued copies done before its slots go back to CuPy's pool,
                 device.quiesce()    # which the loaded model's allocations share (CudaDevice.quiesce)

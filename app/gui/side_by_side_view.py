@@ -135,7 +135,6 @@ class Column(QGroupBox):
     def __init__(self, title: str, parent=None):
         super().__init__(title, parent)
         self.text = self.reasoning = ""
-        self.tokens = 0
         # while it streams with a reasoning paragraph: the last character each part shows ("" before any), which decides
         # whether the next batch's leading whitespace shows (_shown), and where the reasoning ends
         self._reasoning_end = self._answer_end = ""
@@ -157,23 +156,24 @@ class Column(QGroupBox):
         layout.addLayout(grid)
 
     def clear(self) -> None:
-        self.text, self.reasoning, self.tokens = "", "", 0
+        self.text, self.reasoning = "", ""
         self._reasoning_end = self._answer_end = ""
         self._drop_unshown()
         self.answer.clear()
         for label in self.values.values():
             label.setText("—")
 
-    def append(self, text: str, tokens: int, reasoning: str = "", at_most: int | None = None) -> None:
-        """A streamed batch, shown with those that come before the column's pacer shows them (stream_pacing.py);
-        `at_most`: the length the answer may reach, said beside the tokens so far (as the run line says them)."""
+    def append(self, text: str, reasoning: str = "") -> None:
+        """A streamed batch, shown with those that come before the column's pacer shows them (stream_pacing.py)."""
         self.text += text
         self.reasoning += reasoning
-        self.tokens += tokens
         self._unshown_text += text
         self._unshown_reasoning += reasoning
         self._pacer.schedule()
-        self.values["tokens"].setText(f"{self.tokens:,}" + (f" (at most {at_most:,})" if at_most else "") + " …")
+
+    def show_status(self, status: str) -> None:
+        """What this side is doing while the two answer (side_streams.side_status), where its tokens show at the end."""
+        self.values["tokens"].setText(status)
 
     def flush(self) -> None:
         """What came and is not shown yet, shown now: the stream ended without drawing the column again."""
@@ -405,7 +405,8 @@ class SideBySideView(QWidget):
 
     def on_streamed(self, payload: dict) -> None:
         column = (self.left, self.right)[payload["side"]]
-        column.append(payload["text"], payload["tokens"], payload.get("reasoning", ""), payload.get("at_most"))
+        column.append(payload["text"], payload["reasoning"])
+        column.show_status(payload["status"])
 
     def on_finished(self, result: SideBySideResult) -> None:
         self.result = result

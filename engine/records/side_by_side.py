@@ -67,9 +67,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def compare(left: Side, right: Side, prompt: str, params: GenerationParams, concurrent: bool = False,
-            on_text=None, cancel: threading.Event | None = None, on_reasoning=None) -> Comparison:
+            on_text=None, cancel: threading.Event | None = None, on_reasoning=None, on_done=None) -> Comparison:
     """on_text(side_index, token, delta) streams both columns (from two threads when concurrent), and
     on_reasoning(side_index, token, delta) their reasoning (generate's on_reasoning).
+    on_done(side_index, finish_reason, generated_tokens) as each side that has a model ends, from its thread: its
+    answer's finish reason and length, ("cancelled", 0) where it had not begun, ("error", None) where it failed.
     `cancel` ends the answer at the next token; a side that had not started then has no turn. The records' scenario
     is SCENARIO, or SCENARIO_AT_ONCE when concurrent. A side that fails (or could not load) has no record and its
     error in `failures`; the other side answers all the same."""
@@ -92,6 +94,16 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
             failures[index] = one_line(exc)
         except BaseException as exc:  # raised again in the caller's thread
             errors.append(exc)
+            return
+        if not on_done:
+            return
+        record = records[index]
+        if failures[index]:
+            on_done(index, "error", None)
+        elif record.turns:
+            on_done(index, record.turns[0]["finish_reason"], record.turns[0]["generated_tokens"])
+        else:
+            on_done(index, "cancelled", 0)
 
     if concurrent:
         threads = [threading.Thread(target=run, args=(i, side)) for i, side in enumerate((left, right))]
