@@ -139,13 +139,34 @@ def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_foll
     third.close()
 
 
+def test_the_sweeps_tokens_the_user_sets_outlive_the_window_and_unset_stays_the_sweeps_own(qtbot, tmp_path):
+    """Budget sweep's Tokens is kept as the other views' lengths are: one the user set comes back after a restart
+    (it came back as 32); set to the sweep's own, or never set, it stays the sweep's own, saved as no length."""
+    from engine.records.lengths import SWEEP_TOKENS
+
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.sweep.max_tokens.value() == SWEEP_TOKENS == 32 and win.sweep.max_tokens.chosen is None
+    win.sweep.max_tokens.setValue(200)
+    win.close()
+    again = make_window(qtbot, tmp_path, nvml=False)
+    assert again.sweep.max_tokens.value() == 200 and again.sweep.max_tokens.chosen == 200
+    again.sweep.max_tokens.setValue(SWEEP_TOKENS)
+    again.close()
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    assert settings.value("sweep/max_new_tokens") == "null"  # the sweep's own: another default would follow
+    third = make_window(qtbot, tmp_path, nvml=False)
+    assert third.sweep.max_tokens.value() == SWEEP_TOKENS and third.sweep.max_tokens.chosen is None
+    third.close()
+
+
 def test_a_settings_file_holding_no_length_that_fits_leaves_the_length_to_the_model(qtbot, tmp_path):
     settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
-    for key, raw in (("side_by_side", "0"), ("record", "lots"), ("contention", "true")):
+    for key, raw in (("side_by_side", "0"), ("record", "lots"), ("contention", "true"), ("sweep", "100001")):
         settings.setValue(f"{key}/max_new_tokens", raw)
     settings.sync()
     win = make_window(qtbot, tmp_path, nvml=False)
-    assert [box.chosen for box in win.answer_lengths.values()] == [None, None, None]
+    assert [box.chosen for box in win.answer_lengths.values()] == [None, None, None, None]
+    assert win.sweep.max_tokens.value() == 32
     win.close()
 
 

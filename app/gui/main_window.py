@@ -52,8 +52,8 @@ def settings_from_env() -> QSettings:
 
 
 def saved_length(raw) -> int | None:
-    """An answer length the settings keep: the user's, or None (the model's own) where none, or none that fits, is
-    kept (a hand-edited or older settings file)."""
+    """An answer length the settings keep: the user's, or None (the box's own: the model's, the sweep's) where none,
+    or none that fits, is kept (a hand-edited or older settings file)."""
     try:
         tokens = json.loads(raw) if raw else None
     except (ValueError, TypeError):
@@ -112,7 +112,7 @@ class MainWindow(QMainWindow):
                           "contention": self.contention_view}
         # the answer lengths kept in the settings beside the chat's (its options hold its own)
         self.answer_lengths = {"side_by_side": self.side_by_side.max_tokens, "record": self.scenarios.max_tokens,
-                               "contention": self.contention_view.max_tokens}
+                               "contention": self.contention_view.max_tokens, "sweep": self.sweep.max_tokens}
         self._cancel_when_started: str | None = None
         history_box = QWidget()
         history_column = QVBoxLayout(history_box)

@@ -45,6 +45,22 @@ def byte_unit(largest: float) -> tuple[str, int]:
     return "bytes", 1
 
 
+class SweepLength(QSpinBox):
+    """Tokens: the answer length, the same for every model. `chosen` is the user's, which the settings keep (None:
+    SWEEP_TOKENS, the sweep's own)."""
+
+    def __init__(self):
+        super().__init__(minimum=1, maximum=MAX_ANSWER_TOKENS, value=SWEEP_TOKENS)
+
+    @property
+    def chosen(self) -> int | None:
+        return None if self.value() == SWEEP_TOKENS else self.value()
+
+    def choose(self, tokens: int | None) -> None:
+        """The user's length, as saved settings restore it (None: the sweep's own)."""
+        self.setValue(tokens or SWEEP_TOKENS)
+
+
 class SweepView(QWidget):
     jobRequested = Signal(str, object)
     cancelRequested = Signal()
@@ -64,9 +80,10 @@ class SweepView(QWidget):
         for name in (*SCENARIOS, "all"):
             self.scenario.addItem(name)
         self.scenario.setAccessibleName("Scenarios at each point")
-        self.max_tokens = QSpinBox(minimum=1, maximum=MAX_ANSWER_TOKENS, value=SWEEP_TOKENS)
+        self.max_tokens = SweepLength()
         self.max_tokens.setAccessibleName("Answer tokens")
-        self.max_tokens.setToolTip("The answer length, the same for every model: a sweep times the same work at each "
+        self.max_tokens.setToolTip(f"The answer length, the same for every model ({SWEEP_TOKENS} unless you set one, "
+                                   "which is kept when the window reopens): a sweep times the same work at each "
                                    "budget; a model that reasons first spends it on its reasoning, which decodes as an "
                                    "answer does")
         self.length_note = QLabel()  # said before a sweep runs, not only as it ends
