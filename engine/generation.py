@@ -96,7 +96,8 @@ class LoadedModel:
         self.tokenizer = folder.tokenizer
         self.answer_format: AnswerFormat = answer_format(self.tokenizer)
         # Expert runners first, the offload plan next, the dense sessions last: onnxruntime's GPU
-        # arena gets what the plan leaves under gpu_device_mem_limit (ort_env.dense_arena_limit).
+        # arena gets what the plan leaves under gpu_device_mem_limit (ort_env.dense_arena_limit), or the
+        # smaller arena a model loaded earlier in the process registered (ort_env.shared_arena_cap).
         self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads,
                                           progress, dense=None)
         probe = DecoderState(self.config, folder.onnx.proto.graph)

@@ -183,7 +183,8 @@ def dense_arena_limit(mem_limit: int, available: int, state_bytes: int, dense_we
     and workspace, plus whatever the slots did not fill). From that, the conversation's state at full
     context (CuPy, outside onnxruntime's arena, growth included) and the dense weights (allocated
     exactly, outside the arena: session.use_device_allocator_for_initializers) are taken; the arena,
-    shared by every dense segment, gets the rest.
+    shared by every dense segment, gets the rest (or less, where a model loaded earlier in the process registered
+    it smaller: shared_arena_cap).
     """
     if not mem_limit:
         return 0
@@ -226,8 +227,9 @@ def cuda_libraries_missing() -> str | None:
             "loaded (install the cuda12 or cuda13 extra, which brings them: make clean install)")
 
 
-_shared_arenas: dict[int, int] = {}  # device id -> max_mem of the arena registered with onnxruntime's env
+_shared_arenas: dict[int, int] = {}  # device id -> max_mem of the arena registered with onnxruntime's env (0: no cap)
 _arena_locks: dict[int, threading.Lock] = {}  # device id -> dense_step_lock's lock
+_registering = threading.Lock()  # two loads at once must not both find no arena and both register one
 
 
 def dense_step_lock(device_id: int) -> threading.Lock:
@@ -240,24 +242,44 @@ def dense_step_lock(device_id: int) -> threading.Lock:
     return _arena_locks.setdefault(device_id, threading.Lock())  # one call: atomic, two threads get the same lock
 
 
-def register_shared_cuda_arena(device_id: int, max_mem: int) -> None:
-    """One onnxruntime arena on the device for every dense session (session.use_env_allocators):
-    a cap on each of 49 per-session arenas would not cap their sum. onnxruntime keeps an env
-    allocator for the life of the process and cannot replace it."""
-    if device_id in _shared_arenas:
-        if _shared_arenas[device_id] != max_mem:
-            earlier = human_bytes(_shared_arenas[device_id]) if _shared_arenas[device_id] else "no cap"
-            raise DenseDoesNotFit(f"onnxruntime's GPU arena on device {device_id} was made earlier in this process "
-                                  f"with {earlier}; another gpu_device_mem_limit takes a restart")
-        return
-    info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_id, ort.OrtMemType.DEFAULT)
-    arena = ort.OrtArenaCfg({"max_mem": max_mem, "arena_extend_strategy": 1})  # 1 = kSameAsRequested
-    try:
-        ort.create_and_register_allocator_v2(CUDA_EP, info, cuda_provider_options(device_id, max_mem), arena)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DenseDoesNotFit(f"onnxruntime cannot make its GPU arena on device {device_id}: {first}") from None
-    _shared_arenas[device_id] = max_mem
+def register_shared_cuda_arena(device_id: int, max_mem: int) -> int:
+    """One onnxruntime arena on the device for every dense session (session.use_env_allocators): a cap on each of 49
+    per-session arenas would not cap their sum. The first call registers it at `max_mem` (0: no cap); onnxruntime keeps
+    an env allocator for the life of the process and can neither replace nor remove it, so every call returns the
+    max_mem it was registered at, which shared_arena_cap weighs against a later model's limit."""
+    with _registering:
+        if device_id in _shared_arenas:
+            return _shared_arenas[device_id]
+        info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_id, ort.OrtMemType.DEFAULT)
+        arena = ort.OrtArenaCfg({"max_mem": max_mem, "arena_extend_strategy": 1})  # 1 = kSameAsRequested
+        try:
+            ort.create_and_register_allocator_v2(CUDA_EP, info, cuda_provider_options(device_id, max_mem), arena)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DenseDoesNotFit(f"onnxruntime cannot make its GPU arena on device {device_id}: {first}") from None
+        _shared_arenas[device_id] = max_mem
+        return max_mem
+
+
+def shared_arena_cap(device_id: int, registered: int, arena: int, mem_limit: int) -> int:
+    """The cap in force on onnxruntime's arena for a model whose gpu_device_mem_limit (`mem_limit`, 0 = none) leaves it
+    `arena` bytes (dense_arena_limit), where the device's arena was registered at `registered` (0 = no cap), perhaps by
+    a model loaded earlier (a reload, side-by-side's B). A registered cap within `arena` holds the model to its limit:
+    that cap is what it counts, the rest stays its experts'. A larger one, or none, would let onnxruntime take more
+    than the limit leaves: DenseDoesNotFit, naming the arena."""
+    if registered == arena or not mem_limit or 0 < registered < arena:
+        return registered
+    if not registered:
+        raise DenseDoesNotFit(
+            f"onnxruntime's GPU arena on device {device_id} was registered without a cap by a model loaded earlier in "
+            "this process without gpu_device_mem_limit, and onnxruntime keeps it until the process ends; it cannot "
+            f"hold this model to gpu_device_mem_limit={mem_limit} (restart and load this model first)")
+    raise DenseDoesNotFit(
+        f"onnxruntime's GPU arena on device {device_id} was registered at {human_bytes(registered)} by a model loaded "
+        "earlier in this process, and onnxruntime keeps it at that size until the process ends; this model's "
+        f"gpu_device_mem_limit={mem_limit} leaves it {human_bytes(arena)} after the expert slots, staging, state and "
+        f"dense weights, {human_bytes(registered - arena)} short (lower device_expert_bytes, or restart and load this "
+        "model first)")
 
 
 @dataclass(frozen=True)
@@ -269,6 +291,8 @@ class DenseDevice:
     arena_limit: int = 0         # onnxruntime's gpu_mem_limit; 0 = no cap
     state_bytes: int = 0         # the state at full context, growth included (on the GPU)
     backend: object = None
+    arena_left: int | None = None  # where the arena in force was registered by an earlier model (shared_arena_cap):
+    #                               what this model's gpu_device_mem_limit left for it (0: no limit)
 
     def providers(self) -> list:
         if self.kind != "cuda":
@@ -301,6 +325,11 @@ class DenseDevice:
         if self.kind != "cuda":
             return f"The dense part runs on the CPU: {self.reason}."
         cap = f"; onnxruntime's arena is capped at {human_bytes(self.arena_limit)}" if self.arena_limit else ""
+        if self.arena_left is not None:
+            cap += (" (registered at that size by a model loaded earlier in this process: onnxruntime keeps one arena "
+                    "per GPU until the process ends; " +
+                    (f"this model's gpu_device_mem_limit left {human_bytes(self.arena_left)} for it)" if self.arena_left
+                     else "this model has no gpu_device_mem_limit)"))
         return (f"The dense part runs on GPU {self.device_id} with onnxruntime's CUDA execution provider; the KV "
                 f"cache and state (up to {human_bytes(self.state_bytes)}) live in GPU memory{cap}.")
 
@@ -342,16 +371,19 @@ def dense_goes_to(device, kv_dtypes=()) -> bool:
 
 def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int, kv_dtypes=()) -> DenseDevice:
     """The DenseDevice for experts on `device` (None, a SimulatedDevice or a CudaDevice), after the
-    offload plan has taken its share of the device's memory."""
+    offload plan has taken its share of the device's memory. Its arena_limit is the cap in force on onnxruntime's
+    arena, which LoadedModel counts against gpu_device_mem_limit: what the limit leaves (dense_arena_limit), or the
+    smaller cap the device's arena was registered at by a model loaded earlier (shared_arena_cap)."""
     why = dense_cpu_reason(getattr(device, "kind", None), kv_dtypes)
     if why:
         return DenseDevice("cpu", why)
+    limit = device.memory.limit
     try:
-        arena = dense_arena_limit(device.memory.limit, device.memory.available, state_bytes, dense_weight_bytes)
-        register_shared_cuda_arena(device.index, arena)
+        left = dense_arena_limit(limit, device.memory.available, state_bytes, dense_weight_bytes)
+        arena = shared_arena_cap(device.index, register_shared_cuda_arena(device.index, left), left, limit)
     except DenseDoesNotFit as exc:
         return DenseDevice("cpu", str(exc))
     from engine.array_backend import cupy_backend
 
     return DenseDevice("cuda", f"onnxruntime's {CUDA_EP} on device {device.index}", device.index, arena,
-                       state_bytes, cupy_backend(device.index))
+                       state_bytes, cupy_backend(device.index), None if arena == left else left)

@@ -28,6 +28,7 @@ from engine.errors import ModelFileError, WorkbenchError
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.device_memory import DeviceMemory
+from engine.units import human_bytes
 from engine.writer import WriterSpec, write_model
 from tests.conftest import REPO, fixture_folder
 
@@ -927,6 +928,64 @@ def test_gpu_device_mem_limit_is_respected(tmp_path):
     assert landed["used"] <= limit + 1024 * mib, landed
     tight = run(limit, limit - 32 * mib)  # 32 MiB left after the "plan": less than the arena's minimum
     assert tight["dense"] == "cpu" and "gpu_device_mem_limit" in tight["reason"], tight
+
+
+TWO_LIMITS_SCRIPT = r"""
+import json, sys
+import cupy
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig
+from engine.offload.cuda_device import open_cuda_device
+from engine.offload.planner import all_resident_bytes
+from engine.writer import write_model
+from tests.test_dense_device import FP16_MODELS, decode_alongside
+spec = FP16_MODELS["fp16"]
+folder = write_model(sys.argv[2], spec)
+limit = int(sys.argv[1])
+cpu = LoadedModel.open(folder)
+every = all_resident_bytes(cpu.folder.experts)
+config = OffloadConfig().updated(gpu_device_mem_limit=limit, reserve_device_bytes=512 << 20)
+models, sides = [], []
+# A: every expert resident and 256 MiB more taken (a larger model's plan); B: half the experts, nothing more taken, so
+# B's limit leaves the arena more than A's did; C: A's plan with 32 MiB more taken, so it leaves 32 MiB less.
+for budget, taken in ((every, 256 << 20), (every // 2, 0), (every, (256 + 32) << 20)):
+    device = open_cuda_device(mem_limit=limit)
+    device.memory.reserve(taken, "taken by the test")
+    model = LoadedModel.open(folder, offload=config.updated(device_expert_bytes=budget), device=device)
+    models.append(model)
+    sides.append({"dense": model.dense_device, "reason": model.dense_reason, "arena": model.dense.arena_limit,
+                  "left": model.dense.arena_left, "used": device.memory.used, "statement": model.dense_statement})
+for side, model, seed in zip(sides, models, (21, 22, 23)):  # each answers after all three loaded
+    side["error"] = max(decode_alongside(model, cpu, spec, seed))
+cupy.cuda.Device(0).synchronize()
+print(json.dumps(sides))
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda_ep
+def test_two_capped_models_with_different_budgets_both_run_their_dense_part_on_the_gpu(tmp_path):
+    """A reload, or side-by-side's B, at the same gpu_device_mem_limit with another expert budget: onnxruntime's arena
+    is registered once a process at the first model's size, and B, whose limit leaves it more, runs its dense part on
+    the GPU in that arena, counting it against its limit (it used to fall back to the CPU, blaming the limit). C, whose
+    limit leaves less than the arena, keeps its dense part on the CPU and names the arena. In a fresh process."""
+    limit = 2048 << 20
+    out = subprocess.run([sys.executable, "-c", TWO_LIMITS_SCRIPT, str(limit), str(tmp_path / "fp16")], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    assert out.returncode == 0, out.stderr[-2000:]
+    a, b, c = json.loads(out.stdout.strip().splitlines()[-1])
+    assert a["dense"] == "cuda", a["reason"]
+    assert b["dense"] == "cuda", b["reason"]
+    assert ort_env.MIN_DENSE_ARENA <= a["arena"] < limit and a["left"] is None
+    assert b["arena"] == a["arena"] and b["left"] > b["arena"], b
+    assert "registered at that size by a model loaded earlier" in b["statement"]
+    assert a["used"] <= limit and b["used"] <= limit
+    assert max(a["error"], b["error"]) <= FP16_TOLERANCE, (a["error"], b["error"])
+    assert np.isfinite(c["error"])  # C answers too, its dense part on the CPU
+    assert c["dense"] == "cpu", c["statement"]
+    assert f"registered at {human_bytes(a['arena'])} by a model loaded earlier" in c["reason"], c["reason"]
+    assert "MiB short" in c["reason"] and "another gpu_device_mem_limit" not in c["reason"], c["reason"]
 
 
 def test_generate_json_says_where_the_dense_part_ran():
