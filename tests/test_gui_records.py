@@ -458,3 +458,20 @@ def test_record_and_the_contention_test_answer_the_command_lines_length_for_a_mo
     sweep = SweepView()  # and a sweep's, for every model
     qtbot.addWidget(sweep)
     assert sweep.max_tokens.value() == _build_parser().parse_args(["sweep", folder]).max_new_tokens == SWEEP_TOKENS
+
+
+def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_path):
+    """Before each point's runs the sweep decodes, unrecorded, until the engine's trials at that budget end (up to 200
+    steps: seconds on a large model): the job's status line says so at each point, between the runs' own lines."""
+    from app.gui.records_jobs import SweepJob
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="auto")
+    said = []
+    ctx = type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
+                           "progress": lambda self, fraction, text: said.append(text)})()
+    result = SweepJob(3, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(ctx)
+    assert len(result.points) == 3 and not result.cancelled
+    settling = [text for text in said if "decoding until the engine's trials" in text]
+    assert [text.split(":")[0] for text in settling] == ["at 0%", "at 50%", "at 100%"]
+    assert said.index(settling[1]) > said.index("1 of 3 runs done") > said.index(settling[0])

@@ -189,10 +189,16 @@ class SweepJob:
             done[0] = round(fraction * total)
             ctx.progress(fraction, f"{done[0]} of {total} runs done")
 
+        def on_settle(fraction: float, split: str | None) -> None:  # up to 200 decode steps before the point's runs
+            at = f"{fraction:.0%}" + (f" ({split})" if split else "")
+            ctx.progress(done[0] / total, f"at {at}: decoding until the engine's trials of its ways are over, "
+                                          "unrecorded")
+
         ctx.progress(0.0, f"run 1 of {total}")
         try:
             points = run_sweep(model, ctx.device, self.points, self.scenarios, params, label=self.label,
-                               progress=progress, cancel=ctx.cancel, on_text=on_text, splits=splits)
+                               progress=progress, cancel=ctx.cancel, on_text=on_text, splits=splits,
+                               on_settle=on_settle)
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
         result = SweepResult(points, planned, str(model.folder.folder), original.to_entries(),

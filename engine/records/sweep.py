@@ -149,10 +149,10 @@ def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
 
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
-              on_text=None, splits: tuple[str, ...] | None = None, on_point=None) -> list[SweepPoint]:
+              on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None) -> list[SweepPoint]:
     """Only complete points are returned: `cancel` (checked between tokens) ends the sweep early.
-    `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_point(point)` as
-    each point completes (the command line saves its runs then: an interrupted sweep keeps them). `splits` (e.g.
+    `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
+    split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command line saves its runs then: an interrupted sweep keeps them). `splits` (e.g.
     ("spread", "whole")): the layer splits to compare at each budget (sweep_plan); the model's own layer split
     is put back afterwards."""
     if model.offload is None:
@@ -167,6 +167,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     try:
         for index, (fraction, budget, split) in enumerate(plan):
             model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget), layer_split=split)
+            if on_settle:
+                on_settle(fraction, split)
             point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
             device.memory.high_water = device.memory.used  # peaks per point
             tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
