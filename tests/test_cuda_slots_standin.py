@@ -1370,3 +1370,53 @@ def test_a_bound_set_while_the_mapping_is_being_page_locked_waits_and_undoes_it(
     assert len(runtime.unregistered) == 1 and runtime.registered == {}  # the region in progress, undone by its thread
     assert prefault.done.is_set() and prefault.populated_bytes == prefault.ranges[0][2]  # the call in progress alone
     assert_copies_bounded_through_the_host(model, paged_cpu_run, monkeypatch)
+
+
+def test_back_from_every_expert_resident_the_mapping_is_page_locked_within_what_the_host_tier_leaves(
+        paged_folder, monkeypatch):
+    """Load makes the host tier first, then page-locks the experts' mapping only where at most 80% of the memory the
+    tier leaves holds it (host_register.py). Back from every expert resident, the re-plan page-locked the mapping
+    before it made the tier, against the memory the tier was about to take: on a host with room for one of them, the
+    tier was then refused (decode had no tier to try) and the mapping locked, where load did the opposite; with
+    more memory, both locked together more than either check allows. The re-plan does what load does."""
+    import engine.offload.host_register as host_register
+    from engine.offload import decode_path
+    from engine.offload.engine import OffloadEngine
+    from engine.offload.planner import all_resident_bytes
+
+    folder = ModelFolder.open(paged_folder)
+    tier = decode_path.tier_bytes(folder.experts)
+    mapped = sum(size for _, _, size in host_register.mapping_regions(folder.onnx, folder.experts))
+    low, high = max(2 * tier, mapped / host_register.AVAILABLE_SHARE), mapped / host_register.AVAILABLE_SHARE + tier
+    assert low < high  # room for the tier, then too little for the mapping beside it; for the mapping alone
+    runtime = FakeRuntime()
+    register_on_standin(monkeypatch, runtime)
+    tier_made = [False]
+    make_stores = OffloadEngine._make_stores
+
+    def tracked(self, host_tier):
+        make_stores(self, host_tier)
+        tier_made[0] = host_tier
+
+    def available() -> int:  # a host whose free memory the tier and the registered mapping take
+        locked = sum(size for size, _flags in runtime.registered.values())
+        return int((low + high) / 2) - locked - (tier if tier_made[0] else 0)
+
+    monkeypatch.setattr(OffloadEngine, "_make_stores", tracked)
+    monkeypatch.setattr(decode_path, "host_available", available)
+    monkeypatch.setattr(host_register, "psutil", SimpleNamespace(
+        virtual_memory=lambda: SimpleNamespace(available=available())))
+    monkeypatch.setenv("MOE_DECODE_PATH", "auto")  # the tier made, the trials choose the path: the defaults
+    model = open_copying(paged_folder, 0.5, monkeypatch, host_experts=None, device_working_bytes=1 << 30)
+    engine = model.offload
+    assert model.host_registration.ready.wait(10)
+    at_load = (engine.host_tier, model.host_registration.registered)
+    assert at_load == (True, False) and "exceed 80% of the memory" in model.host_registration.reason
+    hybrid = engine.config
+    engine.reconfigure(hybrid.updated(device_expert_bytes=2 * all_resident_bytes(engine.infos)))
+    assert engine.plan.placement_mode == "all_resident" and not engine.host_tier
+    engine.reconfigure(hybrid)
+    again = model.host_registration
+    assert again.ready.wait(10)
+    assert (engine.host_tier, again.registered) == at_load and "exceed 80% of the memory" in again.reason
+    assert runtime.registered == {}

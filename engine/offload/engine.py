@@ -650,13 +650,6 @@ class OffloadEngine:
         elif self.plan.placement_mode == "all_resident":
             self._end_unbounded_work("every expert is now resident on the GPU, so nothing is copied from the file "
                                      "(fewer resident page-locks it again)")
-        elif self.prefault is None and not self._unbounded_work_ended_for_good:
-            # back from every expert resident (or loaded so): prefill waves, swaps and copied misses read the file
-            # again, and through the pinned ring a 2,048-token prefill at 25% took 2.3x as long (RESULTS.md,
-            # fifty-fifth session)
-            start = self.start_unbounded_work()
-            if start is not None:
-                start(config, self.device)
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
         if self._tier_choice(config):
@@ -673,6 +666,15 @@ class OffloadEngine:
         self._apply_file_backing()
         self._make_policy(old_scores)  # what adaptive placement learnt so far still holds
         self._apply_cpu_threads()
+        if self.prefault is None and not self._unbounded_work_ended_for_good:
+            # back from every expert resident (or loaded so; LoadedModel._prefault_pays says where it pays): prefill
+            # waves, swaps and copied misses read the file again, and through the pinned ring a 2,048-token prefill at
+            # 25% took 2.3x as long (RESULTS.md, fifty-fifth session). Started once the plan is in force, as load
+            # starts it once the engine is made: the registration's memory check then counts the host tier's
+            # page-locked memory (started before the tier, neither check counted the other's)
+            start = self.start_unbounded_work()
+            if start is not None:
+                start(config, self.device)
         self.stats.pinned = self.pinned_info()
 
     def _end_unbounded_work(self, why: str) -> None:
