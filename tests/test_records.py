@@ -584,3 +584,35 @@ def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     assert sorted(ran[4:]) == [("indexing", "indexing and inference at once"),
                                ("inference", "indexing and inference at once")]
     assert shown[0] == "done"
+
+
+def test_a_sweep_points_trials_wait_for_the_experts_mapping_its_re_plan_started(monkeypatch):
+    """A re-plan from every expert resident to fewer maps the experts' pages in again, in the background (and on a
+    GPU page-locks their mapping: seconds for a large model). The point's unrecorded decode ran its trials beside
+    that work, so the decode path kept for the point's answers was chosen from steps slowed by it, and the answers
+    (which wait for it, run_turns) ran on that choice. The trials' steps start once it is done; a cancel ends the
+    wait."""
+    import engine.records.sweep as sweep
+    from engine.onnx_file import OnnxFile
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="auto")
+    assert model.offload.plan.placement_mode == "all_resident" and model.prefault is None
+    gate, populate = threading.Event(), OnnxFile.populate_pages
+    monkeypatch.setattr(OnnxFile, "populate_pages", lambda self, *args: gate.wait() and populate(self, *args))
+    model.offload.reconfigure(model.offload.config.updated(
+        device_expert_bytes=all_resident_bytes(model.offload.infos) // 2))
+    assert model.prefault is not None and not model.settled  # mapping the experts again, held at the gate
+    settled_at_steps, forward = [], model.decoder.forward
+
+    def spy(state, tokens):
+        settled_at_steps.append(model.settled)
+        return forward(state, tokens)
+
+    monkeypatch.setattr(model.decoder, "forward", spy)
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    assert sweep.settle(model, cancel) == 0 and settled_at_steps == []  # cancelled while waiting
+    threading.Timer(0.3, gate.set).start()
+    steps = sweep.settle(model)
+    assert steps >= 76 and len(settled_at_steps) == steps + 1 and all(settled_at_steps)

@@ -135,7 +135,12 @@ SETTLE_STEPS_MAX = 200  # a first decode path trial ends by its 76th step, "both
 def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
     """Greedy decode steps on a conversation of their own, not recorded, until the engine's trials at the budget just
     planned are over (OffloadEngine.trials_pending), at most SETTLE_STEPS_MAX or what the context holds. Returns the
-    steps run."""
+    steps run. They start once the background work the re-plan started is done (back from every expert resident: the
+    experts' pages mapped in, their mapping page-locked): trials timed beside it would keep a way for the point's
+    answers, which wait for it (run_turns), from steps it slowed."""
+    model.wait_until_settled(cancel)
+    if cancel is not None and cancel.is_set():
+        return 0
     state = model.new_state()
     prompt = model.tokenizer.encode("The experts of a mixture")
     limit = min(SETTLE_STEPS_MAX, model.config.context_length - len(prompt) - 1)
