@@ -82,7 +82,10 @@ def _gather_seconds(model: LoadedModel) -> float:
 
 def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) -> tuple[float, list[dict]]:
     """Decode tokens/s, and per step the seconds at each boundary bench_overhead times (its Meter:
-    dense set-up vs onnxruntime's run, expert node, launch / collect, placement, the decoder loop)."""
+    dense set-up vs onnxruntime's run, expert node, launch / collect, placement, the decoder loop). Starts once the
+    background work a re-plan started is done (back from every expert resident, as after the dense reference: the
+    experts' pages mapped in, their mapping page-locked), which the warm-up, the trials and the timed steps ran beside."""
+    model.wait_until_settled()
     meter = instrument(model)
     state = model.new_state()
     logits = model.decoder.forward(state, prompt)

@@ -158,3 +158,38 @@ def test_a_trace_point_reports_the_swaps_the_judge_and_the_split_of_its_own_deco
     cold_split = figure["decode_path"]["cold_split"]
     assert figure["decode_path"]["in_force"] == "both" and cold_split == state["decode_path"]["cold_split"]
     assert len(cold_split["cpu_takes"]) == SPEC.top_k + 1
+
+
+def test_a_points_decode_starts_once_the_background_work_its_re_plan_started_is_done(monkeypatch):
+    """bench_offload makes every expert resident first (its dense reference); the first point's re-plan to fewer maps
+    the experts' pages in again and page-locks their mapping, in the background (seconds for a large model). That
+    point's warm-up, trials and timed steps ran beside it. decode starts once it is done."""
+    import threading
+
+    from benchmarks.bench_offload import decode
+    from benchmarks.bench_overhead import wrapped_module_functions
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.onnx_file import OnnxFile
+    from tests.test_records import fixture_folder
+
+    for module, name, _bucket in wrapped_module_functions():  # wrapped for good by decode's instrument(): put back
+        monkeypatch.setattr(module, name, getattr(module, name))
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
+    assert model.offload.plan.placement_mode == "all_resident" and model.prefault is None
+    gate, populate = threading.Event(), OnnxFile.populate_pages
+    monkeypatch.setattr(OnnxFile, "populate_pages", lambda self, *args: gate.wait() and populate(self, *args))
+    model.offload.reconfigure(model.offload.config.updated(
+        device_expert_bytes=all_resident_bytes(model.offload.infos) // 2))
+    assert not model.settled
+    settled_at_steps, forward = [], model.decoder.forward
+
+    def spy(state, tokens):
+        settled_at_steps.append(model.settled)
+        return forward(state, tokens)
+
+    monkeypatch.setattr(model.decoder, "forward", spy)
+    threading.Timer(0.3, gate.set).start()
+    decode(model, [5, 6, 7], 4, warmup=2)
+    assert len(settled_at_steps) >= 7 and all(settled_at_steps)
