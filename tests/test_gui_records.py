@@ -475,3 +475,25 @@ def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_pat
     settling = [text for text in said if "decoding until the engine's trials" in text]
     assert [text.split(":")[0] for text in settling] == ["at 0%", "at 50%", "at 100%"]
     assert said.index(settling[1]) > said.index("1 of 3 runs done") > said.index(settling[0])
+
+
+def test_a_sweep_job_says_when_a_point_first_waits_for_its_experts_mapping(tmp_path, monkeypatch):
+    """A point whose re-plan left every expert resident behind maps the experts' pages in again (and on a GPU page-locks
+    their mapping) before its unrecorded decode: the status line says that wait, not only the decode after it."""
+    from app.gui.records_jobs import SweepJob
+    from engine.onnx_file import OnnxFile
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="auto")
+    assert model.offload.plan.placement_mode == "all_resident"
+    populate = OnnxFile.populate_pages
+    monkeypatch.setattr(OnnxFile, "populate_pages",
+                        lambda self, *args: threading.Event().wait(0.3) or populate(self, *args))
+    said = []
+    ctx = type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
+                           "progress": lambda self, fraction, text: said.append(text)})()
+    result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(ctx)
+    assert len(result.points) == 2 and not result.cancelled
+    settling = [text for text in said if "decoding until the engine's trials" in text]
+    assert settling[0].startswith("at 0%: mapping its experts again after the re-plan, then decoding until")
+    assert settling[1].startswith("at 100%: decoding until")

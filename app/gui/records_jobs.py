@@ -191,7 +191,9 @@ class SweepJob:
 
         def on_settle(fraction: float, split: str | None) -> None:  # up to 200 decode steps before the point's runs
             at = f"{fraction:.0%}" + (f" ({split})" if split else "")
-            ctx.progress(done[0] / total, f"at {at}: decoding until the engine's trials of its ways are over, "
+            # back from every expert resident, the experts' mapping first (sweep.settle waits for it)
+            first = "" if model.settled else "mapping its experts again after the re-plan, then "
+            ctx.progress(done[0] / total, f"at {at}: {first}decoding until the engine's trials of its ways are over, "
                                           "unrecorded")
 
         ctx.progress(0.0, f"run 1 of {total}")
