@@ -424,9 +424,6 @@ def main() -> None:
     for fraction in [float(f) for f in args.fractions.split(",")]:
         # 100% = every expert in a device slot (slots are in the GPU kernels' layout, larger than the stored experts)
         model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=int(fraction * all_resident_bytes(infos))))
-        # back from every expert resident (the dense reference), the re-plan maps the experts in and page-locks them
-        # again in the background: not beside the timings
-        _wait_for_population(model, f"{fraction:.0%}")
         probe = host_probe_us(infos[0].spec)
         others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
         if others:  # a Python thread beside the timed decode competes for the interpreter (NOTES-overhead.md)
