@@ -306,7 +306,8 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
 
 def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_streams(qtbot, window, monkeypatch):
     """The run line and both columns at every token the fixture model streams (reported at each one here): one after
-    the other, B waits until A is done; at once, both answer from the start, each done at its own end."""
+    the other, B waits until A is done; at once, both answer from the start, each done at its own end; each prepares
+    until its first token."""
     import app.gui.records_jobs as jobs
 
     monkeypatch.setattr(jobs, "REPORT_INTERVAL_S", 0.0)
@@ -326,10 +327,13 @@ def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_stre
     finish(qtbot, window, view)
     ends = [(r.turns[0]["finish_reason"], r.turns[0]["generated_tokens"]) for r in view.result.comparison.records]
     assert ends == [("length", 4)] * 2  # random weights: no end-of-answer token in 4
-    a_answers = [(f"A answering: {n} (at most 4) · B waiting for A", f"answering: {n} (at most 4)", "waiting for A")
-                 for n in range(5)]
-    b_answers = [(f"A stopped at the length (4 tokens) · B answering: {n} (at most 4)",
-                  "stopped at the length (4 tokens)", f"answering: {n} (at most 4)") for n in range(5)]
+    a_answers = [("A preparing its first token · B waiting for A", "preparing its first token", "waiting for A")] + [
+        (f"A answering: {n} (at most 4) · B waiting for A", f"answering: {n} (at most 4)", "waiting for A")
+        for n in range(1, 5)]
+    b_answers = [("A stopped at the length (4 tokens) · B preparing its first token",
+                  "stopped at the length (4 tokens)", "preparing its first token")] + [
+        (f"A stopped at the length (4 tokens) · B answering: {n} (at most 4)", "stopped at the length (4 tokens)",
+         f"answering: {n} (at most 4)") for n in range(1, 5)]
     both_done = ("A stopped at the length (4 tokens) · B stopped at the length (4 tokens)",
                  "stopped at the length (4 tokens)", "stopped at the length (4 tokens)")
     assert shown == a_answers + b_answers + [both_done, both_done]  # the job's last flush says it again
@@ -338,10 +342,11 @@ def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_stre
     view.concurrent.setChecked(True)
     view.bar.run_button.click()
     finish(qtbot, window, view)
-    assert shown[0] == ("A answering: 0 (at most 4) · B answering: 0 (at most 4)", "answering: 0 (at most 4)",
-                        "answering: 0 (at most 4)")
+    assert shown[0] == ("A preparing its first token · B preparing its first token", "preparing its first token",
+                        "preparing its first token")
     assert shown[-1] == both_done
-    statuses = [f"answering: {n} (at most 4)" for n in range(5)] + ["stopped at the length (4 tokens)"]
+    statuses = (["preparing its first token"] + [f"answering: {n} (at most 4)" for n in range(1, 5)]
+                + ["stopped at the length (4 tokens)"])
     for line, left, right in shown:  # each side's status moves on, never back, and the line says both columns'
         assert line == f"A {left} · B {right}" and left in statuses and right in statuses
     for side in (1, 2):

@@ -157,24 +157,23 @@ def _side_by_side(qtbot, answering=(True, True), concurrent=False, at_most=2048)
 
 
 def test_side_by_side_one_after_the_other_says_that_b_waits_for_a_and_when_a_is_done(qtbot):
-    """Concurrent off: B waits while A answers (the line said "B: 0"), then answers; each side's tokens so far are said
-    against the length it answers at most, and the bar shows busy rather than a share of that length (it read
-    0.5 + 0.5 · 225 / 2,048, 55%, while the answers may have been nearly done). A side's end says how it ended and
+    """Concurrent off: B waits while A answers (the line said "B: 0"), then prepares and answers; each side's tokens so
+    far are said against the length it answers at most, and the bar shows busy rather than a share of that length (it
+    read 0.5 + 0.5 · 225 / 2,048, 55%, while the answers may have been nearly done). A side's end says how it ended and
     its length as its record counts it."""
     view, streams, shown, answer = _side_by_side(qtbot)
     view.on_progress(0.25, "loading the right side")  # B's load can tell how far it is
     assert (view.bar.progress.maximum(), view.bar.progress.value()) == (1000, 250)
     streams.flush()  # the job's start
-    assert shown() == ("A answering: 0 (at most 2,048) · B waiting for A", "answering: 0 (at most 2,048)",
-                       "waiting for A")
+    assert shown() == ("A preparing its first token · B waiting for A", "preparing its first token", "waiting for A")
     assert view.bar.progress.minimum() == view.bar.progress.maximum() == 0  # busy, no share
     answer(0, 412)
     streams.flush()
     assert shown() == ("A answering: 412 (at most 2,048) · B waiting for A", "answering: 412 (at most 2,048)",
                        "waiting for A")
     streams.on_done(0, "eos", 413)  # its end-of-answer token streamed no text
-    assert shown() == ("A done (413 tokens) · B answering: 0 (at most 2,048)", "done (413 tokens)",
-                       "answering: 0 (at most 2,048)")
+    assert shown() == ("A done (413 tokens) · B preparing its first token", "done (413 tokens)",
+                       "preparing its first token")
     answer(1, 38)
     streams.flush()
     assert shown() == ("A done (413 tokens) · B answering: 38 (at most 2,048)", "done (413 tokens)",
@@ -188,11 +187,28 @@ def test_side_by_side_one_after_the_other_says_that_b_waits_for_a_and_when_a_is_
     assert view.bar.progress.maximum() == 1000
 
 
+def test_side_by_side_says_b_prepares_after_a_until_its_first_token_which_it_says_at_once(qtbot):
+    """After A's end B warms its model and reads the prompt, seconds for a large one, before its first token: it said
+    "answering: 0" all that time. Its first token is said at once, however soon after the last report it comes."""
+    view, streams, shown, answer = _side_by_side(qtbot)  # reports at most once an hour, unless the test flushes
+    streams.flush()
+    answer(0, 3)
+    assert shown() == ("A answering: 1 (at most 2,048) · B waiting for A", "answering: 1 (at most 2,048)",
+                       "waiting for A")
+    streams.on_done(0, "eos", 4)
+    assert shown()[1:] == ("done (4 tokens)", "preparing its first token")
+    answer(1, 1)
+    assert shown() == ("A done (4 tokens) · B answering: 1 (at most 2,048)", "done (4 tokens)",
+                       "answering: 1 (at most 2,048)")
+    streams.on_done(1, "cancelled", 1)
+    assert shown()[2] == "stopped (1 token)"
+
+
 def test_side_by_side_at_once_says_each_side_answering_and_which_is_done(qtbot):
     view, streams, shown, answer = _side_by_side(qtbot, concurrent=True)
     streams.flush()
-    assert shown() == ("A answering: 0 (at most 2,048) · B answering: 0 (at most 2,048)",
-                       "answering: 0 (at most 2,048)", "answering: 0 (at most 2,048)")
+    assert shown() == ("A preparing its first token · B preparing its first token", "preparing its first token",
+                       "preparing its first token")
     answer(0, 412)
     answer(1, 1)
     streams.flush()
@@ -205,12 +221,16 @@ def test_side_by_side_at_once_says_each_side_answering_and_which_is_done(qtbot):
                        "done (2 tokens)")
     streams.on_done(0, "cancelled", 414)
     assert shown() == ("A stopped (414 tokens) · B done (2 tokens)", "stopped (414 tokens)", "done (2 tokens)")
+    ended = _side_by_side(qtbot, concurrent=True)
+    ended[1].flush()
+    ended[1].on_done(1, "cancelled", 0)  # stopped before its first token
+    assert ended[2]()[2] == "stopped (0 tokens)"
 
 
 def test_side_by_side_with_b_unable_to_load_says_what_a_does_alone(qtbot):
     view, streams, shown, answer = _side_by_side(qtbot, answering=(True, False), at_most=64)
     streams.flush()
-    assert shown() == ("A answering: 0 (at most 64)", "answering: 0 (at most 64)", "—")
+    assert shown() == ("A preparing its first token", "preparing its first token", "—")
     answer(0, 1)
     streams.on_done(0, "error", None)  # it failed: the tokens it streamed
     assert shown() == ("A failed (1 token)", "failed (1 token)", "—")

@@ -1,15 +1,16 @@
 """Side by side's answers on their way to the window, from the engine worker's thread (no widgets here): both columns'
 text in batches, and what each side is doing, said in its column and on the run line: waiting for the other side (they
-answer one after the other unless Concurrent is on), answering (its tokens so far against the length it answers at
-most: no share of that length, an answer ends where the model ends it, a reasoning model's often far below its
-thousands of tokens), or done, with how its answer ended and its length."""
+answer one after the other unless Concurrent is on), preparing (before its first token: its experts mapped, its kernels
+warmed, its prompt read), answering (its tokens so far against the length it answers at most: no share of that
+length, an answer ends where the model ends it, a reasoning model's often far below its thousands of tokens), or done,
+with how its answer ended and its length."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-WAITING, ANSWERING = "waiting", "answering"
+WAITING, PREPARING, ANSWERING = "waiting", "preparing", "answering"
 # how an answer ended (generate's finish reasons; compare's "cancelled" for one that had not begun, "error")
 ENDED = {"eos": "done", "stop_string": "done", "length": "stopped at the length", "cancelled": "stopped",
          "context": "stopped at the context's end", "error": "failed"}
@@ -19,6 +20,8 @@ def side_status(side: int, state: str, tokens: int, at_most: int) -> str:
     """What one side is doing, as its column says it (the run line puts the side's letter before it)."""
     if state == WAITING:
         return f"waiting for {'AB'[1 - side]}"
+    if state == PREPARING:
+        return "preparing its first token"
     if state == ANSWERING:
         return f"answering: {tokens:,} (at most {at_most:,})"
     return f"{ENDED.get(state, state)} ({tokens:,} token{'' if tokens == 1 else 's'})"
@@ -34,11 +37,11 @@ class SideStreams:
     """compare's callbacks: every token's text kept (for the divergence mark), its answer's and its reasoning's apart
     (generate calls on_reasoning just before on_text, with every token), sent in batches, each with its side's status;
     the run line with them, at most once every `interval_s` while they stream. `answering`: which sides have a model to
-    answer; `concurrent`: both at once, else B waits for A's end."""
+    answer; `concurrent`: both at once, else B waits for A's end. A side prepares until its first token."""
 
     def __init__(self, ctx, max_tokens: int, answering: tuple[bool, bool], concurrent: bool, interval_s: float):
         self.ctx, self.max_tokens, self.interval_s = ctx, max_tokens, interval_s
-        self.states: list[str | None] = [ANSWERING if answers else None for answers in answering]
+        self.states: list[str | None] = [PREPARING if answers else None for answers in answering]
         if all(answering) and not concurrent:
             self.states[1] = WAITING
         self.tokens = [0, 0]
@@ -60,20 +63,23 @@ class SideStreams:
             self.pieces[side].append(delta)
             self._pending[side].append(delta)
             self.tokens[side] += 1
+            first = self.states[side] == PREPARING
+            if first:
+                self.states[side] = ANSWERING
             now = time.perf_counter()
-            if now - self._last >= self.interval_s:
+            if first or now - self._last >= self.interval_s:  # its first token said at once
                 self._last = now
                 self._flush()
 
     def on_done(self, side: int, finish_reason: str, generated_tokens: int | None) -> None:
         """compare's on_done: the side's end, its length as its record counts it (an end-of-answer token streams no
-        text); the side waiting for it answers now."""
+        text); the side waiting for it prepares its answer now."""
         with self._lock:
             self.states[side] = finish_reason
             if generated_tokens is not None:
                 self.tokens[side] = generated_tokens
             if self.states[1 - side] == WAITING:
-                self.states[1 - side] = ANSWERING
+                self.states[1 - side] = PREPARING
             self._flush()
 
     def flush(self) -> None:
