@@ -59,8 +59,10 @@ def _view(qtbot):
     view = SideBySideView()
     qtbot.addWidget(view)
     for side in (0, 1):
-        view.on_streamed({"side": side, "text": "Hello", "reasoning": "", "status": "answering: 1 (at most 8)"})
-        view.on_streamed({"side": side, "text": " there", "reasoning": "", "status": "answering: 2 (at most 8)"})
+        view.on_streamed({"side": side, "text": "Hello", "reasoning": "", "status": "answering: 1 (at most 8)",
+                          "state": "answering", "tokens": 1})
+        view.on_streamed({"side": side, "text": " there", "reasoning": "", "status": "answering: 2 (at most 8)",
+                          "state": "answering", "tokens": 2})
     return view
 
 
@@ -234,6 +236,37 @@ def test_side_by_side_with_b_unable_to_load_says_what_a_does_alone(qtbot):
     answer(0, 1)
     streams.on_done(0, "error", None)  # it failed: the tokens it streamed
     assert shown() == ("A failed (1 token)", "failed (1 token)", "—")
+
+
+def test_a_failed_comparison_says_in_each_column_which_side_it_stopped(qtbot):
+    """The whole job fails (the bar says "Failed: …"): a side still answering said "answering: 38 (at most 2,048)" as
+    if it went on; now it says it stopped, with its tokens, one preparing or waiting that it stopped before its first
+    token or never started. A side that had ended keeps its end."""
+    view, streams, shown, answer = _side_by_side(qtbot)
+    streams.flush()
+    answer(0, 412)
+    streams.on_done(0, "eos", 413)
+    answer(1, 38)
+    streams.flush()
+    view.on_failed("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered")
+    assert shown() == ("Failed: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered",
+                       "done (413 tokens)", "stopped: the comparison failed (38 tokens)")
+    assert view.right.answer.toPlainText() == "b" * 38  # what it streamed stays
+
+    view, streams, shown, answer = _side_by_side(qtbot)
+    streams.flush()
+    answer(0, 1)
+    view.on_failed("boom")
+    assert shown() == ("Failed: boom", "stopped: the comparison failed (1 token)", "not started: the comparison failed")
+
+    view, streams, shown, answer = _side_by_side(qtbot, concurrent=True)
+    streams.flush()
+    view.on_failed("boom")
+    assert shown()[1:] == ("stopped before its first token: the comparison failed",) * 2
+
+    view, streams, shown, answer = _side_by_side(qtbot)
+    view.on_failed("B's model: cannot be read")  # before either side said anything (B's load)
+    assert shown() == ("Failed: B's model: cannot be read", "—", "—")
 
 
 def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, Q
 from app.gui import theme
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SIDE_BY_SIDE_TOKENS, SideBySideJob, SideBySideResult
+from app.gui.side_streams import failed_status
 from app.gui.stream_pacing import Pacer
 from app.gui.widgets import AnswerLength
 from engine.errors import WorkbenchError
@@ -135,6 +136,9 @@ class Column(QGroupBox):
     def __init__(self, title: str, parent=None):
         super().__init__(title, parent)
         self.text = self.reasoning = ""
+        # what its side was doing as last streamed (side_streams' state, its tokens so far); None: nothing said
+        self.state: str | None = None
+        self.tokens = 0
         # while it streams with a reasoning paragraph: the last character each part shows ("" before any), which decides
         # whether the next batch's leading whitespace shows (_shown), and where the reasoning ends
         self._reasoning_end = self._answer_end = ""
@@ -157,6 +161,7 @@ class Column(QGroupBox):
 
     def clear(self) -> None:
         self.text, self.reasoning = "", ""
+        self.state, self.tokens = None, 0
         self._reasoning_end = self._answer_end = ""
         self._drop_unshown()
         self.answer.clear()
@@ -171,9 +176,19 @@ class Column(QGroupBox):
         self._unshown_reasoning += reasoning
         self._pacer.schedule()
 
-    def show_status(self, status: str) -> None:
-        """What this side is doing while the two answer (side_streams.side_status), where its tokens show at the end."""
+    def show_status(self, status: str, state: str | None = None, tokens: int = 0) -> None:
+        """What this side is doing while the two answer (side_streams.side_status), where its tokens show at the end;
+        `state` and `tokens`: what it says, for the end of a comparison that fails (show_stopped)."""
+        self.state, self.tokens = state, tokens
         self.values["tokens"].setText(status)
+
+    def show_stopped(self) -> None:
+        """The comparison failed as a whole: a side still under way says it stopped (or never started), what it
+        streamed kept; a side that had ended keeps its end."""
+        self.flush()
+        status = failed_status(self.state, self.tokens)
+        if status:
+            self.show_status(status)
 
     def flush(self) -> None:
         """What came and is not shown yet, shown now: the stream ended without drawing the column again."""
@@ -406,7 +421,7 @@ class SideBySideView(QWidget):
     def on_streamed(self, payload: dict) -> None:
         column = (self.left, self.right)[payload["side"]]
         column.append(payload["text"], payload["reasoning"])
-        column.show_status(payload["status"])
+        column.show_status(payload["status"], payload["state"], payload["tokens"])
 
     def on_finished(self, result: SideBySideResult) -> None:
         self.result = result
@@ -434,6 +449,6 @@ class SideBySideView(QWidget):
         self.recorded.emit(result.saved_ids)
 
     def on_failed(self, message: str) -> None:
-        self.left.flush()  # what each side streamed stays
-        self.right.flush()
+        self.left.show_stopped()  # what each side streamed stays
+        self.right.show_stopped()
         self.bar.finish(f"Failed: {message}")

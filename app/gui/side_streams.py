@@ -27,6 +27,18 @@ def side_status(side: int, state: str, tokens: int, at_most: int) -> str:
     return f"{ENDED.get(state, state)} ({tokens:,} token{'' if tokens == 1 else 's'})"
 
 
+def failed_status(state: str | None, tokens: int) -> str | None:
+    """What a side still under way says when the whole comparison fails (the run line says why), or None: a side that
+    had ended keeps its end, and one that had said nothing yet says nothing."""
+    if state == WAITING:
+        return "not started: the comparison failed"
+    if state == PREPARING:
+        return "stopped before its first token: the comparison failed"
+    if state == ANSWERING:
+        return f"stopped: the comparison failed ({tokens:,} token{'' if tokens == 1 else 's'})"
+    return None
+
+
 def run_line(states: list[str | None], tokens: list[int], at_most: int) -> str:
     """What the sides that have a model to answer (state not None) are doing, one after the other."""
     return " · ".join(f"{'AB'[side]} {side_status(side, state, tokens[side], at_most)}"
@@ -94,6 +106,7 @@ class SideStreams:
             status = side_status(side, state, self.tokens[side], self.max_tokens)
             if self._pending[side] or status != self._sent[side]:
                 self.ctx.stream({"side": side, "text": "".join(self._pending[side]),
-                                 "reasoning": "".join(self._pending_thoughts[side]), "status": status})
+                                 "reasoning": "".join(self._pending_thoughts[side]), "status": status,
+                                 "state": state, "tokens": self.tokens[side]})
                 self._pending[side], self._pending_thoughts[side], self._sent[side] = [], [], status
         self.ctx.progress(None, run_line(self.states, self.tokens, self.max_tokens))
