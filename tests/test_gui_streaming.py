@@ -269,6 +269,30 @@ def test_a_failed_comparison_says_in_each_column_which_side_it_stopped(qtbot):
     assert shown() == ("Failed: B's model: cannot be read", "—", "—")
 
 
+def test_side_by_sides_longest_run_line_ends_in_an_ellipsis_on_a_narrow_window_whole_in_its_tooltip(qtbot):
+    """Both sides cut by the length: the run line was cut off mid-word by the window's edge. It ends in an ellipsis
+    where the window is narrow (as the chat's status line does) and shows whole where it is wide; the tooltip always
+    holds all of it."""
+    from PySide6.QtWidgets import QLabel
+
+    view, streams, shown, answer = _side_by_side(qtbot)
+    streams.flush()
+    for side in (0, 1):
+        answer(side, 3)
+        streams.on_done(side, "length", 2048)
+    line = "A stopped at the length (2,048 tokens) · B stopped at the length (2,048 tokens)"
+    view.resize(640, 600)
+    view.show()
+    qtbot.waitExposed(view)
+    qtbot.waitUntil(lambda: QLabel.text(view.bar.status).endswith("…"))
+    assert view.bar.status.text() == view.bar.status.toolTip() == line
+    assert line.startswith(QLabel.text(view.bar.status)[:-1])
+    view.resize(1600, 600)
+    qtbot.waitUntil(lambda: QLabel.text(view.bar.status) == line)
+    view.on_failed("boom")  # its next line too
+    assert view.bar.status.toolTip() == "Failed: boom"
+
+
 def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
     from app.gui.side_by_side_view import side_stats
 

@@ -1,9 +1,12 @@
-"""A record view's run line: Run, Cancel, a progress bar and one line of what is happening."""
+"""A record view's run line: Run, Cancel, a progress bar and one line of what is happening (ending in an ellipsis
+where the window is too narrow for it, the whole line in its tooltip, as the chat's status line)."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QSizePolicy, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QProgressBar, QPushButton, QWidget
+
+from app.gui.widgets import OneLineLabel
 
 STEPS = 1000
 
@@ -23,8 +26,7 @@ class JobBar(QWidget):
         self.progress.setRange(0, STEPS)
         self.progress.setTextVisible(False)
         self.progress.setMaximumHeight(12)
-        self.status = QLabel()
-        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.status = OneLineLabel()
         self.status.setAccessibleName("Status")
         row = QHBoxLayout(self)
         row.setContentsMargins(0, 0, 0, 0)
