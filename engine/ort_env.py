@@ -282,6 +282,22 @@ def shared_arena_cap(device_id: int, registered: int, arena: int, mem_limit: int
         "model first)")
 
 
+def dense_arena(device_id: int, mem_limit: int, available: int, state_bytes: int, dense_weight_bytes: int,
+                register: bool = True) -> tuple[int, int]:
+    """(the cap in force on onnxruntime's arena for a model's dense part on GPU `device_id`, what its
+    gpu_device_mem_limit left the arena): dense_arena_limit, then the device's arena weighed by shared_arena_cap. The
+    load registers the arena where none is (register_shared_cuda_arena); with `register` False (the budget panel's
+    estimate, before any load) nothing is registered, and a device without one is taken as the load would find it:
+    registered at what this model's limit leaves. Raises DenseDoesNotFit with the reason the dense part stays on the
+    CPU."""
+    left = dense_arena_limit(mem_limit, available, state_bytes, dense_weight_bytes)
+    if register:
+        registered = register_shared_cuda_arena(device_id, left)
+    else:
+        registered = _shared_arenas.get(device_id, left)
+    return shared_arena_cap(device_id, registered, left, mem_limit), left
+
+
 @dataclass(frozen=True)
 class DenseDevice:
     """Where the dense segments run and why. `backend` holds the state buffers (None: NumPy)."""
@@ -377,10 +393,9 @@ def choose_dense_device(device, state_bytes: int, dense_weight_bytes: int, kv_dt
     why = dense_cpu_reason(getattr(device, "kind", None), kv_dtypes)
     if why:
         return DenseDevice("cpu", why)
-    limit = device.memory.limit
     try:
-        left = dense_arena_limit(limit, device.memory.available, state_bytes, dense_weight_bytes)
-        arena = shared_arena_cap(device.index, register_shared_cuda_arena(device.index, left), left, limit)
+        arena, left = dense_arena(device.index, device.memory.limit, device.memory.available, state_bytes,
+                                  dense_weight_bytes)
     except DenseDoesNotFit as exc:
         return DenseDevice("cpu", str(exc))
     from engine.array_backend import cupy_backend

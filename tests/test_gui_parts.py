@@ -88,6 +88,43 @@ def test_estimate_puts_the_dense_part_where_the_engine_would(gptoss, monkeypatch
     assert "The dense part would run on the CPU: the GPU is simulated" in " ".join(simulated.statements)
 
 
+def test_the_budget_panel_says_before_a_load_when_the_arena_registered_earlier_keeps_the_dense_part_on_the_cpu(
+        qtbot, gptoss, monkeypatch):
+    """The CUDA GPU chosen with gpu_device_mem_limit, where a model loaded earlier in this process registered
+    onnxruntime's GPU arena (stood in: ort_env._shared_arenas) at more than this configuration's limit leaves it: the
+    panel says why the load would keep the dense part on the CPU, and its VRAM legend shows no dense part on the card.
+    With an arena the limit can hold, it says the dense part would run on the GPU."""
+    from PySide6.QtWidgets import QLabel
+
+    import app.gui.budget_panel as budget_panel
+    from engine import ort_env
+
+    def registered(*_args):
+        raise AssertionError("the estimate registered an arena")
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    monkeypatch.setattr(ort_env, "register_shared_cuda_arena", registered)
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "")
+    arenas = {0: 200 << 20}  # registered at 200 MiB by an earlier model
+    monkeypatch.setattr(ort_env, "_shared_arenas", arenas)
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_gpu({"total": 1 << 30, "others": 0, "name": "test card"})
+    entries = {"device_expert_bytes": str(2 * gptoss.experts[0].device_bytes_per_expert),
+               "gpu_device_mem_limit": str(128 << 20)}
+    panel.set_facts(gptoss, {"device": {"kind": "cuda"}, "entries": entries})
+    shown = QLabel.text(panel.statements)
+    assert ("Loaded with these settings, the dense part would stay on the CPU: onnxruntime's GPU arena on device 0 was "
+            "registered at 200.0 MiB by a model loaded earlier in this process") in shown
+    assert "restart and load this model first" in shown and "would run on the GPU" not in shown
+    assert "on the CPU: onnxruntime&#x27;s GPU arena" in panel.vram_legend.text()  # the dense part's row
+    arenas[0] = 64 << 20  # one this limit can hold
+    panel.refresh()
+    assert "The dense part would run on the GPU with onnxruntime's CUDA execution provider" in QLabel.text(
+        panel.statements)
+
+
 def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice):
     """The real offload engine on a simulated device named as the estimate's stand-in."""
     from engine.generation import LoadedModel

@@ -155,3 +155,67 @@ def test_loaded_models_count_the_arena_in_force_against_their_limit(onnxruntime_
     assert first_memory.available == 0 and second_memory.available == 300 * MIB
     dense_part = second_memory.by_purpose["dense part (onnxruntime arena, dense weights, KV cache and state)"]
     assert dense_part == second.dense.state_bytes + second.folder.dense_bytes + arena
+
+
+def test_the_budget_estimate_names_an_arena_registered_earlier_that_would_keep_the_dense_part_on_the_cpu(
+        onnxruntime_env, monkeypatch):
+    """The budget panel's estimate, before a load, for a capped configuration: where a model loaded earlier in this
+    process registered the GPU's arena at more than this configuration's limit leaves it, the load keeps the dense part
+    on the CPU, which the estimate said only as "would run on the GPU". Now it says so with the load's own reason (the
+    same sums: ort_env.dense_arena) and shows the dense part in host memory, registering nothing itself; so too where
+    the limit leaves the dense part too little whatever the arena. The loads
+    here are the fixture model's on a simulated GPU that says it is a CUDA one (onnxruntime here cannot make CUDA
+    sessions; its fp32 KV caches, which the CUDA EP refuses, are stood in for)."""
+    from app.gui.estimate import DeviceChoice, estimate, model_facts
+    from app.inspect_report import inspection
+    from engine.decoder import PartitionedDecoder
+    from engine.generation import LoadedModel
+    from engine.model_folder import ModelFolder
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from tests.conftest import fixture_folder
+
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)
+    monkeypatch.setattr(PartitionedDecoder, "open_dense", lambda self, dense: setattr(self, "dense", dense))
+    folder = ModelFolder.open(fixture_folder("gptoss"))
+    facts = model_facts(folder, inspection(folder))
+    slot = facts.experts[0].device_bytes_per_expert
+    card = DeviceChoice("cuda", 1 * GIB, name="test card")
+    limit = 80 * MIB
+
+    def config(experts: int, limit: int = limit) -> OffloadConfig:
+        return OffloadConfig(device_expert_bytes=experts * slot, gpu_device_mem_limit=limit, placement="static")
+
+    def loaded(experts: int, limit: int = limit) -> LoadedModel:
+        device = SimulatedDevice(card.capacity, mem_limit=limit, name=card.label)
+        device.kind, device.index = "cuda", 0
+        return LoadedModel.open(fixture_folder("gptoss"), offload=config(experts, limit), device=device,
+                                decode_path="cpu")
+
+    def dense_said(experts: int, limit: int = limit) -> tuple[str, dict]:
+        est = estimate(facts, config(experts, limit), card)
+        said = [s for s in est.statements if "dense part" in s]
+        assert len(said) == 1 and not est.error
+        return said[0], {p.key: p.bytes for p in est.host_parts}
+
+    on_gpu = ("The dense part would run on the GPU with onnxruntime's CUDA execution provider, its KV cache and state "
+              "in GPU memory.")
+    assert dense_said(10)[0] == on_gpu  # no arena yet: the load registers one at what this limit leaves it
+    assert onnxruntime_env.calls == []  # the estimate registered nothing
+    first = loaded(2)  # a model loaded earlier (Side by side's A, or this one before a reload): its arena stays
+    assert first.dense_device == "cuda" and len(onnxruntime_env.calls) == 1
+    assert dense_said(2)[0] == on_gpu  # as loaded: the arena is its size
+    said, host = dense_said(10)  # eight more experts leave the arena 8 slots less than registered
+    later = loaded(10)
+    assert later.dense_device == "cpu"
+    assert said == f"Loaded with these settings, the dense part would stay on the CPU: {later.dense_reason}."
+    assert said.startswith("Loaded with these settings, the dense part would stay on the CPU: onnxruntime's GPU arena "
+                           "on device 0 was registered at ")
+    assert f"{ort_env.human_bytes(8 * slot)} short" in said
+    assert host["dense"] == facts.dense_bytes and host["kv"] == facts.kv_cache_bytes()  # in host memory, as loaded
+    # a limit that leaves the dense part too little whatever the arena: the load's other reason, said as well
+    said, _ = dense_said(2, 64 * MIB)
+    tight = loaded(2, 64 * MIB)
+    assert tight.dense_device == "cpu"
+    assert said == f"Loaded with these settings, the dense part would stay on the CPU: {tight.dense_reason}."
+    assert "gpu_device_mem_limit=67108864 leaves " in said
+    assert len(onnxruntime_env.calls) == 1

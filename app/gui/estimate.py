@@ -17,8 +17,10 @@ import numpy as np
 import onnx
 import psutil
 
+from engine.decoder_state import DecoderState
+from engine.errors import ModelFileError
 from engine.offload.config import OffloadConfig
-from engine.ort_env import dense_cpu_reason
+from engine.ort_env import DenseDoesNotFit, dense_arena, dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
 from engine.offload.host_cache import file_backing_refusal
 from engine.onnx_file import OnnxFile
@@ -73,6 +75,9 @@ class ModelFacts:
     is_demo: bool = False
     staged_nodes: list = field(default_factory=list)   # StagedNode per runnable expert node (staging estimates)
     kv_dtypes: frozenset = frozenset()                  # the KV caches' element types (where the dense part can run)
+    # the state at full context with a KV buffer's growth, as the load counts it on the GPU (DecoderState's
+    # full_context_bytes); None where the graph's state inputs cannot be read (the load refuses the model)
+    dense_state_bytes: int | None = None
 
     @property
     def supported(self) -> bool:
@@ -128,7 +133,15 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
         kv_window_bytes_per_token=per_window_token, window_tokens=window,
         state_bytes=state, dense_bytes=report["dense_bytes"], expert_bytes=report["expert_bytes"],
         dense_segments=report["dense_segments"], is_demo=is_demo, staged_nodes=staged_nodes(folder),
-        kv_dtypes=frozenset(kv_dtypes))
+        kv_dtypes=frozenset(kv_dtypes), dense_state_bytes=_dense_state_bytes(folder))
+
+
+def _dense_state_bytes(folder) -> int | None:
+    try:
+        total, growth = DecoderState(folder.config, folder.onnx.proto.graph).full_context_bytes()
+    except ModelFileError:
+        return None
+    return total + growth
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,7 @@ class DeviceChoice:
     others_bytes: int = 0             # memory other processes hold on a real card
     name: str = ""
     error: str = ""                   # why the chosen device cannot be used
+    index: int = 0                    # the CUDA device's number (the window opens device 0)
 
     @property
     def label(self) -> str:
@@ -225,17 +239,10 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         return fallback
     experts = [info for info in facts.experts if info.spec is not None]
     kv = facts.kv_cache_bytes(kv_tokens)
-    # Where the engine would put the dense part (LoadedModel: ort_env.choose_dense_device); under
-    # gpu_device_mem_limit it may still fall back to the CPU at load when the plan leaves it no room.
+    # Where the engine would put the dense part (LoadedModel: ort_env.choose_dense_device); the plan is made for it
+    # there, and under gpu_device_mem_limit what the plan leaves decides (dense_fit below).
     dense_cpu = dense_cpu_reason(device.kind if device.kind != "cpu" else None, facts.kv_dtypes)
     dense_on_gpu = dense_cpu is None
-    host_parts = [
-        Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
-             "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),
-        experts_in_host_memory(facts.expert_bytes, config),
-        Part("kv", "KV cache + state", 0 if dense_on_gpu else kv,
-             "in GPU memory with the dense part" if dense_on_gpu else f"{kv_tokens or facts.context_length} tokens"),
-    ]
     # what the engine refuses before it plans (OffloadEngine._check_file_backing)
     error = file_backing_refusal(config, facts.expert_bytes, psutil.virtual_memory().available + experts_in_ram)
     stand_in = None
@@ -270,9 +277,20 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         nodes = facts.staged_nodes
         streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in)
     streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups) if streaming else 0
+    resident_bytes = plan.device_bytes(experts) if plan else 0
+    at_load = None  # why the load would keep the dense part on the CPU all the same, the plan made (dense_fit)
+    if dense_on_gpu and stand_in is not None and not error:
+        at_load = dense_fit(facts, device, config, stand_in.memory.available - resident_bytes - streaming_bytes)
+        dense_cpu, dense_on_gpu = at_load, at_load is None
+    host_parts = [
+        Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
+             "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),
+        experts_in_host_memory(facts.expert_bytes, config),
+        Part("kv", "KV cache + state", 0 if dense_on_gpu else kv,
+             "in GPU memory with the dense part" if dense_on_gpu else f"{kv_tokens or facts.context_length} tokens"),
+    ]
     per_layer = [(info.model_layer, info.name, plan.slots.get(info.name, 0) if plan else 0,
                   info.spec.num_experts if info.spec else 0) for info in facts.experts]
-    resident_bytes = plan.device_bytes(experts) if plan else 0
     capacity = device.capacity if device.kind != "cpu" else 0
     ceiling = min(capacity, config.gpu_device_mem_limit) if config.gpu_device_mem_limit else capacity
     device_parts: list[Part] = []
@@ -307,12 +325,32 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if streaming is not None:
         statements.extend(streaming.statements)  # ... then those of its streaming slots
     if device.kind != "cpu":
-        statements.append("The dense part would run on the GPU with onnxruntime's CUDA execution provider, its KV "
-                          "cache and state in GPU memory." if dense_on_gpu else f"The dense part would run on the CPU: {dense_cpu}.")
+        if dense_on_gpu:
+            statements.append("The dense part would run on the GPU with onnxruntime's CUDA execution provider, its KV "
+                              "cache and state in GPU memory.")
+        elif at_load:
+            statements.append(f"Loaded with these settings, the dense part would stay on the CPU: {at_load}.")
+        else:
+            statements.append(f"The dense part would run on the CPU: {dense_cpu}.")
     if error:
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
                     staged if not error else None)
+
+
+def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, available: int) -> str | None:
+    """Why the load would keep the dense part on the CPU where the offload plan leaves `available` bytes of the device
+    under gpu_device_mem_limit, or None where it goes to the GPU: the load's own sums (ort_env.dense_arena), the arena
+    that a model loaded earlier in this process registered on the device weighed as the load weighs it, nothing
+    registered."""
+    if facts.dense_state_bytes is None:
+        return None
+    try:
+        dense_arena(device.index, config.gpu_device_mem_limit, available, facts.dense_state_bytes, facts.dense_bytes,
+                    register=False)
+    except DenseDoesNotFit as exc:
+        return str(exc)
+    return None
 
 
 def layer_summary(per_layer: list[tuple[int, str, int, int]]) -> str:
