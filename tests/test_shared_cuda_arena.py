@@ -191,7 +191,7 @@ def test_the_budget_estimate_names_an_arena_registered_earlier_that_would_keep_t
         return LoadedModel.open(fixture_folder("gptoss"), offload=config(experts, limit), device=device,
                                 decode_path="cpu")
 
-    def dense_said(experts: int, limit: int = limit) -> tuple[str, dict]:
+    def dense_said(experts: int, limit: int = limit, card: DeviceChoice = card) -> tuple[str, dict]:
         est = estimate(facts, config(experts, limit), card)
         said = [s for s in est.statements if "dense part" in s]
         assert len(said) == 1 and not est.error
@@ -204,6 +204,8 @@ def test_the_budget_estimate_names_an_arena_registered_earlier_that_would_keep_t
     first = loaded(2)  # a model loaded earlier (Side by side's A, or this one before a reload): its arena stays
     assert first.dense_device == "cuda" and len(onnxruntime_env.calls) == 1
     assert dense_said(2)[0] == on_gpu  # as loaded: the arena is its size
+    busy = DeviceChoice("cuda", 1 * GIB, others_bytes=4 * MIB, name="test card")  # other processes' memory is not
+    assert dense_said(2, card=busy)[0] == on_gpu                                    # the limit's (CudaDevice counts)
     said, host = dense_said(10)  # eight more experts leave the arena 8 slots less than registered
     later = loaded(10)
     assert later.dense_device == "cpu"

@@ -20,6 +20,7 @@ import psutil
 from engine.decoder_state import DecoderState
 from engine.errors import ModelFileError
 from engine.offload.config import OffloadConfig
+from engine.offload.device_memory import DeviceMemory
 from engine.ort_env import DenseDoesNotFit, dense_arena, dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
 from engine.offload.host_cache import file_backing_refusal
@@ -280,7 +281,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     resident_bytes = plan.device_bytes(experts) if plan else 0
     at_load = None  # why the load would keep the dense part on the CPU all the same, the plan made (dense_fit)
     if dense_on_gpu and stand_in is not None and not error:
-        at_load = dense_fit(facts, device, config, stand_in.memory.available - resident_bytes - streaming_bytes)
+        at_load = dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes)
         dense_cpu, dense_on_gpu = at_load, at_load is None
     host_parts = [
         Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
@@ -338,15 +339,17 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                     staged if not error else None)
 
 
-def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, available: int) -> str | None:
-    """Why the load would keep the dense part on the CPU where the offload plan leaves `available` bytes of the device
-    under gpu_device_mem_limit, or None where it goes to the GPU: the load's own sums (ort_env.dense_arena), the arena
-    that a model loaded earlier in this process registered on the device weighed as the load weighs it, nothing
-    registered."""
+def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, planned: int) -> str | None:
+    """Why the load would keep the dense part on the CPU once the offload plan took `planned` bytes of the device (its
+    slots, staging and streaming slots), or None where it goes to the GPU: the load's own sums (ort_env.dense_arena),
+    the arena that a model loaded earlier in this process registered on the device weighed as the load weighs it,
+    nothing registered. The load's device counts the card's free memory under gpu_device_mem_limit (CudaDevice): other
+    processes' memory is not within the limit."""
     if facts.dense_state_bytes is None:
         return None
+    memory = DeviceMemory(capacity=max(0, device.capacity - device.others_bytes), limit=config.gpu_device_mem_limit)
     try:
-        dense_arena(device.index, config.gpu_device_mem_limit, available, facts.dense_state_bytes, facts.dense_bytes,
+        dense_arena(device.index, memory.limit, memory.ceiling - planned, facts.dense_state_bytes, facts.dense_bytes,
                     register=False)
     except DenseDoesNotFit as exc:
         return str(exc)
