@@ -465,6 +465,12 @@ def test_record_and_the_contention_test_answer_the_command_lines_length_for_a_mo
     assert sweep.max_tokens.value() == _build_parser().parse_args(["sweep", folder]).max_new_tokens == SWEEP_TOKENS
 
 
+def _sweep_context(model, device, said: list):
+    """A stand-in for the worker's JobContext of a sweep on `model`: its status lines appended to `said`."""
+    return type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
+                            "progress": lambda self, fraction, text: said.append(text)})()
+
+
 def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_path):
     """Before each point's runs the sweep decodes, unrecorded, until the engine's trials at that budget end (up to 200
     steps: seconds on a large model): the job's status line says so at each point, between the runs' own lines."""
@@ -473,8 +479,7 @@ def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_pat
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="auto")
     said = []
-    ctx = type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
-                           "progress": lambda self, fraction, text: said.append(text)})()
+    ctx = _sweep_context(model, device, said)
     result = SweepJob(3, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(ctx)
     assert len(result.points) == 3 and not result.cancelled
     settling = [text for text in said if "decoding until the engine's trials" in text]
@@ -495,8 +500,7 @@ def test_a_sweep_job_says_when_a_point_first_waits_for_its_experts_mapping(tmp_p
     monkeypatch.setattr(OnnxFile, "populate_pages",
                         lambda self, *args: threading.Event().wait(0.3) or populate(self, *args))
     said = []
-    ctx = type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
-                           "progress": lambda self, fraction, text: said.append(text)})()
+    ctx = _sweep_context(model, device, said)
     result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(ctx)
     assert len(result.points) == 2 and not result.cancelled
     settling = [text for text in said if "decoding until the engine's trials" in text]
