@@ -299,3 +299,51 @@ def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
     timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
     record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234}], approximate_routing=False)
     assert side_stats(record)["tokens"] == "1,234"
+
+
+def _run_side_by_side_job(qtbot, monkeypatch, stand_in, quiesce=None, add=None):
+    """SideBySideJob run as the worker runs it, into a view, with `stand_in` for compare, B's device waited for with
+    `quiesce` and its records saved by `add`; what the run line and columns say and what each column shows then."""
+    import threading
+
+    import app.gui.records_jobs as jobs
+    from app.gui.records_jobs import JobContext, SideBySideJob
+    from app.gui.side_by_side_view import SideBySideView
+    from engine.errors import one_line
+
+    view = SideBySideView()
+    qtbot.addWidget(view)
+    device = SimpleNamespace(quiesce=quiesce or (lambda: None))
+    monkeypatch.setattr(jobs.LoadedModel, "open", lambda *args, **kwargs: SimpleNamespace(settled=True))
+    monkeypatch.setattr(jobs, "compare", stand_in)
+    monkeypatch.setattr(jobs, "History", lambda path: SimpleNamespace(add=add or (lambda record: 1)))
+    left = SimpleNamespace(folder=SimpleNamespace(folder="/models/a"))
+    ctx = JobContext(left, None, {}, threading.Event(), view.on_progress, view.on_streamed,
+                     lambda choice, config: device)
+    view.bar.start("Loading B…")
+    try:  # as EngineWorker._job reports it
+        view.on_finished(SideBySideJob("Compare", 8, {})(ctx))
+    except Exception as exc:
+        view.on_failed(one_line(exc))
+    return ((view.bar.status.text(), *(column.values["tokens"].text() for column in (view.left, view.right))),
+            [column.answer.toPlainText() for column in (view.left, view.right)])
+
+
+def _streams_three_tokens(side, on_text, on_done=None):
+    for delta in ("Hel", "lo", " there"):  # the first goes to the window at once, the others in the next batch
+        on_text(side, None, delta)
+    if on_done:
+        on_done(side, "eos", 3)
+
+
+def test_a_side_by_side_that_fails_shows_the_last_batch_its_columns_streamed(qtbot, monkeypatch):
+    """compare fails mid-answer: the text streamed since the last batch went to the window, and A's tokens, reach the
+    column before it says it stopped; nothing shows twice."""
+    def fails(left, right, prompt, params, on_text=None, on_done=None, **_):
+        _streams_three_tokens(0, on_text)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    shown, answers = _run_side_by_side_job(qtbot, monkeypatch, fails)
+    assert shown[1:] == ("stopped: the comparison failed (3 tokens)", "not started: the comparison failed")
+    assert answers == ["Hello there", ""]
+

@@ -280,9 +280,9 @@ class SideBySideJob:
                                  concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel,
                                  on_reasoning=streams.on_reasoning, on_done=streams.on_done)
         finally:
+            streams.flush()  # the last batches and the sides' ends, however compare ended (it sends only what is new)
             if device is not None:  # the right model's queued copies done before its slots go back to CuPy's pool,
                 device.quiesce()    # which the loaded model's allocations share (CudaDevice.quiesce)
-        streams.flush()
         cancelled = ctx.cancel.is_set() or any(not r.turns or r.turns[0]["finish_reason"] == "cancelled"
                                                for r in comparison.records if r is not None)
         result = SideBySideResult(comparison, streams.pieces, cancelled=cancelled, thoughts=streams.thoughts)
