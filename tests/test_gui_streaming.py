@@ -347,3 +347,49 @@ def test_a_side_by_side_that_fails_shows_the_last_batch_its_columns_streamed(qtb
     assert shown[1:] == ("stopped: the comparison failed (3 tokens)", "not started: the comparison failed")
     assert answers == ["Hello there", ""]
 
+
+class _Answered:
+    """compare's stand-in: both sides stream their answer and end; a record each."""
+    def __call__(self, left, right, prompt, params, on_text=None, on_done=None, **_):
+        from engine.records.side_by_side import Comparison
+
+        for side in (0, 1):
+            _streams_three_tokens(side, on_text, on_done)
+        record = SimpleNamespace(turns=[{"finish_reason": "eos"}])
+        return Comparison((record, record), None)
+
+
+def test_a_side_by_side_whose_records_cannot_be_saved_says_so_beside_its_answers(qtbot, monkeypatch):
+    import sqlite3
+
+    def locked(record):
+        raise sqlite3.OperationalError("database is locked")
+
+    shown, answers = _run_side_by_side_job(qtbot, monkeypatch, _Answered(), add=locked)
+    assert shown == ("Failed: saving to the history: OperationalError: database is locked; the answers above were "
+                     "not saved", "done (3 tokens)", "done (3 tokens)")
+    assert answers == ["Hello there", "Hello there"]
+    saved = []
+
+    def once(record):  # A's saved, B's not
+        if saved:
+            raise sqlite3.OperationalError("disk I/O error")
+        saved.append(7)
+        return 7
+
+    shown, answers = _run_side_by_side_job(qtbot, monkeypatch, _Answered(), add=once)
+    assert shown[0] == ("Failed: saving to the history: OperationalError: disk I/O error; only A's answer was saved, "
+                        "as run 7")
+
+
+def test_a_side_by_side_whose_device_fails_after_the_answers_says_so_and_saves_nothing(qtbot, monkeypatch):
+    saved = []
+
+    def quiesce():
+        raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+    shown, answers = _run_side_by_side_job(qtbot, monkeypatch, _Answered(), quiesce=quiesce, add=saved.append)
+    assert shown[0].startswith("Failed: waiting for B's device: RuntimeError: cudaErrorLaunchFailure: unspecified "
+                               "launch failure")
+    assert shown[0].endswith("; the answers above were not saved") and saved == []
+    assert shown[1:] == ("done (3 tokens)", "done (3 tokens)") and answers == ["Hello there", "Hello there"]

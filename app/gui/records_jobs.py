@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from app.gui.side_streams import SideStreams
-from engine.errors import PromptError, WorkbenchError
+from engine.errors import PromptError, WorkbenchError, one_line
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, default_corpus, phase_after,
@@ -275,21 +276,42 @@ class SideBySideJob:
         streams = SideStreams(ctx, params.max_new_tokens, (True, right.model is not None), self.concurrent,
                               REPORT_INTERVAL_S)
         streams.flush()  # who answers first, who waits
+        comparison = None
         try:
             comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,
                                  concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel,
                                  on_reasoning=streams.on_reasoning, on_done=streams.on_done)
         finally:
             streams.flush()  # the last batches and the sides' ends, however compare ended (it sends only what is new)
-            if device is not None:  # the right model's queued copies done before its slots go back to CuPy's pool,
-                device.quiesce()    # which the loaded model's allocations share (CudaDevice.quiesce)
+            # the right model's queued copies done before its slots go back to CuPy's pool, which the loaded model's
+            # allocations share (CudaDevice.quiesce)
+            if device is not None:
+                with _after_answers(comparison, "waiting for B's device", []):
+                    device.quiesce()
         cancelled = ctx.cancel.is_set() or any(not r.turns or r.turns[0]["finish_reason"] == "cancelled"
                                                for r in comparison.records if r is not None)
         result = SideBySideResult(comparison, streams.pieces, cancelled=cancelled, thoughts=streams.thoughts)
         if not cancelled:
-            history = History(self.history_path)
-            result.saved_ids = [history.add(record) for record in comparison.records if record is not None]
+            with _after_answers(comparison, "saving to the history", result.saved_ids):
+                history = History(self.history_path)
+                for record in comparison.records:
+                    if record is not None:
+                        result.saved_ids.append(history.add(record))
         return result
+
+
+@contextmanager
+def _after_answers(comparison: Comparison | None, step: str, saved_ids: list[int]):
+    """A step once the sides have answered (`comparison`; None: compare failed, and so does the step, as it is): its
+    failure says which step failed and which of the answers the history keeps (`saved_ids`: those saved so far, A's
+    first)."""
+    try:
+        yield
+    except Exception as exc:
+        if comparison is None:
+            raise
+        kept = f"only A's answer was saved, as run {saved_ids[0]}" if saved_ids else "the answers above were not saved"
+        raise WorkbenchError(f"{step}: {one_line(exc)}; {kept}") from exc
 
 
 # --- contention --------------------------------------------------------------------------------------
