@@ -393,3 +393,20 @@ def test_a_side_by_side_whose_device_fails_after_the_answers_says_so_and_saves_n
                                "launch failure")
     assert shown[0].endswith("; the answers above were not saved") and saved == []
     assert shown[1:] == ("done (3 tokens)", "done (3 tokens)") and answers == ["Hello there", "Hello there"]
+
+
+def test_a_side_by_side_whose_margins_failed_shows_both_answers_saved_and_says_why_the_margins_are_missing(qtbot):
+    from app.gui.records_jobs import SideBySideResult
+    from engine.records.side_by_side import Comparison
+
+    view = _view(qtbot)
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 1.0}
+    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 2}], approximate_routing=False,
+                             scenario="side-by-side", offload={})
+    comparison = Comparison((record, record), 0, margins_failure="MemoryError: std::bad_alloc")
+    view.on_finished(SideBySideResult(comparison, [["Hello", " there"]] * 2, saved_ids=[3, 4]))
+    assert view.divergence.text().startswith(
+        "The answers diverge at generated token 1 (index 0), highlighted in both columns. How firmly each side chose "
+        "its token there could not be computed: MemoryError: std::bad_alloc. B gave its first token in ")
+    assert view.bar.status.text() == "Saved runs 3, 4 to the history."
+    assert [column.answer.toPlainText() for column in (view.left, view.right)] == ["Hello there"] * 2

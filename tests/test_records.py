@@ -616,3 +616,21 @@ def test_a_sweep_points_trials_wait_for_the_experts_mapping_its_re_plan_started(
     threading.Timer(0.3, gate.set).start()
     steps = sweep.settle(model)
     assert steps >= 76 and len(settled_at_steps) == steps + 1 and all(settled_at_steps)
+
+
+def test_side_by_side_whose_margins_cannot_be_computed_keeps_both_answers(monkeypatch):
+    """The margins at the divergence fail (a forward pass after both answered): the two answers and their records
+    stand, the failure said on one line where the margins would be."""
+    import engine.records.side_by_side as side_by_side
+
+    def fails(*args):
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr(side_by_side, "preference", fails)
+    exact = LoadedModel.open(fixture_folder("gptoss"))
+    device = SimulatedDevice(1 << 30)
+    approximate = LoadedModel.open(fixture_folder("gptoss"), device=device,
+                                   offload=OffloadConfig(device_expert_bytes=0, min_expert_weight=0.5))
+    comparison = compare(Side(exact, None, "exact"), Side(approximate, device, "approximate"), "Compare us", PARAMS)
+    assert comparison.divergence == 0 and all(record.turns for record in comparison.records)
+    assert comparison.margins is None and comparison.margins_failure == "MemoryError: std::bad_alloc"

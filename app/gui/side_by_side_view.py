@@ -38,11 +38,15 @@ SPLIT_KEY, PATH_KEY = "layer_split", "decode_path"
 OWN_KEYS = {SPLIT_KEY: SPLIT_MODES, PATH_KEY: PATH_MODES}
 
 
-def divergence_text(divergence: int | None, margins: tuple[float, float] | None) -> str:
-    """Where the answers part, and whether each side chose firmly there or between near-tied tokens."""
+def divergence_text(divergence: int | None, margins: tuple[float, float] | None,
+                    margins_failure: str | None = None) -> str:
+    """Where the answers part, and whether each side chose firmly there or between near-tied tokens (or why that
+    could not be told)."""
     if divergence is None:
         return "The two answers are identical, token for token."
     text = f"The answers diverge at generated token {divergence + 1} (index {divergence}), highlighted in both columns."
+    if margins_failure:
+        return text + f" How firmly each side chose its token there could not be computed: {margins_failure}."
     if margins is None:
         return text
     a, b = margins
@@ -443,8 +447,8 @@ class SideBySideView(QWidget):
         if failed:
             self.divergence.setText(" ".join(failed))
         else:
-            self.divergence.setText(divergence_text(divergence, comparison.margins) + " " + speed_text(*records)
-                                    + idle_settings_text(records[1]))
+            self.divergence.setText(divergence_text(divergence, comparison.margins, comparison.margins_failure)
+                                    + " " + speed_text(*records) + idle_settings_text(records[1]))
         self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)
 

@@ -41,9 +41,11 @@ class Comparison:
     # for two models (each has its own vocabulary)
     margins: tuple[float, float] | None = None
     failures: tuple[str | None, str | None] = (None, None)  # each side's error on one line, where it could not answer
+    margins_failure: str | None = None  # why the margins could not be computed (the answers stand), on one line
 
     def as_dict(self) -> dict:
         return {"divergence": self.divergence, "margins": self.margins, "failures": list(self.failures),
+                "margins_failure": self.margins_failure,
                 "records": [r.to_dict() if r is not None else None for r in self.records]}
 
 
@@ -120,9 +122,12 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
     answered = all(record is not None and record.turns for record in records)
     tokens = [record.turns[0]["tokens"] for record in records] if answered else None
     divergence = first_divergence(*tokens) if answered else None
-    margins = None
+    margins = margins_failure = None
     if (divergence is not None and same_folder(left.model, right.model)
             and all(divergence < len(side) for side in tokens)):
         prefix, (a, b) = tokens[0][:divergence], (side[divergence] for side in tokens)
-        margins = (preference(left.model, prompt, prefix, a, b), preference(right.model, prompt, prefix, b, a))
-    return Comparison((records[0], records[1]), divergence, margins, (failures[0], failures[1]))
+        try:
+            margins = (preference(left.model, prompt, prefix, a, b), preference(right.model, prompt, prefix, b, a))
+        except Exception as exc:  # the two answers and their records stand without them
+            margins_failure = one_line(exc)
+    return Comparison((records[0], records[1]), divergence, margins, (failures[0], failures[1]), margins_failure)
