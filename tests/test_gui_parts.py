@@ -495,3 +495,51 @@ def test_stopping_a_busy_engine_thread_waits_and_never_terminates_it(qapp):
     assert engine.stop(wait_ms=100) is False and engine.thread.isRunning()
     release.set()
     assert engine.thread.wait(5000) and not engine.thread.isRunning()
+
+
+@pytest.mark.parametrize("limited", [True, False], ids=["gpu_device_mem_limit", "no limit"])
+def test_the_estimate_on_a_card_other_processes_use_plans_as_the_load(gptoss, monkeypatch, qtbot, limited):
+    """Other processes hold 3 GiB of the card: the load's CudaDevice (a stand-in CuPy whose driver reports what they
+    leave free) plans under gpu_device_mem_limit, which bounds this process only, and the budget panel, from NVML's
+    total and others, shows the automatic budget and the experts per layer that the load then plans."""
+    import contextlib
+    import types
+
+    from PySide6.QtWidgets import QLabel
+
+    import app.gui.budget_panel as budget_panel
+    import engine.offload.cuda_device as cuda_device
+    from app.gui.estimate import staging_for
+    from engine.offload.devices import Bandwidths
+    from engine.offload.planner import AUTO_RESERVE_MIN, plan_offload
+
+    slot, others = gptoss.experts[0].device_bytes_per_expert, 3 << 30
+    staging = estimate(gptoss, OffloadConfig(), DeviceChoice("cuda", 8 << 30, others)).staging_bytes
+    room = AUTO_RESERVE_MIN + staging + 5 * slot + slot // 2  # the automatic budget holds 5 experts
+    total, limit = (8 << 30, room) if limited else (others + room, 0)
+    config = OffloadConfig(gpu_device_mem_limit=limit)
+
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (total - others, total),
+                                    getDeviceProperties=lambda index: {"name": b"test card"})
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=lambda i: contextlib.nullcontext(),
+                                                            Stream=lambda non_blocking: object()))
+    monkeypatch.setattr(cuda_device, "_cupy", lambda: cupy)
+    monkeypatch.setattr(cuda_device, "_measure_all", lambda cp: Bandwidths(pcie=50e9, hbm=3e12, cpu=100e9))
+    monkeypatch.setattr(cuda_device, "_set_cap", lambda *args: None)
+    monkeypatch.setattr(cuda_device, "_forget_cap", lambda *args: None)
+    device = cuda_device.CudaDevice(0, mem_limit=limit)
+    staging_for(config, gptoss.staged_nodes, device)  # the load takes its staging before it plans
+    loaded = plan_offload(config, gptoss.experts, device)
+
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "")
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_gpu({"total": total, "others": others, "name": "test card"})
+    panel.set_facts(gptoss, {"device": {"kind": "cuda"}, "entries": {"gpu_device_mem_limit": str(limit)}})
+    est = panel.last_estimate
+    assert est.plan.budget_bytes == loaded.budget_bytes
+    assert [resident for _l, name, resident, _e in est.per_layer] == [loaded.slots[i.name] for i in gptoss.experts]
+    assert QLabel.text(panel.layer_text) == "<b>5 of 16</b> experts resident: layer 0: 3 of 8; layer 1: 2 of 8"
+    parts = {part.key: part.bytes for part in est.device_parts}
+    assert sum(parts.values()) == total and parts["others"] == others
+    assert ("limit" in parts) == limited and (", limit" in panel.vram_title.text()) == limited

@@ -448,7 +448,8 @@ class BudgetPanel(QWidget):
         self.layer_text.setText(("<b>%d of %d</b> experts resident: " % (est.resident, est.total_experts))
                                 + layer_summary(est.per_layer))
         if on_device and not choice.error:
-            self.vram_title.setText(f"VRAM — {choice.label}" + (f", limit {human_bytes(est.ceiling)}" if est.ceiling < est.capacity else ""))
+            limited = any(part.key == "limit" for part in est.device_parts)  # not where other processes bound it
+            self.vram_title.setText(f"VRAM — {choice.label}" + (f", limit {human_bytes(est.ceiling)}" if limited else ""))
             self.vram_bar.setParts(est.device_parts)
             self.vram_legend.setText(legend_html(est.device_parts, t))
             self.vram_bar.show()

@@ -20,7 +20,7 @@ import psutil
 from engine.decoder_state import DecoderState
 from engine.errors import ModelFileError
 from engine.offload.config import OffloadConfig
-from engine.offload.device_memory import DeviceMemory
+from engine.offload.device_memory import card_memory
 from engine.ort_env import DenseDoesNotFit, dense_arena, dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
 from engine.offload.host_cache import file_backing_refusal
@@ -180,7 +180,7 @@ class Estimate:
     device_parts: list[Part]           # VRAM, adding up to the device's capacity
     host_parts: list[Part]             # host memory the model takes
     capacity: int
-    ceiling: int
+    ceiling: int                       # what the model may take: what other processes leave, under the limit
     staging_bytes: int
     statements: list[str] = field(default_factory=list)
     staging: "StagingPlan | None" = None   # the pinned ring and prefill wave the engine would take (None: none)
@@ -253,9 +253,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         if device.error:
             error = device.error
         elif not error:
-            stand_in = SimulatedDevice(device.capacity, mem_limit=config.gpu_device_mem_limit, name=device.label)
-            if device.others_bytes:
-                stand_in.memory.reserve(min(device.others_bytes, stand_in.memory.available), "other processes")
+            # the memory the load's CudaDevice would count (card_memory): other processes' outside the limit
+            stand_in = SimulatedDevice(device.capacity, mem_limit=config.gpu_device_mem_limit, name=device.label,
+                                       others_bytes=device.others_bytes)
             try:
                 staged = staging_for(config, facts.staged_nodes, stand_in)  # reserves its device part
             except OffloadPlanError as exc:  # the engine refuses to load (or re-plan) with this
@@ -293,10 +293,10 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     per_layer = [(info.model_layer, info.name, plan.slots.get(info.name, 0) if plan else 0,
                   info.spec.num_experts if info.spec else 0) for info in facts.experts]
     capacity = device.capacity if device.kind != "cpu" else 0
-    ceiling = min(capacity, config.gpu_device_mem_limit) if config.gpu_device_mem_limit else capacity
+    others = min(device.others_bytes, capacity)
+    ceiling = card_memory(capacity, others, config.gpu_device_mem_limit).ceiling  # this process's, as the load's
     device_parts: list[Part] = []
     if device.kind != "cpu":
-        others = min(device.others_bytes, ceiling)
         device_parts = [
             Part("experts", "resident experts", resident_bytes, f"{sum(p[2] for p in per_layer)} experts"),
             Part("dense", "dense weights", facts.dense_bytes if dense_on_gpu else 0,
@@ -311,12 +311,12 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                  + (f"; decode streaming slots {human_bytes(streaming_bytes)}" if streaming_bytes else "")),
             Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
         ]
-        used = sum(p.bytes for p in device_parts)
-        reserve = human_bytes(auto_reserve(config, max(0, ceiling - others - staging)))
+        used = sum(p.bytes for p in device_parts if p.key != "others")
+        reserve = human_bytes(auto_reserve(config, max(0, ceiling - staging)))
         device_parts.append(Part("free", "free", max(0, ceiling - used),
                                  f"the automatic budget keeps {reserve} free" if config.device_expert_bytes is None else ""))
-        if ceiling < capacity:
-            device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - ceiling, ""))
+        if others + ceiling < capacity:
+            device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - others - ceiling, ""))
     if staged is not None and not error:
         note = f"page-locked; {staged.pinned_experts} experts of {human_bytes(staged.staged_expert_bytes)}"
         host_parts.append(Part("pinned", "pinned staging ring", staged.pinned_bytes, note))
@@ -347,7 +347,7 @@ def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, pl
     processes' memory is not within the limit."""
     if facts.dense_state_bytes is None:
         return None
-    memory = DeviceMemory(capacity=max(0, device.capacity - device.others_bytes), limit=config.gpu_device_mem_limit)
+    memory = card_memory(device.capacity, device.others_bytes, config.gpu_device_mem_limit)
     try:
         dense_arena(device.index, memory.limit, memory.ceiling - planned, facts.dense_state_bytes, facts.dense_bytes,
                     register=False)

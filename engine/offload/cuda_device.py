@@ -14,7 +14,7 @@ from collections import deque
 import numpy as np
 
 from engine.errors import WorkbenchError
-from engine.offload.device_memory import DeviceMemory, DeviceMemoryError
+from engine.offload.device_memory import DeviceMemoryError, card_memory
 from engine.offload.devices import GIB, Bandwidths
 from engine.offload.cuda_step import (HostCopies, MergeBufferPool, RoutedBuffers, SplitBuffers, StepBufferPool,
                                       StepBuffers)
@@ -941,7 +941,7 @@ class CudaDevice:
             forget()
             raise
         _set_cap(cp, index, id(self), mem_limit)
-        self.memory = DeviceMemory(capacity=free, limit=mem_limit)
+        self.memory = card_memory(total, total - free, mem_limit)
         self.host_registration = None  # the experts' file mapping, page-locked in the background (register_experts)
         self.name = f"{name} ({total / GIB:.0f} GiB)"
         self.pinned: CudaPinnedRing | None = None

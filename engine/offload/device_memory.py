@@ -43,3 +43,11 @@ class DeviceMemory:
     def release(self, nbytes: int, purpose: str) -> None:
         self.used -= nbytes
         self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) - nbytes
+
+
+def card_memory(total: int, others: int, limit: int = 0) -> DeviceMemory:
+    """What this process has of a card of `total` bytes on which other processes hold `others`: the memory they
+    leave free, under gpu_device_mem_limit, which bounds this process's own allocations and so never counts theirs.
+    The load's CudaDevice (the driver's free memory) and the budget panel's estimate (NVML's total and other
+    processes, through its stand-in device) both plan against this."""
+    return DeviceMemory(capacity=max(0, total - others), limit=limit)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.offload.device_memory import DeviceMemory
+from engine.offload.device_memory import card_memory
 from engine.offload.staging import PinnedRing
 from engine.units import human_bytes
 from kernels.cold_split import split_cold_pairs
@@ -250,8 +250,9 @@ class SimulatedDevice:
     kind = "simulated"
 
     def __init__(self, total_bytes: int = 8 * GIB, mem_limit: int = 0, bandwidths: Bandwidths = Bandwidths(),
-                 name: str | None = None):
-        self.memory = DeviceMemory(capacity=total_bytes, limit=mem_limit)
+                 name: str | None = None, others_bytes: int = 0):
+        # others_bytes: what other processes hold on the card stood in for (the budget panel's estimate)
+        self.memory = card_memory(total_bytes, others_bytes, mem_limit)
         self.bandwidths = bandwidths
         self.name = name or f"simulated GPU, {human_bytes(total_bytes)}"
         self.pinned: PinnedRing | None = None  # set by the offload engine (pinned_bytes)
