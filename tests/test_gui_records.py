@@ -506,3 +506,47 @@ def test_a_sweep_job_says_when_a_point_first_waits_for_its_experts_mapping(tmp_p
     settling = [text for text in said if "decoding until the engine's trials" in text]
     assert settling[0].startswith("at 0%: mapping its experts again after the re-plan, then decoding until")
     assert settling[1].startswith("at 100%: decoding until")
+
+
+def test_history_lists_the_run_a_side_by_side_saved_before_saving_b_failed(qtbot, window, tmp_path, monkeypatch):
+    """Saving B's record fails once A's was saved: the run line says A's answer was saved as run N, and the History
+    tab lists that run at once (not at its next refresh)."""
+    import sqlite3
+    from types import SimpleNamespace
+
+    import app.gui.records_jobs as jobs
+    from engine.records.schema import RunRecord
+    from engine.records.side_by_side import Comparison
+
+    def answered(left, right, prompt, params, on_done=None, **_):
+        records = [RunRecord("side-by-side", "2026-12-05T16:00:00+00:00", {}, {}, {"folder": f"/models/{side}"},
+                             {"device": "cpu"}, {}, {}, turns=[{"finish_reason": "eos"}]) for side in "ab"]
+        for side in (0, 1):
+            on_done(side, "eos", 3)
+        return Comparison(tuple(records), None)
+
+    history = History(tmp_path / "history.sqlite3")
+
+    class SavesOnlyA:
+        def __init__(self, path):
+            self.added = 0
+
+        def add(self, record):
+            self.added += 1
+            if self.added == 2:
+                raise sqlite3.OperationalError("disk I/O error")
+            return history.add(record)
+
+    monkeypatch.setattr(jobs, "compare", answered)
+    monkeypatch.setattr(jobs, "History", SavesOnlyA)
+    monkeypatch.setattr(jobs.LoadedModel, "open", lambda *args, **kwargs: SimpleNamespace(settled=True))
+    worker = window.worker
+    monkeypatch.setattr(worker, "_model", SimpleNamespace(folder=SimpleNamespace(folder="/models/a")))
+    monkeypatch.setattr(worker, "_make_device", lambda *args: None)
+    window.history.refresh()
+    assert window.history.ids() == []
+    worker._job("comparing", jobs.SideBySideJob("Compare", 8, {}))  # as the worker runs it (here, in this thread)
+    run = history.rows()[0]["id"]
+    assert window.side_by_side.bar.status.text() == ("Failed: saving to the history: OperationalError: disk I/O "
+                                                     f"error; only A's answer was saved, as run {run}")
+    assert window.history.ids() == [run] and window.history.count.text() == "1 run"

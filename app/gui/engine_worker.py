@@ -70,7 +70,7 @@ class EngineWorker(QObject):
     jobProgress = Signal(str, object, str)  # job kind, fraction done (None: how far cannot be told), what runs now
     jobStreamed = Signal(str, object)      # job kind, a batch of streamed answer text (the job's own shape)
     jobFinished = Signal(str, object)      # job kind, its result
-    jobFailed = Signal(str, str)           # job kind, one line (also sent as `failed`)
+    jobFailed = Signal(str, str, list)     # job kind, one line (also sent as `failed`), the runs it saved all the same
 
     # requests, queued into the worker thread
     requestOpen = Signal(str)                  # inspect a folder (no sessions)
@@ -467,7 +467,7 @@ class EngineWorker(QObject):
             self.jobFinished.emit(kind, job(context))
         except Exception as exc:  # the window shows it; the worker stays usable
             self.failed.emit(one_line(exc))
-            self.jobFailed.emit(kind, one_line(exc))
+            self.jobFailed.emit(kind, one_line(exc), list(getattr(exc, "saved_ids", [])))  # AfterAnswersFailed
         finally:
             try:
                 self._emit_stats()

@@ -464,8 +464,10 @@ class MainWindow(QMainWindow):
         self.history.refresh()
 
     @Slot(str, str)
-    def _on_job_failed(self, kind: str, message: str) -> None:
+    def _on_job_failed(self, kind: str, message: str, saved_ids: list) -> None:
         self.job_views[kind].on_failed(message)
+        if saved_ids:  # a side by side that failed once A's record was saved: the History tab lists that run now
+            self.history.refresh()
 
     def apply_settings(self, settings: dict, reload: bool) -> None:
         if self.facts is None:

@@ -300,6 +300,14 @@ class SideBySideJob:
         return result
 
 
+class AfterAnswersFailed(WorkbenchError):
+    """A step once the sides answered failed (_after_answers); `saved_ids`: the runs the history kept before it."""
+
+    def __init__(self, message: str, saved_ids: list[int]):
+        super().__init__(message)
+        self.saved_ids = list(saved_ids)
+
+
 @contextmanager
 def _after_answers(comparison: Comparison | None, step: str, saved_ids: list[int]):
     """A step once the sides have answered (`comparison`; None: compare failed, and so does the step, as it is): its
@@ -311,7 +319,7 @@ def _after_answers(comparison: Comparison | None, step: str, saved_ids: list[int
         if comparison is None:
             raise
         kept = f"only A's answer was saved, as run {saved_ids[0]}" if saved_ids else "the answers above were not saved"
-        raise WorkbenchError(f"{step}: {one_line(exc)}; {kept}") from exc
+        raise AfterAnswersFailed(f"{step}: {one_line(exc)}; {kept}", saved_ids) from exc
 
 
 # --- contention --------------------------------------------------------------------------------------
