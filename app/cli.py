@@ -584,7 +584,8 @@ def _cmd_sweep(args) -> int:
               f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>9}")
         for p, split, mark in zip(rows, split_of, marks):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
-                  f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
+                  f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  "
+                  f"{p['decode_tokens_per_s']:>12.1f}  "
                   f"{p['projected_decode_tokens_per_s'] or 0:>10.1f}  {p['peak_device_bytes'] / 2**20:>8.0f} MiB  "
                   f"{p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
     else:

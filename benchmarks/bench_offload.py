@@ -40,7 +40,7 @@ from engine.host_load import HostLoadMeter  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.offload.traces import hit_rate, realistic_trace  # noqa: E402
+from engine.offload.traces import SWITCH_EVERY, hit_rate, realistic_trace  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
 # decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
@@ -84,7 +84,8 @@ def decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int = 4) 
     """Decode tokens/s, and per step the seconds at each boundary bench_overhead times (its Meter:
     dense set-up vs onnxruntime's run, expert node, launch / collect, placement, the decoder loop). Starts once the
     background work a re-plan started is done (back from every expert resident, as after the dense reference: the
-    experts' pages mapped in, their mapping page-locked), which the warm-up, the trials and the timed steps ran beside."""
+    experts' pages mapped in, their mapping page-locked), which the warm-up, the trials and the timed steps ran
+    beside."""
     model.wait_until_settled()
     meter = instrument(model)
     state = model.new_state()
@@ -140,7 +141,7 @@ class GcClock:
 
 
 def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, seed: int,
-                  switch_every: int = 400) -> float:
+                  switch_every: int = SWITCH_EVERY) -> float:
     """Decode tokens/s with every step routed by a realistic trace (`seed`, a topic switch every `switch_every`
     tokens), after `warmup` routed steps."""
     infos = model.folder.experts

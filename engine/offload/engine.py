@@ -8,9 +8,9 @@ import gc
 import json
 import time
 from collections import deque
-from typing import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import psutil

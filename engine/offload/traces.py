@@ -11,9 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 
+SWITCH_EVERY = 400  # tokens between topic switches
+
+
 def realistic_trace(num_tokens: int, num_layers: int, num_experts: int, k: int, seed: int = 0,
                     live_fraction: float = 0.55, zipf_s: float = 0.45, repeat_p: float = 0.8,
-                    recent_window: int = 8, tail_p: float = 0.03, switch_every: int = 400) -> np.ndarray:
+                    recent_window: int = 8, tail_p: float = 0.03,
+                    switch_every: int = SWITCH_EVERY) -> np.ndarray:
     """Expert ids [tokens, layers, k] (distinct within a token)."""
     rng = np.random.default_rng(seed)
     trace = np.empty((num_tokens, num_layers, k), np.int32)

@@ -157,9 +157,9 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
               on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None) -> list[SweepPoint]:
     """Only complete points are returned: `cancel` (checked between tokens) ends the sweep early.
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
-    split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command line saves its runs then: an interrupted sweep keeps them). `splits` (e.g.
-    ("spread", "whole")): the layer splits to compare at each budget (sweep_plan); the model's own layer split
-    is put back afterwards."""
+    split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command
+    line saves its runs then: an interrupted sweep keeps them). `splits` (e.g. ("spread", "whole")): the layer splits
+    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     results = []
