@@ -216,6 +216,7 @@ class FakeWorker:
 
     def __init__(self, log, accepts=lambda step: True):
         self.log, self.accepts, self.jobs, self.cancelled = log, accepts, [], False
+        self.finished = []  # jobs done and not collected yet
 
     def take(self, step):
         if not self.accepts(step):
@@ -224,13 +225,20 @@ class FakeWorker:
         self.jobs.append(step)
         return True
 
-    def drain(self):
+    def drain(self, while_waiting=None):
+        """The jobs end one at a time (the worker's gates), `while_waiting` called after each but the last."""
         self.log.append(("drain",))
-        for step in self.jobs:
-            step.gate["open"] = step.done = True  # the worker's gates
+        for i, step in enumerate(self.jobs):
+            if not getattr(step, "done", False):
+                step.gate["open"] = step.done = True
+                self.finished.append(step)
+                if while_waiting is not None and i < len(self.jobs) - 1:
+                    while_waiting()
+        self.log.append(("drained",))
 
     def collect(self):
-        return []
+        done, self.finished = self.finished, []
+        return [SimpleNamespace(step=step) for step in done]
 
     def cancel(self):
         self.cancelled = True
@@ -244,7 +252,10 @@ class Node:
 
         self.fake = FakeNode(name, source, output, log, both=both, fails=fails)
         self.info, self.name, self.log = self.fake.info, name, log
-        self.engine = SimpleNamespace(settle=lambda: 0)
+        self.engine = SimpleNamespace(settle=lambda most=2: log.append(("settle", most)) or 0)
+
+    def host_part_done(self, job):
+        self.log.append(("done", self.name))
 
     def launch_ahead(self, values):
         step = self.fake.launch_ahead(values)
@@ -323,6 +334,39 @@ def test_the_decoder_hands_each_both_layer_to_the_worker_and_goes_on():
     assert [entry for entry in log if entry[0] in ("launch", "take", "drain", "finish")] == [
         ("launch", "node0"), ("take", "node0"), ("launch", "node1"), ("take", "node1"), ("drain",)]
     assert model.layers_beside == 2
+
+
+def test_the_step_collects_jobs_and_takes_accounts_while_its_last_jobs_run():
+    """The host runs ahead of the worker, so most of a step's jobs end while it waits at the step's end: each one's
+    statistics are collected, and an account settled, while the later ones still run, not after the drain (the
+    step's end, where the GPU waits for them)."""
+    log = []
+    model = make_decoder(decoder_layers(log, 3))
+    model.layers_beside = 0
+    model._run_steps_beside({"h0": 0}, None, FakeWorker(log))
+    waiting = log[log.index(("drain",)) + 1:log.index(("drained",))]
+    assert waiting == [("done", "node0"), ("settle", 1), ("done", "node1"), ("settle", 1)]
+    assert log[log.index(("drained",)) + 1:] == [("done", "node2")]  # the last job: collected after the drain
+
+
+def test_drain_calls_its_host_work_while_a_job_waits_for_the_gpus_routing(kernel):
+    worker = HostPartWorker(threads=1)
+    layers = blocks(1, 1, kernel)
+    launch(layers[0])
+    steps = [Step(0, kernel, layers[0])]
+    assert worker.take(steps[0])
+    gpu = FakeGpu(kernel, steps)
+    calls = []
+
+    def host_work():
+        if not calls:
+            gpu.start()  # the routing comes only now: the drain has to wait for it
+        calls.append(1)
+
+    worker.drain(host_work)
+    gpu.join(30)
+    assert len(calls) >= 1 and not gpu.timed_out and len(gpu.parts) == 1
+    assert [job.step for job in worker.collect()] == steps
 
 
 def test_a_layer_the_worker_does_not_take_runs_here_after_a_drain():

@@ -222,10 +222,10 @@ class HostPartWorker:
     def pending(self) -> bool:
         return int(self._counters[DONE]) < int(self._counters[QUEUED])
 
-    def drain(self) -> None:
-        """Wait until every queued job is done (each waits for its layer's routing on the GPU). A failed job, or one
-        still waiting after DRAIN_TIMEOUT_S: every gate left is raised without the CPU's part, and the error says which
-        layer."""
+    def drain(self, while_waiting=None) -> None:
+        """Wait until every queued job is done (each waits for its layer's routing on the GPU), calling
+        `while_waiting()` (short host work) between looks. A failed job, or one still waiting after DRAIN_TIMEOUT_S:
+        every gate left is raised without the CPU's part, and the error says which layer."""
         started = time.perf_counter()
         counters = self._counters
         while counters[DONE] < counters[QUEUED]:
@@ -233,6 +233,8 @@ class HostPartWorker:
                 self._fail()
             if time.perf_counter() - started > DRAIN_TIMEOUT_S:
                 self._fail(f"waited {DRAIN_TIMEOUT_S:.0f} s for the GPU's routing")
+            if while_waiting is not None:
+                while_waiting()
             time.sleep(0)  # lets the worker's thread take the GIL, where it is between two calls of the loop
 
     def cancel(self) -> None:

@@ -1,0 +1,157 @@
+"""Diagnosis (GPU machine): what a "both" layer's CPU part costs on the host-part worker, and what else a decode step
+holds (issue #4).
+
+The split's table prices a worker's part at ~80 µs a call plus its bytes at ~105 GB/s (fifty-fifth session, Qwen
+50%), where the kernel alone on 16 threads takes ~25 µs a call plus the same bytes (diag_gemv_timeline.py). Here one
+model decodes under "both" with the worker, and for each job the worker stamps (engine/offload/host_part_worker.py
+JobDone) the CPU part's seconds are kept by the number of pairs it computed, with the worker's waits for the GPU's
+routing and for the engine thread's next job, and the engine's end_step (the GPU idles through it) with the accounts
+left for it. Rounds alternate between the decoder as it is and one that collects the jobs' statistics only after the
+step's last job (as before this diagnostic's session). The process's thread count is read after every step.
+
+The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.
+
+    python3 benchmarks/diag_worker_parts.py --folder /tmp/bench-qwen3-30b-a3b-like --fractions 0.5,0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_offload import SHAPES  # noqa: E402
+from benchmarks.bench_offload_ab import open_model  # noqa: E402
+from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
+from engine.offload.planner import all_resident_bytes  # noqa: E402
+
+
+def threads_now() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
+    """Per variant ("as is"; "accounts at the end": the jobs' statistics collected only after the step's last job, as
+    before the decoder took them while waiting for it): the worker's part seconds by pairs, step seconds and their
+    parts (from the first job's arrival at the worker to the last gate; the engine's end_step, with the accounts left
+    for it and placement's rebalance inside it), swaps per step, thread counts."""
+    jobs: list = []
+    real = HybridExpertNode.host_part_done
+    engine, decoder = model.offload, model.decoder
+    real_end = decoder.on_step_end  # the engine's end_step (engine/offload/__init__.py)
+    real_rebalance = engine.policy.rebalance
+    ends: list = []
+    left: list = []
+    rebalances: list = []
+
+    def recorded(node, job):
+        jobs.append((job.pairs, job.cpu_s, job.routed - job.reached, job.reached, job.gated))
+        return real(node, job)
+
+    def timed_end(*args, **kwargs):
+        left.append(len(engine.deferred))
+        started = time.perf_counter()
+        try:
+            return real_end(*args, **kwargs)
+        finally:
+            ends.append(time.perf_counter() - started)
+
+    def timed_rebalance(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return real_rebalance(*args, **kwargs)
+        finally:
+            rebalances.append(time.perf_counter() - started)
+
+    HybridExpertNode.host_part_done = recorded
+    decoder.on_step_end = timed_end
+    engine.policy.rebalance = timed_rebalance
+    names = ("as is", "accounts at the end")
+    out = {name: {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
+                  "left": [], "rebalance": [], "swaps": [], "jobs": [], "idle": []} for name in names}
+    try:
+        state = model.new_state()
+        token = int(decoder.forward(state, prompt)[-1].argmax())
+        for _ in range(warmup):
+            token = int(decoder.forward(state, [token])[-1].argmax())
+        for r in range(rounds):
+            for name in names:
+                row = out[name]
+                if name == "accounts at the end":
+                    decoder._collect_and_settle = lambda worker, taken: None
+                for _ in range(steps):
+                    jobs.clear()
+                    ends.clear()
+                    left.clear()
+                    rebalances.clear()
+                    swaps_before = engine.stats.totals().swaps
+                    started = time.perf_counter()
+                    token = int(decoder.forward(state, [token])[-1].argmax())
+                    row["steps"].append(time.perf_counter() - started)
+                    row["threads"].append(threads_now())
+                    row["end_step"].append(sum(ends))
+                    row["left"].extend(left)
+                    row["rebalance"].append(sum(rebalances))
+                    row["swaps"].append(engine.stats.totals().swaps - swaps_before)
+                    row["jobs"].append(len(jobs))
+                    if jobs:
+                        row["layers"].append(jobs[-1][4] - jobs[0][3])
+                    # the worker's time between a gate and its next job (the engine thread had not queued it yet)
+                    row["idle"].extend(b[3] - a[4] for a, b in zip(jobs, jobs[1:]))
+                    for pairs, cpu_s, wait, _, _ in jobs:
+                        row["parts"][pairs].append(cpu_s)
+                        row["waits"].append(wait)
+                decoder.__dict__.pop("_collect_and_settle", None)
+    finally:
+        HybridExpertNode.host_part_done = real
+        decoder.on_step_end = real_end
+        engine.policy.__dict__.pop("rebalance", None)
+        decoder.__dict__.pop("_collect_and_settle", None)
+    return out
+
+
+def us(values) -> str:
+    return f"{statistics.median(values) * 1e6:7.1f}" if values else "      -"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b-like")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--fractions", default="0.5,0")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=48)
+    parser.add_argument("--folder")
+    args = parser.parse_args()
+    model, prompt = open_model(args.shape, args.layers, args.folder, prefix="diag-worker-parts-")
+    engine = model.offload
+    print(f"threads after load: {threads_now()}", flush=True)
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        engine.reconfigure(OffloadConfig(device_expert_bytes=int(fraction * all_resident_bytes(model.folder.experts))))
+        model.wait_until_settled()
+        engine.set_decode_path("both")
+        found = decode_rounds(model, prompt, args.rounds, args.steps, args.warmup)
+        worker_threads = model.decoder._worker.threads if getattr(model.decoder, "_worker", None) else None
+        print(f"\n{fraction:.0%} resident, decode path {engine.copy_state()['decode_path']['in_force']}, worker threads "
+              f"{worker_threads}: the worker's CPU part, µs, median (n) by pairs", flush=True)
+        for name, row in found.items():
+            parts = row["parts"]
+            cells = "  ".join(f"{p}: {us(parts[p])} ({len(parts[p])})" for p in sorted(parts) if p)
+            print(f"  {name:20s} step {statistics.median(row['steps']) * 1e3:6.2f} ms (first job to last gate "
+                  f"{us(row['layers'])}, end_step {us(row['end_step'])} µs with {statistics.median(row['left'])} "
+                  f"accounts left and rebalance {us(row['rebalance'])} µs), jobs {statistics.median(row['jobs'])}, "
+                  f"swaps {statistics.mean(row['swaps']):.1f}, threads {min(row['threads'])}-{max(row['threads'])}, "
+                  f"wait for routing {us(row['waits'])}, gate to next job {us(row['idle'])}\n"
+                  f"     part µs by pairs | {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
