@@ -6,8 +6,9 @@ The split's table prices a worker's part at ~80 µs a call plus its bytes at ~10
 model decodes under "both" with the worker, and for each job the worker stamps (engine/offload/host_part_worker.py
 JobDone) the CPU part's seconds are kept by the number of pairs it computed, with the worker's waits for the GPU's
 routing and for the engine thread's next job, and the engine's end_step (the GPU idles through it) with the accounts
-left for it. Rounds alternate between the decoder as it is and one that collects the jobs' statistics only after the
-step's last job (as before this diagnostic's session). The process's thread count is read after every step.
+left for it. Rounds alternate between the decoder as it is and one that waits for the worker's jobs only after the
+last segment's run, which waits for the logits (as before this diagnostic's session): their accounts are then left
+for end_step. The process's thread count is read after every step.
 
 The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.
 
@@ -49,14 +50,24 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
     real_rebalance = engine.policy.rebalance
     ends: list = []
     left: list = []
+    ready_left: list = []
     rebalances: list = []
 
     def recorded(node, job):
         jobs.append((job.pairs, job.cpu_s, job.routed - job.reached, job.reached, job.gated))
         return real(node, job)
 
+    real_settle = engine.settle
+    settled: list = []
+
+    def counted_settle(*args, **kwargs):
+        taken = real_settle(*args, **kwargs)
+        settled.append((taken, len(engine.deferred), bool(engine.deferred) and engine.deferred[0][0]()))
+        return taken
+
     def timed_end(*args, **kwargs):
         left.append(len(engine.deferred))
+        ready_left.append(sum(bool(ready()) for ready, _ in engine.deferred))
         started = time.perf_counter()
         try:
             return real_end(*args, **kwargs)
@@ -73,9 +84,11 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
     HybridExpertNode.host_part_done = recorded
     decoder.on_step_end = timed_end
     engine.policy.rebalance = timed_rebalance
+    engine.settle = counted_settle
     names = ("as is", "accounts at the end")
     out = {name: {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
-                  "left": [], "rebalance": [], "swaps": [], "jobs": [], "idle": []} for name in names}
+                  "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
+                  "swaps": [], "jobs": [], "idle": []} for name in names}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
@@ -85,11 +98,13 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
             for name in names:
                 row = out[name]
                 if name == "accounts at the end":
-                    decoder._collect_and_settle = lambda worker, taken: None
+                    decoder._last_dense_segment = lambda: None  # no drain before the last segment's run
                 for _ in range(steps):
                     jobs.clear()
                     ends.clear()
                     left.clear()
+                    ready_left.clear()
+                    settled.clear()
                     rebalances.clear()
                     swaps_before = engine.stats.totals().swaps
                     started = time.perf_counter()
@@ -98,6 +113,10 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
                     row["threads"].append(threads_now())
                     row["end_step"].append(sum(ends))
                     row["left"].extend(left)
+                    row["ready_left"].extend(ready_left)
+                    row["settled"].append(sum(t for t, _, _ in settled))
+                    row["settle_calls"].append(len(settled))
+                    row["head_ready"].append(sum(h for _, _, h in settled))
                     row["rebalance"].append(sum(rebalances))
                     row["swaps"].append(engine.stats.totals().swaps - swaps_before)
                     row["jobs"].append(len(jobs))
@@ -108,12 +127,13 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
                     for pairs, cpu_s, wait, _, _ in jobs:
                         row["parts"][pairs].append(cpu_s)
                         row["waits"].append(wait)
-                decoder.__dict__.pop("_collect_and_settle", None)
+                decoder.__dict__.pop("_last_dense_segment", None)
     finally:
         HybridExpertNode.host_part_done = real
         decoder.on_step_end = real_end
         engine.policy.__dict__.pop("rebalance", None)
-        decoder.__dict__.pop("_collect_and_settle", None)
+        engine.__dict__.pop("settle", None)
+        decoder.__dict__.pop("_last_dense_segment", None)
     return out
 
 
@@ -140,14 +160,18 @@ def main() -> None:
         engine.set_decode_path("both")
         found = decode_rounds(model, prompt, args.rounds, args.steps, args.warmup)
         worker_threads = model.decoder._worker.threads if getattr(model.decoder, "_worker", None) else None
-        print(f"\n{fraction:.0%} resident, decode path {engine.copy_state()['decode_path']['in_force']}, worker threads "
-              f"{worker_threads}: the worker's CPU part, µs, median (n) by pairs", flush=True)
+        path = engine.copy_state()["decode_path"]["in_force"]
+        print(f"\n{fraction:.0%} resident, decode path {path}, worker threads {worker_threads}: the worker's CPU part, "
+              f"µs, median (n) by pairs", flush=True)
         for name, row in found.items():
             parts = row["parts"]
             cells = "  ".join(f"{p}: {us(parts[p])} ({len(parts[p])})" for p in sorted(parts) if p)
             print(f"  {name:20s} step {statistics.median(row['steps']) * 1e3:6.2f} ms (first job to last gate "
                   f"{us(row['layers'])}, end_step {us(row['end_step'])} µs with {statistics.median(row['left'])} "
-                  f"accounts left and rebalance {us(row['rebalance'])} µs), jobs {statistics.median(row['jobs'])}, "
+                  f"accounts left ({statistics.median(row['ready_left'])} ready) and rebalance "
+                  f"{us(row['rebalance'])} µs; settle took {statistics.median(row['settled'])} in "
+                  f"{statistics.median(row['settle_calls'])} calls, the head ready after "
+                  f"{statistics.median(row['head_ready'])}), jobs {statistics.median(row['jobs'])}, "
                   f"swaps {statistics.mean(row['swaps']):.1f}, threads {min(row['threads'])}-{max(row['threads'])}, "
                   f"wait for routing {us(row['waits'])}, gate to next job {us(row['idle'])}\n"
                   f"     part µs by pairs | {cells}", flush=True)

@@ -240,9 +240,16 @@ class PartitionedDecoder:
         here = []  # the "both" layers finished on this thread (the worker could not take them)
         ran_here = False  # whether a layer ran on this thread (its CPU kernels: this thread's OpenMP pool)
         step = None  # a layer launched and neither taken nor finished yet
+        last_dense = self._last_dense_segment()
         try:
             for runner in self.steps:
                 if isinstance(runner, DenseSegment):
+                    if runner is last_dense and taken:
+                        # The host launches layers far ahead of the worker (16-19 of 24 on the H100 machine) and
+                        # then waits in the last segment's run for the logits, so most of the step's jobs ended
+                        # while it waited and their accounts went to the step's end, where the GPU idles (~30 µs
+                        # each): taken here instead, while the worker computes the last layers.
+                        worker.drain(lambda: self._collect_and_settle(worker, taken), leave=1)
                     values.update(runner.run(values, state))
                     now = clock()
                     dense += now - before
@@ -269,10 +276,7 @@ class PartitionedDecoder:
                     now = clock()
                     experts += now - before
                 before = now
-            # The host runs layers ahead of the GPU and the worker, so most of the step's jobs end while it waits
-            # here: their accounts taken meanwhile, not at the step's end, where the GPU would wait for them (on the
-            # H100 machine end_step took 0.4 ms a step at Qwen3-30B-A3B-like 0%, 24 layers, with the GPU idle)
-            worker.drain(lambda: self._collect_and_settle(worker, taken))
+            worker.drain()
             self._collect(worker)
         except BaseException:
             worker.cancel()
@@ -311,9 +315,12 @@ class PartitionedDecoder:
         for job in worker.collect():
             job.step.node.host_part_done(job)
 
+    def _last_dense_segment(self) -> DenseSegment | None:
+        return next((runner for runner in reversed(self.steps) if isinstance(runner, DenseSegment)), None)
+
     def _collect_and_settle(self, worker, taken: list) -> None:
         """While the step's last jobs run: the jobs done so far collected, and an account whose device work is done
-        taken (OffloadEngine.settle)."""
+        taken (OffloadEngine.settle: oldest first)."""
         self._collect(worker)
         if taken:
             taken[-1].node.engine.settle(1)

@@ -225,15 +225,15 @@ class FakeWorker:
         self.jobs.append(step)
         return True
 
-    def drain(self, while_waiting=None):
-        """The jobs end one at a time (the worker's gates), `while_waiting` called after each but the last."""
-        self.log.append(("drain",))
-        for i, step in enumerate(self.jobs):
-            if not getattr(step, "done", False):
-                step.gate["open"] = step.done = True
-                self.finished.append(step)
-                if while_waiting is not None and i < len(self.jobs) - 1:
-                    while_waiting()
+    def drain(self, while_waiting=None, leave=0):
+        """The jobs end one at a time (the worker's gates) but the last `leave`, `while_waiting` called after each."""
+        self.log.append(("drain",) if not leave else ("drain", leave))
+        pending = [step for step in self.jobs if not getattr(step, "done", False)]
+        for step in pending[:max(len(pending) - leave, 0)]:
+            step.gate["open"] = step.done = True
+            self.finished.append(step)
+            if while_waiting is not None:
+                while_waiting()
         self.log.append(("drained",))
 
     def collect(self):
@@ -332,21 +332,21 @@ def test_the_decoder_hands_each_both_layer_to_the_worker_and_goes_on():
     _dense, _experts, late = model._run_steps_beside(values, None, worker)
     assert not late and _read(values["logits"]) == 23
     assert [entry for entry in log if entry[0] in ("launch", "take", "drain", "finish")] == [
-        ("launch", "node0"), ("take", "node0"), ("launch", "node1"), ("take", "node1"), ("drain",)]
+        ("launch", "node0"), ("take", "node0"), ("launch", "node1"), ("take", "node1"), ("drain", 1), ("drain",)]
     assert model.layers_beside == 2
 
 
-def test_the_step_collects_jobs_and_takes_accounts_while_its_last_jobs_run():
-    """The host runs ahead of the worker, so most of a step's jobs end while it waits at the step's end: each one's
-    statistics are collected, and an account settled, while the later ones still run, not after the drain (the
-    step's end, where the GPU waits for them)."""
+def test_the_step_collects_jobs_and_takes_accounts_before_its_last_segment_waits_for_the_logits():
+    """The host launches the layers far ahead of the worker, then waits in the last segment's run for the logits: the
+    jobs done are collected and their accounts settled before that run, while the worker computes the last layer,
+    not after the step (where the GPU waits for them)."""
     log = []
     model = make_decoder(decoder_layers(log, 3))
     model.layers_beside = 0
     model._run_steps_beside({"h0": 0}, None, FakeWorker(log))
-    waiting = log[log.index(("drain",)) + 1:log.index(("drained",))]
-    assert waiting == [("done", "node0"), ("settle", 1), ("done", "node1"), ("settle", 1)]
-    assert log[log.index(("drained",)) + 1:] == [("done", "node2")]  # the last job: collected after the drain
+    start = log.index(("drain", 1))
+    assert log[start:] == [("drain", 1), ("done", "node0"), ("settle", 1), ("done", "node1"), ("settle", 1),
+                           ("drained",), ("run", "dense3"), ("drain",), ("drained",), ("done", "node2")]
 
 
 def test_drain_calls_its_host_work_while_a_job_waits_for_the_gpus_routing(kernel):
@@ -379,7 +379,7 @@ def test_a_layer_the_worker_does_not_take_runs_here_after_a_drain():
     assert _read(values["logits"]) == 23
     kinds = [entry[:2] for entry in log if entry[0] in ("launch", "take", "drain", "finish")]
     assert kinds == [("launch", "node0"), ("take", "node0"), ("launch", "node1"), ("drain",), ("finish", "node1"),
-                     ("drain",)]
+                     ("drain", 1), ("drain",)]
     assert model.layers_beside == 1
 
 

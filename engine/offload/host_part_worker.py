@@ -222,13 +222,13 @@ class HostPartWorker:
     def pending(self) -> bool:
         return int(self._counters[DONE]) < int(self._counters[QUEUED])
 
-    def drain(self, while_waiting=None) -> None:
-        """Wait until every queued job is done (each waits for its layer's routing on the GPU), calling
-        `while_waiting()` (short host work) between looks. A failed job, or one still waiting after DRAIN_TIMEOUT_S:
-        every gate left is raised without the CPU's part, and the error says which layer."""
+    def drain(self, while_waiting=None, leave: int = 0) -> None:
+        """Wait until every queued job but the last `leave` is done (each waits for its layer's routing on the GPU),
+        calling `while_waiting()` (short host work) between looks. A failed job, or one still waiting after
+        DRAIN_TIMEOUT_S: every gate left is raised without the CPU's part, and the error says which layer."""
         started = time.perf_counter()
         counters = self._counters
-        while counters[DONE] < counters[QUEUED]:
+        while counters[DONE] < counters[QUEUED] - leave:
             if counters[FAILED] or self._error is not None:
                 self._fail()
             if time.perf_counter() - started > DRAIN_TIMEOUT_S:
