@@ -6,13 +6,14 @@ The split's table prices a worker's part at ~80 µs a call plus its bytes at ~10
 model decodes under "both" with the worker, and for each job the worker stamps (engine/offload/host_part_worker.py
 JobDone) the CPU part's seconds are kept by the number of pairs it computed, with the worker's waits for the GPU's
 routing and for the engine thread's next job, and the engine's end_step (the GPU idles through it) with the accounts
-left for it. Rounds alternate between the decoder as it is and one that waits for the worker's jobs only after the
-last segment's run, which waits for the logits (as before this diagnostic's session): their accounts are then left
-for end_step. The process's thread count is read after every step.
+left for it. Rounds alternate between the decoder as it is and one that takes nothing before the last segment's run, which
+waits for the logits (as before this diagnostic's session): the accounts of the worker's jobs and of the launches
+done meanwhile are then left for end_step. --path tier (or a fraction of 1: every expert resident) times the same
+without the worker. The process's thread count is read after every step.
 
 The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.
 
-    python3 benchmarks/diag_worker_parts.py --folder /tmp/bench-qwen3-30b-a3b-like --fractions 0.5,0
+    python3 benchmarks/diag_worker_parts.py --folder /tmp/bench-qwen3-30b-a3b-like --fractions 0.5,0 [--path tier]
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=48)
+    parser.add_argument("--path", default="both", help="the decode path asked for (both, tier, auto, cpu)")
     parser.add_argument("--folder")
     args = parser.parse_args()
     model, prompt = open_model(args.shape, args.layers, args.folder, prefix="diag-worker-parts-")
@@ -157,7 +159,7 @@ def main() -> None:
     for fraction in [float(f) for f in args.fractions.split(",")]:
         engine.reconfigure(OffloadConfig(device_expert_bytes=int(fraction * all_resident_bytes(model.folder.experts))))
         model.wait_until_settled()
-        engine.set_decode_path("both")
+        engine.set_decode_path(args.path)
         found = decode_rounds(model, prompt, args.rounds, args.steps, args.warmup)
         worker_threads = model.decoder._worker.threads if getattr(model.decoder, "_worker", None) else None
         path = engine.copy_state()["decode_path"]["in_force"]

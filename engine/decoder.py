@@ -56,6 +56,9 @@ class PartitionedDecoder:
         by_name = {info.name: info for info in experts}
         self.steps: list = []  # DenseSegment, or an expert runner (CpuExpertNode, HybridExpertNode)
         self.on_step_end = None  # called after every step with its seconds and tokens: the safe point for placement
+        # called before the step's last dense segment, whose run waits for the logits (the offload engine's accounts
+        # taken while the GPU finishes the layers: OffloadEngine.settle_all_but)
+        self.before_last_segment = None
         self.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}  # where step time goes
         self.steps_run_again = 0  # steps run a second time after a late gate (_run_steps)
         self.layers_ahead = 0  # "both" layers whose host part ran with the next layer's work queued behind (_run_steps)
@@ -186,9 +189,12 @@ class PartitionedDecoder:
         waiting = launched = None  # a layer whose host part is left until the next one is launched, and that one
         behind = False  # whether work is queued behind the waiting layer's merge
         finished = []  # the "both" layers finished on this thread, whose merges may have waited for their gates
+        last_dense = self._last_dense_segment()
         try:
             for runner in self.steps:  # one clock reading per runner: its end is the next one's start
                 if isinstance(runner, DenseSegment):
+                    if runner is last_dense and waiting is None and self.before_last_segment is not None:
+                        self.before_last_segment()
                     results = runner.run_again(values, state) if waiting is not None else None
                     if results is None:
                         late |= self._finish(waiting, behind, finished)
@@ -244,12 +250,16 @@ class PartitionedDecoder:
         try:
             for runner in self.steps:
                 if isinstance(runner, DenseSegment):
-                    if runner is last_dense and taken:
+                    if runner is last_dense:
                         # The host launches layers far ahead of the worker (16-19 of 24 on the H100 machine) and
-                        # then waits in the last segment's run for the logits, so most of the step's jobs ended
-                        # while it waited and their accounts went to the step's end, where the GPU idles (~30 µs
-                        # each): taken here instead, while the worker computes the last layers.
-                        worker.drain(lambda: self._collect_and_settle(worker, taken), leave=1)
+                        # then waits in the last segment's run for the logits: the jobs done meanwhile, collected
+                        # after it, left their accounts to the step's end, where the GPU idles (~30 µs each). They
+                        # are taken here instead, while the worker computes the last layers.
+                        if taken:
+                            worker.drain(lambda: self._collect_and_settle(worker, taken), leave=1)
+                            self._collect(worker)
+                        if self.before_last_segment is not None:
+                            self.before_last_segment()
                     values.update(runner.run(values, state))
                     now = clock()
                     dense += now - before
@@ -322,8 +332,7 @@ class PartitionedDecoder:
         """While the step's last jobs run: the jobs done so far collected, and an account whose device work is done
         taken (OffloadEngine.settle: oldest first)."""
         self._collect(worker)
-        if taken:
-            taken[-1].node.engine.settle(1)
+        taken[-1].node.engine.settle(1)
 
     def _host_part_worker(self):
         """The host-part worker, made on first use where the model has "both"-capable layers and this machine runs

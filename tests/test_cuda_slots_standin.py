@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from types import SimpleNamespace
@@ -376,6 +377,7 @@ ACCOUNT = [("event query", "compute"), ("event sync", "compute")]  # a launch fo
 def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_folder, cpu_run, monkeypatch):
     model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
     cp.events_done = False  # a GPU behind the host: no launch is done before the step's end
+    model.decoder.before_last_segment = None  # (whose wait for the launches would never end on this GPU)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     stores = model.offload.stores
     assert [s.gpu.routed for s in stores] == [1 + len(cpu_run[1])] * SPEC.layers
@@ -413,6 +415,52 @@ def test_fully_resident_layers_statistics_are_taken_in_the_step_once_their_launc
     assert ours == ref
     for mine, theirs in zip(model.offload.policy.scores, behind.offload.policy.scores):
         assert np.array_equal(mine, theirs)
+
+
+def test_statistics_left_behind_by_a_host_ahead_of_the_gpu_are_taken_before_the_last_segment(model_folder, cpu_run,
+                                                                                             monkeypatch):
+    """A GPU behind the host through the layers, which catches up while the host waits before the step's last
+    segment (whose run waits for the logits): the launches' statistics are taken there as they end
+    (OffloadEngine.settle_all_but), all but the last one, not at the step's end where the GPU would idle; the same
+    statistics as a GPU that keeps up."""
+    keeping_up, _ = open_on_standin(model_folder, 1.0, monkeypatch)
+    greedy_run(keeping_up)
+    model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
+    cp.events_done = False
+    settle_all_but = model.offload.settle_all_but
+
+    def gpu_catches_up_meanwhile():
+        cp.log.append(("before the last segment",))
+        cp.events_done = True
+        settle_all_but()
+        cp.events_done = False
+
+    model.decoder.before_last_segment = gpu_catches_up_meanwhile
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert not model.offload.deferred
+    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
+    waited = cp.log.index(("before the last segment",), last_sync - 7 * SPEC.layers)
+    assert cp.log[waited + 1:last_sync] == ACCOUNT * (SPEC.layers - 1)
+    assert cp.log[last_sync + 1:] == [("event sync", "compute")]  # the last layer's, at the step's end
+    ours, ref = model.offload.stats.as_dict(), keeping_up.offload.stats.as_dict()
+    for mine, theirs in zip(ours.pop("layers"), ref.pop("layers")):
+        del mine["copy_s"], theirs["copy_s"]  # the loads' host time, measured
+        assert mine == theirs
+    assert ours == ref
+
+
+def test_the_wait_before_the_last_segment_gives_up_on_a_gpu_that_does_not_finish(model_folder, monkeypatch):
+    """settle_all_but waits at most its timeout: what is left then stays for the step's end."""
+    model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
+    model.decoder.before_last_segment = None
+    cp.events_done = False
+    state = model.new_state()
+    model.decoder.forward(state, [5, 7])
+    model.offload.deferred.extend([(lambda: False, lambda: None)] * 3)  # launches that never end
+    started = time.perf_counter()
+    model.offload.settle_all_but(1, timeout_s=0.05)
+    assert 0.05 <= time.perf_counter() - started < 1.0 and len(model.offload.deferred) == 3
+    model.offload.deferred.clear()
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.5])

@@ -97,6 +97,7 @@ class FakeNode:
 def make_decoder(runners) -> PartitionedDecoder:
     model = PartitionedDecoder.__new__(PartitionedDecoder)
     model.steps, model.dense, model.logits_name, model.on_step_end = runners, None, "logits", None
+    model.before_last_segment = None
     model.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
     model.steps_run_again = model.layers_ahead = model.layers_beside = 0
     model._pool_here, model._worker_took = True, False

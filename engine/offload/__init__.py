@@ -18,6 +18,7 @@ def attach_offload(decoder, config: OffloadConfig, device, layer_split: str | No
     for layer, position in enumerate(positions):
         decoder.steps[position] = HybridExpertNode(decoder.steps[position], layer, engine)
     decoder.on_step_end = engine.end_step
+    decoder.before_last_segment = engine.settle_all_but
     return engine
 
 
