@@ -1121,6 +1121,7 @@ def _decoder_on(device_id: int, segments: list):
     decoder = PartitionedDecoder.__new__(PartitionedDecoder)  # the step loop alone: no model behind it
     decoder.dense = ort_env.DenseDevice("cuda", "a test's stand-in", device_id)
     decoder.steps, decoder.logits_name, decoder.on_step_end = segments, "logits", None
+    decoder.before_last_segment = None
     decoder.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
     decoder.kernel_threads = KernelThreads([], 1)  # no CPU kernels to set
     return decoder
