@@ -47,8 +47,9 @@ def warm_offload_bookkeeping() -> None:
     """Each compiled function of the offload engine's steps called once, with the argument types the hybrid node,
     the placement and the host copies pass (a signature of other types would compile again at its first call)."""
     from engine.offload.host_copy import _take_rows
-    from engine.offload.placement import _observe, _rebalance, _spare_slots
+    from engine.offload.placement import AdaptivePlacement, LayerSlots, _observe, _spare_slots
     from engine.offload.step_pairs import classify_pairs, count_routed, split_pairs, take_copied
+    from engine.offload.swap_judge import SwapJudge
 
     experts = 4
     ids = np.array([[0, 2]], np.int32)  # route(): int32 [tokens, k]
@@ -63,7 +64,12 @@ def warm_offload_bookkeeping() -> None:
     split_pairs(ids, np.zeros(ids.shape, bool), slot_of, counts, True)
     _observe(scores, ids.reshape(-1), 0.9, True, watch)
     _spare_slots(scores, slot_of, expert_in, np.zeros(experts, bool), ids.reshape(-1), 1, 1)
-    _rebalance(scores, slot_of.copy(), expert_in.copy(), 1.5, 2, -1, 1, np.empty((3, 3), np.int64))
+    # rebalance (its compiled loop over the layers, with a paused judge's pass, and the judge's), through a policy:
+    # the numba typed Lists it passes take ~0.1 s to set up in a process
+    placement = AdaptivePlacement([LayerSlots(experts, 1)], judge=SwapJudge([experts]))
+    placement.judge.paused = True
+    placement.observe(0, ids.reshape(-1))
+    placement.rebalance(1)
     _take_rows(np.zeros((2, 8), np.uint8), np.array([1], np.int64), np.zeros((1, 8), np.uint8))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.offload.placement import AdaptivePlacement, LayerSlots, Swap, make_policy
+from engine.offload.placement import AdaptivePlacement, LayerSlots, make_policy
 from engine.offload.swap_judge import SwapJudge
 from engine.offload.traces import realistic_trace, replay, uniform_trace
 
@@ -25,7 +25,7 @@ def test_net_hits_are_the_loaded_experts_hits_less_the_evicted_ones_within_the_w
     layers = [LayerSlots(8, 2), LayerSlots(8, 2)]
     judge = SwapJudge([8, 8], window=3, evidence=0.0)
     policy = AdaptivePlacement(layers, judge=judge)
-    judge.safe_point([Swap(0, 0, 5, 3), Swap(1, 1, None, 4)])  # a fill (no eviction) is not watched
+    judge.safe_point([[0, 0, 5, 3], [1, 1, -1, 4]])  # (layer, slot, evicted, loaded): a fill is not watched
     assert judge.watch[0].tolist() == [0, 0, 0, 1, 0, -1, 0, 0] and not judge.watch[1].any()
     policy.observe(0, np.array([3, 3, 5, -1]))  # 3 twice (hits it earns), 5 once (a miss it causes)
     policy.observe(1, np.array([4, 5]))  # layer 1 watches nothing

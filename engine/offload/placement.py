@@ -24,9 +24,11 @@ compute and PCIe copies).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import is_
 
 import numpy as np
 from numba import njit
+from numba.typed import List
 
 from engine.offload.swap_judge import SwapJudge
 
@@ -204,8 +206,8 @@ class AdaptivePlacement(PlacementPolicy):
         super().__init__(layers)
         self.decay, self.margin, self.max_swaps = decay, margin, max_swaps
         self.judge = judge
-        self._rows: np.ndarray | None = None  # rebalance's swap rows (slot, evicted, loaded)
-        self._shadow_rows: np.ndarray | None = None  # the same for the swaps a paused judge watches
+        self._arrays: _LayerArrays | None = None  # rebalance's compiled call's arguments (_layer_arrays)
+        self._wanted, self._wanted_key = np.zeros(0, np.int64), None  # _wanted_counts' answer, and what it came from
         self._turn = 0  # under a limit, the layer that goes first (layers take turns)
 
     def wanted(self, layer: int) -> np.ndarray:
@@ -243,51 +245,111 @@ class AdaptivePlacement(PlacementPolicy):
         residents (the layer's miss slots stay free for the miss policy); then take the
         max_swaps best cold experts (highest score first, lowest id on ties) and, in that order, swap each in for
         the weakest resident (first in slot order on ties) while it scores more than margin times that one's
-        score. One compiled call per layer (_rebalance). Under a `limit` (swaps in all, SwapAllowance), the
-        layers take turns to go first, one further at every call, so none waits on the others for ever. While the
-        judge finds that swaps do not pay, only empty slots are filled; the swaps that would have been made are
-        handed to the judge all the same, so that it sees when they would pay again."""
-        swaps, watched = [], []
+        score. Under a `limit` (swaps in all, SwapAllowance), the layers take turns to go first, one further at
+        every call, so none waits on the others for ever; once the limit is spent, later layers are not looked at.
+        While the judge finds that swaps do not pay, only empty slots are filled; the swaps that would have been
+        made (worked out on copies of each layer's slots) are handed to the judge all the same, so that it sees
+        when they would pay again.
+
+        This runs at every decode step's end, while the GPU idles: all layers in one compiled call
+        (_rebalance_layers, _rebalance per layer), the judge's part in one more, not several Python-level calls per
+        layer (benchmarks/bench_rebalance.py, 48 layers, judge paused, dev VM: 272 µs a safe point before, 47 now)."""
         paused = self._moves_paused()
-        rows = self._rows
         count = len(self.layers)
         first = 0
         if limit is not None and count:
             first = self._turn % count
             self._turn += 1
-        for offset in range(count):
-            index = (first + offset) % count
-            layer = self.layers[index]
-            left = -1 if limit is None else limit - len(swaps)
-            if left == 0:
-                break
-            if layer.num_slots == 0 or layer.all_resident:  # no cold expert to bring in
-                continue
-            if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
-                rows = self._rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
-            n = _rebalance(self.scores[index], layer.slot_of, layer.expert_in, self.margin,
-                           0 if paused else self.max_swaps, left, self.wanted_slots(index), rows)
-            swaps += _swaps(index, rows[:n])
-            if paused:
-                watched += self._shadow_swaps(index)
+        if limit == 0:  # nothing may move and no layer is looked at: most safe points where swaps pay (rationed)
+            swaps = watched = _NO_ROWS
+        else:
+            arrays = self._layer_arrays()
+            made, watching = _rebalance_layers(arrays.scores, arrays.slot_of, arrays.expert_in, self._wanted_counts(),
+                                               first, -1 if limit is None else limit, float(self.margin),
+                                               arrays.max_swaps, paused, arrays.rows, arrays.shadow_rows,
+                                               arrays.spare_slot_of, arrays.spare_expert_in)
+            swaps, watched = arrays.rows[:made], arrays.shadow_rows[:watching]
         if self.judge is not None:
             self.judge.safe_point(watched if paused else swaps)
-        return swaps
+        return _swaps(swaps)
 
-    def _shadow_swaps(self, index: int) -> list[Swap]:
-        """The swaps rebalance would make in layer `index`, worked out on copies of its slots (nothing moves)."""
-        layer = self.layers[index]
-        rows = self._shadow_rows
-        if rows is None or rows.shape[0] < layer.expert_in.size + self.max_swaps:
-            rows = self._shadow_rows = np.empty((layer.expert_in.size + self.max_swaps, 3), np.int64)
-        n = _rebalance(self.scores[index], layer.slot_of.copy(), layer.expert_in.copy(), self.margin, self.max_swaps,
-                       -1, self.wanted_slots(index), rows)
-        return _swaps(index, rows[:n])
+    def _wanted_counts(self) -> np.ndarray:
+        """wanted_slots(index) of every layer, as int64; where wanted_slots is PlacementPolicy's, asked again only
+        when a layer's slot count or miss slots changed."""
+        count = len(self.layers)
+        if type(self).wanted_slots is not PlacementPolicy.wanted_slots:
+            return np.array([self.wanted_slots(index) for index in range(count)], np.int64)
+        key = ([layer.num_slots for layer in self.layers], list(self.miss_slots[:count]))
+        if key != self._wanted_key:
+            self._wanted = np.array([self.wanted_slots(index) for index in range(count)], np.int64)
+            self._wanted_key = key
+        return self._wanted
+
+    def _layer_arrays(self) -> _LayerArrays:
+        """The layers' arrays as rebalance hands them to its compiled call, made again when a layer's slot_of /
+        expert_in or scores array was replaced (LayerSlots.resize, a re-plan's scores), a layer came or went, or
+        max_swaps changed; checking costs a few µs at 48 layers."""
+        arrays, layers, scores = self._arrays, self.layers, self.scores
+        if (arrays is None or arrays.max_swaps != self.max_swaps or len(arrays.expert_in_seen) != len(layers)
+                or not all(map(is_, [layer.expert_in for layer in layers], arrays.expert_in_seen))
+                or not all(map(is_, [layer.slot_of for layer in layers], arrays.slot_of_seen))
+                or not all(map(is_, scores, arrays.scores_seen)) or len(scores) < len(layers)):
+            arrays = self._arrays = _LayerArrays(layers, scores, int(self.max_swaps))
+        return arrays
 
 
-def _swaps(layer: int, rows: np.ndarray) -> list[Swap]:
-    """_rebalance's rows (slot, evicted or -1, loaded) as Swaps of `layer`."""
-    return [Swap(layer, slot, evicted if evicted >= 0 else None, loaded) for slot, evicted, loaded in rows.tolist()]
+class _LayerArrays:
+    """Every layer's slot_of / expert_in / scores as numba typed Lists (the same arrays, changed in place by
+    _rebalance_layers), the arrays seen (identity checks), and the rows _rebalance_layers writes: each layer's at most
+    its slots (fills) plus max_swaps, for the swaps made and the swaps a paused judge watches."""
+
+    def __init__(self, layers: list[LayerSlots], scores: list[np.ndarray], max_swaps: int):
+        self.max_swaps = max_swaps
+        self.slot_of_seen = [layer.slot_of for layer in layers]
+        self.expert_in_seen = [layer.expert_in for layer in layers]
+        self.scores_seen = [scores[index] for index in range(len(layers))]
+        self.slot_of = _typed_list(self.slot_of_seen, np.int32)
+        self.expert_in = _typed_list(self.expert_in_seen, np.int32)
+        self.scores = _typed_list(self.scores_seen, np.float64)
+        rows = sum(expert_in.size + max_swaps for expert_in in self.expert_in_seen)
+        self.rows = np.empty((rows, 4), np.int64)
+        self.shadow_rows = np.empty((rows, 4), np.int64)
+        # the paused judge's copies of one layer's slots
+        self.spare_slot_of = np.empty(max((a.size for a in self.slot_of_seen), default=0), np.int32)
+        self.spare_expert_in = np.empty(max((a.size for a in self.expert_in_seen), default=0), np.int32)
+
+
+def _typed_list(arrays: list[np.ndarray], dtype) -> List:
+    """`arrays` (1-D, contiguous, of `dtype`: another raises) in a numba typed List that refers to them. Made by
+    compiled code that Numba caches on disk: typed List's own methods would compile again in every process (~0.3 s
+    against ~0.1, at the warm-up of a model's load: kernel_warmup.py)."""
+    out = _empty_list_of(np.empty(0, dtype))
+    for array in arrays:
+        _append(out, array)
+    return out
+
+
+@njit(cache=True)
+def _empty_list_of(example):
+    """An empty typed List of arrays like `example`."""
+    out = List()
+    out.append(example)
+    out.pop()
+    return out
+
+
+@njit(cache=True)
+def _append(out, array):
+    out.append(array)
+
+
+_NO_ROWS = np.empty((0, 4), np.int64)  # no swaps, as rebalance's rows
+
+
+def _swaps(rows: np.ndarray) -> list[Swap]:
+    """Rows (layer, slot, evicted or -1, loaded) as Swaps."""
+    return [Swap(layer, slot, evicted if evicted >= 0 else None, loaded)
+            for layer, slot, evicted, loaded in rows.tolist()]
 
 
 # --- compiled bookkeeping (issue #4) --------------------------------------------------------------------------
@@ -297,6 +359,8 @@ def _swaps(layer: int, rows: np.ndarray) -> list[Swap]:
 # += 1.0 in order, margin * score) and the same tie rules as the NumPy formulation (stable sorts: the lowest
 # index / slot first), so the decisions are identical: tests/test_placement_fast.py checks them against the
 # straightforward NumPy implementation (the reference kept in the methods' docstrings' terms) on random traces.
+# rebalance's loop over the layers is one more (_rebalance_layers): tests/test_placement_rebalance.py checks it against
+# the per-layer Python loop it replaced.
 
 @njit(cache=True, nogil=True)
 def _observe(scores, ids, decay, decaying, watch):
@@ -438,6 +502,52 @@ def _rebalance(scores, slot_of, expert_in, margin, max_swaps, limit, wanted, swa
         swaps[n, 2] = expert
         n += 1
     return n
+
+
+@njit(cache=True, nogil=True)
+def _all_resident(slot_of, num_slots):
+    """LayerSlots.all_resident, worked out again: a slot per expert and every expert in one."""
+    if num_slots < slot_of.size:
+        return False
+    for e in range(slot_of.size):
+        if slot_of[e] < 0:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _rebalance_layers(scores, slot_of, expert_in, wanted, first, limit, margin, max_swaps, paused, rows, shadow_rows,
+                      spare_slot_of, spare_expert_in):
+    """AdaptivePlacement.rebalance's layers in one call: scores / slot_of / expert_in typed Lists of each layer's
+    arrays, wanted each layer's wanted residents. Layers in turn from `first`, _rebalance on each layer with slots
+    and a cold expert, at most `limit` swaps in all (negative: no limit; once spent, no later layer is looked at).
+    Paused: real swaps only fill empty slots, and _rebalance on copies of the slots (spare_*) gives the swaps the
+    judge watches. rows / shadow_rows receive (layer, slot, evicted or -1, loaded) of the swaps made / watched;
+    returns both counts."""
+    count = len(expert_in)
+    made = watched = 0
+    for offset in range(count):
+        index = (first + offset) % count
+        left = limit - made if limit >= 0 else -1
+        if left == 0:
+            break
+        layer_slot_of, layer_expert_in = slot_of[index], expert_in[index]
+        if layer_expert_in.size == 0 or _all_resident(layer_slot_of, layer_expert_in.size):
+            continue  # no cold expert to bring in
+        n = _rebalance(scores[index], layer_slot_of, layer_expert_in, margin, 0 if paused else max_swaps, left,
+                       wanted[index], rows[made:, 1:])
+        rows[made:made + n, 0] = index
+        made += n
+        if paused:
+            copy_slot_of = spare_slot_of[:layer_slot_of.size]
+            copy_expert_in = spare_expert_in[:layer_expert_in.size]
+            copy_slot_of[:] = layer_slot_of
+            copy_expert_in[:] = layer_expert_in
+            n = _rebalance(scores[index], copy_slot_of, copy_expert_in, margin, max_swaps, -1, wanted[index],
+                           shadow_rows[watched:, 1:])
+            shadow_rows[watched:watched + n, 0] = index
+            watched += n
+    return made, watched
 
 
 def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray] | None = None) -> PlacementPolicy:
