@@ -1331,7 +1331,8 @@ def test_every_expert_made_resident_on_the_loaded_model_undoes_the_page_locked_m
     more, and its pages stayed locked in RAM (the whole experts' file, held from the rest of the machine). The
     registration is undone and the prefault stops; the answers are unchanged. Back to hybrid, both start again and
     copies go straight from the mapping once it is page-locked (they went through the pinned ring until a reload: a
-    2,048-token prefill at 25% took 2.3x as long on the H100 machine)."""
+    2,048-token prefill at 25% took 2.3x as long on the H100 machine). A host bound or file backing off ends both
+    too, until the configuration has neither."""
     from engine.offload.planner import all_resident_bytes
 
     runtime = FakeRuntime()
@@ -1357,10 +1358,18 @@ def test_every_expert_made_resident_on_the_loaded_model_undoes_the_page_locked_m
     uploads, copied = CopyingGpuQMoE.direct_uploads, copy_slowly(model, monkeypatch)
     assert_same_as_cpu(greedy_run(model), paged_cpu_run)
     assert copied and CopyingGpuQMoE.direct_uploads > uploads
-    engine.reconfigure(hybrid.updated(host_expert_bytes=4 * engine.infos[0].bytes_per_expert))  # for good
+    engine.reconfigure(hybrid.updated(host_expert_bytes=4 * engine.infos[0].bytes_per_expert))
     assert runtime.registered == {} and engine.prefault is None
-    engine.reconfigure(hybrid)
+    engine.reconfigure(hybrid.updated(allow_file_backing=False))  # still no mapping to lock: the experts go to RAM
     assert runtime.registered == {} and engine.prefault is None and engine.device.host_registration is None
+    engine.reconfigure(hybrid)  # the bound lifted: as a model loaded bounded and unbounded later, both start again
+    after = model.host_registration
+    assert after is engine.device.host_registration and after.ready.wait(10) and after.registered
+    assert sorted(runtime.registered) == sorted(registered)
+    assert engine.prefault is model.prefault and model.prefault is not None and model.prefault.done.wait(10)
+    uploads, copied = CopyingGpuQMoE.direct_uploads, copy_slowly(model, monkeypatch)
+    assert_same_as_cpu(greedy_run(model), paged_cpu_run)
+    assert copied and CopyingGpuQMoE.direct_uploads > uploads
 
 
 def test_a_model_loaded_with_every_expert_resident_page_locks_its_mapping_once_fewer_are(paged_folder, paged_cpu_run,

@@ -89,7 +89,7 @@ class OffloadEngine:
         self.prefault = None  # the load's ExpertPrefault, where host memory is unbounded (LoadedModel sets it)
         # LoadedModel._start_unbounded_work, weakly held: starts the prefault and the page-locked mapping again
         self.start_unbounded_work: Callable[[], Callable | None] = lambda: None
-        self._unbounded_work_ended_for_good = False  # by a host bound or file backing off: only a reload starts it
+        self._unbounded_work_ended_for_good = False  # by a host bound or file backing off, until neither holds
         self.stats = OffloadStats()
         self.shadow = False
         self.approximation = ApproximationCounts()
@@ -662,9 +662,13 @@ class OffloadEngine:
             self._end_unbounded_work("allow_file_backing=0 was set on the loaded model (its experts are copied into "
                                      "RAM, where copies read them; the file's pages leave)")
             self._unbounded_work_ended_for_good = True
-        elif self.plan.placement_mode == "all_resident":
-            self._end_unbounded_work("every expert is now resident on the GPU, so nothing is copied from the file "
-                                     "(fewer resident page-locks it again)")
+        else:
+            # unbounded again: what a bound or file backing off ended starts again below, as load starts it for a
+            # model loaded with a bound and unbounded later (the copies went through the pinned ring until a reload)
+            self._unbounded_work_ended_for_good = False
+            if self.plan.placement_mode == "all_resident":
+                self._end_unbounded_work("every expert is now resident on the GPU, so nothing is copied from the file "
+                                         "(fewer resident page-locks it again)")
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
         if self._tier_choice(config):
@@ -697,9 +701,9 @@ class OffloadEngine:
         load started because the file's pages could stay in host memory (and be read) ends before the host cache drops
         them (set_budget) or the copy into RAM releases them (_apply_file_backing), or they would stay: the prefault,
         which maps pages in behind the cache's count, and the page-locked file mapping (register_experts), whose pages
-        madvise cannot release (nor should copies read it once the experts are in RAM, or once none is copied). After
-        a bound or file backing off, neither starts again should the setting go back (a reload starts them); after
-        every expert resident, a re-plan with fewer resident starts both again (reconfigure)."""
+        madvise cannot release (nor should copies read it once the experts are in RAM, or once none is copied). A
+        re-plan with neither a bound nor file backing off, and fewer than every expert resident, starts both again
+        (reconfigure)."""
         if self.prefault is not None:
             self.prefault.stop()
             self.prefault = None
