@@ -618,6 +618,35 @@ def test_a_sweep_points_trials_wait_for_the_experts_mapping_its_re_plan_started(
     assert steps >= 76 and len(settled_at_steps) == steps + 1 and all(settled_at_steps)
 
 
+@pytest.mark.parametrize("empty_encoding", [False, True])
+def test_a_sweep_points_trials_end_on_a_model_whose_context_is_shorter_than_they_take(monkeypatch, empty_encoding):
+    """The unrecorded decode goes on in a new conversation where the context is full, until the trials are over: a
+    model with a 24-token context used to leave them under way for the point's answers. A tokenizer that encodes
+    settle's text to nothing gets a token of the model's own."""
+    import dataclasses
+
+    import engine.records.sweep as sweep
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="auto")
+    model.offload.reconfigure(model.offload.config.updated(
+        device_expert_bytes=all_resident_bytes(model.offload.infos) // 2))
+    model.config = dataclasses.replace(model.config, context_length=24)
+    if empty_encoding:
+        monkeypatch.setattr(model.tokenizer, "encode", lambda text, **kwargs: [])
+    lengths, forward = [], model.decoder.forward
+
+    def spy(state, tokens):
+        lengths.append(state.past_length + len(tokens))
+        return forward(state, tokens)
+
+    monkeypatch.setattr(model.decoder, "forward", spy)
+    assert model.offload.trials_pending
+    steps = sweep.settle(model)
+    assert not model.offload.trials_pending and steps > 2 * 24  # (a first decode path trial ends by its 76th step)
+    assert max(lengths) == 24 and lengths.count(lengths[0]) >= 3  # new conversations, each from the prompt
+
+
 def test_side_by_side_whose_margins_cannot_be_computed_keeps_both_answers(monkeypatch):
     """The margins at the divergence fail (a forward pass after both answered): the two answers and their records
     stand, the failure said on one line where the margins would be."""

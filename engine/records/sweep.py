@@ -133,23 +133,35 @@ SETTLE_STEPS_MAX = 200  # a first decode path trial ends by its 76th step, "both
 
 
 def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
-    """Greedy decode steps on a conversation of their own, not recorded, until the engine's trials at the budget just
-    planned are over (OffloadEngine.trials_pending), at most SETTLE_STEPS_MAX or what the context holds. Returns the
-    steps run. They start once the background work the re-plan started is done (back from every expert resident: the
-    experts' pages mapped in, their mapping page-locked): trials timed beside it would keep a way for the point's
-    answers, which wait for it (run_turns), from steps it slowed."""
+    """Greedy decode steps, not recorded, until the engine's trials at the budget just planned are over
+    (OffloadEngine.trials_pending), at most SETTLE_STEPS_MAX. Returns the steps run. Where the context is full, the
+    steps go on in a new conversation (a model with a short context would otherwise leave the trials under way for
+    the point's answers). They start once the background work the re-plan started is done (back from every expert
+    resident: the experts' pages mapped in, their mapping page-locked): trials timed beside it would keep a way for
+    the point's answers, which wait for it (run_turns), from steps it slowed."""
     model.wait_until_settled(cancel)
     if cancel is not None and cancel.is_set():
         return 0
-    state = model.new_state()
-    prompt = model.tokenizer.encode("The experts of a mixture")
-    limit = min(SETTLE_STEPS_MAX, model.config.context_length - len(prompt) - 1)
-    token = int(model.decoder.forward(state, prompt)[-1].argmax())
-    steps = 0
-    while steps < limit and model.offload.trials_pending and not (cancel is not None and cancel.is_set()):
+    # a tokenizer that encodes the text to nothing: a token of the model's own (the prompt only has to be one)
+    prompt = model.tokenizer.encode("The experts of a mixture") or [_any_token(model)]
+    prompt = prompt[:max(1, model.config.context_length - 1)]
+    steps, state = 0, None
+    while steps < SETTLE_STEPS_MAX and model.offload.trials_pending and not (cancel is not None and cancel.is_set()):
+        if state is None or state.past_length >= model.config.context_length:
+            state = model.new_state()
+            token = int(model.decoder.forward(state, prompt)[-1].argmax())
+            continue
         token = int(model.decoder.forward(state, [token])[-1].argmax())
         steps += 1
     return steps
+
+
+def _any_token(model: LoadedModel) -> int:
+    config = model.config
+    for token in (config.bos_token_id, *config.eos_token_ids, config.pad_token_id):
+        if token is not None:
+            return int(token)
+    return 0
 
 
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
