@@ -293,6 +293,52 @@ def test_side_by_sides_longest_run_line_ends_in_an_ellipsis_on_a_narrow_window_w
     assert view.bar.status.toolTip() == "Failed: boom"
 
 
+def test_side_by_sides_two_columns_stay_equal_and_still_whatever_their_statuses_titles_and_answers_say(qtbot):
+    """A long status (a failure's, a very long one) widened its column while the answers streamed: the columns came
+    out unequal and the layout jumped; a long title (B's changed settings) did too. Both columns keep their halves
+    of the window; what does not fit ends in an ellipsis, the whole text in the tooltip."""
+    from PySide6.QtWidgets import QApplication, QGroupBox, QLabel
+
+    from app.gui.side_by_side_view import SideBySideView
+    from app.gui.widgets import scrolled
+
+    view = SideBySideView()
+    area = scrolled(view)  # as the window holds it
+    qtbot.addWidget(area)
+    area.resize(1280, 800)
+    area.show()
+    qtbot.waitExposed(area)
+
+    def widths():
+        for _ in range(3):
+            QApplication.processEvents()
+        return view.left.width(), view.right.width()
+
+    halves = widths()
+    assert abs(halves[0] - halves[1]) <= 1
+    status = "stopped before its first token: the comparison failed; " * 8
+    view.on_streamed({"side": 0, "text": "", "reasoning": "", "status": status, "state": "preparing", "tokens": 0})
+    view.on_streamed({"side": 1, "text": "", "reasoning": "", "status": "waiting for A", "state": "waiting",
+                      "tokens": 0})
+    assert widths() == halves
+    assert view.left.values["tokens"].text() == view.left.values["tokens"].toolTip() == status
+    assert QLabel.text(view.left.values["tokens"]).endswith("…")  # shown elided
+    assert QLabel.text(view.right.values["tokens"]) == "waiting for A"  # one that fits shows whole
+
+    title = "B: a-model · " + ", ".join(f"setting_{number}=1073741824" for number in range(12))
+    view.right.setTitle(title)
+    view.left.values["routing"].setText("approximate: 93% agreement with exact routing, " * 6)
+    view.right.append("x" * 3000)  # an answer with no place to break
+    view.right.flush()
+    assert widths() == halves
+    assert view.right.title() == view.right.toolTip() == view.right.accessibleName() == title
+    assert QGroupBox.title(view.right).endswith("…")
+    assert area.horizontalScrollBar().maximum() == 0  # nothing wider than the window
+    view.right.setTitle("B: a-model · same settings")  # one that fits shows whole, without a tooltip
+    assert widths() == halves
+    assert QGroupBox.title(view.right) == "B: a-model · same settings" and view.right.toolTip() == ""
+
+
 def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
     from app.gui.side_by_side_view import side_stats
 

@@ -11,17 +11,18 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QTextBlockFormat, QTextCursor
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout, QWidget)
+                               QPlainTextEdit, QPushButton, QStyle, QStyleOptionGroupBox, QTextBrowser, QVBoxLayout,
+                               QWidget)
 
 from app.gui import theme
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SIDE_BY_SIDE_TOKENS, SideBySideJob, SideBySideResult
 from app.gui.side_streams import failed_status
 from app.gui.stream_pacing import Pacer
-from app.gui.widgets import AnswerLength
+from app.gui.widgets import AnswerLength, OneLineLabel
 from engine.errors import WorkbenchError
 from engine.offload import OffloadConfig
 from engine.offload.config import DEVICE_KEYS, keys_among
@@ -137,8 +138,14 @@ def side_stats(record) -> dict[str, str]:
 
 
 class Column(QGroupBox):
+    """One side's answer and statistics. Neither what it says nor its title sets its width: its status and statistics
+    are one line each and its title one line (OneLineLabel's way: what does not fit ends in an ellipsis, the whole
+    text in the tooltip), so the two columns stay as wide as each other, and still, while the answers stream."""
+
     def __init__(self, title: str, parent=None):
-        super().__init__(title, parent)
+        super().__init__(parent)
+        self._title = ""
+        self.setTitle(title)
         self.text = self.reasoning = ""
         # what its side was doing as last streamed (side_streams' state, its tokens so far); None: nothing said
         self.state: str | None = None
@@ -152,16 +159,48 @@ class Column(QGroupBox):
         self._pacer = Pacer(self._show_unshown, self)
         self.answer = QTextBrowser()
         self.answer.setAccessibleName(f"{title} answer")
-        self.values: dict[str, QLabel] = {}
+        self.values: dict[str, OneLineLabel] = {}
         grid = QGridLayout()
         for row, name in enumerate(STATS):
             grid.addWidget(QLabel(name), row, 0)
-            self.values[name] = QLabel("—")
+            self.values[name] = OneLineLabel("—")
             self.values[name].setAccessibleName(f"{title} {name}")
             grid.addWidget(self.values[name], row, 1)
+        grid.setColumnStretch(1, 1)  # the values have the room the names leave: a status fits before it is elided
         layout = QVBoxLayout(self)
         layout.addWidget(self.answer, 1)
         layout.addLayout(grid)
+
+    def setTitle(self, title: str) -> None:  # noqa: N802 (Qt's name)
+        self._title = title
+        self._elide_title()
+
+    def title(self) -> str:
+        return self._title
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802
+        """As narrow as its contents allow: QGroupBox's is at least its title's width, which widened a column whose
+        title is long (B's changed settings)."""
+        return QSize(QWidget.minimumSizeHint(self).width(), super().minimumSizeHint().height())
+
+    def resizeEvent(self, event) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self._elide_title()
+
+    def _elide_title(self) -> None:
+        """The title as it fits the column's width, the whole of it in the tooltip where it does not."""
+        option = QStyleOptionGroupBox()
+        self.initStyleOption(option)
+        option.text = ""  # what the style adds around the text, and where it starts (left-aligned: the most room)
+        option.textAlignment = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter
+        label = self.style().subControlRect(QStyle.ComplexControl.CC_GroupBox, option,
+                                            QStyle.SubControl.SC_GroupBoxLabel, self)
+        room = self.width() - 2 * max(0, label.x()) - label.width()
+        shown = self.fontMetrics().elidedText(self._title, Qt.TextElideMode.ElideRight, max(0, room))
+        if shown != QGroupBox.title(self):
+            super().setTitle(shown)
+        self.setToolTip(self._title if shown != self._title else "")
+        self.setAccessibleName(self._title)  # a screen reader's name for it: the whole title, not the one shown
 
     def clear(self) -> None:
         self.text, self.reasoning = "", ""
@@ -351,9 +390,9 @@ class SideBySideView(QWidget):
         folder.addWidget(self.right_folder, 1)
         folder.addWidget(self.browse)
         folder.addWidget(self.reset_button)
-        columns = QHBoxLayout()
-        columns.addWidget(self.left)
-        columns.addWidget(self.right)
+        columns = QHBoxLayout()  # two equal halves, whatever the columns say (Column)
+        columns.addWidget(self.left, 1)
+        columns.addWidget(self.right, 1)
         layout = QVBoxLayout(self)
         layout.addWidget(self.prompt)
         layout.addLayout(options)
