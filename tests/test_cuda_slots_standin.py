@@ -401,6 +401,7 @@ def test_fully_resident_layers_statistics_are_taken_in_the_step_once_their_launc
     (OffloadEngine.settle), not after the step's last segment, with the same statistics as taken at the step's end."""
     behind, behind_cp = open_on_standin(model_folder, 1.0, monkeypatch)
     behind_cp.events_done = False
+    behind.decoder.before_last_segment = None  # (whose wait for the launches would never end on this GPU)
     greedy_run(behind)
     model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
     assert_same_as_cpu(greedy_run(model), cpu_run)
