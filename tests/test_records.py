@@ -647,6 +647,24 @@ def test_a_sweep_points_trials_end_on_a_model_whose_context_is_shorter_than_they
     assert max(lengths) == 24 and lengths.count(lengths[0]) >= 3  # new conversations, each from the prompt
 
 
+def test_a_sweep_points_settle_on_a_one_token_context_ends(monkeypatch):
+    """Every forward is a new conversation's prompt there: no decode step, and the forwards bounded all the same."""
+    import dataclasses
+
+    import engine.records.sweep as sweep
+
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=SimulatedDevice(1 << 30),
+                             decode_path="auto")
+    model.offload.reconfigure(model.offload.config.updated(
+        device_expert_bytes=all_resident_bytes(model.offload.infos) // 2))
+    model.config = dataclasses.replace(model.config, context_length=1)
+    monkeypatch.setattr(type(model.offload), "trials_pending", property(lambda engine: True))  # never over
+    forwards, forward = [], model.decoder.forward
+    monkeypatch.setattr(model.decoder, "forward", lambda state, tokens: forwards.append(len(tokens)) or
+                        forward(state, tokens))
+    assert sweep.settle(model) == 0 and forwards == [1] * 2 * sweep.SETTLE_STEPS_MAX
+
+
 def test_side_by_side_whose_margins_cannot_be_computed_keeps_both_answers(monkeypatch):
     """The margins at the divergence fail (a forward pass after both answered): the two answers and their records
     stand, the failure said on one line where the margins would be."""

@@ -146,7 +146,9 @@ def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
     prompt = model.tokenizer.encode("The experts of a mixture") or [_any_token(model)]
     prompt = prompt[:max(1, model.config.context_length - 1)]
     steps, state = 0, None
-    while steps < SETTLE_STEPS_MAX and model.offload.trials_pending and not (cancel is not None and cancel.is_set()):
+    for _ in range(2 * SETTLE_STEPS_MAX):  # forwards, the new conversations' prompts among them (a 1-token context)
+        if steps >= SETTLE_STEPS_MAX or not model.offload.trials_pending or (cancel is not None and cancel.is_set()):
+            break
         if state is None or state.past_length >= model.config.context_length:
             state = model.new_state()
             token = int(model.decoder.forward(state, prompt)[-1].argmax())
