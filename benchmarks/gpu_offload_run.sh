@@ -4,8 +4,8 @@
 # engine's GPU tests (TESTS=1), the CPU decode kernels' knobs swept at both goal shapes on this machine's cores
 # (CPUSWEEP=1), their scaling with threads (CPUSCALING=1) and an A/B of two configurations (AB="bench_offload_ab's
 # arguments"), the decode path's trials step by step (TRIALS=fraction: diag_path_trials, with TRIALS_ARGS in place of
-# its steps' arguments, e.g. "--steps 5 --then-both 80 --slowdown 30:150 --gate-ab"). BENCH=0 leaves the offload
-# benchmark out.
+# its steps' arguments, e.g. "--steps 5 --then-both 80 --slowdown 30:150 --gate-ab"), where a "both" step's time goes
+# (PARTS=fractions: diag_worker_parts, PARTS_ARGS). BENCH=0 leaves the offload benchmark out.
 # Run from the repository root with OUT set and SHAPE one of bench_offload's shapes; carry .whl (onnxruntime 1.32
 # CPU, psutil, platformdirs, nvidia-ml-py), kernels/gpu/_build (the prebuilt cubin), with TESTS=1 .fixtures, and
 # .numba-cache where an earlier run's cache was saved.
@@ -76,6 +76,15 @@ fi
     PYTHONPATH=/tmp/site_gpu timeout "${TRIALS_LIMIT:-220}" python3 benchmarks/diag_path_trials.py --shape "$shape" \
       --folder /tmp/bench-$shape --fractions "$TRIALS" ${TRIALS_ARGS:---steps 100 --then-both 40} 2>&1 \
       | grep -v "plugin EP"
+    date -u
+  fi
+  if [ -n "${PARTS:-}" ]; then
+    # where a "both" step's time goes at these resident fractions (diag_worker_parts: the worker's CPU parts, its
+    # waits, end_step and the accounts left for it), PARTS_ARGS in place of its other arguments, e.g. "--layers 24
+    # --path tier"
+    echo "== worker parts and the step's end, $shape, float16, ${PARTS} resident"
+    PYTHONPATH=/tmp/site_gpu timeout "${PARTS_LIMIT:-300}" python3 benchmarks/diag_worker_parts.py --shape "$shape" \
+      --folder /tmp/bench-$shape --fractions "$PARTS" ${PARTS_ARGS:---layers 24} 2>&1 | grep -v "plugin EP"
     date -u
   fi
   if [ "${BENCH:-1}" = 1 ]; then
