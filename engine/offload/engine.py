@@ -89,7 +89,6 @@ class OffloadEngine:
         self.prefault = None  # the load's ExpertPrefault, where host memory is unbounded (LoadedModel sets it)
         # LoadedModel._start_unbounded_work, weakly held: starts the prefault and the page-locked mapping again
         self.start_unbounded_work: Callable[[], Callable | None] = lambda: None
-        self._unbounded_work_ended_for_good = False  # by a host bound or file backing off, until neither holds
         self.stats = OffloadStats()
         self.shadow = False
         self.approximation = ApproximationCounts()
@@ -657,18 +656,12 @@ class OffloadEngine:
         if config.host_expert_bytes is not None:
             self._end_unbounded_work("host_expert_bytes was bounded on the loaded model (locked pages stay in memory "
                                      "whatever the bound)")
-            self._unbounded_work_ended_for_good = True
         elif not config.allow_file_backing:
             self._end_unbounded_work("allow_file_backing=0 was set on the loaded model (its experts are copied into "
                                      "RAM, where copies read them; the file's pages leave)")
-            self._unbounded_work_ended_for_good = True
-        else:
-            # unbounded again: what a bound or file backing off ended starts again below, as load starts it for a
-            # model loaded with a bound and unbounded later (the copies went through the pinned ring until a reload)
-            self._unbounded_work_ended_for_good = False
-            if self.plan.placement_mode == "all_resident":
-                self._end_unbounded_work("every expert is now resident on the GPU, so nothing is copied from the file "
-                                         "(fewer resident page-locks it again)")
+        elif self.plan.placement_mode == "all_resident":
+            self._end_unbounded_work("every expert is now resident on the GPU, so nothing is copied from the file "
+                                     "(fewer resident page-locks it again)")
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
         if self._tier_choice(config):
@@ -685,12 +678,13 @@ class OffloadEngine:
         self._apply_file_backing()
         self._make_policy(old_scores)  # what adaptive placement learnt so far still holds
         self._apply_cpu_threads()
-        if self.prefault is None and not self._unbounded_work_ended_for_good:
-            # back from every expert resident (or loaded so; LoadedModel._prefault_pays says where it pays): prefill
-            # waves, swaps and copied misses read the file again, and through the pinned ring a 2,048-token prefill at
-            # 25% took 2.3x as long (RESULTS.md, fifty-fifth session). Started once the plan is in force, as load
-            # starts it once the engine is made: the registration's memory check then counts the host tier's
-            # page-locked memory (started before the tier, neither check counted the other's)
+        if self.prefault is None:
+            # back from every expert resident, a host bound or file backing off (or loaded so; it starts only where
+            # LoadedModel._prefault_pays says it pays): prefill waves, swaps and copied misses read the file again,
+            # and through the pinned ring a 2,048-token prefill at 25% took 2.3x as long (RESULTS.md, fifty-fifth
+            # session). Started once the plan is in force, as load starts it once the engine is made: the
+            # registration's memory check then counts the host tier's page-locked memory (started before the tier,
+            # neither check counted the other's)
             start = self.start_unbounded_work()
             if start is not None:
                 start(config, self.device)
