@@ -489,12 +489,9 @@ class OffloadEngine:
         waits for the logits: the host launches the layers far ahead of the GPU, so settle() found few accounts
         ready during the step and end_step took the rest with the GPU idle (16-19 of 24 on the H100 machine, ~30 µs
         each). The accounts left behind keep the GPU busy while the last segment is launched."""
-        deferred = self.deferred
         deadline = time.perf_counter() + timeout_s
-        while len(deferred) > leave and time.perf_counter() < deadline:
-            if deferred[0][0]():
-                deferred.popleft()[1]()
-            else:
+        while len(self.deferred) > leave and time.perf_counter() < deadline:
+            if not self.settle(1):
                 time.sleep(0)  # (a worker thread between two calls of its loop may want the GIL)
 
     @contextmanager
