@@ -18,6 +18,7 @@ from engine.errors import WorkbenchError
 from engine.offload import host_part_worker
 from engine.offload.host_part_worker import HostPartWorker, JobDone
 from kernels.cpu import CpuQMoE, host_parts
+from kernels.cpu.threads import use_threads
 from kernels.gpu.published import PublishedRouting
 from kernels.reference import route as ref_route
 from tests.qmoe_oracle import make_case
@@ -134,6 +135,28 @@ def test_the_worker_computes_each_layers_cpu_part_and_raises_its_gate_in_order(k
         assert [int(block.gate[0]) for block in published] == [step_no + 1] * 3
 
 
+@pytest.mark.parametrize("as_team", [True, False])
+def test_two_threads_compute_each_part_as_a_team_or_forked_per_job(kernel, as_team, monkeypatch):
+    monkeypatch.setattr(host_part_worker, "team", as_team)
+    worker = HostPartWorker(threads=2)
+    published = blocks(3, 2, kernel)
+    for step_no in range(3):  # the team's shared counters made ready again after every job, from step to step
+        jobs = worker_step(worker, kernel, published, 10 + step_no)
+        assert [job.step for job in worker.collect()] == jobs
+    assert worker._team_assembles and worker._compiled_for[1] is as_team
+
+
+def test_a_team_whose_members_share_a_thread_leaves_the_jobs_to_one_threads_loop(kernel, monkeypatch):
+    # two members on Numba's one thread: the first waits for the second (ASSEMBLE_CYCLES), which cannot come
+    monkeypatch.setattr(host_part_worker, "use_threads", lambda count: use_threads(1))
+    worker = HostPartWorker(threads=2)
+    published = blocks(2, 1, kernel)
+    for step_no in range(2):
+        worker_step(worker, kernel, published, 20 + step_no)
+    assert not worker._team_assembles and len(worker.collect()) == 4
+    assert [int(block.gate[0]) for block in published] == [2, 2]
+
+
 def test_new_threads_remake_every_layers_entry_before_the_next_step(kernel):
     worker = HostPartWorker(threads=1)
     published = blocks(3, 2, kernel)
@@ -151,8 +174,9 @@ def test_a_job_waited_for_the_gpu_where_its_routing_came_after_the_worker_got_th
     assert JobDone(None, reached=1.0, routed=1.25, gated=1.5, pairs=2).cpu_s == 0.25
 
 
-def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kernel):
-    worker = HostPartWorker(threads=1)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kernel, threads):
+    worker = HostPartWorker(threads=threads)
     published = blocks(3, 1, kernel)
     jobs = []
     for layer, block in enumerate(published):
@@ -297,9 +321,10 @@ def test_the_loop_compiled_at_load_is_the_one_a_real_block_runs(kernel, dtype):
     warm, _ = host_part_worker.loop_item(kernel, host_part_worker.HostBlock(1, spec.k, spec.hidden_size, dtype), 1)
     real, _ = host_part_worker.loop_item(kernel, blocks(1, 1, kernel, dtype)[0], 4)
     assert numba.typeof(warm) == numba.typeof(real)
-    compiled = len(host_parts.run_host_parts.signatures)
+    loop = host_parts.run_host_parts_team if host_part_worker.team else host_parts.run_host_parts
+    compiled = len(loop.signatures)
     assert HostPartWorker(threads=1)._admit(0, kernel, blocks(1, 1, kernel, dtype)[0])
-    assert len(host_parts.run_host_parts.signatures) == compiled
+    assert len(loop.signatures) == compiled
 
 
 def test_compile_loop_refuses_a_kernel_the_loop_cannot_run(kernel):
