@@ -6,9 +6,9 @@ The split's table prices a worker's part at ~80 µs a call plus its bytes at ~10
 model decodes under "both" with the worker, and for each job the worker stamps (engine/offload/host_part_worker.py
 JobDone) the CPU part's seconds are kept by the number of pairs it computed, with the worker's waits for the GPU's
 routing and for the engine thread's next job, and the engine's end_step (the GPU idles through it) with the accounts
-left for it. Rounds alternate between the decoder as it is and one that takes nothing before the last segment's run, which
-waits for the logits (as before this diagnostic's session): the accounts of the worker's jobs and of the launches
-done meanwhile are then left for end_step. --path tier (or a fraction of 1: every expert resident) times the same
+left for it. Rounds alternate between the worker's kernel threads kept as one team from job to job (host_part_worker.team,
+the default since the fifty-seventh session) and forked and joined per job (the fifty-sixth session's figures, where
+the rounds compared the accounts taken before the last segment's run with the accounts left for end_step). --path tier (or a fraction of 1: every expert resident) times the same
 without the worker. The process's thread count is read after every step.
 
 The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES  # noqa: E402
 from benchmarks.bench_offload_ab import open_model  # noqa: E402
-from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload import OffloadConfig, host_part_worker  # noqa: E402
 from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 
@@ -40,8 +40,8 @@ def threads_now() -> int:
 
 
 def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
-    """Per variant ("as is"; "accounts at the end": the jobs' statistics collected only after the step's last job, as
-    before the decoder took them while waiting for it): the worker's part seconds by pairs, step seconds and their
+    """Per variant ("team": the worker's kernel threads as one team; "forked per job": run_host_parts): the worker's
+    part seconds by pairs, step seconds and their
     parts (from the first job's arrival at the worker to the last gate; the engine's end_step, with the accounts left
     for it and placement's rebalance inside it), swaps per step, thread counts."""
     jobs: list = []
@@ -86,20 +86,22 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
     decoder.on_step_end = timed_end
     engine.policy.rebalance = timed_rebalance
     engine.settle = counted_settle
-    names = ("as is", "accounts at the end")
+    variants = {"team": True, "forked per job": False}  # host_part_worker.team
+    was_team = host_part_worker.team
     out = {name: {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
                   "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
-                  "swaps": [], "jobs": [], "idle": []} for name in names}
+                  "swaps": [], "jobs": [], "idle": []} for name in variants}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
-        for _ in range(warmup):
-            token = int(decoder.forward(state, [token])[-1].argmax())
+        for name in variants:  # each loop compiled and warm (a first step may run again: its merge gave up)
+            host_part_worker.team = variants[name]
+            for _ in range(warmup // 2):
+                token = int(decoder.forward(state, [token])[-1].argmax())
         for r in range(rounds):
-            for name in names:
+            for name, as_team in variants.items():
                 row = out[name]
-                if name == "accounts at the end":
-                    decoder._last_dense_segment = lambda: None  # no drain before the last segment's run
+                host_part_worker.team = as_team
                 for _ in range(steps):
                     jobs.clear()
                     ends.clear()
@@ -128,13 +130,12 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
                     for pairs, cpu_s, wait, _, _ in jobs:
                         row["parts"][pairs].append(cpu_s)
                         row["waits"].append(wait)
-                decoder.__dict__.pop("_last_dense_segment", None)
     finally:
+        host_part_worker.team = was_team
         HybridExpertNode.host_part_done = real
         decoder.on_step_end = real_end
         engine.policy.__dict__.pop("rebalance", None)
         engine.__dict__.pop("settle", None)
-        decoder.__dict__.pop("_last_dense_segment", None)
     return out
 
 

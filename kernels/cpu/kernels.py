@@ -1110,7 +1110,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
         ci = _claim(cnt, vic, th, nth, nck, order)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def gemv_rows(src, T):
     """rowmap [T]: the row of FC1's split inputs that token t's x goes to (-1: no pair reads it); and the rows."""
     rowmap = np.full(T, -1, np.int64)
@@ -1122,7 +1122,9 @@ def gemv_rows(src, T):
     return rowmap, nrows
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+# inlined: as a call of its own the split ran ~6x slower on the dev VM (21 against 3 µs a 2,048-wide row,
+# diag_gemv_timeline's prologue), the same code
+@njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
 def gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws):
     """FC1's inputs (xa1, xb1, xs1): the rows of x that pairs read, split for the row kernels (_split_row) into the
     start of ws; and the floats of ws they take."""
@@ -1146,7 +1148,7 @@ def gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws):
     return xa1, xb1, xs1, o
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def gemv_fc2_inputs(P, w2, q2, ws):
     """FC2's inputs (aa, ab, xs2) of P pairs in ws, which FC1 writes. int3's padding positions (codes past I) must
     read as 0: zero ws first there (clear_fc2_padding)."""
@@ -1164,14 +1166,14 @@ def gemv_fc2_inputs(P, w2, q2, ws):
     return aa, ab, xs2
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def clear_fc2_padding(aa, q2):
     """int3: aa's padding positions read as 0 (FC1 writes the others)."""
     if q2[2] == 3:
         aa[:] = np.float32(0.0)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def gemv_member(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, experts, pair_off, src, coef, rowmap, xa1,
                 xb1, xs1, aa, ab, xs2, y, act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes,
                 order, done, cnt1, cnt2, zs, vic, th, nth):
@@ -1253,7 +1255,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
         reduce_pairs(y, dst, out)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def reduce_pairs(y, dst, out):
     """out[dst[p]] += y[p] for every pair p."""
     for p in range(dst.shape[0]):
