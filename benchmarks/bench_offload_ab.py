@@ -22,7 +22,7 @@ host part left until the next dense segment and layer are launched: engine/decod
 dense.worker=0, as the worker takes its place), `dense.worker=0|1` (each "both" layer's host part done by the host-part
 worker's thread: engine/decoder.py's host_part_worker, on by default), `dense.team=0|1` (the worker's kernel threads
 kept as one team for as long as jobs come, not forked and joined per layer: engine/offload/host_part_worker.py's team,
-on by default), `dense.pool_back=0|1` (a thread's OpenMP pool
+off by default until measured), `dense.pool_back=0|1` (a thread's OpenMP pool
 given back when the other takes over the CPU parts: kernels/cpu/omp_pool.py, on by default); a switch one variant names
 and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split (spread unless
 named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's engine figures (hit

@@ -148,6 +148,7 @@ def test_two_threads_compute_each_part_as_a_team_or_forked_per_job(kernel, as_te
 
 def test_a_team_whose_members_share_a_thread_leaves_the_jobs_to_one_threads_loop(kernel, monkeypatch):
     # two members on Numba's one thread: the first waits for the second (ASSEMBLE_CYCLES), which cannot come
+    monkeypatch.setattr(host_part_worker, "team", True)
     monkeypatch.setattr(host_part_worker, "use_threads", lambda count: use_threads(1))
     worker = HostPartWorker(threads=2)
     published = blocks(2, 1, kernel)
@@ -174,8 +175,9 @@ def test_a_job_waited_for_the_gpu_where_its_routing_came_after_the_worker_got_th
     assert JobDone(None, reached=1.0, routed=1.25, gated=1.5, pairs=2).cpu_s == 0.25
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kernel, threads):
+@pytest.mark.parametrize("threads, as_team", [(1, False), (1, True), (2, True)])
+def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kernel, threads, as_team, monkeypatch):
+    monkeypatch.setattr(host_part_worker, "team", as_team)
     worker = HostPartWorker(threads=threads)
     published = blocks(3, 1, kernel)
     jobs = []
@@ -208,8 +210,10 @@ def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kerne
     assert len(worker.collect()) == 3
 
 
-def test_cancel_raises_the_gates_of_the_jobs_left(kernel):
-    worker = HostPartWorker(threads=1)
+@pytest.mark.parametrize("as_team", [False, True])
+def test_cancel_raises_the_gates_of_the_jobs_left(kernel, as_team, monkeypatch):
+    monkeypatch.setattr(host_part_worker, "team", as_team)
+    worker = HostPartWorker(threads=1 if not as_team else 2)
     published = blocks(2, 1, kernel)
     for layer, block in enumerate(published):
         assert worker._admit(layer, kernel, block)  # (a layer's first take waits for the jobs before it)

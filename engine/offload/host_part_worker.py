@@ -34,9 +34,11 @@ IDLE_S = 0.02       # the loop returns to Python (and its thread sleeps) after t
 DRAIN_TIMEOUT_S = 10.0
 WAITED_S = 2e-6     # a routing found later than this after the job was reached: the worker waited for the GPU
 # The kernel's threads kept as one team in one parallel region for as long as jobs come (host_parts.
-# run_host_parts_team), rather than a fork and join of them per job; False: run_host_parts (bench_offload_ab's
-# dense.team=0). A team that does not assemble (a threading layer that gives two members one thread) falls back.
-team = True
+# run_host_parts_team) rather than forked and joined per job (run_host_parts); bench_offload_ab's dense.team=1,
+# diag_worker_parts compares the two. A team that does not assemble (a threading layer that gives two members one
+# thread) falls back to run_host_parts. Off until measured on the GPU machine: its one run there (fifty-seventh
+# session) ended with the machine no longer answering, cause unknown, and no device was lent afterwards.
+team = False
 
 
 def supported() -> bool:
