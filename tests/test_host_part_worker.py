@@ -24,6 +24,7 @@ from kernels.reference import route as ref_route
 from tests.qmoe_oracle import make_case
 from tests.test_decoder_ahead import FakeDense, _Later, _read, make_decoder
 from tests.test_qmoe_cpu import _spec
+from tests.warm_kernels import compile_host_part_loops
 
 pytestmark = pytest.mark.skipif(not host_part_worker.supported(), reason="the compiled loop is x86-64 only")
 
@@ -36,8 +37,8 @@ def kernel():
     attrs, t, x, _ = make_case(seed=3, E=16, H=128, I=96, k=4, bits=4, block_size=32, T=3, activation="swiglu",
                                swiglu_fusion=1)
     kernel = CpuQMoE(_spec(attrs, t, x), t)
-    for dtype in (np.float16, np.float32):  # the loop compiled for both (minutes on a 2-core VM), before any timing
-        assert host_part_worker.compile_loop(kernel, dtype)
+    # both loops compiled for both dtypes (minutes on a 2-core VM), before any test times a gate
+    compile_host_part_loops(kernel)
     # and the kernel FakeGpu checks the parts with: compiled in its thread on a cold cache, it would hold the GIL for
     # longer than a drain waits
     kernel.run_experts(x[:1].astype(np.float32), np.zeros((1, 4), np.int32), np.full((1, 4), 0.25, np.float32),
