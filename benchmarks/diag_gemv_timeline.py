@@ -30,52 +30,39 @@ from kernels.cpu.host_parts import cycles, read_cycles as now_cycles  # noqa: E4
 from kernels.cpu.threads import use_threads  # noqa: E402
 
 
-# Where the traced copies stamp stamps[row, column]: [0] the call (start, region start, end), [1 + th] thread th
-# (arrival, FC1 done, FC2 done): per function, (a line of its source, the stamp, inserted before that line or after
-# it). moe_gemv's end is stamped after its last line; its call of gemv_member goes to the traced member.
-GEMV_STAMPS = (("    H = w2.shape[1]\n", "stamps[0, 0]", "before"),
-               ("    for th_loop in prange(nth):\n", "stamps[0, 1]", "before"))
-MEMBER_STAMPS = (("    _gemv_fc1_thread(", "stamps[th + 1, 0]", "before"),
-                 ("    _gemv_fc2_thread(", "stamps[th + 1, 1]", "before"),
-                 ("zs[2 * nb1 + nb2:2 * nb1 + 2 * nb2], vic)\n", "stamps[th + 1, 2]", "after"))
-
-
-def _stamped(function, stamps, name: str, last_arguments: str) -> str:
-    """function's source with `stamps` added (a new argument `stamps` last), renamed `name`, not cached. Fails by
-    name when the source no longer has an anchor line."""
-    source = inspect.getsource(function)
-    for anchor, target, where in stamps:
-        if anchor not in source:
-            raise SystemExit(f"diag_gemv_timeline: {function.__name__} no longer has the line {anchor.strip()!r}; "
-                             "update its stamps")
-        at = source.index(anchor)
-        if where == "after":  # the anchor ends a call
-            at += len(anchor)
-            indent = "    "
-        else:
-            indent = anchor[:len(anchor) - len(anchor.lstrip())]
-        source = source[:at] + f"{indent}{target} = cycles()\n" + source[at:]
-    source = source.replace(f"def {function.__name__}(", f"def {name}(", 1)
-    source = source.replace(f"{last_arguments}):", f"{last_arguments}, stamps):", 1)
-    return source.replace("cache=True", "cache=False", 1)
+# Where traced_gemv stamps stamps[row, column]: [0] the call (start, region start, end), [1 + th] thread th (arrival,
+# FC1 done, FC2 done): (a line of moe_gemv's source, the stamp, inserted before that line or after it); the call's
+# end is stamped after its last line.
+STAMPS = (("    H = w2.shape[1]\n", "stamps[0, 0]", "before"),
+          ("    for th_loop in prange(nth):\n", "stamps[0, 1]", "before"),
+          ("        _gemv_fc1_thread(", "stamps[th + 1, 0]", "before"),
+          ("        _gemv_fc2_thread(", "stamps[th + 1, 1]", "before"),
+          ("zs[th, 2 * nb1 + nb2:], vics[th])\n", "stamps[th + 1, 2]", "after"))
 
 
 def traced_source() -> str:
-    """moe_gemv and gemv_member with the stamps added, named traced_gemv and traced_member."""
-    member = _stamped(compiled.gemv_member, MEMBER_STAMPS, "traced_member", "th, nth")
-    gemv = _stamped(compiled.moe_gemv, GEMV_STAMPS, "traced_gemv", "do_reduce, nth")
-    if "        gemv_member(" not in gemv or "th, nth)\n" not in gemv:
-        raise SystemExit("diag_gemv_timeline: moe_gemv no longer calls gemv_member(..., th, nth); update traced_source")
-    gemv = gemv.replace("        gemv_member(", "        traced_member(", 1).replace("th, nth)\n", "th, nth, stamps)\n", 1)
-    return member + "\n\n" + gemv + "    stamps[0, 2] = cycles()\n"  # after the reduction, moe_gemv's last statement
-
+    """moe_gemv's source with the STAMPS added (a new argument `stamps` last), named traced_gemv, not cached. Fails
+    by name when moe_gemv no longer has an anchor line."""
+    source = inspect.getsource(compiled.moe_gemv)
+    for anchor, target, where in STAMPS:
+        if anchor not in source:
+            raise SystemExit(f"diag_gemv_timeline: moe_gemv no longer has the line {anchor.strip()!r}; update STAMPS")
+        at = source.index(anchor)
+        if where == "after":  # the anchor ends a call in the prange body
+            at += len(anchor)
+            indent = "        "
+        else:
+            indent = anchor[:len(anchor) - len(anchor.lstrip())]
+        source = source[:at] + f"{indent}{target} = cycles()\n" + source[at:]
+    source += "    stamps[0, 2] = cycles()\n"  # after the reduction, moe_gemv's last statement
+    source = source.replace("def moe_gemv(", "def traced_gemv(", 1).replace("do_reduce, nth):", "do_reduce, nth, stamps):", 1)
+    return source.replace("cache=True", "cache=False", 1)
 
 def compile_traced():
     """traced_gemv, compiled in a namespace holding what moe_gemv's module holds, and cycles."""
     namespace = dict(vars(compiled), cycles=cycles)
     exec(compile(traced_source(), "<traced moe_gemv>", "exec"), namespace)
     return namespace["traced_gemv"]
-
 
 def cycles_per_us() -> float:
     now_cycles()  # compiled before the clock starts

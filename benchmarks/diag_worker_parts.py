@@ -6,9 +6,10 @@ The split's table prices a worker's part at ~80 µs a call plus its bytes at ~10
 model decodes under "both" with the worker, and for each job the worker stamps (engine/offload/host_part_worker.py
 JobDone) the CPU part's seconds are kept by the number of pairs it computed, with the worker's waits for the GPU's
 routing and for the engine thread's next job, and the engine's end_step (the GPU idles through it) with the accounts
-left for it. Rounds alternate between the worker's kernel threads kept as one team from job to job (host_part_worker.team,
-written in the fifty-seventh session, off by default until measured) and forked and joined per job (the fifty-sixth session's figures, where
-the rounds compared the accounts taken before the last segment's run with the accounts left for end_step). --path tier (or a fraction of 1: every expert resident) times the same
+left for it. Rounds alternate between the worker's kernel threads kept as one team from job to job
+(host_part_worker.team, written in the fifty-seventh session, off by default until measured) and forked and joined per
+job (in the fifty-sixth session's figures the rounds compared the accounts taken before the last segment's run with
+the accounts left for end_step instead). --path tier (or a fraction of 1: every expert resident) times the same
 without the worker. The process's thread count is read after every step.
 
 The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.

@@ -23,7 +23,7 @@ def test_the_copy_of_moe_gemv_is_its_own_function_with_the_cache_off():
         there.co_argcount, there.co_consts, there.co_names, there.co_varnames)
     names = vars(compiled)
     assert all(copy.py_func.__globals__[name] is names[name] for name in there.co_names if name in names)
-    assert "gemv_member" in there.co_names  # the thread's share it calls is the module's cached function
+    assert "_gemv_fc1_thread" in there.co_names  # the thread functions it calls are the module's cached ones
 
 
 def test_run_experts_arguments_are_captured_and_run_by_the_cached_kernel():
