@@ -57,16 +57,15 @@ def host_parts():
 
 
 def compile_host_part_loops(kernel) -> None:
-    """run_host_parts and the team's loop (host_part_worker.team off and on) compiled for `kernel`'s layers, float16
-    and float32 activations."""
+    """Both host-part loops (compile_loop with host_part_worker.team on: the team's and its fallback, run_host_parts)
+    compiled for `kernel`'s layers, float16 and float32 activations."""
     from engine.offload import host_part_worker
 
     default = host_part_worker.team
+    host_part_worker.team = True
     try:
-        for as_team in (False, True):
-            host_part_worker.team = as_team
-            for dtype in (np.float16, np.float32):
-                assert host_part_worker.compile_loop(kernel, dtype)
+        for dtype in (np.float16, np.float32):
+            assert host_part_worker.compile_loop(kernel, dtype)
     finally:
         host_part_worker.team = default
 

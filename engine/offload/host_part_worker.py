@@ -93,8 +93,14 @@ def compile_loop(kernel, x_dtype) -> bool:
     layers.append(item)
     scratch = _Scratch()
     scratch.size(block.tokens, block.k, spec.hidden_size, int(params[6]))
-    _call_cancelled(layers, params[None], scratch, team)
+    for as_team in _loops(team):
+        _call_cancelled(layers, params[None], scratch, as_team)
     return True
+
+
+def _loops(as_team: bool) -> tuple:
+    """The loops a worker may call: the team's and the one it falls back to, or the one thread's alone."""
+    return (True, False) if as_team else (False,)
 
 
 def _call_cancelled(layers, params, scratch, as_team: bool) -> None:
@@ -192,7 +198,9 @@ class HostPartWorker:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._in_loop = False  # the worker's thread is inside the compiled loop (or about to enter it)
-        self._team_assembles = True  # False once a team did not: run_host_parts from then on
+        # False once a team did not assemble: run_host_parts from then on, rather than the assembly's wait (~30-50 ms)
+        # at every wake while gated merges wait
+        self._team_assembles = True
 
     # ---------------------------------------------------------------- the engine's thread
     def set_threads(self, threads: int) -> None:
@@ -293,8 +301,10 @@ class HostPartWorker:
         self._scratch.size(published.tokens, published.k, published.x.shape[1], int(params[6]), self.threads)
         if self._compiled_for != (item_type, self._as_team()):
             # compiled (or loaded from Numba's cache) here, not in the worker's thread while a gated merge waits for
-            # its first job; at once where compile_loop ran at load
-            _call_cancelled(self._layers, self._params, self._scratch, self._as_team())
+            # its first job (nor for the fallback from a team that does not assemble); at once where compile_loop ran
+            # at load
+            for as_team in _loops(self._as_team()):
+                _call_cancelled(self._layers, self._params, self._scratch, as_team)
             self._compiled_for = (item_type, self._as_team())
         return True
 

@@ -310,7 +310,9 @@ def _announced(counters, team, n) -> bool:
         spin_pause()
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
+# fastmath as moe_gemv: the set-up inlined here (gemv_fc1_inputs' per-chunk sums) then adds in moe_gemv's order, and
+# a member's part equals the forked loop's bit for bit
+@njit(fastmath=True, nogil=True, cache=True, error_model="numpy")
 def _member_job(layer, params, counters, times, team, cnt1, cnt2, done, pair_ids, x32, ws, shared_ws, y, th, nth,
                 first, n, slot, launch):
     """One member's share of job n, whose routing is published: its own copy of the job's pairs and FC1's inputs,
@@ -336,11 +338,12 @@ def _member_job(layer, params, counters, times, team, cnt1, cnt2, done, pair_ids
         if load_acquire(counters, CANCEL) != 0:
             return -2
         spin_pause()
+    fc2_used = 0
     if pairs > 0:
         copy_x(x, x32, tokens)
         rowmap, nrows = gemv_rows(tok[:pairs], tokens)
-        xa1, xb1, xs1, _used = gemv_fc1_inputs(x32[:tokens], rowmap, nrows, w1, q1, ws)
-        aa, ab, xs2 = gemv_fc2_inputs(pairs, w2, q2, shared_ws)
+        xa1, xb1, xs1, _fc1_used = gemv_fc1_inputs(x32[:tokens], rowmap, nrows, w1, q1, ws)
+        aa, ab, xs2, fc2_used = gemv_fc2_inputs(pairs, w2, q2, shared_ws)
         gemv_member(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, experts[:small], pair_off[:small + 1],
                     tok[:pairs], pw[:pairs], rowmap, xa1, xb1, xs1, aa, ab, xs2, y[:pairs * hidden].reshape(pairs,
                     hidden), act_kind, fusion, alpha, beta, limit, has_limit, prefetch_rows, chunk_bytes, order, done,
@@ -355,8 +358,10 @@ def _member_job(layer, params, counters, times, team, cnt1, cnt2, done, pair_ids
         store_release(counters, DONE, n + 1)
         cnt1[:] = 0
         cnt2[:] = 0
-        done[:] = 0
-        shared_ws[:] = 0.0  # (int3's padding positions of FC2's inputs must read 0: clear_fc2_padding)
+        done[:8 * small] = 0
+        # FC2's inputs this job wrote back to zero: int3's padding positions must read 0 in the next job's, wherever
+        # its pairs put them (clear_fc2_padding)
+        shared_ws[:fc2_used] = 0.0
         store_release(team, READY, n + 1)
     return pairs
 

@@ -1151,8 +1151,8 @@ def gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws):
 
 @njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
 def gemv_fc2_inputs(P, w2, q2, ws):
-    """FC2's inputs (aa, ab, xs2) of P pairs in ws, which FC1 writes. int3's padding positions (codes past I) must
-    read as 0: zero ws first there (clear_fc2_padding)."""
+    """FC2's inputs (aa, ab, xs2) of P pairs in ws, which FC1 writes, and the floats of ws they take. int3's padding
+    positions (codes past I) must read as 0: zero ws first there (clear_fc2_padding)."""
     Kb2 = w2.shape[2]
     bits2, nchunk2 = q2[2], q2[6]
     xw2 = _x_width(bits2, Kb2, nchunk2)
@@ -1162,9 +1162,10 @@ def gemv_fc2_inputs(P, w2, q2, ws):
     ab = ws[o:o + P * Kb2].reshape(P, Kb2)
     o += P * Kb2
     xs2 = ws[o:o + P * nchunk2].reshape(P, nchunk2)
+    o += P * nchunk2
     if bits2 == 8:  # FC1 writes int8 activations into aa only; FC2's kernels read them as both streams
         ab = aa
-    return aa, ab, xs2
+    return aa, ab, xs2, o
 
 
 @njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
@@ -1240,7 +1241,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     U = experts.shape[0]
     rowmap, nrows = gemv_rows(src, x.shape[0])
     xa1, xb1, xs1, used = gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws)
-    aa, ab, xs2 = gemv_fc2_inputs(P, w2, q2, ws[used:])
+    aa, ab, xs2, _fc2_used = gemv_fc2_inputs(P, w2, q2, ws[used:])
     clear_fc2_padding(aa, q2)
     cnt1 = np.zeros(8 * nth, np.int64)
     cnt2 = np.zeros(8 * nth, np.int64)
