@@ -65,7 +65,9 @@ def unloadable_versions(model: onnx.ModelProto) -> str | None:
                                    [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
     probe = onnx.helper.make_model(graph, opset_imports=list(model.opset_import))
     probe.ir_version = model.ir_version
-    if not any(o.domain in ("", "ai.onnx") for o in probe.opset_import):
+    # the probe's Identity needs the default domain, which onnxruntime lends a model importing other sets only; a model
+    # importing none at all (a model.onnx cut short after its graph) it refuses, and so the probe must
+    if probe.opset_import and not any(o.domain in ("", "ai.onnx") for o in probe.opset_import):
         probe.opset_import.append(onnx.helper.make_opsetid("", onnx.defs.onnx_opset_version()))
     options = ort.SessionOptions()
     options.log_severity_level = 4
@@ -78,7 +80,7 @@ def unloadable_versions(model: onnx.ModelProto) -> str | None:
 
 
 def _opsets(model: onnx.ModelProto) -> str:
-    return ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import)
+    return ", ".join(f"{o.domain or 'ai.onnx'} {o.version}" for o in model.opset_import) or "none"
 
 
 def cpu_threads() -> int:

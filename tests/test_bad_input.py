@@ -339,6 +339,15 @@ def test_versions_onnxruntime_cannot_load_are_named_by_inspect(copy_fixture):
     assert "onnxruntime_src" not in result.stderr and "[ONNXRuntimeError]" not in result.stderr
 
 
+def test_a_model_importing_no_operator_set_is_refused_by_inspect_not_called_runnable(copy_fixture):
+    """A model.onnx cut short right after its graph loses its opset_import, which comes last: onnxruntime refuses it
+    at load ("Missing opset"), so inspect and the window's verdict must not say it runs."""
+    folder = copy_fixture("lfm2moe")
+    _edit_onnx(folder, lambda model: model.ClearField("opset_import"))
+    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / 'model.onnx'}: onnxruntime ",
+                       "cannot load IR version 10 with operator sets none: Missing opset in the model")
+
+
 def test_onnxruntime_errors_lose_their_status_code_and_source_line_but_keep_their_details():
     from engine.errors import error_reason
 
