@@ -343,8 +343,18 @@ def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
     from engine.model_folder import ModelFolder
 
     experts = ModelFolder.open(model_folder).experts
-    with pytest.raises(OffloadPlanError, match="holds no expert"):
+    smallest = min(info.device_bytes_per_expert for info in experts)
+    with pytest.raises(OffloadPlanError) as error:
         plan_offload(OffloadConfig(mode="required", device_expert_bytes=10), experts, SimulatedDevice(1 << 30))
+    assert str(error.value) == ("offload mode 'required': the expert budget of 10 bytes holds no expert (the smallest "
+                                f"needs {smallest} bytes on the device)")
+    # the automatic budget: the refusal says that the reserve took the device's memory, as mode=auto's plan says
+    with pytest.raises(OffloadPlanError) as error:
+        plan_offload(OffloadConfig(mode="required"), experts, SimulatedDevice(20 << 20))
+    assert str(error.value) == ("offload mode 'required': the automatic expert budget of 0 bytes holds no expert (the "
+                                f"smallest needs {smallest} bytes on the device): of the 20.0 MiB the device has free "
+                                "it keeps 20.0 MiB for KV cache and workspace (reserve_device_bytes); set a smaller "
+                                "reserve or a device_expert_bytes")
 
 
 def test_disabled_mode_puts_every_expert_where_the_dense_part_runs(model_folder, cpu_run, monkeypatch):

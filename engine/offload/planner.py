@@ -67,6 +67,12 @@ def automatic_budget(config: OffloadConfig, available: int) -> int:
     return max(0, available - reserve)
 
 
+def _reserve_left(available: int, budget: int) -> str:
+    """Why the automatic budget is `budget`: what the reserve kept of the device's free memory."""
+    return (f"of the {human_bytes(available)} the device has free it keeps {human_bytes(available - budget)} for KV "
+            "cache and workspace (reserve_device_bytes); set a smaller reserve or a device_expert_bytes")
+
+
 def _layers(infos: list[ExpertNodeInfo]) -> str:
     layers = [info.model_layer for info in infos]
     return f"layer {layers[0]}" if len(layers) == 1 else "layers " + ", ".join(str(layer) for layer in layers)
@@ -196,8 +202,10 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
 
     smallest = min((i.device_bytes_per_expert for i in runnable), default=0)
     if config.mode == "required" and budget < smallest:
-        raise OffloadPlanError(f"offload mode 'required': the expert budget of {budget} bytes holds no expert "
-                               f"(the smallest needs {smallest} bytes on the device)")
+        automatic = config.device_expert_bytes is None
+        raise OffloadPlanError(f"offload mode 'required': the {'automatic ' if automatic else ''}expert budget of "
+                               f"{budget} bytes holds no expert (the smallest needs {smallest} bytes on the device)"
+                               + (f": {_reserve_left(available, budget)}" if automatic else ""))
     slots = {info.name: 0 for info in experts}
     spent = 0
     if whole_layers:
@@ -231,9 +239,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has free; "
                           f"the budget is {human_bytes(budget)}.")
     if config.device_expert_bytes is None and budget < smallest and runnable:
-        statements.append(f"The automatic budget holds no expert: of the {human_bytes(available)} the device has free "
-                          f"it keeps {human_bytes(available - budget)} for KV cache and workspace "
-                          "(reserve_device_bytes); set a smaller reserve or a device_expert_bytes.")
+        statements.append(f"The automatic budget holds no expert: {_reserve_left(available, budget)}.")
     statements += gpu_statements(experts)
     if mode == "hybrid" and resident < sum(info.spec.num_experts for info in runnable):
         statements.append("Cold experts that routing hits during decode run on the CPU." if config.cpu_execution != "disabled"
