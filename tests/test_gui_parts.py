@@ -35,7 +35,22 @@ def test_kv_cache_estimate_from_the_graph(gptoss):
     assert gptoss.kv_cache_bytes(10) == 2 * per_token * 10
     lfm = ModelFolder.open(fixture_folder("lfm2moe"))
     facts = model_facts(lfm, inspection(lfm))
-    assert facts.state_bytes == 2 * 128 * 2 * 4  # two conv states, fixed whatever the context
+    assert facts.state_bytes == 2 * 2 * 128 * 2 * 4  # two conv states of two buffers each, fixed whatever the context
+
+
+@pytest.mark.parametrize("name", ["gptoss", "lfm2moe", "qwen35moe"])
+def test_the_kv_cache_and_state_estimate_is_what_the_decoder_state_holds_at_full_context(name):
+    """Conv and recurrent state take two buffers each (a step reads one and writes the other): the estimate, the
+    model summary and the landed sentence counted one."""
+    from engine.decoder_state import DecoderState
+
+    folder = ModelFolder.open(fixture_folder(name))
+    facts = model_facts(folder, inspection(folder))
+    state = DecoderState(folder.config, folder.onnx.proto.graph)
+    state.reserve(folder.config.context_length)
+    held = sum(slot.array.nbytes + (0 if slot.spare is None else slot.spare.nbytes) for slot in state.slots)
+    host = {p.key: p.bytes for p in estimate(facts, OffloadConfig(), DeviceChoice()).host_parts}
+    assert host["kv"] == facts.kv_cache_bytes() == held
 
 
 def test_estimate_follows_the_planner(gptoss):

@@ -69,7 +69,7 @@ class ModelFacts:
     kv_bytes_per_token: int            # every attention layer's key + value, one token
     kv_window_bytes_per_token: int
     window_tokens: int
-    state_bytes: int                   # conv / recurrent state: fixed, whatever the context
+    state_bytes: int                   # conv / recurrent state's buffers: fixed, whatever the context
     dense_bytes: int
     expert_bytes: int
     dense_segments: int
@@ -124,8 +124,8 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
                     per_window_token += fixed * elem
                 else:
                     per_token += fixed * elem
-            else:
-                state += fixed * elem
+            else:  # conv / recurrent state: two buffers, the one a step reads and the one it writes (DecoderState)
+                state += 2 * fixed * elem
     from pathlib import Path
 
     return ModelFacts(
