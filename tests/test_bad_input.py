@@ -348,6 +348,29 @@ def test_a_model_importing_no_operator_set_is_refused_by_inspect_not_called_runn
                        "cannot load IR version 10 with operator sets none: Missing opset in the model")
 
 
+@pytest.mark.parametrize("content, fragment", [
+    ("[1, 2]", "the popularity file holds a JSON list, not an object of node names to counts per expert"),
+    ('{"N": ["a", "b"]}', 'node \'N\' has ["a", "b"], not a list of counts per expert'),
+    ('{"N": 5}', "node 'N' has 5, not a list of counts per expert"),
+    ('{"N": [1]}', "node 'N' has 1 counts, the node has 2 experts"),
+    ('{"N": [1, NaN]}', "node 'N' has counts [1, nan]: each must be a finite number >= 0"),
+    ('{"N": [1, -2]}', "node 'N' has counts [1, -2]: each must be a finite number >= 0"),
+])
+def test_a_malformed_popularity_file_is_named_with_the_node_and_what_is_wrong(tmp_path, content, fragment):
+    from engine.errors import WorkbenchError
+    from engine.offload.engine import load_popularity
+
+    path = tmp_path / "popularity.json"
+    path.write_text(content)
+    with pytest.raises(WorkbenchError) as error:
+        load_popularity(str(path), ["N"], [2])
+    assert str(error.value) == f"{path}: {fragment}"
+    if content.startswith("["):  # was an internal error
+        result = run_cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                         f"popularity_file={path}")
+        assert_clean_error(result, f"{path}: {fragment}")
+
+
 def test_onnxruntime_errors_lose_their_status_code_and_source_line_but_keep_their_details():
     from engine.errors import error_reason
 

@@ -47,12 +47,22 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise WorkbenchError(f"{path}: cannot read the popularity file ({exc})") from None
-    counts = []
-    for name, count in zip(names, experts):
-        row = np.asarray(data.get(name, [1.0] * count), dtype=np.float64)
-        if row.shape != (count,):
-            raise WorkbenchError(f"{path}: node '{name}' has {row.size} counts, the node has {count} experts")
-        counts.append(row)
+    if not isinstance(data, dict):
+        raise WorkbenchError(f"{path}: the popularity file holds a JSON {type(data).__name__}, not an object of node "
+                             "names to counts per expert")
+    return [_popularity_row(path, name, data.get(name, [1.0] * count), count) for name, count in zip(names, experts)]
+
+
+def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
+    """A node's counts per expert from the popularity file: `count` numbers, finite and not negative (placement ranks
+    experts by them)."""
+    if not isinstance(row, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+        raise WorkbenchError(f"{path}: node '{name}' has {json.dumps(row)[:80]}, not a list of counts per expert")
+    if len(row) != count:
+        raise WorkbenchError(f"{path}: node '{name}' has {len(row)} counts, the node has {count} experts")
+    counts = np.asarray(row, dtype=np.float64)
+    if not np.all(np.isfinite(counts) & (counts >= 0)):
+        raise WorkbenchError(f"{path}: node '{name}' has counts {row}: each must be a finite number >= 0")
     return counts
 
 
