@@ -355,6 +355,8 @@ def test_a_model_importing_no_operator_set_is_refused_by_inspect_not_called_runn
     ('{"N": [1]}', "node 'N' has 1 counts, the node has 2 experts"),
     ('{"N": [1, NaN]}', "node 'N' has counts [1, nan]: each must be a finite number >= 0"),
     ('{"N": [1, -2]}', "node 'N' has counts [1, -2]: each must be a finite number >= 0"),
+    ('{"M": [1, 2]}', "the popularity file names 'M', which is no expert node of this model (they are N)"),
+    ('{"N1": [1, 2]}', "the popularity file names 'N1', which is no expert node of this model (did you mean 'N'?)"),
 ])
 def test_a_malformed_popularity_file_is_named_with_the_node_and_what_is_wrong(tmp_path, content, fragment):
     from engine.errors import WorkbenchError

@@ -3,6 +3,7 @@ statistics; re-plans on a loaded model when budgets change."""
 
 from __future__ import annotations
 
+import difflib
 import functools
 import gc
 import json
@@ -50,6 +51,11 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
     if not isinstance(data, dict):
         raise WorkbenchError(f"{path}: the popularity file holds a JSON {type(data).__name__}, not an object of node "
                              "names to counts per expert")
+    for name in data:  # a file made for another model would otherwise leave every node uniform, unsaid
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            raise WorkbenchError(f"{path}: the popularity file names '{name}', which is no expert node of this model"
+                                 + (f" (did you mean '{near[0]}'?)" if near else f" (they are {', '.join(names)})"))
     return [_popularity_row(path, name, data.get(name, [1.0] * count), count) for name, count in zip(names, experts)]
 
 
