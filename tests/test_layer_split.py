@@ -12,7 +12,7 @@ from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import NodeOverride
 from engine.offload.layer_split import LayerSplitTrials
-from engine.offload.planner import plan_offload, whole_layers_held
+from engine.offload.planner import OffloadPlanError, plan_offload, whole_layers_held
 from tests.test_offload import assert_same_as_cpu, device_expert_bytes, greedy_run, model_folder, cpu_run  # noqa: F401
 
 
@@ -107,6 +107,21 @@ def test_the_whole_layer_plan_fills_layers_in_order_and_leaves_the_rest_unspent(
     # a layer the user capped below all its experts is never whole
     capped = OffloadConfig(device_expert_bytes=95, node_overrides={"a": NodeOverride(max_resident_slots=3)})
     assert plan_offload(capped, infos, device, whole_layers=True).slots == {"a": 0, "b": 4, "c": 4}
+
+
+def test_required_mode_refuses_whole_layers_that_the_budget_cannot_hold():
+    """mode=required with the budget on whole layers: one that holds none would leave every expert on the CPU."""
+    infos = [_info("a", 0), _info("b", 1)]  # 40 bytes a layer
+    device = SimulatedDevice(1 << 30)
+    required = OffloadConfig(mode="required", device_expert_bytes=39)
+    with pytest.raises(OffloadPlanError) as error:
+        plan_offload(required, infos, device, whole_layers=True)
+    assert str(error.value) == ("offload mode 'required': the expert budget of 39 bytes holds no whole layer (the "
+                                "smallest needs 40 bytes on the device); the layer split 'spread' places the budget "
+                                "expert by expert")
+    assert plan_offload(required, infos, device).slots == {"a": 2, "b": 1}
+    assert plan_offload(required.updated(device_expert_bytes=40), infos, device, whole_layers=True).slots == {"a": 4,
+                                                                                                               "b": 0}
 
 
 def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_answers(model_folder, cpu_run):

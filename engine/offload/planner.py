@@ -216,6 +216,11 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
             if limits[info.name] == info.spec.num_experts and spent + need <= budget:
                 slots[info.name] = limits[info.name]
                 spent += need
+        if config.mode == "required" and runnable and not spent:
+            layer = min(info.device_bytes_per_expert * info.spec.num_experts for info in runnable)
+            raise OffloadPlanError(f"offload mode 'required': the expert budget of {budget} bytes holds no whole layer "
+                                   f"(the smallest needs {layer} bytes on the device); the layer split 'spread' "
+                                   "places the budget expert by expert")
     # Even slot counts across layers (each token visits every layer), then leftovers layer by layer.
     grew = not whole_layers
     while grew:
