@@ -271,6 +271,22 @@ def test_a_log_scale_byte_slider_reaches_small_and_large_sizes(qapp):
     assert linear.value() == 1 << 28
 
 
+def test_return_on_a_byte_field_as_shown_keeps_its_exact_value(qapp):
+    """The field shows a value rounded ('97.7 KiB' for 100000 bytes): Return on it, unchanged, left the budget at
+    what the rounded text reads (100044), a change the user never made."""
+    from app.gui.widgets import ByteControl
+
+    control = ByteControl(1 << 30)
+    control.setValue(100_000)
+    changes = []
+    control.valueChanged.connect(changes.append)
+    control.text.editingFinished.emit()
+    assert control.value() == 100_000 and changes == []
+    control.text.setText("200 KiB")  # typed: a new value
+    control.text.editingFinished.emit()
+    assert control.value() == 200 << 10 and changes == [200 << 10]
+
+
 def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str

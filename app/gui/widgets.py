@@ -167,6 +167,8 @@ class ByteControl(QWidget):
         self._emit()
 
     def _typed(self) -> None:
+        if self.text.text() == human_bytes(self._value or 0):  # Return on the value as shown, rounded: no new value
+            return
         try:
             value = parse_bytes(self.text.text())
         except ValueError:
