@@ -287,6 +287,29 @@ def test_return_on_a_byte_field_as_shown_keeps_its_exact_value(qapp):
     assert control.value() == 200 << 10 and changes == [200 << 10]
 
 
+def test_a_byte_field_says_why_it_refuses_what_was_typed(qapp):
+    """Text that is no size was put back without a word: the field now says why, and the value stays."""
+    from PySide6.QtWidgets import QToolTip
+
+    from app.gui.widgets import ByteControl
+
+    control = ByteControl(1 << 30)
+    control.show()
+    control.setValue(100_000)
+    for typed, said in (("1e9", "'1e9' is not a size (e.g. 512 MiB, 1.5 GiB)"),
+                        ("-5", "'-5' is not a size (e.g. 512 MiB, 1.5 GiB)")):
+        control.text.setText(typed)
+        control.text.editingFinished.emit()
+        assert QToolTip.text() == said and control.value() == 100_000 and control.text.text() == "97.7 KiB"
+    simulated = ByteControl(80 << 30, auto_text=None)  # a size with no automatic choice (the simulated GPU's)
+    simulated.show()
+    simulated.setValue(8 << 30)
+    simulated.text.setText("auto")
+    simulated.text.editingFinished.emit()
+    assert QToolTip.text() == "'auto': this setting needs a size (e.g. 8 GiB)"
+    assert simulated.value() == 8 << 30 and simulated.text.text() == "8.0 GiB"
+
+
 def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str

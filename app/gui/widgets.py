@@ -171,12 +171,14 @@ class ByteControl(QWidget):
             return
         try:
             value = parse_bytes(self.text.text())
-        except ValueError:
+            if value is None and not self.auto:
+                raise ValueError(f"'{self.text.text().strip()}': this setting needs a size (e.g. 8 GiB)")
+        except ValueError as exc:  # said where it was typed; the value stays
             self._show()
+            QToolTip.showText(self.text.mapToGlobal(self.text.rect().bottomLeft()), str(exc), self.text)
             return
         if value is None:
-            if self.auto:
-                self.auto.setChecked(True)
+            self.auto.setChecked(True)
             return
         self._value = value
         self._show()
