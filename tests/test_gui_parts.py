@@ -433,6 +433,22 @@ def test_the_budget_panels_cuda_status_opens_no_device(monkeypatch):
     assert budget_panel.cuda_status() == ""
 
 
+def test_the_verdict_column_says_refused_where_the_load_would_refuse_in_mode_auto(qapp, gptoss):
+    """A pinned ring below one expert refuses the load under mode=auto too: each layer said it would run on the CPU."""
+    from app.gui.model_panel import ModelPanel
+
+    panel = ModelPanel()
+    panel.show_facts(gptoss)
+    refused = estimate(gptoss, OffloadConfig(pinned_bytes=100), DeviceChoice("simulated", 1 << 30))
+    assert refused.error.startswith("session.moe.offload.pinned_bytes=100 holds no expert")
+    panel.show_estimate(refused, "auto", "simulated GPU, 1.0 GiB")
+    assert [panel.table.item(row, 5).text() for row in range(panel.table.rowCount())] == ["refused", "refused"]
+    assert "Refused (mode <b>auto</b>, simulated GPU, 1.0 GiB): session.moe.offload.pinned_bytes=100" in \
+        panel.verdict.text()
+    panel.show_estimate(estimate(gptoss, OffloadConfig(), DeviceChoice()), "auto", "CPU only")
+    assert [panel.table.item(row, 5).text() for row in range(panel.table.rowCount())] == ["CPU", "CPU"]
+
+
 def test_defaults_reset_the_budgets_but_keep_the_device(qapp, gptoss):
     from app.gui.budget_panel import BudgetPanel
 

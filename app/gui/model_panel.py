@@ -225,8 +225,8 @@ class ModelPanel(QWidget):
                 item.setForeground(Qt.GlobalColor.red)
                 continue
             resident, experts = by_name.get(node["node"], (0, node["experts"] or 0))
-            if estimate.error:
-                item.setText("refused" if mode == "required" else "CPU")
+            if estimate.error:  # the load refuses it in any mode (a CUDA GPU it cannot use is no error: all CPU)
+                item.setText("refused")
             elif resident == experts and experts:
                 item.setText(f"all {experts} on device")
             elif resident:
