@@ -18,6 +18,7 @@ from app.gui.widgets import parse_bytes  # noqa: E402
 from app.inspect_report import inspection  # noqa: E402
 from engine.model_folder import ModelFolder  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
+from engine.units import human_bytes  # noqa: E402
 from tests.conftest import REPO, fixture_folder  # noqa: E402
 
 
@@ -447,6 +448,16 @@ def test_the_verdict_column_says_refused_where_the_load_would_refuse_in_mode_aut
         panel.verdict.text()
     panel.show_estimate(estimate(gptoss, OffloadConfig(), DeviceChoice()), "auto", "CPU only")
     assert [panel.table.item(row, 5).text() for row in range(panel.table.rowCount())] == ["CPU", "CPU"]
+
+
+def test_the_free_part_says_what_the_automatic_budget_keeps_of_a_device_smaller_than_its_reserve(gptoss):
+    """The automatic reserve is at least 512 MiB: on a 1 MiB simulated GPU the free part said it kept 512 MiB free."""
+    est = estimate(gptoss, OffloadConfig(), DeviceChoice("simulated", 1 << 20))
+    free = {p.key: p for p in est.device_parts}["free"]
+    room = (1 << 20) - est.staging_bytes
+    assert free.bytes == room and free.note == f"the automatic budget keeps {human_bytes(room)} free"
+    roomy = estimate(gptoss, OffloadConfig(), DeviceChoice("simulated", 1 << 30))
+    assert {p.key: p for p in roomy.device_parts}["free"].note == "the automatic budget keeps 512.0 MiB free"
 
 
 def test_defaults_reset_the_budgets_but_keep_the_device(qapp, gptoss):

@@ -312,7 +312,8 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
         ]
         used = sum(p.bytes for p in device_parts if p.key != "others")
-        reserve = human_bytes(auto_reserve(config, max(0, ceiling - staging)))
+        room = max(0, ceiling - staging)
+        reserve = human_bytes(min(auto_reserve(config, room), room))  # a device below the reserve: all it has
         device_parts.append(Part("free", "free", max(0, ceiling - used),
                                  f"the automatic budget keeps {reserve} free" if config.device_expert_bytes is None else ""))
         if others + ceiling < capacity:
