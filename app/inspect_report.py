@@ -18,7 +18,7 @@ def inspection(folder: ModelFolder) -> dict:
             "experts": spec.num_experts if spec else None,
             "top_k": spec.k if spec else info.attributes.get("k"),
             "layout": spec.supported_summary() if spec else None,
-            "bytes_per_expert": info.bytes_per_expert,
+            "bytes_per_expert": info.bytes_per_expert if spec else None,  # an unread layout has no expert count
             "bytes": info.weight_bytes,
             "supported": info.unsupported is None,
             "reason": info.unsupported,
@@ -44,9 +44,14 @@ def format_inspection(report: dict) -> str:
     for n in report["expert_nodes"]:
         layout = n["layout"] if n["supported"] else f"UNSUPPORTED: {n['reason']}"
         lines.append(f"{n['model_layer']:>5}  {n['experts'] or '?':>7}  {n['top_k'] or '?':>5}  "
-                     f"{human_bytes(n['bytes_per_expert']):>12}  {human_bytes(n['bytes']):>10}  {layout}  [{n['node']}]")
+                     f"{per_expert(n):>12}  {human_bytes(n['bytes']):>10}  {layout}  [{n['node']}]")
     lines.append(f"experts: {human_bytes(report['expert_bytes'])} in {len(report['expert_nodes'])} nodes; "
                  f"dense part: {human_bytes(report['dense_bytes'])} in {report['dense_segments']} onnxruntime segments")
     lines.append(report["verdict"])
     lines += report.get("offload", {}).get("statements", [])
     return "\n".join(lines)
+
+
+def per_expert(node: dict) -> str:
+    """An inspected node's bytes per expert, '?' where its layout could not be read."""
+    return "?" if node["bytes_per_expert"] is None else human_bytes(node["bytes_per_expert"])

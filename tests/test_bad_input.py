@@ -193,6 +193,17 @@ def test_chat_templates_that_fail_loop_or_grow_are_refused_in_one_line_naming_th
     assert_clean_error(run_cli("inspect", str(folder)), f"{template}: not UTF-8 text (invalid start byte at byte 0)")
 
 
+def test_an_unsupported_node_shows_no_size_per_expert_it_could_not_read(copy_fixture):
+    """A node whose layout is not read has no expert count: its bytes per expert are unknown, not 0 B."""
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, lambda model: _attribute(_qmoe(model), "k", 9))
+    text, as_json = run_cli("inspect", str(folder)), run_cli("inspect", str(folder), "--json")
+    row = next(line for line in text.stdout.splitlines() if "UNSUPPORTED" in line)
+    assert row.split()[:5] == ["0", "?", "9", "?", "252.0"]
+    node = json.loads(as_json.stdout)["expert_nodes"][0]
+    assert node["bytes_per_expert"] is None and node["bytes"] == 258048 and not node["supported"]
+
+
 def _edit_onnx(folder, edit) -> None:
     """model.onnx rewritten after `edit(model)`; its external data stays where it is."""
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)

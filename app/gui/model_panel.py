@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QHeaderVi
 
 from app.gui import theme
 from app.gui.widgets import heading
+from app.inspect_report import per_expert
 from engine.units import human_bytes
 
 COLUMNS = ("Layer", "Experts", "Top-k", "Per expert", "Total", "Verdict", "Layout")
@@ -187,7 +188,7 @@ class ModelPanel(QWidget):
             self.table.setItem(row, 0, _item(str(node["model_layer"]), tooltip, True))
             self.table.setItem(row, 1, _item(str(node["experts"] or "?"), tooltip, True))
             self.table.setItem(row, 2, _item(str(node["top_k"] or "?"), tooltip, True))
-            self.table.setItem(row, 3, _item(human_bytes(node["bytes_per_expert"]), tooltip, True))
+            self.table.setItem(row, 3, _item(per_expert(node), tooltip, True))
             self.table.setItem(row, 4, _item(human_bytes(node["bytes"]), tooltip, True))
             self.table.setItem(row, 5, _item("…" if node["supported"] else "unsupported", tooltip))
             self.table.setItem(row, 6, _item(node["layout"] or f"UNSUPPORTED: {node['reason']}", tooltip))
