@@ -249,6 +249,7 @@ def _cmd_inspect(args) -> int:
         from engine.offload.engine import load_popularity
         from engine.offload.host_cache import file_backing_refusal
         from engine.offload.planner import plan_offload
+        from engine.offload.streaming import plan_streaming
         from engine.ort_env import dense_goes_to
 
         # what the engine checks at load, checked here too: the experts fit where allow_file_backing keeps them, the
@@ -256,17 +257,22 @@ def _cmd_inspect(args) -> int:
         refusal = file_backing_refusal(config, folder.expert_bytes, psutil.virtual_memory().available)
         if refusal:
             raise WorkbenchError(refusal)
-        staging_for(config, staged_nodes(folder), device)
+        nodes = staged_nodes(folder)
+        staging = staging_for(config, nodes, device)
         if config.popularity_file:
             runnable = [info for info in folder.experts if info.spec is not None]
             load_popularity(config.popularity_file, [i.name for i in runnable], [i.spec.num_experts for i in runnable])
         kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
                             dense_on_device=dense_goes_to(device, kv_dtypes))
+        # the sentences the load's plan says, in its order: the plan's, the staging's, the streaming slots', the tier's
+        statements = plan.statements + (staging.statements() if staging else [])
+        if device is not None:
+            statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
         mode = args.decode_path or paths.default_decode_path()
         said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
         report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
-                             "slots": plan.slots, "statements": plan.statements + ([said] if said else []),
+                             "slots": plan.slots, "statements": statements + ([said] if said else []),
                              "session_config_entries": config.session_entries()}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
     return 0 if report["supported"] else 1

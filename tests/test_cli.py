@@ -369,6 +369,24 @@ def test_inspect_checks_the_pinned_ring_and_the_popularity_file_as_a_load_would(
     assert status == 2 and "more than host_expert_bytes=1000" in err  # (inspect called such a model runnable)
 
 
+def test_inspect_says_what_the_loads_plan_says_the_staging_ring_and_streaming_slots_included(capsys):
+    """inspect gave the planner's sentences alone: not the prefill wave and pinned ring that pinned_bytes sets, nor the
+    streaming slots that device_working_bytes asks for, which the load's plan says."""
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    gptoss = str(fixture_folder("gptoss"))
+    entries = {"device_expert_bytes": "0", "device_working_bytes": "100000000", "pinned_bytes": "80000"}
+    status, out, _err = _main(capsys, "inspect", gptoss, "--json", "--device", "simulated", "--decode-path", "cpu",
+                              *[arg for key, value in entries.items() for arg in ("--offload", f"{key}={value}")])
+    said = json.loads(out)["offload"]["statements"]
+    model = LoadedModel.open(gptoss, offload=OffloadConfig.from_entries(entries), device=SimulatedDevice(8 << 30),
+                             decode_path="cpu")
+    assert status == 0 and said == model.offload.plan.statements
+    assert "Copies to the device go through a pinned staging ring of 78.1 KiB (2 experts)." in said
+    assert any(sentence.startswith("Decode misses of 2 layers without expert slots") for sentence in said)
+
+
 def test_the_window_without_a_display_says_so_in_one_line():
     from app.gui.main import display_problem
 
