@@ -472,6 +472,18 @@ def test_defaults_reset_the_budgets_but_keep_the_device(qapp, gptoss):
     assert panel.config() == OffloadConfig()
 
 
+def test_the_kv_estimate_stops_at_the_models_context(qapp, gptoss):
+    """The KV length took up to 10 million tokens whatever the model, and the estimate counted a KV cache the engine,
+    which refuses a conversation past the context, never holds (a remembered 100,000 for a 2,048-token model)."""
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.set_facts(gptoss, {"device": {"kind": "cpu"}, "kv_tokens": 100_000})
+    assert panel.kv_tokens.value() == gptoss.context_length == 2048
+    host = {p.key: p.bytes for p in panel.last_estimate.host_parts}
+    assert host["kv"] == gptoss.kv_cache_bytes(2048)
+
+
 def test_the_budget_panel_keeps_a_loaded_configurations_values_as_they_are(qtbot, gptoss):
     """Values onnxruntime accepts that the controls once rounded or capped (3 decimals, a threshold of at most 1, a
     wave of at most 4096 experts) are shown and applied as loaded, not rewritten as a change nobody made."""

@@ -375,6 +375,7 @@ class BudgetPanel(QWidget):
         self.expert_bytes.setMaximum(max(1, all_resident_bytes(facts.experts), facts.expert_bytes))
         for control in (self.host_bytes, self.pinned_bytes):
             control.setMaximum(max(1, facts.expert_bytes))
+        self.kv_tokens.setMaximum(facts.context_length)  # the KV cache never grows past the context
         self.set_settings(settings)
 
     def set_gpu(self, gpu: dict | None) -> None:
