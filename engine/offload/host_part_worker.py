@@ -298,6 +298,8 @@ class HostPartWorker:
             self._layers[index] = item
             self._params[index] = params
         self._index_of[layer] = (index, kernel, published)
+        # a member's scratch for each thread, the team on or off: bench_offload_ab and diag_worker_parts turn it on
+        # and off between steps
         self._scratch.size(published.tokens, published.k, published.x.shape[1], int(params[6]), self.threads)
         if self._compiled_for != (item_type, self._as_team()):
             # compiled (or loaded from Numba's cache) here, not in the worker's thread while a gated merge waits for
