@@ -33,6 +33,6 @@ def test_a_loaded_source_is_a_module_of_its_own_with_numbas_cache_off():
     assert isinstance(one.moe_gemv._cache, NullCache) and isinstance(one._claim._cache, NullCache)
     from kernels.cpu import kernels as cached
     assert not isinstance(cached.moe_gemv._cache, NullCache)  # the engine's own module untouched
-    counters, span = np.zeros(24, np.int64), np.array([1])
-    # the loaded module's functions run: thread 1 of 3 takes its own span of 10 chunks (3-5), then thread 2's (6-9)
-    assert [one._claim(counters, span, 1, 3, 10, 1) for _ in range(5)] == [3, 4, 5, 6, 7]
+    counters = np.full(24, -1, np.int64)
+    one._claim_init(counters, 10, 3, 1)  # the loaded module's functions run: own spans of 10 chunks over 3 threads
+    assert counters[[0, 8, 16]].tolist() == [0, 3, 6]

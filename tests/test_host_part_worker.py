@@ -32,18 +32,23 @@ HOST_CUPY = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=bytearray),
                             int32=np.int32, float32=np.float32, uint32=np.uint32)
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    attrs, t, x, _ = make_case(seed=3, E=16, H=128, I=96, k=4, bits=4, block_size=32, T=3, activation="swiglu",
-                               swiglu_fusion=1)
+def loop_kernel(seed: int, bits: int) -> CpuQMoE:
+    """A CPU kernel of `bits`-bit rows with both host-part loops compiled for it, float16 and float32 activations
+    (minutes on a 2-core VM with an empty cache), before any test times a gate."""
+    attrs, t, x, _ = make_case(seed=seed, E=16, H=128, I=96, k=4, bits=bits, block_size=32, T=3,
+                               activation="swiglu", swiglu_fusion=1)
     kernel = CpuQMoE(_spec(attrs, t, x), t)
-    # both loops compiled for both dtypes (minutes on a 2-core VM), before any test times a gate
     compile_host_part_loops(kernel)
     # and the kernel FakeGpu checks the parts with: compiled in its thread on a cold cache, it would hold the GIL for
     # longer than a drain waits
     kernel.run_experts(x[:1].astype(np.float32), np.zeros((1, 4), np.int32), np.full((1, 4), 0.25, np.float32),
                        out=np.zeros((1, kernel.spec.hidden_size), np.float32))
     return kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return loop_kernel(3, 4)
 
 
 class Step:
@@ -139,11 +144,7 @@ def test_the_worker_computes_each_layers_cpu_part_and_raises_its_gate_in_order(k
 @pytest.fixture(scope="module")
 def int8_kernel():
     """int8 rows: their kernels read FC1's per-chunk sums of x, which the team's members make for themselves."""
-    attrs, t, x, _ = make_case(seed=5, E=16, H=128, I=96, k=4, bits=8, block_size=32, T=3, activation="swiglu",
-                               swiglu_fusion=1)
-    kernel = CpuQMoE(_spec(attrs, t, x), t)
-    compile_host_part_loops(kernel)
-    return kernel
+    return loop_kernel(5, 8)
 
 
 @pytest.mark.parametrize("as_team, layout", [(True, "int4"), (False, "int4"), (True, "int8")])

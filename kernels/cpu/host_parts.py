@@ -321,7 +321,9 @@ def _member_job(layer, params, counters, times, team, cnt1, cnt2, done, pair_ids
     (flag, gate, ids, on_cpu, w, x, part, weights, activation) = layer
     w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2 = weights
     act_kind, fusion, alpha, beta, limit, has_limit = activation
-    num_experts, small_max, prefetch_rows, chunk_bytes, order = params[0], params[1], params[2], params[3], params[4]
+    # not params[4], the chunk order: members claim from one shared counter (order 0), which a zeroed counter starts;
+    # own spans (order 1) start each thread's counter at its span, which needs the job's chunks counted first
+    num_experts, small_max, prefetch_rows, chunk_bytes = params[0], params[1], params[2], params[3]
     tokens, k = ids.shape
     for t in range(tokens):
         for j in range(k):
@@ -346,7 +348,7 @@ def _member_job(layer, params, counters, times, team, cnt1, cnt2, done, pair_ids
         aa, ab, xs2, fc2_used = gemv_fc2_inputs(pairs, w2, q2, shared_ws)
         gemv_member(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, experts[:small], pair_off[:small + 1],
                     tok[:pairs], pw[:pairs], rowmap, xa1, xb1, xs1, aa, ab, xs2, y[:pairs * hidden].reshape(pairs,
-                    hidden), act_kind, fusion, alpha, beta, limit, has_limit, prefetch_rows, chunk_bytes, order, done,
+                    hidden), act_kind, fusion, alpha, beta, limit, has_limit, prefetch_rows, chunk_bytes, 0, done,
                     cnt1, cnt2, np.empty(2 * q1[3] + 2 * q2[3], np.float32), np.empty(1, np.int64), th, nth)
     if atomic_fetch_add(team, LEFT, 1) + 1 == nth * (n - first + 1):  # the last member out of job n
         part[:tokens] = 0.0

@@ -900,17 +900,27 @@ def _split_row(x, r, bits, chunk, nchunk, fmt, xa, xb, xs, o):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def _claim_init(cnt, nck, nth, order):
+    """Chunk counters of one region (see _claim): order 0 one shared counter at cnt[0]; 1 one counter per
+    thread (64 bytes apart) starting at the thread's own contiguous span of chunks."""
+    if order == 0:
+        cnt[0] = 0
+    else:
+        for t in range(nth):
+            cnt[t * 8] = t * nck // nth
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def _claim(cnt, vic, th, nth, nck, order):
-    """Next chunk for thread th, or -1; cnt zeroed before the region. order 0: from the shared counter cnt[0] (chunks
-    interleave between threads). order 1: from the thread's own contiguous span of chunks first (one stream per
-    thread), then from the other threads' spans (vic[0] = the span it is working on; cnt[8 v] counts the chunks
-    taken from span v, 64 bytes apart)."""
+    """Next chunk for thread th, or -1. order 0: from the shared counter (chunks interleave between
+    threads). order 1: from the thread's own span first (one contiguous stream per thread), then from the
+    other threads' spans (vic[0] = the span it is working on)."""
     if order == 0:
         ci = atomic_fetch_add(cnt, 0, 1)
         return ci if ci < nck else -1
     while True:
         v = vic[0]
-        ci = v * nck // nth + atomic_fetch_add(cnt, v * 8, 1)
+        ci = atomic_fetch_add(cnt, v * 8, 1)
         if ci < (v + 1) * nck // nth:
             return ci
         v = v + 1 if v + 1 < nth else 0
@@ -1131,14 +1141,7 @@ def gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws):
     start of ws; and the floats of ws they take."""
     Kb1 = w1.shape[2]
     bits1, chunk1, nchunk1, fmt1, bpc1 = q1[2], q1[4], q1[6], q1[8], q1[9]
-    xw1 = _x_width(bits1, Kb1, nchunk1)
-    o = 0
-    xa1 = ws[o:o + nrows * xw1].reshape(nrows, xw1)
-    o += nrows * xw1
-    xb1 = ws[o:o + nrows * Kb1].reshape(nrows, Kb1)
-    o += nrows * Kb1
-    xs1 = ws[o:o + nrows * nchunk1].reshape(nrows, nchunk1)
-    o += nrows * nchunk1
+    xa1, xb1, xs1, used = _rows_in(ws, nrows, _x_width(bits1, Kb1, nchunk1), Kb1, nchunk1)
     lanes1 = _lane_sum_stride(bits1, q1[1], bpc1, Kb1, nchunk1)
     for t in range(x.shape[0]):
         if rowmap[t] >= 0:
@@ -1146,7 +1149,7 @@ def gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws):
             _lane_sums(xa1, rowmap[t], lanes1)
     if bits1 == 8:
         xb1 = xa1
-    return xa1, xb1, xs1, o
+    return xa1, xb1, xs1, used
 
 
 @njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
@@ -1155,17 +1158,21 @@ def gemv_fc2_inputs(P, w2, q2, ws):
     positions (codes past I) must read as 0: zero ws first there (clear_fc2_padding)."""
     Kb2 = w2.shape[2]
     bits2, nchunk2 = q2[2], q2[6]
-    xw2 = _x_width(bits2, Kb2, nchunk2)
-    o = 0
-    aa = ws[o:o + P * xw2].reshape(P, xw2)
-    o += P * xw2
-    ab = ws[o:o + P * Kb2].reshape(P, Kb2)
-    o += P * Kb2
-    xs2 = ws[o:o + P * nchunk2].reshape(P, nchunk2)
-    o += P * nchunk2
+    aa, ab, xs2, used = _rows_in(ws, P, _x_width(bits2, Kb2, nchunk2), Kb2, nchunk2)
     if bits2 == 8:  # FC1 writes int8 activations into aa only; FC2's kernels read them as both streams
         ab = aa
-    return aa, ab, xs2, o
+    return aa, ab, xs2, used
+
+
+@njit(inline="always", error_model="numpy")
+def _rows_in(ws, rows, width_a, width_b, width_c):
+    """Three arrays of `rows` rows, width_a / width_b / width_c floats a row, one after the other from the start of
+    ws; and the floats they take."""
+    b_at = rows * width_a
+    c_at = b_at + rows * width_b
+    end = c_at + rows * width_c
+    return (ws[:b_at].reshape(rows, width_a), ws[b_at:c_at].reshape(rows, width_b), ws[c_at:end].reshape(rows, width_c),
+            end)
 
 
 @njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
@@ -1202,9 +1209,9 @@ def gemv_member(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, experts,
                 xb1, xs1, aa, ab, xs2, y, act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes,
                 order, done, cnt1, cnt2, zs, vic, th, nth):
     """Thread th's share of a fused decode call (moe_gemv): FC1 + activation, then FC2, in chunks of ~chunk_bytes
-    claimed through cnt1 / cnt2 (_claim); done[8 u] counts expert u's finished FC1 groups. done, cnt1 and cnt2 are
-    zeroed before the first thread starts, and shared by the nth threads; zs (2 nb1 + 2 nb2 floats) and vic (1) are
-    the thread's own."""
+    claimed through cnt1 / cnt2 (_claim); done[8 u] counts expert u's finished FC1 groups. done is zeroed and cnt1 /
+    cnt2 made ready (_claim_init) before the first thread starts, all three shared by the nth threads; zs (2 nb1 + 2
+    nb2 floats) and vic (1) are the thread's own."""
     (I, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, fmt1, bpc1, zrb1, zdef1, ch1, nck1, skind2, zmode2,
      bits2, nb2, chunk2, cshift2, nchunk2, hb2, fmt2, bpc2, zrb2, zdef2, ch2, nck2, lanes2) = _gemv_plan(
         w1, sc1, q1, w2, sc2, q2, act_kind, chunk_bytes, experts.shape[0])
@@ -1252,13 +1259,13 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
         w1, sc1, q1, w2, sc2, q2, act_kind, chunk_bytes, U)
     swiglu = act_kind == ACT_SWIGLU
     a_, b_, l_ = np.float32(alpha), np.float32(beta), np.float32(limit)
+    _claim_init(cnt1, nck1, nth, order)
+    _claim_init(cnt2, nck2, nth, order)
     zs = np.empty((nth, 2 * nb1 + 2 * nb2), np.float32)
     vics = np.empty((nth, 8), np.int64)
     for th_loop in prange(nth):
         # the thread's index as int64: Numba types a prange index int64 first and uint64 in the parallel loop it makes,
-        # and would compile each thread function for both (~20 s a layout on a cold cache, one of them never run).
-        # The thread functions are called here, not through gemv_member: through it the row loops ran 8-11% slower on
-        # the dev VM (ab_kernel_source against 2309390's kernels.py: 1.08x at one thread, 1.10x at two)
+        # and would compile each thread function for both (~20 s a layout on a cold cache, one of them never run)
         th = np.int64(th_loop)
         _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
                          zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2,
