@@ -636,3 +636,19 @@ def test_the_estimate_on_a_card_other_processes_use_plans_as_the_load(gptoss, mo
     parts = {part.key: part.bytes for part in est.device_parts}
     assert sum(parts.values()) == total and parts["others"] == others
     assert ("limit" in parts) == limited and (", limit" in panel.vram_title.text()) == limited
+
+
+def test_a_model_that_cannot_run_says_so_once(qapp, copy_fixture):
+    """The verdict of a model with an unsupported expert node: 'Cannot run (...): 1 of 2 ...', not 'Cannot run (...):
+    cannot run: 1 of 2 ...'."""
+    from app.gui.model_panel import ModelPanel
+    from tests.test_bad_input import _attribute, _edit_onnx, _qmoe
+
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, lambda model: _attribute(_qmoe(model), "k", 9))
+    opened = ModelFolder.open(folder)
+    facts = model_facts(opened, inspection(opened))
+    panel = ModelPanel()
+    panel.show_facts(facts)
+    panel.show_estimate(estimate(facts, OffloadConfig(), DeviceChoice()), "auto", "CPU only")
+    assert "Cannot run (mode <b>auto</b>, CPU only): 1 of 2 expert nodes are unsupported" in panel.verdict.text()

@@ -239,7 +239,8 @@ class ModelPanel(QWidget):
         if estimate.error:
             colour, verdict = t.error, f"Refused ({where}): {html.escape(estimate.error)}"
         elif not supported:
-            colour, verdict = t.error, f"Cannot run ({where}): {html.escape(self.facts.report['verdict'])}"
+            why = self.facts.report["verdict"].removeprefix("cannot run: ")  # (the inspection's own words)
+            colour, verdict = t.error, f"Cannot run ({where}): {html.escape(why)}"
         else:
             total = estimate.total_experts
             if estimate.resident >= total > 0:
