@@ -159,6 +159,31 @@ def test_two_threads_compute_each_part_as_a_team_or_forked_per_job(request, as_t
     assert worker._team_assembles and worker._compiled_for[1] is as_team
 
 
+def test_the_team_switched_on_after_the_layers_were_admitted_is_compiled_before_its_first_job(kernel, monkeypatch):
+    """bench_offload_ab switches the team on and off between rounds on a loaded model: the loop then in force is
+    compiled on the engine's thread when a step is taken, not by the worker's thread inside the drain's wait (on the
+    H100 machine, with a cold cache, that compile outlasted the drain: "waited 10 s for the GPU's routing")."""
+    calls = []
+    compile_on_engine_thread = host_part_worker._call_cancelled
+
+    def recorded(layers, params, scratch, as_team):
+        calls.append((threading.current_thread() is threading.main_thread(), as_team))
+        compile_on_engine_thread(layers, params, scratch, as_team)
+
+    monkeypatch.setattr(host_part_worker, "_call_cancelled", recorded)
+    monkeypatch.setattr(host_part_worker, "team", False)
+    worker = HostPartWorker(threads=2)
+    published = blocks(2, 1, kernel)
+    worker_step(worker, kernel, published, 30)
+    assert calls == [(True, False)]
+    monkeypatch.setattr(host_part_worker, "team", True)
+    worker_step(worker, kernel, published, 31)
+    assert calls == [(True, False), (True, True), (True, False)]  # the team's loop and its fallback, once
+    assert worker._compiled_for == (worker._item_type, True) and worker._team_assembles
+    worker_step(worker, kernel, published, 32)
+    assert len(calls) == 3
+
+
 def test_a_team_whose_members_share_a_thread_leaves_the_jobs_to_one_threads_loop(kernel, monkeypatch):
     # two members on Numba's one thread: the first waits for the second (ASSEMBLE_CYCLES), which cannot come
     monkeypatch.setattr(host_part_worker, "team", True)

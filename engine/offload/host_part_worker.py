@@ -224,6 +224,7 @@ class HostPartWorker:
             if not self._admit(step.node.layer, kernel, published):
                 return False
             known = self._index_of[step.node.layer]
+        self._compile_loops()  # (the team switched on or off since the layers were admitted: bench_offload_ab)
         queued = int(self._counters[QUEUED])
         if queued - self._collected >= CAPACITY:  # (the decoder collects at every layer: never in a decode)
             return False
@@ -301,14 +302,19 @@ class HostPartWorker:
         # a member's scratch for each thread, the team on or off: bench_offload_ab and diag_worker_parts turn it on
         # and off between steps
         self._scratch.size(published.tokens, published.k, published.x.shape[1], int(params[6]), self.threads)
-        if self._compiled_for != (item_type, self._as_team()):
-            # compiled (or loaded from Numba's cache) here, not in the worker's thread while a gated merge waits for
-            # its first job (nor for the fallback from a team that does not assemble); at once where compile_loop ran
-            # at load
-            for as_team in _loops(self._as_team()):
-                _call_cancelled(self._layers, self._params, self._scratch, as_team)
-            self._compiled_for = (item_type, self._as_team())
+        self._compile_loops()
         return True
+
+    def _compile_loops(self) -> None:
+        """The loops the worker's thread may call compiled (or loaded from Numba's cache) for the layers' types here,
+        on the engine's thread, not in the worker's thread while a gated merge waits for its first job (a minute or
+        more on a cold cache: the drain gives up after DRAIN_TIMEOUT_S), nor for the fallback from a team that does
+        not assemble; at once where compile_loop ran at load."""
+        wanted = (self._item_type, self._as_team())
+        if self._compiled_for != wanted:
+            for as_team in _loops(wanted[1]):
+                _call_cancelled(self._layers, self._params, self._scratch, as_team)
+            self._compiled_for = wanted
 
     def _as_team(self) -> bool:
         return team and self._team_assembles
