@@ -1,4 +1,4 @@
-"""Byte counts as people read them."""
+"""Byte counts and counted things as people read them."""
 
 
 def human_bytes(count: int) -> str:
@@ -8,3 +8,8 @@ def human_bytes(count: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """'1 layer', '3 layers' (`plural` where adding an s is wrong)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"

@@ -299,7 +299,7 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     landed = window.model_panel.landed.text()
     assert (f"Pinned staging ring (page-locked host memory every copy to the device goes through): "
             f"{human_bytes(pinned['bytes'])}, high-water {human_bytes(pinned['high_water'])} so far, "
-            f"{pinned['copies']} copies; prefill waves of 1 experts.") in landed
+            f"{pinned['copies']} copies; prefill waves of 1 expert.") in landed
 
     before = offload.stats.totals()
     entry = ask(qtbot, window, "Hello", max_tokens=16)
@@ -383,7 +383,7 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     assert message in window.error_banner.text() and window.loaded_path is None
     budget.pinned_bytes.setValue(staged())
     budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
-    qtbot.waitUntil(lambda: "= 1 experts" in budget.pinned_note.text())
+    qtbot.waitUntil(lambda: "= 1 expert of" in budget.pinned_note.text())
     window.load()
     qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
     offload = window.worker._model.offload

@@ -18,7 +18,7 @@ from engine.offload import decode_path as paths
 from engine.offload.config import INT32_MAX, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.records.configurations import configurations_for
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
 RELOAD_FIELDS = ("gpu_device_mem_limit",)
@@ -478,7 +478,7 @@ class BudgetPanel(QWidget):
         if held == 0:
             return []
         layers = sum(1 for info in self.facts.experts if info.gpu is not None)
-        return [f"While decoding, the engine also tries this budget on whole layers ({held} of {layers} layers "
+        return [f"While decoding, the engine also tries this budget on whole layers ({held} of {counted(layers, 'layer')} "
                 f"keeping all their experts) and keeps whichever decodes faster (Layer split)."]
 
     def _experts_in_ram(self) -> int:
@@ -518,7 +518,7 @@ class BudgetPanel(QWidget):
         elif est.staging is not None:
             st = est.staging
             how = "auto: two prefill waves" if config.pinned_bytes is None else "this value bounds the wave"
-            text = (f"Ring <b>{human_bytes(st.pinned_bytes)}</b> = {st.pinned_experts} experts of "
+            text = (f"Ring <b>{human_bytes(st.pinned_bytes)}</b> = {counted(st.pinned_experts, 'expert')} of "
                     f"{human_bytes(st.staged_expert_bytes)} · prefill waves of <b>{st.wave_experts}</b> ({how})")
         elif est.error and "pinned_bytes" in est.error:
             text = f"<span style='color:{t.error}'>Refused: {html.escape(est.error)}</span>"

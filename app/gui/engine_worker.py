@@ -40,7 +40,7 @@ from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
 from engine.reasoning import reasoning_choices
 from engine.sampling import SamplingParams, describe, model_sampling
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 from kernels.cpu.threads import binding_warning
 
 STATS_INTERVAL_S = 0.25
@@ -572,7 +572,7 @@ def pinned_sentence(pinned: dict, wave_experts: int) -> str:
     """The pinned staging ring of the loaded model, for 'where everything landed'."""
     return (f"Pinned staging ring (page-locked host memory every copy to the device goes through): "
             f"{human_bytes(pinned['bytes'])}, high-water {human_bytes(pinned['high_water'])} so far, "
-            f"{pinned['copies']} copies; prefill waves of {wave_experts} experts.")
+            f"{pinned['copies']} copies; prefill waves of {counted(wave_experts, 'expert')}.")
 
 
 class WorkerThread:

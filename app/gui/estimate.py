@@ -28,7 +28,7 @@ from engine.onnx_file import OnnxFile
 from engine.offload.staging import StagingPlan, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError, plan_offload
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 GIB = 1 << 30
 _ELEM_BYTES = {1: 4, 10: 2, 16: 2, 11: 8, 2: 1, 3: 1, 6: 4, 7: 8}
@@ -298,7 +298,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     device_parts: list[Part] = []
     if device.kind != "cpu":
         device_parts = [
-            Part("experts", "resident experts", resident_bytes, f"{sum(p[2] for p in per_layer)} experts"),
+            Part("experts", "resident experts", resident_bytes, counted(sum(p[2] for p in per_layer), "expert")),
             Part("dense", "dense weights", facts.dense_bytes if dense_on_gpu else 0,
                  "onnxruntime's CUDA execution provider" if dense_on_gpu
                  else f"on the CPU: {dense_cpu} ({human_bytes(facts.dense_bytes)} in host RAM)"),
@@ -306,7 +306,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                  f"{kv_tokens or facts.context_length} tokens" if dense_on_gpu
                  else f"in host RAM with the dense part ({human_bytes(kv)})"),
             Part("workspace", "workspace", staging + streaming_bytes if stand_in else 0,
-                 (f"prefill staging ring: waves of {staged.wave_experts} experts, double-buffered" if staged
+                 (f"prefill staging ring: waves of {counted(staged.wave_experts, 'expert')}, double-buffered" if staged
                   else "prefill staging ring")
                  + (f"; decode streaming slots {human_bytes(streaming_bytes)}" if streaming_bytes else "")),
             Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
@@ -319,7 +319,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         if others + ceiling < capacity:
             device_parts.append(Part("limit", "beyond gpu_device_mem_limit", capacity - others - ceiling, ""))
     if staged is not None and not error:
-        note = f"page-locked; {staged.pinned_experts} experts of {human_bytes(staged.staged_expert_bytes)}"
+        note = f"page-locked; {counted(staged.pinned_experts, 'expert')} of {human_bytes(staged.staged_expert_bytes)}"
         host_parts.append(Part("pinned", "pinned staging ring", staged.pinned_bytes, note))
     statements = list(plan.statements) if plan else []
     if plan and staged is not None:
@@ -364,7 +364,7 @@ def layer_summary(per_layer: list[tuple[int, str, int, int]]) -> str:
     counts = [(r, e) for _l, _n, r, e in per_layer]
     if len(set(counts)) == 1:
         r, e = counts[0]
-        return f"{r} of {e} in every layer ({len(counts)} layers)"
+        return f"{r} of {e} in every layer ({counted(len(counts), 'layer')})"
     groups: list[list] = []
     for layer, _n, r, e in per_layer:
         if groups and groups[-1][2] == (r, e) and groups[-1][1] == layer - 1:

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QHeaderVi
 from app.gui import theme
 from app.gui.widgets import heading
 from app.inspect_report import per_expert
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 COLUMNS = ("Layer", "Experts", "Top-k", "Per expert", "Total", "Verdict", "Layout")
 
@@ -179,7 +179,7 @@ class ModelPanel(QWidget):
         report = facts.report
         self.summary.setText(
             f"{report['type']} · context {facts.context_length} tokens · experts {human_bytes(facts.expert_bytes)} in "
-            f"{len(report['expert_nodes'])} layers · dense part {human_bytes(facts.dense_bytes)} in "
+            f"{counted(len(report['expert_nodes']), 'layer')} · dense part {human_bytes(facts.dense_bytes)} in "
             f"{facts.dense_segments} onnxruntime segments · KV cache {human_bytes(facts.kv_cache_bytes())} at full context")
         nodes = report["expert_nodes"]
         self.table.setRowCount(len(nodes))

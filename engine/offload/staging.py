@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from engine.offload.config import PREFIX, OffloadConfig
 from engine.offload.planner import OffloadPlanError
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 
 def ring_bytes(config: OffloadConfig, expert_bytes: int) -> int:
@@ -48,7 +48,7 @@ class StagingPlan:
             said.append(f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
         if self.pinned_bytes:
             said.append(f"Copies to the device go through a pinned staging ring of {human_bytes(self.pinned_bytes)} "
-                        f"({self.pinned_experts} experts).")
+                        f"({counted(self.pinned_experts, 'expert')}).")
         return said
 
 

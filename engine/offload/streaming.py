@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.offload.config import OffloadConfig
 from engine.offload.device_memory import DeviceMemoryError
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 
 @dataclass
@@ -58,7 +58,7 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
             wanted.setdefault(_layout_key(info), []).append(index)
     if wanted and left is None:
         layers = sum(len(indices) for indices in wanted.values())
-        plan.statements.append(f"Decode misses of {layers} layers without expert slots run on the CPU; "
+        plan.statements.append(f"Decode misses of {counted(layers, 'layer')} without expert slots run on the CPU; "
                                f"device_working_bytes would let some also go over PCIe (decode streaming slots).")
         return plan
     for indices in wanted.values():
@@ -66,20 +66,20 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
         slot_bytes = runner.info.device_bytes_per_expert
         count = min(runner.info.spec.k, left // slot_bytes, device.memory.available // slot_bytes)
         if count == 0:
-            plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots run on the CPU only: "
+            plan.statements.append(f"Decode misses of {counted(len(indices), 'layer')} without expert slots run on the CPU only: "
                                    f"no room for a streaming slot of {human_bytes(slot_bytes)}.")
             continue
         try:
             group = device.create_streaming_slots(runner, count)
         except DeviceMemoryError as exc:
-            plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots run on the CPU only: "
+            plan.statements.append(f"Decode misses of {counted(len(indices), 'layer')} without expert slots run on the CPU only: "
                                    f"{exc}.")
             continue
         plan.groups.append(group)
         left -= count * slot_bytes
         for index in indices:
             plan.by_layer[index] = group
-        plan.statements.append(f"Decode misses of {len(indices)} layers without expert slots may also be copied to the "
-                               f"device, through {count} shared streaming slots ({human_bytes(count * slot_bytes)} "
+        plan.statements.append(f"Decode misses of {counted(len(indices), 'layer')} without expert slots may also be copied to the "
+                               f"device, through {counted(count, 'shared streaming slot')} ({human_bytes(count * slot_bytes)} "
                                f"of working memory), while the CPU computes the rest.")
     return plan
