@@ -391,6 +391,9 @@ class CudaSlots:
         stream waits for the copies before the node's next launch (one wait for all the loads of a step)."""
         started = time.perf_counter()
         self._copy_in(self.gpu, slot, expert)
+        # recorded here, not at the launch: a safe point's swaps are issued layer after layer on the one copy stream,
+        # and an event recorded at this node's launch would make it wait for the later layers' copies too
+        self._copied.record(self.device.copy_stream)
         self._loads_pending = True
         seconds = time.perf_counter() - started  # host seconds before the copy runs
         self._issue.add(seconds)
@@ -458,9 +461,10 @@ class CudaSlots:
 
     def _order_after_loads(self) -> None:
         """Before a launch that reads the node's slots (on the compute stream): the loads issued since the last one
-        are waited for, once."""
+        are waited for, once (the event recorded after the last of them: load)."""
         if self._loads_pending:
-            self._order_after_copies()
+            self.device.cp.cuda.get_current_stream().wait_event(self._copied)
+            self._loads_pending = False
 
     @_on_compute_stream
     def stage(self, experts: np.ndarray) -> float:
