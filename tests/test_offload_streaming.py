@@ -8,6 +8,7 @@ from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import NodeOverride
 from engine.offload.devices import Bandwidths
+from engine.units import human_bytes
 from tests.test_offload import SPEC, assert_same_as_cpu, cpu_run, device_expert_bytes, greedy_run, model_folder  # noqa: F401
 
 PURPOSE = "decode streaming slots"
@@ -64,6 +65,12 @@ def test_device_working_bytes_bounds_the_slots(model_folder, cpu_run):
     assert [g.num_slots for g in model.offload.streaming.groups] == [2]
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert max(step.miss_copies for step in model.offload.stats.layers) > 0
+    single = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30),
+                              offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=size))
+    layers = len(single.offload.stores)
+    assert (f"Decode misses of {layers} layers without expert slots may also be copied to the device, through 1 shared "
+            f"streaming slot ({human_bytes(size)} of working memory), while the CPU computes the rest."
+            in single.offload.plan.statements)
     off = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, device=off, offload=OffloadConfig(device_expert_bytes=0,
                                                                             device_working_bytes=size - 1))

@@ -478,8 +478,9 @@ class BudgetPanel(QWidget):
         if held == 0:
             return []
         layers = sum(1 for info in self.facts.experts if info.gpu is not None)
-        return [f"While decoding, the engine also tries this budget on whole layers ({held} of {counted(layers, 'layer')} "
-                f"keeping all their experts) and keeps whichever decodes faster (Layer split)."]
+        return [f"While decoding, the engine also tries this budget on whole layers ({held} of "
+                f"{counted(layers, 'layer')} keeping all their experts) and keeps whichever decodes faster "
+                "(Layer split)."]
 
     def _experts_in_ram(self) -> int:
         """The loaded model's experts copied into RAM (it runs with allow_file_backing=0), else 0."""

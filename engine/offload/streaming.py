@@ -62,24 +62,25 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
                                f"device_working_bytes would let some also go over PCIe (decode streaming slots).")
         return plan
     for indices in wanted.values():
+        layer_count = counted(len(indices), "layer")
         runner = runners[indices[0]]
         slot_bytes = runner.info.device_bytes_per_expert
         count = min(runner.info.spec.k, left // slot_bytes, device.memory.available // slot_bytes)
         if count == 0:
-            plan.statements.append(f"Decode misses of {counted(len(indices), 'layer')} without expert slots run on the CPU only: "
+            plan.statements.append(f"Decode misses of {layer_count} without expert slots run on the CPU only: "
                                    f"no room for a streaming slot of {human_bytes(slot_bytes)}.")
             continue
         try:
             group = device.create_streaming_slots(runner, count)
         except DeviceMemoryError as exc:
-            plan.statements.append(f"Decode misses of {counted(len(indices), 'layer')} without expert slots run on the CPU only: "
+            plan.statements.append(f"Decode misses of {layer_count} without expert slots run on the CPU only: "
                                    f"{exc}.")
             continue
         plan.groups.append(group)
         left -= count * slot_bytes
         for index in indices:
             plan.by_layer[index] = group
-        plan.statements.append(f"Decode misses of {counted(len(indices), 'layer')} without expert slots may also be copied to the "
-                               f"device, through {counted(count, 'shared streaming slot')} ({human_bytes(count * slot_bytes)} "
-                               f"of working memory), while the CPU computes the rest.")
+        plan.statements.append(f"Decode misses of {layer_count} without expert slots may also be copied to the "
+                               f"device, through {counted(count, 'shared streaming slot')} "
+                               f"({human_bytes(count * slot_bytes)} of working memory), while the CPU computes the rest.")
     return plan
