@@ -278,6 +278,24 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     assert window.model_settings(str(path))["entries"]["session.moe.offload.device_expert_bytes"] == str(6 * slot())
 
 
+def test_a_change_made_before_an_answer_can_still_be_applied_after_it(qtbot, window):
+    """Apply waits while the engine is busy and is offered again once it is idle: a change made before an answer
+    was left 'not applied yet' beside a greyed-out Apply until some control moved."""
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, simulated())
+    budget = window.budget_panel
+    budget.wave.setValue(2)
+    qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
+    ask(qtbot, window, "Hello", max_tokens=4)
+    assert budget.applied_label.text() == "Changed: not applied yet" and budget.apply_button.isEnabled()
+    window._on_busy("generating")  # a control moved while answering: Apply waits for the answer
+    budget.wave.setValue(3)
+    qtbot.wait(50)
+    assert not budget.apply_button.isEnabled()
+    window._on_busy("")
+    assert budget.apply_button.isEnabled()
+
+
 def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     from engine.units import human_bytes
 

@@ -75,6 +75,7 @@ class BudgetPanel(QWidget):
         self.applied: dict | None = None   # what the loaded model runs with
         self._applied_config: OffloadConfig | None = None  # its entries parsed once (None: none, or unparsable)
         self.loaded = False
+        self.busy = False  # the engine runs something (an answer, a job, a re-plan): Apply waits for it
         self._cuda_error: str | None = None
         self._gpu: dict | None = None
         self.last_estimate = None
@@ -392,6 +393,10 @@ class BudgetPanel(QWidget):
         self._set_applied(settings)
         self.refresh()
 
+    def set_busy(self, busy: bool) -> None:
+        self.busy = busy
+        self._update_apply()
+
     def _set_applied(self, settings: dict | None) -> None:
         self.applied = settings
         try:
@@ -573,7 +578,7 @@ class BudgetPanel(QWidget):
         reload = self.needs_reload()
         self.apply_button.setText("Apply and reload" if reload else "Apply")
         refused = self.last_estimate is not None and bool(self.last_estimate.error)
-        self.apply_button.setEnabled(self.loaded and self.dirty() and not refused)
+        self.apply_button.setEnabled(self.loaded and self.dirty() and not refused and not self.busy)
         if not self.loaded:
             self.applied_label.setText("Used at the next load")
         elif self.dirty() and refused:

@@ -660,7 +660,7 @@ class MainWindow(QMainWindow):
         self.stop_action.setEnabled(busy in ("loading", "generating", *JOB_LABELS))
         for view in self.job_views.values():
             view.set_state(busy, loaded)
-        self.budget_panel.apply_button.setEnabled(self.budget_panel.apply_button.isEnabled() and not busy)
+        self.budget_panel.set_busy(bool(busy))
         labels = {"opening": "Opening…", "loading": "Loading…", "preparing": "Preparing the CPU kernels…",
                   "generating": "Generating…", "replanning": "Re-planning…", **JOB_LABELS}
         if busy:
