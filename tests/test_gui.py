@@ -423,6 +423,25 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     assert entry["text"] and "misses:" in entry["stats"]
 
 
+def test_the_engines_own_replan_after_a_refused_apply_keeps_the_settings_in_force_as_applied(qtbot, window):
+    """A refused Apply leaves the old settings in force; the engine's next re-plan of its own (a layer split trial)
+    marked the refused ones applied, so the panel compared every change with settings the model never ran."""
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, simulated())
+    budget, offload = window.budget_panel, window.worker._model.offload
+    in_force = budget.applied
+    refused = {**in_force, "entries": {**in_force["entries"], "pinned_bytes": str(staged() - 1)}}
+    budget.applyRequested.emit(refused, False)  # where the estimate and the engine disagree: the engine refuses
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert "Could not apply the settings" in window.error_banner.text() and budget.applied == in_force
+    offload.layer_split_mode = "auto"
+    offload.split_trials.measured = {"spread": 0.030, "whole": 0.020}
+    offload._set_whole_layers(True)
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: "Measured faster" in window.status_state.text(), timeout=WAIT)
+    assert budget.applied == in_force and budget.applied_label.text() == "Applied to the loaded model"
+
+
 def test_streaming_slots_control_is_estimated_and_applied_as_the_engine_plans(qtbot, window):
     path, budget = open_on_simulated(qtbot, window, 0)
     qtbot.waitUntil(lambda: "device_working_bytes would let" in budget.statements.text())  # off: the hint

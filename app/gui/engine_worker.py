@@ -64,7 +64,8 @@ class EngineWorker(QObject):
     streamed = Signal(str, str, int)   # reasoning, answer, tokens: what came since the last, in batches (~30 a second)
     answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement, offload
     offloadStats = Signal(object)      # dict: placement and traffic (numpy), a few times a second while generating
-    replanned = Signal(dict)           # statements, landed; by_engine: why, when the engine re-planned by itself
+    replanned = Signal(dict)           # statements, landed; entries, settings: what Apply put in force; by_engine: why,
+                                       # when the engine re-planned by itself
     unloaded = Signal()
     failed = Signal(str)               # one line for the user
     jobProgress = Signal(str, object, str)  # job kind, fraction done (None: how far cannot be told), what runs now
@@ -381,7 +382,7 @@ class EngineWorker(QObject):
             self._model.offload.reconfigure(config, layer_split=_layer_split(settings),
                                             decode_path=_decode_path(settings))
             self.replanned.emit({"statements": list(self._model.offload.plan.statements), "landed": self._landed([]),
-                                 "entries": config.to_entries()})
+                                 "entries": config.to_entries(), "settings": settings})
             self._emit_stats()
         except Exception as exc:
             self.failed.emit(f"Could not apply the settings: {one_line(exc)}")

@@ -476,7 +476,6 @@ class MainWindow(QMainWindow):
         if reload:
             self._start_load(self.facts.path, settings)
         else:
-            self._load_settings = settings
             self.worker.requestReplan.emit(settings)
 
     def _send(self, text: str, options: dict) -> None:
@@ -595,6 +594,8 @@ class MainWindow(QMainWindow):
         # cost weighs more on fewer experts): measured against the old plan's start, that read as contention
         self.watch.reset()
         self.model_panel.show_landed(info["landed"])
+        if "settings" in info:  # what the model runs with from now on; a refused Apply leaves the old in force
+            self._load_settings = info["settings"]
         self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
         self.status_state.setText(info.get("by_engine") or "Re-planned without reloading")
         if info.get("by_engine"):
