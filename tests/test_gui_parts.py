@@ -472,6 +472,19 @@ def test_defaults_reset_the_budgets_but_keep_the_device(qapp, gptoss):
     assert panel.config() == OffloadConfig()
 
 
+def test_settings_that_mean_nothing_without_a_device_are_not_offered_on_the_cpu(qapp, gptoss):
+    """Placement, the layer split and where cold experts run were offered on 'CPU only', and Apply said they were
+    applied, though every expert runs on the CPU there (as the device budgets, which the panel greys out)."""
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.set_facts(gptoss, {"device": {"kind": "cpu"}})
+    device_only = (panel.placement, panel.layer_split, panel.decode_path, panel.expert_bytes)
+    assert not any(control.isEnabled() for control in device_only)
+    panel.set_settings({"device": {"kind": "simulated", "capacity": 1 << 30}})
+    assert all(control.isEnabled() for control in device_only)
+
+
 def test_the_kv_estimate_stops_at_the_models_context(qapp, gptoss):
     """The KV length took up to 10 million tokens whatever the model, and the estimate counted a KV cache the engine,
     which refuses a conversation past the context, never holds (a remembered 100,000 for a 2,048-token model)."""

@@ -426,8 +426,9 @@ class BudgetPanel(QWidget):
         choice = self.device_choice()
         on_device = choice.kind != "cpu"
         self._device_form.setRowVisible(self.sim_size, choice.kind == "simulated")
+        # without a device every expert runs on the CPU: where experts live, move or compute changes nothing
         for control in (self.expert_bytes, self.reserve_bytes, self.mem_limit, self.wave, self.pinned_bytes,
-                        self.working_bytes):
+                        self.working_bytes, self.placement, self.layer_split, self.decode_path):
             control.setEnabled(on_device)
         capacity = choice.capacity if on_device and choice.capacity else 8 * GIB
         self.reserve_bytes.setMaximum(capacity)
