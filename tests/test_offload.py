@@ -532,6 +532,21 @@ def test_static_placement_from_a_popularity_file(model_folder, tmp_path):
     assert all(set(layer.resident()) == {3, 7} for layer in model.offload.slots)
 
 
+def test_a_replan_refused_for_its_popularity_file_leaves_the_old_plan_in_force(model_folder, tmp_path):
+    """The popularity file was read once the new plan was in force: a re-plan refused for it (a saved configuration
+    naming a file since moved) said so, yet left the new budget and settings in force under the old placement."""
+    per_expert = device_expert_bytes(model_folder) // (16 * SPEC.layers)  # one device slot
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=2 * per_expert),
+                             device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    before = (engine.config, [layer.num_slots for layer in engine.slots])
+    asked = OffloadConfig(placement="static", popularity_file=str(tmp_path / "moved.json"),
+                          device_expert_bytes=8 * per_expert)
+    with pytest.raises(WorkbenchError, match="cannot read the popularity file"):
+        engine.reconfigure(asked)
+    assert (engine.config, [layer.num_slots for layer in engine.slots]) == before
+
+
 # --- configuration in onnxruntime's vocabulary ---------------------------------------------------
 
 def test_config_accepts_full_and_short_names_and_the_alias():

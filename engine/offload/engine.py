@@ -417,10 +417,7 @@ class OffloadEngine:
         yet): left empty, they would fill one swap at a time within the swap allowance, ~100 decode steps for
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file fills
         from what the first steps route (and the miss policy's copies)."""
-        popularity = None
-        if self.config.popularity_file:
-            popularity = load_popularity(self.config.popularity_file, [i.name for i in self.infos],
-                                         [i.spec.num_experts for i in self.infos])
+        popularity = self._popularity(self.config)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
@@ -430,6 +427,12 @@ class OffloadEngine:
             self._apply(self.policy.initial())
         else:  # layers with a slot for every expert (all of them when all_resident) are filled now
             self._apply(self._fill_all())
+
+    def _popularity(self, config: OffloadConfig) -> list[np.ndarray] | None:
+        if not config.popularity_file:
+            return None
+        return load_popularity(config.popularity_file, [i.name for i in self.infos],
+                               [i.spec.num_experts for i in self.infos])
 
     def _weigh_miss_slots(self) -> None:
         """Per layer, the slots placement leaves to the miss policy's copies (miss_policy.miss_slots, placement.py),
@@ -646,6 +649,7 @@ class OffloadEngine:
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)
+        self._popularity(config)  # a file it cannot read refused before the plan changes (read again by _make_policy)
         old_counts = [store.num_slots if store is not None else 0 for store in self.stores]
         self.streaming.close()
         held_tier = self._host_tier
