@@ -460,6 +460,24 @@ def test_streaming_slots_control_is_estimated_and_applied_as_the_engine_plans(qt
     assert window.model_settings(str(path))["entries"]["session.moe.offload.device_working_bytes"] == str(64 << 20)
 
 
+def test_a_cold_experts_tooltip_says_where_its_misses_run_after_an_apply(qtbot, window):
+    """The tooltip said a miss on a cold expert ran on the CPU whatever cpu_execution and the decode path said: under
+    cpu_execution=disabled every miss is copied in, and with the host tier the GPU reads it from host memory."""
+    path = fixture_folder("gptoss")
+    settings = simulated()
+    load(qtbot, window, path, {**settings, "entries": {**settings["entries"], "cpu_execution": "disabled"}})
+    heatmap, budget = window.placement.heatmap, window.budget_panel
+    qtbot.waitUntil(lambda: heatmap.data is not None, timeout=WAIT)
+    cold = int(heatmap.data["resident"][0].argmin())  # 3 of 16 experts resident: layer 0 has cold ones
+    assert "cold (a miss is copied to the device before it runs)" in heatmap.tooltip_at(0, cold)
+    budget.cpu_execution.setCurrentText("auto")
+    budget.decode_path.setCurrentIndex(budget.decode_path.findData("tier"))
+    qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: not window.busy and "read by the GPU" in heatmap.tooltip_at(0, cold), timeout=WAIT)
+    assert "cold (a miss is read by the GPU from host memory)" in heatmap.tooltip_at(0, cold)
+
+
 def test_graphs_receive_samples_and_pause(qtbot, window):
     qtbot.waitUntil(lambda: window.graphs.sample_count >= 3, timeout=10_000)
     x, y = window.graphs.curves["ram_this"].getData()

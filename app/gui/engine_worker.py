@@ -434,7 +434,8 @@ class EngineWorker(QObject):
                 traffic[index, :len(scores[index])] = scores[index]
         self.offloadStats.emit({
             "time": time.monotonic(), "steps": stats.steps, "layers": layers, "resident": resident,
-            "valid": valid, "traffic": traffic, "placement": offload.config.placement, "layer_names": [i.name for i in offload.infos],
+            "valid": valid, "traffic": traffic, "placement": offload.config.placement,
+            "cpu_execution": offload.config.cpu_execution, "layer_names": [i.name for i in offload.infos],
             "layer_index": [i.model_layer for i in offload.infos], "bytes_per_expert": bpe,
             "cpu_expert_bytes": cpu_bytes, "cpu_expert_s": cpu_s, "cpu_expert_rate": rate,
             "approximation": dict(vars(offload.approximation)),

@@ -147,8 +147,7 @@ class Heatmap(QWidget):
         stats = d["layers"][row] if row < len(d["layers"]) else {}
         total = stats.get("hits", 0) + stats.get("misses", 0)
         kind = "decayed routing count (~10 steps)" if d.get("placement") == "adaptive" else "routing count"
-        lines = [f"Layer {d['layer_index'][row]}, expert {col}: "
-                 + ("resident on the device" if on else "cold (a miss runs on the CPU, or is copied into a spare slot)"),
+        lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + ("resident on the device" if on else cold_text(d)),
                  f"Recent routing: {score:.2f} ({kind})" + ("" if on or score < RECENT_MISS else " — missed recently"),
                  f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
         if "expert_hits" in stats and col < len(stats["expert_hits"]):
@@ -171,6 +170,16 @@ class Heatmap(QWidget):
             QToolTip.hideText()
             return
         QToolTip.showText(event.globalPosition().toPoint(), self.tooltip_at(*cell), self)
+
+
+def cold_text(data: dict) -> str:
+    """Where a decode miss on a cold expert runs, as the engine runs them now (the decode path, cpu_execution)."""
+    in_force = ((data.get("copies") or {}).get("decode_path") or {}).get("in_force", "cpu")
+    if in_force != "cpu":
+        return f"cold (a miss is {PATH_WORDS[in_force]})"
+    if data.get("cpu_execution") == "disabled":
+        return "cold (a miss is copied to the device before it runs)"
+    return "cold (a miss runs on the CPU, or is copied into a spare slot)"
 
 
 def legend_text(t: theme.Theme, mode: str) -> str:
