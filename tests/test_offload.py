@@ -631,6 +631,21 @@ def test_tail_substitution_from_rank_0_may_replace_the_top_ranked_expert():
     assert substituted.tolist() == [[3, 0]] and counts.substituted == 1
 
 
+def test_tail_substitution_never_brings_back_an_expert_min_expert_weight_dropped():
+    """A substitute is a resident expert the router did not choose: the resident tail expert dropped below
+    min_expert_weight came back in the cold expert's place, computed with that higher rank's weight."""
+    from engine.offload.approximate import ApproximationCounts, approximate_routing
+
+    ids = np.array([[0, 1, 2]])
+    weights = np.array([[0.6, 0.3, 0.1]], np.float32)
+    slot_of = np.array([0, -1, 1, 2])  # resident: 0, 2 and 3; 1 is cold
+    logits = np.array([[4.0, 3.0, 2.0, 1.0]], np.float32)
+    counts = ApproximationCounts()
+    approximated = approximate_routing(ids, weights, logits, slot_of, OffloadConfig(
+        min_expert_weight=0.2, tail_substitution_threshold=0.5), counts)
+    assert approximated.tolist() == [[0, 3, -1]] and (counts.dropped, counts.substituted) == (1, 1)
+
+
 def test_cpu_threads_change_on_a_loaded_model(model_folder):
     model = LoadedModel.open(model_folder, offload=OffloadConfig(cpu_threads=1), device=SimulatedDevice(1 << 30))
     assert all(r.kernel.num_threads == 1 for r in model.offload.runners)

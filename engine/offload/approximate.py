@@ -28,7 +28,7 @@ class ApproximationCounts:
 def approximate_routing(ids: np.ndarray, weights: np.ndarray, logits: np.ndarray, slot_of: np.ndarray,
                         config: OffloadConfig, counts: ApproximationCounts) -> np.ndarray:
     """Returns new expert ids [T, k] (-1 = dropped); `weights` stay aligned by position."""
-    ids = ids.copy()
+    routed, ids = ids, ids.copy()
     cold = slot_of[ids] < 0
     rank = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
     if config.min_expert_weight > 0:
@@ -42,7 +42,8 @@ def approximate_routing(ids: np.ndarray, weights: np.ndarray, logits: np.ndarray
             weights < config.tail_substitution_threshold)
         resident = np.flatnonzero(slot_of >= 0)
         for t, j in zip(*np.nonzero(candidates)):
-            free = resident[~np.isin(resident, ids[t])]
+            # not one the router chose: an expert min_expert_weight dropped would come back with a higher rank's weight
+            free = resident[~(np.isin(resident, routed[t]) | np.isin(resident, ids[t]))]
             if free.size:
                 ids[t, j] = free[np.argmax(logits[t, free])]
                 counts.substituted += 1
