@@ -117,6 +117,25 @@ def test_a_run_compiles_the_cpu_kernels_before_its_clock_starts(simulated_model,
     assert record.turns and record.timings["settle_s"] > 0
 
 
+def test_a_records_agreement_is_over_the_runs_tokens(simulated_model, monkeypatch):
+    """Approximate routing's agreement over a run counts every answer's tokens: a one-token turn that parted from exact
+    routing weighed as much as a nine-token one that never did (the mean of the turns' figures, 50% for 90%)."""
+    from engine.generation import Conversation, GenerationResult, Timings
+    from engine.records.scenarios import run_turns
+
+    model, device = simulated_model
+    answers = iter([([5], 0.0), ([5] * 9, 1.0)])
+
+    def scripted_send(self, *args, **kwargs):
+        tokens, agreement = next(answers)
+        return GenerationResult([1], tokens, "", "length", Timings(generated_tokens=len(tokens)),
+                                routing_agreement=agreement)
+
+    monkeypatch.setattr(Conversation, "send", scripted_send)
+    record = run_turns(model, ["one", "two"], PARAMS, device)
+    assert record.routing_agreement == pytest.approx(0.9)
+
+
 def test_a_job_says_so_while_a_model_settles(simulated_model):
     """The window's records jobs name the wait for a model's background work after load, and only when there is
     one: run_turns would wait silently (app/gui/records_jobs.settle)."""

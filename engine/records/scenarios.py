@@ -181,7 +181,10 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     decode_s = sum(t["timings"]["decode_s"] for t in turns)
     decoded = sum(max(0, t["generated_tokens"] - 1) for t in turns)
     stats = model.offload.stats_dict() if model.offload is not None else None
-    agreements = [t["routing_agreement"] for t in turns if t["routing_agreement"] is not None]
+    # the run's agreement over its tokens (the meter compares each answer's every token once), not the turns' mean
+    measured = [t for t in turns if t["routing_agreement"] is not None]
+    compared = sum(t["generated_tokens"] for t in measured)
+    agreed = sum(t["routing_agreement"] * t["generated_tokens"] for t in measured)
     timings = {"load_s": model.load_s, "prefill_s": turns[0]["timings"]["prefill_s"] if turns else None,
                "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
                "decode_tokens_per_s": decoded / decode_s if decode_s else None, "completion_s": completion,
@@ -206,4 +209,4 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,
         turns=turns, approximate_routing=bool(model.offload and model.offload.config.approximate_routing),
         host_load=host_load.as_dict(),
-        routing_agreement=sum(agreements) / len(agreements) if agreements else None, label=label)
+        routing_agreement=agreed / compared if compared else None, label=label)
