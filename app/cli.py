@@ -349,6 +349,8 @@ class _StreamedAnswer:
 
 
 def _print_result(result, model, as_json: bool) -> None:
+    from engine.offload.approximate import agreement_text
+
     if as_json:
         timings = {"load_s": model.load_s, **result.timings.as_dict()}
         answer = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
@@ -364,7 +366,7 @@ def _print_result(result, model, as_json: bool) -> None:
         t = result.timings
         print(flush=True)  # the streamed answer's line ends on standard output, whatever becomes of standard error
         tokens = f"{t.generated_tokens} token{'s' if t.generated_tokens != 1 else ''}"
-        agreement = (f"; agreement with exact routing {result.routing_agreement:.0%}"
+        agreement = (f"; {agreement_text(result.routing_agreement, t.generated_tokens)}"
                      if result.routing_agreement is not None else "")
         finish = result.finish_reason + (" while reasoning, before any answer" if result.cut_in_reasoning else "")
         print(f"[{tokens}, first after {t.time_to_first_token_s * 1000:.0f} ms, "

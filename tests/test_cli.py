@@ -70,7 +70,9 @@ def test_generate_with_approximate_routing_says_its_agreement_with_exact_routing
     agreement = json.loads(run_cli(*args, "--json").stdout)["routing_agreement"]
     text = run_cli(*args)
     assert text.returncode == 0, text.stderr
-    assert text.stderr.rstrip().endswith(f"; length; agreement with exact routing {agreement:.0%}]")
+    # what it measured: the answer's tokens, and how many of them
+    assert text.stderr.rstrip().endswith(
+        f"; length; token agreement with exact routing {agreement:.0%} ({round(agreement * 6)} of 6 tokens)]")
 
 
 def test_generate_raw_skips_the_template():

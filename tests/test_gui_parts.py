@@ -543,7 +543,16 @@ def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_u
     assert speed_text(record(0.01, 40.0, at_once), record(0.01, 20.0, at_once)).endswith(
         "(20.0 against 40.0 tok/s), answering at once, each slowed by the other.")
     assert routing_text(record(0.01, 1.0)) == "exact"
-    assert routing_text(record(0.01, 1.0, agreement=0.875)) == "approximate: 88% agreement with exact routing"
+    assert routing_text(record(0.01, 1.0, agreement=0.875)) == "approximate: 88% token agreement with exact routing"
+
+
+def test_an_answers_agreement_with_exact_routing_says_of_how_many_tokens():
+    from app.gui.chat_panel import stats_line
+
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 50.0, "total_s": 1.0, "generated_tokens": 8,
+               "prompt_tokens": 4}
+    line = stats_line({"timings": timings, "finish_reason": "length", "routing_agreement": 0.75})
+    assert " · token agreement with exact routing 75% (6 of 8 tokens) · " in line
 
 
 def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tmp_path):

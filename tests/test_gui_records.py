@@ -245,7 +245,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     finish(qtbot, window, view)
     a, b = view.result.comparison.records
     assert b.approximate_routing and not a.approximate_routing and b.routing_agreement is not None
-    assert view.right.values["routing"].text() == f"approximate: {b.routing_agreement:.0%} agreement with exact routing"
+    assert view.right.values["routing"].text() == f"approximate: {b.routing_agreement:.0%} token agreement with exact routing"
     assert view.left.values["routing"].text() == "exact"
     view.right_entries.setPlainText("layer_split=layers")
     view.bar.run_button.click()

@@ -19,6 +19,7 @@ from app.gui import theme
 from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
 from app.gui.widgets import AnswerLength, OneLineLabel
+from engine.offload.approximate import agreement_text
 
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
 # text may name (engine/generation.py's VisibleText)
@@ -63,7 +64,7 @@ def stats_line(result: dict) -> str:
     if t.get("prefill_tokens_per_s"):
         parts.append(f"prefill {t['prefill_tokens_per_s']:.0f} tok/s")
     if result.get("routing_agreement") is not None:
-        parts.append(f"agreement with exact routing {result['routing_agreement']:.0%}")
+        parts.append(agreement_text(result["routing_agreement"], t["generated_tokens"]))
     split = miss_split_text(result.get("offload") or {})
     if split:
         parts.append(split)

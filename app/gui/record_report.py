@@ -99,7 +99,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
          if o.get("placement_mode") == "hybrid" else "—"),
         ("approximate routing", "on" if record.approximate_routing else "off")]
-        + ([("agreement with exact routing", f"{record.routing_agreement:.1%}")]
+        + ([("token agreement with exact routing", f"{record.routing_agreement:.1%}")]
            if record.routing_agreement is not None else [])))
     parts.append("<h4>Timings and peaks</h4>")
     parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS

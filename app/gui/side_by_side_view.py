@@ -118,7 +118,7 @@ def routing_text(record) -> str:
         return "exact"
     if record.routing_agreement is None:
         return "approximate"
-    return f"approximate: {record.routing_agreement:.0%} agreement with exact routing"
+    return f"approximate: {record.routing_agreement:.0%} token agreement with exact routing"
 
 
 def saved_text(ids: list[int]) -> str:

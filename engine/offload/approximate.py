@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.offload.config import OffloadConfig
+from engine.units import counted
 
 
 @dataclass
@@ -80,3 +81,9 @@ class AgreementMeter:
     @property
     def agreement(self) -> float:
         return self.agreed / self.steps if self.steps else 1.0
+
+
+def agreement_text(agreement: float, tokens: int) -> str:
+    """An answer's agreement as a user reads it: of its tokens, not of routing choices, and of how many (the meter
+    compares each token once, so the count is exact)."""
+    return f"token agreement with exact routing {agreement:.0%} ({round(agreement * tokens)} of {counted(tokens, 'token')})"
