@@ -10,6 +10,7 @@ import functools
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
@@ -192,7 +193,7 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     assert window.model_panel.table.item(0, 5).text() in ("2/8 on device", "1/8 on device")
     assert "Runs (mode <b>auto</b>, simulated GPU" in window.model_panel.verdict.text()
     landed = window.model_panel.landed.text()
-    assert "3 of 16 experts resident on the simulated GPU" in landed
+    assert "3 expert slots for the 16 experts on the simulated GPU" in landed
     assert "The dense part runs on the CPU: the GPU is simulated, for the experts only" in landed and "KV cache" in landed
     assert threads_sentence(0, cpu_threads()) in landed  # the budget's cpu_threads: automatic
     assert window.status_device.text().endswith("dense part: CPU")
@@ -258,7 +259,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     window.worker.loaded.connect(loads.append)
     window.load()
     qtbot.waitUntil(lambda: same(window.loaded_path, path) and not window.busy, timeout=WAIT)
-    assert "2 of 16 experts resident" in window.model_panel.landed.text()
+    assert "2 expert slots for the 16 experts" in window.model_panel.landed.text()
     assert not budget.apply_button.isEnabled() and budget.applied_label.text() == "Applied to the loaded model"
 
     budget.expert_bytes.setValue(6 * slot())
@@ -266,7 +267,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
     assert budget.apply_button.text() == "Apply"
     budget.apply_button.click()
-    qtbot.waitUntil(lambda: "6 of 16 experts resident" in window.model_panel.landed.text() and not window.busy,
+    qtbot.waitUntil(lambda: "6 expert slots for the 16 experts" in window.model_panel.landed.text() and not window.busy,
                     timeout=WAIT)
     assert len(loads) == 1, "Apply re-planned without loading again"
     assert window.status_state.text() == "Re-planned without reloading"
@@ -276,6 +277,26 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     qtbot.waitUntil(lambda: budget.apply_button.text() == "Apply and reload")
     # settings are remembered per model
     assert window.model_settings(str(path))["entries"]["session.moe.offload.device_expert_bytes"] == str(6 * slot())
+
+
+def test_where_everything_landed_tells_the_resident_experts_from_the_slots_left_to_copied_misses(qtbot, window,
+                                                                                                monkeypatch):
+    """Adaptive placement leaving a slot of each layer to copied misses: 'where everything landed' counts each layer's
+    slots, the resident experts placement keeps in them and the slots left to copies, as the engine holds them (it
+    said '6 of 16 experts resident' and '3 of 8 in every layer' where placement kept 2 a layer, as the placement view
+    showed)."""
+    import engine.offload.engine as offload_engine
+
+    monkeypatch.setattr(offload_engine, "miss_slots", lambda *args, **kwargs: 1)
+    load(qtbot, window, fixture_folder("gptoss"),
+         {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {"device_expert_bytes": str(6 * slot())}})
+    offload = window.worker._model.offload  # the worker is idle: the engine's figures hold still
+    assert [layer.num_slots for layer in offload.slots] == [3, 3] and offload.policy.miss_slots == [1, 1]
+    assert [int(np.count_nonzero(layer.expert_in >= 0)) for layer in offload.slots] == [2, 2]
+    landed = window.model_panel.landed.text()
+    assert "6 expert slots for the 16 experts on the simulated GPU" in landed
+    assert "Expert slots per layer: 3 of 8 in every layer (2 layers): 2 resident experts, 1 left for copied misses." \
+        in landed
 
 
 def test_a_change_made_before_an_answer_can_still_be_applied_after_it(qtbot, window):

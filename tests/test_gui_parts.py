@@ -76,6 +76,11 @@ def test_estimate_follows_the_planner(gptoss):
     required = estimate(gptoss, config.updated(mode="required"), DeviceChoice("cuda", error="no CUDA device"))
     assert required.error == "no CUDA device" and required.resident == 0
     assert layer_summary(est.per_layer) == "layer 0: 3 of 8; layer 1: 2 of 8"
+    # with the slots each layer leaves to copied misses: its resident experts and those slots apart
+    assert layer_summary(est.per_layer, [1, 0]) == \
+        "layer 0: 3 of 8 (2 resident experts, 1 left for copied misses); layer 1: 2 of 8"
+    assert layer_summary(est.per_layer[:1] * 2, [2, 2]) == \
+        "3 of 8 in every layer (2 layers): 1 resident expert, 2 left for copied misses"
 
 
 def test_estimate_puts_the_dense_part_where_the_engine_would(gptoss, monkeypatch):

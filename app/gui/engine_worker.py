@@ -225,7 +225,10 @@ class EngineWorker(QObject):
         state = offload.copy_state()
         lines += [said for said in (split_sentence(state["layer_split"]), path_sentence(state["decode_path"])) if said]
         if self._device is not None:
-            lines.append(f"Experts resident per layer: {layer_summary(per_layer)}.")
+            # adaptive placement leaves some slots to copied misses: the residents are fewer than the slots there
+            miss = list(offload.policy.miss_slots)
+            lines.append(f"{'Expert slots' if any(miss) else 'Experts resident'} per layer: "
+                         f"{layer_summary(per_layer, miss)}.")
             memory = self._device.memory
             slots = offload.plan.device_bytes(offload.infos)
             parts = [f"expert slots {human_bytes(slots)}"] + [

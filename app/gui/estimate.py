@@ -357,19 +357,30 @@ def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, pl
     return None
 
 
-def layer_summary(per_layer: list[tuple[int, str, int, int]]) -> str:
-    """'8 of 8 in every layer' or 'layers 0-3: 5 of 16; layer 4: 4 of 16'."""
+def layer_summary(per_layer: list[tuple[int, str, int, int]], miss_slots: list[int] | None = None) -> str:
+    """'8 of 8 in every layer' or 'layers 0-3: 5 of 16; layer 4: 4 of 16' (a layer's slots of its experts); with the
+    slots each layer leaves to copied misses (adaptive placement's miss_slots, placement.py), its resident experts and
+    those slots apart: '6 of 16 in every layer (2 layers): 4 resident experts, 2 left for copied misses' or 'layer 0:
+    6 of 16 (4 resident experts, 2 left for copied misses); layer 1: 3 of 16'."""
     if not per_layer:
         return "no expert layers"
-    counts = [(r, e) for _l, _n, r, e in per_layer]
+    misses = miss_slots or [0] * len(per_layer)
+    counts = [(r, e, m) for (_l, _n, r, e), m in zip(per_layer, misses)]
     if len(set(counts)) == 1:
-        r, e = counts[0]
-        return f"{r} of {e} in every layer ({counted(len(counts), 'layer')})"
+        r, e, m = counts[0]
+        return f"{r} of {e} in every layer ({counted(len(counts), 'layer')})" + (f": {slots_split(r, m)}" if m else "")
     groups: list[list] = []
-    for layer, _n, r, e in per_layer:
-        if groups and groups[-1][2] == (r, e) and groups[-1][1] == layer - 1:
+    for (layer, _n, _r, _e), count in zip(per_layer, counts):
+        if groups and groups[-1][2] == count and groups[-1][1] == layer - 1:
             groups[-1][1] = layer
         else:
-            groups.append([layer, layer, (r, e)])
-    parts = [(f"layer {a}" if a == b else f"layers {a}-{b}") + f": {r} of {e}" for a, b, (r, e) in groups]
+            groups.append([layer, layer, count])
+    parts = [(f"layer {a}" if a == b else f"layers {a}-{b}") + f": {r} of {e}" + (f" ({slots_split(r, m)})" if m else "")
+             for a, b, (r, e, m) in groups]
     return "; ".join(parts)
+
+
+def slots_split(slots: int, miss_slots: int) -> str:
+    """'4 resident experts, 2 left for copied misses': what `slots` device slots hold where `miss_slots` of them are
+    left to the miss policy's copies (which may hold an earlier copied expert)."""
+    return f"{counted(slots - miss_slots, 'resident expert')}, {miss_slots} left for copied misses"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from engine.errors import WorkbenchError
 from engine.expert_node import ExpertNodeInfo
 from engine.offload.config import OffloadConfig
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 # Kept free for KV cache, state and workspace when the automatic budget is computed and the user
 # gave no reserve_device_bytes: a tenth of the device, at least 512 MiB.
@@ -234,8 +234,11 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     total_experts = sum(info.spec.num_experts for info in experts if info.spec is not None)
     resident = sum(slots.values())
     mode = "all_resident" if resident == total_experts else "hybrid"
-    statements = [f"{resident} of {total_experts} experts resident on the {device.name} "
-                  f"({human_bytes(spent)} of a {human_bytes(budget)} expert budget)."]
+    # slots, not residents, where some experts stay cold: adaptive placement may leave slots to copied misses
+    # (OffloadEngine._weigh_miss_slots), and "where everything landed" says how many
+    held = (f"{resident} of {total_experts} experts resident" if mode == "all_resident"
+            else f"{counted(resident, 'expert slot')} for the {total_experts} experts")
+    statements = [f"{held} on the {device.name} ({human_bytes(spent)} of a {human_bytes(budget)} expert budget)."]
     if whole_layers:
         full = sum(1 for info in runnable if slots[info.name] == info.spec.num_experts)
         statements.append(f"The budget holds whole layers: {full} of {len(runnable)} expert layers keep all their "
