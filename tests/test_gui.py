@@ -279,24 +279,44 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     assert window.model_settings(str(path))["entries"]["session.moe.offload.device_expert_bytes"] == str(6 * slot())
 
 
+def load_leaving_a_slot_to_copies(qtbot, window, monkeypatch):
+    """gpt-oss loaded with 3 slots a layer, adaptive placement leaving 1 of each to copied misses; its engine."""
+    import engine.offload.engine as offload_engine
+
+    monkeypatch.setattr(offload_engine, "miss_slots", lambda *args, **kwargs: 1)
+    load(qtbot, window, fixture_folder("gptoss"),
+         {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {"device_expert_bytes": str(6 * slot())}})
+    return window.worker._model.offload  # the worker is idle: the engine's figures hold still
+
+
 def test_where_everything_landed_tells_the_resident_experts_from_the_slots_left_to_copied_misses(qtbot, window,
                                                                                                 monkeypatch):
     """Adaptive placement leaving a slot of each layer to copied misses: 'where everything landed' counts each layer's
     slots, the resident experts placement keeps in them and the slots left to copies, as the engine holds them (it
     said '6 of 16 experts resident' and '3 of 8 in every layer' where placement kept 2 a layer, as the placement view
     showed)."""
-    import engine.offload.engine as offload_engine
-
-    monkeypatch.setattr(offload_engine, "miss_slots", lambda *args, **kwargs: 1)
-    load(qtbot, window, fixture_folder("gptoss"),
-         {"device": {"kind": "simulated", "capacity": 8 << 30}, "entries": {"device_expert_bytes": str(6 * slot())}})
-    offload = window.worker._model.offload  # the worker is idle: the engine's figures hold still
+    offload = load_leaving_a_slot_to_copies(qtbot, window, monkeypatch)
     assert [layer.num_slots for layer in offload.slots] == [3, 3] and offload.policy.miss_slots == [1, 1]
     assert [int(np.count_nonzero(layer.expert_in >= 0)) for layer in offload.slots] == [2, 2]
     landed = window.model_panel.landed.text()
     assert "6 expert slots for the 16 experts on the simulated GPU" in landed
     assert "Expert slots per layer: 3 of 8 in every layer (2 layers): 2 resident experts, 1 left for copied misses." \
         in landed
+
+
+def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to_copied_misses(qtbot, window,
+                                                                                              monkeypatch):
+    """The placement view's summary adds up with the heatmap and the landed text: the experts on the device, in the
+    engine's slots, of them the resident experts and those left to copied misses, summed per layer as the engine holds
+    them (it said '4 of 16 experts resident' beside '1 slot per layer kept for copies': the most any layer kept)."""
+    offload = load_leaving_a_slot_to_copies(qtbot, window, monkeypatch)
+    placement = window.placement
+    qtbot.waitUntil(lambda: placement.updates > 0)
+    on_device = sum(int(np.count_nonzero(layer.slot_of >= 0)) for layer in offload.slots)
+    assert on_device == int(placement.heatmap.data["resident"].sum()) == 4
+    assert placement.summary.text().startswith("4 of 16 experts on the device, in 6 slots: 4 resident experts, "
+                                               "2 left for copied misses")
+    assert "kept for copies" not in placement.summary.text()
 
 
 def test_a_change_made_before_an_answer_can_still_be_applied_after_it(qtbot, window):
@@ -806,10 +826,10 @@ def test_the_summary_says_when_the_automatic_thread_count_left_cores_to_other_pr
     assert threads_text({}) == ""  # a record of a version before it
 
 
-def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
-    assert copies_text({"miss_slots": [0, 2, 1], "later_hits_per_copy": 0.934}) == \
-        "2 slots per layer kept for copies, each copy earning 0.93 later hits"
-    assert copies_text({"miss_slots": [1], "later_hits_per_copy": None}) == "1 slot per layer kept for copies"
+def test_the_copies_line_says_their_later_hits():
+    # the slots left to copies are the summary's first part (slots_text), counted per layer
+    assert copies_text({"miss_slots": [0, 2, 1], "later_hits_per_copy": 0.934}) == "each copy earning 0.93 later hits"
+    assert copies_text({"miss_slots": [1], "later_hits_per_copy": None}) == ""
     assert copies_text({"miss_slots": [0, 0], "later_hits_per_copy": 0.5}) == "each copy earning 0.50 later hits"
     assert copies_text({"placement": {"swaps_paused": False, "net_hits_per_swap": 2.314}}) == \
         "each placement swap earning 2.31 hits"
@@ -826,9 +846,9 @@ def test_the_copies_line_says_the_slots_kept_for_copies_and_their_later_hits():
     assert copies_text({"layer_split": {"whole_layers": True, "measured_ms": {}, "measuring": "whole"}}) == \
         "timing the layer split: whole layers now"
     assert copies_text({"miss_slots": [1], "layer_split": {"whole_layers": False, "measuring": "spread"}}) == \
-        "1 slot per layer kept for copies, timing the layer split: the budget spread over every layer now"
+        "timing the layer split: the budget spread over every layer now"
     assert copies_text({"miss_slots": [2], "cpu_bytes_per_s": 64.2e9, "cpu_call_s": 190e-6}) == \
-        "2 slots per layer kept for copies, CPU misses priced at 64.2 GB/s + 190 µs a call"
+        "CPU misses priced at 64.2 GB/s + 190 µs a call"
     assert copies_text({"cpu_bytes_per_s": 25e9, "cpu_call_s": 0.0}) == "CPU misses priced at 25.0 GB/s"
     assert copies_text({"cpu_bytes_per_s": None, "cpu_call_s": 0.0}) == ""
 

@@ -437,6 +437,7 @@ class EngineWorker(QObject):
                 traffic[index, :len(scores[index])] = scores[index]
         self.offloadStats.emit({
             "time": time.monotonic(), "steps": stats.steps, "layers": layers, "resident": resident,
+            "slots": [layer.num_slots for layer in offload.slots],
             "valid": valid, "traffic": traffic, "placement": offload.config.placement,
             "cpu_execution": offload.config.cpu_execution, "layer_names": [i.name for i in offload.infos],
             "layer_index": [i.model_layer for i in offload.infos], "bytes_per_expert": bpe,

@@ -17,9 +17,10 @@ from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, 
                                QWidget)
 
 from app.gui import theme
+from app.gui.estimate import slots_split
 from engine.offload.decode_path import PATH_WORDS, measured_words
 from engine.offload.split_share import SHARE_WORDS, SHIFT_WORDS
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
 
@@ -201,19 +202,28 @@ def split_text(split: dict) -> str:
     return text
 
 
+def slots_text(data: dict) -> str:
+    """'4 of 16 experts resident', or where adaptive placement leaves slots to copied misses, the experts the heatmap
+    shows on the device and the slots they are in, summed over the layers as the engine holds them: '6 of 16 experts
+    on the device, in 6 slots: 4 resident experts, 2 left for copied misses' (copies then fill those 2)."""
+    on_device, total = int(data["resident"].sum()), int(data["valid"].sum())
+    miss = sum((data.get("copies") or {}).get("miss_slots") or [])
+    if not miss:
+        return f"{on_device} of {total} experts resident"
+    slots = sum(data["slots"])
+    return f"{on_device} of {total} experts on the device, in {counted(slots, 'slot')}: {slots_split(slots, miss)}"
+
+
 def copies_text(copies: dict) -> str:
-    """What the miss policy's copies do: '2 slots per layer kept for copies, each copy earning 0.93 later hits, each
+    """What the miss policy's copies do: 'each copy earning 0.93 later hits, each
     placement swap earning 2.31 hits (or: placement's swaps paused, ...: swap_judge.py), 4
-    streaming slots for layers without slots, CPU misses priced at 64.0 GB/s + 190 µs a call' (the most slots any
-    layer keeps; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
+    streaming slots for layers without slots, CPU misses priced at 64.0 GB/s + 190 µs a call' (the slots left to
+    copies are slots_text's; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
     device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured), and
     whether the budget holds whole layers instead of being spread (engine/offload/layer_split.py), with the step
     times that chose it, or which split a trial is timing now; the same for where decode computes cold experts
     (engine/offload/decode_path.py) where a host tier lets it choose."""
     parts = []
-    kept = max(copies.get("miss_slots") or [0])
-    if kept:
-        parts.append(f"{kept} slot{'s' if kept != 1 else ''} per layer kept for copies")
     reuse = copies.get("later_hits_per_copy")
     if reuse is not None:
         parts.append(f"each copy earning {reuse:.2f} later hits")
@@ -342,9 +352,7 @@ class PlacementView(QWidget):
         hits = sum(layer["hits"] for layer in layers)
         misses = sum(layer["misses"] for layer in layers)
         swaps = sum(layer["swaps"] for layer in layers)
-        resident = int(data["resident"].sum())
-        total = int(data["valid"].sum())
-        parts = [f"{resident} of {total} experts resident"]
+        parts = [slots_text(data)]
         if hits + misses:
             parts.append(f"hit rate {hits / (hits + misses):.0%} ({hits} hits, {misses} misses)")
         self.split = dict(data.get("misses") or {})
