@@ -319,6 +319,23 @@ def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to
     assert "kept for copies" not in placement.summary.text()
 
 
+def test_the_budget_estimate_of_the_settings_in_force_counts_the_slots_the_engine_leaves_to_copied_misses(
+        qtbot, window, monkeypatch):
+    """Loaded, the budget panel's estimate of the settings in force says each layer's slots, the resident experts and
+    the slots left to copied misses as the engine holds them (it said '6 of 16 experts resident' where placement kept
+    4); other settings, whose miss slots the engine has not weighed, count the experts their slots hold."""
+    offload = load_leaving_a_slot_to_copies(qtbot, window, monkeypatch)
+    budget = window.budget_panel
+    assert offload.policy.miss_slots == [1, 1]
+    qtbot.waitUntil(lambda: "copied misses" in budget.layer_text.text())
+    assert budget.layer_text.text() == ("<b>6 expert slots</b> for 16 experts: 3 of 8 in every layer (2 layers): "
+                                        "2 resident experts, 1 left for copied misses")
+    budget.expert_bytes.setValue(4 * slot())
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: budget.layer_text.text() == "<b>4 of 16</b> experts resident: 2 of 8 in every layer "
+                                                        "(2 layers)")
+
+
 def test_a_change_made_before_an_answer_can_still_be_applied_after_it(qtbot, window):
     """Apply waits while the engine is busy and is offered again once it is idle: a change made before an answer
     was left 'not applied yet' beside a greyed-out Apply until some control moved."""

@@ -107,6 +107,7 @@ class BudgetPanel(QWidget):
         self.pinned_note = QLabel(wordWrap=True)   # the ring and wave the engine would take, or its refusal
         self.pinned_note.setAccessibleName("pinned_bytes effect")
         self._live_pinned: dict = {}               # the loaded model's ring (size, high-water), from its statistics
+        self._live_slots: tuple = ()               # the loaded model's slots and miss slots per layer, ditto
 
         # policy
         self.mode = QComboBox()
@@ -452,8 +453,10 @@ class BudgetPanel(QWidget):
                        whole_layers=self.layer_split.currentData() == "whole", experts_in_ram=self._experts_in_ram())
         self.last_estimate = est
         self.layer_bars.setRows(est.per_layer)
-        self.layer_text.setText(("<b>%d of %d</b> experts resident: " % (est.resident, est.total_experts))
-                                + layer_summary(est.per_layer))
+        miss = self._live_miss_slots(est)
+        head = (f"<b>{counted(est.resident, 'expert slot')}</b> for {est.total_experts} experts: " if any(miss)
+                else "<b>%d of %d</b> experts resident: " % (est.resident, est.total_experts))
+        self.layer_text.setText(head + layer_summary(est.per_layer, miss))
         if on_device and not choice.error:
             limited = any(part.key == "limit" for part in est.device_parts)  # not where other processes bound it
             self.vram_title.setText(f"VRAM — {choice.label}" + (f", limit {human_bytes(est.ceiling)}" if limited else ""))
@@ -545,6 +548,23 @@ class BudgetPanel(QWidget):
             self._live_pinned = pinned
             if self.last_estimate is not None:
                 self._show_pinned(self.last_estimate, self.device_choice(), self.config())
+
+    def set_live_slots(self, slots: list[int], miss_slots: list[int]) -> None:
+        """The loaded model's slots and the slots adaptive placement leaves to copied misses, per layer (its latest
+        statistics)."""
+        live = (tuple(slots), tuple(miss_slots))
+        if live != self._live_slots:
+            self._live_slots = live
+            if self.facts is not None:
+                self.refresh()
+
+    def _live_miss_slots(self, est) -> list[int]:
+        """The loaded model's miss slots per layer where `est` plans the slots it holds (the settings in force), else
+        none: the engine weighs them once its slots are made (OffloadEngine._weigh_miss_slots)."""
+        slots, miss = self._live_slots or ((), ())
+        if self.loaded and list(slots) == [r for _l, _n, r, _e in est.per_layer]:
+            return list(miss)
+        return []
 
     def _pinned_auto_toggled(self, auto: bool) -> None:
         """Leaving auto starts from the ring auto gave (not from 0 bytes, which holds no expert)."""

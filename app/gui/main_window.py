@@ -584,6 +584,7 @@ class MainWindow(QMainWindow):
     def _on_stats(self, data: dict) -> None:
         self.placement.set_stats(data)
         self.budget_panel.set_live_pinned(data.get("pinned"))
+        self.budget_panel.set_live_slots(data["slots"], (data.get("copies") or {}).get("miss_slots") or [])
         self.graphs.set_simulated_memory(data.get("device_memory"))
         if data.get("cpu_expert_rate"):
             self.watch.add(data["cpu_expert_rate"])
