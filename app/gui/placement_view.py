@@ -215,11 +215,11 @@ def slots_text(data: dict) -> str:
 
 
 def copies_text(copies: dict) -> str:
-    """What the miss policy's copies do: 'each copy earning 0.93 later hits, each
-    placement swap earning 2.31 hits (or: placement's swaps paused, ...: swap_judge.py), 4
-    streaming slots for layers without slots, CPU misses priced at 64.0 GB/s + 190 µs a call' (the slots left to
-    copies are slots_text's; later hits measured by the engine, absent until enough copies were made; the decode streaming slots
-    device_working_bytes asked for; the CPU kernels' cost the policy weighs copies against, once measured), and
+    """What the miss policy's copies do: 'each copy earning 0.93 later hits, each placement swap earning 2.31 hits
+    (or: placement's swaps paused, ...: swap_judge.py), 4 streaming slots for layers without slots, CPU misses priced
+    at 64.0 GB/s + 190 µs a call' (the slots left to copies are slots_text's; later hits measured by the engine,
+    absent until enough copies were made; the decode streaming slots device_working_bytes asked for; the CPU kernels'
+    cost the policy weighs copies against, once measured), and
     whether the budget holds whole layers instead of being spread (engine/offload/layer_split.py), with the step
     times that chose it, or which split a trial is timing now; the same for where decode computes cold experts
     (engine/offload/decode_path.py) where a host tier lets it choose."""
