@@ -245,7 +245,7 @@ def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(
     qtbot.waitUntil(lambda: "4 of 16" in budget.layer_text.text())
     assert "2 of 8 in every layer" in budget.layer_text.text()
     assert "resident experts" in budget.vram_legend.text() and "KV cache" in budget.vram_legend.text()
-    assert "4 of 16 experts resident" in window.model_panel.verdict.text()
+    assert "4 expert slots on the device for the 16 experts, the rest on the CPU" in window.model_panel.verdict.text()
     # the slider moves the estimate live
     budget.expert_bytes.slider.setValue(budget.expert_bytes.STEPS)  # everything
     qtbot.waitUntil(lambda: "16 of 16" in budget.layer_text.text())

@@ -679,3 +679,16 @@ def test_a_model_that_cannot_run_says_so_once(qapp, copy_fixture):
     panel.show_facts(facts)
     panel.show_estimate(estimate(facts, OffloadConfig(), DeviceChoice()), "auto", "CPU only")
     assert "Cannot run (mode <b>auto</b>, CPU only): 1 of 2 expert nodes are unsupported" in panel.verdict.text()
+
+
+def test_the_layer_bars_tooltip_counts_a_layers_slots_not_resident_experts(qapp):
+    """Adaptive placement may leave some of a layer's slots to copied misses once loaded: the estimate's bars count
+    slots, as the plan does ('6 expert slots for the 16 experts'), and say resident only where every expert is."""
+    from app.gui.widgets import LayerBars
+
+    bars = LayerBars()
+    bars.setRows([(0, "/model/layers.0/moe", 1, 8), (1, "/model/layers.1/moe", 3, 8), (2, "/model/layers.2/moe", 8, 8)])
+    assert [bars.tooltip_at(i) for i in range(3)] == [
+        "layer 0: 1 expert slot for its 8 experts\n/model/layers.0/moe",
+        "layer 1: 3 expert slots for its 8 experts\n/model/layers.1/moe",
+        "layer 2: all 8 experts resident\n/model/layers.2/moe"]

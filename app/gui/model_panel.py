@@ -246,7 +246,9 @@ class ModelPanel(QWidget):
             if estimate.resident >= total > 0:
                 placement = f"all {total} experts resident on the device"
             elif estimate.resident:
-                placement = f"{estimate.resident} of {total} experts resident on the device, the rest on the CPU"
+                # slots: adaptive placement may leave some to copied misses once loaded (the placement view tells)
+                placement = (f"{counted(estimate.resident, 'expert slot')} on the device for the {total} experts, "
+                             "the rest on the CPU")
             else:
                 placement = "every expert runs on the CPU"
             colour, verdict = t.tokens, f"Runs ({where}): {placement}."

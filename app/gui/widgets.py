@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFrame, QHBoxLayout, Q
                                QSizePolicy, QSlider, QSpinBox, QToolButton, QToolTip, QWidget)
 
 from app.gui import theme
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -305,7 +305,7 @@ def legend_html(parts, t: theme.Theme) -> str:
 
 
 class LayerBars(QWidget):
-    """One thin column per expert layer: the share of its experts resident on the device."""
+    """One thin column per expert layer: the share of its experts that have a slot on the device."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -340,11 +340,17 @@ class LayerBars(QWidget):
         painter.setPen(QPen(QColor(t.grid)))
         painter.drawRect(self.rect().adjusted(0, 0, -1, -1))
 
+    def tooltip_at(self, index: int) -> str:
+        """A layer's device slots for its experts (adaptive placement may leave some to copied misses once loaded)."""
+        layer, node, slots, experts = self.rows[index]
+        held = (f"all {experts} experts resident" if slots == experts
+                else f"{counted(slots, 'expert slot')} for its {experts} experts")
+        return f"layer {layer}: {held}\n{node}"
+
     def mouseMoveEvent(self, event) -> None:
-        for index, (layer, node, resident, experts) in enumerate(self.rows):
+        for index in range(len(self.rows)):
             if self._column(index).contains(event.position()):
-                QToolTip.showText(event.globalPosition().toPoint(),
-                                  f"layer {layer}: {resident} of {experts} experts resident\n{node}", self)
+                QToolTip.showText(event.globalPosition().toPoint(), self.tooltip_at(index), self)
                 return
 
 
