@@ -547,6 +547,39 @@ def test_a_replan_refused_for_its_popularity_file_leaves_the_old_plan_in_force(m
     assert (engine.config, [layer.num_slots for layer in engine.slots]) == before
 
 
+def test_a_replan_the_device_cannot_hold_leaves_the_old_plan_in_force(model_folder, cpu_run, monkeypatch):
+    """The device may hold less when the slots are made than the plan counted on (another process took memory since):
+    the re-plan is refused in one line and the configuration in force stays, with its slots, residents, device
+    memory and answers. The first slots made went, the plan was the new one and the config the old."""
+    from engine.offload.device_memory import DeviceMemoryError
+    from engine.offload.devices import SimulatedSlots
+
+    per_expert = device_expert_bytes(model_folder) // (16 * SPEC.layers)  # one device slot
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=2 * per_expert), device=device)
+    engine = model.offload
+
+    def state():
+        return (engine.config, engine.plan, [layer.expert_in.tolist() for layer in engine.slots],
+                [store.num_slots for store in engine.stores], device.memory.used,
+                {k: v for k, v in device.memory.by_purpose.items() if v})
+
+    before = state()
+    real_resize, taken = SimulatedSlots.resize, []
+
+    def short_of_memory(self, num_slots):
+        if num_slots > self.num_slots and not taken:  # the new plan's first slots; the old ones fit again after
+            taken.append(self.name)
+            raise DeviceMemoryError(f"{self.name}: the device has no room for {num_slots} expert slots")
+        real_resize(self, num_slots)
+
+    monkeypatch.setattr(SimulatedSlots, "resize", short_of_memory)
+    with pytest.raises(DeviceMemoryError, match="no room for"):
+        engine.reconfigure(engine.config.updated(device_expert_bytes=8 * per_expert))
+    assert taken and state() == before
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+
+
 # --- configuration in onnxruntime's vocabulary ---------------------------------------------------
 
 def test_config_accepts_full_and_short_names_and_the_alias():

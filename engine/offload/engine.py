@@ -650,7 +650,7 @@ class OffloadEngine:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)
         self._popularity(config)  # a file it cannot read refused before the plan changes (read again by _make_policy)
-        old_counts = [store.num_slots if store is not None else 0 for store in self.stores]
+        old_plan, old_counts = self.plan, [store.num_slots if store is not None else 0 for store in self.stores]
         self.streaming.close()
         held_tier = self._host_tier
         for store in self.stores:  # release first so the new plan sees the whole budget
@@ -662,13 +662,7 @@ class OffloadEngine:
         try:
             self.plan = self._plan(config)
         except WorkbenchError:  # the old configuration stays in force
-            self._release_staging()
-            self._plan(self.config)
-            for store, count in zip(self.stores, old_counts):
-                if store is not None:
-                    store.resize(count)
-            self._reload_residents()
-            self.streaming = self._plan_streaming(self.config, say=False)  # the old plan says it already
+            self._restore_plan(old_plan, old_counts, held_tier)
             raise
         if config.host_expert_bytes is not None:
             self._end_unbounded_work("host_expert_bytes was bounded on the loaded model (locked pages stay in memory "
@@ -681,10 +675,14 @@ class OffloadEngine:
                                      "(fewer resident page-locks it again)")
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
-        if self._tier_choice(config):
-            self._try_host_tier(config)
-        else:
-            self._make_stores(False)
+        try:
+            if self._tier_choice(config):
+                self._try_host_tier(config)
+            else:
+                self._make_stores(False)
+        except DeviceMemoryError:  # the device had less free than the plan counted on (another process took some)
+            self._restore_plan(old_plan, old_counts, held_tier)
+            raise
         if self.tier_statement:
             self.plan.statements.append(self.tier_statement)
         self.streaming = self._plan_streaming(config)
@@ -706,6 +704,24 @@ class OffloadEngine:
             if start is not None:
                 start(config, self.device)
         self.stats.pinned = self.pinned_info()
+
+    def _restore_plan(self, plan: OffloadPlan, counts: list[int], host_tier: bool) -> None:
+        """The configuration in force again after a re-plan that failed: its plan (whose sentences said it already),
+        staging ring, slot counts, host tier, residents and streaming slots."""
+        for store in self.stores:
+            if store is not None:
+                store.release()
+        self._release_staging()
+        self._plan(self.config)  # (its staging ring taken again)
+        self.plan = plan
+        self._host_tier = host_tier
+        for layer, store, count in zip(self.slots, self.stores, counts):
+            layer.resize(count)  # (a layer the failed plan shrank keeps its first residents only)
+            if store is not None:
+                store.host_tier = host_tier
+                store.resize(count)
+        self._reload_residents()
+        self.streaming = self._plan_streaming(self.config, say=False)
 
     def _end_unbounded_work(self, why: str) -> None:
         """host_expert_bytes bounded, file backing turned off, or every expert made resident on the loaded model: what
