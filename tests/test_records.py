@@ -136,6 +136,24 @@ def test_a_records_agreement_is_over_the_runs_tokens(simulated_model, monkeypatc
     assert record.routing_agreement == pytest.approx(0.9)
 
 
+def test_a_record_of_approximate_routing_counts_the_experts_it_dropped_during_the_run(short_record):
+    """Beside the agreement, how much approximate routing did in the run: the experts it dropped and substituted (the
+    engine's counts run from load; a record takes the run's share). A record of exact routing has none."""
+    from app.gui.record_report import detail_html
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), device=device,
+                             offload=OffloadConfig(device_expert_bytes=0, min_expert_weight=0.5))
+    run_scenario(model, "short", PARAMS, device)  # counted by the engine, not by the next record
+    before = model.offload.approximation.dropped
+    record = run_scenario(model, "short", PARAMS, device)
+    dropped = model.offload.approximation.dropped - before
+    assert dropped > 0 and record.approximation == {"dropped": dropped, "substituted": 0}
+    assert f"experts dropped / substituted</td><td>{dropped} / 0" in detail_html(record)
+    assert RunRecord.from_dict(record.to_dict()).approximation == record.approximation
+    assert short_record.approximation == {} and "dropped" not in detail_html(short_record)
+
+
 def test_a_job_says_so_while_a_model_settles(simulated_model):
     """The window's records jobs name the wait for a model's background work after load, and only when there is
     one: run_turns would wait silently (app/gui/records_jobs.settle)."""

@@ -100,7 +100,10 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
          if o.get("placement_mode") == "hybrid" else "—"),
         ("approximate routing", "on" if record.approximate_routing else "off")]
         + ([("token agreement with exact routing", f"{record.routing_agreement:.1%}")]
-           if record.routing_agreement is not None else [])))
+           if record.routing_agreement is not None else [])
+        + ([("experts dropped / substituted", f"{record.approximation['dropped']} / "
+                                              f"{record.approximation['substituted']}")]
+           if record.approximation else [])))
     parts.append("<h4>Timings and peaks</h4>")
     parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
                          if not (label.startswith("projected") and get(record) is None)]

@@ -156,6 +156,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     if cancel is None or not cancel.is_set():
         settle_s += warm_model(model) + model.decoder.kernel_threads.settle()
     conversation = Conversation(model)
+    approximated = copy.copy(model.offload.approximation) if model.offload is not None else None  # counts from load
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)
     started = time.perf_counter()
@@ -181,6 +182,11 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     decode_s = sum(t["timings"]["decode_s"] for t in turns)
     decoded = sum(max(0, t["generated_tokens"] - 1) for t in turns)
     stats = model.offload.stats_dict() if model.offload is not None else None
+    approximation = {}
+    if model.offload is not None and model.offload.config.approximate_routing:
+        now = model.offload.approximation
+        approximation = {"dropped": now.dropped - approximated.dropped,
+                         "substituted": now.substituted - approximated.substituted}
     # the run's agreement over its tokens (the meter compares each answer's every token once), not the turns' mean
     measured = [t for t in turns if t["routing_agreement"] is not None]
     compared = sum(t["generated_tokens"] for t in measured)
@@ -209,4 +215,4 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,
         turns=turns, approximate_routing=bool(model.offload and model.offload.config.approximate_routing),
         host_load=host_load.as_dict(),
-        routing_agreement=agreed / compared if compared else None, label=label)
+        routing_agreement=agreed / compared if compared else None, approximation=approximation, label=label)

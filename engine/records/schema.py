@@ -37,6 +37,9 @@ class RunRecord:
     # records written before it existed
     host_load: dict = field(default_factory=dict)
     routing_agreement: float | None = None
+    # approximate routing's experts dropped and substituted during the run (its passes, not the agreement meter's
+    # exact ones); empty when it is off, and in records written before it existed
+    approximation: dict = field(default_factory=dict)
     label: str = ""
     schema_version: int = SCHEMA_VERSION
 
