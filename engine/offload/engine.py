@@ -165,7 +165,7 @@ class OffloadEngine:
         # statistics of this step that wait for the device's work (HybridExpertNode: fully resident layers, results
         # merged on the device), oldest first: (ready, account) pairs, see defer()
         self.deferred: deque = deque()
-        self._make_policy()
+        self._make_policy(self._popularity(config))
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
@@ -411,13 +411,13 @@ class OffloadEngine:
             info["host_tier_bytes"] = self._tier_bytes
         return info
 
-    def _make_policy(self, scores: list[np.ndarray] | None = None) -> None:
-        """The placement policy, with `scores` (what adaptive placement learnt before a re-plan) when given.
+    def _make_policy(self, popularity: list[np.ndarray] | None, scores: list[np.ndarray] | None = None) -> None:
+        """The placement policy, from the popularity file's counts where one is set (_popularity), with `scores` (what
+        adaptive placement learnt before a re-plan) when given.
         Adaptive placement's slots are filled now, best-scored experts first (lowest ids where nothing is known
         yet): left empty, they would fill one swap at a time within the swap allowance, ~100 decode steps for
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file fills
         from what the first steps route (and the miss policy's copies)."""
-        popularity = self._popularity(self.config)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
@@ -649,7 +649,7 @@ class OffloadEngine:
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)
-        self._popularity(config)  # a file it cannot read refused before the plan changes (read again by _make_policy)
+        popularity = self._popularity(config)  # a file it cannot read refused before the plan changes
         old_plan, old_counts = self.plan, [store.num_slots if store is not None else 0 for store in self.stores]
         self.streaming.close()
         held_tier = self._host_tier
@@ -691,7 +691,7 @@ class OffloadEngine:
         self._follow_path(replanned=True)  # the miss slots are weighed with the policy below
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
-        self._make_policy(old_scores)  # what adaptive placement learnt so far still holds
+        self._make_policy(popularity, old_scores)  # what adaptive placement learnt so far still holds
         self._apply_cpu_threads()
         if self.prefault is None:
             # back from every expert resident, a host bound or file backing off (or loaded so; it starts only where
