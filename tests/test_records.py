@@ -406,10 +406,14 @@ def test_side_by_side_says_as_each_side_ends_how_its_answer_ended(simulated_mode
     """One after the other, A's answer ends before B's first token; at once, each side's end follows its last token.
     Each end comes with the side's finish reason and length, as its record has them."""
     model, device = simulated_model
+    other = SimulatedDevice(1 << 30)  # B a model of its own: one model answers one prompt at a time
+    b = Side(LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=200_000),
+                              device=other), other, "b")
     events = []
-    comparison = compare(Side(model, device, "a"), Side(model, device, "b"), "Compare us", PARAMS,
+    comparison = compare(Side(model, device, "a"), b, "Compare us", PARAMS,
                          concurrent=concurrent, on_text=lambda side, token, delta: events.append((side, "token")),
                          on_done=lambda side, reason, tokens: events.append((side, reason, tokens)))
+    assert comparison.records[1].scenario == ("side-by-side, at once" if concurrent else "side-by-side")
     ends = [(record.turns[0]["finish_reason"], record.turns[0]["generated_tokens"]) for record in comparison.records]
     assert ends == [("length", PARAMS.max_new_tokens)] * 2
     for side in (0, 1):
@@ -419,9 +423,19 @@ def test_side_by_side_says_as_each_side_ends_how_its_answer_ended(simulated_mode
     cancel = threading.Event()
     cancel.set()  # neither side begins
     events.clear()
-    compare(Side(model, device, "a"), Side(model, device, "b"), "Compare us", PARAMS, concurrent=concurrent,
+    compare(Side(model, device, "a"), b, "Compare us", PARAMS, concurrent=concurrent,
             cancel=cancel, on_done=lambda side, reason, tokens: events.append((side, reason, tokens)))
     assert sorted(events) == [(0, "cancelled", 0), (1, "cancelled", 0)]
+
+
+def test_side_by_side_runs_one_model_on_both_sides_one_after_the_other(simulated_model):
+    """Asked to answer at once with one model on both sides, the comparison answers one after the other: the model's
+    decoder state and offload engine serve one answer at a time (from two threads, one side's answer came out
+    different now and then, ending at 'eos' where the other ran to its length)."""
+    model, device = simulated_model
+    comparison = compare(Side(model, device, "a"), Side(model, device, "b"), "Compare us", PARAMS, concurrent=True)
+    a, b = comparison.records
+    assert a.scenario == b.scenario == "side-by-side" and a.turns[0]["tokens"] == b.turns[0]["tokens"]
 
 
 @pytest.mark.parametrize("concurrent", [False, True])

@@ -80,7 +80,9 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
     records: list[RunRecord | None] = [None, None]
     failures: list[str | None] = [left.failure, right.failure]
     errors: list[BaseException] = []
-    concurrent = concurrent and left.model is not None and right.model is not None  # else one answers alone
+    # else one answers alone; one model on both sides answers one after the other (its decoder state, offload engine
+    # and statistics serve one answer at a time)
+    concurrent = concurrent and left.model is not None and right.model is not None and left.model is not right.model
     scenario = SCENARIO_AT_ONCE if concurrent else SCENARIO
 
     def run(index: int, side: Side) -> None:
