@@ -23,6 +23,21 @@ CAPACITY_STEP = 256
 KV_KINDS = {"key", "value"}  # genai_config's past_key_names / past_value_names
 
 
+def grown_capacity(needed: int, capacity: int, context_length: int) -> int:
+    """The rows a full-attention KV buffer of `capacity` rows grows to when a step needs `needed` (> capacity): at
+    least twice what it held, so that a long answer copies its KV a few times rather than at every step, in
+    CAPACITY_STEP steps, never past the context."""
+    return min(context_length, -(-max(needed, 2 * capacity) // CAPACITY_STEP) * CAPACITY_STEP)
+
+
+def kv_rows_at_most(tokens: int, context_length: int) -> int:
+    """The most rows a full-attention KV buffer can reach while a conversation holds at most `tokens` tokens
+    (grown_capacity's doubling: nearly twice `tokens`, e.g. 7,680 rows for 4,096 tokens, reached by a 3,840-token
+    prompt and one more token). What a memory estimate for `tokens` must count."""
+    below = (tokens - 1) // CAPACITY_STEP * CAPACITY_STEP  # the largest capacity that still grows for `tokens`
+    return grown_capacity(tokens, below, context_length)
+
+
 @dataclass(frozen=True)
 class StateSnapshot:
     """A conversation's state at one point, in host memory: full-attention KV up to that point, sliding-window KV and
@@ -161,7 +176,7 @@ class DecoderState:
                 f"the conversation needs {needed} tokens but the model's context is {self.config.context_length}")
         if needed <= self._kv_capacity:
             return
-        capacity = min(self.config.context_length, -(-max(needed, 2 * self._kv_capacity) // CAPACITY_STEP) * CAPACITY_STEP)
+        capacity = grown_capacity(needed, self._kv_capacity, self.config.context_length)
         window = (self.config.sliding_window_size or 0) + self.config.sliding_cache_slack
         for slot in self._slots:
             if not slot.shared:

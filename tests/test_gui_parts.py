@@ -32,8 +32,11 @@ def test_kv_cache_estimate_from_the_graph(gptoss):
     # gpt-oss fixture: layer 0 sliding (window 64), layer 1 full; 2 kv heads x head size 32, fp32, key + value
     per_token = 2 * 2 * 32 * 4
     assert gptoss.kv_bytes_per_token == per_token and gptoss.kv_window_bytes_per_token == per_token
-    assert gptoss.kv_cache_bytes(1000) == per_token * 1000 + per_token * 64
-    assert gptoss.kv_cache_bytes(10) == 2 * per_token * 10
+    # the full layer's buffer as it may grow (1,536 rows for 1,000 tokens), the sliding one at its whole window
+    assert gptoss.kv_cache_bytes(1000) == per_token * 1536 + per_token * 64
+    assert gptoss.kv_cache_bytes(10) == per_token * 256 + per_token * 64
+    assert gptoss.kv_words(1000) == "1000 tokens (its buffers may grow to 1536 rows: they double)"
+    assert gptoss.kv_words(256) == "256 tokens" and gptoss.kv_words() == "2048 tokens"  # (the context: 2,048)
     lfm = ModelFolder.open(fixture_folder("lfm2moe"))
     facts = model_facts(lfm, inspection(lfm))
     assert facts.state_bytes == 2 * 2 * 128 * 2 * 4  # two conv states of two buffers each, fixed whatever the context
@@ -52,6 +55,29 @@ def test_the_kv_cache_and_state_estimate_is_what_the_decoder_state_holds_at_full
     held = sum(slot.array.nbytes + (0 if slot.spare is None else slot.spare.nbytes) for slot in state.slots)
     host = {p.key: p.bytes for p in estimate(facts, OffloadConfig(), DeviceChoice()).host_parts}
     assert host["kv"] == facts.kv_cache_bytes() == held
+
+
+@pytest.mark.parametrize("name", ["gptoss", "qwen35moe"])
+def test_the_kv_estimate_below_the_context_is_the_most_the_decoder_state_holds_for_that_many_tokens(name):
+    """The KV buffers grow to at least twice what they held: a 768-token prompt and one token more take 1,536 rows
+    for 769 tokens. The estimate for a length counted the tokens alone, and the engine went up to ~2x past it."""
+    from engine.decoder_state import DecoderState
+
+    folder = ModelFolder.open(fixture_folder(name))
+    facts = model_facts(folder, inspection(folder))
+    rng = np.random.default_rng(3)
+    paths = [[768, 1], [1000], [1, 1, 1]] + [rng.integers(1, 300, 6).tolist() for _ in range(20)]
+    for steps in paths:
+        state = DecoderState(folder.config, folder.onnx.proto.graph)
+        most = 0
+        for new in steps:
+            state.reserve(new)
+            state.past_length += new
+            most = max(most, sum(slot.array.nbytes + (0 if slot.spare is None else slot.spare.nbytes)
+                                 for slot in state.slots))
+            assert most <= facts.kv_cache_bytes(state.past_length), (steps, state.past_length)
+        if steps == [768, 1]:  # the worst path for 769 tokens: the estimate is what it holds, not less
+            assert most == facts.kv_cache_bytes(769)
 
 
 def test_estimate_follows_the_planner(gptoss):

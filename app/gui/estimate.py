@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import psutil
 
-from engine.decoder_state import DecoderState
+from engine.decoder_state import DecoderState, kv_rows_at_most
 from engine.errors import ModelFileError
 from engine.offload.config import OffloadConfig
 from engine.offload.device_memory import card_memory
@@ -84,10 +84,22 @@ class ModelFacts:
     def supported(self) -> bool:
         return bool(self.report.get("supported"))
 
+    def kv_rows(self, tokens: int | None = None) -> int:
+        """The rows the full-attention KV buffers may hold for a conversation of `tokens` (the whole context where
+        None): they grow by doubling, so up to nearly twice the tokens (engine.decoder_state.kv_rows_at_most)."""
+        return kv_rows_at_most(self.context_length if tokens is None else tokens, self.context_length)
+
     def kv_cache_bytes(self, tokens: int | None = None) -> int:
+        """The KV caches and state as the engine holds them for `tokens`: full-attention buffers at kv_rows, each
+        sliding-window buffer at its whole window from the first step."""
+        return (self.kv_bytes_per_token * self.kv_rows(tokens) + self.kv_window_bytes_per_token * self.window_tokens
+                + self.state_bytes)
+
+    def kv_words(self, tokens: int | None = None) -> str:
+        """'4096 tokens', with the rows the buffers may grow to where those are more."""
         tokens = self.context_length if tokens is None else tokens
-        window = min(tokens, self.window_tokens) if self.window_tokens else tokens
-        return self.kv_bytes_per_token * tokens + self.kv_window_bytes_per_token * window + self.state_bytes
+        rows = self.kv_rows(tokens)
+        return f"{tokens} tokens" + (f" (its buffers may grow to {rows} rows: they double)" if rows > tokens else "")
 
 
 def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
@@ -288,7 +300,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
              "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),
         experts_in_host_memory(facts.expert_bytes, config),
         Part("kv", "KV cache + state", 0 if dense_on_gpu else kv,
-             "in GPU memory with the dense part" if dense_on_gpu else f"{kv_tokens or facts.context_length} tokens"),
+             "in GPU memory with the dense part" if dense_on_gpu else facts.kv_words(kv_tokens)),
     ]
     per_layer = [(info.model_layer, info.name, plan.slots.get(info.name, 0) if plan else 0,
                   info.spec.num_experts if info.spec else 0) for info in facts.experts]
@@ -303,7 +315,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                  "onnxruntime's CUDA execution provider" if dense_on_gpu
                  else f"on the CPU: {dense_cpu} ({human_bytes(facts.dense_bytes)} in host RAM)"),
             Part("kv", "KV cache", kv if dense_on_gpu else 0,
-                 f"{kv_tokens or facts.context_length} tokens" if dense_on_gpu
+                 facts.kv_words(kv_tokens) if dense_on_gpu
                  else f"in host RAM with the dense part ({human_bytes(kv)})"),
             Part("workspace", "workspace", staging + streaming_bytes if stand_in else 0,
                  (f"prefill staging ring: waves of {counted(staged.wave_experts, 'expert')}, double-buffered" if staged
