@@ -46,6 +46,7 @@ from engine.writer import WriterSpec  # noqa: E402
 # decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
 # a first trial of the CPU's share under "both" takes 16 steps to start and 60 to run
 TRIALS_WARMUP_MAX = 160
+ALL_RESIDENT = "every expert resident"  # the trace-routed point without a placement to choose (bench at 100%)
 SHAPES = {
     "gpt-oss-20b-like": dict(layers=24, hidden_size=2880, inter_size=2880, num_experts=32, top_k=4, num_heads=64,
                              num_kv_heads=8, head_size=64, vocab_size=4096, sliding_window=128),
@@ -483,14 +484,18 @@ def main() -> None:
             else float(slots > 0)
         label = f"{args.shape}, {fraction:.0%} resident"
         traced = {}  # placement -> the trace-routed figure
-        if args.trace_tokens and 0 < slots < infos[0].spec.num_experts:
+        if args.trace_tokens and slots > 0:
             config = model.offload.config
-            for placement in args.trace_placements.split(","):
-                model.offload.reconfigure(config.updated(placement=placement))
+            # Every expert resident, placement has nothing to choose: one run, the trace-routed points' ceiling
+            # (what routing by the trace costs a step beside the model's own routing: a steering launch a layer).
+            every = slots == infos[0].spec.num_experts
+            for placement in [ALL_RESIDENT] if every else args.trace_placements.split(","):
+                if not every:
+                    model.offload.reconfigure(config.updated(placement=placement))
                 traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup,
                                                  args.trace_switch_every, w_act, b_dram, b_pcie, b_hbm, dense_ref)
-                figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}, "
-                                        f"{placement} placement", **traced[placement]})
+                figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}"
+                                        + ("" if every else f", {placement} placement"), **traced[placement]})
             model.offload.reconfigure(config)
         figures += [
             {"name": f"decode tokens/s, {label}", "unit": "tokens/s",
@@ -555,7 +560,7 @@ def main() -> None:
               f"{threads['cpu_threads_in_force']} of {threads['cores']} threads at the end"
               f" ({threads['cpu_threads_changes']} changes)", flush=True)
         for placement, fig in traced.items():
-            print(f"       realistic routing trace (measured), {placement} placement: decode {fig['value']:.1f} tok/s "
+            print(f"       realistic routing trace (measured), {placement}{'' if placement == ALL_RESIDENT else ' placement'}: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
                   f"cpu/copied/read {fig['misses_cpu']}/{fig['misses_copied']}/{fig['misses_read']}, swaps "
                   f"{fig['swaps']}{judge_words(fig['placement'])}" + path_text(fig["decode_path"])
