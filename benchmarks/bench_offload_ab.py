@@ -20,9 +20,7 @@ swaps to go on), `dense.graphs=0|1` (the dense segments' decode runs replayed as
 `dense.relaunch=0|1` (a replay launched again at the next step without the run) and `dense.ahead=0|1` (a "both" layer's
 host part left until the next dense segment and layer are launched: engine/decoder.py's launch_ahead; with
 dense.worker=0, as the worker takes its place), `dense.worker=0|1` (each "both" layer's host part done by the host-part
-worker's thread: engine/decoder.py's host_part_worker, on by default), `dense.team=0|1` (the worker's kernel threads
-kept as one team for as long as jobs come, not forked and joined per layer: engine/offload/host_part_worker.py's team,
-off by default until measured), `dense.pool_back=0|1` (a thread's OpenMP pool
+worker's thread: engine/decoder.py's host_part_worker, on by default), `dense.pool_back=0|1` (a thread's OpenMP pool
 given back when the other takes over the CPU parts: kernels/cpu/omp_pool.py, on by default); a switch one variant names
 and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split (spread unless
 named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's engine figures (hit
@@ -57,7 +55,7 @@ from benchmarks.bench_offload import (SHAPES, decode, judge_words, path_text, sh
 from benchmarks.common import model_folder, write_result, written_model  # noqa: E402
 from engine import decoder, dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
-from engine.offload import OffloadConfig, host_part_worker  # noqa: E402
+from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
@@ -70,7 +68,7 @@ NUMBER_PREFIXES = ("policy.", "judge.")  # switches that take a float as well as
 # the dense switches' module flags
 DENSE_SWITCHES = {"dense.graphs": (dense_graph, "enabled"), "dense.relaunch": (dense_graph, "relaunch"),
                   "dense.ahead": (decoder, "launch_ahead"), "dense.worker": (decoder, "host_part_worker"),
-                  "dense.team": (host_part_worker, "team"), "dense.pool_back": (omp_pool, "enabled")}
+                  "dense.pool_back": (omp_pool, "enabled")}
 SPLIT = "split="  # a variant's layer split
 # decode steps after the first trial before a variant under trials is timed: a switch to "both" makes its split
 # tables afresh (engine.py: SPLIT_TABLE_FIRST steps, the host's gap measured again); timed at once, a round ran 19 ms
@@ -105,8 +103,7 @@ def switches(text: str) -> dict[str, int | float]:
     judge (adaptive placement's, engine/offload/swap_judge.py), 'dense.graphs' the dense segments' CUDA graphs
     (engine.dense_graph.enabled), 'dense.relaunch' their launch again without the run (.relaunch), 'dense.ahead' the
     next layer launched before a "both" layer's host part (engine.decoder.launch_ahead), 'dense.worker' the host parts
-    on the host-part worker (engine.decoder.host_part_worker), 'dense.team' the worker's threads as one team
-    (engine.offload.host_part_worker.team), 'dense.pool_back' a thread's OpenMP pool given back when
+    on the host-part worker (engine.decoder.host_part_worker), 'dense.pool_back' a thread's OpenMP pool given back when
     the other takes over (kernels.cpu.omp_pool.enabled)."""
     found = {}
     for item in text.split(","):

@@ -6,10 +6,8 @@ The split's table prices a worker's part at ~80 µs a call plus its bytes at ~10
 model decodes under "both" with the worker, and for each job the worker stamps (engine/offload/host_part_worker.py
 JobDone) the CPU part's seconds are kept by the number of pairs it computed, with the worker's waits for the GPU's
 routing and for the engine thread's next job, and the engine's end_step (the GPU idles through it) with the accounts
-left for it. Rounds alternate between the worker's kernel threads kept as one team from job to job
-(host_part_worker.team, written in the fifty-seventh session, off by default until measured) and forked and joined per
-job (in the fifty-sixth session's figures the rounds compared the accounts taken before the last segment's run with
-the accounts left for end_step instead). --path tier (or a fraction of 1: every expert resident) times the same
+left for it, over --steps decode steps after --warmup (figures in RESULTS.md from before the fifty-ninth session
+compared two variants in alternating rounds). --path tier (or a fraction of 1: every expert resident) times the same
 without the worker. The process's thread count is read after every step.
 
 The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.
@@ -31,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES  # noqa: E402
 from benchmarks.bench_offload_ab import open_model  # noqa: E402
-from engine.offload import OffloadConfig, host_part_worker  # noqa: E402
+from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 
@@ -40,11 +38,10 @@ def threads_now() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
-    """Per variant ("team": the worker's kernel threads as one team; "forked per job": run_host_parts): the worker's
-    part seconds by pairs, step seconds and their
-    parts (from the first job's arrival at the worker to the last gate; the engine's end_step, with the accounts left
-    for it and placement's rebalance inside it), swaps per step, thread counts."""
+def decode_steps(model, prompt, steps: int, warmup: int) -> dict:
+    """The worker's part seconds by pairs, step seconds and their parts (from the first job's arrival at the worker to
+    the last gate; the engine's end_step, with the accounts left for it and placement's rebalance inside it), swaps
+    per step, thread counts."""
     jobs: list = []
     real = HybridExpertNode.host_part_done
     engine, decoder = model.offload, model.decoder
@@ -87,57 +84,48 @@ def decode_rounds(model, prompt, rounds: int, steps: int, warmup: int) -> dict:
     decoder.on_step_end = timed_end
     engine.policy.rebalance = timed_rebalance
     engine.settle = counted_settle
-    variants = {"team": True, "forked per job": False}  # host_part_worker.team
-    was_team = host_part_worker.team
-    out = {name: {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
-                  "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
-                  "swaps": [], "jobs": [], "idle": []} for name in variants}
+    row = {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
+           "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
+           "swaps": [], "jobs": [], "idle": []}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
-        for name in variants:  # each loop compiled and warm (a first step may run again: its merge gave up)
-            host_part_worker.team = variants[name]
-            for _ in range(warmup // 2):
-                token = int(decoder.forward(state, [token])[-1].argmax())
-        for r in range(rounds):
-            for name, as_team in variants.items():
-                row = out[name]
-                host_part_worker.team = as_team
-                for _ in range(steps):
-                    jobs.clear()
-                    ends.clear()
-                    left.clear()
-                    ready_left.clear()
-                    settled.clear()
-                    rebalances.clear()
-                    swaps_before = engine.stats.totals().swaps
-                    started = time.perf_counter()
-                    token = int(decoder.forward(state, [token])[-1].argmax())
-                    row["steps"].append(time.perf_counter() - started)
-                    row["threads"].append(threads_now())
-                    row["end_step"].append(sum(ends))
-                    row["left"].extend(left)
-                    row["ready_left"].extend(ready_left)
-                    row["settled"].append(sum(t for t, _, _ in settled))
-                    row["settle_calls"].append(len(settled))
-                    row["head_ready"].append(sum(h for _, _, h in settled))
-                    row["rebalance"].append(sum(rebalances))
-                    row["swaps"].append(engine.stats.totals().swaps - swaps_before)
-                    row["jobs"].append(len(jobs))
-                    if jobs:
-                        row["layers"].append(jobs[-1][4] - jobs[0][3])
-                    # the worker's time between a gate and its next job (the engine thread had not queued it yet)
-                    row["idle"].extend(b[3] - a[4] for a, b in zip(jobs, jobs[1:]))
-                    for pairs, cpu_s, wait, _, _ in jobs:
-                        row["parts"][pairs].append(cpu_s)
-                        row["waits"].append(wait)
+        for _ in range(warmup):
+            token = int(decoder.forward(state, [token])[-1].argmax())
+        for _ in range(steps):
+            jobs.clear()
+            ends.clear()
+            left.clear()
+            ready_left.clear()
+            settled.clear()
+            rebalances.clear()
+            swaps_before = engine.stats.totals().swaps
+            started = time.perf_counter()
+            token = int(decoder.forward(state, [token])[-1].argmax())
+            row["steps"].append(time.perf_counter() - started)
+            row["threads"].append(threads_now())
+            row["end_step"].append(sum(ends))
+            row["left"].extend(left)
+            row["ready_left"].extend(ready_left)
+            row["settled"].append(sum(t for t, _, _ in settled))
+            row["settle_calls"].append(len(settled))
+            row["head_ready"].append(sum(h for _, _, h in settled))
+            row["rebalance"].append(sum(rebalances))
+            row["swaps"].append(engine.stats.totals().swaps - swaps_before)
+            row["jobs"].append(len(jobs))
+            if jobs:
+                row["layers"].append(jobs[-1][4] - jobs[0][3])
+            # the worker's time between a gate and its next job (the engine thread had not queued it yet)
+            row["idle"].extend(b[3] - a[4] for a, b in zip(jobs, jobs[1:]))
+            for pairs, cpu_s, wait, _, _ in jobs:
+                row["parts"][pairs].append(cpu_s)
+                row["waits"].append(wait)
     finally:
-        host_part_worker.team = was_team
         HybridExpertNode.host_part_done = real
         decoder.on_step_end = real_end
         engine.policy.__dict__.pop("rebalance", None)
         engine.__dict__.pop("settle", None)
-    return out
+    return row
 
 
 def us(values) -> str:
@@ -149,8 +137,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b-like")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--fractions", default="0.5,0")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=48)
     parser.add_argument("--path", default="both", help="the decode path asked for (both, tier, auto, cpu)")
     parser.add_argument("--folder")
@@ -162,23 +149,22 @@ def main() -> None:
         engine.reconfigure(OffloadConfig(device_expert_bytes=int(fraction * all_resident_bytes(model.folder.experts))))
         model.wait_until_settled()
         engine.set_decode_path(args.path)
-        found = decode_rounds(model, prompt, args.rounds, args.steps, args.warmup)
+        row = decode_steps(model, prompt, args.steps, args.warmup)
         worker_threads = model.decoder._worker.threads if getattr(model.decoder, "_worker", None) else None
         path = engine.copy_state()["decode_path"]["in_force"]
         print(f"\n{fraction:.0%} resident, decode path {path}, worker threads {worker_threads}: the worker's CPU part, "
               f"µs, median (n) by pairs", flush=True)
-        for name, row in found.items():
-            parts = row["parts"]
-            cells = "  ".join(f"{p}: {us(parts[p])} ({len(parts[p])})" for p in sorted(parts) if p)
-            print(f"  {name:20s} step {statistics.median(row['steps']) * 1e3:6.2f} ms (first job to last gate "
-                  f"{us(row['layers'])}, end_step {us(row['end_step'])} µs with {statistics.median(row['left'])} "
-                  f"accounts left ({statistics.median(row['ready_left'])} ready) and rebalance "
-                  f"{us(row['rebalance'])} µs; settle took {statistics.median(row['settled'])} in "
-                  f"{statistics.median(row['settle_calls'])} calls, the head ready after "
-                  f"{statistics.median(row['head_ready'])}), jobs {statistics.median(row['jobs'])}, "
-                  f"swaps {statistics.mean(row['swaps']):.1f}, threads {min(row['threads'])}-{max(row['threads'])}, "
-                  f"wait for routing {us(row['waits'])}, gate to next job {us(row['idle'])}\n"
-                  f"     part µs by pairs | {cells}", flush=True)
+        parts = row["parts"]
+        cells = "  ".join(f"{p}: {us(parts[p])} ({len(parts[p])})" for p in sorted(parts) if p)
+        print(f"  step {statistics.median(row['steps']) * 1e3:6.2f} ms (first job to last gate "
+              f"{us(row['layers'])}, end_step {us(row['end_step'])} µs with {statistics.median(row['left'])} "
+              f"accounts left ({statistics.median(row['ready_left'])} ready) and rebalance "
+              f"{us(row['rebalance'])} µs; settle took {statistics.median(row['settled'])} in "
+              f"{statistics.median(row['settle_calls'])} calls, the head ready after "
+              f"{statistics.median(row['head_ready'])}), jobs {statistics.median(row['jobs'])}, "
+              f"swaps {statistics.mean(row['swaps']):.1f}, threads {min(row['threads'])}-{max(row['threads'])}, "
+              f"wait for routing {us(row['waits'])}, gate to next job {us(row['idle'])}\n"
+              f"     part µs by pairs | {cells}", flush=True)
 
 
 if __name__ == "__main__":

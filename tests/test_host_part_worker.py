@@ -18,13 +18,11 @@ from engine.errors import WorkbenchError
 from engine.offload import host_part_worker
 from engine.offload.host_part_worker import HostPartWorker, JobDone
 from kernels.cpu import CpuQMoE, host_parts
-from kernels.cpu.threads import use_threads
 from kernels.gpu.published import PublishedRouting
 from kernels.reference import route as ref_route
 from tests.qmoe_oracle import make_case
 from tests.test_decoder_ahead import FakeDense, _Later, _read, make_decoder
 from tests.test_qmoe_cpu import _spec
-from tests.warm_kernels import compile_host_part_loops
 
 pytestmark = pytest.mark.skipif(not host_part_worker.supported(), reason="the compiled loop is x86-64 only")
 
@@ -32,23 +30,18 @@ HOST_CUPY = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=bytearray),
                             int32=np.int32, float32=np.float32, uint32=np.uint32)
 
 
-def loop_kernel(seed: int, bits: int) -> CpuQMoE:
-    """A CPU kernel of `bits`-bit rows with both host-part loops compiled for it, float16 and float32 activations
-    (minutes on a 2-core VM with an empty cache), before any test times a gate."""
-    attrs, t, x, _ = make_case(seed=seed, E=16, H=128, I=96, k=4, bits=bits, block_size=32, T=3,
-                               activation="swiglu", swiglu_fusion=1)
+@pytest.fixture(scope="module")
+def kernel():
+    attrs, t, x, _ = make_case(seed=3, E=16, H=128, I=96, k=4, bits=4, block_size=32, T=3, activation="swiglu",
+                               swiglu_fusion=1)
     kernel = CpuQMoE(_spec(attrs, t, x), t)
-    compile_host_part_loops(kernel)
+    for dtype in (np.float16, np.float32):  # the loop compiled for both (minutes on a 2-core VM), before any timing
+        assert host_part_worker.compile_loop(kernel, dtype)
     # and the kernel FakeGpu checks the parts with: compiled in its thread on a cold cache, it would hold the GIL for
     # longer than a drain waits
     kernel.run_experts(x[:1].astype(np.float32), np.zeros((1, 4), np.int32), np.full((1, 4), 0.25, np.float32),
                        out=np.zeros((1, kernel.spec.hidden_size), np.float32))
     return kernel
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    return loop_kernel(3, 4)
 
 
 class Step:
@@ -141,59 +134,13 @@ def test_the_worker_computes_each_layers_cpu_part_and_raises_its_gate_in_order(k
         assert [int(block.gate[0]) for block in published] == [step_no + 1] * 3
 
 
-@pytest.fixture(scope="module")
-def int8_kernel():
-    """int8 rows: their kernels read FC1's per-chunk sums of x, which the team's members make for themselves."""
-    return loop_kernel(5, 8)
-
-
-@pytest.mark.parametrize("as_team, layout", [(True, "int4"), (False, "int4"), (True, "int8")])
-def test_two_threads_compute_each_part_as_a_team_or_forked_per_job(request, as_team, layout, monkeypatch):
-    kernel = request.getfixturevalue("kernel" if layout == "int4" else "int8_kernel")
-    monkeypatch.setattr(host_part_worker, "team", as_team)
+def test_two_threads_compute_each_part(kernel):
+    """The kernel's threads forked and joined for each job (moe_gemv's parallel region), from step to step."""
     worker = HostPartWorker(threads=2)
     published = blocks(3, 2, kernel)
-    for step_no in range(3):  # the team's shared counters made ready again after every job, from step to step
+    for step_no in range(3):
         jobs = worker_step(worker, kernel, published, 10 + step_no)
         assert [job.step for job in worker.collect()] == jobs
-    assert worker._team_assembles and worker._compiled_for[1] is as_team
-
-
-def test_the_team_switched_on_after_the_layers_were_admitted_is_compiled_before_its_first_job(kernel, monkeypatch):
-    """bench_offload_ab switches the team on and off between rounds on a loaded model: the loop then in force is
-    compiled on the engine's thread when a step is taken, not by the worker's thread inside the drain's wait (on the
-    H100 machine, with a cold cache, that compile outlasted the drain: "waited 10 s for the GPU's routing")."""
-    calls = []
-    compile_on_engine_thread = host_part_worker._call_cancelled
-
-    def recorded(layers, params, scratch, as_team):
-        calls.append((threading.current_thread() is threading.main_thread(), as_team))
-        compile_on_engine_thread(layers, params, scratch, as_team)
-
-    monkeypatch.setattr(host_part_worker, "_call_cancelled", recorded)
-    monkeypatch.setattr(host_part_worker, "team", False)
-    worker = HostPartWorker(threads=2)
-    published = blocks(2, 1, kernel)
-    worker_step(worker, kernel, published, 30)
-    assert calls == [(True, False)]
-    monkeypatch.setattr(host_part_worker, "team", True)
-    worker_step(worker, kernel, published, 31)
-    assert calls == [(True, False), (True, True), (True, False)]  # the team's loop and its fallback, once
-    assert worker._compiled_for == (worker._item_type, True) and worker._team_assembles
-    worker_step(worker, kernel, published, 32)
-    assert len(calls) == 3
-
-
-def test_a_team_whose_members_share_a_thread_leaves_the_jobs_to_one_threads_loop(kernel, monkeypatch):
-    # two members on Numba's one thread: the first waits for the second (ASSEMBLE_CYCLES), which cannot come
-    monkeypatch.setattr(host_part_worker, "team", True)
-    monkeypatch.setattr(host_part_worker, "use_threads", lambda count: use_threads(1))
-    worker = HostPartWorker(threads=2)
-    published = blocks(2, 1, kernel)
-    for step_no in range(2):
-        worker_step(worker, kernel, published, 20 + step_no)
-    assert not worker._team_assembles and len(worker.collect()) == 4
-    assert [int(block.gate[0]) for block in published] == [2, 2]
 
 
 def test_new_threads_remake_every_layers_entry_before_the_next_step(kernel):
@@ -213,10 +160,8 @@ def test_a_job_waited_for_the_gpu_where_its_routing_came_after_the_worker_got_th
     assert JobDone(None, reached=1.0, routed=1.25, gated=1.5, pairs=2).cpu_s == 0.25
 
 
-@pytest.mark.parametrize("threads, as_team", [(1, False), (1, True), (2, True)])
-def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kernel, threads, as_team, monkeypatch):
-    monkeypatch.setattr(host_part_worker, "team", as_team)
-    worker = HostPartWorker(threads=threads)
+def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kernel):
+    worker = HostPartWorker(threads=1)
     published = blocks(3, 1, kernel)
     jobs = []
     for layer, block in enumerate(published):
@@ -248,10 +193,8 @@ def test_a_bad_expert_id_fails_with_the_layers_name_and_lets_every_gate_go(kerne
     assert len(worker.collect()) == 3
 
 
-@pytest.mark.parametrize("as_team", [False, True])
-def test_cancel_raises_the_gates_of_the_jobs_left(kernel, as_team, monkeypatch):
-    monkeypatch.setattr(host_part_worker, "team", as_team)
-    worker = HostPartWorker(threads=1 if not as_team else 2)
+def test_cancel_raises_the_gates_of_the_jobs_left(kernel):
+    worker = HostPartWorker(threads=1)
     published = blocks(2, 1, kernel)
     for layer, block in enumerate(published):
         assert worker._admit(layer, kernel, block)  # (a layer's first take waits for the jobs before it)
@@ -363,10 +306,9 @@ def test_the_loop_compiled_at_load_is_the_one_a_real_block_runs(kernel, dtype):
     warm, _ = host_part_worker.loop_item(kernel, host_part_worker.HostBlock(1, spec.k, spec.hidden_size, dtype), 1)
     real, _ = host_part_worker.loop_item(kernel, blocks(1, 1, kernel, dtype)[0], 4)
     assert numba.typeof(warm) == numba.typeof(real)
-    loop = host_parts.run_host_parts_team if host_part_worker.team else host_parts.run_host_parts
-    compiled = len(loop.signatures)
+    compiled = len(host_parts.run_host_parts.signatures)
     assert HostPartWorker(threads=1)._admit(0, kernel, blocks(1, 1, kernel, dtype)[0])
-    assert len(loop.signatures) == compiled
+    assert len(host_parts.run_host_parts.signatures) == compiled
 
 
 def test_compile_loop_refuses_a_kernel_the_loop_cannot_run(kernel):

@@ -45,29 +45,17 @@ def fp16_scales():
 
 
 def host_parts():
-    """The host-part loops (one thread's, the team's) for float32 scales and float16 / float32 activations
-    (test_host_part_worker); they call the float32 moe_gemv that the first tests compiled."""
+    """The host-part loop for float32 scales and float16 / float32 activations (test_host_part_worker); it calls the
+    float32 moe_gemv that the first tests compiled."""
     from engine.offload import host_part_worker
     from tests.qmoe_oracle import make_case
 
     if not host_part_worker.supported():
         return
-    compile_host_part_loops(_node(*make_case(seed=3, E=8, H=64, I=32, k=2, bits=4, block_size=32, T=1,
-                                             activation="swiglu", swiglu_fusion=1)[:3]))
-
-
-def compile_host_part_loops(kernel) -> None:
-    """Both host-part loops (compile_loop with host_part_worker.team on: the team's and its fallback, run_host_parts)
-    compiled for `kernel`'s layers, float16 and float32 activations."""
-    from engine.offload import host_part_worker
-
-    default = host_part_worker.team
-    host_part_worker.team = True
-    try:
-        for dtype in (np.float16, np.float32):
-            assert host_part_worker.compile_loop(kernel, dtype)
-    finally:
-        host_part_worker.team = default
+    node = _node(*make_case(seed=3, E=8, H=64, I=32, k=2, bits=4, block_size=32, T=1, activation="swiglu",
+                            swiglu_fusion=1)[:3])
+    for dtype in (np.float16, np.float32):
+        host_part_worker.compile_loop(node, dtype)
 
 
 def fp8_scales():

@@ -33,12 +33,6 @@ CAPACITY = 1024     # jobs in flight at most: a step's layers, many times over
 IDLE_S = 0.02       # the loop returns to Python (and its thread sleeps) after this long without a job
 DRAIN_TIMEOUT_S = 10.0
 WAITED_S = 2e-6     # a routing found later than this after the job was reached: the worker waited for the GPU
-# The kernel's threads kept as one team in one parallel region for as long as jobs come (host_parts.
-# run_host_parts_team) rather than forked and joined per job (run_host_parts); bench_offload_ab's dense.team=1,
-# diag_worker_parts compares the two. A team that does not assemble (a threading layer that gives two members one
-# thread) falls back to run_host_parts. Off: on the H200 machine it took 10-18 µs off a job's fixed cost, but the
-# decode step moved by less than the rounds' spread (1.015 / 1.022x at Qwen 50 / 25%, RESULTS.md fifty-eighth session).
-team = False
 
 
 def supported() -> bool:
@@ -93,57 +87,38 @@ def compile_loop(kernel, x_dtype) -> bool:
     layers.append(item)
     scratch = _Scratch()
     scratch.size(block.tokens, block.k, spec.hidden_size, int(params[6]))
-    for as_team in _loops(team):
-        _call_cancelled(layers, params[None], scratch, as_team)
+    _call_cancelled(layers, params[None], scratch)
     return True
 
 
-def _loops(as_team: bool) -> tuple:
-    """The loops a worker may call: the team's and the one it falls back to, or the one thread's alone."""
-    return (True, False) if as_team else (False,)
-
-
-def _call_cancelled(layers, params, scratch, as_team: bool) -> None:
-    """The loop called with CANCEL set: compiled for these types, then back at once."""
+def _call_cancelled(layers, params, scratch) -> None:
+    """run_host_parts called with CANCEL set: compiled for these types, then back at once."""
     cancelled = host_parts.new_counters()
     cancelled[CANCEL] = 1
-    _call_loop(as_team, layers, params, np.zeros((1, 2), np.int64), cancelled, np.zeros((1, 4), np.int64), scratch, 0)
-
-
-def _call_loop(as_team: bool, layers, params, jobs, counters, times, scratch, idle_cycles) -> int:
-    """run_host_parts_team on scratch.members threads, or run_host_parts; the jobs done (-1: the team did not
-    assemble)."""
-    if as_team:
-        return host_parts.run_host_parts_team(layers, params, jobs, counters, times, scratch.pair_ids, scratch.x32,
-                                              scratch.ws, scratch.shared_ws, scratch.y, idle_cycles, scratch.members)
-    return host_parts.run_host_parts(layers, params, jobs, counters, times, scratch.pair_ids[0], scratch.x32[0],
-                                     scratch.shared_ws, scratch.y, idle_cycles)
+    host_parts.run_host_parts(layers, params, np.zeros((1, 2), np.int64), cancelled, np.zeros((1, 4), np.int64),
+                              scratch.pair_ids, scratch.x32, scratch.ws, scratch.y, 0)
 
 
 class _Scratch:
-    """The loop's working arrays, grown to the largest layer admitted: per member (the team's threads; one for
-    run_host_parts) the pairs' ids, x as float32 and FC1's split inputs; shared, the kernel's workspace (FC2's inputs)
-    and the pairs' outputs."""
+    """The loop's working arrays (pairs' ids, x as float32, the kernel's workspace, per-pair outputs), grown to the
+    largest layer admitted."""
 
     def __init__(self):
-        self.sized_for = (0, 0, 0, 0)  # (pairs, hidden, workspace per pair, members)
-        self.pair_ids = self.x32 = self.ws = self.shared_ws = self.y = None
-        self.members = 0
+        self.sized_for = (0, 0, 0)  # (pairs, hidden, workspace per pair)
+        self.pair_ids = self.x32 = self.ws = self.y = None
 
-    def size(self, tokens: int, k: int, hidden: int, ws_per_pair: int, members: int = 1) -> None:
+    def size(self, tokens: int, k: int, hidden: int, ws_per_pair: int) -> None:
         pairs = tokens * k
         have = self.sized_for
-        if have[0] and pairs <= have[0] and hidden <= have[1] and ws_per_pair <= have[2] and members == have[3] \
-                and self.pair_ids.shape[2] == k:
+        if have[0] and pairs <= have[0] and hidden <= have[1] and ws_per_pair <= have[2] \
+                and self.pair_ids.shape[1] == k:
             return
         pairs, hidden, ws_per_pair = max(pairs, have[0]), max(hidden, have[1]), max(ws_per_pair, have[2])
-        self.pair_ids = np.zeros((members, pairs // k, k), np.int64)
-        self.x32 = np.zeros((members, pairs // k, hidden), np.float32)
-        self.ws = np.zeros((members, max(1, pairs * ws_per_pair)), np.float32)
-        self.shared_ws = np.zeros(max(1, pairs * ws_per_pair), np.float32)
+        self.pair_ids = np.zeros((pairs // k, k), np.int64)
+        self.x32 = np.zeros((pairs // k, hidden), np.float32)
+        self.ws = np.zeros(max(1, pairs * ws_per_pair), np.float32)
         self.y = np.zeros(pairs * hidden, np.float32)
-        self.sized_for = (pairs, hidden, ws_per_pair, members)
-        self.members = members
+        self.sized_for = (pairs, hidden, ws_per_pair)
 
 
 class CycleClock:
@@ -185,7 +160,7 @@ class HostPartWorker:
         self.clock = CycleClock()
         self._layers = None  # numba typed List of the loop's per-layer tuples (host_parts._cpu_part's `layer`)
         self._item_type = None
-        self._compiled_for = None  # (item type, team or not) the loop was last compiled for (_admit)
+        self._compiled_for = None  # the item type the loop was last called with (_admit)
         self._params = np.zeros((0, 7), np.int64)
         self._index_of: dict[int, tuple[int, object, object]] = {}  # engine layer -> (index, kernel, published)
         self._jobs = np.zeros((CAPACITY, 2), np.int64)
@@ -198,9 +173,6 @@ class HostPartWorker:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._in_loop = False  # the worker's thread is inside the compiled loop (or about to enter it)
-        # False once a team did not assemble: run_host_parts from then on, rather than the assembly's wait (~30-50 ms)
-        # at every wake while gated merges wait
-        self._team_assembles = True
 
     # ---------------------------------------------------------------- the engine's thread
     def set_threads(self, threads: int) -> None:
@@ -224,7 +196,6 @@ class HostPartWorker:
             if not self._admit(step.node.layer, kernel, published):
                 return False
             known = self._index_of[step.node.layer]
-        self._compile_loops()  # (the team switched on or off since the layers were admitted: bench_offload_ab)
         queued = int(self._counters[QUEUED])
         if queued - self._collected >= CAPACITY:  # (the decoder collects at every layer: never in a decode)
             return False
@@ -299,25 +270,14 @@ class HostPartWorker:
             self._layers[index] = item
             self._params[index] = params
         self._index_of[layer] = (index, kernel, published)
-        # a member's scratch for each thread, the team on or off: bench_offload_ab and diag_worker_parts turn it on
-        # and off between steps
-        self._scratch.size(published.tokens, published.k, published.x.shape[1], int(params[6]), self.threads)
-        self._compile_loops()
+        self._scratch.size(published.tokens, published.k, published.x.shape[1], int(params[6]))
+        if self._compiled_for is not item_type:
+            # compiled (or loaded from Numba's cache) here, not in the worker's thread while a gated merge waits for
+            # its first job (a minute or more on a cold cache: the drain gives up after DRAIN_TIMEOUT_S); at once
+            # where compile_loop ran at load
+            _call_cancelled(self._layers, self._params, self._scratch)
+            self._compiled_for = item_type
         return True
-
-    def _compile_loops(self) -> None:
-        """The loops the worker's thread may call compiled (or loaded from Numba's cache) for the layers' types here,
-        on the engine's thread, not in the worker's thread while a gated merge waits for its first job (a minute or
-        more on a cold cache: the drain gives up after DRAIN_TIMEOUT_S), nor for the fallback from a team that does
-        not assemble; at once where compile_loop ran at load."""
-        wanted = (self._item_type, self._as_team())
-        if self._compiled_for != wanted:
-            for as_team in _loops(wanted[1]):
-                _call_cancelled(self._layers, self._params, self._scratch, as_team)
-            self._compiled_for = wanted
-
-    def _as_team(self) -> bool:
-        return team and self._team_assembles
 
     def _start(self) -> None:
         if self._thread is None:
@@ -335,15 +295,13 @@ class HostPartWorker:
             use_threads(self.threads)  # (every layer's entry was made for them: set_threads)
             self._in_loop = True
             while True:
+                scratch = self._scratch
                 try:
-                    done = _call_loop(self._as_team(), self._layers, self._params, self._jobs, counters, self._times,
-                                      self._scratch, idle_cycles)
+                    host_parts.run_host_parts(self._layers, self._params, self._jobs, counters, self._times,
+                                              scratch.pair_ids, scratch.x32, scratch.ws, scratch.y, idle_cycles)
                 except BaseException as exc:  # reported on the engine's thread (drain)
                     self._error = exc
                     break
-                if done < 0:  # the team did not assemble (nothing done): one thread's loop from now on
-                    self._team_assembles = False
-                    continue
                 if counters[CANCEL] or counters[FAILED] or counters[DONE] >= counters[QUEUED]:
                     break
             if not (counters[CANCEL] or counters[FAILED] or self._error is not None):

@@ -1120,111 +1120,6 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
         ci = _claim(cnt, vic, th, nth, nck, order)
 
 
-# The set-up and the sum of a fused decode call (moe_gemv's, and each member's of the host-part worker's team: kernels/
-# cpu/host_parts.py) are inlined where they are called: as a call of its own the split of x into FC1's inputs ran ~6x
-# slower on the dev VM (21 against 3 µs a 2,048-wide row, diag_gemv_timeline's prologue), the same code.
-@njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
-def gemv_rows(src, T):
-    """rowmap [T]: the row of FC1's split inputs that token t's x goes to (-1: no pair reads it); and the rows."""
-    rowmap = np.full(T, -1, np.int64)
-    nrows = 0
-    for p in range(src.shape[0]):
-        if rowmap[src[p]] < 0:
-            rowmap[src[p]] = nrows
-            nrows += 1
-    return rowmap, nrows
-
-
-@njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
-def gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws):
-    """FC1's inputs (xa1, xb1, xs1): the rows of x that pairs read, split for the row kernels (_split_row) into the
-    start of ws; and the floats of ws they take."""
-    Kb1 = w1.shape[2]
-    bits1, chunk1, nchunk1, fmt1, bpc1 = q1[2], q1[4], q1[6], q1[8], q1[9]
-    xa1, xb1, xs1, used = _rows_in(ws, nrows, _x_width(bits1, Kb1, nchunk1), Kb1, nchunk1)
-    lanes1 = _lane_sum_stride(bits1, q1[1], bpc1, Kb1, nchunk1)
-    for t in range(x.shape[0]):
-        if rowmap[t] >= 0:
-            _split_row(x, t, bits1, chunk1, nchunk1, fmt1, xa1, xb1, xs1, rowmap[t])
-            _lane_sums(xa1, rowmap[t], lanes1)
-    if bits1 == 8:
-        xb1 = xa1
-    return xa1, xb1, xs1, used
-
-
-@njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
-def gemv_fc2_inputs(P, w2, q2, ws):
-    """FC2's inputs (aa, ab, xs2) of P pairs in ws, which FC1 writes, and the floats of ws they take. int3's padding
-    positions (codes past I) must read as 0: zero ws first there (clear_fc2_padding)."""
-    Kb2 = w2.shape[2]
-    bits2, nchunk2 = q2[2], q2[6]
-    aa, ab, xs2, used = _rows_in(ws, P, _x_width(bits2, Kb2, nchunk2), Kb2, nchunk2)
-    if bits2 == 8:  # FC1 writes int8 activations into aa only; FC2's kernels read them as both streams
-        ab = aa
-    return aa, ab, xs2, used
-
-
-@njit(inline="always", error_model="numpy")
-def _rows_in(ws, rows, width_a, width_b, width_c):
-    """Three arrays of `rows` rows, width_a / width_b / width_c floats a row, one after the other from the start of
-    ws; and the floats they take."""
-    b_at = rows * width_a
-    c_at = b_at + rows * width_b
-    end = c_at + rows * width_c
-    return (ws[:b_at].reshape(rows, width_a), ws[b_at:c_at].reshape(rows, width_b), ws[c_at:end].reshape(rows, width_c),
-            end)
-
-
-@njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
-def clear_fc2_padding(aa, q2):
-    """int3: aa's padding positions read as 0 (FC1 writes the others)."""
-    if q2[2] == 3:
-        aa[:] = np.float32(0.0)
-
-
-@njit(inline="always", error_model="numpy")
-def _gemv_plan(w1, sc1, q1, w2, sc2, q2, act_kind, chunk_bytes, U):
-    """A fused decode call's constants for its thread functions: FC2's inputs I, each projection's layout fields, and
-    the chunks of packed rows the threads claim (~chunk_bytes each) for U experts."""
-    H, Kb2 = w2.shape[1], w2.shape[2]
-    Kb1 = w1.shape[2]
-    # inputs of FC2 (int3 rows end in padding bits: I from FC1's rows, 2 I for swiglu, I otherwise)
-    I = w2.shape[2] * (8 // q2[2]) if q2[2] != 3 else (w1.shape[1] // 2 if act_kind == ACT_SWIGLU else w1.shape[1])
-    skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1 = q1[0], q1[1], q1[2], q1[3], q1[4], q1[5], q1[6], q1[7]
-    skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, hb2 = q2[0], q2[1], q2[2], q2[3], q2[4], q2[5], q2[6], q2[7]
-    fmt1, bpc1, fmt2, bpc2 = q1[8], q1[9], q2[8], q2[9]
-    # work handed out in chunks of packed rows through atomic counters: a thread that is descheduled or slowed
-    # (SMT sibling, other tenants) does not hold up the whole region
-    rpg = 2 if act_kind == ACT_SWIGLU else 1
-    ch1 = max(1, chunk_bytes // (rpg * (Kb1 + nb1 * sc1.itemsize)))
-    ch2 = max(1, chunk_bytes // (Kb2 + nb2 * sc2.itemsize))
-    return (I, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, fmt1, bpc1, (nb1 * bits1 + 7) // 8,
-            np.float32(1 << (bits1 - 1)), ch1, (U * I + ch1 - 1) // ch1, skind2, zmode2, bits2, nb2, chunk2, cshift2,
-            nchunk2, hb2, fmt2, bpc2, (nb2 * bits2 + 7) // 8, np.float32(1 << (bits2 - 1)), ch2,
-            (U * H + ch2 - 1) // ch2, _lane_sum_stride(bits2, zmode2, bpc2, Kb2, nchunk2))
-
-
-@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
-def gemv_member(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, experts, pair_off, src, coef, rowmap, xa1,
-                xb1, xs1, aa, ab, xs2, y, act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes,
-                order, done, cnt1, cnt2, zs, vic, th, nth):
-    """Thread th's share of a fused decode call (moe_gemv): FC1 + activation, then FC2, in chunks of ~chunk_bytes
-    claimed through cnt1 / cnt2 (_claim); done[8 u] counts expert u's finished FC1 groups. done is zeroed and cnt1 /
-    cnt2 made ready (_claim_init) before the first thread starts, all three shared by the nth threads; zs (2 nb1 + 2
-    nb2 floats) and vic (1) are the thread's own."""
-    (I, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, fmt1, bpc1, zrb1, zdef1, ch1, nck1, skind2, zmode2,
-     bits2, nb2, chunk2, cshift2, nchunk2, hb2, fmt2, bpc2, zrb2, zdef2, ch2, nck2, lanes2) = _gemv_plan(
-        w1, sc1, q1, w2, sc2, q2, act_kind, chunk_bytes, experts.shape[0])
-    _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
-                     zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
-                     fmt2, lanes2, I, I, act_kind == ACT_SWIGLU, fusion, act_kind, np.float32(alpha),
-                     np.float32(beta), np.float32(limit), has_limit, pf_rows, done, cnt1, th, nth, nck1, ch1, order,
-                     zs[:nb1], zs[nb1:2 * nb1], vic)
-    _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
-                     zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, I, pf_rows, done, cnt2, th, nth, nck2, ch2,
-                     order, zs[2 * nb1:2 * nb1 + nb2], zs[2 * nb1 + nb2:2 * nb1 + 2 * nb2], vic)
-
-
 @njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
 def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst,
              act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out,
@@ -1237,30 +1132,79 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     (fusion 1: rows 2i, 2i+1; fusion 2: rows i, I + i) or a non-gated activation (no FC3).
     FC1 + activation, then FC2, over the (expert, row) space, handed out in contiguous chunks of ~chunk_bytes
     through atomic counters (order: see _claim); pf_rows > 0 prefetches that many rows ahead (the scales only where
-    the row kernel prefetches its weight bytes itself: _row_kernel_prefetches). One parallel region
-    (gemv_member): a thread goes on to FC2 once it finds no FC1 chunk left and waits only for experts whose FC1 is
-    still running (per-expert counters); two regions cost a second fork / join (waking 16 passively waiting omp
-    threads: tens of µs on the Xeon).
+    the row kernel prefetches its weight bytes itself: _row_kernel_prefetches). One parallel region:
+    a thread goes on to FC2 once it finds no FC1 chunk left and waits only for experts whose FC1 is still running
+    (per-expert counters); two regions cost a second fork / join (waking 16 passively waiting omp threads: tens of
+    µs on the Xeon).
     ws: float32 scratch.
     """
-    H = w2.shape[1]
+    E1, N1, Kb1 = w1.shape
+    E2, H, Kb2 = w2.shape
+    T, Hx = x.shape
     P = src.shape[0]
     U = experts.shape[0]
-    rowmap, nrows = gemv_rows(src, x.shape[0])
-    xa1, xb1, xs1, used = gemv_fc1_inputs(x, rowmap, nrows, w1, q1, ws)
-    aa, ab, xs2, _fc2_used = gemv_fc2_inputs(P, w2, q2, ws[used:])
-    clear_fc2_padding(aa, q2)
+    # inputs of FC2 (int3 rows end in padding bits: I from FC1's rows, 2 I for swiglu, I otherwise)
+    I = w2.shape[2] * (8 // q2[2]) if q2[2] != 3 else (w1.shape[1] // 2 if act_kind == ACT_SWIGLU else w1.shape[1])
+    skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1 = q1[0], q1[1], q1[2], q1[3], q1[4], q1[5], q1[6], q1[7]
+    skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, hb2 = q2[0], q2[1], q2[2], q2[3], q2[4], q2[5], q2[6], q2[7]
+    fmt1, bpc1, fmt2, bpc2 = q1[8], q1[9], q2[8], q2[9]
+    xw1 = _x_width(bits1, Kb1, q1[6])
+    xw2 = _x_width(bits2, Kb2, q2[6])
+    # scratch: x rows (deduplicated tokens) split for fc1, activations split for fc2
+    rowmap = np.full(T, -1, np.int64)
+    nrows = 0
+    for p in range(P):
+        if rowmap[src[p]] < 0:
+            rowmap[src[p]] = nrows
+            nrows += 1
+    o = 0
+    xa1 = ws[o:o + nrows * xw1].reshape(nrows, xw1)
+    o += nrows * xw1
+    xb1 = ws[o:o + nrows * Kb1].reshape(nrows, Kb1)
+    o += nrows * Kb1
+    xs1 = ws[o:o + nrows * nchunk1].reshape(nrows, nchunk1)
+    o += nrows * nchunk1
+    aa = ws[o:o + P * xw2].reshape(P, xw2)
+    o += P * xw2
+    ab = ws[o:o + P * Kb2].reshape(P, Kb2)
+    o += P * Kb2
+    xs2 = ws[o:o + P * nchunk2].reshape(P, nchunk2)
+    lanes1 = _lane_sum_stride(bits1, zmode1, bpc1, Kb1, nchunk1)
+    lanes2 = _lane_sum_stride(bits2, zmode2, bpc2, Kb2, nchunk2)
+    for t in range(T):
+        if rowmap[t] >= 0:
+            _split_row(x, t, bits1, chunk1, nchunk1, fmt1, xa1, xb1, xs1, rowmap[t])
+            _lane_sums(xa1, rowmap[t], lanes1)
+    if bits1 == 8:
+        xb1 = xa1
+    if bits2 == 3:  # FC2's padding positions (codes past I) must read as 0
+        for p in range(P):
+            for j in range(xw2):
+                aa[p, j] = np.float32(0.0)
+    if bits2 == 8:  # FC1 writes int8 activations into aa only; FC2's kernels read them as both streams
+        ab = aa
+    swiglu = act_kind == ACT_SWIGLU
+    G = I
+    a_ = np.float32(alpha)
+    b_ = np.float32(beta)
+    l_ = np.float32(limit)
+    zdef1 = np.float32(1 << (bits1 - 1))
+    zdef2 = np.float32(1 << (bits2 - 1))
+    zrb1 = (nb1 * bits1 + 7) // 8
+    zrb2 = (nb2 * bits2 + 7) // 8
+    # work handed out in chunks of packed rows through atomic counters: a thread that is descheduled or slowed
+    # (SMT sibling, other tenants) does not hold up the whole region
+    rpg = 2 if swiglu else 1
+    ch1 = max(1, chunk_bytes // (rpg * (Kb1 + nb1 * sc1.itemsize)))
+    nck1 = (U * G + ch1 - 1) // ch1
+    ch2 = max(1, chunk_bytes // (Kb2 + nb2 * sc2.itemsize))
+    nck2 = (U * H + ch2 - 1) // ch2
     cnt1 = np.zeros(8 * nth, np.int64)
     cnt2 = np.zeros(8 * nth, np.int64)
-    done = np.zeros(8 * U, np.int64)  # per expert, 64 bytes apart: FC1 groups finished (see _gemv_fc1_thread)
-    # per-thread scratch (zero points, _claim state): rows of arrays made here (the thread loops allocate nothing)
-    (I, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, hb1, fmt1, bpc1, zrb1, zdef1, ch1, nck1, skind2, zmode2,
-     bits2, nb2, chunk2, cshift2, nchunk2, hb2, fmt2, bpc2, zrb2, zdef2, ch2, nck2, lanes2) = _gemv_plan(
-        w1, sc1, q1, w2, sc2, q2, act_kind, chunk_bytes, U)
-    swiglu = act_kind == ACT_SWIGLU
-    a_, b_, l_ = np.float32(alpha), np.float32(beta), np.float32(limit)
     _claim_init(cnt1, nck1, nth, order)
     _claim_init(cnt2, nck2, nth, order)
+    done = np.zeros(8 * U, np.int64)  # per expert, 64 bytes apart: FC1 groups finished (see _gemv_fc1_thread)
+    # per-thread scratch (zero points, _claim state): rows of arrays made here (the thread loops allocate nothing)
     zs = np.empty((nth, 2 * nb1 + 2 * nb2), np.float32)
     vics = np.empty((nth, 8), np.int64)
     for th_loop in prange(nth):
@@ -1268,20 +1212,14 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
         # and would compile each thread function for both (~20 s a layout on a cold cache, one of them never run)
         th = np.int64(th_loop)
         _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
-                         zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2,
-                         nchunk2, fmt2, lanes2, I, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done,
-                         cnt1, th, nth, nck1, ch1, order, zs[th, :nb1], zs[th, nb1:2 * nb1], vics[th])
+                         zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
+                         fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt1, th,
+                         nth, nck1, ch1, order, zs[th, :nb1], zs[th, nb1:2 * nb1], vics[th])
         _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
-                         zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, I, pf_rows, done, cnt2, th, nth, nck2,
+                         zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt2, th, nth, nck2,
                          ch2, order, zs[th, 2 * nb1:2 * nb1 + nb2], zs[th, 2 * nb1 + nb2:], vics[th])
     if do_reduce:
-        reduce_pairs(y, dst, out)
-
-
-@njit(inline="always", fastmath=True, cache=True, nogil=True, error_model="numpy")
-def reduce_pairs(y, dst, out):
-    """out[dst[p]] += y[p] for every pair p."""
-    for p in range(dst.shape[0]):
-        d = dst[p]
-        for h in range(out.shape[1]):
-            out[d, h] += y[p, h]
+        for p in range(P):
+            d = dst[p]
+            for h in range(H):
+                out[d, h] += y[p, h]

@@ -396,23 +396,6 @@ def atomic_load(typingctx, arr, idx):
 
 
 @intrinsic
-def atomic_compare_exchange(typingctx, arr, idx, expected, desired):
-    """arr[idx] = desired where it holds expected, atomically (int64 array); returns what it held (== expected: the
-    exchange happened). One thread's decision that the others must all see the same way."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)
-            and isinstance(expected, types.Integer) and isinstance(desired, types.Integer)):
-        return None
-    sig = types.int64(arr, types.int64, types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        a, i, old, new = args
-        ptr = builder.gep(context.make_array(signature.args[0])(context, builder, value=a).data, [i])
-        return builder.extract_value(builder.cmpxchg(ptr, old, new, "seq_cst", "seq_cst"), 0)
-
-    return sig, codegen
-
-
-@intrinsic
 def prefetch_bytes(typingctx, arr, byte_off, nbytes):
     """Software prefetch (read, into all cache levels) of the cache lines of arr's bytes
     [byte_off, byte_off + nbytes), clipped to the array's extent; nothing is loaded architecturally."""
