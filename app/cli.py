@@ -220,6 +220,10 @@ def _offload_setup(args):
         if idle:
             print(f"warning: {', '.join(idle)}: no effect with --device cpu, where every expert runs on the CPU "
                   "(--device simulated or cuda)", file=sys.stderr)
+    idle_routing = config.idle_routing_settings()
+    if idle_routing:
+        print(f"warning: {', '.join(idle_routing)}: no effect under mode=disabled, which offloads nothing: routing is "
+              "exact (approximate routing needs mode=auto or required)", file=sys.stderr)
     unused = keys_among(entries, UNUSED_KEYS)
     if unused:
         print(f"warning: {', '.join(unused)}: kept for onnxruntime, but this engine does not use "

@@ -75,6 +75,18 @@ def test_generate_with_approximate_routing_says_its_agreement_with_exact_routing
         f"; length; token agreement with exact routing {agreement:.0%} ({round(agreement * 6)} of 6 tokens)]")
 
 
+def test_generate_under_mode_disabled_routes_exactly_and_warns_that_approximate_routing_does_not_apply():
+    args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "6", "--json")
+    exact = json.loads(run_cli(*args).stdout)
+    disabled = run_cli(*args, "--device", "simulated", "--offload", "mode=disabled", "--offload", "min_expert_weight=0.5")
+    assert disabled.returncode == 0, disabled.stderr
+    out = json.loads(disabled.stdout)
+    assert out["tokens"] == exact["tokens"] and "routing_agreement" not in out
+    warnings = [line for line in disabled.stderr.splitlines() if "min_expert_weight" in line]
+    assert warnings == ["warning: min_expert_weight=0.5: no effect under mode=disabled, which offloads nothing: routing "
+                        "is exact (approximate routing needs mode=auto or required)"]
+
+
 def test_generate_raw_skips_the_template():
     raw = json.loads(run_cli("generate", str(fixture_folder("gptoss")), "--raw", "--prompt", "Hello",
                              "--max-new-tokens", "2", "--json").stdout)

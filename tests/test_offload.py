@@ -631,6 +631,43 @@ def test_approximate_routing_is_measured_and_changes_only_cold_tail_experts(mode
     assert plain.routing_agreement is None
 
 
+def test_disabled_mode_routes_exactly_and_says_its_approximate_routing_settings_do_not_apply(model_folder, cpu_run,
+                                                                                              monkeypatch):
+    """Approximate routing is part of hybrid offload: under mode=disabled (no offload, every expert where the dense
+    part runs) min_expert_weight and tail substitution drop and substitute nothing, the answers are exact routing's
+    (no agreement meter, no approximation in the record), and the plan says once which settings did not apply."""
+    from engine import generation
+    from engine.generation import GenerationParams, generate
+    from engine.records.scenarios import run_turns
+
+    approximate = OffloadConfig(mode="disabled", min_expert_weight=0.5, skip_tail_cold_only=True,
+                                tail_substitution_threshold=0.5, reserve_device_bytes=0)
+    said = ("Routing is exact: offload is disabled, so approximate routing's min_expert_weight=0.5, "
+            "skip_tail_cold_only=1, tail_substitution_threshold=0.5 do not apply.")
+    for on_device in (False, True):  # every expert on the CPU, or every one resident where the dense part runs
+        monkeypatch.setattr(generation, "dense_goes_to", lambda device, dtypes, on=on_device: on)
+        model = LoadedModel.open(model_folder, offload=approximate, device=SimulatedDevice(1 << 30))
+        assert model.offload.plan.placement_mode == ("all_resident" if on_device else "cpu_only")
+        assert not model.offload.config.approximate_routing and not model.offload.approximating
+        assert model.offload.plan.statements.count(said) == 1
+        assert_same_as_cpu(greedy_run(model), cpu_run)
+        result = generate(model, model.new_state(), [], model.tokenizer.encode("Exact"), GenerationParams(4))
+        assert result.routing_agreement is None
+        record = run_turns(model, ["Exact"], GenerationParams(max_new_tokens=4))
+        assert (record.approximate_routing, record.approximation, record.routing_agreement) == (False, {}, None)
+        assert vars(model.offload.approximation) == {"dropped": 0, "substituted": 0}
+    # under auto the same settings do apply, and the plan says nothing of them
+    model = LoadedModel.open(model_folder, offload=approximate.updated(mode="auto", device_expert_bytes=0),
+                             device=SimulatedDevice(1 << 30))
+    assert model.offload.approximating and not any("Routing is exact" in s for s in model.offload.plan.statements)
+    # a re-plan to mode=disabled on the loaded model routes exactly from then on
+    model.offload.reconfigure(model.offload.config.updated(mode="disabled"))
+    assert not model.offload.approximating and said in model.offload.plan.statements
+    before = vars(model.offload.approximation).copy()
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert vars(model.offload.approximation) == before
+
+
 def test_approximation_rules():
     from engine.offload.approximate import ApproximationCounts, approximate_routing
 

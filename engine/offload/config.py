@@ -19,6 +19,10 @@ ALIASES = {"gpu_budget_bytes": "device_expert_bytes"}
 DEVICE_KEYS = frozenset({"device_expert_bytes", "reserve_device_bytes", "gpu_device_mem_limit", "pinned_bytes",
                          "device_working_bytes", "placement", "prefill_wave_experts", "node_overrides",
                          "popularity_file"})
+# approximate routing's keys: it drops or substitutes cold experts in hybrid offload, so under mode=disabled (no offload,
+# every expert where the dense part runs) they do nothing and routing is exact
+ROUTING_KEYS = frozenset({"min_expert_weight", "skip_tail_cold_only", "tail_substitution_threshold",
+                          "tail_substitution_min_rank"})
 # keys onnxruntime takes that this engine has no use for: host scratch it sizes itself, budgets shared across sessions
 # (one model runs here), weights and derived layouts read and made in place, and a CPU doorbell it does not have;
 # they are kept in the configuration, so that it goes to onnxruntime whole
@@ -77,7 +81,15 @@ class OffloadConfig:
 
     @property
     def approximate_routing(self) -> bool:
-        return self.min_expert_weight > 0 or self.tail_substitution_threshold > 0
+        """Routing drops or substitutes experts: asked for, and offload on (mode=disabled routes exactly)."""
+        asked = self.min_expert_weight > 0 or self.tail_substitution_threshold > 0
+        return asked and self.mode != "disabled"
+
+    def idle_routing_settings(self) -> list[str]:
+        """Approximate routing's settings (as key=value) that mode=disabled leaves without effect; none otherwise."""
+        if self.mode != "disabled":
+            return []
+        return [f"{short_key(key)}={value}" for key, value in self.to_entries().items() if short_key(key) in ROUTING_KEYS]
 
     @classmethod
     def from_entries(cls, entries: dict[str, str]) -> "OffloadConfig":

@@ -145,8 +145,17 @@ def _plan_beside_dense(config: OffloadConfig, experts: list[ExpertNodeInfo], dev
     resident, total = sum(slots.values()), sum(info.spec.num_experts for info in experts if info.spec is not None)
     statements = [f"All {resident} of {total} experts resident on the {device.name}, where the dense part runs "
                   f"({human_bytes(need)}): offload is disabled, so the expert budgets do not apply."]
-    statements += gpu_statements(experts)
+    statements += gpu_statements(experts) + _exact_routing_statement(config)
     return OffloadPlan("all_resident" if resident == total else "hybrid", need, slots, statements)
+
+
+def _exact_routing_statement(config: OffloadConfig) -> list[str]:
+    """Under mode=disabled, the approximate routing settings given, which do not apply (as a one-sentence list)."""
+    idle = config.idle_routing_settings()
+    if not idle:
+        return []
+    verb = "does" if len(idle) == 1 else "do"
+    return [f"Routing is exact: offload is disabled, so approximate routing's {', '.join(idle)} {verb} not apply."]
 
 
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
@@ -172,7 +181,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         why = ("offload is disabled, and the dense part runs on the CPU" if config.mode == "disabled"
                else "no GPU device is in use")
         return OffloadPlan("cpu_only", 0, {info.name: 0 for info in experts},
-                           [f"All experts run on the CPU: {why}."])
+                           [f"All experts run on the CPU: {why}."] + _exact_routing_statement(config))
     # Whether the GPU kernels run a node is decided here, the same on the CUDA and the simulated device
     # (ExpertNodeInfo.gpu_unsupported: kernels.gpu.convert / layout, no CuPy); slots are sized in the GPU layout.
     refused = [info for info in experts if info.spec is not None and info.gpu_unsupported]
