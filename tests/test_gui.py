@@ -500,6 +500,32 @@ def test_the_engines_own_replan_after_a_refused_apply_keeps_the_settings_in_forc
     assert budget.applied == in_force and budget.applied_label.text() == "Applied to the loaded model"
 
 
+def test_only_settings_the_engine_accepted_are_remembered_for_the_model(qtbot, window):
+    """The next load of a model uses its remembered settings: an Apply the engine refused (a re-plan, or the load of an
+    Apply and reload) was remembered all the same, so the model came back with settings it never ran."""
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, simulated())
+    budget = window.budget_panel
+    in_force = budget.applied
+    assert window.model_settings(str(path)) == in_force
+    refused = {**in_force, "entries": {**in_force["entries"], "pinned_bytes": str(staged() - 1)}}
+    budget.applyRequested.emit(refused, False)
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert "Could not apply the settings" in window.error_banner.text()
+    assert window.model_settings(str(path)) == in_force
+    # an Apply the engine accepts is remembered
+    window.error_banner.hide()
+    accepted = {**in_force, "entries": {**in_force["entries"], "device_expert_bytes": str(6 * slot())}}
+    budget.applyRequested.emit(accepted, False)
+    qtbot.waitUntil(lambda: not window.busy and budget.applied == accepted, timeout=WAIT)
+    assert window.model_settings(str(path)) == accepted
+    # an Apply and reload whose load is refused is not
+    budget.applyRequested.emit({**refused, "entries": {**refused["entries"], "gpu_device_mem_limit": str(1 << 30)}},
+                               True)
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert window.model_settings(str(path)) == accepted
+
+
 def test_streaming_slots_control_is_estimated_and_applied_as_the_engine_plans(qtbot, window):
     path, budget = open_on_simulated(qtbot, window, 0)
     qtbot.waitUntil(lambda: "device_working_bytes would let" in budget.statements.text())  # off: the hint
@@ -513,7 +539,7 @@ def test_streaming_slots_control_is_estimated_and_applied_as_the_engine_plans(qt
     qtbot.waitUntil(lambda: "shared streaming slots" in budget.statements.text() and budget.apply_button.isEnabled())
     assert "decode streaming slots" in budget.vram_legend.text()
     budget.apply_button.click()
-    qtbot.waitUntil(lambda: not window.busy and bool(offload.streaming.groups), timeout=WAIT)
+    qtbot.waitUntil(lambda: not window.busy and bool(offload.streaming.groups) and not budget.dirty(), timeout=WAIT)
     assert offload.config.device_working_bytes == 64 << 20 and window.worker._model.offload is offload  # no reload
     assert window.model_settings(str(path))["entries"]["session.moe.offload.device_working_bytes"] == str(64 << 20)
 
@@ -938,7 +964,8 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     qtbot.waitUntil(lambda: budget.apply_button.isEnabled() and "4 of 8 in every layer" in budget.layer_text.text())
     assert budget.apply_button.text() == "Apply"
     budget.apply_button.click()
-    qtbot.waitUntil(lambda: engine.layer_split_mode == "spread" and not window.busy, timeout=WAIT)
+    qtbot.waitUntil(lambda: engine.layer_split_mode == "spread" and not window.busy and not budget.dirty(),
+                    timeout=WAIT)
     assert not engine.whole_layers and [layer.num_slots for layer in engine.slots] == [4, 4]
     assert window.model_settings(str(path))["layer_split"] == "spread"
     # the decode path: this app's own setting too, applied without reload
@@ -951,7 +978,7 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     assert f"host tier</td><td align='right' style='white-space:pre'>&nbsp;{tier}" in budget.host_legend.text()
     assert budget.apply_button.text() == "Apply"
     budget.apply_button.click()
-    qtbot.waitUntil(lambda: engine.decode_path_mode == "tier" and not window.busy, timeout=WAIT)
+    qtbot.waitUntil(lambda: engine.decode_path_mode == "tier" and not window.busy and not budget.dirty(), timeout=WAIT)
     assert window.model_settings(str(path))["decode_path"] == "tier"
     qtbot.waitUntil(lambda: "decode reads cold experts on the GPU from a host tier of" in window.model_panel.landed.text(),
                     timeout=WAIT)

@@ -472,7 +472,7 @@ class MainWindow(QMainWindow):
     def apply_settings(self, settings: dict, reload: bool) -> None:
         if self.facts is None:
             return
-        self.save_model_settings(self.facts.path, settings)
+        # remembered for the model once the engine accepts them (_on_loaded, _on_replanned), not if it refuses them
         if reload:
             self._start_load(self.facts.path, settings)
         else:
@@ -597,6 +597,7 @@ class MainWindow(QMainWindow):
         self.model_panel.show_landed(info["landed"])
         if "settings" in info:  # what the model runs with from now on; a refused Apply leaves the old in force
             self._load_settings = info["settings"]
+            self.save_model_settings(self.loaded_path, info["settings"])
         self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
         self.status_state.setText(info.get("by_engine") or "Re-planned without reloading")
         if info.get("by_engine"):
