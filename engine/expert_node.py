@@ -204,15 +204,21 @@ class CpuExpertNode:
         for role, name in self.info.weight_inputs.items():
             view = self.source.array(name)
             tensors[role] = np.array(view) if self.in_memory else view
+        kernel = CpuQMoE(self.info.spec, tensors, num_threads=threads)
         self.tensors = tensors  # mapped views (or RAM copies): a device copies experts from here
-        self.kernel = self._own_kernel = CpuQMoE(self.info.spec, tensors, num_threads=threads)
+        self.kernel = self._own_kernel = kernel
 
     def set_file_backing(self, allowed: bool) -> None:
-        """allow_file_backing=0 copies the node's experts into RAM; 1 reads them from the mapped file."""
+        """allow_file_backing=0 copies the node's experts into RAM; 1 reads them from the mapped file. A copy that
+        fails (host memory, a read of the file) leaves the node as it was."""
         if self.in_memory == (not allowed):
             return
         self.in_memory = not allowed
-        self._build(self.kernel.num_threads)
+        try:
+            self._build(self.kernel.num_threads)
+        except BaseException:
+            self.in_memory = allowed
+            raise
 
     def release_file_pages(self) -> None:
         """Let the OS drop this node's mapped expert pages from the process (read back from the file if touched)."""

@@ -782,6 +782,59 @@ def test_without_file_backing_experts_are_copied_into_ram(model_folder, cpu_run)
         model.offload.reconfigure(model.offload.config.updated(allow_file_backing=False, host_expert_bytes=1000))
 
 
+def test_a_replan_whose_copy_into_ram_fails_midway_leaves_the_old_configuration_in_force(model_folder, cpu_run,
+                                                                                         monkeypatch):
+    """allow_file_backing=0 set on the loaded model copies its experts into host RAM. A copy that fails midway (the
+    host ran short of memory since the check, a read of the file failed) is refused in one line, and the configuration
+    in force stays: its plan, slots, residents and device memory, every node reading the mapped file again (none left
+    half copied, none marked copied without its copy), and the same answers."""
+    from engine.expert_node import CpuExpertNode
+
+    per_expert = device_expert_bytes(model_folder) // (16 * SPEC.layers)
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=2 * per_expert), device=device)
+    engine = model.offload
+
+    def state():
+        return (engine.config, engine.plan, [layer.expert_in.tolist() for layer in engine.slots],
+                [store.num_slots for store in engine.stores], device.memory.used,
+                {k: v for k, v in device.memory.by_purpose.items() if v})
+
+    def copied():  # per node: marked in RAM, and its tensors RAM copies (not views of the file)
+        return [(runner.in_memory, any(t.flags.owndata for t in runner.tensors.values() if t is not None))
+                for runner in engine.runners]
+
+    before = state()
+    assert copied() == [(False, False)] * SPEC.layers
+    real_build, builds = CpuExpertNode._build, []
+
+    def short_of_memory(self, threads):
+        if self.in_memory:
+            builds.append(self.info.name)
+            if len(builds) == 2:  # the second node's copy: the first is in RAM by then
+                raise MemoryError("Unable to allocate 1.00 MiB for an array with shape (16, 65536) and data type uint8")
+        real_build(self, threads)
+
+    monkeypatch.setattr(CpuExpertNode, "_build", short_of_memory)
+    with pytest.raises(WorkbenchError) as error:
+        engine.reconfigure(engine.config.updated(allow_file_backing=False, device_expert_bytes=4 * per_expert))
+    assert str(error.value) == ("allow_file_backing=0: copying the experts into host memory failed (Unable to allocate "
+                                "1.00 MiB for an array with shape (16, 65536) and data type uint8); the configuration "
+                                "in force stays")
+    assert len(builds) == 2 and state() == before and copied() == [(False, False)] * SPEC.layers
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    # the copies made, then a plan refused: they are dropped with it
+    monkeypatch.setattr(CpuExpertNode, "_build", real_build)
+    before = state()  # (the run placed experts in the slots)
+    with pytest.raises(OffloadPlanError):
+        engine.reconfigure(engine.config.updated(allow_file_backing=False, mode="required", device_expert_bytes=10))
+    assert state() == before and copied() == [(False, False)] * SPEC.layers
+    # with the memory there, the same re-plan copies every node
+    engine.reconfigure(engine.config.updated(allow_file_backing=False, device_expert_bytes=4 * per_expert))
+    assert copied() == [(True, True)] * SPEC.layers and not engine.config.allow_file_backing
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+
+
 def test_a_refused_reconfiguration_leaves_the_old_one_in_force(model_folder, cpu_run):
     device = SimulatedDevice(1 << 30)
     half = expert_bytes(model_folder) // 2

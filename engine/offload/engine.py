@@ -351,6 +351,26 @@ class OffloadEngine:
             for runner in self.runners:
                 runner.release_file_pages()
 
+    def _copy_into_ram(self, config: OffloadConfig) -> None:
+        """allow_file_backing=0 set on the loaded model: every node's experts copied into host RAM before the plan
+        changes (_apply_file_backing then releases the file's pages). A copy that fails midway (the host ran short of
+        memory since _check_file_backing, a read of the file failed) puts every node back on the mapped file and is
+        refused in one line: the configuration in force stays, whole."""
+        if config.allow_file_backing or not self.config.allow_file_backing:
+            return  # nothing to copy: file backing stays allowed, or the experts are in RAM already
+        try:
+            for runner in self.runners:
+                runner.set_file_backing(False)
+        except (MemoryError, OSError) as exc:
+            self._back_on_file()
+            raise WorkbenchError(f"allow_file_backing=0: copying the experts into host memory failed "
+                                 f"({str(exc) or type(exc).__name__}); the configuration in force stays") from None
+
+    def _back_on_file(self) -> None:
+        """Every node as the configuration in force has it: copies made for a re-plan that failed dropped."""
+        for runner in self.runners:
+            runner.set_file_backing(self.config.allow_file_backing)
+
     def _apply_cpu_threads(self) -> None:
         """cpu_threads for the CPU expert kernels (0: automatic, engine/kernel_threads.py); from the next step on."""
         self.kernel_threads.request(self.config.cpu_threads)
@@ -650,6 +670,7 @@ class OffloadEngine:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)
         popularity = self._popularity(config)  # a file it cannot read refused before the plan changes
+        self._copy_into_ram(config)  # ... and so is a copy of the experts into RAM that fails
         old_plan, old_counts = self.plan, [store.num_slots if store is not None else 0 for store in self.stores]
         self.streaming.close()
         held_tier = self._host_tier
@@ -706,8 +727,10 @@ class OffloadEngine:
         self.stats.pinned = self.pinned_info()
 
     def _restore_plan(self, plan: OffloadPlan, counts: list[int], host_tier: bool) -> None:
-        """The configuration in force again after a re-plan that failed: its plan (whose sentences said it already),
-        staging ring, slot counts, host tier, residents and streaming slots."""
+        """The configuration in force again after a re-plan that failed: its file backing (_copy_into_ram's copies
+        dropped), plan (whose sentences said it already), staging ring, slot counts, host tier, residents and streaming
+        slots."""
+        self._back_on_file()
         for store in self.stores:
             if store is not None:
                 store.release()
