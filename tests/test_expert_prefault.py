@@ -131,3 +131,32 @@ def test_no_population_where_host_memory_is_bounded_or_every_expert_is_on_the_de
     assert resident.offload.plan.placement_mode == "all_resident" and resident.prefault is None
     hybrid = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
     assert hybrid.prefault is not None
+
+
+def test_a_replan_to_every_expert_resident_that_the_device_cannot_hold_keeps_the_population_running(folder,
+                                                                                                   monkeypatch):
+    """A re-plan to every expert resident stops the population (nothing would be copied from the file) before it
+    makes the slots; where the device then has less free than planned, the configuration in force comes back
+    (4361d23), and with it the population it runs with. It stayed stopped, so the hybrid model's copies and CPU
+    kernels read cold pages again."""
+    from engine.offload.device_memory import DeviceMemoryError
+    from engine.offload.devices import SimulatedSlots
+    from engine.offload.planner import all_resident_bytes
+
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    assert model.prefault is not None and engine.prefault is model.prefault
+
+    real_resize = SimulatedSlots.resize
+
+    def short_of_memory(self, num_slots):
+        if num_slots > self.num_slots:  # the new plan's slots (the plan in force has none)
+            raise DeviceMemoryError(f"{self.name}: the device has no room for {num_slots} expert slots")
+        real_resize(self, num_slots)
+
+    monkeypatch.setattr(SimulatedSlots, "resize", short_of_memory)
+    with pytest.raises(DeviceMemoryError, match="no room for"):
+        engine.reconfigure(engine.config.updated(device_expert_bytes=all_resident_bytes(model.folder.experts)))
+    assert engine.plan.placement_mode != "all_resident"
+    assert engine.prefault is not None and engine.prefault is model.prefault  # it was None, the stopped one model's
+    assert engine.prefault.done.wait(30) and engine.prefault.populated_bytes == expert_tensor_bytes(model)

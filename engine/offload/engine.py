@@ -703,6 +703,7 @@ class OffloadEngine:
                 self._make_stores(False)
         except DeviceMemoryError:  # the device had less free than the plan counted on (another process took some)
             self._restore_plan(old_plan, old_counts, held_tier)
+            self._resume_unbounded_work()  # (ended above for the plan refused)
             raise
         if self.tier_statement:
             self.plan.statements.append(self.tier_statement)
@@ -714,17 +715,21 @@ class OffloadEngine:
         self._apply_file_backing()
         self._make_policy(popularity, old_scores)  # what adaptive placement learnt so far still holds
         self._apply_cpu_threads()
+        self._resume_unbounded_work()
+        self.stats.pinned = self.pinned_info()
+
+    def _resume_unbounded_work(self) -> None:
+        """The population and the page-locked mapping started again where the configuration in force wants them and
+        they are stopped: back from every expert resident, a host bound or file backing off (or loaded so; they start
+        only where LoadedModel._prefault_pays says they pay), or after a re-plan that stopped them and failed.
+        Prefill waves, swaps and copied misses read the file again, and through the pinned ring a 2,048-token prefill
+        at 25% took 2.3x as long (RESULTS.md, fifty-fifth session). Started once the plan is in force, as load starts
+        them once the engine is made: the registration's memory check then counts the host tier's page-locked memory
+        (started before the tier, neither check counted the other's)."""
         if self.prefault is None:
-            # back from every expert resident, a host bound or file backing off (or loaded so; it starts only where
-            # LoadedModel._prefault_pays says it pays): prefill waves, swaps and copied misses read the file again,
-            # and through the pinned ring a 2,048-token prefill at 25% took 2.3x as long (RESULTS.md, fifty-fifth
-            # session). Started once the plan is in force, as load starts it once the engine is made: the
-            # registration's memory check then counts the host tier's page-locked memory (started before the tier,
-            # neither check counted the other's)
             start = self.start_unbounded_work()
             if start is not None:
-                start(config, self.device)
-        self.stats.pinned = self.pinned_info()
+                start(self.config, self.device)
 
     def _restore_plan(self, plan: OffloadPlan, counts: list[int], host_tier: bool) -> None:
         """The configuration in force again after a re-plan that failed: its file backing (_copy_into_ram's copies
