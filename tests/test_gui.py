@@ -304,6 +304,17 @@ def test_where_everything_landed_tells_the_resident_experts_from_the_slots_left_
         in landed
 
 
+def test_where_everything_landed_follows_the_engines_re_weighing_of_its_miss_slots(qtbot, window, monkeypatch):
+    """The engine weighs the slots it leaves to copied misses again as it measures what a copy earns; the landed text
+    kept the load's split (1 left for copied misses) after the engine had given every slot back to residents."""
+    offload = load_leaving_a_slot_to_copies(qtbot, window, monkeypatch)
+    assert "1 left for copied misses" in window.model_panel.landed.text()
+    offload.policy.miss_slots = [0, 0]  # as _weigh_miss_slots leaves them where copies do not pay
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: "copied misses" not in window.model_panel.landed.text(), timeout=WAIT)
+    assert "Experts resident per layer: 3 of 8 in every layer (2 layers)." in window.model_panel.landed.text()
+
+
 def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to_copied_misses(qtbot, window,
                                                                                               monkeypatch):
     """The placement view's summary adds up with the heatmap and the landed text: the experts on the device, in the

@@ -66,6 +66,7 @@ class EngineWorker(QObject):
     offloadStats = Signal(object)      # dict: placement and traffic (numpy), a few times a second while generating
     replanned = Signal(dict)           # statements, landed; entries, settings: what Apply put in force; by_engine: why,
                                        # when the engine re-planned by itself
+    landedChanged = Signal(list)       # "where everything landed" again: the engine re-weighed its miss slots
     unloaded = Signal()
     failed = Signal(str)               # one line for the user
     jobProgress = Signal(str, object, str)  # job kind, fraction done (None: how far cannot be told), what runs now
@@ -99,6 +100,7 @@ class EngineWorker(QObject):
         self._decode_mark = None
         self._landed_whole = False  # the layer split the last "landed" statements described (engine re-plans)
         self._landed_path = ""  # ... and the decode path (its trials switch it)
+        self._landed_miss: list[int] = []  # ... and the slots a layer left to copied misses (the engine re-weighs them)
         self.requestOpen.connect(self._open)
         self.requestDemo.connect(self._demo)
         self.requestLoad.connect(self._load)
@@ -218,6 +220,7 @@ class EngineWorker(QObject):
         model, facts, offload = self._model, self._loaded_facts, self._model.offload
         self._landed_whole = offload.whole_layers
         self._landed_path = offload.decode_path_in_force
+        self._landed_miss = list(offload.policy.miss_slots)
         lines = list(notes)
         per_layer = [(info.model_layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]
@@ -409,6 +412,8 @@ class EngineWorker(QObject):
             self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
                                  "by_engine": "Measured faster: cold experts are now "
                                               + PATH_WORDS[offload.decode_path_in_force]})
+        elif list(offload.policy.miss_slots) != self._landed_miss:  # the copies' measured worth moved the split
+            self.landedChanged.emit(self._landed([]))
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
                    "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,

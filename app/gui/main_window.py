@@ -188,6 +188,7 @@ class MainWindow(QMainWindow):
         w.answered.connect(self._on_answered)
         w.offloadStats.connect(self._on_stats)
         w.replanned.connect(self._on_replanned)
+        w.landedChanged.connect(self.model_panel.show_landed)
         w.unloaded.connect(self._on_unloaded)
         w.failed.connect(self._on_failed)
         w.jobProgress.connect(self._on_job_progress)
