@@ -259,6 +259,23 @@ def test_history_filters_by_label_and_id_takes_folder_names_literally_and_leaves
         history.export("json")  # without the list to say it in, an unreadable run is an error
 
 
+def test_the_list_and_the_exports_carry_every_run_of_a_long_history(short_record, tmp_path):
+    import sqlite3
+
+    from engine.records.history import COLUMNS
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(short_record)
+    columns = ", ".join((*COLUMNS[1:], "record"))
+    with sqlite3.connect(history.path) as db:
+        for _ in range(10):  # 1,024 runs: more than the 1,000 the list and the exports stopped at, unsaid
+            db.execute(f"INSERT INTO runs ({columns}) SELECT {columns} FROM runs")
+    assert len(history.rows()) == 1024
+    assert len(list(csv.DictReader(io.StringIO(history.export("csv"))))) == 1024
+    assert len(json.loads(history.export("json"))) == 1024
+    assert min(row["id"] for row in history.rows()) == 1  # the oldest run too
+
+
 def test_reading_a_history_that_is_not_there_is_an_error_and_makes_nothing(tmp_path):
     from engine.errors import WorkbenchError
 

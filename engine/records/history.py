@@ -66,8 +66,9 @@ class History:
             raise RecordError(f"run {run_id} in {self.path}: unreadable ({exc})") from None
 
     def rows(self, model: str | None = None, scenario: str | None = None, label: str | None = None,
-             limit: int = 1000, ids: list[int] | None = None) -> list[dict]:
-        """Summary rows, newest first, filtered by model folder substring, scenario, label substring and ids."""
+             ids: list[int] | None = None) -> list[dict]:
+        """Summary rows, newest first, filtered by model folder substring, scenario, label substring and ids: every
+        one that matches (an export or a list that stopped at a count would leave the oldest out unsaid)."""
         clauses, params = [], []
         if model:
             clauses.append("instr(model, ?) > 0")  # a plain substring: no LIKE wildcards in folder names
@@ -83,8 +84,7 @@ class History:
             params += list(ids)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         with closing(self._connect()) as db:
-            found = db.execute(f"SELECT {', '.join(COLUMNS)} FROM runs {where} ORDER BY id DESC LIMIT ?",
-                               (*params, limit)).fetchall()
+            found = db.execute(f"SELECT {', '.join(COLUMNS)} FROM runs {where} ORDER BY id DESC", params).fetchall()
         return [dict(zip(COLUMNS, row)) for row in found]
 
     def export(self, fmt: str, unreadable: list[str] | None = None, **filters) -> str:
