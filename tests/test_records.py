@@ -60,6 +60,18 @@ def test_record_has_what_a_user_decides_with(short_record):
     assert threads["cpu_threads_automatic"] and 1 <= threads["cpu_threads_in_force"] <= threads["cores"]
 
 
+def test_a_records_device_peak_is_its_runs_not_an_earlier_budgets():
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)  # every expert resident
+    resident = run_scenario(model, "short", PARAMS, device)
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=0))  # the Budgets panel's Apply
+    held = device.memory.used
+    none_resident = run_scenario(model, "short", PARAMS, device)
+    assert held <= none_resident.peaks["device_bytes"] < resident.peaks["device_bytes"]
+    # (it read the peak of the budget before the re-plan); the device keeps its high-water mark for the views
+    assert device.memory.high_water >= resident.peaks["device_bytes"]
+
+
 def test_a_run_waits_for_the_models_background_work(simulated_model):
     """A model still mapping its experts in the background (as right after load: side-by-side's B, a sweep's first
     point): the run starts once that is done and its record says how long it waited; a cancel ends the wait."""

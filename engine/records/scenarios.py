@@ -103,6 +103,11 @@ class PeakSampler:
             self._sample()
 
     def __enter__(self) -> "PeakSampler":
+        if self.device is not None:
+            # the run's own device peak, as RSS's: the device's high-water mark holds the load's, or a larger budget's
+            # before a re-plan; the device keeps its mark for the views that show it (__exit__)
+            self._high_water_before = self.device.memory.high_water
+            self.device.memory.high_water = self.device.memory.used
         self._sample()
         self.rss_start = self.rss
         self._thread.start()
@@ -112,6 +117,8 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+        if self.device is not None:
+            self.device.memory.high_water = max(self.device.memory.high_water, self._high_water_before)
 
 
 def pinned_bytes(model: LoadedModel) -> int | None:

@@ -189,7 +189,6 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
             if on_settle:
                 on_settle(fraction, split)
             point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
-            device.memory.high_water = device.memory.used  # peaks per point
             tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
             for offset, scenario in enumerate(scenarios):
                 if cancel is not None and cancel.is_set():
