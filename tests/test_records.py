@@ -229,6 +229,30 @@ def test_simulated_record_carries_the_projection(short_record, simulated_model):
     assert rows["CPU time the VM's host took (steal)"][1:3] == ("—", steal)
 
 
+def test_a_comparison_says_what_besides_the_offload_entries_makes_two_runs_unlike(short_record):
+    import re
+
+    from app.gui.record_report import compare_html
+
+    def compared(a: RunRecord, b: RunRecord) -> str:
+        return re.sub(r"\s+", " ", re.sub("<[^>]+>", " ", compare_html(a, b)))
+
+    data = short_record.to_dict()
+    on_the_cpu = RunRecord.from_dict(dict(data, scenario="multiturn", turns=[dict(t, prompt="Why?") for t in data["turns"]],
+                                          offload={"device": "cpu", "entries": data["offload"]["entries"]}))
+    text = compared(short_record, on_the_cpu)
+    # the same offload entries, and it said no more than that: a short run on the device against a multiturn one on
+    # the CPU compared metric by metric as if only the configuration differed
+    assert "Same offload entries." in text
+    assert "Not like for like: besides their offload entries these runs differ in scenario, prompts, device," in text
+    assert f" device {short_record.offload['device']} cpu " in text and " scenario short multiturn " in text
+    whole = RunRecord.from_dict(dict(data, offload=dict(data["offload"], layer_split=dict(
+        data["offload"]["layer_split"], whole_layers=True))))
+    assert "differ in layer split," in compared(short_record, whole)
+    assert " layer split spread over every layer whole layers " in compared(short_record, whole)
+    assert "Not like for like" not in compared(short_record, short_record)
+
+
 def test_history_write_read_filter_export(short_record, tmp_path):
     history = History(tmp_path / "h.sqlite3")
     first = history.add(short_record)

@@ -148,10 +148,52 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     return "".join(parts)
 
 
+def _layer_split(record: RunRecord) -> str | None:
+    split = record.offload.get("layer_split")
+    return None if not split else "whole layers" if split.get("whole_layers") else "spread over every layer"
+
+
+def _machine(record: RunRecord) -> str:
+    machine = record.machine or {}
+    gpus = ", ".join(gpu.get("name", "?") for gpu in machine.get("gpus") or [])
+    return f"{machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)" + (f", {gpus}" if gpus else "")
+
+
+# what two runs may differ in besides their offload entries, each of which makes their numbers unlike: (what, get);
+# a fact one of them lacks (layer split and decode path on the CPU, where the device already differs) is left out
+RUN_FACTS = (
+    ("scenario", lambda r: r.scenario),
+    ("prompts", lambda r: "\n".join(turn.get("prompt", "") for turn in r.turns)),
+    ("model", lambda r: r.model.get("folder")),
+    ("model file (model.onnx's SHA-256)", lambda r: r.model.get("onnx_sha256")),
+    ("device", lambda r: r.offload.get("device", "cpu")),
+    ("layer split", _layer_split),
+    ("decode path asked", lambda r: (r.offload.get("decode_path") or {}).get("mode")),
+    ("machine", _machine),
+    ("app", lambda r: (r.versions or {}).get("app")),
+    ("onnxruntime", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("version")),
+)
+
+
+def run_differences(a: RunRecord, b: RunRecord) -> list[tuple[str, str, str]]:
+    """(what, A, B) for every fact of RUN_FACTS the two runs differ in: a comparison of them is not like for like."""
+    rows = []
+    for what, get in RUN_FACTS:
+        x, y = get(a), get(b)
+        if x is not None and y is not None and x != y:
+            rows.append((what, _text(str(x), 160, raw=True), _text(str(y), 160, raw=True)))
+    return rows
+
+
 def compare_html(a: RunRecord, b: RunRecord, ids: tuple[int, int] | None = None) -> str:
     ids = ids or (None, None)
-    parts = [f"<p><b>A</b> {html.escape(title(a, ids[0]))}<br><b>B</b> {html.escape(title(b, ids[1]))}</p>",
-             _table(compare_rows(a, b), ("metric", "A", "B", "B − A", "B / A"))]
+    parts = [f"<p><b>A</b> {html.escape(title(a, ids[0]))}<br><b>B</b> {html.escape(title(b, ids[1]))}</p>"]
+    unlike = run_differences(a, b)
+    if unlike:
+        parts.append("<p><b>Not like for like:</b> besides their offload entries these runs differ in "
+                     f"{html.escape(', '.join(what for what, _x, _y in unlike))}, so their numbers differ for those "
+                     "reasons too.</p>" + _table(unlike, ("", "A", "B")))
+    parts.append(_table(compare_rows(a, b), ("metric", "A", "B", "B − A", "B / A")))
     ea, eb = a.offload.get("entries") or {}, b.offload.get("entries") or {}
     changed = [(key, ea.get(key, "default"), eb.get(key, "default")) for key in sorted(set(ea) | set(eb))
                if ea.get(key) != eb.get(key)]
