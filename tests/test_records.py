@@ -312,6 +312,38 @@ def test_the_list_and_the_exports_carry_every_run_of_a_long_history(short_record
     assert min(row["id"] for row in history.rows()) == 1  # the oldest run too
 
 
+def test_a_damaged_or_locked_history_is_one_line_naming_the_file(short_record, tmp_path, monkeypatch, capsys):
+    import sqlite3
+
+    from app.cli import main
+    from engine.errors import WorkbenchError
+
+    damaged = History(tmp_path / "damaged.sqlite3")
+    for _ in range(20):  # more than the table's first page holds: its pages below it are damaged
+        damaged.add(short_record)
+    data = bytearray(damaged.path.read_bytes())
+    data[2 * 4096:] = b"\xab" * (len(data) - 2 * 4096)  # the runs' pages; the schema's (the first) stays whole
+    damaged.path.write_bytes(bytes(data))
+    with pytest.raises(WorkbenchError, match="damaged.sqlite3: the runs could not be read .*malformed"):
+        History(damaged.path).rows()
+    assert main(["history", "--history", str(damaged.path), "--export", "csv"]) == 2  # not an internal error (3)
+    assert capsys.readouterr().err == (f"moe-workbench: error: {damaged.path}: the runs could not be read "
+                                       "(database disk image is malformed)\n")
+
+    history = History(tmp_path / "h.sqlite3")
+    monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(self.path, timeout=0.1))
+    other = sqlite3.connect(history.path, isolation_level=None)  # another process's write under way
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(WorkbenchError, match="h.sqlite3: the run was not saved .another process holds it locked"):
+            history.add(short_record)
+        with pytest.raises(WorkbenchError, match="h.sqlite3: not opened .another process holds it locked"):
+            History(history.path)  # it is a run history: said as such, not 'not a run history'
+    finally:
+        other.close()
+    assert history.add(short_record) == 1
+
+
 def test_reading_a_history_that_is_not_there_is_an_error_and_makes_nothing(tmp_path):
     from engine.errors import WorkbenchError
 

@@ -6,7 +6,7 @@ import csv
 import io
 import json
 import sqlite3
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import platformdirs
@@ -36,10 +36,20 @@ class History:
                     budget TEXT, load_s REAL, ttft_s REAL, decode_tokens_per_s REAL, completion_s REAL,
                     peak_device_bytes INTEGER, peak_rss_bytes INTEGER, record TEXT NOT NULL)""")
         except sqlite3.DatabaseError as exc:  # another file given as the history (or a damaged one): left as it is
-            raise WorkbenchError(f"{self.path}: not a run history ({exc})") from None
+            raise _failure(self.path, "not opened" if _locked(exc) else "not a run history", exc) from None
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path)
+
+    @contextmanager
+    def _db(self, failed: str):
+        """A connection whose SQLite failures (a page damaged past the file's header, a file another process keeps
+        locked past the timeout) are one line naming the file and `failed`, what did not happen."""
+        try:
+            with closing(self._connect()) as db:
+                yield db
+        except sqlite3.Error as exc:
+            raise _failure(self.path, failed, exc) from None
 
     def add(self, record: RunRecord) -> int:
         t, p = record.timings, record.peaks
@@ -48,7 +58,7 @@ class History:
                    "session.moe.offload.device_expert_bytes", "auto")),
                t.get("load_s"), t.get("time_to_first_token_s"), t.get("decode_tokens_per_s"), t.get("completion_s"),
                p.get("device_bytes"), p.get("rss_bytes"), json.dumps(record.to_dict()))
-        with closing(self._connect()) as db, db:
+        with self._db("the run was not saved") as db, db:
             cursor = db.execute(f"INSERT INTO runs ({', '.join(COLUMNS[1:])}, record) VALUES "
                                 f"({', '.join('?' * (len(COLUMNS)))})", row)
             return int(cursor.lastrowid)
@@ -83,7 +93,7 @@ class History:
             clauses.append(f"id IN ({', '.join('?' * len(ids))})")
             params += list(ids)
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
-        with closing(self._connect()) as db:
+        with self._db("the runs could not be read") as db:
             found = db.execute(f"SELECT {', '.join(COLUMNS)} FROM runs {where} ORDER BY id DESC", params).fetchall()
         return [dict(zip(COLUMNS, row)) for row in found]
 
@@ -112,6 +122,16 @@ class History:
             lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
             return "\n".join(lines) + "\n"
         raise ValueError(f"unknown export format '{fmt}' (json, csv, markdown)")
+
+
+def _locked(exc: sqlite3.Error) -> bool:
+    """Another process holds the file locked past the timeout (a write of its own, a tool that opened it)."""
+    return getattr(exc, "sqlite_errorname", "") in ("SQLITE_BUSY", "SQLITE_LOCKED")
+
+
+def _failure(path: Path, failed: str, exc: sqlite3.Error) -> WorkbenchError:
+    why = f"another process holds it locked: {exc}" if _locked(exc) else str(exc)
+    return WorkbenchError(f"{path}: {failed} ({why})")
 
 
 def _cell(value) -> str:
