@@ -417,6 +417,19 @@ def test_sweep_on_the_simulated_device(tmp_path):
     assert all(p.budget_bytes >= best.budget_bytes for p in points if p.projected_completion_s <= fastest * 1.10)
 
 
+def test_a_sweep_point_is_the_budget_the_device_held_where_it_holds_less_than_asked():
+    device = SimulatedDevice(1 << 20)  # 1 MiB: not every expert of gptoss beside its staging ring
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    total = all_resident_bytes(model.offload.infos)
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2))
+    held = model.offload.plan.budget_bytes  # the last point's plan: the device's free memory, not the budget asked
+    assert held < total
+    # it said 100% of the experts and the budget asked, and recommended and saved a budget that never ran
+    assert (points[-1].budget_bytes, points[-1].fraction) == (held, held / total)
+    assert points[-1].records[0].label == f"sweep {held / total:.0%}"
+    assert [p.budget_bytes for p in points[:2]] == [0, round(total / 2)]  # those the device held are as asked
+
+
 def test_a_sweep_under_mode_required_starts_from_the_smallest_budget_it_admits_and_hands_each_point_on():
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="required"), device=device)

@@ -186,6 +186,9 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     try:
         for index, (fraction, budget, split) in enumerate(plan):
             model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget), layer_split=split)
+            held = model.offload.plan.budget_bytes  # less where the device has less free (the planner's clamp)
+            if held < budget:  # the point is what ran: its budget, share, label and the recommendation saved
+                budget, fraction = held, held / all_resident_bytes(model.offload.infos)
             if on_settle:
                 on_settle(fraction, split)
             point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
