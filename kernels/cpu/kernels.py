@@ -1138,9 +1138,9 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     µs on the Xeon).
     ws: float32 scratch.
     """
-    E1, N1, Kb1 = w1.shape
-    E2, H, Kb2 = w2.shape
-    T, Hx = x.shape
+    Kb1 = w1.shape[2]
+    H, Kb2 = w2.shape[1], w2.shape[2]
+    T = x.shape[0]
     P = src.shape[0]
     U = experts.shape[0]
     # inputs of FC2 (int3 rows end in padding bits: I from FC1's rows, 2 I for swiglu, I otherwise)
@@ -1184,7 +1184,6 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     if bits2 == 8:  # FC1 writes int8 activations into aa only; FC2's kernels read them as both streams
         ab = aa
     swiglu = act_kind == ACT_SWIGLU
-    G = I
     a_ = np.float32(alpha)
     b_ = np.float32(beta)
     l_ = np.float32(limit)
@@ -1196,7 +1195,7 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     # (SMT sibling, other tenants) does not hold up the whole region
     rpg = 2 if swiglu else 1
     ch1 = max(1, chunk_bytes // (rpg * (Kb1 + nb1 * sc1.itemsize)))
-    nck1 = (U * G + ch1 - 1) // ch1
+    nck1 = (U * I + ch1 - 1) // ch1
     ch2 = max(1, chunk_bytes // (Kb2 + nb2 * sc2.itemsize))
     nck2 = (U * H + ch2 - 1) // ch2
     cnt1 = np.zeros(8 * nth, np.int64)
@@ -1213,10 +1212,10 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
         th = np.int64(th_loop)
         _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
                          zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
-                         fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt1, th,
+                         fmt2, lanes2, I, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt1, th,
                          nth, nck1, ch1, order, zs[th, :nb1], zs[th, nb1:2 * nb1], vics[th])
         _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
-                         zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt2, th, nth, nck2,
+                         zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, I, pf_rows, done, cnt2, th, nth, nck2,
                          ch2, order, zs[th, 2 * nb1:2 * nb1 + nb2], zs[th, 2 * nb1 + nb2:], vics[th])
     if do_reduce:
         for p in range(P):
