@@ -74,7 +74,9 @@ def test_records_take_this_process_vram_from_nvml(monkeypatch):
     monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 6 << 30), (999_999_999, 20 << 30)]))
     with PeakSampler(FakeCudaDevice(), interval=0.01) as peaks:
         pass
-    assert peaks.process_device_bytes == 6 << 30 and peaks.device_bytes == 7 << 30
+    # the run's own device peak: 5 GiB held throughout; the device's mark from before the run (7 GiB) stays its own
+    assert peaks.process_device_bytes == 6 << 30 and peaks.device_bytes == 5 << 30
+    assert FakeCudaDevice.memory.high_water == 7 << 30
     monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 6 << 30)], hide_per_process=True))
     with PeakSampler(FakeCudaDevice(), interval=0.01) as hidden:
         pass
@@ -85,7 +87,7 @@ def test_records_take_this_process_vram_from_nvml(monkeypatch):
     assert other_namespace.process_device_bytes is None  # this pid not listed (a container's pid namespace)
     with PeakSampler(SimpleNamespace(kind="simulated", memory=FakeCudaDevice.memory), interval=0.01) as simulated:
         pass
-    assert simulated.process_device_bytes is None and simulated.device_bytes == 7 << 30
+    assert simulated.process_device_bytes is None and simulated.device_bytes == 5 << 30
 
 
 def test_records_take_pinned_memory_from_the_staging_ring():
