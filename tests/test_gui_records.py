@@ -550,3 +550,37 @@ def test_history_lists_the_run_a_side_by_side_saved_before_saving_b_failed(qtbot
     assert window.side_by_side.bar.status.text() == ("Failed: saving to the history: OperationalError: disk I/O "
                                                      f"error; only A's answer was saved, as run {run}")
     assert window.history.ids() == [run] and window.history.count.text() == "1 run"
+
+
+def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, window, monkeypatch):
+    """A re-plan refused at the third point: the window lost the two points before it (nothing saved, nothing plotted)
+    where the command line saves each point as it finishes. They are saved and drawn, the run line says which point
+    failed and why, and the model is back at the user's budget."""
+    from engine.offload.engine import OffloadEngine
+    from engine.offload.planner import OffloadPlanError
+
+    load(qtbot, window, "gptoss", SIMULATED)
+    reconfigure = OffloadEngine.reconfigure
+
+    def refuse_all(self, config, *args, **kwargs):
+        if config.device_expert_bytes == 16 * EXPERT:
+            raise OffloadPlanError("device_expert_bytes=565248 exceeds the 400000 bytes the device has free")
+        return reconfigure(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadEngine, "reconfigure", refuse_all)
+    view = window.sweep
+    view.points.setValue(3)
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(3)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    result = view.result
+    assert result is not None and [p.budget_bytes for p in result.points] == [0, 8 * EXPERT]
+    assert len(result.saved_ids) == 2 and window.history.ids() == result.saved_ids[::-1]
+    assert list(view.curves["completion"].getData()[0]) == [0.0, 8 * EXPERT / 1024]
+    assert view.bar.status.text() == ("Failed at 100%, point 3 of 3: device_expert_bytes=565248 exceeds the 400000 "
+                                      "bytes the device has free; the 2 points before it are shown, 2 runs saved "
+                                      "to the history; no recommendation.")
+    assert view.recommended is None and not view.save_button.isEnabled()
+    assert "Failed at 100%, point 3 of 3" in window.error_banner.text()
+    assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back

@@ -149,17 +149,19 @@ class SweepResult:
     base_entries: dict          # the loaded configuration the sweep started from (restored after it)
     saved_ids: list[int] = field(default_factory=list)
     length_note: str = ""       # where the answers stopped inside a reasoning model's reasoning (reasoning_length_note)
+    failure: str = ""           # the point that raised and why, one line ("at 75%, point 4 of 5: ..."); "" if none
 
     @property
     def cancelled(self) -> bool:
-        return len(self.points) < self.requested
+        return not self.failure and len(self.points) < self.requested
 
 
 @dataclass
 class SweepJob:
     """Re-plan the loaded model at `points` budgets from none to every expert (no reload), run the
     scenarios at each (with `both_splits`, spread and on whole layers where a budget holds some layers whole:
-    engine.records.sweep.sweep_plan), restore the loaded budgets; a complete sweep's records go to the history."""
+    engine.records.sweep.sweep_plan), restore the loaded budgets. A complete sweep's records go to the history, and
+    where a point raises, those of the points before it (the command line saves each point as it completes)."""
     points: int
     scenarios: list[str]
     max_new_tokens: int
@@ -198,15 +200,17 @@ class SweepJob:
                                           "unrecorded")
 
         ctx.progress(0.0, f"run 1 of {total}")
+        points, failure = [], ""
         try:
-            points = run_sweep(model, ctx.device, self.points, self.scenarios, params, label=self.label,
-                               progress=progress, cancel=ctx.cancel, on_text=on_text, splits=splits,
-                               on_settle=on_settle)
+            run_sweep(model, ctx.device, self.points, self.scenarios, params, label=self.label, progress=progress,
+                      cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=points.append)
+        except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
+            failure = f"{(getattr(exc, '__notes__', None) or ['before the first point'])[-1]}: {one_line(exc)}"
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
         result = SweepResult(points, planned, str(model.folder.folder), original.to_entries(),
                              length_note=reasoning_length_note(model.reasoning_answer_tokens,
-                                                               params.max_new_tokens))
+                                                               params.max_new_tokens), failure=failure)
         if not result.cancelled:
             history = History(self.history_path)
             result.saved_ids = [history.add(record) for point in points for record in point.records]

@@ -19,7 +19,7 @@ from engine.records.configurations import save_configuration
 from engine.records.lengths import SWEEP_TOKENS
 from engine.records.scenarios import SCENARIOS
 from engine.records.sweep import SweepPoint, reasoning_length_note, recommend, uses_projection
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 KIND = "sweeping"
 # (key, title, what a point gives, whether it is bytes: those are drawn in the unit that fits)
@@ -218,10 +218,28 @@ class SweepView(QWidget):
                                  "no recommendation.")
             self.bar.finish("Cancelled.")
             return
+        if result.failure:
+            self._failed_partway(result)
+            return
         self._recommend()
         note = result.length_note
         self.bar.finish(f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history."
                         + (f" {sentence(note)}" if note else ""))
+        if result.saved_ids:
+            self.recorded.emit(result.saved_ids)
+
+    def _failed_partway(self, result: SweepResult) -> None:
+        """A point raised: the points before it are drawn and saved, without a recommendation (the budgets above the
+        failed point were never timed), as the command line keeps them."""
+        self.recommended = None
+        self.save_button.setEnabled(False)
+        done = len(result.points)
+        kept = (f"the {counted(done, 'point')} before it {'is' if done == 1 else 'are'} shown, "
+                f"{counted(len(result.saved_ids), 'run')} saved to the history" if done
+                else "no point completed before it")
+        line = f"Failed {result.failure}; {kept}; no recommendation."
+        self.bar.finish(line)
+        self.failed.emit(line)
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)
 

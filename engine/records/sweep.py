@@ -183,25 +183,24 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
     # kernel 476 µs per step at the first point against 145 µs when repeated).
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
+    runs = 0
+
+    def on_run() -> None:
+        nonlocal runs
+        runs += 1
+        if progress:
+            progress(runs / total_runs)
+
     try:
         for index, (fraction, budget, split) in enumerate(plan):
-            model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget), layer_split=split)
-            held = model.offload.plan.budget_bytes  # less where the device has less free (the planner's clamp)
-            if held < budget:  # the point is what ran: its budget, share, label and the recommendation saved
-                budget, fraction = held, held / all_resident_bytes(model.offload.infos)
-            if on_settle:
-                on_settle(fraction, split)
-            point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
-            tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
-            for offset, scenario in enumerate(scenarios):
-                if cancel is not None and cancel.is_set():
-                    return results
-                point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel,
-                                                  on_text=on_text))
-                if cancel is not None and cancel.is_set():  # the point's last answer was cut short: not a result
-                    return results
-                if progress:
-                    progress((index * len(scenarios) + offset + 1) / total_runs)
+            try:
+                point = _run_point(model, device, fraction, budget, split, scenarios, params, label, cancel, on_text,
+                                   on_settle, on_run)
+            except Exception as exc:  # which point, for a caller that keeps the points before it (the window's sweep)
+                exc.add_note(f"at {fraction:.0%}{f' {split}' if split else ''}, point {index + 1} of {len(plan)}")
+                raise
+            if point is None:  # cancelled
+                return results
             results.append(point)
             if on_point:
                 on_point(point)
@@ -209,6 +208,28 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     finally:
         if model.offload.layer_split_mode != mode:
             model.offload.set_layer_split(mode)
+
+
+def _run_point(model: LoadedModel, device, fraction: float, budget: int, split: str | None, scenarios: list[str],
+               params: GenerationParams, label: str, cancel, on_text, on_settle, on_run) -> SweepPoint | None:
+    """Re-plan at `budget`, settle, run the scenarios (`on_run()` after each); None where cancelled (the point's last
+    answer cut short is not a result)."""
+    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget), layer_split=split)
+    held = model.offload.plan.budget_bytes  # less where the device has less free (the planner's clamp)
+    if held < budget:  # the point is what ran: its budget, share, label and the recommendation saved
+        budget, fraction = held, held / all_resident_bytes(model.offload.infos)
+    if on_settle:
+        on_settle(fraction, split)
+    point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
+    tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
+    for scenario in scenarios:
+        if cancel is not None and cancel.is_set():
+            return None
+        point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel, on_text=on_text))
+        if cancel is not None and cancel.is_set():
+            return None
+        on_run()
+    return point
 
 
 def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
