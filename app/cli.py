@@ -478,6 +478,10 @@ class _ProgressLine:
         elif fraction >= 1:
             print(f"{self.what}: done", file=sys.stderr, flush=True)
 
+    def say(self, text: str) -> None:
+        """A line of its own; on a terminal over the progress drawn so far (the next report draws it again below)."""
+        print(("\r" if self.terminal else "") + f"{self.what}: {text}", file=sys.stderr, flush=True)
+
 
 def _scenarios(name: str) -> list[str]:
     from engine.records.scenarios import SCENARIOS
@@ -553,10 +557,12 @@ def _cmd_sweep(args) -> int:
     def save(point) -> None:
         saved_ids.extend(history.add(record) for record in point.records)
 
+    progress = _ProgressLine("sweep")
     try:
         points = run_sweep(model, device, args.points, _scenarios(args.scenario),
-                           GenerationParams(max_new_tokens=args.max_new_tokens), progress=_ProgressLine("sweep"),
-                           splits=BOTH_SPLITS if args.both_splits else None, on_point=save)
+                           GenerationParams(max_new_tokens=args.max_new_tokens), progress=progress,
+                           splits=BOTH_SPLITS if args.both_splits else None, on_point=save,
+                           on_left_out=lambda note, _count: progress.say(note))
     except BaseException:
         if saved_ids:
             print(f"the sweep's {len(saved_ids)} finished runs are saved in the history (ids {saved_ids[0]} to "

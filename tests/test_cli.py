@@ -485,3 +485,19 @@ def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     assert header.split()[:3] == ["budget", "resident", "path"]
     paths = {line.split()[1]: line.split()[2] for line in lines[lines.index(header) + 1:]}
     assert paths == {"0%": "tier", "50%": "tier", "100%": "cpu"}
+
+
+def test_a_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(tmp_path, capsys):
+    """The other modes hold what the device has free where a point asks more (the planner's clamp); mode=required
+    refuses such a budget, so a sweep on a card smaller than the experts failed at its first such point. It ends there,
+    at what the card holds, and says which points it left out."""
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated",
+                             "--simulated-vram", str(1 << 20), "--offload", "mode=required", "--offload", "device_expert_bytes=70656",
+                             "--points", "9",
+                             "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--json")
+    assert status == 0, err
+    # 565,248 bytes of experts; the 1 MiB card holds 483,328 beside its staging ring (86%), less than 7/8's 494,592
+    assert [(p["budget_bytes"], round(p["fraction"], 3)) for p in json.loads(out)["points"]][-2:] == [
+        (423936, 0.75), (483328, 0.855)]
+    assert ("sweep: offload mode 'required' refuses a budget above the 472.0 KiB of experts the device holds (86%): "
+            "the sweep ends there, in place of 88%, and leaves out the point at 100%") in err

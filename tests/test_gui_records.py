@@ -584,3 +584,26 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
     assert view.recommended is None and not view.save_button.isEnabled()
     assert "Failed at 100%, point 3 of 3" in window.error_banner.text()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
+
+
+def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):
+    """Under mode=required the points above what the device holds are left out, not refused at the first: the sweep
+    is complete (saved, recommended), and its run line says which points it left out and why."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(800_000)  # holds 229 KiB of gptoss's 552 KiB of experts beside its staging ring
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="required", device_expert_bytes=2 * EXPERT),
+                             device=device)
+    said = []
+    result = SweepJob(5, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
+    assert [p.budget_bytes for p in result.points][2:] == [234752] and result.requested == 3
+    assert not result.cancelled and len(result.saved_ids) == 3 and said[-1] == "3 of 3 runs done"
+    assert model.offload.config.device_expert_bytes == 2 * EXPERT  # the user's budget, back
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    view.on_finished(result)
+    assert view.recommended is not None and view.bar.status.text() == (
+        "3 points; 3 runs saved to the history. Offload mode 'required' refuses a budget above the 229.2 KiB of "
+        "experts the device holds (42%): the sweep ends there, in place of 50%, and leaves out the points at 75%, "
+        "100%.")

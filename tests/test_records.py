@@ -830,3 +830,18 @@ def test_side_by_side_whose_margins_cannot_be_computed_keeps_both_answers(monkey
     comparison = compare(Side(exact, None, "exact"), Side(approximate, device, "approximate"), "Compare us", PARAMS)
     assert comparison.divergence == 0 and all(record.turns for record in comparison.records)
     assert comparison.margins is None and comparison.margins_failure == "MemoryError: std::bad_alloc"
+
+
+def test_a_sweep_under_mode_required_ends_at_what_the_device_holds_and_says_which_points_it_left_out():
+    device = SimulatedDevice(800_000)  # holds 229 KiB of gptoss's 552 KiB of experts beside its staging ring
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="required", device_expert_bytes=70656),
+                             device=device)
+    total = all_resident_bytes(model.offload.infos)
+    said = []
+    points = run_sweep(model, device, 5, ["short"], GenerationParams(max_new_tokens=2),
+                       on_left_out=lambda note, count: said.append((note, count)))
+    held = model.offload.plan.budget_bytes
+    assert held == 234752 and round(total / 4) < held < round(total / 2)
+    assert [p.budget_bytes for p in points[1:]] == [round(total / 4), held] and points[-1].fraction == held / total
+    assert said == [("offload mode 'required' refuses a budget above the 229.2 KiB of experts the device holds (42%): "
+                     "the sweep ends there, in place of 50%, and leaves out the points at 75%, 100%", 2)]

@@ -144,12 +144,14 @@ class ScenarioJob:
 @dataclass
 class SweepResult:
     points: list[SweepPoint]
-    requested: int              # the points the sweep planned (with both layer splits, two at some budgets)
+    requested: int              # the points the sweep planned (with both layer splits, two at some budgets), less
+                                # those it left out
     model_folder: str
     base_entries: dict          # the loaded configuration the sweep started from (restored after it)
     saved_ids: list[int] = field(default_factory=list)
     length_note: str = ""       # where the answers stopped inside a reasoning model's reasoning (reasoning_length_note)
     failure: str = ""           # the point that raised and why, one line ("at 75%, point 4 of 5: ..."); "" if none
+    left_out: str = ""          # the points above what the device holds under mode=required, and why (run_sweep)
 
     @property
     def cancelled(self) -> bool:
@@ -177,40 +179,48 @@ class SweepJob:
         params = greedy(self.max_new_tokens)
         original = model.offload.config
         splits = BOTH_SPLITS if self.both_splits else None
-        planned = len(sweep_plan(model, self.points, splits))
-        total = planned * len(self.scenarios)
+        planned, left_out = [len(sweep_plan(model, self.points, splits))], [""]
         tokens, done, last = [0], [0], [0.0]
+
+        def total() -> int:
+            return planned[0] * len(self.scenarios)
+
+        def on_left_out(note: str, count: int) -> None:
+            planned[0] -= count
+            left_out[0] = note
 
         def on_text(_token, _delta) -> None:
             tokens[0] += 1
             now = time.perf_counter()
             if now - last[0] >= REPORT_INTERVAL_S:
                 last[0] = now
-                ctx.progress(done[0] / total, f"run {min(done[0] + 1, total)} of {total} · {tokens[0]} tokens")
+                ctx.progress(done[0] / total(), f"run {min(done[0] + 1, total())} of {total()} · {tokens[0]} tokens")
 
         def progress(fraction: float) -> None:
-            done[0] = round(fraction * total)
-            ctx.progress(fraction, f"{done[0]} of {total} runs done")
+            done[0] = round(fraction * total())
+            ctx.progress(fraction, f"{done[0]} of {total()} runs done")
 
         def on_settle(fraction: float, split: str | None) -> None:  # up to 200 decode steps before the point's runs
             at = f"{fraction:.0%}" + (f" ({split})" if split else "")
             # back from every expert resident, the experts' mapping first (sweep.settle waits for it)
             first = "" if model.settled else "mapping its experts again after the re-plan, then "
-            ctx.progress(done[0] / total, f"at {at}: {first}decoding until the engine's trials of its ways are over, "
+            ctx.progress(done[0] / total(), f"at {at}: {first}decoding until the engine's trials of its ways are over, "
                                           "unrecorded")
 
-        ctx.progress(0.0, f"run 1 of {total}")
+        ctx.progress(0.0, f"run 1 of {total()}")
         points, failure = [], ""
         try:
             run_sweep(model, ctx.device, self.points, self.scenarios, params, label=self.label, progress=progress,
-                      cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=points.append)
+                      cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=points.append,
+                      on_left_out=on_left_out)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
             failure = f"{(getattr(exc, '__notes__', None) or ['before the first point'])[-1]}: {one_line(exc)}"
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
-        result = SweepResult(points, planned, str(model.folder.folder), original.to_entries(),
+        result = SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(),
                              length_note=reasoning_length_note(model.reasoning_answer_tokens,
-                                                               params.max_new_tokens), failure=failure)
+                                                               params.max_new_tokens), failure=failure,
+                             left_out=left_out[0])
         if not result.cancelled:
             history = History(self.history_path)
             result.saved_ids = [history.add(record) for point in points for record in point.records]

@@ -222,8 +222,9 @@ class SweepView(QWidget):
             self._failed_partway(result)
             return
         self._recommend()
-        note = result.length_note
+        note, left_out = result.length_note, result.left_out
         self.bar.finish(f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history."
+                        + (f" {left_out[:1].upper()}{left_out[1:]}." if left_out else "")
                         + (f" {sentence(note)}" if note else ""))
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)

@@ -20,6 +20,14 @@ class OffloadPlanError(WorkbenchError):
     """A configuration that cannot be honoured (required mode, a budget too small)."""
 
 
+class BudgetAboveFree(OffloadPlanError):
+    """Under mode=required, a budget above the `available` bytes the device has free (the other modes hold those)."""
+
+    def __init__(self, message: str, available: int):
+        super().__init__(message)
+        self.available = available
+
+
 @dataclass
 class OffloadPlan:
     placement_mode: str                  # "cpu_only", "all_resident" or "hybrid"
@@ -197,7 +205,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     clamped = budget > available
     if clamped:
         if config.mode == "required":
-            raise OffloadPlanError(f"device_expert_bytes={budget} exceeds the {available} bytes the device has free")
+            raise BudgetAboveFree(f"device_expert_bytes={budget} exceeds the {available} bytes the device has free",
+                                  available)
         budget = available
     limits = {}
     for info in runnable:

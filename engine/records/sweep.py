@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD
-from engine.offload.planner import all_resident_bytes, whole_layers_held
+from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
 from engine.records.scenarios import run_scenario
 from engine.records.schema import RunRecord
+from engine.units import human_bytes
 
 
 @dataclass
@@ -168,16 +169,22 @@ def _any_token(model: LoadedModel) -> int:
 
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
-              on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None) -> list[SweepPoint]:
+              on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None,
+              on_left_out=None) -> list[SweepPoint]:
     """Only complete points are returned: `cancel` (checked between tokens) ends the sweep early.
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
     split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command
     line saves its runs then: an interrupted sweep keeps them). `splits` (e.g. ("spread", "whole")): the layer splits
-    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards."""
+    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards.
+
+    A point whose budget the device cannot hold runs at what it holds (the point says so: its budget and share). Under
+    mode=required the sweep ends at that budget: the points above it would be refused, not reduced, and are left out;
+    `on_left_out(note, count)` as the sweep finds that, before the point runs (`note`: which points and why)."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     results = []
     plan = sweep_plan(model, points, splits)
+    ceiling = None  # under mode=required, the budget the device held less than: the points above it are left out
     total_runs = len(plan) * len(scenarios)
     mode = model.offload.layer_split_mode
     # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
@@ -193,9 +200,18 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
 
     try:
         for index, (fraction, budget, split) in enumerate(plan):
+            if ceiling is not None and budget > ceiling:
+                break
             try:
-                point = _run_point(model, device, fraction, budget, split, scenarios, params, label, cancel, on_text,
-                                   on_settle, on_run)
+                held = _replan(model, budget, split)
+                if held < budget and ceiling is None and model.offload.config.mode == "required":
+                    ceiling = budget
+                    left = [entry for entry in plan[index + 1:] if entry[1] > ceiling]
+                    total_runs -= len(left) * len(scenarios)
+                    if left and on_left_out:
+                        on_left_out(_left_out_note(model, held, fraction, left), len(left))
+                point = _run_point(model, device, held, fraction if held == budget else None, split, scenarios,
+                                   params, label, cancel, on_text, on_settle, on_run)
             except Exception as exc:  # which point, for a caller that keeps the points before it (the window's sweep)
                 exc.add_note(f"at {fraction:.0%}{f' {split}' if split else ''}, point {index + 1} of {len(plan)}")
                 raise
@@ -210,14 +226,33 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
             model.offload.set_layer_split(mode)
 
 
-def _run_point(model: LoadedModel, device, fraction: float, budget: int, split: str | None, scenarios: list[str],
-               params: GenerationParams, label: str, cancel, on_text, on_settle, on_run) -> SweepPoint | None:
-    """Re-plan at `budget`, settle, run the scenarios (`on_run()` after each); None where cancelled (the point's last
-    answer cut short is not a result)."""
-    model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget), layer_split=split)
-    held = model.offload.plan.budget_bytes  # less where the device has less free (the planner's clamp)
-    if held < budget:  # the point is what ran: its budget, share, label and the recommendation saved
-        budget, fraction = held, held / all_resident_bytes(model.offload.infos)
+def _replan(model: LoadedModel, budget: int, split: str | None) -> int:
+    """Re-plan at `budget`; the budget held, less where the device has less free: the planner holds what it has
+    (its clamp), and under mode=required, which refuses that, the sweep asks for what it has."""
+    config = model.offload.config.updated(device_expert_bytes=budget)
+    try:
+        model.offload.reconfigure(config, layer_split=split)
+    except BudgetAboveFree as exc:
+        model.offload.reconfigure(config.updated(device_expert_bytes=exc.available), layer_split=split)
+    return model.offload.plan.budget_bytes
+
+
+def _left_out_note(model: LoadedModel, held: int, fraction: float, left: list[tuple]) -> str:
+    """What a sweep under mode=required says where the device held less than the point at `fraction`."""
+    names = ", ".join(f"{share:.0%}" + (f" {split}" if split else "") for share, _budget, split in left)
+    return (f"offload mode 'required' refuses a budget above the {human_bytes(held)} of experts the device holds "
+            f"({held / all_resident_bytes(model.offload.infos):.0%}): the sweep ends there, in place of "
+            f"{fraction:.0%}, and leaves out the point{'s' if len(left) > 1 else ''} at {names}")
+
+
+def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, split: str | None,
+               scenarios: list[str], params: GenerationParams, label: str, cancel, on_text, on_settle,
+               on_run) -> SweepPoint | None:
+    """At the budget just planned (`fraction` None: its share of every expert resident, where it is less than the
+    point asked), settle, run the scenarios (`on_run()` after each); None where cancelled (the point's last answer
+    cut short is not a result)."""
+    if fraction is None:  # the point is what ran: its budget, share, label and the recommendation saved
+        fraction = budget / all_resident_bytes(model.offload.infos)
     if on_settle:
         on_settle(fraction, split)
     point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
