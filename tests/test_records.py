@@ -388,7 +388,8 @@ def test_recommendation_follows_the_projection_on_a_simulated_device():
                                {"completion_s": completion, "decode_tokens_per_s": 1,
                                 "projected": {"completion_s": projected, "decode_tokens_per_s": 2,
                                               "prefill_s": 0.1, "bandwidths": {}}},
-                               {"device_bytes": budget, "rss_bytes": 1})]
+                               {"device_bytes": budget, "rss_bytes": 1},
+                               turns=[{"generated_tokens": 3, "timings": {"decode_s": 2.0}}])]  # 2 decoded: 1 tok/s
         return p
 
     # measured: slower with more resident (the CPU stands in for the card); projected: the card's way
@@ -845,3 +846,22 @@ def test_a_sweep_under_mode_required_ends_at_what_the_device_holds_and_says_whic
     assert [p.budget_bytes for p in points[1:]] == [round(total / 4), held] and points[-1].fraction == held / total
     assert said == [("offload mode 'required' refuses a budget above the 229.2 KiB of experts the device holds (42%): "
                      "the sweep ends there, in place of 50%, and leaves out the points at 75%, 100%", 2)]
+
+
+def test_a_sweep_points_decode_rate_is_its_decoded_tokens_over_their_decode_time():
+    """A short run (10 tokens decoded in 0.1 s) and a multiturn one (600 in 12 s) at one point: the point decodes
+    610 tokens in 12.1 s, 50.4 tok/s, where the mean of the two runs' rates said 75 (the short one weighed as much as
+    six answers); the projected rate likewise (the runs' projected decode times: their tokens over their rates)."""
+    def run(answers: int, tokens: int, seconds: float, projected: float) -> SimpleNamespace:
+        turns = [{"generated_tokens": tokens + 1, "timings": {"decode_s": seconds}}] * answers
+        return SimpleNamespace(turns=turns, timings={"decode_tokens_per_s": tokens / seconds if seconds else None, "completion_s": 1.0,
+                                                     "projected": {"decode_tokens_per_s": projected,
+                                                                   "completion_s": 1.0}},
+                               peaks={"device_bytes": 0, "rss_bytes": 0}, offload={})
+
+    point = SweepPoint(0, 0.0, records=[run(1, 10, 0.1, 200.0), run(6, 100, 2.0, 100.0)])
+    assert point.decode_tokens_per_s == pytest.approx(610 / 12.1)
+    assert point.as_dict()["decode_tokens_per_s"] == point.decode_tokens_per_s
+    assert point.projected_decode_tokens_per_s == pytest.approx(610 / (10 / 200 + 600 / 100))
+    # no decode step at all (one-token answers): no rate, as before
+    assert SweepPoint(0, 0.0, records=[run(1, 0, 0.0, None)]).decode_tokens_per_s == 0.0

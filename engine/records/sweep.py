@@ -37,8 +37,10 @@ class SweepPoint:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        rates = [r.timings["decode_tokens_per_s"] for r in self.records if r.timings["decode_tokens_per_s"]]
-        return sum(rates) / len(rates) if rates else 0.0
+        """The point's decoded tokens over their decode time, every run's turns together (not the mean of the runs'
+        rates, where a short run's one answer weighed as much as a multiturn run's six)."""
+        seconds = sum(turn["timings"]["decode_s"] for r in self.records for turn in r.turns)
+        return sum(_decoded_tokens(r) for r in self.records) / seconds if seconds else 0.0
 
     @property
     def projected(self) -> bool:
@@ -56,9 +58,11 @@ class SweepPoint:
     def projected_decode_tokens_per_s(self) -> float | None:
         if not self.projected:
             return None
-        rates = [r.timings["projected"]["decode_tokens_per_s"] for r in self.records
+        # a record keeps its projected rate, not its projected decode time: that is its decoded tokens over the rate
+        timed = [(_decoded_tokens(r), r.timings["projected"]["decode_tokens_per_s"]) for r in self.records
                  if r.timings["projected"].get("decode_tokens_per_s")]
-        return sum(rates) / len(rates) if rates else 0.0
+        seconds = sum(tokens / rate for tokens, rate in timed)
+        return sum(tokens for tokens, _rate in timed) / seconds if seconds else 0.0
 
     @property
     def ranking_completion_s(self) -> float:
@@ -85,6 +89,11 @@ class SweepPoint:
                     "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
                     "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
                    if self.projected else {})}
+
+
+def _decoded_tokens(record: RunRecord) -> int:
+    """The tokens a run decoded: each answer's after its first (the prefill gives that), as its rate counts them."""
+    return sum(max(0, turn["generated_tokens"] - 1) for turn in record.turns)
 
 
 def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]]:
