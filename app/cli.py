@@ -528,7 +528,7 @@ def _cmd_sweep(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.configurations import save_configuration
     from engine.records.history import History
-    from engine.records.sweep import reasoning_length_note, recommend, run_sweep, uses_projection
+    from engine.records.sweep import fitting_scenarios, reasoning_length_note, recommend, run_sweep, uses_projection
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
@@ -549,6 +549,9 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    scenarios, skipped = fitting_scenarios(model, _scenarios(args.scenario), args.max_new_tokens)
+    if skipped:
+        print(f"sweep: {skipped}", file=sys.stderr, flush=True)
     note = reasoning_length_note(model.reasoning_answer_tokens, args.max_new_tokens)
     if note:
         print(f"sweep: {note}; --max-new-tokens sets another", file=sys.stderr, flush=True)
@@ -559,7 +562,7 @@ def _cmd_sweep(args) -> int:
 
     progress = _ProgressLine("sweep")
     try:
-        points = run_sweep(model, device, args.points, _scenarios(args.scenario),
+        points = run_sweep(model, device, args.points, scenarios,
                            GenerationParams(max_new_tokens=args.max_new_tokens), progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save,
                            on_left_out=lambda note, _count: progress.say(note))

@@ -501,3 +501,23 @@ def test_a_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds
         (423936, 0.75), (483328, 0.855)]
     assert ("sweep: offload mode 'required' refuses a budget above the 472.0 KiB of experts the device holds (86%): "
             "the sweep ends there, in place of 88%, and leaves out the point at 100%") in err
+
+
+def test_a_sweep_skips_a_scenario_its_context_cannot_hold_before_its_first_point(tmp_path, capsys):
+    """The long input needs 2,000 tokens and the answer beside it: on gptoss's 2,048-token context with 60-token
+    answers `--scenario all` refused it only at the first point, after the warm-up and the point's short run. It is
+    skipped before the sweep starts, as the window's Record skips it, and said in one line; asked alone it is refused
+    in one line, before any run."""
+    from engine.records.history import History
+
+    gptoss, history = str(fixture_folder("gptoss")), tmp_path / "h.sqlite"
+    common = ("--device", "simulated", "--points", "2", "--max-new-tokens", "60", "--history", str(history))
+    status, _out, err = _main(capsys, "sweep", gptoss, "--scenario", "long", *common)
+    assert status == 2 and err.strip().splitlines() == [
+        "moe-workbench: error: the long-input scenario needs a context of at least 2060 tokens; the model has 2048"]
+    assert History(history).rows() == []
+    status, _out, err = _main(capsys, "sweep", gptoss, "--scenario", "all", *common)
+    assert status == 0, err
+    assert err.splitlines()[0] == ("sweep: skipped long: the long-input scenario needs a context of at least 2060 "
+                                   "tokens; the model has 2048")
+    assert sorted(row["scenario"] for row in History(history).rows()) == ["multiturn"] * 2 + ["short"] * 2

@@ -607,3 +607,31 @@ def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_car
         "3 points; 3 runs saved to the history. Offload mode 'required' refuses a budget above the 229.2 KiB of "
         "experts the device holds (42%): the sweep ends there, in place of 50%, and leaves out the points at 75%, "
         "100%.")
+
+
+def test_a_window_sweep_skips_a_scenario_its_context_cannot_hold_as_record_does(qtbot, tmp_path):
+    """All scenarios with 60-token answers on gptoss's 2,048-token context: the long input does not fit beside them.
+    The sweep skips it before its first point (it failed at that point, after the point's short run), as Record skips
+    it, and its run line says so."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=3 * EXPERT),
+                             device=device)
+    said = []
+    result = SweepJob(2, ["short", "long", "multiturn"], 60, history_path=str(tmp_path / "h.sqlite"))(
+        _sweep_context(model, device, said))
+    assert not result.failure and not result.cancelled and len(result.saved_ids) == 4
+    assert [[r.scenario for r in p.records] for p in result.points] == [["short", "multiturn"]] * 2
+    assert said[0] == "run 1 of 4" and said[-1] == "4 of 4 runs done"
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    errors = []
+    view.failed.connect(errors.append)
+    view.on_finished(result)
+    assert view.bar.status.text() == (
+        "2 points; 4 runs saved to the history. Skipped long: the long-input scenario needs a context of at least 2060 "
+        "tokens; the model has 2048.")
+    assert errors == ["Skipped long: the long-input scenario needs a context of at least 2060 tokens; the model has "
+                      "2048"]

@@ -865,3 +865,21 @@ def test_a_sweep_points_decode_rate_is_its_decoded_tokens_over_their_decode_time
     assert point.projected_decode_tokens_per_s == pytest.approx(610 / (10 / 200 + 600 / 100))
     # no decode step at all (one-token answers): no rate, as before
     assert SweepPoint(0, 0.0, records=[run(1, 0, 0.0, None)]).decode_tokens_per_s == 0.0
+
+
+def test_a_sweep_refuses_a_scenario_its_context_cannot_hold_before_its_first_run(monkeypatch):
+    import engine.records.sweep as sweep
+    from engine.errors import PromptError
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    ran = []
+    monkeypatch.setattr(sweep, "run_scenario", lambda *args, **kwargs: ran.append(args[1]))
+    with pytest.raises(PromptError, match="^the long-input scenario needs a context of at least 2060 tokens; the "
+                                          "model has 2048$"):
+        run_sweep(model, device, 2, ["short", "long"], GenerationParams(max_new_tokens=60))
+    assert ran == []  # it was refused at the first point, after the warm-up and the short run
+    assert sweep.fitting_scenarios(model, ["short", "long", "multiturn"], 60) == (
+        ["short", "multiturn"], "skipped long: the long-input scenario needs a context of at least 2060 tokens; the "
+                                "model has 2048")
+    assert sweep.fitting_scenarios(model, ["short", "long"], 48) == (["short", "long"], "")  # 2,000 + 48 fit

@@ -23,7 +23,7 @@ from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_to
 from engine.records.schema import RunRecord
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
-from engine.records.sweep import SweepPoint, reasoning_length_note, run_sweep, sweep_plan
+from engine.records.sweep import SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep, sweep_plan
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
@@ -152,6 +152,7 @@ class SweepResult:
     length_note: str = ""       # where the answers stopped inside a reasoning model's reasoning (reasoning_length_note)
     failure: str = ""           # the point that raised and why, one line ("at 75%, point 4 of 5: ..."); "" if none
     left_out: str = ""          # the points above what the device holds under mode=required, and why (run_sweep)
+    skipped: str = ""           # the scenarios the model's context cannot hold, and why (fitting_scenarios)
 
     @property
     def cancelled(self) -> bool:
@@ -177,13 +178,14 @@ class SweepJob:
             raise WorkbenchError("A budget sweep needs a device for resident experts: load the model with a "
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
         params = greedy(self.max_new_tokens)
+        scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
         original = model.offload.config
         splits = BOTH_SPLITS if self.both_splits else None
         planned, left_out = [len(sweep_plan(model, self.points, splits))], [""]
         tokens, done, last = [0], [0], [0.0]
 
         def total() -> int:
-            return planned[0] * len(self.scenarios)
+            return planned[0] * len(scenarios)
 
         def on_left_out(note: str, count: int) -> None:
             planned[0] -= count
@@ -210,7 +212,7 @@ class SweepJob:
         ctx.progress(0.0, f"run 1 of {total()}")
         points, failure = [], ""
         try:
-            run_sweep(model, ctx.device, self.points, self.scenarios, params, label=self.label, progress=progress,
+            run_sweep(model, ctx.device, self.points, scenarios, params, label=self.label, progress=progress,
                       cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=points.append,
                       on_left_out=on_left_out)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
@@ -220,7 +222,7 @@ class SweepJob:
         result = SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(),
                              length_note=reasoning_length_note(model.reasoning_answer_tokens,
                                                                params.max_new_tokens), failure=failure,
-                             left_out=left_out[0])
+                             left_out=left_out[0], skipped=skipped)
         if not result.cancelled:
             history = History(self.history_path)
             result.saved_ids = [history.add(record) for point in points for record in point.records]

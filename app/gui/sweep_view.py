@@ -222,10 +222,12 @@ class SweepView(QWidget):
             self._failed_partway(result)
             return
         self._recommend()
-        note, left_out = result.length_note, result.left_out
-        self.bar.finish(f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history."
-                        + (f" {left_out[:1].upper()}{left_out[1:]}." if left_out else "")
-                        + (f" {sentence(note)}" if note else ""))
+        note = result.length_note
+        lines = [line[:1].upper() + line[1:] for line in (result.skipped, result.left_out) if line]
+        self.bar.finish(" ".join([f"{len(result.points)} points; {len(result.saved_ids)} runs saved to the history.",
+                                  *(f"{line}." for line in lines)] + ([sentence(note)] if note else [])))
+        if result.skipped:  # in the error banner too, as Record says a scenario it skips
+            self.failed.emit(lines[0])
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from engine.errors import PromptError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
-from engine.records.scenarios import run_scenario
+from engine.records.scenarios import run_scenario, scenario_turns
 from engine.records.schema import RunRecord
 from engine.units import human_bytes
 
@@ -127,6 +128,23 @@ def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None =
     return plan
 
 
+def fitting_scenarios(model: LoadedModel, scenarios: list[str], max_new_tokens: int) -> tuple[list[str], str]:
+    """The scenarios whose input and answers the model's context holds, and a line naming those it does not (the long
+    input on a short context) and why, "" where all fit: a sweep skips them, as the window's Record does, rather than
+    refusing them at its first point. None that fits is a PromptError."""
+    fits, skipped = [], []
+    for name in scenarios:
+        try:
+            scenario_turns(name, model.tokenizer, model.config.context_length, max_new_tokens)
+        except PromptError as exc:
+            skipped.append((name, str(exc)))
+            continue
+        fits.append(name)
+    if not fits:
+        raise PromptError("; ".join(reason for _name, reason in skipped))
+    return fits, "; ".join(f"skipped {name}: {reason}" for name, reason in skipped)
+
+
 def reasoning_length_note(own: int | None, max_new_tokens: int) -> str:
     """What to say where a sweep's answer length stops a model that reasons first inside its reasoning (`own`: its
     LoadedModel.reasoning_answer_tokens, None for a model that answers at once). A sweep keeps the length it is given
@@ -191,6 +209,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     `on_left_out(note, count)` as the sweep finds that, before the point runs (`note`: which points and why)."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
+    for name in scenarios:  # one the context cannot hold refused before the first point (fitting_scenarios skips it)
+        scenario_turns(name, model.tokenizer, model.config.context_length, params.max_new_tokens)
     results = []
     plan = sweep_plan(model, points, splits)
     ceiling = None  # under mode=required, the budget the device held less than: the points above it are left out
