@@ -90,7 +90,7 @@ class Nvml:
         except Exception:
             util = None
         me = os.getpid()
-        this, top, known = 0, [], True
+        this, top, known, listed_me = 0, [], True, False
         for proc in self._processes():
             used = getattr(proc, "usedGpuMemory", None)
             if used is None:
@@ -98,8 +98,13 @@ class Nvml:
                 continue
             if proc.pid == me:
                 this += int(used)
+                listed_me = True
             else:
                 top.append({"pid": proc.pid, "name": _process_name(proc.pid), "bytes": int(used)})
+        if not listed_me and any(not psutil.pid_exists(p["pid"]) for p in top):
+            # NVML gives the host's pids: in a container's pid namespace this process is listed under one this system
+            # does not have, and which one is not known, so its memory must not be counted as the others'
+            known, top = False, []
         top.sort(key=lambda p: -p["bytes"])
         used = int(memory.used)
         return {"name": self.name, "total": int(memory.total), "used": used, "free": int(memory.free),

@@ -45,7 +45,7 @@ class FakeNvml:
 def test_nvml_sample_splits_this_process_from_others(monkeypatch):
     import os
 
-    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 6 << 30), (999_999_999, 20 << 30)]))
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 6 << 30), (os.getppid(), 20 << 30)]))
     sample = nvml.Nvml().sample()
     assert sample["name"] == "NVIDIA Test GPU" and sample["util"] == 42.0
     assert sample["this"] == 6 << 30 and sample["others"] == 24 << 30 and sample["free"] == 50 << 30
@@ -53,6 +53,19 @@ def test_nvml_sample_splits_this_process_from_others(monkeypatch):
     monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
     hidden = nvml.Nvml().sample()
     assert not hidden["per_process"] and hidden["this"] == 0 and hidden["others"] == 30 << 30
+
+
+def test_in_a_containers_pid_namespace_this_process_vram_is_not_counted_as_the_others(monkeypatch):
+    """NVML gives the host's pids: in a container none is this process's, though one of them is this process. Its
+    20 GiB read as another process's ("Other processes hold 20.0 GiB of the GPU's 80.0 GiB: pid 999999999"), a
+    warning about the model's own memory while it generated."""
+    from app.gui.contention import check_sample
+
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(999_999_999, 20 << 30)]))  # no such pid on this system
+    sample = nvml.Nvml().sample()
+    assert not sample["per_process"] and sample["this"] == 0 and sample["top"] == []
+    calm = {"cpu_per_core": [10.0] * 8, "others_cpu_cores": 0.0, "ram_total": 100, "ram_available": 50}
+    assert check_sample(dict(calm, gpu=sample)) == []
 
 
 def test_no_nvidia_gpu_says_why(monkeypatch):

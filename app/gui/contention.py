@@ -60,7 +60,8 @@ def check_sample(sample: dict) -> list[str]:
                         + (("; largest other processes: " + _names(top, _ram)) if top else "")
                         + ".")
     gpu = sample.get("gpu")
-    # where the driver hides per-process memory (a container), NVML's "others" is all that is used, ours included
+    # where NVML cannot say which process holds what (a driver that hides it, a container's pid namespace), its
+    # "others" is all that is used, ours included
     if (gpu and gpu.get("per_process", True) and gpu.get("total")
             and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
         top = gpu.get("top", [])

@@ -266,7 +266,7 @@ class GraphsPanel(QWidget):
             self.curves["vram_used"].setData(x, used)
             self.curves["vram_total"].setData(x, total)
             self.vram_plot.setYRange(0, max(total.max(), 0.1) * 1.02, padding=0)
-            per = "" if gpu.get("per_process", True) else " (driver hides per-process use)"
+            per = "" if gpu.get("per_process", True) else " (ours included: the driver does not say whose)"
             self.vram_plot.header.setText(
                 _title(f"VRAM — {gpu.get('name', 'GPU')}", [(t.accent, f"this process {gpu['this'] / GIB:.2f}"),
                                                           (t.others, f"others {gpu['others'] / GIB:.2f}{per}"),
