@@ -20,6 +20,7 @@ from PySide6.QtGui import QDropEvent, QPalette  # noqa: E402
 from PySide6.QtWidgets import QLabel  # noqa: E402
 
 from app.gui.collector import due_generation  # noqa: E402
+from app.gui.contention import CALM_SAMPLES  # noqa: E402
 from app.gui.engine_worker import threads_sentence  # noqa: E402
 from app.gui.main_window import MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
@@ -770,7 +771,33 @@ def test_contention_banner_names_the_processes(qtbot, window):
     assert "fell to 4.00 GB/s from 10.00 GB/s" in window.contention_banner.text()
     for rate in (10e9,) * 5:  # the CPU's throughput back, the other processes quiet: the banner goes
         window.watch.add(rate)
-    window._on_sample(dict(sample, others_cpu_cores=0.0, top_cpu=[]))
+    for _ in range(CALM_SAMPLES):
+        window._on_sample(dict(sample, others_cpu_cores=0.0, top_cpu=[]))
+    assert not window.contention_banner.isVisible()
+    window._on_busy("")
+
+
+def test_a_competitor_at_the_threshold_keeps_the_banner_up_instead_of_blinking_it(qtbot, window):
+    """A build between its compile jobs takes 1.1 cores one second and 0.3 the next: the banner came and went every
+    second (and the chat under it moved each time). A warning raised stays until several samples in a row are calm."""
+    window._on_busy("generating")
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [90.0, 95.0], "cpu_total": 92.0, "others_cpu_cores": 1.1,
+              "top_cpu": [{"pid": 7, "name": "cc1plus", "cores": 1.0, "rss": 1 << 28}], "top_ram": [],
+              "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+              "gpu": None, "gpu_note": "no NVIDIA GPU"}
+    calm = dict(sample, others_cpu_cores=0.3, top_cpu=[])
+    seen = []
+    for others in (sample, calm, sample, calm, calm, sample, calm):
+        window._on_sample(others)
+        seen.append(window.contention_banner.isVisible())
+    assert seen == [True] * 7 and "cc1plus" in window.contention_banner.text()
+    for _ in range(CALM_SAMPLES - 1):
+        window._on_sample(calm)
+    assert not window.contention_banner.isVisible()  # calm for CALM_SAMPLES samples in a row: it goes
+    window._on_sample(sample)
+    window._on_busy("")
+    window._on_busy("generating")  # a new answer starts with no banner, and a calm first sample raises none
+    window._on_sample(calm)
     assert not window.contention_banner.isVisible()
     window._on_busy("")
 

@@ -21,6 +21,7 @@ HOST_AVAILABLE_SHARE = 0.10   # less host memory available than this share of th
 VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's memory
 CPU_STEAL_SHARE = 0.10        # a virtual machine's CPUs losing this share of their time to other guests
 THROUGHPUT_DROP = 0.50        # current / start below this: warn
+CALM_SAMPLES = 3              # calm samples in a row before a raised warning comes down
 
 
 def _cpu(p: dict) -> str:
@@ -68,6 +69,26 @@ def check_sample(sample: dict) -> list[str]:
         warnings.append(f"Other processes hold {human_bytes(gpu['others'])} of the GPU's {human_bytes(gpu['total'])}"
                         + ((": " + _names(top, _vram)) if top else "") + ".")
     return warnings
+
+
+@dataclass
+class WarningHold:
+    """The warnings the banner shows: the latest raised stay up until CALM_SAMPLES samples in a row are calm, so a
+    competitor hovering at a threshold (a build between its compile jobs) does not blink the banner every second."""
+    shown: list[str] = field(default_factory=list)
+    calm: int = 0
+
+    def reset(self) -> None:
+        self.shown, self.calm = [], 0
+
+    def update(self, warnings: list[str]) -> list[str]:
+        if warnings:
+            self.shown, self.calm = list(warnings), 0
+        elif self.shown:
+            self.calm += 1
+            if self.calm >= CALM_SAMPLES:
+                self.reset()
+        return self.shown
 
 
 @dataclass

@@ -21,7 +21,7 @@ from app.gui import theme
 from app.gui.budget_panel import BudgetPanel
 from app.gui.chat_panel import ChatPanel
 from app.gui.collector import GuiCollector
-from app.gui.contention import ThroughputWatch, check_sample
+from app.gui.contention import ThroughputWatch, WarningHold, check_sample
 from app.gui.contention_view import ContentionView
 from app.gui.engine_worker import WorkerThread
 from app.gui.graphs_panel import GraphsPanel
@@ -87,6 +87,7 @@ class MainWindow(QMainWindow):
         self.engine_stopped = True  # False: the engine's thread was still in a call when the window closed
         self._pending_demo_load = False
         self.watch = ThroughputWatch()
+        self.warnings = WarningHold()
 
         self._worker_thread = WorkerThread(demo_dir)
         self.worker = self._worker_thread.worker
@@ -516,6 +517,7 @@ class MainWindow(QMainWindow):
         self.graphs.set_answering(activity == "generating")
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
+            self.warnings.reset()  # the banner speaks of this answer (_send took the last one's down)
         elif previous == "generating":
             self.graphs.add_marker("answer", "generate")
         if activity in JOB_LABELS:
@@ -641,10 +643,10 @@ class MainWindow(QMainWindow):
             slow = self.watch.warning()
             if slow:
                 warnings.append(slow)
-            self.show_contention(warnings)
+            self.show_contention(self.warnings.update(warnings))
 
     def show_contention(self, warnings: list[str]) -> None:
-        """The warnings of a sample taken while generating; a calm one takes the banner down (it stayed up, saying
+        """The warnings held up while generating (WarningHold); none takes the banner down (it stayed up, saying
         other processes used the cores, until the next answer started)."""
         if not warnings:
             self.contention_banner.hide()
