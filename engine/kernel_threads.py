@@ -10,10 +10,12 @@ decoded 1.14-1.66x as many tokens a second under it as on both cores beside one 
 
 So in automatic mode the count follows the cores the others leave. At a safe point between decoder steps, once
 `window_s` has passed, the other processes' share of all CPUs' time over the window (engine/host_load.py) is read as
-busy cores, rounded, and taken off the cores. The count changes when two windows in a row ask for the same new
-count: a burst of a few hundred milliseconds moves nothing. Rounding, not ceiling: a process that would keep a core
-busy shows as 0.55-0.85 of one while two threads of ours compete with it on two cores (1.0 once we leave it the
-core), and a desktop's background of a few tenths of a core should cost no thread.
+busy CPUs of the machine, rounded, and the count is the CPUs they leave, at most the kernels' cores (fewer than the
+machine's under NUMBA_NUM_THREADS or an affinity: a share of all CPUs read against those alone took a build on 8 of
+16 CPUs for 2 of 4 busy). The count changes when two windows in a row ask for the same new count: a burst of a few
+hundred milliseconds moves nothing. Rounding, not ceiling: a process that would keep a core busy shows as 0.55-0.85
+of one while two threads of ours compete with it on two cores (1.0 once we leave it the core), and a desktop's
+background of a few tenths of a core should cost no thread.
 
 Decoders of this process that step at the same time (a side-by-side chat answered at once) share what is left: each
 automatic count takes an equal part of those cores. Their own threads are not "other processes", and two OpenMP pools
@@ -30,6 +32,7 @@ import time
 import weakref
 
 import numba
+import psutil
 
 from engine.host_load import HostLoadMeter
 from engine.ort_env import cpu_threads
@@ -54,6 +57,7 @@ class KernelThreads:
                  clock=time.monotonic, window_s: float = WINDOW_S):
         self.runners = list(runners)
         self.cores = cores or min(cpu_threads(), numba.config.NUMBA_NUM_THREADS)  # the most the kernels can take
+        self.cpus = max(self.cores, psutil.cpu_count() or 1)  # the machine's, whose time the meter's shares are of
         self._new_meter, self._clock, self.window_s = meter, clock, window_s
         self.others_cores = 0.0  # cores the other processes kept busy in the last window (automatic mode)
         self.changes = 0  # times the automatic count moved
@@ -119,8 +123,9 @@ class KernelThreads:
     def _wanted(self, others: float, now: float) -> int:
         """The count a window in which other processes used `others` of the CPUs' time asks for (noted in
         others_cores), shared with this process's decoders stepping at the same time."""
-        self.others_cores = others * self.cores
-        return max(1, threads_for(self.cores, others) // (1 + self._decoding_beside(now)))
+        self.others_cores = others * self.cpus
+        left = threads_for(self.cpus, others) // (1 + self._decoding_beside(now))
+        return max(1, min(self.cores, left))
 
     def _decoding_beside(self, now: float) -> int:
         """This process's other automatic counts whose decoders ended a step within the last window."""

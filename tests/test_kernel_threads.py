@@ -66,6 +66,19 @@ def test_the_cores_are_at_most_numbas_threads(monkeypatch):
     assert KernelThreads(runners()).cores == 1 and KernelThreads(runners(), cores=4).cores == 4
 
 
+def test_kernels_capped_below_the_machines_cpus_count_the_busy_cores_of_the_machine(monkeypatch):
+    """The other processes' share is of all the machine's CPUs' time. With the kernels held to 4 of 16 CPUs
+    (NUMBA_NUM_THREADS=4, or an affinity), a build on 8 of them read as 0.5 x 4 = 2 busy cores: the count fell to 2
+    threads with 8 CPUs idle, and the statistics said 2.0 cores busy."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16)
+    clock = Clock()
+    threads = KernelThreads(runners(), 0, cores=4, meter=ScriptedLoad(0.5, 0.5, 0.8, 0.8), clock=clock)
+    assert windows(threads, clock, 2) == [4, 4] and threads.state()["others_busy_cores"] == 8.0
+    assert windows(threads, clock, 2) == [4, 3]  # 12.8 busy of 16: 3 left
+
+
 def test_the_count_moves_after_two_windows_that_agree_and_comes_back():
     load, clock, nodes = ScriptedLoad(0.0, 0.5, 0.5, 0.5, 0.0, 0.0), Clock(), runners()
     threads = KernelThreads(nodes, 0, cores=4, meter=load, clock=clock)
