@@ -547,13 +547,9 @@ def test_a_replan_refused_for_its_popularity_file_leaves_the_old_plan_in_force(m
     assert (engine.config, [layer.num_slots for layer in engine.slots]) == before
 
 
-def test_a_replan_the_device_cannot_hold_leaves_the_old_plan_in_force(model_folder, cpu_run, monkeypatch):
-    """The device may hold less when the slots are made than the plan counted on (another process took memory since):
-    the re-plan is refused in one line and the configuration in force stays, with its slots, residents, device
-    memory and answers. The first slots made went, the plan was the new one and the config the old."""
-    from engine.offload.device_memory import DeviceMemoryError
-    from engine.offload.devices import SimulatedSlots
-
+def model_with_two_slots(model_folder):
+    """The model on a simulated device with two expert slots a layer; one slot's bytes; and a function giving what a
+    re-plan that fails must leave as it was: config, plan, residents, slots, device memory and its purposes."""
     per_expert = device_expert_bytes(model_folder) // (16 * SPEC.layers)  # one device slot
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=2 * per_expert), device=device)
@@ -564,6 +560,18 @@ def test_a_replan_the_device_cannot_hold_leaves_the_old_plan_in_force(model_fold
                 [store.num_slots for store in engine.stores], device.memory.used,
                 {k: v for k, v in device.memory.by_purpose.items() if v})
 
+    return model, per_expert, state
+
+
+def test_a_replan_the_device_cannot_hold_leaves_the_old_plan_in_force(model_folder, cpu_run, monkeypatch):
+    """The device may hold less when the slots are made than the plan counted on (another process took memory since):
+    the re-plan is refused in one line and the configuration in force stays, with its slots, residents, device
+    memory and answers. The first slots made went, the plan was the new one and the config the old."""
+    from engine.offload.device_memory import DeviceMemoryError
+    from engine.offload.devices import SimulatedSlots
+
+    model, per_expert, state = model_with_two_slots(model_folder)
+    engine = model.offload
     before = state()
     real_resize, taken = SimulatedSlots.resize, []
 
@@ -790,15 +798,8 @@ def test_a_replan_whose_copy_into_ram_fails_midway_leaves_the_old_configuration_
     half copied, none marked copied without its copy), and the same answers."""
     from engine.expert_node import CpuExpertNode
 
-    per_expert = device_expert_bytes(model_folder) // (16 * SPEC.layers)
-    device = SimulatedDevice(1 << 30)
-    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=2 * per_expert), device=device)
+    model, per_expert, state = model_with_two_slots(model_folder)
     engine = model.offload
-
-    def state():
-        return (engine.config, engine.plan, [layer.expert_in.tolist() for layer in engine.slots],
-                [store.num_slots for store in engine.stores], device.memory.used,
-                {k: v for k, v in device.memory.by_purpose.items() if v})
 
     def copied():  # per node: marked in RAM, and its tensors RAM copies (not views of the file)
         return [(runner.in_memory, any(t.flags.owndata for t in runner.tensors.values() if t is not None))
