@@ -422,13 +422,31 @@ def test_a_sweep_point_is_the_budget_the_device_held_where_it_holds_less_than_as
     device = SimulatedDevice(1 << 20)  # 1 MiB: not every expert of gptoss beside its staging ring
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
     total = all_resident_bytes(model.offload.infos)
-    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2))
+    said = []
+    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2),
+                       on_left_out=lambda note, count: said.append((note, count)))
     held = model.offload.plan.budget_bytes  # the last point's plan: the device's free memory, not the budget asked
-    assert held < total
+    assert held < total and not said  # the last point asked more: nothing above it to leave out
     # it said 100% of the experts and the budget asked, and recommended and saved a budget that never ran
     assert (points[-1].budget_bytes, points[-1].fraction) == (held, held / total)
     assert points[-1].records[0].label == f"sweep {held / total:.0%}"
     assert [p.budget_bytes for p in points[:2]] == [0, round(total / 2)]  # those the device held are as asked
+
+
+def test_a_sweep_ends_at_what_the_device_holds_rather_than_run_that_budget_again_for_each_point_above_it():
+    """On a card that holds 42% of the experts, a five-point sweep ran 50%, 75% and 100% each at the same held budget:
+    three identical points (times, plot, records). It runs the held budget once, in place of 50%, and says which points
+    it left out and why."""
+    device = SimulatedDevice(800_000)  # holds 229 KiB of gptoss's 552 KiB of experts beside its staging ring
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    total = all_resident_bytes(model.offload.infos)
+    said = []
+    points = run_sweep(model, device, 5, ["short"], GenerationParams(max_new_tokens=2),
+                       on_left_out=lambda note, count: said.append((note, count)))
+    held = model.offload.plan.budget_bytes
+    assert [p.budget_bytes for p in points] == [0, round(total / 4), held] and held < round(total / 2)
+    assert said == [("a budget above the 229.2 KiB of experts the device holds (42%) runs at that budget again: the "
+                     "sweep ends there, in place of 50%, and leaves out the points at 75%, 100%", 2)]
 
 
 def test_a_sweep_under_mode_required_starts_from_the_smallest_budget_it_admits_and_hands_each_point_on():

@@ -204,16 +204,17 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     line saves its runs then: an interrupted sweep keeps them). `splits` (e.g. ("spread", "whole")): the layer splits
     to compare at each budget (sweep_plan); the model's own layer split is put back afterwards.
 
-    A point whose budget the device cannot hold runs at what it holds (the point says so: its budget and share). Under
-    mode=required the sweep ends at that budget: the points above it would be refused, not reduced, and are left out;
-    `on_left_out(note, count)` as the sweep finds that, before the point runs (`note`: which points and why)."""
+    A point whose budget the device cannot hold runs at what it holds (the point says so: its budget and share), and
+    the sweep ends there: the points above it would run at that budget again (under mode=required they would be
+    refused, not reduced). They are left out; `on_left_out(note, count)` as the sweep finds that, before the point
+    runs (`note`: which points and why)."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     for name in scenarios:  # one the context cannot hold refused before the first point (fitting_scenarios skips it)
         scenario_turns(name, model.tokenizer, model.config.context_length, params.max_new_tokens)
     results = []
     plan = sweep_plan(model, points, splits)
-    ceiling = None  # under mode=required, the budget the device held less than: the points above it are left out
+    ceiling = None  # the budget the device held less than: the points above it are left out
     total_runs = len(plan) * len(scenarios)
     mode = model.offload.layer_split_mode
     # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
@@ -233,7 +234,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                 break
             try:
                 held = _replan(model, budget, split)
-                if held < budget and ceiling is None and model.offload.config.mode == "required":
+                if held < budget and ceiling is None:
                     ceiling = budget
                     left = [entry for entry in plan[index + 1:] if entry[1] > ceiling]
                     total_runs -= len(left) * len(scenarios)
@@ -267,11 +268,13 @@ def _replan(model: LoadedModel, budget: int, split: str | None) -> int:
 
 
 def _left_out_note(model: LoadedModel, held: int, fraction: float, left: list[tuple]) -> str:
-    """What a sweep under mode=required says where the device held less than the point at `fraction`."""
+    """What a sweep says where the device held less than the point at `fraction` asked."""
     names = ", ".join(f"{share:.0%}" + (f" {split}" if split else "") for share, _budget, split in left)
-    return (f"offload mode 'required' refuses a budget above the {human_bytes(held)} of experts the device holds "
-            f"({held / all_resident_bytes(model.offload.infos):.0%}): the sweep ends there, in place of "
-            f"{fraction:.0%}, and leaves out the point{'s' if len(left) > 1 else ''} at {names}")
+    holds = f"the {human_bytes(held)} of experts the device holds ({held / all_resident_bytes(model.offload.infos):.0%})"
+    why = (f"offload mode 'required' refuses a budget above {holds}" if model.offload.config.mode == "required"
+           else f"a budget above {holds} runs at that budget again")
+    return (f"{why}: the sweep ends there, in place of {fraction:.0%}, and leaves out the "
+            f"point{'s' if len(left) > 1 else ''} at {names}")
 
 
 def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, split: str | None,
