@@ -279,6 +279,17 @@ def test_contention_rules():
     assert watch.baseline == 10e9 and watch.current == 6e9 and watch.warning() == ""  # 60%: not clearly below
 
 
+def test_the_throughput_watch_measures_against_its_best_not_a_cold_start():
+    """The first measurements after a load can be cold (the experts' pages still being mapped in): 4 GB/s, then 10
+    once warm. A competitor that cut the warm rate to 40% later (4 GB/s) read as 100% of that cold start, unsaid."""
+    watch = ThroughputWatch()
+    for rate in (1, 4, 4, 4, 4, 4) + (10,) * 5 + (4,) * 5:
+        watch.add(rate * 1e9)
+    assert watch.baseline == 10e9 and watch.current == 4e9
+    assert watch.warning() == ("CPU expert throughput fell to 4.00 GB/s from 10.00 GB/s since the model was loaded "
+                               "(40%): something competes for memory bandwidth.")
+
+
 def test_parse_bytes():
     assert parse_bytes("1.5 GiB") == 3 << 29 and parse_bytes("512M") == 512 << 20 and parse_bytes("1000") == 1000
     assert parse_bytes("auto") is None

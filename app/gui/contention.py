@@ -93,21 +93,25 @@ class WarningHold:
 
 @dataclass
 class ThroughputWatch:
-    """CPU expert throughput (bytes/s) measured by the worker during decode, against the start.
+    """CPU expert throughput (bytes/s) measured by the worker during decode, against its best since the start.
 
     The start is the median of the first few measurements after a load, the very first one left out
     (it can include kernel compilation); the current value is the median of the last few. Medians,
-    so that one slow quarter-second does not raise the banner."""
+    so that one slow quarter-second does not raise the banner. The baseline is the start or the best
+    current value since, whichever is higher: the first measurements can be cold (the experts' pages
+    still being mapped in), and a baseline they lowered hid a competitor that came later."""
     start_samples: int = 5
     recent_samples: int = 5
     skipped: int = 0
     start: list[float] = field(default_factory=list)
     recent: list[float] = field(default_factory=list)
+    best: float = 0.0  # the highest median of the last few since the start
 
     def reset(self) -> None:
         self.start.clear()
         self.recent.clear()
         self.skipped = 0
+        self.best = 0.0
 
     def add(self, bytes_per_s: float) -> None:
         if bytes_per_s <= 0:
@@ -120,10 +124,11 @@ class ThroughputWatch:
             return
         self.recent.append(bytes_per_s)
         del self.recent[:-self.recent_samples]
+        self.best = max(self.best, self.current)
 
     @property
     def baseline(self) -> float:
-        return statistics.median(self.start) if len(self.start) >= self.start_samples else 0.0
+        return max(statistics.median(self.start), self.best) if len(self.start) >= self.start_samples else 0.0
 
     @property
     def current(self) -> float:
@@ -133,4 +138,5 @@ class ThroughputWatch:
         if not self.baseline or not self.current or self.current >= THROUGHPUT_DROP * self.baseline:
             return ""
         return (f"CPU expert throughput fell to {self.current / 1e9:.2f} GB/s from {self.baseline / 1e9:.2f} GB/s "
-                f"at start ({self.current / self.baseline:.0%}): something competes for memory bandwidth.")
+                f"since the model was loaded ({self.current / self.baseline:.0%}): something competes for memory "
+                "bandwidth.")
