@@ -261,8 +261,10 @@ def test_contention_rules():
     assert check_sample(calm) == []
     busy = dict(calm, others_cpu_cores=2.5, top_cpu=[{"name": "python indexer.py", "cores": 2.4}])
     assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (240%)."]
-    full = dict(calm, ram_available=5, top_ram=[{"name": "firefox", "rss": 3 << 30}])
-    assert "firefox (3.0 GiB)" in check_sample(full)[0]
+    full = dict(calm, ram_total=100 << 30, ram_available=5 << 30, ram_this=10 << 30, ram_others=85 << 30,
+                top_ram=[{"name": "firefox", "rss": 3 << 30}])
+    assert check_sample(full) == ["Host memory is nearly full (5.0 GiB of 100.0 GiB available; this process holds "
+                                  "10.0 GiB): other processes hold 85.0 GiB, the largest firefox (3.0 GiB)."]
     stolen = dict(calm, cpu_steal_share=0.25)
     assert check_sample(stolen) == ["This virtual machine's host gives 25% of its CPU time to other guests (steal "
                                     "time): the CPU's expert kernels run slower and less evenly."]
@@ -288,6 +290,17 @@ def test_the_throughput_watch_measures_against_its_best_not_a_cold_start():
     assert watch.baseline == 10e9 and watch.current == 4e9
     assert watch.warning() == ("CPU expert throughput fell to 4.00 GB/s from 10.00 GB/s since the model was loaded "
                                "(40%): something competes for memory bandwidth.")
+
+
+def test_the_host_memory_warning_blames_this_process_when_it_holds_most():
+    """Experts copied into RAM (allow_file_backing=0) fill host memory: the model's own, not the other processes' that
+    happen to be largest, so the warning says what this process holds and what leaves room."""
+    full = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "gpu": None, "ram_total": 64 << 30,
+            "ram_available": 2 << 30, "ram_this": 54 << 30, "ram_others": 8 << 30,
+            "top_ram": [{"name": "firefox", "rss": 3 << 30}]}
+    assert check_sample(full) == [
+        "Host memory is nearly full (2.0 GiB of 64.0 GiB available): this process holds 54.0 GiB of it, the model's "
+        "own experts and caches. A host cache budget (host_expert_bytes) or allowing file backing leaves room."]
 
 
 def test_parse_bytes():

@@ -2,7 +2,8 @@
 
 Two kinds of warning, checked on every telemetry sample while the model generates:
 - other processes take a significant share of the CPU, of host memory or of VRAM (named), or, on a virtual
-  machine, the hypervisor gives a significant share of the CPUs' time to other guests (steal time);
+  machine, the hypervisor gives a significant share of the CPUs' time to other guests (steal time); host memory
+  nearly full with this process holding most of it is said to be the model's own;
 - the engine's measured CPU expert throughput (bytes of expert weights the CPU kernels read per
   second of their own time, during decode) falls clearly below what it measured at the start:
   the sign that something competes for memory bandwidth even when the CPU graph looks calm.
@@ -18,6 +19,7 @@ from engine.units import human_bytes
 OTHERS_CPU_SHARE = 0.20       # other processes using this share of all cores...
 OTHERS_CPU_MIN_CORES = 0.5    # ...and at least half a core
 HOST_AVAILABLE_SHARE = 0.10   # less host memory available than this share of the total
+HOST_OTHERS_SHARE = 0.25      # ...named as the cause where other processes (and the kernel) hold this share
 VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's memory
 CPU_STEAL_SHARE = 0.10        # a virtual machine's CPUs losing this share of their time to other guests
 THROUGHPUT_DROP = 0.50        # current / start below this: warn
@@ -41,7 +43,7 @@ def _names(items, fmt) -> str:
 
 
 def check_sample(sample: dict) -> list[str]:
-    """Plain sentences about other processes, from one telemetry sample (app.gui.telemetry)."""
+    """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry)."""
     warnings = []
     cores = max(1, len(sample.get("cpu_per_core") or [1]))
     others = sample.get("others_cpu_cores", 0.0)
@@ -56,10 +58,7 @@ def check_sample(sample: dict) -> list[str]:
                         "time): the CPU's expert kernels run slower and less evenly.")
     total, available = sample.get("ram_total", 0), sample.get("ram_available", 0)
     if total and available < HOST_AVAILABLE_SHARE * total:
-        top = sample.get("top_ram", [])
-        warnings.append(f"Host memory is nearly full ({human_bytes(available)} of {human_bytes(total)} available)"
-                        + (("; largest other processes: " + _names(top, _ram)) if top else "")
-                        + ".")
+        warnings.append(_host_memory(sample))
     gpu = sample.get("gpu")
     # where NVML cannot say which process holds what (a driver that hides it, a container's pid namespace), its
     # "others" is all that is used, ours included
@@ -69,6 +68,20 @@ def check_sample(sample: dict) -> list[str]:
         warnings.append(f"Other processes hold {human_bytes(gpu['others'])} of the GPU's {human_bytes(gpu['total'])}"
                         + ((": " + _names(top, _vram)) if top else "") + ".")
     return warnings
+
+
+def _host_memory(sample: dict) -> str:
+    """Host memory nearly full: the other processes named only where they hold a significant share, else this
+    process's own (experts copied into RAM under allow_file_backing=0, a host cache) said to be the cause."""
+    total, available = sample["ram_total"], sample["ram_available"]
+    this, others = sample.get("ram_this", 0), sample.get("ram_others", 0)
+    full = f"Host memory is nearly full ({human_bytes(available)} of {human_bytes(total)} available"
+    if others >= HOST_OTHERS_SHARE * total:
+        top = sample.get("top_ram", [])
+        return (f"{full}; this process holds {human_bytes(this)}): other processes hold {human_bytes(others)}"
+                + ((", the largest " + _names(top, _ram)) if top else "") + ".")
+    return (f"{full}): this process holds {human_bytes(this)} of it, the model's own experts and caches. A host "
+            "cache budget (host_expert_bytes) or allowing file backing leaves room.")
 
 
 @dataclass
