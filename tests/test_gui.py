@@ -594,6 +594,29 @@ def test_graphs_receive_samples_and_pause(qtbot, window):
     assert len(window.graphs.curves["ram_this"].getData()[0]) > frozen
 
 
+def test_sampling_that_keeps_failing_is_said_once_over_the_graphs(qtbot, window, monkeypatch):
+    """psutil raising on every tick: the graphs say so in one line (not 'waiting for the first sample…' forever),
+    once, and the line goes with the next sample that works."""
+    import psutil
+
+    lines = []
+    window.sampler.failed.connect(lines.append)
+
+    def refused():
+        raise psutil.AccessDenied(msg="/proc/meminfo")
+
+    monkeypatch.setattr(psutil, "virtual_memory", refused)
+    qtbot.waitUntil(lambda: window.graphs.sampling_failure.isVisible(), timeout=10_000)
+    count = window.graphs.sample_count
+    qtbot.wait(1000)  # five more ticks at 200 ms, all failing
+    assert lines == ["Sampling the machine failed (psutil.AccessDenied: /proc/meminfo); the graphs resume when a "
+                     "sample works."]
+    assert window.graphs.sampling_failure.text() == lines[0] and window.graphs.sample_count == count
+    monkeypatch.undo()
+    qtbot.waitUntil(lambda: window.graphs.sample_count > count, timeout=10_000)
+    assert not window.graphs.sampling_failure.isVisible() and not window.error_banner.isVisible()
+
+
 def test_corrupt_model_shows_a_message_and_the_window_stays_usable(qtbot, window, copy_fixture):
     broken = copy_fixture("gptoss")
     (broken / "model.onnx").write_bytes(b"not a model")

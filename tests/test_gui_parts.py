@@ -448,6 +448,40 @@ def test_the_tokens_graph_reads_the_rate_while_answering(qapp):
     assert graphs.samples[-1]["tokens_per_s"] == 0.0
 
 
+def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):
+    """psutil raising on every tick left the graphs at 'waiting for the first sample…' with no word: the failure is
+    reported once, in one line naming it, and the graphs' note goes when a sample comes."""
+    import psutil
+
+    from app.gui.graphs_panel import GraphsPanel
+    from app.gui.telemetry import Sampler, SystemProbe
+
+    real = SystemProbe(nvml=False)
+
+    class Probe:
+        fails = 3
+
+        def sample(self):
+            if self.fails:
+                self.fails -= 1
+                raise psutil.AccessDenied(pid=1, msg="/proc/stat")
+            return real.sample()
+
+    sampler, graphs = Sampler(Probe()), GraphsPanel()
+    failures, samples = [], []
+    sampler.failed.connect(failures.append)
+    sampler.failed.connect(graphs.show_sampling_failure)
+    sampler.sampled.connect(samples.append)
+    sampler.sampled.connect(graphs.add_sample)
+    for _ in range(3):
+        sampler._tick()
+    assert failures == ["Sampling the machine failed (psutil.AccessDenied: /proc/stat (pid=1)); the graphs resume "
+                        "when a sample works."] and samples == []
+    assert not graphs.sampling_failure.isHidden() and graphs.sampling_failure.text() == failures[0]
+    sampler._tick()
+    assert len(samples) == 1 and graphs.sampling_failure.isHidden()
+
+
 def test_report_tables_keep_an_answers_line_breaks_and_escape_its_markup():
     from app.gui.record_report import _table
 

@@ -52,6 +52,8 @@ class GraphsPanel(QWidget):
         self.pause_button.setToolTip("Freeze the graphs (sampling goes on)  Ctrl+P")
         self.pause_button.toggled.connect(self.set_paused)
         self.status = QLabel("waiting for the first sample…")
+        self.sampling_failure = QLabel(wordWrap=True, textFormat=Qt.TextFormat.PlainText)
+        self.sampling_failure.hide()
         self.gpu_note = QLabel(wordWrap=True)
         self.gpu_note.hide()
         top = QHBoxLayout()
@@ -82,6 +84,7 @@ class GraphsPanel(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(2)
         layout.addLayout(top)
+        layout.addWidget(self.sampling_failure)
         layout.addWidget(self.gpu_note)
         for header, widget in self.rows.values():
             layout.addWidget(header)
@@ -162,7 +165,13 @@ class GraphsPanel(QWidget):
         self.markers.append({"t": time.monotonic(), "text": text, "kind": kind, "lines": []})
         self._redraw()
 
+    def show_sampling_failure(self, line: str) -> None:
+        """The sampler's one line on samples that fail (app.gui.telemetry), until the next that works."""
+        self.sampling_failure.setText(line)
+        self.sampling_failure.show()
+
     def add_sample(self, sample: dict) -> None:
+        self.sampling_failure.hide()
         sample = dict(sample)
         now = sample["t"]
         answering = self._answering_s

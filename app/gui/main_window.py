@@ -204,6 +204,7 @@ class MainWindow(QMainWindow):
                 view.recorded.connect(lambda _ids: self.history.refresh())
         self.history.failed.connect(self.show_error)
         self.sampler.sampled.connect(self._on_sample)
+        self.sampler.failed.connect(self.graphs.show_sampling_failure)
 
         self._restore()
         app = QApplication.instance()

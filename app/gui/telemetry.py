@@ -104,10 +104,20 @@ class SystemProbe:
         }
 
 
+def failure_line(exc: Exception) -> str:
+    """A sample that raised, in one line naming what raised (psutil.AccessDenied: /proc/stat)."""
+    package = type(exc).__module__.split(".")[0]
+    name = type(exc).__name__ if package == "builtins" else f"{package}.{type(exc).__name__}"
+    what = f"{name}: {exc}" if str(exc) else name
+    return f"Sampling the machine failed ({what}); the graphs resume when a sample works."
+
+
 class Sampler(QObject):
-    """Lives in its own QThread; a QTimer there takes a sample every `interval_ms`."""
+    """Lives in its own QThread; a QTimer there takes a sample every `interval_ms`. A sample that raises is never worth
+    a crash: `failed` says so once, until a sample works again."""
 
     sampled = Signal(dict)
+    failed = Signal(str)
     _start = Signal()
     _stop = Signal()
 
@@ -116,6 +126,7 @@ class Sampler(QObject):
         self.interval_ms = interval_ms
         self._probe = probe
         self._timer: QTimer | None = None
+        self._failing = False
         self._start.connect(self._begin)
         # Blocking: the timer must be stopped and freed in the thread that owns it.
         self._stop.connect(self._end, Qt.ConnectionType.BlockingQueuedConnection)
@@ -137,9 +148,14 @@ class Sampler(QObject):
     @Slot()
     def _tick(self) -> None:
         try:
-            self.sampled.emit(self._probe.sample())
-        except Exception:  # a sample is never worth a crash; the next one comes in a second
-            pass
+            sample = self._probe.sample()
+        except Exception as exc:  # the next one comes in a second
+            if not self._failing:
+                self._failing = True
+                self.failed.emit(failure_line(exc))
+            return
+        self._failing = False
+        self.sampled.emit(sample)
 
 
 class SamplerThread:
