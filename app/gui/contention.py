@@ -5,7 +5,7 @@ Two kinds of warning, checked on every telemetry sample while the model generate
   machine, the hypervisor gives a significant share of the CPUs' time to other guests (steal time); host memory
   nearly full with this process holding most of it is said to be the model's own;
 - the engine's measured CPU expert throughput (bytes of expert weights the CPU kernels read per
-  second of their own time, during decode) falls clearly below what it measured at the start:
+  second of their own time, during decode) falls clearly below its best since the model was loaded:
   the sign that something competes for memory bandwidth even when the CPU graph looks calm.
 """
 
