@@ -33,7 +33,7 @@ from kernels.cpu.threads import use_threads  # noqa: E402
 # Where traced_gemv stamps stamps[row, column]: [0] the call (start, region start, end), [1 + th] thread th (arrival,
 # FC1 done, FC2 done): (a line of moe_gemv's source, the stamp, inserted before that line or after it); the call's
 # end is stamped after its last line.
-STAMPS = (("    E1, N1, Kb1 = w1.shape\n", "stamps[0, 0]", "before"),
+STAMPS = (("    Kb1 = w1.shape[2]\n", "stamps[0, 0]", "before"),
           ("    for th_loop in prange(nth):\n", "stamps[0, 1]", "before"),
           ("        _gemv_fc1_thread(", "stamps[th + 1, 0]", "before"),
           ("        _gemv_fc2_thread(", "stamps[th + 1, 1]", "before"),
