@@ -507,6 +507,42 @@ def test_estimate_follows_the_engine_for_streaming_slots(working):
     assert any("streaming" in s or "device_working_bytes" in s for s in est.statements)
 
 
+def device_parts_held(device) -> dict[str, int]:
+    """What a loaded engine holds on its simulated device, summed by the estimate's device part."""
+    held = {"experts": 0, "workspace": 0}
+    for purpose, nbytes in device.memory.by_purpose.items():
+        if purpose.startswith("expert slots of "):
+            held["experts"] += nbytes
+        else:
+            assert purpose in ("prefill staging ring", "decode streaming slots"), purpose  # a part the estimate lacks
+            held["workspace"] += nbytes
+    return held
+
+
+def estimated_device_parts(est) -> dict[str, int]:
+    parts = {p.key: p.bytes for p in est.device_parts}
+    assert parts["dense"] == parts["kv"] == parts["others"] == 0  # the dense part stays on the CPU beside a simulated GPU
+    return {"experts": parts["experts"], "workspace": parts["workspace"]}
+
+
+def test_streaming_slots_are_estimated_in_what_the_resident_slots_leave():
+    """qwen35moe on a device of six slots, 3.5 slots of budget and a pinned ring of three experts: the prefill ring
+    takes two slots' worth, the plan three resident slots, and one streaming slot fits in what is left. The estimate
+    planned its streaming slots before counting the resident ones on its stand-in device, so it showed two
+    (workspace 4 slots, 7 in all on a device of 6)."""
+    folder = ModelFolder.open(fixture_folder("qwen35moe"))
+    facts = model_facts(folder, inspection(folder))
+    slot = 35328
+    config = OffloadConfig(device_expert_bytes=7 * slot // 2, pinned_bytes=3 * slot, device_working_bytes=1 << 20)
+    choice = DeviceChoice("simulated", 6 * slot)
+    est = estimate(facts, config, choice)
+    _engine, device = engine_on("qwen35moe", config, choice)
+    assert device.memory.by_purpose["decode streaming slots"] == slot
+    assert estimated_device_parts(est) == {"experts": 3 * slot, "workspace": 2 * slot + slot}
+    assert sum(estimated_device_parts(est).values()) == device.memory.used == 6 * slot
+    assert {p.key: p.bytes for p in est.device_parts}["free"] == 0
+
+
 def test_the_budget_panels_cuda_status_opens_no_device(monkeypatch):
     """The budget panel asks from the GUI thread whether CUDA is there: it must not open a device, whose host
     bandwidth probe would leave an OpenMP pool on the GUI thread beside the engine thread's (cuda_device_problem)."""

@@ -284,13 +284,15 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
+    resident_bytes = plan.device_bytes(experts) if plan else 0
     streaming = None
     if plan is not None and stand_in is not None and not error:
-        # the engine's decode streaming slots for layers left without slots (device working memory)
+        # the engine's decode streaming slots for layers left without slots (device working memory), in what its
+        # expert slots, reserved before them, leave
+        stand_in.memory.reserve(resident_bytes, "expert slots")
         nodes = facts.staged_nodes
         streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in)
     streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups) if streaming else 0
-    resident_bytes = plan.device_bytes(experts) if plan else 0
     at_load = None  # why the load would keep the dense part on the CPU all the same, the plan made (dense_fit)
     if dense_on_gpu and stand_in is not None and not error:
         at_load = dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes)
