@@ -4,6 +4,7 @@ stand-in NVML), byte parsing, the .desktop file and the icon."""
 from __future__ import annotations
 
 import configparser
+import itertools
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from app.gui.widgets import parse_bytes  # noqa: E402
 from app.inspect_report import inspection  # noqa: E402
 from engine.model_folder import ModelFolder  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.units import human_bytes  # noqa: E402
 from tests.conftest import REPO, fixture_folder  # noqa: E402
 
@@ -523,6 +525,32 @@ def estimated_device_parts(est) -> dict[str, int]:
     parts = {p.key: p.bytes for p in est.device_parts}
     assert parts["dense"] == parts["kv"] == parts["others"] == 0  # the dense part stays on the CPU beside a simulated GPU
     return {"experts": parts["experts"], "workspace": parts["workspace"]}
+
+
+@pytest.mark.parametrize("name", ["gptoss", "lfm2moe", "qwen35moe"])
+def test_the_estimates_device_parts_are_what_the_loaded_engine_holds(name):
+    """Every device part of the estimate, and their sum, against what the engine holds by purpose once loaded on a
+    simulated device: budgets from none to every expert resident, both placements, explicit pinned rings and prefill
+    waves, decode streaming slots, on a roomy device and on devices a few slots large (where the parts compete)."""
+    folder = ModelFolder.open(fixture_folder(name))
+    facts = model_facts(folder, inspection(folder))
+    slot = max(info.device_bytes_per_expert for info in facts.experts if info.gpu is not None)
+    budgets = (None, 0, 7 * slot // 2, all_resident_bytes(facts.experts))
+    compared = 0
+    for capacity, budget, placement, pinned, wave, working in itertools.product(
+            (1 << 30, 6 * slot, 3 * slot), budgets, ("static", "adaptive"), (None, 3 * slot), (4, 2), (None, 1 << 20)):
+        config = OffloadConfig(device_expert_bytes=budget, placement=placement, pinned_bytes=pinned,
+                               prefill_wave_experts=wave, device_working_bytes=working)
+        choice = DeviceChoice("simulated", capacity)
+        est = estimate(facts, config, choice)
+        engine, device = engine_on(name, config, choice)
+        assert not est.error
+        assert estimated_device_parts(est) == device_parts_held(device), (capacity, budget, placement, pinned, wave)
+        assert sum(estimated_device_parts(est).values()) == device.memory.used == device.memory.high_water
+        assert [r for _l, _n, r, _e in est.per_layer] == [engine.plan.slots[info.name] for info in engine.infos]
+        assert est.statements[:len(engine.plan.statements)] == engine.plan.statements  # streaming's included
+        compared += 1
+    assert compared == 3 * 4 * 2 * 2 * 2 * 2
 
 
 def test_streaming_slots_are_estimated_in_what_the_resident_slots_leave():
