@@ -148,6 +148,12 @@ def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device
     return run_turns(model, turns_text, params, device, name, label, cancel, progress, on_text)
 
 
+def decoded_tokens(turns: list[dict]) -> int:
+    """The tokens a run's answers decoded: each answer's after its first (the prefill gives that), as a record's
+    decode rate counts them."""
+    return sum(max(0, turn["generated_tokens"] - 1) for turn in turns)
+
+
 def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device=None,
               scenario: str = "custom", label: str = "", cancel: threading.Event | None = None, progress=None,
               on_text=None, on_reasoning=None) -> RunRecord:
@@ -187,7 +193,7 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
     completion = time.perf_counter() - started - sum(t["timings"]["agreement_s"] for t in turns)
     host_load = meter.read()
     decode_s = sum(t["timings"]["decode_s"] for t in turns)
-    decoded = sum(max(0, t["generated_tokens"] - 1) for t in turns)
+    decoded = decoded_tokens(turns)
     stats = model.offload.stats_dict() if model.offload is not None else None
     approximation = {}
     if model.offload is not None and model.offload.config.approximate_routing:

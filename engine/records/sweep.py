@@ -19,7 +19,7 @@ from engine.errors import PromptError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
-from engine.records.scenarios import run_scenario, scenario_turns
+from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns
 from engine.records.schema import RunRecord
 from engine.units import human_bytes
 
@@ -41,7 +41,7 @@ class SweepPoint:
         """The point's decoded tokens over their decode time, every run's turns together (not the mean of the runs'
         rates, where a short run's one answer weighed as much as a multiturn run's six)."""
         seconds = sum(turn["timings"]["decode_s"] for r in self.records for turn in r.turns)
-        return sum(_decoded_tokens(r) for r in self.records) / seconds if seconds else 0.0
+        return sum(decoded_tokens(r.turns) for r in self.records) / seconds if seconds else 0.0
 
     @property
     def projected(self) -> bool:
@@ -60,7 +60,7 @@ class SweepPoint:
         if not self.projected:
             return None
         # a record keeps its projected rate, not its projected decode time: that is its decoded tokens over the rate
-        timed = [(_decoded_tokens(r), r.timings["projected"]["decode_tokens_per_s"]) for r in self.records
+        timed = [(decoded_tokens(r.turns), r.timings["projected"]["decode_tokens_per_s"]) for r in self.records
                  if r.timings["projected"].get("decode_tokens_per_s")]
         seconds = sum(tokens / rate for tokens, rate in timed)
         return sum(tokens for tokens, _rate in timed) / seconds if seconds else 0.0
@@ -90,11 +90,6 @@ class SweepPoint:
                     "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
                     "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
                    if self.projected else {})}
-
-
-def _decoded_tokens(record: RunRecord) -> int:
-    """The tokens a run decoded: each answer's after its first (the prefill gives that), as its rate counts them."""
-    return sum(max(0, turn["generated_tokens"] - 1) for turn in record.turns)
 
 
 def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]]:
