@@ -7,6 +7,7 @@ import os
 from types import SimpleNamespace
 
 import engine.nvml as nvml
+from engine.offload.device_memory import DeviceMemory
 from engine.records.scenarios import PeakSampler, pinned_bytes
 
 
@@ -80,7 +81,7 @@ def test_no_nvidia_gpu_says_why(monkeypatch):
 
 class FakeCudaDevice:
     kind, index = "cuda", 0
-    memory = SimpleNamespace(used=5 << 30, high_water=7 << 30)
+    memory = DeviceMemory(capacity=80 << 30, used=5 << 30, high_water=7 << 30)
 
 
 def test_records_take_this_process_vram_from_nvml(monkeypatch):

@@ -17,7 +17,8 @@ class DeviceMemory:
     capacity: int            # bytes the device has for this process
     limit: int = 0           # gpu_device_mem_limit; 0 = no limit
     used: int = 0
-    high_water: int = 0
+    high_water: int = 0      # the most in use since the device was made
+    run_peak: int = 0        # the most in use since mark(): a record's own peak, beside the lifetime mark
     by_purpose: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -39,6 +40,11 @@ class DeviceMemory:
         self.used += nbytes
         self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) + nbytes
         self.high_water = max(self.high_water, self.used)
+        self.run_peak = max(self.run_peak, self.used)
+
+    def mark(self) -> None:
+        """A run starts: its peak (run_peak) counts from what is in use now."""
+        self.run_peak = self.used
 
     def release(self, nbytes: int, purpose: str) -> None:
         self.used -= nbytes

@@ -92,7 +92,7 @@ class PeakSampler:
     def _sample(self) -> None:
         self.rss = max(self.rss, self._process.memory_info().rss)
         if self.device is not None:
-            self.device_bytes = max(self.device_bytes, self.device.memory.used, self.device.memory.high_water)
+            self.device_bytes = max(self.device_bytes, self.device.memory.used, self.device.memory.run_peak)
         if self._nvml is not None:
             gpu = self._nvml.sample()
             if gpu is not None and gpu["per_process"] and gpu["this"] > 0:
@@ -105,9 +105,8 @@ class PeakSampler:
     def __enter__(self) -> "PeakSampler":
         if self.device is not None:
             # the run's own device peak, as RSS's: the device's high-water mark holds the load's, or a larger budget's
-            # before a re-plan; the device keeps its mark for the views that show it (__exit__)
-            self._high_water_before = self.device.memory.high_water
-            self.device.memory.high_water = self.device.memory.used
+            # before a re-plan
+            self.device.memory.mark()
         self._sample()
         self.rss_start = self.rss
         self._thread.start()
@@ -117,8 +116,6 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
-        if self.device is not None:
-            self.device.memory.high_water = max(self.device.memory.high_water, self._high_water_before)
 
 
 def pinned_bytes(model: LoadedModel) -> int | None:
