@@ -70,12 +70,15 @@ def _splat(builder, value, n):
 
 
 def _hsum(builder, v, n):
-    """Horizontal sum of a <n x float> vector by halving shuffles."""
+    """Horizontal sum of a <n x float> vector by halving shuffles, in exactly this order: without fast-math flags, so
+    that LLVM cannot reassociate it differently in different kernels (on a Xeon that LLVM tunes for as Rocket Lake it
+    did, and the two-row kernel's dots differed from the one-row kernel's in the last bits). The row kernels' sums of
+    their accumulators before it are strict for the same reason."""
     while n > 1:
         h = n // 2
         lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
-        v = _fast(builder.fadd(lo, hi))
+        v = builder.fadd(lo, hi)
         n = h
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
@@ -740,7 +743,7 @@ def _make_qrow_tbl(slots: int, code: str, bpc: int, dshift=True, spair="asm", un
                 one_chunk(builder.sub(nchunk, ir.Constant(_I64, 1)), accs[:slots])
         vals = [builder.load(a) for a in accs]
         while len(vals) > 1:
-            vals = [_fast(builder.fadd(vals[j], vals[j + 1])) for j in range(0, len(vals), 2)]
+            vals = [builder.fadd(vals[j], vals[j + 1]) for j in range(0, len(vals), 2)]
         return _hsum(builder, vals[0], 16)
 
     return _qrow_intrinsic(codegen, f"qrow_tbl{slots}_{code}_{bpc}")
@@ -797,7 +800,7 @@ def _make_qrow2_int4(code: str):
         for r in (0, 1):
             vals = [builder.load(a) for a in accs[r]]
             while len(vals) > 1:
-                vals = [_fast(builder.fadd(vals[j], vals[j + 1])) for j in range(0, len(vals), 2)]
+                vals = [builder.fadd(vals[j], vals[j + 1]) for j in range(0, len(vals), 2)]
             dots.append(_hsum(builder, vals[0], 16))
         return context.make_tuple(builder, sig.return_type, dots)
 
