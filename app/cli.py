@@ -508,7 +508,8 @@ def _cmd_record(args) -> int:
         records.append({"id": run_id, **record.to_dict()})  # as `history --export json` gives it
         if not args.json:
             t = record.timings
-            print(f"{scenario}: run {run_id}: load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
+            print(f"{scenario}: run {run_id}: {record.generated_tokens} tokens generated (at most "
+                  f"{tokens} an answer), load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
                   f"decode {_rate(t['decode_tokens_per_s'])}, completion {t['completion_s']:.2f} s, "
                   f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "
                   f"({record.peaks['rss_start_bytes'] / 2**20:.0f} at the start); CPU time taken by other processes "

@@ -7,7 +7,10 @@ import html
 from pathlib import Path
 
 from engine.records.schema import RunRecord
+from engine.sampling import SamplingParams, describe
 from engine.units import human_bytes
+
+NOT_RECORDED = "not recorded"
 
 # (label, how to get it from a record, format, lower is better)
 METRICS = (
@@ -19,7 +22,7 @@ METRICS = (
     # on a simulated device: what the simulated card would give (engine/offload/projection.py)
     ("projected decode", lambda r: (r.timings.get("projected") or {}).get("decode_tokens_per_s"), "tok/s", False),
     ("projected completion", lambda r: (r.timings.get("projected") or {}).get("completion_s"), "s", True),
-    ("generated tokens", lambda r: sum(t.get("generated_tokens", 0) for t in r.turns), "n", None),
+    ("generated tokens", lambda r: r.generated_tokens, "n", None),
     ("device memory peak", lambda r: r.peaks.get("device_bytes"), "bytes", True),
     ("process RSS peak", lambda r: r.peaks.get("rss_bytes"), "bytes", True),
     # what the process held already when the run began (a model loaded earlier, an earlier run's memory kept)
@@ -29,6 +32,39 @@ METRICS = (
     # what else used the CPUs during the run (a run beside other work, or on a busy virtual machine's host)
     ("CPU time other processes took", lambda r: r.host_load.get("host_others_share"), "%", True),
     ("CPU time the VM's host took (steal)", lambda r: r.host_load.get("host_steal_share"), "%", True),
+)
+
+
+def sampling_text(record: RunRecord) -> str | None:
+    """'greedy', or the sampling settings and seed; None where the record predates them."""
+    g = record.generation
+    if not g:
+        return None
+    params = SamplingParams(do_sample=g["do_sample"], temperature=g["temperature"], top_k=g["top_k"], top_p=g["top_p"],
+                            repetition_penalty=g["repetition_penalty"])
+    seed = f", seed {g['seed']}" if g["do_sample"] and g.get("seed") is not None else ""
+    return describe(params) + seed
+
+
+def _stop_texts(record: RunRecord) -> str | None:
+    return None if not record.generation else " | ".join(record.generation.get("stop_strings") or []) or "none"
+
+
+def _reasoning_setting(record: RunRecord) -> str | None:
+    return None if not record.generation else record.generation.get("reasoning") or "the template's default"
+
+
+def _length_limit(record: RunRecord) -> str | None:
+    limit = record.generation.get("max_new_tokens")
+    return None if limit is None else f"{limit} tokens an answer"
+
+
+# how the answers were asked for, as a record keeps it (RunRecord.generation): (what, get)
+GENERATION_FACTS = (
+    ("answer length limit", _length_limit),
+    ("sampling", sampling_text),
+    ("stop texts", _stop_texts),
+    ("reasoning setting", _reasoning_setting),
 )
 
 
@@ -103,7 +139,8 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
            if record.routing_agreement is not None else [])
         + ([("experts dropped / substituted", f"{record.approximation['dropped']} / "
                                               f"{record.approximation['substituted']}")]
-           if record.approximation else [])))
+           if record.approximation else [])
+        + [(what, get(record) or NOT_RECORDED) for what, get in GENERATION_FACTS]))
     parts.append("<h4>Timings and peaks</h4>")
     parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
                          if not (label.startswith("projected") and get(record) is None)]
@@ -169,6 +206,8 @@ RUN_FACTS = (
     ("device", lambda r: r.offload.get("device", "cpu")),
     ("layer split", _layer_split),
     ("decode path asked", lambda r: (r.offload.get("decode_path") or {}).get("mode")),
+    *GENERATION_FACTS,
+    ("tokens generated", lambda r: r.generated_tokens if r.turns else None),
     ("machine", _machine),
     ("app", lambda r: (r.versions or {}).get("app")),
     ("onnxruntime", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("version")),
@@ -193,6 +232,11 @@ def compare_html(a: RunRecord, b: RunRecord, ids: tuple[int, int] | None = None)
         parts.append("<p><b>Not like for like:</b> besides their offload entries these runs differ in "
                      f"{html.escape(', '.join(what for what, _x, _y in unlike))}, so their numbers differ for those "
                      "reasons too.</p>" + _table(unlike, ("", "A", "B")))
+    older = [name for name, record in (("A", a), ("B", b)) if not record.generation]
+    if older:
+        what = ", ".join(what for what, _get in GENERATION_FACTS)
+        parts.append(f"<p>Not recorded in run{'s' if len(older) > 1 else ''} {' and '.join(older)} (a record older "
+                     f"than them): {what}; whether the two runs asked for the same answers cannot be told.</p>")
     parts.append(_table(compare_rows(a, b), ("metric", "A", "B", "B − A", "B / A")))
     ea, eb = a.offload.get("entries") or {}, b.offload.get("entries") or {}
     changed = [(key, ea.get(key, "default"), eb.get(key, "default")) for key in sorted(set(ea) | set(eb))

@@ -17,7 +17,7 @@ from engine.offload.projection import is_simulated, project_run
 from engine.nvml import Nvml
 from engine.records.environment import machine, versions
 from engine.records.lengths import SCENARIO_TOKENS
-from engine.records.schema import RunRecord, model_identity
+from engine.records.schema import RunRecord, generation_settings, model_identity
 
 SCENARIOS = ("short", "long", "multiturn")
 LONG_PROMPT_TOKENS = 2000
@@ -225,4 +225,5 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
         layers=stats["layers"] if stats else [], bytes_moved=stats["copy_bytes"] if stats else 0,
         turns=turns, approximate_routing=bool(model.offload and model.offload.config.approximate_routing),
         host_load=host_load.as_dict(),
-        routing_agreement=agreed / compared if compared else None, approximation=approximation, label=label)
+        routing_agreement=agreed / compared if compared else None, approximation=approximation,
+        generation=generation_settings(params), label=label)

@@ -40,6 +40,9 @@ class RunRecord:
     # approximate routing's experts dropped and substituted during the run (its passes, not the agreement meter's
     # exact ones); empty when it is off, and in records written before it existed
     approximation: dict = field(default_factory=dict)
+    # how the answers were asked for (generation_settings): the length limit, sampling, stop texts, reasoning setting;
+    # empty in records written before it existed (their settings are not recorded)
+    generation: dict = field(default_factory=dict)
     label: str = ""
     schema_version: int = SCHEMA_VERSION
 
@@ -58,6 +61,18 @@ class RunRecord:
             raise RecordError(f"run record lacks {', '.join(missing)}")
         return cls(**{k: v for k, v in data.items() if k in known})
 
+    @property
+    def generated_tokens(self) -> int:
+        """The tokens its answers generated, all turns together."""
+        return sum(turn.get("generated_tokens", 0) for turn in self.turns)
+
+
+def generation_settings(params) -> dict:
+    """A GenerationParams as a record keeps it."""
+    s = params.sampling
+    return {"max_new_tokens": params.max_new_tokens, "do_sample": s.do_sample, "temperature": s.temperature,
+            "top_k": s.top_k, "top_p": s.top_p, "repetition_penalty": s.repetition_penalty, "seed": s.seed,
+            "stop_strings": list(params.stop_strings), "reasoning": params.reasoning}
 
 
 def model_identity(folder) -> dict:
