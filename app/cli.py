@@ -647,8 +647,12 @@ def _cmd_history(args) -> int:
     for row in rows:
         print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {row['label'] or '-':<14}  "
               f"{row['device'] or 'cpu':<28}  budget {_budget_text(row['budget'], row['device'])}  "
-              f"completion {row['completion_s']:.2f} s  {row['model']}")
+              f"completion {row['completion_s']:.2f} s  {_tokens_text(row['generated_tokens'])}  {row['model']}")
     return 0
+
+
+def _tokens_text(tokens: int | None) -> str:
+    return "tokens ?" if tokens is None else f"{tokens} token{'' if tokens == 1 else 's'}"
 
 
 def _budget_text(budget: str | None, device: str | None) -> str:

@@ -83,3 +83,140 @@ def test_record_says_how_many_tokens_its_answers_generated(tmp_path, capsys):
     assert main(["record", str(fixture_folder("gptoss")), "--max-new-tokens", "4",
                  "--history", str(tmp_path / "h.sqlite3")]) == 0
     assert re.search(r"^short: run 1: 4 tokens generated \(at most 4 an answer\), load ", capsys.readouterr().out, re.M)
+
+
+# the runs table as files written before the history kept a version of its own had it
+LEGACY_TABLE = """CREATE TABLE runs (
+    id INTEGER PRIMARY KEY, created TEXT, scenario TEXT, label TEXT, model TEXT, device TEXT,
+    budget TEXT, load_s REAL, ttft_s REAL, decode_tokens_per_s REAL, completion_s REAL,
+    peak_device_bytes INTEGER, peak_rss_bytes INTEGER, record TEXT NOT NULL)"""
+
+
+def legacy_history(path, records: list[str]):
+    import sqlite3
+
+    from engine.records.history import SUMMARY
+
+    with sqlite3.connect(path) as db:
+        db.execute(LEGACY_TABLE)
+        for index, text in enumerate(records):
+            db.execute(f"INSERT INTO runs ({', '.join(SUMMARY[1:])}, record) VALUES ({', '.join('?' * len(SUMMARY))})",
+                       (f"2026-01-0{index + 1}", "short", f"old {index}", "/m/gptoss", "cpu", "auto", 0.1, 0.01, 100.0,
+                        0.5, None, 1 << 20, text))
+    return path
+
+
+def user_version(path) -> int:
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(path)) as db:
+        return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def test_a_history_file_keeps_its_own_schema_version(tmp_path, greedy):
+    from engine.records.history import HISTORY_VERSION, History
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(greedy)
+    assert HISTORY_VERSION == 2 and user_version(history.path) == 2
+    assert History(history.path).get(1) == greedy and user_version(history.path) == 2
+
+
+def test_an_older_history_is_brought_forward_with_every_run(tmp_path, greedy):
+    from engine.records.history import SUMMARY, History
+
+    path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(older(greedy).to_dict()), '{"schema_version": 2'])
+    assert user_version(path) == 0
+    history = History(path, create=False)
+    assert user_version(path) == 2
+    rows = history.rows()
+    assert [(row["id"], row["label"]) for row in rows] == [(2, "old 1"), (1, "old 0")]  # every run, damaged one too
+    assert rows[1]["generated_tokens"] == 3 and rows[1]["turns"] == 1 and rows[1]["max_new_tokens"] is None
+    assert rows[1]["model_sha256"] == greedy.model["onnx_sha256"] and rows[0]["generated_tokens"] is None
+    assert history.get(1) == older(greedy)
+    assert list(rows[1])[:len(SUMMARY)] == list(SUMMARY) and rows[1]["completion_s"] == 0.5  # as they were
+    assert history.add(greedy) == 3 and history.rows(ids=[3])[0]["max_new_tokens"] == 3
+    History(path)  # opened again: nothing more to do
+    assert len(history.rows()) == 3
+
+
+def test_a_newer_history_or_another_programs_database_is_refused_in_one_line_and_left_as_it_is(tmp_path, capsys):
+    import sqlite3
+
+    from app.cli import main
+    from engine.errors import WorkbenchError
+    from engine.records.history import History
+
+    newer = legacy_history(tmp_path / "newer.sqlite3", [])
+    with sqlite3.connect(newer) as db:
+        db.execute("PRAGMA user_version = 3")
+    before = newer.read_bytes()
+    with pytest.raises(WorkbenchError, match=r"newer.sqlite3: a run history of version 3, newer than this app reads "
+                                             r"\(2\): open it with a newer moe-workbench, or name another file$"):
+        History(newer)
+    assert main(["history", "--history", str(newer)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"moe-workbench: error: {newer}: a run history of version 3")
+    assert newer.read_bytes() == before
+
+    other = tmp_path / "notes.db"
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE notes (text TEXT)")
+    before = other.read_bytes()
+    with pytest.raises(WorkbenchError, match="notes.db: not a run history .another program's database: no runs "
+                                             "table, its tables notes.$"):
+        History(other)
+    assert other.read_bytes() == before
+
+
+def test_the_exports_carry_what_a_spreadsheet_compares_runs_by(tmp_path, sampled, greedy):
+    import csv
+    import io
+
+    from engine.records.history import SUMMARY, History
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(greedy)
+    history.add(older(sampled))
+    history.add(sampled)
+    rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
+    header = list(rows[0])
+    assert header[:len(SUMMARY)] == list(SUMMARY)  # the summary columns' names and order as they were
+    new = rows[0]
+    assert (new["generated_tokens"], new["max_new_tokens"], new["do_sample"], new["temperature"], new["top_k"],
+            new["top_p"], new["seed"], new["stop_strings"]) == (str(sampled.generated_tokens), "5", "1", "0.7", "5",
+                                                                 "0.9", "3", '["zzz"]')
+    assert new["prompt_tokens"] == str(sampled.turns[0]["prompt_tokens"]) and new["turns"] == "1"
+    assert float(new["prefill_s"]) == pytest.approx(sampled.timings["prefill_s"])
+    assert new["rss_start_bytes"] == str(sampled.peaks["rss_start_bytes"]) and new["placement_mode"] == "cpu_only"
+    assert float(new["host_others_share"]) == pytest.approx(sampled.host_load["host_others_share"])
+    assert new["model_sha256"] == sampled.model["onnx_sha256"] and new["finish_reasons"]
+    # an older record's settings: empty cells, its tokens all the same
+    assert (rows[1]["max_new_tokens"], rows[1]["temperature"], rows[1]["generated_tokens"]) == (
+        "", "", str(sampled.generated_tokens))
+    assert rows[2]["do_sample"] == "0" and rows[2]["generated_tokens"] == "3"
+    markdown = history.export("markdown").splitlines()
+    assert markdown[0] == "| " + " | ".join(header) + " |" and len(markdown) == 5
+    greedy_row = dict(zip(header, (cell.strip() for cell in markdown[4].strip("| ").split(" | "))))
+    assert (greedy_row["generated_tokens"], greedy_row["max_new_tokens"], greedy_row["do_sample"]) == ("3", "3", "0")
+
+
+def test_the_history_list_says_how_many_tokens_each_run_generated(tmp_path, capsys, greedy):
+    from app.cli import main
+    from engine.records.history import History
+
+    History(tmp_path / "h.sqlite3").add(greedy)
+    assert main(["history", "--history", str(tmp_path / "h.sqlite3")]) == 0
+    assert "completion " in (out := capsys.readouterr().out) and "  3 tokens  " in out
+
+
+def test_the_windows_history_shows_each_runs_tokens(qtbot, tmp_path, greedy):
+    pytest.importorskip("pytestqt")
+    from app.gui.history_view import HEADERS, HistoryView
+    from engine.records.history import History
+
+    History(tmp_path / "h.sqlite3").add(greedy)
+    view = HistoryView(tmp_path / "h.sqlite3")
+    qtbot.addWidget(view)
+    assert view.table.item(0, HEADERS.index("tokens")).text() == "3"

@@ -16,7 +16,7 @@ from engine.records.scenarios import SCENARIOS
 from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
 
 HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "load", "first token", "decode",
-           "completion", "device peak", "RSS peak")
+           "completion", "tokens", "device peak", "RSS peak")
 EXPORTS = {"json": "JSON (*.json)", "csv": "CSV (*.csv)", "markdown": "Markdown (*.md)"}
 SUFFIX = {"json": ".json", "csv": ".csv", "markdown": ".md"}
 
@@ -27,7 +27,8 @@ def _cells(row: dict) -> list[str]:
             row["label"] or "", Path(row["model"] or "").name, row["device"] or "cpu",
             fmt(int(budget), "bytes") if budget and str(budget).isdigit() else (budget or "auto"),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
-            fmt(row["completion_s"], "s"), fmt(row["peak_device_bytes"], "bytes"), fmt(row["peak_rss_bytes"], "bytes")]
+            fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
+            fmt(row["peak_rss_bytes"], "bytes")]
 
 
 class RecordDialog(QDialog):

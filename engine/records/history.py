@@ -14,8 +14,89 @@ import platformdirs
 from engine.errors import WorkbenchError
 from engine.records.schema import RecordError, RunRecord
 
-COLUMNS = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
+# the history file's own schema, kept as SQLite's user_version: 1 (files written before it was kept read 0), the runs
+# table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet
+HISTORY_VERSION = 2
+SUMMARY = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
+
+
+def _turns_sum(key: str):
+    return lambda r: sum(turn.get(key) or 0 for turn in r.turns) if r.turns else None
+
+
+def _setting(key: str):
+    return lambda r: r.generation.get(key) if r.generation else None
+
+
+def _hit_rate(r: RunRecord) -> float | None:
+    hits, misses = (sum(layer.get(key, 0) for layer in r.layers) for key in ("hits", "misses"))
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _layer_split(r: RunRecord) -> str | None:
+    split = r.offload.get("layer_split")
+    return None if not split else "whole" if split.get("whole_layers") else "spread"
+
+
+def _stop_strings(r: RunRecord) -> str | None:
+    return json.dumps(r.generation["stop_strings"]) if r.generation else None  # a stop text may hold "|" or ","
+
+
+# (column, SQLite type, value from a record): the columns after SUMMARY, in the exports' order; None where a record
+# has no such value (an all-CPU run's device peak, a record older than the value)
+EXTRA = (
+    ("turns", "INTEGER", lambda r: len(r.turns)),
+    ("prompt_tokens", "INTEGER", _turns_sum("prompt_tokens")),
+    ("generated_tokens", "INTEGER", lambda r: r.generated_tokens),
+    ("finish_reasons", "TEXT", lambda r: ",".join(turn.get("finish_reason", "") for turn in r.turns)),
+    ("cancelled", "INTEGER", lambda r: int(bool(r.timings.get("cancelled")))),
+    ("max_new_tokens", "INTEGER", _setting("max_new_tokens")),
+    ("do_sample", "INTEGER", lambda r: int(r.generation["do_sample"]) if r.generation else None),
+    ("temperature", "REAL", _setting("temperature")),
+    ("top_k", "INTEGER", _setting("top_k")),
+    ("top_p", "REAL", _setting("top_p")),
+    ("repetition_penalty", "REAL", _setting("repetition_penalty")),
+    ("seed", "INTEGER", _setting("seed")),
+    ("stop_strings", "TEXT", _stop_strings),
+    ("reasoning_setting", "TEXT", _setting("reasoning")),
+    ("prefill_s", "REAL", lambda r: r.timings.get("prefill_s")),
+    ("settle_s", "REAL", lambda r: r.timings.get("settle_s")),
+    ("projected_decode_tokens_per_s", "REAL", lambda r: (r.timings.get("projected") or {}).get("decode_tokens_per_s")),
+    ("projected_completion_s", "REAL", lambda r: (r.timings.get("projected") or {}).get("completion_s")),
+    ("peak_process_device_bytes", "INTEGER", lambda r: r.peaks.get("process_device_bytes")),
+    ("rss_start_bytes", "INTEGER", lambda r: r.peaks.get("rss_start_bytes")),
+    ("pinned_bytes", "INTEGER", lambda r: r.peaks.get("pinned_bytes")),
+    ("bytes_moved", "INTEGER", lambda r: r.bytes_moved),
+    ("expert_hit_rate", "REAL", _hit_rate),
+    ("placement_mode", "TEXT", lambda r: r.offload.get("placement_mode") or "cpu_only"),
+    ("layer_split", "TEXT", _layer_split),
+    ("decode_path", "TEXT", lambda r: (r.offload.get("decode_path") or {}).get("in_force")),
+    ("cpu_threads", "INTEGER", lambda r: (r.offload.get("cpu_threads") or {}).get("cpu_threads_in_force")),
+    ("approximate_routing", "INTEGER", lambda r: int(r.approximate_routing)),
+    ("routing_agreement", "REAL", lambda r: r.routing_agreement),
+    ("host_others_share", "REAL", lambda r: r.host_load.get("host_others_share")),
+    ("host_steal_share", "REAL", lambda r: r.host_load.get("host_steal_share")),
+    ("model_type", "TEXT", lambda r: r.model.get("type")),
+    ("model_sha256", "TEXT", lambda r: r.model.get("onnx_sha256")),
+    ("cpu", "TEXT", lambda r: (r.machine or {}).get("cpu")),
+    ("gpus", "TEXT", lambda r: ", ".join(gpu.get("name", "?") for gpu in (r.machine or {}).get("gpus") or [])),
+    ("app_version", "TEXT", lambda r: (r.versions or {}).get("app")),
+    ("onnxruntime_version", "TEXT", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("version")),
+)
+COLUMNS = SUMMARY + tuple(name for name, _type, _get in EXTRA)
+
+
+def summary(record: RunRecord) -> dict:
+    """The record's values for the columns after id."""
+    t, p = record.timings, record.peaks
+    row = {"created": record.created, "scenario": record.scenario, "label": record.label,
+           "model": record.model.get("folder"), "device": record.offload.get("device"),
+           "budget": str(record.offload.get("entries", {}).get("session.moe.offload.device_expert_bytes", "auto")),
+           "load_s": t.get("load_s"), "ttft_s": t.get("time_to_first_token_s"),
+           "decode_tokens_per_s": t.get("decode_tokens_per_s"), "completion_s": t.get("completion_s"),
+           "peak_device_bytes": p.get("device_bytes"), "peak_rss_bytes": p.get("rss_bytes")}
+    return row | {name: get(record) for name, _type, get in EXTRA}
 
 
 def default_path() -> Path:
@@ -30,13 +111,61 @@ class History:
             raise WorkbenchError(f"{self.path}: no run history there (record, sweep and the window save runs)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with closing(self._connect()) as db, db:
-                db.execute("""CREATE TABLE IF NOT EXISTS runs (
-                    id INTEGER PRIMARY KEY, created TEXT, scenario TEXT, label TEXT, model TEXT, device TEXT,
-                    budget TEXT, load_s REAL, ttft_s REAL, decode_tokens_per_s REAL, completion_s REAL,
-                    peak_device_bytes INTEGER, peak_rss_bytes INTEGER, record TEXT NOT NULL)""")
+            with closing(self._connect()) as db:
+                self._prepare(db)
         except sqlite3.DatabaseError as exc:  # another file given as the history (or a damaged one): left as it is
             raise _failure(self.path, "not opened" if _locked(exc) else "not a run history", exc) from None
+
+    def _prepare(self, db: sqlite3.Connection) -> None:
+        """Make a new file a run history, bring an older one to HISTORY_VERSION (its runs kept, their new columns
+        filled from their records), refuse a newer one or another program's database."""
+        if self._version(db) == HISTORY_VERSION:
+            return
+        db.execute("BEGIN IMMEDIATE")  # one process at a time migrates: the other finds it done
+        version = self._version(db)
+        if version == HISTORY_VERSION:
+            return
+        extra = ", ".join(f"{name} {kind}" for name, kind, _get in EXTRA)
+        if version is None:
+            db.execute(f"""CREATE TABLE runs (
+                id INTEGER PRIMARY KEY, created TEXT, scenario TEXT, label TEXT, model TEXT, device TEXT,
+                budget TEXT, load_s REAL, ttft_s REAL, decode_tokens_per_s REAL, completion_s REAL,
+                peak_device_bytes INTEGER, peak_rss_bytes INTEGER, {extra}, record TEXT NOT NULL)""")
+        else:
+            self._migrate(db)
+        db.execute(f"PRAGMA user_version = {HISTORY_VERSION}")
+        db.commit()
+
+    def _version(self, db: sqlite3.Connection) -> int | None:
+        """The file's history version (None: an empty file, to be made one); a newer one, or another program's
+        database, is refused."""
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = [row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        if "runs" not in tables:
+            if tables or version:
+                raise WorkbenchError(f"{self.path}: not a run history (another program's database: no runs table"
+                                     f"{', its tables ' + ', '.join(tables) if tables else ''})")
+            return None
+        if version > HISTORY_VERSION:
+            raise WorkbenchError(f"{self.path}: a run history of version {version}, newer than this app reads "
+                                 f"({HISTORY_VERSION}): open it with a newer moe-workbench, or name another file")
+        return max(version, 1)
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        """Version 1 (0: unversioned) to 2: EXTRA's columns, filled from each run's record; a run whose record cannot
+        be read keeps its row, with them empty."""
+        have = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
+        for name, kind, _get in EXTRA:
+            if name not in have:
+                db.execute(f"ALTER TABLE runs ADD COLUMN {name} {kind}")
+        names = [name for name, _kind, _get in EXTRA]
+        for run_id, text in db.execute("SELECT id, record FROM runs").fetchall():
+            try:
+                row = summary(RunRecord.from_dict(json.loads(text)))
+            except (ValueError, TypeError, AttributeError, KeyError):  # a damaged record, another schema version
+                continue
+            db.execute(f"UPDATE runs SET {', '.join(f'{name} = ?' for name in names)} WHERE id = ?",
+                       [row[name] for name in names] + [run_id])
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path)
@@ -52,15 +181,11 @@ class History:
             raise _failure(self.path, failed, exc) from None
 
     def add(self, record: RunRecord) -> int:
-        t, p = record.timings, record.peaks
-        row = (record.created, record.scenario, record.label, record.model.get("folder"),
-               record.offload.get("device"), str(record.offload.get("entries", {}).get(
-                   "session.moe.offload.device_expert_bytes", "auto")),
-               t.get("load_s"), t.get("time_to_first_token_s"), t.get("decode_tokens_per_s"), t.get("completion_s"),
-               p.get("device_bytes"), p.get("rss_bytes"), json.dumps(record.to_dict()))
+        row = summary(record)
         with self._db("the run was not saved") as db, db:
             cursor = db.execute(f"INSERT INTO runs ({', '.join(COLUMNS[1:])}, record) VALUES "
-                                f"({', '.join('?' * (len(COLUMNS)))})", row)
+                                f"({', '.join('?' * len(COLUMNS))})",
+                                [row[name] for name in COLUMNS[1:]] + [json.dumps(record.to_dict())])
             return int(cursor.lastrowid)
 
     def get(self, run_id: int) -> RunRecord:
