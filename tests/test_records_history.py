@@ -220,3 +220,12 @@ def test_the_windows_history_shows_each_runs_tokens(qtbot, tmp_path, greedy):
     view = HistoryView(tmp_path / "h.sqlite3")
     qtbot.addWidget(view)
     assert view.table.item(0, HEADERS.index("tokens")).text() == "3"
+
+
+def test_a_time_under_a_millisecond_reads_as_such_not_as_none(sampled):
+    from app.gui.record_report import fmt
+
+    assert (fmt(3.2e-5, "s"), fmt(0.0, "s"), fmt(0.0123, "s"), fmt(1.5, "s")) == ("32 µs", "0 ms", "12 ms", "1.50 s")
+    layer = dict(sampled.layers[0] if sampled.layers else {}, hits=1, misses=2, cpu_s=3.2e-5, device_s=0.0)
+    record = RunRecord.from_dict(dict(sampled.to_dict(), layers=[layer]))
+    assert " 32 µs 0 ms " in plain(detail_html(record))  # the layer's CPU and device time

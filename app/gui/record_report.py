@@ -77,7 +77,9 @@ def hit_rate(record: RunRecord) -> float | None:
 def fmt(value, unit: str) -> str:
     if value is None:
         return "—"
-    if unit == "s":
+    if unit == "s":  # a time under a millisecond (a small model's layer) in µs: not "0 ms"
+        if 0 < value < 0.001:
+            return f"{value * 1e6:.0f} µs"
         return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
     if unit == "tok/s":
         return f"{value:.1f} tok/s"
