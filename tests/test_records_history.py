@@ -222,6 +222,23 @@ def test_the_windows_history_shows_each_runs_tokens(qtbot, tmp_path, greedy):
     assert view.table.item(0, HEADERS.index("tokens")).text() == "3"
 
 
+def test_the_windows_history_gives_an_all_cpu_run_no_budget(qtbot, tmp_path, greedy):
+    pytest.importorskip("pytestqt")
+    from app.gui.history_view import HEADERS, HistoryView
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(greedy)
+    on_device = dict(greedy.to_dict(), offload=dict(greedy.offload, device="simulated GPU, 1.0 GiB", entries={
+        "session.moe.offload.device_expert_bytes": "200000"}))
+    history.add(RunRecord.from_dict(on_device))
+    view = HistoryView(tmp_path / "h.sqlite3")
+    qtbot.addWidget(view)
+    budget = HEADERS.index("budget")
+    # the all-CPU run's budget read "auto", as if the engine had chosen one on a device
+    assert [view.table.item(row, budget).text() for row in (0, 1)] == ["195.3 KiB", "—"]
+
+
 def test_a_time_under_a_millisecond_reads_as_such_not_as_none(sampled):
     from app.gui.record_report import fmt
 

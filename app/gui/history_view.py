@@ -21,11 +21,17 @@ EXPORTS = {"json": "JSON (*.json)", "csv": "CSV (*.csv)", "markdown": "Markdown 
 SUFFIX = {"json": ".json", "csv": ".csv", "markdown": ".md"}
 
 
-def _cells(row: dict) -> list[str]:
+def _budget(row: dict) -> str:
+    """The expert budget as saved; none for an all-CPU run (as `history` says: its "auto" budgets no device)."""
     budget = row["budget"]
+    if (row["device"] or "cpu") == "cpu":
+        return "—"
+    return fmt(int(budget), "bytes") if budget and str(budget).isdigit() else (budget or "auto")
+
+
+def _cells(row: dict) -> list[str]:
     return [str(row["id"]), (row["created"] or "").replace("T", " ").split("+")[0], row["scenario"] or "",
-            row["label"] or "", Path(row["model"] or "").name, row["device"] or "cpu",
-            fmt(int(budget), "bytes") if budget and str(budget).isdigit() else (budget or "auto"),
+            row["label"] or "", Path(row["model"] or "").name, row["device"] or "cpu", _budget(row),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
             fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
             fmt(row["peak_rss_bytes"], "bytes")]
