@@ -246,3 +246,12 @@ def test_a_time_under_a_millisecond_reads_as_such_not_as_none(sampled):
     layer = dict(sampled.layers[0] if sampled.layers else {}, hits=1, misses=2, cpu_s=3.2e-5, device_s=0.0)
     record = RunRecord.from_dict(dict(sampled.to_dict(), layers=[layer]))
     assert " 32 µs 0 ms " in plain(detail_html(record))  # the layer's CPU and device time
+
+
+def test_a_label_of_two_lines_stays_in_its_markdown_row(tmp_path, greedy):
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(RunRecord.from_dict(dict(greedy.to_dict(), label="tuned\nrun | b")))
+    lines = history.export("markdown").splitlines()
+    assert len(lines) == 3 and "| tuned run \\| b |" in lines[2]

@@ -262,4 +262,5 @@ def _failure(path: Path, failed: str, exc: sqlite3.Error) -> WorkbenchError:
 def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
-    return "" if value is None else str(value).replace("|", "\\|")
+    # a line break (a label given on the command line) would end the table's row
+    return "" if value is None else " ".join(str(value).splitlines()).replace("|", "\\|")
