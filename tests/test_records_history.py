@@ -255,3 +255,16 @@ def test_a_label_of_two_lines_stays_in_its_markdown_row(tmp_path, greedy):
     history.add(RunRecord.from_dict(dict(greedy.to_dict(), label="tuned\nrun | b")))
     lines = history.export("markdown").splitlines()
     assert len(lines) == 3 and "| tuned run \\| b |" in lines[2]
+
+
+def test_a_records_detail_names_the_gpu_and_the_onnxruntime_build(greedy):
+    data = greedy.to_dict()
+    gpu = dict(data, machine=dict(data["machine"], gpus=[{"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85520809984,
+                                                         "driver": "580.95.05"}]),
+               versions=dict(data["versions"], onnxruntime={"version": "1.23.2", "build": "onnxruntime-gpu"},
+                             cupy="13.6.0", cuda_runtime=12080, cuda_driver=13000))
+    text = plain(detail_html(RunRecord.from_dict(gpu)))
+    assert " GPU NVIDIA H100 80GB HBM3 (79.6 GiB, driver 580.95.05) " in text
+    assert " onnxruntime 1.23.2 (onnxruntime-gpu) " in text and " CUDA runtime 12080 CUDA driver 13000 " in text
+    none = dict(data, machine=dict(data["machine"], gpus=[]))
+    assert " GPU none found (NVML) " in plain(detail_html(RunRecord.from_dict(none)))

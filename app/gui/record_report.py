@@ -180,11 +180,24 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     versions = record.versions or {}
     ort = versions.get("onnxruntime") or {}
     parts.append("<h4>Machine and versions</h4>")
+    build = f" ({ort['build']})" if ort.get("build") else ""
     parts.append(_table([("CPU", f"{machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)"),
-                         ("RAM", human_bytes(machine.get("ram_bytes") or 0)),
-                         ("app", versions.get("app", "?")), ("onnxruntime", ort.get("version", "?")),
-                         ("python", versions.get("python", "?"))]))
+                         ("RAM", human_bytes(machine.get("ram_bytes") or 0) if machine.get("ram_bytes") else "?"),
+                         ("GPU", _gpus(machine)),
+                         ("app", versions.get("app", "?")), ("onnxruntime", ort.get("version", "?") + build),
+                         ("python", versions.get("python", "?"))]
+                        + [(what, versions[key]) for what, key in (("CuPy", "cupy"), ("CUDA runtime", "cuda_runtime"),
+                                                                   ("CUDA driver", "cuda_driver")) if versions.get(key)]))
     return "".join(parts)
+
+
+def _gpus(machine: dict) -> str:
+    """The NVIDIA GPUs NVML found with their memory and driver: none where it found none (or no driver), "?" in a
+    record without the list."""
+    if "gpus" not in machine:
+        return "?"
+    return "; ".join(f"{gpu.get('name', '?')} ({human_bytes(gpu['memory_bytes']) if gpu.get('memory_bytes') else '?'}, "
+                     f"driver {gpu.get('driver', '?')})" for gpu in machine["gpus"]) or "none found (NVML)"
 
 
 def _layer_split(record: RunRecord) -> str | None:
