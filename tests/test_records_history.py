@@ -268,3 +268,24 @@ def test_a_records_detail_names_the_gpu_and_the_onnxruntime_build(greedy):
     assert " onnxruntime 1.23.2 (onnxruntime-gpu) " in text and " CUDA runtime 12080 CUDA driver 13000 " in text
     none = dict(data, machine=dict(data["machine"], gpus=[]))
     assert " GPU none found (NVML) " in plain(detail_html(RunRecord.from_dict(none)))
+
+
+def test_the_windows_history_gives_a_runs_time_on_the_users_clock(qtbot, tmp_path, greedy, monkeypatch):
+    import time
+
+    pytest.importorskip("pytestqt")
+    from app.gui.history_view import HEADERS, HistoryView
+    from engine.records.history import History
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+5:30
+    time.tzset()
+    try:
+        History(tmp_path / "h.sqlite3").add(RunRecord.from_dict(dict(greedy.to_dict(),
+                                                                     created="2026-12-06T03:29:11+00:00")))
+        view = HistoryView(tmp_path / "h.sqlite3")
+        qtbot.addWidget(view)
+        # it read 03:29:11, UTC's time, with nothing to say so
+        assert view.table.item(0, HEADERS.index("created")).text() == "2026-12-06 08:59:11"
+    finally:
+        monkeypatch.undo()
+        time.tzset()

@@ -3,6 +3,7 @@ two runs compared side by side, the filtered table exported as JSON, CSV or Mark
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -29,8 +30,16 @@ def _budget(row: dict) -> str:
     return fmt(int(budget), "bytes") if budget and str(budget).isdigit() else (budget or "auto")
 
 
+def _local_time(created: str | None) -> str:
+    """A record's time (ISO 8601, UTC) in the machine's time zone, as the user reads a clock."""
+    try:
+        return datetime.fromisoformat(created).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError):
+        return created or ""
+
+
 def _cells(row: dict) -> list[str]:
-    return [str(row["id"]), (row["created"] or "").replace("T", " ").split("+")[0], row["scenario"] or "",
+    return [str(row["id"]), _local_time(row["created"]), row["scenario"] or "",
             row["label"] or "", Path(row["model"] or "").name, row["device"] or "cpu", _budget(row),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
             fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
