@@ -289,3 +289,20 @@ def test_the_windows_history_gives_a_runs_time_on_the_users_clock(qtbot, tmp_pat
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+def test_an_older_history_that_cannot_be_written_says_so_not_that_it_is_no_history(tmp_path, greedy, monkeypatch):
+    import sqlite3
+
+    from engine.errors import WorkbenchError
+    from engine.records.history import History
+
+    path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(greedy.to_dict())])
+    monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
+    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 2, which it needs to be read "
+                                             r"\(attempt to write a readonly database\)$"):
+        History(path, create=False)
+    monkeypatch.undo()
+    History(path)
+    monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
+    assert History(path, create=False).rows()[0]["generated_tokens"] == 3  # once brought forward, read-only reads

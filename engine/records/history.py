@@ -114,7 +114,10 @@ class History:
             with closing(self._connect()) as db:
                 self._prepare(db)
         except sqlite3.DatabaseError as exc:  # another file given as the history (or a damaged one): left as it is
-            raise _failure(self.path, "not opened" if _locked(exc) else "not a run history", exc) from None
+            failed = ("not opened" if _locked(exc) else
+                      f"not brought forward to version {HISTORY_VERSION}, which it needs to be read"
+                      if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_READONLY") else "not a run history")
+            raise _failure(self.path, failed, exc) from None
 
     def _prepare(self, db: sqlite3.Connection) -> None:
         """Make a new file a run history, bring an older one to HISTORY_VERSION (its runs kept, their new columns
