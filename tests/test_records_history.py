@@ -306,3 +306,21 @@ def test_an_older_history_that_cannot_be_written_says_so_not_that_it_is_no_histo
     History(path)
     monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
     assert History(path, create=False).rows()[0]["generated_tokens"] == 3  # once brought forward, read-only reads
+
+
+def test_a_record_says_where_the_dense_part_ran(tmp_path, greedy):
+    from engine.records.history import History
+
+    assert greedy.offload["dense"] == {"device": "cpu",
+                                       "reason": "no GPU device is in use (--device cuda puts it on the GPU)"}
+    assert " dense part on the CPU: no GPU device is in use " in plain(detail_html(greedy))
+    data = greedy.to_dict()
+    on_gpu = RunRecord.from_dict(dict(data, offload=dict(data["offload"], dense={"device": "cuda", "reason": "fits"})))
+    text = plain(compare_html(greedy, on_gpu))
+    assert "these runs differ in dense part," in text and " dense part cpu cuda " in text
+    old = RunRecord.from_dict(dict(data, offload={k: v for k, v in data["offload"].items() if k != "dense"}))
+    assert " dense part not recorded " in plain(detail_html(old))
+    assert "dense part" not in plain(compare_html(old, on_gpu)).split("metric")[0]  # unknown: not said to differ
+    history = History(tmp_path / "h.sqlite3")
+    history.add(on_gpu)
+    assert history.rows()[0]["dense_device"] == "cuda"

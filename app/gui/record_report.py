@@ -136,6 +136,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         ("experts", EXPERTS_WHERE.get(o.get("placement_mode"), "every one on the CPU")),
         ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
          if o.get("placement_mode") == "hybrid" else "—"),
+        ("dense part", _dense(record) or NOT_RECORDED),
         ("approximate routing", "on" if record.approximate_routing else "off")]
         + ([("token agreement with exact routing", f"{record.routing_agreement:.1%}")]
            if record.routing_agreement is not None else [])
@@ -200,6 +201,14 @@ def _gpus(machine: dict) -> str:
                      f"driver {gpu.get('driver', '?')})" for gpu in machine["gpus"]) or "none found (NVML)"
 
 
+def _dense(record: RunRecord) -> str | None:
+    dense = record.offload.get("dense")
+    if not dense:
+        return None
+    where = "on the GPU (onnxruntime's CUDA EP)" if dense.get("device") == "cuda" else "on the CPU"
+    return where + (f": {dense['reason']}" if dense.get("reason") else "")
+
+
 def _layer_split(record: RunRecord) -> str | None:
     split = record.offload.get("layer_split")
     return None if not split else "whole layers" if split.get("whole_layers") else "spread over every layer"
@@ -219,6 +228,7 @@ RUN_FACTS = (
     ("model", lambda r: r.model.get("folder")),
     ("model file (model.onnx's SHA-256)", lambda r: r.model.get("onnx_sha256")),
     ("device", lambda r: r.offload.get("device", "cpu")),
+    ("dense part", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer split", _layer_split),
     ("decode path asked", lambda r: (r.offload.get("decode_path") or {}).get("mode")),
     *GENERATION_FACTS,

@@ -70,6 +70,7 @@ EXTRA = (
     ("bytes_moved", "INTEGER", lambda r: r.bytes_moved),
     ("expert_hit_rate", "REAL", _hit_rate),
     ("placement_mode", "TEXT", lambda r: r.offload.get("placement_mode") or "cpu_only"),
+    ("dense_device", "TEXT", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer_split", "TEXT", _layer_split),
     ("decode_path", "TEXT", lambda r: (r.offload.get("decode_path") or {}).get("in_force")),
     ("cpu_threads", "INTEGER", lambda r: (r.offload.get("cpu_threads") or {}).get("cpu_threads_in_force")),

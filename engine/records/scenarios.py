@@ -126,15 +126,18 @@ def pinned_bytes(model: LoadedModel) -> int | None:
 
 
 def offload_description(model: LoadedModel, device) -> dict:
-    """Where the experts ran, and the CPU kernels' threads at the end of the run (engine/kernel_threads.py)."""
+    """Where the experts and the dense part ran, and the CPU kernels' threads at the end of the run
+    (engine/kernel_threads.py)."""
     threads = model.decoder.kernel_threads.state()
+    dense = {"device": model.dense_device, "reason": model.dense_reason}
     if model.offload is None:
-        return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU.", "cpu_threads": threads}
+        return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU.", "cpu_threads": threads,
+                "dense": dense}
     state = model.offload.copy_state()
     return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
             "statements": model.offload.plan.statements, "layer_split": state["layer_split"],
-            "decode_path": state["decode_path"], "cpu_threads": threads}
+            "decode_path": state["decode_path"], "cpu_threads": threads, "dense": dense}
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",
