@@ -68,7 +68,7 @@ def test_steal_time_is_not_taken_for_other_processes(monkeypatch):
     """psutil counts a virtual machine's steal time as busy: with nothing else running, 30% steal on 2 cores read as
     other processes using 0.6 cores (a warning naming nobody)."""
     monkeypatch.setattr(telemetry.psutil, "cpu_percent", lambda interval, percpu=False: [80.0, 80.0])
-    monkeypatch.setattr(telemetry.psutil, "cpu_times_percent", lambda interval: _Steal(30.0))
+    monkeypatch.setattr(telemetry.psutil, "cpu_times_percent", lambda interval, percpu=False: [_Steal(30.0)] * 2)
     monkeypatch.setattr(telemetry.psutil, "virtual_memory", lambda: _Memory(total=16 << 30, available=12 << 30))
     probe = telemetry.SystemProbe(nvml=False)
     probe.me = _Process(rss=1 << 30, shared=0, cores=1.0)
@@ -80,3 +80,32 @@ def test_steal_time_is_not_taken_for_other_processes(monkeypatch):
 class _Steal:
     def __init__(self, steal):
         self.steal = steal
+
+
+def _four_cpus(monkeypatch, per_core, ours):
+    monkeypatch.setattr(telemetry.psutil, "cpu_percent", lambda interval, percpu=False: list(per_core))
+    monkeypatch.setattr(telemetry.psutil, "cpu_times_percent", lambda interval, percpu=False: [_Steal(0.0)] * 4)
+    monkeypatch.setattr(telemetry.psutil, "virtual_memory", lambda: _Memory(total=16 << 30, available=12 << 30))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(ours))
+    probe = telemetry.SystemProbe(nvml=False)
+    probe.me = _Process(rss=1 << 30, shared=0, cores=0.1)
+    probe._samples = 1  # (no walk of the machine's processes)
+    return probe.sample()
+
+
+def test_other_processes_count_only_on_the_cpus_this_process_may_run_on(monkeypatch):
+    """A build pinned to CPUs 0-1 (taskset) does not compete with a workbench pinned to 2-3: the whole machine's load
+    (2.1 other cores of 4) raised the warning; on our two CPUs the others use 0.1 of a core. A build on our CPUs still
+    raises it, saying which CPUs are meant."""
+    from app.gui.contention import check_sample
+
+    elsewhere = _four_cpus(monkeypatch, [100.0, 100.0, 10.0, 10.0], ours={2, 3})
+    assert elsewhere["others_cpu_cores"] == pytest.approx(0.1)
+    assert elsewhere["cpu_ours"] == [2, 3]
+    assert check_sample(dict(elsewhere, gpu=None)) == []
+    here = _four_cpus(monkeypatch, [10.0, 10.0, 100.0, 100.0], ours={2, 3})
+    assert here["others_cpu_cores"] == pytest.approx(1.9)
+    assert check_sample(dict(here, gpu=None)) == [
+        "Other processes use 1.9 of the 2 CPU cores this process may run on (of 4)."]
+    everywhere = _four_cpus(monkeypatch, [100.0, 100.0, 10.0, 10.0], ours={0, 1, 2, 3})
+    assert check_sample(dict(everywhere, gpu=None)) == ["Other processes use 2.1 of 4 CPU cores."]

@@ -45,11 +45,15 @@ def _names(items, fmt) -> str:
 def check_sample(sample: dict) -> list[str]:
     """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry)."""
     warnings = []
-    cores = max(1, len(sample.get("cpu_per_core") or [1]))
+    all_cores = max(1, len(sample.get("cpu_per_core") or [1]))
+    # only the cores this process may run on (its affinity): a build pinned to the others does not compete
+    cores = len(sample.get("cpu_ours") or range(all_cores))
     others = sample.get("others_cpu_cores", 0.0)
     if others >= max(OTHERS_CPU_MIN_CORES, OTHERS_CPU_SHARE * cores):
         top = [p for p in sample.get("top_cpu", []) if p["cores"] >= 0.05]
-        warnings.append(f"Other processes use {others:.1f} of {cores} CPU cores"
+        where = (f"{cores} CPU cores" if cores == all_cores else
+                 f"the {cores} CPU cores this process may run on (of {all_cores})")
+        warnings.append(f"Other processes use {others:.1f} of {where}"
                         + ((": " + _names(top, _cpu)) if top else "") + ".")
     steal = sample.get("cpu_steal_share", 0.0)
     if steal >= CPU_STEAL_SHARE:

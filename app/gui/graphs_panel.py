@@ -254,10 +254,12 @@ class GraphsPanel(QWidget):
             curve.setData(x, cores[:, index] if index < cores.shape[1] else np.zeros_like(x))
         self.curves["cpu_total"].setData(x, col("cpu_total"))
         self.curves["cpu_total"].setZValue(10)
+        ours = len(last.get("cpu_ours") or range(cores.shape[1]))
+        where = "" if ours == cores.shape[1] else f" of this process's {ours}"  # (its affinity)
         self.cpu_plot.header.setText(
             _title("CPU", [(t.accent, f"total {last['cpu_total']:.0f}%"),
                            (t.muted, f"{cores.shape[1]} cores"),
-                           (t.others, f"other processes {last.get('others_cpu_cores', 0):.1f} cores")], t))
+                           (t.others, f"other processes {last.get('others_cpu_cores', 0):.1f} cores{where}")], t))
 
         tps = col("tokens_per_s")
         self.curves["tps"].setData(x, tps)

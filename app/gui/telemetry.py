@@ -9,6 +9,7 @@ instead of drawing zeros.
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -16,11 +17,21 @@ from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from engine.nvml import Nvml, describe
 
+
 def others_memory(total: int, available: int, rss: int, file_backed: int) -> int:
     """Host memory neither available nor this process's: other processes' and the kernel's. This process's file pages
     (the model's mapped weights) are page cache, which `available` counts already: only the rest of its RSS is taken
     off, or a mapped model hid as much of the others' memory (0 beside a 0.5 GB model with 0.4 GB in other processes)."""
     return max(0, total - available - (rss - file_backed))
+
+
+def our_cpus(pid: int, count: int) -> list[int]:
+    """The CPUs (indices into psutil's per-CPU figures) this process may run on: all where the system cannot say."""
+    try:
+        ours = sorted(cpu for cpu in os.sched_getaffinity(pid) if cpu < count)
+    except (AttributeError, OSError):  # (not Linux)
+        ours = []
+    return ours or list(range(count))
 
 
 class SystemProbe:
@@ -30,8 +41,7 @@ class SystemProbe:
         self.me = psutil.Process()
         self.me.cpu_percent(None)
         psutil.cpu_percent(None, percpu=True)
-        psutil.cpu_times_percent(None)  # (primes the steal share: its own counter, not cpu_percent's)
-        self.cores = psutil.cpu_count() or 1
+        psutil.cpu_times_percent(None, percpu=True)  # (primes the steal shares: their own counter, not cpu_percent's)
         self.nvml = Nvml() if nvml else None
         self._procs: dict[int, psutil.Process] = {}
         self._top: tuple[list[dict], list[dict]] = ([], [])
@@ -76,7 +86,10 @@ class SystemProbe:
 
     def sample(self) -> dict:
         per_core = psutil.cpu_percent(None, percpu=True)
-        steal = getattr(psutil.cpu_times_percent(None), "steal", 0.0) / 100.0  # (Linux only)
+        steals = [getattr(times, "steal", 0.0) / 100.0 for times in psutil.cpu_times_percent(None, percpu=True)]
+        ours = our_cpus(self.me.pid, len(per_core))
+        # (Linux only) the share of our CPUs' time the hypervisor gave other guests
+        steal = sum(steals[cpu] for cpu in ours if cpu < len(steals)) / max(1, len(ours))
         memory = psutil.virtual_memory()
         try:
             own = self.me.memory_info()
@@ -84,9 +97,10 @@ class SystemProbe:
             this_cpu = self.me.cpu_percent(None) / 100.0
         except psutil.Error:
             rss, file_backed, this_cpu = 0, 0, 0.0
-        # other processes' CPU without walking them: what the cores did, less this process and less the time the
-        # hypervisor gave other guests (psutil counts steal as busy: a VM's steal read as other processes' work)
-        others_cpu = max(0.0, sum(per_core) / 100.0 - this_cpu - steal * len(per_core))
+        # other processes' CPU on the CPUs this process may run on (a build pinned elsewhere does not compete),
+        # without walking them: what those cores did, less this process and less the time the hypervisor gave other
+        # guests (psutil counts steal as busy: a VM's steal read as other processes' work)
+        others_cpu = max(0.0, sum(per_core[cpu] for cpu in ours) / 100.0 - this_cpu - steal * len(ours))
         low_memory = memory.available < 0.1 * memory.total
         if self._samples % self.SCAN_EVERY == 0 or others_cpu >= self.SCAN_WHEN_OTHERS or low_memory:
             self._top = self._other_processes()
@@ -96,7 +110,7 @@ class SystemProbe:
         note = "" if gpu else (self.nvml.note if self.nvml else "GPU sampling is off")
         return {
             "t": time.monotonic(), "wall": time.time(),
-            "cpu_per_core": per_core, "cpu_total": sum(per_core) / max(1, len(per_core)),
+            "cpu_per_core": per_core, "cpu_total": sum(per_core) / max(1, len(per_core)), "cpu_ours": ours,
             "this_cpu_cores": this_cpu, "others_cpu_cores": others_cpu, "cpu_steal_share": steal,
             "ram_total": memory.total, "ram_available": memory.available, "ram_this": rss,
             "ram_others": others_memory(memory.total, memory.available, rss, file_backed),
