@@ -109,3 +109,84 @@ def test_other_processes_count_only_on_the_cpus_this_process_may_run_on(monkeypa
         "Other processes use 1.9 of the 2 CPU cores this process may run on (of 4)."]
     everywhere = _four_cpus(monkeypatch, [100.0, 100.0, 10.0, 10.0], ours={0, 1, 2, 3})
     assert check_sample(dict(everywhere, gpu=None)) == ["Other processes use 2.1 of 4 CPU cores."]
+
+
+class _Times:
+    def __init__(self, own, children):
+        self.user, self.system, self.children_user, self.children_system = own, 0.0, children, 0.0
+
+
+class _Proc:
+    """A process as psutil shows it, its CPU seconds (own, and its waited-for children's) set by the test."""
+
+    def __init__(self, pid, name, ppid, own=0.0, children=0.0, affinity=(0, 1), created=0.0):
+        self.pid, self.name, self.ppid, self.own, self.children = pid, name, ppid, own, children
+        self.affinity, self.created, self._last = list(affinity), created, None
+
+    @property
+    def info(self):
+        return {"name": self.name, "ppid": self.ppid, "cpu_times": _Times(self.own, self.children),
+                "memory_info": _Process(rss=1 << 20, shared=0), "create_time": self.created}
+
+    def cpu_percent(self, interval):  # psutil's: this process's own time since the call before
+        import time
+
+        now, last = time.monotonic(), self._last
+        self._last = (now, self.own)
+        return 0.0 if last is None else (self.own - last[1]) / (now - last[0]) * 100.0
+
+    def oneshot(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def memory_info(self):
+        return _Process(rss=1 << 20, shared=0)
+
+    def cpu_affinity(self):
+        return self.affinity
+
+    def cmdline(self):
+        return [self.name]
+
+
+def test_a_build_s_short_lived_jobs_are_named_by_the_build_on_this_process_s_cpus(monkeypatch):
+    """make -j starts compilers that end between two walks of the processes: each needed two walks of its own to have a
+    CPU figure, so none was ever named, nor make, whose own time is small. The time of the jobs make waited for (its
+    children times) counts toward make, a job alive at the walk joins make's process group, and a long-lived job that
+    ended (with its own child) is not counted twice. A build pinned to a CPU this process may not use is not named."""
+    import time
+
+    make = _Proc(10, "make", 1, own=1.0)
+    ld = _Proc(13, "ld", 10, own=3.0)
+    as_ = _Proc(14, "as", 13, own=2.0)
+    editor = _Proc(20, "editor", 1, own=5.0)
+    pinned = _Proc(30, "pinned-build", 1, affinity=(0,))
+    kswapd, kworker = _Proc(40, "kswapd0", 2, own=1.0), _Proc(41, "kworker/1:1", 2, own=1.0)
+    running = [make, ld, as_, editor, pinned, kswapd, kworker]
+    groups = {10: 10, 12: 10, 13: 10, 14: 10, 20: 20, 30: 30, 40: 0, 41: 0}  # (0: the kernel's threads)
+    monkeypatch.setattr(telemetry.psutil, "process_iter", lambda attrs=None: iter(list(running)))
+    monkeypatch.setattr("os.getpgid", lambda pid: groups.get(pid, 999))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1})
+    monkeypatch.setattr(telemetry.psutil, "cpu_percent", lambda interval, percpu=False: [100.0, 100.0])
+    monkeypatch.setattr(telemetry.psutil, "cpu_times_percent", lambda interval, percpu=False: [_Steal(0.0)] * 2)
+    monkeypatch.setattr(telemetry.psutil, "virtual_memory", lambda: _Memory(total=16 << 30, available=12 << 30))
+    probe = telemetry.SystemProbe(nvml=False)
+    probe.me = _Process(rss=1 << 30, shared=0)
+    probe.sample()  # the first walk: which processes there are
+    time.sleep(0.2)
+    make.own += 0.01
+    as_.own += 0.01   # as ends, waited for by ld, which ends, waited for by make
+    ld.own += 0.02
+    make.children += 0.1 + ld.own + as_.own  # and a compiler that started and ended between the walks, 0.1 s
+    # a compiler running at the walk (its start time as psutil tells it, from the boot time in whole seconds, may read
+    # as before the walk before)
+    cc1 = _Proc(12, "cc1", 10, own=0.06, created=time.time() - 1.0)
+    editor.own += 0.1
+    pinned.own += 0.15
+    kswapd.own += 0.03
+    kworker.own += 0.02
+    running[:] = [make, cc1, editor, pinned, kswapd, kworker]
+    top = probe.sample()["top_cpu"]
+    assert [p["name"] for p in top] == ["make and 1 process it started", "editor", "kswapd0", "kworker/1:1"]
+    assert top[0]["cores"] / top[1]["cores"] == pytest.approx(2.0)  # make 0.01 + 0.1 + its jobs 0.03, cc1 0.06

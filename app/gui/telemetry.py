@@ -15,7 +15,8 @@ import time
 import psutil
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
-from engine.nvml import Nvml, describe
+from app.gui.competitors import ProcessWalk
+from engine.nvml import Nvml
 
 
 def others_memory(total: int, available: int, rss: int, file_backed: int) -> int:
@@ -43,46 +44,12 @@ class SystemProbe:
         psutil.cpu_percent(None, percpu=True)
         psutil.cpu_times_percent(None, percpu=True)  # (primes the steal shares: their own counter, not cpu_percent's)
         self.nvml = Nvml() if nvml else None
-        self._procs: dict[int, psutil.Process] = {}
+        self._walk = ProcessWalk(self.me.pid)
         self._top: tuple[list[dict], list[dict]] = ([], [])
         self._samples = 0
 
     SCAN_EVERY = 5           # walk every process (for names) once in this many samples...
     SCAN_WHEN_OTHERS = 0.5   # ...and at once when others take this many cores or host memory runs low
-
-    def _other_processes(self) -> tuple[list[dict], list[dict]]:
-        """(top other processes by CPU, by resident memory), their CPU averaged since the last walk.
-        Walking every process costs the engine time (it holds the GIL), so it is not done every second."""
-        alive, rows = {}, []
-        me = self.me.pid
-        for proc in psutil.process_iter(["name"]):
-            if proc.pid == me:
-                continue
-            known = self._procs.get(proc.pid)
-            if known is None:
-                known = proc
-                try:
-                    known.cpu_percent(None)  # first call primes the counter
-                except psutil.Error:
-                    continue
-                alive[proc.pid] = known
-                continue
-            alive[proc.pid] = known
-            try:
-                with known.oneshot():
-                    cpu = known.cpu_percent(None) / 100.0
-                    rss = known.memory_info().rss
-                rows.append({"pid": proc.pid, "name": proc.info.get("name") or f"pid {proc.pid}", "cores": cpu, "rss": rss})
-            except psutil.Error:
-                continue
-        self._procs = alive
-        by_cpu = sorted((r for r in rows if r["cores"] > 0), key=lambda r: -r["cores"])[:5]
-        by_ram = sorted(rows, key=lambda r: -r["rss"])[:5]
-        for row in by_cpu[:3] + by_ram[:3]:  # the names a warning may show
-            known = self._procs.get(row["pid"])
-            if known is not None and "described" not in row:
-                row["name"], row["described"] = describe(known, row["name"]), True
-        return by_cpu, by_ram
 
     def sample(self) -> dict:
         per_core = psutil.cpu_percent(None, percpu=True)
@@ -103,7 +70,7 @@ class SystemProbe:
         others_cpu = max(0.0, sum(per_core[cpu] for cpu in ours) / 100.0 - this_cpu - steal * len(ours))
         low_memory = memory.available < 0.1 * memory.total
         if self._samples % self.SCAN_EVERY == 0 or others_cpu >= self.SCAN_WHEN_OTHERS or low_memory:
-            self._top = self._other_processes()
+            self._top = self._walk.walk(set(ours))
         self._samples += 1
         top_cpu, top_ram = self._top
         gpu = self.nvml.sample() if self.nvml else None
