@@ -594,6 +594,29 @@ def test_graphs_receive_samples_and_pause(qtbot, window):
     assert len(window.graphs.curves["ram_this"].getData()[0]) > frozen
 
 
+def test_graphs_draw_nothing_while_not_on_screen_and_catch_up_when_shown(qtbot, window):
+    """Minimised, or the Machine dock closed, the graphs redrew every second for no one: the samples are kept, the
+    drawing waits, and what came meanwhile is drawn when the window is restored or the dock shown again."""
+    qtbot.waitUntil(lambda: window.graphs.sample_count >= 1, timeout=10_000)
+    window._sampler_thread.stop()  # (the test gives the samples)
+    sample = dict(window.graphs.samples[-1])
+    graphs, drawn = window.graphs, lambda: len(window.graphs.curves["ram_this"].getData()[0])
+    window._on_sample(dict(sample, t=sample["t"] + 1))
+    before = drawn()
+    assert before == graphs.sample_count
+    window.showMinimized()
+    for step in range(2, 5):
+        window._on_sample(dict(sample, t=sample["t"] + step))
+    assert drawn() == before and graphs.sample_count == before + 3
+    window.showNormal()
+    assert drawn() == graphs.sample_count
+    window.docks["graphs"].close()
+    window._on_sample(dict(sample, t=sample["t"] + 5))
+    assert drawn() == graphs.sample_count - 1
+    window.docks["graphs"].show()
+    assert drawn() == graphs.sample_count
+
+
 def test_sampling_that_keeps_failing_is_said_once_over_the_graphs(qtbot, window, monkeypatch):
     """psutil raising on every tick: the graphs say so in one line (not 'waiting for the first sample…' forever),
     once, and the line goes with the next sample that works."""

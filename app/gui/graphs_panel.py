@@ -39,6 +39,7 @@ class GraphsPanel(QWidget):
         self.samples: deque[dict] = deque()
         self.markers: list[dict] = []
         self.paused = False
+        self._stale = False  # samples came while the graphs were not on screen: drawn when they show
         self._tokens = 0
         # the rate is tokens over the time spent answering within a sample, so an answer shorter than a sample reads
         # its own rate, as the chat's statistics do, not the share of the sample it took
@@ -221,9 +222,24 @@ class GraphsPanel(QWidget):
         return len(self.samples)
 
     # --- drawing -----------------------------------------------------------------------------------
+    def catch_up(self) -> None:
+        """Shown again (its dock, or the window restored): what was sampled meanwhile, drawn at once."""
+        if self._stale:
+            self._redraw()
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.catch_up()
+
     def _redraw(self, force: bool = False) -> None:
         if (self.paused and not force) or not self.samples:
             return
+        # not on screen (its dock closed or behind another tab, the window minimised): the samples are kept, the
+        # drawing waits until it shows
+        if not self.isVisible() or self.window().isMinimized():
+            self._stale = True
+            return
+        self._stale = False
         t = self._theme
         samples = list(self.samples)
         now = samples[-1]["t"]

@@ -12,7 +12,7 @@ import os
 from importlib.resources import files
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, Slot
+from PySide6.QtCore import QByteArray, QEvent, QSettings, Qt, Slot
 from PySide6.QtGui import QAction, QActionGroup, QIcon, QKeySequence
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget,
                                QVBoxLayout, QWidget)
@@ -674,6 +674,11 @@ class MainWindow(QMainWindow):
             self.status_state.setText(labels.get(busy, busy))
         elif self.status_state.text() in labels.values():
             self.status_state.setText("Ready" if loaded else "Idle")
+
+    def changeEvent(self, event) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.WindowStateChange and not self.isMinimized():
+            self.graphs.catch_up()  # (restored: the graphs drew nothing while it was minimised)
 
     def closeEvent(self, event) -> None:
         if not self._closed:
