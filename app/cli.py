@@ -231,9 +231,12 @@ def _offload_setup(args):
     if args.device == "simulated":
         return config, SimulatedDevice(args.simulated_vram, mem_limit=config.gpu_device_mem_limit)
     if args.device == "cuda":
-        from engine.offload.cuda_device import open_cuda_device
+        from engine.offload.cuda_device import cuda_device_or_cpu
 
-        return config, open_cuda_device(mem_limit=config.gpu_device_mem_limit)
+        device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode)
+        if note:
+            print(f"warning: {note}", file=sys.stderr)
+        return config, device
     return config, None
 
 

@@ -521,3 +521,19 @@ def test_a_sweep_skips_a_scenario_its_context_cannot_hold_before_its_first_point
     assert err.splitlines()[0] == ("sweep: skipped long: the long-input scenario needs a context of at least 2060 "
                                    "tokens; the model has 2048")
     assert sorted(row["scenario"] for row in History(history).rows()) == ["multiturn"] * 2 + ["short"] * 2
+
+
+def test_inspect_on_a_cuda_gpu_that_cannot_be_used_plans_for_the_cpu_as_the_window_loads(capsys, monkeypatch):
+    """Without CuPy (or a GPU) the window loads with every expert on the CPU and says why; inspect --device cuda
+    refused instead (status 2), so a user could not see what the window would run. It now plans for the CPU with the
+    window's one-line note, and refuses only under mode=required, as the window does."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy fails, as on a machine without it)
+    gptoss = str(fixture_folder("gptoss"))
+    status, out, err = _main(capsys, "inspect", gptoss, "--device", "cuda")
+    assert status == 0 and err == (
+        "warning: The CUDA GPU was asked for but cannot be used (the CUDA GPU needs CuPy (install with `make install` "
+        "on a machine with an NVIDIA driver)); every expert runs on the CPU instead.\n")
+    assert "All experts run on the CPU: no GPU device is in use." in out
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "cuda", "--offload", "mode=required")
+    assert status == 2 and err == ("moe-workbench: error: the CUDA GPU needs CuPy (install with `make install` on a "
+                                   "machine with an NVIDIA driver)\n")

@@ -32,7 +32,7 @@ from engine.generation import Conversation, GenerationParams, LoadedModel
 from engine.kernel_warmup import warm_model
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
-from engine.offload.cuda_device import open_cuda_device
+from engine.offload.cuda_device import cuda_device_or_cpu
 from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
@@ -152,13 +152,9 @@ class EngineWorker(QObject):
             return SimulatedDevice(capacity, mem_limit=config.gpu_device_mem_limit,
                                    name=f"simulated GPU, {human_bytes(capacity)}")
         if kind == "cuda":
-            try:
-                return open_cuda_device(mem_limit=config.gpu_device_mem_limit)
-            except WorkbenchError as exc:
-                if config.mode == "required":
-                    raise
-                notes.append(f"The CUDA GPU was asked for but cannot be used ({exc}); every expert runs on the CPU instead.")
-                return None
+            device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode)
+            notes += [note] if note else []
+            return device
         return None
 
     @Slot(str, dict)

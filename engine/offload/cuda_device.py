@@ -61,6 +61,17 @@ def open_cuda_device(mem_limit: int = 0, index: int = 0) -> "CudaDevice":
     return CudaDevice(index, mem_limit)
 
 
+def cuda_device_or_cpu(mem_limit: int, mode: str) -> tuple["CudaDevice | None", str]:
+    """The CUDA device, or, where it cannot be used, None and the note that every expert runs on the CPU instead, as
+    the window and the command line load; only mode=required refuses (the device's own error)."""
+    try:
+        return open_cuda_device(mem_limit=mem_limit), ""
+    except WorkbenchError as exc:
+        if mode == "required":
+            raise
+        return None, f"The CUDA GPU was asked for but cannot be used ({exc}); every expert runs on the CPU instead."
+
+
 def cuda_device_problem(index: int = 0) -> str:
     """Why open_cuda_device would refuse device `index` ('' when CuPy and the device are there), without opening it.
 
