@@ -212,6 +212,11 @@ def _offload_setup(args):
     # --offload replaces the saved setting under whichever of its names (full, short, alias) it is given
     replaced = {short_key(key) for key in given}
     entries = {key: value for key, value in saved_entries.items() if short_key(key) not in replaced} | given
+    idle_options = [option for option, value in (("--layer-split", args.layer_split), ("--decode-path", args.decode_path))
+                    if args.device == "cpu" and value is not None]
+    if idle_options:  # both choose among the ways a device takes experts
+        print(f"warning: {', '.join(idle_options)}: no effect with --device cpu, where every expert runs on the CPU "
+              "(--device simulated or cuda)", file=sys.stderr)
     if args.device == "cpu" and not entries:
         return None, None
     config = OffloadConfig.from_entries(entries)

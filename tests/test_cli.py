@@ -537,3 +537,15 @@ def test_inspect_on_a_cuda_gpu_that_cannot_be_used_plans_for_the_cpu_as_the_wind
     status, _out, err = _main(capsys, "inspect", gptoss, "--device", "cuda", "--offload", "mode=required")
     assert status == 2 and err == ("moe-workbench: error: the CUDA GPU needs CuPy (install with `make install` on a "
                                    "machine with an NVIDIA driver)\n")
+
+
+def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
+    """--layer-split and --decode-path choose how a device takes experts: with --device cpu (the default) they were
+    accepted in silence, as if they had been applied."""
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--layer-split", "whole",
+                              "--decode-path", "tier")
+    assert status == 0 and err == ("warning: --layer-split, --decode-path: no effect with --device cpu, where every "
+                                   "expert runs on the CPU (--device simulated or cuda)\n")
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated",
+                              "--layer-split", "whole", "--decode-path", "tier")
+    assert status == 0 and err == ""
