@@ -450,6 +450,24 @@ def test_the_tokens_graph_reads_the_rate_while_answering(qapp):
     assert graphs.samples[-1]["tokens_per_s"] == 0.0
 
 
+def test_paused_graphs_say_so(qtbot):
+    """Pausing froze the graphs but their status line, redrawn only with them, never said 'paused'."""
+    from app.gui.graphs_panel import GraphsPanel
+    from app.gui.telemetry import SystemProbe
+
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    sample = SystemProbe(nvml=False).sample()
+    graphs.add_sample(sample)
+    assert "paused" not in graphs.status.text()
+    graphs.set_paused(True)
+    graphs.add_sample(dict(sample, t=sample["t"] + 1))
+    assert "<b>paused</b>" in graphs.status.text() and "1 samples" in graphs.status.text()
+    graphs.set_paused(False)
+    assert "paused" not in graphs.status.text() and "2 samples" in graphs.status.text()
+
+
 def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):
     """psutil raising on every tick left the graphs at 'waiting for the first sample…' with no word: the failure is
     reported once, in one line naming it, and the graphs' note goes when a sample comes."""

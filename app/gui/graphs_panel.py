@@ -214,8 +214,7 @@ class GraphsPanel(QWidget):
         self.paused = paused
         self.pause_button.setChecked(paused)
         self.pause_button.setText("Resume" if paused else "Pause")
-        if not paused:
-            self._redraw(force=True)
+        self._redraw(force=True)  # (paused: the status line says so over the frozen graphs)
 
     @property
     def sample_count(self) -> int:
