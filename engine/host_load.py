@@ -1,8 +1,8 @@
-"""What else used this machine's CPUs while something was timed (a run record, a benchmark): the share of the CPUs'
-time the hypervisor gave other guests (steal, /proc/stat; a virtual machine's only view of a busy host) and the share
-that processes other than this one used. On the H200 machine the benchmarks' figures moved by several times within
-minutes (benchmarks/RESULTS.md, forty-eighth session) with nothing in the results to tell a disturbed run from a quiet
-one; a user comparing two runs' records has the same question.
+"""What else used this process's CPUs (those its affinity allows) while something was timed (a run record, a
+benchmark): the share of their time the hypervisor gave other guests (steal, /proc/stat; a virtual machine's only view
+of a busy host) and the share that processes other than this one used. On the H200 machine the benchmarks' figures
+moved by several times within minutes (benchmarks/RESULTS.md, forty-eighth session) with nothing in the results to
+tell a disturbed run from a quiet one; a user comparing two runs' records has the same question.
 
     meter = HostLoadMeter()
     ...                       # the run, or the timings
@@ -11,6 +11,7 @@ one; a user comparing two runs' records has the same question.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -18,8 +19,8 @@ import psutil
 
 @dataclass(frozen=True)
 class HostLoad:
-    steal: float   # share of all CPUs' time given to other guests (0 where the kernel does not count it)
-    others: float  # share of all CPUs' time that processes other than this one used
+    steal: float   # share of our CPUs' time given to other guests (0 where the kernel does not count it)
+    others: float  # share of our CPUs' time that processes other than this one used
 
     def describe(self) -> str:
         return f"steal {self.steal:.1%}, other processes {self.others:.1%} of the CPUs' time"
@@ -42,16 +43,32 @@ def _own_seconds(times, children: bool) -> float:
     return seconds + getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0) if children else seconds
 
 
+def our_cpus(count: int) -> list[int]:
+    """The CPUs (indices into psutil's per-CPU times) this process may run on: all where the system cannot say."""
+    try:
+        ours = sorted(cpu for cpu in os.sched_getaffinity(os.getpid()) if cpu < count)
+    except (AttributeError, OSError):  # (not Linux)
+        ours = []
+    return ours or list(range(count))
+
+
 class HostLoadMeter:
-    """The machine's and this process's CPU times when made; read() gives the shares since then. With `children`, the
-    CPU time of this process's children that ended meanwhile (worker processes it waited for) counts as its own."""
+    """The CPU times of the CPUs this process may run on (its affinity: a build pinned to the others does not compete)
+    and this process's, when made; read() gives the shares since then. With `children`, the CPU time of this process's
+    children that ended meanwhile (worker processes it waited for) counts as its own."""
 
     def __init__(self, children: bool = False):
         self._process, self._children = psutil.Process(), children
-        self._machine, self._own = psutil.cpu_times(), self._process.cpu_times()
+        per_cpu = psutil.cpu_times(percpu=True)
+        self._cpus = our_cpus(len(per_cpu))
+        self._machine, self._own = self._ours(per_cpu), self._process.cpu_times()
+
+    def _ours(self, per_cpu):
+        """The times of our CPUs, summed field by field."""
+        return type(per_cpu[0])._make(map(sum, zip(*(per_cpu[cpu] for cpu in self._cpus))))
 
     def read(self) -> HostLoad:
-        machine, own = psutil.cpu_times(), self._process.cpu_times()
+        machine, own = self._ours(psutil.cpu_times(percpu=True)), self._process.cpu_times()
         total = _total(machine) - _total(self._machine)
         if total <= 0:
             return HostLoad(0.0, 0.0)

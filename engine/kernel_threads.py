@@ -34,7 +34,7 @@ import weakref
 import numba
 import psutil
 
-from engine.host_load import HostLoadMeter
+from engine.host_load import HostLoadMeter, our_cpus
 from engine.ort_env import cpu_threads
 
 WINDOW_S = 0.5  # how often the automatic count looks at the other processes' load
@@ -57,7 +57,8 @@ class KernelThreads:
                  clock=time.monotonic, window_s: float = WINDOW_S):
         self.runners = list(runners)
         self.cores = cores or min(cpu_threads(), numba.config.NUMBA_NUM_THREADS)  # the most the kernels can take
-        self.cpus = max(self.cores, psutil.cpu_count() or 1)  # the machine's, whose time the meter's shares are of
+        # the CPUs this process may run on, whose time the meter's shares are of
+        self.cpus = max(self.cores, len(our_cpus(psutil.cpu_count() or 1)))
         self._new_meter, self._clock, self.window_s = meter, clock, window_s
         self.others_cores = 0.0  # cores the other processes kept busy in the last window (automatic mode)
         self.changes = 0  # times the automatic count moved

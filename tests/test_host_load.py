@@ -15,7 +15,7 @@ Own = namedtuple("Own", "user system children_user children_system")
 
 def scripted(monkeypatch, machines, owns):
     machines, owns = iter(machines), iter(owns)
-    monkeypatch.setattr(host_load.psutil, "cpu_times", lambda: next(machines))
+    monkeypatch.setattr(host_load.psutil, "cpu_times", lambda percpu=False: [next(machines)])
     monkeypatch.setattr(host_load.psutil, "Process", lambda: type("P", (), {"cpu_times": lambda self: next(owns)})())
 
 
@@ -58,3 +58,20 @@ def test_with_children_the_worker_processes_this_one_waited_for_are_its_own_work
     assert host_load.HostLoadMeter().read().others == pytest.approx(25 / 100)  # the workers are other processes
     scripted(monkeypatch, [before, after], owns)
     assert host_load.HostLoadMeter(children=True).read().others == pytest.approx(5 / 100)
+
+
+def test_only_the_cpus_this_process_may_run_on_count(monkeypatch):
+    """A record made with the workbench pinned to CPU 1 (taskset) and a build pinned to CPU 0: the build's 50 busy
+    CPU-seconds read as other processes' 25% of the two CPUs' time, a disturbed run; on CPU 1 nothing else ran."""
+    quiet = Machine(0, 0, 0, 100, 0, 0, 0, 0, 0, 0)
+    cpus = iter([[quiet, quiet], [quiet._replace(user=50, idle=150), quiet._replace(user=20, idle=180)]])
+
+    def cpu_times(percpu=False):
+        per_cpu = next(cpus)
+        return per_cpu if percpu else Machine._make(map(sum, zip(*per_cpu)))
+
+    monkeypatch.setattr(host_load.psutil, "cpu_times", cpu_times)
+    owns = iter([Own(0, 0, 0, 0), Own(20, 0, 0, 0)])
+    monkeypatch.setattr(host_load.psutil, "Process", lambda: type("P", (), {"cpu_times": lambda self: next(owns)})())
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1})
+    assert host_load.HostLoadMeter().read() == host_load.HostLoad(0.0, 0.0)

@@ -73,10 +73,23 @@ def test_kernels_capped_below_the_machines_cpus_count_the_busy_cores_of_the_mach
     import psutil
 
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     clock = Clock()
     threads = KernelThreads(runners(), 0, cores=4, meter=ScriptedLoad(0.5, 0.5, 0.8, 0.8), clock=clock)
     assert windows(threads, clock, 2) == [4, 4] and threads.state()["others_busy_cores"] == 8.0
     assert windows(threads, clock, 2) == [4, 3]  # 12.8 busy of 16: 3 left
+
+
+def test_under_an_affinity_the_busy_share_is_of_the_cpus_this_process_may_run_on(monkeypatch):
+    """Pinned to 4 of 16 CPUs (taskset), the meter's shares are of those 4 (engine/host_load.py): other processes
+    keeping 2 of them busy (0.5) were read as 8 busy of the 16, leaving the kernels all 4 threads on 2 free cores."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    clock = Clock()
+    threads = KernelThreads(runners(), 0, cores=4, meter=ScriptedLoad(0.5), clock=clock)
+    assert windows(threads, clock, 2) == [4, 2] and threads.state()["others_busy_cores"] == 2.0
 
 
 def test_the_count_moves_after_two_windows_that_agree_and_comes_back():

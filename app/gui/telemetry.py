@@ -9,13 +9,13 @@ instead of drawing zeros.
 
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.gui.competitors import ProcessWalk
+from engine.host_load import our_cpus
 from engine.nvml import Nvml
 
 
@@ -24,15 +24,6 @@ def others_memory(total: int, available: int, rss: int, file_backed: int) -> int
     (the model's mapped weights) are page cache, which `available` counts already: only the rest of its RSS is taken
     off, or a mapped model hid as much of the others' memory (0 beside a 0.5 GB model with 0.4 GB in other processes)."""
     return max(0, total - available - (rss - file_backed))
-
-
-def our_cpus(pid: int, count: int) -> list[int]:
-    """The CPUs (indices into psutil's per-CPU figures) this process may run on: all where the system cannot say."""
-    try:
-        ours = sorted(cpu for cpu in os.sched_getaffinity(pid) if cpu < count)
-    except (AttributeError, OSError):  # (not Linux)
-        ours = []
-    return ours or list(range(count))
 
 
 class SystemProbe:
@@ -54,7 +45,7 @@ class SystemProbe:
     def sample(self) -> dict:
         per_core = psutil.cpu_percent(None, percpu=True)
         steals = [getattr(times, "steal", 0.0) / 100.0 for times in psutil.cpu_times_percent(None, percpu=True)]
-        ours = our_cpus(self.me.pid, len(per_core))
+        ours = our_cpus(len(per_core))
         # (Linux only) the share of our CPUs' time the hypervisor gave other guests
         steal = sum(steals[cpu] for cpu in ours if cpu < len(steals)) / max(1, len(ours))
         memory = psutil.virtual_memory()
