@@ -305,7 +305,7 @@ class GraphsPanel(QWidget):
         self.tps_plot.setXRange(-span, 0, padding=0.01)
         self._draw_markers(now)
         self.status.setText(
-            f"{len(samples)} samples · last {time.strftime('%H:%M:%S', time.localtime(last['wall']))}"
+            f"{len(samples)} sample{'s' if len(samples) != 1 else ''} · last {time.strftime('%H:%M:%S', time.localtime(last['wall']))}"
             + (" · <b>paused</b>" if self.paused else "")
             + f" &nbsp; <span style='color:{t.accent}'>┆</span> load &nbsp;<span style='color:{t.tokens}'>┆</span> answer"
             f" &nbsp;<span style='color:{t.error}'>┆</span> error")
