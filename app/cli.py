@@ -16,6 +16,7 @@ from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
+from engine.units import counted
 
 PROG = "moe-workbench"
 GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
@@ -537,7 +538,7 @@ def _cmd_sweep(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.configurations import save_configuration
     from engine.records.history import History
-    from engine.records.sweep import fitting_scenarios, reasoning_length_note, recommend, run_sweep, uses_projection
+    from engine.records.sweep import fitting_scenarios, reasoning_length_note, recommend, run_sweep, stopped_at
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
@@ -564,10 +565,11 @@ def _cmd_sweep(args) -> int:
     note = reasoning_length_note(model.reasoning_answer_tokens, args.max_new_tokens)
     if note:
         print(f"sweep: {note}; --max-new-tokens sets another", file=sys.stderr, flush=True)
-    saved_ids = []  # each point's runs, saved as it completes
+    saved_ids, done = [], []  # each point's runs, saved as it completes; the points completed
 
     def save(point) -> None:
         saved_ids.extend(history.add(record) for record in point.records)
+        done.append(point)
 
     progress = _ProgressLine("sweep")
     try:
@@ -575,18 +577,25 @@ def _cmd_sweep(args) -> int:
                            GenerationParams(max_new_tokens=args.max_new_tokens), progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save,
                            on_left_out=lambda note, _count: progress.say(note))
-    except BaseException:
+    except KeyboardInterrupt:
         if saved_ids:
             print(f"the sweep's {len(saved_ids)} finished runs are saved in the history (ids {saved_ids[0]} to "
                   f"{saved_ids[-1]})", file=sys.stderr)
         raise
+    except Exception as exc:
+        if os.environ.get("MOE_WORKBENCH_DEBUG"):
+            raise
+        _print_sweep(done, None, args)
+        kind = "error" if isinstance(exc, WorkbenchError) else "internal error"
+        print(f"{PROG}: {kind}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; {_kept(done, saved_ids)}",
+              file=sys.stderr)
+        return 2 if isinstance(exc, WorkbenchError) else 3
     best = recommend(points, args.margin)
-    rows = [p.as_dict() for p in points]
     if args.plot:
         from app.sweep_plot import export_sweep_plot
 
         try:
-            export_sweep_plot(rows, best.budget_bytes, args.plot)
+            export_sweep_plot([p.as_dict() for p in points], best.budget_bytes, args.plot)
         except OSError as exc:
             raise WorkbenchError(f"{exc} (the sweep's runs are saved in the history)") from None
     if args.save_as:
@@ -598,14 +607,33 @@ def _cmd_sweep(args) -> int:
                                         f"{split_note}")
         print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as})",
               file=sys.stderr)
+    _print_sweep(points, best, args)
+    return 0
+
+
+def _kept(points: list, saved_ids: list[int]) -> str:
+    """What a sweep that stopped early kept: its completed points, printed, and their runs in the history."""
+    if not points:
+        return "no point finished before it"
+    ids = f"id {saved_ids[0]}" if len(saved_ids) == 1 else f"ids {saved_ids[0]} to {saved_ids[-1]}"
+    return (f"the {counted(len(points), 'point')} before it {'is' if len(points) == 1 else 'are'} printed, "
+            f"{'its' if len(points) == 1 else 'their'} {counted(len(saved_ids), 'run')} saved in the history ({ids})")
+
+
+def _print_sweep(points: list, best, args) -> None:
+    """The sweep's points on standard output, `best` marked (None: a sweep that stopped early recommends none)."""
+    from engine.records.sweep import uses_projection
+
+    rows = [p.as_dict() for p in points]
     projected = uses_projection(points)
     marks = ["  <- recommended" if point is best else "" for point in points]
     split_of = [f"  {p['split']:>6}" if args.both_splits else "" for p in rows]
     split_head = f"  {'split':>6}" if args.both_splits else ""
     if args.json:
-        print(json.dumps({"points": rows, "recommended_budget_bytes": best.budget_bytes,
-                          "recommended_split": best.split,
-                          "recommended_by": "projected_completion_s" if projected else "completion_s"}, indent=2))
+        print(json.dumps({"points": rows, "recommended_budget_bytes": best and best.budget_bytes,
+                          "recommended_split": best and best.split,
+                          "recommended_by": best and ("projected_completion_s" if projected else "completion_s")},
+                         indent=2))
     elif projected:
         bw = rows[0]["projected_bandwidths"]
         print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
@@ -618,14 +646,13 @@ def _cmd_sweep(args) -> int:
                   f"{p['decode_tokens_per_s']:>12.1f}  "
                   f"{p['projected_decode_tokens_per_s'] or 0:>10.1f}  {p['peak_device_bytes'] / 2**20:>8.0f} MiB  "
                   f"{p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
-    else:
+    elif rows:
         print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'decode tok/s':>12}  "
               f"{'device peak':>11}  {'RSS peak':>9}")
         for p, split, mark in zip(rows, split_of, marks):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
                   f"{p['completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
                   f"{p['peak_device_bytes'] / 2**20:>8.0f} MiB  {p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
-    return 0
 
 
 def _cmd_history(args) -> int:

@@ -230,6 +230,31 @@ def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, ca
     assert [row["label"] for row in History(history).rows()] == ["sweep 50%", "sweep 0%"]  # newest first
 
 
+def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before_it(tmp_path, capsys, monkeypatch):
+    """A point that raised: the command said only "internal error: RuntimeError: CUDA out of memory while staging",
+    not which budget failed, and printed none of the points it had finished (their runs were saved). It prints them,
+    without a recommendation, and says in one line which point failed (its share and device_expert_bytes) and why."""
+    import engine.records.sweep as sweep
+
+    run_scenario, calls = sweep.run_scenario, []
+
+    def failing_at_the_third_point(*args, **kwargs):
+        calls.append(kwargs.get("label"))
+        if len(calls) == 4:  # the warm-up, two points, then the third point's run
+            raise RuntimeError("CUDA out of memory while staging\nthe allocator's details")
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", failing_at_the_third_point)
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                             "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
+    assert status == 3 and err.splitlines()[-1] == (
+        "moe-workbench: internal error: the sweep failed at 100% (device_expert_bytes=565248), point 3 of 3: "
+        "RuntimeError: CUDA out of memory while staging; the 2 points before it are printed, their 2 runs saved in "
+        "the history (ids 1 to 2)")
+    rows = [line.split()[0] for line in out.splitlines()[2:]]
+    assert rows == ["0", "282624"] and "recommended" not in out
+
+
 def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_are_none(tmp_path, capsys):
     gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
     status, _out, err = _main(capsys, "history", "--history", history)

@@ -578,11 +578,12 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
     assert result is not None and [p.budget_bytes for p in result.points] == [0, 8 * EXPERT]
     assert len(result.saved_ids) == 2 and window.history.ids() == result.saved_ids[::-1]
     assert list(view.curves["completion"].getData()[0]) == [0.0, 8 * EXPERT / 1024]
-    assert view.bar.status.text() == ("Failed at 100%, point 3 of 3: device_expert_bytes=565248 exceeds the 400000 "
+    assert view.bar.status.text() == ("Failed at 100% (device_expert_bytes=565248), point 3 of 3: device_expert_bytes="
+                                      "565248 exceeds the 400000 "
                                       "bytes the device has free; the 2 points before it are shown, 2 runs saved "
                                       "to the history; no recommendation.")
     assert view.recommended is None and not view.save_button.isEnabled()
-    assert "Failed at 100%, point 3 of 3" in window.error_banner.text()
+    assert "Failed at 100% (device_expert_bytes=565248), point 3 of 3" in window.error_banner.text()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
 

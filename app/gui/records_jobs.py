@@ -23,7 +23,8 @@ from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_to
 from engine.records.schema import RunRecord
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
-from engine.records.sweep import SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep, sweep_plan
+from engine.records.sweep import (SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep, stopped_at,
+                                  sweep_plan)
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
@@ -216,7 +217,7 @@ class SweepJob:
                       cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=points.append,
                       on_left_out=on_left_out)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
-            failure = f"{(getattr(exc, '__notes__', None) or ['before the first point'])[-1]}: {one_line(exc)}"
+            failure = f"{stopped_at(exc)}: {one_line(exc)}"
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
         result = SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(),

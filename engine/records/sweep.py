@@ -227,8 +227,11 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
         for index, (fraction, budget, split) in enumerate(plan):
             if ceiling is not None and budget > ceiling:
                 break
+            where = _point_name(fraction, budget, split, index, len(plan))
             try:
                 held = _replan(model, budget, split)
+                if held < budget:  # the point is what ran
+                    where = _point_name(held / all_resident_bytes(model.offload.infos), held, split, index, len(plan))
                 if held < budget and ceiling is None:
                     ceiling = budget
                     left = [entry for entry in plan[index + 1:] if entry[1] > ceiling]
@@ -237,8 +240,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                         on_left_out(_left_out_note(model, held, fraction, left), len(left))
                 point = _run_point(model, device, held, fraction if held == budget else None, split, scenarios,
                                    params, label, cancel, on_text, on_settle, on_run)
-            except Exception as exc:  # which point, for a caller that keeps the points before it (the window's sweep)
-                exc.add_note(f"at {fraction:.0%}{f' {split}' if split else ''}, point {index + 1} of {len(plan)}")
+            except Exception as exc:  # which point, for a caller that keeps the points before it (stopped_at)
+                exc.add_note(where)
                 raise
             if point is None:  # cancelled
                 return results
@@ -249,6 +252,16 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     finally:
         if model.offload.layer_split_mode != mode:
             model.offload.set_layer_split(mode)
+
+
+def _point_name(fraction: float, budget: int, split: str | None, index: int, count: int) -> str:
+    return f"at {fraction:.0%}{f' {split}' if split else ''} (device_expert_bytes={budget}), point {index + 1} of {count}"
+
+
+def stopped_at(exc: BaseException) -> str:
+    """Where run_sweep stopped on `exc`: the point its note names ("at 50% (device_expert_bytes=282624), point 2 of
+    3"), or before its first point (the warm-up)."""
+    return (getattr(exc, "__notes__", None) or ["before the first point"])[-1]
 
 
 def _replan(model: LoadedModel, budget: int, split: str | None) -> int:
