@@ -577,11 +577,10 @@ def _cmd_sweep(args) -> int:
                            GenerationParams(max_new_tokens=args.max_new_tokens), progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save,
                            on_left_out=lambda note, _count: progress.say(note))
-    except KeyboardInterrupt:
-        if saved_ids:
-            print(f"the sweep's {len(saved_ids)} finished runs are saved in the history (ids {saved_ids[0]} to "
-                  f"{saved_ids[-1]})", file=sys.stderr)
-        raise
+    except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
+        _print_sweep(done, None, args)
+        print(f"{PROG}: the sweep was interrupted {stopped_at(exc)}; {_kept(done, saved_ids)}", file=sys.stderr)
+        return 130
     except Exception as exc:
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise

@@ -224,10 +224,14 @@ def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, ca
 
     monkeypatch.setattr(sweep, "run_scenario", interrupted_at_the_third_point)
     history = tmp_path / "h.sqlite"
-    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
-                              "--max-new-tokens", "2", "--history", str(history))
-    assert status == 130 and "the sweep's 2 finished runs are saved in the history (ids 1 to 2)" in err
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                             "--max-new-tokens", "2", "--history", str(history))
     assert [row["label"] for row in History(history).rows()] == ["sweep 50%", "sweep 0%"]  # newest first
+    # the finished points printed (it printed none) and where it stopped said (it said only "interrupted")
+    assert status == 130 and err.splitlines()[-1] == (
+        "moe-workbench: the sweep was interrupted at 100% (device_expert_bytes=565248), point 3 of 3; the 2 points "
+        "before it are printed, their 2 runs saved in the history (ids 1 to 2)")
+    assert [line.split()[0] for line in out.splitlines()[2:]] == ["0", "282624"] and "recommended" not in out
 
 
 def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before_it(tmp_path, capsys, monkeypatch):

@@ -587,6 +587,38 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
 
+def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(qtbot, window, monkeypatch):
+    """Cancel during the second of three points: the window threw the first point away ("Cancelled after 1 of 3
+    points: nothing saved") where the command line keeps what an interrupted sweep finished. The completed point is
+    saved to the history and drawn, and the run line says at which point the sweep was cancelled; no recommendation."""
+    import engine.records.sweep as sweep
+
+    load(qtbot, window, "gptoss", SIMULATED)
+    run_scenario, calls = sweep.run_scenario, []
+
+    def cancelled_at_the_second_point(*args, **kwargs):
+        calls.append(kwargs.get("label"))
+        if len(calls) == 3:  # the warm-up, the first point, then Cancel as the second point's run starts
+            window.worker.cancel.set()
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", cancelled_at_the_second_point)
+    view = window.sweep
+    view.points.setValue(3)
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(3)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    result = view.result
+    assert result.cancelled and [p.budget_bytes for p in result.points] == [0]
+    assert len(result.saved_ids) == 1 and window.history.ids() == result.saved_ids
+    assert list(view.curves["completion"].getData()[0]) == [0.0]
+    assert view.bar.status.text() == ("Cancelled at 50% (device_expert_bytes=282624), point 2 of 3; the 1 point "
+                                      "before it is shown, 1 run saved to the history; no recommendation.")
+    assert view.recommended is None and not view.save_button.isEnabled()
+    assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
+
+
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):
     """Under mode=required the points above what the device holds are left out, not refused at the first: the sweep
     is complete (saved, recommended), and its run line says which points it left out and why."""

@@ -18,7 +18,7 @@ from engine.records.history import History
 from engine.records.scenarios import run_scenario, scenario_turns
 from engine.records.schema import SCHEMA_VERSION, RecordError, RunRecord
 from engine.records.side_by_side import Side, compare, first_divergence
-from engine.records.sweep import SweepPoint, recommend, run_sweep
+from engine.records.sweep import SweepCancelled, SweepPoint, recommend, run_sweep, stopped_at
 from tests.conftest import fixture_folder
 
 PARAMS = GenerationParams(max_new_tokens=6)
@@ -700,8 +700,13 @@ def test_sweep_and_contention_stop_when_cancelled(tmp_path):
         if len(streamed) == 8:
             cancel.set()
 
-    points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=5), cancel=cancel, on_text=on_text)
+    points = []
+    with pytest.raises(SweepCancelled) as cancelled:
+        run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=5), cancel=cancel, on_text=on_text,
+                  on_point=points.append)
     assert len(points) == 1 and len(streamed) == 8  # only complete points; the cut answer stopped at once
+    assert stopped_at(cancelled.value).startswith("at 50% (device_expert_bytes=") and "point 2 of 3" in stopped_at(
+        cancelled.value)
     corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=50)
     calls, stop = [], threading.Event()
     with pytest.raises(ContentionCancelled):  # cancelled during the first phase: stops before inference

@@ -23,8 +23,8 @@ from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_to
 from engine.records.schema import RunRecord
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
-from engine.records.sweep import (SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep, stopped_at,
-                                  sweep_plan)
+from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
+                                  stopped_at, sweep_plan)
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
@@ -151,21 +151,23 @@ class SweepResult:
     base_entries: dict          # the loaded configuration the sweep started from (restored after it)
     saved_ids: list[int] = field(default_factory=list)
     length_note: str = ""       # where the answers stopped inside a reasoning model's reasoning (reasoning_length_note)
-    failure: str = ""           # the point that raised and why, one line ("at 75%, point 4 of 5: ..."); "" if none
+    failure: str = ""           # the point that raised and why, one line (stopped_at: "at 75% (...), point 4 of 5:
+                                # ..."); "" if none
+    cancelled_at: str = ""      # the point the sweep was cancelled at (stopped_at); "" if it was not
     left_out: str = ""          # the points above what the device holds under mode=required, and why (run_sweep)
     skipped: str = ""           # the scenarios the model's context cannot hold, and why (fitting_scenarios)
 
     @property
     def cancelled(self) -> bool:
-        return not self.failure and len(self.points) < self.requested
+        return bool(self.cancelled_at)
 
 
 @dataclass
 class SweepJob:
     """Re-plan the loaded model at `points` budgets from none to every expert (no reload), run the
     scenarios at each (with `both_splits`, spread and on whole layers where a budget holds some layers whole:
-    engine.records.sweep.sweep_plan), restore the loaded budgets. A complete sweep's records go to the history, and
-    where a point raises, those of the points before it (the command line saves each point as it completes)."""
+    engine.records.sweep.sweep_plan), restore the loaded budgets. Each point's records go to the history as the point
+    completes, as the command line saves them: a sweep cancelled or failed at a point keeps those before it."""
     points: int
     scenarios: list[str]
     max_new_tokens: int
@@ -180,6 +182,7 @@ class SweepJob:
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
         params = greedy(self.max_new_tokens)
         scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
+        history = History(self.history_path)  # a bad history file refused before the sweep runs
         original = model.offload.config
         splits = BOTH_SPLITS if self.both_splits else None
         planned, left_out = [len(sweep_plan(model, self.points, splits))], [""]
@@ -210,24 +213,25 @@ class SweepJob:
             ctx.progress(done[0] / total(), f"at {at}: {first}decoding until the engine's trials of its ways are over, "
                                           "unrecorded")
 
+        def on_point(point: SweepPoint) -> None:
+            saved_ids.extend(history.add(record) for record in point.records)
+            points.append(point)
+
         ctx.progress(0.0, f"run 1 of {total()}")
-        points, failure = [], ""
+        points, saved_ids, failure, cancelled_at = [], [], "", ""
         try:
             run_sweep(model, ctx.device, self.points, scenarios, params, label=self.label, progress=progress,
-                      cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=points.append,
+                      cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=on_point,
                       on_left_out=on_left_out)
+        except SweepCancelled as exc:
+            cancelled_at = stopped_at(exc)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
             failure = f"{stopped_at(exc)}: {one_line(exc)}"
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
-        result = SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(),
-                             length_note=reasoning_length_note(model.reasoning_answer_tokens,
-                                                               params.max_new_tokens), failure=failure,
-                             left_out=left_out[0], skipped=skipped)
-        if not result.cancelled:
-            history = History(self.history_path)
-            result.saved_ids = [history.add(record) for point in points for record in point.records]
-        return result
+        return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
+                           length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
+                           failure=failure, cancelled_at=cancelled_at, left_out=left_out[0], skipped=skipped)
 
 
 # --- side by side ------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class SweepView(QWidget):
         self.both_splits.setToolTip("At every budget that holds some but not all layers whole, run the budget spread over "
                                     "every layer and on whole layers (squares), and recommend across both: the "
                                     "engine's own trial needs more decode steps than a sweep's scenarios give")
-        self.bar = JobBar("Sweep", "Stop at the next token; a cancelled sweep saves nothing")
+        self.bar = JobBar("Sweep", "Stop at the next token; the points completed are kept (shown and saved)")
         self.summary = QLabel("Runs the scenarios at each budget on the loaded model (it needs a simulated or CUDA "
                               "device) and recommends the smallest budget within the margin of the fastest.")
         self.summary.setWordWrap(True)
@@ -211,15 +211,8 @@ class SweepView(QWidget):
     def on_finished(self, result: SweepResult) -> None:
         self.result = result
         self.plot(result.points)
-        if result.cancelled:
-            self.recommended = None
-            self.save_button.setEnabled(False)
-            self.summary.setText(f"Cancelled after {len(result.points)} of {result.requested} points: nothing saved, "
-                                 "no recommendation.")
-            self.bar.finish("Cancelled.")
-            return
-        if result.failure:
-            self._failed_partway(result)
+        if result.cancelled or result.failure:
+            self._stopped_partway(result)
             return
         self._recommend()
         note = result.length_note
@@ -231,18 +224,20 @@ class SweepView(QWidget):
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)
 
-    def _failed_partway(self, result: SweepResult) -> None:
-        """A point raised: the points before it are drawn and saved, without a recommendation (the budgets above the
-        failed point were never timed), as the command line keeps them."""
+    def _stopped_partway(self, result: SweepResult) -> None:
+        """Cancelled or failed at a point: the points before it are drawn and saved, without a recommendation (the
+        budgets above that point were never timed), as the command line keeps them."""
         self.recommended = None
         self.save_button.setEnabled(False)
         done = len(result.points)
         kept = (f"the {counted(done, 'point')} before it {'is' if done == 1 else 'are'} shown, "
                 f"{counted(len(result.saved_ids), 'run')} saved to the history" if done
                 else "no point completed before it")
-        line = f"Failed {result.failure}; {kept}; no recommendation."
+        line = (f"Cancelled {result.cancelled_at}" if result.cancelled else f"Failed {result.failure}")
+        line += f"; {kept}; no recommendation."
         self.bar.finish(line)
-        self.failed.emit(line)
+        if result.failure:
+            self.failed.emit(line)
         if result.saved_ids:
             self.recorded.emit(result.saved_ids)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from engine.errors import PromptError
+from engine.errors import PromptError, WorkbenchError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
@@ -193,7 +193,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
               on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None,
               on_left_out=None) -> list[SweepPoint]:
-    """Only complete points are returned: `cancel` (checked between tokens) ends the sweep early.
+    """`cancel` (checked between tokens) ends the sweep early: SweepCancelled, whose note, as that of anything a
+    point raises, says at which point (stopped_at); the points completed before it went to `on_point`.
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
     split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command
     line saves its runs then: an interrupted sweep keeps them). `splits` (e.g. ("spread", "whole")): the layer splits
@@ -215,6 +216,8 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
     # kernel 476 µs per step at the first point against 145 µs when repeated).
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
+    if cancel is not None and cancel.is_set():
+        raise SweepCancelled("the sweep was cancelled before its first point")
     runs = 0
 
     def on_run() -> None:
@@ -240,18 +243,22 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                         on_left_out(_left_out_note(model, held, fraction, left), len(left))
                 point = _run_point(model, device, held, fraction if held == budget else None, split, scenarios,
                                    params, label, cancel, on_text, on_settle, on_run)
-            except Exception as exc:  # which point, for a caller that keeps the points before it (stopped_at)
+                if point is None:
+                    raise SweepCancelled("the sweep was cancelled")
+                results.append(point)
+                if on_point:
+                    on_point(point)
+            except BaseException as exc:  # which point (Ctrl-C's too), for a caller that keeps those before it
                 exc.add_note(where)
                 raise
-            if point is None:  # cancelled
-                return results
-            results.append(point)
-            if on_point:
-                on_point(point)
         return results
     finally:
         if model.offload.layer_split_mode != mode:
             model.offload.set_layer_split(mode)
+
+
+class SweepCancelled(WorkbenchError):
+    """A sweep stopped by its `cancel` event."""
 
 
 def _point_name(fraction: float, budget: int, split: str | None, index: int, count: int) -> str:
