@@ -619,6 +619,35 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
 
+def test_a_sweep_that_stops_early_leaves_no_recommendation_behind_even_when_the_margin_changes(qtbot, tmp_path):
+    """A sweep that failed after a complete one: its summary still read the earlier sweep's "Recommended: 552.0 KiB of
+    experts on the device (100%)…" beside a run line saying "no recommendation", and moving Margin then recommended
+    0 B from the points before the failure (the budgets above it never timed) and offered to save it."""
+    import dataclasses
+
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    complete = SweepJob(3, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    view.on_finished(complete)
+    assert view.summary.text().startswith("Recommended: ")
+    for stopped in (dataclasses.replace(complete, points=complete.points[:2],
+                                        stopped_at="at 100% (device_expert_bytes=565248), point 3 of 3", failure="X"),
+                    dataclasses.replace(complete, points=complete.points[:2],
+                                        stopped_at="at 100% (device_expert_bytes=565248), point 3 of 3")):
+        view.on_finished(complete)
+        view.on_finished(stopped)
+        assert view.summary.text() == ("No recommendation: the sweep stopped at 100% (device_expert_bytes=565248), "
+                                       "point 3 of 3, and the budgets from there on were not timed.")
+        view.margin.setValue(view.margin.value() + 5)
+        assert view.recommended is None and not view.save_button.isEnabled()
+        assert view.summary.text().startswith("No recommendation") and not view.marks["completion"].isVisible()
+
+
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):
     """Under mode=required the points above what the device holds are left out, not refused at the first: the sweep
     is complete (saved, recommended), and its run line says which points it left out and why."""

@@ -151,15 +151,15 @@ class SweepResult:
     base_entries: dict          # the loaded configuration the sweep started from (restored after it)
     saved_ids: list[int] = field(default_factory=list)
     length_note: str = ""       # where the answers stopped inside a reasoning model's reasoning (reasoning_length_note)
-    failure: str = ""           # the point that raised and why, one line (stopped_at: "at 75% (...), point 4 of 5:
-                                # ..."); "" if none
-    cancelled_at: str = ""      # the point the sweep was cancelled at (stopped_at); "" if it was not
+    stopped_at: str = ""        # where a sweep cancelled or failed stopped (engine.records.sweep.stopped_at: "at 75%
+                                # (device_expert_bytes=...), point 4 of 5"); "" for one that ran to its end
+    failure: str = ""           # why its point failed, one line; "" where none did
     left_out: str = ""          # the points above what the device holds under mode=required, and why (run_sweep)
     skipped: str = ""           # the scenarios the model's context cannot hold, and why (fitting_scenarios)
 
     @property
     def cancelled(self) -> bool:
-        return bool(self.cancelled_at)
+        return bool(self.stopped_at) and not self.failure
 
 
 @dataclass
@@ -218,20 +218,20 @@ class SweepJob:
             points.append(point)
 
         ctx.progress(0.0, f"run 1 of {total()}")
-        points, saved_ids, failure, cancelled_at = [], [], "", ""
+        points, saved_ids, where, failure = [], [], "", ""
         try:
             run_sweep(model, ctx.device, self.points, scenarios, params, label=self.label, progress=progress,
                       cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=on_point,
                       on_left_out=on_left_out)
         except SweepCancelled as exc:
-            cancelled_at = stopped_at(exc)
+            where = stopped_at(exc)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
-            failure = f"{stopped_at(exc)}: {one_line(exc)}"
+            where, failure = stopped_at(exc), one_line(exc)
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
                            length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
-                           failure=failure, cancelled_at=cancelled_at, left_out=left_out[0], skipped=skipped)
+                           stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped)
 
 
 # --- side by side ------------------------------------------------------------------------------------

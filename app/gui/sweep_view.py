@@ -211,7 +211,7 @@ class SweepView(QWidget):
     def on_finished(self, result: SweepResult) -> None:
         self.result = result
         self.plot(result.points)
-        if result.cancelled or result.failure:
+        if result.stopped_at:
             self._stopped_partway(result)
             return
         self._recommend()
@@ -233,8 +233,10 @@ class SweepView(QWidget):
         kept = (f"the {counted(done, 'point')} before it {'is' if done == 1 else 'are'} shown, "
                 f"{counted(len(result.saved_ids), 'run')} saved to the history" if done
                 else "no point completed before it")
-        line = (f"Cancelled {result.cancelled_at}" if result.cancelled else f"Failed {result.failure}")
+        line = f"Failed {result.stopped_at}: {result.failure}" if result.failure else f"Cancelled {result.stopped_at}"
         line += f"; {kept}; no recommendation."
+        self.summary.setText(f"No recommendation: the sweep stopped {result.stopped_at}, and the budgets from there on "
+                             "were not timed.")
         self.bar.finish(line)
         if result.failure:
             self.failed.emit(line)
@@ -282,7 +284,7 @@ class SweepView(QWidget):
         return (get(point) or 0) / (self.scales[key][1] if is_bytes else 1)
 
     def _recommend(self) -> None:
-        if self.result is None or self.result.cancelled or not self.result.points:
+        if self.result is None or self.result.stopped_at or not self.result.points:
             return
         margin = self.margin.value() / 100
         best = recommend(self.result.points, margin)
