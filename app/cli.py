@@ -480,16 +480,25 @@ class _ProgressLine:
     def __init__(self, what: str):
         self.what = what
         self.terminal = sys.stderr.isatty()
+        self.drawn = False  # a line drawn in place and not yet ended
 
     def __call__(self, fraction: float) -> None:
         if self.terminal:
             print(f"\r{self.what}: {fraction:6.1%}", end="\n" if fraction >= 1 else "", file=sys.stderr, flush=True)
+            self.drawn = fraction < 1
         elif fraction >= 1:
             print(f"{self.what}: done", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        """Ends a line drawn in place short of done, so that what follows (a stopped sweep's points) starts below it."""
+        if self.drawn:
+            print(file=sys.stderr, flush=True)
+            self.drawn = False
 
     def say(self, text: str) -> None:
         """A line of its own; on a terminal over the progress drawn so far (the next report draws it again below)."""
         print(("\r" if self.terminal else "") + f"{self.what}: {text}", file=sys.stderr, flush=True)
+        self.drawn = False
 
 
 def _scenarios(name: str) -> list[str]:
@@ -578,12 +587,14 @@ def _cmd_sweep(args) -> int:
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save,
                            on_left_out=lambda note, _count: progress.say(note))
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
+        progress.end()
         _print_sweep(done, None, args)
         print(f"{PROG}: the sweep was interrupted {stopped_at(exc)}; {_kept(done, saved_ids)}", file=sys.stderr)
         return 130
     except Exception as exc:
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise
+        progress.end()
         _print_sweep(done, None, args)
         kind = "error" if isinstance(exc, WorkbenchError) else "internal error"
         print(f"{PROG}: {kind}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; {_kept(done, saved_ids)}",

@@ -259,6 +259,30 @@ def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before
     assert rows == ["0", "282624"] and "recommended" not in out
 
 
+def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_progress_drawn(
+        tmp_path, capsys, monkeypatch):
+    """On a terminal the progress line is redrawn in place ("\\rsweep:  33.3%", no newline): a sweep interrupted
+    there printed its points' header and its stop line on the end of that line ("sweep:  33.3%moe-workbench: the sweep
+    was interrupted…"). The progress line is ended first."""
+    import engine.records.sweep as sweep
+
+    run_scenario, calls = sweep.run_scenario, []
+
+    def interrupted_at_the_second_point(*args, **kwargs):
+        calls.append(kwargs.get("label"))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", interrupted_at_the_second_point)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
+    assert status == 130 and err.endswith("\rsweep:  33.3%\nmoe-workbench: the sweep was interrupted at 50% "
+                                          "(device_expert_bytes=282624), point 2 of 3; the 1 point before it is "
+                                          "printed, its 1 run saved in the history (id 1)\n")
+
+
 def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_are_none(tmp_path, capsys):
     gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
     status, _out, err = _main(capsys, "history", "--history", history)
