@@ -648,6 +648,25 @@ def test_a_sweep_that_stops_early_leaves_no_recommendation_behind_even_when_the_
         assert view.summary.text().startswith("No recommendation") and not view.marks["completion"].isVisible()
 
 
+def test_a_window_sweeps_saved_configuration_says_the_margin_it_was_recommended_within(qtbot, tmp_path):
+    """Margin takes tenths of a percent; the saved configuration's note rounded it to whole ones: recommended within
+    2.5%, it said "sweep recommendation within 2% of the fastest" (the command's says 2.5%)."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"), tmp_path / "configurations.json")
+    qtbot.addWidget(view)
+    view.on_finished(result)
+    view.margin.setValue(2.5)
+    assert "margin 2.5%" in view.summary.text()
+    view.save("close")
+    saved = json.loads((tmp_path / "configurations.json").read_text())["close"]
+    assert saved["note"] == "sweep recommendation within 2.5% of the fastest"
+
+
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):
     """Under mode=required the points above what the device holds are left out, not refused at the first: the sweep
     is complete (saved, recommended), and its run line says which points it left out and why."""

@@ -333,7 +333,7 @@ class SweepView(QWidget):
             # the layer split is this app's own setting, not an onnxruntime key: said in the note
             split = ("; with the Layer split on whole layers" if self.recommended.split == "whole" else "")
             path = save_configuration(name, self.result.model_folder, config,
-                                      note=f"sweep recommendation within {self.margin.value():.0f}% of the fastest"
+                                      note=f"sweep recommendation within {self.margin.value():g}% of the fastest"
                                            + split, path=self.configurations_path)
         except Exception as exc:
             self.failed.emit(f"Could not save the configuration '{name}': {exc}")
