@@ -487,6 +487,22 @@ def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_pat
     assert said.index(settling[1]) > said.index("1 of 3 runs done") > said.index(settling[0])
 
 
+def test_a_sweep_jobs_status_counts_the_tokens_of_the_run_it_names(tmp_path, monkeypatch):
+    """The status line "run 7 of 12 · 49 tokens" counted every token since the sweep began, though a run's answers here
+    take at most 3 tokens (and said "1 tokens"): it counts the run's own."""
+    import app.gui.records_jobs as jobs
+    from app.gui.records_jobs import SweepJob
+
+    monkeypatch.setattr(jobs, "REPORT_INTERVAL_S", 0.0)  # every token reported
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    said = []
+    SweepJob(2, ["short"], 3, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
+    running = [text for text in said if " · " in text]
+    assert running == ["run 1 of 2 · 1 token", "run 1 of 2 · 2 tokens", "run 1 of 2 · 3 tokens",
+                       "run 2 of 2 · 1 token", "run 2 of 2 · 2 tokens", "run 2 of 2 · 3 tokens"]
+
+
 def test_a_sweep_job_says_when_a_point_first_waits_for_its_experts_mapping(tmp_path, monkeypatch):
     """A point whose re-plan left every expert resident behind maps the experts' pages in again (and on a GPU page-locks
     their mapping) before its unrecorded decode: the status line says that wait, not only the decode after it."""

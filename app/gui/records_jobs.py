@@ -21,6 +21,7 @@ from engine.records.contention import (ContentionCancelled, ContentionReport, de
 from engine.records.history import History
 from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens
 from engine.records.schema import RunRecord
+from engine.units import counted
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
@@ -200,10 +201,12 @@ class SweepJob:
             now = time.perf_counter()
             if now - last[0] >= REPORT_INTERVAL_S:
                 last[0] = now
-                ctx.progress(done[0] / total(), f"run {min(done[0] + 1, total())} of {total()} · {tokens[0]} tokens")
+                ctx.progress(done[0] / total(),
+                             f"run {min(done[0] + 1, total())} of {total()} · {counted(tokens[0], 'token')}")
 
         def progress(fraction: float) -> None:
             done[0] = round(fraction * total())
+            tokens[0] = 0  # the next run's own
             ctx.progress(fraction, f"{done[0]} of {total()} runs done")
 
         def on_settle(fraction: float, split: str | None) -> None:  # up to 200 decode steps before the point's runs
