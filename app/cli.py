@@ -16,7 +16,7 @@ from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
-from engine.units import counted
+from engine.units import counted, human_bytes
 
 PROG = "moe-workbench"
 GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
@@ -639,6 +639,10 @@ def _print_sweep(points: list, best, args) -> None:
     marks = ["  <- recommended" if point is best else "" for point in points]
     split_of = [f"  {p['split']:>6}" if args.both_splits else "" for p in rows]
     split_head = f"  {'split':>6}" if args.both_splits else ""
+
+    def peaks(row: dict) -> str:  # in the unit that fits: a small model's points differ by KiB
+        return f"{human_bytes(row['peak_device_bytes']):>11}  {human_bytes(row['peak_rss_bytes']):>10}"
+
     if args.json:
         print(json.dumps({"points": rows, "recommended_budget_bytes": best and best.budget_bytes,
                           "recommended_split": best and best.split,
@@ -649,20 +653,19 @@ def _print_sweep(points: list, best, args) -> None:
         print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
               f"HBM {bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed); the recommendation uses the projected completion")
         print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'projected':>10}  "
-              f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>9}")
+              f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>10}")
         for p, split, mark in zip(rows, split_of, marks):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
                   f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  "
                   f"{p['decode_tokens_per_s']:>12.1f}  "
-                  f"{p['projected_decode_tokens_per_s'] or 0:>10.1f}  {p['peak_device_bytes'] / 2**20:>8.0f} MiB  "
-                  f"{p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
+                  f"{p['projected_decode_tokens_per_s'] or 0:>10.1f}  {peaks(p)}{mark}")
     elif rows:
         print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'decode tok/s':>12}  "
-              f"{'device peak':>11}  {'RSS peak':>9}")
+              f"{'device peak':>11}  {'RSS peak':>10}")
         for p, split, mark in zip(rows, split_of, marks):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
                   f"{p['completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
-                  f"{p['peak_device_bytes'] / 2**20:>8.0f} MiB  {p['peak_rss_bytes'] / 2**20:>5.0f} MiB{mark}")
+                  f"{peaks(p)}{mark}")
 
 
 def _cmd_history(args) -> int:

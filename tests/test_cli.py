@@ -540,6 +540,18 @@ def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     assert paths == {"0%": "tier", "50%": "tier", "100%": "cpu"}
 
 
+def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tmp_path, capsys):
+    """The table wrote every peak in whole MiB: on gptoss's fixture the device peaks of 0%, 50% and 100% resident (the
+    staging ring, then it and half, then all of 552 KiB of experts) all read "1 MiB". They are written in the unit that
+    fits, as the window's summary writes them."""
+    status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
+    assert status == 0
+    rows = [line for line in out.splitlines()[2:]]
+    assert [" ".join(row.split()[7:9]) for row in rows] == ["552.0 KiB", "828.0 KiB", "1.1 MiB"]
+    assert all(row.split()[10] == "MiB" for row in rows)  # the RSS peak, hundreds of MiB
+
+
 def test_a_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(tmp_path, capsys):
     """The other modes hold what the device has free where a point asks more (the planner's clamp); mode=required
     refuses such a budget, so a sweep on a card smaller than the experts failed at its first such point. It ends there,
