@@ -589,7 +589,7 @@ def _cmd_sweep(args) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
         progress.end()
         _print_sweep(done, None, args)
-        print(f"{PROG}: the sweep was interrupted {stopped_at(exc)}; {_kept(done, saved_ids)}", file=sys.stderr)
+        print(f"{PROG}: the sweep was interrupted {stopped_at(exc)}; {_kept(done, saved_ids, args)}", file=sys.stderr)
         return 130
     except Exception as exc:
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
@@ -597,7 +597,7 @@ def _cmd_sweep(args) -> int:
         progress.end()
         _print_sweep(done, None, args)
         kind = "error" if isinstance(exc, WorkbenchError) else "internal error"
-        print(f"{PROG}: {kind}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; {_kept(done, saved_ids)}",
+        print(f"{PROG}: {kind}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; {_kept(done, saved_ids, args)}",
               file=sys.stderr)
         return 2 if isinstance(exc, WorkbenchError) else 3
     best = recommend(points, args.margin)
@@ -621,13 +621,18 @@ def _cmd_sweep(args) -> int:
     return 0
 
 
-def _kept(points: list, saved_ids: list[int]) -> str:
-    """What a sweep that stopped early kept: its completed points, printed, and their runs in the history."""
-    if not points:
-        return "no point finished before it"
-    ids = f"id {saved_ids[0]}" if len(saved_ids) == 1 else f"ids {saved_ids[0]} to {saved_ids[-1]}"
-    return (f"the {counted(len(points), 'point')} before it {'is' if len(points) == 1 else 'are'} printed, "
-            f"{'its' if len(points) == 1 else 'their'} {counted(len(saved_ids), 'run')} saved in the history ({ids})")
+def _kept(points: list, saved_ids: list[int], args) -> str:
+    """What a sweep that stopped early kept (its completed points, printed, and their runs in the history) and what it
+    did not do for want of a recommendation."""
+    if points:
+        ids = f"id {saved_ids[0]}" if len(saved_ids) == 1 else f"ids {saved_ids[0]} to {saved_ids[-1]}"
+        kept = (f"the {counted(len(points), 'point')} before it {'is' if len(points) == 1 else 'are'} printed, "
+                f"{'its' if len(points) == 1 else 'their'} {counted(len(saved_ids), 'run')} saved in the history "
+                f"({ids})")
+    else:
+        kept = "no point finished before it"
+    skipped = ["no plot written"] * bool(args.plot) + [f"no configuration '{args.save_as}' saved"] * bool(args.save_as)
+    return f"{kept}; no recommendation" + (f": {', '.join(skipped)}" if skipped else "")
 
 
 def _print_sweep(points: list, best, args) -> None:

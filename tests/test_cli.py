@@ -230,7 +230,7 @@ def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, ca
     # the finished points printed (it printed none) and where it stopped said (it said only "interrupted")
     assert status == 130 and err.splitlines()[-1] == (
         "moe-workbench: the sweep was interrupted at 100% (device_expert_bytes=565248), point 3 of 3; the 2 points "
-        "before it are printed, their 2 runs saved in the history (ids 1 to 2)")
+        "before it are printed, their 2 runs saved in the history (ids 1 to 2); no recommendation")
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["0", "282624"] and "recommended" not in out
 
 
@@ -254,7 +254,7 @@ def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before
     assert status == 3 and err.splitlines()[-1] == (
         "moe-workbench: internal error: the sweep failed at 100% (device_expert_bytes=565248), point 3 of 3: "
         "RuntimeError: CUDA out of memory while staging; the 2 points before it are printed, their 2 runs saved in "
-        "the history (ids 1 to 2)")
+        "the history (ids 1 to 2); no recommendation")
     rows = [line.split()[0] for line in out.splitlines()[2:]]
     assert rows == ["0", "282624"] and "recommended" not in out
 
@@ -280,7 +280,32 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 130 and err.endswith("\rsweep:  33.3%\nmoe-workbench: the sweep was interrupted at 50% "
                                           "(device_expert_bytes=282624), point 2 of 3; the 1 point before it is "
-                                          "printed, its 1 run saved in the history (id 1)\n")
+                                          "printed, its 1 run saved in the history (id 1); no "
+                                          "recommendation\n")
+
+
+def test_a_stopped_sweep_says_it_wrote_no_plot_and_saved_no_configuration(tmp_path, capsys, monkeypatch):
+    """Asked for --plot and --save-as, a sweep interrupted at its second point wrote neither (it has no recommendation)
+    and did not say so: its last line read as if the sweep's work were done but for the points left."""
+    import engine.records.sweep as sweep
+    from engine.records import configurations
+
+    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
+    run_scenario, calls = sweep.run_scenario, []
+
+    def interrupted_at_the_second_point(*args, **kwargs):
+        calls.append(kwargs.get("label"))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", interrupted_at_the_second_point)
+    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick",
+                              "--plot", str(tmp_path / "sweep.png"))
+    assert status == 130 and err.splitlines()[-1].endswith(
+        "its 1 run saved in the history (id 1); no recommendation: no plot written, no configuration 'quick' saved")
+    assert not (tmp_path / "sweep.png").exists() and not (tmp_path / "configurations.json").exists()
 
 
 def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_are_none(tmp_path, capsys):
