@@ -353,6 +353,30 @@ def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_stre
         assert [statuses.index(texts[side]) for texts in shown] == sorted(statuses.index(texts[side]) for texts in shown)
 
 
+def test_side_by_side_b_starts_with_as_layer_split_and_decode_path_and_follows_apply(qtbot, window):
+    """B as a copy of A runs as A does: the Budgets panel's layer split and cold-expert path are A's too (B ran with
+    the engine's defaults, spread and cpu here, under a label saying "same settings")."""
+    load(qtbot, window, "gptoss", dict(SIMULATED, layer_split="whole", decode_path="tier"))
+    view = window.side_by_side
+    assert view.right_entries.toPlainText() == (f"decode_path=tier\nlayer_split=whole\n"
+                                                f"session.moe.offload.device_expert_bytes={3 * EXPERT}")
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(4)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    a, b = view.result.comparison.records
+    assert view.right.title() == "B: gptoss · same settings"
+    assert a.offload["layer_split"]["mode"] == b.offload["layer_split"]["mode"] == "whole"
+    assert a.offload["decode_path"]["in_force"] == b.offload["decode_path"]["in_force"] == "tier"
+    view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}")  # B on the engine's defaults: said so
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert view.right.title() == "B: gptoss · layer_split=auto, decode_path=auto"
+    view.reset_button.click()  # Same as A, after an Apply that spreads the budget again: B follows A
+    window.apply_settings(dict(SIMULATED, layer_split="spread", decode_path="tier"), reload=False)
+    qtbot.waitUntil(lambda: "layer_split=spread" in view.right_entries.toPlainText(), timeout=WAIT)
+
+
 def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, window):
     load(qtbot, window, "gptoss")  # no device: every expert on the CPU, for A and for B
     view = window.side_by_side

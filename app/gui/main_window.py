@@ -562,7 +562,7 @@ class MainWindow(QMainWindow):
         self.chat.live.setText(f"New conversation with {Path(info['path']).name}."
                                + self.chat.load_hints(info.get("reasons_first", False)))
         self.graphs.add_marker("loaded", "load")
-        self.side_by_side.set_loaded(info["path"], info.get("entries"))
+        self.side_by_side.set_loaded(info["path"], info.get("entries"), settings)
         for view in (self.side_by_side, self.scenarios, self.contention_view):
             view.max_tokens.set_model(info["reasoning_answer_tokens"])
         self.sweep.set_model(info["reasoning_answer_tokens"])
@@ -607,7 +607,7 @@ class MainWindow(QMainWindow):
         if info.get("by_engine"):
             self.graphs.add_marker("whole layers" if "whole layers" in info["by_engine"] else "spread", "event")
         if "entries" in info:
-            self.side_by_side.set_loaded(self.loaded_path, info["entries"])
+            self.side_by_side.set_loaded(self.loaded_path, info["entries"], info.get("settings"))
 
     @Slot()
     def _on_unloaded(self) -> None:

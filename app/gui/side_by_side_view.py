@@ -406,10 +406,13 @@ class SideBySideView(QWidget):
         self.browse.clicked.connect(self._browse)
         self.reset_button.clicked.connect(lambda: self.right_entries.setPlainText(entries_text(self.loaded_entries)))
 
-    def set_loaded(self, path: str | None, entries: dict | None = None) -> None:
-        """The loaded model and its settings (side A); B starts as a copy of A's settings."""
+    def set_loaded(self, path: str | None, entries: dict | None = None, settings: dict | None = None) -> None:
+        """The loaded model and its settings (side A: its offload entries, and the Budgets panel's `settings` for this
+        app's own, where not auto); B starts as a copy of A's settings."""
         old = entries_text(self.loaded_entries)
-        self.loaded_path, self.loaded_entries = path, dict(entries or {})
+        own = {key: (settings or {}).get(key) or "auto" for key in OWN_KEYS}
+        self.loaded_path = path
+        self.loaded_entries = {**(entries or {}), **{key: mode for key, mode in own.items() if mode != "auto"}}
         self.left.setTitle(f"A: {Path(path).name}, as loaded" if path else "A: the loaded model")
         if self.right_entries.toPlainText().strip() in ("", old):
             self.right_entries.setPlainText(entries_text(self.loaded_entries))
@@ -425,10 +428,11 @@ class SideBySideView(QWidget):
     def _labels(self, entries: dict, folder: str | None) -> tuple[str, str]:
         name = Path(self.loaded_path).name if self.loaded_path else "model"
         config_entries = offload_entries(entries).to_entries()
-        changed = [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(config_entries.items())
-                   if self.loaded_entries.get(k) != v]
-        dropped = [k.rsplit(".", 1)[-1] + " default" for k in self.loaded_entries if k not in config_entries]
-        changed += [f"{key}={entries[key]}" for key in OWN_KEYS if key in entries]
+        loaded = {k: v for k, v in self.loaded_entries.items() if k not in OWN_KEYS}
+        changed = [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(config_entries.items()) if loaded.get(k) != v]
+        dropped = [k.rsplit(".", 1)[-1] + " default" for k in loaded if k not in config_entries]
+        changed += [f"{key}={entries.get(key, 'auto')}" for key in OWN_KEYS
+                    if entries.get(key, "auto") != self.loaded_entries.get(key, "auto")]
         what = ", ".join(changed + dropped) or "same settings"
         b_name = Path(folder).name if folder else name
         return f"A: {name} as loaded", f"B: {b_name} · {what}"
