@@ -880,6 +880,26 @@ def test_a_replan_starts_the_cpu_throughput_watch_again(qtbot, window):
     window._on_busy("")
 
 
+def test_the_placement_summary_says_no_cpu_rate_measured_under_another_plan_or_model(qtbot, window):
+    """The CPU experts' read rate is measured in decode under one plan of one model: after an Apply or a load it is
+    gone until decode measures it again (a CPU-only lfm2moe loaded after gpt-oss said 'CPU experts read 3.4 MiB/s
+    in decode', gpt-oss's, before it had decoded a token)."""
+    placement = window.placement
+    load(qtbot, window, fixture_folder("gptoss"), simulated())
+    qtbot.waitUntil(lambda: placement.updates > 0, timeout=WAIT)
+    measured = lambda: placement.set_stats({**placement.heatmap.data, "cpu_expert_rate": 3.5 * 2**20})  # noqa: E731
+    measured()
+    assert placement.summary.text().endswith(" · CPU experts read 3.5 MiB/s in decode")
+    updates = placement.updates
+    window.apply_settings({**simulated(), "entries": {"device_expert_bytes": str(4 * slot())}}, reload=False)
+    qtbot.waitUntil(lambda: not window.busy and placement.updates > updates, timeout=WAIT)
+    assert int(placement.heatmap.data["resident"].sum()) == 4 and "CPU experts read" not in placement.summary.text()
+    measured()
+    load(qtbot, window, fixture_folder("lfm2moe"), {"device": {"kind": "cpu"}, "entries": {}})
+    assert int(placement.heatmap.data["valid"].sum()) == 24  # lfm2moe's stats (the worker sent them before idle)
+    assert placement.summary.text() == "0 of 24 experts resident · 0 swaps"
+
+
 def test_drop_a_folder_and_demo_model(qtbot, window):
     mime = QMimeData()
     mime.setUrls([QUrl.fromLocalFile(str(fixture_folder("qwen35moe") / "model.onnx"))])

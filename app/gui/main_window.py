@@ -554,6 +554,7 @@ class MainWindow(QMainWindow):
         self.budget_panel.mark_loaded(settings)
         self.save_model_settings(info["path"], settings)
         self.watch.reset()
+        self.placement.forget_rate()
         self.chat.entries.clear()  # a load starts a new conversation
         self.chat.set_reasoning_choices(info.get("reasoning_choices", []))
         self.chat.set_model_sampling(info.get("sampling"))
@@ -598,6 +599,7 @@ class MainWindow(QMainWindow):
         # the CPU's share of the experts changed, and with it its calls' size and their bytes a second (a call's fixed
         # cost weighs more on fewer experts): measured against the old plan's start, that read as contention
         self.watch.reset()
+        self.placement.forget_rate()
         self.model_panel.show_landed(info["landed"])
         if "settings" in info:  # what the model runs with from now on; a refused Apply leaves the old in force
             self._load_settings = info["settings"]

@@ -340,10 +340,15 @@ class PlacementView(QWidget):
         self.legend.setText(legend_text(theme.current(), self.heatmap.mode))
 
     def clear(self) -> None:
-        self.last_rate = 0.0
+        self.forget_rate()
         self.split, self.last_step, self.pinned = {}, None, {}
         self.heatmap.set_data(None)
         self.summary.setText("No model loaded.")
+
+    def forget_rate(self) -> None:
+        """The CPU experts' read rate was measured under the plan before (a re-plan, a load): none is said until
+        decode measures one under this one."""
+        self.last_rate = 0.0
 
     def set_stats(self, data: dict) -> None:
         self.updates += 1
