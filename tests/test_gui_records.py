@@ -377,6 +377,26 @@ def test_side_by_side_b_starts_with_as_layer_split_and_decode_path_and_follows_a
     qtbot.waitUntil(lambda: "layer_split=spread" in view.right_entries.toPlainText(), timeout=WAIT)
 
 
+def test_side_by_side_columns_keep_the_titles_of_the_answers_they_show_after_a_load(qtbot, window):
+    """A comparison on gpt-oss stays titled gpt-oss's once another model loads (A's column said 'A: lfm2moe, as
+    loaded' above gpt-oss's answer, beside 'B: gptoss · ...'); an empty column takes the loaded model's name."""
+    view = window.side_by_side
+    load(qtbot, window, "gptoss", SIMULATED)
+    assert view.left.title() == "A: gptoss as loaded"
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(4)
+    view.right_entries.setPlainText("device_expert_bytes=0")
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    answer = view.left.answer.toPlainText()
+    load(qtbot, window, "lfm2moe", {"device": {"kind": "cpu"}, "entries": {}})
+    assert view.left.answer.toPlainText() == answer
+    assert (view.left.title(), view.right.title()) == ("A: gptoss as loaded", "B: gptoss · device_expert_bytes=0")
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None, timeout=WAIT)
+    assert view.left.title() == "A: gptoss as loaded"
+
+
 def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, window):
     load(qtbot, window, "gptoss")  # no device: every expert on the CPU, for A and for B
     view = window.side_by_side

@@ -102,6 +102,10 @@ def speed_text(a, b) -> str:
     return text + "."
 
 
+def a_title(path: str | None) -> str:
+    return f"A: {Path(path).name} as loaded" if path else "A: the loaded model"
+
+
 def idle_settings_text(record) -> str:
     """B's device settings where B, like the loaded model, has no device: they changed nothing (every expert ran on
     the CPU), which the comparison would not show otherwise."""
@@ -413,7 +417,8 @@ class SideBySideView(QWidget):
         own = {key: (settings or {}).get(key) or "auto" for key in OWN_KEYS}
         self.loaded_path = path
         self.loaded_entries = {**(entries or {}), **{key: mode for key, mode in own.items() if mode != "auto"}}
-        self.left.setTitle(f"A: {Path(path).name}, as loaded" if path else "A: the loaded model")
+        if self.left.answer.document().isEmpty() and self.right.answer.document().isEmpty():
+            self.left.setTitle(a_title(path))  # a comparison shown keeps the titles of the answers it shows
         if self.right_entries.toPlainText().strip() in ("", old):
             self.right_entries.setPlainText(entries_text(self.loaded_entries))
 
@@ -435,7 +440,7 @@ class SideBySideView(QWidget):
                     if entries.get(key, "auto") != self.loaded_entries.get(key, "auto")]
         what = ", ".join(changed + dropped) or "same settings"
         b_name = Path(folder).name if folder else name
-        return f"A: {name} as loaded", f"B: {b_name} · {what}"
+        return a_title(self.loaded_path), f"B: {b_name} · {what}"
 
     def run(self) -> None:
         try:
