@@ -397,6 +397,40 @@ def test_placement_tooltip_says_where_a_fully_resident_layer_routed(qapp):
     assert "routed and computed on the device" not in heatmap.tooltip_at(1, 0)
 
 
+def test_a_static_placements_cold_experts_are_missed_now_only_when_a_miss_was_counted_since_the_last_update(qapp):
+    """Static placement's count never decays: every cold expert routed once since load kept its 'missed now' dot and
+    '— missed recently' for good (12 of 13 cold experts after one 3-token answer on the gpt-oss fixture). There, a
+    cold expert is missed now where the engine counted a miss on it since the update before."""
+    from app.gui.placement_view import Heatmap
+
+    heatmap = Heatmap()
+
+    def update(misses: list[int], placement: str = "static", traffic=(5.0, 5.0, 0.0)) -> None:
+        heatmap.set_data({"resident": np.array([[True, False, False]]), "traffic": np.array([traffic], np.float32),
+                          "valid": np.ones((1, 3), bool), "placement": placement, "layer_names": ["a/QMoE"],
+                          "layer_index": [0], "bytes_per_expert": [1024],
+                          "layers": [{"hits": 5, "misses": sum(misses), "swaps": 0,
+                                      "expert_hits": np.array([5, 0, 0]), "expert_misses": np.array(misses)}]})
+
+    def dotted() -> list[bool]:
+        return [" — missed recently" in heatmap.tooltip_at(0, col) for col in range(3)]
+
+    update([0, 5, 0])  # expert 1 missed 5 times since load
+    assert dotted() == [False, True, False] and heatmap.tooltip_at(0, 1).splitlines()[1] == (
+        "Routing: 5.00 (routing count, not decayed) — missed recently")
+    update([0, 5, 0])  # nothing routed since: a count of 5 is no miss now
+    assert dotted() == [False, False, False]
+    update([0, 5, 1], traffic=(5.0, 5.0, 1.0))
+    assert dotted() == [False, False, True]
+    update([0, 0, 0])  # the engine's counts started again (a record's run): what they count now is since then
+    update([0, 1, 0], traffic=(5.0, 6.0, 1.0))
+    assert dotted() == [False, True, False]
+    heatmap.set_data(None)
+    update([0, 5, 0], placement="adaptive", traffic=(5.0, 0.3, 0.9))  # adaptive: the decayed count says it
+    assert dotted() == [False, False, True] and heatmap.tooltip_at(0, 2).splitlines()[1] == (
+        "Recent routing: 0.90 (decayed routing count, ~10 steps) — missed recently")
+
+
 def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode(qapp):
     from app.gui.chat_panel import miss_split_text
     from app.gui.placement_view import PlacementView

@@ -25,6 +25,23 @@ from engine.units import counted, human_bytes
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
 
 
+def missed_now(data: dict, before: list[np.ndarray] | None) -> np.ndarray:
+    """The cold experts routing hits now. Adaptive placement's decayed count says it (RECENT_MISS); static
+    placement's never decays, so there it is a miss the engine counted since the update before (`before`: its
+    expert_misses per layer; counts lower than those started again)."""
+    cold = data["valid"] & ~data["resident"]
+    if data.get("placement") == "adaptive":
+        return cold & (data["traffic"] >= RECENT_MISS)
+    missed = np.zeros_like(cold)
+    for row, layer in enumerate(data["layers"]):
+        now = np.asarray(layer.get("expert_misses", ()))
+        then = before[row] if before is not None and row < len(before) else None
+        if then is None or then.shape != now.shape or (now < then).any():
+            then = np.zeros_like(now)
+        missed[row, :now.size] = now > then
+    return cold & missed
+
+
 class Heatmap(QWidget):
     """Cells drawn as one image built with numpy (a 48 × 128 grid is 6,144 cells: painting them one
     by one in Python would take the engine's time, since the GIL is shared)."""
@@ -36,6 +53,7 @@ class Heatmap(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.data: dict | None = None
+        self.missed: np.ndarray | None = None  # missed_now's answer for `data`
         self.mode = "residency"
         self._image = None
         self.setMouseTracking(True)
@@ -47,7 +65,9 @@ class Heatmap(QWidget):
         return QSize(600, 200)
 
     def set_data(self, data: dict | None) -> None:
+        before = [layer.get("expert_misses") for layer in self.data["layers"]] if self.data and data else None
         self.data = data
+        self.missed = missed_now(data, before) if data else None
         self.update()
 
     def set_mode(self, mode: str) -> None:
@@ -90,7 +110,7 @@ class Heatmap(QWidget):
         rows, cols = resident.shape
         if self.mode == "residency":
             # a cold expert that routing hits now: a dot, bigger the more it is hit
-            missed = valid & ~resident & (traffic >= RECENT_MISS)
+            missed = self.missed
             if missed.any():
                 radius = np.maximum(1.0, np.minimum(cw, ch) * (0.15 + 0.25 * heat))
                 yy = np.arange(ch, dtype=np.float32) - (ch - 1) / 2
@@ -147,9 +167,10 @@ class Heatmap(QWidget):
         score = float(d["traffic"][row, col])
         stats = d["layers"][row] if row < len(d["layers"]) else {}
         total = stats.get("hits", 0) + stats.get("misses", 0)
-        kind = "decayed routing count (~10 steps)" if d.get("placement") == "adaptive" else "routing count"
+        routing = ("Recent routing: {:.2f} (decayed routing count, ~10 steps)" if d.get("placement") == "adaptive"
+                   else "Routing: {:.2f} (routing count, not decayed)").format(score)
         lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + ("resident on the device" if on else cold_text(d)),
-                 f"Recent routing: {score:.2f} ({kind})" + ("" if on or score < RECENT_MISS else " — missed recently"),
+                 routing + (" — missed recently" if self.missed[row, col] else ""),
                  f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
         if "expert_hits" in stats and col < len(stats["expert_hits"]):
             lines.append(f"This expert: {stats['expert_hits'][col]} hits, {stats['expert_misses'][col]} misses "
