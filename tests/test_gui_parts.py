@@ -751,6 +751,27 @@ def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_u
     assert routing_text(record(0.01, 1.0, agreement=0.875)) == "approximate: 88% token agreement with exact routing"
 
 
+def test_a_one_token_answer_shows_no_decode_rate(qapp):
+    """One token is the prefill's: nothing was decoded, so there is no rate to show (the chat said '0.0 tok/s · 1
+    tokens', the status bar 'Answered: 1 tokens, 0.0 tok/s', side by side 'decode 0.0 tok/s')."""
+    from types import SimpleNamespace
+
+    from app.gui.chat_panel import answered_text, stats_line
+    from app.gui.side_by_side_view import side_stats
+
+    one = {"time_to_first_token_s": 0.171, "decode_tokens_per_s": 0.0, "total_s": 0.17, "generated_tokens": 1,
+           "prompt_tokens": 16}
+    assert stats_line({"timings": one, "finish_reason": "length"}) == (
+        "first token 171 ms · 0.17 s · 1 token · prompt 16 tokens · token limit")
+    assert answered_text(one) == "Answered: 1 token"
+    two = dict(one, decode_tokens_per_s=40.0, generated_tokens=2)
+    assert stats_line({"timings": two, "finish_reason": "eos"}).startswith("first token 171 ms · 40.0 tok/s · 0.17 s · "
+                                                                            "2 tokens · ")
+    assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
+    record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1}], approximate_routing=False)
+    assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "1"
+
+
 def test_an_answers_agreement_with_exact_routing_says_of_how_many_tokens():
     from app.gui.chat_panel import stats_line
 

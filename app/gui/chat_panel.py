@@ -20,6 +20,7 @@ from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
 from app.gui.widgets import AnswerLength, OneLineLabel
 from engine.offload.approximate import agreement_text
+from engine.units import counted
 
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
 # text may name (engine/generation.py's VisibleText)
@@ -45,16 +46,26 @@ def miss_split_text(split: dict) -> str:
     return "misses: " + split_text(split) if split.get("misses") else ""
 
 
+def decode_rate(rate: float, tokens: int) -> list[str]:
+    """'40.0 tok/s', or nothing where an answer's one token was the prefill's: no decode to measure."""
+    return [f"{rate:.1f} tok/s"] if tokens > 1 else []
+
+
+def answered_text(timings: dict) -> str:
+    """The status bar's line once an answer ends."""
+    tokens = timings["generated_tokens"]
+    return ", ".join([f"Answered: {counted(tokens, 'token')}", *decode_rate(timings["decode_tokens_per_s"], tokens)])
+
+
 def stats_line(result: dict) -> str:
     t = result.get("timings") or {}
     if result.get("finish_reason") == "error":
         return f"error: {result.get('error', '')}"
     if not t:
         return ""
-    parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms",
-             f"{t['decode_tokens_per_s']:.1f} tok/s",
-             f"{t['total_s']:.2f} s",
-             f"{t['generated_tokens']} tokens"]
+    tokens = t["generated_tokens"]
+    parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms", *decode_rate(t["decode_tokens_per_s"], tokens),
+             f"{t['total_s']:.2f} s", counted(tokens, "token")]
     if t.get("projected_decode_tokens_per_s"):  # a simulated device (engine/offload/projection.py)
         parts.append(f"projected on the simulated card: {t['projected_decode_tokens_per_s']:.1f} tok/s")
     prompt = f"prompt {t['prompt_tokens']} tokens"

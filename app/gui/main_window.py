@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, Q
 
 from app.gui import theme
 from app.gui.budget_panel import BudgetPanel
-from app.gui.chat_panel import ChatPanel
+from app.gui.chat_panel import ChatPanel, answered_text
 from app.gui.collector import GuiCollector
 from app.gui.contention import ThroughputWatch, WarningHold, check_sample
 from app.gui.contention_view import ContentionView
@@ -582,7 +582,7 @@ class MainWindow(QMainWindow):
         self.chat.finish_answer(result)
         t = result.get("timings") or {}
         if t:
-            self.status_state.setText(f"Answered: {t['generated_tokens']} tokens, {t['decode_tokens_per_s']:.1f} tok/s")
+            self.status_state.setText(answered_text(t))
         self._update_state()
 
     @Slot(object)

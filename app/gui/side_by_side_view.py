@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, Q
                                QWidget)
 
 from app.gui import theme
+from app.gui.chat_panel import decode_rate
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SIDE_BY_SIDE_TOKENS, SideBySideJob, SideBySideResult
 from app.gui.side_streams import failed_status
@@ -137,7 +138,8 @@ def side_stats(record) -> dict[str, str]:
     turn = record.turns[0]
     t = turn["timings"]
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms",
-            "decode": f"{t['decode_tokens_per_s']:.1f} tok/s", "total": f"{t['total_s']:.2f} s",
+            "decode": "".join(decode_rate(t["decode_tokens_per_s"], turn["generated_tokens"])) or "—",
+            "total": f"{t['total_s']:.2f} s",
             "tokens": f"{turn['generated_tokens']:,}", "routing": routing_text(record)}
 
 
