@@ -731,6 +731,21 @@ def test_the_divergence_sentence_tells_a_near_tie_from_a_clear_difference():
     assert divergence_text(3, None).endswith("highlighted in both columns.")
 
 
+def test_bs_settings_refuse_one_key_given_two_values():
+    """'device_expert_bytes=10' then 'device_expert_bytes=20' ran B with 20 and said nothing (a short and a full
+    name for one setting were refused already: the engine's 'conflicting values for one setting')."""
+    from app.gui.side_by_side_view import parse_entries
+    from engine.errors import WorkbenchError
+
+    with pytest.raises(WorkbenchError) as caught:
+        parse_entries("device_expert_bytes=10\nplacement=static\ndevice_expert_bytes=20")
+    assert str(caught.value) == ("line 3 of B's settings: device_expert_bytes=20, but line 1 gave it 10: one value "
+                                 "a setting")
+    with pytest.raises(WorkbenchError, match="^line 2 of B's settings: layer_split=spread, but line 1 gave it whole"):
+        parse_entries("layer_split=whole\nlayer_split=spread")
+    assert parse_entries("placement=static\nplacement=static  # again") == {"placement": "static"}
+
+
 def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_used():
     from types import SimpleNamespace
 

@@ -62,15 +62,19 @@ def divergence_text(divergence: int | None, margins: tuple[float, float] | None,
 def parse_entries(text: str) -> dict:
     """key=value lines (onnxruntime names, short names allowed, layer_split=auto|spread|whole and
     decode_path=auto|cpu|tier|both); # starts a comment."""
-    entries = {}
+    entries, lines = {}, {}
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         key, eq, value = line.partition("=")
-        if not eq or not key.strip():
+        key, value = key.strip(), value.strip()
+        if not eq or not key:
             raise WorkbenchError(f"line {number} of B's settings, {line!r}: expected KEY=VALUE")
-        entries[key.strip()] = value.strip()
+        if entries.get(key, value) != value:
+            raise WorkbenchError(f"line {number} of B's settings: {key}={value}, but line {lines[key]} gave it "
+                                 f"{entries[key]}: one value a setting")
+        entries[key], lines[key] = value, number
     for key, modes in OWN_KEYS.items():
         if key in entries and entries[key] not in modes:
             raise WorkbenchError(f"B's settings: {key}={entries[key]}: one of {', '.join(modes)}")
