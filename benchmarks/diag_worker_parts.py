@@ -30,15 +30,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_offload import SHAPES  # noqa: E402
 from benchmarks.bench_offload_ab import open_model  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
+from engine.offload.host_part_worker import IDLE_S  # noqa: E402
 from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
+from engine.offload.placement import LayerSlots, make_policy  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
+from engine.offload.traces import uniform_trace  # noqa: E402
 
 
 def threads_now() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def decode_steps(model, prompt, steps: int, warmup: int) -> dict:
+class RebalanceProbe:
+    """A placement of the model's own size (half its experts in slots, uniform routing: the judge pauses its swaps,
+    as the engine's does under random weights) apart from the engine's, whose rebalance is timed where the engine's
+    runs (at the step's end, the worker's threads still spinning) and again after a sleep past the worker's IDLE_S
+    (its loop asleep): if the first reads slower, the engine's host work at a step's end shares the CPUs with the
+    worker's spinning threads (bench_rebalance.py times the same call alone)."""
+
+    def __init__(self, layers: int, experts: int, k: int, steps: int = 600):
+        self.trace = uniform_trace(steps, layers, experts, k, seed=2)
+        self.policy = make_policy("adaptive", [LayerSlots(experts, experts // 2) for _ in range(layers)])
+        for layer in range(layers):
+            self.policy.observe(layer, self.trace[0, layer])
+        self.policy.initial()
+        self.step = 1
+        for _ in range(steps // 2):  # its state settled (the judge paused), as in bench_rebalance's warm-up
+            self()
+
+    def __call__(self) -> float:
+        routing = self.trace[self.step]
+        self.step = self.step + 1 if self.step + 1 < len(self.trace) else 1
+        for layer in range(routing.shape[0]):
+            self.policy.observe(layer, routing[layer])
+        started = time.perf_counter()
+        self.policy.rebalance()
+        return time.perf_counter() - started
+
+
+def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe | None = None) -> dict:
     """The worker's part seconds by pairs, step seconds and their parts (from the first job's arrival at the worker to
     the last gate; the engine's end_step, with the accounts left for it and placement's rebalance inside it), swaps
     per step, thread counts."""
@@ -74,6 +104,8 @@ def decode_steps(model, prompt, steps: int, warmup: int) -> dict:
             ends.append(time.perf_counter() - started)
 
     def timed_rebalance(*args, **kwargs):
+        if probe is not None:
+            row["probe_in_step"].append(probe())
         started = time.perf_counter()
         try:
             return real_rebalance(*args, **kwargs)
@@ -86,7 +118,7 @@ def decode_steps(model, prompt, steps: int, warmup: int) -> dict:
     engine.settle = counted_settle
     row = {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
            "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
-           "swaps": [], "jobs": [], "idle": []}
+           "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": []}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
@@ -120,6 +152,9 @@ def decode_steps(model, prompt, steps: int, warmup: int) -> dict:
             for pairs, cpu_s, wait, _, _ in jobs:
                 row["parts"][pairs].append(cpu_s)
                 row["waits"].append(wait)
+            if probe is not None:  # the worker's loop asleep (IDLE_S), then the same call as at the step's end
+                time.sleep(IDLE_S + 0.01)
+                row["probe_quiet"].append(probe())
     finally:
         HybridExpertNode.host_part_done = real
         decoder.on_step_end = real_end
@@ -141,6 +176,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=48)
     parser.add_argument("--path", default="both", help="the decode path asked for (both, tier, auto, cpu)")
     parser.add_argument("--folder")
+    parser.add_argument("--probe", action="store_true",
+                        help="time a placement's rebalance of the model's size at each step's end and after a sleep "
+                             "(RebalanceProbe; the steps then sleep in between)")
     args = parser.parse_args()
     model, prompt = open_model(args.shape, args.layers, args.folder, prefix="diag-worker-parts-")
     engine = model.offload
@@ -149,7 +187,9 @@ def main() -> None:
         engine.reconfigure(OffloadConfig(device_expert_bytes=int(fraction * all_resident_bytes(model.folder.experts))))
         model.wait_until_settled()
         engine.set_decode_path(args.path)
-        row = decode_steps(model, prompt, args.steps, args.warmup)
+        shape = SHAPES[args.shape]
+        probe = RebalanceProbe(args.layers or shape["layers"], shape["num_experts"], shape["top_k"]) if args.probe else None
+        row = decode_steps(model, prompt, args.steps, args.warmup, probe)
         worker_threads = model.decoder._worker.threads if getattr(model.decoder, "_worker", None) else None
         path = engine.copy_state()["decode_path"]["in_force"]
         print(f"\n{fraction:.0%} resident, decode path {path}, worker threads {worker_threads}: the worker's CPU part, "
@@ -165,6 +205,9 @@ def main() -> None:
               f"swaps {statistics.mean(row['swaps']):.1f}, threads {min(row['threads'])}-{max(row['threads'])}, "
               f"wait for routing {us(row['waits'])}, gate to next job {us(row['idle'])}\n"
               f"     part µs by pairs | {cells}", flush=True)
+        if probe is not None:
+            print(f"     a placement of this size's rebalance: {us(row['probe_in_step'])} µs at the step's end, "
+                  f"{us(row['probe_quiet'])} µs after {IDLE_S + 0.01:.2f} s asleep", flush=True)
 
 
 if __name__ == "__main__":
