@@ -72,6 +72,28 @@ def test_a_records_device_peak_is_its_runs_not_an_earlier_budgets():
     assert device.memory.high_water >= resident.peaks["device_bytes"]
 
 
+def test_a_record_counts_its_own_runs_statistics_and_the_models_running_totals_go_on(simulated_model):
+    """A record (side by side's, a scenario's) measures its run's hits and misses alone; the model's totals, which the
+    placement view shows for the chat, keep what came before the run and add the run's (they read the run's alone)."""
+    from engine.generation import Conversation
+    from engine.records.scenarios import run_turns
+
+    model, device = simulated_model
+    Conversation(model).send("Hello there", PARAMS)
+    stats = model.offload.stats
+    before = [(layer.hits, layer.misses) for layer in stats.layers]
+    experts_before, steps_before = [counts.copy() for counts in stats.expert_hits], stats.steps
+    assert sum(hits + misses for hits, misses in before) > 0
+    record = run_turns(model, ["Compare us"], PARAMS, device)
+    run = [(layer["hits"], layer["misses"]) for layer in record.layers]
+    assert sum(hits + misses for hits, misses in run) > 0
+    assert [(layer.hits, layer.misses) for layer in stats.layers] == [
+        (hits + run_hits, misses + run_misses) for (hits, misses), (run_hits, run_misses) in zip(before, run)]
+    assert [counts.tolist() for counts in stats.expert_hits] == [
+        (earlier + layer["expert_hits"]).tolist() for earlier, layer in zip(experts_before, record.layers)]
+    assert stats.steps > steps_before
+
+
 def test_a_run_waits_for_the_models_background_work(simulated_model):
     """A model still mapping its experts in the background (as right after load: side-by-side's B, a sweep's first
     point): the run starts once that is done and its record says how long it waited; a cancel ends the wait."""

@@ -70,6 +70,22 @@ class OffloadStats:
             for counts in self.expert_hits + self.expert_misses:
                 counts[:] = 0
 
+    def add_earlier(self, earlier: "OffloadStats") -> None:
+        """Put back the counts of `earlier`, a copy taken before these were reset (a measured run's own statistics:
+        records/scenarios.run_turns), so that the totals run on as if never reset. The phases are new objects, as
+        reset() makes them: the engine's layer-split trials take a phase it marked that is gone as 'reset since'."""
+        for layer, before in zip(self.layers, earlier.layers):
+            for name, value in asdict(before).items():
+                setattr(layer, name, getattr(layer, name) + value)
+        for counts, before in zip(self.expert_hits + self.expert_misses, earlier.expert_hits + earlier.expert_misses):
+            counts += before
+        self.steps += earlier.steps
+        self.step_splits[:0] = earlier.step_splits
+        del self.step_splits[:-self.STEP_HISTORY]
+        self.phases = {name: LayerStats(**{key: value + getattr(earlier.phases[name], key)
+                                          for key, value in asdict(phase).items()})
+                       for name, phase in self.phases.items()}
+
     def count(self, layer: int, expert_ids: np.ndarray, resident: np.ndarray, routed: np.ndarray | None = None) -> None:
         """Count routed (token, expert) pairs of one step, by expert and residency. `routed` masks the pairs
         routed to an expert; None: every pair is (route() gives each one; approximate routing drops some, -1)."""

@@ -159,9 +159,20 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
               on_text=None, on_reasoning=None) -> RunRecord:
     """Send the turns as one conversation and measure it: timings, peaks, offload statistics. `on_text` and
     `on_reasoning` stream every answer (Conversation.send)."""
-    name = scenario
-    if model.offload is not None:
+    # the run's statistics from zero, the model's running totals (the chat's: the placement view's) put back after it
+    earlier = copy.deepcopy(model.offload.stats) if model.offload is not None else None
+    if earlier is not None:
         model.offload.stats.reset(len(model.offload.slots))
+    try:
+        return _measure_turns(model, turns_text, params, device, scenario, label, cancel, progress, on_text,
+                              on_reasoning)
+    finally:
+        if earlier is not None:
+            model.offload.stats.add_earlier(earlier)
+
+
+def _measure_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device, name: str, label: str,
+                   cancel: threading.Event | None, progress, on_text, on_reasoning) -> RunRecord:
     # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background;
     # the CPU kernels are compiled (a first run on this machine) and the automatic thread count follows the other
     # processes' load before the clock starts
