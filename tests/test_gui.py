@@ -210,6 +210,7 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     assert "first token" in stats and "tok/s" in stats and " s · " in stats and "tokens" in stats
     assert first["text"] and first["text"][:5] in window.chat.transcript.toPlainText()
     assert "first token" in window.chat.transcript.toPlainText()
+    assert window.status_state.text().startswith("Answered: ")  # (the busy label took its place: "Ready")
     # the placement view saw the traffic: 3 resident cells, hits and misses counted
     qtbot.waitUntil(lambda: window.placement.updates > 0 and "hit rate" in window.placement.summary.text())
     assert sum(map(sum, window.placement.heatmap.data["resident"])) == 3
@@ -692,6 +693,8 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     answer = window.chat.entries[-1]
     assert answer["result"]["finish_reason"] == "cancelled" and answer["stats"].endswith("stopped")
     assert answer["result"]["timings"]["generated_tokens"] < 400
+    tokens = answer["result"]["timings"]["generated_tokens"]
+    assert window.status_state.text().startswith(f"Stopped the answer: {tokens} token")  # not "Ready"
     # unload in the middle of an answer
     window.worker.streamed.disconnect()
     window.worker.streamed.connect(window._on_streamed)
@@ -702,6 +705,40 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
     assert not window.chat.send_button.isEnabled() and window.placement.heatmap.data is None
     assert window.model_panel.landed.text() == "Not loaded."
+
+
+def test_stop_does_what_it_says_in_every_busy_state_and_says_what_it_stopped(qtbot, window):
+    """The chat's Stop stops the chat's answer only: it is off while a records job runs in another tab (it stopped that
+    job) and while nothing can be stopped (opening a folder, preparing the kernels, re-planning: Stop did nothing
+    there). Esc and Chat ▸ Stop name what they stop, and the status bar says what was stopped."""
+    cancel = window.worker.cancel
+    for activity in ("opening", "preparing", "replanning", "sweeping", "comparing", "recording", "contention"):
+        window._on_busy(activity)
+        assert not window.chat.stop_button.isEnabled(), activity
+        window.chat.stop_button.click()
+        assert not cancel.is_set(), activity
+    for activity in ("opening", "preparing", "replanning"):
+        window._on_busy(activity)
+        assert not window.stop_action.isEnabled(), activity
+        window.stop()
+        assert not cancel.is_set(), activity
+    window._on_busy("")
+    for activity, what in (("generating", "the answer"), ("loading", "the load"), ("sweeping", "the budget sweep"),
+                           ("comparing", "the side-by-side comparison"), ("recording", "the scenario runs"),
+                           ("contention", "the contention test")):
+        window._on_busy(activity)
+        assert window.chat.stop_button.isEnabled() == (activity == "generating"), activity
+        assert window.stop_action.isEnabled() and window.stop_action.text().replace("&", "") == f"Stop {what}"
+        window.stop_action.trigger()
+        assert cancel.is_set() and window.status_state.text() == f"Stopping {what}…"
+        cancel.clear()
+        window._on_busy("")
+        assert window.status_state.text() == f"Stopped {what}."
+    window._on_busy("sweeping")
+    window.cancel_job("sweeping")  # the view's own Cancel
+    assert cancel.is_set() and window.status_state.text() == "Stopping the budget sweep…"
+    cancel.clear()
+    window._on_busy("")
 
 
 def test_opening_another_folder_says_which_model_stays_loaded_and_unload_clears_the_chat(qtbot, window):

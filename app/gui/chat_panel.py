@@ -51,10 +51,11 @@ def decode_rate(rate: float, tokens: int) -> list[str]:
     return [f"{rate:.1f} tok/s"] if tokens > 1 else []
 
 
-def answered_text(timings: dict) -> str:
-    """The status bar's line once an answer ends."""
+def answered_text(timings: dict, stopped: bool = False) -> str:
+    """The status bar's line once an answer ends (`stopped`: by Stop)."""
     tokens = timings["generated_tokens"]
-    return ", ".join([f"Answered: {counted(tokens, 'token')}", *decode_rate(timings["decode_tokens_per_s"], tokens)])
+    said = "Stopped the answer" if stopped else "Answered"
+    return ", ".join([f"{said}: {counted(tokens, 'token')}", *decode_rate(timings["decode_tokens_per_s"], tokens)])
 
 
 def stats_line(result: dict) -> str:
@@ -459,14 +460,15 @@ class ChatPanel(QWidget):
         self.transcript.setHtml("".join(blocks))
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 
-    def set_state(self, busy: bool, loaded: bool) -> None:
+    def set_state(self, busy: bool, loaded: bool, answering: bool = False) -> None:
+        """busy: the engine runs something; answering: it is this chat's answer, which Stop stops (and nothing else)."""
         if loaded != self.loaded and not self.entries:
             self.loaded = loaded
             self.render()
         self.busy, self.loaded = busy, loaded
         has_answer = bool(self.entries) and self.entries[-1]["role"] == "assistant" and not self.entries[-1].get("streaming")
         self.send_button.setEnabled(loaded and not busy)
-        self.stop_button.setEnabled(busy)
+        self.stop_button.setEnabled(answering)
         self.regenerate_button.setEnabled(loaded and not busy and has_answer)
         self.new_button.setEnabled(loaded and not busy)
         self.copy_button.setEnabled(has_answer)

@@ -41,6 +41,11 @@ STATE_VERSION = 1
 # what the engine worker reports as busy while a records job runs, and what the status bar says
 JOB_LABELS = {"recording": "Recording scenarios…", "sweeping": "Sweeping budgets…", "comparing": "Comparing side by side…",
               "contention": "Running the contention test…"}
+# what Stop stops in each busy state it can stop (opening a folder, preparing the kernels and re-planning it cannot)
+STOPPABLE = {"generating": "the answer", "loading": "the load", "recording": "the scenario runs",
+             "sweeping": "the budget sweep", "comparing": "the side-by-side comparison",
+             "contention": "the contention test"}
+STOP_TIP = "Stop the answer, the load or the records job that runs"
 
 
 def settings_from_env() -> QSettings:
@@ -115,6 +120,7 @@ class MainWindow(QMainWindow):
         self.answer_lengths = {"side_by_side": self.side_by_side.max_tokens, "record": self.scenarios.max_tokens,
                                "contention": self.contention_view.max_tokens, "sweep": self.sweep.max_tokens}
         self._cancel_when_started: str | None = None
+        self._stopping: str | None = None  # what Stop was asked to stop (STOPPABLE) in the activity that runs
         history_box = QWidget()
         history_column = QVBoxLayout(history_box)
         history_column.setContentsMargins(4, 4, 4, 4)
@@ -239,7 +245,7 @@ class MainWindow(QMainWindow):
         self.demo_action = self._action("&Demo model", self.load_demo, "Ctrl+D", "Load the embedded random-weight demo model")
         self.load_action = self._action("&Load", self.load, "Ctrl+L", "Load the open model with the budget panel's settings")
         self.unload_action = self._action("&Unload", self.unload, "Ctrl+U", "Stop what runs and free the model")
-        self.stop_action = self._action("&Stop", self.stop, "Esc", "Stop the answer or the load")
+        self.stop_action = self._action("&Stop", self.stop, "Esc", STOP_TIP)
         self.quit_action = self._action("&Quit", self.close, QKeySequence.StandardKey.Quit)
         self.send_action = self._action("&Send", self.chat.send, "Ctrl+Return")
         self.regenerate_action = self._action("&Regenerate", self.chat.regenerate, "Ctrl+Shift+R")
@@ -435,8 +441,13 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def stop(self) -> None:
-        if self.busy in ("generating", "loading", *JOB_LABELS):
-            self.worker.cancel.set()
+        """Stop what runs, where it can be stopped (STOPPABLE), and say so in the status bar."""
+        what = STOPPABLE.get(self.busy)
+        if what is None:
+            return
+        self.worker.cancel.set()
+        self._stopping = what
+        self.status_state.setText(f"Stopping {what}…")
 
     # --- records jobs: scenarios, sweeps, side-by-side, contention ---------------------------------------
     def run_job(self, kind: str, job) -> None:
@@ -447,7 +458,7 @@ class MainWindow(QMainWindow):
 
     def cancel_job(self, kind: str) -> None:
         if self.busy == kind:
-            self.worker.cancel.set()
+            self.stop()
         else:  # queued, not started: the worker clears the flag when it starts, so cancel it then
             self._cancel_when_started = kind
 
@@ -515,6 +526,7 @@ class MainWindow(QMainWindow):
     @Slot(str)
     def _on_busy(self, activity: str) -> None:
         previous, self.busy = self.busy, activity
+        stopping, self._stopping = self._stopping, None  # a stop is said of the activity it was asked in
         self.graphs.set_answering(activity == "generating")
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
@@ -527,6 +539,7 @@ class MainWindow(QMainWindow):
                 self.worker.cancel.set()
             self._cancel_when_started = None
         self._update_state()
+        self._show_activity(stopping)
 
     @Slot(object)
     def _on_inspected(self, facts) -> None:
@@ -582,7 +595,7 @@ class MainWindow(QMainWindow):
         self.chat.finish_answer(result)
         t = result.get("timings") or {}
         if t:
-            self.status_state.setText(answered_text(t))
+            self.status_state.setText(answered_text(t, stopped=result.get("finish_reason") == "cancelled"))
         self._update_state()
 
     @Slot(object)
@@ -661,21 +674,31 @@ class MainWindow(QMainWindow):
         loaded = self.loaded_path is not None
         busy = self.busy
         self.model_panel.set_state(busy, loaded)
-        self.chat.set_state(busy=bool(busy), loaded=loaded)
+        self.chat.set_state(busy=bool(busy), loaded=loaded, answering=busy == "generating")
         for action in (self.open_action, self.demo_action):
             action.setEnabled(not busy)
         self.load_action.setEnabled(not busy and self.facts is not None)
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
-        self.stop_action.setEnabled(busy in ("loading", "generating", *JOB_LABELS))
+        what = STOPPABLE.get(busy)
+        self.stop_action.setEnabled(what is not None)
+        self.stop_action.setText(f"&Stop {what}" if what else "&Stop")
+        self.stop_action.setToolTip(f"Stop {what}" if what else STOP_TIP)
         for view in self.job_views.values():
             view.set_state(busy, loaded)
         self.budget_panel.set_busy(bool(busy))
+
+    def _show_activity(self, stopped: str | None) -> None:
+        """The status bar as the worker's activity changes: what runs now; once idle, what Stop stopped (`stopped`,
+        where the status bar still says it is stopping it) or Ready in place of what ran (an answer's own line, an
+        error's, a re-plan's stay)."""
         labels = {"opening": "Opening…", "loading": "Loading…", "preparing": "Preparing the CPU kernels…",
                   "generating": "Generating…", "replanning": "Re-planning…", **JOB_LABELS}
-        if busy:
-            self.status_state.setText(labels.get(busy, busy))
+        if self.busy:
+            self.status_state.setText(labels.get(self.busy, self.busy))
+        elif stopped and self.status_state.text() == f"Stopping {stopped}…":
+            self.status_state.setText(f"Stopped {stopped}.")
         elif self.status_state.text() in labels.values():
-            self.status_state.setText("Ready" if loaded else "Idle")
+            self.status_state.setText("Ready" if self.loaded_path is not None else "Idle")
 
     def changeEvent(self, event) -> None:
         super().changeEvent(event)
