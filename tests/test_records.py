@@ -628,6 +628,32 @@ def test_side_by_side_says_how_firmly_each_side_chose_where_they_part():
     assert models.divergence is not None and models.margins is None
 
 
+def test_side_by_side_stopped_after_both_sides_answered_in_part_runs_no_more_forward_passes(monkeypatch):
+    """Stop once A has answered and B has begun: the answers part at their first token, and the margins there (two
+    forward passes of the prompt and the answer) are not computed: Stop means no more engine work."""
+    import engine.records.side_by_side as side_by_side
+
+    asked = []
+    monkeypatch.setattr(side_by_side, "preference", lambda *args: asked.append(args) or 1.0)
+    exact = LoadedModel.open(fixture_folder("gptoss"))
+    device = SimulatedDevice(1 << 30)
+    approximate = LoadedModel.open(fixture_folder("gptoss"), device=device,
+                                   offload=OffloadConfig(device_expert_bytes=0, min_expert_weight=0.5))
+    cancel = threading.Event()
+    streamed = {0: 0, 1: 0}
+
+    def on_text(side, _token, _delta):
+        streamed[side] += 1
+        if side == 1 and streamed[1] == 2:
+            cancel.set()
+
+    comparison = compare(Side(exact, None, "exact"), Side(approximate, device, "approximate"), "Compare us", PARAMS,
+                         on_text=on_text, cancel=cancel)
+    a, b = (record.turns[0] for record in comparison.records)
+    assert (a["finish_reason"], b["finish_reason"]) == ("length", "cancelled") and len(b["tokens"]) == 2
+    assert comparison.divergence == 0 and asked == [] and comparison.margins is None
+
+
 def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
     model, device = simulated_model
     corpus = make_corpus(tmp_path / "corpus", files=40, words_per_file=300)

@@ -74,7 +74,8 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
     on_reasoning(side_index, token, delta) their reasoning (generate's on_reasoning).
     on_done(side_index, finish_reason, generated_tokens) as each side that has a model ends, from its thread: its
     answer's finish reason and length, ("cancelled", 0) where it had not begun, ("error", None) where it failed.
-    `cancel` ends the answer at the next token; a side that had not started then has no turn. The records' scenario
+    `cancel` ends the answer at the next token; a side that had not started then has no turn, and no margins are
+    computed after it (their forward passes are engine work). The records' scenario
     is SCENARIO, or SCENARIO_AT_ONCE when concurrent. A side that fails (or could not load) has no record and its
     error in `failures`; the other side answers all the same."""
     records: list[RunRecord | None] = [None, None]
@@ -125,7 +126,8 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
     tokens = [record.turns[0]["tokens"] for record in records] if answered else None
     divergence = first_divergence(*tokens) if answered else None
     margins = margins_failure = None
-    if (divergence is not None and same_folder(left.model, right.model)
+    stopped = cancel is not None and cancel.is_set()  # stop means no more engine work: no margins' forward passes
+    if (divergence is not None and not stopped and same_folder(left.model, right.model)
             and all(divergence < len(side) for side in tokens)):
         prefix, (a, b) = tokens[0][:divergence], (side[divergence] for side in tokens)
         try:
