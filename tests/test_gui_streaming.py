@@ -405,6 +405,26 @@ class _Answered:
         return Comparison((record, record), None)
 
 
+def test_a_side_by_side_stopped_during_a_says_b_never_started(qtbot, monkeypatch):
+    """One after the other, Stop during A's answer: B never starts (compare gives it a record without a turn). Its
+    column showed "—" and an empty answer, as if B had answered nothing; it says B never started."""
+    from engine.records.side_by_side import Comparison
+
+    def stopped_in_a(left, right, prompt, params, on_text=None, on_done=None, **_):
+        on_text(0, None, "Hel")
+        on_text(0, None, "lo")
+        on_done(0, "cancelled", 2)
+        on_done(1, "cancelled", 0)  # (compare's end of a side that had not begun)
+        timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 0.3}
+        a = SimpleNamespace(turns=[{"finish_reason": "cancelled", "generated_tokens": 2, "timings": timings}],
+                            approximate_routing=False)
+        return Comparison((a, SimpleNamespace(turns=[], approximate_routing=False)), None)
+
+    shown, answers = _run_side_by_side_job(qtbot, monkeypatch, stopped_in_a)
+    assert shown == ("Cancelled.", "2", "not started")
+    assert answers == ["Hello", "Not started: the comparison was stopped before B began."]
+
+
 def test_a_side_by_side_whose_records_cannot_be_saved_says_so_beside_its_answers(qtbot, monkeypatch):
     import sqlite3
 

@@ -274,9 +274,17 @@ class Column(QGroupBox):
             self._reasoning_cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock)
 
     def show_failure(self, message: str) -> None:
+        self._show_no_answer(f"No answer: {message}")
+
+    def show_not_started(self, side: str) -> None:
+        """A side the comparison was stopped before it began (B, one after the other, when A was stopped)."""
+        self._show_no_answer(f"Not started: the comparison was stopped before {side} began.")
+        self.values["tokens"].setText("not started")
+
+    def _show_no_answer(self, text: str) -> None:
         self.text = self.reasoning = ""
         self._drop_unshown()
-        self.answer.setPlainText(f"No answer: {message}")
+        self.answer.setPlainText(text)
         for label in self.values.values():
             label.setText("—")
 
@@ -487,10 +495,12 @@ class SideBySideView(QWidget):
         records = comparison.records if comparison else (None, None)
         failures = comparison.failures if comparison else (None, None)
         divergence = comparison.divergence if comparison else None
-        for column, record, pieces, thoughts, failure in zip((self.left, self.right), records, result.pieces,
-                                                             result.thoughts, failures):
+        for column, side, record, pieces, thoughts, failure in zip((self.left, self.right), "AB", records,
+                                                                   result.pieces, result.thoughts, failures):
             if failure:
                 column.show_failure(failure)
+            elif result.cancelled and not (record and record.turns) and not pieces and not thoughts:
+                column.show_not_started(side)
             else:
                 column.show_result(pieces, divergence, side_stats(record), thoughts)
         if result.cancelled:
