@@ -190,8 +190,9 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "while decoding and keeps the fastest")
 
 
-def _offload_setup(args):
-    """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs."""
+def _offload_setup(args, fallback: list[str] | None = None):
+    """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs. Where a CUDA GPU cannot be
+    used, the note that every expert runs on the CPU instead is printed, and appended to `fallback` where given."""
     from engine.offload import OffloadConfig, SimulatedDevice
     from engine.offload.config import DEVICE_KEYS, UNUSED_KEYS, keys_among, short_key
 
@@ -242,6 +243,8 @@ def _offload_setup(args):
         device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode)
         if note:
             print(f"warning: {note}", file=sys.stderr)
+            if fallback is not None:
+                fallback.append(note)
         return config, device
     return config, None
 
@@ -252,7 +255,8 @@ def _cmd_inspect(args) -> int:
 
     folder = ModelFolder.open(args.model)
     report = inspection(folder)
-    config, device = _offload_setup(args)
+    fallback = []
+    config, device = _offload_setup(args, fallback)
     if config is not None:
         import psutil
 
@@ -284,7 +288,10 @@ def _cmd_inspect(args) -> int:
             statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
         mode = args.decode_path or paths.default_decode_path()
         said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
-        report["offload"] = {"placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
+        # the device planned for and why, where it is not the one asked for: a script reads the JSON, not stderr
+        planned = {"asked": args.device, "planned_for": getattr(device, "kind", "cpu"),
+                   "why": fallback[0] if fallback else None}
+        report["offload"] = {"device": planned, "placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
                              "slots": plan.slots, "statements": statements + ([said] if said else []),
                              "session_config_entries": config.session_entries()}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))

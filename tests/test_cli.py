@@ -629,6 +629,21 @@ def test_inspect_on_a_cuda_gpu_that_cannot_be_used_plans_for_the_cpu_as_the_wind
                                    "machine with an NVIDIA driver)\n")
 
 
+def test_inspect_json_on_a_cuda_gpu_that_cannot_be_used_says_in_the_json_which_device_it_planned_for_and_why(
+        capsys, monkeypatch):
+    """inspect --json --device cuda without CuPy planned for the CPU and said so on standard error alone: a script
+    reading the JSON saw placement cpu_only and no word of the CUDA GPU asked for."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--json", "--device", "cuda")
+    assert status == 0 and json.loads(out)["offload"]["device"] == {
+        "asked": "cuda", "planned_for": "cpu",
+        "why": "The CUDA GPU was asked for but cannot be used (the CUDA GPU needs CuPy (install with `make install` on "
+               "a machine with an NVIDIA driver)); every expert runs on the CPU instead."}
+    status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated")
+    assert status == 0 and json.loads(out)["offload"]["device"] == {"asked": "simulated", "planned_for": "simulated",
+                                                                    "why": None}
+
+
 def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     """--layer-split and --decode-path choose how a device takes experts: with --device cpu (the default) they were
     accepted in silence, as if they had been applied."""
