@@ -257,6 +257,23 @@ def test_a_label_of_two_lines_stays_in_its_markdown_row(tmp_path, greedy):
     assert len(lines) == 3 and "| tuned run \\| b |" in lines[2]
 
 
+def test_the_markdown_export_writes_numbers_plainly_with_each_columns_precision(tmp_path, greedy):
+    """The Markdown export wrote every float with .4g: a completion of 12345.678 s read 1.235e+04 and a rate of
+    23456.7 tok/s 2.346e+04, and a temperature of 0.00001 read 1e-05."""
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    data = greedy.to_dict()
+    timings = dict(data["timings"], completion_s=12345.678, decode_tokens_per_s=23456.74, load_s=0.5)
+    generation = dict(data["generation"], temperature=0.00001, top_p=0.9)
+    history.add(RunRecord.from_dict(dict(data, timings=timings, generation=generation,
+                                         host_load=dict(data["host_load"], host_others_share=0.12345))))
+    head, _rule, row = history.export("markdown").splitlines()
+    cells = dict(zip(head.strip("| ").split(" | "), row.strip("| ").split(" | ")))
+    assert (cells["completion_s"], cells["decode_tokens_per_s"], cells["load_s"]) == ("12345.678", "23456.7", "0.500")
+    assert (cells["temperature"], cells["top_p"], cells["host_others_share"]) == ("0.00001", "0.9", "0.123")
+
+
 def test_a_records_detail_names_the_gpu_and_the_onnxruntime_build(greedy):
     data = greedy.to_dict()
     gpu = dict(data, machine=dict(data["machine"], gpus=[{"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85520809984,

@@ -9,6 +9,7 @@ import sqlite3
 from contextlib import closing, contextmanager
 from pathlib import Path
 
+import numpy as np
 import platformdirs
 
 from engine.errors import WorkbenchError
@@ -248,7 +249,7 @@ class History:
             return out.getvalue()
         if fmt == "markdown":
             lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-            lines += ["| " + " | ".join(_cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+            lines += ["| " + " | ".join(_cell(c, row[c]) for c in COLUMNS) + " |" for row in rows]
             return "\n".join(lines) + "\n"
         raise ValueError(f"unknown export format '{fmt}' (json, csv, markdown)")
 
@@ -263,8 +264,15 @@ def _failure(path: Path, failed: str, exc: sqlite3.Error) -> WorkbenchError:
     return WorkbenchError(f"{path}: {failed} ({why})")
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
+SHARES = ("expert_hit_rate", "routing_agreement", "host_others_share", "host_steal_share")
+
+
+def _cell(column: str, value) -> str:
+    if isinstance(value, float):  # plain, never scientific (12345.678 s read 1.235e+04 with .4g)
+        if column.endswith("tokens_per_s"):
+            return f"{value:.1f}"
+        if column.endswith("_s") or column in SHARES:  # seconds to the millisecond, shares to a tenth of a percent
+            return f"{value:.3f}"
+        return np.format_float_positional(value, trim="-")  # a sampling setting, as it was given
     # a line break (a label given on the command line) would end the table's row
     return "" if value is None else " ".join(str(value).splitlines()).replace("|", "\\|")
