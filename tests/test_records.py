@@ -317,6 +317,24 @@ def test_history_filters_by_label_and_id_takes_folder_names_literally_and_leaves
         history.export("json")  # without the list to say it in, an unreadable run is an error
 
 
+def test_a_record_written_by_a_newer_moe_workbench_says_so_and_names_its_version(short_record, tmp_path):
+    """A record of a newer schema version read "run 2 in h.sqlite3: unreadable (run record schema version 2 is not
+    1)", as if it were damaged."""
+    import sqlite3
+
+    history = History(tmp_path / "h.sqlite3")
+    newer = dict(short_record.to_dict(), schema_version=2, versions=dict(short_record.versions, app="0.9.0"))
+    run_id = history.add(short_record)
+    with sqlite3.connect(history.path) as db:
+        db.execute("UPDATE runs SET record = ? WHERE id = ?", (json.dumps(newer), run_id))
+    with pytest.raises(RecordError) as caught:
+        history.get(run_id)
+    assert str(caught.value) == (f"run {run_id} in {history.path}: written by a newer moe-workbench (0.9.0, run "
+                                 "record schema version 2; this one reads version 1)")
+    with pytest.raises(RecordError, match=r"^written by a newer moe-workbench \(run record schema version 3; this "):
+        RunRecord.from_dict(dict(newer, schema_version=3, versions={"app": "source"}))  # a source checkout's own
+
+
 def test_the_list_and_the_exports_carry_every_run_of_a_long_history(short_record, tmp_path):
     import sqlite3
 

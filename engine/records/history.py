@@ -13,7 +13,7 @@ import numpy as np
 import platformdirs
 
 from engine.errors import WorkbenchError
-from engine.records.schema import RecordError, RunRecord
+from engine.records.schema import NewerRecord, RecordError, RunRecord
 
 # the history file's own schema, kept as SQLite's user_version: 1 (files written before it was kept read 0), the runs
 # table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet
@@ -202,6 +202,8 @@ class History:
             if row is None:
                 raise KeyError(f"no run {run_id} in {self.path}")
             return RunRecord.from_dict(json.loads(row[0]))
+        except NewerRecord as exc:  # whole, not damaged: what it needs is said as it is
+            raise NewerRecord(f"run {run_id} in {self.path}: {exc}") from None
         except (sqlite3.DatabaseError, ValueError) as exc:  # RecordError and JSON's errors are ValueErrors
             raise RecordError(f"run {run_id} in {self.path}: unreadable ({exc})") from None
 

@@ -13,6 +13,10 @@ class RecordError(ValueError):
     pass
 
 
+class NewerRecord(RecordError):
+    """A record a newer moe-workbench wrote (a newer schema version): whole, but not readable by this one."""
+
+
 @dataclass
 class RunRecord:
     scenario: str                         # short, long, multiturn, sweep point, side-by-side, contention, ...
@@ -53,6 +57,12 @@ class RunRecord:
     @classmethod
     def from_dict(cls, data: dict) -> "RunRecord":
         version = data.get("schema_version")
+        if isinstance(version, int) and version > SCHEMA_VERSION:
+            versions = data.get("versions")
+            app = versions.get("app") if isinstance(versions, dict) else None
+            by = f"{app}, " if app and app != "source" else ""  # "source": a checkout's, no version to name
+            raise NewerRecord(f"written by a newer moe-workbench ({by}run record schema version {version}; this one "
+                              f"reads version {SCHEMA_VERSION})")
         if version != SCHEMA_VERSION:
             raise RecordError(f"run record schema version {version!r} is not {SCHEMA_VERSION}")
         known = set(cls.__dataclass_fields__)
