@@ -222,6 +222,25 @@ def test_the_windows_history_shows_each_runs_tokens(qtbot, tmp_path, greedy):
     assert view.table.item(0, HEADERS.index("tokens")).text() == "3"
 
 
+def test_the_windows_history_names_a_file_it_cannot_read_once(qtbot, tmp_path):
+    """It read "Could not read the history /x/h.sqlite3: /x/h.sqlite3: not a run history (…)": the file twice."""
+    import sqlite3
+
+    pytest.importorskip("pytestqt")
+    from app.gui.history_view import HistoryView
+
+    path = tmp_path / "h.sqlite3"
+    view = HistoryView(path)  # no file yet: nothing read
+    qtbot.addWidget(view)
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE notes (text TEXT)")
+    said = []
+    view.failed.connect(said.append)
+    view.refresh()
+    assert said == [f"Could not read the history: {path}: not a run history (another program's database: no runs "
+                    "table, its tables notes)"]
+
+
 def test_the_windows_history_gives_an_all_cpu_run_no_budget(qtbot, tmp_path, greedy):
     pytest.importorskip("pytestqt")
     from app.gui.history_view import HEADERS, HistoryView

@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from app.gui.record_report import compare_html, detail_html, fmt, title
+from engine.errors import one_line
 from engine.records.history import History, default_path
 from engine.records.scenarios import SCENARIOS
 from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
@@ -140,7 +141,8 @@ class HistoryView(QWidget):
         try:
             rows = self.history.rows(**self.filters()) if path.is_file() else []  # nothing saved yet: no file made
         except Exception as exc:  # a damaged or locked history file is a message, not a crash
-            self.failed.emit(f"Could not read the history {self.history_path or ''}: {exc}")
+            said = one_line(exc)  # History's own errors name the file: named once
+            self.failed.emit(f"Could not read the history{'' if str(path) in said else f' {path}'}: {said}")
             rows = []
         selected = set(self.selected_ids())
         self.table.setRowCount(len(rows))
