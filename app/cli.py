@@ -669,15 +669,20 @@ def _print_sweep(points: list, best, args) -> None:
         for p, split, mark in zip(rows, split_of, marks):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
                   f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  "
-                  f"{p['decode_tokens_per_s']:>12.1f}  "
-                  f"{p['projected_decode_tokens_per_s'] or 0:>10.1f}  {peaks(p)}{mark}")
+                  f"{_cell_rate(p['decode_tokens_per_s']):>12}  "
+                  f"{_cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{mark}")
     elif rows:
         print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'decode tok/s':>12}  "
               f"{'device peak':>11}  {'RSS peak':>10}")
         for p, split, mark in zip(rows, split_of, marks):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
-                  f"{p['completion_s']:>9.2f}s  {p['decode_tokens_per_s']:>12.1f}  "
+                  f"{p['completion_s']:>9.2f}s  {_cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{mark}")
+
+
+def _cell_rate(tokens_per_s: float | None) -> str:
+    """A decode rate in a table's column: n/a where the answers were one token each (no decode step after the first)."""
+    return "n/a" if not tokens_per_s else f"{tokens_per_s:.1f}"
 
 
 def _cmd_history(args) -> int:

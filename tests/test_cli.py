@@ -577,6 +577,16 @@ def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tm
     assert all(row.split()[10] == "MiB" for row in rows)  # the RSS peak, hundreds of MiB
 
 
+def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
+    """With --max-new-tokens 1 no answer decodes past its first token: the table read "0.0" tok/s (and projected
+    "0.0") as if decoding had stalled, where record says n/a."""
+    status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                              "--max-new-tokens", "1", "--history", str(tmp_path / "h.sqlite"))
+    assert status == 0
+    rows = out.splitlines()[2:]
+    assert len(rows) == 2 and all(row.split()[5:7] == ["n/a", "n/a"] for row in rows)
+
+
 def test_a_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(tmp_path, capsys):
     """The other modes hold what the device has free where a point asks more (the planner's clamp); mode=required
     refuses such a budget, so a sweep on a card smaller than the experts failed at its first such point. It ends there,
