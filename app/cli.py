@@ -608,13 +608,16 @@ def _cmd_sweep(args) -> int:
               file=sys.stderr)
         return 2 if isinstance(exc, WorkbenchError) else 3
     best = recommend(points, args.margin)
+    plot_failure = None  # the sweep is complete: a plot not written loses neither its table nor its configuration
     if args.plot:
         from app.sweep_plot import export_sweep_plot
 
         try:
             export_sweep_plot([p.as_dict() for p in points], best.budget_bytes, args.plot)
-        except OSError as exc:
-            raise WorkbenchError(f"{exc} (the sweep's runs are saved in the history)") from None
+        except Exception as exc:
+            if os.environ.get("MOE_WORKBENCH_DEBUG"):
+                raise
+            plot_failure = exc
     if args.save_as:
         # the layer split is this app's own setting, not an onnxruntime key: said in the note, not in the entries
         split_note = f"; run it with --layer-split {best.split}" if best.split else ""
@@ -625,6 +628,12 @@ def _cmd_sweep(args) -> int:
         print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as})",
               file=sys.stderr)
     _print_sweep(points, best, args)
+    if plot_failure is not None:
+        written = isinstance(plot_failure, OSError)  # a file that could not be written, not a fault of ours
+        print(f"{PROG}: {'error' if written else 'internal error'}: the plot was not written "
+              f"({plot_failure if written else one_line(plot_failure)}); the sweep completed: its points and "
+              "recommendation are printed and its runs saved in the history", file=sys.stderr)
+        return 2 if written else 3
     return 0
 
 

@@ -98,7 +98,7 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
         exporter.export(str(path))
     layout.close()
     if not path.is_file():  # Qt's writers report failure only on their own stderr
-        raise OSError(f"{path}: the plot could not be written")
+        raise OSError(f"{path}: Qt's writer made no file")
     return path
 
 

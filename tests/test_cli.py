@@ -308,6 +308,28 @@ def test_a_stopped_sweep_says_it_wrote_no_plot_and_saved_no_configuration(tmp_pa
     assert not (tmp_path / "sweep.png").exists() and not (tmp_path / "configurations.json").exists()
 
 
+def test_a_sweep_whose_plot_fails_prints_its_table_and_saves_its_configuration(tmp_path, capsys, monkeypatch):
+    """A plot that could not be written after a complete sweep (here a disk that filled) ended the command there:
+    neither the table nor the recommendation was printed and --save-as was skipped, though the runs were saved."""
+    import app.sweep_plot
+    from engine.records import configurations
+
+    def disk_full(_points, _budget, path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
+    monkeypatch.setattr(app.sweep_plot, "export_sweep_plot", disk_full)
+    plot = tmp_path / "sweep.png"
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                             "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick",
+                             "--plot", str(plot))
+    assert status == 2 and out.count("<- recommended") == 1 and len(out.splitlines()) == 4
+    assert list(json.loads((tmp_path / "configurations.json").read_text())) == ["quick"]
+    assert err.splitlines()[-1] == (f"moe-workbench: error: the plot was not written ([Errno 28] No space left on "
+                                    f"device: '{plot}'); the sweep completed: its points and recommendation "
+                                    "are printed and its runs saved in the history")
+
+
 def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_are_none(tmp_path, capsys):
     gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
     status, _out, err = _main(capsys, "history", "--history", history)
