@@ -660,6 +660,9 @@ def _print_sweep(points: list, best, args) -> None:
     marks = ["  <- recommended" if point is best else "" for point in points]
     split_of = [f"  {p['split']:>6}" if args.both_splits else "" for p in rows]
     split_head = f"  {'split':>6}" if args.both_splits else ""
+    # with every expert resident none is cold: the path in force (cpu by default) would read as decoding on the CPU
+    paths = ["all resident" if p.records and p.records[0].offload.get("placement_mode") == "all_resident"
+             else row["decode_path"] or "" for p, row in zip(points, rows)]
 
     def peaks(row: dict) -> str:  # in the unit that fits: a small model's points differ by KiB
         return f"{human_bytes(row['peak_device_bytes']):>11}  {human_bytes(row['peak_rss_bytes']):>10}"
@@ -673,18 +676,18 @@ def _print_sweep(points: list, best, args) -> None:
         bw = rows[0]["projected_bandwidths"]
         print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
               f"HBM {bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed); the recommendation uses the projected completion")
-        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'projected':>10}  "
+        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>12}  {'completion':>10}  {'projected':>10}  "
               f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>10}")
-        for p, split, mark in zip(rows, split_of, marks):
-            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
+        for p, split, mark, path in zip(rows, split_of, marks, paths):
+            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  "
                   f"{_cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{_cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{mark}")
     elif rows:
-        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>4}  {'completion':>10}  {'decode tok/s':>12}  "
+        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>12}  {'completion':>10}  {'decode tok/s':>12}  "
               f"{'device peak':>11}  {'RSS peak':>10}")
-        for p, split, mark in zip(rows, split_of, marks):
-            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {p['decode_path'] or '':>4}  "
+        for p, split, mark, path in zip(rows, split_of, marks, paths):
+            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{p['completion_s']:>9.2f}s  {_cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{mark}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -576,15 +577,21 @@ def test_generate_json_help_names_the_keys_an_answer_has(capsys):
 def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     """Each point's row says the decode path its answers ran on (under auto, what the trials kept once they ended:
     engine/records/sweep.py settle): asked for the tier, every point with cold experts reads them from the simulated
-    card's host tier, and with every expert resident none is read."""
+    card's host tier, and with every expert resident none is read: the row said "cpu" there, which reads as decoding on
+    the CPU, and says "all resident"."""
     status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--decode-path", "tier")
     assert status == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.strip().startswith("budget"))
-    assert header.split()[:3] == ["budget", "resident", "path"]
-    paths = {line.split()[1]: line.split()[2] for line in lines[lines.index(header) + 1:]}
-    assert paths == {"0%": "tier", "50%": "tier", "100%": "cpu"}
+    assert _columns(header)[:3] == ["budget", "resident", "path"]
+    paths = {_columns(line)[1]: _columns(line)[2] for line in lines[lines.index(header) + 1:]}
+    assert paths == {"0%": "tier", "50%": "tier", "100%": "all resident"}
+
+
+def _columns(row: str) -> list[str]:
+    """A table row's cells: they are two spaces apart or more ("552.0 KiB", "all resident" are one cell)."""
+    return re.split(r"\s{2,}", row.strip())
 
 
 def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tmp_path, capsys):
@@ -595,8 +602,8 @@ def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tm
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 0
     rows = [line for line in out.splitlines()[2:]]
-    assert [" ".join(row.split()[7:9]) for row in rows] == ["552.0 KiB", "828.0 KiB", "1.1 MiB"]
-    assert all(row.split()[10] == "MiB" for row in rows)  # the RSS peak, hundreds of MiB
+    assert [_columns(row)[7] for row in rows] == ["552.0 KiB", "828.0 KiB", "1.1 MiB"]
+    assert all(_columns(row)[8].endswith(" MiB") for row in rows)  # the RSS peak, hundreds of MiB
 
 
 def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
@@ -606,7 +613,7 @@ def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
                               "--max-new-tokens", "1", "--history", str(tmp_path / "h.sqlite"))
     assert status == 0
     rows = out.splitlines()[2:]
-    assert len(rows) == 2 and all(row.split()[5:7] == ["n/a", "n/a"] for row in rows)
+    assert len(rows) == 2 and all(_columns(row)[5:7] == ["n/a", "n/a"] for row in rows)
 
 
 def test_a_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(tmp_path, capsys):
