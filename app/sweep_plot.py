@@ -14,6 +14,8 @@ def plot_path_problem(path: str | Path) -> str | None:
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         return f"--plot {path}: name the file .png or .svg (or {', '.join(FORMATS[2:])})"
+    if path.is_dir():
+        return f"--plot {path}: a folder, not a file"
     if not path.parent.is_dir():
         return f"--plot {path}: no folder {path.parent}"
     if not os.access(path.parent, os.W_OK):

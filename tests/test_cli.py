@@ -206,6 +206,9 @@ def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     assert status == 2 and "plot.txt: name the file .png or .svg" in err
     status, _out, err = _main(capsys, "sweep", gptoss, *common, "--plot", str(tmp_path / "no" / "plot.png"))
     assert status == 2 and f"no folder {tmp_path / 'no'}" in err
+    (tmp_path / "sweep.png").mkdir()  # found only once the whole sweep had run: "Qt's writer made no file"
+    status, _out, err = _main(capsys, "sweep", gptoss, *common, "--plot", str(tmp_path / "sweep.png"))
+    assert status == 2 and err == f"moe-workbench: error: --plot {tmp_path / 'sweep.png'}: a folder, not a file\n"
     status, _out, err = _main(capsys, "sweep", gptoss, *common, "--margin", "-1")
     assert status == 2 and "--margin -1.0: a share of the fastest completion" in err
     assert not (tmp_path / "h.sqlite").exists()  # refused before anything ran or was saved
