@@ -241,6 +241,29 @@ def test_the_windows_history_names_a_file_it_cannot_read_once(qtbot, tmp_path):
                     "table, its tables notes)"]
 
 
+def test_the_windows_history_names_a_run_it_cannot_open_once(qtbot, tmp_path, greedy):
+    """It read "Could not read run 1: run 1 in /x/h.sqlite3: …": the run twice."""
+    pytest.importorskip("pytestqt")
+    import sqlite3
+
+    from app.gui.history_view import HistoryView
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    run_id = history.add(greedy)
+    newer = dict(greedy.to_dict(), schema_version=2, versions=dict(greedy.versions, app="0.9.0"))
+    with sqlite3.connect(history.path) as db:
+        db.execute("UPDATE runs SET record = ? WHERE id = ?", (json.dumps(newer), run_id))
+    view = HistoryView(history.path)
+    qtbot.addWidget(view)
+    said = []
+    view.failed.connect(said.append)
+    view.select_ids([run_id])
+    assert view.open_selected() is None
+    assert said == [f"Could not read run {run_id} in {history.path}: written by a newer moe-workbench (0.9.0, run "
+                    "record schema version 2; this one reads version 1)"]
+
+
 def test_the_windows_history_gives_an_all_cpu_run_no_budget(qtbot, tmp_path, greedy):
     pytest.importorskip("pytestqt")
     from app.gui.history_view import HEADERS, HistoryView

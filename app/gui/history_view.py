@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
 from app.gui.record_report import compare_html, detail_html, fmt, title
 from engine.errors import one_line
 from engine.records.history import History, default_path
+from engine.records.schema import RecordError
 from engine.records.scenarios import SCENARIOS
 from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
 
@@ -195,6 +196,9 @@ class HistoryView(QWidget):
             return None
         try:
             record = self.history.get(ids[0])
+        except RecordError as exc:  # it names the run and the file
+            self.failed.emit(f"Could not read {exc}")
+            return None
         except Exception as exc:
             self.failed.emit(f"Could not read run {ids[0]}: {exc}")
             return None
