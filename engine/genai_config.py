@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +89,27 @@ def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = 
     return int(value)
 
 
+def _number(obj: dict, key: str, path: Path, where: str, default: float) -> float:
+    """obj[key] as a finite number (missing or null: `default`: builders run with transformers 5 write null for a
+    generation setting the model leaves unset); an error names the field and its value."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not a number")
+    return float(value)
+
+
+def _flag(obj: dict, key: str, path: Path, where: str, default: bool) -> bool:
+    """obj[key] as true or false (missing or null: `default`); an error names the field and its value."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not true or false")
+    return value
+
+
 def load_genai_config(folder: Path) -> GenaiConfig:
     path = Path(folder) / "genai_config.json"
     if not path.is_file():
@@ -139,13 +161,13 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             provider_names=providers,
             search=SearchDefaults(
                 max_length=_integer(search, "max_length", path, "search.", default=0) or context_length,
-                do_sample=bool(search.get("do_sample", defaults.do_sample)),
-                temperature=float(search.get("temperature", defaults.temperature)),
+                do_sample=_flag(search, "do_sample", path, "search.", defaults.do_sample),
+                temperature=_number(search, "temperature", path, "search.", defaults.temperature),
                 top_k=_integer(search, "top_k", path, "search.", default=defaults.top_k),
-                top_p=float(search.get("top_p", defaults.top_p)),
-                repetition_penalty=float(search.get("repetition_penalty", defaults.repetition_penalty)),
-                past_present_share_buffer=bool(
-                    search.get("past_present_share_buffer", defaults.past_present_share_buffer)),
+                top_p=_number(search, "top_p", path, "search.", defaults.top_p),
+                repetition_penalty=_number(search, "repetition_penalty", path, "search.", defaults.repetition_penalty),
+                past_present_share_buffer=_flag(search, "past_present_share_buffer", path, "search.",
+                                                defaults.past_present_share_buffer),
             ),
         )
     except (TypeError, ValueError, AttributeError) as exc:

@@ -1,0 +1,47 @@
+"""genai_config.json as the model builder writes it: every field read with its defaults, a bad value named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.errors import ModelFileError
+from engine.genai_config import load_genai_config
+from engine.sampling import model_sampling
+
+
+def edited(copy_fixture, name: str, edit):
+    folder = copy_fixture(name)
+    config = json.loads((folder / "genai_config.json").read_text())
+    edit(config)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_search_settings_written_as_null_take_the_defaults(copy_fixture):
+    # the builder run with transformers 5, whose GenerationConfig leaves unset settings None, writes null
+    def nulls(config):
+        config["search"].update(do_sample=None, temperature=None, top_k=None, top_p=None, repetition_penalty=None,
+                                past_present_share_buffer=None)
+        config["search"]["max_length"] = None
+
+    search = load_genai_config(edited(copy_fixture, "gptoss", nulls)).search
+    assert (search.do_sample, search.temperature, search.top_k, search.top_p, search.repetition_penalty,
+            search.max_length) == (False, 1.0, 50, 1.0, 1.0, 2048)
+
+
+def test_search_settings_of_the_wrong_type_are_named(copy_fixture):
+    folder = edited(copy_fixture, "gptoss", lambda c: c["search"].update(do_sample="false", temperature=0.7))
+    with pytest.raises(ModelFileError, match=r"genai_config.json: 'search.do_sample' is \"false\", not true or false"):
+        load_genai_config(folder)
+    folder = edited(copy_fixture, "lfm2moe", lambda c: c["search"].update(temperature="warm"))
+    with pytest.raises(ModelFileError, match=r"genai_config.json: 'search.temperature' is \"warm\", not a number"):
+        load_genai_config(folder)
+
+
+def test_model_sampling_reads_the_search_section(copy_fixture):
+    folder = edited(copy_fixture, "qwen35moe",
+                    lambda c: c["search"].update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95))
+    params = model_sampling(load_genai_config(folder))
+    assert (params.do_sample, params.temperature, params.top_k, params.top_p) == (True, 0.6, 20, 0.95)
