@@ -105,7 +105,7 @@ class DecoderState:
                     present = out_pattern.replace("%d", str(layer))
                     if present not in outputs:
                         raise ModelFileError(f"{self.config.path}: state input '{name}' has no output '{present}' in the graph")
-                    sliding = is_kv and layer in self.config.sliding_window_layers
+                    sliding = is_kv and self.config.is_sliding(layer)
                     self._slots.append(StateSlot(name, present, layer, is_kv, sliding, None))
                     break
             else:

@@ -39,10 +39,17 @@ class GenaiConfig:
     inputs: dict[str, str]
     outputs: dict[str, str]
     sliding_window_size: int | None = None
-    sliding_window_layers: tuple[int, ...] = ()
+    sliding_window_layers: tuple[int, ...] | None = ()  # None: every layer (a sliding_window that lists none)
     sliding_cache_slack: int = 0
     provider_names: tuple[str, ...] = ()
     search: SearchDefaults = field(default_factory=SearchDefaults)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer`'s KV cache is a window of sliding_window_size (+ slack) slots. A sliding_window that
+        lists no layers applies to every layer, as onnxruntime-genai reads it (its uniform window, from before the
+        builder wrote the list)."""
+        return bool(self.sliding_window_size) and (self.sliding_window_layers is None
+                                                   or layer in self.sliding_window_layers)
 
     def state_pairs(self) -> list[tuple[str, str, str]]:
         """(kind, input pattern, output pattern) for every past/present kind the config names, e.g.
@@ -110,6 +117,16 @@ def _flag(obj: dict, key: str, path: Path, where: str, default: bool) -> bool:
     return value
 
 
+def _layers(sliding: dict, path: Path, where: str) -> tuple[int, ...] | None:
+    """sliding_window.layers: the layer indices with a window; None where it lists none (missing, null or [])."""
+    layers = sliding.get("layers")
+    if layers is None or layers == []:
+        return None
+    if not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+        raise ModelFileError(f"{path}: '{where}layers' is {json.dumps(layers)[:40]}, not a list of layer indices")
+    return tuple(layers)
+
+
 def load_genai_config(folder: Path) -> GenaiConfig:
     path = Path(folder) / "genai_config.json"
     if not path.is_file():
@@ -156,7 +173,7 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             outputs={str(k): str(v) for k, v in _object(decoder, "outputs", path, "model.decoder.").items()},
             sliding_window_size=_integer(sliding, "window_size", path, "model.decoder.sliding_window.", default=0)
             or None,
-            sliding_window_layers=tuple(int(i) for i in sliding.get("layers", [])),
+            sliding_window_layers=_layers(sliding, path, "model.decoder.sliding_window."),
             sliding_cache_slack=_integer(sliding, "cache_slack", path, "model.decoder.sliding_window.", default=0),
             provider_names=providers,
             search=SearchDefaults(

@@ -12,8 +12,12 @@ from engine.sampling import model_sampling
 
 
 def edited(copy_fixture, name: str, edit):
-    folder = copy_fixture(name)
-    config = json.loads((folder / "genai_config.json").read_text())
+    return rewritten(copy_fixture(name), edit)
+
+
+def rewritten(folder, edit, original: dict | None = None):
+    """`folder` with its genai_config.json (or `original`) changed by `edit`."""
+    config = json.loads(json.dumps(original)) if original else json.loads((folder / "genai_config.json").read_text())
     edit(config)
     (folder / "genai_config.json").write_text(json.dumps(config))
     return folder
@@ -45,3 +49,38 @@ def test_model_sampling_reads_the_search_section(copy_fixture):
                     lambda c: c["search"].update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95))
     params = model_sampling(load_genai_config(folder))
     assert (params.do_sample, params.temperature, params.top_k, params.top_p) == (True, 0.6, 20, 0.95)
+
+
+def _sliding_slots(folder) -> dict[str, bool]:
+    from engine.decoder_state import DecoderState
+    from engine.onnx_file import OnnxFile
+
+    config = load_genai_config(folder)
+    state = DecoderState(config, OnnxFile(folder / config.filename).proto.graph)
+    return {slot.past_name: slot.sliding for slot in state.slots if slot.shared}
+
+
+def test_a_sliding_window_that_lists_no_layers_applies_to_every_layer(copy_fixture):
+    folder = copy_fixture("gptoss")
+    original = json.loads((folder / "genai_config.json").read_text())
+    assert _sliding_slots(folder) == {  # the builder's list: layer 0 only
+        "past_key_values.0.key": True, "past_key_values.0.value": True,
+        "past_key_values.1.key": False, "past_key_values.1.value": False}
+    for unlisted in ({}, {"layers": None}, {"layers": []}):
+        def edit(config, unlisted=unlisted):
+            config["model"]["decoder"]["sliding_window"].pop("layers")
+            config["model"]["decoder"]["sliding_window"].update(unlisted)
+
+        # onnxruntime-genai's uniform window (kv_cache.cpp: no layers listed, every layer's cache is the window)
+        assert set(_sliding_slots(rewritten(folder, edit, original)).values()) == {True}, unlisted
+
+
+def test_sliding_window_layers_that_are_not_indices_are_named(copy_fixture):
+    folder = copy_fixture("gptoss")
+    original = json.loads((folder / "genai_config.json").read_text())
+    for layers in ("0", ["a"], [0, -1], {"0": 1}):
+        rewritten(folder, lambda c, layers=layers: c["model"]["decoder"]["sliding_window"].update(layers=layers),
+                  original)
+        with pytest.raises(ModelFileError, match=r"genai_config.json: 'model.decoder.sliding_window.layers' is .*, "
+                                                 r"not a list of layer indices"):
+            load_genai_config(folder)

@@ -132,7 +132,7 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
             if kind in ("key", "value"):
                 kv_dtypes.add(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)))
             if kind in ("key", "value") and has_tokens:
-                if window and layer in config.sliding_window_layers:
+                if config.is_sliding(layer):
                     per_window_token += fixed * elem
                 else:
                     per_token += fixed * elem
