@@ -14,6 +14,8 @@ from tokenizers import Tokenizer
 
 from engine.errors import ModelFileError, PromptError, WorkbenchError, read_model_text
 
+# the special tokens transformers hands a chat template (its special_tokens_map), where tokenizer_config.json sets them
+SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 RENDER_LIMIT_S = 2.0  # a chat template renders in milliseconds; one still running after this is refused
 RENDER_MAX_CHARS = 4_000_000  # the most a * or ** in a template may make (a string, a list, a number's digits)
 
@@ -144,6 +146,10 @@ class ModelTokenizer:
 
     def _load_template(self, folder: Path, config: dict) -> ChatTemplate | None:
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        special.update((name, text) for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))))
+        extra = config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            special["additional_special_tokens"] = [text for token in extra if (text := _token_text(token))]
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
             return ChatTemplate(read_model_text(jinja_file), str(jinja_file), special)

@@ -58,3 +58,19 @@ def test_a_model_without_a_chat_template_says_what_a_chat_needs_and_what_runs_wi
         ModelTokenizer(folder).render_chat(CONVERSATION)
     assert str(refused.value) == ("this model has no chat template (in tokenizer_config.json or chat_template.jinja), "
                                   "which a chat needs: 'moe-workbench generate --raw' feeds a prompt as it is")
+
+
+def test_a_template_reads_every_special_token_that_tokenizer_config_sets_as_transformers_hands_them(copy_fixture):
+    """transformers renders with its special_tokens_map: pad, unk and the additional ones too, not bos and eos only."""
+    folder = copy_fixture("qwen35moe")  # pad_token and unk_token <|endoftext|>
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["additional_special_tokens"] = ["<|end|>", {"content": "<|start|>", "special": True}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    source = ("{{ bos_token }}|{{ pad_token }}|{{ unk_token }}|{{ additional_special_tokens | join(',') }}|"
+              "{{ sep_token }}")
+    (folder / "chat_template.jinja").write_text(source)
+    expected = transformers_render(source, CONVERSATION, bos_token="<|start|>", eos_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|end|>", "<|start|>"])
+    assert ModelTokenizer(folder).render_chat(CONVERSATION) == expected == (
+        "<|start|>|<|endoftext|>|<|endoftext|>|<|end|>,<|start|>|")
