@@ -155,8 +155,14 @@ class ModelTokenizer:
             return ChatTemplate(read_model_text(jinja_file), str(jinja_file), special)
         template = config.get("chat_template")
         origin = str(folder / "tokenizer_config.json")
-        if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": "..."}, ...]
-            named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
+        if template is not None and not isinstance(template, (str, list, dict)):
+            raise ModelFileError(f"{origin}: 'chat_template' is {json.dumps(template)[:40]}, not a template or a list "
+                                 "of named templates")
+        # transformers' named templates: [{"name": "default", "template": "..."}, ...], or the {name: template} it
+        # reads them into
+        if isinstance(template, (list, dict)):
+            named = (template if isinstance(template, dict) else
+                     {item.get("name"): item.get("template") for item in template if isinstance(item, dict)})
             if not isinstance(named.get("default"), str):
                 raise ModelFileError(f"{origin}: chat_template names templates {sorted(map(str, named))} but no "
                                      "'default' one")

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.errors import PromptError
+from engine.errors import ModelFileError, PromptError
 from engine.tokenizer import ModelTokenizer
 from tests.conftest import FIXTURE_NAMES, fixture_folder
 
@@ -74,3 +74,21 @@ def test_a_template_reads_every_special_token_that_tokenizer_config_sets_as_tran
                                    additional_special_tokens=["<|end|>", "<|start|>"])
     assert ModelTokenizer(folder).render_chat(CONVERSATION) == expected == (
         "<|start|>|<|endoftext|>|<|endoftext|>|<|end|>,<|start|>|")
+
+
+def test_tokenizer_configs_chat_template_as_named_templates_or_of_the_wrong_kind(copy_fixture):
+    """transformers reads the named templates it saves as a list into {name: template}, and takes that form too; a
+    chat_template of any other kind is named, not taken for a model without one."""
+    folder = copy_fixture("qwen35moe")
+    (folder / "chat_template.jinja").unlink()
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = {"tool_use": "TOOLS", "default": "{% for m in messages %}<{{ m.content }}>{% endfor %}"}
+    config_path.write_text(json.dumps(config))
+    assert ModelTokenizer(folder).render_chat([{"role": "user", "content": "hi"}]) == "<hi>"
+    for wrong, shown in ((5, "5"), (True, "true")):
+        config["chat_template"] = wrong
+        config_path.write_text(json.dumps(config))
+        with pytest.raises(ModelFileError, match=rf"tokenizer_config.json: 'chat_template' is {shown}, not a template "
+                                                 "or a list of named templates"):
+            ModelTokenizer(folder)
