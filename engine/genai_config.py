@@ -96,6 +96,14 @@ def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = 
     return int(value)
 
 
+def _token_id(obj: dict, key: str, path: Path, where: str) -> int | None:
+    """obj[key] as a token id (missing or null: None); an error names the field and its value."""
+    value = obj.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not a token id")
+    return value
+
+
 def _number(obj: dict, key: str, path: Path, where: str, default: float) -> float:
     """obj[key] as a finite number (missing or null: `default`: builders run with transformers 5 write null for a
     generation setting the model leaves unset); an error names the field and its value."""
@@ -166,9 +174,9 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             head_size=_integer(decoder, "head_size", path, "model.decoder.", default=0),
             num_heads=_integer(decoder, "num_attention_heads", path, "model.decoder.", default=0),
             num_kv_heads=_integer(decoder, "num_key_value_heads", path, "model.decoder.", default=0),
-            bos_token_id=model.get("bos_token_id"),
+            bos_token_id=_token_id(model, "bos_token_id", path, "model."),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            pad_token_id=model.get("pad_token_id"),
+            pad_token_id=_token_id(model, "pad_token_id", path, "model."),
             inputs={str(k): str(v) for k, v in _object(decoder, "inputs", path, "model.decoder.").items()},
             outputs={str(k): str(v) for k, v in _object(decoder, "outputs", path, "model.decoder.").items()},
             sliding_window_size=_integer(sliding, "window_size", path, "model.decoder.sliding_window.", default=0)

@@ -84,3 +84,15 @@ def test_sliding_window_layers_that_are_not_indices_are_named(copy_fixture):
         with pytest.raises(ModelFileError, match=r"genai_config.json: 'model.decoder.sliding_window.layers' is .*, "
                                                  r"not a list of layer indices"):
             load_genai_config(folder)
+
+
+def test_bos_and_pad_token_ids_are_token_ids_or_null(copy_fixture):
+    folder = copy_fixture("lfm2moe")
+    original = json.loads((folder / "genai_config.json").read_text())
+    config = load_genai_config(rewritten(folder, lambda c: c["model"].update(bos_token_id=None), original))
+    assert (config.bos_token_id, config.pad_token_id) == (None, 0)
+    for field, value, shown in (("bos_token_id", "x", '"x"'), ("pad_token_id", [0, 1], r"\[0, 1\]"),
+                                ("pad_token_id", -1, "-1"), ("bos_token_id", True, "true")):
+        rewritten(folder, lambda c, field=field, value=value: c["model"].update({field: value}), original)
+        with pytest.raises(ModelFileError, match=rf"genai_config.json: 'model.{field}' is {shown}, not a token id"):
+            load_genai_config(folder)
