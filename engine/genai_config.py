@@ -96,6 +96,23 @@ def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = 
     return int(value)
 
 
+def _text(obj: dict, key: str, path: Path, where: str, default: str) -> str:
+    """obj[key] as a string (missing or null: `default`); an error names the field and its value."""
+    value = obj.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not a string")
+    return value
+
+
+def _names(obj: dict, key: str, path: Path, where: str) -> dict[str, str]:
+    """decoder.inputs or .outputs: {role: graph name or %d pattern}, each name a string."""
+    section = _object(obj, key, path, where)
+    return {str(role): _text(section, role, path, f"{where}{key}.", "")
+            for role in section if section[role] is not None}
+
+
 def _token_id(obj: dict, key: str, path: Path, where: str) -> int | None:
     """obj[key] as a token id (missing or null: None); an error names the field and its value."""
     value = obj.get(key)
@@ -165,8 +182,8 @@ def load_genai_config(folder: Path) -> GenaiConfig:
         context_length = _integer(model, "context_length", path, "model.", minimum=1)
         return GenaiConfig(
             path=path,
-            model_type=str(model.get("type", "unknown")),
-            filename=str(decoder.get("filename", "model.onnx")),
+            model_type=_text(model, "type", path, "model.", "unknown"),
+            filename=_text(decoder, "filename", path, "model.decoder.", "model.onnx"),
             context_length=context_length,
             vocab_size=_integer(model, "vocab_size", path, "model.", default=0),
             num_layers=_integer(decoder, "num_hidden_layers", path, "model.decoder.", default=0),
@@ -177,8 +194,8 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             bos_token_id=_token_id(model, "bos_token_id", path, "model."),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             pad_token_id=_token_id(model, "pad_token_id", path, "model."),
-            inputs={str(k): str(v) for k, v in _object(decoder, "inputs", path, "model.decoder.").items()},
-            outputs={str(k): str(v) for k, v in _object(decoder, "outputs", path, "model.decoder.").items()},
+            inputs=_names(decoder, "inputs", path, "model.decoder."),
+            outputs=_names(decoder, "outputs", path, "model.decoder."),
             sliding_window_size=_integer(sliding, "window_size", path, "model.decoder.sliding_window.", default=0)
             or None,
             sliding_window_layers=_layers(sliding, path, "model.decoder.sliding_window."),

@@ -96,3 +96,19 @@ def test_bos_and_pad_token_ids_are_token_ids_or_null(copy_fixture):
         rewritten(folder, lambda c, field=field, value=value: c["model"].update({field: value}), original)
         with pytest.raises(ModelFileError, match=rf"genai_config.json: 'model.{field}' is {shown}, not a token id"):
             load_genai_config(folder)
+
+
+def test_the_decoders_names_are_strings_a_null_one_as_if_missing(copy_fixture):
+    folder = copy_fixture("gptoss")
+    original = json.loads((folder / "genai_config.json").read_text())
+    config = load_genai_config(rewritten(folder, lambda c: c["model"]["decoder"].update(filename=None), original))
+    assert config.filename == "model.onnx"  # not 'None', a file that is not there
+    for edit, field, shown in (
+            (lambda c: c["model"]["decoder"].update(filename=["model.onnx"]), "model.decoder.filename",
+             r'\["model.onnx"\]'),
+            (lambda c: c["model"]["decoder"]["inputs"].update(input_ids=5), "model.decoder.inputs.input_ids", "5"),
+            (lambda c: c["model"]["decoder"]["outputs"].update(logits={"name": "logits"}),
+             "model.decoder.outputs.logits", r'\{"name": "logits"\}')):
+        rewritten(folder, edit, original)
+        with pytest.raises(ModelFileError, match=rf"genai_config.json: '{field}' is {shown}, not a string"):
+            load_genai_config(folder)
