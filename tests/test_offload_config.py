@@ -171,3 +171,16 @@ def test_an_unknown_key_near_the_alias_is_pointed_to_it():
                                                                    "'session.moe.offload.gpu_budget_byte': did you mean "
                                                                    "'gpu_budget_bytes'?")
     assert "gpu_budget_bytes" in refusal("turbo", "1")  # among the known names
+
+
+@pytest.mark.parametrize("given", ["1e-50", "1e-46", "-1e-50", "-0"])
+def test_a_min_expert_weight_that_a_32_bit_float_reads_as_zero_is_off_as_there(given):
+    """onnxruntime reads min_expert_weight into a 32-bit float: 1e-50 (an underflow strtof reads as 0) is 0 there,
+    approximate routing off, where this engine held 1e-50, counted routing as approximate (a shadow pass, records
+    saying 'approximate') and wrote '1e-50' back."""
+    config = OffloadConfig.from_entries({"min_expert_weight": given})
+    assert config.min_expert_weight == 0.0 and str(config.min_expert_weight) == "0.0"
+    assert not OffloadConfig.from_entries({"min_expert_weight": given, "mode": "auto"}).approximate_routing
+    assert config.to_entries() == {} and config.session_entries()[PREFIX + "min_expert_weight"] == "0.0"
+    assert parsed("min_expert_weight", "1e-45") == 1e-45  # the smallest 32-bit float stays itself
+    assert str(parsed("tail_substitution_threshold", "-0.0")) == "0.0"

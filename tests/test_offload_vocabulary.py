@@ -51,7 +51,7 @@ VOCABULARY = {
     "derived_cache_dir": (None, None, False, [("/cache", "/cache", "/cache")]),
     "min_expert_weight": (0.0, "0.0", True, [
         ("0", 0.0, "0.0"), ("0.05", 0.05, "0.05"), ("1", 1.0, "1.0"), ("+.25", 0.25, "0.25"),
-        ("0x0.8p0", 0.5, "0.5"), ("1e-45", 1e-45, "1e-45")]),
+        ("0x0.8p0", 0.5, "0.5"), ("1e-45", 1e-45, "1e-45"), ("1e-50", 0.0, "0.0"), ("-0", 0.0, "0.0")]),
     "skip_tail_cold_only": (False, "0", False, [("0", False, "0"), ("1", True, "1")]),
     "skip_zero_cold_doorbell": (False, "0", False, [("1", True, "1")]),
     "tail_substitution_threshold": (0.0, "0.0", True, [
