@@ -928,3 +928,25 @@ def test_the_layer_bars_tooltip_counts_a_layers_slots_not_resident_experts(qapp)
         "layer 0: 1 expert slot for its 8 experts\n/model/layers.0/moe",
         "layer 1: 3 expert slots for its 8 experts\n/model/layers.1/moe",
         "layer 2: all 8 experts resident\n/model/layers.2/moe"]
+
+
+def test_the_budget_panel_keeps_every_value_of_the_vocabulary_as_loaded(qtbot, gptoss):
+    """Each value of tests/test_offload_vocabulary.py's table, and values onnxruntime takes that the controls capped or
+    rounded (a substitution rank above 64 became 64, a threshold above 1e6 became 1e6, a weight below 5e-7 became 0:
+    approximate routing silently off), comes out of the panel as it went in."""
+    from app.gui.budget_panel import BudgetPanel
+    from tests.test_offload_vocabulary import SAMPLES
+
+    panel = BudgetPanel()
+    qtbot.addWidget(panel)
+    edges = [("tail_substitution_min_rank", "100"), ("tail_substitution_min_rank", "2147483647"),
+             ("tail_substitution_threshold", "10000000"), ("tail_substitution_threshold", "3.4e38"),
+             ("tail_substitution_threshold", "0.00000001"), ("min_expert_weight", "0.0000001"),
+             ("min_expert_weight", "1e-45"), ("min_expert_weight", "0.123456789")]
+    for key, given in [(key, given) for key, given, _, _ in SAMPLES] + edges:
+        entries = {key: given}
+        panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}, "entries": entries})
+        assert panel.config() == OffloadConfig.from_entries(entries), (key, given)
+        assert OffloadConfig.from_entries(panel.settings()["entries"]) == OffloadConfig.from_entries(entries)
+    panel.set_facts(gptoss, {"entries": {"min_expert_weight": "0.0000001", "tail_substitution_threshold": "3.4e38"}})
+    assert panel.min_weight.text() == "0.0000001" and panel.tail_threshold.text() == "340000000000000000000000000000000000000"

@@ -15,7 +15,7 @@ from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, Part, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled
 from engine.offload import decode_path as paths
-from engine.offload.config import INT32_MAX, OffloadConfig, OffloadConfigError
+from engine.offload.config import FLOAT32_MAX, INT32_MAX, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.records.configurations import configurations_for
 from engine.units import counted, human_bytes
@@ -135,10 +135,10 @@ class BudgetPanel(QWidget):
         self.min_weight = SettingSpin(1.0)
         self.min_weight.setSpecialValueText("off")
         self.cold_only = QCheckBox("only cold experts")
-        self.tail_threshold = SettingSpin(1e6)  # onnxruntime's bound is a 32-bit float's; a weight is at most 1
+        self.tail_threshold = SettingSpin(FLOAT32_MAX)  # onnxruntime's bound (a weight is at most 1)
         self.tail_threshold.setSpecialValueText("off")
         self.tail_rank = QSpinBox()
-        self.tail_rank.setRange(0, 64)
+        self.tail_rank.setRange(0, INT32_MAX)  # below each node's k: the load says where not
         self.kv_tokens = QSpinBox()
         self.kv_tokens.setRange(1, 10_000_000)
         self.kv_tokens.setSingleStep(1024)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import math
 import re
+from decimal import Decimal
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
@@ -186,15 +187,17 @@ class ByteControl(QWidget):
 
 
 class SettingSpin(QDoubleSpinBox):
-    """A float setting to six decimals, shown without trailing zeros (0.0005, 2.5): a loaded configuration's value
-    is kept as it is, not rounded to the few decimals a fixed display would show."""
+    """A float setting shown in the fewest decimals that give its value back (0.0005, 2.5, 0.0000001): a loaded
+    configuration's value is kept as it is, however small, not rounded to the few decimals a fixed display would
+    show (Qt rounds a value to `decimals` digits: 323 is its most, enough for any double of a 32-bit float's range)."""
 
     def __init__(self, maximum: float, single_step: float = 0.01, parent=None):
-        super().__init__(parent, decimals=6, singleStep=single_step)
+        super().__init__(parent, decimals=323, singleStep=single_step)
         self.setRange(0.0, maximum)
 
     def textFromValue(self, value: float) -> str:  # noqa: N802 (Qt naming)
-        return f"{value:.6f}".rstrip("0").rstrip(".")
+        text = format(Decimal(repr(value)), "f")
+        return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 MAX_ANSWER_TOKENS = 100_000  # the longest answer a length box takes (a reasoning model's own is at most 32,768)

@@ -168,6 +168,7 @@ def _choice(*options: str, aliases: dict[str, str] | None = None):
 DIGITS = re.compile(r"[0-9]+")
 UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
 
 
 def _int(minimum: int, maximum: int = INT32_MAX):
