@@ -942,7 +942,8 @@ def test_the_budget_panel_keeps_every_value_of_the_vocabulary_as_loaded(qtbot, g
     edges = [("tail_substitution_min_rank", "100"), ("tail_substitution_min_rank", "2147483647"),
              ("tail_substitution_threshold", "10000000"), ("tail_substitution_threshold", "3.4e38"),
              ("tail_substitution_threshold", "0.00000001"), ("min_expert_weight", "0.0000001"),
-             ("min_expert_weight", "1e-45"), ("min_expert_weight", "0.123456789")]
+             ("min_expert_weight", "1e-45"), ("min_expert_weight", "0.123456789"), ("min_expert_weight", "1.00000001"),
+             ("tail_substitution_threshold", "3.40282356e38")]
     for key, given in [(key, given) for key, given, _, _ in SAMPLES] + edges:
         entries = {key: given}
         panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}, "entries": entries})

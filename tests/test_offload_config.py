@@ -3,7 +3,7 @@ same, what it refuses is refused in one line naming the key, the value and what 
 
 import pytest
 
-from engine.offload.config import PREFIX, NodeOverride, OffloadConfig, OffloadConfigError
+from engine.offload.config import FLOAT32_MAX, PREFIX, NodeOverride, OffloadConfig, OffloadConfigError
 from tests.conftest import fixture_folder
 
 
@@ -122,7 +122,6 @@ def test_words_are_read_in_any_case_and_onnxruntimes_other_spellings_mean_what_t
 
 def test_the_two_floats_are_read_as_onnxruntime_reads_each():
     assert parsed("min_expert_weight", " 0x0.8p0 ") == 0.5 and parsed("min_expert_weight", "+.25") == 0.25
-    assert parsed("min_expert_weight", "1.00000001") == 1.00000001  # 1.0 as a 32-bit float, as there
     assert refusal("min_expert_weight", "1_0") == "session.moe.offload.min_expert_weight='1_0': expected a number in " \
                                                   "[0.0, 1.0]"
     assert parsed("tail_substitution_threshold", "1e-45") == 1e-45
@@ -184,3 +183,14 @@ def test_a_min_expert_weight_that_a_32_bit_float_reads_as_zero_is_off_as_there(g
     assert config.to_entries() == {} and config.session_entries()[PREFIX + "min_expert_weight"] == "0.0"
     assert parsed("min_expert_weight", "1e-45") == 1e-45  # the smallest 32-bit float stays itself
     assert str(parsed("tail_substitution_threshold", "-0.0")) == "0.0"
+
+
+def test_a_float_past_its_bound_that_a_32_bit_float_reads_as_the_bound_is_held_as_the_bound():
+    """'1.00000001' is 1.0 as onnxruntime's 32-bit float and '3.40282356e38' the largest one: both are taken there.
+    Held as given, they were written back as given and the Budgets panel, whose boxes stop at the bound, gave 1.0
+    back: a change nobody made (a configuration 'not applied yet' after Apply)."""
+    assert parsed("min_expert_weight", "1.00000001") == 1.0
+    assert parsed("tail_substitution_threshold", "3.40282356e38") == FLOAT32_MAX == 3.4028234663852886e38
+    written = OffloadConfig.from_entries({"tail_substitution_threshold": "3.40282356e38"}).to_entries()
+    assert written == {PREFIX + "tail_substitution_threshold": "3.4028234663852886e+38"}
+    assert onnxruntime_takes(written)

@@ -221,9 +221,10 @@ def _float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
-def _held(value: float) -> float:
-    """`value` as held: 0.0 where its 32-bit float is zero (1e-50 is 0 there, approximate routing off; -0 too)."""
-    return value if _float32(value) != 0 else 0.0
+def _held(value: float, high: float) -> float:
+    """`value` as held, where its 32-bit float (onnxruntime's) is not itself: 0.0 where that is zero (1e-50 is 0
+    there, approximate routing off; -0 too), `high` past it ('1.00000001' is 1.0 there)."""
+    return 0.0 if _float32(value) == 0 else min(value, high)
 
 
 def _float_in(low: float, high: float):
@@ -235,7 +236,7 @@ def _float_in(low: float, high: float):
         value = float.fromhex(text) if "x" in text.lower() else float(text)
         if not low <= _float32(value) <= high:  # NaN fails both
             raise ValueError(f"expected a number in [{low}, {high}]")
-        return _held(value)
+        return _held(value, high)
     return parse
 
 
@@ -249,7 +250,7 @@ def _finite_float(low: float):
             raise ValueError("beyond a 32-bit float's range (1.4e-45 to 3.4e38)")
         if single < low:
             raise ValueError(f"expected a number >= {low}")
-        return _held(float(text))
+        return _held(float(text), FLOAT32_MAX)
     return parse
 
 
