@@ -951,3 +951,17 @@ def test_the_budget_panel_keeps_every_value_of_the_vocabulary_as_loaded(qtbot, g
         assert OffloadConfig.from_entries(panel.settings()["entries"]) == OffloadConfig.from_entries(entries)
     panel.set_facts(gptoss, {"entries": {"min_expert_weight": "0.0000001", "tail_substitution_threshold": "3.4e38"}})
     assert panel.min_weight.text() == "0.0000001" and panel.tail_threshold.text() == "340000000000000000000000000000000000000"
+
+
+def test_bs_settings_keep_a_hash_inside_a_value():
+    """B starts as a copy of A's entries, one KEY=VALUE a line, where '#' started a comment anywhere: A's
+    popularity_file=/runs/#3/pop.json became B's '/runs/' (a folder, not A's file) and budget_group=team#2 'team'.
+    A comment now starts at a line's start or after a space, and A's entries read back as they are."""
+    from app.gui.side_by_side_view import entries_text, offload_entries, parse_entries
+
+    loaded = OffloadConfig.from_entries({"popularity_file": "/runs/#3/pop.json", "budget_group": "team#2",
+                                         "node_overrides": "/m/#0/QMoE:max_resident_slots=2"}).to_entries()
+    assert parse_entries(entries_text(loaded)) == loaded
+    assert offload_entries(parse_entries(entries_text(loaded))).to_entries() == loaded
+    assert parse_entries("# B\nplacement=static # again\nmode=required\t# tab") == {"placement": "static",
+                                                                                     "mode": "required"}

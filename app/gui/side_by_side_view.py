@@ -61,10 +61,11 @@ def divergence_text(divergence: int | None, margins: tuple[float, float] | None,
 
 def parse_entries(text: str) -> dict:
     """key=value lines (onnxruntime names, short names allowed, layer_split=auto|spread|whole and
-    decode_path=auto|cpu|tier|both); # starts a comment."""
+    decode_path=auto|cpu|tier|both); # at a line's start or after a space starts a comment (one inside a value, a
+    path's or a node name's, is the value's)."""
     entries, lines = {}, {}
     for number, line in enumerate(text.splitlines(), start=1):
-        line = line.split("#", 1)[0].strip()
+        line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
         if not line:
             continue
         key, eq, value = line.partition("=")
