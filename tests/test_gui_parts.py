@@ -965,3 +965,19 @@ def test_bs_settings_keep_a_hash_inside_a_value():
     assert offload_entries(parse_entries(entries_text(loaded))).to_entries() == loaded
     assert parse_entries("# B\nplacement=static # again\nmode=required\t# tab") == {"placement": "static",
                                                                                      "mode": "required"}
+
+
+def test_streaming_slots_at_zero_are_off_not_a_value_onnxruntime_refuses(qapp, gptoss):
+    """The Streaming slots slider's left end (or a typed 0) with 'off' unticked gave device_working_bytes=0, which
+    onnxruntime refuses (bytes > 0) and so did Apply and the next load ('expected an integer >= 1'), while the
+    estimate said nothing. No slots is off: the setting is left out."""
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}})
+    panel.working_bytes.auto.setChecked(False)
+    panel.working_bytes.slider.setValue(0)
+    assert panel.config().device_working_bytes is None
+    assert OffloadConfig.from_entries(panel.settings()["entries"]) == OffloadConfig()
+    panel.working_bytes.slider.setValue(1000)
+    assert panel.config().device_working_bytes == panel.working_bytes.maximum()

@@ -282,7 +282,7 @@ class BudgetPanel(QWidget):
             cpu_execution=self.cpu_execution.currentText(),
             device_expert_bytes=self.expert_bytes.value(), reserve_device_bytes=self.reserve_bytes.value(),
             gpu_device_mem_limit=self.mem_limit.value() or 0, host_expert_bytes=self.host_bytes.value(),
-            pinned_bytes=self.pinned_bytes.value(), device_working_bytes=self.working_bytes.value(),
+            pinned_bytes=self.pinned_bytes.value(), device_working_bytes=self.working_bytes.value() or None,  # 0: off
             cpu_threads=self.threads.value(),
             prefill_wave_experts=self.wave.value(), min_expert_weight=self.min_weight.value(),
             skip_tail_cold_only=self.cold_only.isChecked(), tail_substitution_threshold=self.tail_threshold.value(),
