@@ -305,6 +305,17 @@ def test_the_host_memory_warning_blames_this_process_when_it_holds_most():
         "own experts and caches. A host cache budget (host_expert_bytes) or allowing file backing leaves room."]
 
 
+def test_a_typed_size_is_exact_and_within_what_onnxruntime_takes():
+    """A size typed in bytes went through a double: 9007199254740993 became ...992 and 18446744073709551615 (the
+    largest onnxruntime takes) 18446744073709551616, which it and our parser refuse; so did '20000000 TiB', taken
+    as it was and written to the settings."""
+    assert parse_bytes("9007199254740993") == 9007199254740993
+    assert parse_bytes("18446744073709551615") == 2**64 - 1 and parse_bytes("0.1 KiB") == 102
+    with pytest.raises(ValueError, match=r"^'20000000 tib' is more than 18446744073709551615 bytes, the most a "
+                                         r"setting takes$"):
+        parse_bytes("20000000 TiB")
+
+
 def test_parse_bytes():
     assert parse_bytes("1.5 GiB") == 3 << 29 and parse_bytes("512M") == 512 << 20 and parse_bytes("1000") == 1000
     assert parse_bytes("auto") is None

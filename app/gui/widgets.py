@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFrame, QHBoxLayout, Q
                                QSizePolicy, QSlider, QSpinBox, QToolButton, QToolTip, QWidget)
 
 from app.gui import theme
+from engine.offload.config import UINT64_MAX
 from engine.units import counted, human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -66,7 +67,10 @@ def parse_bytes(text: str) -> int | None:
     match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
     if not match or match.group(2) not in _UNITS:
         raise ValueError(f"'{text}' is not a size (e.g. 512 MiB, 1.5 GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    count = int(Decimal(match.group(1)) * _UNITS[match.group(2)])  # exact: a double loses bytes past 2**53
+    if count > UINT64_MAX:
+        raise ValueError(f"'{text}' is more than {UINT64_MAX} bytes, the most a setting takes")
+    return count
 
 
 def part_colour(key: str, t: theme.Theme) -> str:
