@@ -194,3 +194,14 @@ def test_a_float_past_its_bound_that_a_32_bit_float_reads_as_the_bound_is_held_a
     written = OffloadConfig.from_entries({"tail_substitution_threshold": "3.40282356e38"}).to_entries()
     assert written == {PREFIX + "tail_substitution_threshold": "3.4028234663852886e+38"}
     assert onnxruntime_takes(written)
+
+
+def test_a_key_of_the_offload_prototype_is_pointed_to_its_name_in_1_32():
+    """session.moe.cpu_offload.* (the prototype's prefix, which onnxruntime 1.32 discards: 'Prototype configuration
+    key ... use session.moe.offload.*') was refused as unknown with the list of every known name."""
+    assert refusal("session.moe.cpu_offload.mode", "auto") == (
+        "unknown offload key 'session.moe.cpu_offload.mode': the offload prototype's prefix, which onnxruntime 1.32 "
+        "discards; its name now is 'session.moe.offload.mode'")
+    assert refusal("session.moe.cpu_offload.turbo", "1") == (
+        "unknown offload key 'session.moe.cpu_offload.turbo': the offload prototype's prefix, which onnxruntime 1.32 "
+        "discards; session.moe.offload.* has no 'turbo'")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from engine.errors import WorkbenchError
 
 PREFIX = "session.moe.offload."
+PROTOTYPE_PREFIX = "session.moe.cpu_offload."  # the offload prototype's keys, which onnxruntime 1.32 discards
 ALIASES = {"gpu_budget_bytes": "device_expert_bytes"}
 # keys that only mean something where a device holds experts: without one (every expert on the CPU) they do nothing
 DEVICE_KEYS = frozenset({"device_expert_bytes", "reserve_device_bytes", "gpu_device_mem_limit", "pinned_bytes",
@@ -98,6 +99,12 @@ class OffloadConfig:
         for raw_key, raw_value in entries.items():
             key = short_key(raw_key)
             parser = _PARSERS.get(key)
+            if parser is None and raw_key.startswith(PROTOTYPE_PREFIX):
+                rest = raw_key[len(PROTOTYPE_PREFIX):]
+                raise OffloadConfigError(f"unknown offload key '{raw_key}': the offload prototype's prefix, which "
+                                         "onnxruntime 1.32 discards; " + (
+                                             f"its name now is '{PREFIX}{rest}'" if short_key(rest) in _PARSERS
+                                             else f"{PREFIX}* has no '{rest}'"))
             if parser is None:
                 names = [*_PARSERS, *ALIASES]
                 near = difflib.get_close_matches(key, names, n=1)
