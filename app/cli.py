@@ -222,8 +222,9 @@ def _offload_setup(args, fallback: list[str] | None = None):
     if args.device == "cpu" and not entries:
         return None, None
     config = OffloadConfig.from_entries(entries)
+    changed = config.to_entries()  # a setting given at its default (inspect's own export) changes nothing anywhere
     if args.device == "cpu":
-        idle = keys_among(entries, DEVICE_KEYS)
+        idle = keys_among(changed, DEVICE_KEYS)
         if idle:
             print(f"warning: {', '.join(idle)}: no effect with --device cpu, where every expert runs on the CPU "
                   "(--device simulated or cuda)", file=sys.stderr)
@@ -231,7 +232,7 @@ def _offload_setup(args, fallback: list[str] | None = None):
     if idle_routing:
         print(f"warning: {', '.join(idle_routing)}: no effect under mode=disabled, which offloads nothing: routing is "
               "exact (approximate routing needs mode=auto or required)", file=sys.stderr)
-    unused = keys_among(entries, UNUSED_KEYS)
+    unused = keys_among(changed, UNUSED_KEYS)
     if unused:
         print(f"warning: {', '.join(unused)}: kept for onnxruntime, but this engine does not use "
               f"{'it' if len(unused) == 1 else 'them'} (no effect here)", file=sys.stderr)

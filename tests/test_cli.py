@@ -456,6 +456,26 @@ def test_offload_keys_this_engine_does_not_use_are_said_to_do_nothing_here(capsy
                             "not use them (no effect here)") in err
 
 
+def test_inspects_own_session_entries_given_back_warn_of_nothing(capsys):
+    """inspect --json writes every setting out (session_config_entries: defaults too, so that onnxruntime reads them
+    as meant); given back as --offload they warned 'skip_zero_cold_doorbell: kept for onnxruntime, but this engine
+    does not use it' and, with --device cpu, that eleven device settings at their defaults had no effect."""
+    gptoss = str(fixture_folder("gptoss"))
+    status, out, _err = _main(capsys, "inspect", gptoss, "--json", "--device", "simulated")
+    entries = json.loads(out)["offload"]["session_config_entries"]
+    given = [arg for key, value in entries.items() for arg in ("--offload", f"{key}={value}")]
+    for device in ("simulated", "cpu"):
+        status, out, err = _main(capsys, "inspect", gptoss, "--json", "--device", device, *given)
+        assert status == 0 and err == "", device
+    status, out, _err = _main(capsys, "inspect", gptoss, "--json", "--device", "simulated", *given)
+    assert json.loads(out)["offload"]["session_config_entries"] == entries
+    entries["session.moe.offload.placement"] = "static"
+    given = [arg for key, value in entries.items() for arg in ("--offload", f"{key}={value}")]
+    status, _out, err = _main(capsys, "inspect", gptoss, *given)
+    assert err == ("warning: placement: no effect with --device cpu, where every expert runs on the CPU (--device "
+                   "simulated or cuda)\n")
+
+
 def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flags(capsys):
     gptoss = str(fixture_folder("gptoss"))
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--raw", "--system", "Be brief")
