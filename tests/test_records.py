@@ -972,3 +972,19 @@ def test_a_sweep_refuses_a_scenario_its_context_cannot_hold_before_its_first_run
         ["short", "multiturn"], "skipped long: the long-input scenario needs a context of at least 2060 tokens; the "
                                 "model has 2048")
     assert sweep.fitting_scenarios(model, ["short", "long"], 48) == (["short", "long"], "")  # 2,000 + 48 fit
+
+
+def test_a_saved_configurations_relative_paths_are_saved_from_where_it_was_tuned(tmp_path, monkeypatch):
+    """popularity_file=pop.json given to `sweep --save-as` in one folder was saved as 'pop.json', which the window
+    (started from the desktop: the home folder) or a later --config in another folder read as another file, or
+    none. The paths (popularity_file, source_root, derived_cache_dir) are saved absolute, naming what was meant."""
+    from engine.records.configurations import load_configuration, save_configuration
+
+    monkeypatch.chdir(tmp_path)
+    config = OffloadConfig.from_entries({"popularity_file": "pop.json", "source_root": "weights",
+                                         "derived_cache_dir": str(tmp_path / "cache"), "budget_group": "group"})
+    path = save_configuration("tuned", str(tmp_path), config, path=tmp_path / "configurations.json")
+    monkeypatch.chdir("/")
+    _model, saved = load_configuration("tuned", path)
+    assert (saved.popularity_file, saved.source_root, saved.derived_cache_dir, saved.budget_group) == (
+        str(tmp_path / "pop.json"), str(tmp_path / "weights"), str(tmp_path / "cache"), "group")

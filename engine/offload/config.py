@@ -29,6 +29,7 @@ ROUTING_KEYS = frozenset({"min_expert_weight", "skip_tail_cold_only", "tail_subs
 # they are kept in the configuration, so that it goes to onnxruntime whole
 UNUSED_KEYS = frozenset({"host_working_bytes", "budget_group", "source_root", "derived_cache_dir",
                          "skip_zero_cold_doorbell"})
+PATH_KEYS = ("popularity_file", "source_root", "derived_cache_dir")  # the keys whose value is a file or folder
 
 
 def short_key(key: str) -> str:

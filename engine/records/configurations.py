@@ -11,7 +11,7 @@ from pathlib import Path
 import platformdirs
 
 from engine.errors import WorkbenchError, one_line
-from engine.offload.config import OffloadConfig
+from engine.offload.config import PATH_KEYS, OffloadConfig
 
 
 def default_path() -> Path:
@@ -59,6 +59,8 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
                        path: Path | None = None) -> Path:
     path = path or default_path()
     path.parent.mkdir(parents=True, exist_ok=True)
+    # a relative path names a file from the folder it was tuned in; a later run (the window, another folder) has its own
+    config = config.updated(**{key: os.path.abspath(getattr(config, key)) for key in PATH_KEYS if getattr(config, key)})
     with _locked(path):
         saved = _saved(path)
         saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note}
