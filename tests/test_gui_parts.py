@@ -992,3 +992,12 @@ def test_streaming_slots_at_zero_are_off_not_a_value_onnxruntime_refuses(qapp, g
     assert OffloadConfig.from_entries(panel.settings()["entries"]) == OffloadConfig()
     panel.working_bytes.slider.setValue(1000)
     assert panel.config().device_working_bytes == panel.working_bytes.maximum()
+
+
+def test_bs_settings_read_back_every_value_of_the_vocabulary_as_a_copy_of_as():
+    from app.gui.side_by_side_view import entries_text, offload_entries, parse_entries
+    from tests.test_offload_vocabulary import SAMPLES
+
+    for key, given, _, _ in SAMPLES:
+        config = OffloadConfig.from_entries({key: given})
+        assert offload_entries(parse_entries(entries_text(config.to_entries()))) == config, (key, given)
