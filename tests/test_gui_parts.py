@@ -961,7 +961,7 @@ def test_the_budget_panel_keeps_every_value_of_the_vocabulary_as_loaded(qtbot, g
         assert panel.config() == OffloadConfig.from_entries(entries), (key, given)
         assert OffloadConfig.from_entries(panel.settings()["entries"]) == OffloadConfig.from_entries(entries)
     panel.set_facts(gptoss, {"entries": {"min_expert_weight": "0.0000001", "tail_substitution_threshold": "3.4e38"}})
-    assert panel.min_weight.text() == "0.0000001" and panel.tail_threshold.text() == "340000000000000000000000000000000000000"
+    assert panel.min_weight.text() == "0.0000001" and panel.tail_threshold.text() == "34" + "0" * 37
 
 
 def test_bs_settings_keep_a_hash_inside_a_value():

@@ -11,56 +11,57 @@ from engine.offload.config import PREFIX, NodeOverride, OffloadConfig
 from tests.conftest import REPO
 from tests.test_offload_config import onnxruntime_takes
 
-# key: (default held, default as session_entries writes it (None: left out), documented by the reference,
+# key: (default held, default as session_entries writes it (None: left out),
 #       [(value as given, held as, written back as)])
-# "documented": the reference states the default; the others are this engine's, written out by session_entries so
-# that a configuration copied out means the same there whatever onnxruntime's own default is
+# The reference states the defaults of placement (adaptive), gpu_device_mem_limit (0, no limit), the byte budgets that
+# take 'auto' and approximate routing (off); the others are this engine's, written out by session_entries so that a
+# configuration copied out means the same there whatever onnxruntime's own default is.
 VOCABULARY = {
-    "mode": ("auto", "auto", False, [
+    "mode": ("auto", "auto", [
         ("disabled", "disabled", "disabled"), ("auto", "auto", "auto"), ("required", "required", "required"),
         ("Required", "required", "required"), ("1", "required", "required"), ("off", "disabled", "disabled")]),
-    "placement": ("adaptive", "adaptive", True, [
+    "placement": ("adaptive", "adaptive", [
         ("static", "static", "static"), ("ADAPTIVE", "adaptive", "adaptive")]),
-    "cpu_execution": ("auto", "auto", False, [
+    "cpu_execution": ("auto", "auto", [
         ("enabled", "enabled", "enabled"), ("disabled", "disabled", "disabled"), ("1", "enabled", "enabled"),
         ("0", "disabled", "disabled")]),
-    "device_expert_bytes": (None, "auto", True, [
+    "device_expert_bytes": (None, "auto", [
         ("auto", None, "auto"), ("AUTO", None, "auto"), ("0", 0, "0"), ("0100", 100, "100"),
         ("18446744073709551615", 2**64 - 1, "18446744073709551615")]),
-    "reserve_device_bytes": (None, "auto", True, [("auto", None, "auto"), ("1073741824", 1 << 30, "1073741824")]),
-    "gpu_device_mem_limit": (0, "0", True, [("0", 0, "0"), ("8589934592", 8 << 30, "8589934592")]),
-    "host_expert_bytes": (None, "auto", True, [("Auto", None, "auto"), ("0", 0, "0"), ("4096", 4096, "4096")]),
-    "pinned_bytes": (None, "auto", True, [("auto", None, "auto"), ("1048576", 1 << 20, "1048576")]),
-    "device_working_bytes": (None, None, False, [("1", 1, "1"), ("67108864", 64 << 20, "67108864")]),
-    "host_working_bytes": (None, None, False, [("1", 1, "1")]),
-    "allow_file_backing": (True, "1", False, [
+    "reserve_device_bytes": (None, "auto", [("auto", None, "auto"), ("1073741824", 1 << 30, "1073741824")]),
+    "gpu_device_mem_limit": (0, "0", [("0", 0, "0"), ("8589934592", 8 << 30, "8589934592")]),
+    "host_expert_bytes": (None, "auto", [("Auto", None, "auto"), ("0", 0, "0"), ("4096", 4096, "4096")]),
+    "pinned_bytes": (None, "auto", [("auto", None, "auto"), ("1048576", 1 << 20, "1048576")]),
+    "device_working_bytes": (None, None, [("1", 1, "1"), ("67108864", 64 << 20, "67108864")]),
+    "host_working_bytes": (None, None, [("1", 1, "1")]),
+    "allow_file_backing": (True, "1", [
         ("0", False, "0"), ("1", True, "1"), ("true", True, "1"), ("FALSE", False, "0")]),
-    "cpu_threads": (0, "0", False, [("0", 0, "0"), ("4", 4, "4"), ("2147483647", 2**31 - 1, "2147483647")]),
-    "async_max_tokens": (8, "8", False, [("0", 0, "0"), ("64", 64, "64")]),
-    "prefill_wave_experts": (8, "8", False, [("1", 1, "1"), ("32", 32, "32")]),
-    "node_overrides": ({}, None, False, [
+    "cpu_threads": (0, "0", [("0", 0, "0"), ("4", 4, "4"), ("2147483647", 2**31 - 1, "2147483647")]),
+    "async_max_tokens": (8, "8", [("0", 0, "0"), ("64", 64, "64")]),
+    "prefill_wave_experts": (8, "8", [("1", 1, "1"), ("32", 32, "32")]),
+    "node_overrides": ({}, None, [
         ("n:max_resident_slots=2,device_expert_bytes=5", {"n": NodeOverride(2, 5)},
          "n:max_resident_slots=2,device_expert_bytes=5"),
         (" n : max_resident_slots = 2 ,", {"n": NodeOverride(2)}, "n:max_resident_slots=2"),
         ("a:device_expert_bytes=0;b:max_resident_slots=0;", {"a": NodeOverride(None, 0), "b": NodeOverride(0)},
          "a:device_expert_bytes=0;b:max_resident_slots=0"),
         ("", {}, None)]),
-    "popularity_file": (None, None, False, [("/data/pop.json", "/data/pop.json", "/data/pop.json"), ("", None, None)]),
-    "budget_group": (None, None, False, [("shared", "shared", "shared")]),
-    "source_root": (None, None, False, [("/weights", "/weights", "/weights")]),
-    "derived_cache_dir": (None, None, False, [("/cache", "/cache", "/cache")]),
-    "min_expert_weight": (0.0, "0.0", True, [
+    "popularity_file": (None, None, [("/data/pop.json", "/data/pop.json", "/data/pop.json"), ("", None, None)]),
+    "budget_group": (None, None, [("shared", "shared", "shared")]),
+    "source_root": (None, None, [("/weights", "/weights", "/weights")]),
+    "derived_cache_dir": (None, None, [("/cache", "/cache", "/cache")]),
+    "min_expert_weight": (0.0, "0.0", [
         ("0", 0.0, "0.0"), ("0.05", 0.05, "0.05"), ("1", 1.0, "1.0"), ("+.25", 0.25, "0.25"),
         ("0x0.8p0", 0.5, "0.5"), ("1e-45", 1e-45, "1e-45"), ("1e-50", 0.0, "0.0"), ("-0", 0.0, "0.0")]),
-    "skip_tail_cold_only": (False, "0", False, [("0", False, "0"), ("1", True, "1")]),
-    "skip_zero_cold_doorbell": (False, "0", False, [("1", True, "1")]),
-    "tail_substitution_threshold": (0.0, "0.0", True, [
+    "skip_tail_cold_only": (False, "0", [("0", False, "0"), ("1", True, "1")]),
+    "skip_zero_cold_doorbell": (False, "0", [("1", True, "1")]),
+    "tail_substitution_threshold": (0.0, "0.0", [
         ("0", 0.0, "0.0"), ("0.5", 0.5, "0.5"), ("1E5", 1e5, "100000.0"), ("1e-45", 1e-45, "1e-45"),
         ("3.4e38", 3.4e38, "3.4e+38")]),
-    "tail_substitution_min_rank": (1, "1", False, [("0", 0, "0"), ("3", 3, "3")]),
+    "tail_substitution_min_rank": (1, "1", [("0", 0, "0"), ("3", 3, "3")]),
 }
 ALIASES = {"gpu_budget_bytes": "device_expert_bytes"}
-SAMPLES = [(key, *sample) for key, (_, _, _, samples) in VOCABULARY.items() for sample in samples]
+SAMPLES = [(key, *sample) for key, (_, _, samples) in VOCABULARY.items() for sample in samples]
 
 
 def test_the_table_walks_every_key_of_the_reference():
@@ -74,7 +75,7 @@ def test_the_table_walks_every_key_of_the_reference():
 
 @pytest.mark.parametrize("key", VOCABULARY)
 def test_the_defaults(key):
-    default, written, _, _ = VOCABULARY[key]
+    default, written, _ = VOCABULARY[key]
     assert getattr(OffloadConfig(), key) == default
     assert OffloadConfig().session_entries().get(PREFIX + key) == written
     assert PREFIX + key not in OffloadConfig().to_entries()
