@@ -210,6 +210,9 @@ def _offload_setup(args, fallback: list[str] | None = None):
         key, eq, value = item.partition("=")
         if not eq:
             raise WorkbenchError(f"--offload {item!r}: expected KEY=VALUE")
+        if key.strip() in ("layer_split", "decode_path"):  # a side-by-side B's settings take them beside the keys
+            raise WorkbenchError(f"--offload {item}: {key.strip()} is this app's own setting, not an onnxruntime "
+                                 f"key: --{key.strip().replace('_', '-')} {value.strip()}")
         given[key.strip()] = value.strip()
     # --offload replaces the saved setting under whichever of its names (full, short, alias) it is given
     replaced = {short_key(key) for key in given}

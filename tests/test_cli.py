@@ -476,6 +476,18 @@ def test_inspects_own_session_entries_given_back_warn_of_nothing(capsys):
                    "simulated or cuda)\n")
 
 
+def test_this_apps_own_settings_given_as_offload_keys_are_pointed_to_their_options(capsys):
+    """A side-by-side B's settings take layer_split= and decode_path= lines beside onnxruntime's keys; copied to
+    --offload they were refused as unknown offload keys with the list of onnxruntime's 26 names."""
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "layer_split=whole")
+    assert status == 2 and err == ("moe-workbench: error: --offload layer_split=whole: layer_split is this app's own "
+                                   "setting, not an onnxruntime key: --layer-split whole\n")
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "decode_path=tier")
+    assert status == 2 and err.endswith("decode_path is this app's own setting, not an onnxruntime key: --decode-path "
+                                        "tier\n")
+
+
 def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flags(capsys):
     gptoss = str(fixture_folder("gptoss"))
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--raw", "--system", "Be brief")
