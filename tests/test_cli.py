@@ -214,19 +214,26 @@ def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     assert not (tmp_path / "h.sqlite").exists()  # refused before anything ran or was saved
 
 
-def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, capsys, monkeypatch):
+def _sweep_run_raises(monkeypatch, at: int, error: BaseException) -> None:
+    """The sweep's `at`-th run_scenario call (the warm-up is the first, then one a point) raises `error`; those before
+    it run."""
     import engine.records.sweep as sweep
-    from engine.records.history import History
 
     run_scenario, calls = sweep.run_scenario, []
 
-    def interrupted_at_the_third_point(*args, **kwargs):
+    def run(*args, **kwargs):
         calls.append(kwargs.get("label"))
-        if len(calls) == 4:  # the warm-up, two points, then Ctrl-C
-            raise KeyboardInterrupt
+        if len(calls) == at:
+            raise error
         return run_scenario(*args, **kwargs)
 
-    monkeypatch.setattr(sweep, "run_scenario", interrupted_at_the_third_point)
+    monkeypatch.setattr(sweep, "run_scenario", run)
+
+
+def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, capsys, monkeypatch):
+    from engine.records.history import History
+
+    _sweep_run_raises(monkeypatch, 4, KeyboardInterrupt())  # the warm-up, two points, then Ctrl-C
     history = tmp_path / "h.sqlite"
     status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                              "--max-new-tokens", "2", "--history", str(history))
@@ -242,17 +249,7 @@ def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before
     """A point that raised: the command said only "internal error: RuntimeError: CUDA out of memory while staging",
     not which budget failed, and printed none of the points it had finished (their runs were saved). It prints them,
     without a recommendation, and says in one line which point failed (its share and device_expert_bytes) and why."""
-    import engine.records.sweep as sweep
-
-    run_scenario, calls = sweep.run_scenario, []
-
-    def failing_at_the_third_point(*args, **kwargs):
-        calls.append(kwargs.get("label"))
-        if len(calls) == 4:  # the warm-up, two points, then the third point's run
-            raise RuntimeError("CUDA out of memory while staging\nthe allocator's details")
-        return run_scenario(*args, **kwargs)
-
-    monkeypatch.setattr(sweep, "run_scenario", failing_at_the_third_point)
+    _sweep_run_raises(monkeypatch, 4, RuntimeError("CUDA out of memory while staging\nthe allocator's details"))
     status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 3 and err.splitlines()[-1] == (
@@ -268,17 +265,7 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
     """On a terminal the progress line is redrawn in place ("\\rsweep:  33.3%", no newline): a sweep interrupted
     there printed its points' header and its stop line on the end of that line ("sweep:  33.3%moe-workbench: the sweep
     was interrupted…"). The progress line is ended first."""
-    import engine.records.sweep as sweep
-
-    run_scenario, calls = sweep.run_scenario, []
-
-    def interrupted_at_the_second_point(*args, **kwargs):
-        calls.append(kwargs.get("label"))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return run_scenario(*args, **kwargs)
-
-    monkeypatch.setattr(sweep, "run_scenario", interrupted_at_the_second_point)
+    _sweep_run_raises(monkeypatch, 3, KeyboardInterrupt())
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
@@ -291,19 +278,10 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
 def test_a_stopped_sweep_says_it_wrote_no_plot_and_saved_no_configuration(tmp_path, capsys, monkeypatch):
     """Asked for --plot and --save-as, a sweep interrupted at its second point wrote neither (it has no recommendation)
     and did not say so: its last line read as if the sweep's work were done but for the points left."""
-    import engine.records.sweep as sweep
     from engine.records import configurations
 
     monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
-    run_scenario, calls = sweep.run_scenario, []
-
-    def interrupted_at_the_second_point(*args, **kwargs):
-        calls.append(kwargs.get("label"))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return run_scenario(*args, **kwargs)
-
-    monkeypatch.setattr(sweep, "run_scenario", interrupted_at_the_second_point)
+    _sweep_run_raises(monkeypatch, 3, KeyboardInterrupt())
     status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick",
                               "--plot", str(tmp_path / "sweep.png"))
