@@ -16,7 +16,7 @@ from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
-from engine.units import counted, human_bytes
+from engine.units import counted, decode_rate, human_bytes
 
 PROG = "moe-workbench"
 GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
@@ -539,7 +539,7 @@ def _cmd_record(args) -> int:
             t = record.timings
             print(f"{scenario}: run {run_id}: {record.generated_tokens} tokens generated (at most "
                   f"{tokens} an answer), load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
-                  f"decode {_rate(t['decode_tokens_per_s'])}, completion {t['completion_s']:.2f} s, "
+                  f"decode {decode_rate(t['decode_tokens_per_s'])}, completion {t['completion_s']:.2f} s, "
                   f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "
                   f"({record.peaks['rss_start_bytes'] / 2**20:.0f} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
@@ -547,11 +547,6 @@ def _cmd_record(args) -> int:
     if args.json:
         print(json.dumps(records, indent=2))
     return 0
-
-
-def _rate(tokens_per_s: float | None) -> str:
-    """A decode rate as the user reads it: none for an answer of one token (no decode step after the first)."""
-    return "n/a (one token)" if not tokens_per_s else f"{tokens_per_s:.1f} tok/s"
 
 
 def _cmd_sweep(args) -> int:

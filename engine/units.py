@@ -13,3 +13,9 @@ def human_bytes(count: int) -> str:
 def counted(count: int, noun: str, plural: str | None = None) -> str:
     """'1 layer', '3 layers' (`plural` where adding an s is wrong)."""
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def decode_rate(tokens_per_s: float | None, unit: str = " tok/s") -> str:
+    """A decode rate as the user reads it: n/a where the answers were one token each (no decode step after the first
+    token, which the prefill gives)."""
+    return "n/a (one token)" if not tokens_per_s else f"{tokens_per_s:.1f}{unit}"

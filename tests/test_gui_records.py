@@ -727,6 +727,23 @@ def test_a_window_sweeps_saved_configuration_says_the_margin_it_was_recommended_
     assert saved["note"] == "sweep recommendation within 2.5% of the fastest"
 
 
+def test_a_window_sweep_of_one_token_answers_recommends_without_a_decode_rate(qtbot, tmp_path):
+    """Answers of one token decode nothing after the prefill's token: the summary said "0.0 tok/s projected; measured
+    on this machine … 0.0 tok/s", as if decoding had stalled (the command's table says n/a)."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    result = SweepJob(2, ["short"], 1, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    view.on_finished(result)
+    summary = view.summary.text()
+    assert summary.startswith("Recommended: ") and "0.0 tok/s" not in summary
+    assert "n/a (one token) projected; measured on this machine" in summary and summary.count("n/a (one token)") == 2
+
+
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):
     """Under mode=required the points above what the device holds are left out, not refused at the first: the sweep
     is complete (saved, recommended), and its run line says which points it left out and why."""

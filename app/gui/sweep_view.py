@@ -19,7 +19,7 @@ from engine.records.configurations import save_configuration
 from engine.records.lengths import SWEEP_TOKENS
 from engine.records.scenarios import SCENARIOS
 from engine.records.sweep import SweepPoint, reasoning_length_note, recommend, uses_projection
-from engine.units import counted, human_bytes
+from engine.units import counted, decode_rate, human_bytes
 
 KIND = "sweeping"
 # (key, title, what a point gives, whether it is bytes: those are drawn in the unit that fits)
@@ -304,16 +304,16 @@ class SweepView(QWidget):
                 f"by the completion time projected for the simulated card (PCIe "
                 f"{bw.get('pcie_bytes_per_s', 0) / 1e9:.0f} GB/s, HBM {bw.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s "
                 f"assumed): {best.projected_completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin * 100:g}%), "
-                f"{best.projected_decode_tokens_per_s or 0:.1f} tok/s projected; measured on this machine "
-                f"{best.completion_s:.2f} s, {best.decode_tokens_per_s:.1f} tok/s (the simulated device computes the "
-                f"card's experts on the CPU); device peak {human_bytes(best.peak_device_bytes)}, "
+                f"{decode_rate(best.projected_decode_tokens_per_s)} projected; measured on this machine "
+                f"{best.completion_s:.2f} s, {decode_rate(best.decode_tokens_per_s)} (the simulated device computes "
+                f"the card's experts on the CPU); device peak {human_bytes(best.peak_device_bytes)}, "
                 f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
         else:
             fastest = min(p.completion_s for p in self.result.points)
             self.summary.setText(
                 f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
                 f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin * 100:g}%), "
-                f"{best.decode_tokens_per_s:.1f} tok/s, device peak {human_bytes(best.peak_device_bytes)}, "
+                f"{decode_rate(best.decode_tokens_per_s)}, device peak {human_bytes(best.peak_device_bytes)}, "
                 f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
         self.save_button.setEnabled(True)
         if not self.name.text().strip():
