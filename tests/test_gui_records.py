@@ -57,6 +57,17 @@ def finish(qtbot, window, view):
     qtbot.waitUntil(lambda: not view.bar.running and not window.busy, timeout=WAIT)
 
 
+def sweep_three_points(qtbot, window):
+    """The window's sweep of the loaded model over 3 points, short scenario, 3-token answers, run to its end."""
+    view = window.sweep
+    view.points.setValue(3)
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(3)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    return view
+
+
 def test_history_table_filters_opens_compares_and_exports(qtbot, tmp_path, monkeypatch):
     history = History(tmp_path / "history.sqlite3")
     params = GenerationParams(max_new_tokens=4)
@@ -628,12 +639,7 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
         return reconfigure(self, config, *args, **kwargs)
 
     monkeypatch.setattr(OffloadEngine, "reconfigure", refuse_all)
-    view = window.sweep
-    view.points.setValue(3)
-    view.scenario.setCurrentText("short")
-    view.max_tokens.setValue(3)
-    view.bar.run_button.click()
-    finish(qtbot, window, view)
+    view = sweep_three_points(qtbot, window)
     result = view.result
     assert result is not None and [p.budget_bytes for p in result.points] == [0, 8 * EXPERT]
     assert len(result.saved_ids) == 2 and window.history.ids() == result.saved_ids[::-1]
@@ -663,12 +669,7 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
         return run_scenario(*args, **kwargs)
 
     monkeypatch.setattr(sweep, "run_scenario", cancelled_at_the_second_point)
-    view = window.sweep
-    view.points.setValue(3)
-    view.scenario.setCurrentText("short")
-    view.max_tokens.setValue(3)
-    view.bar.run_button.click()
-    finish(qtbot, window, view)
+    view = sweep_three_points(qtbot, window)
     result = view.result
     assert result.cancelled and [p.budget_bytes for p in result.points] == [0]
     assert len(result.saved_ids) == 1 and window.history.ids() == result.saved_ids
