@@ -96,14 +96,19 @@ def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = 
     return int(value)
 
 
-def _text(obj: dict, key: str, path: Path, where: str, default: str) -> str:
-    """obj[key] as a string (missing or null: `default`); an error names the field and its value."""
+def _field(obj: dict, key: str, path: Path, where: str, default, accepts, what: str):
+    """obj[key] where `accepts` it (missing or null: `default`: builders run with transformers 5 write null for a
+    setting the model leaves unset); an error names the field, its value and `what` it should be."""
     value = obj.get(key)
     if value is None:
         return default
-    if not isinstance(value, str):
-        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not a string")
+    if not accepts(value):
+        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not {what}")
     return value
+
+
+def _text(obj: dict, key: str, path: Path, where: str, default: str) -> str:
+    return _field(obj, key, path, where, default, lambda value: isinstance(value, str), "a string")
 
 
 def _names(obj: dict, key: str, path: Path, where: str) -> dict[str, str]:
@@ -114,32 +119,17 @@ def _names(obj: dict, key: str, path: Path, where: str) -> dict[str, str]:
 
 
 def _token_id(obj: dict, key: str, path: Path, where: str) -> int | None:
-    """obj[key] as a token id (missing or null: None); an error names the field and its value."""
-    value = obj.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not a token id")
-    return value
+    return _field(obj, key, path, where, None,
+                  lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0, "a token id")
 
 
 def _number(obj: dict, key: str, path: Path, where: str, default: float) -> float:
-    """obj[key] as a finite number (missing or null: `default`: builders run with transformers 5 write null for a
-    generation setting the model leaves unset); an error names the field and its value."""
-    value = obj.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not a number")
-    return float(value)
+    return float(_field(obj, key, path, where, default, lambda value: isinstance(value, (int, float))
+                        and not isinstance(value, bool) and math.isfinite(value), "a number"))
 
 
 def _flag(obj: dict, key: str, path: Path, where: str, default: bool) -> bool:
-    """obj[key] as true or false (missing or null: `default`); an error names the field and its value."""
-    value = obj.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ModelFileError(f"{path}: '{where}{key}' is {json.dumps(value)[:40]}, not true or false")
-    return value
+    return _field(obj, key, path, where, default, lambda value: isinstance(value, bool), "true or false")
 
 
 def _layers(sliding: dict, path: Path, where: str) -> tuple[int, ...] | None:
