@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_offload import SHAPES  # noqa: E402
 from benchmarks.bench_offload_ab import open_model  # noqa: E402
+from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.host_part_worker import IDLE_S  # noqa: E402
 from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
@@ -88,6 +89,24 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
 
     real_settle = engine.settle
     settled: list = []
+    marks: dict = {}  # this step's moments (perf_counter): the step boundary's parts (boundary_parts)
+
+    def marked(name, call):
+        def wrapped(*args, **kwargs):
+            marks.setdefault(name + "_in", time.perf_counter())
+            try:
+                return call(*args, **kwargs)
+            finally:
+                marks[name + "_out"] = time.perf_counter()
+        return wrapped
+
+    segments = [runner for runner in decoder.steps if isinstance(runner, DenseSegment)]
+    first_segment, last_segment = segments[0], segments[-1]
+    real_before_last = decoder.before_last_segment
+    decoder.before_last_segment = marked("settle_all_but", real_before_last)
+    for name, segment in (("first", first_segment), ("last", last_segment)):
+        segment.run = marked(name, segment.run)
+        segment.run_again = marked(name, segment.run_again)
 
     def counted_settle(*args, **kwargs):
         taken = real_settle(*args, **kwargs)
@@ -97,11 +116,12 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     def timed_end(*args, **kwargs):
         left.append(len(engine.deferred))
         ready_left.append(sum(bool(ready()) for ready, _ in engine.deferred))
-        started = time.perf_counter()
+        started = marks["end_step_in"] = time.perf_counter()
         try:
             return real_end(*args, **kwargs)
         finally:
             ends.append(time.perf_counter() - started)
+            marks["end_step_out"] = time.perf_counter()
 
     def timed_rebalance(*args, **kwargs):
         if probe is not None:
@@ -118,7 +138,7 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     engine.settle = counted_settle
     row = {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
            "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
-           "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": []}
+           "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": [], "boundary": defaultdict(list)}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
@@ -131,10 +151,17 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
             ready_left.clear()
             settled.clear()
             rebalances.clear()
+            marks.clear()
             swaps_before = engine.stats.totals().swaps
-            started = time.perf_counter()
-            token = int(decoder.forward(state, [token])[-1].argmax())
+            started = marks["step_in"] = time.perf_counter()
+            logits = decoder.forward(state, [token])
+            marks["step_out"] = time.perf_counter()
+            token = int(logits[-1].argmax())
             row["steps"].append(time.perf_counter() - started)
+            if jobs and all(f"{name}_{end}" in marks for name in ("first", "last", "settle_all_but", "end_step")
+                            for end in ("in", "out")):
+                for part, seconds in boundary_parts(marks, jobs[0][3], jobs[-1][4]).items():
+                    row["boundary"][part].append(seconds)
             row["threads"].append(threads_now())
             row["end_step"].append(sum(ends))
             row["left"].extend(left)
@@ -158,9 +185,32 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     finally:
         HybridExpertNode.host_part_done = real
         decoder.on_step_end = real_end
+        decoder.before_last_segment = real_before_last
+        for segment in (first_segment, last_segment):
+            segment.__dict__.pop("run", None)
+            segment.__dict__.pop("run_again", None)
         engine.policy.__dict__.pop("rebalance", None)
         engine.__dict__.pop("settle", None)
     return row
+
+
+def boundary_parts(marks: dict, first_job: float, last_gate: float) -> dict:
+    """A step's time outside its layers' CPU parts, in the order it passes: from the step's start to the first dense
+    segment's end and on to the worker's first job; from the last gate to the accounts taken before the last segment
+    (settle_all_but), that segment's run (the final norm and LM head on the GPU, the logits to the host), on to the
+    engine's end_step and past it to the step's return, and the argmax of the logits after it."""
+    parts = {"start to first segment out": marks["first_out"] - marks["step_in"],
+             "first segment out to first job": first_job - marks["first_out"],
+             "last gate to settle": marks["settle_all_but_in"] - last_gate,
+             "settle_all_but": marks["settle_all_but_out"] - marks["settle_all_but_in"],
+             "settle to last segment": marks["last_in"] - marks["settle_all_but_out"],
+             "last segment (logits)": marks["last_out"] - marks["last_in"],
+             "last segment out to end_step": marks["end_step_in"] - marks["last_out"],
+             "end_step": marks["end_step_out"] - marks["end_step_in"],
+             "end_step out to return": marks["step_out"] - marks["end_step_out"]}
+    parts["first job to last gate"] = last_gate - first_job
+    parts["unaccounted (between the marks)"] = (marks["step_out"] - marks["step_in"]) - sum(parts.values())
+    return parts
 
 
 def us(values) -> str:
@@ -205,6 +255,8 @@ def main() -> None:
               f"swaps {statistics.mean(row['swaps']):.1f}, threads {min(row['threads'])}-{max(row['threads'])}, "
               f"wait for routing {us(row['waits'])}, gate to next job {us(row['idle'])}\n"
               f"     part µs by pairs | {cells}", flush=True)
+        print("     the step outside its layers, µs (median): " + ", ".join(
+            f"{part} {us(values).strip()}" for part, values in row["boundary"].items()), flush=True)
         if probe is not None:
             print(f"     a placement of this size's rebalance: {us(row['probe_in_step'])} µs at the step's end, "
                   f"{us(row['probe_quiet'])} µs after {IDLE_S + 0.01:.2f} s asleep", flush=True)
