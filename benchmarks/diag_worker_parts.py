@@ -89,39 +89,49 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
 
     real_settle = engine.settle
     settled: list = []
-    marks: dict = {}  # this step's moments (perf_counter): the step boundary's parts (boundary_parts)
+    marks: list = []  # this step's moments: (perf_counter, what) (boundary_parts)
 
     def marked(name, call):
-        def wrapped(*args, **kwargs):
-            marks.setdefault(name + "_in", time.perf_counter())
+        def call_marked(*args, **kwargs):
+            marks.append((time.perf_counter(), name + " in"))
             try:
                 return call(*args, **kwargs)
             finally:
-                marks[name + "_out"] = time.perf_counter()
-        return wrapped
-
-    segments = [runner for runner in decoder.steps if isinstance(runner, DenseSegment)]
-    first_segment, last_segment = segments[0], segments[-1]
-    real_before_last = decoder.before_last_segment
-    decoder.before_last_segment = marked("settle_all_but", real_before_last)
-    for name, segment in (("first", first_segment), ("last", last_segment)):
-        segment.run = marked(name, segment.run)
-        segment.run_again = marked(name, segment.run_again)
+                marks.append((time.perf_counter(), name + " out"))
+        return call_marked
 
     def counted_settle(*args, **kwargs):
         taken = real_settle(*args, **kwargs)
         settled.append((taken, len(engine.deferred), bool(engine.deferred) and engine.deferred[0][0]()))
         return taken
 
+    segments = [runner for runner in decoder.steps if isinstance(runner, DenseSegment)]
+    first_layer = next(runner for runner in decoder.steps if hasattr(runner, "launch_ahead"))
+    wrapped = [(decoder, "before_last_segment", "settle_all_but"), (segments[0], "run", "first segment"),
+               (segments[-1], "run", "last segment"), (first_layer, "launch_ahead", "first layer's launch"),
+               (decoder, "_run_steps_beside", "steps"), (decoder, "_give_pool_back", "pool given back")]
+
+    def wrap_step_parts(state) -> None:
+        """The calls whose moments boundary_parts reads, wrapped (the worker's once the warm-up has made it)."""
+        if getattr(decoder, "_worker", None) is not None:
+            wrapped.extend([(decoder._worker, "set_threads", "worker threads set"), (decoder._worker, "drain", "drain")])
+        wrapped.extend([(state, "step_inputs", "step inputs"), (state, "advance", "state advanced"),
+                        (engine.split_gate, "end_step", "split gate's end_step"), (engine, "_apply", "swaps made"),
+                        (engine.stats, "end_step", "statistics' end_step"), (engine.policy, "rebalance", "rebalance"),
+                        (engine, "pinned_info", "pinned info")])
+        for owner, attribute, name in wrapped:
+            setattr(owner, attribute, marked(name, getattr(owner, attribute)))
+
     def timed_end(*args, **kwargs):
         left.append(len(engine.deferred))
         ready_left.append(sum(bool(ready()) for ready, _ in engine.deferred))
-        started = marks["end_step_in"] = time.perf_counter()
+        started = time.perf_counter()
+        marks.append((started, "end_step in"))
         try:
             return real_end(*args, **kwargs)
         finally:
             ends.append(time.perf_counter() - started)
-            marks["end_step_out"] = time.perf_counter()
+            marks.append((time.perf_counter(), "end_step out"))
 
     def timed_rebalance(*args, **kwargs):
         if probe is not None:
@@ -144,6 +154,7 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
         token = int(decoder.forward(state, prompt)[-1].argmax())
         for _ in range(warmup):
             token = int(decoder.forward(state, [token])[-1].argmax())
+        wrap_step_parts(state)
         for _ in range(steps):
             jobs.clear()
             ends.clear()
@@ -153,15 +164,14 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
             rebalances.clear()
             marks.clear()
             swaps_before = engine.stats.totals().swaps
-            started = marks["step_in"] = time.perf_counter()
+            started = time.perf_counter()
+            marks.append((started, "step in"))
             logits = decoder.forward(state, [token])
-            marks["step_out"] = time.perf_counter()
+            marks.append((time.perf_counter(), "step out"))
             token = int(logits[-1].argmax())
             row["steps"].append(time.perf_counter() - started)
-            if jobs and all(f"{name}_{end}" in marks for name in ("first", "last", "settle_all_but", "end_step")
-                            for end in ("in", "out")):
-                for part, seconds in boundary_parts(marks, jobs[0][3], jobs[-1][4]).items():
-                    row["boundary"][part].append(seconds)
+            for part, seconds in boundary_parts(marks).items():
+                row["boundary"][part].append(seconds)
             row["threads"].append(threads_now())
             row["end_step"].append(sum(ends))
             row["left"].extend(left)
@@ -185,32 +195,23 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     finally:
         HybridExpertNode.host_part_done = real
         decoder.on_step_end = real_end
-        decoder.before_last_segment = real_before_last
-        for segment in (first_segment, last_segment):
-            segment.__dict__.pop("run", None)
-            segment.__dict__.pop("run_again", None)
+        for owner, attribute, _ in wrapped:
+            if attribute in owner.__dict__:
+                delattr(owner, attribute)  # the class's method again
+        decoder.before_last_segment = engine.settle_all_but  # (an instance attribute of its own)
         engine.policy.__dict__.pop("rebalance", None)
         engine.__dict__.pop("settle", None)
     return row
 
 
-def boundary_parts(marks: dict, first_job: float, last_gate: float) -> dict:
-    """A step's time outside its layers' CPU parts, in the order it passes: from the step's start to the first dense
-    segment's end and on to the worker's first job; from the last gate to the accounts taken before the last segment
-    (settle_all_but), that segment's run (the final norm and LM head on the GPU, the logits to the host), on to the
-    engine's end_step and past it to the step's return, and the argmax of the logits after it."""
-    parts = {"start to first segment out": marks["first_out"] - marks["step_in"],
-             "first segment out to first job": first_job - marks["first_out"],
-             "last gate to settle": marks["settle_all_but_in"] - last_gate,
-             "settle_all_but": marks["settle_all_but_out"] - marks["settle_all_but_in"],
-             "settle to last segment": marks["last_in"] - marks["settle_all_but_out"],
-             "last segment (logits)": marks["last_out"] - marks["last_in"],
-             "last segment out to end_step": marks["end_step_in"] - marks["last_out"],
-             "end_step": marks["end_step_out"] - marks["end_step_in"],
-             "end_step out to return": marks["step_out"] - marks["end_step_out"]}
-    parts["first job to last gate"] = last_gate - first_job
-    parts["unaccounted (between the marks)"] = (marks["step_out"] - marks["step_in"]) - sum(parts.values())
-    return parts
+def boundary_parts(marks: list) -> dict:
+    """A step's moments in time order (the marked calls' ins and outs, each call of the worker's drain apart from the
+    step's last left out: it runs once per layer), as the seconds from each moment to the next, named "a -> b": where a
+    step's time outside its layers goes, the host's work while the GPU idles included."""
+    drains = [i for i, (_, what) in enumerate(marks) if what.startswith("drain")]
+    kept = [mark for i, mark in enumerate(marks) if i not in drains[:-2]]
+    kept.sort()
+    return {f"{a} -> {b}": tb - ta for (ta, a), (tb, b) in zip(kept, kept[1:])}
 
 
 def us(values) -> str:
@@ -255,8 +256,8 @@ def main() -> None:
               f"swaps {statistics.mean(row['swaps']):.1f}, threads {min(row['threads'])}-{max(row['threads'])}, "
               f"wait for routing {us(row['waits'])}, gate to next job {us(row['idle'])}\n"
               f"     part µs by pairs | {cells}", flush=True)
-        print("     the step outside its layers, µs (median): " + ", ".join(
-            f"{part} {us(values).strip()}" for part, values in row["boundary"].items()), flush=True)
+        print("     the step's moments, µs from each to the next (median over the steps):\n" + "\n".join(
+            f"       {us(values)}  {part} ({len(values)})" for part, values in row["boundary"].items()), flush=True)
         if probe is not None:
             print(f"     a placement of this size's rebalance: {us(row['probe_in_step'])} µs at the step's end, "
                   f"{us(row['probe_quiet'])} µs after {IDLE_S + 0.01:.2f} s asleep", flush=True)
