@@ -54,7 +54,7 @@ mismatches: list[dict] = []
 _arena_generation = 0  # dense sessions created on the GPU so far (arena_changed)
 VERIFY_TOLERANCE = 1e-3
 REPLAYED_OPS = frozenset({"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "MatMulNBits", "Add",
-                          "GroupQueryAttention", "Reshape"})
+                          "GroupQueryAttention", "Reshape", "Gather"})
 
 
 def arena_changed() -> None:

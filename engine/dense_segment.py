@@ -54,6 +54,8 @@ class DenseSegment:
 
     def open(self, input_types: dict[str, int], dense: DenseDevice = CPU_DENSE) -> None:
         segment, source = self.segment, self.source
+        if segment.on_host:
+            dense = CPU_DENSE
         model = build_segment_model(segment, source, input_types)
         where = f"from node '{segment.nodes[0].name}' to '{segment.nodes[-1].name}'"
         try:

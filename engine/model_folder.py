@@ -46,7 +46,7 @@ class ModelFolder:
             raise UnsupportedModelError(f"{source.path}: {versions}")
         initializers = set(source.initializers)
         try:
-            plan = plan_partition(source.proto.graph, initializers)
+            plan = plan_partition(source.proto.graph, initializers, config.inputs.get("attention_mask"))
         except ValueError as exc:
             raise ModelFileError(f"{source.path}: {exc}") from None
         unknown = unknown_operator(node for segment in plan.segments for node in segment.nodes)

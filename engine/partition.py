@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 import onnx
 
 EXPERT_OPS = {("com.microsoft", "QMoE"), ("com.microsoft", "MoE")}
+# What a graph works out from its attention mask alone (genai's attn_mask_subgraph: ReduceSum - 1 -> seqlens_k,
+# Shape[1] -> total_sequence_length), computed on the host in a segment of its own (Segment.on_host). On the GPU the
+# mask's length grows at every decode step, so a segment that reads the mask is never replayed as a CUDA graph: with
+# these nodes in it, the step's first segment ran eagerly in onnxruntime, ~250 µs a step with the GPU idle (H100,
+# RESULTS.md sixty-first session). Other ops (a 4-D mask's Expand / Where, as large as the sequence squared) stay
+# where they are.
+HOST_MASK_OPS = frozenset({"ReduceSum", "Sub", "Add", "Cast", "Shape", "Gather", "Squeeze", "Unsqueeze", "Concat",
+                           "Slice"})
 
 
 def is_expert_node(node: onnx.NodeProto) -> bool:
@@ -28,6 +36,7 @@ class Segment:
     inputs: list[str] = field(default_factory=list)       # non-initializer tensors read from outside
     outputs: list[str] = field(default_factory=list)      # tensors later steps or the graph outputs need
     initializers: list[str] = field(default_factory=list)  # initializer names its nodes read
+    on_host: bool = False  # runs on the CPU whatever device the dense part runs on (HOST_MASK_OPS)
 
 
 @dataclass
@@ -88,12 +97,18 @@ def _topological_order(graph: onnx.GraphProto, initializers: set[str]) -> list[o
     return ordered
 
 
-def plan_partition(graph: onnx.GraphProto, initializers: set[str]) -> Plan:
-    """Split the graph into alternating dense segments and expert steps, in execution order."""
-    steps: list[Segment | ExpertStep] = []
+def plan_partition(graph: onnx.GraphProto, initializers: set[str], mask: str | None = None) -> Plan:
+    """Split the graph into alternating dense segments and expert steps, in execution order; first, where the graph
+    has an attention mask input named `mask`, a segment on the host of what it works out from the mask alone."""
+    ordered = _topological_order(graph, initializers)
+    on_host = _mask_nodes(ordered, mask, initializers) if mask else []
+    steps: list[Segment | ExpertStep] = [Segment(0, on_host, on_host=True)] if on_host else []
+    host_outputs = {name for node in on_host for name in node.output}
     current: list[onnx.NodeProto] = []
     experts = 0
-    for node in _topological_order(graph, initializers):
+    for node in ordered:
+        if host_outputs.intersection(node.output):
+            continue
         if is_expert_node(node):
             if current:
                 steps.append(Segment(len(steps), current))
@@ -106,6 +121,18 @@ def plan_partition(graph: onnx.GraphProto, initializers: set[str]) -> Plan:
         steps.append(Segment(len(steps), current))
     _wire(steps, graph, initializers)
     return Plan(steps)
+
+
+def _mask_nodes(ordered: list[onnx.NodeProto], mask: str, initializers: set[str]) -> list[onnx.NodeProto]:
+    """The nodes of HOST_MASK_OPS that read nothing but the mask, initializers and each other's outputs."""
+    derived = {mask}
+    chosen = []
+    for node in ordered:
+        reads = node_reads(node) - initializers
+        if (node.op_type in HOST_MASK_OPS and node.domain in ("", "ai.onnx") and reads and reads <= derived):
+            chosen.append(node)
+            derived.update(name for name in node.output if name)
+    return chosen
 
 
 def _wire(steps: list[Segment | ExpertStep], graph: onnx.GraphProto, initializers: set[str]) -> None:
