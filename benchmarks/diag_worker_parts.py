@@ -106,10 +106,12 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
         return taken
 
     segments = [runner for runner in decoder.steps if isinstance(runner, DenseSegment)]
+    on_device = [runner for runner in segments if not runner.segment.on_host]
     first_layer = next(runner for runner in decoder.steps if hasattr(runner, "launch_ahead"))
-    wrapped = [(decoder, "before_last_segment", "settle_all_but"), (segments[0], "run", "first segment"),
+    wrapped = [(decoder, "before_last_segment", "settle_all_but"), (on_device[0], "run", "first segment"),
                (segments[-1], "run", "last segment"), (first_layer, "launch_ahead", "first layer's launch"),
                (decoder, "_run_steps_beside", "steps"), (decoder, "_give_pool_back", "pool given back")]
+    wrapped += [(runner, "run", "mask's segment (host)") for runner in segments if runner.segment.on_host]
 
     def wrap_step_parts(state) -> None:
         """The calls whose moments boundary_parts reads, wrapped (the worker's once the warm-up has made it)."""
