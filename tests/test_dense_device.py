@@ -1089,10 +1089,15 @@ def test_cuda_dense_graphs_replay_what_onnxruntime_runs(monkeypatch, tmp_path, n
                                            f"against the CPU there: {against_cpu[worst]}; every step: {against_cpu}; rerouted: {rerouted})")
     assert failures == [] and captures and all(done for _, done in captures), failures
     segments = len({owner for owner, _ in captures})
-    # the segments between two expert nodes (outputs all on the GPU) without a sliding-window attention
+    # the segments on the GPU but the last (outputs all on the GPU) without a sliding-window attention: the step's
+    # first among them, since the attention mask's lengths are worked out in a segment on the host (dense[0])
     dense = [runner for runner in graphed.decoder.steps if isinstance(runner, dense_segment.DenseSegment)]
+    assert dense[0].segment.on_host and not dense[1].segment.on_host
     assert segments == sum(runner.bindings.total_lengths is not None for runner in dense[1:-1])
     assert segments >= (1 if FP16_MODELS[name].sliding_window is None else 0)
+    if FP16_MODELS[name].sliding_window is None:  # the first segment on the GPU replayed too
+        assert any(binding._graphs is not None and binding._graphs.replays
+                   for binding in dense[1].bindings._by_state.values())
     # per key (the KV buffers' growth makes a second) its warm eager runs and its capture: the rest replayed, through
     # the segment's run (the spy's) or launched again without it
     launched = sum(binding._graphs.replays for runner in dense for binding in runner.bindings._by_state.values()
