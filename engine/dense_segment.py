@@ -21,7 +21,7 @@ from engine import dense_graph
 from engine.decoder_state import DecoderState
 from engine.errors import ModelFileError, WorkbenchError, error_reason, one_line
 from engine.onnx_file import OnnxFile
-from engine.ort_env import CPU_DENSE, DenseDevice, elem_type
+from engine.ort_env import CPU_DENSE, MASK_DENSE, DenseDevice, elem_type
 from engine.partition import Segment
 
 
@@ -55,7 +55,7 @@ class DenseSegment:
     def open(self, input_types: dict[str, int], dense: DenseDevice = CPU_DENSE) -> None:
         segment, source = self.segment, self.source
         if segment.on_host:
-            dense = CPU_DENSE
+            dense = MASK_DENSE
         model = build_segment_model(segment, source, input_types)
         where = f"from node '{segment.nodes[0].name}' to '{segment.nodes[-1].name}'"
         try:
@@ -83,6 +83,10 @@ class DenseSegment:
         (a genai_config that does not match the graph, a token id past the embedding's rows) is a WorkbenchError
         naming the segment, in one line."""
         try:
+            if self.segment.on_host:  # host arrays in and out: no binding to keep, no device to wait for
+                segment = self.segment
+                return dict(zip(segment.outputs, self.session.run(segment.outputs,
+                                                                  {name: values[name] for name in segment.inputs})))
             return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
         except Exception as exc:  # its Python wrapper raises RuntimeError("Error in execution: ..."), its core its own
             if not (type(exc) is RuntimeError or type(exc).__module__.startswith("onnxruntime")):

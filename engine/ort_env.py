@@ -311,6 +311,7 @@ class DenseDevice:
     backend: object = None
     arena_left: int | None = None  # where the arena in force was registered by an earlier model (shared_arena_cap):
     #                               what this model's gpu_device_mem_limit left for it (0: no limit)
+    threads: int | None = None   # onnxruntime's intra-op threads (None: one on the GPU, below; a thread a core on the CPU)
 
     def providers(self) -> list:
         if self.kind != "cuda":
@@ -325,7 +326,9 @@ class DenseDevice:
     dense_pool_on_gpu = False
 
     def session_options(self, external_data_folder: str | None = None) -> ort.SessionOptions:
-        threads = 1 if self.kind == "cuda" and not DenseDevice.dense_pool_on_gpu else None
+        threads = self.threads
+        if threads is None and self.kind == "cuda" and not DenseDevice.dense_pool_on_gpu:
+            threads = 1
         options = session_options(external_data_folder, threads=threads)
         if self.kind == "cuda":
             if not _register_shared_cpu_arena():  # (where it is, session_options asked for the env's allocators)
@@ -353,6 +356,9 @@ class DenseDevice:
 
 
 CPU_DENSE = DenseDevice("cpu", "no GPU device is in use")
+# The attention mask's lengths (partition.HOST_MASK_OPS): a few integer operations on the caller's thread; a pool's
+# threads would only have to wake, beside the expert kernels' (~100 µs a step on the H100 hosts, against ~10)
+MASK_DENSE = DenseDevice("cpu", "the attention mask's lengths are worked out on the host", threads=1)
 
 
 def kv_dtype_reason(kv_dtypes) -> str | None:

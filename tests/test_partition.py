@@ -6,6 +6,7 @@ import os
 import threading
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from engine.dense_segment import DenseSegment
@@ -50,6 +51,16 @@ def test_the_attention_masks_lengths_are_worked_out_on_the_host(name):
     assert sorted(host.outputs) == [f"{pre}/Gather/Cast/output_0", f"{pre}/Sub/Cast/output_0"]
     assert "attention_mask" not in first.inputs and "input_ids" in first.inputs
     assert first.nodes[0].op_type != "ReduceSum"
+
+
+def test_the_masks_segment_runs_on_one_host_thread_and_gives_the_lengths():
+    model = LoadedModel.open(fixture_folder("qwen35moe"))
+    host = model.decoder.steps[0]
+    assert host.segment.on_host and host.session.get_providers() == ["CPUExecutionProvider"]
+    assert host.session.get_session_options().intra_op_num_threads == 1
+    pre = "/model/attn_mask_reformat/attn_mask_subgraph"
+    lengths = host.run({"attention_mask": np.ones((1, 5), np.int64)}, model.new_state())
+    assert lengths[f"{pre}/Sub/Cast/output_0"].tolist() == [4] and int(lengths[f"{pre}/Gather/Cast/output_0"]) == 5
 
 
 def test_a_mask_made_into_a_large_tensor_stays_on_the_device():
