@@ -105,3 +105,28 @@ def test_a_slow_step_between_steady_ones_is_held_then_dropped():
     # a step only a little slower than predicted (steady noise) counts
     run(gate, [step_calls(rng, slower=1.3)])
     assert not gate._held and gate.left_out == 1
+
+
+@pytest.mark.parametrize("fit", [True, False])
+def test_a_steps_calls_reach_the_rate_as_one_call_at_a_time_would_leave_it(fit):
+    """CpuRate.observe_many (the gate's hand-over at a step's end) against observe() call by call, on random calls
+    with a few that observe() skips (no bytes, no time), from an empty rate and from one with a fitted line."""
+    rng = np.random.default_rng(4)
+    for start in (0, 30):
+        one, many = CpuRate(fit=fit), CpuRate(fit=fit)
+        for _ in range(start):
+            nbytes, seconds = int(rng.integers(1, 8)) << 20, float(rng.uniform(1e-4, 1e-3))
+            one.observe(nbytes, seconds)
+            many.observe(nbytes, seconds)
+        calls = [(int(rng.integers(1, 8)) << 20, float(rng.uniform(1e-4, 1e-3))) for _ in range(48)]
+        calls[5], calls[17] = (0, 1e-4), (1 << 20, 0.0)
+        for nbytes, seconds in calls:
+            one.observe(nbytes, seconds)
+        many.observe_many(calls)
+        assert many._calls == one._calls == start + 46
+        assert many._sums == pytest.approx(one._sums, rel=1e-12)
+        assert many.average == pytest.approx(one.average, rel=1e-12)
+        assert (many.value, many.fixed_s) == pytest.approx((one.value, one.fixed_s), rel=1e-9)
+    empty = CpuRate()
+    empty.observe_many([(0, 1.0)])
+    assert empty.value is None and empty._calls == 0

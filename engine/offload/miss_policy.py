@@ -88,6 +88,27 @@ class CpuRate:
         self._calls += 1
         self._stale = True  # refitted when read: layers without slots observe calls nobody prices
 
+    def observe_many(self, calls: list[tuple[int, float]]) -> None:
+        """observe() of each (bytes, seconds) in `calls`, in order, in a few array operations: the sums come out as
+        one call at a time would leave them, to rounding. (SpikeGate hands over a "both" step's calls at its end,
+        where the GPU idles: 48 observe() calls took ~100 µs of it on the H100 host, sixty-first session.)"""
+        x, y = np.asarray(calls, np.float64).reshape(-1, 2).T
+        counted = (x > 0) & (y > 0)
+        x, y = x[counted], y[counted]
+        if x.size == 0:
+            return
+        rates = x / y
+        if self.average is None:
+            self.average, rates = float(rates[0]), rates[1:]
+        weights = self.keep ** np.arange(rates.size - 1, -1, -1)
+        self.average = self.keep ** rates.size * self.average + (1 - self.keep) * float(weights @ rates)
+        weights = self.fit_keep ** np.arange(x.size - 1, -1, -1)
+        added = (weights.sum(), weights @ x, weights @ y, weights @ (x * x), weights @ (x * y))
+        decay = self.fit_keep ** x.size
+        self._sums = [decay * old + float(new) for old, new in zip(self._sums, added)]
+        self._calls += x.size
+        self._stale = True
+
     def _line(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per byte) of the fitted line, or None where the calls do not give one."""
         if self._calls < self.min_calls:

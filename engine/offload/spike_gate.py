@@ -46,12 +46,11 @@ class SpikeGate:
         elif self._slow_in_row:
             self.left_out += self._slow_in_row
         self._held, self._slow_in_row = [], 0
-        for nbytes, seconds in calls:
-            self.rate.observe(nbytes, seconds)
+        self.rate.observe_many(calls)
 
     def _slower_than_predicted(self, calls: list[tuple[int, float]]) -> bool:
         bytes_per_s = self.rate.value
         if bytes_per_s is None:  # nothing to predict with yet
             return False
-        predicted = sum(self.rate.fixed_s + nbytes / bytes_per_s for nbytes, _ in calls)
+        predicted = len(calls) * self.rate.fixed_s + sum(nbytes for nbytes, _ in calls) / bytes_per_s
         return sum(seconds for _, seconds in calls) > self.ratio * predicted
