@@ -43,13 +43,34 @@ def _own_seconds(times, children: bool) -> float:
     return seconds + getattr(times, "children_user", 0.0) + getattr(times, "children_system", 0.0) if children else seconds
 
 
-def our_cpus(count: int) -> list[int]:
-    """The CPUs (indices into psutil's per-CPU times) this process may run on: all where the system cannot say."""
+ONLINE_CPUS = "/sys/devices/system/cpu/online"
+
+
+def cpu_numbers(count: int) -> list[int]:
+    """The CPU number of each of psutil's `count` per-CPU entries. psutil promises only that their order stays the same
+    across calls; on Linux they are /proc/stat's cpuN lines with N dropped, which the kernel writes for the online CPUs
+    in ascending order: with CPU 2 offline the third entry is CPU 3. Where the online list cannot be read or does not
+    match (not Linux; a CPU going on- or offline between the two reads): entry i is CPU i."""
     try:
-        ours = sorted(cpu for cpu in os.sched_getaffinity(os.getpid()) if cpu < count)
+        with open(ONLINE_CPUS, encoding="ascii") as file:
+            text = file.read().strip()
+        numbers = []
+        for part in text.split(","):  # "0-1,3-7"
+            first, _, last = part.partition("-")
+            numbers.extend(range(int(first), int(last or first) + 1))
+    except (OSError, ValueError):
+        return list(range(count))
+    return numbers if len(numbers) == count else list(range(count))
+
+
+def our_cpus(count: int) -> list[int]:
+    """The indices into psutil's per-CPU lists (`count` entries) of the CPUs this process may run on (its affinity,
+    which names CPUs by number): all where the system cannot say."""
+    try:
+        allowed = os.sched_getaffinity(os.getpid())
     except (AttributeError, OSError):  # (not Linux)
-        ours = []
-    return ours or list(range(count))
+        return list(range(count))
+    return [index for index, cpu in enumerate(cpu_numbers(count)) if cpu in allowed] or list(range(count))
 
 
 class HostLoadMeter:

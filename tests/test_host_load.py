@@ -75,3 +75,31 @@ def test_only_the_cpus_this_process_may_run_on_count(monkeypatch):
     monkeypatch.setattr(host_load.psutil, "Process", lambda: type("P", (), {"cpu_times": lambda self: next(owns)})())
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1})
     assert host_load.HostLoadMeter().read() == host_load.HostLoad(0.0, 0.0)
+
+
+def test_with_a_cpu_offline_psutil_s_entries_are_the_online_cpus_in_order(monkeypatch, tmp_path):
+    """psutil's per-CPU entries are /proc/stat's lines for the online CPUs, their numbers dropped: with CPU 2 of 8
+    offline, entry 2 is CPU 3. Pinned to CPUs 6-7 (taskset), the meter read entries 6 and beyond (CPU 7 only, its
+    other entry out of range): a build on CPU 6 (entry 5) was not seen."""
+    online = tmp_path / "online"
+    online.write_text("0-1,3-7\n")
+    monkeypatch.setattr(host_load, "ONLINE_CPUS", str(online))
+    assert host_load.cpu_numbers(7) == [0, 1, 3, 4, 5, 6, 7]
+    assert host_load.cpu_numbers(8) == list(range(8))  # the lists disagree (a CPU came online between): by position
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {6, 7})
+    assert host_load.our_cpus(7) == [5, 6]
+    quiet = Machine(0, 0, 0, 100, 0, 0, 0, 0, 0, 0)
+    idle, busy = quiet._replace(idle=200), quiet._replace(user=100)  # CPU 6: the build, the whole time
+    cpus = iter([[quiet] * 7, [idle] * 5 + [busy, idle]])
+    monkeypatch.setattr(host_load.psutil, "cpu_times", lambda percpu=False: next(cpus))
+    owns = iter([Own(0, 0, 0, 0), Own(0, 0, 0, 0)])
+    monkeypatch.setattr(host_load.psutil, "Process", lambda: type("P", (), {"cpu_times": lambda self: next(owns)})())
+    assert host_load.HostLoadMeter().read() == host_load.HostLoad(0.0, 0.5)
+
+
+def test_without_the_online_list_entry_i_is_cpu_i(monkeypatch, tmp_path):
+    monkeypatch.setattr(host_load, "ONLINE_CPUS", str(tmp_path / "missing"))
+    assert host_load.cpu_numbers(4) == [0, 1, 2, 3]
+    (tmp_path / "garbled").write_text("0-x\n")
+    monkeypatch.setattr(host_load, "ONLINE_CPUS", str(tmp_path / "garbled"))
+    assert host_load.cpu_numbers(4) == [0, 1, 2, 3]

@@ -190,3 +190,30 @@ def test_a_build_s_short_lived_jobs_are_named_by_the_build_on_this_process_s_cpu
     top = probe.sample()["top_cpu"]
     assert [p["name"] for p in top] == ["make and 1 process it started", "editor", "kswapd0", "kworker/1:1"]
     assert top[0]["cores"] / top[1]["cores"] == pytest.approx(2.0)  # make 0.01 + 0.1 + its jobs 0.03, cc1 0.06
+
+
+def test_with_a_cpu_offline_the_cores_this_process_may_run_on_are_found_by_number(monkeypatch, tmp_path):
+    """psutil's per-core list has the online CPUs in order, their numbers dropped: with CPU 2 of 8 offline, a
+    workbench pinned to CPUs 6-7 (taskset) beside a build on both read entries 6 and 7 (CPU 7, and past the list's
+    end): 'other processes use 0.9 of the 1 CPU cores this process may run on', and the walk that names them looked
+    for processes allowed on CPUs 6 and 7 by those entries' positions, not their numbers."""
+    from app.gui.contention import check_sample
+    from engine import host_load
+
+    online = tmp_path / "online"
+    online.write_text("0-1,3-7\n")
+    monkeypatch.setattr(host_load, "ONLINE_CPUS", str(online), raising=False)
+    monkeypatch.setattr(telemetry.psutil, "cpu_percent",
+                        lambda interval, percpu=False: [0.0] * 5 + [100.0, 100.0])
+    monkeypatch.setattr(telemetry.psutil, "cpu_times_percent", lambda interval, percpu=False: [_Steal(0.0)] * 7)
+    monkeypatch.setattr(telemetry.psutil, "virtual_memory", lambda: _Memory(total=16 << 30, available=12 << 30))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {6, 7})
+    probe = telemetry.SystemProbe(nvml=False)
+    probe.me = _Process(rss=1 << 30, shared=0, cores=0.1)
+    walked = []
+    monkeypatch.setattr(probe._walk, "walk", lambda ours: walked.append(ours) or ([], []))
+    sample = probe.sample()
+    assert sample["cpu_ours"] == [5, 6] and sample["others_cpu_cores"] == pytest.approx(1.9)
+    assert walked == [{6, 7}]
+    assert check_sample(dict(sample, gpu=None)) == [
+        "Other processes use 1.9 of the 2 CPU cores this process may run on (of 7)."]

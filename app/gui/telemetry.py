@@ -15,7 +15,7 @@ import psutil
 from PySide6.QtCore import QObject, Qt, QThread, QTimer, Signal, Slot
 
 from app.gui.competitors import ProcessWalk
-from engine.host_load import our_cpus
+from engine.host_load import cpu_numbers, our_cpus
 from engine.nvml import Nvml
 
 
@@ -61,7 +61,8 @@ class SystemProbe:
         others_cpu = max(0.0, sum(per_core[cpu] for cpu in ours) / 100.0 - this_cpu - steal * len(ours))
         low_memory = memory.available < 0.1 * memory.total
         if self._samples % self.SCAN_EVERY == 0 or others_cpu >= self.SCAN_WHEN_OTHERS or low_memory:
-            self._top = self._walk.walk(set(ours))
+            numbers = cpu_numbers(len(per_core))  # (other processes' affinities name CPUs by number)
+            self._top = self._walk.walk({numbers[index] for index in ours})
         self._samples += 1
         top_cpu, top_ram = self._top
         gpu = self.nvml.sample() if self.nvml else None
