@@ -513,6 +513,27 @@ def test_paused_graphs_say_so(qtbot):
     assert "paused" not in graphs.status.text() and "2 samples" in graphs.status.text()
 
 
+def test_a_cpu_put_online_or_offline_leaves_a_gap_in_its_line_not_a_broken_graph(qtbot):
+    """A CPU coming online (a VM given another vCPU) makes the samples' per-core lists of two lengths: drawing them
+    raised ValueError (an inhomogeneous array) on every sample for the ten minutes of history, each one an 'Internal
+    error' message and an error marker, and the contention warnings after the graphs were never checked."""
+    from app.gui.graphs_panel import GraphsPanel
+
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0, 50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+              "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+              "gpu": None}
+    graphs.add_sample(sample)
+    graphs.add_sample(dict(sample, t=2.0, cpu_per_core=[50.0, 50.0, 100.0]))
+    assert "3 cores" in graphs.cpu_plot.header.text()
+    _, third = graphs.core_curves[2].getData()
+    assert np.isnan(third[0]) and third[1] == 100.0
+    graphs.add_sample(dict(sample, t=3.0))  # and offline again
+    assert "2 cores" in graphs.cpu_plot.header.text() and len(graphs.samples) == 3
+
+
 def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):
     """psutil raising on every tick left the graphs at 'waiting for the first sample…' with no word: the failure is
     reported once, in one line naming it, and the graphs' note goes when a sample comes."""

@@ -262,18 +262,22 @@ class GraphsPanel(QWidget):
         used_peak = float((ram_this + ram_others).max()) if len(ram_this) else 0.1
         self.ram_plot.setYRange(0, max(used_peak * 1.25, 0.1), padding=0)
 
-        cores = np.array([s.get("cpu_per_core") or [0.0] for s in samples], dtype=float)
+        per_core = [s.get("cpu_per_core") or [0.0] for s in samples]
+        # a CPU put on- or offline changes the count: samples without an entry leave a gap in its line
+        width = max(map(len, per_core))
+        cores = np.array([row + [np.nan] * (width - len(row)) for row in per_core], dtype=float)
         while len(self.core_curves) < cores.shape[1]:
-            self.core_curves.append(self.cpu_plot.plot(pen=_pen(t.muted, 1, alpha=110)))
+            self.core_curves.append(self.cpu_plot.plot(pen=_pen(t.muted, 1, alpha=110), connect="finite"))
         for index, curve in enumerate(self.core_curves):
             curve.setData(x, cores[:, index] if index < cores.shape[1] else np.zeros_like(x))
         self.curves["cpu_total"].setData(x, col("cpu_total"))
         self.curves["cpu_total"].setZValue(10)
-        ours = len(last.get("cpu_ours") or range(cores.shape[1]))
-        where = "" if ours == cores.shape[1] else f" of this process's {ours}"  # (its affinity)
+        count = len(per_core[-1])
+        ours = len(last.get("cpu_ours") or range(count))
+        where = "" if ours == count else f" of this process's {ours}"  # (its affinity)
         self.cpu_plot.header.setText(
             _title("CPU", [(t.accent, f"total {last['cpu_total']:.0f}%"),
-                           (t.muted, f"{cores.shape[1]} cores"),
+                           (t.muted, f"{count} cores"),
                            (t.others, f"other processes {last.get('others_cpu_cores', 0):.1f} cores{where}")], t))
 
         tps = col("tokens_per_s")
