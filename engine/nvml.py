@@ -37,6 +37,31 @@ def init() -> str:
     return ""
 
 
+def cuda_handle(nv, index: int):
+    """NVML's handle of the GPU CUDA calls device `index` in this process. NVML numbers every GPU of the machine, CUDA
+    only those CUDA_VISIBLE_DEVICES lists, in its order: the machine's indices (NVML's where CUDA_DEVICE_ORDER is
+    PCI_BUS_ID or the GPUs are alike) or UUIDs, whole or their start."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return nv.nvmlDeviceGetHandleByIndex(index)
+    entries = [entry.strip() for entry in visible.split(",")] if visible.strip() else []
+    if index >= len(entries):
+        raise LookupError(f"CUDA_VISIBLE_DEVICES={visible!r} leaves this process no GPU {index}")
+    entry = entries[index]
+    if entry.isdigit():
+        return nv.nvmlDeviceGetHandleByIndex(int(entry))
+    try:  # a whole UUID: a GPU's, or a MIG instance's (GPU-..., MIG-...)
+        return nv.nvmlDeviceGetHandleByUUID(entry)
+    except Exception:
+        pass
+    for machine_index in range(nv.nvmlDeviceGetCount()):
+        handle = nv.nvmlDeviceGetHandleByIndex(machine_index)
+        uuid = nv.nvmlDeviceGetUUID(handle)
+        if (uuid.decode() if isinstance(uuid, bytes) else str(uuid)).startswith(entry):
+            return handle
+    raise LookupError(f"no GPU's UUID starts with CUDA_VISIBLE_DEVICES's {entry!r}")
+
+
 class Nvml:
     """NVML through nvidia-ml-py, with the fallbacks nvitop uses across driver versions."""
 
@@ -53,7 +78,7 @@ class Nvml:
             if count == 0:
                 self.note = "NVML found no NVIDIA GPU"
                 return
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self.handle = cuda_handle(pynvml, index)
             name = pynvml.nvmlDeviceGetName(self.handle)
             self.name = name.decode() if isinstance(name, bytes) else str(name)
         except Exception as exc:

@@ -161,3 +161,47 @@ def test_a_process_is_named_by_its_script_or_module_never_by_inline_code():
     assert nvml.describe(Proc("python", "-c", code), "python") == "python -c"  # was 'python  8); time.sleep(60)'
     assert nvml.describe(Proc("bash", "-c", "make -j8"), "bash") == "bash -c"
     assert nvml.describe(Proc("firefox", "-P"), "firefox") == "firefox"
+
+
+class TwoGpus(FakeNvml):
+    """A machine of two GPUs; this process's 6 GiB on the second."""
+
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return f"gpu{index}"
+
+    def nvmlDeviceGetName(self, handle):
+        return {"gpu0": b"NVIDIA A", "gpu1": b"NVIDIA B"}[handle]
+
+    def nvmlDeviceGetUUID(self, handle):
+        return {"gpu0": "GPU-0a1b2c3d-0000", "gpu1": "GPU-9f8e7d6c-1111"}[handle]
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        used = {"gpu0": 70 << 30, "gpu1": 6 << 30}[handle]
+        return SimpleNamespace(total=80 << 30, used=used, free=(80 << 30) - used)
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle):
+        return [SimpleNamespace(pid=os.getpid(), usedGpuMemory=6 << 30)] if handle == "gpu1" else []
+
+
+def test_the_gpu_sampled_is_the_one_cuda_visible_devices_gives_this_process(monkeypatch):
+    """NVML numbers every GPU of the machine, CUDA only those CUDA_VISIBLE_DEVICES lists: with
+    CUDA_VISIBLE_DEVICES=1 the model ran on the machine's second GPU while the graphs, the budget panel and the run
+    records read the first, another user's 70 GiB ('Other processes hold 70.0 GiB of the GPU's 80.0 GiB') and none
+    of this process's."""
+    monkeypatch.setattr(nvml, "pynvml", TwoGpus([]))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert nvml.Nvml().sample()["name"] == "NVIDIA A"
+    for visible in ("1", "1,0", "GPU-9f8e7d6c-1111", "GPU-9f8e"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        sample = nvml.Nvml().sample()
+        assert sample["name"] == "NVIDIA B" and sample["this"] == 6 << 30 and sample["others"] == 0, visible
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert nvml.Nvml(1).sample()["name"] == "NVIDIA A"
+    for visible, why in (("", "CUDA_VISIBLE_DEVICES='' leaves this process no GPU 0"),
+                         ("GPU-ffff", "no GPU's UUID starts with CUDA_VISIBLE_DEVICES's 'GPU-ffff'")):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        hidden = nvml.Nvml()
+        assert hidden.sample() is None and hidden.note == f"no NVIDIA GPU ({why})"
