@@ -534,6 +534,42 @@ def test_a_cpu_put_online_or_offline_leaves_a_gap_in_its_line_not_a_broken_graph
     assert "2 cores" in graphs.cpu_plot.header.text() and len(graphs.samples) == 3
 
 
+def test_a_gpu_that_stops_answering_mid_run_is_not_said_to_be_missing(qtbot, monkeypatch):
+    """NVML failing mid-run (the GPU lost, the driver reloaded) hid the VRAM graphs under 'NVML stopped answering
+    (...). VRAM and GPU utilisation graphs appear on a machine with one.': on a machine with one. The window goes on,
+    the note says the graphs come back when NVML answers, and they do."""
+    import engine.nvml as nvml
+    from app.gui.graphs_panel import GraphsPanel
+    from tests.test_nvml import FakeNvml
+
+    class Lost(Exception):
+        pass
+
+    fake = FakeNvml([])
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    gpu = nvml.Nvml()
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+              "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30}
+    graphs.add_sample(dict(sample, gpu=gpu.sample(), gpu_note=""))
+    assert graphs.vram_plot.header.isVisible()
+
+    def lost(handle):
+        raise Lost("GPU is lost")
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetMemoryInfo", lost)
+    graphs.add_sample(dict(sample, t=2.0, gpu=gpu.sample(), gpu_note=gpu.note))
+    assert not graphs.vram_plot.header.isVisible()
+    assert graphs.gpu_note.text() == ("<b>GPU:</b> NVML stopped answering (GPU is lost). The VRAM and GPU "
+                                      "utilisation graphs come back when it answers again.")
+    monkeypatch.undo()
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    graphs.add_sample(dict(sample, t=3.0, gpu=gpu.sample(), gpu_note=""))
+    assert graphs.vram_plot.header.isVisible() and graphs.gpu_note.isHidden()
+
+
 def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):
     """psutil raising on every tick left the graphs at 'waiting for the first sample…' with no word: the failure is
     reported once, in one line naming it, and the graphs' note goes when a sample comes."""

@@ -46,6 +46,7 @@ class GraphsPanel(QWidget):
         self._answering_since: float | None = None
         self._answering_s = 0.0
         self._simulated: dict | None = None  # the loaded model's simulated GPU, as the engine accounts it
+        self._gpu_seen = False  # a sample read the GPU once
         self._theme = theme.current()
 
         self.pause_button = QPushButton("Pause")
@@ -186,6 +187,7 @@ class GraphsPanel(QWidget):
         while self.samples and self.samples[0]["t"] < now - HISTORY_S:
             self.samples.popleft()
         gpu = sample.get("gpu") is not None
+        self._gpu_seen = self._gpu_seen or gpu
         if gpu != self._gpu_rows_shown:
             self._show_gpu(gpu)
         if not gpu:
@@ -202,7 +204,10 @@ class GraphsPanel(QWidget):
 
     def _show_gpu_note(self, why: str) -> None:
         """Without an NVIDIA GPU to sample: why, and the simulated GPU's memory where a model runs on one."""
-        text = f"<b>GPU:</b> {why}. VRAM and GPU utilisation graphs appear on a machine with one."
+        if self._gpu_seen:  # it answered before: NVML fails now, the GPU is there
+            text = f"<b>GPU:</b> {why}. The VRAM and GPU utilisation graphs come back when it answers again."
+        else:
+            text = f"<b>GPU:</b> {why}. VRAM and GPU utilisation graphs appear on a machine with one."
         memory = self._simulated
         if memory:
             text += (f"<br><b>{memory['name']}</b> (the engine's own count): {human_bytes(memory['used'])} in use of "
