@@ -6,6 +6,7 @@ from __future__ import annotations
 import configparser
 import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -568,6 +569,26 @@ def test_a_gpu_that_stops_answering_mid_run_is_not_said_to_be_missing(qtbot, mon
     monkeypatch.setattr(nvml, "pynvml", fake)
     graphs.add_sample(dict(sample, t=3.0, gpu=gpu.sample(), gpu_note=""))
     assert graphs.vram_plot.header.isVisible() and graphs.gpu_note.isHidden()
+
+
+def test_where_the_driver_hides_whose_vram_is_whose_this_process_is_not_said_to_hold_none(qtbot, monkeypatch):
+    """A driver (or a container) that hides per-process memory: the VRAM header read 'this process 0.00' beside
+    'others 30.00 (ours included ...)', a wrong number for a model holding most of the 30 GiB."""
+    import engine.nvml as nvml
+    from app.gui.graphs_panel import GraphsPanel
+    from tests.test_nvml import FakeNvml
+
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([(os.getpid(), 0)], hide_per_process=True))
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    graphs.add_sample({"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+                       "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+                       "gpu": nvml.Nvml().sample(), "gpu_note": ""})
+    header = graphs.vram_plot.header.text()
+    assert "this process 0.00" not in header
+    assert "in use 30.00 (this process's and others': the driver does not say whose)" in header
+    assert "free 50.0 of 80.0 GiB" in header
 
 
 def test_a_failing_sampler_says_so_once_and_a_working_sample_clears_it(qapp):

@@ -301,11 +301,15 @@ class GraphsPanel(QWidget):
             self.curves["vram_used"].setData(x, used)
             self.curves["vram_total"].setData(x, total)
             self.vram_plot.setYRange(0, max(total.max(), 0.1) * 1.02, padding=0)
-            per = "" if gpu.get("per_process", True) else " (ours included: the driver does not say whose)"
+            if gpu.get("per_process", True):
+                held = [(t.accent, f"this process {gpu['this'] / GIB:.2f}"),
+                        (t.others, f"others {gpu['others'] / GIB:.2f}")]
+            else:  # (this process's share unknown: 0 is not its figure)
+                held = [(t.others, f"in use {gpu['used'] / GIB:.2f} (this process's and others': the driver does not "
+                                   "say whose)")]
             self.vram_plot.header.setText(
-                _title(f"VRAM — {gpu.get('name', 'GPU')}", [(t.accent, f"this process {gpu['this'] / GIB:.2f}"),
-                                                          (t.others, f"others {gpu['others'] / GIB:.2f}{per}"),
-                                                          (t.muted, f"free {gpu['free'] / GIB:.1f} of {gpu['total'] / GIB:.1f} GiB")], t))
+                _title(f"VRAM — {gpu.get('name', 'GPU')}",
+                       held + [(t.muted, f"free {gpu['free'] / GIB:.1f} of {gpu['total'] / GIB:.1f} GiB")], t))
             util = np.array([g.get("util") or 0.0 for g in gs], dtype=float)
             self.curves["gpu_util"].setData(x, util)
             self.util_plot.header.setText(_title("GPU utilisation", [(t.accent, f"{util[-1]:.0f}%")], t))
