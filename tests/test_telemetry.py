@@ -217,3 +217,24 @@ def test_with_a_cpu_offline_the_cores_this_process_may_run_on_are_found_by_numbe
     assert walked == [{6, 7}]
     assert check_sample(dict(sample, gpu=None)) == [
         "Other processes use 1.9 of the 2 CPU cores this process may run on (of 7)."]
+
+
+def test_a_group_whose_leader_only_waits_is_named_by_the_process_that_works(monkeypatch):
+    """`timeout 600 python -m pytest` and `nohup python train.py` lead their process group while the python does the
+    work: three such groups were warned about as 'timeout and 1 process it started (87%), timeout and 1 process it
+    started (71%), ...', names that say neither what runs nor which is which. A leader that only waits for one busy
+    process gives way to it; a build's make, whose jobs' time is its own, still names the build."""
+    import time
+
+    timeout = _Proc(50, "timeout", 1)
+    pytest_ = _Proc(51, "python", 50, own=1.0)
+    running = [timeout, pytest_]
+    monkeypatch.setattr(telemetry.psutil, "process_iter", lambda attrs=None: iter(list(running)))
+    monkeypatch.setattr("os.getpgid", lambda pid: {50: 50, 51: 50}.get(pid, 999))
+    walk = telemetry.ProcessWalk(me=-1)
+    walk.walk({0, 1})
+    time.sleep(0.2)
+    pytest_.own += 0.1
+    top, _ = walk.walk({0, 1})
+    assert [p["name"] for p in top] == ["python (started by timeout)"]
+    assert top[0]["pid"] == 51 and top[0]["cores"] == pytest.approx(0.5, rel=0.2)

@@ -5,7 +5,8 @@ children_user/children_system), less what the walk before had counted for those 
 compilers a build starts and ends between two walks (make -j's cc1, cargo's rustc) count toward the long-lived process
 that waited for them; they were never named when each process needed two walks of its own to have a CPU figure.
 The busy processes are then grouped by process group (a build's make and every job it started share one), named by
-its leader, and only processes allowed on this process's CPUs count: a build pinned to other cores does not compete.
+its leader (or by the one busy process a leader that works less only waits for: timeout's, nohup's), and only
+processes allowed on this process's CPUs count: a build pinned to other cores does not compete.
 """
 
 from __future__ import annotations
@@ -109,10 +110,16 @@ class ProcessWalk:
         for key, members in sorted(groups.items(), key=lambda item: -sum(r["cores"] for r in item[1]))[:5]:
             leader = rows.get(key)  # the group's leader (busy or not), or the lone process itself
             head = leader or min(members, key=lambda r: r["created"])
-            name = describe(head["proc"], head["name"])
-            more = len([r for r in members if r is not head])
-            if more:
-                name += f" and {more} process{'es' if more > 1 else ''} " + ("it started" if leader else "more")
+            rest = [r for r in members if r is not head]
+            if leader and len(rest) == 1 and rest[0]["cores"] > leader["cores"]:
+                # a leader that only waits for the one process that works (timeout, nohup, a shell): that one named
+                head, rest = rest[0], []
+                name = f"{describe(head['proc'], head['name'])} (started by {describe(leader['proc'], leader['name'])})"
+            else:
+                name = describe(head["proc"], head["name"])
+            if rest:
+                name += (f" and {len(rest)} process{'es' if len(rest) > 1 else ''} "
+                         + ("it started" if leader else "more"))
             named.append({"pid": head["pid"], "name": name, "cores": sum(r["cores"] for r in members),
                           "rss": sum(r["rss"] for r in members)})
         return named
