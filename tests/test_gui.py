@@ -852,6 +852,9 @@ def test_contention_banner_names_the_processes(qtbot, window):
     window.watch.add(4e9)
     window._on_sample(dict(sample, others_cpu_cores=0.0, top_cpu=[]))
     assert "fell to 4.00 GB/s from 10.00 GB/s" in window.contention_banner.text()
+    window._on_sample(sample)  # baloo_file back on the cores: it, not memory bandwidth, is what the drop is put to
+    assert "(40%) as other processes or guests take its CPUs' time." in window.contention_banner.text()
+    assert "memory bandwidth" not in window.contention_banner.text()
     for rate in (10e9,) * 5:  # the CPU's throughput back, the other processes quiet: the banner goes
         window.watch.add(rate)
     for _ in range(CALM_SAMPLES):

@@ -295,6 +295,25 @@ def test_the_throughput_watch_measures_against_its_best_not_a_cold_start():
                                "(40%): something competes for memory bandwidth.")
 
 
+def test_a_throughput_drop_while_other_processes_take_the_cores_is_not_blamed_on_memory_bandwidth():
+    """The kernels' rate is of their wall time: other processes on their cores (or the automatic thread count giving
+    way to them) slow it as much as a bandwidth thief. The banner said 'Other processes use 6.0 of 8 CPU cores' and
+    then 'CPU expert throughput fell ...: something competes for memory bandwidth', a second, wrong cause."""
+    from app.gui.contention import cpu_taken
+
+    watch = ThroughputWatch()
+    for rate in (1,) + (10,) * 5 + (4,) * 5:
+        watch.add(rate * 1e9)
+    calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
+    assert not cpu_taken(calm)
+    assert watch.warning(cpu_taken(calm)).endswith("(40%): something competes for memory bandwidth.")
+    for busy in (dict(calm, others_cpu_cores=6.0), dict(calm, cpu_steal_share=0.3)):
+        assert cpu_taken(busy) and len(check_sample(busy)) == 1
+        assert watch.warning(cpu_taken(busy)) == (
+            "CPU expert throughput fell to 4.00 GB/s from 10.00 GB/s since the model was loaded (40%) as other "
+            "processes or guests take its CPUs' time.")
+
+
 def test_the_host_memory_warning_blames_this_process_when_it_holds_most():
     """Experts copied into RAM (allow_file_backing=0) fill host memory: the model's own, not the other processes' that
     happen to be largest, so the warning says what this process holds and what leaves room."""

@@ -42,14 +42,28 @@ def _names(items, fmt) -> str:
     return ", ".join(fmt(item) for item in items[:3])
 
 
+def _cores(sample: dict) -> tuple[int, int]:
+    """(the CPU cores this process may run on, all the machine's): a build pinned to the others does not compete."""
+    all_cores = max(1, len(sample.get("cpu_per_core") or [1]))
+    return len(sample.get("cpu_ours") or range(all_cores)), all_cores
+
+
+def _others_take_cores(sample: dict) -> bool:
+    return sample.get("others_cpu_cores", 0.0) >= max(OTHERS_CPU_MIN_CORES, OTHERS_CPU_SHARE * _cores(sample)[0])
+
+
+def cpu_taken(sample: dict) -> bool:
+    """Whether other processes, or a virtual machine's other guests, take a significant share of this process's CPUs
+    (check_sample warns of either)."""
+    return _others_take_cores(sample) or sample.get("cpu_steal_share", 0.0) >= CPU_STEAL_SHARE
+
+
 def check_sample(sample: dict) -> list[str]:
     """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry)."""
     warnings = []
-    all_cores = max(1, len(sample.get("cpu_per_core") or [1]))
-    # only the cores this process may run on (its affinity): a build pinned to the others does not compete
-    cores = len(sample.get("cpu_ours") or range(all_cores))
+    cores, all_cores = _cores(sample)
     others = sample.get("others_cpu_cores", 0.0)
-    if others >= max(OTHERS_CPU_MIN_CORES, OTHERS_CPU_SHARE * cores):
+    if _others_take_cores(sample):
         top = [p for p in sample.get("top_cpu", []) if p["cores"] >= 0.05]
         where = (f"{cores} CPU cores" if cores == all_cores else
                  f"the {cores} CPU cores this process may run on (of {all_cores})")
@@ -151,9 +165,12 @@ class ThroughputWatch:
     def current(self) -> float:
         return statistics.median(self.recent) if len(self.recent) >= self.recent_samples else 0.0
 
-    def warning(self) -> str:
+    def warning(self, cpu_taken: bool = False) -> str:
+        """The drop, said where it is clear; with `cpu_taken` (contention.cpu_taken) the kernels' threads lose CPU
+        time, which slows them as much (their rate is of wall time), so memory bandwidth is not what it names."""
         if not self.baseline or not self.current or self.current >= THROUGHPUT_DROP * self.baseline:
             return ""
+        cause = (" as other processes or guests take its CPUs' time" if cpu_taken
+                 else ": something competes for memory bandwidth")
         return (f"CPU expert throughput fell to {self.current / 1e9:.2f} GB/s from {self.baseline / 1e9:.2f} GB/s "
-                f"since the model was loaded ({self.current / self.baseline:.0%}): something competes for memory "
-                "bandwidth.")
+                f"since the model was loaded ({self.current / self.baseline:.0%}){cause}.")

@@ -21,7 +21,7 @@ from app.gui import theme
 from app.gui.budget_panel import BudgetPanel
 from app.gui.chat_panel import ChatPanel, answered_text
 from app.gui.collector import GuiCollector
-from app.gui.contention import ThroughputWatch, WarningHold, check_sample
+from app.gui.contention import ThroughputWatch, WarningHold, check_sample, cpu_taken
 from app.gui.contention_view import ContentionView
 from app.gui.engine_worker import WorkerThread
 from app.gui.graphs_panel import GraphsPanel
@@ -656,7 +656,7 @@ class MainWindow(QMainWindow):
         self.budget_panel.set_gpu(sample.get("gpu"))
         if self.busy == "generating":
             warnings = check_sample(sample)
-            slow = self.watch.warning()
+            slow = self.watch.warning(cpu_taken(sample))
             if slow:
                 warnings.append(slow)
             self.show_contention(self.warnings.update(warnings))
