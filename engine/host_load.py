@@ -73,6 +73,19 @@ def our_cpus(count: int) -> list[int]:
     return [index for index, cpu in enumerate(cpu_numbers(count)) if cpu in allowed] or list(range(count))
 
 
+def _our_times() -> dict:
+    """psutil's times of the CPUs this process may run on, by CPU number."""
+    per_cpu = psutil.cpu_times(percpu=True)
+    numbers = cpu_numbers(len(per_cpu))
+    return {numbers[index]: per_cpu[index] for index in our_cpus(len(per_cpu))}
+
+
+def _summed(times):
+    """CPUs' times summed field by field."""
+    times = list(times)
+    return type(times[0])._make(map(sum, zip(*times)))
+
+
 class HostLoadMeter:
     """The CPU times of the CPUs this process may run on (its affinity: a build pinned to the others does not compete)
     and this process's, when made; read() gives the shares since then. With `children`, the CPU time of this process's
@@ -80,20 +93,18 @@ class HostLoadMeter:
 
     def __init__(self, children: bool = False):
         self._process, self._children = psutil.Process(), children
-        per_cpu = psutil.cpu_times(percpu=True)
-        self._cpus = our_cpus(len(per_cpu))
-        self._machine, self._own = self._ours(per_cpu), self._process.cpu_times()
-
-    def _ours(self, per_cpu):
-        """The times of our CPUs, summed field by field."""
-        return type(per_cpu[0])._make(map(sum, zip(*(per_cpu[cpu] for cpu in self._cpus))))
+        self._start, self._own = _our_times(), self._process.cpu_times()
 
     def read(self) -> HostLoad:
-        machine, own = self._ours(psutil.cpu_times(percpu=True)), self._process.cpu_times()
-        total = _total(machine) - _total(self._machine)
+        now, own = _our_times(), self._process.cpu_times()
+        cpus = self._start.keys() & now.keys()  # (a CPU put on- or offline meanwhile: not one of both reads)
+        if not cpus:
+            return HostLoad(0.0, 0.0)
+        machine, start = _summed(now[cpu] for cpu in cpus), _summed(self._start[cpu] for cpu in cpus)
+        total = _total(machine) - _total(start)
         if total <= 0:
             return HostLoad(0.0, 0.0)
-        steal = getattr(machine, "steal", 0.0) - getattr(self._machine, "steal", 0.0)
+        steal = getattr(machine, "steal", 0.0) - getattr(start, "steal", 0.0)
         ours = _own_seconds(own, self._children) - _own_seconds(self._own, self._children)
-        others = _busy(machine) - _busy(self._machine) - ours
+        others = _busy(machine) - _busy(start) - ours
         return HostLoad(max(0.0, steal) / total, min(1.0, max(0.0, others) / total))

@@ -103,3 +103,24 @@ def test_without_the_online_list_entry_i_is_cpu_i(monkeypatch, tmp_path):
     (tmp_path / "garbled").write_text("0-x\n")
     monkeypatch.setattr(host_load, "ONLINE_CPUS", str(tmp_path / "garbled"))
     assert host_load.cpu_numbers(4) == [0, 1, 2, 3]
+
+
+def test_a_cpu_put_offline_during_the_run_does_not_break_the_read(monkeypatch, tmp_path):
+    """A CPU put offline (a VM's vCPU taken away) while a record ran: the meter indexed psutil's now shorter list by
+    the positions it took at the start and raised IndexError at the run's end, losing the record. The CPUs there at
+    both reads count, each by its number: CPU 2, entry 2 at the start and entry 1 at the end."""
+    online = tmp_path / "online"
+    monkeypatch.setattr(host_load, "ONLINE_CPUS", str(online))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    quiet = Machine(0, 0, 0, 100, 0, 0, 0, 0, 0, 0)
+    lists = iter([("0-2", [quiet] * 3), ("0,2", [quiet._replace(idle=200), quiet._replace(user=50, idle=150)])])
+
+    def cpu_times(percpu=False):
+        text, per_cpu = next(lists)
+        online.write_text(text + "\n")
+        return per_cpu
+
+    monkeypatch.setattr(host_load.psutil, "cpu_times", cpu_times)
+    owns = iter([Own(0, 0, 0, 0), Own(0, 0, 0, 0)])
+    monkeypatch.setattr(host_load.psutil, "Process", lambda: type("P", (), {"cpu_times": lambda self: next(owns)})())
+    assert host_load.HostLoadMeter().read() == host_load.HostLoad(0.0, 0.25)  # CPU 2 half busy, CPU 0 idle
