@@ -142,6 +142,19 @@ def test_an_empty_name_or_path_is_unset_and_node_overrides_split_as_onnxruntime_
         "'a:b:max_resident_slots=1': expected max_resident_slots=N or device_expert_bytes=B")
 
 
+def test_a_node_or_a_limit_given_twice_in_node_overrides_is_refused_naming_both():
+    """onnxruntime 1.32 takes a node named twice without saying which entry wins (offload-keys.md does not say
+    either); the later one silently replaced the earlier here, so a limit the user wrote was dropped unseen."""
+    assert refusal("node_overrides", "n:max_resident_slots=1; n : device_expert_bytes=2") == (
+        "session.moe.offload.node_overrides='n:max_resident_slots=1; n : device_expert_bytes=2': node 'n' is named "
+        "twice: 'n:max_resident_slots=1' and 'n : device_expert_bytes=2'")
+    assert refusal("node_overrides", "n:max_resident_slots=1,max_resident_slots=2") == (
+        "session.moe.offload.node_overrides='n:max_resident_slots=1,max_resident_slots=2': max_resident_slots is "
+        "given twice in 'n:max_resident_slots=1,max_resident_slots=2'")
+    # node names are case-sensitive
+    assert list(parsed("node_overrides", "n:max_resident_slots=1;N:max_resident_slots=2")) == ["n", "N"]
+
+
 def test_two_names_of_one_setting_must_agree_as_onnxruntime_requires():
     with pytest.raises(OffloadConfigError) as error:
         OffloadConfig.from_entries({PREFIX + "device_expert_bytes": "1000", PREFIX + "gpu_budget_bytes": "2000"})

@@ -269,13 +269,17 @@ def _text(text: str) -> str | None:
 
 def _node_overrides(text: str) -> dict[str, NodeOverride]:
     """`node:max_resident_slots=N,device_expert_bytes=B;node2:...`, split as onnxruntime splits it: at a node's first
-    ':' (a name holding one is refused there), spaces around each part dropped, one ',' allowed at the end."""
-    overrides = {}
+    ':' (a name holding one is refused there), spaces around each part dropped, one ',' allowed at the end. A node or
+    a limit given twice is refused: onnxruntime takes it without saying which one wins."""
+    overrides, items = {}, {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         node, sep, settings = item.partition(":")
         node = node.strip()
         if not sep or not node:
             raise ValueError(f"'{item}' is not node:key=value[,key=value]")
+        if node in items:
+            raise ValueError(f"node '{node}' is named twice: '{items[node]}' and '{item}'")
+        items[node] = item
         parts = settings.split(",")
         if len(parts) > 1 and parts[-1] == "":
             parts.pop()
@@ -285,6 +289,8 @@ def _node_overrides(text: str) -> dict[str, NodeOverride]:
             key = key.strip()
             if not eq or key not in ("max_resident_slots", "device_expert_bytes"):
                 raise ValueError(f"'{setting}' in '{item}': expected max_resident_slots=N or device_expert_bytes=B")
+            if key in values:
+                raise ValueError(f"{key} is given twice in '{item}'")
             values[key] = (_bytes(0) if key == "device_expert_bytes" else _int(0))(value.strip())
         overrides[node] = NodeOverride(**values)
     return overrides
