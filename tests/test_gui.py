@@ -7,6 +7,7 @@ a blocker on a worker signal can wake before the window's queued slots have run.
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from app.gui.contention import CALM_SAMPLES  # noqa: E402
 from app.gui.engine_worker import threads_sentence  # noqa: E402
 from app.gui.main_window import MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
+from engine.offload.config import OffloadConfig  # noqa: E402
 from engine.ort_env import cpu_threads  # noqa: E402
 from engine.offload.decode_path import tier_bytes  # noqa: E402
 from engine.units import human_bytes  # noqa: E402
@@ -169,6 +171,67 @@ def test_a_settings_file_holding_no_length_that_fits_leaves_the_length_to_the_mo
     win = make_window(qtbot, tmp_path, nvml=False)
     assert [box.chosen for box in win.answer_lengths.values()] == [None, None, None, None]
     assert win.sweep.max_tokens.value() == 32
+    win.close()
+
+
+UNUSABLE_BUDGETS = [
+    ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('{"path": "m", "budget": ["cuda"]}', "no budget object in it"),
+    ('{"path": "m", "budget": {"device": "cuda"}}', 'device "cuda" is not {"kind": cpu, simulated or cuda}'),
+    ('{"path": "m", "budget": {"kv_tokens": "lots"}}', 'kv_tokens "lots" is not a whole number of tokens'),
+    ('{"path": "m", "budget": {"entries": {"session.moe.offload.device_expert_bytes": "-5"}}}',
+     "session.moe.offload.device_expert_bytes='-5': expected an integer >= 0, in digits only"),
+]
+
+
+@pytest.mark.parametrize("kept, problem", UNUSABLE_BUDGETS)
+def test_budgets_kept_for_a_model_that_cannot_be_used_are_said_and_kept_aside(qtbot, tmp_path, kept, problem):
+    """A model's kept budgets that could not be read (corrupt JSON, wrong types, entries refused) were silently
+    replaced by the defaults (or crashed the window), and the next load wrote over them: the user never knew."""
+    ini = str(tmp_path / "settings.ini")
+    path = str(fixture_folder("gptoss"))
+    key = MainWindow._model_key(path)
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    settings.setValue(key, kept)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    win.open_model(path)
+    qtbot.waitUntil(lambda: win.facts is not None and not win.busy, timeout=WAIT)
+    assert win.settings_banner.isVisible() and win.settings_banner.text() == (
+        f"{ini}: the budgets kept for {path} cannot be used ({problem}): the Budgets panel shows the defaults; "
+        f"what was kept is now under {key}.bad there")
+    assert win.budget_panel.config() == OffloadConfig()
+    win.save_model_settings(path, win.budget_panel.settings())  # what a load does
+    win.close()
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    assert settings.value(key + ".bad") == kept and json.loads(settings.value(key))["budget"]["entries"] == {}
+
+
+def test_a_settings_file_that_cannot_be_read_is_said_and_a_malformed_one_kept_before_it_is_written(qtbot, tmp_path):
+    """Qt reads what it can of a malformed settings file and rewrites it without the rest at the next save; an
+    unreadable one (permissions, a folder) gives the defaults. Both were silent."""
+    ini = tmp_path / "settings.ini"
+    ini.write_text("[models]\nabc=1\n[[[\n")
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.isVisible() and win.settings_banner.text() == (
+        f"{ini}: not a well-formed settings file: what could be read is used, and the file as it was is kept as "
+        f"{ini}.bad")
+    win.close()
+    assert (tmp_path / "settings.ini.bad").read_text() == "[models]\nabc=1\n[[[\n"
+    ini.unlink()
+    ini.mkdir()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.isVisible() and win.settings_banner.text() == (
+        f"{ini}: settings not readable (no permission, or not a file): the window starts from its defaults and "
+        "cannot save its settings")
+    win.close()
+    (tmp_path / "blocked").write_text("a file where the settings' folder would be")
+    win = make_window(qtbot, tmp_path / "blocked", nvml=False)
+    assert not win.settings_banner.isVisible()  # no settings yet: nothing to say
+    win.save_model_settings("/m", win.budget_panel.settings())
+    assert win.settings_banner.isVisible() and win.settings_banner.text() == (
+        f"{tmp_path}/blocked/settings.ini: not writable: the budgets for /m are used now but not kept for the next "
+        "start")
     win.close()
 
 

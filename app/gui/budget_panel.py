@@ -5,6 +5,7 @@ loaded model without reloading wherever the engine allows."""
 from __future__ import annotations
 
 import html
+import json
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -611,6 +612,30 @@ class BudgetPanel(QWidget):
 
     def _apply(self) -> None:
         self.applyRequested.emit(self.settings(), bool(self.needs_reload()))
+
+
+def kept_settings_problem(settings) -> str:
+    """Why budgets kept for a model (settings() as read back from the settings file, which may have been edited or
+    damaged) cannot be used ('' where they can)."""
+    if not isinstance(settings, dict):
+        return "no budget object in it"
+    device = settings.get("device", {})
+    if not isinstance(device, dict) or device.get("kind", "cpu") not in dict(DEVICES):
+        return f'device {json.dumps(device)} is not {{"kind": cpu, simulated or cuda}}'
+    capacity = device.get("capacity")
+    if capacity is not None and (type(capacity) is not int or capacity < 1):
+        return f"device capacity {json.dumps(capacity)} is not a byte count"
+    kv_tokens = settings.get("kv_tokens")
+    if kv_tokens is not None and (type(kv_tokens) is not int or kv_tokens < 1):
+        return f"kv_tokens {json.dumps(kv_tokens)} is not a whole number of tokens"
+    for name, choices in (("layer_split", SPLITS), ("decode_path", PATHS)):
+        value = settings.get(name, "auto")
+        if value not in dict(choices):
+            return f"{name} {json.dumps(value)} is not one of {', '.join(dict(choices))}"
+    entries = settings.get("entries", {})
+    if not isinstance(entries, dict):
+        return "entries is not an object of offload keys"
+    return _entries_problem(entries)
 
 
 def _entries_problem(entries: dict) -> str:

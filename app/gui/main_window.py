@@ -7,8 +7,10 @@ The engine runs in one worker thread (app.gui.engine_worker), the telemetry samp
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import shutil
 from importlib.resources import files
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, Q
                                QVBoxLayout, QWidget)
 
 from app.gui import theme
-from app.gui.budget_panel import BudgetPanel
+from app.gui.budget_panel import BudgetPanel, kept_settings_problem
 from app.gui.chat_panel import ChatPanel, answered_text
 from app.gui.collector import GuiCollector
 from app.gui.contention import ThroughputWatch, WarningHold, check_sample, cpu_taken
@@ -108,6 +110,9 @@ class MainWindow(QMainWindow):
         self.error_banner = Banner("error")
         self.contention_banner = Banner("warn")
         self.contention_banner.setAccessibleName("Contention warning")
+        self.settings_banner = Banner("warn")
+        self.settings_banner.setAccessibleName("Settings warning")
+        self._check_settings_file()
         # records: history (with scenario runs), budget sweep, side-by-side chat, contention test
         self.scenarios = ScenarioView(history_path)
         self.history = HistoryView(history_path)
@@ -132,6 +137,7 @@ class MainWindow(QMainWindow):
         column.setContentsMargins(6, 6, 6, 0)
         column.addWidget(self.error_banner)
         column.addWidget(self.contention_banner)
+        column.addWidget(self.settings_banner)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         self.tabs.addTab(self.chat, "&Chat")
@@ -290,6 +296,23 @@ class MainWindow(QMainWindow):
         help_menu.addAction(self.shortcuts_action)
 
     # --- settings --------------------------------------------------------------------------------
+    def _check_settings_file(self) -> None:
+        """Say where the settings file cannot be read. Qt reads what it can of a malformed one and writes only that
+        back at the next save, so the file as it was is kept beside it first."""
+        name = self.settings.fileName()
+        status = self.settings.status()
+        if status == QSettings.Status.FormatError:
+            try:
+                shutil.copyfile(name, name + ".bad")
+                kept = f"the file as it was is kept as {name}.bad"
+            except OSError as exc:
+                kept = f"it could not be kept as {name}.bad ({exc.strerror or exc}), and the next save drops the rest"
+            self.settings_banner.show_message(f"{name}: not a well-formed settings file: what could be read is used, "
+                                              f"and {kept}")
+        elif status == QSettings.Status.AccessError:
+            self.settings_banner.show_message(f"{name}: settings not readable (no permission, or not a file): the "
+                                              "window starts from its defaults and cannot save its settings")
+
     def _restore(self) -> None:
         s = self.settings
         geometry = s.value("window/geometry")
@@ -325,17 +348,40 @@ class MainWindow(QMainWindow):
         return "models/" + hashlib.sha1(str(Path(path).expanduser().resolve()).encode()).hexdigest()[:16]
 
     def model_settings(self, path: str) -> dict | None:
-        raw = self.settings.value(self._model_key(path))
+        """The budgets kept for the model at `path`, None where none are. Kept ones that cannot be used are said, and
+        moved to a key of their own (`<key>.bad`), so that the next save does not write over them."""
+        key = self._model_key(path)
+        raw = self.settings.value(key)
         if not raw:
             return None
         try:
-            return json.loads(raw)["budget"]
-        except (ValueError, KeyError, TypeError):
-            return None
+            kept = json.loads(raw)
+        except (ValueError, TypeError) as exc:
+            problem = f"not JSON: {exc}"
+        else:
+            budget = kept.get("budget") if isinstance(kept, dict) else None
+            problem = kept_settings_problem(budget)
+            if not problem:
+                return budget
+        bad = key + ".bad"
+        for number in itertools.count(2):  # an earlier unusable value, kept already, stays too
+            if self.settings.value(bad) in (None, raw):
+                break
+            bad = f"{key}.bad{number}"
+        self.settings.setValue(bad, raw)
+        self.settings.remove(key)
+        self.settings.sync()
+        self.settings_banner.show_message(
+            f"{self.settings.fileName()}: the budgets kept for {path} cannot be used ({problem}): the Budgets panel "
+            f"shows the defaults; what was kept is now under {bad} there")
+        return None
 
     def save_model_settings(self, path: str, budget: dict) -> None:
         self.settings.setValue(self._model_key(path), json.dumps({"path": path, "budget": budget}))
         self.settings.sync()
+        if self.settings.status() == QSettings.Status.AccessError:
+            self.settings_banner.show_message(f"{self.settings.fileName()}: not writable: the budgets for {path} are "
+                                              "used now but not kept for the next start")
 
     def recent(self) -> list[str]:
         try:
@@ -374,6 +420,7 @@ class MainWindow(QMainWindow):
         self.sweep.apply_theme(t)
         self.error_banner.restyle()
         self.contention_banner.restyle()
+        self.settings_banner.restyle()
         self.chat.render()
         if self.facts is not None:
             self.model_panel.show_facts(self.facts)
