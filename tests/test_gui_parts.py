@@ -939,6 +939,22 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tm
         ("None saved for this model (Budget sweep ▸ Save as configuration)", False)]
 
 
+def test_saved_configurations_that_cannot_be_read_are_said_in_the_menu_not_shown_as_none_saved(qtbot, gptoss, tmp_path):
+    """A damaged configurations.json read as 'None saved for this model (Budget sweep ▸ Save as configuration)': the
+    user was sent to save one, which the sweep then refused over the same file."""
+    from app.gui.budget_panel import BudgetPanel
+
+    path = tmp_path / "configurations.json"
+    path.write_text("{broken")
+    panel = BudgetPanel(configurations_path=path)
+    qtbot.addWidget(panel)
+    panel.set_facts(gptoss, None)
+    panel.saved_menu.aboutToShow.emit()
+    assert [(a.text(), a.isEnabled()) for a in panel.saved_menu.actions()] == [
+        (f"{path}: not readable as saved configurations (JSONDecodeError: Expecting property name enclosed in "
+         "double quotes: line 1 column 2 (char 1))", False)]
+
+
 def test_stopping_a_busy_engine_thread_waits_and_never_terminates_it(qapp):
     """Terminating the engine's thread inside native code (a first run's compilation) aborted the process: stop()
     says the thread is still busy, and run_gui then ends the process without destroying it (os._exit)."""

@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGroupBox, QHB
 from app.gui import theme
 from app.gui.estimate import GIB, DeviceChoice, Part, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled
+from engine.errors import WorkbenchError
 from engine.offload import decode_path as paths
 from engine.offload.config import FLOAT32_MAX, INT32_MAX, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
@@ -346,7 +347,11 @@ class BudgetPanel(QWidget):
 
     def _list_saved(self) -> None:
         self.saved_menu.clear()
-        saved = configurations_for(self.facts.path, self.configurations_path) if self.facts is not None else {}
+        try:
+            saved = configurations_for(self.facts.path, self.configurations_path) if self.facts is not None else {}
+        except WorkbenchError as exc:  # said, not shown as none saved: a sweep could not save one there either
+            self.saved_menu.addAction(str(exc)).setEnabled(False)
+            return
         for name, item in sorted(saved.items()):
             problem = _entries_problem(item["entries"])
             if problem:  # a hand-edited file: said, not filled in as the defaults

@@ -72,12 +72,9 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
 
 
 def configurations_for(model_folder: str | Path, path: Path | None = None) -> dict[str, dict]:
-    """The saved configurations of one model folder: {name: {"model", "entries", "note"}} (an unreadable file: none;
-    the sweep that saves the next one says why)."""
-    try:
-        saved = _saved(path or default_path())
-    except WorkbenchError:
-        return {}
+    """The saved configurations of one model folder: {name: {"model", "entries", "note"}}; a WorkbenchError saying why
+    where the file cannot be read."""
+    saved = _saved(path or default_path())
     folder = Path(model_folder).resolve()
     return {name: item for name, item in saved.items() if _well_formed(item) and Path(item["model"]).resolve() == folder}
 
