@@ -569,7 +569,7 @@ def _cmd_sweep(args) -> int:
     if args.save_as:
         from engine.records.configurations import check_saved
 
-        check_saved()  # and a saved-configurations file the recommendation could not be saved in
+        check_saved(None, args.save_as, args.model)  # and a file, or a name, the recommendation could not be saved in
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)

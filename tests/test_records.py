@@ -802,6 +802,29 @@ def test_configurations_saved_from_two_threads_at_once_are_all_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["configurations.json", "configurations.json.lock"]
 
 
+def test_a_configuration_name_saved_for_another_model_is_not_written_over(tmp_path):
+    """Names are one list for every model: a sweep of another model saved under the same name (the window's default,
+    'sweep 1.0 GiB', comes round easily) replaced the first model's configuration without a word."""
+    from engine.errors import WorkbenchError
+    from engine.records.configurations import check_saved, load_configuration, save_configuration
+
+    path = tmp_path / "configurations.json"
+    gptoss, lfm2 = fixture_folder("gptoss"), fixture_folder("lfm2moe")
+    save_configuration("sweep 1.0 GiB", gptoss, OffloadConfig(device_expert_bytes=1 << 30), path=path)
+    message = (f"{path}: a configuration 'sweep 1.0 GiB' is saved there already, for {gptoss.resolve()}: give this one "
+               "another name")
+    with pytest.raises(WorkbenchError) as error:
+        save_configuration("sweep 1.0 GiB", lfm2, OffloadConfig(device_expert_bytes=5), path=path)
+    assert str(error.value) == message
+    with pytest.raises(WorkbenchError) as error:  # a sweep that is to save under it says so before it runs
+        check_saved(path, "sweep 1.0 GiB", lfm2)
+    assert str(error.value) == message
+    assert load_configuration("sweep 1.0 GiB", path)[1].device_expert_bytes == 1 << 30
+    check_saved(path, "sweep 1.0 GiB", gptoss)  # the same model's: a newer sweep replaces it
+    save_configuration("sweep 1.0 GiB", gptoss, OffloadConfig(device_expert_bytes=7), path=path)
+    assert load_configuration("sweep 1.0 GiB", path)[1].device_expert_bytes == 7
+
+
 def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     """The window's progress text while each of the contention test's five phases runs: it said 'inference alone'
     while indexing ran alone and 'indexing and inference at once' while inference ran alone (three names mapped

@@ -35,10 +35,24 @@ def _well_formed(item) -> bool:
     return isinstance(item, dict) and isinstance(item.get("model"), str) and isinstance(item.get("entries"), dict)
 
 
-def check_saved(path: Path | None = None) -> None:
-    """A WorkbenchError where the saved configurations cannot be read: a sweep that is to save its recommendation
-    says so before it runs, not after."""
-    _saved(path or default_path())
+def check_saved(path: Path | None = None, name: str | None = None, model_folder: str | Path | None = None) -> None:
+    """A WorkbenchError where the saved configurations cannot be read, or where `name` is saved there for another
+    model than `model_folder`: a sweep that is to save its recommendation says so before it runs, not after."""
+    path = path or default_path()
+    saved = _saved(path)
+    if name is not None:
+        _check_name(saved, name, model_folder, path)
+
+
+def _check_name(saved: dict, name: str, model_folder: str | Path, path: Path) -> None:
+    """A WorkbenchError where `name` holds a configuration of another model (or one not readable as any model's):
+    saved under it, this one would replace that without a word."""
+    item = saved.get(name)
+    if item is None or (_well_formed(item) and Path(item["model"]).resolve() == Path(model_folder).resolve()):
+        return
+    owner = item["model"] if _well_formed(item) else "no model folder it names"
+    raise WorkbenchError(f"{path}: a configuration '{name}' is saved there already, for {owner}: give this one "
+                         "another name")
 
 
 @contextmanager
@@ -63,6 +77,7 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
     config = config.updated(**{key: os.path.abspath(getattr(config, key)) for key in PATH_KEYS if getattr(config, key)})
     with _locked(path):
         saved = _saved(path)
+        _check_name(saved, name, model_folder, path)
         saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note}
         # written beside it and renamed over it: a reader never sees half a file
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".new", delete=False) as out:
