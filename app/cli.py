@@ -210,10 +210,13 @@ def _offload_setup(args, fallback: list[str] | None = None):
         key, eq, value = item.partition("=")
         if not eq:
             raise WorkbenchError(f"--offload {item!r}: expected KEY=VALUE")
-        if key.strip() in ("layer_split", "decode_path"):  # a side-by-side B's settings take them beside the keys
-            raise WorkbenchError(f"--offload {item}: {key.strip()} is this app's own setting, not an onnxruntime "
-                                 f"key: --{key.strip().replace('_', '-')} {value.strip()}")
-        given[key.strip()] = value.strip()
+        key, value = key.strip(), value.strip()
+        if key in ("layer_split", "decode_path"):  # a side-by-side B's settings take them beside the keys
+            raise WorkbenchError(f"--offload {item}: {key} is this app's own setting, not an onnxruntime "
+                                 f"key: --{key.replace('_', '-')} {value}")
+        if given.get(key, value) != value:  # as two names of one setting must agree (OffloadConfig.from_entries)
+            raise WorkbenchError(f"conflicting values for one setting: {key}={given[key]!r} and {key}={value!r}")
+        given[key] = value
     # --offload replaces the saved setting under whichever of its names (full, short, alias) it is given
     replaced = {short_key(key) for key in given}
     entries = {key: value for key, value in saved_entries.items() if short_key(key) not in replaced} | given

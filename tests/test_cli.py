@@ -390,6 +390,14 @@ def test_offload_entries_replace_a_saved_configurations_under_any_name_and_must_
                               "--offload", "gpu_budget_bytes=2")
     assert status == 2 and err == ("moe-workbench: error: conflicting values for one setting: device_expert_bytes='1' "
                                    "and gpu_budget_bytes='2'\n")
+    # one name given twice: the first value was dropped without a word (onnxruntime, too, keeps one entry a key)
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "device_expert_bytes=1",
+                              "--offload", "device_expert_bytes=2")
+    assert status == 2 and err == ("moe-workbench: error: conflicting values for one setting: device_expert_bytes='1' "
+                                   "and device_expert_bytes='2'\n")
+    status, _out, _err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "placement=static",
+                               "--offload", "placement=static")
+    assert status == 0
 
 
 def test_inspect_json_gives_the_configuration_to_copy_out_as_session_config_entries(capsys):
