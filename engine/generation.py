@@ -62,7 +62,7 @@ class GenerationResult:
     prompt_tokens: list[int]
     tokens: list[int]
     text: str           # the answer: for a model that reasons first, its final text (engine/reasoning.py)
-    finish_reason: str  # "eos", "length", "stop_string", "cancelled", "context"
+    finish_reason: str  # "eos", "length", "stop_string", "cancelled", "context", "max_length" (genai_config's search)
     timings: Timings
     reused_cache_tokens: int = 0
     routing_agreement: float | None = None  # with approximate routing: greedy-token agreement with exact routing
@@ -262,7 +262,23 @@ def _finite(logits, model, position: int):
     return logits
 
 
-def _past_the_context(past: int, new: int, context: int) -> str:
+def _sequence_cap(config) -> tuple[int, str]:
+    """The most tokens a sequence (the conversation with the last sampled token, which is never fed) may reach, and the
+    finish reason there: the context fed and one token sampled after it, or genai_config.json's search.max_length where
+    it is below the context (onnxruntime-genai's generator stops there, prompt and answer counted together)."""
+    if config.search.max_length < config.context_length:
+        return config.search.max_length, "max_length"
+    return config.context_length + 1, "context"
+
+
+def _past_the_cap(past: int, new: int, cap: int, bound: str) -> str:
+    if bound == "max_length":
+        where = f"the model's genai_config.json search.max_length of {cap}, prompt and answer together"
+        if not past:
+            return f"the prompt has {new} tokens, which leaves no room for an answer within {where}"
+        return (f"the conversation so far ({past} tokens) and this message ({new}) come to {past + new} tokens, which "
+                f"leave no room for an answer within {where}: start a new conversation")
+    context = cap - 1
     if not past:
         return f"the prompt has {new} tokens but the model's context is {context}"
     return (f"the conversation so far ({past} tokens) and this message ({new}) come to {past + new} tokens, past the "
@@ -285,9 +301,9 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     """
     if not prompt_tokens and prompt_logits is None:
         raise PromptError("the prompt is empty")
-    context = model.config.context_length
-    if state.past_length + len(prompt_tokens) > context:
-        raise PromptError(_past_the_context(state.past_length, len(prompt_tokens), context))
+    cap, bound = _sequence_cap(model.config)
+    if state.past_length + len(prompt_tokens) + 1 > cap:  # room for one answer token at least
+        raise PromptError(_past_the_cap(state.past_length, len(prompt_tokens), cap, bound))
     decoder = decoder or model.decoder
     sampler = Sampler(params.sampling)
     split = model.answer_format.split(model.tokenizer, prompt_tokens, model.tokenizer.specials_in(params.stop_strings))
@@ -339,7 +355,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             finish = "eos"
             break
         split.push(token)
-        last = len(generated) == params.max_new_tokens or state.past_length + 1 > context  # (the checks below)
+        full = state.past_length + 1 >= cap  # the sequence so far: what was fed and this token
+        last = len(generated) == params.max_new_tokens or full  # (the checks below)
         if last:
             split.finish()
         give_out(token, last)
@@ -351,8 +368,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             break
         if len(generated) == params.max_new_tokens:
             break
-        if state.past_length + 1 > context:
-            finish = "context"
+        if full:
+            finish = bound
             break
         logits = _finite(decoder.forward(state, [token])[-1], model, state.past_length - 1)
         if meter:

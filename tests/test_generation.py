@@ -363,3 +363,21 @@ def test_a_restored_state_snapshot_goes_on_as_a_fresh_state_fed_the_same(name):
     model.decoder.forward(fresh, prompt)
     reference = model.decoder.forward(fresh, after)
     assert np.abs(ours - reference).max() <= 1e-5 * np.abs(reference).max()
+
+
+def test_search_max_length_bounds_prompt_and_answer(copy_fixture):
+    """genai_config.json's search.max_length bounds the whole sequence, prompt and answer, as onnxruntime-genai's
+    generator does; a prompt that leaves no room for an answer within it is refused, naming it."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["max_length"] = 40
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    model = LoadedModel.open(folder)
+    state, fed, ids = model.new_state(), [], model.tokenizer.encode("Hi")
+    result = generate(model, state, fed, ids, greedy(100))
+    assert result.finish_reason == "max_length"
+    assert len(ids) + len(result.tokens) == 40 and state.past_length == 40 - 1  # the last token is sampled, not fed
+    with pytest.raises(PromptError, match="^the prompt has 40 tokens, which leaves no room for an answer within the "
+                                          "model's genai_config.json search.max_length of 40, prompt and answer "
+                                          "together$"):
+        generate(model, model.new_state(), [], model.tokenizer.encode("word " * 50)[:40], greedy(5))

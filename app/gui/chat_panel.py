@@ -26,7 +26,7 @@ from engine.units import counted
 # text may name (engine/generation.py's VisibleText)
 STOP_TEXT = re.compile(r"(?:<\|[^|<>\s]*\|>|[^|])+")
 FINISH = {"eos": "end of text", "length": "token limit", "stop_string": "stop text", "cancelled": "stopped",
-          "context": "context full", "error": "error"}
+          "context": "context full", "max_length": "the model's search.max_length", "error": "error"}
 
 
 class PromptEdit(QPlainTextEdit):

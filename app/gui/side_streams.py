@@ -13,7 +13,8 @@ import time
 WAITING, PREPARING, ANSWERING = "waiting", "preparing", "answering"
 # how an answer ended (generate's finish reasons; compare's "cancelled" for one that had not begun, "error")
 ENDED = {"eos": "done", "stop_string": "done", "length": "stopped at the length", "cancelled": "stopped",
-         "context": "stopped at the context's end", "error": "failed"}
+         "context": "stopped at the context's end", "max_length": "stopped at the model's search.max_length",
+         "error": "failed"}
 
 
 def side_status(side: int, state: str, tokens: int, at_most: int) -> str:
