@@ -323,6 +323,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             on_text(token, delta)
 
     eos = model.eos_ids
+    min_length = model.config.search.min_length
     timings = Timings(prompt_tokens=len(prompt_tokens))
     meter = None
     if model.offload is not None and model.offload.config.approximate_routing:
@@ -346,7 +347,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     finish = "length"
     decode_started = None
     while len(generated) < params.max_new_tokens:
-        token = sampler(logits, fed_tokens)
+        # the sequence so far is what the state holds: no end of text while it is below search.min_length
+        token = sampler(logits, fed_tokens, tuple(eos) if state.past_length < min_length else ())
         generated.append(token)
         if len(generated) == 1:
             timings.time_to_first_token_s = time.perf_counter() - started - shadow_s()

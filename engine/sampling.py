@@ -67,9 +67,12 @@ class Sampler:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+    def __call__(self, logits: np.ndarray, history: list[int], banned: tuple[int, ...] = ()) -> int:
+        """The next token after `history`, never one of `banned` (the end of text before search.min_length)."""
         scores = np.asarray(logits, dtype=np.float64).copy()
         p = self.params
+        if banned:
+            scores[[token for token in banned if token < scores.size]] = -np.inf
         if p.repetition_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))
             seen = seen[seen < scores.size]

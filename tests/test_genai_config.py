@@ -28,11 +28,11 @@ def test_search_settings_written_as_null_take_the_defaults(copy_fixture):
     def nulls(config):
         config["search"].update(do_sample=None, temperature=None, top_k=None, top_p=None, repetition_penalty=None,
                                 past_present_share_buffer=None)
-        config["search"]["max_length"] = None
+        config["search"].update(max_length=None, min_length=None)
 
     search = load_genai_config(edited(copy_fixture, "gptoss", nulls)).search
     assert (search.do_sample, search.temperature, search.top_k, search.top_p, search.repetition_penalty,
-            search.max_length) == (False, 1.0, 50, 1.0, 1.0, 2048)
+            search.max_length, search.min_length) == (False, 1.0, 50, 1.0, 1.0, 2048, 0)
 
 
 def test_search_settings_of_the_wrong_type_are_named(copy_fixture):

@@ -381,3 +381,20 @@ def test_search_max_length_bounds_prompt_and_answer(copy_fixture):
                                           "model's genai_config.json search.max_length of 40, prompt and answer "
                                           "together$"):
         generate(model, model.new_state(), [], model.tokenizer.encode("word " * 50)[:40], greedy(5))
+
+
+def test_search_min_length_holds_off_the_end_of_text(copy_fixture):
+    """genai_config.json's search.min_length: no end-of-text token while the sequence, prompt and answer, is shorter
+    (onnxruntime-genai's ApplyMinLength), the tokens before it as without."""
+    folder = copy_fixture("gptoss")
+    model = LoadedModel.open(folder)
+    ids = model.tokenizer.encode("Hello there")
+    free = generate(model, model.new_state(), [], ids, greedy(20))
+    assert free.finish_reason == "eos" and len(free.tokens) < 10, "the fixture must end early"
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["min_length"] = len(ids) + 10
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    model = LoadedModel.open(folder)
+    held = generate(model, model.new_state(), [], ids, greedy(20))
+    assert held.tokens[:len(free.tokens) - 1] == free.tokens[:-1]
+    assert not set(held.tokens[:10]) & model.eos_ids and len(held.tokens) > 10
