@@ -325,18 +325,21 @@ def _generation_params(args):
     from engine.generation import GenerationParams
     from engine.genai_config import load_genai_config
     from engine.model_folder import folder_path
-    from engine.sampling import SamplingParams, describe, model_sampling
+    from engine.sampling import SamplingParams, describe, model_sampling, model_seed
 
     if args.raw and args.system:
         raise WorkbenchError("--system needs the chat template, which --raw leaves out")
     if any(not stop for stop in args.stop):
         raise WorkbenchError("--stop needs some text (an empty one would stop at the first token)")
     own = args.temperature is None and not args.greedy  # the model's defaults, as onnxruntime-genai takes them
-    base = (model_sampling(load_genai_config(folder_path(args.model))) if own else
-            SamplingParams(do_sample=bool(args.temperature), temperature=args.temperature or 1.0))
+    config = load_genai_config(folder_path(args.model))
+    base = (model_sampling(config) if own else
+            SamplingParams(do_sample=bool(args.temperature), temperature=args.temperature or 1.0,
+                           seed=model_seed(config)))
     given = {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p),
-                                             ("repetition_penalty", args.repetition_penalty)) if value is not None}
-    sampling = replace(base, seed=args.seed, **given)
+                                             ("repetition_penalty", args.repetition_penalty), ("seed", args.seed))
+             if value is not None}
+    sampling = replace(base, **given)
     try:
         sampling.validate()
     except ValueError as exc:
@@ -345,8 +348,9 @@ def _generation_params(args):
         print("warning: --top-k, --top-p and --seed apply only when sampling (--temperature above 0, or a model whose "
               "genai_config.json samples); this answer is greedy", file=sys.stderr, flush=True)
     elif own and sampling.do_sample:
-        print(f"sampling as the model's genai_config.json says: {describe(sampling)} (--greedy for greedy answers)",
-              file=sys.stderr, flush=True)
+        seed = f", seed {sampling.seed}" if args.seed is None and sampling.seed is not None else ""  # the model's
+        print(f"sampling as the model's genai_config.json says: {describe(sampling)}{seed} (--greedy for greedy "
+              "answers)", file=sys.stderr, flush=True)
     # the answer length once the model is loaded (_cmd_generate): its default follows the model
     return GenerationParams(sampling=sampling, stop_strings=tuple(args.stop), reasoning=args.reasoning)
 

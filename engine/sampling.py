@@ -39,12 +39,20 @@ def model_sampling(config) -> SamplingParams:
     repeat themselves), greedy unless it says do_sample, as onnxruntime-genai reads it; a value it refuses is named."""
     search = config.search
     params = SamplingParams(do_sample=search.do_sample and search.temperature > 0, temperature=search.temperature,
-                            top_k=search.top_k, top_p=search.top_p, repetition_penalty=search.repetition_penalty)
+                            top_k=search.top_k, top_p=search.top_p, repetition_penalty=search.repetition_penalty,
+                            seed=model_seed(config))
     try:
         params.validate()
     except ValueError as exc:
         raise ModelFileError(f"{config.path}: search: {exc}") from None
     return params
+
+
+def model_seed(config) -> int | None:
+    """genai_config.json's search.random_seed, what seeds sampling where the user gives no seed; None for its -1 (a
+    fresh seed each time, as onnxruntime-genai takes it)."""
+    seed = config.search.random_seed
+    return seed if seed >= 0 else None
 
 
 def describe(params: SamplingParams) -> str:

@@ -714,3 +714,18 @@ def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated",
                               "--layer-split", "whole", "--decode-path", "tier")
     assert status == 0 and err == ""
+
+
+def test_generate_seeds_sampling_with_the_models_random_seed_unless_given_one(copy_fixture, capsys):
+    """genai_config.json's search.random_seed seeds sampling where --seed is not given (onnxruntime-genai's -1: none,
+    a fresh seed each run); --seed replaces it."""
+    folder = copy_fixture("qwen35moe")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"].update(do_sample=True, temperature=2.0, top_k=0, random_seed=5)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    run = ("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "8", "--json")
+    status, out, err = _main(capsys, *run)
+    assert status == 0 and "says: temperature 2, seed 5 (--greedy for greedy answers)" in err
+    assert json.loads(out)["tokens"] == json.loads(_main(capsys, *run, "--seed", "5")[1])["tokens"]
+    sampled = json.loads(_main(capsys, *run, "--temperature", "2")[1])["tokens"]  # the user's sampling, its seed
+    assert sampled == json.loads(_main(capsys, *run, "--temperature", "2", "--seed", "5")[1])["tokens"]

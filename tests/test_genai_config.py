@@ -112,3 +112,14 @@ def test_the_decoders_names_are_strings_a_null_one_as_if_missing(copy_fixture):
         rewritten(folder, edit, original)
         with pytest.raises(ModelFileError, match=rf"genai_config.json: '{field}' is {shown}, not a string"):
             load_genai_config(folder)
+
+
+def test_model_sampling_takes_the_search_sections_random_seed(copy_fixture):
+    folder = edited(copy_fixture, "gptoss", lambda c: c["search"].update(do_sample=True, random_seed=42))
+    assert model_sampling(load_genai_config(folder)).seed == 42
+    for unseeded in (-1, None):  # onnxruntime-genai's -1: a fresh seed each time
+        rewritten(folder, lambda c, seed=unseeded: c["search"].update(random_seed=seed))
+        assert model_sampling(load_genai_config(folder)).seed is None
+    rewritten(folder, lambda c: c["search"].update(random_seed=-2))
+    with pytest.raises(ModelFileError, match=r"'search.random_seed' is -2, less than -1"):
+        load_genai_config(folder)

@@ -4,6 +4,7 @@ begins; copy copies the answer; answer lengths leave room for an answer after th
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -230,22 +231,23 @@ def test_model_defaults_fill_in_the_models_own_sampling_and_a_greedy_chat_is_tol
     chat = ChatPanel()
     qtbot.addWidget(chat)
     assert not chat.model_defaults_button.isEnabled() and chat.load_hints(False) == ""
-    chat.set_model_sampling({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0,
+    chat.set_model_sampling({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0, "seed": 42,
                              "words": "temperature 0.6, top-k 20, top-p 0.95"})
     assert chat.load_hints(False) == (" Its genai_config.json samples (temperature 0.6, top-k 20, top-p 0.95); these "
                                       "answers are greedy: Settings ▸ Model defaults.")
     chat.model_defaults_button.click()
     options = chat.options()
-    assert (options["temperature"], options["top_k"], options["top_p"]) == (0.6, 20, 0.95)
+    assert (options["temperature"], options["top_k"], options["top_p"], options["seed"]) == (0.6, 20, 0.95, 42)
     assert chat.load_hints(False) == ""  # sampling now
     assert chat.load_hints(True) == (" It reasons before it answers, which often takes more than the 256 tokens "
                                      "Settings ▸ Max tokens allows.")
     chat.max_tokens.setValue(4096)
     assert chat.load_hints(True) == ""
-    chat.set_model_sampling({"temperature": 0.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
+    chat.set_model_sampling({"temperature": 0.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0, "seed": -1,
                              "words": "greedy"})
     chat.model_defaults_button.click()
     assert chat.options()["temperature"] == 0.0 and chat.load_hints(False) == ""
+    assert chat.options()["seed"] == -1  # random: the model's random_seed -1
 
 
 def test_max_tokens_follows_the_model_unless_the_user_chose_a_length(qtbot):
@@ -437,3 +439,17 @@ def test_the_sweeps_tokens_take_as_long_a_length_as_the_other_views(qtbot):
     assert view.max_tokens.maximum() == AnswerLength(64).maximum() == 100_000
     view.max_tokens.setValue(32_768)  # a reasoning model's own, at most (engine/reasoning.py): 4096 before
     assert view.max_tokens.value() == 32_768
+
+
+def test_the_models_own_sampling_for_model_defaults_carries_its_random_seed(copy_fixture):
+    from types import SimpleNamespace
+
+    from app.gui.engine_worker import _model_sampling
+    from engine.genai_config import load_genai_config
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"].update(do_sample=True, temperature=0.7, random_seed=9)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    sampling = _model_sampling(SimpleNamespace(config=load_genai_config(folder)))
+    assert (sampling["temperature"], sampling["seed"]) == (0.7, 9)

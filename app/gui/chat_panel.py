@@ -292,6 +292,7 @@ class ChatPanel(QWidget):
             self.top_k.setValue(self._model_sampling["top_k"])
             self.top_p.setValue(self._model_sampling["top_p"])
             self.repetition.setValue(self._model_sampling["repetition_penalty"])
+            self.seed.setValue(self._model_sampling["seed"])
 
     def load_hints(self, reasons_first: bool) -> str:
         """What to say as a model loads: that it samples by its own defaults while the chat answers greedily, and that

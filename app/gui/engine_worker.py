@@ -523,7 +523,8 @@ def _model_sampling(model) -> dict | None:
     except WorkbenchError:
         return None
     return {"temperature": params.temperature if params.do_sample else 0.0, "top_k": params.top_k,
-            "top_p": params.top_p, "repetition_penalty": params.repetition_penalty, "words": describe(params)}
+            "top_p": params.top_p, "repetition_penalty": params.repetition_penalty,
+            "seed": -1 if params.seed is None else params.seed, "words": describe(params)}
 
 
 def _layer_split(settings: dict) -> str:
