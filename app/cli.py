@@ -325,7 +325,7 @@ def _generation_params(args):
     from engine.generation import GenerationParams
     from engine.genai_config import load_genai_config
     from engine.model_folder import folder_path
-    from engine.sampling import SamplingParams, describe, model_sampling, model_seed
+    from engine.sampling import SamplingParams, beam_search_note, describe, model_sampling, model_seed
 
     if args.raw and args.system:
         raise WorkbenchError("--system needs the chat template, which --raw leaves out")
@@ -351,6 +351,9 @@ def _generation_params(args):
         seed = f", seed {sampling.seed}" if args.seed is None and sampling.seed is not None else ""  # the model's
         print(f"sampling as the model's genai_config.json says: {describe(sampling)}{seed} (--greedy for greedy "
               "answers)", file=sys.stderr, flush=True)
+    beams = beam_search_note(config)
+    if beams:
+        print(f"warning: {beams[0].lower()}{beams[1:]}", file=sys.stderr, flush=True)
     # the answer length once the model is loaded (_cmd_generate): its default follows the model
     return GenerationParams(sampling=sampling, stop_strings=tuple(args.stop), reasoning=args.reasoning)
 

@@ -15,6 +15,7 @@ class SearchDefaults:
     max_length: int = 2048  # the longest sequence, prompt and answer: load_genai_config reads 0 or none as the context
     min_length: int = 0  # no end of text while the sequence, prompt and answer, is shorter
     random_seed: int = -1  # the sampler's seed where the user gives none; -1: a fresh one each time
+    num_beams: int = 1  # above 1: beam search, which the engine does not do (beam_search_note)
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 50
@@ -197,6 +198,7 @@ def load_genai_config(folder: Path) -> GenaiConfig:
                 max_length=_integer(search, "max_length", path, "search.", default=0) or context_length,
                 min_length=_integer(search, "min_length", path, "search.", default=defaults.min_length),
                 random_seed=_integer(search, "random_seed", path, "search.", default=defaults.random_seed, minimum=-1),
+                num_beams=_integer(search, "num_beams", path, "search.", default=defaults.num_beams, minimum=1),
                 do_sample=_flag(search, "do_sample", path, "search.", defaults.do_sample),
                 temperature=_number(search, "temperature", path, "search.", defaults.temperature),
                 top_k=_integer(search, "top_k", path, "search.", default=defaults.top_k),

@@ -55,6 +55,16 @@ def model_seed(config) -> int | None:
     return seed if seed >= 0 else None
 
 
+def beam_search_note(config) -> str:
+    """One sentence where genai_config.json asks for beam search (search.num_beams above 1, which the builder copies
+    from the model's generation config), which the engine does not do; "" otherwise."""
+    beams = config.search.num_beams
+    if beams <= 1:
+        return ""
+    return (f"The model's genai_config.json asks for beam search (search.num_beams {beams}), which MoE Workbench does "
+            "not do: its answers are one sequence, greedy or sampled")
+
+
 def describe(params: SamplingParams) -> str:
     """'greedy', or the sampling settings in the words of the chat's settings and generate's options."""
     if not params.do_sample:

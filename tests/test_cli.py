@@ -729,3 +729,20 @@ def test_generate_seeds_sampling_with_the_models_random_seed_unless_given_one(co
     assert json.loads(out)["tokens"] == json.loads(_main(capsys, *run, "--seed", "5")[1])["tokens"]
     sampled = json.loads(_main(capsys, *run, "--temperature", "2")[1])["tokens"]  # the user's sampling, its seed
     assert sampled == json.loads(_main(capsys, *run, "--temperature", "2", "--seed", "5")[1])["tokens"]
+
+
+def test_generate_says_in_one_line_that_it_does_no_beam_search(copy_fixture, capsys):
+    """A genai_config.json asking for beam search (search.num_beams above 1, copied from the model's generation
+    config) gets one sequence here: said, rather than answered greedily without a word."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["num_beams"] = 4
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    status, _out, err = _main(capsys, "generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2", "--json")
+    warnings = [line for line in err.splitlines() if "beam" in line]
+    assert status == 0 and warnings == [
+        "warning: the model's genai_config.json asks for beam search (search.num_beams 4), which MoE Workbench does "
+        "not do: its answers are one sequence, greedy or sampled"]
+    config["search"]["num_beams"] = 1
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert "beam" not in _main(capsys, "generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2")[2]

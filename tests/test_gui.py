@@ -704,6 +704,19 @@ def test_sampling_that_keeps_failing_is_said_once_over_the_graphs(qtbot, window,
     assert not window.graphs.sampling_failure.isVisible() and not window.error_banner.isVisible()
 
 
+def test_a_model_that_asks_for_beam_search_is_told_on_load_to_answer_one_sequence(qtbot, window, copy_fixture):
+    import json
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["num_beams"] = 4
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    load(qtbot, window, folder)
+    assert window.chat.live.text() == (
+        "New conversation with gptoss. The model's genai_config.json asks for beam search (search.num_beams 4), which "
+        "MoE Workbench does not do: its answers are one sequence, greedy or sampled.")
+
+
 def test_corrupt_model_shows_a_message_and_the_window_stays_usable(qtbot, window, copy_fixture):
     broken = copy_fixture("gptoss")
     (broken / "model.onnx").write_bytes(b"not a model")

@@ -39,7 +39,7 @@ from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
 from engine.reasoning import reasoning_choices
-from engine.sampling import SamplingParams, describe, model_sampling
+from engine.sampling import SamplingParams, beam_search_note, describe, model_sampling
 from engine.units import counted, human_bytes
 from kernels.cpu.threads import binding_warning
 
@@ -193,7 +193,7 @@ class EngineWorker(QObject):
                               "reasoning_choices": list(reasoning_choices(model.tokenizer)),
                               "reasons_first": model.answer_format.kind != "plain",
                               "reasoning_answer_tokens": model.reasoning_answer_tokens,
-                              "sampling": _model_sampling(model)})
+                              "sampling": _model_sampling(model), "beam_search_note": beam_search_note(model.config)})
             self._emit_stats()
             # the CPU kernels, the offload engine's bookkeeping and the host-part worker's loop compiled now (a first
             # run on this machine: tens of seconds a layout), not in the first answer's time to its first token;

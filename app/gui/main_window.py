@@ -620,8 +620,10 @@ class MainWindow(QMainWindow):
         self.chat.set_model_sampling(info.get("sampling"))
         self.chat.max_tokens.set_model(info["reasoning_answer_tokens"])
         self.chat.render()
+        beams = info.get("beam_search_note")
         self.chat.live.setText(f"New conversation with {Path(info['path']).name}."
-                               + self.chat.load_hints(info.get("reasons_first", False)))
+                               + self.chat.load_hints(info.get("reasons_first", False))
+                               + (f" {beams}." if beams else ""))
         self.graphs.add_marker("loaded", "load")
         self.side_by_side.set_loaded(info["path"], info.get("entries"), settings)
         for view in (self.side_by_side, self.scenarios, self.contention_view):
