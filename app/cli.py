@@ -55,7 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, help="sample from the k most likely tokens (with --temperature: default 0, "
                      "all; else the model's)")
     gen.add_argument("--top-p", type=float, help="sample from the most likely tokens holding this probability (with "
-                     "--temperature: default 1.0, all; else the model's)")
+                     "--temperature: default 1.0, all; else the model's; 0 beside a top-k above 1: top-k alone, as "
+                     "onnxruntime-genai takes it)")
     gen.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens seen so far by this (with "
                      "--greedy or --temperature: default 1.0, none; else the model's)")
     gen.add_argument("--seed", type=int, help="the sampler's seed, for a repeatable sampled answer (with --temperature)")

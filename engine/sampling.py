@@ -20,11 +20,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
 
+    @property
+    def cuts_by_top_p(self) -> bool:
+        """Whether top_p cuts the tail: below 1, and not 0 beside a top_k above 1, which onnxruntime-genai samples as
+        top-k alone (top_p 0 alone keeps the most likely token, the smallest set reaching 0)."""
+        return self.top_p < 1 and (self.top_p > 0 or self.top_k <= 1)
+
     def validate(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
@@ -72,7 +78,7 @@ def describe(params: SamplingParams) -> str:
     words = [f"temperature {params.temperature:g}"]
     if params.top_k:
         words.append(f"top-k {params.top_k}")
-    if params.top_p < 1:
+    if params.cuts_by_top_p:
         words.append(f"top-p {params.top_p:g}")
     if params.repetition_penalty != 1:
         words.append(f"repetition penalty {params.repetition_penalty:g}")
@@ -104,7 +110,7 @@ class Sampler:
             order = order[:p.top_k]
         probs = np.exp(scores[order] - scores[order[0]])
         probs /= probs.sum()
-        if p.top_p < 1.0:
+        if p.cuts_by_top_p:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix reaching top_p
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         return int(order[self._rng.choice(len(order), p=probs)])

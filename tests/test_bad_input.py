@@ -98,8 +98,9 @@ def test_not_a_folder(tmp_path):
 
 
 def test_bad_sampling_value():
-    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--top-p", "0")
-    assert_clean_error(result, "--top-p must be in (0, 1], got 0.0")  # the option the user typed, not the field
+    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--top-p",
+                     "1.5")
+    assert_clean_error(result, "--top-p must be in [0, 1], got 1.5")  # the option the user typed, not the field
     result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--seed", "-5")
     assert_clean_error(result, "--seed must be >= 0, got -5")  # before the model loads (it was an internal error after)
     result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--reasoning", "high")

@@ -8,7 +8,7 @@ import pytest
 
 from engine.errors import ModelFileError
 from engine.genai_config import load_genai_config
-from engine.sampling import model_sampling
+from engine.sampling import describe, model_sampling
 
 
 def edited(copy_fixture, name: str, edit):
@@ -123,3 +123,9 @@ def test_model_sampling_takes_the_search_sections_random_seed(copy_fixture):
     rewritten(folder, lambda c: c["search"].update(random_seed=-2))
     with pytest.raises(ModelFileError, match=r"'search.random_seed' is -2, less than -1"):
         load_genai_config(folder)
+
+
+def test_a_search_section_with_top_p_0_loads_and_samples_as_onnxruntime_genai_does(copy_fixture):
+    folder = edited(copy_fixture, "gptoss", lambda c: c["search"].update(do_sample=True, top_k=40, top_p=0.0))
+    params = model_sampling(load_genai_config(folder))
+    assert (params.top_k, params.top_p, describe(params)) == (40, 0.0, "temperature 1, top-k 40")

@@ -312,11 +312,21 @@ def test_sampling_edge_values_are_greedy():
     logits = np.random.default_rng(2).normal(size=20)
     best = int(np.argmax(logits))
     for params in (SamplingParams(do_sample=True, temperature=0.0, seed=1), SamplingParams(do_sample=True, top_p=0.01),
-                   SamplingParams(do_sample=True, top_k=1)):
+                   SamplingParams(do_sample=True, top_k=1), SamplingParams(do_sample=True, top_p=0)):
         sampler = Sampler(params)
         assert {sampler(logits, []) for _ in range(50)} == {best}
-    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0"):
-        Sampler(SamplingParams(do_sample=True, top_p=0))
+    with pytest.raises(ValueError, match=r"top_p must be in \[0, 1\], got 1.5"):
+        Sampler(SamplingParams(do_sample=True, top_p=1.5))
+
+
+def test_top_p_0_beside_a_top_k_is_top_k_alone_as_onnxruntime_genai_samples():
+    """onnxruntime-genai takes top_p 0 next to a top_k above 1 as no top-p (it samples the top k), and alone as the
+    most likely token (its nucleus reaches 0 at the first token); a model's genai_config.json may hold it."""
+    logits = np.random.default_rng(4).normal(size=20) * 2
+    sampler = Sampler(SamplingParams(do_sample=True, top_k=5, top_p=0, seed=2))
+    draws = np.bincount([sampler(logits, []) for _ in range(20000)], minlength=20) / 20000
+    expected = reference_distribution(logits, 1.0, 5, 1.0)
+    assert set(np.flatnonzero(draws)) == set(np.flatnonzero(expected)) and np.abs(draws - expected).max() < 0.015
 
 
 def test_repetition_penalty_demotes_seen_tokens():

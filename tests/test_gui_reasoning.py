@@ -243,10 +243,11 @@ def test_model_defaults_fill_in_the_models_own_sampling_and_a_greedy_chat_is_tol
                                      "Settings ▸ Max tokens allows.")
     chat.max_tokens.setValue(4096)
     assert chat.load_hints(True) == ""
-    chat.set_model_sampling({"temperature": 0.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0, "seed": -1,
+    chat.set_model_sampling({"temperature": 0.0, "top_k": 50, "top_p": 0.0, "repetition_penalty": 1.0, "seed": -1,
                              "words": "greedy"})
     chat.model_defaults_button.click()
     assert chat.options()["temperature"] == 0.0 and chat.load_hints(False) == ""
+    assert chat.options()["top_p"] == 0.0  # the model's top_p 0 as it is (onnxruntime-genai takes it)
     assert chat.options()["seed"] == -1  # random: the model's random_seed -1
 
 

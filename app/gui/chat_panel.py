@@ -172,7 +172,7 @@ class ChatPanel(QWidget):
         self.top_k.setRange(0, 100_000)
         self.top_k.setSpecialValueText("off")
         self.top_p = QDoubleSpinBox(decimals=2, singleStep=0.05)
-        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setRange(0.0, 1.0)  # 0: the most likely token, or beside a top-k top-k alone (engine/sampling.py)
         self.top_p.setValue(1.0)
         self.repetition = QDoubleSpinBox(decimals=2, singleStep=0.05)
         self.repetition.setRange(0.5, 3.0)
