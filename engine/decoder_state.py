@@ -177,6 +177,8 @@ class DecoderState:
         if needed <= self._kv_capacity:
             return
         capacity = grown_capacity(needed, self._kv_capacity, self.config.context_length)
+        # the whole window even where the context is shorter: GroupQueryAttention refuses a sliding-window buffer
+        # smaller than its local_window_size
         window = (self.config.sliding_window_size or 0) + self.config.sliding_cache_slack
         for slot in self._slots:
             if not slot.shared:

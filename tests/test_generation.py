@@ -408,3 +408,22 @@ def test_search_min_length_holds_off_the_end_of_text(copy_fixture):
     held = generate(model, model.new_state(), [], ids, greedy(20))
     assert held.tokens[:len(free.tokens) - 1] == free.tokens[:-1]
     assert not set(held.tokens[:10]) & model.eos_ids and len(held.tokens) > 10
+
+
+def test_a_sliding_window_wider_than_the_context_keeps_its_whole_window(copy_fixture):
+    """gptoss's window is 64 slots: with a 40-token context its sliding layer's KV buffer still holds 64 rows, as
+    onnxruntime's GroupQueryAttention demands ("KV cache capacity (40) must be at least local_window_size (64)"
+    where it holds fewer), and answers to the context's end as with a context the window fits in."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 40
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    model = LoadedModel.open(folder)
+    state, ids = model.new_state(), model.tokenizer.encode("Hi")
+    narrow = generate(model, state, [], ids, greedy(100))
+    assert narrow.finish_reason == "context" and state.past_length == 40
+    rows = {slot.past_name: slot.array.shape[2] for slot in state.slots if slot.shared}
+    assert rows == {"past_key_values.0.key": 64, "past_key_values.0.value": 64,  # the sliding layer: its window
+                    "past_key_values.1.key": 40, "past_key_values.1.value": 40}
+    wide = LoadedModel.open(fixture_folder("gptoss"))  # context 2048
+    assert generate(wide, wide.new_state(), [], ids, greedy(len(narrow.tokens))).tokens == narrow.tokens
