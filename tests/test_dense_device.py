@@ -295,11 +295,14 @@ def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(m
                 assert isinstance(array, FakeDeviceArray) and array is then[name]
             else:  # the logits, which the caller keeps, and integer tensors: new host arrays at every step
                 assert type(array) is np.ndarray and array is not then[name]
-    # the prompt and the first decode step (new shapes) wait after every segment; from then on only the segments
-    # with an output that goes to the host: the logits, and integer tensors (the attention's sequence lengths)
-    to_host = [out for out in last if set(out) - on_device]
-    assert 1 <= len(to_host) < per_step
-    assert waits[0] == waits[1] == per_step and waits[2:] == [len(to_host)] * (DECODE_STEPS - 1)
+    # the prompt and the first decode step (new shapes) wait after every segment on the device; from then on only the
+    # segments with an output that goes to the host (the logits). The attention mask's segment on the host (its
+    # integer lengths) waits for nothing.
+    device = [not segment.segment.on_host for segment in segments]
+    assert device.count(False) == 1
+    to_host = [out for out, on_device_segment in zip(last, device) if on_device_segment and set(out) - on_device]
+    assert 1 <= len(to_host) < per_step - 1
+    assert waits[0] == waits[1] == per_step - 1 and waits[2:] == [len(to_host)] * (DECODE_STEPS - 1)
 
 
 def test_runs_that_do_not_wait_set_every_key_onnxruntime_reads_at_each_run():
