@@ -165,10 +165,10 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     engine = model.offload
     assert engine.decode_path_in_force == "both" and engine.tier_read.value is None
     decode_steps, counted_at = [], []  # the CPU parts the split's rate counts, by the decode steps ended before them
-    end_step, observe = model.decoder.on_step_end, engine.split_rate.observe
+    end_step, observe_many = model.decoder.on_step_end, engine.split_rate.observe_many
     model.decoder.on_step_end = lambda step_s, tokens: (decode_steps.append(1) if tokens == 1 else None,
                                                          end_step(step_s, tokens))
-    engine.split_rate.observe = lambda nbytes, seconds: (counted_at.append(len(decode_steps)), observe(nbytes, seconds))
+    engine.split_rate.observe_many = lambda calls: (counted_at.append(len(decode_steps)), observe_many(calls))
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert engine.tier_read.value == pytest.approx(TIER_READ_SHARE * device.bandwidths.pcie)
     # the parts of its first decode steps are not counted (their pools and pages still warming on a real machine);
@@ -874,7 +874,7 @@ def test_buffers_reused_across_decode_steps_are_not_aliased(model_folder, cpu_ru
     model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 2),
                              device=SimulatedDevice(1 << 30))
     nodes = [r for r in model.decoder.steps if isinstance(r, HybridExpertNode)]
-    first_segment = next(r for r in model.decoder.steps if isinstance(r, DenseSegment))
+    first_segment = next(r for r in model.decoder.steps if isinstance(r, DenseSegment) and not r.segment.on_host)
     for node in nodes:  # record what each node returns, by identity
         run = node.run
         node.run = lambda values, run=run, seen=[]: seen.append(run(values)) or seen[-1]
@@ -939,7 +939,7 @@ def test_cpu_node_output_reused_across_decode_steps_is_not_aliased(model_folder)
         segment_outputs = []
         for _ in range(4):
             logits.append(model.decoder.forward(state, [int(logits[-1][-1].argmax())]))
-            first = next(r for r in model.decoder.steps if isinstance(r, DenseSegment))
+            first = next(r for r in model.decoder.steps if isinstance(r, DenseSegment) and not r.segment.on_host)
             segment_outputs.append(first.bindings._by_state[state]._results)
         return logits, segment_outputs
 
