@@ -670,9 +670,7 @@ def _print_sweep(points: list, best, args) -> None:
     marks = ["  <- recommended" if point is best else "" for point in points]
     split_of = [f"  {p['split']:>6}" if args.both_splits else "" for p in rows]
     split_head = f"  {'split':>6}" if args.both_splits else ""
-    # with every expert resident none is cold: the path in force (cpu by default) would read as decoding on the CPU
-    paths = ["all resident" if p.records and p.records[0].offload.get("placement_mode") == "all_resident"
-             else row["decode_path"] or "" for p, row in zip(points, rows)]
+    paths = [row["decode_path"] or "" for row in rows]
 
     def peaks(row: dict) -> str:  # in the unit that fits: a small model's points differ by KiB
         return f"{human_bytes(row['peak_device_bytes']):>11}  {human_bytes(row['peak_rss_bytes']):>10}"

@@ -610,6 +610,17 @@ def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     assert paths == {"0%": "tier", "50%": "tier", "100%": "all resident"}
 
 
+def test_the_sweep_json_says_all_resident_where_the_table_does(tmp_path, capsys):
+    """With every expert resident no expert is cold and no decode path runs: the table says "all resident", and the
+    JSON rows said "cpu" (the path in force), which a script reads as decoding on the CPU."""
+    status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--decode-path", "tier",
+                              "--json")
+    assert status == 0
+    assert [(p["fraction"], p["decode_path"]) for p in json.loads(out)["points"]] == [(0.0, "tier"),
+                                                                                    (1.0, "all resident")]
+
+
 def _columns(row: str) -> list[str]:
     """A table row's cells: they are two spaces apart or more ("552.0 KiB", "all resident" are one cell)."""
     return re.split(r"\s{2,}", row.strip())

@@ -80,12 +80,23 @@ class SweepPoint:
     def peak_rss_bytes(self) -> int:
         return max(r.peaks["rss_bytes"] for r in self.records) if self.records else 0
 
+    @property
+    def decode_path(self) -> str | None:
+        """The decode path the point's answers ran on; "all resident" where no expert was cold (the path in force,
+        cpu by default, would read as decoding on the CPU)."""
+        if not self.records:
+            return None
+        offload = self.records[0].offload
+        if offload.get("placement_mode") == "all_resident":
+            return "all resident"
+        return offload.get("decode_path", {}).get("in_force")
+
     def as_dict(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "split": self.split,
                 "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
-                "decode_path": self.records[0].offload.get("decode_path", {}).get("in_force") if self.records else None,
+                "decode_path": self.decode_path,
                 **({"projected_completion_s": self.projected_completion_s,
                     "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
                     "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
