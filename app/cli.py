@@ -19,6 +19,7 @@ from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
 from engine.units import counted, decode_rate, human_bytes
 
 PROG = "moe-workbench"
+RECORD_SEED = 0  # the seed of record's and sweep's sampled answers where none is given
 GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
 # `pip install .` has none
@@ -51,15 +52,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sampling = gen.add_mutually_exclusive_group()
     sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (without this or "
                           "--temperature: the model's own defaults, genai_config.json's search: greedy unless it samples)")
-    sampling.add_argument("--temperature", type=float, help="sample with this temperature")
-    gen.add_argument("--top-k", type=int, help="sample from the k most likely tokens (with --temperature: default 0, "
-                     "all; else the model's)")
-    gen.add_argument("--top-p", type=float, help="sample from the most likely tokens holding this probability (with "
-                     "--temperature: default 1.0, all; else the model's; 0 beside a top-k above 1: top-k alone, as "
-                     "onnxruntime-genai takes it)")
-    gen.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens seen so far by this (with "
-                     "--greedy or --temperature: default 1.0, none; else the model's)")
-    gen.add_argument("--seed", type=int, help="the sampler's seed, for a repeatable sampled answer (with --temperature)")
+    _add_sampling_arguments(gen, sampling, "the sampler's seed, for a repeatable sampled answer (default: the "
+                            "model's genai_config.json search.random_seed, where it sets one)")
     gen.add_argument("--stop", action="append", default=[], help="stop when this text appears in the answer; it may "
                      "name a special token, <|im_end|>, which the answer does not show (repeatable)")
     gen.add_argument("--reasoning", help="the chat template's reasoning setting, where it has one: low, medium or high "
@@ -76,6 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
     record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
     record.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
         SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input"))
+    _add_record_sampling_arguments(record)
     record.add_argument("--label", default="")
     record.add_argument("--json", action="store_true", help="print the records as JSON")
     record.add_argument("--history", help="SQLite history file (default: the user's data folder)")
@@ -90,6 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
                        help=f"answer length limit, the same for every model (default {SWEEP_TOKENS}: a sweep times the "
                        "same work at each budget; a model that reasons first spends it on its reasoning, which decodes "
                        "as an answer does)")
+    _add_record_sampling_arguments(sweep)
     sweep.add_argument("--margin", type=float, default=0.10, help="recommend the smallest budget within this "
                        "fraction of the fastest completion time (default 0.10)")
     sweep.add_argument("--plot", help="write the sweep plot here (.png or .svg)")
@@ -168,6 +164,32 @@ def _answer_length_help(plain: int, more: str = "") -> str:
     return (f"answer length limit (default {plain}; for a model that reasons first, room for an answer after the "
             "reasoning: its genai_config.json's search.max_length, within its context, at most "
             f"{REASONING_ANSWER_TOKENS}{more})")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, choice, seed_help: str, plain: str = "with --greedy or "
+                            "--temperature: ", own: str = "else the model's") -> None:
+    """The sampling options, in onnxruntime-genai's search vocabulary; --temperature in `choice`, the group of the ways
+    to choose the sampling. `plain` and `own` say when the defaults are plain and when the model's."""
+    choice.add_argument("--temperature", type=float, help="sample with this temperature")
+    parser.add_argument("--top-k", type=int, help=f"sample from the k most likely tokens (with --temperature: default "
+                        f"0, all; {own})")
+    parser.add_argument("--top-p", type=float, help="sample from the most likely tokens holding this probability "
+                        f"(with --temperature: default 1.0, all; {own}; 0 beside a top-k above 1: top-k alone, as "
+                        "onnxruntime-genai takes it)")
+    parser.add_argument("--repetition-penalty", type=float, help="divide the logits of tokens seen so far by this "
+                        f"({plain}default 1.0, none; {own})")
+    parser.add_argument("--seed", type=int, help=seed_help)
+
+
+def _add_record_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """record's and sweep's: greedy unless asked (as every record before the options was), seeded where sampled."""
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--model-sampling", action="store_true", help="answer as the model's genai_config.json search "
+                        "section says (greedy unless it samples); without this or --temperature the answers are greedy")
+    _add_sampling_arguments(parser, choice, "the sampler's seed where the answers sample (default: the model's "
+                            f"genai_config.json search.random_seed where it sets one, else {RECORD_SEED}: a repeat run "
+                            "samples as this one did); the record keeps it", plain="",
+                            own="with --model-sampling: the model's")
 
 
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -321,12 +343,10 @@ def _as_options(message: str, names: dict[str, str]) -> str:
 
 
 def _generation_params(args):
-    from dataclasses import replace
-
     from engine.generation import GenerationParams
     from engine.genai_config import load_genai_config
     from engine.model_folder import folder_path
-    from engine.sampling import SamplingParams, beam_search_note, describe, model_sampling, model_seed
+    from engine.sampling import beam_search_note, describe
 
     if args.raw and args.system:
         raise WorkbenchError("--system needs the chat template, which --raw leaves out")
@@ -334,17 +354,7 @@ def _generation_params(args):
         raise WorkbenchError("--stop needs some text (an empty one would stop at the first token)")
     own = args.temperature is None and not args.greedy  # the model's defaults, as onnxruntime-genai takes them
     config = load_genai_config(folder_path(args.model))
-    base = (model_sampling(config) if own else
-            SamplingParams(do_sample=bool(args.temperature), temperature=args.temperature or 1.0,
-                           seed=model_seed(config)))
-    given = {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p),
-                                             ("repetition_penalty", args.repetition_penalty), ("seed", args.seed))
-             if value is not None}
-    sampling = replace(base, **given)
-    try:
-        sampling.validate()
-    except ValueError as exc:
-        raise WorkbenchError(_as_options(str(exc), SAMPLING_OPTIONS)) from None
+    sampling = _sampling(args, config, own)
     if not sampling.do_sample and (args.top_k is not None or args.top_p is not None or args.seed is not None):
         print("warning: --top-k, --top-p and --seed apply only when sampling (--temperature above 0, or a model whose "
               "genai_config.json samples); this answer is greedy", file=sys.stderr, flush=True)
@@ -357,6 +367,53 @@ def _generation_params(args):
         print(f"warning: {beams[0].lower()}{beams[1:]}", file=sys.stderr, flush=True)
     # the answer length once the model is loaded (_cmd_generate): its default follows the model
     return GenerationParams(sampling=sampling, stop_strings=tuple(args.stop), reasoning=args.reasoning)
+
+
+def _sampling(args, config, own: bool, seed: int | None = None):
+    """The SamplingParams the options say: from the model's genai_config.json `config` (`own`) or from --temperature
+    (none: greedy), with --top-k, --top-p, --repetition-penalty and --seed over them; without --seed, the model's
+    search.random_seed, else `seed`."""
+    from dataclasses import replace
+
+    from engine.sampling import SamplingParams, model_sampling, model_seed
+
+    base = (model_sampling(config) if own else
+            SamplingParams(do_sample=bool(args.temperature), temperature=args.temperature or 1.0,
+                           seed=model_seed(config)))
+    given = {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p),
+                                             ("repetition_penalty", args.repetition_penalty)) if value is not None}
+    chosen = next((value for value in (args.seed, base.seed, seed) if value is not None), None)
+    sampling = replace(base, seed=chosen, **given)
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise WorkbenchError(_as_options(str(exc), SAMPLING_OPTIONS)) from None
+    return sampling
+
+
+def _record_sampling(args, what: str):
+    """record's and sweep's SamplingParams: greedy unless asked, seeded (--seed, else the model's search.random_seed,
+    else RECORD_SEED) where they sample, so that a repeat run samples as this one did; said on standard error where
+    they sample."""
+    from dataclasses import replace
+
+    from engine.genai_config import load_genai_config
+    from engine.model_folder import folder_path
+    from engine.sampling import beam_search_note, describe
+
+    config = load_genai_config(folder_path(args.model))
+    beams = beam_search_note(config) if args.model_sampling else ""  # otherwise the model's search is not asked for
+    if beams:
+        print(f"warning: {beams[0].lower()}{beams[1:]}", file=sys.stderr, flush=True)
+    sampling = _sampling(args, config, args.model_sampling, RECORD_SEED)
+    if not sampling.do_sample:
+        if args.top_k is not None or args.top_p is not None or args.seed is not None:
+            print("warning: --top-k, --top-p and --seed apply only when sampling (--temperature above 0, or "
+                  "--model-sampling with a model whose genai_config.json samples); these answers are greedy",
+                  file=sys.stderr, flush=True)
+        return replace(sampling, seed=None)  # a greedy answer has no seed: the record does not say one
+    print(f"{what}: sampling: {describe(sampling)}, seed {sampling.seed}", file=sys.stderr, flush=True)
+    return sampling
 
 
 class _StreamedAnswer:
@@ -535,6 +592,7 @@ def _cmd_record(args) -> int:
     from engine.records.scenarios import run_scenario, scenario_answer_tokens
 
     history = History(args.history)  # a bad history file refused before the model loads
+    sampling = _record_sampling(args, "record")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
@@ -542,8 +600,8 @@ def _cmd_record(args) -> int:
     records = []
     for scenario in _scenarios(args.scenario):
         tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
-        record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens), device, label=args.label,
-                              progress=_ProgressLine(f"scenario {scenario}"))
+        record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
+                              label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
         run_id = history.add(record)
         records.append({"id": run_id, **record.to_dict()})  # as `history --export json` gives it
         if not args.json:
@@ -577,6 +635,7 @@ def _cmd_sweep(args) -> int:
         if problem:
             raise WorkbenchError(problem)
     history = History(args.history)  # a bad history file refused before the sweep runs
+    sampling = _record_sampling(args, "sweep")
     if args.save_as:
         from engine.records.configurations import check_saved
 
@@ -600,7 +659,7 @@ def _cmd_sweep(args) -> int:
     progress = _ProgressLine("sweep")
     try:
         points = run_sweep(model, device, args.points, scenarios,
-                           GenerationParams(max_new_tokens=args.max_new_tokens), progress=progress,
+                           GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling), progress=progress,
                            splits=BOTH_SPLITS if args.both_splits else None, on_point=save,
                            on_left_out=lambda note, _count: progress.say(note))
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's

@@ -339,6 +339,65 @@ def test_history_lists_labels_and_budgets_shows_runs_by_id_and_says_when_there_a
     assert status == 2 and "--scenario 'bogus': runs are of scenario 'short', 'long'" in err
 
 
+def test_record_samples_as_asked_seeded_so_that_a_repeat_run_answers_alike_and_says_how_in_the_record(
+        tmp_path, capsys):
+    """record made every run greedy: a user whose model samples could not record runs as they answer. It samples as
+    --temperature, --top-k, --top-p, --repetition-penalty and --seed say (generate's options, onnxruntime-genai's
+    search keys), seeded 0 where no --seed is given so that a repeat run samples the same tokens; the record keeps
+    the settings, the seed too."""
+    gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
+    run = ("record", gptoss, "--max-new-tokens", "8", "--history", history, "--json")
+    sampled = ("--temperature", "1.5", "--top-k", "40", "--top-p", "0.9")
+    status, out, err = _main(capsys, *run, *sampled)
+    assert status == 0, err
+    first = json.loads(out)[0]
+    assert first["generation"] | {"stop_strings": None} == {
+        "max_new_tokens": 8, "do_sample": True, "temperature": 1.5, "top_k": 40, "top_p": 0.9,
+        "repetition_penalty": 1.0, "seed": 0, "stop_strings": None, "reasoning": None}
+    assert "record: sampling: temperature 1.5, top-k 40, top-p 0.9, seed 0" in err
+    again = json.loads(_main(capsys, *run, *sampled)[1])[0]
+    assert again["turns"][0]["tokens"] == first["turns"][0]["tokens"]  # the same seed, the same answer
+    greedy = json.loads(_main(capsys, *run)[1])[0]
+    assert greedy["generation"]["do_sample"] is False and greedy["generation"]["seed"] is None
+    assert greedy["turns"][0]["tokens"] != first["turns"][0]["tokens"]
+    other = json.loads(_main(capsys, *run, *sampled, "--seed", "7")[1])[0]
+    assert other["generation"]["seed"] == 7
+    status, _out, err = _main(capsys, *run, "--temperature", "1", "--top-p", "1.5")
+    assert status == 2 and "top_p" not in err and "--top-p must be in [0, 1], got 1.5" in err
+
+
+def test_record_and_sweep_sample_as_the_models_genai_config_says_with_model_sampling(copy_fixture, tmp_path, capsys):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"].update(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, num_beams=4)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    history = str(tmp_path / "h.sqlite")
+    status, out, err = _main(capsys, "record", str(folder), "--max-new-tokens", "4", "--history", history, "--json",
+                             "--model-sampling", "--seed", "5")
+    assert status == 0, err
+    assert {key: json.loads(out)[0]["generation"][key] for key in ("do_sample", "temperature", "top_k", "top_p",
+                                                                    "seed")} == {
+        "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "seed": 5}
+    assert "warning: the model's genai_config.json asks for beam search (search.num_beams 4)" in err
+    config["search"]["random_seed"] = 9  # the model's seed where --seed gives none, as generate takes it
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    status, out, err = _main(capsys, "record", str(folder), "--max-new-tokens", "4", "--history", history, "--json",
+                             "--model-sampling")
+    assert status == 0, err
+    assert json.loads(out)[0]["generation"]["seed"] == 9 and "seed 9" in err
+    config["search"]["random_seed"] = -1
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    status, out, err = _main(capsys, "sweep", str(folder), "--device", "simulated", "--points", "2",
+                             "--max-new-tokens", "2", "--history", history, "--model-sampling")
+    assert status == 0, err
+    from engine.records.history import History
+
+    saved = History(history)
+    sweep_runs = [saved.get(row["id"]) for row in saved.rows(label="sweep")]
+    assert len(sweep_runs) == 2 and all((r.generation["do_sample"], r.generation["temperature"], r.generation["seed"])
+                                        == (True, 0.6, 0) for r in sweep_runs)
+
+
 def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):
     from engine.records import configurations
     from engine.records.history import History
