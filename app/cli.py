@@ -461,9 +461,10 @@ def _print_result(result, model, as_json: bool) -> None:
         agreement = (f"; {agreement_text(result.routing_agreement, t.generated_tokens)}"
                      if result.routing_agreement is not None else "")
         finish = result.finish_reason + (" while reasoning, before any answer" if result.cut_in_reasoning else "")
-        print(f"[{tokens}, first after {t.time_to_first_token_s * 1000:.0f} ms, "
-              f"{t.decode_tokens_per_s:.1f} tok/s, {t.total_s:.2f} s; {finish}{agreement}]",
-              file=sys.stderr, flush=True)
+        # no decode rate for an answer whose one token was the prefill's
+        said = [tokens, f"first after {t.time_to_first_token_s * 1000:.0f} ms",
+                decode_rate(t.decode_tokens_per_s, none=""), f"{t.total_s:.2f} s"]
+        print(f"[{', '.join(filter(None, said))}; {finish}{agreement}]", file=sys.stderr, flush=True)
 
 
 def _warn_of_thread_binding() -> None:
@@ -731,6 +732,9 @@ def _print_sweep(points: list, best, args) -> None:
     split_head = f"  {'split':>6}" if args.both_splits else ""
     paths = [row["decode_path"] or "" for row in rows]
 
+    def cell_rate(tokens_per_s: float | None) -> str:  # the heading says the unit
+        return decode_rate(tokens_per_s, unit="", none="n/a")
+
     def peaks(row: dict) -> str:  # in the unit that fits: a small model's points differ by KiB
         return f"{human_bytes(row['peak_device_bytes']):>11}  {human_bytes(row['peak_rss_bytes']):>10}"
 
@@ -748,20 +752,15 @@ def _print_sweep(points: list, best, args) -> None:
         for p, split, mark, path in zip(rows, split_of, marks, paths):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  "
-                  f"{_cell_rate(p['decode_tokens_per_s']):>12}  "
-                  f"{_cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{mark}")
+                  f"{cell_rate(p['decode_tokens_per_s']):>12}  "
+                  f"{cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{mark}")
     elif rows:
         print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>12}  {'completion':>10}  {'decode tok/s':>12}  "
               f"{'device peak':>11}  {'RSS peak':>10}")
         for p, split, mark, path in zip(rows, split_of, marks, paths):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
-                  f"{p['completion_s']:>9.2f}s  {_cell_rate(p['decode_tokens_per_s']):>12}  "
+                  f"{p['completion_s']:>9.2f}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{mark}")
-
-
-def _cell_rate(tokens_per_s: float | None) -> str:
-    """A decode rate in a table's column: n/a where the answers were one token each (no decode step after the first)."""
-    return "n/a" if not tokens_per_s else f"{tokens_per_s:.1f}"
 
 
 def _cmd_history(args) -> int:

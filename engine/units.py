@@ -15,7 +15,8 @@ def counted(count: int, noun: str, plural: str | None = None) -> str:
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
-def decode_rate(tokens_per_s: float | None, unit: str = " tok/s") -> str:
-    """A decode rate as the user reads it: n/a where the answers were one token each (no decode step after the first
-    token, which the prefill gives)."""
-    return "n/a (one token)" if not tokens_per_s else f"{tokens_per_s:.1f}{unit}"
+def decode_rate(tokens_per_s: float | None, unit: str = " tok/s", none: str = "n/a (one token)") -> str:
+    """A decode rate as the user reads it ("40.0 tok/s"; a table whose heading says the unit: unit=""), and `none`
+    where the answers were one token each: no decode step after the first token, which the prefill gives (a table's
+    "n/a", or "" where a line leaves the rate out)."""
+    return none if not tokens_per_s else f"{tokens_per_s:.1f}{unit}"

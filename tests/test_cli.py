@@ -544,6 +544,17 @@ def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flag
     assert out.endswith("\n")  # the answer's line ends on standard output
 
 
+def test_generate_says_no_decode_rate_for_a_one_token_answer(capsys):
+    """One token is the prefill's: nothing was decoded. generate's closing line said "0.0 tok/s", as if decoding had
+    stalled, where the chat and side by side leave the rate out; it leaves it out too."""
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--greedy", "--max-new-tokens", "1")
+    assert status == 0 and re.fullmatch(r"\[1 token, first after \d+ ms, \d+\.\d\d s; length\]\n", err), err
+    status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--greedy", "--max-new-tokens", "3")
+    assert status == 0 and re.fullmatch(r"\[3 tokens, first after \d+ ms, \d+\.\d tok/s, \d+\.\d\d s; length\]\n",
+                                        err), err
+
+
 def test_history_refuses_a_file_that_is_not_one(tmp_path, capsys):
     other = tmp_path / "notes.json"
     other.write_text('{"not": "a database"}' * 200)

@@ -20,7 +20,7 @@ from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
 from app.gui.widgets import AnswerLength, OneLineLabel
 from engine.offload.approximate import agreement_text
-from engine.units import counted
+from engine.units import counted, decode_rate
 
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
 # text may name (engine/generation.py's VisibleText)
@@ -46,16 +46,13 @@ def miss_split_text(split: dict) -> str:
     return "misses: " + split_text(split) if split.get("misses") else ""
 
 
-def decode_rate(rate: float, tokens: int) -> list[str]:
-    """'40.0 tok/s', or nothing where an answer's one token was the prefill's: no decode to measure."""
-    return [f"{rate:.1f} tok/s"] if tokens > 1 else []
-
-
 def answered_text(timings: dict, stopped: bool = False) -> str:
     """The status bar's line once an answer ends (`stopped`: by Stop)."""
     tokens = timings["generated_tokens"]
     said = "Stopped the answer" if stopped else "Answered"
-    return ", ".join([f"{said}: {counted(tokens, 'token')}", *decode_rate(timings["decode_tokens_per_s"], tokens)])
+    # an answer's one token was the prefill's: no decode rate to say
+    return ", ".join(filter(None, [f"{said}: {counted(tokens, 'token')}",
+                                   decode_rate(timings["decode_tokens_per_s"], none="")]))
 
 
 def stats_line(result: dict) -> str:
@@ -65,10 +62,10 @@ def stats_line(result: dict) -> str:
     if not t:
         return ""
     tokens = t["generated_tokens"]
-    parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms", *decode_rate(t["decode_tokens_per_s"], tokens),
+    parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms", decode_rate(t["decode_tokens_per_s"], none=""),
              f"{t['total_s']:.2f} s", counted(tokens, "token")]
     if t.get("projected_decode_tokens_per_s"):  # a simulated device (engine/offload/projection.py)
-        parts.append(f"projected on the simulated card: {t['projected_decode_tokens_per_s']:.1f} tok/s")
+        parts.append(f"projected on the simulated card: {decode_rate(t['projected_decode_tokens_per_s'])}")
     prompt = f"prompt {t['prompt_tokens']} tokens"
     if result.get("reused_cache_tokens"):
         prompt += f" (+{result['reused_cache_tokens']} cached)"
@@ -82,7 +79,7 @@ def stats_line(result: dict) -> str:
         parts.append(split)
     finish = FINISH.get(result.get("finish_reason"), result.get("finish_reason", ""))
     parts.append(finish + (" while reasoning, before any answer" if result.get("cut_in_reasoning") else ""))
-    return " · ".join(parts)
+    return " · ".join(filter(None, parts))  # no decode rate for an answer whose one token was the prefill's
 
 
 def reasoning_html(entry: dict, index: int, t) -> str:

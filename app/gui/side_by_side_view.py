@@ -18,7 +18,6 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, Q
                                QWidget)
 
 from app.gui import theme
-from app.gui.chat_panel import decode_rate
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SIDE_BY_SIDE_TOKENS, SideBySideJob, SideBySideResult
 from app.gui.side_streams import failed_status
@@ -30,6 +29,7 @@ from engine.offload.config import DEVICE_KEYS, keys_among
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
 from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE
+from engine.units import decode_rate
 
 KIND = "comparing"
 STATS = ("first token", "decode", "total", "tokens", "routing")
@@ -143,7 +143,7 @@ def side_stats(record) -> dict[str, str]:
     turn = record.turns[0]
     t = turn["timings"]
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms",
-            "decode": "".join(decode_rate(t["decode_tokens_per_s"], turn["generated_tokens"])) or "—",
+            "decode": decode_rate(t["decode_tokens_per_s"], none="—"),
             "total": f"{t['total_s']:.2f} s",
             "tokens": f"{turn['generated_tokens']:,}", "routing": routing_text(record)}
 
