@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -627,7 +628,7 @@ def _cmd_sweep(args) -> int:
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
-    if args.margin < 0:
+    if not 0 <= args.margin < math.inf:  # nan too
         raise WorkbenchError(f"--margin {args.margin}: a share of the fastest completion, 0 or more (0.1 = 10%)")
     if args.plot:
         from app.sweep_plot import plot_path_problem

@@ -211,6 +211,9 @@ def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     assert status == 2 and err == f"moe-workbench: error: --plot {tmp_path / 'sweep.png'}: a folder, not a file\n"
     status, _out, err = _main(capsys, "sweep", gptoss, *common, "--margin", "-1")
     assert status == 2 and "--margin -1.0: a share of the fastest completion" in err
+    for margin in ("nan", "inf"):  # nan ran the whole sweep, then failed to recommend: an internal error
+        status, _out, err = _main(capsys, "sweep", gptoss, *common, "--margin", margin)
+        assert status == 2 and f"--margin {margin}: a share of the fastest completion" in err
     assert not (tmp_path / "h.sqlite").exists()  # refused before anything ran or was saved
 
 
