@@ -90,7 +90,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--margin", type=float, default=0.10, help="recommend the smallest budget within this "
                        "fraction of the fastest completion time (default 0.10)")
     sweep.add_argument("--plot", help="write the sweep plot here (.png or .svg)")
-    sweep.add_argument("--save-as", help="save the recommendation as a named configuration")
+    sweep.add_argument("--save-as", type=configuration_name, metavar="NAME",
+                       help="save the recommendation as a named configuration")
     sweep.add_argument("--both-splits", action="store_true",
                        help="at every budget that holds some but not all layers whole, run the budget spread over "
                             "every layer and on whole layers (the layer split), and recommend across both")
@@ -160,6 +161,13 @@ def at_least(minimum: int):
     return integer
 
 
+def configuration_name(text: str) -> str:
+    """An argparse type: a saved configuration's name, not empty (an empty one was taken for none given)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a configuration needs a name")
+    return text
+
+
 def _answer_length_help(plain: int, more: str = "") -> str:
     """--max-new-tokens' help where its default follows the model (LoadedModel.answer_tokens)."""
     return (f"answer length limit (default {plain}; for a model that reasons first, room for an answer after the "
@@ -196,7 +204,7 @@ def _add_record_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "simulated", "cuda"], default="cpu",
                         help="where resident experts live: cpu (none), a simulated GPU, or the CUDA GPU")
-    parser.add_argument("--config", metavar="NAME",
+    parser.add_argument("--config", type=configuration_name, metavar="NAME",
                         help="start from a saved configuration's offload settings (sweep --save-as NAME saves one; "
                              "--offload entries apply on top)")
     parser.add_argument("--offload", action="append", default=[], metavar="KEY=VALUE",

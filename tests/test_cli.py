@@ -217,6 +217,23 @@ def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     assert not (tmp_path / "h.sqlite").exists()  # refused before anything ran or was saved
 
 
+def test_an_empty_configuration_name_is_refused_not_ignored(tmp_path, capsys):
+    """`--save-as ""` (a script's unset variable) ran the whole sweep and saved nothing, saying nothing of it, and
+    `--config ""` started from no saved configuration, silently: both are refused before anything runs."""
+    import pytest
+
+    gptoss = str(fixture_folder("gptoss"))
+    for args in (("sweep", gptoss, "--device", "simulated", "--history", str(tmp_path / "h.sqlite"), "--save-as", " "),
+                 ("generate", gptoss, "--prompt", "Hi", "--config", "")):
+        with pytest.raises(SystemExit) as exit:
+            _main(capsys, *args)
+        option = args[-2]
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: argument {option}: a configuration needs a "
+                                                                 "name")
+    assert not (tmp_path / "h.sqlite").exists()
+
+
 def _sweep_run_raises(monkeypatch, at: int, error: BaseException) -> None:
     """The sweep's `at`-th run_scenario call (the warm-up is the first, then one a point) raises `error`; those before
     it run."""
