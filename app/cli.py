@@ -819,13 +819,16 @@ def _cmd_contention(args) -> int:
     from engine.records.contention import default_corpus, run_contention
     from engine.records.scenarios import run_scenario, scenario_answer_tokens
 
+    corpus = Path(args.corpus) if args.corpus else default_corpus()  # checked before the model loads (minutes)
+    named = f"--corpus {corpus}" if args.corpus else str(corpus)
+    if not corpus.is_dir():
+        raise WorkbenchError(f"{named}: no such folder")
+    if not any(corpus.glob("*.txt")):
+        raise WorkbenchError(f"{named}: no .txt files to index")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
-    corpus = Path(args.corpus) if args.corpus else default_corpus()
-    if not any(corpus.glob("*.txt")):
-        raise WorkbenchError(f"{corpus}: no .txt files to index")
     params = GenerationParams(max_new_tokens=args.max_new_tokens
                               or scenario_answer_tokens(model, args.scenario))
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],

@@ -234,6 +234,23 @@ def test_an_empty_configuration_name_is_refused_not_ignored(tmp_path, capsys):
     assert not (tmp_path / "h.sqlite").exists()
 
 
+def test_contention_checks_its_corpus_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A corpus folder that is not there (or holds no .txt file) was found only once the model had loaded: minutes on
+    a large one. It is refused first, in one line naming the folder."""
+    import engine.generation
+
+    def no_load(*_args, **_kwargs):
+        raise AssertionError("the model loaded before the corpus was checked")
+
+    monkeypatch.setattr(engine.generation.LoadedModel, "open", no_load)
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "contention", gptoss, "--corpus", str(tmp_path / "none"))
+    assert status == 2 and err == f"moe-workbench: error: --corpus {tmp_path / 'none'}: no such folder\n"
+    (tmp_path / "notes.md").write_text("not a .txt")
+    status, _out, err = _main(capsys, "contention", gptoss, "--corpus", str(tmp_path))
+    assert status == 2 and err == f"moe-workbench: error: --corpus {tmp_path}: no .txt files to index\n"
+
+
 def _sweep_run_raises(monkeypatch, at: int, error: BaseException) -> None:
     """The sweep's `at`-th run_scenario call (the warm-up is the first, then one a point) raises `error`; those before
     it run."""
