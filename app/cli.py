@@ -599,7 +599,8 @@ def _scenarios(name: str) -> list[str]:
 def _cmd_record(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.history import History
-    from engine.records.scenarios import run_scenario, scenario_answer_tokens
+    from engine.errors import PromptError
+    from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns
 
     history = History(args.history)  # a bad history file refused before the model loads
     sampling = _record_sampling(args, "record")
@@ -607,9 +608,19 @@ def _cmd_record(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
-    records = []
+    runs = []  # (scenario, answer length) of those the context holds, checked before the first runs
     for scenario in _scenarios(args.scenario):
         tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
+        try:
+            scenario_turns(scenario, model.tokenizer, model.config.context_length, tokens)
+        except PromptError as exc:  # the long input on a short context: with "all", the others run
+            if args.scenario != "all":
+                raise
+            print(f"record: skipped {scenario}: {exc}", file=sys.stderr, flush=True)
+            continue
+        runs.append((scenario, tokens))
+    records = []
+    for scenario, tokens in runs:
         record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
                               label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
         run_id = history.add(record)

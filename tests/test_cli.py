@@ -435,6 +435,26 @@ def test_record_and_sweep_sample_as_the_models_genai_config_says_with_model_samp
                                         == (True, 0.6, 0) for r in sweep_runs)
 
 
+def test_record_all_skips_a_scenario_the_context_cannot_hold_and_runs_the_others(tmp_path, capsys):
+    """On gptoss's 2,048-token context the long input (2,000 tokens) leaves no room for a 64-token answer: `record
+    --scenario all` saved the short run, then stopped in an error before multiturn (exit 2). It skips the long one,
+    saying why, as sweep and the window's Record do; asked alone it is still refused."""
+    from engine.records.history import History
+
+    gptoss, history = str(fixture_folder("gptoss")), tmp_path / "h.sqlite"
+    status, out, err = _main(capsys, "record", gptoss, "--scenario", "all", "--max-new-tokens", "49", "--history",
+                             str(history))
+    assert status == 0, err
+    assert ("record: skipped long: the long-input scenario needs a context of at least 2049 tokens; the model has "
+            "2048") in err.splitlines()
+    assert [line.split(":")[0] for line in out.splitlines()] == ["short", "multiturn"]
+    assert sorted(row["scenario"] for row in History(history).rows()) == ["multiturn", "short"]
+    status, _out, err = _main(capsys, "record", gptoss, "--scenario", "long", "--max-new-tokens", "49", "--history",
+                              str(history))
+    assert status == 2 and err.endswith("error: the long-input scenario needs a context of at least 2049 tokens; the "
+                                        "model has 2048\n")
+
+
 def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):
     from engine.records import configurations
     from engine.records.history import History
