@@ -29,6 +29,11 @@ NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the 
                   "newer); make does it")
 
 
+MODEL_HELP = "model folder (genai_config.json, model.onnx and the tokenizer, as onnxruntime-genai's builder writes it)"
+SCENARIO_HELP = ("short: one question; long: a report of about 2,000 tokens, its main points asked for; multiturn: a chat of six "
+                 "questions")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Run Mixture-of-Experts ONNX models with CPU/GPU expert offload.")
     commands = parser.add_subparsers(dest="command")
@@ -37,12 +42,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gui.add_argument("model", nargs="?", help="model folder to open (default: the demo model)")
 
     inspect = commands.add_parser("inspect", help="list every expert node, its layout and bytes, and whether it runs")
-    inspect.add_argument("model")
+    inspect.add_argument("model", help=MODEL_HELP)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     _add_device_arguments(inspect)
 
     gen = commands.add_parser("generate", help="generate text for a prompt")
-    gen.add_argument("model")
+    gen.add_argument("model", help=MODEL_HELP)
     gen.add_argument("--prompt", required=True, help="the (first) user message")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
@@ -67,21 +72,24 @@ def _build_parser() -> argparse.ArgumentParser:
                      "timings, dense (and offload with --device, --offload or --config)")
 
     record = commands.add_parser("record", help="run measured scenarios and save resource records")
-    record.add_argument("model")
-    record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
+    record.add_argument("model", help=MODEL_HELP)
+    record.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short",
+                        help=SCENARIO_HELP + "; all: the three, where the context holds them (default short)")
     record.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
         SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input"))
     _add_record_sampling_arguments(record)
-    record.add_argument("--label", default="")
+    record.add_argument("--label", default="", help="a name for these runs, shown by history and matched by its "
+                        "--label")
     record.add_argument("--json", action="store_true", help="print the records as JSON")
     record.add_argument("--history", help="SQLite history file (default: the user's data folder)")
     _add_device_arguments(record)
 
     sweep = commands.add_parser("sweep", help="run scenarios across expert budgets and recommend one")
-    sweep.add_argument("model")
+    sweep.add_argument("model", help=MODEL_HELP)
     sweep.add_argument("--points", type=at_least(2), default=5, help="budgets tried, from none to every expert "
                        "(default 5)")
-    sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short")
+    sweep.add_argument("--scenario", choices=["short", "long", "multiturn", "all"], default="short",
+                       help=SCENARIO_HELP + "; all: the three, where the context holds them (default short)")
     sweep.add_argument("--max-new-tokens", type=at_least(1), default=SWEEP_TOKENS,
                        help=f"answer length limit, the same for every model (default {SWEEP_TOKENS}: a sweep times the "
                        "same work at each budget; a model that reasons first spends it on its reasoning, which decodes "
@@ -95,7 +103,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--both-splits", action="store_true",
                        help="at every budget that holds some but not all layers whole, run the budget spread over "
                             "every layer and on whole layers (the layer split), and recommend across both")
-    sweep.add_argument("--json", action="store_true")
+    sweep.add_argument("--json", action="store_true", help="print the points and the recommendation as one JSON "
+                       "object")
     sweep.add_argument("--history", help="SQLite history file (default: the user's data folder)")
     _add_device_arguments(sweep)
 
@@ -112,42 +121,45 @@ def _build_parser() -> argparse.ArgumentParser:
     history.add_argument("--history", help="SQLite history file (default: the user's data folder)")
 
     contention = commands.add_parser("contention", help="document indexing alone, inference alone, then both")
-    contention.add_argument("model")
+    contention.add_argument("model", help=MODEL_HELP)
     contention.add_argument("--workers", type=at_least(1), default=2, help="indexing worker processes (default 2)")
     contention.add_argument("--corpus", help="folder of .txt files (default: a generated corpus)")
-    contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short")
+    contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short",
+                            help=SCENARIO_HELP + " (default short)")
     contention.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
         SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input; the test answers "
         "three times: a warm-up, alone, beside the indexing"))
-    contention.add_argument("--json", action="store_true")
+    contention.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _add_device_arguments(contention)
 
     write = commands.add_parser("write-model", help="write a random-weight model folder in the builder's format")
     write.add_argument("folder", help="a new or empty folder (see --force)")
     write.add_argument("--force", action="store_true", help="write into a folder that holds files already, replacing "
                        "the model files there")
-    write.add_argument("--layers", type=int, default=2)
-    write.add_argument("--hidden", type=int, default=128)
-    write.add_argument("--experts", type=int, default=8)
-    write.add_argument("--top-k", type=int, default=2)
-    write.add_argument("--intermediate", type=int, default=128)
-    write.add_argument("--heads", type=int, default=4)
-    write.add_argument("--kv-heads", type=int, default=2)
-    write.add_argument("--head-size", type=int, default=32)
+    write.add_argument("--layers", type=int, default=2, help="decoder layers, each with an expert node (default 2)")
+    write.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
+    write.add_argument("--experts", type=int, default=8, help="experts per layer (default 8)")
+    write.add_argument("--top-k", type=int, default=2, help="experts routed per token (default 2)")
+    write.add_argument("--intermediate", type=int, default=128, help="an expert's intermediate size (default 128)")
+    write.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    write.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    write.add_argument("--head-size", type=int, default=32, help="an attention head's size (default 32)")
     write.add_argument("--quant-type", default="int", choices=["int", "fp4", "nvfp4", "fp8"],
                        help="expert layout: int (with --bits), fp4 (MXFP4), nvfp4, fp8 (e4m3)")
-    write.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8])
+    write.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8], help="int: the experts' bits (default 4)")
     write.add_argument("--block-size", type=int, default=32,
                        help="int: K block, 0 = one scale per row; fp8: square block, 0 = per-expert global scale")
-    write.add_argument("--zero-points", action="store_true")
+    write.add_argument("--zero-points", action="store_true", help="int: asymmetric, with zero points")
     write.add_argument("--prepacked", action="store_true", help="int4/int8 in CUTLASS's SM80 prepacked layout")
-    write.add_argument("--nvfp4-packing", default="k_packed", choices=["k_packed", "n_packed"])
+    write.add_argument("--nvfp4-packing", default="k_packed", choices=["k_packed", "n_packed"],
+                       help="nvfp4: K-packed [E, N, K/2] (default) or the legacy N-packed [E, K, N/2]")
     write.add_argument("--activation", default="swiglu", choices=["swiglu", "geglu", "relu", "relu2", "gelu", "silu",
-                                                                   "identity"])
+                                                                   "identity"], help="the experts' (default swiglu)")
     write.add_argument("--sliding-window", type=int, help="window of the even layers (gpt-oss style)")
-    write.add_argument("--context-length", type=int, default=2048)
-    write.add_argument("--dtype", default="float32", choices=["float32", "float16"])
-    write.add_argument("--seed", type=int, default=0)
+    write.add_argument("--context-length", type=int, default=2048, help="tokens (default 2048)")
+    write.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                       help="activations, scales and biases (default float32)")
+    write.add_argument("--seed", type=int, default=0, help="the random weights' seed (default 0)")
     return parser
 
 

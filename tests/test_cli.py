@@ -722,6 +722,25 @@ def test_generate_json_help_names_the_keys_an_answer_has(capsys):
         assert key in json_help
 
 
+def test_every_commands_help_says_what_each_of_its_arguments_is(capsys):
+    """--help listed record's --scenario and --label, sweep's and contention's --scenario and --json, every command's
+    model and most of write-model's options with nothing beside them."""
+    import argparse
+
+    import pytest
+
+    from app.cli import _build_parser
+
+    commands = next(a for a in _build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    unsaid = {name: [action.dest for action in command._actions if not action.help] for name, command in
+              commands.items()}
+    assert unsaid == dict.fromkeys(commands, [])
+    for name in commands:  # each --help prints (a stray % in a help text fails only there)
+        with pytest.raises(SystemExit):
+            _main(capsys, name, "--help")
+        assert capsys.readouterr().out.startswith(f"usage: moe-workbench {name}")
+
+
 def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     """Each point's row says the decode path its answers ran on (under auto, what the trials kept once they ended:
     engine/records/sweep.py settle): asked for the tier, every point with cold experts reads them from the simulated
