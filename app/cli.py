@@ -234,9 +234,10 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "while decoding and keeps the fastest")
 
 
-def _offload_setup(args, fallback: list[str] | None = None):
+def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = ""):
     """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs. Where a CUDA GPU cannot be
-    used, the note that every expert runs on the CPU instead is printed, and appended to `fallback` where given."""
+    used, the note that every expert runs on the CPU instead is printed, and appended to `fallback` where given; or,
+    with `needs_device` (what needs one), refused."""
     from engine.offload import OffloadConfig, SimulatedDevice
     from engine.offload.config import DEVICE_KEYS, UNUSED_KEYS, keys_among, short_key
 
@@ -289,8 +290,14 @@ def _offload_setup(args, fallback: list[str] | None = None):
     if args.device == "simulated":
         return config, SimulatedDevice(args.simulated_vram, mem_limit=config.gpu_device_mem_limit)
     if args.device == "cuda":
-        from engine.offload.cuda_device import cuda_device_or_cpu
+        from engine.offload.cuda_device import cuda_device_or_cpu, open_cuda_device
 
+        if needs_device:
+            try:
+                return config, open_cuda_device(mem_limit=config.gpu_device_mem_limit)
+            except WorkbenchError as exc:
+                raise WorkbenchError(f"{needs_device} needs a device, and the CUDA GPU cannot be used ({exc}); "
+                                     "--device simulated gives a simulated one") from None
         device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode)
         if note:
             print(f"warning: {note}", file=sys.stderr)
@@ -673,7 +680,7 @@ def _cmd_sweep(args) -> int:
         from engine.records.configurations import check_saved
 
         check_saved(None, args.save_as, args.model)  # and a file, or a name, the recommendation could not be saved in
-    config, device = _offload_setup(args)
+    config, device = _offload_setup(args, needs_device="a budget sweep")
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()

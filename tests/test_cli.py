@@ -846,6 +846,23 @@ def test_inspect_on_a_cuda_gpu_that_cannot_be_used_plans_for_the_cpu_as_the_wind
                                    "machine with an NVIDIA driver)\n")
 
 
+def test_a_sweep_on_a_cuda_gpu_that_cannot_be_used_is_refused_before_it_runs(tmp_path, capsys, monkeypatch):
+    """Without a usable GPU the sweep went on with every expert on the CPU: each point held no expert, the table read
+    "0%" at every point, and it recommended (and --save-as saved) a budget of 0 measured on nothing. A sweep compares
+    budgets on a device: it is refused, in one line saying why, as --device cpu is."""
+    from engine.records.history import History
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy fails, as on a machine without it)
+    history = tmp_path / "h.sqlite"
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "cuda", "--points", "2",
+                             "--max-new-tokens", "2", "--history", str(history))
+    assert status == 2 and out == "" and err == (
+        "moe-workbench: error: a budget sweep needs a device, and the CUDA GPU cannot be used (the CUDA GPU needs CuPy "
+        "(install with `make install` on a machine with an NVIDIA driver)); --device simulated gives a simulated "
+        "one\n")
+    assert History(history).rows() == []
+
+
 def test_inspect_json_on_a_cuda_gpu_that_cannot_be_used_says_in_the_json_which_device_it_planned_for_and_why(
         capsys, monkeypatch):
     """inspect --json --device cuda without CuPy planned for the CPU and said so on standard error alone: a script
