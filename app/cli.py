@@ -681,6 +681,9 @@ def _cmd_sweep(args) -> int:
 
         check_saved(None, args.save_as, args.model)  # and a file, or a name, the recommendation could not be saved in
     config, device = _offload_setup(args, needs_device="a budget sweep")
+    if config.mode == "disabled":
+        raise WorkbenchError("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep under "
+                             "mode=auto or required")
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()

@@ -863,6 +863,19 @@ def test_a_sweep_on_a_cuda_gpu_that_cannot_be_used_is_refused_before_it_runs(tmp
     assert History(history).rows() == []
 
 
+def test_a_sweep_under_mode_disabled_is_refused_before_it_runs(tmp_path, capsys):
+    """mode=disabled offloads nothing (every expert where the dense part runs): the sweep ran every point at budget 0,
+    "0%" each, and recommended one of them. It is refused, in one line, before any run."""
+    from engine.records.history import History
+
+    history = tmp_path / "h.sqlite"
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                             "mode=disabled", "--points", "2", "--max-new-tokens", "2", "--history", str(history))
+    assert status == 2 and out == "" and err == ("moe-workbench: error: a budget sweep compares expert budgets, and "
+                                                 "mode=disabled offloads no expert: sweep under mode=auto or required\n")
+    assert History(history).rows() == []
+
+
 def test_inspect_json_on_a_cuda_gpu_that_cannot_be_used_says_in_the_json_which_device_it_planned_for_and_why(
         capsys, monkeypatch):
     """inspect --json --device cuda without CuPy planned for the CPU and said so on standard error alone: a script
