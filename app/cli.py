@@ -20,6 +20,7 @@ from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
 from engine.units import counted, decode_rate, human_bytes
 
 PROG = "moe-workbench"
+SIMULATED_VRAM = 8 << 30  # the simulated GPU's memory where --simulated-vram gives none
 RECORD_SEED = 0  # the seed of record's and sweep's sampled answers where none is given
 GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
@@ -222,8 +223,8 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="append", default=[], metavar="KEY=VALUE",
                         help="an offload setting in onnxruntime's vocabulary (session.moe.offload.KEY; "
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
-    parser.add_argument("--simulated-vram", type=at_least(1 << 20), default=8 << 30, metavar="BYTES",
-                        help="memory of the simulated GPU (default 8 GiB)")
+    parser.add_argument("--simulated-vram", type=at_least(1 << 20), metavar="BYTES",
+                        help="memory of the simulated GPU (default 8 GiB; with --device simulated)")
     parser.add_argument("--layer-split", choices=SPLIT_MODES,
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
                              "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")
@@ -267,6 +268,9 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     entries = {key: value for key, value in saved_entries.items() if short_key(key) not in replaced} | given
     idle_options = [option for option, value in (("--layer-split", args.layer_split), ("--decode-path", args.decode_path))
                     if args.device == "cpu" and value is not None]
+    if args.simulated_vram is not None and args.device != "simulated":
+        print(f"warning: --simulated-vram: no effect with --device {args.device}, which simulates no GPU (--device "
+              "simulated)", file=sys.stderr)
     if idle_options:  # both choose among the ways a device takes experts
         print(f"warning: {', '.join(idle_options)}: no effect with --device cpu, where every expert runs on the CPU "
               "(--device simulated or cuda)", file=sys.stderr)
@@ -288,7 +292,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
         print(f"warning: {', '.join(unused)}: kept for onnxruntime, but this engine does not use "
               f"{'it' if len(unused) == 1 else 'them'} (no effect here)", file=sys.stderr)
     if args.device == "simulated":
-        return config, SimulatedDevice(args.simulated_vram, mem_limit=config.gpu_device_mem_limit)
+        return config, SimulatedDevice(args.simulated_vram or SIMULATED_VRAM, mem_limit=config.gpu_device_mem_limit)
     if args.device == "cuda":
         from engine.offload.cuda_device import cuda_device_or_cpu, open_cuda_device
 

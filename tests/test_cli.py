@@ -901,6 +901,13 @@ def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated",
                               "--layer-split", "whole", "--decode-path", "tier")
     assert status == 0 and err == ""
+    # the simulated card's memory, with another device, was taken in silence too
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--simulated-vram", "4000000000")
+    assert status == 0 and err == ("warning: --simulated-vram: no effect with --device cpu, which simulates no GPU "
+                                   "(--device simulated)\n")
+    status, out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated",
+                             "--simulated-vram", "4000000000")
+    assert status == 0 and err == "" and "3.7 GiB (" in out
 
 
 def test_generate_seeds_sampling_with_the_models_random_seed_unless_given_one(copy_fixture, capsys):
