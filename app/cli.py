@@ -147,12 +147,14 @@ def _build_parser() -> argparse.ArgumentParser:
     write.add_argument("--head-size", type=int, default=32, help="an attention head's size (default 32)")
     write.add_argument("--quant-type", default="int", choices=["int", "fp4", "nvfp4", "fp8"],
                        help="expert layout: int (with --bits), fp4 (MXFP4), nvfp4, fp8 (e4m3)")
-    write.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 8], help="int: the experts' bits (default 4)")
-    write.add_argument("--block-size", type=int, default=32,
-                       help="int: K block, 0 = one scale per row; fp8: square block, 0 = per-expert global scale")
+    # --bits, --block-size and --nvfp4-packing default to None: given where their layout does not take them, said so
+    write.add_argument("--bits", type=int, choices=[2, 3, 4, 8], help="int: the experts' bits (default 4)")
+    write.add_argument("--block-size", type=int,
+                       help="int: K block, 0 = one scale per row; fp8: square block, 0 = per-expert global scale "
+                       "(default 32)")
     write.add_argument("--zero-points", action="store_true", help="int: asymmetric, with zero points")
     write.add_argument("--prepacked", action="store_true", help="int4/int8 in CUTLASS's SM80 prepacked layout")
-    write.add_argument("--nvfp4-packing", default="k_packed", choices=["k_packed", "n_packed"],
+    write.add_argument("--nvfp4-packing", choices=["k_packed", "n_packed"],
                        help="nvfp4: K-packed [E, N, K/2] (default) or the legacy N-packed [E, K, N/2]")
     write.add_argument("--activation", default="swiglu", choices=["swiglu", "geglu", "relu", "relu2", "gelu", "silu",
                                                                    "identity"], help="the experts' (default swiglu)")
@@ -571,12 +573,24 @@ def _cmd_write_model(args) -> int:
         raise WorkbenchError(f"{folder}: a file, not a folder")
     if folder.is_dir() and any(folder.iterdir()) and not args.force:
         raise WorkbenchError(f"{folder}: holds files already; writing would replace its model (--force to do so)")
+    kind = args.quant_type
+    idle = [option for option, value, takes in (("--bits", args.bits, kind == "int"),
+                                                ("--block-size", args.block_size, kind in ("int", "fp8")),
+                                                ("--nvfp4-packing", args.nvfp4_packing, kind == "nvfp4"))
+            if value is not None and not takes]
+    if idle:
+        fixed = {"fp4": " (fp4 has blocks of 32 4-bit values)", "nvfp4": " (nvfp4 has blocks of 16 4-bit values)",
+                 "fp8": " (fp8 is e4m3)"}
+        why = fixed.get(kind, "") if {"--bits", "--block-size"} & set(idle) else ""
+        print(f"warning: {', '.join(idle)}: no effect with --quant-type {kind}{why}", file=sys.stderr)
     try:
         spec = WriterSpec(layers=args.layers, hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
                           inter_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                          head_size=args.head_size, bits=args.bits, block_size=args.block_size,
+                          head_size=args.head_size, bits=args.bits or 4,
+                          block_size=32 if args.block_size is None else args.block_size,
                           zero_points=args.zero_points, dtype=args.dtype, seed=args.seed, quant_type=args.quant_type,
-                          prepacked=args.prepacked, nvfp4_packing=args.nvfp4_packing, activation=args.activation,
+                          prepacked=args.prepacked, nvfp4_packing=args.nvfp4_packing or "k_packed",
+                          activation=args.activation,
                           sliding_window=args.sliding_window, context_length=args.context_length)
         path = write_model(args.folder, spec)
     except ValueError as exc:

@@ -199,6 +199,23 @@ def test_write_model_keeps_what_a_folder_holds_unless_forced(tmp_path, capsys):
         "model.onnx: a file, not a folder")
 
 
+def test_write_model_says_which_layout_options_its_quant_type_does_not_use(tmp_path, capsys):
+    """--bits and --block-size with fp4 (MXFP4's block is 32) or --nvfp4-packing with int experts were taken in
+    silence: the folder held another layout than the options read. Each is said to do nothing there."""
+    small = ("--layers", "1", "--hidden", "64", "--experts", "4", "--intermediate", "64")
+    status, _out, err = _main(capsys, "write-model", str(tmp_path / "a"), *small, "--quant-type", "fp4", "--bits", "8",
+                              "--block-size", "64")
+    assert status == 0 and err == ("warning: --bits, --block-size: no effect with --quant-type fp4 (fp4 has blocks of "
+                                   "32 4-bit values)\n")
+    status, _out, err = _main(capsys, "write-model", str(tmp_path / "b"), *small, "--nvfp4-packing", "n_packed")
+    assert status == 0 and err == "warning: --nvfp4-packing: no effect with --quant-type int\n"
+    status, _out, err = _main(capsys, "write-model", str(tmp_path / "c"), *small, "--quant-type", "fp8", "--bits", "4",
+                              "--block-size", "32")
+    assert status == 0 and err == "warning: --bits: no effect with --quant-type fp8 (fp8 is e4m3)\n"
+    status, _out, err = _main(capsys, "write-model", str(tmp_path / "d"), *small, "--bits", "8", "--block-size", "0")
+    assert status == 0 and err == ""
+
+
 def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     gptoss = str(fixture_folder("gptoss"))
     common = ("--device", "simulated", "--history", str(tmp_path / "h.sqlite"))
