@@ -31,8 +31,8 @@ NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the 
 
 
 MODEL_HELP = "model folder (genai_config.json, model.onnx and the tokenizer, as onnxruntime-genai's builder writes it)"
-SCENARIO_HELP = ("short: one question; long: a report of about 2,000 tokens, its main points asked for; multiturn: a chat of six "
-                 "questions")
+SCENARIO_HELP = ("short: one question; long: a report of about 2,000 tokens, its main points asked for; multiturn: "
+                 "a chat of six questions")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -700,8 +700,8 @@ def _cmd_sweep(args) -> int:
         check_saved(None, args.save_as, args.model)  # and a file, or a name, the recommendation could not be saved in
     config, device = _offload_setup(args, needs_device="a budget sweep")
     if config.mode == "disabled":
-        raise WorkbenchError("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep under "
-                             "mode=auto or required")
+        raise WorkbenchError("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep "
+                             "under mode=auto or required")
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()

@@ -888,8 +888,9 @@ def test_a_sweep_under_mode_disabled_is_refused_before_it_runs(tmp_path, capsys)
     history = tmp_path / "h.sqlite"
     status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                              "mode=disabled", "--points", "2", "--max-new-tokens", "2", "--history", str(history))
-    assert status == 2 and out == "" and err == ("moe-workbench: error: a budget sweep compares expert budgets, and "
-                                                 "mode=disabled offloads no expert: sweep under mode=auto or required\n")
+    assert status == 2 and out == "" and err == (
+        "moe-workbench: error: a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep "
+        "under mode=auto or required\n")
     assert History(history).rows() == []
 
 
