@@ -147,7 +147,8 @@ def _build_parser() -> argparse.ArgumentParser:
     write.add_argument("--head-size", type=int, default=32, help="an attention head's size (default 32)")
     write.add_argument("--quant-type", default="int", choices=["int", "fp4", "nvfp4", "fp8"],
                        help="expert layout: int (with --bits), fp4 (MXFP4), nvfp4, fp8 (e4m3)")
-    # --bits, --block-size and --nvfp4-packing default to None: given where their layout does not take them, said so
+    # --bits, --block-size and --nvfp4-packing default to None (WriterSpec's defaults): given where the layout does
+    # not take them, said so
     write.add_argument("--bits", type=int, choices=[2, 3, 4, 8], help="int: the experts' bits (default 4)")
     write.add_argument("--block-size", type=int,
                        help="int: K block, 0 = one scale per row; fp8: square block, 0 = per-expert global scale "
@@ -583,15 +584,14 @@ def _cmd_write_model(args) -> int:
                  "fp8": " (fp8 is e4m3)"}
         why = fixed.get(kind, "") if {"--bits", "--block-size"} & set(idle) else ""
         print(f"warning: {', '.join(idle)}: no effect with --quant-type {kind}{why}", file=sys.stderr)
+    layout = {name: value for name, value in (("bits", args.bits), ("block_size", args.block_size),
+                                              ("nvfp4_packing", args.nvfp4_packing)) if value is not None}
     try:
         spec = WriterSpec(layers=args.layers, hidden_size=args.hidden, num_experts=args.experts, top_k=args.top_k,
                           inter_size=args.intermediate, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                          head_size=args.head_size, bits=args.bits or 4,
-                          block_size=32 if args.block_size is None else args.block_size,
-                          zero_points=args.zero_points, dtype=args.dtype, seed=args.seed, quant_type=args.quant_type,
-                          prepacked=args.prepacked, nvfp4_packing=args.nvfp4_packing or "k_packed",
-                          activation=args.activation,
-                          sliding_window=args.sliding_window, context_length=args.context_length)
+                          head_size=args.head_size, zero_points=args.zero_points, dtype=args.dtype, seed=args.seed,
+                          quant_type=args.quant_type, prepacked=args.prepacked, activation=args.activation,
+                          sliding_window=args.sliding_window, context_length=args.context_length, **layout)
         path = write_model(args.folder, spec)
     except ValueError as exc:
         raise WorkbenchError(_as_options(str(exc).removeprefix("WriterSpec: "), WRITER_OPTIONS)) from None
