@@ -783,6 +783,64 @@ def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     assert window.model_panel.landed.text() == "Not loaded."
 
 
+def test_stop_between_send_and_the_answers_start_is_not_lost(qtbot, window):
+    """Between Send and the worker taking the request, the chat's Stop was off (and Send on: a second Enter queued a
+    second message), and Esc did nothing: the answer ran in full. Stop now works from Send on; a request stopped before
+    it began is not run, its message goes back in the box, and a regenerate stopped so keeps the answer it would have
+    replaced."""
+    from PySide6.QtCore import QTimer
+
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    first = ask(qtbot, window, "Hello", 6)
+    engine_turns = list(window.worker._conversation.messages)
+    gate = __import__("threading").Event()
+
+    def hold_the_worker():  # the request waits in the worker's queue until the test lets it go
+        QTimer.singleShot(0, window.worker, lambda: gate.wait(30))
+
+    hold_the_worker()
+    window.chat.prompt.setPlainText("Tell a long story")
+    window.chat.send()
+    assert window.chat.stop_button.isEnabled() and window.stop_action.isEnabled()
+    assert not window.chat.send_button.isEnabled() and not window.chat.new_button.isEnabled()
+    window.chat.stop_button.click()
+    assert window.status_state.text() == "Stopping the answer…"
+    gate.set()
+    qtbot.waitUntil(lambda: window.chat.send_button.isEnabled(), timeout=WAIT)
+    assert [(e["role"], e["text"]) for e in window.chat.entries] == [("user", "Hello"), ("assistant", first["text"])]
+    assert window.chat.prompt.toPlainText() == "Tell a long story"
+    assert window.chat.live.text() == "Stopped before it began: message back in the box."
+    assert window.status_state.text() == "Stopped the answer before it began."
+    assert window.worker._conversation.messages == engine_turns
+    # Regenerate, stopped the same way (Esc): the answer stays
+    gate.clear()
+    hold_the_worker()
+    window.chat.prompt.clear()
+    window.chat.regenerate()
+    window.stop_action.trigger()
+    gate.set()
+    qtbot.waitUntil(lambda: window.chat.send_button.isEnabled(), timeout=WAIT)
+    assert [(e["role"], e["text"]) for e in window.chat.entries] == [("user", "Hello"), ("assistant", first["text"])]
+    assert window.chat.entries[-1]["stats"] == first["stats"] and window.chat.regenerate_button.isEnabled()
+    assert window.chat.live.text() == "Stopped before it began: the last answer stays."
+    assert window.worker._conversation.messages == engine_turns
+    # the next message is answered in full
+    assert ask(qtbot, window, "Hello again", 4)["result"]["finish_reason"] != "cancelled"
+    # Stop after the worker began the answer, before the window heard of it: the answer ends at its first token
+    began = __import__("threading").Event()
+    window.worker.busyChanged.connect(lambda activity: activity == "generating" and began.set(),
+                                      Qt.ConnectionType.DirectConnection)
+    window.chat.max_tokens.setValue(400)
+    window.chat.prompt.setPlainText("Tell a long story")
+    window.chat.send()
+    assert began.wait(30) and window.busy == ""  # (the window's own slot has not run)
+    window.chat.stop_button.click()
+    qtbot.waitUntil(lambda: window.chat.send_button.isEnabled(), timeout=WAIT)
+    answer = window.chat.entries[-1]
+    assert answer["result"]["finish_reason"] == "cancelled" and answer["result"]["timings"]["generated_tokens"] == 1
+    assert window.status_state.text() == "Stopped the answer: 1 token"
+
+
 def test_stop_does_what_it_says_in_every_busy_state_and_says_what_it_stopped(qtbot, window):
     """The chat's Stop stops the chat's answer only: it is off while a records job runs in another tab (it stopped that
     job) and while nothing can be stopped (opening a folder, preparing the kernels, re-planning: Stop did nothing

@@ -320,11 +320,13 @@ class ChatPanel(QWidget):
     def regenerate(self) -> None:
         if self.busy or not self.entries or self.entries[-1]["role"] != "assistant":
             return
-        failed = self.entries.pop().get("result", {}).get("finish_reason") == "error"
+        last = self.entries.pop()
         self._begin_answer()
-        if failed:  # the engine's conversation never took the failed turn: its message is sent again
+        if last.get("result", {}).get("finish_reason") == "error":
+            # the engine's conversation never took the failed turn: its message is sent again
             self.sendRequested.emit(self.entries[-2]["text"], self.options())
         else:
+            self.entries[-1]["replaces"] = last  # back in its place where Stop comes before the new one begins
             self.regenerateRequested.emit(self.options())
 
     def new_chat(self) -> None:
@@ -403,6 +405,10 @@ class ChatPanel(QWidget):
             return
         entry = self.entries[-1]
         entry["streaming"] = False
+        replaced = entry.pop("replaces", None)
+        if result.get("began") is False:  # stopped before the engine began it: not run, its conversation as it was
+            self._take_back(replaced)
+            return
         if result.get("finish_reason") != "error" or not entry["text"]:
             entry["text"] = result.get("text", entry["text"]) or entry["text"]
             entry["reasoning"] = result.get("reasoning") or entry["reasoning"]
@@ -414,6 +420,20 @@ class ChatPanel(QWidget):
                 self.prompt.setPlainText(self.entries.pop()["text"])
         self.render()
         self.live.setText(entry["stats"] if result.get("finish_reason") != "error" else "")
+
+    def _take_back(self, replaced: dict | None) -> None:
+        """The answer Stop ended before it began, gone: the answer it would have replaced back, or its message back in
+        the box (before what was typed since), as the engine's conversation has them."""
+        self.entries.pop()
+        if replaced is not None:
+            self.entries.append(replaced)
+            said = "the last answer stays"
+        else:
+            typed = self.prompt.toPlainText()
+            self.prompt.setPlainText(self.entries.pop()["text"] + ("\n" + typed if typed else ""))
+            said = "message back in the box"
+        self.render()
+        self.live.setText(f"Stopped before it began: {said}.")
 
     # --- rendering -------------------------------------------------------------------------------
     def welcome_html(self, t) -> str:

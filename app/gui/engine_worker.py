@@ -3,8 +3,10 @@ other in its thread, never overlapping and never blocking the window (GPT4All's 
 
 Every request is a queued signal into the worker; every result comes back as a signal. Stop is a
 threading.Event the window sets directly, so it works at any moment: mid-answer (the next token
-ends the answer) and mid-load (the next progress report ends the load). Any engine error becomes a
-`failed` message; the worker stays usable.
+ends the answer) and mid-load (the next progress report ends the load). A chat request stopped
+before it began (the window numbers them: options["request"]) is not run; one the worker began
+meanwhile ends at its first token. Any engine error becomes a `failed` message; the worker stays
+usable.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class EngineWorker(QObject):
     def __init__(self, demo_dir: str | None = None):
         super().__init__()
         self.cancel = threading.Event()
+        self.stopped_request = 0  # the chat request (options["request"]) the window stopped before it saw it begin
         self.demo_dir = demo_dir
         self._folder = None
         self._facts = None
@@ -273,6 +276,10 @@ class EngineWorker(QObject):
     def _run_turn(self, conversation, text: str | None, options: dict) -> None:
         """One answer: to `text`, or the last message answered again where it is None."""
         self.cancel.clear()
+        request = options.get("request")
+        if request is not None and request == self.stopped_request:  # stopped before it began: not run
+            self.answered.emit({"text": "", "finish_reason": "cancelled", "timings": {}, "began": False})
+            return
         self.busyChanged.emit("generating")
         try:
             params = self._params(options)
@@ -289,6 +296,8 @@ class EngineWorker(QObject):
                     thoughts.clear()
 
             def on_text(_token, delta):
+                if request is not None and request == self.stopped_request:  # stopped as it began: ends here
+                    self.cancel.set()
                 pending.append(delta)
                 now = time.perf_counter()
                 if now - last_flush[0] >= STREAM_INTERVAL_S:

@@ -126,6 +126,8 @@ class MainWindow(QMainWindow):
                                "contention": self.contention_view.max_tokens, "sweep": self.sweep.max_tokens}
         self._cancel_when_started: str | None = None
         self._stopping: str | None = None  # what Stop was asked to stop (STOPPABLE) in the activity that runs
+        self._chat_requests = 0  # the chat's requests to the worker, numbered (EngineWorker.stopped_request)
+        self._chat_waiting: int | None = None  # the one sent whose answer has not come back
         history_box = QWidget()
         history_column = QVBoxLayout(history_box)
         history_column.setContentsMargins(4, 4, 4, 4)
@@ -483,16 +485,28 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def unload(self) -> None:
+        self._stop_chat_request()
         self.worker.cancel.set()
         self.worker.requestUnload.emit()
+
+    def _stop_chat_request(self) -> bool:
+        """Stop the chat's request that was sent but not seen to begin: the worker skips it, or ends it at its first
+        token where it began meanwhile. Whether there was one."""
+        if self._chat_waiting is None or self.busy == "generating":
+            return False
+        self.worker.stopped_request = self._chat_waiting
+        return True
 
     @Slot()
     def stop(self) -> None:
         """Stop what runs, where it can be stopped (STOPPABLE), and say so in the status bar."""
-        what = STOPPABLE.get(self.busy)
-        if what is None:
-            return
-        self.worker.cancel.set()
+        if self._stop_chat_request():
+            what = STOPPABLE["generating"]
+        else:
+            what = STOPPABLE.get(self.busy)
+            if what is None:
+                return
+            self.worker.cancel.set()
         self._stopping = what
         self.status_state.setText(f"Stopping {what}…")
 
@@ -541,11 +555,18 @@ class MainWindow(QMainWindow):
 
     def _send(self, text: str, options: dict) -> None:
         self.contention_banner.hide()
-        self.worker.requestSend.emit(text, options)
+        self.worker.requestSend.emit(text, self._chat_request(options))
 
     def _regenerate(self, options: dict) -> None:
         self.contention_banner.hide()
-        self.worker.requestRegenerate.emit(options)
+        self.worker.requestRegenerate.emit(self._chat_request(options))
+
+    def _chat_request(self, options: dict) -> dict:
+        """The chat's options, numbered; from now until its answer comes back the chat is busy and Stop stops it."""
+        self._chat_requests += 1
+        self._chat_waiting = self._chat_requests
+        self._update_state()
+        return {**options, "request": self._chat_requests}
 
     def _new_chat(self, system_prompt: str) -> None:
         self.worker.requestNewChat.emit(system_prompt)
@@ -641,10 +662,14 @@ class MainWindow(QMainWindow):
 
     @Slot(dict)
     def _on_answered(self, result: dict) -> None:
+        self._chat_waiting = None
         self.chat.finish_answer(result)
         t = result.get("timings") or {}
         if t:
             self.status_state.setText(answered_text(t, stopped=result.get("finish_reason") == "cancelled"))
+        elif result.get("began") is False:
+            self._stopping = None
+            self.status_state.setText("Stopped the answer before it began.")
         self._update_state()
 
     @Slot(object)
@@ -722,13 +747,14 @@ class MainWindow(QMainWindow):
     def _update_state(self) -> None:
         loaded = self.loaded_path is not None
         busy = self.busy
+        chat_waits = self._chat_waiting is not None
         self.model_panel.set_state(busy, loaded)
-        self.chat.set_state(busy=bool(busy), loaded=loaded, answering=busy == "generating")
+        self.chat.set_state(busy=bool(busy) or chat_waits, loaded=loaded, answering=busy == "generating" or chat_waits)
         for action in (self.open_action, self.demo_action):
             action.setEnabled(not busy)
         self.load_action.setEnabled(not busy and self.facts is not None)
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
-        what = STOPPABLE.get(busy)
+        what = STOPPABLE["generating"] if chat_waits else STOPPABLE.get(busy)
         self.stop_action.setEnabled(what is not None)
         self.stop_action.setText(f"&Stop {what}" if what else "&Stop")
         self.stop_action.setToolTip(f"Stop {what}" if what else STOP_TIP)
