@@ -745,6 +745,38 @@ def test_a_window_sweep_of_one_token_answers_recommends_without_a_decode_rate(qt
     assert "n/a (one token) projected; measured on this machine" in summary and summary.count("n/a (one token)") == 2
 
 
+def test_the_sweeps_rate_curve_leaves_out_budgets_of_one_token_answers_and_says_so(qtbot, tmp_path):
+    """A budget whose answers were one token each has no decode rate: the decode plot drew it at 0 tok/s, measured and
+    projected (and marked the recommendation there), as if decoding had stalled at that budget."""
+    import dataclasses
+
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    one = SweepJob(2, ["short"], 1, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    three = SweepJob(2, ["short"], 3, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    mixed = dataclasses.replace(three, points=[one.points[0], three.points[1]])
+    view.on_finished(mixed)
+    kept = three.points[1]
+    assert [list(a) for a in view.curves["tokens"].getData()] == [[view.x(kept)], [kept.decode_tokens_per_s]]
+    assert [list(a) for a in view.projected_curves["tokens"].getData()] == [[view.x(kept)],
+                                                                             [kept.projected_decode_tokens_per_s]]
+    assert len(view.curves["completion"].getData()[0]) == 2  # the other panels keep every budget
+    title = view.plots["tokens"].titleLabel.text
+    assert title.endswith("; 1 budget left out: one-token answers") and "0 B" in view.plots["tokens"].toolTip()
+    assert "one token each" in view.plots["tokens"].toolTip()
+    view.on_finished(one)  # no budget has a rate: no curve, no recommendation mark on it
+    assert [len(a if a is not None else []) for a in view.curves["tokens"].getData()] == [0, 0]
+    assert [len(a) for a in view.chosen["tokens"].getData()] == [0, 0] and view.recommended is not None
+    assert view.plots["tokens"].titleLabel.text.endswith("; 2 budgets left out: one-token answers")
+    view.on_finished(three)
+    assert "left out" not in view.plots["tokens"].titleLabel.text and not view.plots["tokens"].toolTip()
+
+
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):
     """Under mode=required the points above what the device holds are left out, not refused at the first: the sweep
     is complete (saved, recommended), and its run line says which points it left out and why."""

@@ -31,6 +31,9 @@ PANELS = (("device", "device memory peak", lambda p: p.peak_device_bytes, True),
 # its measured wall time computes the card's experts on the CPU, so they, not the measured ones, say what the card
 # would give; the recommendation follows the projected completion time there.
 PROJECTED = {"completion": lambda p: p.projected_completion_s, "tokens": lambda p: p.projected_decode_tokens_per_s}
+# A budget whose answers were one token each has no decode rate (no decode step after the prefill's token): the rate
+# plot leaves it out, and says so, rather than draw it at 0 tok/s.
+RATES = {"tokens"}
 
 
 def sentence(note: str) -> str:
@@ -43,6 +46,21 @@ def byte_unit(largest: float) -> tuple[str, int]:
         if largest >= scale:
             return unit, scale
     return "bytes", 1
+
+
+def left_out_title(points: list[SweepPoint], shown: list[SweepPoint]) -> str:
+    """The rate plot's title's end where it leaves budgets out (RATES)."""
+    left = len({p.budget_bytes for p in points} - {p.budget_bytes for p in shown})
+    return f"; {counted(left, 'budget')} left out: one-token answers" if left else ""
+
+
+def left_out_tip(points: list[SweepPoint], shown: list[SweepPoint]) -> str:
+    """The rate plot's tooltip: which budgets it leaves out and why ('' where none)."""
+    left = sorted({p.budget_bytes for p in points} - {p.budget_bytes for p in shown})
+    if not left:
+        return ""
+    return (f"Left out: {', '.join(human_bytes(b) for b in left)}: the answers there were one token each, which the "
+            "prefill gives, so there was no decode step to time.")
 
 
 class SweepLength(QSpinBox):
@@ -252,16 +270,18 @@ class SweepView(QWidget):
         the sweep ran both layer splits, the whole-layer points are squares beside the spread's curve."""
         self.scales["budget"] = byte_unit(max((p.budget_bytes for p in points), default=0))
         self.projected = uses_projection(points)
-        whole = [p for p in points if p.split == "whole"]
-        curve_points = [p for p in points if p.split != "whole"]  # every budget once
         for key, heading, get, is_bytes in PANELS:
+            shown = [p for p in points if get(p)] if key in RATES else points
+            whole = [p for p in shown if p.split == "whole"]
+            curve_points = [p for p in shown if p.split != "whole"]  # every budget once
             if is_bytes:
                 self.scales[key] = byte_unit(max((get(p) or 0 for p in points), default=0))
                 self.plots[key].setTitle(f"{heading} ({self.scales[key][0]})", color=self._theme.text)
             elif key in PROJECTED:
                 title = heading + (": measured (solid), projected for the simulated card (dashed)"
                                    if self.projected else "")
-                self.plots[key].setTitle(title, color=self._theme.text)
+                self.plots[key].setTitle(title + left_out_title(points, shown), color=self._theme.text)
+                self.plots[key].setToolTip(left_out_tip(points, shown))
                 curve = self.projected_curves[key]
                 if self.projected:
                     curve.setData([self.x(p) for p in curve_points], [PROJECTED[key](p) or 0 for p in curve_points])
@@ -293,7 +313,8 @@ class SweepView(QWidget):
         for key, *_rest in PANELS:
             # on a simulated device the recommended point is marked on the projected curve it was chosen by
             y = (PROJECTED[key](best) or 0) if self.projected and key in PROJECTED else self.y(key, best)
-            self.chosen[key].setData([self.x(best)], [y])
+            drawn = key not in RATES or y  # (a budget without a rate is not on the rate's curve)
+            self.chosen[key].setData([self.x(best)] if drawn else [], [y] if drawn else [])
             self.marks[key].setValue(self.x(best))
             self.marks[key].show()
         if self.projected:
