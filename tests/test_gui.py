@@ -911,6 +911,37 @@ def test_the_window_fits_a_laptop_screen_and_long_status_lines_end_in_an_ellipsi
     assert live.text() == live.toolTip() == text and shown.endswith("…") and len(shown) < len(text)
 
 
+def test_the_graphs_status_line_fits_their_dock_in_a_laptop_size_window(qtbot, window):
+    """The live graphs' status line (samples, last time, paused, the markers' legend) was wider than the dock of a
+    1280 x 720 window: cut off at the right, the legend's 'error' and part of 'answer' gone. It is shorter and fits,
+    or ends in an ellipsis, its tooltip saying it in words; the legend, apart, shows whole."""
+    from PySide6.QtGui import QTextDocument
+
+    window.resize(1280, 720)
+    qtbot.waitUntil(lambda: window.size().height() == 720)
+    graphs = window.graphs
+    qtbot.waitUntil(lambda: graphs.sample_count > 0, timeout=WAIT)
+    sample = graphs.samples[-1]
+    for index in range(600):  # ten minutes of samples: the longest count
+        graphs.add_sample(dict(sample, t=sample["t"] + 1 + index))
+    graphs.set_paused(True)
+
+    def shown(label) -> str:
+        document = QTextDocument()
+        document.setHtml(QLabel.text(label))
+        return document.toPlainText()
+
+    status = graphs.status
+    assert f"{graphs.sample_count} samples" in status.text() and "paused" in status.text()
+    fits = status.fontMetrics().horizontalAdvance(shown(status)) <= status.contentsRect().width()
+    assert fits and (shown(status) == status.text() or shown(status).endswith("…"))
+    assert status.toolTip().startswith(f"{graphs.sample_count} samples kept (the last 10 minutes), the last taken at ")
+    assert status.toolTip().endswith("; paused: the graphs stay as they are, sampling goes on")
+    legend = graphs.legend
+    assert shown(legend).split() == ["┆", "load", "┆", "answer", "┆", "error"]
+    assert legend.fontMetrics().horizontalAdvance(shown(legend)) <= legend.contentsRect().width()
+
+
 def test_unloading_waits_for_the_gpus_queued_work_and_survives_a_gpu_error(qtbot, window):
     """The worker waits for the device (CudaDevice.quiesce: placement's last copies into the slots) before it lets
     the model go; a GPU in an error state is reported in one line and the model is unloaded all the same."""

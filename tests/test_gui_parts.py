@@ -525,10 +525,10 @@ def test_paused_graphs_say_so(qtbot):
     graphs.show()
     sample = SystemProbe(nvml=False).sample()
     graphs.add_sample(sample)
-    assert "paused" not in graphs.status.text() and graphs.status.text().startswith("1 sample · last ")
+    assert "paused" not in graphs.status.text() and graphs.status.text().startswith("1 sample · ")
     graphs.set_paused(True)
     graphs.add_sample(dict(sample, t=sample["t"] + 1))
-    assert "<b>paused</b>" in graphs.status.text() and "1 sample ·" in graphs.status.text()
+    assert graphs.status.text().startswith("paused · 1 sample · ")
     graphs.set_paused(False)
     assert "paused" not in graphs.status.text() and "2 samples" in graphs.status.text()
 

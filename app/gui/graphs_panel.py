@@ -14,7 +14,8 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from app.gui import theme
-from engine.units import human_bytes
+from app.gui.widgets import OneLineLabel
+from engine.units import counted, human_bytes
 
 HISTORY_S = 600
 GIB = float(1 << 30)
@@ -53,13 +54,19 @@ class GraphsPanel(QWidget):
         self.pause_button.setCheckable(True)
         self.pause_button.setToolTip("Freeze the graphs (sampling goes on)  Ctrl+P")
         self.pause_button.toggled.connect(self.set_paused)
-        self.status = QLabel("waiting for the first sample…")
+        # one line that ends in an ellipsis where the dock is narrow (its tooltip says it in words); the markers'
+        # legend apart, so that it shows whole
+        self.status = OneLineLabel("waiting for the first sample…")
+        self.legend = QLabel()
+        self.legend.setToolTip("Dashed lines across the graphs: a load, an answer or records job, an error; grey, the "
+                               "engine re-planned. Hover one for what it marks.")
         self.sampling_failure = QLabel(wordWrap=True, textFormat=Qt.TextFormat.PlainText)
         self.sampling_failure.hide()
         self.gpu_note = QLabel(wordWrap=True)
         self.gpu_note.hide()
         top = QHBoxLayout()
         top.addWidget(self.status, 1)
+        top.addWidget(self.legend)
         top.addWidget(self.pause_button)
 
         pg.setConfigOptions(antialias=True)
@@ -81,6 +88,7 @@ class GraphsPanel(QWidget):
         self.curves: dict[str, pg.PlotDataItem] = {}
         self.core_curves: list[pg.PlotDataItem] = []
         self._make_curves()
+        self._show_legend()
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
@@ -148,7 +156,13 @@ class GraphsPanel(QWidget):
                 axis.setPen(pg.mkPen(t.grid))
                 axis.setTextPen(pg.mkPen(t.muted))
         self._make_curves()
+        self._show_legend()
         self._redraw(force=True)
+
+    def _show_legend(self) -> None:
+        t = self._theme
+        self.legend.setText(" ".join(f"<span style='color:{colour}'>┆</span> {kind}" for colour, kind in
+                                     ((t.accent, "load"), (t.tokens, "answer"), (t.error, "error"))))
 
     # --- data in -----------------------------------------------------------------------------------
     def count_tokens(self, n: int = 1) -> None:
@@ -317,11 +331,12 @@ class GraphsPanel(QWidget):
         span = max(60.0, -float(x[0]) if len(x) else 60.0)
         self.tps_plot.setXRange(-span, 0, padding=0.01)
         self._draw_markers(now)
-        self.status.setText(
-            f"{len(samples)} sample{'s' if len(samples) != 1 else ''} · last {time.strftime('%H:%M:%S', time.localtime(last['wall']))}"
-            + (" · <b>paused</b>" if self.paused else "")
-            + f" &nbsp; <span style='color:{t.accent}'>┆</span> load &nbsp;<span style='color:{t.tokens}'>┆</span> answer"
-            f" &nbsp;<span style='color:{t.error}'>┆</span> error")
+        # short, paused first (what a narrow dock cuts is the time's end); the tooltip says it in words
+        taken = time.strftime('%H:%M:%S', time.localtime(last['wall']))
+        self.status.setText(("paused · " if self.paused else "") + f"{counted(len(samples), 'sample')} · {taken}")
+        self.status.setToolTip(f"{counted(len(samples), 'sample')} kept (the last {HISTORY_S // 60} minutes), the last "
+                               f"taken at {taken}" + ("; paused: the graphs stay as they are, sampling goes on"
+                                                      if self.paused else ""))
 
     def _draw_markers(self, now: float) -> None:
         t = self._theme
