@@ -190,7 +190,7 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     assert view.projected and all(p.projected_completion_s is not None for p in points)
     assert list(view.projected_curves["completion"].getData()[1]) == [p.projected_completion_s for p in points]
     assert list(view.projected_curves["tokens"].getData()[1]) == [p.projected_decode_tokens_per_s for p in points]
-    assert "projected for the simulated card" in view.plots["completion"].titleLabel.text
+    assert "Dashed, triangles: projected for the simulated card." in view.legend.text()
     assert list(view.chosen["completion"].getData()[1]) == [best.projected_completion_s]
     assert "projected for the simulated card" in view.summary.text()
     view.margin.setValue(0.0)
@@ -766,15 +766,47 @@ def test_the_sweeps_rate_curve_leaves_out_budgets_of_one_token_answers_and_says_
     assert [list(a) for a in view.projected_curves["tokens"].getData()] == [[view.x(kept)],
                                                                              [kept.projected_decode_tokens_per_s]]
     assert len(view.curves["completion"].getData()[0]) == 2  # the other panels keep every budget
-    title = view.plots["tokens"].titleLabel.text
-    assert title.endswith("; 1 budget left out: one-token answers") and "0 B" in view.plots["tokens"].toolTip()
-    assert "one token each" in view.plots["tokens"].toolTip()
+    view.plot(mixed.points)  # (no recommendation's mark, which widens a plot's range to its budget)
+    view.show()
+    qtbot.wait(50)  # (drawn: the plots' ranges are set as they show)
+    low, high = view.plots["tokens"].viewRange()[0]  # on the other plots' budget axis: from the budget left out on
+    assert low <= view.x(one.points[0]) < view.x(kept) <= high
+    left_out = ("Decode leaves out 0 B: the answers there were one token each, which the prefill gives, so there "
+                "was no decode step to time.")
+    assert view.plots["tokens"].titleLabel.text == "decode (tokens/s) · 1 budget left out"
+    assert view.plots["tokens"].toolTip() == left_out and view.legend.text().endswith(" " + left_out)
     view.on_finished(one)  # no budget has a rate: no curve, no recommendation mark on it
     assert [len(a if a is not None else []) for a in view.curves["tokens"].getData()] == [0, 0]
     assert [len(a) for a in view.chosen["tokens"].getData()] == [0, 0] and view.recommended is not None
-    assert view.plots["tokens"].titleLabel.text.endswith("; 2 budgets left out: one-token answers")
+    assert view.plots["tokens"].titleLabel.text == "decode (tokens/s) · 2 budgets left out"
     view.on_finished(three)
-    assert "left out" not in view.plots["tokens"].titleLabel.text and not view.plots["tokens"].toolTip()
+    assert view.plots["tokens"].titleLabel.text == "decode (tokens/s)" and not view.plots["tokens"].toolTip()
+    assert "leaves out" not in view.legend.text()
+
+
+def test_the_sweeps_four_plots_show_whole_in_a_narrow_tab_with_their_legend_apart(qtbot, tmp_path):
+    """On the simulated device the completion and decode plots were titled 'completion time (s): measured (solid),
+    projected for the simulated card (dashed)': the titles set their column's width, and in a 700-pixel tab (1000 too)
+    the right column, the RAM and decode plots, lay past the canvas's edge, out of sight. The titles are short; what
+    the lines and marks are is said once, beside the plots."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    view.resize(700, 600)
+    view.show()
+    view.on_finished(result)
+    qtbot.waitUntil(lambda: view.canvas.width() > 600)
+    qtbot.wait(50)  # (the canvas lays its plots out in the event loop)
+    for key, plot in view.plots.items():
+        assert plot.sceneBoundingRect().right() <= view.canvas.width(), key
+    assert view.plots["completion"].titleLabel.text == "completion time (s)"
+    assert view.legend.text() == ("Solid line, dots: measured on this machine. Dashed, triangles: projected for the "
+                                  "simulated card. Red ring: the recommended budget.")
 
 
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):

@@ -48,19 +48,20 @@ def byte_unit(largest: float) -> tuple[str, int]:
     return "bytes", 1
 
 
-def left_out_title(points: list[SweepPoint], shown: list[SweepPoint]) -> str:
-    """The rate plot's title's end where it leaves budgets out (RATES)."""
-    left = len({p.budget_bytes for p in points} - {p.budget_bytes for p in shown})
-    return f"; {counted(left, 'budget')} left out: one-token answers" if left else ""
-
-
-def left_out_tip(points: list[SweepPoint], shown: list[SweepPoint]) -> str:
-    """The rate plot's tooltip: which budgets it leaves out and why ('' where none)."""
-    left = sorted({p.budget_bytes for p in points} - {p.budget_bytes for p in shown})
+def left_out_words(left: list[int]) -> str:
+    """Which budgets the rate plot leaves out (RATES) and why ('' where none)."""
     if not left:
         return ""
-    return (f"Left out: {', '.join(human_bytes(b) for b in left)}: the answers there were one token each, which the "
-            "prefill gives, so there was no decode step to time.")
+    return (f"Decode leaves out {', '.join(human_bytes(b) for b in left)}: the answers there were one token each, "
+            "which the prefill gives, so there was no decode step to time.")
+
+
+def legend_text(projected: bool, whole: bool, left: list[int]) -> str:
+    """What the plots' lines and marks are, said once beside them (a plot's title sets its column's width)."""
+    return " ".join(["Solid line, dots: measured on this machine.",
+                     *(["Dashed, triangles: projected for the simulated card."] if projected else []),
+                     *(["Squares: on whole layers."] if whole else []), "Red ring: the recommended budget.",
+                     *([left_out_words(left)] if left else [])])
 
 
 class SweepLength(QSpinBox):
@@ -116,6 +117,10 @@ class SweepView(QWidget):
                                     "every layer and on whole layers (squares), and recommend across both: the "
                                     "engine's own trial needs more decode steps than a sweep's scenarios give")
         self.bar = JobBar("Sweep", "Stop at the next token; the points completed are kept (shown and saved)")
+        self.legend = QLabel()
+        self.legend.setWordWrap(True)
+        self.legend.setAccessibleName("What the plots show")
+        self.legend.hide()
         self.summary = QLabel("Runs the scenarios at each budget on the loaded model (it needs a simulated or CUDA "
                               "device) and recommends the smallest budget within the margin of the fastest.")
         self.summary.setWordWrap(True)
@@ -141,6 +146,8 @@ class SweepView(QWidget):
             plot.showGrid(x=True, y=True, alpha=0.3)
             for axis in ("left", "bottom"):
                 plot.getAxis(axis).enableAutoSIPrefix(False)
+            if self.plots:  # one budget axis: the decode plot's, where it leaves budgets out, spans them all too
+                plot.setXLink(self.plots["device"])
             self.plots[key] = plot
             self.curves[key] = plot.plot([], [], symbol="o")
             if key in PROJECTED:
@@ -174,6 +181,7 @@ class SweepView(QWidget):
         layout.addWidget(self.length_note)
         layout.addWidget(self.bar)
         layout.addWidget(self.canvas, 1)
+        layout.addWidget(self.legend)
         layout.addWidget(self.summary)
         layout.addLayout(save)
         self.bar.runRequested.connect(self.run)
@@ -270,18 +278,21 @@ class SweepView(QWidget):
         the sweep ran both layer splits, the whole-layer points are squares beside the spread's curve."""
         self.scales["budget"] = byte_unit(max((p.budget_bytes for p in points), default=0))
         self.projected = uses_projection(points)
+        left: list[int] = []  # the budgets the rate plot leaves out
         for key, heading, get, is_bytes in PANELS:
             shown = [p for p in points if get(p)] if key in RATES else points
+            if key in RATES:
+                left = sorted({p.budget_bytes for p in points} - {p.budget_bytes for p in shown})
             whole = [p for p in shown if p.split == "whole"]
             curve_points = [p for p in shown if p.split != "whole"]  # every budget once
             if is_bytes:
                 self.scales[key] = byte_unit(max((get(p) or 0 for p in points), default=0))
                 self.plots[key].setTitle(f"{heading} ({self.scales[key][0]})", color=self._theme.text)
             elif key in PROJECTED:
-                title = heading + (": measured (solid), projected for the simulated card (dashed)"
-                                   if self.projected else "")
-                self.plots[key].setTitle(title + left_out_title(points, shown), color=self._theme.text)
-                self.plots[key].setToolTip(left_out_tip(points, shown))
+                title = heading + (f" · {counted(len(left), 'budget')} left out" if key in RATES and left else "")
+                self.plots[key].setTitle(title, color=self._theme.text)
+                if key in RATES:
+                    self.plots[key].setToolTip(left_out_words(left))
                 curve = self.projected_curves[key]
                 if self.projected:
                     curve.setData([self.x(p) for p in curve_points], [PROJECTED[key](p) or 0 for p in curve_points])
@@ -295,6 +306,8 @@ class SweepView(QWidget):
             self.whole[key].setData([self.x(p) for p in whole], [self.y(key, p) for p in whole])
             self.chosen[key].setData([], [])
             self.marks[key].hide()
+        self.legend.setText(legend_text(self.projected, any(p.split == "whole" for p in points), left))
+        self.legend.show()
 
     def x(self, point: SweepPoint) -> float:
         return point.budget_bytes / self.scales["budget"][1]
