@@ -911,6 +911,18 @@ def test_the_window_fits_a_laptop_screen_and_long_status_lines_end_in_an_ellipsi
     assert live.text() == live.toolTip() == text and shown.endswith("…") and len(shown) < len(text)
 
 
+def test_the_chats_status_line_shows_whole_in_a_laptop_size_window(qtbot, window):
+    """The chat's status line shared its row with Settings, New chat, Copy and Regenerate: in a 1280 x 720 window it
+    had ~30 pixels, and read 'Gen…' while an answer streamed, 'fir…' once it ended. It has a row of its own."""
+    window.resize(1280, 720)
+    qtbot.waitUntil(lambda: window.size().height() == 720)
+    live = window.chat.live
+    for text in ("Generating… 1024 tokens in 12.5 s", "Stopped before it began: message back in the box.",
+                 "first token 52 ms · 372.2 tok/s · 2.50 s · 931 tokens"):
+        live.setText(text)
+        assert QLabel.text(live) == text
+
+
 def test_the_graphs_status_line_fits_their_dock_in_a_laptop_size_window(qtbot, window):
     """The live graphs' status line (samples, last time, paused, the markers' legend) was wider than the dock of a
     1280 x 720 window: cut off at the right, the legend's 'error' and part of 'answer' gone. It is shorter and fits,

@@ -214,8 +214,8 @@ class ChatPanel(QWidget):
         self.settings_frame.hide()
         self.settings_button.toggled.connect(self.settings_frame.setVisible)
 
-        actions = QHBoxLayout()
-        actions.addWidget(self.live, 1)
+        actions = QHBoxLayout()  # (the status line has a row of its own: beside the buttons it had ~30 pixels)
+        actions.addStretch(1)
         for button in (self.settings_button, self.new_button, self.copy_button, self.regenerate_button):
             actions.addWidget(button)
         input_row = QHBoxLayout()
@@ -227,6 +227,7 @@ class ChatPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.transcript, 1)
+        layout.addWidget(self.live)
         layout.addLayout(actions)
         layout.addWidget(self.settings_frame)
         layout.addLayout(input_row)
