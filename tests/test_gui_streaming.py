@@ -133,6 +133,19 @@ def test_an_answer_that_ends_is_stopped_or_fails_shows_what_streamed_once(qtbot,
     assert chat.entries[-1]["text"] == text and chat.transcript.toPlainText().count(text.strip()) == 1
 
 
+def test_copy_of_a_last_answer_with_no_text_copies_nothing_and_says_so(qtbot):
+    """An answer that ended at once (the model's end of text as its first token) shows nothing: Copy put the answer
+    before it on the clipboard and said 'Copied the last answer.'"""
+    from PySide6.QtGui import QGuiApplication
+
+    chat = _chat(qtbot)
+    chat.entries[-2:] = [{"role": "user", "text": "Hi"}, {"role": "assistant", "text": "Hello!", "stats": "s"},
+                         {"role": "user", "text": "Why?"}, {"role": "assistant", "text": "", "stats": "s"}]
+    QGuiApplication.clipboard().setText("kept")
+    chat.copy_last()
+    assert QGuiApplication.clipboard().text() == "kept" and chat.live.text() == "The last answer has no text to copy."
+
+
 def _side_by_side(qtbot, answering=(True, True), concurrent=False, at_most=2048):
     """A side-by-side view fed by the streams its job feeds, and what its run line and columns say."""
     import threading

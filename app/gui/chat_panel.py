@@ -338,11 +338,14 @@ class ChatPanel(QWidget):
         self.newChatRequested.emit(self.system_prompt.toPlainText())
 
     def copy_last(self) -> None:
-        for entry in reversed(self.entries):
-            if entry["role"] == "assistant" and copied_text(entry):
-                QGuiApplication.clipboard().setText(copied_text(entry))
-                self.live.setText("Copied the last answer.")
-                return
+        last = next((entry for entry in reversed(self.entries) if entry["role"] == "assistant"), None)
+        if last is None:
+            return
+        if not copied_text(last):  # (not the answer before it)
+            self.live.setText("The last answer has no text to copy.")
+            return
+        QGuiApplication.clipboard().setText(copied_text(last))
+        self.live.setText("Copied the last answer.")
 
     def _anchor(self, url: QUrl) -> None:
         if url.scheme() == "reasoning":
