@@ -357,7 +357,8 @@ class DenseDevice:
 
 CPU_DENSE = DenseDevice("cpu", "no GPU device is in use")
 # The attention mask's lengths (partition.HOST_MASK_OPS): a few integer operations on the caller's thread; a pool's
-# threads would only have to wake, beside the expert kernels' (~100 µs a step on the H100 hosts, against ~10)
+# threads would only have to wake beside the expert kernels' (~100 µs a step on an H100 host with a thread a core and
+# an IO binding; ~8 µs on the dev VM this way, DenseSegment.run)
 MASK_DENSE = DenseDevice("cpu", "the attention mask's lengths are worked out on the host", threads=1)
 
 

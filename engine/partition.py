@@ -1,9 +1,10 @@
 """Cut the graph at every expert node into dense segments that onnxruntime runs.
 
 The plan is an ordered list of steps: a dense segment (a sub-graph of consecutive nodes) or an
-expert node that our engine executes. What crosses each cut (hidden states, router logits,
-residual sums, mask lengths, position tensors, ...) is computed from the graph's data flow; nothing
-is named per architecture. State inputs and outputs (KV cache, conv and recurrent state) stay in
+expert node that our engine executes; first, where the graph has an attention mask, a segment on
+the host of the lengths worked out from it (HOST_MASK_OPS). What crosses each cut (hidden states,
+router logits, residual sums, mask lengths, position tensors, ...) is computed from the graph's
+data flow; nothing is named per architecture. State inputs and outputs (KV cache, conv and recurrent state) stay in
 the segment whose nodes read or write them.
 """
 
@@ -103,11 +104,11 @@ def plan_partition(graph: onnx.GraphProto, initializers: set[str], mask: str | N
     ordered = _topological_order(graph, initializers)
     on_host = _mask_nodes(ordered, mask, initializers) if mask else []
     steps: list[Segment | ExpertStep] = [Segment(0, on_host, on_host=True)] if on_host else []
-    host_outputs = {name for node in on_host for name in node.output}
+    hosted = {id(node) for node in on_host}
     current: list[onnx.NodeProto] = []
     experts = 0
     for node in ordered:
-        if host_outputs.intersection(node.output):
+        if id(node) in hosted:
             continue
         if is_expert_node(node):
             if current:
@@ -129,7 +130,7 @@ def _mask_nodes(ordered: list[onnx.NodeProto], mask: str, initializers: set[str]
     chosen = []
     for node in ordered:
         reads = node_reads(node) - initializers
-        if (node.op_type in HOST_MASK_OPS and node.domain in ("", "ai.onnx") and reads and reads <= derived):
+        if node.op_type in HOST_MASK_OPS and node.domain in ("", "ai.onnx") and reads and reads <= derived:
             chosen.append(node)
             derived.update(name for name in node.output if name)
     return chosen
