@@ -1114,3 +1114,41 @@ def test_bs_settings_read_back_every_value_of_the_vocabulary_as_a_copy_of_as():
     for key, given, _, _ in SAMPLES:
         config = OffloadConfig.from_entries({key: given})
         assert offload_entries(parse_entries(entries_text(config.to_entries()))) == config, (key, given)
+
+
+def _card(total, used, this=0, per_process=True):
+    """An NVML reading as engine.nvml.Nvml.sample gives it."""
+    return {"name": "test card", "total": total, "used": used, "free": total - used, "this": this,
+            "others": max(0, used - this), "util": 0.0, "top": [], "per_process": per_process}
+
+
+def test_one_nvml_sample_that_fails_keeps_the_panels_last_reading(gptoss, monkeypatch, qtbot):
+    """NVML failing for a single sample (Nvml.sample() None) set the CUDA choice's capacity to 0: the estimate jumped
+    to a 0-byte card for that second. The last reading stays until NVML answers again, said to be stale once it stays
+    away for a few samples."""
+    import app.gui.budget_panel as budget_panel
+
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "")
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_gpu(_card(8 << 30, 1 << 30))
+    panel.set_facts(gptoss, {"device": {"kind": "cuda"}})
+    good = panel.last_estimate
+    note = panel.device_note.text()
+    assert good.capacity == 8 << 30 and not good.error
+    panel.set_gpu(None)  # one sample NVML did not answer
+    panel.refresh()
+    est = panel.last_estimate
+    assert est.capacity == 8 << 30 and not est.error and est.statements == good.statements
+    assert [(p.key, p.bytes) for p in est.device_parts] == [(p.key, p.bytes) for p in good.device_parts]
+    assert panel.device_note.text() == note
+    for _ in range(budget_panel.STALE_GPU_SAMPLES - 1):
+        panel.set_gpu(None)
+    panel.refresh()
+    assert panel.last_estimate.capacity == 8 << 30
+    assert panel.device_note.text() == (f"{note} (stale: NVML has not answered for the last "
+                                        f"{budget_panel.STALE_GPU_SAMPLES} samples; this is its last reading)")
+    panel.set_gpu(_card(8 << 30, 2 << 30))  # it answers again
+    panel.refresh()
+    assert panel.device_note.text() == note
+    assert {p.key: p.bytes for p in panel.last_estimate.device_parts}["others"] == 2 << 30

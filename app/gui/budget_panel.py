@@ -47,6 +47,7 @@ PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the C
             "three and keeps the fastest (under CPU execution auto; disabled reads them on the GPU, enabled computes "
             "them on the CPU). The host memory is only taken where at most half the memory available holds it. Not "
             "an onnxruntime key: this app's own setting")
+STALE_GPU_SAMPLES = 3  # telemetry samples (one a second) NVML may miss before its last reading is said to be stale
 PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device goes through. auto = two prefill "
               "waves; a value bounds the ring and the prefill wave (ring // (2 x expert), at least 1); "
               "below one expert it is refused")
@@ -79,7 +80,8 @@ class BudgetPanel(QWidget):
         self.loaded = False
         self.busy = False  # the engine runs something (an answer, a job, a re-plan): Apply waits for it
         self._cuda_error: str | None = None
-        self._gpu: dict | None = None
+        self._gpu: dict | None = None   # NVML's last reading
+        self._gpu_missed = 0            # samples since, in which NVML did not answer
         self.last_estimate = None
         self._quiet = False
 
@@ -387,10 +389,15 @@ class BudgetPanel(QWidget):
         self.set_settings(settings)
 
     def set_gpu(self, gpu: dict | None) -> None:
-        """The latest NVML reading: the CUDA choice's capacity and what other processes hold."""
-        changed = (gpu is None) != (self._gpu is None)
-        self._gpu = gpu
-        if changed or (self.device.currentData() == "cuda" and gpu is not None):
+        """The latest NVML reading: the CUDA choice's capacity and what other processes hold. A sample without one
+        (NVML did not answer) keeps the last reading: a card does not shrink to 0 bytes for a second."""
+        if gpu is None and self._gpu is not None:
+            self._gpu_missed += 1
+            if self._gpu_missed >= STALE_GPU_SAMPLES and self.device.currentData() == "cuda":
+                self._changed()  # says it is stale, and for how long
+            return
+        self._gpu, self._gpu_missed = gpu, 0
+        if self.device.currentData() == "cuda" and gpu is not None:
             self._changed()
 
     def mark_loaded(self, settings: dict | None) -> None:
@@ -444,8 +451,10 @@ class BudgetPanel(QWidget):
             self.device_note.setText("Every expert runs on the CPU. Choose a simulated GPU to try budgets "
                                      "without a card, or the CUDA GPU.")
         elif choice.kind == "cuda":
+            stale = (f" (stale: NVML has not answered for the last {self._gpu_missed} samples; this is its last reading)"
+                     if self._gpu_missed >= STALE_GPU_SAMPLES else "")
             self.device_note.setText(f"<span style='color:{t.error}'>Unavailable: {choice.error}</span>" if choice.error
-                                     else f"{choice.label}: {human_bytes(choice.capacity)}")
+                                     else f"{choice.label}: {human_bytes(choice.capacity)}{stale}")
         else:
             self.device_note.setText("Resident experts are accounted as on a GPU of this size and computed by the "
                                      "CPU kernels; copy and device times are modelled.")
