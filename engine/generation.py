@@ -22,6 +22,9 @@ from engine.ort_env import DenseDevice, choose_dense_device, dense_goes_to
 from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, AnswerSplit, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
 
+# what the load counts against gpu_device_mem_limit for a dense part on the GPU (its caps, not what it allocated)
+DENSE_RESERVATION = "dense part (onnxruntime arena, dense weights, KV cache and state)"
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -116,8 +119,7 @@ class LoadedModel:
             device.dense_stream = self.dense.backend.stream
         if self.dense.kind == "cuda" and device.memory.limit:
             # Counted against gpu_device_mem_limit, so a later re-plan cannot give it to experts.
-            device.memory.reserve(total + growth + folder.dense_bytes + self.dense.arena_limit,
-                                  "dense part (onnxruntime arena, dense weights, KV cache and state)")
+            device.memory.reserve(total + growth + folder.dense_bytes + self.dense.arena_limit, DENSE_RESERVATION)
         self.decoder.open_dense(self.dense)
         self.load_s = time.perf_counter() - started
         self.prefault = self.host_registration = None

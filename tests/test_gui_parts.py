@@ -1152,3 +1152,58 @@ def test_one_nvml_sample_that_fails_keeps_the_panels_last_reading(gptoss, monkey
     panel.refresh()
     assert panel.device_note.text() == note
     assert {p.key: p.bytes for p in panel.last_estimate.device_parts}["others"] == 2 << 30
+
+
+def test_where_the_driver_hides_per_process_vram_the_models_own_is_not_counted_as_other_processes(gptoss, monkeypatch,
+                                                                                                   qtbot):
+    """Without per-process figures NVML's 'others' is all the memory in use, the loaded model's own included: the
+    estimate counted the model's VRAM once as other processes' and again as its own parts, so the free VRAM it showed
+    was short by the model's own use. The model's own allocation, as the engine counts it, is taken off."""
+    import app.gui.budget_panel as budget_panel
+
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "")
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    total, others, own = 8 << 30, 1 << 30, 300 << 20
+    panel.set_gpu(_card(total, others + own, per_process=False))
+    panel.set_facts(gptoss, {"device": {"kind": "cuda"}})
+    panel.mark_loaded(panel.settings())
+    panel.set_own_vram(own)
+    panel.refresh()
+    shown = {p.key: p.bytes for p in panel.last_estimate.device_parts}
+    alone = estimate(gptoss, panel.config(), DeviceChoice("cuda", total, others, "test card"), panel.kv_tokens.value())
+    assert shown["others"] == others
+    assert shown["free"] == {p.key: p.bytes for p in alone.device_parts}["free"]
+    assert sum(shown.values()) == total
+    # a reading that names this process's memory (some processes listed with theirs) is not taken off twice
+    panel.set_gpu(_card(total, others + own, this=own, per_process=False))
+    panel.refresh()
+    assert {p.key: p.bytes for p in panel.last_estimate.device_parts}["others"] == others
+    # unloaded, the model holds nothing there: what is in use is others'
+    panel.set_gpu(_card(total, others + own, per_process=False))
+    panel.mark_loaded(None)
+    assert {p.key: p.bytes for p in panel.last_estimate.device_parts}["others"] == others + own
+
+
+def test_the_models_own_vram_is_what_the_engine_allocated_not_the_dense_parts_caps():
+    """What the worker tells the budget panel the loaded model holds on its CUDA GPU: the device's count (slots,
+    staging, streaming) and the dense weights; the dense reservation under gpu_device_mem_limit counts caps (the
+    arena's, the KV cache at full context), which are not taken as allocated."""
+    import types
+
+    from app.gui.engine_worker import own_device_bytes
+    from engine.generation import DENSE_RESERVATION
+    from engine.offload.device_memory import DeviceMemory
+
+    memory = DeviceMemory(capacity=8 << 30, limit=4 << 30)
+    memory.reserve(100 << 20, "prefill staging ring")
+    memory.reserve(500 << 20, "expert slots of layer 0")
+    memory.reserve(2 << 30, DENSE_RESERVATION)
+    device = types.SimpleNamespace(kind="cuda", memory=memory)
+    model = types.SimpleNamespace(folder=types.SimpleNamespace(dense_bytes=40 << 20),
+                                  dense=types.SimpleNamespace(kind="cuda"))
+    assert own_device_bytes(model, device) == (100 << 20) + (500 << 20) + (40 << 20)
+    model.dense.kind = "cpu"
+    assert own_device_bytes(model, device) == 600 << 20
+    assert own_device_bytes(model, types.SimpleNamespace(kind="simulated", memory=memory)) == 0
+    assert own_device_bytes(None, device) == 0 and own_device_bytes(model, None) == 0

@@ -82,6 +82,7 @@ class BudgetPanel(QWidget):
         self._cuda_error: str | None = None
         self._gpu: dict | None = None   # NVML's last reading
         self._gpu_missed = 0            # samples since, in which NVML did not answer
+        self._own_vram = 0              # the loaded model's own GPU memory, as the engine counts it
         self.last_estimate = None
         self._quiet = False
 
@@ -400,10 +401,18 @@ class BudgetPanel(QWidget):
         if self.device.currentData() == "cuda" and gpu is not None:
             self._changed()
 
+    def set_own_vram(self, nbytes: int) -> None:
+        """The loaded model's own GPU memory as the engine counts it (engine_worker.own_device_bytes), which NVML's
+        memory in use holds where the driver does not say whose it is."""
+        if nbytes != self._own_vram:
+            self._own_vram = nbytes
+            self._changed()
+
     def mark_loaded(self, settings: dict | None) -> None:
         self.loaded = settings is not None
         if settings is None:
             self._live_pinned = {}
+            self._own_vram = 0
         self._set_applied(settings)
         self.refresh()
 
@@ -426,8 +435,11 @@ class BudgetPanel(QWidget):
             if self._cuda_error is None:
                 self._cuda_error = cuda_status()
             gpu = self._gpu or {}
-            return DeviceChoice("cuda", gpu.get("total", 0), gpu.get("others", 0), gpu.get("name", "CUDA GPU"),
-                                self._cuda_error)
+            others = gpu.get("others", 0)
+            if not gpu.get("per_process", True):
+                # NVML's 'others' is then all the memory in use: the loaded model's own is not other processes'
+                others = max(0, gpu.get("used", 0) - max(gpu.get("this", 0), self._own_vram if self.loaded else 0))
+            return DeviceChoice("cuda", gpu.get("total", 0), others, gpu.get("name", "CUDA GPU"), self._cuda_error)
         return DeviceChoice("cpu", 0)
 
     # --- live estimate -----------------------------------------------------------------------------

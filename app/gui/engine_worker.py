@@ -30,7 +30,7 @@ from app.gui.records_jobs import JobContext
 from app.inspect_report import inspection
 from engine.demo_model import DEMO_NAME, ensure_demo_model
 from engine.errors import WorkbenchError, one_line
-from engine.generation import Conversation, GenerationParams, LoadedModel
+from engine.generation import DENSE_RESERVATION, Conversation, GenerationParams, LoadedModel
 from engine.kernel_warmup import warm_model
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
@@ -456,6 +456,7 @@ class EngineWorker(QObject):
             "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],
             "pinned": offload.pinned_info(), "wave_experts": offload.wave_experts,
             "copies": offload.copy_state(), "device_memory": self._simulated_memory(),
+            "own_device_bytes": own_device_bytes(self._model, self._device),
         })
 
     def _simulated_memory(self) -> dict | None:
@@ -510,6 +511,18 @@ class EngineWorker(QObject):
         self._drop_model()
         if had:
             self.unloaded.emit()
+
+
+def own_device_bytes(model, device) -> int:
+    """The loaded model's memory on a CUDA GPU that the engine knows it allocated: its expert slots, staging ring and
+    streaming slots (the device's count) and, where the dense part runs there, its weights (allocated exactly). Not
+    the KV cache and onnxruntime's arena, which grow as they need: under gpu_device_mem_limit the device counts their
+    caps, not what they hold. 0 on any other device."""
+    if model is None or getattr(device, "kind", None) != "cuda":
+        return 0
+    memory = device.memory
+    own = memory.used - memory.by_purpose.get(DENSE_RESERVATION, 0)
+    return own + (model.folder.dense_bytes if model.dense.kind == "cuda" else 0)
 
 
 def split_sentence(split: dict) -> str:

@@ -678,6 +678,7 @@ class MainWindow(QMainWindow):
         self.budget_panel.set_live_pinned(data.get("pinned"))
         self.budget_panel.set_live_slots(data["slots"], (data.get("copies") or {}).get("miss_slots") or [])
         self.graphs.set_simulated_memory(data.get("device_memory"))
+        self.budget_panel.set_own_vram(data.get("own_device_bytes", 0))
         if data.get("cpu_expert_rate"):
             self.watch.add(data["cpu_expert_rate"])
 
