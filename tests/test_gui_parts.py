@@ -7,6 +7,7 @@ import configparser
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -1207,3 +1208,39 @@ def test_the_models_own_vram_is_what_the_engine_allocated_not_the_dense_parts_ca
     assert own_device_bytes(model, device) == 600 << 20
     assert own_device_bytes(model, types.SimpleNamespace(kind="simulated", memory=memory)) == 0
     assert own_device_bytes(None, device) == 0 and own_device_bytes(model, None) == 0
+
+
+def test_the_budget_panel_shows_the_settings_it_has_no_control_for_and_keeps_them(gptoss, qtbot):
+    """node_overrides, async_max_tokens, allow_file_backing and the like were in force but shown nowhere, although
+    the panel is said to show every setting: they are listed read-only in onnxruntime's key names, with their
+    values, and a slider's change applies them as they were."""
+    from PySide6.QtWidgets import QLabel
+
+    from app.gui.budget_panel import OTHER_KEYS, BudgetPanel
+
+    assert set(OTHER_KEYS) == {"node_overrides", "allow_file_backing", "async_max_tokens", "popularity_file",
+                               "host_working_bytes", "budget_group", "source_root", "derived_cache_dir",
+                               "skip_zero_cold_doorbell"}
+    node = gptoss.experts[0].name
+    entries = {"node_overrides": f"{node}:max_resident_slots=1", "async_max_tokens": "4",
+               "budget_group": "team<2>"}
+    panel = BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}, "entries": entries})
+    panel.mark_loaded(panel.settings())
+    shown = re.sub("<[^>]+>", " ", QLabel.text(panel.other_settings)).replace("  ", " ")
+    assert f"node_overrides = {node}:max_resident_slots=1" in shown
+    assert "async_max_tokens = 4" in shown
+    assert "budget_group = team&lt;2&gt; (kept for onnxruntime; no effect in this engine)" in shown
+    assert "At their defaults: allow_file_backing=1, skip_zero_cold_doorbell=0" in shown
+    assert "Not set: host_working_bytes, popularity_file, source_root, derived_cache_dir" in shown
+    panel.expert_bytes.auto.setChecked(False)
+    panel.expert_bytes.slider.setValue(panel.expert_bytes.slider.maximum() // 2)
+    with qtbot.waitSignal(panel.applyRequested) as applied:
+        panel.refresh()
+        assert panel.apply_button.isEnabled()
+        panel.apply_button.click()
+    sent = OffloadConfig.from_entries(applied.args[0]["entries"])
+    assert sent.node_overrides == OffloadConfig.from_entries(entries).node_overrides
+    assert sent.async_max_tokens == 4 and sent.budget_group == "team<2>" and sent.device_expert_bytes is not None
+    assert f"<b>node_overrides</b> = {node}:max_resident_slots=1" in QLabel.text(panel.other_settings)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import json
+from dataclasses import fields
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -17,7 +18,7 @@ from app.gui.estimate import GIB, DeviceChoice, Part, estimate, layer_summary
 from app.gui.widgets import ByteControl, LayerBars, SettingSpin, StackedBar, heading, legend_html, scrolled
 from engine.errors import WorkbenchError
 from engine.offload import decode_path as paths
-from engine.offload.config import FLOAT32_MAX, INT32_MAX, OffloadConfig, OffloadConfigError
+from engine.offload.config import FLOAT32_MAX, INT32_MAX, PREFIX, UNUSED_KEYS, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.records.configurations import configurations_for
 from engine.units import counted, human_bytes
@@ -47,6 +48,14 @@ PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the C
             "three and keeps the fastest (under CPU execution auto; disabled reads them on the GPU, enabled computes "
             "them on the CPU). The host memory is only taken where at most half the memory available holds it. Not "
             "an onnxruntime key: this app's own setting")
+# the keys the panel's controls set (config()); the others are shown read-only and kept as they came
+CONTROLLED_KEYS = frozenset({"mode", "placement", "cpu_execution", "device_expert_bytes", "reserve_device_bytes",
+                             "gpu_device_mem_limit", "host_expert_bytes", "pinned_bytes", "device_working_bytes",
+                             "cpu_threads", "prefill_wave_experts", "min_expert_weight", "skip_tail_cold_only",
+                             "tail_substitution_threshold", "tail_substitution_min_rank"})
+OTHER_KEYS = tuple(f.name for f in fields(OffloadConfig) if f.name not in CONTROLLED_KEYS)
+OTHER_TIP = ("Settings in force that no control here sets: from the settings file, a saved configuration or the "
+             "command line's --offload. Shown, not edited here; Apply keeps them as they are")
 STALE_GPU_SAMPLES = 3  # telemetry samples (one a second) NVML may miss before its last reading is said to be stale
 PINNED_TIP = ("pinned_bytes: the page-locked host ring every copy to the device goes through. auto = two prefill "
               "waves; a value bounds the ring and the prefill wave (ring // (2 x expert), at least 1); "
@@ -223,6 +232,15 @@ class BudgetPanel(QWidget):
         f.addRow(_label("…from rank", "tail_substitution_min_rank"), self.tail_rank)
         approx_box.setLayout(f)
 
+        other_box = QGroupBox("Other settings in force")
+        other_box.setToolTip(OTHER_TIP)
+        self.other_settings = QLabel(wordWrap=True)
+        self.other_settings.setAccessibleName("Other settings in force")
+        self.other_settings.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        v = QVBoxLayout()
+        v.addWidget(self.other_settings)
+        other_box.setLayout(v)
+
         estimate_box = QGroupBox("Estimate")
         v = QVBoxLayout()
         v.addWidget(heading("Experts resident per layer"))
@@ -249,6 +267,7 @@ class BudgetPanel(QWidget):
         column.addWidget(budget_box)
         column.addWidget(policy_box)
         column.addWidget(approx_box)
+        column.addWidget(other_box)
         column.addStretch(1)
         scroll = scrolled(inner)
         buttons = QHBoxLayout()
@@ -470,6 +489,7 @@ class BudgetPanel(QWidget):
         else:
             self.device_note.setText("Resident experts are accounted as on a GPU of this size and computed by the "
                                      "CPU kernels; copy and device times are modelled.")
+        self.other_settings.setText(other_settings_html(self.base, t))
         if self.facts is None:
             self.layer_text.setText("Open a model to see estimates.")
             self.pinned_note.setText("")
@@ -638,6 +658,21 @@ class BudgetPanel(QWidget):
 
     def _apply(self) -> None:
         self.applyRequested.emit(self.settings(), bool(self.needs_reload()))
+
+
+def other_settings_html(config: OffloadConfig, t) -> str:
+    """The settings in `config` that no control of the panel shows (OTHER_KEYS), in onnxruntime's key names: those
+    set, each with its value, then those at their defaults and those not set."""
+    given = {key[len(PREFIX):]: value for key, value in config.to_entries().items()}
+    written = {key[len(PREFIX):]: value for key, value in config.session_entries().items()}
+    lines = [f"<b>{key}</b> = {html.escape(given[key])}"
+             + (" (kept for onnxruntime; no effect in this engine)" if key in UNUSED_KEYS else "")
+             for key in OTHER_KEYS if key in given]
+    defaults = ", ".join(f"{key}={written[key]}" for key in OTHER_KEYS if key not in given and key in written)
+    unset = ", ".join(key for key in OTHER_KEYS if key not in given and key not in written)
+    rest = "; ".join(part for part in (defaults and f"At their defaults: {defaults}", unset and f"Not set: {unset}")
+                     if part)
+    return "<br>".join(lines + ([f"<span style='color:{t.muted}'>{rest}</span>"] if rest else []))
 
 
 def kept_settings_problem(settings) -> str:
