@@ -1176,6 +1176,9 @@ def test_where_the_driver_hides_per_process_vram_the_models_own_is_not_counted_a
     assert shown["others"] == others
     assert shown["free"] == {p.key: p.bytes for p in alone.device_parts}["free"]
     assert sum(shown.values()) == total
+    notes = {p.key: p.note for p in panel.last_estimate.device_parts}
+    assert notes["others"] == ("NVML's memory in use less this model's own as the engine counts it (the driver does "
+                               "not say whose; its KV cache and onnxruntime's workspace are in it)")
     # a reading that names this process's memory (some processes listed with theirs) is not taken off twice
     panel.set_gpu(_card(total, others + own, this=own, per_process=False))
     panel.refresh()
@@ -1184,6 +1187,8 @@ def test_where_the_driver_hides_per_process_vram_the_models_own_is_not_counted_a
     panel.set_gpu(_card(total, others + own, per_process=False))
     panel.mark_loaded(None)
     assert {p.key: p.bytes for p in panel.last_estimate.device_parts}["others"] == others + own
+    assert {p.key: p.note for p in panel.last_estimate.device_parts}["others"] == (
+        "NVML's memory in use (the driver does not say whose)")
 
 
 def test_the_models_own_vram_is_what_the_engine_allocated_not_the_dense_parts_caps():

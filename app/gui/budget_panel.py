@@ -454,11 +454,16 @@ class BudgetPanel(QWidget):
             if self._cuda_error is None:
                 self._cuda_error = cuda_status()
             gpu = self._gpu or {}
-            others = gpu.get("others", 0)
+            others, note = gpu.get("others", 0), ""
             if not gpu.get("per_process", True):
                 # NVML's 'others' is then all the memory in use: the loaded model's own is not other processes'
-                others = max(0, gpu.get("used", 0) - max(gpu.get("this", 0), self._own_vram if self.loaded else 0))
-            return DeviceChoice("cuda", gpu.get("total", 0), others, gpu.get("name", "CUDA GPU"), self._cuda_error)
+                own = max(gpu.get("this", 0), self._own_vram if self.loaded else 0)
+                others = max(0, gpu.get("used", 0) - own)
+                note = ("NVML's memory in use less this model's own as the engine counts it (the driver does not say "
+                        "whose; its KV cache and onnxruntime's workspace are in it)" if own
+                        else "NVML's memory in use (the driver does not say whose)")
+            return DeviceChoice("cuda", gpu.get("total", 0), others, gpu.get("name", "CUDA GPU"), self._cuda_error,
+                                others_note=note)
         return DeviceChoice("cpu", 0)
 
     # --- live estimate -----------------------------------------------------------------------------

@@ -166,6 +166,7 @@ class DeviceChoice:
     name: str = ""
     error: str = ""                   # why the chosen device cannot be used
     index: int = 0                    # the CUDA device's number (the window opens device 0)
+    others_note: str = ""             # how others_bytes was found, where not NVML's per-process figures
 
     @property
     def label(self) -> str:
@@ -323,7 +324,8 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                  (f"prefill staging ring: waves of {counted(staged.wave_experts, 'expert')}, double-buffered" if staged
                   else "prefill staging ring")
                  + (f"; decode streaming slots {human_bytes(streaming_bytes)}" if streaming_bytes else "")),
-            Part("others", "other processes", others, "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU"),
+            Part("others", "other processes", others, device.others_note or (
+                "measured by NVML" if device.kind == "cuda" else "none on a simulated GPU")),
         ]
         used = sum(p.bytes for p in device_parts if p.key != "others")
         room = max(0, ceiling - staging)
