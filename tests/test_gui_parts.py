@@ -1249,3 +1249,25 @@ def test_the_budget_panel_shows_the_settings_it_has_no_control_for_and_keeps_the
     assert sent.node_overrides == OffloadConfig.from_entries(entries).node_overrides
     assert sent.async_max_tokens == 4 and sent.budget_group == "team<2>" and sent.device_expert_bytes is not None
     assert f"<b>node_overrides</b> = {node}:max_resident_slots=1" in QLabel.text(panel.other_settings)
+
+
+def test_a_cuda_gpu_without_an_nvml_reading_is_not_shown_as_a_0_byte_card(gptoss, monkeypatch, qtbot):
+    """Before NVML's first reading, or where it gives none (a driver without NVML), the CUDA choice said 'CUDA GPU:
+    0 B' and 'of the 0 B the device has free', as if the card had no memory. It says its memory is not known, and
+    why, until a reading comes."""
+    import app.gui.budget_panel as budget_panel
+
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "")
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_facts(gptoss, {"device": {"kind": "cuda"}})
+    assert panel.device_note.text() == ("CUDA GPU: its memory is not known yet (NVML has given no reading); the "
+                                        "estimate counts a card of 0 B, the load measures the card itself")
+    panel.set_gpu(None, "no NVIDIA GPU (NVML Shared Library Not Found)")
+    panel.refresh()
+    assert panel.device_note.text() == ("CUDA GPU: its memory is not known yet (no NVIDIA GPU (NVML Shared Library "
+                                        "Not Found)); the estimate counts a card of 0 B, the load measures the card "
+                                        "itself")
+    panel.set_gpu(_card(8 << 30, 1 << 30))
+    panel.refresh()
+    assert panel.device_note.text() == "test card: 8.0 GiB"

@@ -91,6 +91,7 @@ class BudgetPanel(QWidget):
         self._cuda_error: str | None = None
         self._gpu: dict | None = None   # NVML's last reading
         self._gpu_missed = 0            # samples since, in which NVML did not answer
+        self._gpu_note = ""             # why NVML gave no reading (the telemetry sample's gpu_note)
         self._own_vram = 0              # the loaded model's own GPU memory, as the engine counts it
         self.last_estimate = None
         self._quiet = False
@@ -408,10 +409,16 @@ class BudgetPanel(QWidget):
         self.kv_tokens.setMaximum(facts.context_length)  # the KV cache never grows past the context
         self.set_settings(settings)
 
-    def set_gpu(self, gpu: dict | None) -> None:
-        """The latest NVML reading: the CUDA choice's capacity and what other processes hold. A sample without one
-        (NVML did not answer) keeps the last reading: a card does not shrink to 0 bytes for a second."""
-        if gpu is None and self._gpu is not None:
+    def set_gpu(self, gpu: dict | None, note: str = "") -> None:
+        """The latest NVML reading: the CUDA choice's capacity and what other processes hold; `note`, why there is
+        none. A sample without one (NVML did not answer) keeps the last reading: a card does not shrink to 0 bytes
+        for a second."""
+        if gpu is None and self._gpu is None:
+            if note != self._gpu_note:
+                self._gpu_note = note
+                self._changed()
+            return
+        if gpu is None:
             self._gpu_missed += 1
             if self._gpu_missed >= STALE_GPU_SAMPLES and self.device.currentData() == "cuda":
                 self._changed()  # says it is stale, and for how long
@@ -489,8 +496,14 @@ class BudgetPanel(QWidget):
         elif choice.kind == "cuda":
             stale = (f" (stale: NVML has not answered for the last {self._gpu_missed} samples; this is its last reading)"
                      if self._gpu_missed >= STALE_GPU_SAMPLES else "")
-            self.device_note.setText(f"<span style='color:{t.error}'>Unavailable: {choice.error}</span>" if choice.error
-                                     else f"{choice.label}: {human_bytes(choice.capacity)}{stale}")
+            if choice.error:
+                self.device_note.setText(f"<span style='color:{t.error}'>Unavailable: {choice.error}</span>")
+            elif self._gpu is None:
+                self.device_note.setText(f"{choice.label}: its memory is not known yet ("
+                                         f"{self._gpu_note or 'NVML has given no reading'}); the estimate counts a card "
+                                         "of 0 B, the load measures the card itself")
+            else:
+                self.device_note.setText(f"{choice.label}: {human_bytes(choice.capacity)}{stale}")
         else:
             self.device_note.setText("Resident experts are accounted as on a GPU of this size and computed by the "
                                      "CPU kernels; copy and device times are modelled.")

@@ -728,7 +728,7 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_sample(self, sample: dict) -> None:
         self.graphs.add_sample(sample)
-        self.budget_panel.set_gpu(sample.get("gpu"))
+        self.budget_panel.set_gpu(sample.get("gpu"), sample.get("gpu_note", ""))
         if self.busy == "generating":
             warnings = check_sample(sample)
             slow = self.watch.warning(cpu_taken(sample))
