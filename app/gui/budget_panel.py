@@ -494,14 +494,14 @@ class BudgetPanel(QWidget):
             self.device_note.setText("Every expert runs on the CPU. Choose a simulated GPU to try budgets "
                                      "without a card, or the CUDA GPU.")
         elif choice.kind == "cuda":
-            stale = (f" (stale: NVML has not answered for the last {self._gpu_missed} samples; this is its last reading)"
-                     if self._gpu_missed >= STALE_GPU_SAMPLES else "")
+            stale = (f" (stale: NVML has not answered for the last {self._gpu_missed} samples; this is its last "
+                     "reading)" if self._gpu_missed >= STALE_GPU_SAMPLES else "")
             if choice.error:
                 self.device_note.setText(f"<span style='color:{t.error}'>Unavailable: {choice.error}</span>")
             elif self._gpu is None:
-                self.device_note.setText(f"{choice.label}: its memory is not known yet ("
-                                         f"{self._gpu_note or 'NVML has given no reading'}); the estimate counts a card "
-                                         "of 0 B, the load measures the card itself")
+                why = self._gpu_note or "NVML has given no reading"
+                self.device_note.setText(f"{choice.label}: its memory is not known yet ({why}); the estimate counts a "
+                                         "card of 0 B, the load measures the card itself")
             else:
                 self.device_note.setText(f"{choice.label}: {human_bytes(choice.capacity)}{stale}")
         else:
