@@ -667,6 +667,25 @@ def test_inspect_says_what_the_loads_plan_says_the_staging_ring_and_streaming_sl
     assert any(sentence.startswith("Decode misses of 2 layers without expert slots") for sentence in said)
 
 
+def test_with_every_expert_resident_no_prefill_wave_is_said_to_stream(capsys):
+    """The plan said "Cold experts used by many prompt tokens stream to the device in waves of N" where no expert is
+    cold; it says so only where the plan leaves some cold, in the load's plan and in inspect alike."""
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    gptoss = str(fixture_folder("gptoss"))
+    for budget, cold in (("auto", False), ("0", True)):
+        status, out, _err = _main(capsys, "inspect", gptoss, "--json", "--device", "simulated",
+                                  "--offload", f"device_expert_bytes={budget}")
+        said = json.loads(out)["offload"]["statements"]
+        model = LoadedModel.open(gptoss, offload=OffloadConfig.from_entries({"device_expert_bytes": budget}),
+                                 device=SimulatedDevice(8 << 30))
+        assert status == 0 and said == model.offload.plan.statements
+        assert (model.offload.plan.placement_mode != "all_resident") is cold
+        assert any("stream to the device in waves of" in sentence for sentence in said) is cold, said
+        assert any("pinned staging ring" in sentence for sentence in said)
+
+
 def test_the_window_without_a_display_says_so_in_one_line():
     from app.gui.main import display_problem
 

@@ -41,10 +41,11 @@ class StagingPlan:
     def pinned_experts(self) -> int:
         return self.pinned_bytes // self.staged_expert_bytes if self.staged_expert_bytes else 0
 
-    def statements(self) -> list[str]:
-        """The sentences the plan gives about staging."""
+    def statements(self, cold: bool = True) -> list[str]:
+        """The sentences the plan gives about staging; `cold`: whether the plan leaves any expert cold (with every
+        expert resident no prefill wave streams, though the ring stays for a later re-plan)."""
         said = []
-        if self.wave_experts:
+        if self.wave_experts and cold:
             said.append(f"Cold experts used by many prompt tokens stream to the device in waves of {self.wave_experts}.")
         if self.pinned_bytes:
             said.append(f"Copies to the device go through a pinned staging ring of {human_bytes(self.pinned_bytes)} "
