@@ -17,11 +17,11 @@ from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
+from engine.sampling import RECORD_SEED
 from engine.units import counted, decode_rate, human_bytes
 
 PROG = "moe-workbench"
 SIMULATED_VRAM = 8 << 30  # the simulated GPU's memory where --simulated-vram gives none
-RECORD_SEED = 0  # the seed of record's and sweep's sampled answers where none is given
 GENERATE_TOKENS = 128  # generate's answer length for a model that answers at once (LoadedModel.answer_tokens)
 # pyproject lists no onnxruntime but in its extras (its CPU and GPU builds must not be installed together): a plain
 # `pip install .` has none

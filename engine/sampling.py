@@ -10,6 +10,8 @@ import numpy as np
 
 from engine.errors import ModelFileError
 
+RECORD_SEED = 0  # the seed of recorded runs' sampled answers (record, sweep, the window's) where none is given
+
 
 @dataclass(frozen=True)
 class SamplingParams:

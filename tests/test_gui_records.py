@@ -858,3 +858,57 @@ def test_a_window_sweep_skips_a_scenario_its_context_cannot_hold_as_record_does(
         "tokens; the model has 2048.")
     assert errors == ["Skipped long: the long-input scenario needs a context of at least 2060 tokens; the model has "
                       "2048"]
+
+
+def test_the_windows_record_answers_greedy_the_models_or_the_chats_sampling_seeded_and_says_which(
+        qtbot, window, tmp_path):
+    """The window's Record and sweep were always greedy while the command line's sample on request: they take the
+    choice too, seeded (the chat's seed, else the model's, else RECORD_SEED) so a repeat run samples alike, and the
+    saved record keeps what was used."""
+    from engine.sampling import RECORD_SEED
+
+    load(qtbot, window, "lfm2moe")
+    chat, view = window.chat, window.scenarios
+    chat.temperature.setValue(1.5)
+    chat.top_k.setValue(5)
+    chat.seed.setValue(-1)  # random in the chat: a record's run is seeded all the same
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(8)
+    view.answers.setCurrentIndex(view.answers.findData("chat"))
+    answers = []
+    for _ in range(2):
+        view.bar.run_button.click()
+        finish(qtbot, window, view)
+        run_id, _record = view.result.saved[0]
+        saved = window.history.history.get(run_id)
+        assert {key: saved.generation[key] for key in ("do_sample", "temperature", "top_k", "top_p", "seed")} == {
+            "do_sample": True, "temperature": 1.5, "top_k": 5, "top_p": 1.0, "seed": RECORD_SEED}
+        answers.append(saved.turns[0]["tokens"])
+    assert answers[0] == answers[1]  # seeded: the repeat run sampled alike
+    chat.seed.setValue(7)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert window.history.history.get(view.result.saved[0][0]).generation["seed"] == 7
+    view.answers.setCurrentIndex(view.answers.findData("greedy"))  # greedy, as before: no seed said
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    greedy = window.history.history.get(view.result.saved[0][0]).generation
+    assert (greedy["do_sample"], greedy["seed"]) == (False, None)
+
+
+def test_a_window_sweep_answers_as_the_models_genai_config_samples_where_asked(tmp_path, copy_fixture):
+    """A sweep's "The model's sampling": genai_config.json's search, its random_seed seeding it, in every record."""
+    from app.gui.records_jobs import SweepJob
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"].update(do_sample=True, temperature=0.7, top_p=0.9, random_seed=11)
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(folder, offload=OffloadConfig(), device=device)
+    result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"), answers="model")(
+        _sweep_context(model, device, []))
+    history = History(str(tmp_path / "h.sqlite"))
+    settings = [history.get(run_id).generation for run_id in result.saved_ids]
+    assert len(settings) == 2 and all((s["do_sample"], s["temperature"], s["top_k"], s["top_p"], s["seed"])
+                                      == (True, 0.7, 50, 0.9, 11) for s in settings)

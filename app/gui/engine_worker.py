@@ -26,7 +26,7 @@ import engine.offload.hybrid_node  # noqa: F401
 import kernels.cpu  # noqa: F401
 from app.gui.chat_panel import ANSWER_TOKENS
 from app.gui.estimate import layer_summary, model_facts
-from app.gui.records_jobs import JobContext
+from app.gui.records_jobs import JobContext, chat_sampling
 from app.inspect_report import inspection
 from engine.demo_model import DEMO_NAME, ensure_demo_model
 from engine.errors import WorkbenchError, one_line
@@ -41,7 +41,7 @@ from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
 from engine.ort_env import cpu_threads
 from engine.reasoning import reasoning_choices
-from engine.sampling import SamplingParams, beam_search_note, describe, model_sampling
+from engine.sampling import beam_search_note, describe, model_sampling
 from engine.units import counted, human_bytes
 from kernels.cpu.threads import binding_warning
 
@@ -259,16 +259,7 @@ class EngineWorker(QObject):
 
     # --- chat ------------------------------------------------------------------------------------
     def _params(self, options: dict):
-        temperature = float(options.get("temperature", 0.0))
-        seed = options.get("seed")
-        sampling = SamplingParams(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
-                                  top_k=int(options.get("top_k", 0)), top_p=float(options.get("top_p", 1.0)),
-                                  repetition_penalty=float(options.get("repetition_penalty", 1.0)),
-                                  seed=None if seed is None or int(seed) < 0 else int(seed))
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            raise WorkbenchError(str(exc)) from None
+        sampling = chat_sampling(options)
         stops = tuple(s for s in options.get("stop_strings", ()) if s)
         return GenerationParams(max_new_tokens=max(1, int(options.get("max_new_tokens", ANSWER_TOKENS))),
                                 sampling=sampling, stop_strings=stops, reasoning=options.get("reasoning"))

@@ -119,6 +119,8 @@ class MainWindow(QMainWindow):
         self.sweep = SweepView(history_path, configurations_path)
         self.side_by_side = SideBySideView(history_path)
         self.contention_view = ContentionView()
+        for view in (self.scenarios, self.sweep):  # their answers may sample as the chat's settings say
+            view.answers.chat_options = self.chat.options
         self.job_views = {"recording": self.scenarios, "sweeping": self.sweep, "comparing": self.side_by_side,
                           "contention": self.contention_view}
         # the answer lengths kept in the settings beside the chat's (its options hold its own)

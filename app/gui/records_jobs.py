@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +24,7 @@ from engine.records.schema import RunRecord
 from engine.units import counted
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
+from engine.sampling import RECORD_SEED, SamplingParams, model_sampling, model_seed
 from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
                                   stopped_at, sweep_plan)
 
@@ -53,16 +54,58 @@ def scenario_names(choice: str) -> list[str]:
     return list(SCENARIOS) if choice == "all" else [choice]
 
 
-def greedy(max_new_tokens: int) -> GenerationParams:
+def greedy(max_new_tokens: int, sampling: SamplingParams = SamplingParams()) -> GenerationParams:
+    """Answers of `max_new_tokens`, greedy unless `sampling` says otherwise."""
     if int(max_new_tokens) < 1:
         raise WorkbenchError(f"the answer length must be at least 1 token, got {max_new_tokens}")
-    return GenerationParams(max_new_tokens=int(max_new_tokens))
+    return GenerationParams(max_new_tokens=int(max_new_tokens), sampling=sampling)
 
 
-def scenario_params(model: LoadedModel, name: str, chosen: int | None) -> GenerationParams:
-    """Greedy answers of the user's length, or where they chose none the model's for the scenario
-    (scenario_answer_tokens)."""
-    return greedy(scenario_answer_tokens(model, name) if chosen is None else chosen)
+def scenario_params(model: LoadedModel, name: str, chosen: int | None,
+                    sampling: SamplingParams = SamplingParams()) -> GenerationParams:
+    """Answers of the user's length, or where they chose none the model's for the scenario (scenario_answer_tokens);
+    greedy unless `sampling` says otherwise."""
+    return greedy(scenario_answer_tokens(model, name) if chosen is None else chosen, sampling)
+
+
+# how the Record bar's and the sweep's answers choose their tokens (record_sampling)
+GREEDY, MODEL_SAMPLING, CHAT_SAMPLING = "greedy", "model", "chat"
+ANSWER_CHOICES = {GREEDY: "Greedy", MODEL_SAMPLING: "The model's sampling", CHAT_SAMPLING: "The chat's sampling"}
+
+
+def chat_sampling(options: dict) -> SamplingParams:
+    """The chat's sampling settings (ChatPanel.options: temperature 0 is greedy, seed -1 none), refused by name where
+    the sampler refuses them."""
+    temperature = float(options.get("temperature", 0.0))
+    seed = options.get("seed")
+    sampling = SamplingParams(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+                              top_k=int(options.get("top_k", 0)), top_p=float(options.get("top_p", 1.0)),
+                              repetition_penalty=float(options.get("repetition_penalty", 1.0)),
+                              seed=None if seed is None or int(seed) < 0 else int(seed))
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise WorkbenchError(str(exc)) from None
+    return sampling
+
+
+def record_sampling(model: LoadedModel, choice: str, chat: dict | None = None) -> SamplingParams:
+    """The recorded answers' sampling, as the command line's record and sweep choose it: greedy, the model's
+    genai_config.json search (MODEL_SAMPLING) or the chat's settings (CHAT_SAMPLING, `chat`: ChatPanel.options);
+    where they sample, seeded (the chosen seed, else the model's search.random_seed, else RECORD_SEED) so that a repeat
+    run samples as this one did. A greedy answer has no seed: its record says none."""
+    if choice == GREEDY:
+        return SamplingParams()
+    if choice == MODEL_SAMPLING:
+        sampling = model_sampling(model.config)
+    elif choice == CHAT_SAMPLING:
+        sampling = chat_sampling(chat or {})
+    else:
+        raise WorkbenchError(f"unknown answer choice {choice!r}: one of {', '.join(ANSWER_CHOICES)}")
+    if not sampling.do_sample:
+        return replace(sampling, seed=None)
+    seed = next(value for value in (sampling.seed, model_seed(model.config), RECORD_SEED) if value is not None)
+    return replace(sampling, seed=seed)
 
 
 class _Reporter:
@@ -115,10 +158,13 @@ class ScenarioJob:
     max_new_tokens: int | None
     history_path: str | None = None
     label: str = ""
+    answers: str = GREEDY               # how the answers choose their tokens (record_sampling)
+    chat_options: dict | None = None    # the chat's settings, for answers=CHAT_SAMPLING
 
     def __call__(self, ctx: JobContext) -> ScenarioResult:
         model = ctx.loaded()
         history = History(self.history_path)
+        sampling = record_sampling(model, self.answers, self.chat_options)
         result = ScenarioResult()
         count = len(self.scenarios)
         settle(ctx, model, 0.0, "the model")
@@ -127,7 +173,7 @@ class ScenarioJob:
                 break
             reporter = _Reporter(ctx, index / count, 1 / count, f"{name} ({index + 1} of {count})")
             reporter.report(force=True)
-            params = scenario_params(model, name, self.max_new_tokens)
+            params = scenario_params(model, name, self.max_new_tokens, sampling)
             try:
                 record = run_scenario(model, name, params, ctx.device, label=self.label, cancel=ctx.cancel,
                                       progress=reporter.on_turn, on_text=reporter.on_text)
@@ -175,13 +221,15 @@ class SweepJob:
     history_path: str | None = None
     label: str = "sweep"
     both_splits: bool = False
+    answers: str = GREEDY               # how the answers choose their tokens (record_sampling)
+    chat_options: dict | None = None    # the chat's settings, for answers=CHAT_SAMPLING
 
     def __call__(self, ctx: JobContext) -> SweepResult:
         model = ctx.loaded()
         if ctx.device is None or model.offload is None:
             raise WorkbenchError("A budget sweep needs a device for resident experts: load the model with a "
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
-        params = greedy(self.max_new_tokens)
+        params = greedy(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
         scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
         history = History(self.history_path)  # a bad history file refused before the sweep runs
         original = model.offload.config

@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QLineEdit, QVBoxLa
 
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ScenarioJob, ScenarioResult, scenario_names
-from app.gui.widgets import AnswerLength
+from app.gui.widgets import AnswerLength, AnswersChoice
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 
@@ -31,10 +31,11 @@ class ScenarioView(QWidget):
         self.scenario.setAccessibleName("Scenario")
         self.scenario.setToolTip("short: one question · long: a ~2000-token input · multiturn: six turns, cache kept · "
                                  "all: the three in turn")
-        self.max_tokens = AnswerLength(SCENARIO_TOKENS, note=". Answers are greedy. The long scenario needs 2000 + "
+        self.max_tokens = AnswerLength(SCENARIO_TOKENS, note=". The long scenario needs 2000 + "
                                        "a length you set within the model's context; the model's own there is what "
                                        "the context leaves after that input")
         self.max_tokens.setAccessibleName("Answer tokens")
+        self.answers = AnswersChoice()
         self.label = QLineEdit(placeholderText="label (optional)")
         self.label.setAccessibleName("Label for the runs")
         self.bar = JobBar("Record", "Stop at the next token; a cancelled run is not saved")
@@ -43,6 +44,7 @@ class ScenarioView(QWidget):
         row.addWidget(self.scenario)
         row.addWidget(QLabel("tokens"))
         row.addWidget(self.max_tokens)
+        row.addWidget(self.answers)
         row.addWidget(self.label, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -57,7 +59,8 @@ class ScenarioView(QWidget):
 
     def run(self) -> None:
         names = scenario_names(self.scenario.currentText())
-        job = ScenarioJob(names, self.max_tokens.chosen, self.history_path, self.label.text().strip())
+        job = ScenarioJob(names, self.max_tokens.chosen, self.history_path, self.label.text().strip(),
+                          **self.answers.job_settings())
         self.result = None
         self.bar.start(f"Starting {', '.join(names)}…")
         self.jobRequested.emit(KIND, job)

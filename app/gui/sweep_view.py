@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGridLayout
 from app.gui import theme
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
-from app.gui.widgets import MAX_ANSWER_TOKENS
+from app.gui.widgets import MAX_ANSWER_TOKENS, AnswersChoice
 from engine.offload import OffloadConfig
 from engine.records.configurations import save_configuration
 from engine.records.lengths import SWEEP_TOKENS
@@ -105,6 +105,7 @@ class SweepView(QWidget):
                                    "which is kept when the window reopens): a sweep times the same work at each "
                                    "budget; a model that reasons first spends it on its reasoning, which decodes as an "
                                    "answer does")
+        self.answers = AnswersChoice()
         self.length_note = QLabel()  # said before a sweep runs, not only as it ends
         self.length_note.setWordWrap(True)
         self.length_note.setAccessibleName("Answer length note")
@@ -171,7 +172,9 @@ class SweepView(QWidget):
         options.addWidget(self.max_tokens, 1, 1)
         options.addWidget(QLabel("Margin"), 1, 2)
         options.addWidget(self.margin, 1, 3)
-        options.addWidget(self.both_splits, 2, 0, 1, 4)
+        options.addWidget(QLabel("Answers"), 2, 0)
+        options.addWidget(self.answers, 2, 1)
+        options.addWidget(self.both_splits, 2, 2, 1, 2)
         save = QHBoxLayout()
         save.addWidget(self.name, 1)
         save.addWidget(self.save_button)
@@ -226,7 +229,7 @@ class SweepView(QWidget):
 
     def run(self) -> None:
         job = SweepJob(self.points.value(), scenario_names(self.scenario.currentText()), self.max_tokens.value(),
-                       self.history_path, both_splits=self.both_splits.isChecked())
+                       self.history_path, both_splits=self.both_splits.isChecked(), **self.answers.job_settings())
         self.bar.start(f"Sweeping {job.points} budgets…")
         self.jobRequested.emit(KIND, job)
 

@@ -7,14 +7,17 @@ import html
 import math
 import re
 from decimal import Decimal
+from typing import Callable
 
 from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
-from PySide6.QtWidgets import (QCheckBox, QDoubleSpinBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QScrollArea,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame, QHBoxLayout, QLabel, QLineEdit, QScrollArea,
                                QSizePolicy, QSlider, QSpinBox, QToolButton, QToolTip, QWidget)
 
 from app.gui import theme
+from app.gui.records_jobs import ANSWER_CHOICES, CHAT_SAMPLING
 from engine.offload.config import UINT64_MAX
+from engine.sampling import RECORD_SEED
 from engine.units import counted, human_bytes
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -401,3 +404,24 @@ def heading(text: str) -> QLabel:
     font.setBold(True)
     label.setFont(font)
     return label
+
+
+class AnswersChoice(QComboBox):
+    """How a records job's answers choose their tokens, as the command line's record and sweep take it: greedy, the
+    model's genai_config.json sampling, or the chat's sampling settings (`chat_options`, set by the window: the chat's
+    ChatPanel.options); seeded where they sample, and the records say which (records_jobs.record_sampling)."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        for choice, words in ANSWER_CHOICES.items():
+            self.addItem(words, choice)
+        self.setAccessibleName("Answers")
+        self.setToolTip("How the answers choose their tokens: greedy, the model's own sampling (its genai_config.json) "
+                        "or the chat's Settings; sampled answers are seeded (the seed chosen, else the model's, else "
+                        f"{RECORD_SEED}) so a repeat run samples alike, and each record keeps what was used")
+        self.chat_options: Callable[[], dict] = dict
+
+    def job_settings(self) -> dict:
+        """The records job's `answers` and `chat_options`."""
+        choice = self.currentData()
+        return {"answers": choice, "chat_options": self.chat_options() if choice == CHAT_SAMPLING else None}
