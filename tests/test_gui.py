@@ -1316,3 +1316,27 @@ def test_the_layer_split_chosen_in_the_budget_panel_plans_whole_layers_and_appli
     assert ("Layer split measured while decoding: whole layers (a decode step took 20.0 ms with whole layers, "
             "30.0 ms spread).") in window.model_panel.landed.text()
     assert "The budget holds whole layers: 1 of 2 expert layers" in window.model_panel.landed.text()
+
+
+def test_stop_and_esc_cancel_a_records_job_that_is_queued_but_not_started(qtbot, window):
+    """A records job sent to the worker behind something else: Stop and Esc were off (only the job's own Cancel
+    worked). They cancel it now: it starts cancelled, saves nothing, and the status bar says it was stopped."""
+    from PySide6.QtCore import QTimer
+
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    gate = __import__("threading").Event()
+    QTimer.singleShot(0, window.worker, lambda: gate.wait(30))  # the job waits in the worker's queue
+    view = window.scenarios
+    view.scenario.setCurrentText("multiturn")
+    view.max_tokens.setValue(300)
+    view.bar.run_button.click()
+    assert window.busy == "" and window.stop_action.isEnabled()
+    assert window.stop_action.text().replace("&", "") == "Stop the scenario runs"
+    window.stop_action.trigger()
+    assert window.status_state.text() == "Stopping the scenario runs…"
+    gate.set()
+    qtbot.waitUntil(lambda: not view.bar.running and not window.busy, timeout=WAIT)
+    cancelled = view.result.cancelled  # None where the cancel came before the first run began
+    assert view.result.saved == [] and (cancelled is None or cancelled.generated_tokens < 300)
+    assert window.status_state.text() == "Stopped the scenario runs."
+    assert not window.stop_action.isEnabled()

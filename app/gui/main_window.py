@@ -127,6 +127,7 @@ class MainWindow(QMainWindow):
         self.answer_lengths = {"side_by_side": self.side_by_side.max_tokens, "record": self.scenarios.max_tokens,
                                "contention": self.contention_view.max_tokens, "sweep": self.sweep.max_tokens}
         self._cancel_when_started: str | None = None
+        self._job_waiting: str | None = None  # the records job sent to the worker that it has not started yet
         self._stopping: str | None = None  # what Stop was asked to stop (STOPPABLE) in the activity that runs
         self._chat_requests = 0  # the chat's requests to the worker, numbered (EngineWorker.stopped_request)
         self._chat_waiting: int | None = None  # the one sent whose answer has not come back
@@ -506,9 +507,13 @@ class MainWindow(QMainWindow):
             what = STOPPABLE["generating"]
         else:
             what = STOPPABLE.get(self.busy)
-            if what is None:
+            if what is not None:
+                self.worker.cancel.set()
+            elif self._job_waiting is not None:  # queued, not started: cancelled as it starts
+                what = STOPPABLE[self._job_waiting]
+                self._cancel_when_started = self._job_waiting
+            else:
                 return
-            self.worker.cancel.set()
         self._stopping = what
         self.status_state.setText(f"Stopping {what}…")
 
@@ -517,7 +522,9 @@ class MainWindow(QMainWindow):
         """Queue a records job in the engine worker (after whatever it runs now)."""
         self.error_banner.hide()
         self._cancel_when_started = None
+        self._job_waiting = kind
         self.worker.requestJob.emit(kind, job)
+        self._update_state()
 
     def cancel_job(self, kind: str) -> None:
         if self.busy == kind:
@@ -597,6 +604,8 @@ class MainWindow(QMainWindow):
     def _on_busy(self, activity: str) -> None:
         previous, self.busy = self.busy, activity
         stopping, self._stopping = self._stopping, None  # a stop is said of the activity it was asked in
+        if self._cancel_when_started not in (None, activity):  # a queued job stopped: said once it starts and ends
+            self._stopping, stopping = stopping, None
         self.graphs.set_answering(activity == "generating")
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
@@ -605,11 +614,16 @@ class MainWindow(QMainWindow):
             self.graphs.add_marker("answer", "generate")
         if activity in JOB_LABELS:
             self.graphs.add_marker(activity, "generate")
+            if self._job_waiting == activity:
+                self._job_waiting = None
             if self._cancel_when_started == activity:
                 self.worker.cancel.set()
+                self._stopping = STOPPABLE[activity]  # said as it ends, as for a job stopped while it ran
             self._cancel_when_started = None
         self._update_state()
         self._show_activity(stopping)
+        if self._stopping:
+            self.status_state.setText(f"Stopping {self._stopping}…")
 
     @Slot(object)
     def _on_inspected(self, facts) -> None:
@@ -758,6 +772,8 @@ class MainWindow(QMainWindow):
         self.load_action.setEnabled(not busy and self.facts is not None)
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
         what = STOPPABLE["generating"] if chat_waits else STOPPABLE.get(busy)
+        if what is None and self._job_waiting is not None:
+            what = STOPPABLE[self._job_waiting]
         self.stop_action.setEnabled(what is not None)
         self.stop_action.setText(f"&Stop {what}" if what else "&Stop")
         self.stop_action.setToolTip(f"Stop {what}" if what else STOP_TIP)
