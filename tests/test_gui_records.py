@@ -912,3 +912,22 @@ def test_a_window_sweep_answers_as_the_models_genai_config_samples_where_asked(t
     settings = [history.get(run_id).generation for run_id in result.saved_ids]
     assert len(settings) == 2 and all((s["do_sample"], s["temperature"], s["top_k"], s["top_p"], s["seed"])
                                       == (True, 0.7, 50, 0.9, 11) for s in settings)
+
+
+def test_the_tokens_per_second_graph_counts_a_side_by_side_comparisons_tokens(qtbot, window):
+    """"Tokens/s while answering" counted the chat's answers only: during a comparison it read 0 beside the graph's
+    marker. Both sides' streamed tokens count now, over the time the comparison answers."""
+    load(qtbot, window, "gptoss")
+    counted_tokens = []
+    count_tokens = window.graphs.count_tokens
+    window.graphs.count_tokens = lambda n=1: (counted_tokens.append(n), count_tokens(n))
+    answering, set_answering = [], window.graphs.set_answering
+    window.graphs.set_answering = lambda on, now=None: (answering.append(on), set_answering(on, now))
+    view = window.side_by_side
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(6)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    pieces = view.result.pieces
+    assert len(pieces[0]) > 0 and sum(counted_tokens) == len(pieces[0]) + len(pieces[1])
+    assert answering == [True, False]  # answering while "comparing", not once it ended

@@ -541,6 +541,8 @@ class MainWindow(QMainWindow):
         view = self.job_views[kind]
         if hasattr(view, "on_streamed"):
             view.on_streamed(payload)
+        if kind == "comparing":
+            self.graphs.count_tokens(payload["new_tokens"])
 
     @Slot(str, object)
     def _on_job_finished(self, kind: str, result) -> None:
@@ -606,7 +608,7 @@ class MainWindow(QMainWindow):
         stopping, self._stopping = self._stopping, None  # a stop is said of the activity it was asked in
         if self._cancel_when_started not in (None, activity):  # a queued job stopped: said once it starts and ends
             self._stopping, stopping = stopping, None
-        self.graphs.set_answering(activity == "generating")
+        self.graphs.set_answering(activity in ("generating", "comparing"))  # the comparison's tokens count too
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
             self.warnings.reset()  # the banner speaks of this answer (_send took the last one's down)

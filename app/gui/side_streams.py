@@ -108,6 +108,7 @@ class SideStreams:
             if self._pending[side] or status != self._sent[side]:
                 self.ctx.stream({"side": side, "text": "".join(self._pending[side]),
                                  "reasoning": "".join(self._pending_thoughts[side]), "status": status,
-                                 "state": state, "tokens": self.tokens[side]})
+                                 "state": state, "tokens": self.tokens[side],
+                                 "new_tokens": len(self._pending[side])})  # streamed since the last batch
                 self._pending[side], self._pending_thoughts[side], self._sent[side] = [], [], status
         self.ctx.progress(None, run_line(self.states, self.tokens, self.max_tokens))
