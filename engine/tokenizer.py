@@ -171,6 +171,10 @@ class ModelTokenizer:
             return ChatTemplate(template, origin, special)
         return None
 
+    def same_as(self, other: "ModelTokenizer") -> bool:
+        """Whether `other` maps text to the same token ids (the same vocabulary, merges and special tokens)."""
+        return self._tok.to_str() == other._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

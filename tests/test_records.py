@@ -1011,3 +1011,45 @@ def test_a_saved_configurations_relative_paths_are_saved_from_where_it_was_tuned
     _model, saved = load_configuration("tuned", path)
     assert (saved.popularity_file, saved.source_root, saved.derived_cache_dir, saved.budget_group) == (
         str(tmp_path / "pop.json"), str(tmp_path / "weights"), str(tmp_path / "cache"), "group")
+
+
+def test_side_by_side_of_two_tokenizers_compares_the_answers_text_not_their_token_ids(monkeypatch, copy_fixture):
+    """Two models with different tokenizers: token ids mean different text, so comparing them said "diverge at
+    generated token 1" for the same answer. Their answers' text (reasoning, then answer) is compared instead, and
+    the comparison says so; one tokenizer keeps the token comparison."""
+    import engine.records.side_by_side as side_by_side
+    from app.gui.side_by_side_view import divergence_text
+
+    folder = copy_fixture("gptoss")
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({"id": 512, "content": "<|other|>", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    left, right = LoadedModel.open(fixture_folder("gptoss")), LoadedModel.open(folder)
+    answers = {}
+
+    def run_turns(model, *_args, **_kwargs):
+        tokens, reasoning, answer = answers[id(model)]
+        return SimpleNamespace(turns=[{"tokens": tokens, "reasoning": reasoning, "answer": answer,
+                                       "finish_reason": "eos", "generated_tokens": len(tokens)}])
+
+    monkeypatch.setattr(side_by_side, "run_turns", run_turns)
+    answers.update({id(left): ([5, 6, 7], "", "Hello there"), id(right): ([91, 92], "", "Hello there")})
+    same = compare(Side(left), Side(right), "Hi", PARAMS)
+    assert (same.by_text, same.divergence, same.text_divergence) == (True, None, None)
+    assert divergence_text(same.divergence, same.margins, None, same.by_text, same.text_divergence) == (
+        "The two answers are identical as text (the two models' tokenizers differ, so the answers are compared as "
+        "text, not token by token).")
+    answers.update({id(left): ([5, 6, 7], "Think.", "Hello there"), id(right): ([91, 93], "Think.", "Hello world")})
+    parted = compare(Side(left), Side(right), "Hi", PARAMS)
+    assert (parted.by_text, parted.divergence, parted.text_divergence) == (True, None, len("Think.Hello "))
+    assert divergence_text(None, None, None, True, parted.text_divergence).startswith(
+        "The answers' text diverges at character 13, highlighted in both columns")
+    again = LoadedModel.open(fixture_folder("gptoss"))  # one tokenizer (one folder): token by token, as before
+    answers.update({id(left): ([5, 6, 7], "", "Hello there"), id(again): ([5, 6, 8], "", "Hello there")})
+    tokens = compare(Side(left), Side(again), "Hi", PARAMS)
+    assert (tokens.by_text, tokens.divergence) == (False, 2)
+    # each column highlights the token of its own stream that holds that character (past its end: the end)
+    from app.gui.side_by_side_view import token_at
+    assert token_at(len("Think.Hel"), ["Th", "ink.", "", ""], ["", "", "Hel", "lo"]) == 3
+    assert token_at(20, ["Th"], ["", "x"][:1]) == 1 and token_at(None, [], []) is None

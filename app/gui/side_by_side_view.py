@@ -41,9 +41,15 @@ OWN_KEYS = {SPLIT_KEY: SPLIT_MODES, PATH_KEY: PATH_MODES}
 
 
 def divergence_text(divergence: int | None, margins: tuple[float, float] | None,
-                    margins_failure: str | None = None) -> str:
+                    margins_failure: str | None = None, by_text: bool = False,
+                    text_divergence: int | None = None) -> str:
     """Where the answers part, and whether each side chose firmly there or between near-tied tokens (or why that
-    could not be told)."""
+    could not be told); `by_text`: two tokenizers, the answers compared as text (Comparison.text_divergence)."""
+    if by_text:
+        why = "the two models' tokenizers differ, so the answers are compared as text, not token by token"
+        if text_divergence is None:
+            return f"The two answers are identical as text ({why})."
+        return f"The answers' text diverges at character {text_divergence + 1}, highlighted in both columns ({why})."
     if divergence is None:
         return "The two answers are identical, token for token."
     text = f"The answers diverge at generated token {divergence + 1} (index {divergence}), highlighted in both columns."
@@ -305,6 +311,19 @@ class Column(QGroupBox):
         self.answer.setHtml(_with_reasoning(reasoning, answer) if self.reasoning else answer)
 
 
+def token_at(character: int | None, thoughts: Sequence[str], pieces: Sequence[str]) -> int | None:
+    """The token of a side's stream (its reasoning and answer text per token) that holds `character` of its reasoning
+    then answer; past its end, the end (this side stopped there)."""
+    if character is None:
+        return None
+    length = 0
+    for index in range(max(len(thoughts), len(pieces))):
+        length += len(thoughts[index] if index < len(thoughts) else "") + len(pieces[index] if index < len(pieces) else "")
+        if length > character:
+            return index
+    return max(len(thoughts), len(pieces))
+
+
 def _marked(pieces: list[str], divergence: int) -> str:
     """The pieces' text with the one at `divergence` highlighted (a mark where it shows nothing)."""
     t = theme.current()
@@ -503,7 +522,9 @@ class SideBySideView(QWidget):
             elif result.cancelled and not (record and record.turns) and not pieces and not thoughts:
                 column.show_not_started(side)
             else:
-                column.show_result(pieces, divergence, side_stats(record), thoughts)
+                by_text = comparison is not None and comparison.by_text
+                at = token_at(comparison.text_divergence, thoughts, pieces) if by_text else divergence
+                column.show_result(pieces, at, side_stats(record), thoughts)
         if result.cancelled:
             self.divergence.setText("Cancelled: nothing saved.")
             self.bar.finish("Cancelled.")
@@ -512,7 +533,8 @@ class SideBySideView(QWidget):
         if failed:
             self.divergence.setText(" ".join(failed))
         else:
-            self.divergence.setText(divergence_text(divergence, comparison.margins, comparison.margins_failure)
+            self.divergence.setText(divergence_text(divergence, comparison.margins, comparison.margins_failure,
+                                                    comparison.by_text, comparison.text_divergence)
                                     + " " + speed_text(*records) + idle_settings_text(records[1]))
         self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)

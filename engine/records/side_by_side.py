@@ -35,17 +35,24 @@ class Side:
 @dataclass
 class Comparison:
     records: tuple[RunRecord | None, RunRecord | None]  # None: that side failed
-    divergence: int | None   # index of the first generated token where the answers differ; None if identical
+    divergence: int | None   # index of the first generated token where the answers differ; None if identical (or
+                             # compared as text)
     # at the divergence, by how much each side's model preferred its own token to the other side's (their
     # logits' difference: the log-probabilities differ by as much); None where one answer only stopped earlier, or
     # for two models (each has its own vocabulary)
     margins: tuple[float, float] | None = None
     failures: tuple[str | None, str | None] = (None, None)  # each side's error on one line, where it could not answer
     margins_failure: str | None = None  # why the margins could not be computed (the answers stand), on one line
+    # two models whose tokenizers differ: their token ids mean different text, so the answers are compared as text
+    # (each side's reasoning, then its answer): `text_divergence` is the first character where they differ, None if
+    # identical, and `divergence` is None
+    by_text: bool = False
+    text_divergence: int | None = None
 
     def as_dict(self) -> dict:
         return {"divergence": self.divergence, "margins": self.margins, "failures": list(self.failures),
-                "margins_failure": self.margins_failure,
+                "margins_failure": self.margins_failure, "by_text": self.by_text,
+                "text_divergence": self.text_divergence,
                 "records": [r.to_dict() if r is not None else None for r in self.records]}
 
 
@@ -61,7 +68,19 @@ def same_folder(a: LoadedModel, b: LoadedModel) -> bool:
     return Path(a.folder.folder).resolve() == Path(b.folder.folder).resolve()
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
+def same_tokenizer(a: LoadedModel, b: LoadedModel) -> bool:
+    """Whether the two models' token ids mean the same text (one folder, or the same tokenizer)."""
+    return same_folder(a, b) or a.tokenizer.same_as(b.tokenizer)
+
+
+def generated_text(record: RunRecord) -> str:
+    """A side's first turn as it was generated: its reasoning, then its answer."""
+    turn = record.turns[0]
+    return (turn.get("reasoning") or "") + turn["answer"]
+
+
+def first_divergence(a, b) -> int | None:
+    """The first index where two sequences (token ids, or text) differ; None if they are equal."""
     for index, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return index
@@ -124,7 +143,9 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
         raise errors[0]
     answered = all(record is not None and record.turns for record in records)
     tokens = [record.turns[0]["tokens"] for record in records] if answered else None
-    divergence = first_divergence(*tokens) if answered else None
+    by_text = answered and not same_tokenizer(left.model, right.model)
+    divergence = first_divergence(*tokens) if answered and not by_text else None
+    text_divergence = first_divergence(*(generated_text(record) for record in records)) if by_text else None
     margins = margins_failure = None
     stopped = cancel is not None and cancel.is_set()  # stop means no more engine work: no margins' forward passes
     if (divergence is not None and not stopped and same_folder(left.model, right.model)
@@ -134,4 +155,5 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
             margins = (preference(left.model, prompt, prefix, a, b), preference(right.model, prompt, prefix, b, a))
         except Exception as exc:  # the two answers and their records stand without them
             margins_failure = one_line(exc)
-    return Comparison((records[0], records[1]), divergence, margins, (failures[0], failures[1]), margins_failure)
+    return Comparison((records[0], records[1]), divergence, margins, (failures[0], failures[1]), margins_failure,
+                      by_text, text_divergence)
