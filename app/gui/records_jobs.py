@@ -54,7 +54,7 @@ def scenario_names(choice: str) -> list[str]:
     return list(SCENARIOS) if choice == "all" else [choice]
 
 
-def greedy(max_new_tokens: int, sampling: SamplingParams = SamplingParams()) -> GenerationParams:
+def answer_params(max_new_tokens: int, sampling: SamplingParams = SamplingParams()) -> GenerationParams:
     """Answers of `max_new_tokens`, greedy unless `sampling` says otherwise."""
     if int(max_new_tokens) < 1:
         raise WorkbenchError(f"the answer length must be at least 1 token, got {max_new_tokens}")
@@ -65,7 +65,7 @@ def scenario_params(model: LoadedModel, name: str, chosen: int | None,
                     sampling: SamplingParams = SamplingParams()) -> GenerationParams:
     """Answers of the user's length, or where they chose none the model's for the scenario (scenario_answer_tokens);
     greedy unless `sampling` says otherwise."""
-    return greedy(scenario_answer_tokens(model, name) if chosen is None else chosen, sampling)
+    return answer_params(scenario_answer_tokens(model, name) if chosen is None else chosen, sampling)
 
 
 # how the Record bar's and the sweep's answers choose their tokens (record_sampling)
@@ -229,7 +229,7 @@ class SweepJob:
         if ctx.device is None or model.offload is None:
             raise WorkbenchError("A budget sweep needs a device for resident experts: load the model with a "
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
-        params = greedy(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
+        params = answer_params(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
         scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
         history = History(self.history_path)  # a bad history file refused before the sweep runs
         original = model.offload.config
@@ -344,7 +344,7 @@ class SideBySideJob:
         tokens = self.max_new_tokens
         if tokens is None:  # both sides answer the same length: the longer of the models' own (B's may reason first)
             tokens = max(model.answer_tokens(SIDE_BY_SIDE_TOKENS) for model in (left, right.model) if model is not None)
-        params = greedy(tokens)
+        params = answer_params(tokens)  # greedy: the two configurations compared on their most likely tokens
         streams = SideStreams(ctx, params.max_new_tokens, (True, right.model is not None), self.concurrent,
                               REPORT_INTERVAL_S)
         streams.flush()  # who answers first, who waits
