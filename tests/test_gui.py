@@ -1340,3 +1340,14 @@ def test_stop_and_esc_cancel_a_records_job_that_is_queued_but_not_started(qtbot,
     assert view.result.saved == [] and (cancelled is None or cancelled.generated_tokens < 300)
     assert window.status_state.text() == "Stopped the scenario runs."
     assert not window.stop_action.isEnabled()
+
+
+def test_the_record_and_sweep_answer_choices_outlive_the_window(qtbot, tmp_path):
+    """Record's and the sweep's Answers (greedy, the model's or the chat's sampling) are kept as their lengths are."""
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.scenarios.answers.currentData() == win.sweep.answers.currentData() == "greedy"
+    win.scenarios.answers.setCurrentIndex(win.scenarios.answers.findData("chat"))
+    win.sweep.answers.setCurrentIndex(win.sweep.answers.findData("model"))
+    win.close()
+    again = make_window(qtbot, tmp_path, nvml=False)
+    assert (again.scenarios.answers.currentData(), again.sweep.answers.currentData()) == ("chat", "model")

@@ -119,8 +119,10 @@ class MainWindow(QMainWindow):
         self.sweep = SweepView(history_path, configurations_path)
         self.side_by_side = SideBySideView(history_path)
         self.contention_view = ContentionView()
-        for view in (self.scenarios, self.sweep):  # their answers may sample as the chat's settings say
-            view.answers.chat_options = self.chat.options
+        # how Record's and the sweep's answers choose their tokens, kept in the settings beside their lengths
+        self.answer_choices = {"record": self.scenarios.answers, "sweep": self.sweep.answers}
+        for choice in self.answer_choices.values():  # they may sample as the chat's settings say
+            choice.chat_options = self.chat.options
         self.job_views = {"recording": self.scenarios, "sweeping": self.sweep, "comparing": self.side_by_side,
                           "contention": self.contention_view}
         # the answer lengths kept in the settings beside the chat's (its options hold its own)
@@ -336,6 +338,8 @@ class MainWindow(QMainWindow):
         self.chat.system_prompt.setPlainText(str(s.value("chat/system_prompt", "")))
         for key, box in self.answer_lengths.items():
             box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
+        for key, choice in self.answer_choices.items():
+            choice.setCurrentIndex(max(0, choice.findData(s.value(f"{key}/answers"))))
 
     def save_settings(self) -> None:
         s = self.settings
@@ -346,6 +350,8 @@ class MainWindow(QMainWindow):
         s.setValue("chat/system_prompt", self.chat.system_prompt.toPlainText())
         for key, box in self.answer_lengths.items():
             s.setValue(f"{key}/max_new_tokens", json.dumps(box.chosen))  # null: the model's own
+        for key, choice in self.answer_choices.items():
+            s.setValue(f"{key}/answers", choice.currentData())
         s.sync()
 
     @staticmethod
