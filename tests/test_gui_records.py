@@ -523,7 +523,8 @@ def test_record_and_the_contention_test_answer_the_command_lines_length_for_a_mo
 def _sweep_context(model, device, said: list):
     """A stand-in for the worker's JobContext of a sweep on `model`: its status lines appended to `said`."""
     return type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
-                            "progress": lambda self, fraction, text: said.append(text)})()
+                            "progress": lambda self, fraction, text: said.append(text),
+                            "stream": lambda self, batch: said.append(batch)})()
 
 
 def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_path):
@@ -931,3 +932,28 @@ def test_the_tokens_per_second_graph_counts_a_side_by_side_comparisons_tokens(qt
     pieces = view.result.pieces
     assert len(pieces[0]) > 0 and sum(counted_tokens) == len(pieces[0]) + len(pieces[1])
     assert answering == [True, False]  # answering while "comparing", not once it ended
+
+
+def test_the_tokens_per_second_graph_counts_the_record_bars_and_a_sweeps_answers(qtbot, window, tmp_path):
+    """Record's scenario runs and a sweep answer as the chat does, yet the tokens/s graph read 0 while they ran: their
+    tokens count now, over the time they run."""
+    from app.gui.records_jobs import SweepJob
+
+    load(qtbot, window, "lfm2moe")
+    counted_tokens, count_tokens = [], window.graphs.count_tokens
+    window.graphs.count_tokens = lambda n=1: (counted_tokens.append(n), count_tokens(n))
+    answering, set_answering = [], window.graphs.set_answering
+    window.graphs.set_answering = lambda on, now=None: (answering.append(on), set_answering(on, now))
+    view = window.scenarios
+    view.scenario.setCurrentText("multiturn")
+    view.max_tokens.setValue(5)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    record = view.result.saved[0][1]
+    assert sum(counted_tokens) == record.generated_tokens == 30 and answering == [True, False]
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    said = []
+    result = SweepJob(2, ["short"], 3, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
+    streamed = sum(batch["new_tokens"] for batch in said if isinstance(batch, dict))
+    assert streamed == sum(r.generated_tokens for point in result.points for r in point.records) == 6

@@ -48,6 +48,8 @@ STOPPABLE = {"generating": "the answer", "loading": "the load", "recording": "th
              "sweeping": "the budget sweep", "comparing": "the side-by-side comparison",
              "contention": "the contention test"}
 STOP_TIP = "Stop the answer, the load or the records job that runs"
+# the activities whose answers' tokens the tokens/s graph counts (a records job's stream says them: new_tokens)
+ANSWERING = ("generating", "recording", "sweeping", "comparing")
 
 
 def settings_from_env() -> QSettings:
@@ -547,8 +549,7 @@ class MainWindow(QMainWindow):
         view = self.job_views[kind]
         if hasattr(view, "on_streamed"):
             view.on_streamed(payload)
-        if kind == "comparing":
-            self.graphs.count_tokens(payload["new_tokens"])
+        self.graphs.count_tokens(payload.get("new_tokens", 0))  # (the records jobs that answer say how many)
 
     @Slot(str, object)
     def _on_job_finished(self, kind: str, result) -> None:
@@ -614,7 +615,7 @@ class MainWindow(QMainWindow):
         stopping, self._stopping = self._stopping, None  # a stop is said of the activity it was asked in
         if self._cancel_when_started not in (None, activity):  # a queued job stopped: said once it starts and ends
             self._stopping, stopping = stopping, None
-        self.graphs.set_answering(activity in ("generating", "comparing"))  # the comparison's tokens count too
+        self.graphs.set_answering(activity in ANSWERING)
         if activity == "generating":
             self.graphs.add_marker("generate", "generate")
             self.warnings.reset()  # the banner speaks of this answer (_send took the last one's down)

@@ -108,24 +108,35 @@ def record_sampling(model: LoadedModel, choice: str, chat: dict | None = None) -
     return replace(sampling, seed=seed)
 
 
+def send_tokens(ctx: JobContext, count: int) -> None:
+    """The tokens answered since the last batch, for the window's tokens/s graph (a batch of the job's stream)."""
+    if count:
+        ctx.stream({"new_tokens": count})
+
+
 class _Reporter:
-    """Turns per-token and per-turn callbacks into a few progress reports a second."""
+    """Turns per-token and per-turn callbacks into a few progress reports a second, each with the tokens answered
+    since the last (send_tokens)."""
 
     def __init__(self, ctx: JobContext, start: float, span: float, what: str):
         self.ctx, self.start, self.span, self.what = ctx, start, span, what
         self.tokens = 0
         self.turns = 0.0
         self._last = 0.0
+        self._unsent = 0
 
     def report(self, force: bool = False) -> None:
         now = time.perf_counter()
         if force or now - self._last >= REPORT_INTERVAL_S:
             self._last = now
+            send_tokens(self.ctx, self._unsent)
+            self._unsent = 0
             self.ctx.progress(self.start + self.span * min(1.0, self.turns),
                               f"{self.what} · {self.tokens} token{'' if self.tokens == 1 else 's'}")
 
     def on_text(self, _token, _delta) -> None:
         self.tokens += 1
+        self._unsent += 1
         self.report()
 
     def on_turn(self, fraction: float) -> None:
@@ -235,7 +246,7 @@ class SweepJob:
         original = model.offload.config
         splits = BOTH_SPLITS if self.both_splits else None
         planned, left_out = [len(sweep_plan(model, self.points, splits))], [""]
-        tokens, done, last = [0], [0], [0.0]
+        tokens, done, last, unsent = [0], [0], [0.0], [0]
 
         def total() -> int:
             return planned[0] * len(scenarios)
@@ -246,13 +257,18 @@ class SweepJob:
 
         def on_text(_token, _delta) -> None:
             tokens[0] += 1
+            unsent[0] += 1
             now = time.perf_counter()
             if now - last[0] >= REPORT_INTERVAL_S:
                 last[0] = now
+                send_tokens(ctx, unsent[0])
+                unsent[0] = 0
                 ctx.progress(done[0] / total(),
                              f"run {min(done[0] + 1, total())} of {total()} · {counted(tokens[0], 'token')}")
 
         def progress(fraction: float) -> None:
+            send_tokens(ctx, unsent[0])  # the run's last ones
+            unsent[0] = 0
             done[0] = round(fraction * total())
             tokens[0] = 0  # the next run's own
             ctx.progress(fraction, f"{done[0]} of {total()} runs done")
