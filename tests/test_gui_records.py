@@ -6,6 +6,7 @@ Waits are on what the window shows (qtbot.waitUntil), as in tests/test_gui.py.""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -146,7 +147,9 @@ def test_scenario_run_saves_a_record_and_cancel_saves_none(qtbot, window):
     bar.scenario.setCurrentText("multiturn")
     bar.max_tokens.setValue(300)
     bar.bar.run_button.click()
-    qtbot.waitUntil(lambda: window.busy == "recording" and "token" in bar.bar.status.text(), timeout=WAIT)
+    # (a token of the answer, not the turn's start: its progress says "· 0 tokens", and a cancel then saves no turn)
+    qtbot.waitUntil(lambda: window.busy == "recording" and re.search(r"· [1-9]\d* tokens?", bar.bar.status.text()),
+                    timeout=WAIT)
     bar.bar.cancel_button.click()
     finish(qtbot, window, bar)
     cancelled = bar.result.cancelled
