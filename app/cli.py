@@ -348,8 +348,7 @@ def _cmd_inspect(args) -> int:
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
                             dense_on_device=dense_goes_to(device, kv_dtypes))
         # the sentences the load's plan says, in its order: the plan's, the staging's, the streaming slots', the tier's
-        statements = plan.statements + (staging.statements(cold=plan.placement_mode != "all_resident") if staging
-                                        else [])
+        statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
         if device is not None:
             statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
         mode = args.decode_path or paths.default_decode_path()

@@ -339,7 +339,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         host_parts.append(Part("pinned", "pinned staging ring", staged.pinned_bytes, note))
     statements = list(plan.statements) if plan else []
     if plan and staged is not None:
-        statements.extend(staged.statements())  # the sentences the engine adds to its plan
+        statements.extend(staged.statements(cold=plan.leaves_cold))  # the sentences the engine adds to its plan
     if streaming is not None:
         statements.extend(streaming.statements)  # ... then those of its streaming slots
     if device.kind != "cpu":

@@ -384,7 +384,7 @@ class OffloadEngine:
         plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
                             dense_on_device=self.dense_on_device)
         if self.device is not None and config.mode != "disabled":
-            plan.statements.extend(self.staging.statements(cold=plan.placement_mode != "all_resident"))
+            plan.statements.extend(self.staging.statements(cold=plan.leaves_cold))
         return plan
 
     def _plan_streaming(self, config: OffloadConfig, say: bool = True):

@@ -35,6 +35,11 @@ class OffloadPlan:
     slots: dict[str, int] = field(default_factory=dict)   # node name -> slots
     statements: list[str] = field(default_factory=list)   # plain sentences for the user
 
+    @property
+    def leaves_cold(self) -> bool:
+        """Whether some expert has no slot (its misses go to the CPU, the host tier or a prefill wave)."""
+        return self.placement_mode != "all_resident"
+
     def device_bytes(self, experts: list[ExpertNodeInfo]) -> int:
         """Device memory of the planned slots (each the size of an expert in the GPU kernels' layout)."""
         return sum(self.slots.get(info.name, 0) * info.device_bytes_per_expert for info in experts)
