@@ -713,6 +713,30 @@ def test_a_sweep_that_stops_early_leaves_no_recommendation_behind_even_when_the_
         assert view.summary.text().startswith("No recommendation") and not view.marks["completion"].isVisible()
 
 
+def test_a_sweep_that_fails_outright_takes_the_earlier_sweeps_recommendation_off_the_screen(qtbot, tmp_path):
+    """A sweep that failed before any point (the job itself failed) left the earlier sweep's "Recommended: …", its red
+    rings and an enabled Save beside "Failed: …", read as this sweep's result; a sweep cancelled or failed at a point
+    says "No recommendation" and draws only its own points. Now a failed one does the same."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    complete = SweepJob(3, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    view.on_finished(complete)
+    assert view.summary.text().startswith("Recommended: ") and view.save_button.isEnabled()
+    view.run()
+    view.on_failed("the model was unloaded")
+    assert view.bar.status.text() == "Failed: the model was unloaded"
+    assert view.summary.text() == "No recommendation: the sweep failed before any budget was timed."
+    assert view.recommended is None and not view.save_button.isEnabled() and view.save() is None
+    assert list(view.curves["completion"].getData()[0] or []) == [] and not view.marks["completion"].isVisible()
+    view.margin.setValue(view.margin.value() + 5)
+    assert view.summary.text().startswith("No recommendation") and not view.save_button.isEnabled()
+
+
 def test_a_window_sweeps_saved_configuration_says_the_margin_it_was_recommended_within(qtbot, tmp_path):
     """Margin takes tenths of a percent; the saved configuration's note rounded it to whole ones: recommended within
     2.5%, it said "sweep recommendation within 2% of the fastest" (the command's says 2.5%)."""

@@ -273,6 +273,13 @@ class SweepView(QWidget):
             self.recorded.emit(result.saved_ids)
 
     def on_failed(self, message: str) -> None:
+        """Failed before any point: the earlier sweep's points and recommendation go, as a sweep stopped before its
+        first point leaves none (they would read as this sweep's)."""
+        self.result = None
+        self.recommended = None
+        self.save_button.setEnabled(False)
+        self.plot([])
+        self.summary.setText("No recommendation: the sweep failed before any budget was timed.")
         self.bar.finish(f"Failed: {message}")
 
     # --- plots and the recommendation ---------------------------------------------------------------
