@@ -69,6 +69,35 @@ def sweep_three_points(qtbot, window):
     return view
 
 
+def test_a_record_cancelled_before_a_run_began_says_so(qtbot, tmp_path, monkeypatch):
+    """Cancel while the model still mapped its experts (before the first run): the run line said only "Nothing saved.",
+    not that the Record was cancelled, where one cut short in a run says "Cancelled during multiturn (not saved)".
+    Cancelled between two runs, it said only "Saved run 1." as if every scenario had run."""
+    import app.gui.records_jobs as jobs
+    from app.gui.scenario_view import ScenarioView
+
+    model = LoadedModel.open(fixture_folder("lfm2moe"))
+    view = ScenarioView()
+    qtbot.addWidget(view)
+    ctx = _sweep_context(model, None, [])
+    ctx.cancel.set()
+    result = jobs.ScenarioJob(["short", "multiturn"], 2, str(tmp_path / "h.sqlite"))(ctx)
+    view.on_finished(result)
+    assert result.saved == [] and view.bar.status.text() == "Cancelled before the first run began; nothing saved."
+
+    def cancelled_after_the_first(*args, **kwargs):
+        record = run_scenario(*args, **kwargs)
+        ctx.cancel.set()
+        return record
+
+    monkeypatch.setattr(jobs, "run_scenario", cancelled_after_the_first)
+    ctx = _sweep_context(model, None, [])
+    result = jobs.ScenarioJob(["short", "multiturn"], 2, str(tmp_path / "h.sqlite"))(ctx)
+    view.on_finished(result)
+    assert [record.scenario for _id, record in result.saved] == ["short"]
+    assert view.bar.status.text() == f"Cancelled before multiturn began (not run). Saved run {result.saved[0][0]}."
+
+
 def test_history_table_filters_opens_compares_and_exports(qtbot, tmp_path, monkeypatch):
     history = History(tmp_path / "history.sqlite3")
     params = GenerationParams(max_new_tokens=4)

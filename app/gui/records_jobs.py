@@ -159,6 +159,7 @@ class ScenarioResult:
     saved: list[tuple[int, RunRecord]] = field(default_factory=list)   # (history id, record)
     errors: list[str] = field(default_factory=list)                    # scenarios that could not run, one line each
     cancelled: RunRecord | None = None                                 # the run cut short (not saved)
+    cancelled_before: str = ""                                         # the scenario a cancel came before (not run)
 
 
 @dataclass
@@ -181,6 +182,7 @@ class ScenarioJob:
         settle(ctx, model, 0.0, "the model")
         for index, name in enumerate(self.scenarios):
             if ctx.cancel.is_set():
+                result.cancelled_before = name
                 break
             reporter = _Reporter(ctx, index / count, 1 / count, f"{name} ({index + 1} of {count})")
             reporter.report(force=True)

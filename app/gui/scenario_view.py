@@ -75,6 +75,10 @@ class ScenarioView(QWidget):
         parts = [f"Saved run{'' if len(ids) == 1 else 's'} {', '.join(map(str, ids))}." if ids else "Nothing saved."]
         if result.cancelled is not None:
             parts.insert(0, f"Cancelled during {result.cancelled.scenario} (not saved).")
+        elif result.cancelled_before and not ids:
+            parts = ["Cancelled before the first run began; nothing saved."]
+        elif result.cancelled_before:
+            parts.insert(0, f"Cancelled before {result.cancelled_before} began (not run).")
         if result.errors:
             parts.append("Skipped " + "; ".join(result.errors))
             self.failed.emit("Scenario skipped: " + "; ".join(result.errors))
