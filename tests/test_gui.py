@@ -235,6 +235,48 @@ def test_a_settings_file_that_cannot_be_read_is_said_and_a_malformed_one_kept_be
     win.close()
 
 
+UNUSABLE_RECENT = [
+    ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('{"/m": 1}', "not a list of paths"),
+    ('["/m", 3]', "not a list of paths"),
+    ('"/m"', "not a list of paths"),  # (its letters were the recent models)
+]
+UNUSABLE_CHAT_OPTIONS = [
+    ("[1", "not JSON: Expecting ',' delimiter: line 1 column 3 (char 2)"),
+    ('["/m"]', "not a JSON object"),
+    ('{"top_k": "many"}', "invalid literal for int() with base 10: 'many'"),
+    ('{"stop_strings": "END"}', 'stop_strings "END" is not a list of strings'),
+]
+
+
+@pytest.mark.parametrize("recent, recent_problem, options, options_problem",
+                         [(*r, *o) for r, o in zip(UNUSABLE_RECENT, UNUSABLE_CHAT_OPTIONS)])
+def test_a_malformed_recent_list_or_chat_options_are_said_and_kept_aside(qtbot, tmp_path, recent, recent_problem,
+                                                                          options, options_problem):
+    """The settings file's recent models list and chat options that could not be read were dropped silently (and the
+    next save wrote over them); chat options not an object ("[...]") stopped the window opening, and stop_strings
+    "END" became the stop strings E, N and D. Each is now said, on a line of its own, and kept under a key of its
+    own; the window starts from the defaults there."""
+    ini = str(tmp_path / "settings.ini")
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    settings.setValue("recent", recent)
+    settings.setValue("chat/options", options)
+    settings.setValue("chat/options.bad", "an earlier one, kept")
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.isVisible() and win.settings_banner.text() == (
+        f"{ini}: the chat options kept under chat/options cannot be used ({options_problem}): the chat starts from "
+        f"its defaults; what was kept is now under chat/options.bad2 there\n"
+        f"{ini}: the recent models kept under recent cannot be used ({recent_problem}): Open recent starts empty; "
+        f"what was kept is now under recent.bad there")
+    assert win.chat.options()["stop_strings"] == [] and win.chat.options()["top_k"] == 0
+    assert not win.recent_menu.isEnabled()
+    win.close()  # saves the chat's options
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    assert settings.value("recent.bad") == recent and settings.value("chat/options.bad2") == options
+    assert settings.value("chat/options.bad") == "an earlier one, kept"
+
+
 def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, monkeypatch):
     import app.gui.engine_worker as engine_worker
 

@@ -6,6 +6,7 @@ while it streams ("Thinking…"), collapsed once the answer begins; a click open
 from __future__ import annotations
 
 import html
+import json
 import re
 import time
 
@@ -253,6 +254,9 @@ class ChatPanel(QWidget):
                 "reasoning": self.reasoning.currentData()}
 
     def set_options(self, options: dict) -> None:
+        stops = options.get("stop_strings", [])
+        if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
+            raise TypeError(f"stop_strings {json.dumps(stops)} is not a list of strings")
         tokens = int(options.get("max_new_tokens", ANSWER_TOKENS))
         # settings saved before the length followed the model hold it, chosen or not: the old default was not chosen
         self.max_tokens.choose(tokens if options.get("max_new_tokens_chosen", tokens != ANSWER_TOKENS) else None)
@@ -261,7 +265,7 @@ class ChatPanel(QWidget):
         self.top_p.setValue(float(options.get("top_p", 1.0)))
         self.repetition.setValue(float(options.get("repetition_penalty", 1.0)))
         self.seed.setValue(int(options.get("seed", -1)))
-        self.stops.setText("|".join(options.get("stop_strings", [])))
+        self.stops.setText("|".join(stops))
         self._wanted_reasoning = options.get("reasoning")
         self._select_reasoning()
 

@@ -316,11 +316,10 @@ class MainWindow(QMainWindow):
                 kept = f"the file as it was is kept as {name}.bad"
             except OSError as exc:
                 kept = f"it could not be kept as {name}.bad ({exc.strerror or exc}), and the next save drops the rest"
-            self.settings_banner.show_message(f"{name}: not a well-formed settings file: what could be read is used, "
-                                              f"and {kept}")
+            self._warn_settings(f"{name}: not a well-formed settings file: what could be read is used, and {kept}")
         elif status == QSettings.Status.AccessError:
-            self.settings_banner.show_message(f"{name}: settings not readable (no permission, or not a file): the "
-                                              "window starts from its defaults and cannot save its settings")
+            self._warn_settings(f"{name}: settings not readable (no permission, or not a file): the window starts "
+                                "from its defaults and cannot save its settings")
 
     def _restore(self) -> None:
         s = self.settings
@@ -334,9 +333,22 @@ class MainWindow(QMainWindow):
         chat = s.value("chat/options")
         if chat:
             try:
-                self.chat.set_options(json.loads(chat))
-            except (ValueError, TypeError):
-                pass
+                options = json.loads(chat)
+            except (ValueError, TypeError) as exc:
+                problem = f"not JSON: {exc}"
+            else:
+                try:
+                    if not isinstance(options, dict):
+                        raise TypeError("not a JSON object")
+                    self.chat.set_options(options)
+                    problem = ""
+                except (ValueError, TypeError) as exc:
+                    problem = str(exc)
+            if problem:
+                self.chat.set_options({})  # (a value refused partway leaves those before it set)
+                self._warn_settings(f"{s.fileName()}: the chat options kept under chat/options cannot be used "
+                                    f"({problem}): the chat starts from its defaults; what was kept is now under "
+                                    f"{self._set_aside('chat/options', chat)} there")
         self.chat.system_prompt.setPlainText(str(s.value("chat/system_prompt", "")))
         for key, box in self.answer_lengths.items():
             box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
@@ -376,6 +388,15 @@ class MainWindow(QMainWindow):
             problem = kept_settings_problem(budget)
             if not problem:
                 return budget
+        bad = self._set_aside(key, raw)
+        self._warn_settings(
+            f"{self.settings.fileName()}: the budgets kept for {path} cannot be used ({problem}): the Budgets panel "
+            f"shows the defaults; what was kept is now under {bad} there")
+        return None
+
+    def _set_aside(self, key: str, raw) -> str:
+        """Move the unusable value under `key` to a key of its own (`<key>.bad`), so that the next save does not
+        write over it; the key it is under now."""
         bad = key + ".bad"
         for number in itertools.count(2):  # an earlier unusable value, kept already, stays too
             if self.settings.value(bad) in (None, raw):
@@ -384,23 +405,38 @@ class MainWindow(QMainWindow):
         self.settings.setValue(bad, raw)
         self.settings.remove(key)
         self.settings.sync()
-        self.settings_banner.show_message(
-            f"{self.settings.fileName()}: the budgets kept for {path} cannot be used ({problem}): the Budgets panel "
-            f"shows the defaults; what was kept is now under {bad} there")
-        return None
+        return bad
+
+    def _warn_settings(self, text: str) -> None:
+        """Say a problem with the settings file, on a line below those said already and not dismissed (one start
+        can find several)."""
+        said = self.settings_banner.text() if not self.settings_banner.isHidden() else ""
+        if text not in said.split("\n"):
+            self.settings_banner.show_message("\n".join(filter(None, (said, text))))
 
     def save_model_settings(self, path: str, budget: dict) -> None:
         self.settings.setValue(self._model_key(path), json.dumps({"path": path, "budget": budget}))
         self.settings.sync()
         if self.settings.status() == QSettings.Status.AccessError:
-            self.settings_banner.show_message(f"{self.settings.fileName()}: not writable: the budgets for {path} are "
-                                              "used now but not kept for the next start")
+            self._warn_settings(f"{self.settings.fileName()}: not writable: the budgets for {path} are used now "
+                                "but not kept for the next start")
 
     def recent(self) -> list[str]:
-        try:
-            return [p for p in json.loads(self.settings.value("recent", "[]")) if isinstance(p, str)]
-        except (ValueError, TypeError):
+        raw = self.settings.value("recent")
+        if raw is None:
             return []
+        try:
+            paths = json.loads(raw)
+        except (ValueError, TypeError) as exc:
+            problem = f"not JSON: {exc}"
+        else:
+            if isinstance(paths, list) and all(isinstance(p, str) for p in paths):
+                return paths
+            problem = "not a list of paths"
+        self._warn_settings(f"{self.settings.fileName()}: the recent models kept under recent cannot be used "
+                            f"({problem}): Open recent starts empty; what was kept is now under "
+                            f"{self._set_aside('recent', raw)} there")
+        return []
 
     def _remember_recent(self, path: str) -> None:
         paths = [path] + [p for p in self.recent() if p != path]
