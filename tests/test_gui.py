@@ -235,6 +235,23 @@ def test_a_settings_file_that_cannot_be_read_is_said_and_a_malformed_one_kept_be
     win.close()
 
 
+def test_a_second_malformed_settings_file_is_kept_beside_the_first_not_over_it(qtbot, tmp_path):
+    """The malformed settings file was copied to settings.ini.bad at each start that found one: a second malformed
+    file replaced the first one kept. Now the second goes to settings.ini.bad2 (as a model's budgets go to
+    <key>.bad2); the same file found again is not kept twice."""
+    ini = tmp_path / "settings.ini"
+    for text, kept in (("[models]\nabc=1\n[[[\n", "bad"), ("[chat\nx=2\n", "bad2"),
+                       ("[chat\nx=2\n", "bad2")):
+        ini.write_text(text)
+        win = make_window(qtbot, tmp_path, nvml=False)
+        assert win.settings_banner.text() == (f"{ini}: not a well-formed settings file: what could be read is used, "
+                                              f"and the file as it was is kept as {ini}.{kept}")
+        win.close()
+    assert (tmp_path / "settings.ini.bad").read_text() == "[models]\nabc=1\n[[[\n"
+    assert (tmp_path / "settings.ini.bad2").read_text() == "[chat\nx=2\n"
+    assert not (tmp_path / "settings.ini.bad3").exists()
+
+
 UNUSABLE_RECENT = [
     ("{not json", "not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"/m": 1}', "not a list of paths"),

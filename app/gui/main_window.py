@@ -6,6 +6,7 @@ The engine runs in one worker thread (app.gui.engine_worker), the telemetry samp
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import itertools
 import json
@@ -311,11 +312,16 @@ class MainWindow(QMainWindow):
         name = self.settings.fileName()
         status = self.settings.status()
         if status == QSettings.Status.FormatError:
+            bad = name + ".bad"
             try:
-                shutil.copyfile(name, name + ".bad")
-                kept = f"the file as it was is kept as {name}.bad"
+                for number in itertools.count(2):  # an earlier malformed file, kept already, stays too
+                    if not os.path.exists(bad) or filecmp.cmp(name, bad, shallow=False):
+                        break
+                    bad = f"{name}.bad{number}"
+                shutil.copyfile(name, bad)
+                kept = f"the file as it was is kept as {bad}"
             except OSError as exc:
-                kept = f"it could not be kept as {name}.bad ({exc.strerror or exc}), and the next save drops the rest"
+                kept = f"it could not be kept as {bad} ({exc.strerror or exc}), and the next save drops the rest"
             self._warn_settings(f"{name}: not a well-formed settings file: what could be read is used, and {kept}")
         elif status == QSettings.Status.AccessError:
             self._warn_settings(f"{name}: settings not readable (no permission, or not a file): the window starts "
