@@ -177,8 +177,8 @@ def test_scenario_run_saves_a_record_and_cancel_saves_none(qtbot, window):
     bar.max_tokens.setValue(300)
     bar.bar.run_button.click()
     # (a token of the answer, not the turn's start: its progress says "· 0 tokens", and a cancel then saves no turn)
-    qtbot.waitUntil(lambda: window.busy == "recording" and re.search(r"· [1-9]\d* tokens?", bar.bar.status.text()),
-                    timeout=WAIT)
+    qtbot.waitUntil(lambda: window.busy == "recording"
+                    and bool(re.search(r"· [1-9]\d* tokens?", bar.bar.status.text())), timeout=WAIT)
     bar.bar.cancel_button.click()
     finish(qtbot, window, bar)
     cancelled = bar.result.cancelled
