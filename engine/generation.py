@@ -265,26 +265,26 @@ def _finite(logits, model, position: int):
 
 
 def _sequence_cap(config) -> tuple[int, str]:
-    """The most tokens a sequence (the conversation with the last sampled token, which is never fed) may reach, and the
-    finish reason there: the context fed and one token sampled after it, or genai_config.json's search.max_length where
-    it is below the context (onnxruntime-genai's generator stops there, prompt and answer counted together)."""
+    """The most tokens a sequence may reach, the last sampled token (which is never fed) counted, and the finish
+    reason there: genai_config.json's search.max_length where it is below the context, else the context. As
+    onnxruntime-genai's generator: a sampled token joins the sequence, which is done once it reaches max_length (a
+    max_length past the context it refuses; here the context bounds it)."""
     if config.search.max_length < config.context_length:
         return config.search.max_length, "max_length"
-    return config.context_length + 1, "context"
+    return config.context_length, "context"
 
 
 def _past_the_cap(past: int, new: int, cap: int, bound: str) -> str:
-    if bound == "max_length":
-        where = f"the model's genai_config.json search.max_length of {cap}, prompt and answer together"
-        if not past:
-            return f"the prompt has {new} tokens, which leaves no room for an answer within {where}"
-        return (f"the conversation so far ({past} tokens) and this message ({new}) come to {past + new} tokens, which "
-                f"leave no room for an answer within {where}: start a new conversation")
-    context = cap - 1
+    where = (f"the model's genai_config.json search.max_length of {cap}, prompt and answer together"
+             if bound == "max_length" else f"the model's context of {cap}")
     if not past:
-        return f"the prompt has {new} tokens but the model's context is {context}"
-    return (f"the conversation so far ({past} tokens) and this message ({new}) come to {past + new} tokens, past the "
-            f"model's context of {context}: start a new conversation")
+        if bound == "context" and new > cap:
+            return f"the prompt has {new} tokens but the model's context is {cap}"
+        return f"the prompt has {new} tokens, which leaves no room for an answer within {where}"
+    total = f"the conversation so far ({past} tokens) and this message ({new}) come to {past + new} tokens"
+    if bound == "context" and past + new > cap:
+        return f"{total}, past {where}: start a new conversation"
+    return f"{total}, which leave no room for an answer within {where}: start a new conversation"
 
 
 def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,

@@ -130,11 +130,11 @@ def test_a_conversation_that_reaches_the_context_says_so_and_what_to_do(copy_fix
     chat = Conversation(LoadedModel.open(folder))
     assert chat.send("Hello there", greedy(30)).finish_reason == "length"
     assert chat.send("Tell me more please now", greedy(30)).finish_reason == "context"
-    assert len(chat.fed_tokens) == 80
+    assert len(chat.fed_tokens) == 79  # and the answer's last token, sampled, never fed: 80 in all
     with pytest.raises(PromptError) as refused:
         chat.send("again", greedy(30))
     new = 1 + len(chat.model.tokenizer.encode("<|end|><|start|>user\nagain<|end|><|start|>assistant\n"))
-    assert str(refused.value) == (f"the conversation so far (80 tokens) and this message ({new}) come to {80 + new} "
+    assert str(refused.value) == (f"the conversation so far (79 tokens) and this message ({new}) come to {79 + new} "
                                   "tokens, past the model's context of 80: start a new conversation")
     with pytest.raises(PromptError, match="^the prompt has 314 tokens but the model's context is 80$"):
         Conversation(chat.model).send("word " * 100, greedy(30))
@@ -393,6 +393,26 @@ def test_search_max_length_bounds_prompt_and_answer(copy_fixture):
         generate(model, model.new_state(), [], model.tokenizer.encode("word " * 50)[:40], greedy(5))
 
 
+def test_a_max_length_equal_to_the_context_ends_the_sequence_at_it(copy_fixture):
+    """Every builder folder writes search.max_length as the context length: the sequence, prompt and answer with the
+    last sampled token (never fed), reaches it and no further, as onnxruntime-genai's generator stops there (it counts
+    the sampled token in the sequence); it used to run one token past, to the context fed and one more sampled."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = config["search"]["max_length"] = 40
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    model = LoadedModel.open(folder)
+    state, ids = model.new_state(), model.tokenizer.encode("Hi")
+    result = generate(model, state, [], ids, greedy(100))
+    assert result.finish_reason == "context"
+    assert len(ids) + len(result.tokens) == 40 and state.past_length == 40 - 1
+    words = model.tokenizer.encode("word " * 50)
+    assert len(generate(model, model.new_state(), [], words[:39], greedy(5)).tokens) == 1
+    with pytest.raises(PromptError, match="^the prompt has 40 tokens, which leaves no room for an answer within the "
+                                          "model's context of 40$"):
+        generate(model, model.new_state(), [], words[:40], greedy(5))
+
+
 def test_search_min_length_holds_off_the_end_of_text(copy_fixture):
     """genai_config.json's search.min_length: no end-of-text token while the sequence, prompt and answer, is shorter
     (onnxruntime-genai's ApplyMinLength), the tokens before it as without."""
@@ -421,7 +441,7 @@ def test_a_sliding_window_wider_than_the_context_keeps_its_whole_window(copy_fix
     model = LoadedModel.open(folder)
     state, ids = model.new_state(), model.tokenizer.encode("Hi")
     narrow = generate(model, state, [], ids, greedy(100))
-    assert narrow.finish_reason == "context" and state.past_length == 40
+    assert narrow.finish_reason == "context" and state.past_length == 40 - 1
     rows = {slot.past_name: slot.array.shape[2] for slot in state.slots if slot.shared}
     assert rows == {"past_key_values.0.key": 64, "past_key_values.0.value": 64,  # the sliding layer: its window
                     "past_key_values.1.key": 40, "past_key_values.1.value": 40}
