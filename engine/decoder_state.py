@@ -23,19 +23,19 @@ CAPACITY_STEP = 256
 KV_KINDS = {"key", "value"}  # genai_config's past_key_names / past_value_names
 
 
-def grown_capacity(needed: int, capacity: int, context_length: int) -> int:
+def grown_capacity(needed: int, capacity: int, longest: int) -> int:
     """The rows a full-attention KV buffer of `capacity` rows grows to when a step needs `needed` (> capacity): at
     least twice what it held, so that a long answer copies its KV a few times rather than at every step, in
-    CAPACITY_STEP steps, never past the context."""
-    return min(context_length, -(-max(needed, 2 * capacity) // CAPACITY_STEP) * CAPACITY_STEP)
+    CAPACITY_STEP steps, never past the longest sequence (GenaiConfig.longest_sequence) unless a step needs more."""
+    return max(needed, min(longest, -(-max(needed, 2 * capacity) // CAPACITY_STEP) * CAPACITY_STEP))
 
 
-def kv_rows_at_most(tokens: int, context_length: int) -> int:
+def kv_rows_at_most(tokens: int, longest: int) -> int:
     """The most rows a full-attention KV buffer can reach while a conversation holds at most `tokens` tokens
     (grown_capacity's doubling: nearly twice `tokens`, e.g. 7,680 rows for 4,096 tokens, reached by a 3,840-token
     prompt and one more token). What a memory estimate for `tokens` must count."""
     below = (tokens - 1) // CAPACITY_STEP * CAPACITY_STEP  # the largest capacity that still grows for `tokens`
-    return grown_capacity(tokens, below, context_length)
+    return grown_capacity(tokens, below, longest)
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,8 @@ class DecoderState:
         return (1, heads, capacity, head_size)
 
     def full_context_bytes(self) -> tuple[int, int]:
-        """(bytes of every state buffer with full-attention KV at the whole context, bytes of the
+        """(bytes of every state buffer with full-attention KV at the longest sequence (the context, or
+        search.max_length below it: GenaiConfig.longest_sequence), bytes of the
         largest single KV buffer): a conversation's state at its largest, and the extra a KV buffer
         needs for a moment while it grows (old and new both held, one layer at a time)."""
         window = (self.config.sliding_window_size or 0) + self.config.sliding_cache_slack
@@ -146,7 +147,7 @@ class DecoderState:
         for slot in self._slots:
             itemsize = _np_dtype(self.graph_inputs[slot.past_name]).itemsize
             if slot.shared:
-                nbytes = int(np.prod(self._kv_shape(slot, window if slot.sliding else self.config.context_length))) * itemsize
+                nbytes = int(np.prod(self._kv_shape(slot, window if slot.sliding else self.config.longest_sequence))) * itemsize
                 largest = max(largest, nbytes)
             else:
                 nbytes = 2 * int(np.prod(self._fixed_shape(slot.past_name))) * itemsize
@@ -176,7 +177,7 @@ class DecoderState:
                 f"the conversation needs {needed} tokens but the model's context is {self.config.context_length}")
         if needed <= self._kv_capacity:
             return
-        capacity = grown_capacity(needed, self._kv_capacity, self.config.context_length)
+        capacity = grown_capacity(needed, self._kv_capacity, self.config.longest_sequence)
         # the whole window even where the context is shorter: GroupQueryAttention refuses a sliding-window buffer
         # smaller than its local_window_size
         window = (self.config.sliding_window_size or 0) + self.config.sliding_cache_slack

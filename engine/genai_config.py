@@ -47,6 +47,20 @@ class GenaiConfig:
     provider_names: tuple[str, ...] = ()
     search: SearchDefaults = field(default_factory=SearchDefaults)
 
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens a conversation reaches, prompt and answer: search.max_length, within the context. What the
+        KV cache is sized for, as onnxruntime-genai allocates it for max_length (never past the context)."""
+        return min(self.search.max_length, self.context_length)
+
+    @property
+    def longest_sequence_words(self) -> str:
+        """Which bound longest_sequence is, for a memory estimate's text."""
+        if self.search.max_length < self.context_length:
+            return (f"search.max_length's {self.search.max_length} tokens "
+                    f"(below the {self.context_length}-token context)")
+        return f"the full {self.context_length}-token context"
+
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer`'s KV cache is a window of sliding_window_size (+ slack) slots. A sliding_window that
         lists no layers applies to every layer, as onnxruntime-genai reads it (its uniform window, from before the

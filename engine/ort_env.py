@@ -194,7 +194,7 @@ def dense_arena_limit(mem_limit: int, available: int, state_bytes: int, dense_we
     if arena < MIN_DENSE_ARENA:
         raise DenseDoesNotFit(
             f"gpu_device_mem_limit={mem_limit} leaves {human_bytes(max(0, available))} after the expert slots and "
-            f"staging; the KV cache and state at full context ({human_bytes(state_bytes)}), the dense weights "
+            f"staging; the KV cache and state at their longest ({human_bytes(state_bytes)}), the dense weights "
             f"({human_bytes(dense_weight_bytes)}) and onnxruntime's workspace ({human_bytes(MIN_DENSE_ARENA)} at "
             "least) need more (raise reserve_device_bytes or lower device_expert_bytes)")
     return arena
@@ -307,7 +307,7 @@ class DenseDevice:
     reason: str = ""
     device_id: int = 0
     arena_limit: int = 0         # onnxruntime's gpu_mem_limit; 0 = no cap
-    state_bytes: int = 0         # the state at full context, growth included (on the GPU)
+    state_bytes: int = 0         # the state at its longest (GenaiConfig.longest_sequence), growth included (on the GPU)
     backend: object = None
     arena_left: int | None = None  # where the arena in force was registered by an earlier model (shared_arena_cap):
     #                               what this model's gpu_device_mem_limit left for it (0: no limit)

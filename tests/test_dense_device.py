@@ -376,6 +376,30 @@ def test_full_context_bytes_matches_the_buffers_at_full_context():
     assert largest == max(slot.array.nbytes for slot in state.slots if slot.shared)
 
 
+def test_the_loads_kv_reservation_is_sized_for_search_max_length_below_the_context(copy_fixture, monkeypatch):
+    """onnxruntime-genai allocates the KV cache for search.max_length: the load reserved GPU memory for the whole
+    context (2,048 rows) where max_length (512) bounds every conversation, and the buffers could grow past it."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["max_length"] = 512
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    reserved = []
+    choose = ort_env.choose_dense_device
+    monkeypatch.setattr("engine.generation.choose_dense_device",
+                        lambda device, state_bytes, *args: reserved.append(state_bytes) or choose(device, state_bytes,
+                                                                                                   *args))
+    model = LoadedModel.open(folder)
+    row = 2 * 32 * 4  # one row of one layer's key (or value) buffer: 2 kv heads x head size 32, fp32
+    full, window = 2 * 512 * row, 2 * 64 * row  # layer 1's key and value at 512 rows; layer 0's at its window
+    assert model.new_state().full_context_bytes() == (full + window, 512 * row)
+    assert reserved == [full + window + 512 * row]
+    state = model.new_state()
+    state.reserve(300)
+    state.past_length = 300
+    state.reserve(211)  # 511 tokens, as far as a conversation goes (the 512th is sampled, never fed)
+    assert max(slot.array.shape[2] for slot in state.slots if slot.shared) == 512  # not doubled to 768
+
+
 # --- where the dense part lands, and why ------------------------------------------------------------
 class FakeCudaDevice:
     kind = "cuda"

@@ -811,6 +811,33 @@ def test_the_kv_estimate_stops_at_the_models_context(qapp, gptoss):
     assert host["kv"] == gptoss.kv_cache_bytes(2048)
 
 
+def test_the_kv_estimate_is_sized_for_search_max_length_below_the_context(qapp, copy_fixture):
+    """onnxruntime-genai allocates the KV cache for search.max_length, which bounds every conversation: the model's
+    summary, the window's estimate and its KV length counted the whole context (2,048 tokens) where it is 512."""
+    from app.gui.budget_panel import BudgetPanel
+    from app.gui.model_panel import ModelPanel
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["max_length"] = 512
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    opened = ModelFolder.open(folder)
+    facts = model_facts(opened, inspection(opened))
+    per_token = 2 * 2 * 32 * 4  # key + value, 2 kv heads x head size 32, fp32
+    assert facts.kv_cache_bytes() == per_token * 512 + per_token * 64  # the full layer at 512 rows, the window's 64
+    assert facts.kv_words() == "512 tokens (search.max_length, below the 2048-token context)"
+    panel = BudgetPanel()
+    panel.set_facts(facts, {"device": {"kind": "cpu"}, "kv_tokens": 2048})
+    assert panel.kv_tokens.value() == panel.kv_tokens.maximum() == 512
+    host = {p.key: (p.bytes, p.note) for p in panel.last_estimate.host_parts}
+    assert host["kv"] == (facts.kv_cache_bytes(), "512 tokens (search.max_length, below the 2048-token context)")
+    model_panel = ModelPanel()
+    model_panel.show_facts(facts)
+    assert model_panel.summary.text().endswith(
+        f"KV cache {human_bytes(facts.kv_cache_bytes())} at search.max_length's 512 tokens (below the 2048-token "
+        "context)")
+
+
 def test_the_budget_panel_keeps_a_loaded_configurations_values_as_they_are(qtbot, gptoss):
     """Values onnxruntime accepts that the controls once rounded or capped (3 decimals, a threshold of at most 1, a
     wave of at most 4096 experts) are shown and applied as loaded, not rewritten as a change nobody made."""

@@ -356,7 +356,7 @@ class BudgetPanel(QWidget):
             if device.get("capacity"):
                 self.sim_size.setValue(int(device["capacity"]))
             if self.facts is not None:
-                self.kv_tokens.setValue(int(settings.get("kv_tokens") or self.facts.context_length))
+                self.kv_tokens.setValue(int(settings.get("kv_tokens") or self.facts.longest_sequence))
             self.layer_split.setCurrentIndex(max(0, self.layer_split.findData(settings.get("layer_split", "auto"))))
             self.decode_path.setCurrentIndex(max(0, self.decode_path.findData(settings.get("decode_path", "auto"))))
         finally:
@@ -393,7 +393,7 @@ class BudgetPanel(QWidget):
 
     def reset_defaults(self) -> None:
         """Every budget and setting back to its default; where the experts live (the device) stays as chosen."""
-        self.set_settings({"kv_tokens": self.facts.context_length if self.facts else None,
+        self.set_settings({"kv_tokens": self.facts.longest_sequence if self.facts else None,
                            "device": self.device_settings()})
 
     # --- model and machine ---------------------------------------------------------------------------
@@ -406,7 +406,8 @@ class BudgetPanel(QWidget):
         self.expert_bytes.setMaximum(max(1, all_resident_bytes(facts.experts), facts.expert_bytes))
         for control in (self.host_bytes, self.pinned_bytes):
             control.setMaximum(max(1, facts.expert_bytes))
-        self.kv_tokens.setMaximum(facts.context_length)  # the KV cache never grows past the context
+        # the KV cache never grows past the longest sequence: the context, or search.max_length below it
+        self.kv_tokens.setMaximum(facts.longest_sequence)
         self.set_settings(settings)
 
     def set_gpu(self, gpu: dict | None, note: str = "") -> None:

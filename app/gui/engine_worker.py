@@ -248,7 +248,7 @@ class EngineWorker(QObject):
                      f"in {facts.dense_segments} onnxruntime segments. {model.dense_statement}")
         if model.dense_device != "cuda":
             lines.append(f"KV cache and state live in host memory beside the dense part: up to "
-                         f"{human_bytes(facts.kv_cache_bytes())} at the full {facts.context_length}-token context.")
+                         f"{human_bytes(facts.kv_cache_bytes())} at {facts.longest_sequence_words}.")
         lines.append(threads_sentence(model.offload.config.cpu_threads, _cores()))
         binding = binding_warning()
         if binding:

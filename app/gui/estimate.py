@@ -66,6 +66,8 @@ class ModelFacts:
     report: dict                       # app.inspect_report.inspection()
     experts: list                      # engine ExpertNodeInfo, in layer order
     context_length: int
+    longest_sequence: int              # what the KV cache is sized for (GenaiConfig.longest_sequence)
+    longest_sequence_words: str        # which bound that is
     kv_bytes_per_token: int            # every attention layer's key + value, one token
     kv_window_bytes_per_token: int
     window_tokens: int
@@ -76,8 +78,8 @@ class ModelFacts:
     is_demo: bool = False
     staged_nodes: list = field(default_factory=list)   # StagedNode per runnable expert node (staging estimates)
     kv_dtypes: frozenset = frozenset()                  # the KV caches' element types (where the dense part can run)
-    # the state at full context with a KV buffer's growth, as the load counts it on the GPU (DecoderState's
-    # full_context_bytes); None where the graph's state inputs cannot be read (the load refuses the model)
+    # the state at its longest (longest_sequence) with a KV buffer's growth, as the load counts it on the GPU
+    # (DecoderState's full_context_bytes); None where the graph's state inputs cannot be read (the load refuses the model)
     dense_state_bytes: int | None = None
 
     @property
@@ -85,9 +87,9 @@ class ModelFacts:
         return bool(self.report.get("supported"))
 
     def kv_rows(self, tokens: int | None = None) -> int:
-        """The rows the full-attention KV buffers may hold for a conversation of `tokens` (the whole context where
+        """The rows the full-attention KV buffers may hold for a conversation of `tokens` (the longest sequence where
         None): they grow by doubling, so up to nearly twice the tokens (engine.decoder_state.kv_rows_at_most)."""
-        return kv_rows_at_most(self.context_length if tokens is None else tokens, self.context_length)
+        return kv_rows_at_most(self.longest_sequence if tokens is None else tokens, self.longest_sequence)
 
     def kv_cache_bytes(self, tokens: int | None = None) -> int:
         """The KV caches and state as the engine holds them for `tokens`: full-attention buffers at kv_rows, each
@@ -96,9 +98,12 @@ class ModelFacts:
                 + self.state_bytes)
 
     def kv_words(self, tokens: int | None = None) -> str:
-        """'4096 tokens', with the rows the buffers may grow to where those are more."""
-        tokens = self.context_length if tokens is None else tokens
+        """'4096 tokens', with the rows the buffers may grow to where those are more, or naming search.max_length
+        where it is what bounds them."""
+        tokens = self.longest_sequence if tokens is None else tokens
         rows = self.kv_rows(tokens)
+        if tokens == self.longest_sequence < self.context_length:
+            return f"{tokens} tokens (search.max_length, below the {self.context_length}-token context)"
         return f"{tokens} tokens" + (f" (its buffers may grow to {rows} rows: they double)" if rows > tokens else "")
 
 
@@ -142,7 +147,8 @@ def model_facts(folder, report: dict, is_demo: bool = False) -> ModelFacts:
 
     return ModelFacts(
         path=str(folder.folder), name=Path(folder.folder).name, report=report, experts=list(folder.experts),
-        context_length=config.context_length, kv_bytes_per_token=per_token,
+        context_length=config.context_length, longest_sequence=config.longest_sequence,
+        longest_sequence_words=config.longest_sequence_words, kv_bytes_per_token=per_token,
         kv_window_bytes_per_token=per_window_token, window_tokens=window,
         state_bytes=state, dense_bytes=report["dense_bytes"], expert_bytes=report["expert_bytes"],
         dense_segments=report["dense_segments"], is_demo=is_demo, staged_nodes=staged_nodes(folder),

@@ -180,7 +180,8 @@ class ModelPanel(QWidget):
         self.summary.setText(
             f"{report['type']} · context {facts.context_length} tokens · experts {human_bytes(facts.expert_bytes)} in "
             f"{counted(len(report['expert_nodes']), 'layer')} · dense part {human_bytes(facts.dense_bytes)} in "
-            f"{facts.dense_segments} onnxruntime segments · KV cache {human_bytes(facts.kv_cache_bytes())} at full context")
+            f"{facts.dense_segments} onnxruntime segments · KV cache {human_bytes(facts.kv_cache_bytes())} at "
+            f"{facts.longest_sequence_words}")
         nodes = report["expert_nodes"]
         self.table.setRowCount(len(nodes))
         for row, node in enumerate(nodes):
