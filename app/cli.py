@@ -649,7 +649,7 @@ def _cmd_record(args) -> int:
     for scenario in _scenarios(args.scenario):
         tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
         try:
-            scenario_turns(scenario, model.tokenizer, model.config.context_length, tokens)
+            scenario_turns(scenario, model.tokenizer, model.config, tokens)
         except PromptError as exc:  # the long input on a short context: with "all", the others run
             if args.scenario != "all":
                 raise

@@ -395,10 +395,10 @@ def test_reading_a_history_that_is_not_there_is_an_error_and_makes_nothing(tmp_p
 
 def test_long_and_multiturn_scenarios_are_what_they_claim(simulated_model):
     model, _ = simulated_model
-    long_prompt = scenario_turns("long", model.tokenizer, model.config.context_length, 8)[0]
+    long_prompt = scenario_turns("long", model.tokenizer, model.config, 8)[0]
     rendered = model.tokenizer.render_chat([{"role": "user", "content": long_prompt}])
     assert 2000 <= len(model.tokenizer.encode(rendered)) <= 2040
-    assert len(scenario_turns("multiturn", model.tokenizer, 2048, 8)) >= 5
+    assert len(scenario_turns("multiturn", model.tokenizer, model.config, 8)) >= 5
 
 
 def test_multiturn_record_reuses_the_cache(simulated_model):

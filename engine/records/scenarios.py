@@ -35,26 +35,33 @@ _PASSAGE = ("Mixture-of-experts language models route every token through a few 
             "and the rest are computed on the CPU or copied in just in time. ")
 
 
-def scenario_turns(name: str, tokenizer, context_length: int, max_new_tokens: int) -> list[str]:
+def scenario_turns(name: str, tokenizer, config, max_new_tokens: int) -> list[str]:
+    """The scenario's messages; the long input refused where the model's sequences (GenaiConfig.longest_sequence: the
+    context, or search.max_length below it) cannot hold it and the answer."""
     if name == "short":
         return ["In two sentences, what does a CPU/GPU expert offload engine do?"]
     if name == "multiturn":
         return list(MULTITURN_QUESTIONS)
     if name == "long":
-        if context_length < LONG_PROMPT_TOKENS + max_new_tokens:
-            raise PromptError(f"the long-input scenario needs a context of at least "
-                              f"{LONG_PROMPT_TOKENS + max_new_tokens} tokens; the model has {context_length}")
+        needed = LONG_PROMPT_TOKENS + max_new_tokens
+        if config.search.max_length < min(needed, config.context_length):
+            raise PromptError(f"the long-input scenario needs sequences of at least {needed} tokens; the model's "
+                              f"genai_config.json search.max_length is {config.search.max_length}")
+        if config.context_length < needed:
+            raise PromptError(f"the long-input scenario needs a context of at least {needed} tokens; the model has "
+                              f"{config.context_length}")
         return [_long_prompt(tokenizer)]
     raise ValueError(f"unknown scenario '{name}' (known: {', '.join(SCENARIOS)})")
 
 
 def scenario_answer_tokens(model: LoadedModel, name: str) -> int:
     """A scenario's answer length where the user sets none: the model's (LoadedModel.answer_tokens: SCENARIO_TOKENS
-    for one that answers at once); the long scenario's within what the context leaves after its input, but not below
-    SCENARIO_TOKENS (scenario_turns refuses a context too short for that)."""
+    for one that answers at once); the long scenario's within what the model's sequences (the context, or
+    search.max_length below it) leave after its input, but not below SCENARIO_TOKENS (scenario_turns refuses sequences
+    too short for that)."""
     tokens = model.answer_tokens(SCENARIO_TOKENS)
     if name == "long":
-        return min(tokens, max(SCENARIO_TOKENS, model.config.context_length - LONG_PROMPT_TOKENS))
+        return min(tokens, max(SCENARIO_TOKENS, model.config.longest_sequence - LONG_PROMPT_TOKENS))
     return tokens
 
 
@@ -144,7 +151,7 @@ def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device
                  cancel: threading.Event | None = None, progress=None, on_text=None) -> RunRecord:
     """Run one named scenario on a loaded model and measure it. `cancel` ends the answer at the next
     token (and skips the turns after it); `on_text(token, delta)` streams every answer."""
-    turns_text = scenario_turns(name, model.tokenizer, model.config.context_length, params.max_new_tokens)
+    turns_text = scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
     return run_turns(model, turns_text, params, device, name, label, cancel, progress, on_text)
 
 

@@ -141,7 +141,7 @@ def fitting_scenarios(model: LoadedModel, scenarios: list[str], max_new_tokens: 
     fits, skipped = [], []
     for name in scenarios:
         try:
-            scenario_turns(name, model.tokenizer, model.config.context_length, max_new_tokens)
+            scenario_turns(name, model.tokenizer, model.config, max_new_tokens)
         except PromptError as exc:
             skipped.append((name, str(exc)))
             continue
@@ -218,7 +218,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
     for name in scenarios:  # one the context cannot hold refused before the first point (fitting_scenarios skips it)
-        scenario_turns(name, model.tokenizer, model.config.context_length, params.max_new_tokens)
+        scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
     results = []
     plan = sweep_plan(model, points, splits)
     ceiling = None  # the budget the device held less than: the points above it are left out
