@@ -383,3 +383,36 @@ def test_a_record_says_where_the_dense_part_ran(tmp_path, greedy):
     history = History(tmp_path / "h.sqlite3")
     history.add(on_gpu)
     assert history.rows()[0]["dense_device"] == "cuda"
+
+
+def test_a_run_with_every_expert_resident_says_so_not_that_it_decoded_on_the_cpu(tmp_path, capsys):
+    """With every expert resident no expert is cold and no decode path runs: the record and the history said the
+    path in force ("cpu"), which reads as decoding on the CPU; they say "all resident", older rows too (told by their
+    placement mode)."""
+    import csv
+    import io
+    import sqlite3
+    from contextlib import closing
+
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.records.history import History
+
+    device = SimulatedDevice(1 << 30)
+    folder = fixture_folder("gptoss")
+    resident = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=1 << 28), device=device)
+    assert resident.offload.plan.placement_mode == "all_resident"
+    record = run_scenario(resident, "short", GenerationParams(max_new_tokens=2), device)
+    assert record.offload["decode_path"]["in_force"] == "all resident"
+    data = record.to_dict()
+    old = RunRecord.from_dict(dict(data, offload=dict(data["offload"], decode_path=dict(
+        data["offload"]["decode_path"], in_force="cpu"))))  # as a record written before this said it
+    path = tmp_path / "h.sqlite3"
+    history = History(path)
+    history.add(record)
+    history.add(old)
+    with closing(sqlite3.connect(path)) as db, db:  # an older row, its column filled from the path in force
+        db.execute("UPDATE runs SET decode_path = 'cpu' WHERE id = 2")
+    assert [row["decode_path"] for row in History(path).rows()] == ["all resident", "all resident"]
+    rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
+    assert [row["decode_path"] for row in rows] == ["all resident", "all resident"]
+    assert "| all resident |" in history.export("markdown").splitlines()[2]

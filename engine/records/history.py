@@ -13,7 +13,7 @@ import numpy as np
 import platformdirs
 
 from engine.errors import WorkbenchError
-from engine.records.schema import NewerRecord, RecordError, RunRecord
+from engine.records.schema import ALL_RESIDENT, NewerRecord, RecordError, RunRecord, decode_path_run
 
 # the history file's own schema, kept as SQLite's user_version: 1 (files written before it was kept read 0), the runs
 # table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet
@@ -73,7 +73,7 @@ EXTRA = (
     ("placement_mode", "TEXT", lambda r: r.offload.get("placement_mode") or "cpu_only"),
     ("dense_device", "TEXT", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer_split", "TEXT", _layer_split),
-    ("decode_path", "TEXT", lambda r: (r.offload.get("decode_path") or {}).get("in_force")),
+    ("decode_path", "TEXT", lambda r: decode_path_run(r.offload)),
     ("cpu_threads", "INTEGER", lambda r: (r.offload.get("cpu_threads") or {}).get("cpu_threads_in_force")),
     ("approximate_routing", "INTEGER", lambda r: int(r.approximate_routing)),
     ("routing_agreement", "REAL", lambda r: r.routing_agreement),
@@ -227,7 +227,11 @@ class History:
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         with self._db("the runs could not be read") as db:
             found = db.execute(f"SELECT {', '.join(COLUMNS)} FROM runs {where} ORDER BY id DESC", params).fetchall()
-        return [dict(zip(COLUMNS, row)) for row in found]
+        rows = [dict(zip(COLUMNS, row)) for row in found]
+        for row in rows:  # a row saved before its record said so keeps the path in force (cpu): none ran
+            if row["placement_mode"] == "all_resident":
+                row["decode_path"] = ALL_RESIDENT
+        return rows
 
     def export(self, fmt: str, unreadable: list[str] | None = None, **filters) -> str:
         """The rows `filters` select, in `fmt`. JSON carries whole records: one that cannot be read is left out and

@@ -17,7 +17,7 @@ from engine.offload.projection import is_simulated, project_run
 from engine.nvml import Nvml
 from engine.records.environment import machine, versions
 from engine.records.lengths import SCENARIO_TOKENS
-from engine.records.schema import RunRecord, generation_settings, model_identity
+from engine.records.schema import ALL_RESIDENT, RunRecord, generation_settings, model_identity
 
 SCENARIOS = ("short", "long", "multiturn")
 LONG_PROMPT_TOKENS = 2000
@@ -141,10 +141,13 @@ def offload_description(model: LoadedModel, device) -> dict:
         return {"device": "cpu", "entries": {}, "plan": "All experts run on the CPU.", "cpu_threads": threads,
                 "dense": dense}
     state = model.offload.copy_state()
+    path = state["decode_path"]
+    if model.offload.plan.placement_mode == "all_resident":  # no expert was cold: no decode path ran
+        path = dict(path, in_force=ALL_RESIDENT)
     return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
             "statements": model.offload.plan.statements, "layer_split": state["layer_split"],
-            "decode_path": state["decode_path"], "cpu_threads": threads, "dense": dense}
+            "decode_path": path, "cpu_threads": threads, "dense": dense}
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",

@@ -7,6 +7,15 @@ from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 SCHEMA_VERSION = 1
+ALL_RESIDENT = "all resident"  # a run's decode path where no expert was cold: none ran
+
+
+def decode_path_run(offload: dict) -> str | None:
+    """The decode path a run's cold experts took; ALL_RESIDENT where every expert was resident (the path in force,
+    cpu by default, would read as decoding on the CPU; a record written before it said so is told by its placement)."""
+    if offload.get("placement_mode") == "all_resident":
+        return ALL_RESIDENT
+    return (offload.get("decode_path") or {}).get("in_force")
 
 
 class RecordError(ValueError):

@@ -20,7 +20,7 @@ from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
 from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns
-from engine.records.schema import RunRecord
+from engine.records.schema import RunRecord, decode_path_run
 from engine.units import human_bytes
 
 
@@ -84,12 +84,7 @@ class SweepPoint:
     def decode_path(self) -> str | None:
         """The decode path the point's answers ran on; "all resident" where no expert was cold (the path in force,
         cpu by default, would read as decoding on the CPU)."""
-        if not self.records:
-            return None
-        offload = self.records[0].offload
-        if offload.get("placement_mode") == "all_resident":
-            return "all resident"
-        return offload.get("decode_path", {}).get("in_force")
+        return decode_path_run(self.records[0].offload) if self.records else None
 
     def as_dict(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "split": self.split,
