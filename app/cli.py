@@ -130,6 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
     contention.add_argument("--max-new-tokens", type=at_least(1), help=_answer_length_help(
         SCENARIO_TOKENS, "; the long scenario's within what the context leaves after its input; the test answers "
         "three times: a warm-up, alone, beside the indexing"))
+    _add_record_sampling_arguments(contention)
     contention.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _add_device_arguments(contention)
 
@@ -207,7 +208,8 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, choice, seed_help: 
 
 
 def _add_record_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    """record's and sweep's: greedy unless asked (as every record before the options was), seeded where sampled."""
+    """record's, sweep's and contention's: greedy unless asked (as every record before the options was), seeded where
+    sampled."""
     choice = parser.add_mutually_exclusive_group()
     choice.add_argument("--model-sampling", action="store_true", help="answer as the model's genai_config.json search "
                         "section says (greedy unless it samples); without this or --temperature the answers are greedy")
@@ -427,9 +429,9 @@ def _sampling(args, config, own: bool, seed: int | None = None):
 
 
 def _record_sampling(args, what: str):
-    """record's and sweep's SamplingParams: greedy unless asked, seeded (--seed, else the model's search.random_seed,
-    else RECORD_SEED) where they sample, so that a repeat run samples as this one did; said on standard error where
-    they sample."""
+    """record's, sweep's and contention's SamplingParams: greedy unless asked, seeded (--seed, else the model's
+    search.random_seed, else RECORD_SEED) where they sample, so that a repeat run samples as this one did; said on
+    standard error where they sample."""
     from dataclasses import replace
 
     from engine.genai_config import load_genai_config
@@ -869,6 +871,7 @@ def _cmd_contention(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.contention import default_corpus, run_contention
     from engine.records.scenarios import run_scenario, scenario_answer_tokens
+    from engine.records.schema import generation_settings
 
     corpus = Path(args.corpus) if args.corpus else default_corpus()  # checked before the model loads (minutes)
     named = f"--corpus {corpus}" if args.corpus else str(corpus)
@@ -876,15 +879,16 @@ def _cmd_contention(args) -> int:
         raise WorkbenchError(f"{named}: no such folder")
     if not any(corpus.glob("*.txt")):
         raise WorkbenchError(f"{named}: no .txt files to index")
+    sampling = _record_sampling(args, "contention")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
-    params = GenerationParams(max_new_tokens=args.max_new_tokens
-                              or scenario_answer_tokens(model, args.scenario))
+    params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
+                              sampling=sampling)
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
                             corpus, args.workers, progress=_ProgressLine("contention"),
-                            threads=model.decoder.kernel_threads.state)
+                            threads=model.decoder.kernel_threads.state, generation=generation_settings(params))
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.markdown(), end="")
     return 0
 

@@ -268,6 +268,24 @@ def test_contention_checks_its_corpus_before_the_model_loads(tmp_path, capsys, m
     assert status == 2 and err == f"moe-workbench: error: --corpus {tmp_path}: no .txt files to index\n"
 
 
+def test_contention_answers_as_asked_and_its_report_says_how(tmp_path, capsys):
+    """contention answered greedily whatever was asked, with none of record's and sweep's sampling options: it takes
+    them, says on standard error how it samples, and its report keeps how its answers were asked for."""
+    from engine.records.contention import make_corpus
+
+    corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=60)
+    status, out, err = _main(capsys, "contention", str(fixture_folder("gptoss")), "--corpus", str(corpus),
+                             "--workers", "1", "--max-new-tokens", "2", "--temperature", "0.7", "--top-k", "5",
+                             "--seed", "3", "--json")
+    assert status == 0 and "contention: sampling: temperature 0.7, top-k 5, seed 3" in err
+    generation = json.loads(out)["generation"]
+    assert (generation["do_sample"], generation["temperature"], generation["top_k"], generation["seed"],
+            generation["max_new_tokens"]) == (True, 0.7, 5, 3, 2)
+    status, out, _err = _main(capsys, "contention", str(fixture_folder("gptoss")), "--corpus", str(corpus),
+                              "--workers", "1", "--max-new-tokens", "2")
+    assert status == 0 and "Answers: greedy, at most 2 tokens each." in out
+
+
 def _sweep_run_raises(monkeypatch, at: int, error: BaseException) -> None:
     """The sweep's `at`-th run_scenario call (the warm-up is the first, then one a point) raises `error`; those before
     it run."""

@@ -20,7 +20,7 @@ from engine.records.contention import (ContentionCancelled, ContentionReport, de
                                        run_contention)
 from engine.records.history import History
 from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens
-from engine.records.schema import RunRecord
+from engine.records.schema import RunRecord, generation_settings
 from engine.units import counted
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
@@ -449,7 +449,7 @@ class ContentionJob:
 
         try:
             report = run_contention(inference, corpus, self.workers, progress=progress, cancel=ctx.cancel,
-                                    threads=model.decoder.kernel_threads.state)
+                                    threads=model.decoder.kernel_threads.state, generation=generation_settings(params))
         except ContentionCancelled:
             return ContentionResult(None, str(corpus), cancelled=True)
         return ContentionResult(report, str(corpus))

@@ -18,6 +18,7 @@ import platformdirs
 
 from engine.errors import WorkbenchError
 from engine.host_load import HostLoadMeter
+from engine.sampling import SamplingParams, describe
 
 _WORDS = ("expert router token layer memory bandwidth cache offload device budget prefill decode "
           "placement resident cold hot kernel thread index search query document corpus record sweep "
@@ -89,6 +90,8 @@ class ContentionReport:
     # the share of the CPUs' time other processes (not this one, nor its indexing workers) used in each timed phase:
     # an "alone" phase beside other work is not alone (engine/host_load.py); None where not measured
     others_share: dict | None = None
+    # how the inference's answers were asked for (schema.generation_settings); None where not given
+    generation: dict | None = None
 
     @property
     def indexing_slowdown(self) -> float:
@@ -109,6 +112,9 @@ class ContentionReport:
             f"{self.indexing_with_inference_s:.2f} s | {self.indexing_slowdown:.2f}x |",
             f"| inference | {self.inference_alone_s:.2f} s | {self.inference_with_indexing_s:.2f} s | "
             f"{self.inference_slowdown:.2f}x |"]
+        if self.generation:
+            lines += ["", f"Answers: {answers_asked(self.generation)}, at most {self.generation['max_new_tokens']} "
+                          "tokens each."]
         if self.others_share:
             shares = self.others_share
             lines += ["", f"Other processes used {shares['indexing_alone']:.0%} of the CPUs' time while the indexing ran "
@@ -122,6 +128,15 @@ class ContentionReport:
                           f"indexing" + (f" (cpu_threads automatic: it moved {moved} times meanwhile)."
                                          if together["cpu_threads_automatic"] else ".")]
         return "\n".join(lines) + "\n"
+
+
+def answers_asked(generation: dict) -> str:
+    """'greedy', or the sampling settings and seed, of a record's generation settings."""
+    if not generation["do_sample"]:
+        return "greedy"
+    sampling = SamplingParams(True, generation["temperature"], generation["top_k"], generation["top_p"],
+                              generation["repetition_penalty"], generation["seed"])
+    return f"sampled ({describe(sampling)}), seed {sampling.seed}"
 
 
 # the phases in the order run_contention runs them; its progress(fraction) comes as each one ends
@@ -140,9 +155,11 @@ class ContentionCancelled(WorkbenchError):
 
 
 def run_contention(run_inference, corpus: Path, workers: int, progress=None,
-                   cancel: threading.Event | None = None, threads=None) -> ContentionReport:
+                   cancel: threading.Event | None = None, threads=None,
+                   generation: dict | None = None) -> ContentionReport:
     """`run_inference()` runs one inference workload and returns its completion time in seconds; `threads()`, where
-    given, the CPU expert kernels' thread count (KernelThreads.state), read after each timed inference.
+    given, the CPU expert kernels' thread count (KernelThreads.state), read after each timed inference; `generation`,
+    how its answers are asked for (schema.generation_settings), kept in the report.
 
     `cancel` is checked between the phases (a warm-up of each, indexing alone, inference alone, both): a set
     event raises ContentionCancelled there (`run_inference` may watch it too, between tokens)."""
@@ -187,4 +204,5 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     others["together"] = meter.read().others
     phase_done(1.0)
     return ContentionReport(workers, documents, indexing_alone, inference_alone,
-                            together["indexing"], together["inference"], threads_alone, threads_together, others)
+                            together["indexing"], together["inference"], threads_alone, threads_together, others,
+                            generation)
