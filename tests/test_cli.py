@@ -145,6 +145,24 @@ def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits_and_ke
     assert offload["misses_cpu"] + offload["misses_copied"] > 0
 
 
+def test_generate_says_when_threads_above_the_cores_are_capped(capsys):
+    """--threads above the cores the kernels can take ran on fewer, silently: it says so in one line."""
+    import numba
+
+    from engine.ort_env import cpu_threads
+
+    cores = min(cpu_threads(), numba.config.NUMBA_NUM_THREADS)
+    status, out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi", "--max-new-tokens",
+                             "1", "--threads", str(cores + 7), "--json")
+    assert status == 0 and json.loads(out)["tokens"]
+    said = [line for line in err.splitlines() if "--threads" in line]
+    assert len(said) == 1 and said[0].startswith(f"warning: --threads {cores + 7}: {cores} used, ")
+    assert "the CPU expert kernels run on here" in said[0]
+    status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi", "--max-new-tokens",
+                              "1", "--threads", str(cores), "--json")
+    assert status == 0 and "--threads" not in err
+
+
 def test_generate_warns_of_openmp_thread_binding():
     env = {**os.environ, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
     result = subprocess.run([sys.executable, "-m", "app", "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
