@@ -416,3 +416,21 @@ def test_a_run_with_every_expert_resident_says_so_not_that_it_decoded_on_the_cpu
     rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
     assert [row["decode_path"] for row in rows] == ["all resident", "all resident"]
     assert "| all resident |" in history.export("markdown").splitlines()[2]
+
+
+def test_a_folder_given_as_the_history_is_named_a_folder(tmp_path, capsys):
+    """--history naming a folder read "not a run history (unable to open database file)": it says it is a folder and
+    that a history file is wanted."""
+    from app.cli import main
+    from engine.errors import WorkbenchError
+    from engine.records.history import History
+
+    for create in (True, False):
+        with pytest.raises(WorkbenchError) as caught:
+            History(tmp_path, create=create)
+        assert str(caught.value) == (f"{tmp_path}: a folder, not a run history file: name the history's SQLite file "
+                                     f"(such as {tmp_path / 'history.sqlite3'})")
+    assert main(["history", "--history", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"moe-workbench: error: {tmp_path}: a folder, not a run history file: name the " \
+                                      f"history's SQLite file (such as {tmp_path / 'history.sqlite3'})\n"
+    assert list(tmp_path.iterdir()) == []

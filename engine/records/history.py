@@ -109,6 +109,9 @@ class History:
     def __init__(self, path: str | Path | None = None, create: bool = True):
         """`create` False (only reading it): a history that is not there is an error, not a new empty file."""
         self.path = Path(path) if path else default_path()
+        if self.path.is_dir():  # SQLite's own words: "unable to open database file"
+            raise WorkbenchError(f"{self.path}: a folder, not a run history file: name the history's SQLite file "
+                                 f"(such as {self.path / default_path().name})")
         if not create and not self.path.is_file():
             raise WorkbenchError(f"{self.path}: no run history there (record, sweep and the window save runs)")
         self.path.parent.mkdir(parents=True, exist_ok=True)
