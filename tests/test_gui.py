@@ -776,6 +776,29 @@ def test_a_model_that_asks_for_beam_search_is_told_on_load_to_answer_one_sequenc
         "MoE Workbench does not do: its answers are one sequence, greedy or sampled.")
 
 
+def test_record_and_sweep_with_the_models_sampling_say_it_does_no_beam_search(qtbot, window, copy_fixture):
+    """With "The model's sampling" chosen for Record or the sweep, a genai_config.json asking for beam search went
+    unsaid in the window (the command line warns): each says the note while that choice is made."""
+    import json
+
+    from app.gui.records_jobs import GREEDY, MODEL_SAMPLING
+
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["search"]["num_beams"] = 4
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    load(qtbot, window, folder)
+    note = ("The model's genai_config.json asks for beam search (search.num_beams 4), which MoE Workbench does not do: "
+            "its answers are one sequence, greedy or sampled.")
+    for answers in (window.scenarios.answers, window.sweep.answers):
+        answers.setCurrentIndex(answers.findData(GREEDY))
+        assert answers.note.isHidden()
+        answers.setCurrentIndex(answers.findData(MODEL_SAMPLING))
+        assert not answers.note.isHidden() and answers.note.text() == note
+    load(qtbot, window, fixture_folder("gptoss"))  # a model that asks for none
+    assert window.scenarios.answers.note.isHidden() and window.sweep.answers.note.isHidden()
+
+
 def test_corrupt_model_shows_a_message_and_the_window_stays_usable(qtbot, window, copy_fixture):
     broken = copy_fixture("gptoss")
     (broken / "model.onnx").write_bytes(b"not a model")

@@ -709,6 +709,8 @@ class MainWindow(QMainWindow):
         self.chat.max_tokens.set_model(info["reasoning_answer_tokens"])
         self.chat.render()
         beams = info.get("beam_search_note")
+        for choice in self.answer_choices.values():  # said where Record or the sweep answer as the model's search
+            choice.set_beam_search_note(beams or "")
         self.chat.live.setText(f"New conversation with {Path(info['path']).name}."
                                + self.chat.load_hints(info.get("reasons_first", False))
                                + (f" {beams}." if beams else ""))

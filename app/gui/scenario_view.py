@@ -49,6 +49,7 @@ class ScenarioView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addLayout(row)
+        layout.addWidget(self.answers.note)
         layout.addWidget(self.bar)
         self.bar.runRequested.connect(self.run)
         self.bar.cancelRequested.connect(self.cancelRequested)

@@ -182,6 +182,7 @@ class SweepView(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(options)
         layout.addWidget(self.length_note)
+        layout.addWidget(self.answers.note)
         layout.addWidget(self.bar)
         layout.addWidget(self.canvas, 1)
         layout.addWidget(self.legend)

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame, QHB
                                QSizePolicy, QSlider, QSpinBox, QToolButton, QToolTip, QWidget)
 
 from app.gui import theme
-from app.gui.records_jobs import ANSWER_CHOICES, CHAT_SAMPLING
+from app.gui.records_jobs import ANSWER_CHOICES, CHAT_SAMPLING, MODEL_SAMPLING
 from engine.offload.config import UINT64_MAX
 from engine.sampling import RECORD_SEED
 from engine.units import counted, human_bytes
@@ -420,6 +420,22 @@ class AnswersChoice(QComboBox):
                         "or the chat's Settings; sampled answers are seeded (the seed chosen, else the model's, else "
                         f"{RECORD_SEED}) so a repeat run samples alike, and each record keeps what was used")
         self.chat_options: Callable[[], dict] = dict
+        self.note = QLabel()  # the loaded model's beam_search_note while its sampling is chosen; the view places it
+        self.note.setWordWrap(True)
+        self.note.setAccessibleName("Answers note")
+        self.note.hide()
+        self._beams = ""
+        self.currentIndexChanged.connect(lambda _index: self._show_note())
+
+    def set_beam_search_note(self, note: str) -> None:
+        """The loaded model's engine.sampling.beam_search_note ("" where it asks for no beam search)."""
+        self._beams = note
+        self._show_note()
+
+    def _show_note(self) -> None:
+        said = self._beams if self.currentData() == MODEL_SAMPLING else ""
+        self.note.setText(f"{said}." if said else "")
+        self.note.setVisible(bool(said))
 
     def job_settings(self) -> dict:
         """The records job's `answers` and `chat_options`."""
