@@ -416,6 +416,9 @@ def test_a_run_with_every_expert_resident_says_so_not_that_it_decoded_on_the_cpu
     rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
     assert [row["decode_path"] for row in rows] == ["all resident", "all resident"]
     assert "| all resident |" in history.export("markdown").splitlines()[2]
+    exported = json.loads(history.export("json"))  # whole records: the older one says it too
+    assert [run["offload"]["decode_path"]["in_force"] for run in exported] == ["all resident", "all resident"]
+    assert history.get(2).offload["decode_path"]["mode"] == record.offload["decode_path"]["mode"]
 
 
 def test_a_folder_given_as_the_history_is_named_a_folder(tmp_path, capsys):

@@ -204,7 +204,11 @@ class History:
                 row = db.execute("SELECT record FROM runs WHERE id = ?", (run_id,)).fetchone()
             if row is None:
                 raise KeyError(f"no run {run_id} in {self.path}")
-            return RunRecord.from_dict(json.loads(row[0]))
+            record = RunRecord.from_dict(json.loads(row[0]))
+            path = record.offload.get("decode_path")
+            if path and record.offload.get("placement_mode") == "all_resident":  # saved before it said so: none ran
+                path["in_force"] = ALL_RESIDENT
+            return record
         except NewerRecord as exc:  # whole, not damaged: what it needs is said as it is
             raise NewerRecord(f"run {run_id} in {self.path}: {exc}") from None
         except (sqlite3.DatabaseError, ValueError) as exc:  # RecordError and JSON's errors are ValueErrors
