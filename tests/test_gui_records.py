@@ -971,15 +971,20 @@ def test_a_window_sweep_answers_as_the_models_genai_config_samples_where_asked(t
                                       == (True, 0.7, 50, 0.9, 11) for s in settings)
 
 
+def _spy_on_the_tokens_graph(window) -> tuple[list, list]:
+    """The token counts the window hands the tokens/s graph, and its answering on / off, as they come."""
+    counted_tokens, count_tokens = [], window.graphs.count_tokens
+    window.graphs.count_tokens = lambda n=1: (counted_tokens.append(n), count_tokens(n))
+    answering, set_answering = [], window.graphs.set_answering
+    window.graphs.set_answering = lambda on, now=None: (answering.append(on), set_answering(on, now))
+    return counted_tokens, answering
+
+
 def test_the_tokens_per_second_graph_counts_a_side_by_side_comparisons_tokens(qtbot, window):
     """"Tokens/s while answering" counted the chat's answers only: during a comparison it read 0 beside the graph's
     marker. Both sides' streamed tokens count now, over the time the comparison answers."""
     load(qtbot, window, "gptoss")
-    counted_tokens = []
-    count_tokens = window.graphs.count_tokens
-    window.graphs.count_tokens = lambda n=1: (counted_tokens.append(n), count_tokens(n))
-    answering, set_answering = [], window.graphs.set_answering
-    window.graphs.set_answering = lambda on, now=None: (answering.append(on), set_answering(on, now))
+    counted_tokens, answering = _spy_on_the_tokens_graph(window)
     view = window.side_by_side
     view.prompt.setPlainText("Compare the two sides")
     view.max_tokens.setValue(6)
@@ -996,10 +1001,7 @@ def test_the_tokens_per_second_graph_counts_the_record_bars_and_a_sweeps_answers
     from app.gui.records_jobs import SweepJob
 
     load(qtbot, window, "lfm2moe")
-    counted_tokens, count_tokens = [], window.graphs.count_tokens
-    window.graphs.count_tokens = lambda n=1: (counted_tokens.append(n), count_tokens(n))
-    answering, set_answering = [], window.graphs.set_answering
-    window.graphs.set_answering = lambda on, now=None: (answering.append(on), set_answering(on, now))
+    counted_tokens, answering = _spy_on_the_tokens_graph(window)
     view = window.scenarios
     view.scenario.setCurrentText("multiturn")
     view.max_tokens.setValue(5)
