@@ -406,10 +406,10 @@ def _generation_params(args):
     return GenerationParams(sampling=sampling, stop_strings=tuple(args.stop), reasoning=args.reasoning)
 
 
-def _sampling(args, config, own: bool, seed: int | None = None):
+def _sampling(args, config, own: bool):
     """The SamplingParams the options say: from the model's genai_config.json `config` (`own`) or from --temperature
     (none: greedy), with --top-k, --top-p, --repetition-penalty and --seed over them; without --seed, the model's
-    search.random_seed, else `seed`."""
+    search.random_seed."""
     from dataclasses import replace
 
     from engine.sampling import SamplingParams, model_sampling, model_seed
@@ -419,8 +419,7 @@ def _sampling(args, config, own: bool, seed: int | None = None):
                            seed=model_seed(config)))
     given = {name: value for name, value in (("top_k", args.top_k), ("top_p", args.top_p),
                                              ("repetition_penalty", args.repetition_penalty)) if value is not None}
-    chosen = next((value for value in (args.seed, base.seed, seed) if value is not None), None)
-    sampling = replace(base, seed=chosen, **given)
+    sampling = replace(base, seed=base.seed if args.seed is None else args.seed, **given)
     try:
         sampling.validate()
     except ValueError as exc:
@@ -432,23 +431,21 @@ def _record_sampling(args, what: str):
     """record's, sweep's and contention's SamplingParams: greedy unless asked, seeded (--seed, else the model's
     search.random_seed, else RECORD_SEED) where they sample, so that a repeat run samples as this one did; said on
     standard error where they sample."""
-    from dataclasses import replace
-
     from engine.genai_config import load_genai_config
     from engine.model_folder import folder_path
-    from engine.sampling import beam_search_note, describe
+    from engine.sampling import beam_search_note, describe, recorded
 
     config = load_genai_config(folder_path(args.model))
     beams = beam_search_note(config) if args.model_sampling else ""  # otherwise the model's search is not asked for
     if beams:
         print(f"warning: {beams[0].lower()}{beams[1:]}", file=sys.stderr, flush=True)
-    sampling = _sampling(args, config, args.model_sampling, RECORD_SEED)
+    sampling = recorded(_sampling(args, config, args.model_sampling), config)
     if not sampling.do_sample:
         if args.top_k is not None or args.top_p is not None or args.seed is not None:
             print("warning: --top-k, --top-p and --seed apply only when sampling (--temperature above 0, or "
                   "--model-sampling with a model whose genai_config.json samples); these answers are greedy",
                   file=sys.stderr, flush=True)
-        return replace(sampling, seed=None)  # a greedy answer has no seed: the record does not say one
+        return sampling
     print(f"{what}: sampling: {describe(sampling)}, seed {sampling.seed}", file=sys.stderr, flush=True)
     return sampling
 

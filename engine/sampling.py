@@ -4,7 +4,7 @@ repetition penalty (the same order and semantics as onnxruntime-genai and transf
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -61,6 +61,16 @@ def model_seed(config) -> int | None:
     fresh seed each time, as onnxruntime-genai takes it)."""
     seed = config.search.random_seed
     return seed if seed >= 0 else None
+
+
+def recorded(sampling: SamplingParams, config) -> SamplingParams:
+    """A recorded run's sampling (record, sweep, contention, the window's Record): where it samples, seeded (its own
+    seed, else the model's search.random_seed, else RECORD_SEED) so that a repeat run samples as this one did; a
+    greedy answer has no seed, and its record says none."""
+    if not sampling.do_sample:
+        return replace(sampling, seed=None)
+    return replace(sampling, seed=next(seed for seed in (sampling.seed, model_seed(config), RECORD_SEED)
+                                       if seed is not None))
 
 
 def beam_search_note(config) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,7 +24,7 @@ from engine.records.schema import RunRecord, generation_settings
 from engine.units import counted
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
-from engine.sampling import RECORD_SEED, SamplingParams, model_sampling, model_seed
+from engine.sampling import SamplingParams, model_sampling, recorded
 from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
                                   stopped_at, sweep_plan)
 
@@ -102,10 +102,7 @@ def record_sampling(model: LoadedModel, choice: str, chat: dict | None = None) -
         sampling = chat_sampling(chat or {})
     else:
         raise WorkbenchError(f"unknown answer choice {choice!r}: one of {', '.join(ANSWER_CHOICES)}")
-    if not sampling.do_sample:
-        return replace(sampling, seed=None)
-    seed = next(value for value in (sampling.seed, model_seed(model.config), RECORD_SEED) if value is not None)
-    return replace(sampling, seed=seed)
+    return recorded(sampling, model.config)
 
 
 def send_tokens(ctx: JobContext, count: int) -> None:

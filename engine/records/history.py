@@ -206,8 +206,8 @@ class History:
                 raise KeyError(f"no run {run_id} in {self.path}")
             record = RunRecord.from_dict(json.loads(row[0]))
             path = record.offload.get("decode_path")
-            if path and record.offload.get("placement_mode") == "all_resident":  # saved before it said so: none ran
-                path["in_force"] = ALL_RESIDENT
+            if path:  # (a record saved before it said "all resident" where none ran)
+                path["in_force"] = decode_path_run(record.offload)
             return record
         except NewerRecord as exc:  # whole, not damaged: what it needs is said as it is
             raise NewerRecord(f"run {run_id} in {self.path}: {exc}") from None
