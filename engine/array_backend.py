@@ -120,6 +120,11 @@ class CupyBackend(ArrayBackend):
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    def mark(self):
+        """An event after the work queued on the stream so far: its synchronize() waits for that work only."""
+        with self._scope():
+            return self.stream.record()
+
 
 NUMPY = NumpyBackend()
 

@@ -15,7 +15,7 @@ from onnx import helper
 
 from engine.collection_hold import collection_held
 from engine.decoder_state import DecoderState
-from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, run_bound
+from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, SegmentBindings, run_bound
 from engine.errors import WorkbenchError
 from engine.expert_node import CpuExpertNode, ExpertNodeInfo
 from engine.kernel_threads import KernelThreads
@@ -68,6 +68,7 @@ class PartitionedDecoder:
         # _run_steps_beside gives it back where the worker takes over, _hand_pool_over and _give_pool_back)
         self._pool_here = True
         self._worker_took = False  # whether the last step handed a layer's CPU part to the worker
+        self._layers_done = None  # an event on the dense stream after the step's last layer (_mark_layers_done)
         self._expert_input_types: dict[str, int] = {}  # each expert node's activations' ONNX type (open_dense)
         self._progress, self._built = progress, 0
         for step in plan.steps:
@@ -125,6 +126,21 @@ class PartitionedDecoder:
                     names.add(name)
             runner.bindings.on_device = frozenset(names)
             runner.bindings.clear()
+            runner.decode_bindings = self._decode_bindings(runner) if on_gpu else None
+
+    def _decode_bindings(self, runner: DenseSegment) -> SegmentBindings | None:
+        """For the step's last segment on the GPU, where it makes the logits: decode steps' bindings that leave them in
+        GPU memory as well. Its run (the LM head, a large read: 0.2-0.4 ms at the goal shapes on the H100) is then
+        a replay the host does not wait for, and the step's end (the engine's accounts, placement's swaps) is taken
+        while it runs; forward() copies the logits out last. A prompt's logits (tokens x vocabulary) still go straight
+        to the host: kept on the device they would be copied there once more."""
+        if (runner is not self._last_dense_segment() or runner.segment.on_host
+                or runner.output_types.get(self.logits_name) not in DEVICE_ONNX_TYPES):
+            return None
+        bindings = SegmentBindings()
+        bindings.fresh, bindings.total_lengths = runner.bindings.fresh, runner.bindings.total_lengths
+        bindings.on_device = runner.bindings.on_device | {self.logits_name}
+        return bindings
 
     @property
     def keeps_cut_tensors_on_device(self) -> bool:
@@ -144,34 +160,41 @@ class PartitionedDecoder:
                                  f"runs on the {self.dense.kind} (make the state with LoadedModel.new_state)")
         values: dict[str, np.ndarray] = state.step_inputs(token_ids)
         on_gpu = self.dense is not None and self.dense.kind == "cuda"
+        decode = len(token_ids) == 1
         # the collection held off (collection_hold.py): a finalizer's device sync would wait for a gated merge
         with collection_held(), dense_step_lock(self.dense.device_id) if on_gpu else contextlib.nullcontext():
             worker = self._host_part_worker() if host_part_worker and on_gpu else None
             if worker is not None:
                 worker.set_threads(worker_module.worker_threads(self.kernel_threads.in_force))  # automatic: it moves
-                dense, experts, late = self._run_steps_beside(values, state, worker)
+                dense, experts, late = self._run_steps_beside(values, state, worker, decode)
             else:
-                dense, experts, late = self._run_steps(values, state, launch_ahead)
+                dense, experts, late = self._run_steps(values, state, launch_ahead, decode)
             if late:
                 # a layer's gate was raised after its merge may have stopped waiting, with later layers queued behind
                 # it: the step again (the state advances after it), each layer's host part done before the next
                 # layer is launched. A step's KV is written in place at its positions and a swapped state's present
                 # buffer whole, so running it twice changes nothing.
                 values = state.step_inputs(token_ids)
-                dense, experts, _ = self._run_steps(values, state, False)
+                dense, experts, _ = self._run_steps(values, state, False, decode)
                 self.steps_run_again += 1
         state.advance(len(token_ids))
+        # (with the logits left on the device, the LM head still runs: every layer's work is done)
         if self.on_step_end is not None:
             self.on_step_end(time.perf_counter() - started, len(token_ids))
         self.kernel_threads.step_ended()
+        logits = values[self.logits_name]
+        last = self._last_dense_segment()
+        if decode and last is not None and last.decode_bindings is not None:  # left on the GPU (_decode_bindings)
+            logits = state.backend.to_numpy(logits)
         profile = self.profile
         profile["steps"] += 1
         profile["dense_s"] += dense
         profile["experts_s"] += experts
         profile["total_s"] += time.perf_counter() - started
-        return values[self.logits_name].reshape(len(token_ids), -1)
+        return logits.reshape(len(token_ids), -1)
 
-    def _run_steps(self, values: dict, state: DecoderState, ahead: bool) -> tuple[float, float, bool]:
+    def _run_steps(self, values: dict, state: DecoderState, ahead: bool,
+                   decode: bool = False) -> tuple[float, float, bool]:
         """Every runner in order on `values` (updated in place); returns the seconds of (dense segments, experts) and
         whether the step must run again: a layer launched ahead raised its gate late (SplitStep.late), or a finished
         layer's merge gave up waiting for its gate (SplitStep.gave_up, read at the end).
@@ -179,7 +202,10 @@ class PartitionedDecoder:
         `ahead`: a "both" layer's host part (SplitStep.finish: the CPU's share, then the gate) waits until the next
         dense segment's replay and the next "both" layer are launched, queued behind its gated merge. The GPU then
         goes from the gate to the next layer's routing without waiting for the host's launches. Anything else (an
-        onnxruntime run, another kind of layer) finishes the waiting layer first: it may wait for the GPU."""
+        onnxruntime run, another kind of layer) finishes the waiting layer first: it may wait for the GPU.
+
+        `decode`: a one-token step, whose last segment may leave the logits on the device (_decode_bindings); this
+        returns once every layer's work is done, the LM head's perhaps not."""
         dense = experts = 0.0
         late = False
         self._pool_here = True  # (its CPU kernels run on this thread)
@@ -195,11 +221,14 @@ class PartitionedDecoder:
                 if isinstance(runner, DenseSegment):
                     if runner is last_dense and waiting is None and self.before_last_segment is not None:
                         self.before_last_segment()
-                    results = runner.run_again(values, state) if waiting is not None else None
+                    last = decode and runner is last_dense
+                    if last:
+                        self._mark_layers_done(runner, state)
+                    results = runner.run_again(values, state, last) if waiting is not None else None
                     if results is None:
                         late |= self._finish(waiting, behind, finished)
                         waiting = None
-                        results = runner.run(values, state)
+                        results = runner.run(values, state, last)
                     behind = waiting is not None
                     values.update(results)
                     now = clock()
@@ -222,9 +251,10 @@ class PartitionedDecoder:
                     experts += now - before
                 before = now
             late |= self._finish(waiting, behind, finished)
+            self._wait_layers_done()
             # The gates' lateness above is judged on the host's clock. The device's own word says whether a merge
-            # gave up; read now, with the logits on the host (every merge has run), it catches what that judgement
-            # missed (a GPU test's step came out wrong once, the cause not found: RESULTS.md, forty-eighth session)
+            # gave up; read now, with every merge run, it catches what that judgement missed (a GPU test's step came
+            # out wrong once, the cause not found: RESULTS.md, forty-eighth session)
             late |= any(step.gave_up for step in finished)
         except BaseException:
             for step in (waiting, launched):  # launched, not finished: the GPU is let go past their gates
@@ -233,7 +263,8 @@ class PartitionedDecoder:
             raise
         return dense, experts, late
 
-    def _run_steps_beside(self, values: dict, state: DecoderState, worker) -> tuple[float, float, bool]:
+    def _run_steps_beside(self, values: dict, state: DecoderState, worker,
+                          decode: bool = False) -> tuple[float, float, bool]:
         """_run_steps with each "both" layer's host part handed to the worker (its merge waits on the GPU for the
         worker's gate, so the next dense segment and layer are launched at once); returns as _run_steps, `late` where
         a gated merge gave up waiting for the worker or for this thread. A layer the worker cannot take, or that does
@@ -260,7 +291,9 @@ class PartitionedDecoder:
                             self._collect(worker)
                         if self.before_last_segment is not None:
                             self.before_last_segment()
-                    values.update(runner.run(values, state))
+                        if decode:
+                            self._mark_layers_done(runner, state)
+                    values.update(runner.run(values, state, decode and runner is last_dense))
                     now = clock()
                     dense += now - before
                 else:
@@ -288,6 +321,7 @@ class PartitionedDecoder:
                 before = now
             worker.drain()
             self._collect(worker)
+            self._wait_layers_done()
         except BaseException:
             worker.cancel()
             if step is not None:
@@ -296,7 +330,7 @@ class PartitionedDecoder:
         self.layers_beside += len(taken)
         self._worker_took = bool(taken)
         self._give_pool_back(ran_here)
-        # (the logits are on the host: every merge has run)
+        # (every merge has run: _wait_layers_done)
         return dense, experts, any(step.gave_up for step in taken + here)
 
     def _hand_pool_over(self) -> None:
@@ -319,6 +353,20 @@ class PartitionedDecoder:
         elif self._pool_here:
             release_pool()
             self._pool_here = False
+
+    def _mark_layers_done(self, last: DenseSegment, state: DecoderState) -> None:
+        """Before the step's last segment, where its run leaves the logits on the device: an event on onnxruntime's
+        stream (the state's), which every layer's result reached before this segment reads it."""
+        if last.decode_bindings is not None:
+            self._layers_done = state.backend.mark()
+
+    def _wait_layers_done(self) -> None:
+        """Until every layer's work is done on the GPU (the merges' words may then be read, the accounts taken and
+        placement's copies made: they write no buffer the LM head reads); a step whose last run waited for its
+        logits has no event to wait for."""
+        if self._layers_done is not None:
+            self._layers_done.synchronize()
+            self._layers_done = None
 
     @staticmethod
     def _collect(worker) -> None:

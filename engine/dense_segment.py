@@ -47,6 +47,9 @@ class DenseSegment:
         self.source = source
         self.session: ort.InferenceSession | None = None
         self.bindings = SegmentBindings()  # IO bindings kept across steps, per conversation state
+        # The step's last segment on the GPU: decode steps' bindings with the logits left in GPU memory too, so that
+        # its run is a replay the host does not wait for (PartitionedDecoder.place_cut_tensors); None elsewhere
+        self.decode_bindings: SegmentBindings | None = None
         self.output_types: dict[str, int] = {}
         self.host_inputs: frozenset[str] = frozenset()  # inputs a session on a device reads in host memory
         if input_types is not None:
@@ -74,20 +77,23 @@ class DenseSegment:
             dense_graph.arena_changed()
         self.session = session
         self.bindings.clear()
+        self.decode_bindings = None  # (place_cut_tensors makes them again for the new session)
         self.output_types = {o.name: elem_type(o.type) for o in session.get_outputs()}
         self.bindings.total_lengths = dense_graph.total_length_inputs(segment.nodes, segment.inputs)
         self.host_inputs = (_inputs_read_on_the_host(session) or frozenset()) if dense.kind != "cpu" else frozenset()
 
-    def run(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray]:
-        """Run with `values` for the cut tensors; returns the segment's non-state outputs. onnxruntime's own failure
-        (a genai_config that does not match the graph, a token id past the embedding's rows) is a WorkbenchError
-        naming the segment, in one line."""
+    def run(self, values: dict[str, np.ndarray], state: DecoderState, decode: bool = False) -> dict[str, np.ndarray]:
+        """Run with `values` for the cut tensors; returns the segment's non-state outputs. `decode`: a one-token step,
+        run through `decode_bindings` where this segment has them (the logits then come back as a device array, and
+        the host does not wait for them). onnxruntime's own failure (a genai_config that does not match the graph, a
+        token id past the embedding's rows) is a WorkbenchError naming the segment, in one line."""
         try:
             if self.segment.on_host:  # host arrays in and out: no binding to keep, no device to wait for
                 segment = self.segment
                 return dict(zip(segment.outputs, self.session.run(segment.outputs,
                                                                   {name: values[name] for name in segment.inputs})))
-            return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state, self.bindings)
+            return run_bound(self.session, self.segment.inputs, self.segment.outputs, values, state,
+                             self._bindings_for(decode))
         except Exception as exc:  # its Python wrapper raises RuntimeError("Error in execution: ..."), its core its own
             if not (type(exc) is RuntimeError or type(exc).__module__.startswith("onnxruntime")):
                 raise
@@ -95,10 +101,14 @@ class DenseSegment:
             raise WorkbenchError(f"{self.source.path}: onnxruntime failed to run the dense part from node "
                                  f"'{nodes[0].name}' to '{nodes[-1].name}': {one_line(exc)}") from None
 
-    def run_again(self, values: dict[str, np.ndarray], state: DecoderState) -> dict[str, np.ndarray] | None:
+    def run_again(self, values: dict[str, np.ndarray], state: DecoderState,
+                  decode: bool = False) -> dict[str, np.ndarray] | None:
         """The results of the last step's graph replay launched again for `values` (a launch, nothing that waits for
         the GPU); None, with nothing launched, where this run must take run()'s way."""
-        return self.bindings.run_again(self.session, values, state)
+        return self._bindings_for(decode).run_again(self.session, values, state)
+
+    def _bindings_for(self, decode: bool) -> "SegmentBindings":
+        return self.decode_bindings if decode and self.decode_bindings is not None else self.bindings
 
 
 def _inputs_read_on_the_host(session: ort.InferenceSession) -> frozenset[str] | None:

@@ -18,14 +18,15 @@ class FakeDense(DenseSegment):
 
     def __init__(self, name: str, source: str, output: str, log: list, replays: bool = True):
         self.name, self.source, self.output, self.log, self.replays = name, source, output, log, replays
+        self.decode_bindings = None
 
-    def run_again(self, values, state):
+    def run_again(self, values, state, decode=False):
         if not self.replays:
             return None
         self.log.append(("again", self.name))  # (a launch: nothing read on the host)
         return {self.output: _Later(values[self.source], 1)}
 
-    def run(self, values, state):
+    def run(self, values, state, decode=False):
         self.log.append(("run", self.name, _read(values[self.source])))
         return {self.output: _read(values[self.source]) + 1}
 
@@ -100,7 +101,7 @@ def make_decoder(runners) -> PartitionedDecoder:
     model.before_last_segment = None
     model.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
     model.steps_run_again = model.layers_ahead = model.layers_beside = 0
-    model._pool_here, model._worker_took = True, False
+    model._pool_here, model._worker_took, model._layers_done = True, False, None
     model.kernel_threads = KernelThreads([], 1)  # no CPU kernels to set
     return model
 

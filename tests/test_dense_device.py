@@ -78,6 +78,13 @@ class FakeCupy:
             def synchronize(self):
                 self.synchronized += 1
 
+            def record(self):  # an event whose wait is counted on its stream
+                stream = self
+                fake.log.append(("record", fake.current_device, fake.current_stream))
+                stream.events = getattr(stream, "events", 0) + 1
+                return SimpleNamespace(synchronize=lambda: setattr(stream, "events_waited",
+                                                                   getattr(stream, "events_waited", 0) + 1))
+
         @contextmanager
         def device(index):
             saved, fake.current_device = fake.current_device, index
@@ -265,8 +272,8 @@ def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(m
     results = []
     real = dense_segment.DenseSegment.run
 
-    def recording(self, values, state):
-        out = real(self, values, state)
+    def recording(self, values, state, decode=False):
+        out = real(self, values, state, decode)
         results.append(out)
         return out
 
@@ -303,6 +310,59 @@ def test_outputs_left_in_device_memory_are_written_in_place_and_not_waited_for(m
     to_host = [out for out, on_device_segment in zip(last, device) if on_device_segment and set(out) - on_device]
     assert 1 <= len(to_host) < per_step - 1
     assert waits[0] == waits[1] == per_step - 1 and waits[2:] == [len(to_host)] * (DECODE_STEPS - 1)
+
+
+def test_a_decode_steps_logits_left_on_the_device_are_copied_out_after_the_steps_end(monkeypatch):
+    """The step's last segment with the logits "on the device" too (the decode bindings place_cut_tensors makes on
+    the GPU), on the CuPy stand-in: its decode runs do not wait for the stream; the step's end (on_step_end: the
+    engine's accounts and swaps) comes after every layer's work is waited for and before the logits are copied out,
+    which is the step's one wait from the second decode step on; the logits equal the reference's."""
+    model = LoadedModel.open(fixture_folder("qwen35moe"))
+    decoder = model.decoder
+    reference = greedy_logits(model, model.new_state())
+    segments = [r for r in decoder.steps if isinstance(r, dense_segment.DenseSegment)]
+    for segment in segments:
+        segment.bindings.on_device = frozenset(
+            name for name in segment.segment.outputs
+            if name != decoder.logits_name and segment.output_types.get(name) in dense_segment.DEVICE_ONNX_TYPES)
+        segment.bindings.clear()
+    last = segments[-1]
+    assert decoder.logits_name in last.segment.outputs
+    last.decode_bindings = decoder._decode_bindings(last)
+    assert last.decode_bindings.on_device == last.bindings.on_device | {decoder.logits_name}
+    assert all(decoder._decode_bindings(s) is None for s in segments[:-1])  # only the segment that makes the logits
+
+    backend = fake_backend(device_type="cpu")
+    stream = backend.stream
+    events = []  # per step: (on_step_end's view, the logits copy's view) of (layers waited for, stream waits)
+    decoder.on_step_end = lambda seconds, tokens: events.append(
+        ("end", tokens, getattr(stream, "events_waited", 0), stream.synchronized))
+    real_to_numpy = backend.to_numpy
+
+    def to_numpy(array):
+        events.append(("copy", None, getattr(stream, "events_waited", 0), stream.synchronized))
+        return real_to_numpy(array)
+
+    monkeypatch.setattr(backend, "to_numpy", to_numpy)
+    state = DecoderState(model.config, model.folder.onnx.proto.graph, backend)
+    ours = greedy_logits(model, state)
+    for step, (a, b) in enumerate(zip(ours, reference)):
+        assert type(a) is np.ndarray
+        assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), f"step {step} differs"
+    # the prompt: its logits came to the host in the segment's run, no event, no copy after
+    assert events[0][:3] == ("end", PROMPT_TOKENS, 0)
+    decode = events[1:]
+    assert [kind for kind, *_ in decode] == ["end", "copy"] * DECODE_STEPS
+    for step in range(DECODE_STEPS):
+        end, copy = decode[2 * step], decode[2 * step + 1]
+        assert end[2] == copy[2] == step + 1  # the layers' event waited for once a step, before the step's end
+        assert copy[3] == end[3]  # nothing waited for the stream between the step's end and the copy
+    # from the second decode step on, the segments' runs wait for nothing: the copy is the step's one wait
+    waits = [decode[2 * step + 2][3] - decode[2 * step + 1][3] for step in range(1, DECODE_STEPS - 1)]
+    integer_to_host = sum(1 for s in segments[:-1] if not s.segment.on_host
+                          and set(s.segment.outputs) - s.bindings.on_device - {decoder.logits_name}
+                          and any(s.output_types.get(n) not in dense_segment.DEVICE_ONNX_TYPES for n in s.segment.outputs))
+    assert waits == [1 + integer_to_host] * (DECODE_STEPS - 2)
 
 
 def test_runs_that_do_not_wait_set_every_key_onnxruntime_reads_at_each_run():
@@ -1138,8 +1198,9 @@ class _SleepingSegment(dense_segment.DenseSegment):
 
     def __init__(self, model: str, log: list):
         self.model, self.log = model, log
+        self.decode_bindings = None
 
-    def run(self, values, state):
+    def run(self, values, state, decode=False):
         self.log.append((self.model, "start"))
         time.sleep(0.005)
         self.log.append((self.model, "end"))
@@ -1153,7 +1214,7 @@ def _decoder_on(device_id: int, segments: list):
     decoder = PartitionedDecoder.__new__(PartitionedDecoder)  # the step loop alone: no model behind it
     decoder.dense = ort_env.DenseDevice("cuda", "a test's stand-in", device_id)
     decoder.steps, decoder.logits_name, decoder.on_step_end = segments, "logits", None
-    decoder.before_last_segment = None
+    decoder.before_last_segment, decoder._layers_done = None, None
     decoder.profile = {"steps": 0, "dense_s": 0.0, "experts_s": 0.0, "total_s": 0.0}
     decoder.kernel_threads = KernelThreads([], 1)  # no CPU kernels to set
     return decoder

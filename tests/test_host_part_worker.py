@@ -284,7 +284,7 @@ class Node:
 class LaunchingDense(FakeDense):
     """A dense segment on the GPU: its run is queued behind the gates before it (nothing read on the host)."""
 
-    def run(self, values, state):
+    def run(self, values, state, decode=False):
         self.log.append(("run", self.name))
         return {self.output: _Later(values[self.source], 1)}
 

@@ -156,6 +156,7 @@ def test_cut_tensors_stay_on_the_gpu_only_where_every_reader_takes_device_arrays
     assert len(nodes) == SPEC.layers == 3
     decoder.place_cut_tensors()
     assert all(s.bindings.on_device == frozenset() for s in segments)  # the dense part is on the CPU here
+    assert all(s.decode_bindings is None for s in segments)
     assert not decoder.keeps_cut_tensors_on_device and "round trip" not in model.dense_statement
 
     for node in (nodes[0], nodes[2]):  # as CUDA stores say (CudaSlots.device_inputs)
@@ -166,6 +167,9 @@ def test_cut_tensors_stay_on_the_gpu_only_where_every_reader_takes_device_arrays
     assert decoder.keeps_cut_tensors_on_device
     on_device = set().union(*(s.bindings.on_device for s in segments))
     assert decoder.logits_name not in on_device
+    # ... but in decode steps the segment that makes the logits leaves them there too (forward copies them out)
+    assert [s.decode_bindings is not None for s in segments] == [False] * (len(segments) - 1) + [True]
+    assert segments[-1].decode_bindings.on_device == segments[-1].bindings.on_device | {decoder.logits_name}
     for node in (nodes[0], nodes[2]):
         assert set(node.info.activation_inputs.values()) <= on_device
     assert not set(nodes[1].info.activation_inputs.values()) & on_device
