@@ -95,6 +95,8 @@ class CupyBackend(ArrayBackend):
         super().__init__(cp, device_id)
         with cp.cuda.Device(device_id):
             self.stream = stream if stream is not None else cp.cuda.Stream(non_blocking=True)
+            self._mark = cp.cuda.Event(disable_timing=True)  # mark()'s, recorded again at each call
+        self._pinned: dict[tuple, np.ndarray] = {}  # copy_out's page-locked buffers, by shape and dtype
 
     def _scope(self):
         scope = ExitStack()
@@ -120,10 +122,25 @@ class CupyBackend(ArrayBackend):
     def synchronize(self) -> None:
         self.stream.synchronize()
 
-    def mark(self):
-        """An event after the work queued on the stream so far: its synchronize() waits for that work only."""
+    def copy_out(self, array) -> np.ndarray:
+        """A host copy of `array` (a decode step's logits), through a page-locked buffer kept for its shape: a copy into
+        pageable memory runs at a fraction of the link's speed (~140 µs for Qwen's 600 KB of logits on the H100
+        machine, where the LM head that made them took ~250)."""
+        key = (array.shape, array.dtype.str)
+        pinned = self._pinned.get(key)
+        if pinned is None:
+            memory = self.xp.cuda.alloc_pinned_memory(max(array.nbytes, 1))  # (as cupyx.empty_pinned makes one)
+            pinned = self._pinned[key] = np.ndarray(array.shape, array.dtype, buffer=memory)
         with self._scope():
-            return self.stream.record()
+            array.get(stream=self.stream, out=pinned)
+        self.stream.synchronize()  # (CuPy before 13 returns at once from a copy into page-locked memory)
+        return pinned.copy()
+
+    def mark(self):
+        """An event after the work queued on the stream so far, whose synchronize() waits for that work only: one
+        event, recorded again at every call (a new CUDA event a call cost ~60 µs on the H100 machine)."""
+        with self._scope():
+            return self.stream.record(self._mark)
 
 
 NUMPY = NumpyBackend()

@@ -185,7 +185,7 @@ class PartitionedDecoder:
         logits = values[self.logits_name]
         last = self._last_dense_segment()
         if decode and last is not None and last.decode_bindings is not None:  # left on the GPU (_decode_bindings)
-            logits = state.backend.to_numpy(logits)
+            logits = state.backend.copy_out(logits)
         profile = self.profile
         profile["steps"] += 1
         profile["dense_s"] += dense
