@@ -308,7 +308,10 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
         raise PromptError(_past_the_cap(state.past_length, len(prompt_tokens), cap, bound))
     decoder = decoder or model.decoder
     sampler = Sampler(params.sampling)
-    split = model.answer_format.split(model.tokenizer, prompt_tokens, model.tokenizer.specials_in(params.stop_strings))
+    # the prompt whose end may open the answer's first message or tag: all of it fed already where this answers a kept
+    # prompt again (Conversation.regenerate)
+    prompt = prompt_tokens or fed_tokens
+    split = model.answer_format.split(model.tokenizer, prompt, model.tokenizer.specials_in(params.stop_strings))
     visible = VisibleText(params.stop_strings)
     reasoned = 0  # reasoning characters given out
 

@@ -433,6 +433,23 @@ def test_a_think_conversation_keeps_the_answer_and_feeds_what_the_template_write
     assert forward.fed[-len(second)] == tokenizer.encode(tokenizer.render_chat(chat.messages[:-1]))
 
 
+def test_a_regenerate_from_the_prompts_state_reads_the_think_tag_the_prompt_opened(copy_fixture, monkeypatch):
+    """A regenerate answers the last prompt again from its kept state, feeding no prompt token: the answer still
+    continues the <think> that prompt opened, so its reasoning is reasoning, not part of the answer with </think>."""
+    model = LoadedModel.open(think_folder(copy_fixture, opened=True))
+    tokenizer = model.tokenizer
+    first, again = (tokenizer.encode(text) + [0] for text in ("Say hello.\n</think>\n\nHello!",
+                                                              "Say hi back.\n</think>\n\nHi there!"))
+    assert first[0] == again[0]  # sampled from the prompt's kept logits: the script goes on with again[1:]
+    monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, first + again[1:]))
+    chat = Conversation(model)
+    chat.send("Hi", GenerationParams(max_new_tokens=64))
+    shown = []
+    result = chat.regenerate(GenerationParams(max_new_tokens=64), on_text=lambda _token, delta: shown.append(delta))
+    assert result.prompt_tokens == [] and result.reused_cache_tokens > 0  # answered from the kept state
+    assert (result.reasoning, result.text, "".join(shown)) == ("Say hi back.", "Hi there!", "Hi there!")
+    assert chat.messages[-1] == {"role": "assistant", "content": "Hi there!"}
+
 
 def test_a_long_answer_is_split_without_a_pass_over_every_token_for_each(harmony, monkeypatch):
     """Each token decodes the answer so far (in the tokenizer's Rust, as a plain answer's stream does); the special
