@@ -93,13 +93,13 @@ def test_a_column_shows_nothing_of_a_stream_it_failed_or_cleared(qtbot):
     assert view.left.answer.toPlainText() == "No answer: out of memory" and view.right.answer.toPlainText() == ""
 
 
-def _chat(qtbot):
+def _chat(qtbot, message: str = "Tell me"):
     from app.gui.chat_panel import ChatPanel
 
     chat = ChatPanel()
     qtbot.addWidget(chat)
     chat.set_state(busy=False, loaded=True)
-    chat.prompt.setPlainText("Tell me")
+    chat.prompt.setPlainText(message)
     chat.send()
     return chat
 
@@ -489,3 +489,17 @@ def test_a_side_by_side_whose_margins_failed_shows_both_answers_saved_and_says_w
         "its token there could not be computed: MemoryError: std::bad_alloc. B gave its first token in ")
     assert view.bar.status.text() == "Saved runs 3, 4 to the history."
     assert [column.answer.toPlainText() for column in (view.left, view.right)] == ["Hello there"] * 2
+
+
+def test_an_answer_keeps_its_indentation_and_runs_of_spaces_once_it_ends_as_it_streamed(qtbot):
+    """Code in an answer: the stream inserts it as it is; the end draws the transcript again from HTML, which showed a
+    run of spaces as one and none at a line's start, so the indentation that streamed vanished. The message too. A
+    \r\n is one line break either way."""
+    chat = _chat(qtbot, "fix:\n    x  = 1")
+    code = "def f():\r\n    return  1\n"
+    chat.append_text(code)
+    chat._pacer.flush()
+    assert "def f():\n    return  1" in chat.transcript.toPlainText()
+    chat.finish_answer({"text": code, "finish_reason": "eos", "timings": {}})
+    shown = chat.transcript.toPlainText()
+    assert "fix:\n    x  = 1" in shown and "def f():\n    return  1" in shown

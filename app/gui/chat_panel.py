@@ -26,6 +26,8 @@ from engine.units import counted, decode_rate
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
 # text may name (engine/generation.py's VisibleText)
 STOP_TEXT = re.compile(r"(?:<\|[^|<>\s]*\|>|[^|])+")
+# the transcript's text shows its spaces as streaming inserts them (an answer's code indented), not as HTML does
+KEEP_SPACES = "white-space:pre-wrap"
 FINISH = {"eos": "end of text", "length": "token limit", "stop_string": "stop text", "cancelled": "stopped",
           "context": "context full", "max_length": "the model's search.max_length", "error": "error"}
 
@@ -83,6 +85,11 @@ def stats_line(result: dict) -> str:
     return " · ".join(filter(None, parts))  # no decode rate for an answer whose one token was the prefill's
 
 
+def shown_html(text: str) -> str:
+    """`text` for a KEEP_SPACES paragraph, its lines as streaming inserts them: a \r\n is one line break there."""
+    return html.escape(text.replace("\r\n", "\n")).replace("\n", "<br>")
+
+
 def reasoning_html(entry: dict, index: int, t) -> str:
     """An answer's reasoning: a header that opens and closes it (an anchor), and the text, muted, when open."""
     if not entry.get("reasoning"):
@@ -95,8 +102,8 @@ def reasoning_html(entry: dict, index: int, t) -> str:
             f"style='color:{t.muted}; text-decoration:none'>{arrow} {label}</a></p>")
     if not entry.get("reasoning_open"):
         return head
-    text = html.escape(entry["reasoning"]).replace("\n", "<br>")
-    return head + (f"<p style='color:{t.muted}; margin-top:2px; margin-bottom:0px; margin-left:12px'>"
+    text = shown_html(entry["reasoning"])
+    return head + (f"<p style='color:{t.muted}; margin-top:2px; margin-bottom:0px; margin-left:12px; {KEEP_SPACES}'>"
                    f"<i>{text}</i></p>")
 
 
@@ -468,18 +475,19 @@ class ChatPanel(QWidget):
             return
         blocks = []
         for index, entry in enumerate(self.entries):
-            text = html.escape(entry["text"]).replace("\n", "<br>")
+            text = shown_html(entry["text"])
             if entry["role"] == "user":
                 blocks.append(
                     f"<table width='100%' cellpadding='8' style='margin-top:10px'><tr><td bgcolor='{t.surface}'>"
-                    f"<span style='color:{t.muted}; font-size:small'><b>You</b></span><br>{text}</td></tr></table>")
+                    f"<span style='color:{t.muted}; font-size:small'><b>You</b></span><br>"
+                    f"<span style='{KEEP_SPACES}'>{text}</span></td></tr></table>")
             else:
                 stats = ""
                 if entry.get("stats"):
                     stats = (f"<p style='color:{t.muted}; font-size:small; margin-top:2px'>{html.escape(entry['stats'])}"
                              f" · <a href='copy:{index}' style='color:{t.accent}'>copy</a></p>")
                 # an answer not begun under open reasoning is left out: the reasoning streams in at the document's end
-                answer = (f"<p style='margin-top:2px; margin-bottom:0px'>{text}</p>"
+                answer = (f"<p style='margin-top:2px; margin-bottom:0px; {KEEP_SPACES}'>{text}</p>"
                           if text or not entry.get("reasoning") or not entry.get("reasoning_open") else "")
                 blocks.append(f"<p style='margin-top:8px; margin-bottom:0px'><span style='color:{t.accent}; font-size:small'>"
                               f"<b>Model</b></span></p>{reasoning_html(entry, index, t)}{answer}{stats}")
