@@ -36,8 +36,8 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """Jinja2's sandbox, bounded in time and size: a template that loops for ever or multiplies a string into
     gigabytes would hang the engine thread, which Stop cannot interrupt. Every call the template makes (range() among
-    them: jinja2's sandbox caps each at 100,000 items, so nested loops come back here often) checks a deadline, and
-    * and ** check what they would make."""
+    them: jinja2's sandbox caps each at 100,000 items) and every round of a loop check a deadline, and * and ** check
+    what they would make."""
 
     intercepted_binops = frozenset({"*", "**"})
 
@@ -48,6 +48,12 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def _in_time(self) -> None:
         if time.monotonic() > self.deadline:
             raise jinja2.exceptions.SecurityError(f"still rendering after {RENDER_LIMIT_S:g} s (a loop without end?)")
+
+    def paced(self, items):
+        """What a {% for %} goes over, checking the deadline at each round (ChatTemplate wraps every loop in it)."""
+        for item in items:
+            self._in_time()
+            yield item
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
         __self._in_time()
@@ -79,6 +85,15 @@ class _GenerationBlocks(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
+def _paced_loops(template: jinja2.nodes.Template) -> jinja2.nodes.Template:
+    """Each {% for %} of `template` over the environment's `paced(…)` (a name no template can set): a loop that calls
+    nothing (nested loops over a range made once) would otherwise run past the deadline, which calls, * and ** check."""
+    for loop in template.find_all(jinja2.nodes.For):
+        loop.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("paced"), [loop.iter], [], None, None,
+                                      lineno=loop.lineno)
+    return template
+
+
 class ChatTemplate:
     """A chat template rendered in a sandbox: a model folder is data, never code."""
 
@@ -91,7 +106,7 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = _tojson
         try:
-            self._template = env.from_string(source)
+            self._template = env.from_string(_paced_loops(env.parse(source)))
         except jinja2.TemplateError as exc:
             raise ModelFileError(f"{origin}: chat template does not parse ({exc})") from None
         self._special = special_tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 
 import jinja2
@@ -10,7 +11,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ModelFileError, PromptError
-from engine.tokenizer import ModelTokenizer
+from engine.tokenizer import RENDER_LIMIT_S, ModelTokenizer
 from tests.conftest import FIXTURE_NAMES, fixture_folder
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>é</b> & 'you'"},
@@ -92,3 +93,27 @@ def test_tokenizer_configs_chat_template_as_named_templates_or_of_the_wrong_kind
         with pytest.raises(ModelFileError, match=rf"tokenizer_config.json: 'chat_template' is {shown}, not a template "
                                                  "or a list of named templates"):
             ModelTokenizer(folder)
+
+
+def test_a_template_that_loops_without_calling_anything_is_stopped_in_one_line_naming_it(copy_fixture):
+    """The render's deadline was checked at calls, * and ** only: loops over a range made once (10^8 rounds here, one
+    without end just as well) ran on past it, with the engine thread that Stop cannot interrupt."""
+    folder = copy_fixture("gptoss")
+    (folder / "chat_template.jinja").write_text(
+        "{% set r = range(100000) %}{% for i in r[:1000] %}{% for j in r %}{% endfor %}{% endfor %}done")
+    started = time.monotonic()
+    with pytest.raises(ModelFileError) as refused:
+        ModelTokenizer(folder).render_chat(CONVERSATION)
+    assert str(refused.value) == (f"{folder / 'chat_template.jinja'}: chat template failed to render (still rendering "
+                                  "after 2 s (a loop without end?))")
+    assert time.monotonic() - started < RENDER_LIMIT_S + 1
+
+
+def test_loops_still_give_what_a_template_reads_of_them(copy_fixture):
+    folder = copy_fixture("gptoss")
+    source = ("{% for m in messages if m.role != 'system' %}{{ loop.index }}/{{ loop.length }}{{ loop.last }}"
+              "{{ loop.previtem.role if loop.previtem }} {% else %}none{% endfor %}|"
+              "{% for k, v in {'a': 1} | dictsort %}{{ k }}{{ v }}{% endfor %}|{% for c in '' %}x{% else %}empty{% endfor %}")
+    (folder / "chat_template.jinja").write_text(source)
+    assert ModelTokenizer(folder).render_chat(CONVERSATION) == transformers_render(source, CONVERSATION) == (
+        "1/3False 2/3Falseuser 3/3Trueassistant |a1|empty")
