@@ -120,13 +120,17 @@ class ChatTemplate:
         """`variables`: what else the template reads (a reasoning setting: engine/reasoning.py)."""
         self._env.deadline = time.monotonic() + RENDER_LIMIT_S
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self._special, **(variables or {}))
         except WorkbenchError:  # raise_exception's refusal
             raise
         except Exception as exc:  # the template's own faults: 1/0, a recursion, a loop too long, too much memory
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ModelFileError(f"{self.origin}: chat template failed to render ({reason})") from None
+        if messages and not rendered.strip():  # (one that reads another name than `messages`)
+            raise ModelFileError(f"{self.origin}: the chat template wrote nothing for a conversation of "
+                                 f"{len(messages)} message{'s' if len(messages) != 1 else ''}")
+        return rendered
 
 
 class ModelTokenizer:

@@ -117,3 +117,14 @@ def test_loops_still_give_what_a_template_reads_of_them(copy_fixture):
     (folder / "chat_template.jinja").write_text(source)
     assert ModelTokenizer(folder).render_chat(CONVERSATION) == transformers_render(source, CONVERSATION) == (
         "1/3False 2/3Falseuser 3/3Trueassistant |a1|empty")
+
+
+def test_a_template_that_renders_nothing_of_the_conversation_is_named_not_called_an_empty_prompt(copy_fixture):
+    """A template that reads another name than `messages` renders nothing; the user, who wrote a message, was told
+    "the prompt is empty"."""
+    folder = copy_fixture("gptoss")
+    (folder / "chat_template.jinja").write_text("{% for m in conversation %}{{ m.content }}{% endfor %}\n")
+    with pytest.raises(ModelFileError) as refused:
+        ModelTokenizer(folder).render_chat(CONVERSATION)
+    assert str(refused.value) == (f"{folder / 'chat_template.jinja'}: the chat template wrote nothing for a "
+                                  "conversation of 4 messages")
