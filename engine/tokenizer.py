@@ -49,6 +49,12 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         if time.monotonic() > self.deadline:
             raise jinja2.exceptions.SecurityError(f"still rendering after {RENDER_LIMIT_S:g} s (a loop without end?)")
 
+    def unsafe_undefined(self, obj, attribute):
+        """A refused attribute (__class__, a list's append) stops the render: the sandbox's undefined value for it
+        would write nothing, a prompt other than the template says."""
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe.")
+
     def paced(self, items):
         """What a {% for %} goes over, checking the deadline at each round (ChatTemplate wraps every loop in it)."""
         for item in items:

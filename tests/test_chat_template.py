@@ -128,3 +128,18 @@ def test_a_template_that_renders_nothing_of_the_conversation_is_named_not_called
         ModelTokenizer(folder).render_chat(CONVERSATION)
     assert str(refused.value) == (f"{folder / 'chat_template.jinja'}: the chat template wrote nothing for a "
                                   "conversation of 4 messages")
+
+
+@pytest.mark.parametrize("source, refused", [
+    ("{{ messages.__class__ }}", "'__class__' of 'list'"),
+    ("{{ '{0.__class__}'.format(messages) }}", "'__class__' of 'list'"),
+    ("{% if messages.append is defined %}mutable{% endif %}", "'append' of 'list'")])
+def test_a_template_that_reads_an_attribute_the_sandbox_refuses_is_named_in_one_line(copy_fixture, source, refused):
+    """The sandbox answered such a read with an undefined value, which a template writes as nothing: the prompt was
+    silently other than the template says. transformers' sandbox does the same, but no chat template reads one."""
+    folder = copy_fixture("gptoss")
+    (folder / "chat_template.jinja").write_text(source + "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ModelFileError) as error:
+        ModelTokenizer(folder).render_chat(CONVERSATION)
+    assert str(error.value) == (f"{folder / 'chat_template.jinja'}: chat template failed to render (access to "
+                                f"attribute {refused} object is unsafe.)")
