@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -18,6 +19,7 @@ from engine.errors import ModelFileError, PromptError, WorkbenchError, read_mode
 SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 RENDER_LIMIT_S = 2.0  # a chat template renders in milliseconds; one still running after this is refused
 RENDER_MAX_CHARS = 4_000_000  # the most a * or ** in a template may make (a string, a list, a number's digits)
+LIPSUM_MAX_WORDS = 100_000  # the most a lipsum() may make (a tenth of a second)
 
 
 def _token_text(value) -> str | None:
@@ -44,6 +46,14 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options):
         super().__init__(**options)
         self.deadline = float("inf")
+        self.globals["lipsum"] = self._lipsum
+
+    @staticmethod
+    def _lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 (jinja2's own names)
+        """Jinja2's lipsum, which makes its paragraphs (each of `max` words at most) in one call: bounded as a loop."""
+        if n * max > LIPSUM_MAX_WORDS:
+            raise jinja2.exceptions.SecurityError(f"lipsum({n}) would make up to {n * max:,} words")
+        return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
 
     def _in_time(self) -> None:
         if time.monotonic() > self.deadline:

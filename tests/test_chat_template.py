@@ -143,3 +143,17 @@ def test_a_template_that_reads_an_attribute_the_sandbox_refuses_is_named_in_one_
         ModelTokenizer(folder).render_chat(CONVERSATION)
     assert str(error.value) == (f"{folder / 'chat_template.jinja'}: chat template failed to render (access to "
                                 f"attribute {refused} object is unsafe.)")
+
+
+def test_lipsum_is_bounded_as_a_loop_is(copy_fixture):
+    """Jinja2's lipsum makes its paragraphs in one call, which the deadline is not checked in: lipsum(100000) took 15 s
+    past it, a larger n minutes. A few paragraphs still come."""
+    folder = copy_fixture("gptoss")
+    template = folder / "chat_template.jinja"
+    template.write_text("{{ lipsum(2, html=False) | wordcount > 30 }}")
+    assert ModelTokenizer(folder).render_chat(CONVERSATION) == "True"
+    template.write_text("{{ lipsum(2000) }}")
+    with pytest.raises(ModelFileError) as refused:
+        ModelTokenizer(folder).render_chat(CONVERSATION)
+    assert str(refused.value) == (f"{template}: chat template failed to render (lipsum(2000) would make up to 200,000 "
+                                  "words)")
