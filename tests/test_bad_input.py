@@ -385,6 +385,15 @@ def test_a_malformed_popularity_file_is_named_with_the_node_and_what_is_wrong(tm
         assert_clean_error(result, f"{path}: {fragment}")
 
 
+def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path):
+    """A binary or UTF-16 file given as popularity_file was an internal error (UnicodeDecodeError) at load."""
+    path = tmp_path / "popularity.json"
+    path.write_bytes(b"\xff\xfe{\x00}\x00")
+    result = run_cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                     f"popularity_file={path}")
+    assert_clean_error(result, f"{path}: cannot read the popularity file (not UTF-8 text: ")
+
+
 def test_onnxruntime_errors_lose_their_status_code_and_source_line_but_keep_their_details():
     from engine.errors import error_reason
 

@@ -48,6 +48,9 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise WorkbenchError(f"{path}: cannot read the popularity file ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise WorkbenchError(f"{path}: cannot read the popularity file (not UTF-8 text: {exc.reason} at byte "
+                             f"{exc.start})") from None
     if not isinstance(data, dict):
         raise WorkbenchError(f"{path}: the popularity file holds a JSON {type(data).__name__}, not an object of node "
                              "names to counts per expert")
