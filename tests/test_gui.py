@@ -439,6 +439,25 @@ def test_where_everything_landed_follows_the_engines_re_weighing_of_its_miss_slo
     assert "Experts resident per layer: 3 of 8 in every layer (2 layers)." in window.model_panel.landed.text()
 
 
+def test_static_placements_traffic_is_the_routing_counted_not_the_popularity_file(qtbot, window, tmp_path):
+    """Static placement's traffic (the heatmap's Traffic colours, the tooltip's 'Routing: n (routing count, not
+    decayed)') was the placement's scores: the popularity file's counts plus the routing since. An expert the file
+    ranked 1000 read 'Routing: 1000.00' and glowed as hit though routing never chose it."""
+    popularity = tmp_path / "popularity.json"
+    popularity.write_text(json.dumps({"/model/layers.0/moe/QMoE": [1000] * 4 + [0] * 4,
+                                      "/model/layers.1/moe/QMoE": [0] * 4 + [1000] * 4}))
+    settings = simulated()
+    settings["entries"].update(placement="static", popularity_file=str(popularity))
+    load(qtbot, window, fixture_folder("gptoss"), settings)
+    ask(qtbot, window, "Hello", max_tokens=4)
+    placement = window.placement
+    qtbot.waitUntil(lambda: placement.heatmap.data["steps"] == window.worker._model.offload.stats.steps)
+    data = placement.heatmap.data
+    routed = np.array([layer["expert_hits"] + layer["expert_misses"] for layer in data["layers"]])
+    assert routed.sum() > 0 and np.array_equal(data["traffic"], routed)
+    assert f"Routing: {routed[0, 0]:.2f} (routing count, not decayed)" in placement.heatmap.tooltip_at(0, 0)
+
+
 def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to_copied_misses(qtbot, window,
                                                                                               monkeypatch):
     """The placement view's summary adds up with the heatmap and the landed text: the experts on the device, in the

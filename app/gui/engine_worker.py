@@ -430,7 +430,10 @@ class EngineWorker(QObject):
         resident = np.zeros((len(rows), width), bool)
         valid = np.zeros((len(rows), width), bool)
         traffic = np.zeros((len(rows), width), np.float32)
-        scores = getattr(offload.policy, "scores", None) or []  # recent routing per expert (placement's own count)
+        if offload.config.placement == "adaptive":  # recent routing per expert (placement's own decayed count)
+            scores = getattr(offload.policy, "scores", None) or []
+        else:  # static placement's scores hold the popularity file's counts too: the routing counted since load
+            scores = [layer["expert_hits"] + layer["expert_misses"] for layer in layers]
         for index, row in enumerate(rows):
             resident[index, :len(row)] = row
             valid[index, :len(row)] = True
