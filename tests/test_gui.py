@@ -458,6 +458,22 @@ def test_static_placements_traffic_is_the_routing_counted_not_the_popularity_fil
     assert f"Routing: {routed[0, 0]:.2f} (routing count, not decayed)" in placement.heatmap.tooltip_at(0, 0)
 
 
+def test_the_tooltip_counts_a_layers_steps_routed_on_the_device_as_the_engine_does(qtbot, window):
+    """The tooltip's 'steps routed and computed on the device' (LayerStats.routed_on_device) never showed: the worker
+    left the count out of its statistics. With the GPU reading cold experts from host memory (decode path tier) it
+    must not say every expert was resident."""
+    load(qtbot, window, fixture_folder("gptoss"), {**simulated(), "decode_path": "tier"})
+    ask(qtbot, window, "Hello", max_tokens=4)
+    engine = window.worker._model.offload
+    heatmap = window.placement.heatmap
+    qtbot.waitUntil(lambda: heatmap.data["steps"] == engine.stats.steps)
+    layer = engine.stats.layers[0]
+    assert layer.routed_on_device > 0 and layer.misses_read > 0
+    assert (f"Layer 0: {layer.routed_on_device} steps routed on the device (resident experts, and cold ones read by "
+            "the GPU from host memory)") in heatmap.tooltip_at(0, 0)
+    assert "every expert resident" not in heatmap.tooltip_at(0, 0)
+
+
 def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to_copied_misses(qtbot, window,
                                                                                               monkeypatch):
     """The placement view's summary adds up with the heatmap and the landed text: the experts on the device, in the

@@ -427,6 +427,9 @@ def test_placement_tooltip_says_where_a_fully_resident_layer_routed(qapp):
     assert ("Layer 0: 10 steps routed and computed on the device (every expert resident: no round trip to the host)"
             in heatmap.tooltip_at(0, 0))
     assert "routed and computed on the device" not in heatmap.tooltip_at(1, 0)
+    layers[1].update(misses_read=10, misses_cpu=0, routed_on_device=4)  # the GPU read the cold ones (tier)
+    assert ("Layer 1: 4 steps routed on the device (resident experts, and cold ones read by the GPU from host memory)"
+            in heatmap.tooltip_at(1, 0))
 
 
 def test_a_static_placements_cold_experts_are_missed_now_only_when_a_miss_was_counted_since_the_last_update(qapp):

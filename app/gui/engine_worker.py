@@ -414,7 +414,8 @@ class EngineWorker(QObject):
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
                    "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,
                    "misses_copied": s.misses_copied, "miss_copies": s.miss_copies, "misses_read": s.misses_read,
-                   "expert_hits": stats.expert_hits[i].copy(), "expert_misses": stats.expert_misses[i].copy()}
+                   "routed_on_device": s.routed_on_device, "expert_hits": stats.expert_hits[i].copy(),
+                   "expert_misses": stats.expert_misses[i].copy()}
                   for i, s in enumerate(stats.layers)]
         bpe = [info.bytes_per_expert for info in offload.infos]
         cpu_bytes = sum(layer["misses_cpu"] * b for layer, b in zip(layers, bpe))

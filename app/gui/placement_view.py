@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QRadioButton, 
 
 from app.gui import theme
 from app.gui.estimate import slots_split
-from engine.offload.decode_path import PATH_WORDS, measured_words
+from engine.offload.decode_path import BOTH, PATH_WORDS, TIER, measured_words
 from engine.offload.split_share import SHARE_WORDS, SHIFT_WORDS
 from engine.units import counted, human_bytes
 
@@ -181,8 +181,7 @@ class Heatmap(QWidget):
         if stats.get("misses"):
             lines.append(f"Layer {d['layer_index'][row]} misses: {split_text(stats)}")
         if stats.get("routed_on_device"):
-            lines.append(f"Layer {d['layer_index'][row]}: {stats['routed_on_device']} steps routed and computed on "
-                         "the device (every expert resident: no round trip to the host)")
+            lines.append(f"Layer {d['layer_index'][row]}: " + routed_on_device_text(d, stats))
         lines.append(d["layer_names"][row])
         return "\n".join(lines)
 
@@ -202,6 +201,17 @@ def cold_text(data: dict) -> str:
     if data.get("cpu_execution") == "disabled":
         return "cold (a miss is copied to the device before it runs)"
     return "cold (a miss runs on the CPU, or is copied into a spare slot)"
+
+
+def routed_on_device_text(data: dict, stats: dict) -> str:
+    """A layer's steps routed on the device (LayerStats.routed_on_device): with every expert resident, or with the
+    GPU reading the cold ones from the host tier (and under the decode path "both", the CPU computing a share)."""
+    steps = stats["routed_on_device"]
+    if not stats.get("misses_read"):
+        return f"{steps} steps routed and computed on the device (every expert resident: no round trip to the host)"
+    in_force = ((data.get("copies") or {}).get("decode_path") or {}).get("in_force")
+    cold = PATH_WORDS[BOTH if in_force == BOTH else TIER]
+    return f"{steps} steps routed on the device (resident experts, and cold ones {cold})"
 
 
 def legend_text(t: theme.Theme, mode: str) -> str:
