@@ -566,7 +566,7 @@ def test_miss_split_and_pinned_ring_shown_are_the_engines(qtbot, window):
     assert placement.last_step == tuple(stats.step_splits[-1])
     assert placement.pinned == offload.pinned_info() and placement.pinned["copies"] > pinned["copies"]
     summary = placement.summary.text()
-    assert (f"misses: {totals.misses_cpu} on the CPU, {totals.misses_copied} copied to the device "
+    assert (f"misses since load: {totals.misses_cpu} on the CPU, {totals.misses_copied} copied to the device "
             f"({totals.miss_copies} decode copies)") in summary
     assert f"last step: {stats.step_splits[-1][0]} on the CPU, {stats.step_splits[-1][1]} copied" in summary
     assert copies_text({"miss_slots": offload.policy.miss_slots,

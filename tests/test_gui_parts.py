@@ -477,9 +477,11 @@ def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode
                     "placement": "adaptive", "layer_names": ["a/QMoE"], "layer_index": [0], "bytes_per_expert": [1024],
                     "layers": layers, "misses": split, "step_splits": [(1, 0, 2)]})
     summary = view.summary.text()
+    # the engine's counts since load (a chat answer's own are under it): said so, beside the last step's
+    assert "hit rate since load 75% (30 hits, 10 misses)" in summary
     # 4 + 1 + 5: every miss is in the split (the GPU's reads from the host tier were left out)
-    assert ("misses: 4 on the CPU, 1 copied to the device (1 decode copies), 5 read by the GPU from host memory"
-            in summary)
+    assert ("misses since load: 4 on the CPU, 1 copied to the device (1 decode copies), 5 read by the GPU from host "
+            "memory" in summary)
     assert "last step: 1 on the CPU, 0 copied, 2 read from host memory" in summary
     assert miss_split_text(split) == ("misses: 4 on the CPU, 1 copied to the device (1 decode copies), 5 read by the "
                                       "GPU from host memory")

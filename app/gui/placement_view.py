@@ -390,13 +390,13 @@ class PlacementView(QWidget):
         swaps = sum(layer["swaps"] for layer in layers)
         parts = [slots_text(data)]
         if hits + misses:
-            parts.append(f"hit rate {hits / (hits + misses):.0%} ({hits} hits, {misses} misses)")
+            parts.append(f"hit rate since load {hits / (hits + misses):.0%} ({hits} hits, {misses} misses)")
         self.split = dict(data.get("misses") or {})
         steps = data.get("step_splits") or []
         self.last_step = tuple(steps[-1]) if steps else None
         self.pinned = dict(data.get("pinned") or {})
         if self.split.get("misses"):
-            parts.append("misses: " + split_text(self.split))
+            parts.append("misses since load: " + split_text(self.split))
         if self.last_step is not None:
             cpu, copied, read = self.last_step
             parts.append(f"last step: {cpu} on the CPU, {copied} copied" + (f", {read} read from host memory" if read
