@@ -269,7 +269,7 @@ def copies_text(copies: dict) -> str:
         parts.append(f"{streaming} streaming slot{'s' if streaming != 1 else ''} for layers without slots")
     rate, call = copies.get("cpu_bytes_per_s"), copies.get("cpu_call_s")
     if rate:
-        parts.append(f"CPU misses priced at {rate / 1e9:.1f} GB/s" + (f" + {call * 1e6:.0f} µs a call" if call else ""))
+        parts.append(f"CPU misses priced at {byte_rate(rate, 1)}" + (f" + {call * 1e6:.0f} µs a call" if call else ""))
     split = copies.get("layer_split") or {}
     measured = split.get("measured_ms") or {}
     if split.get("measuring"):  # decode speed moves with the split for the trial's few dozen steps
@@ -287,6 +287,14 @@ def copies_text(copies: dict) -> str:
         parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + _cpu_share(path) + (
             f" (measured a token: {measured_words(measured)})" if len(measured) > 1 else ""))
     return ", ".join(parts)
+
+
+def byte_rate(bytes_per_s: float, decimals: int) -> str:
+    """'64.2 GB/s', or in MB/s or kB/s below 1 GB/s (a small model's or a busy CPU's rate read '0.0 GB/s')."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.{decimals}f} {unit}"
+    return f"{bytes_per_s / 1e3:.{decimals}f} kB/s"
 
 
 def threads_text(threads: dict) -> str:
@@ -309,7 +317,7 @@ def _cpu_share(path: dict) -> str:
     host_s = split.get("host_gap_s") or 0.0
     host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
     rate = split.get("cpu_bytes_per_s")  # what the CPU's parts measured, the table's CPU side
-    rate_words = f", the CPU's parts at {rate / 1e9:.0f} GB/s" if rate else ""
+    rate_words = f", the CPU's parts at {byte_rate(rate, 0)}" if rate else ""
     left_out = split.get("slow_steps_left_out") or 0  # steps slowed by other work, which the rate did not count
     if rate and left_out:
         rate_words += f" ({left_out} slow step{'s' if left_out > 1 else ''} left out)"
