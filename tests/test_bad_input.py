@@ -394,6 +394,21 @@ def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path)
     assert_clean_error(result, f"{path}: cannot read the popularity file (not UTF-8 text: ")
 
 
+@pytest.mark.parametrize("count, fragment", [
+    ("9" * 400, "node 'N' has counts [9999"),  # too large for a float: was an internal error (OverflowError)
+    ("9" * 5000, "cannot read the popularity file (Exceeds the limit"),  # past Python's digits for an int: ValueError
+])
+def test_a_popularity_count_too_large_to_read_is_one_line_naming_the_file(tmp_path, count, fragment):
+    from engine.errors import WorkbenchError
+    from engine.offload.engine import load_popularity
+
+    path = tmp_path / "popularity.json"
+    path.write_text(f'{{"N": [{count}, 1]}}')
+    with pytest.raises(WorkbenchError) as error:
+        load_popularity(str(path), ["N"], [2])
+    assert str(error.value).startswith(f"{path}: {fragment}") and "\n" not in str(error.value)
+
+
 def test_onnxruntime_errors_lose_their_status_code_and_source_line_but_keep_their_details():
     from engine.errors import error_reason
 

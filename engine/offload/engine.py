@@ -46,11 +46,11 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
     """popularity_file: JSON {node name: [count per expert]}; nodes it omits count as uniform."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise WorkbenchError(f"{path}: cannot read the popularity file ({exc})") from None
     except UnicodeDecodeError as exc:
         raise WorkbenchError(f"{path}: cannot read the popularity file (not UTF-8 text: {exc.reason} at byte "
                              f"{exc.start})") from None
+    except (OSError, ValueError) as exc:  # ValueError: JSON's own errors, an integer past Python's digit limit
+        raise WorkbenchError(f"{path}: cannot read the popularity file ({exc})") from None
     if not isinstance(data, dict):
         raise WorkbenchError(f"{path}: the popularity file holds a JSON {type(data).__name__}, not an object of node "
                              "names to counts per expert")
@@ -69,7 +69,10 @@ def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
         raise WorkbenchError(f"{path}: node '{name}' has {json.dumps(row)[:80]}, not a list of counts per expert")
     if len(row) != count:
         raise WorkbenchError(f"{path}: node '{name}' has {len(row)} counts, the node has {count} experts")
-    counts = np.asarray(row, dtype=np.float64)
+    try:
+        counts = np.asarray(row, dtype=np.float64)
+    except OverflowError:  # an integer too large for a float
+        counts = np.full(len(row), np.inf)
     if not np.all(np.isfinite(counts) & (counts >= 0)):
         raise WorkbenchError(f"{path}: node '{name}' has counts {row}: each must be a finite number >= 0")
     return counts
