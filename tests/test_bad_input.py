@@ -409,6 +409,22 @@ def test_a_popularity_count_too_large_to_read_is_one_line_naming_the_file(tmp_pa
     assert str(error.value).startswith(f"{path}: {fragment}") and "\n" not in str(error.value)
 
 
+def test_a_popularity_file_made_for_another_model_says_so_rather_than_suggest_a_typo(tmp_path):
+    """A 4-layer model's file given to a 2-layer model of the same family was refused with "did you mean
+    '/model/layers.0/moe/QMoE'?", as if '/model/layers.2/moe/QMoE' were a typo."""
+    from engine.errors import WorkbenchError
+    from engine.offload.engine import load_popularity
+
+    names = [f"/model/layers.{i}/moe/QMoE" for i in range(2)]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({f"/model/layers.{i}/moe/QMoE": [1, 2] for i in range(4)}))
+    with pytest.raises(WorkbenchError) as error:
+        load_popularity(str(path), names, [2, 2])
+    assert str(error.value) == (f"{path}: the popularity file names 2 nodes this model does not have "
+                                "('/model/layers.2/moe/QMoE', '/model/layers.3/moe/QMoE'): made for another model? "
+                                "(this model's 2 expert nodes: '/model/layers.0/moe/QMoE' … '/model/layers.1/moe/QMoE')")
+
+
 def test_onnxruntime_errors_lose_their_status_code_and_source_line_but_keep_their_details():
     from engine.errors import error_reason
 

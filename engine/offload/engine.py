@@ -54,11 +54,17 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
     if not isinstance(data, dict):
         raise WorkbenchError(f"{path}: the popularity file holds a JSON {type(data).__name__}, not an object of node "
                              "names to counts per expert")
-    for name in data:  # a file made for another model would otherwise leave every node uniform, unsaid
-        if name not in names:
-            near = difflib.get_close_matches(name, names, n=1)
-            raise WorkbenchError(f"{path}: the popularity file names '{name}', which is no expert node of this model"
-                                 + (f" (did you mean '{near[0]}'?)" if near else f" (they are {', '.join(names)})"))
+    unknown = [name for name in data if name not in names]  # else left uniform, unsaid
+    if len(unknown) > 1:  # not a typo: a file made for another model (of the same family: more layers)
+        shown = ", ".join(f"'{name}'" for name in unknown[:2]) + (", …" if len(unknown) > 2 else "")
+        ours = (f"this model's {len(names)} expert nodes: '{names[0]}' … '{names[-1]}'" if names
+                else "this model has no expert node to place")
+        raise WorkbenchError(f"{path}: the popularity file names {len(unknown)} nodes this model does not have "
+                             f"({shown}): made for another model? ({ours})")
+    for name in unknown:
+        near = difflib.get_close_matches(name, names, n=1)
+        raise WorkbenchError(f"{path}: the popularity file names '{name}', which is no expert node of this model"
+                             + (f" (did you mean '{near[0]}'?)" if near else f" (they are {', '.join(names)})"))
     return [_popularity_row(path, name, data.get(name, [1.0] * count), count) for name, count in zip(names, experts)]
 
 
