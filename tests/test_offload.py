@@ -495,6 +495,24 @@ def test_adaptive_slots_are_filled_when_the_budget_changes(model_folder):
     assert engine.copy_state()["placement"] == {"swaps_paused": False, "net_hits_per_swap": None}
 
 
+def test_a_replan_copies_its_kept_residents_back_without_counting_them_as_placements_swaps(model_folder):
+    """A re-plan copies the residents it keeps into the new slots (bytes copied, as on a real device), but those are no
+    placement swaps: every Apply of the same budget added one 'swap' per resident expert to the placement view's
+    count and the records' (and the layer split's trials re-plan by themselves)."""
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder)
+                                                                 // 4), device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    before = engine.stats.totals()
+    kept = sum(int(np.count_nonzero(layer.expert_in >= 0)) for layer in engine.slots)
+    assert before.swaps == kept > 0  # placement's fills at load
+    engine.reconfigure(engine.config)
+    after = engine.stats.totals()
+    assert after.swaps == before.swaps
+    assert after.copy_bytes - before.copy_bytes == sum(
+        int(np.count_nonzero(layer.expert_in >= 0)) * store.expert_bytes for layer, store in zip(engine.slots,
+                                                                                               engine.stores))
+
+
 def test_gpu_mem_limit_cannot_change_on_a_loaded_model(model_folder):
     model = LoadedModel.open(model_folder, offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
     with pytest.raises(Exception, match="gpu_device_mem_limit"):

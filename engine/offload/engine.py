@@ -508,15 +508,17 @@ class OffloadEngine:
                 swaps.append(Swap(index, int(slot), None, expert))
         return swaps
 
-    def _apply(self, swaps) -> list[float]:
-        """Make the swaps; each one's host seconds."""
+    def _apply(self, swaps, placed: bool = True) -> list[float]:
+        """Make the swaps; each one's host seconds. `placed`: placement's own (counted as swaps), not residents copied
+        back into resized slots."""
         spent = []
         for swap in swaps:
             seconds = self.stores[swap.layer].load(swap.slot, swap.loaded)
             layer = self.stats.layers[swap.layer]
             layer.copy_bytes += self.stores[swap.layer].expert_bytes  # the expert in the kernels' layout
             layer.copy_s += seconds
-            layer.swaps += 1
+            if placed:
+                layer.swaps += 1
             spent.append(seconds)
         return spent
 
@@ -794,7 +796,7 @@ class OffloadEngine:
         for index, layer in enumerate(self.slots):
             if self.stores[index] is not None:
                 self._apply([Swap(index, slot, None, int(expert))
-                             for slot, expert in enumerate(layer.expert_in) if expert >= 0])
+                             for slot, expert in enumerate(layer.expert_in) if expert >= 0], placed=False)
 
     def resident_map(self) -> list[np.ndarray]:
         """Per layer, a bool per expert: resident on the device."""
