@@ -726,8 +726,43 @@ def test_the_window_without_a_display_says_so_in_one_line():
     from app.gui.main import display_problem
 
     assert "no display to open the window on" in display_problem({}, "linux")
-    assert display_problem({"DISPLAY": ":0"}, "linux") is None and display_problem({"WAYLAND_DISPLAY": "w"}, "linux") is None
+    assert display_problem({"DISPLAY": ":0"}, "linux", loadable=lambda library: True) is None
+    assert display_problem({"WAYLAND_DISPLAY": "w"}, "linux") is None
     assert display_problem({"QT_QPA_PLATFORM": "offscreen"}, "linux") is None and display_problem({}, "win32") is None
+
+
+def test_an_x_display_without_the_libraries_qts_xcb_plugin_needs_is_said_in_one_line():
+    """Qt aborts the process there (SIGABRT) with a hint that reinstalling may help; the window says which
+    libraries are missing and the Debian packages that bring them."""
+    from app.gui.main import display_problem
+
+    present = {"libxcb-cursor.so.0", "libxcb-image.so.0", "libxcb-render-util.so.0", "libxcb-shape.so.0",
+               "libxcb-xkb.so.1"}
+    for env in ({"DISPLAY": ":0"}, {"QT_QPA_PLATFORM": "xcb", "DISPLAY": ":0"}):
+        problem = display_problem(env, "linux", loadable=present.__contains__)
+        assert problem.startswith("the window needs X libraries that are not installed: libxcb-icccm.so.4, "
+                                  "libxcb-keysyms.so.1, libxkbcommon-x11.so.0 (Debian, Ubuntu: apt install "
+                                  "libxcb-icccm4 libxcb-keysyms1 libxkbcommon-x11-0); "), problem
+        assert "\n" not in problem
+    # Wayland, and a platform chosen that is not xcb, do not load them
+    assert display_problem({"DISPLAY": ":0", "WAYLAND_DISPLAY": "w"}, "linux", loadable=present.__contains__) is None
+    assert display_problem({"DISPLAY": ":0", "QT_QPA_PLATFORM": "offscreen"}, "linux",
+                           loadable=present.__contains__) is None
+
+
+def test_the_window_without_the_x_libraries_exits_in_one_line_rather_than_aborting():
+    import pytest
+
+    from app.gui.main import XCB_LIBRARIES, _loadable
+
+    if not sys.platform.startswith("linux") or all(map(_loadable, XCB_LIBRARIES)):
+        pytest.skip("not Linux, or a machine with every library Qt's xcb plugin needs")
+    env = {k: v for k, v in os.environ.items() if k not in ("QT_QPA_PLATFORM", "WAYLAND_DISPLAY")}
+    result = subprocess.run([sys.executable, "-m", "app"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**env, "DISPLAY": ":99"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("moe-workbench: error: the window needs X libraries") and \
+        result.stderr.count("\n") == 1, result.stderr
 
 
 def test_chat_answers_end_their_lines_on_standard_output():

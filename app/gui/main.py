@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -9,16 +10,44 @@ from engine.errors import WorkbenchError
 from engine.model_folder import folder_path
 
 
-def display_problem(environ=None, platform: str = sys.platform) -> str | None:
-    """Why the window cannot open here (Linux with no display and no Qt platform chosen), else None. Qt itself
-    aborts the process in that case, with a hint about reinstalling."""
+# The X libraries Qt's xcb platform plugin loads that a machine without a desktop may lack (Qt's X11 requirements)
+XCB_LIBRARIES = ("libxcb-cursor.so.0", "libxcb-icccm.so.4", "libxcb-image.so.0", "libxcb-keysyms.so.1",
+                 "libxcb-render-util.so.0", "libxcb-shape.so.0", "libxcb-xkb.so.1", "libxkbcommon-x11.so.0")
+WITHOUT_A_WINDOW = "the commands inspect, generate, record, sweep and contention work without one (moe-workbench --help)"
+
+
+def _loadable(library: str) -> bool:
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    return True
+
+
+def debian_package(library: str) -> str:
+    """The Debian package of a shared library, by Debian's naming: libxcb-icccm.so.4 -> libxcb-icccm4,
+    libxkbcommon-x11.so.0 -> libxkbcommon-x11-0."""
+    name, version = library.split(".so.")
+    return f"{name}{'-' if name[-1].isdigit() else ''}{version}"
+
+
+def display_problem(environ=None, platform: str = sys.platform, loadable=_loadable) -> str | None:
+    """Why the window cannot open here, else None: Linux with no display and no Qt platform chosen, or an X display
+    whose libraries Qt's xcb plugin needs are missing. Qt itself aborts the process in those cases, with a hint about
+    reinstalling."""
     env = os.environ if environ is None else environ
-    if not platform.startswith("linux") or env.get("QT_QPA_PLATFORM"):
+    platform_chosen = env.get("QT_QPA_PLATFORM")
+    if not platform.startswith("linux") or platform_chosen not in (None, "", "xcb"):
         return None
-    if env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
+    if not platform_chosen and env.get("WAYLAND_DISPLAY"):
         return None
-    return ("no display to open the window on (neither DISPLAY nor WAYLAND_DISPLAY is set); the commands inspect, "
-            "generate, record, sweep and contention work without one (moe-workbench --help)")
+    if not platform_chosen and not env.get("DISPLAY"):
+        return f"no display to open the window on (neither DISPLAY nor WAYLAND_DISPLAY is set); {WITHOUT_A_WINDOW}"
+    missing = [library for library in XCB_LIBRARIES if not loadable(library)]
+    if missing:
+        return (f"the window needs X libraries that are not installed: {', '.join(missing)} (Debian, Ubuntu: apt "
+                f"install {' '.join(map(debian_package, missing))}); {WITHOUT_A_WINDOW}")
+    return None
 
 
 def _report_errors_in(window) -> None:
