@@ -726,7 +726,8 @@ def test_the_window_without_a_display_says_so_in_one_line():
     from app.gui.main import display_problem
 
     assert "no display to open the window on" in display_problem({}, "linux")
-    assert display_problem({"DISPLAY": ":0"}, "linux", loadable=lambda library: True) is None
+    assert display_problem({"DISPLAY": ":0"}, "linux", loadable=lambda library: True,
+                           reachable=lambda display: True) is None
     assert display_problem({"WAYLAND_DISPLAY": "w"}, "linux") is None
     assert display_problem({"QT_QPA_PLATFORM": "offscreen"}, "linux") is None and display_problem({}, "win32") is None
 
@@ -748,6 +749,20 @@ def test_an_x_display_without_the_libraries_qts_xcb_plugin_needs_is_said_in_one_
     assert display_problem({"DISPLAY": ":0", "WAYLAND_DISPLAY": "w"}, "linux", loadable=present.__contains__) is None
     assert display_problem({"DISPLAY": ":0", "QT_QPA_PLATFORM": "offscreen"}, "linux",
                            loadable=present.__contains__) is None
+
+
+def test_an_x_display_no_server_answers_at_is_said_in_one_line():
+    """A DISPLAY left from an earlier session (tmux, ssh): Qt aborts there too, advising a reinstall."""
+    import pytest
+
+    from app.gui.main import _loadable, display_problem, x_display_reachable
+
+    if not _loadable("libxcb.so.1"):
+        pytest.skip("no libxcb here")
+    assert not x_display_reachable(":4177")  # no X server at display 4177
+    problem = display_problem({"DISPLAY": ":4177"}, "linux", loadable=lambda library: True)
+    assert problem.startswith("cannot connect to the X display ':4177' that DISPLAY names (no X server answers "
+                              "there, or this user may not use it); the commands inspect, generate"), problem
 
 
 def test_the_window_without_the_x_libraries_exits_in_one_line_rather_than_aborting():

@@ -31,10 +31,28 @@ def debian_package(library: str) -> str:
     return f"{name}{'-' if name[-1].isdigit() else ''}{version}"
 
 
-def display_problem(environ=None, platform: str = sys.platform, loadable=_loadable) -> str | None:
-    """Why the window cannot open here, else None: Linux with no display and no Qt platform chosen, or an X display
-    whose libraries Qt's xcb plugin needs are missing. Qt itself aborts the process in those cases, with a hint about
-    reinstalling."""
+def x_display_reachable(display: str) -> bool:
+    """Whether an X client can connect to `display` (libxcb's own connect, as Qt's xcb plugin does); True where
+    libxcb cannot be loaded (Qt then fails on it first)."""
+    try:
+        xcb = ctypes.CDLL("libxcb.so.1")
+    except OSError:
+        return True
+    xcb.xcb_connect.restype = ctypes.c_void_p
+    xcb.xcb_connect.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    xcb.xcb_connection_has_error.argtypes = [ctypes.c_void_p]
+    xcb.xcb_disconnect.argtypes = [ctypes.c_void_p]
+    connection = xcb.xcb_connect(display.encode(), None)  # never NULL: a failed one is an error connection
+    failed = xcb.xcb_connection_has_error(connection)
+    xcb.xcb_disconnect(connection)
+    return failed == 0
+
+
+def display_problem(environ=None, platform: str = sys.platform, loadable=_loadable,
+                    reachable=x_display_reachable) -> str | None:
+    """Why the window cannot open here, else None: Linux with no display and no Qt platform chosen, an X display
+    whose libraries Qt's xcb plugin needs are missing, or one no X server answers at. Qt itself aborts the process in
+    those cases, with a hint about reinstalling."""
     env = os.environ if environ is None else environ
     platform_chosen = env.get("QT_QPA_PLATFORM")
     if not platform.startswith("linux") or platform_chosen not in (None, "", "xcb"):
@@ -47,6 +65,10 @@ def display_problem(environ=None, platform: str = sys.platform, loadable=_loadab
     if missing:
         return (f"the window needs X libraries that are not installed: {', '.join(missing)} (Debian, Ubuntu: apt "
                 f"install {' '.join(map(debian_package, missing))}); {WITHOUT_A_WINDOW}")
+    display = env.get("DISPLAY", "")
+    if not reachable(display):
+        return (f"cannot connect to the X display '{display}' that DISPLAY names (no X server answers there, or this "
+                f"user may not use it); {WITHOUT_A_WINDOW}")
     return None
 
 
