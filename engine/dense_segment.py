@@ -61,12 +61,12 @@ class DenseSegment:
             dense = MASK_DENSE
         model = build_segment_model(segment, source, input_types)
         where = f"from node '{segment.nodes[0].name}' to '{segment.nodes[-1].name}'"
+        options = dense.session_options(str(source.folder))  # (refuses two onnxruntime builds: not the model's fault)
         try:
             # enable_fallback=0: onnxruntime's Python wrapper would otherwise retry on the CPU after
             # a CUDA EP failure (printing to stdout), and the GPU state buffers would meet a CPU session.
             session = ort.InferenceSession(
-                model.SerializeToString(), dense.session_options(str(source.folder)),
-                providers=dense.providers(), enable_fallback=0)
+                model.SerializeToString(), options, providers=dense.providers(), enable_fallback=0)
         except Exception as exc:  # onnxruntime's errors are long and multi-line
             raise ModelFileError(f"{source.path}: onnxruntime{dense.provider_words} cannot load the dense part "
                                  f"{where}: {error_reason(exc)}") from None

@@ -41,6 +41,27 @@ def test_two_onnxruntime_builds_are_refused():
     assert "make clean install" in str(refused.value)  # make install alone finds its stamp and does nothing
 
 
+def test_a_load_beside_two_onnxruntime_builds_says_that_alone(monkeypatch):
+    """The refusal is about the installation, not the model: no model file or dense part named before it."""
+    import pytest
+
+    import engine.ort_env as ort_env
+    from engine.errors import WorkbenchError
+    from engine.generation import LoadedModel
+    from tests.conftest import fixture_folder
+
+    monkeypatch.setattr(ort_env, "installed_onnxruntime_builds",
+                        lambda: ["onnxruntime 1.32.0", "onnxruntime-gpu 1.31.1"])
+    ort_env._require_single_build_once.cache_clear()
+    try:
+        with pytest.raises(WorkbenchError) as refused:
+            LoadedModel.open(fixture_folder("gptoss"))
+    finally:
+        ort_env._require_single_build_once.cache_clear()
+    assert str(refused.value).startswith("several onnxruntime builds are installed (onnxruntime 1.32.0, "
+                                         "onnxruntime-gpu 1.31.1)"), refused.value
+
+
 def test_only_builds_beside_the_imported_module_conflict(tmp_path, monkeypatch):
     """Two builds installed in the folder onnxruntime is imported from overwrite each other's files; one in
     another folder of the path is shadowed (the GPU machine: its system onnxruntime beside a carried
