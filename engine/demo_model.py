@@ -33,7 +33,9 @@ def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
     try:
         write_model(staging, DEMO_SPEC)
         staging.rename(target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        # another process (a second window started at once) renamed its complete copy there first
+        if not (isinstance(exc, OSError) and (target / "genai_config.json").is_file()):
+            raise
     return target
