@@ -59,7 +59,9 @@ def unknown_operator(nodes) -> str | None:
 
 def unloadable_versions(model: onnx.ModelProto) -> str | None:
     """Why onnxruntime would refuse `model`'s IR version or operator set versions, or None. Its own answer: a
-    one-node model stamped with the same versions, loaded (milliseconds), since only its session knows its limits."""
+    one-node model stamped with the same versions, loaded (milliseconds), since only its session knows its limits.
+    Two onnxruntime builds installed are refused first: they can answer nothing about a model."""
+    _require_single_build_once()
     graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "versions",
                                    [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
                                    [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])

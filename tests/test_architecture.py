@@ -62,6 +62,25 @@ def test_a_load_beside_two_onnxruntime_builds_says_that_alone(monkeypatch):
                                          "onnxruntime-gpu 1.31.1)"), refused.value
 
 
+def test_inspect_beside_two_onnxruntime_builds_refuses_as_a_load_does(monkeypatch, capsys):
+    """inspect called the model runnable ("runs: …") where every load was refused."""
+    import engine.ort_env as ort_env
+    from app.cli import main
+    from tests.conftest import fixture_folder
+
+    monkeypatch.setattr(ort_env, "installed_onnxruntime_builds",
+                        lambda: ["onnxruntime 1.32.0", "onnxruntime-gpu 1.31.1"])
+    ort_env._require_single_build_once.cache_clear()
+    try:
+        status = main(["inspect", str(fixture_folder("gptoss"))])
+    finally:
+        ort_env._require_single_build_once.cache_clear()
+    out, err = capsys.readouterr()
+    assert status == 2 and out == ""
+    assert err.startswith("moe-workbench: error: several onnxruntime builds are installed (onnxruntime 1.32.0, "
+                          "onnxruntime-gpu 1.31.1)"), err
+
+
 def test_only_builds_beside_the_imported_module_conflict(tmp_path, monkeypatch):
     """Two builds installed in the folder onnxruntime is imported from overwrite each other's files; one in
     another folder of the path is shadowed (the GPU machine: its system onnxruntime beside a carried
