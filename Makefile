@@ -43,13 +43,14 @@ $(STAMP): pyproject.toml packaging/select_runtime.py | $(VENV_READY)
 	touch $(STAMP)
 
 # The menu entry and icon for this checkout's .venv, in the user's data folder (XDG_DATA_HOME, else ~/.local/share):
-# the packaged entry runs moe-workbench from PATH, which make's .venv is not on.
+# the packaged entry runs moe-workbench from PATH, which make's .venv is not on. Exec's program is quoted, as the Desktop
+# Entry specification asks of a path with a space; TryExec takes a plain path.
 DATA_HOME := $(or $(XDG_DATA_HOME),$(HOME)/.local/share)
 
 desktop: $(STAMP)
 	install -D -m 644 resources/moe-workbench.svg $(DATA_HOME)/icons/hicolor/scalable/apps/moe-workbench.svg
 	mkdir -p $(DATA_HOME)/applications
-	sed -e 's|^Exec=moe-workbench|Exec=$(abspath $(VENV))/bin/moe-workbench|' \
+	sed -e 's|^Exec=moe-workbench|Exec="$(abspath $(VENV))/bin/moe-workbench"|' \
 	    -e 's|^TryExec=moe-workbench|TryExec=$(abspath $(VENV))/bin/moe-workbench|' \
 	    packaging/moe-workbench.desktop > $(DATA_HOME)/applications/moe-workbench.desktop
 

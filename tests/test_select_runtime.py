@@ -154,6 +154,27 @@ def test_make_desktop_installs_an_entry_that_runs_this_checkouts_venv(tmp_path):
     assert done.returncode == 0, done.stderr
     entry = tmp_path / "data" / "applications" / "moe-workbench.desktop"
     lines = entry.read_text().splitlines()
-    assert f"Exec={venv}/bin/moe-workbench gui %f" in lines and f"TryExec={venv}/bin/moe-workbench" in lines
+    assert f'Exec="{venv}/bin/moe-workbench" gui %f' in lines and f"TryExec={venv}/bin/moe-workbench" in lines
     assert (tmp_path / "data" / "icons" / "hicolor" / "scalable" / "apps" / "moe-workbench.svg").is_file()
+    assert desktop_file_problems(entry) == ""
+
+
+@needs_make
+def test_make_desktop_in_a_checkout_whose_path_has_a_space(tmp_path):
+    # Exec=/home/u/My Code/…/moe-workbench gui %f: the launcher ran "/home/u/My" with the rest as arguments; the
+    # Desktop Entry specification quotes an argument with a space in double quotes (TryExec is a plain path)
+    checkout = tmp_path / "My Code"
+    checkout.mkdir()
+    for name in ("Makefile", "pyproject.toml", "packaging", "resources"):
+        (shutil.copytree if (REPO / name).is_dir() else shutil.copy)(REPO / name, checkout / name)
+    venv = stand_in_venv(checkout)
+    (venv / ".installed-cpu").touch()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env.update(XDG_DATA_HOME=str(tmp_path / "data"), MOE_WORKBENCH_RUNTIME="cpu")
+    done = subprocess.run(["make", "desktop", f"PYTHON={sys.executable}", "VENV=venv"], cwd=checkout, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    entry = tmp_path / "data" / "applications" / "moe-workbench.desktop"
+    lines = entry.read_text().splitlines()
+    assert f'Exec="{venv}/bin/moe-workbench" gui %f' in lines and f"TryExec={venv}/bin/moe-workbench" in lines
     assert desktop_file_problems(entry) == ""
