@@ -745,6 +745,8 @@ def test_an_x_display_without_the_libraries_qts_xcb_plugin_needs_is_said_in_one_
                                   "libxcb-keysyms.so.1, libxkbcommon-x11.so.0 (Debian, Ubuntu: apt install "
                                   "libxcb-icccm4 libxcb-keysyms1 libxkbcommon-x11-0); "), problem
         assert "\n" not in problem
+    assert display_problem({"QT_QPA_PLATFORM": "xcb"}, "linux", loadable=lambda library: True).startswith(
+        "QT_QPA_PLATFORM=xcb asks for an X display and DISPLAY is not set; the commands inspect")
     # Wayland, and a platform chosen that is not xcb, do not load them
     assert display_problem({"DISPLAY": ":0", "WAYLAND_DISPLAY": "w"}, "linux", loadable=present.__contains__) is None
     assert display_problem({"DISPLAY": ":0", "QT_QPA_PLATFORM": "offscreen"}, "linux",

@@ -59,7 +59,9 @@ def display_problem(environ=None, platform: str = sys.platform, loadable=_loadab
         return None
     if not platform_chosen and env.get("WAYLAND_DISPLAY"):
         return None
-    if not platform_chosen and not env.get("DISPLAY"):
+    if not env.get("DISPLAY"):
+        if platform_chosen:
+            return f"QT_QPA_PLATFORM=xcb asks for an X display and DISPLAY is not set; {WITHOUT_A_WINDOW}"
         return f"no display to open the window on (neither DISPLAY nor WAYLAND_DISPLAY is set); {WITHOUT_A_WINDOW}"
     missing = [library for library in XCB_LIBRARIES if not loadable(library)]
     if missing:
