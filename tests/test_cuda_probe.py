@@ -43,6 +43,23 @@ def test_a_missing_driver_or_cupy_is_named(monkeypatch, nothing_opened):
     assert "needs CuPy" in cuda_device.cuda_device_problem()
 
 
+def test_a_driver_older_than_cupys_cuda_says_so(monkeypatch, nothing_opened):
+    """cupy-cuda13x on a CUDA 12 driver (pip install '.[cuda13]' on driver 550, or a driver downgraded after make):
+    it read "no CUDA device", with a GPU there. No driver at all (driverGetVersion 0) stays "no CUDA device"."""
+    def insufficient():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version")
+
+    for driver, said in ((12040, "the NVIDIA driver runs CUDA 12.4, older than the CUDA 13.0 this CuPy is built for "
+                                  "(make clean install installs the builds this driver runs, or update the driver)"),
+                         (0, "no CUDA device: cudaErrorInsufficientDriver: CUDA driver version is insufficient for "
+                             "CUDA runtime version")):
+        cupy = _fake_cupy(insufficient)
+        cupy.cuda.runtime.driverGetVersion = lambda driver=driver: driver
+        cupy.cuda.runtime.runtimeGetVersion = lambda: 13000
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+        assert cuda_device.cuda_device_problem() == said
+
+
 def test_open_cuda_device_refuses_as_the_probe_says(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(lambda: 0))
     with pytest.raises(cuda_device.NoCudaDevice, match="no CUDA device 0: 0 found"):

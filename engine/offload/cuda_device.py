@@ -46,11 +46,28 @@ def _cupy():
     return cupy
 
 
+def _cuda_version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def _driver_older_than_cupy(cp) -> str | None:
+    """Where the NVIDIA driver runs an older CUDA major than this CuPy's runtime (cupy-cuda13x on a CUDA 12 driver):
+    said so; None otherwise (no driver at all, whose version reads 0, or another failure)."""
+    try:
+        driver, runtime = cp.cuda.runtime.driverGetVersion(), cp.cuda.runtime.runtimeGetVersion()
+    except Exception:
+        return None
+    if not driver or driver // 1000 >= runtime // 1000:
+        return None
+    return (f"the NVIDIA driver runs CUDA {_cuda_version(driver)}, older than the CUDA {_cuda_version(runtime)} this "
+            "CuPy is built for (make clean install installs the builds this driver runs, or update the driver)")
+
+
 def _check_device(cp, index: int) -> None:
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cudaErrorNoDevice, driver missing or too old
-        raise NoCudaDevice(f"no CUDA device: {str(exc).splitlines()[0]}") from None
+        raise NoCudaDevice(_driver_older_than_cupy(cp) or f"no CUDA device: {str(exc).splitlines()[0]}") from None
     if count <= index:
         raise NoCudaDevice(f"no CUDA device {index}: {count} found")
 
