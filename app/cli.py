@@ -28,6 +28,11 @@ GENERATE_TOKENS = 128  # generate's answer length for a model that answers at on
 NO_ONNXRUNTIME = ("onnxruntime is not installed: install moe-workbench with the extra for this machine, "
                   "pip install '.[cpu]', '.[cuda13]' (NVIDIA driver 580 or newer) or '.[cuda12]' (driver 525 or "
                   "newer); make does it")
+# what is left where two builds were installed together and one removed: the files they share went with it
+BROKEN_ONNXRUNTIME = ("onnxruntime is installed but broken ({}): removing one of two builds installed together takes "
+                      "the files they share; uninstall onnxruntime and onnxruntime-gpu both, then install one (in a "
+                      "checkout, make clean install installs the one this machine needs)")
+NEEDS_NO_ONNXRUNTIME = ("write-model", "history")
 
 
 MODEL_HELP = "model folder (genai_config.json, model.onnx and the tokenizer, as onnxruntime-genai's builder writes it)"
@@ -909,6 +914,19 @@ def _cmd_gui(args) -> int:
     return run_gui(args.model)
 
 
+def require_onnxruntime() -> None:
+    """Import onnxruntime, refusing one left broken in one line (its folder without its __init__ imports as an empty
+    namespace package). One not installed at all raises ModuleNotFoundError, which main says in its own words."""
+    try:
+        import onnxruntime
+
+        onnxruntime.InferenceSession
+    except (ImportError, AttributeError) as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "onnxruntime":
+            raise
+        raise WorkbenchError(BROKEN_ONNXRUNTIME.format(one_line(exc))) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     command = args.command or "gui"
@@ -917,6 +935,8 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"gui": _cmd_gui, "inspect": _cmd_inspect, "generate": _cmd_generate, "write-model": _cmd_write_model,
                 "record": _cmd_record, "sweep": _cmd_sweep, "history": _cmd_history, "contention": _cmd_contention}
     try:
+        if command not in NEEDS_NO_ONNXRUNTIME:
+            require_onnxruntime()
         return handlers[command](args)
     except WorkbenchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -832,6 +832,22 @@ def test_without_onnxruntime_it_says_which_extra_installs_it():
                                     "with the extra for this machine, pip install '.[cpu]'")
 
 
+def test_an_onnxruntime_left_broken_says_so_and_how_to_mend_it():
+    """Two builds installed together and one removed take the files they share (README): onnxruntime's folder without
+    its __init__ imports as a namespace package, or its compiled module is gone. Both read "internal error: TypeError:
+    expected str, bytes or os.PathLike object, not NoneType" or "… ModuleNotFoundError: No module named …"."""
+    namespace = "import types; m = types.ModuleType('onnxruntime'); m.__path__ = []; sys.modules['onnxruntime'] = m"
+    no_binary = "sys.modules['onnxruntime.capi.onnxruntime_pybind11_state'] = None"
+    for left in (namespace, no_binary):
+        code = (f"import sys; {left}; from app.cli import main; "
+                f"sys.exit(main(['inspect', {str(fixture_folder('gptoss'))!r}]))")
+        result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("moe-workbench: error: onnxruntime is installed but broken ("), result.stderr
+        assert result.stderr.rstrip().endswith("uninstall onnxruntime and onnxruntime-gpu both, then install one (in a "
+                                               "checkout, make clean install installs the one this machine needs)")
+
+
 def test_generate_json_help_names_the_keys_an_answer_has(capsys):
     """`generate --help` says what `--json` prints: every key of the object (it named four of them)."""
     import pytest
