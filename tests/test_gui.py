@@ -1297,6 +1297,9 @@ def test_the_landed_sentence_says_a_fixed_or_the_automatic_thread_count():
     assert threads_sentence(8, 16) == "CPU expert kernels use 8 CPU threads."
     assert threads_sentence(0, 16) == ("CPU expert kernels use all 16 CPU threads, fewer while other processes keep "
                                        "cores busy (cpu_threads automatic).")
+    # more than the kernels run on: the count in force, not the one asked for (it said "use 64 CPU threads" on 16)
+    assert threads_sentence(64, 16) == ("CPU expert kernels use 16 CPU threads, the most they run on here "
+                                        "(cpu_threads=64 asks for more).")
 
 
 def test_the_summary_says_when_the_automatic_thread_count_left_cores_to_other_processes():

@@ -39,7 +39,6 @@ from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured
 from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import is_simulated, projected_seconds
 from engine.offload.stats import LayerStats
-from engine.ort_env import cpu_threads
 from engine.reasoning import reasoning_choices
 from engine.sampling import beam_search_note, describe, model_sampling
 from engine.units import counted, human_bytes
@@ -249,7 +248,7 @@ class EngineWorker(QObject):
         if model.dense_device != "cuda":
             lines.append(f"KV cache and state live in host memory beside the dense part: up to "
                          f"{human_bytes(facts.kv_cache_bytes())} at {facts.longest_sequence_words}.")
-        lines.append(threads_sentence(model.offload.config.cpu_threads, _cores()))
+        lines.append(threads_sentence(offload.config.cpu_threads, offload.kernel_threads.cores))
         binding = binding_warning()
         if binding:
             lines.append(binding[0].upper() + binding[1:])
@@ -566,12 +565,12 @@ def path_sentence(path: dict) -> str:
     return f"Cold experts measured while decoding: {kept} (a decode step took {measured_words(measured)})."
 
 
-def _cores() -> int:
-    return cpu_threads()
-
-
 def threads_sentence(cpu_threads: int, cores: int) -> str:
-    """What the CPU expert kernels' thread count is (engine/kernel_threads.py), for "where everything landed"."""
+    """What the CPU expert kernels' thread count is (engine/kernel_threads.py), for "where everything landed": `cores`
+    is the most they run on (KernelThreads.cores), which a larger cpu_threads gets."""
+    if cpu_threads > cores:
+        return (f"CPU expert kernels use {cores} CPU threads, the most they run on here (cpu_threads={cpu_threads} asks "
+                "for more).")
     if cpu_threads:
         return f"CPU expert kernels use {cpu_threads} CPU thread{'' if cpu_threads == 1 else 's'}."
     return (f"CPU expert kernels use all {cores} CPU threads, fewer while other processes keep cores busy "
