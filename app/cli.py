@@ -515,15 +515,16 @@ def _warn_of_thread_binding() -> None:
         print(f"warning: {binding}", file=sys.stderr, flush=True)
 
 
-def _warn_of_thread_cap(asked: int | None, threads) -> None:
-    """On standard error: --threads `asked`, in force, runs on fewer threads, the most the kernels take
-    (KernelThreads.cores)."""
+def _warn_of_thread_cap(threads, given_as: str) -> None:
+    """On standard error: the count in force (--threads, or the offload's cpu_threads: `given_as` says which) runs on
+    fewer threads, the most the kernels take (KernelThreads.cores)."""
     from engine.ort_env import cpu_threads
 
-    if asked and threads.requested == asked and asked > threads.cores:
+    asked = threads.requested
+    if asked > threads.cores:
         why = ("the cores this process may use" if threads.cores == cpu_threads() else
                "NUMBA_NUM_THREADS, below the cores this process may use")
-        print(f"warning: --threads {asked}: {threads.cores} used, the most the CPU expert kernels run on here ({why})",
+        print(f"warning: {given_as}{asked}: {threads.cores} used, the most the CPU expert kernels run on here ({why})",
               file=sys.stderr, flush=True)
 
 
@@ -551,7 +552,9 @@ def _cmd_generate(args) -> int:
                              layer_split=args.layer_split, decode_path=args.decode_path)
     params = replace(params, max_new_tokens=args.max_new_tokens or model.answer_tokens(GENERATE_TOKENS))
     _warn_of_thread_binding()
-    _warn_of_thread_cap(args.threads, model.decoder.kernel_threads)
+    threads = model.decoder.kernel_threads
+    given_as = "--threads " if args.threads == threads.requested else "cpu_threads="  # (the offload's wins)
+    _warn_of_thread_cap(threads, given_as)
     if args.device == "cuda" and not args.json:
         print(model.dense_statement, file=sys.stderr, flush=True)
         if model.host_registration is not None:

@@ -163,6 +163,20 @@ def test_generate_says_when_threads_above_the_cores_are_capped(capsys):
     assert status == 0 and "--threads" not in err
 
 
+def test_generate_says_when_an_offload_cpu_threads_above_the_cores_is_capped(capsys):
+    """--offload cpu_threads above the cores ran on fewer without a word, where --threads said so."""
+    import numba
+
+    from engine.ort_env import cpu_threads
+
+    cores = min(cpu_threads(), numba.config.NUMBA_NUM_THREADS)
+    status, out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi", "--max-new-tokens",
+                             "1", "--device", "simulated", "--offload", f"cpu_threads={cores + 7}", "--json")
+    assert status == 0 and json.loads(out)["offload"]["cpu_threads"]["cpu_threads_in_force"] == cores
+    said = [line for line in err.splitlines() if "cpu_threads" in line]
+    assert len(said) == 1 and said[0].startswith(f"warning: cpu_threads={cores + 7}: {cores} used, ")
+
+
 def test_generate_warns_of_openmp_thread_binding():
     env = {**os.environ, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
     result = subprocess.run([sys.executable, "-m", "app", "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
