@@ -546,6 +546,9 @@ def _cmd_generate(args) -> int:
 
         reasoning_variables(ModelTokenizer(folder_path(args.model)), args.reasoning)
     config, device = _offload_setup(args)
+    if config is not None and args.threads and config.cpu_threads not in (0, args.threads):
+        raise WorkbenchError(f"conflicting values for one setting: --threads {args.threads} and "
+                             f"cpu_threads={config.cpu_threads}")
     if config is not None and args.threads and not config.cpu_threads:  # the offload engine sets the threads then
         config = config.updated(cpu_threads=args.threads)
     model = LoadedModel.open(args.model, threads=args.threads, offload=config, device=device,

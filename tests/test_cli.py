@@ -177,6 +177,13 @@ def test_generate_says_when_an_offload_cpu_threads_above_the_cores_is_capped(cap
     assert len(said) == 1 and said[0].startswith(f"warning: cpu_threads={cores + 7}: {cores} used, ")
 
 
+def test_generate_refuses_threads_beside_a_different_offload_cpu_threads(capsys):
+    """--threads 2 beside --offload cpu_threads=1 ran on 1 thread, --threads dropped without a word."""
+    status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi", "--max-new-tokens",
+                              "1", "--device", "simulated", "--offload", "cpu_threads=1", "--threads", "2")
+    assert status != 0 and "--threads 2" in err and "cpu_threads=1" in err and "Traceback" not in err
+
+
 def test_generate_warns_of_openmp_thread_binding():
     env = {**os.environ, "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
     result = subprocess.run([sys.executable, "-m", "app", "generate", str(fixture_folder("gptoss")), "--prompt", "Hi",
