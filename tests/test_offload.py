@@ -19,6 +19,7 @@ from engine.offload.miss_policy import CpuRate
 from engine.offload.placement import AdaptivePlacement, LayerSlots, make_policy
 from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.offload.traces import hit_rate, realistic_trace
+from engine.units import human_bytes
 from engine.writer import WriterSpec, write_model
 from tests.test_bad_input import assert_clean_error, run_cli
 
@@ -414,6 +415,32 @@ def test_a_top_1_model_refuses_substitution_from_the_default_rank_in_plain_words
     with pytest.raises(OffloadPlanError) as error:
         plan_offload(OffloadConfig(tail_substitution_threshold=0.1), experts, SimulatedDevice(1 << 30))
     assert f"node '{experts[0].name}' routes 1 expert a token (ranks 0 to 0), so no rank from 1 on" in str(error.value)
+
+
+def test_a_budget_bounded_by_gpu_device_mem_limit_names_the_limit_not_the_cards_free_memory(model_folder):
+    """Under gpu_device_mem_limit the budget's refusals and notes said "the 33.9 KiB the device has free" of an 8 GiB
+    card: the limit is what bounds it, and a smaller reserve (their advice) does not lift it."""
+    from engine.model_folder import ModelFolder
+    from engine.offload.planner import BudgetAboveFree
+
+    experts = ModelFolder.open(model_folder).experts
+    limit = 3 * experts[0].device_bytes_per_expert
+    device = lambda: SimulatedDevice(8 << 30, mem_limit=limit)  # noqa: E731
+    plan = plan_offload(OffloadConfig(), experts, device())
+    assert (f"The automatic budget holds no expert: of the {human_bytes(limit)} the device has free under "
+            f"gpu_device_mem_limit={limit} it keeps {human_bytes(limit)} for KV cache and workspace "
+            "(reserve_device_bytes); set a smaller reserve, a device_expert_bytes or a larger gpu_device_mem_limit."
+            ) in plan.statements
+    plan = plan_offload(OffloadConfig(device_expert_bytes=2 * limit), experts, device())
+    assert (f"device_expert_bytes={2 * limit} is more than the device has free under gpu_device_mem_limit={limit}; "
+            f"the budget is {human_bytes(limit)}.") in plan.statements
+    with pytest.raises(BudgetAboveFree) as error:
+        plan_offload(OffloadConfig(mode="required", device_expert_bytes=2 * limit), experts, device())
+    assert str(error.value) == (f"device_expert_bytes={2 * limit} exceeds the {limit} bytes the device has free under "
+                                f"gpu_device_mem_limit={limit}")
+    # without a limit that bounds it, the device's free memory as before
+    plan = plan_offload(OffloadConfig(device_expert_bytes=2 << 30), experts, SimulatedDevice(1 << 30, mem_limit=4 << 30))
+    assert "device_expert_bytes=2147483648 is more than the device has free; the budget is 1.0 GiB." in plan.statements
 
 
 def test_an_automatic_budget_that_holds_no_expert_says_why(model_folder):

@@ -80,10 +80,24 @@ def automatic_budget(config: OffloadConfig, available: int) -> int:
     return max(0, available - reserve)
 
 
-def _reserve_left(available: int, budget: int) -> str:
+def _limit_bounds(device) -> int:
+    """gpu_device_mem_limit where it, not the device's memory, bounds what the device has free; else 0."""
+    memory = device.memory
+    return memory.limit if memory.limit and memory.limit < memory.capacity else 0
+
+
+def _has_free(device) -> str:
+    """'the device has free', naming gpu_device_mem_limit where that bounds it."""
+    limit = _limit_bounds(device)
+    return "the device has free" + (f" under gpu_device_mem_limit={limit}" if limit else "")
+
+
+def _reserve_left(device, available: int, budget: int) -> str:
     """Why the automatic budget is `budget`: what the reserve kept of the device's free memory."""
-    return (f"of the {human_bytes(available)} the device has free it keeps {human_bytes(available - budget)} for KV "
-            "cache and workspace (reserve_device_bytes); set a smaller reserve or a device_expert_bytes")
+    remedies = "a smaller reserve, a device_expert_bytes or a larger gpu_device_mem_limit" if _limit_bounds(device) \
+        else "a smaller reserve or a device_expert_bytes"
+    return (f"of the {human_bytes(available)} {_has_free(device)} it keeps {human_bytes(available - budget)} for KV "
+            f"cache and workspace (reserve_device_bytes); set {remedies}")
 
 
 def _layers(infos: list[ExpertNodeInfo]) -> str:
@@ -210,7 +224,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     clamped = budget > available
     if clamped:
         if config.mode == "required":
-            raise BudgetAboveFree(f"device_expert_bytes={budget} exceeds the {available} bytes the device has free",
+            raise BudgetAboveFree(f"device_expert_bytes={budget} exceeds the {available} bytes {_has_free(device)}",
                                   available)
         budget = available
     limits = {}
@@ -228,7 +242,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         automatic = config.device_expert_bytes is None
         raise OffloadPlanError(f"offload mode 'required': the {'automatic ' if automatic else ''}expert budget of "
                                f"{budget} bytes holds no expert (the smallest needs {smallest} bytes on the device)"
-                               + (f": {_reserve_left(available, budget)}" if automatic else ""))
+                               + (f": {_reserve_left(device, available, budget)}" if automatic else ""))
     slots = {info.name: 0 for info in experts}
     spent = 0
     if whole_layers:
@@ -267,10 +281,10 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         statements.append(f"The budget holds whole layers: {full} of {len(runnable)} expert layers keep all their "
                           f"experts on the {device.name}, the others run theirs on the CPU.")
     if clamped:
-        statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has free; "
+        statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than {_has_free(device)}; "
                           f"the budget is {human_bytes(budget)}.")
     if config.device_expert_bytes is None and budget < smallest and runnable:
-        statements.append(f"The automatic budget holds no expert: {_reserve_left(available, budget)}.")
+        statements.append(f"The automatic budget holds no expert: {_reserve_left(device, available, budget)}.")
     statements += gpu_statements(experts)
     if mode == "hybrid" and resident < sum(info.spec.num_experts for info in runnable):
         statements.append("Cold experts that routing hits during decode run on the CPU." if config.cpu_execution != "disabled"
