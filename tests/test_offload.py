@@ -443,6 +443,22 @@ def test_a_budget_bounded_by_gpu_device_mem_limit_names_the_limit_not_the_cards_
     assert "device_expert_bytes=2147483648 is more than the device has free; the budget is 1.0 GiB." in plan.statements
 
 
+def test_a_reserve_beside_an_expert_budget_is_said_to_change_nothing(model_folder):
+    """reserve_device_bytes sizes the automatic budget only: set beside a device_expert_bytes it changed nothing, and a
+    change of it on the loaded model re-planned to the same slots without a word."""
+    from engine.model_folder import ModelFolder
+
+    experts = ModelFolder.open(model_folder).experts
+    budget = 3 * experts[0].device_bytes_per_expert
+    plans = [plan_offload(OffloadConfig(device_expert_bytes=budget, reserve_device_bytes=reserve), experts,
+                          SimulatedDevice(1 << 30)) for reserve in (0, 1 << 29)]
+    assert plans[0].slots == plans[1].slots
+    assert (f"reserve_device_bytes={1 << 29} does not apply: device_expert_bytes sets the expert budget (the reserve "
+            "sizes the automatic one).") in plans[1].statements
+    automatic = plan_offload(OffloadConfig(reserve_device_bytes=1 << 29), experts, SimulatedDevice(1 << 30))
+    assert not any("does not apply" in said for said in automatic.statements)
+
+
 def test_an_automatic_budget_that_holds_no_expert_says_why(model_folder):
     from engine.model_folder import ModelFolder
 

@@ -283,6 +283,9 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     if clamped:
         statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than {_has_free(device)}; "
                           f"the budget is {human_bytes(budget)}.")
+    if config.device_expert_bytes is not None and config.reserve_device_bytes is not None:
+        statements.append(f"reserve_device_bytes={config.reserve_device_bytes} does not apply: device_expert_bytes "
+                          "sets the expert budget (the reserve sizes the automatic one).")
     if config.device_expert_bytes is None and budget < smallest and runnable:
         statements.append(f"The automatic budget holds no expert: {_reserve_left(device, available, budget)}.")
     statements += gpu_statements(experts)
