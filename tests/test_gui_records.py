@@ -686,6 +686,25 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
 
+def test_a_sweep_that_restarts_the_layer_split_trials_is_not_said_to_be_a_measured_change(qtbot, window):
+    """The sweep puts the user's budgets back with a re-plan that starts the layer split's trials again, from the
+    spread: where the trials had kept whole layers, the window then said "Measured faster: the expert budget now holds
+    part of every layer" (and marked the graphs), which nothing had measured."""
+    load(qtbot, window, "gptoss", SIMULATED)
+    offload = window.worker._model.offload
+    offload.layer_split_mode = "auto"  # the trials had measured whole layers faster (the worker is idle)
+    offload.split_trials.measured = {"spread": 0.030, "whole": 0.020}
+    offload._set_whole_layers(True)
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: "Measured faster" in window.status_state.text(), timeout=WAIT)
+    said = []
+    window.worker.replanned.connect(lambda info: said.append(info.get("by_engine")))
+    sweep_three_points(qtbot, window)
+    assert not offload.whole_layers and offload.layer_split_mode == "auto"  # the trials start again, from the spread
+    assert not any(said) and "Measured faster" not in window.status_state.text()
+    assert "whole layers" not in window.model_panel.landed.text()  # where everything landed: as it is now
+
+
 def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(qtbot, window, monkeypatch):
     """Cancel during the second of three points: the window threw the first point away ("Cancelled after 1 of 3
     points: nothing saved") where the command line keeps what an interrupted sweep finished. The completed point is

@@ -468,6 +468,7 @@ class EngineWorker(QObject):
         answer or a re-plan. Stop (self.cancel) reaches it between tokens."""
         self.cancel.clear()
         self.busyChanged.emit(kind)
+        trials = _trials(self._model)
         try:
             context = JobContext(
                 model=self._model, device=self._device, device_choice=dict(self._device_choice), cancel=self.cancel,
@@ -481,6 +482,10 @@ class EngineWorker(QObject):
             self.jobFailed.emit(kind, one_line(exc), list(getattr(exc, "saved_ids", [])))  # AfterAnswersFailed
         finally:
             try:
+                if [id(t) for t in _trials(self._model)] != [id(t) for t in trials]:
+                    # the job re-planned (a sweep puts the user's budgets back): the trials start afresh, from the
+                    # spread and the path cpu_execution gives, which the next statistics would call measured faster
+                    self.landedChanged.emit(self._landed([]))
                 self._emit_stats()
             except Exception:
                 pass
@@ -505,6 +510,13 @@ class EngineWorker(QObject):
         self._drop_model()
         if had:
             self.unloaded.emit()
+
+
+def _trials(model) -> list:
+    """The loaded model's layer split and decode path trials, which a re-plan (OffloadEngine.reconfigure) makes anew
+    (compared by identity: held here, neither's id is reused)."""
+    offload = getattr(model, "offload", None)
+    return [offload.split_trials, offload.path_trials] if offload is not None else []
 
 
 def own_device_bytes(model, device) -> int:
