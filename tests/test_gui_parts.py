@@ -596,6 +596,30 @@ def test_a_gpu_that_stops_answering_mid_run_is_not_said_to_be_missing(qtbot, mon
     assert graphs.vram_plot.header.isVisible() and graphs.gpu_note.isHidden()
 
 
+def test_a_simulated_gpus_memory_is_shown_beside_a_real_gpus_graphs(qtbot, monkeypatch):
+    """A model on the simulated GPU ("what if I had an 8 GB card?") on a machine with an NVIDIA GPU: the graphs showed
+    the real card only, and the simulated card's memory as the engine counts it (in use, high-water) nowhere."""
+    import engine.nvml as nvml
+    from app.gui.graphs_panel import GraphsPanel
+    from tests.test_nvml import FakeNvml
+
+    monkeypatch.setattr(nvml, "pynvml", FakeNvml([]))
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+              "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+              "gpu": nvml.Nvml().sample(), "gpu_note": ""}
+    graphs.set_simulated_memory({"name": "simulated GPU, 8.0 GiB", "used": 3 << 20, "high_water": 5 << 20,
+                                 "ceiling": 8 << 30})
+    graphs.add_sample(sample)
+    assert graphs.vram_plot.header.isVisible() and graphs.gpu_note.isVisible()
+    assert graphs.gpu_note.text() == ("<b>simulated GPU, 8.0 GiB</b> (the engine's own count; the graphs show this "
+                                      "machine's GPU): 3.0 MiB in use of 8.0 GiB, high-water 5.0 MiB.")
+    graphs.set_simulated_memory(None)  # unloaded
+    assert graphs.gpu_note.isHidden()
+
+
 def test_where_the_driver_hides_whose_vram_is_whose_this_process_is_not_said_to_hold_none(qtbot, monkeypatch):
     """A driver (or a container) that hides per-process memory: the VRAM header read 'this process 0.00' beside
     'others 30.00 (ours included ...)', a wrong number for a model holding most of the 30 GiB."""

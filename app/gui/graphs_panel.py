@@ -204,17 +204,30 @@ class GraphsPanel(QWidget):
         self._gpu_seen = self._gpu_seen or gpu
         if gpu != self._gpu_rows_shown:
             self._show_gpu(gpu)
-        if not gpu:
-            self._show_gpu_note(sample.get("gpu_note") or "no NVIDIA GPU")
-        else:
-            self.gpu_note.hide()
+        self._show_note(sample)
         self._redraw()
 
     def set_simulated_memory(self, memory: dict | None) -> None:
         """The loaded model's simulated GPU memory (used, high_water, ceiling, name), or None without one."""
         self._simulated = memory
-        if self.samples and self.samples[-1].get("gpu") is None:
-            self._show_gpu_note(self.samples[-1].get("gpu_note") or "no NVIDIA GPU")
+        if self.samples:
+            self._show_note(self.samples[-1])
+
+    def _show_note(self, sample: dict) -> None:
+        """The note under the graphs: without a GPU sample, why (_show_gpu_note); beside the GPU graphs, the simulated
+        GPU's memory where a model runs on one (the graphs are this machine's card, not the one simulated)."""
+        if sample.get("gpu") is None:
+            self._show_gpu_note(sample.get("gpu_note") or "no NVIDIA GPU")
+        elif self._simulated:
+            self.gpu_note.setText(self._simulated_words("the engine's own count; the graphs show this machine's GPU"))
+            self.gpu_note.show()
+        else:
+            self.gpu_note.hide()
+
+    def _simulated_words(self, whose: str) -> str:
+        memory = self._simulated
+        return (f"<b>{memory['name']}</b> ({whose}): {human_bytes(memory['used'])} in use of "
+                f"{human_bytes(memory['ceiling'])}, high-water {human_bytes(memory['high_water'])}.")
 
     def _show_gpu_note(self, why: str) -> None:
         """Without an NVIDIA GPU to sample: why, and the simulated GPU's memory where a model runs on one."""
@@ -222,10 +235,8 @@ class GraphsPanel(QWidget):
             text = f"<b>GPU:</b> {why}. The VRAM and GPU utilisation graphs come back when it answers again."
         else:
             text = f"<b>GPU:</b> {why}. VRAM and GPU utilisation graphs appear on a machine with one."
-        memory = self._simulated
-        if memory:
-            text += (f"<br><b>{memory['name']}</b> (the engine's own count): {human_bytes(memory['used'])} in use of "
-                     f"{human_bytes(memory['ceiling'])}, high-water {human_bytes(memory['high_water'])}.")
+        if self._simulated:
+            text += "<br>" + self._simulated_words("the engine's own count")
         self.gpu_note.setText(text)
         self.gpu_note.show()
 
