@@ -608,6 +608,22 @@ def test_a_replan_refused_for_its_popularity_file_leaves_the_old_plan_in_force(m
     assert (engine.config, [layer.num_slots for layer in engine.slots]) == before
 
 
+def test_a_replan_refused_with_a_new_layer_split_and_decode_path_keeps_the_ones_in_force(model_folder, tmp_path):
+    """A refused re-plan (here, for its popularity file) that also asked for whole layers and the host tier left the
+    old plan in force under the new split and path: whole_layers said whole layers of a spread plan (the window then
+    reported it as "Measured faster"), and the tier's path was in force without a tier."""
+    per_expert = device_expert_bytes(model_folder) // (16 * SPEC.layers)  # one device slot
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=16 * per_expert),
+                             device=SimulatedDevice(1 << 30), layer_split="spread", decode_path="cpu")
+    engine = model.offload
+    before = (engine.layer_split_mode, engine.whole_layers, engine.decode_path_mode, engine.decode_path_in_force)
+    asked = engine.config.updated(placement="static", popularity_file=str(tmp_path / "moved.json"))
+    with pytest.raises(WorkbenchError, match="cannot read the popularity file"):
+        engine.reconfigure(asked, layer_split="whole", decode_path="tier")
+    assert (engine.layer_split_mode, engine.whole_layers, engine.decode_path_mode,
+            engine.decode_path_in_force) == before == ("spread", False, "cpu", "cpu")
+
+
 def model_with_two_slots(model_folder):
     """The model on a simulated device with two expert slots a layer; one slot's bytes; and a function giving what a
     re-plan that fails must leave as it was: config, plan, residents, slots, device memory and its purposes."""

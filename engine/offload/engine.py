@@ -680,7 +680,9 @@ class OffloadEngine:
         """Apply new budgets or policy on the loaded model, without reloading; `layer_split` ("auto", "spread" or
         "whole") changes the split and `decode_path` ("auto", "cpu", "tier" or "both", decode_path.py) the decode path
         in the same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the
-        host tier."""
+        host tier. A re-plan refused leaves the split, the decode path and their trials as they were, with the plan."""
+        in_force = (self.layer_split_mode, self.decode_path_mode, self.whole_layers, self.split_trials,
+                    self.path_trials, self.share_trials)
         if layer_split is not None:
             self.layer_split_mode = checked_split(layer_split)
         if decode_path is not None:
@@ -689,7 +691,12 @@ class OffloadEngine:
         self.path_trials = DecodePathTrials()
         self.share_trials = SplitShareTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
-        self._replan(config)
+        try:
+            self._replan(config)
+        except WorkbenchError:
+            (self.layer_split_mode, self.decode_path_mode, self.whole_layers, self.split_trials, self.path_trials,
+             self.share_trials) = in_force
+            raise
 
     def _replan(self, config: OffloadConfig) -> None:
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
