@@ -624,6 +624,21 @@ def test_a_replan_refused_with_a_new_layer_split_and_decode_path_keeps_the_ones_
             engine.decode_path_in_force) == before == ("spread", False, "cpu", "cpu")
 
 
+def test_a_replan_to_whole_layers_refused_under_required_mode_leaves_the_spread_plan_whole(model_folder):
+    """mode=required refuses whole layers where the budget holds none: putting the spread plan back planned again with
+    the refused split, was refused again midway, and left the stores released under the old plan's slot counts."""
+    per_expert = device_expert_bytes(model_folder) // (16 * SPEC.layers)  # one device slot
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(mode="required", device_expert_bytes=2 * per_expert),
+                             device=device, layer_split="spread", decode_path="cpu")
+    engine = model.offload
+    before = (dict(engine.plan.slots), [store.num_slots for store in engine.stores], device.memory.used)
+    with pytest.raises(OffloadPlanError, match="holds no whole layer"):
+        engine.reconfigure(engine.config, layer_split="whole")
+    assert (dict(engine.plan.slots), [store.num_slots for store in engine.stores], device.memory.used) == before
+    assert not engine.whole_layers and engine.layer_split_mode == "spread"
+
+
 def model_with_two_slots(model_folder):
     """The model on a simulated device with two expert slots a layer; one slot's bytes; and a function giving what a
     re-plan that fails must leave as it was: config, plan, residents, slots, device memory and its purposes."""

@@ -391,12 +391,16 @@ class OffloadEngine:
         """cpu_threads for the CPU expert kernels (0: automatic, engine/kernel_threads.py); from the next step on."""
         self.kernel_threads.request(self.config.cpu_threads)
 
-    def _plan(self, config: OffloadConfig) -> OffloadPlan:
-        """Reserve the staging ring, then plan the slots in what the device has left."""
+    def _take_staging(self, config: OffloadConfig) -> None:
+        """The staging rings `config` asks for (none under mode=disabled)."""
         if self.device is not None and config.mode != "disabled":
             self._reserve_staging(config)
         elif self.device is not None:
             self.device.set_pinned_ring(0)
+
+    def _plan(self, config: OffloadConfig) -> OffloadPlan:
+        """Reserve the staging ring, then plan the slots in what the device has left."""
+        self._take_staging(config)
         plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
                             dense_on_device=self.dense_on_device)
         if self.device is not None and config.mode != "disabled":
@@ -773,7 +777,7 @@ class OffloadEngine:
             if store is not None:
                 store.release()
         self._release_staging()
-        self._plan(self.config)  # (its staging ring taken again)
+        self._take_staging(self.config)
         self.plan = plan
         self._host_tier = host_tier
         for layer, store, count in zip(self.slots, self.stores, counts):
