@@ -62,6 +62,16 @@ def test_the_verdict_makes_a_tier_where_the_host_spares_it_and_says_why_not_else
     assert tier_verdict("auto", auto, NODES, HALF, "simulated", 3 * GIB)[0] is False
 
 
+def test_a_tier_refused_under_cpu_execution_disabled_says_cold_experts_are_copied_in():
+    """Under cpu_execution=disabled the CPU computes no expert: without the tier the misses are copied to the device.
+    A refused tier said "Cold experts are computed on the CPU" beside the plan's "copied to the device before they
+    run"."""
+    made, said = tier_verdict("auto", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda", 3 * GIB)
+    assert not made and said == ("Cold experts are copied to the device before they run: no host tier is made, since "
+                                 "its 2.0 GiB of page-locked experts exceed 50% of the host memory available (3.0 GiB).")
+    assert paths.without_tier(OffloadConfig()) == "Cold experts are computed on the CPU"
+
+
 def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):
     monkeypatch.setattr(paths, "host_available", lambda: 100 * GIB)
     assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda") == (

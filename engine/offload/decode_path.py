@@ -165,8 +165,14 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
         return False, ""  # every expert resident: nothing to read from the host
     refusal = _refusal(mode, config, tier_bytes(infos), available)
     if refusal:
-        return False, f"Cold experts are computed on the CPU: no host tier is made, since {refusal}."
+        return False, f"{without_tier(config)}: no host tier is made, since {refusal}."
     return True, ""
+
+
+def without_tier(config: OffloadConfig) -> str:
+    """Where decode's cold experts go without a host tier (a sentence's start)."""
+    return ("Cold experts are copied to the device before they run" if config.cpu_execution == "disabled"
+            else "Cold experts are computed on the CPU")
 
 
 def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None) -> str:

@@ -209,7 +209,7 @@ class OffloadEngine:
             self._make_stores(True)
         except (HostTierError, DeviceMemoryError) as exc:
             self._make_stores(False)
-            self.tier_statement = f"Cold experts are computed on the CPU: the host tier could not be made ({exc})."
+            self.tier_statement = f"{paths.without_tier(config)}: the host tier could not be made ({exc})."
             return False
         self._tier_bytes = sum(store.host_tier_bytes for store in self.stores if store is not None)
         self.tier_statement = paths.tier_sentence(self.decode_path_mode, config, self._tier_bytes)
