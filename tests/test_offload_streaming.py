@@ -80,6 +80,25 @@ def test_device_working_bytes_bounds_the_slots(model_folder, cpu_run):
     assert decode_split(model)[2] == 0  # no decode copy (prefill waves may copy)
 
 
+def test_no_streaming_slot_says_whether_device_working_bytes_or_the_device_left_none(model_folder):
+    """Both said "no room for a streaming slot": device_working_bytes below one slot (the user's value to raise) and a
+    device with less than a slot free under gpu_device_mem_limit."""
+    size = slot_bytes(LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30),
+                                       offload=OffloadConfig(**STREAMING)))
+    layers = SPEC.layers
+    model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30),
+                             offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=size - 1))
+    assert (f"Decode misses of {layers} layers without expert slots run on the CPU only: device_working_bytes="
+            f"{size - 1} holds no streaming slot of {human_bytes(size)}.") in model.offload.plan.statements
+    limit = 2 * size + size // 2  # the staging ring's two one-expert waves, and half a slot
+    model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30, mem_limit=limit),
+                             offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=1 << 30,
+                                                   prefill_wave_experts=1, gpu_device_mem_limit=limit))
+    assert (f"Decode misses of {layers} layers without expert slots run on the CPU only: the device has "
+            f"{human_bytes(size // 2)} free under gpu_device_mem_limit={limit}, less than a streaming slot of "
+            f"{human_bytes(size)}.") in model.offload.plan.statements
+
+
 def test_only_layers_without_slots_stream_and_budgets_replan_them(model_folder, cpu_run):
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(**STREAMING))

@@ -581,8 +581,8 @@ def threads_sentence(cpu_threads: int, cores: int) -> str:
     """What the CPU expert kernels' thread count is (engine/kernel_threads.py), for "where everything landed": `cores`
     is the most they run on (KernelThreads.cores), which a larger cpu_threads gets."""
     if cpu_threads > cores:
-        return (f"CPU expert kernels use {cores} CPU threads, the most they run on here (cpu_threads={cpu_threads} asks "
-                "for more).")
+        return (f"CPU expert kernels use {cores} CPU threads, the most they run on here (cpu_threads={cpu_threads} "
+                "asks for more).")
     if cpu_threads:
         return f"CPU expert kernels use {cpu_threads} CPU thread{'' if cpu_threads == 1 else 's'}."
     return (f"CPU expert kernels use all {cores} CPU threads, fewer while other processes keep cores busy "

@@ -86,18 +86,18 @@ def _limit_bounds(device) -> int:
     return memory.limit if memory.limit and memory.limit < memory.capacity else 0
 
 
-def _has_free(device) -> str:
-    """'the device has free', naming gpu_device_mem_limit where that bounds it."""
+def under_limit(device) -> str:
+    """' under gpu_device_mem_limit=N' where that limit bounds what the device has free; else ''."""
     limit = _limit_bounds(device)
-    return "the device has free" + (f" under gpu_device_mem_limit={limit}" if limit else "")
+    return f" under gpu_device_mem_limit={limit}" if limit else ""
 
 
 def _reserve_left(device, available: int, budget: int) -> str:
     """Why the automatic budget is `budget`: what the reserve kept of the device's free memory."""
     remedies = "a smaller reserve, a device_expert_bytes or a larger gpu_device_mem_limit" if _limit_bounds(device) \
         else "a smaller reserve or a device_expert_bytes"
-    return (f"of the {human_bytes(available)} {_has_free(device)} it keeps {human_bytes(available - budget)} for KV "
-            f"cache and workspace (reserve_device_bytes); set {remedies}")
+    return (f"of the {human_bytes(available)} the device has free{under_limit(device)} it keeps "
+            f"{human_bytes(available - budget)} for KV cache and workspace (reserve_device_bytes); set {remedies}")
 
 
 def _layers(infos: list[ExpertNodeInfo]) -> str:
@@ -224,8 +224,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     clamped = budget > available
     if clamped:
         if config.mode == "required":
-            raise BudgetAboveFree(f"device_expert_bytes={budget} exceeds the {available} bytes {_has_free(device)}",
-                                  available)
+            raise BudgetAboveFree(f"device_expert_bytes={budget} exceeds the {available} bytes the device has "
+                                  f"free{under_limit(device)}", available)
         budget = available
     limits = {}
     for info in runnable:
@@ -281,8 +281,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         statements.append(f"The budget holds whole layers: {full} of {len(runnable)} expert layers keep all their "
                           f"experts on the {device.name}, the others run theirs on the CPU.")
     if clamped:
-        statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than {_has_free(device)}; "
-                          f"the budget is {human_bytes(budget)}.")
+        statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has "
+                          f"free{under_limit(device)}; the budget is {human_bytes(budget)}.")
     if config.device_expert_bytes is not None and config.reserve_device_bytes is not None:
         statements.append(f"reserve_device_bytes={config.reserve_device_bytes} does not apply: device_expert_bytes "
                           "sets the expert budget (the reserve sizes the automatic one).")

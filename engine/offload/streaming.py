@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.offload.config import OffloadConfig
 from engine.offload.device_memory import DeviceMemoryError
+from engine.offload.planner import under_limit
 from engine.units import counted, human_bytes
 
 
@@ -67,8 +68,14 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
         slot_bytes = runner.info.device_bytes_per_expert
         count = min(runner.info.spec.k, left // slot_bytes, device.memory.available // slot_bytes)
         if count == 0:
-            plan.statements.append(f"Decode misses of {layer_count} without expert slots run on the CPU only: "
-                                   f"no room for a streaming slot of {human_bytes(slot_bytes)}.")
+            slot = f"streaming slot of {human_bytes(slot_bytes)}"
+            if left < slot_bytes:
+                why = f"device_working_bytes={config.device_working_bytes} holds no {slot}" + (
+                    " beside the other layouts' slots" if left < config.device_working_bytes else "")
+            else:
+                free = human_bytes(device.memory.available)
+                why = f"the device has {free} free{under_limit(device)}, less than a {slot}"
+            plan.statements.append(f"Decode misses of {layer_count} without expert slots run on the CPU only: {why}.")
             continue
         try:
             group = device.create_streaming_slots(runner, count)
