@@ -459,6 +459,28 @@ def test_a_reserve_beside_an_expert_budget_is_said_to_change_nothing(model_folde
     assert not any("does not apply" in said for said in automatic.statements)
 
 
+def test_a_node_override_budget_that_holds_no_expert_is_said_and_refused_under_required(model_folder):
+    """node_overrides' device_expert_bytes below one of the node's experts left it without a slot without a word, and
+    mode=required, which refuses a capacity that does not fit, took it."""
+    from engine.model_folder import ModelFolder
+    from engine.offload.config import NodeOverride
+
+    experts = ModelFolder.open(model_folder).experts
+    node, slot = experts[0].name, experts[0].device_bytes_per_expert
+    overrides = {node: NodeOverride(device_expert_bytes=10)}
+    plan = plan_offload(OffloadConfig(node_overrides=overrides), experts, SimulatedDevice(1 << 30))
+    assert plan.slots[node] == 0
+    assert (f"node_overrides give node '{node}' device_expert_bytes=10, less than one of its experts on the device "
+            f"({slot} bytes): it keeps none there.") in plan.statements
+    with pytest.raises(OffloadPlanError) as error:
+        plan_offload(OffloadConfig(mode="required", node_overrides=overrides), experts, SimulatedDevice(1 << 30))
+    assert str(error.value) == (f"offload mode 'required': node_overrides give node '{node}' device_expert_bytes=10, "
+                                f"less than one of its experts on the device ({slot} bytes)")
+    roomy = plan_offload(OffloadConfig(node_overrides={node: NodeOverride(device_expert_bytes=slot)}), experts,
+                         SimulatedDevice(1 << 30))
+    assert roomy.slots[node] == 1 and not any("node_overrides" in said for said in roomy.statements)
+
+
 def test_an_automatic_budget_that_holds_no_expert_says_why(model_folder):
     from engine.model_folder import ModelFolder
 

@@ -227,7 +227,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
             raise BudgetAboveFree(f"device_expert_bytes={budget} exceeds the {available} bytes the device has "
                                   f"free{under_limit(device)}", available)
         budget = available
-    limits = {}
+    limits, too_small = {}, []  # too_small: the nodes whose override's bytes hold no expert
     for info in runnable:
         override = config.node_overrides.get(info.name)
         cap = info.spec.num_experts
@@ -235,7 +235,12 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
             cap = min(cap, override.max_resident_slots)
         if override and override.device_expert_bytes is not None:
             cap = min(cap, override.device_expert_bytes // max(1, info.device_bytes_per_expert))
+            if override.device_expert_bytes < info.device_bytes_per_expert:
+                too_small.append(f"node '{info.name}' device_expert_bytes={override.device_expert_bytes}, less than "
+                                 f"one of its experts on the device ({info.device_bytes_per_expert} bytes)")
         limits[info.name] = cap
+    if too_small and config.mode == "required":
+        raise OffloadPlanError(f"offload mode 'required': node_overrides give {'; '.join(too_small)}")
 
     smallest = min((i.device_bytes_per_expert for i in runnable), default=0)
     if config.mode == "required" and budget < smallest:
@@ -288,6 +293,9 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
                           "sets the expert budget (the reserve sizes the automatic one).")
     if config.device_expert_bytes is None and budget < smallest and runnable:
         statements.append(f"The automatic budget holds no expert: {_reserve_left(device, available, budget)}.")
+    if too_small:
+        statements.append(f"node_overrides give {'; '.join(too_small)}: "
+                          f"{'it keeps' if len(too_small) == 1 else 'they keep'} none there.")
     statements += gpu_statements(experts)
     if mode == "hybrid" and resident < sum(info.spec.num_experts for info in runnable):
         statements.append("Cold experts that routing hits during decode run on the CPU." if config.cpu_execution != "disabled"
