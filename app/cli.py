@@ -693,7 +693,8 @@ def _cmd_record(args) -> int:
                   f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "
                   f"({record.peaks['rss_start_bytes'] / 2**20:.0f} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
-                  f"{record.host_load['host_steal_share']:.0%}")
+                  f"{record.host_load['host_steal_share']:.0%}" + _agreement_note(record.routing_agreement,
+                                                                       record.generated_tokens))
     if args.json:
         print(json.dumps(records, indent=2))
     return 0
@@ -873,8 +874,17 @@ def _cmd_history(args) -> int:
     for row in rows:
         print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {row['label'] or '-':<14}  "
               f"{row['device'] or 'cpu':<28}  budget {_budget_text(row['budget'], row['device'])}  "
-              f"completion {row['completion_s']:.2f} s  {_tokens_text(row['generated_tokens'])}  {row['model']}")
+              f"completion {row['completion_s']:.2f} s  {_tokens_text(row['generated_tokens'])}  "
+              + (f"(approximate routing{_agreement_note(row['routing_agreement'], row['generated_tokens'])})  "
+                 if row["approximate_routing"] else "") + row["model"])
     return 0
+
+
+def _agreement_note(agreement: float | None, tokens: int) -> str:
+    """'; token agreement with exact routing 94% (15 of 16 tokens)' for a run with approximate routing, else ''."""
+    from engine.offload.approximate import agreement_text
+
+    return "" if agreement is None else f"; {agreement_text(agreement, tokens)}"
 
 
 def _tokens_text(tokens: int | None) -> str:

@@ -1102,3 +1102,21 @@ def test_generate_says_in_one_line_that_it_does_no_beam_search(copy_fixture, cap
     config["search"]["num_beams"] = 1
     (folder / "genai_config.json").write_text(json.dumps(config))
     assert "beam" not in _main(capsys, "generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2")[2]
+
+
+def test_record_and_history_say_an_approximate_runs_token_agreement(tmp_path, capsys):
+    """record's line and history's list said nothing of approximate routing: a run that dropped experts read as an
+    exact one that merely ran faster. Both now say the run's token agreement with exact routing, as generate does."""
+    gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
+    approximate = ("--device", "simulated", "--offload", "device_expert_bytes=0", "--offload", "min_expert_weight=0.5")
+    status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "6", "--history", history, *approximate)
+    assert status == 0, err
+    status, exact_out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "6", "--history", history)
+    assert status == 0, err
+    record = json.loads(_main(capsys, "history", "--history", history, "--id", "1")[1])[0]
+    agreement, tokens = record["routing_agreement"], record["turns"][0]["generated_tokens"]
+    said = f"token agreement with exact routing {agreement:.0%} ({round(agreement * tokens)} of {tokens} tokens)"
+    assert out.rstrip().endswith(f"; {said}") and "agreement" not in exact_out
+    exact_line, approximate_line = _main(capsys, "history", "--history", history)[1].splitlines()  # newest first
+    assert approximate_line.endswith(f"6 tokens  (approximate routing; {said})  {gptoss}")
+    assert exact_line.endswith(f"6 tokens  {gptoss}")
