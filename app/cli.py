@@ -815,6 +815,11 @@ def _print_sweep(points: list, best, args) -> None:
     split_of = [f"  {p['split']:>6}" if args.both_splits else "" for p in rows]
     split_head = f"  {'split':>6}" if args.both_splits else ""
     paths = [row["decode_path"] or "" for row in rows]
+    # approximate routing: what each budget's answers cost against exact routing (a smaller budget drops more)
+    approximate = any("routing_agreement" in row for row in rows)
+    agreement_head = f"  {'agreement':>9}" if approximate else ""
+    agreements = [f"  {row['routing_agreement']:>9.0%}" if "routing_agreement" in row else f"  {'n/a':>9}"
+                  for row in rows] if approximate else [""] * len(rows)
 
     def cell_rate(tokens_per_s: float | None) -> str:  # the heading says the unit
         return decode_rate(tokens_per_s, unit="", none="n/a")
@@ -832,19 +837,19 @@ def _print_sweep(points: list, best, args) -> None:
         print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
               f"HBM {bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed); the recommendation uses the projected completion")
         print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>12}  {'completion':>10}  {'projected':>10}  "
-              f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>10}")
-        for p, split, mark, path in zip(rows, split_of, marks, paths):
+              f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>10}{agreement_head}")
+        for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  "
                   f"{cell_rate(p['decode_tokens_per_s']):>12}  "
-                  f"{cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{mark}")
+                  f"{cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{agreement}{mark}")
     elif rows:
         print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>12}  {'completion':>10}  {'decode tok/s':>12}  "
-              f"{'device peak':>11}  {'RSS peak':>10}")
-        for p, split, mark, path in zip(rows, split_of, marks, paths):
+              f"{'device peak':>11}  {'RSS peak':>10}{agreement_head}")
+        for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{p['completion_s']:>9.2f}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
-                  f"{peaks(p)}{mark}")
+                  f"{peaks(p)}{agreement}{mark}")
 
 
 def _cmd_history(args) -> int:

@@ -1120,3 +1120,31 @@ def test_record_and_history_say_an_approximate_runs_token_agreement(tmp_path, ca
     exact_line, approximate_line = _main(capsys, "history", "--history", history)[1].splitlines()  # newest first
     assert approximate_line.endswith(f"6 tokens  (approximate routing; {said})  {gptoss}")
     assert exact_line.endswith(f"6 tokens  {gptoss}")
+
+
+def test_a_sweep_with_approximate_routing_says_each_points_token_agreement(tmp_path, capsys):
+    """A sweep under approximate routing recommends the smallest budget within the margin of the fastest, and a
+    smaller budget has more cold experts to drop: its table and JSON said nothing of what that cost in answers. Each
+    point now says its token agreement with exact routing, over its answers' tokens (its records')."""
+    from engine.records.history import History
+
+    history = str(tmp_path / "h.sqlite")
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2", "--max-new-tokens", "6",
+            "--history", history, "--offload", "min_expert_weight=0.5", "--offload", "skip_tail_cold_only=1")
+    status, out, err = _main(capsys, *args, "--json")
+    assert status == 0, err
+    agreement = {int(row["budget"]): row["routing_agreement"] for row in History(history).rows()}  # its records'
+    points = json.loads(out)["points"]
+    assert [p["routing_agreement"] for p in points] == [agreement[p["budget_bytes"]] for p in points]
+    status, out, err = _main(capsys, *args)
+    assert status == 0, err
+    lines = out.splitlines()
+    header = next(line for line in lines if line.strip().startswith("budget"))
+    assert _columns(header)[-1] == "agreement"
+    rows = [_columns(line) for line in lines[lines.index(header) + 1:]]
+    agreement = {int(row["budget"]): row["routing_agreement"] for row in History(history).rows()[:2]}  # this sweep's
+    column = len(_columns(header)) - 1  # (the recommended row has its mark after it)
+    assert [row[column] for row in rows] == [f"{agreement[int(row[0])]:.0%}" for row in rows]
+    exact = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                  "--max-new-tokens", "2", "--history", history)[1]
+    assert "agreement" not in exact

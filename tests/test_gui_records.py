@@ -1034,3 +1034,29 @@ def test_the_tokens_per_second_graph_counts_the_record_bars_and_a_sweeps_answers
     result = SweepJob(2, ["short"], 3, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
     streamed = sum(batch["new_tokens"] for batch in said if isinstance(batch, dict))
     assert streamed == sum(r.generated_tokens for point in result.points for r in point.records) == 6
+
+
+def test_the_sweeps_recommendation_says_its_token_agreement_under_approximate_routing(qtbot, tmp_path):
+    """Under approximate routing the smallest budget within the margin drops the most experts: the summary said its
+    speed alone. It says the recommended point's token agreement with exact routing, over its answers' tokens."""
+    import app.gui.records_jobs as jobs
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    config = OffloadConfig(device_expert_bytes=200_000, min_expert_weight=0.5, skip_tail_cold_only=True)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=config, device=device)
+    view = SweepView(tmp_path / "history.sqlite3")
+    qtbot.addWidget(view)
+    requested = []
+    view.jobRequested.connect(lambda _kind, job: requested.append(job))
+    view.points.setValue(2)
+    view.scenario.setCurrentText("short")
+    view.max_tokens.setValue(6)
+    view.run()
+    ctx = jobs.JobContext(model, device, {}, threading.Event(), lambda _f, _t: None, lambda _batch: None, None)
+    view.on_finished(requested[0](ctx))
+    best = view.recommended
+    (record,) = best.records
+    agreement, tokens = record.routing_agreement, record.generated_tokens
+    assert view.summary.text().endswith(f" Approximate routing: token agreement with exact routing {agreement:.0%} "
+                                        f"({round(agreement * tokens)} of {tokens} tokens).")

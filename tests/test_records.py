@@ -969,7 +969,7 @@ def test_a_sweep_points_decode_rate_is_its_decoded_tokens_over_their_decode_time
         return SimpleNamespace(turns=turns, timings={"decode_tokens_per_s": tokens / seconds if seconds else None, "completion_s": 1.0,
                                                      "projected": {"decode_tokens_per_s": projected,
                                                                    "completion_s": 1.0}},
-                               peaks={"device_bytes": 0, "rss_bytes": 0}, offload={})
+                               peaks={"device_bytes": 0, "rss_bytes": 0}, offload={}, routing_agreement=None)
 
     point = SweepPoint(0, 0.0, records=[run(1, 10, 0.1, 200.0), run(6, 100, 2.0, 100.0)])
     assert point.decode_tokens_per_s == pytest.approx(610 / 12.1)

@@ -15,6 +15,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
 from app.gui.widgets import MAX_ANSWER_TOKENS, AnswersChoice
 from engine.offload import OffloadConfig
+from engine.offload.approximate import agreement_text
 from engine.records.configurations import save_configuration
 from engine.records.lengths import SWEEP_TOKENS
 from engine.records.scenarios import SCENARIOS
@@ -360,6 +361,9 @@ class SweepView(QWidget):
                 f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin * 100:g}%), "
                 f"{decode_rate(best.decode_tokens_per_s)}, device peak {human_bytes(best.peak_device_bytes)}, "
                 f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
+        if best.routing_agreement is not None:  # a smaller budget drops more: what this one costs in answers
+            self.summary.setText(f"{self.summary.text()} Approximate routing: "
+                                 f"{agreement_text(best.routing_agreement, best.compared_tokens)}.")
         self.save_button.setEnabled(True)
         if not self.name.text().strip():
             self.name.setText(f"sweep {human_bytes(best.budget_bytes)}")

@@ -73,6 +73,19 @@ class SweepPoint:
         return self.completion_s if projected is None else projected
 
     @property
+    def routing_agreement(self) -> float | None:
+        """With approximate routing, the point's token agreement with exact routing over its answers' tokens (as a
+        record's is over its turns'); None where routing was exact."""
+        measured = [r for r in self.records if r.routing_agreement is not None]
+        tokens = sum(r.generated_tokens for r in measured)
+        return sum(r.routing_agreement * r.generated_tokens for r in measured) / tokens if tokens else None
+
+    @property
+    def compared_tokens(self) -> int:
+        """The answer tokens routing_agreement compared."""
+        return sum(r.generated_tokens for r in self.records if r.routing_agreement is not None)
+
+    @property
     def peak_device_bytes(self) -> int:
         return max((r.peaks["device_bytes"] or 0) for r in self.records) if self.records else 0
 
@@ -92,6 +105,7 @@ class SweepPoint:
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
                 "decode_path": self.decode_path,
+                **({"routing_agreement": self.routing_agreement} if self.routing_agreement is not None else {}),
                 **({"projected_completion_s": self.projected_completion_s,
                     "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
                     "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
