@@ -347,6 +347,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             after_prompt(logits)
     else:
         logits = prompt_logits
+        if meter:
+            meter.resumed(logits)
     timings.prefill_s = time.perf_counter() - started - shadow_s()
     generated: list[int] = []
     finish = "length"

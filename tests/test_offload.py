@@ -838,6 +838,31 @@ def test_tail_substitution_never_brings_back_an_expert_min_expert_weight_dropped
     assert approximated.tolist() == [[0, 3, -1]] and (counts.dropped, counts.substituted) == (1, 1)
 
 
+def test_an_answer_resumed_from_its_prompts_snapshot_has_every_token_compared_with_exact_routing(model_folder):
+    """A reasoning model's regenerate answers from the prompt's snapshot, with no prompt fed (prompt_logits). Where
+    approximate routing was turned on after the snapshot (Apply on the loaded model), the meter compared every token
+    but the first: the agreement was of one token fewer than the answer's, which the text says it is of. Each token
+    is compared, as a teacher-forced run with exact routing (NumPy argmax) finds."""
+    from engine.generation import GenerationParams, generate
+
+    config = OffloadConfig(device_expert_bytes=expert_bytes(model_folder) // 4)
+    model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    prompt = model.tokenizer.encode("An answer given again")
+    state = model.new_state()
+    prompt_logits = model.decoder.forward(state, prompt)[-1]  # the snapshot's, taken with exact routing
+    model.offload.reconfigure(config.updated(min_expert_weight=0.3))
+    result = generate(model, state, list(prompt), [], GenerationParams(max_new_tokens=8), prompt_logits=prompt_logits)
+    exact = LoadedModel.open(model_folder)
+    exact_state = exact.new_state()
+    logits = exact.decoder.forward(exact_state, prompt)[-1]
+    agreed = []
+    for token in result.tokens:
+        agreed.append(int(np.argmax(logits)) == token)
+        logits = exact.decoder.forward(exact_state, [token])[-1]
+    assert len(result.tokens) == 8 and not all(agreed)
+    assert result.routing_agreement == sum(agreed) / len(agreed)
+
+
 def test_cpu_threads_change_on_a_loaded_model(model_folder):
     model = LoadedModel.open(model_folder, offload=OffloadConfig(cpu_threads=1), device=SimulatedDevice(1 << 30))
     assert all(r.kernel.num_threads == 1 for r in model.offload.runners)

@@ -64,19 +64,28 @@ class AgreementMeter:
         self.agreed = 0
         self.steps = 0
         self.step_s = 0.0
+        self._caught_up = None  # the catch-up's last logits: what a prompt answered again from its snapshot is met by
         started = time.perf_counter()
         if history:  # a later turn: the shadow first catches up on the conversation so far
             with model.offload.exact_routing():
-                model.decoder.forward(self.state, history)
+                self._caught_up = model.decoder.forward(self.state, history)[-1]
         self.catch_up_s = time.perf_counter() - started
 
     def step(self, token_ids, approximate_logits: np.ndarray) -> None:
         started = time.perf_counter()
         with self.model.offload.exact_routing():
             exact = self.model.decoder.forward(self.state, token_ids)[-1]
+        self._compare(exact, approximate_logits)
+        self.step_s += time.perf_counter() - started
+
+    def resumed(self, prompt_logits: np.ndarray) -> None:
+        """The first token of an answer given from its prompt's snapshot (no prompt fed), compared with the exact
+        logits the catch-up ended on."""
+        self._compare(self._caught_up, prompt_logits)
+
+    def _compare(self, exact: np.ndarray, approximate_logits: np.ndarray) -> None:
         self.agreed += int(np.argmax(exact) == np.argmax(approximate_logits))
         self.steps += 1
-        self.step_s += time.perf_counter() - started
 
     @property
     def agreement(self) -> float:
