@@ -332,7 +332,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     timings = Timings(prompt_tokens=len(prompt_tokens))
     meter = None
     if model.offload is not None and model.offload.config.approximate_routing:
-        meter = AgreementMeter(model, fed_tokens)
+        meter = AgreementMeter(model, fed_tokens, lambda logits: sampler.greedy(
+            logits, fed_tokens, tuple(eos) if state.past_length < min_length else ()))
 
     def shadow_s() -> float:  # the meter's steps so far, which no timing counts
         return meter.step_s if meter else 0.0
@@ -340,9 +341,9 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     started = time.perf_counter()
     if prompt_tokens:
         logits = _finite(decoder.forward(state, prompt_tokens)[-1], model, state.past_length - 1)
-        if meter:
-            meter.step(prompt_tokens, logits)
         fed_tokens.extend(prompt_tokens)
+        if meter:  # (its choices read what was fed so far)
+            meter.step(prompt_tokens, logits)
         if after_prompt is not None:
             after_prompt(logits)
     else:
@@ -381,9 +382,9 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
             finish = bound
             break
         logits = _finite(decoder.forward(state, [token])[-1], model, state.past_length - 1)
+        fed_tokens.append(token)
         if meter:
             meter.step([token], logits)
-        fed_tokens.append(token)
     now = time.perf_counter()
     timings.decode_s = now - decode_started - (shadow_s() - decode_shadow_started) if decode_started else 0.0
     timings.total_s = now - started - shadow_s()

@@ -105,15 +105,8 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: list[int], banned: tuple[int, ...] = ()) -> int:
         """The next token after `history`, never one of `banned` (the end of text before search.min_length)."""
-        scores = np.asarray(logits, dtype=np.float64).copy()
+        scores = self._scores(logits, history, banned)
         p = self.params
-        if banned:
-            scores[[token for token in banned if token < scores.size]] = -np.inf
-        if p.repetition_penalty != 1.0 and history:
-            seen = np.unique(np.asarray(history, dtype=np.int64))
-            seen = seen[seen < scores.size]
-            scores[seen] = np.where(scores[seen] > 0, scores[seen] / p.repetition_penalty,
-                                    scores[seen] * p.repetition_penalty)
         if not p.do_sample or p.temperature == 0:
             return int(np.argmax(scores))
         scores /= p.temperature
@@ -126,3 +119,20 @@ class Sampler:
             keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)  # smallest prefix reaching top_p
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         return int(order[self._rng.choice(len(order), p=probs)])
+
+    def greedy(self, logits: np.ndarray, history: list[int], banned: tuple[int, ...] = ()) -> int:
+        """The token a greedy choice takes after `history` (what approximate routing's agreement compares)."""
+        return int(np.argmax(self._scores(logits, history, banned)))
+
+    def _scores(self, logits: np.ndarray, history: list[int], banned: tuple[int, ...]) -> np.ndarray:
+        """The logits as the choice reads them: `banned` out, the tokens of `history` penalised."""
+        scores = np.asarray(logits, dtype=np.float64).copy()
+        p = self.params
+        if banned:
+            scores[[token for token in banned if token < scores.size]] = -np.inf
+        if p.repetition_penalty != 1.0 and history:
+            seen = np.unique(np.asarray(history, dtype=np.int64))
+            seen = seen[seen < scores.size]
+            scores[seen] = np.where(scores[seen] > 0, scores[seen] / p.repetition_penalty,
+                                    scores[seen] * p.repetition_penalty)
+        return scores

@@ -21,6 +21,7 @@ from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.offload.traces import hit_rate, realistic_trace
 from engine.units import human_bytes
 from engine.writer import WriterSpec, write_model
+from tests.conftest import fixture_folder
 from tests.test_bad_input import assert_clean_error, run_cli
 
 SPEC = WriterSpec(layers=3, num_experts=16, top_k=4, hidden_size=128, inter_size=64, seed=21, dense_accuracy_level=0)
@@ -861,6 +862,37 @@ def test_an_answer_resumed_from_its_prompts_snapshot_has_every_token_compared_wi
         logits = exact.decoder.forward(exact_state, [token])[-1]
     assert len(result.tokens) == 8 and not all(agreed)
     assert result.routing_agreement == sum(agreed) / len(agreed)
+
+
+def test_the_agreement_compares_the_tokens_greedy_choice_takes_under_a_repetition_penalty():
+    """The meter compared the two routings' raw argmax: on the LFM2-MoE fixture both always rank token 85 first, so it
+    said 100%, while greedy decoding with a repetition penalty writes other tokens, one of which exact routing would
+    not have chosen. It compares the choices greedy decoding makes from each routing's logits, the penalty applied to
+    the tokens fed so far (computed here in NumPy on a teacher-forced run with exact routing)."""
+    from engine.generation import GenerationParams, generate
+    from engine.sampling import SamplingParams
+
+    folder, penalty = fixture_folder("lfm2moe"), 3.0
+    config = OffloadConfig(device_expert_bytes=100_000, tail_substitution_threshold=0.45)
+    model = LoadedModel.open(folder, offload=config, device=SimulatedDevice(1 << 30))
+    prompt = model.tokenizer.encode("The quick brown fox jumps")
+    result = generate(model, model.new_state(), [], prompt,
+                      GenerationParams(max_new_tokens=24, sampling=SamplingParams(repetition_penalty=penalty)))
+
+    def greedy(logits: np.ndarray, history: list[int]) -> int:
+        scores = logits.astype(np.float64)
+        seen = np.unique(history)
+        scores[seen] = np.where(scores[seen] > 0, scores[seen] / penalty, scores[seen] * penalty)
+        return int(np.argmax(scores))
+
+    exact = LoadedModel.open(folder)
+    exact_state = exact.new_state()
+    logits, history, agreed = exact.decoder.forward(exact_state, prompt)[-1], list(prompt), []
+    for token in result.tokens:
+        agreed.append(greedy(logits, history) == token)
+        history.append(token)
+        logits = exact.decoder.forward(exact_state, [token])[-1]
+    assert not all(agreed) and result.routing_agreement == sum(agreed) / len(agreed)
 
 
 def test_cpu_threads_change_on_a_loaded_model(model_folder):

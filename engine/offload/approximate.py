@@ -54,12 +54,14 @@ def approximate_routing(ids: np.ndarray, weights: np.ndarray, logits: np.ndarray
 class AgreementMeter:
     """Token agreement between the approximate run and exact routing, teacher-forced: a shadow
     state with exact routing is fed the same tokens, and at each step both greedy choices are
-    compared. It costs a second forward pass, and runs only while approximate routing is on: `catch_up_s` and `step_s`
-    are its seconds, which the answer's timings leave out (they would halve the rate approximate routing is measured
-    at)."""
+    compared (`choose`: the token greedy decoding takes from logits at that point of the answer, its repetition
+    penalty and banned end of text applied as the sampler applies them). It costs a second forward pass, and runs only
+    while approximate routing is on: `catch_up_s` and `step_s` are its seconds, which the answer's timings leave out
+    (they would halve the rate approximate routing is measured at)."""
 
-    def __init__(self, model, history: list[int]):
+    def __init__(self, model, history: list[int], choose):
         self.model = model
+        self.choose = choose
         self.state = model.new_state()
         self.agreed = 0
         self.steps = 0
@@ -84,7 +86,7 @@ class AgreementMeter:
         self._compare(self._caught_up, prompt_logits)
 
     def _compare(self, exact: np.ndarray, approximate_logits: np.ndarray) -> None:
-        self.agreed += int(np.argmax(exact) == np.argmax(approximate_logits))
+        self.agreed += int(self.choose(exact) == self.choose(approximate_logits))
         self.steps += 1
 
     @property
