@@ -408,6 +408,22 @@ def test_a_substitution_rank_no_node_routes_is_refused_while_substitution_is_on(
     plan_offload(OffloadConfig(tail_substitution_min_rank=k), experts, SimulatedDevice(1 << 30))  # substitution off
 
 
+def test_a_substitution_rank_no_node_routes_is_refused_without_a_device_too(model_folder):
+    """With every expert on the CPU approximate routing still applies (it drops cold experts, and every one is cold):
+    tail_substitution_min_rank=k was taken there and refused on a device, so a configuration tried on the CPU failed
+    only once moved to a GPU. It is refused alike; under mode=disabled, where approximate routing does not apply, it is
+    not."""
+    from engine.model_folder import ModelFolder
+
+    experts = ModelFolder.open(model_folder).experts
+    k = experts[0].spec.k
+    config = OffloadConfig(tail_substitution_threshold=0.1, tail_substitution_min_rank=k)
+    with pytest.raises(OffloadPlanError) as error:
+        plan_offload(config, experts, None)
+    assert str(error.value).startswith(f"tail_substitution_min_rank={k}: node '{experts[0].name}' routes {k} experts")
+    assert plan_offload(config.updated(mode="disabled"), experts, None).placement_mode == "cpu_only"
+
+
 def test_a_top_1_model_refuses_substitution_from_the_default_rank_in_plain_words(tmp_path):
     from engine.model_folder import ModelFolder
     from engine.writer import WriterSpec, write_model

@@ -200,6 +200,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     unsupported = [info for info in experts if info.spec is None]
     if config.mode == "required" and unsupported:
         raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in unsupported))
+    if config.mode != "disabled":  # approximate routing applies, on the CPU alone too
+        _check_substitution_rank(config, experts)
     if config.mode == "disabled" and device is not None and dense_on_device:
         return _plan_beside_dense(config, experts, device)
     if device is None or config.mode == "disabled":
@@ -217,7 +219,6 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
             f"the GPU kernels cannot run {_names(infos)}: {reason}"
             for reason, infos in _by_reason(refused, _gpu_refusal).items()))
     runnable = [info for info in experts if info.gpu is not None]
-    _check_substitution_rank(config, experts)
 
     available = device.memory.available
     budget = config.device_expert_bytes if config.device_expert_bytes is not None else automatic_budget(config, available)
