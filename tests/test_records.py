@@ -183,7 +183,11 @@ def test_a_record_of_approximate_routing_counts_the_experts_it_dropped_during_th
     record = run_scenario(model, "short", PARAMS, device)
     dropped = model.offload.approximation.dropped - before
     assert dropped > 0 and record.approximation == {"dropped": dropped, "substituted": 0}
-    assert f"experts dropped / substituted</td><td>{dropped} / 0" in detail_html(record)
+    # of how many: each token fed routed k experts in each layer (the report said "experts", read as distinct ones)
+    (turn,) = record.turns
+    routed = 2 * 2 * (turn["prompt_tokens"] + turn["generated_tokens"] - 1)  # gpt-oss fixture: 2 layers, top-2
+    assert (f"routed experts dropped / substituted</td><td>{dropped} / 0 of {routed} (k per token in each "
+            "layer)") in detail_html(record)
     assert RunRecord.from_dict(record.to_dict()).approximation == record.approximation
     assert short_record.approximation == {} and "dropped" not in detail_html(short_record)
 

@@ -127,6 +127,14 @@ EXPERTS_WHERE = {"hybrid": "hybrid: resident ones on the device, the others on t
                  "all_resident": "every one resident on the device", "cpu_only": "every one on the CPU"}
 
 
+def _approximation_text(record: RunRecord) -> str:
+    """'120 / 0 of 240 (k per token in each layer)': approximate routing's drops and substitutions among the run's
+    routed experts (those left after it, which the layers count as hits and misses, and the dropped ones)."""
+    dropped, substituted = record.approximation["dropped"], record.approximation["substituted"]
+    routed = sum(layer.get("hits", 0) + layer.get("misses", 0) for layer in record.layers) + dropped
+    return f"{dropped} / {substituted} of {routed} (k per token in each layer)"
+
+
 def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     t, o = record.timings, record.offload
     parts = [f"<h3>{html.escape(title(record, run_id))}</h3>"]
@@ -140,9 +148,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         ("approximate routing", "on" if record.approximate_routing else "off")]
         + ([("token agreement with exact routing", f"{record.routing_agreement:.1%}")]
            if record.routing_agreement is not None else [])
-        + ([("experts dropped / substituted", f"{record.approximation['dropped']} / "
-                                              f"{record.approximation['substituted']}")]
-           if record.approximation else [])
+        + ([("routed experts dropped / substituted", _approximation_text(record))] if record.approximation else [])
         + [(what, get(record) or NOT_RECORDED) for what, get in GENERATION_FACTS]))
     parts.append("<h4>Timings and peaks</h4>")
     parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
