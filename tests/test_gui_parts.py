@@ -1327,3 +1327,25 @@ def test_a_cuda_gpu_without_an_nvml_reading_is_not_shown_as_a_0_byte_card(gptoss
     panel.set_gpu(_card(8 << 30, 1 << 30))
     panel.refresh()
     assert panel.device_note.text() == "test card: 8.0 GiB"
+
+
+def test_the_approximate_routing_controls_say_what_they_do(qapp):
+    """'…from rank' had the key's name alone for a tooltip, and 'Substitute below' left out that the weight decides:
+    each says what it takes and what its values mean, as the engine applies them (engine/offload/approximate.py)."""
+    from PySide6.QtWidgets import QLabel
+
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    tips = {label.text(): label.toolTip() for label in panel.findChildren(QLabel)}
+    assert tips["Drop below weight"] == (
+        "min_expert_weight: drop each routed expert whose routing weight is below this, never a token's top-ranked "
+        "one (with 'only cold experts', only those not resident); the others keep their weights, not renormalised. "
+        "off = 0")
+    assert tips["Substitute below"] == (
+        "tail_substitution_threshold: a cold routed expert whose routing weight is below this, from the rank below "
+        "on, is replaced by the resident expert the router scores highest among those it did not choose, with the "
+        "same weight. off = 0")
+    assert tips["…from rank"] == (
+        "tail_substitution_min_rank: the first routing rank that may be substituted: 0 = a token's top-ranked expert "
+        "too, 1 = from the second on (the default); below each expert node's top-k")

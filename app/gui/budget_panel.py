@@ -225,12 +225,18 @@ class BudgetPanel(QWidget):
 
         approx_box = QGroupBox("Approximate routing")
         f = form()
-        f.addRow(_label("Drop below weight", "min_expert_weight: drop routed experts (never the top one) below this weight"),
-                 self.min_weight)
+        f.addRow(_label("Drop below weight", "min_expert_weight: drop each routed expert whose routing weight is below "
+                                             "this, never a token's top-ranked one (with 'only cold experts', only "
+                                             "those not resident); the others keep their weights, not renormalised. "
+                                             "off = 0"), self.min_weight)
         f.addRow("", self.cold_only)
-        f.addRow(_label("Substitute below", "tail_substitution_threshold: replace a cold tail expert by the best resident one"),
-                 self.tail_threshold)
-        f.addRow(_label("…from rank", "tail_substitution_min_rank"), self.tail_rank)
+        f.addRow(_label("Substitute below", "tail_substitution_threshold: a cold routed expert whose routing weight is "
+                                            "below this, from the rank below on, is replaced by the resident expert "
+                                            "the router scores highest among those it did not choose, with the same "
+                                            "weight. off = 0"), self.tail_threshold)
+        f.addRow(_label("…from rank", "tail_substitution_min_rank: the first routing rank that may be substituted: 0 = "
+                                      "a token's top-ranked expert too, 1 = from the second on (the default); below "
+                                      "each expert node's top-k"), self.tail_rank)
         approx_box.setLayout(f)
 
         other_box = QGroupBox("Other settings in force")
