@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtCore import QSettings  # noqa: E402
+from PySide6.QtCore import QSettings, Qt  # noqa: E402
 from PySide6.QtWidgets import QFileDialog  # noqa: E402
 
 from app.gui import theme  # noqa: E402
@@ -1060,3 +1060,26 @@ def test_the_sweeps_recommendation_says_its_token_agreement_under_approximate_ro
     agreement, tokens = record.routing_agreement, record.generated_tokens
     assert view.summary.text().endswith(f" Approximate routing: token agreement with exact routing {agreement:.0%} "
                                         f"({round(agreement * tokens)} of {tokens} tokens).")
+
+
+def test_the_history_table_says_which_runs_routed_approximately_and_their_agreement(qtbot, tmp_path):
+    """The History tab listed a run with approximate routing as it listed an exact one: faster, and nothing said what
+    that cost. Its routing column says "exact", or "approximate" with the run's token agreement with exact routing."""
+    from app.gui.history_view import HEADERS, HistoryView
+
+    history = History(tmp_path / "history.sqlite3")
+    device = SimulatedDevice(1 << 30)
+    params = GenerationParams(max_new_tokens=6)
+    exact = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=0), device=device)
+    approximate = LoadedModel.open(fixture_folder("gptoss"), device=device,
+                                   offload=OffloadConfig(device_expert_bytes=0, min_expert_weight=0.5))
+    records = [run_scenario(exact, "short", params, device), run_scenario(approximate, "short", params, device)]
+    ids = [history.add(record) for record in records]
+    view = HistoryView(tmp_path / "history.sqlite3")
+    qtbot.addWidget(view)
+    view.refresh()
+    column = HEADERS.index("routing")
+    agreement = records[1].routing_agreement
+    assert 0 < agreement < 1
+    assert {view.table.item(r, 0).data(Qt.ItemDataRole.UserRole): view.table.item(r, column).text()
+            for r in range(2)} == {ids[0]: "exact", ids[1]: f"approximate, {agreement:.0%} agreement"}

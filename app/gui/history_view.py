@@ -18,8 +18,9 @@ from engine.records.schema import RecordError
 from engine.records.scenarios import SCENARIOS
 from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
 
-HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "load", "first token", "decode",
-           "completion", "tokens", "device peak", "RSS peak")
+HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "routing", "load", "first token",
+           "decode", "completion", "tokens", "device peak", "RSS peak")
+FIRST_NUMBER = HEADERS.index("load")  # the columns from here on are numbers, right-aligned
 EXPORTS = {"json": "JSON (*.json)", "csv": "CSV (*.csv)", "markdown": "Markdown (*.md)"}
 SUFFIX = {"json": ".json", "csv": ".csv", "markdown": ".md"}
 
@@ -32,6 +33,14 @@ def _budget(row: dict) -> str:
     return fmt(int(budget), "bytes") if budget and str(budget).isdigit() else (budget or "auto")
 
 
+def _routing(row: dict) -> str:
+    """Exact routing, or approximate with the run's token agreement with exact routing (what it cost in answers)."""
+    if not row["approximate_routing"]:
+        return "exact"
+    agreement = row["routing_agreement"]
+    return "approximate" if agreement is None else f"approximate, {agreement:.0%} agreement"
+
+
 def _local_time(created: str | None) -> str:
     """A record's time (ISO 8601, UTC) in the machine's time zone, as the user reads a clock."""
     try:
@@ -42,7 +51,7 @@ def _local_time(created: str | None) -> str:
 
 def _cells(row: dict) -> list[str]:
     return [str(row["id"]), _local_time(row["created"]), row["scenario"] or "",
-            row["label"] or "", Path(row["model"] or "").name, row["device"] or "cpu", _budget(row),
+            row["label"] or "", Path(row["model"] or "").name, row["device"] or "cpu", _budget(row), _routing(row),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
             fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
             fmt(row["peak_rss_bytes"], "bytes")]
@@ -151,7 +160,7 @@ class HistoryView(QWidget):
             for c, text in enumerate(_cells(row)):
                 item = QTableWidgetItem(text)
                 item.setData(Qt.ItemDataRole.UserRole, row["id"])
-                if c >= 7:
+                if c >= FIRST_NUMBER:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
                 self.table.setItem(r, c, item)
         for r, row in enumerate(rows):
