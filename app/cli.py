@@ -297,6 +297,10 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     if idle_routing:
         print(f"warning: {', '.join(idle_routing)}: no effect under mode=disabled, which offloads nothing: routing is "
               "exact (approximate routing needs mode=auto or required)", file=sys.stderr)
+    narrows = {"min_expert_weight": "whose drops it narrows to cold experts",
+               "tail_substitution_threshold": "whose substitutions it narrows to these ranks"}
+    for setting, narrowed in config.unpaired_routing_settings():
+        print(f"warning: {setting}: no effect without {narrowed}, {narrows[narrowed]}", file=sys.stderr)
     unused = keys_among(changed, UNUSED_KEYS)
     if unused:
         print(f"warning: {', '.join(unused)}: kept for onnxruntime, but this engine does not use "

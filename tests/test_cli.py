@@ -1148,3 +1148,22 @@ def test_a_sweep_with_approximate_routing_says_each_points_token_agreement(tmp_p
     exact = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
                   "--max-new-tokens", "2", "--history", history)[1]
     assert "agreement" not in exact
+
+
+def test_a_narrowing_routing_setting_without_the_one_it_narrows_is_said_to_do_nothing(tmp_path, capsys):
+    """skip_tail_cold_only only narrows what min_expert_weight drops, tail_substitution_min_rank only where
+    tail_substitution_threshold substitutes: given alone they were taken silently, routing exact (no agreement said),
+    where a user may think approximate routing on. The command line says so, as it does for mode=disabled."""
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hello", "--max-new-tokens", "2", "--device",
+                              "simulated", "--offload", "skip_tail_cold_only=1", "--offload",
+                              "tail_substitution_min_rank=0")
+    assert status == 0, err
+    assert [line for line in err.splitlines() if line.startswith("warning")] == [
+        "warning: skip_tail_cold_only=1: no effect without min_expert_weight, whose drops it narrows to cold experts",
+        "warning: tail_substitution_min_rank=0: no effect without tail_substitution_threshold, whose substitutions "
+        "it narrows to these ranks"]
+    assert "agreement" not in err
+    status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hello", "--max-new-tokens", "2", "--device",
+                              "simulated", "--offload", "skip_tail_cold_only=1", "--offload", "min_expert_weight=0.5")
+    assert status == 0 and "warning" not in err and "token agreement with exact routing" in err

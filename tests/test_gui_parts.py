@@ -1349,3 +1349,19 @@ def test_the_approximate_routing_controls_say_what_they_do(qapp):
     assert tips["…from rank"] == (
         "tail_substitution_min_rank: the first routing rank that may be substituted: 0 = a token's top-ranked expert "
         "too, 1 = from the second on (the default); below each expert node's top-k")
+
+
+def test_the_approximate_routing_controls_that_narrow_another_are_offered_only_with_it(qapp):
+    """'only cold experts' narrows what Drop below weight drops and '…from rank' where Substitute below substitutes:
+    with those off they changed nothing, yet were offered. They are greyed out until the setting they narrow is on."""
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.refresh()
+    assert not panel.cold_only.isEnabled() and not panel.tail_rank.isEnabled()
+    panel.min_weight.setValue(0.2)
+    panel.refresh()
+    assert panel.cold_only.isEnabled() and not panel.tail_rank.isEnabled()
+    panel.tail_threshold.setValue(0.3)
+    panel.refresh()
+    assert panel.cold_only.isEnabled() and panel.tail_rank.isEnabled()

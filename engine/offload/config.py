@@ -24,6 +24,8 @@ DEVICE_KEYS = frozenset({"device_expert_bytes", "reserve_device_bytes", "gpu_dev
 # every expert where the dense part runs) they do nothing and routing is exact
 ROUTING_KEYS = frozenset({"min_expert_weight", "skip_tail_cold_only", "tail_substitution_threshold",
                           "tail_substitution_min_rank"})
+# approximate routing's settings that narrow another (which does nothing while off): narrowing -> narrowed
+NARROWING = {"skip_tail_cold_only": "min_expert_weight", "tail_substitution_min_rank": "tail_substitution_threshold"}
 # keys onnxruntime takes that this engine has no use for: host scratch it sizes itself, budgets shared across sessions
 # (one model runs here), weights and derived layouts read and made in place, and a CPU doorbell it does not have;
 # they are kept in the configuration, so that it goes to onnxruntime whole
@@ -92,6 +94,16 @@ class OffloadConfig:
         if self.mode != "disabled":
             return []
         return [f"{short_key(key)}={value}" for key, value in self.to_entries().items() if short_key(key) in ROUTING_KEYS]
+
+    def unpaired_routing_settings(self) -> list[tuple[str, str]]:
+        """Approximate routing's settings (as key=value) that only narrow another which is off, so do nothing, each
+        with the one it narrows: skip_tail_cold_only without min_expert_weight, tail_substitution_min_rank without
+        tail_substitution_threshold. None under mode=disabled, where none of them applies (idle_routing_settings)."""
+        if self.mode == "disabled":
+            return []
+        given = {short_key(key): value for key, value in self.to_entries().items()}
+        return [(f"{key}={given[key]}", narrowed) for key, narrowed in NARROWING.items()
+                if key in given and narrowed not in given]
 
     @classmethod
     def from_entries(cls, entries: dict[str, str]) -> "OffloadConfig":
