@@ -1365,3 +1365,16 @@ def test_the_approximate_routing_controls_that_narrow_another_are_offered_only_w
     panel.tail_threshold.setValue(0.3)
     panel.refresh()
     assert panel.cold_only.isEnabled() and panel.tail_rank.isEnabled()
+
+
+def test_the_placement_summary_says_approximate_routings_counts_are_of_routed_experts(qapp):
+    """'approximate routing: 12 dropped' left unsaid what was dropped: routed experts (k a token in each layer), not
+    12 of the model's experts."""
+    from app.gui.placement_view import PlacementView
+
+    view = PlacementView()
+    view.set_stats({"resident": np.array([[True, False]]), "traffic": np.ones((1, 2)), "valid": np.ones((1, 2), bool),
+                    "placement": "adaptive", "layer_names": ["a/QMoE"], "layer_index": [0], "bytes_per_expert": [1024],
+                    "layers": [{"hits": 30, "misses": 10, "swaps": 0}], "approximation": {"dropped": 12,
+                                                                                         "substituted": 3}})
+    assert view.summary.text().endswith(" · approximate routing: 12 routed experts dropped, 3 substituted")

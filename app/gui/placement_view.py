@@ -425,5 +425,6 @@ class PlacementView(QWidget):
             parts.append(f"CPU experts read {human_bytes(int(self.last_rate))}/s in decode")
         approx = data.get("approximation") or {}
         if approx.get("dropped") or approx.get("substituted"):
-            parts.append(f"approximate routing: {approx.get('dropped', 0)} dropped, {approx.get('substituted', 0)} substituted")
+            parts.append(f"approximate routing: {approx.get('dropped', 0)} routed experts dropped, "
+                         f"{approx.get('substituted', 0)} substituted")
         self.summary.setText(" · ".join(parts))
