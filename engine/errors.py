@@ -1,5 +1,7 @@
 """The one exception type the engine raises for bad input; its message is one line for the user."""
 
+import errno
+import os
 import re
 
 
@@ -26,6 +28,17 @@ def read_model_text(path) -> str:
         raise ModelFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise ModelFileError(f"{path}: not readable ({exc.strerror or exc})") from None
+
+
+def no_link_loop(path):
+    """`path` as it is; a ModelFileError naming it where its symbolic links loop: it leads to no file, and
+    Path.resolve raises a RuntimeError on it."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ModelFileError(f"{path}: a loop of symbolic links (it leads to no file)") from None
+    return path
 
 
 class PromptError(WorkbenchError):

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import ModelFileError, read_model_text
+from engine.errors import ModelFileError, no_link_loop, read_model_text
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def _layers(sliding: dict, path: Path, where: str) -> tuple[int, ...] | None:
 
 def load_genai_config(folder: Path) -> GenaiConfig:
     path = Path(folder) / "genai_config.json"
-    if not path.is_file():
+    if not no_link_loop(path).is_file():
         raise ModelFileError(f"{path}: missing (a model folder from onnxruntime-genai's builder has one)")
     try:
         raw = json.loads(read_model_text(path))

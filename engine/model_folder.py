@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.decoder_state import DecoderState
-from engine.errors import ModelFileError, UnsupportedModelError
+from engine.errors import ModelFileError, UnsupportedModelError, no_link_loop
 from engine.expert_node import ExpertNodeInfo, describe_expert_node
 from engine.genai_config import GenaiConfig, load_genai_config
 from engine.onnx_file import OnnxFile, inside_folder
@@ -17,7 +17,7 @@ from engine.tokenizer import ModelTokenizer
 
 def folder_path(folder: str | Path) -> Path:
     """`folder` resolved, checked to be a folder (a model's: its files are checked as they are read)."""
-    path = Path(folder).expanduser().resolve()
+    path = no_link_loop(Path(folder).expanduser()).resolve()
     if not path.is_dir():
         raise ModelFileError(f"{path}: not a folder (point at the folder holding genai_config.json and model.onnx)")
     return path

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from engine.errors import ModelFileError
+from engine.errors import ModelFileError, no_link_loop
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ def inside_folder(folder: Path, relative: str) -> bool:
     nothing outside it (an absolute path, '..', or a link out of it)."""
     if not relative or Path(relative).is_absolute() or ".." in Path(relative).parts:
         return False
-    root = Path(folder).resolve()
-    return (root / relative).resolve().is_relative_to(root)
+    root = no_link_loop(Path(folder)).resolve()
+    return no_link_loop(root / relative).resolve().is_relative_to(root)
 
 
 def _constant_to_initializer(node: onnx.NodeProto) -> onnx.TensorProto | None:

@@ -13,7 +13,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.errors import ModelFileError, PromptError, WorkbenchError, read_model_text
+from engine.errors import ModelFileError, PromptError, WorkbenchError, no_link_loop, read_model_text
 
 # the special tokens transformers hands a chat template (its special_tokens_map), where tokenizer_config.json sets them
 SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -155,7 +155,7 @@ class ModelTokenizer:
     def __init__(self, folder: Path):
         folder = Path(folder)
         path = folder / "tokenizer.json"
-        if not path.is_file():
+        if not no_link_loop(path).is_file():
             raise ModelFileError(f"{path}: missing")
         try:
             self._tok = Tokenizer.from_file(str(path))
@@ -169,7 +169,7 @@ class ModelTokenizer:
 
     @staticmethod
     def _read_config(path: Path) -> dict:
-        if not path.is_file():
+        if not no_link_loop(path).is_file():
             return {}
         try:
             config = json.loads(read_model_text(path))
@@ -186,7 +186,7 @@ class ModelTokenizer:
         if isinstance(extra, list):
             special["additional_special_tokens"] = [text for token in extra if (text := _token_text(token))]
         jinja_file = folder / "chat_template.jinja"
-        if jinja_file.is_file():
+        if no_link_loop(jinja_file).is_file():
             return ChatTemplate(read_model_text(jinja_file), str(jinja_file), special)
         template = config.get("chat_template")
         origin = str(folder / "tokenizer_config.json")

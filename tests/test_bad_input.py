@@ -450,3 +450,18 @@ def test_node_overrides_naming_no_expert_node_are_refused_with_the_nearest_name(
                      "node_overrides=/model/layers.0/moe/QMO:max_resident_slots=3")
     assert_clean_error(result, "node_overrides names '/model/layers.0/moe/QMO', which is no expert node of this model "
                                "(did you mean '/model/layers.0/moe/QMoE'?)")
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json",
+                                  "tokenizer_config.json", "chat_template.jinja"])
+def test_a_symbolic_link_loop_in_the_model_folder_is_named_not_an_internal_error(copy_fixture, name):
+    folder = copy_fixture("gptoss")
+    (folder / name).unlink()
+    (folder / name).symlink_to(name)
+    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / name}: a loop of symbolic links")
+
+
+def test_a_model_folder_that_is_a_symbolic_link_loop_is_named(tmp_path):
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    assert_clean_error(run_cli("inspect", str(tmp_path / "a")), f"{tmp_path / 'a'}: a loop of symbolic links")
