@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,8 @@ def folder_path(folder: str | Path) -> Path:
     path = no_link_loop(Path(folder).expanduser()).resolve()
     if not path.is_dir():
         raise ModelFileError(f"{path}: not a folder (point at the folder holding genai_config.json and model.onnx)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ModelFileError(f"{path}: not readable ({os.strerror(errno.EACCES)})")
     return path
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,8 @@ class OnnxFile:
             raise ModelFileError(f"{self.path}: missing")
         try:
             self.proto = onnx.load(str(self.path), load_external_data=False)
+        except OSError as exc:
+            raise ModelFileError(f"{self.path}: not readable ({exc.strerror or exc})") from None
         except Exception as exc:  # protobuf's DecodeError and friends
             raise ModelFileError(f"{self.path}: not a valid ONNX model ({type(exc).__name__}: {exc})") from None
         if not self.proto.graph.node:
@@ -157,7 +160,11 @@ class OnnxFile:
                         f"{self.path}: initializer '{tensor.name}' points outside the model folder ('{ref.location}')")
                 if not data_path.is_file():
                     raise ModelFileError(f"{data_path}: missing (external data of initializer '{tensor.name}')")
-                sizes[ref.location] = data_path.stat().st_size
+                try:
+                    with open(data_path, "rb") as data:  # read when mapped: said now, not at the load
+                        sizes[ref.location] = os.fstat(data.fileno()).st_size
+                except OSError as exc:
+                    raise ModelFileError(f"{data_path}: not readable ({exc.strerror or exc})") from None
             expected = self.tensor_nbytes(tensor)
             length = expected if ref.length < 0 else ref.length
             if length != expected:

@@ -157,8 +157,9 @@ class ModelTokenizer:
         path = folder / "tokenizer.json"
         if not no_link_loop(path).is_file():
             raise ModelFileError(f"{path}: missing")
+        text = read_model_text(path)
         try:
-            self._tok = Tokenizer.from_file(str(path))
+            self._tok = Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ModelFileError(f"{path}: not a valid tokenizer ({str(exc).splitlines()[0]})") from None
         config = self._read_config(folder / "tokenizer_config.json")

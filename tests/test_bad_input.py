@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -465,3 +467,25 @@ def test_a_model_folder_that_is_a_symbolic_link_loop_is_named(tmp_path):
     (tmp_path / "a").symlink_to("b")
     (tmp_path / "b").symlink_to("a")
     assert_clean_error(run_cli("inspect", str(tmp_path / "a")), f"{tmp_path / 'a'}: a loop of symbolic links")
+
+
+def run_cli_bound_by_permissions(*args: str) -> subprocess.CompletedProcess:
+    """run_cli where file permissions apply: as root, without the capabilities that override them."""
+    if os.geteuid() != 0:
+        return run_cli(*args)
+    if shutil.which("setpriv") is None:
+        pytest.skip("root ignores file permissions and setpriv is not here to drop that")
+    caps = "-dac_override,-dac_read_search"
+    return subprocess.run(["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--",
+                           sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["", "model.onnx", "model.onnx.data", "tokenizer.json"])
+def test_a_file_or_folder_without_read_permission_is_named_as_not_readable(copy_fixture, name):
+    folder = copy_fixture("gptoss")
+    (folder / name).chmod(0)
+    try:
+        result = run_cli_bound_by_permissions("inspect", str(folder))
+    finally:
+        (folder / name).chmod(0o755)
+    assert_clean_error(result, f"{folder / name}: not readable (Permission denied)")
