@@ -1476,3 +1476,27 @@ def test_the_record_and_sweep_answer_choices_outlive_the_window(qtbot, tmp_path)
     win.close()
     again = make_window(qtbot, tmp_path, nvml=False)
     assert (again.scenarios.answers.currentData(), again.sweep.answers.currentData()) == ("chat", "model")
+
+
+def test_an_unsupported_model_shown_cannot_be_loaded_by_the_menu_either_and_the_loaded_one_stays(qtbot, window,
+                                                                                                  copy_fixture):
+    """Load (the button) is off for a model whose expert nodes the kernels cannot run, but Model > Load (Ctrl+L)
+    stayed on: it dropped the loaded model, then failed on the unsupported one."""
+    import onnx
+
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded)
+    folder = copy_fixture("lfm2moe")
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    node = next(n for n in model.graph.node if n.op_type == "QMoE")
+    next(a for a in node.attribute if a.name == "k").i = 9  # more than its 8 experts
+    onnx.save(model, str(folder / "model.onnx"))
+    window.open_model(str(folder))
+    qtbot.waitUntil(lambda: window.facts is not None and window.facts.name == "lfm2moe" and not window.busy,
+                    timeout=WAIT)
+    assert not window.facts.supported
+    assert not window.model_panel.load_button.isEnabled() and not window.load_action.isEnabled()
+    window.load_action.trigger()
+    window.load()
+    qtbot.wait(200)
+    assert not window.busy and same(window.loaded_path, loaded) and not window.error_banner.isVisible()

@@ -525,7 +525,7 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def load(self) -> None:
-        if self.facts is not None and not self.busy:
+        if self._can_load():
             self._start_load(self.facts.path, self.budget_panel.settings())
 
     def _start_load(self, path: str, settings: dict) -> None:
@@ -822,7 +822,7 @@ class MainWindow(QMainWindow):
         self.chat.set_state(busy=bool(busy) or chat_waits, loaded=loaded, answering=busy == "generating" or chat_waits)
         for action in (self.open_action, self.demo_action):
             action.setEnabled(not busy)
-        self.load_action.setEnabled(not busy and self.facts is not None)
+        self.load_action.setEnabled(self._can_load())
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
         what = STOPPABLE["generating"] if chat_waits else STOPPABLE.get(busy)
         if what is None and self._job_waiting is not None:
@@ -833,6 +833,11 @@ class MainWindow(QMainWindow):
         for view in self.job_views.values():
             view.set_state(busy, loaded)
         self.budget_panel.set_busy(bool(busy))
+
+    def _can_load(self) -> bool:
+        """Whether Load may start: idle, with a model shown that the kernels run (a load of one they cannot would drop
+        the loaded model, then fail), as the model panel's Load button says."""
+        return not self.busy and self.facts is not None and self.facts.supported
 
     def _show_activity(self, stopped: str | None) -> None:
         """The status bar as the worker's activity changes: what runs now; once idle, what Stop stopped (`stopped`,
