@@ -115,6 +115,7 @@ class OnnxFile:
         # each initializer's external data (None: inline), parsed once: release_pages runs at every copy of an expert
         # to the device under a bounded host cache (HostExpertCache), and parsing took 2.5 of its 4 µs
         self._refs: dict[str, ExternalRef | None] = {}
+        self._data_needs: dict[str, int] = {}  # each external data file's bytes its initializers take, to the last
         self._check_initializers()
         self._check_external_data()
 
@@ -174,6 +175,7 @@ class OnnxFile:
                 raise ModelFileError(
                     f"{data_path}: truncated: initializer '{tensor.name}' needs bytes {ref.offset}..{ref.offset + length} "
                     f"but the file has {sizes[ref.location]}")
+            self._data_needs[ref.location] = max(self._data_needs.get(ref.location, 0), ref.offset + length)
 
     @staticmethod
     def tensor_dtype(tensor: onnx.TensorProto) -> np.dtype:
@@ -199,7 +201,16 @@ class OnnxFile:
         """The read-only memory mapping of an external data file (made at first use, kept)."""
         mapping = self._maps.get(location)
         if mapping is None:
-            with open(self.folder / location, "rb") as data:
+            path = self.folder / location
+            try:
+                data = open(path, "rb")
+            except OSError as exc:  # removed or made unreadable since it was checked
+                raise ModelFileError(f"{path}: not readable ({exc.strerror or exc})") from None
+            with data:
+                size, needs = os.fstat(data.fileno()).st_size, self._data_needs[location]
+                if size < needs:  # rewritten since it was checked
+                    raise ModelFileError(f"{path}: truncated since the model folder was opened: it has {size} bytes "
+                                         f"of the {needs} its initializers take")
                 mapping = mmap.mmap(data.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[location] = mapping
         return mapping

@@ -489,3 +489,31 @@ def test_a_file_or_folder_without_read_permission_is_named_as_not_readable(copy_
     finally:
         (folder / name).chmod(0o755)
     assert_clean_error(result, f"{folder / name}: not readable (Permission denied)")
+
+
+def test_external_data_cut_short_after_the_folder_was_opened_is_named_at_the_load(copy_fixture):
+    """The window loads the folder it inspected: a data file rewritten shorter in between failed the load with
+    'ValueError: buffer is smaller than requested size' (or 'cannot mmap an empty file'), one removed with
+    'FileNotFoundError', naming no file."""
+    from engine.errors import ModelFileError
+    from engine.generation import LoadedModel
+    from engine.model_folder import ModelFolder
+
+    folder = copy_fixture("gptoss")
+    opened = ModelFolder.open(folder)
+    data = folder / "model.onnx.data"
+    os.truncate(data, data.stat().st_size // 2)
+    said = rf"^{data}: truncated since the model folder was opened: it has 574896 bytes of the 1149792 its initializers"
+    with pytest.raises(ModelFileError, match=said):
+        LoadedModel(opened)
+    removed = copy_fixture("qwen35moe")
+    opened = ModelFolder.open(removed)
+    (removed / "model.onnx.data").unlink()
+    with pytest.raises(ModelFileError, match=rf"^{removed / 'model.onnx.data'}: not readable \(No such file"):
+        LoadedModel(opened)
+    emptied = copy_fixture("lfm2moe")
+    opened = ModelFolder.open(emptied)
+    os.truncate(emptied / "model.onnx.data", 0)  # a mapping of an empty file is refused outright
+    said = rf"^{emptied / 'model.onnx.data'}: truncated since the model folder was opened: it has 0 bytes of the"
+    with pytest.raises(ModelFileError, match=said):
+        LoadedModel(opened)
