@@ -41,6 +41,13 @@ def no_link_loop(path):
     return path
 
 
+def not_a_file(path) -> str:
+    """What is wrong where a model file is not a regular file: 'missing', or what is there instead."""
+    if path.is_dir():
+        return "a folder, not a file"
+    return "not a regular file" if path.exists() else "missing"
+
+
 class PromptError(WorkbenchError):
     """A prompt that cannot be run: empty, or longer than the context."""
 

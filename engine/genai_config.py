@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import ModelFileError, no_link_loop, read_model_text
+from engine.errors import ModelFileError, no_link_loop, not_a_file, read_model_text
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _layers(sliding: dict, path: Path, where: str) -> tuple[int, ...] | None:
 def load_genai_config(folder: Path) -> GenaiConfig:
     path = Path(folder) / "genai_config.json"
     if not no_link_loop(path).is_file():
-        raise ModelFileError(f"{path}: missing (a model folder from onnxruntime-genai's builder has one)")
+        raise ModelFileError(f"{path}: {not_a_file(path)} (a model folder from onnxruntime-genai's builder has one)")
     try:
         raw = json.loads(read_model_text(path))
     except json.JSONDecodeError as exc:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from engine.errors import ModelFileError, no_link_loop
+from engine.errors import ModelFileError, no_link_loop, not_a_file
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class OnnxFile:
         self.path = Path(path)
         self.folder = self.path.parent
         if not self.path.is_file():
-            raise ModelFileError(f"{self.path}: missing")
+            raise ModelFileError(f"{self.path}: {not_a_file(self.path)}")
         try:
             self.proto = onnx.load(str(self.path), load_external_data=False)
         except OSError as exc:
@@ -160,7 +160,7 @@ class OnnxFile:
                     raise ModelFileError(
                         f"{self.path}: initializer '{tensor.name}' points outside the model folder ('{ref.location}')")
                 if not data_path.is_file():
-                    raise ModelFileError(f"{data_path}: missing (external data of initializer '{tensor.name}')")
+                    raise ModelFileError(f"{data_path}: {not_a_file(data_path)} (external data of initializer '{tensor.name}')")
                 try:
                     with open(data_path, "rb") as data:  # read when mapped: said now, not at the load
                         sizes[ref.location] = os.fstat(data.fileno()).st_size

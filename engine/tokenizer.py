@@ -13,7 +13,7 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.errors import ModelFileError, PromptError, WorkbenchError, no_link_loop, read_model_text
+from engine.errors import ModelFileError, PromptError, WorkbenchError, no_link_loop, not_a_file, read_model_text
 
 # the special tokens transformers hands a chat template (its special_tokens_map), where tokenizer_config.json sets them
 SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -156,7 +156,7 @@ class ModelTokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not no_link_loop(path).is_file():
-            raise ModelFileError(f"{path}: missing")
+            raise ModelFileError(f"{path}: {not_a_file(path)}")
         text = read_model_text(path)
         try:
             self._tok = Tokenizer.from_str(text)

@@ -517,3 +517,19 @@ def test_external_data_cut_short_after_the_folder_was_opened_is_named_at_the_loa
     said = rf"^{emptied / 'model.onnx.data'}: truncated since the model folder was opened: it has 0 bytes of the"
     with pytest.raises(ModelFileError, match=said):
         LoadedModel(opened)
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json"])
+def test_a_folder_where_a_model_file_should_be_is_named_as_a_folder_not_missing(copy_fixture, name):
+    folder = copy_fixture("gptoss")
+    (folder / name).unlink()
+    (folder / name).mkdir()
+    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / name}: a folder, not a file")
+
+
+def test_a_model_filename_naming_the_folder_itself_is_not_called_missing(copy_fixture):
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["decoder"]["filename"] = "."
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    assert_clean_error(run_cli("inspect", str(folder)), f"{folder}: a folder, not a file")
