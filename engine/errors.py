@@ -1,6 +1,7 @@
 """The one exception type the engine raises for bad input; its message is one line for the user."""
 
 import errno
+import json
 import os
 import re
 
@@ -28,6 +29,17 @@ def read_model_text(path) -> str:
         raise ModelFileError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise ModelFileError(f"{path}: not readable ({exc.strerror or exc})") from None
+
+
+def read_model_json(path):
+    """A model folder's JSON file, parsed; a ModelFileError naming it where it is not readable or not JSON."""
+    text = read_model_text(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ModelFileError(f"{path}: not valid JSON (nested too deeply to read)") from None
 
 
 def no_link_loop(path):

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import ModelFileError, no_link_loop, not_a_file, read_model_text
+from engine.errors import ModelFileError, no_link_loop, not_a_file, read_model_json
 
 
 @dataclass(frozen=True)
@@ -163,10 +163,7 @@ def load_genai_config(folder: Path) -> GenaiConfig:
     path = Path(folder) / "genai_config.json"
     if not no_link_loop(path).is_file():
         raise ModelFileError(f"{path}: {not_a_file(path)} (a model folder from onnxruntime-genai's builder has one)")
-    try:
-        raw = json.loads(read_model_text(path))
-    except json.JSONDecodeError as exc:
-        raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
+    raw = read_model_json(path)
     try:
         if not isinstance(raw, dict):
             raise ModelFileError(f"{path}: not a JSON object")

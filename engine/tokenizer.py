@@ -13,7 +13,8 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.errors import ModelFileError, PromptError, WorkbenchError, no_link_loop, not_a_file, read_model_text
+from engine.errors import (ModelFileError, PromptError, WorkbenchError, no_link_loop, not_a_file, read_model_json,
+                           read_model_text)
 
 # the special tokens transformers hands a chat template (its special_tokens_map), where tokenizer_config.json sets them
 SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -172,10 +173,7 @@ class ModelTokenizer:
     def _read_config(path: Path) -> dict:
         if not no_link_loop(path).is_file():
             return {}
-        try:
-            config = json.loads(read_model_text(path))
-        except json.JSONDecodeError as exc:
-            raise ModelFileError(f"{path}: not valid JSON ({exc})") from None
+        config = read_model_json(path)
         if not isinstance(config, dict):
             raise ModelFileError(f"{path}: expected a JSON object")
         return config

@@ -533,3 +533,10 @@ def test_a_model_filename_naming_the_folder_itself_is_not_called_missing(copy_fi
     config["model"]["decoder"]["filename"] = "."
     (folder / "genai_config.json").write_text(json.dumps(config))
     assert_clean_error(run_cli("inspect", str(folder)), f"{folder}: a folder, not a file")
+
+
+@pytest.mark.parametrize("name", ["genai_config.json", "tokenizer_config.json"])
+def test_json_nested_past_what_python_reads_is_named_not_an_internal_error(copy_fixture, name):
+    folder = copy_fixture("gptoss")
+    (folder / name).write_text("[" * 100_000 + "]" * 100_000)
+    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / name}: not valid JSON (nested too deeply")
