@@ -33,9 +33,20 @@ def inspection(folder: ModelFolder) -> dict:
         "dense_bytes": folder.dense_bytes,
         "dense_segments": len(folder.plan.segments),
         "supported": supported,
-        "verdict": (f"runs: all {len(nodes)} expert nodes are supported by our CPU kernels" if supported else
-                    f"cannot run: {sum(not n['supported'] for n in nodes)} of {len(nodes)} expert nodes are unsupported"),
+        "verdict": verdict(nodes),
     }
+
+
+NO_EXPERT_NODES = "no expert nodes: onnxruntime runs the whole model"
+
+
+def verdict(nodes: list[dict]) -> str:
+    if not nodes:
+        return f"runs: {NO_EXPERT_NODES}"
+    unsupported = sum(not n["supported"] for n in nodes)
+    if unsupported:
+        return f"cannot run: {unsupported} of {len(nodes)} expert nodes are unsupported"
+    return f"runs: all {len(nodes)} expert nodes are supported by our CPU kernels"
 
 
 def format_inspection(report: dict) -> str:

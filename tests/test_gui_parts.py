@@ -1378,3 +1378,27 @@ def test_the_placement_summary_says_approximate_routings_counts_are_of_routed_ex
                     "layers": [{"hits": 30, "misses": 10, "swaps": 0}], "approximation": {"dropped": 12,
                                                                                          "substituted": 3}})
     assert view.summary.text().endswith(" · approximate routing: 12 routed experts dropped, 3 substituted")
+
+
+def test_a_model_without_expert_nodes_says_onnxruntime_runs_all_of_it(qapp, copy_fixture):
+    """A dense model (no QMoE / MoE node) runs, all of it in onnxruntime; its verdict read 'runs: all 0 expert nodes
+    are supported by our CPU kernels' and, in the panel, 'every expert runs on the CPU'."""
+    import onnx
+
+    from app.gui.model_panel import ModelPanel
+    from tests.test_bad_input import _edit_onnx
+
+    def experts_to_identity(model):
+        for node in model.graph.node:
+            if node.op_type == "QMoE":
+                node.CopyFrom(onnx.helper.make_node("Identity", [node.input[0]], [node.output[0]], name=node.name))
+
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, experts_to_identity)
+    opened = ModelFolder.open(folder)
+    report = inspection(opened)
+    assert report["supported"] and report["verdict"] == "runs: no expert nodes: onnxruntime runs the whole model"
+    panel = ModelPanel()
+    panel.show_facts(model_facts(opened, report))
+    panel.show_estimate(estimate(panel.facts, OffloadConfig(), DeviceChoice()), "auto", "CPU only")
+    assert "Runs (mode <b>auto</b>, CPU only): no expert nodes: onnxruntime runs the whole model." in panel.verdict.text()

@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QHeaderVi
 
 from app.gui import theme
 from app.gui.widgets import heading
-from app.inspect_report import per_expert
+from app.inspect_report import NO_EXPERT_NODES, per_expert
 from engine.units import counted, human_bytes
 
 COLUMNS = ("Layer", "Experts", "Top-k", "Per expert", "Total", "Verdict", "Layout")
@@ -244,7 +244,9 @@ class ModelPanel(QWidget):
             colour, verdict = t.error, f"Cannot run ({where}): {html.escape(why)}"
         else:
             total = estimate.total_experts
-            if estimate.resident >= total > 0:
+            if not self.facts.report["expert_nodes"]:
+                placement = NO_EXPERT_NODES
+            elif estimate.resident >= total > 0:
                 placement = f"all {total} experts resident on the device"
             elif estimate.resident:
                 # slots: adaptive placement may leave some to copied misses once loaded (the placement view tells)
