@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,10 @@ class ModelFolder:
         if unknown:
             raise UnsupportedModelError(f"{source.path}: {unknown}")
         experts = [describe_expert_node(step.node, step.layer, source) for step in plan.expert_steps]
+        for name, count in Counter(info.name for info in experts).items():
+            if count > 1:  # the engine keys a node's slots, placement and settings by its name
+                raise ModelFileError(f"{source.path}: {count} expert nodes are named '{name}'; each needs a name "
+                                     "of its own")
         if config.outputs.get("logits", "logits") not in {o.name for o in source.proto.graph.output}:
             raise ModelFileError(f"{source.path}: the graph has no output named '{config.outputs.get('logits')}'")
         DecoderState(config, source.proto.graph)  # genai_config's past and present names match the graph's (no memory)

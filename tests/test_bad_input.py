@@ -540,3 +540,19 @@ def test_json_nested_past_what_python_reads_is_named_not_an_internal_error(copy_
     folder = copy_fixture("gptoss")
     (folder / name).write_text("[" * 100_000 + "]" * 100_000)
     assert_clean_error(run_cli("inspect", str(folder)), f"{folder / name}: not valid JSON (nested too deeply")
+
+
+@pytest.mark.parametrize("name", ["same", ""])
+def test_expert_nodes_sharing_a_name_are_refused_at_open_naming_it(copy_fixture, name):
+    """The engine keys an expert node's slots, placement and settings by its name: two of one name planned 5 slots for
+    16 experts and generate failed with 'internal error: KeyError'."""
+    folder = copy_fixture("gptoss")
+
+    def rename(model):
+        for node in model.graph.node:
+            if node.op_type == "QMoE":
+                node.name = name
+    _edit_onnx(folder, rename)
+    for command in (["inspect"], ["generate", "--prompt", "hi", "--max-new-tokens", "2"]):
+        assert_clean_error(run_cli(*command, str(folder)),
+                           f"{folder / 'model.onnx'}: 2 expert nodes are named '{name}'")
