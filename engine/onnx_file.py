@@ -7,6 +7,7 @@ read-only memory-mapped views, so a model larger than RAM opens.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import sys
@@ -128,6 +129,9 @@ class OnnxFile:
             except (KeyError, TypeError, ValueError):
                 raise ModelFileError(f"{self.path}: initializer '{tensor.name}' has data type {tensor.data_type}, "
                                      "which is no tensor type ONNX defines") from None
+            if any(dim < 0 for dim in tensor.dims):
+                raise ModelFileError(f"{self.path}: initializer '{tensor.name}' has shape {list(tensor.dims)}, a "
+                                     "negative dimension")
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             for entry in tensor.external_data:
@@ -183,7 +187,7 @@ class OnnxFile:
 
     @classmethod
     def tensor_nbytes(cls, tensor: onnx.TensorProto) -> int:
-        count = int(np.prod(tensor.dims, dtype=np.int64)) if len(tensor.dims) else 1
+        count = math.prod(tensor.dims)  # Python's integers: a shape past int64 is not wrapped round
         return count * cls.tensor_dtype(tensor).itemsize
 
     def external_location(self, name: str) -> str | None:

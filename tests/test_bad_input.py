@@ -556,3 +556,22 @@ def test_expert_nodes_sharing_a_name_are_refused_at_open_naming_it(copy_fixture,
     for command in (["inspect"], ["generate", "--prompt", "hi", "--max-new-tokens", "2"]):
         assert_clean_error(run_cli(*command, str(folder)),
                            f"{folder / 'model.onnx'}: 2 expert nodes are named '{name}'")
+
+
+def _dims(name: str, dims: list[int]):
+    def edit(model):
+        tensor = _initializer(model, name)
+        del tensor.dims[:]
+        tensor.dims.extend(dims)
+    return edit
+
+
+@pytest.mark.parametrize("dims, fragment", [
+    ([-8, 256, 64], f"initializer '{QWEIGHT}' has shape [-8, 256, 64], a negative dimension"),
+    ([2**32, 2**32, 4], f"initializer '{QWEIGHT}' has length 131072 but its shape needs 73786976294838206464 bytes"),
+])
+def test_an_initializer_shape_that_is_negative_or_overflows_is_named_as_it_is(copy_fixture, dims, fragment):
+    """Its size was counted in int64: a negative dimension 'needed -131072 bytes', [2**32, 2**32, 4] wrapped to 0."""
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, _dims(QWEIGHT, dims))
+    assert_clean_error(run_cli("inspect", str(folder)), fragment)
