@@ -1500,3 +1500,29 @@ def test_an_unsupported_model_shown_cannot_be_loaded_by_the_menu_either_and_the_
     window.load()
     qtbot.wait(200)
     assert not window.busy and same(window.loaded_path, loaded) and not window.error_banner.isVisible()
+
+
+def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtbot, window, copy_fixture):
+    """With gptoss loaded and lfm2moe shown, the title reads 'lfm2moe (not loaded; gptoss is)'; it kept saying so
+    after Unload, and after a failed load of lfm2moe (which drops gptoss first)."""
+    load(qtbot, window, fixture_folder("gptoss"))
+    shown = copy_fixture("lfm2moe")
+    window.open_model(str(shown))
+    qtbot.waitUntil(lambda: window.facts is not None and window.facts.name == "lfm2moe" and not window.busy,
+                    timeout=WAIT)
+    assert window.windowTitle() == "lfm2moe (not loaded; gptoss is) — MoE Workbench"
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert window.windowTitle() == "lfm2moe — MoE Workbench"
+
+    load(qtbot, window, fixture_folder("gptoss"))
+    window.open_model(str(shown))
+    qtbot.waitUntil(lambda: window.facts is not None and window.facts.name == "lfm2moe" and not window.busy,
+                    timeout=WAIT)
+    (shown / "model.onnx.data").unlink()  # gone between the inspection and the load
+    window.load()
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert window.loaded_path is None and "model.onnx.data: not readable (No such file" in window.last_error
+    assert window.windowTitle() == "lfm2moe — MoE Workbench"
+    assert window.model_panel.load_button.isEnabled() and window.model_panel.load_button.text() == "Load"
+    assert not window.model_panel.unload_button.isEnabled() and window.model_panel.landed.text() == "Not loaded."

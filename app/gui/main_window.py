@@ -772,6 +772,7 @@ class MainWindow(QMainWindow):
     def _on_unloaded(self) -> None:
         self.loaded_path = None
         self.model_panel.show_unloaded()
+        self.setWindowTitle(f"{self.facts.name} — MoE Workbench" if self.facts is not None else "MoE Workbench")
         self.budget_panel.mark_loaded(None)
         self.placement.clear()
         self.graphs.set_simulated_memory(None)
