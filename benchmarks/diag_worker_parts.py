@@ -117,6 +117,8 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
         """The calls whose moments boundary_parts reads, wrapped (the worker's once the warm-up has made it)."""
         if getattr(decoder, "_worker", None) is not None:
             wrapped.extend([(decoder._worker, "set_threads", "worker threads set"), (decoder._worker, "drain", "drain")])
+        if hasattr(state.backend, "copy_out"):  # a decode step's logits left on the GPU, copied out last
+            wrapped.append((state.backend, "copy_out", "logits copied"))
         wrapped.extend([(state, "step_inputs", "step inputs"), (state, "advance", "state advanced"),
                         (engine.split_gate, "end_step", "split gate's end_step"), (engine, "_apply", "swaps made"),
                         (engine.stats, "end_step", "statistics' end_step"), (engine.policy, "rebalance", "rebalance"),
