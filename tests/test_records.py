@@ -504,6 +504,25 @@ def test_a_sweep_under_mode_required_starts_from_the_smallest_budget_it_admits_a
     assert handed == points and points[0].records[0].layers[0]["hits"] > 0
 
 
+def test_a_sweep_under_mode_required_of_many_points_runs_none_below_one_expert():
+    """gptoss holds 16 experts of 35,328 bytes: a 30-point sweep's second point, 19,491 bytes, holds none, and mode
+    required refuses it, so the sweep failed at its second point with no recommendation. The points below one expert
+    run once at the smallest budget that holds one; the others as asked, each budget once."""
+    from engine.records.sweep import sweep_plan
+
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="required"),
+                             device=SimulatedDevice(1 << 30))
+    total = all_resident_bytes(model.offload.infos)
+    budgets = [budget for _fraction, budget, _split in sweep_plan(model, 30)]
+    assert budgets == [35328] + [round(total * i / 29) for i in range(2, 30)]
+    for budget in budgets[:2]:  # the planner takes every one
+        model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=budget))
+    # many points on few bytes: each budget once
+    auto = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=SimulatedDevice(1 << 30))
+    budgets = [budget for _fraction, budget, _split in sweep_plan(auto, 30)]
+    assert len(budgets) == len(set(budgets)) == 30 and budgets == sorted(budgets)
+
+
 def test_a_sweep_point_times_its_answers_once_the_engines_trials_are_over(monkeypatch):
     """After each re-plan the engine tries its decode paths for ~76 decode steps (and "both"'s share after them),
     more than a sweep's answers give: each point decodes, unrecorded, until no trial is under way or due, so its

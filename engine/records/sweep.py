@@ -122,18 +122,21 @@ def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]
 def sweep_plan(model: LoadedModel, points: int, splits: tuple[str, ...] | None = None) -> list[tuple]:
     """(fraction, budget, split) of every point: each budget once (split None), or with `splits` once per split
     where the splits differ (a budget that holds some but not all expert layers whole), once (spread) elsewhere.
-    Under offload mode 'required', which refuses a budget that holds no expert, the first point is the smallest
-    budget that holds one."""
+    Under offload mode 'required', which refuses a budget that holds no expert, the points below the smallest budget
+    that holds one run once at that budget. A budget is run once however many points round to it."""
     infos = model.offload.infos
     layers = sum(1 for info in infos if info.gpu is not None)
     plan = []
     # 100% = every expert in a device slot: slots may be larger than the stored experts (converted layouts,
     # the prefill's fp16 scale copy), so the stored size would stop short of all resident
     total = all_resident_bytes(infos)
+    smallest = min((info.device_bytes_per_expert for info in infos if info.gpu is not None), default=0)
     for fraction, budget in budget_points(total, points):
-        if budget == 0 and model.offload.config.mode == "required":
-            budget = min(info.device_bytes_per_expert for info in infos if info.gpu is not None)
+        if budget < smallest and model.offload.config.mode == "required":
+            budget = smallest
             fraction = budget / total
+        if plan and plan[-1][1] == budget:  # many points on few experts' bytes, or several below one expert
+            continue
         if not splits:
             plan.append((fraction, budget, None))
         elif 0 < whole_layers_held(infos, budget) < layers:
