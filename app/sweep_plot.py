@@ -91,6 +91,9 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
         generator.setSize(QSize(layout.width(), layout.height()))
         generator.setViewBox(QRect(0, 0, layout.width(), layout.height()))
         generator.setTitle("MoE Workbench budget sweep")
+        # the axes are pictures recorded at the window's dpi: at the generator's own 72 they were drawn at 3/4 of the
+        # curves' scale, their ticks' values off the points
+        generator.setResolution(layout.logicalDpiX())
         painter = QPainter(generator)
         layout.render(painter)
         painter.end()

@@ -1402,3 +1402,19 @@ def test_a_model_without_expert_nodes_says_onnxruntime_runs_all_of_it(qapp, copy
     panel.show_facts(model_facts(opened, report))
     panel.show_estimate(estimate(panel.facts, OffloadConfig(), DeviceChoice()), "auto", "CPU only")
     assert "Runs (mode <b>auto</b>, CPU only): no expert nodes: onnxruntime runs the whole model." in panel.verdict.text()
+
+
+def test_the_sweep_plots_svg_draws_its_axes_at_the_scale_of_its_points(qtbot, tmp_path):
+    """The axes are pictures recorded at the window's 96 dpi; the SVG generator's own 72 dpi drew them, their ticks
+    and labels at 3/4 of the curves' scale, so that the 414 KiB point sat above the axis's 550 and the recommended
+    line beside the wrong value. Every group the SVG draws text in is at the curves' scale."""
+    from app.sweep_plot import export_sweep_plot
+
+    rows = [{"budget_bytes": budget, "fraction": budget / 847872, "split": None, "completion_s": completion,
+             "decode_tokens_per_s": 800.0, "peak_device_bytes": 565248 + budget, "peak_rss_bytes": 550_000_000,
+             "settle_steps": 0, "decode_path": "cpu"} for budget, completion in ((0, 0.057), (423936, 0.05),
+                                                                                 (847872, 0.07))]
+    svg = export_sweep_plot(rows, 423936, tmp_path / "sweep.svg").read_text()
+    scales = {float(scale) for scale in re.findall(r'transform="matrix\(([-\d.]+),0,0,[-\d.]+,[-\d.]+,[-\d.]+\)"\s*'
+                                                     r'font-family[^>]*>\s*<text', svg)}
+    assert scales == {1.0}
