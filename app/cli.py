@@ -740,9 +740,11 @@ def _cmd_sweep(args) -> int:
     if note:
         print(f"sweep: {note}; --max-new-tokens sets another", file=sys.stderr, flush=True)
     saved_ids, done = [], []  # each point's runs, saved as it completes; the points completed
+    ids_of = {}  # id(point): the history ids of its runs, for the JSON rows
 
     def save(point) -> None:
-        saved_ids.extend(history.add(record) for record in point.records)
+        ids_of[id(point)] = [history.add(record) for record in point.records]
+        saved_ids.extend(ids_of[id(point)])
         done.append(point)
 
     progress = _ProgressLine("sweep")
@@ -753,14 +755,14 @@ def _cmd_sweep(args) -> int:
                            on_left_out=lambda note, _count: progress.say(note))
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
         progress.end()
-        _print_sweep(done, None, args)
+        _print_sweep(done, None, args, ids_of)
         print(f"{PROG}: the sweep was interrupted {stopped_at(exc)}; {_kept(done, saved_ids, args)}", file=sys.stderr)
         return 130
     except Exception as exc:
         if os.environ.get("MOE_WORKBENCH_DEBUG"):
             raise
         progress.end()
-        _print_sweep(done, None, args)
+        _print_sweep(done, None, args, ids_of)
         kind = "error" if isinstance(exc, WorkbenchError) else "internal error"
         print(f"{PROG}: {kind}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; {_kept(done, saved_ids, args)}",
               file=sys.stderr)
@@ -785,7 +787,7 @@ def _cmd_sweep(args) -> int:
                                         f"{split_note}")
         print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as})",
               file=sys.stderr)
-    _print_sweep(points, best, args)
+    _print_sweep(points, best, args, ids_of)
     if plot_failure is not None:
         written = isinstance(plot_failure, OSError)  # a file that could not be written, not a fault of ours
         print(f"{PROG}: {'error' if written else 'internal error'}: the plot was not written "
@@ -809,8 +811,9 @@ def _kept(points: list, saved_ids: list[int], args) -> str:
     return f"{kept}; no recommendation" + (f": {', '.join(skipped)}" if skipped else "")
 
 
-def _print_sweep(points: list, best, args) -> None:
-    """The sweep's points on standard output, `best` marked (None: a sweep that stopped early recommends none)."""
+def _print_sweep(points: list, best, args, ids_of: dict) -> None:
+    """The sweep's points on standard output, `best` marked (None: a sweep that stopped early recommends none);
+    `ids_of`: each point's runs' history ids (by id(point)), which its JSON row gives."""
     from engine.records.sweep import uses_projection
 
     rows = [p.as_dict() for p in points]
@@ -832,6 +835,7 @@ def _print_sweep(points: list, best, args) -> None:
         return f"{human_bytes(row['peak_device_bytes']):>11}  {human_bytes(row['peak_rss_bytes']):>10}"
 
     if args.json:
+        rows = [{**row, "record_ids": ids_of[id(point)]} for row, point in zip(rows, points)]
         print(json.dumps({"points": rows, "recommended_budget_bytes": best and best.budget_bytes,
                           "recommended_split": best and best.split,
                           "recommended_by": best and ("projected_completion_s" if projected else "completion_s")},

@@ -928,6 +928,24 @@ def test_the_sweep_json_says_all_resident_where_the_table_does(tmp_path, capsys)
                                                                                     (1.0, "all resident")]
 
 
+def test_the_sweep_json_names_each_points_runs_in_the_history(tmp_path, capsys):
+    """A point's runs are saved with the label "sweep 50%", which two sweeps of one model share: the JSON gave no way
+    to find the records behind a row. Each row gives its runs' history ids, and its numbers are theirs."""
+    from engine.records.history import History
+
+    history = tmp_path / "h.sqlite"
+    status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                              "--max-new-tokens", "2", "--history", str(history), "--json")
+    assert status == 0
+    points = json.loads(out)["points"]
+    assert [p["record_ids"] for p in points] == [[1], [2], [3]]
+    for point in points:
+        records = [History(history).get(run_id) for run_id in point["record_ids"]]
+        assert [r.label for r in records] == [f"sweep {point['fraction']:.0%}"]
+        assert point["peak_device_bytes"] == records[0].peaks["device_bytes"]
+        assert point["completion_s"] == records[0].timings["completion_s"]
+
+
 def _columns(row: str) -> list[str]:
     """A table row's cells: they are two spaces apart or more ("552.0 KiB", "all resident" are one cell)."""
     return re.split(r"\s{2,}", row.strip())
