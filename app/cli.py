@@ -858,6 +858,25 @@ def _print_sweep(points: list, best, args, ids_of: dict) -> None:
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{p['completion_s']:>9.2f}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{agreement}{mark}")
+    if best is not None and not args.json:  # on standard error: the rows stay the table a script reads
+        print(_recommendation_rule(points, best, args.margin), file=sys.stderr)
+
+
+def _recommendation_rule(points: list, best, margin: float) -> str:
+    """The line under a complete sweep's table: which point was recommended and by what rule, its times unrounded
+    enough to tell it from the fastest (the table's 0.04s and 0.05s may be 0.0449 and 0.0451)."""
+    from engine.records.sweep import uses_projection
+
+    projected = uses_projection(points)  # as recommend() compares them
+
+    def seconds(point) -> float:
+        return point.projected_completion_s if projected else point.completion_s
+
+    fastest = min(points, key=seconds)
+    split = f" {best.split}" if best.split else ""
+    return (f"recommended: {best.budget_bytes} bytes ({best.fraction:.0%}{split}), the smallest budget whose "
+            f"{'projected ' * projected}completion time ({seconds(best):.4g} s) is within {margin * 100:g}% of the "
+            f"fastest ({seconds(fastest):.4g} s, at {fastest.fraction:.0%})")
 
 
 def _cmd_history(args) -> int:

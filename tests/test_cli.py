@@ -946,6 +946,22 @@ def test_the_sweep_json_names_each_points_runs_in_the_history(tmp_path, capsys):
         assert point["completion_s"] == records[0].timings["completion_s"]
 
 
+def test_a_sweeps_table_ends_with_the_rule_its_recommendation_followed(tmp_path, capsys):
+    """The table marked a row "<- recommended" without saying why: not the fastest, its completion rounded to 0.04s
+    beside others' 0.04s and 0.05s, the margin nowhere. A line under it says which budget, by which time, within which
+    margin of which fastest point, the times in four figures (on standard error: the rows stay the table)."""
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
+                             "--max-new-tokens", "2", "--margin", "0.25", "--history", str(tmp_path / "h.sqlite"))
+    assert status == 0
+    marked = next(line for line in out.splitlines() if line.endswith("<- recommended"))
+    rule = err.splitlines()[-1]
+    assert re.fullmatch(rf"recommended: {_columns(marked)[0]} bytes \({_columns(marked)[1]}\), the smallest budget "
+                        r"whose projected completion time \(([\d.e-]+) s\) is within 25% of the fastest "
+                        r"\(([\d.e-]+) s, at \d+%\)", rule), rule
+    best, fastest = map(float, re.search(r"\(([\d.e-]+) s\).*\(([\d.e-]+) s,", rule).groups())
+    assert fastest <= best <= fastest * 1.25
+
+
 def _columns(row: str) -> list[str]:
     """A table row's cells: they are two spaces apart or more ("552.0 KiB", "all resident" are one cell)."""
     return re.split(r"\s{2,}", row.strip())
