@@ -680,7 +680,7 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
     assert view.bar.status.text() == ("Failed at 100% (device_expert_bytes=565248), point 3 of 3: device_expert_bytes="
                                       "565248 exceeds the 400000 "
                                       "bytes the device has free; the 2 points before it are shown, 2 runs saved "
-                                      "to the history; no recommendation.")
+                                      "to the history; no recommendation; the model is back at its own budgets.")
     assert view.recommended is None and not view.save_button.isEnabled()
     assert "Failed at 100% (device_expert_bytes=565248), point 3 of 3" in window.error_banner.text()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
@@ -727,7 +727,8 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
     assert len(result.saved_ids) == 1 and window.history.ids() == result.saved_ids
     assert list(view.curves["completion"].getData()[0]) == [0.0]
     assert view.bar.status.text() == ("Cancelled at 50% (device_expert_bytes=282624), point 2 of 3; the 1 point "
-                                      "before it is shown, 1 run saved to the history; no recommendation.")
+                                      "before it is shown, 1 run saved to the history; no recommendation; the model is "
+                                      "back at its own budgets.")
     assert view.recommended is None and not view.save_button.isEnabled()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
@@ -1083,3 +1084,21 @@ def test_the_history_table_says_which_runs_routed_approximately_and_their_agreem
     assert 0 < agreement < 1
     assert {view.table.item(r, 0).data(Qt.ItemDataRole.UserRole): view.table.item(r, column).text()
             for r in range(2)} == {ids[0]: "exact", ids[1]: f"approximate, {agreement:.0%} agreement"}
+
+
+def test_a_stopped_sweep_says_whether_the_device_still_holds_the_models_own_budget(qtbot, tmp_path):
+    """A sweep stopped partway said where it stopped and what it kept, not what it left the model at: the user read
+    "Cancelled at 50%" and could not tell whether the model ran at 50% now. The line says the model is back at its own
+    budgets, and where the device holds less of them than before the sweep (memory taken meanwhile), how much less."""
+    from app.gui.records_jobs import SweepResult
+    from app.gui.sweep_view import SweepView
+
+    view = SweepView(tmp_path / "h.sqlite")
+    qtbot.addWidget(view)
+    stopped = dict(points=[], requested=3, model_folder="m", base_entries={}, stopped_at="at 50% (device_expert_bytes="
+                   "282624), point 2 of 3")
+    view.on_finished(SweepResult(**stopped, held_before=3 * EXPERT, held_after=3 * EXPERT))
+    assert view.bar.status.text().endswith("; no recommendation; the model is back at its own budgets.")
+    view.on_finished(SweepResult(**stopped, held_before=3 * EXPERT, held_after=EXPERT))
+    assert view.bar.status.text().endswith("; no recommendation; the model is back at its own budgets, but the device "
+                                           "now holds 34.5 KiB of its experts where it held 103.5 KiB.")

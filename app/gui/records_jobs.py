@@ -21,7 +21,7 @@ from engine.records.contention import (ContentionCancelled, ContentionReport, de
 from engine.records.history import History
 from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens
 from engine.records.schema import RunRecord, generation_settings
-from engine.units import counted
+from engine.units import counted, human_bytes
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.sampling import SamplingParams, model_sampling, recorded
@@ -213,6 +213,16 @@ class SweepResult:
     failure: str = ""           # why its point failed, one line; "" where none did
     left_out: str = ""          # the points above what the device holds under mode=required, and why (run_sweep)
     skipped: str = ""           # the scenarios the model's context cannot hold, and why (fitting_scenarios)
+    held_before: int = 0        # the expert bytes the loaded model's plan held before the sweep, and after it put the
+    held_after: int = 0         # user's budgets back (less where the device has less free now)
+
+    @property
+    def budgets_back(self) -> str:
+        """What the sweep left the model at, as the run line says it."""
+        if self.held_after >= self.held_before:
+            return "the model is back at its own budgets"
+        return (f"the model is back at its own budgets, but the device now holds {human_bytes(self.held_after)} of "
+                f"its experts where it held {human_bytes(self.held_before)}")
 
     @property
     def cancelled(self) -> bool:
@@ -242,7 +252,7 @@ class SweepJob:
         params = answer_params(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
         scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
         history = History(self.history_path)  # a bad history file refused before the sweep runs
-        original = model.offload.config
+        original, held_before = model.offload.config, model.offload.plan.budget_bytes
         splits = BOTH_SPLITS if self.both_splits else None
         planned, left_out = [len(sweep_plan(model, self.points, splits))], [""]
         tokens, done, last, unsent = [0], [0], [0.0], [0]
@@ -297,7 +307,8 @@ class SweepJob:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
                            length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
-                           stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped)
+                           stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped,
+                           held_before=held_before, held_after=model.offload.plan.budget_bytes)
 
 
 # --- side by side ------------------------------------------------------------------------------------

@@ -265,7 +265,7 @@ class SweepView(QWidget):
                 f"{counted(len(result.saved_ids), 'run')} saved to the history" if done
                 else "no point completed before it")
         line = f"Failed {result.stopped_at}: {result.failure}" if result.failure else f"Cancelled {result.stopped_at}"
-        line += f"; {kept}; no recommendation."
+        line += f"; {kept}; no recommendation; {result.budgets_back}."
         self.summary.setText(f"No recommendation: the sweep stopped {result.stopped_at}, and the budgets from there on "
                              "were not timed.")
         self.bar.finish(line)
