@@ -667,6 +667,7 @@ def _cmd_record(args) -> int:
     from engine.records.scenarios import run_scenario, scenario_answer_tokens, scenario_turns
 
     history = History(args.history)  # a bad history file refused before the model loads
+    history.check_writable()
     sampling = _record_sampling(args, "record")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
@@ -721,6 +722,7 @@ def _cmd_sweep(args) -> int:
         if problem:
             raise WorkbenchError(problem)
     history = History(args.history)  # a bad history file refused before the sweep runs
+    history.check_writable()
     sampling = _record_sampling(args, "sweep")
     if args.save_as:
         from engine.records.configurations import check_saved

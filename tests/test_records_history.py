@@ -92,6 +92,15 @@ LEGACY_TABLE = """CREATE TABLE runs (
     peak_device_bytes INTEGER, peak_rss_bytes INTEGER, record TEXT NOT NULL)"""
 
 
+def made_record(label: str = "made", answer: str = "an answer", folder: str = "/m/gptoss") -> RunRecord:
+    """A record as a run writes one, without running a model (for the history's own behaviour)."""
+    return RunRecord(scenario="short", created="2026-01-01T00:00:00+00:00", versions={"app": "source"}, machine={},
+                     model={"folder": folder}, offload={"device": "cpu"},
+                     timings={"load_s": 1.5, "time_to_first_token_s": 0.25, "decode_tokens_per_s": 12.0,
+                              "completion_s": 2.0}, peaks={"device_bytes": None, "rss_bytes": 1 << 20},
+                     turns=[{"prompt": "p", "answer": answer, "generated_tokens": 3}], label=label)
+
+
 def legacy_history(path, records: list[str]):
     import sqlite3
 
@@ -437,3 +446,29 @@ def test_a_folder_given_as_the_history_is_named_a_folder(tmp_path, capsys):
     assert capsys.readouterr().err == f"moe-workbench: error: {tmp_path}: a folder, not a run history file: name the " \
                                       f"history's SQLite file (such as {tmp_path / 'history.sqlite3'})\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_history_that_cannot_save_a_run_is_refused_before_the_run_is_measured(tmp_path, monkeypatch, capsys):
+    import sqlite3
+    from types import SimpleNamespace
+
+    from app.cli import main
+    from app.gui.records_jobs import ScenarioJob
+    from engine.errors import WorkbenchError
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    History(path).add(made_record())
+    # as a read-only file (or one in a read-only folder) opens: tests run as root, whom file modes do not stop
+    monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
+    assert len(History(path).rows()) == 1  # read as before
+
+    def measured(*_args, **_kwargs):
+        raise AssertionError("the model was loaded for runs that could not be saved")
+
+    monkeypatch.setattr(LoadedModel, "open", measured)
+    assert main(["record", str(fixture_folder("gptoss")), "--history", str(path)]) == 2
+    assert capsys.readouterr().err == (f"moe-workbench: error: {path}: runs could not be saved there "
+                                       "(attempt to write a readonly database)\n")
+    with pytest.raises(WorkbenchError, match="h.sqlite3: runs could not be saved there"):
+        ScenarioJob(["short"], 3, history_path=str(path))(SimpleNamespace(loaded=lambda: None))

@@ -173,6 +173,7 @@ class ScenarioJob:
     def __call__(self, ctx: JobContext) -> ScenarioResult:
         model = ctx.loaded()
         history = History(self.history_path)
+        history.check_writable()
         sampling = record_sampling(model, self.answers, self.chat_options)
         result = ScenarioResult()
         count = len(self.scenarios)
@@ -252,6 +253,7 @@ class SweepJob:
         params = answer_params(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
         scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
         history = History(self.history_path)  # a bad history file refused before the sweep runs
+        history.check_writable()
         original, held_before = model.offload.config, model.offload.plan.budget_bytes
         splits = BOTH_SPLITS if self.both_splits else None
         planned, left_out = [len(sweep_plan(model, self.points, splits))], [""]

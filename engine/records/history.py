@@ -175,6 +175,15 @@ class History:
             db.execute(f"UPDATE runs SET {', '.join(f'{name} = ?' for name in names)} WHERE id = ?",
                        [row[name] for name in names] + [run_id])
 
+    def check_writable(self) -> None:
+        """Refuse, before a run is measured, a history that could not save it (a read-only file, or a folder where
+        SQLite cannot write its journal): found only at the save, the run measured would be lost. A write begun and
+        rolled back, as a save's would begin, so it is SQLite's own answer (a check of the file's mode is not)."""
+        with self._db("runs could not be saved there") as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute(f"PRAGMA user_version = {HISTORY_VERSION}")
+            db.rollback()
+
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.path)
 
