@@ -472,3 +472,15 @@ def test_a_history_that_cannot_save_a_run_is_refused_before_the_run_is_measured(
                                        "(attempt to write a readonly database)\n")
     with pytest.raises(WorkbenchError, match="h.sqlite3: runs could not be saved there"):
         ScenarioJob(["short"], 3, history_path=str(path))(SimpleNamespace(loaded=lambda: None))
+
+
+def test_a_label_or_folder_given_in_bytes_that_are_not_utf8_is_saved(tmp_path):
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    # `--label caf$'\xe9'` from a Latin-1 terminal, a folder named so: Python's lone surrogates for those bytes
+    run_id = history.add(made_record(label="caf\udce9", folder="/models/m\udce9"))
+    row = history.rows()[0]
+    assert (row["label"], row["model"]) == ("caf\ufffd", "/models/m\ufffd")
+    record = history.get(run_id)
+    assert (record.label, record.model["folder"]) == ("caf\udce9", "/models/m\udce9")  # the record as it was given

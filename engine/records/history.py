@@ -198,7 +198,7 @@ class History:
             raise _failure(self.path, failed, exc) from None
 
     def add(self, record: RunRecord) -> int:
-        row = summary(record)
+        row = {name: _utf8(value) for name, value in summary(record).items()}
         with self._db("the run was not saved") as db, db:
             cursor = db.execute(f"INSERT INTO runs ({', '.join(COLUMNS[1:])}, record) VALUES "
                                 f"({', '.join('?' * len(COLUMNS))})",
@@ -274,6 +274,13 @@ class History:
             lines += ["| " + " | ".join(_cell(c, row[c]) for c in COLUMNS) + " |" for row in rows]
             return "\n".join(lines) + "\n"
         raise ValueError(f"unknown export format '{fmt}' (json, csv, markdown)")
+
+
+def _utf8(value):
+    """A text SQLite can store: a label or folder name given in bytes that are not UTF-8 (a Latin-1 terminal's "é")
+    reaches Python as lone surrogates, which SQLite refuses; the column shows U+FFFD for such a byte, while the
+    record's JSON keeps it escaped, as it was."""
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace") if isinstance(value, str) else value
 
 
 def _locked(exc: sqlite3.Error) -> bool:
