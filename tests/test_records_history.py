@@ -484,3 +484,15 @@ def test_a_label_or_folder_given_in_bytes_that_are_not_utf8_is_saved(tmp_path):
     assert (row["label"], row["model"]) == ("caf\ufffd", "/models/m\ufffd")
     record = history.get(run_id)
     assert (record.label, record.model["folder"]) == ("caf\udce9", "/models/m\udce9")  # the record as it was given
+
+
+def test_a_history_whose_folder_cannot_be_made_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    from app.cli import main
+    from engine.generation import LoadedModel
+
+    (tmp_path / "runs").write_text("a file where the history's folder is to be")
+    path = tmp_path / "runs" / "h.sqlite3"
+    monkeypatch.setattr(LoadedModel, "open", lambda *_a, **_k: pytest.fail("the model was loaded"))
+    assert main(["record", str(fixture_folder("gptoss")), "--history", str(path)]) == 2  # not an internal error (3)
+    assert capsys.readouterr().err == (f"moe-workbench: error: {path}: no history made there: its folder "
+                                       f"{tmp_path / 'runs'} could not be made (File exists)\n")

@@ -114,7 +114,11 @@ class History:
                                  f"(such as {self.path / default_path().name})")
         if not create and not self.path.is_file():
             raise WorkbenchError(f"{self.path}: no run history there (record, sweep and the window save runs)")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file where one of its folders is to be, a folder this user cannot write
+            raise WorkbenchError(f"{self.path}: no history made there: its folder {exc.filename} could not be made "
+                                 f"({exc.strerror})") from None
         try:
             with closing(self._connect()) as db:
                 self._prepare(db)
