@@ -496,3 +496,14 @@ def test_a_history_whose_folder_cannot_be_made_is_one_line_naming_it(tmp_path, m
     assert main(["record", str(fixture_folder("gptoss")), "--history", str(path)]) == 2  # not an internal error (3)
     assert capsys.readouterr().err == (f"moe-workbench: error: {path}: no history made there: its folder "
                                        f"{tmp_path / 'runs'} could not be made (File exists)\n")
+
+
+def test_a_history_sqlite_cannot_open_is_not_called_another_kind_of_file(tmp_path):
+    from engine.errors import WorkbenchError
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    path.symlink_to(path)  # as a new file in a folder the user cannot write: SQLite cannot open it at all
+    with pytest.raises(WorkbenchError) as refused:
+        History(path)
+    assert str(refused.value) == f"{path}: not opened (unable to open database file)"

@@ -123,7 +123,8 @@ class History:
             with closing(self._connect()) as db:
                 self._prepare(db)
         except sqlite3.DatabaseError as exc:  # another file given as the history (or a damaged one): left as it is
-            failed = ("not opened" if _locked(exc) else
+            # (SQLite could not open it at all: a new file in a folder this user cannot write, a link to nowhere)
+            failed = ("not opened" if _locked(exc) or getattr(exc, "sqlite_errorname", "") == "SQLITE_CANTOPEN" else
                       f"not brought forward to version {HISTORY_VERSION}, which it needs to be read"
                       if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_READONLY") else "not a run history")
             raise _failure(self.path, failed, exc) from None
