@@ -158,6 +158,34 @@ def test_history_table_filters_opens_compares_and_exports(qtbot, tmp_path, monke
         window.close()
 
 
+def test_a_record_whose_second_run_fails_says_which_runs_it_saved(qtbot, tmp_path, monkeypatch):
+    """A run that failed midway (the device out of memory at the long input) failed the whole job: the window said
+    only the error, not that the run before it was saved, and its history did not show that run."""
+    import app.gui.records_jobs as jobs
+    from app.gui.scenario_view import ScenarioView
+    from engine.errors import WorkbenchError
+
+    def fails_at_the_second(model, name, *args, **kwargs):
+        if name == "long":
+            raise WorkbenchError("the device is out of memory")
+        return run_scenario(model, name, *args, **kwargs)
+
+    monkeypatch.setattr(jobs, "run_scenario", fails_at_the_second)
+    view = ScenarioView()
+    qtbot.addWidget(view)
+    recorded, failed = [], []
+    view.recorded.connect(recorded.append)
+    view.failed.connect(failed.append)
+    path = tmp_path / "h.sqlite"
+    result = jobs.ScenarioJob(["short", "long", "multiturn"], 2, str(path))(
+        _sweep_context(LoadedModel.open(fixture_folder("lfm2moe")), None, []))
+    view.on_finished(result)
+    assert [row["scenario"] for row in History(path).rows()] == ["short"]
+    assert recorded == [[1]]
+    assert view.bar.status.text() == "Failed during long: the device is out of memory (not saved). Saved run 1."
+    assert failed == ["Failed during long: the device is out of memory"]
+
+
 def test_scenario_run_saves_a_record_and_cancel_saves_none(qtbot, window):
     load(qtbot, window, "lfm2moe")
     bar = window.scenarios

@@ -157,12 +157,14 @@ class ScenarioResult:
     errors: list[str] = field(default_factory=list)                    # scenarios that could not run, one line each
     cancelled: RunRecord | None = None                                 # the run cut short (not saved)
     cancelled_before: str = ""                                         # the scenario a cancel came before (not run)
+    failure: str = ""  # "scenario: why", one line, where a run or its save failed after runs were saved ("": none)
 
 
 @dataclass
 class ScenarioJob:
     """Run scenarios one after the other and save each to the history. A cancelled run is not
-    saved (its timings would mislead); the runs before it are. `max_new_tokens` None: the model's length."""
+    saved (its timings would mislead); the runs before it are, and so are they before a run (or its save) that failed.
+    `max_new_tokens` None: the model's length."""
     scenarios: list[str]
     max_new_tokens: int | None
     history_path: str | None = None
@@ -188,13 +190,18 @@ class ScenarioJob:
             try:
                 record = run_scenario(model, name, params, ctx.device, label=self.label, cancel=ctx.cancel,
                                       progress=reporter.on_turn, on_text=reporter.on_text)
+                if record.timings["cancelled"]:
+                    result.cancelled = record
+                    break
+                result.saved.append((history.add(record), record))
             except PromptError as exc:  # e.g. the long input on a short context: the other scenarios still run
                 result.errors.append(f"{name}: {exc}")
                 continue
-            if record.timings["cancelled"]:
-                result.cancelled = record
+            except Exception as exc:  # after runs were saved: the result says them, and where it failed
+                if not result.saved:
+                    raise
+                result.failure = f"{name}: {one_line(exc)}"
                 break
-            result.saved.append((history.add(record), record))
         return result
 
 

@@ -74,7 +74,10 @@ class ScenarioView(QWidget):
         self.result = result
         ids = [run_id for run_id, _record in result.saved]
         parts = [f"Saved run{'' if len(ids) == 1 else 's'} {', '.join(map(str, ids))}." if ids else "Nothing saved."]
-        if result.cancelled is not None:
+        if result.failure:
+            parts.insert(0, f"Failed during {result.failure} (not saved).")
+            self.failed.emit(f"Failed during {result.failure}")
+        elif result.cancelled is not None:
             parts.insert(0, f"Cancelled during {result.cancelled.scenario} (not saved).")
         elif result.cancelled_before and not ids:
             parts = ["Cancelled before the first run began; nothing saved."]
