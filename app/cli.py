@@ -688,7 +688,12 @@ def _cmd_record(args) -> int:
     for scenario, tokens in runs:
         record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
                               label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
-        run_id = history.add(record)
+        try:
+            run_id = history.add(record)
+        except WorkbenchError as exc:  # a full disk, a lock held past the timeout: the run measured is kept here
+            print(json.dumps([*records, record.to_dict()], indent=2))
+            raise WorkbenchError(f"{exc}; the runs measured are printed on standard output as JSON, the last "
+                                 "without an id") from None
         records.append({"id": run_id, **record.to_dict()})  # as `history --export json` gives it
         if not args.json:
             t = record.timings

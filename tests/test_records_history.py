@@ -97,8 +97,9 @@ def made_record(label: str = "made", answer: str = "an answer", folder: str = "/
     return RunRecord(scenario="short", created="2026-01-01T00:00:00+00:00", versions={"app": "source"}, machine={},
                      model={"folder": folder}, offload={"device": "cpu"},
                      timings={"load_s": 1.5, "time_to_first_token_s": 0.25, "decode_tokens_per_s": 12.0,
-                              "completion_s": 2.0}, peaks={"device_bytes": None, "rss_bytes": 1 << 20},
-                     turns=[{"prompt": "p", "answer": answer, "generated_tokens": 3}], label=label)
+                              "completion_s": 2.0}, peaks={"device_bytes": None, "rss_bytes": 1 << 20, "rss_start_bytes": 1 << 19},
+                     turns=[{"prompt": "p", "answer": answer, "generated_tokens": 3}], label=label,
+                     host_load={"host_others_share": 0.0, "host_steal_share": 0.0})
 
 
 def legacy_history(path, records: list[str]):
@@ -507,3 +508,34 @@ def test_a_history_sqlite_cannot_open_is_not_called_another_kind_of_file(tmp_pat
     with pytest.raises(WorkbenchError) as refused:
         History(path)
     assert str(refused.value) == f"{path}: not opened (unable to open database file)"
+
+
+def test_a_run_the_history_could_not_save_is_printed_not_lost(tmp_path, monkeypatch, capsys):
+    import sqlite3
+
+    from app.cli import main
+    from engine.records import scenarios
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(self.path, timeout=0.1))
+    other = sqlite3.connect(path, isolation_level=None)
+
+    def run_scenario(_model, name, *_args, **_kwargs):
+        if name == "multiturn":  # another process begins a long write while the run is measured (as a full disk fails it)
+            other.execute("BEGIN EXCLUSIVE")
+        return made_record(label=name, answer=f"the {name} answer")
+
+    monkeypatch.setattr(scenarios, "run_scenario", run_scenario)
+    try:
+        assert main(["record", str(fixture_folder("gptoss")), "--scenario", "all", "--history", str(path)]) == 2
+    finally:
+        other.close()
+    out, err = capsys.readouterr()
+    printed = json.loads(out[out.index("["):])
+    assert [(run.get("id"), run["label"], run["turns"][0]["answer"]) for run in printed] == [
+        (1, "short", "the short answer"), (None, "multiturn", "the multiturn answer")]
+    assert err.splitlines()[-1] == (f"moe-workbench: error: {path}: the run was not saved (another process holds it "
+                                    "locked: database is locked); the runs measured are printed on standard output "
+                                    "as JSON, the last without an id")
+    assert [row["label"] for row in History(path).rows()] == ["short"]
