@@ -911,7 +911,8 @@ def _cmd_history(args) -> int:
         filtered = any(value for value in filters.values())
         print(f"no runs {'match' if filtered else 'saved'} in {history.path}", file=sys.stderr)
     for row in rows:
-        print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {row['label'] or '-':<14}  "
+        label = " ".join((row["label"] or "-").splitlines())  # a label of two lines (given so) on its run's line
+        print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {label:<14}  "
               f"{row['device'] or 'cpu':<28}  budget {_budget_text(row['budget'], row['device'])}  "
               f"completion {row['completion_s']:.2f} s  {_tokens_text(row['generated_tokens'])}  "
               + (f"(approximate routing{_agreement_note(row['routing_agreement'], row['generated_tokens'])})  "

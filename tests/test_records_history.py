@@ -539,3 +539,14 @@ def test_a_run_the_history_could_not_save_is_printed_not_lost(tmp_path, monkeypa
                                     "locked: database is locked); the runs measured are printed on standard output "
                                     "as JSON, the last without an id")
     assert [row["label"] for row in History(path).rows()] == ["short"]
+
+
+def test_the_history_list_keeps_a_run_whose_label_has_two_lines_on_one_line(tmp_path, capsys):
+    from app.cli import main
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    History(path).add(made_record(label="before\nafter"))  # `record --label $'before\nafter'`
+    assert main(["history", "--history", str(path)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("    1  2026-01-01T00:00:00+00:00  short      before after") and line.endswith("/m/gptoss")
