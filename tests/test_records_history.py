@@ -550,3 +550,17 @@ def test_the_history_list_keeps_a_run_whose_label_has_two_lines_on_one_line(tmp_
     assert main(["history", "--history", str(path)]) == 0
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("    1  2026-01-01T00:00:00+00:00  short      before after") and line.endswith("/m/gptoss")
+
+
+def test_a_history_cut_short_is_called_damaged_not_another_kind_of_file(tmp_path):
+    from engine.errors import WorkbenchError
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    history = History(path)
+    for _ in range(20):
+        history.add(made_record(answer="words " * 500))
+    path.write_bytes(path.read_bytes()[:8192])  # as a copy or a disk that stopped part way leaves it
+    with pytest.raises(WorkbenchError) as refused:
+        History(path, create=False)
+    assert str(refused.value) == f"{path}: not opened: the file is damaged (database disk image is malformed)"

@@ -122,12 +122,8 @@ class History:
         try:
             with closing(self._connect()) as db:
                 self._prepare(db)
-        except sqlite3.DatabaseError as exc:  # another file given as the history (or a damaged one): left as it is
-            # (SQLite could not open it at all: a new file in a folder this user cannot write, a link to nowhere)
-            failed = ("not opened" if _locked(exc) or getattr(exc, "sqlite_errorname", "") == "SQLITE_CANTOPEN" else
-                      f"not brought forward to version {HISTORY_VERSION}, which it needs to be read"
-                      if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_READONLY") else "not a run history")
-            raise _failure(self.path, failed, exc) from None
+        except sqlite3.DatabaseError as exc:  # left as it is
+            raise _failure(self.path, _not_opened(exc), exc) from None
 
     def _prepare(self, db: sqlite3.Connection) -> None:
         """Make a new file a run history, bring an older one to HISTORY_VERSION (its runs kept, their new columns
@@ -286,6 +282,18 @@ def _utf8(value):
     reaches Python as lone surrogates, which SQLite refuses; the column shows U+FFFD for such a byte, while the
     record's JSON keeps it escaped, as it was."""
     return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace") if isinstance(value, str) else value
+
+
+def _not_opened(exc: sqlite3.DatabaseError) -> str:
+    """What opening a file as the history did not do, by SQLite's error."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if _locked(exc) or name == "SQLITE_CANTOPEN":  # CANTOPEN: a new file in a folder the user cannot write
+        return "not opened"
+    if name.startswith("SQLITE_READONLY"):
+        return f"not brought forward to version {HISTORY_VERSION}, which it needs to be read"
+    if name == "SQLITE_CORRUPT":  # a run history cut short or damaged, not another kind of file
+        return "not opened: the file is damaged"
+    return "not a run history"  # another file given as the history
 
 
 def _locked(exc: sqlite3.Error) -> bool:
