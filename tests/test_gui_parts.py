@@ -1418,3 +1418,24 @@ def test_the_sweep_plots_svg_draws_its_axes_at_the_scale_of_its_points(qtbot, tm
     scales = {float(scale) for scale in re.findall(r'transform="matrix\(([-\d.]+),0,0,[-\d.]+,[-\d.]+,[-\d.]+\)"\s*'
                                                      r'font-family[^>]*>\s*<text', svg)}
     assert scales == {1.0}
+
+
+@pytest.mark.parametrize("path", ["tier", "both"])
+def test_offload_disabled_makes_no_host_tier_whatever_decode_path_is_asked(gptoss, path):
+    """mode=disabled runs every expert where the dense part runs (here the CPU). Asking the decode path 'tier' or
+    'both' still pinned a host tier of every expert and decoded by reading them on the (simulated) GPU, while the plan
+    said 'All experts run on the CPU: offload is disabled'; the budget panel showed that tier in host memory too."""
+    from engine.generation import LoadedModel
+    from engine.offload import SimulatedDevice
+    from engine.offload import decode_path as paths
+
+    config = OffloadConfig(mode="disabled")
+    est = estimate(gptoss, config, DeviceChoice("simulated", 1 << 30))
+    made, said = paths.tier_verdict(path, config, gptoss.experts, est.plan.slots, "simulated", 100 << 30)
+    assert not made and said == ("No host tier is made: offload is disabled, so every expert runs where the dense "
+                                 f"part runs (decode path '{path}' does not apply).")
+    device = SimulatedDevice(1 << 30, name="simulated GPU, 1.0 GiB")
+    engine = LoadedModel.open(fixture_folder("gptoss"), offload=config, device=device, decode_path=path).offload
+    assert engine.decode_path_in_force == "cpu" and "host_tier_bytes" not in engine.pinned_info()
+    assert engine.plan.statements == ["All experts run on the CPU: offload is disabled, and the dense part runs on "
+                                      "the CPU.", said]

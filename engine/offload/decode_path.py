@@ -161,6 +161,9 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
     not wanted: the engine says what it made once it has)."""
     if not tier_wanted(mode, config) or device_kind is None:
         return False, ""
+    if config.mode == "disabled":  # asked for (tier_wanted): every expert runs where the dense part does
+        return False, ("No host tier is made: offload is disabled, so every expert runs where the dense part runs "
+                       f"(decode path '{mode}' does not apply).")
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
     refusal = _refusal(mode, config, tier_bytes(infos), available)
