@@ -140,3 +140,12 @@ def test_under_launch_ahead_a_host_that_waited_for_the_routing_left_no_gap():
         gap.left(layer - 1, 0.0)
         gap.arrived(layer, arrived, waited)
     assert sorted(gap._gaps) == [0.0, 0.0, 0.0, 0.2] and gap.value == 0.0
+
+
+def test_both_under_cpu_execution_disabled_says_the_cpu_takes_no_share(monkeypatch):
+    """cpu_execution=disabled keeps every expert off the CPU, so the engine runs the decode path 'both' as 'tier'
+    (decode_path_in_force). The sentence the plan and the budget panel gave said the CPU computes a share of them."""
+    monkeypatch.setattr(paths, "host_available", lambda: 100 * GIB)
+    assert paths.tier_preview("both", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (
+        "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory; "
+        "decode path 'both' was asked, but cpu_execution=disabled leaves the CPU no share of them.")

@@ -190,6 +190,9 @@ def tier_sentence(mode: str, config: OffloadConfig, nbytes: int) -> str:
     tier = f"a host tier of {human_bytes(nbytes)} of page-locked host memory"
     if mode == TIER:
         return f"Instead, decode reads cold experts on the GPU from {tier}, as asked (decode path 'tier')."
+    if mode == BOTH and config.cpu_execution == "disabled":  # run as "tier" (OffloadEngine.decode_path_in_force)
+        return (f"Instead, decode reads cold experts on the GPU from {tier}; decode path 'both' was asked, but "
+                "cpu_execution=disabled leaves the CPU no share of them.")
     if mode == BOTH:
         return (f"Instead, decode reads cold experts on the GPU from {tier} while the CPU computes a share of them, "
                 f"as asked (decode path 'both').")
