@@ -18,12 +18,10 @@ from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
+from engine.offload.device_memory import DENSE_RESERVATION
 from engine.ort_env import DenseDevice, choose_dense_device, dense_goes_to
 from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, AnswerSplit, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
-
-# what the load counts against gpu_device_mem_limit for a dense part on the GPU (its caps, not what it allocated)
-DENSE_RESERVATION = "dense part (onnxruntime arena, dense weights, KV cache and state)"
 
 
 @dataclass(frozen=True)

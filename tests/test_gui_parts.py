@@ -1439,3 +1439,26 @@ def test_offload_disabled_makes_no_host_tier_whatever_decode_path_is_asked(gptos
     assert engine.decode_path_in_force == "cpu" and "host_tier_bytes" not in engine.pinned_info()
     assert engine.plan.statements == ["All experts run on the CPU: offload is disabled, and the dense part runs on "
                                       "the CPU.", said]
+
+
+def test_apply_keeps_the_automatic_budget_the_load_gave_beside_a_dense_part_held_under_the_limit(gptoss):
+    """Under gpu_device_mem_limit a dense part on the GPU reserves what the plan left (the automatic budget's reserve
+    and the slots' leftover: LoadedModel's DENSE_RESERVATION). A re-plan took the reserve again from what remained, so
+    Apply with the automatic budget dropped to 0 slots where the load, and the panel's estimate, held all 16. The
+    dense reservation is now counted as that reserve. (The dense part is put on the simulated GPU by hand, as the load
+    does on a CUDA GPU.)"""
+    from engine.generation import DENSE_RESERVATION, LoadedModel
+    from engine.offload import SimulatedDevice
+
+    config = OffloadConfig(gpu_device_mem_limit=1 << 30)
+    choice = DeviceChoice("simulated", 2 << 30)
+    device = SimulatedDevice(2 << 30, mem_limit=1 << 30, name=choice.label)
+    engine = LoadedModel.open(fixture_folder("gptoss"), offload=config, device=device).offload
+    estimated = [r for _l, _n, r, _e in estimate(gptoss, config, choice).per_layer]
+    assert estimated == [engine.plan.slots[info.name] for info in engine.infos] == [8, 8]
+    device.memory.reserve(device.memory.available, DENSE_RESERVATION)
+    engine.reconfigure(config.updated(placement="static"))
+    assert [engine.plan.slots[info.name] for info in engine.infos] == estimated
+    # a reserve larger than the dense part holds still leaves fewer slots
+    engine.reconfigure(config.updated(reserve_device_bytes=(1 << 30) - 100 * 1024))
+    assert sum(engine.plan.slots.values()) < 16

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from engine.errors import WorkbenchError
 
 
+# what the load counts against gpu_device_mem_limit for a dense part on the GPU (its caps, not what it allocated:
+# engine.generation.LoadedModel)
+DENSE_RESERVATION = "dense part (onnxruntime arena, dense weights, KV cache and state)"
+
+
 class DeviceMemoryError(WorkbenchError):
     """An allocation that would pass the device's memory or the user's limit."""
 

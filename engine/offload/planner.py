@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.errors import WorkbenchError
 from engine.expert_node import ExpertNodeInfo
 from engine.offload.config import OffloadConfig
+from engine.offload.device_memory import DENSE_RESERVATION
 from engine.units import counted, human_bytes
 
 # Kept free for KV cache, state and workspace when the automatic budget is computed and the user
@@ -221,7 +222,13 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     runnable = [info for info in experts if info.gpu is not None]
 
     available = device.memory.available
-    budget = config.device_expert_bytes if config.device_expert_bytes is not None else automatic_budget(config, available)
+    if config.device_expert_bytes is not None:
+        budget = config.device_expert_bytes
+    else:
+        # a dense part the load put on the device holds what the reserve kept for it (DENSE_RESERVATION): a re-plan
+        # counts it as that reserve, not beside it
+        dense = device.memory.by_purpose.get(DENSE_RESERVATION, 0)
+        budget = min(available, automatic_budget(config, available + dense))
     clamped = budget > available
     if clamped:
         if config.mode == "required":
