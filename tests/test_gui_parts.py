@@ -1462,3 +1462,24 @@ def test_apply_keeps_the_automatic_budget_the_load_gave_beside_a_dense_part_held
     # a reserve larger than the dense part holds still leaves fewer slots
     engine.reconfigure(config.updated(reserve_device_bytes=(1 << 30) - 100 * 1024))
     assert sum(engine.plan.slots.values()) < 16
+
+
+def test_an_estimate_whose_parts_overfill_the_card_says_so_with_the_numbers(gptoss, monkeypatch):
+    """Without gpu_device_mem_limit nothing checks that the dense part, its KV cache at the longest sequence, the
+    expert slots and the staging ring fit the card together (the load puts the dense part there all the same). The
+    estimate showed 2.7 MiB of parts on a 2.5 MiB card with 0 B free and no word of it."""
+    from engine import ort_env
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)
+    card = DeviceChoice("cuda", 5 << 19, name="test card")
+    est = estimate(gptoss, OffloadConfig(reserve_device_bytes=0), card)
+    parts = {p.key: p.bytes for p in est.device_parts}
+    need = parts["experts"] + parts["dense"] + parts["kv"] + parts["workspace"]
+    assert need == 2845568 > 5 << 19 and parts["free"] == 0 and not est.error
+    assert est.statements[-1] == (
+        "Together these need 2.7 MiB of the test card, more than the 2.5 MiB it has for this model: the dense part and "
+        "its KV cache at 2048 tokens would not fit beside the experts (a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
+        "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit).")
+    roomy = estimate(gptoss, OffloadConfig(), DeviceChoice("cuda", 3 << 20, name="test card"))
+    assert not any(s.startswith("Together these need") for s in roomy.statements)

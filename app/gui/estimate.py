@@ -356,6 +356,13 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             statements.append(f"Loaded with these settings, the dense part would stay on the CPU: {at_load}.")
         else:
             statements.append(f"The dense part would run on the CPU: {dense_cpu}.")
+        need = sum(p.bytes for p in device_parts if p.key in ("experts", "dense", "kv", "workspace"))
+        if need > ceiling and not error:  # nothing checks it without gpu_device_mem_limit: the load goes ahead
+            statements.append(
+                f"Together these need {human_bytes(need)} of the {device.label}, more than the {human_bytes(ceiling)} "
+                f"it has for this model: the dense part and its KV cache at {facts.kv_words(kv_tokens)} would not fit "
+                "beside the experts (a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
+                "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit).")
     if error:
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
