@@ -272,9 +272,15 @@ def _sequence_cap(config) -> tuple[int, str]:
     return config.context_length, "context"
 
 
-def _past_the_cap(past: int, new: int, cap: int, bound: str) -> str:
+def _past_the_cap(past: int, new: int, cap: int, bound: str, earlier_turns: bool = False) -> str:
+    """earlier_turns: the `new` tokens are the conversation's earlier turns fed again whole (past is 0) and its
+    message, not one prompt."""
     where = (f"the model's genai_config.json search.max_length of {cap}, prompt and answer together"
              if bound == "max_length" else f"the model's context of {cap}")
+    if not past and earlier_turns:
+        return (f"the conversation so far, fed again whole, and this message come to {new} tokens, "
+                + (f"past {where}" if bound == "context" and new > cap else f"which leave no room for an answer within "
+                   f"{where}") + ": start a new conversation")
     if not past:
         if bound == "context" and new > cap:
             return f"the prompt has {new} tokens but the model's context is {cap}"
@@ -455,6 +461,10 @@ class Conversation:
             self.state.reset()
             new_tokens, self.fed_tokens = self.fed_tokens + new_tokens, []
         reused = len(self.fed_tokens)
+        cap, bound = _sequence_cap(self.model.config)
+        if not reused and len(new_tokens) + 1 > cap and any(m["role"] == "assistant" for m in self.messages):
+            # (generate would call it all "the prompt")
+            raise PromptError(_past_the_cap(0, len(new_tokens), cap, bound, earlier_turns=True))
         earlier = self._prompt_snapshot
 
         def take_snapshot(logits) -> None:

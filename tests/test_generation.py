@@ -447,3 +447,21 @@ def test_a_sliding_window_wider_than_the_context_keeps_its_whole_window(copy_fix
                     "past_key_values.1.key": 40, "past_key_values.1.value": 40}
     wide = LoadedModel.open(fixture_folder("gptoss"))  # context 2048
     assert generate(wide, wide.new_state(), [], ids, greedy(len(narrow.tokens))).tokens == narrow.tokens
+
+
+def test_a_conversation_fed_again_whole_past_the_context_is_called_the_conversation_not_the_prompt(copy_fixture):
+    """Regenerate on a model that answers at once feeds the earlier turns afresh: refused there, the message spoke of
+    "the prompt" of 122 tokens (the user's was a few) and said nothing of starting a new conversation."""
+    folder = copy_fixture("qwen35moe")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 100
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    chat = Conversation(LoadedModel.open(folder))
+    assert [chat.send(text, greedy(20)).finish_reason for text in ("Hello there", "Tell me more", "Go on")][-1] == "context"
+    fed_again = len(chat.model.tokenizer.encode(chat.model.tokenizer.render_chat(chat.messages[:-1],
+                                                                                 add_generation_prompt=True)))
+    assert fed_again > 100
+    with pytest.raises(PromptError) as refused:
+        chat.regenerate(greedy(20))
+    assert str(refused.value) == (f"the conversation so far, fed again whole, and this message come to {fed_again} "
+                                  "tokens, past the model's context of 100: start a new conversation")
