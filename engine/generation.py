@@ -509,14 +509,18 @@ class Conversation:
 
     def regenerate(self, params: GenerationParams, on_text=None, cancel=None, on_reasoning=None) -> GenerationResult:
         """The last user message answered again: from the state its prompt left where there is a snapshot of it (a
-        reasoning model's), else with the conversation before it fed afresh."""
+        reasoning model's), else with the conversation before it fed afresh. One that fails leaves the last answer."""
         if len(self.messages) < 2 or self.messages[-1]["role"] != "assistant":
             raise PromptError("there is no answer to regenerate")
-        user_text = self.messages[-2]["content"]
+        user_text, kept = self.messages[-2]["content"], self.messages
         self.messages = self.messages[:-2]
         if self._prompt_snapshot is None:
             self._rendered = None  # fed afresh
-        return self.send(user_text, params, on_text, cancel, on_reasoning)
+        try:
+            return self.send(user_text, params, on_text, cancel, on_reasoning)
+        except BaseException:  # (send left the state as the next turn needs it for either)
+            self.messages = kept  # the answer that a failed one would have replaced stays
+            raise
 
     def reset(self) -> None:
         self.messages = [m for m in self.messages if m["role"] == "system"]

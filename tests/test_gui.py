@@ -1526,3 +1526,30 @@ def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtb
     assert window.windowTitle() == "lfm2moe — MoE Workbench"
     assert window.model_panel.load_button.isEnabled() and window.model_panel.load_button.text() == "Load"
     assert not window.model_panel.unload_button.isEnabled() and window.model_panel.landed.text() == "Not loaded."
+
+
+def test_a_regenerate_that_fails_leaves_the_last_answer_in_the_transcript_and_the_conversation(qtbot, window,
+                                                                                                 monkeypatch):
+    """A regenerate refused (the conversation fed again past the context) or failing (out of memory) dropped the last
+    answer from both the transcript and the engine's conversation, and put its message back in the box: the answer was
+    lost for good, and sending the message again met the same refusal."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    first = ask(qtbot, window, "Hello", 6)
+    decoder = window.worker._model.decoder
+    real = decoder.forward
+
+    def fails(state, token_ids):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(decoder, "forward", fails)
+    window.chat.regenerate()
+    qtbot.waitUntil(lambda: not window.busy and not window.chat.entries[-1].get("streaming"), timeout=WAIT)
+    assert [(e["role"], e["text"]) for e in window.chat.entries] == [("user", "Hello"), ("assistant", first["text"])]
+    assert window.chat.prompt.toPlainText() == "" and window.chat.regenerate_button.isEnabled()
+    assert window.chat.live.text() == "Could not answer again: the last answer stays."
+    assert window.worker._conversation.messages == [
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": first["text"]}]
+    monkeypatch.setattr(decoder, "forward", real)
+    window.chat.regenerate()  # answered again from a state the failure left consistent: greedy, the same answer
+    qtbot.waitUntil(lambda: bool(not window.busy and window.chat.entries[-1].get("stats")), timeout=WAIT)
+    assert [(e["role"], e["text"]) for e in window.chat.entries] == [("user", "Hello"), ("assistant", first["text"])]

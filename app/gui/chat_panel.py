@@ -424,6 +424,11 @@ class ChatPanel(QWidget):
         if result.get("began") is False:  # stopped before the engine began it: not run, its conversation as it was
             self._take_back(replaced)
             return
+        if result.get("finish_reason") == "error" and replaced is not None:  # the engine's conversation kept it too
+            self.entries[-1] = replaced
+            self.render()
+            self.live.setText("Could not answer again: the last answer stays.")
+            return
         if result.get("finish_reason") != "error" or not entry["text"]:
             entry["text"] = result.get("text", entry["text"]) or entry["text"]
             entry["reasoning"] = result.get("reasoning") or entry["reasoning"]

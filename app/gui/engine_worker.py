@@ -353,8 +353,8 @@ class EngineWorker(QObject):
     @Slot(dict)
     def _regenerate(self, options: dict) -> None:
         """Answer the last user message again (Conversation.regenerate: from its prompt's state where the conversation
-        kept it, else with the turns before it fed afresh); a failed one leaves it without that message, as the chat
-        shows it, which sends it again."""
+        kept it, else with the turns before it fed afresh); a failed one leaves the last answer, as the chat shows
+        it."""
         old = self._conversation
         if old is None or len(old.messages) < 2 or old.messages[-1]["role"] != "assistant":
             self.failed.emit("There is no answer to regenerate.")
