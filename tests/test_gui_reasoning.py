@@ -454,3 +454,19 @@ def test_the_models_own_sampling_for_model_defaults_carries_its_random_seed(copy
     (folder / "genai_config.json").write_text(json.dumps(config))
     sampling = _model_sampling(SimpleNamespace(config=load_genai_config(folder)))
     assert (sampling["temperature"], sampling["seed"]) == (0.7, 9)
+
+
+def test_a_message_whose_answer_failed_before_any_text_goes_back_in_the_box_before_what_was_typed_since(qtbot):
+    """A model that reasons first can think for minutes, time enough to type the next message; a failure before any
+    answer text put the failed message back in the box over what was typed, which was lost."""
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    chat.set_state(busy=False, loaded=True)
+    chat.prompt.setPlainText("Why is the sky blue?")
+    chat.send()
+    chat.append_text("", 1, reasoning="Light scatters")
+    chat.prompt.setPlainText("And sunsets?")
+    chat.finish_answer({"text": "", "finish_reason": "error", "error": "RuntimeError: out of memory", "timings": {}})
+    assert chat.entries == [] and chat.prompt.toPlainText() == "Why is the sky blue?\nAnd sunsets?"

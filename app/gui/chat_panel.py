@@ -437,7 +437,7 @@ class ChatPanel(QWidget):
         if result.get("finish_reason") == "error" and not entry["text"]:
             self.entries.pop()
             if self.entries and self.entries[-1]["role"] == "user":
-                self.prompt.setPlainText(self.entries.pop()["text"])
+                self._message_back(self.entries.pop()["text"])
         self.render()
         self.live.setText(entry["stats"] if result.get("finish_reason") != "error" else "")
 
@@ -449,11 +449,15 @@ class ChatPanel(QWidget):
             self.entries.append(replaced)
             said = "the last answer stays"
         else:
-            typed = self.prompt.toPlainText()
-            self.prompt.setPlainText(self.entries.pop()["text"] + ("\n" + typed if typed else ""))
+            self._message_back(self.entries.pop()["text"])
             said = "message back in the box"
         self.render()
         self.live.setText(f"Stopped before it began: {said}.")
+
+    def _message_back(self, text: str) -> None:
+        """A message the engine did not take back in the box, before what was typed there since it was sent."""
+        typed = self.prompt.toPlainText()
+        self.prompt.setPlainText(text + ("\n" + typed if typed else ""))
 
     # --- rendering -------------------------------------------------------------------------------
     def welcome_html(self, t) -> str:
