@@ -470,3 +470,16 @@ def test_a_message_whose_answer_failed_before_any_text_goes_back_in_the_box_befo
     chat.prompt.setPlainText("And sunsets?")
     chat.finish_answer({"text": "", "finish_reason": "error", "error": "RuntimeError: out of memory", "timings": {}})
     assert chat.entries == [] and chat.prompt.toPlainText() == "Why is the sky blue?\nAnd sunsets?"
+
+
+def test_an_answer_cut_at_the_context_says_the_limit_in_tokens():
+    """"context full" alone left the user to guess how long the context is; the conversation (cached, prompt and
+    answer, the last sampled token counted) is the limit reached."""
+    from app.gui.chat_panel import stats_line
+
+    timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 20.0, "total_s": 2.0, "generated_tokens": 31,
+               "prompt_tokens": 166, "prefill_tokens_per_s": 500.0}
+    assert stats_line({"finish_reason": "context", "timings": timings, "reused_cache_tokens": 1851}).endswith(
+        " · context full of 2048 tokens")
+    assert stats_line({"finish_reason": "max_length", "timings": timings}).endswith(
+        " · the model's search.max_length of 197 tokens")

@@ -81,6 +81,8 @@ def stats_line(result: dict) -> str:
     if split:
         parts.append(split)
     finish = FINISH.get(result.get("finish_reason"), result.get("finish_reason", ""))
+    if result.get("finish_reason") in ("context", "max_length"):  # the limit reached: the sequence's every token
+        finish += f" of {result.get('reused_cache_tokens', 0) + t['prompt_tokens'] + tokens} tokens"
     parts.append(finish + (" while reasoning, before any answer" if result.get("cut_in_reasoning") else ""))
     return " · ".join(filter(None, parts))  # no decode rate for an answer whose one token was the prefill's
 
