@@ -1182,6 +1182,28 @@ def test_a_competitor_at_the_threshold_keeps_the_banner_up_instead_of_blinking_i
     window._on_busy("")
 
 
+def test_other_processes_vram_is_not_blamed_while_the_model_runs_without_the_gpu(qtbot, window):
+    """A model on the CPU (or a simulated GPU) uses no memory of the real card: the banner said 'Other processes hold
+    20.0 GiB of the GPU's 80.0 GiB: blender (20.0 GiB)' while it generated, a competitor that took nothing from it."""
+    gpu = {"name": "NVIDIA Test GPU", "total": 80 << 30, "used": 20 << 30, "free": 60 << 30, "this": 0,
+           "others": 20 << 30, "util": 30.0, "per_process": True,
+           "top": [{"pid": 7, "name": "blender", "bytes": 20 << 30}]}
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0, 50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+              "top_cpu": [], "top_ram": [], "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30,
+              "ram_others": 7 << 30, "gpu": gpu, "gpu_note": ""}
+    for settings in ({"device": {"kind": "cpu"}, "entries": {}}, simulated()):
+        load(qtbot, window, fixture_folder("gptoss"), settings)
+        window._on_busy("generating")
+        window._on_sample(sample)
+        assert not window.contention_banner.isVisible(), window.contention_banner.text()
+        window._on_busy("")
+    window.model_on_gpu = True  # as a model loaded on the CUDA device: the card's competitors count
+    window._on_busy("generating")
+    window._on_sample(sample)
+    assert "blender (20.0 GiB)" in window.contention_banner.text()
+    window._on_busy("")
+
+
 def test_a_model_loaded_without_file_backing_keeps_its_settings_open_to_change(qtbot, window, monkeypatch):
     """Its experts are in RAM already: the estimate does not ask the host for them again (with less available than
     their size it refused every setting, Apply disabled, while the model ran with them)."""

@@ -58,8 +58,10 @@ def cpu_taken(sample: dict) -> bool:
     return _others_take_cores(sample) or sample.get("cpu_steal_share", 0.0) >= CPU_STEAL_SHARE
 
 
-def check_sample(sample: dict) -> list[str]:
-    """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry)."""
+def check_sample(sample: dict, on_gpu: bool = True) -> list[str]:
+    """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry). Without
+    `on_gpu` (a model on the CPU or a simulated GPU) the card's memory is not the model's, and what holds it does
+    not compete."""
     warnings = []
     cores, all_cores = _cores(sample)
     others = sample.get("others_cpu_cores", 0.0)
@@ -80,7 +82,7 @@ def check_sample(sample: dict) -> list[str]:
     gpu = sample.get("gpu")
     # where NVML cannot say which process holds what (a driver that hides it, a container's pid namespace), its
     # "others" is all that is used, ours included
-    if (gpu and gpu.get("per_process", True) and gpu.get("total")
+    if (on_gpu and gpu and gpu.get("per_process", True) and gpu.get("total")
             and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
         top = gpu.get("top", [])
         warnings.append(f"Other processes hold {human_bytes(gpu['others'])} of the GPU's {human_bytes(gpu['total'])}"

@@ -190,6 +190,7 @@ class EngineWorker(QObject):
             self.loaded.emit({"path": self._facts.path, "load_s": time.perf_counter() - started,
                               "device": device.name if device is not None else "CPU only",
                               "dense_device": "GPU" if model.dense_device == "cuda" else "CPU",
+                              "on_gpu": getattr(device, "kind", None) == "cuda",  # (a simulated GPU: no real card's)
                               "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo,
                               "reasoning_choices": list(reasoning_choices(model.tokenizer)),

@@ -90,6 +90,7 @@ class MainWindow(QMainWindow):
         self.settings = settings if settings is not None else settings_from_env()
         self.facts = None
         self.loaded_path: str | None = None
+        self.model_on_gpu = False  # the loaded model uses the real CUDA card (its other processes compete with it)
         self.busy = ""
         self.last_error = ""
         self._load_settings: dict | None = None
@@ -696,6 +697,7 @@ class MainWindow(QMainWindow):
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
         self.loaded_path = info["path"]
+        self.model_on_gpu = info.get("on_gpu", False)
         self.model_panel.show_loaded(info["path"], info["landed"])
         self.setWindowTitle(f"{Path(info['path']).name} — MoE Workbench")
         settings = self._load_settings if self._load_settings else self.budget_panel.settings()
@@ -771,6 +773,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def _on_unloaded(self) -> None:
         self.loaded_path = None
+        self.model_on_gpu = False
         self.model_panel.show_unloaded()
         self.setWindowTitle(f"{self.facts.name} — MoE Workbench" if self.facts is not None else "MoE Workbench")
         self.budget_panel.mark_loaded(None)
@@ -800,7 +803,7 @@ class MainWindow(QMainWindow):
         self.graphs.add_sample(sample)
         self.budget_panel.set_gpu(sample.get("gpu"), sample.get("gpu_note", ""))
         if self.busy == "generating":
-            warnings = check_sample(sample)
+            warnings = check_sample(sample, self.model_on_gpu)
             slow = self.watch.warning(cpu_taken(sample))
             if slow:
                 warnings.append(slow)
