@@ -1182,6 +1182,26 @@ def test_a_competitor_at_the_threshold_keeps_the_banner_up_instead_of_blinking_i
     window._on_busy("")
 
 
+def test_a_warning_at_its_threshold_is_held_beside_another_that_stays(qtbot, window):
+    """Host memory nearly full throughout, a build hovering at the CPU threshold: the banner stayed up, but its text
+    lost and regained the build every second (the hold kept only the whole list, replaced by each sample's). Each
+    kind of warning is held on its own."""
+    window._on_busy("generating")
+    full = {"t": 1.0, "wall": 0.0, "cpu_per_core": [90.0, 95.0], "cpu_total": 92.0, "others_cpu_cores": 0.3,
+            "top_cpu": [], "top_ram": [], "ram_total": 16 << 30, "ram_available": 1 << 30, "ram_this": 14 << 30,
+            "ram_others": 1 << 30, "gpu": None, "gpu_note": "no NVIDIA GPU"}
+    busy = dict(full, others_cpu_cores=1.1, top_cpu=[{"pid": 7, "name": "cc1plus", "cores": 1.0, "rss": 1 << 28}])
+    texts = []
+    for sample in (busy, full, busy, full, full):
+        window._on_sample(sample)
+        texts.append(window.contention_banner.text())
+    assert all("cc1plus (100%)" in text and "Host memory is nearly full" in text for text in texts), texts
+    window._on_sample(full)  # calm for CALM_SAMPLES samples in a row: the build's warning goes, host memory's stays
+    assert "cc1plus" not in window.contention_banner.text()
+    assert "Host memory is nearly full" in window.contention_banner.text()
+    window._on_busy("")
+
+
 def test_other_processes_vram_is_not_blamed_while_the_model_runs_without_the_gpu(qtbot, window):
     """A model on the CPU (or a simulated GPU) uses no memory of the real card: the banner said 'Other processes hold
     20.0 GiB of the GPU's 80.0 GiB: blender (20.0 GiB)' while it generated, a competitor that took nothing from it."""

@@ -24,6 +24,7 @@ VRAM_OTHERS_SHARE = 0.10      # other processes holding this share of the GPU's 
 CPU_STEAL_SHARE = 0.10        # a virtual machine's CPUs losing this share of their time to other guests
 THROUGHPUT_DROP = 0.50        # current / start below this: warn
 CALM_SAMPLES = 3              # calm samples in a row before a raised warning comes down
+KINDS = ("cpu", "steal", "host memory", "vram", "throughput")  # the banner's order
 
 
 def _cpu(p: dict) -> str:
@@ -62,31 +63,36 @@ def check_sample(sample: dict, on_gpu: bool = True) -> list[str]:
     """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry). Without
     `on_gpu` (a model on the CPU or a simulated GPU) the card's memory is not the model's, and what holds it does
     not compete."""
-    warnings = []
+    return list(sample_warnings(sample, on_gpu).values())
+
+
+def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
+    """check_sample's sentences by kind ("cpu", "steal", "host memory", "vram"), for WarningHold."""
+    warnings = {}
     cores, all_cores = _cores(sample)
     others = sample.get("others_cpu_cores", 0.0)
     if _others_take_cores(sample):
         top = [p for p in sample.get("top_cpu", []) if p["cores"] >= 0.05]
         where = (f"{cores} CPU cores" if cores == all_cores else
                  f"the {cores} CPU cores this process may run on (of {all_cores})")
-        warnings.append(f"Other processes use {others:.1f} of {where}"
-                        + ((": " + _names(top, _cpu)) if top else "") + ".")
+        warnings["cpu"] = (f"Other processes use {others:.1f} of {where}"
+                           + ((": " + _names(top, _cpu)) if top else "") + ".")
     steal = sample.get("cpu_steal_share", 0.0)
     if steal >= CPU_STEAL_SHARE:
         # nothing on this machine to name: the CPU kernels' threads wait for each other, so they slow by more
-        warnings.append(f"This virtual machine's host gives {steal:.0%} of its CPU time to other guests (steal "
-                        "time): the CPU's expert kernels run slower and less evenly.")
+        warnings["steal"] = (f"This virtual machine's host gives {steal:.0%} of its CPU time to other guests "
+                             "(steal time): the CPU's expert kernels run slower and less evenly.")
     total, available = sample.get("ram_total", 0), sample.get("ram_available", 0)
     if total and available < HOST_AVAILABLE_SHARE * total:
-        warnings.append(_host_memory(sample))
+        warnings["host memory"] = _host_memory(sample)
     gpu = sample.get("gpu")
     # where NVML cannot say which process holds what (a driver that hides it, a container's pid namespace), its
     # "others" is all that is used, ours included
     if (on_gpu and gpu and gpu.get("per_process", True) and gpu.get("total")
             and gpu.get("others", 0) >= VRAM_OTHERS_SHARE * gpu["total"]):
         top = gpu.get("top", [])
-        warnings.append(f"Other processes hold {human_bytes(gpu['others'])} of the GPU's {human_bytes(gpu['total'])}"
-                        + ((": " + _names(top, _vram)) if top else "") + ".")
+        warnings["vram"] = (f"Other processes hold {human_bytes(gpu['others'])} of the GPU's "
+                            f"{human_bytes(gpu['total'])}" + ((": " + _names(top, _vram)) if top else "") + ".")
     return warnings
 
 
@@ -106,22 +112,24 @@ def _host_memory(sample: dict) -> str:
 
 @dataclass
 class WarningHold:
-    """The warnings the banner shows: the latest raised stay up until CALM_SAMPLES samples in a row are calm, so a
-    competitor hovering at a threshold (a build between its compile jobs) does not blink the banner every second."""
-    shown: list[str] = field(default_factory=list)
-    calm: int = 0
+    """The warnings the banner shows, each kind (sample_warnings's, and "throughput") held on its own: one raised stays
+    up until CALM_SAMPLES samples in a row are calm of it, so a competitor hovering at a threshold (a build between
+    its compile jobs) neither blinks the banner every second nor comes and goes from its text beside another."""
+    shown: dict[str, str] = field(default_factory=dict)
+    calm: dict[str, int] = field(default_factory=dict)
 
     def reset(self) -> None:
-        self.shown, self.calm = [], 0
+        self.shown, self.calm = {}, {}
 
-    def update(self, warnings: list[str]) -> list[str]:
-        if warnings:
-            self.shown, self.calm = list(warnings), 0
-        elif self.shown:
-            self.calm += 1
-            if self.calm >= CALM_SAMPLES:
-                self.reset()
-        return self.shown
+    def update(self, warnings: dict[str, str]) -> list[str]:
+        for kind in list(self.shown):
+            if kind not in warnings:
+                self.calm[kind] += 1
+                if self.calm[kind] >= CALM_SAMPLES:
+                    del self.shown[kind], self.calm[kind]
+        for kind, text in warnings.items():
+            self.shown[kind], self.calm[kind] = text, 0
+        return [self.shown[kind] for kind in KINDS if kind in self.shown]
 
 
 @dataclass

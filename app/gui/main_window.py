@@ -24,7 +24,7 @@ from app.gui import theme
 from app.gui.budget_panel import BudgetPanel, kept_settings_problem
 from app.gui.chat_panel import ChatPanel, answered_text
 from app.gui.collector import GuiCollector
-from app.gui.contention import ThroughputWatch, WarningHold, check_sample, cpu_taken
+from app.gui.contention import ThroughputWatch, WarningHold, cpu_taken, sample_warnings
 from app.gui.contention_view import ContentionView
 from app.gui.engine_worker import WorkerThread
 from app.gui.graphs_panel import GraphsPanel
@@ -803,10 +803,10 @@ class MainWindow(QMainWindow):
         self.graphs.add_sample(sample)
         self.budget_panel.set_gpu(sample.get("gpu"), sample.get("gpu_note", ""))
         if self.busy == "generating":
-            warnings = check_sample(sample, self.model_on_gpu)
+            warnings = sample_warnings(sample, self.model_on_gpu)
             slow = self.watch.warning(cpu_taken(sample))
             if slow:
-                warnings.append(slow)
+                warnings["throughput"] = slow
             self.show_contention(self.warnings.update(warnings))
 
     def show_contention(self, warnings: list[str]) -> None:
