@@ -1202,6 +1202,30 @@ def test_a_warning_at_its_threshold_is_held_beside_another_that_stays(qtbot, win
     window._on_busy("")
 
 
+def test_a_dismissed_contention_warning_stays_down_until_it_ends_or_another_comes(qtbot, window):
+    """The banner's ✕ hid it for under a second: the next sample, with the same build still running, showed it again,
+    and every second after."""
+    window._on_busy("generating")
+    calm = {"t": 1.0, "wall": 0.0, "cpu_per_core": [90.0, 95.0], "cpu_total": 92.0, "others_cpu_cores": 0.3,
+            "top_cpu": [], "top_ram": [], "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30,
+            "ram_others": 7 << 30, "gpu": None, "gpu_note": "no NVIDIA GPU"}
+    busy = dict(calm, others_cpu_cores=1.1, top_cpu=[{"pid": 7, "name": "cc1plus", "cores": 1.0, "rss": 1 << 28}])
+    window._on_sample(busy)
+    qtbot.mouseClick(window.contention_banner.close_button, Qt.MouseButton.LeftButton)
+    for _ in range(3):
+        window._on_sample(busy)
+        assert not window.contention_banner.isVisible()
+    full = dict(busy, ram_available=1 << 30, ram_this=14 << 30, ram_others=1 << 30)
+    window._on_sample(full)  # a new kind of problem is said, the dismissed one not again
+    assert window.contention_banner.isVisible() and "cc1plus" not in window.contention_banner.text()
+    assert "Host memory is nearly full" in window.contention_banner.text()
+    for _ in range(CALM_SAMPLES):
+        window._on_sample(calm)
+    window._on_sample(busy)  # the build ended (calm long enough) and a new one began: said again
+    assert "cc1plus" in window.contention_banner.text()
+    window._on_busy("")
+
+
 def test_other_processes_vram_is_not_blamed_while_the_model_runs_without_the_gpu(qtbot, window):
     """A model on the CPU (or a simulated GPU) uses no memory of the real card: the banner said 'Other processes hold
     20.0 GiB of the GPU's 80.0 GiB: blender (20.0 GiB)' while it generated, a competitor that took nothing from it."""

@@ -114,12 +114,17 @@ def _host_memory(sample: dict) -> str:
 class WarningHold:
     """The warnings the banner shows, each kind (sample_warnings's, and "throughput") held on its own: one raised stays
     up until CALM_SAMPLES samples in a row are calm of it, so a competitor hovering at a threshold (a build between
-    its compile jobs) neither blinks the banner every second nor comes and goes from its text beside another."""
+    its compile jobs) neither blinks the banner every second nor comes and goes from its text beside another. Those
+    the user dismissed stay unsaid until they have come down."""
     shown: dict[str, str] = field(default_factory=dict)
     calm: dict[str, int] = field(default_factory=dict)
+    dismissed: set[str] = field(default_factory=set)
 
     def reset(self) -> None:
-        self.shown, self.calm = {}, {}
+        self.shown, self.calm, self.dismissed = {}, {}, set()
+
+    def dismiss(self) -> None:
+        self.dismissed = set(self.shown)
 
     def update(self, warnings: dict[str, str]) -> list[str]:
         for kind in list(self.shown):
@@ -127,9 +132,10 @@ class WarningHold:
                 self.calm[kind] += 1
                 if self.calm[kind] >= CALM_SAMPLES:
                     del self.shown[kind], self.calm[kind]
+                    self.dismissed.discard(kind)
         for kind, text in warnings.items():
             self.shown[kind], self.calm[kind] = text, 0
-        return [self.shown[kind] for kind in KINDS if kind in self.shown]
+        return [self.shown[kind] for kind in KINDS if kind in self.shown and kind not in self.dismissed]
 
 
 @dataclass

@@ -114,6 +114,7 @@ class MainWindow(QMainWindow):
         self.error_banner = Banner("error")
         self.contention_banner = Banner("warn")
         self.contention_banner.setAccessibleName("Contention warning")
+        self.contention_banner.close_button.clicked.connect(self.warnings.dismiss)
         self.settings_banner = Banner("warn")
         self.settings_banner.setAccessibleName("Settings warning")
         self._check_settings_file()
