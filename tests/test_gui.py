@@ -1202,6 +1202,31 @@ def test_a_warning_at_its_threshold_is_held_beside_another_that_stays(qtbot, win
     window._on_busy("")
 
 
+def test_the_throughput_still_low_just_after_a_competitor_ends_is_not_blamed_on_memory_bandwidth(qtbot, window):
+    """The kernels' rate lags the CPU graph (a median of 1.25 s of readings, the automatic thread count coming back
+    after a second): the sample after a build ended was calm while the rate was still low, and the banner added
+    'something competes for memory bandwidth', a cause that was never there, for the seconds the CPU warning stayed."""
+    window._on_busy("generating")
+    calm = {"t": 1.0, "wall": 0.0, "cpu_per_core": [90.0, 95.0], "cpu_total": 92.0, "others_cpu_cores": 0.0,
+            "top_cpu": [], "top_ram": [], "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30,
+            "ram_others": 7 << 30, "gpu": None, "gpu_note": "no NVIDIA GPU"}
+    busy = dict(calm, others_cpu_cores=1.1, top_cpu=[{"pid": 7, "name": "cc1plus", "cores": 1.0, "rss": 1 << 28}])
+    for rate in (1,) + (10,) * 10:
+        window.watch.add(rate * 1e9)
+    window._on_sample(busy)
+    for rate in (4,) * 5:  # the build on the kernels' cores
+        window.watch.add(rate * 1e9)
+    window._on_sample(busy)
+    window._on_sample(calm)  # the build has ended; the rate has not caught up yet
+    assert "cc1plus" in window.contention_banner.text()
+    assert "memory bandwidth" not in window.contention_banner.text(), window.contention_banner.text()
+    assert "as other processes or guests take its CPUs' time" in window.contention_banner.text()
+    for _ in range(CALM_SAMPLES):  # long after the build, the rate still low: now something else is the cause
+        window._on_sample(calm)
+    assert "something competes for memory bandwidth" in window.contention_banner.text()
+    window._on_busy("")
+
+
 def test_a_dismissed_contention_warning_stays_down_until_it_ends_or_another_comes(qtbot, window):
     """The banner's ✕ hid it for under a second: the next sample, with the same build still running, showed it again,
     and every second after."""
