@@ -1202,6 +1202,16 @@ def test_a_warning_at_its_threshold_is_held_beside_another_that_stays(qtbot, win
     window._on_busy("")
 
 
+def test_the_contention_banner_states_when_it_warns(qtbot, window):
+    """'Other processes use 0.6 of 2 CPU cores' said nothing of why 0.6 was worth a warning, or what would be."""
+    assert window.contention_banner.toolTip() == (
+        "Said while the model generates, where other processes use at least 20% of this process's CPU cores (and half "
+        "a core), a virtual machine's host gives other guests at least 10% of its CPU time, less than 10% of host "
+        "memory is available, other processes hold at least 10% of the memory of the GPU the model runs on, or the "
+        "CPU experts' throughput falls below 50% of its best since the load. Each goes after 3 calm samples in a "
+        "row; ✕ keeps it down until then.")
+
+
 def test_the_throughput_still_low_just_after_a_competitor_ends_is_not_blamed_on_memory_bandwidth(qtbot, window):
     """The kernels' rate lags the CPU graph (a median of 1.25 s of readings, the automatic thread count coming back
     after a second): the sample after a build ended was calm while the rate was still low, and the banner added

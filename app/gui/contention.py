@@ -27,6 +27,14 @@ CALM_SAMPLES = 3              # calm samples in a row before a raised warning co
 KINDS = ("cpu", "steal", "host memory", "vram", "throughput")  # the banner's order
 
 
+THRESHOLDS = (f"Said while the model generates, where other processes use at least {OTHERS_CPU_SHARE:.0%} of this "
+              f"process's CPU cores (and half a core), a virtual machine's host gives other guests at least "
+              f"{CPU_STEAL_SHARE:.0%} of its CPU time, less than {HOST_AVAILABLE_SHARE:.0%} of host memory is "
+              f"available, other processes hold at least {VRAM_OTHERS_SHARE:.0%} of the memory of the GPU the model "
+              f"runs on, or the CPU experts' throughput falls below {THROUGHPUT_DROP:.0%} of its best since the load. "
+              f"Each goes after {CALM_SAMPLES} calm samples in a row; ✕ keeps it down until then.")
+
+
 def _cpu(p: dict) -> str:
     return f"{p['name']} ({p['cores'] * 100:.0f}%)"
 

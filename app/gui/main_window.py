@@ -24,7 +24,8 @@ from app.gui import theme
 from app.gui.budget_panel import BudgetPanel, kept_settings_problem
 from app.gui.chat_panel import ChatPanel, answered_text
 from app.gui.collector import GuiCollector
-from app.gui.contention import ThroughputWatch, WarningHold, cpu_taken, sample_warnings
+from app.gui.contention import (THRESHOLDS as CONTENTION_THRESHOLDS, ThroughputWatch, WarningHold, cpu_taken,
+                                sample_warnings)
 from app.gui.contention_view import ContentionView
 from app.gui.engine_worker import WorkerThread
 from app.gui.graphs_panel import GraphsPanel
@@ -115,6 +116,7 @@ class MainWindow(QMainWindow):
         self.contention_banner = Banner("warn")
         self.contention_banner.setAccessibleName("Contention warning")
         self.contention_banner.close_button.clicked.connect(self.warnings.dismiss)
+        self.contention_banner.setToolTip(CONTENTION_THRESHOLDS)
         self.settings_banner = Banner("warn")
         self.settings_banner.setAccessibleName("Settings warning")
         self._check_settings_file()
