@@ -508,6 +508,28 @@ def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, 
     assert saved.read_text() == report.markdown()
 
 
+def test_the_contention_view_says_a_faster_run_together_and_the_thread_count_that_gave_way(qtbot):
+    """'Done: indexing 0.93× slower together' for indexing that took less time beside the inference; and the CPU
+    expert kernels' thread count, which the saved report gives (1 of 2 threads beside the indexing), was not in the
+    window at all."""
+    from app.gui.contention_view import ContentionView
+    from app.gui.records_jobs import ContentionResult
+    from engine.records.contention import ContentionReport
+
+    view = ContentionView()
+    qtbot.addWidget(view)
+    threads = {"cpu_threads_automatic": True, "cores": 2, "others_busy_cores": 0.0}
+    report = ContentionReport(1, 12, 1.0, 2.0, 0.93, 10.0, {**threads, "cpu_threads_in_force": 2,
+                                                             "cpu_threads_changes": 0},
+                              {**threads, "cpu_threads_in_force": 1, "cpu_threads_changes": 2},
+                              {"indexing_alone": 0.05, "inference_alone": 0.02, "together": 0.6})
+    view.on_finished(ContentionResult(report, "corpus"))
+    assert view.bar.status.text() == (
+        "Done: together, the indexing took 0.93× its time alone and the inference 5.00×. CPU expert kernels: 2 of 2 "
+        "threads alone, 1 beside the indexing (cpu_threads automatic). Other processes took 5% and 2% of the CPUs' "
+        "time while each ran alone.")
+
+
 def test_sweep_view_runs_both_layer_splits_and_draws_the_whole_layer_points_apart(qtbot, window):
     load(qtbot, window, "gptoss", SIMULATED)
     view = window.sweep
