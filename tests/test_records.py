@@ -192,6 +192,31 @@ def test_a_record_of_approximate_routing_counts_the_experts_it_dropped_during_th
     assert short_record.approximation == {} and "dropped" not in detail_html(short_record)
 
 
+def test_a_record_s_detail_says_the_cpu_kernels_threads_the_other_processes_left_it(short_record):
+    """A run beside a build ran its CPU experts on 1 of 2 threads (the automatic count giving way): the record kept it,
+    but the history's detail and comparison said only the other processes' share of the CPUs' time."""
+    import html
+
+    from app.gui.record_report import compare_rows, detail_html
+
+    data = short_record.to_dict()
+    beside = RunRecord.from_dict(dict(data, offload=dict(data["offload"], cpu_threads={
+        "cpu_threads_in_force": 1, "cpu_threads_automatic": True, "cores": 2, "others_busy_cores": 1.1,
+        "cpu_threads_changes": 2})))
+    assert "CPU expert kernels</td><td>" + html.escape(
+        "1 of 2 threads at the end of the run (cpu_threads automatic: it moved 2 times as other processes' load "
+        "changed)") in detail_html(beside)
+    fixed = RunRecord.from_dict(dict(data, offload=dict(data["offload"], cpu_threads={
+        "cpu_threads_in_force": 2, "cpu_threads_automatic": False, "cores": 2, "others_busy_cores": 0.0,
+        "cpu_threads_changes": 0})))
+    assert "CPU expert kernels</td><td>2 of 2 threads (cpu_threads=2)" in detail_html(fixed)
+    rows = {row[0]: row for row in compare_rows(fixed, beside)}
+    assert rows["CPU expert threads at the end"][1:] == ("2", "1", "−1", "0.50×")
+    older = RunRecord.from_dict(dict(data, offload={k: v for k, v in data["offload"].items() if k != "cpu_threads"}))
+    assert "CPU expert kernels</td><td>not recorded" in detail_html(older)
+    assert "CPU expert threads at the end" not in detail_html(beside)  # said once, with its cores
+
+
 def test_a_job_says_so_while_a_model_settles(simulated_model):
     """The window's records jobs name the wait for a model's background work after load, and only when there is
     one: run_turns would wait silently (app/gui/records_jobs.settle)."""

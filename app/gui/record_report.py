@@ -12,6 +12,8 @@ from engine.units import human_bytes
 
 NOT_RECORDED = "not recorded"
 
+THREADS_METRIC = "CPU expert threads at the end"  # compared; a run's detail says it with its cores instead
+
 # (label, how to get it from a record, format, lower is better)
 METRICS = (
     ("load", lambda r: r.timings.get("load_s"), "s", True),
@@ -32,6 +34,8 @@ METRICS = (
     # what else used the CPUs during the run (a run beside other work, or on a busy virtual machine's host)
     ("CPU time other processes took", lambda r: r.host_load.get("host_others_share"), "%", True),
     ("CPU time the VM's host took (steal)", lambda r: r.host_load.get("host_steal_share"), "%", True),
+    # (automatic: fewer where other processes kept cores busy, engine/kernel_threads.py)
+    (THREADS_METRIC, lambda r: (r.offload.get("cpu_threads") or {}).get("cpu_threads_in_force"), "n", None),
 )
 
 
@@ -145,6 +149,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
          if o.get("placement_mode") == "hybrid" else "—"),
         ("dense part", _dense(record) or NOT_RECORDED),
+        ("CPU expert kernels", _threads(record) or NOT_RECORDED),
         ("approximate routing", "on" if record.approximate_routing else "off")]
         + ([("token agreement with exact routing", f"{record.routing_agreement:.1%}")]
            if record.routing_agreement is not None else [])
@@ -152,7 +157,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         + [(what, get(record) or NOT_RECORDED) for what, get in GENERATION_FACTS]))
     parts.append("<h4>Timings and peaks</h4>")
     parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
-                         if not (label.startswith("projected") and get(record) is None)]
+                         if not (label.startswith("projected") and get(record) is None) and label != THREADS_METRIC]
                         + [("turns", t.get("turns", len(record.turns))),
                            ("cancelled", "yes" if t.get("cancelled") else "no")]))
     parts.append("<h4>Configuration</h4>")
@@ -213,6 +218,20 @@ def _dense(record: RunRecord) -> str | None:
         return None
     where = "on the GPU (onnxruntime's CUDA EP)" if dense.get("device") == "cuda" else "on the CPU"
     return where + (f": {dense['reason']}" if dense.get("reason") else "")
+
+
+def _threads(record: RunRecord) -> str | None:
+    """'1 of 2 threads at the end of the run (cpu_threads automatic: it moved 2 times as other processes' load
+    changed)', or of a fixed count."""
+    threads = record.offload.get("cpu_threads")
+    if not threads:
+        return None
+    count = f"{threads['cpu_threads_in_force']} of {threads['cores']} threads"
+    if not threads["cpu_threads_automatic"]:
+        return f"{count} (cpu_threads={threads['cpu_threads_in_force']})"
+    moved = threads["cpu_threads_changes"]
+    return (f"{count} at the end of the run (cpu_threads automatic: it moved {moved} time{'' if moved == 1 else 's'} "
+            "as other processes' load changed)")
 
 
 def _layer_split(record: RunRecord) -> str | None:
