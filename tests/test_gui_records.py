@@ -530,6 +530,24 @@ def test_the_contention_view_says_a_faster_run_together_and_the_thread_count_tha
         "time while each ran alone.")
 
 
+def test_the_contention_view_names_the_scenario_that_ran_not_the_one_chosen_since(qtbot):
+    """The scenario box stays open while the test runs: one changed meanwhile named the result's row ("inference
+    (long)" for a test that answered the short scenario)."""
+    from app.gui.contention_view import ContentionView
+    from app.gui.records_jobs import ContentionResult
+    from engine.records.contention import ContentionReport
+
+    view = ContentionView()
+    qtbot.addWidget(view)
+    jobs = []
+    view.jobRequested.connect(lambda _kind, job: jobs.append(job))
+    view.scenario.setCurrentText("short")
+    view.run()
+    view.scenario.setCurrentText("long")
+    view.on_finished(ContentionResult(ContentionReport(1, 12, 1.0, 2.0, 1.5, 3.0), "corpus"))
+    assert jobs[0].scenario == "short" and view.table.item(1, 0).text() == "inference (short)"
+
+
 def test_sweep_view_runs_both_layer_splits_and_draws_the_whole_layer_points_apart(qtbot, window):
     load(qtbot, window, "gptoss", SIMULATED)
     view = window.sweep
