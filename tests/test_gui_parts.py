@@ -264,7 +264,7 @@ def test_contention_rules():
     calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
     assert check_sample(calm) == []
     busy = dict(calm, others_cpu_cores=2.5, top_cpu=[{"name": "python indexer.py", "cores": 2.4}])
-    assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (240%)."]
+    assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores)."]
     full = dict(calm, ram_total=100 << 30, ram_available=5 << 30, ram_this=10 << 30, ram_others=85 << 30,
                 top_ram=[{"name": "firefox", "rss": 3 << 30}])
     assert check_sample(full) == ["Host memory is nearly full (5.0 GiB of 100.0 GiB available; this process holds "
@@ -283,6 +283,16 @@ def test_contention_rules():
     for rate in (1, 10, 10, 10, 10, 10, 6, 6, 6, 6, 6):
         watch.add(rate * 1e9)
     assert watch.baseline == 10e9 and watch.current == 6e9 and watch.warning() == ""  # 60%: not clearly below
+
+
+def test_a_cpu_competitor_is_named_with_its_cores_and_its_memory():
+    """'Other processes use 2.5 of 8 CPU cores: python indexer.py (240%)': a percentage beside a count of cores (of
+    one core? of all?), and nothing of the memory the competitor holds, which the walk of processes had measured."""
+    busy = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 2.5, "ram_total": 100, "ram_available": 50, "gpu": None,
+            "top_cpu": [{"name": "python indexer.py", "cores": 2.4, "rss": 3 << 29},
+                        {"name": "make and 3 processes it started", "cores": 0.06, "rss": 0}]}
+    assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores, 1.5 GiB "
+                                  "resident), make and 3 processes it started (0.1 cores)."]
 
 
 def test_the_throughput_watch_measures_against_its_best_not_a_cold_start():

@@ -36,7 +36,9 @@ THRESHOLDS = (f"Said while the model generates, where other processes use at lea
 
 
 def _cpu(p: dict) -> str:
-    return f"{p['name']} ({p['cores'] * 100:.0f}%)"
+    """'python indexer.py (2.4 cores, 1.5 GiB resident)': in the sentence's unit, with the memory it holds."""
+    held = f", {human_bytes(p['rss'])} resident" if p.get("rss") else ""
+    return f"{p['name']} ({p['cores']:.1f} cores{held})"
 
 
 def _ram(p: dict) -> str:
