@@ -1237,6 +1237,29 @@ def test_the_throughput_still_low_just_after_a_competitor_ends_is_not_blamed_on_
     window._on_busy("")
 
 
+def test_a_throughput_drop_while_the_thread_count_gives_way_is_not_blamed_on_memory_bandwidth(qtbot, window):
+    """Other processes at 0.45 of 2 cores, just under the banner's threshold, had the automatic count on 1 of the 2
+    threads; the kernels' rate halved with it, and the banner put that to 'something competes for memory bandwidth'."""
+    import numpy as np
+
+    window._on_busy("generating")
+    quiet = {"t": 1.0, "wall": 0.0, "cpu_per_core": [90.0, 95.0], "cpu_total": 92.0, "others_cpu_cores": 0.45,
+             "top_cpu": [], "top_ram": [], "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30,
+             "ram_others": 7 << 30, "gpu": None, "gpu_note": "no NVIDIA GPU"}
+    for rate in (1,) + (10,) * 10 + (4,) * 5:
+        window.watch.add(rate * 1e9)
+    threads = {"cpu_threads_in_force": 1, "cpu_threads_automatic": True, "cores": 2, "others_busy_cores": 0.6,
+               "cpu_threads_changes": 1}
+    window._on_stats({"resident": np.array([[True, False]]), "traffic": np.ones((1, 2)), "valid": np.ones((1, 2), bool),
+                      "placement": "adaptive", "layer_names": ["a/QMoE"], "layer_index": [0], "bytes_per_expert": [1024],
+                      "layers": [{"hits": 3, "misses": 1, "swaps": 0}], "slots": [1], "copies": {"cpu_threads": threads},
+                      "cpu_expert_rate": 0.0})
+    window._on_sample(quiet)
+    assert "memory bandwidth" not in window.contention_banner.text(), window.contention_banner.text()
+    assert "fell to 4.00 GB/s from 10.00 GB/s" in window.contention_banner.text()
+    window._on_busy("")
+
+
 def test_a_dismissed_contention_warning_stays_down_until_it_ends_or_another_comes(qtbot, window):
     """The banner's ✕ hid it for under a second: the next sample, with the same build still running, showed it again,
     and every second after."""

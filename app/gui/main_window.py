@@ -99,6 +99,7 @@ class MainWindow(QMainWindow):
         self.engine_stopped = True  # False: the engine's thread was still in a call when the window closed
         self._pending_demo_load = False
         self.watch = ThroughputWatch()
+        self.threads_given_way = False  # the CPU kernels' automatic thread count below their cores (the last stats)
         self.warnings = WarningHold()
 
         self._worker_thread = WorkerThread(demo_dir)
@@ -755,6 +756,10 @@ class MainWindow(QMainWindow):
         self.budget_panel.set_own_vram(data.get("own_device_bytes", 0))
         if data.get("cpu_expert_rate"):
             self.watch.add(data["cpu_expert_rate"])
+        threads = (data.get("copies") or {}).get("cpu_threads") or {}
+        # the automatic count left other processes cores (engine/kernel_threads.py): the kernels' rate falls with it
+        self.threads_given_way = bool(threads.get("cpu_threads_automatic")
+                                      and threads["cpu_threads_in_force"] < threads["cores"])
 
     @Slot(dict)
     def _on_replanned(self, info: dict) -> None:
@@ -810,7 +815,7 @@ class MainWindow(QMainWindow):
             # the CPU's warning still held counts too: the kernels' rate lags the samples (a median of readings, and
             # the automatic thread count coming back a second after a competitor ends)
             held = "cpu" in self.warnings.shown or "steal" in self.warnings.shown
-            slow = self.watch.warning(cpu_taken(sample) or held)
+            slow = self.watch.warning(cpu_taken(sample) or held or self.threads_given_way)
             if slow:
                 warnings["throughput"] = slow
             self.show_contention(self.warnings.update(warnings))
