@@ -896,6 +896,22 @@ def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     assert shown[0] == "done"
 
 
+def test_the_contention_job_says_a_missing_corpus_folder_is_missing(tmp_path):
+    """A corpus folder typed wrong was 'no .txt files to index', as if it were there and empty (the command line says
+    'no such folder')."""
+    import app.gui.records_jobs as jobs
+    from engine.errors import WorkbenchError
+
+    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)))
+    ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: None, lambda batch: None, None)
+    with pytest.raises(WorkbenchError) as missing:
+        jobs.ContentionJob(str(tmp_path / "typo"), workers=1, max_new_tokens=4)(ctx)
+    assert str(missing.value) == f"{tmp_path / 'typo'}: no such folder"
+    with pytest.raises(WorkbenchError) as empty:
+        jobs.ContentionJob(str(tmp_path), workers=1, max_new_tokens=4)(ctx)
+    assert str(empty.value) == f"{tmp_path}: no .txt files to index"
+
+
 def test_a_sweep_points_trials_wait_for_the_experts_mapping_its_re_plan_started(monkeypatch):
     """A re-plan from every expert resident to fewer maps the experts' pages in again, in the background (and on a
     GPU page-locks their mapping: seconds for a large model). The point's unrecorded decode ran its trials beside

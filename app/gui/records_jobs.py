@@ -454,7 +454,9 @@ class ContentionJob:
         params = scenario_params(model, self.scenario, self.max_new_tokens)
         ctx.progress(0.0, "preparing the corpus" if not self.corpus else phase_after(0.0))
         corpus = Path(self.corpus).expanduser() if self.corpus else default_corpus()
-        if not corpus.is_dir() or not any(corpus.glob("*.txt")):
+        if not corpus.is_dir():
+            raise WorkbenchError(f"{corpus}: no such folder")
+        if not any(corpus.glob("*.txt")):
             raise WorkbenchError(f"{corpus}: no .txt files to index")
         ctx.progress(0.0, phase_after(0.0))
 
