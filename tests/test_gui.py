@@ -1195,7 +1195,8 @@ def test_a_warning_at_its_threshold_is_held_beside_another_that_stays(qtbot, win
     for sample in (busy, full, busy, full, full):
         window._on_sample(sample)
         texts.append(window.contention_banner.text())
-    assert all("cc1plus (1.0 cores, 256.0 MiB resident)" in text and "Host memory is nearly full" in text for text in texts), texts
+    assert all("cc1plus (1.0 cores, 256.0 MiB resident)" in text and "Host memory is nearly full" in text
+               for text in texts), texts
     window._on_sample(full)  # calm for CALM_SAMPLES samples in a row: the build's warning goes, host memory's stays
     assert "cc1plus" not in window.contention_banner.text()
     assert "Host memory is nearly full" in window.contention_banner.text()
@@ -1250,10 +1251,10 @@ def test_a_throughput_drop_while_the_thread_count_gives_way_is_not_blamed_on_mem
         window.watch.add(rate * 1e9)
     threads = {"cpu_threads_in_force": 1, "cpu_threads_automatic": True, "cores": 2, "others_busy_cores": 0.6,
                "cpu_threads_changes": 1}
-    window._on_stats({"resident": np.array([[True, False]]), "traffic": np.ones((1, 2)), "valid": np.ones((1, 2), bool),
-                      "placement": "adaptive", "layer_names": ["a/QMoE"], "layer_index": [0], "bytes_per_expert": [1024],
-                      "layers": [{"hits": 3, "misses": 1, "swaps": 0}], "slots": [1], "copies": {"cpu_threads": threads},
-                      "cpu_expert_rate": 0.0})
+    window._on_stats({"resident": np.array([[True, False]]), "traffic": np.ones((1, 2)),
+                      "valid": np.ones((1, 2), bool), "placement": "adaptive", "layer_names": ["a/QMoE"],
+                      "layer_index": [0], "bytes_per_expert": [1024], "layers": [{"hits": 3, "misses": 1, "swaps": 0}],
+                      "slots": [1], "copies": {"cpu_threads": threads}, "cpu_expert_rate": 0.0})
     window._on_sample(quiet)
     assert "memory bandwidth" not in window.contention_banner.text(), window.contention_banner.text()
     assert "fell to 4.00 GB/s from 10.00 GB/s" in window.contention_banner.text()
