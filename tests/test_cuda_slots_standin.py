@@ -372,6 +372,8 @@ def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, make=
 ONE_ROUTED_LAUNCH = [("record", "dense"), ("wait", "compute", "dense"), ("record", "compute"), ("record", "compute"),
                      ("wait", "dense", "compute")]
 ACCOUNT = [("event query", "compute"), ("event sync", "compute")]  # a launch found done, its statistics taken
+# a decode step's event before its last segment (the logits left on the device), waited for before the step's end
+LAYERS_DONE = [("record", "dense"), ("event sync", "dense")]
 
 
 def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_folder, cpu_run, monkeypatch):
@@ -387,12 +389,14 @@ def test_fully_resident_layers_route_on_the_standin_and_order_the_streams(model_
     assert not model.offload.deferred
     # the last decode step: each routed launch makes the compute stream wait for the dense part's, records start and
     # stop around the launch, and the dense part's stream waits for stop; each layer asks once whether the oldest
-    # launch is done (it is not); the host waits once, for the logits (the last segment's sync), then for each
-    # launch's stop event as the end of the step reads its time
+    # launch is done (it is not); the host waits for the layers (an event before the last segment, whose logits stay
+    # on the device), then for each launch's stop event as the end of the step reads its time, and last for the
+    # logits' copy
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
     queried = ONE_ROUTED_LAUNCH + [("event query", "compute")]
-    assert cp.log[last_sync - 6 * SPEC.layers:last_sync] == queried * SPEC.layers
-    assert cp.log[last_sync + 1:] == [("event sync", "compute")] * SPEC.layers
+    step_end = LAYERS_DONE + [("event sync", "compute")] * SPEC.layers
+    assert cp.log[last_sync - 6 * SPEC.layers - len(step_end):last_sync] == queried * SPEC.layers + step_end
+    assert cp.log[last_sync + 1:] == []
 
 
 def test_fully_resident_layers_statistics_are_taken_in_the_step_once_their_launch_is_done(model_folder, cpu_run,
@@ -406,9 +410,9 @@ def test_fully_resident_layers_statistics_are_taken_in_the_step_once_their_launc
     model, cp = open_on_standin(model_folder, 1.0, monkeypatch)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert not model.offload.deferred
-    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
-    assert cp.log[last_sync - 7 * SPEC.layers:last_sync] == (ONE_ROUTED_LAUNCH + ACCOUNT) * SPEC.layers
-    assert cp.log[last_sync + 1:] == []  # nothing left for the step's end
+    last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))  # the logits' copy
+    assert (cp.log[last_sync - 7 * SPEC.layers - len(LAYERS_DONE):last_sync]
+            == (ONE_ROUTED_LAUNCH + ACCOUNT) * SPEC.layers + LAYERS_DONE)  # nothing left for the step's end
     ours, ref = model.offload.stats.as_dict(), behind.offload.stats.as_dict()
     for mine, theirs in zip(ours.pop("layers"), ref.pop("layers")):
         del mine["copy_s"], theirs["copy_s"]  # the loads' host time, measured
@@ -441,8 +445,9 @@ def test_statistics_left_behind_by_a_host_ahead_of_the_gpu_are_taken_before_the_
     assert not model.offload.deferred
     last_sync = len(cp.log) - 1 - cp.log[::-1].index(("sync", "dense"))
     waited = cp.log.index(("before the last segment",), last_sync - 7 * SPEC.layers)
-    assert cp.log[waited + 1:last_sync] == ACCOUNT * (SPEC.layers - 1)
-    assert cp.log[last_sync + 1:] == [("event sync", "compute")]  # the last layer's, at the step's end
+    # the last layer's account at the step's end, after the layers' event; the logits' copy last
+    assert cp.log[waited + 1:last_sync] == ACCOUNT * (SPEC.layers - 1) + LAYERS_DONE + [("event sync", "compute")]
+    assert cp.log[last_sync + 1:] == []
     ours, ref = model.offload.stats.as_dict(), keeping_up.offload.stats.as_dict()
     for mine, theirs in zip(ours.pop("layers"), ref.pop("layers")):
         del mine["copy_s"], theirs["copy_s"]  # the loads' host time, measured
