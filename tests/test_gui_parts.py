@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from app.gui.contention import ThroughputWatch, check_sample  # noqa: E402
+from app.gui.contention import ThroughputWatch, sample_warnings  # noqa: E402
 from app.gui.estimate import DeviceChoice, estimate, layer_summary, model_facts  # noqa: E402
 from app.gui.widgets import parse_bytes  # noqa: E402
 from app.inspect_report import inspection  # noqa: E402
@@ -30,6 +30,11 @@ from tests.conftest import REPO, fixture_folder  # noqa: E402
 def gptoss():
     folder = ModelFolder.open(fixture_folder("gptoss"))
     return model_facts(folder, inspection(folder))
+
+
+def warned(sample: dict, on_gpu: bool = True) -> list[str]:
+    """The contention banner's sentences for one telemetry sample, in its order."""
+    return list(sample_warnings(sample, on_gpu).values())
 
 
 def test_kv_cache_estimate_from_the_graph(gptoss):
@@ -262,23 +267,23 @@ def test_without_file_backing_the_estimate_counts_the_loaded_models_copy_as_avai
 
 def test_contention_rules():
     calm = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "ram_total": 100, "ram_available": 50, "gpu": None}
-    assert check_sample(calm) == []
+    assert warned(calm) == []
     busy = dict(calm, others_cpu_cores=2.5, top_cpu=[{"name": "python indexer.py", "cores": 2.4}])
-    assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores)."]
+    assert warned(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores)."]
     full = dict(calm, ram_total=100 << 30, ram_available=5 << 30, ram_this=10 << 30, ram_others=85 << 30,
                 top_ram=[{"name": "firefox", "rss": 3 << 30}])
-    assert check_sample(full) == ["Host memory is nearly full (5.0 GiB of 100.0 GiB available; this process holds "
+    assert warned(full) == ["Host memory is nearly full (5.0 GiB of 100.0 GiB available; this process holds "
                                   "10.0 GiB): other processes hold 85.0 GiB, the largest firefox (3.0 GiB)."]
     stolen = dict(calm, cpu_steal_share=0.25)
-    assert check_sample(stolen) == ["This virtual machine's host gives 25% of its CPU time to other guests (steal "
+    assert warned(stolen) == ["This virtual machine's host gives 25% of its CPU time to other guests (steal "
                                     "time): the CPU's expert kernels run slower and less evenly."]
-    assert check_sample(dict(calm, cpu_steal_share=0.05)) == []
+    assert warned(dict(calm, cpu_steal_share=0.05)) == []
     gpu = dict(calm, gpu={"total": 80 << 30, "others": 20 << 30, "top": [{"name": "blender", "bytes": 20 << 30}]})
-    assert "blender (20.0 GiB)" in check_sample(gpu)[0]
+    assert "blender (20.0 GiB)" in warned(gpu)[0]
     # a driver that hides per-process memory (a container): NVML's "others" is all in use, this process's included
     hidden = dict(calm, gpu={"total": 80 << 30, "used": 40 << 30, "this": 0, "others": 40 << 30, "top": [],
                              "per_process": False})
-    assert check_sample(hidden) == []
+    assert warned(hidden) == []
     watch = ThroughputWatch()
     for rate in (1, 10, 10, 10, 10, 10, 6, 6, 6, 6, 6):
         watch.add(rate * 1e9)
@@ -291,7 +296,7 @@ def test_a_cpu_competitor_is_named_with_its_cores_and_its_memory():
     busy = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 2.5, "ram_total": 100, "ram_available": 50, "gpu": None,
             "top_cpu": [{"name": "python indexer.py", "cores": 2.4, "rss": 3 << 29},
                         {"name": "make and 3 processes it started", "cores": 0.06, "rss": 0}]}
-    assert check_sample(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores, 1.5 GiB "
+    assert warned(busy) == ["Other processes use 2.5 of 8 CPU cores: python indexer.py (2.4 cores, 1.5 GiB "
                                   "resident), make and 3 processes it started (0.1 cores)."]
 
 
@@ -319,7 +324,7 @@ def test_a_throughput_drop_while_other_processes_take_the_cores_is_not_blamed_on
     assert not cpu_taken(calm)
     assert watch.warning(cpu_taken(calm)).endswith("(40%): something competes for memory bandwidth.")
     for busy in (dict(calm, others_cpu_cores=6.0), dict(calm, cpu_steal_share=0.3)):
-        assert cpu_taken(busy) and len(check_sample(busy)) == 1
+        assert cpu_taken(busy) and len(warned(busy)) == 1
         assert watch.warning(cpu_taken(busy)) == (
             "CPU expert throughput fell to 4.00 GB/s from 10.00 GB/s since the model was loaded (40%) as other "
             "processes or guests take its CPUs' time.")
@@ -331,7 +336,7 @@ def test_the_host_memory_warning_blames_this_process_when_it_holds_most():
     full = {"cpu_per_core": [50.0] * 8, "others_cpu_cores": 0.4, "gpu": None, "ram_total": 64 << 30,
             "ram_available": 2 << 30, "ram_this": 54 << 30, "ram_others": 8 << 30,
             "top_ram": [{"name": "firefox", "rss": 3 << 30}]}
-    assert check_sample(full) == [
+    assert warned(full) == [
         "Host memory is nearly full (2.0 GiB of 64.0 GiB available): this process holds 54.0 GiB of it, the model's "
         "own experts and caches. A host cache budget (host_expert_bytes) or allowing file backing leaves room."]
 

@@ -60,13 +60,13 @@ def test_in_a_containers_pid_namespace_this_process_vram_is_not_counted_as_the_o
     """NVML gives the host's pids: in a container none is this process's, though one of them is this process. Its
     20 GiB read as another process's ("Other processes hold 20.0 GiB of the GPU's 80.0 GiB: pid 999999999"), a
     warning about the model's own memory while it generated."""
-    from app.gui.contention import check_sample
+    from tests.test_gui_parts import warned
 
     monkeypatch.setattr(nvml, "pynvml", FakeNvml([(999_999_999, 20 << 30)]))  # no such pid on this system
     sample = nvml.Nvml().sample()
     assert not sample["per_process"] and sample["this"] == 0 and sample["top"] == []
     calm = {"cpu_per_core": [10.0] * 8, "others_cpu_cores": 0.0, "ram_total": 100, "ram_available": 50}
-    assert check_sample(dict(calm, gpu=sample)) == []
+    assert warned(dict(calm, gpu=sample)) == []
 
 
 def test_no_nvidia_gpu_says_why(monkeypatch):

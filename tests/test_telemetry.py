@@ -97,18 +97,18 @@ def test_other_processes_count_only_on_the_cpus_this_process_may_run_on(monkeypa
     """A build pinned to CPUs 0-1 (taskset) does not compete with a workbench pinned to 2-3: the whole machine's load
     (2.1 other cores of 4) raised the warning; on our two CPUs the others use 0.1 of a core. A build on our CPUs still
     raises it, saying which CPUs are meant."""
-    from app.gui.contention import check_sample
+    from tests.test_gui_parts import warned
 
     elsewhere = _four_cpus(monkeypatch, [100.0, 100.0, 10.0, 10.0], ours={2, 3})
     assert elsewhere["others_cpu_cores"] == pytest.approx(0.1)
     assert elsewhere["cpu_ours"] == [2, 3]
-    assert check_sample(dict(elsewhere, gpu=None)) == []
+    assert warned(dict(elsewhere, gpu=None)) == []
     here = _four_cpus(monkeypatch, [10.0, 10.0, 100.0, 100.0], ours={2, 3})
     assert here["others_cpu_cores"] == pytest.approx(1.9)
-    assert check_sample(dict(here, gpu=None)) == [
+    assert warned(dict(here, gpu=None)) == [
         "Other processes use 1.9 of the 2 CPU cores this process may run on (of 4)."]
     everywhere = _four_cpus(monkeypatch, [100.0, 100.0, 10.0, 10.0], ours={0, 1, 2, 3})
-    assert check_sample(dict(everywhere, gpu=None)) == ["Other processes use 2.1 of 4 CPU cores."]
+    assert warned(dict(everywhere, gpu=None)) == ["Other processes use 2.1 of 4 CPU cores."]
 
 
 class _Times:
@@ -197,7 +197,7 @@ def test_with_a_cpu_offline_the_cores_this_process_may_run_on_are_found_by_numbe
     workbench pinned to CPUs 6-7 (taskset) beside a build on both read entries 6 and 7 (CPU 7, and past the list's
     end): 'other processes use 0.9 of the 1 CPU cores this process may run on', and the walk that names them looked
     for processes allowed on CPUs 6 and 7 by those entries' positions, not their numbers."""
-    from app.gui.contention import check_sample
+    from tests.test_gui_parts import warned
     from engine import host_load
 
     online = tmp_path / "online"
@@ -215,7 +215,7 @@ def test_with_a_cpu_offline_the_cores_this_process_may_run_on_are_found_by_numbe
     sample = probe.sample()
     assert sample["cpu_ours"] == [5, 6] and sample["others_cpu_cores"] == pytest.approx(1.9)
     assert walked == [{6, 7}]
-    assert check_sample(dict(sample, gpu=None)) == [
+    assert warned(dict(sample, gpu=None)) == [
         "Other processes use 1.9 of the 2 CPU cores this process may run on (of 7)."]
 
 

@@ -65,19 +65,14 @@ def _others_take_cores(sample: dict) -> bool:
 
 def cpu_taken(sample: dict) -> bool:
     """Whether other processes, or a virtual machine's other guests, take a significant share of this process's CPUs
-    (check_sample warns of either)."""
+    (sample_warnings warns of either)."""
     return _others_take_cores(sample) or sample.get("cpu_steal_share", 0.0) >= CPU_STEAL_SHARE
 
 
-def check_sample(sample: dict, on_gpu: bool = True) -> list[str]:
-    """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry). Without
-    `on_gpu` (a model on the CPU or a simulated GPU) the card's memory is not the model's, and what holds it does
-    not compete."""
-    return list(sample_warnings(sample, on_gpu).values())
-
-
 def sample_warnings(sample: dict, on_gpu: bool = True) -> dict[str, str]:
-    """check_sample's sentences by kind ("cpu", "steal", "host memory", "vram"), for WarningHold."""
+    """Plain sentences about what competes with the model, from one telemetry sample (app.gui.telemetry), by kind
+    ("cpu", "steal", "host memory", "vram"), for WarningHold. Without `on_gpu` (a model on the CPU or a simulated
+    GPU) the card's memory is not the model's, and what holds it does not compete."""
     warnings = {}
     cores, all_cores = _cores(sample)
     others = sample.get("others_cpu_cores", 0.0)
