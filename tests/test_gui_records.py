@@ -801,12 +801,8 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
 
-def test_a_sweep_that_stops_early_leaves_no_recommendation_behind_even_when_the_margin_changes(qtbot, tmp_path):
-    """A sweep that failed after a complete one: its summary still read the earlier sweep's "Recommended: 552.0 KiB of
-    experts on the device (100%)…" beside a run line saying "no recommendation", and moving Margin then recommended
-    0 B from the points before the failure (the budgets above it never timed) and offered to save it."""
-    import dataclasses
-
+def _view_of_a_complete_sweep(qtbot, tmp_path):
+    """A sweep view showing a complete three-point sweep of gptoss on a simulated GPU, and that sweep's result."""
     from app.gui.records_jobs import SweepJob
     from app.gui.sweep_view import SweepView
 
@@ -816,6 +812,16 @@ def test_a_sweep_that_stops_early_leaves_no_recommendation_behind_even_when_the_
     view = SweepView(str(tmp_path / "h.sqlite"))
     qtbot.addWidget(view)
     view.on_finished(complete)
+    return view, complete
+
+
+def test_a_sweep_that_stops_early_leaves_no_recommendation_behind_even_when_the_margin_changes(qtbot, tmp_path):
+    """A sweep that failed after a complete one: its summary still read the earlier sweep's "Recommended: 552.0 KiB of
+    experts on the device (100%)…" beside a run line saying "no recommendation", and moving Margin then recommended
+    0 B from the points before the failure (the budgets above it never timed) and offered to save it."""
+    import dataclasses
+
+    view, complete = _view_of_a_complete_sweep(qtbot, tmp_path)
     assert view.summary.text().startswith("Recommended: ")
     for stopped in (dataclasses.replace(complete, points=complete.points[:2],
                                         stopped_at="at 100% (device_expert_bytes=565248), point 3 of 3", failure="X"),
@@ -834,15 +840,7 @@ def test_a_sweep_that_fails_outright_takes_the_earlier_sweeps_recommendation_off
     """A sweep that failed before any point (the job itself failed) left the earlier sweep's "Recommended: …", its red
     rings and an enabled Save beside "Failed: …", read as this sweep's result; a sweep cancelled or failed at a point
     says "No recommendation" and draws only its own points. Now a failed one does the same."""
-    from app.gui.records_jobs import SweepJob
-    from app.gui.sweep_view import SweepView
-
-    device = SimulatedDevice(1 << 30)
-    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
-    complete = SweepJob(3, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
-    view = SweepView(str(tmp_path / "h.sqlite"))
-    qtbot.addWidget(view)
-    view.on_finished(complete)
+    view, complete = _view_of_a_complete_sweep(qtbot, tmp_path)
     assert view.summary.text().startswith("Recommended: ") and view.save_button.isEnabled()
     view.run()
     view.on_failed("the model was unloaded")
