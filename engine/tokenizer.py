@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 
 from engine.errors import (ModelFileError, PromptError, WorkbenchError, no_link_loop, not_a_file, read_model_json,
                            read_model_text)
+from engine.units import counted
 
 # the special tokens transformers hands a chat template (its special_tokens_map), where tokenizer_config.json sets them
 SPECIAL_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -146,7 +147,7 @@ class ChatTemplate:
             raise ModelFileError(f"{self.origin}: chat template failed to render ({reason})") from None
         if messages and not rendered.strip():  # (one that reads another name than `messages`)
             raise ModelFileError(f"{self.origin}: the chat template wrote nothing for a conversation of "
-                                 f"{len(messages)} message{'s' if len(messages) != 1 else ''}")
+                                 f"{counted(len(messages), 'message')}")
         return rendered
 
 
