@@ -8,7 +8,9 @@ JobDone) the CPU part's seconds are kept by the number of pairs it computed, wit
 routing and for the engine thread's next job, and the engine's end_step (the GPU idles through it) with the accounts
 left for it, over --steps decode steps after --warmup (figures in RESULTS.md from before the fifty-ninth session
 compared two variants in alternating rounds). --path tier (or a fraction of 1: every expert resident) times the same
-without the worker. The process's thread count is read after every step.
+without the worker. The process's thread count is read after every step, and the engine thread's CPU time in each
+marked call beside its wall time (a call that waited or was off its core reads short). --cpu-threads sets the offload
+key cpu_threads.
 
 The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.
 
@@ -90,14 +92,18 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     real_settle = engine.settle
     settled: list = []
     marks: list = []  # this step's moments: (perf_counter, what) (boundary_parts)
+    on_cpu: dict = defaultdict(list)  # a marked call's wall and engine-thread CPU seconds, by name
 
     def marked(name, call):
         def call_marked(*args, **kwargs):
-            marks.append((time.perf_counter(), name + " in"))
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            marks.append((started, name + " in"))
             try:
                 return call(*args, **kwargs)
             finally:
-                marks.append((time.perf_counter(), name + " out"))
+                ended = time.perf_counter()
+                marks.append((ended, name + " out"))
+                on_cpu[name].append((ended - started, time.thread_time() - cpu_started))
         return call_marked
 
     def counted_settle(*args, **kwargs):
@@ -152,13 +158,15 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     engine.settle = counted_settle
     row = {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
            "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
-           "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": [], "boundary": defaultdict(list)}
+           "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": [], "boundary": defaultdict(list),
+           "on_cpu": on_cpu}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
         for _ in range(warmup):
             token = int(decoder.forward(state, [token])[-1].argmax())
         wrap_step_parts(state)
+        on_cpu.clear()
         for _ in range(steps):
             jobs.clear()
             ends.clear()
@@ -231,6 +239,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=48)
     parser.add_argument("--path", default="both", help="the decode path asked for (both, tier, auto, cpu)")
     parser.add_argument("--folder")
+    parser.add_argument("--cpu-threads", type=int, default=0, help="the offload key cpu_threads (0: automatic)")
     parser.add_argument("--probe", action="store_true",
                         help="time a placement's rebalance of the model's size at each step's end and after a sleep "
                              "(RebalanceProbe; the steps then sleep in between)")
@@ -239,7 +248,8 @@ def main() -> None:
     engine = model.offload
     print(f"threads after load: {threads_now()}", flush=True)
     for fraction in [float(f) for f in args.fractions.split(",")]:
-        engine.reconfigure(OffloadConfig(device_expert_bytes=int(fraction * all_resident_bytes(model.folder.experts))))
+        engine.reconfigure(OffloadConfig(device_expert_bytes=int(fraction * all_resident_bytes(model.folder.experts)),
+                                         cpu_threads=args.cpu_threads))
         model.wait_until_settled()
         engine.set_decode_path(args.path)
         shape = SHAPES[args.shape]
@@ -262,6 +272,11 @@ def main() -> None:
               f"     part µs by pairs | {cells}", flush=True)
         print("     the step's moments, µs from each to the next (median over the steps):\n" + "\n".join(
             f"       {us(values)}  {part} ({len(values)})" for part, values in row["boundary"].items()), flush=True)
+        # a call whose engine-thread CPU time falls well short of its wall time waited (for the GPU, a lock) or was
+        # off its core (the host's other threads on it)
+        print("     the marked calls on the engine's thread, µs, median wall / thread CPU time (calls):\n" + "\n".join(
+            f"       {us([w for w, _ in calls])} / {us([c for _, c in calls])}  {name} ({len(calls)})"
+            for name, calls in row["on_cpu"].items()), flush=True)
         if probe is not None:
             print(f"     a placement of this size's rebalance: {us(row['probe_in_step'])} µs at the step's end, "
                   f"{us(row['probe_quiet'])} µs after {IDLE_S + 0.01:.2f} s asleep", flush=True)
