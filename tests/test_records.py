@@ -465,7 +465,7 @@ def test_recommendation_follows_the_projection_on_a_simulated_device():
     points = [point(0, 4.0, 10.0), point(100, 5.0, 5.4), point(200, 6.0, 5.0), point(300, 7.0, 4.95)]
     assert recommend(points, margin=0.10).budget_bytes == 100
     assert recommend(points, margin=0.0).budget_bytes == 300
-    assert points[0].ranking_completion_s == 10.0 and points[0].projected_decode_tokens_per_s == 2
+    assert points[0].projected_completion_s == 10.0 and points[0].projected_decode_tokens_per_s == 2
     # one point without a projection (a CUDA run mixed in): the measured times decide
     points[0].records[0].timings.pop("projected")
     assert recommend(points, margin=0.0).budget_bytes == 0

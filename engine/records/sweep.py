@@ -66,13 +66,6 @@ class SweepPoint:
         return sum(tokens for tokens, _rate in timed) / seconds if seconds else 0.0
 
     @property
-    def ranking_completion_s(self) -> float:
-        """What the recommendation compares: the projected completion time on a simulated device (its
-        measured wall time computes the card's experts on the CPU), the measured one otherwise."""
-        projected = self.projected_completion_s
-        return self.completion_s if projected is None else projected
-
-    @property
     def routing_agreement(self) -> float | None:
         """With approximate routing, the point's token agreement with exact routing over its answers' tokens (as a
         record's is over its turns'); None where routing was exact."""
