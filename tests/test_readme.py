@@ -1,0 +1,56 @@
+"""What the README tells a newcomer, held against the code: the command lines it shows parse, and every environment
+variable the code or the suite reads is in its table."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from tests.conftest import REPO
+
+README = (REPO / "README.md").read_text()
+# os.environ.get("NAME"), os.environ["NAME"], os.environ.setdefault("NAME", ...), os.getenv("NAME")
+ENV_READ = re.compile(r"""(?:environ(?:\.get|\.setdefault)?\(?\[?|getenv\()\s*["']((?:MOE|QMOE)_[A-Z0-9_]+)["']""")
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from app.cli import _build_parser
+
+    parser = _build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _readme_command_lines() -> list[tuple[str, str]]:
+    """(subcommand, the rest of the line) of every `moe-workbench COMMAND …` line in the README's sh blocks."""
+    lines = []
+    for block in re.findall(r"```sh\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            match = re.match(r"\s*(?:\.venv/bin/)?moe-workbench\s+([a-z][a-z-]*)(.*)", line.split("  # ")[0])
+            if match:
+                lines.append((match.group(1), match.group(2)))
+    return lines
+
+
+def test_every_option_in_the_readmes_command_lines_is_one_its_command_takes():
+    commands = _subcommands()
+    lines = _readme_command_lines()
+    assert {command for command, _rest in lines} >= {"gui", "inspect", "generate", "write-model", "record", "sweep",
+                                                      "history", "contention"}
+    unknown = [(command, flag) for command, rest in lines
+               for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest)
+               if flag not in commands[command]._option_string_actions]
+    assert unknown == []
+    # the choices it spells out (--device cpu|simulated|cuda) are the command's
+    for command, rest in lines:
+        for flag, values in re.findall(r"(--[a-z-]+)[ =]([a-z0-9]+(?:\|[a-z0-9]+)+)", rest):
+            choices = commands[command]._option_string_actions[flag].choices
+            assert set(values.split("|")) == {str(choice) for choice in choices}, (command, flag)
+
+
+def test_every_environment_variable_the_code_or_the_suite_reads_is_in_the_readmes_table():
+    table = README[README.index("| variable | what it does |"):]
+    sources = [*REPO.glob("app/**/*.py"), *REPO.glob("engine/**/*.py"), *REPO.glob("kernels/**/*.py"),
+               REPO / "tests" / "conftest.py"]
+    read = {name for path in sources for name in ENV_READ.findall(path.read_text())}
+    assert {"MOE_WORKBENCH_DEBUG", "MOE_LAYER_SPLIT", "QMOE_GPU_NO_CUBIN"} <= read  # the pattern finds them
+    assert sorted(name for name in read if f"`{name}" not in table) == []
