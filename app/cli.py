@@ -75,7 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_device_arguments(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per answer: prompt_tokens, tokens, text, reasoning, finish_reason, "
-                     "timings, dense (and offload with --device, --offload or --config)")
+                     "timings, dense (and offload with --device simulated or cuda, --offload or --config)")
 
     record = commands.add_parser("record", help="run measured scenarios and save resource records")
     record.add_argument("model", help=MODEL_HELP)
