@@ -44,7 +44,6 @@ class GenaiConfig:
     sliding_window_size: int | None = None
     sliding_window_layers: tuple[int, ...] | None = ()  # None: every layer (a sliding_window that lists none)
     sliding_cache_slack: int = 0
-    provider_names: tuple[str, ...] = ()
     search: SearchDefaults = field(default_factory=SearchDefaults)
 
     @property
@@ -175,13 +174,6 @@ def load_genai_config(folder: Path) -> GenaiConfig:
         if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
             raise ModelFileError(f"{path}: 'model.eos_token_id' is {json.dumps(eos)[:40]}, not token ids")
         sliding = _object(decoder, "sliding_window", path, "model.decoder.", required=False)
-        providers = tuple(
-            name
-            for opt in _object(decoder, "session_options", path, "model.decoder.", required=False).get(
-                "provider_options", [])
-            if isinstance(opt, dict)
-            for name in opt
-        )
         defaults = SearchDefaults()
         context_length = _integer(model, "context_length", path, "model.", minimum=1)
         return GenaiConfig(
@@ -204,7 +196,6 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             or None,
             sliding_window_layers=_layers(sliding, path, "model.decoder.sliding_window."),
             sliding_cache_slack=_integer(sliding, "cache_slack", path, "model.decoder.sliding_window.", default=0),
-            provider_names=providers,
             search=SearchDefaults(
                 max_length=_integer(search, "max_length", path, "search.", default=0) or context_length,
                 min_length=_integer(search, "min_length", path, "search.", default=defaults.min_length),

@@ -129,3 +129,13 @@ def test_a_search_section_with_top_p_0_loads_and_samples_as_onnxruntime_genai_do
     folder = edited(copy_fixture, "gptoss", lambda c: c["search"].update(do_sample=True, top_k=40, top_p=0.0))
     params = model_sampling(load_genai_config(folder))
     assert (params.top_k, params.top_p, describe(params)) == (40, 0.0, "temperature 1, top-k 40")
+
+
+def test_the_decoders_provider_options_are_not_read(copy_fixture):
+    # the engine chooses its own execution providers (engine/ort_env.py): session_options.provider_options, which
+    # the builder writes for its target (cuda, dml, ...), is left to onnxruntime-genai, whatever it holds
+    folder = copy_fixture("gptoss")
+    for value in (5, None, "cuda", [{"cuda": {}}]):
+        rewritten(folder, lambda c, v=value: c["model"]["decoder"].setdefault("session_options", {}).update(
+            provider_options=v))
+        assert load_genai_config(folder).context_length == 2048
