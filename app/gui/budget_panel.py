@@ -214,8 +214,10 @@ class BudgetPanel(QWidget):
                              "auto (offload where possible), required (refuse otherwise)"), self.mode)
         f.addRow(_label("Placement", "placement: static (fixed residents) or adaptive (decayed hit counts, swaps with hysteresis)"),
                  self.placement)
-        f.addRow(_label("CPU execution", "cpu_execution: cold experts computed on the CPU (auto/enabled) or copied in (disabled)"),
-                 self.cpu_execution)
+        f.addRow(_label("CPU execution", "cpu_execution: whether cold experts may be computed on the CPU. enabled: they "
+                                         "may (each miss on the CPU or copied in, whichever is faster); disabled: never "
+                                         "(on a CUDA GPU read from page-locked host memory where it holds them, else "
+                                         "copied in); auto: the engine measures the ways while decoding (Cold experts)"), self.cpu_execution)
         f.addRow(_label("CPU threads", "cpu_threads for the CPU expert kernels; 0 = automatic: every core less "
                                        "those other processes keep busy; changes without reload"), self.threads)
         f.addRow(_label("Prefill wave", "prefill_wave_experts: cold experts streamed to the device per wave in prefill"), self.wave)
