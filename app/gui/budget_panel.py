@@ -46,8 +46,9 @@ PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the C
             "CPU computes some of each token's cold experts at once (how many, from the speeds measured while "
             "decoding); it can pay for large experts with few resident. Measured while decoding: the engine times the "
             "three and keeps the fastest (under CPU execution auto; disabled reads them on the GPU, enabled computes "
-            "them on the CPU). The host memory is only taken where at most half the memory available holds it. Not "
-            "an onnxruntime key: this app's own setting")
+            "them on the CPU). The host memory is taken there only where at most half the memory available holds it and "
+            "Pinned is auto; chosen here (read by the GPU, with or without a share), wherever the memory available "
+            "holds it. Not an onnxruntime key: this app's own setting")
 # the keys the panel's controls set (config()); the others are shown read-only and kept as they came
 CONTROLLED_KEYS = frozenset({"mode", "placement", "cpu_execution", "device_expert_bytes", "reserve_device_bytes",
                              "gpu_device_mem_limit", "host_expert_bytes", "pinned_bytes", "device_working_bytes",
