@@ -1678,3 +1678,18 @@ def test_a_regenerate_that_fails_leaves_the_last_answer_in_the_transcript_and_th
     window.chat.regenerate()  # answered again from a state the failure left consistent: greedy, the same answer
     qtbot.waitUntil(lambda: bool(not window.busy and window.chat.entries[-1].get("stats")), timeout=WAIT)
     assert [(e["role"], e["text"]) for e in window.chat.entries] == [("user", "Hello"), ("assistant", first["text"])]
+
+
+def test_each_alt_letter_of_the_window_opens_one_thing(window):
+    """The menu bar's menus and the central tabs take their Alt+letter from the same window: two of one letter
+    (the Chat menu and the Chat tab) made Alt+C open the menu on one press and switch tabs on the next."""
+    import re
+
+    def letter(text: str) -> str:
+        found = re.search(r"&([^&\s])", text.replace("&&", ""))
+        return found.group(1).lower() if found else ""
+
+    titles = [action.text() for action in window.menuBar().actions()]
+    titles += [window.tabs.tabText(i) for i in range(window.tabs.count())]
+    letters = [letter(title) for title in titles if letter(title)]
+    assert len(letters) == len(set(letters)), titles

@@ -155,7 +155,7 @@ class MainWindow(QMainWindow):
         column.addWidget(self.settings_banner)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
-        self.tabs.addTab(self.chat, "&Chat")
+        self.tabs.addTab(self.chat, "Ch&at")  # Alt+A: the Chat menu has Alt+C
         self.tabs.addTab(scrolled(self.side_by_side), "&Side by side")
         column.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
