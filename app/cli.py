@@ -703,11 +703,27 @@ def _cmd_record(args) -> int:
                   f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "
                   f"({record.peaks['rss_start_bytes'] / 2**20:.0f} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
-                  f"{record.host_load['host_steal_share']:.0%}" + _agreement_note(record.routing_agreement,
-                                                                       record.generated_tokens))
+                  f"{record.host_load['host_steal_share']:.0%}" + _device_note(record, device)
+                  + _agreement_note(record.routing_agreement, record.generated_tokens))
     if args.json:
         print(json.dumps(records, indent=2))
     return 0
+
+
+def _device_note(record, device) -> str:
+    """record's line on a device: its memory peak and, on the simulated device, what the record projects for the card
+    (its measured times have the CPU computing the card's experts too, one after the other)."""
+    if device is None:
+        return ""
+    note = f"; device peak {human_bytes(record.peaks['device_bytes'])} of {human_bytes(device.memory.ceiling)}"
+    projected = record.timings.get("projected")
+    if projected:
+        bw = projected["bandwidths"]
+        note += (f"; projected for the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, HBM "
+                 f"{bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed; the times before are the CPU's, standing in for "
+                 f"it): decode {decode_rate(projected['decode_tokens_per_s'])}, completion "
+                 f"{projected['completion_s']:.2f} s")
+    return note
 
 
 def _cmd_sweep(args) -> int:

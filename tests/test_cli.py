@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+from engine.units import human_bytes
 from tests.conftest import fixture_folder
 from tests.test_bad_input import REPO, run_cli
 
@@ -1201,3 +1202,21 @@ def test_a_narrowing_routing_setting_without_the_one_it_narrows_is_said_to_do_no
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hello", "--max-new-tokens", "2", "--device",
                               "simulated", "--offload", "skip_tail_cold_only=1", "--offload", "min_expert_weight=0.5")
     assert status == 0 and "warning" not in err and "token agreement with exact routing" in err
+
+
+def test_records_line_on_the_simulated_device_says_the_projected_card_and_its_device_peak(tmp_path, capsys):
+    """On the simulated device record's line gave only the measured times, in which the CPU stands in for the card's
+    experts one after the other, and no device memory: read as the card's speed and use. It now also says the device
+    peak (of the card's memory) and what the record projects for the simulated card, with the bandwidths assumed."""
+    gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
+    status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "6", "--history", history, "--device",
+                             "simulated", "--simulated-vram", "4000000", "--offload", "device_expert_bytes=300000")
+    assert status == 0, err
+    record = json.loads(_main(capsys, "history", "--history", history, "--id", "1")[1])[0]
+    projected, peak = record["timings"]["projected"], record["peaks"]["device_bytes"]
+    assert peak > 300000 // 2
+    assert (f"device peak {human_bytes(peak)} of 3.8 MiB; projected for the simulated card (PCIe 25 GB/s, HBM 1000 "
+            f"GB/s assumed; the times before are the CPU's, standing in for it): decode "
+            f"{projected['decode_tokens_per_s']:.1f} tok/s, completion {projected['completion_s']:.2f} s") in out
+    status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history)
+    assert status == 0 and "device peak" not in out and "projected" not in out
