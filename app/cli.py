@@ -4,6 +4,7 @@ history, test contention, write a model."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -483,11 +484,14 @@ class _StreamedAnswer:
             self.thinking = False
 
 
-def _print_result(result, model, as_json: bool) -> None:
+def _print_result(result, model, as_json: bool, projected: float | None = None) -> None:
+    """`projected`: on the simulated device, the answer's decode rate projected for the card."""
     from engine.offload.approximate import agreement_text
 
     if as_json:
         timings = {"load_s": model.load_s, **result.timings.as_dict()}
+        if projected is not None:
+            timings["projected_decode_tokens_per_s"] = projected
         answer = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
                   "reasoning": result.reasoning, "finish_reason": result.finish_reason, "timings": timings}
         answer["dense"] = {"device": model.dense_device, "reason": model.dense_reason}
@@ -507,6 +511,8 @@ def _print_result(result, model, as_json: bool) -> None:
         # no decode rate for an answer whose one token was the prefill's
         said = [tokens, f"first after {t.time_to_first_token_s * 1000:.0f} ms",
                 decode_rate(t.decode_tokens_per_s, none=""), f"{t.total_s:.2f} s"]
+        if projected is not None:
+            said.append(f"projected on the simulated card: {decode_rate(projected)}")
         print(f"[{', '.join(filter(None, said))}; {finish}{agreement}]", file=sys.stderr, flush=True)
 
 
@@ -571,18 +577,20 @@ def _cmd_generate(args) -> int:
     cancel = threading.Event()
     if args.raw:
         ids = model.tokenizer.encode(args.prompt, add_special_tokens=True)  # a BOS as the tokenizer adds it
+        before = _decode_phase(model, device)
         result = generate(model, model.new_state(), [], ids, params, stream, cancel, on_reasoning=reasoning)
         if printed:
             printed.done_thinking()
-        _print_result(result, model, args.json)
+        _print_result(result, model, args.json, _projected(before, model, device, result))
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
     while True:
+        before = _decode_phase(model, device)
         result = conversation.send(prompt, params, stream, cancel, on_reasoning=reasoning)
         if printed:
             printed.done_thinking()
-        _print_result(result, model, args.json)
+        _print_result(result, model, args.json, _projected(before, model, device, result))
         if not args.chat:
             return 0
         line = sys.stdin.readline()
@@ -591,6 +599,26 @@ def _cmd_generate(args) -> int:
         prompt = line.rstrip("\n")
         if not prompt.strip():
             return 0
+
+
+def _decode_phase(model, device):
+    """On the simulated device, a copy of the decode phase's projection totals (engine/offload/projection.py); else
+    None."""
+    from engine.offload.projection import is_simulated
+
+    if model.offload is None or not is_simulated(device):
+        return None
+    return copy.copy(model.offload.stats.phases["decode"])
+
+
+def _projected(before, model, device, result) -> float | None:
+    """The answer's decode rate projected for the simulated card (`before`: _decode_phase before it); None off it."""
+    from engine.offload.projection import projected_decode_rate
+
+    after = _decode_phase(model, device)
+    if before is None or after is None:
+        return None
+    return projected_decode_rate(before, after, result.timings.decode_s, result.timings.generated_tokens)
 
 
 def _cmd_write_model(args) -> int:

@@ -1220,3 +1220,24 @@ def test_records_line_on_the_simulated_device_says_the_projected_card_and_its_de
             f"{projected['decode_tokens_per_s']:.1f} tok/s, completion {projected['completion_s']:.2f} s") in out
     status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history)
     assert status == 0 and "device peak" not in out and "projected" not in out
+
+
+
+def test_generate_on_the_simulated_device_says_the_decode_rate_projected_for_the_card():
+    """generate on the simulated device said only the measured decode rate, in which the CPU computes the card's
+    experts too, one after the other: read as the card's. Its line and --json now also give the rate projected for the
+    simulated card, as the window's chat does (the answer's decode time less what the card would not spend)."""
+    gptoss = str(fixture_folder("gptoss"))
+    common = ("generate", gptoss, "--prompt", "Hello there", "--greedy", "--max-new-tokens", "8", "--device",
+              "simulated", "--offload", "device_expert_bytes=300000")
+    result = run_cli(*common, "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    timings, decode = answer["timings"], answer["offload"]["phases"]["decode"]
+    saving = decode["standin_s"] + decode["cpu_s"] - decode["critical_s"]  # the whole run is this one answer
+    expected = (timings["generated_tokens"] - 1) / (timings["decode_s"] - saving)
+    assert abs(timings["projected_decode_tokens_per_s"] - expected) < 1e-6 * expected
+    result = run_cli(*common)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"tok/s, [0-9.]+ s, projected on the simulated card: [0-9.]+ tok/s; length\]", result.stderr)
+    assert "projected" not in run_cli(*common[:-4]).stderr  # on the CPU

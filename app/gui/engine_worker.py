@@ -37,8 +37,7 @@ from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import cuda_device_or_cpu
 from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
-from engine.offload.projection import is_simulated, projected_seconds
-from engine.offload.stats import LayerStats
+from engine.offload.projection import is_simulated, projected_decode_rate
 from engine.reasoning import reasoning_choices
 from engine.sampling import beam_search_note, describe, model_sampling
 from engine.units import counted, human_bytes
@@ -336,12 +335,9 @@ class EngineWorker(QObject):
     def _projected_decode(self, before, timings) -> float | None:
         """Decode tokens/s projected for the simulated card over this answer's decode steps; None off it."""
         after = self._decode_phase()
-        if before is None or after is None or not timings.decode_s or timings.generated_tokens < 2:
+        if before is None or after is None:
             return None
-        delta = LayerStats(cpu_s=after.cpu_s - before.cpu_s, standin_s=after.standin_s - before.standin_s,
-                           critical_s=after.critical_s - before.critical_s)
-        seconds = projected_seconds(timings.decode_s, [delta])
-        return (timings.generated_tokens - 1) / seconds if seconds > 0 else None
+        return projected_decode_rate(before, after, timings.decode_s, timings.generated_tokens)
 
     @Slot(str, dict)
     def _send(self, text: str, options: dict) -> None:

@@ -61,6 +61,15 @@ def projected_seconds(wall_s: float, layers) -> float:
     return max(0.0, wall_s - saving_s(layers))
 
 
+def projected_decode_rate(before, after, decode_s: float, generated_tokens: int) -> float | None:
+    """Decode tokens/s projected for the simulated card over one answer: `before` and `after` the decode phase's
+    totals (LayerStats) around it, `decode_s` its measured decode time; None for an answer without a decode step."""
+    if not decode_s or generated_tokens < 2:
+        return None
+    seconds = max(0.0, decode_s - (saving_s([after]) - saving_s([before])))
+    return (generated_tokens - 1) / seconds if seconds > 0 else None
+
+
 def bandwidths_dict(bandwidths) -> dict:
     return {"pcie_bytes_per_s": float(bandwidths.pcie), "hbm_bytes_per_s": float(bandwidths.hbm)}
 
