@@ -415,6 +415,28 @@ def test_a_byte_field_says_why_it_refuses_what_was_typed(qapp):
     assert simulated.value() == 8 << 30 and simulated.text.text() == "8.0 GiB"
 
 
+def test_the_simulated_gpus_size_refuses_less_than_the_command_lines_least_where_typed(qapp, gptoss):
+    """A simulated size of 0 typed into the budget panel showed '0 B' while the estimate and the load used a card of
+    1 GiB, and 100 bytes made a card the command line refuses (--simulated-vram takes at least 1 MiB). The field now
+    refuses less than 1 MiB where it was typed, saying so, and keeps the size in force."""
+    from PySide6.QtWidgets import QToolTip
+
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.show()
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}})
+    for typed in ("0", "100", "1023 KiB"):
+        panel.sim_size.text.setText(typed)
+        panel.sim_size.text.editingFinished.emit()
+        assert QToolTip.text() == f"'{typed}': the simulated GPU needs at least 1.0 MiB"
+        assert panel.sim_size.text.text() == "96.0 MiB"
+        assert panel.device_settings() == {"kind": "simulated", "capacity": 96 << 20}
+    panel.sim_size.text.setText("1 MiB")
+    panel.sim_size.text.editingFinished.emit()
+    assert panel.device_settings() == {"kind": "simulated", "capacity": 1 << 20}
+
+
 def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str

@@ -25,6 +25,7 @@ from engine.units import counted, human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
 RELOAD_FIELDS = ("gpu_device_mem_limit",)
+SIMULATED_MIN = 1 << 20  # the least simulated GPU, as the command line's --simulated-vram
 WORKING_TIP = ("device_working_bytes: device memory for decode streaming slots, shared by the layers that have no expert "
                "slot, so that their misses can also be copied over PCIe while the CPU computes the rest. Off by default: "
                "on the H200 machine they gained 1.05x for large experts (gpt-oss-20b) and lost 1.1x for small ones "
@@ -103,7 +104,8 @@ class BudgetPanel(QWidget):
         for key, label in DEVICES:
             self.device.addItem(label, key)
         self.device.setAccessibleName("Device for resident experts")
-        self.sim_size = ByteControl(80 * GIB, auto_text=None, log_from=64 << 20)
+        self.sim_size = ByteControl(80 * GIB, auto_text=None, log_from=64 << 20, minimum=SIMULATED_MIN,
+                                    minimum_words="the simulated GPU")
         self.sim_size.setValue(8 * GIB)
         self.sim_size.setAccessibleName("Simulated GPU memory")
         self.device_note = QLabel(wordWrap=True)

@@ -84,15 +84,18 @@ def part_colour(key: str, t: theme.Theme) -> str:
 
 class ByteControl(QWidget):
     """[auto] [slider] [text]: a byte budget, None meaning auto (or 'none' for a limit). With `log_from` the slider
-    runs on a log scale from that size to the maximum (a GPU's size: 64 MiB and 80 GiB both within reach)."""
+    runs on a log scale from that size to the maximum (a GPU's size: 64 MiB and 80 GiB both within reach). A typed value
+    below `minimum` is refused, with `minimum_words` saying what needs it."""
 
     valueChanged = Signal(object)
     STEPS = 1000
 
-    def __init__(self, maximum: int = 1 << 30, auto_text: str | None = "auto", parent=None, log_from: int = 0):
+    def __init__(self, maximum: int = 1 << 30, auto_text: str | None = "auto", parent=None, log_from: int = 0,
+                 minimum: int = 0, minimum_words: str = "this setting"):
         super().__init__(parent)
         self._maximum = max(1, maximum)
         self._log_from = log_from
+        self._minimum, self._minimum_words = minimum, minimum_words
         self.auto = QCheckBox(auto_text) if auto_text else None
         self.slider = QSlider(Qt.Orientation.Horizontal)
         self.slider.setRange(0, self.STEPS)
@@ -181,6 +184,9 @@ class ByteControl(QWidget):
             value = parse_bytes(self.text.text())
             if value is None and not self.auto:
                 raise ValueError(f"'{self.text.text().strip()}': this setting needs a size (e.g. 8 GiB)")
+            if value is not None and value < self._minimum:
+                raise ValueError(f"'{self.text.text().strip()}': {self._minimum_words} needs at least "
+                                 f"{human_bytes(self._minimum)}")
         except ValueError as exc:  # said where it was typed; the value stays
             self._show()
             QToolTip.showText(self.text.mapToGlobal(self.text.rect().bottomLeft()), str(exc), self.text)
