@@ -958,10 +958,18 @@ def _cmd_history(args) -> int:
         label = " ".join((row["label"] or "-").splitlines())  # a label of two lines (given so) on its run's line
         print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {label:<14}  "
               f"{row['device'] or 'cpu':<28}  budget {_budget_text(row['budget'], row['device'])}  "
-              f"completion {row['completion_s']:.2f} s  {_tokens_text(row['generated_tokens'])}  "
+              f"completion {row['completion_s']:.2f} s{_projected_completion(row)}  "
+              f"{_tokens_text(row['generated_tokens'])}  "
               + (f"(approximate routing{_agreement_note(row['routing_agreement'], row['generated_tokens'])})  "
                  if row["approximate_routing"] else "") + row["model"])
     return 0
+
+
+def _projected_completion(row: dict) -> str:
+    """' (projected for the simulated card 0.05 s)' for a run on the simulated device, whose measured times have the
+    CPU computing the card's experts too; else ''."""
+    projected = row["projected_completion_s"]
+    return "" if projected is None else f" (projected for the simulated card {projected:.2f} s)"
 
 
 def _agreement_note(agreement: float | None, tokens: int) -> str:

@@ -1241,3 +1241,18 @@ def test_generate_on_the_simulated_device_says_the_decode_rate_projected_for_the
     assert result.returncode == 0, result.stderr
     assert re.search(r"tok/s, [0-9.]+ s, projected on the simulated card: [0-9.]+ tok/s; length\]", result.stderr)
     assert "projected" not in run_cli(*common[:-4]).stderr  # on the CPU
+
+
+def test_history_gives_a_simulated_runs_projected_completion_beside_the_measured_one(tmp_path, capsys):
+    """history's list gave a simulated-GPU run's measured completion alone, in which the CPU computes the card's
+    experts too: beside a run on a real card it read as the card's. It now also gives the completion projected for
+    the simulated card, as record's line does."""
+    gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
+    for device in (("--device", "simulated"), ()):
+        status, _out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history, *device)
+        assert status == 0, err
+    simulated = json.loads(_main(capsys, "history", "--history", history, "--id", "1")[1])[0]["timings"]
+    cpu_line, simulated_line = _main(capsys, "history", "--history", history)[1].splitlines()  # newest first
+    assert (f"completion {simulated['completion_s']:.2f} s (projected for the simulated card "
+            f"{simulated['projected']['completion_s']:.2f} s)  2 tokens") in simulated_line
+    assert "projected" not in cpu_line
