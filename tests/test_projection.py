@@ -116,3 +116,22 @@ def test_projection_goes_the_real_gpus_way(fast_card):
     host = every.turns[0]["timings"]["decode_s"] - standin1 - cpu1
     assert host + critical1 <= host + critical0 * steps["all"] / steps["none"]
     assert projected["bandwidths"] == {"pcie_bytes_per_s": 1e15, "hbm_bytes_per_s": 1e15}
+
+
+def test_the_agreement_meters_exact_routing_passes_add_nothing_to_the_projection():
+    """Under approximate routing the agreement meter runs the answer's steps again with exact routing, a shadow pass no
+    timing counts (agreement_s is left out of them). Its stand-in, CPU and critical-path seconds still went into the
+    phase totals that the projection takes out of those timings, so the projected times came out short. The phases
+    now count the answer's own steps alone, as the layers' statistics do."""
+    from engine.generation import generate
+
+    folder = fixture_folder("gptoss")
+    config = OffloadConfig(device_expert_bytes=200_000, min_expert_weight=0.3)
+    model = LoadedModel.open(folder, offload=config, device=SimulatedDevice(64 << 20))
+    result = generate(model, model.new_state(), [], model.tokenizer.encode("Approximate routing on"),
+                      GenerationParams(max_new_tokens=8))
+    assert result.routing_agreement is not None and result.timings.agreement_s > 0  # the shadow passes ran
+    stats = model.offload.stats
+    for key in ("cpu_s", "standin_s", "critical_s"):
+        phases = sum(getattr(phase, key) for phase in stats.phases.values())
+        assert phases == pytest.approx(sum(getattr(layer, key) for layer in stats.layers), rel=1e-9), key

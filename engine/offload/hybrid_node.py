@@ -203,9 +203,11 @@ class HybridExpertNode:
             critical = layer_critical_s(cpu_s, miss_copy_s=miss_copy_s, miss_device_s=device_s)
         else:
             critical = layer_critical_s(cpu_s, device_s, waves)
-        phase = self.engine.stats.phase(tokens)
         stats.critical_s += critical
         stats.standin_s += standin
+        if self.engine.shadow:
+            return  # the agreement meter's exact-routing pass, which no timing the phases are taken from counts
+        phase = self.engine.stats.phase(tokens)
         phase.cpu_s += cpu_s
         phase.critical_s += critical
         phase.standin_s += standin
