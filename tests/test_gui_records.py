@@ -486,6 +486,32 @@ def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, wind
     assert "changed nothing" not in view.divergence.text()
 
 
+def test_the_chat_keys_on_the_side_by_side_tab_answer_both_and_leave_the_hidden_chat_alone(qtbot, window):
+    """Ctrl+Return on the Side by side tab sent the hidden chat's draft as a message (the comparison did not run), and
+    Ctrl+K put the focus in that hidden message box: Send and Regenerate answer both there now, and the chat's own keys
+    bring the Chat tab forward first."""
+    load(qtbot, window, "gptoss")
+    view = window.side_by_side
+    window.chat.prompt.setPlainText("a chat draft")
+    window.tabs.setCurrentIndex(1)  # Side by side
+    window.activateWindow()
+    qtbot.waitUntil(window.isActiveWindow)
+    view.prompt.setFocus()
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(3)
+    qtbot.keyClick(view.prompt, Qt.Key.Key_Return, Qt.KeyboardModifier.ControlModifier)
+    assert view.bar.running and view.prompt.toPlainText() == "Compare the two sides"
+    finish(qtbot, window, view)
+    first = view.result.saved_ids
+    assert len(first) == 2 and window.chat.entries == [] and window.chat.prompt.toPlainText() == "a chat draft"
+    qtbot.keyClick(view.prompt, Qt.Key.Key_R, Qt.KeyboardModifier.ControlModifier | Qt.KeyboardModifier.ShiftModifier)
+    assert view.bar.running  # answered again
+    finish(qtbot, window, view)
+    assert len(view.result.saved_ids) == 2 and view.result.saved_ids != first and window.chat.entries == []
+    qtbot.keyClick(view.prompt, Qt.Key.Key_K, Qt.KeyboardModifier.ControlModifier)
+    assert window.tabs.currentWidget() is window.chat and window.chat.prompt.hasFocus()
+
+
 def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, tmp_path):
     load(qtbot, window, "gptoss")
     view = window.contention_view

@@ -156,7 +156,8 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         self.tabs.addTab(self.chat, "Ch&at")  # Alt+A: the Chat menu has Alt+C
-        self.tabs.addTab(scrolled(self.side_by_side), "&Side by side")
+        self.side_by_side_page = scrolled(self.side_by_side)
+        self.tabs.addTab(self.side_by_side_page, "&Side by side")
         column.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
         self.setDockNestingEnabled(True)
@@ -268,11 +269,15 @@ class MainWindow(QMainWindow):
         self.unload_action = self._action("&Unload", self.unload, "Ctrl+U", "Stop what runs and free the model")
         self.stop_action = self._action("&Stop", self.stop, "Esc", STOP_TIP)
         self.quit_action = self._action("&Quit", self.close, QKeySequence.StandardKey.Quit)
-        self.send_action = self._action("&Send", self.chat.send, "Ctrl+Return")
-        self.regenerate_action = self._action("&Regenerate", self.chat.regenerate, "Ctrl+Shift+R")
-        self.new_chat_action = self._action("&New chat", self.chat.new_chat, QKeySequence.StandardKey.New)
+        self.send_action = self._action("&Send", lambda: self._answer(self.chat.send), "Ctrl+Return",
+                                        "Send the message; on the Side by side tab, answer both")
+        self.regenerate_action = self._action("&Regenerate", lambda: self._answer(self.chat.regenerate), "Ctrl+Shift+R",
+                                              "Answer the last message again; on the Side by side tab, answer both")
+        self.new_chat_action = self._action("&New chat", lambda: self._in_chat(self.chat.new_chat),
+                                            QKeySequence.StandardKey.New)
         self.copy_action = self._action("&Copy last answer", self.chat.copy_last, "Ctrl+Shift+C")
-        self.focus_action = self._action("&Focus the message box", lambda: self.chat.prompt.setFocus(), "Ctrl+K")
+        self.focus_action = self._action("&Focus the message box", lambda: self._in_chat(self.chat.prompt.setFocus),
+                                         "Ctrl+K")
         self.pause_action = self._action("&Pause graphs", lambda: self.graphs.set_paused(not self.graphs.paused), "Ctrl+P")
         self.reset_layout_action = self._action("&Reset layout", self.reset_layout)
         self.shortcuts_action = self._action("&Keyboard shortcuts", self.show_shortcuts, QKeySequence.StandardKey.HelpContents)
@@ -309,6 +314,19 @@ class MainWindow(QMainWindow):
         view.addAction(self.reset_layout_action)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction(self.shortcuts_action)
+
+    def _answer(self, chat_action) -> None:
+        """Send and Regenerate: the shown tab's, the chat's or the side-by-side comparison's (the chat is hidden
+        behind that tab: its draft is not what the user means to send)."""
+        if self.tabs.currentWidget() is self.side_by_side_page:
+            self.side_by_side.answer_both()
+        else:
+            chat_action()
+
+    def _in_chat(self, chat_action) -> None:
+        """A chat action, with the Chat tab brought forward so that what it does is seen."""
+        self.tabs.setCurrentWidget(self.chat)
+        chat_action()
 
     # --- settings --------------------------------------------------------------------------------
     def _check_settings_file(self) -> None:

@@ -476,6 +476,11 @@ class SideBySideView(QWidget):
         b_name = Path(folder).name if folder else name
         return a_title(self.loaded_path), f"B: {b_name} · {what}"
 
+    def answer_both(self) -> None:
+        """Answer both, as the button does where it can (a model loaded, the engine idle)."""
+        if self.bar.run_button.isEnabled():
+            self.run()
+
     def run(self) -> None:
         try:
             entries = parse_entries(self.right_entries.toPlainText())
