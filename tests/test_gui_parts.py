@@ -1520,3 +1520,24 @@ def test_an_estimate_whose_parts_overfill_the_card_says_so_with_the_numbers(gpto
         "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit).")
     roomy = estimate(gptoss, OffloadConfig(), DeviceChoice("cuda", 3 << 20, name="test card"))
     assert not any(s.startswith("Together these need") for s in roomy.statements)
+
+
+def test_tab_moves_on_from_the_side_by_side_boxes_as_from_the_chats(qtbot):
+    """Tab in the side-by-side prompt or B's settings typed a tab character into them (the keyboard could leave them
+    only with Ctrl+Tab), where the chat's boxes move the focus on."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtWidgets import QApplication
+
+    from app.gui.side_by_side_view import SideBySideView
+
+    view = SideBySideView()
+    qtbot.addWidget(view)
+    view.show()
+    qtbot.waitExposed(view)
+    view.activateWindow()
+    for box in (view.prompt, view.right_entries):
+        box.setPlainText("text")
+        box.setFocus()
+        qtbot.waitUntil(box.hasFocus)
+        qtbot.keyClick(box, Qt.Key.Key_Tab)
+        assert box.toPlainText() == "text" and QApplication.focusWidget() is not box

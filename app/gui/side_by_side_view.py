@@ -394,6 +394,7 @@ class SideBySideView(QWidget):
         self.prompt.setPlaceholderText("One prompt, answered by both sides")
         self.prompt.setMaximumHeight(70)
         self.prompt.setAccessibleName("Side-by-side prompt")
+        self.prompt.setTabChangesFocus(True)  # as the chat's boxes: Tab moves on, the keyboard's way out
         self.max_tokens = AnswerLength(SIDE_BY_SIDE_TOKENS, note=". Both sides answer the same length: where B is "
                                        "another model and you set none, the longer of the two models' own")
         self.max_tokens.setAccessibleName("Answer tokens")
@@ -406,6 +407,7 @@ class SideBySideView(QWidget):
         self.browse = QPushButton("Browse…")
         self.right_entries = QPlainTextEdit()
         self.right_entries.setAccessibleName("B's offload settings")
+        self.right_entries.setTabChangesFocus(True)
         self.right_entries.setPlaceholderText("B's offload settings, KEY=VALUE per line, e.g.\n"
                                               "device_expert_bytes=0\nplacement=static\nmin_expert_weight=0.1\n"
                                               "layer_split=whole, decode_path=cpu (this app's own)")
