@@ -956,7 +956,7 @@ def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_u
     def record(first_token_s, rate, scenario="side-by-side", agreement=None):
         timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate}
         return SimpleNamespace(turns=[{"timings": timings}], scenario=scenario, approximate_routing=agreement is not None,
-                               routing_agreement=agreement)
+                               routing_agreement=agreement, timings={})
 
     assert speed_text(record(0.012, 40.0), record(0.0034, 50.0)) == (
         "B gave its first token in 3 ms, A in 12 ms; B decoded at 1.25× A's rate (50.0 against 40.0 tok/s).")
@@ -966,6 +966,29 @@ def test_side_by_side_compares_the_two_sides_speed_and_says_which_routing_each_u
         "(20.0 against 40.0 tok/s), answering at once, each slowed by the other.")
     assert routing_text(record(0.01, 1.0)) == "exact"
     assert routing_text(record(0.01, 1.0, agreement=0.875)) == "approximate: 88% token agreement with exact routing"
+
+
+def test_side_by_side_on_a_simulated_card_says_each_sides_projected_decode_rate_beside_the_measured(qapp):
+    """On a simulated card (how the window has budgets compared without a GPU) every expert is computed on the CPU,
+    so the measured decode rates of two budgets differ by noise: the columns and the comparison said only those, where
+    the chat, the history and the sweep say the rate projected for the card as well."""
+    from types import SimpleNamespace
+
+    from app.gui.side_by_side_view import side_stats, speed_text
+
+    def record(first_token_s, rate, projected):
+        timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate, "total_s": 0.05}
+        return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 12}], scenario="side-by-side",
+                               approximate_routing=False, timings={"projected": {"decode_tokens_per_s": projected}})
+
+    a, b = record(0.034, 588.5, 621.8), record(0.017, 661.5, 1529.9)
+    assert side_stats(a)["decode"] == "588.5 tok/s, projected 621.8 tok/s"
+    assert speed_text(a, b) == (
+        "B gave its first token in 17 ms, A in 34 ms; B decoded at 1.12× A's rate (661.5 against 588.5 tok/s); "
+        "projected on the simulated card, B decodes at 2.46× A's rate (1529.9 against 621.8 tok/s).")
+    one_token = record(0.034, 0.0, None)  # nothing decoded: no rate, measured or projected
+    assert side_stats(one_token)["decode"] == "—"
+    assert speed_text(one_token, b) == "B gave its first token in 17 ms, A in 34 ms."
 
 
 def test_a_one_token_answer_shows_no_decode_rate(qapp):
@@ -985,7 +1008,7 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
     assert stats_line({"timings": two, "finish_reason": "eos"}).startswith("first token 171 ms · 40.0 tok/s · 0.17 s · "
                                                                             "2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
-    record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1}], approximate_routing=False)
+    record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1}], approximate_routing=False, timings={})
     assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "1"
 
 

@@ -297,7 +297,9 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     for column, record in ((view.left, a), (view.right, b)):
         assert column.answer.toPlainText() == record.turns[0]["answer"]
         assert column.values["tokens"].text() == str(record.turns[0]["generated_tokens"])
-        assert column.values["decode"].text() == f"{record.turns[0]['timings']['decode_tokens_per_s']:.1f} tok/s"
+        assert column.values["decode"].text() == (f"{record.turns[0]['timings']['decode_tokens_per_s']:.1f} tok/s, "
+                                                  f"projected {record.timings['projected']['decode_tokens_per_s']:.1f} "
+                                                  "tok/s")
     assert sorted(window.history.ids()) == sorted(view.result.saved_ids) and len(view.result.saved_ids) == 2
     assert len(waits) == 1 and waits[0] is not window.worker._device  # the right side's own device, once
     # B with whole layers (this app's own setting beside onnxruntime's keys): the same answer, and its record says so

@@ -109,9 +109,19 @@ def speed_text(a, b) -> str:
     if ta["decode_tokens_per_s"] and tb["decode_tokens_per_s"]:
         text += (f"; B decoded at {tb['decode_tokens_per_s'] / ta['decode_tokens_per_s']:.2f}× A's rate "
                  f"({tb['decode_tokens_per_s']:.1f} against {ta['decode_tokens_per_s']:.1f} tok/s)")
+    pa, pb = projected_decode(a), projected_decode(b)
+    if pa and pb:
+        text += (f"; projected on the simulated card, B decodes at {pb / pa:.2f}× A's rate ({pb:.1f} against "
+                 f"{pa:.1f} tok/s)")
     if a.scenario == SCENARIO_AT_ONCE:
         text += ", answering at once, each slowed by the other"
     return text + "."
+
+
+def projected_decode(record) -> float | None:
+    """The decode rate projected for the simulated card a side ran on (None on any other device, or nothing decoded):
+    there every expert is computed on the CPU, so the measured rate says little of the budget's."""
+    return (record.timings.get("projected") or {}).get("decode_tokens_per_s")
 
 
 def a_title(path: str | None) -> str:
@@ -148,8 +158,10 @@ def side_stats(record) -> dict[str, str]:
         return dict.fromkeys(STATS, "—")
     turn = record.turns[0]
     t = turn["timings"]
-    return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms",
-            "decode": decode_rate(t["decode_tokens_per_s"], none="—"),
+    decode = decode_rate(t["decode_tokens_per_s"], none="—")
+    if projected_decode(record):
+        decode += f", projected {decode_rate(projected_decode(record))}"  # short: the comparison below names the card
+    return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
             "total": f"{t['total_s']:.2f} s",
             "tokens": f"{turn['generated_tokens']:,}", "routing": routing_text(record)}
 
