@@ -978,8 +978,9 @@ def test_side_by_side_on_a_simulated_card_says_each_sides_projected_decode_rate_
 
     def record(first_token_s, rate, projected):
         timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate, "total_s": 0.05}
-        return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 12}], scenario="side-by-side",
-                               approximate_routing=False, timings={"projected": {"decode_tokens_per_s": projected}})
+        return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 12, "finish_reason": "length"}],
+                               scenario="side-by-side", approximate_routing=False,
+                               timings={"projected": {"decode_tokens_per_s": projected}})
 
     a, b = record(0.034, 588.5, 621.8), record(0.017, 661.5, 1529.9)
     assert side_stats(a)["decode"] == "588.5 tok/s, projected 621.8 tok/s"
@@ -989,6 +990,27 @@ def test_side_by_side_on_a_simulated_card_says_each_sides_projected_decode_rate_
     one_token = record(0.034, 0.0, None)  # nothing decoded: no rate, measured or projected
     assert side_stats(one_token)["decode"] == "—"
     assert speed_text(one_token, b) == "B gave its first token in 17 ms, A in 34 ms."
+
+
+def test_side_by_sides_columns_keep_how_each_answer_ended_once_the_comparison_ends(qapp):
+    """While the answers streamed each column said how its answer ended ("stopped at the model's search.max_length
+    (11 tokens)"); once the comparison ended that became the bare count ("11"), beside A's "50", and nothing said that
+    B had run out of its model's sequence length rather than answered otherwise."""
+    from types import SimpleNamespace
+
+    from app.gui.side_by_side_view import side_stats
+    from app.gui.side_streams import side_status
+
+    def record(finish_reason, tokens):
+        timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.3}
+        return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": tokens, "finish_reason": finish_reason}],
+                               approximate_routing=False, timings={})
+
+    assert side_stats(record("max_length", 11))["tokens"] == "stopped at the model's search.max_length (11 tokens)"
+    assert side_stats(record("length", 50))["tokens"] == "stopped at the length (50 tokens)"
+    assert side_stats(record("eos", 1))["tokens"] == "done (1 token)"
+    assert side_stats(record("cancelled", 1_234))["tokens"] == "stopped (1,234 tokens)"
+    assert side_stats(record("eos", 7))["tokens"] == side_status(1, "eos", 7, 64)  # what it said as it ended, kept
 
 
 def test_a_one_token_answer_shows_no_decode_rate(qapp):
@@ -1008,8 +1030,9 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
     assert stats_line({"timings": two, "finish_reason": "eos"}).startswith("first token 171 ms · 40.0 tok/s · 0.17 s · "
                                                                             "2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
-    record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1}], approximate_routing=False, timings={})
-    assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "1"
+    record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1, "finish_reason": "length"}],
+                             approximate_routing=False, timings={})
+    assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "stopped at the length (1 token)"
 
 
 def test_an_answers_agreement_with_exact_routing_says_of_how_many_tokens():

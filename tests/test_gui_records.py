@@ -296,7 +296,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     assert a.offload["entries"]["session.moe.offload.device_expert_bytes"] == str(3 * EXPERT)
     for column, record in ((view.left, a), (view.right, b)):
         assert column.answer.toPlainText() == record.turns[0]["answer"]
-        assert column.values["tokens"].text() == str(record.turns[0]["generated_tokens"])
+        assert column.values["tokens"].text() == f"stopped at the length ({record.turns[0]['generated_tokens']} tokens)"
         assert column.values["decode"].text() == (f"{record.turns[0]['timings']['decode_tokens_per_s']:.1f} tok/s, "
                                                   f"projected {record.timings['projected']['decode_tokens_per_s']:.1f} "
                                                   "tok/s")
@@ -348,7 +348,8 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
                "builder has one)")
     assert view.divergence.text() == f"B could not answer: {missing}"
     assert view.right.answer.toPlainText() == f"No answer: {missing}" and view.right.values["tokens"].text() == "—"
-    assert view.left.answer.toPlainText() == answer and view.left.values["tokens"].text() == "8"
+    assert view.left.answer.toPlainText() == answer
+    assert view.left.values["tokens"].text() == "stopped at the length (8 tokens)"
     assert view.bar.status.text() == f"Saved run {view.result.saved_ids[0]} to the history."
     view.right_folder.setText("")
     view.right_entries.setPlainText("mode=required\ndevice_expert_bytes=100000000000")  # more than the card holds
@@ -410,7 +411,7 @@ def test_side_by_side_says_which_side_waits_answers_or_is_done_as_the_model_stre
     both_done = ("A stopped at the length (4 tokens) · B stopped at the length (4 tokens)",
                  "stopped at the length (4 tokens)", "stopped at the length (4 tokens)")
     assert shown == a_answers + b_answers + [both_done, both_done]  # the job's last flush says it again
-    assert [column.values["tokens"].text() for column in (view.left, view.right)] == ["4", "4"]  # the records'
+    assert [column.values["tokens"].text() for column in (view.left, view.right)] == [both_done[1]] * 2  # the records'
     shown.clear()
     view.concurrent.setChecked(True)
     view.bar.run_button.click()

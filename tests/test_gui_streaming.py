@@ -356,9 +356,9 @@ def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
     from app.gui.side_by_side_view import side_stats
 
     timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
-    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234}], approximate_routing=False,
-                             timings={})
-    assert side_stats(record)["tokens"] == "1,234"
+    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234, "finish_reason": "length"}],
+                             approximate_routing=False, timings={})
+    assert side_stats(record)["tokens"] == "stopped at the length (1,234 tokens)"
 
 
 def _run_side_by_side_job(qtbot, monkeypatch, stand_in, quiesce=None, add=None):
@@ -435,7 +435,7 @@ def test_a_side_by_side_stopped_during_a_says_b_never_started(qtbot, monkeypatch
         return Comparison((a, SimpleNamespace(turns=[], approximate_routing=False)), None)
 
     shown, answers = _run_side_by_side_job(qtbot, monkeypatch, stopped_in_a)
-    assert shown == ("Cancelled.", "2", "not started")
+    assert shown == ("Cancelled.", "stopped (2 tokens)", "not started")
     assert answers == ["Hello", "Not started: the comparison was stopped before B began."]
 
 
@@ -481,8 +481,8 @@ def test_a_side_by_side_whose_margins_failed_shows_both_answers_saved_and_says_w
 
     view = _view(qtbot)
     timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 1.0}
-    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 2}], approximate_routing=False,
-                             scenario="side-by-side", offload={}, timings={})
+    record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 2, "finish_reason": "length"}],
+                             approximate_routing=False, scenario="side-by-side", offload={}, timings={})
     comparison = Comparison((record, record), 0, margins_failure="MemoryError: std::bad_alloc")
     view.on_finished(SideBySideResult(comparison, [["Hello", " there"]] * 2, saved_ids=[3, 4]))
     assert view.divergence.text().startswith(

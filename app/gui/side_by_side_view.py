@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QGridLayout, QGroupBox, Q
 from app.gui import theme
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SIDE_BY_SIDE_TOKENS, SideBySideJob, SideBySideResult
-from app.gui.side_streams import failed_status
+from app.gui.side_streams import ended_status, failed_status
 from app.gui.stream_pacing import Pacer
 from app.gui.widgets import AnswerLength, OneLineLabel
 from engine.errors import WorkbenchError
@@ -163,7 +163,7 @@ def side_stats(record) -> dict[str, str]:
         decode += f", projected {decode_rate(projected_decode(record))}"  # short: the comparison below names the card
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
             "total": f"{t['total_s']:.2f} s",
-            "tokens": f"{turn['generated_tokens']:,}", "routing": routing_text(record)}
+            "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]), "routing": routing_text(record)}
 
 
 class Column(QGroupBox):

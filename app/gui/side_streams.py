@@ -25,7 +25,12 @@ def side_status(side: int, state: str, tokens: int, at_most: int) -> str:
         return "preparing its first token"
     if state == ANSWERING:
         return f"answering: {tokens:,} (at most {at_most:,})"
-    return f"{ENDED.get(state, state)} ({tokens:,} token{'' if tokens == 1 else 's'})"
+    return ended_status(state, tokens)
+
+
+def ended_status(finish_reason: str, tokens: int) -> str:
+    """How a side's answer ended, and its length: what its column says once it ends."""
+    return f"{ENDED.get(finish_reason, finish_reason)} ({tokens:,} token{'' if tokens == 1 else 's'})"
 
 
 def failed_status(state: str | None, tokens: int) -> str | None:
