@@ -1013,6 +1013,25 @@ def test_side_by_sides_columns_keep_how_each_answer_ended_once_the_comparison_en
     assert side_stats(record("eos", 7))["tokens"] == side_status(1, "eos", 7, 64)  # what it said as it ended, kept
 
 
+def test_side_by_side_on_the_cpu_says_only_the_device_settings_b_changed_did_nothing():
+    """A model loaded for the CPU with the Budgets panel's budget and placement kept in its entries: B as a copy of A
+    with one more CPU thread was told "B's device_expert_bytes, placement changed nothing", settings B had not
+    changed. Only the device settings where B differs from A are said."""
+    from types import SimpleNamespace
+
+    from app.gui.side_by_side_view import idle_settings_text
+
+    def record(**entries):
+        return SimpleNamespace(offload={"device": "cpu", "entries": {f"session.moe.offload.{key}": value
+                                                                     for key, value in entries.items()}})
+
+    a = record(device_expert_bytes="105984", placement="static")
+    assert idle_settings_text(a, record(device_expert_bytes="105984", placement="static", cpu_threads="1")) == ""
+    assert idle_settings_text(a, record(device_expert_bytes="0", placement="static")).startswith(
+        " B's device_expert_bytes changed nothing: the model is loaded for the CPU, where every expert runs")
+    assert idle_settings_text(a, record(device_expert_bytes="105984")).startswith(" B's placement changed nothing")
+
+
 def test_a_one_token_answer_shows_no_decode_rate(qapp):
     """One token is the prefill's: nothing was decoded, so there is no rate to show (the chat said '0.0 tok/s · 1
     tokens', the status bar 'Answered: 1 tokens, 0.0 tok/s', side by side 'decode 0.0 tok/s')."""

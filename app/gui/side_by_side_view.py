@@ -128,11 +128,13 @@ def a_title(path: str | None) -> str:
     return f"A: {Path(path).name} as loaded" if path else "A: the loaded model"
 
 
-def idle_settings_text(record) -> str:
-    """B's device settings where B, like the loaded model, has no device: they changed nothing (every expert ran on
-    the CPU), which the comparison would not show otherwise."""
-    idle = keys_among(record.offload.get("entries", {}), DEVICE_KEYS)
-    if record.offload.get("device") != "cpu" or not idle:
+def idle_settings_text(a, b) -> str:
+    """The device settings where B differs from A (the records of the two sides) while B, like the loaded model, has
+    no device: they changed nothing (every expert ran on the CPU), which the comparison would not show otherwise."""
+    a_entries, b_entries = a.offload.get("entries", {}), b.offload.get("entries", {})
+    idle = keys_among({key for key in {*a_entries, *b_entries} if a_entries.get(key) != b_entries.get(key)},
+                      DEVICE_KEYS)
+    if b.offload.get("device") != "cpu" or not idle:
         return ""
     return (f" B's {', '.join(idle)} changed nothing: the model is loaded for the CPU, where every expert runs (choose "
             "a simulated or CUDA device in Budgets, then load, to compare budgets).")
@@ -554,7 +556,7 @@ class SideBySideView(QWidget):
         else:
             self.divergence.setText(divergence_text(divergence, comparison.margins, comparison.margins_failure,
                                                     comparison.by_text, comparison.text_divergence)
-                                    + " " + speed_text(*records) + idle_settings_text(records[1]))
+                                    + " " + speed_text(*records) + idle_settings_text(*records))
         self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)
 
