@@ -980,7 +980,7 @@ def test_side_by_side_on_a_simulated_card_says_each_sides_projected_decode_rate_
         timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate, "total_s": 0.05}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 12, "finish_reason": "length"}],
                                scenario="side-by-side", approximate_routing=False,
-                               timings={"projected": {"decode_tokens_per_s": projected}})
+                               timings={"projected": {"decode_tokens_per_s": projected}}, peaks={"device_bytes": 0})
 
     a, b = record(0.034, 588.5, 621.8), record(0.017, 661.5, 1529.9)
     assert side_stats(a)["decode"] == "588.5 tok/s, projected 621.8 tok/s"
@@ -1004,7 +1004,7 @@ def test_side_by_sides_columns_keep_how_each_answer_ended_once_the_comparison_en
     def record(finish_reason, tokens):
         timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.3}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": tokens, "finish_reason": finish_reason}],
-                               approximate_routing=False, timings={})
+                               approximate_routing=False, timings={}, peaks={"device_bytes": None})
 
     assert side_stats(record("max_length", 11))["tokens"] == "stopped at the model's search.max_length (11 tokens)"
     assert side_stats(record("length", 50))["tokens"] == "stopped at the length (50 tokens)"
@@ -1032,6 +1032,22 @@ def test_side_by_side_on_the_cpu_says_only_the_device_settings_b_changed_did_not
     assert idle_settings_text(a, record(device_expert_bytes="105984")).startswith(" B's placement changed nothing")
 
 
+def test_side_by_sides_columns_show_each_sides_device_peak(qapp):
+    """Each side's record measures its device's peak (history's "device peak"), yet the columns showed speed only:
+    two budgets compared without what each held on the device. A side without a device says so."""
+    from types import SimpleNamespace
+
+    from app.gui.side_by_side_view import side_stats
+
+    def record(device_bytes):
+        timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.3}
+        return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 8, "finish_reason": "length"}],
+                               approximate_routing=False, timings={}, peaks={"device_bytes": device_bytes})
+
+    assert side_stats(record(671232))["device peak"] == "655.5 KiB"
+    assert side_stats(record(None))["device peak"] == "no device: every expert on the CPU"
+
+
 def test_a_one_token_answer_shows_no_decode_rate(qapp):
     """One token is the prefill's: nothing was decoded, so there is no rate to show (the chat said '0.0 tok/s · 1
     tokens', the status bar 'Answered: 1 tokens, 0.0 tok/s', side by side 'decode 0.0 tok/s')."""
@@ -1050,7 +1066,7 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
                                                                             "2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
     record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1, "finish_reason": "length"}],
-                             approximate_routing=False, timings={})
+                             approximate_routing=False, timings={}, peaks={"device_bytes": None})
     assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "stopped at the length (1 token)"
 
 

@@ -27,6 +27,7 @@ from engine.records.history import History  # noqa: E402
 from engine.records.scenarios import run_scenario  # noqa: E402
 from engine.records.side_by_side import first_divergence  # noqa: E402
 from engine.records.sweep import recommend  # noqa: E402
+from engine.units import human_bytes  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 60_000
@@ -300,6 +301,7 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
         assert column.values["decode"].text() == (f"{record.turns[0]['timings']['decode_tokens_per_s']:.1f} tok/s, "
                                                   f"projected {record.timings['projected']['decode_tokens_per_s']:.1f} "
                                                   "tok/s")
+        assert column.values["device peak"].text() == human_bytes(record.peaks["device_bytes"])
     assert sorted(window.history.ids()) == sorted(view.result.saved_ids) and len(view.result.saved_ids) == 2
     assert len(waits) == 1 and waits[0] is not window.worker._device  # the right side's own device, once
     # B with whole layers (this app's own setting beside onnxruntime's keys): the same answer, and its record says so
@@ -480,6 +482,7 @@ def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, wind
     view.bar.run_button.click()
     finish(qtbot, window, view)
     assert view.result.comparison.records[1].offload["device"] == "cpu"
+    assert view.right.values["device peak"].text() == "no device: every expert on the CPU"
     assert view.divergence.text().endswith(
         " B's device_expert_bytes, placement changed nothing: the model is loaded for the CPU, where every expert runs "
         "(choose a simulated or CUDA device in Budgets, then load, to compare budgets).")

@@ -357,7 +357,7 @@ def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
 
     timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
     record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234, "finish_reason": "length"}],
-                             approximate_routing=False, timings={})
+                             approximate_routing=False, timings={}, peaks={"device_bytes": None})
     assert side_stats(record)["tokens"] == "stopped at the length (1,234 tokens)"
 
 
@@ -431,7 +431,7 @@ def test_a_side_by_side_stopped_during_a_says_b_never_started(qtbot, monkeypatch
         on_done(1, "cancelled", 0)  # (compare's end of a side that had not begun)
         timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 0.3}
         a = SimpleNamespace(turns=[{"finish_reason": "cancelled", "generated_tokens": 2, "timings": timings}],
-                            approximate_routing=False, timings={})
+                            approximate_routing=False, timings={}, peaks={"device_bytes": None})
         return Comparison((a, SimpleNamespace(turns=[], approximate_routing=False)), None)
 
     shown, answers = _run_side_by_side_job(qtbot, monkeypatch, stopped_in_a)
@@ -482,7 +482,8 @@ def test_a_side_by_side_whose_margins_failed_shows_both_answers_saved_and_says_w
     view = _view(qtbot)
     timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 1.0}
     record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 2, "finish_reason": "length"}],
-                             approximate_routing=False, scenario="side-by-side", offload={}, timings={})
+                             approximate_routing=False, scenario="side-by-side", offload={}, timings={},
+                             peaks={"device_bytes": None})
     comparison = Comparison((record, record), 0, margins_failure="MemoryError: std::bad_alloc")
     view.on_finished(SideBySideResult(comparison, [["Hello", " there"]] * 2, saved_ids=[3, 4]))
     assert view.divergence.text().startswith(

@@ -29,10 +29,10 @@ from engine.offload.config import DEVICE_KEYS, keys_among
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
 from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE
-from engine.units import decode_rate
+from engine.units import decode_rate, human_bytes
 
 KIND = "comparing"
-STATS = ("first token", "decode", "total", "tokens", "routing")
+STATS = ("first token", "decode", "total", "tokens", "device peak", "routing")
 
 
 # this app's own settings beside onnxruntime's keys (engine/offload/layer_split.py, decode_path.py), with their values
@@ -165,7 +165,13 @@ def side_stats(record) -> dict[str, str]:
         decode += f", projected {decode_rate(projected_decode(record))}"  # short: the comparison below names the card
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
             "total": f"{t['total_s']:.2f} s",
-            "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]), "routing": routing_text(record)}
+            "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]),
+            "device peak": device_peak_text(record.peaks["device_bytes"]), "routing": routing_text(record)}
+
+
+def device_peak_text(device_bytes: int | None) -> str:
+    """The most a side held on its device while it answered (its record's peak); None: it had no device."""
+    return "no device: every expert on the CPU" if device_bytes is None else human_bytes(device_bytes)
 
 
 class Column(QGroupBox):
