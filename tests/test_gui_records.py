@@ -473,6 +473,31 @@ def test_side_by_side_columns_keep_the_titles_of_the_answers_they_show_after_a_l
     assert view.left.title() == "A: gptoss as loaded"
 
 
+def test_side_by_side_times_each_side_once_the_engines_trials_of_its_ways_are_over(tmp_path):
+    """B is loaded afresh, so its engine still tried its decode paths (tier, cpu, both: ~76 decode steps) while it
+    answered: its timings were those of the ways tried, beside an A whose trials a chat had ended ("B: same settings"
+    decoded slower). Each side now decodes, unrecorded, until its trials are over, as a sweep's points do."""
+    import app.gui.records_jobs as jobs
+
+    device = SimulatedDevice(8 << 30)
+    budget = {"device_expert_bytes": str(3 * EXPERT)}
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(budget), device=device,
+                            decode_path="auto")
+    said = []
+    ctx = jobs.JobContext(left, device, {"kind": "simulated", "capacity": 8 << 30}, threading.Event(),
+                          lambda _fraction, text="": said.append(text), lambda _batch: None,
+                          lambda _choice, config: SimulatedDevice(8 << 30))
+    result = jobs.SideBySideJob("Compare the two sides", 4, budget, history_path=str(tmp_path / "h.sqlite"),
+                                right_decode_path="auto")(ctx)
+    for record in result.comparison.records:
+        trials = record.offload["decode_path"]
+        assert trials["measuring"] is None and set(trials["measured_ms"]) == {"tier", "cpu", "both"}
+    assert [text for text in said if "trials" in text] == [
+        "A: decoding until the engine's trials of its ways are over, unrecorded",
+        "B: decoding until the engine's trials of its ways are over, unrecorded"]
+    assert result.comparison.divergence is None  # exact routing: the trials change the speed, not the answer
+
+
 def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, window):
     load(qtbot, window, "gptoss")  # no device: every expert on the CPU, for A and for B
     view = window.side_by_side
@@ -743,9 +768,9 @@ def test_history_lists_the_run_a_side_by_side_saved_before_saving_b_failed(qtbot
 
     monkeypatch.setattr(jobs, "compare", answered)
     monkeypatch.setattr(jobs, "History", SavesOnlyA)
-    monkeypatch.setattr(jobs.LoadedModel, "open", lambda *args, **kwargs: SimpleNamespace(settled=True))
+    monkeypatch.setattr(jobs.LoadedModel, "open", lambda *args, **kwargs: SimpleNamespace(settled=True, offload=None))
     worker = window.worker
-    monkeypatch.setattr(worker, "_model", SimpleNamespace(folder=SimpleNamespace(folder="/models/a")))
+    monkeypatch.setattr(worker, "_model", SimpleNamespace(folder=SimpleNamespace(folder="/models/a"), offload=None))
     monkeypatch.setattr(worker, "_make_device", lambda *args: None)
     window.history.refresh()
     assert window.history.ids() == []

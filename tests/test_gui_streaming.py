@@ -374,10 +374,10 @@ def _run_side_by_side_job(qtbot, monkeypatch, stand_in, quiesce=None, add=None):
     view = SideBySideView()
     qtbot.addWidget(view)
     device = SimpleNamespace(quiesce=quiesce or (lambda: None))
-    monkeypatch.setattr(jobs.LoadedModel, "open", lambda *args, **kwargs: SimpleNamespace(settled=True))
+    monkeypatch.setattr(jobs.LoadedModel, "open", lambda *args, **kwargs: SimpleNamespace(settled=True, offload=None))
     monkeypatch.setattr(jobs, "compare", stand_in)
     monkeypatch.setattr(jobs, "History", lambda path: SimpleNamespace(add=add or (lambda record: 1)))
-    left = SimpleNamespace(folder=SimpleNamespace(folder="/models/a"))
+    left = SimpleNamespace(folder=SimpleNamespace(folder="/models/a"), offload=None)
     ctx = JobContext(left, None, {}, threading.Event(), view.on_progress, view.on_streamed,
                      lambda choice, config: device)
     view.bar.start("Loading B…")

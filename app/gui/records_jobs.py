@@ -26,7 +26,7 @@ from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.sampling import SamplingParams, model_sampling, recorded
 from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
-                                  stopped_at, sweep_plan)
+                                  settle as end_trials, stopped_at, sweep_plan)
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
@@ -376,6 +376,11 @@ class SideBySideJob:
             right = Side(None, label=self.labels[1], failure=f"B's model: {exc}")  # the error names the file
         if right.model is not None:
             settle(ctx, right.model, None, "the right side")
+        # B is loaded afresh and A may be too: their answers would time the ways their engines try, not those kept
+        for side, model in (("A", left), ("B", right.model)):
+            if model is not None and model.offload is not None and model.offload.trials_pending:
+                ctx.progress(None, f"{side}: decoding until the engine's trials of its ways are over, unrecorded")
+                end_trials(model, ctx.cancel)
         tokens = self.max_new_tokens
         if tokens is None:  # both sides answer the same length: the longer of the models' own (B's may reason first)
             tokens = max(model.answer_tokens(SIDE_BY_SIDE_TOKENS) for model in (left, right.model) if model is not None)
