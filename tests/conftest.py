@@ -3,8 +3,12 @@ early."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -98,3 +102,31 @@ def copy_fixture(tmp_path):
             file.chmod(0o644)
         return target
     return make
+
+
+# what Python shows on standard error by default, outside __main__ (warnings' default filters ignore the rest)
+_HIDDEN_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+@pytest.fixture
+def cli(capfd, monkeypatch):
+    """`moe-workbench ARGS` run in this process (app.cli.main, which `python -m app` calls): a CompletedProcess with
+    its exit status and what it wrote to standard output and error, the file descriptors' included (onnxruntime's
+    logger) and the warnings Python would have printed. A process each costs seconds of imports and kernel loads;
+    what only a process shows (the exit of `python -m app`, an import that fails, a hang) keeps a test of its own."""
+    from app.cli import main
+
+    def run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        capfd.readouterr()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse's own refusals
+                status = exc.code
+        out, err = capfd.readouterr()
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                       for w in caught if not issubclass(w.category, _HIDDEN_WARNINGS))
+        return subprocess.CompletedProcess(["moe-workbench", *args], status, out, err)
+    return run

@@ -15,6 +15,8 @@ from tests.conftest import REPO, fixture_folder
 
 
 def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """`python -m app ARGS` in a process of its own: for what only a process shows (its exit status, a hang); the
+    other tests run the command line in this process (conftest's `cli`)."""
     return subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True,
                           input=stdin, timeout=300)
 
@@ -30,86 +32,87 @@ def assert_clean_error(result: subprocess.CompletedProcess, *fragments: str) -> 
 
 
 def test_missing_external_data(copy_fixture):
+    """In a process: `python -m app` exits with the status main() returns and prints no traceback."""
     folder = copy_fixture("gptoss")
     (folder / "model.onnx.data").unlink()
     assert_clean_error(run_cli("inspect", str(folder)), "model.onnx.data", "missing")
 
 
-def test_truncated_external_data(copy_fixture):
+def test_truncated_external_data(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     data = folder / "model.onnx.data"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    assert_clean_error(run_cli("generate", str(folder), "--prompt", "hi"), "model.onnx.data", "truncated")
+    assert_clean_error(cli("generate", str(folder), "--prompt", "hi"), "model.onnx.data", "truncated")
 
 
-def test_corrupt_model_onnx(copy_fixture):
+def test_corrupt_model_onnx(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     raw = bytearray((folder / "model.onnx").read_bytes())
     raw[10:400] = b"\xff" * 390
     (folder / "model.onnx").write_bytes(bytes(raw))
-    assert_clean_error(run_cli("inspect", str(folder)), "model.onnx", "not a valid ONNX model")
+    assert_clean_error(cli("inspect", str(folder)), "model.onnx", "not a valid ONNX model")
 
 
-def test_malformed_genai_config(copy_fixture):
+def test_malformed_genai_config(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     (folder / "genai_config.json").write_text('{"model": {"decoder": ')
-    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json", "not valid JSON")
+    assert_clean_error(cli("inspect", str(folder)), "genai_config.json", "not valid JSON")
 
 
-def test_genai_config_missing_key(copy_fixture):
+def test_genai_config_missing_key(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     del config["model"]["context_length"]
     (folder / "genai_config.json").write_text(json.dumps(config))
-    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json", "context_length")
+    assert_clean_error(cli("inspect", str(folder)), "genai_config.json", "context_length")
 
 
-def test_malformed_tokenizer(copy_fixture):
+def test_malformed_tokenizer(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
-    assert_clean_error(run_cli("inspect", str(folder)), "tokenizer.json", "not a valid tokenizer")
+    assert_clean_error(cli("inspect", str(folder)), "tokenizer.json", "not a valid tokenizer")
 
 
-def test_unsupported_expert_layout(copy_fixture):
+def test_unsupported_expert_layout(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     node = next(n for n in model.graph.node if n.op_type == "QMoE")
     next(a for a in node.attribute if a.name == "expert_weight_bits").i = 5
     onnx.save(model, str(folder / "model.onnx"))
-    result = run_cli("generate", str(folder), "--prompt", "hi")
+    result = cli("generate", str(folder), "--prompt", "hi")
     assert_clean_error(result, node.name, "bits 5")
-    inspect = run_cli("inspect", str(folder))
+    inspect = cli("inspect", str(folder))
     assert inspect.returncode == 1 and "UNSUPPORTED" in inspect.stdout and "bits 5" in inspect.stdout
 
 
-def test_empty_prompt():
-    assert_clean_error(run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "  "), "prompt is empty")
+def test_empty_prompt(cli):
+    assert_clean_error(cli("generate", str(fixture_folder("gptoss")), "--prompt", "  "), "prompt is empty")
 
 
-def test_prompt_longer_than_context(copy_fixture):
+def test_prompt_longer_than_context(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["context_length"] = 64
     (folder / "genai_config.json").write_text(json.dumps(config))
-    result = run_cli("generate", str(folder), "--raw", "--prompt", "many words " * 60)
+    result = cli("generate", str(folder), "--raw", "--prompt", "many words " * 60)
     assert_clean_error(result, "prompt has", "context is 64")
 
 
-def test_not_a_folder(tmp_path):
-    assert_clean_error(run_cli("inspect", str(tmp_path / "nowhere")), "nowhere", "not a folder")
+def test_not_a_folder(tmp_path, cli):
+    assert_clean_error(cli("inspect", str(tmp_path / "nowhere")), "nowhere", "not a folder")
 
 
-def test_bad_sampling_value():
-    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--top-p",
+def test_bad_sampling_value(cli):
+    result = cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--top-p",
                      "1.5")
     assert_clean_error(result, "--top-p must be in [0, 1], got 1.5")  # the option the user typed, not the field
-    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--seed", "-5")
+    result = cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--seed", "-5")
     assert_clean_error(result, "--seed must be >= 0, got -5")  # before the model loads (it was an internal error after)
-    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--reasoning", "high")
+    result = cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--reasoning", "high")
     assert_clean_error(result, "reasoning 'high': this model's chat template has no reasoning setting")
-    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--raw", "--reasoning", "high")
+    result = cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--raw", "--reasoning", "high")
     assert_clean_error(result, "--reasoning is a chat template setting: it does nothing with --raw")
-    result = run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "nan")
+    result = cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "nan")
     assert_clean_error(result, "--temperature must be a number >= 0, got nan")
 
 
@@ -147,17 +150,17 @@ def test_the_cli_tells_an_internal_gpu_fault_in_one_line(monkeypatch, capsys):
     assert err.endswith("restart MoE Workbench to use it (the CPU still works)")
 
 
-def test_genai_config_fields_of_the_wrong_type_or_range_are_named(copy_fixture):
+def test_genai_config_fields_of_the_wrong_type_or_range_are_named(copy_fixture, cli):
     folder = copy_fixture("lfm2moe")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["num_hidden_layers"] = "two"
     (folder / "genai_config.json").write_text(json.dumps(config))
-    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json",
+    assert_clean_error(cli("inspect", str(folder)), "genai_config.json",
                        "'model.decoder.num_hidden_layers' is 'two', not an integer")
     config["model"]["decoder"]["num_hidden_layers"] = 2
     config["model"]["context_length"] = -5
     (folder / "genai_config.json").write_text(json.dumps(config))
-    assert_clean_error(run_cli("inspect", str(folder)), "'model.context_length' is -5, less than 1")
+    assert_clean_error(cli("inspect", str(folder)), "'model.context_length' is -5, less than 1")
 
 
 def _external_offset(folder, name: str) -> int:
@@ -182,7 +185,7 @@ def test_nan_or_inf_in_expert_weights_is_named_not_a_hang_nor_a_silent_answer(co
                            str(folder), "logits that are not finite (NaN or inf)")
 
 
-def test_chat_templates_that_fail_loop_or_grow_are_refused_in_one_line_naming_the_file(copy_fixture):
+def test_chat_templates_that_fail_loop_or_grow_are_refused_in_one_line_naming_the_file(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     template = folder / "chat_template.jinja"
     for source, reason in (("{{ 1/0 }}", "division by zero"),
@@ -190,17 +193,17 @@ def test_chat_templates_that_fail_loop_or_grow_are_refused_in_one_line_naming_th
                             "still rendering after 2 s"),
                            ("{{ 'ab ' * 30000000 }}", "a * would make 90,000,000 items")):
         template.write_text(source)
-        assert_clean_error(run_cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"),
+        assert_clean_error(cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"),
                            f"{template}: chat template failed to render ({reason}")
     template.write_bytes(b"\xff\xfe{{ messages }}")
-    assert_clean_error(run_cli("inspect", str(folder)), f"{template}: not UTF-8 text (invalid start byte at byte 0)")
+    assert_clean_error(cli("inspect", str(folder)), f"{template}: not UTF-8 text (invalid start byte at byte 0)")
 
 
-def test_an_unsupported_node_shows_no_size_per_expert_it_could_not_read(copy_fixture):
+def test_an_unsupported_node_shows_no_size_per_expert_it_could_not_read(copy_fixture, cli):
     """A node whose layout is not read has no expert count: its bytes per expert are unknown, not 0 B."""
     folder = copy_fixture("gptoss")
     _edit_onnx(folder, lambda model: _attribute(_qmoe(model), "k", 9))
-    text, as_json = run_cli("inspect", str(folder)), run_cli("inspect", str(folder), "--json")
+    text, as_json = cli("inspect", str(folder)), cli("inspect", str(folder), "--json")
     row = next(line for line in text.stdout.splitlines() if "UNSUPPORTED" in line)
     assert row.split()[:5] == ["0", "?", "9", "?", "252.0"]
     node = json.loads(as_json.stdout)["expert_nodes"][0]
@@ -249,37 +252,37 @@ def _attribute(node, name: str, value) -> None:
     (lambda m: setattr(_initializer(m, QWEIGHT), "data_type", onnx.TensorProto.INT8),
      ("input fc1_experts_weights", "is int8; QMoE takes float8e4m3fn or uint8")),
 ])
-def test_malformed_onnx_fields_are_named_before_anything_runs(copy_fixture, edit, fragments):
+def test_malformed_onnx_fields_are_named_before_anything_runs(copy_fixture, edit, fragments, cli):
     folder = copy_fixture("gptoss")
     _edit_onnx(folder, edit)
-    assert_clean_error(run_cli("inspect", str(folder)), "model.onnx", *fragments)
+    assert_clean_error(cli("inspect", str(folder)), "model.onnx", *fragments)
 
 
-def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path):
+def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["filename"] = str(fixture_folder("gptoss") / "model.onnx")
     (folder / "genai_config.json").write_text(json.dumps(config))
-    assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json: model.decoder.filename",
+    assert_clean_error(cli("inspect", str(folder)), "genai_config.json: model.decoder.filename",
                        "is not a file inside the model folder")
     linked = copy_fixture("lfm2moe")
     (linked / "model.onnx.data").unlink()
     (linked / "model.onnx.data").symlink_to(tmp_path / "elsewhere.data")
     (tmp_path / "elsewhere.data").write_bytes(b"\0" * 16)
-    assert_clean_error(run_cli("inspect", str(linked)), "points outside the model folder ('model.onnx.data')")
+    assert_clean_error(cli("inspect", str(linked)), "points outside the model folder ('model.onnx.data')")
 
 
-def test_an_onnxruntime_failure_while_running_is_one_line_naming_the_dense_part(copy_fixture):
+def test_an_onnxruntime_failure_while_running_is_one_line_naming_the_dense_part(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["head_size"] -= 1  # the KV cache's shape then disagrees with the graph's
     (folder / "genai_config.json").write_text(json.dumps(config))
-    result = run_cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2")
+    result = cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2")
     assert_clean_error(result, "model.onnx: onnxruntime failed to run the dense part from node", "GroupQueryAttention")
     assert "[E:onnxruntime" not in result.stdout + result.stderr  # its logger's own line is not shown
 
 
-def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture):
+def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     original = json.loads((folder / "genai_config.json").read_text())
     for edit, fragment in ((lambda c: c["model"].update(decoder=None), "'model.decoder' is null, not a JSON object"),
@@ -291,10 +294,10 @@ def test_genai_config_sections_of_the_wrong_kind_are_named(copy_fixture):
         config = json.loads(json.dumps(original))
         edit(config)
         (folder / "genai_config.json").write_text(json.dumps(config))
-        assert_clean_error(run_cli("inspect", str(folder)), "genai_config.json: " + fragment)
+        assert_clean_error(cli("inspect", str(folder)), "genai_config.json: " + fragment)
 
 
-def test_transformers_named_chat_templates_use_the_default_one(copy_fixture):
+def test_transformers_named_chat_templates_use_the_default_one(copy_fixture, cli):
     from engine.tokenizer import ModelTokenizer
 
     folder = copy_fixture("qwen35moe")
@@ -307,11 +310,11 @@ def test_transformers_named_chat_templates_use_the_default_one(copy_fixture):
     assert ModelTokenizer(folder).render_chat([{"role": "user", "content": "hi"}]) == "<hi>"
     config["chat_template"] = config["chat_template"][:1]
     config_path.write_text(json.dumps(config))
-    assert_clean_error(run_cli("inspect", str(folder)), "tokenizer_config.json: chat_template names templates "
+    assert_clean_error(cli("inspect", str(folder)), "tokenizer_config.json: chat_template names templates "
                        "['tool_use'] but no 'default' one")
 
 
-def test_what_only_a_load_found_is_named_by_inspect_an_unknown_operator_and_unmatched_state_names(copy_fixture):
+def test_what_only_a_load_found_is_named_by_inspect_an_unknown_operator_and_unmatched_state_names(copy_fixture, cli):
     folder = copy_fixture("gptoss")
 
     def rename(model):
@@ -319,17 +322,17 @@ def test_what_only_a_load_found_is_named_by_inspect_an_unknown_operator_and_unma
         node.op_type = "FooBar"
 
     _edit_onnx(folder, rename)
-    assert_clean_error(run_cli("inspect", str(folder)), "model.onnx: node '",
+    assert_clean_error(cli("inspect", str(folder)), "model.onnx: node '",
                        "operator 'FooBar' of domain 'ai.onnx' is not one onnxruntime")
     state = copy_fixture("lfm2moe")
     config = json.loads((state / "genai_config.json").read_text())
     del config["model"]["decoder"]["inputs"]["past_conv_names"]  # a past state the graph reads, unnamed
     (state / "genai_config.json").write_text(json.dumps(config))
-    assert_clean_error(run_cli("inspect", str(state)), "genai_config.json: graph input '",
+    assert_clean_error(cli("inspect", str(state)), "genai_config.json: graph input '",
                        "is neither a genai_config input nor a past-state pattern")
 
 
-def test_versions_onnxruntime_cannot_load_are_named_by_inspect(copy_fixture):
+def test_versions_onnxruntime_cannot_load_are_named_by_inspect(copy_fixture, cli):
     """An IR or operator set version newer than the installed onnxruntime's is refused when the folder is opened, in
     onnxruntime's own words without its source line and function."""
     def stamp(ir: int | None = None, opset: int | None = None):
@@ -343,22 +346,22 @@ def test_versions_onnxruntime_cannot_load_are_named_by_inspect(copy_fixture):
 
     newer_ir = copy_fixture("gptoss")
     _edit_onnx(newer_ir, stamp(ir=99))
-    assert_clean_error(run_cli("inspect", str(newer_ir)), "model.onnx: onnxruntime ", "cannot load IR version 99 with "
+    assert_clean_error(cli("inspect", str(newer_ir)), "model.onnx: onnxruntime ", "cannot load IR version 99 with "
                        "operator sets ai.onnx 22, com.microsoft 1: Unsupported model IR version: 99, max supported IR "
                        "version: ")
     newer_opset = copy_fixture("lfm2moe")
     _edit_onnx(newer_opset, stamp(opset=40))
-    result = run_cli("inspect", str(newer_opset))
+    result = cli("inspect", str(newer_opset))
     assert_clean_error(result, "cannot load IR version 10 with operator sets ai.onnx 40", "Opset 40")
     assert "onnxruntime_src" not in result.stderr and "[ONNXRuntimeError]" not in result.stderr
 
 
-def test_a_model_importing_no_operator_set_is_refused_by_inspect_not_called_runnable(copy_fixture):
+def test_a_model_importing_no_operator_set_is_refused_by_inspect_not_called_runnable(copy_fixture, cli):
     """A model.onnx cut short right after its graph loses its opset_import, which comes last: onnxruntime refuses it
     at load ("Missing opset"), so inspect and the window's verdict must not say it runs."""
     folder = copy_fixture("lfm2moe")
     _edit_onnx(folder, lambda model: model.ClearField("opset_import"))
-    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / 'model.onnx'}: onnxruntime ",
+    assert_clean_error(cli("inspect", str(folder)), f"{folder / 'model.onnx'}: onnxruntime ",
                        "cannot load IR version 10 with operator sets none: Missing opset in the model")
 
 
@@ -372,7 +375,7 @@ def test_a_model_importing_no_operator_set_is_refused_by_inspect_not_called_runn
     ('{"M": [1, 2]}', "the popularity file names 'M', which is no expert node of this model (they are N)"),
     ('{"N1": [1, 2]}', "the popularity file names 'N1', which is no expert node of this model (did you mean 'N'?)"),
 ])
-def test_a_malformed_popularity_file_is_named_with_the_node_and_what_is_wrong(tmp_path, content, fragment):
+def test_a_malformed_popularity_file_is_named_with_the_node_and_what_is_wrong(tmp_path, content, fragment, cli):
     from engine.errors import WorkbenchError
     from engine.offload.engine import load_popularity
 
@@ -382,16 +385,16 @@ def test_a_malformed_popularity_file_is_named_with_the_node_and_what_is_wrong(tm
         load_popularity(str(path), ["N"], [2])
     assert str(error.value) == f"{path}: {fragment}"
     if content.startswith("["):  # was an internal error
-        result = run_cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+        result = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                          f"popularity_file={path}")
         assert_clean_error(result, f"{path}: {fragment}")
 
 
-def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path):
+def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path, cli):
     """A binary or UTF-16 file given as popularity_file was an internal error (UnicodeDecodeError) at load."""
     path = tmp_path / "popularity.json"
     path.write_bytes(b"\xff\xfe{\x00}\x00")
-    result = run_cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+    result = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                      f"popularity_file={path}")
     assert_clean_error(result, f"{path}: cannot read the popularity file (not UTF-8 text: ")
 
@@ -447,8 +450,8 @@ def test_onnxruntime_errors_lose_their_status_code_and_source_line_but_keep_thei
     assert error_reason(ValueError("first\nsecond")) == "first"
 
 
-def test_node_overrides_naming_no_expert_node_are_refused_with_the_nearest_name():
-    result = run_cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+def test_node_overrides_naming_no_expert_node_are_refused_with_the_nearest_name(cli):
+    result = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                      "node_overrides=/model/layers.0/moe/QMO:max_resident_slots=3")
     assert_clean_error(result, "node_overrides names '/model/layers.0/moe/QMO', which is no expert node of this model "
                                "(did you mean '/model/layers.0/moe/QMoE'?)")
@@ -456,17 +459,17 @@ def test_node_overrides_naming_no_expert_node_are_refused_with_the_nearest_name(
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json",
                                   "tokenizer_config.json", "chat_template.jinja"])
-def test_a_symbolic_link_loop_in_the_model_folder_is_named_not_an_internal_error(copy_fixture, name):
+def test_a_symbolic_link_loop_in_the_model_folder_is_named_not_an_internal_error(copy_fixture, name, cli):
     folder = copy_fixture("gptoss")
     (folder / name).unlink()
     (folder / name).symlink_to(name)
-    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / name}: a loop of symbolic links")
+    assert_clean_error(cli("inspect", str(folder)), f"{folder / name}: a loop of symbolic links")
 
 
-def test_a_model_folder_that_is_a_symbolic_link_loop_is_named(tmp_path):
+def test_a_model_folder_that_is_a_symbolic_link_loop_is_named(tmp_path, cli):
     (tmp_path / "a").symlink_to("b")
     (tmp_path / "b").symlink_to("a")
-    assert_clean_error(run_cli("inspect", str(tmp_path / "a")), f"{tmp_path / 'a'}: a loop of symbolic links")
+    assert_clean_error(cli("inspect", str(tmp_path / "a")), f"{tmp_path / 'a'}: a loop of symbolic links")
 
 
 def run_cli_bound_by_permissions(*args: str) -> subprocess.CompletedProcess:
@@ -520,30 +523,30 @@ def test_external_data_cut_short_after_the_folder_was_opened_is_named_at_the_loa
 
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json"])
-def test_a_folder_where_a_model_file_should_be_is_named_as_a_folder_not_missing(copy_fixture, name):
+def test_a_folder_where_a_model_file_should_be_is_named_as_a_folder_not_missing(copy_fixture, name, cli):
     folder = copy_fixture("gptoss")
     (folder / name).unlink()
     (folder / name).mkdir()
-    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / name}: a folder, not a file")
+    assert_clean_error(cli("inspect", str(folder)), f"{folder / name}: a folder, not a file")
 
 
-def test_a_model_filename_naming_the_folder_itself_is_not_called_missing(copy_fixture):
+def test_a_model_filename_naming_the_folder_itself_is_not_called_missing(copy_fixture, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["decoder"]["filename"] = "."
     (folder / "genai_config.json").write_text(json.dumps(config))
-    assert_clean_error(run_cli("inspect", str(folder)), f"{folder}: a folder, not a file")
+    assert_clean_error(cli("inspect", str(folder)), f"{folder}: a folder, not a file")
 
 
 @pytest.mark.parametrize("name", ["genai_config.json", "tokenizer_config.json"])
-def test_json_nested_past_what_python_reads_is_named_not_an_internal_error(copy_fixture, name):
+def test_json_nested_past_what_python_reads_is_named_not_an_internal_error(copy_fixture, name, cli):
     folder = copy_fixture("gptoss")
     (folder / name).write_text("[" * 100_000 + "]" * 100_000)
-    assert_clean_error(run_cli("inspect", str(folder)), f"{folder / name}: not valid JSON (nested too deeply")
+    assert_clean_error(cli("inspect", str(folder)), f"{folder / name}: not valid JSON (nested too deeply")
 
 
 @pytest.mark.parametrize("name", ["same", ""])
-def test_expert_nodes_sharing_a_name_are_refused_at_open_naming_it(copy_fixture, name):
+def test_expert_nodes_sharing_a_name_are_refused_at_open_naming_it(copy_fixture, name, cli):
     """The engine keys an expert node's slots, placement and settings by its name: two of one name planned 5 slots for
     16 experts and generate failed with 'internal error: KeyError'."""
     folder = copy_fixture("gptoss")
@@ -554,7 +557,7 @@ def test_expert_nodes_sharing_a_name_are_refused_at_open_naming_it(copy_fixture,
                 node.name = name
     _edit_onnx(folder, rename)
     for command in (["inspect"], ["generate", "--prompt", "hi", "--max-new-tokens", "2"]):
-        assert_clean_error(run_cli(*command, str(folder)),
+        assert_clean_error(cli(*command, str(folder)),
                            f"{folder / 'model.onnx'}: 2 expert nodes are named '{name}'")
 
 
@@ -570,8 +573,8 @@ def _dims(name: str, dims: list[int]):
     ([-8, 256, 64], f"initializer '{QWEIGHT}' has shape [-8, 256, 64], a negative dimension"),
     ([2**32, 2**32, 4], f"initializer '{QWEIGHT}' has length 131072 but its shape needs 73786976294838206464 bytes"),
 ])
-def test_an_initializer_shape_that_is_negative_or_overflows_is_named_as_it_is(copy_fixture, dims, fragment):
+def test_an_initializer_shape_that_is_negative_or_overflows_is_named_as_it_is(copy_fixture, dims, fragment, cli):
     """Its size was counted in int64: a negative dimension 'needed -131072 bytes', [2**32, 2**32, 4] wrapped to 0."""
     folder = copy_fixture("gptoss")
     _edit_onnx(folder, _dims(QWEIGHT, dims))
-    assert_clean_error(run_cli("inspect", str(folder)), fragment)
+    assert_clean_error(cli("inspect", str(folder)), fragment)
