@@ -13,8 +13,8 @@ from tests.conftest import fixture_folder
 from tests.test_bad_input import REPO, run_cli
 
 
-def test_inspect_lists_every_expert_node():
-    result = run_cli("inspect", str(fixture_folder("qwen35moe")), "--json")
+def test_inspect_lists_every_expert_node(cli):
+    result = cli("inspect", str(fixture_folder("qwen35moe")), "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [n["layer"] for n in report["expert_nodes"]] == [0, 1, 2, 3]
@@ -27,37 +27,37 @@ def test_inspect_lists_every_expert_node():
     assert report["dense_bytes"] > 0 and report["supported"]
 
 
-def test_inspect_names_the_models_own_layers_where_the_first_ones_are_dense():
+def test_inspect_names_the_models_own_layers_where_the_first_ones_are_dense(cli):
     # the LFM2-MoE fixture's layer 0 is dense: its expert nodes are in layers 1-3 (their names say so)
-    result = run_cli("inspect", str(fixture_folder("lfm2moe")), "--json")
+    result = cli("inspect", str(fixture_folder("lfm2moe")), "--json")
     assert result.returncode == 0, result.stderr
     nodes = json.loads(result.stdout)["expert_nodes"]
     assert [(n["layer"], n["model_layer"]) for n in nodes] == [(0, 1), (1, 2), (2, 3)]
     assert all(f"/layers.{n['model_layer']}/" in n["node"] for n in nodes)
-    text = run_cli("inspect", str(fixture_folder("lfm2moe"))).stdout.splitlines()
+    text = cli("inspect", str(fixture_folder("lfm2moe"))).stdout.splitlines()
     assert [line.split()[0] for line in text[2:5]] == ["1", "2", "3"]
 
 
-def test_inspect_text_has_verdict():
-    result = run_cli("inspect", str(fixture_folder("gptoss")))
+def test_inspect_text_has_verdict(cli):
+    result = cli("inspect", str(fixture_folder("gptoss")))
     assert result.returncode == 0
     assert "runs: all 2 expert nodes are supported" in result.stdout
 
 
-def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tier():
-    result = run_cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated",
+def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tier(cli):
+    result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated",
                      "--offload", "device_expert_bytes=200000", "--decode-path", "tier")
     assert result.returncode == 0, result.stderr
     statements = json.loads(result.stdout)["offload"]["statements"]
     assert statements[-1].startswith("Instead, decode reads cold experts on the GPU from a host tier of ")
     assert statements[-1].endswith(" KiB of page-locked host memory, as asked (decode path 'tier').")
-    result = run_cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "gpu")
+    result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "gpu")
     assert result.returncode == 2 and "invalid choice: 'gpu'" in result.stderr
 
 
-def test_generate_json_greedy_is_deterministic_and_matches_max_tokens():
+def test_generate_json_greedy_is_deterministic_and_matches_max_tokens(cli):
     args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "12", "--json")
-    first, second = run_cli(*args), run_cli(*args)
+    first, second = cli(*args), run_cli(*args)  # the second in a process of its own: another hash seed, fresh state
     assert first.returncode == 0, first.stderr
     out = json.loads(first.stdout)
     assert set(out) == {"prompt_tokens", "tokens", "text", "reasoning", "finish_reason", "timings", "dense"}
@@ -66,21 +66,21 @@ def test_generate_json_greedy_is_deterministic_and_matches_max_tokens():
     assert out["timings"]["load_s"] > 0 and out["timings"]["time_to_first_token_s"] > 0
 
 
-def test_generate_with_approximate_routing_says_its_agreement_with_exact_routing():
+def test_generate_with_approximate_routing_says_its_agreement_with_exact_routing(cli):
     args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "6", "--device",
             "simulated", "--offload", "device_expert_bytes=0", "--offload", "min_expert_weight=0.5")
-    agreement = json.loads(run_cli(*args, "--json").stdout)["routing_agreement"]
-    text = run_cli(*args)
+    agreement = json.loads(cli(*args, "--json").stdout)["routing_agreement"]
+    text = cli(*args)
     assert text.returncode == 0, text.stderr
     # what it measured: the answer's tokens, and how many of them
     assert text.stderr.rstrip().endswith(
         f"; length; token agreement with exact routing {agreement:.0%} ({round(agreement * 6)} of 6 tokens)]")
 
 
-def test_generate_under_mode_disabled_routes_exactly_and_warns_that_approximate_routing_does_not_apply():
+def test_generate_under_mode_disabled_routes_exactly_and_warns_that_approximate_routing_does_not_apply(cli):
     args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "6", "--json")
-    exact = json.loads(run_cli(*args).stdout)
-    disabled = run_cli(*args, "--device", "simulated", "--offload", "mode=disabled", "--offload", "min_expert_weight=0.5")
+    exact = json.loads(cli(*args).stdout)
+    disabled = cli(*args, "--device", "simulated", "--offload", "mode=disabled", "--offload", "min_expert_weight=0.5")
     assert disabled.returncode == 0, disabled.stderr
     out = json.loads(disabled.stdout)
     assert out["tokens"] == exact["tokens"] and "routing_agreement" not in out
@@ -89,15 +89,15 @@ def test_generate_under_mode_disabled_routes_exactly_and_warns_that_approximate_
                         "is exact (approximate routing needs mode=auto or required)"]
 
 
-def test_generate_raw_skips_the_template():
-    raw = json.loads(run_cli("generate", str(fixture_folder("gptoss")), "--raw", "--prompt", "Hello",
+def test_generate_raw_skips_the_template(cli):
+    raw = json.loads(cli("generate", str(fixture_folder("gptoss")), "--raw", "--prompt", "Hello",
                              "--max-new-tokens", "2", "--json").stdout)
-    templated = json.loads(run_cli("generate", str(fixture_folder("gptoss")), "--prompt", "Hello",
+    templated = json.loads(cli("generate", str(fixture_folder("gptoss")), "--prompt", "Hello",
                                    "--max-new-tokens", "2", "--json").stdout)
     assert len(raw["prompt_tokens"]) < len(templated["prompt_tokens"])
 
 
-def test_generate_raw_begins_as_the_tokenizer_does_and_the_template_has_one_bos(copy_fixture):
+def test_generate_raw_begins_as_the_tokenizer_does_and_the_template_has_one_bos(copy_fixture, cli):
     """A tokenizer whose post-processor adds a BOS (Llama's, LFM2's): a raw prompt keeps it, as the tokenizer's own
     encoding (transformers, onnxruntime-genai) gives it; a rendered chat template, which writes its own, gets no
     second one."""
@@ -110,14 +110,14 @@ def test_generate_raw_begins_as_the_tokenizer_does_and_the_template_has_one_bos(
         "special_tokens": {"<|start|>": {"id": "<|start|>", "ids": [1], "tokens": ["<|start|>"]}}}
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
     args = ("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "1", "--json")
-    raw = json.loads(run_cli(*args, "--raw").stdout)["prompt_tokens"]
-    templated = json.loads(run_cli(*args).stdout)["prompt_tokens"]
+    raw = json.loads(cli(*args, "--raw").stdout)["prompt_tokens"]
+    templated = json.loads(cli(*args).stdout)["prompt_tokens"]
     assert raw[0] == 1 and raw.count(1) == 1 and len(raw) > 1
     assert templated[:2] != [1, 1] and templated[0] == 1 and templated.count(1) == 2  # the template's two <|start|>
 
 
-def test_chat_reads_more_turns_and_reuses_the_cache():
-    result = run_cli("generate", str(fixture_folder("lfm2moe")), "--chat", "--prompt", "Hi", "--max-new-tokens", "4",
+def test_chat_reads_more_turns_and_reuses_the_cache(cli):
+    result = cli("generate", str(fixture_folder("lfm2moe")), "--chat", "--prompt", "Hi", "--max-new-tokens", "4",
                      "--json", stdin="And then?\nOne more\n")
     assert result.returncode == 0, result.stderr
     turns = [json.loads(line) for line in result.stdout.splitlines()]
@@ -126,14 +126,14 @@ def test_chat_reads_more_turns_and_reuses_the_cache():
     assert len(turns[1]["prompt_tokens"]) < len(turns[0]["prompt_tokens"]) + len(turns[0]["tokens"]) + 10
 
 
-def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits_and_keeps_threads():
+def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits_and_keeps_threads(cli):
     from engine.model_folder import ModelFolder
     from engine.offload.planner import all_resident_bytes
 
     folder = fixture_folder("gptoss")
     experts = ModelFolder.open(folder).experts
     budget = all_resident_bytes(experts) // 2  # half the experts resident: misses, spare slots, copies
-    result = run_cli("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "12", "--json",
+    result = cli("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "12", "--json",
                      "--device", "simulated", "--offload", f"device_expert_bytes={budget}", "--threads", "1")
     assert result.returncode == 0, result.stderr
     offload = json.loads(result.stdout)["offload"]
@@ -194,7 +194,7 @@ def test_generate_warns_of_openmp_thread_binding():
     assert len(warning) == 1 and "OMP_PROC_BIND=close OMP_PLACES=cores" in warning[0]
 
 
-def test_layer_split_whole_puts_the_budget_on_whole_layers_and_says_so():
+def test_layer_split_whole_puts_the_budget_on_whole_layers_and_says_so(cli):
     from engine.model_folder import ModelFolder
     from engine.offload.planner import all_resident_bytes
 
@@ -202,16 +202,16 @@ def test_layer_split_whole_puts_the_budget_on_whole_layers_and_says_so():
     experts = ModelFolder.open(folder).experts
     budget = all_resident_bytes(experts) // 2
     common = ("--device", "simulated", "--offload", f"device_expert_bytes={budget}")
-    result = run_cli("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "3", "--json",
+    result = cli("generate", str(folder), "--prompt", "Hello", "--max-new-tokens", "3", "--json",
                      "--layer-split", "whole", *common)
     assert result.returncode == 0, result.stderr
     offload = json.loads(result.stdout)["offload"]
     assert offload["layer_split"]["mode"] == "whole" and offload["layer_split"]["whole_layers"] is True
     assert any(text.startswith("The budget holds whole layers:") for text in offload["statements"])
-    inspected = json.loads(run_cli("inspect", str(folder), "--json", "--layer-split", "whole", *common).stdout)
+    inspected = json.loads(cli("inspect", str(folder), "--json", "--layer-split", "whole", *common).stdout)
     counts = sorted(inspected["offload"]["slots"].values())
     assert set(counts) == {0, experts[0].spec.num_experts}, counts
-    refused = run_cli("generate", str(folder), "--prompt", "Hi", "--layer-split", "layers", *common)
+    refused = cli("generate", str(folder), "--prompt", "Hi", "--layer-split", "layers", *common)
     assert refused.returncode != 0 and "invalid choice: 'layers'" in refused.stderr
 
 
