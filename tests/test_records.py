@@ -768,11 +768,12 @@ def test_a_sweep_of_both_layer_splits_runs_whole_layers_where_the_budget_holds_s
     assert recommend([slow, fast], margin=0.5) is fast
 
 
-def test_cli_record_sweep_history_contention(tmp_path):
+def test_cli_record_sweep_history_contention(tmp_path, cli):
+    """The sweeps in a process of their own: pyqtgraph's widgets that --plot makes crash a test process at exit."""
     from tests.test_bad_input import run_cli
 
     model, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite3")
-    record = run_cli("record", model, "--scenario", "short", "--max-new-tokens", "3", "--json", "--history", history)
+    record = cli("record", model, "--scenario", "short", "--max-new-tokens", "3", "--json", "--history", history)
     assert record.returncode == 0, record.stderr
     assert json.loads(record.stdout)[0]["scenario"] == "short"
     plot = tmp_path / "sweep.png"
@@ -788,10 +789,10 @@ def test_cli_record_sweep_history_contention(tmp_path):
     result = json.loads(both.stdout)
     assert [p["split"] for p in result["points"]] == ["spread", "spread", "whole", "spread"]
     assert result["recommended_split"] in ("spread", "whole")
-    listed = run_cli("history", "--history", history, "--export", "csv")
+    listed = cli("history", "--history", history, "--export", "csv")
     assert len(listed.stdout.strip().splitlines()) == 1 + 1 + 2  # header, record, two sweep points
     corpus = make_corpus(tmp_path / "corpus", files=10, words_per_file=100)
-    contention = run_cli("contention", model, "--workers", "1", "--corpus", str(corpus), "--max-new-tokens", "3", "--json")
+    contention = cli("contention", model, "--workers", "1", "--corpus", str(corpus), "--max-new-tokens", "3", "--json")
     assert contention.returncode == 0, contention.stderr
     assert set(json.loads(contention.stdout)) >= {"indexing_alone_s", "inference_alone_s",
                                                   "indexing_with_inference_s", "inference_with_indexing_s"}
