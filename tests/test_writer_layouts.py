@@ -80,15 +80,16 @@ def test_engine_runs_every_layout_like_the_reference(folders, name):
     assert float(np.abs(ours - ref).max() / np.abs(ref).max()) <= tol
 
 
-def test_inspect_reports_every_layout_supported(folders):
-    """`moe-workbench inspect --json` on a few folders (a process each), the same report in process for all."""
+def test_inspect_reports_every_layout_supported(folders, cli):
+    """`moe-workbench inspect --json` on a few folders (the first in a process), the same report in process for all."""
     from app.inspect_report import inspection
     from engine.model_folder import ModelFolder
 
     for name, (kw, words) in LAYOUTS.items():
         if name in ("int3-block32-zp", "int8-sm80", "nvfp4-npacked", "fp8-global"):
-            out = subprocess.run([sys.executable, "-m", "app", "inspect", str(folders[name]), "--json"], cwd=REPO,
-                                 capture_output=True, text=True, timeout=120)
+            args = ("inspect", str(folders[name]), "--json")
+            out = (subprocess.run([sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True,
+                                  timeout=120) if name == "int3-block32-zp" else cli(*args))
             assert out.returncode == 0, out.stderr
             report = json.loads(out.stdout)
         else:
