@@ -22,7 +22,7 @@ from engine.offload.traces import hit_rate, realistic_trace
 from engine.units import human_bytes
 from engine.writer import WriterSpec, write_model
 from tests.conftest import fixture_folder
-from tests.test_bad_input import assert_clean_error, run_cli
+from tests.test_bad_input import assert_clean_error
 
 SPEC = WriterSpec(layers=3, num_experts=16, top_k=4, hidden_size=128, inter_size=64, seed=21, dense_accuracy_level=0)
 STEPS = 12
@@ -329,7 +329,7 @@ def test_high_water_mark_never_exceeds_the_limit(model_folder):
     assert device.memory.high_water <= limit
 
 
-def test_required_mode_names_the_unsupported_node(copy_fixture):
+def test_required_mode_names_the_unsupported_node(copy_fixture, cli):
     import onnx
 
     folder = copy_fixture("gptoss")
@@ -337,7 +337,7 @@ def test_required_mode_names_the_unsupported_node(copy_fixture):
     node = next(n for n in proto.graph.node if n.op_type == "QMoE")
     next(a for a in node.attribute if a.name == "expert_weight_bits").i = 5
     onnx.save(proto, str(folder / "model.onnx"))
-    result = run_cli("inspect", str(folder), "--device", "simulated", "--offload", "mode=required")
+    result = cli("inspect", str(folder), "--device", "simulated", "--offload", "mode=required")
     assert_clean_error(result, "required", node.name, "bits 5")
 
 

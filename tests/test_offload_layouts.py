@@ -19,7 +19,7 @@ from engine.offload.miss_policy import miss_costs
 from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.writer import WriterSpec, write_model
 from kernels.gpu import convert, layout
-from tests.test_bad_input import assert_clean_error, run_cli
+from tests.test_bad_input import assert_clean_error
 from tests.test_offload import assert_same_as_cpu, greedy_run
 
 BASE = dict(layers=3, hidden_size=128, inter_size=64, num_experts=8, top_k=2, dense_accuracy_level=0)
@@ -184,14 +184,14 @@ def test_fp8_in_auto_mode_runs_all_on_the_cpu_with_the_reason(folders, cpu_runs)
     assert totals.hits == 0 and totals.misses > 0 and totals.copy_bytes == 0
 
 
-def test_fp8_in_required_mode_is_refused_naming_the_node(folders):
+def test_fp8_in_required_mode_is_refused_naming_the_node(folders, cli):
     infos = ModelFolder.open(folders["fp8"]).experts
     with pytest.raises(OffloadPlanError) as error:
         LoadedModel.open(folders["fp8"], offload=OffloadConfig(mode="required"), device=SimulatedDevice(1 << 30))
     message = str(error.value)
     assert message.startswith("offload mode 'required': the GPU kernels cannot run node")
     assert infos[0].name in message and "fp8" in message and "\n" not in message
-    result = run_cli("inspect", str(folders["fp8"]), "--device", "simulated", "--offload", "mode=required")
+    result = cli("inspect", str(folders["fp8"]), "--device", "simulated", "--offload", "mode=required")
     assert_clean_error(result, "required", infos[0].name, "fp8")
 
 
