@@ -472,25 +472,57 @@ def test_a_model_folder_that_is_a_symbolic_link_loop_is_named(tmp_path, cli):
     assert_clean_error(cli("inspect", str(tmp_path / "a")), f"{tmp_path / 'a'}: a loop of symbolic links")
 
 
-def run_cli_bound_by_permissions(*args: str) -> subprocess.CompletedProcess:
-    """run_cli where file permissions apply: as root, without the capabilities that override them."""
-    if os.geteuid() != 0:
-        return run_cli(*args)
-    if shutil.which("setpriv") is None:
-        pytest.skip("root ignores file permissions and setpriv is not here to drop that")
-    caps = "-dac_override,-dac_read_search"
-    return subprocess.run(["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--",
-                           sys.executable, "-m", "app", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+UNREADABLE = ["", "model.onnx", "model.onnx.data", "tokenizer.json"]
+# inspect on each folder given, in one process: its exit status and what it wrote, by folder, as JSON
+INSPECT_EACH = """import contextlib, io, json, sys
+from app.cli import main
+said = {}
+for folder in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["inspect", folder])
+    said[folder] = [status, out.getvalue(), err.getvalue()]
+print(json.dumps(said))
+"""
 
 
-@pytest.mark.parametrize("name", ["", "model.onnx", "model.onnx.data", "tokenizer.json"])
-def test_a_file_or_folder_without_read_permission_is_named_as_not_readable(copy_fixture, name):
-    folder = copy_fixture("gptoss")
-    (folder / name).chmod(0)
+def run_python_bound_by_permissions(*args: str) -> subprocess.CompletedProcess:
+    """`python ARGS` where file permissions apply: as root, without the capabilities that override them."""
+    command = [sys.executable, *args]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root ignores file permissions and setpriv is not here to drop that")
+        caps = "-dac_override,-dac_read_search"
+        command = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", *command]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def unreadable_inspected(tmp_path_factory):
+    """For each name of UNREADABLE: a copy of gptoss where it (or, for "", the folder) has no read permission, and
+    what inspect said of it. One process inspects the four (a process each cost seconds of imports)."""
+    folders = {}
+    for name in UNREADABLE:
+        folder = tmp_path_factory.mktemp("unreadable") / "gptoss"
+        shutil.copytree(fixture_folder("gptoss"), folder)
+        for file in folder.iterdir():
+            file.chmod(0o644)
+        (folder / name).chmod(0)
+        folders[name] = folder
     try:
-        result = run_cli_bound_by_permissions("inspect", str(folder))
+        result = run_python_bound_by_permissions("-c", INSPECT_EACH, *map(str, folders.values()))
     finally:
-        (folder / name).chmod(0o755)
+        for name, folder in folders.items():
+            (folder / name).chmod(0o755)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    said = json.loads(result.stdout)
+    return {name: (folder, subprocess.CompletedProcess(["inspect", str(folder)], *said[str(folder)]))
+            for name, folder in folders.items()}
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_a_file_or_folder_without_read_permission_is_named_as_not_readable(unreadable_inspected, name):
+    folder, result = unreadable_inspected[name]
     assert_clean_error(result, f"{folder / name}: not readable (Permission denied)")
 
 
