@@ -307,6 +307,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     """
     if not prompt_tokens and prompt_logits is None:
         raise PromptError("the prompt is empty")
+    model.folder.onnx.check_mapped_files()
     cap, bound = _sequence_cap(model.config)
     if state.past_length + len(prompt_tokens) + 1 > cap:  # room for one answer token at least
         raise PromptError(_past_the_cap(state.past_length, len(prompt_tokens), cap, bound))

@@ -219,6 +219,16 @@ class OnnxFile:
             self._maps[location] = mapping
         return mapping
 
+    def check_mapped_files(self) -> None:
+        """Refuse, naming the file, where a mapped data file was truncated since it was mapped (the folder rewritten in
+        place): a read past its new end kills the process (SIGBUS). A file deleted or replaced by another keeps its
+        mapping whole (mmap.size reads the mapped file's own size)."""
+        for location, mapping in self._maps.items():
+            size, needs = mapping.size(), self._data_needs[location]
+            if size < needs:
+                raise ModelFileError(f"{self.folder / location}: truncated since the model was loaded: it has {size} "
+                                     f"bytes of the {needs} its initializers take; load the model again")
+
     def array(self, name: str) -> np.ndarray:
         """The initializer's values: a read-only memory-mapped view for external data (no copy)."""
         tensor = self.initializers[name]

@@ -846,6 +846,29 @@ def test_corrupt_model_shows_a_message_and_the_window_stays_usable(qtbot, window
     assert "dense part" in window.model_panel.landed.text()
 
 
+def test_a_data_file_truncated_after_the_load_is_refused_by_name_not_a_crash(qtbot, window, copy_fixture):
+    """The experts are read from the memory-mapped data file as the answers need them: one rewritten in place (cut
+    short) after the load killed the process at the next answer (SIGBUS). The answer is refused, naming the file, and
+    the window loads the folder again once it is whole."""
+    folder = copy_fixture("lfm2moe")
+    load(qtbot, window, folder)
+    ask(qtbot, window, "Hello", 4)
+    data = folder / "model.onnx.data"
+    whole = data.read_bytes()
+    data.write_bytes(whole[:4096])
+    window.chat.prompt.setPlainText("Hello again")
+    window.chat.send()
+    qtbot.waitUntil(lambda: window.error_banner.isVisible() and window.chat.send_button.isEnabled(), timeout=WAIT)
+    assert window.error_banner.text() == (f"{data}: truncated since the model was loaded: it has 4096 bytes of the "
+                                          f"{len(whole)} its initializers take; load the model again")
+    assert window.chat.prompt.toPlainText() == "Hello again" and len(window.chat.entries) == 2
+    data.write_bytes(whole)
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    load(qtbot, window, folder)
+    assert ask(qtbot, window, "Hello", 4)["result"]["finish_reason"] == "length"
+
+
 def test_regenerate_after_an_answer_that_failed_midway_answers_that_message(qtbot, window, monkeypatch):
     """The failed answer keeps what it streamed in the transcript, but the engine's conversation never took that turn:
     Regenerate must answer the failed message, not the one before it."""
