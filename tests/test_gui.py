@@ -981,6 +981,27 @@ def test_stop_between_send_and_the_answers_start_is_not_lost(qtbot, window):
     assert window.status_state.text() == "Stopped the answer: 1 token"
 
 
+def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(qtbot, window):
+    """Between Load and the worker taking it, the window was idle: a message sent at once (Ctrl+L, Ctrl+Return) was
+    answered by the model the load made, while the load's new conversation had cleared it off the transcript. Load
+    now makes the window busy at once, and Stop then stops the load as it starts."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    window.load_action.trigger()
+    assert not window.chat.send_button.isEnabled() and not window.load_action.isEnabled()
+    window.chat.prompt.setPlainText("Quick one")
+    window.chat.send()
+    assert window.chat.prompt.toPlainText() == "Quick one" and window._chat_waiting is None
+    qtbot.waitUntil(lambda: window.chat.send_button.isEnabled(), timeout=WAIT)
+    assert window.chat.entries == [] and window.worker._conversation.messages == []
+    # the load waits at its first step until the window's stop reaches it (a fixture loads in milliseconds)
+    window.worker.loadProgress.connect(lambda _fraction: window.worker.cancel.wait(30), Qt.ConnectionType.DirectConnection)
+    window.load_action.trigger()
+    assert window.stop_action.isEnabled() and window.stop_action.text() == "&Stop the load"
+    window.stop_action.trigger()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert window.error_banner.text() == "Loading stopped." and window.model_panel.landed.text() == "Not loaded."
+
+
 def test_stop_does_what_it_says_in_every_busy_state_and_says_what_it_stopped(qtbot, window):
     """The chat's Stop stops the chat's answer only: it is off while a records job runs in another tab (it stopped that
     job) and while nothing can be stopped (opening a folder, preparing the kernels, re-planning: Stop did nothing

@@ -137,7 +137,8 @@ class MainWindow(QMainWindow):
         self.answer_lengths = {"side_by_side": self.side_by_side.max_tokens, "record": self.scenarios.max_tokens,
                                "contention": self.contention_view.max_tokens, "sweep": self.sweep.max_tokens}
         self._cancel_when_started: str | None = None
-        self._job_waiting: str | None = None  # the records job sent to the worker that it has not started yet
+        # the load or records job sent to the worker that it has not started yet: the window is busy with it already
+        self._waiting: str | None = None
         self._stopping: str | None = None  # what Stop was asked to stop (STOPPABLE) in the activity that runs
         self._chat_requests = 0  # the chat's requests to the worker, numbered (EngineWorker.stopped_request)
         self._chat_waiting: int | None = None  # the one sent whose answer has not come back
@@ -557,7 +558,10 @@ class MainWindow(QMainWindow):
         self._load_settings = settings
         self.model_panel.set_progress(0.0)
         self.graphs.add_marker("load", "load")
+        self._cancel_when_started = None
+        self._waiting = "loading"
         self.worker.requestLoad.emit(path, settings)
+        self._update_state()
 
     @Slot()
     def unload(self) -> None:
@@ -582,9 +586,9 @@ class MainWindow(QMainWindow):
             what = STOPPABLE.get(self.busy)
             if what is not None:
                 self.worker.cancel.set()
-            elif self._job_waiting is not None:  # queued, not started: cancelled as it starts
-                what = STOPPABLE[self._job_waiting]
-                self._cancel_when_started = self._job_waiting
+            elif self._waiting is not None:  # queued, not started: cancelled as it starts
+                what = STOPPABLE[self._waiting]
+                self._cancel_when_started = self._waiting
             else:
                 return
         self._stopping = what
@@ -595,7 +599,7 @@ class MainWindow(QMainWindow):
         """Queue a records job in the engine worker (after whatever it runs now)."""
         self.error_banner.hide()
         self._cancel_when_started = None
-        self._job_waiting = kind
+        self._waiting = kind
         self.worker.requestJob.emit(kind, job)
         self._update_state()
 
@@ -688,11 +692,12 @@ class MainWindow(QMainWindow):
             self.graphs.add_marker("answer", "generate")
         if activity in JOB_LABELS:
             self.graphs.add_marker(activity, "generate")
-            if self._job_waiting == activity:
-                self._job_waiting = None
+        if activity in (*JOB_LABELS, "loading"):
+            if self._waiting == activity:
+                self._waiting = None
             if self._cancel_when_started == activity:
                 self.worker.cancel.set()
-                self._stopping = STOPPABLE[activity]  # said as it ends, as for a job stopped while it ran
+                self._stopping = STOPPABLE[activity]  # said as it ends, as for one stopped while it ran
             self._cancel_when_started = None
         self._update_state()
         self._show_activity(stopping)
@@ -849,7 +854,7 @@ class MainWindow(QMainWindow):
     # --- state -------------------------------------------------------------------------------------
     def _update_state(self) -> None:
         loaded = self.loaded_path is not None
-        busy = self.busy
+        busy = self.busy or self._waiting or ""
         chat_waits = self._chat_waiting is not None
         self.model_panel.set_state(busy, loaded)
         self.chat.set_state(busy=bool(busy) or chat_waits, loaded=loaded, answering=busy == "generating" or chat_waits)
@@ -858,8 +863,8 @@ class MainWindow(QMainWindow):
         self.load_action.setEnabled(self._can_load())
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
         what = STOPPABLE["generating"] if chat_waits else STOPPABLE.get(busy)
-        if what is None and self._job_waiting is not None:
-            what = STOPPABLE[self._job_waiting]
+        if what is None and self._waiting is not None:
+            what = STOPPABLE[self._waiting]
         self.stop_action.setEnabled(what is not None)
         self.stop_action.setText(f"&Stop {what}" if what else "&Stop")
         self.stop_action.setToolTip(f"Stop {what}" if what else STOP_TIP)
@@ -870,7 +875,7 @@ class MainWindow(QMainWindow):
     def _can_load(self) -> bool:
         """Whether Load may start: idle, with a model shown that the kernels run (a load of one they cannot would drop
         the loaded model, then fail), as the model panel's Load button says."""
-        return not self.busy and self.facts is not None and self.facts.supported
+        return not (self.busy or self._waiting) and self.facts is not None and self.facts.supported
 
     def _show_activity(self, stopped: str | None) -> None:
         """The status bar as the worker's activity changes: what runs now; once idle, what Stop stopped (`stopped`,
