@@ -1002,6 +1002,20 @@ def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(
     assert window.error_banner.text() == "Loading stopped." and window.model_panel.landed.text() == "Not loaded."
 
 
+def test_a_load_stopped_while_it_runs_says_so_in_the_status_bar(qtbot, window):
+    """The failed load's `unloaded` wrote Idle over "Stopping the load…", so the status bar never said the load was
+    stopped, as it says of everything else Stop stops."""
+    window.open_model(str(fixture_folder("lfm2moe")))
+    qtbot.waitUntil(lambda: window.load_action.isEnabled(), timeout=WAIT)
+    window.worker.loadProgress.connect(lambda _fraction: window.worker.cancel.wait(30), Qt.ConnectionType.DirectConnection)
+    window.load_action.trigger()
+    qtbot.waitUntil(lambda: window.busy == "loading", timeout=WAIT)
+    window.model_panel.cancel_button.click()
+    assert window.status_state.text() == "Stopping the load…"
+    qtbot.waitUntil(lambda: not window.busy, timeout=WAIT)
+    assert window.status_state.text() == "Stopped the load." and window.loaded_path is None
+
+
 def test_stop_does_what_it_says_in_every_busy_state_and_says_what_it_stopped(qtbot, window):
     """The chat's Stop stops the chat's answer only: it is off while a records job runs in another tab (it stopped that
     job) and while nothing can be stopped (opening a folder, preparing the kernels, re-planning: Stop did nothing

@@ -814,7 +814,8 @@ class MainWindow(QMainWindow):
         self.sweep.set_model(None)
         self.status_model.setText("No model loaded")
         self.status_device.setText("")
-        self.status_state.setText("Idle")
+        if not self._stopping:  # (a stopped load's own line comes as the worker goes idle: _show_activity)
+            self.status_state.setText("Idle")
         self.chat.live.setText("No model loaded: load one to chat.")
         self._update_state()
 
