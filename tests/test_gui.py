@@ -981,6 +981,12 @@ def test_stop_between_send_and_the_answers_start_is_not_lost(qtbot, window):
     assert window.status_state.text() == "Stopped the answer: 1 token"
 
 
+def hold_loads_until_stopped(window) -> None:
+    """Loads wait at their first step until the window's stop reaches the worker (a fixture loads in milliseconds)."""
+    window.worker.loadProgress.connect(lambda _fraction: window.worker.cancel.wait(30),
+                                       Qt.ConnectionType.DirectConnection)
+
+
 def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(qtbot, window):
     """Between Load and the worker taking it, the window was idle: a message sent at once (Ctrl+L, Ctrl+Return) was
     answered by the model the load made, while the load's new conversation had cleared it off the transcript. Load
@@ -993,8 +999,7 @@ def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(
     assert window.chat.prompt.toPlainText() == "Quick one" and window._chat_waiting is None
     qtbot.waitUntil(lambda: window.chat.send_button.isEnabled(), timeout=WAIT)
     assert window.chat.entries == [] and window.worker._conversation.messages == []
-    # the load waits at its first step until the window's stop reaches it (a fixture loads in milliseconds)
-    window.worker.loadProgress.connect(lambda _fraction: window.worker.cancel.wait(30), Qt.ConnectionType.DirectConnection)
+    hold_loads_until_stopped(window)
     window.load_action.trigger()
     assert window.stop_action.isEnabled() and window.stop_action.text() == "&Stop the load"
     window.stop_action.trigger()
@@ -1007,7 +1012,7 @@ def test_a_load_stopped_while_it_runs_says_so_in_the_status_bar(qtbot, window):
     stopped, as it says of everything else Stop stops."""
     window.open_model(str(fixture_folder("lfm2moe")))
     qtbot.waitUntil(lambda: window.load_action.isEnabled(), timeout=WAIT)
-    window.worker.loadProgress.connect(lambda _fraction: window.worker.cancel.wait(30), Qt.ConnectionType.DirectConnection)
+    hold_loads_until_stopped(window)
     window.load_action.trigger()
     qtbot.waitUntil(lambda: window.busy == "loading", timeout=WAIT)
     window.model_panel.cancel_button.click()
