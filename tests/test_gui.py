@@ -1007,6 +1007,20 @@ def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(
     assert window.error_banner.text() == "Loading stopped." and window.model_panel.landed.text() == "Not loaded."
 
 
+def test_load_right_after_open_loads_the_folder_opened(qtbot, window):
+    """Between Open and the worker inspecting the folder, Load stayed on for the folder shown before: Open then Ctrl+L
+    loaded that one, and the window showed it again in place of the one opened. Load now waits for the opening."""
+    window.open_model(str(fixture_folder("lfm2moe")))
+    qtbot.waitUntil(lambda: window.load_action.isEnabled(), timeout=WAIT)
+    window.open_model(str(fixture_folder("gptoss")))
+    assert not window.load_action.isEnabled() and not window.model_panel.load_button.isEnabled()
+    window.load_action.trigger()
+    qtbot.waitUntil(lambda: window.load_action.isEnabled() and window.facts.name == "gptoss", timeout=WAIT)
+    window.load_action.trigger()
+    qtbot.waitUntil(lambda: window.loaded_path is not None and not window.busy, timeout=WAIT)
+    assert same(window.loaded_path, fixture_folder("gptoss")) and window.windowTitle() == "gptoss — MoE Workbench"
+
+
 def test_a_load_stopped_while_it_runs_says_so_in_the_status_bar(qtbot, window):
     """The failed load's `unloaded` wrote Idle over "Stopping the load…", so the status bar never said the load was
     stopped, as it says of everything else Stop stops."""

@@ -532,13 +532,21 @@ class MainWindow(QMainWindow):
     def open_model(self, path: str) -> None:
         """Inspect a folder: the table, the verdict and the estimates appear; loading is one click more."""
         self.error_banner.hide()
+        self._wait_for("opening")
         self.worker.requestOpen.emit(str(path))
 
     @Slot()
     def load_demo(self) -> None:
         self.error_banner.hide()
         self._pending_demo_load = True
+        self._wait_for("opening")
         self.worker.requestDemo.emit(False)
+
+    def _wait_for(self, activity: str) -> None:
+        """A request sent to the worker: the window is busy with it until it begins (where nothing else waits)."""
+        if self._waiting is None:
+            self._waiting = activity
+            self._update_state()
 
     def load_model(self, path: str) -> None:
         """Load a folder (inspecting it first if it is not the open one) with its remembered settings."""
@@ -586,7 +594,7 @@ class MainWindow(QMainWindow):
             what = STOPPABLE.get(self.busy)
             if what is not None:
                 self.worker.cancel.set()
-            elif self._waiting is not None:  # queued, not started: cancelled as it starts
+            elif self._waiting in STOPPABLE:  # queued, not started: cancelled as it starts
                 what = STOPPABLE[self._waiting]
                 self._cancel_when_started = self._waiting
             else:
@@ -692,7 +700,7 @@ class MainWindow(QMainWindow):
             self.graphs.add_marker("answer", "generate")
         if activity in JOB_LABELS:
             self.graphs.add_marker(activity, "generate")
-        if activity in (*JOB_LABELS, "loading"):
+        if activity in (*JOB_LABELS, "loading", "opening"):
             if self._waiting == activity:
                 self._waiting = None
             if self._cancel_when_started == activity:
@@ -864,8 +872,8 @@ class MainWindow(QMainWindow):
         self.load_action.setEnabled(self._can_load())
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
         what = STOPPABLE["generating"] if chat_waits else STOPPABLE.get(busy)
-        if what is None and self._waiting is not None:
-            what = STOPPABLE[self._waiting]
+        if what is None:
+            what = STOPPABLE.get(self._waiting)
         self.stop_action.setEnabled(what is not None)
         self.stop_action.setText(f"&Stop {what}" if what else "&Stop")
         self.stop_action.setToolTip(f"Stop {what}" if what else STOP_TIP)
