@@ -130,10 +130,13 @@ def test_the_engine_switches_to_whole_layers_when_measured_faster_with_the_same_
     num_experts = model.folder.experts[0].spec.num_experts
     assert engine.whole_layers is False and all(0 < layer.num_slots < num_experts for layer in engine.slots)
     # step times as a machine where whole layers decode in two thirds of the spread's time would give them, taken as
-    # the card's (the simulated device's projection of them: the last test)
-    engine._trial_seconds = lambda seconds: seconds  # (plus the accounts each step left for its safe point: µs here)
-    model.decoder.on_step_end = lambda seconds, tokens: engine.end_step(
-        0.020 if engine.whole_layers else 0.030, tokens)
+    # the card's (the simulated device's projection of them: the last test); the trials compare them alone, without
+    # the wall time end_step adds for the accounts each step left for it (milliseconds on a loaded machine)
+    def step_s():
+        return 0.020 if engine.whole_layers else 0.030
+
+    engine._trial_seconds = lambda seconds: step_s()
+    model.decoder.on_step_end = lambda seconds, tokens: engine.end_step(step_s(), tokens)
     run = greedy_run(model)
     assert engine.whole_layers is True and engine.split_trials.trials == 1
     counts = sorted(layer.num_slots for layer in engine.slots)

@@ -234,13 +234,16 @@ def test_under_decode_path_both_trials_shift_the_cpus_share_where_its_steps_run_
                              offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
     engine = model.offload
     engine.share_trials = SplitShareTrials(first=1, settle=1, window=2, recheck=100)
-    engine._trial_seconds = lambda seconds: seconds
+    step_s = {0: 0.030, -1: 0.020, 1: 0.040}  # a decode step's seconds under each shift
+    # the trials compare these alone: end_step adds the wall time of the accounts each step left for it, which a
+    # loaded machine stretched by 8 ms once
+    engine._trial_seconds = lambda seconds: step_s[engine.share_trials.shift]
     shifts = []
 
     def end_step(seconds, tokens):
         if tokens == 1:  # (a prompt's step is not timed)
             shifts.append(engine.share_trials.shift)
-            seconds = {0: 0.030, -1: 0.020, 1: 0.040}[engine.share_trials.shift]
+            seconds = step_s[engine.share_trials.shift]
         engine.end_step(seconds, tokens)
 
     model.decoder.on_step_end = end_step
