@@ -19,7 +19,7 @@ from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
 from engine.sampling import RECORD_SEED
-from engine.units import counted, decode_rate, human_bytes
+from engine.units import counted, decode_rate, human_bytes, parse_bytes
 
 PROG = "moe-workbench"
 SIMULATED_VRAM = 8 << 30  # the simulated GPU's memory where --simulated-vram gives none
@@ -184,6 +184,19 @@ def at_least(minimum: int):
     return integer
 
 
+def size_at_least(minimum: int):
+    """An argparse type: a size in bytes or with a unit (engine.units.parse_bytes), at least `minimum`."""
+    def size(text: str) -> int:
+        try:
+            value = parse_bytes(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text}: must be a size of at least {human_bytes(minimum)}")
+        return value
+    return size
+
+
 def configuration_name(text: str) -> str:
     """An argparse type: a saved configuration's name, not empty (an empty one was taken for none given)."""
     if not text.strip():
@@ -234,8 +247,9 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="append", default=[], metavar="KEY=VALUE",
                         help="an offload setting in onnxruntime's vocabulary (session.moe.offload.KEY; "
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
-    parser.add_argument("--simulated-vram", type=at_least(1 << 20), metavar="BYTES",
-                        help="memory of the simulated GPU (default 8 GiB; with --device simulated)")
+    parser.add_argument("--simulated-vram", type=size_at_least(1 << 20), metavar="SIZE",
+                        help="memory of the simulated GPU, in bytes or with a unit as the window takes it (8GiB, "
+                             "1.5 GB, 512M; default 8 GiB; with --device simulated)")
     parser.add_argument("--layer-split", choices=SPLIT_MODES,
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
                              "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")

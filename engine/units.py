@@ -1,4 +1,11 @@
-"""Byte counts and counted things as people read them."""
+"""Byte counts and counted things as people read them, and sizes as people write them."""
+
+import re
+from decimal import Decimal
+
+UINT64_MAX = 2**64 - 1  # the most bytes a setting takes (onnxruntime reads byte counts as 64-bit unsigned)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
 
 def human_bytes(count: int) -> str:
@@ -20,3 +27,17 @@ def decode_rate(tokens_per_s: float | None, unit: str = " tok/s", none: str = "n
     where the answers were one token each: no decode step after the first token, which the prefill gives (a table's
     "n/a", or "" where a line leaves the rate out)."""
     return none if not tokens_per_s else f"{tokens_per_s:.1f}{unit}"
+
+
+def parse_bytes(text: str) -> int | None:
+    """'1.5 GiB', '512M', '1000000' -> bytes; 'auto' / '' -> None. Raises ValueError otherwise."""
+    text = text.strip().lower()
+    if text in ("", "auto", "none"):
+        return None
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(f"'{text}' is not a size (e.g. 512 MiB, 1.5 GiB)")
+    count = int(Decimal(match.group(1)) * _UNITS[match.group(2)])  # exact: a double loses bytes past 2**53
+    if count > UINT64_MAX:
+        raise ValueError(f"'{text}' is more than {UINT64_MAX} bytes, the most a setting takes")
+    return count

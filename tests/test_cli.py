@@ -1107,6 +1107,18 @@ def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     assert status == 0 and err == "" and "3.7 GiB (" in out
 
 
+def test_the_simulated_cards_size_takes_units_as_the_window_does(cli):
+    """--simulated-vram 8GiB (or 1.5 GB, 512M) as the window's field reads it; a size that is not one, or under 1 MiB,
+    is refused by argparse naming the option."""
+    for given, card in (("8GiB", "8.0 GiB ("), ("1.5 GB", "1.5 GiB ("), ("4000000000", "3.7 GiB (")):
+        run = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--simulated-vram", given)
+        assert run.returncode == 0 and run.stderr == "" and card in run.stdout, (given, run.stdout)
+    for given, why in (("lots", "'lots' is not a size (e.g. 512 MiB, 1.5 GiB)"),
+                       ("512K", "512K: must be a size of at least 1.0 MiB")):
+        run = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--simulated-vram", given)
+        assert run.returncode == 2 and f"argument --simulated-vram: {why}\n" in run.stderr, run.stderr
+
+
 def test_generate_seeds_sampling_with_the_models_random_seed_unless_given_one(copy_fixture, capsys):
     """genai_config.json's search.random_seed seeds sampling where --seed is not given (onnxruntime-genai's -1: none,
     a fresh seed each run); --seed replaces it."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import html
 import math
-import re
 from decimal import Decimal
 from typing import Callable
 
@@ -16,13 +15,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFrame, QHB
 
 from app.gui import theme
 from app.gui.records_jobs import ANSWER_CHOICES, CHAT_SAMPLING, MODEL_SAMPLING
-from engine.offload.config import UINT64_MAX
 from engine.sampling import RECORD_SEED
-from engine.units import counted, human_bytes
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
-
+from engine.units import counted, human_bytes, parse_bytes
 
 def scrolled(widget: QWidget) -> QScrollArea:
     """`widget` in a frameless scroll area: the area it sits in may get smaller than the widget's minimum (a laptop's
@@ -60,20 +54,6 @@ class OneLineLabel(QLabel):
         width = max(0, self.contentsRect().width())
         super().setText(self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, width) if width
                         else self._full)
-
-
-def parse_bytes(text: str) -> int | None:
-    """'1.5 GiB', '512M', '1000000' -> bytes; 'auto' / '' -> None. Raises ValueError otherwise."""
-    text = text.strip().lower()
-    if text in ("", "auto", "none"):
-        return None
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
-    if not match or match.group(2) not in _UNITS:
-        raise ValueError(f"'{text}' is not a size (e.g. 512 MiB, 1.5 GiB)")
-    count = int(Decimal(match.group(1)) * _UNITS[match.group(2)])  # exact: a double loses bytes past 2**53
-    if count > UINT64_MAX:
-        raise ValueError(f"'{text}' is more than {UINT64_MAX} bytes, the most a setting takes")
-    return count
 
 
 def part_colour(key: str, t: theme.Theme) -> str:

@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass, field, fields, replace
 
 from engine.errors import WorkbenchError
+from engine.units import UINT64_MAX
 
 PREFIX = "session.moe.offload."
 PROTOTYPE_PREFIX = "session.moe.cpu_offload."  # the offload prototype's keys, which onnxruntime 1.32 discards
@@ -184,9 +185,8 @@ def _choice(*options: str, aliases: dict[str, str] | None = None):
 
 
 # onnxruntime reads integers as ASCII digits alone (no sign, spaces, '_' or other scripts' digits), byte counts as
-# 64-bit unsigned and counts of threads, tokens, experts and slots as 32-bit signed
+# 64-bit unsigned (UINT64_MAX) and counts of threads, tokens, experts and slots as 32-bit signed
 DIGITS = re.compile(r"[0-9]+")
-UINT64_MAX = 2**64 - 1
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float.fromhex("0x1.fffffep+127")
 
