@@ -62,6 +62,19 @@ def test_the_verdict_makes_a_tier_where_the_host_spares_it_and_says_why_not_else
     assert tier_verdict("auto", auto, NODES, HALF, "simulated", 3 * GIB)[0] is False
 
 
+def test_a_bounded_host_cache_refuses_a_tier_that_pins_more_than_its_bound():
+    """host_expert_bytes bounds the experts' share of host memory (RAM smaller than the model): a tier pinning every
+    expert there was made all the same (531 MiB under host_expert_bytes=50000000). Asked for, the tier is the user's
+    own choice, as beside an explicit pinned_bytes."""
+    bounded = OffloadConfig(host_expert_bytes=GIB)
+    made, said = tier_verdict("auto", bounded, NODES, HALF, "cuda", 100 * GIB)
+    assert not made and said == ("Cold experts are computed on the CPU: no host tier is made, since "
+                                 "host_expert_bytes=1073741824 bounds the experts' host memory, and the tier pins "
+                                 "2.0 GiB.")
+    assert tier_verdict("auto", OffloadConfig(host_expert_bytes=2 * GIB), NODES, HALF, "cuda", 100 * GIB) == (True, "")
+    assert tier_verdict("tier", bounded, NODES, HALF, "cuda", 100 * GIB) == (True, "")
+
+
 def test_a_tier_refused_under_cpu_execution_disabled_says_cold_experts_are_copied_in():
     """Under cpu_execution=disabled the CPU computes no expert: without the tier the misses are copied to the device.
     A refused tier said "Cold experts are computed on the CPU" beside the plan's "copied to the device before they

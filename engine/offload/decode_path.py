@@ -26,8 +26,9 @@ for Qwen3-30B-A3B-like, whose host work per layer outweighs its small experts (R
 cpu_execution=auto the trials time it beside the other two.
 
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
-a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto' and the tier takes
-at most HOST_SHARE of the host memory available, or where the decode path is asked for as "tier" or "both".
+a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto', host_expert_bytes
+(where bounded) holds it and it takes at most HOST_SHARE of the host memory available, or where the decode path is
+asked for as "tier" or "both".
 """
 
 from __future__ import annotations
@@ -212,6 +213,9 @@ def _refusal(mode: str, config: OffloadConfig, nbytes: int, available: int) -> s
         return None
     if config.pinned_bytes is not None:
         return (f"pinned_bytes={config.pinned_bytes} bounds page-locked memory to the staging ring, and the tier pins "
+                f"{human_bytes(nbytes)}")
+    if config.host_expert_bytes is not None and nbytes > config.host_expert_bytes:
+        return (f"host_expert_bytes={config.host_expert_bytes} bounds the experts' host memory, and the tier pins "
                 f"{human_bytes(nbytes)}")
     if nbytes > HOST_SHARE * available:
         return (f"its {human_bytes(nbytes)} of page-locked experts exceed {HOST_SHARE:.0%} of the host memory "
