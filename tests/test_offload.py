@@ -1253,6 +1253,23 @@ def assert_mapped_as_the_cache_holds(model) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
+def test_the_host_cache_bounds_the_pages_the_simulated_devices_stand_in_reads(tmp_path):
+    """The simulated device computes its resident experts and prefill waves with the CPU kernel, reading them from the
+    mapped file, where a card reads its own memory (and a real copy's pages leave once read: release_after_read). Those
+    pages stayed mapped: 424 MB of a 483 MiB model's experts under host_expert_bytes=50000000, so records' RSS peaks
+    on the simulated device said nothing of the bound."""
+    folder = write_model(tmp_path / "m", WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=256, inter_size=256,
+                                                    seed=5, dense_accuracy_level=0))
+    per_expert = LoadedModel.open(folder).folder.expert_bytes // (2 * 16)
+    config = OffloadConfig(device_expert_bytes=2 * 12 * per_expert, host_expert_bytes=2 * per_expert,
+                           placement="static")
+    model = LoadedModel.open(folder, offload=config, device=SimulatedDevice(1 << 30))
+    assert all(layer.num_slots >= 8 for layer in model.offload.slots)  # most experts read by the stand-in
+    greedy_run(model)
+    assert_mapped_as_the_cache_holds(model)
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="Linux's pagemap")
 def test_without_file_backing_the_files_pages_leave_this_process_once_copied(model_folder):
     """allow_file_backing=0 copies the experts into RAM; the file's pages the copy read were left mapped, so the
     process held the experts twice (1.28 GB peak RSS for 483 MiB of experts, 0.78 GB with the file backing them)."""

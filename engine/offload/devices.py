@@ -65,6 +65,9 @@ class SimulatedSlots:
         self._held = np.full(0, -1)  # the expert each slot holds: what a routed launch reads from device memory
         self.standin_s = 0.0
         self._merged: dict = {}  # merge_on_device's results, by shape and dtype
+        # called with the experts the stand-in has read from the mapped weight file, once read: a card reads them in
+        # its own memory, so the engine's bounded host cache releases their pages (HostExpertCache.release_after_read)
+        self.after_file_read = lambda experts: None
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
@@ -116,9 +119,10 @@ class SimulatedSlots:
         started = time.perf_counter()
         partial = np.zeros((x2d.shape[0], self.kernel.spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, expert_ids, weights, out=partial)
+        read = set(expert_ids[expert_ids >= 0].tolist())
+        self.after_file_read(read)
         self.standin_s += time.perf_counter() - started
-        distinct = len(set(expert_ids[expert_ids >= 0].tolist()))
-        return partial, distinct * self.read_bytes / self.device.bandwidths.hbm
+        return partial, len(read) * self.read_bytes / self.device.bandwidths.hbm
 
     def collect(self, pending, out: np.ndarray) -> float:
         partial, seconds = pending
@@ -167,7 +171,9 @@ class SimulatedSlots:
         ids, weights = route(np.asarray(logits).reshape(x2d.shape[0], -1), spec, router_weights)
         out = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, ids, weights, out=out)
-        seconds = self._read_seconds(set(ids.ravel().tolist()))
+        read = set(ids.ravel().tolist())
+        self.after_file_read(read)
+        seconds = self._read_seconds(read)
         result = out.astype(x.dtype, copy=False).reshape(x.shape)
         return result, (ids, seconds, time.perf_counter() - started)
 
@@ -187,7 +193,9 @@ class SimulatedSlots:
         on_cpu = split_cold_pairs(~held, cpu_take)
         partial = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
         self.kernel.run_experts(x2d, np.where(on_cpu, -1, ids), weights, out=partial)
-        seconds = self._read_seconds(set(ids[~on_cpu].tolist()))
+        read = set(ids[~on_cpu].tolist())
+        self.after_file_read(read)
+        seconds = self._read_seconds(read)
         self.standin_s += time.perf_counter() - started
         return x2d, ids, on_cpu, weights, partial, seconds
 

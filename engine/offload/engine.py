@@ -165,7 +165,7 @@ class OffloadEngine:
                        if device is not None and info.gpu is not None else None
                        for info, runner in zip(self.infos, runners)]
         for layer, store in enumerate(self.stores):
-            if hasattr(store, "after_file_read"):  # its copies read the mapped file on the host (CudaSlots)
+            if hasattr(store, "after_file_read"):  # it reads the mapped file on the host (copies; the stand-in)
                 store.after_file_read = functools.partial(self.host_cache.release_after_read, layer)
         if tier:
             self._try_host_tier(config)
