@@ -968,6 +968,27 @@ def test_experts_read_for_a_copy_leave_with_their_reach_unless_the_cache_holds_t
     assert released == []
 
 
+def test_a_lower_host_bound_on_the_loaded_model_releases_the_experts_beyond_it_at_once():
+    """host_expert_bytes lowered on a loaded model left the cache at the old bound (199.8 MB held under 20 MB) until
+    the CPU next computed an expert, which a model left idle, or one whose experts are now all on the device, never
+    does: the least recent experts beyond the new bound leave when it is set."""
+    from engine.offload.host_cache import HostExpertCache
+
+    released = []
+    per_expert = 1 << 20
+    source = SimpleNamespace(nbytes=lambda name: 16 * per_expert,
+                             release_pages=lambda name, start, length: released.append(
+                                 (start // per_expert, length // per_expert)))
+    info = SimpleNamespace(spec=SimpleNamespace(num_experts=16), weight_inputs={"fc1_experts_weights": "w"},
+                           bytes_per_expert=per_expert)
+    cache = HostExpertCache(source, [info], budget_bytes=8 * per_expert)
+    cache.touch(0, [1, 2, 3, 4, 5, 6])
+    released.clear()
+    cache.set_budget(2 * per_expert)
+    assert cache.cached_bytes == 2 * per_expert and list(cache._lru) == [(0, 5), (0, 6)]
+    assert released == [(1, 1), (2, 1), (3, 1), (4, 1)] and cache.evictions == 4
+
+
 def test_without_file_backing_experts_are_copied_into_ram(model_folder, cpu_run):
     config = OffloadConfig(device_expert_bytes=0, allow_file_backing=False)
     model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))

@@ -64,7 +64,8 @@ class HostExpertCache:
 
     def set_budget(self, budget_bytes: int | None) -> None:
         """A new host_expert_bytes. Bounding an unbounded cache drops every expert's pages first: while
-        unbounded it kept no account of what the CPU read (nor did the load's prefault)."""
+        unbounded it kept no account of what the CPU read (nor did the load's prefault). A lower bound drops the least
+        recent experts beyond it at once: the CPU may compute none for a long while (an idle model, all resident)."""
         if self.budget is None and budget_bytes is not None:
             for layer, info in enumerate(self.infos):
                 for expert in range(info.spec.num_experts):
@@ -73,6 +74,7 @@ class HostExpertCache:
             self._held = self._none_held()
             self.cached_bytes = 0
         self.budget = budget_bytes
+        self._evict_beyond_budget()
 
     def touch(self, layer: int, experts) -> None:
         """The CPU just computed these experts of this layer (nothing to account while unbounded)."""
@@ -89,14 +91,18 @@ class HostExpertCache:
             self._held[layer][key[1]] = True
             self.cached_bytes += size
             added = True
+        self._evict_beyond_budget()
+        if added:
+            self._release_uncached(layer)
+
+    def _evict_beyond_budget(self) -> None:
+        """The least recent experts' pages dropped until the rest fit the budget (the latest one kept whatever)."""
         while self.budget is not None and self.cached_bytes > self.budget and len(self._lru) > 1:
             (old_layer, old_expert), size = self._lru.popitem(last=False)
             self._held[old_layer][old_expert] = False
             self._release(old_layer, old_expert, old_expert + 1)
             self.cached_bytes -= size
             self.evictions += 1
-        if added:
-            self._release_uncached(layer)
 
     def release_after_read(self, layer: int, experts) -> None:
         """A copy to the device has read these experts of this layer from the mapped file (a packed copy or the pinned
