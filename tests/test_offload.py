@@ -1302,6 +1302,33 @@ def test_without_file_backing_the_files_pages_leave_this_process_once_copied(mod
     assert sum(onnx.nbytes(name) for name in names) > 100 * 4096  # (pages enough to tell)
 
 
+def test_a_pinned_ring_beyond_the_memory_available_is_refused(model_folder, monkeypatch):
+    """An explicit pinned_bytes was page-locked whatever the host had: on a CUDA device a ring of more than the memory
+    available starves every other process (page-locked memory is neither swapped nor reclaimed) or fails as an
+    internal error. It is refused before the load takes it, naming the key and the sizes, and so is it by the estimate
+    (the budget panel, inspect)."""
+    import psutil
+
+    from app.gui.estimate import staged_nodes, staging_for
+    from engine.model_folder import ModelFolder
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 10**9}))
+    config = OffloadConfig(pinned_bytes=2 * 10**9)
+    said = ("session.moe.offload.pinned_bytes=2000000000 page-locks more than the 1000000000 bytes of host memory "
+            "available")
+    with pytest.raises(OffloadPlanError) as refused:
+        LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    assert str(refused.value) == said
+    with pytest.raises(OffloadPlanError) as refused:
+        staging_for(config, staged_nodes(ModelFolder.open(model_folder)), SimulatedDevice(1 << 30))
+    assert str(refused.value) == said
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(pinned_bytes=10**9 // 2),
+                             device=SimulatedDevice(1 << 30))
+    with pytest.raises(OffloadPlanError, match="pinned_bytes=2000000000 page-locks more"):
+        model.offload.reconfigure(config)
+    assert model.offload.pinned_info()["bytes"] == 10**9 // 2  # the ring in force stays
+
+
 def test_without_file_backing_experts_beyond_the_memory_available_are_refused(model_folder, monkeypatch):
     """allow_file_backing=0 under host_expert_bytes=auto copied the experts into RAM whatever the host had: a model
     larger than the memory available ended in the OOM killer. It is refused, naming the key and the sizes."""

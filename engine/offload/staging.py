@@ -57,8 +57,9 @@ NO_STAGING = StagingPlan(0, 0, 0, 0)
 
 
 def plan_staging(config: OffloadConfig, staged_expert_bytes: int, largest_slot_bytes: int,
-                 device_available: int) -> StagingPlan:
-    """The pinned ring (checked first: a ring that holds no expert is refused) and the device's
+                 device_available: int, host_available: int) -> StagingPlan:
+    """The pinned ring (checked first: a ring that holds no expert is refused, and an explicit one beyond the
+    `host_available` bytes of host memory, which page-locked memory would starve) and the device's
     double-buffered prefill staging ring (also used for every miss when cpu_execution is disabled).
     `staged_expert_bytes`: the largest expert as staged on the host (0: no node the GPU kernels run,
     nothing is staged); `largest_slot_bytes`: the largest device slot, since a wave holds its experts
@@ -66,6 +67,9 @@ def plan_staging(config: OffloadConfig, staged_expert_bytes: int, largest_slot_b
     if staged_expert_bytes == 0:
         return NO_STAGING
     pinned = ring_bytes(config, staged_expert_bytes)
+    if config.pinned_bytes is not None and pinned > host_available:
+        raise OffloadPlanError(f"{PREFIX}pinned_bytes={pinned} page-locks more than the {host_available} bytes of "
+                               "host memory available")
     # A wave streams through the pinned ring double-buffered: an explicit pinned_bytes bounds it.
     through_ring = max(1, pinned // (2 * staged_expert_bytes))
     wave = min(config.prefill_wave_experts, through_ring, device_available // (2 * largest_slot_bytes))
