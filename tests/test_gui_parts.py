@@ -251,6 +251,22 @@ def test_host_memory_estimate_follows_the_host_cache_and_file_backing(gptoss):
     assert refused.plan is None and refused.statements[0] == refused.error
 
 
+def test_the_estimate_says_where_the_experts_mapped_exceed_the_host_memory_available(gptoss, monkeypatch):
+    """RAM smaller than the model: the host memory section showed the experts' whole size as the model's, more than the
+    machine had, without a word (a run's RSS never gets there: the OS drops pages and reads them back from the file)."""
+    import psutil
+
+    total = gptoss.expert_bytes
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": total // 2}))
+    said = (f"The experts' {human_bytes(total)} in host memory are more than the {human_bytes(total // 2)} available: "
+            "the OS keeps what fits and reads the rest back from the model file as routing needs them, slower than "
+            "from RAM (host_expert_bytes bounds what stays mapped).")
+    assert said in estimate(gptoss, OffloadConfig(), DeviceChoice("cpu")).statements
+    assert said in estimate(gptoss, OffloadConfig(), DeviceChoice("simulated", 1 << 30)).statements
+    bounded = estimate(gptoss, OffloadConfig(host_expert_bytes=total // 4), DeviceChoice("cpu")).statements
+    assert not any("more than the" in line for line in bounded)
+
+
 def test_without_file_backing_the_estimate_counts_the_loaded_models_copy_as_available(gptoss, monkeypatch):
     """allow_file_backing=0 needs host memory for the copy; a loaded model's experts already copied need none again
     (as OffloadEngine._check_file_backing counts them), or a model larger than what is left could change no setting."""

@@ -263,8 +263,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     # there, and under gpu_device_mem_limit what the plan leaves decides (dense_fit below).
     dense_cpu = dense_cpu_reason(device.kind if device.kind != "cpu" else None, facts.kv_dtypes)
     dense_on_gpu = dense_cpu is None
+    host_available = psutil.virtual_memory().available
     # what the engine refuses before it plans (OffloadEngine._check_file_backing)
-    error = file_backing_refusal(config, facts.expert_bytes, psutil.virtual_memory().available + experts_in_ram)
+    error = file_backing_refusal(config, facts.expert_bytes, host_available + experts_in_ram)
     stand_in = None
     staged: StagingPlan | None = None
     staging = 0
@@ -363,6 +364,12 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                 f"it has for this model: the dense part and its KV cache at {facts.kv_words(kv_tokens)} would not fit "
                 "beside the experts (a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
                 "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit).")
+    mapped = host_parts[1].bytes  # the experts' pages the OS keeps for the mapped file (experts_in_host_memory)
+    if config.allow_file_backing and mapped > host_available and not error:
+        statements.append(f"The experts' {human_bytes(mapped)} in host memory are more than the "
+                          f"{human_bytes(host_available)} available: the OS keeps what fits and reads the rest back "
+                          "from the model file as routing needs them, slower than from RAM (host_expert_bytes bounds "
+                          "what stays mapped).")
     if error:
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
