@@ -115,6 +115,24 @@ def test_window_opens_and_remembers_layout_and_theme(qtbot, tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("kept", ["Dark", "blue", ""])
+def test_a_theme_the_settings_file_names_that_is_none_of_the_menus_follows_the_system_as_the_menu_says(
+        qtbot, tmp_path, monkeypatch, kept):
+    """A hand-edited view/theme the menu has no entry for ticked "Follow the system" while the window was drawn light
+    (only "dark" drew it dark), on a dark desktop too."""
+    from app.gui import theme
+
+    monkeypatch.setattr(theme, "system_is_dark", lambda _app: True)
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    settings.setValue("view/theme", kept)
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.theme_choice == "system" and win.theme_actions["system"].isChecked()
+    qtbot.waitUntil(lambda: win.palette().color(QPalette.ColorRole.Window).lightness() < 128)
+    win.close()
+    assert QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat).value("view/theme") == "system"
+
+
 def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_follow_the_model(qtbot, tmp_path):
     """Side by side's, Record's and the contention test's lengths are kept in the settings as the chat's are: one the
     user set comes back after a restart, whatever the model; one they did not set follows the model loaded."""

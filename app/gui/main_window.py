@@ -359,7 +359,9 @@ class MainWindow(QMainWindow):
         state = s.value("window/state")
         if isinstance(state, QByteArray) and not state.isEmpty():
             self.restoreState(state, STATE_VERSION)
-        self.theme_choice = str(s.value("view/theme", "system"))
+        theme_choice = s.value("view/theme", "system")
+        # one the menu has no entry for (a hand-edited file) is what the menu then ticks: the system's
+        self.theme_choice = theme_choice if theme_choice in ("system", "light", "dark") else "system"
         chat = s.value("chat/options")
         if chat:
             try:
@@ -493,7 +495,7 @@ class MainWindow(QMainWindow):
 
     def apply_theme(self) -> None:
         t = theme.apply(QApplication.instance(), self.theme_choice)
-        self.theme_actions[self.theme_choice if self.theme_choice in self.theme_actions else "system"].setChecked(True)
+        self.theme_actions[self.theme_choice].setChecked(True)
         self.graphs.apply_theme(t)
         self.placement.apply_theme(t)
         self.sweep.apply_theme(t)
