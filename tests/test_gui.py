@@ -133,6 +133,28 @@ def test_a_theme_the_settings_file_names_that_is_none_of_the_menus_follows_the_s
     assert QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat).value("view/theme") == "system"
 
 
+def test_open_starts_where_the_last_model_was_opened_after_a_restart(qtbot, tmp_path, monkeypatch):
+    """The Open dialog started in the home folder at every start, though the settings keep the models opened last;
+    it starts at the last that is still there now (a moved one is passed over), home where none is."""
+    from PySide6.QtWidgets import QFileDialog
+
+    starts = []
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda _parent, _title, start: starts.append(start) or "")
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    kept = fixture_folder("gptoss")
+    settings.setValue("recent", json.dumps([str(tmp_path / "moved"), str(kept)]))
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    win.choose_model()
+    win.close()
+    settings.setValue("recent", json.dumps([str(tmp_path / "moved")]))
+    settings.sync()
+    again = make_window(qtbot, tmp_path, nvml=False)
+    again.choose_model()
+    again.close()
+    assert starts == [str(kept), str(Path.home())]
+
+
 def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_follow_the_model(qtbot, tmp_path):
     """Side by side's, Record's and the contention test's lengths are kept in the settings as the chat's are: one the
     user set comes back after a restart, whatever the model; one they did not set follows the model loaded."""

@@ -526,7 +526,9 @@ class MainWindow(QMainWindow):
     # --- actions -----------------------------------------------------------------------------------
     @Slot()
     def choose_model(self) -> None:
-        start = self.facts.path if self.facts else str(Path.home())
+        # the folder open now, else the last opened that is still there (the settings keep it from run to run)
+        start = self.facts.path if self.facts else next((p for p in self.recent() if os.path.isdir(p)),
+                                                        str(Path.home()))
         path = QFileDialog.getExistingDirectory(self, "Open a model folder (genai_config.json, model.onnx)", start)
         if path:
             self.open_model(path)
