@@ -1130,6 +1130,28 @@ def test_opening_another_folder_says_which_model_stays_loaded_and_unload_clears_
     assert window.chat.live.text() == "No model loaded: load one to chat." and window.status_state.text() == "Idle"
 
 
+def test_opening_the_loaded_model_again_keeps_its_budgets_applied_and_apply_at_hand(qtbot, window):
+    """The loaded model opened again (another folder shown meanwhile, then Open recent of it) showed its budgets as
+    "Used at the next load", and Apply stayed off after an edit: the panel no longer knew the model was loaded."""
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded, simulated())
+    budget = window.budget_panel
+    in_force = budget.settings()
+    for shown in (fixture_folder("lfm2moe"), loaded):
+        window.open_model(str(shown))
+        qtbot.waitUntil(lambda s=shown: same(window.facts.path, s) and not window.busy, timeout=WAIT)
+    assert same(window.loaded_path, loaded) and window.windowTitle() == "gptoss — MoE Workbench"
+    assert budget.loaded and budget.settings() == in_force and not budget.dirty()
+    assert budget.applied_label.text() == "Applied to the loaded model" and not budget.apply_button.isEnabled()
+    budget.expert_bytes.setValue(6 * slot())
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(budget.apply_button.isEnabled)
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: not window.busy and budget.applied == budget.settings() != in_force, timeout=WAIT)
+    assert window.worker._model.offload.config.device_expert_bytes == 6 * slot()
+    assert window.model_settings(str(loaded)) == budget.applied
+
+
 def test_the_window_fits_a_laptop_screen_and_long_status_lines_end_in_an_ellipsis(qtbot, window):
     # 1366 x 768 less a taskbar: the record views and the side-by-side form scroll rather than set the minimum
     # (it was 1226 x 1018 before they did)

@@ -725,6 +725,8 @@ class MainWindow(QMainWindow):
         other_loaded = self.loaded_path is not None and Path(self.loaded_path).resolve() != Path(facts.path).resolve()
         if other_loaded:
             self.budget_panel.mark_loaded(None)
+        elif self.loaded_path is not None and self.busy != "loading":  # the loaded model opened again: still in force
+            self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
         self._remember_recent(facts.path)
         shown = f"{facts.name} (not loaded; {Path(self.loaded_path).name} is)" if other_loaded else facts.name
         self.setWindowTitle(f"{shown} — MoE Workbench")
