@@ -1152,6 +1152,21 @@ def test_opening_the_loaded_model_again_keeps_its_budgets_applied_and_apply_at_h
     assert window.model_settings(str(loaded)) == budget.applied
 
 
+def test_where_the_loaded_model_landed_is_shown_with_it_not_over_another_folder_shown(qtbot, window):
+    """With another folder shown, news of where the loaded model's experts went (a trial's outcome) replaced that
+    folder's "Not loaded" line; and the loaded model opened again kept saying "Not loaded", though it was."""
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded)
+    landed = window.model_panel.landed
+    window.open_model(str(fixture_folder("lfm2moe")))
+    qtbot.waitUntil(lambda: window.facts.name == "lfm2moe" and not window.busy, timeout=WAIT)
+    window.worker.landedChanged.emit(["Decode: whole layers measured faster"])
+    assert landed.text().startswith("Not loaded. <b>gptoss</b> is the loaded model")
+    window.open_model(str(loaded))
+    qtbot.waitUntil(lambda: window.facts.name == "gptoss" and not window.busy, timeout=WAIT)
+    assert landed.text() == "<ul style='margin-left:-20px'><li>Decode: whole layers measured faster</li></ul>"
+
+
 def test_the_window_fits_a_laptop_screen_and_long_status_lines_end_in_an_ellipsis(qtbot, window):
     # 1366 x 768 less a taskbar: the record views and the side-by-side form scroll rather than set the minimum
     # (it was 1226 x 1018 before they did)

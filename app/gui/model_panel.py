@@ -52,6 +52,7 @@ class ModelPanel(QWidget):
         self.setObjectName("modelPanel")
         self.facts = None
         self.loaded_path: str | None = None
+        self._landed_lines: list[str] = []  # where the loaded model landed, shown while it is the model shown
 
         self.title = QLabel("No model")
         font = QFont(self.title.font())
@@ -195,6 +196,8 @@ class ModelPanel(QWidget):
             self.table.setItem(row, 6, _item(node["layout"] or f"UNSUPPORTED: {node['reason']}", tooltip))
         if self.loaded_path != facts.path:
             self.landed.setText(not_loaded_text(self.loaded_path))
+        else:
+            self.show_landed(self._landed_lines)
         self._name_unload()
 
     def _name_unload(self) -> None:
@@ -258,6 +261,9 @@ class ModelPanel(QWidget):
         self.verdict.setText(f"<span style='color:{colour}'>●</span> {verdict}")
 
     def show_landed(self, lines: list[str]) -> None:
+        self._landed_lines = lines
+        if self.facts is not None and self.facts.path != self.loaded_path:  # another folder shown: its line stays
+            return
         items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
         self.landed.setText(f"<ul style='margin-left:-20px'>{items}</ul>")
 
