@@ -844,13 +844,17 @@ def _cmd_sweep(args) -> int:
                 raise
             plot_failure = exc
     if args.save_as:
-        # the layer split is this app's own setting, not an onnxruntime key: said in the note, not in the entries
-        split_note = f"; run it with --layer-split {best.split}" if best.split else ""
+        # the layer split and the decode path the points ran with are this app's own settings, not onnxruntime keys:
+        # said in the note and in the line below, not in the entries
+        split = best.split or (args.layer_split if args.layer_split != "auto" else None)
+        decode = args.decode_path if args.decode_path != "auto" else None
+        own = "".join(f" --{option} {value}" for option, value in (("layer-split", split), ("decode-path", decode))
+                      if value)
         saved = save_configuration(args.save_as, Path(args.model).resolve(),
                                    model.offload.config.updated(device_expert_bytes=best.budget_bytes),
                                    note=f"sweep recommendation within {args.margin * 100:g}% of the fastest"
-                                        f"{split_note}")
-        print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as})",
+                                        + (f"; run it with{own}" if own else ""))
+        print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{own})",
               file=sys.stderr)
     _print_sweep(points, best, args, ids_of)
     if plot_failure is not None:

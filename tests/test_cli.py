@@ -530,6 +530,22 @@ def test_record_all_skips_a_scenario_the_context_cannot_hold_and_runs_the_others
                                         "model has 2048\n")
 
 
+def test_a_sweep_saved_under_a_layer_split_and_decode_path_says_to_run_it_with_them(tmp_path, capsys, monkeypatch):
+    """A sweep run with --layer-split spread --decode-path cpu said to use its recommendation "with --config quick":
+    a configuration holds onnxruntime's keys only, so that ran it with both measured anew (auto), not as swept."""
+    from engine.records import configurations
+
+    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
+    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick",
+                              "--layer-split", "spread", "--decode-path", "cpu", "--simulated-vram", "5000000")
+    assert status == 0
+    assert (f"saved as configuration 'quick' in {tmp_path / 'configurations.json'} (use it with --config quick "
+            "--layer-split spread --decode-path cpu)") in err
+    note = json.loads((tmp_path / "configurations.json").read_text())["quick"]["note"]
+    assert note.endswith("; run it with --layer-split spread --decode-path cpu")
+
+
 def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):
     from engine.records import configurations
     from engine.records.history import History
