@@ -925,7 +925,27 @@ def test_a_window_sweeps_saved_configuration_says_the_margin_it_was_recommended_
     assert "margin 2.5%" in view.summary.text()
     view.save("close")
     saved = json.loads((tmp_path / "configurations.json").read_text())["close"]
-    assert saved["note"] == "sweep recommendation within 2.5% of the fastest"
+    assert saved["note"].split(";")[0] == "sweep recommendation within 2.5% of the fastest"
+
+
+def test_a_window_sweeps_saved_configuration_names_the_layer_split_and_decode_path_it_ran_with(qtbot, tmp_path):
+    """A configuration holds onnxruntime's keys only, and its note (the Saved menu's tooltip) named the Layer split
+    only where both splits ran and whole layers won: a sweep of a model loaded on whole layers, its cold experts
+    computed on the CPU, said neither, and chosen later it ran as the Budgets panel then said."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, layer_split="whole",
+                             decode_path="cpu")
+    result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"), tmp_path / "configurations.json")
+    qtbot.addWidget(view)
+    view.on_finished(result)
+    view.save("as swept")
+    saved = json.loads((tmp_path / "configurations.json").read_text())["as swept"]
+    assert saved["note"] == ("sweep recommendation within 10% of the fastest; with the Layer split whole layers on the "
+                             "device and the Cold experts computed on the CPU")
 
 
 def test_a_window_sweep_of_one_token_answers_recommends_without_a_decode_rate(qtbot, tmp_path):

@@ -223,6 +223,8 @@ class SweepResult:
     skipped: str = ""           # the scenarios the model's context cannot hold, and why (fitting_scenarios)
     held_before: int = 0        # the expert bytes the loaded model's plan held before the sweep, and after it put the
     held_after: int = 0         # user's budgets back (less where the device has less free now)
+    layer_split: str = "auto"   # the loaded model's layer split and decode path, which the points ran with (with
+    decode_path: str = "auto"   # both splits, each point its own split)
 
     @property
     def budgets_back(self) -> str:
@@ -317,7 +319,8 @@ class SweepJob:
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
                            length_note=reasoning_length_note(model.reasoning_answer_tokens, params.max_new_tokens),
                            stopped_at=where, failure=failure, left_out=left_out[0], skipped=skipped,
-                           held_before=held_before, held_after=model.offload.plan.budget_bytes)
+                           held_before=held_before, held_after=model.offload.plan.budget_bytes,
+                           layer_split=model.offload.layer_split_mode, decode_path=model.offload.decode_path_mode)
 
 
 # --- side by side ------------------------------------------------------------------------------------

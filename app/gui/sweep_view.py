@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QGridLayout
                                QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from app.gui import theme
+from app.gui.budget_panel import PATHS, SPLITS
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
 from app.gui.widgets import MAX_ANSWER_TOKENS, AnswersChoice
@@ -379,11 +380,14 @@ class SweepView(QWidget):
         try:
             config = OffloadConfig.from_entries(self.result.base_entries).updated(
                 device_expert_bytes=self.recommended.budget_bytes)
-            # the layer split is this app's own setting, not an onnxruntime key: said in the note
-            split = ("; with the Layer split on whole layers" if self.recommended.split == "whole" else "")
+            # the layer split and the decode path are this app's own settings, not onnxruntime keys: said in the note
+            split = self.recommended.split or self.result.layer_split
+            own = [f"the {setting} {dict(choices)[mode]}" for setting, choices, mode in
+                   (("Layer split", SPLITS, split), ("Cold experts", PATHS, self.result.decode_path)) if mode != "auto"]
             path = save_configuration(name, self.result.model_folder, config,
                                       note=f"sweep recommendation within {self.margin.value():g}% of the fastest"
-                                           + split, path=self.configurations_path)
+                                           + (f"; with {' and '.join(own)}" if own else ""),
+                                      path=self.configurations_path)
         except Exception as exc:
             self.failed.emit(f"Could not save the configuration '{name}': {exc}")
             return None
