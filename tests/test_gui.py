@@ -1167,6 +1167,25 @@ def test_where_the_loaded_model_landed_is_shown_with_it_not_over_another_folder_
     assert landed.text() == "<ul style='margin-left:-20px'><li>Decode: whole layers measured faster</li></ul>"
 
 
+def test_the_engines_own_replan_of_the_loaded_model_leaves_the_budgets_of_another_folder_shown_alone(qtbot, window):
+    """With another folder shown, the engine's own re-plan of the loaded model (a layer split trial's outcome, while
+    the chat answers) marked the Budgets panel, showing the other folder, as loaded with the loaded model's settings:
+    it said them applied, and Apply then put the shown folder's budgets on the loaded model and kept them for it."""
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded, simulated())
+    kept = window.model_settings(str(loaded))
+    window.open_model(str(fixture_folder("lfm2moe")))
+    qtbot.waitUntil(lambda: window.facts.name == "lfm2moe" and not window.busy, timeout=WAIT)
+    budget = window.budget_panel
+    window.worker.replanned.emit({"statements": [], "landed": ["Measured faster"],
+                                  "by_engine": "Measured faster: the expert budget now holds whole layers"})
+    assert not budget.loaded and budget.applied is None and budget.applied_label.text() == "Used at the next load"
+    budget.expert_bytes.setValue(1 << 20)
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.wait(50)
+    assert not budget.apply_button.isEnabled() and window.model_settings(str(loaded)) == kept
+
+
 def test_the_window_fits_a_laptop_screen_and_long_status_lines_end_in_an_ellipsis(qtbot, window):
     # 1366 x 768 less a taskbar: the record views and the side-by-side form scroll rather than set the minimum
     # (it was 1226 x 1018 before they did)

@@ -72,6 +72,10 @@ def saved_length(raw) -> int | None:
     return tokens if type(tokens) is int and 1 <= tokens <= MAX_ANSWER_TOKENS else None
 
 
+def same_folder(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
+
+
 def app_icon() -> QIcon:
     return QIcon(str(ICON)) if ICON.is_file() else QIcon()
 
@@ -808,7 +812,8 @@ class MainWindow(QMainWindow):
         if "settings" in info:  # what the model runs with from now on; a refused Apply leaves the old in force
             self._load_settings = info["settings"]
             self.save_model_settings(self.loaded_path, info["settings"])
-        self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
+        if self.facts is not None and same_folder(self.facts.path, self.loaded_path):  # not another folder's budgets
+            self.budget_panel.mark_loaded(self._load_settings or self.budget_panel.settings())
         self.status_state.setText(info.get("by_engine") or "Re-planned without reloading")
         if info.get("by_engine"):
             self.graphs.add_marker("whole layers" if "whole layers" in info["by_engine"] else "spread", "event")
