@@ -25,6 +25,7 @@ from app.gui.contention import CALM_SAMPLES  # noqa: E402
 from app.gui.engine_worker import threads_sentence  # noqa: E402
 from app.gui.main_window import MainWindow  # noqa: E402
 from app.gui.placement_view import copies_text, threads_text  # noqa: E402
+from app.gui.widgets import MAX_ANSWER_TOKENS  # noqa: E402
 from engine.offload.config import OffloadConfig  # noqa: E402
 from engine.ort_env import cpu_threads  # noqa: E402
 from engine.offload.decode_path import tier_bytes  # noqa: E402
@@ -153,6 +154,23 @@ def test_open_starts_where_the_last_model_was_opened_after_a_restart(qtbot, tmp_
     again.choose_model()
     again.close()
     assert starts == [str(kept), str(Path.home())]
+
+
+@pytest.mark.parametrize("tokens", [-5, 0, 250_000])
+def test_a_chat_length_the_settings_file_keeps_out_of_range_is_said_not_answered_with(qtbot, tmp_path, tokens):
+    """Kept as the user's own, a chat length of -5 in a hand-edited settings file answered 1 token, without a word
+    (0 followed the model and 250000 the box's most, still with no word): the other views' lengths are checked, the
+    chat's was not. It is now said, and the chat starts from its defaults."""
+    ini = str(tmp_path / "settings.ini")
+    settings = QSettings(ini, QSettings.Format.IniFormat)
+    settings.setValue("chat/options", json.dumps({"max_new_tokens": tokens, "max_new_tokens_chosen": True}))
+    settings.sync()
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.settings_banner.text().startswith(
+        f"{ini}: the chat options kept under chat/options cannot be used (max_new_tokens {tokens} is not a length of "
+        f"1 to {MAX_ANSWER_TOKENS} tokens): the chat starts from its defaults")
+    assert win.chat.max_tokens.chosen is None and win.chat.options()["max_new_tokens"] == win.chat.max_tokens.plain
+    win.close()
 
 
 def test_the_answer_lengths_the_user_sets_outlive_the_window_and_unset_ones_follow_the_model(qtbot, tmp_path):

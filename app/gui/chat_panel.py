@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFrame, QGridLayout, Q
 from app.gui import theme
 from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
-from app.gui.widgets import AnswerLength, OneLineLabel
+from app.gui.widgets import MAX_ANSWER_TOKENS, AnswerLength, OneLineLabel
 from engine.offload.approximate import agreement_text
 from engine.units import counted, decode_rate
 
@@ -267,6 +267,8 @@ class ChatPanel(QWidget):
         if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
             raise TypeError(f"stop_strings {json.dumps(stops)} is not a list of strings")
         tokens = int(options.get("max_new_tokens", ANSWER_TOKENS))
+        if not 1 <= tokens <= MAX_ANSWER_TOKENS:  # (the box would show another, and one below 1 answers 1 token)
+            raise ValueError(f"max_new_tokens {tokens} is not a length of 1 to {MAX_ANSWER_TOKENS} tokens")
         # settings saved before the length followed the model hold it, chosen or not: the old default was not chosen
         self.max_tokens.choose(tokens if options.get("max_new_tokens_chosen", tokens != ANSWER_TOKENS) else None)
         self.temperature.setValue(float(options.get("temperature", 0.0)))
