@@ -742,7 +742,7 @@ def test_config_accepts_full_and_short_names_and_the_alias():
     ("mode", "sometimes", "expected one of disabled, auto, required"),
     ("device_expert_bytes", "-5", ">= 0"),
     ("min_expert_weight", "1.5", "[0.0, 1.0]"),
-    ("allow_file_backing", "yes", "expected 0 or 1"),
+    ("allow_file_backing", "yes", "'yes': expected 0, 1, true or false"),  # (the words it takes said too)
     ("prefill_wave_experts", "0", ">= 1"),
     ("node_overrides", "n:slots=3", "max_resident_slots=N"),
     ("session.moe.offload.turbo", "1", "unknown offload key"),

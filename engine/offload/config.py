@@ -220,7 +220,10 @@ def _flag(text: str) -> bool:
 
 def _flag_or_word(text: str) -> bool:
     """0 or 1, or true or false in any case (onnxruntime's reading of allow_file_backing, not of the skip_ flags)."""
-    return _flag({"true": "1", "false": "0"}.get(text.lower(), text))
+    flag = {"true": "1", "false": "0"}.get(text.lower(), text)
+    if flag not in ("0", "1"):
+        raise ValueError("expected 0, 1, true or false")
+    return flag == "1"
 
 
 # onnxruntime reads the two floats with two parsers, both into a 32-bit float: min_expert_weight as C's strtof
