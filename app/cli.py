@@ -242,8 +242,9 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "simulated", "cuda"], default="cpu",
                         help="where resident experts live: cpu (none), a simulated GPU, or the CUDA GPU")
     parser.add_argument("--config", type=configuration_name, metavar="NAME",
-                        help="start from a saved configuration's offload settings (sweep --save-as NAME saves one; "
-                             "--offload entries apply on top)")
+                        help="start from a saved configuration's offload settings, and the layer split and decode "
+                             "path it was saved with (sweep --save-as NAME saves one; --offload entries, --layer-split "
+                             "and --decode-path apply on top)")
     parser.add_argument("--offload", action="append", default=[], metavar="KEY=VALUE",
                         help="an offload setting in onnxruntime's vocabulary (session.moe.offload.KEY; "
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
@@ -271,11 +272,15 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     if args.config:
         from engine.records.configurations import load_configuration
 
-        saved_for, saved = load_configuration(args.config)
+        saved_for, saved, own = load_configuration(args.config)
         if Path(saved_for).resolve() != Path(args.model).resolve():
             print(f"warning: configuration '{args.config}' was saved for {saved_for}; its budgets are applied to "
                   f"{args.model} as they are", file=sys.stderr)
         saved_entries = saved.to_entries()
+        # the layer split and the decode path it was saved with, unless given here (as --offload replaces an entry)
+        for key, value in own.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
     given = {}
     for item in args.offload:
         key, eq, value = item.partition("=")
@@ -844,17 +849,16 @@ def _cmd_sweep(args) -> int:
                 raise
             plot_failure = exc
     if args.save_as:
-        # the layer split and the decode path the points ran with are this app's own settings, not onnxruntime keys:
-        # said in the note and in the line below, not in the entries
-        split = best.split or (args.layer_split if args.layer_split != "auto" else None)
-        decode = args.decode_path if args.decode_path != "auto" else None
-        own = "".join(f" --{option} {value}" for option, value in (("layer-split", split), ("decode-path", decode))
-                      if value)
+        # the layer split and the decode path the points ran with (this app's own settings, not onnxruntime keys) are
+        # saved beside the entries, and --config applies them too
+        own = {"layer_split": best.split or args.layer_split or "auto", "decode_path": args.decode_path or "auto"}
+        words = "".join(f" --{key.replace('_', '-')} {value}" for key, value in own.items() if value not in (None, "auto"))
         saved = save_configuration(args.save_as, Path(args.model).resolve(),
                                    model.offload.config.updated(device_expert_bytes=best.budget_bytes),
                                    note=f"sweep recommendation within {args.margin * 100:g}% of the fastest"
-                                        + (f"; run it with{own}" if own else ""))
-        print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{own})",
+                                        + (f"; with{words}" if words else ""), own=own)
+        also = f", which also sets{words}" if words else ""
+        print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{also})",
               file=sys.stderr)
     _print_sweep(points, best, args, ids_of)
     if plot_failure is not None:

@@ -530,20 +530,36 @@ def test_record_all_skips_a_scenario_the_context_cannot_hold_and_runs_the_others
                                         "model has 2048\n")
 
 
-def test_a_sweep_saved_under_a_layer_split_and_decode_path_says_to_run_it_with_them(tmp_path, capsys, monkeypatch):
-    """A sweep run with --layer-split spread --decode-path cpu said to use its recommendation "with --config quick":
-    a configuration holds onnxruntime's keys only, so that ran it with both measured anew (auto), not as swept."""
+def test_a_sweep_saved_under_a_layer_split_and_decode_path_keeps_them_for_config(tmp_path, capsys, monkeypatch):
+    """A sweep run with --layer-split spread --decode-path cpu saves both beside the entries (a configuration held
+    onnxruntime's keys only, so --config ran it with both measured anew, not as swept); --config sets them where
+    the command line does not, and a value no choice has is refused naming the file."""
     from engine.records import configurations
 
-    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
-    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+    saved_at = tmp_path / "configurations.json"
+    monkeypatch.setattr(configurations, "default_path", lambda: saved_at)
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "sweep", gptoss, "--device", "simulated", "--points", "2",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"), "--save-as", "quick",
                               "--layer-split", "spread", "--decode-path", "cpu", "--simulated-vram", "5000000")
     assert status == 0
-    assert (f"saved as configuration 'quick' in {tmp_path / 'configurations.json'} (use it with --config quick "
+    assert (f"saved as configuration 'quick' in {saved_at} (use it with --config quick, which also sets "
             "--layer-split spread --decode-path cpu)") in err
-    note = json.loads((tmp_path / "configurations.json").read_text())["quick"]["note"]
-    assert note.endswith("; run it with --layer-split spread --decode-path cpu")
+    item = json.loads(saved_at.read_text())["quick"]
+    assert item["note"].endswith("; with --layer-split spread --decode-path cpu")
+    assert (item["layer_split"], item["decode_path"]) == ("spread", "cpu")
+
+    def generated(*more):
+        status, out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--max-new-tokens", "2", "--json",
+                                 "--device", "simulated", "--config", "quick", *more)
+        assert status == 0, err
+        state = json.loads(out)["offload"]
+        return state["layer_split"]["mode"], state["decode_path"]["mode"]
+    assert generated() == ("spread", "cpu")
+    assert generated("--layer-split", "whole", "--decode-path", "tier") == ("whole", "tier")
+    saved_at.write_text(json.dumps({"quick": dict(item, decode_path="fast")}))
+    status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--device", "simulated", "--config", "quick")
+    assert status != 0 and f"{saved_at}: configuration 'quick': decode_path 'fast' is not one of auto, cpu, tier, both" in err
 
 
 def test_a_sweeps_saved_configuration_is_what_config_starts_from(tmp_path, capsys, monkeypatch):

@@ -1130,6 +1130,36 @@ def test_a_saved_configuration_of_this_model_fills_the_budgets(qtbot, gptoss, tm
         ("None saved for this model (Budget sweep ▸ Save as configuration)", False)]
 
 
+def test_a_saved_configuration_sets_the_layer_split_and_decode_path_it_was_saved_with(qtbot, gptoss, tmp_path):
+    """A configuration held onnxruntime's keys only: chosen in the Saved menu it left the panel's layer split and
+    decode path as they were, not as the sweep ran it. It now sets them; one saved before they were kept leaves the
+    panel's; a value no choice has makes it not usable, said in the menu."""
+    from app.gui.budget_panel import BudgetPanel
+    from engine.records.configurations import save_configuration
+
+    path = tmp_path / "configurations.json"
+    save_configuration("swept", gptoss.path, OffloadConfig(device_expert_bytes=70656), path=path,
+                       own={"layer_split": "whole", "decode_path": "cpu"})
+    save_configuration("older", gptoss.path, OffloadConfig(device_expert_bytes=0), path=path)
+    panel = BudgetPanel(configurations_path=path)
+    qtbot.addWidget(panel)
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}})
+    panel.saved_menu.aboutToShow.emit()
+    actions = {a.text(): a for a in panel.saved_menu.actions()}
+    actions["swept"].trigger()
+    assert panel.config() == OffloadConfig(device_expert_bytes=70656)
+    assert (panel.settings()["layer_split"], panel.settings()["decode_path"]) == ("whole", "cpu")
+    actions["older"].trigger()
+    assert panel.config() == OffloadConfig(device_expert_bytes=0)
+    assert (panel.settings()["layer_split"], panel.settings()["decode_path"]) == ("whole", "cpu")
+    edited = json.loads(path.read_text())
+    edited["swept"]["layer_split"] = "halves"
+    path.write_text(json.dumps(edited))
+    panel.saved_menu.aboutToShow.emit()
+    assert [(a.text(), a.isEnabled()) for a in panel.saved_menu.actions()] == [
+        ("older", True), ("swept: not usable, layer_split 'halves' is not one of auto, spread, whole", False)]
+
+
 def test_saved_configurations_that_cannot_be_read_are_said_in_the_menu_not_shown_as_none_saved(qtbot, gptoss, tmp_path):
     """A damaged configurations.json read as 'None saved for this model (Budget sweep ▸ Save as configuration)': the
     user was sent to save one, which the sweep then refused over the same file."""

@@ -261,7 +261,7 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT
     view.name.setText("fast enough")
     view.save_button.click()
-    folder, config = load_configuration("fast enough", tmp_path / "configurations.json")
+    folder, config, _own = load_configuration("fast enough", tmp_path / "configurations.json")
     assert Path(folder).resolve() == fixture_folder("gptoss").resolve() and config.device_expert_bytes == view.recommended.budget_bytes
     # the chat's statistics line on the simulated device states the decode rate projected for the card
     window.chat.max_tokens.setValue(6)
@@ -946,6 +946,7 @@ def test_a_window_sweeps_saved_configuration_names_the_layer_split_and_decode_pa
     saved = json.loads((tmp_path / "configurations.json").read_text())["as swept"]
     assert saved["note"] == ("sweep recommendation within 10% of the fastest; with the Layer split whole layers on the "
                              "device and the Cold experts computed on the CPU")
+    assert (saved["layer_split"], saved["decode_path"]) == ("whole", "cpu")  # kept beside the entries too
 
 
 def test_a_window_sweep_of_one_token_answers_recommends_without_a_decode_rate(qtbot, tmp_path):

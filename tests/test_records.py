@@ -1073,7 +1073,7 @@ def test_a_saved_configurations_relative_paths_are_saved_from_where_it_was_tuned
                                          "derived_cache_dir": str(tmp_path / "cache"), "budget_group": "group"})
     path = save_configuration("tuned", str(tmp_path), config, path=tmp_path / "configurations.json")
     monkeypatch.chdir("/")
-    _model, saved = load_configuration("tuned", path)
+    _model, saved, _own = load_configuration("tuned", path)
     assert (saved.popularity_file, saved.source_root, saved.derived_cache_dir, saved.budget_group) == (
         str(tmp_path / "pop.json"), str(tmp_path / "weights"), str(tmp_path / "cache"), "group")
 

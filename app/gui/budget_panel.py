@@ -20,7 +20,7 @@ from engine.errors import WorkbenchError
 from engine.offload import decode_path as paths
 from engine.offload.config import FLOAT32_MAX, INT32_MAX, PREFIX, UNUSED_KEYS, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
-from engine.records.configurations import configurations_for
+from engine.records.configurations import OWN_SETTINGS, configurations_for, own_problem
 from engine.units import counted, human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
@@ -388,19 +388,21 @@ class BudgetPanel(QWidget):
             self.saved_menu.addAction(str(exc)).setEnabled(False)
             return
         for name, item in sorted(saved.items()):
-            problem = _entries_problem(item["entries"])
+            problem = _entries_problem(item["entries"]) or own_problem(item)
             if problem:  # a hand-edited file: said, not filled in as the defaults
                 self.saved_menu.addAction(f"{name}: not usable, {problem}").setEnabled(False)
                 continue
-            action = self.saved_menu.addAction(name, lambda entries=item["entries"]: self.use_saved(entries))
+            action = self.saved_menu.addAction(name, lambda item=item: self.use_saved(item))
             action.setToolTip(item.get("note", ""))
         if not saved:
             none = self.saved_menu.addAction("None saved for this model (Budget sweep ▸ Save as configuration)")
             none.setEnabled(False)
 
-    def use_saved(self, entries: dict) -> None:
-        """A saved configuration's offload entries in the panel, on the device chosen; Apply puts them in force."""
-        self.set_settings({**self.settings(), "entries": entries})
+    def use_saved(self, item: dict) -> None:
+        """A saved configuration's offload entries in the panel, on the device chosen, with the layer split and decode
+        path it was saved with (one saved before they were kept leaves the panel's); Apply puts them in force."""
+        own = {key: item[key] for key in OWN_SETTINGS if key in item}
+        self.set_settings({**self.settings(), "entries": item["entries"], **own})
         self.refresh()
 
     def reset_defaults(self) -> None:

@@ -380,14 +380,16 @@ class SweepView(QWidget):
         try:
             config = OffloadConfig.from_entries(self.result.base_entries).updated(
                 device_expert_bytes=self.recommended.budget_bytes)
-            # the layer split and the decode path are this app's own settings, not onnxruntime keys: said in the note
+            # the layer split and the decode path (this app's own settings, not onnxruntime keys) saved beside the
+            # entries, and said in the note
             split = self.recommended.split or self.result.layer_split
             own = [f"the {setting} {dict(choices)[mode]}" for setting, choices, mode in
                    (("Layer split", SPLITS, split), ("Cold experts", PATHS, self.result.decode_path)) if mode != "auto"]
             path = save_configuration(name, self.result.model_folder, config,
                                       note=f"sweep recommendation within {self.margin.value():g}% of the fastest"
                                            + (f"; with {' and '.join(own)}" if own else ""),
-                                      path=self.configurations_path)
+                                      path=self.configurations_path,
+                                      own={"layer_split": split, "decode_path": self.result.decode_path})
         except Exception as exc:
             self.failed.emit(f"Could not save the configuration '{name}': {exc}")
             return None

@@ -1,4 +1,6 @@
-"""Named offload configurations saved under the user's data folder (e.g. a sweep's recommendation)."""
+"""Named offload configurations saved under the user's data folder (e.g. a sweep's recommendation): onnxruntime's
+offload entries, and beside them this app's own settings the configuration was measured with (OWN_SETTINGS: the
+layer split and the decode path), which a configuration saved before them lacks: it leaves them as they are."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import platformdirs
 
 from engine.errors import WorkbenchError, one_line
 from engine.offload.config import PATH_KEYS, OffloadConfig
+from engine.offload.decode_path import MODES as PATH_MODES
+from engine.offload.layer_split import MODES as SPLIT_MODES
+
+OWN_SETTINGS = {"layer_split": SPLIT_MODES, "decode_path": PATH_MODES}  # each setting's values
 
 
 def default_path() -> Path:
@@ -70,15 +76,17 @@ def _locked(path: Path):
 
 
 def save_configuration(name: str, model_folder: str, config: OffloadConfig, note: str = "",
-                       path: Path | None = None) -> Path:
+                       path: Path | None = None, own: dict[str, str] | None = None) -> Path:
+    """`own`: the OWN_SETTINGS the configuration ran with, saved beside its entries."""
     path = path or default_path()
+    own = {key: value for key, value in (own or {}).items() if value is not None}
     path.parent.mkdir(parents=True, exist_ok=True)
     # a relative path names a file from the folder it was tuned in; a later run (the window, another folder) has its own
     config = config.updated(**{key: os.path.abspath(getattr(config, key)) for key in PATH_KEYS if getattr(config, key)})
     with _locked(path):
         saved = _saved(path)
         _check_name(saved, name, model_folder, path)
-        saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note}
+        saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note, **own}
         # written beside it and renamed over it: a reader never sees half a file
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".new", delete=False) as out:
             out.write(json.dumps(saved, indent=2) + "\n")
@@ -94,8 +102,24 @@ def configurations_for(model_folder: str | Path, path: Path | None = None) -> di
     return {name: item for name, item in saved.items() if _well_formed(item) and Path(item["model"]).resolve() == folder}
 
 
-def load_configuration(name: str, path: Path | None = None) -> tuple[str, OffloadConfig]:
-    """(model folder, offload configuration) saved under `name`."""
+def own_problem(item: dict) -> str | None:
+    """What is wrong with the OWN_SETTINGS a saved configuration holds (a hand-edited file), or None."""
+    for key, choices in OWN_SETTINGS.items():
+        if key in item and item[key] not in choices:
+            return f"{key} {item[key]!r} is not one of {', '.join(choices)}"
+    return None
+
+
+def own_settings(item: dict, path: Path, name: str) -> dict[str, str]:
+    """The OWN_SETTINGS a saved configuration holds; a WorkbenchError naming the value where one is not a choice."""
+    problem = own_problem(item)
+    if problem:
+        raise WorkbenchError(f"{path}: configuration '{name}': {problem}")
+    return {key: item[key] for key in OWN_SETTINGS if key in item}
+
+
+def load_configuration(name: str, path: Path | None = None) -> tuple[str, OffloadConfig, dict[str, str]]:
+    """(model folder, offload configuration, the OWN_SETTINGS saved with it) saved under `name`."""
     path = path or default_path()
     saved = _saved(path)
     if name not in saved:
@@ -105,6 +129,7 @@ def load_configuration(name: str, path: Path | None = None) -> tuple[str, Offloa
     if not _well_formed(item):
         raise WorkbenchError(f"{path}: configuration '{name}' is not a model folder and its offload entries")
     try:
-        return item["model"], OffloadConfig.from_entries(item["entries"])
+        config = OffloadConfig.from_entries(item["entries"])
     except WorkbenchError as exc:
         raise WorkbenchError(f"{path}: configuration '{name}': {exc}") from None
+    return item["model"], config, own_settings(item, path, name)
