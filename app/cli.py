@@ -4,7 +4,6 @@ history, test contention, write a model."""
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 from engine.errors import WorkbenchError, one_line
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
+from engine.offload.projection import decode_totals, projected_decode_rate
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
 from engine.sampling import RECORD_SEED
@@ -596,20 +596,22 @@ def _cmd_generate(args) -> int:
     cancel = threading.Event()
     if args.raw:
         ids = model.tokenizer.encode(args.prompt, add_special_tokens=True)  # a BOS as the tokenizer adds it
-        before = _decode_phase(model, device)
+        before = decode_totals(model.offload, device)
         result = generate(model, model.new_state(), [], ids, params, stream, cancel, on_reasoning=reasoning)
         if printed:
             printed.done_thinking()
-        _print_result(result, model, args.json, _projected(before, model, device, result))
+        _print_result(result, model, args.json, projected_decode_rate(
+            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens))
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
     while True:
-        before = _decode_phase(model, device)
+        before = decode_totals(model.offload, device)
         result = conversation.send(prompt, params, stream, cancel, on_reasoning=reasoning)
         if printed:
             printed.done_thinking()
-        _print_result(result, model, args.json, _projected(before, model, device, result))
+        _print_result(result, model, args.json, projected_decode_rate(
+            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens))
         if not args.chat:
             return 0
         line = sys.stdin.readline()
@@ -618,26 +620,6 @@ def _cmd_generate(args) -> int:
         prompt = line.rstrip("\n")
         if not prompt.strip():
             return 0
-
-
-def _decode_phase(model, device):
-    """On the simulated device, a copy of the decode phase's projection totals (engine/offload/projection.py); else
-    None."""
-    from engine.offload.projection import is_simulated
-
-    if model.offload is None or not is_simulated(device):
-        return None
-    return copy.copy(model.offload.stats.phases["decode"])
-
-
-def _projected(before, model, device, result) -> float | None:
-    """The answer's decode rate projected for the simulated card (`before`: _decode_phase before it); None off it."""
-    from engine.offload.projection import projected_decode_rate
-
-    after = _decode_phase(model, device)
-    if before is None or after is None:
-        return None
-    return projected_decode_rate(before, after, result.timings.decode_s, result.timings.generated_tokens)
 
 
 def _cmd_write_model(args) -> int:

@@ -11,7 +11,6 @@ usable.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import cuda_device_or_cpu
 from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
-from engine.offload.projection import is_simulated, projected_decode_rate
+from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
 from engine.reasoning import reasoning_choices
 from engine.sampling import beam_search_note, describe, model_sampling
 from engine.units import counted, human_bytes
@@ -298,7 +297,7 @@ class EngineWorker(QObject):
                     self._emit_stats(decode=True)
 
             before = miss_split(getattr(self._model, "offload", None))
-            decode_before = self._decode_phase()
+            decode_before = decode_totals(getattr(self._model, "offload", None), self._device)
             try:
                 def on_reasoning(_token, delta):
                     thoughts.append(delta)
@@ -310,7 +309,9 @@ class EngineWorker(QObject):
             self._conversation = conversation
             after = miss_split(getattr(self._model, "offload", None))
             timings = result.timings.as_dict()
-            projected = self._projected_decode(decode_before, result.timings)
+            projected = projected_decode_rate(decode_before, decode_totals(getattr(self._model, "offload", None),
+                                                                           self._device),
+                                              result.timings.decode_s, result.timings.generated_tokens)
             if projected is not None:
                 timings["projected_decode_tokens_per_s"] = projected
             self.answered.emit({"text": result.text, "reasoning": result.reasoning,
@@ -324,20 +325,6 @@ class EngineWorker(QObject):
             self.answered.emit({"text": "", "finish_reason": "error", "error": one_line(exc), "timings": {}})
         finally:
             self.busyChanged.emit("")
-
-    def _decode_phase(self):
-        """A copy of the decode steps' projection totals (engine/offload/projection.py) on a simulated device."""
-        offload = getattr(self._model, "offload", None)
-        if offload is None or not is_simulated(self._device):
-            return None
-        return copy.copy(offload.stats.phases["decode"])
-
-    def _projected_decode(self, before, timings) -> float | None:
-        """Decode tokens/s projected for the simulated card over this answer's decode steps; None off it."""
-        after = self._decode_phase()
-        if before is None or after is None:
-            return None
-        return projected_decode_rate(before, after, timings.decode_s, timings.generated_tokens)
 
     @Slot(str, dict)
     def _send(self, text: str, options: dict) -> None:

@@ -36,6 +36,7 @@ every projection.
 
 from __future__ import annotations
 
+import copy
 from typing import Iterable
 
 
@@ -61,10 +62,18 @@ def projected_seconds(wall_s: float, layers) -> float:
     return max(0.0, wall_s - saving_s(layers))
 
 
+def decode_totals(offload, device):
+    """On the simulated device, a copy of the decode phase's totals (LayerStats) so far, for projected_decode_rate;
+    None on any other device or without offload."""
+    if offload is None or not is_simulated(device):
+        return None
+    return copy.copy(offload.stats.phases["decode"])
+
+
 def projected_decode_rate(before, after, decode_s: float, generated_tokens: int) -> float | None:
-    """Decode tokens/s projected for the simulated card over one answer: `before` and `after` the decode phase's
-    totals (LayerStats) around it, `decode_s` its measured decode time; None for an answer without a decode step."""
-    if not decode_s or generated_tokens < 2:
+    """Decode tokens/s projected for the simulated card over one answer: `before` and `after` decode_totals around
+    it, `decode_s` its measured decode time; None off the simulated device, or for an answer without a decode step."""
+    if before is None or after is None or not decode_s or generated_tokens < 2:
         return None
     seconds = max(0.0, decode_s - (saving_s([after]) - saving_s([before])))
     return (generated_tokens - 1) / seconds if seconds > 0 else None
