@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,19 @@ def load_kernels(source: str, name: str):
     return module
 
 
+def largest_difference(kernels: dict, arguments: tuple) -> float:
+    """The largest difference between the outputs (moe_gemv's `out`, which a call adds to) of the first old and the
+    first new instance called once on `arguments` from zero: the A/B times the same results."""
+    at = list(inspect.signature(next(iter(kernels.values())).py_func).parameters).index("out")
+    outputs = {}
+    for name in ("old 1", "new 1"):
+        called = list(arguments)
+        called[at] = np.zeros_like(arguments[at])
+        kernels[name](*called)
+        outputs[name] = called[at]
+    return float(np.abs(outputs["new 1"] - outputs["old 1"]).max())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True)
@@ -82,7 +96,10 @@ def main() -> None:
         node.num_threads = threads
         use_threads(threads)
         for experts in [int(e) for e in args.experts.split(",")]:
-            medians = interleaved_medians(kernels, kernel_arguments(node, x, experts), args.rounds, args.calls)
+            arguments = kernel_arguments(node, x, experts)
+            print(f"{threads:3d} threads, {experts} experts: largest |new - old| of the outputs "
+                  f"{largest_difference(kernels, arguments):.3g}", flush=True)
+            medians = interleaved_medians(kernels, arguments, args.rounds, args.calls)
             ratios = [medians[f"new {i + 1}"] / medians[f"old {i + 1}"] for i in range(args.instances)]
             print(f"{threads:3d} threads, {experts} experts: " + "  ".join(f"{name} {m:7.1f}" for name, m in
                                                                          medians.items())

@@ -36,3 +36,21 @@ def test_a_loaded_source_is_a_module_of_its_own_with_numbas_cache_off():
     counters = np.full(24, -1, np.int64)
     one._claim_init(counters, 10, 3, 1)  # the loaded module's functions run: own spans of 10 chunks over 3 threads
     assert counters[[0, 8, 16]].tolist() == [0, 3, 6]
+
+
+def test_the_outputs_compared_are_each_instance_s_own_call_from_zero():
+    class Kernel:  # moe_gemv's calling convention where it matters here: a call adds into `out`
+        def __init__(self, adds):
+            self.adds = adds
+
+        def py_func(self, x, out, nth):
+            pass
+
+        def __call__(self, x, out, nth):
+            out += self.adds * x
+
+    given = np.full(4, 7.0, np.float32)
+    arguments = (np.arange(4, dtype=np.float32), given, 2)
+    kernels = {"old 1": Kernel(1.0), "new 1": Kernel(1.5), "old 2": Kernel(9.0)}
+    assert ab.largest_difference(kernels, arguments) == pytest.approx(1.5)  # 0.5 x the largest x (3)
+    assert given.tolist() == [7.0] * 4  # the caller's accumulator left alone
