@@ -10,7 +10,8 @@ left for it, over --steps decode steps after --warmup (figures in RESULTS.md fro
 compared two variants in alternating rounds). --path tier (or a fraction of 1: every expert resident) times the same
 without the worker. The process's thread count is read after every step, and the engine thread's CPU time in each
 marked call beside its wall time (a call that waited or was off its core reads short). --cpu-threads sets the offload
-key cpu_threads.
+key cpu_threads. Where every layer is a worker's job, the time from each gate to the next layer's routing is split by
+the GPU clock readings route_split and merge_gated leave in each layer's published block (chain_parts).
 
 The kernel alone, outside the engine, for comparison: diag_gemv_timeline.py --threads 15 --experts 1,2,3,4.
 
@@ -86,7 +87,7 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     rebalances: list = []
 
     def recorded(node, job):
-        jobs.append((job.pairs, job.cpu_s, job.routed - job.reached, job.reached, job.gated))
+        jobs.append((job.pairs, job.cpu_s, job.routed - job.reached, job.reached, job.gated, job.routed))
         return real(node, job)
 
     real_settle = engine.settle
@@ -159,7 +160,7 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     row = {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
            "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
            "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": [], "boundary": defaultdict(list),
-           "on_cpu": on_cpu}
+           "on_cpu": on_cpu, "chain": defaultdict(list)}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
@@ -198,9 +199,12 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
                 row["layers"].append(jobs[-1][4] - jobs[0][3])
             # the worker's time between a gate and its next job (the engine thread had not queued it yet)
             row["idle"].extend(b[3] - a[4] for a, b in zip(jobs, jobs[1:]))
-            for pairs, cpu_s, wait, _, _ in jobs:
+            for pairs, cpu_s, wait, _, _, _ in jobs:
                 row["parts"][pairs].append(cpu_s)
                 row["waits"].append(wait)
+            if getattr(decoder, "_worker", None) is not None and len(jobs) == len(decoder._worker._index_of):
+                for part, seconds in chain_parts(decoder._worker, jobs).items():
+                    row["chain"][part].extend(seconds)
             if probe is not None:  # the worker's loop asleep (IDLE_S), then the same call as at the step's end
                 time.sleep(IDLE_S + 0.01)
                 row["probe_quiet"].append(probe())
@@ -214,6 +218,27 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
         engine.policy.__dict__.pop("rebalance", None)
         engine.__dict__.pop("settle", None)
     return row
+
+
+def chain_parts(worker, jobs: list) -> dict:
+    """Where the time from one layer's gate to the next layer's routing went in the step just done (every layer a job,
+    in order), per pair of consecutive layers: on the GPU's clock (PublishedRouting.gpu_times) the merge's wait for
+    the gate once the GPU's part was done, the merge and the next dense segment up to the next route_split, that
+    route_split; on the host's, from the gate to the worker finding that routing; the rest of it is the two crossings
+    of PCIe (the merge seeing the gate, the worker seeing the flag)."""
+    times = [published.gpu_times() for _, (_, _, published) in sorted(worker._index_of.items())]
+    parts = defaultdict(list)
+    for (gate_layer, next_layer), ((_, _, _, _, gated, _), (_, _, _, _, _, routed)) in zip(
+            zip(times, times[1:]), zip(jobs, jobs[1:])):
+        _, _, merge_waited, gate_seen = gate_layer
+        route_started, routing_published, _, _ = next_layer
+        on_gpu = (routing_published - gate_seen) * 1e-9
+        parts["the GPU idle before the gate (merge waited)"].append((gate_seen - merge_waited) * 1e-9)
+        parts["gate seen -> next route_split (merge, dense segment)"].append((route_started - gate_seen) * 1e-9)
+        parts["route_split, start -> published"].append((routing_published - route_started) * 1e-9)
+        parts["gate -> routing found by the worker (host)"].append(routed - gated)
+        parts["  of it the two PCIe crossings (host less GPU)"].append(routed - gated - on_gpu)
+    return parts
 
 
 def boundary_parts(marks: list) -> dict:
@@ -277,6 +302,9 @@ def main() -> None:
         print("     the marked calls on the engine's thread, µs, median wall / thread CPU time (calls):\n" + "\n".join(
             f"       {us([w for w, _ in calls])} / {us([c for _, c in calls])}  {name} ({len(calls)})"
             for name, calls in row["on_cpu"].items()), flush=True)
+        if row["chain"]:
+            print("     a layer's gate to the next layer's routing, µs, median over layers and steps:\n" + "\n".join(
+                f"       {us(values)}  {part} ({len(values)})" for part, values in row["chain"].items()), flush=True)
         if probe is not None:
             print(f"     a placement of this size's rebalance: {us(row['probe_in_step'])} µs at the step's end, "
                   f"{us(row['probe_quiet'])} µs after {IDLE_S + 0.01:.2f} s asleep", flush=True)

@@ -448,7 +448,8 @@ def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
     """merge_gated, queued behind run_routed_split before the host has the CPU's part: it waits on the device for the
     host to write that part and raise the gate, then the sum is the whole layer (over the split's graph replays: each
     merge waits for its own launch's number). A gate left down: after the timeout the GPU's part alone (the host's
-    stale part left out), and the launch's number in gate_failed()."""
+    stale part left out), and the launch's number in gate_failed(). The kernels' clock readings (gpu_times) follow
+    the launch's order, and the merge's wait for the gate is the host's time to give its part (milliseconds here)."""
     cp, GpuQMoE = gpu
     from kernels.gpu.published import PublishedRouting
 
@@ -468,6 +469,7 @@ def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
         out32 = cp.empty((T, spec.hidden_size), cp.float32)
         out = cp.empty((T, spec.hidden_size), out_dtype)
         published.set_cpu_take(table, stream)
+        last_gate_seen = 0
         for step in range(4):
             logits = (lg + rng.normal(0, 2.0, lg.shape)).astype(lg.dtype)
             lg_dev.set(logits, stream=stream)
@@ -476,6 +478,10 @@ def test_gpu_merge_gated_waits_for_the_hosts_part(gpu, out_dtype):
             published.wait(stream)
             whole = _give_the_cpus_part(m, published, logits, x, spec, t, table, stream)
             assert _relerr(cp.asnumpy(out).astype(np.float32), whole) <= tol + (1e-3 if out_dtype == np.float16 else 0)
+            route_started, routing_published, merge_waited, gate_seen = published.gpu_times()
+            assert last_gate_seen < route_started <= routing_published <= merge_waited < gate_seen
+            assert gate_seen - merge_waited > 100_000  # ns: the host's reference part took that long at least
+            last_gate_seen = gate_seen
         assert published.gate_failed() == 0
         lg_dev.set(lg, stream=stream)
         m.run_routed_split(x_dev, lg_dev, out32, published)

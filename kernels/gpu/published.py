@@ -19,6 +19,9 @@ import time
 import numpy as np
 
 FLAG_BYTES = 128  # the flag on a line of its own
+# GPU clock readings (%globaltimer, ns) the kernels leave beside the flag and the failed word (gpu_times)
+ROUTE_TIMES_AT = 8    # route_split's start and its routing published
+MERGE_TIMES_AT = 8    # past failed_at: merge_gated's wait began, the gate seen
 H2D = 1           # cudaMemcpyKind
 SPIN_S = 0.005    # spinning beyond this, the host lets the driver wait (a GPU far behind the host)
 
@@ -56,6 +59,9 @@ class PublishedRouting:
         self._take = host[self.take_at:self.take_at + 4 * (k + 1)].view(np.int32)
         self.gate = host[self.gate_at:self.gate_at + 4].view(np.uint32)
         self.failed = host[self.failed_at:self.failed_at + 4].view(np.uint32)
+        self._route_times = host[ROUTE_TIMES_AT:ROUTE_TIMES_AT + 16].view(np.uint64)
+        merge_times_at = self.failed_at + MERGE_TIMES_AT
+        self._merge_times = host[merge_times_at:merge_times_at + 16].view(np.uint64)
         self.part = host[self.part_at:self.part_at + tokens * hidden * 4].view(np.float32).reshape(tokens, hidden)
         self._take_at = self._take.ctypes.data
         # under unified addressing (every 64-bit CUDA platform) kernels reach page-locked host memory at its host
@@ -87,6 +93,12 @@ class PublishedRouting:
     def gate_failed(self) -> int:
         """The number of a launch whose gated merge gave up waiting (it left the GPU's part alone), else 0."""
         return int(self.failed[0])
+
+    def gpu_times(self) -> tuple[int, int, int, int]:
+        """The latest launch's moments on the GPU's clock (ns): route_split began, its routing was published; the
+        gated merge began to wait, it saw the gate (0, 0 before a merge saw one). Read once the step is done."""
+        return (int(self._route_times[0]), int(self._route_times[1]), int(self._merge_times[0]),
+                int(self._merge_times[1]))
 
     def wait(self, launched, idle=None) -> float:
         """Wait for the latest launch's routing; returns the seconds waited. Spins on the flag for up to SPIN_S, then

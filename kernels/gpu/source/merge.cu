@@ -42,6 +42,14 @@ extern "C" __global__ void merge_gated(const unsigned* __restrict__ seq, const v
         opened = seen == want;
         if (!opened) {
             *failed = want;
+        } else if (blockIdx.x == 0) {
+            // when the merge began to wait and when it saw the gate, on the GPU's clock, beside the failed word
+            // (PublishedRouting.gpu_times: where a "both" layer's time goes, benchmarks/diag_worker_parts.py)
+            unsigned long long seen_at;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(seen_at));
+            volatile unsigned long long* times = reinterpret_cast<volatile unsigned long long*>(failed + 2);
+            times[0] = started;
+            times[1] = seen_at;
         }
         __threadfence_system();  // the part's reads after the gate's
     }

@@ -181,6 +181,8 @@ extern "C" __global__ void route_split(const void* logits, int ldt, const void* 
     int* smap = sm_split;
     int* sids = smap + E;
     float* sw = reinterpret_cast<float*>(sids + T * k);
+    unsigned long long started = 0;
+    if (threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(started));
     // x to the host first: the posted writes travel while the block routes
     if ((x_bytes & 3) == 0 && (((size_t)x | (size_t)(pub + x_at)) & 3) == 0) {
         const u32* src = (const u32*)x;
@@ -227,6 +229,13 @@ extern "C" __global__ void route_split(const void* logits, int ldt, const void* 
     __threadfence_system();  // this thread's writes to the host before the flag
     __syncthreads();
     if (threadIdx.x == 0) {
+        // the GPU's clock at this launch's start and end, beside the flag (PublishedRouting.gpu_times: where a "both"
+        // layer's time between the host's gate and the next routing goes, benchmarks/diag_worker_parts.py)
+        unsigned long long now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        volatile unsigned long long* times = reinterpret_cast<volatile unsigned long long*>(pub + 8);
+        times[0] = started;
+        times[1] = now;
         __threadfence_system();
         const unsigned s = *seq + 1u;
         *seq = s;

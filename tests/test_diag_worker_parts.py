@@ -1,0 +1,35 @@
+"""benchmarks/diag_worker_parts.py: how a layer's time from its gate to the next layer's routing is split between the
+GPU's clock readings and the host's."""
+import pytest
+
+from benchmarks.diag_worker_parts import chain_parts
+
+
+class Published:
+    def __init__(self, times):
+        self.times = times
+
+    def gpu_times(self):
+        return self.times
+
+
+class Worker:
+    def __init__(self, by_layer):
+        # engine layer -> (the loop's index, kernel, published), admitted out of layer order
+        self._index_of = {layer: (index, None, Published(times)) for index, (layer, times) in enumerate(by_layer)}
+
+
+def test_each_gate_to_the_next_routing_is_split_by_the_gpu_clock_and_the_rest_is_the_crossings():
+    # ns on the GPU's clock: route_split began, published; the merge began to wait, saw the gate
+    worker = Worker([(1, (40_000, 45_000, 60_000, 70_000)), (0, (0, 4_000, 20_000, 30_000)),
+                     (2, (100_000, 106_000, 0, 0))])
+    # the worker's jobs in layer order: (pairs, cpu_s, wait, reached, gated, routed), host seconds
+    jobs = [(6, 0, 0, 0.0, 1.000_000, 0.999_990), (6, 0, 0, 0.0, 1.000_050, 1.000_020),
+            (6, 0, 0, 0.0, 1.000_200, 1.000_090)]
+    us = {name: [round(s * 1e6, 3) for s in seconds] for name, seconds in chain_parts(worker, jobs).items()}
+    assert us["the GPU idle before the gate (merge waited)"] == [10.0, 10.0]
+    assert us["gate seen -> next route_split (merge, dense segment)"] == [10.0, 30.0]
+    assert us["route_split, start -> published"] == [5.0, 6.0]
+    assert us["gate -> routing found by the worker (host)"] == [20.0, 40.0]
+    # the host's 20 µs less the GPU's 15 from seeing the gate to publishing; 40 less 36
+    assert us["  of it the two PCIe crossings (host less GPU)"] == [pytest.approx(5.0), pytest.approx(4.0)]
