@@ -222,22 +222,27 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
 
 def chain_parts(worker, jobs: list) -> dict:
     """Where the time from one layer's gate to the next layer's routing went in the step just done (every layer a job,
-    in order), per pair of consecutive layers: on the GPU's clock (PublishedRouting.gpu_times) the merge's wait for
-    the gate once the GPU's part was done, the merge and the next dense segment up to the next route_split, that
-    route_split; on the host's, from the gate to the worker finding that routing; the rest of it is the two crossings
-    of PCIe (the merge seeing the gate, the worker seeing the flag)."""
+    in order), per pair of consecutive layers: each side's part of the layer (the GPU's from its routing published
+    to its merge's start, the CPU's on the host's clock); on the GPU's clock (PublishedRouting.gpu_times) the
+    merge's wait for the gate once the GPU's part was done, the merge and the next dense segment up to the next
+    route_split, that route_split; on the host's, from the gate to the worker finding that routing. What the host's
+    span has beyond the GPU's (gate seen to routing published) is the GPU still on its part after the gate, and the
+    two crossings of PCIe (the merge seeing the gate, the worker seeing the flag)."""
     times = [published.gpu_times() for _, (_, _, published) in sorted(worker._index_of.items())]
     parts = defaultdict(list)
-    for (gate_layer, next_layer), ((_, _, _, _, gated, _), (_, _, _, _, _, routed)) in zip(
+    for (gate_layer, next_layer), ((_, _, _, _, gated, gate_routed), (_, _, _, _, _, routed)) in zip(
             zip(times, times[1:]), zip(jobs, jobs[1:])):
         _, _, merge_waited, gate_seen = gate_layer
         route_started, routing_published, _, _ = next_layer
         on_gpu = (routing_published - gate_seen) * 1e-9
+        parts["the GPU's part (published -> merge began)"].append((merge_waited - gate_layer[1]) * 1e-9)
+        parts["the CPU's part (routing found -> gate)"].append(gated - gate_routed)
         parts["the GPU idle before the gate (merge waited)"].append((gate_seen - merge_waited) * 1e-9)
         parts["gate seen -> next route_split (merge, dense segment)"].append((route_started - gate_seen) * 1e-9)
         parts["route_split, start -> published"].append((routing_published - route_started) * 1e-9)
         parts["gate -> routing found by the worker (host)"].append(routed - gated)
-        parts["  of it the two PCIe crossings (host less GPU)"].append(routed - gated - on_gpu)
+        parts["  of it off the GPU's clock: the GPU's part past the gate, the crossings"].append(
+            routed - gated - on_gpu)
     return parts
 
 
