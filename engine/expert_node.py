@@ -41,6 +41,14 @@ class GpuFootprint:
     read_bytes: int   # what the kernels read of one expert (decode streams it from HBM): gpu_expert_bytes()
     wave_bytes: int   # what a prefill wave copies per expert: its (converted) rows before the tile layout
     conversion: str   # "" when the kernels read the stored layout, else what is converted into what
+    tier_rows: tuple[int, ...] = ()  # one slot's bytes in each of the kernels' slot arrays (they add up to slot_bytes)
+
+    def tier_device_bytes(self, slots: int) -> int:
+        """Device memory `slots` slots take with the host tier, as CudaSlots reserves it: each slot array's device
+        rows rounded up to the mapping granule (kernels.gpu.host_tier.tier_device_bytes)."""
+        from kernels.gpu.host_tier import tier_device_bytes
+
+        return tier_device_bytes(slots, list(self.tier_rows))
 
 
 @dataclass
@@ -98,7 +106,8 @@ def gpu_footprint(spec: QMoESpec, tensors: dict) -> GpuFootprint:
             if t is not None and t.ndim >= 1 and t.shape[0] == E:
                 wave += t.nbytes // E
     return GpuFootprint(slot_bytes=fc1.device_bytes() + fc2.device_bytes(), read_bytes=fc1.slot_bytes() + fc2.slot_bytes(),
-                        wave_bytes=wave, conversion=conv.note if conv.converted else "")
+                        wave_bytes=wave, conversion=conv.note if conv.converted else "",
+                        tier_rows=tuple(fc1.row_bytes() + fc2.row_bytes()))
 
 
 def _stand_in(tensor: onnx.TensorProto) -> np.ndarray:

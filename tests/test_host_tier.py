@@ -40,7 +40,7 @@ def numpy_gpu(monkeypatch):
     m.spec, m._tensors = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape), t
     m.fc1, m.fc2 = layout.make_layouts(m.spec, t)
     m.host0 = None
-    m.slots = {p.name: {key: np.zeros((13, n), dt) for key, (n, dt) in gpu_qmoe.GpuQMoE._slot_tensors(p).items()}
+    m.slots = {p.name: {key: np.zeros((13, n), dt) for key, (n, dt) in p.slot_arrays().items()}
                for p in (m.fc1, m.fc2)}
     m.slot_of, m.expert_in_slot = np.full(6, -1, np.int32), np.full(3, -1, np.int32)
     m.device_maps = []
@@ -127,3 +127,21 @@ def test_each_array_maps_its_slots_on_the_device_and_every_expert_on_the_host(mo
     assert host_at + host_size >= base + (342 + 128) * weights  # every expert's row mapped
     assert [t for t, _ in driver.created] == [host_tier._LOCATION_DEVICE, host_tier._LOCATION_HOST]
     assert rows.device_bytes == device_size and rows.host_bytes == host_size
+    rows.array(FakeCp, bias // 4, np.float32)
+    # what the simulated device, the planner and the estimate count for these slots (host_tier.TIER_GRANULE)
+    assert rows.device_bytes == host_tier.tier_device_bytes(3, [weights, bias]) == (3 + 1) * GRANULE
+
+
+def test_the_slot_arrays_rows_are_one_expert_on_the_device():
+    """The slot arrays GpuQMoE allocates (ProjLayout.slot_arrays): their rows add up to an expert's device bytes, the
+    footprint the offload engine sizes slots by, and each array's rows are what the host tier rounds."""
+    from engine.expert_node import gpu_footprint
+
+    attrs, t, x, _ = make_case(seed=3, E=6, H=64, I=64, k=2, bits=4, block_size=32, bias=True, T=2)
+    t = {k: v for k, v in t.items() if v is not None}
+    spec = QMoESpec.from_tensors("test/QMoE", "QMoE", attrs, t, x.shape)
+    fc1, fc2 = layout.make_layouts(spec, t)
+    footprint = gpu_footprint(spec, t)
+    assert sum(footprint.tier_rows) == fc1.device_bytes() + fc2.device_bytes() == footprint.slot_bytes
+    assert len(footprint.tier_rows) == len(fc1.slot_arrays()) + len(fc2.slot_arrays())
+    assert footprint.tier_device_bytes(0) == footprint.tier_device_bytes(1) == len(footprint.tier_rows) * GRANULE

@@ -152,6 +152,60 @@ def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):
         engine_without_device(model_folder).set_decode_path("tier")
 
 
+MIB = 1 << 20
+
+
+def rounded_tier_bytes(info, slots: int) -> int:
+    """What a CUDA card reserves for a node's slots with the host tier (CudaSlots.resize: TieredRows.device_bytes):
+    every slot array's device rows, at least one (max(1, slots)), rounded up to the 2 MiB mapping granule."""
+    assert sum(info.gpu.tier_rows) == info.device_bytes_per_expert  # one row per slot array
+    return sum(-(-max(1, slots) * row // (2 * MIB)) * 2 * MIB for row in info.gpu.tier_rows)
+
+
+def test_the_simulated_tier_reserves_its_granule_rounded_device_mappings(model_folder):
+    """The simulated device counted the tier's slots at slots x expert bytes, where a card maps each slot array's
+    device rows rounded up to the 2 MiB granule (a granule an array even at 0 slots): its high-water mark was lower
+    than the card's. It reserves what the card does now, and gives it back without the tier."""
+    device = SimulatedDevice(1 << 30)
+    budget = device_expert_bytes(model_folder) // 2
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget), device=device,
+                             decode_path="tier")
+    engine = model.offload
+    assert engine.host_tier
+    tiered = sum(rounded_tier_bytes(info, engine.plan.slots[info.name]) for info in engine.infos)
+    unrounded = engine.plan.device_bytes(engine.infos)
+    assert tiered >= unrounded + SPEC.layers * 2 * MIB  # a tiny model: every array's rows within one granule
+    slots = sum(n for purpose, n in device.memory.by_purpose.items() if purpose.startswith("expert slots"))
+    assert slots == tiered and device.memory.high_water >= tiered
+    engine.set_decode_path("cpu")
+    assert not engine.host_tier
+    assert sum(n for purpose, n in device.memory.by_purpose.items() if purpose.startswith("expert slots")) == unrounded
+    engine.reconfigure(engine.config.updated(device_expert_bytes=0))
+    engine.set_decode_path("tier")  # no slot at all: still a granule a slot array on a card
+    assert engine.host_tier and device.memory.by_purpose[f"expert slots of {engine.infos[0].name}"] == \
+        rounded_tier_bytes(engine.infos[0], 0) > 0
+
+
+def test_a_tier_that_fits_only_unrounded_under_the_limit_is_not_made_on_the_simulated_device(model_folder, cpu_run):
+    """Under a gpu_device_mem_limit that holds the tier's slots at slots x expert bytes but not its granule-rounded
+    mappings, a card refuses the tier (CudaSlots.resize) and decode computes cold experts on the CPU; the simulated
+    device made it and projected the tier's decode. It refuses it the same way now."""
+    budget = device_expert_bytes(model_folder) // 2
+    plain = SimulatedDevice(1 << 30)
+    LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget), device=plain, decode_path="cpu")
+    limit = plain.memory.high_water + MIB  # the old count of a tier (slots x expert bytes) fits with room to spare
+    device = SimulatedDevice(1 << 30, mem_limit=limit)
+    model = LoadedModel.open(model_folder, device=device, decode_path="tier",
+                             offload=OffloadConfig(device_expert_bytes=budget, gpu_device_mem_limit=limit))
+    engine = model.offload
+    assert not engine.host_tier and engine.decode_path_in_force == "cpu"
+    said = [s for s in engine.plan.statements if "host tier" in s]
+    assert len(said) == 1 and said[0].startswith("Cold experts are computed on the CPU: the host tier could not be "
+                                                 "made (device allocation of ") and "gpu_device_mem_limit" in said[0]
+    assert device.memory.high_water <= limit
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+
+
 def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its_steps(model_folder, cpu_run):
     """Decode path "both" on the simulated device: the CPU's share of the cold pairs (cold_split_table) comes from the
     rates its steps measure: the CPU kernel's (CpuRate) and the GPU's reads from the tier (TierReadRate: the launch's

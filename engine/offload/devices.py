@@ -57,8 +57,10 @@ class SimulatedSlots:
         self.read_bytes = gpu.read_bytes    # what computing one resident expert reads from device memory
         self.wave_bytes = gpu.wave_bytes    # what a prefill wave copies per expert
         self.stored_bytes = runner.info.bytes_per_expert  # a wave's rows as gathered into the pinned ring
+        self.tier_device_bytes = gpu.tier_device_bytes
         self.num_experts = runner.info.spec.num_experts
         self.num_slots = 0
+        self._reserved = 0  # device bytes reserved for the slots (with the host tier: its granule-rounded mappings)
         # every expert also in host memory, read there by decode launches where it is in no slot (CudaSlots' host
         # tier): its bytes counted, its reads priced at TIER_READ_SHARE of PCIe; set by the offload engine
         self.host_tier = False
@@ -71,16 +73,21 @@ class SimulatedSlots:
         self.resize(num_slots)
 
     def resize(self, num_slots: int) -> None:
-        delta = (num_slots - self.num_slots) * self.expert_bytes
-        if delta > 0:
-            self.device.memory.reserve(delta, f"expert slots of {self.name}")
-        elif delta < 0:
-            self.device.memory.release(-delta, f"expert slots of {self.name}")
+        """New, empty slots. With the host tier, what CudaSlots reserves for them: the tier's device mappings, each
+        slot array rounded up to the mapping granule (a mapping even without slots)."""
+        self.release()
+        need = self.tier_device_bytes(num_slots) if self.host_tier else num_slots * self.expert_bytes
+        self.device.memory.reserve(need, f"expert slots of {self.name}")
+        self._reserved = need
         self.num_slots = num_slots
         self._held = np.full(num_slots, -1)
 
     def release(self) -> None:
-        self.resize(0)
+        """No slots (and no tier mappings): their device memory given back."""
+        self.device.memory.release(self._reserved, f"expert slots of {self.name}")
+        self._reserved = 0
+        self.num_slots = 0
+        self._held = np.full(0, -1)
 
     @property
     def reads_cold(self) -> bool:

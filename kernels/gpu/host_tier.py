@@ -35,6 +35,13 @@ _ATTR_HOST_VMM = 145
 _ACCESS_READWRITE = 3
 _GRANULARITY_MINIMUM = 0
 
+# The mapping granule where no driver is asked (the simulated device, the planner's tier check, the budget estimate).
+# Why it matters: TieredRows rounds each slot array's device rows up to the granule the driver reports (the larger of
+# the device's and the host's), so a tier reserves up to a granule a slot array more than slots x expert bytes, and a
+# granule an array even without slots: hundreds of MiB over a 48-layer model. 2 MiB is the device granule CUDA
+# documents for current NVIDIA GPUs (not queried here: a driver reporting more makes a card reserve more).
+TIER_GRANULE = 2 << 20
+
 
 class HostTierError(RuntimeError):
     """A driver call of the host tier failed, or the driver has none (the message names the call)."""
@@ -94,6 +101,13 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def tier_device_bytes(slots: int, row_bytes: list[int], granule: int = TIER_GRANULE) -> int:
+    """Device memory the host tier maps for `slots` GPU slots of tensors with rows of `row_bytes`: each tensor's
+    device rows rounded up to the granule. A tier has at least one slot (CudaSlots makes its GpuQMoE with
+    max(1, slots)), so even a node with none maps a granule a tensor."""
+    return sum(_round_up(max(1, slots) * r, granule) for r in row_bytes)
+
+
 def first_host_row(slots: int, row_bytes: list[int], granule: int) -> int:
     """The first row of the host part, the same for every tensor: at or past each tensor's device rows rounded up to
     the mapping granule (the host mapping starts on a granule at or before that row, past the device mapping)."""
@@ -151,7 +165,7 @@ class TieredRows:
               ctypes.c_uint64(0), ctypes.c_ulonglong(0))
         parts: list = []
         self._ranges.append((base.value, size, parts))
-        dev_size = _round_up(self.slots * row_bytes, g)
+        dev_size = tier_device_bytes(self.slots, [row_bytes], g)
         host_off = (self.host0 * row_bytes) // g * g
         for prop, offset, length in ((self._dev_prop, 0, dev_size), (self._host_prop, host_off, size - host_off)):
             if length <= 0:

@@ -95,6 +95,22 @@ class ProjLayout:
         """``slot_bytes`` plus the fp16 copy of block scales (``h``): what one expert occupies on the device."""
         return self.slot_bytes() + (self.s_len * 2 if self.has_h else 0)
 
+    def slot_arrays(self) -> dict:
+        """This projection's slot arrays (GpuQMoE allocates one per key): {key: (elements a slot, dtype)}. Their rows
+        add up to ``device_bytes``; the host tier maps each array on its own (host_tier.tier_device_bytes)."""
+        arrays = {"w": (self.w_bytes, np.dtype(np.uint8)), "s": (self.s_len, self.sdtype)}
+        if self.has_zp:
+            arrays["z"] = (self.s_len, np.dtype(np.uint8))
+        if self.has_bias:
+            arrays["b"] = (self.NP, np.dtype(np.float32))
+        if self.has_h:
+            arrays["h"] = (self.s_len, np.dtype(np.float16))
+        return arrays
+
+    def row_bytes(self) -> list[int]:
+        """Bytes of one row (one expert) of each of slot_arrays."""
+        return [n * dtype.itemsize for n, dtype in self.slot_arrays().values()]
+
 
 def _gated(spec: QMoESpec) -> bool:
     return spec.activation == "swiglu" or spec.has_fc3

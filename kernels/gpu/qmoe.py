@@ -219,30 +219,16 @@ class GpuQMoE:
             cp.cuda.get_current_stream().synchronize()
 
     # ------------------------------------------------------------------ storage
-    @staticmethod
-    def _slot_tensors(p: _lay.ProjLayout) -> dict:
-        """A projection's slot arrays: {key: (elements a slot, dtype)}."""
-        cp = _cp()
-        d = {"w": (p.w_bytes, cp.uint8), "s": (p.s_len, p.sdtype)}
-        if p.has_zp:
-            d["z"] = (p.s_len, cp.uint8)
-        if p.has_bias:
-            d["b"] = (p.NP, cp.float32)
-        if p.has_h:
-            d["h"] = (p.s_len, cp.float16)
-        return d
-
     def _alloc_slots(self, p: _lay.ProjLayout, S: int) -> dict:
         cp = _cp()
-        return {key: cp.zeros((S, n), dt) for key, (n, dt) in self._slot_tensors(p).items()}
+        return {key: cp.zeros((S, n), dt) for key, (n, dt) in p.slot_arrays().items()}
 
     def _alloc_tiered(self, S: int, E: int) -> dict:
         """The slot arrays with a host tier: rows [0, S) in device memory (zeroed), rows [host0, host0 + E) in
         page-locked host memory, one address range per array (host_tier.TieredRows)."""
         cp = _cp()
-        tensors = {p.name: self._slot_tensors(p) for p in (self.fc1, self.fc2)}
-        rows = self.tier = TieredRows(self._device_id, S, E, [n * cp.dtype(dt).itemsize for t in tensors.values()
-                                                              for n, dt in t.values()])
+        tensors = {p.name: p.slot_arrays() for p in (self.fc1, self.fc2)}
+        rows = self.tier = TieredRows(self._device_id, S, E, self.fc1.row_bytes() + self.fc2.row_bytes())
         self.host0 = rows.host0
         slots = {}
         for name, t in tensors.items():
