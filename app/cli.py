@@ -383,7 +383,7 @@ def _cmd_inspect(args) -> int:
         if device is not None:
             statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
         mode = args.decode_path or paths.default_decode_path()
-        said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None))
+        said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None), device)
         # the device planned for and why, where it is not the one asked for: a script reads the JSON, not stderr
         planned = {"asked": args.device, "planned_for": getattr(device, "kind", "cpu"),
                    "why": fallback[0] if fallback else None}

@@ -53,6 +53,15 @@ def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tie
     assert statements[-1].endswith(" KiB of page-locked host memory, as asked (decode path 'tier').")
     result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "gpu")
     assert result.returncode == 2 and "invalid choice: 'gpu'" in result.stderr
+    # a limit that holds the slots and the staging ring but not the tier's mappings, each slot array's rows rounded up
+    # to the 2 MiB granule: the load makes no tier, and inspect says so (it promised the tier)
+    result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "tier",
+                 "--offload", "device_expert_bytes=200000", "--offload", f"gpu_device_mem_limit={8 << 20}")
+    assert result.returncode == 0, result.stderr
+    said = json.loads(result.stdout)["offload"]["statements"][-1]
+    assert said.startswith("Cold experts are computed on the CPU: no host tier is made, since its device mappings need "
+                           "32.0 MiB (each slot array's device rows rounded up to the 2.0 MiB mapping granule; ")
+    assert said.endswith(f"free for them under gpu_device_mem_limit={8 << 20}."), said
 
 
 def test_generate_json_greedy_is_deterministic_and_matches_max_tokens(cli):

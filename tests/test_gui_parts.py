@@ -181,13 +181,13 @@ def test_the_budget_panel_says_before_a_load_when_the_arena_registered_earlier_k
         panel.statements)
 
 
-def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice):
+def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice, decode_path: str | None = None):
     """The real offload engine on a simulated device named as the estimate's stand-in."""
     from engine.generation import LoadedModel
     from engine.offload import SimulatedDevice
 
     device = SimulatedDevice(choice.capacity, mem_limit=config.gpu_device_mem_limit, name=choice.label)
-    return LoadedModel.open(fixture_folder(name), offload=config, device=device).offload, device
+    return LoadedModel.open(fixture_folder(name), offload=config, device=device, decode_path=decode_path).offload, device
 
 
 @pytest.mark.parametrize("name", ["gptoss", "lfm2moe", "qwen35moe"])
@@ -794,6 +794,61 @@ def test_the_estimates_device_parts_are_what_the_loaded_engine_holds(name):
         assert est.statements[:len(engine.plan.statements)] == engine.plan.statements  # streaming's included
         compared += 1
     assert compared == 3 * 4 * 2 * 2 * 2 * 2
+
+
+@pytest.mark.parametrize("name", ["gptoss", "qwen35moe"])
+def test_the_estimate_counts_the_host_tiers_granule_rounded_mappings_as_the_engine_reserves_them(name):
+    """Decode path 'tier': the slots are mapped with the host tier, each slot array rounded up to the 2 MiB granule (a
+    granule an array even at 0 slots). The estimate counted slots x expert bytes and promised the tier where the device
+    or gpu_device_mem_limit holds the slots but not the rounded mappings; it counts what the engine reserves now, and
+    says the engine's sentence where the tier is not made."""
+    folder = ModelFolder.open(fixture_folder(name))
+    facts = model_facts(folder, inspection(folder))
+    slot = max(info.device_bytes_per_expert for info in facts.experts if info.gpu is not None)
+    granules = sum(len(info.gpu.tier_rows) for info in facts.experts if info.gpu is not None)
+    made = {}
+    for capacity, limit, budget in ((1 << 30, 0, 0), (1 << 30, 0, 3 * slot), (1 << 30, granules << 20, 3 * slot),
+                                    (1 << 30, (granules + 8) << 21, 3 * slot)):
+        config = OffloadConfig(device_expert_bytes=budget, gpu_device_mem_limit=limit)
+        choice = DeviceChoice("simulated", capacity)
+        est = estimate(facts, config, choice, decode_path="tier")
+        engine, device = engine_on(name, config, choice, decode_path="tier")
+        assert not est.error
+        assert estimated_device_parts(est) == device_parts_held(device), (limit, budget)
+        assert est.host_tier == engine.host_tier
+        made[limit] = engine.host_tier
+        assert sum(estimated_device_parts(est).values()) == device.memory.high_water
+        assert est.statements[:len(engine.plan.statements)] == engine.plan.statements
+        if engine.host_tier:
+            rounded = engine.plan.device_bytes(engine.infos, host_tier=True)
+            assert estimated_device_parts(est)["experts"] == rounded >= granules * (2 << 20)
+        else:  # the slots alone fit: the tier's mappings do not
+            assert engine.plan.device_bytes(engine.infos) < limit
+            said = [s for s in est.statements if "host tier" in s]
+            assert len(said) == 1 and said[0].startswith("Cold experts are computed on the CPU: no host tier is made, "
+                                                         "since its device mappings need ")
+            assert f"free for them under gpu_device_mem_limit={limit}." in said[0]
+    assert made == {0: True, granules << 20: False, (granules + 8) << 21: True}
+
+
+def test_where_everything_landed_counts_the_host_tiers_device_mappings_as_the_device_holds_them():
+    """With the host tier the device holds the slots' granule-rounded mappings (2 MiB a slot array here, with no slot
+    at all); 'where everything landed' said 'expert slots 0 B' beside a device in use by them."""
+    from types import SimpleNamespace
+
+    from app.gui.engine_worker import EngineWorker
+    from engine.generation import LoadedModel
+    from engine.offload import SimulatedDevice
+
+    folder = ModelFolder.open(fixture_folder("gptoss"))
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=0), device=device,
+                             decode_path="tier")
+    assert model.offload.host_tier
+    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device)
+    landed = " ".join(EngineWorker._landed(worker, []))
+    held = sum(n for purpose, n in device.memory.by_purpose.items() if purpose.startswith("expert slots of "))
+    assert held >= 2 << 20 and f"(expert slots {human_bytes(held)}, " in landed
 
 
 def test_streaming_slots_are_estimated_in_what_the_resident_slots_leave():

@@ -189,7 +189,7 @@ def test_the_simulated_tier_reserves_its_granule_rounded_device_mappings(model_f
 def test_a_tier_that_fits_only_unrounded_under_the_limit_is_not_made_on_the_simulated_device(model_folder, cpu_run):
     """Under a gpu_device_mem_limit that holds the tier's slots at slots x expert bytes but not its granule-rounded
     mappings, a card refuses the tier (CudaSlots.resize) and decode computes cold experts on the CPU; the simulated
-    device made it and projected the tier's decode. It refuses it the same way now."""
+    device made it and projected the tier's decode. It refuses it the same way now, and says why before trying."""
     budget = device_expert_bytes(model_folder) // 2
     plain = SimulatedDevice(1 << 30)
     LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=budget), device=plain, decode_path="cpu")
@@ -200,8 +200,10 @@ def test_a_tier_that_fits_only_unrounded_under_the_limit_is_not_made_on_the_simu
     engine = model.offload
     assert not engine.host_tier and engine.decode_path_in_force == "cpu"
     said = [s for s in engine.plan.statements if "host tier" in s]
-    assert len(said) == 1 and said[0].startswith("Cold experts are computed on the CPU: the host tier could not be "
-                                                 "made (device allocation of ") and "gpu_device_mem_limit" in said[0]
+    assert len(said) == 1 and said[0].startswith("Cold experts are computed on the CPU: no host tier is made, since "
+                                                 "its device mappings need "), said
+    assert f"2.0 MiB mapping granule; {human_bytes(engine.plan.device_bytes(engine.infos))} without the tier)" in said[0]
+    assert said[0].endswith(f"free for them under gpu_device_mem_limit={limit}.")
     assert device.memory.high_water <= limit
     assert_same_as_cpu(greedy_run(model), cpu_run)
 

@@ -533,7 +533,8 @@ class BudgetPanel(QWidget):
             return
         config = self.config()
         est = estimate(self.facts, config, choice, self.kv_tokens.value(),
-                       whole_layers=self.layer_split.currentData() == "whole", experts_in_ram=self._experts_in_ram())
+                       whole_layers=self.layer_split.currentData() == "whole", experts_in_ram=self._experts_in_ram(),
+                       decode_path=self._decode_path_mode())
         self.last_estimate = est
         self.layer_bars.setRows(est.per_layer)
         miss = self._live_miss_slots(est)
@@ -550,13 +551,12 @@ class BudgetPanel(QWidget):
             self.vram_title.setText("VRAM — no GPU device chosen")
             self.vram_bar.hide()
             self.vram_legend.setText(f"<span style='color:{t.muted}'>Nothing of the model is on a GPU.</span>")
-        tier_part, tier_statement = self._tier(est, config, choice)
-        host_parts = est.host_parts + tier_part
+        host_parts = est.host_parts + self._tier(est, choice)
         self.host_bar.setParts(host_parts)
         self.host_legend.setText(legend_html(host_parts, t))
         self._show_pinned(est, choice, config)
         colour = t.error if est.error else t.text
-        statements = est.statements + self._split_statement(est, config) + tier_statement
+        statements = est.statements + self._split_statement(est, config)
         self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(statements) + "</span>")
         self._update_apply()
         self.estimateChanged.emit(est, config.mode, choice.label)
@@ -585,20 +585,14 @@ class BudgetPanel(QWidget):
         mode = self.decode_path.currentData()
         return paths.default_decode_path() if mode == "auto" else mode
 
-    def _tier(self, est, config: OffloadConfig, choice: DeviceChoice) -> tuple[list[Part], list[str]]:
-        """The host tier for the plan shown (decode_path.tier_verdict, as the engine asks it at load): its page-locked
-        memory for the host-memory bar where the plan gets one, and the statement of what decode does with it or why
-        there is none (decode_path.tier_preview's)."""
-        if est.plan is None:
-            return [], []
-        kind = None if choice.kind == "cpu" or choice.error else choice.kind
-        mode, nbytes = self._decode_path_mode(), paths.tier_bytes(self.facts.experts)
-        made, said = paths.tier_verdict(mode, config, self.facts.experts, est.plan.slots, kind, paths.host_available())
-        if not made:
-            return [], [said] if said else []
+    def _tier(self, est, choice: DeviceChoice) -> list[Part]:
+        """The host tier's page-locked memory for the host-memory bar, where the estimate's plan gets one (its
+        statements say what decode does with it, or why there is none)."""
+        if not est.host_tier:
+            return []
         note = "page-locked: every expert again, in the GPU kernels' layout" + (
-            " (counted, not allocated, on a simulated GPU)" if kind == "simulated" else "")
-        return [Part("tier", "host tier", nbytes, note)], [paths.tier_sentence(mode, config, nbytes)]
+            " (counted, not allocated, on a simulated GPU)" if choice.kind == "simulated" else "")
+        return [Part("tier", "host tier", paths.tier_bytes(self.facts.experts), note)]
 
     def _show_pinned(self, est, choice: DeviceChoice, config: OffloadConfig) -> None:
         """What pinned_bytes does, live: the ring and the prefill wave it gives, or the engine's refusal;

@@ -230,7 +230,7 @@ class EngineWorker(QObject):
             lines.append(f"{'Expert slots' if any(miss) else 'Experts resident'} per layer: "
                          f"{layer_summary(per_layer, miss)}.")
             memory = self._device.memory
-            slots = offload.plan.device_bytes(offload.infos)
+            slots = offload.plan.device_bytes(offload.infos, offload.host_tier)
             parts = [f"expert slots {human_bytes(slots)}"] + [
                 f"{purpose} {human_bytes(n)}" for purpose, n in sorted(memory.by_purpose.items())
                 if n and not purpose.startswith("expert slots")]

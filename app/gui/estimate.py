@@ -19,6 +19,7 @@ import psutil
 
 from engine.decoder_state import DecoderState, kv_rows_at_most
 from engine.errors import ModelFileError
+from engine.offload import decode_path as paths
 from engine.offload.config import OffloadConfig
 from engine.offload.device_memory import card_memory
 from engine.ort_env import DenseDoesNotFit, dense_arena, dense_cpu_reason
@@ -29,6 +30,7 @@ from engine.offload.staging import StagingPlan, plan_staging
 from engine.offload.streaming import plan_streaming
 from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError, plan_offload
 from engine.units import counted, human_bytes
+from kernels.gpu.host_tier import TIER_GRANULE
 
 GIB = 1 << 30
 _ELEM_BYTES = {1: 4, 10: 2, 16: 2, 11: 8, 2: 1, 3: 1, 6: 4, 7: 8}
@@ -203,6 +205,7 @@ class Estimate:
     staging_bytes: int
     statements: list[str] = field(default_factory=list)
     staging: "StagingPlan | None" = None   # the pinned ring and prefill wave the engine would take (None: none)
+    host_tier: bool = False            # the engine would make the host tier (its device mappings are in "experts")
 
     @property
     def resident(self) -> int:
@@ -247,13 +250,14 @@ def experts_in_host_memory(expert_bytes: int, config: OffloadConfig) -> Part:
 
 
 def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None,
-             whole_layers: bool = False, experts_in_ram: int = 0) -> Estimate:
+             whole_layers: bool = False, experts_in_ram: int = 0, decode_path: str | None = None) -> Estimate:
     """experts_in_ram: the bytes of experts the loaded model keeps copied in RAM already (allow_file_backing=0), which
-    the same setting does not need again (as the engine counts them)."""
+    the same setting does not need again (as the engine counts them). decode_path: the engine's (decode_path.py; None:
+    the default it takes), which decides whether the slots are mapped with a host tier."""
     if device.kind != "cpu" and device.error and config.mode != "required":
         # as the engine does (engine_worker._make_device): a GPU that cannot be used leaves every expert on the CPU,
         # and only mode=required refuses the load
-        fallback = estimate(facts, config, DeviceChoice(), kv_tokens, whole_layers, experts_in_ram)
+        fallback = estimate(facts, config, DeviceChoice(), kv_tokens, whole_layers, experts_in_ram, decode_path)
         fallback.statements.insert(0, f"The {device.label} cannot be used ({device.error}): every expert would run "
                                       "on the CPU.")
         return fallback
@@ -292,7 +296,13 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
-    resident_bytes = plan.device_bytes(experts) if plan else 0
+    path = decode_path or paths.default_decode_path()
+    host_tier, tier_said = False, ""
+    if plan is not None and stand_in is not None and not error:
+        # as the engine asks it once planned, on the device as the plan leaves it (staging reserved, no slots)
+        host_tier, tier_said = paths.tier_verdict(path, config, experts, plan.slots, device.kind, host_available,
+                                                  stand_in)
+    resident_bytes = plan.device_bytes(experts, host_tier) if plan else 0
     streaming = None
     if plan is not None and stand_in is not None and not error:
         # the engine's decode streaming slots for layers left without slots (device working memory), in what its
@@ -320,7 +330,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     device_parts: list[Part] = []
     if device.kind != "cpu":
         device_parts = [
-            Part("experts", "resident experts", resident_bytes, counted(sum(p[2] for p in per_layer), "expert")),
+            Part("experts", "resident experts", resident_bytes, counted(sum(p[2] for p in per_layer), "expert") + (
+                f"; with the host tier every slot array is mapped in {human_bytes(TIER_GRANULE)} granules"
+                if host_tier else "")),
             Part("dense", "dense weights", facts.dense_bytes if dense_on_gpu else 0,
                  "onnxruntime's CUDA execution provider" if dense_on_gpu
                  else f"on the CPU: {dense_cpu} ({human_bytes(facts.dense_bytes)} in host RAM)"),
@@ -347,6 +359,10 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     statements = list(plan.statements) if plan else []
     if plan and staged is not None:
         statements.extend(staged.statements(cold=plan.leaves_cold))  # the sentences the engine adds to its plan
+    if host_tier:  # ... then what it says of the host tier
+        statements.append(paths.tier_sentence(path, config, paths.tier_bytes(experts)))
+    elif tier_said:
+        statements.append(tier_said)
     if streaming is not None:
         statements.extend(streaming.statements)  # ... then those of its streaming slots
     if device.kind != "cpu":
@@ -373,7 +389,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if error:
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
-                    staged if not error else None)
+                    staged if not error else None, host_tier)
 
 
 def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, planned: int) -> str | None:

@@ -41,8 +41,10 @@ import psutil
 
 from engine.errors import WorkbenchError
 from engine.offload.config import OffloadConfig
+from engine.offload.planner import slots_device_bytes, under_limit
 from engine.offload.trials import AbaTrials
 from engine.units import human_bytes
+from kernels.gpu.host_tier import TIER_GRANULE
 
 CPU, TIER, BOTH = "cpu", "tier", "both"
 MODES = ("auto", CPU, TIER, BOTH)  # auto: from cpu_execution (trials under its auto); the others: that path, no trials
@@ -155,11 +157,12 @@ def tier_bytes(infos) -> int:
 
 
 def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
-                 available: int) -> tuple[bool, str]:
+                 available: int, device=None) -> tuple[bool, str]:
     """Whether a plan of `slots` per node gets a host tier on a device of `device_kind` ("cuda", "simulated": the
     simulated device counts the tier's bytes and prices its reads; None: no device), with `available` bytes of host
     memory free, and the sentence that tells the user about a wanted tier that is not made ('' where it is made or
-    not wanted: the engine says what it made once it has)."""
+    not wanted: the engine says what it made once it has). `device`, where given, holds no slots yet: a tier whose
+    granule-rounded device mappings it has no room for is not made (a card's mapping would fail)."""
     if not tier_wanted(mode, config) or device_kind is None:
         return False, ""
     if config.mode == "disabled":  # asked for (tier_wanted): every expert runs where the dense part does
@@ -167,10 +170,22 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
                        f"(decode path '{mode}' does not apply).")
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
-    refusal = _refusal(mode, config, tier_bytes(infos), available)
+    refusal = _refusal(mode, config, tier_bytes(infos), available) or _device_refusal(infos, slots, device)
     if refusal:
         return False, f"{without_tier(config)}: no host tier is made, since {refusal}."
     return True, ""
+
+
+def _device_refusal(infos, slots: dict[str, int], device) -> str | None:
+    """Why `device` cannot hold the tier's device mappings for `slots`, or None where it can (or no device is given)."""
+    if device is None:
+        return None
+    need, free = slots_device_bytes(infos, slots, host_tier=True), device.memory.available
+    if need <= free:
+        return None
+    return (f"its device mappings need {human_bytes(need)} (each slot array's device rows rounded up to the "
+            f"{human_bytes(TIER_GRANULE)} mapping granule; {human_bytes(slots_device_bytes(infos, slots))} without the "
+            f"tier), more than the {human_bytes(free)} the device has free for them{under_limit(device)}")
 
 
 def without_tier(config: OffloadConfig) -> str:
@@ -179,10 +194,11 @@ def without_tier(config: OffloadConfig) -> str:
             else "Cold experts are computed on the CPU")
 
 
-def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None) -> str:
-    """What a plan of `slots` will do about the host tier, said before the engine makes it (the budget panel, inspect):
-    the host memory a tier would pin, why a wanted one is not made, or '' where none is wanted."""
-    made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available())
+def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
+                 device=None) -> str:
+    """What a plan of `slots` will do about the host tier, said before the engine makes it (inspect): the host memory a
+    tier would pin, why a wanted one is not made, or '' where none is wanted. `device`: tier_verdict's."""
+    made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available(), device)
     return tier_sentence(mode, config, tier_bytes(infos)) if made else said
 
 

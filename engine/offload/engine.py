@@ -198,7 +198,8 @@ class OffloadEngine:
         plan tells the user about it."""
         # (asked before the stores are made: a re-plan has released them, and a released tier's memory with them)
         made, self.tier_statement = paths.tier_verdict(self.decode_path_mode, config, self.infos, self.plan.slots,
-                                                       getattr(self.device, "kind", None), paths.host_available())
+                                                       getattr(self.device, "kind", None), paths.host_available(),
+                                                       self.device)
         return made
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:

@@ -41,9 +41,18 @@ class OffloadPlan:
         """Whether some expert has no slot (its misses go to the CPU, the host tier or a prefill wave)."""
         return self.placement_mode != "all_resident"
 
-    def device_bytes(self, experts: list[ExpertNodeInfo]) -> int:
-        """Device memory of the planned slots (each the size of an expert in the GPU kernels' layout)."""
-        return sum(self.slots.get(info.name, 0) * info.device_bytes_per_expert for info in experts)
+    def device_bytes(self, experts: list[ExpertNodeInfo], host_tier: bool = False) -> int:
+        """Device memory of the planned slots (slots_device_bytes)."""
+        return slots_device_bytes(experts, self.slots, host_tier)
+
+
+def slots_device_bytes(experts: list[ExpertNodeInfo], slots: dict[str, int], host_tier: bool = False) -> int:
+    """Device memory of `slots` per node, each the size of an expert in the GPU kernels' layout; with the host tier,
+    what a device reserves for its mappings instead: every node the GPU runs maps each of its slot arrays, rounded up
+    to the mapping granule, even without slots (GpuFootprint.tier_device_bytes)."""
+    if host_tier:
+        return sum(info.gpu.tier_device_bytes(slots.get(info.name, 0)) for info in experts if info.gpu is not None)
+    return sum(slots.get(info.name, 0) * info.device_bytes_per_expert for info in experts)
 
 
 def all_resident_bytes(experts: list[ExpertNodeInfo]) -> int:
