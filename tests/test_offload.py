@@ -105,10 +105,11 @@ def test_outputs_equal_the_all_cpu_run(model_folder, cpu_run, placement, fractio
 
 
 def test_the_simulated_device_simulates_the_host_tier(model_folder, cpu_run):
-    """Decode path 'tier' on the simulated device: the tier's host bytes counted (no device bytes), decode steps of
-    partly resident layers routed and computed on the "device" as fully resident ones are, with the all-CPU run's
-    tokens, their cold pairs counted as read; each such step's modelled device time prices the experts in a slot at
-    HBM and the others at TIER_READ_SHARE of PCIe. Without a device the path is refused by name."""
+    """Decode path 'tier' on the simulated device: the tier's host bytes counted (its device mappings: the next
+    test), decode steps of partly resident layers routed and computed on the "device" as fully resident ones are, with
+    the all-CPU run's tokens, their cold pairs counted as read; each such step's modelled device time prices the
+    experts in a slot at HBM and the others at TIER_READ_SHARE of PCIe. Without a device the path is refused by
+    name."""
     from engine.offload.devices import TIER_READ_SHARE
 
     device = SimulatedDevice(1 << 30)
