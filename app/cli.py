@@ -378,17 +378,19 @@ def _cmd_inspect(args) -> int:
         kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
                             dense_on_device=dense_goes_to(device, kv_dtypes))
-        # the sentences the load's plan says, in its order: the plan's, the staging's, the streaming slots', the tier's
+        # the sentences the load's plan says, in its order: the plan's, the staging's, the tier's, the streaming slots'
         statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
-        if device is not None:
-            statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
         mode = args.decode_path or paths.default_decode_path()
-        said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None), device)
+        tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None), device)
+        statements += [said] if said else []
+        if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
+            device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")
+            statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
         # the device planned for and why, where it is not the one asked for: a script reads the JSON, not stderr
         planned = {"asked": args.device, "planned_for": getattr(device, "kind", "cpu"),
                    "why": fallback[0] if fallback else None}
         report["offload"] = {"device": planned, "placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
-                             "slots": plan.slots, "statements": statements + ([said] if said else []),
+                             "slots": plan.slots, "statements": statements,
                              "session_config_entries": config.session_entries()}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
     return 0 if report["supported"] else 1

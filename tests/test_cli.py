@@ -64,6 +64,29 @@ def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tie
     assert said.endswith(f"free for them under gpu_device_mem_limit={8 << 20}."), said
 
 
+def test_inspects_plan_says_what_the_load_on_the_same_device_says(cli):
+    """inspect's offload statements are the load's plan's, in its order (the plan, the staging ring, the host tier, the
+    decode streaming slots), where the parts compete for a gpu_device_mem_limit: it planned the streaming slots in the
+    device's whole free memory, where the load plans them in what its expert slots (with the tier: its granule-rounded
+    mappings) leave, and promised a streaming slot more than the load made."""
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    slot, vram = 35328, 1 << 30  # qwen35moe's expert in a device slot; the simulated card
+    staging = SimulatedDevice(vram)
+    LoadedModel.open(fixture_folder("qwen35moe"), offload=OffloadConfig(device_working_bytes=1 << 20), device=staging)
+    ring = staging.memory.by_purpose["prefill staging ring"]
+    for path, budget, limit in (("cpu", 2 * slot, ring + 3 * slot), ("tier", 0, ring + (64 << 20) + slot)):
+        entries = {"device_expert_bytes": budget, "device_working_bytes": 1 << 20, "gpu_device_mem_limit": limit}
+        result = cli("inspect", str(fixture_folder("qwen35moe")), "--json", "--device", "simulated", "--simulated-vram",
+                     str(vram), "--decode-path", path, *[a for k, v in entries.items() for a in ("--offload", f"{k}={v}")])
+        assert result.returncode == 0, result.stderr
+        model = LoadedModel.open(fixture_folder("qwen35moe"), offload=OffloadConfig(**entries), decode_path=path,
+                                 device=SimulatedDevice(vram, mem_limit=limit))
+        assert model.offload.host_tier == (path == "tier")
+        assert json.loads(result.stdout)["offload"]["statements"] == model.offload.plan.statements, path
+
+
 def test_generate_json_greedy_is_deterministic_and_matches_max_tokens(cli):
     args = ("generate", str(fixture_folder("gptoss")), "--prompt", "Hello", "--max-new-tokens", "12", "--json")
     first, second = cli(*args), run_cli(*args)  # the second in a process of its own: another hash seed, fresh state

@@ -87,18 +87,18 @@ def test_a_tier_refused_under_cpu_execution_disabled_says_cold_experts_are_copie
 
 def test_the_preview_says_the_host_memory_a_tier_would_pin(monkeypatch):
     monkeypatch.setattr(paths, "host_available", lambda: 100 * GIB)
-    assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda") == (
+    assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda") == (True,
         "Decode can also read cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory: while "
         "decoding the engine times that against the CPU and against both at once, and keeps the fastest.")
-    assert paths.tier_preview("auto", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (
+    assert paths.tier_preview("auto", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (True,
         "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory "
         "(cpu_execution=disabled).")
-    assert paths.tier_preview("both", OffloadConfig(), NODES, HALF, "cuda") == (
+    assert paths.tier_preview("both", OffloadConfig(), NODES, HALF, "cuda") == (True,
         "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory while "
         "the CPU computes a share of them, as asked (decode path 'both').")
     monkeypatch.setattr(paths, "host_available", lambda: GIB)
-    assert paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda").startswith(
-        "Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB")
+    made, said = paths.tier_preview("auto", OffloadConfig(), NODES, HALF, "cuda")
+    assert not made and said.startswith("Cold experts are computed on the CPU: no host tier is made, since its 2.0 GiB")
 
 
 def test_the_trials_keep_the_tier_unless_another_path_is_the_fastest_by_the_margin():
@@ -159,6 +159,6 @@ def test_both_under_cpu_execution_disabled_says_the_cpu_takes_no_share(monkeypat
     """cpu_execution=disabled keeps every expert off the CPU, so the engine runs the decode path 'both' as 'tier'
     (decode_path_in_force). The sentence the plan and the budget panel gave said the CPU computes a share of them."""
     monkeypatch.setattr(paths, "host_available", lambda: 100 * GIB)
-    assert paths.tier_preview("both", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (
+    assert paths.tier_preview("both", OffloadConfig(cpu_execution="disabled"), NODES, HALF, "cuda") == (True,
         "Instead, decode reads cold experts on the GPU from a host tier of 2.0 GiB of page-locked host memory; "
         "decode path 'both' was asked, but cpu_execution=disabled leaves the CPU no share of them.")

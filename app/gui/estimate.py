@@ -296,12 +296,11 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
-    path = decode_path or paths.default_decode_path()
     host_tier, tier_said = False, ""
     if plan is not None and stand_in is not None and not error:
         # as the engine asks it once planned, on the device as the plan leaves it (staging reserved, no slots)
-        host_tier, tier_said = paths.tier_verdict(path, config, experts, plan.slots, device.kind, host_available,
-                                                  stand_in)
+        host_tier, tier_said = paths.tier_preview(decode_path or paths.default_decode_path(), config, experts,
+                                                  plan.slots, device.kind, stand_in)
     resident_bytes = plan.device_bytes(experts, host_tier) if plan else 0
     streaming = None
     if plan is not None and stand_in is not None and not error:
@@ -359,9 +358,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     statements = list(plan.statements) if plan else []
     if plan and staged is not None:
         statements.extend(staged.statements(cold=plan.leaves_cold))  # the sentences the engine adds to its plan
-    if host_tier:  # ... then what it says of the host tier
-        statements.append(paths.tier_sentence(path, config, paths.tier_bytes(experts)))
-    elif tier_said:
+    if tier_said:  # ... then what it says of the host tier
         statements.append(tier_said)
     if streaming is not None:
         statements.extend(streaming.statements)  # ... then those of its streaming slots

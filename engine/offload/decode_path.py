@@ -195,11 +195,12 @@ def without_tier(config: OffloadConfig) -> str:
 
 
 def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
-                 device=None) -> str:
-    """What a plan of `slots` will do about the host tier, said before the engine makes it (inspect): the host memory a
-    tier would pin, why a wanted one is not made, or '' where none is wanted. `device`: tier_verdict's."""
+                 device=None) -> tuple[bool, str]:
+    """Whether the engine will make the host tier for a plan of `slots`, and what it will say (the budget estimate,
+    inspect): the host memory the tier pins, why a wanted one is not made, or '' where none is wanted. `device`:
+    tier_verdict's."""
     made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available(), device)
-    return tier_sentence(mode, config, tier_bytes(infos)) if made else said
+    return made, tier_sentence(mode, config, tier_bytes(infos)) if made else said
 
 
 def tier_sentence(mode: str, config: OffloadConfig, nbytes: int) -> str:
