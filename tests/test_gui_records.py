@@ -498,6 +498,54 @@ def test_side_by_side_times_each_side_once_the_engines_trials_of_its_ways_are_ov
     assert result.comparison.divergence is None  # exact routing: the trials change the speed, not the answer
 
 
+# A card on which A's automatic budget holds every gpt-oss fixture expert and B's, beside A, only 4: each side's
+# prefill staging ring takes 16 experts' bytes first, the reserve 4 more
+SHARED_CARD = {"device": {"kind": "simulated", "capacity": 56 * EXPERT},
+               "entries": {"reserve_device_bytes": str(4 * EXPERT)}}
+
+
+def test_side_by_side_loads_b_beside_a_on_the_simulated_card_and_gives_each_sides_budget(tmp_path):
+    """B is loaded while A stays loaded. On a real card B's CudaDevice sees the driver's free memory, what A leaves,
+    so an automatic budget of B's (that free memory less reserve_device_bytes) comes out smaller than A's; the
+    simulated card instead gave B a whole card of its own, budgets the card could not hold at once, and so never
+    showed it. B now shares the simulated card with A, and the comparison carries each side's budget as set."""
+    import app.gui.records_jobs as jobs
+
+    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
+    device = SimulatedDevice(card)
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
+    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
+                          lambda _choice, config: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+    result = jobs.SideBySideJob("Compare the two sides", 2, entries, history_path=str(tmp_path / "h.sqlite"))(ctx)
+    assert result.comparison.records[1].offload["statements"][0] == (
+        "4 expert slots for the 16 experts on the simulated GPU, 1.9 MiB (138.0 KiB of a 138.0 KiB expert budget).")
+    a, b = result.comparison.budgets
+    assert (a.budget_bytes, a.free_bytes, a.automatic, a.leaves_cold) == (36 * EXPERT, 40 * EXPERT, True, False)
+    assert (b.budget_bytes, b.free_bytes, b.automatic, b.leaves_cold) == (4 * EXPERT, 8 * EXPERT, True, True)
+    assert device.memory.used == 32 * EXPERT  # A's ring and slots, all it holds: B's are on its own accounts
+
+
+def test_side_by_side_states_each_sides_budget_and_why_bs_automatic_one_is_smaller(qtbot, window):
+    load(qtbot, window, "gptoss", SHARED_CARD)
+    view = window.side_by_side
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(2)
+    view.bar.run_button.click()  # B: "Same as A", its budget automatic as A's
+    finish(qtbot, window, view)
+    assert view.left.values["expert budget"].text() == "1.2 MiB, automatic: of 1.3 MiB free"
+    assert view.right.values["expert budget"].text() == "138.0 KiB, automatic: of 276.0 KiB free"
+    assert view.divergence.text().endswith(
+        " B's automatic expert budget, 138.0 KiB, was computed from the 276.0 KiB the device had free beside A, which "
+        "stays loaded and holds its part of it (A's plan saw 1.3 MiB free): B has less than its settings give it "
+        "alone. For budgets on equal terms give both sides a device_expert_bytes the device holds together (A's in "
+        "Budgets, then load).")
+    view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}")  # a budget B sets: nothing to explain
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert view.right.values["expert budget"].text() == "103.5 KiB, device_expert_bytes"
+    assert "beside A" not in view.divergence.text()
+
+
 def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, window):
     load(qtbot, window, "gptoss")  # no device: every expert on the CPU, for A and for B
     view = window.side_by_side

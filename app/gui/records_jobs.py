@@ -24,6 +24,7 @@ from engine.records.schema import RunRecord, generation_settings
 from engine.units import counted, human_bytes
 from engine.records.side_by_side import Comparison, Side, compare
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
+from engine.offload.projection import is_simulated
 from engine.sampling import SamplingParams, model_sampling, recorded
 from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
                                   settle as end_trials, stopped_at, sweep_plan)
@@ -341,8 +342,9 @@ class SideBySideResult:
 @dataclass
 class SideBySideJob:
     """Left: the loaded model as it is. Right: `right_folder` (default: the same folder) loaded
-    again with `right_entries` (and `right_layer_split`, `right_decode_path`; None: the engine's defaults), on a device like the
-    left's. One prompt, both answers, a record each (saved unless cancelled); a side that cannot load or answer has its
+    again with `right_entries` (and `right_layer_split`, `right_decode_path`; None: the engine's defaults), beside the
+    left on its device (what the left holds there stays held: an automatic budget of B's has what it leaves). One
+    prompt, both answers, a record each (saved unless cancelled); a side that cannot load or answer has its
     one-line error instead, and the other side answers alone. `max_new_tokens` None: the models' own length."""
     prompt: str
     max_new_tokens: int | None
@@ -369,7 +371,9 @@ class SideBySideJob:
         ctx.progress(0.0, "loading the right side")
         device = None
         try:
-            device = ctx.make_device(ctx.device_choice, config)
+            # B is loaded beside A, which stays loaded: on the simulated card as on a real one, B has what A leaves
+            device = (ctx.device.beside(config.gpu_device_mem_limit) if is_simulated(ctx.device)
+                      else ctx.make_device(ctx.device_choice, config))
             right = Side(LoadedModel.open(folder, progress=load_progress, offload=config, device=device,
                                           layer_split=self.right_layer_split, decode_path=self.right_decode_path),
                          device, self.labels[1])

@@ -28,11 +28,11 @@ from engine.offload import OffloadConfig
 from engine.offload.config import DEVICE_KEYS, keys_among
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
-from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE
+from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE, SideBudget, budget_beside_a
 from engine.units import decode_rate, human_bytes
 
 KIND = "comparing"
-STATS = ("first token", "decode", "total", "tokens", "device peak", "routing")
+STATS = ("first token", "decode", "total", "tokens", "expert budget", "device peak", "routing")
 
 
 # this app's own settings beside onnxruntime's keys (engine/offload/layer_split.py, decode_path.py), with their values
@@ -155,7 +155,7 @@ def saved_text(ids: list[int]) -> str:
     return f"Saved run{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} to the history."
 
 
-def side_stats(record) -> dict[str, str]:
+def side_stats(record, budget: SideBudget | None = None) -> dict[str, str]:
     if record is None or not record.turns:
         return dict.fromkeys(STATS, "—")
     turn = record.turns[0]
@@ -166,7 +166,30 @@ def side_stats(record) -> dict[str, str]:
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
             "total": f"{t['total_s']:.2f} s",
             "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]),
-            "device peak": device_peak_text(record.peaks["device_bytes"]), "routing": routing_text(record)}
+            "expert budget": budget_text(budget), "device peak": device_peak_text(record.peaks["device_bytes"]),
+            "routing": routing_text(record)}
+
+
+def budget_text(budget: SideBudget | None) -> str:
+    """A side's expert budget as its plan set it ("—": no device, or offload disabled)."""
+    if budget is None:
+        return "—"
+    if not budget.automatic:
+        return f"{human_bytes(budget.budget_bytes)}, device_expert_bytes"
+    return f"{human_bytes(budget.budget_bytes)}, automatic: of {human_bytes(budget.free_bytes)} free"
+
+
+def budget_beside_a_text(budgets: tuple[SideBudget | None, SideBudget | None]) -> str:
+    """Where B's automatic budget came out smaller for A holding its part of the device (budget_beside_a): why, and
+    how to compare budgets on equal terms; else ''."""
+    if not budget_beside_a(budgets):
+        return ""
+    a, b = budgets
+    return (f" B's automatic expert budget, {human_bytes(b.budget_bytes)}, was computed from the "
+            f"{human_bytes(b.free_bytes)} the device had free beside A, which stays loaded and holds its part of it "
+            f"(A's plan saw {human_bytes(a.free_bytes)} free): B has less than its settings give it alone. For budgets "
+            "on equal terms give both sides a device_expert_bytes the device holds together (A's in Budgets, then "
+            "load).")
 
 
 def device_peak_text(device_bytes: int | None) -> str:
@@ -542,8 +565,9 @@ class SideBySideView(QWidget):
         records = comparison.records if comparison else (None, None)
         failures = comparison.failures if comparison else (None, None)
         divergence = comparison.divergence if comparison else None
-        for column, side, record, pieces, thoughts, failure in zip((self.left, self.right), "AB", records,
-                                                                   result.pieces, result.thoughts, failures):
+        budgets = comparison.budgets if comparison else (None, None)
+        for column, side, record, pieces, thoughts, failure, budget in zip(
+                (self.left, self.right), "AB", records, result.pieces, result.thoughts, failures, budgets):
             if failure:
                 column.show_failure(failure)
             elif result.cancelled and not (record and record.turns) and not pieces and not thoughts:
@@ -551,7 +575,7 @@ class SideBySideView(QWidget):
             else:
                 by_text = comparison is not None and comparison.by_text
                 at = token_at(comparison.text_divergence, thoughts, pieces) if by_text else divergence
-                column.show_result(pieces, at, side_stats(record), thoughts)
+                column.show_result(pieces, at, side_stats(record, budget), thoughts)
         if result.cancelled:
             self.divergence.setText("Cancelled: nothing saved.")
             self.bar.finish("Cancelled.")
@@ -562,7 +586,8 @@ class SideBySideView(QWidget):
         else:
             self.divergence.setText(divergence_text(divergence, comparison.margins, comparison.margins_failure,
                                                     comparison.by_text, comparison.text_divergence)
-                                    + " " + speed_text(*records) + idle_settings_text(*records))
+                                    + " " + speed_text(*records) + idle_settings_text(*records)
+                                    + budget_beside_a_text(comparison.budgets))
         self.bar.finish(saved_text(result.saved_ids))
         self.recorded.emit(result.saved_ids)
 

@@ -267,10 +267,17 @@ class SimulatedDevice:
     def __init__(self, total_bytes: int = 8 * GIB, mem_limit: int = 0, bandwidths: Bandwidths = Bandwidths(),
                  name: str | None = None, others_bytes: int = 0):
         # others_bytes: what other processes hold on the card stood in for (the budget panel's estimate)
+        self.total_bytes, self.others_bytes = total_bytes, others_bytes
         self.memory = card_memory(total_bytes, others_bytes, mem_limit)
         self.bandwidths = bandwidths
         self.name = name or f"simulated GPU, {human_bytes(total_bytes)}"
         self.pinned: PinnedRing | None = None  # set by the offload engine (pinned_bytes)
+
+    def beside(self, mem_limit: int = 0) -> "SimulatedDevice":
+        """The same card for another model loaded beside this device's (side by side's B): what this device holds now
+        is held there, as a CudaDevice opened beside another sees the driver's free memory."""
+        return SimulatedDevice(self.total_bytes, mem_limit, self.bandwidths, self.name,
+                               self.others_bytes + self.memory.used)
 
     def staging_bytes_per_expert(self, runner) -> int:
         """Bytes one expert of this node takes in the pinned staging ring: as the CUDA device counts them."""

@@ -35,6 +35,9 @@ class OffloadPlan:
     budget_bytes: int
     slots: dict[str, int] = field(default_factory=dict)   # node name -> slots
     statements: list[str] = field(default_factory=list)   # plain sentences for the user
+    # what the device had free as the budget was set (an automatic budget is this less reserve_device_bytes); 0: no
+    # device, or offload disabled
+    free_bytes: int = 0
 
     @property
     def leaves_cold(self) -> bool:
@@ -230,14 +233,14 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
             for reason, infos in _by_reason(refused, _gpu_refusal).items()))
     runnable = [info for info in experts if info.gpu is not None]
 
-    available = device.memory.available
+    available = free = device.memory.available
     if config.device_expert_bytes is not None:
         budget = config.device_expert_bytes
     else:
         # a dense part the load put on the device holds what the reserve kept for it (DENSE_RESERVATION): a re-plan
         # counts it as that reserve, not beside it
-        dense = device.memory.by_purpose.get(DENSE_RESERVATION, 0)
-        budget = min(available, automatic_budget(config, available + dense))
+        free = available + device.memory.by_purpose.get(DENSE_RESERVATION, 0)
+        budget = min(available, automatic_budget(config, free))
     clamped = budget > available
     if clamped:
         if config.mode == "required":
@@ -317,4 +320,4 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     if mode == "hybrid" and resident < sum(info.spec.num_experts for info in runnable):
         statements.append("Cold experts that routing hits during decode run on the CPU." if config.cpu_execution != "disabled"
                           else "Cold experts that routing hits are copied to the device before they run.")
-    return OffloadPlan(mode, budget, slots, statements)
+    return OffloadPlan(mode, budget, slots, statements, free)

@@ -5,11 +5,12 @@ chose its token there (a near tie that rounding can tip, or a clear difference).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.errors import one_line
 from engine.generation import GenerationParams, LoadedModel
+from engine.offload.planner import under_limit
 from engine.records.scenarios import run_turns
 from engine.records.schema import RunRecord
 
@@ -32,6 +33,35 @@ class Side:
     failure: str | None = None
 
 
+@dataclass(frozen=True)
+class SideBudget:
+    """A side's expert budget as its plan set it, and the free device memory it was set beside (OffloadPlan)."""
+    budget_bytes: int
+    automatic: bool      # device_expert_bytes=auto: the free memory less reserve_device_bytes
+    free_bytes: int
+    leaves_cold: bool    # some expert has no slot, so a smaller budget costs this side speed
+    limited: bool        # gpu_device_mem_limit, not the device's memory, bounds what it had free
+
+
+def side_budget(side: Side) -> SideBudget | None:
+    """None: no model, no device, or offload disabled (the expert budgets do not apply)."""
+    offload = side.model.offload if side.model is not None else None
+    if offload is None or side.device is None or offload.config.mode == "disabled":
+        return None
+    plan = offload.plan
+    return SideBudget(plan.budget_bytes, offload.config.device_expert_bytes is None, plan.free_bytes,
+                      plan.leaves_cold, bool(under_limit(side.device)))
+
+
+def budget_beside_a(budgets: tuple[SideBudget | None, SideBudget | None]) -> bool:
+    """Whether B's automatic budget came out smaller than B's settings give alone: B is loaded while A stays loaded
+    and holds its part of the device, so B's budget is computed from less free memory than A's plan saw (where no
+    gpu_device_mem_limit of B's bounds it anyway), and B keeps experts cold that more budget would hold."""
+    a, b = budgets
+    return (a is not None and b is not None and b.automatic and b.leaves_cold and not b.limited
+            and b.free_bytes < a.free_bytes)
+
+
 @dataclass
 class Comparison:
     records: tuple[RunRecord | None, RunRecord | None]  # None: that side failed
@@ -48,11 +78,13 @@ class Comparison:
     # identical, and `divergence` is None
     by_text: bool = False
     text_divergence: int | None = None
+    budgets: tuple[SideBudget | None, SideBudget | None] = (None, None)  # each side's expert budget (side_budget)
 
     def as_dict(self) -> dict:
         return {"divergence": self.divergence, "margins": self.margins, "failures": list(self.failures),
                 "margins_failure": self.margins_failure, "by_text": self.by_text,
                 "text_divergence": self.text_divergence,
+                "budgets": [asdict(budget) if budget is not None else None for budget in self.budgets],
                 "records": [r.to_dict() if r is not None else None for r in self.records]}
 
 
@@ -156,4 +188,4 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
         except Exception as exc:  # the two answers and their records stand without them
             margins_failure = one_line(exc)
     return Comparison((records[0], records[1]), divergence, margins, (failures[0], failures[1]), margins_failure,
-                      by_text, text_divergence)
+                      by_text, text_divergence, (side_budget(left), side_budget(right)))
