@@ -1128,15 +1128,15 @@ def test_side_by_side_explains_bs_budget_only_where_a_held_the_memory_it_lacked(
     from app.gui.side_by_side_view import budget_beside_a_text, budget_text
     from engine.records.side_by_side import SideBudget
 
-    a = SideBudget(6 << 30, automatic=True, free_bytes=7 << 30, leaves_cold=True, limited=False)
-    b = SideBudget(1 << 30, automatic=True, free_bytes=2 << 30, leaves_cold=True, limited=False)
+    a = SideBudget(6 << 30, asked_bytes=None, free_bytes=7 << 30, leaves_cold=True, limited=False)
+    b = SideBudget(1 << 30, asked_bytes=None, free_bytes=2 << 30, leaves_cold=True, limited=False)
     assert budget_text(b) == "1.0 GiB, automatic: of 2.0 GiB free"
-    assert budget_text(replace(b, automatic=False)) == "1.0 GiB, device_expert_bytes"
+    assert budget_text(replace(b, asked_bytes=1 << 30)) == "1.0 GiB, device_expert_bytes"
     assert budget_text(None) == "—"
     assert budget_beside_a_text((a, b)).startswith(
         " B's automatic expert budget, 1.0 GiB, was computed from the 2.0 GiB the device had free beside A, which "
         "stays loaded and holds its part of it (A's plan saw 7.0 GiB free)")
-    for alone in (replace(b, automatic=False), replace(b, limited=True), replace(b, leaves_cold=False),
+    for alone in (replace(b, asked_bytes=1 << 30), replace(b, limited=True), replace(b, leaves_cold=False),
                   replace(b, free_bytes=a.free_bytes)):
         assert budget_beside_a_text((a, alone)) == ""
     assert budget_beside_a_text((None, b)) == budget_beside_a_text((a, None)) == ""

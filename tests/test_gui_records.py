@@ -546,6 +546,26 @@ def test_side_by_side_states_each_sides_budget_and_why_bs_automatic_one_is_small
     assert "beside A" not in view.divergence.text()
 
 
+def test_side_by_side_says_where_bs_own_budget_was_cut_to_what_a_left_free(qtbot, window):
+    """A device_expert_bytes of B's above what the device has free beside A is cut to that (mode=auto): B's column
+    gave the cut budget as the one B set ("276.0 KiB, device_expert_bytes" for 552 KiB asked), and nothing said A's
+    memory cut it."""
+    load(qtbot, window, "gptoss", SHARED_CARD)  # A holds 32 experts' bytes of the card's 56
+    view = window.side_by_side
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(2)
+    view.right_entries.setPlainText(f"device_expert_bytes={16 * EXPERT}")  # every expert, alone
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    assert view.result.comparison.budgets[1].budget_bytes == 8 * EXPERT
+    assert view.right.values["expert budget"].text() == ("276.0 KiB, all the device had free "
+                                                          "(device_expert_bytes=552.0 KiB)")
+    assert view.divergence.text().endswith(
+        " B's device_expert_bytes, 552.0 KiB, is more than the 276.0 KiB the device had free beside A, which stays "
+        "loaded and holds its part of it (A's plan saw 1.3 MiB free): B's budget is 276.0 KiB. For budgets on equal "
+        "terms give both sides a device_expert_bytes the device holds together (A's in Budgets, then load).")
+
+
 def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, window):
     load(qtbot, window, "gptoss")  # no device: every expert on the CPU, for A and for B
     view = window.side_by_side

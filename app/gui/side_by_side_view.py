@@ -174,22 +174,30 @@ def budget_text(budget: SideBudget | None) -> str:
     """A side's expert budget as its plan set it ("—": no device, or offload disabled)."""
     if budget is None:
         return "—"
+    if budget.cut:
+        return (f"{human_bytes(budget.budget_bytes)}, all the device had free "
+                f"(device_expert_bytes={human_bytes(budget.asked_bytes)})")
     if not budget.automatic:
         return f"{human_bytes(budget.budget_bytes)}, device_expert_bytes"
     return f"{human_bytes(budget.budget_bytes)}, automatic: of {human_bytes(budget.free_bytes)} free"
 
 
 def budget_beside_a_text(budgets: tuple[SideBudget | None, SideBudget | None]) -> str:
-    """Where B's automatic budget came out smaller for A holding its part of the device (budget_beside_a): why, and
-    how to compare budgets on equal terms; else ''."""
+    """Where B's budget came out smaller for A holding its part of the device (budget_beside_a): why, and how to
+    compare budgets on equal terms; else ''."""
     if not budget_beside_a(budgets):
         return ""
     a, b = budgets
-    return (f" B's automatic expert budget, {human_bytes(b.budget_bytes)}, was computed from the "
-            f"{human_bytes(b.free_bytes)} the device had free beside A, which stays loaded and holds its part of it "
-            f"(A's plan saw {human_bytes(a.free_bytes)} free): B has less than its settings give it alone. For budgets "
-            "on equal terms give both sides a device_expert_bytes the device holds together (A's in Budgets, then "
-            "load).")
+    beside = (f"the {human_bytes(b.free_bytes)} the device had free beside A, which stays loaded and holds its part of "
+              f"it (A's plan saw {human_bytes(a.free_bytes)} free)")
+    if b.cut:
+        why = (f" B's device_expert_bytes, {human_bytes(b.asked_bytes)}, is more than {beside}: B's budget is "
+               f"{human_bytes(b.budget_bytes)}.")
+    else:
+        why = (f" B's automatic expert budget, {human_bytes(b.budget_bytes)}, was computed from {beside}: B has less "
+               "than its settings give it alone.")
+    return why + (" For budgets on equal terms give both sides a device_expert_bytes the device holds together (A's in "
+                  "Budgets, then load).")
 
 
 def device_peak_text(device_bytes: int | None) -> str:

@@ -37,10 +37,19 @@ class Side:
 class SideBudget:
     """A side's expert budget as its plan set it, and the free device memory it was set beside (OffloadPlan)."""
     budget_bytes: int
-    automatic: bool      # device_expert_bytes=auto: the free memory less reserve_device_bytes
+    asked_bytes: int | None  # device_expert_bytes; None: automatic (the free memory less reserve_device_bytes)
     free_bytes: int
     leaves_cold: bool    # some expert has no slot, so a smaller budget costs this side speed
     limited: bool        # gpu_device_mem_limit, not the device's memory, bounds what it had free
+
+    @property
+    def automatic(self) -> bool:
+        return self.asked_bytes is None
+
+    @property
+    def cut(self) -> bool:
+        """A device_expert_bytes above what the device had free, cut to that (the planner's clamp)."""
+        return self.asked_bytes is not None and self.budget_bytes < self.asked_bytes
 
 
 def side_budget(side: Side) -> SideBudget | None:
@@ -49,16 +58,17 @@ def side_budget(side: Side) -> SideBudget | None:
     if offload is None or side.device is None or offload.config.mode == "disabled":
         return None
     plan = offload.plan
-    return SideBudget(plan.budget_bytes, offload.config.device_expert_bytes is None, plan.free_bytes,
-                      plan.leaves_cold, bool(under_limit(side.device)))
+    return SideBudget(plan.budget_bytes, offload.config.device_expert_bytes, plan.free_bytes, plan.leaves_cold,
+                      bool(under_limit(side.device)))
 
 
 def budget_beside_a(budgets: tuple[SideBudget | None, SideBudget | None]) -> bool:
-    """Whether B's automatic budget came out smaller than B's settings give alone: B is loaded while A stays loaded
-    and holds its part of the device, so B's budget is computed from less free memory than A's plan saw (where no
-    gpu_device_mem_limit of B's bounds it anyway), and B keeps experts cold that more budget would hold."""
+    """Whether B's budget, automatic or cut to what the device had free, came out smaller than B's settings give
+    alone: B is loaded while A stays loaded and holds its part of the device, so B's budget is set from less free
+    memory than A's plan saw (where no gpu_device_mem_limit of B's bounds it anyway), and B keeps experts cold that
+    more budget would hold."""
     a, b = budgets
-    return (a is not None and b is not None and b.automatic and b.leaves_cold and not b.limited
+    return (a is not None and b is not None and (b.automatic or b.cut) and b.leaves_cold and not b.limited
             and b.free_bytes < a.free_bytes)
 
 
