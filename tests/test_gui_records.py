@@ -525,6 +525,31 @@ def test_side_by_side_loads_b_beside_a_on_the_simulated_card_and_gives_each_side
     assert device.memory.used == 32 * EXPERT  # A's ring and slots, all it holds: B's are on its own accounts
 
 
+def test_side_by_side_says_b_could_not_load_beside_a_where_the_device_had_too_little_free(tmp_path):
+    """B's load refused for want of device memory said only "exceeds the 282624 bytes the device has free", with the
+    same settings A had loaded with: the device A holds most of. It now says so; an error of another kind does not."""
+    import app.gui.records_jobs as jobs
+
+    card, entries = SHARED_CARD["device"]["capacity"], SHARED_CARD["entries"]
+    device = SimulatedDevice(card)
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
+    ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
+                          lambda _choice, config: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+
+    def b_failure(b_entries: dict) -> str:
+        job = jobs.SideBySideJob("Hi", 1, {**entries, **b_entries}, history_path=str(tmp_path / "h.sqlite"))
+        return job(ctx).comparison.failures[1]
+
+    beside = " (beside A, which stays loaded and holds 1.1 MiB of the device)"
+    assert b_failure({"mode": "required", "device_expert_bytes": str(16 * EXPERT)}) == (
+        f"B's model: device_expert_bytes={16 * EXPERT} exceeds the {8 * EXPERT} bytes the device has free" + beside)
+    assert b_failure({"mode": "required", "reserve_device_bytes": str(8 * EXPERT)}).endswith(
+        "of the 276.0 KiB the device has free it keeps 276.0 KiB for KV cache and workspace (reserve_device_bytes); "
+        "set a smaller reserve or a device_expert_bytes" + beside)
+    assert b_failure({"node_overrides": "nowhere:max_resident_slots=1"}).endswith(
+        "(they are /model/layers.0/moe/QMoE, /model/layers.1/moe/QMoE)")
+
+
 def test_side_by_side_states_each_sides_budget_and_why_bs_automatic_one_is_smaller(qtbot, window):
     load(qtbot, window, "gptoss", SHARED_CARD)
     view = window.side_by_side

@@ -23,7 +23,9 @@ from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_to
 from engine.records.schema import RunRecord, generation_settings
 from engine.units import counted, human_bytes
 from engine.records.side_by_side import Comparison, Side, compare
+from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.layer_split import BOTH as BOTH_SPLITS
+from engine.offload.planner import DeviceShort
 from engine.offload.projection import is_simulated
 from engine.sampling import SamplingParams, model_sampling, recorded
 from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
@@ -370,6 +372,7 @@ class SideBySideJob:
 
         ctx.progress(0.0, "loading the right side")
         device = None
+        held_by_a = ctx.device.memory.used if ctx.device is not None else 0  # A stays loaded, holding this
         try:
             # B is loaded beside A, which stays loaded: on the simulated card as on a real one, B has what A leaves
             device = (ctx.device.beside(config.gpu_device_mem_limit) if is_simulated(ctx.device)
@@ -380,7 +383,9 @@ class SideBySideJob:
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
         except WorkbenchError as exc:  # a budget B's device cannot hold, a folder without a model: A answers alone
-            right = Side(None, label=self.labels[1], failure=f"B's model: {exc}")  # the error names the file
+            beside = (f" (beside A, which stays loaded and holds {human_bytes(held_by_a)} of the device)"
+                      if device is not None and held_by_a and isinstance(exc, (DeviceShort, DeviceMemoryError)) else "")
+            right = Side(None, label=self.labels[1], failure=f"B's model: {exc}{beside}")  # the error names the file
         if right.model is not None:
             settle(ctx, right.model, None, "the right side")
         # B is loaded afresh and A may be too: their answers would time the ways their engines try, not those kept

@@ -21,7 +21,12 @@ class OffloadPlanError(WorkbenchError):
     """A configuration that cannot be honoured (required mode, a budget too small)."""
 
 
-class BudgetAboveFree(OffloadPlanError):
+class DeviceShort(OffloadPlanError):
+    """What the device has free, not the configuration alone, is too little: another model or process holding part of
+    the device (side by side's A) can be why."""
+
+
+class BudgetAboveFree(DeviceShort):
     """Under mode=required, a budget above the `available` bytes the device has free (the other modes hold those)."""
 
     def __init__(self, message: str, available: int):
@@ -177,7 +182,7 @@ def _plan_beside_dense(config: OffloadConfig, experts: list[ExpertNodeInfo], dev
     need = all_resident_bytes(runnable)
     room = automatic_budget(config, device.memory.available)
     if need > room:
-        raise OffloadPlanError(
+        raise DeviceShort(
             f"offload mode 'disabled' keeps every expert where the dense part runs, on the {device.name}: they need "
             f"{human_bytes(need)}, and {human_bytes(room)} is free beside the reserve for KV cache and workspace "
             "(reserve_device_bytes); mode=auto keeps the experts that do not fit on the CPU")
@@ -265,9 +270,10 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     smallest = min((i.device_bytes_per_expert for i in runnable), default=0)
     if config.mode == "required" and budget < smallest:
         automatic = config.device_expert_bytes is None
-        raise OffloadPlanError(f"offload mode 'required': the {'automatic ' if automatic else ''}expert budget of "
-                               f"{budget} bytes holds no expert (the smallest needs {smallest} bytes on the device)"
-                               + (f": {_reserve_left(device, available, budget)}" if automatic else ""))
+        raise (DeviceShort if automatic else OffloadPlanError)(
+            f"offload mode 'required': the {'automatic ' if automatic else ''}expert budget of {budget} bytes holds no "
+            f"expert (the smallest needs {smallest} bytes on the device)"
+            + (f": {_reserve_left(device, available, budget)}" if automatic else ""))
     slots = {info.name: 0 for info in experts}
     spent = 0
     if whole_layers:

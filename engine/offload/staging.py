@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.offload.config import PREFIX, OffloadConfig
-from engine.offload.planner import OffloadPlanError
+from engine.offload.planner import DeviceShort, OffloadPlanError
 from engine.units import counted, human_bytes
 
 
@@ -74,7 +74,7 @@ def plan_staging(config: OffloadConfig, staged_expert_bytes: int, largest_slot_b
     through_ring = max(1, pinned // (2 * staged_expert_bytes))
     wave = min(config.prefill_wave_experts, through_ring, device_available // (2 * largest_slot_bytes))
     if wave == 0 and config.cpu_execution == "disabled":
-        raise OffloadPlanError("cpu_execution=disabled needs device room to stage at least one expert "
+        raise DeviceShort("cpu_execution=disabled needs device room to stage at least one expert "
                                f"({2 * largest_slot_bytes} bytes double-buffered)")
     return StagingPlan(pinned, wave, 2 * wave * largest_slot_bytes, staged_expert_bytes)
 
