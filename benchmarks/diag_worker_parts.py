@@ -243,6 +243,10 @@ def chain_parts(worker, jobs: list) -> dict:
         parts["gate -> routing found by the worker (host)"].append(routed - gated)
         parts["  of it off the GPU's clock: the GPU's part past the gate, the crossings"].append(
             routed - gated - on_gpu)
+    # the two clocks over the step: the first layer's routing found to the last's, host less GPU (the crossings
+    # cancel; what is left is the clocks' disagreement, which the split above assumes is nil)
+    parts["first to last routing found, host less GPU (the clocks agree: ~0)"].append(
+        jobs[-1][5] - jobs[0][5] - (times[-1][1] - times[0][1]) * 1e-9)
     return parts
 
 

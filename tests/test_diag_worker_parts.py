@@ -36,3 +36,5 @@ def test_each_gate_to_the_next_routing_is_split_by_the_gpu_clock_and_the_rest_is
     # the host's 20 µs less the GPU's 15 from seeing the gate to publishing; 40 less 36
     assert us["  of it off the GPU's clock: the GPU's part past the gate, the crossings"] == [pytest.approx(5.0),
                                                                                         pytest.approx(4.0)]
+    # routing found 100 µs apart on the host (0.999 990 to 1.000 090), published 102 µs apart on the GPU
+    assert us["first to last routing found, host less GPU (the clocks agree: ~0)"] == [pytest.approx(-2.0)]
