@@ -210,7 +210,9 @@ def cuda_ep_missing_reason() -> str | None:
     builds = installed_onnxruntime_builds()
     if any(build.startswith("onnxruntime-gpu ") for build in builds):
         return f"the installed {', '.join(builds)} offers no {CUDA_EP}"
-    return "onnxruntime here is the CPU build (install onnxruntime-gpu)"
+    # not "install onnxruntime-gpu": beside the CPU build the two break each other (require_single_build)
+    return ("onnxruntime here is the CPU build (`make install` on a machine with an NVIDIA driver installs "
+            "onnxruntime-gpu in its place)")
 
 
 @functools.cache

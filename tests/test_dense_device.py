@@ -499,8 +499,10 @@ def test_dense_on_cpu_without_cuda_ep_says_why(monkeypatch):
     monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime 1.32.0"])
     dense = ort_env.choose_dense_device(FakeCudaDevice(), 1 << 20, 1 << 20)
     assert dense.kind == "cpu"
-    assert dense.reason == "onnxruntime here is the CPU build (install onnxruntime-gpu)"
-    assert dense.statement == "The dense part runs on the CPU: onnxruntime here is the CPU build (install onnxruntime-gpu)."
+    # not "install onnxruntime-gpu": beside the CPU build it breaks both (require_single_build); make swaps them
+    assert dense.reason == ("onnxruntime here is the CPU build (`make install` on a machine with an NVIDIA driver "
+                            "installs onnxruntime-gpu in its place)")
+    assert dense.statement == f"The dense part runs on the CPU: {dense.reason}."
     assert dense.providers() == ["CPUExecutionProvider"]
 
     monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime-gpu 1.23.2"])
@@ -549,7 +551,7 @@ def test_loaded_model_states_where_the_dense_part_runs(monkeypatch):
     monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime 1.32.0"])
     model = LoadedModel.open(fixture_folder("gptoss"), device=FakeCudaDevice())
     assert model.dense_device == "cpu"
-    assert model.dense_reason == "onnxruntime here is the CPU build (install onnxruntime-gpu)"
+    assert model.dense_reason.startswith("onnxruntime here is the CPU build (`make install`")
     assert "dense part runs on the CPU" in model.dense_statement
     assert model.new_state().backend is NUMPY
 

@@ -125,7 +125,7 @@ def test_estimate_puts_the_dense_part_where_the_engine_would(gptoss, monkeypatch
 
     config = OffloadConfig(device_expert_bytes=0)
     card = DeviceChoice("cuda", 1 << 30, name="test card")
-    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: "onnxruntime here is the CPU build (install onnxruntime-gpu)")
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: "onnxruntime here is the CPU build (`make install` ...)")
     cpu_build = estimate(gptoss, config, card)
     assert {p.key: p.bytes for p in cpu_build.device_parts}["dense"] == 0
     assert "The dense part would run on the CPU: onnxruntime here is the CPU build" in " ".join(cpu_build.statements)
