@@ -387,8 +387,7 @@ def dense_cpu_reason(device_kind: str | None, kv_dtypes=()) -> str | None:
     """Why the dense part stays on the CPU with experts on a device of this kind ("cuda",
     "simulated", None), or None when it goes to the GPU (if gpu_device_mem_limit leaves it room)."""
     if device_kind != "cuda":
-        return ("the GPU is simulated, for the experts only" if device_kind == "simulated"
-                else "no GPU device is in use (--device cuda puts it on the GPU)")
+        return "the GPU is simulated, for the experts only" if device_kind == "simulated" else CPU_DENSE.reason
     return cuda_ep_missing_reason() or kv_dtype_reason(kv_dtypes)
 
 

@@ -546,6 +546,12 @@ def test_the_gpu_extras_bring_the_cuda_libraries_as_wheels():
             "onnxruntime-gpu[cuda,cudnn]", f"cupy-{runtime}x[ctk]"}
 
 
+def test_the_dense_parts_reason_without_a_gpu_device_offers_no_command_line_option():
+    """The window says it too (where everything landed), and a --device cuda whose GPU cannot be used loads without a
+    device: "--device cuda puts it on the GPU" was wrong in both."""
+    assert ort_env.dense_cpu_reason(None) == "no GPU device is in use"
+
+
 def test_loaded_model_states_where_the_dense_part_runs(monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     monkeypatch.setattr(ort_env, "installed_onnxruntime_builds", lambda: ["onnxruntime 1.32.0"])

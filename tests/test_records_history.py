@@ -380,8 +380,7 @@ def test_an_older_history_that_cannot_be_written_says_so_not_that_it_is_no_histo
 def test_a_record_says_where_the_dense_part_ran(tmp_path, greedy):
     from engine.records.history import History
 
-    assert greedy.offload["dense"] == {"device": "cpu",
-                                       "reason": "no GPU device is in use (--device cuda puts it on the GPU)"}
+    assert greedy.offload["dense"] == {"device": "cpu", "reason": "no GPU device is in use"}
     assert " dense part on the CPU: no GPU device is in use " in plain(detail_html(greedy))
     data = greedy.to_dict()
     on_gpu = RunRecord.from_dict(dict(data, offload=dict(data["offload"], dense={"device": "cuda", "reason": "fits"})))
