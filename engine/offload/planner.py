@@ -224,7 +224,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         return _plan_beside_dense(config, experts, device)
     if device is None or config.mode == "disabled":
         if config.mode == "required":
-            raise OffloadPlanError("offload mode 'required' but no GPU device is in use (--device cuda or simulated)")
+            raise OffloadPlanError("offload mode 'required' needs a GPU device (a simulated GPU or the CUDA GPU)")
         why = ("offload is disabled, and the dense part runs on the CPU" if config.mode == "disabled"
                else "no GPU device is in use")
         return OffloadPlan("cpu_only", 0, {info.name: 0 for info in experts},
