@@ -158,10 +158,20 @@ def _layers(sliding: dict, path: Path, where: str) -> tuple[int, ...] | None:
     return tuple(layers)
 
 
+def model_folders_inside(folder: Path, most: int = 4) -> str:
+    """The folders one or two levels below `folder` that hold a genai_config.json, as paths relative to it ('' where
+    none do): a downloaded repository keeps its models there (cpu_and_mobile/cpu-int4-.../)."""
+    found = sorted({config.parent.relative_to(folder).as_posix()
+                    for pattern in ("*/genai_config.json", "*/*/genai_config.json") for config in folder.glob(pattern)})
+    return ", ".join(found[:most]) + (", …" if len(found) > most else "")
+
+
 def load_genai_config(folder: Path) -> GenaiConfig:
     path = Path(folder) / "genai_config.json"
     if not no_link_loop(path).is_file():
-        raise ModelFileError(f"{path}: {not_a_file(path)} (a model folder from onnxruntime-genai's builder has one)")
+        inside = model_folders_inside(Path(folder))
+        raise ModelFileError(f"{path}: {not_a_file(path)} (a model folder from onnxruntime-genai's builder has one"
+                             + (f"; model folders in this one: {inside}" if inside else "") + ")")
     raw = read_model_json(path)
     try:
         if not isinstance(raw, dict):

@@ -102,6 +102,17 @@ def test_not_a_folder(tmp_path, cli):
     assert_clean_error(cli("inspect", str(tmp_path / "nowhere")), "nowhere", "not a folder")
 
 
+def test_a_folder_that_holds_model_folders_names_them(tmp_path, cli):
+    """The usual first mistake with a downloaded repository (onnxruntime-genai's are laid out as
+    cpu_and_mobile/cpu-int4-.../genai_config.json): the folder above the model."""
+    for name in ("cuda/cuda-int4", "cpu_and_mobile/cpu-int4"):
+        (tmp_path / name).mkdir(parents=True)
+        shutil.copy(fixture_folder("gptoss") / "genai_config.json", tmp_path / name)
+    assert_clean_error(cli("inspect", str(tmp_path)),
+                       f"{tmp_path / 'genai_config.json'}: missing (a model folder from onnxruntime-genai's builder has "
+                       "one; model folders in this one: cpu_and_mobile/cpu-int4, cuda/cuda-int4)")
+
+
 def test_bad_sampling_value(cli):
     result = cli("generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--temperature", "0.7", "--top-p",
                      "1.5")
