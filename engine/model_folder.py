@@ -22,7 +22,8 @@ def folder_path(folder: str | Path) -> Path:
     """`folder` resolved, checked to be a folder (a model's: its files are checked as they are read)."""
     path = no_link_loop(Path(folder).expanduser()).resolve()
     if not path.is_dir():
-        raise ModelFileError(f"{path}: not a folder (point at the folder holding genai_config.json and model.onnx)")
+        raise ModelFileError(f"{path}: {'not a folder' if path.exists() else 'no such folder'} (point at the folder "
+                             "holding genai_config.json and model.onnx)")
     if not os.access(path, os.R_OK | os.X_OK):
         raise ModelFileError(f"{path}: not readable ({os.strerror(errno.EACCES)})")
     return path

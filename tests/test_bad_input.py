@@ -99,7 +99,10 @@ def test_prompt_longer_than_context(copy_fixture, cli):
 
 
 def test_not_a_folder(tmp_path, cli):
-    assert_clean_error(cli("inspect", str(tmp_path / "nowhere")), "nowhere", "not a folder")
+    assert_clean_error(cli("inspect", str(tmp_path / "nowhere")), f"{tmp_path / 'nowhere'}: no such folder (point at")
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert_clean_error(cli("inspect", str(tmp_path / "model.onnx")), "model.onnx: not a folder (point at the folder "
+                                                                    "holding genai_config.json and model.onnx)")
 
 
 def test_a_folder_that_holds_model_folders_names_them(tmp_path, cli):
