@@ -191,6 +191,9 @@ def size_at_least(minimum: int):
             value = parse_bytes(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if value is not None and value < minimum and re.fullmatch(r"[0-9.]+", text.strip()):
+            raise argparse.ArgumentTypeError(f"{text}: a number without a unit is bytes; a size here is at least "
+                                             f"{human_bytes(minimum)} (8GiB, 512MiB)")
         if value is None or value < minimum:
             raise argparse.ArgumentTypeError(f"{text}: must be a size of at least {human_bytes(minimum)}")
         return value
@@ -250,7 +253,7 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "short names allowed, e.g. device_expert_bytes=2000000000 placement=static); repeatable")
     parser.add_argument("--simulated-vram", type=size_at_least(1 << 20), metavar="SIZE",
                         help="memory of the simulated GPU, in bytes or with a unit as the window takes it (8GiB, "
-                             "1.5 GB, 512M; default 8 GiB; with --device simulated)")
+                             "'1.5 GB' quoted, 512M; default 8 GiB; with --device simulated)")
     parser.add_argument("--layer-split", choices=SPLIT_MODES,
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
                              "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")
