@@ -1325,6 +1325,21 @@ def test_the_estimate_on_a_card_other_processes_use_plans_as_the_load(gptoss, mo
     assert ("limit" in parts) == limited and (", limit" in panel.vram_title.text()) == limited
 
 
+def test_a_cuda_gpu_chosen_that_cannot_be_used_is_said_over_the_vram_not_taken_for_none_chosen(qtbot, gptoss,
+                                                                                                 monkeypatch):
+    from app.gui import budget_panel
+
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "the CUDA GPU needs CuPy")
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_facts(gptoss, {"device": {"kind": "cuda"}, "entries": {}})
+    assert panel.device.currentData() == "cuda"
+    assert panel.vram_title.text() == "VRAM — the CUDA GPU cannot be used"
+    panel.device.setCurrentIndex(panel.device.findData("cpu"))
+    panel.refresh()
+    assert panel.vram_title.text() == "VRAM — no GPU device chosen"
+
+
 def test_a_model_that_cannot_run_says_so_once(qapp, copy_fixture):
     """The verdict of a model with an unsupported expert node: 'Cannot run (...): 1 of 2 ...', not 'Cannot run (...):
     cannot run: 1 of 2 ...'."""

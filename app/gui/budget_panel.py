@@ -548,7 +548,8 @@ class BudgetPanel(QWidget):
             self.vram_legend.setText(legend_html(est.device_parts, t))
             self.vram_bar.show()
         else:
-            self.vram_title.setText("VRAM — no GPU device chosen")
+            self.vram_title.setText(f"VRAM — the {choice.label} cannot be used" if choice.error
+                                    else "VRAM — no GPU device chosen")
             self.vram_bar.hide()
             self.vram_legend.setText(f"<span style='color:{t.muted}'>Nothing of the model is on a GPU.</span>")
         host_parts = est.host_parts + self._tier(est, choice)
