@@ -415,6 +415,22 @@ def test_load_with_progress_then_chat_streams_with_statistics(qtbot, window, mon
     assert QGuiApplication.clipboard().text() == window.chat.entries[-1]["text"]
 
 
+def test_every_expert_on_the_cpu_is_said_as_such_not_as_misses_and_copies_to_a_device(qtbot, window):
+    """The first screen (the demo model, CPU only): no device, so nothing is resident, missed or copied to it."""
+    load(qtbot, window, fixture_folder("gptoss"))
+    answer = ask(qtbot, window, "Hello", max_tokens=4)
+    assert "misses" not in answer["stats"] and "copied" not in answer["stats"]
+    qtbot.waitUntil(lambda: window.placement.updates > 0 and window.placement.heatmap.data["steps"] >= 4)
+    summary = window.placement.summary.text()
+    assert summary.startswith("All 16 experts run on the CPU"), summary
+    assert "miss" not in summary and "copied" not in summary and "swaps" not in summary
+    tooltip = window.placement.heatmap.tooltip_at(0, 0)
+    assert tooltip.startswith("Layer 0, expert 0: on the CPU, as every expert is\n")
+    layer = window.placement.heatmap.data["layers"][0]
+    assert f"This expert: {layer['expert_misses'][0]} routed tokens (counted exactly)" in tooltip
+    assert "miss" not in tooltip and "slot" not in tooltip
+
+
 def test_budget_control_changes_the_plan_shown_and_apply_replans_without_reload(qtbot, window):
     path = fixture_folder("gptoss")
     window.open_model(str(path))
@@ -1547,7 +1563,7 @@ def test_the_placement_summary_says_no_cpu_rate_measured_under_another_plan_or_m
     measured()
     load(qtbot, window, fixture_folder("lfm2moe"), {"device": {"kind": "cpu"}, "entries": {}})
     assert int(placement.heatmap.data["valid"].sum()) == 24  # lfm2moe's stats (the worker sent them before idle)
-    assert placement.summary.text() == "0 of 24 experts resident · 0 swaps"
+    assert placement.summary.text() == "All 24 experts run on the CPU"
 
 
 def test_drop_a_folder_and_demo_model(qtbot, window):

@@ -318,7 +318,8 @@ class EngineWorker(QObject):
                                 "cut_in_reasoning": result.cut_in_reasoning, "finish_reason": result.finish_reason,
                                 "timings": timings, "reused_cache_tokens": result.reused_cache_tokens,
                                 "routing_agreement": result.routing_agreement,
-                                "offload": {key: after[key] - before.get(key, 0) for key in after}})
+                                "offload": {} if cpu_only(self._model) else
+                                {key: after[key] - before.get(key, 0) for key in after}})
             self._emit_stats()
         except Exception as exc:
             self.failed.emit(one_line(exc))
@@ -431,6 +432,7 @@ class EngineWorker(QObject):
             "layer_index": [i.model_layer for i in offload.infos], "bytes_per_expert": bpe,
             "cpu_expert_bytes": cpu_bytes, "cpu_expert_s": cpu_s, "cpu_expert_rate": rate,
             "approximation": dict(vars(offload.approximation)),
+            "cpu_only": cpu_only(self._model),
             "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],
             "pinned": offload.pinned_info(), "wave_experts": offload.wave_experts,
             "copies": offload.copy_state(), "device_memory": self._simulated_memory(),
@@ -574,6 +576,13 @@ def threads_sentence(cpu_threads: int, cores: int) -> str:
 
 
 STEP_SPLITS = 256  # the most recent decoder steps' miss splits sent to the window
+
+
+def cpu_only(model) -> bool:
+    """Whether every expert of the loaded model runs on the CPU (no device, or offload disabled with the dense part
+    there): nothing is resident, so its routed experts are no misses and none is copied anywhere."""
+    offload = getattr(model, "offload", None)
+    return offload is None or offload.plan.placement_mode == "cpu_only"
 
 
 def miss_split(offload) -> dict:

@@ -152,7 +152,7 @@ class Heatmap(QWidget):
                              str(self.data["layer_index"][r]))
             stats = layers[r] if r < len(layers) else {}
             total = stats.get("hits", 0) + stats.get("misses", 0)
-            if total:
+            if total and not self.data.get("cpu_only"):
                 painter.drawText(QRectF(self.LEFT + cols * cw + 4, y, self.RIGHT - 4, max(ch, 12)),
                                  Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter, f"{stats['hits'] / total:.0%}")
         painter.drawText(QRectF(0, 0, self.LEFT - 4, self.TOP), Qt.AlignmentFlag.AlignRight, "layer")
@@ -169,6 +169,13 @@ class Heatmap(QWidget):
         total = stats.get("hits", 0) + stats.get("misses", 0)
         routing = ("Recent routing: {:.2f} (decayed routing count, ~10 steps)" if d.get("placement") == "adaptive"
                    else "Routing: {:.2f} (routing count, not decayed)").format(score)
+        if d.get("cpu_only"):
+            lines = [f"Layer {d['layer_index'][row]}, expert {col}: on the CPU, as every expert is",
+                     routing, f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
+            if "expert_hits" in stats and col < len(stats["expert_hits"]):
+                routed = stats["expert_hits"][col] + stats["expert_misses"][col]
+                lines.append(f"This expert: {routed} routed tokens (counted exactly)")
+            return "\n".join(lines + [d["layer_names"][row]])
         lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + ("resident on the device" if on else cold_text(d)),
                  routing + (" — missed recently" if self.missed[row, col] else ""),
                  f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
@@ -397,6 +404,11 @@ class PlacementView(QWidget):
         hits = sum(layer["hits"] for layer in layers)
         misses = sum(layer["misses"] for layer in layers)
         swaps = sum(layer["swaps"] for layer in layers)
+        if data.get("cpu_only"):
+            self.split, self.last_step, self.pinned = {}, None, {}
+            self.summary.setText(" · ".join([f"All {int(data['valid'].sum())} experts run on the CPU"]
+                                            + self._cpu_parts(data)))
+            return
         parts = [slots_text(data)]
         if hits + misses:
             parts.append(f"hit rate since load {hits / (hits + misses):.0%} ({hits} hits, {misses} misses)")
@@ -413,13 +425,17 @@ class PlacementView(QWidget):
         copies = copies_text(data.get("copies") or {})
         if copies:
             parts.append(copies)
-        threads = threads_text((data.get("copies") or {}).get("cpu_threads") or {})
-        if threads:
-            parts.append(threads)
         parts.append(f"{swaps} swaps")
         if self.pinned:
             parts.append(f"pinned ring {human_bytes(self.pinned['bytes'])}, "
                          f"high-water {human_bytes(self.pinned['high_water'])}")
+        self.summary.setText(" · ".join(parts + self._cpu_parts(data)))
+
+    def _cpu_parts(self, data: dict) -> list[str]:
+        """The CPU expert kernels' threads and read rate in decode, and approximate routing's drops and substitutions,
+        where there are."""
+        threads = threads_text((data.get("copies") or {}).get("cpu_threads") or {})
+        parts = [threads] if threads else []
         if data.get("cpu_expert_rate"):
             self.last_rate = data["cpu_expert_rate"]
         if self.last_rate:
@@ -428,4 +444,4 @@ class PlacementView(QWidget):
         if approx.get("dropped") or approx.get("substituted"):
             parts.append(f"approximate routing: {approx.get('dropped', 0)} routed experts dropped, "
                          f"{approx.get('substituted', 0)} substituted")
-        self.summary.setText(" · ".join(parts))
+        return parts
