@@ -95,6 +95,8 @@ def test_estimate_follows_the_planner(gptoss):
     est = estimate(gptoss, config, DeviceChoice("simulated", 1 << 30))
     assert est.resident == 5 and est.total_experts == 16 and not est.error
     assert [r for _l, _n, r, _e in est.per_layer] == [3, 2]
+    # a slot holds more than the stored expert the model panel lists (31.5 KiB): said, so the sums reconcile
+    assert est.device_parts[0].note == "5 experts, 34.5 KiB a slot: the GPU kernels' layout of 31.5 KiB stored"
     parts = {p.key: p.bytes for p in est.device_parts}
     assert parts["experts"] == 5 * slot and parts["dense"] == 0 and parts["kv"] == 0
     assert parts["workspace"] == est.staging_bytes > 0

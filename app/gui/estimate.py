@@ -193,6 +193,18 @@ class Part:
     note: str = ""
 
 
+def slot_words(experts) -> str:
+    """Where a device slot takes more than the expert stored (the GPU kernels' layout: an fp16 copy of the block scales,
+    a conversion), what one takes: the model panel lists the stored size, which the resident bytes would not add up
+    to. '' where the slots differ between nodes or take what is stored."""
+    sizes = {(info.device_bytes_per_expert, info.bytes_per_expert) for info in experts if info.gpu is not None}
+    if len(sizes) != 1:
+        return ""
+    (slot, stored), = sizes
+    return f", {human_bytes(slot)} a slot: the GPU kernels' layout of {human_bytes(stored)} stored" if slot != stored \
+        else ""
+
+
 @dataclass
 class Estimate:
     plan: OffloadPlan | None
@@ -329,9 +341,10 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     device_parts: list[Part] = []
     if device.kind != "cpu":
         device_parts = [
-            Part("experts", "resident experts", resident_bytes, counted(sum(p[2] for p in per_layer), "expert") + (
-                f"; with the host tier every slot array is mapped in {human_bytes(TIER_GRANULE)} granules"
-                if host_tier else "")),
+            Part("experts", "resident experts", resident_bytes,
+                 counted(sum(p[2] for p in per_layer), "expert") + slot_words(facts.experts) + (
+                     f"; with the host tier every slot array is mapped in {human_bytes(TIER_GRANULE)} granules"
+                     if host_tier else "")),
             Part("dense", "dense weights", facts.dense_bytes if dense_on_gpu else 0,
                  "onnxruntime's CUDA execution provider" if dense_on_gpu
                  else f"on the CPU: {dense_cpu} ({human_bytes(facts.dense_bytes)} in host RAM)"),
