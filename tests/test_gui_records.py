@@ -357,8 +357,8 @@ def test_side_by_side_streams_two_columns_records_both_and_marks_the_divergence(
     view.right_entries.setPlainText("mode=required\ndevice_expert_bytes=100000000000")  # more than the card holds
     view.bar.run_button.click()
     finish(qtbot, window, view)
-    assert view.divergence.text().startswith("B could not answer: B's model: device_expert_bytes=100000000000 "
-                                             "exceeds the ")
+    assert view.divergence.text().startswith("B could not answer: B's model: offload mode 'required': "
+                                             "device_expert_bytes=100000000000 exceeds the ")
     assert view.left.answer.toPlainText() == answer and len(view.result.saved_ids) == 1
     # another model folder, both at once: the first differing token is highlighted in both columns
     view.right_folder.setText(str(fixture_folder("qwen35moe")))

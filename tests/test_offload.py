@@ -513,7 +513,9 @@ def test_a_budget_bounded_by_gpu_device_mem_limit_names_the_limit_not_the_cards_
             f"the budget is {human_bytes(limit)}.") in plan.statements
     with pytest.raises(BudgetAboveFree) as error:
         plan_offload(OffloadConfig(mode="required", device_expert_bytes=2 * limit), experts, device())
-    assert str(error.value) == (f"device_expert_bytes={2 * limit} exceeds the {limit} bytes the device has free under "
+    # why it is refused (auto would hold the budget to what is free), and the free memory as a size too
+    assert str(error.value) == (f"offload mode 'required': device_expert_bytes={2 * limit} exceeds the "
+                                f"{human_bytes(limit)} ({limit} bytes) the device has free under "
                                 f"gpu_device_mem_limit={limit}")
     # without a limit that bounds it, the device's free memory as before
     plan = plan_offload(OffloadConfig(device_expert_bytes=2 << 30), experts, SimulatedDevice(1 << 30, mem_limit=4 << 30))

@@ -249,7 +249,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     clamped = budget > available
     if clamped:
         if config.mode == "required":
-            raise BudgetAboveFree(f"device_expert_bytes={budget} exceeds the {available} bytes the device has "
+            raise BudgetAboveFree(f"offload mode 'required': device_expert_bytes={budget} exceeds the "
+                                  f"{human_bytes(available)} ({available} bytes) the device has "
                                   f"free{under_limit(device)}", available)
         budget = available
     limits, too_small = {}, []  # too_small: the nodes whose override's bytes hold no expert
