@@ -542,7 +542,8 @@ def test_side_by_side_says_b_could_not_load_beside_a_where_the_device_had_too_li
 
     beside = " (beside A, which stays loaded and holds 1.1 MiB of the device)"
     assert b_failure({"mode": "required", "device_expert_bytes": str(16 * EXPERT)}) == (
-        f"B's model: device_expert_bytes={16 * EXPERT} exceeds the {8 * EXPERT} bytes the device has free" + beside)
+        f"B's model: offload mode 'required': device_expert_bytes={16 * EXPERT} exceeds the 276.0 KiB ({8 * EXPERT} "
+        f"bytes) the device has free" + beside)
     assert b_failure({"mode": "required", "reserve_device_bytes": str(8 * EXPERT)}).endswith(
         "of the 276.0 KiB the device has free it keeps 276.0 KiB for KV cache and workspace (reserve_device_bytes); "
         "set a smaller reserve or a device_expert_bytes" + beside)
