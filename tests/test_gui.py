@@ -29,7 +29,7 @@ from app.gui.widgets import MAX_ANSWER_TOKENS  # noqa: E402
 from engine.offload.config import OffloadConfig  # noqa: E402
 from engine.ort_env import cpu_threads  # noqa: E402
 from engine.offload.decode_path import tier_bytes  # noqa: E402
-from engine.units import human_bytes  # noqa: E402
+from engine.units import counted, human_bytes  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 120_000
@@ -500,6 +500,22 @@ def test_where_everything_landed_tells_the_resident_experts_from_the_slots_left_
     assert "6 expert slots for the 16 experts on the simulated GPU" in landed
     assert "Expert slots per layer: 3 of 8 in every layer (2 layers): 2 resident experts, 1 left for copied misses." \
         in landed
+
+
+def test_the_placement_view_counts_the_slots_filled_at_load_apart_from_placements_swaps(qtbot, window):
+    """Straight after a load the placement view said '3 swaps' (22 on a larger model): the slots placement filled at
+    load were counted as swaps, though routing had moved nothing yet. It says the slots filled, and 0 swaps, in the
+    summary and in each layer's tooltip line."""
+    load(qtbot, window, fixture_folder("gptoss"), simulated())
+    offload = window.worker._model.offload
+    filled = [int(np.count_nonzero(layer.expert_in >= 0)) for layer in offload.slots]
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: window.placement.updates > 0, timeout=WAIT)
+    summary = window.placement.summary.text()
+    assert f"placement: {sum(filled)} slots filled, 0 swaps" in summary and sum(filled) == 3, summary
+    window.placement.heatmap.data["layers"][0].update(hits=3, misses=1)  # as after a step: the layer line shows
+    tooltip = window.placement.heatmap.tooltip_at(0, 0)
+    assert f"(75% hit rate), {counted(filled[0], 'slot')} filled, 0 swaps" in tooltip, tooltip
 
 
 def test_where_everything_landed_follows_the_engines_re_weighing_of_its_miss_slots(qtbot, window, monkeypatch):

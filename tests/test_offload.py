@@ -634,27 +634,51 @@ def test_adaptive_slots_are_filled_when_the_budget_changes(model_folder):
         assert np.count_nonzero(layer.expert_in >= 0) == wanted  # every wanted slot filled, the miss slots empty
         best = np.argsort(-scores, kind="stable")[:wanted]
         assert set(layer.expert_in[layer.expert_in >= 0].tolist()) == set(best.tolist())
-    assert engine.stats.totals().swaps == sum(engine.policy.wanted_slots(i) for i in range(len(engine.slots)))
+    assert engine.stats.totals().fills == sum(engine.policy.wanted_slots(i) for i in range(len(engine.slots)))
+    assert engine.stats.totals().swaps == 0
     # what records and the placement view say of placement's swaps: nothing judged yet (fills are not swaps)
     assert engine.copy_state()["placement"] == {"swaps_paused": False, "net_hits_per_swap": None}
 
 
 def test_a_replan_copies_its_kept_residents_back_without_counting_them_as_placements_swaps(model_folder):
     """A re-plan copies the residents it keeps into the new slots (bytes copied, as on a real device), but those are no
-    placement swaps: every Apply of the same budget added one 'swap' per resident expert to the placement view's
-    count and the records' (and the layer split's trials re-plan by themselves)."""
+    placement swaps or fills: every Apply of the same budget added one 'swap' per resident expert to the placement
+    view's count and the records' (and the layer split's trials re-plan by themselves)."""
     model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder)
                                                                  // 4), device=SimulatedDevice(1 << 30))
     engine = model.offload
     before = engine.stats.totals()
     kept = sum(int(np.count_nonzero(layer.expert_in >= 0)) for layer in engine.slots)
-    assert before.swaps == kept > 0  # placement's fills at load
+    assert before.fills == kept > 0 and before.swaps == 0  # placement's fills at load
     engine.reconfigure(engine.config)
     after = engine.stats.totals()
-    assert after.swaps == before.swaps
+    assert (after.fills, after.swaps) == (before.fills, before.swaps)
     assert after.copy_bytes - before.copy_bytes == sum(
         int(np.count_nonzero(layer.expert_in >= 0)) * store.expert_bytes for layer, store in zip(engine.slots,
                                                                                                engine.stores))
+
+
+def test_placements_fills_of_empty_slots_are_counted_apart_from_its_swaps(model_folder):
+    """Filling the slots at load was counted as placement swaps: `generate --json` said swaps: 16 for a run with every
+    expert resident, and the placement view '22 swaps' straight after a load, though routing had moved nothing. Fills
+    (placement's copies into empty slots) have a count of their own; swaps count the residents placement replaced at
+    a safe point because routing moved; the bytes copied count both."""
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder)
+                                                                 // 4), device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    resident = [int(np.count_nonzero(layer.expert_in >= 0)) for layer in engine.slots]
+    said = engine.stats_dict()
+    assert (said["fills"], said["swaps"]) == (sum(resident), 0) and min(resident) > 0
+    assert [(layer["fills"], layer["swaps"]) for layer in said["layers"]] == [(count, 0) for count in resident]
+    copied = said["copy_bytes"]
+    layer = engine.slots[0]
+    cold = int(np.flatnonzero(layer.slot_of < 0)[0])
+    engine.policy.scores[0][cold] = 1e6  # routing made a cold expert the best: the next safe point swaps it in
+    engine.end_step()
+    assert layer.slot_of[cold] >= 0
+    said = engine.stats_dict()
+    assert (said["fills"], said["swaps"]) == (sum(resident), 1)
+    assert said["copy_bytes"] == copied + engine.stores[0].expert_bytes
 
 
 def test_gpu_mem_limit_cannot_change_on_a_loaded_model(model_folder):

@@ -396,7 +396,7 @@ class EngineWorker(QObject):
             self.landedChanged.emit(self._landed([]))
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
-                   "copy_bytes": s.copy_bytes, "swaps": s.swaps, "misses_cpu": s.misses_cpu,
+                   "copy_bytes": s.copy_bytes, "swaps": s.swaps, "fills": s.fills, "misses_cpu": s.misses_cpu,
                    "misses_copied": s.misses_copied, "miss_copies": s.miss_copies, "misses_read": s.misses_read,
                    "routed_on_device": s.routed_on_device, "expert_hits": stats.expert_hits[i].copy(),
                    "expert_misses": stats.expert_misses[i].copy()}

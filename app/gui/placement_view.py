@@ -184,7 +184,8 @@ class Heatmap(QWidget):
                          f"(routed tokens, counted exactly)")
         if total:
             lines.append(f"Layer {d['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
-                         f"({stats['hits'] / total:.0%} hit rate), {stats.get('swaps', 0)} swaps")
+                         f"({stats['hits'] / total:.0%} hit rate), "
+                         + placements_text(stats.get("fills", 0), stats.get("swaps", 0)))
         if stats.get("misses"):
             lines.append(f"Layer {d['layer_index'][row]} misses: {split_text(stats)}")
         if stats.get("routed_on_device"):
@@ -219,6 +220,13 @@ def routed_on_device_text(data: dict, stats: dict) -> str:
     in_force = ((data.get("copies") or {}).get("decode_path") or {}).get("in_force")
     cold = PATH_WORDS[BOTH if in_force == BOTH else TIER]
     return f"{steps} steps routed on the device (resident experts, and cold ones {cold})"
+
+
+def placements_text(fills: int, swaps: int) -> str:
+    """'16 slots filled, 0 swaps': the experts placement copied into empty slots (at load, at a re-plan, or where a
+    slot stood empty) apart from the residents it replaced because routing moved, what adaptive placement is judged
+    by."""
+    return f"{counted(fills, 'slot')} filled, {counted(swaps, 'swap')}"
 
 
 def legend_text(t: theme.Theme, mode: str) -> str:
@@ -359,8 +367,11 @@ class PlacementView(QWidget):
                                "into a spare device slot and computed there when the cost model says that is faster "
                                "(and in prefill waves), or, with a host tier, are read by the GPU from page-locked "
                                "host memory (the decode path: Budgets ▸ Cold experts). 'decode copies' counts the experts copied by the decode "
-                               "miss policy. The pinned staging ring is the page-locked host memory every copy goes "
-                               "through (pinned_bytes); its high-water mark is the most it held at once.")
+                               "miss policy. 'Slots filled' counts the experts placement copied into empty slots "
+                               "(at load, at a re-plan, or where a slot stood empty); 'swaps' the residents it "
+                               "replaced because routing moved. "
+                               "The pinned staging ring is the page-locked host memory every copy goes through "
+                               "(pinned_bytes); its high-water mark is the most it held at once.")
         top = QHBoxLayout()
         top.addWidget(self.residency)
         top.addWidget(self.traffic)
@@ -404,6 +415,7 @@ class PlacementView(QWidget):
         hits = sum(layer["hits"] for layer in layers)
         misses = sum(layer["misses"] for layer in layers)
         swaps = sum(layer["swaps"] for layer in layers)
+        fills = sum(layer.get("fills", 0) for layer in layers)
         if data.get("cpu_only"):
             self.split, self.last_step, self.pinned = {}, None, {}
             self.summary.setText(" · ".join([f"All {int(data['valid'].sum())} experts run on the CPU"]
@@ -425,7 +437,7 @@ class PlacementView(QWidget):
         copies = copies_text(data.get("copies") or {})
         if copies:
             parts.append(copies)
-        parts.append(f"{swaps} swaps")
+        parts.append("placement: " + placements_text(fills, swaps))
         if self.pinned:
             parts.append(f"pinned ring {human_bytes(self.pinned['bytes'])}, "
                          f"high-water {human_bytes(self.pinned['high_water'])}")

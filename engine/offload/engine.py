@@ -517,15 +517,17 @@ class OffloadEngine:
         return swaps
 
     def _apply(self, swaps, placed: bool = True) -> list[float]:
-        """Make the swaps; each one's host seconds. `placed`: placement's own (counted as swaps), not residents copied
-        back into resized slots."""
+        """Make the swaps; each one's host seconds. `placed`: placement's own (counted as fills where the slot was
+        empty, else as swaps), not residents copied back into resized slots."""
         spent = []
         for swap in swaps:
             seconds = self.stores[swap.layer].load(swap.slot, swap.loaded)
             layer = self.stats.layers[swap.layer]
             layer.copy_bytes += self.stores[swap.layer].expert_bytes  # the expert in the kernels' layout
             layer.copy_s += seconds
-            if placed:
+            if placed and swap.evicted is None:
+                layer.fills += 1
+            elif placed:
                 layer.swaps += 1
             spent.append(seconds)
         return spent

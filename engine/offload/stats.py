@@ -14,9 +14,10 @@ class LayerStats:
     cpu_s: float = 0.0       # wall time of CPU expert compute
     device_s: float = 0.0    # device compute time (measured on CUDA, modelled on the simulated device)
     wait_s: float = 0.0      # time the CPU waited for the device after finishing its own experts
-    copy_bytes: int = 0      # host -> device expert copies (swaps, misses copied in, prefill waves)
+    copy_bytes: int = 0      # host -> device expert copies (fills, swaps, misses copied in, prefill waves)
     copy_s: float = 0.0
-    swaps: int = 0
+    swaps: int = 0           # residents placement replaced at a safe point (routing moved), not its fills
+    fills: int = 0           # experts placement copied into empty slots (at load, at a re-plan, or a safe point's)
     misses_cpu: int = 0      # missed pairs computed on the CPU
     misses_copied: int = 0   # missed pairs whose expert was copied to the device (spare slot or prefill wave)
     miss_copies: int = 0     # experts the decode miss policy copied into spare slots
@@ -138,6 +139,7 @@ class OffloadStats:
         total = self.totals()
         return {"steps": self.steps, "hit_rate": total.hit_rate, "copy_bytes": total.copy_bytes,
                 "cpu_s": total.cpu_s, "device_s": total.device_s, "wait_s": total.wait_s, "swaps": total.swaps,
+                "fills": total.fills,
                 "standin_s": total.standin_s, "critical_s": total.critical_s,
                 "phases": {name: {"cpu_s": phase.cpu_s, "standin_s": phase.standin_s, "critical_s": phase.critical_s}
                            for name, phase in self.phases.items()},

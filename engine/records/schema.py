@@ -41,7 +41,9 @@ class RunRecord:
     # on a simulated device also "projected" (optional, absent in older records): decode_tokens_per_s, prefill_s,
     # completion_s on the simulated card and the bandwidths assumed (engine/offload/projection.py)
     peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, rss_start_bytes, pinned_bytes
-    layers: list[dict] = field(default_factory=list)  # per expert node: hit rate, bytes copied, times
+    # per expert node: hit rate, bytes copied, times; "swaps" (residents placement replaced as routing moved) and
+    # "fills" (experts it copied into empty slots); a record written before "fills" existed counts them in "swaps"
+    layers: list[dict] = field(default_factory=list)
     bytes_moved: int = 0
     # prompt, answer, tokens and timings per turn; and "reasoning", what a model that reasons first wrote before its
     # answer ("" for one that does not; absent in records written before it existed)
