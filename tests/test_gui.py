@@ -487,6 +487,34 @@ def load_leaving_a_slot_to_copies(qtbot, window, monkeypatch):
     return window.worker._model.offload  # the worker is idle: the engine's figures hold still
 
 
+def test_a_cpu_only_placement_view_says_nothing_of_residents_misses_or_hit_rates(qtbot, window):
+    """On a CPU-only load the placement view's legend read 'resident · cold · missed now' (Traffic: 'hits · misses'),
+    red 'missed now' dots marked the experts routing chose lately, and the column right of the grid was headed 'hits'
+    with nothing under it: without a device no expert is resident, cold or missed. The legend says the experts run on
+    the CPU, no cell is dotted, and the column has no heading."""
+    from PySide6.QtGui import QColor
+
+    from app.gui import theme
+
+    load(qtbot, window, fixture_folder("gptoss"))
+    ask(qtbot, window, "Hello", max_tokens=4)
+    placement = window.placement
+    qtbot.waitUntil(lambda: placement.updates > 0 and placement.heatmap.data["steps"] >= 4)
+    legend = placement.legend.text()
+    assert "on the CPU" in legend and "missed" not in legend and "cold" not in legend, legend
+    assert not placement.heatmap.missed.any()
+    placement.traffic.setChecked(True)
+    legend = placement.legend.text()
+    assert "routed" in legend and "hits" not in legend and "misses" not in legend, legend
+    heatmap = placement.heatmap
+    heatmap.resize(600, 200)
+    image = heatmap.grab().toImage()
+    rows, cols, cw, ch = heatmap._grid()
+    background = QColor(theme.current().background).rgb()
+    right = range(heatmap.LEFT + cols * cw + 2, heatmap.width())
+    assert all(image.pixel(x, y) == background for x in right for y in range(heatmap.TOP + rows * ch))
+
+
 def test_where_everything_landed_tells_the_resident_experts_from_the_slots_left_to_copied_misses(qtbot, window,
                                                                                                 monkeypatch):
     """Adaptive placement leaving a slot of each layer to copied misses: 'where everything landed' counts each layer's

@@ -28,7 +28,9 @@ RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) i
 def missed_now(data: dict, before: list[np.ndarray] | None) -> np.ndarray:
     """The cold experts routing hits now. Adaptive placement's decayed count says it (RECENT_MISS); static
     placement's never decays, so there it is a miss the engine counted since the update before (`before`: its
-    expert_misses per layer; counts lower than those started again)."""
+    expert_misses per layer; counts lower than those started again). None on a CPU-only load: nothing is missed."""
+    if data.get("cpu_only"):
+        return np.zeros_like(data["resident"])
     cold = data["valid"] & ~data["resident"]
     if data.get("placement") == "adaptive":
         return cold & (data["traffic"] >= RECENT_MISS)
@@ -102,7 +104,7 @@ class Heatmap(QWidget):
             colour = np.where(resident[..., None], accent, cold)
         else:
             base = bg if t.dark else cold
-            target = np.where(resident[..., None], accent, miss)
+            target = np.where(resident[..., None] | bool(self.data.get("cpu_only")), accent, miss)
             mix = np.where(traffic > 0, 0.15 + 0.85 * heat, 0.0)[..., None]
             colour = base + (target - base) * mix
         colour = np.where(valid[..., None], colour, bg)
@@ -159,7 +161,9 @@ class Heatmap(QWidget):
         step = max(1, int(math.ceil(24 / cw)))
         for c in range(0, cols, step):
             painter.drawText(QRectF(self.LEFT + c * cw, 0, max(cw * step, 20), self.TOP), Qt.AlignmentFlag.AlignLeft, str(c))
-        painter.drawText(QRectF(self.LEFT + cols * cw + 4, 0, self.RIGHT, self.TOP), Qt.AlignmentFlag.AlignLeft, "hits")
+        if not self.data.get("cpu_only"):  # the layers' hit rates (none without a device)
+            painter.drawText(QRectF(self.LEFT + cols * cw + 4, 0, self.RIGHT, self.TOP), Qt.AlignmentFlag.AlignLeft,
+                             "hits")
 
     def tooltip_at(self, row: int, col: int) -> str:
         d = self.data
@@ -229,8 +233,12 @@ def placements_text(fills: int, swaps: int) -> str:
     return f"{counted(fills, 'slot')} filled, {counted(swaps, 'swap')}"
 
 
-def legend_text(t: theme.Theme, mode: str) -> str:
-    """The colours of the mode's cells (Heatmap._cells): residency, or traffic (stronger the more routing)."""
+def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False) -> str:
+    """The colours of the mode's cells (Heatmap._cells): residency, or traffic (stronger the more routing); on a
+    CPU-only load, where nothing is resident or missed, the one colour of each."""
+    if cpu_only:
+        return (f"<span style='color:{t.cold}'>■</span> on the CPU" if mode == "residency" else
+                f"<span style='color:{t.accent}'>■</span> routed (stronger: more routing)")
     if mode == "residency":
         return (f"<span style='color:{t.accent}'>■</span> resident &nbsp; <span style='color:{t.cold}'>■</span> "
                 f"cold &nbsp; <span style='color:{t.miss}'>●</span> missed now")
@@ -390,17 +398,22 @@ class PlacementView(QWidget):
         self.apply_theme(theme.current())
 
     def apply_theme(self, t: theme.Theme) -> None:
-        self.legend.setText(legend_text(t, self.heatmap.mode))
+        self._show_legend(t)
         self.heatmap.update()
 
     def _mode_chosen(self, residency: bool) -> None:
         self.heatmap.set_mode("residency" if residency else "traffic")
-        self.legend.setText(legend_text(theme.current(), self.heatmap.mode))
+        self._show_legend(theme.current())
+
+    def _show_legend(self, t: theme.Theme) -> None:
+        cpu_only = bool(self.heatmap.data and self.heatmap.data.get("cpu_only"))
+        self.legend.setText(legend_text(t, self.heatmap.mode, cpu_only))
 
     def clear(self) -> None:
         self.forget_rate()
         self.split, self.last_step, self.pinned = {}, None, {}
         self.heatmap.set_data(None)
+        self._show_legend(theme.current())
         self.summary.setText("No model loaded.")
 
     def forget_rate(self) -> None:
@@ -411,6 +424,7 @@ class PlacementView(QWidget):
     def set_stats(self, data: dict) -> None:
         self.updates += 1
         self.heatmap.set_data(data)
+        self._show_legend(theme.current())
         layers = data["layers"]
         hits = sum(layer["hits"] for layer in layers)
         misses = sum(layer["misses"] for layer in layers)
