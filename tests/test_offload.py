@@ -572,6 +572,26 @@ def test_an_automatic_budget_that_holds_no_expert_says_why(model_folder):
     assert not any("holds no expert" in said for said in roomy.statements)
 
 
+def test_a_gpu_device_mem_limit_the_device_never_reaches_is_said_to_have_no_effect(model_folder):
+    """gpu_device_mem_limit above the card's memory was taken without a word, so the user believed the process bounded
+    by it. The plan says once that it is more than the card (or than what other processes leave it) and bounds
+    nothing; a limit that bounds is not said so."""
+    from engine.model_folder import ModelFolder
+
+    experts = ModelFolder.open(model_folder).experts
+
+    def said(device) -> list[str]:
+        plan = plan_offload(OffloadConfig(gpu_device_mem_limit=device.memory.limit), experts, device)
+        return [statement for statement in plan.statements if "gpu_device_mem_limit" in statement]
+
+    assert said(SimulatedDevice(1 << 30, mem_limit=16 << 30)) == [
+        "gpu_device_mem_limit=16.0 GiB is more than the card's 1.0 GiB of memory: it has no effect."]
+    assert said(SimulatedDevice(1 << 30, mem_limit=768 << 20, others_bytes=512 << 20)) == [
+        "gpu_device_mem_limit=768.0 MiB is more than the 512.0 MiB the card has free for this process (other "
+        "processes hold 512.0 MiB): the free memory bounds the plan, not the limit."]
+    assert said(SimulatedDevice(1 << 30, mem_limit=768 << 20)) == []
+
+
 @pytest.mark.parametrize("judged", [True, False])
 def test_adaptive_placement_reaches_the_hot_set(judged):
     """A skewed workload (a hot set of 6 of 32 experts takes 90% of routing, with recency): once

@@ -21,6 +21,7 @@ class DeviceMemoryError(WorkbenchError):
 class DeviceMemory:
     capacity: int            # bytes the device has for this process
     limit: int = 0           # gpu_device_mem_limit; 0 = no limit
+    card: int = 0            # the card's memory, other processes' included (0: not known)
     used: int = 0
     high_water: int = 0      # the most in use since the device was made
     run_peak: int = 0        # the most in use since mark(): a record's own peak, beside the lifetime mark
@@ -61,4 +62,4 @@ def card_memory(total: int, others: int, limit: int = 0) -> DeviceMemory:
     leave free, under gpu_device_mem_limit, which bounds this process's own allocations and so never counts theirs.
     The load's CudaDevice (the driver's free memory) and the budget panel's estimate (NVML's total and other
     processes, through its stand-in device) both plan against this."""
-    return DeviceMemory(capacity=max(0, total - others), limit=limit)
+    return DeviceMemory(capacity=max(0, total - others), limit=limit, card=total)

@@ -110,6 +110,19 @@ def under_limit(device) -> str:
     return f" under gpu_device_mem_limit={limit}" if limit else ""
 
 
+def _limit_without_effect(device) -> list[str]:
+    """A gpu_device_mem_limit above what the device has for this process bounds nothing: said so (a sentence in a
+    list), naming the card's memory where the limit is more than that."""
+    memory = device.memory
+    if memory.limit <= memory.capacity:
+        return []
+    limit, card = f"gpu_device_mem_limit={human_bytes(memory.limit)} is more than", memory.card or memory.capacity
+    if memory.limit >= card:
+        return [f"{limit} the card's {human_bytes(card)} of memory: it has no effect."]
+    return [f"{limit} the {human_bytes(memory.capacity)} the card has free for this process (other processes hold "
+            f"{human_bytes(card - memory.capacity)}): the free memory bounds the plan, not the limit."]
+
+
 def _reserve_left(device, available: int, budget: int) -> str:
     """Why the automatic budget is `budget`: what the reserve kept of the device's free memory."""
     remedies = "a smaller reserve, a device_expert_bytes or a larger gpu_device_mem_limit" if _limit_bounds(device) \
@@ -318,6 +331,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     if config.device_expert_bytes is not None and config.reserve_device_bytes is not None:
         statements.append(f"reserve_device_bytes={config.reserve_device_bytes} does not apply: device_expert_bytes "
                           "sets the expert budget (the reserve sizes the automatic one).")
+    statements += _limit_without_effect(device)
     if config.device_expert_bytes is None and budget < smallest and runnable:
         statements.append(f"The automatic budget holds no expert: {_reserve_left(device, available, budget)}.")
     if too_small:
