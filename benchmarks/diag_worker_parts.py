@@ -160,7 +160,7 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     row = {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
            "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
            "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": [], "boundary": defaultdict(list),
-           "on_cpu": on_cpu, "chain": defaultdict(list)}
+           "on_cpu": on_cpu, "chain": defaultdict(list), "split": []}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
@@ -195,6 +195,7 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
             row["rebalance"].append(sum(rebalances))
             row["swaps"].append(engine.stats.totals().swaps - swaps_before)
             row["jobs"].append(len(jobs))
+            row["split"].append(split_inputs(engine, first_layer.layer) if engine.decode_path_in_force == "both" else "")
             if jobs:
                 row["layers"].append(jobs[-1][4] - jobs[0][3])
             # the worker's time between a gate and its next job (the engine thread had not queued it yet)
@@ -248,6 +249,16 @@ def chain_parts(worker, jobs: list) -> dict:
     parts["first to last routing found, host less GPU (the clocks agree: ~0)"].append(
         jobs[-1][5] - jobs[0][5] - (times[-1][1] - times[0][1]) * 1e-9)
     return parts
+
+
+def split_inputs(engine, layer: int) -> str:
+    """What the split's table of `layer` was made from at the step's end (engine.cold_split_table): the CPU's rate and
+    fixed cost a call, the GPU's tier reads, the host's gap, the share trials' choice; and the table in force."""
+    rate, tier = engine.split_cpu_rate, engine.tier_read.value
+    return (f"the split's table from: CPU {(rate.value or 0) / 1e9:.1f} GB/s + {rate.fixed_s * 1e6:.0f} µs a call, "
+            f"tier reads {'not measured' if tier is None else f'{tier / 1e9:.1f} GB/s'}, host gap "
+            f"{engine.host_gap.value * 1e6:.0f} µs, share {engine.share_trials.choice!r}: CPU takes "
+            f"{engine.cold_split_table(layer).tolist()} of 0..k cold pairs")
 
 
 def boundary_parts(marks: list) -> dict:
@@ -311,6 +322,9 @@ def main() -> None:
         print("     the marked calls on the engine's thread, µs, median wall / thread CPU time (calls):\n" + "\n".join(
             f"       {us([w for w, _ in calls])} / {us([c for _, c in calls])}  {name} ({len(calls)})"
             for name, calls in row["on_cpu"].items()), flush=True)
+        if any(row["split"]):
+            print("     at the first and the last step's end, " + "; ".join(
+                text for text in (row["split"][0], row["split"][-1]) if text), flush=True)
         if row["chain"]:
             print("     a layer's gate to the next layer's routing, µs, median over layers and steps:\n" + "\n".join(
                 f"       {us(values)}  {part} ({len(values)})" for part, values in row["chain"].items()), flush=True)

@@ -38,3 +38,21 @@ def test_each_gate_to_the_next_routing_is_split_by_the_gpu_clock_and_the_rest_is
                                                                                         pytest.approx(4.0)]
     # routing found 100 µs apart on the host (0.999 990 to 1.000 090), published 102 µs apart on the GPU
     assert us["first to last routing found, host less GPU (the clocks agree: ~0)"] == [pytest.approx(-2.0)]
+
+
+def test_the_split_tables_inputs_are_said_with_the_table_in_force():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from benchmarks.diag_worker_parts import split_inputs
+
+    engine = SimpleNamespace(split_cpu_rate=SimpleNamespace(value=95e9, fixed_s=41e-6),
+                             tier_read=SimpleNamespace(value=None), host_gap=SimpleNamespace(value=2e-6),
+                             share_trials=SimpleNamespace(choice="one fewer"),
+                             cold_split_table=lambda layer: np.array([0, 1, 1, 2, 3, 3, 4, 5, 5 + layer]))
+    assert split_inputs(engine, 1) == (
+        "the split's table from: CPU 95.0 GB/s + 41 µs a call, tier reads not measured, host gap 2 µs, share "
+        "'one fewer': CPU takes [0, 1, 1, 2, 3, 3, 4, 5, 6] of 0..k cold pairs")
+    engine.tier_read.value = 27.4e9
+    assert "tier reads 27.4 GB/s" in split_inputs(engine, 0)
