@@ -17,7 +17,7 @@ from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.offload.projection import decode_totals, projected_decode_rate
 from engine.reasoning import REASONING_ANSWER_TOKENS
-from engine.records.lengths import SCENARIO_TOKENS, SWEEP_TOKENS
+from engine.records.lengths import SCENARIO_TOKENS, SWEEP_REPEATS, SWEEP_TOKENS
 from engine.sampling import RECORD_SEED
 from engine.units import counted, decode_rate, human_bytes, parse_bytes
 
@@ -102,6 +102,10 @@ def _build_parser() -> argparse.ArgumentParser:
                        "same work at each budget; a model that reasons first spends it on its reasoning, which decodes "
                        "as an answer does)")
     _add_record_sampling_arguments(sweep)
+    sweep.add_argument("--repeats", type=at_least(1), default=SWEEP_REPEATS,
+                       help=f"times each budget runs the scenarios (default {SWEEP_REPEATS}): its times are the "
+                       "medians, and budgets whose medians differ by less than the repeats' spreads are a tie, which "
+                       "the smaller budget wins")
     sweep.add_argument("--margin", type=float, default=0.10, help="recommend the smallest budget within this "
                        "fraction of the fastest completion time (default 0.10)")
     sweep.add_argument("--plot", help="write the sweep plot here (.png or .svg)")
@@ -764,7 +768,7 @@ def _cmd_sweep(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.configurations import save_configuration
     from engine.records.history import History
-    from engine.records.sweep import fitting_scenarios, reasoning_length_note, recommend, run_sweep, stopped_at
+    from engine.records.sweep import fitting_scenarios, reasoning_length_note, recommendation, run_sweep, stopped_at
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
@@ -808,7 +812,7 @@ def _cmd_sweep(args) -> int:
     try:
         points = run_sweep(model, device, args.points, scenarios,
                            GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling), progress=progress,
-                           splits=BOTH_SPLITS if args.both_splits else None, on_point=save,
+                           splits=BOTH_SPLITS if args.both_splits else None, on_point=save, repeats=args.repeats,
                            on_left_out=lambda note, _count: progress.say(note))
     except KeyboardInterrupt as exc:  # Ctrl-C: the points completed, as a failed point's
         progress.end()
@@ -824,7 +828,8 @@ def _cmd_sweep(args) -> int:
         print(f"{PROG}: {kind}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; {_kept(done, saved_ids, args)}",
               file=sys.stderr)
         return 2 if isinstance(exc, WorkbenchError) else 3
-    best = recommend(points, args.margin)
+    chosen = recommendation(points, args.margin)
+    best = chosen.point
     plot_failure = None  # the sweep is complete: a plot not written loses neither its table nor its configuration
     if args.plot:
         from app.sweep_plot import export_sweep_plot
@@ -847,7 +852,7 @@ def _cmd_sweep(args) -> int:
         also = f", which also sets{words}" if words else ""
         print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{also})",
               file=sys.stderr)
-    _print_sweep(points, best, args, ids_of)
+    _print_sweep(points, chosen, args, ids_of)
     if plot_failure is not None:
         written = isinstance(plot_failure, OSError)  # a file that could not be written, not a fault of ours
         print(f"{PROG}: {'error' if written else 'internal error'}: the plot was not written "
@@ -871,13 +876,15 @@ def _kept(points: list, saved_ids: list[int], args) -> str:
     return f"{kept}; no recommendation" + (f": {', '.join(skipped)}" if skipped else "")
 
 
-def _print_sweep(points: list, best, args, ids_of: dict) -> None:
-    """The sweep's points on standard output, `best` marked (None: a sweep that stopped early recommends none);
-    `ids_of`: each point's runs' history ids (by id(point)), which its JSON row gives."""
+def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
+    """The sweep's points on standard output, the Recommendation `chosen` marked and its rule under them (None: a sweep
+    that stopped early recommends none); `ids_of`: each point's runs' history ids (by id(point)), which its JSON row
+    gives."""
     from engine.records.sweep import uses_projection
 
     rows = [p.as_dict() for p in points]
     projected = uses_projection(points)
+    best = chosen and chosen.point
     marks = ["  <- recommended" if point is best else "" for point in points]
     split_of = [f"  {p['split']:>6}" if args.both_splits else "" for p in rows]
     split_head = f"  {'split':>6}" if args.both_splits else ""
@@ -898,7 +905,8 @@ def _print_sweep(points: list, best, args, ids_of: dict) -> None:
         rows = [{**row, "record_ids": ids_of[id(point)]} for row, point in zip(rows, points)]
         print(json.dumps({"points": rows, "recommended_budget_bytes": best and best.budget_bytes,
                           "recommended_split": best and best.split,
-                          "recommended_by": best and ("projected_completion_s" if projected else "completion_s")},
+                          "recommended_by": best and ("projected_completion_s" if projected else "completion_s"),
+                          "recommended_as_tie": chosen and chosen.tie},
                          indent=2))
     elif projected:
         bw = rows[0]["projected_bandwidths"]
@@ -918,25 +926,8 @@ def _print_sweep(points: list, best, args, ids_of: dict) -> None:
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{p['completion_s']:>9.2f}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{agreement}{mark}")
-    if best is not None and not args.json:  # on standard error: the rows stay the table a script reads
-        print(_recommendation_rule(points, best, args.margin), file=sys.stderr)
-
-
-def _recommendation_rule(points: list, best, margin: float) -> str:
-    """The line under a complete sweep's table: which point was recommended and by what rule, its times unrounded
-    enough to tell it from the fastest (the table's 0.04s and 0.05s may be 0.0449 and 0.0451)."""
-    from engine.records.sweep import uses_projection
-
-    projected = uses_projection(points)  # as recommend() compares them
-
-    def seconds(point) -> float:
-        return point.projected_completion_s if projected else point.completion_s
-
-    fastest = min(points, key=seconds)
-    split = f" {best.split}" if best.split else ""
-    return (f"recommended: {best.budget_bytes} bytes ({best.fraction:.0%}{split}), the smallest budget whose "
-            f"{'projected ' * projected}completion time ({seconds(best):.4g} s) is within {margin * 100:g}% of the "
-            f"fastest ({seconds(fastest):.4g} s, at {fastest.fraction:.0%})")
+    if chosen is not None and not args.json:  # on standard error: the rows stay the table a script reads
+        print(chosen.line(), file=sys.stderr)
 
 
 def _cmd_history(args) -> int:

@@ -415,9 +415,9 @@ def test_a_sweep_in_the_window_keeps_its_length_for_a_model_that_reasons_first_a
     ctx = jobs.JobContext(model, device, {}, threading.Event(), lambda _f, _t: None, lambda _batch: None, None)
     result = requested[0](ctx)
     assert [(r.turns[0]["answer"], r.turns[0]["generated_tokens"]) for p in result.points for r in p.records] == [
-        ("", 32), ("", 32)]
+        ("", 32)] * 2 * 3  # 3 repeats a point
     view.on_finished(result)
-    assert view.bar.status.text() == "2 points; 2 runs saved to the history. " + note
+    assert view.bar.status.text() == "2 points; 6 runs saved to the history. " + note
     view.set_model(None)  # one that answers at once
     assert view.length_note.isHidden()
 

@@ -27,7 +27,7 @@ from engine.records.history import History  # noqa: E402
 from engine.records.scenarios import run_scenario  # noqa: E402
 from engine.records.side_by_side import first_divergence  # noqa: E402
 from engine.records.sweep import recommend  # noqa: E402
-from engine.units import human_bytes  # noqa: E402
+from engine.units import counted, human_bytes  # noqa: E402
 from tests.conftest import fixture_folder  # noqa: E402
 
 WAIT = 60_000
@@ -256,7 +256,7 @@ def test_sweep_view_plots_recommends_and_saves_a_configuration(qtbot, window, tm
     assert "projected for the simulated card" in view.summary.text()
     view.margin.setValue(0.0)
     assert view.recommended is recommend(points, 0.0)
-    assert len(window.history.ids()) == 2 and len(view.result.saved_ids) == 2
+    assert len(window.history.ids()) == 2 * 3 and len(view.result.saved_ids) == 2 * 3  # 3 repeats a point
     # the loaded model keeps its own budget after the sweep
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT
     view.name.setText("fast enough")
@@ -791,7 +791,7 @@ def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_pat
     assert len(result.points) == 3 and not result.cancelled
     settling = [text for text in said if "decoding until the engine's trials" in text]
     assert [text.split(":")[0] for text in settling] == ["at 0%", "at 50%", "at 100%"]
-    assert said.index(settling[1]) > said.index("1 of 3 runs done") > said.index(settling[0])
+    assert said.index(settling[1]) > said.index("3 of 9 runs done") > said.index(settling[0])  # 3 repeats a point
 
 
 def test_a_sweep_jobs_status_counts_the_tokens_of_the_run_it_names(tmp_path, monkeypatch):
@@ -806,8 +806,7 @@ def test_a_sweep_jobs_status_counts_the_tokens_of_the_run_it_names(tmp_path, mon
     said = []
     SweepJob(2, ["short"], 3, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
     running = [text for text in said if " · " in text]
-    assert running == ["run 1 of 2 · 1 token", "run 1 of 2 · 2 tokens", "run 1 of 2 · 3 tokens",
-                       "run 2 of 2 · 1 token", "run 2 of 2 · 2 tokens", "run 2 of 2 · 3 tokens"]
+    assert running == [f"run {run} of 6 · {counted(tokens, 'token')}" for run in range(1, 7) for tokens in (1, 2, 3)]
 
 
 def test_a_sweep_job_says_when_a_point_first_waits_for_its_experts_mapping(tmp_path, monkeypatch):
@@ -894,11 +893,11 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
     view = sweep_three_points(qtbot, window)
     result = view.result
     assert result is not None and [p.budget_bytes for p in result.points] == [0, 8 * EXPERT]
-    assert len(result.saved_ids) == 2 and window.history.ids() == result.saved_ids[::-1]
+    assert len(result.saved_ids) == 2 * 3 and window.history.ids() == result.saved_ids[::-1]
     assert list(view.curves["completion"].getData()[0]) == [0.0, 8 * EXPERT / 1024]
     assert view.bar.status.text() == ("Failed at 100% (device_expert_bytes=565248), point 3 of 3: device_expert_bytes="
                                       "565248 exceeds the 400000 "
-                                      "bytes the device has free; the 2 points before it are shown, 2 runs saved "
+                                      "bytes the device has free; the 2 points before it are shown, 6 runs saved "
                                       "to the history; no recommendation; the model is back at its own budgets.")
     assert view.recommended is None and not view.save_button.isEnabled()
     assert "Failed at 100% (device_expert_bytes=565248), point 3 of 3" in window.error_banner.text()
@@ -934,8 +933,9 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
     run_scenario, calls = sweep.run_scenario, []
 
     def cancelled_at_the_second_point(*args, **kwargs):
-        calls.append(kwargs.get("label"))
-        if len(calls) == 3:  # the warm-up, the first point, then Cancel as the second point's run starts
+        if kwargs.get("label"):  # a recorded run (the warm-ups have no label)
+            calls.append(kwargs["label"])
+        if len(calls) == 4:  # the first point's three, then Cancel as the second point's first run starts
             window.worker.cancel.set()
         return run_scenario(*args, **kwargs)
 
@@ -943,11 +943,11 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
     view = sweep_three_points(qtbot, window)
     result = view.result
     assert result.cancelled and [p.budget_bytes for p in result.points] == [0]
-    assert len(result.saved_ids) == 1 and window.history.ids() == result.saved_ids
+    assert len(result.saved_ids) == 3 and window.history.ids() == result.saved_ids[::-1]
     assert list(view.curves["completion"].getData()[0]) == [0.0]
     assert view.bar.status.text() == ("Cancelled at 50% (device_expert_bytes=282624), point 2 of 3; the 1 point "
-                                      "before it is shown, 1 run saved to the history; no recommendation; the model is "
-                                      "back at its own budgets.")
+                                      "before it is shown, 3 runs saved to the history; no recommendation; the model "
+                                      "is back at its own budgets.")
     assert view.recommended is None and not view.save_button.isEnabled()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
@@ -1136,13 +1136,13 @@ def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_car
     said = []
     result = SweepJob(5, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
     assert [p.budget_bytes for p in result.points][2:] == [234752] and result.requested == 3
-    assert not result.cancelled and len(result.saved_ids) == 3 and said[-1] == "3 of 3 runs done"
+    assert not result.cancelled and len(result.saved_ids) == 3 * 3 and said[-1] == "9 of 9 runs done"
     assert model.offload.config.device_expert_bytes == 2 * EXPERT  # the user's budget, back
     view = SweepView(str(tmp_path / "h.sqlite"))
     qtbot.addWidget(view)
     view.on_finished(result)
     assert view.recommended is not None and view.bar.status.text() == (
-        "3 points; 3 runs saved to the history. Offload mode 'required' refuses a budget above the 229.2 KiB of "
+        "3 points; 9 runs saved to the history. Offload mode 'required' refuses a budget above the 229.2 KiB of "
         "experts the device holds (42%): the sweep ends there, in place of 50%, and leaves out the points at 75%, "
         "100%.")
 
@@ -1160,17 +1160,17 @@ def test_a_window_sweep_skips_a_scenario_its_context_cannot_hold_as_record_does(
     said = []
     result = SweepJob(2, ["short", "long", "multiturn"], 60, history_path=str(tmp_path / "h.sqlite"))(
         _sweep_context(model, device, said))
-    assert not result.failure and not result.cancelled and len(result.saved_ids) == 4
-    assert [[r.scenario for r in p.records] for p in result.points] == [["short", "multiturn"]] * 2
-    assert said[0] == "run 1 of 4" and said[-1] == "4 of 4 runs done"
+    assert not result.failure and not result.cancelled and len(result.saved_ids) == 4 * 3
+    assert [[r.scenario for r in p.records] for p in result.points] == [["short", "multiturn"] * 3] * 2  # 3 repeats
+    assert said[0] == "run 1 of 12" and said[-1] == "12 of 12 runs done"
     view = SweepView(str(tmp_path / "h.sqlite"))
     qtbot.addWidget(view)
     errors = []
     view.failed.connect(errors.append)
     view.on_finished(result)
     assert view.bar.status.text() == (
-        "2 points; 4 runs saved to the history. Skipped long: the long-input scenario needs a context of at least 2060 "
-        "tokens; the model has 2048.")
+        "2 points; 12 runs saved to the history. Skipped long: the long-input scenario needs a context of at least "
+        "2060 tokens; the model has 2048.")
     assert errors == ["Skipped long: the long-input scenario needs a context of at least 2060 tokens; the model has "
                       "2048"]
 
@@ -1225,7 +1225,7 @@ def test_a_window_sweep_answers_as_the_models_genai_config_samples_where_asked(t
         _sweep_context(model, device, []))
     history = History(str(tmp_path / "h.sqlite"))
     settings = [history.get(run_id).generation for run_id in result.saved_ids]
-    assert len(settings) == 2 and all((s["do_sample"], s["temperature"], s["top_k"], s["top_p"], s["seed"])
+    assert len(settings) == 2 * 3 and all((s["do_sample"], s["temperature"], s["top_k"], s["top_p"], s["seed"])
                                       == (True, 0.7, 50, 0.9, 11) for s in settings)
 
 
@@ -1272,7 +1272,7 @@ def test_the_tokens_per_second_graph_counts_the_record_bars_and_a_sweeps_answers
     said = []
     result = SweepJob(2, ["short"], 3, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, said))
     streamed = sum(batch["new_tokens"] for batch in said if isinstance(batch, dict))
-    assert streamed == sum(r.generated_tokens for point in result.points for r in point.records) == 6
+    assert streamed == sum(r.generated_tokens for point in result.points for r in point.records) == 6 * 3
 
 
 def test_the_sweeps_recommendation_says_its_token_agreement_under_approximate_routing(qtbot, tmp_path):
@@ -1295,8 +1295,8 @@ def test_the_sweeps_recommendation_says_its_token_agreement_under_approximate_ro
     ctx = jobs.JobContext(model, device, {}, threading.Event(), lambda _f, _t: None, lambda _batch: None, None)
     view.on_finished(requested[0](ctx))
     best = view.recommended
-    (record,) = best.records
-    agreement, tokens = record.routing_agreement, record.generated_tokens
+    agreement, tokens = best.routing_agreement, best.compared_tokens  # its 3 repeats' answers together
+    assert len(best.records) == 3 and tokens == sum(r.generated_tokens for r in best.records)
     assert view.summary.text().endswith(f" Approximate routing: token agreement with exact routing {agreement:.0%} "
                                         f"({round(agreement * tokens)} of {tokens} tokens).")
 
@@ -1340,3 +1340,22 @@ def test_a_stopped_sweep_says_whether_the_device_still_holds_the_models_own_budg
     view.on_finished(SweepResult(**stopped, held_before=3 * EXPERT, held_after=EXPERT))
     assert view.bar.status.text().endswith("; no recommendation; the model is back at its own budgets, but the device "
                                            "now holds 34.5 KiB of its experts where it held 103.5 KiB.")
+
+
+def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, tmp_path):
+    """The window's recommendation, as the command line's, takes the smaller of two budgets whose median completion
+    times differ by less than their repeats' spreads, and says it is a tie and why, not only the margin."""
+    from app.gui.records_jobs import SweepResult
+    from app.gui.sweep_view import SweepView
+    from tests.test_records import _repeated_point
+
+    view = SweepView(tmp_path / "h.sqlite")
+    qtbot.addWidget(view)
+    none, all_resident = _repeated_point(0, [1.2, 1.25, 1.3]), _repeated_point(300, [0.95, 1.1, 1.25])
+    view.on_finished(SweepResult([none, all_resident], requested=2, model_folder="m", base_entries={}))
+    assert view.recommended is none
+    assert ("A tie with the fastest, at 100%: they differ by less than their spreads between repeats (±0.05 s and "
+            "±0.15 s), and the smaller budget holds less on the device.") in view.summary.text()
+    view.on_finished(SweepResult([_repeated_point(0, [1.5, 1.55, 1.6]), all_resident], requested=2, model_folder="m",
+                                 base_entries={}))
+    assert view.recommended.budget_bytes == 300 and "tie" not in view.summary.text()

@@ -18,7 +18,7 @@ from engine.records.history import History
 from engine.records.scenarios import run_scenario, scenario_turns
 from engine.records.schema import SCHEMA_VERSION, RecordError, RunRecord
 from engine.records.side_by_side import Side, compare, first_divergence
-from engine.records.sweep import SweepCancelled, SweepPoint, recommend, run_sweep, stopped_at
+from engine.records.sweep import SweepCancelled, SweepPoint, recommend, recommendation, run_sweep, stopped_at
 from tests.conftest import fixture_folder
 
 PARAMS = GenerationParams(max_new_tokens=6)
@@ -471,6 +471,85 @@ def test_recommendation_follows_the_projection_on_a_simulated_device():
     assert recommend(points, margin=0.0).budget_bytes == 0
 
 
+def _repeated_point(budget: int, projected_seconds: list[float]) -> SweepPoint:
+    """A simulated-device point whose repeats (one short run each) took these projected completion times."""
+    point = SweepPoint(budget, budget / 300, repeats=len(projected_seconds))
+    point.records = [RunRecord("short", "", {}, {}, {}, {},
+                               {"completion_s": 1.0, "decode_tokens_per_s": 1,
+                                "projected": {"completion_s": seconds, "decode_tokens_per_s": 2, "bandwidths": {}}},
+                               {"device_bytes": budget, "rss_bytes": 1}) for seconds in projected_seconds]
+    return point
+
+
+def test_a_sweep_recommendation_names_a_tie_within_the_repeats_spread_and_takes_the_smaller_budget():
+    """Two budgets whose medians differ by less than their repeats' spreads are a tie: the repeats cannot tell them
+    apart, and the smaller budget (less on the device) is recommended, the line saying so. A difference beyond the
+    spreads and the margin still decides for the faster."""
+    none, all_resident = _repeated_point(0, [1.2, 1.25, 1.3]), _repeated_point(300, [0.95, 1.1, 1.25])
+    chosen = recommendation([none, all_resident], margin=0.10)  # 1.25 against 1.1: 14% slower, spreads ±0.05, ±0.15
+    assert chosen.point is none and chosen.fastest is all_resident and chosen.tie
+    assert none.projected_completion_s == 1.25 and none.spread_s(projected=True) == pytest.approx(0.05)
+    assert chosen.line() == ("recommended: 0 bytes (0%), the smallest budget whose projected completion time (1.25 s) "
+                             "ties with the fastest (1.1 s, at 100%): they differ by less than their spreads between "
+                             "repeats (±0.05 s and ±0.15 s), and the smaller budget holds less on the device; each "
+                             "time the median of 3 repeats")
+    slower = _repeated_point(0, [1.5, 1.55, 1.6])
+    chosen = recommendation([slower, all_resident], margin=0.10)
+    assert chosen.point is all_resident and not chosen.tie
+    assert chosen.line().endswith("is within 10% of the fastest (1.1 s, at 100%); each time the median of 3 repeats")
+
+
+def _sweep_with_slowed_runs(monkeypatch, model, device, slowed: dict[str, list[float]], repeats: int = 3):
+    """A 2-point sweep in which each recorded run at a point (by its label) is slowed inside its timed part: every
+    forward of the point's nth run sleeps slowed[label][n] seconds (none beyond the list)."""
+    import time
+
+    import engine.records.sweep as sweep
+
+    delay, runs = [0.0], {}
+    real_run, real_forward = sweep.run_scenario, model.decoder.forward
+
+    def forward(*args, **kwargs):
+        time.sleep(delay[0])
+        return real_forward(*args, **kwargs)
+
+    def run(model, name, params, device, label="", **kwargs):
+        index = runs[label] = runs.get(label, -1) + 1
+        own = slowed.get(label, [])
+        delay[0] = own[index] if index < len(own) else 0.0
+        try:
+            return real_run(model, name, params, device, label=label, **kwargs)
+        finally:
+            delay[0] = 0.0
+
+    monkeypatch.setattr(model.decoder, "forward", forward)
+    monkeypatch.setattr(sweep, "run_scenario", run)
+    try:
+        return run_sweep(model, device, 2, ["short"], GenerationParams(max_new_tokens=2), repeats=repeats)
+    finally:
+        monkeypatch.undo()
+
+
+def test_one_slow_repeat_does_not_change_a_sweeps_recommendation_and_a_real_difference_does(monkeypatch):
+    """A reviewer's 2-point sweep of the demo model recommended 0% by one run a point (0.04 s projected against 0.08 s
+    all resident), where a generate projected the opposite: one run slowed by anything else on the machine decided a
+    CPU/GPU split. Each point now runs its scenarios 3 times, after the same unrecorded warm-up answer at its
+    budget, and compares the medians: on the simulated device, the 0% point made slower at every repeat is passed
+    over, and a first run at 100% slowed ten times over does not change that."""
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    genuine = {"sweep 0%": [0.05] * 3}  # every 0% run: ~0.1 s more than the fixture's few milliseconds
+    points = _sweep_with_slowed_runs(monkeypatch, model, device, genuine)
+    assert [p.repeats for p in points] == [3, 3] and [len(p.records) for p in points] == [3, 3]
+    assert recommend(points).fraction == 1.0
+    outlier = {**genuine, "sweep 100%": [0.5]}  # the first all-resident run, ~1 s: slower than every 0% run
+    points = _sweep_with_slowed_runs(monkeypatch, model, device, outlier)
+    assert max(points[1].repeat_seconds(projected=True)) > max(points[0].repeat_seconds(projected=True))
+    assert recommend(points).fraction == 1.0
+    points = _sweep_with_slowed_runs(monkeypatch, model, device, {"sweep 100%": [0.05] * 3})  # the other way round
+    assert recommend(points).fraction == 0.0
+
+
 def test_sweep_on_the_simulated_device(tmp_path):
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
@@ -481,9 +560,10 @@ def test_sweep_on_the_simulated_device(tmp_path):
     assert points[-1].records[0].layers[0]["misses"] == 0 and points[0].records[0].layers[0]["hits"] == 0
     # a simulated device: the recommendation compares the completion times projected for the simulated card
     assert all(p.projected and p.as_dict()["projected_completion_s"] == p.projected_completion_s for p in points)
-    best = recommend(points, 0.10)
-    fastest = min(p.projected_completion_s for p in points)
-    assert best.projected_completion_s <= fastest * 1.10
+    chosen = recommendation(points, 0.10)
+    best, fastest = chosen.point, min(p.projected_completion_s for p in points)
+    assert chosen.fastest.projected_completion_s == fastest
+    assert best.projected_completion_s <= fastest * 1.10 or chosen.tie  # a tie: within the repeats' spreads
     assert all(p.budget_bytes >= best.budget_bytes for p in points if p.projected_completion_s <= fastest * 1.10)
 
 
@@ -570,8 +650,9 @@ def test_a_sweep_point_times_its_answers_once_the_engines_trials_are_over(monkey
     points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2))
     half = points[1]
     assert 0 < half.budget_bytes < all_resident_bytes(model.offload.infos)
-    assert [pending for pending, _trials, _mode in seen] == [False] * 4  # the warm-up and the three points
-    assert seen[2][1] == 1  # the half-resident point: its first path trial over before its answer
+    # the sweep's warm-up, then each point's warm-up answer and three repeats
+    assert [pending for pending, _trials, _mode in seen] == [False] * (1 + 3 * 4)
+    assert seen[1 + 4][1] == 1  # the half-resident point: its first path trial over before its warm-up answer
     assert 76 <= half.settle_steps <= sweep.SETTLE_STEPS_MAX  # the trial's steps, and "both"'s share trial if kept
     assert points[2].settle_steps == 0  # every expert resident: no tier, no trial
     in_force = half.records[0].offload["decode_path"]["in_force"]
@@ -790,7 +871,7 @@ def test_cli_record_sweep_history_contention(tmp_path, cli):
     assert [p["split"] for p in result["points"]] == ["spread", "spread", "whole", "spread"]
     assert result["recommended_split"] in ("spread", "whole")
     listed = cli("history", "--history", history, "--export", "csv")
-    assert len(listed.stdout.strip().splitlines()) == 1 + 1 + 2  # header, record, two sweep points
+    assert len(listed.stdout.strip().splitlines()) == 1 + 1 + 2 * 3  # header, record, two sweep points' 3 repeats
     corpus = make_corpus(tmp_path / "corpus", files=10, words_per_file=100)
     contention = cli("contention", model, "--workers", "1", "--corpus", str(corpus), "--max-new-tokens", "3", "--json")
     assert contention.returncode == 0, contention.stderr
@@ -810,16 +891,16 @@ def test_sweep_and_contention_stop_when_cancelled(tmp_path):
     cancel = threading.Event()
     streamed = []
 
-    def on_text(_token, _delta):  # cancel during the second point's answer
+    def on_text(_token, _delta):  # cancel during the second point's first answer, after the first point's three
         streamed.append(1)
-        if len(streamed) == 8:
+        if len(streamed) == 3 * 5 + 3:
             cancel.set()
 
     points = []
     with pytest.raises(SweepCancelled) as cancelled:
         run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=5), cancel=cancel, on_text=on_text,
                   on_point=points.append)
-    assert len(points) == 1 and len(streamed) == 8  # only complete points; the cut answer stopped at once
+    assert len(points) == 1 and len(streamed) == 18  # only complete points; the cut answer stopped at once
     assert stopped_at(cancelled.value).startswith("at 50% (device_expert_bytes=") and "point 2 of 3" in stopped_at(
         cancelled.value)
     corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=50)

@@ -19,6 +19,7 @@ from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, default_corpus, phase_after,
                                        run_contention)
 from engine.records.history import History
+from engine.records.lengths import SWEEP_REPEATS
 from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens
 from engine.records.schema import RunRecord, generation_settings
 from engine.units import counted, human_bytes
@@ -245,9 +246,10 @@ class SweepResult:
 @dataclass
 class SweepJob:
     """Re-plan the loaded model at `points` budgets from none to every expert (no reload), run the
-    scenarios at each (with `both_splits`, spread and on whole layers where a budget holds some layers whole:
-    engine.records.sweep.sweep_plan), restore the loaded budgets. Each point's records go to the history as the point
-    completes, as the command line saves them: a sweep cancelled or failed at a point keeps those before it."""
+    scenarios at each, SWEEP_REPEATS times (with `both_splits`, spread and on whole layers where a budget holds some
+    layers whole: engine.records.sweep.sweep_plan), restore the loaded budgets. Each point's records go to the history
+    as the point completes, as the command line saves them: a sweep cancelled or failed at a point keeps those before
+    it."""
     points: int
     scenarios: list[str]
     max_new_tokens: int
@@ -272,7 +274,7 @@ class SweepJob:
         tokens, done, last, unsent = [0], [0], [0.0], [0]
 
         def total() -> int:
-            return planned[0] * len(scenarios)
+            return planned[0] * len(scenarios) * SWEEP_REPEATS
 
         def on_left_out(note: str, count: int) -> None:
             planned[0] -= count

@@ -18,9 +18,9 @@ from app.gui.widgets import MAX_ANSWER_TOKENS, AnswersChoice
 from engine.offload import OffloadConfig
 from engine.offload.approximate import agreement_text
 from engine.records.configurations import save_configuration
-from engine.records.lengths import SWEEP_TOKENS
+from engine.records.lengths import SWEEP_REPEATS, SWEEP_TOKENS
 from engine.records.scenarios import SCENARIOS
-from engine.records.sweep import SweepPoint, reasoning_length_note, recommend, uses_projection
+from engine.records.sweep import SweepPoint, reasoning_length_note, recommendation, uses_projection
 from engine.units import counted, decode_rate, human_bytes
 
 KIND = "sweeping"
@@ -124,8 +124,9 @@ class SweepView(QWidget):
         self.legend.setWordWrap(True)
         self.legend.setAccessibleName("What the plots show")
         self.legend.hide()
-        self.summary = QLabel("Runs the scenarios at each budget on the loaded model (it needs a simulated or CUDA "
-                              "device) and recommends the smallest budget within the margin of the fastest.")
+        self.summary = QLabel(f"Runs the scenarios {SWEEP_REPEATS} times at each budget on the loaded model (it needs "
+                              "a simulated or CUDA device) and recommends the smallest budget whose median completion "
+                              "is within the margin of the fastest, or within the spread between their repeats.")
         self.summary.setWordWrap(True)
         self.summary.setAccessibleName("Sweep recommendation")
         self.name = QLineEdit(placeholderText="configuration name")
@@ -333,8 +334,8 @@ class SweepView(QWidget):
         if self.result is None or self.result.stopped_at or not self.result.points:
             return
         margin = self.margin.value() / 100
-        best = recommend(self.result.points, margin)
-        self.recommended = best
+        chosen = recommendation(self.result.points, margin)
+        best = self.recommended = chosen.point
         where = {"whole": ", on whole layers", "spread": ", spread over every layer"}.get(best.split, "")
         for key, *_rest in PANELS:
             # on a simulated device the recommended point is marked on the projected curve it was chosen by
@@ -362,6 +363,9 @@ class SweepView(QWidget):
                 f"completion {best.completion_s:.2f} s (fastest {fastest:.2f} s, margin {margin * 100:g}%), "
                 f"{decode_rate(best.decode_tokens_per_s)}, device peak {human_bytes(best.peak_device_bytes)}, "
                 f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
+        if chosen.tie:  # beyond the margin, or within it: the repeats cannot tell the two apart
+            self.summary.setText(f"{self.summary.text()} A tie with the fastest, at {chosen.fastest.fraction:.0%}: "
+                                 f"{chosen.tie_reason}.")
         if best.routing_agreement is not None:  # a smaller budget drops more: what this one costs in answers
             self.summary.setText(f"{self.summary.text()} Approximate routing: "
                                  f"{agreement_text(best.routing_agreement, best.compared_tokens)}.")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from statistics import median
 
 from engine.errors import PromptError, WorkbenchError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
+from engine.records.lengths import SWEEP_REPEATS
 from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns
 from engine.records.schema import RunRecord, decode_path_run
 from engine.units import human_bytes
@@ -28,20 +30,47 @@ from engine.units import human_bytes
 class SweepPoint:
     budget_bytes: int
     fraction: float
-    records: list[RunRecord] = field(default_factory=list)
+    records: list[RunRecord] = field(default_factory=list)  # the runs, repeat by repeat: each repeat every scenario
     split: str | None = None  # the layer split the point ran with, where the sweep compared splits
     settle_steps: int = 0  # decode steps run before the point's answers, until the engine's trials were over
+    repeats: int = 1  # the times the point ran its scenarios: its times are the medians over them
+
+    def repeat_runs(self) -> list[list[RunRecord]]:
+        """The point's records, one list (every scenario's run) a repeat."""
+        size = len(self.records) // self.repeats if self.records else 0
+        return [self.records[i * size:(i + 1) * size] for i in range(self.repeats)] if size else []
+
+    def repeat_seconds(self, projected: bool) -> list[float]:
+        """Each repeat's completion time (its scenarios' together), projected for the simulated card or measured."""
+        def seconds(record: RunRecord) -> float:
+            return record.timings["projected"]["completion_s"] if projected else record.timings["completion_s"]
+        return [sum(seconds(r) for r in runs) for runs in self.repeat_runs()]
+
+    def spread_s(self, projected: bool) -> float:
+        """How far the repeats' completion times stray from their median: their median absolute deviation, which one
+        repeat slowed by something else on the machine does not widen (0 with one repeat)."""
+        times = self.repeat_seconds(projected)
+        if not times:
+            return 0.0
+        middle = median(times)
+        return median(abs(t - middle) for t in times)
 
     @property
     def completion_s(self) -> float:
-        return sum(r.timings["completion_s"] for r in self.records)
+        """The median of the repeats' completion times."""
+        times = self.repeat_seconds(projected=False)
+        return median(times) if times else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """The point's decoded tokens over their decode time, every run's turns together (not the mean of the runs'
-        rates, where a short run's one answer weighed as much as a multiturn run's six)."""
-        seconds = sum(turn["timings"]["decode_s"] for r in self.records for turn in r.turns)
-        return sum(decoded_tokens(r.turns) for r in self.records) / seconds if seconds else 0.0
+        """The median of the repeats' decode rates; a repeat's is its decoded tokens over their decode time, every
+        run's turns together (not the mean of the runs' rates, where a short run's one answer weighed as much as a
+        multiturn run's six)."""
+        def rate(records: list[RunRecord]) -> float:
+            seconds = sum(turn["timings"]["decode_s"] for r in records for turn in r.turns)
+            return sum(decoded_tokens(r.turns) for r in records) / seconds if seconds else 0.0
+        rates = [rate(runs) for runs in self.repeat_runs()]
+        return median(rates) if rates else 0.0
 
     @property
     def projected(self) -> bool:
@@ -50,20 +79,24 @@ class SweepPoint:
 
     @property
     def projected_completion_s(self) -> float | None:
-        """Completion time projected for the simulated card (engine/offload/projection.py); None off it."""
+        """Completion time projected for the simulated card (engine/offload/projection.py), the median of the
+        repeats'; None off it."""
         if not self.projected:
             return None
-        return sum(r.timings["projected"]["completion_s"] for r in self.records)
+        return median(self.repeat_seconds(projected=True))
 
     @property
     def projected_decode_tokens_per_s(self) -> float | None:
         if not self.projected:
             return None
-        # a record keeps its projected rate, not its projected decode time: that is its decoded tokens over the rate
-        timed = [(decoded_tokens(r.turns), r.timings["projected"]["decode_tokens_per_s"]) for r in self.records
-                 if r.timings["projected"].get("decode_tokens_per_s")]
-        seconds = sum(tokens / rate for tokens, rate in timed)
-        return sum(tokens for tokens, _rate in timed) / seconds if seconds else 0.0
+
+        def rate(records: list[RunRecord]) -> float:
+            # a record keeps its projected rate, not its projected decode time: that is its decoded tokens over the rate
+            timed = [(decoded_tokens(r.turns), r.timings["projected"]["decode_tokens_per_s"]) for r in records
+                     if r.timings["projected"].get("decode_tokens_per_s")]
+            seconds = sum(tokens / rate for tokens, rate in timed)
+            return sum(tokens for tokens, _rate in timed) / seconds if seconds else 0.0
+        return median(rate(runs) for runs in self.repeat_runs())
 
     @property
     def routing_agreement(self) -> float | None:
@@ -97,9 +130,11 @@ class SweepPoint:
                 "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
-                "decode_path": self.decode_path,
+                "decode_path": self.decode_path, "repeats": self.repeats,
+                "repeat_completion_s": self.repeat_seconds(projected=False),
                 **({"routing_agreement": self.routing_agreement} if self.routing_agreement is not None else {}),
                 **({"projected_completion_s": self.projected_completion_s,
+                    "projected_repeat_completion_s": self.repeat_seconds(projected=True),
                     "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
                     "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
                    if self.projected else {})}
@@ -208,13 +243,15 @@ def _any_token(model: LoadedModel) -> int:
 def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], params: GenerationParams,
               label: str = "sweep", progress=None, cancel: threading.Event | None = None,
               on_text=None, splits: tuple[str, ...] | None = None, on_point=None, on_settle=None,
-              on_left_out=None) -> list[SweepPoint]:
+              on_left_out=None, repeats: int = SWEEP_REPEATS) -> list[SweepPoint]:
     """`cancel` (checked between tokens) ends the sweep early: SweepCancelled, whose note, as that of anything a
     point raises, says at which point (stopped_at); the points completed before it went to `on_point`.
     `progress(fraction)` after each scenario run; `on_text(token, delta)` streams every answer; `on_settle(fraction,
     split)` as a point starts its unrecorded decode (settle); `on_point(point)` as each point completes (the command
     line saves its runs then: an interrupted sweep keeps them). `splits` (e.g. ("spread", "whole")): the layer splits
-    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards.
+    to compare at each budget (sweep_plan); the model's own layer split is put back afterwards. Each point runs the
+    scenarios `repeats` times, after an unrecorded warm-up answer at its budget (_run_point), and its times are the
+    medians over the repeats.
 
     A point whose budget the device cannot hold runs at what it holds (the point says so: its budget and share), and
     the sweep ends there: the points above it would run at that budget again (under mode=required they would be
@@ -222,15 +259,17 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     runs (`note`: which points and why)."""
     if model.offload is None:
         raise ValueError("a budget sweep needs a model loaded with offload on a device")
+    if repeats < 1:
+        raise ValueError(f"a sweep point runs its scenarios at least once, not {repeats} times")
     for name in scenarios:  # one the context cannot hold refused before the first point (fitting_scenarios skips it)
         scenario_turns(name, model.tokenizer, model.config, params.max_new_tokens)
     results = []
     plan = sweep_plan(model, points, splits)
     ceiling = None  # the budget the device held less than: the points above it are left out
-    total_runs = len(plan) * len(scenarios)
+    total_runs = len(plan) * len(scenarios) * repeats
     mode = model.offload.layer_split_mode
-    # Warm-up, not recorded: the first point would otherwise carry first-call costs (measured: the CPU
-    # kernel 476 µs per step at the first point against 145 µs when repeated).
+    # Warm-up, not recorded: the first point's trials (settle) would otherwise time first-call costs (measured: the
+    # CPU kernel 476 µs per step at the first point against 145 µs when repeated).
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
     if cancel is not None and cancel.is_set():
         raise SweepCancelled("the sweep was cancelled before its first point")
@@ -254,11 +293,11 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
                 if held < budget and ceiling is None:
                     ceiling = budget
                     left = [entry for entry in plan[index + 1:] if entry[1] > ceiling]
-                    total_runs -= len(left) * len(scenarios)
+                    total_runs -= len(left) * len(scenarios) * repeats
                     if left and on_left_out:
                         on_left_out(_left_out_note(model, held, fraction, left), len(left))
                 point = _run_point(model, device, held, fraction if held == budget else None, split, scenarios,
-                                   params, label, cancel, on_text, on_settle, on_run)
+                                   params, label, cancel, on_text, on_settle, on_run, repeats)
                 if point is None:
                     raise SweepCancelled("the sweep was cancelled")
                 results.append(point)
@@ -310,34 +349,100 @@ def _left_out_note(model: LoadedModel, held: int, fraction: float, left: list[tu
 
 def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, split: str | None,
                scenarios: list[str], params: GenerationParams, label: str, cancel, on_text, on_settle,
-               on_run) -> SweepPoint | None:
+               on_run, repeats: int) -> SweepPoint | None:
     """At the budget just planned (`fraction` None: its share of every expert resident, where it is less than the
-    point asked), settle, run the scenarios (`on_run()` after each); None where cancelled (the point's last answer
-    cut short is not a result)."""
+    point asked), settle, answer once unrecorded, run the scenarios `repeats` times (`on_run()` after each run); None
+    where cancelled (the point's last answer cut short is not a result).
+
+    The unrecorded answer puts every point's runs after the same warm state: settle decodes only where the engine has
+    trials to run (none with every expert resident), and whatever a plan's first answer costs (its first prefill on
+    the re-planned slots, the placement's first steps) would otherwise fall in one point's runs and not another's."""
     if fraction is None:  # the point is what ran: its budget, share, label and the recommendation saved
         fraction = budget / all_resident_bytes(model.offload.infos)
     if on_settle:
         on_settle(fraction, split)
-    point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel))
+    point = SweepPoint(budget, fraction, split=split, settle_steps=settle(model, cancel), repeats=repeats)
+    if cancel is not None and cancel.is_set():
+        return None
+    run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
     tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
-    for scenario in scenarios:
-        if cancel is not None and cancel.is_set():
-            return None
-        point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel, on_text=on_text))
-        if cancel is not None and cancel.is_set():
-            return None
-        on_run()
+    for _repeat in range(repeats):
+        for scenario in scenarios:
+            if cancel is not None and cancel.is_set():
+                return None
+            point.records.append(run_scenario(model, scenario, params, device, label=tag, cancel=cancel,
+                                              on_text=on_text))
+            if cancel is not None and cancel.is_set():
+                return None
+            on_run()
     return point
 
 
-def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
-    """The smallest budget whose completion time is within `margin` of the fastest point. On a simulated
-    device (every point projected) the projected completion times for the simulated card are compared."""
+@dataclass
+class Recommendation:
+    """The recommended point, the fastest, and why: within the margin of the fastest's completion time, or a tie
+    with it (their medians no further apart than their spreads between repeats together)."""
+    point: SweepPoint
+    fastest: SweepPoint
+    margin: float
+    projected: bool  # compared by the completion times projected for the simulated card
+    tie: bool  # the recommended point is not the fastest, and the repeats cannot tell them apart
+
+    def seconds(self, point: SweepPoint) -> float:
+        return point.projected_completion_s if self.projected else point.completion_s
+
+    @property
+    def within_margin(self) -> bool:
+        return self.seconds(self.point) <= self.seconds(self.fastest) * (1 + self.margin)
+
+    @property
+    def tie_reason(self) -> str:
+        return (f"they differ by less than their spreads between repeats (±{self.point.spread_s(self.projected):.2g} s "
+                f"and ±{self.fastest.spread_s(self.projected):.2g} s), and the smaller budget holds less on the device")
+
+    def line(self) -> str:
+        """The rule, one line: which point, by which time, against which fastest point, the times in four figures
+        (the table's 0.04s and 0.05s may be 0.0449 and 0.0451) and the repeats' spreads where they decided."""
+        best, fastest = self.point, self.fastest
+        split = f" {best.split}" if best.split else ""
+        said = (f"recommended: {best.budget_bytes} bytes ({best.fraction:.0%}{split}), the smallest budget whose "
+                f"{'projected ' * self.projected}completion time ({self.seconds(best):.4g} s) ")
+        at = f"{fastest.fraction:.0%}" + (f" {fastest.split}" if fastest.split else "")
+        against = f"the fastest ({self.seconds(fastest):.4g} s, at {at})"
+        if self.within_margin:
+            said += f"is within {self.margin * 100:g}% of {against}"
+        else:
+            said += f"ties with {against}"
+        if self.tie:
+            said += f"{'; a tie' if self.within_margin else ''}: {self.tie_reason}"
+        if best.repeats > 1:
+            said += f"; each time the median of {best.repeats} repeats"
+        return said
+
+
+def recommendation(points: list[SweepPoint], margin: float = 0.10) -> Recommendation:
+    """The smallest budget whose completion time (the median of its repeats) is within `margin` of the fastest
+    point's, or ties with it: the two no further apart than their spreads between repeats (SweepPoint.spread_s)
+    together, where the repeats cannot tell them apart. Of one budget's splits, the faster. On a simulated device
+    (every point projected) the projected completion times for the simulated card are compared."""
     projected = uses_projection(points)
-    key = (lambda point: point.projected_completion_s) if projected else (lambda point: point.completion_s)
-    best = min(key(point) for point in points)
-    eligible = [point for point in points if key(point) <= best * (1 + margin)]
-    return min(eligible, key=lambda point: (point.budget_bytes, key(point)))  # of one budget's splits, the faster
+
+    def seconds(point: SweepPoint) -> float:
+        return point.projected_completion_s if projected else point.completion_s
+
+    def ties(point: SweepPoint, other: SweepPoint) -> bool:
+        return abs(seconds(point) - seconds(other)) <= point.spread_s(projected) + other.spread_s(projected)
+
+    fastest = min(points, key=lambda point: (seconds(point), point.budget_bytes))
+    eligible = [point for point in points
+                if seconds(point) <= seconds(fastest) * (1 + margin) or ties(point, fastest)]
+    best = min(eligible, key=lambda point: (point.budget_bytes, seconds(point)))  # of one budget's splits, the faster
+    return Recommendation(best, fastest, margin, projected, tie=best is not fastest and ties(best, fastest))
+
+
+def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
+    """The recommended point (recommendation)."""
+    return recommendation(points, margin).point
 
 
 def uses_projection(points: list[SweepPoint]) -> bool:
