@@ -847,8 +847,7 @@ def _cmd_sweep(args) -> int:
         words = "".join(f" --{key.replace('_', '-')} {value}" for key, value in own.items() if value not in (None, "auto"))
         saved = save_configuration(args.save_as, Path(args.model).resolve(),
                                    model.offload.config.updated(device_expert_bytes=best.budget_bytes),
-                                   note=f"sweep recommendation within {args.margin * 100:g}% of the fastest"
-                                        + (f"; with{words}" if words else ""), own=own)
+                                   note=chosen.note + (f"; with{words}" if words else ""), own=own)
         also = f", which also sets{words}" if words else ""
         print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{also})",
               file=sys.stderr)

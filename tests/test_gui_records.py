@@ -1019,7 +1019,8 @@ def test_a_window_sweeps_saved_configuration_says_the_margin_it_was_recommended_
     assert "margin 2.5%" in view.summary.text()
     view.save("close")
     saved = json.loads((tmp_path / "configurations.json").read_text())["close"]
-    assert saved["note"].split(";")[0] == "sweep recommendation within 2.5% of the fastest"
+    assert saved["note"].split(";")[0] == ("sweep recommendation within 2.5% of the fastest"
+                                           if view.recommendation.within_margin else view.recommendation.note)
 
 
 def test_a_window_sweeps_saved_configuration_names_the_layer_split_and_decode_path_it_ran_with(qtbot, tmp_path):
@@ -1038,8 +1039,8 @@ def test_a_window_sweeps_saved_configuration_names_the_layer_split_and_decode_pa
     view.on_finished(result)
     view.save("as swept")
     saved = json.loads((tmp_path / "configurations.json").read_text())["as swept"]
-    assert saved["note"] == ("sweep recommendation within 10% of the fastest; with the Layer split whole layers on the "
-                             "device and the Cold experts computed on the CPU")
+    assert saved["note"] == (f"{view.recommendation.note}; with the Layer split whole layers on the device and the "
+                             "Cold experts computed on the CPU")
     assert (saved["layer_split"], saved["decode_path"]) == ("whole", "cpu")  # kept beside the entries too
 
 
@@ -1356,6 +1357,12 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     assert view.recommended is none
     assert ("A tie with the fastest, at 100%: they differ by less than their spreads between repeats (±0.05 s and "
             "±0.15 s), and the smaller budget holds less on the device.") in view.summary.text()
+    # a configuration saved from it says so (it said "within 10% of the fastest": 1.25 s is 14% above 1.1 s)
+    view.configurations_path = tmp_path / "configurations.json"
+    view.save("tied")
+    saved = json.loads((tmp_path / "configurations.json").read_text())["tied"]
+    assert (saved["entries"]["session.moe.offload.device_expert_bytes"], saved["note"]) == (
+        "0", "sweep recommendation tied with the fastest (at 100%) within the spread between repeats")
     view.on_finished(SweepResult([_repeated_point(0, [1.5, 1.55, 1.6]), all_resident], requested=2, model_folder="m",
                                  base_entries={}))
     assert view.recommended.budget_bytes == 300 and "tie" not in view.summary.text()

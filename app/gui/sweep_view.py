@@ -20,7 +20,8 @@ from engine.offload.approximate import agreement_text
 from engine.records.configurations import save_configuration
 from engine.records.lengths import SWEEP_REPEATS, SWEEP_TOKENS
 from engine.records.scenarios import SCENARIOS
-from engine.records.sweep import SweepPoint, reasoning_length_note, recommendation, uses_projection
+from engine.records.sweep import (Recommendation, SweepPoint, reasoning_length_note, recommendation,
+                                  uses_projection)
 from engine.units import counted, decode_rate, human_bytes
 
 KIND = "sweeping"
@@ -94,6 +95,7 @@ class SweepView(QWidget):
         self.configurations_path = configurations_path
         self.result: SweepResult | None = None
         self.recommended: SweepPoint | None = None
+        self.recommendation: Recommendation | None = None  # the recommended point and why (its saved note)
         self.model_tokens: int | None = None  # the loaded model's own length where it reasons first (set_model)
         self.points = QSpinBox(minimum=2, maximum=50, value=5)
         self.points.setAccessibleName("Budget points")
@@ -334,7 +336,7 @@ class SweepView(QWidget):
         if self.result is None or self.result.stopped_at or not self.result.points:
             return
         margin = self.margin.value() / 100
-        chosen = recommendation(self.result.points, margin)
+        chosen = self.recommendation = recommendation(self.result.points, margin)
         best = self.recommended = chosen.point
         where = {"whole": ", on whole layers", "spread": ", spread over every layer"}.get(best.split, "")
         for key, *_rest in PANELS:
@@ -390,8 +392,7 @@ class SweepView(QWidget):
             own = [f"the {setting} {dict(choices)[mode]}" for setting, choices, mode in
                    (("Layer split", SPLITS, split), ("Cold experts", PATHS, self.result.decode_path)) if mode != "auto"]
             path = save_configuration(name, self.result.model_folder, config,
-                                      note=f"sweep recommendation within {self.margin.value():g}% of the fastest"
-                                           + (f"; with {' and '.join(own)}" if own else ""),
+                                      note=self.recommendation.note + (f"; with {' and '.join(own)}" if own else ""),
                                       path=self.configurations_path,
                                       own={"layer_split": split, "decode_path": self.result.decode_path})
         except Exception as exc:

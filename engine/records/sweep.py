@@ -396,6 +396,14 @@ class Recommendation:
         return self.seconds(self.point) <= self.seconds(self.fastest) * (1 + self.margin)
 
     @property
+    def note(self) -> str:
+        """What a configuration saved from it says of it."""
+        if self.within_margin:
+            return f"sweep recommendation within {self.margin * 100:g}% of the fastest"
+        return (f"sweep recommendation tied with the fastest (at {self.fastest.fraction:.0%}) within the spread "
+                "between repeats")
+
+    @property
     def tie_reason(self) -> str:
         return (f"they differ by less than their spreads between repeats (±{self.point.spread_s(self.projected):.2g} s "
                 f"and ±{self.fastest.spread_s(self.projected):.2g} s), and the smaller budget holds less on the device")
