@@ -28,6 +28,7 @@ def test_each_gate_to_the_next_routing_is_split_by_the_gpu_clock_and_the_rest_is
             (6, 0, 0, 0.0, 1.000_200, 1.000_090)]
     us = {name: [round(s * 1e6, 3) for s in seconds] for name, seconds in chain_parts(worker, jobs).items()}
     assert us["the GPU's part (published -> merge began)"] == [16.0, 15.0]
+    assert us["  the GPU's part where the CPU took 6 pairs"] == [16.0, 15.0]  # (both layers' CPU took 6)
     assert us["the CPU's part (routing found -> gate)"] == [10.0, 30.0]
     assert us["the GPU idle before the gate (merge waited)"] == [10.0, 10.0]
     assert us["gate seen -> next route_split (merge, dense segment)"] == [10.0, 30.0]
