@@ -233,11 +233,12 @@ def chain_parts(worker, jobs: list) -> dict:
     parts = defaultdict(list)
     for (gate_layer, next_layer), ((cpu_pairs, _, _, _, gated, gate_routed), (_, _, _, _, _, routed)) in zip(
             zip(times, times[1:]), zip(jobs, jobs[1:])):
-        _, _, merge_waited, gate_seen = gate_layer
+        _, published, merge_waited, gate_seen = gate_layer
         route_started, routing_published, _, _ = next_layer
         on_gpu = (routing_published - gate_seen) * 1e-9
-        parts["the GPU's part (published -> merge began)"].append((merge_waited - gate_layer[1]) * 1e-9)
-        parts[f"  the GPU's part where the CPU took {cpu_pairs} pairs"].append((merge_waited - gate_layer[1]) * 1e-9)
+        gpu_part = (merge_waited - published) * 1e-9
+        parts["the GPU's part (published -> merge began)"].append(gpu_part)
+        parts[f"  the GPU's part where the CPU took {cpu_pairs} pairs"].append(gpu_part)
         parts["the CPU's part (routing found -> gate)"].append(gated - gate_routed)
         parts["the GPU idle before the gate (merge waited)"].append((gate_seen - merge_waited) * 1e-9)
         parts["gate seen -> next route_split (merge, dense segment)"].append((route_started - gate_seen) * 1e-9)

@@ -20,7 +20,7 @@ from engine.errors import WorkbenchError
 from engine.offload import decode_path as paths
 from engine.offload.config import FLOAT32_MAX, INT32_MAX, PREFIX, UNUSED_KEYS, OffloadConfig, OffloadConfigError
 from engine.offload.planner import all_resident_bytes, split_choosable
-from engine.records.configurations import OWN_SETTINGS, configurations_for, own_problem
+from engine.records.configurations import configurations_for, own_of, own_problem
 from engine.units import counted, human_bytes
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
@@ -401,8 +401,7 @@ class BudgetPanel(QWidget):
     def use_saved(self, item: dict) -> None:
         """A saved configuration's offload entries in the panel, on the device chosen, with the layer split and decode
         path it was saved with (one saved before they were kept leaves the panel's); Apply puts them in force."""
-        own = {key: item[key] for key in OWN_SETTINGS if key in item}
-        self.set_settings({**self.settings(), "entries": item["entries"], **own})
+        self.set_settings({**self.settings(), "entries": item["entries"], **own_of(item)})
         self.refresh()
 
     def reset_defaults(self) -> None:

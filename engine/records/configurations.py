@@ -110,12 +110,17 @@ def own_problem(item: dict) -> str | None:
     return None
 
 
+def own_of(item: dict) -> dict[str, str]:
+    """The OWN_SETTINGS a saved configuration holds (own_problem vets their values)."""
+    return {key: item[key] for key in OWN_SETTINGS if key in item}
+
+
 def own_settings(item: dict, path: Path, name: str) -> dict[str, str]:
     """The OWN_SETTINGS a saved configuration holds; a WorkbenchError naming the value where one is not a choice."""
     problem = own_problem(item)
     if problem:
         raise WorkbenchError(f"{path}: configuration '{name}': {problem}")
-    return {key: item[key] for key in OWN_SETTINGS if key in item}
+    return own_of(item)
 
 
 def load_configuration(name: str, path: Path | None = None) -> tuple[str, OffloadConfig, dict[str, str]]:
