@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_offload import SHAPES  # noqa: E402
+from benchmarks.bench_offload import SHAPES, TRIALS_WARMUP_MAX, trials_under_way  # noqa: E402
 from benchmarks.bench_offload_ab import open_model  # noqa: E402
 from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
@@ -72,10 +72,13 @@ class RebalanceProbe:
         return time.perf_counter() - started
 
 
-def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe | None = None) -> dict:
+def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe | None = None,
+                 past_trials: bool = False) -> dict:
     """The worker's part seconds by pairs, step seconds and their parts (from the first job's arrival at the worker to
     the last gate; the engine's end_step, with the accounts left for it and placement's rebalance inside it), swaps
-    per step, thread counts."""
+    per step, thread counts. `past_trials`: after the warm-up, more steps until no trial of the engine's is pending
+    (at most TRIALS_WARMUP_MAX), so that the timed steps run the share the engine keeps, not the ones it tries; the
+    steps added are in the row's "past_trials"."""
     jobs: list = []
     real = HybridExpertNode.host_part_done
     engine, decoder = model.offload, model.decoder
@@ -160,12 +163,15 @@ def decode_steps(model, prompt, steps: int, warmup: int, probe: RebalanceProbe |
     row = {"parts": defaultdict(list), "steps": [], "threads": [], "waits": [], "layers": [], "end_step": [],
            "left": [], "ready_left": [], "settled": [], "settle_calls": [], "head_ready": [], "rebalance": [],
            "swaps": [], "jobs": [], "idle": [], "probe_in_step": [], "probe_quiet": [], "boundary": defaultdict(list),
-           "on_cpu": on_cpu, "chain": defaultdict(list), "split": []}
+           "on_cpu": on_cpu, "chain": defaultdict(list), "split": [], "past_trials": 0}
     try:
         state = model.new_state()
         token = int(decoder.forward(state, prompt)[-1].argmax())
         for _ in range(warmup):
             token = int(decoder.forward(state, [token])[-1].argmax())
+        while past_trials and trials_under_way(model) and row["past_trials"] < TRIALS_WARMUP_MAX:
+            token = int(decoder.forward(state, [token])[-1].argmax())
+            row["past_trials"] += 1
         wrap_step_parts(state)
         on_cpu.clear()
         for _ in range(steps):
@@ -284,6 +290,9 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.5,0")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=48)
+    parser.add_argument("--past-trials", action="store_true",
+                        help="after --warmup, step on until the engine's trials are over (its timed steps then run "
+                             "the share it keeps; without it they may run a share trial's other ways)")
     parser.add_argument("--path", default="both", help="the decode path asked for (both, tier, auto, cpu)")
     parser.add_argument("--folder")
     parser.add_argument("--cpu-threads", type=int, default=0, help="the offload key cpu_threads (0: automatic)")
@@ -301,11 +310,12 @@ def main() -> None:
         engine.set_decode_path(args.path)
         shape = SHAPES[args.shape]
         probe = RebalanceProbe(args.layers or shape["layers"], shape["num_experts"], shape["top_k"]) if args.probe else None
-        row = decode_steps(model, prompt, args.steps, args.warmup, probe)
+        row = decode_steps(model, prompt, args.steps, args.warmup, probe, args.past_trials)
         worker_threads = model.decoder._worker.threads if getattr(model.decoder, "_worker", None) else None
         path = engine.copy_state()["decode_path"]["in_force"]
-        print(f"\n{fraction:.0%} resident, decode path {path}, worker threads {worker_threads}: the worker's CPU part, "
-              f"µs, median (n) by pairs", flush=True)
+        after = f", {row['past_trials']} steps more until no trial was pending" if args.past_trials else ""
+        print(f"\n{fraction:.0%} resident, decode path {path}, worker threads {worker_threads}{after}: the worker's CPU "
+              f"part, µs, median (n) by pairs", flush=True)
         parts = row["parts"]
         cells = "  ".join(f"{p}: {us(parts[p])} ({len(parts[p])})" for p in sorted(parts) if p)
         print(f"  step {statistics.median(row['steps']) * 1e3:6.2f} ms (first job to last gate "
