@@ -221,6 +221,25 @@ def test_the_sweeps_tokens_the_user_sets_outlive_the_window_and_unset_stays_the_
     third.close()
 
 
+def test_the_sweeps_repeats_outlive_the_window_and_a_kept_value_that_does_not_fit_is_the_default(qtbot, tmp_path):
+    from engine.records.lengths import SWEEP_REPEATS
+
+    win = make_window(qtbot, tmp_path, nvml=False)
+    assert win.sweep.repeats.value() == SWEEP_REPEATS == 3
+    win.sweep.repeats.setValue(1)
+    win.close()
+    again = make_window(qtbot, tmp_path, nvml=False)
+    assert again.sweep.repeats.value() == 1
+    again.close()
+    settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
+    for raw in ("0", "10", "lots", "-2"):
+        settings.setValue("sweep/repeats", raw)
+        settings.sync()
+        third = make_window(qtbot, tmp_path, nvml=False)
+        assert third.sweep.repeats.value() == SWEEP_REPEATS, raw
+        third.close()
+
+
 def test_a_settings_file_holding_no_length_that_fits_leaves_the_length_to_the_model(qtbot, tmp_path):
     settings = QSettings(str(tmp_path / "settings.ini"), QSettings.Format.IniFormat)
     for key, raw in (("side_by_side", "0"), ("record", "lots"), ("contention", "true"), ("sweep", "100001")):

@@ -794,6 +794,33 @@ def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_pat
     assert said.index(settling[1]) > said.index("3 of 9 runs done") > said.index(settling[0])  # 3 repeats a point
 
 
+def test_a_sweep_of_the_repeats_chosen_in_the_window_runs_each_point_that_many_times(qtbot, tmp_path):
+    """The window's sweep ran every point 3 times (the command line's --repeats had no control there): the Repeats box
+    goes to the job, which runs and counts that many repeats a point, and the text before a sweep says what it does."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    view = SweepView(tmp_path / "h.sqlite")
+    qtbot.addWidget(view)
+    assert "3 times at each budget" in view.summary.text() and "spread between their repeats" in view.summary.text()
+    view.repeats.setValue(1)
+    assert "Runs the scenarios once at each budget" in view.summary.text()
+    assert "spread between their repeats" not in view.summary.text()  # one run a point has no spread to compare
+    jobs = []
+    view.jobRequested.connect(lambda kind, job: jobs.append(job))
+    view.points.setValue(2)
+    view.run()
+    assert jobs[0].repeats == 1
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    said = []
+    job = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"), repeats=jobs[0].repeats)
+    result = job(_sweep_context(model, device, said))
+    assert [point.repeats for point in result.points] == [1, 1]
+    assert [len(point.records) for point in result.points] == [1, 1]
+    assert "2 of 2 runs done" in said and not any("of 6 runs" in text for text in said)
+
+
 def test_a_sweep_jobs_status_counts_the_tokens_of_the_run_it_names(tmp_path, monkeypatch):
     """The status line "run 7 of 12 · 49 tokens" counted every token since the sweep began, though a run's answers here
     take at most 3 tokens (and said "1 tokens"): it counts the run's own."""

@@ -34,9 +34,10 @@ from app.gui.model_panel import ModelPanel
 from app.gui.placement_view import PlacementView
 from app.gui.scenario_view import ScenarioView
 from app.gui.side_by_side_view import SideBySideView
-from app.gui.sweep_view import SweepView
+from app.gui.sweep_view import REPEATS_MAX, SweepView
 from app.gui.telemetry import SamplerThread
 from app.gui.widgets import MAX_ANSWER_TOKENS, Banner, scrolled
+from engine.records.lengths import SWEEP_REPEATS
 
 RECENT_MAX = 10
 # package data (pyproject.toml): found in an installed wheel as in the checkout
@@ -70,6 +71,13 @@ def saved_length(raw) -> int | None:
     except (ValueError, TypeError):
         return None
     return tokens if type(tokens) is int and 1 <= tokens <= MAX_ANSWER_TOKENS else None
+
+
+def saved_repeats(raw) -> int:
+    """The sweep's repeats the settings keep, else the default (none kept, or none that fits: a hand-edited file)."""
+    text = "" if raw is None else str(raw).strip()
+    repeats = int(text) if text.isdigit() else 0
+    return repeats if 1 <= repeats <= REPEATS_MAX else SWEEP_REPEATS
 
 
 def same_folder(a: str | None, b: str | None) -> bool:
@@ -390,6 +398,7 @@ class MainWindow(QMainWindow):
             box.choose(saved_length(s.value(f"{key}/max_new_tokens")))
         for key, choice in self.answer_choices.items():
             choice.setCurrentIndex(max(0, choice.findData(s.value(f"{key}/answers"))))
+        self.sweep.repeats.setValue(saved_repeats(s.value("sweep/repeats")))
 
     def save_settings(self) -> None:
         s = self.settings
@@ -402,6 +411,7 @@ class MainWindow(QMainWindow):
             s.setValue(f"{key}/max_new_tokens", json.dumps(box.chosen))  # null: the model's own
         for key, choice in self.answer_choices.items():
             s.setValue(f"{key}/answers", choice.currentData())
+        s.setValue("sweep/repeats", self.sweep.repeats.value())
         s.sync()
 
     @staticmethod

@@ -246,7 +246,7 @@ class SweepResult:
 @dataclass
 class SweepJob:
     """Re-plan the loaded model at `points` budgets from none to every expert (no reload), run the
-    scenarios at each, SWEEP_REPEATS times (with `both_splits`, spread and on whole layers where a budget holds some
+    scenarios at each, `repeats` times (with `both_splits`, spread and on whole layers where a budget holds some
     layers whole: engine.records.sweep.sweep_plan), restore the loaded budgets. Each point's records go to the history
     as the point completes, as the command line saves them: a sweep cancelled or failed at a point keeps those before
     it."""
@@ -258,6 +258,7 @@ class SweepJob:
     both_splits: bool = False
     answers: str = GREEDY               # how the answers choose their tokens (record_sampling)
     chat_options: dict | None = None    # the chat's settings, for answers=CHAT_SAMPLING
+    repeats: int = SWEEP_REPEATS        # runs of the scenarios at each budget: the times compared are their medians
 
     def __call__(self, ctx: JobContext) -> SweepResult:
         model = ctx.loaded()
@@ -274,7 +275,7 @@ class SweepJob:
         tokens, done, last, unsent = [0], [0], [0.0], [0]
 
         def total() -> int:
-            return planned[0] * len(scenarios) * SWEEP_REPEATS
+            return planned[0] * len(scenarios) * self.repeats
 
         def on_left_out(note: str, count: int) -> None:
             planned[0] -= count
@@ -314,7 +315,7 @@ class SweepJob:
         try:
             run_sweep(model, ctx.device, self.points, scenarios, params, label=self.label, progress=progress,
                       cancel=ctx.cancel, on_text=on_text, splits=splits, on_settle=on_settle, on_point=on_point,
-                      on_left_out=on_left_out)
+                      on_left_out=on_left_out, repeats=self.repeats)
         except SweepCancelled as exc:
             where = stopped_at(exc)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed

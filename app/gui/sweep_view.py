@@ -19,6 +19,8 @@ from engine.offload import OffloadConfig
 from engine.offload.approximate import agreement_text
 from engine.records.configurations import save_configuration
 from engine.records.lengths import SWEEP_REPEATS, SWEEP_TOKENS
+
+REPEATS_MAX = 9  # a sweep's runs at each budget, at most (each repeat is a whole pass over the scenarios)
 from engine.records.scenarios import SCENARIOS
 from engine.records.sweep import (Recommendation, SweepPoint, reasoning_length_note, recommendation,
                                   uses_projection)
@@ -65,6 +67,14 @@ def legend_text(projected: bool, whole: bool, left: list[int]) -> str:
                      *(["Dashed, triangles: projected for the simulated card."] if projected else []),
                      *(["Squares: on whole layers."] if whole else []), "Red ring: the recommended budget.",
                      *([left_out_words(left)] if left else [])])
+
+
+def intro_text(repeats: int) -> str:
+    """What a sweep does, before one has run: its runs at each budget and how it recommends."""
+    runs = "once" if repeats == 1 else f"{repeats} times"
+    within = "" if repeats == 1 else ", or within the spread between their repeats"
+    return (f"Runs the scenarios {runs} at each budget on the loaded model (it needs a simulated or CUDA device) and "
+            f"recommends the smallest budget whose median completion is within the margin of the fastest{within}.")
 
 
 class SweepLength(QSpinBox):
@@ -126,9 +136,13 @@ class SweepView(QWidget):
         self.legend.setWordWrap(True)
         self.legend.setAccessibleName("What the plots show")
         self.legend.hide()
-        self.summary = QLabel(f"Runs the scenarios {SWEEP_REPEATS} times at each budget on the loaded model (it needs "
-                              "a simulated or CUDA device) and recommends the smallest budget whose median completion "
-                              "is within the margin of the fastest, or within the spread between their repeats.")
+        self.repeats = QSpinBox(minimum=1, maximum=REPEATS_MAX, value=SWEEP_REPEATS)
+        self.repeats.setAccessibleName("Repeats")
+        self.repeats.setToolTip("Times each budget runs the scenarios, after an unrecorded warm-up answer: the times "
+                                "compared are their medians, and two budgets whose medians lie within the spread "
+                                f"between their repeats are a tie. 1 takes about 1/{SWEEP_REPEATS} of the time of "
+                                f"{SWEEP_REPEATS}, and one slow run then decides.")
+        self.summary = QLabel(intro_text(SWEEP_REPEATS))
         self.summary.setWordWrap(True)
         self.summary.setAccessibleName("Sweep recommendation")
         self.name = QLineEdit(placeholderText="configuration name")
@@ -180,6 +194,8 @@ class SweepView(QWidget):
         options.addWidget(QLabel("Answers"), 2, 0)
         options.addWidget(self.answers, 2, 1)
         options.addWidget(self.both_splits, 2, 2, 1, 2)
+        options.addWidget(QLabel("Repeats"), 3, 0)
+        options.addWidget(self.repeats, 3, 1)
         save = QHBoxLayout()
         save.addWidget(self.name, 1)
         save.addWidget(self.save_button)
@@ -197,6 +213,7 @@ class SweepView(QWidget):
         self.bar.cancelRequested.connect(self.cancelRequested)
         self.margin.valueChanged.connect(lambda _v: self._recommend())
         self.max_tokens.valueChanged.connect(lambda _v: self._show_length_note())
+        self.repeats.valueChanged.connect(self._show_intro)
         self.save_button.clicked.connect(lambda: self.save())
         self.apply_theme(theme.current())
 
@@ -228,6 +245,11 @@ class SweepView(QWidget):
         self.model_tokens = reasoning_tokens
         self._show_length_note()
 
+    def _show_intro(self, repeats: int) -> None:
+        """What a sweep with `repeats` will do, where no sweep's outcome is shown."""
+        if self.result is None:
+            self.summary.setText(intro_text(repeats))
+
     def _show_length_note(self) -> None:
         note = reasoning_length_note(self.model_tokens, self.max_tokens.value())
         self.length_note.setText(sentence(note))
@@ -235,7 +257,8 @@ class SweepView(QWidget):
 
     def run(self) -> None:
         job = SweepJob(self.points.value(), scenario_names(self.scenario.currentText()), self.max_tokens.value(),
-                       self.history_path, both_splits=self.both_splits.isChecked(), **self.answers.job_settings())
+                       self.history_path, both_splits=self.both_splits.isChecked(), repeats=self.repeats.value(),
+                       **self.answers.job_settings())
         self.bar.start(f"Sweeping {job.points} budgets…")
         self.jobRequested.emit(KIND, job)
 
