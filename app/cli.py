@@ -383,11 +383,13 @@ def _cmd_inspect(args) -> int:
             runnable = [info for info in folder.experts if info.spec is not None]
             load_popularity(config.popularity_file, [i.name for i in runnable], [i.spec.num_experts for i in runnable])
         kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
+        mode = args.decode_path or paths.default_decode_path()
+        planned_tier = paths.tier_planned(mode, config, folder.experts, getattr(device, "kind", None),
+                                          paths.host_available())
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
-                            dense_on_device=dense_goes_to(device, kv_dtypes))
+                            dense_on_device=dense_goes_to(device, kv_dtypes), host_tier=planned_tier)
         # the sentences the load's plan says, in its order: the plan's, the staging's, the tier's, the streaming slots'
         statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
-        mode = args.decode_path or paths.default_decode_path()
         tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None), device)
         statements += [said] if said else []
         if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave

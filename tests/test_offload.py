@@ -187,6 +187,37 @@ def test_the_simulated_tier_reserves_its_granule_rounded_device_mappings(model_f
         rounded_tier_bytes(engine.infos[0], 0) > 0
 
 
+def test_an_automatic_budget_keeps_the_reserve_free_beside_the_host_tiers_mappings(tmp_path):
+    """The automatic budget is the device's free memory less reserve_device_bytes; its slots filled it, and the host
+    tier's granule-rounded mappings went on top, into the reserve kept for KV cache and workspace. The budget now
+    leaves the mappings' rounding room where the tier is made, and a tier whose mappings do not fit beside the reserve
+    is not made; an explicit budget is the user's, untouched."""
+    # one layer of 16 experts of ~4 MiB: all of them ~66 MiB; the tier's mappings without slots ~16 MiB
+    folder = write_model(tmp_path / "m", WriterSpec(layers=1, num_experts=16, top_k=4, hidden_size=2048,
+                                                    inter_size=1024, seed=3, dense_accuracy_level=0))
+    reserve = 64 * MIB
+    for room in (40 * MIB, 10 * MIB):  # beside the reserve: room for some slots with their mappings; for no mapping
+        device = SimulatedDevice(reserve + room)
+        engine = LoadedModel.open(folder, device=device, decode_path="tier",
+                                  offload=OffloadConfig(reserve_device_bytes=reserve, prefill_wave_experts=0)).offload
+        assert device.memory.available >= reserve, (room, device.memory.by_purpose)
+        if room == 40 * MIB:
+            assert engine.host_tier and 0 < sum(engine.plan.slots.values()) < 16
+            said = [s for s in engine.plan.statements if "host tier's device mappings" in s]
+            assert len(said) == 1 and said[0].startswith("The automatic budget leaves ")
+            assert said[0].endswith("so that the reserve for KV cache and workspace stays free.")
+        else:  # what the reserve leaves holds no tier: cold experts on the CPU, and why
+            assert not engine.host_tier and not any("host tier's device mappings" in s for s in engine.plan.statements)
+            said = [s for s in engine.plan.statements if "no host tier is made" in s]
+            assert len(said) == 1 and said[0].endswith(
+                "the device has free for them beside the reserve for KV cache and workspace (reserve_device_bytes).")
+    budget = 20 * MIB
+    engine = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget), device=SimulatedDevice(1 << 30),
+                              decode_path="tier").offload
+    assert engine.host_tier and engine.plan.budget_bytes == budget
+    assert not any("host tier's device mappings" in s for s in engine.plan.statements)
+
+
 def test_a_tier_that_fits_only_unrounded_under_the_limit_is_not_made_on_the_simulated_device(model_folder, cpu_run):
     """Under a gpu_device_mem_limit that holds the tier's slots at slots x expert bytes but not its granule-rounded
     mappings, a card refuses the tier (CudaSlots.resize) and decode computes cold experts on the CPU; the simulated

@@ -305,7 +305,10 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
     elif experts and not error:  # an unusable device (mode required, above) or a refused ring: no plan
         try:
-            plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu)
+            planned_tier = stand_in is not None and paths.tier_planned(
+                decode_path or paths.default_decode_path(), config, experts, device.kind, paths.host_available())
+            plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu,
+                                host_tier=planned_tier)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
     host_tier, tier_said = False, ""

@@ -41,7 +41,7 @@ import psutil
 
 from engine.errors import WorkbenchError
 from engine.offload.config import OffloadConfig
-from engine.offload.planner import slots_device_bytes, under_limit
+from engine.offload.planner import expert_room, slots_device_bytes, under_limit
 from engine.offload.trials import AbaTrials
 from engine.units import human_bytes
 from kernels.gpu.host_tier import TIER_GRANULE
@@ -151,6 +151,14 @@ def tier_wanted(mode: str, config: OffloadConfig) -> bool:
     return config.mode != "disabled" and config.cpu_execution != "enabled"
 
 
+def tier_planned(mode: str, config: OffloadConfig, infos, device_kind: str | None, available: int) -> bool:
+    """Whether a plan under `config` is made for a host tier (plan_offload's host_tier): one is wanted on a device
+    that reads it and the host's `available` memory takes it. The slots then decide whether it is made
+    (tier_verdict: none where every expert is resident, or where the device has no room for its mappings)."""
+    return (tier_wanted(mode, config) and device_kind is not None and config.mode != "disabled"
+            and _refusal(mode, config, tier_bytes(infos), available) is None)
+
+
 def tier_bytes(infos) -> int:
     """Page-locked host memory a host tier maps: every expert of every node the GPU kernels run, in their layout."""
     return sum(info.spec.num_experts * info.gpu.slot_bytes for info in infos if info.gpu is not None)
@@ -170,22 +178,25 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
                        f"(decode path '{mode}' does not apply).")
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
-    refusal = _refusal(mode, config, tier_bytes(infos), available) or _device_refusal(infos, slots, device)
+    refusal = _refusal(mode, config, tier_bytes(infos), available) or _device_refusal(config, infos, slots, device)
     if refusal:
         return False, f"{without_tier(config)}: no host tier is made, since {refusal}."
     return True, ""
 
 
-def _device_refusal(infos, slots: dict[str, int], device) -> str | None:
-    """Why `device` cannot hold the tier's device mappings for `slots`, or None where it can (or no device is given)."""
+def _device_refusal(config: OffloadConfig, infos, slots: dict[str, int], device) -> str | None:
+    """Why `device` cannot hold the tier's device mappings for `slots`, or None where it can (or no device is given).
+    Under an automatic budget the reserve for KV cache and workspace stays free beside them (expert_room)."""
     if device is None:
         return None
-    need, free = slots_device_bytes(infos, slots, host_tier=True), device.memory.available
-    if need <= free:
+    need, room = slots_device_bytes(infos, slots, host_tier=True), expert_room(config, device)
+    if need <= room:
         return None
+    beside = (" beside the reserve for KV cache and workspace (reserve_device_bytes)"
+              if config.device_expert_bytes is None else "")
     return (f"its device mappings need {human_bytes(need)} (each slot array's device rows rounded up to the "
             f"{human_bytes(TIER_GRANULE)} mapping granule; {human_bytes(slots_device_bytes(infos, slots))} without the "
-            f"tier), more than the {human_bytes(free)} the device has free for them{under_limit(device)}")
+            f"tier), more than the {human_bytes(room)} the device has free for them{under_limit(device)}{beside}")
 
 
 def without_tier(config: OffloadConfig) -> str:

@@ -402,8 +402,10 @@ class OffloadEngine:
     def _plan(self, config: OffloadConfig) -> OffloadPlan:
         """Reserve the staging ring, then plan the slots in what the device has left."""
         self._take_staging(config)
+        tier = paths.tier_planned(self.decode_path_mode, config, self.infos, getattr(self.device, "kind", None),
+                                  paths.host_available())
         plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
-                            dense_on_device=self.dense_on_device)
+                            dense_on_device=self.dense_on_device, host_tier=tier)
         if self.device is not None and config.mode != "disabled":
             plan.statements.extend(self.staging.statements(cold=plan.leaves_cold))
         return plan

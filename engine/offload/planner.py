@@ -10,6 +10,7 @@ from engine.expert_node import ExpertNodeInfo
 from engine.offload.config import OffloadConfig
 from engine.offload.device_memory import DENSE_RESERVATION
 from engine.units import counted, human_bytes
+from kernels.gpu.host_tier import TIER_GRANULE
 
 # Kept free for KV cache, state and workspace when the automatic budget is computed and the user
 # gave no reserve_device_bytes: a tenth of the device, at least 512 MiB.
@@ -96,6 +97,24 @@ def automatic_budget(config: OffloadConfig, available: int) -> int:
     if reserve is None:
         reserve = max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * available))
     return max(0, available - reserve)
+
+
+def expert_room(config: OffloadConfig, device) -> int:
+    """What the expert slots, with the host tier its mappings, may take of `device` now: its free memory, less the
+    reserve for KV cache and workspace where the budget is automatic (reserve_device_bytes applies to that only)."""
+    available = device.memory.available
+    if config.device_expert_bytes is not None:
+        return available
+    # a dense part the load put on the device holds what the reserve kept for it (DENSE_RESERVATION): a re-plan
+    # counts it as that reserve, not beside it
+    return min(available, automatic_budget(config, available + device.memory.by_purpose.get(DENSE_RESERVATION, 0)))
+
+
+def tier_mapping_excess(experts: list[ExpertNodeInfo]) -> int:
+    """The most the host tier's device mappings take beyond their slots' bytes: each slot array rounded up to the
+    mapping granule, and a node without slots still mapping one (GpuFootprint.tier_device_bytes)."""
+    return sum(len(info.gpu.tier_rows) * TIER_GRANULE + info.device_bytes_per_expert
+               for info in experts if info.gpu is not None)
 
 
 def _limit_bounds(device) -> int:
@@ -217,11 +236,13 @@ def _exact_routing_statement(config: OffloadConfig) -> list[str]:
 
 
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
-                 whole_layers: bool = False, dense_on_device: bool = False) -> OffloadPlan:
+                 whole_layers: bool = False, dense_on_device: bool = False, host_tier: bool = False) -> OffloadPlan:
     """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
     `whole_layers` it goes to whole layers instead, in layer order (layer_split.py: the engine measures which of the
     two decodes faster). Under mode=disabled every expert goes where the dense part runs: on the device where
-    `dense_on_device` (onnxruntime's CUDA execution provider runs it there), else on the CPU."""
+    `dense_on_device` (onnxruntime's CUDA execution provider runs it there), else on the CPU. `host_tier`: the decode
+    path wants a host tier (decode_path.tier_wanted), whose granule-rounded mappings an automatic budget leaves room
+    for beside its slots, so that the reserve stays free."""
     names = [info.name for info in experts]
     for name in config.node_overrides:
         if name not in names:
@@ -252,13 +273,18 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     runnable = [info for info in experts if info.gpu is not None]
 
     available = free = device.memory.available
+    tier_room = 0  # what an automatic budget leaves to the host tier's mappings beyond their slots
     if config.device_expert_bytes is not None:
         budget = config.device_expert_bytes
     else:
-        # a dense part the load put on the device holds what the reserve kept for it (DENSE_RESERVATION): a re-plan
-        # counts it as that reserve, not beside it
         free = available + device.memory.by_purpose.get(DENSE_RESERVATION, 0)
-        budget = min(available, automatic_budget(config, free))
+        budget = expert_room(config, device)
+        # with the host tier, its mappings beside the slots within the room too, where a tier is made: some expert
+        # left cold, and room for its mappings without slots (else decode_path._device_refusal refuses it)
+        if (host_tier and budget < all_resident_bytes(runnable)
+                and slots_device_bytes(runnable, {}, host_tier=True) <= budget):
+            tier_room = min(budget, tier_mapping_excess(runnable))
+            budget -= tier_room
     clamped = budget > available
     if clamped:
         if config.mode == "required":
@@ -332,8 +358,13 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         statements.append(f"reserve_device_bytes={config.reserve_device_bytes} does not apply: device_expert_bytes "
                           "sets the expert budget (the reserve sizes the automatic one).")
     statements += _limit_without_effect(device)
+    if tier_room:
+        statements.append(f"The automatic budget leaves {human_bytes(tier_room)} to the host tier's device mappings, "
+                          f"which round each slot array up to the {human_bytes(TIER_GRANULE)} mapping granule, so "
+                          "that the reserve for KV cache and workspace stays free.")
     if config.device_expert_bytes is None and budget < smallest and runnable:
-        statements.append(f"The automatic budget holds no expert: {_reserve_left(device, available, budget)}.")
+        statements.append(f"The automatic budget holds no expert: "
+                          f"{_reserve_left(device, available, budget + tier_room)}.")
     if too_small:
         statements.append(f"node_overrides give {'; '.join(too_small)}: "
                           f"{'it keeps' if len(too_small) == 1 else 'they keep'} none there.")
