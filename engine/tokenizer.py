@@ -164,6 +164,10 @@ class ModelTokenizer:
             self._tok = Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise ModelFileError(f"{path}: not a valid tokenizer ({str(exc).splitlines()[0]})") from None
+        # the truncation and padding a training run may have left in tokenizer.json would cut or pad every prompt:
+        # off, as transformers has them unless a call asks
+        self._tok.no_truncation()
+        self._tok.no_padding()
         config = self._read_config(folder / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
