@@ -246,36 +246,50 @@ class ModelTokenizer:
 
 class StreamDecoder:
     """Turns a growing list of token ids into text increments, holding back incomplete UTF-8; `keep`: special tokens
-    written as their text (ModelTokenizer.decode)."""
+    written as their text (ModelTokenizer.decode).
+
+    Each token decodes a window of the last tokens, not the whole answer (at 30,000 tokens that took 5 ms a token):
+    the tokens since the text given out last, after the ones that gave it, whose text is taken off the window's (as
+    text-generation-inference does). Given-out text always ends on a whole character, so the window starts on one;
+    the tokens before it give a decoder that drops a first token's leading space (SentencePiece's) its context."""
 
     def __init__(self, tokenizer: ModelTokenizer, keep: frozenset[int] = frozenset()):
         self._tokenizer = tokenizer
         self._keep = keep
-        self._ids: list[int] = []  # with `keep`, the special tokens not kept are left out as they come
+        self._ids: list[int] = []  # the special tokens not kept are left out as they come
+        self._start = 0  # where the window begins
+        self._given = 0  # the tokens whose text is given out (from _start: the window's context)
         self._emitted = ""
 
     def push(self, token_id: int) -> str:
-        # once a token here, not in every decode of the whole answer (ModelTokenizer.decode's pass over all its ids)
-        if not self._keep or token_id in self._keep or token_id not in self._tokenizer.special_ids:
+        if token_id in self._keep or token_id not in self._tokenizer.special_ids:
             self._ids.append(token_id)
-        text = self._decode()
-        if text.endswith("\ufffd"):
-            return ""  # a multi-byte character is not complete yet
-        return self._emit(text)
+        return self._advance(final=False)
 
     def finish(self) -> str:
         """What push held back when the answer ends: bytes that never made a whole character (an answer cut inside
         one, or bytes a model writes that no character has) stay as U+FFFD, as a plain decode shows them. Without
         this, an answer whose every prefix ends so kept no text at all."""
-        return self._emit(self._decode())
+        return self._advance(final=True)
 
-    def _decode(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=not self._keep)
-
-    def _emit(self, text: str) -> str:
-        delta = text[len(self._emitted):] if text.startswith(self._emitted) else text
-        self._emitted = text
+    def _advance(self, final: bool) -> str:
+        window = self._decode(self._ids[self._start:])
+        if window.endswith("\ufffd") and not final:
+            return ""  # a multi-byte character is not complete yet
+        context = self._decode(self._ids[self._start:self._given])
+        if window.startswith(context):
+            delta = window[len(context):]
+            self._emitted += delta
+        else:  # a decoder whose text for the window is not the context's and more: the whole answer decoded
+            text = self._decode(self._ids)
+            delta = text[len(self._emitted):] if text.startswith(self._emitted) else text
+            self._emitted = text
+        if len(self._ids) > self._given:  # (a special token left out moves nothing)
+            self._start, self._given = self._given, len(self._ids)
         return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     @property
     def text(self) -> str:

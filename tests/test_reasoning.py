@@ -453,9 +453,9 @@ def test_a_regenerate_from_the_prompts_state_reads_the_think_tag_the_prompt_open
 
 
 def test_a_long_answer_is_split_without_a_pass_over_every_token_for_each(harmony, monkeypatch):
-    """Each token decodes the answer so far (in the tokenizer's Rust, as a plain answer's stream does); the special
-    tokens the split does not read are left out as each comes, not by a Python pass over all the tokens so far at
-    every token: at 2,000 tokens that pass cost ~0.1 ms a token, as much as the decode."""
+    """The special tokens the split does not read are left out as each comes, not by a Python pass over all the
+    tokens so far at every token: at 2,000 tokens that pass cost ~0.1 ms a token (StreamDecoder decodes a few tokens
+    at each: tests/test_tokenizer.py)."""
     class CountedIds(frozenset):
         lookups = 0
 
