@@ -277,13 +277,11 @@ class StreamDecoder:
         if window.endswith("\ufffd") and not final:
             return ""  # a multi-byte character is not complete yet
         context = self._decode(self._ids[self._start:self._given])
-        if window.startswith(context):
-            delta = window[len(context):]
-            self._emitted += delta
-        else:  # a decoder whose text for the window is not the context's and more: the whole answer decoded
-            text = self._decode(self._ids)
-            delta = text[len(self._emitted):] if text.startswith(self._emitted) else text
-            self._emitted = text
+        # a window whose text does not begin with the context's: a decoder that reads a run of byte tokens as one
+        # (SentencePiece's ByteFallback: U+FFFD for each byte of a run cut inside a character, its whole characters
+        # too, which were given out already), the new tokens decoded alone
+        delta = window[len(context):] if window.startswith(context) else self._decode(self._ids[self._given:])
+        self._emitted += delta
         if len(self._ids) > self._given:  # (a special token left out moves nothing)
             self._start, self._given = self._given, len(self._ids)
         return delta

@@ -51,3 +51,41 @@ def test_streaming_decodes_a_few_tokens_at_each_not_the_whole_answer(monkeypatch
         assert "".join(pieces) == stream.text == plain_decode(answer, keep=keep)
         assert not any(piece.endswith("\ufffd") for piece in pieces[:-2])  # no character shown in halves
         assert sum(decoded) < 6 * len(answer)
+
+
+def byte_fallback_tokenizer(folder):
+    """A SentencePiece-style tokenizer as Llama's, Mixtral's and Phi-3.5-MoE's tokenizer.json are: characters outside
+    the vocabulary as byte tokens, whose decoder makes each run of them one text (each byte U+FFFD where the run is
+    not all whole characters)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "▁": 259, "a": 260,
+             "▁a": 261}
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, text in enumerate(("<unk>", "<s>", "</s>"))],
+        "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                           {"type": "Replace", "pattern": {"String": " "},
+                                                            "content": "▁"}]},
+        "pre_tokenizer": None, "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": ["▁ a"]}}))
+    return ModelTokenizer(folder)
+
+
+def test_an_answer_cut_inside_a_byte_token_character_keeps_what_it_showed(tmp_path):
+    """An answer in characters spelt as byte tokens (Chinese, for Llama's tokenizer) cut inside its last one: the
+    whole answer decodes that run of bytes as U+FFFD each, 中 among them, which the stream had shown. The stream
+    then gave out the whole answer again after it: 'a中a����'. It now gives out U+FFFD for the cut character."""
+    from engine.tokenizer import StreamDecoder
+
+    tokenizer = byte_fallback_tokenizer(tmp_path / "llama")
+    ids = tokenizer.encode("a中中")
+    assert len(ids) == 7, "▁a and three byte tokens for each 中"
+    stream = StreamDecoder(tokenizer)
+    pieces = [stream.push(token) for token in ids[:5]] + [stream.finish()]
+    assert pieces == ["a", "", "", "中", "", "\ufffd"] and stream.text == "a中\ufffd"
