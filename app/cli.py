@@ -628,7 +628,7 @@ def _cmd_generate(args) -> int:
         line = sys.stdin.readline()
         if not line:
             return 0
-        prompt = line.rstrip("\n")
+        prompt = line.rstrip("\r\n")  # (a file written on Windows ends its lines so)
         if not prompt.strip():
             return 0
 

@@ -159,6 +159,16 @@ def test_chat_reads_more_turns_and_reuses_the_cache(cli):
     assert len(turns[1]["prompt_tokens"]) < len(turns[0]["prompt_tokens"]) + len(turns[0]["tokens"]) + 10
 
 
+def test_chat_turns_from_a_file_with_windows_line_ends_leave_the_carriage_return_out(cli):
+    """Standard input is read with its line ends as they are: a turn of a file written on Windows ended '\\r\\n',
+    and the user's message the model was given ended with a carriage return."""
+    args = ("generate", str(fixture_folder("lfm2moe")), "--chat", "--prompt", "Hi", "--max-new-tokens", "2", "--json",
+            "--greedy")
+    turns = [[json.loads(line)["prompt_tokens"] for line in cli(*args, stdin=stdin).stdout.splitlines()]
+             for stdin in ("And then?\r\n", "And then?\n")]
+    assert len(turns[0]) == 2 and turns[0] == turns[1]
+
+
 def test_generate_json_reports_the_miss_policys_copy_slots_and_later_hits_and_keeps_threads(cli):
     from engine.model_folder import ModelFolder
     from engine.offload.planner import all_resident_bytes
