@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -13,7 +14,7 @@ import psutil
 
 from engine.decoder import PartitionedDecoder
 from engine.decoder_state import DecoderState, StateSnapshot
-from engine.errors import ModelFileError, PromptError, UnsupportedModelError
+from engine.errors import ModelFileError, PromptError, UnsupportedModelError, WorkbenchError
 from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
@@ -295,15 +296,16 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
              decoder=None, on_reasoning: Callable[[int, str], None] | None = None,
              after_prompt: Callable[[np.ndarray], None] | None = None,
-             prompt_logits: np.ndarray | None = None) -> GenerationResult:
+             prompt_logits: np.ndarray | None = None, snapshot_at: int | None = None) -> GenerationResult:
     """Feed `prompt_tokens` after what `state` already holds (`fed_tokens`), then decode.
 
     `fed_tokens` is extended in place with every token the state consumes. `on_text(token, delta)`
     is called as each token is produced, with the answer's new text; `on_reasoning(token, delta)` just before it,
     with the reasoning's (engine/reasoning.py; empty for a model that answers at once). Stop strings apply to the
     answer. `decoder` defaults to the model's own (tests pass the onnxruntime reference to compare).
-    `after_prompt(logits)` is called with the prompt fed (Conversation's snapshot); `prompt_logits` are the last prompt
-    token's logits of a state restored just after it, to answer again with no prompt at all.
+    `after_prompt(logits)` is called with the prompt fed (Conversation's snapshot), or with its first `snapshot_at`
+    tokens fed, the rest fed after; `prompt_logits` are the last prompt token's logits of a state restored just after
+    it, to answer again with no prompt at all.
     """
     if not prompt_tokens and prompt_logits is None:
         raise PromptError("the prompt is empty")
@@ -345,11 +347,17 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
 
     started = time.perf_counter()
     if prompt_tokens:
-        logits = _finite(decoder.forward(state, prompt_tokens)[-1], model, state.past_length - 1)
-        fed_tokens.extend(prompt_tokens)
+        rest = prompt_tokens
+        if after_prompt is not None and snapshot_at:
+            head, rest = prompt_tokens[:snapshot_at], prompt_tokens[snapshot_at:]
+            head_logits = _finite(decoder.forward(state, head)[-1], model, state.past_length - 1)
+            fed_tokens.extend(head)
+            after_prompt(head_logits)
+        logits = _finite(decoder.forward(state, rest)[-1], model, state.past_length - 1)
+        fed_tokens.extend(rest)
         if meter:  # (its choices read what was fed so far)
             meter.step(prompt_tokens, logits)
-        if after_prompt is not None:
+        if after_prompt is not None and not snapshot_at:
             after_prompt(logits)
     else:
         logits = prompt_logits
@@ -458,8 +466,10 @@ class Conversation:
             else:  # first turn, or the template re-rendered earlier turns differently: all of it is fed afresh
                 self._rendered, self._pending, self.fed_tokens = "", [], []
         new_tokens = self._pending + self.model.tokenizer.encode(text[len(self._rendered):])
+        kept, snapshot_at = self._snapshot_point(messages, text, variables, new_tokens)
         if self.state.past_length != len(self.fed_tokens):  # it holds more: a failed turn's part, or an old render
             self.state.reset()
+            snapshot_at = snapshot_at and len(self.fed_tokens) + snapshot_at
             new_tokens, self.fed_tokens = self.fed_tokens + new_tokens, []
         reused = len(self.fed_tokens)
         cap, bound = _sequence_cap(self.model.config)
@@ -474,12 +484,14 @@ class Conversation:
             if self.state.snapshot_bytes() > SNAPSHOT_SHARE * psutil.virtual_memory().available:
                 self._prompt_snapshot = None
                 return
-            self._prompt_snapshot = PromptSnapshot(text, list(self.fed_tokens), self.state.snapshot(), logits.copy())
+            self._prompt_snapshot = PromptSnapshot(text[:kept], list(self.fed_tokens), self.state.snapshot(),
+                                                   logits.copy())
 
+        snapshots = self._snapshots and snapshot_at != 0  # (0: the state restored from the one in hand is there)
         try:
             result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel,
-                              on_reasoning=on_reasoning, after_prompt=take_snapshot if self._snapshots else None,
-                              prompt_logits=resumed)
+                              on_reasoning=on_reasoning, after_prompt=take_snapshot if snapshots else None,
+                              prompt_logits=resumed, snapshot_at=snapshot_at or None)
         except BaseException:
             # the state may hold this turn's prompt and first answer tokens, which the messages never will: the
             # conversation stays what it was, and the next turn feeds it again
@@ -499,6 +511,35 @@ class Conversation:
         fed_answer = self.model.tokenizer.decode(answer_tokens, keep=self.model.answer_format.marks)
         self._rendered = None if result.finish_reason == "stop_string" else text + fed_answer
         return result
+
+    def _snapshot_point(self, messages: list[dict], text: str, variables: dict, new_tokens: list[int]
+                        ) -> tuple[int, int | None]:
+        """Where this turn's prompt snapshot goes: (the length of the prompt `text` it stands for, the tokens of
+        `new_tokens` fed before it; None: all of them). At the prompt's end, unless the template writes a past answer
+        without what its generation prompt opens (Qwen3.5's <think>, Qwen3's empty think block with thinking off):
+        the next turn's render leaves the prompt there, and would feed the whole conversation again. The snapshot
+        then goes where the next turn's renders (two stand-in answers and messages) leave the prompt, where its
+        tokens split as the whole prompt's do; 0 tokens: the state restored from the snapshot in hand is there (a
+        regenerate)."""
+        if not self._snapshots:
+            return len(text), None
+        kept = len(text)
+        for stand_in in ("A", "B"):
+            try:
+                later = self.model.tokenizer.render_chat(
+                    messages + [{"role": "assistant", "content": stand_in}, {"role": "user", "content": stand_in}],
+                    variables=variables)
+            except WorkbenchError:
+                return len(text), None
+            kept = min(kept, len(os.path.commonprefix([text, later])))
+        if kept == len(self._rendered) and self._prompt_snapshot and self._prompt_snapshot.text == self._rendered:
+            return kept, 0
+        if kept == len(text) or kept <= len(self._rendered):
+            return len(text), None
+        head = self._pending + self.model.tokenizer.encode(text[len(self._rendered):kept])
+        if head + self.model.tokenizer.encode(text[kept:]) != new_tokens:
+            return len(text), None
+        return kept, len(head)
 
     @property
     def _snapshots(self) -> bool:

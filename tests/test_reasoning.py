@@ -418,36 +418,43 @@ def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony
 
 
 def test_a_think_conversation_keeps_the_answer_and_feeds_what_the_template_writes(copy_fixture, monkeypatch):
-    """A template that opens <think> and strips the reasoning from past answers, as Qwen3's: the answer holds only
-    </think>; the history keeps the text after it, and the next turn is fed as a fresh conversation would be."""
+    """A template that opens <think> and strips the reasoning from past answers, as Qwen3.5's: the answer holds only
+    </think>; the history keeps the text after it, and the next turn is fed as a fresh conversation would be. It goes
+    on from the state kept where the next render leaves the prompt, before the generation prompt's <think>: every turn
+    fed the whole conversation again. (The prompt's head is fed apart for that state, a forward whose pick, a special
+    token no text shows, is not taken.)"""
     model = LoadedModel.open(think_folder(copy_fixture, opened=True))
     tokenizer = model.tokenizer
-    first, second = (tokenizer.encode(text) + [0] for text in ("Say hello.\n</think>\n\nHello!", "</think>Bye."))
+    head = tokenizer.token_id("<|start|>")
+    first, second = ([head] + tokenizer.encode(text) + [0] for text in ("Say hello.\n</think>\n\nHello!",
+                                                                        "</think>Bye."))
     forward = ScriptedForward(tokenizer.vocab_size, first + second)
     monkeypatch.setattr(model.decoder, "forward", forward)
     chat = Conversation(model)
     answer = chat.send("Hi", GenerationParams(max_new_tokens=64))
     assert (answer.reasoning, answer.text) == ("Say hello.", "Hello!")
     assert chat.messages[-1] == {"role": "assistant", "content": "Hello!"}
+    kept = tokenizer.encode(tokenizer.render_chat(chat.messages[:-1]).removesuffix("<think>\n"))
     again = chat.send("Bye", GenerationParams(max_new_tokens=64))
-    assert (again.reasoning, again.text, again.reused_cache_tokens) == ("", "Bye.", 0)
-    assert forward.fed[-len(second)] == tokenizer.encode(tokenizer.render_chat(chat.messages[:-1]))
+    assert (again.reasoning, again.text, again.reused_cache_tokens) == ("", "Bye.", len(kept))
+    assert chat.fed_tokens == tokenizer.encode(tokenizer.render_chat(chat.messages[:-1])) + again.tokens[:-1]
 
 
 def test_a_regenerate_from_the_prompts_state_reads_the_think_tag_the_prompt_opened(copy_fixture, monkeypatch):
-    """A regenerate answers the last prompt again from its kept state, feeding no prompt token: the answer still
-    continues the <think> that prompt opened, so its reasoning is reasoning, not part of the answer with </think>."""
+    """A regenerate answers the last prompt again from its kept state, before the generation prompt's <think>
+    (tests/test_reasoning.py's think conversation), feeding that alone: the answer still continues the <think> that
+    prompt opened, so its reasoning is reasoning, not part of the answer with </think>."""
     model = LoadedModel.open(think_folder(copy_fixture, opened=True))
     tokenizer = model.tokenizer
     first, again = (tokenizer.encode(text) + [0] for text in ("Say hello.\n</think>\n\nHello!",
                                                               "Say hi back.\n</think>\n\nHi there!"))
-    assert first[0] == again[0]  # sampled from the prompt's kept logits: the script goes on with again[1:]
-    monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, first + again[1:]))
+    # (0: the forward of the first prompt's head, for the kept state, which picks nothing)
+    monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, [0] + first + again))
     chat = Conversation(model)
     chat.send("Hi", GenerationParams(max_new_tokens=64))
     shown = []
     result = chat.regenerate(GenerationParams(max_new_tokens=64), on_text=lambda _token, delta: shown.append(delta))
-    assert result.prompt_tokens == [] and result.reused_cache_tokens > 0  # answered from the kept state
+    assert result.prompt_tokens == tokenizer.encode("<think>\n") and result.reused_cache_tokens > 0
     assert (result.reasoning, result.text, "".join(shown)) == ("Say hi back.", "Hi there!", "Hi there!")
     assert chat.messages[-1] == {"role": "assistant", "content": "Hi there!"}
 

@@ -102,6 +102,9 @@ ANSWERS = {
 FOLDERS = {"gpt-oss": (gptoss_folder, "<|return|>"), "qwen3": (qwen3_folder, "<|im_end|>"),
            "qwen3-thinking": (lambda copy: qwen3_folder(copy, opened=True), "<|im_end|>"),
            "lfm2": (lfm2_folder, "<|im_end|>")}
+# Where a past answer is written without what the generation prompt opens (<think>, or thinking off's empty think
+# block), the prompt's head is fed apart for the state the next turn goes on from: a forward whose pick is not taken.
+HEAD_FED_APART = {"qwen3-thinking": 1, "qwen3-off": 1}
 
 
 @pytest.mark.parametrize("name", sorted(ANSWERS))
@@ -111,15 +114,18 @@ def test_a_conversation_splits_each_answer_and_feeds_what_the_template_writes(co
     make, end = FOLDERS[name]
     model = LoadedModel.open(make(copy_fixture))
     tokenizer = model.tokenizer
-    script = [token for text, _r, _a in ANSWERS[name] for token in tokenizer.encode(text) + [tokenizer.token_id(end)]]
+    head = [0] * HEAD_FED_APART.get(name, 0)
+    script = [token for text, _r, _a in ANSWERS[name]
+              for token in head + tokenizer.encode(text) + [tokenizer.token_id(end)]]
     monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, script))
     chat = Conversation(model, system_prompt="Be brief.")
-    for user, (_text, reasoning, answer) in zip(("Hi", "Why?"), ANSWERS[name]):
+    for turn, (user, (_text, reasoning, answer)) in enumerate(zip(("Hi", "Why?"), ANSWERS[name])):
         result = chat.send(user, GenerationParams(max_new_tokens=64))
         assert (result.finish_reason, result.reasoning, result.text) == ("eos", reasoning, answer)
         assert chat.messages[-1] == {"role": "assistant", "content": answer}
         fresh = tokenizer.encode(tokenizer.render_chat(chat.messages[:-1]))
         assert chat.fed_tokens == fresh + result.tokens[:-1]
+        assert (result.reused_cache_tokens > 0) == (turn > 0)  # a later turn goes on from the cache
 
 
 @pytest.mark.parametrize("make, choices", [(gptoss_folder, ("low", "medium", "high")), (qwen3_folder, ("on", "off")),
@@ -142,7 +148,8 @@ def test_a_conversation_feeds_the_reasoning_setting_to_the_template(copy_fixture
     make, end = FOLDERS[name]
     model = LoadedModel.open(make(copy_fixture))
     tokenizer = model.tokenizer
-    script = tokenizer.encode(ANSWERS[name][1][0]) + [tokenizer.token_id(end)]
+    head = [0] * HEAD_FED_APART.get(f"{name}-{setting}", 0)
+    script = head + tokenizer.encode(ANSWERS[name][1][0]) + [tokenizer.token_id(end)]
     monkeypatch.setattr(model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, script))
     chat = Conversation(model)
     default = tokenizer.decode(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "Hi"}])),
