@@ -121,8 +121,8 @@ class OnnxFile:
         self._check_external_data()
 
     def _check_initializers(self) -> None:
-        """Each initializer of a data type ONNX defines, and its external data's offset and length whole numbers of
-        bytes, so that nothing later fails on them without naming them."""
+        """Each initializer of a data type ONNX defines, its inline values filling its shape, and its external data's
+        offset and length whole numbers of bytes, so that nothing later fails on them without naming them."""
         for tensor in self.initializers.values():
             try:
                 self.tensor_dtype(tensor)
@@ -133,6 +133,11 @@ class OnnxFile:
                 raise ModelFileError(f"{self.path}: initializer '{tensor.name}' has shape {list(tensor.dims)}, a "
                                      "negative dimension")
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                try:  # its values fill its shape (onnxruntime refuses them at load, our kernels misread them)
+                    numpy_helper.to_array(tensor)
+                except (ValueError, TypeError) as exc:
+                    raise ModelFileError(f"{self.path}: initializer '{tensor.name}' holds values that do not fill its "
+                                         f"shape {list(tensor.dims)} ({exc})") from None
                 continue
             for entry in tensor.external_data:
                 if entry.key in ("offset", "length") and not (entry.value.isdigit() and entry.value.isascii()):

@@ -272,6 +272,31 @@ def test_malformed_onnx_fields_are_named_before_anything_runs(copy_fixture, edit
     assert_clean_error(cli("inspect", str(folder)), "model.onnx", *fragments)
 
 
+def _inline(name: str, raw: bytes):
+    def edit(model):
+        tensor = _initializer(model, name)
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        tensor.raw_data = raw
+    return edit
+
+
+@pytest.mark.parametrize("name", [BIAS, "model.embed_tokens.weight"])
+def test_an_inline_initializer_whose_values_do_not_fill_its_shape_is_named_at_open(copy_fixture, name, cli):
+    """inspect called such a folder runnable; generate then failed with 'internal error: ValueError: cannot reshape
+    array of size 25 into shape (8,256)' for an expert weight (onnxruntime named a dense one only at the load)."""
+    from engine.onnx_file import OnnxFile
+
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, _inline(name, b"\0" * 100))
+    for command in (["inspect"], ["generate", "--prompt", "hi", "--max-new-tokens", "1"]):
+        assert_clean_error(cli(*command, str(folder)), f"{folder / 'model.onnx'}: initializer '{name}' holds values "
+                           "that do not fill its shape [", "(cannot reshape array of size 25 into shape")
+    size = OnnxFile.tensor_nbytes(_initializer(onnx.load(str(folder / "model.onnx"), load_external_data=False), name))
+    _edit_onnx(folder, _inline(name, b"\0" * size))  # one that fills it opens
+    assert cli("inspect", str(folder)).returncode == 0
+
+
 def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
