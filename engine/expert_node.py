@@ -175,6 +175,9 @@ def describe_expert_node(node: onnx.NodeProto, layer: int, source: OnnxFile) -> 
                 f"{source.path}: node '{node.name}' input '{role}' ('{tensor}') is computed, not a constant initializer")
     shapes = {role: None for role in QMOE_INPUT_NAMES}
     shapes.update({role: tuple(source.initializers[t].dims) for role, t in weight_inputs.items()})
+    # what the graph says the dense part hands the node: weights made for another hidden size or expert count would
+    # read its activations as other rows than they are
+    shapes.update({role: source.declared_shape(t) for role, t in activation_inputs.items()})
     attributes = _attributes(node)
     _check_contract(node, attributes, weight_inputs, source)
     try:

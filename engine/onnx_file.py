@@ -117,6 +117,7 @@ class OnnxFile:
         # to the device under a bounded host cache (HostExpertCache), and parsing took 2.5 of its 4 µs
         self._refs: dict[str, ExternalRef | None] = {}
         self._data_needs: dict[str, int] = {}  # each external data file's bytes its initializers take, to the last
+        self._declared_shapes: dict[str, tuple] | None = None  # declared_shape's, read at first use
         self._check_initializers()
         self._check_external_data()
 
@@ -194,6 +195,18 @@ class OnnxFile:
     def tensor_nbytes(cls, tensor: onnx.TensorProto) -> int:
         count = math.prod(tensor.dims)  # Python's integers: a shape past int64 is not wrapped round
         return count * cls.tensor_dtype(tensor).itemsize
+
+    def declared_shape(self, name: str) -> tuple | None:
+        """The shape the graph declares for tensor `name` (its inputs, outputs and value_info: the builder writes them),
+        each dimension a number or a symbolic name; None where it declares none."""
+        if self._declared_shapes is None:
+            graph = self.proto.graph
+            self._declared_shapes = {
+                info.name: tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                                 for d in info.type.tensor_type.shape.dim)
+                for info in (*graph.input, *graph.value_info, *graph.output)
+                if info.type.tensor_type.HasField("shape") and info.type.tensor_type.shape.dim}
+        return self._declared_shapes.get(name)
 
     def external_location(self, name: str) -> str | None:
         """The data file (relative to the model folder) holding an initializer's values; None when inline."""

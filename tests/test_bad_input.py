@@ -11,6 +11,7 @@ import sys
 import onnx
 import pytest
 
+from engine.onnx_file import OnnxFile
 from tests.conftest import REPO, fixture_folder
 
 
@@ -285,8 +286,6 @@ def _inline(name: str, raw: bytes):
 def test_an_inline_initializer_whose_values_do_not_fill_its_shape_is_named_at_open(copy_fixture, name, cli):
     """inspect called such a folder runnable; generate then failed with 'internal error: ValueError: cannot reshape
     array of size 25 into shape (8,256)' for an expert weight (onnxruntime named a dense one only at the load)."""
-    from engine.onnx_file import OnnxFile
-
     folder = copy_fixture("gptoss")
     _edit_onnx(folder, _inline(name, b"\0" * 100))
     for command in (["inspect"], ["generate", "--prompt", "hi", "--max-new-tokens", "1"]):
@@ -295,6 +294,38 @@ def test_an_inline_initializer_whose_values_do_not_fill_its_shape_is_named_at_op
     size = OnnxFile.tensor_nbytes(_initializer(onnx.load(str(folder / "model.onnx"), load_external_data=False), name))
     _edit_onnx(folder, _inline(name, b"\0" * size))  # one that fills it opens
     assert cli("inspect", str(folder)).returncode == 0
+
+
+def _halve(*dims_of: tuple[str, int]):
+    """Each named initializer with dimension `axis` halved, and its external data's length with it."""
+    def edit(model):
+        for name, axis in dims_of:
+            tensor = _initializer(model, name)
+            tensor.dims[axis] //= 2
+            _set_external(tensor, "length", str(OnnxFile.tensor_nbytes(tensor)))
+    return edit
+
+
+FC2 = "model.layers.0.moe.experts.down_proj."
+
+
+@pytest.mark.parametrize("dims_of, fragment", [
+    # weights for hidden size 64, consistent among themselves; the graph's norm hands the node 128
+    (((QWEIGHT, 2), (SCALES, 2), (FC2 + "qweight", 1), (FC2 + "scales", 1), (FC2 + "bias", 1)),
+     "input 'fc1_experts_weights' has shape (8, 256, 32), expected (8, 256, 64) for int4 weights with E=8, hidden=128"),
+    # 4 experts' weights; the graph's router gives 8 logits a token
+    (tuple((name, 0) for name in (QWEIGHT, SCALES, BIAS, FC2 + "qweight", FC2 + "scales", FC2 + "bias")),
+     "router_probs has 8 experts, weights have 4"),
+])
+def test_expert_weights_that_contradict_the_shapes_the_graph_declares_are_refused(copy_fixture, dims_of, fragment, cli):
+    """The node's activations were never checked against its weights: either model answered, reading its activations
+    as rows of other sizes (a token's 128 values as two of 64; 8 router logits as two tokens' 4)."""
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, _halve(*dims_of))
+    inspect = cli("inspect", str(folder))
+    assert inspect.returncode == 1 and f"UNSUPPORTED: node '/model/layers.0/moe/QMoE': {fragment}" in inspect.stdout
+    assert_clean_error(cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"),
+                       f"node '/model/layers.0/moe/QMoE': {fragment}")
 
 
 def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path, cli):
