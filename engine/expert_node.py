@@ -166,6 +166,10 @@ def describe_expert_node(node: onnx.NodeProto, layer: int, source: OnnxFile) -> 
         if position >= len(names):
             raise ModelFileError(f"{source.path}: node '{node.name}' has {len(node.input)} inputs; {node.op_type} takes {len(names)}")
         role = names[position]
+        if role in ACTIVATION_INPUTS and tensor in source.initializers:  # the engine hands a node what the graph computes
+            raise ModelFileError(f"{source.path}: node '{node.name}' input '{role}' ('{tensor}') is a constant "
+                                 f"initializer; MoE Workbench runs {node.op_type} nodes whose {', '.join(ACTIVATION_INPUTS)} "
+                                 "the graph computes")
         if role in ACTIVATION_INPUTS:
             activation_inputs[role] = tensor
         elif tensor in source.initializers:

@@ -328,6 +328,22 @@ def test_expert_weights_that_contradict_the_shapes_the_graph_declares_are_refuse
                        f"node '/model/layers.0/moe/QMoE': {fragment}")
 
 
+def test_a_router_weights_input_that_is_a_constant_initializer_is_refused_at_open(copy_fixture, cli):
+    """The engine hands an expert node the activations the dense part computed: an initializer there was
+    'internal error: KeyError: 'weights'' at the first step, after inspect had called the model runnable."""
+    folder = copy_fixture("gptoss")
+
+    def add_router_weights(model):
+        model.graph.initializer.append(onnx.helper.make_tensor("weights", onnx.TensorProto.FLOAT, [1, 8], [0.125] * 8))
+        node = _qmoe(model)
+        node.input.extend([""] * (14 - len(node.input)) + ["weights"])  # input 14: router_weights
+    _edit_onnx(folder, add_router_weights)
+    for command in (["inspect"], ["generate", "--prompt", "hi", "--max-new-tokens", "1"]):
+        assert_clean_error(cli(*command, str(folder)), f"{folder / 'model.onnx'}: node '/model/layers.0/moe/QMoE' "
+                           "input 'router_weights' ('weights') is a constant initializer; MoE Workbench runs QMoE nodes "
+                           "whose input, router_probs, router_weights the graph computes")
+
+
 def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
