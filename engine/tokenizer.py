@@ -148,6 +148,12 @@ class ChatTemplate:
         if messages and not rendered.strip():  # (one that reads another name than `messages`)
             raise ModelFileError(f"{self.origin}: the chat template wrote nothing for a conversation of "
                                  f"{counted(len(messages), 'message')}")
+        # what the template adds to the conversation is bounded as * is: a filter (center, indent, format) makes
+        # gigabytes in one call, which the tokenizer then took minutes and as many gigabytes again to refuse
+        conversation = sum(len(str(value)) for message in messages for value in message.values())
+        if len(rendered) > conversation + RENDER_MAX_CHARS:
+            raise ModelFileError(f"{self.origin}: the chat template wrote {len(rendered):,} characters for a "
+                                 f"conversation of {conversation:,}; a template may add {RENDER_MAX_CHARS:,} at most")
         return rendered
 
 

@@ -11,7 +11,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import ModelFileError, PromptError
-from engine.tokenizer import RENDER_LIMIT_S, ModelTokenizer
+from engine.tokenizer import RENDER_LIMIT_S, RENDER_MAX_CHARS, ModelTokenizer
 from tests.conftest import FIXTURE_NAMES, fixture_folder
 
 CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>é</b> & 'you'"},
@@ -143,6 +143,24 @@ def test_a_template_that_reads_an_attribute_the_sandbox_refuses_is_named_in_one_
         ModelTokenizer(folder).render_chat(CONVERSATION)
     assert str(error.value) == (f"{folder / 'chat_template.jinja'}: chat template failed to render (access to "
                                 f"attribute {refused} object is unsafe.)")
+
+
+@pytest.mark.parametrize("source", ["{{ 'a b'|center(100000000) }}", "{{ '%0100000000d'|format(1) }}",
+                                    "{{ '{:>100000000}'.format(1) }}", "{{ ('a\\n' * 101)|indent(1000000) }}"])
+def test_a_template_that_writes_more_than_it_may_add_is_refused_before_the_tokenizer(copy_fixture, source):
+    """A filter or a format width makes 100 MB in one call, past the bound * has: the prompt then took 140 s and 8 GB
+    to tokenize before 'the prompt has 6250009 tokens' (a width of 10^9 ran out of memory)."""
+    folder = copy_fixture("gptoss")
+    (folder / "chat_template.jinja").write_text(source + "{% for m in messages %}{{ m.content }}{% endfor %}")
+    started = time.monotonic()
+    with pytest.raises(ModelFileError) as refused:
+        ModelTokenizer(folder).render_chat(CONVERSATION)
+    assert str(refused.value).startswith(f"{folder / 'chat_template.jinja'}: the chat template wrote 100,0")
+    assert str(refused.value).endswith(" characters for a conversation of 61; a template may add 4,000,000 at most")
+    assert time.monotonic() - started < RENDER_LIMIT_S + 1
+    long_message = [{"role": "user", "content": "x" * (RENDER_MAX_CHARS + 1)}]  # the conversation's own text is not
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    assert len(ModelTokenizer(folder).render_chat(long_message)) == RENDER_MAX_CHARS + 3
 
 
 def test_lipsum_is_bounded_as_a_loop_is(copy_fixture):
