@@ -60,6 +60,25 @@ def not_a_file(path) -> str:
     return "not a regular file" if path.exists() else "missing"
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def lfs_pointer(path) -> str | None:
+    """What is wrong where a model file is a Git LFS pointer (a repository cloned without git-lfs, or before
+    `git lfs pull`: a few lines of text standing for the file), else None."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(1024)
+    except OSError:
+        return None
+    if not head.startswith(LFS_POINTER):
+        return None
+    size = re.search(rb"^size (\d+)$", head, re.MULTILINE)
+    stands_for = f" for {int(size.group(1)):,} bytes" if size else ""
+    return (f"a Git LFS pointer{stands_for}, not the file itself (run 'git lfs pull' in the model folder to download "
+            "it)")
+
+
 class PromptError(WorkbenchError):
     """A prompt that cannot be run: empty, or longer than the context."""
 

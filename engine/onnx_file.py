@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from engine.errors import ModelFileError, no_link_loop, not_a_file
+from engine.errors import ModelFileError, lfs_pointer, no_link_loop, not_a_file
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ class OnnxFile:
         except OSError as exc:
             raise ModelFileError(f"{self.path}: not readable ({exc.strerror or exc})") from None
         except Exception as exc:  # protobuf's DecodeError and friends
-            raise ModelFileError(f"{self.path}: not a valid ONNX model ({type(exc).__name__}: {exc})") from None
+            reason = lfs_pointer(self.path) or f"not a valid ONNX model ({type(exc).__name__}: {exc})"
+            raise ModelFileError(f"{self.path}: {reason}") from None
         if not self.proto.graph.node:
             raise ModelFileError(f"{self.path}: the ONNX graph has no nodes (corrupt or empty model)")
         self._fold_constants()
@@ -182,6 +183,8 @@ class OnnxFile:
                 raise ModelFileError(
                     f"{data_path}: initializer '{tensor.name}' has length {length} but its shape needs {expected} bytes")
             if ref.offset + length > sizes[ref.location]:
+                if pointer := lfs_pointer(data_path):
+                    raise ModelFileError(f"{data_path}: {pointer}")
                 raise ModelFileError(
                     f"{data_path}: truncated: initializer '{tensor.name}' needs bytes {ref.offset}..{ref.offset + length} "
                     f"but the file has {sizes[ref.location]}")

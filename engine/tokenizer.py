@@ -13,8 +13,8 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from engine.errors import (ModelFileError, PromptError, WorkbenchError, no_link_loop, not_a_file, read_model_json,
-                           read_model_text)
+from engine.errors import (ModelFileError, PromptError, WorkbenchError, lfs_pointer, no_link_loop, not_a_file,
+                           read_model_json, read_model_text)
 from engine.units import counted
 
 # the special tokens transformers hands a chat template (its special_tokens_map), where tokenizer_config.json sets them
@@ -169,7 +169,8 @@ class ModelTokenizer:
         try:
             self._tok = Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises plain Exception subclasses
-            raise ModelFileError(f"{path}: not a valid tokenizer ({str(exc).splitlines()[0]})") from None
+            reason = lfs_pointer(path) or f"not a valid tokenizer ({str(exc).splitlines()[0]})"
+            raise ModelFileError(f"{path}: {reason}") from None
         # the truncation and padding a training run may have left in tokenizer.json would cut or pad every prompt:
         # off, as transformers has them unless a call asks
         self._tok.no_truncation()

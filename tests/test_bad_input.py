@@ -344,6 +344,19 @@ def test_a_router_weights_input_that_is_a_constant_initializer_is_refused_at_ope
                            "whose input, router_probs, router_weights the graph computes")
 
 
+@pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data", "tokenizer.json"])
+def test_a_git_lfs_pointer_in_place_of_a_model_file_is_named_as_one(copy_fixture, name, cli):
+    """A model repository cloned without git-lfs holds pointers of a few lines for its large files: they were called
+    'not a valid ONNX model (DecodeError: …)', 'truncated: … the file has 132' and 'not a valid tokenizer (expected
+    value at line 1 column 1)', none of which says what to do."""
+    folder = copy_fixture("gptoss")
+    (folder / name).write_text("version https://git-lfs.github.com/spec/v1\n"
+                               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+                               "size 1149792\n")
+    assert_clean_error(cli("inspect", str(folder)), f"{folder / name}: a Git LFS pointer for 1,149,792 bytes, not the "
+                       "file itself (run 'git lfs pull' in the model folder to download it)")
+
+
 def test_nothing_outside_the_model_folder_is_read(copy_fixture, tmp_path, cli):
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
