@@ -1897,9 +1897,12 @@ def test_an_unsupported_model_shown_cannot_be_loaded_by_the_menu_either_and_the_
     assert not window.busy and same(window.loaded_path, loaded) and not window.error_banner.isVisible()
 
 
-def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtbot, window, copy_fixture):
+def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtbot, window, copy_fixture,
+                                                                             monkeypatch):
     """With gptoss loaded and lfm2moe shown, the title reads 'lfm2moe (not loaded; gptoss is)'; it kept saying so
     after Unload, and after a failed load of lfm2moe (which drops gptoss first)."""
+    from app.gui import engine_worker
+
     load(qtbot, window, fixture_folder("gptoss"))
     shown = copy_fixture("lfm2moe")
     window.open_model(str(shown))
@@ -1914,13 +1917,37 @@ def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtb
     window.open_model(str(shown))
     qtbot.waitUntil(lambda: window.facts is not None and window.facts.name == "lfm2moe" and not window.busy,
                     timeout=WAIT)
-    (shown / "model.onnx.data").unlink()  # gone between the inspection and the load
+    def out_of_memory(*args, **kwargs):  # a load that fails once gptoss is dropped (a folder that opens)
+        raise MemoryError("out of host memory")
+    monkeypatch.setattr(engine_worker, "LoadedModel", out_of_memory)
     window.load()
     qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
-    assert window.loaded_path is None and "model.onnx.data: not readable (No such file" in window.last_error
+    assert window.loaded_path is None and window.last_error == f"Could not load {shown}: MemoryError: out of host memory"
     assert window.windowTitle() == "lfm2moe — MoE Workbench"
     assert window.model_panel.load_button.isEnabled() and window.model_panel.load_button.text() == "Load"
     assert not window.model_panel.unload_button.isEnabled() and window.model_panel.landed.text() == "Not loaded."
+
+
+def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,
+                                                                                                      copy_fixture):
+    """The worker dropped the loaded model, and the window had its conversation started again, before it read the
+    folder to load: one whose data file went after it was opened left no model loaded at all."""
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded)
+    ask(qtbot, window, "Hello", 4)
+    shown = copy_fixture("lfm2moe")
+    window.open_model(str(shown))
+    qtbot.waitUntil(lambda: window.facts is not None and window.facts.name == "lfm2moe" and not window.busy,
+                    timeout=WAIT)
+    (shown / "model.onnx.data").unlink()
+    window.load()
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert window.last_error == (f"Could not load {shown}: {shown / 'model.onnx.data'}: missing (external data of "
+                                 "initializer 'model.layers.0.operator_layernorm.weight'); gptoss stays loaded")
+    assert same(window.loaded_path, loaded) and window.windowTitle() == "lfm2moe (not loaded; gptoss is) — MoE Workbench"
+    assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
+    assert ask(qtbot, window, "Again", 4)["result"]["finish_reason"] == "length"
+    assert len(window.worker._conversation.messages) == 4 and len(window.chat.entries) == 4
 
 
 def test_a_regenerate_that_fails_leaves_the_last_answer_in_the_transcript_and_the_conversation(qtbot, window,

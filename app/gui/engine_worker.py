@@ -162,12 +162,18 @@ class EngineWorker(QObject):
         self.cancel.clear()
         self.busyChanged.emit("loading")
         try:
-            self._drop_model()
-            if self._folder is None or Path(self._folder.folder).resolve() != Path(path).resolve():
-                previous = self._facts.path if self._facts else None
+            # the folder read again before the loaded model goes: one that cannot be opened now (broken since it was
+            # inspected) is refused with the loaded model and its conversation kept
+            previous = self._facts.path if self._facts else None
+            try:
                 self._open_folder(path)
-                if previous is None or Path(previous).resolve() != Path(path).resolve():
-                    self.inspected.emit(self._facts)
+            except Exception as exc:
+                kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
+                self.failed.emit(f"Could not load {path}: {one_line(exc)}{kept}")
+                return
+            if previous is None or Path(previous).resolve() != Path(path).resolve():
+                self.inspected.emit(self._facts)
+            self._drop_model()
             config = OffloadConfig.from_entries(settings.get("entries", {}))
             notes: list[str] = []
             device = self._make_device(settings.get("device", {}), config, notes)

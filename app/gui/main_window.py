@@ -580,7 +580,6 @@ class MainWindow(QMainWindow):
 
     def _start_load(self, path: str, settings: dict) -> None:
         self.error_banner.hide()
-        self.worker.requestNewChat.emit(self.chat.system_prompt.toPlainText())  # the new model's first chat
         self._load_settings = settings
         self.model_panel.set_progress(0.0)
         self.graphs.add_marker("load", "load")
@@ -761,6 +760,7 @@ class MainWindow(QMainWindow):
         self.watch.reset()
         self.placement.forget_rate()
         self.chat.entries.clear()  # a load starts a new conversation
+        self.worker.requestNewChat.emit(self.chat.system_prompt.toPlainText())  # (after the load: one refused keeps it)
         self.chat.set_reasoning_choices(info.get("reasoning_choices", []))
         self.chat.set_model_sampling(info.get("sampling"))
         self.chat.max_tokens.set_model(info["reasoning_answer_tokens"])
