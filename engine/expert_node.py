@@ -208,7 +208,25 @@ class CpuExpertNode:
         self.in_memory = False
         self._out: np.ndarray | None = None       # the decode-sized output, reused at every step (run)
         self._out_view: np.ndarray | None = None  # ... and the view of it returned
+        self._activations_fit = False  # check_activations found them of the weights' sizes
         self._build(threads)
+
+    def check_activations(self, x, logits) -> None:
+        """Refuse, naming the node, activations of another hidden size or expert count than its weights: read as rows
+        of the weights' sizes they answer garbage, and the kernels index past the routing. ModelFolder.open checks
+        the shapes the graph declares; this, at the node's first step, those it does not (the sizes never change)."""
+        if self._activations_fit:
+            return
+        spec, inputs = self.info.spec, self.info.activation_inputs
+        where = f"{self.source.path}: node '{self.info.name}'"
+        if x.shape[-1] != spec.hidden_size:
+            raise ModelFileError(f"{where} input '{inputs['input']}' has {x.shape[-1]} values a token; its weights take "
+                                 f"hidden size {spec.hidden_size}")
+        tokens = x.size // spec.hidden_size
+        if logits.size != tokens * spec.num_experts:
+            raise ModelFileError(f"{where} router_probs '{inputs['router_probs']}' has shape {tuple(logits.shape)} for "
+                                 f"{tokens} tokens; its weights have {spec.num_experts} experts")
+        self._activations_fit = True
 
     def _build(self, threads: int | None) -> None:
         from kernels.cpu.qmoe import CpuQMoE
@@ -246,6 +264,7 @@ class CpuExpertNode:
         router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
         kernel = self.kernel
         x = values[inputs["input"]]
+        self.check_activations(x, values[inputs["router_probs"]])
         if kernel is not self._own_kernel or x.dtype != np.float32:  # a stand-in kernel (tests), or fp16 activations
             return kernel.forward(x, values[inputs["router_probs"]], router_weights)
         # CpuQMoE.forward with the output kept: a decode step's is one buffer per node, returned (as the same view)

@@ -309,13 +309,16 @@ def _halve(*dims_of: tuple[str, int]):
 FC2 = "model.layers.0.moe.experts.down_proj."
 
 
+# weights for hidden size 64, consistent among themselves; the graph's norm hands the node 128
+HIDDEN_64 = ((QWEIGHT, 2), (SCALES, 2), (FC2 + "qweight", 1), (FC2 + "scales", 1), (FC2 + "bias", 1))
+# 4 experts' weights; the graph's router gives 8 logits a token
+EXPERTS_4 = tuple((name, 0) for name in (QWEIGHT, SCALES, BIAS, FC2 + "qweight", FC2 + "scales", FC2 + "bias"))
+
+
 @pytest.mark.parametrize("dims_of, fragment", [
-    # weights for hidden size 64, consistent among themselves; the graph's norm hands the node 128
-    (((QWEIGHT, 2), (SCALES, 2), (FC2 + "qweight", 1), (FC2 + "scales", 1), (FC2 + "bias", 1)),
-     "input 'fc1_experts_weights' has shape (8, 256, 32), expected (8, 256, 64) for int4 weights with E=8, hidden=128"),
-    # 4 experts' weights; the graph's router gives 8 logits a token
-    (tuple((name, 0) for name in (QWEIGHT, SCALES, BIAS, FC2 + "qweight", FC2 + "scales", FC2 + "bias")),
-     "router_probs has 8 experts, weights have 4"),
+    (HIDDEN_64, "input 'fc1_experts_weights' has shape (8, 256, 32), expected (8, 256, 64) for int4 weights with E=8, "
+                "hidden=128"),
+    (EXPERTS_4, "router_probs has 8 experts, weights have 4"),
 ])
 def test_expert_weights_that_contradict_the_shapes_the_graph_declares_are_refused(copy_fixture, dims_of, fragment, cli):
     """The node's activations were never checked against its weights: either model answered, reading its activations
@@ -326,6 +329,23 @@ def test_expert_weights_that_contradict_the_shapes_the_graph_declares_are_refuse
     assert inspect.returncode == 1 and f"UNSUPPORTED: node '/model/layers.0/moe/QMoE': {fragment}" in inspect.stdout
     assert_clean_error(cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"),
                        f"node '/model/layers.0/moe/QMoE': {fragment}")
+
+
+@pytest.mark.parametrize("dims_of, fragment", [
+    (HIDDEN_64, "input '/model/layers.0/post_attention_layernorm/output_0' has 128 values a token; its weights take "
+                "hidden size 64"),
+    (EXPERTS_4, "router_probs '/model/layers.0/moe/router/Reshape/output_0' has shape (15, 8) for 15 tokens; its "
+                "weights have 4 experts"),
+])
+def test_expert_weights_that_contradict_activations_the_graph_does_not_declare_are_refused_at_the_first_step(
+        copy_fixture, dims_of, fragment, cli):
+    """Without value_info, nothing said the shapes: the model answered, its kernels reading past the routing."""
+    folder = copy_fixture("gptoss")
+    _edit_onnx(folder, _halve(*dims_of))
+    _edit_onnx(folder, lambda model: model.graph.ClearField("value_info"))
+    assert cli("inspect", str(folder)).returncode == 0
+    assert_clean_error(cli("generate", str(folder), "--prompt", "hi", "--max-new-tokens", "1"),
+                       f"{folder / 'model.onnx'}: node '/model/layers.0/moe/QMoE' {fragment}")
 
 
 def test_a_router_weights_input_that_is_a_constant_initializer_is_refused_at_open(copy_fixture, cli):

@@ -59,6 +59,7 @@ class HybridExpertNode:
         x = values[inputs["input"]]
         router_weights = values[inputs["router_weights"]] if "router_weights" in inputs else None
         logits = values[inputs["router_probs"]]
+        self.runner.check_activations(x, logits)
         spec = self.info.spec
         engine, layer = self.engine, self.layer
         store = engine.stores[layer]
@@ -230,6 +231,7 @@ class HybridExpertNode:
         with nothing done, where run() would take another way."""
         inputs = self.info.activation_inputs
         x = values[inputs["input"]]
+        self.runner.check_activations(x, values[inputs["router_probs"]])
         store = self.engine.stores[self.layer]
         if store is None or not store.holds(x):
             return None
