@@ -218,3 +218,14 @@ def test_a_key_of_the_offload_prototype_is_pointed_to_its_name_in_1_32():
     assert refusal("session.moe.cpu_offload.turbo", "1") == (
         "unknown offload key 'session.moe.cpu_offload.turbo': the offload prototype's prefix, which onnxruntime 1.32 "
         "discards; session.moe.offload.* has no 'turbo'")
+
+
+def test_a_bad_number_in_node_overrides_names_the_node_and_the_limit_it_was_given_for():
+    """node_overrides holds several numbers: a refusal of one said only 'expected an integer >= 0, in digits only'
+    after the whole list, not which node's which limit was wrong."""
+    assert refusal("node_overrides", "a:max_resident_slots=1;b:max_resident_slots=x,device_expert_bytes=5") == (
+        "session.moe.offload.node_overrides='a:max_resident_slots=1;b:max_resident_slots=x,device_expert_bytes=5': "
+        "'max_resident_slots=x' in 'b:max_resident_slots=x,device_expert_bytes=5': expected an integer >= 0, in "
+        "digits only")
+    assert refusal("node_overrides", "a: device_expert_bytes = -1").endswith(
+        "'device_expert_bytes = -1' in 'a: device_expert_bytes = -1': expected an integer >= 0, in digits only")

@@ -306,7 +306,10 @@ def _node_overrides(text: str) -> dict[str, NodeOverride]:
                 raise ValueError(f"'{setting}' in '{item}': expected max_resident_slots=N or device_expert_bytes=B")
             if key in values:
                 raise ValueError(f"{key} is given twice in '{item}'")
-            values[key] = (_bytes(0) if key == "device_expert_bytes" else _int(0))(value.strip())
+            try:
+                values[key] = (_bytes(0) if key == "device_expert_bytes" else _int(0))(value.strip())
+            except ValueError as exc:  # which of the list's numbers it is
+                raise ValueError(f"'{setting.strip()}' in '{item}': {exc}") from None
         overrides[node] = NodeOverride(**values)
     return overrides
 
