@@ -229,3 +229,19 @@ def test_a_bad_number_in_node_overrides_names_the_node_and_the_limit_it_was_give
         "digits only")
     assert refusal("node_overrides", "a: device_expert_bytes = -1").endswith(
         "'device_expert_bytes = -1' in 'a: device_expert_bytes = -1': expected an integer >= 0, in digits only")
+
+
+def test_a_byte_count_with_a_unit_is_refused_as_onnxruntime_refuses_it_saying_its_bytes():
+    """onnxruntime takes byte counts as digits alone, so '2GiB' is refused; the refusal said only 'in digits only',
+    though the window's budgets and --simulated-vram take units: it now gives the count to write."""
+    assert not we_accept("device_expert_bytes", "2GiB")
+    assert refusal("device_expert_bytes", "2GiB") == (
+        "session.moe.offload.device_expert_bytes='2GiB': expected an integer >= 0, in digits only (onnxruntime "
+        "takes a byte count without a unit: 2GiB is 2147483648)")
+    assert refusal("pinned_bytes", "1.5 MiB").endswith("(onnxruntime takes a byte count without a unit: 1.5 MiB is "
+                                                       "1572864)")
+    assert refusal("node_overrides", "n:device_expert_bytes=64M").endswith(
+        "expected an integer >= 0, in digits only (onnxruntime takes a byte count without a unit: 64M is 67108864)")
+    # not a size, or not a byte count: no such hint
+    assert refusal("device_expert_bytes", "lots").endswith("in digits only")
+    assert refusal("cpu_threads", "4k").endswith("in digits only")

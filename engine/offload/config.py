@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass, field, fields, replace
 
 from engine.errors import WorkbenchError
-from engine.units import UINT64_MAX
+from engine.units import UINT64_MAX, parse_bytes
 
 PREFIX = "session.moe.offload."
 PROTOTYPE_PREFIX = "session.moe.cpu_offload."  # the offload prototype's keys, which onnxruntime 1.32 discards
@@ -205,7 +205,28 @@ def _int(minimum: int, maximum: int = INT32_MAX):
 
 
 def _bytes(minimum: int):
-    return _int(minimum, UINT64_MAX)
+    count = _int(minimum, UINT64_MAX)
+
+    def parse(text: str) -> int:
+        try:
+            return count(text)
+        except ValueError as exc:
+            size = _size_with_unit(text)
+            if size is None:
+                raise
+            raise ValueError(f"{exc} (onnxruntime takes a byte count without a unit: {text.strip()} is {size})") \
+                from None
+    return parse
+
+
+def _size_with_unit(text: str) -> int | None:
+    """The bytes a size written with a unit ('2GiB', '1.5 MiB', as the window takes it) means, else None."""
+    if not re.search("[a-zA-Z]", text):
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError:
+        return None
 
 
 def _bytes_or_auto(text: str) -> int | None:
