@@ -907,6 +907,31 @@ def test_approximate_routing_is_measured_and_changes_only_cold_tail_experts(mode
     assert plain.routing_agreement is None
 
 
+def test_approximate_routing_makes_no_host_tier_and_says_cold_experts_run_on_the_cpu(model_folder):
+    """Approximate routing picks each token's experts on the host, and a step that reads the tier routes on the GPU, so
+    under it every cold expert ran on the CPU; yet the tier was made (its page-locked memory held for nothing), decode
+    path 'tier' was in force, and the plan said "decode reads cold experts on the GPU ..., as asked". No tier is made
+    now and the plan says why; asked for on the loaded model, 'tier' is refused saying so; routing exact again, the
+    tier is made again."""
+    half = device_expert_bytes(model_folder) // 2
+    said = ("Cold experts are computed on the CPU: no host tier is made, since approximate routing "
+            "(min_expert_weight=0.3) picks each token's experts on the host, where decode from the tier routes on "
+            "the GPU.")
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=half, min_expert_weight=0.3),
+                             device=SimulatedDevice(1 << 30), decode_path="tier")
+    engine = model.offload
+    assert not engine.host_tier and engine.decode_path_in_force == "cpu" and said in engine.plan.statements
+    assert not any("as asked (decode path 'tier')" in s for s in engine.plan.statements)
+    greedy_run(model, steps=4)
+    assert engine.stats.totals().misses_read == 0
+    engine.set_decode_path("auto")
+    with pytest.raises(WorkbenchError, match=r"decode path 'tier': Cold experts are computed on the CPU: no host tier "
+                                             r"is made, since approximate routing"):
+        engine.set_decode_path("tier")
+    engine.reconfigure(engine.config.updated(min_expert_weight=0.0), decode_path="tier")
+    assert engine.host_tier and engine.decode_path_in_force == "tier"
+
+
 def test_disabled_mode_routes_exactly_and_says_its_approximate_routing_settings_do_not_apply(model_folder, cpu_run,
                                                                                               monkeypatch):
     """Approximate routing is part of hybrid offload: under mode=disabled (no offload, every expert where the dense

@@ -28,7 +28,8 @@ cpu_execution=auto the trials time it beside the other two.
 The tier pins every expert of a node in host memory in the kernels' layout (the residents' rows too, so eviction is
 a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto', host_expert_bytes
 (where bounded) holds it and it takes at most HOST_SHARE of the host memory available, or where the decode path is
-asked for as "tier" or "both".
+asked for as "tier" or "both". Under approximate routing none is made: it drops and substitutes experts on the host,
+so its decode steps route there and compute cold experts on the CPU.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def tier_planned(mode: str, config: OffloadConfig, infos, device_kind: str | Non
     that reads it and the host's `available` memory takes it. The slots then decide whether it is made
     (tier_verdict: none where every expert is resident, or where the device has no room for its mappings)."""
     return (tier_wanted(mode, config) and device_kind is not None and config.mode != "disabled"
-            and _refusal(mode, config, tier_bytes(infos), available) is None)
+            and not config.approximate_routing and _refusal(mode, config, tier_bytes(infos), available) is None)
 
 
 def tier_bytes(infos) -> int:
@@ -178,6 +179,11 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
                        f"(decode path '{mode}' does not apply).")
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
+    if config.approximate_routing:  # (HybridExpertNode: an approximating step routes on the host)
+        asked = ", ".join(f"{key}={getattr(config, key)}" for key in ("min_expert_weight", "tail_substitution_threshold")
+                          if getattr(config, key) > 0)
+        return False, (f"{without_tier(config)}: no host tier is made, since approximate routing ({asked}) picks each "
+                       "token's experts on the host, where decode from the tier routes on the GPU.")
     refusal = _refusal(mode, config, tier_bytes(infos), available) or _device_refusal(config, infos, slots, device)
     if refusal:
         return False, f"{without_tier(config)}: no host tier is made, since {refusal}."
