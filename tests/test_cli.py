@@ -705,6 +705,16 @@ def test_device_budgets_without_a_device_are_said_to_do_nothing(capsys):
                             "runs on the CPU (--device simulated or cuda)") in err
 
 
+def test_tail_substitution_without_a_device_is_said_to_do_nothing(capsys):
+    """Tail substitution replaces a cold expert by a resident one: with --device cpu none is resident, so it substituted
+    nothing, without a word (min_expert_weight, which drops experts, does apply there)."""
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--offload",
+                              "tail_substitution_threshold=0.5", "--offload", "tail_substitution_min_rank=0",
+                              "--offload", "min_expert_weight=0.1")
+    assert status == 0 and err == ("warning: tail_substitution_min_rank, tail_substitution_threshold: no effect with "
+                                   "--device cpu, where every expert runs on the CPU (--device simulated or cuda)\n")
+
+
 def test_offload_keys_this_engine_does_not_use_are_said_to_do_nothing_here(capsys):
     status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                               "session.moe.offload.skip_zero_cold_doorbell=1", "--offload", "budget_group=shared")

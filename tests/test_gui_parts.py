@@ -1617,6 +1617,7 @@ def test_the_approximate_routing_controls_that_narrow_another_are_offered_only_w
     from app.gui.budget_panel import BudgetPanel
 
     panel = BudgetPanel()
+    panel.device.setCurrentIndex(panel.device.findData("simulated"))
     panel.refresh()
     assert not panel.cold_only.isEnabled() and not panel.tail_rank.isEnabled()
     panel.min_weight.setValue(0.2)
@@ -1625,6 +1626,12 @@ def test_the_approximate_routing_controls_that_narrow_another_are_offered_only_w
     panel.tail_threshold.setValue(0.3)
     panel.refresh()
     assert panel.cold_only.isEnabled() and panel.tail_rank.isEnabled()
+    # tail substitution puts a resident expert in a cold one's place: without a device none is resident (dropping
+    # experts below a weight applies there too)
+    panel.device.setCurrentIndex(panel.device.findData("cpu"))
+    panel.refresh()
+    assert panel.min_weight.isEnabled() and panel.cold_only.isEnabled()
+    assert not panel.tail_threshold.isEnabled() and not panel.tail_rank.isEnabled()
 
 
 def test_the_placement_summary_says_approximate_routings_counts_are_of_routed_experts(qapp):

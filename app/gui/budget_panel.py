@@ -498,12 +498,13 @@ class BudgetPanel(QWidget):
         on_device = choice.kind != "cpu"
         self._device_form.setRowVisible(self.sim_size, choice.kind == "simulated")
         # without a device every expert runs on the CPU: where experts live, move or compute changes nothing
+        # (nor tail substitution: it puts a resident expert in a cold one's place)
         for control in (self.expert_bytes, self.reserve_bytes, self.mem_limit, self.wave, self.pinned_bytes,
-                        self.working_bytes, self.placement, self.layer_split, self.decode_path):
+                        self.working_bytes, self.placement, self.layer_split, self.decode_path, self.tail_threshold):
             control.setEnabled(on_device)
         # each narrows another setting, and does nothing while that one is off
         self.cold_only.setEnabled(self.min_weight.value() > 0)
-        self.tail_rank.setEnabled(self.tail_threshold.value() > 0)
+        self.tail_rank.setEnabled(on_device and self.tail_threshold.value() > 0)
         capacity = choice.capacity if on_device and choice.capacity else 8 * GIB
         self.reserve_bytes.setMaximum(capacity)
         self.mem_limit.setMaximum(capacity)
