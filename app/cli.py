@@ -713,6 +713,7 @@ def _cmd_record(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
     runs = []  # (scenario, answer length) of those the context holds, checked before the first runs
     for scenario in _scenarios(args.scenario):
         tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
@@ -796,6 +797,7 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
     scenarios, skipped = fitting_scenarios(model, _scenarios(args.scenario), args.max_new_tokens)
     if skipped:
         print(f"sweep: {skipped}", file=sys.stderr, flush=True)
@@ -1008,6 +1010,7 @@ def _cmd_contention(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
     params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
                               sampling=sampling)
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],

@@ -221,6 +221,21 @@ def test_generate_says_when_an_offload_cpu_threads_above_the_cores_is_capped(cap
     assert len(said) == 1 and said[0].startswith(f"warning: cpu_threads={cores + 7}: {cores} used, ")
 
 
+def test_record_says_when_an_offload_cpu_threads_above_the_cores_is_capped(capsys, tmp_path):
+    """generate says so of a cpu_threads above the cores the kernels take; record (as sweep and contention) ran on
+    fewer without a word, and measured that count."""
+    import numba
+
+    from engine.ort_env import cpu_threads
+
+    cores = min(cpu_threads(), numba.config.NUMBA_NUM_THREADS)
+    status, _out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--scenario", "short",
+                              "--max-new-tokens", "1", "--history", str(tmp_path / "h.sqlite"), "--offload",
+                              f"cpu_threads={cores + 7}")
+    said = [line for line in err.splitlines() if "cpu_threads" in line]
+    assert status == 0 and len(said) == 1 and said[0].startswith(f"warning: cpu_threads={cores + 7}: {cores} used, ")
+
+
 def test_generate_refuses_threads_beside_a_different_offload_cpu_threads(capsys):
     """--threads 2 beside --offload cpu_threads=1 ran on 1 thread, --threads dropped without a word."""
     status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi", "--max-new-tokens",
