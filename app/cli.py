@@ -555,6 +555,16 @@ def _warn_of_thread_binding() -> None:
         print(f"warning: {binding}", file=sys.stderr, flush=True)
 
 
+def _warn_of_decode_path(asked: str | None, model) -> None:
+    """On standard error: a decode path asked for that reads the host tier ("tier", "both") where the engine made none,
+    with the plan's sentence saying why (the host's memory, approximate routing ...)."""
+    from engine.offload.decode_path import ASKED_TIER
+
+    offload = model.offload
+    if asked in ASKED_TIER and offload is not None and not offload.host_tier and offload.tier_statement:
+        print(f"warning: --decode-path {asked}: {offload.tier_statement}", file=sys.stderr, flush=True)
+
+
 def _warn_of_thread_cap(threads, given_as: str) -> None:
     """On standard error: the count in force (--threads, or the offload's cpu_threads: `given_as` says which) runs on
     fewer threads, the most the kernels take (KernelThreads.cores)."""
@@ -595,6 +605,7 @@ def _cmd_generate(args) -> int:
                              layer_split=args.layer_split, decode_path=args.decode_path)
     params = replace(params, max_new_tokens=args.max_new_tokens or model.answer_tokens(GENERATE_TOKENS))
     _warn_of_thread_binding()
+    _warn_of_decode_path(args.decode_path, model)
     threads = model.decoder.kernel_threads
     given_as = "--threads " if args.threads == threads.requested else "cpu_threads="  # (the offload's wins)
     _warn_of_thread_cap(threads, given_as)
@@ -713,6 +724,7 @@ def _cmd_record(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    _warn_of_decode_path(args.decode_path, model)
     _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
     runs = []  # (scenario, answer length) of those the context holds, checked before the first runs
     for scenario in _scenarios(args.scenario):
@@ -797,6 +809,7 @@ def _cmd_sweep(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    _warn_of_decode_path(args.decode_path, model)
     _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
     scenarios, skipped = fitting_scenarios(model, _scenarios(args.scenario), args.max_new_tokens)
     if skipped:
@@ -1010,6 +1023,7 @@ def _cmd_contention(args) -> int:
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()
+    _warn_of_decode_path(args.decode_path, model)
     _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
     params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
                               sampling=sampling)

@@ -236,6 +236,25 @@ def test_record_says_when_an_offload_cpu_threads_above_the_cores_is_capped(capsy
     assert status == 0 and len(said) == 1 and said[0].startswith(f"warning: cpu_threads={cores + 7}: {cores} used, ")
 
 
+def test_a_decode_path_asked_for_that_is_not_made_is_said(capsys, tmp_path):
+    """--decode-path tier where the engine makes no host tier (here: approximate routing, which routes on the host)
+    computed cold experts on the CPU; only inspect's plan said so, generate and record not a word."""
+    qwen = str(fixture_folder("qwen35moe"))
+    said = ("warning: --decode-path tier: Cold experts are computed on the CPU: no host tier is made, since "
+            "approximate routing (min_expert_weight=0.1) picks each token's experts on the host, where decode from "
+            "the tier routes on the GPU.")
+    given = ("--device", "simulated", "--offload", "device_expert_bytes=300000", "--offload", "min_expert_weight=0.1",
+             "--decode-path", "tier", "--max-new-tokens", "1")
+    status, _out, err = _main(capsys, "generate", qwen, "--prompt", "Hi", "--json", *given)
+    assert status == 0 and said in err.splitlines()
+    status, _out, err = _main(capsys, "record", qwen, "--scenario", "short", "--history", str(tmp_path / "h.sqlite"),
+                              *given)
+    assert status == 0 and said in err.splitlines()
+    # made as asked: nothing said
+    status, _out, err = _main(capsys, "generate", qwen, "--prompt", "Hi", "--json", *given[:4], *given[6:])
+    assert status == 0 and "--decode-path" not in err
+
+
 def test_generate_refuses_threads_beside_a_different_offload_cpu_threads(capsys):
     """--threads 2 beside --offload cpu_threads=1 ran on 1 thread, --threads dropped without a word."""
     status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "Hi", "--max-new-tokens",
