@@ -749,6 +749,16 @@ def test_tail_substitution_without_a_device_is_said_to_do_nothing(capsys):
                                    "--device cpu, where every expert runs on the CPU (--device simulated or cuda)\n")
 
 
+def test_cpu_execution_and_async_max_tokens_without_a_device_are_said_to_do_nothing(capsys):
+    """cpu_execution says whether cold experts may run on the CPU or are copied to the device, async_max_tokens up to
+    which step the CPU overlaps the device: with --device cpu every expert runs on the CPU and both did nothing,
+    without the warning the other device settings give."""
+    status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--offload", "cpu_execution=disabled",
+                              "--offload", "async_max_tokens=0", "--offload", "cpu_threads=1")
+    assert status == 0 and err == ("warning: async_max_tokens, cpu_execution: no effect with --device cpu, where every "
+                                   "expert runs on the CPU (--device simulated or cuda)\n")
+
+
 def test_offload_keys_this_engine_does_not_use_are_said_to_do_nothing_here(capsys):
     status, _out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                               "session.moe.offload.skip_zero_cold_doorbell=1", "--offload", "budget_group=shared")

@@ -1634,6 +1634,20 @@ def test_the_approximate_routing_controls_that_narrow_another_are_offered_only_w
     assert not panel.tail_threshold.isEnabled() and not panel.tail_rank.isEnabled()
 
 
+def test_cpu_execution_is_offered_only_with_a_device(qapp):
+    """CPU execution says whether cold experts may be computed on the CPU or are copied to the device: with CPU only
+    every expert runs on the CPU, and the choice (offered all the same) changed nothing."""
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.device.setCurrentIndex(panel.device.findData("cpu"))
+    panel.refresh()
+    assert not panel.cpu_execution.isEnabled() and panel.threads.isEnabled()
+    panel.device.setCurrentIndex(panel.device.findData("simulated"))
+    panel.refresh()
+    assert panel.cpu_execution.isEnabled()
+
+
 def test_the_placement_summary_says_approximate_routings_counts_are_of_routed_experts(qapp):
     """'approximate routing: 12 dropped' left unsaid what was dropped: routed experts (k a token in each layer), not
     12 of the model's experts."""

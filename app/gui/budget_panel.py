@@ -500,7 +500,8 @@ class BudgetPanel(QWidget):
         # without a device every expert runs on the CPU: where experts live, move or compute changes nothing
         # (nor tail substitution: it puts a resident expert in a cold one's place)
         for control in (self.expert_bytes, self.reserve_bytes, self.mem_limit, self.wave, self.pinned_bytes,
-                        self.working_bytes, self.placement, self.layer_split, self.decode_path, self.tail_threshold):
+                        self.working_bytes, self.placement, self.cpu_execution, self.layer_split, self.decode_path,
+                        self.tail_threshold):
             control.setEnabled(on_device)
         # each narrows another setting, and does nothing while that one is off
         self.cold_only.setEnabled(self.min_weight.value() > 0)

@@ -18,10 +18,12 @@ PREFIX = "session.moe.offload."
 PROTOTYPE_PREFIX = "session.moe.cpu_offload."  # the offload prototype's keys, which onnxruntime 1.32 discards
 ALIASES = {"gpu_budget_bytes": "device_expert_bytes"}
 # keys that only mean something where a device holds experts: without one (every expert on the CPU) they do nothing
-# (tail substitution replaces a cold expert by a resident one)
+# (cpu_execution and async_max_tokens say where cold experts run beside the device, tail substitution replaces a cold
+# expert by a resident one)
 DEVICE_KEYS = frozenset({"device_expert_bytes", "reserve_device_bytes", "gpu_device_mem_limit", "pinned_bytes",
                          "device_working_bytes", "placement", "prefill_wave_experts", "node_overrides",
-                         "popularity_file", "tail_substitution_threshold", "tail_substitution_min_rank"})
+                         "popularity_file", "tail_substitution_threshold", "tail_substitution_min_rank",
+                         "cpu_execution", "async_max_tokens"})
 # approximate routing's keys: it drops or substitutes cold experts in hybrid offload, so under mode=disabled (no offload,
 # every expert where the dense part runs) they do nothing and routing is exact
 ROUTING_KEYS = frozenset({"min_expert_weight", "skip_tail_cold_only", "tail_substitution_threshold",
