@@ -753,7 +753,7 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     assert "prefill waves of <b>2</b>" in budget.pinned_note.text()
     # below one expert: refused, in the engine's words, in the panel and the verdict
     with pytest.raises(OffloadPlanError) as engine_says:
-        ring_bytes(OffloadConfig(pinned_bytes=staged() - 1), staged())
+        ring_bytes(OffloadConfig(pinned_bytes=staged() - 1), staged(), 8)
     message = str(engine_says.value)
     budget.pinned_bytes.setValue(staged() - 1)
     budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())

@@ -754,6 +754,22 @@ def test_prefill_streams_busy_cold_experts_in_waves(model_folder, cpu_run):
     assert np.abs(logits - expected).max() / np.abs(expected).max() <= 1e-5
 
 
+def test_a_prefill_wave_above_a_layers_experts_takes_staging_for_a_layers_experts_only(model_folder):
+    """A wave streams one layer's cold experts, so at most its experts; prefill_wave_experts=100000 on a model of 16
+    experts a layer reserved device staging and planned a pinned ring for 100,000 experts a wave: here 1 GiB of the
+    simulated device's, which left the expert slots nothing, and a ring of 200,000 experts."""
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=0, prefill_wave_experts=100000),
+                             device=device)
+    engine = model.offload
+    slot = max(info.device_bytes_per_expert for info in engine.infos)
+    assert engine.wave_experts == SPEC.num_experts
+    assert device.memory.by_purpose["prefill staging ring"] == 2 * SPEC.num_experts * slot
+    assert engine.staging.pinned_experts == 2 * SPEC.num_experts
+    engine.reconfigure(engine.config.updated(device_expert_bytes=None))  # the slots have the rest of the device
+    assert engine.plan.placement_mode == "all_resident"
+
+
 def test_static_placement_from_a_popularity_file(model_folder, tmp_path):
     from engine.model_folder import ModelFolder
 

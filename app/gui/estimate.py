@@ -238,7 +238,9 @@ def staging_for(config: OffloadConfig, nodes: list[StagedNode], device) -> Stagi
     runnable = [node for node in nodes if node.info.gpu is not None]
     staged = max((device.staging_bytes_per_expert(node) for node in runnable), default=0)
     largest_slot = max((node.info.device_bytes_per_expert for node in runnable), default=0)
-    staging = plan_staging(config, staged, largest_slot, device.memory.available, psutil.virtual_memory().available)
+    layer_experts = max((node.info.spec.num_experts for node in runnable), default=0)
+    staging = plan_staging(config, staged, largest_slot, device.memory.available, psutil.virtual_memory().available,
+                           layer_experts)
     device.memory.reserve(staging.device_bytes, "prefill staging ring")
     return staging
 

@@ -435,8 +435,9 @@ class OffloadEngine:
         largest_slot = max((runner.info.device_bytes_per_expert for runner in self._gpu_runners()), default=0)
         ring = getattr(self.device, "pinned", None)
         held = ring.capacity if getattr(ring, "kind", "") == "pinned" else 0  # page-locked now, replaced by the new
+        layer_experts = max((runner.info.spec.num_experts for runner in self._gpu_runners()), default=0)
         staging = plan_staging(config, self._staged_expert_bytes(), largest_slot, self.device.memory.available,
-                               psutil.virtual_memory().available + held)
+                               psutil.virtual_memory().available + held, layer_experts)
         self.device.memory.reserve(staging.device_bytes, "prefill staging ring")
         self.staging = staging  # only once reserved: _release_staging gives back what it holds
         self.device.set_pinned_ring(staging.pinned_bytes)

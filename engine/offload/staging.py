@@ -6,8 +6,8 @@ of the ring, copied from there asynchronously, and the region is reused once its
 Copies from pinned memory run at the full PCIe rate (pageable copies ran at a third of it in
 anchors.md's measurement), and the bound keeps page-locked memory, which the OS cannot swap, small.
 
-'auto' sizes the ring for two prefill waves (prefill_wave_experts experts each: double-buffered);
-an explicit value must hold at least one expert.
+'auto' sizes the ring for two prefill waves (prefill_wave_experts experts each, at most a layer's experts, which is
+all one wave streams: double-buffered); an explicit value must hold at least one expert.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from engine.offload.planner import DeviceShort, OffloadPlanError
 from engine.units import counted, human_bytes
 
 
-def ring_bytes(config: OffloadConfig, expert_bytes: int) -> int:
-    """The ring's size for the largest expert as staged (`expert_bytes`); refuses a ring that holds none."""
+def ring_bytes(config: OffloadConfig, expert_bytes: int, wave_experts: int) -> int:
+    """The ring's size for the largest expert as staged (`expert_bytes`) and waves of at most `wave_experts`; refuses a
+    ring that holds none."""
     if config.pinned_bytes is None:
-        return 2 * config.prefill_wave_experts * expert_bytes
+        return 2 * wave_experts * expert_bytes
     if config.pinned_bytes < expert_bytes:
         raise OffloadPlanError(f"{PREFIX}pinned_bytes={config.pinned_bytes} holds no expert: "
                                f"it must be at least {expert_bytes} bytes (the largest expert)")
@@ -57,22 +58,24 @@ NO_STAGING = StagingPlan(0, 0, 0, 0)
 
 
 def plan_staging(config: OffloadConfig, staged_expert_bytes: int, largest_slot_bytes: int,
-                 device_available: int, host_available: int) -> StagingPlan:
+                 device_available: int, host_available: int, layer_experts: int) -> StagingPlan:
     """The pinned ring (checked first: a ring that holds no expert is refused, and an explicit one beyond the
     `host_available` bytes of host memory, which page-locked memory would starve) and the device's
     double-buffered prefill staging ring (also used for every miss when cpu_execution is disabled).
     `staged_expert_bytes`: the largest expert as staged on the host (0: no node the GPU kernels run,
     nothing is staged); `largest_slot_bytes`: the largest device slot, since a wave holds its experts
-    in slots of the kernels' layout (converted layouts are larger than the stored experts)."""
+    in slots of the kernels' layout (converted layouts are larger than the stored experts); `layer_experts`: the most
+    experts of a node the GPU kernels run, the most a wave (one layer's cold experts) can hold."""
     if staged_expert_bytes == 0:
         return NO_STAGING
-    pinned = ring_bytes(config, staged_expert_bytes)
+    most = min(config.prefill_wave_experts, layer_experts)
+    pinned = ring_bytes(config, staged_expert_bytes, most)
     if config.pinned_bytes is not None and pinned > host_available:
         raise OffloadPlanError(f"{PREFIX}pinned_bytes={pinned} page-locks more than the {host_available} bytes of "
                                "host memory available")
     # A wave streams through the pinned ring double-buffered: an explicit pinned_bytes bounds it.
     through_ring = max(1, pinned // (2 * staged_expert_bytes))
-    wave = min(config.prefill_wave_experts, through_ring, device_available // (2 * largest_slot_bytes))
+    wave = min(most, through_ring, device_available // (2 * largest_slot_bytes))
     if wave == 0 and config.cpu_execution == "disabled":
         raise DeviceShort("cpu_execution=disabled needs device room to stage at least one expert "
                                f"({2 * largest_slot_bytes} bytes double-buffered)")
