@@ -806,6 +806,9 @@ def _cmd_sweep(args) -> int:
     if config.mode == "disabled":
         raise WorkbenchError("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep "
                              "under mode=auto or required")
+    if config.device_expert_bytes is not None:
+        print(f"warning: device_expert_bytes={config.device_expert_bytes}: no effect on a sweep, which sets the expert "
+              "budget at each point", file=sys.stderr, flush=True)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_of_thread_binding()

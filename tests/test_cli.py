@@ -333,6 +333,16 @@ def test_write_model_says_which_layout_options_its_quant_type_does_not_use(tmp_p
     assert status == 0 and err == ""
 
 
+def test_a_sweep_says_it_sets_the_expert_budget_given_at_each_point(tmp_path, capsys):
+    """A sweep tries budgets from none to every expert: a device_expert_bytes given (or its alias) was replaced at
+    every point without a word, as though it had bounded the sweep."""
+    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--history",
+                              str(tmp_path / "h.sqlite"), "--points", "2", "--max-new-tokens", "1", "--scenario",
+                              "short", "--repeats", "1", "--offload", "gpu_budget_bytes=5")
+    assert status == 0 and ("warning: device_expert_bytes=5: no effect on a sweep, which sets the expert budget at "
+                            "each point") in err.splitlines()
+
+
 def test_sweep_checks_its_arguments_before_it_runs(tmp_path, capsys):
     gptoss = str(fixture_folder("gptoss"))
     common = ("--device", "simulated", "--history", str(tmp_path / "h.sqlite"))
