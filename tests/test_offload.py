@@ -785,6 +785,31 @@ def test_static_placement_from_a_popularity_file(model_folder, tmp_path):
     assert all(set(layer.resident()) == {3, 7} for layer in model.offload.slots)
 
 
+@pytest.mark.parametrize("placement", ["static", "adaptive"])
+def test_a_popularity_file_set_on_the_loaded_model_places_its_residents(model_folder, cpu_run, tmp_path, placement):
+    """popularity_file changes without a reload, yet set on a loaded model it placed nothing: the residents stayed as
+    they were (static placement then never moves them), and adaptive placement went on from the scores it had
+    learnt. Its most counted experts are now resident at once, as at a load with the file."""
+    from engine.model_folder import ModelFolder
+
+    names = [info.name for info in ModelFolder.open(model_folder).experts]
+    per_expert = device_expert_bytes(model_folder) // (16 * len(names))  # one device slot
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(placement=placement,
+                                                                 device_expert_bytes=2 * len(names) * per_expert),
+                             device=SimulatedDevice(1 << 30))
+    greedy_run(model, steps=4)
+    engine = model.offload
+    assert any(set(layer.resident()) != {12, 13} for layer in engine.slots)
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({name: [0] * 12 + [100, 90, 1, 1] for name in names}))
+    engine.reconfigure(engine.config.updated(popularity_file=str(path)))
+    # (adaptive placement may leave a slot to copied misses, as its measured rates say)
+    wanted = [[12, 13][:engine.policy.wanted_slots(index)] for index in range(len(names))]
+    assert [sorted(layer.resident().tolist()) for layer in engine.slots] == wanted
+    assert placement == "adaptive" or wanted == [[12, 13]] * len(names)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+
+
 def test_a_replan_refused_for_its_popularity_file_leaves_the_old_plan_in_force(model_folder, tmp_path):
     """The popularity file was read once the new plan was in force: a re-plan refused for it (a saved configuration
     naming a file since moved) said so, yet left the new budget and settings in force under the old placement."""

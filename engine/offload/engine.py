@@ -754,12 +754,20 @@ class OffloadEngine:
         if self.tier_statement:
             self.plan.statements.append(self.tier_statement)
         self.streaming = self._plan_streaming(config)
-        old_scores = self.policy.scores
+        # what adaptive placement learnt so far still holds, unless a popularity file is set or changed: its counts
+        # then place the residents afresh, as at a load with it (static placement would never move the old ones)
+        placed_anew = bool(config.popularity_file) and config.popularity_file != self.config.popularity_file
+        old_scores = None if placed_anew else self.policy.scores
+        if placed_anew:
+            for layer in self.slots:  # emptied: _make_policy fills them from the file
+                slots = layer.num_slots
+                layer.resize(0)
+                layer.resize(slots)
         self.config = config
         self._follow_path(replanned=True)  # the miss slots are weighed with the policy below
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
-        self._make_policy(popularity, old_scores)  # what adaptive placement learnt so far still holds
+        self._make_policy(popularity, old_scores)
         self._apply_cpu_threads()
         self._resume_unbounded_work()
         self.stats.pinned = self.pinned_info()
