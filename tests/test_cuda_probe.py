@@ -64,3 +64,48 @@ def test_open_cuda_device_refuses_as_the_probe_says(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(lambda: 0))
     with pytest.raises(cuda_device.NoCudaDevice, match="no CUDA device 0: 0 found"):
         cuda_device.open_cuda_device()
+
+
+CUPY_BANNER = """
+================================================================
+Failed to import CuPy.
+
+If you installed CuPy via wheels (cupy-cudaXXX or cupy-rocm-X-X), make sure that the package matches with the version of CUDA or ROCm installed.
+
+Original error:
+  ImportError: {missing}: cannot open shared object file: No such file or directory
+================================================================
+"""
+
+
+def _cupy_that_fails_to_load(monkeypatch, tmp_path, missing: str, lazily: bool) -> None:
+    """A CuPy installed but whose libraries do not load: CuPy 13 raises ImportError from `import cupy`, later CuPy
+    imports and raises RuntimeError at its first use; both with the banner above."""
+    package = tmp_path / "cupy"
+    package.mkdir()
+    banner = CUPY_BANNER.format(missing=missing)
+    body = (f"def __getattr__(name):\n    raise RuntimeError({banner!r})\n" if lazily
+            else f"raise ImportError({banner!r})\n")
+    (package / "__init__.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+
+
+@pytest.mark.parametrize("lazily", [False, True])
+def test_cupy_installed_without_the_driver_names_the_driver_not_cupy(monkeypatch, tmp_path, nothing_opened, lazily):
+    """No NVIDIA driver (libcuda.so.1 missing): the window and --device cuda said "the CUDA GPU needs CuPy (install
+    with `make install` ...)" with CuPy installed (CuPy 13), or "no CUDA device: " and nothing after it (later CuPy,
+    whose message starts with a blank line)."""
+    _cupy_that_fails_to_load(monkeypatch, tmp_path, "libcuda.so.1", lazily)
+    assert cuda_device.cuda_device_problem() == (
+        "no NVIDIA driver: CuPy cannot load libcuda.so.1, the driver's library (install the NVIDIA driver, or run on "
+        "the CPU)")
+
+
+@pytest.mark.parametrize("lazily", [False, True])
+def test_cupy_for_another_cuda_names_the_library_it_lacks(monkeypatch, tmp_path, nothing_opened, lazily):
+    """cupy-cuda12x where CUDA 12's runtime is not installed (CUDA 13's only, or none)."""
+    _cupy_that_fails_to_load(monkeypatch, tmp_path, "libcudart.so.12", lazily)
+    assert cuda_device.cuda_device_problem() == (
+        "CuPy is installed but does not load (ImportError: libcudart.so.12: cannot open shared object file: No such "
+        "file or directory): make clean install installs the CuPy build this driver runs")

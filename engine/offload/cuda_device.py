@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from engine.errors import WorkbenchError
+from engine.errors import WorkbenchError, error_reason, one_line
 from engine.offload.device_memory import DeviceMemoryError, card_memory
 from engine.offload.devices import GIB, Bandwidths
 from engine.offload.cuda_step import (HostCopies, MergeBufferPool, RoutedBuffers, SplitBuffers, StepBufferPool,
@@ -40,10 +40,29 @@ class NoCudaDevice(WorkbenchError):
 def _cupy():
     try:
         import cupy
-    except ImportError:
+    except ModuleNotFoundError:
         raise NoCudaDevice("the CUDA GPU needs CuPy (install with `make install` on a machine with an NVIDIA "
                            "driver)") from None
+    except ImportError as exc:  # CuPy 13 installed, its libraries not found
+        raise NoCudaDevice(_cupy_load_failure(exc) or f"CuPy does not load ({one_line(exc)})") from None
     return cupy
+
+
+def _cupy_load_failure(exc: Exception) -> str | None:
+    """What is missing where CuPy is installed but its libraries do not load (CuPy 13 raises from `import cupy`, later
+    CuPy at its first use), from its message: a banner whose "Original error:" line names the library; None for
+    another failure."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    if "Failed to import CuPy." not in lines:
+        return None
+    after = lines.index("Original error:") + 1 if "Original error:" in lines else len(lines)
+    original = lines[after] if after < len(lines) else "no reason given"
+    if "libcuda.so" in original:
+        library = original.split("ImportError: ", 1)[-1].split(":", 1)[0]
+        return (f"no NVIDIA driver: CuPy cannot load {library}, the driver's library (install the NVIDIA driver, or "
+                "run on the CPU)")
+    return (f"CuPy is installed but does not load ({original}): make clean install installs the CuPy build this "
+            "driver runs")
 
 
 def _cuda_version(number: int) -> str:
@@ -66,8 +85,9 @@ def _driver_older_than_cupy(cp) -> str | None:
 def _check_device(cp, index: int) -> None:
     try:
         count = cp.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # cudaErrorNoDevice, driver missing or too old
-        raise NoCudaDevice(_driver_older_than_cupy(cp) or f"no CUDA device: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # cudaErrorNoDevice, driver missing or too old, CuPy's libraries missing
+        raise NoCudaDevice(_cupy_load_failure(exc) or _driver_older_than_cupy(cp)
+                           or f"no CUDA device: {error_reason(exc)}") from None
     if count <= index:
         raise NoCudaDevice(f"no CUDA device {index}: {count} found")
 
