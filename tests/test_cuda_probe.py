@@ -45,14 +45,15 @@ def test_a_missing_driver_or_cupy_is_named(monkeypatch, nothing_opened):
 
 def test_a_driver_older_than_cupys_cuda_says_so(monkeypatch, nothing_opened):
     """cupy-cuda13x on a CUDA 12 driver (pip install '.[cuda13]' on driver 550, or a driver downgraded after make):
-    it read "no CUDA device", with a GPU there. No driver at all (driverGetVersion 0) stays "no CUDA device"."""
+    it read "no CUDA device", with a GPU there. No driver at all (driverGetVersion 0) read "no CUDA device:
+    cudaErrorInsufficientDriver: CUDA driver version is insufficient ...", a version where there is no driver, and
+    nothing to do: it says the driver is missing."""
     def insufficient():
         raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version")
 
     for driver, said in ((12040, "the NVIDIA driver runs CUDA 12.4, older than the CUDA 13.0 this CuPy is built for "
                                   "(make clean install installs the builds this driver runs, or update the driver)"),
-                         (0, "no CUDA device: cudaErrorInsufficientDriver: CUDA driver version is insufficient for "
-                             "CUDA runtime version")):
+                         (0, "no NVIDIA driver: CUDA finds none (install the NVIDIA driver, or run on the CPU)")):
         cupy = _fake_cupy(insufficient)
         cupy.cuda.runtime.driverGetVersion = lambda driver=driver: driver
         cupy.cuda.runtime.runtimeGetVersion = lambda: 13000

@@ -69,14 +69,16 @@ def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{number % 1000 // 10}"
 
 
-def _driver_older_than_cupy(cp) -> str | None:
-    """Where the NVIDIA driver runs an older CUDA major than this CuPy's runtime (cupy-cuda13x on a CUDA 12 driver):
-    said so; None otherwise (no driver at all, whose version reads 0, or another failure)."""
+def _driver_problem(cp) -> str | None:
+    """Where there is no NVIDIA driver (its version reads 0) or it runs an older CUDA major than this CuPy's runtime
+    (cupy-cuda13x on a CUDA 12 driver): said so; None otherwise."""
     try:
         driver, runtime = cp.cuda.runtime.driverGetVersion(), cp.cuda.runtime.runtimeGetVersion()
     except Exception:
         return None
-    if not driver or driver // 1000 >= runtime // 1000:
+    if not driver:
+        return "no NVIDIA driver: CUDA finds none (install the NVIDIA driver, or run on the CPU)"
+    if driver // 1000 >= runtime // 1000:
         return None
     return (f"the NVIDIA driver runs CUDA {_cuda_version(driver)}, older than the CUDA {_cuda_version(runtime)} this "
             "CuPy is built for (make clean install installs the builds this driver runs, or update the driver)")
@@ -86,7 +88,7 @@ def _check_device(cp, index: int) -> None:
     try:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:  # cudaErrorNoDevice, driver missing or too old, CuPy's libraries missing
-        raise NoCudaDevice(_cupy_load_failure(exc) or _driver_older_than_cupy(cp)
+        raise NoCudaDevice(_cupy_load_failure(exc) or _driver_problem(cp)
                            or f"no CUDA device: {error_reason(exc)}") from None
     if count <= index:
         raise NoCudaDevice(f"no CUDA device {index}: {count} found")
