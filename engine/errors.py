@@ -101,6 +101,11 @@ _STICKY_CUDA_ERRORS = (
     ("cudaErrorECCUncorrectable", "CUDA_ERROR_ECC_UNCORRECTABLE", "CUDA failure 214"),
 )
 GPU_LOST = "the GPU cannot be used again in this process: restart MoE Workbench to use it (the CPU still works)"
+# The GPU's memory ran out (not sticky: the GPU works on once memory is freed), as CuPy (its OutOfMemoryError), the
+# runtime and the driver name it, and onnxruntime by the runtime's number.
+_CUDA_OUT_OF_MEMORY = ("cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA failure 2:")
+GPU_OUT_OF_MEMORY = ("the GPU ran out of memory: lower the expert budget (device_expert_bytes) or free what other "
+                     "processes hold on the GPU")
 
 
 # onnxruntime's C++ errors start with its status code and the source line and function that raised them:
@@ -128,4 +133,6 @@ def one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {error_reason(exc)}" if str(exc).strip() else type(exc).__name__
     if any(name in text for names in _STICKY_CUDA_ERRORS for name in names):
         text += f"; {GPU_LOST}"
+    elif type(exc).__name__ == "OutOfMemoryError" or any(name in text for name in _CUDA_OUT_OF_MEMORY):
+        text += f"; {GPU_OUT_OF_MEMORY}"
     return text

@@ -145,10 +145,32 @@ def test_a_lost_gpu_context_is_told_in_one_line_with_what_to_do():
     assert one_line(driver) == f"CUDADriverError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure; {GPU_LOST}"
     ort = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : CUDA failure 700: an illegal memory access was encountered")
     assert one_line(ort).endswith(GPU_LOST) and "restart MoE Workbench" in GPU_LOST
-    assert one_line(CUDARuntimeError("cudaErrorMemoryAllocation: out of memory")) == \
-        "CUDARuntimeError: cudaErrorMemoryAllocation: out of memory"  # not sticky: no hint
+    assert GPU_LOST not in one_line(CUDARuntimeError("cudaErrorMemoryAllocation: out of memory"))  # not sticky
     assert one_line(ValueError("bad value\nsecond line")) == "ValueError: bad value"
     assert one_line(WorkbenchError("model.onnx: truncated")) == "model.onnx: truncated"
+
+
+def test_the_gpu_out_of_memory_says_what_to_do():
+    """CuPy's OutOfMemoryError ("Out of memory allocating 268,435,456 bytes ..."), the runtime's and the driver's names
+    and onnxruntime's "CUDA failure 2" were told as they came (the window's answer: "error: OutOfMemoryError: Out of
+    memory allocating ..."): not that it was the GPU's memory, nor what to do. Host memory errors and other CUDA
+    failures get no such hint."""
+    from engine.errors import GPU_OUT_OF_MEMORY, one_line
+
+    OutOfMemoryError = type("OutOfMemoryError", (MemoryError,), {})
+    assert one_line(OutOfMemoryError("Out of memory allocating 268,435,456 bytes (allocated so far: 512 bytes).")) == (
+        "OutOfMemoryError: Out of memory allocating 268,435,456 bytes (allocated so far: 512 bytes).; "
+        + GPU_OUT_OF_MEMORY)
+    assert GPU_OUT_OF_MEMORY == ("the GPU ran out of memory: lower the expert budget (device_expert_bytes) or free "
+                                 "what other processes hold on the GPU")
+    for said in (type("CUDARuntimeError", (RuntimeError,), {})("cudaErrorMemoryAllocation: out of memory"),
+                 type("CUDADriverError", (RuntimeError,), {})("CUDA_ERROR_OUT_OF_MEMORY: out of memory"),
+                 RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory ; "
+                              "GPU=0 ; hostname=h")):
+        assert one_line(said).endswith("; " + GPU_OUT_OF_MEMORY)
+    for other in (MemoryError("Unable to allocate 8.00 GiB for an array"),
+                  RuntimeError("[ONNXRuntimeError] : 1 : FAIL : CUDA failure 214: uncorrectable ECC error")):
+        assert GPU_OUT_OF_MEMORY not in one_line(other)
 
 
 def test_the_cli_tells_an_internal_gpu_fault_in_one_line(monkeypatch, capsys):
