@@ -676,6 +676,29 @@ def test_a_simulated_gpus_memory_is_shown_beside_a_real_gpus_graphs(qtbot, monke
     assert graphs.gpu_note.isHidden()
 
 
+def test_a_model_on_the_cuda_gpu_without_nvml_is_not_said_to_have_no_gpu(qtbot):
+    """CUDA works but NVML does not (a container given the compute capability only: no libnvidia-ml; nvmlInit refused):
+    with a model running on the GPU, the graphs said "GPU: no NVIDIA GPU (NVML Shared Library Not Found). VRAM and GPU
+    utilisation graphs appear on a machine with one." They say which GPU runs the model and that NVML gives no
+    reading."""
+    from app.gui.graphs_panel import GraphsPanel
+
+    graphs = GraphsPanel()
+    qtbot.addWidget(graphs)
+    graphs.show()
+    sample = {"t": 1.0, "wall": 0.0, "cpu_per_core": [50.0], "cpu_total": 50.0, "others_cpu_cores": 0.0,
+              "ram_total": 16 << 30, "ram_available": 8 << 30, "ram_this": 1 << 30, "ram_others": 7 << 30,
+              "gpu": None, "gpu_note": "no NVIDIA GPU (NVML Shared Library Not Found)"}
+    graphs.set_cuda_device("NVIDIA H100 80GB HBM3 (80 GiB)")
+    graphs.add_sample(sample)
+    assert graphs.gpu_note.text() == (
+        "<b>GPU:</b> the model runs on <b>NVIDIA H100 80GB HBM3 (80 GiB)</b>, but NVML, which the VRAM and GPU "
+        "utilisation graphs read, gives no reading (no NVIDIA GPU (NVML Shared Library Not Found)).")
+    graphs.set_cuda_device("")  # unloaded
+    assert graphs.gpu_note.text() == ("<b>GPU:</b> no NVIDIA GPU (NVML Shared Library Not Found). VRAM and GPU "
+                                      "utilisation graphs appear on a machine with one.")
+
+
 def test_where_the_driver_hides_whose_vram_is_whose_this_process_is_not_said_to_hold_none(qtbot, monkeypatch):
     """A driver (or a container) that hides per-process memory: the VRAM header read 'this process 0.00' beside
     'others 30.00 (ours included ...)', a wrong number for a model holding most of the 30 GiB."""

@@ -47,6 +47,7 @@ class GraphsPanel(QWidget):
         self._answering_since: float | None = None
         self._answering_s = 0.0
         self._simulated: dict | None = None  # the loaded model's simulated GPU, as the engine accounts it
+        self._cuda_device = ""  # the CUDA GPU the loaded model runs on ('' for none)
         self._gpu_seen = False  # a sample read the GPU once
         self._theme = theme.current()
 
@@ -224,6 +225,13 @@ class GraphsPanel(QWidget):
         else:
             self.gpu_note.hide()
 
+    def set_cuda_device(self, name: str) -> None:
+        """The CUDA GPU the loaded model runs on ('' for none): where NVML gives no reading, the GPU is there all the
+        same."""
+        self._cuda_device = name
+        if self.samples:
+            self._show_note(self.samples[-1])
+
     def _simulated_words(self, whose: str) -> str:
         memory = self._simulated
         return (f"<b>{memory['name']}</b> ({whose}): {human_bytes(memory['used'])} in use of "
@@ -233,6 +241,9 @@ class GraphsPanel(QWidget):
         """Without an NVIDIA GPU to sample: why, and the simulated GPU's memory where a model runs on one."""
         if self._gpu_seen:  # it answered before: NVML fails now, the GPU is there
             text = f"<b>GPU:</b> {why}. The VRAM and GPU utilisation graphs come back when it answers again."
+        elif self._cuda_device:  # CUDA works where NVML does not (a container without libnvidia-ml, nvmlInit refused)
+            text = (f"<b>GPU:</b> the model runs on <b>{self._cuda_device}</b>, but NVML, which the VRAM and GPU "
+                    f"utilisation graphs read, gives no reading ({why}).")
         else:
             text = f"<b>GPU:</b> {why}. VRAM and GPU utilisation graphs appear on a machine with one."
         if self._simulated:

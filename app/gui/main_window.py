@@ -752,6 +752,7 @@ class MainWindow(QMainWindow):
     def _on_loaded(self, info: dict) -> None:
         self.loaded_path = info["path"]
         self.model_on_gpu = info.get("on_gpu", False)
+        self.graphs.set_cuda_device(info["device"] if self.model_on_gpu else "")
         self.model_panel.show_loaded(info["path"], info["landed"])
         self.setWindowTitle(f"{Path(info['path']).name} — MoE Workbench")
         settings = self._load_settings if self._load_settings else self.budget_panel.settings()
@@ -839,6 +840,7 @@ class MainWindow(QMainWindow):
         self.budget_panel.mark_loaded(None)
         self.placement.clear()
         self.graphs.set_simulated_memory(None)
+        self.graphs.set_cuda_device("")
         self.side_by_side.set_loaded(None)
         self.sweep.set_model(None)
         self.status_model.setText("No model loaded")
