@@ -110,3 +110,39 @@ def test_cupy_for_another_cuda_names_the_library_it_lacks(monkeypatch, tmp_path,
     assert cuda_device.cuda_device_problem() == (
         "CuPy is installed but does not load (ImportError: libcudart.so.12: cannot open shared object file: No such "
         "file or directory): make clean install installs the CuPy build this driver runs")
+
+
+def test_a_gpu_there_that_cannot_be_opened_falls_back_to_the_cpu_under_auto(monkeypatch):
+    """The GPU is found but opening it fails: busy (exclusive-process mode, another process holds it) or its memory
+    taken by other processes (the probe's 512 MiB). CuPy's error passed through cuda_device_or_cpu, which catches only
+    the engine's: mode=auto failed the load ('Could not load ...: CUDARuntimeError ...', on the command line an
+    'internal error') instead of running every expert on the CPU, with the reason said."""
+    import contextlib
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    class OutOfMemoryError(MemoryError):
+        pass
+
+    for error, said in ((CUDARuntimeError("cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are busy or "
+                                          "unavailable"),
+                         "CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable "
+                         "device(s) is/are busy or unavailable)"),
+                        (OutOfMemoryError("Out of memory allocating 268,435,456 bytes (allocated so far: 0 bytes)."),
+                         "CUDA device 0 cannot be opened (OutOfMemoryError: Out of memory allocating 268,435,456 bytes "
+                         "(allocated so far: 0 bytes).)")):
+        def refuses(error=error):
+            raise error
+
+        cupy = _fake_cupy(lambda: 1)
+        cupy.cuda.runtime.CUDARuntimeError = CUDARuntimeError
+        cupy.cuda.runtime.memGetInfo = refuses
+        cupy.cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
+        cupy.cuda.Device = lambda _index: contextlib.nullcontext()
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+        assert cuda_device.cuda_device_or_cpu(0, "auto") == (
+            None, f"The CUDA GPU was asked for but cannot be used ({said}); every expert runs on the CPU instead.")
+        with pytest.raises(cuda_device.NoCudaDevice) as refused:
+            cuda_device.cuda_device_or_cpu(0, "required")
+        assert str(refused.value) == said

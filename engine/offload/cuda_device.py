@@ -94,10 +94,21 @@ def _check_device(cp, index: int) -> None:
         raise NoCudaDevice(f"no CUDA device {index}: {count} found")
 
 
+def _cuda_errors(cp) -> tuple[type, ...]:
+    """CuPy's errors of the runtime, the driver and its memory pool (those the stand-in CuPy of a test has)."""
+    found = (getattr(getattr(cp.cuda, module, None), name, None) for module, name in (
+        ("runtime", "CUDARuntimeError"), ("driver", "CUDADriverError"), ("memory", "OutOfMemoryError")))
+    return tuple(error for error in found if isinstance(error, type))
+
+
 def open_cuda_device(mem_limit: int = 0, index: int = 0) -> "CudaDevice":
     cp = _cupy()
     _check_device(cp, index)
-    return CudaDevice(index, mem_limit)
+    try:
+        return CudaDevice(index, mem_limit)
+    except _cuda_errors(cp) as exc:  # found but not usable: busy (exclusive-process mode), its memory taken ...
+        reason = f"{type(exc).__name__}: {error_reason(exc)}"
+        raise NoCudaDevice(f"CUDA device {index} cannot be opened ({reason})") from None
 
 
 def cuda_device_or_cpu(mem_limit: int, mode: str) -> tuple["CudaDevice | None", str]:
