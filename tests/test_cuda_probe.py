@@ -146,3 +146,14 @@ def test_a_gpu_there_that_cannot_be_opened_falls_back_to_the_cpu_under_auto(monk
         with pytest.raises(cuda_device.NoCudaDevice) as refused:
             cuda_device.cuda_device_or_cpu(0, "required")
         assert str(refused.value) == said
+
+
+def test_a_cupy_left_incomplete_is_said_so_not_taken_for_no_gpu(monkeypatch, tmp_path, nothing_opened):
+    """cupy-cuda12x and cupy-cuda13x install one module: uninstalling one after installing the other (by hand, not
+    make's order) leaves a cupy folder without its files, which imports as an empty namespace package. That read
+    "no CUDA device: module 'cupy' has no attribute 'cuda'", with a GPU there."""
+    (tmp_path / "cupy").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    assert cuda_device.cuda_device_problem() == (
+        "CuPy is installed incompletely (module 'cupy' has no attribute 'cuda'): make clean install installs it again")

@@ -87,6 +87,8 @@ def _driver_problem(cp) -> str | None:
 def _check_device(cp, index: int) -> None:
     try:
         count = cp.cuda.runtime.getDeviceCount()
+    except AttributeError as exc:  # a cupy folder without its files (one of two builds uninstalled after the other)
+        raise NoCudaDevice(f"CuPy is installed incompletely ({exc}): make clean install installs it again") from None
     except Exception as exc:  # cudaErrorNoDevice, driver missing or too old, CuPy's libraries missing
         raise NoCudaDevice(_cupy_load_failure(exc) or _driver_problem(cp)
                            or f"no CUDA device: {error_reason(exc)}") from None
