@@ -205,3 +205,38 @@ def test_the_gpu_sampled_is_the_one_cuda_visible_devices_gives_this_process(monk
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         hidden = nvml.Nvml()
         assert hidden.sample() is None and hidden.note == f"no NVIDIA GPU ({why})"
+
+
+def test_a_gpu_nvml_cannot_read_leaves_the_run_record_whole(monkeypatch):
+    """A run's record lists the machine's GPUs after the run was measured: where NVML answered nvmlInit but not about
+    one GPU (reset, fallen off the bus: 'GPU is lost'), the error left gpus() and the record job failed, its measured
+    run lost. The GPUs it reads are listed, the one it cannot read with why."""
+    from engine.records.environment import gpus
+
+    class OneLost(FakeNvml):
+        def nvmlDeviceGetCount(self):
+            return 2
+
+        def nvmlDeviceGetHandleByIndex(self, index):
+            return f"gpu{index}"
+
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            if handle == "gpu1":
+                raise RuntimeError("GPU is lost")
+            return super().nvmlDeviceGetMemoryInfo(handle)
+
+        def nvmlSystemGetDriverVersion(self):
+            return "580.65"
+
+        def nvmlShutdown(self):
+            pass
+
+    monkeypatch.setattr(nvml, "_library_missing", {})
+    monkeypatch.setattr(nvml, "pynvml", OneLost([]))
+    found = gpus()
+    assert found == [{"name": "NVIDIA Test GPU", "memory_bytes": 80 << 30, "driver": "580.65"},
+                     {"error": "GPU 1: NVML cannot read it (RuntimeError: GPU is lost)"}]
+    from app.gui.record_report import _gpus
+
+    assert _gpus({"gpus": found}) == ("NVIDIA Test GPU (80.0 GiB, driver 580.65); GPU 1: NVML cannot read it "
+                                      "(RuntimeError: GPU is lost)")

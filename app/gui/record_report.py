@@ -208,7 +208,8 @@ def _gpus(machine: dict) -> str:
     record without the list."""
     if "gpus" not in machine:
         return "?"
-    return "; ".join(f"{gpu.get('name', '?')} ({human_bytes(gpu['memory_bytes']) if gpu.get('memory_bytes') else '?'}, "
+    return "; ".join(gpu["error"] if "error" in gpu else
+                     f"{gpu.get('name', '?')} ({human_bytes(gpu['memory_bytes']) if gpu.get('memory_bytes') else '?'}, "
                      f"driver {gpu.get('driver', '?')})" for gpu in machine["gpus"]) or "none found (NVML)"
 
 

@@ -10,6 +10,7 @@ from importlib import metadata
 import psutil
 
 from engine import nvml
+from engine.errors import one_line
 
 
 def _version(distribution: str) -> str | None:
@@ -47,11 +48,14 @@ def gpus() -> list[dict]:
     try:
         found = []
         for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            found.append({"name": name.decode() if isinstance(name, bytes) else name,
-                          "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
-                          "driver": pynvml.nvmlSystemGetDriverVersion()})
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                name = pynvml.nvmlDeviceGetName(handle)
+                found.append({"name": name.decode() if isinstance(name, bytes) else name,
+                              "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                              "driver": pynvml.nvmlSystemGetDriverVersion()})
+            except Exception as exc:  # a GPU reset or lost: the run's record is kept all the same
+                found.append({"error": f"GPU {index}: NVML cannot read it ({one_line(exc)})"})
         return found
     finally:
         pynvml.nvmlShutdown()
