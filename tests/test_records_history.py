@@ -563,3 +563,28 @@ def test_a_history_cut_short_is_called_damaged_not_another_kind_of_file(tmp_path
     with pytest.raises(WorkbenchError) as refused:
         History(path, create=False)
     assert str(refused.value) == f"{path}: not opened: the file is damaged (database disk image is malformed)"
+
+
+def test_a_run_whose_record_is_not_a_json_object_is_named_unreadable_not_an_attribute_error(qtbot, tmp_path, greedy):
+    """A record damaged to `null` (or any JSON that is not an object) read "Could not read run 1: 'NoneType' object
+    has no attribute 'get'", naming neither the run nor the file, and failed the whole JSON export the same way."""
+    import sqlite3
+
+    from app.gui.history_view import HistoryView
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    damaged, whole = history.add(greedy), history.add(greedy)
+    with sqlite3.connect(history.path) as db:
+        db.execute("UPDATE runs SET record = 'null' WHERE id = ?", (damaged,))
+    view = HistoryView(history.path)
+    qtbot.addWidget(view)
+    said = []
+    view.failed.connect(said.append)
+    view.select_ids([damaged])
+    assert view.open_selected() is None
+    unreadable = f"run {damaged} in {history.path}: unreadable (the run record is null, not a JSON object)"
+    assert said == [f"Could not read {unreadable}"]
+    written = view.export(str(tmp_path / "runs.json"), "json")
+    assert [run["id"] for run in json.loads(written.read_text())] == [whole]
+    assert said[1:] == [f"Exported to runs.json without 1 unreadable runs: {unreadable}"]

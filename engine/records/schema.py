@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,8 @@ class RunRecord:
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunRecord":
+        if not isinstance(data, dict):  # a damaged record: `null`, a list
+            raise RecordError(f"the run record is {json.dumps(data, default=repr)[:40]}, not a JSON object")
         version = data.get("schema_version")
         if isinstance(version, int) and version > SCHEMA_VERSION:
             versions = data.get("versions")
