@@ -588,3 +588,28 @@ def test_a_run_whose_record_is_not_a_json_object_is_named_unreadable_not_an_attr
     written = view.export(str(tmp_path / "runs.json"), "json")
     assert [run["id"] for run in json.loads(written.read_text())] == [whole]
     assert said[1:] == [f"Exported to runs.json without 1 unreadable runs: {unreadable}"]
+
+
+def test_a_run_removed_since_the_windows_list_was_read_is_said_once_without_quotes(qtbot, tmp_path, greedy):
+    """A run deleted (by another window or a tool) after the table listed it read "Could not read run 1: 'no run 1 in
+    /x/h.sqlite3'" on Open (the run twice, in a KeyError's quotes) and "Could not read the runs: 'no run 1 …'" on
+    Compare."""
+    import sqlite3
+
+    from app.gui.history_view import HistoryView
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    gone, kept = history.add(greedy), history.add(greedy)
+    view = HistoryView(history.path)
+    qtbot.addWidget(view)
+    said = []
+    view.failed.connect(said.append)
+    with sqlite3.connect(history.path) as db:
+        db.execute("DELETE FROM runs WHERE id = ?", (gone,))
+    removed = (f"Could not read run {gone} in {history.path}: no such run (removed since the list was read: Refresh "
+               "lists what is there)")
+    view.select_ids([gone])
+    assert view.open_selected() is None and said == [removed]
+    view.select_ids([gone, kept])
+    assert view.compare_selected() is None and said == [removed, removed]

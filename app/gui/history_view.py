@@ -205,13 +205,17 @@ class HistoryView(QWidget):
             return None
         try:
             record = self.history.get(ids[0])
-        except RecordError as exc:  # it names the run and the file
-            self.failed.emit(f"Could not read {exc}")
-            return None
         except Exception as exc:
-            self.failed.emit(f"Could not read run {ids[0]}: {exc}")
+            self.failed.emit(self._unread(exc, f"run {ids[0]}"))
             return None
         return self._show(title(record, ids[0]), detail_html(record, ids[0]))
+
+    @staticmethod
+    def _unread(exc: Exception, what: str) -> str:
+        """What a run's record that could not be read says: History.get's errors name the run and the file."""
+        if isinstance(exc, KeyError):  # removed (another window, a tool) since the table was read
+            return f"Could not read {exc.args[0]} (removed since the list was read: Refresh lists what is there)"
+        return f"Could not read {exc}" if isinstance(exc, RecordError) else f"Could not read {what}: {one_line(exc)}"
 
     def compare_selected(self) -> RecordDialog | None:
         ids = self.selected_ids()
@@ -221,7 +225,7 @@ class HistoryView(QWidget):
         try:
             a, b = self.history.get(a_id), self.history.get(b_id)
         except Exception as exc:
-            self.failed.emit(f"Could not read the runs: {exc}")
+            self.failed.emit(self._unread(exc, "the runs"))
             return None
         return self._show(f"Run {a_id} (A) and run {b_id} (B)", compare_html(a, b, (a_id, b_id)))
 

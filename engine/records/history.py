@@ -213,7 +213,7 @@ class History:
             with closing(self._connect()) as db:
                 row = db.execute("SELECT record FROM runs WHERE id = ?", (run_id,)).fetchone()
             if row is None:
-                raise KeyError(f"no run {run_id} in {self.path}")
+                raise KeyError(f"run {run_id} in {self.path}: no such run")
             record = RunRecord.from_dict(json.loads(row[0]))
             path = record.offload.get("decode_path")
             if path:  # (a record saved before it said "all resident" where none ran)
