@@ -31,6 +31,14 @@ def read_model_text(path) -> str:
         raise ModelFileError(f"{path}: not readable ({exc.strerror or exc})") from None
 
 
+def not_written(exc: OSError, path) -> str:
+    """Why a file the user named could not be written, without the path and errno that OSError's text repeats:
+    "its folder does not exist", else the system's reason ("Permission denied", "No space left on device")."""
+    if isinstance(exc, FileNotFoundError) and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        return "its folder does not exist"
+    return exc.strerror or one_line(exc)
+
+
 def read_model_json(path):
     """A model folder's JSON file, parsed; a ModelFileError naming it where it is not readable or not JSON."""
     text = read_model_text(path)

@@ -613,3 +613,29 @@ def test_a_run_removed_since_the_windows_list_was_read_is_said_once_without_quot
     assert view.open_selected() is None and said == [removed]
     view.select_ids([gone, kept])
     assert view.compare_selected() is None and said == [removed, removed]
+
+
+def test_an_export_or_report_to_a_folder_that_does_not_exist_names_the_file_once_with_the_reason(qtbot, tmp_path,
+                                                                                                 greedy):
+    """"Could not export to /x/gone/runs.md: [Errno 2] No such file or directory: '/x/gone/runs.md'": the file twice,
+    the second in quotes after errno's number; the contention report's save read the same."""
+    from app.gui.contention_view import ContentionView
+    from app.gui.history_view import HistoryView
+    from app.gui.records_jobs import ContentionResult
+    from engine.records.contention import ContentionReport
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(greedy)
+    view = HistoryView(history.path)
+    contention = ContentionView()
+    qtbot.addWidget(view)
+    qtbot.addWidget(contention)
+    said = []
+    view.failed.connect(said.append)
+    contention.failed.connect(said.append)
+    assert view.export(str(tmp_path / "gone" / "runs.md")) is None
+    contention.on_finished(ContentionResult(ContentionReport(1, 12, 1.0, 2.0, 1.5, 3.0), "corpus"))
+    assert contention.save(str(tmp_path / "gone" / "contention.md")) is None
+    assert said == [f"Could not export to {tmp_path / 'gone' / 'runs.md'}: its folder does not exist",
+                    f"Could not save the report to {tmp_path / 'gone' / 'contention.md'}: its folder does not exist"]

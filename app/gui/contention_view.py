@@ -12,6 +12,7 @@ from PySide6.QtWidgets import (QComboBox, QFileDialog, QGridLayout, QHBoxLayout,
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ContentionJob, ContentionResult
 from app.gui.widgets import AnswerLength
+from engine.errors import not_written
 from engine.records.contention import ContentionReport
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
@@ -135,7 +136,7 @@ class ContentionView(QWidget):
         try:
             target.write_text(self.result.report.markdown(), encoding="utf-8")
         except OSError as exc:
-            self.failed.emit(f"Could not save the report to {target}: {exc}")
+            self.failed.emit(f"Could not save the report to {target}: {not_written(exc, target)}")
             return None
         self.bar.status.setText(f"Report saved to {target}.")
         return target

@@ -12,7 +12,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
                                QTextBrowser, QVBoxLayout, QWidget)
 
 from app.gui.record_report import compare_html, detail_html, fmt, title
-from engine.errors import one_line
+from engine.errors import not_written, one_line
 from engine.records.history import History, default_path
 from engine.records.schema import RecordError
 from engine.records.scenarios import SCENARIOS
@@ -248,8 +248,11 @@ class HistoryView(QWidget):
         try:
             text = self.history.export(fmt_name, unreadable, **self.filters())
             target.write_bytes(text.encode("utf-8"))  # as is: CSV keeps \r\n
-        except Exception as exc:
-            self.failed.emit(f"Could not export to {target}: {exc}")
+        except OSError as exc:
+            self.failed.emit(f"Could not export to {target}: {not_written(exc, target)}")
+            return None
+        except Exception as exc:  # History's own errors name its file
+            self.failed.emit(f"Could not export to {target}: {one_line(exc)}")
             return None
         self.count.setText(f"{self.table.rowCount()} runs · exported to {target.name}")
         if unreadable:
