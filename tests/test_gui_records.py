@@ -1393,3 +1393,25 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     view.on_finished(SweepResult([_repeated_point(0, [1.5, 1.55, 1.6]), all_resident], requested=2, model_folder="m",
                                  base_entries={}))
     assert view.recommended.budget_bytes == 300 and "tie" not in view.summary.text()
+
+
+def test_a_configuration_that_cannot_be_written_names_the_configurations_file_and_why(qtbot, tmp_path):
+    """The configurations' folder could not be made (a file stands where it is to be): Save said "Could not save the
+    configuration 'close': [Errno 17] File exists: '/x/data'", as if the configuration existed, without naming the
+    configurations file; `sweep --save-as` ended the same after the sweep as an "internal error"."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    (tmp_path / "data").write_text("")
+    path = tmp_path / "data" / "configurations.json"
+    view = SweepView(str(tmp_path / "h.sqlite"), path)
+    qtbot.addWidget(view)
+    said = []
+    view.failed.connect(said.append)
+    view.on_finished(result)
+    assert view.save("close") is None
+    assert said == [f"Could not save the configuration 'close': {path}: not saved: its folder {tmp_path / 'data'} "
+                    "could not be made (File exists)"]

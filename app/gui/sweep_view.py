@@ -15,6 +15,7 @@ from app.gui.budget_panel import PATHS, SPLITS
 from app.gui.job_bar import JobBar
 from app.gui.records_jobs import SweepJob, SweepResult, scenario_names
 from app.gui.widgets import MAX_ANSWER_TOKENS, AnswersChoice
+from engine.errors import one_line
 from engine.offload import OffloadConfig
 from engine.offload.approximate import agreement_text
 from engine.records.configurations import save_configuration
@@ -419,7 +420,7 @@ class SweepView(QWidget):
                                       path=self.configurations_path,
                                       own={"layer_split": split, "decode_path": self.result.decode_path})
         except Exception as exc:
-            self.failed.emit(f"Could not save the configuration '{name}': {exc}")
+            self.failed.emit(f"Could not save the configuration '{name}': {one_line(exc)}")
             return None
         self.bar.status.setText(f"Saved configuration '{name}' in {path}.")
         return path

@@ -80,17 +80,25 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
     """`own`: the OWN_SETTINGS the configuration ran with, saved beside its entries."""
     path = path or default_path()
     own = {key: value for key, value in (own or {}).items() if value is not None}
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where one of its folders is to be, a folder this user cannot write
+        raise WorkbenchError(f"{path}: not saved: its folder {exc.filename} could not be made "
+                             f"({exc.strerror})") from None
     # a relative path names a file from the folder it was tuned in; a later run (the window, another folder) has its own
     config = config.updated(**{key: os.path.abspath(getattr(config, key)) for key in PATH_KEYS if getattr(config, key)})
-    with _locked(path):
-        saved = _saved(path)
-        _check_name(saved, name, model_folder, path)
-        saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note, **own}
-        # written beside it and renamed over it: a reader never sees half a file
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".new", delete=False) as out:
-            out.write(json.dumps(saved, indent=2) + "\n")
-        os.replace(out.name, path)
+    try:
+        with _locked(path):
+            saved = _saved(path)
+            _check_name(saved, name, model_folder, path)
+            saved[name] = {"model": str(model_folder), "entries": config.to_entries(), "note": note, **own}
+            # written beside it and renamed over it: a reader never sees half a file
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".new",
+                                             delete=False) as out:
+                out.write(json.dumps(saved, indent=2) + "\n")
+            os.replace(out.name, path)
+    except OSError as exc:  # a folder this user cannot write, a full disk
+        raise WorkbenchError(f"{path}: not saved ({exc.strerror or one_line(exc)})") from None
     return path
 
 
