@@ -16,7 +16,7 @@ from onnx import helper
 from engine.collection_hold import collection_held
 from engine.decoder_state import DecoderState
 from engine.dense_segment import DEVICE_ONNX_TYPES, DenseSegment, SegmentBindings, run_bound
-from engine.errors import WorkbenchError
+from engine.errors import PromptError, WorkbenchError
 from engine.expert_node import CpuExpertNode, ExpertNodeInfo
 from engine.kernel_threads import KernelThreads
 from engine.onnx_file import OnnxFile
@@ -45,12 +45,17 @@ host_part_worker = True
 class PartitionedDecoder:
     """Alternates dense segments and expert nodes; only the cut tensors flow between them."""
 
+    vocabulary: int | None = None  # the token ids the model takes (None: unchecked)
+
     def __init__(self, source: OnnxFile, plan: Plan, experts: list[ExpertNodeInfo], logits_name: str,
-                 threads: int | None = None, progress=None, dense: DenseDevice | None = CPU_DENSE):
+                 threads: int | None = None, progress=None, dense: DenseDevice | None = CPU_DENSE,
+                 vocabulary: int | None = None):
         """`dense=None` builds the expert runners only; open_dense() then creates the dense sessions
-        (LoadedModel does so once the offload plan has taken its share of the GPU)."""
+        (LoadedModel does so once the offload plan has taken its share of the GPU). `vocabulary`: the token ids the
+        model takes (ModelFolder.vocabulary), a token past them refused before it reaches the embedding."""
         self.plan = plan
         self.logits_name = logits_name
+        self.vocabulary = vocabulary
         self.source = source
         self.dense: DenseDevice | None = None
         by_name = {info.name: info for info in experts}
@@ -155,6 +160,7 @@ class PartitionedDecoder:
     def forward(self, state: DecoderState, token_ids) -> np.ndarray:
         """Logits [tokens, vocab] for the new tokens; the state advances past them."""
         started = time.perf_counter()
+        self._check_tokens(token_ids)
         if self.dense is not None and state.backend.device_type != ("cuda" if self.dense.kind == "cuda" else "cpu"):
             raise WorkbenchError(f"the conversation's state is on the {state.backend.device_type} but the dense part "
                                  f"runs on the {self.dense.kind} (make the state with LoadedModel.new_state)")
@@ -192,6 +198,16 @@ class PartitionedDecoder:
         profile["experts_s"] += experts
         profile["total_s"] += time.perf_counter() - started
         return logits.reshape(len(token_ids), -1)
+
+    def _check_tokens(self, token_ids) -> None:
+        """A PromptError naming tokenizer.json where a prompt's token is past the model's vocabulary (a tokenizer
+        with tokens added): onnxruntime's embedding Gather would fail naming neither the token nor the file."""
+        if self.vocabulary is None or len(token_ids) == 0 or max(token_ids) < self.vocabulary:
+            return
+        token = next(int(token) for token in token_ids if token >= self.vocabulary)
+        raise PromptError(f"{self.source.folder / 'tokenizer.json'}: the prompt holds token {token}, past the "
+                          f"model's vocabulary of {self.vocabulary} tokens in {self.source.path.name}: the tokenizer "
+                          "has tokens the model was not made with")
 
     def _run_steps(self, values: dict, state: DecoderState, ahead: bool,
                    decode: bool = False) -> tuple[float, float, bool]:

@@ -101,7 +101,7 @@ class LoadedModel:
         # arena gets what the plan leaves under gpu_device_mem_limit (ort_env.dense_arena_limit), or the
         # smaller arena a model loaded earlier in the process registered (ort_env.shared_arena_cap).
         self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads,
-                                          progress, dense=None)
+                                          progress, dense=None, vocabulary=folder.vocabulary)
         probe = DecoderState(self.config, folder.onnx.proto.graph)
         self.offload = None
         if offload is not None:

@@ -73,6 +73,20 @@ class ModelFolder:
         return self.config.outputs.get("logits", "logits")
 
     @property
+    def vocabulary(self) -> int | None:
+        """How many token ids the model takes: the rows of the embedding its graph gathers input_ids from, else the
+        vocabulary its logits declare; None where the graph says neither."""
+        graph, ids = self.onnx.proto.graph, self.config.inputs.get("input_ids", "input_ids")
+        for node in graph.node:
+            if node.op_type in ("Gather", "GatherBlockQuantized") and list(node.input[1:2]) == [ids]:
+                axis = next((a.i for a in node.attribute if a.name in ("axis", "gather_axis")), 0)
+                table = self.onnx.initializers.get(node.input[0])
+                if table is not None and axis == 0 and table.dims:
+                    return int(table.dims[0])
+        shape = self.onnx.declared_shape(self.logits_name)
+        return shape[-1] if shape and isinstance(shape[-1], int) and shape[-1] > 0 else None
+
+    @property
     def expert_bytes(self) -> int:
         return sum(info.weight_bytes for info in self.experts)
 

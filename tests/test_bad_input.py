@@ -751,3 +751,28 @@ def test_an_initializer_shape_that_is_negative_or_overflows_is_named_as_it_is(co
     folder = copy_fixture("gptoss")
     _edit_onnx(folder, _dims(QWEIGHT, dims))
     assert_clean_error(cli("inspect", str(folder)), fragment)
+
+
+def test_a_prompt_token_past_the_models_embedding_names_tokenizer_json_the_token_and_the_vocabulary(copy_fixture, cli):
+    """A tokenizer.json with more tokens than the model's embedding has rows (tokens added to it, another model's
+    tokenizer): a prompt holding one failed inside onnxruntime, "Gather node … indices element out of data bounds,
+    idx=512 must be within the inclusive range [-512,511]", naming neither the token nor tokenizer.json. It is refused
+    before the model runs, and the conversation answers the next prompt."""
+    from tokenizers import AddedToken, Tokenizer
+
+    from engine.errors import PromptError
+    from engine.generation import Conversation, GenerationParams, LoadedModel
+
+    folder = copy_fixture("gptoss")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken("zebrafish", normalized=False)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    assert tokenizer.token_to_id("zebrafish") == 512  # the fixture's embedding has rows 0 to 511
+    refused = (f"{folder / 'tokenizer.json'}: the prompt holds token 512, past the model's vocabulary of 512 tokens "
+               "in model.onnx: the tokenizer has tokens the model was not made with")
+    assert_clean_error(cli("generate", str(folder), "--raw", "--prompt", "the zebrafish swims"), refused)
+    conversation = Conversation(LoadedModel.open(folder))
+    with pytest.raises(PromptError) as caught:
+        conversation.send("the zebrafish swims", GenerationParams(max_new_tokens=2))
+    assert str(caught.value) == refused
+    assert conversation.send("the fish swims", GenerationParams(max_new_tokens=2)).tokens
