@@ -995,6 +995,23 @@ def test_the_contention_job_says_a_missing_corpus_folder_is_missing(tmp_path):
     assert str(empty.value) == f"{tmp_path}: no .txt files to index"
 
 
+def test_the_contention_corpus_indexes_text_that_is_not_utf8_and_names_a_file_it_cannot_read(tmp_path):
+    """A corpus of the user's own documents holding one Latin-1 file failed the whole test with "UnicodeDecodeError:
+    'utf-8' codec can't decode byte 0xe9 in position 3: invalid continuation byte", naming no file. The indexing is the
+    load the test times: such a file is indexed as it reads (its bad bytes replaced); a .txt that cannot be read at
+    all is named, with the reason."""
+    from engine.errors import WorkbenchError
+    from engine.records.contention import index_folder
+
+    (tmp_path / "a.txt").write_bytes("café au lait\n".encode("latin-1"))
+    (tmp_path / "b.txt").write_text("hello\n")
+    assert index_folder(tmp_path, 1)[0] == 2
+    (tmp_path / "c.txt").symlink_to(tmp_path / "gone")
+    with pytest.raises(WorkbenchError) as unreadable:
+        index_folder(tmp_path, 1)
+    assert str(unreadable.value) == f"{tmp_path / 'c.txt'}: not readable (No such file or directory)"
+
+
 def test_a_sweep_points_trials_wait_for_the_experts_mapping_its_re_plan_started(monkeypatch):
     """A re-plan from every expert resident to fewer maps the experts' pages in again, in the background (and on a
     GPU page-locks their mapping: seconds for a large model). The point's unrecorded decode ran its trials beside

@@ -55,7 +55,11 @@ def _index_shard(args: tuple[list[str], str]) -> int:
     with closing(sqlite3.connect(database)) as db, db:
         db.execute("CREATE VIRTUAL TABLE IF NOT EXISTS docs USING fts5(path, body)")
         for path in paths:
-            db.execute("INSERT INTO docs (path, body) VALUES (?, ?)", (path, Path(path).read_text()))
+            try:  # any text: the indexing is the load timed, not a search to be right
+                body = Path(path).read_text(encoding="utf-8", errors="replace")
+            except OSError as exc:  # (a WorkbenchError of one argument comes back from the worker whole)
+                raise WorkbenchError(f"{path}: not readable ({exc.strerror or exc})") from None
+            db.execute("INSERT INTO docs (path, body) VALUES (?, ?)", (path, body))
         db.execute("INSERT INTO docs(docs) VALUES ('optimize')")
     return len(paths)
 
