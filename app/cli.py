@@ -1011,16 +1011,15 @@ def _budget_text(budget: str | None, device: str | None) -> str:
 
 def _cmd_contention(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
-    from engine.records.contention import default_corpus, run_contention
+    from engine.records.contention import corpus_problem, default_corpus, run_contention
     from engine.records.scenarios import run_scenario, scenario_answer_tokens
     from engine.records.schema import generation_settings
 
     corpus = Path(args.corpus) if args.corpus else default_corpus()  # checked before the model loads (minutes)
     named = f"--corpus {corpus}" if args.corpus else str(corpus)
-    if not corpus.is_dir():
-        raise WorkbenchError(f"{named}: no such folder")
-    if not any(corpus.glob("*.txt")):
-        raise WorkbenchError(f"{named}: no .txt files to index")
+    problem = corpus_problem(corpus)
+    if problem:
+        raise WorkbenchError(f"{named}: {problem}")
     sampling = _record_sampling(args, "contention")
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,

@@ -995,6 +995,22 @@ def test_the_contention_job_says_a_missing_corpus_folder_is_missing(tmp_path):
     assert str(empty.value) == f"{tmp_path}: no .txt files to index"
 
 
+def test_a_contention_corpus_given_as_a_file_is_called_a_file_not_a_missing_folder(tmp_path, cli):
+    """A .txt file picked as the corpus (the folder meant) read "/x/notes.txt: no such folder", though it is there."""
+    import app.gui.records_jobs as jobs
+    from engine.errors import WorkbenchError
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello\n")
+    model = SimpleNamespace(decoder=SimpleNamespace(kernel_threads=SimpleNamespace(state=lambda: None)))
+    ctx = jobs.JobContext(model, None, {}, threading.Event(), lambda fraction, text: None, lambda batch: None, None)
+    with pytest.raises(WorkbenchError) as refused:
+        jobs.ContentionJob(str(notes), workers=1, max_new_tokens=4)(ctx)
+    assert str(refused.value) == f"{notes}: a file, not a folder of .txt files"
+    result = cli("contention", str(fixture_folder("gptoss")), "--corpus", str(notes))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"moe-workbench: error: --corpus {notes}: a file, not a folder of .txt files"
+
 def test_the_contention_corpus_indexes_text_that_is_not_utf8_and_names_a_file_it_cannot_read(tmp_path):
     """A corpus of the user's own documents holding one Latin-1 file failed the whole test with "UnicodeDecodeError:
     'utf-8' codec can't decode byte 0xe9 in position 3: invalid continuation byte", naming no file. The indexing is the

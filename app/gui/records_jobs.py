@@ -16,8 +16,8 @@ from app.gui.side_streams import SideStreams
 from engine.errors import PromptError, WorkbenchError, one_line
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
-from engine.records.contention import (ContentionCancelled, ContentionReport, default_corpus, phase_after,
-                                       run_contention)
+from engine.records.contention import (ContentionCancelled, ContentionReport, corpus_problem, default_corpus,
+                                       phase_after, run_contention)
 from engine.records.history import History
 from engine.records.lengths import SWEEP_REPEATS
 from engine.records.scenarios import SCENARIOS, run_scenario, scenario_answer_tokens
@@ -474,10 +474,9 @@ class ContentionJob:
         params = scenario_params(model, self.scenario, self.max_new_tokens)
         ctx.progress(0.0, "preparing the corpus" if not self.corpus else phase_after(0.0))
         corpus = Path(self.corpus).expanduser() if self.corpus else default_corpus()
-        if not corpus.is_dir():
-            raise WorkbenchError(f"{corpus}: no such folder")
-        if not any(corpus.glob("*.txt")):
-            raise WorkbenchError(f"{corpus}: no .txt files to index")
+        problem = corpus_problem(corpus)
+        if problem:
+            raise WorkbenchError(f"{corpus}: {problem}")
         ctx.progress(0.0, phase_after(0.0))
 
         def inference() -> float:

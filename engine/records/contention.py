@@ -49,6 +49,15 @@ def default_corpus() -> Path:
     return make_corpus(Path(platformdirs.user_cache_dir("moe-workbench")) / "contention-corpus")
 
 
+def corpus_problem(corpus: Path) -> str | None:
+    """What keeps `corpus` from being indexed; None where nothing does."""
+    if not corpus.is_dir():
+        return "a file, not a folder of .txt files" if corpus.exists() else "no such folder"
+    if not any(corpus.glob("*.txt")):
+        return "no .txt files to index"
+    return None
+
+
 def _index_shard(args: tuple[list[str], str]) -> int:
     """One worker: index its files into its own FTS5 database."""
     paths, database = args
