@@ -956,6 +956,20 @@ def test_a_configuration_name_saved_for_another_model_is_not_written_over(tmp_pa
     assert load_configuration("sweep 1.0 GiB", path)[1].device_expert_bytes == 7
 
 
+def test_a_configuration_save_that_fails_leaves_no_half_written_file_beside_the_configurations(tmp_path):
+    """The save writes a file beside the configurations and renames it over them: where that failed (a folder in the
+    file's place here; a full disk), the file written beside them stayed, one more at each try."""
+    from engine.errors import WorkbenchError
+    from engine.records.configurations import save_configuration
+
+    path = tmp_path / "configurations.json"
+    path.mkdir()
+    for _try in range(2):
+        with pytest.raises(WorkbenchError) as error:
+            save_configuration("close", str(tmp_path), OffloadConfig(device_expert_bytes=5), path=path)
+        assert str(error.value) == f"{path}: not saved (Is a directory)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configurations.json", "configurations.json.lock"]
+
 def test_the_contention_job_names_the_phase_that_runs(tmp_path, monkeypatch):
     """The window's progress text while each of the contention test's five phases runs: it said 'inference alone'
     while indexing ran alone and 'indexing and inference at once' while inference ran alone (three names mapped

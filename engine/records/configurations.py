@@ -87,6 +87,7 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
                              f"({exc.strerror})") from None
     # a relative path names a file from the folder it was tuned in; a later run (the window, another folder) has its own
     config = config.updated(**{key: os.path.abspath(getattr(config, key)) for key in PATH_KEYS if getattr(config, key)})
+    written = None  # the file written beside it, removed where the save fails
     try:
         with _locked(path):
             saved = _saved(path)
@@ -95,9 +96,12 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
             # written beside it and renamed over it: a reader never sees half a file
             with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".new",
                                              delete=False) as out:
+                written = Path(out.name)
                 out.write(json.dumps(saved, indent=2) + "\n")
-            os.replace(out.name, path)
+            os.replace(written, path)
     except OSError as exc:  # a folder this user cannot write, a full disk
+        if written is not None:
+            written.unlink(missing_ok=True)
         raise WorkbenchError(f"{path}: not saved ({exc.strerror or one_line(exc)})") from None
     return path
 
