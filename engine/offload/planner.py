@@ -241,8 +241,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     `whole_layers` it goes to whole layers instead, in layer order (layer_split.py: the engine measures which of the
     two decodes faster). Under mode=disabled every expert goes where the dense part runs: on the device where
     `dense_on_device` (onnxruntime's CUDA execution provider runs it there), else on the CPU. `host_tier`: the decode
-    path wants a host tier (decode_path.tier_wanted), whose granule-rounded mappings an automatic budget leaves room
-    for beside its slots, so that the reserve stays free."""
+    path plans one (decode_path.tier_planned), whose granule-rounded mappings an automatic budget leaves room for
+    beside its slots, so that the reserve stays free."""
     names = [info.name for info in experts]
     for name in config.node_overrides:
         if name not in names:
@@ -313,7 +313,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
         raise (DeviceShort if automatic else OffloadPlanError)(
             f"offload mode 'required': the {'automatic ' if automatic else ''}expert budget of {budget} bytes holds no "
             f"expert (the smallest needs {smallest} bytes on the device)"
-            + (f": {_reserve_left(device, available, budget)}" if automatic else ""))
+            + (f": {_reserve_left(device, available, budget + tier_room)}" if automatic else ""))
     slots = {info.name: 0 for info in experts}
     spent = 0
     if whole_layers:
