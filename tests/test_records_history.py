@@ -639,3 +639,23 @@ def test_an_export_or_report_to_a_folder_that_does_not_exist_names_the_file_once
     assert contention.save(str(tmp_path / "gone" / "contention.md")) is None
     assert said == [f"Could not export to {tmp_path / 'gone' / 'runs.md'}: its folder does not exist",
                     f"Could not save the report to {tmp_path / 'gone' / 'contention.md'}: its folder does not exist"]
+
+
+def test_a_run_of_one_token_answers_has_no_decode_rate_in_the_record_the_exports_or_the_window(qtbot, tmp_path,
+                                                                                                model):
+    """A one-token answer has no decode step (the prefill gives its token), yet the record kept a rate of 0.0 tok/s
+    (the microseconds between sampling that token and the answer's end): the window and the exports read "0.0", a
+    rate, where the command's line said n/a."""
+    pytest.importorskip("pytestqt")
+    from app.gui.history_view import HEADERS, HistoryView
+    from engine.records.history import History
+
+    record = run_scenario(model, "short", GenerationParams(max_new_tokens=1))
+    assert record.generated_tokens == 1 and record.timings["decode_tokens_per_s"] is None
+    history = History(tmp_path / "h.sqlite3")
+    history.add(record)
+    head, _rule, row = history.export("markdown").splitlines()
+    assert dict(zip(head.strip("| ").split(" | "), row.strip("| ").split(" | ")))["decode_tokens_per_s"] == ""
+    view = HistoryView(history.path)
+    qtbot.addWidget(view)
+    assert view.table.item(0, HEADERS.index("decode")).text() == "—"

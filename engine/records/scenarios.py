@@ -227,7 +227,8 @@ def _measure_turns(model: LoadedModel, turns_text: list[str], params: Generation
     agreed = sum(t["routing_agreement"] * t["generated_tokens"] for t in measured)
     timings = {"load_s": model.load_s, "prefill_s": turns[0]["timings"]["prefill_s"] if turns else None,
                "time_to_first_token_s": turns[0]["timings"]["time_to_first_token_s"] if turns else None,
-               "decode_tokens_per_s": decoded / decode_s if decode_s else None, "completion_s": completion,
+               # none where every answer was one token: no decode step ran (decode_s is the moment after it)
+               "decode_tokens_per_s": decoded / decode_s if decoded and decode_s else None, "completion_s": completion,
                "turns": len(turns), "cancelled": len(turns) < len(turns_text)
                or any(t["finish_reason"] == "cancelled" for t in turns), "settle_s": settle_s}
     if model.offload is not None and is_simulated(device):
