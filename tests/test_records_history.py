@@ -659,3 +659,25 @@ def test_a_run_of_one_token_answers_has_no_decode_rate_in_the_record_the_exports
     view = HistoryView(history.path)
     qtbot.addWidget(view)
     assert view.table.item(0, HEADERS.index("decode")).text() == "—"
+
+
+def test_a_record_names_the_onnxruntime_build_it_imported_not_a_shadowed_one(tmp_path, monkeypatch):
+    """On the GPU machine a system onnxruntime sits later on the path than the onnxruntime-gpu imported: the record
+    (docs/h100/record.json) said build "onnxruntime", the CPU build, beside the CUDA EP it ran the dense part on."""
+    import sys
+    from types import SimpleNamespace
+
+    import engine.ort_env as ort_env
+    from engine.records.environment import onnxruntime_build
+
+    def dist_info(folder, name, version):
+        info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+    imported, shadowed = tmp_path / "imported", tmp_path / "shadowed"
+    dist_info(imported, "onnxruntime-gpu", "1.31.1")
+    dist_info(shadowed, "onnxruntime", "1.30.0")
+    monkeypatch.setattr(sys, "path", [str(imported), str(shadowed)])
+    monkeypatch.setattr(ort_env, "ort", SimpleNamespace(__file__=str(imported / "onnxruntime" / "__init__.py")))
+    assert onnxruntime_build()["build"] == "onnxruntime-gpu"

@@ -21,11 +21,14 @@ def _version(distribution: str) -> str | None:
 
 
 def onnxruntime_build() -> dict:
+    """The onnxruntime imported: its version, build (the distribution installed beside the module, not one elsewhere
+    on the path that it shadows) and execution providers."""
     import onnxruntime
 
-    builds = {name: _version(name) for name in ("onnxruntime", "onnxruntime-gpu")}
-    return {"version": onnxruntime.__version__,
-            "build": next((name for name, version in builds.items() if version), "unknown"),
+    from engine.ort_env import installed_onnxruntime_builds
+
+    builds = installed_onnxruntime_builds()  # "name version"; a load refuses more than one
+    return {"version": onnxruntime.__version__, "build": builds[0].split()[0] if builds else "unknown",
             "providers": onnxruntime.get_available_providers()}
 
 
