@@ -681,3 +681,22 @@ def test_a_record_names_the_onnxruntime_build_it_imported_not_a_shadowed_one(tmp
     monkeypatch.setattr(sys, "path", [str(imported), str(shadowed)])
     monkeypatch.setattr(ort_env, "ort", SimpleNamespace(__file__=str(imported / "onnxruntime" / "__init__.py")))
     assert onnxruntime_build()["build"] == "onnxruntime-gpu"
+
+
+def test_a_record_and_a_comparison_name_the_versions_that_change_its_numbers(greedy):
+    """The CPU expert kernels are Numba's and the GPU's run on the driver and CuPy: a run's detail named neither Numba
+    nor NumPy, and two runs that differed only in Numba, CuPy, the onnxruntime build or the GPU driver were compared
+    as like for like."""
+    data = greedy.to_dict()
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85520809984, "driver": "580.95.05"}
+    a = RunRecord.from_dict(dict(data, machine=dict(data["machine"], gpus=[gpu]), versions=dict(
+        data["versions"], numba="0.61.2", numpy="2.2.6", cupy="13.6.0", cuda_runtime=12080, cuda_driver=13000,
+        onnxruntime={"version": "1.23.2", "build": "onnxruntime-gpu"})))
+    assert " Numba 0.61.2 " in plain(detail_html(a)) and " NumPy 2.2.6 " in plain(detail_html(a))
+    b = RunRecord.from_dict(dict(data, machine=dict(data["machine"], gpus=[dict(gpu, driver="590.10")]), versions=dict(
+        a.versions, numba="0.68.1", cupy="14.0.0", cuda_driver=13010,
+        onnxruntime={"version": "1.23.2", "build": "onnxruntime"})))
+    text = plain(compare_html(a, b))
+    assert "differ in GPU driver, onnxruntime build, Numba, CuPy, CUDA driver," in text, text
+    assert " Numba 0.61.2 0.68.1 " in text and " GPU driver 580.95.05 590.10 " in text
+    assert "Not like for like" not in plain(compare_html(a, a))

@@ -139,6 +139,12 @@ def _approximation_text(record: RunRecord) -> str:
     return f"{dropped} / {substituted} of {routed} (k per token in each layer)"
 
 
+# the versions besides the app's, onnxruntime's and Python's that a run's numbers depend on: the CPU expert kernels are
+# Numba's, the GPU's run through CuPy on the CUDA runtime and driver (absent where none was found): (what, key)
+VERSIONS = (("NumPy", "numpy"), ("Numba", "numba"), ("CuPy", "cupy"), ("CUDA runtime", "cuda_runtime"),
+            ("CUDA driver", "cuda_driver"))
+
+
 def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     t, o = record.timings, record.offload
     parts = [f"<h3>{html.escape(title(record, run_id))}</h3>"]
@@ -198,8 +204,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
                          ("GPU", _gpus(machine)),
                          ("app", versions.get("app", "?")), ("onnxruntime", ort.get("version", "?") + build),
                          ("python", versions.get("python", "?"))]
-                        + [(what, versions[key]) for what, key in (("CuPy", "cupy"), ("CUDA runtime", "cuda_runtime"),
-                                                                   ("CUDA driver", "cuda_driver")) if versions.get(key)]))
+                        + [(what, versions[key]) for what, key in VERSIONS if versions.get(key)]))
     return "".join(parts)
 
 
@@ -260,8 +265,11 @@ RUN_FACTS = (
     *GENERATION_FACTS,
     ("tokens generated", lambda r: r.generated_tokens if r.turns else None),
     ("machine", _machine),
+    ("GPU driver", lambda r: ", ".join(gpu.get("driver", "?") for gpu in (r.machine or {}).get("gpus") or []) or None),
     ("app", lambda r: (r.versions or {}).get("app")),
     ("onnxruntime", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("version")),
+    ("onnxruntime build", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("build")),
+    *((what, lambda r, key=key: (r.versions or {}).get(key)) for what, key in VERSIONS if key != "numpy"),
 )
 
 
