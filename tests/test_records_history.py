@@ -700,3 +700,22 @@ def test_a_record_and_a_comparison_name_the_versions_that_change_its_numbers(gre
     assert "differ in GPU driver, onnxruntime build, Numba, CuPy, CUDA driver," in text, text
     assert " Numba 0.61.2 0.68.1 " in text and " GPU driver 580.95.05 590.10 " in text
     assert "Not like for like" not in plain(compare_html(a, a))
+
+
+def test_the_exports_give_an_all_cpu_run_no_budget_as_the_list_and_the_window_do(tmp_path, greedy):
+    """An all-CPU run's budget read "auto" in the CSV and Markdown exports, as if the engine had chosen one on a device,
+    where `history` and the window say it has none."""
+    import csv
+    import io
+
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(greedy)
+    on_device = dict(greedy.to_dict(), offload=dict(greedy.offload, device="simulated GPU, 1.0 GiB"))
+    history.add(RunRecord.from_dict(on_device))
+    rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
+    assert [(row["device"], row["budget"]) for row in rows] == [("simulated GPU, 1.0 GiB", "auto"), ("cpu", "")]
+    head, _rule, *lines = history.export("markdown").splitlines()
+    budgets = [dict(zip(head.strip("| ").split(" | "), line.strip("| ").split(" | ")))["budget"] for line in lines]
+    assert budgets == ["auto", ""]

@@ -248,6 +248,8 @@ class History:
         for row in rows:  # a row saved before its record said so keeps the path in force (cpu): none ran
             if row["placement_mode"] == "all_resident":
                 row["decode_path"] = ALL_RESIDENT
+            if (row["device"] or "cpu") == "cpu":  # saved as "auto": no device, no budget (as the list and window say)
+                row["budget"] = None
         return rows
 
     def export(self, fmt: str, unreadable: list[str] | None = None, **filters) -> str:
