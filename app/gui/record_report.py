@@ -13,6 +13,7 @@ from engine.units import human_bytes
 NOT_RECORDED = "not recorded"
 
 THREADS_METRIC = "CPU expert threads at the end"  # compared; a run's detail says it with its cores instead
+PROCESS_VRAM, PINNED = "this process's VRAM peak (NVML)", "pinned host memory"
 
 # (label, how to get it from a record, format, lower is better)
 METRICS = (
@@ -26,6 +27,10 @@ METRICS = (
     ("projected completion", lambda r: (r.timings.get("projected") or {}).get("completion_s"), "s", True),
     ("generated tokens", lambda r: r.generated_tokens, "n", None),
     ("device memory peak", lambda r: r.peaks.get("device_bytes"), "bytes", True),
+    # on a CUDA GPU: the engine's device memory above, and onnxruntime's arena and the CUDA context besides it
+    (PROCESS_VRAM, lambda r: r.peaks.get("process_device_bytes"), "bytes", True),
+    # the staging ring and host tier (held from load or re-plan on)
+    (PINNED, lambda r: r.peaks.get("pinned_bytes"), "bytes", True),
     ("process RSS peak", lambda r: r.peaks.get("rss_bytes"), "bytes", True),
     # what the process held already when the run began (a model loaded earlier, an earlier run's memory kept)
     ("process RSS at the start", lambda r: r.peaks.get("rss_start_bytes"), "bytes", True),
@@ -163,7 +168,9 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         + [(what, get(record) or NOT_RECORDED) for what, get in GENERATION_FACTS]))
     parts.append("<h4>Timings and peaks</h4>")
     parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
-                         if not (label.startswith("projected") and get(record) is None) and label != THREADS_METRIC]
+                         # (a run on the CPU or the simulated card has no projection, VRAM or pinned memory: left out)
+                         if not ((label.startswith("projected") or label in (PROCESS_VRAM, PINNED))
+                                 and get(record) is None) and label != THREADS_METRIC]
                         + [("turns", t.get("turns", len(record.turns))),
                            ("cancelled", "yes" if t.get("cancelled") else "no")]))
     parts.append("<h4>Configuration</h4>")
