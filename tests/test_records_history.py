@@ -737,3 +737,26 @@ def test_a_runs_detail_and_a_comparison_give_the_process_vram_nvml_saw_and_the_p
     assert rows["this process's VRAM peak (NVML)"] == ("—", "2.9 GiB", "—", "—")
     # a run NVML gave no figure for (the CPU, the simulated card) leaves the line out rather than read "—"
     assert "VRAM peak" not in plain(detail_html(greedy)) and "pinned" not in plain(detail_html(greedy))
+
+
+def test_a_records_completion_time_leaves_out_starting_and_stopping_its_peak_sampler(model, monkeypatch):
+    """The clock ran from before the peak sampler's thread started (milliseconds on a busy machine, an NVML query on a
+    GPU) to after its last sample: a small model's completion time carried several percent of bookkeeping."""
+    import time
+
+    from engine.records.scenarios import PeakSampler
+
+    enter, leave = PeakSampler.__enter__, PeakSampler.__exit__
+
+    def slow_enter(self):
+        time.sleep(0.4)
+        return enter(self)
+
+    def slow_exit(self, *exc):
+        time.sleep(0.4)
+        return leave(self, *exc)
+
+    monkeypatch.setattr(PeakSampler, "__enter__", slow_enter)
+    monkeypatch.setattr(PeakSampler, "__exit__", slow_exit)
+    record = run_scenario(model, "short", GenerationParams(max_new_tokens=2))
+    assert record.timings["completion_s"] < 0.4

@@ -193,9 +193,9 @@ def _measure_turns(model: LoadedModel, turns_text: list[str], params: Generation
     approximated = copy.copy(model.offload.approximation) if model.offload is not None else None  # counts from load
     turns = []
     first_prefill = None  # the first turn's prefill phase totals (its prefill_s is the record's)
-    started = time.perf_counter()
     meter = HostLoadMeter()
     with PeakSampler(device) as peaks:
+        started = time.perf_counter()  # the sampler's thread started (and, at the end, stopped) off the clock
         for index, text in enumerate(turns_text):
             if cancel is not None and cancel.is_set():
                 break
@@ -210,8 +210,8 @@ def _measure_turns(model: LoadedModel, turns_text: list[str], params: Generation
                 first_prefill = copy.copy(model.offload.stats.phases["prefill"])
             if progress:
                 progress((index + 1) / len(turns_text))
-    # less approximate routing's exact-routing shadow passes (they measure its answers, and are no part of them)
-    completion = time.perf_counter() - started - sum(t["timings"]["agreement_s"] for t in turns)
+        # less approximate routing's exact-routing shadow passes (they measure its answers, and are no part of them)
+        completion = time.perf_counter() - started - sum(t["timings"]["agreement_s"] for t in turns)
     host_load = meter.read()
     decode_s = sum(t["timings"]["decode_s"] for t in turns)
     decoded = decoded_tokens(turns)
