@@ -1003,10 +1003,11 @@ def _tokens_text(tokens: int | None) -> str:
 
 
 def _budget_text(budget: str | None, device: str | None) -> str:
-    """The expert budget as saved (bytes or 'auto'), in MiB where it is bytes; none for an all-CPU run."""
+    """The expert budget as saved (bytes or 'auto'), in the unit that fits where it is bytes (as the window's table);
+    none for an all-CPU run."""
     if not device or device == "cpu":
         return "-"
-    return f"{int(budget) / 2**20:.1f} MiB" if budget and budget.isdigit() else str(budget or "auto")
+    return human_bytes(int(budget)) if budget and budget.isdigit() else str(budget or "auto")
 
 
 def _cmd_contention(args) -> int:

@@ -760,3 +760,19 @@ def test_a_records_completion_time_leaves_out_starting_and_stopping_its_peak_sam
     monkeypatch.setattr(PeakSampler, "__exit__", slow_exit)
     record = run_scenario(model, "short", GenerationParams(max_new_tokens=2))
     assert record.timings["completion_s"] < 0.4
+
+
+def test_the_history_list_gives_budgets_in_the_unit_that_tells_them_apart_as_the_window_does(tmp_path, capsys, greedy):
+    """`history` wrote every budget in MiB to a tenth: 100,000 and 120,000 bytes both read "budget 0.1 MiB", where the
+    window's table says 97.7 KiB and 117.2 KiB."""
+    from app.cli import main
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    for budget in (100_000, 120_000):
+        history.add(RunRecord.from_dict(dict(greedy.to_dict(), offload=dict(
+            greedy.offload, device="simulated GPU, 1.0 GiB",
+            entries={"session.moe.offload.device_expert_bytes": str(budget)}))))
+    assert main(["history", "--history", str(history.path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "budget 117.2 KiB  " in lines[0] and "budget 97.7 KiB  " in lines[1]
