@@ -776,3 +776,23 @@ def test_the_history_list_gives_budgets_in_the_unit_that_tells_them_apart_as_the
     assert main(["history", "--history", str(history.path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "budget 117.2 KiB  " in lines[0] and "budget 97.7 KiB  " in lines[1]
+
+
+def test_a_comparison_says_when_two_runs_of_the_same_settings_had_other_expert_slots_on_the_device(greedy):
+    """Two runs of the automatic budget (side-by-side's B, loaded beside A, has less of the device free) can have other
+    counts of expert slots on the device: their comparison said "Same offload entries" and nothing else, while their hit rates
+    and copies differed for that reason."""
+    data = greedy.to_dict()
+    experts = sum(node["experts"] for node in data["model"]["expert_nodes"])
+    nodes = [node["node"] for node in data["model"]["expert_nodes"]]
+
+    def slots(per_layer: int) -> RunRecord:
+        return RunRecord.from_dict(dict(data, offload=dict(data["offload"], device="simulated GPU, 1.0 GiB",
+                                                           placement_mode="hybrid",
+                                                           slots={node: per_layer for node in nodes})))
+
+    text = plain(compare_html(slots(8), slots(4)))
+    assert "Same offload entries." in text and "differ in expert slots on the device," in text
+    assert (f" expert slots on the device {8 * len(nodes)} for the {experts} experts {4 * len(nodes)} for the {experts} "
+            "experts ") in text
+    assert "Not like for like" not in plain(compare_html(slots(8), slots(8)))

@@ -252,6 +252,16 @@ def _layer_split(record: RunRecord) -> str | None:
     return None if not split else "whole layers" if split.get("whole_layers") else "spread over every layer"
 
 
+def _slots(record: RunRecord) -> str | None:
+    """'16 for the 32 experts': the expert slots the plan gave the device (with every expert resident, one an expert;
+    adaptive placement may leave some to copied misses), and the model's experts; None on the CPU."""
+    slots = record.offload.get("slots")
+    if slots is None:
+        return None
+    experts = sum(node.get("experts") or 0 for node in record.model.get("expert_nodes") or [])
+    return f"{sum(slots.values())} for the {experts} experts"
+
+
 def _machine(record: RunRecord) -> str:
     machine = record.machine or {}
     gpus = ", ".join(gpu.get("name", "?") for gpu in machine.get("gpus") or [])
@@ -266,6 +276,8 @@ RUN_FACTS = (
     ("model", lambda r: r.model.get("folder")),
     ("model file (model.onnx's SHA-256)", lambda r: r.model.get("onnx_sha256")),
     ("device", lambda r: r.offload.get("device", "cpu")),
+    # (the same entries, an automatic budget, hold fewer where the device had less free: side-by-side's B beside A)
+    ("expert slots on the device", _slots),
     ("dense part", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer split", _layer_split),
     ("decode path asked", lambda r: (r.offload.get("decode_path") or {}).get("mode")),
