@@ -1415,3 +1415,30 @@ def test_a_configuration_that_cannot_be_written_names_the_configurations_file_an
     assert view.save("close") is None
     assert said == [f"Could not save the configuration 'close': {path}: not saved: its folder {tmp_path / 'data'} "
                     "could not be made (File exists)"]
+
+
+def test_a_window_records_load_time_counts_opening_the_folder_as_the_command_lines_does(qtbot, window, monkeypatch):
+    """The window opens the folder (the graph, the tokenizer) and then builds the model from it, and timed the second
+    part only: its records' load time left out what `record`'s (LoadedModel.open) and side-by-side B's count."""
+    import time
+
+    import app.gui.engine_worker as engine_worker
+    from engine.model_folder import ModelFolder
+
+    opened = ModelFolder.open
+
+    class SlowFolder:
+        @staticmethod
+        def open(path):
+            time.sleep(0.5)
+            return opened(path)
+
+    monkeypatch.setattr(engine_worker, "ModelFolder", SlowFolder)
+    load(qtbot, window, "lfm2moe")
+    assert float(re.search(r"loaded in ([\d.]+) s", window.status_model.text()).group(1)) >= 0.5
+    bar = window.scenarios
+    bar.scenario.setCurrentText("short")
+    bar.max_tokens.setValue(2)
+    bar.bar.run_button.click()
+    finish(qtbot, window, bar)
+    assert bar.result.saved[0][1].timings["load_s"] >= 0.5

@@ -90,6 +90,7 @@ class EngineWorker(QObject):
         self.stopped_request = 0  # the chat request (options["request"]) the window stopped before it saw it begin
         self.demo_dir = demo_dir
         self._folder = None
+        self._folder_open_s = 0.0  # the seconds ModelFolder.open took for _folder
         self._facts = None
         self._loaded_facts = None
         self._model = None
@@ -114,7 +115,10 @@ class EngineWorker(QObject):
 
     # --- opening and loading ---------------------------------------------------------------------
     def _open_folder(self, path: str):
+        started = time.perf_counter()
         folder = ModelFolder.open(path)
+        # (a load counts it, as LoadedModel.open does for the command line's and side-by-side B's)
+        self._folder_open_s = time.perf_counter() - started
         facts = model_facts(folder, inspection(folder), is_demo=folder.folder.name == DEMO_NAME)
         self._folder, self._facts = folder, facts
         return facts
@@ -184,10 +188,11 @@ class EngineWorker(QObject):
                     raise LoadCancelled("loading stopped")
                 self.loadProgress.emit(fraction)
 
-            started = time.perf_counter()
+            started = time.perf_counter() - self._folder_open_s
             folder, self._folder = self._folder, None  # a folder's sessions belong to one load
             model = LoadedModel(folder, progress=progress, offload=config, device=device,
-                                layer_split=_layer_split(settings), decode_path=_decode_path(settings))
+                                layer_split=_layer_split(settings), decode_path=_decode_path(settings),
+                                opened_s=self._folder_open_s)
             self._model, self._device, self._loaded_facts = model, device, self._facts
             self._conversation = Conversation(model, system_prompt=self._system_prompt or None)
             self.loadProgress.emit(1.0)
