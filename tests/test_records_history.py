@@ -796,3 +796,16 @@ def test_a_comparison_says_when_two_runs_of_the_same_settings_had_other_expert_s
     assert (f" expert slots on the device {8 * len(nodes)} for the {experts} experts {4 * len(nodes)} for the {experts} "
             "experts ") in text
     assert "Not like for like" not in plain(compare_html(slots(8), slots(8)))
+
+
+def test_a_comparison_gives_the_difference_of_two_shares_in_percentage_points(greedy):
+    """Hit rates of 80% and 90% compared as "+10.0%" beside "1.12×": the difference read as a relative change of 10%
+    where the ratio says 12.5%."""
+    from app.gui.record_report import compare_rows
+
+    def at(hit_rate: float) -> RunRecord:
+        layer = {"hits": int(hit_rate * 100), "misses": 100 - int(hit_rate * 100)}
+        return RunRecord.from_dict(dict(greedy.to_dict(), layers=[layer]))
+
+    rows = {row[0]: row[1:] for row in compare_rows(at(0.8), at(0.9))}
+    assert rows["expert hit rate"] == ("80.0%", "90.0%", "+10.0 points", "1.12×")

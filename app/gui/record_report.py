@@ -109,7 +109,9 @@ def compare_rows(a: RunRecord, b: RunRecord) -> list[tuple[str, str, str, str, s
         diff = ratio = "—"
         if x is not None and y is not None:
             delta = y - x
-            diff = ("+" if delta > 0 else "−" if delta < 0 else "±") + fmt(abs(delta), unit)
+            # two shares differ by percentage points (beside the ratio, "+10.0%" would read as a relative change)
+            size = f"{abs(delta) * 100:.1f} points" if unit == "%" else fmt(abs(delta), unit)
+            diff = ("+" if delta > 0 else "−" if delta < 0 else "±") + size
             ratio = f"{y / x:.2f}×" if x else "—"
         rows.append((label, fmt(x, unit), fmt(y, unit), diff, ratio))
     return rows
