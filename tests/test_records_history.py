@@ -809,3 +809,24 @@ def test_a_comparison_gives_the_difference_of_two_shares_in_percentage_points(gr
 
     rows = {row[0]: row[1:] for row in compare_rows(at(0.8), at(0.9))}
     assert rows["expert hit rate"] == ("80.0%", "90.0%", "+10.0 points", "1.12×")
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="Linux's RSS high-water mark")
+def test_a_records_rss_peak_holds_memory_taken_and_given_back_between_two_samples(model, monkeypatch):
+    """The RSS peak was sampled every 50 ms: memory a layer took and gave back between two samples (a long prompt's
+    activations) was no part of it. Linux keeps the high-water mark, which the record now reads too."""
+    import numpy as np
+
+    import engine.records.scenarios as scenarios
+
+    monkeypatch.setattr(scenarios.PeakSampler.__init__, "__defaults__", (None, 3600.0))  # no sample during the run
+    send = scenarios.Conversation.send
+
+    def send_after_a_transient(self, *args, **kwargs):
+        transient = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, touched, then given back
+        del transient
+        return send(self, *args, **kwargs)
+
+    monkeypatch.setattr(scenarios.Conversation, "send", send_after_a_transient)
+    record = run_scenario(model, "short", GenerationParams(max_new_tokens=2))
+    assert record.peaks["rss_bytes"] - record.peaks["rss_start_bytes"] >= 48 << 20  # (less the pages it reused)

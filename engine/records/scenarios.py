@@ -80,10 +80,32 @@ def _long_prompt(tokenizer) -> str:
     return text
 
 
+def _reset_rss_high_water() -> bool:
+    """Set Linux's high-water mark of this process's RSS (VmHWM) to what it holds now; False where it cannot be (not
+    Linux, a /proc that refuses it)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_high_water() -> int:
+    """The most RSS this process held since _reset_rss_high_water (VmHWM, in kB in /proc/self/status)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class PeakSampler:
     """Samples this process's RSS, the device's memory in use and, on an NVIDIA GPU, this process's VRAM as NVML
-    reports it every `interval` seconds. The process's VRAM stays None where the driver or a container hides
-    per-process memory (also when NVML lists this process under another pid: a container's namespace)."""
+    reports it every `interval` seconds. The RSS peak is Linux's high-water mark where it can be reset at the start,
+    which holds what was taken and given back between two samples too. The process's VRAM stays None where the driver
+    or a container hides per-process memory (also when NVML lists this process under another pid: a container's
+    namespace)."""
 
     def __init__(self, device=None, interval: float = 0.05):
         self.device, self.interval = device, interval
@@ -114,6 +136,7 @@ class PeakSampler:
             # the run's own device peak, as RSS's: the device's high-water mark holds the load's, or a larger budget's
             # before a re-plan
             self.device.memory.mark()
+        self._high_water = _reset_rss_high_water()
         self._sample()
         self.rss_start = self.rss
         self._thread.start()
@@ -123,6 +146,8 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+        if self._high_water:
+            self.rss = max(self.rss, _rss_high_water())
 
 
 def pinned_bytes(model: LoadedModel) -> int | None:
