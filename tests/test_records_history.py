@@ -830,3 +830,21 @@ def test_a_records_rss_peak_holds_memory_taken_and_given_back_between_two_sample
     monkeypatch.setattr(scenarios.Conversation, "send", send_after_a_transient)
     record = run_scenario(model, "short", GenerationParams(max_new_tokens=2))
     assert record.peaks["rss_bytes"] - record.peaks["rss_start_bytes"] >= 48 << 20  # (less the pages it reused)
+
+
+def test_a_runs_detail_and_a_comparison_give_the_decode_path_its_cold_experts_took(greedy):
+    """Two runs that both asked for the automatic decode path can end on different ones (the trials chose the host tier
+    for one, the CPU for the other): the comparison named only the path asked for, the same, and a run's detail named
+    none, so the two compared as like for like while their cold experts ran on different paths."""
+    data = greedy.to_dict()
+
+    def took(path: str) -> RunRecord:
+        return RunRecord.from_dict(dict(data, offload=dict(
+            data["offload"], device="simulated GPU, 1.0 GiB", placement_mode="hybrid",
+            decode_path={"mode": "auto", "in_force": path, "host_tier": path != "cpu", "trials": 2})))
+
+    assert " decode path tier (asked: auto) " in plain(detail_html(took("tier")))
+    text = plain(compare_html(took("cpu"), took("tier")))
+    assert "differ in decode path in force," in text and " decode path in force cpu tier " in text
+    assert "Not like for like" not in plain(compare_html(took("tier"), took("tier")))
+    assert "decode path" not in plain(detail_html(greedy))  # all on the CPU: no cold experts' path

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from engine.records.schema import RunRecord
+from engine.records.schema import RunRecord, decode_path_run
 from engine.sampling import SamplingParams, describe
 from engine.units import human_bytes
 
@@ -162,6 +162,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
          if o.get("placement_mode") == "hybrid" else "—"),
         ("dense part", _dense(record) or NOT_RECORDED),
+        *([("decode path", _decode_path(record))] if _decode_path(record) else []),
         ("CPU expert kernels", _threads(record) or NOT_RECORDED),
         ("approximate routing", "on" if record.approximate_routing else "off")]
         + ([("token agreement with exact routing", f"{record.routing_agreement:.1%}")]
@@ -235,6 +236,12 @@ def _dense(record: RunRecord) -> str | None:
     return where + (f": {dense['reason']}" if dense.get("reason") else "")
 
 
+def _decode_path(record: RunRecord) -> str | None:
+    """'tier (asked: auto)': the path the run's cold experts took, and the one asked for; None on the CPU."""
+    path = record.offload.get("decode_path")
+    return f"{decode_path_run(record.offload)} (asked: {path.get('mode')})" if path else None
+
+
 def _threads(record: RunRecord) -> str | None:
     """'1 of 2 threads at the end of the run (cpu_threads automatic: it moved 2 times as other processes' load
     changed)', or of a fixed count."""
@@ -283,6 +290,8 @@ RUN_FACTS = (
     ("dense part", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer split", _layer_split),
     ("decode path asked", lambda r: (r.offload.get("decode_path") or {}).get("mode")),
+    # (the automatic path's trials may end on different paths for the same settings)
+    ("decode path in force", lambda r: decode_path_run(r.offload) if r.offload.get("decode_path") else None),
     *GENERATION_FACTS,
     ("tokens generated", lambda r: r.generated_tokens if r.turns else None),
     ("machine", _machine),
