@@ -85,6 +85,28 @@ def pytest_sessionfinish(session, exitstatus):
         haswell_check.running = None
 
 
+def dist_info(folder: Path, name: str, version: str) -> None:
+    """An installed distribution's metadata in `folder`, as pip writes it (what importlib.metadata reads)."""
+    info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def gpu_build_beside_a_shadowed_cpu_build(tmp_path: Path, monkeypatch) -> Path:
+    """The GPU machine's path: onnxruntime-gpu 1.31.1 imported from one folder, a system onnxruntime 1.30.0 in a later
+    one (shadowed); returns the imported one's folder."""
+    from types import SimpleNamespace
+
+    import engine.ort_env as ort_env
+
+    imported, shadowed = tmp_path / "imported", tmp_path / "shadowed"
+    dist_info(imported, "onnxruntime-gpu", "1.31.1")
+    dist_info(shadowed, "onnxruntime", "1.30.0")
+    monkeypatch.setattr(sys, "path", [str(imported), str(shadowed)])
+    monkeypatch.setattr(ort_env, "ort", SimpleNamespace(__file__=str(imported / "onnxruntime" / "__init__.py")))
+    return imported
+
+
 def fixture_folder(name: str) -> Path:
     path = FIXTURES / name
     if not path.is_dir():

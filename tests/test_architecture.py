@@ -85,21 +85,10 @@ def test_only_builds_beside_the_imported_module_conflict(tmp_path, monkeypatch):
     """Two builds installed in the folder onnxruntime is imported from overwrite each other's files; one in
     another folder of the path is shadowed (the GPU machine: its system onnxruntime beside a carried
     onnxruntime-gpu) and harmless."""
-    import sys
-    from types import SimpleNamespace
-
     import engine.ort_env as ort_env
+    from tests.conftest import dist_info, gpu_build_beside_a_shadowed_cpu_build
 
-    def dist_info(folder, name, version):
-        info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-
-    imported, shadowed = tmp_path / "imported", tmp_path / "shadowed"
-    dist_info(imported, "onnxruntime-gpu", "1.31.1")
-    dist_info(shadowed, "onnxruntime", "1.30.0")
-    monkeypatch.setattr(sys, "path", [str(imported), str(shadowed)])
-    monkeypatch.setattr(ort_env, "ort", SimpleNamespace(__file__=str(imported / "onnxruntime" / "__init__.py")))
+    imported = gpu_build_beside_a_shadowed_cpu_build(tmp_path, monkeypatch)
     assert ort_env.installed_onnxruntime_builds() == ["onnxruntime-gpu 1.31.1"]
     dist_info(imported, "onnxruntime", "1.32.0")
     assert ort_env.installed_onnxruntime_builds() == ["onnxruntime 1.32.0", "onnxruntime-gpu 1.31.1"]

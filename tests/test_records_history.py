@@ -44,6 +44,17 @@ def older(record: RunRecord) -> RunRecord:
     return RunRecord.from_dict({k: v for k, v in record.to_dict().items() if k != "generation"})
 
 
+def _view_saying(qtbot, history):
+    """The history window's view of `history`, and the list its failure messages go to."""
+    from app.gui.history_view import HistoryView
+
+    view = HistoryView(history.path)
+    qtbot.addWidget(view)
+    said = []
+    view.failed.connect(said.append)
+    return view, said
+
+
 def test_a_record_keeps_how_its_answers_were_asked_for_and_how_long_they_were(sampled, greedy):
     assert sampled.generation == {"max_new_tokens": 5, "do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9,
                                   "repetition_penalty": 1.0, "seed": 3, "stop_strings": ["zzz"], "reasoning": None}
@@ -256,7 +267,6 @@ def test_the_windows_history_names_a_run_it_cannot_open_once(qtbot, tmp_path, gr
     pytest.importorskip("pytestqt")
     import sqlite3
 
-    from app.gui.history_view import HistoryView
     from engine.records.history import History
 
     history = History(tmp_path / "h.sqlite3")
@@ -264,10 +274,7 @@ def test_the_windows_history_names_a_run_it_cannot_open_once(qtbot, tmp_path, gr
     newer = dict(greedy.to_dict(), schema_version=2, versions=dict(greedy.versions, app="0.9.0"))
     with sqlite3.connect(history.path) as db:
         db.execute("UPDATE runs SET record = ? WHERE id = ?", (json.dumps(newer), run_id))
-    view = HistoryView(history.path)
-    qtbot.addWidget(view)
-    said = []
-    view.failed.connect(said.append)
+    view, said = _view_saying(qtbot, history)
     view.select_ids([run_id])
     assert view.open_selected() is None
     assert said == [f"Could not read run {run_id} in {history.path}: written by a newer moe-workbench (0.9.0, run "
@@ -570,17 +577,13 @@ def test_a_run_whose_record_is_not_a_json_object_is_named_unreadable_not_an_attr
     has no attribute 'get'", naming neither the run nor the file, and failed the whole JSON export the same way."""
     import sqlite3
 
-    from app.gui.history_view import HistoryView
     from engine.records.history import History
 
     history = History(tmp_path / "h.sqlite3")
     damaged, whole = history.add(greedy), history.add(greedy)
     with sqlite3.connect(history.path) as db:
         db.execute("UPDATE runs SET record = 'null' WHERE id = ?", (damaged,))
-    view = HistoryView(history.path)
-    qtbot.addWidget(view)
-    said = []
-    view.failed.connect(said.append)
+    view, said = _view_saying(qtbot, history)
     view.select_ids([damaged])
     assert view.open_selected() is None
     unreadable = f"run {damaged} in {history.path}: unreadable (the run record is null, not a JSON object)"
@@ -596,15 +599,11 @@ def test_a_run_removed_since_the_windows_list_was_read_is_said_once_without_quot
     Compare."""
     import sqlite3
 
-    from app.gui.history_view import HistoryView
     from engine.records.history import History
 
     history = History(tmp_path / "h.sqlite3")
     gone, kept = history.add(greedy), history.add(greedy)
-    view = HistoryView(history.path)
-    qtbot.addWidget(view)
-    said = []
-    view.failed.connect(said.append)
+    view, said = _view_saying(qtbot, history)
     with sqlite3.connect(history.path) as db:
         db.execute("DELETE FROM runs WHERE id = ?", (gone,))
     removed = (f"Could not read run {gone} in {history.path}: no such run (removed since the list was read: Refresh "
@@ -664,22 +663,10 @@ def test_a_run_of_one_token_answers_has_no_decode_rate_in_the_record_the_exports
 def test_a_record_names_the_onnxruntime_build_it_imported_not_a_shadowed_one(tmp_path, monkeypatch):
     """On the GPU machine a system onnxruntime sits later on the path than the onnxruntime-gpu imported: the record
     (docs/h100/record.json) said build "onnxruntime", the CPU build, beside the CUDA EP it ran the dense part on."""
-    import sys
-    from types import SimpleNamespace
-
-    import engine.ort_env as ort_env
     from engine.records.environment import onnxruntime_build
+    from tests.conftest import gpu_build_beside_a_shadowed_cpu_build
 
-    def dist_info(folder, name, version):
-        info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-
-    imported, shadowed = tmp_path / "imported", tmp_path / "shadowed"
-    dist_info(imported, "onnxruntime-gpu", "1.31.1")
-    dist_info(shadowed, "onnxruntime", "1.30.0")
-    monkeypatch.setattr(sys, "path", [str(imported), str(shadowed)])
-    monkeypatch.setattr(ort_env, "ort", SimpleNamespace(__file__=str(imported / "onnxruntime" / "__init__.py")))
+    gpu_build_beside_a_shadowed_cpu_build(tmp_path, monkeypatch)
     assert onnxruntime_build()["build"] == "onnxruntime-gpu"
 
 
