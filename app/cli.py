@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from engine.errors import WorkbenchError, one_line
+from engine.errors import WorkbenchError, gpu_out_of_memory, one_line
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.offload.projection import decode_totals, projected_decode_rate
@@ -844,10 +844,10 @@ def _cmd_sweep(args) -> int:
             raise
         progress.end()
         _print_sweep(done, None, args, ids_of)
-        kind = "error" if isinstance(exc, WorkbenchError) else "internal error"
-        print(f"{PROG}: {kind}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; {_kept(done, saved_ids, args)}",
-              file=sys.stderr)
-        return 2 if isinstance(exc, WorkbenchError) else 3
+        users = _users_error(exc)
+        print(f"{PROG}: {'error' if users else 'internal error'}: the sweep failed {stopped_at(exc)}: {one_line(exc)}; "
+              f"{_kept(done, saved_ids, args)}", file=sys.stderr)
+        return 2 if users else 3
     chosen = recommendation(points, args.margin)
     best = chosen.point
     plot_failure = None  # the sweep is complete: a plot not written loses neither its table nor its configuration
@@ -1056,6 +1056,12 @@ def require_onnxruntime() -> None:
         raise WorkbenchError(BROKEN_ONNXRUNTIME.format(one_line(exc))) from None
 
 
+def _users_error(exc: BaseException) -> bool:
+    """An error the user can act on (exit status 2), not a defect of ours ("internal error", 3): a WorkbenchError, or
+    the GPU out of memory (a smaller budget, or memory other processes free, changes it)."""
+    return isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     command = args.command or "gui"
@@ -1081,6 +1087,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if isinstance(exc, ModuleNotFoundError) and exc.name == "onnxruntime":
             print(f"{PROG}: error: {NO_ONNXRUNTIME}", file=sys.stderr)
+            return 2
+        if _users_error(exc):
+            print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
             return 2
         print(f"{PROG}: internal error: {one_line(exc)}", file=sys.stderr)
         return 3

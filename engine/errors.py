@@ -133,6 +133,12 @@ def error_reason(exc: BaseException) -> str:
     return _ORT_SOURCE_LINE.sub(" ", reason, count=1).strip()
 
 
+def gpu_out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is the GPU running out of memory, as CuPy, the CUDA runtime and driver or onnxruntime say it: a
+    state of the machine the user can change (a smaller budget, other processes), not a defect."""
+    return type(exc).__name__ == "OutOfMemoryError" or any(name in str(exc) for name in _CUDA_OUT_OF_MEMORY)
+
+
 def one_line(exc: BaseException) -> str:
     """What the user is told of an exception, on one line: a WorkbenchError's message as it is, anything else as its
     type and first line, with what to do when the GPU's context is lost."""
@@ -141,6 +147,6 @@ def one_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {error_reason(exc)}" if str(exc).strip() else type(exc).__name__
     if any(name in text for names in _STICKY_CUDA_ERRORS for name in names):
         text += f"; {GPU_LOST}"
-    elif type(exc).__name__ == "OutOfMemoryError" or any(name in text for name in _CUDA_OUT_OF_MEMORY):
+    elif gpu_out_of_memory(exc):
         text += f"; {GPU_OUT_OF_MEMORY}"
     return text

@@ -1417,3 +1417,27 @@ def test_history_gives_a_simulated_runs_projected_completion_beside_the_measured
     assert (f"completion {simulated['completion_s']:.2f} s (projected for the simulated card "
             f"{simulated['projected']['completion_s']:.2f} s)  2 tokens") in simulated_line
     assert "projected" not in cpu_line
+
+
+def test_the_gpu_out_of_memory_is_an_error_the_user_can_act_on_not_an_internal_one(capsys, monkeypatch):
+    """CuPy's OutOfMemoryError (or the runtime's cudaErrorMemoryAllocation) out of a command read "internal error",
+    exit status 3, as a defect of ours would, though its line says what to do: it is an error, status 2, as a sweep's
+    point that ran out of memory is."""
+    import app.cli as cli
+
+    class OutOfMemoryError(MemoryError):  # CuPy's name (cupy.cuda.memory.OutOfMemoryError)
+        pass
+
+    for raised in (OutOfMemoryError("Out of memory allocating 2,147,483,648 bytes (allocated so far: 0 bytes)."),
+                   RuntimeError("cudaErrorMemoryAllocation: out of memory")):
+        def generate(_args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(cli, "_cmd_generate", generate)
+        status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello")
+        assert status == 2 and err.startswith(f"moe-workbench: error: {type(raised).__name__}: "), err
+        assert err.rstrip().endswith("the GPU ran out of memory: lower the expert budget (device_expert_bytes) or "
+                                     "free what other processes hold on the GPU")
+    monkeypatch.setattr(cli, "_cmd_generate", lambda _args: 1 / 0)  # a defect of ours stays one
+    status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello")
+    assert status == 3 and err.startswith("moe-workbench: internal error: ZeroDivisionError")
