@@ -750,7 +750,7 @@ def _cmd_record(args) -> int:
         records.append({"id": run_id, **record.to_dict()})  # as `history --export json` gives it
         if not args.json:
             t = record.timings
-            print(f"{scenario}: run {run_id}: {record.generated_tokens} tokens generated (at most "
+            print(f"{scenario}: run {run_id}: {counted(record.generated_tokens, 'token')} generated (at most "
                   f"{tokens} an answer), load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
                   f"decode {decode_rate(t['decode_tokens_per_s'])}, completion {t['completion_s']:.2f} s, "
                   f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "

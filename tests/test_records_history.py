@@ -94,6 +94,9 @@ def test_record_says_how_many_tokens_its_answers_generated(tmp_path, capsys):
     assert main(["record", str(fixture_folder("gptoss")), "--max-new-tokens", "4",
                  "--history", str(tmp_path / "h.sqlite3")]) == 0
     assert re.search(r"^short: run 1: 4 tokens generated \(at most 4 an answer\), load ", capsys.readouterr().out, re.M)
+    assert main(["record", str(fixture_folder("gptoss")), "--max-new-tokens", "1",  # one token: not "1 tokens"
+                 "--history", str(tmp_path / "h.sqlite3")]) == 0
+    assert re.search(r"^short: run 2: 1 token generated \(at most 1 an answer\), load ", capsys.readouterr().out, re.M)
 
 
 # the runs table as files written before the history kept a version of its own had it
@@ -590,7 +593,7 @@ def test_a_run_whose_record_is_not_a_json_object_is_named_unreadable_not_an_attr
     assert said == [f"Could not read {unreadable}"]
     written = view.export(str(tmp_path / "runs.json"), "json")
     assert [run["id"] for run in json.loads(written.read_text())] == [whole]
-    assert said[1:] == [f"Exported to runs.json without 1 unreadable runs: {unreadable}"]
+    assert said[1:] == [f"Exported to runs.json without 1 unreadable run: {unreadable}"]
 
 
 def test_a_run_removed_since_the_windows_list_was_read_is_said_once_without_quotes(qtbot, tmp_path, greedy):

@@ -17,6 +17,7 @@ from engine.records.history import History, default_path
 from engine.records.schema import RecordError
 from engine.records.scenarios import SCENARIOS
 from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
+from engine.units import counted
 
 HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "routing", "load", "first token",
            "decode", "completion", "tokens", "device peak", "RSS peak")
@@ -256,6 +257,6 @@ class HistoryView(QWidget):
             return None
         self.count.setText(f"{self.table.rowCount()} runs · exported to {target.name}")
         if unreadable:
-            self.failed.emit(f"Exported to {target.name} without {len(unreadable)} unreadable runs: {unreadable[0]}"
+            self.failed.emit(f"Exported to {target.name} without {counted(len(unreadable), 'unreadable run')}: {unreadable[0]}"
                              + (" …" if len(unreadable) > 1 else ""))
         return target
