@@ -565,6 +565,14 @@ def _warn_of_decode_path(asked: str | None, model) -> None:
         print(f"warning: --decode-path {asked}: {offload.tier_statement}", file=sys.stderr, flush=True)
 
 
+def _warn_after_load(args, model) -> None:
+    """What record, sweep and contention say once the model is loaded: the kernels' threads bound to cores, a decode
+    path asked for that reads no host tier, a cpu_threads above the cores."""
+    _warn_of_thread_binding()
+    _warn_of_decode_path(args.decode_path, model)
+    _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
+
+
 def _warn_of_thread_cap(threads, given_as: str) -> None:
     """On standard error: the count in force (--threads, or the offload's cpu_threads: `given_as` says which) runs on
     fewer threads, the most the kernels take (KernelThreads.cores)."""
@@ -723,9 +731,7 @@ def _cmd_record(args) -> int:
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
-    _warn_of_thread_binding()
-    _warn_of_decode_path(args.decode_path, model)
-    _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
+    _warn_after_load(args, model)
     runs = []  # (scenario, answer length) of those the context holds, checked before the first runs
     for scenario in _scenarios(args.scenario):
         tokens = args.max_new_tokens or scenario_answer_tokens(model, scenario)
@@ -811,9 +817,7 @@ def _cmd_sweep(args) -> int:
               "budget at each point", file=sys.stderr, flush=True)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
-    _warn_of_thread_binding()
-    _warn_of_decode_path(args.decode_path, model)
-    _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
+    _warn_after_load(args, model)
     scenarios, skipped = fitting_scenarios(model, _scenarios(args.scenario), args.max_new_tokens)
     if skipped:
         print(f"sweep: {skipped}", file=sys.stderr, flush=True)
@@ -1025,9 +1029,7 @@ def _cmd_contention(args) -> int:
     config, device = _offload_setup(args)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
-    _warn_of_thread_binding()
-    _warn_of_decode_path(args.decode_path, model)
-    _warn_of_thread_cap(model.decoder.kernel_threads, "cpu_threads=")
+    _warn_after_load(args, model)
     params = GenerationParams(max_new_tokens=args.max_new_tokens or scenario_answer_tokens(model, args.scenario),
                               sampling=sampling)
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],

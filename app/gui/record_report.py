@@ -162,7 +162,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
          if o.get("placement_mode") == "hybrid" else "—"),
         ("dense part", _dense(record) or NOT_RECORDED),
-        *([("decode path", _decode_path(record))] if _decode_path(record) else []),
+        *([("decode path", path)] if (path := _decode_path(record)) else []),
         ("CPU expert kernels", _threads(record) or NOT_RECORDED),
         ("approximate routing", "on" if record.approximate_routing else "off")]
         + ([("token agreement with exact routing", f"{record.routing_agreement:.1%}")]

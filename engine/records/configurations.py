@@ -12,7 +12,7 @@ from pathlib import Path
 
 import platformdirs
 
-from engine.errors import WorkbenchError, one_line
+from engine.errors import WorkbenchError, not_written, one_line
 from engine.offload.config import PATH_KEYS, OffloadConfig
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
@@ -102,7 +102,7 @@ def save_configuration(name: str, model_folder: str, config: OffloadConfig, note
     except OSError as exc:  # a folder this user cannot write, a full disk
         if written is not None:
             written.unlink(missing_ok=True)
-        raise WorkbenchError(f"{path}: not saved ({exc.strerror or one_line(exc)})") from None
+        raise WorkbenchError(f"{path}: not saved ({not_written(exc, path)})") from None
     return path
 
 
