@@ -154,8 +154,10 @@ def _up(x, spec, tensors, e):
     return l if b3 is None else l + b3
 
 
-def expert_ffn(x, e: int, spec: QMoESpec, tensors: dict) -> np.ndarray:
-    """FFN of expert e over tokens x [T, H] -> [T, H] (float64, FC2 bias included)."""
+def expert_ffn(x, e: int, spec: QMoESpec, tensors: dict, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """FFN of expert e over tokens x [T, H] -> [T, H] (float64, FC2 bias included). `rows` (r0, r1): the part of
+    the expert over its intermediate rows [r0, r1) only (the others' activations 0; FC2's bias only where r0 = 0), as
+    a pair split between the CPU and the GPU computes it (kernels/cold_split.py)."""
     x = np.asarray(x, dtype=np.float64)
     w1 = _proj_weight(spec, tensors, "fc1", e)
     h = x @ w1.T
@@ -175,9 +177,13 @@ def expert_ffn(x, e: int, spec: QMoESpec, tensors: dict) -> np.ndarray:
         a = activation(spec.activation, h)
         if spec.has_fc3:  # gated: act(FC1 x) * FC3 x
             a = a * _up(x, spec, tensors, e)
+    if rows is not None:
+        a = a.copy()
+        a[:, :rows[0]] = 0.0
+        a[:, rows[1]:] = 0.0
     y = a @ _proj_weight(spec, tensors, "fc2", e).T
     b2 = _bias(tensors, "fc2_experts_bias", e)
-    if b2 is not None:
+    if b2 is not None and (rows is None or rows[0] == 0):
         y = y + b2
     return y
 

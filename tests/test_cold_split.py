@@ -4,8 +4,10 @@ tests/test_qmoe_gpu.py) and the table of how many, from the two sides' costs."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from kernels.cold_split import cpu_take_table, split_cold_pairs
+from kernels.cold_split import (cpu_spans, cpu_take_table, device_spans, gpu_rows_of_split, split_cold_pairs,
+                                split_cold_rows, split_rows_table)
 
 
 def _split_by_loops(cold, take):
@@ -50,3 +52,50 @@ def test_the_table_counts_the_hosts_own_work_on_the_cpus_side():
     assert cpu_take_table(4, 1.0, 0.0, 1.0, host_s=1.0).tolist() == [0, 0, 0, 1, 1]
     # the host's work longer than reading every cold pair: nothing on the CPU
     assert cpu_take_table(4, 1.0, 0.0, 1.0, host_s=5.0).tolist() == [0, 0, 0, 0, 0]
+
+
+def test_a_steps_split_pair_is_the_gpus_last_cold_pair_coded_by_its_first_cpu_row():
+    take, rows = np.array([0, 0, 1, 1, 2]), np.array([0, 64, 0, 128, 64])
+    # one token, 3 cold of 4: the CPU takes rank 3 whole, rank 1 (the GPU's last cold) is split at row 128
+    assert split_cold_rows(np.array([[True, True, False, True]]), take, rows).tolist() == [[0, 129, 0, 1]]
+    # 1 cold: the CPU takes none whole, the one cold pair is split at row 64
+    assert split_cold_rows(np.array([[False, False, True, False]]), take, rows).tolist() == [[0, 0, 65, 0]]
+    # 2 cold, no rows for c = 2; 4 cold and the CPU takes 2 whole: rank 1 split
+    assert split_cold_rows(np.array([[True, True, False, False]]), take, rows).tolist() == [[0, 1, 0, 0]]
+    assert split_cold_rows(np.array([[True] * 4]), take, rows).tolist() == [[0, 65, 1, 1]]
+    # the CPU takes every cold pair: none left on the GPU to split
+    assert split_cold_rows(np.array([[True, False, False, False]]), np.array([0, 1, 1, 1, 2]), rows).tolist() == [
+        [1, 0, 0, 0]]
+    # two tokens: whole pairs only (the GPU's decode kernels read a split pair as a launch's last tile)
+    cold = np.array([[True, True, False, True], [True] * 4])
+    assert np.array_equal(split_cold_rows(cold, take, rows), split_cold_pairs(cold, take).astype(np.int32))
+
+
+def test_the_rows_table_splits_a_pair_where_both_parts_end_sooner():
+    # the CPU 1 s an expert, the GPU 1 s, no fixed cost, 128 rows in steps of 64: with 1 cold pair the GPU keeps it
+    # (a tie at 1 s); split at row 64 the CPU's part reads half of FC1 and all of FC2 (2/3 of an expert) against the
+    # GPU's half: 0.67 s. With 2 cold pairs one each (1 s) beats any split (the CPU's 1 + 2/3 s at best)
+    take = cpu_take_table(2, 1.0, 0.0, 1.0)
+    assert take.tolist() == [0, 0, 1]
+    assert split_rows_table(take, 128, 64, 1.0, 0.0, 1.0).tolist() == [0, 64, 0]
+    # Qwen3-30B-A3B-like at 0% on an H100 host (sixty-fifth session): the CPU 35 µs an expert + 52 µs a call, the
+    # GPU 53 µs: 8 cold pairs, 4 on the CPU (the GPU's 212 µs the later); a split of the GPU's last pair ends sooner
+    take = cpu_take_table(8, 35e-6, 52e-6, 53e-6)
+    assert take[8] == 4
+    rows = split_rows_table(take, 768, 64, 35e-6, 52e-6, 53e-6)
+    r = rows[8] / 768
+    assert 0 < rows[8] < 768 and rows[8] % 64 == 0
+    cpu, gpu = 52e-6 + (4 + 2 / 3 * (1 - r) + 1 / 3) * 35e-6, (3 + r) * 53e-6
+    assert max(cpu, gpu) < 212e-6 - 4e-6
+    # a table with no cold pair left on the GPU, or no row between the steps, splits nothing
+    assert not split_rows_table(np.array([0, 1, 2]), 768, 64, 35e-6, 52e-6, 53e-6).any()
+    assert not split_rows_table(take, 64, 64, 35e-6, 52e-6, 53e-6).any()
+
+
+def test_spans_give_each_side_its_rows_of_the_split_pair():
+    ids, codes = np.array([[5, 2, 7]]), np.array([[0, 129, 1]], np.int32)
+    cpu, device = cpu_spans(ids, codes, 8, 192), device_spans(ids, codes, 8, 192)
+    assert cpu[2].tolist() == [128, 192] and device[2].tolist() == [0, 128]
+    assert (np.delete(cpu, 2, axis=0) == [0, 192]).all() and (np.delete(device, 2, axis=0) == [0, 192]).all()
+    assert cpu_spans(ids, np.array([[0, 1, 1]]), 8, 192) is None
+    assert gpu_rows_of_split(codes, 192) == pytest.approx(128 / 192)

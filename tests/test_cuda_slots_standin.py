@@ -30,7 +30,7 @@ from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, RecentHost
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.devices import GIB, TIER_READ_SHARE, Bandwidths
 from engine.ort_env import DenseDevice
-from kernels.cold_split import cpu_take_table, split_cold_pairs
+from kernels.cold_split import cpu_take_table, device_spans, split_cold_rows
 from kernels.cpu import CpuQMoE
 from kernels.cpu.routing import route
 from kernels.gpu.host_tier import HostTierError
@@ -175,10 +175,15 @@ class FakeGpuQMoE:
             return ids
         return np.where((ids >= 0) & (self.slot_of[np.maximum(ids, 0)] >= 0), ids, -1)
 
-    def run_staged(self, x, ids, w, out):
+    def run_staged(self, x, ids, w, out, spans=None):
         target = out.view(np.ndarray)
         target[...] = 0
-        self.kernel.run_experts(x.view(np.ndarray), self._resident_only(ids), np.asarray(w), out=target)
+        self.kernel.run_experts(x.view(np.ndarray), self._resident_only(ids), np.asarray(w), out=target, spans=spans)
+
+    @property
+    def splits_rows(self):
+        """GpuQMoE.splits_rows: the stand-in computes a split pair's rows with the CPU kernel where it can."""
+        return self.kernel.splits_rows
 
     def run_experts(self, x, ids, w, out=None):
         self.kernel.run_experts(np.asarray(x).view(np.ndarray), self._resident_only(ids), np.asarray(w),
@@ -229,10 +234,12 @@ class FakeGpuQMoE:
         self.split_launches = getattr(self, "split_launches", 0) + 1
         self._last_split = ((x, logits, out32, published, router_weights, stop, merged), timeout_s)
         ids, weights = route(np.asarray(logits, np.float32), self.spec, router_weights)
-        on_cpu = split_cold_pairs(self.slot_of[ids] < 0, np.asarray(published.cpu_take))
+        rows = np.asarray(published.split_rows) if self.splits_rows else np.zeros(self.spec.k + 1, np.int32)
+        on_cpu = split_cold_rows(self.slot_of[ids] < 0, np.asarray(published.cpu_take), rows)
         published.ids[...], published.on_cpu[...], published.w[...] = ids, on_cpu, weights
         published.x[...] = np.asarray(x).reshape(published.x.shape)
-        self.run_staged(x, np.where(on_cpu, -1, ids), weights, out32)
+        spans = device_spans(ids, on_cpu, self.spec.num_experts, self.spec.inter_size)
+        self.run_staged(x, np.where(on_cpu == 1, -1, ids), weights, out32, spans)
         published.launched += 1
         published.flag[0] = published.launched
         if stop is not None:
@@ -552,6 +559,37 @@ def test_under_decode_path_both_the_cpu_takes_a_share_of_the_cold_pairs_the_gpu_
         store.read_bytes / engine.tier_read.value, 0.0).tolist()
     engine.reconfigure(engine.config.updated(cpu_execution="disabled"))  # no CPU compute: the tier alone
     assert engine.decode_path_in_force == "tier" and not engine.splits_cold
+
+
+def test_under_decode_path_both_a_pair_split_by_rows_gives_the_all_cpu_run(model_folder, cpu_run, monkeypatch):
+    """Where the split's rows table splits a pair (OffloadEngine.cold_split_rows; here at row 32 of 64 for every count of
+    cold pairs), a step of one token publishes the GPU's last cold pair coded by the CPU's first row, the device
+    computes its rows below 32 and the CPU the rest: the run is the all-CPU run's, the split pairs counted as the
+    CPU's misses, the tier's bytes read with the device's rows of them."""
+    model, _ = open_on_standin(model_folder, 0.0, monkeypatch)
+    engine = model.offload
+    engine.set_decode_path("both")
+    assert engine.stores[0].splits_rows and engine.cold_split_rows(0) is not None  # (no row step within 64 rows)
+    rows = np.full(SPEC.top_k + 1, 32, np.int32)
+    rows[0] = 0
+    monkeypatch.setattr(engine, "cold_split_rows", lambda layer: rows)
+    codes, launch = [], FakeGpuQMoE.run_routed_split
+
+    def run_routed_split(self, x, logits, out32, published, *args, **kwargs):
+        result = launch(self, x, logits, out32, published, *args, **kwargs)
+        codes.append(published.on_cpu.copy())
+        return result
+
+    monkeypatch.setattr(FakeGpuQMoE, "run_routed_split", run_routed_split)
+    observed = []
+    monkeypatch.setattr(engine.tier_read, "observe", lambda nbytes, seconds: observed.append(nbytes))
+    steps, totals = decode_on_device(model, cpu_run, "split_launches")
+    split = [c for c in codes if (c > 1).any()]
+    assert len(split) == len(codes) == steps * SPEC.layers  # every cold count above 0 splits: every step
+    assert all(((c > 1).sum(), c.max()) == (1, 33) for c in split)
+    assert totals.misses_cpu > 0 and totals.misses == totals.misses_cpu + totals.misses_copied + totals.misses_read
+    read_bytes = engine.stores[0].read_bytes
+    assert any(nbytes % read_bytes for nbytes in observed)  # a split pair's rows are part of an expert's bytes
 
 
 def test_a_both_step_launched_again_goes_straight_onto_the_dense_stream(model_folder, cpu_run, monkeypatch):

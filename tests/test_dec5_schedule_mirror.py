@@ -31,7 +31,7 @@ DEC5_PCAP = 512
 
 # what each kernel may read before its PDL wait: FC2 (MODE 1) decode_prep's tables (only through L2-coherent loads)
 # and the weights / scales / zero points; FC1 (MODE 0) nothing
-TABLES = {"num_tiles", "tiles", "pair_tok"}
+TABLES = {"num_tiles", "tiles", "pair_tok", "cut"}  # (cut: route_split's, before decode_prep)
 PRE_WAIT_OK = {1: TABLES | {"W", "S", "Z"}, 0: set()}
 
 
@@ -119,9 +119,19 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
             read("pair_tok", "nc")
         return ptok[p]
 
-    # per_tile = NT * KT; total = per_tile * ntl; nwt = gridDim.x * nw; chunk = ceil(total / nwt)
+    # cut_rows = *cut (0 without a split pair); last_ti = MODE == 1 && cut_rows > 0 ? ntl - 1 : -1;
+    # kt_last = cut_rows >> 6
+    cut_rows = c.get("cut_rows", 0) if ntl > 0 else 0
+    if cut_rows:
+        read("cut", "cg")
+    last_ti = ntl - 1 if MODE == 1 and cut_rows > 0 else -1
+    kt_last = cut_rows >> 6
+    # per_tile = NT * KT; total = per_tile * ntl (less the split pair's units); nwt = gridDim.x * nw;
+    # chunk = ceil(total / nwt)
     per_tile = NT * KT
     total = per_tile * ntl
+    if cut_rows > 0:
+        total -= (NT - cut_rows // (8 if c["gated"] else 16)) * KT if MODE == 0 else NT * (KT - kt_last)
     nwt = c["grid"] * c["nw"]
     chunk = (total + nwt - 1) // nwt
     u0 = wid * chunk
@@ -135,11 +145,14 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
     tstride = NT * NB * 16
 
     st = {}  # the lambdas' captured state
-    # ti = u0 / per_tile; rem = u0 - ti * per_tile; p_rt = rem / KT; p_kt = rem - p_rt * KT
-    ti = u0 // per_tile
+    # ti = last_ti >= 0 && u0 >= per_tile * last_ti ? last_ti : u0 / per_tile; rem = u0 - ti * per_tile;
+    # kts = ti == last_ti ? kt_last : KT; p_rt = rem / kts; p_kt = rem - p_rt * kts
+    ti = last_ti if last_ti >= 0 and u0 >= per_tile * last_ti else u0 // per_tile
     rem = u0 - ti * per_tile
-    st["p_ti"], st["p_rt"] = ti, rem // KT
-    st["p_kt"] = rem - st["p_rt"] * KT
+    kts = kt_last if ti == last_ti else KT
+    st["p_ti"], st["p_rt"] = ti, rem // kts
+    st["p_kt"] = rem - st["p_rt"] * kts
+    st["p_KT"] = kt_last if st["p_ti"] == last_ti else KT  # int p_KT = ..
     st["c_ti"], st["c_rt"] = st["p_ti"], st["p_rt"]  # int c_ti = p_ti, c_rt = p_rt;
     c_kt0 = st["p_kt"]  # const int c_kt0 = p_kt;
     nu = u1 - u0  # const int nu = (int)(u1 - u0);
@@ -151,6 +164,7 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
 
     def p_setup():  # auto p_setup = [&]() {  // at (p_ti, p_rt), k-tile 0
         tl = tile_at(st["p_ti"])
+        st["p_KT"] = kt_last if st["p_ti"] == last_ti else KT  # p_KT = p_ti == last_ti ? kt_last : KT;
         st["p_w"] = tl[0] * c["wstride"] + st["p_rt"] * KT * TB + lane * LB
         e = tl[0] * tstride + st["p_rt"] * NB * 16
         st["p_s"] = e * ssz + lane * 16
@@ -168,7 +182,7 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
     p_setup()  # p_setup();
 
     def p_next(rem):  # auto p_next = [&](int rem) {
-        if st["p_kt"] == KT:  # if (p_kt == KT) {
+        if st["p_kt"] == st["p_KT"]:  # if (p_kt == p_KT) {
             st["p_kt"] = 0
             st["p_w"] += KT * TB  # p_w += (long long)KT * TR::TB;
             st["p_s"] += s_rstep
@@ -178,8 +192,8 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
                 st["p_rt"] = 0
                 st["p_ti"] += 1
                 p_setup()
-        assert rem > 0 and st["p_kt"] < KT
-        st["p_run"] = min(KT - st["p_kt"], rem)  # p_run = min(KT - p_kt, rem);
+        assert rem > 0 and st["p_kt"] < st["p_KT"]
+        st["p_run"] = min(st["p_KT"] - st["p_kt"], rem)  # p_run = min(p_KT - p_kt, rem);
 
     issued, consumed, flushes, groups = [], [], [], []
     by_unit = {}  # unit -> its entry of issued (the activation part of FC2's prologue completes it)
@@ -238,13 +252,14 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
 
     def c_setup():  # auto c_setup = [&]() {
         tl = tile_at(st["c_ti"])
+        st["c_KT"] = kt_last if st["c_ti"] == last_ti else KT  # c_KT = c_ti == last_ti ? kt_last : KT;
         st["c_slot"], st["c_start"], st["c_cnt"] = tl
         st["c_bon"] = g < st["c_cnt"]
         st["c_barea"] = dec5_barea(ptok_at(st["c_start"] + g) if MODE == 0 else g, t) if st["c_bon"] else 0
 
     c_setup()
     st["c_ka"] = c_kt0  # int c_ka = c_kt0;
-    st["c_kb"] = st["c_ka"] + min(KT - st["c_ka"], nu)  # int c_kb = c_ka + min(KT - c_ka, nu);
+    st["c_kb"] = st["c_ka"] + min(st["c_KT"] - st["c_ka"], nu)  # int c_kb = c_ka + min(c_KT - c_ka, nu);
     st["c_run"] = st["c_kb"] - st["c_ka"]  # int c_run = c_kb - c_ka;
     st["c_done"] = 0  # (test only: units of the segment consumed, for the k-tile of the next consume)
 
@@ -282,7 +297,7 @@ def run_warp(c, wid: int, lane: int, fault: str | None = None):
                 st["c_rt"] = 0
                 st["c_ti"] += 1
                 c_setup()
-            st["c_kb"] = min(KT, n)  # c_kb = min(KT, n);
+            st["c_kb"] = min(st["c_KT"], n)  # c_kb = min(c_KT, n);
             st["c_run"] = st["c_kb"]  # c_run = c_kb;
 
     RLAST = (DEC5_STAGES - 1) * STAGE  # const u32 RLAST = (u32)((DEC5_STAGES - 1) * STAGE);
@@ -396,7 +411,15 @@ def make_case(rng: random.Random) -> dict:
         nwt = rng.randint(1, max(1, total))
     nw = rng.choice([1, 2, 4])
     grid = max(1, -(-nwt // nw))
-    return {"NT": NT, "KT": KT, "ntl": ntl, "NBT": NBT, "tsh": tsh, "ssz": ssz, "NB": NB, "ZP": ZP, "MODE": MODE,
+    # a split pair's tile last (route_split's cut): FC1 its first row tiles, FC2 its first k-tiles of each row tile
+    gated = rng.choice([0, 1])
+    cut_rows = 0
+    if rng.random() < 0.4:
+        if MODE == 0 and NT > 1:
+            cut_rows = rng.randint(1, NT - 1) * (8 if gated else 16)
+        elif MODE == 1 and KT > 1:
+            cut_rows = rng.randint(1, KT - 1) * 64
+    return {"cut_rows": cut_rows, "gated": gated, "NT": NT, "KT": KT, "ntl": ntl, "NBT": NBT, "tsh": tsh, "ssz": ssz, "NB": NB, "ZP": ZP, "MODE": MODE,
             "TB": TB, "LB": LB, "tiles": tiles, "ptok": ptok, "KPB": KT * 64 + rng.choice([0, 64]),
             "wstride": NT * KT * TB + rng.choice([0, 512]), "tstride": NT * NB * 16, "grid": grid, "nw": nw,
             "STAGE": BOFF + bcols * 256, "bcols": bcols, "pdl": rng.choice([0, 1, 1]),
@@ -416,9 +439,24 @@ def check_reads(c, reads) -> None:
     assert any(buf == "bhi" and after for buf, _, after in reads)
 
 
+def case_units(c) -> list:
+    """Every unit (tile, row tile, k-tile) of a launch in memory order: the split pair's tile (the last, where
+    c["cut_rows"] > 0) FC1's first row tiles only, FC2's first k-tiles of each row tile only."""
+    NT, KT, ntl, cut_rows = c["NT"], c["KT"], c["ntl"], c.get("cut_rows", 0)
+    units = []
+    for ti in range(ntl):
+        rows, kts = NT, KT
+        if cut_rows and ti == ntl - 1:
+            if c["MODE"] == 0:
+                rows = cut_rows // (8 if c["gated"] else 16)
+            else:
+                kts = cut_rows >> 6
+        units += [(ti, rt, kt) for rt in range(rows) for kt in range(kts)]
+    return units
+
+
 def check_case(c, rng: random.Random) -> None:
-    NT, KT, ntl = c["NT"], c["KT"], c["ntl"]
-    per_tile = NT * KT
+    units = case_units(c)
     kdone: dict = {}
     completers: dict = {}
     covered = []
@@ -431,7 +469,7 @@ def check_case(c, rng: random.Random) -> None:
             continue
         issued, consumed, flushes, groups, (u0, u1), reads = r
         check_reads(c, reads)
-        ref = [(u // per_tile, (u % per_tile) // KT, u % KT) for u in range(u0, u1)]
+        ref = units[u0:u1]
         covered.extend(range(u0, u1))
         # issued / consumed exactly once each, in order
         assert [i[0] for i in issued] == ref
@@ -465,20 +503,21 @@ def check_case(c, rng: random.Random) -> None:
                 segs.append([ti, rt, kt, kt + 1])
         assert [tuple(s) for s in segs] == flushes
         for ti, rt, ka, kb in flushes:
-            assert 0 <= ka < kb <= KT
-            if ka == 0 and kb == KT:
+            kts = max(kt for u, r, kt in units if (u, r) == (ti, rt)) + 1  # KT, or the split pair's FC2 k-tiles
+            assert 0 <= ka < kb <= kts
+            if ka == 0 and kb == kts:
                 completers[(ti, rt)] = completers.get((ti, rt), 0) + 1
                 assert (ti, rt) not in kdone
                 continue
             old = kdone.get((ti, rt), 0)  # atom_add_release_gpu(kdone + cidx, kb - ka)
             kdone[(ti, rt)] = old + (kb - ka)
-            if old + (kb - ka) == KT:  # the warp that completes K runs the epilogue
+            if old + (kb - ka) == kts:  # the warp that completes K runs the epilogue
                 completers[(ti, rt)] = completers.get((ti, rt), 0) + 1
-    assert sorted(covered) == list(range(NT * KT * ntl))
-    for ti in range(ntl):
-        for rt in range(NT):
-            assert completers.get((ti, rt), 0) == 1, (ti, rt)
-            assert kdone.get((ti, rt), KT) == KT
+    assert sorted(covered) == list(range(len(units)))
+    for ti, rt in sorted({(ti, rt) for ti, rt, _ in units}):
+        kts = max(kt for u, r, kt in units if (u, r) == (ti, rt)) + 1
+        assert completers.get((ti, rt), 0) == 1, (ti, rt)
+        assert kdone.get((ti, rt), kts) == kts
 
 
 def test_dec5_schedule_mirror_random():

@@ -17,6 +17,7 @@ from onnx import TensorProto
 from engine.errors import WorkbenchError
 from engine.offload import host_part_worker
 from engine.offload.host_part_worker import HostPartWorker, JobDone
+from kernels.cold_split import cpu_spans
 from kernels.cpu import CpuQMoE, host_parts
 from kernels.gpu.published import PublishedRouting
 from kernels.reference import route as ref_route
@@ -63,9 +64,10 @@ class FakeGpu(threading.Thread):
     """Publishes each job's routing once the previous job's gate is up (route_split after the gated merge and the
     dense segment), then keeps the part the gate let through."""
 
-    def __init__(self, kernel, jobs, seed=0, bad_id=None):
+    def __init__(self, kernel, jobs, seed=0, bad_id=None, split_at=None):
         super().__init__(daemon=True)
         self.kernel, self.jobs, self.rng, self.bad_id = kernel, jobs, np.random.default_rng(seed), bad_id
+        self.split_at = split_at  # a step's first pair split there (kernels/cold_split.py: split_cold_rows' code)
         self.parts, self.wanted, self.timed_out = [], [], False
 
     def run(self):
@@ -78,6 +80,8 @@ class FakeGpu(threading.Thread):
             on_cpu = self.rng.integers(0, 2, ids.shape)
             if self.bad_id is not None and step is self.jobs[self.bad_id]:
                 ids[0, 0], on_cpu[0, 0] = spec.num_experts + 3, 1
+            if self.split_at is not None:
+                on_cpu[0, 0] = self.split_at + 1
             published.x[:], published.ids[:], published.w[:], published.on_cpu[:] = x, ids, w, on_cpu
             time.sleep(0.002)  # the worker gets there first: it waits for this routing
             published.flag[0] = published.launched
@@ -89,8 +93,9 @@ class FakeGpu(threading.Thread):
             self.parts.append(published.part.copy())
             if self.bad_id is not None:
                 continue
+            spans = cpu_spans(ids, on_cpu, spec.num_experts, spec.inter_size)
             self.wanted.append(self.kernel.run_experts(x.astype(np.float32), np.where(on_cpu != 0, ids, -1), w,
-                                                       out=np.zeros(x.shape, np.float32)))
+                                                       out=np.zeros(x.shape, np.float32), spans=spans))
 
 
 def blocks(layers: int, tokens: int, kernel, dtype=np.float16) -> list[PublishedRouting]:
@@ -102,13 +107,14 @@ def launch(published: PublishedRouting) -> None:
     published.launched += 1  # CudaSlots' launch counter: the flag and the gate carry it
 
 
-def worker_step(worker, kernel, published, seed) -> list:
-    """One decode step's layers through the worker, each part checked against the kernel's; the step's jobs."""
+def worker_step(worker, kernel, published, seed, split_at=None) -> list:
+    """One decode step's layers through the worker, each part checked against the kernel's (FakeGpu's split_at: each
+    layer's first pair split there); the step's jobs."""
     jobs = []
     for layer, block in enumerate(published):
         launch(block)
         jobs.append(Step(layer, kernel, block))
-    gpu = FakeGpu(kernel, jobs, seed=seed)
+    gpu = FakeGpu(kernel, jobs, seed=seed, split_at=split_at)
     gpu.start()
     for job in jobs:
         assert worker.take(job)
@@ -132,6 +138,16 @@ def test_the_worker_computes_each_layers_cpu_part_and_raises_its_gate_in_order(k
             assert job.reached <= job.routed <= job.gated and job.cpu_s > 0
             assert job.pairs == np.count_nonzero(job.step.pending.published.on_cpu)
         assert [int(block.gate[0]) for block in published] == [step_no + 1] * 3
+
+
+def test_the_worker_computes_the_cpus_rows_of_a_split_pair(kernel):
+    """A pair coded r + 1 is the CPU's part of a pair split with the GPU: the part has the expert's rows from r on
+    only (the kernel's part on those rows), and the next step's whole pairs have all their rows again."""
+    worker = HostPartWorker(threads=2)
+    published = blocks(2, 1, kernel)
+    for step_no, split_at in enumerate((40, None, 8)):
+        worker_step(worker, kernel, published, step_no, split_at)
+        assert len(worker.collect()) == 2
 
 
 def test_two_threads_compute_each_part(kernel):

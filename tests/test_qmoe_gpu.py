@@ -69,15 +69,17 @@ def _shapes(rng, block):
     return int(rng.integers(16, 66)) * 2, int(rng.integers(16, 66)) * 2
 
 
-def _ref_pairs(x, ids, w, spec, t):
-    """sum_j w[t, j] * FFN_{ids[t, j]}(x[t]) over the pairs with ids >= 0 (float64)."""
+def _ref_pairs(x, ids, w, spec, t, spans=None):
+    """sum_j w[t, j] * FFN_{ids[t, j]}(x[t]) over the pairs with ids >= 0 (float64); with `spans` (int [E, 2]) each
+    expert's intermediate rows [spans[e, 0], spans[e, 1]) only (expert_ffn's rows)."""
     x = np.asarray(x, np.float64)
     out = np.zeros_like(x)
     for e in np.unique(ids):
         if e < 0:
             continue
         rows, cols = np.nonzero(ids == e)
-        np.add.at(out, rows, w[rows, cols, None].astype(np.float64) * expert_ffn(x[rows], int(e), spec, t))
+        part = None if spans is None else tuple(int(v) for v in spans[e])
+        np.add.at(out, rows, w[rows, cols, None].astype(np.float64) * expert_ffn(x[rows], int(e), spec, t, part))
     return out
 
 
@@ -428,6 +430,64 @@ def test_gpu_route_split_shares_cold_pairs_with_the_host(gpu, T, dtype):
             assert _relerr(gpu_part + cpu_part, whole) <= tol
             shares.append(float(np.abs(cpu_part).max() / np.abs(whole).max()))
     assert max(shares) > 10 * tol  # the CPU's pairs weighed enough for that to show
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("layout", ["int4-b32-swiglu1-bias", "int8-row-silu", "int4-b16-zp-gelu"])
+def test_gpu_route_split_splits_a_pair_by_rows_with_the_host(gpu, layout, dtype):
+    """run_routed_split with the tables' split_rows (kernels/cold_split.py: split_cold_rows): at one token the GPU's
+    last cold pair is published coded by the CPU's first row r + 1 and moved to the decode kernels' last tile, whose
+    FC1 computes its rows [0, r) and FC2 reads their k-tiles only. The device's part is the reference's for its pairs
+    and those rows (FC2's bias counted there), and with the CPU's part (its pairs, the split pair's rows from r on)
+    the whole layer; over graph replays with the tables changed between launches, a table with no split and one
+    splitting every count, and after the decode configuration changed."""
+    cp, GpuQMoE = gpu
+    from kernels.cold_split import cpu_spans, device_spans, split_cold_rows
+    from kernels.gpu.published import PublishedRouting
+
+    bits, block, extra, act = {"int4-b32-swiglu1-bias": (4, 32, dict(bias=True), "swiglu1-limit"),
+                               "int8-row-silu": (8, 0, {}, "silu"),
+                               "int4-b16-zp-gelu": (4, 16, dict(zero_points=True), "gelu")}[layout]
+    attrs, t, x, lg = make_case(seed=43, E=16, H=128, I=192, k=4, bits=bits, block_size=block, T=1, dtype=dtype,
+                                **extra, **ACTS[act])
+    spec = _spec(attrs, t, x)
+    m = GpuQMoE(spec, t, num_slots=5, resident=[0, 3, 6, 9], host_tier=True)
+    assert m.splits_rows
+    published = PublishedRouting(cp, 1, spec.k, spec.hidden_size, x.dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    takes = [np.array([0, 0, 1, 1, 2]), np.array([0, 0, 1, 1, 2]), np.array([0, 0, 0, 1, 1]),
+             np.array([0, 0, 1, 1, 2]), np.array([0, 0, 1, 1, 2])]
+    rows = [np.array([0, 64, 128, 64, 128]), np.array([0, 128, 64, 128, 64]), np.array([0, 0, 0, 0, 0]),
+            np.array([0, 64, 64, 64, 64]), np.array([0, 128, 128, 128, 128])]
+    rng = np.random.default_rng(44)
+    tol = TOL[("tc", "decode", np.dtype(dtype).type)]
+    split_steps = 0
+    with stream:
+        x_dev = cp.asarray(x)
+        lg_dev = cp.empty(lg.shape, lg.dtype)
+        out32 = cp.empty((1, spec.hidden_size), cp.float32)
+        for step, (take, split_rows) in enumerate(zip(takes, rows)):
+            logits = (lg + rng.normal(0, 2.0, lg.shape)).astype(lg.dtype)
+            lg_dev.set(logits, stream=stream)
+            published.set_cpu_take(take, stream, split_rows)
+            if step == 4:
+                m.dec_cfg["rank_route"] = 0  # changed in place: the graph made before must not replay
+            m.run_routed_split(x_dev, lg_dev, out32, published)
+            published.wait(stream)
+            ids, w = ref_route(logits, spec)
+            codes = split_cold_rows(m.slot_of[ids] < 0, take, split_rows)
+            assert published.ids.tolist() == ids.tolist()
+            assert published.on_cpu.tolist() == codes.tolist()
+            split_steps += bool((codes > 1).any())
+            assert int(cp.asnumpy(published.cut)[0]) == (int(codes.max()) - 1 if (codes > 1).any() else 0)
+            gpu_part = cp.asnumpy(out32)
+            device = _ref_pairs(x, np.where(codes == 1, -1, ids), w, spec, t,
+                                device_spans(ids, codes, spec.num_experts, spec.inter_size))
+            cpu_part = _ref_pairs(x, np.where(codes != 0, ids, -1), w, spec, t,
+                                  cpu_spans(ids, codes, spec.num_experts, spec.inter_size))
+            assert _relerr(gpu_part, device) <= tol
+            assert _relerr(gpu_part + cpu_part, _ref_pairs(x, ids, w, spec, t)) <= tol
+    assert split_steps >= 3  # (the routing's cold pairs: most steps have one on the GPU to split)
 
 
 def _give_the_cpus_part(m, published, logits, x, spec, t, table, stream) -> np.ndarray:

@@ -683,16 +683,24 @@ class CudaSlots:
 
     # --- partly resident layers whose cold experts the GPU and the CPU share (decode path "both") ---------------
 
-    def launch_split(self, x, logits, router_weights, cpu_take: np.ndarray) -> SplitBuffers:
-        """A decode step of a partly resident layer, inputs in GPU memory, with the host tier: routed on the device,
-        where the CPU takes the last cpu_take[c] of a token's c cold pairs (kernels/cold_split.py) and the GPU's decode
-        kernels the others at once, resident or read from the tier; the routing and x are published to the host
-        (split_routing waits for them). Returns the pending step: launched again as the last one on the dense part's
-        stream where it can be (_launch_split_again), else on the compute stream (_launch_split)."""
-        again = self._launch_split_again(x, logits, router_weights, cpu_take) if self.split_on_dense else None
-        return again if again is not None else self._launch_split(x, logits, router_weights, cpu_take)
+    @property
+    def splits_rows(self) -> bool:
+        """Whether launch_split splits a pair by rows where the split's rows table says (GpuQMoE.splits_rows)."""
+        return self.gpu.splits_rows
 
-    def _launch_split_again(self, x, logits, router_weights, cpu_take: np.ndarray) -> SplitBuffers | None:
+    def launch_split(self, x, logits, router_weights, cpu_take: np.ndarray,
+                     split_rows: np.ndarray | None = None) -> SplitBuffers:
+        """A decode step of a partly resident layer, inputs in GPU memory, with the host tier: routed on the device,
+        where the CPU takes the last cpu_take[c] of a token's c cold pairs (kernels/cold_split.py), and with
+        split_rows[c] > 0 the rows of the GPU's last cold pair from split_rows[c] on, and the GPU's decode kernels the
+        others at once, resident or read from the tier; the routing and x are published to the host (split_routing
+        waits for them). Returns the pending step: launched again as the last one on the dense part's stream where it
+        can be (_launch_split_again), else on the compute stream (_launch_split)."""
+        tables = (cpu_take, split_rows)
+        again = self._launch_split_again(x, logits, router_weights, tables) if self.split_on_dense else None
+        return again if again is not None else self._launch_split(x, logits, router_weights, tables)
+
+    def _launch_split_again(self, x, logits, router_weights, tables: tuple) -> SplitBuffers | None:
         """The last launch's graph again, queued on the dense part's stream, where that launch queued its gated merge
         in its graph (every later "both" step of a decode), no load of this node is pending (the compute stream would
         wait for it) and the inputs are that launch's arrays; None otherwise. A graph runs on whichever stream it is
@@ -709,7 +717,7 @@ class CudaSlots:
                                      merged=split.merge.sum, timeout_s=GATE_TIMEOUT_S)
         if graph is None:
             return None
-        published.set_cpu_take(cpu_take, dense)
+        published.set_cpu_take(tables[0], dense, tables[1])
         split.start.record(dense)
         launched_at = time.perf_counter()  # before the launch: a host held after it counts towards a late gate
         self.gpu.relaunch_split(graph, published, dense)
@@ -717,7 +725,7 @@ class CudaSlots:
         return split
 
     @_on_compute_stream
-    def _launch_split(self, x, logits, router_weights, cpu_take: np.ndarray) -> SplitBuffers:
+    def _launch_split(self, x, logits, router_weights, tables: tuple) -> SplitBuffers:
         """launch_split on the compute stream, which waits for the dense part's, as in launch_routed; the dense part's
         waits for merge_split."""
         cp = self.device.cp
@@ -734,7 +742,7 @@ class CudaSlots:
             if fresh:
                 split = self._split = SplitBuffers(cp, tokens, spec.hidden_size, spec.k, x.dtype)
                 split.sum_buffers = self._merges.take(tokens, x.dtype)  # the same key: taken once, not at each launch
-            split.published.set_cpu_take(cpu_take, compute)
+            split.published.set_cpu_take(tables[0], compute, tables[1])
             split.start.record(compute)
             # the gated merge, queued now (in the launch's graph), goes on as soon as the host raises the gate
             # (merge_split); `stop` marks the GPU's part done, before the merge. Not at new buffers' first launch:
@@ -755,7 +763,8 @@ class CudaSlots:
         return split
 
     def split_routing(self, pending: SplitBuffers, idle=None) -> tuple:
-        """(x [T, H], every routed expert id [T, k], the pairs the CPU computes (bool [T, k]), the weights [T, k]) on
+        """(x [T, H], every routed expert id [T, k], the pairs the CPU computes (int32 [T, k], coded as
+        kernels/cold_split.py's split_cold_rows), the weights [T, k]) on
         the host once launch_split's routing is published: a spin of a few µs after the routing kernel, no stream
         synchronisation, with `idle`'s work meanwhile (PublishedRouting.wait). x and the weights are views the next
         launch overwrites."""
@@ -766,7 +775,7 @@ class CudaSlots:
         except PublishTimeout as exc:
             raise WorkbenchError(f"{self.name}: the GPU's routing of a decode step never reached the host ({exc})") \
                 from None
-        return published.x, published.ids.copy(), published.on_cpu != 0, published.w
+        return published.x, published.ids.copy(), published.on_cpu.copy(), published.w
 
     def routing_waited(self, pending: SplitBuffers) -> bool:
         """Whether split_routing found the routing still to come (the host was there first)."""

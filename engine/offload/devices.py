@@ -17,7 +17,7 @@ import numpy as np
 from engine.offload.device_memory import card_memory
 from engine.offload.staging import PinnedRing
 from engine.units import human_bytes
-from kernels.cold_split import split_cold_pairs
+from kernels.cold_split import device_spans, split_cold_rows
 from kernels.cpu.routing import route
 
 GIB = 1 << 30
@@ -187,20 +187,28 @@ class SimulatedSlots:
     def routed_done(self, pending) -> tuple[np.ndarray, float, float]:
         return pending
 
-    def launch_split(self, x: np.ndarray, logits: np.ndarray, router_weights, cpu_take: np.ndarray) -> tuple:
-        """CudaSlots.launch_split on the "device": routed here, the CPU's pairs chosen by route_split's rule
-        (kernels/cold_split.py), the others computed with the CPU kernel as the stand-in and priced as the GPU reads
-        them (residents at HBM's rate, cold experts at the tier's). Returns the pending step for split_routing and
-        merge_split."""
+    @property
+    def splits_rows(self) -> bool:
+        """Whether launch_split splits a pair by rows where the split's rows table says (CudaSlots.splits_rows): the
+        stand-in kernel computes a part of an expert's rows."""
+        return bool(getattr(self.kernel, "splits_rows", False))
+
+    def launch_split(self, x: np.ndarray, logits: np.ndarray, router_weights, cpu_take: np.ndarray,
+                     split_rows: np.ndarray | None = None) -> tuple:
+        """CudaSlots.launch_split on the "device": routed here, the CPU's pairs (and a pair split by rows) chosen by
+        route_split's rule (kernels/cold_split.py), the others computed with the CPU kernel as the stand-in and priced
+        as the GPU reads them (residents at HBM's rate, cold experts at the tier's). Returns the pending step for
+        split_routing and merge_split."""
         started = time.perf_counter()
         spec = self.kernel.spec
         x2d = np.array(x, copy=True).reshape(-1, spec.hidden_size)  # the dense part may reuse its buffers
         ids, weights = route(np.asarray(logits).reshape(x2d.shape[0], -1), spec, router_weights)
         held = np.isin(ids, self._held[self._held >= 0])
-        on_cpu = split_cold_pairs(~held, cpu_take)
+        on_cpu = split_cold_rows(~held, cpu_take, np.zeros_like(cpu_take) if split_rows is None else split_rows)
         partial = np.zeros((x2d.shape[0], spec.hidden_size), np.float32)
-        self.kernel.run_experts(x2d, np.where(on_cpu, -1, ids), weights, out=partial)
-        read = set(ids[~on_cpu].tolist())
+        spans = device_spans(ids, on_cpu, spec.num_experts, spec.inter_size)
+        self.kernel.run_experts(x2d, np.where(on_cpu == 1, -1, ids), weights, out=partial, spans=spans)
+        read = set(ids[on_cpu != 1].tolist())
         self.after_file_read(read)
         seconds = self._read_seconds(read)
         self.standin_s += time.perf_counter() - started
@@ -214,8 +222,8 @@ class SimulatedSlots:
         return self.read_bytes * ((len(experts) - cold) / bw.hbm + cold / (TIER_READ_SHARE * bw.pcie))
 
     def split_routing(self, pending: tuple, idle=None) -> tuple:
-        """(x, every routed id, the CPU's pairs, the weights) of launch_split's step (routed already: no wait, so
-        nothing for `idle`)."""
+        """(x, every routed id, the CPU's pairs as split_cold_rows codes them, the weights) of launch_split's step
+        (routed already: no wait, so nothing for `idle`)."""
         return pending[:4]
 
     def routing_waited(self, pending: tuple) -> bool:

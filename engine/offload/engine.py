@@ -7,6 +7,7 @@ import difflib
 import functools
 import gc
 import json
+import os
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -38,7 +39,7 @@ from engine.offload.split_share import SplitShareTrials, shifted
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
-from kernels.cold_split import cpu_take_table
+from kernels.cold_split import ROW_STEP, cpu_take_table, fc1_share, split_rows_table
 from kernels.gpu.host_tier import HostTierError
 
 
@@ -128,6 +129,8 @@ class OffloadEngine:
         # the budget spread over every layer or spent on whole layers (layer_split.py): measured by trials under
         # "auto"; "spread" / "whole" fix it (the CLI's --layer-split, or MOE_LAYER_SPLIT where none is given)
         self.layer_split_mode = checked_split(layer_split or default_layer_split())
+        # a pair split by rows between the CPU and the GPU under "both" (cold_split_rows); MOE_ROW_SPLIT=0: whole pairs
+        self.row_split = os.environ.get("MOE_ROW_SPLIT", "1") != "0"
         self.split_trials = LayerSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
         # where decode computes cold experts (decode_path.py): on the CPU, on the GPU from the host tier, or both at
@@ -249,13 +252,37 @@ class OffloadEngine:
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k)
         table = self._split_tables.get(key)
         if table is None:
-            bandwidths, rate = self.device.bandwidths, self.split_cpu_rate
-            cpu_bytes_per_s = rate.value or bandwidths.cpu
-            tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
+            cpu_expert_s, cpu_fixed_s, gpu_expert_s = self._split_costs(layer)
             table = self._split_tables[key] = shifted(cpu_take_table(
-                info.spec.k, info.bytes_per_expert / cpu_bytes_per_s, rate.fixed_s,
-                store.read_bytes / tier_bytes_per_s, self.host_gap.value), self.share_trials.shift)
+                info.spec.k, cpu_expert_s, cpu_fixed_s, gpu_expert_s, self.host_gap.value), self.share_trials.shift)
         return table
+
+    def cold_split_rows(self, layer: int) -> np.ndarray | None:
+        """Under the decode path "both": the rows of a token's split pair per count of its cold pairs beside
+        cold_split_table's share (kernels/cold_split.py: split_rows_table; 0 where none is split), from the same costs
+        and made again with it; None where the layer's store splits no pair (its GPU decode kernels) or the
+        environment's MOE_ROW_SPLIT is 0 (benchmarks' A/Bs)."""
+        store = self.stores[layer]
+        if not self.row_split or not getattr(store, "splits_rows", False):
+            return None
+        info = self.infos[layer]
+        key = ("rows", info.bytes_per_expert, store.read_bytes, info.spec.k)
+        rows = self._split_tables.get(key)
+        if rows is None:
+            cpu_expert_s, cpu_fixed_s, gpu_expert_s = self._split_costs(layer)
+            rows = self._split_tables[key] = split_rows_table(
+                self.cold_split_table(layer), info.spec.inter_size, ROW_STEP, cpu_expert_s, cpu_fixed_s,
+                gpu_expert_s, self.host_gap.value, fc1_share(info.spec.gated))
+        return rows
+
+    def _split_costs(self, layer: int) -> tuple[float, float, float]:
+        """The split's costs in this layer (seconds): the CPU's a cold expert and a call, the GPU's a cold expert read
+        from the tier."""
+        info, store = self.infos[layer], self.stores[layer]
+        bandwidths, rate = self.device.bandwidths, self.split_cpu_rate
+        cpu_bytes_per_s = rate.value or bandwidths.cpu
+        tier_bytes_per_s = self.tier_read.value or TIER_READ_SHARE * bandwidths.pcie
+        return info.bytes_per_expert / cpu_bytes_per_s, rate.fixed_s, store.read_bytes / tier_bytes_per_s
 
     @property
     def split_cpu_rate(self) -> CpuRate:
@@ -338,7 +365,9 @@ class OffloadEngine:
         if not self.splits_cold:
             return None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
+        rows = None if layer is None else self.cold_split_rows(layer)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
+                "split_rows": None if rows is None else rows.tolist(),
                 "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
                 "slow_steps_left_out": self.split_gate.left_out,

@@ -55,8 +55,10 @@ def loop_item(kernel, block, threads: int) -> tuple | None:
     if args is None or x.dtype not in (np.float16, np.float32):
         return None
     weights, activation, params = args
+    spans = np.zeros((kernel.spec.num_experts, 2), np.int64)  # every expert whole, but for the job's split pair
+    spans[:, 1] = kernel.spec.inter_size
     item = (block.flag, block.gate, block.ids, block.on_cpu, block.w,
-            x.view(np.uint16) if x.dtype == np.float16 else x, block.part, weights, activation)
+            x.view(np.uint16) if x.dtype == np.float16 else x, block.part, spans, weights, activation)
     return item, params
 
 

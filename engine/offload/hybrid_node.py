@@ -15,6 +15,7 @@ from engine.offload.miss_policy import choose, copying_pays, miss_costs
 from engine.offload.projection import layer_critical_s
 from engine.offload.stats import LayerStats
 from engine.offload.step_pairs import NO_COUNTS, classify_pairs, count_routed, split_pairs, take_copied
+from kernels.cold_split import cpu_spans, fc1_share, gpu_rows_of_split
 from kernels.cpu.routing import route
 from kernels.gpu.qmoe import GpuQMoE, routes_on_device
 
@@ -257,10 +258,11 @@ class HybridExpertNode:
     def _run_split(self, store, x, logits, router_weights, cpu_take: np.ndarray) -> "SplitStep":
         """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"),
         launched: routing and the GPU's part on the device; the CPU's share of the cold pairs (`cpu_take`:
-        OffloadEngine.cold_split_table) is the host's part, SplitStep.finish."""
+        OffloadEngine.cold_split_table; with a pair split by rows where cold_split_rows gives them) is the host's part,
+        SplitStep.finish."""
         launched_at = time.perf_counter()
         standin_before = getattr(store, "standin_s", 0.0)
-        pending = store.launch_split(x, logits, router_weights, cpu_take)
+        pending = store.launch_split(x, logits, router_weights, cpu_take, self.engine.cold_split_rows(self.layer))
         return SplitStep(self, store, pending, x, launched_at, standin_before)
 
     def _finish_split(self, step: "SplitStep", arrived: float, settling: bool, ahead: bool):
@@ -284,8 +286,10 @@ class HybridExpertNode:
             if on_cpu.any():
                 out = store.split_part(pending)  # the gated merge's buffer, else the node's own
                 out = self._output(ids.shape[0]) if out is None else out
+                spec = self.info.spec
+                spans = cpu_spans(ids, on_cpu, spec.num_experts, spec.inter_size)
                 started = time.perf_counter()
-                self.kernel.run_experts(x2d, np.where(on_cpu, ids, -1), weights, out=out)
+                self.kernel.run_experts(x2d, np.where(on_cpu != 0, ids, -1), weights, out=out, spans=spans)
                 cpu_s = time.perf_counter() - started
         finally:  # a gated merge waits for merge_split: the GPU is let go even when the CPU's part failed
             if not engine.shadow:
@@ -306,7 +310,7 @@ class HybridExpertNode:
         if engine.shadow:
             return
         published, store = step.pending.published, step.store
-        ids, on_cpu = published.ids.copy(), published.on_cpu != 0
+        ids, on_cpu = published.ids.copy(), published.on_cpu.copy()
         engine.host_gap.arrived(layer, job.reached, job.waited)
         engine.host_gap.left(layer, job.gated)
         standin = getattr(store, "standin_s", 0.0) - step.standin_before
@@ -317,13 +321,16 @@ class HybridExpertNode:
     def account_split(self, ids: np.ndarray, on_cpu: np.ndarray, cpu_s: float, device_s: float,
                       standin: float) -> None:
         """The statistics of one _run_split step, once its launch is done (OffloadEngine.settle / end_step): the pairs
-        in a slot hits, the others misses the CPU computed (`on_cpu`) or the device read from the tier, the CPU's
-        and the tier's measured rates for the split's table (the tier's: the launch's time less its residents' HBM
-        reads), the step's device time on the critical path beside the CPU's."""
+        in a slot hits, the others misses the CPU computed (`on_cpu`, coded as kernels/cold_split.py's
+        split_cold_rows: a pair split by rows counts as the CPU's) or the device read from the tier, the CPU's and the
+        tier's measured rates for the split's table (the tier's: the launch's time less its residents' HBM reads;
+        each side's bytes with its part of a split pair), the step's device time on the critical path beside the
+        CPU's."""
         engine, layer = self.engine, self.layer
         store, bandwidths = engine.stores[layer], engine.device.bandwidths
         stats = engine.stats.layers[layer]
-        resident, hits, cpu_pairs, cpu_experts, on_gpu, held = self._counted_pairs(ids, on_cpu)
+        resident, hits, cpu_pairs, cpu_experts, on_gpu, held = self._counted_pairs(ids, on_cpu != 0)
+        split = gpu_rows_of_split(on_cpu, self.info.spec.inter_size)  # the GPU's share of split pairs, in experts
         stats.hits += hits
         stats.misses += ids.size - hits
         stats.cpu_s += cpu_s
@@ -332,11 +339,12 @@ class HybridExpertNode:
         engine.stats.split(layer, cpu_pairs, 0, 0, read=ids.size - hits - cpu_pairs)
         engine.policy.observe(layer, ids.reshape(-1))
         if cpu_pairs:
-            engine.observe_split_part(cpu_experts.size * self.info.bytes_per_expert, cpu_s)
+            cpu_experts_read = cpu_experts.size - split * fc1_share(self.info.spec.gated)
+            engine.observe_split_part(int(cpu_experts_read * self.info.bytes_per_expert), cpu_s)
             if engine.host_cache.budget is not None:
                 engine.host_cache.touch(layer, cpu_experts.tolist())
-        if on_gpu > held:
-            engine.tier_read.observe((on_gpu - held) * store.read_bytes,
+        if on_gpu + split > held:
+            engine.tier_read.observe(int((on_gpu + split - held) * store.read_bytes),
                                      device_s - held * store.read_bytes / bandwidths.hbm)
         self._account_time(stats, ids.shape[0], cpu_s, device_s, True, 0, 0.0, (), standin)
 

@@ -116,8 +116,9 @@ def read_cycles() -> int:
 @njit(nogil=True, cache=True, error_model="numpy")
 def _cpu_part(layer, params, pair_ids, x32, ws, y):
     """The CPU's pairs of one published step (on_cpu != 0) into the block's part, zeroed first; returns the pairs,
-    -1 for an expert id out of range."""
-    (flag, gate, ids, on_cpu, w, x, part, weights, activation) = layer
+    -1 for an expert id out of range. A pair whose on_cpu is r + 1 > 1 is the CPU's part of a pair split with the GPU:
+    its expert's intermediate rows from r on (spans: [0, I) for every expert between calls)."""
+    (flag, gate, ids, on_cpu, w, x, part, spans, weights, activation) = layer
     w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2 = weights
     act_kind, fusion, alpha, beta, limit, has_limit = activation
     num_experts, small_max, prefetch_rows, chunk_bytes = params[0], params[1], params[2], params[3]
@@ -131,6 +132,10 @@ def _cpu_part(layer, params, pair_ids, x32, ws, y):
                                                                  small_max)
     if bad:
         return -1
+    for t in range(tokens):
+        for j in range(k):
+            if on_cpu[t, j] > 1:
+                spans[ids[t, j], 0] = on_cpu[t, j] - 1
     pairs = pair_off[small]
     if pairs == 0:
         return 0
@@ -140,9 +145,13 @@ def _cpu_part(layer, params, pair_ids, x32, ws, y):
     # type on a cold cache) beside the bool one CpuQMoE's Python calls use
     reduce = pairs > 0
     moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x32[:tokens], experts[:small],
-             pair_off[:small + 1], tok[:pairs], pw[:pairs], tok[:pairs], act_kind, fusion, alpha, beta, limit,
+             pair_off[:small + 1], tok[:pairs], pw[:pairs], tok[:pairs], spans, act_kind, fusion, alpha, beta, limit,
              has_limit, prefetch_rows, chunk_bytes, order, ws[:pairs * ws_per_pair],
              y[:pairs * x.shape[1]].reshape(pairs, x.shape[1]), part, reduce, threads)
+    for t in range(tokens):
+        for j in range(k):
+            if on_cpu[t, j] > 1:
+                spans[ids[t, j], 0] = 0
     return pairs
 
 

@@ -980,13 +980,14 @@ def _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_row
 # that all threads share (one core: ~50 ns a row of the 20-70 ns of work in a 384-1440-byte row).
 @njit(fastmath=True, cache=True, nogil=True, _nrt=False, error_model="numpy")
 def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
-                     zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
-                     fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt, th, nth,
-                     nck, ch, order, zg, zu, vic):
+                     zrb1, zdef1, experts, pair_off, src, rowmap, spans, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2,
+                     nchunk2, fmt2, lanes2, G, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt,
+                     th, nth, nck, ch, order, zg, zu, vic):
     """Thread th's share of FC1 + activation: chunks of ch row groups of the (expert, group) space claimed from cnt
     until none is left (see moe_gemv). done[8 u] counts expert u's finished groups; the thread that finishes the
     last one also writes FC2's input sums of u's pairs, then adds 1 (done[8 u] = G + 1: FC2 may read expert u).
-    zg / zu: nb1 floats of zero-point scratch; vic: the thread's _claim state."""
+    zg / zu: nb1 floats of zero-point scratch; vic: the thread's _claim state. Rows outside an expert's span
+    (moe_gemv's spans) get activation 0."""
     zg[:] = zdef1
     zu[:] = zdef1
     vic[0] = th
@@ -1006,7 +1007,12 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
             u = idx // G
             end = min(hi, (u + 1) * G)
             e = experts[u]
+            r0, r1 = (spans[e, 0], spans[e, 1]) if spans.shape[0] else (0, G)
             for i in range(idx - u * G, end - u * G):
+                if i < r0 or i >= r1:
+                    for p in range(pair_off[u], pair_off[u + 1]):
+                        _put_x(np.float32(0.0), i, p, bits2, ab.shape[1], aa, ab, nchunk2)
+                    continue
                 if swiglu:
                     if fusion == 1:
                         ng = 2 * i
@@ -1060,11 +1066,12 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
 
 @njit(fastmath=True, cache=True, nogil=True, _nrt=False, error_model="numpy")
 def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
-                     zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, G, pf_rows, done, cnt, th, nth, nck, ch,
-                     order, zbuf, zbuf2, vic):
+                     zrb2, zdef2, experts, pair_off, spans, coef, aa, ab, xs2, y, G, pf_rows, done, cnt, th, nth, nck,
+                     ch, order, zbuf, zbuf2, vic):
     """Thread th's share of FC2: chunks of ch rows of the (expert, row) space claimed from cnt into y (see
     moe_gemv), each expert's rows once its FC1 is finished (done[8 u] = G + 1, see _gemv_fc1_thread).
-    zbuf, zbuf2 (the second row's of a pair), vic: as zg, zu, vic of _gemv_fc1_thread."""
+    zbuf, zbuf2 (the second row's of a pair), vic: as zg, zu, vic of _gemv_fc1_thread. An expert whose span
+    (moe_gemv's spans) starts past row 0 gets no bias."""
     H = w2.shape[1]
     Kb2 = w2.shape[2]
     zbuf[:] = zdef2
@@ -1085,6 +1092,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
             u = idx // H
             end = min(hi, (u + 1) * H)
             e = experts[u]
+            hbe = hb2 if spans.shape[0] == 0 or spans[e, 0] == 0 else 0
             if atomic_load(done, 8 * u) <= G:
                 # expert u's FC1 is still running: fetch this part's rows and scales meanwhile (they do not depend on
                 # it), so that in a small call the threads do not all start cold streams at once when it ends
@@ -1096,8 +1104,8 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
             if int4_rows:
                 n = idx - u * H
                 while n + 1 < end - u * H:  # rows n, n + 1 by one row kernel
-                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf)
-                    bval2 = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n + 1, pf_rows, pfw,
+                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hbe, e, n, pf_rows, pfw, zbuf)
+                    bval2 = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hbe, e, n + 1, pf_rows, pfw,
                                            zbuf2)
                     for p in range(pair_off[u], pair_off[u + 1]):
                         d, d2 = _int4_lut_dot2(w2, sc2, skind2, zbuf, zbuf2, zmode2, nb2, cshift2, nchunk2, e, n, n + 1,
@@ -1106,13 +1114,13 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
                         y[p, n + 1] = coef[p] * (d2 + bval2)
                     n += 2
                 if n < end - u * H:
-                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf)
+                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hbe, e, n, pf_rows, pfw, zbuf)
                     for p in range(pair_off[u], pair_off[u + 1]):
                         y[p, n] = coef[p] * (_int4_lut_dot(w2, sc2, skind2, zbuf, zmode2, nb2, cshift2, nchunk2, e, n,
                                                            aa, ab, xs2, p) + bval)
             else:
                 for n in range(idx - u * H, end - u * H):
-                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hb2, e, n, pf_rows, pfw, zbuf)
+                    bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hbe, e, n, pf_rows, pfw, zbuf)
                     for p in range(pair_off[u], pair_off[u + 1]):
                         y[p, n] = coef[p] * (_qdot(w2, sc2, skind2, zbuf, zmode2, bits2, nb2, chunk2, cshift2,
                                                    nchunk2, fmt2, bpc2, aux2, e, n, aa, ab, xs2, p) + bval)
@@ -1121,7 +1129,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
 
 
 @njit(parallel=PRANGE_ONLY, fastmath=True, cache=True, nogil=True, error_model="numpy")
-def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst,
+def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts, pair_off, src, coef, dst, spans,
              act_kind, fusion, alpha, beta, limit, has_limit, pf_rows, chunk_bytes, order, ws, y, out,
              do_reduce, nth):
     """Fused decode: for each pair p (token src[p], expert experts[u], pair_off[u] <= p < pair_off[u + 1])
@@ -1136,6 +1144,10 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     a thread goes on to FC2 once it finds no FC1 chunk left and waits only for experts whose FC1 is still running
     (per-expert counters); two regions cost a second fork / join (waking 16 passively waiting omp threads: tens of
     µs on the Xeon).
+    spans: int64 [E, 2], or no rows for whole experts: expert e's intermediate rows [spans[e, 0], spans[e, 1]) only,
+    a part of the expert whose parts over all rows add up to it (the offload engine's pair split between the CPU and
+    the GPU, kernels/cold_split.py). The other rows' activations are 0 (FC2 reads them: its bytes are read whole),
+    FC2's bias is added only by the part from row 0.
     ws: float32 scratch.
     """
     Kb1 = w1.shape[2]
@@ -1211,12 +1223,12 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
         # and would compile each thread function for both (~20 s a layout on a cold cache, one of them never run)
         th = np.int64(th_loop)
         _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshift1, nchunk1, fmt1, bpc1, aux1, hb1,
-                         zrb1, zdef1, experts, pair_off, src, rowmap, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2, nchunk2,
-                         fmt2, lanes2, I, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done, cnt1, th,
-                         nth, nck1, ch1, order, zs[th, :nb1], zs[th, nb1:2 * nb1], vics[th])
+                         zrb1, zdef1, experts, pair_off, src, rowmap, spans, xa1, xb1, xs1, aa, ab, xs2, bits2, chunk2,
+                         nchunk2, fmt2, lanes2, I, I, swiglu, fusion, act_kind, a_, b_, l_, has_limit, pf_rows, done,
+                         cnt1, th, nth, nck1, ch1, order, zs[th, :nb1], zs[th, nb1:2 * nb1], vics[th])
         _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshift2, nchunk2, fmt2, bpc2, aux2, hb2,
-                         zrb2, zdef2, experts, pair_off, coef, aa, ab, xs2, y, I, pf_rows, done, cnt2, th, nth, nck2,
-                         ch2, order, zs[th, 2 * nb1:2 * nb1 + nb2], zs[th, 2 * nb1 + nb2:], vics[th])
+                         zrb2, zdef2, experts, pair_off, spans, coef, aa, ab, xs2, y, I, pf_rows, done, cnt2, th, nth,
+                         nck2, ch2, order, zs[th, 2 * nb1:2 * nb1 + nb2], zs[th, 2 * nb1 + nb2:], vics[th])
     if do_reduce:
         for p in range(P):
             d = dst[p]

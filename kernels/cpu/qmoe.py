@@ -33,6 +33,7 @@ _ONE = np.ones(1, np.float32)
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 _NOPERM = np.zeros(1, np.int64)
 _NOAUX = np.zeros(_k.TBL_RECORD, np.float32)  # aux of the integer layouts (unused)
+WHOLE = np.zeros((0, 2), np.int64)  # moe_gemv's spans for whole experts
 _SCRATCH = threading.local()
 
 
@@ -354,13 +355,18 @@ class CpuQMoE:
         return out.astype(dtype, copy=False).reshape(shape)
 
     def run_experts(self, x2d: np.ndarray, expert_ids: np.ndarray, weights: np.ndarray,
-                    out: np.ndarray | None = None) -> np.ndarray:
+                    out: np.ndarray | None = None, spans: np.ndarray | None = None) -> np.ndarray:
         """out[t] += sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x2d[t]); expert id -1 = skipped.
 
         Without ``out`` a new array in x2d's dtype is returned (accumulated in float32). With ``out``
         (float32 [T, H], C-contiguous) the contributions are added to it in place and it is returned:
         the offload engine can then run subsets of experts into one accumulator.
+        ``spans`` (int64 [E, 2]): expert e's intermediate rows [spans[e, 0], spans[e, 1]) only, its part of a pair
+        split between the CPU and the GPU (moe_gemv's spans; FC2's bias only in the part from row 0). Only through the
+        fused decode kernel (splits_rows), for a decode step's tokens.
         """
+        if spans is not None:
+            self._check_spans(spans, np.shape(x2d)[0])
         if self._delegate is not None:
             return self._delegate.run_experts(x2d, expert_ids, weights, out=out)
         threads = use_threads(self.num_threads)
@@ -374,8 +380,8 @@ class CpuQMoE:
         x = _c_array(x2d, _F32, T, H)
         ids = _c_array(expert_ids, _I64, T)  # read only: the caller's array when it is int64 already
         wts = _c_array(weights, _F32, T)
-        if (self.batched or self._table) and self._quantized:
-            self._run_batched(x, ids, wts, acc, threads)
+        if ((self.batched or self._table) and self._quantized) or spans is not None:
+            self._run_batched(x, ids, wts, acc, threads, WHOLE if spans is None else spans)
             return acc if out is not None else acc.astype(ret_dtype, copy=False)
         valid = ids >= 0
         if np.any(ids >= self.spec.num_experts):
@@ -403,7 +409,22 @@ class CpuQMoE:
         return acc.astype(ret_dtype, copy=False)
 
     # ------------------------------------------------------------------ batched paths (quantised)
-    def _run_batched(self, x, ids, wts, acc, threads):
+    @property
+    def splits_rows(self) -> bool:
+        """Whether run_experts takes spans: the fused decode kernel runs this node's decode steps."""
+        return self._delegate is None and self._gemv_fused and self._quantized
+
+    def _check_spans(self, spans: np.ndarray, tokens: int) -> None:
+        E, inter = self.spec.num_experts, self.spec.inter_size
+        if not self.splits_rows or tokens > self.gemv_max_rows:
+            raise ValueError(f"node '{self.spec.node_name}': a part of an expert's rows needs the fused decode "
+                             f"kernel and <= {self.gemv_max_rows} tokens")
+        if spans.shape != (E, 2) or spans.dtype != np.int64 or not spans.flags.c_contiguous:
+            raise ValueError(f"spans: int64 [{E}, 2], not {spans.dtype} {list(spans.shape)}")
+        if ((spans[:, 0] < 0) | (spans[:, 0] > spans[:, 1]) | (spans[:, 1] > inter)).any():
+            raise ValueError(f"spans: row ranges within 0..{inter}")
+
+    def _run_batched(self, x, ids, wts, acc, threads, spans=WHOLE):
         """Experts with few tokens: one fused decode kernel (FC1 + activation + FC2 + weighted sum); the
         others: one k-blocked GEMM call per projection over all of them, activation in FC1's epilogue."""
         T = x.shape[0]
@@ -419,18 +440,18 @@ class CpuQMoE:
         if ns:
             ps = int(pair_off[ns])
             if self._gemv_fused:
-                self._gemv_fused_call(x, experts[:ns], pair_off[:ns + 1], tok[:ps], pw[:ps], acc, threads)
+                self._gemv_fused_call(x, experts[:ns], pair_off[:ns + 1], tok[:ps], pw[:ps], acc, threads, spans)
             else:
                 self._run_gemv(x, experts[:ns], np.diff(pair_off[:ns + 1]), tok[:ps], pw[:ps], acc)
         if ns < U:
             self._gemm_batched(x, experts, pair_off, ns, tok, pw, tpair, acc, threads)
 
-    def _gemv_fused_call(self, x, experts, pair_off, tok, pw, acc, threads):
+    def _gemv_fused_call(self, x, experts, pair_off, tok, pw, acc, threads, spans=WHOLE):
         P = tok.size
         H = self.spec.hidden_size
         ws = _scratch("gemv_ws", P * self._gemv_ws_per_pair)
         y = _scratch("gemv_y", P * H).reshape(P, H)
-        _k.moe_gemv(*self._gemv_weights, x, experts, pair_off, tok, pw, tok, *self._gemv_activation,
+        _k.moe_gemv(*self._gemv_weights, x, experts, pair_off, tok, pw, tok, spans, *self._gemv_activation,
                     int(self.gemv_prefetch_rows), int(self.gemv_chunk_kb) * 1024, self.decode_order(threads), ws, y,
                     acc, True, threads)
 

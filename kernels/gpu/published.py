@@ -4,7 +4,8 @@ One page-locked block, written by the kernel over PCIe: a flag, every routed exp
 takes [T, k], the weights [T, k] and the activations' bytes [T, H]. The kernel sets the flag to the launch's number
 last, after a system-scope fence; the host spins on it (a few µs after the kernel) instead of synchronising the stream,
 which would also wait for the decode kernels queued behind the routing. Also here: the device's ids and weights of the
-GPU's share (decode_prep's input), the CPU's share per cold count (kernels/cold_split.py) and the launch counter.
+GPU's share (decode_prep's input), the CPU's share per cold count and the rows of a split pair (kernels/cold_split.py),
+the rows of this step's split pair that the decode kernels compute (`cut`) and the launch counter.
 
 The other way, for a merge queued before the CPU's part exists (merge.cu's merge_gated, GpuQMoE.merge_gated): the
 host writes the CPU's part [T, H] (float32) into the block and then raises the gate to the launch's number
@@ -45,8 +46,9 @@ class PublishedRouting:
         self.cpu_at = self.ids_at + _aligned(pair_bytes)
         self.w_at = self.cpu_at + _aligned(pair_bytes)
         self.x_at = self.w_at + _aligned(pair_bytes)
-        self.take_at = self.x_at + _aligned(self.x_bytes)  # the table's host copy (the host writes it)
-        self.part_at = self.take_at + _aligned(4 * (k + 1))  # the CPU's part (the host writes it)
+        # the tables' host copy, cpu_take then split_rows (the host writes it)
+        self.take_at = self.x_at + _aligned(self.x_bytes)
+        self.part_at = self.take_at + _aligned(8 * (k + 1))  # the CPU's part (the host writes it)
         nbytes = self.part_at + _aligned(tokens * hidden * 4)
         self._pinned = cp.cuda.alloc_pinned_memory(nbytes)
         host = np.frombuffer(self._pinned, np.uint8, nbytes)
@@ -56,7 +58,7 @@ class PublishedRouting:
         self.on_cpu = host[self.cpu_at:self.cpu_at + pair_bytes].view(np.int32).reshape(tokens, k)
         self.w = host[self.w_at:self.w_at + pair_bytes].view(np.float32).reshape(tokens, k)
         self.x = host[self.x_at:self.x_at + self.x_bytes].view(x_dtype).reshape(tokens, hidden)
-        self._take = host[self.take_at:self.take_at + 4 * (k + 1)].view(np.int32)
+        self._take = host[self.take_at:self.take_at + 8 * (k + 1)].view(np.int32)
         self.gate = host[self.gate_at:self.gate_at + 4].view(np.uint32)
         self.failed = host[self.failed_at:self.failed_at + 4].view(np.uint32)
         self._route_times = host[ROUTE_TIMES_AT:ROUTE_TIMES_AT + 16].view(np.uint64)
@@ -70,19 +72,26 @@ class PublishedRouting:
         self.dev_ids = cp.empty((tokens, k), cp.int32)
         self.dev_w = cp.empty((tokens, k), cp.float32)
         self.seq = cp.zeros(1, cp.uint32)  # the kernel's count of its runs (graph replays included)
-        self.cpu_take = cp.zeros(k + 1, cp.int32)
+        self.tables = cp.zeros(2 * (k + 1), cp.int32)  # the device's cpu_take and split_rows
+        self.cpu_take, self.split_rows = self.tables[:k + 1], self.tables[k + 1:]
+        self.cut = cp.zeros(1, cp.int32)
         self.launched = 0  # the host's count of launches: the flag reads this once the latest has published
-        self._given = None  # the table last given (set_cpu_take: the engine hands the same one until it remakes it)
+        # the tables last given (set_cpu_take: the engine hands the same ones until it remakes them)
+        self._given = (None, None)
 
-    def set_cpu_take(self, table: np.ndarray, stream) -> None:
-        """The CPU's share per cold count for the launches from now on (copied in stream order where it changed)."""
-        if table is self._given:
+    def set_cpu_take(self, table: np.ndarray, stream, split_rows: np.ndarray | None = None) -> None:
+        """The CPU's share per cold count, and the rows of a split pair (none unless given), for the launches from now
+        on (copied in stream order where they changed)."""
+        if table is self._given[0] and split_rows is self._given[1]:
             return
-        self._given = table
-        table = np.asarray(table, np.int32)
-        if not np.array_equal(table, self._take):
-            self._take[:] = table  # a copy still in flight reads the old table or this one: either is whole
-            self.cp.cuda.runtime.memcpyAsync(self.cpu_take.data.ptr, self._take_at, self._take.nbytes, H2D,
+        self._given = (table, split_rows)
+        tables = np.zeros(self._take.size, np.int32)
+        tables[:self.k + 1] = table
+        if split_rows is not None:
+            tables[self.k + 1:] = split_rows
+        if not np.array_equal(tables, self._take):
+            self._take[:] = tables  # a copy still in flight reads the old tables or these: either is whole
+            self.cp.cuda.runtime.memcpyAsync(self.tables.data.ptr, self._take_at, self._take.nbytes, H2D,
                                              stream.ptr)
 
     def open_gate(self) -> None:

@@ -802,6 +802,8 @@ class GpuQMoE:
         head = E + 2 * T * k
         smem = 4 * (((head + 3) & ~3) + T * E + T * k if rank_route else head)
         cold_from = self.host0 if self.host0 is not None else 2 ** 31 - 1
+        # a pair split by rows (the tables' split_rows; route_split applies them at one token): where dec5 decodes
+        split_args = ((published.split_rows, published.cut) if self.splits_rows else (np.uint64(0), np.uint64(0)))
 
         def launch():
             self._f("route_split")((1,), (256,), (
@@ -810,8 +812,9 @@ class GpuQMoE:
                 np.int32(cold_from), published.cpu_take, published.dev_ids, published.dev_w,
                 np.uint64(published.device_ptr), np.int32(published.ids_at), np.int32(published.cpu_at),
                 np.int32(published.w_at), np.int32(published.x_at), x_dev, np.int32(published.x_bytes),
-                published.seq, np.int32(rank_route)), shared_mem=smem)
-            self._compute(x_dev, x_code, T, out32, ids=published.dev_ids, wts=published.dev_w, kk=k, zero_out=True)
+                published.seq, np.int32(rank_route), *split_args), shared_mem=smem)
+            self._compute(x_dev, x_code, T, out32, ids=published.dev_ids, wts=published.dev_w, kk=k, zero_out=True,
+                          cut=split_args[1])
             if tail_inside:
                 self._split_tail(_cp().cuda.get_current_stream(), published, out32, stop, merged, timeout_s, calls)
 
@@ -834,6 +837,12 @@ class GpuQMoE:
             self._split_replay = _SplitReplay(arrays, stream.ptr, config, graph)
         published.launched += 1
         return out32
+
+    @property
+    def splits_rows(self) -> bool:
+        """Whether run_routed_split may split a pair by rows with the CPU (kernels/cold_split.py): its decode kernels
+        (dec5) read a split pair's rows as the last tile."""
+        return self.path == "tc" and self.decode_kernel == "v5"
 
     def split_graph(self, x_dev, logits_dev, out32, published, router_weights=None, *, stop=None, merged=None,
                     timeout_s: float = 1.0):
@@ -1005,7 +1014,7 @@ class GpuQMoE:
 
     # ------------------------------------------------------------------ launches
     def _compute(self, xd, xdt, T, out, *, logits=None, ldt=0, rw=None, rwdt=0, ids=None, wts=None, kk=None,
-                 zero_out=False, ids_out=None):
+                 zero_out=False, ids_out=None, cut=np.uint64(0)):
         spec = self.spec
         E, H, I = spec.num_experts, spec.hidden_size, spec.inter_size
         route = ids is None
@@ -1061,11 +1070,11 @@ class GpuQMoE:
                 n1 = self._dec5(f1, 0, max_tiles, bc1, (
                     *tiles_args, np.int32(P), ws.xhi, ws.xlo, np.int32(xdt != DT_BF16 and not f16), np.int32(f1.KP),
                     np.int32(bc1), *act, np.int32(I), ws.ahi, ws.alo, np.int32(f2.KP), self._dummy_f32,
-                    ws.part, ws.kdone, *pf2), f16)
+                    ws.part, ws.kdone, *pf2, cut), f16)
                 n2 = self._dec5(f2, 1, max_tiles, bc2, (
                     *tiles_args, np.int32(P), ws.ahi, ws.alo, np.int32(not f16), np.int32(f2.KP), np.int32(bc2),
                     *act, np.int32(H), self._dummy_u16, self._dummy_u16, np.int32(0), out, self._dummy_f32,
-                    self._dummy_i32, *no_pf2), f16)
+                    self._dummy_i32, *no_pf2, cut), f16)
                 self.last_decode_kernels = (n1, n2)
                 return
             if self.decode_kernel != "v4":

@@ -40,11 +40,12 @@
         int split, int KPB, int bcols, int act, int gated, float alpha, float beta, float limit, int has_limit,       \
         int n_out, u16 *__restrict__ ahi, u16 *__restrict__ alo, int KP2, float *__restrict__ out,                     \
         float *__restrict__ part, int *__restrict__ kdone, const u8 *__restrict__ W2, long long wstride2, int NT2,     \
-        int KT2, const void *__restrict__ S2, int sdt2, int NB2, int tsh2, int nbt2, int pf2
+        int KT2, const void *__restrict__ S2, int sdt2, int NB2, int tsh2, int nbt2, int pf2,                    \
+        const int *__restrict__ cut
 #define QM_D5_PASS                                                                                                  \
     W, wstride, NT, KT, S, sdt, NB, tsh, Z, bias, has_bias, NP, tiles, num_tiles, pair_tok, pair_w, npairs, bhi, blo, \
         split, KPB, bcols, act, gated, alpha, beta, limit, has_limit, n_out, ahi, alo, KP2, out, part, kdone, W2,      \
-        wstride2, NT2, KT2, S2, sdt2, NB2, tsh2, nbt2, pf2
+        wstride2, NT2, KT2, S2, sdt2, NB2, tsh2, nbt2, pf2, cut
 
 // 16-byte copy global -> shared that allocates in L1 (the activation fragments, re-read by the SM's other warps)
 static __device__ __forceinline__ void cp_async16_ca(u32 dst, const void* src) {
@@ -145,9 +146,17 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
 
+    // a pair split with the CPU (route_split, kernels/cold_split.py): its intermediate rows [0, r), r = *cut > 0, are
+    // the last tile's (FC1: its first row tiles, FC2: the first r / 64 k-tiles of each row tile); every other tile
+    // whole. FC1's rows come first in a tile's units, so its units end earlier; FC2's tile has fewer k-tiles a row.
+    const int cut_rows = (cut && ntl > 0) ? __ldcg(cut) : 0;
+    const int last_ti = (MODE == 1 && cut_rows > 0) ? ntl - 1 : -1;  // FC2's tile of fewer k-tiles, if any
+    const int kt_last = cut_rows >> 6;
     // this warp's units [u0, u1) of the flattened (tile, row tile, k-tile) space
     const long long per_tile = (long long)NT * KT;
-    const long long total = per_tile * ntl;
+    long long total = per_tile * ntl;
+    if (cut_rows > 0)
+        total -= MODE == 0 ? (long long)(NT - cut_rows / (gated ? 8 : 16)) * KT : (long long)NT * (KT - kt_last);
     const long long nwt = (long long)gridDim.x * nw;
     const long long chunk = (total + nwt - 1) / nwt;
     const long long u0 = ((long long)blockIdx.x * nw + warp) * chunk;
@@ -174,12 +183,14 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     // bhi / blo + tok * KPB + t * 16 + kt * 64), see tests/test_dec5_schedule_mirror.py.
     int p_ti, p_rt, p_kt;
     {
-        const long long ti = u0 / per_tile;
+        const long long ti = (last_ti >= 0 && u0 >= per_tile * last_ti) ? last_ti : u0 / per_tile;
         const long long rem = u0 - ti * per_tile;
+        const int kts = ti == last_ti ? kt_last : KT;
         p_ti = (int)ti;
-        p_rt = (int)(rem / KT);
-        p_kt = (int)(rem - (long long)p_rt * KT);
+        p_rt = (int)(rem / kts);
+        p_kt = (int)(rem - (long long)p_rt * kts);
     }
+    int p_KT = p_ti == last_ti ? kt_last : KT;  // k-tiles a row tile of the producer's tile
     int c_ti = p_ti, c_rt = p_rt;  // consumer cursor (same start)
     const int c_kt0 = p_kt;
     const int nu = (int)(u1 - u0);  // units of this warp (< 2^31: 2^31 units are >= 1 TiB of weights)
@@ -198,6 +209,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     u32 p_barea = 0;  // this lane's byte offset (h0 chunk) in the stage's activation area, see dec5_barea
     auto p_setup = [&]() {  // at (p_ti, p_rt), k-tile 0
         const int4 tl = tile_at(p_ti);
+        p_KT = p_ti == last_ti ? kt_last : KT;
         p_w = W + (long long)tl.x * wstride + (long long)p_rt * KT * TR::TB + lane * TR::LB;
         const long long e = (long long)tl.x * tstride + (long long)p_rt * NB * 16;
         p_s = (const unsigned char*)S + e * ssz + lane * 16;
@@ -216,7 +228,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     // the current run is done (p_run == 0) and rem > 0 units are left to copy: to the next row tile if the run ended
     // it, then the next run
     auto p_next = [&](int rem) {
-        if (p_kt == KT) {
+        if (p_kt == p_KT) {
             p_kt = 0;
             p_w += (long long)KT * TR::TB;  // weights are contiguous over the row tiles of a tile
             p_s += s_rstep;
@@ -227,7 +239,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                 p_setup();
             }
         }
-        p_run = min(KT - p_kt, rem);
+        p_run = min(p_KT - p_kt, rem);
     };
     // one unit at (p_ti, p_rt, p_kt) into stage address d (within the current run; the caller counts p_run)
     // (unsigned offsets: one IMAD.WIDE.U32 per source address; p_kt, b0 >= 0). PART (a Dec5I): 0 the whole unit,
@@ -259,10 +271,11 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     };
 
     // ---------------------------------------------------------------- consumer state
-    int c_slot, c_start, c_cnt;
+    int c_slot, c_start, c_cnt, c_KT;
     u32 c_barea;
     auto c_setup = [&]() {
         const int4 tl = tile_at(c_ti);
+        c_KT = c_ti == last_ti ? kt_last : KT;
         c_slot = tl.x;
         c_start = tl.y;
         c_cnt = tl.z;
@@ -273,7 +286,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     c_setup();
     // the current segment: k-tiles [c_ka, c_kb) of row tile (c_ti, c_rt), c_run of them still to consume
     int c_ka = c_kt0;
-    int c_kb = c_ka + min(KT - c_ka, nu);
+    int c_kb = c_ka + min(c_KT - c_ka, nu);
     int c_run = c_kb - c_ka;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, blk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     u32 zc[4];
@@ -469,7 +482,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
                 ++c_ti;
                 c_setup();
             }
-            c_kb = min(KT, n);
+            c_kb = min(c_KT, n);
             c_run = c_kb;
         }
     };
@@ -576,7 +589,7 @@ static __device__ __forceinline__ void dec5_impl(QM_D5_ARGS) {
     // into L2, so that FC2's loads stream during FC1's tail and the launch gap and FC2 reads from L2
     if (MODE == 0 && pf2) {
         const long long per2 = (long long)NT2 * KT2;
-        const long long total2 = per2 * ntl;
+        const long long total2 = per2 * (cut_rows > 0 ? ntl - 1 : ntl);  // not a split pair's tile (read in part)
         const long long chunk2 = (total2 + nwt - 1) / nwt;
         long long v0 = ((long long)blockIdx.x * nw + warp) * chunk2;
         const long long v1 = min(total2, v0 + chunk2);

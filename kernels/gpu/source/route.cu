@@ -172,11 +172,14 @@ extern "C" __global__ void route_topk(const void* logits, int ldt, const void* r
 // set to ++*seq: the host spins on it instead of synchronising a stream (no event, no copy, works inside a CUDA
 // graph). kernels/cold_split.py is the NumPy reference. smem: 4 (E + 2 T k) bytes, with rank routing also 4 (T E +
 // T k) + 16 from the next 16-byte boundary.
+// split_rows (null: none; T = 1 only): with r = split_rows[c] > 0 the GPU's last cold pair in rank order is split:
+// pub_cpu r + 1 (the CPU computes its intermediate rows from r), its id and weight moved to the last of ids / wts
+// (the decode kernels' last tile) and *cut = r (the rows of that tile the decode kernels compute); else *cut = 0.
 extern "C" __global__ void route_split(const void* logits, int ldt, const void* rw, int rwdt, int has_rw, int T,
                                        int E, int k, int normalize, const int* slot_map, int cold_from,
                                        const int* cpu_take, int* ids, float* wts, unsigned char* pub, int ids_at,
                                        int cpu_at, int w_at, int x_at, const void* x, int x_bytes, unsigned* seq,
-                                       int rank_route) {
+                                       int rank_route, const int* split_rows, int* cut) {
     extern __shared__ int sm_split[];
     int* smap = sm_split;
     int* sids = smap + E;
@@ -213,17 +216,36 @@ extern "C" __global__ void route_split(const void* logits, int ldt, const void* 
             c += e >= 0 && (s < 0 || s >= cold_from);
         }
         int n = cpu_take[c];
+        int rows = (split_rows && T == 1) ? split_rows[c] : 0;  // > 0: the next cold pair after the CPU's is split
+        int split_j = -1;
         for (int j = k - 1; j >= 0; --j) {  // the last cold pairs in rank order go to the CPU
             const int i = tok * k + j, e = tid[j];
             const int s = e >= 0 ? smap[e] : 0;
             const bool cold = e >= 0 && (s < 0 || s >= cold_from);
             const bool on_cpu = cold && n > 0;
+            const bool split = cold && !on_cpu && rows > 0 && s >= 0;
             n -= on_cpu;
+            if (split) {
+                split_j = j;
+                rows = -rows;  // taken (negative: its value kept for the pub and the cut)
+            }
             ids[i] = on_cpu ? -1 : e;
             wts[i] = sw[i];
             pids[i] = e;
-            pcpu[i] = on_cpu;
+            pcpu[i] = split ? 1 - rows : on_cpu;
             pw[i] = sw[i];
+        }
+        if (cut) {
+            if (split_j >= 0 && split_j != k - 1) {  // the split pair last: the decode kernels' last tile
+                const int a = tok * k + split_j, b = tok * k + k - 1;
+                const int ea = ids[a];
+                const float wa = wts[a];
+                ids[a] = ids[b];
+                wts[a] = wts[b];
+                ids[b] = ea;
+                wts[b] = wa;
+            }
+            *cut = split_j >= 0 ? -rows : 0;
         }
     }
     __threadfence_system();  // this thread's writes to the host before the flag
