@@ -63,12 +63,14 @@ def split_cold_rows(cold: np.ndarray, cpu_take: np.ndarray, split_rows: np.ndarr
 
 
 def split_rows_table(cpu_take: np.ndarray, inter: int, row_step: int, cpu_expert_s: float, cpu_fixed_s: float,
-                     gpu_expert_s: float, host_s: float = 0.0, fc1_share: float = 2 / 3) -> np.ndarray:
+                     gpu_expert_s: float, host_s: float = 0.0, fc1_share: float = 2 / 3,
+                     cpu_reads_fc2_whole: bool = False) -> np.ndarray:
     """split_rows[c] for c = 0..k cold pairs (int32 [k + 1]): the rows r (a multiple of `row_step` in (0, inter)) of
     the split pair that the GPU computes, beside cpu_take[c] whole pairs on the CPU, where that makes the later of
     the two parts sooner than no split; else 0. The costs as cpu_take_table's; the GPU's part of a split pair costs
-    r / inter of an expert (it reads FC1's first r rows and FC2's first r columns), the CPU's (1 - r / inter) of FC1
-    (`fc1_share` of an expert's bytes) and all of FC2 (moe_gemv reads FC2's rows whole)."""
+    r / inter of an expert (it reads FC1's first r rows and FC2's first r columns), the CPU's (1 - r / inter), or with
+    `cpu_reads_fc2_whole` (CpuQMoE.reads_rows_in_part false) (1 - r / inter) of FC1 (`fc1_share` of an expert's
+    bytes) and all of FC2."""
     take = np.asarray(cpu_take)
     table = np.zeros(take.size, np.int32)
     rows = np.arange(row_step, inter, row_step)
@@ -78,7 +80,8 @@ def split_rows_table(cpu_take: np.ndarray, inter: int, row_step: int, cpu_expert
             continue
         cpu_whole = host_s + (cpu_fixed_s + n * cpu_expert_s if n else 0.0)
         gpu_whole = (c - n) * gpu_expert_s
-        cpu = host_s + cpu_fixed_s + (n + fc1_share * (1 - rows / inter) + (1 - fc1_share)) * cpu_expert_s
+        cpu_part = fc1_share * (1 - rows / inter) + (1 - fc1_share) if cpu_reads_fc2_whole else 1 - rows / inter
+        cpu = host_s + cpu_fixed_s + (n + cpu_part) * cpu_expert_s
         gpu = (c - n - 1 + rows / inter) * gpu_expert_s
         later = np.maximum(cpu, gpu)
         best = int(np.argmin(later))

@@ -73,20 +73,26 @@ def test_a_steps_split_pair_is_the_gpus_last_cold_pair_coded_by_its_first_cpu_ro
 
 def test_the_rows_table_splits_a_pair_where_both_parts_end_sooner():
     # the CPU 1 s an expert, the GPU 1 s, no fixed cost, 128 rows in steps of 64: with 1 cold pair the GPU keeps it
-    # (a tie at 1 s); split at row 64 the CPU's part reads half of FC1 and all of FC2 (2/3 of an expert) against the
-    # GPU's half: 0.67 s. With 2 cold pairs one each (1 s) beats any split (the CPU's 1 + 2/3 s at best)
+    # whole (a tie at 1 s); split at row 64 each side reads half of it: 0.5 s. With 2 cold pairs one each (1 s)
+    # beats a split (1.5 s on the CPU at best)
     take = cpu_take_table(2, 1.0, 0.0, 1.0)
     assert take.tolist() == [0, 0, 1]
     assert split_rows_table(take, 128, 64, 1.0, 0.0, 1.0).tolist() == [0, 64, 0]
-    # Qwen3-30B-A3B-like at 0% on an H100 host (sixty-fifth session): the CPU 35 µs an expert + 52 µs a call, the
-    # GPU 53 µs: 8 cold pairs, 4 on the CPU (the GPU's 212 µs the later); a split of the GPU's last pair ends sooner
-    take = cpu_take_table(8, 35e-6, 52e-6, 53e-6)
-    assert take[8] == 4
-    rows = split_rows_table(take, 768, 64, 35e-6, 52e-6, 53e-6)
-    r = rows[8] / 768
-    assert 0 < rows[8] < 768 and rows[8] % 64 == 0
-    cpu, gpu = 52e-6 + (4 + 2 / 3 * (1 - r) + 1 / 3) * 35e-6, (3 + r) * 53e-6
-    assert max(cpu, gpu) < 212e-6 - 4e-6
+    # a CPU kernel that reads FC2 whole (CpuQMoE.reads_rows_in_part false): its part of the split pair reads half of
+    # FC1 (2/3 of an expert) and all of FC2 (1/3): 0.67 s against the GPU's 0.5, still sooner than 1 s whole
+    assert split_rows_table(take, 128, 64, 1.0, 0.0, 1.0, cpu_reads_fc2_whole=True).tolist() == [0, 64, 0]
+    # ... and with a call's fixed cost of 0.4 s it is not (1.07 s against 1 s whole)
+    assert not split_rows_table(take, 128, 64, 1.0, 0.4, 1.0, cpu_reads_fc2_whole=True).any()
+    # gpt-oss-20B-like at 0% on an H100 host (sixty-fifth session): the CPU 183 µs an expert + 54 µs a call, the GPU
+    # 279 µs: 4 cold pairs, 2 on the CPU (the GPU's 558 µs the later); the GPU's last pair split where both sides end
+    # together, at ~0.7 of its rows
+    take = cpu_take_table(4, 183e-6, 54e-6, 279e-6)
+    assert take[4] == 2
+    rows = split_rows_table(take, 2880, 64, 183e-6, 54e-6, 279e-6)
+    r = rows[4] / 2880
+    assert rows[4] % 64 == 0 and 0.6 < r < 0.8
+    cpu, gpu = 54e-6 + (2 + 1 - r) * 183e-6, (1 + r) * 279e-6
+    assert max(cpu, gpu) < 558e-6 - 70e-6 and abs(cpu - gpu) < 20e-6
     # a table with no cold pair left on the GPU, or no row between the steps, splits nothing
     assert not split_rows_table(np.array([0, 1, 2]), 768, 64, 35e-6, 52e-6, 53e-6).any()
     assert not split_rows_table(take, 64, 64, 35e-6, 52e-6, 53e-6).any()

@@ -43,6 +43,8 @@ def _reference(x, ids, w, spec, tensors, spans):
 def test_the_cpus_part_of_an_expert_over_its_rows_equals_the_references(name):
     kernel, tensors, x, logits = _node(11, **LAYOUTS[name])
     spec = kernel.spec
+    # FC2 read from the part's first row on: int4 rows of whole 16-byte chunks, scale blocks of <= 64 codes
+    assert kernel.reads_rows_in_part == name.startswith(("int4 block 32", "int4 block 64"))
     ids, w = route(logits, spec)
     rng = np.random.default_rng(5)
     for tokens in (1, 2):
@@ -50,7 +52,8 @@ def test_the_cpus_part_of_an_expert_over_its_rows_equals_the_references(name):
             spans = np.zeros((spec.num_experts, 2), np.int64)
             spans[:, 1] = spec.inter_size
             for e in np.unique(ids[:tokens])[:3]:  # routed experts in part, from either end
-                r = int(rng.integers(1, spec.inter_size))
+                # any row, or a multiple of 64 (kernels/cold_split.py's ROW_STEP: FC2 read from there on)
+                r = int(rng.integers(1, spec.inter_size)) if rng.random() < 0.4 else 64 * int(rng.integers(1, 3))
                 spans[e] = (r, spec.inter_size) if rng.random() < 0.5 else (0, r)
             got = kernel.run_experts(x[:tokens], ids[:tokens], w[:tokens],
                                      out=np.zeros((tokens, spec.hidden_size), np.float32), spans=spans)

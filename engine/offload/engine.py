@@ -270,9 +270,10 @@ class OffloadEngine:
         rows = self._split_tables.get(key)
         if rows is None:
             cpu_expert_s, cpu_fixed_s, gpu_expert_s = self._split_costs(layer)
+            in_part = getattr(self.runners[layer].kernel, "reads_rows_in_part", False)
             rows = self._split_tables[key] = split_rows_table(
                 self.cold_split_table(layer), info.spec.inter_size, ROW_STEP, cpu_expert_s, cpu_fixed_s,
-                gpu_expert_s, self.host_gap.value, fc1_share(info.spec.gated))
+                gpu_expert_s, self.host_gap.value, fc1_share(info.spec.gated), cpu_reads_fc2_whole=not in_part)
         return rows
 
     def _split_costs(self, layer: int) -> tuple[float, float, float]:

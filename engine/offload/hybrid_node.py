@@ -339,7 +339,8 @@ class HybridExpertNode:
         engine.stats.split(layer, cpu_pairs, 0, 0, read=ids.size - hits - cpu_pairs)
         engine.policy.observe(layer, ids.reshape(-1))
         if cpu_pairs:
-            cpu_experts_read = cpu_experts.size - split * fc1_share(self.info.spec.gated)
+            gpu_share = 1.0 if getattr(self.kernel, "reads_rows_in_part", False) else fc1_share(self.info.spec.gated)
+            cpu_experts_read = cpu_experts.size - split * gpu_share
             engine.observe_split_part(int(cpu_experts_read * self.info.bytes_per_expert), cpu_s)
             if engine.host_cache.budget is not None:
                 engine.host_cache.touch(layer, cpu_experts.tolist())

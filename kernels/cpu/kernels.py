@@ -725,34 +725,52 @@ def reduce_rows(y, dst, out, nth):
 
 
 @njit(inline="always", error_model="numpy")
-def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r):
-    """The whole chunks' dot product of an int4 row of 16-byte chunks (bits 4, chunk 16, FMT_INT): _qdot's call for
-    that layout, which a loop over such rows makes directly (without the other layouts' branches) where the row has
-    no ragged tail."""
+def _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r, c0):
+    """The dot product over chunks [c0, nchunk) of an int4 row of 16-byte chunks (bits 4, chunk 16, FMT_INT): _qdot's
+    call for that layout, which a loop over such rows makes directly (without the other layouts' branches) where the
+    row has no ragged tail. c0 > 0 (a part of the row: _fc2_first_chunk) starts a block: the row kernel starts at its
+    bytes, its activations and its scale block (zero-point block)."""
     E, N, Kb = w.shape
-    woff = (e * N + n) * Kb
-    soff = (e * N + n) * nb
-    xoff = r * xa.shape[1]
+    b0 = c0 >> cshift  # (per-row scales: cshift 62, block 0)
+    woff = (e * N + n) * Kb + 16 * c0
+    soff = (e * N + n) * nb + b0
+    xoff = r * xa.shape[1] + 16 * c0
     if zmode == 2:
-        return qrow_int4_16_lut_zblk(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
-    return qrow_int4_16_lut_zrow(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
+        return qrow_int4_16_lut_zblk(w, woff, nchunk - c0, cshift, sc, soff, skind, zbuf, b0, xa, xb, xoff, xs,
+                                     r * nchunk)
+    return qrow_int4_16_lut_zrow(w, woff, nchunk - c0, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
 
 
 @njit(inline="always", error_model="numpy")
-def _int4_lut_dot2(w, sc, skind, zbuf, zbuf2, zmode, nb, cshift, nchunk, e, n, n2, xa, xb, xs, r):
+def _int4_lut_dot2(w, sc, skind, zbuf, zbuf2, zmode, nb, cshift, nchunk, e, n, n2, xa, xb, xs, r, c0):
     """(_int4_lut_dot of row n, the same of row n2 with zero points zbuf2), bit for bit, by one row kernel that
     loads the activations once for both rows."""
     E, N, Kb = w.shape
-    woff = (e * N + n) * Kb
-    woff2 = (e * N + n2) * Kb
-    soff = (e * N + n) * nb
-    soff2 = (e * N + n2) * nb
-    xoff = r * xa.shape[1]
+    b0 = c0 >> cshift
+    woff = (e * N + n) * Kb + 16 * c0
+    woff2 = (e * N + n2) * Kb + 16 * c0
+    soff = (e * N + n) * nb + b0
+    soff2 = (e * N + n2) * nb + b0
+    xoff = r * xa.shape[1] + 16 * c0
     if zmode == 2:
-        return qrow2_int4_16_lut_zblk(w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zbuf, zbuf2, 0, xa, xb,
-                                      xoff, xs, r * nchunk)
-    return qrow2_int4_16_lut_zrow(w, woff, woff2, nchunk, cshift, sc, soff, soff2, skind, zbuf, zbuf2, 0, xa, xb,
+        return qrow2_int4_16_lut_zblk(w, woff, woff2, nchunk - c0, cshift, sc, soff, soff2, skind, zbuf, zbuf2, b0, xa,
+                                      xb, xoff, xs, r * nchunk)
+    return qrow2_int4_16_lut_zrow(w, woff, woff2, nchunk - c0, cshift, sc, soff, soff2, skind, zbuf, zbuf2, 0, xa, xb,
                                   xoff, xs, r * nchunk)
+
+
+@njit(inline="always", error_model="numpy")
+def _fc2_first_chunk(spans, e, cshift2):
+    """The first FC2 chunk (32 int4 codes) an expert's part reads in the int4-rows loop: its first row (moe_gemv's
+    spans) where that starts a chunk and a scale block (per-row scales: any chunk), else 0 (the whole row, its
+    activations below the span 0)."""
+    if spans.shape[0] == 0:
+        return 0
+    r0 = spans[e, 0]
+    c0 = r0 >> 5
+    if c0 << 5 != r0 or (cshift2 < 62 and c0 & ((1 << cshift2) - 1) != 0):
+        return 0
+    return c0
 
 
 @njit(inline="always", error_model="numpy")
@@ -799,7 +817,7 @@ def _qdot(w, sc, skind, zbuf, zmode, bits, nb, chunk, cshift, nchunk, fmt, bpc, 
             acc = qrow_int2_zrow_1(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, Kb)
     elif bits == 4:
         if chunk == 16:
-            acc = _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r)
+            acc = _int4_lut_dot(w, sc, skind, zbuf, zmode, nb, cshift, nchunk, e, n, xa, xb, xs, r, 0)
         else:
             acc = qrow_int4_8(w, woff, nchunk, cshift, sc, soff, skind, zbuf, 0, xa, xb, xoff, xs, r * nchunk)
     else:
@@ -1038,11 +1056,11 @@ def _gemv_fc1_thread(w1, sc1, zp1, b1, skind1, zmode1, bits1, nb1, chunk1, cshif
                         r = rowmap[src[p]]
                         if swiglu:
                             g, l = _int4_lut_dot2(w1, sc1, skind1, zg, zu, zmode1, nb1, cshift1, nchunk1, e, ng, nu,
-                                                  xa1, xb1, xs1, r)
+                                                  xa1, xb1, xs1, r, 0)
                             a = _swiglu(g + bg, l + bu, a_, b_, l_, has_limit)
                         else:
                             a = _act(act_kind, _int4_lut_dot(w1, sc1, skind1, zg, zmode1, nb1, cshift1, nchunk1, e, ng,
-                                                             xa1, xb1, xs1, r) + bg)
+                                                             xa1, xb1, xs1, r, 0) + bg)
                         _put_x(a, i, p, bits2, ab.shape[1], aa, ab, nchunk2)
                 else:
                     for p in range(pair_off[u], pair_off[u + 1]):
@@ -1093,6 +1111,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
             end = min(hi, (u + 1) * H)
             e = experts[u]
             hbe = hb2 if spans.shape[0] == 0 or spans[e, 0] == 0 else 0
+            c0 = _fc2_first_chunk(spans, e, cshift2) if int4_rows else 0
             if atomic_load(done, 8 * u) <= G:
                 # expert u's FC1 is still running: fetch this part's rows and scales meanwhile (they do not depend on
                 # it), so that in a small call the threads do not all start cold streams at once when it ends
@@ -1109,7 +1128,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
                                            zbuf2)
                     for p in range(pair_off[u], pair_off[u + 1]):
                         d, d2 = _int4_lut_dot2(w2, sc2, skind2, zbuf, zbuf2, zmode2, nb2, cshift2, nchunk2, e, n, n + 1,
-                                               aa, ab, xs2, p)
+                                               aa, ab, xs2, p, c0)
                         y[p, n] = coef[p] * (d + bval)
                         y[p, n + 1] = coef[p] * (d2 + bval2)
                     n += 2
@@ -1117,7 +1136,7 @@ def _gemv_fc2_thread(w2, sc2, zp2, b2, skind2, zmode2, bits2, nb2, chunk2, cshif
                     bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hbe, e, n, pf_rows, pfw, zbuf)
                     for p in range(pair_off[u], pair_off[u + 1]):
                         y[p, n] = coef[p] * (_int4_lut_dot(w2, sc2, skind2, zbuf, zmode2, nb2, cshift2, nchunk2, e, n,
-                                                           aa, ab, xs2, p) + bval)
+                                                           aa, ab, xs2, p, c0) + bval)
             else:
                 for n in range(idx - u * H, end - u * H):
                     bval = _fc2_row_start(w2, sc2, zp2, b2, zmode2, bits2, nb2, zrb2, hbe, e, n, pf_rows, pfw, zbuf)
@@ -1146,8 +1165,8 @@ def moe_gemv(w1, sc1, zp1, q1, b1, aux1, w2, sc2, zp2, q2, b2, aux2, x, experts,
     µs on the Xeon).
     spans: int64 [E, 2], or no rows for whole experts: expert e's intermediate rows [spans[e, 0], spans[e, 1]) only,
     a part of the expert whose parts over all rows add up to it (the offload engine's pair split between the CPU and
-    the GPU, kernels/cold_split.py). The other rows' activations are 0 (FC2 reads them: its bytes are read whole),
-    FC2's bias is added only by the part from row 0.
+    the GPU, kernels/cold_split.py). The other rows' activations are 0; FC2 reads its rows from the span's start in
+    the int4-rows loop (_fc2_first_chunk), whole elsewhere. FC2's bias is added only by the part from row 0.
     ws: float32 scratch.
     """
     Kb1 = w1.shape[2]

@@ -414,6 +414,18 @@ class CpuQMoE:
         """Whether run_experts takes spans: the fused decode kernel runs this node's decode steps."""
         return self._delegate is None and self._gemv_fused and self._quantized
 
+    @property
+    def reads_rows_in_part(self) -> bool:
+        """Whether a part of an expert from a multiple of 64 rows on (kernels/cold_split.py: ROW_STEP) reads only its
+        part of FC2's rows too: moe_gemv's loop of int4 rows of whole 16-byte chunks starts at the part's chunk where
+        that starts a scale block (blocks of <= 64 codes, or one scale a row). Elsewhere FC2's rows are read whole."""
+        if not self.splits_rows:
+            return False
+        f2 = self.fc2
+        bits, nb, chunk, cshift, nchunk, fmt = (int(f2.qparams[i]) for i in (2, 3, 4, 5, 6, 8))
+        return (bits == 4 and chunk == 16 and fmt == _k.FMT_INT and nchunk * 16 == f2.w.shape[2]
+                and (cshift >= 62 or cshift <= 1))
+
     def _check_spans(self, spans: np.ndarray, tokens: int) -> None:
         E, inter = self.spec.num_experts, self.spec.inter_size
         if not self.splits_rows or tokens > self.gemv_max_rows:
