@@ -272,8 +272,9 @@ def judge_words(placement: dict | None) -> str:
 
 def split_words(cold_split: dict | None) -> str:
     """Under "both": ', CPU takes [0, 0, 1, ...] of c cold (share trials' shift -1; 2 slow steps left out of its
-    rate), host 120 µs between layers, the GPU reads the tier at 39 GB/s' (the shift where not 0, the slow steps where
-    any, the tier's rate where measured); else ''."""
+    rate), a pair split at rows [0, 0, 2688, ...], host 120 µs between layers, the GPU reads the tier at 39 GB/s' (the
+    shift where not 0, the slow steps where any, the split's rows where a count of cold pairs has them, the tier's
+    rate where measured); else ''."""
     if cold_split is None:
         return ""
     shift = (cold_split.get("share") or {}).get("shift", 0)
@@ -281,8 +282,10 @@ def split_words(cold_split: dict | None) -> str:
     notes = ([f"share trials' shift {shift:+d}"] if shift else []) + (
         [f"{left_out} slow steps left out of its rate"] if left_out else [])
     tier = cold_split.get("tier_read_bytes_per_s")
+    rows = cold_split.get("split_rows")
     return (f", CPU takes {cold_split['cpu_takes']} of c cold"
             + (f" ({'; '.join(notes)})" if notes else "")
+            + (f", a pair split at rows {rows}" if rows and any(rows) else "")
             + f", host {cold_split['host_gap_s'] * 1e6:.0f} µs between layers"
             + (f", the GPU reads the tier at {tier / 1e9:.0f} GB/s" if tier else ""))
 

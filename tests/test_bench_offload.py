@@ -128,6 +128,9 @@ def test_split_words_name_the_table_the_shift_where_not_zero_and_the_tiers_rate_
     state.update(slow_steps_left_out=2)
     assert split_words(state).startswith(", CPU takes [0, 0, 1] of c cold (share trials' shift -1; 2 slow steps left "
                                          "out of its rate), host 12 µs")
+    state.update(split_rows=[0, 0, 2688])  # a pair split by rows (kernels/cold_split.py)
+    assert ", a pair split at rows [0, 0, 2688], host 12 µs" in split_words(state)
+    assert split_words({**state, "split_rows": [0, 0, 0]}) == split_words({**state, "split_rows": None})
     assert split_words(None) == ""
 
 

@@ -331,8 +331,9 @@ def threads_text(threads: dict) -> str:
 
 def _cpu_share(path: dict) -> str:
     """' (up to 4 of 8 when all are cold, the CPU's parts at 65 GB/s, after 190 µs of host work a layer)': the CPU's
-    share under the decode path "both", and the CPU's measured rate and the host's measured work between two such
-    layers, which the share is weighed with; '' elsewhere."""
+    share under the decode path "both" (with a pair split by rows: 'up to 4 and 17% of one more of 8'), and the CPU's
+    measured rate and the host's measured work between two such layers, which the share is weighed with; ''
+    elsewhere."""
     split = path.get("cold_split") or {}
     takes = split.get("cpu_takes")
     if path.get("in_force") != "both" or not takes:
@@ -351,7 +352,9 @@ def _cpu_share(path: dict) -> str:
         trial = f", {SHIFT_WORDS[share['shift']]} than the rates give, as measured faster"
     else:
         trial = ""
-    return f" (up to {takes[-1]} of {len(takes) - 1} when all are cold{trial}{rate_words}{host})"
+    rows, inter = (split.get("split_rows") or [0])[-1], split.get("inter_size")
+    part = f" and {1 - rows / inter:.0%} of one more" if rows and inter else ""  # the CPU's rows of the split pair
+    return f" (up to {takes[-1]}{part} of {len(takes) - 1} when all are cold{trial}{rate_words}{host})"
 
 
 class PlacementView(QWidget):

@@ -369,6 +369,7 @@ class OffloadEngine:
         rows = None if layer is None else self.cold_split_rows(layer)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
                 "split_rows": None if rows is None else rows.tolist(),
+                "inter_size": None if layer is None else self.infos[layer].spec.inter_size,
                 "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
                 "slow_steps_left_out": self.split_gate.left_out,
