@@ -279,7 +279,8 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     # count is what the state reports; test_spike_gate.py pins down which steps it leaves out)
     # (the split's rows: none within this model's 64 intermediate rows, kernels/cold_split.py's ROW_STEP)
     assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "split_rows": [0] * (SPEC.top_k + 1),
-                     "inter_size": 64, "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s, "tier_read_bytes_per_s": engine.tier_read.value,
+                     "inter_size": 64, "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
+                     "tier_read_bytes_per_s": engine.tier_read.value,
                      "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out,
                      "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None}}  # (none yet: 12 steps)
     engine.set_decode_path("tier")
