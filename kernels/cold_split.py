@@ -10,8 +10,8 @@ Pairs come whole there, so the two sides' parts seldom end together: at Qwen3-30
 4 of 8 cold pairs took 196 µs against the GPU's 232, 5 took 229 against 181 (RESULTS.md, sixty-fifth session). An
 expert's output is the sum of its parts over the intermediate rows (the activation acts row by row, FC2 sums over
 the rows), so one pair can be split: the GPU computes rows [0, r) of the GPU's last cold pair in rank order and the
-CPU rows [r, I) of it, the two parts meeting in the merge's sum. ``split_rows_table`` chooses r per count of cold
-pairs (0: no pair split), ``split_cold_rows`` is the rule with it (route_split's reference). A decode step of one
+CPU rows [r, I) of it, the two parts meeting in the merge's sum. ``split_tables`` chooses the share and r per count of
+cold pairs (r 0: no pair split), ``split_cold_rows`` is the rule with it (route_split's reference). A decode step of one
 token only: the GPU's decode kernels read a split pair's rows as their last tile (decode5.cu).
 """
 
@@ -62,32 +62,34 @@ def split_cold_rows(cold: np.ndarray, cpu_take: np.ndarray, split_rows: np.ndarr
     return on_cpu
 
 
-def split_rows_table(cpu_take: np.ndarray, inter: int, row_step: int, cpu_expert_s: float, cpu_fixed_s: float,
-                     gpu_expert_s: float, host_s: float = 0.0, fc1_share: float = 2 / 3,
-                     cpu_reads_fc2_whole: bool = False) -> np.ndarray:
-    """split_rows[c] for c = 0..k cold pairs (int32 [k + 1]): the rows r (a multiple of `row_step` in (0, inter)) of
-    the split pair that the GPU computes, beside cpu_take[c] whole pairs on the CPU, where that makes the later of
-    the two parts sooner than no split; else 0. The costs as cpu_take_table's; the GPU's part of a split pair costs
-    r / inter of an expert (it reads FC1's first r rows and FC2's first r columns), the CPU's (1 - r / inter), or with
-    `cpu_reads_fc2_whole` (CpuQMoE.reads_rows_in_part false) (1 - r / inter) of FC1 (`fc1_share` of an expert's
-    bytes) and all of FC2."""
-    take = np.asarray(cpu_take)
-    table = np.zeros(take.size, np.int32)
-    rows = np.arange(row_step, inter, row_step)
-    for c in range(take.size):
+def split_tables(k: int, inter: int, row_step: int, cpu_expert_s: float, cpu_fixed_s: float, gpu_expert_s: float,
+                 host_s: float = 0.0, fc1_share: float = 2 / 3,
+                 cpu_reads_fc2_whole: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(cpu_take, split_rows) for c = 0..k cold pairs (int32 [k + 1] each): cpu_take_table's share, or where a split
+    pair makes the later of the two parts sooner, the CPU's whole pairs n beside it and the rows r (a multiple of
+    `row_step` in (0, inter)) of the split pair that the GPU computes; split_rows[c] 0 where no pair is split. The
+    costs as cpu_take_table's; the GPU's part of a split pair costs r / inter of an expert (it reads FC1's first r rows
+    and FC2's first r columns), the CPU's (1 - r / inter), or with `cpu_reads_fc2_whole` (CpuQMoE.reads_rows_in_part
+    false) (1 - r / inter) of FC1 (`fc1_share` of an expert's bytes) and all of FC2. A split is weighed against every
+    whole share, not only the best one's neighbour: at gpt-oss-20B-like 0% (the CPU 141 µs an expert + 75 a call, the
+    GPU 289) 3 of 4 whole on the CPU end at 498 µs, 2 and half of the third at ~430."""
+    take = cpu_take_table(k, cpu_expert_s, cpu_fixed_s, gpu_expert_s, host_s)
+    rows = np.zeros(k + 1, np.int32)
+    r = np.arange(row_step, inter, row_step)
+    if r.size == 0:
+        return take, rows
+    cpu_part = fc1_share * (1 - r / inter) + (1 - fc1_share) if cpu_reads_fc2_whole else 1 - r / inter
+    for c in range(1, k + 1):
         n = int(take[c])
-        if c - n < 1 or rows.size == 0:
-            continue
-        cpu_whole = host_s + (cpu_fixed_s + n * cpu_expert_s if n else 0.0)
-        gpu_whole = (c - n) * gpu_expert_s
-        cpu_part = fc1_share * (1 - rows / inter) + (1 - fc1_share) if cpu_reads_fc2_whole else 1 - rows / inter
-        cpu = host_s + cpu_fixed_s + (n + cpu_part) * cpu_expert_s
-        gpu = (c - n - 1 + rows / inter) * gpu_expert_s
-        later = np.maximum(cpu, gpu)
-        best = int(np.argmin(later))
-        if later[best] < max(cpu_whole, gpu_whole):
-            table[c] = rows[best]
-    return table
+        best = max(host_s + (cpu_fixed_s + n * cpu_expert_s if n else 0.0), (c - n) * gpu_expert_s)
+        for whole in range(c):  # the CPU's whole pairs beside the split one; the GPU keeps c - whole - 1 and r rows
+            cpu = host_s + cpu_fixed_s + (whole + cpu_part) * cpu_expert_s
+            gpu = (c - whole - 1 + r / inter) * gpu_expert_s
+            later = np.maximum(cpu, gpu)
+            at = int(np.argmin(later))
+            if later[at] < best:
+                best, take[c], rows[c] = later[at], whole, r[at]
+    return take, rows
 
 
 ROW_STEP = 64  # a split pair's rows in multiples of the GPU decode kernels' k-tile (FC2's intermediate 64 a tile)

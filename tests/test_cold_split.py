@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kernels.cold_split import (cpu_spans, cpu_take_table, device_spans, gpu_rows_of_split, split_cold_pairs,
-                                split_cold_rows, split_rows_table)
+                                split_cold_rows, split_tables)
 
 
 def _split_by_loops(cold, take):
@@ -71,31 +71,38 @@ def test_a_steps_split_pair_is_the_gpus_last_cold_pair_coded_by_its_first_cpu_ro
     assert np.array_equal(split_cold_rows(cold, take, rows), split_cold_pairs(cold, take).astype(np.int32))
 
 
-def test_the_rows_table_splits_a_pair_where_both_parts_end_sooner():
-    # the CPU 1 s an expert, the GPU 1 s, no fixed cost, 128 rows in steps of 64: with 1 cold pair the GPU keeps it
-    # whole (a tie at 1 s); split at row 64 each side reads half of it: 0.5 s. With 2 cold pairs one each (1 s)
-    # beats a split (1.5 s on the CPU at best)
-    take = cpu_take_table(2, 1.0, 0.0, 1.0)
-    assert take.tolist() == [0, 0, 1]
-    assert split_rows_table(take, 128, 64, 1.0, 0.0, 1.0).tolist() == [0, 64, 0]
+def test_the_tables_split_a_pair_where_both_parts_end_sooner():
+    # the CPU 1 s an expert, the GPU 1 s, no fixed cost, 128 rows in steps of 64: with 1 cold pair the GPU would keep
+    # it whole (a tie at 1 s); split at row 64 each side reads half of it: 0.5 s. With 2 cold pairs one each (1 s)
+    # beats a split (1.5 s at best)
+    take, rows = split_tables(2, 128, 64, 1.0, 0.0, 1.0)
+    assert (take.tolist(), rows.tolist()) == ([0, 0, 1], [0, 64, 0])
     # a CPU kernel that reads FC2 whole (CpuQMoE.reads_rows_in_part false): its part of the split pair reads half of
-    # FC1 (2/3 of an expert) and all of FC2 (1/3): 0.67 s against the GPU's 0.5, still sooner than 1 s whole
-    assert split_rows_table(take, 128, 64, 1.0, 0.0, 1.0, cpu_reads_fc2_whole=True).tolist() == [0, 64, 0]
-    # ... and with a call's fixed cost of 0.4 s it is not (1.07 s against 1 s whole)
-    assert not split_rows_table(take, 128, 64, 1.0, 0.4, 1.0, cpu_reads_fc2_whole=True).any()
-    # gpt-oss-20B-like at 0% on an H100 host (sixty-fifth session): the CPU 183 µs an expert + 54 µs a call, the GPU
-    # 279 µs: 4 cold pairs, 2 on the CPU (the GPU's 558 µs the later); the GPU's last pair split where both sides end
-    # together, at ~0.7 of its rows
-    take = cpu_take_table(4, 183e-6, 54e-6, 279e-6)
-    assert take[4] == 2
-    rows = split_rows_table(take, 2880, 64, 183e-6, 54e-6, 279e-6)
+    # FC1 (2/3 of an expert) and all of FC2 (1/3): 0.67 s against the GPU's 0.5, still sooner than 1 s whole ...
+    take, rows = split_tables(2, 128, 64, 1.0, 0.0, 1.0, cpu_reads_fc2_whole=True)
+    assert (take.tolist(), rows.tolist()) == ([0, 0, 1], [0, 64, 0])
+    # ... and with a call's fixed cost of 0.4 s it is not (1.07 s against 1 s whole): the whole share as it was
+    take, rows = split_tables(2, 128, 64, 1.0, 0.4, 1.0, cpu_reads_fc2_whole=True)
+    assert take.tolist() == cpu_take_table(2, 1.0, 0.4, 1.0).tolist() and not rows.any()
+
+
+def test_a_split_is_weighed_against_every_whole_share():
+    """gpt-oss-20B-like at 0% on the sixty-sixth session's H200 host: the CPU 141 µs an expert + 75 µs a call, the
+    GPU 289 µs. Whole, the CPU's 3 of 4 (498 µs) beat 2 (the GPU's 578); split, 2 whole and about half of the third
+    end together at ~430 µs, which a split beside the whole share's 3 (the CPU's part only longer) never finds."""
+    cpu, fixed, gpu = 141e-6, 75e-6, 289e-6
+    assert cpu_take_table(4, cpu, fixed, gpu)[4] == 3
+    take, rows = split_tables(4, 2880, 64, cpu, fixed, gpu)
+    assert take[4] == 2 and rows[4] % 64 == 0
     r = rows[4] / 2880
-    assert rows[4] % 64 == 0 and 0.6 < r < 0.8
-    cpu, gpu = 54e-6 + (2 + 1 - r) * 183e-6, (1 + r) * 279e-6
-    assert max(cpu, gpu) < 558e-6 - 70e-6 and abs(cpu - gpu) < 20e-6
-    # a table with no cold pair left on the GPU, or no row between the steps, splits nothing
-    assert not split_rows_table(np.array([0, 1, 2]), 768, 64, 35e-6, 52e-6, 53e-6).any()
-    assert not split_rows_table(take, 64, 64, 35e-6, 52e-6, 53e-6).any()
+    cpu_side, gpu_side = fixed + (2 + 1 - r) * cpu, (1 + r) * gpu
+    assert max(cpu_side, gpu_side) < 435e-6 and abs(cpu_side - gpu_side) < 10e-6
+    # the sixty-fifth session's H100 rates (183 µs + 54, the GPU 279): 2 whole and ~0.3 of the third on the CPU
+    take, rows = split_tables(4, 2880, 64, 183e-6, 54e-6, 279e-6)
+    assert take[4] == 2 and 0.6 < rows[4] / 2880 < 0.8
+    # no row between the steps: the whole share
+    take, rows = split_tables(8, 64, 64, 35e-6, 52e-6, 53e-6)
+    assert take.tolist() == cpu_take_table(8, 35e-6, 52e-6, 53e-6).tolist() and not rows.any()
 
 
 def test_spans_give_each_side_its_rows_of_the_split_pair():

@@ -39,7 +39,7 @@ from engine.offload.split_share import SplitShareTrials, shifted
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
-from kernels.cold_split import ROW_STEP, cpu_take_table, fc1_share, split_rows_table
+from kernels.cold_split import ROW_STEP, cpu_take_table, fc1_share, split_tables
 from kernels.gpu.host_tier import HostTierError
 
 
@@ -248,33 +248,32 @@ class OffloadEngine:
         bandwidth), the host's own work between two such layers on the CPU's side (HostGap); per expert size, made
         again every few decode steps as the measured rates and gap move; shifted by the share trials' choice
         (split_share.py)."""
-        info, store = self.infos[layer], self.stores[layer]
-        key = (info.bytes_per_expert, store.read_bytes, info.spec.k)
-        table = self._split_tables.get(key)
-        if table is None:
-            cpu_expert_s, cpu_fixed_s, gpu_expert_s = self._split_costs(layer)
-            table = self._split_tables[key] = shifted(cpu_take_table(
-                info.spec.k, cpu_expert_s, cpu_fixed_s, gpu_expert_s, self.host_gap.value), self.share_trials.shift)
-        return table
+        return self._split_pair_tables(layer)[0]
 
     def cold_split_rows(self, layer: int) -> np.ndarray | None:
         """Under the decode path "both": the rows of a token's split pair per count of its cold pairs beside
-        cold_split_table's share (kernels/cold_split.py: split_rows_table; 0 where none is split), from the same costs
-        and made again with it; None where the layer's store splits no pair (its GPU decode kernels) or the
-        environment's MOE_ROW_SPLIT is 0 (benchmarks' A/Bs)."""
-        store = self.stores[layer]
-        if not self.row_split or not getattr(store, "splits_rows", False):
-            return None
-        info = self.infos[layer]
-        key = ("rows", info.bytes_per_expert, store.read_bytes, info.spec.k)
-        rows = self._split_tables.get(key)
-        if rows is None:
-            cpu_expert_s, cpu_fixed_s, gpu_expert_s = self._split_costs(layer)
-            in_part = getattr(self.runners[layer].kernel, "reads_rows_in_part", False)
-            rows = self._split_tables[key] = split_rows_table(
-                self.cold_split_table(layer), info.spec.inter_size, ROW_STEP, cpu_expert_s, cpu_fixed_s,
-                gpu_expert_s, self.host_gap.value, fc1_share(info.spec.gated), cpu_reads_fc2_whole=not in_part)
-        return rows
+        cold_split_table's share (kernels/cold_split.py: split_tables; 0 where none is split), made with it; None where
+        the layer's store splits no pair (its GPU decode kernels) or the environment's MOE_ROW_SPLIT is 0 (benchmarks'
+        A/Bs)."""
+        return self._split_pair_tables(layer)[1]
+
+    def _split_pair_tables(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(cold_split_table, cold_split_rows) of a layer, made from the costs (_split_costs) and kept per expert
+        size: the share and the split pair's rows chosen together where the layer's store splits pairs."""
+        info, store = self.infos[layer], self.stores[layer]
+        splits_rows = self.row_split and getattr(store, "splits_rows", False)
+        key = (info.bytes_per_expert, store.read_bytes, info.spec.k, splits_rows)
+        tables = self._split_tables.get(key)
+        if tables is None:
+            costs = (*self._split_costs(layer), self.host_gap.value)
+            if splits_rows:
+                in_part = getattr(self.runners[layer].kernel, "reads_rows_in_part", False)
+                take, rows = split_tables(info.spec.k, info.spec.inter_size, ROW_STEP, *costs,
+                                          fc1_share(info.spec.gated), cpu_reads_fc2_whole=not in_part)
+            else:
+                take, rows = cpu_take_table(info.spec.k, *costs), None
+            tables = self._split_tables[key] = (shifted(take, self.share_trials.shift), rows)
+        return tables
 
     def _split_costs(self, layer: int) -> tuple[float, float, float]:
         """The split's costs in this layer (seconds): the CPU's a cold expert and a call, the GPU's a cold expert read
