@@ -261,12 +261,15 @@ def chain_parts(worker, jobs: list) -> dict:
 
 def split_inputs(engine, layer: int) -> str:
     """What the split's table of `layer` was made from at the step's end (engine.cold_split_table): the CPU's rate and
-    fixed cost a call, the GPU's tier reads, the host's gap, the share trials' choice; and the table in force."""
+    fixed cost a call, the GPU's tier reads, the host's gap, the share trials' choice; and the table in force, with the
+    rows of a pair split by rows where any (engine.cold_split_rows)."""
     rate, tier = engine.split_cpu_rate, engine.tier_read.value
+    rows = engine.cold_split_rows(layer)
     return (f"the split's table from: CPU {(rate.value or 0) / 1e9:.1f} GB/s + {rate.fixed_s * 1e6:.0f} µs a call, "
             f"tier reads {'not measured' if tier is None else f'{tier / 1e9:.1f} GB/s'}, host gap "
             f"{engine.host_gap.value * 1e6:.0f} µs, share {engine.share_trials.choice!r}: CPU takes "
-            f"{engine.cold_split_table(layer).tolist()} of 0..k cold pairs")
+            f"{engine.cold_split_table(layer).tolist()} of 0..k cold pairs"
+            + (f", a pair split at rows {rows.tolist()}" if rows is not None and rows.any() else ""))
 
 
 def boundary_parts(marks: list) -> dict:

@@ -51,9 +51,14 @@ def test_the_split_tables_inputs_are_said_with_the_table_in_force():
     engine = SimpleNamespace(split_cpu_rate=SimpleNamespace(value=95e9, fixed_s=41e-6),
                              tier_read=SimpleNamespace(value=None), host_gap=SimpleNamespace(value=2e-6),
                              share_trials=SimpleNamespace(choice="one fewer"),
-                             cold_split_table=lambda layer: np.array([0, 1, 1, 2, 3, 3, 4, 5, 5 + layer]))
+                             cold_split_table=lambda layer: np.array([0, 1, 1, 2, 3, 3, 4, 5, 5 + layer]),
+                             cold_split_rows=lambda layer: None)
     assert split_inputs(engine, 1) == (
         "the split's table from: CPU 95.0 GB/s + 41 µs a call, tier reads not measured, host gap 2 µs, share "
         "'one fewer': CPU takes [0, 1, 1, 2, 3, 3, 4, 5, 6] of 0..k cold pairs")
     engine.tier_read.value = 27.4e9
     assert "tier reads 27.4 GB/s" in split_inputs(engine, 0)
+    engine.cold_split_rows = lambda layer: np.array([0, 0, 0, 0, 0, 0, 0, 0, 384])  # a pair split by rows at c = 8
+    assert split_inputs(engine, 0).endswith("of 0..k cold pairs, a pair split at rows [0, 0, 0, 0, 0, 0, 0, 0, 384]")
+    engine.cold_split_rows = lambda layer: np.zeros(9, np.int32)
+    assert split_inputs(engine, 0).endswith("of 0..k cold pairs")
