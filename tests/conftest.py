@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,10 @@ os.environ.setdefault("MOE_LAYER_SPLIT", "spread")
 # The same for the decode path's trials (engine/offload/decode_path.py): cold experts on the CPU unless a test asks
 # for the host tier or drives the trials itself.
 os.environ.setdefault("MOE_DECODE_PATH", "cpu")
+# The suite's run history and saved configurations in a folder of its own (platformdirs' user data folder follows
+# XDG_DATA_HOME): a window test that runs a scenario saved into the developer's own history, and failed where a newer
+# moe-workbench had written that file.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="moe-workbench-tests-")
 
 REPO = Path(__file__).resolve().parents[1]
 # The fixture folders beside the checkout; MOE_WORKBENCH_FIXTURES points elsewhere (a machine where the
