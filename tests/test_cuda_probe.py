@@ -11,9 +11,10 @@ import engine.offload.cuda_device as cuda_device
 import engine.offload.host_bandwidth as host_bandwidth
 
 
-def _fake_cupy(get_count) -> types.ModuleType:
+def _fake_cupy(get_count, nvrtc_version=lambda: (12, 8)) -> types.ModuleType:
     cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count))
+    cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count),
+                                      nvrtc=types.SimpleNamespace(getVersion=nvrtc_version))
     return cupy
 
 
@@ -157,3 +158,24 @@ def test_a_cupy_left_incomplete_is_said_so_not_taken_for_no_gpu(monkeypatch, tmp
     monkeypatch.delitem(sys.modules, "cupy", raising=False)
     assert cuda_device.cuda_device_problem() == (
         "CuPy is installed incompletely (module 'cupy' has no attribute 'cuda'): make clean install installs it again")
+
+
+def test_a_missing_nvrtc_falls_back_to_the_cpu_under_auto_and_is_refused_under_required(monkeypatch):
+    """CuPy and the driver there, NVRTC not (CuPy without its [ctk] extra on a machine with only the driver): CuPy
+    loads the library at its first compile, and every GPU kernel needs it (kernels/gpu's module without a prebuilt
+    cubin, CuPy's own with one). The device opened, and the load failed later on CuPy's RuntimeError, under
+    mode=auto too, where every other missing piece falls back to the CPU with the reason said."""
+    def no_nvrtc():
+        raise RuntimeError("CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open shared object "
+                           "file: No such file or directory")
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(lambda: 1, no_nvrtc))
+    monkeypatch.setattr(cuda_device, "CudaDevice", lambda index, mem_limit: "a device whose kernels cannot compile")
+    said = ("the GPU kernels cannot be compiled: CuPy cannot load libnvrtc.so.12, NVRTC, CUDA's runtime compiler "
+            "(install the cuda12 or cuda13 extra, which brings it: make clean install)")
+    assert cuda_device.cuda_device_or_cpu(0, "auto") == (
+        None, f"The CUDA GPU was asked for but cannot be used ({said}); every expert runs on the CPU instead.")
+    with pytest.raises(cuda_device.NoCudaDevice) as refused:
+        cuda_device.cuda_device_or_cpu(0, "required")
+    assert str(refused.value) == said
+    assert cuda_device.cuda_device_problem() == said  # the window's device choice says it before a load

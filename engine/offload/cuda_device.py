@@ -6,6 +6,7 @@ allocation capped."""
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 import weakref
@@ -94,6 +95,26 @@ def _check_device(cp, index: int) -> None:
                            or f"no CUDA device: {error_reason(exc)}") from None
     if count <= index:
         raise NoCudaDevice(f"no CUDA device {index}: {count} found")
+    problem = _nvrtc_problem(cp)
+    if problem:
+        raise NoCudaDevice(problem)
+
+
+def _nvrtc_problem(cp) -> str | None:
+    """Where CuPy cannot load NVRTC, CUDA's runtime compiler: said so, naming the library; None where it loads.
+    Without it no GPU code runs, a prebuilt cubin of kernels/gpu or not: CuPy compiles its own kernels (the bandwidth
+    probe's copies, cupy.full) with it, and its kernel cache asks NVRTC's version before a cached kernel is used.
+    CuPy loads the library at its first NVRTC call, which fails with "CuPy failed to load libnvrtc.so.12: OSError:
+    ..."."""
+    try:
+        cp.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        reason = error_reason(exc)
+        failed = re.match(r"CuPy failed to load (\S+?):", reason)
+        library = f"{failed.group(1)}, NVRTC," if failed else f"NVRTC ({reason}),"
+        return (f"the GPU kernels cannot be compiled: CuPy cannot load {library} CUDA's runtime compiler (install the "
+                "cuda12 or cuda13 extra, which brings it: make clean install)")
+    return None
 
 
 def _cuda_errors(cp) -> tuple[type, ...]:
