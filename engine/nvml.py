@@ -4,6 +4,7 @@ the driver tells), free memory and utilisation. Used by the window's telemetry a
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 
@@ -62,28 +63,63 @@ def cuda_handle(nv, index: int):
     raise LookupError(f"no GPU's UUID starts with CUDA_VISIBLE_DEVICES's {entry!r}")
 
 
+RETRIES = 12          # times NVML is opened again after it failed (not ready yet, a driver reload) before it is given up
+RETRY_AFTER_S = 5.0   # seconds between those tries
+
+
 class Nvml:
-    """NVML through nvidia-ml-py, with the fallbacks nvitop uses across driver versions."""
+    """NVML through nvidia-ml-py, with the fallbacks nvitop uses across driver versions. Where it cannot be opened or
+    stops answering, it is opened again RETRY_AFTER_S later, RETRIES times (the note says so), unless what is missing
+    stays missing: nvidia-ml-py or its library (not looked for again: init), or the GPU CUDA_VISIBLE_DEVICES names.
+    Tries after the first run on the sampling thread: the library is loaded by then (no dlopen there, see init)."""
+
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, index: int = 0):
+        self.index = index
         self.handle = None
         self.note = ""
         self.name = ""
         self.nv = pynvml
-        self.note = init()
-        if self.note:
-            return
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-            if count == 0:
-                self.note = "NVML found no NVIDIA GPU"
-                return
-            self.handle = cuda_handle(pynvml, index)
-            name = pynvml.nvmlDeviceGetName(self.handle)
-            self.name = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception as exc:
-            self.handle = None
-            self.note = f"no NVIDIA GPU ({str(exc) or type(exc).__name__})"
+        self.retrying = False  # whether NVML is opened again after the failure the note says
+        self._tries_left = RETRIES
+        self._retry_at = 0.0
+        self._open()
+
+    def _open(self) -> None:
+        self.handle = None
+        note = init()
+        lasting = pynvml is None or id(pynvml) in _library_missing
+        if not note:
+            try:
+                if pynvml.nvmlDeviceGetCount() == 0:
+                    note = "NVML found no NVIDIA GPU"
+                else:
+                    handle = cuda_handle(pynvml, self.index)
+                    name = pynvml.nvmlDeviceGetName(handle)
+                    self.name = name.decode() if isinstance(name, bytes) else str(name)
+                    self.handle = handle
+            except LookupError as exc:  # CUDA_VISIBLE_DEVICES names no GPU of this machine: so it stays
+                note, lasting = f"no NVIDIA GPU ({exc})", True
+            except Exception as exc:
+                note = f"no NVIDIA GPU ({str(exc) or type(exc).__name__})"
+        if note:
+            self._failed(note, lasting)
+        else:
+            self.note, self.retrying = "", False
+
+    def _failed(self, note: str, lasting: bool = False) -> None:
+        """No reading, for the reason `note`: tried again after RETRY_AFTER_S while tries are left."""
+        self.retrying = not lasting and self._tries_left > 0
+        if self.retrying:
+            self._tries_left -= 1
+            self._retry_at = self.clock() + RETRY_AFTER_S
+            self.note = f"{note}; NVML is asked again in {RETRY_AFTER_S:.0f} s"
+        elif lasting:
+            self.note = note
+        else:
+            self.note = (f"{note}; NVML was asked {RETRIES + 1} times, {RETRY_AFTER_S:.0f} s apart, and is no longer "
+                         "asked (restart MoE Workbench to read the GPU)")
 
     def _processes(self) -> list:
         """Compute and graphics processes on the GPU (newest NVML call the binding has first)."""
@@ -102,14 +138,18 @@ class Nvml:
         return list(found.values())
 
     def sample(self) -> dict | None:
+        if self.handle is None and self.retrying and self.clock() >= self._retry_at:
+            self._open()
         if self.handle is None:
             return None
         nv = self.nv
         try:
             memory = nv.nvmlDeviceGetMemoryInfo(self.handle)
-        except Exception as exc:
-            self.note = f"NVML stopped answering ({exc})"
+        except Exception as exc:  # a driver reload, a GPU reset: its handle is opened again
+            self.handle = None
+            self._failed(f"NVML stopped answering ({exc})")
             return None
+        self._tries_left = RETRIES
         try:
             util = float(nv.nvmlDeviceGetUtilizationRates(self.handle).gpu)
         except Exception:

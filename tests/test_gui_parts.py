@@ -619,7 +619,8 @@ def test_a_cpu_put_online_or_offline_leaves_a_gap_in_its_line_not_a_broken_graph
 def test_a_gpu_that_stops_answering_mid_run_is_not_said_to_be_missing(qtbot, monkeypatch):
     """NVML failing mid-run (the GPU lost, the driver reloaded) hid the VRAM graphs under 'NVML stopped answering
     (...). VRAM and GPU utilisation graphs appear on a machine with one.': on a machine with one. The window goes on,
-    the note says the graphs come back when NVML answers, and they do."""
+    the note says the graphs come back when NVML answers, and they do; once NVML is given up (engine.nvml.RETRIES),
+    it no longer says so."""
     import engine.nvml as nvml
     from app.gui.graphs_panel import GraphsPanel
     from tests.test_nvml import FakeNvml
@@ -628,6 +629,9 @@ def test_a_gpu_that_stops_answering_mid_run_is_not_said_to_be_missing(qtbot, mon
         pass
 
     fake = FakeNvml([])
+    answers = fake.nvmlDeviceGetMemoryInfo
+    now = [0.0]
+    monkeypatch.setattr(nvml.Nvml, "clock", staticmethod(lambda: now[0]))
     monkeypatch.setattr(nvml, "pynvml", fake)
     gpu = nvml.Nvml()
     graphs = GraphsPanel()
@@ -642,14 +646,20 @@ def test_a_gpu_that_stops_answering_mid_run_is_not_said_to_be_missing(qtbot, mon
         raise Lost("GPU is lost")
 
     monkeypatch.setattr(fake, "nvmlDeviceGetMemoryInfo", lost)
-    graphs.add_sample(dict(sample, t=2.0, gpu=gpu.sample(), gpu_note=gpu.note))
+    graphs.add_sample(dict(sample, t=2.0, gpu=gpu.sample(), gpu_note=gpu.note, gpu_retrying=gpu.retrying))
     assert not graphs.vram_plot.header.isVisible()
-    assert graphs.gpu_note.text() == ("<b>GPU:</b> NVML stopped answering (GPU is lost). The VRAM and GPU "
-                                      "utilisation graphs come back when it answers again.")
-    monkeypatch.undo()
-    monkeypatch.setattr(nvml, "pynvml", fake)
+    assert graphs.gpu_note.text() == ("<b>GPU:</b> NVML stopped answering (GPU is lost); NVML is asked again in 5 s. "
+                                      "The VRAM and GPU utilisation graphs come back when it answers again.")
+    now[0] += nvml.RETRY_AFTER_S
+    monkeypatch.setattr(fake, "nvmlDeviceGetMemoryInfo", answers)
     graphs.add_sample(dict(sample, t=3.0, gpu=gpu.sample(), gpu_note=""))
     assert graphs.vram_plot.header.isVisible() and graphs.gpu_note.isHidden()
+    monkeypatch.setattr(fake, "nvmlDeviceGetMemoryInfo", lost)
+    for _ in range(nvml.RETRIES + 1):  # NVML given up after its tries: the note no longer says the graphs come back
+        now[0] += nvml.RETRY_AFTER_S
+        graphs.add_sample(dict(sample, t=4.0, gpu=gpu.sample(), gpu_note=gpu.note, gpu_retrying=gpu.retrying))
+    assert graphs.gpu_note.text() == ("<b>GPU:</b> NVML stopped answering (GPU is lost); NVML was asked 13 times, 5 s "
+                                      "apart, and is no longer asked (restart MoE Workbench to read the GPU).")
 
 
 def test_a_simulated_gpus_memory_is_shown_beside_a_real_gpus_graphs(qtbot, monkeypatch):

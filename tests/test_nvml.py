@@ -147,6 +147,88 @@ def test_a_missing_nvml_library_is_looked_for_once(monkeypatch):
     assert NoLibrary.tries == 3
 
 
+class NotReadyYet(FakeNvml):
+    """NVML whose nvmlInit fails `failures` times (the driver not loaded yet, or being reloaded), then works."""
+
+    def __init__(self, failures):
+        super().__init__([(os.getpid(), 6 << 30)])
+        self.failures, self.inits = failures, 0
+
+    def nvmlInit(self):
+        self.inits += 1
+        if self.inits <= self.failures:
+            raise RuntimeError("Driver Not Loaded")
+
+
+def test_nvml_not_ready_yet_is_asked_again_and_read_once_it_answers(monkeypatch):
+    """NVML that failed to open once (not ready yet at the window's start, a driver reload) was given up for good:
+    the graphs said 'no NVIDIA GPU (Driver Not Loaded)' for as long as the window ran, with the GPU answering a
+    second later. It is asked again every RETRY_AFTER_S, and the note says so."""
+    now = [100.0]
+    monkeypatch.setattr(nvml.Nvml, "clock", staticmethod(lambda: now[0]))
+    fake = NotReadyYet(failures=2)
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    probe = nvml.Nvml()
+    assert probe.note == "no NVIDIA GPU (Driver Not Loaded); NVML is asked again in 5 s" and probe.retrying
+    assert probe.sample() is None and fake.inits == 1  # not before the 5 s
+    now[0] += 5
+    assert probe.sample() is None and fake.inits == 2 and probe.retrying
+    now[0] += 5
+    sample = probe.sample()
+    assert sample["name"] == "NVIDIA Test GPU" and sample["this"] == 6 << 30 and fake.inits == 3
+    assert probe.note == "" and not probe.retrying
+
+
+def test_nvml_is_asked_a_bounded_number_of_times_then_given_up_with_why(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(nvml.Nvml, "clock", staticmethod(lambda: now[0]))
+    fake = NotReadyYet(failures=1000)
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    probe = nvml.Nvml()
+    for _ in range(3 * nvml.RETRIES):
+        now[0] += nvml.RETRY_AFTER_S
+        assert probe.sample() is None
+    assert fake.inits == nvml.RETRIES + 1 and not probe.retrying
+    assert probe.note == ("no NVIDIA GPU (Driver Not Loaded); NVML was asked 13 times, 5 s apart, and is no longer "
+                          "asked (restart MoE Workbench to read the GPU)")
+
+
+def test_nvml_that_stops_answering_is_opened_again_and_its_tries_start_over_once_it_answers(monkeypatch):
+    """A driver reload mid-run: the GPU's handle is opened again (nvmlInit, the handle looked up anew), not asked
+    through the old one for good."""
+    now = [0.0]
+    monkeypatch.setattr(nvml.Nvml, "clock", staticmethod(lambda: now[0]))
+    fake = NotReadyYet(failures=0)
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    probe = nvml.Nvml()
+    answers = FakeNvml.nvmlDeviceGetMemoryInfo
+
+    def lost(handle):
+        raise RuntimeError("GPU is lost")
+
+    for _ in range(2):  # twice, more than RETRIES failures in all: each reading gives back the whole count
+        monkeypatch.setattr(fake, "nvmlDeviceGetMemoryInfo", lost)
+        for _ in range(nvml.RETRIES):
+            assert probe.sample() is None and probe.retrying
+            assert probe.note == "NVML stopped answering (GPU is lost); NVML is asked again in 5 s"
+            now[0] += nvml.RETRY_AFTER_S
+        monkeypatch.setattr(fake, "nvmlDeviceGetMemoryInfo", lambda handle: answers(fake, handle))
+        assert probe.sample()["used"] == 30 << 30
+    assert fake.inits == 1 + 2 * nvml.RETRIES
+
+
+def test_a_lasting_failure_is_not_asked_again(monkeypatch):
+    """The library missing (a dlopen each time, init), or CUDA_VISIBLE_DEVICES naming no GPU: no retry, no 'asked
+    again' in the note."""
+    monkeypatch.setattr(nvml.Nvml, "clock", staticmethod(lambda: 1e9))
+    fake = NotReadyYet(failures=0)
+    monkeypatch.setattr(nvml, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    probe = nvml.Nvml()
+    assert probe.sample() is None and probe.sample() is None and fake.inits == 1 and not probe.retrying
+    assert probe.note == "no NVIDIA GPU (CUDA_VISIBLE_DEVICES='' leaves this process no GPU 0)"
+
+
 def test_a_process_is_named_by_its_script_or_module_never_by_inline_code():
     class Proc:
         def __init__(self, *args):

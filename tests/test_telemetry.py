@@ -29,6 +29,7 @@ def test_the_probe_and_nvml_open_on_the_callers_thread_not_the_samplers(qtbot, m
 
 class _NoGpu:
     note = "no GPU here"
+    retrying = False
 
     def sample(self):
         return None

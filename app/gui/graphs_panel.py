@@ -218,7 +218,7 @@ class GraphsPanel(QWidget):
         """The note under the graphs: without a GPU sample, why (_show_gpu_note); beside the GPU graphs, the simulated
         GPU's memory where a model runs on one (the graphs are this machine's card, not the one simulated)."""
         if sample.get("gpu") is None:
-            self._show_gpu_note(sample.get("gpu_note") or "no NVIDIA GPU")
+            self._show_gpu_note(sample.get("gpu_note") or "no NVIDIA GPU", sample.get("gpu_retrying", False))
         elif self._simulated:
             self.gpu_note.setText(self._simulated_words("the engine's own count; the graphs show this machine's GPU"))
             self.gpu_note.show()
@@ -237,13 +237,17 @@ class GraphsPanel(QWidget):
         return (f"<b>{memory['name']}</b> ({whose}): {human_bytes(memory['used'])} in use of "
                 f"{human_bytes(memory['ceiling'])}, high-water {human_bytes(memory['high_water'])}.")
 
-    def _show_gpu_note(self, why: str) -> None:
-        """Without an NVIDIA GPU to sample: why, and the simulated GPU's memory where a model runs on one."""
+    def _show_gpu_note(self, why: str, retrying: bool) -> None:
+        """Without an NVIDIA GPU to sample: why, and the simulated GPU's memory where a model runs on one. `retrying`:
+        NVML is asked again (why says when); the graphs come back only then."""
         if self._gpu_seen:  # it answered before: NVML fails now, the GPU is there
-            text = f"<b>GPU:</b> {why}. The VRAM and GPU utilisation graphs come back when it answers again."
+            text = f"<b>GPU:</b> {why}." + (" The VRAM and GPU utilisation graphs come back when it answers again."
+                                            if retrying else "")
         elif self._cuda_device:  # CUDA works where NVML does not (a container without libnvidia-ml, nvmlInit refused)
             text = (f"<b>GPU:</b> the model runs on <b>{self._cuda_device}</b>, but NVML, which the VRAM and GPU "
                     f"utilisation graphs read, gives no reading ({why}).")
+        elif retrying:
+            text = f"<b>GPU:</b> {why}. VRAM and GPU utilisation graphs appear when it answers."
         else:
             text = f"<b>GPU:</b> {why}. VRAM and GPU utilisation graphs appear on a machine with one."
         if self._simulated:

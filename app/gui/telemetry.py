@@ -4,7 +4,7 @@ CPU per core and in total, host memory (this process, other processes, available
 other processes through psutil; the GPU through NVML (nvidia-ml-py): memory used by this process
 and by others (per process where the driver tells), free memory and utilisation. Without an
 NVIDIA GPU the sample carries `gpu: None` and a `gpu_note` saying why, so the graphs can say so
-instead of drawing zeros.
+instead of drawing zeros (`gpu_retrying`: NVML is asked again, engine.nvml.Nvml).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class SystemProbe:
             "ram_total": memory.total, "ram_available": memory.available, "ram_this": rss,
             "ram_others": others_memory(memory.total, memory.available, rss, file_backed),
             "top_cpu": top_cpu, "top_ram": top_ram, "gpu": gpu, "gpu_note": note,
+            "gpu_retrying": bool(gpu is None and self.nvml and self.nvml.retrying),
         }
 
 
