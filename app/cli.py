@@ -514,8 +514,9 @@ class _StreamedAnswer:
             self.thinking = False
 
 
-def _print_result(result, model, as_json: bool, projected: float | None = None) -> None:
-    """`projected`: on the simulated device, the answer's decode rate projected for the card."""
+def _print_result(result, model, as_json: bool, projected: float | None = None, device: dict | None = None) -> None:
+    """`projected`: on the simulated device, the answer's decode rate projected for the card. `device`: the device
+    asked for, the one the model runs on and why where they differ (the JSON's offload.device)."""
     from engine.offload.approximate import agreement_text
 
     if as_json:
@@ -526,7 +527,8 @@ def _print_result(result, model, as_json: bool, projected: float | None = None) 
                   "reasoning": result.reasoning, "finish_reason": result.finish_reason, "timings": timings}
         answer["dense"] = {"device": model.dense_device, "reason": model.dense_reason}
         if model.offload is not None:
-            answer["offload"] = {"statements": model.offload.plan.statements, **model.offload.stats_dict()}
+            answer["offload"] = {"device": device, "statements": model.offload.plan.statements,
+                                 **model.offload.stats_dict()}
         if result.routing_agreement is not None:
             answer["routing_agreement"] = result.routing_agreement
             answer["offload"]["approximation"] = vars(model.offload.approximation)
@@ -603,7 +605,10 @@ def _cmd_generate(args) -> int:
         from engine.tokenizer import ModelTokenizer
 
         reasoning_variables(ModelTokenizer(folder_path(args.model)), args.reasoning)
-    config, device = _offload_setup(args)
+    fallback = []
+    config, device = _offload_setup(args, fallback)
+    # the device the answer ran on and why, where it is not the one asked for: a script reads the JSON, not stderr
+    ran_on = {"asked": args.device, "ran_on": getattr(device, "kind", "cpu"), "why": fallback[0] if fallback else None}
     if config is not None and args.threads and config.cpu_threads not in (0, args.threads):
         raise WorkbenchError(f"conflicting values for one setting: --threads {args.threads} and "
                              f"cpu_threads={config.cpu_threads}")
@@ -631,7 +636,7 @@ def _cmd_generate(args) -> int:
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
-            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens))
+            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on)
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
@@ -641,7 +646,7 @@ def _cmd_generate(args) -> int:
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
-            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens))
+            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on)
         if not args.chat:
             return 0
         line = sys.stdin.readline()

@@ -1234,6 +1234,23 @@ def test_inspect_json_on_a_cuda_gpu_that_cannot_be_used_says_in_the_json_which_d
                                                                     "why": None}
 
 
+def test_generate_json_on_a_cuda_gpu_that_cannot_be_used_says_in_the_json_which_device_it_ran_on_and_why(
+        capsys, monkeypatch):
+    """generate --json --device cuda without CuPy ran every expert on the CPU and said so on standard error alone: the
+    JSON answer (its timings, its offload statistics) read as a GPU run's to a script that asked for the GPU."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    status, out, _err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--max-new-tokens",
+                              "2", "--json", "--device", "cuda")
+    assert status == 0 and json.loads(out)["offload"]["device"] == {
+        "asked": "cuda", "ran_on": "cpu",
+        "why": "The CUDA GPU was asked for but cannot be used (the CUDA GPU needs CuPy (install with `make install` on "
+               "a machine with an NVIDIA driver)); every expert runs on the CPU instead."}
+    status, out, _err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--max-new-tokens",
+                              "2", "--json", "--device", "simulated")
+    assert status == 0 and json.loads(out)["offload"]["device"] == {"asked": "simulated", "ran_on": "simulated",
+                                                                    "why": None}
+
+
 def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     """--layer-split and --decode-path choose how a device takes experts: with --device cpu (the default) they were
     accepted in silence, as if they had been applied."""
