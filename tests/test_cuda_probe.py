@@ -18,6 +18,12 @@ def _fake_cupy(get_count, nvrtc_version=lambda: (12, 8)) -> types.ModuleType:
     return cupy
 
 
+@pytest.fixture(autouse=True)
+def every_gpu_visible(monkeypatch):
+    """The messages as without CUDA_VISIBLE_DEVICES (which a GPU machine running the suite may set): they name it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
 @pytest.fixture
 def nothing_opened(monkeypatch):
     """CudaDevice and the host bandwidth probe fail the test if anything builds or runs them."""
@@ -32,6 +38,26 @@ def test_a_device_there_gives_no_problem(monkeypatch, nothing_opened):
     assert cuda_device.cuda_device_problem() == ""
     assert cuda_device.cuda_device_problem(1) == ""
     assert cuda_device.cuda_device_problem(2) == "no CUDA device 2: 2 found"
+
+
+def test_a_gpu_hidden_by_cuda_visible_devices_is_said_to_be_hidden(monkeypatch, nothing_opened):
+    """CUDA_VISIBLE_DEVICES='' (or naming no GPU of the machine) makes CUDA find none: --device cuda said "no CUDA
+    device: cudaErrorNoDevice: no CUDA-capable device is detected" on a machine with GPUs, with nothing pointing at the
+    variable that hid them."""
+    def no_device():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(no_device))
+    assert cuda_device.cuda_device_problem() == (
+        "no CUDA device: cudaErrorNoDevice: no CUDA-capable device is detected (CUDA_VISIBLE_DEVICES='' hides every "
+        "GPU it does not list)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(lambda: 1))
+    assert cuda_device.cuda_device_problem(1) == (
+        "no CUDA device 1: 1 found (CUDA_VISIBLE_DEVICES='2' hides every GPU it does not list)")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert cuda_device.cuda_device_problem(1) == "no CUDA device 1: 1 found"
 
 
 def test_a_missing_driver_or_cupy_is_named(monkeypatch, nothing_opened):

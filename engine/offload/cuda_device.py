@@ -6,6 +6,7 @@ allocation capped."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 import time
@@ -85,6 +86,12 @@ def _driver_problem(cp) -> str | None:
             "CuPy is built for (make clean install installs the builds this driver runs, or update the driver)")
 
 
+def _visible_devices() -> str:
+    """Where CUDA_VISIBLE_DEVICES is set, that it hides the GPUs it does not list (CUDA then finds none, or fewer)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r} hides every GPU it does not list)"
+
+
 def _check_device(cp, index: int) -> None:
     try:
         count = cp.cuda.runtime.getDeviceCount()
@@ -92,9 +99,9 @@ def _check_device(cp, index: int) -> None:
         raise NoCudaDevice(f"CuPy is installed incompletely ({exc}): make clean install installs it again") from None
     except Exception as exc:  # cudaErrorNoDevice, driver missing or too old, CuPy's libraries missing
         raise NoCudaDevice(_cupy_load_failure(exc) or _driver_problem(cp)
-                           or f"no CUDA device: {error_reason(exc)}") from None
+                           or f"no CUDA device: {error_reason(exc)}{_visible_devices()}") from None
     if count <= index:
-        raise NoCudaDevice(f"no CUDA device {index}: {count} found")
+        raise NoCudaDevice(f"no CUDA device {index}: {count} found{_visible_devices()}")
     problem = _nvrtc_problem(cp)
     if problem:
         raise NoCudaDevice(problem)
