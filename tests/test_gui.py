@@ -1931,6 +1931,22 @@ def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtb
     assert not window.model_panel.unload_button.isEnabled() and window.model_panel.landed.text() == "Not loaded."
 
 
+def test_a_load_under_mode_required_on_a_cuda_gpu_without_cupy_keeps_the_loaded_model(qtbot, window, monkeypatch):
+    """The CUDA GPU chosen under mode=required on a machine whose GPU stack cannot run it (no CuPy here; no driver or
+    NVRTC alike): the worker dropped the loaded model and its conversation, then refused the load. It is refused
+    first, as the device would refuse it, with the loaded model kept."""
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded)
+    ask(qtbot, window, "Hello", 4)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy fails, as on a machine without it)
+    other = fixture_folder("lfm2moe")
+    load(qtbot, window, other, {"device": {"kind": "cuda"}, "entries": {"mode": "required"}})
+    assert window.last_error == (f"Could not load {other}: the CUDA GPU needs CuPy (install with `make install` on a "
+                                 "machine with an NVIDIA driver); gptoss stays loaded")
+    assert same(window.loaded_path, loaded)
+    assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
+
+
 def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,
                                                                                                       copy_fixture):
     """The worker dropped the loaded model, and the window had its conversation started again, before it read the

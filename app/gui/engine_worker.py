@@ -33,7 +33,7 @@ from engine.generation import DENSE_RESERVATION, Conversation, GenerationParams,
 from engine.kernel_warmup import warm_model
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
-from engine.offload.cuda_device import cuda_device_or_cpu
+from engine.offload.cuda_device import cuda_device_or_cpu, cuda_device_problem
 from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
@@ -169,16 +169,23 @@ class EngineWorker(QObject):
             # the folder read again before the loaded model goes: one that cannot be opened now (broken since it was
             # inspected) is refused with the loaded model and its conversation kept
             previous = self._facts.path if self._facts else None
+            kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
             try:
                 self._open_folder(path)
             except Exception as exc:
-                kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
                 self.failed.emit(f"Could not load {path}: {one_line(exc)}{kept}")
                 return
             if previous is None or Path(previous).resolve() != Path(path).resolve():
                 self.inspected.emit(self._facts)
-            self._drop_model()
             config = OffloadConfig.from_entries(settings.get("entries", {}))
+            # mode=required on a CUDA GPU that CuPy, the driver or NVRTC leaves unusable: refused as the device would
+            # refuse it, before the loaded model goes (one that cannot be opened, busy or full, is known only after)
+            on_cuda = settings.get("device", {}).get("kind") == "cuda"
+            problem = cuda_device_problem() if on_cuda and config.mode == "required" else ""
+            if problem:
+                self.failed.emit(f"Could not load {path}: {problem}{kept}")
+                return
+            self._drop_model()
             notes: list[str] = []
             device = self._make_device(settings.get("device", {}), config, notes)
             self._device_choice = dict(settings.get("device", {}))
