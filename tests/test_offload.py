@@ -812,6 +812,32 @@ def test_a_popularity_file_set_on_the_loaded_model_places_its_residents(model_fo
     assert_same_as_cpu(greedy_run(model), cpu_run)
 
 
+@pytest.mark.parametrize("placement", ["static", "adaptive"])
+def test_a_popularity_file_edited_in_place_places_its_new_residents_when_applied_again(model_folder, tmp_path,
+                                                                                       placement):
+    """The same configuration applied again after the popularity file was edited (same path, new counts) kept the
+    residents of the old counts: only a new path placed them afresh, so static placement never took the new ones.
+    Now the new counts place the residents, and the plan says the file changed; unchanged, nothing moves."""
+    from engine.model_folder import ModelFolder
+
+    names = [info.name for info in ModelFolder.open(model_folder).experts]
+    per_expert = device_expert_bytes(model_folder) // (16 * len(names))  # one device slot
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({name: [100, 90] + [0] * 14 for name in names}))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(placement=placement, popularity_file=str(path),
+                                                                 device_expert_bytes=2 * len(names) * per_expert),
+                             device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    engine.reconfigure(engine.config)  # unchanged: nothing said
+    assert not any("changed since" in statement for statement in engine.plan.statements)
+    path.write_text(json.dumps({name: [0] * 12 + [100, 90, 1, 1] for name in names}))
+    engine.reconfigure(engine.config)
+    wanted = [[12, 13][:engine.policy.wanted_slots(index)] for index in range(len(names))]
+    assert [sorted(layer.resident().tolist()) for layer in engine.slots] == wanted
+    assert placement == "adaptive" or wanted == [[12, 13]] * len(names)
+    assert f"{path} changed since it was read: its new counts placed the residents afresh." in engine.plan.statements
+
+
 def test_a_replan_refused_for_its_popularity_file_leaves_the_old_plan_in_force(model_folder, tmp_path):
     """The popularity file was read once the new plan was in force: a re-plan refused for it (a saved configuration
     naming a file since moved) said so, yet left the new budget and settings in force under the old placement."""

@@ -85,6 +85,13 @@ def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
     return counts
 
 
+def _same_counts(a: list[np.ndarray] | None, b: list[np.ndarray] | None) -> bool:
+    """Two popularity files' counts (load_popularity) are the same, node by node."""
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
 # The miss slots are weighed when the placement is made, again at its second safe point (the CPU kernels' rate and
 # a copy's host time measured by then: slots filled at load, a first step's misses), then every 16.
 MISS_SLOTS_FIRST, MISS_SLOTS_EVERY = 2, 16
@@ -496,6 +503,7 @@ class OffloadEngine:
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file fills
         from what the first steps route (and the miss policy's copies)."""
         self.policy = make_policy(self.config.placement, self.slots, popularity)
+        self.popularity_in_force = popularity  # the popularity file's counts as last read (a re-plan tells an edit)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
         self._weigh_miss_slots()
@@ -786,7 +794,10 @@ class OffloadEngine:
         self.streaming = self._plan_streaming(config)
         # what adaptive placement learnt so far still holds, unless a popularity file is set or changed: its counts
         # then place the residents afresh, as at a load with it (static placement would never move the old ones)
-        placed_anew = bool(config.popularity_file) and config.popularity_file != self.config.popularity_file
+        # (the same path read again holding other counts: the file was edited since, which a user re-applies to take)
+        edited = (popularity is not None and config.popularity_file == self.config.popularity_file
+                  and not _same_counts(popularity, self.popularity_in_force))
+        placed_anew = bool(config.popularity_file) and (config.popularity_file != self.config.popularity_file or edited)
         old_scores = None if placed_anew else self.policy.scores
         if placed_anew:
             for layer in self.slots:  # emptied: _make_policy fills them from the file
@@ -798,6 +809,9 @@ class OffloadEngine:
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(popularity, old_scores)
+        if edited:
+            self.plan.statements.append(f"{config.popularity_file} changed since it was read: its new counts placed "
+                                        "the residents afresh.")
         self._apply_cpu_threads()
         self._resume_unbounded_work()
         self.stats.pinned = self.pinned_info()
