@@ -595,6 +595,34 @@ def test_static_placements_traffic_is_the_routing_counted_not_the_popularity_fil
     assert f"Routing: {routed[0, 0]:.2f} (routing count, not decayed)" in placement.heatmap.tooltip_at(0, 0)
 
 
+def test_a_popularity_file_edited_after_apply_can_be_applied_again_and_places_its_new_residents(qtbot, window,
+                                                                                              tmp_path):
+    """Apply stays off while the settings are those in force, so a popularity file edited since (same path, new
+    counts) could not be applied again: static placement kept the old file's residents until a reload. Back in the
+    window, the edit is noticed: Apply says so, and the re-plan places the file's new residents."""
+    from PySide6.QtCore import QEvent
+    from PySide6.QtWidgets import QApplication
+
+    names = ("/model/layers.0/moe/QMoE", "/model/layers.1/moe/QMoE")
+    popularity = tmp_path / "popularity.json"
+    popularity.write_text(json.dumps({name: [1000] * 2 + [0] * 6 for name in names}))
+    settings = simulated()
+    settings["entries"].update(placement="static", popularity_file=str(popularity))
+    load(qtbot, window, fixture_folder("gptoss"), settings)
+    budget, engine = window.budget_panel, window.worker._model.offload
+    assert not budget.apply_button.isEnabled()
+    popularity.write_text(json.dumps({name: [0] * 6 + [1000] * 2 for name in names}) + "\n")
+    QApplication.sendEvent(window, QEvent(QEvent.Type.ActivationChange))  # the user comes back to the window
+    assert budget.apply_button.isEnabled()
+    assert budget.applied_label.text() == "Changed: popularity.json was edited since it was applied"
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: not budget.apply_button.isEnabled() and not window.busy, timeout=WAIT)
+    assert all(set(layer.resident().tolist()) <= {6, 7} for layer in engine.slots)
+    assert f"{popularity} changed since it was read: its new counts placed the residents afresh." in (
+        engine.plan.statements)
+    assert budget.applied_label.text() == "Applied to the loaded model"
+
+
 def test_the_tooltip_counts_a_layers_steps_routed_on_the_device_as_the_engine_does(qtbot, window):
     """The tooltip's 'steps routed and computed on the device' (LayerStats.routed_on_device) never showed: the worker
     left the count out of its statistics. With the GPU reading cold experts from host memory (decode path tier) it

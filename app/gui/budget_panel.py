@@ -89,6 +89,7 @@ class BudgetPanel(QWidget):
         self.base = OffloadConfig()
         self.applied: dict | None = None   # what the loaded model runs with
         self._applied_config: OffloadConfig | None = None  # its entries parsed once (None: none, or unparsable)
+        self._applied_popularity: tuple | None = None  # its popularity file's size and time when applied (_file_stamp)
         self.loaded = False
         self.busy = False  # the engine runs something (an answer, a job, a re-plan): Apply waits for it
         self._cuda_error: str | None = None
@@ -466,6 +467,12 @@ class BudgetPanel(QWidget):
             self._applied_config = OffloadConfig.from_entries(settings.get("entries", {})) if settings else None
         except OffloadConfigError:
             self._applied_config = None
+        self._applied_popularity = _file_stamp(self._applied_config and self._applied_config.popularity_file)
+
+    def popularity_edited(self) -> bool:
+        """The popularity file in force was edited since it was applied (the engine reads it again at an Apply)."""
+        path = self._applied_config and self._applied_config.popularity_file
+        return bool(path) and _file_stamp(path) != self._applied_popularity
 
     def device_choice(self) -> DeviceChoice:
         kind = self.device.currentData()
@@ -670,9 +677,16 @@ class BudgetPanel(QWidget):
             return False
         if self._applied_config is None:
             return True
+        return self._settings_changed() or self.popularity_edited()
+
+    def _settings_changed(self) -> bool:
         return (self._applied_config != self.config() or self.applied.get("device") != self.device_settings()
                 or self.applied.get("layer_split", "auto") != self.layer_split.currentData()
                 or self.applied.get("decode_path", "auto") != self.decode_path.currentData())
+
+    def update_apply(self) -> None:
+        """Apply's state looked at again (the window activated: a file it names may have been edited meanwhile)."""
+        self._update_apply()
 
     def _update_apply(self) -> None:
         reload = self.needs_reload()
@@ -683,6 +697,9 @@ class BudgetPanel(QWidget):
             self.applied_label.setText("Used at the next load")
         elif self.dirty() and refused:
             self.applied_label.setText("Changed: refused, not applied (see the estimate)")
+        elif self.dirty() and not self._settings_changed():  # the settings in force, their popularity file edited
+            self.applied_label.setText(f"Changed: {Path(self._applied_config.popularity_file).name} was edited since it "
+                                       "was applied")
         elif self.dirty():
             self.applied_label.setText("Changed: " + ("needs a reload (" + ", ".join(reload) + ")" if reload else "not applied yet"))
         else:
@@ -690,6 +707,15 @@ class BudgetPanel(QWidget):
 
     def _apply(self) -> None:
         self.applyRequested.emit(self.settings(), bool(self.needs_reload()))
+
+
+def _file_stamp(path: str | None) -> tuple | None:
+    """A file's size and modification time, which an edit changes (None: no path, or no file there)."""
+    try:
+        stat = Path(path).stat() if path else None
+    except OSError:
+        return None
+    return (stat.st_size, stat.st_mtime_ns) if stat else None
 
 
 def other_settings_html(config: OffloadConfig, t) -> str:

@@ -926,6 +926,8 @@ class MainWindow(QMainWindow):
         super().changeEvent(event)
         if event.type() == QEvent.Type.WindowStateChange and not self.isMinimized():
             self.graphs.catch_up()  # (restored: the graphs drew nothing while it was minimised)
+        if event.type() == QEvent.Type.ActivationChange:  # back from an editor: the popularity file may have changed
+            self.budget_panel.update_apply()
 
     def closeEvent(self, event) -> None:
         if not self._closed:
