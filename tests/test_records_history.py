@@ -143,8 +143,8 @@ def test_a_history_file_keeps_its_own_schema_version(tmp_path, greedy):
 
     history = History(tmp_path / "h.sqlite3")
     history.add(greedy)
-    assert HISTORY_VERSION == 2 and user_version(history.path) == 2
-    assert History(history.path).get(1) == greedy and user_version(history.path) == 2
+    assert HISTORY_VERSION == 3 and user_version(history.path) == 3
+    assert History(history.path).get(1) == greedy and user_version(history.path) == 3
 
 
 def test_an_older_history_is_brought_forward_with_every_run(tmp_path, greedy):
@@ -153,7 +153,7 @@ def test_an_older_history_is_brought_forward_with_every_run(tmp_path, greedy):
     path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(older(greedy).to_dict()), '{"schema_version": 2'])
     assert user_version(path) == 0
     history = History(path, create=False)
-    assert user_version(path) == 2
+    assert user_version(path) == 3
     rows = history.rows()
     assert [(row["id"], row["label"]) for row in rows] == [(2, "old 1"), (1, "old 0")]  # every run, damaged one too
     assert rows[1]["generated_tokens"] == 3 and rows[1]["turns"] == 1 and rows[1]["max_new_tokens"] is None
@@ -174,14 +174,14 @@ def test_a_newer_history_or_another_programs_database_is_refused_in_one_line_and
 
     newer = legacy_history(tmp_path / "newer.sqlite3", [])
     with sqlite3.connect(newer) as db:
-        db.execute("PRAGMA user_version = 3")
+        db.execute("PRAGMA user_version = 4")
     before = newer.read_bytes()
-    with pytest.raises(WorkbenchError, match=r"newer.sqlite3: a run history of version 3, newer than this app reads "
-                                             r"\(2\): open it with a newer moe-workbench, or name another file$"):
+    with pytest.raises(WorkbenchError, match=r"newer.sqlite3: a run history of version 4, newer than this app reads "
+                                             r"\(3\): open it with a newer moe-workbench, or name another file$"):
         History(newer)
     assert main(["history", "--history", str(newer)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"moe-workbench: error: {newer}: a run history of version 3")
+    assert err.count("\n") == 1 and err.startswith(f"moe-workbench: error: {newer}: a run history of version 4")
     assert newer.read_bytes() == before
 
     other = tmp_path / "notes.db"
@@ -224,6 +224,52 @@ def test_the_exports_carry_what_a_spreadsheet_compares_runs_by(tmp_path, sampled
     assert markdown[0] == "| " + " | ".join(header) + " |" and len(markdown) == 5
     greedy_row = dict(zip(header, (cell.strip() for cell in markdown[4].strip("| ").split(" | "))))
     assert (greedy_row["generated_tokens"], greedy_row["max_new_tokens"], greedy_row["do_sample"]) == ("3", "3", "0")
+
+
+NUMBER_VERSIONS = {"numpy": "2.2.6", "numba": "0.61.2", "cupy": "13.4.1", "cuda_runtime": 12080, "cuda_driver": 12090}
+
+
+def test_the_exports_carry_the_versions_that_change_the_numbers(tmp_path):
+    """A run's detail names NumPy, Numba, CuPy, the CUDA runtime and driver, and the GPU driver, yet the CSV and Markdown
+    exports gave only the app's and onnxruntime's: two runs of other kernels' builds read alike in a spreadsheet."""
+    import csv
+    import io
+
+    from engine.records.history import History
+
+    record = made_record()
+    record.versions = {"app": "source", "onnxruntime": {"version": "1.22.0"}, **NUMBER_VERSIONS}
+    record.machine = {"gpus": [{"name": "NVIDIA H100", "driver": "570.86.15"}]}
+    history = History(tmp_path / "h.sqlite3")
+    history.add(record)
+    history.add(made_record("older"))  # a record without them: empty cells
+    rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
+    columns = ("numpy_version", "numba_version", "cupy_version", "cuda_runtime_version", "cuda_driver_version",
+               "gpu_driver")
+    assert [rows[1][column] for column in columns] == ["2.2.6", "0.61.2", "13.4.1", "12.8", "12.9", "570.86.15"]
+    assert [rows[0][column] for column in columns] == [""] * len(columns)
+    header = history.export("markdown").splitlines()[0]
+    assert all(f" {column} " in header for column in columns)
+    assert json.loads(history.export("json"))[1]["versions"]["numba"] == "0.61.2"
+
+
+def test_a_version_2_history_is_brought_forward_with_the_versions_filled_from_its_records(tmp_path):
+    import sqlite3
+
+    from engine.records.history import History
+
+    record = made_record()
+    record.versions = {"app": "source", **NUMBER_VERSIONS}
+    path = tmp_path / "h.sqlite3"
+    History(path).add(record)
+    with sqlite3.connect(path) as db:  # as version 2 wrote it: without the columns version 3 added
+        for column in ("numpy_version", "numba_version", "cupy_version", "cuda_runtime_version", "cuda_driver_version",
+                       "gpu_driver"):
+            db.execute(f"ALTER TABLE runs DROP COLUMN {column}")
+        db.execute("PRAGMA user_version = 2")
+    row = History(path, create=False).rows()[0]
+    assert user_version(path) == 3
+    assert (row["numba_version"], row["cuda_runtime_version"], row["gpu_driver"]) == ("0.61.2", "12.8", None)
 
 
 def test_the_history_list_says_how_many_tokens_each_run_generated(tmp_path, capsys, greedy):
@@ -378,7 +424,7 @@ def test_an_older_history_that_cannot_be_written_says_so_not_that_it_is_no_histo
 
     path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(greedy.to_dict())])
     monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
-    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 2, which it needs to be read "
+    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 3, which it needs to be read "
                                              r"\(attempt to write a readonly database\)$"):
         History(path, create=False)
     monkeypatch.undo()

@@ -44,6 +44,11 @@ def cuda_versions() -> dict:
         return {"cupy": None, "cuda_runtime": None, "cuda_driver": None}
 
 
+def cuda_version_text(number: int | None) -> str | None:
+    """A CUDA version as CUDA gives it (12080) in its usual words ("12.8"); None where there is none (0: no driver)."""
+    return f"{number // 1000}.{number % 1000 // 10}" if isinstance(number, int) and number > 0 else None
+
+
 def gpus() -> list[dict]:
     if nvml.init():
         return []

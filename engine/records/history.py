@@ -13,11 +13,13 @@ import numpy as np
 import platformdirs
 
 from engine.errors import WorkbenchError
+from engine.records.environment import cuda_version_text
 from engine.records.schema import ALL_RESIDENT, NewerRecord, RecordError, RunRecord, decode_path_run
 
 # the history file's own schema, kept as SQLite's user_version: 1 (files written before it was kept read 0), the runs
-# table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet
-HISTORY_VERSION = 2
+# table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet; 3, with
+# the versions of NumPy, Numba, CuPy, CUDA and the GPU driver besides (the numbers depend on them)
+HISTORY_VERSION = 3
 SUMMARY = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
 
@@ -42,6 +44,12 @@ def _layer_split(r: RunRecord) -> str | None:
 
 def _stop_strings(r: RunRecord) -> str | None:
     return json.dumps(r.generation["stop_strings"]) if r.generation else None  # a stop text may hold "|" or ","
+
+
+def _gpu_driver(r: RunRecord) -> str | None:
+    """The NVIDIA driver NVML named (one per machine; None where it found no GPU)."""
+    drivers = {gpu["driver"] for gpu in (r.machine or {}).get("gpus") or [] if gpu.get("driver")}
+    return ", ".join(sorted(drivers)) or None
 
 
 # (column, SQLite type, value from a record): the columns after SUMMARY, in the exports' order; None where a record
@@ -85,6 +93,12 @@ EXTRA = (
     ("gpus", "TEXT", lambda r: ", ".join(gpu.get("name", "?") for gpu in (r.machine or {}).get("gpus") or [])),
     ("app_version", "TEXT", lambda r: (r.versions or {}).get("app")),
     ("onnxruntime_version", "TEXT", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("version")),
+    ("numpy_version", "TEXT", lambda r: (r.versions or {}).get("numpy")),
+    ("numba_version", "TEXT", lambda r: (r.versions or {}).get("numba")),
+    ("cupy_version", "TEXT", lambda r: (r.versions or {}).get("cupy")),
+    ("cuda_runtime_version", "TEXT", lambda r: cuda_version_text((r.versions or {}).get("cuda_runtime"))),
+    ("cuda_driver_version", "TEXT", lambda r: cuda_version_text((r.versions or {}).get("cuda_driver"))),
+    ("gpu_driver", "TEXT", _gpu_driver),
 )
 COLUMNS = SUMMARY + tuple(name for name, _type, _get in EXTRA)
 
@@ -161,8 +175,8 @@ class History:
         return max(version, 1)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
-        """Version 1 (0: unversioned) to 2: EXTRA's columns, filled from each run's record; a run whose record cannot
-        be read keeps its row, with them empty."""
+        """An older version (1, or 0: unversioned) to this one: EXTRA's columns it lacks added, and all of them filled
+        from each run's record; a run whose record cannot be read keeps its row, with them empty."""
         have = {row[1] for row in db.execute("PRAGMA table_info(runs)")}
         for name, kind, _get in EXTRA:
             if name not in have:
