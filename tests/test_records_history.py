@@ -264,7 +264,7 @@ def test_a_version_2_history_is_brought_forward_with_the_versions_filled_from_it
     History(path).add(record)
     with sqlite3.connect(path) as db:  # as version 2 wrote it: without the columns version 3 added
         for column in ("numpy_version", "numba_version", "cupy_version", "cuda_runtime_version", "cuda_driver_version",
-                       "gpu_driver"):
+                       "gpu_driver", "popularity_sha256"):
             db.execute(f"ALTER TABLE runs DROP COLUMN {column}")
         db.execute("PRAGMA user_version = 2")
     row = History(path, create=False).rows()[0]
@@ -884,3 +884,35 @@ def test_a_runs_detail_and_a_comparison_give_the_decode_path_its_cold_experts_to
     assert "differ in decode path in force," in text and " decode path in force cpu tier " in text
     assert "Not like for like" not in plain(compare_html(took("tier"), took("tier")))
     assert "decode path" not in plain(detail_html(greedy))  # all on the CPU: no cold experts' path
+
+
+def test_a_record_keeps_which_popularity_file_placed_its_experts_and_a_comparison_tells_an_edited_one(tmp_path):
+    """A record kept the popularity file's path alone: two static-placement runs of the same path, the file edited
+    between them, read as like for like and exported alike, with nothing left to tell which counts placed the
+    experts. The record keeps the file's SHA-256 as read; the comparison and the exports give it."""
+    import csv
+    import hashlib
+    import io
+
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.records.history import History
+
+    names = ("/model/layers.0/moe/QMoE", "/model/layers.1/moe/QMoE")
+    path = tmp_path / "popularity.json"
+    records = []
+    for counts in ([100, 90] + [0] * 6, [0] * 6 + [90, 100]):
+        path.write_text(json.dumps({name: counts for name in names}))
+        config = OffloadConfig(placement="static", popularity_file=str(path), device_expert_bytes=200_000)
+        model = LoadedModel.open(fixture_folder("gptoss"), offload=config, device=SimulatedDevice(8 << 30))
+        records.append(run_scenario(model, "short", GenerationParams(max_new_tokens=2)))
+        assert records[-1].offload["popularity_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    a, b = records
+    text = plain(compare_html(a, b))
+    assert "differ in popularity file (SHA-256)," in text
+    assert f" popularity file (SHA-256) {a.offload['popularity_sha256']} {b.offload['popularity_sha256']} " in text
+    history = History(tmp_path / "h.sqlite3")
+    history.add(a)
+    history.add(made_record())  # a run without a popularity file: an empty cell
+    rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
+    assert (rows[1]["popularity_sha256"], rows[0]["popularity_sha256"]) == (a.offload["popularity_sha256"], "")
+    assert f" popularity file SHA-256 {a.offload['popularity_sha256']} " in plain(detail_html(a))

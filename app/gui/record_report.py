@@ -161,6 +161,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         ("experts", EXPERTS_WHERE.get(o.get("placement_mode"), "every one on the CPU")),
         ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
          if o.get("placement_mode") == "hybrid" else "—"),
+        *([("popularity file SHA-256", o["popularity_sha256"])] if o.get("popularity_sha256") else []),
         ("dense part", _dense(record) or NOT_RECORDED),
         *([("decode path", path)] if (path := _decode_path(record)) else []),
         ("CPU expert kernels", _threads(record) or NOT_RECORDED),
@@ -287,6 +288,7 @@ RUN_FACTS = (
     ("device", lambda r: r.offload.get("device", "cpu")),
     # (the same entries, an automatic budget, hold fewer where the device had less free: side-by-side's B beside A)
     ("expert slots on the device", _slots),
+    ("popularity file (SHA-256)", lambda r: r.offload.get("popularity_sha256")),
     ("dense part", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer split", _layer_split),
     ("decode path asked", lambda r: (r.offload.get("decode_path") or {}).get("mode")),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import functools
 import gc
+import hashlib
 import json
 import os
 import time
@@ -45,8 +46,14 @@ from kernels.gpu.host_tier import HostTierError
 
 def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray]:
     """popularity_file: JSON {node name: [count per expert]}; nodes it omits count as uniform."""
+    return read_popularity(path, names, experts)[0]
+
+
+def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[list[np.ndarray], str]:
+    """load_popularity's counts, and the SHA-256 of the file's bytes they were read from (a run's record keeps it)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = Path(path).read_bytes()
+        data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise WorkbenchError(f"{path}: cannot read the popularity file (not UTF-8 text: {exc.reason} at byte "
                              f"{exc.start})") from None
@@ -66,7 +73,8 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
         near = difflib.get_close_matches(name, names, n=1)
         raise WorkbenchError(f"{path}: the popularity file names '{name}', which is no expert node of this model"
                              + (f" (did you mean '{near[0]}'?)" if near else f" (they are {', '.join(names)})"))
-    return [_popularity_row(path, name, data.get(name, [1.0] * count), count) for name, count in zip(names, experts)]
+    return ([_popularity_row(path, name, data.get(name, [1.0] * count), count) for name, count in zip(names, experts)],
+            hashlib.sha256(raw).hexdigest())
 
 
 def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
@@ -83,13 +91,6 @@ def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
     if not np.all(np.isfinite(counts) & (counts >= 0)):
         raise WorkbenchError(f"{path}: node '{name}' has counts {row}: each must be a finite number >= 0")
     return counts
-
-
-def _same_counts(a: list[np.ndarray] | None, b: list[np.ndarray] | None) -> bool:
-    """Two popularity files' counts (load_popularity) are the same, node by node."""
-    if a is None or b is None:
-        return a is b
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
 # The miss slots are weighed when the placement is made, again at its second safe point (the CPU kernels' rate and
@@ -191,7 +192,8 @@ class OffloadEngine:
         # statistics of this step that wait for the device's work (HybridExpertNode: fully resident layers, results
         # merged on the device), oldest first: (ready, account) pairs, see defer()
         self.deferred: deque = deque()
-        self._make_policy(self._popularity(config))
+        popularity, self.popularity_sha256 = self._popularity(config)
+        self._make_policy(popularity)
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
@@ -503,7 +505,6 @@ class OffloadEngine:
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file fills
         from what the first steps route (and the miss policy's copies)."""
         self.policy = make_policy(self.config.placement, self.slots, popularity)
-        self.popularity_in_force = popularity  # the popularity file's counts as last read (a re-plan tells an edit)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
         self._weigh_miss_slots()
@@ -513,10 +514,11 @@ class OffloadEngine:
         else:  # layers with a slot for every expert (all of them when all_resident) are filled now
             self._apply(self._fill_all())
 
-    def _popularity(self, config: OffloadConfig) -> list[np.ndarray] | None:
+    def _popularity(self, config: OffloadConfig) -> tuple[list[np.ndarray] | None, str | None]:
+        """The popularity file's counts and SHA-256 (read_popularity); (None, None) where none is set."""
         if not config.popularity_file:
-            return None
-        return load_popularity(config.popularity_file, [i.name for i in self.infos],
+            return None, None
+        return read_popularity(config.popularity_file, [i.name for i in self.infos],
                                [i.spec.num_experts for i in self.infos])
 
     def _weigh_miss_slots(self) -> None:
@@ -753,7 +755,7 @@ class OffloadEngine:
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
         self._check_file_backing(config)
-        popularity = self._popularity(config)  # a file it cannot read refused before the plan changes
+        popularity, digest = self._popularity(config)  # a file it cannot read refused before the plan changes
         self._copy_into_ram(config)  # ... and so is a copy of the experts into RAM that fails
         old_plan, old_counts = self.plan, [store.num_slots if store is not None else 0 for store in self.stores]
         self.streaming.close()
@@ -794,9 +796,9 @@ class OffloadEngine:
         self.streaming = self._plan_streaming(config)
         # what adaptive placement learnt so far still holds, unless a popularity file is set or changed: its counts
         # then place the residents afresh, as at a load with it (static placement would never move the old ones)
-        # (the same path read again holding other counts: the file was edited since, which a user re-applies to take)
-        edited = (popularity is not None and config.popularity_file == self.config.popularity_file
-                  and not _same_counts(popularity, self.popularity_in_force))
+        # (the same path read again holding other bytes: the file was edited since, which a user re-applies to take)
+        edited = (digest is not None and config.popularity_file == self.config.popularity_file
+                  and digest != self.popularity_sha256)
         placed_anew = bool(config.popularity_file) and (config.popularity_file != self.config.popularity_file or edited)
         old_scores = None if placed_anew else self.policy.scores
         if placed_anew:
@@ -809,6 +811,7 @@ class OffloadEngine:
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(popularity, old_scores)
+        self.popularity_sha256 = digest  # the file's bytes that placed the residents (a run's record keeps it)
         if edited:
             self.plan.statements.append(f"{config.popularity_file} changed since it was read: its new counts placed "
                                         "the residents afresh.")

@@ -18,7 +18,8 @@ from engine.records.schema import ALL_RESIDENT, NewerRecord, RecordError, RunRec
 
 # the history file's own schema, kept as SQLite's user_version: 1 (files written before it was kept read 0), the runs
 # table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet; 3, with
-# the versions of NumPy, Numba, CuPy, CUDA and the GPU driver besides (the numbers depend on them)
+# the versions of NumPy, Numba, CuPy, CUDA and the GPU driver and the popularity file's SHA-256 besides (the numbers
+# depend on them)
 HISTORY_VERSION = 3
 SUMMARY = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
@@ -82,6 +83,7 @@ EXTRA = (
     ("dense_device", "TEXT", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer_split", "TEXT", _layer_split),
     ("decode_path", "TEXT", lambda r: decode_path_run(r.offload)),
+    ("popularity_sha256", "TEXT", lambda r: r.offload.get("popularity_sha256")),
     ("cpu_threads", "INTEGER", lambda r: (r.offload.get("cpu_threads") or {}).get("cpu_threads_in_force")),
     ("approximate_routing", "INTEGER", lambda r: int(r.approximate_routing)),
     ("routing_agreement", "REAL", lambda r: r.routing_agreement),

@@ -172,7 +172,9 @@ def offload_description(model: LoadedModel, device) -> dict:
     return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
             "statements": model.offload.plan.statements, "layer_split": state["layer_split"],
-            "decode_path": path, "cpu_threads": threads, "dense": dense}
+            "decode_path": path, "cpu_threads": threads, "dense": dense,
+            # the popularity file's bytes that placed the experts: its path alone would not tell an edited one
+            "popularity_sha256": model.offload.popularity_sha256}
 
 
 def run_scenario(model: LoadedModel, name: str, params: GenerationParams, device=None, label: str = "",

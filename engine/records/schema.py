@@ -35,7 +35,8 @@ class RunRecord:
     machine: dict
     model: dict                           # folder, type, content hash, expert layouts per node
     offload: dict                         # the full configuration (onnxruntime entries), device, plan; "dense": where
-    # the dense part ran ("cpu" or "cuda") and why (absent in records written before it existed)
+    # the dense part ran ("cpu" or "cuda") and why (absent in records written before it existed); "popularity_sha256":
+    # the SHA-256 of the popularity file's bytes that placed the experts (None without one; absent in older records)
     timings: dict                         # load_s, prefill_s, time_to_first_token_s, decode_tokens_per_s, completion_s,
     # settle_s (optional: seconds waited before the run for the model's background work after load and the CPU
     # kernels' compilation, engine/kernel_warmup.py);
