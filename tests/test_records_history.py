@@ -390,7 +390,7 @@ def test_a_records_detail_names_the_gpu_and_the_onnxruntime_build(greedy):
                              cupy="13.6.0", cuda_runtime=12080, cuda_driver=13000))
     text = plain(detail_html(RunRecord.from_dict(gpu)))
     assert " GPU NVIDIA H100 80GB HBM3 (79.6 GiB, driver 580.95.05) " in text
-    assert " onnxruntime 1.23.2 (onnxruntime-gpu) " in text and " CUDA runtime 12080 CUDA driver 13000 " in text
+    assert " onnxruntime 1.23.2 (onnxruntime-gpu) " in text and " CUDA runtime 12.8 CUDA driver 13.0 " in text
     none = dict(data, machine=dict(data["machine"], gpus=[]))
     assert " GPU none found (NVML) " in plain(detail_html(RunRecord.from_dict(none)))
 
@@ -735,6 +735,7 @@ def test_a_record_and_a_comparison_name_the_versions_that_change_its_numbers(gre
     text = plain(compare_html(a, b))
     assert "differ in GPU driver, onnxruntime build, Numba, CuPy, CUDA driver," in text, text
     assert " Numba 0.61.2 0.68.1 " in text and " GPU driver 580.95.05 590.10 " in text
+    assert " CUDA driver 13.0 13.1 " in text  # as CUDA's versions are said, not 13000 13010
     assert "Not like for like" not in plain(compare_html(a, a))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from engine.records.environment import cuda_version_text
 from engine.records.schema import RunRecord, decode_path_run
 from engine.sampling import SamplingParams, describe
 from engine.units import human_bytes
@@ -152,6 +153,12 @@ VERSIONS = (("NumPy", "numpy"), ("Numba", "numba"), ("CuPy", "cupy"), ("CUDA run
             ("CUDA driver", "cuda_driver"))
 
 
+def _version(record: RunRecord, key: str) -> str | None:
+    """A VERSIONS entry of the record; CUDA's as CUDA names them (12.8, not the 12080 it gives)."""
+    value = (record.versions or {}).get(key)
+    return cuda_version_text(value) if key.startswith("cuda_") else value
+
+
 def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     t, o = record.timings, record.offload
     parts = [f"<h3>{html.escape(title(record, run_id))}</h3>"]
@@ -215,7 +222,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
                          ("GPU", _gpus(machine)),
                          ("app", versions.get("app", "?")), ("onnxruntime", ort.get("version", "?") + build),
                          ("python", versions.get("python", "?"))]
-                        + [(what, versions[key]) for what, key in VERSIONS if versions.get(key)]))
+                        + [(what, _version(record, key)) for what, key in VERSIONS if _version(record, key)]))
     return "".join(parts)
 
 
@@ -301,7 +308,7 @@ RUN_FACTS = (
     ("app", lambda r: (r.versions or {}).get("app")),
     ("onnxruntime", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("version")),
     ("onnxruntime build", lambda r: ((r.versions or {}).get("onnxruntime") or {}).get("build")),
-    *((what, lambda r, key=key: (r.versions or {}).get(key)) for what, key in VERSIONS if key != "numpy"),
+    *((what, lambda r, key=key: _version(r, key)) for what, key in VERSIONS if key != "numpy"),
 )
 
 
