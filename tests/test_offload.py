@@ -838,6 +838,26 @@ def test_a_popularity_file_edited_in_place_places_its_new_residents_when_applied
     assert f"{path} changed since it was read: its new counts placed the residents afresh." in engine.plan.statements
 
 
+def test_static_placement_set_on_the_loaded_model_places_the_popularity_files_experts(model_folder, tmp_path):
+    """placement=static applied on a model loaded under adaptive placement with the same popularity file kept the
+    residents adaptive placement had moved to, for good (static never moves), where static placement keeps the
+    file's most counted experts resident, as a load with these settings does."""
+    from engine.model_folder import ModelFolder
+
+    names = [info.name for info in ModelFolder.open(model_folder).experts]
+    per_expert = device_expert_bytes(model_folder) // (16 * len(names))  # one device slot
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({name: [0] * 12 + [100, 90, 1, 1] for name in names}))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(placement="adaptive", popularity_file=str(path),
+                                                                 device_expert_bytes=2 * len(names) * per_expert),
+                             device=SimulatedDevice(1 << 30))
+    greedy_run(model, steps=12)
+    engine = model.offload
+    assert any(set(layer.resident()) != {12, 13} for layer in engine.slots)  # adaptive placement followed routing
+    engine.reconfigure(engine.config.updated(placement="static"))
+    assert [sorted(layer.resident().tolist()) for layer in engine.slots] == [[12, 13]] * len(names)
+
+
 def test_a_replan_refused_for_its_popularity_file_leaves_the_old_plan_in_force(model_folder, tmp_path):
     """The popularity file was read once the new plan was in force: a re-plan refused for it (a saved configuration
     naming a file since moved) said so, yet left the new budget and settings in force under the old placement."""

@@ -794,12 +794,13 @@ class OffloadEngine:
         if self.tier_statement:
             self.plan.statements.append(self.tier_statement)
         self.streaming = self._plan_streaming(config)
-        # what adaptive placement learnt so far still holds, unless a popularity file is set or changed: its counts
+        # what adaptive placement learnt so far still holds, unless a popularity file is set, changed, edited since it
+        # was read (the same path holding other bytes: re-applied to take them) or the placement changes: its counts
         # then place the residents afresh, as at a load with it (static placement would never move the old ones)
-        # (the same path read again holding other bytes: the file was edited since, which a user re-applies to take)
         edited = (digest is not None and config.popularity_file == self.config.popularity_file
                   and digest != self.popularity_sha256)
-        placed_anew = bool(config.popularity_file) and (config.popularity_file != self.config.popularity_file or edited)
+        placed_anew = bool(config.popularity_file) and (config.popularity_file != self.config.popularity_file or edited
+                                                         or config.placement != self.config.placement)
         old_scores = None if placed_anew else self.policy.scores
         if placed_anew:
             for layer in self.slots:  # emptied: _make_policy fills them from the file
