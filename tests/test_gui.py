@@ -621,6 +621,9 @@ def test_a_popularity_file_edited_after_apply_can_be_applied_again_and_places_it
     assert f"{popularity} changed since it was read: its new counts placed the residents afresh." in (
         engine.plan.statements)
     assert budget.applied_label.text() == "Applied to the loaded model"
+    popularity.unlink()
+    QApplication.sendEvent(window, QEvent(QEvent.Type.ActivationChange))
+    assert budget.applied_label.text() == "Changed: popularity.json is gone since it was applied"
 
 
 def test_the_tooltip_counts_a_layers_steps_routed_on_the_device_as_the_engine_does(qtbot, window):

@@ -698,8 +698,9 @@ class BudgetPanel(QWidget):
         elif self.dirty() and refused:
             self.applied_label.setText("Changed: refused, not applied (see the estimate)")
         elif self.dirty() and not self._settings_changed():  # the settings in force, their popularity file edited
-            self.applied_label.setText(f"Changed: {Path(self._applied_config.popularity_file).name} was edited since it "
-                                       "was applied")
+            path = self._applied_config.popularity_file
+            self.applied_label.setText(f"Changed: {Path(path).name} "
+                                       f"{'was edited' if _file_stamp(path) else 'is gone'} since it was applied")
         elif self.dirty():
             self.applied_label.setText("Changed: " + ("needs a reload (" + ", ".join(reload) + ")" if reload else "not applied yet"))
         else:
