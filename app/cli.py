@@ -883,9 +883,10 @@ def _cmd_sweep(args) -> int:
     _print_sweep(points, chosen, args, ids_of)
     if plot_failure is not None:
         written = isinstance(plot_failure, OSError)  # a file that could not be written, not a fault of ours
-        print(f"{PROG}: {'error' if written else 'internal error'}: the plot was not written "
-              f"({plot_failure if written else one_line(plot_failure)}); the sweep completed: its points and "
-              "recommendation are printed and its runs saved in the history", file=sys.stderr)
+        why = (plot_failure.strerror or plot_failure) if written else one_line(plot_failure)  # (no "[Errno 28]")
+        print(f"{PROG}: {'error' if written else 'internal error'}: --plot {args.plot}: not written ({why}); the "
+              "sweep completed: its points and recommendation are printed and its runs saved in the history",
+              file=sys.stderr)
         return 2 if written else 3
     return 0
 

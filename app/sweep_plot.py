@@ -33,6 +33,7 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import pyqtgraph as pg
     import pyqtgraph.exporters
+    from PySide6.QtCore import QBuffer, QIODevice
     from PySide6.QtWidgets import QApplication
 
     _app = QApplication.instance() or QApplication([])
@@ -80,6 +81,10 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     layout.show()
     _app.processEvents()
     path = Path(path)
+    # drawn into memory and written here: Qt's writers say a failure (a full disk, a file that cannot be written over)
+    # only on their own stderr, and an earlier sweep's file left there would read as this one's
+    drawn = QBuffer()
+    drawn.open(QIODevice.OpenModeFlag.WriteOnly)
     if path.suffix.lower() == ".svg":
         # pyqtgraph's own SVG exporter trips over some items; Qt's SVG painter draws the widget as is.
         from PySide6.QtCore import QRect, QSize
@@ -87,7 +92,7 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
         from PySide6.QtSvg import QSvgGenerator
 
         generator = QSvgGenerator()
-        generator.setFileName(str(path))
+        generator.setOutputDevice(drawn)
         generator.setSize(QSize(layout.width(), layout.height()))
         generator.setViewBox(QRect(0, 0, layout.width(), layout.height()))
         generator.setTitle("MoE Workbench budget sweep")
@@ -100,10 +105,9 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     else:
         exporter = pg.exporters.ImageExporter(layout.scene())
         exporter.parameters()["width"] = 1100
-        exporter.export(str(path))
+        exporter.export(toBytes=True).save(drawn, path.suffix[1:].upper())
     layout.close()
-    if not path.is_file():  # Qt's writers report failure only on their own stderr
-        raise OSError(f"{path}: Qt's writer made no file")
+    path.write_bytes(bytes(drawn.data()))  # an OSError naming the file and why
     return path
 
 
