@@ -121,6 +121,7 @@ class LoadedModel:
             device.memory.reserve(total + growth + folder.dense_bytes + self.dense.arena_limit, DENSE_RESERVATION)
         self.decoder.open_dense(self.dense)
         self.load_s = time.perf_counter() - started
+        self.warmed_up = False  # a timed run's unrecorded warm-up answer given (records/scenarios.warm_up_answer)
         self.prefault = self.host_registration = None
         self._start_unbounded_work(offload, device)
         if self.offload is not None:

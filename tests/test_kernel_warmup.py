@@ -65,12 +65,12 @@ device = SimulatedDevice(8 << 30) if sys.argv[1] == "simulated" else None
 offload = OffloadConfig(device_expert_bytes=int(sys.argv[2])) if device is not None else None
 model = LoadedModel.open(ensure_demo_model(), offload=offload, device=device, decode_path=sys.argv[3])
 
-class Timed(scenarios.Conversation):  # run_turns makes its conversation when the clock starts
-    def __init__(self, *args, **kwargs):
+class Timed(scenarios.PeakSampler):  # the clock starts with the run's sampler
+    def __enter__(self):
         timed[0] = True
-        super().__init__(*args, **kwargs)
+        return super().__enter__()
 
-scenarios.Conversation = Timed
+scenarios.PeakSampler = Timed
 record = scenarios.run_scenario(model, "short", GenerationParams(max_new_tokens=12), device)
 assert record.turns[0]["generated_tokens"] == 12
 print("\n".join(first_calls) or "none")

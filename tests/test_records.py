@@ -37,6 +37,32 @@ def short_record(simulated_model):
     return run_scenario(model, "short", PARAMS, device, label="unit")
 
 
+def test_a_models_first_record_follows_an_unrecorded_warm_up_answer(monkeypatch):
+    """A record made on a model loaded a moment ago timed its first answer since the load (onnxruntime's first runs,
+    its arena's growth): its completion took ~1.3x the next records', which a user comparing configurations read as
+    the configuration's. The sweep and the contention test answered once unrecorded before timing; a record did not."""
+    from engine.records import scenarios
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=200_000), device=device)
+    timed, steps = [False], []  # (tokens fed, whether the clock ran) per forward pass of the model
+    forward, enter = model.decoder.forward, scenarios.PeakSampler.__enter__
+    monkeypatch.setattr(model.decoder, "forward", lambda state, ids: steps.append((len(ids), timed[0]))
+                        or forward(state, ids))
+    monkeypatch.setattr(scenarios.PeakSampler, "__enter__", lambda self: timed.__setitem__(0, True) or enter(self))
+    first = run_scenario(model, "short", GenerationParams(max_new_tokens=3), device)
+    before = [tokens for tokens, on_clock in steps if not on_clock]
+    # a prefill of the short question and a decode step per token after the first, off the clock and its statistics
+    assert before[0] > 1 and before[1:] == [1] * (scenarios.WARM_UP_TOKENS - 1)
+    assert first.timings["warm_up_s"] > 0 and first.generated_tokens == 3
+    prompt_tokens = first.turns[0]["prompt_tokens"]
+    assert sum(layer["hits"] + layer["misses"] for layer in first.layers) == 2 * 2 * (prompt_tokens + 2)  # top-2, 2 layers
+    steps.clear()
+    timed[0] = False
+    second = run_scenario(model, "short", GenerationParams(max_new_tokens=3), device)
+    assert second.timings["warm_up_s"] == 0 and all(on_clock for _tokens, on_clock in steps)
+
+
 def test_record_has_what_a_user_decides_with(short_record):
     r = short_record
     assert r.schema_version == SCHEMA_VERSION and r.scenario == "short"
@@ -651,9 +677,9 @@ def test_a_sweep_point_times_its_answers_once_the_engines_trials_are_over(monkey
     points = run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=2))
     half = points[1]
     assert 0 < half.budget_bytes < all_resident_bytes(model.offload.infos)
-    # the sweep's warm-up, then each point's warm-up answer and three repeats
-    assert [pending for pending, _trials, _mode in seen] == [False] * (1 + 3 * 4)
-    assert seen[1 + 4][1] == 1  # the half-resident point: its first path trial over before its warm-up answer
+    # each point's warm-up answer and three repeats (the sweep's own warm-up answer is no scenario run)
+    assert [pending for pending, _trials, _mode in seen] == [False] * (3 * 4)
+    assert seen[4][1] == 1  # the half-resident point: its first path trial over before its warm-up answer
     assert 76 <= half.settle_steps <= sweep.SETTLE_STEPS_MAX  # the trial's steps, and "both"'s share trial if kept
     assert points[2].settle_steps == 0  # every expert resident: no tier, no trial
     in_force = half.records[0].offload["decode_path"]["in_force"]

@@ -21,6 +21,7 @@ from engine.records.schema import ALL_RESIDENT, RunRecord, generation_settings, 
 
 SCENARIOS = ("short", "long", "multiturn")
 LONG_PROMPT_TOKENS = 2000
+WARM_UP_TOKENS = 4  # the unrecorded answer before a model's first timed run (warm_up_answer)
 MULTITURN_QUESTIONS = (
     "What is a mixture-of-experts model?",
     "Why do its experts not all fit in GPU memory?",
@@ -196,26 +197,47 @@ def run_turns(model: LoadedModel, turns_text: list[str], params: GenerationParam
               on_text=None, on_reasoning=None) -> RunRecord:
     """Send the turns as one conversation and measure it: timings, peaks, offload statistics. `on_text` and
     `on_reasoning` stream every answer (Conversation.send)."""
+    settle_s, warm_up_s = _settle(model, cancel)
     # the run's statistics from zero, the model's running totals (the chat's: the placement view's) put back after it
     earlier = copy.deepcopy(model.offload.stats) if model.offload is not None else None
     if earlier is not None:
         model.offload.stats.reset(len(model.offload.slots))
     try:
         return _measure_turns(model, turns_text, params, device, scenario, label, cancel, progress, on_text,
-                              on_reasoning)
+                              on_reasoning, settle_s, warm_up_s)
     finally:
         if earlier is not None:
             model.offload.stats.add_earlier(earlier)
 
 
-def _measure_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device, name: str, label: str,
-                   cancel: threading.Event | None, progress, on_text, on_reasoning) -> RunRecord:
+def _settle(model: LoadedModel, cancel: threading.Event | None) -> tuple[float, float]:
+    """What runs before a timed run, off its clock and its statistics: (the seconds settling took, those of the
+    warm-up answer, 0 where the model gave one before)."""
     # a model loaded a moment ago (side-by-side's B, a sweep's first point) still maps its experts in the background;
     # the CPU kernels are compiled (a first run on this machine) and the automatic thread count follows the other
     # processes' load before the clock starts
     settle_s = model.wait_until_settled(cancel)
-    if cancel is None or not cancel.is_set():
-        settle_s += warm_model(model) + model.decoder.kernel_threads.settle()
+    if cancel is not None and cancel.is_set():
+        return settle_s, 0.0
+    settle_s += warm_model(model) + model.decoder.kernel_threads.settle()
+    return settle_s, 0.0 if model.warmed_up else warm_up_answer(model, cancel)
+
+
+def warm_up_answer(model: LoadedModel, cancel: threading.Event | None = None) -> float:
+    """A short greedy answer, not recorded, that pays what a model's first answer after its load pays (onnxruntime's
+    first runs, its arena's growth, the placement's first steps: on the dev VM a first short record on the gptoss
+    fixture took 56 ms against 23-26 ms for the next ones); returns its seconds. Each timed run after it starts from
+    the same warm state, as the sweep's and the contention test's runs do."""
+    started = time.perf_counter()
+    Conversation(model).send(scenario_turns("short", model.tokenizer, model.config, WARM_UP_TOKENS)[0],
+                             GenerationParams(max_new_tokens=WARM_UP_TOKENS), cancel=cancel)
+    model.warmed_up = True
+    return time.perf_counter() - started
+
+
+def _measure_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device, name: str, label: str,
+                   cancel: threading.Event | None, progress, on_text, on_reasoning, settle_s: float,
+                   warm_up_s: float) -> RunRecord:
     conversation = Conversation(model)
     approximated = copy.copy(model.offload.approximation) if model.offload is not None else None  # counts from load
     turns = []
@@ -257,7 +279,8 @@ def _measure_turns(model: LoadedModel, turns_text: list[str], params: Generation
                # none where every answer was one token: no decode step ran (decode_s is the moment after it)
                "decode_tokens_per_s": decoded / decode_s if decoded and decode_s else None, "completion_s": completion,
                "turns": len(turns), "cancelled": len(turns) < len(turns_text)
-               or any(t["finish_reason"] == "cancelled" for t in turns), "settle_s": settle_s}
+               or any(t["finish_reason"] == "cancelled" for t in turns), "settle_s": settle_s,
+               "warm_up_s": warm_up_s}
     if model.offload is not None and is_simulated(device):
         # What the simulated card would give (engine/offload/projection.py); the measured values stay as they are.
         phases = model.offload.stats.phases

@@ -21,7 +21,7 @@ from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
 from engine.records.lengths import SWEEP_REPEATS
-from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns
+from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns, warm_up_answer
 from engine.records.schema import RunRecord, decode_path_run
 from engine.units import human_bytes
 
@@ -270,7 +270,7 @@ def run_sweep(model: LoadedModel, device, points: int, scenarios: list[str], par
     mode = model.offload.layer_split_mode
     # Warm-up, not recorded: the first point's trials (settle) would otherwise time first-call costs (measured: the
     # CPU kernel 476 µs per step at the first point against 145 µs when repeated).
-    run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
+    warm_up_answer(model, cancel)
     if cancel is not None and cancel.is_set():
         raise SweepCancelled("the sweep was cancelled before its first point")
     runs = 0
