@@ -833,8 +833,9 @@ def _cmd_sweep(args) -> int:
     ids_of = {}  # id(point): the history ids of its runs, for the JSON rows
 
     def save(point) -> None:
-        ids_of[id(point)] = [history.add(record) for record in point.records]
-        saved_ids.extend(ids_of[id(point)])
+        first = len(saved_ids)
+        history.add_all(point.records, saved_ids)
+        ids_of[id(point)] = saved_ids[first:]
         done.append(point)
 
     progress = _ProgressLine("sweep")

@@ -477,6 +477,45 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
                                           "recommendation\n")
 
 
+def test_a_sweep_point_the_history_could_not_save_is_kept_in_a_file_it_names(tmp_path, capsys, monkeypatch):
+    """A point whose runs the history could not save (a full disk, here another process's write held past the
+    timeout) ended the sweep with its measurements lost: the table printed only the points before it, and its runs
+    were nowhere. They are kept in a file of their own, which the error line names."""
+    import sqlite3
+    import tempfile
+
+    import engine.records.sweep as sweep
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(self.path, timeout=0.1))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other = sqlite3.connect(path, isolation_level=None)
+    run_scenario = sweep.run_scenario
+
+    def run(*args, **kwargs):
+        if kwargs.get("label") == "sweep 100%" and not other.in_transaction:  # the second point's runs begin
+            other.execute("BEGIN EXCLUSIVE")
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", run)
+    try:
+        status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points",
+                                 "2", "--max-new-tokens", "2", "--history", str(path))
+    finally:
+        other.close()
+    (kept,) = tmp_path.glob("moe-workbench-unsaved-runs-*.json")
+    assert status == 2 and len(out.splitlines()) == 3  # the simulated card's note, the heading, the first point
+    assert err.splitlines()[-1] == (
+        "moe-workbench: error: the sweep failed at 100% (device_expert_bytes=565248), point 2 of 2: "
+        f"{path}: the run was not saved (another process holds it locked: database is locked); the 3 runs measured "
+        f"are kept in {kept}; the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no "
+        "recommendation")
+    runs = json.loads(kept.read_text())
+    assert [run["label"] for run in runs] == ["sweep 100%"] * 3 and all(run["timings"]["completion_s"] for run in runs)
+    assert [row["label"] for row in History(path).rows()] == ["sweep 0%"] * 3
+
+
 def test_a_stopped_sweep_says_it_wrote_no_plot_and_saved_no_configuration(tmp_path, capsys, monkeypatch):
     """Asked for --plot and --save-as, a sweep interrupted at its second point wrote neither (it has no recommendation)
     and did not say so: its last line read as if the sweep's work were done but for the points left."""

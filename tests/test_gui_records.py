@@ -187,6 +187,43 @@ def test_a_record_whose_second_run_fails_says_which_runs_it_saved(qtbot, tmp_pat
     assert failed == ["Failed during long: the device is out of memory"]
 
 
+def test_a_window_run_the_history_could_not_save_is_kept_in_a_file_it_names(qtbot, tmp_path, monkeypatch):
+    """A run measured whose save failed (a full disk, here another process's write held past the timeout) was lost:
+    the window said the error, and the run's numbers were nowhere. It is kept in a file the window names."""
+    import sqlite3
+    import tempfile
+
+    import app.gui.records_jobs as jobs
+    from app.gui.scenario_view import ScenarioView
+
+    path = tmp_path / "h.sqlite"
+    monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(self.path, timeout=0.1))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    other = sqlite3.connect(path, isolation_level=None)
+
+    def locked_at_the_second(model, name, *args, **kwargs):
+        if name == "multiturn":  # another process begins a long write while the run is measured
+            other.execute("BEGIN EXCLUSIVE")
+        return run_scenario(model, name, *args, **kwargs)
+
+    monkeypatch.setattr(jobs, "run_scenario", locked_at_the_second)
+    view = ScenarioView()
+    qtbot.addWidget(view)
+    try:
+        result = jobs.ScenarioJob(["short", "multiturn"], 2, str(path))(
+            _sweep_context(LoadedModel.open(fixture_folder("lfm2moe")), None, []))
+    finally:
+        other.close()
+    view.on_finished(result)
+    (kept,) = tmp_path.glob("moe-workbench-unsaved-runs-*.json")
+    (run,) = json.loads(kept.read_text())
+    assert run["scenario"] == "multiturn" and len(run["turns"]) == 6 and run["timings"]["completion_s"] > 0
+    assert view.bar.status.text() == (f"Failed during multiturn: {path}: the run was not saved (another process holds "
+                                      f"it locked: database is locked); the run measured is kept in {kept} (not "
+                                      "saved). Saved run 1.")
+    assert [row["scenario"] for row in History(path).rows()] == ["short"]
+
+
 def test_scenario_run_saves_a_record_and_cancel_saves_none(qtbot, window):
     load(qtbot, window, "lfm2moe")
     bar = window.scenarios

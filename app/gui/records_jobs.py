@@ -197,7 +197,13 @@ class ScenarioJob:
                 if record.timings["cancelled"]:
                     result.cancelled = record
                     break
-                result.saved.append((history.add(record), record))
+                saved = []
+                try:
+                    history.add_all([record], saved)
+                except WorkbenchError as exc:  # a full disk, a lock held past the timeout: the run is kept in a file
+                    result.failure = f"{name}: {exc}"
+                    break
+                result.saved.append((saved[0], record))
             except PromptError as exc:  # e.g. the long input on a short context: the other scenarios still run
                 result.errors.append(f"{name}: {exc}")
                 continue
@@ -307,7 +313,7 @@ class SweepJob:
                                           "unrecorded")
 
         def on_point(point: SweepPoint) -> None:
-            saved_ids.extend(history.add(record) for record in point.records)
+            history.add_all(point.records, saved_ids)  # one it cannot save is kept in a file its error names
             points.append(point)
 
         ctx.progress(0.0, f"run 1 of {total()}")

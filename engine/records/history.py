@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sqlite3
+import tempfile
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -222,6 +224,15 @@ class History:
                                 [row[name] for name in COLUMNS[1:]] + [json.dumps(record.to_dict())])
             return int(cursor.lastrowid)
 
+    def add_all(self, records: list[RunRecord], saved: list[int]) -> None:
+        """Save each of `records`, its id appended to `saved`; where one cannot be saved, a WorkbenchError that says
+        where it and those after it are kept (keep_unsaved): a run measured is not lost with the save."""
+        for index, record in enumerate(records):
+            try:
+                saved.append(self.add(record))
+            except WorkbenchError as exc:
+                raise WorkbenchError(f"{exc}; {keep_unsaved(records[index:])}") from None
+
     def get(self, run_id: int) -> RunRecord:
         """The run's record; a KeyError where there is none, a RecordError where it cannot be read (a damaged page,
         a record of another schema version)."""
@@ -293,6 +304,23 @@ class History:
             lines += ["| " + " | ".join(_cell(c, row[c]) for c in COLUMNS) + " |" for row in rows]
             return "\n".join(lines) + "\n"
         raise ValueError(f"unknown export format '{fmt}' (json, csv, markdown)")
+
+
+def keep_unsaved(records: list[RunRecord]) -> str:
+    """Where runs the history could not save (a full disk, a history locked past the timeout) are kept, in words: a
+    file of their own in the system's temporary folder, as `history --export json` writes runs (the history's folder,
+    on the disk that filled, would refuse it too); or why they could not be."""
+    runs = "the run" if len(records) == 1 else f"the {len(records)} runs"
+    name = None
+    try:
+        handle, name = tempfile.mkstemp(prefix="moe-workbench-unsaved-runs-", suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps([record.to_dict() for record in records], indent=2) + "\n")
+    except OSError as exc:
+        if name:  # a part written: no file that reads as the runs
+            os.unlink(name)
+        return f"{runs} could not be kept in a file either ({exc.strerror or exc})"
+    return f"{runs} measured {'is' if len(records) == 1 else 'are'} kept in {name}"
 
 
 def _utf8(value):
