@@ -851,7 +851,19 @@ def test_contention_runner_produces_three_timings(tmp_path, simulated_model):
     moved = together["cpu_threads_changes"] - alone["cpu_threads_changes"]
     assert (f"CPU expert kernels: {alone['cpu_threads_in_force']} of {alone['cores']} threads at the end of inference "
             f"alone, {together['cpu_threads_in_force']} at the end of inference beside the indexing (cpu_threads "
-            f"automatic: it moved {moved} times meanwhile).") in report.markdown()
+            f"automatic: it moved {moved} time{'' if moved == 1 else 's'} meanwhile).") in report.markdown()
+
+
+def test_a_contention_report_of_one_worker_says_one_worker():
+    """The report's row read "indexing 1 files, 1 workers", and its threads' line "it moved 1 times"."""
+    from engine.records.contention import ContentionReport
+
+    report = ContentionReport(1, 1, 2.0, 1.0, 2.2, 1.1, threads_alone={"cpu_threads_in_force": 2, "cores": 2,
+                                                                         "cpu_threads_changes": 3},
+                              threads_together={"cpu_threads_in_force": 1, "cpu_threads_automatic": True,
+                                                "cpu_threads_changes": 4})
+    assert report.markdown().splitlines()[2] == "| indexing 1 file, 1 worker | 2.00 s | 2.20 s | 1.10x |"
+    assert report.markdown().splitlines()[-1].endswith("(cpu_threads automatic: it moved 1 time meanwhile).")
 
 
 def test_a_sweep_of_both_layer_splits_runs_whole_layers_where_the_budget_holds_some(tmp_path):

@@ -106,7 +106,7 @@ class ContentionView(QWidget):
         if result.cancelled or report is None:
             self.bar.finish("Cancelled between phases: no report.")
             return
-        rows = ((f"indexing {report.documents} files, {report.workers} workers", report.indexing_alone_s,
+        rows = ((report.indexing, report.indexing_alone_s,
                  report.indexing_with_inference_s, report.indexing_slowdown),
                 (f"inference ({self.ran_scenario})", report.inference_alone_s,
                  report.inference_with_indexing_s, report.inference_slowdown))

@@ -19,6 +19,7 @@ import platformdirs
 from engine.errors import WorkbenchError
 from engine.host_load import HostLoadMeter
 from engine.sampling import SamplingParams, describe
+from engine.units import counted
 
 _WORDS = ("expert router token layer memory bandwidth cache offload device budget prefill decode "
           "placement resident cold hot kernel thread index search query document corpus record sweep "
@@ -114,6 +115,11 @@ class ContentionReport:
     def inference_slowdown(self) -> float:
         return self.inference_with_indexing_s / self.inference_alone_s
 
+    @property
+    def indexing(self) -> str:
+        """The indexing workload, as the report's row and the window's table name it."""
+        return f"indexing {counted(self.documents, 'file')}, {counted(self.workers, 'worker')}"
+
     def as_dict(self) -> dict:
         return {**vars(self), "indexing_slowdown": self.indexing_slowdown,
                 "inference_slowdown": self.inference_slowdown}
@@ -121,7 +127,7 @@ class ContentionReport:
     def markdown(self) -> str:
         lines = [
             "| workload | alone | together | slowdown |", "|---|---|---|---|",
-            f"| indexing {self.documents} files, {self.workers} workers | {self.indexing_alone_s:.2f} s | "
+            f"| {self.indexing} | {self.indexing_alone_s:.2f} s | "
             f"{self.indexing_with_inference_s:.2f} s | {self.indexing_slowdown:.2f}x |",
             f"| inference | {self.inference_alone_s:.2f} s | {self.inference_with_indexing_s:.2f} s | "
             f"{self.inference_slowdown:.2f}x |"]
@@ -138,7 +144,7 @@ class ContentionReport:
             moved = together["cpu_threads_changes"] - alone["cpu_threads_changes"]
             lines += ["", f"CPU expert kernels: {alone['cpu_threads_in_force']} of {alone['cores']} threads at the end "
                           f"of inference alone, {together['cpu_threads_in_force']} at the end of inference beside the "
-                          f"indexing" + (f" (cpu_threads automatic: it moved {moved} times meanwhile)."
+                          f"indexing" + (f" (cpu_threads automatic: it moved {counted(moved, 'time')} meanwhile)."
                                          if together["cpu_threads_automatic"] else ".")]
         return "\n".join(lines) + "\n"
 
