@@ -155,6 +155,9 @@ def test_history_table_filters_opens_compares_and_exports(qtbot, tmp_path, monke
             written = view.export()
             assert written.read_bytes() == history.export(fmt, model="gptoss").encode()
         assert [r["scenario"] for r in json.loads((tmp_path / "runs.json").read_text())] == ["multiturn", "short"]
+        view.scenario_filter.setCurrentIndex(view.scenario_filter.findData("short"))
+        view.export(str(tmp_path / "one.md"))
+        assert view.count.text() == "1 run · exported to one.md"  # (it read "1 runs")
     finally:
         window.close()
 

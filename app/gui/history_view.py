@@ -255,7 +255,7 @@ class HistoryView(QWidget):
         except Exception as exc:  # History's own errors name its file
             self.failed.emit(f"Could not export to {target}: {one_line(exc)}")
             return None
-        self.count.setText(f"{self.table.rowCount()} runs · exported to {target.name}")
+        self.count.setText(f"{counted(self.table.rowCount(), 'run')} · exported to {target.name}")
         if unreadable:
             self.failed.emit(f"Exported to {target.name} without {counted(len(unreadable), 'unreadable run')}: {unreadable[0]}"
                              + (" …" if len(unreadable) > 1 else ""))
