@@ -12,7 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
-from engine.errors import WorkbenchError, gpu_out_of_memory, one_line
+from engine.errors import WorkbenchError, gpu_out_of_memory, not_written, one_line
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.offload.projection import decode_totals, projected_decode_rate
@@ -884,7 +884,7 @@ def _cmd_sweep(args) -> int:
     _print_sweep(points, chosen, args, ids_of)
     if plot_failure is not None:
         written = isinstance(plot_failure, OSError)  # a file that could not be written, not a fault of ours
-        why = (plot_failure.strerror or plot_failure) if written else one_line(plot_failure)  # (no "[Errno 28]")
+        why = not_written(plot_failure, args.plot) if written else one_line(plot_failure)  # (no "[Errno 28]")
         print(f"{PROG}: {'error' if written else 'internal error'}: --plot {args.plot}: not written ({why}); the "
               "sweep completed: its points and recommendation are printed and its runs saved in the history",
               file=sys.stderr)

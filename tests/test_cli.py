@@ -8,6 +8,7 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -530,6 +531,25 @@ def test_a_stopped_sweep_says_it_wrote_no_plot_and_saved_no_configuration(tmp_pa
         "its 3 runs saved in the history (ids 1 to 3); no recommendation: no plot written, no configuration 'quick' "
         "saved")
     assert not (tmp_path / "sweep.png").exists() and not (tmp_path / "configurations.json").exists()
+
+
+def test_a_sweep_plot_whose_folder_went_during_the_sweep_says_so(tmp_path, capsys, monkeypatch):
+    """The plot's folder, there when the sweep began, removed while it ran: the line said the system's "No such file
+    or directory", which reads as the plot file missing."""
+    import shutil
+
+    import app.sweep_plot
+
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    monkeypatch.setattr(app.sweep_plot, "export_sweep_plot",
+                        lambda _points, _budget, path: shutil.rmtree(folder) or Path(path).write_bytes(b"plot"))
+    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                              "--max-new-tokens", "1", "--repeats", "1", "--history", str(tmp_path / "h.sqlite"),
+                              "--plot", str(folder / "sweep.png"))
+    assert status == 2 and err.splitlines()[-1].startswith(
+        f"moe-workbench: error: --plot {folder / 'sweep.png'}: not written (its folder does not exist); the sweep "
+        "completed")
 
 
 def test_a_sweep_whose_plot_fails_prints_its_table_and_saves_its_configuration(tmp_path, capsys, monkeypatch):
