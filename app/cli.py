@@ -750,8 +750,13 @@ def _cmd_record(args) -> int:
         runs.append((scenario, tokens))
     records = []
     for scenario, tokens in runs:
-        record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
-                              label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
+        try:
+            record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
+                                  label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
+        except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
+            if not records or os.environ.get("MOE_WORKBENCH_DEBUG"):
+                raise
+            return _record_stopped(exc, scenario, records, args.json)
         try:
             run_id = history.add(record)
         except WorkbenchError as exc:  # a full disk, a lock held past the timeout: the run measured is kept here
@@ -772,6 +777,22 @@ def _cmd_record(args) -> int:
     if args.json:
         print(json.dumps(records, indent=2))
     return 0
+
+
+def _record_stopped(exc: BaseException, scenario: str, records: list[dict], as_json: bool) -> int:
+    """record's end where `scenario` failed or was interrupted after `records` were saved: those printed as JSON where
+    asked (each run's line was printed already otherwise), and one line saying where it stopped and what was kept."""
+    if as_json:
+        print(json.dumps(records, indent=2))
+    ids = ", ".join(str(record["id"]) for record in records)
+    kept = f"the {counted(len(records), 'run')} before it {'is' if len(records) == 1 else 'are'} saved in the history " \
+           f"(id{'' if len(records) == 1 else 's'} {ids})"
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"{PROG}: interrupted during {scenario}; {kept}", file=sys.stderr)
+        return 130
+    users = _users_error(exc)
+    print(f"{PROG}: {'error' if users else 'internal error'}: {scenario}: {one_line(exc)}; {kept}", file=sys.stderr)
+    return 2 if users else 3
 
 
 def _device_note(record, device) -> str:

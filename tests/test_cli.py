@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.errors import WorkbenchError
 from engine.units import human_bytes
 from tests.conftest import fixture_folder
 from tests.test_bad_input import REPO, run_cli
@@ -677,6 +678,29 @@ def test_record_and_sweep_sample_as_the_models_genai_config_says_with_model_samp
     assert len(sweep_runs) == 2 * 3  # 3 repeats a point
     assert all((r.generation["do_sample"], r.generation["temperature"], r.generation["seed"]) == (True, 0.6, 0)
                for r in sweep_runs)
+
+
+@pytest.mark.parametrize("error,status,line", [
+    (WorkbenchError("the device is out of memory"), 2, "moe-workbench: error: multiturn: the device is out of memory"),
+    (KeyboardInterrupt(), 130, "moe-workbench: interrupted during multiturn")])
+def test_record_stopped_at_a_later_scenario_says_and_prints_the_runs_it_saved(tmp_path, capsys, monkeypatch, error,
+                                                                            status, line):
+    """`record --scenario all --json` that failed (or was interrupted) at its second scenario printed no JSON and said
+    only the error: the run it had saved was in the history, but neither its output nor its message said so."""
+    from engine.records import scenarios
+
+    run_scenario = scenarios.run_scenario
+
+    def fails_at_multiturn(model, name, *args, **kwargs):
+        if name == "multiturn":
+            raise error
+        return run_scenario(model, name, *args, **kwargs)
+
+    monkeypatch.setattr(scenarios, "run_scenario", fails_at_multiturn)
+    got, out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--scenario", "all", "--max-new-tokens",
+                          "49", "--history", str(tmp_path / "h.sqlite"), "--json")
+    assert got == status and [(run["id"], run["scenario"]) for run in json.loads(out)] == [(1, "short")]
+    assert err.splitlines()[-1] == f"{line}; the 1 run before it is saved in the history (id 1)"
 
 
 def test_record_all_skips_a_scenario_the_context_cannot_hold_and_runs_the_others(tmp_path, capsys):
