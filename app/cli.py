@@ -881,7 +881,8 @@ def _cmd_sweep(args) -> int:
         return 2 if users else 3
     chosen = recommendation(points, args.margin)
     best = chosen.point
-    plot_failure = None  # the sweep is complete: a plot not written loses neither its table nor its configuration
+    # the sweep is complete: a plot or a configuration not written loses neither its table nor the other
+    plot_failure = save_failure = None
     if args.plot:
         from app.sweep_plot import export_sweep_plot
 
@@ -896,21 +897,29 @@ def _cmd_sweep(args) -> int:
         # saved beside the entries, and --config applies them too
         own = {"layer_split": best.split or args.layer_split or "auto", "decode_path": args.decode_path or "auto"}
         words = "".join(f" --{key.replace('_', '-')} {value}" for key, value in own.items() if value not in (None, "auto"))
-        saved = save_configuration(args.save_as, Path(args.model).resolve(),
-                                   model.offload.config.updated(device_expert_bytes=best.budget_bytes),
-                                   note=chosen.note + (f"; with{words}" if words else ""), own=own)
-        also = f", which also sets{words}" if words else ""
-        print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{also})",
-              file=sys.stderr)
+        try:
+            saved = save_configuration(args.save_as, Path(args.model).resolve(),
+                                       model.offload.config.updated(device_expert_bytes=best.budget_bytes),
+                                       note=chosen.note + (f"; with{words}" if words else ""), own=own)
+        except WorkbenchError as exc:  # a full disk, the file changed during the sweep: the table stands
+            save_failure = exc
+        else:
+            also = f", which also sets{words}" if words else ""
+            print(f"saved as configuration '{args.save_as}' in {saved} (use it with --config {args.save_as}{also})",
+                  file=sys.stderr)
     _print_sweep(points, chosen, args, ids_of)
+    completed = "the sweep completed: its points and recommendation are printed and its runs saved in the history"
+    status = 0
+    if save_failure is not None:
+        print(f"{PROG}: error: --save-as {args.save_as}: {save_failure}; {completed}", file=sys.stderr)
+        status = 2
     if plot_failure is not None:
         written = isinstance(plot_failure, OSError)  # a file that could not be written, not a fault of ours
         why = not_written(plot_failure, args.plot) if written else one_line(plot_failure)  # (no "[Errno 28]")
-        print(f"{PROG}: {'error' if written else 'internal error'}: --plot {args.plot}: not written ({why}); the "
-              "sweep completed: its points and recommendation are printed and its runs saved in the history",
-              file=sys.stderr)
-        return 2 if written else 3
-    return 0
+        print(f"{PROG}: {'error' if written else 'internal error'}: --plot {args.plot}: not written ({why}); "
+              f"{completed}", file=sys.stderr)
+        status = max(status, 2 if written else 3)
+    return status
 
 
 def _kept(points: list, saved_ids: list[int], args) -> str:

@@ -534,6 +534,31 @@ def test_a_stopped_sweep_says_it_wrote_no_plot_and_saved_no_configuration(tmp_pa
     assert not (tmp_path / "sweep.png").exists() and not (tmp_path / "configurations.json").exists()
 
 
+def test_a_sweep_whose_configuration_cannot_be_saved_prints_its_table_and_writes_its_plot(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """--save-as checked before the sweep, and its file made unreadable while it ran (here a folder where the file
+    was to be; a full disk likewise): the error ended the command before the table and the recommendation were
+    printed."""
+    import app.sweep_plot
+    import engine.records.sweep as sweep
+    from engine.records import configurations
+
+    saved = tmp_path / "configurations.json"
+    monkeypatch.setattr(configurations, "default_path", lambda: saved)
+    monkeypatch.setattr(app.sweep_plot, "export_sweep_plot",
+                        lambda _points, _budget, path: Path(path).write_text("plot"))
+    run_scenario = sweep.run_scenario
+    monkeypatch.setattr(sweep, "run_scenario", lambda *args, **kwargs: saved.mkdir(exist_ok=True)
+                        or run_scenario(*args, **kwargs))
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                             "--max-new-tokens", "1", "--repeats", "1", "--history", str(tmp_path / "h.sqlite"),
+                             "--save-as", "quick", "--plot", str(tmp_path / "sweep.png"))
+    assert status == 2 and out.count("<- recommended") == 1 and (tmp_path / "sweep.png").read_text() == "plot"
+    last = err.splitlines()[-1]
+    assert last == (f"moe-workbench: error: --save-as quick: {saved}: not saved (Is a directory); the sweep completed: "
+                    "its points and recommendation are printed and its runs saved in the history")
+
+
 def test_a_sweep_plot_whose_folder_went_during_the_sweep_says_so(tmp_path, capsys, monkeypatch):
     """The plot's folder, there when the sweep began, removed while it ran: the line said the system's "No such file
     or directory", which reads as the plot file missing."""
