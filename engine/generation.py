@@ -121,7 +121,9 @@ class LoadedModel:
             device.memory.reserve(total + growth + folder.dense_bytes + self.dense.arena_limit, DENSE_RESERVATION)
         self.decoder.open_dense(self.dense)
         self.load_s = time.perf_counter() - started
-        self.warmed_up = False  # a timed run's unrecorded warm-up answer given (records/scenarios.warm_up_answer)
+        # the seconds of the unrecorded warm-up answer before its first timed run (records/scenarios.warm_up_answer):
+        # None until given, 0 once a record has said them
+        self.warm_up_s: float | None = None
         self.prefault = self.host_registration = None
         self._start_unbounded_work(offload, device)
         if self.offload is not None:

@@ -63,6 +63,30 @@ def test_a_models_first_record_follows_an_unrecorded_warm_up_answer(monkeypatch)
     assert second.timings["warm_up_s"] == 0 and all(on_clock for _tokens, on_clock in steps)
 
 
+def test_side_by_side_at_once_gives_both_warm_ups_before_either_clock_starts(monkeypatch):
+    """Given in each side's thread, the warm-up answer of the side that took longer ran beside the other side's timed
+    answer, which an answer "at once" measures as the other's load."""
+    import time
+
+    from engine.records import scenarios, side_by_side
+
+    events, enter, warm_up = [], scenarios.PeakSampler.__enter__, scenarios.warm_up_answer
+
+    def slow_warm_up(model, cancel=None):
+        seconds = warm_up(model, cancel)
+        time.sleep(0.3 if model is right else 0)  # B's warm-up the longer
+        events.append(("warm-up", "A" if model is left else "B"))
+        return seconds
+
+    monkeypatch.setattr(scenarios, "warm_up_answer", slow_warm_up)
+    monkeypatch.setattr(side_by_side, "warm_up_answer", slow_warm_up, raising=False)
+    monkeypatch.setattr(scenarios.PeakSampler, "__enter__", lambda self: events.append(("clock", "")) or enter(self))
+    left, right = (LoadedModel.open(fixture_folder("gptoss")) for _side in "AB")
+    comparison = compare(Side(left, None, "A"), Side(right, None, "B"), "Compare us", PARAMS, concurrent=True)
+    assert sorted(events[:2]) == [("warm-up", "A"), ("warm-up", "B")] and events[2:] == [("clock", "")] * 2
+    assert [record.timings["warm_up_s"] > 0 for record in comparison.records] == [True, True]  # each says its own
+
+
 def test_record_has_what_a_user_decides_with(short_record):
     r = short_record
     assert r.schema_version == SCHEMA_VERSION and r.scenario == "short"

@@ -220,7 +220,10 @@ def _settle(model: LoadedModel, cancel: threading.Event | None) -> tuple[float, 
     if cancel is not None and cancel.is_set():
         return settle_s, 0.0
     settle_s += warm_model(model) + model.decoder.kernel_threads.settle()
-    return settle_s, 0.0 if model.warmed_up else warm_up_answer(model, cancel)
+    if model.warm_up_s is None:
+        warm_up_answer(model, cancel)
+    warm_up_s, model.warm_up_s = model.warm_up_s, 0.0  # said by this record, not by the next ones
+    return settle_s, warm_up_s
 
 
 def warm_up_answer(model: LoadedModel, cancel: threading.Event | None = None) -> float:
@@ -231,8 +234,8 @@ def warm_up_answer(model: LoadedModel, cancel: threading.Event | None = None) ->
     started = time.perf_counter()
     Conversation(model).send(scenario_turns("short", model.tokenizer, model.config, WARM_UP_TOKENS)[0],
                              GenerationParams(max_new_tokens=WARM_UP_TOKENS), cancel=cancel)
-    model.warmed_up = True
-    return time.perf_counter() - started
+    model.warm_up_s = time.perf_counter() - started  # the next record says it
+    return model.warm_up_s
 
 
 def _measure_turns(model: LoadedModel, turns_text: list[str], params: GenerationParams, device, name: str, label: str,

@@ -4,6 +4,7 @@ chose its token there (a near tie that rounding can tip, or a clear difference).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 from engine.errors import one_line
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload.planner import under_limit
-from engine.records.scenarios import run_turns
+from engine.records.scenarios import run_turns, warm_up_answer
 from engine.records.schema import RunRecord
 
 
@@ -172,6 +173,12 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
             on_done(index, "cancelled", 0)
 
     if concurrent:
+        # each side's warm-up answer before either clock starts: given in the threads (run_turns), the one that ended
+        # first would time its answer beside the other's warm-up
+        for side in (left, right):
+            if side.model.warm_up_s is None and (cancel is None or not cancel.is_set()):
+                with contextlib.suppress(Exception):  # (its run gives it again, and its failure is the side's)
+                    warm_up_answer(side.model, cancel)
         threads = [threading.Thread(target=run, args=(i, side)) for i, side in enumerate((left, right))]
         for thread in threads:
             thread.start()
