@@ -387,8 +387,8 @@ def test_the_sweep_command_keeps_its_length_for_a_model_that_reasons_first_and_s
     command = ["sweep", str(folder), "--device", "simulated", "--points", "2", "--json",
                "--history", str(tmp_path / "history.sqlite3")]
     assert cli.main(command) == 0
-    # a warm-up, then each point's: a warm-up, then its three repeats
-    assert answered == [("", 4)] + ([("", 4)] + [("", 32)] * 3) * 2
+    # each point's warm-up, then its three repeats (the sweep's first warm-up, warm_up_answer, is no scenario run)
+    assert answered == ([("", 4)] + [("", 32)] * 3) * 2
     assert ("sweep: answers stop after 32 tokens, inside the reasoning of this model, which reasons first: a sweep "
             "times the same work at each budget, and reasoning decodes as an answer does (the model's own length is "
             "2048 tokens a run); --max-new-tokens sets another\n") in capsys.readouterr().err
@@ -406,6 +406,7 @@ def test_a_record_keeps_the_reasoning_apart_and_older_records_still_read(harmony
     tokenizer = harmony_model.tokenizer
     answer = tokenizer.encode(ANALYSIS_THEN_FINAL) + [tokenizer.token_id("<|return|>")]
     monkeypatch.setattr(harmony_model.decoder, "forward", ScriptedForward(tokenizer.vocab_size, answer))
+    harmony_model.warm_up_s = 0.0  # warmed up: run_turns' warm-up answer would take the scripted answer's first tokens
     record = RunRecord.from_dict(run_turns(harmony_model, ["Hi"], GenerationParams(max_new_tokens=64)).to_dict())
     turn = record.turns[0]
     assert (turn["answer"], turn["reasoning"]) == ("Hello there!", "The user greets; answer briefly.")
