@@ -12,6 +12,7 @@ separate from expert execution (``run_experts``). Measurements: benchmarks/NOTES
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import numba
@@ -414,11 +415,12 @@ class CpuQMoE:
         """Whether run_experts takes spans: the fused decode kernel runs this node's decode steps."""
         return self._delegate is None and self._gemv_fused and self._quantized
 
-    @property
+    @functools.cached_property
     def reads_rows_in_part(self) -> bool:
         """Whether a part of an expert from a multiple of 64 rows on (kernels/cold_split.py: ROW_STEP) reads only its
         part of FC2's rows too: moe_gemv's loop of int4 rows of whole 16-byte chunks starts at the part's chunk where
-        that starts a scale block (blocks of <= 64 codes, or one scale a row). Elsewhere FC2's rows are read whole."""
+        that starts a scale block (blocks of <= 64 codes, or one scale a row). Elsewhere FC2's rows are read whole.
+        Worked out once from the node's layout: the accounts of every "both" layer's step ask it."""
         if not self.splits_rows:
             return False
         f2 = self.fc2
