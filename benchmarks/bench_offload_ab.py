@@ -28,8 +28,11 @@ rate, misses, copies, swaps, slots left to copies, the split and the decode path
 result file beside the rates.
 
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
-"both" with one table, where the engine would make it again from rates it measures, which move between rounds enough
-for a 1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
+"both" with fixed tables, where the engine would make them again from rates it measures, which move between rounds
+enough for a 1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
+'first' makes two tables from the same costs, measured in A's warm-up: one that may split a pair by rows, for a
+variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that an A/B of the split
+compares the split alone.
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
@@ -262,21 +265,32 @@ def split_table(text: str | None):
 
 
 def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path: str, prompt: list[int],
-                    warmup: int) -> None:
-    """Every layer's table under "both" fixed to `table` (split_table's): the share of the cold pairs the same in
-    every round of both variants, where the engine would make it again from rates it measures, which move between
-    rounds (a 1.18x between identical configurations, RESULTS.md fortieth session)."""
+                    warmup: int) -> dict:
+    """Every layer's tables under "both" fixed for every round of both variants, where the engine would make them
+    again from rates it measures, which move between rounds (a 1.18x between identical configurations, RESULTS.md
+    fortieth session). `table` (split_table's): the CPU's whole pairs per cold count, or "first": the tables the
+    engine makes from the costs it measured in A's warm-up, both kinds from the same costs: the share with a pair
+    split by rows where the stores split pairs (kernels/cold_split.py: split_tables), and whole pairs only. A variant
+    with engine.row_split=0 decodes under the second, one with it on under the first, so an A/B of the split compares
+    the split alone. Returns the tables fixed ({"split": [share, rows], "whole": [share, None]})."""
     engine = model.offload
-    if isinstance(table, str):  # "first": what the engine makes for A
+    if isinstance(table, str):  # "first": from the costs the engine measures in A's warm-up
         engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
         decode(model, prompt, 1, warmup=warmup)
         layer = next(i for i, store in enumerate(engine.stores) if store is not None)
-        table = np.array(engine.cold_split_table(layer))
+        split = engine.split_tables_from_costs(layer, getattr(engine.stores[layer], "splits_rows", False))
+        whole = engine.split_tables_from_costs(layer, False)
+    else:
+        split = whole = (table, None)
     for info in engine.infos:
-        if info.spec.k + 1 != table.size:
-            raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {info.spec.k} experts a token, so a "
-                             f"table of {info.spec.k + 1} counts")
-    engine.cold_split_table = lambda layer: table
+        if info.spec.k + 1 != split[0].size:
+            raise SystemExit(f"--split-table {split[0].tolist()}: {info.name} takes {info.spec.k} experts a token, "
+                             f"so a table of {info.spec.k + 1} counts")
+    tables = lambda: split if engine.row_split else whole  # noqa: E731 - read at each call: a variant's switch picks
+    engine.cold_split_table = lambda layer: tables()[0]
+    engine.cold_split_rows = lambda layer: tables()[1]
+    return {name: [share.tolist(), None if rows is None else rows.tolist()]
+            for name, (share, rows) in (("split", split), ("whole", whole))}
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
@@ -286,12 +300,15 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
     """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
     default where one does not, and their layer splits) in `rounds` alternating rounds at one budget; with `trace`,
     routed by a realistic trace, the same for both in a round. `details` ({"A": [], "B": []}), where given, gets each
-    round's engine_figures. `table`: split_table's, fixed for every round (fix_split_table), else the engine's own."""
+    round's engine_figures, and under "tables" the tables fixed where `table` is given. `table`: split_table's, fixed for
+    every round (fix_split_table), else the engine's own."""
     variant_switches = variant_switches or {"A": {}, "B": {}}
     splits = splits or {"A": SPREAD, "B": SPREAD}
     paths = paths or {"A": default_decode_path(), "B": default_decode_path()}
     if table is not None:
-        fix_split_table(model, table, budget, changes["A"], paths["A"], prompt, warmup)
+        fixed = fix_split_table(model, table, budget, changes["A"], paths["A"], prompt, warmup)
+        if details is not None:
+            details["tables"] = fixed
     rates = {"A": [], "B": []}
     defaults = None
     try:
@@ -317,8 +334,8 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
     finally:
         if defaults is not None:  # as found: the next budget's rounds take their defaults from here
             set_switches(model, defaults)
-        if table is not None:
-            del model.offload.cold_split_table  # the engine's own again
+        if table is not None:  # the engine's own again
+            del model.offload.cold_split_table, model.offload.cold_split_rows
     return rates
 
 
@@ -361,9 +378,11 @@ def main(argv=None) -> dict:
                              "measures as it runs settles in them (decode path \"both\" timed its start-up table with "
                              "4: RESULTS.md, thirtieth session)")
     parser.add_argument("--trace", action="store_true", help="route every decode step by a realistic trace")
-    parser.add_argument("--split-table", help="under \"both\": 'first' (the table the engine makes for A, kept for "
-                                              "every round) or the CPU's pairs per cold count (0,0,1,1,2); default: "
-                                              "the engine's own, made again as its measured rates move")
+    parser.add_argument("--split-table", help="under \"both\": 'first' (the tables the engine makes from A's "
+                                              "warm-up, kept for every round: with a pair split by rows, and whole "
+                                              "pairs for a variant with engine.row_split=0) or the CPU's pairs per "
+                                              "cold count (0,0,1,1,2); default: the engine's own, made again as its "
+                                              "measured rates move")
     parser.add_argument("--no-write", action="store_true", help="print only (no result file)")
     args = parser.parse_args(argv)
     changes = {"A": variant(args.a), "B": variant(args.b)}
@@ -379,10 +398,15 @@ def main(argv=None) -> dict:
         details = {"A": [], "B": []}
         result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits,
                                        args.trace, args.decode_warmup, details, paths, split_table(args.split_table)))
-        results[f"{fraction:.2f}"] = {**result, "a_rounds": details["A"], "b_rounds": details["B"]}
+        results[f"{fraction:.2f}"] = {**result, "a_rounds": details["A"], "b_rounds": details["B"],
+                                      "split_tables": details.get("tables")}
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
               f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
+        if details.get("tables"):
+            (share, rows), (whole, _none) = details["tables"]["split"], details["tables"]["whole"]
+            print(f"       tables fixed: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs {whole}",
+                  flush=True)
         for name in ("A", "B"):  # the last round's engine figures
             last = details[name][-1]
             print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"

@@ -363,3 +363,50 @@ def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, mon
     fixed = seen[first - 1] if first else [0, 1, 1, 2, 2]
     assert len(seen) == first + 4 * 4 and all(entry == fixed for entry in seen[first:])
     assert "cold_split_table" not in vars(model.offload)  # the engine's own method again
+
+
+def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_whole_for_the_other(tmp_path,
+                                                                                              monkeypatch):
+    """--split-table first with B's engine.row_split=0: both tables come from the same costs (here fixed: the CPU and
+    the GPU each 100 µs an expert, no cost a call), A's share and rows (kernels/cold_split.py: split_tables, the CPU
+    reading FC2 whole or in part as its kernel does) in every A round, the whole-pair table and no rows in every B
+    round; the engine's own methods come back after the rounds."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import WriterSpec, write_model
+    from kernels.cold_split import split_tables
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    seen = {"A": [], "B": []}
+
+    def decode(model, prompt, tokens, warmup=4):
+        state = model.new_state()
+        token = int(model.decoder.forward(state, prompt)[-1].argmax())
+        for _ in range(warmup + tokens):
+            token = int(model.decoder.forward(state, [token])[-1].argmax())
+            engine = model.offload
+            rows = engine.cold_split_rows(0)
+            seen["A" if engine.row_split else "B"].append(
+                (engine.cold_split_table(0).tolist(), None if rows is None else rows.tolist()))
+        return 1.0, []
+
+    monkeypatch.setattr(ab, "decode", decode)
+    model = LoadedModel.open(write_model(tmp_path / "m", spec), offload=OffloadConfig(device_expert_bytes=0),
+                             device=SimulatedDevice(1 << 30), decode_path="both")
+    engine = model.offload
+    assert engine.stores[0].splits_rows
+    monkeypatch.setattr(engine, "_split_costs", lambda layer: (100e-6, 0.0, 100e-6))
+    details = {"A": [], "B": []}
+    ab.paired_rounds(model, all_resident_bytes(model.folder.experts) // 4, {"A": {}, "B": {}}, 2, [5, 6, 7], 2,
+                     variant_switches={"A": {}, "B": {"engine.row_split": 0}}, warmup=2, details=details,
+                     paths={"A": "both", "B": "both"}, table="first")
+    in_part = engine.runners[0].kernel.reads_rows_in_part
+    share, rows = split_tables(4, 256, 64, 100e-6, 0.0, 100e-6, 0.0, 2 / 3, cpu_reads_fc2_whole=not in_part)
+    assert rows.any()  # a pair is split where the two sides cost the same
+    assert details["tables"] == {"split": [share.tolist(), rows.tolist()], "whole": [[0, 0, 1, 1, 2], None]}
+    assert seen["B"] and set(map(str, seen["B"])) == {str(([0, 0, 1, 1, 2], None))}
+    assert seen["A"][3:] and set(map(str, seen["A"][3:])) == {str((share.tolist(), rows.tolist()))}
+    assert not {"cold_split_table", "cold_split_rows"} & set(vars(engine))

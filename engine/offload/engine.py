@@ -274,15 +274,21 @@ class OffloadEngine:
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k, splits_rows)
         tables = self._split_tables.get(key)
         if tables is None:
-            costs = (*self._split_costs(layer), self.host_gap.value)
-            if splits_rows:
-                in_part = getattr(self.runners[layer].kernel, "reads_rows_in_part", False)
-                take, rows = split_tables(info.spec.k, info.spec.inter_size, ROW_STEP, *costs,
-                                          fc1_share(info.spec.gated), cpu_reads_fc2_whole=not in_part)
-            else:
-                take, rows = cpu_take_table(info.spec.k, *costs), None
+            take, rows = self.split_tables_from_costs(layer, splits_rows)
             tables = self._split_tables[key] = (shifted(take, self.share_trials.shift), rows)
         return tables
+
+    def split_tables_from_costs(self, layer: int, split_rows: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """(share, rows) as the costs measured now (_split_costs, the host's gap) make them, before the share trials'
+        shift: with `split_rows` the share and a split pair's rows chosen together (kernels/cold_split.py:
+        split_tables), else whole pairs only (cpu_take_table; rows None)."""
+        info = self.infos[layer]
+        costs = (*self._split_costs(layer), self.host_gap.value)
+        if not split_rows:
+            return cpu_take_table(info.spec.k, *costs), None
+        in_part = getattr(self.runners[layer].kernel, "reads_rows_in_part", False)
+        return split_tables(info.spec.k, info.spec.inter_size, ROW_STEP, *costs, fc1_share(info.spec.gated),
+                            cpu_reads_fc2_whole=not in_part)
 
     def _split_costs(self, layer: int) -> tuple[float, float, float]:
         """The split's costs in this layer (seconds): the CPU's a cold expert and a call, the GPU's a cold expert read
