@@ -337,13 +337,16 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     if args.device == "cuda":
         from engine.offload.cuda_device import cuda_device_or_cpu, open_cuda_device
 
+        def report(text: str) -> None:  # what the load does where it takes long (the GPU kernels compiling)
+            print(text, file=sys.stderr, flush=True)
+
         if needs_device:
             try:
-                return config, open_cuda_device(mem_limit=config.gpu_device_mem_limit)
+                return config, open_cuda_device(mem_limit=config.gpu_device_mem_limit, report=report)
             except WorkbenchError as exc:
                 raise WorkbenchError(f"{needs_device} needs a device, and the CUDA GPU cannot be used ({exc}); "
                                      "--device simulated gives a simulated one") from None
-        device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode)
+        device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode, report=report)
         if note:
             print(f"warning: {note}", file=sys.stderr)
             if fallback is not None:

@@ -1379,6 +1379,24 @@ def test_generate_json_on_a_cuda_gpu_that_cannot_be_used_says_in_the_json_which_
                                                                     "why": None}
 
 
+def test_the_gpu_kernels_compiling_at_a_load_is_said_on_standard_error(capsys, monkeypatch):
+    """A first generate on a GPU without a prebuilt cubin waited 1-2 minutes on NVRTC compiling the expert kernels with
+    nothing printed. The device's report (CudaDevice.ensure_kernels) is a line on standard error as it comes. A simulated
+    GPU stands in for the CUDA one, which reports as a load's compile would."""
+    from engine.offload import SimulatedDevice
+    from engine.offload import cuda_device
+
+    def cuda_device_or_cpu(mem_limit, mode, report):
+        report("Compiling the GPU expert kernels for sm_90 (...).")
+        return SimulatedDevice(8 << 30, mem_limit=mem_limit), ""
+
+    monkeypatch.setattr(cuda_device, "cuda_device_or_cpu", cuda_device_or_cpu)
+    status, out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hi", "--max-new-tokens",
+                             "2", "--json", "--device", "cuda")
+    assert status == 0 and json.loads(out)["offload"]["device"]["why"] is None
+    assert err.splitlines()[0] == "Compiling the GPU expert kernels for sm_90 (...)."
+
+
 def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     """--layer-split and --decode-path choose how a device takes experts: with --device cpu (the default) they were
     accepted in silence, as if they had been applied."""

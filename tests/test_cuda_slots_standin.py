@@ -297,6 +297,9 @@ class FakeCudaDevice:
     def staging_bytes_per_expert(self, runner) -> int:
         return staged_bytes(runner)
 
+    def ensure_kernels(self) -> None:
+        pass  # (the stand-in GpuQMoE computes with the CPU kernel)
+
     def set_pinned_ring(self, nbytes: int) -> None:
         pass
 

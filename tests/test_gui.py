@@ -1978,6 +1978,39 @@ def test_a_load_under_mode_required_on_a_cuda_gpu_without_cupy_keeps_the_loaded_
     assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
 
 
+def test_the_gpu_kernels_compiling_at_a_load_is_said_in_the_status_bar_and_where_everything_landed(qtbot, window,
+                                                                                                 monkeypatch):
+    """A first load on a GPU without a prebuilt cubin waits 1-2 minutes on NVRTC compiling the expert kernels, and the
+    window said nothing: "Loading…" and a progress bar standing still. The device's report (CudaDevice.ensure_kernels,
+    from a timer thread) shows in the status bar as it comes, and the compile's note where everything landed. A
+    simulated GPU stands in for the CUDA one, which reports as a load's compile would."""
+    import threading
+
+    from app.gui import engine_worker
+    from engine.offload import SimulatedDevice
+
+    compiling = "Compiling the GPU expert kernels for sm_90 (a first load on this GPU without a prebuilt cubin: ...)."
+    compiled = "The GPU expert kernels were compiled for sm_90 in 81 s; later loads take them from CuPy's cache in /c."
+
+    def cuda_device_or_cpu(mem_limit, mode, report):
+        device = SimulatedDevice(8 << 30, mem_limit=mem_limit, name="stand-in CUDA GPU")
+        saying = threading.Thread(target=report, args=(compiling,))
+        saying.start()
+        saying.join()
+        device.kernels_note = compiled
+        report(compiled)
+        return device, ""
+
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", cuda_device_or_cpu)
+    shown = []
+    monkeypatch.setattr(window.status_state, "setText",
+                        lambda text: shown.append(text) or QLabel.setText(window.status_state, text))
+    load(qtbot, window, fixture_folder("gptoss"), {"device": {"kind": "cuda"}})
+    assert shown[:4] == ["Loading…", compiling, compiled, "Preparing the CPU kernels…"]
+    assert "<li>The GPU expert kernels were compiled for sm_90 in 81 s; later loads take them from CuPy" in (
+        window.model_panel.landed.text())
+
+
 def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,
                                                                                                       copy_fixture):
     """The worker dropped the loaded model, and the window had its conversation started again, before it read the

@@ -59,6 +59,7 @@ class EngineWorker(QObject):
     busyChanged = Signal(str)          # "opening" | "loading" | "preparing" | "generating" | "replanning" | "" (idle)
     inspected = Signal(object)         # app.gui.estimate.ModelFacts
     loadProgress = Signal(float)
+    loadNote = Signal(str)             # what a load is doing where it takes long without progress (GPU kernels compiling)
     loaded = Signal(dict)              # path, load_s, device, statements, landed, entries
     streamed = Signal(str, str, int)   # reasoning, answer, tokens: what came since the last, in batches (~30 a second)
     answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement, offload
@@ -156,7 +157,7 @@ class EngineWorker(QObject):
             return SimulatedDevice(capacity, mem_limit=config.gpu_device_mem_limit,
                                    name=f"simulated GPU, {human_bytes(capacity)}")
         if kind == "cuda":
-            device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode)
+            device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode, report=self.loadNote.emit)
             notes += [note] if note else []
             return device
         return None
@@ -254,6 +255,8 @@ class EngineWorker(QObject):
                 if n and not purpose.startswith("expert slots")]
             lines.append(f"{self._device.name}: {human_bytes(memory.used)} in use of {human_bytes(memory.ceiling)} "
                          f"({', '.join(parts)}).")
+            if getattr(self._device, "kernels_note", ""):  # (a CUDA device's load that compiled the GPU kernels)
+                lines.append(self._device.kernels_note)
             pinned = offload.pinned_info()
             if pinned:
                 lines.append(pinned_sentence(pinned, offload.wave_experts))

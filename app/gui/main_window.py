@@ -225,6 +225,7 @@ class MainWindow(QMainWindow):
         w.busyChanged.connect(self._on_busy)
         w.inspected.connect(self._on_inspected)
         w.loadProgress.connect(self.model_panel.set_progress)
+        w.loadNote.connect(self._on_load_note)
         w.loaded.connect(self._on_loaded)
         w.streamed.connect(self._on_streamed)
         w.answered.connect(self._on_answered)
@@ -728,6 +729,13 @@ class MainWindow(QMainWindow):
         self._show_activity(stopping)
         if self._stopping:
             self.status_state.setText(f"Stopping {self._stopping}…")
+
+    @Slot(str)
+    def _on_load_note(self, text: str) -> None:
+        """What the load is doing where its progress stands still (the GPU kernels compiling), in the status bar until
+        the next activity's label; not over a stop asked meanwhile, which is said as the load ends."""
+        if self.busy == "loading" and not self._stopping:
+            self.status_state.setText(text)
 
     @Slot(object)
     def _on_inspected(self, facts) -> None:

@@ -29,6 +29,9 @@ ALIGN = 256  # byte alignment of every array placed in the pinned ring
 # how long a "both" layer's gated merge waits on the device for the CPU's part before it gives up (merge_split then
 # adds the part as without the gate): far beyond a warm layer's ~0.1-1 ms, short enough not to look like a hang
 GATE_TIMEOUT_S = 1.0
+# the GPU expert kernels still loading after this long are being compiled by NVRTC (a prebuilt cubin, or CuPy's cache
+# of an earlier compile, loads in well under a second): the load says so then (CudaDevice.ensure_kernels)
+KERNEL_NOTICE_AFTER_S = 2.0
 
 
 def _round_up(n: int, to: int = ALIGN) -> int:
@@ -131,21 +134,22 @@ def _cuda_errors(cp) -> tuple[type, ...]:
     return tuple(error for error in found if isinstance(error, type))
 
 
-def open_cuda_device(mem_limit: int = 0, index: int = 0) -> "CudaDevice":
+def open_cuda_device(mem_limit: int = 0, index: int = 0, report=None) -> "CudaDevice":
+    """report: CudaDevice's (what a long load is doing)."""
     cp = _cupy()
     _check_device(cp, index)
     try:
-        return CudaDevice(index, mem_limit)
+        return CudaDevice(index, mem_limit, report)
     except _cuda_errors(cp) as exc:  # found but not usable: busy (exclusive-process mode), its memory taken ...
         reason = f"{type(exc).__name__}: {error_reason(exc)}"
         raise NoCudaDevice(f"CUDA device {index} cannot be opened ({reason})") from None
 
 
-def cuda_device_or_cpu(mem_limit: int, mode: str) -> tuple["CudaDevice | None", str]:
+def cuda_device_or_cpu(mem_limit: int, mode: str, report=None) -> tuple["CudaDevice | None", str]:
     """The CUDA device, or, where it cannot be used, None and the note that every expert runs on the CPU instead, as
-    the window and the command line load; only mode=required refuses (the device's own error)."""
+    the window and the command line load; only mode=required refuses (the device's own error). report: CudaDevice's."""
     try:
-        return open_cuda_device(mem_limit=mem_limit), ""
+        return open_cuda_device(mem_limit=mem_limit, report=report), ""
     except WorkbenchError as exc:
         if mode == "required":
             raise
@@ -166,6 +170,14 @@ def cuda_device_problem(index: int = 0) -> str:
     except NoCudaDevice as exc:
         return str(exc)
     return ""
+
+
+def _kernel_cache_dir(cp) -> str:
+    """Where CuPy keeps the kernels NVRTC compiled for later processes (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
+    try:
+        return str(cp.cuda.compiler.get_cache_dir())
+    except Exception:  # noqa: BLE001 - a CuPy without the function: its documented default
+        return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
 
 
 def _measure_bandwidths(cp, probe_bytes: int = 256 << 20) -> tuple[float, float]:
@@ -420,6 +432,7 @@ class CudaSlots:
         prefill wave's `tensors`."""
         from kernels.gpu.qmoe import GpuQMoE
 
+        self.device.ensure_kernels()
         try:
             return GpuQMoE(self.runner.info.spec, self.runner.tensors if tensors is None else tensors, device=self.device.index,
                            num_slots=max(1, slots), resident=resident, host_tier=self.host_tier and tensors is None)
@@ -994,6 +1007,7 @@ class CudaStreamingSlots:
         # that computes them and the merge of its result (CudaSlots.stream / launch / merge_on_device)
         self.issue = RecentHostSeconds()
         self.launching = RecentHostSeconds()
+        device.ensure_kernels()
         device.memory.reserve(num_slots * self.slot_bytes, "decode streaming slots")
         try:
             with device.compute_stream:
@@ -1023,9 +1037,14 @@ class CudaStreamingSlots:
 class CudaDevice:
     kind = "cuda"
 
-    def __init__(self, index: int = 0, mem_limit: int = 0):
+    def __init__(self, index: int = 0, mem_limit: int = 0, report=None):
+        """report: called with a sentence on what the load is doing where it takes long with nothing else to show
+        (the kernels compiling: ensure_kernels); from another thread than the load's."""
         cp = _cupy()
         self.cp, self.index = cp, index
+        self.report = report or (lambda _text: None)
+        self.kernels_ready = False
+        self.kernels_note = ""  # where this device's load compiled the kernels: how long it took, where they are kept
         with cp.cuda.Device(index):
             free, total = cp.cuda.runtime.memGetInfo()
             props = cp.cuda.runtime.getDeviceProperties(index)
@@ -1052,6 +1071,44 @@ class CudaDevice:
         self._staged_bytes: dict[str, int] = {}
         self.load_issue: dict[int, RecentHostSeconds] = {}  # per slot size: host seconds of loads (CudaSlots)
         self.slot_launch: dict[int, RecentHostSeconds] = {}  # per slot size: ... of decode launches and merges
+
+    def ensure_kernels(self) -> None:
+        """The GPU expert kernels loaded for this GPU's architecture before the first GpuQMoE asks for them
+        (kernels.gpu._module: a prebuilt cubin, else NVRTC through CuPy, whose cache keeps them for later loads). A
+        first compile takes 1-2 minutes with no progress to show: where the kernels are not ready after
+        KERNEL_NOTICE_AFTER_S, `report` says what runs, and once they are, how long it took and where they are kept
+        (also kept as kernels_note)."""
+        if self.kernels_ready:
+            return
+        from kernels.gpu._module import load_module
+
+        cp = self.cp
+        with cp.cuda.Device(self.index):
+            cc = str(cp.cuda.Device(self.index).compute_capability)
+            cache = _kernel_cache_dir(cp)
+            noticed = threading.Event()
+
+            def notice() -> None:
+                noticed.set()
+                self.report(f"Compiling the GPU expert kernels for sm_{cc} (a first load on this GPU without a "
+                            f"prebuilt cubin: about 1-2 minutes; later loads take them from CuPy's cache in {cache}).")
+
+            timer = threading.Timer(KERNEL_NOTICE_AFTER_S, notice)
+            timer.daemon = True
+            started = time.perf_counter()
+            timer.start()
+            try:
+                module, _how = load_module(cc)
+                module.get_function("route_topk")  # a module made from source is compiled at its first function
+            finally:
+                timer.cancel()
+                timer.join()  # (a notice under way is said before the note below)
+        self.kernels_ready = True
+        if noticed.is_set():
+            self.kernels_note = (f"The GPU expert kernels were compiled for sm_{cc} in "
+                                 f"{time.perf_counter() - started:.0f} s; later loads take them from CuPy's cache in "
+                                 f"{cache}.")
+            self.report(self.kernels_note)
 
     def register_experts(self, source, infos, owner) -> HostRegistration:
         """Page-lock the data files holding the experts of `infos` for direct copies (host_register.py), in the
