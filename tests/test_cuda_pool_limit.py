@@ -133,3 +133,19 @@ def test_a_device_dropped_on_another_thread_while_one_opens(pool):
     opening.join(10)
     assert len(opened) == 1 and a.memory.limit == 1 << 30
     assert pool.limits[-1] == 5 << 30  # A's cap and the new device's
+
+
+def test_a_reload_counts_the_dropped_models_memory_still_cached_in_the_pool_as_free(pool):
+    """The model loaded before (dropped just before this load) gave its slots back to CuPy's pool, which keeps them
+    cached, not to the driver: the device read the driver's free memory before the probe freed them, counted them as
+    other processes' memory, and planned the new load without them (mode=required refused a budget that fits)."""
+    cached = {"bytes": 30 << 30}  # the dropped model's 30 GiB of slots, cached in the pool
+
+    def free_all_blocks():
+        cached["bytes"] = 0
+        pool.freed += 1
+
+    pool.free_all_blocks = free_all_blocks
+    cuda_device._cupy().cuda.runtime.memGetInfo = lambda: ((75 << 30) - cached["bytes"], 80 << 30)
+    device = cuda_device.CudaDevice(0)
+    assert device.memory.capacity == 75 << 30  # 5 GiB other processes hold; the pool's cached blocks are free

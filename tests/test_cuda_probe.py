@@ -167,6 +167,7 @@ def test_a_gpu_there_that_cannot_be_opened_falls_back_to_the_cpu_under_auto(monk
         cupy.cuda.runtime.memGetInfo = refuses
         cupy.cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
         cupy.cuda.Device = lambda _index: contextlib.nullcontext()
+        cupy.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
         monkeypatch.setitem(sys.modules, "cupy", cupy)
         assert cuda_device.cuda_device_or_cpu(0, "auto") == (
             None, f"The CUDA GPU was asked for but cannot be used ({said}); every expert runs on the CPU instead.")

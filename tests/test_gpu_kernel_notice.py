@@ -36,7 +36,7 @@ def device(monkeypatch):
         cuda=types.SimpleNamespace(runtime=runtime, Stream=lambda non_blocking: object(),
                                    Device=lambda index: _Gpu(),
                                    compiler=types.SimpleNamespace(get_cache_dir=lambda: "/cache/cupy")),
-        get_default_memory_pool=lambda: types.SimpleNamespace(set_limit=lambda size: None))
+        get_default_memory_pool=lambda: types.SimpleNamespace(set_limit=lambda size: None, free_all_blocks=lambda: None))
     monkeypatch.setattr(cuda_device, "_cupy", lambda: cupy)
     monkeypatch.setattr(cuda_device, "_measure_all", lambda cp: Bandwidths(pcie=50e9, hbm=3e12, cpu=100e9))
     monkeypatch.setattr(cuda_device, "_pool_caps", {})

@@ -1337,7 +1337,8 @@ def test_the_estimate_on_a_card_other_processes_use_plans_as_the_load(gptoss, mo
     runtime = types.SimpleNamespace(memGetInfo=lambda: (total - others, total),
                                     getDeviceProperties=lambda index: {"name": b"test card"})
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=lambda i: contextlib.nullcontext(),
-                                                            Stream=lambda non_blocking: object()))
+                                                            Stream=lambda non_blocking: object()),
+                                 get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
     monkeypatch.setattr(cuda_device, "_cupy", lambda: cupy)
     monkeypatch.setattr(cuda_device, "_measure_all", lambda cp: Bandwidths(pcie=50e9, hbm=3e12, cpu=100e9))
     monkeypatch.setattr(cuda_device, "_set_cap", lambda *args: None)

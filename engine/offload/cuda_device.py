@@ -1046,6 +1046,9 @@ class CudaDevice:
         self.kernels_ready = False
         self.kernels_note = ""  # where this device's load compiled the kernels: how long it took, where they are kept
         with cp.cuda.Device(index):
+            # the model dropped before this load gave its slots back to CuPy's pool, which keeps them cached, not to
+            # the driver: returned first, or the driver's free memory leaves them out, as if other processes held them
+            cp.get_default_memory_pool().free_all_blocks()
             free, total = cp.cuda.runtime.memGetInfo()
             props = cp.cuda.runtime.getDeviceProperties(index)
             name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
