@@ -1172,7 +1172,9 @@ def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(
     assert window.stop_action.isEnabled() and window.stop_action.text() == "&Stop the load"
     window.stop_action.trigger()
     qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
-    assert window.error_banner.text() == "Loading stopped." and window.model_panel.landed.text() == "Not loaded."
+    assert window.error_banner.text() == ("Loading stopped; lfm2moe was unloaded first, to free its memory, and is no "
+                                          "longer loaded.")
+    assert window.model_panel.landed.text() == "Not loaded."
 
 
 def test_load_right_after_open_loads_the_folder_opened(qtbot, window):
@@ -1956,7 +1958,9 @@ def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtb
     monkeypatch.setattr(engine_worker, "LoadedModel", out_of_memory)
     window.load()
     qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
-    assert window.loaded_path is None and window.last_error == f"Could not load {shown}: MemoryError: out of host memory"
+    assert window.loaded_path is None and window.last_error == (f"Could not load {shown}: MemoryError: out of host "
+                                                                "memory; gptoss was unloaded first, to free its memory, "
+                                                                "and is no longer loaded")
     assert window.windowTitle() == "lfm2moe — MoE Workbench"
     assert window.model_panel.load_button.isEnabled() and window.model_panel.load_button.text() == "Load"
     assert not window.model_panel.unload_button.isEnabled() and window.model_panel.landed.text() == "Not loaded."
@@ -2009,6 +2013,32 @@ def test_the_gpu_kernels_compiling_at_a_load_is_said_in_the_status_bar_and_where
     assert shown[:4] == ["Loading…", compiling, compiled, "Preparing the CPU kernels…"]
     assert "<li>The GPU expert kernels were compiled for sm_90 in 81 s; later loads take them from CuPy" in (
         window.model_panel.landed.text())
+
+
+def test_a_load_under_mode_required_on_a_busy_cuda_gpu_keeps_the_loaded_model(qtbot, window, monkeypatch):
+    """A CUDA GPU there that cannot be opened (another process holds it in exclusive-process mode, or its memory):
+    under mode=required the worker dropped the loaded model, then failed to open the device, and said only that the
+    new load failed. A GPU the loaded model holds no memory on is now opened before that model goes: the load is
+    refused with the loaded model and its conversation kept."""
+    from app.gui import engine_worker
+    from engine.offload.cuda_device import NoCudaDevice
+
+    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+            "is/are busy or unavailable)")
+
+    def cuda_device_or_cpu(mem_limit, mode, report):
+        assert mode == "required" and window.worker._model is not None  # opened while the loaded model is there
+        raise NoCudaDevice(busy)
+
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded)
+    ask(qtbot, window, "Hello", 4)
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", cuda_device_or_cpu)
+    other = fixture_folder("lfm2moe")
+    load(qtbot, window, other, {"device": {"kind": "cuda"}, "entries": {"mode": "required"}})
+    assert window.last_error == f"Could not load {other}: {busy}; gptoss stays loaded"
+    assert same(window.loaded_path, loaded) and window.worker._model is not None
+    assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
 
 
 def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,

@@ -33,7 +33,7 @@ from engine.generation import DENSE_RESERVATION, Conversation, GenerationParams,
 from engine.kernel_warmup import warm_model
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, SimulatedDevice
-from engine.offload.cuda_device import cuda_device_or_cpu, cuda_device_problem
+from engine.offload.cuda_device import cuda_device_or_cpu
 from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
 from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
@@ -166,29 +166,28 @@ class EngineWorker(QObject):
     def _load(self, path: str, settings: dict) -> None:
         self.cancel.clear()
         self.busyChanged.emit("loading")
+        kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
+        unloaded = None  # once this load has dropped the model loaded before: its name ('' where none was)
         try:
             # the folder read again before the loaded model goes: one that cannot be opened now (broken since it was
             # inspected) is refused with the loaded model and its conversation kept
             previous = self._facts.path if self._facts else None
-            kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
-            try:
-                self._open_folder(path)
-            except Exception as exc:
-                self.failed.emit(f"Could not load {path}: {one_line(exc)}{kept}")
-                return
+            self._open_folder(path)
             if previous is None or Path(previous).resolve() != Path(path).resolve():
                 self.inspected.emit(self._facts)
             config = OffloadConfig.from_entries(settings.get("entries", {}))
-            # mode=required on a CUDA GPU that CuPy, the driver or NVRTC leaves unusable: refused as the device would
-            # refuse it, before the loaded model goes (one that cannot be opened, busy or full, is known only after)
-            on_cuda = settings.get("device", {}).get("kind") == "cuda"
-            problem = cuda_device_problem() if on_cuda and config.mode == "required" else ""
-            if problem:
-                self.failed.emit(f"Could not load {path}: {problem}{kept}")
-                return
-            self._drop_model()
             notes: list[str] = []
-            device = self._make_device(settings.get("device", {}), config, notes)
+            # A CUDA GPU the loaded model holds no memory on is opened before that model goes: one that CuPy, the
+            # driver or NVRTC leaves unusable, or that cannot be opened (busy: another process holds it in
+            # exclusive-process mode; its memory taken), is refused under mode=required with the loaded model kept.
+            # Where the loaded model is on the GPU, its memory must be freed first: a failure then says it went.
+            opened_first = (settings.get("device", {}).get("kind") == "cuda"
+                            and getattr(self._device, "kind", None) != "cuda")
+            device = self._make_device(settings.get("device", {}), config, notes) if opened_first else None
+            unloaded = self._loaded_facts.name if self._model is not None else ""
+            self._drop_model()
+            if not opened_first:
+                device = self._make_device(settings.get("device", {}), config, notes)
             self._device_choice = dict(settings.get("device", {}))
 
             def progress(fraction: float) -> None:
@@ -221,11 +220,15 @@ class EngineWorker(QObject):
             self.busyChanged.emit("preparing")
             warm_model(model)
         except Exception as exc:  # the window shows it; the worker stays usable
+            if unloaded is None:  # refused before the loaded model went (a setting, the GPU): it stays
+                self.failed.emit(f"Could not load {path}: {one_line(exc)}{kept}")
+                return
             self._drop_model()
+            gone = f"; {unloaded} was unloaded first, to free its memory, and is no longer loaded" if unloaded else ""
             if isinstance(exc, LoadCancelled):
-                self.failed.emit("Loading stopped.")
+                self.failed.emit(f"Loading stopped{gone}.")
             else:
-                self.failed.emit(f"Could not load {path}: {one_line(exc)}")
+                self.failed.emit(f"Could not load {path}: {one_line(exc)}{gone}")
             self.unloaded.emit()
         finally:
             self._folder = None
