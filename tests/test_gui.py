@@ -2015,6 +2015,22 @@ def test_the_gpu_kernels_compiling_at_a_load_is_said_in_the_status_bar_and_where
         window.model_panel.landed.text())
 
 
+def test_the_gpu_kernels_compiling_for_a_side_by_side_b_is_said_in_the_status_bar_and_goes_when_it_ends(window):
+    """A side-by-side comparison loads B on the CUDA GPU itself: the first there in the process compiles the kernels,
+    whose report the status bar showed only under "loading", so the comparison stood at "loading the right side" for
+    1-2 minutes without a word. A note still shown as the activity ends (a load whose compile failed, a comparison)
+    stayed up after it, over an idle window. As the worker reports them (its own thread's signals, here the window's)."""
+    compiling = "Compiling the GPU expert kernels for sm_90 (...)."
+    for activity in ("comparing", "loading"):
+        window.worker.busyChanged.emit(activity)
+        window.worker.loadNote.emit(compiling)
+        assert window.status_state.text() == compiling
+        window.worker.busyChanged.emit("")
+        assert window.status_state.text() == "Idle"
+    window.worker.loadNote.emit(compiling)  # (none comes while idle; one late is not shown)
+    assert window.status_state.text() == "Idle"
+
+
 def test_a_load_under_mode_required_on_a_busy_cuda_gpu_keeps_the_loaded_model(qtbot, window, monkeypatch):
     """A CUDA GPU there that cannot be opened (another process holds it in exclusive-process mode, or its memory):
     under mode=required the worker dropped the loaded model, then failed to open the device, and said only that the

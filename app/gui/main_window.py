@@ -152,6 +152,7 @@ class MainWindow(QMainWindow):
         # the load or records job sent to the worker that it has not started yet: the window is busy with it already
         self._waiting: str | None = None
         self._stopping: str | None = None  # what Stop was asked to stop (STOPPABLE) in the activity that runs
+        self._load_note = ""  # the last of the worker's load notes the status bar showed (_on_load_note)
         self._chat_requests = 0  # the chat's requests to the worker, numbered (EngineWorker.stopped_request)
         self._chat_waiting: int | None = None  # the one sent whose answer has not come back
         history_box = QWidget()
@@ -732,9 +733,11 @@ class MainWindow(QMainWindow):
 
     @Slot(str)
     def _on_load_note(self, text: str) -> None:
-        """What the load is doing where its progress stands still (the GPU kernels compiling), in the status bar until
-        the next activity's label; not over a stop asked meanwhile, which is said as the load ends."""
-        if self.busy == "loading" and not self._stopping:
+        """What a load is doing where its progress stands still (the GPU kernels compiling), in the status bar until
+        the next activity's label: the window's load, or a side-by-side comparison's of B; not over a stop asked
+        meanwhile, which is said as the activity ends."""
+        if self.busy and not self._stopping:
+            self._load_note = text
             self.status_state.setText(text)
 
     @Slot(object)
@@ -927,7 +930,7 @@ class MainWindow(QMainWindow):
             self.status_state.setText(labels.get(self.busy, self.busy))
         elif stopped and self.status_state.text() == f"Stopping {stopped}…":
             self.status_state.setText(f"Stopped {stopped}.")
-        elif self.status_state.text() in labels.values():
+        elif self.status_state.text() in (*labels.values(), self._load_note):
             self.status_state.setText("Ready" if self.loaded_path is not None else "Idle")
 
     def changeEvent(self, event) -> None:
