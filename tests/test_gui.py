@@ -2057,6 +2057,27 @@ def test_a_load_under_mode_required_on_a_busy_cuda_gpu_keeps_the_loaded_model(qt
     assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
 
 
+def test_stop_while_the_cuda_gpu_opens_keeps_the_loaded_model(qtbot, window, monkeypatch):
+    """Stop while the load opened the CUDA GPU (its bandwidth probe: a second or two) or read the folder: the worker
+    went on to drop the loaded model, and stopped the load at its first progress report after, leaving nothing loaded.
+    It now stops before the loaded model goes."""
+    from app.gui import engine_worker
+    from engine.offload import SimulatedDevice
+
+    def cuda_device_or_cpu(mem_limit, mode, report):
+        window.worker.cancel.set()  # Stop, as the window sets it, while the device opens
+        return SimulatedDevice(8 << 30, mem_limit=mem_limit, name="stand-in CUDA GPU"), ""
+
+    loaded = fixture_folder("gptoss")
+    load(qtbot, window, loaded)
+    ask(qtbot, window, "Hello", 4)
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", cuda_device_or_cpu)
+    load(qtbot, window, fixture_folder("lfm2moe"), {"device": {"kind": "cuda"}})
+    assert window.last_error == "Loading stopped; gptoss stays loaded."
+    assert same(window.loaded_path, loaded) and window.worker._model is not None
+    assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
+
+
 def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,
                                                                                                       copy_fixture):
     """The worker dropped the loaded model, and the window had its conversation started again, before it read the

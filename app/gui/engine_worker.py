@@ -184,6 +184,8 @@ class EngineWorker(QObject):
             opened_first = (settings.get("device", {}).get("kind") == "cuda"
                             and getattr(self._device, "kind", None) != "cuda")
             device = self._make_device(settings.get("device", {}), config, notes) if opened_first else None
+            if self.cancel.is_set():  # Stop while the folder or the GPU opened: the loaded model stays
+                raise LoadCancelled("loading stopped")
             unloaded = self._loaded_facts.name if self._model is not None else ""
             self._drop_model()
             if not opened_first:
@@ -220,16 +222,18 @@ class EngineWorker(QObject):
             self.busyChanged.emit("preparing")
             warm_model(model)
         except Exception as exc:  # the window shows it; the worker stays usable
-            if unloaded is None:  # refused before the loaded model went (a setting, the GPU): it stays
-                self.failed.emit(f"Could not load {path}: {one_line(exc)}{kept}")
-                return
-            self._drop_model()
-            gone = f"; {unloaded} was unloaded first, to free its memory, and is no longer loaded" if unloaded else ""
-            if isinstance(exc, LoadCancelled):
-                self.failed.emit(f"Loading stopped{gone}.")
+            dropped = unloaded is not None  # else refused or stopped before the loaded model went: it stays
+            if dropped:
+                self._drop_model()
+                after = f"; {unloaded} was unloaded first, to free its memory, and is no longer loaded" if unloaded else ""
             else:
-                self.failed.emit(f"Could not load {path}: {one_line(exc)}{gone}")
-            self.unloaded.emit()
+                after = kept
+            if isinstance(exc, LoadCancelled):
+                self.failed.emit(f"Loading stopped{after}.")
+            else:
+                self.failed.emit(f"Could not load {path}: {one_line(exc)}{after}")
+            if dropped:
+                self.unloaded.emit()
         finally:
             self._folder = None
             self.busyChanged.emit("")
