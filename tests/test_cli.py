@@ -510,11 +510,41 @@ def test_a_sweep_point_the_history_could_not_save_is_kept_in_a_file_it_names(tmp
     assert status == 2 and len(out.splitlines()) == 3  # the simulated card's note, the heading, the first point
     assert err.splitlines()[-1] == (
         "moe-workbench: error: the sweep failed at 100% (device_expert_bytes=565248), point 2 of 2: "
-        f"{path}: the run was not saved (another process holds it locked: database is locked); the 3 runs measured "
+        f"{path}: the runs were not saved (another process holds it locked: database is locked); the 3 runs measured "
         f"are kept in {kept}; the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no "
         "recommendation")
     runs = json.loads(kept.read_text())
     assert [run["label"] for run in runs] == ["sweep 100%"] * 3 and all(run["timings"]["completion_s"] for run in runs)
+    assert [row["label"] for row in History(path).rows()] == ["sweep 0%"] * 3
+
+
+def test_a_sweep_point_whose_save_fails_partway_is_kept_whole_in_the_file_not_counted_under_the_points_before(
+        tmp_path, capsys, monkeypatch):
+    """The history took the second point's first run and then refused its second (a full disk; here a trigger that
+    aborts the fifth insert): the stop line said "the 1 point before it is printed, its 4 runs saved (ids 1 to 4)",
+    counting a run of the point that failed under the point before it, and the file kept only that point's other two
+    runs. A point's runs are saved together or not at all: the line counts the first point's 3 runs, and the file
+    keeps all 3 of the point that failed."""
+    import sqlite3
+    import tempfile
+
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    History(path)
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TRIGGER full BEFORE INSERT ON runs WHEN (SELECT count(*) FROM runs) >= 4 "
+                   "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                             "--max-new-tokens", "2", "--history", str(path))
+    (kept,) = tmp_path.glob("moe-workbench-unsaved-runs-*.json")
+    assert status == 2 and len(out.splitlines()) == 3  # the simulated card's note, the heading, the first point
+    assert err.splitlines()[-1] == (
+        "moe-workbench: error: the sweep failed at 100% (device_expert_bytes=565248), point 2 of 2: "
+        f"{path}: the runs were not saved (database or disk is full); the 3 runs measured are kept in {kept}; "
+        "the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no recommendation")
+    assert [run["label"] for run in json.loads(kept.read_text())] == ["sweep 100%"] * 3
     assert [row["label"] for row in History(path).rows()] == ["sweep 0%"] * 3
 
 

@@ -217,21 +217,19 @@ class History:
             raise _failure(self.path, failed, exc) from None
 
     def add(self, record: RunRecord) -> int:
-        row = {name: _utf8(value) for name, value in summary(record).items()}
         with self._db("the run was not saved") as db, db:
-            cursor = db.execute(f"INSERT INTO runs ({', '.join(COLUMNS[1:])}, record) VALUES "
-                                f"({', '.join('?' * len(COLUMNS))})",
-                                [row[name] for name in COLUMNS[1:]] + [json.dumps(record.to_dict())])
-            return int(cursor.lastrowid)
+            return _insert(db, record)
 
     def add_all(self, records: list[RunRecord], saved: list[int]) -> None:
-        """Save each of `records`, its id appended to `saved`; where one cannot be saved, a WorkbenchError that says
-        where it and those after it are kept (keep_unsaved): a run measured is not lost with the save."""
-        for index, record in enumerate(records):
-            try:
-                saved.append(self.add(record))
-            except WorkbenchError as exc:
-                raise WorkbenchError(f"{exc}; {keep_unsaved(records[index:])}") from None
+        """Save `records` together (one transaction: a sweep point's runs are saved whole or not at all, never some
+        under ids that read as the points' before it), their ids appended to `saved`; where they cannot be, a
+        WorkbenchError that says where they are kept (keep_unsaved): a run measured is not lost with the save."""
+        try:
+            with self._db("the run was not saved" if len(records) == 1 else "the runs were not saved") as db, db:
+                ids = [_insert(db, record) for record in records]
+        except WorkbenchError as exc:
+            raise WorkbenchError(f"{exc}; {keep_unsaved(records)}") from None
+        saved.extend(ids)
 
     def get(self, run_id: int) -> RunRecord:
         """The run's record; a KeyError where there is none, a RecordError where it cannot be read (a damaged page,
@@ -321,6 +319,14 @@ def keep_unsaved(records: list[RunRecord]) -> str:
             os.unlink(name)
         return f"{runs} could not be kept in a file either ({exc.strerror or exc})"
     return f"{runs} measured {'is' if len(records) == 1 else 'are'} kept in {name}"
+
+
+def _insert(db: sqlite3.Connection, record: RunRecord) -> int:
+    """Insert the record's row, in the caller's transaction; its id."""
+    row = {name: _utf8(value) for name, value in summary(record).items()}
+    cursor = db.execute(f"INSERT INTO runs ({', '.join(COLUMNS[1:])}, record) VALUES ({', '.join('?' * len(COLUMNS))})",
+                        [row[name] for name in COLUMNS[1:]] + [json.dumps(record.to_dict())])
+    return int(cursor.lastrowid)
 
 
 def _utf8(value):
