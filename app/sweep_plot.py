@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engine.units import human_bytes
+
 
 FORMATS = (".png", ".svg", ".jpg", ".jpeg", ".bmp")
+RATES = {"decode_tokens_per_s"}  # the panels whose points only answers of two tokens or more give
 
 
 def plot_path_problem(path: str | Path) -> str | None:
@@ -45,7 +48,7 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
     device_unit, device_scale = _byte_unit(max(p["peak_device_bytes"] for p in points))
     whole = [p for p in points if p.get("split") == "whole"]
     points = [p for p in points if p.get("split") != "whole"]  # every budget once: the spread (or the only split)
-    budgets = [p["budget_bytes"] / byte_scale for p in points]
+    left = sorted({p["budget_bytes"] for p in points + whole if not p["decode_tokens_per_s"]})  # no rate (RATES)
     projected = all(p.get("projected_completion_s") is not None for p in points)
     panels = (("completion time", "s", "completion_s", 1), ("decode", "tokens/s", "decode_tokens_per_s", 1),
               ("device memory peak", device_unit, "peak_device_bytes", device_scale),
@@ -57,7 +60,14 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
                       + ("; red: recommended by the projected time" if key == "completion_s" else "") + "</span>")
         if whole:
             title += "<br><span style='font-size:9pt'>squares: the budget on whole layers</span>"
+        if key in RATES and left:
+            # (short: a title sets its column's width) one token an answer, the prefill's: no decode step to time
+            title += (f"<br><span style='font-size:9pt'>left out, one-token answers: "
+                      f"{', '.join(map(human_bytes, left))}</span>")
         plot = layout.addPlot(row=index // 2, col=index % 2, title=title)
+        if key in RATES and left:  # on the other panels' budget axis, from the budgets it leaves out
+            budgets = [p["budget_bytes"] / byte_scale for p in points + whole]
+            plot.setXRange(min(budgets), max(budgets))
         plot.setLabel("bottom", f"expert budget, device_expert_bytes ({byte_unit})")
         if unit == "s":
             plot.setLabel("left", units="s")  # pyqtgraph's own prefix: ms where the times are short
@@ -65,17 +75,20 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
             plot.setLabel("left", unit)
             plot.getAxis("left").enableAutoSIPrefix(False)  # the unit is scaled already: no "(x0.001)"
         plot.showGrid(x=True, y=True, alpha=0.3)
-        values = [(p[key] or 0) / scale for p in points]
-        plot.plot(budgets, values, pen=pg.mkPen("#1f6feb", width=2), symbol="o", symbolBrush="#1f6feb")
+
+        def series(rows: list[dict], name: str) -> tuple[list[float], list[float]]:
+            # a budget whose answers were one token each has no decode rate: left out, not drawn at 0 tok/s
+            drawn = [p for p in rows if p[name]] if key in RATES else rows
+            return [p["budget_bytes"] / byte_scale for p in drawn], [(p[name] or 0) / scale for p in drawn]
+
+        plot.plot(*series(points, key), pen=pg.mkPen("#1f6feb", width=2), symbol="o", symbolBrush="#1f6feb")
         if with_projection:
-            guess = [(p[f"projected_{key}"] or 0) / scale for p in points]
-            plot.plot(budgets, guess, pen=pg.mkPen("#e36209", width=2), symbol="t", symbolBrush="#e36209")
+            plot.plot(*series(points, f"projected_{key}"), pen=pg.mkPen("#e36209", width=2), symbol="t",
+                      symbolBrush="#e36209")
         if whole:
-            x = [p["budget_bytes"] / byte_scale for p in whole]
-            plot.plot(x, [(p[key] or 0) / scale for p in whole], pen=None, symbol="s", symbolBrush="#1f6feb")
+            plot.plot(*series(whole, key), pen=None, symbol="s", symbolBrush="#1f6feb")
             if with_projection:
-                plot.plot(x, [(p[f"projected_{key}"] or 0) / scale for p in whole], pen=None, symbol="s",
-                          symbolBrush="#e36209")
+                plot.plot(*series(whole, f"projected_{key}"), pen=None, symbol="s", symbolBrush="#e36209")
         plot.addItem(pg.InfiniteLine(recommended_budget / byte_scale, angle=90,
                                      pen=pg.mkPen("#d1242f", width=2, style=pg.QtCore.Qt.PenStyle.DashLine)))
     layout.show()

@@ -1292,6 +1292,13 @@ def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
     assert status == 0
     rows = out.splitlines()[2:]
     assert len(rows) == 2 and all(_columns(row)[5:7] == ["n/a", "n/a"] for row in rows)
+    # the JSON rows gave 0.0 (measured and projected) where the table says n/a and each record's rate is null
+    status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
+                              "--max-new-tokens", "1", "--repeats", "1", "--history", str(tmp_path / "h.sqlite"),
+                              "--json")
+    assert status == 0
+    assert [(p["decode_tokens_per_s"], p["projected_decode_tokens_per_s"]) for p in json.loads(out)["points"]] == [
+        (None, None), (None, None)]
 
 
 def test_a_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(tmp_path, capsys):

@@ -1735,6 +1735,30 @@ def test_the_sweep_plots_svg_draws_its_axes_at_the_scale_of_its_points(qtbot, tm
     assert scales == {1.0}
 
 
+def test_the_sweep_plot_file_leaves_out_budgets_of_one_token_answers_from_its_decode_panel(qtbot, tmp_path,
+                                                                                         monkeypatch):
+    """`sweep --plot` drew a budget whose answers were one token each (no decode step after the prefill's token, no
+    rate) at 0 tok/s, measured and projected, as if decoding had stalled there; the window's plot leaves it out and
+    says so. The file's decode panel leaves it out too and its title says which budget, and why."""
+    import pyqtgraph as pg
+
+    from app.sweep_plot import export_sweep_plot
+
+    drawn = []  # (panel title, y values) of every series drawn
+    plot = pg.PlotItem.plot
+    monkeypatch.setattr(pg.PlotItem, "plot", lambda self, x, y, **kw: drawn.append((self.titleLabel.text, list(y)))
+                        or plot(self, x, y, **kw))
+    rows = [{"budget_bytes": budget, "fraction": budget / 847872, "split": None, "completion_s": 0.05,
+             "decode_tokens_per_s": rate, "peak_device_bytes": 565248 + budget, "peak_rss_bytes": 550_000_000,
+             "settle_steps": 0, "decode_path": "cpu", "projected_completion_s": 0.01,
+             "projected_decode_tokens_per_s": rate and 2 * rate} for budget, rate in ((0, None), (847872, 800.0))]
+    export_sweep_plot(rows, 847872, tmp_path / "sweep.png")
+    decode = [(title, values) for title, values in drawn if title.startswith("decode")]
+    assert [values for _title, values in decode] == [[800.0], [1600.0]]
+    assert decode[0][0].startswith("decode<br>") and "left out, one-token answers: 0 B</span>" in decode[0][0]
+    assert [values for title, values in drawn if title.startswith("completion")] == [[0.05, 0.05], [0.01, 0.01]]
+
+
 @pytest.mark.parametrize("path", ["tier", "both"])
 def test_offload_disabled_makes_no_host_tier_whatever_decode_path_is_asked(gptoss, path):
     """mode=disabled runs every expert where the dense part runs (here the CPU). Asking the decode path 'tier' or

@@ -1231,8 +1231,9 @@ def test_a_sweep_points_decode_rate_is_its_decoded_tokens_over_their_decode_time
     assert point.decode_tokens_per_s == pytest.approx(610 / 12.1)
     assert point.as_dict()["decode_tokens_per_s"] == point.decode_tokens_per_s
     assert point.projected_decode_tokens_per_s == pytest.approx(610 / (10 / 200 + 600 / 100))
-    # no decode step at all (one-token answers): no rate, as before
-    assert SweepPoint(0, 0.0, records=[run(1, 0, 0.0, None)]).decode_tokens_per_s == 0.0
+    # no decode step at all (one-token answers): no rate (None, as a record's; 0.0 read as decoding stalled)
+    one_token = SweepPoint(0, 0.0, records=[run(1, 0, 0.0, None)])
+    assert one_token.decode_tokens_per_s is None and one_token.projected_decode_tokens_per_s is None
 
 
 def test_a_sweep_refuses_a_scenario_its_context_cannot_hold_before_its_first_run(monkeypatch):

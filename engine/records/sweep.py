@@ -62,15 +62,16 @@ class SweepPoint:
         return median(times) if times else 0.0
 
     @property
-    def decode_tokens_per_s(self) -> float:
+    def decode_tokens_per_s(self) -> float | None:
         """The median of the repeats' decode rates; a repeat's is its decoded tokens over their decode time, every
         run's turns together (not the mean of the runs' rates, where a short run's one answer weighed as much as a
-        multiturn run's six)."""
-        def rate(records: list[RunRecord]) -> float:
+        multiturn run's six). None where no repeat decoded a token past its answers' first (one-token answers), as a
+        record's rate is: 0 would read as decoding stalled."""
+        def rate(records: list[RunRecord]) -> float | None:
             seconds = sum(turn["timings"]["decode_s"] for r in records for turn in r.turns)
-            return sum(decoded_tokens(r.turns) for r in records) / seconds if seconds else 0.0
-        rates = [rate(runs) for runs in self.repeat_runs()]
-        return median(rates) if rates else 0.0
+            tokens = sum(decoded_tokens(r.turns) for r in records)
+            return tokens / seconds if tokens and seconds else None
+        return _median_rate(rate(runs) for runs in self.repeat_runs())
 
     @property
     def projected(self) -> bool:
@@ -87,16 +88,18 @@ class SweepPoint:
 
     @property
     def projected_decode_tokens_per_s(self) -> float | None:
+        """The projected decode rate for the simulated card, the median of the repeats' (None as decode_tokens_per_s
+        is, or off the simulated device)."""
         if not self.projected:
             return None
 
-        def rate(records: list[RunRecord]) -> float:
+        def rate(records: list[RunRecord]) -> float | None:
             # a record keeps its projected rate, not its projected decode time: that is its decoded tokens over the rate
             timed = [(decoded_tokens(r.turns), r.timings["projected"]["decode_tokens_per_s"]) for r in records
                      if r.timings["projected"].get("decode_tokens_per_s")]
             seconds = sum(tokens / rate for tokens, rate in timed)
-            return sum(tokens for tokens, _rate in timed) / seconds if seconds else 0.0
-        return median(rate(runs) for runs in self.repeat_runs())
+            return sum(tokens for tokens, _rate in timed) / seconds if seconds else None
+        return _median_rate(rate(runs) for runs in self.repeat_runs())
 
     @property
     def routing_agreement(self) -> float | None:
@@ -138,6 +141,12 @@ class SweepPoint:
                     "projected_decode_tokens_per_s": self.projected_decode_tokens_per_s,
                     "projected_bandwidths": self.records[0].timings["projected"].get("bandwidths")}
                    if self.projected else {})}
+
+
+def _median_rate(rates) -> float | None:
+    """The median of the repeats' rates that exist (a repeat of one-token answers has none); None where none does."""
+    known = [rate for rate in rates if rate is not None]
+    return median(known) if known else None
 
 
 def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]]:
