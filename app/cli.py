@@ -943,7 +943,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
     """The sweep's points on standard output, the Recommendation `chosen` marked and its rule under them (None: a sweep
     that stopped early recommends none); `ids_of`: each point's runs' history ids (by id(point)), which its JSON row
     gives."""
-    from engine.records.sweep import uses_projection
+    from engine.records.sweep import device_parts_line, uses_projection
 
     rows = [p.as_dict() for p in points]
     projected = uses_projection(points)
@@ -990,6 +990,9 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
                   f"{p['completion_s']:>9.2f}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{agreement}{mark}")
     if chosen is not None and not args.json:  # on standard error: the rows stay the table a script reads
+        parts = device_parts_line(points)  # (a stopped sweep's last line says where it stopped)
+        if parts:
+            print(f"sweep: {parts}", file=sys.stderr)
         print(chosen.line(), file=sys.stderr)
 
 

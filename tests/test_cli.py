@@ -1284,6 +1284,33 @@ def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tm
     assert all(_columns(row)[8].endswith(" MiB") for row in rows)  # the RSS peak, hundreds of MiB
 
 
+def test_a_sweeps_device_peaks_say_what_the_device_held_at_each_point(tmp_path, capsys):
+    """With the host tier (here asked for; decode path auto makes it too), the 0% point's device peak read 32.5 MiB and
+    the 100% point's 1.1 MiB, with nothing to say why a budget of none held more: at 0% the tier maps each slot array's
+    device rows rounded up to the 2 MiB granule, a granule even with no slot (as a card's mappings take), and with
+    every expert resident no tier is made. Each point says what the device held, by part, and its parts add up to its
+    peak (JSON: device_parts; the table: a line under it)."""
+    from kernels.gpu.host_tier import TIER_GRANULE
+
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2", "--max-new-tokens", "2",
+            "--repeats", "1", "--history", str(tmp_path / "h.sqlite"), "--decode-path", "tier")
+    status, out, _err = _main(capsys, *args, "--json")
+    assert status == 0
+    none, every = json.loads(out)["points"]
+    ring = none["device_parts"]["prefill staging ring"]
+    assert none["device_parts"] == {"host tier mappings": none["peak_device_bytes"] - ring,
+                                    "prefill staging ring": ring}
+    assert none["device_parts"]["host tier mappings"] % TIER_GRANULE == 0
+    assert every["device_parts"] == {"expert slots": every["budget_bytes"], "prefill staging ring": ring}
+    assert every["peak_device_bytes"] == every["budget_bytes"] + ring
+    status, _out, err = _main(capsys, *args)
+    assert status == 0 and (
+        f"sweep: device peak by part: 0%: host tier mappings {human_bytes(none['peak_device_bytes'] - ring)} + prefill "
+        f"staging ring {human_bytes(ring)}; 100%: expert slots {human_bytes(every['budget_bytes'])} + prefill staging "
+        f"ring {human_bytes(ring)} (the host tier maps each slot array's device rows rounded up to the 2.0 MiB "
+        "mapping granule, a granule even with no slot; with every expert resident none is mapped)") in err.splitlines()
+
+
 def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
     """With --max-new-tokens 1 no answer decodes past its first token: the table read "0.0" tok/s (and projected
     "0.0") as if decoding had stalled, where record says n/a."""

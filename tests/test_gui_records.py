@@ -1167,6 +1167,29 @@ def test_the_sweeps_rate_curve_leaves_out_budgets_of_one_token_answers_and_says_
     assert "leaves out" not in view.legend.text()
 
 
+def test_the_sweeps_legend_says_what_each_budgets_device_peak_is_made_of(qtbot, tmp_path):
+    """With the host tier the device plot fell from 32.5 MiB at a budget of none to 1.1 MiB with every expert resident,
+    and nothing said why (the tier's device mappings, a 2 MiB granule a slot array even with no slot). The legend says
+    each budget's parts, which add up to its peak."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device, decode_path="tier")
+    result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"), repeats=1)(
+        _sweep_context(model, device, []))
+    view = SweepView(str(tmp_path / "h.sqlite"))
+    qtbot.addWidget(view)
+    view.on_finished(result)
+    none, every = result.points
+    assert sum(none.device_parts.values()) == none.peak_device_bytes > every.peak_device_bytes
+    ring = human_bytes(none.device_parts["prefill staging ring"])
+    assert (f"Device peak by part: 0%: host tier mappings {human_bytes(none.device_parts['host tier mappings'])} + "
+            f"prefill staging ring {ring}; 100%: expert slots {human_bytes(every.budget_bytes)} + prefill staging ring "
+            f"{ring} (the host tier maps each slot array's device rows rounded up to the 2.0 MiB mapping granule, a "
+            "granule even with no slot; with every expert resident none is mapped).") in view.legend.text()
+
+
 def test_the_sweeps_four_plots_show_whole_in_a_narrow_tab_with_their_legend_apart(qtbot, tmp_path):
     """On the simulated device the completion and decode plots were titled 'completion time (s): measured (solid),
     projected for the simulated card (dashed)': the titles set their column's width, and in a 700-pixel tab (1000 too)
@@ -1188,8 +1211,9 @@ def test_the_sweeps_four_plots_show_whole_in_a_narrow_tab_with_their_legend_apar
     for key, plot in view.plots.items():
         assert plot.sceneBoundingRect().right() <= view.canvas.width(), key
     assert view.plots["completion"].titleLabel.text == "completion time (s)"
-    assert view.legend.text() == ("Solid line, dots: measured on this machine. Dashed, triangles: projected for the "
-                                  "simulated card. Red ring: the recommended budget.")
+    assert view.legend.text().startswith("Solid line, dots: measured on this machine. Dashed, triangles: projected "
+                                         "for the simulated card. Red ring: the recommended budget. Device peak by "
+                                         "part: 0%: ")
 
 
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):

@@ -23,8 +23,8 @@ from engine.records.lengths import SWEEP_REPEATS, SWEEP_TOKENS
 
 REPEATS_MAX = 9  # a sweep's runs at each budget, at most (each repeat is a whole pass over the scenarios)
 from engine.records.scenarios import SCENARIOS
-from engine.records.sweep import (Recommendation, SweepPoint, reasoning_length_note, recommendation,
-                                  uses_projection)
+from engine.records.sweep import (Recommendation, SweepPoint, device_parts_line, reasoning_length_note,
+                                  recommendation, uses_projection)
 from engine.units import counted, decode_rate, human_bytes
 
 KIND = "sweeping"
@@ -62,11 +62,13 @@ def left_out_words(left: list[int]) -> str:
             "which the prefill gives, so there was no decode step to time.")
 
 
-def legend_text(projected: bool, whole: bool, left: list[int]) -> str:
-    """What the plots' lines and marks are, said once beside them (a plot's title sets its column's width)."""
+def legend_text(projected: bool, whole: bool, left: list[int], parts: str = "") -> str:
+    """What the plots' lines and marks are, said once beside them (a plot's title sets its column's width); `parts`:
+    what the device peaks are made of (device_parts_line)."""
     return " ".join(["Solid line, dots: measured on this machine.",
                      *(["Dashed, triangles: projected for the simulated card."] if projected else []),
                      *(["Squares: on whole layers."] if whole else []), "Red ring: the recommended budget.",
+                     *([f"{parts[:1].upper()}{parts[1:]}."] if parts else []),
                      *([left_out_words(left)] if left else [])])
 
 
@@ -346,7 +348,8 @@ class SweepView(QWidget):
             self.whole[key].setData([self.x(p) for p in whole], [self.y(key, p) for p in whole])
             self.chosen[key].setData([], [])
             self.marks[key].hide()
-        self.legend.setText(legend_text(self.projected, any(p.split == "whole" for p in points), left))
+        self.legend.setText(legend_text(self.projected, any(p.split == "whole" for p in points), left,
+                                        device_parts_line(points)))
         self.legend.show()
 
     def x(self, point: SweepPoint) -> float:

@@ -24,6 +24,7 @@ from engine.records.lengths import SWEEP_REPEATS
 from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns, warm_up_answer
 from engine.records.schema import RunRecord, decode_path_run
 from engine.units import human_bytes
+from kernels.gpu.host_tier import TIER_GRANULE
 
 
 @dataclass
@@ -34,6 +35,8 @@ class SweepPoint:
     split: str | None = None  # the layer split the point ran with, where the sweep compared splits
     settle_steps: int = 0  # decode steps run before the point's answers, until the engine's trials were over
     repeats: int = 1  # the times the point ran its scenarios: its times are the medians over them
+    # what the device held for the point's runs, by part (device_parts): what its device peak is made of
+    device_parts: dict[str, int] = field(default_factory=dict)
 
     def repeat_runs(self) -> list[list[RunRecord]]:
         """The point's records, one list (every scenario's run) a repeat."""
@@ -133,7 +136,7 @@ class SweepPoint:
                 "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
-                "decode_path": self.decode_path, "repeats": self.repeats,
+                "decode_path": self.decode_path, "repeats": self.repeats, "device_parts": self.device_parts,
                 "repeat_completion_s": self.repeat_seconds(projected=False),
                 **({"routing_agreement": self.routing_agreement} if self.routing_agreement is not None else {}),
                 **({"projected_completion_s": self.projected_completion_s,
@@ -374,6 +377,7 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     if cancel is not None and cancel.is_set():
         return None
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
+    point.device_parts = device_parts(model.offload)
     tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
     for _repeat in range(repeats):
         for scenario in scenarios:
@@ -385,6 +389,36 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
                 return None
             on_run()
     return point
+
+
+TIER_MAPPINGS = "host tier mappings"
+
+
+def device_parts(engine) -> dict[str, int]:
+    """What the device holds for the plan in force, by part (DeviceMemory.by_purpose, each node's slots together): the
+    expert slots, or with the host tier its device mappings (each slot array's device rows rounded up to the mapping
+    granule, a granule even with no slot: more than the budget where it is small), the prefill staging ring, any
+    decode streaming slots."""
+    slots = TIER_MAPPINGS if engine.host_tier else "expert slots"
+    parts = {slots: 0}  # first
+    for purpose, nbytes in engine.device.memory.by_purpose.items():
+        name = slots if purpose.startswith("expert slots of ") else purpose
+        parts[name] = parts.get(name, 0) + nbytes
+    return {name: nbytes for name, nbytes in parts.items() if nbytes}
+
+
+def device_parts_line(points: list[SweepPoint]) -> str:
+    """The points' device parts in one line (what their device peaks are made of); "" where none says them."""
+    said = [f"{point.fraction:.0%}{f' {point.split}' if point.split else ''}: "
+            + " + ".join(f"{name} {human_bytes(nbytes)}" for name, nbytes in point.device_parts.items())
+            for point in points if point.device_parts]
+    if not said:
+        return ""
+    why = ""
+    if any(TIER_MAPPINGS in point.device_parts for point in points):
+        why = (f" (the host tier maps each slot array's device rows rounded up to the {human_bytes(TIER_GRANULE)} "
+               "mapping granule, a granule even with no slot; with every expert resident none is mapped)")
+    return f"device peak by part: {'; '.join(said)}{why}"
 
 
 @dataclass
