@@ -517,13 +517,27 @@ class _StreamedAnswer:
             self.thinking = False
 
 
-def _print_result(result, model, as_json: bool, projected: float | None = None, device: dict | None = None) -> None:
+def _warm_up(model, as_json: bool) -> float:
+    """The model's compiled kernels and bookkeeping run once (kernel_warmup.warm_model); its seconds. Where that took
+    long (a first run on this machine, or after an upgrade: Numba compiling), a line on standard error says so."""
+    from engine.kernel_warmup import warm_model
+
+    seconds = warm_model(model)
+    if seconds >= 1 and not as_json:
+        print(f"generate: the CPU kernels compiled in {seconds:.1f} s before the answer (once: Numba caches them); "
+              "not in the answer's times", file=sys.stderr, flush=True)
+    return seconds
+
+
+def _print_result(result, model, as_json: bool, projected: float | None = None, device: dict | None = None,
+                  warm_up_s: float = 0.0) -> None:
     """`projected`: on the simulated device, the answer's decode rate projected for the card. `device`: the device
-    asked for, the one the model runs on and why where they differ (the JSON's offload.device)."""
+    asked for, the one the model runs on and why where they differ (the JSON's offload.device). `warm_up_s`: the
+    seconds the kernels' warm-up (their compilation on a first run) took before the answer, off its clock."""
     from engine.offload.approximate import agreement_text
 
     if as_json:
-        timings = {"load_s": model.load_s, **result.timings.as_dict()}
+        timings = {"load_s": model.load_s, "kernel_warm_up_s": warm_up_s, **result.timings.as_dict()}
         if projected is not None:
             timings["projected_decode_tokens_per_s"] = projected
         answer = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
@@ -629,6 +643,9 @@ def _cmd_generate(args) -> int:
         print(model.dense_statement, file=sys.stderr, flush=True)
         if model.host_registration is not None:
             print(model.host_registration.describe(), file=sys.stderr, flush=True)
+    # compiled before the first answer's clock starts, as a record's run is (on a cold Numba cache: minutes, which
+    # its time to first token would carry, and the simulated card's stand-in seconds with it)
+    warm_up = [_warm_up(model, args.json)]  # said by the first answer, 0 for the next ones
     printed = None if args.json else _StreamedAnswer()
     stream, reasoning = (printed.answer, printed.reasoning) if printed else (None, None)
     cancel = threading.Event()
@@ -639,7 +656,8 @@ def _cmd_generate(args) -> int:
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
-            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on)
+            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on,
+            warm_up.pop())
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
@@ -649,7 +667,8 @@ def _cmd_generate(args) -> int:
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
-            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on)
+            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on,
+            warm_up.pop() if warm_up else 0.0)
         if not args.chat:
             return 0
         line = sys.stdin.readline()

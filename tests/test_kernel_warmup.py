@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -12,6 +14,7 @@ import pytest
 from engine.kernel_warmup import warm_cpu_kernels
 from kernels.cpu import CpuQMoE
 from kernels.qmoe_spec import QMoESpec
+from tests.conftest import fixture_folder
 from tests.qmoe_oracle import make_case
 from tests.test_bad_input import REPO
 
@@ -86,3 +89,47 @@ def test_a_records_timed_part_calls_no_compiled_function_for_the_first_time(devi
                             text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "none", f"first called in the timed part:\n{result.stdout}"
+
+
+GENERATE_FIRST_CALLS = r"""
+import sys
+import numba
+from numba.core.dispatcher import Dispatcher
+import engine.generation as generation
+from app.cli import main
+
+timed, first_calls = [False], []
+compile_for_args = Dispatcher._compile_for_args
+
+def spy(self, *args, **kws):
+    if timed[0]:
+        first_calls.append(f"{self.py_func.__qualname__}{tuple(str(numba.typeof(a)) for a in args)}")
+    return compile_for_args(self, *args, **kws)
+
+Dispatcher._compile_for_args = spy
+generate = generation.generate
+
+def timed_generate(*args, **kwargs):  # the answer's clock starts in generate (time to first token, its total)
+    timed[0] = True
+    return generate(*args, **kwargs)
+
+generation.generate = timed_generate
+assert main(["generate", sys.argv[1], "--prompt", "The experts", "--device", "simulated", "--offload",
+             "device_expert_bytes=282624", "--max-new-tokens", "6", "--greedy", "--json"]) == 0
+print("\n".join(first_calls) or "none", file=sys.stderr)
+"""
+
+
+def test_generates_answer_times_call_no_compiled_function_for_the_first_time(tmp_path):
+    """`generate` timed its answer from a model whose CPU kernels and offload bookkeeping had not run: their first
+    call, inside the clock, compiled them on a cold Numba cache (the stand-in's 122 s on the simulated device, read
+    as the answer's time to first token) or loaded them from the cache. It compiles them before the answer, as a record
+    does (kernel_warmup.py), and says how long that took in its JSON."""
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path),
+           "XDG_CACHE_HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", GENERATE_FIRST_CALLS, str(fixture_folder("gptoss"))],
+                            capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == "none", f"first called in the timed part:\n{result.stderr}"
+    timings = json.loads(result.stdout)["timings"]
+    assert timings["kernel_warm_up_s"] > 0 and timings["time_to_first_token_s"] > 0
