@@ -1311,6 +1311,23 @@ def test_a_sweeps_device_peaks_say_what_the_device_held_at_each_point(tmp_path, 
         "mapping granule, a granule even with no slot; with every expert resident none is mapped)") in err.splitlines()
 
 
+def test_a_sweep_says_which_layer_split_each_point_ran_on(tmp_path, capsys):
+    """On whole layers a budget holds only the layers it fills whole: on a 1 MiB card the engine's trial kept whole
+    layers at 50%, 75% and 86%, each holding layer 0's 8 experts (276 KiB), while the table said "75% resident" and
+    nothing said the split; without --both-splits no row says it. Each point where the split matters gives the split
+    it ran on (JSON: layer_split_run; the device line names it). Here fixed by --layer-split whole."""
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "5", "--max-new-tokens", "2",
+            "--repeats", "1", "--history", str(tmp_path / "h.sqlite"), "--layer-split", "whole", "--decode-path", "cpu")
+    status, out, _err = _main(capsys, *args, "--json")
+    assert status == 0
+    points = json.loads(out)["points"]
+    assert [(p["fraction"], p["layer_split_run"]) for p in points] == [
+        (0.0, None), (0.25, None), (0.5, "whole"), (0.75, "whole"), (1.0, None)]
+    assert [p["device_parts"].get("expert slots") for p in points] == [None, None, 282624, 282624, 565248]
+    status, _out, err = _main(capsys, *args)
+    assert status == 0 and "; 75% whole: expert slots 276.0 KiB + prefill staging ring" in err
+
+
 def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
     """With --max-new-tokens 1 no answer decodes past its first token: the table read "0.0" tok/s (and projected
     "0.0") as if decoding had stalled, where record says n/a."""

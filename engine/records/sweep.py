@@ -18,7 +18,7 @@ from statistics import median
 
 from engine.errors import PromptError, WorkbenchError
 from engine.generation import GenerationParams, LoadedModel
-from engine.offload.layer_split import SPREAD
+from engine.offload.layer_split import SPREAD, WHOLE
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
 from engine.records.lengths import SWEEP_REPEATS
 from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns, warm_up_answer
@@ -37,6 +37,9 @@ class SweepPoint:
     repeats: int = 1  # the times the point ran its scenarios: its times are the medians over them
     # what the device held for the point's runs, by part (device_parts): what its device peak is made of
     device_parts: dict[str, int] = field(default_factory=dict)
+    # the layer split the point's answers ran on where the budget holds some but not all layers whole (`split`, or
+    # the one the engine's trial kept or --layer-split fixed), None where the two hold the same
+    split_run: str | None = None
 
     def repeat_runs(self) -> list[list[RunRecord]]:
         """The point's records, one list (every scenario's run) a repeat."""
@@ -137,6 +140,7 @@ class SweepPoint:
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
                 "decode_path": self.decode_path, "repeats": self.repeats, "device_parts": self.device_parts,
+                "layer_split_run": self.split_run,
                 "repeat_completion_s": self.repeat_seconds(projected=False),
                 **({"routing_agreement": self.routing_agreement} if self.routing_agreement is not None else {}),
                 **({"projected_completion_s": self.projected_completion_s,
@@ -378,6 +382,9 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
         return None
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
     point.device_parts = device_parts(model.offload)
+    infos = model.offload.infos
+    if 0 < whole_layers_held(infos, budget) < sum(1 for info in infos if info.gpu is not None):
+        point.split_run = WHOLE if model.offload.whole_layers else SPREAD
     tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
     for _repeat in range(repeats):
         for scenario in scenarios:
@@ -409,7 +416,7 @@ def device_parts(engine) -> dict[str, int]:
 
 def device_parts_line(points: list[SweepPoint]) -> str:
     """The points' device parts in one line (what their device peaks are made of); "" where none says them."""
-    said = [f"{point.fraction:.0%}{f' {point.split}' if point.split else ''}: "
+    said = [f"{point.fraction:.0%}{f' {point.split_run}' if point.split_run else ''}: "
             + " + ".join(f"{name} {human_bytes(nbytes)}" for name, nbytes in point.device_parts.items())
             for point in points if point.device_parts]
     if not said:
