@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.offload.placement import AdaptivePlacement, LayerSlots, StaticPlacement, Swap, make_policy
+from engine.offload.placement import (OPENING_PAIRS_PER_EXPERT, AdaptivePlacement, LayerSlots, StaticPlacement, Swap,
+                                      make_policy)
 from engine.offload.traces import realistic_trace, uniform_trace
 
 
@@ -21,12 +22,15 @@ class Reference:
         self.miss_slots = [0] * len(layers)
         self.admitted = [np.zeros(layer.num_experts, bool) for layer in layers]
         self.turn = 0
+        self.counted = [0] * len(layers)  # static: routed pairs seen, and the experts chosen once enough were
+        self.chosen = [None] * len(layers)
 
     def observe(self, layer, expert_ids):
         scores = self.scores[layer]
         if self.adaptive:
             scores *= self.decay
         np.add.at(scores, expert_ids[expert_ids >= 0], 1.0)
+        self.counted[layer] += int(np.count_nonzero(expert_ids >= 0))
 
     def wanted(self, layer):
         slots, scores = self.layers[layer], self.scores[layer]
@@ -63,8 +67,6 @@ class Reference:
     def rebalance(self, limit=None):
         """Under a limit: at most that many swaps in all, layers in turn from a first layer that moves on by
         one at every call."""
-        if not self.adaptive:
-            return []
         swaps = []
         first = 0
         if limit is not None:
@@ -75,6 +77,10 @@ class Reference:
         def room():
             return limit is None or len(swaps) < limit
 
+        if not self.adaptive:
+            for index in order:
+                self.static_layer(index, swaps, room)
+            return swaps
         for index in order:
             layer = self.layers[index]
             if layer.num_slots == 0 or not room():
@@ -106,6 +112,35 @@ class Reference:
                 layer.place(slot, int(expert))
                 swaps.append(Swap(index, slot, int(weakest), int(expert)))
         return swaps
+
+
+    def static_layer(self, index, swaps, room):
+        """Static placement: once the layer counted its opening's pairs, its best-counted experts (one per slot, counted
+        at least once, the lowest id first on ties) are chosen; chosen ones found resident become its own, the others
+        are copied in, best first, into empty slots and then over experts it did not choose, weakest first."""
+        layer, scores = self.layers[index], self.scores[index]
+        if self.chosen[index] is None:
+            if self.counted[index] < OPENING_PAIRS_PER_EXPERT * layer.num_experts:
+                return
+            ranked = sorted(range(layer.num_experts), key=lambda e: (-scores[e], e))[:layer.num_slots]
+            self.chosen[index] = {e for e in ranked if scores[e] > 0}
+        chosen = self.chosen[index]
+        for expert in chosen:
+            if layer.slot_of[expert] >= 0:
+                self.admitted[index][expert] = False
+        cold = sorted((e for e in chosen if layer.slot_of[e] < 0), key=lambda e: (-scores[e], e))
+        occupant = layer.expert_in.tolist()
+        targets = ([slot for slot, e in enumerate(occupant) if e < 0]
+                   + sorted((slot for slot, e in enumerate(occupant) if e >= 0 and e not in chosen),
+                            key=lambda slot: (scores[occupant[slot]], slot)))
+        for expert, slot in zip(cold, targets):
+            if not room():
+                break
+            evicted = layer.place(slot, expert)
+            if evicted is not None:
+                self.admitted[index][evicted] = False
+            self.admitted[index][expert] = False
+            swaps.append(Swap(index, slot, evicted, expert))
 
 
 def _replay(policy_name, trace, num_experts, slots, seed, popularity=None, admit_every=3, limits=(None,),
@@ -204,10 +239,13 @@ def test_adaptive_makes_the_reference_swaps_with_popularity_and_uniform_routing(
     assert swaps > 0
 
 
-def test_static_keeps_the_reference_spare_slots():
-    trace = realistic_trace(300, 2, 64, 8, seed=4)
-    swaps, spare = _replay("static", trace, 64, [16, 48], 4, admit_every=1)
-    assert swaps == 0 and spare > 0
+@pytest.mark.parametrize("limits", [(None,), (0, 1, 3, None)])
+def test_static_keeps_the_reference_spare_slots_and_places_its_openings_choice(limits):
+    """Static placement without a popularity file: the copied misses' spare slots, and once a layer's opening has
+    counted enough, the reference's copies of its chosen experts (under swap limits too)."""
+    trace = realistic_trace(300, 3, 64, 8, seed=4)
+    swaps, spare = _replay("static", trace, 64, [16, 48, 0], 4, admit_every=1, limits=limits)
+    assert swaps > 0 and spare > 0
 
 
 def test_a_subclass_with_its_own_wanted_gets_the_numpy_spare_slots():

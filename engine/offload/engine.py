@@ -508,8 +508,8 @@ class OffloadEngine:
         adaptive placement learnt before a re-plan) when given.
         Adaptive placement's slots are filled now, best-scored experts first (lowest ids where nothing is known
         yet): left empty, they would fill one swap at a time within the swap allowance, ~100 decode steps for
-        a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file fills
-        from what the first steps route (and the miss policy's copies)."""
+        a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file chooses its
+        residents from the routing its opening counts and copies them in at safe points (StaticPlacement)."""
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
@@ -530,7 +530,7 @@ class OffloadEngine:
     def _weigh_miss_slots(self) -> None:
         """Per layer, the slots placement leaves to the miss policy's copies (miss_policy.miss_slots, placement.py),
         from the measured bandwidths, the CPU kernels' measured rate and the host time a copy took to issue. Only
-        under adaptive placement: static placement keeps the residents it was given (popularity) in every slot.
+        under adaptive placement: static placement wants the residents it chose (popularity) in every slot.
         None where the CPU computes no misses (cpu_execution=disabled), where a layer has no slot or a slot per
         expert, or without a device."""
         chosen, weighed = [], {}

@@ -1,8 +1,9 @@
 """Which experts live in a layer's GPU slots.
 
 Each expert node has a fixed number of slots. A policy sees the experts every step routes to and,
-at safe points between steps, may ask to swap cold experts in. `static` fills the slots once
-(from a popularity file or counts measured over a warm-up) and never moves; `adaptive` scores
+at safe points between steps, may ask to swap cold experts in. `static` chooses the residents once
+(from a popularity file, or from the routing counted over an opening: StaticPlacement) and never moves them once
+in; `adaptive` scores
 every expert by exponentially decayed hits (recency with a memory of frequency) and swaps an
 expert in only when its score beats the weakest resident's by a margin (hysteresis), at most a
 few swaps per layer per safe point, so placement never thrashes.
@@ -177,19 +178,114 @@ class PlacementPolicy:
         return []
 
 
+# Static placement's opening (no popularity file): routed pairs a layer counts per expert before it chooses its
+# residents. A count with a mean of 8 is noisy by about a third, enough to tell the experts routing favours from the
+# rest (a hot expert counts several times the mean); a longer opening leaves the slots to churning copies for longer.
+# gpt-oss-20b (32 experts, top-4): 64 tokens, Qwen3-30B-A3B (128, top-8): 128; a prompt that long ends it at its
+# prefill.
+OPENING_PAIRS_PER_EXPERT = 8
+
+
 class StaticPlacement(PlacementPolicy):
-    """Residents chosen once from popularity (counts per layer × expert); never moved."""
+    """Residents chosen once from popularity (counts per layer × expert); never moved once in.
+
+    With a popularity file its counts choose them at once (initial(), at load). Without one, the layer's opening
+    counts what routing chooses, prefill and decode alike, until OPENING_PAIRS_PER_EXPERT routed pairs per expert;
+    at the safe point that ends it, the layer's best-counted experts (one per slot, counted at least once, the lowest
+    id first on ties) are chosen. Until a layer has chosen, every slot is spare for the miss policy's copies. Then, at
+    safe points, rebalance copies the chosen experts in, best first, into empty slots and then over the experts it did
+    not choose (weakest first), within the swap allowance like adaptive's swaps; a chosen expert already in a slot as
+    a copied miss stays where it is, as its own. Once in, they never move (the miss policy copies into slots static
+    placement left empty or holds no chosen expert in)."""
 
     def __init__(self, layers: list[LayerSlots], popularity: list[np.ndarray] | None = None):
         super().__init__(layers)
         if popularity is not None:
             for index, counts in enumerate(popularity):
                 self.scores[index] = np.asarray(counts, dtype=np.float64).copy()
+        self.chosen: list[np.ndarray | None] = [None] * len(layers)  # per layer: a bool per expert, once chosen
+        self.counted = [0.0] * len(layers)  # per layer: the routed pairs observed (enough end its opening)
+        self._each = [np.ones(layer.num_experts) for layer in layers]  # _observe's watch: it returns the pairs
+        # every layer chose and its chosen experts are in, while these are the layers' expert_in arrays (only a resize,
+        # as a re-plan that failed makes, can take a chosen expert out: the miss policy copies over none)
+        self._settled: list[np.ndarray] | None = None
+        self._turn = 0  # under a limit, the layer that goes first (layers take turns)
+        for index, layer in enumerate(layers):  # residents it finds (a re-plan keeps them) are not its own choice
+            self.admitted[index][layer.resident()] = True
 
     def observe(self, layer: int, expert_ids: np.ndarray) -> None:
-        # Only fills slots that are still empty (e.g. no popularity file: the first steps decide).
-        # = np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call
-        _observe(self.scores[layer], expert_ids.reshape(-1), 1.0, False, self._unwatched[layer])
+        # = np.add.at(scores, expert_ids[expert_ids >= 0], 1.0), in one compiled call, which counts those ids
+        self.counted[layer] += _observe(self.scores[layer], expert_ids.reshape(-1), 1.0, False, self._each[layer])
+
+    @property
+    def opening(self) -> bool:
+        """Some layer has not chosen its residents yet."""
+        return any(chosen is None for chosen in self.chosen)
+
+    def choose(self) -> None:
+        """End every layer's opening now: its residents chosen from the counts so far (initial(), traces.replay)."""
+        for index in range(len(self.layers)):
+            if self.chosen[index] is None:
+                self._choose(index)
+
+    def _choose(self, layer: int) -> None:
+        scores = self.scores[layer]
+        best = np.argsort(-scores, kind="stable")[:self.wanted_slots(layer)]
+        chosen = np.zeros(scores.size, bool)
+        chosen[best[scores[best] > 0]] = True
+        self.chosen[layer] = chosen
+        self._settled = None
+
+    def initial(self) -> list[Swap]:
+        """Choose now (a popularity file's counts) and copy the chosen experts in, without a limit."""
+        self.choose()
+        return self.rebalance()
+
+    def rebalance(self, limit: int | None = None) -> list[Swap]:
+        """Layers whose opening has counted enough choose; then the chosen experts not yet in are copied in (the class
+        says how), at most `limit` in all (None: every one), the layers taking turns to go first under a limit."""
+        if self._settled is not None and all(map(is_, [layer.expert_in for layer in self.layers], self._settled)):
+            return []
+        count = len(self.layers)
+        first = 0
+        if limit is not None and count:
+            first = self._turn % count
+            self._turn += 1
+        swaps: list[Swap] = []
+        settled = True
+        for offset in range(count):
+            index = (first + offset) % count
+            if self.chosen[index] is None:
+                if self.counted[index] < OPENING_PAIRS_PER_EXPERT * self.layers[index].num_experts:
+                    settled = False
+                    continue
+                self._choose(index)
+            settled &= self._bring_in(index, None if limit is None else limit - len(swaps), swaps)
+        self._settled = [layer.expert_in for layer in self.layers] if settled else None
+        return swaps
+
+    def _bring_in(self, index: int, left: int | None, swaps: list[Swap]) -> bool:
+        """Up to `left` of the layer's chosen experts copied in (appended to `swaps`); whether all are in now."""
+        layer, chosen, admitted = self.layers[index], self.chosen[index], self.admitted[index]
+        admitted[chosen & (layer.slot_of >= 0)] = False  # copied in as misses: its own now, where they are
+        cold = np.flatnonzero(chosen & (layer.slot_of < 0))
+        if not cold.size:
+            return True
+        if left == 0:
+            return False
+        cold = cold[np.argsort(-self.scores[index][cold], kind="stable")]
+        occupant = layer.expert_in
+        empty = np.flatnonzero(occupant < 0)
+        others = np.flatnonzero((occupant >= 0) & ~chosen[occupant])
+        others = others[np.argsort(self.scores[index][occupant[others]], kind="stable")]
+        count = cold.size if left is None else min(left, cold.size)
+        for expert, slot in zip(cold[:count].tolist(), np.concatenate([empty, others]).tolist()):
+            evicted = layer.place(slot, expert)
+            if evicted is not None:
+                admitted[evicted] = False
+            self._placed(index, expert)
+            swaps.append(Swap(index, slot, evicted, expert))
+        return count == cold.size
 
 
 class AdaptivePlacement(PlacementPolicy):

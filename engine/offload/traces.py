@@ -56,11 +56,13 @@ def uniform_trace(num_tokens: int, num_layers: int, num_experts: int, k: int, se
 
 def replay(make_policy, trace: np.ndarray, num_experts: int, slots: int, warmup: int = 50) -> tuple[float, float]:
     """Replay a trace through a placement policy: (fraction of routed experts found resident after
-    the warm-up, swaps per layer per token). Static placement is fixed from the warm-up's counts."""
+    the warm-up, swaps per layer per token). Static placement is fixed from the warm-up's counts (its opening is the
+    warm-up here, whatever its own rule would say)."""
     from engine.offload.placement import LayerSlots, StaticPlacement
 
     layers = [LayerSlots(num_experts, slots) for _ in range(trace.shape[1])]
     policy = make_policy(layers)
+    static = isinstance(policy, StaticPlacement)
     hits = total = swaps = 0
     for t in range(trace.shape[0]):
         for layer in range(trace.shape[1]):
@@ -69,8 +71,10 @@ def replay(make_policy, trace: np.ndarray, num_experts: int, slots: int, warmup:
                 hits += int(np.count_nonzero(layers[layer].slot_of[ids] >= 0))
                 total += ids.size
             policy.observe(layer, ids)
-        if t + 1 == warmup and isinstance(policy, StaticPlacement):
-            policy.initial()
+        if static and t + 1 < warmup:
+            continue
+        if static and t + 1 == warmup:
+            policy.choose()
         moved = len(policy.rebalance())
         swaps += moved if t >= warmup else 0
     return hits / max(1, total), swaps / max(1, (trace.shape[0] - warmup) * trace.shape[1])

@@ -1,0 +1,145 @@
+"""Static placement without a popularity file (engine/offload/placement.py's StaticPlacement): its opening counts what
+routing chooses, then the layer's most counted experts are copied into its slots at safe points and never move."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.generation import LoadedModel
+from engine.offload.placement import OPENING_PAIRS_PER_EXPERT, LayerSlots, StaticPlacement, make_policy
+from tests.test_offload import SPEC, assert_same_as_cpu, greedy_run
+from tests.test_offload_misses import FAST_PCIE, model_folder, open_model, slot_bytes  # noqa: F401 (fixtures)
+
+
+def top(counts: np.ndarray, slots: int) -> set[int]:
+    """The `slots` most counted experts, counted at least once, the lowest id first on ties."""
+    best = np.argsort(-counts, kind="stable")[:slots]
+    return set(best[counts[best] > 0].tolist())
+
+
+def test_without_a_file_the_openings_hottest_experts_are_placed_once_and_never_move():
+    """Skewed routing (a hot set per layer takes most of it) with the miss policy copying misses into spare slots:
+    static placement without a popularity file placed nothing of its own, so its slots only churned with copies. Now,
+    once a layer's opening has counted OPENING_PAIRS_PER_EXPERT pairs per expert, its most counted experts go in,
+    within the safe points' swap limit, and stay: no further swap, and no slot is spare for copies any more."""
+    rng = np.random.default_rng(3)
+    experts, k, slots, count = 32, 4, 8, 3
+    layers = [LayerSlots(experts, slots) for _ in range(count)]
+    policy = make_policy("static", layers)
+    hot = [rng.choice(experts, 6, replace=False) for _ in range(count)]
+    opening_steps = OPENING_PAIRS_PER_EXPERT * experts // k  # k pairs a step in every layer
+    seen = np.zeros((count, experts))
+    history = []
+    for step in range(200):
+        for index, layer in enumerate(layers):
+            ids = rng.choice(hot[index] if rng.random() < 0.8 else np.arange(experts), k, replace=False)
+            spare = policy.spare_slots(index, ids)  # the miss policy: a routed cold expert copied into a spare slot
+            cold = [int(e) for e in ids if layer.slot_of[e] < 0]
+            for slot, expert in zip(spare.tolist(), cold[:1]):
+                policy.admit(index, slot, expert)
+            policy.observe(index, ids)
+            if step < opening_steps:
+                np.add.at(seen[index], ids, 1)
+        swaps = policy.rebalance(1)  # one copy a safe point: the fill takes a few steps
+        assert (step + 1 < opening_steps) == policy.opening
+        history.append(([set(layer.resident().tolist()) for layer in layers], swaps))
+    expected = [top(seen[index], slots) for index in range(count)]
+    assert [set(layer.resident().tolist()) for layer in layers] == expected
+    assert all(set(hot[index].tolist()) <= expected[index] for index in range(count))  # the skew shows
+    settled = next(step for step, (resident, _) in enumerate(history) if resident == expected)
+    assert settled < opening_steps + slots * count  # one copy a safe point
+    assert all(resident == expected and not swaps for resident, swaps in history[settled + 1:])
+    assert all(policy.spare_slots(index, np.zeros(0, np.int64)).size == 0 for index in range(count))
+    assert not any(policy.admitted[index][layer.resident()].any() for index, layer in enumerate(layers))
+
+
+def test_with_a_popularity_file_the_residents_come_from_it_at_once():
+    layers = [LayerSlots(8, 3)]
+    policy = StaticPlacement(layers, [np.array([0, 5, 0, 9, 0, 0, 1, 0], float)])
+    assert [(swap.slot, swap.loaded) for swap in policy.initial()] == [(0, 3), (1, 1), (2, 6)]
+    assert not policy.opening
+    for _ in range(3 * OPENING_PAIRS_PER_EXPERT):  # routing that disagrees with the file moves nothing
+        policy.observe(0, np.array([0, 2, 4, 5]))
+        assert policy.rebalance() == []
+    assert sorted(layers[0].resident().tolist()) == [1, 3, 6]
+
+
+@pytest.mark.parametrize("prompt", ["The expert offload engine must be exact, " * 2, "Hi"])
+def test_on_the_device_the_measured_hottest_experts_end_resident_and_outputs_stay_exact(model_folder, slot_bytes,
+                                                                                       prompt):
+    """On the simulated device, with copies always paying (every slot spare during the opening): the opening ends at
+    the safe point where each layer has counted its pairs (a long prompt's prefill, or a short prompt's decode steps),
+    the experts that routing chose most by then (the engine's own per-expert counts) end resident and stay so, and
+    the tokens and logits are the all-CPU run's."""
+    steps = 48
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
+                                device_expert_bytes=8 * SPEC.layers * slot_bytes)  # 8 of 16 experts per layer
+    engine = model.offload
+    policy, stats = engine.policy, engine.stats
+    end_step, seen = model.decoder.on_step_end, []
+
+    def recording(step_s, tokens):
+        end_step(step_s, tokens)
+        seen.append(([hits + misses for hits, misses in zip(stats.expert_hits, stats.expert_misses)],
+                     policy.opening, [set(layer.resident().tolist()) for layer in engine.slots]))
+
+    model.decoder.on_step_end = recording
+    run = greedy_run(model, prompt, steps)
+    chose = next(index for index, (_counts, opening, _resident) in enumerate(seen) if not opening)
+    counts = seen[chose][0]
+    assert all(c.sum() >= OPENING_PAIRS_PER_EXPERT * SPEC.num_experts for c in counts)
+    assert chose == 0 or all(c.sum() < OPENING_PAIRS_PER_EXPERT * SPEC.num_experts for c in seen[chose - 1][0])
+    assert (chose == 0) == (prompt != "Hi")
+    expected = [top(c, 8) for c in counts]
+    assert seen[-1][2] == expected
+    assert all(resident == expected for _c, _o, resident in seen[-10:])  # placed, and never moved since
+    assert sum(layer.fills + layer.swaps for layer in stats.layers) >= 1
+    assert_same_as_cpu(run, greedy_run(LoadedModel.open(model_folder), prompt, steps))
+
+
+LONG_PROMPT = "The expert offload engine must be exact, " * 2  # its prefill ends the opening
+
+
+def resident_sets(engine) -> list[set[int]]:
+    return [set(layer.resident().tolist()) for layer in engine.slots]
+
+
+def routed_counts(engine) -> list[np.ndarray]:
+    """The engine's own per-expert routing counts (OffloadStats), per layer."""
+    return [hits + misses for hits, misses in zip(engine.stats.expert_hits, engine.stats.expert_misses)]
+
+
+def test_static_placement_set_on_a_model_loaded_adaptive_measures_before_keeping_any_resident(model_folder,
+                                                                                              slot_bytes):
+    """placement=static applied (without a popularity file) on a model loaded under adaptive placement took the
+    residents adaptive placement had at that moment as its own, for good. Now they are only copies to it: its opening
+    measures routing, then its own choice replaces them."""
+    model, _device = open_model(model_folder, FAST_PCIE, placement="adaptive",
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    greedy_run(model, "Hi", 4)
+    engine = model.offload
+    engine.reconfigure(engine.config.updated(placement="static"))
+    policy = engine.policy
+    assert policy.opening
+    for index, layer in enumerate(engine.slots):  # spare for copied misses, every one
+        assert layer.resident().size and policy.admitted[index][layer.resident()].all()
+    engine.stats.reset(len(engine.slots))
+    greedy_run(model, LONG_PROMPT, 0)
+    opening = routed_counts(engine)
+    greedy_run(model, "Hi", 4)
+    assert not policy.opening and resident_sets(engine) == [top(c, 4) for c in opening]
+
+
+def test_residents_a_failed_replan_dropped_are_copied_in_again():
+    """A re-plan that fails puts the slot counts back keeping each layer's first residents (OffloadEngine._restore_plan):
+    the chosen experts it dropped go back in at the next safe point."""
+    layers = [LayerSlots(8, 4)]
+    policy = StaticPlacement(layers)
+    for _ in range(OPENING_PAIRS_PER_EXPERT * 2):
+        policy.observe(0, np.array([1, 2, 3, 4]))
+    assert len(policy.rebalance()) == 4 and policy.rebalance() == []
+    layers[0].resize(2)
+    layers[0].resize(4)
+    assert [(swap.slot, swap.loaded) for swap in policy.rebalance()] == [(2, 3), (3, 4)]
+    assert sorted(layers[0].resident().tolist()) == [1, 2, 3, 4]
