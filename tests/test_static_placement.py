@@ -110,6 +110,26 @@ def routed_counts(engine) -> list[np.ndarray]:
     return [hits + misses for hits, misses in zip(engine.stats.expert_hits, engine.stats.expert_misses)]
 
 
+def test_a_budget_change_keeps_the_measured_counts_and_places_the_best_for_the_new_slots(model_folder, slot_bytes):
+    """A re-plan (here, a larger budget) under static placement without a popularity file made a fresh policy: the
+    counts measured so far were lost, the residents kept became its own for good, and the new slots only churned with
+    copies (a new opening, with the old choice frozen in). Now the counts are kept, and the layers choose for their new
+    slot count at once: the best-counted experts, as many as there are slots."""
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    greedy_run(model, LONG_PROMPT, 0)
+    opening = routed_counts(engine)
+    greedy_run(model, "Hi", 4)  # (copied in within the swap allowance)
+    assert not engine.policy.opening and resident_sets(engine) == [top(c, 4) for c in opening]
+    engine.reconfigure(engine.config.updated(device_expert_bytes=8 * SPEC.layers * slot_bytes))
+    counts = routed_counts(engine)
+    assert [layer.num_slots for layer in engine.slots] == [8] * SPEC.layers
+    assert not engine.policy.opening and resident_sets(engine) == [top(c, 8) for c in counts]
+    greedy_run(model, "Hi", 4)
+    assert resident_sets(engine) == [top(c, 8) for c in counts]  # chosen once: they stay
+
+
 def test_static_placement_set_on_a_model_loaded_adaptive_measures_before_keeping_any_resident(model_folder,
                                                                                               slot_bytes):
     """placement=static applied (without a popularity file) on a model loaded under adaptive placement took the

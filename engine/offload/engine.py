@@ -31,7 +31,7 @@ from engine.offload.devices import TIER_READ_SHARE
 from engine.offload.host_cache import HostExpertCache, file_backing_refusal
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
-from engine.offload.placement import LayerSlots, Swap, make_policy
+from engine.offload.placement import LayerSlots, StaticPlacement, Swap, make_policy
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
@@ -509,16 +509,23 @@ class OffloadEngine:
         Adaptive placement's slots are filled now, best-scored experts first (lowest ids where nothing is known
         yet): left empty, they would fill one swap at a time within the swap allowance, ~100 decode steps for
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file chooses its
-        residents from the routing its opening counts and copies them in at safe points (StaticPlacement)."""
+        residents from the routing its opening counts and copies them in at safe points (StaticPlacement); a re-plan
+        keeps its counts (`scores`), and its layers past their opening choose for the new slots at once."""
+        before = getattr(self, "policy", None)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             self.policy.scores = scores
+        elif (scores is not None and popularity is None and isinstance(before, StaticPlacement)
+              and isinstance(self.policy, StaticPlacement) and len(scores) == len(self.policy.scores)):
+            self.policy.scores, self.policy.counted = scores, list(before.counted)
         self._weigh_miss_slots()
         self._steps = 0  # safe points (end_step) since the placement was made: the miss slots are weighed again
         if popularity is not None or self.config.placement == "adaptive":
             self._apply(self.policy.initial())
-        else:  # layers with a slot for every expert (all of them when all_resident) are filled now
+        else:  # layers with a slot for every expert (all of them when all_resident) are filled now, and static
+            # placement's layers past their opening (counts kept over a re-plan) choose for their new slots now
             self._apply(self._fill_all())
+            self._apply(self.policy.rebalance())
 
     def _popularity(self, config: OffloadConfig) -> tuple[list[np.ndarray] | None, str | None]:
         """The popularity file's counts and SHA-256 (read_popularity); (None, None) where none is set."""
