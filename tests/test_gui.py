@@ -565,6 +565,28 @@ def test_the_placement_view_counts_the_slots_filled_at_load_apart_from_placement
     assert f"(75% hit rate), {counted(filled[0], 'slot')} filled, 0 swaps" in tooltip, tooltip
 
 
+def test_the_placement_view_says_static_placement_is_counting_routing_before_it_places(qtbot, window):
+    """Static placement without a popularity file places nothing until its opening has counted routing (StaticPlacement):
+    the view said '0 slots filled, 0 swaps' beside slots holding copied misses, as if that were its placement. It says
+    how many more tokens it counts first, and once it has chosen, nothing of the opening."""
+    from app.gui.placement_view import static_text
+
+    settings = simulated()
+    settings["entries"].update(placement="static")
+    load(qtbot, window, fixture_folder("gptoss"), settings)
+    engine = window.worker._model.offload
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: window.placement.updates > 0, timeout=WAIT)
+    # 8 routed pairs for each of the 8 experts, at 2 a token
+    assert "static placement counts routing for 32 more tokens, then places its residents" in (
+        window.placement.summary.text())
+    ask(qtbot, window, "Hello there, tell me a story about experts", max_tokens=40)
+    qtbot.waitUntil(lambda: window.placement.heatmap.data["steps"] == engine.stats.steps, timeout=WAIT)
+    assert not engine.policy.opening and "counts routing" not in window.placement.summary.text()
+    state = engine.copy_state()["static_placement"]
+    assert state["opening_tokens_left"] == 0 and static_text(state) in window.placement.summary.text()
+
+
 def test_where_everything_landed_follows_the_engines_re_weighing_of_its_miss_slots(qtbot, window, monkeypatch):
     """The engine weighs the slots it leaves to copied misses again as it measures what a copy earns; the landed text
     kept the load's split (1 left for copied misses) after the engine had given every slot back to residents."""

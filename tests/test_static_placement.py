@@ -163,3 +163,21 @@ def test_residents_a_failed_replan_dropped_are_copied_in_again():
     layers[0].resize(4)
     assert [(swap.slot, swap.loaded) for swap in policy.rebalance()] == [(2, 3), (3, 4)]
     assert sorted(layers[0].resident().tolist()) == [1, 2, 3, 4]
+
+
+def test_the_engine_says_how_long_the_opening_counts_and_what_is_left_to_copy_in(model_folder, slot_bytes):
+    """copy_state's static_placement (records, --json and the placement view): the tokens the opening still counts
+    (8 pairs for each of 16 experts, 4 a token), then the chosen experts not yet in; None under adaptive placement."""
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0}
+    greedy_run(model, "Hi", 4)
+    state = model.offload.stats_dict()["static_placement"]
+    assert state["opening_tokens_left"] == 32 - len(model.tokenizer.encode("Hi")) - 4 and state["to_place"] == 0
+    greedy_run(model, LONG_PROMPT, 0)
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": engine.policy.to_place()}
+    greedy_run(model, "Hi", 4)
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0}
+    engine.reconfigure(engine.config.updated(placement="adaptive"))
+    assert engine.copy_state()["static_placement"] is None

@@ -233,6 +233,21 @@ def placements_text(fills: int, swaps: int) -> str:
     return f"{counted(fills, 'slot')} filled, {counted(swaps, 'swap')}"
 
 
+def static_text(state: dict | None) -> str:
+    """Static placement without a popularity file before its residents are in (engine/offload/placement.py's
+    StaticPlacement): 'static placement counts routing for 20 more tokens, then places its residents' during its
+    opening (the slots hold copied misses meanwhile), '12 chosen experts still to copy in' while the safe points copy
+    them in; '' once they are in, and under adaptive placement (None)."""
+    if not state:
+        return ""
+    if state["opening_tokens_left"]:
+        return (f"static placement counts routing for {counted(state['opening_tokens_left'], 'more token')}, "
+                f"then places its residents")
+    if state["to_place"]:
+        return f"static placement has {counted(state['to_place'], 'chosen expert')} still to copy in"
+    return ""
+
+
 def legend_text(t: theme.Theme, mode: str, cpu_only: bool = False) -> str:
     """The colours of the mode's cells (Heatmap._cells): residency, or traffic (stronger the more routing); on a
     CPU-only load, where nothing is resident or missed, the one colour of each."""
@@ -455,6 +470,9 @@ class PlacementView(QWidget):
         if copies:
             parts.append(copies)
         parts.append("placement: " + placements_text(fills, swaps))
+        static = static_text((data.get("copies") or {}).get("static_placement"))
+        if static:
+            parts.append(static)
         if self.pinned:
             parts.append(f"pinned ring {human_bytes(self.pinned['bytes'])}, "
                          f"high-water {human_bytes(self.pinned['high_water'])}")

@@ -8,6 +8,7 @@ import functools
 import gc
 import hashlib
 import json
+import math
 import os
 import time
 from collections import deque
@@ -362,7 +363,7 @@ class OffloadEngine:
         "both", the CPU's share of the cold pairs); the CPU kernels' threads (KernelThreads.state)."""
         judge = getattr(self.policy, "judge", None)  # adaptive placement's: whether its swaps pay (swap_judge.py)
         return {"miss_slots": list(self.policy.miss_slots), "later_hits_per_copy": self.copy_reuse.value,
-                "placement": None if judge is None else judge.state(),
+                "placement": None if judge is None else judge.state(), "static_placement": self._static_state(),
                 "streaming_slots": [group.num_slots for group in self.streaming.groups],
                 "cpu_bytes_per_s": self.cpu_rate.value, "cpu_call_s": self.cpu_rate.fixed_s,
                 "layer_split": {"mode": self.layer_split_mode, "whole_layers": self.whole_layers,
@@ -371,6 +372,16 @@ class OffloadEngine:
                                 "host_tier": self._host_tier, "cold_split": self._cold_split_state(),
                                 **self.path_trials.state()},
                 "cpu_threads": self.kernel_threads.state()}
+
+    def _static_state(self) -> dict | None:
+        """Under static placement (StaticPlacement): the tokens its opening still counts before every layer has chosen
+        its residents (0 once all have; a layer's pairs left over its top-k), and the chosen experts not yet copied in
+        (at safe points, within the swap allowance). None under adaptive placement."""
+        policy = self.policy
+        if not isinstance(policy, StaticPlacement):
+            return None
+        tokens = [math.ceil(policy.opening_left(index) / info.spec.k) for index, info in enumerate(self.infos)]
+        return {"opening_tokens_left": max(tokens, default=0), "to_place": policy.to_place()}
 
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's

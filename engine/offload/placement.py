@@ -222,6 +222,17 @@ class StaticPlacement(PlacementPolicy):
         """Some layer has not chosen its residents yet."""
         return any(chosen is None for chosen in self.chosen)
 
+    def opening_left(self, layer: int) -> float:
+        """The routed pairs the layer's opening still counts before it chooses (0 once it has)."""
+        if self.chosen[layer] is not None:
+            return 0.0
+        return max(0.0, OPENING_PAIRS_PER_EXPERT * self.layers[layer].num_experts - self.counted[layer])
+
+    def to_place(self) -> int:
+        """The chosen experts not yet copied in, over the layers."""
+        return sum(int(np.count_nonzero(chosen & (layer.slot_of < 0)))
+                   for chosen, layer in zip(self.chosen, self.layers) if chosen is not None)
+
     def choose(self) -> None:
         """End every layer's opening now: its residents chosen from the counts so far (initial(), traces.replay)."""
         for index in range(len(self.layers)):
