@@ -181,3 +181,28 @@ def test_the_engine_says_how_long_the_opening_counts_and_what_is_left_to_copy_in
     assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0}
     engine.reconfigure(engine.config.updated(placement="adaptive"))
     assert engine.copy_state()["static_placement"] is None
+
+
+def test_layers_with_nothing_to_choose_have_no_opening(model_folder, slot_bytes):
+    """A layer without slots, or with a slot for every expert (node_overrides, or a budget that holds every expert),
+    has nothing to choose: the opening's tokens were still said of it, so a fully resident model's view said static
+    placement would count routing for 32 more tokens before placing the residents it already had."""
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    overrides = f"{names[0]}:max_resident_slots=16;{names[1]}:max_resident_slots=3;{names[2]}:max_resident_slots=0"
+    config = OffloadConfig.from_entries({"session.moe.offload.placement": "static",
+                                         "session.moe.offload.node_overrides": overrides})
+    model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
+    engine = model.offload
+    assert [layer.num_slots for layer in engine.slots] == [16, 3, 0]
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0}  # the middle layer's
+    greedy_run(model, LONG_PROMPT, 0)
+    opening = routed_counts(engine)
+    greedy_run(model, "Hi", 4)
+    assert resident_sets(engine) == [set(range(16)), top(opening[1], 3), set()]
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(placement="static", device_expert_bytes=None),
+                             device=SimulatedDevice(1 << 30))
+    assert model.offload.plan.placement_mode == "all_resident"
+    assert model.offload.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0}
+    assert not model.offload.policy.opening

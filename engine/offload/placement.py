@@ -219,14 +219,16 @@ class StaticPlacement(PlacementPolicy):
 
     @property
     def opening(self) -> bool:
-        """Some layer has not chosen its residents yet."""
-        return any(chosen is None for chosen in self.chosen)
+        """Some layer's opening still counts routing before it chooses its residents."""
+        return any(self.opening_left(index) > 0 for index in range(len(self.layers)))
 
     def opening_left(self, layer: int) -> float:
-        """The routed pairs the layer's opening still counts before it chooses (0 once it has)."""
-        if self.chosen[layer] is not None:
+        """The routed pairs the layer's opening still counts before it chooses (0 once it has, and where there is
+        nothing to choose: no slot, or a slot for every expert)."""
+        slots = self.layers[layer]
+        if self.chosen[layer] is not None or not 0 < slots.num_slots < slots.num_experts:
             return 0.0
-        return max(0.0, OPENING_PAIRS_PER_EXPERT * self.layers[layer].num_experts - self.counted[layer])
+        return max(0.0, OPENING_PAIRS_PER_EXPERT * slots.num_experts - self.counted[layer])
 
     def to_place(self) -> int:
         """The chosen experts not yet copied in, over the layers."""
@@ -267,7 +269,7 @@ class StaticPlacement(PlacementPolicy):
         for offset in range(count):
             index = (first + offset) % count
             if self.chosen[index] is None:
-                if self.counted[index] < OPENING_PAIRS_PER_EXPERT * self.layers[index].num_experts:
+                if self.opening_left(index) > 0:
                     settled = False
                     continue
                 self._choose(index)
