@@ -206,3 +206,20 @@ def test_layers_with_nothing_to_choose_have_no_opening(model_folder, slot_bytes)
     assert model.offload.plan.placement_mode == "all_resident"
     assert model.offload.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0}
     assert not model.offload.policy.opening
+
+
+def test_adaptive_placement_set_after_static_starts_from_its_counts_scaled_as_a_popularity_files(model_folder,
+                                                                                               slot_bytes):
+    """placement=adaptive applied after static placement took static's raw counts as its scores: after a long run,
+    hundreds, where an expert routed at every step scores ~10 under adaptive's decay, so its residents outweighed
+    what routing did next for dozens of steps. They start scaled as a popularity file's counts are (the most counted
+    1.0 in each layer), keeping the ranking."""
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    greedy_run(model, LONG_PROMPT * 3, 8)
+    engine = model.offload
+    counts = routed_counts(engine)
+    assert max(c.max() for c in counts) > 10
+    engine.reconfigure(engine.config.updated(placement="adaptive"))
+    for scores, c in zip(engine.policy.scores, counts):
+        assert np.allclose(scores, c / c.max())

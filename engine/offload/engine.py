@@ -32,7 +32,8 @@ from engine.offload.devices import TIER_READ_SHARE
 from engine.offload.host_cache import HostExpertCache, file_backing_refusal
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
-from engine.offload.placement import LayerSlots, StaticPlacement, Swap, make_policy
+from engine.offload.placement import (AdaptivePlacement, LayerSlots, StaticPlacement, Swap, adaptive_scores,
+                                      make_policy)
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
@@ -516,7 +517,7 @@ class OffloadEngine:
 
     def _make_policy(self, popularity: list[np.ndarray] | None, scores: list[np.ndarray] | None = None) -> None:
         """The placement policy, from the popularity file's counts where one is set (_popularity), with `scores` (what
-        adaptive placement learnt before a re-plan) when given.
+        the placement learnt before a re-plan) when given.
         Adaptive placement's slots are filled now, best-scored experts first (lowest ids where nothing is known
         yet): left empty, they would fill one swap at a time within the swap allowance, ~100 decode steps for
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file chooses its
@@ -525,7 +526,8 @@ class OffloadEngine:
         before = getattr(self, "policy", None)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
-            self.policy.scores = scores
+            # (static placement's counts, where the placement changed, scaled as a popularity file's are)
+            self.policy.scores = scores if isinstance(before, AdaptivePlacement) else adaptive_scores(scores)
         elif (scores is not None and popularity is None and isinstance(before, StaticPlacement)
               and isinstance(self.policy, StaticPlacement) and len(scores) == len(self.policy.scores)):
             self.policy.scores, self.policy.counted = scores, list(before.counted)

@@ -665,7 +665,14 @@ def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray
     if name == "adaptive":
         policy = AdaptivePlacement(layers, judge=SwapJudge([layer.num_experts for layer in layers]))
         if popularity is not None:
-            for index, counts in enumerate(popularity):
-                policy.scores[index] = np.asarray(counts, dtype=np.float64) / max(1.0, float(np.max(counts)))
+            for index, scores in enumerate(adaptive_scores(popularity)):
+                policy.scores[index] = scores
         return policy
     raise ValueError(f"unknown placement '{name}'")
+
+
+def adaptive_scores(counts: list[np.ndarray]) -> list[np.ndarray]:
+    """Counts per layer × expert (a popularity file's, static placement's) as adaptive placement's starting scores:
+    the most counted expert of a layer 1.0, as a hit this step scores; raw counts would outweigh its decayed hits (~10
+    for an expert routed at every step) for as many steps as they take to decay."""
+    return [np.asarray(row, dtype=np.float64) / max(1.0, float(np.max(row, initial=0.0))) for row in counts]
