@@ -124,6 +124,8 @@ class Reference:
                 return
             ranked = sorted(range(layer.num_experts), key=lambda e: (-scores[e], e))[:layer.num_slots]
             self.chosen[index] = {e for e in ranked if scores[e] > 0}
+        if not room():
+            return
         chosen = self.chosen[index]
         for expert in chosen:
             if layer.slot_of[expert] >= 0:

@@ -256,7 +256,9 @@ class StaticPlacement(PlacementPolicy):
 
     def rebalance(self, limit: int | None = None) -> list[Swap]:
         """Layers whose opening has counted enough choose; then the chosen experts not yet in are copied in (the class
-        says how), at most `limit` in all (None: every one), the layers taking turns to go first under a limit."""
+        says how), at most `limit` in all (None: every one), the layers taking turns to go first under a limit; once
+        it is spent, later layers are not looked at (their chosen experts copied in as misses are taken as its own
+        at a later safe point)."""
         if self._settled is not None and all(map(is_, [layer.expert_in for layer in self.layers], self._settled)):
             return []
         count = len(self.layers)
@@ -273,6 +275,9 @@ class StaticPlacement(PlacementPolicy):
                     settled = False
                     continue
                 self._choose(index)
+            if limit is not None and len(swaps) >= limit:  # (not looked at: ~6 µs a layer, most safe points)
+                settled = False
+                continue
             settled &= self._bring_in(index, None if limit is None else limit - len(swaps), swaps)
         self._settled = [layer.expert_in for layer in self.layers] if settled else None
         return swaps
@@ -284,8 +289,6 @@ class StaticPlacement(PlacementPolicy):
         cold = np.flatnonzero(chosen & (layer.slot_of < 0))
         if not cold.size:
             return True
-        if left == 0:
-            return False
         cold = cold[np.argsort(-self.scores[index][cold], kind="stable")]
         occupant = layer.expert_in
         empty = np.flatnonzero(occupant < 0)
