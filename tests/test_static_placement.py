@@ -223,3 +223,24 @@ def test_adaptive_placement_set_after_static_starts_from_its_counts_scaled_as_a_
     engine.reconfigure(engine.config.updated(placement="adaptive"))
     for scores, c in zip(engine.policy.scores, counts):
         assert np.allclose(scores, c / c.max())
+
+
+def test_a_popularity_file_with_uncounted_experts_still_fills_a_layer_with_a_slot_for_every_expert(model_folder,
+                                                                                                  tmp_path):
+    """Static placement chooses only experts counted at least once, leaving the other slots to copied misses; but
+    where a layer has a slot for every expert, each one is resident, as at a load with every expert on the device:
+    the layer then routes on the device (all_resident), with no miss."""
+    import json
+
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({name: [5] * 4 + [0] * 12 for name in names}))
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(placement="static", popularity_file=str(path),
+                                                                 device_expert_bytes=None),
+                             device=SimulatedDevice(1 << 30))
+    assert model.offload.plan.placement_mode == "all_resident"
+    assert all(layer.all_resident for layer in model.offload.slots)
+    greedy_run(model, "Hi", 2)
+    assert model.offload.stats.totals().misses == 0

@@ -192,7 +192,7 @@ class StaticPlacement(PlacementPolicy):
     With a popularity file its counts choose them at once (initial(), at load). Without one, the layer's opening
     counts what routing chooses, prefill and decode alike, until OPENING_PAIRS_PER_EXPERT routed pairs per expert;
     at the safe point that ends it, the layer's best-counted experts (one per slot, counted at least once, the lowest
-    id first on ties) are chosen. Until a layer has chosen, every slot is spare for the miss policy's copies. Then, at
+    id first on ties; every expert where there is a slot for each) are chosen. Until a layer has chosen, every slot is spare for the miss policy's copies. Then, at
     safe points, rebalance copies the chosen experts in, best first, into empty slots and then over the experts it did
     not choose (weakest first), within the swap allowance like adaptive's swaps; a chosen expert already in a slot as
     a copied miss stays where it is, as its own. Once in, they never move (the miss policy copies into slots static
@@ -242,9 +242,10 @@ class StaticPlacement(PlacementPolicy):
                 self._choose(index)
 
     def _choose(self, layer: int) -> None:
-        scores = self.scores[layer]
-        best = np.argsort(-scores, kind="stable")[:self.wanted_slots(layer)]
-        chosen = np.zeros(scores.size, bool)
+        scores, wanted = self.scores[layer], self.wanted_slots(layer)
+        best = np.argsort(-scores, kind="stable")[:wanted]
+        # a slot for every expert: every one, counted or not (the layer then routes on the device: all_resident)
+        chosen = np.full(scores.size, wanted >= scores.size)
         chosen[best[scores[best] > 0]] = True
         self.chosen[layer] = chosen
         self._settled = None
