@@ -244,3 +244,26 @@ def test_a_popularity_file_with_uncounted_experts_still_fills_a_layer_with_a_slo
     assert all(layer.all_resident for layer in model.offload.slots)
     greedy_run(model, "Hi", 2)
     assert model.offload.stats.totals().misses == 0
+
+
+def test_a_popularity_file_taken_off_the_loaded_model_leaves_static_placement_to_measure(model_folder, slot_bytes,
+                                                                                         tmp_path):
+    """popularity_file cleared on a model loaded with one under static placement: the counts carried over the
+    re-plan were the file's (plus the routing since), so its experts were chosen again as though it were still
+    set. Now static placement measures, as a load without a file does: its opening's routing alone chooses."""
+    import json
+
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({name: [0] * 12 + [1000] * 4 for name in names}))
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static", popularity_file=str(path),
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    assert resident_sets(engine) == [{12, 13, 14, 15}] * SPEC.layers
+    engine.reconfigure(engine.config.updated(popularity_file=None))
+    assert engine.policy.opening
+    engine.stats.reset(len(engine.slots))
+    greedy_run(model, LONG_PROMPT, 0)
+    opening = routed_counts(engine)
+    greedy_run(model, "Hi", 4)
+    assert resident_sets(engine) == [top(c, 4) for c in opening] != [{12, 13, 14, 15}] * SPEC.layers

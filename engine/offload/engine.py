@@ -522,13 +522,14 @@ class OffloadEngine:
         yet): left empty, they would fill one swap at a time within the swap allowance, ~100 decode steps for
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file chooses its
         residents from the routing its opening counts and copies them in at safe points (StaticPlacement); a re-plan
-        keeps its counts (`scores`), and its layers past their opening choose for the new slots at once."""
+        keeps its counts (`scores`; not a popularity file's, taken off), and its layers past their opening choose for
+        the new slots at once."""
         before = getattr(self, "policy", None)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             # (static placement's counts, where the placement changed, scaled as a popularity file's are)
             self.policy.scores = scores if isinstance(before, AdaptivePlacement) else adaptive_scores(scores)
-        elif (scores is not None and popularity is None and isinstance(before, StaticPlacement)
+        elif (scores is not None and popularity is None and isinstance(before, StaticPlacement) and not before.from_file
               and isinstance(self.policy, StaticPlacement) and len(scores) == len(self.policy.scores)):
             self.policy.scores, self.policy.counted = scores, list(before.counted)
         self._weigh_miss_slots()

@@ -200,6 +200,7 @@ class StaticPlacement(PlacementPolicy):
 
     def __init__(self, layers: list[LayerSlots], popularity: list[np.ndarray] | None = None):
         super().__init__(layers)
+        self.from_file = popularity is not None  # (its scores are the file's counts, the routing since added)
         if popularity is not None:
             for index, counts in enumerate(popularity):
                 self.scores[index] = np.asarray(counts, dtype=np.float64).copy()
