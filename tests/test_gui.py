@@ -567,8 +567,9 @@ def test_the_placement_view_counts_the_slots_filled_at_load_apart_from_placement
 
 def test_the_placement_view_says_static_placement_is_counting_routing_before_it_places(qtbot, window):
     """Static placement without a popularity file places nothing until its opening has counted routing (StaticPlacement):
-    the view said '0 slots filled, 0 swaps' beside slots holding copied misses, as if that were its placement. It says
-    how many more tokens it counts first, and once it has chosen, nothing of the opening."""
+    the view said '0 slots filled, 0 swaps' beside slots holding copied misses, as if that were its placement, and
+    where everything landed said 'Experts resident per layer: 3 of 8' with none resident. Both say how many more tokens
+    it counts first, and once it has chosen, nothing of the opening."""
     from app.gui.placement_view import static_text
 
     settings = simulated()
@@ -580,9 +581,15 @@ def test_the_placement_view_says_static_placement_is_counting_routing_before_it_
     # 8 routed pairs for each of the 8 experts, at 2 a token
     assert "static placement counts routing for 32 more tokens, then places its residents" in (
         window.placement.summary.text())
+    landed = window.model_panel.landed.text()  # nothing is resident yet: slots, and what fills them
+    assert "Expert slots per layer: " in landed and "Experts resident" not in landed
+    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
+            "into its slots for good (copied misses use them meanwhile).") in landed
     ask(qtbot, window, "Hello there, tell me a story about experts", max_tokens=40)
     qtbot.waitUntil(lambda: window.placement.heatmap.data["steps"] == engine.stats.steps, timeout=WAIT)
     assert not engine.policy.opening and "counts routing" not in window.placement.summary.text()
+    qtbot.waitUntil(lambda: "Experts resident per layer: " in window.model_panel.landed.text(), timeout=WAIT)
+    assert "Static placement counts routing" not in window.model_panel.landed.text()
     state = engine.copy_state()["static_placement"]
     assert state["opening_tokens_left"] == 0 and static_text(state) in window.placement.summary.text()
 

@@ -103,6 +103,7 @@ class EngineWorker(QObject):
         self._landed_whole = False  # the layer split the last "landed" statements described (engine re-plans)
         self._landed_path = ""  # ... and the decode path (its trials switch it)
         self._landed_miss: list[int] = []  # ... and the slots a layer left to copied misses (the engine re-weighs them)
+        self._landed_opening = False  # ... and whether static placement was still counting routing before it places
         self.requestOpen.connect(self._open)
         self.requestDemo.connect(self._demo)
         self.requestLoad.connect(self._load)
@@ -250,11 +251,18 @@ class EngineWorker(QObject):
         lines += offload.plan.statements
         state = offload.copy_state()
         lines += [said for said in (split_sentence(state["layer_split"]), path_sentence(state["decode_path"])) if said]
+        opening = (state.get("static_placement") or {}).get("opening_tokens_left", 0)
+        self._landed_opening = bool(opening)
         if self._device is not None:
-            # adaptive placement leaves some slots to copied misses: the residents are fewer than the slots there
+            # adaptive placement leaves some slots to copied misses: the residents are fewer than the slots there;
+            # static placement's opening leaves them all to copies until it places its residents
             miss = list(offload.policy.miss_slots)
-            lines.append(f"{'Expert slots' if any(miss) else 'Experts resident'} per layer: "
+            lines.append(f"{'Expert slots' if any(miss) or opening else 'Experts resident'} per layer: "
                          f"{layer_summary(per_layer, miss)}.")
+            if opening:
+                lines.append(f"Static placement counts routing for {counted(opening, 'more token')}, then copies "
+                             f"the experts routed most in each layer into its slots for good (copied misses use them "
+                             f"meanwhile).")
             memory = self._device.memory
             slots = offload.plan.device_bytes(offload.infos, offload.host_tier)
             parts = [f"expert slots {human_bytes(slots)}"] + [
@@ -420,7 +428,8 @@ class EngineWorker(QObject):
             self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
                                  "by_engine": "Measured faster: cold experts are now "
                                               + PATH_WORDS[offload.decode_path_in_force]})
-        elif list(offload.policy.miss_slots) != self._landed_miss:  # the copies' measured worth moved the split
+        elif (list(offload.policy.miss_slots) != self._landed_miss  # the copies' measured worth moved the split
+              or getattr(offload.policy, "opening", False) != self._landed_opening):  # static placement chose
             self.landedChanged.emit(self._landed([]))
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
