@@ -588,14 +588,16 @@ class OffloadEngine:
 
     def _apply(self, swaps, placed: bool = True) -> list[float]:
         """Make the swaps; each one's host seconds. `placed`: placement's own (counted as fills where the slot was
-        empty, else as swaps), not residents copied back into resized slots."""
+        empty, else as swaps; static placement's all as fills, since it never moves a resident of its own: it copies its
+        chosen experts over copied misses), not residents copied back into resized slots."""
         spent = []
+        static = placed and isinstance(self.policy, StaticPlacement)  # (residents copied back: before a policy is made)
         for swap in swaps:
             seconds = self.stores[swap.layer].load(swap.slot, swap.loaded)
             layer = self.stats.layers[swap.layer]
             layer.copy_bytes += self.stores[swap.layer].expert_bytes  # the expert in the kernels' layout
             layer.copy_s += seconds
-            if placed and swap.evicted is None:
+            if placed and (swap.evicted is None or static):
                 layer.fills += 1
             elif placed:
                 layer.swaps += 1
