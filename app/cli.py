@@ -656,8 +656,8 @@ def _cmd_generate(args) -> int:
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
-            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on,
-            warm_up.pop())
+            before, decode_totals(model.offload, device), result.timings.decode_s,
+            result.timings.generated_tokens), ran_on, warm_up.pop())
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
@@ -667,8 +667,8 @@ def _cmd_generate(args) -> int:
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
-            before, decode_totals(model.offload, device), result.timings.decode_s, result.timings.generated_tokens), ran_on,
-            warm_up.pop() if warm_up else 0.0)
+            before, decode_totals(model.offload, device), result.timings.decode_s,
+            result.timings.generated_tokens), ran_on, warm_up.pop() if warm_up else 0.0)
         if not args.chat:
             return 0
         line = sys.stdin.readline()

@@ -300,8 +300,8 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
     """Tokens/s of configurations "A" and "B" (`changes` of each, their switches: every name either names, with its
     default where one does not, and their layer splits) in `rounds` alternating rounds at one budget; with `trace`,
     routed by a realistic trace, the same for both in a round. `details` ({"A": [], "B": []}), where given, gets each
-    round's engine_figures, and under "tables" the tables fixed where `table` is given. `table`: split_table's, fixed for
-    every round (fix_split_table), else the engine's own."""
+    round's engine_figures, and under "tables" the tables fixed where `table` is given. `table`: split_table's, fixed
+    for every round (fix_split_table), else the engine's own."""
     variant_switches = variant_switches or {"A": {}, "B": {}}
     splits = splits or {"A": SPREAD, "B": SPREAD}
     paths = paths or {"A": default_decode_path(), "B": default_decode_path()}

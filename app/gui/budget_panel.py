@@ -217,8 +217,8 @@ class BudgetPanel(QWidget):
         f = form()
         f.addRow(_label("Mode", "mode: disabled (every expert where the dense part runs: the CUDA GPU with onnxruntime-gpu, else the CPU), "
                              "auto (offload where possible), required (refuse otherwise)"), self.mode)
-        f.addRow(_label("Placement", "placement: static (residents chosen once, from popularity_file or else from the routing of the first "
-                                  "tokens, then never moved) or adaptive (decayed hit counts, swaps with hysteresis)"),
+        f.addRow(_label("Placement", "placement: static (residents chosen once, from popularity_file or else from "
+                                  "the routing of the first tokens, then never moved) or adaptive (decayed hit counts, swaps with hysteresis)"),
                  self.placement)
         f.addRow(_label("CPU execution", "cpu_execution: whether cold experts may be computed on the CPU. enabled: they "
                                          "may (each miss on the CPU or copied in, whichever is faster); disabled: never "

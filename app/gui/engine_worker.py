@@ -59,7 +59,7 @@ class EngineWorker(QObject):
     busyChanged = Signal(str)          # "opening" | "loading" | "preparing" | "generating" | "replanning" | "" (idle)
     inspected = Signal(object)         # app.gui.estimate.ModelFacts
     loadProgress = Signal(float)
-    loadNote = Signal(str)             # what a load is doing where it takes long without progress (GPU kernels compiling)
+    loadNote = Signal(str)             # what a long load does where no progress shows (the GPU kernels compiling)
     loaded = Signal(dict)              # path, load_s, device, statements, landed, entries
     streamed = Signal(str, str, int)   # reasoning, answer, tokens: what came since the last, in batches (~30 a second)
     answered = Signal(dict)            # text, finish_reason, timings, reused_cache_tokens, routing_agreement, offload
@@ -226,7 +226,8 @@ class EngineWorker(QObject):
             dropped = unloaded is not None  # else refused or stopped before the loaded model went: it stays
             if dropped:
                 self._drop_model()
-                after = f"; {unloaded} was unloaded first, to free its memory, and is no longer loaded" if unloaded else ""
+                after = (f"; {unloaded} was unloaded first, to free its memory, and is no longer loaded" if unloaded
+                         else "")
             else:
                 after = kept
             if isinstance(exc, LoadCancelled):

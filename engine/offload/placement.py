@@ -3,8 +3,7 @@
 Each expert node has a fixed number of slots. A policy sees the experts every step routes to and,
 at safe points between steps, may ask to swap cold experts in. `static` chooses the residents once
 (from a popularity file, or from the routing counted over an opening: StaticPlacement) and never moves them once
-in; `adaptive` scores
-every expert by exponentially decayed hits (recency with a memory of frequency) and swaps an
+in; `adaptive` scores every expert by exponentially decayed hits (recency with a memory of frequency) and swaps an
 expert in only when its score beats the weakest resident's by a margin (hysteresis), at most a
 few swaps per layer per safe point, so placement never thrashes.
 
@@ -192,11 +191,11 @@ class StaticPlacement(PlacementPolicy):
     With a popularity file its counts choose them at once (initial(), at load). Without one, the layer's opening
     counts what routing chooses, prefill and decode alike, until OPENING_PAIRS_PER_EXPERT routed pairs per expert;
     at the safe point that ends it, the layer's best-counted experts (one per slot, counted at least once, the lowest
-    id first on ties; every expert where there is a slot for each) are chosen. Until a layer has chosen, every slot is spare for the miss policy's copies. Then, at
-    safe points, rebalance copies the chosen experts in, best first, into empty slots and then over the experts it did
-    not choose (weakest first), within the swap allowance like adaptive's swaps; a chosen expert already in a slot as
-    a copied miss stays where it is, as its own. Once in, they never move (the miss policy copies into slots static
-    placement left empty or holds no chosen expert in)."""
+    id first on ties; every expert where there is a slot for each) are chosen. Until a layer has chosen, every slot is
+    spare for the miss policy's copies. Then, at safe points, rebalance copies the chosen experts in, best first, into
+    empty slots and then over the experts it did not choose (weakest first), within the swap allowance like adaptive's
+    swaps; a chosen expert already in a slot as a copied miss stays where it is, as its own. Once in, they never move
+    (the miss policy copies into slots static placement left empty or holds no chosen expert in)."""
 
     def __init__(self, layers: list[LayerSlots], popularity: list[np.ndarray] | None = None):
         super().__init__(layers)
