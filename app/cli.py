@@ -342,7 +342,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
 
         if needs_device:
             try:
-                return config, open_cuda_device(mem_limit=config.gpu_device_mem_limit, report=report)
+                return config, open_cuda_device(mem_limit=config.gpu_device_mem_limit, report=report, kernels=True)
             except WorkbenchError as exc:
                 raise WorkbenchError(f"{needs_device} needs a device, and the CUDA GPU cannot be used ({exc}); "
                                      "--device simulated gives a simulated one") from None

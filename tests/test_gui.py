@@ -2044,6 +2044,31 @@ def test_the_gpu_kernels_compiling_at_a_load_is_said_in_the_status_bar_and_where
         window.model_panel.landed.text())
 
 
+def test_gpu_kernels_nvrtc_cannot_compile_load_the_experts_on_the_cpu_under_auto(qtbot, window, monkeypatch):
+    """NVRTC failing on the GPU expert kernels failed a mode=auto load on CuPy's multi-line log, found at the first
+    slots, where every other unusable GPU loads with the experts on the CPU; and the status bar went on saying the
+    kernels were compiling. Now the load goes on on the CPU, saying why in the status bar and where everything landed.
+    A stand-in CuPy whose compile fails after the notice's time."""
+    import kernels.gpu._module as kernel_module
+    from tests.test_gpu_kernel_notice import COMPILE_FAILED, NVRTC_LOG, CompileException, Refused, stand_in_cupy
+
+    stand_in_cupy(monkeypatch)
+    failing = Refused(CompileException(NVRTC_LOG, "source", "kern.cu", ()), compile_s=0.3)
+    monkeypatch.setattr(kernel_module, "load_module", lambda cc: (failing, "nvrtc"))
+    shown = []
+    monkeypatch.setattr(window.status_state, "setText",
+                        lambda text: shown.append(text) or QLabel.setText(window.status_state, text))
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, {"device": {"kind": "cuda"}})
+    note = f"The CUDA GPU was asked for but cannot be used ({COMPILE_FAILED}); every expert runs on the CPU instead."
+    assert same(window.loaded_path, path) and window.worker._device is None
+    assert [text.split(" (")[0] for text in shown[:4]] == [
+        "Loading…", "Compiling the GPU expert kernels for sm_90", note.split(" (")[0], "Preparing the CPU kernels…"]
+    assert shown[2] == note
+    assert "<li>The CUDA GPU was asked for but cannot be used (NVRTC cannot compile the GPU expert kernels for sm_90, " \
+        "the Stand-in GPU (80 GiB): 5f1e0c_2.cubin.cu(988): error: identifier" in window.model_panel.landed.text()
+
+
 def test_the_gpu_kernels_compiling_for_a_side_by_side_b_is_said_in_the_status_bar_and_goes_when_it_ends(window):
     """A side-by-side comparison loads B on the CUDA GPU itself: the first there in the process compiles the kernels,
     whose report the status bar showed only under "loading", so the comparison stood at "loading the right side" for

@@ -134,22 +134,34 @@ def _cuda_errors(cp) -> tuple[type, ...]:
     return tuple(error for error in found if isinstance(error, type))
 
 
-def open_cuda_device(mem_limit: int = 0, index: int = 0, report=None) -> "CudaDevice":
-    """report: CudaDevice's (what a long load is doing)."""
+def open_cuda_device(mem_limit: int = 0, index: int = 0, report=None, kernels: bool = False) -> "CudaDevice":
+    """report: CudaDevice's (what a long load is doing). kernels: the GPU expert kernels loaded too (ensure_kernels),
+    for a load that offloads experts: a GPU whose kernels NVRTC or the driver refuse is refused here, before the
+    engine is built, not at its first slots."""
     cp = _cupy()
     _check_device(cp, index)
     try:
-        return CudaDevice(index, mem_limit, report)
+        device = CudaDevice(index, mem_limit, report)
     except _cuda_errors(cp) as exc:  # found but not usable: busy (exclusive-process mode), its memory taken ...
         reason = f"{type(exc).__name__}: {error_reason(exc)}"
         raise NoCudaDevice(f"CUDA device {index} cannot be opened ({reason})") from None
+    if kernels:
+        try:
+            device.ensure_kernels()
+        except NoCudaDevice:
+            device.forget_cap()  # now, not once the error's traceback, which holds the device, is dropped
+            raise
+    return device
 
 
 def cuda_device_or_cpu(mem_limit: int, mode: str, report=None) -> tuple["CudaDevice | None", str]:
     """The CUDA device, or, where it cannot be used, None and the note that every expert runs on the CPU instead, as
-    the window and the command line load; only mode=required refuses (the device's own error). report: CudaDevice's."""
+    the window and the command line load; only mode=required refuses (the device's own error). report: CudaDevice's.
+    The GPU expert kernels are loaded with it (a compile NVRTC fails, a module the driver refuses: the GPU is unusable
+    too); a prebuilt cubin or CuPy's cache of them loads in well under a second, a first compile takes 1-2 minutes
+    that the load's first slots would take anyway."""
     try:
-        return open_cuda_device(mem_limit=mem_limit, report=report), ""
+        return open_cuda_device(mem_limit=mem_limit, report=report, kernels=True), ""
     except WorkbenchError as exc:
         if mode == "required":
             raise
@@ -170,6 +182,32 @@ def cuda_device_problem(index: int = 0) -> str:
     except NoCudaDevice as exc:
         return str(exc)
     return ""
+
+
+def _kernel_errors(cp) -> tuple[type, ...]:
+    """What loading the GPU expert kernels raises where this GPU cannot have them: NVRTC failing to compile them
+    (CuPy's CompileException, with NVRTC's log; NVRTCError: an option or architecture it does not take) or the driver
+    refusing the module (CUDADriverError: PTX from an NVRTC newer than the driver ...), besides the runtime's."""
+    found = (getattr(getattr(cp.cuda, module, None), name, None) for module, name in (
+        ("compiler", "CompileException"), ("nvrtc", "NVRTCError"), ("driver", "CUDADriverError")))
+    return tuple(error for error in found if isinstance(error, type)) + _cuda_errors(cp)
+
+
+def _kernels_refused(exc: Exception, gpu: str) -> str:
+    """Why the GPU expert kernels cannot be had for `gpu` (its architecture and name), on one line: NVRTC's first
+    error line of its log (its temporary file's folder left out), or NVRTC's, the driver's or the runtime's error."""
+    reason = f"{type(exc).__name__}: {error_reason(exc)}"
+    if type(exc).__name__ == "CompileException":
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "no log")
+        return f"NVRTC cannot compile the GPU expert kernels for {gpu}: {re.sub(r'^[^ (]*/', '', first)}"
+    if type(exc).__name__ == "NVRTCError":
+        return f"NVRTC cannot compile the GPU expert kernels for {gpu} ({reason})"
+    if type(exc).__name__ == "CUDADriverError":
+        newer = " (made by an NVRTC newer than the driver: update the NVIDIA driver)" if (
+            "UNSUPPORTED_PTX_VERSION" in reason) else ""
+        return f"the NVIDIA driver refuses the GPU expert kernels for {gpu} ({reason}){newer}"
+    return f"the GPU expert kernels cannot be loaded for {gpu} ({reason})"
 
 
 def _kernel_cache_dir(cp) -> str:
@@ -1058,13 +1096,13 @@ class CudaDevice:
         # A hard cap on CuPy's allocations (exceeding it is an OutOfMemoryError, never a crash), for as long as this
         # device lives; not while its probe runs: the probe's 512 MiB are given back at once and are not the model's,
         # and another model's cap in force (side by side) may leave no room for them
-        forget = weakref.finalize(self, _forget_cap, cp, index, id(self))
+        self.forget_cap = weakref.finalize(self, _forget_cap, cp, index, id(self))
         _set_cap(cp, index, id(self), 0)
         try:
             with cp.cuda.Device(index):
                 self.bandwidths = _measure_all(cp)
         except BaseException:
-            forget()
+            self.forget_cap()
             raise
         _set_cap(cp, index, id(self), mem_limit)
         self.memory = card_memory(total, total - free, mem_limit)
@@ -1080,7 +1118,7 @@ class CudaDevice:
         (kernels.gpu._module: a prebuilt cubin, else NVRTC through CuPy, whose cache keeps them for later loads). A
         first compile takes 1-2 minutes with no progress to show: where the kernels are not ready after
         KERNEL_NOTICE_AFTER_S, `report` says what runs, and once they are, how long it took and where they are kept
-        (also kept as kernels_note)."""
+        (also kept as kernels_note). Kernels NVRTC cannot compile, or that the driver refuses, are a NoCudaDevice."""
         if self.kernels_ready:
             return
         from kernels.gpu._module import load_module
@@ -1103,6 +1141,8 @@ class CudaDevice:
             try:
                 module, _how = load_module(cc)
                 module.get_function("route_topk")  # a module made from source is compiled at its first function
+            except _kernel_errors(cp) as exc:
+                raise NoCudaDevice(_kernels_refused(exc, f"sm_{cc}, the {self.name}")) from None
             finally:
                 timer.cancel()
                 timer.join()  # (a notice under way is said before the note below)
