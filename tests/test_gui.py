@@ -2132,6 +2132,36 @@ def test_stop_while_the_cuda_gpu_opens_keeps_the_loaded_model(qtbot, window, mon
     assert [m["role"] for m in window.worker._conversation.messages] == ["user", "assistant"]
 
 
+def test_unload_while_a_load_opens_the_gpu_says_the_loaded_model_goes(qtbot, window, monkeypatch):
+    """Unload pressed while a load opened the GPU (before the loaded model goes) stops the load, and the queued Unload
+    then unloaded the model the window's banner had just said "stays loaded". The banner now says it is unloaded."""
+    import threading
+
+    from app.gui import engine_worker
+    from engine.offload import SimulatedDevice
+
+    opening, unload_pressed = threading.Event(), threading.Event()
+
+    def cuda_device_or_cpu(mem_limit, mode, report):
+        opening.set()
+        unload_pressed.wait(WAIT / 1000)
+        return SimulatedDevice(8 << 30, mem_limit=mem_limit, name="stand-in CUDA GPU"), ""
+
+    load(qtbot, window, fixture_folder("gptoss"))
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", cuda_device_or_cpu)
+    other = fixture_folder("lfm2moe")
+    window.save_model_settings(str(other), {"device": {"kind": "cuda"}})
+    window.load_model(str(other))
+    qtbot.waitUntil(opening.is_set, timeout=WAIT)
+    window.unload()
+    unload_pressed.set()
+    qtbot.waitUntil(lambda: not window.busy and window.loaded_path is None and window.error_banner.isVisible(),
+                    timeout=WAIT)
+    qtbot.wait(200)  # (anything else the worker says)
+    assert window.last_error == "Loading stopped; gptoss is unloaded, as asked."
+    assert window.loaded_path is None and window.worker._model is None
+
+
 def test_a_load_of_a_folder_broken_since_it_was_opened_keeps_the_loaded_model_and_its_conversation(qtbot, window,
                                                                                                       copy_fixture):
     """The worker dropped the loaded model, and the window had its conversation started again, before it read the

@@ -89,6 +89,7 @@ class EngineWorker(QObject):
         super().__init__()
         self.cancel = threading.Event()
         self.stopped_request = 0  # the chat request (options["request"]) the window stopped before it saw it begin
+        self.unload_asked = False  # the window's Unload, queued behind what runs now, is still to come (_unload)
         self.demo_dir = demo_dir
         self._folder = None
         self._folder_open_s = 0.0  # the seconds ModelFolder.open took for _folder
@@ -230,6 +231,8 @@ class EngineWorker(QObject):
                 self._drop_model()
                 after = (f"; {unloaded} was unloaded first, to free its memory, and is no longer loaded" if unloaded
                          else "")
+            elif self.unload_asked and kept:  # (the Unload that stopped this load unloads the model next)
+                after = f"; {self._loaded_facts.name} is unloaded, as asked"
             else:
                 after = kept
             if isinstance(exc, LoadCancelled):
@@ -532,6 +535,7 @@ class EngineWorker(QObject):
 
     @Slot()
     def _unload(self) -> None:
+        self.unload_asked = False
         had = self._model is not None
         self._drop_model()
         if had:

@@ -593,6 +593,7 @@ class MainWindow(QMainWindow):
     @Slot()
     def unload(self) -> None:
         self._stop_chat_request()
+        self.worker.unload_asked = True
         self.worker.cancel.set()
         self.worker.requestUnload.emit()
 
