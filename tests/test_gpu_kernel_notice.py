@@ -58,6 +58,7 @@ def stand_in_cupy(monkeypatch):
     monkeypatch.setattr(cuda_device, "_cupy", lambda: cupy)
     monkeypatch.setattr(cuda_device, "_measure_all", lambda cp: Bandwidths(pcie=50e9, hbm=3e12, cpu=100e9))
     monkeypatch.setattr(cuda_device, "_pool_caps", {})
+    monkeypatch.setattr(cuda_device, "_kernels_refused_for", {})
     monkeypatch.setattr(cuda_device, "KERNEL_NOTICE_AFTER_S", 0.05)
     return cupy
 
@@ -175,3 +176,21 @@ def test_a_device_opened_for_a_load_has_its_kernels_loaded(monkeypatch):
     loaded = _modules(monkeypatch, module)
     device, note = cuda_device.cuda_device_or_cpu(0, "auto")
     assert note == "" and device.kernels_ready and loaded == ["90"] and module.asked == ["route_topk"]
+
+
+def test_kernels_refused_once_are_refused_at_once_at_the_next_load(monkeypatch):
+    """The kernel module of a failed compile stays cached, uncompiled: every later load in the process (the window's
+    next load under mode=auto) ran NVRTC's 1-2 minutes again for the same failure, with the same source, NVRTC and
+    driver. The refusal is kept for the process; a GPU's memory running out while the module loads is not kept."""
+    stand_in_cupy(monkeypatch)
+    loaded = _modules(monkeypatch, Refused(CompileException(NVRTC_LOG, "source", "kern.cu", ())))
+    for _load in range(2):
+        assert cuda_device.cuda_device_or_cpu(0, "auto") == (
+            None, f"The CUDA GPU was asked for but cannot be used ({COMPILE_FAILED}); every expert runs on the CPU "
+                  "instead.")
+    assert loaded == ["90"]
+    monkeypatch.setattr(cuda_device, "_kernels_refused_for", {})
+    loaded = _modules(monkeypatch, Refused(CUDADriverError("CUDA_ERROR_OUT_OF_MEMORY: out of memory")))
+    for _load in range(2):
+        assert cuda_device.cuda_device_or_cpu(0, "auto")[0] is None
+    assert loaded == ["90", "90"]

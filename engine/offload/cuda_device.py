@@ -15,7 +15,7 @@ from collections import deque
 
 import numpy as np
 
-from engine.errors import WorkbenchError, error_reason, one_line
+from engine.errors import WorkbenchError, error_reason, gpu_out_of_memory, one_line
 from engine.offload.device_memory import DeviceMemoryError, card_memory
 from engine.offload.devices import GIB, Bandwidths
 from engine.offload.cuda_step import (HostCopies, MergeBufferPool, RoutedBuffers, SplitBuffers, StepBufferPool,
@@ -208,6 +208,11 @@ def _kernels_refused(exc: Exception, gpu: str) -> str:
             "UNSUPPORTED_PTX_VERSION" in reason) else ""
         return f"the NVIDIA driver refuses the GPU expert kernels for {gpu} ({reason}){newer}"
     return f"the GPU expert kernels cannot be loaded for {gpu} ({reason})"
+
+
+# compute capability -> why its GPU expert kernels were refused in this process (ensure_kernels): the same source,
+# NVRTC and driver fail the same way, after NVRTC's 1-2 minutes, at every later load
+_kernels_refused_for: dict[str, str] = {}
 
 
 def _kernel_cache_dir(cp) -> str:
@@ -1126,6 +1131,8 @@ class CudaDevice:
         cp = self.cp
         with cp.cuda.Device(self.index):
             cc = str(cp.cuda.Device(self.index).compute_capability)
+            if cc in _kernels_refused_for:
+                raise NoCudaDevice(_kernels_refused_for[cc])
             cache = _kernel_cache_dir(cp)
             noticed = threading.Event()
 
@@ -1142,7 +1149,10 @@ class CudaDevice:
                 module, _how = load_module(cc)
                 module.get_function("route_topk")  # a module made from source is compiled at its first function
             except _kernel_errors(cp) as exc:
-                raise NoCudaDevice(_kernels_refused(exc, f"sm_{cc}, the {self.name}")) from None
+                refused = _kernels_refused(exc, f"sm_{cc}, the {self.name}")
+                if not gpu_out_of_memory(exc):  # (memory may be there at the next load)
+                    _kernels_refused_for[cc] = refused
+                raise NoCudaDevice(refused) from None
             finally:
                 timer.cancel()
                 timer.join()  # (a notice under way is said before the note below)
