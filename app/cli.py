@@ -268,10 +268,11 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "while decoding and keeps the fastest")
 
 
-def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = ""):
+def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = "", kernels: bool = True):
     """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs. Where a CUDA GPU cannot be
     used, the note that every expert runs on the CPU instead is printed, and appended to `fallback` where given; or,
-    with `needs_device` (what needs one), refused."""
+    with `needs_device` (what needs one), refused. kernels: a CUDA GPU's expert kernels loaded too (a first compile
+    takes 1-2 minutes), for what loads a model; not for a plan alone (inspect)."""
     from engine.offload import OffloadConfig, SimulatedDevice
     from engine.offload.config import DEVICE_KEYS, UNUSED_KEYS, keys_among, short_key
 
@@ -346,7 +347,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
             except WorkbenchError as exc:
                 raise WorkbenchError(f"{needs_device} needs a device, and the CUDA GPU cannot be used ({exc}); "
                                      "--device simulated gives a simulated one") from None
-        device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode, report=report)
+        device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode, report=report, kernels=kernels)
         if note:
             print(f"warning: {note}", file=sys.stderr)
             if fallback is not None:
@@ -362,7 +363,7 @@ def _cmd_inspect(args) -> int:
     folder = ModelFolder.open(args.model)
     report = inspection(folder)
     fallback = []
-    config, device = _offload_setup(args, fallback)
+    config, device = _offload_setup(args, fallback, kernels=False)
     if config is not None:
         import psutil
 

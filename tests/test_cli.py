@@ -1467,7 +1467,7 @@ def test_the_gpu_kernels_compiling_at_a_load_is_said_on_standard_error(capsys, m
     from engine.offload import SimulatedDevice
     from engine.offload import cuda_device
 
-    def cuda_device_or_cpu(mem_limit, mode, report):
+    def cuda_device_or_cpu(mem_limit, mode, report, kernels=True):
         report("Compiling the GPU expert kernels for sm_90 (...).")
         return SimulatedDevice(8 << 30, mem_limit=mem_limit), ""
 
@@ -1476,6 +1476,22 @@ def test_the_gpu_kernels_compiling_at_a_load_is_said_on_standard_error(capsys, m
                              "2", "--json", "--device", "cuda")
     assert status == 0 and json.loads(out)["offload"]["device"]["why"] is None
     assert err.splitlines()[0] == "Compiling the GPU expert kernels for sm_90 (...)."
+
+
+def test_inspect_on_a_cuda_gpu_plans_without_compiling_the_gpu_kernels(capsys, monkeypatch):
+    """A load opens the GPU with its expert kernels (a first compile: 1-2 minutes); inspect, which plans and loads
+    nothing, opens it without them. A stand-in CuPy whose kernel module fails the test if asked for."""
+    import kernels.gpu._module as kernel_module
+    from tests.test_gpu_kernel_notice import stand_in_cupy
+
+    def compiled(cc):
+        raise AssertionError(f"inspect loaded the GPU kernels for sm_{cc}")
+
+    stand_in_cupy(monkeypatch)
+    monkeypatch.setattr(kernel_module, "load_module", compiled)
+    status, out, err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "cuda", "--json")
+    assert status == 0 and err == ""
+    assert json.loads(out)["offload"]["device"] == {"asked": "cuda", "planned_for": "cuda", "why": None}
 
 
 def test_device_options_without_a_device_are_said_to_do_nothing(capsys):

@@ -123,12 +123,13 @@ class Refused(_Module):
         raise self.error
 
 
-NVRTC_LOG = ("/tmp/tmpk3x9/5f1e0c_2.cubin.cu(412): warning #177-D: variable \"lane\" was declared but never referenced\n"
+NVRTC_LOG = ("/tmp/tmpk3x9/5f1e0c_2.cubin.cu(412): warning #177-D: variable \"lane\" was declared but never "
+             "referenced\n"
              "\n/tmp/tmpk3x9/5f1e0c_2.cubin.cu(988): error: identifier \"__nv_fp8_e4m3\" is undefined\n"
              "\n/tmp/tmpk3x9/5f1e0c_2.cubin.cu(990): error: expected a \";\"\n\n"
              "2 errors detected in the compilation of \"/tmp/tmpk3x9/5f1e0c_2.cubin.cu\".\n")
-COMPILE_FAILED = ("NVRTC cannot compile the GPU expert kernels for sm_90, the Stand-in GPU (80 GiB): 5f1e0c_2.cubin.cu(988): "
-                  "error: identifier \"__nv_fp8_e4m3\" is undefined")
+COMPILE_FAILED = ("NVRTC cannot compile the GPU expert kernels for sm_90, the Stand-in GPU (80 GiB): "
+                  "5f1e0c_2.cubin.cu(988): error: identifier \"__nv_fp8_e4m3\" is undefined")
 
 
 def test_a_compile_that_fails_refuses_the_device_in_one_line_after_saying_it_began(device, monkeypatch):
@@ -163,7 +164,8 @@ def test_kernels_that_cannot_be_had_fall_back_to_the_cpu_under_auto_and_are_refu
     stand_in_cupy(monkeypatch)
     _modules(monkeypatch, Refused(CompileException(NVRTC_LOG, "source", "kern.cu", ())))
     assert cuda_device.cuda_device_or_cpu(0, "auto") == (
-        None, f"The CUDA GPU was asked for but cannot be used ({COMPILE_FAILED}); every expert runs on the CPU instead.")
+        None, f"The CUDA GPU was asked for but cannot be used ({COMPILE_FAILED}); every expert runs on the CPU "
+              "instead.")
     with pytest.raises(cuda_device.NoCudaDevice) as refused:
         cuda_device.cuda_device_or_cpu(0, "required")
     assert str(refused.value) == COMPILE_FAILED

@@ -2065,8 +2065,9 @@ def test_gpu_kernels_nvrtc_cannot_compile_load_the_experts_on_the_cpu_under_auto
     assert [text.split(" (")[0] for text in shown[:4]] == [
         "Loading…", "Compiling the GPU expert kernels for sm_90", note.split(" (")[0], "Preparing the CPU kernels…"]
     assert shown[2] == note
-    assert "<li>The CUDA GPU was asked for but cannot be used (NVRTC cannot compile the GPU expert kernels for sm_90, " \
-        "the Stand-in GPU (80 GiB): 5f1e0c_2.cubin.cu(988): error: identifier" in window.model_panel.landed.text()
+    landed = window.model_panel.landed.text()
+    assert ("<li>The CUDA GPU was asked for but cannot be used (NVRTC cannot compile the GPU expert kernels for "
+            "sm_90, the Stand-in GPU (80 GiB): 5f1e0c_2.cubin.cu(988): error: identifier") in landed
 
 
 def test_the_gpu_kernels_compiling_for_a_side_by_side_b_is_said_in_the_status_bar_and_goes_when_it_ends(window):

@@ -160,7 +160,7 @@ class EngineWorker(QObject):
                                    name=f"simulated GPU, {human_bytes(capacity)}")
         if kind == "cuda":
             device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode, report=self.loadNote.emit)
-            if note:  # said as the load goes on on the CPU (over "Compiling the GPU expert kernels ..." where it failed)
+            if note:  # said as the load goes on on the CPU (over "Compiling the GPU expert kernels ..." that failed)
                 notes.append(note)
                 self.loadNote.emit(note)
             return device

@@ -154,14 +154,14 @@ def open_cuda_device(mem_limit: int = 0, index: int = 0, report=None, kernels: b
     return device
 
 
-def cuda_device_or_cpu(mem_limit: int, mode: str, report=None) -> tuple["CudaDevice | None", str]:
+def cuda_device_or_cpu(mem_limit: int, mode: str, report=None, kernels: bool = True) -> tuple["CudaDevice | None", str]:
     """The CUDA device, or, where it cannot be used, None and the note that every expert runs on the CPU instead, as
     the window and the command line load; only mode=required refuses (the device's own error). report: CudaDevice's.
-    The GPU expert kernels are loaded with it (a compile NVRTC fails, a module the driver refuses: the GPU is unusable
-    too); a prebuilt cubin or CuPy's cache of them loads in well under a second, a first compile takes 1-2 minutes
-    that the load's first slots would take anyway."""
+    With `kernels` the GPU expert kernels are loaded with it (a compile NVRTC fails, a module the driver refuses: the
+    GPU is unusable too); a prebuilt cubin or CuPy's cache of them loads in well under a second, a first compile takes
+    1-2 minutes that a load's first slots would take anyway."""
     try:
-        return open_cuda_device(mem_limit=mem_limit, report=report, kernels=True), ""
+        return open_cuda_device(mem_limit=mem_limit, report=report, kernels=kernels), ""
     except WorkbenchError as exc:
         if mode == "required":
             raise
