@@ -2070,6 +2070,24 @@ def test_gpu_kernels_nvrtc_cannot_compile_load_the_experts_on_the_cpu_under_auto
             "sm_90, the Stand-in GPU (80 GiB): 5f1e0c_2.cubin.cu(988): error: identifier") in landed
 
 
+def test_the_budget_panel_says_the_gpu_cannot_be_used_once_a_load_found_its_kernels_refused(qtbot, window,
+                                                                                            monkeypatch):
+    """After a load under mode=auto found the GPU expert kernels refused and ran every expert on the CPU, the budget
+    panel went on estimating the experts on the GPU, for this load and the next, which falls back the same way. It
+    now says the GPU cannot be used, and why, as for a GPU without CuPy."""
+    import kernels.gpu._module as kernel_module
+    from tests.test_gpu_kernel_notice import COMPILE_FAILED, NVRTC_LOG, CompileException, Refused, stand_in_cupy
+
+    stand_in_cupy(monkeypatch)
+    failing = Refused(CompileException(NVRTC_LOG, "source", "kern.cu", ()))
+    monkeypatch.setattr(kernel_module, "load_module", lambda cc: (failing, "nvrtc"))
+    load(qtbot, window, fixture_folder("gptoss"), {"device": {"kind": "cuda"}})
+    assert window.loaded_path is not None and window.worker._device is None
+    assert window.budget_panel.device_choice().error == COMPILE_FAILED
+    assert window.budget_panel.statements.text().split("<br>")[0].endswith(
+        f"The CUDA GPU cannot be used ({COMPILE_FAILED}): every expert would run on the CPU.")
+
+
 def test_the_gpu_kernels_compiling_for_a_side_by_side_b_is_said_in_the_status_bar_and_goes_when_it_ends(window):
     """A side-by-side comparison loads B on the CUDA GPU itself: the first there in the process compiles the kernels,
     whose report the status bar showed only under "loading", so the comparison stood at "loading the right side" for

@@ -452,6 +452,7 @@ class BudgetPanel(QWidget):
 
     def mark_loaded(self, settings: dict | None) -> None:
         self.loaded = settings is not None
+        self._cuda_error = None  # asked again: a load may have found the GPU's kernels refused (cuda_device_problem)
         if settings is None:
             self._live_pinned = {}
             self._own_vram = 0

@@ -168,6 +168,11 @@ def cuda_device_or_cpu(mem_limit: int, mode: str, report=None, kernels: bool = T
         return None, f"The CUDA GPU was asked for but cannot be used ({exc}); every expert runs on the CPU instead."
 
 
+# GPU index -> why its GPU expert kernels were refused in this process (ensure_kernels): the same source, NVRTC and
+# driver fail the same way, after NVRTC's 1-2 minutes, at every later load (cuda_device_problem says it too)
+_kernels_refused_for: dict[int, str] = {}
+
+
 def cuda_device_problem(index: int = 0) -> str:
     """Why open_cuda_device would refuse device `index` ('' when CuPy and the device are there), without opening it.
 
@@ -176,12 +181,12 @@ def cuda_device_problem(index: int = 0) -> str:
     engine thread's pool that makes every waiting thread sleep after 100 spins instead of GOMP_SPINCOUNT's, so each
     CPU expert kernel call pays to wake its threads (21 against 90 µs for a small call on the H200 machine,
     NOTES-overhead.md, twelfth session). Opening also times copies through 256 MiB of pinned host memory and 512 MiB
-    of GPU memory."""
+    of GPU memory. Where a load in this process found the GPU's expert kernels refused: why."""
     try:
         _check_device(_cupy(), index)
     except NoCudaDevice as exc:
         return str(exc)
-    return ""
+    return _kernels_refused_for.get(index, "")
 
 
 def _kernel_errors(cp) -> tuple[type, ...]:
@@ -208,11 +213,6 @@ def _kernels_refused(exc: Exception, gpu: str) -> str:
             "UNSUPPORTED_PTX_VERSION" in reason) else ""
         return f"the NVIDIA driver refuses the GPU expert kernels for {gpu} ({reason}){newer}"
     return f"the GPU expert kernels cannot be loaded for {gpu} ({reason})"
-
-
-# compute capability -> why its GPU expert kernels were refused in this process (ensure_kernels): the same source,
-# NVRTC and driver fail the same way, after NVRTC's 1-2 minutes, at every later load
-_kernels_refused_for: dict[str, str] = {}
 
 
 def _kernel_cache_dir(cp) -> str:
@@ -1131,8 +1131,8 @@ class CudaDevice:
         cp = self.cp
         with cp.cuda.Device(self.index):
             cc = str(cp.cuda.Device(self.index).compute_capability)
-            if cc in _kernels_refused_for:
-                raise NoCudaDevice(_kernels_refused_for[cc])
+            if self.index in _kernels_refused_for:
+                raise NoCudaDevice(_kernels_refused_for[self.index])
             cache = _kernel_cache_dir(cp)
             noticed = threading.Event()
 
@@ -1151,7 +1151,7 @@ class CudaDevice:
             except _kernel_errors(cp) as exc:
                 refused = _kernels_refused(exc, f"sm_{cc}, the {self.name}")
                 if not gpu_out_of_memory(exc):  # (memory may be there at the next load)
-                    _kernels_refused_for[cc] = refused
+                    _kernels_refused_for[self.index] = refused
                 raise NoCudaDevice(refused) from None
             finally:
                 timer.cancel()
