@@ -123,7 +123,7 @@ class Refused(_Module):
         raise self.error
 
 
-NVRTC_LOG = ("/tmp/tmpk3x9/5f1e0c_2.cubin.cu(412): warning #177-D: variable \"lane\" was declared but never "
+NVRTC_LOG = ("/tmp/tmpk3x9/5f1e0c_2.cubin.cu(412): warning #177-D: variable \"errors\" was declared but never "
              "referenced\n"
              "\n/tmp/tmpk3x9/5f1e0c_2.cubin.cu(988): error: identifier \"__nv_fp8_e4m3\" is undefined\n"
              "\n/tmp/tmpk3x9/5f1e0c_2.cubin.cu(990): error: expected a \";\"\n\n"

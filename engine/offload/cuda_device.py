@@ -204,7 +204,7 @@ def _kernels_refused(exc: Exception, gpu: str) -> str:
     reason = f"{type(exc).__name__}: {error_reason(exc)}"
     if type(exc).__name__ == "CompileException":
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "no log")
+        first = next((line for line in lines if re.search(r"\berror\b", line)), lines[0] if lines else "no log")
         return f"NVRTC cannot compile the GPU expert kernels for {gpu}: {re.sub(r'^[^ (]*/', '', first)}"
     if type(exc).__name__ == "NVRTCError":
         return f"NVRTC cannot compile the GPU expert kernels for {gpu} ({reason})"
