@@ -370,7 +370,7 @@ def _cmd_inspect(args) -> int:
         from app.gui.estimate import staged_nodes, staging_for
         from engine.decoder_state import DecoderState
         from engine.offload import decode_path as paths
-        from engine.offload.engine import load_popularity
+        from engine.offload.engine import load_popularity, popularity_statement
         from engine.offload.host_cache import file_backing_refusal
         from engine.offload.planner import plan_offload
         from engine.offload.streaming import plan_streaming
@@ -383,9 +383,12 @@ def _cmd_inspect(args) -> int:
             raise WorkbenchError(refusal)
         nodes = staged_nodes(folder)
         staging = staging_for(config, nodes, device)
+        said_popularity = ""  # which nodes the file leaves out, where it does
         if config.popularity_file:
             runnable = [info for info in folder.experts if info.spec is not None]
-            load_popularity(config.popularity_file, [i.name for i in runnable], [i.spec.num_experts for i in runnable])
+            names = [i.name for i in runnable]
+            rows = load_popularity(config.popularity_file, names, [i.spec.num_experts for i in runnable])
+            said_popularity = popularity_statement(config.popularity_file, rows, names, config.placement)
         kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
         mode = args.decode_path or paths.default_decode_path()
         planned_tier = paths.tier_planned(mode, config, folder.experts, getattr(device, "kind", None),
@@ -399,6 +402,7 @@ def _cmd_inspect(args) -> int:
         if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
             device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")
             statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
+        statements += [said_popularity] if said_popularity and plan.placement_mode == "hybrid" else []
         # the device planned for and why, where it is not the one asked for: a script reads the JSON, not stderr
         planned = {"asked": args.device, "planned_for": getattr(device, "kind", "cpu"),
                    "why": fallback[0] if fallback else None}

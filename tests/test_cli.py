@@ -1008,6 +1008,22 @@ def test_inspect_checks_the_pinned_ring_and_the_popularity_file_as_a_load_would(
     assert status == 2 and "more than host_expert_bytes=1000" in err  # (inspect called such a model runnable)
 
 
+def test_inspect_says_which_expert_nodes_the_popularity_file_leaves_to_static_placements_opening(capsys, tmp_path):
+    from engine.model_folder import ModelFolder
+
+    gptoss = str(fixture_folder("gptoss"))
+    experts = [info for info in ModelFolder.open(gptoss).experts if info.spec is not None]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({experts[0].name: [1] * experts[0].spec.num_experts}))
+    status, out, _err = _main(capsys, "inspect", gptoss, "--json", "--device", "simulated", "--offload",
+                              f"popularity_file={path}", "--offload", "placement=static", "--offload",
+                              "device_expert_bytes=200000")
+    assert [info.name for info in experts] == ["/model/layers.0/moe/QMoE", "/model/layers.1/moe/QMoE"]
+    said = (f"{path} counts 1 of 2 expert nodes ('/model/layers.0/moe/QMoE'); static placement measures the other 1 "
+            "over its opening ('/model/layers.1/moe/QMoE').")
+    assert status == 0 and said in json.loads(out)["offload"]["statements"]
+
+
 def test_inspect_says_what_the_loads_plan_says_the_staging_ring_and_streaming_slots_included(capsys):
     """inspect gave the planner's sentences alone: not the prefill wave and pinned ring that pinned_bytes sets, nor the
     streaming slots that device_working_bytes asks for, which the load's plan says."""

@@ -269,3 +269,33 @@ def test_a_popularity_file_taken_off_the_loaded_model_leaves_static_placement_to
     opening = routed_counts(engine)
     greedy_run(model, "Hi", 4)
     assert resident_sets(engine) == [top(c, 4) for c in opening] != [{12, 13, 14, 15}] * SPEC.layers
+
+
+def test_a_node_the_popularity_file_leaves_out_is_measured_by_the_opening(model_folder, slot_bytes, tmp_path):
+    """A popularity file that names only some expert nodes counted the others as uniform: their residents were experts
+    0..S-1 for good, whatever routing did. Now those nodes are measured by static placement's opening, as without a
+    file, while the nodes the file names take its residents at once; the plan says which is which."""
+    import json
+
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({names[0]: [0] * 12 + [1000] * 4}))
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static", popularity_file=str(path),
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    assert resident_sets(engine)[0] == {12, 13, 14, 15}
+    assert all(not layer.resident().size for layer in engine.slots[1:])  # nothing chosen yet: the opening measures
+    assert engine.policy.opening and engine.copy_state()["static_placement"]["opening_tokens_left"] == 32
+    statement = next(s for s in engine.plan.statements if "popularity.json" in s)
+    assert statement == (f"{path} counts 1 of {SPEC.layers} expert nodes ('{names[0]}'); static placement measures "
+                         f"the other 2 over its opening ('{names[1]}', '{names[2]}').")
+    greedy_run(model, LONG_PROMPT, 0)
+    opening = routed_counts(engine)
+    greedy_run(model, "Hi", 4)
+    assert not engine.policy.opening
+    assert resident_sets(engine) == [{12, 13, 14, 15}] + [top(c, 4) for c in opening[1:]]
+    assert resident_sets(engine)[1:] != [{0, 1, 2, 3}] * (SPEC.layers - 1)
+    engine.reconfigure(engine.config.updated(device_expert_bytes=8 * SPEC.layers * slot_bytes))  # a budget change
+    counts = routed_counts(engine)
+    assert np.flatnonzero(engine.policy.chosen[0]).tolist() == [12, 13, 14, 15]  # the file's, as at the load
+    assert resident_sets(engine)[1:] == [top(c, 8) for c in counts[1:]]  # the measured counts kept, chosen anew

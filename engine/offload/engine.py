@@ -46,12 +46,32 @@ from kernels.cold_split import ROW_STEP, cpu_take_table, fc1_share, split_tables
 from kernels.gpu.host_tier import HostTierError
 
 
-def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray]:
-    """popularity_file: JSON {node name: [count per expert]}; nodes it omits count as uniform."""
+def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray | None]:
+    """popularity_file: JSON {node name: [count per expert]}; None for a node it leaves out (static placement measures
+    that node's routing over its opening, adaptive placement starts it from no counts)."""
     return read_popularity(path, names, experts)[0]
 
 
-def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[list[np.ndarray], str]:
+def popularity_statement(path: str, rows: list[np.ndarray | None], names: list[str], placement: str) -> str:
+    """What the plan says of a popularity file that leaves some expert nodes out ('' where it names every one)."""
+    left = [name for name, row in zip(names, rows) if row is None]
+    if not left:
+        return ""
+    named = [name for name, row in zip(names, rows) if row is not None]
+    how = ("static placement measures the other {} over its opening" if placement == "static" else
+           "adaptive placement starts the other {} from no counts")
+    return (f"{path} counts {len(named)} of {len(names)} expert nodes{f' ({_some_names(named)})' if named else ''}; "
+            f"{how.format(len(left))} ({_some_names(left)}).")
+
+
+def _some_names(names: list[str]) -> str:
+    """'a', or 'a', 'b', or 'a' … 'z'."""
+    if len(names) > 2:
+        return f"'{names[0]}' … '{names[-1]}'"
+    return ", ".join(f"'{name}'" for name in names)
+
+
+def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[list[np.ndarray | None], str]:
     """load_popularity's counts, and the SHA-256 of the file's bytes they were read from (a run's record keeps it)."""
     try:
         raw = Path(path).read_bytes()
@@ -75,8 +95,8 @@ def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[li
         near = difflib.get_close_matches(name, names, n=1)
         raise WorkbenchError(f"{path}: the popularity file names '{name}', which is no expert node of this model"
                              + (f" (did you mean '{near[0]}'?)" if near else f" (they are {', '.join(names)})"))
-    return ([_popularity_row(path, name, data.get(name, [1.0] * count), count) for name, count in zip(names, experts)],
-            hashlib.sha256(raw).hexdigest())
+    return ([_popularity_row(path, name, data[name], count) if name in data else None
+             for name, count in zip(names, experts)], hashlib.sha256(raw).hexdigest())
 
 
 def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
@@ -196,6 +216,7 @@ class OffloadEngine:
         self.deferred: deque = deque()
         popularity, self.popularity_sha256 = self._popularity(config)
         self._make_policy(popularity)
+        self._say_popularity(config, popularity)
         self.swap_allowance = SwapAllowance()
         self._apply_cpu_threads()
         self.stats.pinned = self.pinned_info()
@@ -515,23 +536,25 @@ class OffloadEngine:
             info["host_tier_bytes"] = self._tier_bytes
         return info
 
-    def _make_policy(self, popularity: list[np.ndarray] | None, scores: list[np.ndarray] | None = None) -> None:
+    def _make_policy(self, popularity: list[np.ndarray | None] | None, scores: list[np.ndarray] | None = None) -> None:
         """The placement policy, from the popularity file's counts where one is set (_popularity), with `scores` (what
         the placement learnt before a re-plan) when given.
         Adaptive placement's slots are filled now, best-scored experts first (lowest ids where nothing is known
         yet): left empty, they would fill one swap at a time within the swap allowance, ~100 decode steps for
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file chooses its
-        residents from the routing its opening counts and copies them in at safe points (StaticPlacement); a re-plan
-        keeps its counts (`scores`; not a popularity file's, taken off), and its layers past their opening choose for
-        the new slots at once."""
+        residents from the routing its opening counts and copies them in at safe points (StaticPlacement), as it does
+        in a layer the file leaves out; a re-plan keeps the counts it measured (`scores`; not a popularity file's,
+        taken off), and its layers past their opening choose for the new slots at once."""
         before = getattr(self, "policy", None)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
             # (static placement's counts, where the placement changed, scaled as a popularity file's are)
             self.policy.scores = scores if isinstance(before, AdaptivePlacement) else adaptive_scores(scores)
-        elif (scores is not None and popularity is None and isinstance(before, StaticPlacement) and not before.from_file
-              and isinstance(self.policy, StaticPlacement) and len(scores) == len(self.policy.scores)):
-            self.policy.scores, self.policy.counted = scores, list(before.counted)
+        elif (scores is not None and isinstance(before, StaticPlacement) and isinstance(self.policy, StaticPlacement)
+              and len(scores) == len(self.policy.scores)):
+            for index, from_file in enumerate(self.policy.from_file):  # the layers it measured, measured still
+                if not from_file and not before.from_file[index]:
+                    self.policy.scores[index], self.policy.counted[index] = scores[index], before.counted[index]
         self._weigh_miss_slots()
         self._steps = 0  # safe points (end_step) since the placement was made: the miss slots are weighed again
         if popularity is not None or self.config.placement == "adaptive":
@@ -541,12 +564,21 @@ class OffloadEngine:
             self._apply(self._fill_all())
             self._apply(self.policy.rebalance())
 
-    def _popularity(self, config: OffloadConfig) -> tuple[list[np.ndarray] | None, str | None]:
+    def _popularity(self, config: OffloadConfig) -> tuple[list[np.ndarray | None] | None, str | None]:
         """The popularity file's counts and SHA-256 (read_popularity); (None, None) where none is set."""
         if not config.popularity_file:
             return None, None
         return read_popularity(config.popularity_file, [i.name for i in self.infos],
                                [i.spec.num_experts for i in self.infos])
+
+    def _say_popularity(self, config: OffloadConfig, popularity: list[np.ndarray | None] | None) -> None:
+        """The plan says which expert nodes the popularity file leaves out, where it does (popularity_statement) and
+        experts are placed (not where every one is resident)."""
+        if popularity is None or self.plan.placement_mode != "hybrid":
+            return
+        said = popularity_statement(config.popularity_file, popularity, [i.name for i in self.infos], config.placement)
+        if said:
+            self.plan.statements.append(said)
 
     def _weigh_miss_slots(self) -> None:
         """Per layer, the slots placement leaves to the miss policy's copies (miss_policy.miss_slots, placement.py),
@@ -841,6 +873,7 @@ class OffloadEngine:
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(popularity, old_scores)
+        self._say_popularity(config, popularity)
         self.popularity_sha256 = digest  # the file's bytes that placed the residents (a run's record keeps it)
         if edited:
             self.plan.statements.append(f"{config.popularity_file} changed since it was read: its new counts placed "

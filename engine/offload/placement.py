@@ -188,8 +188,9 @@ OPENING_PAIRS_PER_EXPERT = 8
 class StaticPlacement(PlacementPolicy):
     """Residents chosen once from popularity (counts per layer × expert); never moved once in.
 
-    With a popularity file its counts choose them at once (initial(), at load). Without one, the layer's opening
-    counts what routing chooses, prefill and decode alike, until OPENING_PAIRS_PER_EXPERT routed pairs per expert;
+    With a popularity file its counts choose them at once (initial(), at load). Without one (or in a layer the file
+    leaves out), the layer's opening counts what routing chooses, prefill and decode alike, until
+    OPENING_PAIRS_PER_EXPERT routed pairs per expert;
     at the safe point that ends it, the layer's best-counted experts (one per slot, counted at least once, the lowest
     id first on ties; every expert where there is a slot for each) are chosen. Until a layer has chosen, every slot is
     spare for the miss policy's copies. Then, at safe points, rebalance copies the chosen experts in, best first, into
@@ -197,11 +198,13 @@ class StaticPlacement(PlacementPolicy):
     swaps; a chosen expert already in a slot as a copied miss stays where it is, as its own. Once in, they never move
     (the miss policy copies into slots static placement left empty or holds no chosen expert in)."""
 
-    def __init__(self, layers: list[LayerSlots], popularity: list[np.ndarray] | None = None):
+    def __init__(self, layers: list[LayerSlots], popularity: list[np.ndarray | None] | None = None):
         super().__init__(layers)
-        self.from_file = popularity is not None  # (its scores are the file's counts, the routing since added)
-        if popularity is not None:
-            for index, counts in enumerate(popularity):
+        # per layer: placed from the popularity file (its scores the file's counts, the routing since added); a layer
+        # the file leaves out (None) is measured by its opening, as without a file
+        self.from_file = [popularity is not None and popularity[index] is not None for index in range(len(layers))]
+        for index, counts in enumerate(popularity or ()):
+            if counts is not None:
                 self.scores[index] = np.asarray(counts, dtype=np.float64).copy()
         self.chosen: list[np.ndarray | None] = [None] * len(layers)  # per layer: a bool per expert, once chosen
         self.counted = [0.0] * len(layers)  # per layer: the routed pairs observed (enough end its opening)
@@ -236,7 +239,7 @@ class StaticPlacement(PlacementPolicy):
                    for chosen, layer in zip(self.chosen, self.layers) if chosen is not None)
 
     def choose(self) -> None:
-        """End every layer's opening now: its residents chosen from the counts so far (initial(), traces.replay)."""
+        """End every layer's opening now: its residents chosen from the counts so far (traces.replay)."""
         for index in range(len(self.layers)):
             if self.chosen[index] is None:
                 self._choose(index)
@@ -251,8 +254,11 @@ class StaticPlacement(PlacementPolicy):
         self._settled = None
 
     def initial(self) -> list[Swap]:
-        """Choose now (a popularity file's counts) and copy the chosen experts in, without a limit."""
-        self.choose()
+        """The layers placed from the popularity file choose now; the chosen experts are copied in, without a limit
+        (the layers the file leaves out keep their opening)."""
+        for index, from_file in enumerate(self.from_file):
+            if from_file and self.chosen[index] is None:
+                self._choose(index)
         return self.rebalance()
 
     def rebalance(self, limit: int | None = None) -> list[Swap]:
@@ -663,14 +669,16 @@ def _rebalance_layers(scores, slot_of, expert_in, wanted, first, limit, margin, 
     return made, watched
 
 
-def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray] | None = None) -> PlacementPolicy:
+def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray | None] | None = None
+                ) -> PlacementPolicy:
     if name == "static":
         return StaticPlacement(layers, popularity)
     if name == "adaptive":
         policy = AdaptivePlacement(layers, judge=SwapJudge([layer.num_experts for layer in layers]))
-        if popularity is not None:
-            for index, scores in enumerate(adaptive_scores(popularity)):
-                policy.scores[index] = scores
+        if popularity is not None:  # (a node the file leaves out starts from no counts)
+            for index, counts in enumerate(popularity):
+                if counts is not None:
+                    policy.scores[index] = adaptive_scores([counts])[0]
         return policy
     raise ValueError(f"unknown placement '{name}'")
 
