@@ -887,6 +887,33 @@ def test_where_everything_landed_counts_the_host_tiers_device_mappings_as_the_de
     assert held >= 2 << 20 and f"(expert slots {human_bytes(held)}, " in landed
 
 
+def test_where_everything_landed_counts_the_slots_a_popularity_file_leaves_empty_as_left_to_copies(tmp_path):
+    """A popularity file that counts fewer experts than a layer has slots: static placement chooses only counted
+    experts, leaving the other slots to copied misses, yet 'where everything landed' said 'Experts resident per layer:
+    3 of 8' with one resident a layer."""
+    import json
+    from types import SimpleNamespace
+
+    from app.gui.engine_worker import EngineWorker
+    from engine.generation import LoadedModel
+    from engine.offload import SimulatedDevice
+
+    folder = ModelFolder.open(fixture_folder("gptoss"))
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({info.name: [0, 0, 7, 0, 0, 0, 0, 0] for info in folder.experts}))
+    device = SimulatedDevice(1 << 30)
+    overrides = ";".join(f"{info.name}:max_resident_slots=3" for info in folder.experts)
+    model = LoadedModel.open(fixture_folder("gptoss"), device=device,
+                             offload=OffloadConfig.from_entries({"session.moe.offload.placement": "static",
+                                                                 "session.moe.offload.popularity_file": str(path),
+                                                                 "session.moe.offload.node_overrides": overrides}))
+    assert [layer.resident().tolist() for layer in model.offload.slots] == [[2], [2]]
+    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device)
+    landed = " ".join(EngineWorker._landed(worker, []))
+    assert ("Expert slots per layer: 3 of 8 in every layer (2 layers): 1 resident expert, 2 left for copied misses."
+            in landed), landed
+
+
 def test_streaming_slots_are_estimated_in_what_the_resident_slots_leave():
     """qwen35moe on a device of six slots, 3.5 slots of budget and a pinned ring of three experts: the prefill ring
     takes two slots' worth, the plan three resident slots, and one streaming slot fits in what is left. The estimate

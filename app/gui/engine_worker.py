@@ -36,6 +36,7 @@ from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import cuda_device_or_cpu
 from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
+from engine.offload.placement import StaticPlacement
 from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
 from engine.reasoning import reasoning_choices
 from engine.sampling import beam_search_note, describe, model_sampling
@@ -52,6 +53,15 @@ class LoadCancelled(WorkbenchError):
 
 def _needs_reload(old, new) -> list[str]:
     return [name for name in ("gpu_device_mem_limit",) if getattr(old, name) != getattr(new, name)]
+
+
+def slots_left_to_copies(offload) -> list[int]:
+    """Per layer, the slots placement leaves to copied misses: adaptive placement's miss slots, or those static
+    placement's choice leaves (a popularity file or an opening that counted fewer experts than the layer has slots)."""
+    policy = offload.policy
+    if isinstance(policy, StaticPlacement):
+        return [policy.unchosen_slots(index) for index in range(len(offload.slots))]
+    return list(policy.miss_slots)
 
 
 class EngineWorker(QObject):
@@ -250,7 +260,7 @@ class EngineWorker(QObject):
         model, facts, offload = self._model, self._loaded_facts, self._model.offload
         self._landed_whole = offload.whole_layers
         self._landed_path = offload.decode_path_in_force
-        self._landed_miss = list(offload.policy.miss_slots)
+        self._landed_miss = slots_left_to_copies(offload)
         lines = list(notes)
         per_layer = [(info.model_layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]
@@ -262,7 +272,7 @@ class EngineWorker(QObject):
         if self._device is not None:
             # adaptive placement leaves some slots to copied misses: the residents are fewer than the slots there;
             # static placement's opening leaves them all to copies until it places its residents
-            miss = list(offload.policy.miss_slots)
+            miss = self._landed_miss
             lines.append(f"{'Expert slots' if any(miss) or opening else 'Experts resident'} per layer: "
                          f"{layer_summary(per_layer, miss)}.")
             if opening:
@@ -434,7 +444,7 @@ class EngineWorker(QObject):
             self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
                                  "by_engine": "Measured faster: cold experts are now "
                                               + PATH_WORDS[offload.decode_path_in_force]})
-        elif (list(offload.policy.miss_slots) != self._landed_miss  # the copies' measured worth moved the split
+        elif (slots_left_to_copies(offload) != self._landed_miss  # the copies' measured worth moved the split
               or getattr(offload.policy, "opening", False) != self._landed_opening):  # static placement chose
             self.landedChanged.emit(self._landed([]))
         stats = offload.stats

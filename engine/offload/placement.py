@@ -233,6 +233,12 @@ class StaticPlacement(PlacementPolicy):
             return 0.0
         return max(0.0, OPENING_PAIRS_PER_EXPERT * slots.num_experts - self.counted[layer])
 
+    def unchosen_slots(self, layer: int) -> int:
+        """The layer's slots its choice leaves to copied misses, where it counted fewer experts than it has slots (0
+        before it has chosen)."""
+        chosen = self.chosen[layer]
+        return 0 if chosen is None else max(0, self.layers[layer].num_slots - int(np.count_nonzero(chosen)))
+
     def to_place(self) -> int:
         """The chosen experts not yet copied in, over the layers."""
         return sum(int(np.count_nonzero(chosen & (layer.slot_of < 0)))
