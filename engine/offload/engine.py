@@ -544,7 +544,8 @@ class OffloadEngine:
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file chooses its
         residents from the routing its opening counts and copies them in at safe points (StaticPlacement), as it does
         in a layer the file leaves out; a re-plan keeps the counts it measured (`scores`; not a popularity file's,
-        taken off), and its layers past their opening choose for the new slots at once."""
+        taken off), and its layers past their opening choose for the new slots at once (those whose slots it keeps
+        keep their choice)."""
         before = getattr(self, "policy", None)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
@@ -555,6 +556,10 @@ class OffloadEngine:
             for index, from_file in enumerate(self.policy.from_file):  # the layers it measured, measured still
                 if not from_file and not before.from_file[index]:
                     self.policy.scores[index], self.policy.counted[index] = scores[index], before.counted[index]
+                    if before.chosen[index] is not None and before.chosen_for[index] == self.slots[index].num_slots:
+                        # its slots kept: its residents stay (they never move), not chosen again from the counts since
+                        self.policy.chosen[index] = before.chosen[index]
+                        self.policy.chosen_for[index] = before.chosen_for[index]
         self._weigh_miss_slots()
         self._steps = 0  # safe points (end_step) since the placement was made: the miss slots are weighed again
         if popularity is not None or self.config.placement == "adaptive":

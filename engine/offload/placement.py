@@ -207,6 +207,7 @@ class StaticPlacement(PlacementPolicy):
             if counts is not None:
                 self.scores[index] = np.asarray(counts, dtype=np.float64).copy()
         self.chosen: list[np.ndarray | None] = [None] * len(layers)  # per layer: a bool per expert, once chosen
+        self.chosen_for = [0] * len(layers)  # per layer: the slots it had when it chose (a re-plan keeps the choice)
         self.counted = [0.0] * len(layers)  # per layer: the routed pairs observed (enough end its opening)
         self._each = [np.ones(layer.num_experts) for layer in layers]  # _observe's watch: it returns the pairs
         # every layer chose and its chosen experts are in, while these are the layers' expert_in arrays (only a resize,
@@ -256,7 +257,7 @@ class StaticPlacement(PlacementPolicy):
         # a slot for every expert: every one, counted or not (the layer then routes on the device: all_resident)
         chosen = np.full(scores.size, wanted >= scores.size)
         chosen[best[scores[best] > 0]] = True
-        self.chosen[layer] = chosen
+        self.chosen[layer], self.chosen_for[layer] = chosen, self.layers[layer].num_slots
         self._settled = None
 
     def initial(self) -> list[Swap]:
