@@ -914,6 +914,36 @@ def test_where_everything_landed_counts_the_slots_a_popularity_file_leaves_empty
             in landed), landed
 
 
+def test_where_everything_landed_says_static_placement_measures_only_the_layers_the_popularity_file_leaves_out(
+        tmp_path):
+    """A popularity file that names one of two expert nodes: the other is measured by static placement's opening, and
+    where everything landed said it would then copy 'the experts routed most in each layer' into its slots, the
+    file's layer too, whose residents the file placed at load."""
+    import json
+    from types import SimpleNamespace
+
+    from app.gui.engine_worker import EngineWorker
+    from engine.generation import LoadedModel
+    from engine.offload import SimulatedDevice
+
+    folder = ModelFolder.open(fixture_folder("gptoss"))
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({folder.experts[0].name: [0, 0, 7, 5, 3, 0, 0, 0]}))
+    device = SimulatedDevice(1 << 30)
+    overrides = ";".join(f"{info.name}:max_resident_slots=3" for info in folder.experts)
+    model = LoadedModel.open(fixture_folder("gptoss"), device=device,
+                             offload=OffloadConfig.from_entries({"session.moe.offload.placement": "static",
+                                                                 "session.moe.offload.popularity_file": str(path),
+                                                                 "session.moe.offload.node_overrides": overrides}))
+    assert [layer.resident().tolist() for layer in model.offload.slots] == [[2, 3, 4], []]
+    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device)
+    landed = " ".join(EngineWorker._landed(worker, []))
+    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
+            "the popularity file leaves out into its slots for good (copied misses use them meanwhile).") in landed
+    assert (f"{path} counts 1 of 2 expert nodes ('/model/layers.0/moe/QMoE'); static placement measures the other 1 "
+            "over its opening ('/model/layers.1/moe/QMoE').") in landed
+
+
 def test_streaming_slots_are_estimated_in_what_the_resident_slots_leave():
     """qwen35moe on a device of six slots, 3.5 slots of budget and a pinned ring of three experts: the prefill ring
     takes two slots' worth, the plan three resident slots, and one streaming slot fits in what is left. The estimate

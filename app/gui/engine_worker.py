@@ -275,9 +275,10 @@ class EngineWorker(QObject):
             miss = self._landed_miss
             lines.append(f"{'Expert slots' if any(miss) or opening else 'Experts resident'} per layer: "
                          f"{layer_summary(per_layer, miss)}.")
-            if opening:
+            if opening:  # (with a popularity file, in the layers it leaves out: the plan names them)
+                layers = "each layer the popularity file leaves out" if offload.config.popularity_file else "each layer"
                 lines.append(f"Static placement counts routing for {counted(opening, 'more token')}, then copies "
-                             f"the experts routed most in each layer into its slots for good (copied misses use them "
+                             f"the experts routed most in {layers} into its slots for good (copied misses use them "
                              f"meanwhile).")
             memory = self._device.memory
             slots = offload.plan.device_bytes(offload.infos, offload.host_tier)
