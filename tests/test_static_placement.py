@@ -321,3 +321,23 @@ def test_a_replan_that_keeps_a_layers_slots_keeps_its_chosen_residents(model_fol
     assert resident_sets(engine) == placed
     greedy_run(model, "Hi", 4)
     assert resident_sets(engine) == placed
+
+
+def test_a_popularity_file_set_later_leaves_the_layers_it_leaves_out_as_measured(model_folder, slot_bytes, tmp_path):
+    """A popularity file naming one node, set on a model whose static placement had measured its opening: every
+    layer's slots were emptied and its counts dropped, so the layers the file leaves out measured a new opening with
+    empty slots. Those layers now keep their counts and their residents; the file's layer takes the file's."""
+    import json
+
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    greedy_run(model, LONG_PROMPT, 0)
+    greedy_run(model, "Hi", 4)
+    placed = resident_sets(engine)
+    names = [info.name for info in engine.infos]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({names[0]: [0] * 12 + [1000] * 4}))
+    engine.reconfigure(engine.config.updated(popularity_file=str(path)))
+    assert not engine.policy.opening
+    assert resident_sets(engine) == [{12, 13, 14, 15}] + placed[1:]

@@ -867,9 +867,13 @@ class OffloadEngine:
                   and digest != self.popularity_sha256)
         placed_anew = bool(config.popularity_file) and (config.popularity_file != self.config.popularity_file or edited
                                                          or config.placement != self.config.placement)
-        old_scores = None if placed_anew else self.policy.scores
+        # (static placement keeps what it measured in the layers the file leaves out: _make_policy)
+        static = config.placement == "static"
+        old_scores = None if placed_anew and not static else self.policy.scores
         if placed_anew:
-            for layer in self.slots:  # emptied: _make_policy fills them from the file
+            for index, layer in enumerate(self.slots):  # emptied: _make_policy fills them from the file
+                if static and popularity[index] is None:
+                    continue
                 slots = layer.num_slots
                 layer.resize(0)
                 layer.resize(slots)
