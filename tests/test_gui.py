@@ -686,6 +686,31 @@ def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to
     assert "kept for copies" not in placement.summary.text()
 
 
+def test_the_placement_view_counts_the_slots_a_popularity_file_leaves_empty_under_static_placement(qtbot, window,
+                                                                                                   tmp_path):
+    """Static placement from a popularity file that counts one expert a layer, with 3 slots a layer: the other 2 are
+    left to copied misses, as where everything landed says; the placement view's summary said '2 of 16 experts
+    resident' (copies filling them later counted as residents too) and the budget panel '3 of 8 in every layer'."""
+    import json
+
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({name: [0, 0, 7, 0, 0, 0, 0, 0] for name in ("/model/layers.0/moe/QMoE",
+                                                                             "/model/layers.1/moe/QMoE")}))
+    load(qtbot, window, fixture_folder("gptoss"),
+         {"device": {"kind": "simulated", "capacity": 8 << 30},
+          "entries": {"device_expert_bytes": str(6 * slot()), "placement": "static", "popularity_file": str(path)}})
+    offload = window.worker._model.offload
+    assert [layer.resident().tolist() for layer in offload.slots] == [[2], [2]]
+    placement = window.placement
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: placement.updates > 0)
+    assert placement.summary.text().startswith("2 of 16 experts on the device, in 6 slots: 2 resident experts, "
+                                               "4 left for copied misses"), placement.summary.text()
+    qtbot.waitUntil(lambda: "copied misses" in window.budget_panel.layer_text.text())
+    assert window.budget_panel.layer_text.text() == ("<b>6 expert slots</b> for 16 experts: 3 of 8 in every layer "
+                                                     "(2 layers): 1 resident expert, 2 left for copied misses")
+
+
 def test_the_budget_estimate_of_the_settings_in_force_counts_the_slots_the_engine_leaves_to_copied_misses(
         qtbot, window, monkeypatch):
     """Loaded, the budget panel's estimate of the settings in force says each layer's slots, the resident experts and

@@ -490,6 +490,7 @@ class EngineWorker(QObject):
             "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],
             "pinned": offload.pinned_info(), "wave_experts": offload.wave_experts,
             "copies": offload.copy_state(), "device_memory": self._simulated_memory(),
+            "left_to_copies": slots_left_to_copies(offload),  # (adaptive's miss slots, or static's unchosen slots)
             "own_device_bytes": own_device_bytes(self._model, self._device),
         })
 

@@ -272,11 +272,12 @@ def split_text(split: dict) -> str:
 
 
 def slots_text(data: dict) -> str:
-    """'4 of 16 experts resident', or where adaptive placement leaves slots to copied misses, the experts the heatmap
-    shows on the device and the slots they are in, summed over the layers as the engine holds them: '6 of 16 experts
-    on the device, in 6 slots: 4 resident experts, 2 left for copied misses' (copies then fill those 2)."""
+    """'4 of 16 experts resident', or where placement leaves slots to copied misses (adaptive placement's miss slots,
+    static placement's slots its choice left: engine_worker.slots_left_to_copies), the experts the heatmap shows on
+    the device and the slots they are in, summed over the layers as the engine holds them: '6 of 16 experts on the
+    device, in 6 slots: 4 resident experts, 2 left for copied misses' (copies then fill those 2)."""
     on_device, total = int(data["resident"].sum()), int(data["valid"].sum())
-    miss = sum((data.get("copies") or {}).get("miss_slots") or [])
+    miss = sum(data.get("left_to_copies") or [])
     if not miss:
         return f"{on_device} of {total} experts resident"
     slots = sum(data["slots"])
