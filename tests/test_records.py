@@ -1165,6 +1165,23 @@ def test_a_sweep_points_trials_end_on_a_model_whose_context_is_shorter_than_they
     assert max(lengths) == 24 and lengths.count(lengths[0]) >= 3  # new conversations, each from the prompt
 
 
+def test_a_sweep_points_settle_waits_for_static_placement_to_place_its_residents():
+    """Static placement without a popularity file leaves its slots to copied misses until its opening has counted
+    routing, then copies its choice in: a sweep point's settle (and a side-by-side's, bench_offload's warm-up) did not
+    wait for it, so on a model loaded afresh the point's recorded answers timed the opening's copies, not static
+    placement. trials_pending holds until every layer has chosen and its residents are in."""
+    import engine.records.sweep as sweep
+
+    model = LoadedModel.open(fixture_folder("gptoss"), device=SimulatedDevice(1 << 30), decode_path="cpu",
+                             offload=OffloadConfig(placement="static"))
+    model.offload.reconfigure(model.offload.config.updated(
+        device_expert_bytes=all_resident_bytes(model.offload.infos) // 2))
+    policy = model.offload.policy
+    assert policy.opening and model.offload.trials_pending
+    steps = sweep.settle(model)
+    assert steps > 0 and not policy.opening and policy.to_place() == 0 and not model.offload.trials_pending
+
+
 def test_a_sweep_points_settle_on_a_one_token_context_ends(monkeypatch):
     """Every forward is a new conversation's prompt there: no decode step, and the forwards bounded all the same."""
     import dataclasses
