@@ -173,14 +173,17 @@ def test_the_engine_says_how_long_the_opening_counts_and_what_is_left_to_copy_in
     model, _device = open_model(model_folder, FAST_PCIE, placement="static",
                                 device_expert_bytes=4 * SPEC.layers * slot_bytes)
     engine = model.offload
-    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0}
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0,
+                                                       "unchosen_slots": [0] * SPEC.layers}
     greedy_run(model, "Hi", 4)
     state = model.offload.stats_dict()["static_placement"]
     assert state["opening_tokens_left"] == 32 - len(model.tokenizer.encode("Hi")) - 4 and state["to_place"] == 0
     greedy_run(model, LONG_PROMPT, 0)
-    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": engine.policy.to_place()}
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": engine.policy.to_place(),
+                                                       "unchosen_slots": [0] * SPEC.layers}
     greedy_run(model, "Hi", 4)
-    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0}
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0,
+                                                       "unchosen_slots": [0] * SPEC.layers}
     engine.reconfigure(engine.config.updated(placement="adaptive"))
     assert engine.copy_state()["static_placement"] is None
 
@@ -198,7 +201,8 @@ def test_layers_with_nothing_to_choose_have_no_opening(model_folder, slot_bytes)
     model = LoadedModel.open(model_folder, offload=config, device=SimulatedDevice(1 << 30))
     engine = model.offload
     assert [layer.num_slots for layer in engine.slots] == [16, 3, 0]
-    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0}  # the middle layer's
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0,  # the middle layer's
+                                                       "unchosen_slots": [0, 0, 0]}
     greedy_run(model, LONG_PROMPT, 0)
     opening = routed_counts(engine)
     greedy_run(model, "Hi", 4)
@@ -206,7 +210,8 @@ def test_layers_with_nothing_to_choose_have_no_opening(model_folder, slot_bytes)
     model = LoadedModel.open(model_folder, offload=OffloadConfig(placement="static", device_expert_bytes=None),
                              device=SimulatedDevice(1 << 30))
     assert model.offload.plan.placement_mode == "all_resident"
-    assert model.offload.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0}
+    assert model.offload.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0,
+                                                              "unchosen_slots": [0] * SPEC.layers}
     assert not model.offload.policy.opening
 
 
@@ -341,3 +346,19 @@ def test_a_popularity_file_set_later_leaves_the_layers_it_leaves_out_as_measured
     engine.reconfigure(engine.config.updated(popularity_file=str(path)))
     assert not engine.policy.opening
     assert resident_sets(engine) == [{12, 13, 14, 15}] + placed[1:]
+
+
+def test_records_and_json_say_which_slots_static_placement_leaves_to_copies(model_folder, slot_bytes, tmp_path):
+    """copy_state (records, --json) said adaptive placement's miss slots ([0, 0, 0] under static placement) and nothing
+    of the slots static placement leaves to copied misses where a popularity file counts fewer experts than a layer has
+    slots: a record's hit rate read as static placement's own. static_placement's unchosen_slots says them per layer
+    (none before a layer has chosen)."""
+    import json
+
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({names[0]: [0] * 15 + [3], names[1]: [1] * 16}))
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static", popularity_file=str(path),
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    state = model.offload.stats_dict()["static_placement"]
+    assert state["unchosen_slots"] == [3, 0, 0] and state["opening_tokens_left"] == 32

@@ -401,12 +401,15 @@ class OffloadEngine:
     def _static_state(self) -> dict | None:
         """Under static placement (StaticPlacement): the tokens its opening still counts before every layer has chosen
         its residents (0 once all have; a layer's pairs left over its top-k), and the chosen experts not yet copied in
-        (at safe points, within the swap allowance). None under adaptive placement."""
+        (at safe points, within the swap allowance); per layer, the slots its choice leaves to copied misses (a
+        popularity file or an opening that counted fewer experts than the layer has slots; 0 before the layer has
+        chosen). None under adaptive placement."""
         policy = self.policy
         if not isinstance(policy, StaticPlacement):
             return None
         tokens = [math.ceil(policy.opening_left(index) / info.spec.k) for index, info in enumerate(self.infos)]
-        return {"opening_tokens_left": max(tokens, default=0), "to_place": policy.to_place()}
+        return {"opening_tokens_left": max(tokens, default=0), "to_place": policy.to_place(),
+                "unchosen_slots": [policy.unchosen_slots(index) for index in range(len(self.slots))]}
 
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
