@@ -885,12 +885,15 @@ def test_cuda_decode_path_both_with_the_dense_part_on_the_gpu(monkeypatch, tmp_p
     cpu, gpu = offloaded_on_cuda(tmp_path, spec, fraction)
     gpu.offload.set_decode_path("both")
     gpu.offload.cold_split_table = lambda layer: np.array([0, 1, 1])  # a share for the CPU whatever the rates (k 2)
+    # whole pairs: a pair split by rows counts as the CPU's, and the GPU's one pair of two cold would then be read by
+    # no step where the rates' rows split it
+    gpu.offload.cold_split_rows = lambda layer: None
     launches = []
     real_launch = CudaSlots.launch_split
 
-    def launch_spy(self, x, logits, router_weights, cpu_take):
+    def launch_spy(self, x, logits, router_weights, cpu_take, split_rows=None):
         launches.append(self.name)
-        return real_launch(self, x, logits, router_weights, cpu_take)
+        return real_launch(self, x, logits, router_weights, cpu_take, split_rows)
 
     monkeypatch.setattr(CudaSlots, "launch_split", launch_spy)
     lates = []  # per forward without the worker: whether a gate came late (what makes the step run again)
