@@ -1435,8 +1435,9 @@ def test_a_stopped_sweep_says_whether_the_device_still_holds_the_models_own_budg
 
 
 def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, tmp_path):
-    """The window's recommendation, as the command line's, takes the smaller of two budgets whose median completion
-    times differ by less than their repeats' spreads, and says it is a tie and why, not only the margin."""
+    """The window's recommendation, as the command line's, takes the one holding less on the device of two budgets whose
+    median completion times differ by less than their repeats' spreads, and says it is a tie and why, not only the
+    margin."""
     from app.gui.records_jobs import SweepResult
     from app.gui.sweep_view import SweepView
     from tests.test_records import _repeated_point
@@ -1447,7 +1448,7 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     view.on_finished(SweepResult([none, all_resident], requested=2, model_folder="m", base_entries={}))
     assert view.recommended is none
     assert ("A tie with the fastest, at 100%: they differ by less than their spreads between repeats (±0.05 s and "
-            "±0.15 s), and the smaller budget holds less on the device.") in view.summary.text()
+            "±0.15 s), and it holds less on the device (device peak 0 B against 300 B).") in view.summary.text()
     # a configuration saved from it says so (it said "within 10% of the fastest": 1.25 s is 14% above 1.1 s)
     view.configurations_path = tmp_path / "configurations.json"
     view.save("tied")

@@ -77,7 +77,8 @@ def intro_text(repeats: int) -> str:
     runs = "once" if repeats == 1 else f"{repeats} times"
     within = "" if repeats == 1 else ", or within the spread between their repeats"
     return (f"Runs the scenarios {runs} at each budget on the loaded model (it needs a simulated or CUDA device) and "
-            f"recommends the smallest budget whose median completion is within the margin of the fastest{within}.")
+            f"recommends, of the budgets whose median completion is within the margin of the fastest{within}, the one "
+            "with the least device memory peak.")
 
 
 class SweepLength(QSpinBox):
@@ -129,7 +130,8 @@ class SweepView(QWidget):
         self.length_note.hide()
         self.margin = QDoubleSpinBox(minimum=0.0, maximum=100.0, value=10.0, suffix=" %", decimals=1, singleStep=1.0)
         self.margin.setAccessibleName("Margin")
-        self.margin.setToolTip("Recommend the smallest budget whose completion time is within this much of the fastest")
+        self.margin.setToolTip("Of the budgets whose completion time is within this much of the fastest, recommend the "
+                               "one with the least device memory peak (of equal peaks the smaller budget)")
         self.both_splits = QCheckBox("Both layer splits")
         self.both_splits.setToolTip("At every budget that holds some but not all layers whole, run the budget spread over "
                                     "every layer and on whole layers (squares), and recommend across both: the "

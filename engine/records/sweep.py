@@ -1,7 +1,7 @@
 """Budget sweeps: run the scenarios at several expert budgets on one loaded model (re-planned,
-not reloaded) and recommend the smallest budget within a margin of the best. With `splits`, each budget
-that holds some but not all expert layers whole is run with the budget spread over every layer and on whole
-layers (engine/offload/layer_split.py), fixed for the point.
+not reloaded) and recommend, of the points within a margin of the best, the one with the least device peak. With
+`splits`, each budget that holds some but not all expert layers whole is run with the budget spread over every layer
+and on whole layers (engine/offload/layer_split.py), fixed for the point.
 
 After each re-plan the engine tries its ways (the decode path, the CPU's share under "both", the layer split:
 trials.py) for up to ~150 decode steps, more than a sweep's answers give: a point's answers would time the ways tried,
@@ -430,13 +430,17 @@ def device_parts_line(points: list[SweepPoint]) -> str:
 
 @dataclass
 class Recommendation:
-    """The recommended point, the fastest, and why: within the margin of the fastest's completion time, or a tie
-    with it (their medians no further apart than their spreads between repeats together)."""
+    """The recommended point, the fastest, and why: of the points within the margin of the fastest's completion time,
+    or tied with it (their medians no further apart than their spreads between repeats together), the one whose
+    device peak is the least."""
     point: SweepPoint
     fastest: SweepPoint
     margin: float
     projected: bool  # compared by the completion times projected for the simulated card
     tie: bool  # the recommended point is not the fastest, and the repeats cannot tell them apart
+    # the points with a smaller budget than the recommended one that were within the margin or tied, each holding more
+    # on the device (the host tier's granule-rounded mappings, whole layers)
+    passed_over: list[SweepPoint] = field(default_factory=list)
 
     def seconds(self, point: SweepPoint) -> float:
         return point.projected_completion_s if self.projected else point.completion_s
@@ -455,34 +459,52 @@ class Recommendation:
 
     @property
     def tie_reason(self) -> str:
-        return (f"they differ by less than their spreads between repeats (±{self.point.spread_s(self.projected):.2g} s "
-                f"and ±{self.fastest.spread_s(self.projected):.2g} s), and the smaller budget holds less on the device")
+        best, fastest = self.point, self.fastest
+        if best.peak_device_bytes < fastest.peak_device_bytes:
+            holds = (f"it holds less on the device (device peak {human_bytes(best.peak_device_bytes)} against "
+                     f"{human_bytes(fastest.peak_device_bytes)})")
+        else:  # recommendation() prefers the fastest where everything else is equal
+            holds = f"it holds as much on the device ({human_bytes(best.peak_device_bytes)}) on a smaller budget"
+        return (f"they differ by less than their spreads between repeats (±{best.spread_s(self.projected):.2g} s "
+                f"and ±{fastest.spread_s(self.projected):.2g} s), and {holds}")
 
     def line(self) -> str:
-        """The rule, one line: which point, by which time, against which fastest point, the times in four figures
-        (the table's 0.04s and 0.05s may be 0.0449 and 0.0451) and the repeats' spreads where they decided."""
+        """The rule, one line: which point, its device peak, by which time against which fastest point, the times in
+        four figures (the table's 0.04s and 0.05s may be 0.0449 and 0.0451), the repeats' spreads where they decided,
+        and the smaller budgets passed over for holding more."""
         best, fastest = self.point, self.fastest
         split = f" {best.split}" if best.split else ""
-        said = (f"recommended: {best.budget_bytes} bytes ({best.fraction:.0%}{split}), the smallest budget whose "
-                f"{'projected ' * self.projected}completion time ({self.seconds(best):.4g} s) ")
+        said = (f"recommended: {best.budget_bytes} bytes ({best.fraction:.0%}{split}), the least device peak "
+                f"({human_bytes(best.peak_device_bytes)}) of the points whose {'projected ' * self.projected}"
+                f"completion time is within {self.margin * 100:g}% of the fastest or ties with it: ")
         at = f"{fastest.fraction:.0%}" + (f" {fastest.split}" if fastest.split else "")
         against = f"the fastest ({self.seconds(fastest):.4g} s, at {at})"
-        if self.within_margin:
-            said += f"is within {self.margin * 100:g}% of {against}"
+        if best is fastest:
+            said += f"itself the fastest ({self.seconds(best):.4g} s)"
+        elif self.within_margin:
+            said += f"{self.seconds(best):.4g} s, within {self.margin * 100:g}% of {against}"
         else:
-            said += f"ties with {against}"
+            said += f"{self.seconds(best):.4g} s, tied with {against}"
         if self.tie:
             said += f"{'; a tie' if self.within_margin else ''}: {self.tie_reason}"
+        if self.passed_over:
+            said += ("; smaller budgets among them hold more on the device (" + ", ".join(
+                f"{p.fraction:.0%}{f' {p.split}' if p.split else ''}: {human_bytes(p.peak_device_bytes)}"
+                for p in self.passed_over) + ")")
         if best.repeats > 1:
             said += f"; each time the median of {best.repeats} repeats"
         return said
 
 
 def recommendation(points: list[SweepPoint], margin: float = 0.10) -> Recommendation:
-    """The smallest budget whose completion time (the median of its repeats) is within `margin` of the fastest
-    point's, or ties with it: the two no further apart than their spreads between repeats (SweepPoint.spread_s)
-    together, where the repeats cannot tell them apart. Of one budget's splits, the faster. On a simulated device
-    (every point projected) the projected completion times for the simulated card are compared."""
+    """Of the points whose completion time (the median of its repeats) is within `margin` of the fastest point's, or
+    ties with it (the two no further apart than their spreads between repeats, SweepPoint.spread_s, together: the
+    repeats cannot tell them apart), the one with the least device peak: what leaves the device most free for other
+    work at nearly the best speed. Of equal peaks the smaller budget, then the faster (of one budget's splits), then
+    the fastest point itself. The peak, not the budget: with the host tier each slot array maps a whole granule, slots
+    or none, and on whole layers a budget's unused rest is not held, so a smaller budget can hold more on the device.
+    On a simulated device (every point projected) the projected completion times for the simulated card are
+    compared."""
     projected = uses_projection(points)
 
     def seconds(point: SweepPoint) -> float:
@@ -494,8 +516,11 @@ def recommendation(points: list[SweepPoint], margin: float = 0.10) -> Recommenda
     fastest = min(points, key=lambda point: (seconds(point), point.budget_bytes))
     eligible = [point for point in points
                 if seconds(point) <= seconds(fastest) * (1 + margin) or ties(point, fastest)]
-    best = min(eligible, key=lambda point: (point.budget_bytes, seconds(point)))  # of one budget's splits, the faster
-    return Recommendation(best, fastest, margin, projected, tie=best is not fastest and ties(best, fastest))
+    best = min(eligible, key=lambda point: (point.peak_device_bytes, point.budget_bytes, seconds(point),
+                                            point is not fastest))
+    passed_over = [point for point in eligible if point.budget_bytes < best.budget_bytes]
+    return Recommendation(best, fastest, margin, projected, tie=best is not fastest and ties(best, fastest),
+                          passed_over=passed_over)
 
 
 def recommend(points: list[SweepPoint], margin: float = 0.10) -> SweepPoint:
