@@ -824,11 +824,17 @@ def _record_stopped(exc: BaseException, scenario: str, records: list[dict], as_j
 
 
 def _device_note(record, device) -> str:
-    """record's line on a device: its memory peak and, on the simulated device, what the record projects for the card
-    (its measured times have the CPU computing the card's experts too, one after the other)."""
+    """record's line on a device: its memory peak and what it was made of (as a sweep's device line says them) and, on
+    the simulated device, what the record projects for the card (its measured times have the CPU computing the card's
+    experts too, one after the other)."""
+    from engine.records.scenarios import TIER_MAPPINGS, TIER_MAPPINGS_WHY, device_parts_text
+
     if device is None:
         return ""
+    parts = record.peaks["device_parts"]
     note = f"; device peak {human_bytes(record.peaks['device_bytes'])} of {human_bytes(device.memory.ceiling)}"
+    if parts:
+        note += f" ({device_parts_text(parts)}{f': {TIER_MAPPINGS_WHY}' if TIER_MAPPINGS in parts else ''})"
     projected = record.timings.get("projected")
     if projected:
         bw = projected["bandwidths"]

@@ -1658,12 +1658,37 @@ def test_records_line_on_the_simulated_device_says_the_projected_card_and_its_de
     record = json.loads(_main(capsys, "history", "--history", history, "--id", "1")[1])[0]
     projected, peak = record["timings"]["projected"], record["peaks"]["device_bytes"]
     assert peak > 300000 // 2
-    assert (f"device peak {human_bytes(peak)} of 3.8 MiB; projected for the simulated card (PCIe 25 GB/s, HBM 1000 "
-            f"GB/s assumed; the times before are the CPU's, standing in for it): decode "
+    parts = " + ".join(f"{name} {human_bytes(n)}" for name, n in record["peaks"]["device_parts"].items())
+    assert (f"device peak {human_bytes(peak)} of 3.8 MiB ({parts}); projected for the simulated card (PCIe 25 GB/s, "
+            f"HBM 1000 GB/s assumed; the times before are the CPU's, standing in for it): decode "
             f"{projected['decode_tokens_per_s']:.1f} tok/s, completion {projected['completion_s']:.2f} s") in out
     status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history)
     assert status == 0 and "device peak" not in out and "projected" not in out
 
+
+
+def test_records_device_peak_says_what_it_is_made_of_as_a_sweeps_does(tmp_path, capsys):
+    """record's line said "device peak 32.5 MiB of 3.8 MiB" with no breakdown, where a sweep's says its points' parts:
+    with the host tier 32 MiB of it are the tier's granule-rounded device mappings, not experts. The line names the
+    parts held at the peak, which add up to it, and the record keeps them (peaks.device_parts, in --json too)."""
+    gptoss, history = str(fixture_folder("gptoss")), str(tmp_path / "h.sqlite")
+    status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history, "--device",
+                             "simulated", "--decode-path", "tier", "--offload", "device_expert_bytes=0", "--json")
+    assert status == 0, err
+    peaks = json.loads(out)[0]["peaks"]
+    ring = peaks["device_parts"]["prefill staging ring"]
+    assert peaks["device_parts"] == {"host tier mappings": 16 * (2 << 20), "prefill staging ring": ring}
+    assert sum(peaks["device_parts"].values()) == peaks["device_bytes"]
+    status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history, "--device",
+                             "simulated", "--decode-path", "tier", "--offload", "device_expert_bytes=0")
+    assert status == 0, err
+    assert (f"; device peak {human_bytes(peaks['device_bytes'])} of 8.0 GiB (host tier mappings 32.0 MiB + prefill "
+            f"staging ring {human_bytes(ring)}: the host tier maps each slot array's device rows rounded up to the "
+            "2.0 MiB mapping granule, a granule even with no slot)") in out
+    status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history, "--device",
+                             "simulated", "--decode-path", "cpu")
+    assert status == 0, err
+    assert f"of 8.0 GiB (expert slots 552.0 KiB + prefill staging ring {human_bytes(ring)}); projected" in out
 
 
 def test_generate_on_the_simulated_device_says_the_decode_rate_projected_for_the_card():

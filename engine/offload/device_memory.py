@@ -26,6 +26,7 @@ class DeviceMemory:
     high_water: int = 0      # the most in use since the device was made
     run_peak: int = 0        # the most in use since mark(): a record's own peak, beside the lifetime mark
     by_purpose: dict[str, int] = field(default_factory=dict)
+    run_peak_parts: dict[str, int] = field(default_factory=dict)  # by_purpose when run_peak was reached
 
     @property
     def ceiling(self) -> int:
@@ -46,11 +47,14 @@ class DeviceMemory:
         self.used += nbytes
         self.by_purpose[purpose] = self.by_purpose.get(purpose, 0) + nbytes
         self.high_water = max(self.high_water, self.used)
-        self.run_peak = max(self.run_peak, self.used)
+        if self.used > self.run_peak:
+            self.run_peak = self.used
+            self.run_peak_parts = dict(self.by_purpose)
 
     def mark(self) -> None:
         """A run starts: its peak (run_peak) counts from what is in use now."""
         self.run_peak = self.used
+        self.run_peak_parts = dict(self.by_purpose)
 
     def release(self, nbytes: int, purpose: str) -> None:
         self.used -= nbytes

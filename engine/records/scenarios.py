@@ -18,6 +18,8 @@ from engine.nvml import Nvml
 from engine.records.environment import machine, versions
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.schema import ALL_RESIDENT, RunRecord, generation_settings, model_identity
+from engine.units import human_bytes
+from kernels.gpu.host_tier import TIER_GRANULE
 
 SCENARIOS = ("short", "long", "multiturn")
 LONG_PROMPT_TOKENS = 2000
@@ -149,6 +151,29 @@ class PeakSampler:
         self._sample()
         if self._high_water:
             self.rss = max(self.rss, _rss_high_water())
+
+
+TIER_MAPPINGS = "host tier mappings"
+TIER_MAPPINGS_WHY = (f"the host tier maps each slot array's device rows rounded up to the {human_bytes(TIER_GRANULE)} "
+                     "mapping granule, a granule even with no slot")
+
+
+def device_parts(by_purpose: dict[str, int], host_tier: bool) -> dict[str, int]:
+    """What the device holds, by part, from DeviceMemory's by_purpose (each node's slots together): the expert slots,
+    or with the host tier its device mappings (each slot array's device rows rounded up to the mapping granule, a
+    granule even with no slot: more than the budget where it is small), the prefill staging ring, any decode streaming
+    slots, a dense part on the device."""
+    slots = TIER_MAPPINGS if host_tier else "expert slots"
+    parts = {slots: 0}  # first
+    for purpose, nbytes in by_purpose.items():
+        name = slots if purpose.startswith("expert slots of ") else purpose
+        parts[name] = parts.get(name, 0) + nbytes
+    return {name: nbytes for name, nbytes in parts.items() if nbytes}
+
+
+def device_parts_text(parts: dict[str, int]) -> str:
+    """Device parts (device_parts) in words: "expert slots 552.0 KiB + prefill staging ring 552.0 KiB"."""
+    return " + ".join(f"{name} {human_bytes(nbytes)}" for name, nbytes in parts.items())
 
 
 def pinned_bytes(model: LoadedModel) -> int | None:
@@ -297,6 +322,10 @@ def _measure_turns(model: LoadedModel, turns_text: list[str], params: Generation
         offload=offload_description(model, device),
         timings=timings,
         peaks={"device_bytes": peaks.device_bytes if device is not None else None,
+               # what the device held at that peak (absent in records written before it existed)
+               **({"device_parts": device_parts(device.memory.run_peak_parts,
+                                                bool(model.offload and model.offload.host_tier))}
+                  if device is not None else {}),
                "process_device_bytes": peaks.process_device_bytes, "rss_bytes": peaks.rss,
                "rss_start_bytes": peaks.rss_start,
                "pinned_bytes": pinned_bytes(model)},

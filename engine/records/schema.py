@@ -43,7 +43,9 @@ class RunRecord:
     # given before the model's first timed run after its load, 0 for the runs after it; absent in older records);
     # on a simulated device also "projected" (optional, absent in older records): decode_tokens_per_s, prefill_s,
     # completion_s on the simulated card and the bandwidths assumed (engine/offload/projection.py)
-    peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, rss_start_bytes, pinned_bytes
+    peaks: dict                           # device_bytes, process_device_bytes, rss_bytes, rss_start_bytes,
+    # pinned_bytes; device_parts (on a device; absent in older records): what the device held at its peak, by part
+    # (scenarios.device_parts)
     # per expert node: hit rate, bytes copied, times; "swaps" (residents placement replaced as routing moved) and
     # "fills" (experts it copied into empty slots); a record written before "fills" existed counts them in "swaps"
     layers: list[dict] = field(default_factory=list)

@@ -21,10 +21,10 @@ from engine.generation import GenerationParams, LoadedModel
 from engine.offload.layer_split import SPREAD, WHOLE
 from engine.offload.planner import BudgetAboveFree, all_resident_bytes, whole_layers_held
 from engine.records.lengths import SWEEP_REPEATS
-from engine.records.scenarios import decoded_tokens, run_scenario, scenario_turns, warm_up_answer
+from engine.records.scenarios import (TIER_MAPPINGS, TIER_MAPPINGS_WHY, decoded_tokens, device_parts_text,
+                                      run_scenario, scenario_turns, warm_up_answer)
 from engine.records.schema import RunRecord, decode_path_run
 from engine.units import human_bytes
-from kernels.gpu.host_tier import TIER_GRANULE
 
 
 @dataclass
@@ -35,7 +35,7 @@ class SweepPoint:
     split: str | None = None  # the layer split the point ran with, where the sweep compared splits
     settle_steps: int = 0  # decode steps run before the point's answers, until the engine's trials were over
     repeats: int = 1  # the times the point ran its scenarios: its times are the medians over them
-    # what the device held for the point's runs, by part (device_parts): what its device peak is made of
+    # what the device held at the point's device peak, by part (scenarios.device_parts): what that peak is made of
     device_parts: dict[str, int] = field(default_factory=dict)
     # the layer split the point's answers ran on where the budget holds some but not all layers whole (`split`, or
     # the one the engine's trial kept or --layer-split fixed), None where the two hold the same
@@ -381,7 +381,6 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     if cancel is not None and cancel.is_set():
         return None
     run_scenario(model, "short", GenerationParams(max_new_tokens=min(4, params.max_new_tokens)), device, cancel=cancel)
-    point.device_parts = device_parts(model.offload)
     infos = model.offload.infos
     if 0 < whole_layers_held(infos, budget) < sum(1 for info in infos if info.gpu is not None):
         point.split_run = WHOLE if model.offload.whole_layers else SPREAD
@@ -395,36 +394,19 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
             if cancel is not None and cancel.is_set():
                 return None
             on_run()
+    point.device_parts = max(point.records, key=lambda r: r.peaks["device_bytes"] or 0).peaks["device_parts"]
     return point
-
-
-TIER_MAPPINGS = "host tier mappings"
-
-
-def device_parts(engine) -> dict[str, int]:
-    """What the device holds for the plan in force, by part (DeviceMemory.by_purpose, each node's slots together): the
-    expert slots, or with the host tier its device mappings (each slot array's device rows rounded up to the mapping
-    granule, a granule even with no slot: more than the budget where it is small), the prefill staging ring, any
-    decode streaming slots."""
-    slots = TIER_MAPPINGS if engine.host_tier else "expert slots"
-    parts = {slots: 0}  # first
-    for purpose, nbytes in engine.device.memory.by_purpose.items():
-        name = slots if purpose.startswith("expert slots of ") else purpose
-        parts[name] = parts.get(name, 0) + nbytes
-    return {name: nbytes for name, nbytes in parts.items() if nbytes}
 
 
 def device_parts_line(points: list[SweepPoint]) -> str:
     """The points' device parts in one line (what their device peaks are made of); "" where none says them."""
     said = [f"{point.fraction:.0%}{f' {point.split_run}' if point.split_run else ''}: "
-            + " + ".join(f"{name} {human_bytes(nbytes)}" for name, nbytes in point.device_parts.items())
-            for point in points if point.device_parts]
+            + device_parts_text(point.device_parts) for point in points if point.device_parts]
     if not said:
         return ""
     why = ""
     if any(TIER_MAPPINGS in point.device_parts for point in points):
-        why = (f" (the host tier maps each slot array's device rows rounded up to the {human_bytes(TIER_GRANULE)} "
-               "mapping granule, a granule even with no slot; with every expert resident none is mapped)")
+        why = f" ({TIER_MAPPINGS_WHY}; with every expert resident none is mapped)"
     return f"device peak by part: {'; '.join(said)}{why}"
 
 
