@@ -960,7 +960,7 @@ def _kept(points: list, saved_ids: list[int], args) -> str:
     """What a sweep that stopped early kept (its completed points, printed, and their runs in the history) and what it
     did not do for want of a recommendation."""
     if points:
-        ids = f"id {saved_ids[0]}" if len(saved_ids) == 1 else f"ids {saved_ids[0]} to {saved_ids[-1]}"
+        ids = f"id {saved_ids[0]}" if len(saved_ids) == 1 else f"ids {id_ranges(saved_ids)}"
         kept = (f"the {counted(len(points), 'point')} before it {'is' if len(points) == 1 else 'are'} printed, "
                 f"{'its' if len(points) == 1 else 'their'} {counted(len(saved_ids), 'run')} saved in the history "
                 f"({ids})")
@@ -968,6 +968,18 @@ def _kept(points: list, saved_ids: list[int], args) -> str:
         kept = "no point finished before it"
     skipped = ["no plot written"] * bool(args.plot) + [f"no configuration '{args.save_as}' saved"] * bool(args.save_as)
     return f"{kept}; no recommendation" + (f": {', '.join(skipped)}" if skipped else "")
+
+
+def id_ranges(ids: list[int]) -> str:
+    """History ids as saved, consecutive ones as a range ("1 to 3, 5 to 7, 9"): another process writing the same
+    history between a sweep's points takes the ids between theirs."""
+    runs = []  # [first, last] of each run of consecutive ids
+    for run_id in ids:
+        if runs and run_id == runs[-1][1] + 1:
+            runs[-1][1] = run_id
+        else:
+            runs.append([run_id, run_id])
+    return ", ".join(f"{first} to {last}" if last > first else f"{first}" for first, last in runs)
 
 
 def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:

@@ -449,6 +449,33 @@ def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, ca
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["0", "282624"] and "recommended" not in out
 
 
+def test_a_stopped_sweep_names_its_runs_ids_where_another_process_saved_runs_between_its_points(
+        tmp_path, capsys, monkeypatch):
+    """The stop line said "ids 1 to 7" for a sweep's 6 runs where another process (a record on the same history)
+    saved run 4 between its points: `history --id 1 2 3 4 5 6 7` would open one not the sweep's. It names the ids as
+    saved, consecutive ones as a range."""
+    import engine.records.sweep as sweep
+    from engine.records.history import History
+
+    history = tmp_path / "h.sqlite"
+    run_scenario, calls = sweep.run_scenario, []
+
+    def run(*args, **kwargs):
+        if kwargs.get("label"):
+            calls.append(kwargs["label"])
+            if len(calls) == 4:  # the second point's first run: the first point's runs are saved, ids 1 to 3
+                History(history).add(History(history).get(1))
+            if len(calls) == 7:
+                raise KeyboardInterrupt()
+        return run_scenario(*args, **kwargs)
+
+    monkeypatch.setattr(sweep, "run_scenario", run)
+    status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points",
+                              "3", "--max-new-tokens", "2", "--history", str(history))
+    assert status == 130 and err.splitlines()[-1].endswith(
+        "the 2 points before it are printed, their 6 runs saved in the history (ids 1 to 3, 5 to 7); no recommendation")
+
+
 def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before_it(tmp_path, capsys, monkeypatch):
     """A point that raised: the command said only "internal error: RuntimeError: CUDA out of memory while staging",
     not which budget failed, and printed none of the points it had finished (their runs were saved). It prints them,
