@@ -19,7 +19,7 @@ from engine.offload.projection import decode_totals, projected_decode_rate
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_REPEATS, SWEEP_TOKENS
 from engine.sampling import RECORD_SEED
-from engine.units import counted, decode_rate, human_bytes, parse_bytes
+from engine.units import counted, decode_rate, human_bytes, parse_bytes, seconds_figures
 
 PROG = "moe-workbench"
 SIMULATED_VRAM = 8 << 30  # the simulated GPU's memory where --simulated-vram gives none
@@ -795,8 +795,9 @@ def _cmd_record(args) -> int:
         if not args.json:
             t = record.timings
             print(f"{scenario}: run {run_id}: {counted(record.generated_tokens, 'token')} generated (at most "
-                  f"{tokens} an answer), load {t['load_s']:.2f} s, first token {t['time_to_first_token_s']:.3f} s, "
-                  f"decode {decode_rate(t['decode_tokens_per_s'])}, completion {t['completion_s']:.2f} s, "
+                  f"{tokens} an answer), load {t['load_s']:.2f} s, first token "
+                  f"{seconds_figures(t['time_to_first_token_s'])} s, decode {decode_rate(t['decode_tokens_per_s'])}, "
+                  f"completion {seconds_figures(t['completion_s'])} s, "
                   f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "
                   f"({record.peaks['rss_start_bytes'] / 2**20:.0f} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
@@ -841,7 +842,7 @@ def _device_note(record, device) -> str:
         note += (f"; projected for the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, HBM "
                  f"{bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed; the times before are the CPU's, standing in for "
                  f"it): decode {decode_rate(projected['decode_tokens_per_s'])}, completion "
-                 f"{projected['completion_s']:.2f} s")
+                 f"{seconds_figures(projected['completion_s'])} s")
     return note
 
 
@@ -1022,7 +1023,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
               f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>10}{agreement_head}")
         for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
-                  f"{p['completion_s']:>9.2f}s  {p['projected_completion_s']:>9.2f}s  "
+                  f"{seconds_figures(p['completion_s']):>9}s  {seconds_figures(p['projected_completion_s']):>9}s  "
                   f"{cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{agreement}{mark}")
     elif rows:
@@ -1030,7 +1031,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
               f"{'device peak':>11}  {'RSS peak':>10}{agreement_head}")
         for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
-                  f"{p['completion_s']:>9.2f}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
+                  f"{seconds_figures(p['completion_s']):>9}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{agreement}{mark}")
     if chosen is not None and not args.json:  # on standard error: the rows stay the table a script reads
         parts = device_parts_line(points)  # (a stopped sweep's last line says where it stopped)
@@ -1067,7 +1068,7 @@ def _cmd_history(args) -> int:
         label = " ".join((row["label"] or "-").splitlines())  # a label of two lines (given so) on its run's line
         print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {label:<14}  "
               f"{row['device'] or 'cpu':<28}  budget {_budget_text(row['budget'], row['device'])}  "
-              f"completion {row['completion_s']:.2f} s{_projected_completion(row)}  "
+              f"completion {seconds_figures(row['completion_s'])} s{_projected_completion(row)}  "
               f"{_tokens_text(row['generated_tokens'])}  "
               + (f"(approximate routing{_agreement_note(row['routing_agreement'], row['generated_tokens'])})  "
                  if row["approximate_routing"] else "") + row["model"])
@@ -1078,7 +1079,7 @@ def _projected_completion(row: dict) -> str:
     """' (projected for the simulated card 0.05 s)' for a run on the simulated device, whose measured times have the
     CPU computing the card's experts too; else ''."""
     projected = row["projected_completion_s"]
-    return "" if projected is None else f" (projected for the simulated card {projected:.2f} s)"
+    return "" if projected is None else f" (projected for the simulated card {seconds_figures(projected)} s)"
 
 
 def _agreement_note(agreement: float | None, tokens: int) -> str:

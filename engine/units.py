@@ -1,5 +1,6 @@
 """Byte counts and counted things as people read them, and sizes as people write them."""
 
+import math
 import re
 from decimal import Decimal
 
@@ -27,6 +28,14 @@ def decode_rate(tokens_per_s: float | None, unit: str = " tok/s", none: str = "n
     where the answers were one token each: no decode step after the first token, which the prefill gives (a table's
     "n/a", or "" where a line leaves the rate out)."""
     return none if not tokens_per_s else f"{tokens_per_s:.1f}{unit}"
+
+
+def seconds_figures(seconds: float) -> str:
+    """Seconds without the unit, three significant figures under a second (a small model's run takes milliseconds:
+    "0.00" told none apart), two decimals from a second on ("0.00220", "0.0451", "12.35"; 0 as "0.00")."""
+    if seconds <= 0 or seconds >= 1:
+        return f"{seconds:.2f}"
+    return f"{seconds:.{2 - math.floor(math.log10(seconds))}f}"
 
 
 def parse_bytes(text: str) -> int | None:

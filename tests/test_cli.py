@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import WorkbenchError
-from engine.units import human_bytes
+from engine.units import human_bytes, seconds_figures
 from tests.conftest import fixture_folder
 from tests.test_bad_input import REPO, run_cli
 
@@ -1333,6 +1333,30 @@ def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tm
     assert all(_columns(row)[8].endswith(" MiB") for row in rows)  # the RSS peak, hundreds of MiB
 
 
+def test_a_sweeps_table_and_records_line_give_a_small_models_completion_times_in_figures_that_tell_them_apart(
+        tmp_path, capsys):
+    """On the fixtures every completion in the sweep's table read "0.00s" (measured and projected: 2-9 ms), and
+    record's line "completion 0.00 s": nothing to compare budgets by. Under a second they are given to three
+    significant figures (0.00220 s), a second or more to two decimals as before."""
+    from engine.records.history import History
+
+    assert [seconds_figures(s) for s in (0.002204, 0.0451, 0.5, 0.99949, 1.0, 12.345, 0.0)] == [
+        "0.00220", "0.0451", "0.500", "0.999", "1.00", "12.35", "0.00"]
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2", "--max-new-tokens", "2",
+            "--repeats", "1", "--history", str(tmp_path / "h.sqlite"))
+    status, out, _err = _main(capsys, *args)
+    assert status == 0
+    rows = [_columns(line) for line in out.splitlines()[2:]]
+    records = [History(tmp_path / "h.sqlite").get(run_id) for run_id in (1, 2)]  # a point's one run: its times
+    assert [(row[3], row[4]) for row in rows] == [
+        (f"{seconds_figures(r.timings['completion_s'])}s",
+         f"{seconds_figures(r.timings['projected']['completion_s'])}s") for r in records]
+    assert all(float(row[3][:-1]) > 0 and float(row[4][:-1]) > 0 for row in rows)
+    status, out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--max-new-tokens", "2", "--history",
+                             str(tmp_path / "h.sqlite"))
+    assert re.search(r"completion 0\.\d{3,} s", out) and "completion 0.00 s" not in out, out
+
+
 def test_a_sweeps_device_peaks_say_what_the_device_held_at_each_point(tmp_path, capsys):
     """With the host tier (here asked for; decode path auto makes it too), the 0% point's device peak read 32.5 MiB and
     the 100% point's 1.1 MiB, with nothing to say why a budget of none held more: at 0% the tier maps each slot array's
@@ -1688,7 +1712,8 @@ def test_records_line_on_the_simulated_device_says_the_projected_card_and_its_de
     parts = " + ".join(f"{name} {human_bytes(n)}" for name, n in record["peaks"]["device_parts"].items())
     assert (f"device peak {human_bytes(peak)} of 3.8 MiB ({parts}); projected for the simulated card (PCIe 25 GB/s, "
             f"HBM 1000 GB/s assumed; the times before are the CPU's, standing in for it): decode "
-            f"{projected['decode_tokens_per_s']:.1f} tok/s, completion {projected['completion_s']:.2f} s") in out
+            f"{projected['decode_tokens_per_s']:.1f} tok/s, completion {seconds_figures(projected['completion_s'])} s"
+            ) in out
     status, out, err = _main(capsys, "record", gptoss, "--max-new-tokens", "2", "--history", history)
     assert status == 0 and "device peak" not in out and "projected" not in out
 
@@ -1748,8 +1773,8 @@ def test_history_gives_a_simulated_runs_projected_completion_beside_the_measured
         assert status == 0, err
     simulated = json.loads(_main(capsys, "history", "--history", history, "--id", "1")[1])[0]["timings"]
     cpu_line, simulated_line = _main(capsys, "history", "--history", history)[1].splitlines()  # newest first
-    assert (f"completion {simulated['completion_s']:.2f} s (projected for the simulated card "
-            f"{simulated['projected']['completion_s']:.2f} s)  2 tokens") in simulated_line
+    assert (f"completion {seconds_figures(simulated['completion_s'])} s (projected for the simulated card "
+            f"{seconds_figures(simulated['projected']['completion_s'])} s)  2 tokens") in simulated_line
     assert "projected" not in cpu_line
 
 

@@ -1460,6 +1460,24 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     assert view.recommended.budget_bytes == 300 and "tie" not in view.summary.text()
 
 
+def test_the_windows_sweep_summary_gives_a_small_models_times_in_figures_that_tell_them_apart(qtbot, tmp_path):
+    """On the fixtures the summary read "0.00 s (fastest 0.00 s, margin 10%)": the times it recommended by, unread.
+    Under a second they are given to three significant figures, as the command line's table gives them."""
+    from app.gui.records_jobs import SweepResult
+    from app.gui.sweep_view import SweepView
+    from tests.test_records import _repeated_point
+
+    view = SweepView(tmp_path / "h.sqlite")
+    qtbot.addWidget(view)
+    points = [_repeated_point(0, [0.0024]), _repeated_point(300, [0.0022])]
+    for point in points:
+        point.records[0].timings["completion_s"] = 0.0041
+    view.on_finished(SweepResult(points, requested=2, model_folder="m", base_entries={}))
+    assert view.recommended is points[0]
+    assert ": 0.00240 s (fastest 0.00220 s, margin 10%)" in view.summary.text()
+    assert "measured on this machine 0.00410 s" in view.summary.text()
+
+
 def test_a_configuration_that_cannot_be_written_names_the_configurations_file_and_why(qtbot, tmp_path):
     """The configurations' folder could not be made (a file stands where it is to be): Save said "Could not save the
     configuration 'close': [Errno 17] File exists: '/x/data'", as if the configuration existed, without naming the
