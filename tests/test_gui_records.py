@@ -1478,6 +1478,27 @@ def test_the_windows_sweep_summary_gives_a_small_models_times_in_figures_that_te
     assert "measured on this machine 0.00410 s" in view.summary.text()
 
 
+def test_the_windows_sweep_summary_names_the_smaller_budgets_it_passed_over_for_holding_more(qtbot, tmp_path):
+    """With the host tier a smaller budget can hold more on the device than all resident: the summary recommended
+    100% and said nothing of why the smaller budgets within the margin were not taken. It says the rule and them."""
+    from app.gui.records_jobs import SweepResult
+    from app.gui.sweep_view import SweepView
+    from tests.test_records import _repeated_point
+
+    view = SweepView(tmp_path / "h.sqlite")
+    qtbot.addWidget(view)
+    points = [_repeated_point(0, [3.0]), _repeated_point(200, [1.05]), _repeated_point(300, [1.0])]
+    for point, peak in zip(points, (50 << 20, 48 << 20, 3 << 19)):
+        point.records[0].peaks["device_bytes"] = peak
+    view.on_finished(SweepResult(points, requested=3, model_folder="m", base_entries={}))
+    assert view.recommended is points[2]
+    assert view.summary.text().endswith(
+        " The least device peak of the budgets within the margin of the fastest: smaller budgets within it hold more "
+        "on the device (67%: 48.0 MiB).")
+    view.margin.setValue(1.0)  # 67% no longer within it: nothing passed over
+    assert "smaller budgets" not in view.summary.text()
+
+
 def test_a_configuration_that_cannot_be_written_names_the_configurations_file_and_why(qtbot, tmp_path):
     """The configurations' folder could not be made (a file stands where it is to be): Save said "Could not save the
     configuration 'close': [Errno 17] File exists: '/x/data'", as if the configuration existed, without naming the

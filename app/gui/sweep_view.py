@@ -397,6 +397,10 @@ class SweepView(QWidget):
         if chosen.tie:  # beyond the margin, or within it: the repeats cannot tell the two apart
             self.summary.setText(f"{self.summary.text()} A tie with the fastest, at {chosen.fastest.fraction:.0%}: "
                                  f"{chosen.tie_reason}.")
+        if chosen.passed_over:  # (the host tier's granule-rounded mappings, whole layers)
+            self.summary.setText(
+                f"{self.summary.text()} The least device peak of the budgets within the margin of the fastest: smaller "
+                f"budgets within it hold more on the device ({chosen.passed_over_text}).")
         if best.routing_agreement is not None:  # a smaller budget drops more: what this one costs in answers
             self.summary.setText(f"{self.summary.text()} Approximate routing: "
                                  f"{agreement_text(best.routing_agreement, best.compared_tokens)}.")

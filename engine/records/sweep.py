@@ -450,6 +450,12 @@ class Recommendation:
         return (f"they differ by less than their spreads between repeats (±{best.spread_s(self.projected):.2g} s "
                 f"and ±{fastest.spread_s(self.projected):.2g} s), and {holds}")
 
+    @property
+    def passed_over_text(self) -> str:
+        """The smaller budgets passed over and their device peaks: "67%: 48.0 MiB, 33% spread: 48.0 MiB"."""
+        return ", ".join(f"{p.fraction:.0%}{f' {p.split}' if p.split else ''}: {human_bytes(p.peak_device_bytes)}"
+                         for p in self.passed_over)
+
     def line(self) -> str:
         """The rule, one line: which point, its device peak, by which time against which fastest point, the times in
         four figures (the table's 0.04s and 0.05s may be 0.0449 and 0.0451), the repeats' spreads where they decided,
@@ -470,9 +476,7 @@ class Recommendation:
         if self.tie:
             said += f"{'; a tie' if self.within_margin else ''}: {self.tie_reason}"
         if self.passed_over:
-            said += ("; smaller budgets among them hold more on the device (" + ", ".join(
-                f"{p.fraction:.0%}{f' {p.split}' if p.split else ''}: {human_bytes(p.peak_device_bytes)}"
-                for p in self.passed_over) + ")")
+            said += f"; smaller budgets among them hold more on the device ({self.passed_over_text})"
         if best.repeats > 1:
             said += f"; each time the median of {best.repeats} repeats"
         return said
