@@ -242,6 +242,27 @@ def test_a_record_of_approximate_routing_counts_the_experts_it_dropped_during_th
     assert short_record.approximation == {} and "dropped" not in detail_html(short_record)
 
 
+def test_a_records_device_peak_keeps_what_it_was_made_of_and_the_windows_detail_says_it():
+    """A record's device peak (32.5 MiB on the gptoss fixture with the host tier and no expert on the device) came
+    without what it was: the record keeps the parts held at the peak, which add up to it, and the window's run detail
+    says them beside it."""
+    from app.gui.record_report import detail_html
+    from engine.units import human_bytes
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), device=device, offload=OffloadConfig(device_expert_bytes=0),
+                             decode_path="tier")
+    record = run_scenario(model, "short", PARAMS, device)
+    parts = record.peaks["device_parts"]
+    assert list(parts) == ["host tier mappings", "prefill staging ring"]
+    assert parts["host tier mappings"] == 16 * (2 << 20) and sum(parts.values()) == record.peaks["device_bytes"]
+    assert (f"<td>device peak made of</td><td>host tier mappings 32.0 MiB + prefill staging ring "
+            f"{human_bytes(parts['prefill staging ring'])}</td>") in detail_html(record)
+    older = RunRecord.from_dict({**record.to_dict(), "peaks": {k: v for k, v in record.peaks.items()
+                                                                 if k != "device_parts"}})
+    assert "made of" not in detail_html(older)
+
+
 def test_a_record_s_detail_says_the_cpu_kernels_threads_the_other_processes_left_it(short_record):
     """A run beside a build ran its CPU experts on 1 of 2 threads (the automatic count giving way): the record kept it,
     but the history's detail and comparison said only the other processes' share of the CPUs' time."""

@@ -7,6 +7,7 @@ import html
 from pathlib import Path
 
 from engine.records.environment import cuda_version_text
+from engine.records.scenarios import device_parts_text
 from engine.records.schema import RunRecord, decode_path_run
 from engine.sampling import SamplingParams, describe
 from engine.units import human_bytes
@@ -178,12 +179,16 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
         + ([("routed experts dropped / substituted", _approximation_text(record))] if record.approximation else [])
         + [(what, get(record) or NOT_RECORDED) for what, get in GENERATION_FACTS]))
     parts.append("<h4>Timings and peaks</h4>")
-    parts.append(_table([(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
-                         # (a run on the CPU or the simulated card has no projection, VRAM or pinned memory: left out)
-                         if not ((label.startswith("projected") or label in (PROCESS_VRAM, PINNED))
-                                 and get(record) is None) and label != THREADS_METRIC]
-                        + [("turns", t.get("turns", len(record.turns))),
-                           ("cancelled", "yes" if t.get("cancelled") else "no")]))
+    metrics = [(label, fmt(get(record), unit)) for label, get, unit, _ in METRICS
+               # (a run on the CPU or the simulated card has no projection, VRAM or pinned memory: left out)
+               if not ((label.startswith("projected") or label in (PROCESS_VRAM, PINNED)) and get(record) is None)
+               and label != THREADS_METRIC]
+    held = record.peaks.get("device_parts")  # (absent in records older than it)
+    if held:  # beside the peak: the host tier's granule-rounded mappings may be most of it
+        after = next(i for i, (label, _value) in enumerate(metrics) if label == "device memory peak") + 1
+        metrics.insert(after, ("device peak made of", device_parts_text(held)))
+    parts.append(_table(metrics + [("turns", t.get("turns", len(record.turns))),
+                                   ("cancelled", "yes" if t.get("cancelled") else "no")]))
     parts.append("<h4>Configuration</h4>")
     entries = o.get("entries") or {}
     parts.append(_table(sorted(entries.items()), ("entry", "value")) if entries
