@@ -1033,11 +1033,12 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
             print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
                   f"{seconds_figures(p['completion_s']):>9}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{agreement}{mark}")
-    if chosen is not None and not args.json:  # on standard error: the rows stay the table a script reads
-        parts = device_parts_line(points)  # (a stopped sweep's last line says where it stopped)
+    if not args.json:  # on standard error: the rows stay the table a script reads
+        parts = device_parts_line(points)  # (a stopped sweep's points too: its line after them says where it stopped)
         if parts:
             print(f"sweep: {parts}", file=sys.stderr)
-        print(chosen.line(), file=sys.stderr)
+        if chosen is not None:
+            print(chosen.line(), file=sys.stderr)
 
 
 def _cmd_history(args) -> int:

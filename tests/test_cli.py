@@ -474,6 +474,8 @@ def test_a_stopped_sweep_names_its_runs_ids_where_another_process_saved_runs_bet
                               "3", "--max-new-tokens", "2", "--history", str(history))
     assert status == 130 and err.splitlines()[-1].endswith(
         "the 2 points before it are printed, their 6 runs saved in the history (ids 1 to 3, 5 to 7); no recommendation")
+    # the points printed say what their device peaks are made of, as a complete sweep's do
+    assert err.splitlines()[-2].startswith("sweep: device peak by part: 0%: ") and "; 50%" in err.splitlines()[-2]
 
 
 def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before_it(tmp_path, capsys, monkeypatch):
@@ -500,10 +502,10 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
-    assert status == 130 and err.endswith("\rsweep:  33.3%\nmoe-workbench: the sweep was interrupted at 50% "
-                                          "(device_expert_bytes=282624), point 2 of 3; the 1 point before it is "
-                                          "printed, its 3 runs saved in the history (ids 1 to 3); no "
-                                          "recommendation\n")
+    assert status == 130 and "\rsweep:  33.3%\nsweep: device peak by part: 0%: " in err  # (the point's parts)
+    assert err.endswith("\nmoe-workbench: the sweep was interrupted at 50% (device_expert_bytes=282624), point 2 of 3; "
+                        "the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no "
+                        "recommendation\n")
 
 
 def test_a_sweep_point_the_history_could_not_save_is_kept_in_a_file_it_names(tmp_path, capsys, monkeypatch):
