@@ -58,6 +58,8 @@ def export_sweep_plot(points: list[dict], recommended_budget: int, path: str | P
         if with_projection:
             title += ("<br><span style='font-size:9pt'>blue measured, orange projected for the simulated card"
                       + ("; red: recommended by the projected time" if key == "completion_s" else "") + "</span>")
+        elif key == "completion_s":
+            title += "<br><span style='font-size:9pt'>red: the recommended budget</span>"
         if whole:
             title += "<br><span style='font-size:9pt'>squares: the budget on whole layers</span>"
         if key in RATES and left:

@@ -1792,6 +1792,25 @@ def test_the_sweep_plots_svg_draws_its_axes_at_the_scale_of_its_points(qtbot, tm
     assert scales == {1.0}
 
 
+def test_the_sweep_plot_file_says_what_its_red_line_is_off_the_simulated_device(qtbot, tmp_path, monkeypatch):
+    """The file's red dashed line (the recommended budget) was said only on the simulated device ("red: recommended by
+    the projected time"): a CUDA sweep's plot drew it on every panel with nothing to say what it was."""
+    import pyqtgraph as pg
+
+    from app.sweep_plot import export_sweep_plot
+
+    titles = []
+    plot = pg.PlotItem.plot
+    monkeypatch.setattr(pg.PlotItem, "plot", lambda self, x, y, **kw: titles.append(self.titleLabel.text)
+                        or plot(self, x, y, **kw))
+    rows = [{"budget_bytes": budget, "fraction": budget / 847872, "split": None, "completion_s": 0.05,
+             "decode_tokens_per_s": 800.0, "peak_device_bytes": 565248 + budget, "peak_rss_bytes": 550_000_000,
+             "settle_steps": 0, "decode_path": "cpu"} for budget in (0, 847872)]
+    export_sweep_plot(rows, 847872, tmp_path / "sweep.png")
+    completion = next(title for title in titles if title.startswith("completion"))
+    assert "red: the recommended budget" in completion
+
+
 def test_the_sweep_plot_file_leaves_out_budgets_of_one_token_answers_from_its_decode_panel(qtbot, tmp_path,
                                                                                          monkeypatch):
     """`sweep --plot` drew a budget whose answers were one token each (no decode step after the prefill's token, no
