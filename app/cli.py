@@ -798,8 +798,8 @@ def _cmd_record(args) -> int:
                   f"{tokens} an answer), load {t['load_s']:.2f} s, first token "
                   f"{seconds_figures(t['time_to_first_token_s'])} s, decode {decode_rate(t['decode_tokens_per_s'])}, "
                   f"completion {seconds_figures(t['completion_s'])} s, "
-                  f"peak RSS {record.peaks['rss_bytes'] / 2**20:.0f} MiB "
-                  f"({record.peaks['rss_start_bytes'] / 2**20:.0f} at the start); CPU time taken by other processes "
+                  f"peak RSS {human_bytes(record.peaks['rss_bytes'])} "
+                  f"({human_bytes(record.peaks['rss_start_bytes'])} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
                   f"{record.host_load['host_steal_share']:.0%}" + _device_note(record, device)
                   + _agreement_note(record.routing_agreement, record.generated_tokens))

@@ -1745,6 +1745,18 @@ def test_records_device_peak_says_what_it_is_made_of_as_a_sweeps_does(tmp_path, 
     assert f"of 8.0 GiB (expert slots 552.0 KiB + prefill staging ring {human_bytes(ring)}); projected" in out
 
 
+def test_records_line_gives_its_rss_peak_in_the_unit_that_tells_it_from_the_start(tmp_path, capsys):
+    """record's line said "peak RSS 223 MiB (223 at the start)" in whole MiB: a small model's run, which adds a few
+    hundred KiB, read as adding nothing (the sweep's table gives 224.3 MiB). Both are given as the table gives them."""
+    history = str(tmp_path / "h.sqlite")
+    status, out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--max-new-tokens", "2", "--history",
+                             history)
+    assert status == 0, err
+    peaks = json.loads(_main(capsys, "history", "--history", history, "--id", "1")[1])[0]["peaks"]
+    assert (f"peak RSS {human_bytes(peaks['rss_bytes'])} ({human_bytes(peaks['rss_start_bytes'])} at the start)"
+            in out)
+
+
 def test_generate_on_the_simulated_device_says_the_decode_rate_projected_for_the_card():
     """generate on the simulated device said only the measured decode rate, in which the CPU computes the card's
     experts too, one after the other: read as the card's. Its line and --json now also give the rate projected for the
