@@ -104,8 +104,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_record_sampling_arguments(sweep)
     sweep.add_argument("--repeats", type=at_least(1), default=SWEEP_REPEATS,
                        help=f"times each budget runs the scenarios (default {SWEEP_REPEATS}): its times are the "
-                       "medians, and a budget whose median differs from the fastest's by less than their repeats' spreads "
-                       "ties with it, as one within --margin does")
+                       "medians, and a budget whose median differs from the fastest's by less than their repeats' "
+                       "spreads ties with it, as one within --margin does")
     sweep.add_argument("--margin", type=float, default=0.10, help="of the budgets within this fraction of "
                        "the fastest completion time (default 0.10) or tied with it, recommend the one with the least "
                        "device peak (of equal peaks the smaller budget)")

@@ -1306,8 +1306,8 @@ def test_a_sweeps_table_ends_with_the_rule_its_recommendation_followed(tmp_path,
     peak = re.escape(_columns(marked)[7])  # the row's device peak (after the projected decode rate)
     prefix = (rf"recommended: {_columns(marked)[0]} bytes \({_columns(marked)[1]}\), the least device peak \({peak}\) "
               r"of the points whose projected completion time is within 25% of the fastest or ties with it: ")
-    spreads = (r"they differ by less than their spreads between repeats \(±[\d.e-]+ s and ±[\d.e-]+ s\), and it holds "
-               r"(less on the device \(device peak [\d.]+ \w?i?B against [\d.]+ \w?i?B\)|as much on the device "
+    spreads = (r"they differ by less than their spreads between repeats \(±[\d.e-]+ s and ±[\d.e-]+ s\), and it "
+               r"holds (less on the device \(device peak [\d.]+ \w?i?B against [\d.]+ \w?i?B\)|as much on the device "
                r"\([\d.]+ \w?i?B\) on a smaller budget)")
     passed = r"(; smaller budgets among them hold more on the device \(.*\))?"
     assert re.fullmatch(rf"{prefix}(itself the fastest \([\d.e-]+ s\)|[\d.e-]+ s, (within 25% of|tied with) the "

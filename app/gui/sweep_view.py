@@ -385,15 +385,15 @@ class SweepView(QWidget):
                 f"assumed): {seconds_figures(best.projected_completion_s)} s (fastest {seconds_figures(fastest)} s, "
                 f"margin {margin * 100:g}%), {decode_rate(best.projected_decode_tokens_per_s)} projected; measured on "
                 f"this machine {seconds_figures(best.completion_s)} s, {decode_rate(best.decode_tokens_per_s)} (the "
-                f"simulated device computes the card's experts on the CPU); device peak {human_bytes(best.peak_device_bytes)}, "
-                f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
+                f"simulated device computes the card's experts on the CPU); device peak "
+                f"{human_bytes(best.peak_device_bytes)}, RAM peak {human_bytes(best.peak_rss_bytes)}.")
         else:
             fastest = min(p.completion_s for p in self.result.points)
             self.summary.setText(
                 f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
                 f"completion {seconds_figures(best.completion_s)} s (fastest {seconds_figures(fastest)} s, "
-                f"margin {margin * 100:g}%), {decode_rate(best.decode_tokens_per_s)}, device peak {human_bytes(best.peak_device_bytes)}, "
-                f"RAM peak {human_bytes(best.peak_rss_bytes)}.")
+                f"margin {margin * 100:g}%), {decode_rate(best.decode_tokens_per_s)}, device peak "
+                f"{human_bytes(best.peak_device_bytes)}, RAM peak {human_bytes(best.peak_rss_bytes)}.")
         if chosen.tie:  # beyond the margin, or within it: the repeats cannot tell the two apart
             self.summary.setText(f"{self.summary.text()} A tie with the fastest, at {chosen.fastest.fraction:.0%}: "
                                  f"{chosen.tie_reason}.")
