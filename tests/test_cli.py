@@ -1654,8 +1654,8 @@ def test_record_and_history_say_an_approximate_runs_token_agreement(tmp_path, ca
 
 
 def test_a_sweep_with_approximate_routing_says_each_points_token_agreement(tmp_path, capsys):
-    """A sweep under approximate routing recommends the smallest budget within the margin of the fastest, and a
-    smaller budget has more cold experts to drop: its table and JSON said nothing of what that cost in answers. Each
+    """A sweep under approximate routing recommends a budget within the margin of the fastest (usually the smallest
+    there), and a smaller budget has more cold experts to drop: its table and JSON said nothing of what that cost in answers. Each
     point now says its token agreement with exact routing, over its answers' tokens (its records')."""
     from engine.records.history import History
 

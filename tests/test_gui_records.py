@@ -1368,8 +1368,8 @@ def test_the_tokens_per_second_graph_counts_the_record_bars_and_a_sweeps_answers
 
 
 def test_the_sweeps_recommendation_says_its_token_agreement_under_approximate_routing(qtbot, tmp_path):
-    """Under approximate routing the smallest budget within the margin drops the most experts: the summary said its
-    speed alone. It says the recommended point's token agreement with exact routing, over its answers' tokens."""
+    """Under approximate routing a smaller budget within the margin drops more experts: the summary said its speed
+    alone. It says the recommended point's token agreement with exact routing, over its answers' tokens."""
     import app.gui.records_jobs as jobs
     from app.gui.sweep_view import SweepView
 
