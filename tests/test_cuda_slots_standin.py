@@ -569,10 +569,14 @@ def test_under_decode_path_both_a_pair_split_by_rows_gives_the_all_cpu_run(model
     cold pairs), a step of one token publishes the GPU's last cold pair coded by the CPU's first row, the device
     computes its rows below 32 and the CPU the rest: the run is the all-CPU run's, the split pairs counted as the
     CPU's misses, the tier's bytes read with the device's rows of them."""
+    from engine.offload.split_share import SPLIT_ROWS
+
     model, _ = open_on_standin(model_folder, 0.0, monkeypatch)
     engine = model.offload
     engine.set_decode_path("both")
-    assert engine.stores[0].splits_rows and engine.cold_split_rows(0) is not None  # (no row step within 64 rows)
+    assert engine.stores[0].splits_rows and engine.cold_split_rows(0) is None  # whole pairs until the row trials...
+    engine.row_trials.choice = SPLIT_ROWS  # ... find the split faster
+    assert engine.cold_split_rows(0) is not None  # (its rows: none within 64 rows, ROW_STEP's)
     rows = np.full(SPEC.top_k + 1, 32, np.int32)
     rows[0] = 0
     monkeypatch.setattr(engine, "cold_split_rows", lambda layer: rows)

@@ -277,12 +277,13 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     assert engine.host_gap.value == 0.0
     # the steps' CPU parts are timed for real: on a loaded machine some run slow and the gate leaves them out (its
     # count is what the state reports; test_spike_gate.py pins down which steps it leaves out)
-    # (the split's rows: none within this model's 64 intermediate rows, kernels/cold_split.py's ROW_STEP)
-    assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "split_rows": [0] * (SPEC.top_k + 1),
-                     "inter_size": 64, "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
+    # (the split's rows: none, whole pairs preferred until the row trials find a split faster)
+    assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "split_rows": None, "inter_size": 64,
+                     "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
                      "tier_read_bytes_per_s": engine.tier_read.value,
                      "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out,
-                     "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None}}  # (none yet: 12 steps)
+                     "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None},  # (none yet: 12 steps)
+                     "rows": {"splits": False, "trials": 0, "measured_ms": {}, "measuring": None}}
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
 
@@ -351,6 +352,61 @@ def test_under_decode_path_both_trials_shift_the_cpus_share_where_its_steps_run_
         "shift": -1, "trials": 1, "measuring": None,
         "measured_ms": {"as made": pytest.approx(30.0, abs=1.0), "one fewer": pytest.approx(20.0, abs=1.0),
                         "one more": pytest.approx(40.0, abs=1.0)}}
+
+
+@pytest.mark.parametrize("faster", ["a pair split by rows", "whole pairs"])
+def test_under_decode_path_both_trials_keep_a_pair_split_by_rows_only_where_its_steps_run_faster(tmp_path, faster):
+    """The row trials (split_share.py: RowSplitTrials) time "both" steps with whole pairs (preferred) and with a pair
+    split by rows, after the share trials and never beside them, and keep the split only where its steps run faster
+    (step times given; the costs fixed so that the split's table splits a pair): the rows then come from split_tables,
+    else none; the answers stay the all-CPU run's throughout."""
+    from engine.offload.split_share import SPLIT_ROWS, WHOLE_PAIRS, RowSplitTrials, SplitShareTrials
+    from kernels.cold_split import split_tables
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    folder = write_model(tmp_path / "m", spec)
+    reference = greedy_run(LoadedModel.open(folder), steps=30)
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    engine = model.offload
+    assert engine.rows_choosable()
+    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: the table splits a pair
+    engine.share_trials = SplitShareTrials(first=1, settle=1, window=2, recheck=1000)
+    engine.row_trials = RowSplitTrials(first=1, settle=1, window=2, recheck=1000)
+    step_s = {faster: 0.020, ({SPLIT_ROWS, WHOLE_PAIRS} - {faster}).pop(): 0.030}
+    engine._trial_seconds = lambda seconds: step_s[engine.row_trials.choice]
+    ways, rows = [], []
+
+    def end_step(seconds, tokens):
+        engine.end_step(step_s[engine.row_trials.choice], tokens)
+        if tokens == 1:  # after each decode step: which trial measures, the way in force and its rows
+            ways.append((engine.share_trials.measuring, engine.row_trials.measuring, engine.row_trials.choice))
+            rows.append(engine.cold_split_rows(0))
+
+    model.decoder.on_step_end = end_step
+    assert_same_as_cpu(greedy_run(model, steps=30), reference)
+    assert not any(share and row for share, row, _way in ways)  # never both at once
+    share_ends = max(i for i, (share, _row, _way) in enumerate(ways) if share)
+    row_steps = [i for i, (_share, row, _way) in enumerate(ways) if row]
+    assert row_steps and min(row_steps) > share_ends  # the row trial after the share trial
+    timed = [way for _share, row, way in ways if row]
+    assert SPLIT_ROWS in timed and timed[0] == WHOLE_PAIRS  # whole pairs in force first, the split timed after
+    assert engine.row_trials.choice == faster and engine.row_trials.trials == 1
+    assert all(r is not None and r.any() for r, (_s, _r, way) in zip(rows, ways) if way == SPLIT_ROWS)
+    assert all(r is None for r, (_s, _r, way) in zip(rows, ways) if way == WHOLE_PAIRS)
+    info = engine.infos[0]
+    _take, split_rows = split_tables(info.spec.k, info.spec.inter_size, 64, 100e-6, 0.0, 100e-6, 0.0, 2 / 3,
+                                     cpu_reads_fc2_whole=not engine.runners[0].kernel.reads_rows_in_part)
+    if faster == SPLIT_ROWS:
+        assert rows[-1].tolist() == split_rows.tolist()
+    else:
+        assert rows[-1] is None
+    assert engine.copy_state()["decode_path"]["cold_split"]["rows"] == {
+        "splits": faster == SPLIT_ROWS, "trials": 1, "measuring": None,
+        "measured_ms": {WHOLE_PAIRS: pytest.approx(step_s[WHOLE_PAIRS] * 1e3), SPLIT_ROWS: pytest.approx(
+            step_s[SPLIT_ROWS] * 1e3)}}
 
 
 def test_a_shifted_share_stays_within_a_tokens_cold_pairs():

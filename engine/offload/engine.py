@@ -38,7 +38,7 @@ from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, 
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.spike_gate import SpikeGate
-from engine.offload.split_share import SplitShareTrials, shifted
+from engine.offload.split_share import RowSplitTrials, SplitShareTrials, shifted
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
@@ -159,7 +159,8 @@ class OffloadEngine:
         # the budget spread over every layer or spent on whole layers (layer_split.py): measured by trials under
         # "auto"; "spread" / "whole" fix it (the CLI's --layer-split, or MOE_LAYER_SPLIT where none is given)
         self.layer_split_mode = checked_split(layer_split or default_layer_split())
-        # a pair split by rows between the CPU and the GPU under "both" (cold_split_rows); MOE_ROW_SPLIT=0: whole pairs
+        # a pair split by rows between the CPU and the GPU under "both" (cold_split_rows), where row_trials find it
+        # faster; MOE_ROW_SPLIT=0: whole pairs
         self.row_split = os.environ.get("MOE_ROW_SPLIT", "1") != "0"
         self.split_trials = LayerSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
@@ -173,6 +174,7 @@ class OffloadEngine:
         self.splits_cold = False  # ... and the CPU computes a share of them at once (decode path "both")
         self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the rates move
         self.share_trials = SplitShareTrials()  # ... shifted by a pair as "both" steps say (split_share)
+        self.row_trials = RowSplitTrials()  # ... with a pair split by rows where its steps run faster (ditto)
         self._split_tables_due = SPLIT_TABLE_FIRST  # "both" decode steps until they are made again
         self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
@@ -285,15 +287,15 @@ class OffloadEngine:
     def cold_split_rows(self, layer: int) -> np.ndarray | None:
         """Under the decode path "both": the rows of a token's split pair per count of its cold pairs beside
         cold_split_table's share (kernels/cold_split.py: split_tables; 0 where none is split), made with it; None where
-        the layer's store splits no pair (its GPU decode kernels) or the environment's MOE_ROW_SPLIT is 0 (benchmarks'
-        A/Bs)."""
+        the layer's store splits no pair (its GPU decode kernels), where the row trials keep pairs whole
+        (split_share.py: RowSplitTrials) or the environment's MOE_ROW_SPLIT is 0 (benchmarks' A/Bs)."""
         return self._split_pair_tables(layer)[1]
 
     def _split_pair_tables(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(cold_split_table, cold_split_rows) of a layer, made from the costs (_split_costs) and kept per expert
         size: the share and the split pair's rows chosen together where the layer's store splits pairs."""
         info, store = self.infos[layer], self.stores[layer]
-        splits_rows = self.row_split and getattr(store, "splits_rows", False)
+        splits_rows = self.row_split and self.row_trials.splits and getattr(store, "splits_rows", False)
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k, splits_rows)
         tables = self._split_tables.get(key)
         if tables is None:
@@ -356,14 +358,21 @@ class OffloadEngine:
         the ways the engine tries, not the one it keeps (a sweep's point, a benchmark's timed steps wait for that)."""
         if self.device is None:
             return False  # no device, no trials (end_step)
-        if self.path_trials.measuring or self.split_trials.measuring or self.share_trials.measuring:
+        if (self.path_trials.measuring or self.split_trials.measuring or self.share_trials.measuring
+                or self.row_trials.measuring):
             return True
         if isinstance(self.policy, StaticPlacement) and (self.policy.opening or self.policy.to_place()):
             return True
         return ((self.path_trials_run() and self.path_trials.trials == 0)
                 or (self.splits_cold and self.share_trials.trials == 0)
+                or (self.splits_cold and self.rows_choosable() and self.row_trials.trials == 0)
                 or (self.layer_split_mode == "auto" and not self._host_tier and self._split_is_choosable()
                     and self.split_trials.trials == 0))
+
+    def rows_choosable(self) -> bool:
+        """A pair may be split by rows under "both" (row_trials choose whether): MOE_ROW_SPLIT is not 0 and the
+        device's stores split pairs (their GPU decode kernels)."""
+        return self.row_split and any(getattr(store, "splits_rows", False) for store in self.stores if store is not None)
 
     def path_trials_run(self) -> bool:
         """The decode path is chosen by trials: cpu_execution=auto, decode path auto, a host tier made."""
@@ -415,7 +424,8 @@ class OffloadEngine:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
         table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured), the host's
         measured work between two such layers (HostGap) and the share trials' state with the shift in force; the
-        CPU's rate the table comes from (split_cpu_rate) and the slow steps that rate left out (spike_gate)."""
+        CPU's rate the table comes from (split_cpu_rate) and the slow steps that rate left out (spike_gate); where a
+        pair may be split by rows (rows_choosable), the row trials' state with whether the split is in force."""
         if not self.splits_cold:
             return None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
@@ -426,7 +436,9 @@ class OffloadEngine:
                 "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
                 "slow_steps_left_out": self.split_gate.left_out,
-                "share": {"shift": self.share_trials.shift, **self.share_trials.state()}}
+                "share": {"shift": self.share_trials.shift, **self.share_trials.state()},
+                "rows": None if not self.rows_choosable() else {"splits": self.row_trials.splits,
+                                                                 **self.row_trials.state()}}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
@@ -716,14 +728,19 @@ class OffloadEngine:
         if self.device is not None:
             trial_s = self._trial_seconds(step_s)
             if (trial_s is not None and self.path_trials_run() and not self.split_trials.measuring
-                    and not self.share_trials.measuring):
+                    and not self.share_trials.measuring and not self.row_trials.measuring):
                 if self.path_trials.step(trial_s, tokens) is not None:
                     self._switch_path()
                     return
             # the CPU's share of the cold pairs, while "both" is in force and no trial of the path is under way
+            # and whether a pair is split by rows: the two trials take turns (split_share.py)
             if trial_s is not None and self.splits_cold and not self.path_trials.measuring:
-                if self.share_trials.step(trial_s, tokens) is not None:
+                if not self.row_trials.measuring and self.share_trials.step(trial_s, tokens) is not None:
                     self._split_tables.clear()  # made again at once with the share now in force
+                    return
+                if (not self.share_trials.measuring and self.rows_choosable()
+                        and self.row_trials.step(trial_s, tokens) is not None):
+                    self._split_tables.clear()  # ... with the split or without it
                     return
             # the layer split's trials only without a host tier: no layer's step then has a host round trip to save
             if (trial_s is not None and self.layer_split_mode == "auto" and not self._host_tier
@@ -807,7 +824,7 @@ class OffloadEngine:
         in the same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the
         host tier. A re-plan refused leaves the split, the decode path and their trials as they were, with the plan."""
         in_force = (self.layer_split_mode, self.decode_path_mode, self.whole_layers, self.split_trials,
-                    self.path_trials, self.share_trials)
+                    self.path_trials, self.share_trials, self.row_trials)
         if layer_split is not None:
             self.layer_split_mode = checked_split(layer_split)
         if decode_path is not None:
@@ -815,12 +832,13 @@ class OffloadEngine:
         self.split_trials = LayerSplitTrials()
         self.path_trials = DecodePathTrials()
         self.share_trials = SplitShareTrials()
+        self.row_trials = RowSplitTrials()
         self.whole_layers = self.layer_split_mode == WHOLE
         try:
             self._replan(config)
         except WorkbenchError:
             (self.layer_split_mode, self.decode_path_mode, self.whole_layers, self.split_trials, self.path_trials,
-             self.share_trials) = in_force
+             self.share_trials, self.row_trials) = in_force
             raise
 
     def _replan(self, config: OffloadConfig) -> None:

@@ -9,6 +9,13 @@ diag_path_trials.py), on a host where another hold had run the 4 at 16.9 ms, and
 table as made (19.96 ms a step against 20.10 with one fewer). So the steps decide: A-B-A trials (trials.py) of the table
 as made, the CPU taking one pair fewer for every count of cold pairs, and one more, the table's own share in force
 first and winning ties. The shift holds until the next trial; the table is made again from the rates meanwhile.
+
+Where the GPU's decode kernels can split a pair by its rows (kernels/cold_split.py: split_tables), trials of their own
+decide whether they do: the split's table prices each side's rows, and what it leaves out moved the answer between
+models on one H100 host, where gpt-oss-20B-like at 0% resident ran 1.10x faster with the split and Qwen3-30B-A3B-like at
+0% 1.14x slower, each against whole pairs from the same measured costs (bench_offload_ab, RESULTS.md sixty-seventh
+session). Whole pairs are preferred; the split is kept where its steps run faster by the trials' margin. The two
+trials take turns (OffloadEngine.end_step): neither times steps that the other's switch moves.
 """
 
 from __future__ import annotations
@@ -33,6 +40,20 @@ class SplitShareTrials(AbaTrials):
     @property
     def shift(self) -> int:
         return SHIFTS[self.choice]
+
+
+WHOLE_PAIRS, SPLIT_ROWS = "whole pairs", "a pair split by rows"
+
+
+class RowSplitTrials(AbaTrials):
+    """Whole pairs against a pair split by rows; `splits` says whether the split is in force."""
+
+    def __init__(self, **settings):
+        super().__init__(WHOLE_PAIRS, SPLIT_ROWS, **settings)
+
+    @property
+    def splits(self) -> bool:
+        return self.choice == SPLIT_ROWS
 
 
 def shifted(table: np.ndarray, shift: int) -> np.ndarray:
