@@ -1839,6 +1839,10 @@ def test_the_copies_line_and_the_landed_sentences_say_where_decode_computes_cold
     # a pair split by rows with the GPU (kernels/cold_split.py): the CPU's rows of it, of the expert's intermediate
     split = {**both, "cold_split": {"cpu_takes": [0, 0, 1, 1, 2], "split_rows": [0, 0, 0, 0, 2432], "inter_size": 2880}}
     assert copies_text({"decode_path": split}).endswith("(up to 2 and 16% of one more of 4 when all are cold)")
+    # a trial of the split against whole pairs (split_share.py: RowSplitTrials)
+    timed = {**split["cold_split"], "rows": {"splits": True, "measuring": "a pair split by rows"}}
+    assert copies_text({"decode_path": {**split, "cold_split": timed}}).endswith(
+        "(up to 2 and 16% of one more of 4 when all are cold, timing a pair split by rows now)")
     both["cold_split"]["host_gap_s"] = 190.4e-6
     assert copies_text({"decode_path": both}).endswith("(up to 2 of 4 when all are cold, after 190 µs of host work a "
                                                        "layer)")

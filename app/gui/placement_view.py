@@ -362,8 +362,11 @@ def _cpu_share(path: dict) -> str:
     if rate and left_out:
         rate_words += f" ({left_out} slow step{'s' if left_out > 1 else ''} left out)"
     share = split.get("share") or {}  # the share trials (engine/offload/split_share.py)
+    rows_trial = (split.get("rows") or {}).get("measuring")  # the row trials' way timed now (split_share.py)
     if share.get("measuring"):
         trial = f", timing {SHARE_WORDS[share['measuring']]} now"
+    elif rows_trial:
+        trial = f", timing {rows_trial} now"
     elif share.get("shift"):
         trial = f", {SHIFT_WORDS[share['shift']]} than the rates give, as measured faster"
     else:
