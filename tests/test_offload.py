@@ -1668,3 +1668,31 @@ def test_the_host_cache_bounds_the_experts_pages_mapped_into_this_process(tmp_pa
     mapped = sum(mapped_pages(onnx.array(name)) for name in tensors) * 4096
     held = len(cache._lru)
     assert mapped <= cache.cached_bytes + held * len(model.offload.infos[0].weight_inputs) * 2 * 4096
+
+
+def test_placement_counts_the_routers_choice_not_approximate_routings_substitutes(model_folder, monkeypatch):
+    """With tail substitution on, a cold tail expert is computed by a resident in its place (approximate.py); placement
+    counts the expert the router chose. Counting the substitute, always a resident, kept whatever was resident: static
+    placement's opening chose the copied misses it had substituted with (half of its counted pairs on a 3-layer model)."""
+    from engine.offload import hybrid_node
+
+    exact, computed, observed = [], [], []
+    approximate = hybrid_node.approximate_routing
+
+    def approximate_spy(ids, *args):
+        out = approximate(ids, *args)
+        exact.append(ids.copy())
+        computed.append(out.copy())
+        return out
+
+    monkeypatch.setattr(hybrid_node, "approximate_routing", approximate_spy)
+    model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30),
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4,
+                                                   tail_substitution_threshold=1.0, tail_substitution_min_rank=1))
+    observe = model.offload.policy.observe
+    model.offload.policy.observe = lambda layer, ids: (observed.append(ids.copy()), observe(layer, ids))
+    greedy_run(model, steps=3)
+    assert model.offload.approximation.substituted > 0  # substitutes computed ...
+    assert any((a != b).any() for a, b in zip(exact, computed))
+    assert len(observed) == len(exact)  # ... and what placement counted in each layer's step is the router's choice
+    assert all(np.array_equal(seen, ids.reshape(-1)) for seen, ids in zip(observed, exact))

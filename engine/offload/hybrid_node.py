@@ -84,6 +84,10 @@ class HybridExpertNode:
         logits = logits.reshape(-1, spec.num_experts)
         ids, weights = route(logits, spec, router_weights)
         slot_of = engine.slots[layer].slot_of
+        # placement counts what the router chose, not what approximate routing computes in its place: a substitute is
+        # always a resident, and counting it would keep whatever is resident (static placement's opening chose copied
+        # misses so)
+        routed = ids
         if approximating:  # it drops pairs (-1); route() gives every pair an expert
             ids = approximate_routing(ids, weights, logits, slot_of, engine.config, engine.approximation)
         shadow = engine.shadow
@@ -179,7 +183,7 @@ class HybridExpertNode:
                                miss_copy_s, waves, standin)
         if not shadow:
             engine.stats.split(layer, missed - copied_pairs, copied_pairs, copies)
-            engine.policy.observe(layer, ids.reshape(-1))
+            engine.policy.observe(layer, routed.reshape(-1))
             engine.settle()
         if result is not None:
             return result
