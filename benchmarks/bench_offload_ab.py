@@ -404,7 +404,7 @@ def main(argv=None) -> dict:
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
               f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
         if details.get("tables"):
-            (share, rows), (whole, _none) = details["tables"]["split"], details["tables"]["whole"]
+            (share, rows), whole = details["tables"]["split"], details["tables"]["whole"][0]
             print(f"       tables fixed: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs {whole}",
                   flush=True)
         for name in ("A", "B"):  # the last round's engine figures
