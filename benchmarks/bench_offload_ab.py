@@ -272,7 +272,9 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
     engine makes from the costs it measured in A's warm-up, both kinds from the same costs: the share with a pair
     split by rows where the stores split pairs (kernels/cold_split.py: split_tables), and whole pairs only. A variant
     with engine.row_split=0 decodes under the second, one with it on under the first, so an A/B of the split compares
-    the split alone. Returns the tables fixed ({"split": [share, rows], "whole": [share, None]})."""
+    the split alone. Returns the tables fixed ({"split": [share, rows], "whole": [share, None]}) and, for "first",
+    the costs they were made from ("costs_us": the CPU's an expert and a call, the GPU's an expert read from the tier,
+    the host's gap between layers, µs; the sixty-seventh session's Qwen A/B could not tell them afterwards)."""
     engine = model.offload
     if isinstance(table, str):  # "first": from the costs the engine measures in A's warm-up
         engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
@@ -280,8 +282,10 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
         layer = next(i for i, store in enumerate(engine.stores) if store is not None)
         split = engine.split_tables_from_costs(layer, getattr(engine.stores[layer], "splits_rows", False))
         whole = engine.split_tables_from_costs(layer, False)
+        # what they were made from (µs): the CPU's an expert and a call, the GPU's an expert from the tier, the host's
+        costs = [seconds * 1e6 for seconds in (*engine._split_costs(layer), engine.host_gap.value)]
     else:
-        split = whole = (table, None)
+        split, whole, costs = (table, None), (table, None), None
     for info in engine.infos:
         if info.spec.k + 1 != split[0].size:
             raise SystemExit(f"--split-table {split[0].tolist()}: {info.name} takes {info.spec.k} experts a token, "
@@ -289,8 +293,8 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
     tables = lambda: split if engine.row_split else whole  # noqa: E731 - read at each call: a variant's switch picks
     engine.cold_split_table = lambda layer: tables()[0]
     engine.cold_split_rows = lambda layer: tables()[1]
-    return {name: [share.tolist(), None if rows is None else rows.tolist()]
-            for name, (share, rows) in (("split", split), ("whole", whole))}
+    return {**{name: [share.tolist(), None if rows is None else rows.tolist()]
+               for name, (share, rows) in (("split", split), ("whole", whole))}, "costs_us": costs}
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
@@ -405,8 +409,11 @@ def main(argv=None) -> dict:
               f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
         if details.get("tables"):
             (share, rows), whole = details["tables"]["split"], details["tables"]["whole"][0]
-            print(f"       tables fixed: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs {whole}",
-                  flush=True)
+            costs = details["tables"]["costs_us"]
+            made = "" if costs is None else (f" (from the CPU's {costs[0]:.0f} µs an expert + {costs[1]:.0f} a call, "
+                                             f"the GPU's {costs[2]:.0f} µs an expert, the host's {costs[3]:.0f} µs)")
+            print(f"       tables fixed: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs {whole}"
+                  f"{made}", flush=True)
         for name in ("A", "B"):  # the last round's engine figures
             last = details[name][-1]
             print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"

@@ -406,7 +406,8 @@ def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_wh
     in_part = engine.runners[0].kernel.reads_rows_in_part
     share, rows = split_tables(4, 256, 64, 100e-6, 0.0, 100e-6, 0.0, 2 / 3, cpu_reads_fc2_whole=not in_part)
     assert rows.any()  # a pair is split where the two sides cost the same
-    assert details["tables"] == {"split": [share.tolist(), rows.tolist()], "whole": [[0, 0, 1, 1, 2], None]}
+    assert details["tables"] == {"split": [share.tolist(), rows.tolist()], "whole": [[0, 0, 1, 1, 2], None],
+                                 "costs_us": [pytest.approx(100.0), 0.0, pytest.approx(100.0), 0.0]}
     assert seen["B"] and set(map(str, seen["B"])) == {str(([0, 0, 1, 1, 2], None))}
     assert seen["A"][3:] and set(map(str, seen["A"][3:])) == {str((share.tolist(), rows.tolist()))}
     assert not {"cold_split_table", "cold_split_rows"} & set(vars(engine))
