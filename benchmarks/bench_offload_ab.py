@@ -79,6 +79,8 @@ SPLIT = "split="  # a variant's layer split
 # steps leave 20 after the trial
 SETTLE_AFTER_TRIAL = 20
 PATH = "path="  # a variant's decode path (engine/offload/decode_path.py)
+# --split-table first: warm-ups more, at most, until the CPU's parts and the GPU's reads of the tier are measured
+FIRST_MORE_WARMUPS = 4
 
 
 def variant(text: str) -> dict:
@@ -279,6 +281,10 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
     if isinstance(table, str):  # "first": from the costs the engine measures in A's warm-up
         engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
         decode(model, prompt, 1, warmup=warmup)
+        for _more in range(FIRST_MORE_WARMUPS):  # until both sides' rates are measured, not their start-up guesses
+            if engine.split_rate.value is not None and engine.tier_read.value is not None:
+                break
+            decode(model, prompt, 1, warmup=warmup)
         layer = next(i for i, store in enumerate(engine.stores) if store is not None)
         split = engine.split_tables_from_costs(layer, getattr(engine.stores[layer], "splits_rows", False))
         whole = engine.split_tables_from_costs(layer, False)
