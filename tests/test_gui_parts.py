@@ -887,10 +887,9 @@ def test_where_everything_landed_counts_the_host_tiers_device_mappings_as_the_de
     assert held >= 2 << 20 and f"(expert slots {human_bytes(held)}, " in landed
 
 
-def test_where_everything_landed_counts_the_slots_a_popularity_file_leaves_empty_as_left_to_copies(tmp_path):
-    """A popularity file that counts fewer experts than a layer has slots: static placement chooses only counted
-    experts, leaving the other slots to copied misses, yet 'where everything landed' said 'Experts resident per layer:
-    3 of 8' with one resident a layer."""
+def _landed_under_static_placement(tmp_path, counts: dict):
+    """gptoss on a simulated device, 3 slots a layer, static placement from a popularity file of `counts` (node name ->
+    counts): (the model, the file, 'where everything landed')."""
     import json
     from types import SimpleNamespace
 
@@ -900,16 +899,24 @@ def test_where_everything_landed_counts_the_slots_a_popularity_file_leaves_empty
 
     folder = ModelFolder.open(fixture_folder("gptoss"))
     path = tmp_path / "popularity.json"
-    path.write_text(json.dumps({info.name: [0, 0, 7, 0, 0, 0, 0, 0] for info in folder.experts}))
+    path.write_text(json.dumps(counts))
     device = SimulatedDevice(1 << 30)
     overrides = ";".join(f"{info.name}:max_resident_slots=3" for info in folder.experts)
     model = LoadedModel.open(fixture_folder("gptoss"), device=device,
                              offload=OffloadConfig.from_entries({"session.moe.offload.placement": "static",
                                                                  "session.moe.offload.popularity_file": str(path),
                                                                  "session.moe.offload.node_overrides": overrides}))
-    assert [layer.resident().tolist() for layer in model.offload.slots] == [[2], [2]]
     worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device)
-    landed = " ".join(EngineWorker._landed(worker, []))
+    return model, path, " ".join(EngineWorker._landed(worker, []))
+
+
+def test_where_everything_landed_counts_the_slots_a_popularity_file_leaves_empty_as_left_to_copies(tmp_path):
+    """A popularity file that counts fewer experts than a layer has slots: static placement chooses only counted
+    experts, leaving the other slots to copied misses, yet 'where everything landed' said 'Experts resident per layer:
+    3 of 8' with one resident a layer."""
+    names = [info.name for info in ModelFolder.open(fixture_folder("gptoss")).experts]
+    model, _path, landed = _landed_under_static_placement(tmp_path, {name: [0, 0, 7, 0, 0, 0, 0, 0] for name in names})
+    assert [layer.resident().tolist() for layer in model.offload.slots] == [[2], [2]]
     assert ("Expert slots per layer: 3 of 8 in every layer (2 layers): 1 resident expert, 2 left for copied misses."
             in landed), landed
 
@@ -919,25 +926,9 @@ def test_where_everything_landed_says_static_placement_measures_only_the_layers_
     """A popularity file that names one of two expert nodes: the other is measured by static placement's opening, and
     where everything landed said it would then copy 'the experts routed most in each layer' into its slots, the
     file's layer too, whose residents the file placed at load."""
-    import json
-    from types import SimpleNamespace
-
-    from app.gui.engine_worker import EngineWorker
-    from engine.generation import LoadedModel
-    from engine.offload import SimulatedDevice
-
-    folder = ModelFolder.open(fixture_folder("gptoss"))
-    path = tmp_path / "popularity.json"
-    path.write_text(json.dumps({folder.experts[0].name: [0, 0, 7, 5, 3, 0, 0, 0]}))
-    device = SimulatedDevice(1 << 30)
-    overrides = ";".join(f"{info.name}:max_resident_slots=3" for info in folder.experts)
-    model = LoadedModel.open(fixture_folder("gptoss"), device=device,
-                             offload=OffloadConfig.from_entries({"session.moe.offload.placement": "static",
-                                                                 "session.moe.offload.popularity_file": str(path),
-                                                                 "session.moe.offload.node_overrides": overrides}))
+    first = ModelFolder.open(fixture_folder("gptoss")).experts[0].name
+    model, path, landed = _landed_under_static_placement(tmp_path, {first: [0, 0, 7, 5, 3, 0, 0, 0]})
     assert [layer.resident().tolist() for layer in model.offload.slots] == [[2, 3, 4], []]
-    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device)
-    landed = " ".join(EngineWorker._landed(worker, []))
     assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
             "the popularity file leaves out into its slots for good (copied misses use them meanwhile).") in landed
     assert (f"{path} counts 1 of 2 expert nodes ('/model/layers.0/moe/QMoE'); static placement measures the other 1 "

@@ -306,17 +306,23 @@ def test_a_node_the_popularity_file_leaves_out_is_measured_by_the_opening(model_
     assert resident_sets(engine)[1:] == [top(c, 8) for c in counts[1:]]  # the measured counts kept, chosen anew
 
 
+def _placed(model_folder, slot_bytes):
+    """A model under static placement, 4 slots a layer, past its opening (a long prompt) with its choice copied in (4
+    decode steps): (the model, its resident sets)."""
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    greedy_run(model, LONG_PROMPT, 0)
+    greedy_run(model, "Hi", 4)
+    return model, resident_sets(model.offload)
+
+
 def test_a_replan_that_keeps_a_layers_slots_keeps_its_chosen_residents(model_folder, slot_bytes):
     """Static placement's residents never move once chosen; but any re-plan (an Apply of another setting, the same
     budgets) made a new policy whose layers chose again at once from every count since the load, so routing after the
     opening moved residents as adaptive placement would. A layer whose slot count the re-plan keeps keeps its choice;
     one whose slots changed chooses for them from the counts (test_a_budget_change_keeps_the_measured_counts...)."""
-    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
-                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    model, placed = _placed(model_folder, slot_bytes)
     engine = model.offload
-    greedy_run(model, LONG_PROMPT, 0)
-    greedy_run(model, "Hi", 4)
-    placed = resident_sets(engine)
     assert not engine.policy.opening and engine.policy.to_place() == 0
     for index, layer in enumerate(engine.slots):  # routing since then favours experts it did not choose
         others = np.array(sorted(set(range(SPEC.num_experts)) - placed[index]))
@@ -334,12 +340,8 @@ def test_a_popularity_file_set_later_leaves_the_layers_it_leaves_out_as_measured
     empty slots. Those layers now keep their counts and their residents; the file's layer takes the file's."""
     import json
 
-    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
-                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    model, placed = _placed(model_folder, slot_bytes)
     engine = model.offload
-    greedy_run(model, LONG_PROMPT, 0)
-    greedy_run(model, "Hi", 4)
-    placed = resident_sets(engine)
     names = [info.name for info in engine.infos]
     path = tmp_path / "popularity.json"
     path.write_text(json.dumps({names[0]: [0] * 12 + [1000] * 4}))
