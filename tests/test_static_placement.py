@@ -364,3 +364,17 @@ def test_records_and_json_say_which_slots_static_placement_leaves_to_copies(mode
                                 device_expert_bytes=4 * SPEC.layers * slot_bytes)
     state = model.offload.stats_dict()["static_placement"]
     assert state["unchosen_slots"] == [3, 0, 0] and state["opening_tokens_left"] == 32
+
+
+def test_the_settle_progress_says_static_placement_is_what_it_waits_for(model_folder, slot_bytes):
+    """A sweep point's or a comparison's settle waits for static placement's opening and copies too
+    (OffloadEngine.trials_pending), and its progress line said 'decoding until the engine's trials of its ways are
+    over' meanwhile: it says which (pending_words)."""
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static",
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    assert engine.trials_pending and engine.pending_words() == "static placement has counted its opening's routing"
+    greedy_run(model, LONG_PROMPT, 0)  # the opening ends at the prompt: its choice still to copy in
+    assert engine.policy.to_place() and engine.pending_words() == "static placement's residents are copied in"
+    adaptive, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    assert adaptive.offload.pending_words() == "the engine's trials of its ways are over"

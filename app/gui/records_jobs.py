@@ -309,7 +309,7 @@ class SweepJob:
             at = f"{fraction:.0%}" + (f" ({split})" if split else "")
             # back from every expert resident, the experts' mapping first (sweep.settle waits for it)
             first = "" if model.settled else "mapping its experts again after the re-plan, then "
-            ctx.progress(done[0] / total(), f"at {at}: {first}decoding until the engine's trials of its ways are over, "
+            ctx.progress(done[0] / total(), f"at {at}: {first}decoding until {model.offload.pending_words()}, "
                                           "unrecorded")
 
         def on_point(point: SweepPoint) -> None:
@@ -400,7 +400,7 @@ class SideBySideJob:
         # B is loaded afresh and A may be too: their answers would time the ways their engines try, not those kept
         for side, model in (("A", left), ("B", right.model)):
             if model is not None and model.offload is not None and model.offload.trials_pending:
-                ctx.progress(None, f"{side}: decoding until the engine's trials of its ways are over, unrecorded")
+                ctx.progress(None, f"{side}: decoding until {model.offload.pending_words()}, unrecorded")
                 end_trials(model, ctx.cancel)
         tokens = self.max_new_tokens
         if tokens is None:  # both sides answer the same length: the longer of the models' own (B's may reason first)

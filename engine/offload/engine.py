@@ -369,6 +369,18 @@ class OffloadEngine:
                 or (self.layer_split_mode == "auto" and not self._host_tier and self._split_is_choosable()
                     and self.split_trials.trials == 0))
 
+    def pending_words(self) -> str:
+        """What trials_pending waits for, as the end of 'decoding until ...' (the window's progress while a sweep point
+        or a side-by-side comparison settles)."""
+        trials = (self.path_trials.measuring or self.split_trials.measuring or self.share_trials.measuring
+                  or self.row_trials.measuring)
+        if not trials and isinstance(self.policy, StaticPlacement):
+            if self.policy.opening:
+                return "static placement has counted its opening's routing"
+            if self.policy.to_place():
+                return "static placement's residents are copied in"
+        return "the engine's trials of its ways are over"
+
     def rows_choosable(self) -> bool:
         """A pair may be split by rows under "both" (row_trials choose whether): MOE_ROW_SPLIT is not 0 and the
         device's stores split pairs (their GPU decode kernels)."""
