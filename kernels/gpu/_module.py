@@ -48,8 +48,11 @@ def build_cubin(cc: str, nvcc: str = "nvcc") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     src = out.with_suffix(".cu")
     src.write_text(source_text())
-    subprocess.run([nvcc, f"-arch={nvcc_arch(cc)}", *NVRTC_OPTIONS, "-cubin", "-o", str(out), str(src)], check=True)
-    src.unlink()
+    try:
+        subprocess.run([nvcc, f"-arch={nvcc_arch(cc)}", *NVRTC_OPTIONS, "-cubin", "-o", str(out), str(src)],
+                       check=True)
+    finally:
+        src.unlink(missing_ok=True)
     return out
 
 

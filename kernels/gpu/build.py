@@ -5,17 +5,26 @@ Optional: without a cubin the module is compiled by NVRTC (through CuPy) on firs
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 
-from ._module import build_cubin
+from ._module import build_cubin, nvcc_arch
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kernels.gpu.build", description=__doc__)
     ap.add_argument("--arch", action="append", default=None, help="compute capability, e.g. 90 (repeatable)")
-    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--nvcc", default="nvcc", help="the nvcc to run: a path or a command on PATH (default nvcc)")
     args = ap.parse_args(argv)
+    if shutil.which(args.nvcc) is None:
+        ap.error(f"nvcc not found: {args.nvcc} is not an executable file or a command on PATH; --nvcc PATH names "
+                 "another; without a cubin the kernels are compiled by NVRTC at the first load")
     for cc in args.arch or ["90"]:
-        print(build_cubin(cc, nvcc=args.nvcc))
+        try:
+            print(build_cubin(cc, nvcc=args.nvcc))
+        except subprocess.CalledProcessError as failed:
+            ap.exit(1, f"{ap.prog}: error: {args.nvcc} exited with status {failed.returncode} building "
+                       f"{nvcc_arch(cc)} (its messages are above)\n")
 
 
 if __name__ == "__main__":
