@@ -342,7 +342,7 @@ def test_side_by_side_answers_the_longer_of_the_two_models_own_lengths(copy_fixt
 
     monkeypatch.setattr(jobs, "compare", compare)
     ctx = jobs.JobContext(LoadedModel.open(answers_at_once), None, {}, threading.Event(), lambda _f, _t: None,
-                          lambda _batch: None, lambda _choice, _config: None)
+                          lambda _batch: None, lambda _choice, _config, _notes: None)
     for right, chosen in ((None, None), (reasons_first, None), (reasons_first, 20)):
         with pytest.raises(Compared):
             jobs.SideBySideJob("Hi", chosen, {}, right and str(right))(ctx)

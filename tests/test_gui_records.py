@@ -526,7 +526,7 @@ def test_side_by_side_times_each_side_once_the_engines_trials_of_its_ways_are_ov
     said = []
     ctx = jobs.JobContext(left, device, {"kind": "simulated", "capacity": 8 << 30}, threading.Event(),
                           lambda _fraction, text="": said.append(text), lambda _batch: None,
-                          lambda _choice, config: SimulatedDevice(8 << 30))
+                          lambda _choice, config, _notes: SimulatedDevice(8 << 30))
     result = jobs.SideBySideJob("Compare the two sides", 4, budget, history_path=str(tmp_path / "h.sqlite"),
                                 right_decode_path="auto")(ctx)
     for record in result.comparison.records:
@@ -555,7 +555,7 @@ def test_side_by_side_loads_b_beside_a_on_the_simulated_card_and_gives_each_side
     device = SimulatedDevice(card)
     left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
     ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
-                          lambda _choice, config: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
     result = jobs.SideBySideJob("Compare the two sides", 2, entries, history_path=str(tmp_path / "h.sqlite"))(ctx)
     assert result.comparison.records[1].offload["statements"][0] == (
         "4 expert slots for the 16 experts on the simulated GPU, 1.9 MiB (138.0 KiB of a 138.0 KiB expert budget).")
@@ -574,7 +574,7 @@ def test_side_by_side_says_b_could_not_load_beside_a_where_the_device_had_too_li
     device = SimulatedDevice(card)
     left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig.from_entries(entries), device=device)
     ctx = jobs.JobContext(left, device, SHARED_CARD["device"], threading.Event(), lambda *_: None, lambda _: None,
-                          lambda _choice, config: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
+                          lambda _choice, config, _notes: SimulatedDevice(card, mem_limit=config.gpu_device_mem_limit))
 
     def b_failure(b_entries: dict) -> str:
         job = jobs.SideBySideJob("Hi", 1, {**entries, **b_entries}, history_path=str(tmp_path / "h.sqlite"))
@@ -649,6 +649,33 @@ def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, wind
     view.bar.run_button.click()
     finish(qtbot, window, view)
     assert "changed nothing" not in view.divergence.text()
+
+
+def test_side_by_side_says_why_b_runs_on_the_cpu_where_its_cuda_gpu_cannot_be_used(qtbot, window, monkeypatch,
+                                                                                   tmp_path):
+    """B asked for the CUDA GPU under mode=auto and could not have it: B ran every expert on the CPU, but its reason
+    was thrown away, so the comparison said only "no device: every expert on the CPU" and told the user to choose the
+    CUDA device they had chosen. B's column, the comparison and B's record now say why. A stand-in for the worker's
+    CUDA GPU that cannot be opened (another process holds it in exclusive-process mode)."""
+    from app.gui import engine_worker
+
+    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+            "is/are busy or unavailable)")
+    note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
+    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    view = window.side_by_side
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(2)
+    view.right_entries.setPlainText(f"device_expert_bytes={3 * EXPERT}")
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    said = f"the CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
+    assert view.right.values["device peak"].text() == f"no device: {said}"
+    assert view.divergence.text().endswith(f" B's device_expert_bytes changed nothing: {said}")
+    record = view.result.comparison.records[1]
+    assert record.offload["device"] == "cpu" and record.offload["device_fallback"] == note
+    assert History(tmp_path / "history.sqlite3").get(view.result.saved_ids[1]).offload["device_fallback"] == note
 
 
 def test_the_chat_keys_on_the_side_by_side_tab_answer_both_and_leave_the_hidden_chat_alone(qtbot, window):

@@ -516,7 +516,7 @@ class EngineWorker(QObject):
                 progress=lambda fraction, text="": self.jobProgress.emit(
                     kind, None if fraction is None else float(fraction), text),
                 stream=lambda payload: self.jobStreamed.emit(kind, payload),
-                make_device=lambda choice, config: self._make_device(choice, config, []))
+                make_device=self._make_device)
             self.jobFinished.emit(kind, job(context))
         except Exception as exc:  # the window shows it; the worker stays usable
             self.failed.emit(one_line(exc))

@@ -46,7 +46,9 @@ class JobContext:
     cancel: threading.Event
     progress: Callable[..., None]               # progress(fraction, text); fraction None: how far cannot be told
     stream: Callable[[object], None]            # a batch of streamed text, in the job's own shape
-    make_device: Callable[[dict, OffloadConfig], Any]
+    # make_device(choice, config, notes): the device for a choice, or None (CPU), a note appended to `notes` where a
+    # CUDA GPU asked for cannot be used
+    make_device: Callable[[dict, OffloadConfig, list[str]], Any]
 
     def loaded(self) -> LoadedModel:
         if self.model is None:
@@ -381,11 +383,12 @@ class SideBySideJob:
 
         ctx.progress(0.0, "loading the right side")
         device = None
+        fallback: list[str] = []  # why B runs every expert on the CPU where its CUDA GPU cannot be used
         held_by_a = ctx.device.memory.used if ctx.device is not None else 0  # A stays loaded, holding this
         try:
             # B is loaded beside A, which stays loaded: on the simulated card as on a real one, B has what A leaves
             device = (ctx.device.beside(config.gpu_device_mem_limit) if is_simulated(ctx.device)
-                      else ctx.make_device(ctx.device_choice, config))
+                      else ctx.make_device(ctx.device_choice, config, fallback))
             right = Side(LoadedModel.open(folder, progress=load_progress, offload=config, device=device,
                                           layer_split=self.right_layer_split, decode_path=self.right_decode_path),
                          device, self.labels[1])
@@ -414,6 +417,8 @@ class SideBySideJob:
             comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,
                                  concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel,
                                  on_reasoning=streams.on_reasoning, on_done=streams.on_done)
+            if fallback and comparison.records[1] is not None:
+                comparison.records[1].offload["device_fallback"] = fallback[0]
         finally:
             streams.flush()  # the last batches and the sides' ends, however compare ended (it sends only what is new)
             # the right model's queued copies done before its slots go back to CuPy's pool, which the loaded model's

@@ -136,6 +136,8 @@ def idle_settings_text(a, b) -> str:
                       DEVICE_KEYS)
     if b.offload.get("device") != "cpu" or not idle:
         return ""
+    if b.offload.get("device_fallback"):  # the CUDA GPU was chosen, and B could not have it
+        return f" B's {', '.join(idle)} changed nothing: {_sentence_part(b.offload['device_fallback'])}"
     return (f" B's {', '.join(idle)} changed nothing: the model is loaded for the CPU, where every expert runs (choose "
             "a simulated or CUDA device in Budgets, then load, to compare budgets).")
 
@@ -166,7 +168,8 @@ def side_stats(record, budget: SideBudget | None = None) -> dict[str, str]:
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
             "total": f"{t['total_s']:.2f} s",
             "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]),
-            "expert budget": budget_text(budget), "device peak": device_peak_text(record.peaks["device_bytes"]),
+            "expert budget": budget_text(budget),
+            "device peak": device_peak_text(record.peaks["device_bytes"], record.offload.get("device_fallback")),
             "routing": routing_text(record)}
 
 
@@ -200,9 +203,17 @@ def budget_beside_a_text(budgets: tuple[SideBudget | None, SideBudget | None]) -
                   "Budgets, then load).")
 
 
-def device_peak_text(device_bytes: int | None) -> str:
-    """The most a side held on its device while it answered (its record's peak); None: it had no device."""
-    return "no device: every expert on the CPU" if device_bytes is None else human_bytes(device_bytes)
+def device_peak_text(device_bytes: int | None, fallback: str | None = None) -> str:
+    """The most a side held on its device while it answered (its record's peak); None: it had no device, for
+    `fallback`'s reason where the CUDA GPU asked for could not be used."""
+    if device_bytes is not None:
+        return human_bytes(device_bytes)
+    return f"no device: {_sentence_part(fallback)}" if fallback else "no device: every expert on the CPU"
+
+
+def _sentence_part(sentence: str) -> str:
+    """A sentence ("The CUDA GPU ...") to follow a colon."""
+    return sentence[:1].lower() + sentence[1:]
 
 
 class Column(QGroupBox):
