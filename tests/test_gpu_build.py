@@ -1,5 +1,5 @@
-"""``python -m kernels.gpu.build`` with an nvcc that is missing or fails (CPU only: a fake nvcc in tmp_path)."""
-from __future__ import annotations
+"""``python -m kernels.gpu.build`` with an nvcc that is missing or fails, and --arch spellings no load asks for
+(CPU only: a fake nvcc in tmp_path)."""
 
 import pytest
 
@@ -54,3 +54,16 @@ def test_a_working_nvcc_prints_the_cubin_and_leaves_no_source(tmp_path, cubin_di
     out = cubin_path("89")
     assert capsys.readouterr().out.strip() == str(out)
     assert [p.name for p in cubin_dir.iterdir()] == [out.name]
+
+
+@pytest.mark.parametrize("arch", ["90a", "sm_90", "9.0"])
+def test_an_arch_not_given_as_the_loader_names_it_is_refused_before_nvcc_runs(tmp_path, cubin_dir, capsys, arch):
+    """--arch 90a went to nvcc as sm_90a and wrote qmoe-sm90a-<hash>.cubin, a cubin no load asks for (the kernels ask
+    for CuPy's compute capability, "90"): it printed its path and was never used."""
+    nvcc = fake_nvcc(tmp_path, 'while [ "$1" != "-o" ]; do shift; done\necho cubin > "$2"')
+    with pytest.raises(SystemExit) as stop:
+        build.main(["--nvcc", str(nvcc), "--arch", arch])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"argument --arch: {arch!r} is not a compute capability as digits, e.g. 90 for 9.0 (sm_90a), 89 for 8.9")
+    assert not cubin_dir.exists()

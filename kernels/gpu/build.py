@@ -11,9 +11,19 @@ import subprocess
 from ._module import build_cubin, nvcc_arch
 
 
+def compute_capability(text: str) -> str:
+    """--arch as the kernels look a cubin up: CuPy's compute capability, digits only ("90"); any other spelling
+    would name a cubin no load asks for."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability as digits, e.g. 90 for 9.0 (sm_90a), "
+                                         "89 for 8.9")
+    return text
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kernels.gpu.build", description=__doc__)
-    ap.add_argument("--arch", action="append", default=None, help="compute capability, e.g. 90 (repeatable)")
+    ap.add_argument("--arch", action="append", default=None, type=compute_capability,
+                    help="compute capability as digits, e.g. 90 (repeatable)")
     ap.add_argument("--nvcc", default="nvcc", help="the nvcc to run: a path or a command on PATH (default nvcc)")
     args = ap.parse_args(argv)
     if shutil.which(args.nvcc) is None:
