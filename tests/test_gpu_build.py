@@ -67,3 +67,18 @@ def test_an_arch_not_given_as_the_loader_names_it_is_refused_before_nvcc_runs(tm
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         f"argument --arch: {arch!r} is not a compute capability as digits, e.g. 90 for 9.0 (sm_90a), 89 for 8.9")
     assert not cubin_dir.exists()
+
+
+def test_a_cubin_folder_that_cannot_be_written_is_one_error_line_naming_it(tmp_path, monkeypatch, capsys):
+    """The cubin folder is inside the package (a read-only site-packages for a user's install) unless
+    QMOE_GPU_CUBIN_DIR names another: one that cannot be made or written ended in a raw OSError traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("QMOE_GPU_CUBIN_DIR", str(blocker / "cubins"))
+    nvcc = fake_nvcc(tmp_path, "exit 0")
+    with pytest.raises(SystemExit) as stop:
+        build.main(["--nvcc", str(nvcc)])
+    assert stop.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"python -m kernels.gpu.build: error: cannot write the cubin to {blocker / 'cubins'}: Not a directory "
+        "(QMOE_GPU_CUBIN_DIR names another folder, which the kernels' loads then look in)")

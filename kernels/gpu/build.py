@@ -8,7 +8,7 @@ import argparse
 import shutil
 import subprocess
 
-from ._module import build_cubin, nvcc_arch
+from ._module import build_cubin, cubin_dir, nvcc_arch
 
 
 def compute_capability(text: str) -> str:
@@ -35,6 +35,9 @@ def main(argv=None) -> None:
         except subprocess.CalledProcessError as failed:
             ap.exit(1, f"{ap.prog}: error: {args.nvcc} exited with status {failed.returncode} building "
                        f"{nvcc_arch(cc)} (its messages are above)\n")
+        except OSError as exc:  # the cubin folder cannot be made, or its source written
+            ap.exit(1, f"{ap.prog}: error: cannot write the cubin to {cubin_dir()}: {exc.strerror} (QMOE_GPU_CUBIN_DIR "
+                       "names another folder, which the kernels' loads then look in)\n")
 
 
 if __name__ == "__main__":
