@@ -1135,7 +1135,8 @@ def test_side_by_side_on_a_simulated_card_says_each_sides_projected_decode_rate_
         timings = {"time_to_first_token_s": first_token_s, "decode_tokens_per_s": rate, "total_s": 0.05}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 12, "finish_reason": "length"}],
                                scenario="side-by-side", approximate_routing=False,
-                               timings={"projected": {"decode_tokens_per_s": projected}}, peaks={"device_bytes": 0})
+                               timings={"projected": {"decode_tokens_per_s": projected}}, peaks={"device_bytes": 0},
+                               offload={})
 
     a, b = record(0.034, 588.5, 621.8), record(0.017, 661.5, 1529.9)
     assert side_stats(a)["decode"] == "588.5 tok/s, projected 621.8 tok/s"
@@ -1159,7 +1160,7 @@ def test_side_by_sides_columns_keep_how_each_answer_ended_once_the_comparison_en
     def record(finish_reason, tokens):
         timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.3}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": tokens, "finish_reason": finish_reason}],
-                               approximate_routing=False, timings={}, peaks={"device_bytes": None})
+                               approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
 
     assert side_stats(record("max_length", 11))["tokens"] == "stopped at the model's search.max_length (11 tokens)"
     assert side_stats(record("length", 50))["tokens"] == "stopped at the length (50 tokens)"
@@ -1197,7 +1198,8 @@ def test_side_by_sides_columns_show_each_sides_device_peak(qapp):
     def record(device_bytes):
         timings = {"time_to_first_token_s": 0.01, "decode_tokens_per_s": 40.0, "total_s": 0.3}
         return SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 8, "finish_reason": "length"}],
-                               approximate_routing=False, timings={}, peaks={"device_bytes": device_bytes})
+                               approximate_routing=False, timings={}, peaks={"device_bytes": device_bytes},
+                               offload={})
 
     assert side_stats(record(671232))["device peak"] == "655.5 KiB"
     assert side_stats(record(None))["device peak"] == "no device: every expert on the CPU"
@@ -1244,7 +1246,7 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
                                                                             "2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
     record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1, "finish_reason": "length"}],
-                             approximate_routing=False, timings={}, peaks={"device_bytes": None})
+                             approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
     assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "stopped at the length (1 token)"
 
 

@@ -357,7 +357,7 @@ def test_a_side_by_side_column_ends_on_the_tokens_its_record_counts():
 
     timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 140.0}
     record = SimpleNamespace(turns=[{"timings": timings, "generated_tokens": 1234, "finish_reason": "length"}],
-                             approximate_routing=False, timings={}, peaks={"device_bytes": None})
+                             approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
     assert side_stats(record)["tokens"] == "stopped at the length (1,234 tokens)"
 
 
@@ -379,7 +379,7 @@ def _run_side_by_side_job(qtbot, monkeypatch, stand_in, quiesce=None, add=None):
     monkeypatch.setattr(jobs, "History", lambda path: SimpleNamespace(add=add or (lambda record: 1)))
     left = SimpleNamespace(folder=SimpleNamespace(folder="/models/a"), offload=None)
     ctx = JobContext(left, None, {}, threading.Event(), view.on_progress, view.on_streamed,
-                     lambda choice, config: device)
+                     lambda choice, config, notes: device)
     view.bar.start("Loading B…")
     try:  # as EngineWorker._job reports it
         view.on_finished(SideBySideJob("Compare", 8, {})(ctx))
@@ -431,7 +431,7 @@ def test_a_side_by_side_stopped_during_a_says_b_never_started(qtbot, monkeypatch
         on_done(1, "cancelled", 0)  # (compare's end of a side that had not begun)
         timings = {"time_to_first_token_s": 0.1, "decode_tokens_per_s": 9.0, "total_s": 0.3}
         a = SimpleNamespace(turns=[{"finish_reason": "cancelled", "generated_tokens": 2, "timings": timings}],
-                            approximate_routing=False, timings={}, peaks={"device_bytes": None})
+                            approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
         return Comparison((a, SimpleNamespace(turns=[], approximate_routing=False)), None)
 
     shown, answers = _run_side_by_side_job(qtbot, monkeypatch, stopped_in_a)

@@ -297,7 +297,7 @@ def test_a_job_says_so_while_a_model_settles(simulated_model):
     kept = model.prefault
     said = []
     ctx = JobContext(model, device, {}, threading.Event(), lambda fraction, text: said.append((fraction, text)),
-                     lambda batch: None, lambda choice, config: None)
+                     lambda batch: None, lambda choice, config, notes: None)
     try:
         model.prefault = SimpleNamespace(done=threading.Event())
         model.prefault.done.set()
