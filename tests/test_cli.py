@@ -69,6 +69,34 @@ def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tie
     assert said.endswith(f"free for them under gpu_device_mem_limit={8 << 20}."), said
 
 
+def test_inspect_says_the_device_memory_the_host_tier_takes_beside_a_zero_budget(cli):
+    """At budget 0 the tier still maps each slot array's device rows, a 2 MiB granule each even without slots: the plan
+    says so (it said 0 B of a 0 B budget and nothing of the 32 MiB), as the load's plan does."""
+    from engine.generation import LoadedModel
+    from engine.model_folder import ModelFolder
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import slots_device_bytes
+
+    infos = ModelFolder.open(fixture_folder("gptoss")).experts
+    mapped = slots_device_bytes(infos, {}, host_tier=True)
+    assert mapped == 32 << 20
+    said = (f"With the host tier, the expert slots take {human_bytes(mapped)} of device memory: each slot array's "
+            "device rows are mapped rounded up to the 2.0 MiB granule, one granule even without slots.")
+    for path in ("tier", "both"):
+        result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", path,
+                     "--offload", "device_expert_bytes=0")
+        assert result.returncode == 0, result.stderr
+        statements = json.loads(result.stdout)["offload"]["statements"]
+        assert statements[1] == said, statements
+        model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=0),
+                                 decode_path=path, device=SimulatedDevice(8 << 30))
+        assert model.offload.host_tier and model.offload.plan.statements[1] == said
+    # no tier (decode path cpu): no such sentence
+    result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "cpu",
+                 "--offload", "device_expert_bytes=0")
+    assert not any("host tier" in s for s in json.loads(result.stdout)["offload"]["statements"])
+
+
 def test_inspects_plan_says_what_the_load_on_the_same_device_says(cli):
     """inspect's offload statements are the load's plan's, in its order (the plan, the staging ring, the host tier, the
     decode streaming slots), where the parts compete for a gpu_device_mem_limit: it planned the streaming slots in the

@@ -235,6 +235,20 @@ def _exact_routing_statement(config: OffloadConfig) -> list[str]:
     return [f"Routing is exact: offload is disabled, so approximate routing's {', '.join(idle)} {verb} not apply."]
 
 
+def _tier_mapping_statement(config: OffloadConfig, runnable: list[ExpertNodeInfo], slots: dict[str, int], device,
+                            host_tier: bool) -> list[str]:
+    """The device memory the host tier's mappings take with `slots` (as a one-sentence list), where the tier will be
+    made (decode_path.tier_verdict: some expert cold, room on `device` for its mappings): more than the slots' bytes,
+    and a granule per slot array even at a budget of 0."""
+    if not host_tier or all(slots[info.name] >= info.spec.num_experts for info in runnable):
+        return []
+    need = slots_device_bytes(runnable, slots, host_tier=True)
+    if need > expert_room(config, device):
+        return []  # no tier is made (decode_path._device_refusal says why)
+    return [f"With the host tier, the expert slots take {human_bytes(need)} of device memory: each slot array's device "
+            f"rows are mapped rounded up to the {human_bytes(TIER_GRANULE)} granule, one granule even without slots."]
+
+
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
                  whole_layers: bool = False, dense_on_device: bool = False, host_tier: bool = False) -> OffloadPlan:
     """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
@@ -347,6 +361,7 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     held = (f"{resident} of {total_experts} experts resident" if mode == "all_resident"
             else f"{counted(resident, 'expert slot')} for the {total_experts} experts")
     statements = [f"{held} on the {device.name} ({human_bytes(spent)} of a {human_bytes(budget)} expert budget)."]
+    statements += _tier_mapping_statement(config, runnable, slots, device, host_tier and not tier_room)
     if whole_layers:
         full = sum(1 for info in runnable if slots[info.name] == info.spec.num_experts)
         statements.append(f"The budget holds whole layers: {full} of {len(runnable)} expert layers keep all their "
