@@ -94,7 +94,26 @@ def test_inspect_says_the_device_memory_the_host_tier_takes_beside_a_zero_budget
     # no tier (decode path cpu): no such sentence
     result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "cpu",
                  "--offload", "device_expert_bytes=0")
-    assert not any("host tier" in s for s in json.loads(result.stdout)["offload"]["statements"])
+    assert not any(s.startswith("With the host tier") for s in json.loads(result.stdout)["offload"]["statements"])
+
+
+def test_with_the_tier_in_force_the_plan_does_not_say_slotless_layers_decode_on_the_cpu(cli):
+    """Under decode path 'tier' at budget 0 the GPU reads every cold expert from the host tier, those of the layers
+    without expert slots too (HybridExpertNode runs such a step as a resident one); the plan said below the tier's
+    sentence that "Decode misses of 2 layers without expert slots run on the CPU", unconditionally."""
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated", "--decode-path", "tier",
+                 "--offload", "device_expert_bytes=0")
+    said = json.loads(result.stdout)["offload"]["statements"]
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=0), decode_path="tier",
+                             device=SimulatedDevice(8 << 30))
+    assert model.offload.decode_path_in_force == "tier" and model.offload.reads_tier
+    assert said == model.offload.plan.statements
+    assert said[-1] == ("Where decode computes cold experts on the CPU (not from a host tier), the misses of 2 layers "
+                        "without expert slots run there; device_working_bytes would let some also go over PCIe "
+                        "(decode streaming slots)."), said
 
 
 def test_inspects_plan_says_what_the_load_on_the_same_device_says(cli):
@@ -1096,7 +1115,8 @@ def test_inspect_says_what_the_loads_plan_says_the_staging_ring_and_streaming_sl
                              decode_path="cpu")
     assert status == 0 and said == model.offload.plan.statements
     assert "Copies to the device go through a pinned staging ring of 78.1 KiB (2 experts)." in said
-    assert any(sentence.startswith("Decode misses of 2 layers without expert slots") for sentence in said)
+    assert any(sentence.startswith("Where decode computes cold experts on the CPU (not from a host tier), the "
+                                  "misses of 2 layers without expert slots") for sentence in said)
 
 
 def test_with_every_expert_resident_no_prefill_wave_is_said_to_stream(capsys):

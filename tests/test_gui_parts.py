@@ -860,7 +860,7 @@ def test_the_estimate_counts_the_host_tiers_granule_rounded_mappings_as_the_engi
             assert estimated_device_parts(est)["experts"] == rounded >= granules * (2 << 20)
         else:  # the slots alone fit: the tier's mappings do not
             assert engine.plan.device_bytes(engine.infos) < limit
-            said = [s for s in est.statements if "host tier" in s]
+            said = [s for s in est.statements if "no host tier" in s]
             assert len(said) == 1 and said[0].startswith("Cold experts are computed on the CPU: no host tier is made, "
                                                          "since its device mappings need ")
             assert f"free for them under gpu_device_mem_limit={limit}." in said[0]

@@ -68,14 +68,15 @@ def test_device_working_bytes_bounds_the_slots(model_folder, cpu_run):
     single = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30),
                               offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=size))
     layers = len(single.offload.stores)
-    assert (f"Decode misses of {layers} layers without expert slots may also be copied to the device, through 1 shared "
+    assert (f"Where decode computes cold experts on the CPU (not from a host tier), the misses of {layers} layers "
+            f"without expert slots may also be copied to the device, through 1 shared "
             f"streaming slot ({human_bytes(size)} of working memory), while the CPU computes the rest."
             in single.offload.plan.statements)
     off = SimulatedDevice(1 << 30)
     model = LoadedModel.open(model_folder, device=off, offload=OffloadConfig(device_expert_bytes=0,
                                                                             device_working_bytes=size - 1))
     assert model.offload.streaming.groups == [] and off.memory.by_purpose.get(PURPOSE, 0) == 0
-    assert any("CPU only" in s for s in model.offload.plan.statements)
+    assert any("run there only" in s for s in model.offload.plan.statements)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert decode_split(model)[2] == 0  # no decode copy (prefill waves may copy)
 
@@ -88,13 +89,15 @@ def test_no_streaming_slot_says_whether_device_working_bytes_or_the_device_left_
     layers = SPEC.layers
     model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30),
                              offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=size - 1))
-    assert (f"Decode misses of {layers} layers without expert slots run on the CPU only: device_working_bytes="
+    assert (f"Where decode computes cold experts on the CPU (not from a host tier), the misses of {layers} layers "
+            f"without expert slots run there only: device_working_bytes="
             f"{size - 1} holds no streaming slot of {human_bytes(size)}.") in model.offload.plan.statements
     limit = 2 * size + size // 2  # the staging ring's two one-expert waves, and half a slot
     model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30, mem_limit=limit),
                              offload=OffloadConfig(device_expert_bytes=0, device_working_bytes=1 << 30,
                                                    prefill_wave_experts=1, gpu_device_mem_limit=limit))
-    assert (f"Decode misses of {layers} layers without expert slots run on the CPU only: the device has "
+    assert (f"Where decode computes cold experts on the CPU (not from a host tier), the misses of {layers} layers "
+            f"without expert slots run there only: the device has "
             f"{human_bytes(size // 2)} free under gpu_device_mem_limit={limit}, less than a streaming slot of "
             f"{human_bytes(size)}.") in model.offload.plan.statements
 

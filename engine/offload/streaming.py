@@ -24,6 +24,11 @@ from engine.offload.planner import under_limit
 from engine.units import counted, human_bytes
 
 
+# The streaming slots serve decode steps that compute cold experts on the CPU: while decode reads them from the host
+# tier (decode_path.py), the tier reads those of layers without slots too, and the sentences below say so.
+ON_CPU = "Where decode computes cold experts on the CPU (not from a host tier)"
+
+
 @dataclass
 class StreamingPlan:
     by_layer: list                               # per expert node: its layout's streaming slots, or None
@@ -59,7 +64,7 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
             wanted.setdefault(_layout_key(info), []).append(index)
     if wanted and left is None:
         layers = sum(len(indices) for indices in wanted.values())
-        plan.statements.append(f"Decode misses of {counted(layers, 'layer')} without expert slots run on the CPU; "
+        plan.statements.append(f"{ON_CPU}, the misses of {counted(layers, 'layer')} without expert slots run there; "
                                f"device_working_bytes would let some also go over PCIe (decode streaming slots).")
         return plan
     for indices in wanted.values():
@@ -75,19 +80,20 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
             else:
                 free = human_bytes(device.memory.available)
                 why = f"the device has {free} free{under_limit(device)}, less than a {slot}"
-            plan.statements.append(f"Decode misses of {layer_count} without expert slots run on the CPU only: {why}.")
+            plan.statements.append(f"{ON_CPU}, the misses of {layer_count} without expert slots run there only: "
+                                   f"{why}.")
             continue
         try:
             group = device.create_streaming_slots(runner, count)
         except DeviceMemoryError as exc:
-            plan.statements.append(f"Decode misses of {layer_count} without expert slots run on the CPU only: "
+            plan.statements.append(f"{ON_CPU}, the misses of {layer_count} without expert slots run there only: "
                                    f"{exc}.")
             continue
         plan.groups.append(group)
         left -= count * slot_bytes
         for index in indices:
             plan.by_layer[index] = group
-        plan.statements.append(f"Decode misses of {layer_count} without expert slots may also be copied to the "
-                               f"device, through {counted(count, 'shared streaming slot')} "
+        plan.statements.append(f"{ON_CPU}, the misses of {layer_count} without expert slots may also be copied to "
+                               f"the device, through {counted(count, 'shared streaming slot')} "
                                f"({human_bytes(count * slot_bytes)} of working memory), while the CPU computes the rest.")
     return plan
