@@ -1912,3 +1912,19 @@ def test_tab_moves_on_from_the_side_by_side_boxes_as_from_the_chats(qtbot):
         qtbot.waitUntil(box.hasFocus)
         qtbot.keyClick(box, Qt.Key.Key_Tab)
         assert box.toPlainText() == "text" and QApplication.focusWidget() is not box
+
+
+def test_the_budget_panels_statements_show_angle_brackets_and_ampersands_as_written(qapp, gptoss):
+    """The statements went into a rich-text label unescaped: a node name with '<' (or an NVRTC error naming
+    std::vector<int>, a folder with '&') read as a tag, and the label lost the text from there on."""
+    from app.gui.budget_panel import BudgetPanel
+    from PySide6.QtGui import QTextDocument
+
+    panel = BudgetPanel()
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 1 << 30},
+                             "entries": {"node_overrides": "vector<int>&x:max_resident_slots=1"}})
+    assert panel.last_estimate.error.startswith("node_overrides names 'vector<int>&x', which is no expert node")
+    shown = QTextDocument()
+    shown.setHtml(panel.statements.text())
+    assert shown.toPlainText().startswith("node_overrides names 'vector<int>&x', which is no expert node"), \
+        shown.toPlainText()

@@ -525,7 +525,8 @@ class BudgetPanel(QWidget):
             stale = (f" (stale: NVML has not answered for the last {self._gpu_missed} samples; this is its last "
                      "reading)" if self._gpu_missed >= STALE_GPU_SAMPLES else "")
             if choice.error:
-                self.device_note.setText(f"<span style='color:{t.error}'>Unavailable: {choice.error}</span>")
+                unavailable = html.escape(choice.error, quote=False)
+                self.device_note.setText(f"<span style='color:{t.error}'>Unavailable: {unavailable}</span>")
             elif self._gpu is None:
                 why = self._gpu_note or "NVML has given no reading"
                 self.device_note.setText(f"{choice.label}: its memory is not known yet ({why}); the estimate counts a "
@@ -568,7 +569,9 @@ class BudgetPanel(QWidget):
         self._show_pinned(est, choice, config)
         colour = t.error if est.error else t.text
         statements = est.statements + self._split_statement(est, config)
-        self.statements.setText(f"<span style='color:{colour}'>" + "<br>".join(statements) + "</span>")
+        # the statements are text (a node or folder name, an NVRTC error naming std::vector<int>): escaped for the label
+        shown = "<br>".join(html.escape(statement, quote=False) for statement in statements)
+        self.statements.setText(f"<span style='color:{colour}'>{shown}</span>")
         self._update_apply()
         self.estimateChanged.emit(est, config.mode, choice.label)
 
