@@ -116,6 +116,24 @@ def test_with_the_tier_in_force_the_plan_does_not_say_slotless_layers_decode_on_
                         "(decode streaming slots)."), said
 
 
+def test_whole_layers_under_the_host_tier_are_not_said_to_run_on_the_cpu(cli):
+    """The layer split 'whole' said "the others run theirs on the CPU", where under decode path 'tier' the GPU reads
+    those layers' experts from the host tier (and prefill streams them in waves): it says what the budget does, the
+    layers without a slot, and the sentences after it where their experts run."""
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    result = cli("inspect", str(fixture_folder("qwen35moe")), "--json", "--device", "simulated", "--decode-path", "tier",
+                 "--layer-split", "whole", "--offload", "device_expert_bytes=600000")
+    said = json.loads(result.stdout)["offload"]["statements"]
+    whole = ("The budget holds whole layers: 2 of 4 expert layers keep all their experts on the simulated GPU, 8.0 GiB; "
+             "the other 2 have no expert slot there.")
+    assert whole in said, said
+    model = LoadedModel.open(fixture_folder("qwen35moe"), offload=OffloadConfig(device_expert_bytes=600000),
+                             decode_path="tier", layer_split="whole", device=SimulatedDevice(8 << 30))
+    assert model.offload.reads_tier and whole in model.offload.plan.statements
+
+
 def test_inspects_plan_says_what_the_load_on_the_same_device_says(cli):
     """inspect's offload statements are the load's plan's, in its order (the plan, the staging ring, the host tier, the
     decode streaming slots), where the parts compete for a gpu_device_mem_limit: it planned the streaming slots in the

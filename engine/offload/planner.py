@@ -364,8 +364,11 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     statements += _tier_mapping_statement(config, runnable, slots, device, host_tier and not tier_room)
     if whole_layers:
         full = sum(1 for info in runnable if slots[info.name] == info.spec.num_experts)
+        # (where the others' experts run, the CPU or the host tier, the sentences after the plan's say)
+        others = len(runnable) - full
+        rest = f"; the other {others} {'has' if others == 1 else 'have'} no expert slot there" if others else ""
         statements.append(f"The budget holds whole layers: {full} of {len(runnable)} expert layers keep all their "
-                          f"experts on the {device.name}, the others run theirs on the CPU.")
+                          f"experts on the {device.name}{rest}.")
     if clamped:
         statements.append(f"device_expert_bytes={config.device_expert_bytes} is more than the device has "
                           f"free{under_limit(device)}; the budget is {human_bytes(budget)}.")
