@@ -1928,3 +1928,25 @@ def test_the_budget_panels_statements_show_angle_brackets_and_ampersands_as_writ
     shown.setHtml(panel.statements.text())
     assert shown.toPlainText().startswith("node_overrides names 'vector<int>&x', which is no expert node"), \
         shown.toPlainText()
+
+
+def test_the_budget_panel_promises_the_layer_split_trials_only_where_the_engine_runs_them(qapp, gptoss):
+    """The engine times the budget on whole layers only without a host tier (OffloadEngine.trials_pending: a layer
+    read from the tier has no host round trip to save); under decode path 'tier' (and 'auto', the default, which makes
+    the tier on a GPU) the panel still said "While decoding, the engine also tries this budget on whole layers"."""
+    from app.gui.budget_panel import BudgetPanel
+    from engine.generation import LoadedModel
+    from engine.offload import SimulatedDevice
+
+    slot = gptoss.experts[0].device_bytes_per_expert
+    panel = BudgetPanel()
+    tries = "While decoding, the engine also tries this budget on whole layers (1 of 2 layers keeping all their experts)"
+    for path, promised in (("cpu", True), ("tier", False)):
+        panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 1 << 30}, "decode_path": path,
+                                 "entries": {"device_expert_bytes": str(8 * slot)}})
+        config = panel.config()
+        engine = LoadedModel.open(fixture_folder("gptoss"), offload=config, device=SimulatedDevice(1 << 30),
+                                  decode_path=path, layer_split="auto").offload
+        assert panel.last_estimate.host_tier == engine.host_tier == (path == "tier")
+        assert engine.trials_pending == promised  # no other trial under the cpu path or 'tier' at load
+        assert (tries in panel.statements.text()) == promised, (path, panel.statements.text())

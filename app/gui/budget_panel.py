@@ -577,9 +577,9 @@ class BudgetPanel(QWidget):
 
     def _split_statement(self, est, config: OffloadConfig) -> list[str]:
         """Under the measured layer split, what the engine will try besides the spread plan shown (where
-        planner.split_choosable, as the engine asks it)."""
+        planner.split_choosable, as the engine asks it), and only without a host tier, as the engine tries it."""
         held = 0
-        if self.layer_split.currentData() == "auto" and est.plan is not None:
+        if self.layer_split.currentData() == "auto" and est.plan is not None and not est.host_tier:
             held = split_choosable(config, est.plan, self.facts.experts)
         if held == 0:
             return []
