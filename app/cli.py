@@ -261,7 +261,8 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "'1.5 GB' quoted, 512M; default 8 GiB; with --device simulated)")
     parser.add_argument("--layer-split", choices=SPLIT_MODES,
                         help="the expert budget spread over every layer, or spent on whole layers (as llama.cpp's "
-                             "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster")
+                             "--n-cpu-moe); auto (the default) measures both while decoding and keeps the faster, "
+                             "without a host tier (decode path cpu, or auto where none is made); with one, spread")
     parser.add_argument("--decode-path", choices=PATH_MODES,
                         help="where decode computes cold experts on a CUDA device: cpu, tier (the GPU reads them "
                              "from page-locked host memory), or both (tier, and the CPU computes a share of them at "

@@ -1296,6 +1296,18 @@ def test_generate_json_help_names_the_keys_an_answer_has(capsys):
         assert key in json_help
 
 
+def test_the_layer_splits_help_says_the_trials_run_only_without_a_host_tier(capsys):
+    """--layer-split auto "measures both while decoding and keeps the faster", the window's tooltip the same, where the
+    engine measures them only without a host tier, which decode path auto (the default) makes on a GPU."""
+    from app.gui.budget_panel import SPLIT_TIP
+
+    with pytest.raises(SystemExit):
+        _main(capsys, "inspect", "--help")
+    split_help = " ".join(capsys.readouterr().out.split("--layer-split {auto,spread,whole}")[2].split())
+    assert "without a host tier (decode path cpu, or auto where none is made)" in split_help.split("--decode-path")[0]
+    assert "without a host tier (decode path cpu, or auto where none is made)" in SPLIT_TIP
+
+
 def test_every_commands_help_says_what_each_of_its_arguments_is(capsys):
     """--help listed record's --scenario and --label, sweep's and contention's --scenario and --json, every command's
     model and most of write-model's options with nothing beside them."""

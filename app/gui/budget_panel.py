@@ -37,7 +37,8 @@ SPLIT_TIP = ("How the expert budget is spent across layers. Spread (onnxruntime'
              "through the host. Whole layers (llama.cpp's --n-cpu-moe): the first layers keep all their experts and "
              "run all on the device, the others run all on the CPU; faster where routing has little locality. "
              "Measured while decoding: the engine times both and keeps the faster (under adaptive placement, with CPU "
-             "execution auto or enabled). "
+             "execution auto or enabled, without a host tier (decode path cpu, or auto where none is made); with one, "
+             "spread). "
              "Not an onnxruntime key: this app's own setting")
 PATHS = (("auto", "measured while decoding"), ("cpu", "computed on the CPU"),
          ("tier", "read by the GPU from host memory"), ("both", "read by the GPU, a share on the CPU"))
