@@ -1950,3 +1950,14 @@ def test_the_budget_panel_promises_the_layer_split_trials_only_where_the_engine_
         assert panel.last_estimate.host_tier == engine.host_tier == (path == "tier")
         assert engine.trials_pending == promised  # no other trial under the cpu path or 'tier' at load
         assert (tries in panel.statements.text()) == promised, (path, panel.statements.text())
+
+
+def test_the_decode_path_and_working_memory_tooltips_say_what_the_host_tier_takes_and_leaves():
+    """The decode path's tooltip counted the host tier in host memory alone, where its device mappings take a 2 MiB
+    granule a slot array even at no slot (32 MiB for a two-layer model at a budget of 0); device_working_bytes' said
+    its slots let slotless layers' misses go over PCIe, where under the tier the GPU reads those experts itself."""
+    from app.gui.budget_panel import PATH_TIP, WORKING_TIP
+
+    assert ("its device mappings round each slot array up to the 2.0 MiB granule, one granule even with no slot"
+            in PATH_TIP)
+    assert "Used where decode computes cold experts on the CPU: under the host tier the GPU reads those" in WORKING_TIP

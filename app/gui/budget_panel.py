@@ -22,6 +22,7 @@ from engine.offload.config import FLOAT32_MAX, INT32_MAX, PREFIX, UNUSED_KEYS, O
 from engine.offload.planner import all_resident_bytes, split_choosable
 from engine.records.configurations import configurations_for, own_of, own_problem
 from engine.units import counted, human_bytes
+from kernels.gpu.host_tier import TIER_GRANULE
 
 DEVICES = (("cpu", "CPU only"), ("simulated", "Simulated GPU (size you choose)"), ("cuda", "CUDA GPU"))
 RELOAD_FIELDS = ("gpu_device_mem_limit",)
@@ -29,7 +30,8 @@ SIMULATED_MIN = 1 << 20  # the least simulated GPU, as the command line's --simu
 WORKING_TIP = ("device_working_bytes: device memory for decode streaming slots, shared by the layers that have no expert "
                "slot, so that their misses can also be copied over PCIe while the CPU computes the rest. Off by default: "
                "on the H200 machine they gained 1.05x for large experts (gpt-oss-20b) and lost 1.1x for small ones "
-               "(Qwen3-30B-A3B); they pay where the CPU is slow against PCIe")
+               "(Qwen3-30B-A3B); they pay where the CPU is slow against PCIe. Used where decode computes cold experts on "
+               "the CPU: under the host tier the GPU reads those layers' experts itself")
 SPLITS = (("auto", "measured while decoding"), ("spread", "spread over every layer"),
           ("whole", "whole layers on the device"))
 SPLIT_TIP = ("How the expert budget is spent across layers. Spread (onnxruntime's way): every layer keeps some experts "
@@ -45,7 +47,8 @@ PATHS = (("auto", "measured while decoding"), ("cpu", "computed on the CPU"),
 PATH_TIP = ("Where decode computes the experts that are in no GPU slot. On the CPU, while the GPU computes the resident "
             "ones: every partly resident layer then pays a round trip through the host. Read by the GPU: every expert "
             "is also kept in page-locked host memory (the experts' size again) and the GPU reads the cold ones over "
-            "PCIe inside its kernel, with no round trip. Read by the GPU with a share on the CPU: the same, while the "
+            "PCIe inside its kernel, with no round trip; its device mappings round each slot array up to the "
+            f"{human_bytes(TIER_GRANULE)} granule, one granule even with no slot. Read by the GPU with a share on the CPU: the same, while the "
             "CPU computes some of each token's cold experts at once (how many, from the speeds measured while "
             "decoding); it can pay for large experts with few resident. Measured while decoding: the engine times the "
             "three and keeps the fastest (under CPU execution auto; disabled reads them on the GPU, enabled computes "
