@@ -651,31 +651,42 @@ def _cmd_generate(args) -> int:
         if model.host_registration is not None:
             print(model.host_registration.describe(), file=sys.stderr, flush=True)
     # compiled before the first answer's clock starts, as a record's run is (on a cold Numba cache: minutes, which
-    # its time to first token would carry, and the simulated card's stand-in seconds with it)
-    warm_up = [_warm_up(model, args.json)]  # said by the first answer, 0 for the next ones
+    # its time to first token would carry, and the simulated card's stand-in seconds with it), once the first prompt
+    # is accepted: one that does not fit is refused at once, not after the compile
+    warm_up_s: list[float] = []
+
+    def warm_up_once() -> None:
+        if not warm_up_s:
+            warm_up_s.append(_warm_up(model, args.json))
+
+    def said_warm_up() -> float:  # the first answer says the warm-up's seconds, the next ones 0
+        seconds = warm_up_s[0] if warm_up_s else 0.0
+        warm_up_s[:] = [0.0]
+        return seconds
     printed = None if args.json else _StreamedAnswer()
     stream, reasoning = (printed.answer, printed.reasoning) if printed else (None, None)
     cancel = threading.Event()
     if args.raw:
         ids = model.tokenizer.encode(args.prompt, add_special_tokens=True)  # a BOS as the tokenizer adds it
         before = decode_totals(model.offload, device)
-        result = generate(model, model.new_state(), [], ids, params, stream, cancel, on_reasoning=reasoning)
+        result = generate(model, model.new_state(), [], ids, params, stream, cancel, on_reasoning=reasoning,
+                          before_feed=warm_up_once)
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
             before, decode_totals(model.offload, device), result.timings.decode_s,
-            result.timings.generated_tokens), ran_on, warm_up.pop())
+            result.timings.generated_tokens), ran_on, said_warm_up())
         return 0
     conversation = Conversation(model, system_prompt=args.system)
     prompt = args.prompt
     while True:
         before = decode_totals(model.offload, device)
-        result = conversation.send(prompt, params, stream, cancel, on_reasoning=reasoning)
+        result = conversation.send(prompt, params, stream, cancel, on_reasoning=reasoning, before_feed=warm_up_once)
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(
             before, decode_totals(model.offload, device), result.timings.decode_s,
-            result.timings.generated_tokens), ran_on, warm_up.pop() if warm_up else 0.0)
+            result.timings.generated_tokens), ran_on, said_warm_up())
         if not args.chat:
             return 0
         line = sys.stdin.readline()

@@ -299,7 +299,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
              decoder=None, on_reasoning: Callable[[int, str], None] | None = None,
              after_prompt: Callable[[np.ndarray], None] | None = None,
-             prompt_logits: np.ndarray | None = None, snapshot_at: int | None = None) -> GenerationResult:
+             prompt_logits: np.ndarray | None = None, snapshot_at: int | None = None,
+             before_feed: Callable[[], None] | None = None) -> GenerationResult:
     """Feed `prompt_tokens` after what `state` already holds (`fed_tokens`), then decode.
 
     `fed_tokens` is extended in place with every token the state consumes. `on_text(token, delta)`
@@ -308,7 +309,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     answer. `decoder` defaults to the model's own (tests pass the onnxruntime reference to compare).
     `after_prompt(logits)` is called with the prompt fed (Conversation's snapshot), or with its first `snapshot_at`
     tokens fed, the rest fed after; `prompt_logits` are the last prompt token's logits of a state restored just after
-    it, to answer again with no prompt at all.
+    it, to answer again with no prompt at all. `before_feed()` is called once the prompt is accepted, before anything
+    is fed (the command line's kernel warm-up: a prompt refused is then refused at once).
     """
     if not prompt_tokens and prompt_logits is None:
         raise PromptError("the prompt is empty")
@@ -316,6 +318,8 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     cap, bound = _sequence_cap(model.config)
     if state.past_length + len(prompt_tokens) + 1 > cap:  # room for one answer token at least
         raise PromptError(_past_the_cap(state.past_length, len(prompt_tokens), cap, bound))
+    if before_feed is not None:
+        before_feed()
     decoder = decoder or model.decoder
     sampler = Sampler(params.sampling)
     # the prompt whose end may open the answer's first message or tag: all of it fed already where this answers a kept
@@ -451,7 +455,7 @@ class Conversation:
             self.messages.append({"role": "system", "content": self.system_prompt})
 
     def send(self, user_text: str, params: GenerationParams, on_text=None, cancel=None,
-             on_reasoning=None) -> GenerationResult:
+             on_reasoning=None, before_feed=None) -> GenerationResult:
         if not user_text.strip():
             raise PromptError("the prompt is empty")
         messages = self.messages + [{"role": "user", "content": user_text}]
@@ -494,7 +498,7 @@ class Conversation:
         try:
             result = generate(self.model, self.state, self.fed_tokens, new_tokens, params, on_text, cancel,
                               on_reasoning=on_reasoning, after_prompt=take_snapshot if snapshots else None,
-                              prompt_logits=resumed, snapshot_at=snapshot_at or None)
+                              prompt_logits=resumed, snapshot_at=snapshot_at or None, before_feed=before_feed)
         except BaseException:
             # the state may hold this turn's prompt and first answer tokens, which the messages never will: the
             # conversation stays what it was, and the next turn feeds it again

@@ -90,13 +90,21 @@ def test_empty_prompt(cli):
     assert_clean_error(cli("generate", str(fixture_folder("gptoss")), "--prompt", "  "), "prompt is empty")
 
 
-def test_prompt_longer_than_context(copy_fixture, cli):
+@pytest.mark.parametrize("raw", [True, False])
+def test_prompt_longer_than_context(copy_fixture, cli, monkeypatch, raw):
+    """Refused at once, before the kernels' warm-up, which compiled for a minute first on a cold Numba cache (and
+    said so on a line of its own)."""
+    import engine.kernel_warmup
+
+    warmed = []
+    monkeypatch.setattr(engine.kernel_warmup, "warm_model", lambda model: warmed.append(model) or 0.0)
     folder = copy_fixture("gptoss")
     config = json.loads((folder / "genai_config.json").read_text())
     config["model"]["context_length"] = 64
     (folder / "genai_config.json").write_text(json.dumps(config))
-    result = cli("generate", str(folder), "--raw", "--prompt", "many words " * 60)
+    result = cli("generate", str(folder), *(["--raw"] if raw else []), "--prompt", "many words " * 60)
     assert_clean_error(result, "prompt has", "context is 64")
+    assert warmed == []
 
 
 def test_not_a_folder(tmp_path, cli):

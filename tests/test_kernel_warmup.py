@@ -109,9 +109,14 @@ def spy(self, *args, **kws):
 Dispatcher._compile_for_args = spy
 generate = generation.generate
 
-def timed_generate(*args, **kwargs):  # the answer's clock starts in generate (time to first token, its total)
-    timed[0] = True
-    return generate(*args, **kwargs)
+def timed_generate(*args, before_feed=None, **kwargs):
+    # the answer's clock starts in generate once the prompt is accepted, after before_feed (the command line's
+    # warm-up) has run (time to first token, its total)
+    def feed():
+        if before_feed is not None:
+            before_feed()
+        timed[0] = True
+    return generate(*args, before_feed=feed, **kwargs)
 
 generation.generate = timed_generate
 assert main(["generate", sys.argv[1], "--prompt", "The experts", "--device", "simulated", "--offload",
