@@ -358,8 +358,7 @@ class OffloadEngine:
         the ways the engine tries, not the one it keeps (a sweep's point, a benchmark's timed steps wait for that)."""
         if self.device is None:
             return False  # no device, no trials (end_step)
-        if (self.path_trials.measuring or self.split_trials.measuring or self.share_trials.measuring
-                or self.row_trials.measuring):
+        if self._trial_measuring:
             return True
         if isinstance(self.policy, StaticPlacement) and (self.policy.opening or self.policy.to_place()):
             return True
@@ -369,12 +368,16 @@ class OffloadEngine:
                 or (self.layer_split_mode == "auto" and not self._host_tier and self._split_is_choosable()
                     and self.split_trials.trials == 0))
 
+    @property
+    def _trial_measuring(self) -> bool:
+        """One of the trials is timing its ways now."""
+        return any(trials.measuring for trials in (self.path_trials, self.split_trials, self.share_trials,
+                                                    self.row_trials))
+
     def pending_words(self) -> str:
         """What trials_pending waits for, as the end of 'decoding until ...' (the window's progress while a sweep point
         or a side-by-side comparison settles)."""
-        trials = (self.path_trials.measuring or self.split_trials.measuring or self.share_trials.measuring
-                  or self.row_trials.measuring)
-        if not trials and isinstance(self.policy, StaticPlacement):
+        if not self._trial_measuring and isinstance(self.policy, StaticPlacement):
             if self.policy.opening:
                 return "static placement has counted its opening's routing"
             if self.policy.to_place():
