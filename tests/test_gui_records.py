@@ -678,6 +678,32 @@ def test_side_by_side_says_why_b_runs_on_the_cpu_where_its_cuda_gpu_cannot_be_us
     assert History(tmp_path / "history.sqlite3").get(view.result.saved_ids[1]).offload["device_fallback"] == note
 
 
+def test_side_by_side_says_why_a_runs_on_the_cpu_where_its_cuda_gpu_could_not_be_used(qtbot, window, monkeypatch,
+                                                                                       tmp_path):
+    """The loaded model (A) asked for the CUDA GPU under mode=auto and could not have it: the load said why, but the
+    worker kept that only for the load's "where everything landed", so A's column said "no device: every expert on the
+    CPU" and A's record said nothing, while B's, falling back the same way, said why. A's now say it as B's do. A
+    stand-in for the worker's CUDA GPU whose kernels' compile failed."""
+    from app.gui import engine_worker
+
+    note = ("The CUDA GPU was asked for but cannot be used (the GPU expert kernels failed to compile: NVRTC error); "
+            "every expert runs on the CPU instead.")
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
+    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    view = window.side_by_side
+    view.prompt.setPlainText("Compare the two sides")
+    view.max_tokens.setValue(2)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    said = ("the CUDA GPU was asked for but cannot be used (the GPU expert kernels failed to compile: NVRTC error); "
+            "every expert runs on the CPU instead.")
+    assert view.left.values["device peak"].text() == f"no device: {said}"
+    assert view.right.values["device peak"].text() == f"no device: {said}"
+    record = view.result.comparison.records[0]
+    assert record.offload["device"] == "cpu" and record.offload["device_fallback"] == note
+    assert History(tmp_path / "history.sqlite3").get(view.result.saved_ids[0]).offload["device_fallback"] == note
+
+
 def test_the_chat_keys_on_the_side_by_side_tab_answer_both_and_leave_the_hidden_chat_alone(qtbot, window):
     """Ctrl+Return on the Side by side tab sent the hidden chat's draft as a message (the comparison did not run), and
     Ctrl+K put the focus in that hidden message box: Send and Regenerate answer both there now, and the chat's own keys

@@ -107,6 +107,7 @@ class EngineWorker(QObject):
         self._loaded_facts = None
         self._model = None
         self._device = None
+        self._device_fallback = ""  # why the loaded model's experts all run on the CPU, its CUDA GPU unusable (notes)
         self._conversation = None
         self._system_prompt = ""
         self._last_stats = 0.0
@@ -217,6 +218,7 @@ class EngineWorker(QObject):
                                 layer_split=_layer_split(settings), decode_path=_decode_path(settings),
                                 opened_s=self._folder_open_s)
             self._model, self._device, self._loaded_facts = model, device, self._facts
+            self._device_fallback = notes[0] if notes else ""  # (side by side's A record says it, as B's does)
             self._conversation = Conversation(model, system_prompt=self._system_prompt or None)
             self.loadProgress.emit(1.0)
             self.loaded.emit({"path": self._facts.path, "load_s": time.perf_counter() - started,
@@ -516,7 +518,7 @@ class EngineWorker(QObject):
                 progress=lambda fraction, text="": self.jobProgress.emit(
                     kind, None if fraction is None else float(fraction), text),
                 stream=lambda payload: self.jobStreamed.emit(kind, payload),
-                make_device=self._make_device)
+                make_device=self._make_device, device_fallback=self._device_fallback)
             self.jobFinished.emit(kind, job(context))
         except Exception as exc:  # the window shows it; the worker stays usable
             self.failed.emit(one_line(exc))
@@ -544,6 +546,7 @@ class EngineWorker(QObject):
         self._conversation = None
         self._model = None
         self._device = None
+        self._device_fallback = ""
 
     @Slot()
     def _unload(self) -> None:

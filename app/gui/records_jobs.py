@@ -49,6 +49,9 @@ class JobContext:
     # make_device(choice, config, notes): the device for a choice, or None (CPU), a note appended to `notes` where a
     # CUDA GPU asked for cannot be used
     make_device: Callable[[dict, OffloadConfig, list[str]], Any]
+    # why `model` runs every expert on the CPU where the CUDA GPU it was loaded for could not be used ('' otherwise):
+    # the note make_device gave its load
+    device_fallback: str = ""
 
     def loaded(self) -> LoadedModel:
         if self.model is None:
@@ -417,8 +420,9 @@ class SideBySideJob:
             comparison = compare(Side(left, ctx.device, self.labels[0]), right, self.prompt, params,
                                  concurrent=self.concurrent, on_text=streams.on_text, cancel=ctx.cancel,
                                  on_reasoning=streams.on_reasoning, on_done=streams.on_done)
-            if fallback and comparison.records[1] is not None:
-                comparison.records[1].offload["device_fallback"] = fallback[0]
+            for record, why in zip(comparison.records, (ctx.device_fallback, fallback[0] if fallback else "")):
+                if why and record is not None:
+                    record.offload["device_fallback"] = why
         finally:
             streams.flush()  # the last batches and the sides' ends, however compare ended (it sends only what is new)
             # the right model's queued copies done before its slots go back to CuPy's pool, which the loaded model's
