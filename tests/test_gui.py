@@ -2099,6 +2099,61 @@ def test_gpu_kernels_nvrtc_cannot_compile_load_the_experts_on_the_cpu_under_auto
             "sm_90, the Stand-in GPU (80 GiB): 5f1e0c_2.cubin.cu(988): error: identifier") in landed
 
 
+@pytest.mark.parametrize("press", ["stop", "unload"])
+def test_a_stop_of_a_load_waiting_on_the_gpu_kernels_first_compile_says_what_it_waits_for(qtbot, window, monkeypatch,
+                                                                                          request, press):
+    """Stop (or Unload) pressed while a load's GPU expert kernels compile for the first time waits out NVRTC's compile,
+    up to 2 minutes that nothing interrupts: the status bar said only "Stopping the load…" (Unload: nothing at all),
+    and a compile notice that came after the stop was not shown. It now says what the stop waits for, how long the
+    compile has run (counted on as it runs) and that its kernels are kept. A stand-in CuPy whose compile runs until
+    the test ends it; its notice comes after Stop."""
+    import re
+    import threading
+
+    import engine.offload.cuda_device as cuda_device
+    import kernels.gpu._module as kernel_module
+    from tests.test_gpu_kernel_notice import _Module, stand_in_cupy
+
+    stand_in_cupy(monkeypatch)
+    monkeypatch.setattr(cuda_device, "KERNEL_NOTICE_AFTER_S", 0.5)
+    compiling, finish = threading.Event(), threading.Event()
+    request.addfinalizer(finish.set)  # (a failed test's worker not left waiting)
+
+    class Compiling(_Module):
+        def get_function(self, name):
+            compiling.set()
+            finish.wait(WAIT / 1000)
+
+    monkeypatch.setattr(kernel_module, "load_module", lambda cc: (Compiling(0.0), "nvrtc"))
+    path = fixture_folder("gptoss")
+    window.save_model_settings(str(path), {"device": {"kind": "cuda"}})
+    window.load_model(str(path))
+    qtbot.waitUntil(lambda: compiling.is_set() and window.busy == "loading", timeout=WAIT)
+    getattr(window, press)()  # before the compile's notice
+    assert window.status_state.text() == "Stopping the load…"
+    qtbot.waitUntil(lambda: "first compile" in window.status_state.text(), timeout=10_000)
+
+    def waits(seconds: int) -> str:
+        return (f"Stopping the load once the GPU expert kernels' first compile for sm_90 ends: it cannot be "
+                f"interrupted ({seconds} s so far, about 1-2 minutes in all), and CuPy's cache in /cache/cupy keeps "
+                f"the kernels for later loads.")
+
+    def said_seconds() -> int | None:
+        """The seconds the status bar says the compile has run, where it says waits(those seconds)."""
+        found = re.search(r"\((\d+) s so far", window.status_state.text())
+        return int(found[1]) if found and window.status_state.text() == waits(int(found[1])) else None
+
+    assert said_seconds() in (0, 1, 2, 3)  # (its notice came 0.5 s in)
+    started, cc, cache = cuda_device._kernels_compiling[0]
+    cuda_device._kernels_compiling[0] = (started - 60, cc, cache)  # a minute on: said again as the seconds go
+    qtbot.waitUntil(lambda: (said_seconds() or 0) >= 60, timeout=3000)
+    finish.set()
+    qtbot.waitUntil(lambda: not window.busy, timeout=WAIT)
+    assert window.status_state.text() == "Stopped the load."
+    assert window.last_error == "Loading stopped." and window.loaded_path is None
+    assert cuda_device._kernels_compiling == {} and cuda_device.kernels_compile_wait() == ""
+
+
 def test_the_budget_panel_says_the_gpu_cannot_be_used_once_a_load_found_its_kernels_refused(qtbot, window,
                                                                                             monkeypatch):
     """After a load under mode=auto found the GPU expert kernels refused and ran every expert on the CPU, the budget

@@ -15,7 +15,7 @@ import shutil
 from importlib.resources import files
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QEvent, QSettings, Qt, Slot
+from PySide6.QtCore import QByteArray, QEvent, QSettings, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QActionGroup, QIcon, QKeySequence
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QTabWidget,
                                QVBoxLayout, QWidget)
@@ -37,6 +37,7 @@ from app.gui.side_by_side_view import SideBySideView
 from app.gui.sweep_view import REPEATS_MAX, SweepView
 from app.gui.telemetry import SamplerThread
 from app.gui.widgets import MAX_ANSWER_TOKENS, Banner, scrolled
+from engine.offload.cuda_device import kernels_compile_wait
 from engine.records.lengths import SWEEP_REPEATS
 
 RECENT_MAX = 10
@@ -152,6 +153,9 @@ class MainWindow(QMainWindow):
         # the load or records job sent to the worker that it has not started yet: the window is busy with it already
         self._waiting: str | None = None
         self._stopping: str | None = None  # what Stop was asked to stop (STOPPABLE) in the activity that runs
+        # while a stop waits on the GPU kernels' first compile: said again each second, with how long it has run
+        self._stop_wait = QTimer(self, interval=1000)
+        self._stop_wait.timeout.connect(self._say_stopping)
         self._load_note = ""  # the last of the worker's load notes the status bar showed (_on_load_note)
         self._chat_requests = 0  # the chat's requests to the worker, numbered (EngineWorker.stopped_request)
         self._chat_waiting: int | None = None  # the one sent whose answer has not come back
@@ -596,6 +600,9 @@ class MainWindow(QMainWindow):
         self.worker.unload_asked = True
         self.worker.cancel.set()
         self.worker.requestUnload.emit()
+        if self.busy == "loading":  # the load is stopped first, as Stop stops it, and may have a compile to wait on
+            self._stopping = STOPPABLE["loading"]
+            self._say_stopping()
 
     def _stop_chat_request(self) -> bool:
         """Stop the chat's request that was sent but not seen to begin: the worker skips it, or ends it at its first
@@ -620,7 +627,22 @@ class MainWindow(QMainWindow):
             else:
                 return
         self._stopping = what
-        self.status_state.setText(f"Stopping {what}…")
+        self._say_stopping()
+
+    @Slot()
+    def _say_stopping(self) -> None:
+        """What the status bar says while a stop waits (a load's, or side by side's B's): where the GPU expert kernels'
+        first compile runs, which NVRTC does not let a stop interrupt (up to 2 minutes), that it waits for it."""
+        if not self._stopping:
+            self._stop_wait.stop()
+            return
+        wait = kernels_compile_wait()
+        self.status_state.setText(f"Stopping {self._stopping} once {wait}." if wait
+                                  else f"Stopping {self._stopping}…")
+        if wait and not self._stop_wait.isActive():
+            self._stop_wait.start()
+        elif not wait:
+            self._stop_wait.stop()
 
     # --- records jobs: scenarios, sweeps, side-by-side, contention ---------------------------------------
     def run_job(self, kind: str, job) -> None:
@@ -729,15 +751,17 @@ class MainWindow(QMainWindow):
             self._cancel_when_started = None
         self._update_state()
         self._show_activity(stopping)
-        if self._stopping:
-            self.status_state.setText(f"Stopping {self._stopping}…")
+        self._say_stopping()
 
     @Slot(str)
     def _on_load_note(self, text: str) -> None:
         """What a load is doing where its progress stands still (the GPU kernels compiling), in the status bar until
         the next activity's label: the window's load, or a side-by-side comparison's of B; not over a stop asked
-        meanwhile, which is said as the activity ends."""
-        if self.busy and not self._stopping:
+        meanwhile, which is said as the activity ends, and which says what it waits for where the note is the
+        kernels' compile beginning."""
+        if self.busy and self._stopping:
+            self._say_stopping()
+        elif self.busy:
             self._load_note = text
             self.status_state.setText(text)
 
@@ -929,7 +953,7 @@ class MainWindow(QMainWindow):
                   "generating": "Generating…", "replanning": "Re-planning…", **JOB_LABELS}
         if self.busy:
             self.status_state.setText(labels.get(self.busy, self.busy))
-        elif stopped and self.status_state.text() == f"Stopping {stopped}…":
+        elif stopped and self.status_state.text().startswith(f"Stopping {stopped}"):
             self.status_state.setText(f"Stopped {stopped}.")
         elif self.status_state.text() in (*labels.values(), self._load_note):
             self.status_state.setText("Ready" if self.loaded_path is not None else "Idle")

@@ -171,6 +171,22 @@ def cuda_device_or_cpu(mem_limit: int, mode: str, report=None, kernels: bool = T
 # GPU index -> why its GPU expert kernels were refused in this process (ensure_kernels): the same source, NVRTC and
 # driver fail the same way, after NVRTC's 1-2 minutes, at every later load (cuda_device_problem says it too)
 _kernels_refused_for: dict[int, str] = {}
+# GPU index -> (time.perf_counter at its start, architecture, CuPy's cache folder) of a first compile of its GPU expert
+# kernels under way, once its notice is said (ensure_kernels)
+_kernels_compiling: dict[int, tuple[float, str, str]] = {}
+
+
+def kernels_compile_wait(index: int = 0) -> str:
+    """Where the GPU expert kernels' first compile runs now for device `index` (past its notice), what a stop of the
+    load waits on, as a clause ("the GPU expert kernels' first compile ... later loads"): NVRTC's compile cannot be
+    interrupted, and the kernels it makes are kept for the next load; '' where none runs. For any thread (the GUI's)."""
+    compiling = _kernels_compiling.get(index)
+    if compiling is None:
+        return ""
+    started, cc, cache = compiling
+    return (f"the GPU expert kernels' first compile for sm_{cc} ends: it cannot be interrupted ("
+            f"{time.perf_counter() - started:.0f} s so far, about 1-2 minutes in all), and CuPy's cache in {cache} "
+            f"keeps the kernels for later loads")
 
 
 def cuda_device_problem(index: int = 0) -> str:
@@ -1138,6 +1154,7 @@ class CudaDevice:
 
             def notice() -> None:
                 noticed.set()
+                _kernels_compiling[self.index] = (started, cc, cache)
                 self.report(f"Compiling the GPU expert kernels for sm_{cc} (a first load on this GPU without a "
                             f"prebuilt cubin: about 1-2 minutes; later loads take them from CuPy's cache in {cache}).")
 
@@ -1156,6 +1173,7 @@ class CudaDevice:
             finally:
                 timer.cancel()
                 timer.join()  # (a notice under way is said before the note below)
+                _kernels_compiling.pop(self.index, None)
         self.kernels_ready = True
         if noticed.is_set():
             self.kernels_note = (f"The GPU expert kernels were compiled for sm_{cc} in "
