@@ -100,19 +100,25 @@ def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[li
 
 
 def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
-    """A node's counts per expert from the popularity file: `count` numbers, finite and not negative (placement ranks
-    experts by them)."""
-    if not isinstance(row, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+    """A node's counts per expert from the popularity file: `count` whole numbers >= 0 (the times routing chose each
+    expert; placement ranks experts by them). The first that is none is named, with its expert: a row holds 128."""
+    if not isinstance(row, list):
         raise WorkbenchError(f"{path}: node '{name}' has {json.dumps(row)[:80]}, not a list of counts per expert")
     if len(row) != count:
         raise WorkbenchError(f"{path}: node '{name}' has {len(row)} counts, the node has {count} experts")
-    try:
-        counts = np.asarray(row, dtype=np.float64)
-    except OverflowError:  # an integer too large for a float
-        counts = np.full(len(row), np.inf)
-    if not np.all(np.isfinite(counts) & (counts >= 0)):
-        raise WorkbenchError(f"{path}: node '{name}' has counts {row}: each must be a finite number >= 0")
-    return counts
+    for expert, value in enumerate(row):
+        wrong = "not a count (a whole number >= 0)"
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer too large for a float
+                number, wrong = math.inf, "too large a count"
+            if math.isfinite(number) and number.is_integer() and number >= 0:
+                continue
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 40 else f"{shown[:40]}… ({len(shown)} characters)"
+        raise WorkbenchError(f"{path}: node '{name}' has {shown} for expert {expert}, {wrong}")
+    return np.asarray(row, dtype=np.float64)
 
 
 # The miss slots are weighed when the placement is made, again at its second safe point (the CPU kernels' rate and
