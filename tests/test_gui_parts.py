@@ -930,9 +930,24 @@ def test_where_everything_landed_says_static_placement_measures_only_the_layers_
     model, path, landed = _landed_under_static_placement(tmp_path, {first: [0, 0, 7, 5, 3, 0, 0, 0]})
     assert [layer.resident().tolist() for layer in model.offload.slots] == [[2, 3, 4], []]
     assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
-            "the popularity file leaves out into its slots for good (copied misses use them meanwhile).") in landed
+            "without counts in the popularity file into its slots for good (copied misses use them meanwhile)."
+            in landed)
     assert (f"{path} counts 1 of 2 expert nodes ('/model/layers.0/moe/QMoE'); static placement measures the other 1 "
             "over its opening ('/model/layers.1/moe/QMoE').") in landed
+
+
+def test_where_everything_landed_says_static_placement_measures_a_layer_the_popularity_file_counts_0_throughout(
+        tmp_path):
+    """A node the popularity file names with every count 0 tells static placement nothing: its opening measures it, as
+    one the file leaves out, and where everything landed says so (it said every slot was resident: nothing was)."""
+    first, second = (info.name for info in ModelFolder.open(fixture_folder("gptoss")).experts)
+    model, path, landed = _landed_under_static_placement(tmp_path, {first: [0, 0, 7, 5, 3, 0, 0, 0], second: [0] * 8})
+    assert [layer.resident().tolist() for layer in model.offload.slots] == [[2, 3, 4], []]
+    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
+            "without counts in the popularity file into its slots for good (copied misses use them meanwhile)."
+            in landed)
+    assert (f"{path} counts 1 of 2 expert nodes ('{first}'); static placement measures the other 1 over its opening "
+            f"(0 for every expert: '{second}').") in landed
 
 
 def test_streaming_slots_are_estimated_in_what_the_resident_slots_leave():

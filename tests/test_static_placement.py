@@ -378,3 +378,47 @@ def test_the_settle_progress_says_static_placement_is_what_it_waits_for(model_fo
     assert engine.policy.to_place() and engine.pending_words() == "static placement's residents are copied in"
     adaptive, _device = open_model(model_folder, FAST_PCIE, device_expert_bytes=4 * SPEC.layers * slot_bytes)
     assert adaptive.offload.pending_words() == "the engine's trials of its ways are over"
+
+
+def test_a_node_the_popularity_file_counts_0_throughout_is_measured_by_the_opening(model_folder, slot_bytes,
+                                                                                  tmp_path):
+    """A node whose counts in the popularity file are all 0 (routed nowhere in the file's measurement: it tells no
+    expert from another) was taken as counted: static placement chose none of its experts and left every slot of the
+    layer to copied misses for good, the plan saying nothing. Now it is measured by the opening as a node the file
+    leaves out, the plan naming it; the outputs stay the all-CPU run's."""
+    import json
+
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({names[0]: [0] * 12 + [1000] * 4, names[1]: [0] * SPEC.num_experts}))
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static", popularity_file=str(path),
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    assert resident_sets(engine) == [{12, 13, 14, 15}, set(), set()]
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0,
+                                                       "unchosen_slots": [0, 0, 0]}
+    statement = next(s for s in engine.plan.statements if "popularity.json" in s)
+    assert statement == (f"{path} counts 1 of {SPEC.layers} expert nodes ('{names[0]}'); static placement measures "
+                         f"the other 2 over its opening (left out: '{names[2]}'; 0 for every expert: '{names[1]}').")
+    greedy_run(model, LONG_PROMPT, 0)  # its prefill ends the opening
+    opening = routed_counts(engine)
+    run = greedy_run(model, "Hi", 4)
+    assert resident_sets(engine) == [{12, 13, 14, 15}] + [top(c, 4) for c in opening[1:]]
+    assert engine.copy_state()["static_placement"]["unchosen_slots"] == [0, 0, 0]
+    assert_same_as_cpu(run, greedy_run(LoadedModel.open(model_folder), "Hi", 4))
+
+
+def test_a_popularity_file_set_later_with_a_node_counted_0_throughout_leaves_that_layer_as_measured(
+        model_folder, slot_bytes, tmp_path):
+    """A file set on a model past its opening empties the layers it counts and places the file's residents there; a
+    node the file counts 0 throughout was emptied too (its slots then left to copies). It keeps what it measured."""
+    import json
+
+    model, placed = _placed(model_folder, slot_bytes)
+    engine = model.offload
+    names = [info.name for info in engine.infos]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({names[0]: [0] * 12 + [1000] * 4, names[1]: [0] * SPEC.num_experts}))
+    engine.reconfigure(engine.config.updated(popularity_file=str(path)))
+    assert not engine.policy.opening
+    assert resident_sets(engine) == [{12, 13, 14, 15}] + placed[1:]

@@ -277,8 +277,9 @@ class EngineWorker(QObject):
             miss = self._landed_miss
             lines.append(f"{'Expert slots' if any(miss) or opening else 'Experts resident'} per layer: "
                          f"{layer_summary(per_layer, miss)}.")
-            if opening:  # (with a popularity file, in the layers it leaves out: the plan names them)
-                layers = "each layer the popularity file leaves out" if offload.config.popularity_file else "each layer"
+            if opening:  # (with a popularity file, in the layers it leaves out or counts 0 in: the plan names them)
+                layers = ("each layer without counts in the popularity file" if offload.config.popularity_file
+                          else "each layer")
                 lines.append(f"Static placement counts routing for {counted(opening, 'more token')}, then copies "
                              f"the experts routed most in {layers} into its slots for good (copied misses use them "
                              f"meanwhile).")

@@ -33,7 +33,7 @@ from engine.offload.host_cache import HostExpertCache, file_backing_refusal
 from engine.offload.layer_split import SPREAD, WHOLE, LayerSplitTrials, checked_split, default_layer_split
 from engine.offload.miss_policy import CopyReuse, CpuRate, miss_slots
 from engine.offload.placement import (AdaptivePlacement, LayerSlots, StaticPlacement, Swap, adaptive_scores,
-                                      make_policy)
+                                      counts_any, make_policy)
 from engine.offload.planner import OffloadPlan, OffloadPlanError, plan_offload, split_choosable
 from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
@@ -48,20 +48,26 @@ from kernels.gpu.host_tier import HostTierError
 
 def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.ndarray | None]:
     """popularity_file: JSON {node name: [count per expert]}; None for a node it leaves out (static placement measures
-    that node's routing over its opening, adaptive placement starts it from no counts)."""
+    that node's routing over its opening, as one it counts 0 throughout; adaptive placement starts it from no
+    counts)."""
     return read_popularity(path, names, experts)[0]
 
 
 def popularity_statement(path: str, rows: list[np.ndarray | None], names: list[str], placement: str) -> str:
-    """What the plan says of a popularity file that leaves some expert nodes out ('' where it names every one)."""
+    """What the plan says of a popularity file that leaves some expert nodes out or counts 0 for every expert of some
+    ('' where it counts some expert of every node)."""
     left = [name for name, row in zip(names, rows) if row is None]
-    if not left:
+    zero = [name for name, row in zip(names, rows) if row is not None and not counts_any(row)]
+    if not left and not zero:
         return ""
-    named = [name for name, row in zip(names, rows) if row is not None]
+    named = [name for name, row in zip(names, rows) if counts_any(row)]
     how = ("static placement measures the other {} over its opening" if placement == "static" else
            "adaptive placement starts the other {} from no counts")
+    which = _some_names(left)
+    if zero:  # named in the file, with no count to tell one expert from another
+        which = (f"left out: {which}; " if left else "") + f"0 for every expert: {_some_names(zero)}"
     return (f"{path} counts {len(named)} of {len(names)} expert nodes{f' ({_some_names(named)})' if named else ''}; "
-            f"{how.format(len(left))} ({_some_names(left)}).")
+            f"{how.format(len(left) + len(zero))} ({which}).")
 
 
 def _some_names(names: list[str]) -> str:
@@ -917,7 +923,7 @@ class OffloadEngine:
         old_scores = None if placed_anew and not static else self.policy.scores
         if placed_anew:
             for index, layer in enumerate(self.slots):  # emptied: _make_policy fills them from the file
-                if static and popularity[index] is None:
+                if static and not counts_any(popularity[index]):
                     continue
                 slots = layer.num_slots
                 layer.resize(0)

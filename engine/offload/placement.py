@@ -189,7 +189,7 @@ class StaticPlacement(PlacementPolicy):
     """Residents chosen once from popularity (counts per layer × expert); never moved once in.
 
     With a popularity file its counts choose them at once (initial(), at load). Without one (or in a layer the file
-    leaves out), the layer's opening counts what routing chooses, prefill and decode alike, until
+    leaves out or counts 0 throughout), the layer's opening counts what routing chooses, prefill and decode alike, until
     OPENING_PAIRS_PER_EXPERT routed pairs per expert;
     at the safe point that ends it, the layer's best-counted experts (one per slot, counted at least once, the lowest
     id first on ties; every expert where there is a slot for each) are chosen. Until a layer has chosen, every slot is
@@ -201,11 +201,12 @@ class StaticPlacement(PlacementPolicy):
     def __init__(self, layers: list[LayerSlots], popularity: list[np.ndarray | None] | None = None):
         super().__init__(layers)
         # per layer: placed from the popularity file (its scores the file's counts, the routing since added); a layer
-        # the file leaves out (None) is measured by its opening, as without a file
-        self.from_file = [popularity is not None and popularity[index] is not None for index in range(len(layers))]
-        for index, counts in enumerate(popularity or ()):
-            if counts is not None:
-                self.scores[index] = np.asarray(counts, dtype=np.float64).copy()
+        # the file leaves out (None) or counts 0 throughout (no expert told from another) is measured by its opening,
+        # as without a file
+        self.from_file = [popularity is not None and counts_any(popularity[index]) for index in range(len(layers))]
+        for index, from_file in enumerate(self.from_file):
+            if from_file:
+                self.scores[index] = np.asarray(popularity[index], dtype=np.float64).copy()
         self.chosen: list[np.ndarray | None] = [None] * len(layers)  # per layer: a bool per expert, once chosen
         self.chosen_for = [0] * len(layers)  # per layer: the slots it had when it chose (a re-plan keeps the choice)
         self.counted = [0.0] * len(layers)  # per layer: the routed pairs observed (enough end its opening)
@@ -674,6 +675,12 @@ def _rebalance_layers(scores, slot_of, expert_in, wanted, first, limit, margin, 
             shadow_rows[watched:watched + n, 0] = index
             watched += n
     return made, watched
+
+
+def counts_any(counts: np.ndarray | None) -> bool:
+    """A popularity file's row for a layer counts some expert: one left out (None) or all 0 tells static placement
+    nothing (its opening measures the layer)."""
+    return counts is not None and bool(np.any(counts > 0))
 
 
 def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray | None] | None = None
