@@ -385,12 +385,11 @@ def _cmd_inspect(args) -> int:
             raise WorkbenchError(refusal)
         nodes = staged_nodes(folder)
         staging = staging_for(config, nodes, device)
-        said_popularity = ""  # which nodes the file leaves out, where it does
+        rows = None  # the popularity file's counts (a file it cannot read refused here, as at load)
         if config.popularity_file:
             runnable = [info for info in folder.experts if info.spec is not None]
             names = [i.name for i in runnable]
             rows = load_popularity(config.popularity_file, names, [i.spec.num_experts for i in runnable])
-            said_popularity = popularity_statement(config.popularity_file, rows, names, config.placement)
         kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
         mode = args.decode_path or paths.default_decode_path()
         planned_tier = paths.tier_planned(mode, config, folder.experts, getattr(device, "kind", None),
@@ -404,6 +403,9 @@ def _cmd_inspect(args) -> int:
         if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
             device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")
             statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
+        # which nodes the file leaves out or counts too few experts of, where it does
+        said_popularity = "" if rows is None else popularity_statement(
+            config.popularity_file, rows, names, config.placement, [plan.slots.get(name, 0) for name in names])
         statements += [said_popularity] if said_popularity and plan.placement_mode == "hybrid" else []
         # the device planned for and why, where it is not the one asked for: a script reads the JSON, not stderr
         planned = {"asked": args.device, "planned_for": getattr(device, "kind", "cpu"),

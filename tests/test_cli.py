@@ -1118,6 +1118,30 @@ def test_inspect_says_which_expert_nodes_the_popularity_file_leaves_to_static_pl
     assert status == 0 and said in json.loads(out)["offload"]["statements"]
 
 
+def test_inspect_says_which_expert_nodes_the_popularity_file_counts_too_few_experts_of(capsys, tmp_path):
+    """The load's plan says which nodes a popularity file counts fewer experts of than their slots (static placement's
+    opening measures the rest) and which it counts 0 throughout; inspect says it as the load does."""
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+
+    gptoss = fixture_folder("gptoss")
+    names = ["/model/layers.0/moe/QMoE", "/model/layers.1/moe/QMoE"]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({names[0]: [1] + [0] * 7, names[1]: [0] * 8}))
+    entries = [f"popularity_file={path}", "placement=static", "device_expert_bytes=200000"]
+    status, out, _err = _main(capsys, "inspect", str(gptoss), "--json", "--device", "simulated",
+                              *[arg for entry in entries for arg in ("--offload", entry)])
+    said = (f"{path} counts 1 of 2 expert nodes ('{names[0]}'); static placement measures the other 1 over its opening "
+            f"(0 for every expert: '{names[1]}'). {path} counts fewer experts than the layer has slots in 1 expert "
+            f"node ('{names[0]}'): static placement places the counted ones at once and fills the slots left with the "
+            "experts its opening measures routed most.")
+    assert status == 0 and said in json.loads(out)["offload"]["statements"]
+    config = OffloadConfig.from_entries({f"session.moe.offload.{entry.split('=')[0]}": entry.split("=")[1]
+                                         for entry in entries})
+    model = LoadedModel.open(gptoss, offload=config, device=SimulatedDevice(1 << 30))
+    assert said in model.offload.plan.statements
+
+
 def test_inspect_says_what_the_loads_plan_says_the_staging_ring_and_streaming_slots_included(capsys):
     """inspect gave the planner's sentences alone: not the prefill wave and pinned ring that pinned_bytes sets, nor the
     streaming slots that device_working_bytes asks for, which the load's plan says."""

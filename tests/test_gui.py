@@ -686,11 +686,10 @@ def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to
     assert "kept for copies" not in placement.summary.text()
 
 
-def test_the_placement_view_counts_the_slots_a_popularity_file_leaves_empty_under_static_placement(qtbot, window,
-                                                                                                   tmp_path):
-    """Static placement from a popularity file that counts one expert a layer, with 3 slots a layer: the other 2 are
-    left to copied misses, as where everything landed says; the placement view's summary said '2 of 16 experts
-    resident' (copies filling them later counted as residents too) and the budget panel '3 of 8 in every layer'."""
+def test_the_placement_view_says_static_placement_measures_the_slots_a_popularity_file_leaves(qtbot, window, tmp_path):
+    """Static placement from a popularity file that counts one expert a layer, with 3 slots a layer: the other 2 were
+    left to copied misses for good (the view said so). Its opening now measures routing for them: the view says the
+    tokens it counts, as before any layer's choice, and no slot is left to copies for good."""
     import json
 
     path = tmp_path / "popularity.json"
@@ -704,11 +703,9 @@ def test_the_placement_view_counts_the_slots_a_popularity_file_leaves_empty_unde
     placement = window.placement
     window.worker._emit_stats()
     qtbot.waitUntil(lambda: placement.updates > 0)
-    assert placement.summary.text().startswith("2 of 16 experts on the device, in 6 slots: 2 resident experts, "
-                                               "4 left for copied misses"), placement.summary.text()
-    qtbot.waitUntil(lambda: "copied misses" in window.budget_panel.layer_text.text())
-    assert window.budget_panel.layer_text.text() == ("<b>6 expert slots</b> for 16 experts: 3 of 8 in every layer "
-                                                     "(2 layers): 1 resident expert, 2 left for copied misses")
+    text = placement.summary.text()
+    assert text.startswith("2 of 16 experts resident · ") and "copied misses" not in text, text
+    assert "static placement counts routing for 32 more tokens, then places its residents" in text, text
 
 
 def test_the_budget_estimate_of_the_settings_in_force_counts_the_slots_the_engine_leaves_to_copied_misses(

@@ -910,15 +910,19 @@ def _landed_under_static_placement(tmp_path, counts: dict):
     return model, path, " ".join(EngineWorker._landed(worker, []))
 
 
-def test_where_everything_landed_counts_the_slots_a_popularity_file_leaves_empty_as_left_to_copies(tmp_path):
-    """A popularity file that counts fewer experts than a layer has slots: static placement chooses only counted
-    experts, leaving the other slots to copied misses, yet 'where everything landed' said 'Experts resident per layer:
-    3 of 8' with one resident a layer."""
+def test_where_everything_landed_says_static_placement_measures_the_slots_a_popularity_file_leaves(tmp_path):
+    """A popularity file that counts fewer experts than a layer has slots: static placement chose only counted
+    experts, leaving the other slots to copied misses for good. Its opening now measures routing for them, and where
+    everything landed says so, and which nodes the file counts too few experts of."""
     names = [info.name for info in ModelFolder.open(fixture_folder("gptoss")).experts]
-    model, _path, landed = _landed_under_static_placement(tmp_path, {name: [0, 0, 7, 0, 0, 0, 0, 0] for name in names})
+    model, path, landed = _landed_under_static_placement(tmp_path, {name: [0, 0, 7, 0, 0, 0, 0, 0] for name in names})
     assert [layer.resident().tolist() for layer in model.offload.slots] == [[2], [2]]
-    assert ("Expert slots per layer: 3 of 8 in every layer (2 layers): 1 resident expert, 2 left for copied misses."
-            in landed), landed
+    assert "Expert slots per layer: 3 of 8 in every layer (2 layers)." in landed, landed
+    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most into the slots "
+            "the popularity file's counts do not fill for good (copied misses use them meanwhile)." in landed)
+    assert (f"{path} counts fewer experts than the layer has slots in 2 expert nodes ('{names[0]}', '{names[1]}'): "
+            "static placement places the counted ones at once and fills the slots left with the experts its opening "
+            "measures routed most.") in landed
 
 
 def test_where_everything_landed_says_static_placement_measures_only_the_layers_the_popularity_file_leaves_out(
@@ -929,9 +933,8 @@ def test_where_everything_landed_says_static_placement_measures_only_the_layers_
     first = ModelFolder.open(fixture_folder("gptoss")).experts[0].name
     model, path, landed = _landed_under_static_placement(tmp_path, {first: [0, 0, 7, 5, 3, 0, 0, 0]})
     assert [layer.resident().tolist() for layer in model.offload.slots] == [[2, 3, 4], []]
-    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
-            "without counts in the popularity file into its slots for good (copied misses use them meanwhile)."
-            in landed)
+    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most into the slots "
+            "the popularity file's counts do not fill for good (copied misses use them meanwhile)." in landed)
     assert (f"{path} counts 1 of 2 expert nodes ('/model/layers.0/moe/QMoE'); static placement measures the other 1 "
             "over its opening ('/model/layers.1/moe/QMoE').") in landed
 
@@ -943,9 +946,8 @@ def test_where_everything_landed_says_static_placement_measures_a_layer_the_popu
     first, second = (info.name for info in ModelFolder.open(fixture_folder("gptoss")).experts)
     model, path, landed = _landed_under_static_placement(tmp_path, {first: [0, 0, 7, 5, 3, 0, 0, 0], second: [0] * 8})
     assert [layer.resident().tolist() for layer in model.offload.slots] == [[2, 3, 4], []]
-    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most in each layer "
-            "without counts in the popularity file into its slots for good (copied misses use them meanwhile)."
-            in landed)
+    assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most into the slots "
+            "the popularity file's counts do not fill for good (copied misses use them meanwhile)." in landed)
     assert (f"{path} counts 1 of 2 expert nodes ('{first}'); static placement measures the other 1 over its opening "
             f"(0 for every expert: '{second}').") in landed
 

@@ -350,20 +350,62 @@ def test_a_popularity_file_set_later_leaves_the_layers_it_leaves_out_as_measured
     assert resident_sets(engine) == [{12, 13, 14, 15}] + placed[1:]
 
 
-def test_records_and_json_say_which_slots_static_placement_leaves_to_copies(model_folder, slot_bytes, tmp_path):
+def test_records_and_json_say_which_slots_static_placement_leaves_to_copies():
     """copy_state (records, --json) said adaptive placement's miss slots ([0, 0, 0] under static placement) and nothing
-    of the slots static placement leaves to copied misses where a popularity file counts fewer experts than a layer has
+    of the slots static placement leaves to copied misses where its choice counts fewer experts than a layer has
     slots: a record's hit rate read as static placement's own. static_placement's unchosen_slots says them per layer
-    (none before a layer has chosen)."""
+    (none before a layer has chosen, nor while its opening tops a popularity file's choice up)."""
+    layers = [LayerSlots(16, 4), LayerSlots(16, 4)]
+    policy = StaticPlacement(layers, [np.array([0] * 15 + [3], float), None])
+    policy.initial()
+    assert [policy.unchosen_slots(index) for index in range(2)] == [0, 0] and policy.opening
+    for _ in range(OPENING_PAIRS_PER_EXPERT * 16 // 4):  # routing that keeps to two experts of each layer (k = 4)
+        for index in range(2):
+            policy.observe(index, np.array([3, 5, 3, 5]))
+    policy.rebalance()
+    assert not policy.opening
+    assert [sorted(layer.resident().tolist()) for layer in layers] == [[3, 5, 15], [3, 5]]
+    assert [policy.unchosen_slots(index) for index in range(2)] == [1, 2]
+
+
+def test_a_popularity_file_that_counts_fewer_experts_than_slots_is_topped_up_by_the_opening(model_folder, slot_bytes,
+                                                                                            tmp_path):
+    """A popularity file counting fewer experts of a node than the layer has slots (the rest 0: routed nowhere in its
+    measurement) left the other slots to copied misses for good: static placement never chose for them, and the plan
+    said nothing. Now the layer's opening measures routing as in a layer the file leaves out, and its most routed
+    experts fill the slots left (the file's stay); the plan says which nodes; the outputs stay the all-CPU run's."""
     import json
 
     names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
     path = tmp_path / "popularity.json"
-    path.write_text(json.dumps({names[0]: [0] * 15 + [3], names[1]: [1] * 16}))
+    path.write_text(json.dumps({names[0]: [0] * 15 + [3], names[1]: [0] * 14 + [5, 9], names[2]: [1] * 16}))
     model, _device = open_model(model_folder, FAST_PCIE, placement="static", popularity_file=str(path),
                                 device_expert_bytes=4 * SPEC.layers * slot_bytes)
-    state = model.offload.stats_dict()["static_placement"]
-    assert state["unchosen_slots"] == [3, 0, 0] and state["opening_tokens_left"] == 32
+    engine = model.offload
+    assert resident_sets(engine) == [{15}, {14, 15}, {0, 1, 2, 3}]
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0,
+                                                       "unchosen_slots": [0, 0, 0]}
+    statement = next(s for s in engine.plan.statements if "popularity.json" in s)
+    assert statement == (f"{path} counts fewer experts than the layer has slots in 2 expert nodes ('{names[0]}', "
+                         f"'{names[1]}'): static placement places the counted ones at once and fills the slots left "
+                         "with the experts its opening measures routed most.")
+    greedy_run(model, LONG_PROMPT, 0)  # its prefill ends the opening
+    opening = routed_counts(engine)
+    run = greedy_run(model, "Hi", 4)
+    assert not engine.policy.opening
+
+    def others(counts, file):  # the opening's best of the experts the file counts 0
+        counts = counts.copy()
+        counts[file] = 0
+        return top(counts, 4 - len(file)) | set(file)
+
+    assert resident_sets(engine) == [others(opening[0], [15]), others(opening[1], [14, 15]), {0, 1, 2, 3}]
+    assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 0, "to_place": 0,
+                                                       "unchosen_slots": [0, 0, 0]}
+    assert_same_as_cpu(run, greedy_run(LoadedModel.open(model_folder), "Hi", 4))
+    placed = resident_sets(engine)
+    engine.reconfigure(engine.config.updated(cpu_threads=1))  # a re-plan keeping the slots keeps them all
+    assert resident_sets(engine) == placed and not engine.policy.opening and engine.policy.to_place() == 0
 
 
 def test_the_settle_progress_says_static_placement_is_what_it_waits_for(model_folder, slot_bytes):

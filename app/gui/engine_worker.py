@@ -57,7 +57,7 @@ def _needs_reload(old, new) -> list[str]:
 
 def slots_left_to_copies(offload) -> list[int]:
     """Per layer, the slots placement leaves to copied misses: adaptive placement's miss slots, or those static
-    placement's choice leaves (a popularity file or an opening that counted fewer experts than the layer has slots)."""
+    placement's choice leaves (an opening that counted fewer experts than the layer has slots)."""
     policy = offload.policy
     if isinstance(policy, StaticPlacement):
         return [policy.unchosen_slots(index) for index in range(len(offload.slots))]
@@ -277,12 +277,11 @@ class EngineWorker(QObject):
             miss = self._landed_miss
             lines.append(f"{'Expert slots' if any(miss) or opening else 'Experts resident'} per layer: "
                          f"{layer_summary(per_layer, miss)}.")
-            if opening:  # (with a popularity file, in the layers it leaves out or counts 0 in: the plan names them)
-                layers = ("each layer without counts in the popularity file" if offload.config.popularity_file
-                          else "each layer")
+            if opening:  # (with a popularity file, the slots its counts do not fill: the plan names their layers)
+                where = ("into the slots the popularity file's counts do not fill" if offload.config.popularity_file
+                         else "in each layer into its slots")
                 lines.append(f"Static placement counts routing for {counted(opening, 'more token')}, then copies "
-                             f"the experts routed most in {layers} into its slots for good (copied misses use them "
-                             f"meanwhile).")
+                             f"the experts routed most {where} for good (copied misses use them meanwhile).")
             memory = self._device.memory
             slots = offload.plan.device_bytes(offload.infos, offload.host_tier)
             parts = [f"expert slots {human_bytes(slots)}"] + [

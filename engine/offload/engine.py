@@ -42,6 +42,7 @@ from engine.offload.split_share import RowSplitTrials, SplitShareTrials, shifted
 from engine.offload.streaming import plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
+from engine.units import counted
 from kernels.cold_split import ROW_STEP, cpu_take_table, fc1_share, split_tables
 from kernels.gpu.host_tier import HostTierError
 
@@ -53,21 +54,30 @@ def load_popularity(path: str, names: list[str], experts: list[int]) -> list[np.
     return read_popularity(path, names, experts)[0]
 
 
-def popularity_statement(path: str, rows: list[np.ndarray | None], names: list[str], placement: str) -> str:
-    """What the plan says of a popularity file that leaves some expert nodes out or counts 0 for every expert of some
-    ('' where it counts some expert of every node)."""
+def popularity_statement(path: str, rows: list[np.ndarray | None], names: list[str], placement: str,
+                         slots: list[int] | None = None) -> str:
+    """What the plan says of a popularity file that leaves some expert nodes out or counts 0 for every expert of some,
+    and under static placement, of nodes where it counts fewer experts than the plan gives them `slots` ('' where
+    there is nothing to say)."""
+    said = []
     left = [name for name, row in zip(names, rows) if row is None]
     zero = [name for name, row in zip(names, rows) if row is not None and not counts_any(row)]
-    if not left and not zero:
-        return ""
-    named = [name for name, row in zip(names, rows) if counts_any(row)]
-    how = ("static placement measures the other {} over its opening" if placement == "static" else
-           "adaptive placement starts the other {} from no counts")
-    which = _some_names(left)
-    if zero:  # named in the file, with no count to tell one expert from another
-        which = (f"left out: {which}; " if left else "") + f"0 for every expert: {_some_names(zero)}"
-    return (f"{path} counts {len(named)} of {len(names)} expert nodes{f' ({_some_names(named)})' if named else ''}; "
-            f"{how.format(len(left) + len(zero))} ({which}).")
+    if left or zero:
+        named = [name for name, row in zip(names, rows) if counts_any(row)]
+        how = ("static placement measures the other {} over its opening" if placement == "static" else
+               "adaptive placement starts the other {} from no counts")
+        which = _some_names(left)
+        if zero:  # named in the file, with no count to tell one expert from another
+            which = (f"left out: {which}; " if left else "") + f"0 for every expert: {_some_names(zero)}"
+        said.append(f"{path} counts {len(named)} of {len(names)} expert nodes"
+                    f"{f' ({_some_names(named)})' if named else ''}; {how.format(len(left) + len(zero))} ({which}).")
+    short = [name for name, row, count in zip(names, rows, slots or ())
+             if placement == "static" and counts_any(row) and np.count_nonzero(row) < count < row.size]
+    if short:  # (StaticPlacement tops the file's choice up)
+        said.append(f"{path} counts fewer experts than the layer has slots in {counted(len(short), 'expert node')} "
+                    f"({_some_names(short)}): static placement places the counted ones at once and fills the slots "
+                    "left with the experts its opening measures routed most.")
+    return " ".join(said)
 
 
 def _some_names(names: list[str]) -> str:
@@ -437,9 +447,9 @@ class OffloadEngine:
     def _static_state(self) -> dict | None:
         """Under static placement (StaticPlacement): the tokens its opening still counts before every layer has chosen
         its residents (0 once all have; a layer's pairs left over its top-k), and the chosen experts not yet copied in
-        (at safe points, within the swap allowance); per layer, the slots its choice leaves to copied misses (a
-        popularity file or an opening that counted fewer experts than the layer has slots; 0 before the layer has
-        chosen). None under adaptive placement."""
+        (at safe points, within the swap allowance); per layer, the slots its choice leaves to copied misses (an
+        opening that counted fewer experts than the layer has slots; 0 before the layer has chosen, and while its
+        opening tops a popularity file's choice up). None under adaptive placement."""
         policy = self.policy
         if not isinstance(policy, StaticPlacement):
             return None
@@ -598,13 +608,20 @@ class OffloadEngine:
             self.policy.scores = scores if isinstance(before, AdaptivePlacement) else adaptive_scores(scores)
         elif (scores is not None and isinstance(before, StaticPlacement) and isinstance(self.policy, StaticPlacement)
               and len(scores) == len(self.policy.scores)):
-            for index, from_file in enumerate(self.policy.from_file):  # the layers it measured, measured still
+            policy = self.policy
+            for index, from_file in enumerate(policy.from_file):  # the layers it measured, measured still
+                kept = before.chosen[index] is not None and before.chosen_for[index] == self.slots[index].num_slots
                 if not from_file and not before.from_file[index]:
-                    self.policy.scores[index], self.policy.counted[index] = scores[index], before.counted[index]
-                    if before.chosen[index] is not None and before.chosen_for[index] == self.slots[index].num_slots:
-                        # its slots kept: its residents stay (they never move), not chosen again from the counts since
-                        self.policy.chosen[index] = before.chosen[index]
-                        self.policy.chosen_for[index] = before.chosen_for[index]
+                    policy.scores[index], policy.counted[index] = scores[index], before.counted[index]
+                    if kept:  # its slots kept: its residents stay (they never move), not chosen again from the counts
+                        policy.chosen[index], policy.chosen_for[index] = before.chosen[index], before.chosen_for[index]
+                elif (kept and from_file and before.from_file[index]
+                      and np.array_equal(policy.file_counts[index], before.file_counts[index])):
+                    # the same counts, its slots kept: the experts its opening chose (or counts to choose) for the
+                    # slots the file's counts leave stay, as the file's
+                    policy.scores[index], policy.counted[index] = scores[index], before.counted[index]
+                    policy.chosen[index], policy.chosen_for[index] = before.chosen[index], before.chosen_for[index]
+                    policy.topping_up[index] = before.topping_up[index]
         self._weigh_miss_slots()
         self._steps = 0  # safe points (end_step) since the placement was made: the miss slots are weighed again
         if popularity is not None or self.config.placement == "adaptive":
@@ -626,7 +643,8 @@ class OffloadEngine:
         experts are placed (not where every one is resident)."""
         if popularity is None or self.plan.placement_mode != "hybrid":
             return
-        said = popularity_statement(config.popularity_file, popularity, [i.name for i in self.infos], config.placement)
+        said = popularity_statement(config.popularity_file, popularity, [i.name for i in self.infos], config.placement,
+                                    [layer.num_slots for layer in self.slots])
         if said:
             self.plan.statements.append(said)
 

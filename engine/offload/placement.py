@@ -188,9 +188,10 @@ OPENING_PAIRS_PER_EXPERT = 8
 class StaticPlacement(PlacementPolicy):
     """Residents chosen once from popularity (counts per layer × expert); never moved once in.
 
-    With a popularity file its counts choose them at once (initial(), at load). Without one (or in a layer the file
-    leaves out or counts 0 throughout), the layer's opening counts what routing chooses, prefill and decode alike, until
-    OPENING_PAIRS_PER_EXPERT routed pairs per expert;
+    With a popularity file its counts choose them at once (initial(), at load); where it counts fewer experts than the
+    layer has slots, they stay and the layer's opening chooses for the slots left (topping_up). Without one (or in a
+    layer the file leaves out or counts 0 throughout), the layer's opening counts what routing chooses, prefill and
+    decode alike, until OPENING_PAIRS_PER_EXPERT routed pairs per expert;
     at the safe point that ends it, the layer's best-counted experts (one per slot, counted at least once, the lowest
     id first on ties; every expert where there is a slot for each) are chosen. Until a layer has chosen, every slot is
     spare for the miss policy's copies. Then, at safe points, rebalance copies the chosen experts in, best first, into
@@ -204,11 +205,15 @@ class StaticPlacement(PlacementPolicy):
         # the file leaves out (None) or counts 0 throughout (no expert told from another) is measured by its opening,
         # as without a file
         self.from_file = [popularity is not None and counts_any(popularity[index]) for index in range(len(layers))]
-        for index, from_file in enumerate(self.from_file):
-            if from_file:
-                self.scores[index] = np.asarray(popularity[index], dtype=np.float64).copy()
+        self.file_counts = [np.asarray(popularity[index], dtype=np.float64).copy() if from_file else None
+                            for index, from_file in enumerate(self.from_file)]
+        for index, counts in enumerate(self.file_counts):
+            if counts is not None:
+                self.scores[index] = counts.copy()
         self.chosen: list[np.ndarray | None] = [None] * len(layers)  # per layer: a bool per expert, once chosen
         self.chosen_for = [0] * len(layers)  # per layer: the slots it had when it chose (a re-plan keeps the choice)
+        # per layer: chose from the file, which counts fewer experts than it has slots; its opening measures the rest
+        self.topping_up = [False] * len(layers)
         self.counted = [0.0] * len(layers)  # per layer: the routed pairs observed (enough end its opening)
         self._each = [np.ones(layer.num_experts) for layer in layers]  # _observe's watch: it returns the pairs
         # every layer chose and its chosen experts are in, while these are the layers' expert_in arrays (only a resize,
@@ -229,17 +234,21 @@ class StaticPlacement(PlacementPolicy):
 
     def opening_left(self, layer: int) -> float:
         """The routed pairs the layer's opening still counts before it chooses (0 once it has, and where there is
-        nothing to choose: no slot, or a slot for every expert)."""
+        nothing to choose: no slot, or a slot for every expert); in a layer topping the file's choice up, before it
+        chooses the experts for the slots the file's counts leave."""
         slots = self.layers[layer]
-        if self.chosen[layer] is not None or not 0 < slots.num_slots < slots.num_experts:
+        if not 0 < slots.num_slots < slots.num_experts or (self.chosen[layer] is not None
+                                                            and not self.topping_up[layer]):
             return 0.0
         return max(0.0, OPENING_PAIRS_PER_EXPERT * slots.num_experts - self.counted[layer])
 
     def unchosen_slots(self, layer: int) -> int:
         """The layer's slots its choice leaves to copied misses, where it counted fewer experts than it has slots (0
-        before it has chosen)."""
+        before it has chosen, and while its opening tops the file's choice up)."""
         chosen = self.chosen[layer]
-        return 0 if chosen is None else max(0, self.layers[layer].num_slots - int(np.count_nonzero(chosen)))
+        if chosen is None or self.topping_up[layer]:
+            return 0
+        return max(0, self.layers[layer].num_slots - int(np.count_nonzero(chosen)))
 
     def to_place(self) -> int:
         """The chosen experts not yet copied in, over the layers."""
@@ -249,15 +258,23 @@ class StaticPlacement(PlacementPolicy):
     def choose(self) -> None:
         """End every layer's opening now: its residents chosen from the counts so far (traces.replay)."""
         for index in range(len(self.layers)):
-            if self.chosen[index] is None:
+            if self.chosen[index] is None or self.topping_up[index]:
                 self._choose(index)
 
     def _choose(self, layer: int) -> None:
+        """The layer's best-counted experts chosen, up to its wanted residents. A file's choice that leaves slots is
+        topped up by the layer's opening (an expert the file counts 0 was routed nowhere in its measurement, which
+        says nothing of this workload's): it is kept (its experts never move), and the best the opening counted of
+        the others join it."""
         scores, wanted = self.scores[layer], self.wanted_slots(layer)
-        best = np.argsort(-scores, kind="stable")[:wanted]
+        kept = self.chosen[layer] if self.topping_up[layer] else np.zeros(scores.size, bool)
+        others = np.flatnonzero(~kept)
+        best = others[np.argsort(-scores[others], kind="stable")][:max(0, wanted - int(np.count_nonzero(kept)))]
         # a slot for every expert: every one, counted or not (the layer then routes on the device: all_resident)
-        chosen = np.full(scores.size, wanted >= scores.size)
+        chosen = kept | (wanted >= scores.size)
         chosen[best[scores[best] > 0]] = True
+        self.topping_up[layer] = (self.from_file[layer] and not self.topping_up[layer]
+                                  and int(np.count_nonzero(chosen)) < wanted)
         self.chosen[layer], self.chosen_for[layer] = chosen, self.layers[layer].num_slots
         self._settled = None
 
@@ -285,11 +302,13 @@ class StaticPlacement(PlacementPolicy):
         settled = True
         for offset in range(count):
             index = (first + offset) % count
-            if self.chosen[index] is None:
-                if self.opening_left(index) > 0:
+            if self.chosen[index] is None or self.topping_up[index]:
+                if self.opening_left(index) > 0:  # (a layer topping up meanwhile keeps the file's choice in)
                     settled = False
-                    continue
-                self._choose(index)
+                    if self.chosen[index] is None:
+                        continue
+                else:
+                    self._choose(index)
             if limit is not None and len(swaps) >= limit:  # (not looked at: ~6 µs a layer, most safe points)
                 settled = False
                 continue
