@@ -519,17 +519,16 @@ def test_a_model_importing_no_operator_set_is_refused_by_inspect_not_called_runn
 
 @pytest.mark.parametrize("content, fragment", [
     ("[1, 2]", "the popularity file holds a JSON list, not an object of node names to counts per expert"),
-    ('{"N": ["a", "b"]}', 'node \'N\' has "a" for expert 0, not a count (a whole number >= 0)'),
+    ('{"N": ["a", "b"]}', 'node \'N\' has "a" for expert 0, not a count (a number >= 0)'),
     ('{"N": 5}', "node 'N' has 5, not a list of counts per expert"),
     ('{"N": [1]}', "node 'N' has 1 counts, the node has 2 experts"),
     ('{"N": [1, 2, 3]}', "node 'N' has 3 counts, the node has 2 experts"),
-    # the value and its expert named, not the whole row (128 counts in a Qwen3 layer's); a fraction is no count
-    ('{"N": [1, NaN]}', "node 'N' has NaN for expert 1, not a count (a whole number >= 0)"),
-    ('{"N": [1, -2]}', "node 'N' has -2 for expert 1, not a count (a whole number >= 0)"),
-    ('{"N": [-Infinity, 2]}', "node 'N' has -Infinity for expert 0, not a count (a whole number >= 0)"),
-    ('{"N": [2.5, 2]}', "node 'N' has 2.5 for expert 0, not a count (a whole number >= 0)"),
-    ('{"N": [3, null]}', "node 'N' has null for expert 1, not a count (a whole number >= 0)"),
-    ('{"N": [true, 1]}', "node 'N' has true for expert 0, not a count (a whole number >= 0)"),
+    # the value and its expert named, not the whole row (128 counts in a Qwen3 layer's)
+    ('{"N": [1, NaN]}', "node 'N' has NaN for expert 1, not a count (a number >= 0)"),
+    ('{"N": [1, -2]}', "node 'N' has -2 for expert 1, not a count (a number >= 0)"),
+    ('{"N": [-Infinity, 2]}', "node 'N' has -Infinity for expert 0, not a count (a number >= 0)"),
+    ('{"N": [3, null]}', "node 'N' has null for expert 1, not a count (a number >= 0)"),
+    ('{"N": [true, 1]}', "node 'N' has true for expert 0, not a count (a number >= 0)"),
     ('{"M": [1, 2]}', "the popularity file names 'M', which is no expert node of this model (they are N)"),
     ('{"N1": [1, 2]}', "the popularity file names 'N1', which is no expert node of this model (did you mean 'N'?)"),
 ])
@@ -548,13 +547,14 @@ def test_a_malformed_popularity_file_is_named_with_the_node_and_what_is_wrong(tm
         assert_clean_error(result, f"{path}: {fragment}")
 
 
-def test_popularity_counts_written_as_whole_floats_are_read(tmp_path):
-    """A count exported as a float (120.0, as NumPy's tolist() of a float array gives it) is a whole number: read."""
+def test_popularity_counts_written_as_floats_or_shares_are_read(tmp_path):
+    """A count exported as a float (120.0, as NumPy's tolist() of a float array gives it) reads, as do shares (0.25):
+    placement only ranks experts by them."""
     from engine.offload.engine import load_popularity
 
     path = tmp_path / "popularity.json"
-    path.write_text('{"N": [120.0, 0, 1e3]}')
-    assert load_popularity(str(path), ["N"], [3])[0].tolist() == [120.0, 0.0, 1000.0]
+    path.write_text('{"N": [120.0, 0, 1e3, 0.25]}')
+    assert load_popularity(str(path), ["N"], [4])[0].tolist() == [120.0, 0.0, 1000.0, 0.25]
 
 
 def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path, cli):

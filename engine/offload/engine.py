@@ -116,20 +116,21 @@ def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[li
 
 
 def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
-    """A node's counts per expert from the popularity file: `count` whole numbers >= 0 (the times routing chose each
-    expert; placement ranks experts by them). The first that is none is named, with its expert: a row holds 128."""
+    """A node's counts per expert from the popularity file: `count` finite numbers >= 0 (the times routing chose each
+    expert, or shares of them: placement only ranks experts by them). The first that is none is named, with its
+    expert: a row holds 128."""
     if not isinstance(row, list):
         raise WorkbenchError(f"{path}: node '{name}' has {json.dumps(row)[:80]}, not a list of counts per expert")
     if len(row) != count:
         raise WorkbenchError(f"{path}: node '{name}' has {len(row)} counts, the node has {count} experts")
     for expert, value in enumerate(row):
-        wrong = "not a count (a whole number >= 0)"
+        wrong = "not a count (a number >= 0)"
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
                 number = float(value)
             except OverflowError:  # an integer too large for a float
                 number, wrong = math.inf, "too large a count"
-            if math.isfinite(number) and number.is_integer() and number >= 0:
+            if math.isfinite(number) and number >= 0:
                 continue
         shown = json.dumps(value)
         shown = shown if len(shown) <= 40 else f"{shown[:40]}… ({len(shown)} characters)"
