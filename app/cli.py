@@ -402,7 +402,8 @@ def _cmd_inspect(args) -> int:
         statements += [said] if said else []
         if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
             device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")
-            statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device).statements
+            statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device,
+                                         paths.fixed_tier_path(mode, tier)).statements
         # which nodes the file leaves out or counts too few experts of, where it does
         said_popularity = "" if rows is None else popularity_statement(
             config.popularity_file, rows, names, config.placement, [plan.slots.get(name, 0) for name in names])

@@ -770,20 +770,23 @@ def test_report_tables_keep_an_answers_line_breaks_and_escape_its_markup():
     assert "<td>one<br>two &lt;b&gt;</td>" in cell
 
 
-@pytest.mark.parametrize("working", [None, 1 << 30])
-def test_estimate_follows_the_engine_for_streaming_slots(working):
+@pytest.mark.parametrize("working, decode_path", [(None, None), (1 << 30, None), (1 << 30, "tier")])
+def test_estimate_follows_the_engine_for_streaming_slots(working, decode_path):
     """A zero expert budget: the decode streaming slots device_working_bytes asks for are workspace in the estimate
-    as in the engine, and the plan's sentences are the engine's (including the hint where none are asked for)."""
+    as in the engine, and the plan's sentences are the engine's (including the hint where none are asked for); under
+    decode path 'tier', which copies no miss, neither makes them."""
     folder = ModelFolder.open(fixture_folder("gptoss"))
     facts = model_facts(folder, inspection(folder))
     choice = DeviceChoice("simulated", 1 << 30)
     config = OffloadConfig(device_expert_bytes=0, device_working_bytes=working)
-    est = estimate(facts, config, choice)
-    engine, device = engine_on("gptoss", config, choice)
+    est = estimate(facts, config, choice, decode_path=decode_path)
+    engine, device = engine_on("gptoss", config, choice, decode_path)
+    assert est.host_tier == engine.host_tier == (decode_path == "tier")
     workspace = {p.key: p for p in est.device_parts}["workspace"]
     streaming = device.memory.by_purpose.get("decode streaming slots", 0)
     assert workspace.bytes == device.memory.by_purpose["prefill staging ring"] + streaming
-    assert (streaming > 0) == (working is not None) and ("decode streaming slots" in workspace.note) == bool(streaming)
+    assert (streaming > 0) == (working is not None and decode_path is None)
+    assert ("decode streaming slots" in workspace.note) == bool(streaming)
     assert est.statements[:len(engine.plan.statements)] == engine.plan.statements
     assert any("streaming" in s or "device_working_bytes" in s for s in est.statements)
 

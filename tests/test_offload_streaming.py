@@ -4,9 +4,13 @@ all-CPU run; the slots are working memory, counted, bounded by device_working_by
 
 from __future__ import annotations
 
+import pytest
+
+from engine.errors import WorkbenchError
 from engine.generation import LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.config import NodeOverride
+from engine.offload.decode_path import DecodePathTrials
 from engine.offload.devices import Bandwidths
 from engine.units import human_bytes
 from tests.test_offload import SPEC, assert_same_as_cpu, cpu_run, device_expert_bytes, greedy_run, model_folder  # noqa: F401
@@ -146,3 +150,65 @@ def test_a_streaming_launch_carries_only_the_copied_misses(model_folder, monkeyp
     # at most one expert per slot, each a miss of that step (no slots: every routed expert is one)
     assert all(0 < len(set(ids[ids >= 0].tolist())) <= group.num_slots for ids in streamed)
     assert sum(len(set(ids[ids >= 0].tolist())) for ids in streamed) == decode_split(model)[2]
+
+
+@pytest.mark.parametrize("path, words", [
+    ("tier", "read by the GPU from host memory"),
+    ("both", "read by the GPU from host memory, a share computed on the CPU at once")])
+def test_under_the_host_tiers_paths_no_streaming_slot_is_made(model_folder, cpu_run, path, words):
+    """Decode paths 'tier' and 'both' read every cold expert of a layer without slots from the host tier (the CPU
+    computing a share under 'both'): no decode step copies a miss, so the streaming slots device_working_bytes asked
+    for took device memory for nothing, and the plan said misses went over PCIe. None is made now, the plan says why;
+    under the CPU path they are made again and take the copies."""
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(**STREAMING), decode_path=path)
+    engine = model.offload
+    assert engine.host_tier and engine.decode_path_in_force == path
+    assert engine.streaming.groups == [] and engine.streaming.by_layer == [None] * SPEC.layers
+    assert device.memory.by_purpose.get(PURPOSE, 0) == 0 and engine.copy_state()["streaming_slots"] == []
+    assert (f"device_working_bytes={1 << 30} makes no decode streaming slots: under decode path '{path}' the cold "
+            f"experts of {SPEC.layers} layers without expert slots are {words}, none copied to the device."
+            in engine.plan.statements)
+    assert not any("Where decode computes cold experts on the CPU" in s for s in engine.plan.statements)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert decode_split(model)[2] == 0 and engine.stats.totals().misses_read > 0
+    engine.set_decode_path("cpu")  # no tier: decode's misses on the CPU, some copied into the slots
+    assert not engine.host_tier and [group.num_slots for group in engine.streaming.groups] == [SPEC.top_k]
+    assert device.memory.by_purpose[PURPOSE] == SPEC.top_k * slot_bytes(model)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert decode_split(model)[2] > 0
+
+
+def test_the_streaming_slots_stay_while_trials_may_bring_the_cpu_path(model_folder, cpu_run):
+    """Decode path auto under cpu_execution=auto: the tier is made and trials time it against the CPU path, which a
+    trial may keep (or come back to time at any later trial): the streaming slots are made with the tier and kept
+    through the switches, and the CPU path's steps copy misses into them, with the all-CPU run's tokens. A re-plan
+    to 'tier' that fails leaves them as the path put back (auto) wants them."""
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(**STREAMING), decode_path="auto")
+    engine = model.offload
+    assert engine.host_tier and engine.path_trials_run() and engine.decode_path_in_force == "tier"
+    groups = engine.streaming.groups
+    assert [group.num_slots for group in groups] == [SPEC.top_k]
+    assert device.memory.by_purpose[PURPOSE] == SPEC.top_k * slot_bytes(model)
+    assert any(said.startswith("Where decode computes cold experts on the CPU (not from a host tier), the misses of "
+                               f"{SPEC.layers} layers without expert slots may also be copied")
+               for said in engine.plan.statements)
+    engine.path_trials = DecodePathTrials(first=1, settle=1, window=2, recheck=100)
+    paths = []
+
+    def end_step(seconds, tokens):
+        step_s = {"tier": 0.030, "cpu": 0.020, "both": 0.025}[engine.decode_path_in_force]
+        engine.end_step(step_s if tokens == 1 else seconds, tokens)
+        paths.append(engine.decode_path_in_force)
+
+    model.decoder.on_step_end = end_step
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert "cpu" in paths and {"tier", "both"} <= set(paths) and engine.streaming.groups == groups  # kept throughout
+    assert decode_split(model)[2] > 0  # the CPU path's steps copied misses into them
+    with pytest.raises(WorkbenchError, match="node_overrides names 'nowhere'"):
+        engine.reconfigure(engine.config.updated(node_overrides={"nowhere": NodeOverride(max_resident_slots=0)}),
+                           decode_path="tier")
+    assert engine.decode_path_mode == "auto" and engine.host_tier
+    assert [group.num_slots for group in engine.streaming.groups] == [SPEC.top_k]
+    assert device.memory.by_purpose[PURPOSE] == SPEC.top_k * slot_bytes(model)

@@ -325,7 +325,8 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         # expert slots, reserved before them, leave
         stand_in.memory.reserve(resident_bytes, "expert slots")
         nodes = facts.staged_nodes
-        streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in)
+        streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in,
+                                   paths.fixed_tier_path(decode_path or paths.default_decode_path(), host_tier))
     streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups) if streaming else 0
     at_load = None  # why the load would keep the dense part on the CPU all the same, the plan made (dense_fit)
     if dense_on_gpu and stand_in is not None and not error:

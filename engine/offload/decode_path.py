@@ -160,6 +160,14 @@ def tier_planned(mode: str, config: OffloadConfig, infos, device_kind: str | Non
             and not config.approximate_routing and _refusal(mode, config, tier_bytes(infos), available) is None)
 
 
+def fixed_tier_path(mode: str, host_tier: bool) -> str | None:
+    """The decode path every decode step takes where it reads cold experts from the host tier (`host_tier`: one is
+    made): "tier" or "both" as asked. None where a decode step may compute cold experts on the CPU alone: no tier, or
+    under "auto" the trials, which may choose the CPU path and come back to time it again (cpu_execution=disabled,
+    the tier's path under "auto" too, computes no expert on the CPU either way)."""
+    return mode if host_tier and mode in ASKED_TIER else None
+
+
 def tier_bytes(infos) -> int:
     """Page-locked host memory a host tier maps: every expert of every node the GPU kernels run, in their layout."""
     return sum(info.spec.num_experts * info.gpu.slot_bytes for info in infos if info.gpu is not None)

@@ -39,7 +39,7 @@ from engine.offload.projection import is_simulated
 from engine.offload.staging import NO_STAGING, plan_staging
 from engine.offload.spike_gate import SpikeGate
 from engine.offload.split_share import RowSplitTrials, SplitShareTrials, shifted
-from engine.offload.streaming import plan_streaming
+from engine.offload.streaming import StreamingPlan, plan_streaming
 from engine.offload.stats import OffloadStats
 from engine.offload.swap_allowance import SwapAllowance
 from engine.units import counted
@@ -544,11 +544,17 @@ class OffloadEngine:
             plan.statements.extend(self.staging.statements(cold=plan.leaves_cold))
         return plan
 
-    def _plan_streaming(self, config: OffloadConfig, say: bool = True):
-        """The decode streaming slots of layers without an expert slot (streaming.py), once the slots are made; their
-        sentences go into the plan's unless `say` is False (the plan already has them)."""
-        streaming = plan_streaming(config, self.runners, [layer.num_slots for layer in self.slots], self.device)
-        if say:
+    def _plan_streaming(self, config: OffloadConfig, restoring: StreamingPlan | None = None) -> StreamingPlan:
+        """The decode streaming slots of layers without an expert slot (streaming.py), once the slots and the host tier
+        are made: none where every decode step reads cold experts from the tier (decode_path.fixed_tier_path; under
+        the trials the CPU path may come into force at any trial, so they are kept through their switches). Their
+        sentences go into the plan's, unless `restoring`: the slots of the plan in force again after a re-plan that
+        failed (its sentences said already), made for the decode path it was made for."""
+        tier_path = (paths.fixed_tier_path(self.decode_path_mode, self._host_tier) if restoring is None
+                     else restoring.tier_path)
+        streaming = plan_streaming(config, self.runners, [layer.num_slots for layer in self.slots], self.device,
+                                   tier_path)
+        if restoring is None:
             self.plan.statements.extend(streaming.statements)
         return streaming
 
@@ -992,7 +998,8 @@ class OffloadEngine:
                 store.host_tier = host_tier
                 store.resize(count)
         self._reload_residents()
-        self.streaming = self._plan_streaming(self.config, say=False)
+        # (reconfigure puts the decode path back only once this has run)
+        self.streaming = self._plan_streaming(self.config, restoring=self.streaming)
 
     def _end_unbounded_work(self, why: str) -> None:
         """host_expert_bytes bounded, file backing turned off, or every expert made resident on the loaded model: what

@@ -19,13 +19,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from engine.offload.config import OffloadConfig
+from engine.offload.decode_path import PATH_WORDS
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.planner import under_limit
 from engine.units import counted, human_bytes
 
 
 # The streaming slots serve decode steps that compute cold experts on the CPU: while decode reads them from the host
-# tier (decode_path.py), the tier reads those of layers without slots too, and the sentences below say so.
+# tier (decode_path.py), the tier reads those of layers without slots too, and the sentences below say so. Where no
+# decode step can compute them on the CPU (the tier's paths asked for), none is made (plan_streaming's `tier_path`).
 ON_CPU = "Where decode computes cold experts on the CPU (not from a host tier)"
 
 
@@ -34,6 +36,7 @@ class StreamingPlan:
     by_layer: list                               # per expert node: its layout's streaming slots, or None
     groups: list = field(default_factory=list)   # the streaming slots made (one per layout), to close on re-plan
     statements: list[str] = field(default_factory=list)
+    tier_path: str | None = None                 # plan_streaming's: the decode path it was made for
 
     def close(self) -> None:
         for group in self.groups:
@@ -47,13 +50,16 @@ def _layout_key(info) -> tuple:
     return dataclasses.replace(info.spec, node_name=""), info.device_bytes_per_expert
 
 
-def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], device) -> StreamingPlan:
+def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], device,
+                   tier_path: str | None = None) -> StreamingPlan:
     """Streaming slots, where device_working_bytes asks for them, for the nodes the GPU kernels run as stored (no
     conversion: the slots take one node's experts after another's) that got no expert slot, when misses may run on
     the CPU (cpu_execution disabled sends every miss through the prefill staging ring instead). Slots that do not fit
     in device_working_bytes or in the device's free memory are left out, with a statement; the CPU then computes
-    those layers' misses."""
-    plan = StreamingPlan([None] * len(runners))
+    those layers' misses. `tier_path` ("tier", "both"): the decode path every decode step takes, reading cold experts
+    from a host tier made for it (decode_path.fixed_tier_path), so that no decode step copies a miss: no slot is
+    made. None where decode may compute cold experts on the CPU: no tier, or trials that may choose the CPU path."""
+    plan = StreamingPlan([None] * len(runners), tier_path=tier_path)
     if device is None or config.mode == "disabled" or config.cpu_execution == "disabled":
         return plan
     left = config.device_working_bytes
@@ -62,6 +68,13 @@ def plan_streaming(config: OffloadConfig, runners, layer_slots: list[int], devic
         info = runner.info
         if slots == 0 and info.gpu is not None and not info.gpu.conversion:
             wanted.setdefault(_layout_key(info), []).append(index)
+    if tier_path is not None:
+        if wanted and left is not None:
+            layers = sum(len(indices) for indices in wanted.values())
+            plan.statements.append(f"device_working_bytes={left} makes no decode streaming slots: under decode path "
+                                   f"'{tier_path}' the cold experts of {counted(layers, 'layer')} without expert slots "
+                                   f"are {PATH_WORDS[tier_path]}, none copied to the device.")
+        return plan
     if wanted and left is None:
         layers = sum(len(indices) for indices in wanted.values())
         plan.statements.append(f"{ON_CPU}, the misses of {counted(layers, 'layer')} without expert slots run there; "
