@@ -240,6 +240,43 @@ def test_a_tier_that_fits_only_unrounded_under_the_limit_is_not_made_on_the_simu
     assert_same_as_cpu(greedy_run(model), cpu_run)
 
 
+def test_a_host_tier_the_driver_refuses_leaves_the_plan_of_no_tier(model_folder, cpu_run, tmp_path, monkeypatch):
+    """A host tier whose mappings the driver refuses (HostTierError, or a DeviceMemoryError) at load: cold experts go
+    to the CPU, and the plan said so beside what it had planned for the tier: the device memory its mappings take
+    and, under an automatic budget, the room left to them, which the slots did not get. The plan is made again for no
+    tier now: the slots and sentences of a load without one, and the sentence saying why there is none."""
+    from engine.offload.devices import SimulatedSlots
+    from kernels.gpu.host_tier import HostTierError
+
+    real = SimulatedSlots.resize
+
+    def refused(self, num_slots):
+        if self.host_tier:
+            raise HostTierError("cuMemCreate failed: CUresult 2")
+        real(self, num_slots)
+
+    monkeypatch.setattr(SimulatedSlots, "resize", refused)
+    # one layer of 16 experts of ~4 MiB (test_an_automatic_budget_keeps_the_reserve_free_beside_the_host_tiers_mappings)
+    large = write_model(tmp_path / "m", WriterSpec(layers=1, num_experts=16, top_k=4, hidden_size=2048,
+                                                   inter_size=1024, seed=3, dense_accuracy_level=0))
+    refusal = "Cold experts are computed on the CPU: the host tier could not be made (cuMemCreate failed: CUresult 2)."
+    models = []
+    for folder, config, capacity in (
+            (model_folder, OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 2), 1 << 30),
+            (large, OffloadConfig(reserve_device_bytes=64 * MIB, prefill_wave_experts=0), 104 * MIB)):
+        device, plain_device = SimulatedDevice(capacity), SimulatedDevice(capacity)
+        models.append(LoadedModel.open(folder, offload=config, device=device, decode_path="tier"))
+        engine = models[-1].offload
+        plain = LoadedModel.open(folder, offload=config, device=plain_device, decode_path="cpu").offload
+        assert not engine.host_tier and engine.decode_path_in_force == "cpu" and refusal in engine.plan.statements
+        assert [said for said in engine.plan.statements if said != refusal] == plain.plan.statements
+        assert not any("host tier's device mappings" in s or "With the host tier" in s for s in engine.plan.statements)
+        assert engine.plan.slots == plain.plan.slots and engine.plan.budget_bytes == plain.plan.budget_bytes
+        assert [store.num_slots for store in engine.stores] == [store.num_slots for store in plain.stores]
+        assert device.memory.by_purpose == plain_device.memory.by_purpose
+    assert_same_as_cpu(greedy_run(models[0]), cpu_run)
+
+
 def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its_steps(model_folder, cpu_run):
     """Decode path "both" on the simulated device: the CPU's share of the cold pairs (cold_split_table) comes from the
     rates its steps measure: the CPU kernel's (CpuRate) and the GPU's reads from the tier (TierReadRate: the launch's

@@ -264,17 +264,29 @@ class OffloadEngine:
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:
         """Every store made again with the host tier (for `config`, the configuration being put in force); where the
-        driver refuses its mappings or the device cannot hold them, the stores go back to no tier and tier_statement
-        says why. Whether the tier was made."""
+        driver refuses its mappings or the device cannot hold them, the plan is made again for no tier (_plan_untiered)
+        and tier_statement says why. Whether the tier was made."""
         try:
             self._make_stores(True)
         except (HostTierError, DeviceMemoryError) as exc:
-            self._make_stores(False)
+            self._plan_untiered(config)
             self.tier_statement = f"{paths.without_tier(config)}: the host tier could not be made ({exc})."
             return False
         self._tier_bytes = sum(store.host_tier_bytes for store in self.stores if store is not None)
         self.tier_statement = paths.tier_sentence(self.decode_path_mode, config, self._tier_bytes)
         return True
+
+    def _plan_untiered(self, config: OffloadConfig) -> None:
+        """The plan in force made again for no host tier, its stores with it: the one made for the tier said what the
+        tier's device mappings take and, under an automatic budget, left them room the slots now get."""
+        for store in self.stores:
+            if store is not None:
+                store.release()
+        self._release_staging()
+        self.plan = self._plan(config, tier=False)
+        for index, info in enumerate(self.infos):
+            self.slots[index].resize(self.plan.slots[info.name])
+        self._make_stores(False)
 
     def _switch_path(self) -> None:
         """After a trial switched the decode path: reads_tier follows, and the miss slots are weighed again (no slot
@@ -533,11 +545,12 @@ class OffloadEngine:
         elif self.device is not None:
             self.device.set_pinned_ring(0)
 
-    def _plan(self, config: OffloadConfig) -> OffloadPlan:
-        """Reserve the staging ring, then plan the slots in what the device has left."""
+    def _plan(self, config: OffloadConfig, tier: bool = True) -> OffloadPlan:
+        """Reserve the staging ring, then plan the slots in what the device has left; for a host tier where one is
+        planned (decode_path.tier_planned), unless `tier` is False."""
         self._take_staging(config)
-        tier = paths.tier_planned(self.decode_path_mode, config, self.infos, getattr(self.device, "kind", None),
-                                  paths.host_available())
+        tier = tier and paths.tier_planned(self.decode_path_mode, config, self.infos,
+                                           getattr(self.device, "kind", None), paths.host_available())
         plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
                             dense_on_device=self.dense_on_device, host_tier=tier)
         if self.device is not None and config.mode != "disabled":
