@@ -1591,6 +1591,34 @@ def test_under_decode_path_both_a_table_that_gives_the_cpu_nothing_leaves_the_st
     assert engine.stats.phases["decode"].cpu_s == 0.0
 
 
+
+def test_under_decode_path_both_a_split_pair_runs_where_the_table_gives_the_cpu_no_whole_pair(tmp_path):
+    """With a pair split by rows in force, the split's table may give the CPU no whole pair at any count of cold pairs
+    and only the rows of a split one (a CPU slower than the tier an expert, yet faster on a part): the layer still
+    takes the "both" step, where the CPU computes those rows. It took the tier's step, the split never ran."""
+    from engine.offload.split_share import SPLIT_ROWS, RowSplitTrials, SplitShareTrials
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    folder = write_model(tmp_path / "m", spec)
+    reference = greedy_run(LoadedModel.open(folder))
+    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    engine = model.offload
+    engine._split_costs = lambda layer: (500e-6, 0.0, 100e-6)  # the CPU 5x slower than the tier an expert
+    engine.share_trials = SplitShareTrials(first=10 ** 6)  # no trial in these steps: the split in force throughout
+    engine.row_trials = RowSplitTrials(first=10 ** 6)
+    engine.row_trials.choice = SPLIT_ROWS
+    assert not engine.cold_split_table(0).any() and engine.cold_split_rows(0).any()
+    split = []
+    real = engine.stores[1].launch_split
+    engine.stores[1].launch_split = lambda *args: split.append(args[-1]) or real(*args)
+    assert_same_as_cpu(greedy_run(model), reference)
+    assert len(split) == STEPS and all(rows is not None and rows.any() for rows in split)
+    assert engine.stats.totals().misses_cpu > 0 and engine.stats.phases["decode"].cpu_s > 0
+
+
+
 def mapped_pages(array: np.ndarray) -> int:
     """Pages of `array`'s memory mapped into this process now (/proc/self/pagemap's present bit)."""
     first, end = array.ctypes.data // 4096, -(-(array.ctypes.data + array.nbytes) // 4096)

@@ -250,14 +250,18 @@ class HybridExpertNode:
         """The split's table (OffloadEngine.cold_split_table) where a step with its inputs in the device's memory is a
         "both" step: a partly resident layer whose cold experts the GPU reads from the host tier while the CPU takes a
         share, no approximate routing, a decode launch's tokens at most (route_split's limit); None otherwise, and
-        where the table gives the CPU nothing (the tier's step then, whose host does not wait for the routing)."""
+        where the tables give the CPU nothing, neither a whole pair nor a split one's rows (cold_split_rows) (the
+        tier's step then, whose host does not wait for the routing)."""
         engine, spec = self.engine, self.info.spec
         if (engine.approximating or not engine.splits_cold or not self._splittable or not engine.reads_tier
                 or not store.reads_cold or engine.slots[self.layer].all_resident
                 or x.size > spec.hidden_size * min(engine.config.async_max_tokens, DECODE_MAX_TOKENS)):
             return None
         table = engine.cold_split_table(self.layer)
-        return table if table.any() else None
+        if table.any():
+            return table
+        rows = engine.cold_split_rows(self.layer)  # (asked only here: the common step reads one table)
+        return table if rows is not None and rows.any() else None
 
     def _run_split(self, store, x, logits, router_weights, cpu_take: np.ndarray) -> "SplitStep":
         """A decode step whose cold experts the GPU (from the host tier) and the CPU share (decode path "both"),
