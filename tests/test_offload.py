@@ -1619,6 +1619,34 @@ def test_under_decode_path_both_a_split_pair_runs_where_the_table_gives_the_cpu_
 
 
 
+def test_the_simulated_device_prices_a_split_pair_as_the_gpu_reads_only_its_rows(tmp_path):
+    """A pair split by rows: the GPU's decode kernels read its first r rows of FC1 and FC2 alone (cuda_device.py:
+    launch_split), and the engine counts r / inter of the expert as read from the tier (account_split). The simulated
+    device priced the split pair's read whole, so the tier's measured rate there fell below the card's with every
+    split, and the split's table and the row trials' projected steps took the GPU for slower than it is."""
+    from engine.offload.devices import TIER_READ_SHARE
+    from engine.offload.split_share import SPLIT_ROWS, RowSplitTrials, SplitShareTrials
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    folder = write_model(tmp_path / "m", spec)
+    reference = greedy_run(LoadedModel.open(folder))
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    engine = model.offload
+    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: the table splits a pair
+    engine.share_trials = SplitShareTrials(first=10 ** 6)  # no trial in these steps: the split in force throughout
+    engine.row_trials = RowSplitTrials(first=10 ** 6)
+    engine.row_trials.choice = SPLIT_ROWS
+    split = []
+    real = engine.stores[1].launch_split
+    engine.stores[1].launch_split = lambda *args: split.append(real(*args)) or split[-1]
+    assert_same_as_cpu(greedy_run(model), reference)
+    assert any((pending[2] > 1).any() for pending in split)  # steps with a split pair (its code: rows + 1)
+    assert engine.tier_read.value == pytest.approx(TIER_READ_SHARE * device.bandwidths.pcie)
+
+
 def mapped_pages(array: np.ndarray) -> int:
     """Pages of `array`'s memory mapped into this process now (/proc/self/pagemap's present bit)."""
     first, end = array.ctypes.data // 4096, -(-(array.ctypes.data + array.nbytes) // 4096)

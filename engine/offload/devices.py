@@ -17,7 +17,7 @@ import numpy as np
 from engine.offload.device_memory import card_memory
 from engine.offload.staging import PinnedRing
 from engine.units import human_bytes
-from kernels.cold_split import device_spans, split_cold_rows
+from kernels.cold_split import device_spans, gpu_rows_of_split, split_cold_rows
 from kernels.cpu.routing import route
 
 GIB = 1 << 30
@@ -210,16 +210,19 @@ class SimulatedSlots:
         self.kernel.run_experts(x2d, np.where(on_cpu == 1, -1, ids), weights, out=partial, spans=spans)
         read = set(ids[on_cpu != 1].tolist())
         self.after_file_read(read)
-        seconds = self._read_seconds(read)
+        # a split pair (always cold) is read up to its rows alone, as the GPU's decode kernels read it
+        unread = int(np.count_nonzero(on_cpu > 1)) - gpu_rows_of_split(on_cpu, spec.inter_size)
+        seconds = self._read_seconds(read, unread)
         self.standin_s += time.perf_counter() - started
         return x2d, ids, on_cpu, weights, partial, seconds
 
-    def _read_seconds(self, experts: set) -> float:
+    def _read_seconds(self, experts: set, unread: float = 0.0) -> float:
         """Modelled device seconds of a routed launch reading `experts`: those in a slot at HBM's rate, with the host
-        tier the others at TIER_READ_SHARE of PCIe."""
+        tier the others at TIER_READ_SHARE of PCIe, less `unread` cold experts' worth (the CPU's rows of split
+        pairs)."""
         bw = self.device.bandwidths
         cold = len(experts - set(self._held.tolist())) if self.host_tier else 0
-        return self.read_bytes * ((len(experts) - cold) / bw.hbm + cold / (TIER_READ_SHARE * bw.pcie))
+        return self.read_bytes * ((len(experts) - cold) / bw.hbm + (cold - unread) / (TIER_READ_SHARE * bw.pcie))
 
     def split_routing(self, pending: tuple, idle=None) -> tuple:
         """(x, every routed id, the CPU's pairs as split_cold_rows codes them, the weights) of launch_split's step
