@@ -446,6 +446,28 @@ def test_under_decode_path_both_trials_keep_a_pair_split_by_rows_only_where_its_
             step_s[SPLIT_ROWS] * 1e3)}}
 
 
+def test_a_replan_under_both_drops_the_table_made_with_the_last_share_trials_shift(model_folder):
+    """A re-plan (a budget changed on the loaded model) starts the share trials again, from the table as made. The
+    table kept from before it, made with the last trial's shift, stayed in force until the next remaking (up to
+    SPLIT_TABLE_EVERY decode steps), beside records that said shift 0."""
+    from engine.offload.split_share import FEWER, shifted
+    from kernels.cold_split import cpu_take_table
+
+    config = OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4)
+    model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30), decode_path="both", offload=config)
+    engine = model.offload
+    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)
+    made = cpu_take_table(SPEC.top_k, 100e-6, 0.0, 100e-6)
+    engine.share_trials.choice = FEWER  # as a trial left it
+    engine._split_tables.clear()
+    assert engine.cold_split_table(0).tolist() == shifted(made, -1).tolist()
+    engine.reconfigure(config.updated(device_expert_bytes=2 * config.device_expert_bytes))
+    assert engine.splits_cold and engine.share_trials.shift == 0
+    assert engine.cold_split_table(0).tolist() == made.tolist()
+    assert engine.copy_state()["decode_path"]["cold_split"]["cpu_takes"] == made.tolist()
+
+
+
 def test_a_shifted_share_stays_within_a_tokens_cold_pairs():
     from engine.offload.split_share import shifted
 

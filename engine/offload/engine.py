@@ -301,8 +301,10 @@ class OffloadEngine:
         splits = in_force == BOTH
         if splits and (replanned or not self.splits_cold):
             self._split_rate_skip = SPLIT_RATE_SKIP
-        if splits and not self.splits_cold:  # the tables from the rates as they are, and soon from the step's own
+            # the tables from the rates as they are (after a re-plan, which started the share and row trials again,
+            # not with their last choices)
             self._split_tables.clear()
+        if splits and not self.splits_cold:  # ... and soon from the step's own
             self._split_tables_due = SPLIT_TABLE_FIRST
             # and the host's gap measured afresh: one that gave the CPU nothing would keep every layer on the tier's
             # step, where no gap is measured, for as long as "both" is in force (a trial of it included)
