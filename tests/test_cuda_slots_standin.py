@@ -599,6 +599,29 @@ def test_under_decode_path_both_a_pair_split_by_rows_gives_the_all_cpu_run(model
     assert any(nbytes % read_bytes for nbytes in observed)  # a split pair's rows are part of an expert's bytes
 
 
+def test_a_pair_is_split_by_rows_only_where_the_cpu_kernel_computes_a_part_of_an_expert(tmp_path, monkeypatch):
+    """GpuQMoE.splits_rows says what the GPU's decode kernels do (the tensor-core path's dec5), whatever the node's
+    layout; the split pair's other rows are the CPU kernel's, which computes a part of an expert through its fused
+    decode kernel only (CpuQMoE.splits_rows: not with FC1 gate + FC3 up, swiglu_fusion 0). The stores said they split
+    pairs wherever the GPU's kernels did, so the row trials timed the split there and its CPU part was refused
+    (run_experts' spans) in the middle of a decode. Here they keep pairs whole: the run is the all-CPU run's."""
+    from engine.offload.split_share import SPLIT_ROWS
+    from engine.writer import write_model
+
+    monkeypatch.setattr(FakeGpuQMoE, "splits_rows", property(lambda self: True))  # as GpuQMoE's on an sm_80+ card
+    folder = write_model(tmp_path / "m", dataclasses.replace(SPEC, swiglu_fusion=0, inter_size=256))
+    cpu_run = greedy_run(LoadedModel.open(folder))
+    model, _ = open_on_standin(folder, 0.25, monkeypatch, decode_path="both")
+    engine = model.offload
+    assert engine.splits_cold and not engine.runners[0].kernel.splits_rows
+    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: a split where one can be
+    engine.row_trials.choice = SPLIT_ROWS
+    assert not engine.rows_choosable() and not engine.stores[0].splits_rows and engine.cold_split_rows(0) is None
+    steps, totals = decode_on_device(model, cpu_run, "split_launches")
+    assert totals.misses_cpu > 0  # the CPU's whole pairs
+
+
+
 def test_a_both_step_launched_again_goes_straight_onto_the_dense_stream(model_folder, cpu_run, monkeypatch):
     """From a layer's third "both" launch (the first merges after the CPU's part, the second queues the gated merge
     in its graph), the last launch's graph is launched again on the dense part's stream: the step is the all-CPU

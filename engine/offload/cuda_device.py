@@ -785,8 +785,10 @@ class CudaSlots:
 
     @property
     def splits_rows(self) -> bool:
-        """Whether launch_split splits a pair by rows where the split's rows table says (GpuQMoE.splits_rows)."""
-        return self.gpu.splits_rows
+        """Whether launch_split splits a pair by rows where the split's rows table says (GpuQMoE.splits_rows) and the
+        CPU kernel computes the pair's other rows (CpuQMoE.splits_rows: its fused decode kernel; GpuQMoE's says
+        nothing of the node's layout there)."""
+        return self.gpu.splits_rows and bool(getattr(self.runner.kernel, "splits_rows", False))
 
     def launch_split(self, x, logits, router_weights, cpu_take: np.ndarray,
                      split_rows: np.ndarray | None = None) -> SplitBuffers:
