@@ -314,13 +314,14 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     assert engine.host_gap.value == 0.0
     # the steps' CPU parts are timed for real: on a loaded machine some run slow and the gate leaves them out (its
     # count is what the state reports; test_spike_gate.py pins down which steps it leaves out)
-    # (the split's rows: none, whole pairs preferred until the row trials find a split faster)
+    # (the split's rows: none, whole pairs preferred until the row trials find a split faster; here no trial, as
+    # 64 intermediate rows are one ROW_STEP, too few to split)
     assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "split_rows": None, "inter_size": 64,
                      "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
                      "tier_read_bytes_per_s": engine.tier_read.value,
                      "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out,
                      "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None},  # (none yet: 12 steps)
-                     "rows": {"splits": False, "trials": 0, "measured_ms": {}, "measuring": None}}
+                     "rows": None}
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
 
@@ -465,6 +466,25 @@ def test_a_replan_under_both_drops_the_table_made_with_the_last_share_trials_shi
     assert engine.splits_cold and engine.share_trials.shift == 0
     assert engine.cold_split_table(0).tolist() == made.tolist()
     assert engine.copy_state()["decode_path"]["cold_split"]["cpu_takes"] == made.tolist()
+
+
+
+def test_no_row_trial_where_an_experts_rows_are_too_few_to_split(model_folder):
+    """A pair is split at a multiple of ROW_STEP rows below the expert's intermediate size (kernels/cold_split.py:
+    split_tables), so experts of ROW_STEP rows or fewer are never split. The row trials still ran there, timing whole
+    pairs against whole pairs (trials_pending waiting for them, records saying which "won"); now they do not."""
+    from engine.offload.split_share import RowSplitTrials, SplitShareTrials
+
+    model = LoadedModel.open(model_folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    engine = model.offload
+    assert SPEC.inter_size == 64 and engine.stores[0].splits_rows  # the kernels could split: the experts cannot
+    engine.share_trials = SplitShareTrials(first=1, settle=1, window=2)
+    engine.row_trials = RowSplitTrials(first=1, settle=1, window=2)
+    greedy_run(model)
+    assert engine.share_trials.trials == 1 and engine.row_trials.trials == 0
+    assert not engine.rows_choosable() and not engine.trials_pending
+    assert engine.copy_state()["decode_path"]["cold_split"]["rows"] is None
 
 
 

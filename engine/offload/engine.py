@@ -423,8 +423,10 @@ class OffloadEngine:
 
     def rows_choosable(self) -> bool:
         """A pair may be split by rows under "both" (row_trials choose whether): MOE_ROW_SPLIT is not 0 and the
-        device's stores split pairs (their GPU decode kernels)."""
-        return self.row_split and any(getattr(store, "splits_rows", False) for store in self.stores if store is not None)
+        device's stores split pairs (their decode kernels) of experts with more than ROW_STEP intermediate rows
+        (split_tables splits at a multiple of it below them: with fewer, the trials would time whole pairs twice)."""
+        return self.row_split and any(getattr(store, "splits_rows", False) and info.spec.inter_size > ROW_STEP
+                                      for info, store in zip(self.infos, self.stores) if store is not None)
 
     def path_trials_run(self) -> bool:
         """The decode path is chosen by trials: cpu_execution=auto, decode path auto, a host tier made."""
