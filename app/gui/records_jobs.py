@@ -310,7 +310,8 @@ class SweepJob:
             tokens[0] = 0  # the next run's own
             ctx.progress(fraction, f"{done[0]} of {total()} runs done")
 
-        def on_settle(fraction: float, split: str | None) -> None:  # up to 200 decode steps before the point's runs
+        # up to SETTLE_STEPS_MAX decode steps before the point's runs
+        def on_settle(fraction: float, split: str | None) -> None:
             at = f"{fraction:.0%}" + (f" ({split})" if split else "")
             # back from every expert resident, the experts' mapping first (sweep.settle waits for it)
             first = "" if model.settled else "mapping its experts again after the re-plan, then "

@@ -389,10 +389,11 @@ class OffloadEngine:
     @property
     def trials_pending(self) -> bool:
         """A trial is timing its ways now, or a first one since the last re-plan is still to come: the decode path's
-        (where trials choose it), the CPU's share's under "both" (it starts once "both" is in force), the layer
-        split's (auto, no host tier, a split to choose); or static placement is still counting routing before it
-        chooses, or copying its choice in (its slots hold copied misses meanwhile). Until none is, decode steps time
-        the ways the engine tries, not the one it keeps (a sweep's point, a benchmark's timed steps wait for that)."""
+        (where trials choose it), the CPU's share's under "both" (it starts once "both" is in force), the pair split by
+        rows' (under "both", where a pair can be split: rows_choosable), the layer split's (auto, no host tier, a split
+        to choose); or static placement is still counting routing before it chooses, or copying its choice in (its slots
+        hold copied misses meanwhile). Until none is, decode steps time the ways the engine tries, not the one it keeps
+        (a sweep's point, a benchmark's timed steps wait for that)."""
         if self.device is None:
             return False  # no device, no trials (end_step)
         if self._trial_measuring:

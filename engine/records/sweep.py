@@ -219,7 +219,9 @@ def reasoning_length_note(own: int | None, max_new_tokens: int) -> str:
             f"length is {own} tokens a run)")
 
 
-SETTLE_STEPS_MAX = 200  # a first decode path trial ends by its 76th step, "both"'s first share trial 76 steps later
+# a first decode path trial ends by its 76th step, "both"'s first share trial 76 steps later and its row trial 44 after
+# that (196 in all): room past them for a window a noisy step lengthened
+SETTLE_STEPS_MAX = 260
 
 
 def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
