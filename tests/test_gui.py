@@ -2096,6 +2096,31 @@ def test_gpu_kernels_nvrtc_cannot_compile_load_the_experts_on_the_cpu_under_auto
             "sm_90, the Stand-in GPU (80 GiB): 5f1e0c_2.cubin.cu(988): error: identifier") in landed
 
 
+def test_where_everything_landed_keeps_why_the_experts_run_on_the_cpu_after_an_apply(qtbot, window, monkeypatch):
+    """A model whose CUDA GPU could not be used (mode=auto) said why at the top of "where everything landed", but the
+    worker rebuilt that text without it after a re-plan (Apply), so the panel no longer said why every expert runs on
+    the CPU though the model was loaded as before. Every rebuild now keeps the reason while the model stays loaded. A
+    stand-in for the worker's CUDA GPU that another process holds."""
+    from app.gui import engine_worker
+
+    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+            "is/are busy or unavailable)")
+    note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
+    load(qtbot, window, fixture_folder("gptoss"), {"device": {"kind": "cuda"}})
+    landed, budget = window.model_panel.landed, window.budget_panel
+    assert landed.text().startswith(f"<ul style='margin-left:-20px'><li>{note}</li><li>")
+    budget.placement.setCurrentText("static")
+    qtbot.waitUntil(budget.apply_button.isEnabled)
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: not window.busy and not budget.apply_button.isEnabled(), timeout=WAIT)
+    assert window.status_state.text() == "Re-planned without reloading"
+    assert landed.text().startswith(f"<ul style='margin-left:-20px'><li>{note}</li><li>")
+    assert landed.text().count(note) == 1
+    load(qtbot, window, fixture_folder("lfm2moe"))  # another model, no GPU asked for: no reason to say
+    assert note not in landed.text() and window.worker._device_fallback == ""
+
+
 @pytest.mark.parametrize("press", ["stop", "unload"])
 def test_a_stop_of_a_load_waiting_on_the_gpu_kernels_first_compile_says_what_it_waits_for(qtbot, window, monkeypatch,
                                                                                           request, press):

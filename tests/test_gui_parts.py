@@ -884,8 +884,9 @@ def test_where_everything_landed_counts_the_host_tiers_device_mappings_as_the_de
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=0), device=device,
                              decode_path="tier")
     assert model.offload.host_tier
-    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device)
-    landed = " ".join(EngineWorker._landed(worker, []))
+    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device,
+                             _device_fallback="")
+    landed = " ".join(EngineWorker._landed(worker))
     held = sum(n for purpose, n in device.memory.by_purpose.items() if purpose.startswith("expert slots of "))
     assert held >= 2 << 20 and f"(expert slots {human_bytes(held)}, " in landed
 
@@ -909,8 +910,9 @@ def _landed_under_static_placement(tmp_path, counts: dict):
                              offload=OffloadConfig.from_entries({"session.moe.offload.placement": "static",
                                                                  "session.moe.offload.popularity_file": str(path),
                                                                  "session.moe.offload.node_overrides": overrides}))
-    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device)
-    return model, path, " ".join(EngineWorker._landed(worker, []))
+    worker = SimpleNamespace(_model=model, _loaded_facts=model_facts(folder, inspection(folder)), _device=device,
+                             _device_fallback="")
+    return model, path, " ".join(EngineWorker._landed(worker))
 
 
 def test_where_everything_landed_says_static_placement_measures_the_slots_a_popularity_file_leaves(tmp_path):

@@ -218,14 +218,14 @@ class EngineWorker(QObject):
                                 layer_split=_layer_split(settings), decode_path=_decode_path(settings),
                                 opened_s=self._folder_open_s)
             self._model, self._device, self._loaded_facts = model, device, self._facts
-            self._device_fallback = notes[0] if notes else ""  # (side by side's A record says it, as B's does)
+            self._device_fallback = notes[0] if notes else ""  # (where everything landed says it, as do its records)
             self._conversation = Conversation(model, system_prompt=self._system_prompt or None)
             self.loadProgress.emit(1.0)
             self.loaded.emit({"path": self._facts.path, "load_s": time.perf_counter() - started,
                               "device": device.name if device is not None else "CPU only",
                               "dense_device": "GPU" if model.dense_device == "cuda" else "CPU",
                               "on_gpu": getattr(device, "kind", None) == "cuda",  # (a simulated GPU: no real card's)
-                              "landed": self._landed(notes), "statements": list(model.offload.plan.statements),
+                              "landed": self._landed(), "statements": list(model.offload.plan.statements),
                               "entries": config.to_entries(), "is_demo": self._facts.is_demo,
                               "reasoning_choices": list(reasoning_choices(model.tokenizer)),
                               "reasons_first": model.answer_format.kind != "plain",
@@ -257,13 +257,14 @@ class EngineWorker(QObject):
             self._folder = None
             self.busyChanged.emit("")
 
-    def _landed(self, notes: list[str]) -> list[str]:
-        """Plain sentences: where every part of the loaded model is, and why."""
+    def _landed(self) -> list[str]:
+        """Plain sentences: where every part of the loaded model is, and why (first, while it runs every expert on the
+        CPU for want of its CUDA GPU, the load's note saying so: re-plans rebuild these sentences too)."""
         model, facts, offload = self._model, self._loaded_facts, self._model.offload
         self._landed_whole = offload.whole_layers
         self._landed_path = offload.decode_path_in_force
         self._landed_miss = slots_left_to_copies(offload)
-        lines = list(notes)
+        lines = [self._device_fallback] if self._device_fallback else []
         per_layer = [(info.model_layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]
         lines += offload.plan.statements
@@ -422,7 +423,7 @@ class EngineWorker(QObject):
                 raise WorkbenchError(f"{', '.join(blocked)} changes only when the model is loaded again (Apply and reload)")
             self._model.offload.reconfigure(config, layer_split=_layer_split(settings),
                                             decode_path=_decode_path(settings))
-            self.replanned.emit({"statements": list(self._model.offload.plan.statements), "landed": self._landed([]),
+            self.replanned.emit({"statements": list(self._model.offload.plan.statements), "landed": self._landed(),
                                  "entries": config.to_entries(), "settings": settings})
             self._emit_stats()
         except Exception as exc:
@@ -440,16 +441,16 @@ class EngineWorker(QObject):
         if offload is None:
             return
         if offload.whole_layers != self._landed_whole:  # the layer split's trials re-planned (layer_split.py)
-            self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
+            self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed(),
                                  "by_engine": "Measured faster: the expert budget now holds " + (
                                      "whole layers" if offload.whole_layers else "part of every layer")})
         elif offload.decode_path_in_force != self._landed_path and not offload.path_trials.measuring:
-            self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed([]),
+            self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed(),
                                  "by_engine": "Measured faster: cold experts are now "
                                               + PATH_WORDS[offload.decode_path_in_force]})
         elif (slots_left_to_copies(offload) != self._landed_miss  # the copies' measured worth moved the split
               or getattr(offload.policy, "opening", False) != self._landed_opening):  # static placement chose
-            self.landedChanged.emit(self._landed([]))
+            self.landedChanged.emit(self._landed())
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
                    "copy_bytes": s.copy_bytes, "swaps": s.swaps, "fills": s.fills, "misses_cpu": s.misses_cpu,
@@ -528,7 +529,7 @@ class EngineWorker(QObject):
                 if [id(t) for t in _trials(self._model)] != [id(t) for t in trials]:
                     # the job re-planned (a sweep puts the user's budgets back): the trials start afresh, from the
                     # spread and the path cpu_execution gives, which the next statistics would call measured faster
-                    self.landedChanged.emit(self._landed([]))
+                    self.landedChanged.emit(self._landed())
                 self._emit_stats()
             except Exception:
                 pass
