@@ -776,7 +776,8 @@ def _cmd_record(args) -> int:
     history = History(args.history)  # a bad history file refused before the model loads
     history.check_writable()
     sampling = _record_sampling(args, "record")
-    config, device = _offload_setup(args)
+    fallback = []  # why every expert runs on the CPU where the CUDA GPU cannot be used: each record says it
+    config, device = _offload_setup(args, fallback)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_after_load(args, model)
@@ -796,6 +797,8 @@ def _cmd_record(args) -> int:
         try:
             record = run_scenario(model, scenario, GenerationParams(max_new_tokens=tokens, sampling=sampling), device,
                                   label=args.label, progress=_ProgressLine(f"scenario {scenario}"))
+            if fallback:
+                record.offload["device_fallback"] = fallback[0]
         except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
             if not records or os.environ.get("MOE_WORKBENCH_DEBUG"):
                 raise

@@ -1642,6 +1642,30 @@ def test_generate_json_on_a_cuda_gpu_that_cannot_be_used_says_in_the_json_which_
                                                                     "why": None}
 
 
+def test_record_says_in_each_record_why_it_ran_on_the_cpu_where_the_cuda_gpu_cannot_be_used(capsys, monkeypatch,
+                                                                                            tmp_path):
+    """record --device cuda on a GPU it cannot use (mode=auto) said why on standard error alone: its records said
+    "cpu", as a run that chose the CPU, unlike the window's side by side. Each record now says why in the same field
+    (offload["device_fallback"]). A stand-in for a CUDA GPU another process holds."""
+    from engine.offload import cuda_device
+    from engine.records.history import History
+
+    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+            "is/are busy or unavailable)")
+    note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
+    monkeypatch.setattr(cuda_device, "cuda_device_or_cpu", lambda mem_limit, mode, report, kernels=True: (None, note))
+    history = tmp_path / "h.sqlite"
+    status, out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--device", "cuda", "--max-new-tokens",
+                             "1", "--history", str(history), "--json")
+    assert status == 0 and err.splitlines()[0] == f"warning: {note}"
+    run = json.loads(out)[0]
+    assert run["offload"]["device"] == "cpu" and run["offload"]["device_fallback"] == note
+    assert History(history).get(run["id"]).offload["device_fallback"] == note
+    status, out, _err = _main(capsys, "record", str(fixture_folder("gptoss")), "--max-new-tokens", "1", "--history",
+                              str(history), "--json")  # the CPU chosen: nothing to say
+    assert status == 0 and "device_fallback" not in json.loads(out)[0]["offload"]
+
+
 def test_the_gpu_kernels_compiling_at_a_load_is_said_on_standard_error(capsys, monkeypatch):
     """A first generate on a GPU without a prebuilt cubin waited 1-2 minutes on NVRTC compiling the expert kernels with
     nothing printed. The device's report (CudaDevice.ensure_kernels) is a line on standard error as it comes. A simulated

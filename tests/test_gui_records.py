@@ -704,6 +704,32 @@ def test_side_by_side_says_why_a_runs_on_the_cpu_where_its_cuda_gpu_could_not_be
     assert History(tmp_path / "history.sqlite3").get(view.result.saved_ids[0]).offload["device_fallback"] == note
 
 
+def test_a_scenario_runs_record_says_why_it_ran_on_the_cpu_where_its_cuda_gpu_could_not_be_used(qtbot, window,
+                                                                                               monkeypatch, tmp_path):
+    """The loaded model asked for the CUDA GPU under mode=auto and could not have it: side by side's records said why
+    every expert ran on the CPU, but a scenario run's record said only "cpu", as if the CPU had been chosen. It now
+    says why in the same field, and the run's detail in the history shows it. A stand-in for the worker's CUDA GPU
+    that another process holds."""
+    from app.gui import engine_worker
+    from app.gui.record_report import detail_html
+
+    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+            "is/are busy or unavailable)")
+    note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
+    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    bar = window.scenarios
+    bar.scenario.setCurrentText("short")
+    bar.max_tokens.setValue(2)
+    bar.bar.run_button.click()
+    finish(qtbot, window, bar)
+    run_id, record = bar.result.saved[0]
+    assert record.offload["device"] == "cpu" and record.offload["device_fallback"] == note
+    saved = History(tmp_path / "history.sqlite3").get(run_id)
+    assert saved.offload["device_fallback"] == note
+    assert f"<tr><td>device</td><td>cpu</td></tr><tr><td>why on the CPU</td><td>{note}</td></tr>" in detail_html(saved)
+
+
 def test_the_chat_keys_on_the_side_by_side_tab_answer_both_and_leave_the_hidden_chat_alone(qtbot, window):
     """Ctrl+Return on the Side by side tab sent the hidden chat's draft as a message (the comparison did not run), and
     Ctrl+K put the focus in that hidden message box: Send and Regenerate answer both there now, and the chat's own keys
@@ -867,7 +893,7 @@ def test_record_and_the_contention_test_answer_the_command_lines_length_for_a_mo
 def _sweep_context(model, device, said: list):
     """A stand-in for the worker's JobContext of a sweep on `model`: its status lines appended to `said`."""
     return type("Ctx", (), {"device": device, "cancel": threading.Event(), "loaded": lambda self: model,
-                            "progress": lambda self, fraction, text: said.append(text),
+                            "device_fallback": "", "progress": lambda self, fraction, text: said.append(text),
                             "stream": lambda self, batch: said.append(batch)})()
 
 

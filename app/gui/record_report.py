@@ -166,6 +166,7 @@ def detail_html(record: RunRecord, run_id: int | None = None) -> str:
     parts.append(_table([
         ("model", record.model.get("folder", "")), ("type", record.model.get("type", "")),
         ("device", o.get("device", "cpu")),
+        *([("why on the CPU", o["device_fallback"])] if o.get("device_fallback") else []),
         ("experts", EXPERTS_WHERE.get(o.get("placement_mode"), "every one on the CPU")),
         ("placement", (o.get("entries") or {}).get("session.moe.offload.placement", "adaptive")
          if o.get("placement_mode") == "hybrid" else "—"),

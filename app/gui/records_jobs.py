@@ -199,6 +199,8 @@ class ScenarioJob:
             try:
                 record = run_scenario(model, name, params, ctx.device, label=self.label, cancel=ctx.cancel,
                                       progress=reporter.on_turn, on_text=reporter.on_text)
+                if ctx.device_fallback:  # (as side by side's records say it)
+                    record.offload["device_fallback"] = ctx.device_fallback
                 if record.timings["cancelled"]:
                     result.cancelled = record
                     break
