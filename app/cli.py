@@ -1132,7 +1132,8 @@ def _cmd_contention(args) -> int:
     if problem:
         raise WorkbenchError(f"{named}: {problem}")
     sampling = _record_sampling(args, "contention")
-    config, device = _offload_setup(args)
+    fallback = []  # why every expert runs on the CPU where the CUDA GPU cannot be used: the report says it
+    config, device = _offload_setup(args, fallback)
     model = LoadedModel.open(args.model, offload=config, device=device, layer_split=args.layer_split,
                              decode_path=args.decode_path)
     _warn_after_load(args, model)
@@ -1140,7 +1141,8 @@ def _cmd_contention(args) -> int:
                               sampling=sampling)
     report = run_contention(lambda: run_scenario(model, args.scenario, params, device).timings["completion_s"],
                             corpus, args.workers, progress=_ProgressLine("contention"),
-                            threads=model.decoder.kernel_threads.state, generation=generation_settings(params))
+                            threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
+                            device_fallback=fallback[0] if fallback else None)
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.markdown(), end="")
     return 0
 

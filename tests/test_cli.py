@@ -482,6 +482,30 @@ def test_contention_answers_as_asked_and_its_report_says_how(tmp_path, capsys):
     assert status == 0 and "Answers: greedy, at most 2 tokens each." in out
 
 
+def test_contentions_report_says_why_the_inference_ran_on_the_cpu_where_the_cuda_gpu_cannot_be_used(tmp_path, capsys,
+                                                                                                    monkeypatch):
+    """contention --device cuda on a GPU it cannot use (mode=auto) timed the inference with every expert on the CPU,
+    and said why on standard error alone: its report (the JSON, the Markdown) read as a run that chose the CPU. The
+    report now keeps why, as record's records do (device_fallback). A stand-in for a CUDA GPU another process holds."""
+    from engine.offload import cuda_device
+    from engine.records.contention import make_corpus
+
+    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+            "is/are busy or unavailable)")
+    note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
+    monkeypatch.setattr(cuda_device, "cuda_device_or_cpu", lambda mem_limit, mode, report, kernels=True: (None, note))
+    corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=60)
+    run = ("contention", str(fixture_folder("gptoss")), "--corpus", str(corpus), "--workers", "1", "--max-new-tokens",
+           "2", "--device", "cuda")
+    status, out, err = _main(capsys, *run, "--json")
+    assert status == 0 and err.splitlines()[0] == f"warning: {note}"
+    assert json.loads(out)["device_fallback"] == note
+    status, out, _err = _main(capsys, *run)
+    assert status == 0 and f" at most 2 tokens each.\n\n{note}\n\n" in out
+    status, out, _err = _main(capsys, *run[:-2], "--json")  # the CPU chosen: nothing to say
+    assert status == 0 and json.loads(out)["device_fallback"] is None
+
+
 def _sweep_run_raises(monkeypatch, at: int, error: BaseException) -> None:
     """The sweep's `at`-th recorded run (a point's three repeats, after its unrecorded warm-up answers) raises `error`;
     those before it run."""

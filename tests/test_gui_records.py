@@ -778,6 +778,30 @@ def test_contention_view_times_three_phases_and_saves_the_report(qtbot, window, 
     assert saved.read_text() == report.markdown()
 
 
+def test_the_contention_report_says_why_the_inference_ran_on_the_cpu_where_its_cuda_gpu_could_not_be_used(
+        qtbot, window, monkeypatch, tmp_path):
+    """The loaded model asked for the CUDA GPU under mode=auto and could not have it: the contention test timed its
+    inference with every expert on the CPU, and neither the view nor the report it saves said so (side by side's
+    records did). The report keeps why, as a run record does, and the view and the saved report say it. A stand-in
+    for the worker's CUDA GPU whose kernels' compile failed."""
+    from app.gui import engine_worker
+
+    note = ("The CUDA GPU was asked for but cannot be used (the GPU expert kernels failed to compile: NVRTC error); "
+            "every expert runs on the CPU instead.")
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
+    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    view = window.contention_view
+    view.corpus.setText(str(make_corpus(tmp_path / "corpus", files=4, words_per_file=60)))
+    view.workers.setValue(1)
+    view.max_tokens.setValue(2)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    report = view.result.report
+    assert report.device_fallback == note and report.as_dict()["device_fallback"] == note
+    assert view.bar.status.text().endswith(f" of the CPUs' time while each ran alone. {note}")
+    assert f" at most 2 tokens each.\n\n{note}\n\n" in view.save(str(tmp_path / "contention.md")).read_text()
+
+
 def test_the_contention_view_says_a_faster_run_together_and_the_thread_count_that_gave_way(qtbot):
     """'Done: indexing 0.93× slower together' for indexing that took less time beside the inference; and the CPU
     expert kernels' thread count, which the saved report gives (1 of 2 threads beside the indexing), was not in the

@@ -118,8 +118,9 @@ class ContentionView(QWidget):
         beside = (f" Other processes took {shares['indexing_alone']:.0%} and {shares['inference_alone']:.0%} of the "
                   "CPUs' time while each ran alone." if shares else "")
         # (a slowdown below 1: faster together, which "0.93× slower" misread)
+        cpu = f" {report.device_fallback}" if report.device_fallback else ""  # (the CUDA GPU asked for, unusable)
         self.bar.finish(f"Done: together, the indexing took {report.indexing_slowdown:.2f}× its time alone and the "
-                        f"inference {report.inference_slowdown:.2f}×." + threads_words(report) + beside)
+                        f"inference {report.inference_slowdown:.2f}×." + threads_words(report) + beside + cpu)
 
     def on_failed(self, message: str) -> None:
         self.bar.finish(f"Failed: {message}")

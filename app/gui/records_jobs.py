@@ -505,7 +505,8 @@ class ContentionJob:
 
         try:
             report = run_contention(inference, corpus, self.workers, progress=progress, cancel=ctx.cancel,
-                                    threads=model.decoder.kernel_threads.state, generation=generation_settings(params))
+                                    threads=model.decoder.kernel_threads.state, generation=generation_settings(params),
+                                    device_fallback=ctx.device_fallback or None)
         except ContentionCancelled:
             return ContentionResult(None, str(corpus), cancelled=True)
         return ContentionResult(report, str(corpus))

@@ -106,6 +106,9 @@ class ContentionReport:
     others_share: dict | None = None
     # how the inference's answers were asked for (schema.generation_settings); None where not given
     generation: dict | None = None
+    # why the inference ran every expert on the CPU where the CUDA GPU asked for could not be used (the load's note,
+    # as a run record's offload["device_fallback"]); None otherwise
+    device_fallback: str | None = None
 
     @property
     def indexing_slowdown(self) -> float:
@@ -134,6 +137,8 @@ class ContentionReport:
         if self.generation:
             lines += ["", f"Answers: {answers_asked(self.generation)}, at most {self.generation['max_new_tokens']} "
                           "tokens each."]
+        if self.device_fallback:
+            lines += ["", self.device_fallback]
         if self.others_share:
             shares = self.others_share
             lines += ["", f"Other processes used {shares['indexing_alone']:.0%} of the CPUs' time while the indexing ran "
@@ -175,10 +180,11 @@ class ContentionCancelled(WorkbenchError):
 
 def run_contention(run_inference, corpus: Path, workers: int, progress=None,
                    cancel: threading.Event | None = None, threads=None,
-                   generation: dict | None = None) -> ContentionReport:
+                   generation: dict | None = None, device_fallback: str | None = None) -> ContentionReport:
     """`run_inference()` runs one inference workload and returns its completion time in seconds; `threads()`, where
     given, the CPU expert kernels' thread count (KernelThreads.state), read after each timed inference; `generation`,
-    how its answers are asked for (schema.generation_settings), kept in the report.
+    how its answers are asked for (schema.generation_settings), and `device_fallback`, why the inference runs every
+    expert on the CPU where its CUDA GPU could not be used, kept in the report.
 
     `cancel` is checked between the phases (a warm-up of each, indexing alone, inference alone, both): a set
     event raises ContentionCancelled there (`run_inference` may watch it too, between tokens)."""
@@ -224,4 +230,4 @@ def run_contention(run_inference, corpus: Path, workers: int, progress=None,
     phase_done(1.0)
     return ContentionReport(workers, documents, indexing_alone, inference_alone,
                             together["indexing"], together["inference"], threads_alone, threads_together, others,
-                            generation)
+                            generation, device_fallback)
