@@ -704,6 +704,27 @@ def test_side_by_side_says_why_a_runs_on_the_cpu_where_its_cuda_gpu_could_not_be
     assert History(tmp_path / "history.sqlite3").get(view.result.saved_ids[0]).offload["device_fallback"] == note
 
 
+def test_a_sweep_refused_for_want_of_a_device_says_why_the_cuda_gpu_chosen_could_not_be_used(qtbot, window,
+                                                                                              monkeypatch):
+    """A budget sweep needs a device: on a model loaded for the CUDA GPU that could not be used (mode=auto) the window
+    told the user to load it "with a simulated GPU or the CUDA GPU", the GPU they had chosen, without saying why it is
+    not there (the command line's sweep says why). It now says why, and what gives a device. A stand-in for the
+    worker's CUDA GPU whose kernels' compile failed."""
+    from app.gui import engine_worker
+
+    note = ("The CUDA GPU was asked for but cannot be used (the GPU expert kernels failed to compile: NVRTC error); "
+            "every expert runs on the CPU instead.")
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
+    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    window.sweep.points.setValue(2)
+    window.sweep.bar.run_button.click()
+    finish(qtbot, window, window.sweep)
+    assert window.last_error == (
+        "A budget sweep needs a device for resident experts, and the loaded model has none: the CUDA GPU was asked for "
+        "but cannot be used (the GPU expert kernels failed to compile: NVRTC error); every expert runs on the CPU "
+        "instead. A simulated GPU (Budgets panel) gives one.")
+
+
 def test_a_scenario_runs_record_says_why_it_ran_on_the_cpu_where_its_cuda_gpu_could_not_be_used(qtbot, window,
                                                                                                monkeypatch, tmp_path):
     """The loaded model asked for the CUDA GPU under mode=auto and could not have it: side by side's records said why

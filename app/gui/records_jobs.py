@@ -275,6 +275,10 @@ class SweepJob:
 
     def __call__(self, ctx: JobContext) -> SweepResult:
         model = ctx.loaded()
+        if ctx.device_fallback:  # the CUDA GPU was chosen, and the model could not have it (as `sweep` says)
+            raise WorkbenchError(f"A budget sweep needs a device for resident experts, and the loaded model has none: "
+                                 f"{ctx.device_fallback[:1].lower()}{ctx.device_fallback[1:]} A simulated GPU (Budgets "
+                                 "panel) gives one.")
         if ctx.device is None or model.offload is None:
             raise WorkbenchError("A budget sweep needs a device for resident experts: load the model with a "
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
