@@ -376,7 +376,7 @@ def _cmd_inspect(args) -> int:
         from engine.offload.host_cache import file_backing_refusal
         from engine.offload.planner import plan_offload
         from engine.offload.streaming import plan_streaming
-        from engine.ort_env import dense_goes_to
+        from engine.ort_env import dense_cpu_reason, dense_goes_to
 
         # what the engine checks at load, checked here too: the experts fit where allow_file_backing keeps them, the
         # pinned ring holds an expert, the popularity file reads
@@ -391,14 +391,16 @@ def _cmd_inspect(args) -> int:
             names = [i.name for i in runnable]
             rows = load_popularity(config.popularity_file, names, [i.spec.num_experts for i in runnable])
         kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
+        dense_cpu = dense_cpu_reason(getattr(device, "kind", None), kv_dtypes)  # (a CUDA card's: no host tier)
         mode = args.decode_path or paths.default_decode_path()
         planned_tier = paths.tier_planned(mode, config, folder.experts, getattr(device, "kind", None),
-                                          paths.host_available())
+                                          paths.host_available(), dense_cpu)
         plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
                             dense_on_device=dense_goes_to(device, kv_dtypes), host_tier=planned_tier)
         # the sentences the load's plan says, in its order: the plan's, the staging's, the tier's, the streaming slots'
         statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
-        tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None), device)
+        tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None), device,
+                                        dense_cpu)
         statements += [said] if said else []
         if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
             device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")

@@ -20,7 +20,7 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
 from engine.offload.device_memory import DENSE_RESERVATION
-from engine.ort_env import DenseDevice, choose_dense_device, dense_goes_to
+from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason, dense_goes_to
 from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, AnswerSplit, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
 
@@ -106,7 +106,8 @@ class LoadedModel:
         self.offload = None
         if offload is not None:
             self.offload = attach_offload(self.decoder, offload, device, layer_split, decode_path,
-                                          dense_goes_to(device, probe.kv_dtypes()))
+                                          dense_goes_to(device, probe.kv_dtypes()),
+                                          dense_cpu_reason(getattr(device, "kind", None), probe.kv_dtypes()))
         total, growth = probe.full_context_bytes()
         self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:

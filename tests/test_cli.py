@@ -1724,6 +1724,31 @@ def test_inspect_on_a_cuda_gpu_plans_without_compiling_the_gpu_kernels(capsys, m
     assert json.loads(out)["offload"]["device"] == {"asked": "cuda", "planned_for": "cuda", "why": None}
 
 
+def test_inspect_says_no_host_tier_is_made_where_the_dense_part_runs_on_the_cpu(capsys, monkeypatch):
+    """On a CUDA card whose dense part runs on the CPU, decode's inputs never sit in GPU memory and no decode step
+    reads a host tier: the load makes none, and inspect said decode path 'tier' reads cold experts from one. It says
+    why none is made, as the load does; with the dense part on the card, the tier's sentence."""
+    from engine import ort_env
+    from tests.test_gpu_kernel_notice import stand_in_cupy
+
+    stand_in_cupy(monkeypatch)
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: "onnxruntime here is the CPU build")
+    args = ("inspect", str(fixture_folder("gptoss")), "--device", "cuda", "--decode-path", "tier", "--json",
+            "--offload", "device_expert_bytes=0")
+    status, out, _err = _main(capsys, *args)
+    said = json.loads(out)["offload"]["statements"]
+    assert status == 0 and ("Cold experts are computed on the CPU: no host tier is made, since the dense part runs on "
+                            "the CPU (onnxruntime here is the CPU build), so decode's expert inputs never sit in GPU "
+                            "memory and no decode step could read the tier.") in said, said
+    assert not any("Instead, decode reads" in sentence for sentence in said)
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    status, out, _err = _main(capsys, *args)
+    said = json.loads(out)["offload"]["statements"]
+    assert status == 0 and any(sentence.startswith("Instead, decode reads cold experts on the GPU from a host tier")
+                               for sentence in said), said
+
+
 def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     """--layer-split and --decode-path choose how a device takes experts: with --device cpu (the default) they were
     accepted in silence, as if they had been applied."""

@@ -352,10 +352,11 @@ def decode_on_device(model, cpu_run, launches: str) -> tuple:
 
 
 def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, make=_fake_make,
-                    streaming=FakeStreamingGpuQMoE, **config):
+                    streaming=FakeStreamingGpuQMoE, dense_on_device=True, **config):
     """The model on the stand-in device (its decode path `decode_path`, the tests' default where None; its slots made
     by `make`, its streaming slots' GpuQMoE a `streaming`), its cut tensors left in the stand-in's memory, and a state
-    there."""
+    there: the engine told the dense part runs there (as a load with onnxruntime's CUDA execution provider tells it),
+    unless `dense_on_device` is False (the dense part on the CPU, where onnxruntime here puts it)."""
     cp = FakeCupy()
     monkeypatch.setattr(CudaSlots, "_make", make)
     monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", streaming)  # what CudaStreamingSlots makes
@@ -365,8 +366,12 @@ def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, make=
     monkeypatch.setattr("engine.offload.engine.SPLIT_TABLE_FIRST", 10 ** 9)
     device = FakeCudaDevice(cp)
     budget = int(fraction * device_expert_bytes(model_folder))
-    model = LoadedModel.open(model_folder, device=device, offload=OffloadConfig(device_expert_bytes=budget, **config),
-                             decode_path=decode_path)
+    offload = OffloadConfig(device_expert_bytes=budget, **config)
+    if not dense_on_device:
+        return LoadedModel.open(model_folder, device=device, offload=offload, decode_path=decode_path), cp
+    with monkeypatch.context() as on_device:  # the load's plan made for the dense part on the device
+        on_device.setattr("engine.generation.dense_cpu_reason", lambda kind, kv_dtypes: None)
+        model = LoadedModel.open(model_folder, device=device, offload=offload, decode_path=decode_path)
     backend = CupyBackend(cp)
     backend.device_type = "cpu"  # onnxruntime here binds host memory: the stand-in's "device" memory
     backend.stream.name = "dense"
@@ -875,6 +880,49 @@ def test_the_host_tier_is_not_made_where_the_host_cannot_spare_the_memory(model_
     engine.reconfigure(engine.config.updated(pinned_bytes=None, device_expert_bytes=device_expert_bytes(model_folder)))
     assert engine.slots[0].all_resident and not engine.host_tier
     assert not any("host tier" in said for said in engine.plan.statements)
+
+
+DENSE_ON_CPU = "onnxruntime here is the CPU build"  # ort_env.cuda_ep_missing_reason, made this machine's alike
+
+
+def assert_no_tier_and_decode_as_on_the_cpu(model, cpu_run, made_before: int) -> None:
+    """A model on the stand-in whose dense part runs on the CPU: no host tier made (no mapping, no page-locked host
+    memory, no device bytes beyond the slots), the plan says why, the streaming slots device_working_bytes asks for
+    made for the decode steps that copy misses into them, and the all-CPU run's tokens with no miss read from a
+    tier."""
+    engine, memory = model.offload, model.offload.device.memory
+    assert not engine.host_tier and engine.decode_path_in_force == "cpu" and not engine.reads_tier
+    assert FakeGpuQMoE.made_tiers == made_before and not any(store.reads_cold for store in engine.stores)
+    assert "host_tier_bytes" not in engine.pinned_info()
+    assert f"Cold experts are computed on the CPU: no host tier is made, since the dense part runs on the CPU " \
+           f"({DENSE_ON_CPU}), so decode's expert inputs never sit in GPU memory and no decode step could read the " \
+           "tier." in engine.plan.statements, engine.plan.statements
+    slots = sum(nbytes for purpose, nbytes in memory.by_purpose.items() if purpose.startswith("expert slots of "))
+    assert slots == engine.plan.device_bytes(engine.infos) == 0
+    streaming = sum(group.num_slots * group.slot_bytes for group in engine.streaming.groups)
+    assert memory.by_purpose["decode streaming slots"] == streaming
+    assert engine.streaming.groups and engine.streaming.tier_path is None
+    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = engine.stats.totals()
+    assert totals.misses_read == 0 and totals.misses_cpu + totals.misses_copied > 0
+
+
+@pytest.mark.parametrize("mode", ["tier", "both", "auto"])
+def test_no_host_tier_is_made_where_the_dense_part_runs_on_the_cpu(model_folder, cpu_run, monkeypatch, mode):
+    """On a CUDA card whose dense part runs on the CPU (here: no CUDA execution provider) decode's inputs never sit in
+    GPU memory, so every decode step routes on the host and computes cold experts on the CPU (HybridExpertNode.run):
+    the tier was made all the same (page-locked host memory, device mappings, a plan that said decode reads it), and
+    under 'tier' / 'both' the streaming slots were left out for it. Asked for, the tier is refused with that reason."""
+    monkeypatch.setattr("engine.ort_env.cuda_ep_missing_reason", lambda: DENSE_ON_CPU)
+    made_before = FakeGpuQMoE.made_tiers
+    model, _cp = open_on_standin(model_folder, 0.0, monkeypatch, decode_path=mode, dense_on_device=False,
+                                 device_working_bytes=1 << 30)
+    assert model.dense_device == "cpu" and model.dense_reason == DENSE_ON_CPU
+    assert_no_tier_and_decode_as_on_the_cpu(model, cpu_run, made_before)
+    with pytest.raises(WorkbenchError, match=r"decode path 'tier': Cold experts are computed on the CPU: no host tier "
+                                             r"is made, since the dense part runs on the CPU \(onnxruntime here"):
+        model.offload.set_decode_path("tier")
 
 
 def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):

@@ -147,6 +147,31 @@ def test_estimate_puts_the_dense_part_where_the_engine_would(gptoss, monkeypatch
     assert "The dense part would run on the CPU: the GPU is simulated" in " ".join(simulated.statements)
 
 
+def test_the_estimate_makes_no_host_tier_where_the_dense_part_runs_on_the_cpu(gptoss, monkeypatch):
+    """As the engine: a CUDA card whose dense part runs on the CPU gets no host tier (decode's inputs never sit in GPU
+    memory), its slots no tier mappings, and the estimate says why; the streaming slots device_working_bytes asks for
+    are made for the decode steps that copy misses into them. With the dense part on the card the tier is made."""
+    import dataclasses
+
+    from engine import ort_env
+
+    config = OffloadConfig(device_expert_bytes=0, device_working_bytes=1 << 20)
+    card = DeviceChoice("cuda", 1 << 30, name="test card")
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: "onnxruntime here is the CPU build")
+    est = estimate(gptoss, config, card, decode_path="tier")
+    assert not est.error and not est.host_tier
+    assert ("Cold experts are computed on the CPU: no host tier is made, since the dense part runs on the CPU "
+            "(onnxruntime here is the CPU build), so decode's expert inputs never sit in GPU memory and no decode step "
+            "could read the tier.") in est.statements, est.statements
+    parts = {p.key: p for p in est.device_parts}
+    assert parts["experts"].bytes == 0 and "decode streaming slots" in parts["workspace"].note
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    fp16 = dataclasses.replace(gptoss, kv_dtypes=frozenset({np.dtype(np.float16)}))
+    on_gpu = estimate(fp16, config, card, decode_path="tier")
+    parts = {p.key: p for p in on_gpu.device_parts}
+    assert on_gpu.host_tier and parts["experts"].bytes > 0 and "decode streaming slots" not in parts["workspace"].note
+
+
 def test_the_budget_panel_says_before_a_load_when_the_arena_registered_earlier_keeps_the_dense_part_on_the_cpu(
         qtbot, gptoss, monkeypatch):
     """The CUDA GPU chosen with gpu_device_mem_limit, where a model loaded earlier in this process registered

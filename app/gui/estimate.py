@@ -308,7 +308,8 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     elif experts and not error:  # an unusable device (mode required, above) or a refused ring: no plan
         try:
             planned_tier = stand_in is not None and paths.tier_planned(
-                decode_path or paths.default_decode_path(), config, experts, device.kind, paths.host_available())
+                decode_path or paths.default_decode_path(), config, experts, device.kind, paths.host_available(),
+                dense_cpu)
             plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu,
                                 host_tier=planned_tier)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
@@ -317,7 +318,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if plan is not None and stand_in is not None and not error:
         # as the engine asks it once planned, on the device as the plan leaves it (staging reserved, no slots)
         host_tier, tier_said = paths.tier_preview(decode_path or paths.default_decode_path(), config, experts,
-                                                  plan.slots, device.kind, stand_in)
+                                                  plan.slots, device.kind, stand_in, dense_cpu)
     resident_bytes = plan.device_bytes(experts, host_tier) if plan else 0
     streaming = None
     if plan is not None and stand_in is not None and not error:

@@ -29,7 +29,9 @@ The tier pins every expert of a node in host memory in the kernels' layout (the 
 a pointer change), besides the weight file's mapping: it is made only where pinned_bytes is 'auto', host_expert_bytes
 (where bounded) holds it and it takes at most HOST_SHARE of the host memory available, or where the decode path is
 asked for as "tier" or "both". Under approximate routing none is made: it drops and substitutes experts on the host,
-so its decode steps route there and compute cold experts on the CPU.
+so its decode steps route there and compute cold experts on the CPU. Nor on a CUDA card whose dense part runs on the
+CPU (no CUDA execution provider, a KV cache its attention cannot take): decode's inputs then never sit in GPU memory,
+and every decode step takes the CPU path (HybridExpertNode.run).
 """
 
 from __future__ import annotations
@@ -152,12 +154,23 @@ def tier_wanted(mode: str, config: OffloadConfig) -> bool:
     return config.mode != "disabled" and config.cpu_execution != "enabled"
 
 
-def tier_planned(mode: str, config: OffloadConfig, infos, device_kind: str | None, available: int) -> bool:
+def tier_planned(mode: str, config: OffloadConfig, infos, device_kind: str | None, available: int,
+                 dense_cpu: str | None = None) -> bool:
     """Whether a plan under `config` is made for a host tier (plan_offload's host_tier): one is wanted on a device
-    that reads it and the host's `available` memory takes it. The slots then decide whether it is made
-    (tier_verdict: none where every expert is resident, or where the device has no room for its mappings)."""
+    that reads it (`dense_cpu`: tier_verdict's) and the host's `available` memory takes it. The slots then decide
+    whether it is made (tier_verdict: none where every expert is resident, or where the device has no room for its
+    mappings)."""
     return (tier_wanted(mode, config) and device_kind is not None and config.mode != "disabled"
-            and not config.approximate_routing and _refusal(mode, config, tier_bytes(infos), available) is None)
+            and not _dense_on_host(device_kind, dense_cpu) and not config.approximate_routing
+            and _refusal(mode, config, tier_bytes(infos), available) is None)
+
+
+def _dense_on_host(device_kind: str | None, dense_cpu: str | None) -> bool:
+    """Whether decode's expert inputs stay in host memory on a device of `device_kind`: a CUDA card whose dense part
+    runs on the CPU (`dense_cpu`, ort_env.dense_cpu_reason's). A decode step then routes on the host and computes cold
+    experts on the CPU whatever the decode path (HybridExpertNode.run), so no step would read a host tier. The
+    simulated device takes the inputs where they are, as a card with the dense part does."""
+    return device_kind == "cuda" and dense_cpu is not None
 
 
 def fixed_tier_path(mode: str, host_tier: bool) -> str | None:
@@ -174,12 +187,14 @@ def tier_bytes(infos) -> int:
 
 
 def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
-                 available: int, device=None) -> tuple[bool, str]:
+                 available: int, device=None, dense_cpu: str | None = None) -> tuple[bool, str]:
     """Whether a plan of `slots` per node gets a host tier on a device of `device_kind` ("cuda", "simulated": the
     simulated device counts the tier's bytes and prices its reads; None: no device), with `available` bytes of host
     memory free, and the sentence that tells the user about a wanted tier that is not made ('' where it is made or
     not wanted: the engine says what it made once it has). `device`, where given, holds no slots yet: a tier whose
-    granule-rounded device mappings it has no room for is not made (a card's mapping would fail)."""
+    granule-rounded device mappings it has no room for is not made (a card's mapping would fail). `dense_cpu`: why the
+    dense part runs on the CPU (ort_env.dense_cpu_reason, DenseDevice.reason), None where it runs on the card: on a
+    CUDA card no tier is made then (_dense_on_host)."""
     if not tier_wanted(mode, config) or device_kind is None:
         return False, ""
     if config.mode == "disabled":  # asked for (tier_wanted): every expert runs where the dense part does
@@ -187,6 +202,10 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
                        f"(decode path '{mode}' does not apply).")
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
+    if _dense_on_host(device_kind, dense_cpu):
+        return False, (f"{without_tier(config)}: no host tier is made, since the dense part runs on the CPU "
+                       f"({dense_cpu}), so decode's expert inputs never sit in GPU memory and no decode step could "
+                       "read the tier.")
     if config.approximate_routing:  # (HybridExpertNode: an approximating step routes on the host)
         asked = ", ".join(f"{key}={getattr(config, key)}" for key in ("min_expert_weight", "tail_substitution_threshold")
                           if getattr(config, key) > 0)
@@ -220,11 +239,11 @@ def without_tier(config: OffloadConfig) -> str:
 
 
 def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
-                 device=None) -> tuple[bool, str]:
+                 device=None, dense_cpu: str | None = None) -> tuple[bool, str]:
     """Whether the engine will make the host tier for a plan of `slots`, and what it will say (the budget estimate,
-    inspect): the host memory the tier pins, why a wanted one is not made, or '' where none is wanted. `device`:
-    tier_verdict's."""
-    made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available(), device)
+    inspect): the host memory the tier pins, why a wanted one is not made, or '' where none is wanted. `device`,
+    `dense_cpu`: tier_verdict's."""
+    made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available(), device, dense_cpu)
     return made, tier_sentence(mode, config, tier_bytes(infos)) if made else said
 
 

@@ -159,9 +159,12 @@ SETTLE_WAIT_S = 0.5  # settle_all_but's longest wait for the GPU before the step
 class OffloadEngine:
     def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None,
                  decode_path: str | None = None, kernel_threads: KernelThreads | None = None,
-                 dense_on_device: bool = False):
+                 dense_on_device: bool = False, dense_cpu: str | None = None):
         self.runners = runners
         self.dense_on_device = dense_on_device  # where mode=disabled puts every expert (plan_offload)
+        # why the dense part runs on the CPU (None: on the device): on a CUDA card no host tier is made then
+        # (decode_path.tier_verdict)
+        self.dense_cpu = dense_cpu
         # the runners' CPU kernel threads (cpu_threads; 0: automatic): the decoder's, whose safe points move them
         self.kernel_threads = kernel_threads if kernel_threads is not None else KernelThreads(runners)
         self.infos = [runner.info for runner in runners]
@@ -259,7 +262,7 @@ class OffloadEngine:
         # (asked before the stores are made: a re-plan has released them, and a released tier's memory with them)
         made, self.tier_statement = paths.tier_verdict(self.decode_path_mode, config, self.infos, self.plan.slots,
                                                        getattr(self.device, "kind", None), paths.host_available(),
-                                                       self.device)
+                                                       self.device, self.dense_cpu)
         return made
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:
@@ -555,7 +558,7 @@ class OffloadEngine:
         planned (decode_path.tier_planned), unless `tier` is False."""
         self._take_staging(config)
         tier = tier and paths.tier_planned(self.decode_path_mode, config, self.infos,
-                                           getattr(self.device, "kind", None), paths.host_available())
+                                           getattr(self.device, "kind", None), paths.host_available(), self.dense_cpu)
         plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
                             dense_on_device=self.dense_on_device, host_tier=tier)
         if self.device is not None and config.mode != "disabled":
