@@ -110,6 +110,8 @@ class LoadedModel:
                                           dense_cpu_reason(getattr(device, "kind", None), probe.kv_dtypes()))
         total, growth = probe.full_context_bytes()
         self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
+        if self.offload is not None:  # (an arena that does not fit beside the plan leaves it on the CPU all the same)
+            self.offload.dense_landed(None if self.dense.kind == "cuda" else self.dense.reason)
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:
             # blocks cached in CuPy's pool (a model dropped before this load left its slots there), which no
             # accounting counts, go back before onnxruntime's arena takes its share

@@ -29,6 +29,7 @@ from engine.offload.decode_path import DecodePathTrials
 from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, RecentHostSeconds, staged_bytes
 from engine.offload.device_memory import DeviceMemory
 from engine.offload.devices import GIB, TIER_READ_SHARE, Bandwidths
+from engine.offload.engine import OffloadEngine
 from engine.ort_env import DenseDevice
 from kernels.cold_split import cpu_take_table, device_spans, split_cold_rows
 from kernels.cpu import CpuQMoE
@@ -369,8 +370,9 @@ def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, make=
     offload = OffloadConfig(device_expert_bytes=budget, **config)
     if not dense_on_device:
         return LoadedModel.open(model_folder, device=device, offload=offload, decode_path=decode_path), cp
-    with monkeypatch.context() as on_device:  # the load's plan made for the dense part on the device
+    with monkeypatch.context() as on_device:  # the load's plan made for the dense part on the device, and kept
         on_device.setattr("engine.generation.dense_cpu_reason", lambda kind, kv_dtypes: None)
+        on_device.setattr(OffloadEngine, "dense_landed", lambda engine, dense_cpu: None)  # (onnxruntime's CPU here)
         model = LoadedModel.open(model_folder, device=device, offload=offload, decode_path=decode_path)
     backend = CupyBackend(cp)
     backend.device_type = "cpu"  # onnxruntime here binds host memory: the stand-in's "device" memory
@@ -923,6 +925,23 @@ def test_no_host_tier_is_made_where_the_dense_part_runs_on_the_cpu(model_folder,
     with pytest.raises(WorkbenchError, match=r"decode path 'tier': Cold experts are computed on the CPU: no host tier "
                                              r"is made, since the dense part runs on the CPU \(onnxruntime here"):
         model.offload.set_decode_path("tier")
+
+
+@pytest.mark.parametrize("mode", ["tier", "auto"])
+def test_a_host_tier_made_for_a_dense_part_that_stayed_on_the_cpu_is_planned_away(model_folder, cpu_run, monkeypatch,
+                                                                                   mode):
+    """The plan is made for the dense part where it is meant to go, before onnxruntime's arena is sized from what the
+    plan leaves: where the arena does not fit, the dense part stays on the CPU all the same, and the tier made for it
+    was never read. The engine, told where the dense part landed, plans again without it."""
+    monkeypatch.setattr("engine.generation.dense_cpu_reason", lambda kind, kv_dtypes: None)  # meant for the card
+    monkeypatch.setattr("engine.generation.choose_dense_device", lambda *args: DenseDevice("cpu", DENSE_ON_CPU))
+    made_before = FakeGpuQMoE.made_tiers
+    model, _cp = open_on_standin(model_folder, 0.0, monkeypatch, decode_path=mode, dense_on_device=False,
+                                 device_working_bytes=1 << 30)
+    assert FakeGpuQMoE.made_tiers > made_before  # (made for the plan first)
+    assert_no_tier_and_decode_as_on_the_cpu(model, cpu_run, FakeGpuQMoE.made_tiers)
+    assert model.offload.device.memory.used == (model.offload.staging.device_bytes
+                                                + model.offload.device.memory.by_purpose["decode streaming slots"])
 
 
 def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):

@@ -172,6 +172,28 @@ def test_the_estimate_makes_no_host_tier_where_the_dense_part_runs_on_the_cpu(gp
     assert on_gpu.host_tier and parts["experts"].bytes > 0 and "decode streaming slots" not in parts["workspace"].note
 
 
+def test_the_estimate_plans_the_host_tier_away_where_the_arena_keeps_the_dense_part_on_the_cpu(gptoss, monkeypatch):
+    """As the engine, which plans again once onnxruntime's arena did not fit beside the plan and the dense part stayed
+    on the CPU (OffloadEngine.dense_landed): no host tier, its reason said, the streaming slots made. Here the arena a
+    model loaded earlier registered (stood in: ort_env._shared_arenas) is more than gpu_device_mem_limit leaves."""
+    from engine import ort_env
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    monkeypatch.setattr(ort_env, "_shared_arenas", {0: 200 << 20})
+    config = OffloadConfig(device_expert_bytes=0, device_working_bytes=1 << 20, gpu_device_mem_limit=128 << 20)
+    est = estimate(gptoss, config, DeviceChoice("cuda", 1 << 30, name="test card"), decode_path="tier")
+    stay = "Loaded with these settings, the dense part would stay on the CPU: "
+    stays = [s for s in est.statements if s.startswith(stay)]
+    assert not est.error and len(stays) == 1 and not est.host_tier, est.statements
+    at_load = stays[0].removeprefix(stay)[:-1]
+    assert (f"Cold experts are computed on the CPU: no host tier is made, since the dense part runs on the CPU "
+            f"({at_load}), so decode's expert inputs never sit in GPU memory and no decode step could read the "
+            "tier.") in est.statements, est.statements
+    parts = {p.key: p for p in est.device_parts}
+    assert parts["experts"].bytes == 0 and "decode streaming slots" in parts["workspace"].note
+
+
 def test_the_budget_panel_says_before_a_load_when_the_arena_registered_earlier_keeps_the_dense_part_on_the_cpu(
         qtbot, gptoss, monkeypatch):
     """The CUDA GPU chosen with gpu_device_mem_limit, where a model loaded earlier in this process registered

@@ -315,24 +315,26 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
     host_tier, tier_said = False, ""
-    if plan is not None and stand_in is not None and not error:
-        # as the engine asks it once planned, on the device as the plan leaves it (staging reserved, no slots)
-        host_tier, tier_said = paths.tier_preview(decode_path or paths.default_decode_path(), config, experts,
-                                                  plan.slots, device.kind, stand_in, dense_cpu)
-    resident_bytes = plan.device_bytes(experts, host_tier) if plan else 0
     streaming = None
     if plan is not None and stand_in is not None and not error:
-        # the engine's decode streaming slots for layers left without slots (device working memory), in what its
-        # expert slots, reserved before them, leave
-        stand_in.memory.reserve(resident_bytes, "expert slots")
-        nodes = facts.staged_nodes
-        streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in,
-                                   paths.fixed_tier_path(decode_path or paths.default_decode_path(), host_tier))
+        host_tier, tier_said, streaming = _tier_and_streaming(facts, config, plan, device.kind, stand_in, decode_path,
+                                                               dense_cpu)
+    resident_bytes = plan.device_bytes(experts, host_tier) if plan else 0
     streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups) if streaming else 0
     at_load = None  # why the load would keep the dense part on the CPU all the same, the plan made (dense_fit)
     if dense_on_gpu and stand_in is not None and not error:
         at_load = dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes)
         dense_cpu, dense_on_gpu = at_load, at_load is None
+    if at_load and host_tier:
+        # the engine plans again without the tier (OffloadEngine.dense_landed), the planner's dense part where it was
+        # meant to go
+        stand_in.memory.release(resident_bytes, "expert slots")
+        streaming.close()
+        plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=True)
+        host_tier, tier_said, streaming = _tier_and_streaming(facts, config, plan, device.kind, stand_in, decode_path,
+                                                               dense_cpu)
+        resident_bytes = plan.device_bytes(experts, host_tier)
+        streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups)
     host_parts = [
         Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
              "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),
@@ -407,6 +409,22 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
                     staged if not error else None, host_tier)
+
+
+def _tier_and_streaming(facts: ModelFacts, config: OffloadConfig, plan, device_kind: str, stand_in,
+                        decode_path: str | None, dense_cpu: str | None) -> tuple:
+    """(whether the host tier is made, its sentence, the decode streaming slots): what the engine makes once `plan` is
+    made on a card of `device_kind`, the tier asked of `stand_in` as the plan leaves it (staging reserved, no slots),
+    then the expert slots (with the tier: its mappings) reserved on `stand_in` and the streaming slots of layers left
+    without slots (device working memory) in what they leave."""
+    mode = decode_path or paths.default_decode_path()
+    experts = [info for info in facts.experts if info.spec is not None]
+    host_tier, said = paths.tier_preview(mode, config, experts, plan.slots, device_kind, stand_in, dense_cpu)
+    stand_in.memory.reserve(plan.device_bytes(experts, host_tier), "expert slots")
+    nodes = facts.staged_nodes
+    streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in,
+                               paths.fixed_tier_path(mode, host_tier))
+    return host_tier, said, streaming
 
 
 def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, planned: int) -> str | None:

@@ -30,8 +30,9 @@ a pointer change), besides the weight file's mapping: it is made only where pinn
 (where bounded) holds it and it takes at most HOST_SHARE of the host memory available, or where the decode path is
 asked for as "tier" or "both". Under approximate routing none is made: it drops and substitutes experts on the host,
 so its decode steps route there and compute cold experts on the CPU. Nor on a CUDA card whose dense part runs on the
-CPU (no CUDA execution provider, a KV cache its attention cannot take): decode's inputs then never sit in GPU memory,
-and every decode step takes the CPU path (HybridExpertNode.run).
+CPU (no CUDA execution provider, a KV cache its attention cannot take, or onnxruntime's arena not fitting beside the
+plan: OffloadEngine.dense_landed plans again): decode's inputs then never sit in GPU memory, and every decode step
+takes the CPU path (HybridExpertNode.run).
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ class OffloadEngine:
         self.runners = runners
         self.dense_on_device = dense_on_device  # where mode=disabled puts every expert (plan_offload)
         # why the dense part runs on the CPU (None: on the device): on a CUDA card no host tier is made then
-        # (decode_path.tier_verdict)
+        # (decode_path.tier_verdict); dense_landed says where the load put it
         self.dense_cpu = dense_cpu
         # the runners' CPU kernel threads (cpu_threads; 0: automatic): the decoder's, whose safe points move them
         self.kernel_threads = kernel_threads if kernel_threads is not None else KernelThreads(runners)
@@ -264,6 +264,15 @@ class OffloadEngine:
                                                        getattr(self.device, "kind", None), paths.host_available(),
                                                        self.device, self.dense_cpu)
         return made
+
+    def dense_landed(self, dense_cpu: str | None) -> None:
+        """The load put the dense part on the CPU for `dense_cpu` (None: on the device). The plan was made for where it
+        was meant to go, which onnxruntime's arena not fitting beside the plan can still change: a host tier made for
+        a dense part that stayed on the CPU would never be read (decode_path.tier_verdict), so the configuration in
+        force is planned again, without it."""
+        self.dense_cpu = dense_cpu
+        if self._host_tier and dense_cpu is not None and getattr(self.device, "kind", None) == "cuda":
+            self.reconfigure(self.config)
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:
         """Every store made again with the host tier (for `config`, the configuration being put in force); where the
