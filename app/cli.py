@@ -358,6 +358,20 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     return config, None
 
 
+def _arena_refusal(device, state, dense_bytes: int) -> str | None:
+    """Why a load would keep the dense part on the CPU once its plan took what `device` holds now: onnxruntime's arena
+    not fitting beside it (ort_env.dense_arena, nothing registered), None where it fits."""
+    from engine.ort_env import DenseDoesNotFit, dense_arena
+
+    total, growth = state.full_context_bytes()
+    try:
+        dense_arena(device.index, device.memory.limit, device.memory.available, total + growth, dense_bytes,
+                    register=False)
+    except DenseDoesNotFit as exc:
+        return str(exc)
+    return None
+
+
 def _cmd_inspect(args) -> int:
     from app.inspect_report import format_inspection, inspection
     from engine.model_folder import ModelFolder
@@ -390,22 +404,34 @@ def _cmd_inspect(args) -> int:
             runnable = [info for info in folder.experts if info.spec is not None]
             names = [i.name for i in runnable]
             rows = load_popularity(config.popularity_file, names, [i.spec.num_experts for i in runnable])
-        kv_dtypes = DecoderState(folder.config, folder.onnx.proto.graph).kv_dtypes()
-        dense_cpu = dense_cpu_reason(getattr(device, "kind", None), kv_dtypes)  # (a CUDA card's: no host tier)
+        state = DecoderState(folder.config, folder.onnx.proto.graph)
+        kind = getattr(device, "kind", None)
+        dense_cpu = dense_cpu_reason(kind, state.kv_dtypes())  # (a CUDA card's: no host tier)
         mode = args.decode_path or paths.default_decode_path()
-        planned_tier = paths.tier_planned(mode, config, folder.experts, getattr(device, "kind", None),
-                                          paths.host_available(), dense_cpu)
-        plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
-                            dense_on_device=dense_goes_to(device, kv_dtypes), host_tier=planned_tier)
-        # the sentences the load's plan says, in its order: the plan's, the staging's, the tier's, the streaming slots'
-        statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
-        tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, getattr(device, "kind", None), device,
-                                        dense_cpu)
-        statements += [said] if said else []
-        if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
-            device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")
-            statements += plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device,
-                                         paths.fixed_tier_path(mode, tier)).statements
+
+        def as_loaded(dense_cpu: str | None) -> tuple:
+            """(the plan, whether the tier is made, the sentences the load's plan says in its order: the plan's, the
+            staging's, the tier's, the streaming slots'), the slots and streaming slots reserved on the device."""
+            planned_tier = paths.tier_planned(mode, config, folder.experts, kind, paths.host_available(), dense_cpu)
+            plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
+                                dense_on_device=dense_goes_to(device, state.kv_dtypes()), host_tier=planned_tier)
+            statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
+            tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, kind, device, dense_cpu)
+            statements += [said] if said else []
+            streaming = None
+            if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
+                device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")
+                streaming = plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device,
+                                           paths.fixed_tier_path(mode, tier))
+                statements += streaming.statements
+            return plan, tier, statements, streaming
+
+        plan, tier, statements, streaming = as_loaded(dense_cpu)
+        at_load = _arena_refusal(device, state, folder.dense_bytes) if tier and kind == "cuda" else None
+        if at_load:  # the load keeps the dense part on the CPU and plans again without the tier (dense_landed)
+            device.memory.release(plan.device_bytes(folder.experts, tier), "expert slots")
+            streaming.close()
+            plan, tier, statements, streaming = as_loaded(at_load)
         # which nodes the file leaves out or counts too few experts of, where it does
         said_popularity = "" if rows is None else popularity_statement(
             config.popularity_file, rows, names, config.placement, [plan.slots.get(name, 0) for name in names])

@@ -1749,6 +1749,28 @@ def test_inspect_says_no_host_tier_is_made_where_the_dense_part_runs_on_the_cpu(
                                for sentence in said), said
 
 
+def test_inspect_plans_the_host_tier_away_where_the_arena_keeps_the_dense_part_on_the_cpu(capsys, monkeypatch):
+    """As the load, which plans again without the tier once onnxruntime's arena did not fit beside the plan under
+    gpu_device_mem_limit and the dense part stayed on the CPU (OffloadEngine.dense_landed): inspect said decode path
+    'tier' reads cold experts from a tier the load does not keep. It says why none is made, with the arena's reason."""
+    from engine import ort_env
+    from tests.test_gpu_kernel_notice import stand_in_cupy
+
+    stand_in_cupy(monkeypatch)
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "cuda", "--decode-path",
+                              "tier", "--json", "--offload", "device_expert_bytes=0",
+                              "--offload", f"gpu_device_mem_limit={64 << 20}")
+    said = json.loads(out)["offload"]["statements"]
+    assert status == 0 and any(sentence.startswith(
+        "Cold experts are computed on the CPU: no host tier is made, since the dense part runs on the CPU "
+        f"(gpu_device_mem_limit={64 << 20} leaves ") and sentence.endswith(
+        "so decode's expert inputs never sit in GPU memory and no decode step could read the tier.")
+        for sentence in said), said
+    assert not any("host tier of" in sentence or "With the host tier" in sentence for sentence in said), said
+
+
 def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     """--layer-split and --decode-path choose how a device takes experts: with --device cpu (the default) they were
     accepted in silence, as if they had been applied."""
