@@ -270,16 +270,18 @@ def judge_words(placement: dict | None) -> str:
     return f" ({'paused: ' if placement['swaps_paused'] else ''}{earned:.2f} hits a swap)"
 
 
-def split_words(cold_split: dict | None) -> str:
+def split_words(cold_split: dict | None, fixed: str | None = None) -> str:
     """Under "both": ', CPU takes [0, 0, 1, ...] of c cold (share trials' shift -1; 2 slow steps left out of its
     rate), a pair split at rows [0, 0, 2688, ...], host 120 µs between layers, the GPU reads the tier at 39 GB/s' (the
     shift where not 0, the slow steps where any, the split's rows where a count of cold pairs has them, the tier's
-    rate where measured); else ''."""
+    rate where measured); under tables fixed (the engine's fix_split_tables: no share trials), '(fixed tables
+    "split"; ...' with `fixed`, the name of the tables (bench_offload_ab's); else ''."""
     if cold_split is None:
         return ""
     shift = (cold_split.get("share") or {}).get("shift", 0)
     left_out = cold_split.get("slow_steps_left_out") or 0
-    notes = ([f"share trials' shift {shift:+d}"] if shift else []) + (
+    named = "fixed tables" + (f" \"{fixed}\"" if fixed else "")
+    notes = ([named] if cold_split.get("fixed") else []) + ([f"share trials' shift {shift:+d}"] if shift else []) + (
         [f"{left_out} slow steps left out of its rate"] if left_out else [])
     tier = cold_split.get("tier_read_bytes_per_s")
     rows = cold_split.get("split_rows")

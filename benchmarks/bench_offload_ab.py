@@ -32,7 +32,8 @@ With `--split-table first` (or a list of the CPU's pairs per cold count) every r
 enough for a 1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
 'first' makes two tables from the same costs, measured in A's warm-up: one that may split a pair by rows, for a
 variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that an A/B of the split
-compares the split alone.
+compares the split alone. The engine's trials of the CPU's share and of the split do not run under fixed tables
+(OffloadEngine.fix_split_tables); each round's record names the tables it ran ("fixed_tables": "split" or "whole").
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
@@ -296,9 +297,8 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
         if info.spec.k + 1 != split[0].size:
             raise SystemExit(f"--split-table {split[0].tolist()}: {info.name} takes {info.spec.k} experts a token, "
                              f"so a table of {info.spec.k + 1} counts")
-    tables = lambda: split if engine.row_split else whole  # noqa: E731 - read at each call: a variant's switch picks
-    engine.cold_split_table = lambda layer: tables()[0]
-    engine.cold_split_rows = lambda layer: tables()[1]
+    # read at each call: a variant's switch picks (fixed_tables); no share or row trials meanwhile
+    engine.fix_split_tables(lambda layer: split if engine.row_split else whole)
     return {**{name: [share.tolist(), None if rows is None else rows.tolist()]
                for name, (share, rows) in (("split", split), ("whole", whole))}, "costs_us": costs}
 
@@ -340,13 +340,21 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
                 if details is not None:
                     ahead, beside, again = (after - before for after, before in zip(decoder_counts(model), counted))
                     details[name].append({**engine_figures(model), "layers_ahead": ahead, "layers_beside": beside,
-                                          "steps_run_again": again})
+                                          "steps_run_again": again, "fixed_tables": fixed_tables(model, table)})
     finally:
         if defaults is not None:  # as found: the next budget's rounds take their defaults from here
             set_switches(model, defaults)
         if table is not None:  # the engine's own again
-            del model.offload.cold_split_table, model.offload.cold_split_rows
+            model.offload.fix_split_tables(None)
     return rates
+
+
+def fixed_tables(model: LoadedModel, table) -> str | None:
+    """Which of fix_split_table's tables a round decoded under: "split" (a variant with engine.row_split on) or
+    "whole"; None without --split-table (the engine's own)."""
+    if table is None:
+        return None
+    return "split" if model.offload.row_split else "whole"
 
 
 def decoder_counts(model: LoadedModel) -> tuple[int, int, int]:
@@ -426,7 +434,7 @@ def main(argv=None) -> dict:
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
                   f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
-                  f"{split_words(last['cold_split'])}{cpu_rate_words(last)}, {last['layers_ahead']} layers launched "
+                  f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, {last['layers_ahead']} layers launched "
                   f"ahead, {last['layers_beside']} on the worker, {last['steps_run_again']} steps run again (the round, warm-up included)", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",

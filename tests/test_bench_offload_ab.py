@@ -337,7 +337,9 @@ def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, mon
     from engine.writer import write_model
     from tests.test_offload import SPEC
 
-    seen = []
+    from engine.offload.split_share import RowSplitTrials, SplitShareTrials
+
+    seen, trial_steps = [], []
 
     def decode(model, prompt, tokens, warmup=4):
         state = model.new_state()
@@ -347,7 +349,15 @@ def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, mon
             seen.append(model.offload.cold_split_table(0).tolist())
         return 1.0, []
 
+    def counted(step):  # a share or row trial's step, by the decode step it came in
+        def step_counted(trials, seconds, tokens):
+            trial_steps.append(len(seen))
+            return step(trials, seconds, tokens)
+        return step_counted
+
     monkeypatch.setattr(ab, "decode", decode)
+    monkeypatch.setattr(SplitShareTrials, "step", counted(SplitShareTrials.step))
+    monkeypatch.setattr(RowSplitTrials, "step", counted(RowSplitTrials.step))
     folder = write_model(tmp_path / "m", SPEC)
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30),
                              decode_path="both")
@@ -369,7 +379,13 @@ def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, mon
     fixed = details["tables"]["split"][0]  # (no row step within this model's 64 rows: the same as whole pairs')
     assert fixed == (details["tables"]["whole"][0] if first else [0, 1, 1, 2, 2])
     assert all(entry == fixed for entry in seen[first:])
-    assert "cold_split_table" not in vars(model.offload)  # the engine's own method again
+    # no share trial ran under the fixed tables (nor row trial): none switched a table beneath the timed steps, and the
+    # records say the tables were fixed, with no trials' shift in force
+    assert all(step < first for step in trial_steps)
+    records = details["A"] + details["B"]
+    assert all(r["cold_split"]["fixed"] and r["cold_split"]["share"] is None and r["cold_split"]["rows"] is None
+               and r["cold_split"]["cpu_takes"] == fixed and r["fixed_tables"] == "split" for r in records)
+    assert model.offload.fixed_split_tables is None  # the engine's own tables again
 
 
 def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_whole_for_the_other(tmp_path,
@@ -418,4 +434,52 @@ def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_wh
     assert seen["B"] and set(map(str, seen["B"])) == {str(([0, 0, 1, 1, 2], None))}
     rounds = seen["A"][-2 * 4:]  # (before them, A's warm-ups for the tables, under the engine's own)
     assert set(map(str, rounds)) == {str((share.tolist(), rows.tolist()))}
-    assert not {"cold_split_table", "cold_split_rows"} & set(vars(engine))
+    assert engine.fixed_split_tables is None
+    assert [r["fixed_tables"] for r in details["A"] + details["B"]] == ["split"] * 2 + ["whole"] * 2
+
+
+def test_the_ab_writes_and_prints_which_fixed_tables_ran_with_no_trials_shift(tmp_path, monkeypatch, capsys):
+    """bench_offload_ab --split-table on the simulated device under "both": the result file and the printed lines say
+    that the tables were fixed, which ran in each round and what they are; none reports a share trial's shift (the
+    trials' shift, here pinned at -1 as a trial could leave it, is not what the fixed tables run)."""
+    import json
+
+    import benchmarks.bench_offload_ab as ab
+    import benchmarks.common as common
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.split_share import SplitShareTrials
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    def decode(model, prompt, tokens, warmup=4):
+        state = model.new_state()
+        token = int(model.decoder.forward(state, prompt)[-1].argmax())
+        for _ in range(warmup + tokens):
+            token = int(model.decoder.forward(state, [token])[-1].argmax())
+        return 1.0, []
+
+    def opened(*args):
+        model = LoadedModel.open(write_model(tmp_path / "m", SPEC), offload=OffloadConfig(device_expert_bytes=0),
+                                 device=SimulatedDevice(1 << 30), decode_path="both")
+        return model, [5, 6, 7]
+
+    monkeypatch.setattr(ab, "decode", decode)
+    monkeypatch.setattr(ab, "open_model", opened)
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(SplitShareTrials, "shift", property(lambda trials: -1))  # as a trial could leave it
+    ab.main(["--device", "simulated", "--fractions", "0.5", "--a", "path=both", "--b", "path=both,placement=static",
+             "--rounds", "2", "--decode-tokens", "2", "--decode-warmup", "2", "--split-table", "0,1,1,2,2"])
+    printed = capsys.readouterr().out
+    assert "shift" not in printed
+    assert printed.count('CPU takes [0, 1, 1, 2, 2] of c cold (fixed tables "split"') == 2  # A's and B's last rounds
+    assert "tables fixed: the CPU's pairs [0, 1, 1, 2, 2], a pair split at rows None; whole pairs [0, 1, 1, 2, 2]" \
+        in printed
+    written = json.loads(next((tmp_path / "results").glob("offload-ab-*.json")).read_text())
+    result = written["config"]["per_fraction"]["0.50"]
+    assert result["split_tables"] == {"split": [[0, 1, 1, 2, 2], None], "whole": [[0, 1, 1, 2, 2], None],
+                                      "costs_us": None}
+    for record in result["a_rounds"] + result["b_rounds"]:
+        assert record["fixed_tables"] == "split"
+        assert {key: record["cold_split"][key] for key in ("fixed", "cpu_takes", "split_rows", "share", "rows")} == {
+            "fixed": True, "cpu_takes": [0, 1, 1, 2, 2], "split_rows": None, "share": None, "rows": None}

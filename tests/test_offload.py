@@ -319,11 +319,33 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "split_rows": None, "inter_size": 64,
                      "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
                      "tier_read_bytes_per_s": engine.tier_read.value,
-                     "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out,
+                     "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out, "fixed": False,
                      "share": {"shift": 0, "trials": 0, "measured_ms": {}, "measuring": None},  # (none yet: 12 steps)
                      "rows": None}
     engine.set_decode_path("tier")
     assert engine.copy_state()["decode_path"]["cold_split"] is None
+
+
+def test_fixed_split_tables_hold_each_layer_with_no_share_or_row_trials(model_folder, cpu_run):
+    """fix_split_tables (bench_offload_ab --split-table) under "both": each layer decodes with the tables given for
+    it, the share and row trials neither step nor hold trials_pending, and the state says the tables are fixed, with
+    no trials' shift or split reported; None gives the engine's own tables and trials back."""
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(model_folder, device=device, decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4))
+    engine = model.offload
+    given = [np.array(table) for table in ([0, 0, 0, 0, 0], [0, 1, 1, 2, 2], [0, 1, 2, 3, 4])]  # a layer's each
+    engine.fix_split_tables(lambda layer: (given[layer], None))
+    stepped = []
+    engine.share_trials.step = engine.row_trials.step = lambda seconds, tokens: stepped.append(seconds)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert [engine.cold_split_table(layer).tolist() for layer in range(SPEC.layers)] == [t.tolist() for t in given]
+    assert stepped == [] and not engine.trials_pending
+    state = engine.copy_state()["decode_path"]["cold_split"]
+    assert (state["fixed"], state["cpu_takes"], state["share"], state["rows"]) == (True, [0, 0, 0, 0, 0], None, None)
+    engine.fix_split_tables(None)
+    assert engine.trials_pending and engine.copy_state()["decode_path"]["cold_split"]["share"]["shift"] == 0
+    assert engine.cold_split_table(2).tolist() == engine.split_tables_from_costs(2, False)[0].tolist()
 
 
 def test_under_decode_path_both_a_short_slowdowns_steps_leave_the_cpus_rate_as_it_was(model_folder, cpu_run):

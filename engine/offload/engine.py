@@ -201,6 +201,7 @@ class OffloadEngine:
         self._split_tables: dict = {}  # cold_split_table's, by expert size; made again as the rates move
         self.share_trials = SplitShareTrials()  # ... shifted by a pair as "both" steps say (split_share)
         self.row_trials = RowSplitTrials()  # ... with a pair split by rows where its steps run faster (ditto)
+        self.fixed_split_tables = None  # fix_split_tables': every layer's tables given, with no share or row trials
         self._split_tables_due = SPLIT_TABLE_FIRST  # "both" decode steps until they are made again
         self.tier_read = TierReadRate()  # the GPU's reads from the tier in "both" steps (cold_split_table)
         self.host_gap = HostGap(measured=not is_simulated(device))  # the host's work between "both" layers (ditto)
@@ -343,6 +344,8 @@ class OffloadEngine:
     def _split_pair_tables(self, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(cold_split_table, cold_split_rows) of a layer, made from the costs (_split_costs) and kept per expert
         size: the share and the split pair's rows chosen together where the layer's store splits pairs."""
+        if self.fixed_split_tables is not None:
+            return self.fixed_split_tables(layer)
         info, store = self.infos[layer], self.stores[layer]
         splits_rows = self.row_split and self.row_trials.splits and getattr(store, "splits_rows", False)
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k, splits_rows)
@@ -351,6 +354,15 @@ class OffloadEngine:
             take, rows = self.split_tables_from_costs(layer, splits_rows)
             tables = self._split_tables[key] = (shifted(take, self.share_trials.shift), rows)
         return tables
+
+    def fix_split_tables(self, tables) -> None:
+        """Under "both": every layer's (cold_split_table, cold_split_rows) from `tables(layer)`, not made from the costs
+        measured, and no share or row trials meanwhile: tables given ignore their shift and split, which copy_state
+        would report as in force, and their ways would be timed for nothing (benchmarks' A/Bs that must differ by
+        one thing: bench_offload_ab --split-table). None: the engine's own tables and trials again, from the start."""
+        self.fixed_split_tables = tables
+        self.share_trials, self.row_trials = SplitShareTrials(), RowSplitTrials()
+        self._split_tables.clear()
 
     def split_tables_from_costs(self, layer: int, split_rows: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """(share, rows) as the costs measured now (_split_costs, the host's gap) make them, before the share trials'
@@ -413,8 +425,9 @@ class OffloadEngine:
         if isinstance(self.policy, StaticPlacement) and (self.policy.opening or self.policy.to_place()):
             return True
         return ((self.path_trials_run() and self.path_trials.trials == 0)
-                or (self.splits_cold and self.share_trials.trials == 0)
-                or (self.splits_cold and self.rows_choosable() and self.row_trials.trials == 0)
+                or (self.splits_cold and self.fixed_split_tables is None and self.share_trials.trials == 0)
+                or (self.splits_cold and self.fixed_split_tables is None and self.rows_choosable()
+                    and self.row_trials.trials == 0)
                 or (self.layer_split_mode == "auto" and not self._host_tier and self._split_is_choosable()
                     and self.split_trials.trials == 0))
 
@@ -492,9 +505,11 @@ class OffloadEngine:
         table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured), the host's
         measured work between two such layers (HostGap) and the share trials' state with the shift in force; the
         CPU's rate the table comes from (split_cpu_rate) and the slow steps that rate left out (spike_gate); where a
-        pair may be split by rows (rows_choosable), the row trials' state with whether the split is in force."""
+        pair may be split by rows (rows_choosable), the row trials' state with whether the split is in force. Under
+        tables fixed (fix_split_tables): "fixed" true, and no share or rows (no trials ran)."""
         if not self.splits_cold:
             return None
+        fixed = self.fixed_split_tables is not None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
         rows = None if layer is None else self.cold_split_rows(layer)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
@@ -503,9 +518,10 @@ class OffloadEngine:
                 "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
                 "slow_steps_left_out": self.split_gate.left_out,
-                "share": {"shift": self.share_trials.shift, **self.share_trials.state()},
-                "rows": None if not self.rows_choosable() else {"splits": self.row_trials.splits,
-                                                                 **self.row_trials.state()}}
+                "fixed": fixed, "share": None if fixed else {"shift": self.share_trials.shift,
+                                                             **self.share_trials.state()},
+                "rows": None if fixed or not self.rows_choosable() else {"splits": self.row_trials.splits,
+                                                                         **self.row_trials.state()}}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
@@ -815,8 +831,9 @@ class OffloadEngine:
                     self._switch_path()
                     return
             # the CPU's share of the cold pairs, while "both" is in force and no trial of the path is under way
-            # and whether a pair is split by rows: the two trials take turns (split_share.py)
-            if trial_s is not None and self.splits_cold and not self.path_trials.measuring:
+            # and whether a pair is split by rows: the two trials take turns (split_share.py); none under tables fixed
+            if (trial_s is not None and self.splits_cold and not self.path_trials.measuring
+                    and self.fixed_split_tables is None):
                 if not self.row_trials.measuring and self.share_trials.step(trial_s, tokens) is not None:
                     self._split_tables.clear()  # made again at once with the share now in force
                     return
