@@ -30,9 +30,9 @@ result file beside the rates.
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
 "both" with fixed tables, where the engine would make them again from rates it measures, which move between rounds
 enough for a 1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
-'first' makes two tables from the same costs, measured in A's warm-up: one that may split a pair by rows, for a
-variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that an A/B of the split
-compares the split alone. The engine's trials of the CPU's share and of the split do not run under fixed tables
+'first' makes two tables for each layer from the same costs, its own as measured in A's warm-up: one that may split
+a pair by rows, for a variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that
+an A/B of the split compares the split alone. The engine's trials of the CPU's share and of the split do not run under fixed tables
 (OffloadEngine.fix_split_tables); each round's record names the tables it ran ("fixed_tables": "split" or "whole").
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
@@ -272,13 +272,17 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
     """Every layer's tables under "both" fixed for every round of both variants, where the engine would make them
     again from rates it measures, which move between rounds (a 1.18x between identical configurations, RESULTS.md
     fortieth session). `table` (split_table's): the CPU's whole pairs per cold count, or "first": the tables the
-    engine makes from the costs it measured in A's warm-up, both kinds from the same costs: the share with a pair
-    split by rows where the stores split pairs (kernels/cold_split.py: split_tables), and whole pairs only. A variant
-    with engine.row_split=0 decodes under the second, one with it on under the first, so an A/B of the split compares
-    the split alone. Returns the tables fixed ({"split": [share, rows], "whole": [share, None]}) and, for "first",
-    the costs they were made from ("costs_us": the CPU's an expert and a call, the GPU's an expert read from the tier,
-    the host's gap between layers, µs; the sixty-seventh session's Qwen A/B could not tell them afterwards)."""
+    engine makes for each layer from the costs it measured in A's warm-up (a layer's own: its experts' size and
+    rows), both kinds from the same costs: the share with a pair split by rows where the layer's store splits pairs
+    (kernels/cold_split.py: split_tables), and whole pairs only. A variant with engine.row_split=0 decodes under the
+    second, one with it on under the first, so an A/B of the split compares the split alone. Returns, per layer (None
+    for one with no device store, which has no "both" step), the tables fixed ({"split": [[share, rows], ...],
+    "whole": [[share, None], ...]}) and, for "first", the costs they were made from ("costs_us": per layer, the CPU's
+    an expert and a call, the GPU's an expert read from the tier, the host's gap between layers, µs; the
+    sixty-seventh session's Qwen A/B could not tell them afterwards)."""
     engine = model.offload
+    layers = [index for index, store in enumerate(engine.stores) if store is not None]
+    split, whole, costs = [None] * len(engine.stores), [None] * len(engine.stores), None
     if isinstance(table, str):  # "first": from the costs the engine measures in A's warm-up
         engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
         decode(model, prompt, 1, warmup=warmup)
@@ -286,21 +290,51 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
             if engine.split_rate.value is not None and engine.tier_read.value is not None:
                 break
             decode(model, prompt, 1, warmup=warmup)
-        layer = next(i for i, store in enumerate(engine.stores) if store is not None)
-        split = engine.split_tables_from_costs(layer, getattr(engine.stores[layer], "splits_rows", False))
-        whole = engine.split_tables_from_costs(layer, False)
-        # what they were made from (µs): the CPU's an expert and a call, the GPU's an expert from the tier, the host's
-        costs = [seconds * 1e6 for seconds in (*engine._split_costs(layer), engine.host_gap.value)]
+        costs = [None] * len(engine.stores)
+        for layer in layers:
+            split[layer] = engine.split_tables_from_costs(layer, getattr(engine.stores[layer], "splits_rows", False))
+            whole[layer] = engine.split_tables_from_costs(layer, False)
+            # what they were made from (µs): the CPU's an expert and a call, the GPU's an expert from the tier, the
+            # host's gap
+            costs[layer] = [seconds * 1e6 for seconds in (*engine._split_costs(layer), engine.host_gap.value)]
     else:
-        split, whole, costs = (table, None), (table, None), None
-    for info in engine.infos:
-        if info.spec.k + 1 != split[0].size:
-            raise SystemExit(f"--split-table {split[0].tolist()}: {info.name} takes {info.spec.k} experts a token, "
-                             f"so a table of {info.spec.k + 1} counts")
+        for info in engine.infos:
+            if info.spec.k + 1 != table.size:
+                raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {info.spec.k} experts a token, "
+                                 f"so a table of {info.spec.k + 1} counts")
+        for layer in layers:
+            split[layer] = whole[layer] = (table, None)
     # read at each call: a variant's switch picks (fixed_tables); no share or row trials meanwhile
-    engine.fix_split_tables(lambda layer: split if engine.row_split else whole)
-    return {**{name: [share.tolist(), None if rows is None else rows.tolist()]
-               for name, (share, rows) in (("split", split), ("whole", whole))}, "costs_us": costs}
+    engine.fix_split_tables(lambda layer: (split if engine.row_split else whole)[layer])
+    return {"split": _listed(split), "whole": _listed(whole), "costs_us": costs}
+
+
+def _listed(tables: list) -> list:
+    """Per layer (share, rows) arrays, or None, as lists (a result file's)."""
+    return [None if pair is None else [pair[0].tolist(), None if pair[1] is None else pair[1].tolist()]
+            for pair in tables]
+
+
+def tables_lines(fixed: dict) -> list[str]:
+    """fix_split_table's tables as printed: a line for each run of layers with the same tables and costs ("layers
+    0-23" where every layer's are alike)."""
+    costs = fixed["costs_us"] or [None] * len(fixed["split"])
+    runs: list[list] = []  # [first layer, last layer, (split, whole, costs)]
+    for layer, same in enumerate(zip(fixed["split"], fixed["whole"], costs)):
+        if same[0] is None:
+            continue
+        if runs and runs[-1][2] == same and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer, same])
+    lines = []
+    for first, last, ((share, rows), (whole, _), made) in runs:
+        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+        made = "" if made is None else (f" (from the CPU's {made[0]:.0f} µs an expert + {made[1]:.0f} a call, the "
+                                        f"GPU's {made[2]:.0f} µs an expert, the host's {made[3]:.0f} µs)")
+        lines.append(f"tables fixed, {layers}: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs "
+                     f"{whole}{made}")
+    return lines
 
 
 def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, prompt: list[int],
@@ -422,20 +456,17 @@ def main(argv=None) -> dict:
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
               f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
         if details.get("tables"):
-            (share, rows), whole = details["tables"]["split"], details["tables"]["whole"][0]
-            costs = details["tables"]["costs_us"]
-            made = "" if costs is None else (f" (from the CPU's {costs[0]:.0f} µs an expert + {costs[1]:.0f} a call, "
-                                             f"the GPU's {costs[2]:.0f} µs an expert, the host's {costs[3]:.0f} µs)")
-            print(f"       tables fixed: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs {whole}"
-                  f"{made}", flush=True)
+            for line in tables_lines(details["tables"]):
+                print(f"       {line}", flush=True)
         for name in ("A", "B"):  # the last round's engine figures
             last = details[name][-1]
             print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"
                   f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
                   f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
-                  f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, {last['layers_ahead']} layers launched "
-                  f"ahead, {last['layers_beside']} on the worker, {last['steps_run_again']} steps run again (the round, warm-up included)", flush=True)
+                  f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, "
+                  f"{last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the worker, "
+                  f"{last['steps_run_again']} steps run again (the round, warm-up included)", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})

@@ -376,8 +376,8 @@ def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, mon
     # more), its table then the fixed one
     first = len(seen) - 4 * 4
     assert first % 3 == 0 and (3 <= first <= 3 * (1 + ab.FIRST_MORE_WARMUPS) if given == "first" else first == 0)
-    fixed = details["tables"]["split"][0]  # (no row step within this model's 64 rows: the same as whole pairs')
-    assert fixed == (details["tables"]["whole"][0] if first else [0, 1, 1, 2, 2])
+    fixed = details["tables"]["split"][0][0]  # (no row step within this model's 64 rows: the same as whole pairs')
+    assert fixed == (details["tables"]["whole"][0][0] if first else [0, 1, 1, 2, 2])
     assert all(entry == fixed for entry in seen[first:])
     # no share trial ran under the fixed tables (nor row trial): none switched a table beneath the timed steps, and the
     # records say the tables were fixed, with no trials' shift in force
@@ -429,8 +429,9 @@ def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_wh
     in_part = engine.runners[0].kernel.reads_rows_in_part
     share, rows = split_tables(4, 256, 64, 100e-6, 0.0, 100e-6, 0.0, 2 / 3, cpu_reads_fc2_whole=not in_part)
     assert rows.any()  # a pair is split where the two sides cost the same
-    assert details["tables"] == {"split": [share.tolist(), rows.tolist()], "whole": [[0, 0, 1, 1, 2], None],
-                                 "costs_us": [pytest.approx(100.0), 0.0, pytest.approx(100.0), 0.0]}
+    assert details["tables"] == {"split": [[share.tolist(), rows.tolist()]] * 2,
+                                 "whole": [[[0, 0, 1, 1, 2], None]] * 2,
+                                 "costs_us": [[pytest.approx(100.0), 0.0, pytest.approx(100.0), 0.0]] * 2}
     assert seen["B"] and set(map(str, seen["B"])) == {str(([0, 0, 1, 1, 2], None))}
     rounds = seen["A"][-2 * 4:]  # (before them, A's warm-ups for the tables, under the engine's own)
     assert set(map(str, rounds)) == {str((share.tolist(), rows.tolist()))}
@@ -473,13 +474,60 @@ def test_the_ab_writes_and_prints_which_fixed_tables_ran_with_no_trials_shift(tm
     printed = capsys.readouterr().out
     assert "shift" not in printed
     assert printed.count('CPU takes [0, 1, 1, 2, 2] of c cold (fixed tables "split"') == 2  # A's and B's last rounds
-    assert "tables fixed: the CPU's pairs [0, 1, 1, 2, 2], a pair split at rows None; whole pairs [0, 1, 1, 2, 2]" \
-        in printed
+    assert "tables fixed, layers 0-2: the CPU's pairs [0, 1, 1, 2, 2], a pair split at rows None; whole pairs " \
+        "[0, 1, 1, 2, 2]\n" in printed
     written = json.loads(next((tmp_path / "results").glob("offload-ab-*.json")).read_text())
     result = written["config"]["per_fraction"]["0.50"]
-    assert result["split_tables"] == {"split": [[0, 1, 1, 2, 2], None], "whole": [[0, 1, 1, 2, 2], None],
+    assert result["split_tables"] == {"split": [[[0, 1, 1, 2, 2], None]] * 3, "whole": [[[0, 1, 1, 2, 2], None]] * 3,
                                       "costs_us": None}
     for record in result["a_rounds"] + result["b_rounds"]:
         assert record["fixed_tables"] == "split"
         assert {key: record["cold_split"][key] for key in ("fixed", "cpu_takes", "split_rows", "share", "rows")} == {
             "fixed": True, "cpu_takes": [0, 1, 1, 2, 2], "split_rows": None, "share": None, "rows": None}
+
+
+def test_first_split_tables_are_each_layers_own(tmp_path, monkeypatch):
+    """--split-table first on a model whose layers cost differently (here the CPU's expert 100 µs in layer 0 and
+    300 µs in layer 1, the GPU's 100 µs in both): each layer decodes every round under the tables its own costs make,
+    not layer 0's, and the tables written and printed are each layer's."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import WriterSpec, write_model
+    from kernels.cold_split import split_tables
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    seen = []
+
+    def decode(model, prompt, tokens, warmup=4):
+        state = model.new_state()
+        token = int(model.decoder.forward(state, prompt)[-1].argmax())
+        for _ in range(warmup + tokens):
+            token = int(model.decoder.forward(state, [token])[-1].argmax())
+            engine = model.offload
+            rows = [engine.cold_split_rows(layer) for layer in (0, 1)]
+            seen.append([(engine.cold_split_table(layer).tolist(), None if made is None else made.tolist())
+                         for layer, made in enumerate(rows)])
+        return 1.0, []
+
+    monkeypatch.setattr(ab, "decode", decode)
+    model = LoadedModel.open(write_model(tmp_path / "m", spec), offload=OffloadConfig(device_expert_bytes=0),
+                             device=SimulatedDevice(1 << 30), decode_path="both")
+    engine = model.offload
+    monkeypatch.setattr(engine, "_split_costs", lambda layer: ((1 + 2 * layer) * 100e-6, 0.0, 100e-6))
+    details = {"A": [], "B": []}
+    ab.paired_rounds(model, all_resident_bytes(model.folder.experts) // 4, {"A": {}, "B": {}}, 2, [5, 6, 7], 2,
+                     warmup=2, details=details, paths={"A": "both", "B": "both"}, table="first")
+    in_part = engine.runners[0].kernel.reads_rows_in_part
+    made = [split_tables(4, 256, 64, cpu_s, 0.0, 100e-6, 0.0, 2 / 3, cpu_reads_fc2_whole=not in_part)
+            for cpu_s in (100e-6, 300e-6)]
+    made = [(share.tolist(), rows.tolist()) for share, rows in made]
+    assert made[0] != made[1]  # the layers' tables differ
+    assert set(map(str, seen[-4 * 4:])) == {str(made)}  # every round's steps, each layer under its own
+    assert details["tables"]["split"] == [list(pair) for pair in made]
+    assert [costs[0] for costs in details["tables"]["costs_us"]] == [pytest.approx(100.0), pytest.approx(300.0)]
+    lines = ab.tables_lines(details["tables"])
+    assert [line.split(":")[0] for line in lines] == ["tables fixed, layer 0", "tables fixed, layer 1"]
+    assert f"the CPU's pairs {made[1][0]}, a pair split at rows {made[1][1]}" in lines[1]
