@@ -414,7 +414,8 @@ def _cmd_inspect(args) -> int:
             staging's, the tier's, the streaming slots'), the slots and streaming slots reserved on the device."""
             planned_tier = paths.tier_planned(mode, config, folder.experts, kind, paths.host_available(), dense_cpu)
             plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
-                                dense_on_device=dense_goes_to(device, state.kv_dtypes()), host_tier=planned_tier)
+                                dense_on_device=dense_goes_to(device, state.kv_dtypes()), host_tier=planned_tier,
+                                dense_cpu=dense_cpu)
             statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
             tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, kind, device, dense_cpu)
             statements += [said] if said else []

@@ -353,11 +353,12 @@ def decode_on_device(model, cpu_run, launches: str) -> tuple:
 
 
 def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, make=_fake_make,
-                    streaming=FakeStreamingGpuQMoE, dense_on_device=True, **config):
+                    streaming=FakeStreamingGpuQMoE, dense_on_device=True, mem_limit=0, **config):
     """The model on the stand-in device (its decode path `decode_path`, the tests' default where None; its slots made
-    by `make`, its streaming slots' GpuQMoE a `streaming`), its cut tensors left in the stand-in's memory, and a state
-    there: the engine told the dense part runs there (as a load with onnxruntime's CUDA execution provider tells it),
-    unless `dense_on_device` is False (the dense part on the CPU, where onnxruntime here puts it)."""
+    by `make`, its streaming slots' GpuQMoE a `streaming`; its memory held to `mem_limit`, as gpu_device_mem_limit
+    holds a card's), its cut tensors left in the stand-in's memory, and a state there: the engine told the dense part
+    runs there (as a load with onnxruntime's CUDA execution provider tells it), unless `dense_on_device` is False (the
+    dense part wherever the load puts it: here on the CPU)."""
     cp = FakeCupy()
     monkeypatch.setattr(CudaSlots, "_make", make)
     monkeypatch.setattr("kernels.gpu.qmoe.GpuQMoE", streaming)  # what CudaStreamingSlots makes
@@ -366,6 +367,7 @@ def open_on_standin(model_folder, fraction, monkeypatch, decode_path=None, make=
     # steps would take the tier's way (correct, but not the step the tests check). test_offload.py tests the remaking.
     monkeypatch.setattr("engine.offload.engine.SPLIT_TABLE_FIRST", 10 ** 9)
     device = FakeCudaDevice(cp)
+    device.memory.limit = mem_limit
     budget = int(fraction * device_expert_bytes(model_folder))
     offload = OffloadConfig(device_expert_bytes=budget, **config)
     if not dense_on_device:
@@ -942,6 +944,44 @@ def test_a_host_tier_made_for_a_dense_part_that_stayed_on_the_cpu_is_planned_awa
     assert_no_tier_and_decode_as_on_the_cpu(model, cpu_run, FakeGpuQMoE.made_tiers)
     assert model.offload.device.memory.used == (model.offload.staging.device_bytes
                                                 + model.offload.device.memory.by_purpose["decode streaming slots"])
+
+
+@pytest.mark.parametrize("loaded", ["disabled", "auto"])
+def test_offload_disabled_runs_every_expert_on_the_cpu_where_the_arena_keeps_the_dense_part_there(model_folder,
+                                                                                                   cpu_run,
+                                                                                                   monkeypatch,
+                                                                                                   loaded):
+    """mode=disabled runs every expert where the dense part runs. The plan is made for the dense part where it is meant
+    to go (onnxruntime's CUDA execution provider), before onnxruntime's arena is weighed beside it: where that does not
+    fit under gpu_device_mem_limit, the dense part stays on the CPU, and every expert stayed on the card all the same
+    (their bytes in its memory, each expert node's input sent there and back every step). The engine, told where the
+    dense part landed, plans every expert onto the CPU and says why; so does a re-plan to mode=disabled of a model
+    loaded under mode=auto."""
+    from engine import ort_env
+    from engine.offload.planner import all_resident_bytes
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the model's KV caches are fp32)
+    experts = ModelFolder.open(model_folder).experts
+    # room for every expert beside no reserve, none for the dense part's state, weights and arena
+    limit = all_resident_bytes(experts) + (1 << 20)
+    model, _cp = open_on_standin(model_folder, 0.0, monkeypatch, dense_on_device=False, mem_limit=limit,
+                                 mode=loaded, reserve_device_bytes=0)
+    engine = model.offload
+    if loaded != "disabled":
+        engine.reconfigure(engine.config.updated(mode="disabled"))
+    assert model.dense_device == "cpu" and model.dense_reason.startswith(f"gpu_device_mem_limit={limit} leaves ")
+    assert engine.plan.placement_mode == "cpu_only" and set(engine.plan.slots.values()) == {0}
+    assert [layer.num_slots for layer in engine.slots] == [0] * SPEC.layers
+    assert all(store is None or store.num_slots == 0 for store in engine.stores)
+    assert engine.device.memory.used == 0
+    assert engine.plan.statements == ["All experts run on the CPU: offload is disabled, and the dense part runs on the "
+                                      f"CPU ({model.dense_reason})."]
+    engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    totals = engine.stats.totals()
+    assert totals.hits == 0 and totals.routed_on_device == 0 and totals.misses_cpu > 0
+    assert engine.device.memory.used == 0
 
 
 def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):

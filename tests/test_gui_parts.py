@@ -1915,7 +1915,8 @@ def test_offload_disabled_makes_no_host_tier_whatever_decode_path_is_asked(gptos
     engine = LoadedModel.open(fixture_folder("gptoss"), offload=config, device=device, decode_path=path).offload
     assert engine.decode_path_in_force == "cpu" and "host_tier_bytes" not in engine.pinned_info()
     assert engine.plan.statements == ["All experts run on the CPU: offload is disabled, and the dense part runs on "
-                                      "the CPU.", said]
+                                      "the CPU (the GPU is simulated, for the experts only).", said]
+    assert est.plan.statements == engine.plan.statements[:1]
 
 
 def test_apply_keeps_the_automatic_budget_the_load_gave_beside_a_dense_part_held_under_the_limit(gptoss):

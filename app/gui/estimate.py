@@ -311,7 +311,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                 decode_path or paths.default_decode_path(), config, experts, device.kind, paths.host_available(),
                 dense_cpu)
             plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu,
-                                host_tier=planned_tier)
+                                host_tier=planned_tier, dense_cpu=dense_cpu)
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
     host_tier, tier_said = False, ""

@@ -269,10 +269,15 @@ class OffloadEngine:
     def dense_landed(self, dense_cpu: str | None) -> None:
         """The load put the dense part on the CPU for `dense_cpu` (None: on the device). The plan was made for where it
         was meant to go, which onnxruntime's arena not fitting beside the plan can still change: a host tier made for
-        a dense part that stayed on the CPU would never be read (decode_path.tier_verdict), so the configuration in
-        force is planned again, without it."""
+        a dense part that stayed on the CPU would never be read (decode_path.tier_verdict), and mode=disabled put
+        every expert on the card beside a dense part that is not there, so the configuration in force is planned
+        again, without the tier and with mode=disabled's experts on the CPU."""
+        stayed = dense_cpu is not None and getattr(self.device, "kind", None) == "cuda"
+        beside = stayed and self.dense_on_device and self.config.mode == "disabled"
         self.dense_cpu = dense_cpu
-        if self._host_tier and dense_cpu is not None and getattr(self.device, "kind", None) == "cuda":
+        if stayed:
+            self.dense_on_device = False  # (a later re-plan to mode=disabled puts every expert on the CPU too)
+        if beside or (stayed and self._host_tier):
             self.reconfigure(self.config)
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:
@@ -585,7 +590,7 @@ class OffloadEngine:
         tier = tier and paths.tier_planned(self.decode_path_mode, config, self.infos,
                                            getattr(self.device, "kind", None), paths.host_available(), self.dense_cpu)
         plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
-                            dense_on_device=self.dense_on_device, host_tier=tier)
+                            dense_on_device=self.dense_on_device, host_tier=tier, dense_cpu=self.dense_cpu)
         if self.device is not None and config.mode != "disabled":
             plan.statements.extend(self.staging.statements(cold=plan.leaves_cold))
         return plan

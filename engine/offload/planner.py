@@ -250,11 +250,13 @@ def _tier_mapping_statement(config: OffloadConfig, runnable: list[ExpertNodeInfo
 
 
 def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
-                 whole_layers: bool = False, dense_on_device: bool = False, host_tier: bool = False) -> OffloadPlan:
+                 whole_layers: bool = False, dense_on_device: bool = False, host_tier: bool = False,
+                 dense_cpu: str | None = None) -> OffloadPlan:
     """The slots of every expert node for `config` on `device`. The budget is spread evenly over the layers; with
     `whole_layers` it goes to whole layers instead, in layer order (layer_split.py: the engine measures which of the
     two decodes faster). Under mode=disabled every expert goes where the dense part runs: on the device where
-    `dense_on_device` (onnxruntime's CUDA execution provider runs it there), else on the CPU. `host_tier`: the decode
+    `dense_on_device` (onnxruntime's CUDA execution provider runs it there), else on the CPU, the plan naming why the
+    dense part runs there where `dense_cpu` says (ort_env.dense_cpu_reason, DenseDevice.reason). `host_tier`: the decode
     path plans one (decode_path.tier_planned), whose granule-rounded mappings an automatic budget leaves room for
     beside its slots, so that the reserve stays free."""
     names = [info.name for info in experts]
@@ -273,8 +275,8 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     if device is None or config.mode == "disabled":
         if config.mode == "required":
             raise OffloadPlanError("offload mode 'required' needs a GPU device (a simulated GPU or the CUDA GPU)")
-        why = ("offload is disabled, and the dense part runs on the CPU" if config.mode == "disabled"
-               else "no GPU device is in use")
+        why = ("offload is disabled, and the dense part runs on the CPU" + (f" ({dense_cpu})" if dense_cpu else "")
+               if config.mode == "disabled" else "no GPU device is in use")
         return OffloadPlan("cpu_only", 0, {info.name: 0 for info in experts},
                            [f"All experts run on the CPU: {why}."] + _exact_routing_statement(config))
     # Whether the GPU kernels run a node is decided here, the same on the CUDA and the simulated device
