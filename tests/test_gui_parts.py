@@ -194,6 +194,31 @@ def test_the_estimate_plans_the_host_tier_away_where_the_arena_keeps_the_dense_p
     assert parts["experts"].bytes == 0 and "decode streaming slots" in parts["workspace"].note
 
 
+def test_the_estimate_runs_every_expert_on_the_cpu_under_offload_disabled_where_the_arena_keeps_the_dense_part_there(
+        gptoss, monkeypatch):
+    """mode=disabled runs every expert where the dense part runs: where onnxruntime's arena does not fit beside the
+    experts under gpu_device_mem_limit, the load keeps the dense part on the CPU and plans every expert there too
+    (OffloadEngine.dense_landed). The estimate still showed them all resident on the card beside a dense part on the
+    CPU."""
+    from engine import ort_env
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    config = OffloadConfig(mode="disabled", reserve_device_bytes=0, gpu_device_mem_limit=64 << 20)
+    est = estimate(gptoss, config, DeviceChoice("cuda", 1 << 30, name="test card"))
+    stay = "Loaded with these settings, the dense part would stay on the CPU: "
+    stays = [s for s in est.statements if s.startswith(stay)]
+    assert not est.error and len(stays) == 1, est.statements
+    at_load = stays[0].removeprefix(stay)[:-1]
+    assert at_load.startswith(f"gpu_device_mem_limit={64 << 20} leaves ")
+    assert est.plan.placement_mode == "cpu_only" and set(est.plan.slots.values()) == {0}
+    assert est.statements == [f"All experts run on the CPU: offload is disabled, and the dense part runs on the CPU "
+                              f"({at_load}).", stays[0]]
+    device = {p.key: p.bytes for p in est.device_parts}
+    assert device["experts"] == device["dense"] == device["kv"] == device["workspace"] == 0
+    assert device["free"] == 64 << 20
+
+
 def test_the_budget_panel_says_before_a_load_when_the_arena_registered_earlier_keeps_the_dense_part_on_the_cpu(
         qtbot, gptoss, monkeypatch):
     """The CUDA GPU chosen with gpu_device_mem_limit, where a model loaded earlier in this process registered

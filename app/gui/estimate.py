@@ -325,12 +325,12 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if dense_on_gpu and stand_in is not None and not error:
         at_load = dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes)
         dense_cpu, dense_on_gpu = at_load, at_load is None
-    if at_load and host_tier:
-        # the engine plans again without the tier (OffloadEngine.dense_landed), the planner's dense part where it was
-        # meant to go
+    if at_load and (host_tier or config.mode == "disabled"):
+        # the engine plans again without the tier, and with mode=disabled's experts beside the dense part on the CPU
+        # (OffloadEngine.dense_landed)
         stand_in.memory.release(resident_bytes, "expert slots")
         streaming.close()
-        plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=True)
+        plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_cpu=dense_cpu)
         host_tier, tier_said, streaming = _tier_and_streaming(facts, config, plan, device.kind, stand_in, decode_path,
                                                                dense_cpu)
         resident_bytes = plan.device_bytes(experts, host_tier)
