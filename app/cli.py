@@ -390,7 +390,7 @@ def _cmd_inspect(args) -> int:
         from engine.offload.host_cache import file_backing_refusal
         from engine.offload.planner import plan_offload
         from engine.offload.streaming import plan_streaming
-        from engine.ort_env import dense_cpu_reason, dense_goes_to
+        from engine.ort_env import dense_cpu_reason
 
         # what the engine checks at load, checked here too: the experts fit where allow_file_backing keeps them, the
         # pinned ring holds an expert, the popularity file reads
@@ -414,7 +414,7 @@ def _cmd_inspect(args) -> int:
             staging's, the tier's, the streaming slots'), the slots and streaming slots reserved on the device."""
             planned_tier = paths.tier_planned(mode, config, folder.experts, kind, paths.host_available(), dense_cpu)
             plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
-                                dense_on_device=dense_goes_to(device, state.kv_dtypes()), host_tier=planned_tier,
+                                dense_on_device=device is not None and dense_cpu is None, host_tier=planned_tier,
                                 dense_cpu=dense_cpu)
             statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
             tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, kind, device, dense_cpu)
@@ -428,8 +428,12 @@ def _cmd_inspect(args) -> int:
             return plan, tier, statements, streaming
 
         plan, tier, statements, streaming = as_loaded(dense_cpu)
-        at_load = _arena_refusal(device, state, folder.dense_bytes) if tier and kind == "cuda" else None
-        if at_load:  # the load keeps the dense part on the CPU and plans again without the tier (dense_landed)
+        at_load = None
+        if kind == "cuda" and dense_cpu is None and (tier or config.mode == "disabled"):
+            # the dense part meant for the card: the load keeps it on the CPU where its arena does not fit beside the
+            # plan, and plans again without the tier, with mode=disabled's experts on the CPU (dense_landed)
+            at_load = _arena_refusal(device, state, folder.dense_bytes)
+        if at_load:
             device.memory.release(plan.device_bytes(folder.experts, tier), "expert slots")
             streaming.close()
             plan, tier, statements, streaming = as_loaded(at_load)

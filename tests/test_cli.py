@@ -1771,6 +1771,29 @@ def test_inspect_plans_the_host_tier_away_where_the_arena_keeps_the_dense_part_o
     assert not any("host tier of" in sentence or "With the host tier" in sentence for sentence in said), said
 
 
+def test_inspect_runs_every_expert_on_the_cpu_under_offload_disabled_where_the_arena_keeps_the_dense_part_there(
+        capsys, monkeypatch):
+    """mode=disabled runs every expert where the dense part runs: where onnxruntime's arena does not fit beside the
+    experts under gpu_device_mem_limit, the load keeps the dense part on the CPU and plans every expert there too
+    (OffloadEngine.dense_landed). inspect said all of them resident on the card, where the dense part runs."""
+    from engine import ort_env
+    from tests.test_gpu_kernel_notice import stand_in_cupy
+
+    stand_in_cupy(monkeypatch)
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "cuda", "--json",
+                              "--offload", "mode=disabled", "--offload", "reserve_device_bytes=0",
+                              "--offload", f"gpu_device_mem_limit={64 << 20}")
+    offload = json.loads(out)["offload"]
+    said = offload["statements"]
+    assert status == 0 and offload["placement"] == "cpu_only" and set(offload["slots"].values()) == {0}, said
+    assert len(said) == 1 and said[0].startswith(
+        "All experts run on the CPU: offload is disabled, and the dense part runs on the CPU "
+        f"(gpu_device_mem_limit={64 << 20} leaves ") and said[0].endswith(
+        "(raise reserve_device_bytes or lower device_expert_bytes)).")
+
+
 def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     """--layer-split and --decode-path choose how a device takes experts: with --device cpu (the default) they were
     accepted in silence, as if they had been applied."""
