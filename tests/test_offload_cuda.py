@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from engine.generation import LoadedModel
@@ -15,9 +18,21 @@ pytestmark = pytest.mark.gpu
 SPEC = WriterSpec(layers=3, num_experts=16, top_k=4, hidden_size=256, inter_size=256, seed=31, dense_accuracy_level=0)
 
 
+# The host tier is made only where the dense part runs on the card (decode_path.py): a float16 model (onnxruntime's CUDA
+# attention takes no float32 KV cache) with onnxruntime-gpu's CUDA execution provider.
+needs_dense_on_gpu = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                                        reason="the host tier needs the dense part on the GPU: onnxruntime here offers "
+                                               "no CUDAExecutionProvider (install onnxruntime-gpu)")
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("cuda") / "m", SPEC)
+
+
+@pytest.fixture(scope="module")
+def folder16(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("cuda16") / "m", dataclasses.replace(SPEC, dtype="float16"))
 
 
 def device_total(folder) -> int:
@@ -45,19 +60,22 @@ def test_cuda_offload_matches_the_cpu(folder, fraction, cpu_execution):
     assert device.memory.high_water <= device.memory.ceiling
 
 
+@needs_dense_on_gpu
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 @pytest.mark.parametrize("path", ["tier", "both"])
-def test_cuda_host_tier_matches_the_cpu(folder, fraction, path):
+def test_cuda_host_tier_matches_the_cpu(folder16, fraction, path):
     """OffloadEngine.host_tier: the GPU reads the experts in no slot from page-locked host memory. With the dense part
     on the GPU (onnxruntime-gpu) every decode step routes and computes on the device ("both": the CPU computes a
     share of the cold pairs, published to the host by the routing kernel); either way the all-CPU run's tokens.
     Switched off again, the slots are made without the tier."""
     from engine.offload.cuda_device import open_cuda_device
 
+    folder = folder16
     reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=8)
     device = open_cuda_device()
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=int(fraction * device_total(folder))),
                              device=device)
+    assert model.dense_device == "cuda"
     model.offload.set_decode_path(path)
     if path == "both":  # a share for the CPU whatever this machine's rates
         model.offload.cold_split_table = lambda layer: np.array([0, 1, 1, 2, 2])
@@ -67,30 +85,32 @@ def test_cuda_host_tier_matches_the_cpu(folder, fraction, path):
     assert max(errors) < 2e-2, errors
     assert tokens[:4] == ref_tokens[:4]
     totals = model.offload.stats.totals()
-    if model.dense_device == "cuda":
-        assert totals.routed_on_device >= 8 * SPEC.layers and totals.misses_read > 0
-        if path == "both":
-            assert totals.misses_cpu > 0 and model.offload.stats.phases["decode"].cpu_s > 0
-            # the CPU's parts went through the merges queued at the launches (merge_gated), none of which gave up
-            splits = [store._split for store in model.offload.stores]
-            assert all(split.merge is not None and split.published.gate_failed() == 0 for split in splits)
+    assert totals.routed_on_device >= 8 * SPEC.layers and totals.misses_read > 0
+    if path == "both":
+        assert totals.misses_cpu > 0 and model.offload.stats.phases["decode"].cpu_s > 0
+        # the CPU's parts went through the merges queued at the launches (merge_gated), none of which gave up
+        splits = [store._split for store in model.offload.stores]
+        assert all(split.merge is not None and split.published.gate_failed() == 0 for split in splits)
     model.offload.set_decode_path("cpu")
     assert not any(store.reads_cold for store in model.offload.stores)
     assert all(store.gpu is None or store.gpu.host0 is None for store in model.offload.stores)
 
 
-def test_cuda_default_decode_path_makes_the_tier_and_switches_paths_mid_conversation(folder):
+@needs_dense_on_gpu
+def test_cuda_default_decode_path_makes_the_tier_and_switches_paths_mid_conversation(folder16):
     """The defaults (decode path auto, cpu_execution auto) at half the experts: the tier is made at load, and the
     trials (driven by given step times: the CPU path faster) move decode from the tier to the CPU path and back
     within one conversation, with the all-CPU run's tokens."""
     from engine.offload.cuda_device import open_cuda_device
     from engine.offload.decode_path import DecodePathTrials
 
+    folder = folder16
     reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=12)
     model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_total(folder) // 2),
                              device=open_cuda_device(), decode_path="auto")
     engine = model.offload
-    assert engine.host_tier and engine.decode_path_in_force == "tier", engine.plan.statements
+    assert model.dense_device == "cuda" and engine.host_tier, engine.plan.statements
+    assert engine.decode_path_in_force == "tier", engine.plan.statements
     engine.path_trials = DecodePathTrials(first=1, settle=1, window=2, recheck=2, margin=0.05)
     paths = []
 
@@ -106,9 +126,32 @@ def test_cuda_default_decode_path_makes_the_tier_and_switches_paths_mid_conversa
     assert tokens[:4] == ref_tokens[:4]
     assert "cpu" in paths and "tier" in paths[3:], paths
     totals = engine.stats.totals()
-    assert totals.misses_cpu > 0
-    if model.dense_device == "cuda":
-        assert totals.misses_read > 0
+    assert totals.misses_cpu > 0 and totals.misses_read > 0
+
+
+def test_cuda_with_the_dense_part_on_the_cpu_makes_no_host_tier(folder):
+    """A float32 model's dense part runs on the CPU (the CUDA execution provider's attention takes no float32 KV cache):
+    decode's expert inputs never sit on the card, so no decode step could read a host tier. None is made, the plan
+    says why, decode path 'tier' is refused with it, and the answer is the all-CPU run's."""
+    from engine.errors import WorkbenchError
+    from engine.offload.cuda_device import open_cuda_device
+
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder), steps=8)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=device_total(folder) // 2),
+                             device=open_cuda_device(), decode_path="auto")
+    engine = model.offload
+    said = [line for line in engine.plan.statements
+            if "no host tier is made, since the dense part runs on the CPU" in line]
+    assert model.dense_device == "cpu" and not engine.host_tier and len(said) == 1, engine.plan.statements
+    assert all(store.gpu is None or store.gpu.host0 is None for store in engine.stores)
+    with pytest.raises(WorkbenchError, match="decode path 'tier': .*no host tier is made, since the dense part runs "
+                                             "on the CPU"):
+        engine.set_decode_path("tier")
+    assert engine.decode_path_mode == "auto" and not engine.host_tier
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
 
 
 def test_cuda_mem_limit_is_a_clean_error(folder):
