@@ -32,8 +32,9 @@ With `--split-table first` (or a list of the CPU's pairs per cold count) every r
 enough for a 1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
 'first' makes two tables for each layer from the same costs, its own as measured in A's warm-up: one that may split
 a pair by rows, for a variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that
-an A/B of the split compares the split alone. The engine's trials of the CPU's share and of the split do not run under fixed tables
-(OffloadEngine.fix_split_tables); each round's record names the tables it ran ("fixed_tables": "split" or "whole").
+an A/B of the split compares the split alone. The engine's trials of the CPU's share and of the split do not run
+under fixed tables (OffloadEngine.fix_split_tables); each round's record names the tables it ran ("fixed_tables":
+"split" or "whole").
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
