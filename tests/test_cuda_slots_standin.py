@@ -38,7 +38,7 @@ from kernels.gpu.host_tier import HostTierError
 from tests.test_dense_device import FakeDeviceArray
 from tests.test_host_register import FakeRuntime
 from tests.test_offload import (SPEC, assert_mapped_as_the_cache_holds, assert_same_as_cpu, device_expert_bytes,
-                                greedy_run)
+                                greedy_run, time_paths_as_given)
 
 
 def _device(array) -> FakeDeviceArray:
@@ -823,14 +823,7 @@ def test_by_default_the_host_tier_is_made_and_trials_choose_the_decode_path(mode
                said.endswith("times that against the CPU and against both at once, and keeps the fastest.")
                for said in engine.plan.statements)
     engine.path_trials = DecodePathTrials(first=1, settle=1, window=2, recheck=100)
-    paths = []
-
-    def end_step(seconds, tokens):
-        step_s = {"tier": 0.030, "cpu": 0.020, "both": 0.025}[engine.decode_path_in_force]
-        engine.end_step(step_s if tokens == 1 else seconds, tokens)
-        paths.append(engine.decode_path_in_force)
-
-    model.decoder.on_step_end = end_step
+    paths = time_paths_as_given(model)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     # after each step: the prompt (not counted); decode: 1 skipped, 2 timed (-> the CPU path), 1 settling, 2 timed
     # (-> both), 1 settling, 2 timed (-> the tier), 1 settling, 2 timed (-> the CPU path kept)

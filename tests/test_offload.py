@@ -48,6 +48,20 @@ def greedy_run(model: LoadedModel, prompt: str = "The expert offload engine must
     return logits, tokens
 
 
+def time_paths_as_given(model: LoadedModel) -> list[str]:
+    """The decode path trials driven by given step times (the CPU path fastest, then both, then the tier) in place of
+    the clock's; the list the path in force after each step is appended to, returned for the test to read."""
+    engine, paths = model.offload, []
+
+    def end_step(seconds, tokens):
+        step_s = {"tier": 0.030, "cpu": 0.020, "both": 0.025}[engine.decode_path_in_force]
+        engine.end_step(step_s if tokens == 1 else seconds, tokens)
+        paths.append(engine.decode_path_in_force)
+
+    model.decoder.on_step_end = end_step
+    return paths
+
+
 def assert_same_as_cpu(run, reference) -> None:
     """Two greedy_run results: the same tokens, logits within float32 kernel tolerance of the reference's."""
     logits, tokens = run

@@ -13,7 +13,8 @@ from engine.offload.config import NodeOverride
 from engine.offload.decode_path import DecodePathTrials
 from engine.offload.devices import Bandwidths
 from engine.units import human_bytes
-from tests.test_offload import SPEC, assert_same_as_cpu, cpu_run, device_expert_bytes, greedy_run, model_folder  # noqa: F401
+from tests.test_offload import (SPEC, assert_same_as_cpu, cpu_run, device_expert_bytes, greedy_run,  # noqa: F401
+                                model_folder, time_paths_as_given)
 
 PURPOSE = "decode streaming slots"
 STREAMING = dict(device_expert_bytes=0, device_working_bytes=1 << 30)  # a zero budget, streaming slots asked for
@@ -195,14 +196,7 @@ def test_the_streaming_slots_stay_while_trials_may_bring_the_cpu_path(model_fold
                                f"{SPEC.layers} layers without expert slots may also be copied")
                for said in engine.plan.statements)
     engine.path_trials = DecodePathTrials(first=1, settle=1, window=2, recheck=100)
-    paths = []
-
-    def end_step(seconds, tokens):
-        step_s = {"tier": 0.030, "cpu": 0.020, "both": 0.025}[engine.decode_path_in_force]
-        engine.end_step(step_s if tokens == 1 else seconds, tokens)
-        paths.append(engine.decode_path_in_force)
-
-    model.decoder.on_step_end = end_step
+    paths = time_paths_as_given(model)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     assert "cpu" in paths and {"tier", "both"} <= set(paths) and engine.streaming.groups == groups  # kept throughout
     assert decode_split(model)[2] > 0  # the CPU path's steps copied misses into them
