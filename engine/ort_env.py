@@ -25,6 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from engine.errors import WorkbenchError, error_reason
+from engine.offload.device_memory import ARENA_BUDGET_HINT
 from engine.units import human_bytes
 
 _ORT_TYPES = {
@@ -198,7 +199,7 @@ def dense_arena_limit(mem_limit: int, available: int, state_bytes: int, dense_we
             f"gpu_device_mem_limit={mem_limit} leaves {human_bytes(max(0, available))} after the expert slots and "
             f"staging; the KV cache and state at their longest ({human_bytes(state_bytes)}), the dense weights "
             f"({human_bytes(dense_weight_bytes)}) and onnxruntime's workspace ({human_bytes(MIN_DENSE_ARENA)} at "
-            "least) need more (raise reserve_device_bytes or lower device_expert_bytes)")
+            "least) need more" + ARENA_BUDGET_HINT)
     return arena
 
 

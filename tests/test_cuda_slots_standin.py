@@ -968,8 +968,12 @@ def test_offload_disabled_runs_every_expert_on_the_cpu_where_the_arena_keeps_the
     assert [layer.num_slots for layer in engine.slots] == [0] * SPEC.layers
     assert all(store is None or store.num_slots == 0 for store in engine.stores)
     assert engine.device.memory.used == 0
+    # the arena check's hint names the expert budgets, which mode=disabled does not apply: its own hint in its place
+    hint = " (raise reserve_device_bytes or lower device_expert_bytes)"
+    assert model.dense_reason.endswith(hint)
     assert engine.plan.statements == ["All experts run on the CPU: offload is disabled, and the dense part runs on the "
-                                      f"CPU ({model.dense_reason})."]
+                                      f"CPU ({model.dense_reason.removesuffix(hint)}: raise gpu_device_mem_limit, or use "
+                                      "mode=auto, which keeps the experts that do not fit on the CPU)."]
     engine.stats.reset(SPEC.layers, [SPEC.num_experts] * SPEC.layers)
     assert_same_as_cpu(greedy_run(model), cpu_run)
     totals = engine.stats.totals()

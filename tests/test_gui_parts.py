@@ -212,8 +212,11 @@ def test_the_estimate_runs_every_expert_on_the_cpu_under_offload_disabled_where_
     at_load = stays[0].removeprefix(stay)[:-1]
     assert at_load.startswith(f"gpu_device_mem_limit={64 << 20} leaves ")
     assert est.plan.placement_mode == "cpu_only" and set(est.plan.slots.values()) == {0}
+    hint = " (raise reserve_device_bytes or lower device_expert_bytes)"  # the expert budgets: not under disabled
+    assert at_load.endswith(hint)
     assert est.statements == [f"All experts run on the CPU: offload is disabled, and the dense part runs on the CPU "
-                              f"({at_load}).", stays[0]]
+                              f"({at_load.removesuffix(hint)}: raise gpu_device_mem_limit, or use mode=auto, which "
+                              "keeps the experts that do not fit on the CPU).", stays[0]]
     device = {p.key: p.bytes for p in est.device_parts}
     assert device["experts"] == device["dense"] == device["kv"] == device["workspace"] == 0
     assert device["free"] == 64 << 20

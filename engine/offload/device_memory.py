@@ -11,6 +11,9 @@ from engine.errors import WorkbenchError
 # what the load counts against gpu_device_mem_limit for a dense part on the GPU (its caps, not what it allocated:
 # engine.generation.LoadedModel)
 DENSE_RESERVATION = "dense part (onnxruntime arena, dense weights, KV cache and state)"
+# how the arena check (ort_env.dense_arena_limit) ends where it keeps the dense part on the CPU: what frees its room
+# under the expert budgets; mode=disabled, where they do not apply, says its own (planner.plan_offload)
+ARENA_BUDGET_HINT = " (raise reserve_device_bytes or lower device_expert_bytes)"
 
 
 class DeviceMemoryError(WorkbenchError):
