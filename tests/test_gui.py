@@ -594,6 +594,23 @@ def test_the_placement_view_says_static_placement_is_counting_routing_before_it_
     assert state["opening_tokens_left"] == 0 and static_text(state) in window.placement.summary.text()
 
 
+def test_the_placement_views_summary_counts_static_placements_opening_copies_as_copies(qtbot, window):
+    """During static placement's opening its slots hold copied misses, placed by the miss policy, not by placement
+    (StaticPlacement): the summary counted them as resident experts ('1 of 16 experts resident')."""
+    settings = simulated()
+    settings["entries"].update(placement="static")
+    load(qtbot, window, fixture_folder("gptoss"), settings)
+    engine = window.worker._model.offload
+    assert engine.policy.opening and engine.slots[0].num_slots > 0
+    engine.slots[0].place(0, 5)  # as a copied miss would (its bookkeeping: nothing runs after)
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: window.placement.updates > 0, timeout=WAIT)
+    slots = sum(layer.num_slots for layer in engine.slots)
+    total = sum(info.spec.num_experts for info in engine.infos)
+    assert window.placement.summary.text().startswith(
+        f"1 of {total} experts on the device, in {slots} slots: 0 resident experts, {slots} left for copied misses · ")
+
+
 def test_where_everything_landed_follows_the_engines_re_weighing_of_its_miss_slots(qtbot, window, monkeypatch):
     """The engine weighs the slots it leaves to copied misses again as it measures what a copy earns; the landed text
     kept the load's split (1 left for copied misses) after the engine had given every slot back to residents."""
