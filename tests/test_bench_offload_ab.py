@@ -388,6 +388,30 @@ def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, mon
     assert model.offload.fixed_split_tables is None  # the engine's own tables again
 
 
+def split_model(tmp_path, monkeypatch, observe):
+    """A two-layer model whose pairs can be split by rows (256 intermediate rows), on the simulated device under
+    "both", with bench_offload_ab's decode replaced by greedy steps that call `observe(engine)` after each."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.writer import WriterSpec, write_model
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+
+    def decode(model, prompt, tokens, warmup=4):
+        state = model.new_state()
+        token = int(model.decoder.forward(state, prompt)[-1].argmax())
+        for _ in range(warmup + tokens):
+            token = int(model.decoder.forward(state, [token])[-1].argmax())
+            observe(model.offload)
+        return 1.0, []
+
+    monkeypatch.setattr(ab, "decode", decode)
+    return LoadedModel.open(write_model(tmp_path / "m", spec), offload=OffloadConfig(device_expert_bytes=0),
+                            device=SimulatedDevice(1 << 30), decode_path="both")
+
+
 def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_whole_for_the_other(tmp_path,
                                                                                               monkeypatch):
     """--split-table first with B's engine.row_split=0: both tables come from the same costs (here fixed: the CPU and
@@ -395,30 +419,17 @@ def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_wh
     reading FC2 whole or in part as its kernel does) in every A round, the whole-pair table and no rows in every B
     round; the engine's own methods come back after the rounds."""
     import benchmarks.bench_offload_ab as ab
-    from engine.generation import LoadedModel
-    from engine.offload import OffloadConfig, SimulatedDevice
     from engine.offload.planner import all_resident_bytes
-    from engine.writer import WriterSpec, write_model
     from kernels.cold_split import split_tables
 
-    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
-                      dense_accuracy_level=0)
     seen = {"A": [], "B": []}
 
-    def decode(model, prompt, tokens, warmup=4):
-        state = model.new_state()
-        token = int(model.decoder.forward(state, prompt)[-1].argmax())
-        for _ in range(warmup + tokens):
-            token = int(model.decoder.forward(state, [token])[-1].argmax())
-            engine = model.offload
-            rows = engine.cold_split_rows(0)
-            seen["A" if engine.row_split else "B"].append(
-                (engine.cold_split_table(0).tolist(), None if rows is None else rows.tolist()))
-        return 1.0, []
+    def observe(engine):
+        rows = engine.cold_split_rows(0)
+        seen["A" if engine.row_split else "B"].append(
+            (engine.cold_split_table(0).tolist(), None if rows is None else rows.tolist()))
 
-    monkeypatch.setattr(ab, "decode", decode)
-    model = LoadedModel.open(write_model(tmp_path / "m", spec), offload=OffloadConfig(device_expert_bytes=0),
-                             device=SimulatedDevice(1 << 30), decode_path="both")
+    model = split_model(tmp_path, monkeypatch, observe)
     engine = model.offload
     assert engine.stores[0].splits_rows
     monkeypatch.setattr(engine, "_split_costs", lambda layer: (100e-6, 0.0, 100e-6))
@@ -491,30 +502,17 @@ def test_first_split_tables_are_each_layers_own(tmp_path, monkeypatch):
     300 µs in layer 1, the GPU's 100 µs in both): each layer decodes every round under the tables its own costs make,
     not layer 0's, and the tables written and printed are each layer's."""
     import benchmarks.bench_offload_ab as ab
-    from engine.generation import LoadedModel
-    from engine.offload import OffloadConfig, SimulatedDevice
     from engine.offload.planner import all_resident_bytes
-    from engine.writer import WriterSpec, write_model
     from kernels.cold_split import split_tables
 
-    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
-                      dense_accuracy_level=0)
     seen = []
 
-    def decode(model, prompt, tokens, warmup=4):
-        state = model.new_state()
-        token = int(model.decoder.forward(state, prompt)[-1].argmax())
-        for _ in range(warmup + tokens):
-            token = int(model.decoder.forward(state, [token])[-1].argmax())
-            engine = model.offload
-            rows = [engine.cold_split_rows(layer) for layer in (0, 1)]
-            seen.append([(engine.cold_split_table(layer).tolist(), None if made is None else made.tolist())
-                         for layer, made in enumerate(rows)])
-        return 1.0, []
+    def observe(engine):
+        rows = [engine.cold_split_rows(layer) for layer in (0, 1)]
+        seen.append([(engine.cold_split_table(layer).tolist(), None if made is None else made.tolist())
+                     for layer, made in enumerate(rows)])
 
-    monkeypatch.setattr(ab, "decode", decode)
-    model = LoadedModel.open(write_model(tmp_path / "m", spec), offload=OffloadConfig(device_expert_bytes=0),
-                             device=SimulatedDevice(1 << 30), decode_path="both")
+    model = split_model(tmp_path, monkeypatch, observe)
     engine = model.offload
     monkeypatch.setattr(engine, "_split_costs", lambda layer: ((1 + 2 * layer) * 100e-6, 0.0, 100e-6))
     details = {"A": [], "B": []}
