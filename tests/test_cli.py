@@ -1749,16 +1749,22 @@ def test_inspect_says_no_host_tier_is_made_where_the_dense_part_runs_on_the_cpu(
                                for sentence in said), said
 
 
-def test_inspect_plans_the_host_tier_away_where_the_arena_keeps_the_dense_part_on_the_cpu(capsys, monkeypatch):
-    """As the load, which plans again without the tier once onnxruntime's arena did not fit beside the plan under
-    gpu_device_mem_limit and the dense part stayed on the CPU (OffloadEngine.dense_landed): inspect said decode path
-    'tier' reads cold experts from a tier the load does not keep. It says why none is made, with the arena's reason."""
+def a_card_with_onnxruntime_gpu(monkeypatch):
+    """A stand-in CUDA card, with onnxruntime's CUDA execution provider taking the dense part (the arena's check
+    decides the rest)."""
     from engine import ort_env
     from tests.test_gpu_kernel_notice import stand_in_cupy
 
     stand_in_cupy(monkeypatch)
     monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
     monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+
+
+def test_inspect_plans_the_host_tier_away_where_the_arena_keeps_the_dense_part_on_the_cpu(capsys, monkeypatch):
+    """As the load, which plans again without the tier once onnxruntime's arena did not fit beside the plan under
+    gpu_device_mem_limit and the dense part stayed on the CPU (OffloadEngine.dense_landed): inspect said decode path
+    'tier' reads cold experts from a tier the load does not keep. It says why none is made, with the arena's reason."""
+    a_card_with_onnxruntime_gpu(monkeypatch)
     status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "cuda", "--decode-path",
                               "tier", "--json", "--offload", "device_expert_bytes=0",
                               "--offload", f"gpu_device_mem_limit={64 << 20}")
@@ -1776,12 +1782,7 @@ def test_inspect_runs_every_expert_on_the_cpu_under_offload_disabled_where_the_a
     """mode=disabled runs every expert where the dense part runs: where onnxruntime's arena does not fit beside the
     experts under gpu_device_mem_limit, the load keeps the dense part on the CPU and plans every expert there too
     (OffloadEngine.dense_landed). inspect said all of them resident on the card, where the dense part runs."""
-    from engine import ort_env
-    from tests.test_gpu_kernel_notice import stand_in_cupy
-
-    stand_in_cupy(monkeypatch)
-    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
-    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    a_card_with_onnxruntime_gpu(monkeypatch)
     status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "cuda", "--json",
                               "--offload", "mode=disabled", "--offload", "reserve_device_bytes=0",
                               "--offload", f"gpu_device_mem_limit={64 << 20}")
