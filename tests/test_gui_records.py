@@ -651,19 +651,29 @@ def test_side_by_side_says_when_bs_budget_changes_nothing_on_the_cpu(qtbot, wind
     assert "changed nothing" not in view.divergence.text()
 
 
+# what a CUDA GPU another process holds in exclusive-process mode says when it cannot be opened
+CUDA_BUSY = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+             "is/are busy or unavailable)")
+
+
+def load_where_cuda_cannot_be_used(qtbot, window, monkeypatch, note):
+    """The fixture loaded with the CUDA GPU asked for, where the worker's stand-in cannot use it and says `note`: every
+    expert on the CPU."""
+    from app.gui import engine_worker
+
+    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
+    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+
+
 def test_side_by_side_says_why_b_runs_on_the_cpu_where_its_cuda_gpu_cannot_be_used(qtbot, window, monkeypatch,
                                                                                    tmp_path):
     """B asked for the CUDA GPU under mode=auto and could not have it: B ran every expert on the CPU, but its reason
     was thrown away, so the comparison said only "no device: every expert on the CPU" and told the user to choose the
     CUDA device they had chosen. B's column, the comparison and B's record now say why. A stand-in for the worker's
     CUDA GPU that cannot be opened (another process holds it in exclusive-process mode)."""
-    from app.gui import engine_worker
-
-    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
-            "is/are busy or unavailable)")
+    busy = CUDA_BUSY
     note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
-    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
-    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    load_where_cuda_cannot_be_used(qtbot, window, monkeypatch, note)
     view = window.side_by_side
     view.prompt.setPlainText("Compare the two sides")
     view.max_tokens.setValue(2)
@@ -684,12 +694,9 @@ def test_side_by_side_says_why_a_runs_on_the_cpu_where_its_cuda_gpu_could_not_be
     worker kept that only for the load's "where everything landed", so A's column said "no device: every expert on the
     CPU" and A's record said nothing, while B's, falling back the same way, said why. A's now say it as B's do. A
     stand-in for the worker's CUDA GPU whose kernels' compile failed."""
-    from app.gui import engine_worker
-
     note = ("The CUDA GPU was asked for but cannot be used (the GPU expert kernels failed to compile: NVRTC error); "
             "every expert runs on the CPU instead.")
-    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
-    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    load_where_cuda_cannot_be_used(qtbot, window, monkeypatch, note)
     view = window.side_by_side
     view.prompt.setPlainText("Compare the two sides")
     view.max_tokens.setValue(2)
@@ -710,12 +717,9 @@ def test_a_sweep_refused_for_want_of_a_device_says_why_the_cuda_gpu_chosen_could
     told the user to load it "with a simulated GPU or the CUDA GPU", the GPU they had chosen, without saying why it is
     not there (the command line's sweep says why). It now says why, and what gives a device. A stand-in for the
     worker's CUDA GPU whose kernels' compile failed."""
-    from app.gui import engine_worker
-
     note = ("The CUDA GPU was asked for but cannot be used (the GPU expert kernels failed to compile: NVRTC error); "
             "every expert runs on the CPU instead.")
-    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
-    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    load_where_cuda_cannot_be_used(qtbot, window, monkeypatch, note)
     window.sweep.points.setValue(2)
     window.sweep.bar.run_button.click()
     finish(qtbot, window, window.sweep)
@@ -731,14 +735,11 @@ def test_a_scenario_runs_record_says_why_it_ran_on_the_cpu_where_its_cuda_gpu_co
     every expert ran on the CPU, but a scenario run's record said only "cpu", as if the CPU had been chosen. It now
     says why in the same field, and the run's detail in the history shows it. A stand-in for the worker's CUDA GPU
     that another process holds."""
-    from app.gui import engine_worker
     from app.gui.record_report import detail_html
 
-    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
-            "is/are busy or unavailable)")
+    busy = CUDA_BUSY
     note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
-    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
-    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    load_where_cuda_cannot_be_used(qtbot, window, monkeypatch, note)
     bar = window.scenarios
     bar.scenario.setCurrentText("short")
     bar.max_tokens.setValue(2)
@@ -805,12 +806,9 @@ def test_the_contention_report_says_why_the_inference_ran_on_the_cpu_where_its_c
     inference with every expert on the CPU, and neither the view nor the report it saves said so (side by side's
     records did). The report keeps why, as a run record does, and the view and the saved report say it. A stand-in
     for the worker's CUDA GPU whose kernels' compile failed."""
-    from app.gui import engine_worker
-
     note = ("The CUDA GPU was asked for but cannot be used (the GPU expert kernels failed to compile: NVRTC error); "
             "every expert runs on the CPU instead.")
-    monkeypatch.setattr(engine_worker, "cuda_device_or_cpu", lambda mem_limit, mode, report: (None, note))
-    load(qtbot, window, "gptoss", {"device": {"kind": "cuda"}})
+    load_where_cuda_cannot_be_used(qtbot, window, monkeypatch, note)
     view = window.contention_view
     view.corpus.setText(str(make_corpus(tmp_path / "corpus", files=4, words_per_file=60)))
     view.workers.setValue(1)
