@@ -18,6 +18,14 @@ def top(counts: np.ndarray, slots: int) -> set[int]:
     return set(best[counts[best] > 0].tolist())
 
 
+def with_the_files(counts: np.ndarray, file: list[int], slots: int) -> set[int]:
+    """A layer's choice topped up by its opening: the experts the popularity file counts, then the `slots` left's most
+    counted of the others (top)."""
+    counts = counts.copy()
+    counts[file] = 0
+    return top(counts, slots - len(file)) | set(file)
+
+
 def test_without_a_file_the_openings_hottest_experts_are_placed_once_and_never_move():
     """Skewed routing (a hot set per layer takes most of it) with the miss policy copying misses into spare slots:
     static placement without a popularity file placed nothing of its own, so its slots only churned with copies. Now,
@@ -302,7 +310,8 @@ def test_a_node_the_popularity_file_leaves_out_is_measured_by_the_opening(model_
     assert resident_sets(engine)[1:] != [{0, 1, 2, 3}] * (SPEC.layers - 1)
     engine.reconfigure(engine.config.updated(device_expert_bytes=8 * SPEC.layers * slot_bytes))  # a budget change
     counts = routed_counts(engine)
-    assert np.flatnonzero(engine.policy.chosen[0]).tolist() == [12, 13, 14, 15]  # the file's, as at the load
+    # the file's, as at the load, topped up at once from the routing its layer measured (the file counts 4 of 8)
+    assert resident_sets(engine)[0] == with_the_files(counts[0], [12, 13, 14, 15], 8)
     assert resident_sets(engine)[1:] == [top(c, 8) for c in counts[1:]]  # the measured counts kept, chosen anew
 
 
@@ -406,6 +415,37 @@ def test_a_popularity_file_that_counts_fewer_experts_than_slots_is_topped_up_by_
     placed = resident_sets(engine)
     engine.reconfigure(engine.config.updated(cpu_threads=1))  # a re-plan keeping the slots keeps them all
     assert resident_sets(engine) == placed and not engine.policy.opening and engine.policy.to_place() == 0
+
+
+def test_a_budget_change_keeps_what_a_topped_up_layers_opening_measured(model_folder, slot_bytes, tmp_path):
+    """A popularity file counting fewer experts of a node than the layer has slots, its opening topping the file's
+    choice up: a re-plan that changed the layer's slot count (a budget change) made its opening start again from
+    nothing, though the routing it had counted still held (mid-opening: 32 tokens again; past it: a new opening, the
+    residents it had chosen left as copies). Now the counts are kept: an opening under way goes on where it was, and
+    one that is over chooses for the new slots at once (the file's experts, then the routing's best of the others)."""
+    import json
+
+    names = [info.name for info in LoadedModel.open(model_folder).folder.experts]
+    path = tmp_path / "popularity.json"
+    path.write_text(json.dumps({names[0]: [0] * 15 + [3]}))
+    model, _device = open_model(model_folder, FAST_PCIE, placement="static", popularity_file=str(path),
+                                device_expert_bytes=4 * SPEC.layers * slot_bytes)
+    engine = model.offload
+    greedy_run(model, "Hi", 4)
+    left = engine.copy_state()["static_placement"]["opening_tokens_left"]
+    assert 0 < left < 32
+    engine.reconfigure(engine.config.updated(device_expert_bytes=6 * SPEC.layers * slot_bytes))
+    assert [layer.num_slots for layer in engine.slots] == [6] * SPEC.layers
+    assert engine.copy_state()["static_placement"]["opening_tokens_left"] == left
+    assert np.flatnonzero(engine.policy.chosen[0]).tolist() == [15] and engine.policy.topping_up[0]
+    greedy_run(model, LONG_PROMPT, 0)  # its prefill ends the opening
+    counts = routed_counts(engine)
+    greedy_run(model, "Hi", 4)
+    assert not engine.policy.opening and resident_sets(engine)[0] == with_the_files(counts[0], [15], 6)
+    engine.reconfigure(engine.config.updated(device_expert_bytes=8 * SPEC.layers * slot_bytes))  # past the opening
+    counts = routed_counts(engine)
+    assert not engine.policy.opening and engine.policy.to_place() == 0
+    assert resident_sets(engine)[0] == with_the_files(counts[0], [15], 8)
 
 
 def test_the_settle_progress_says_static_placement_is_what_it_waits_for(model_folder, slot_bytes):

@@ -657,8 +657,9 @@ class OffloadEngine:
         a gpt-oss-20b-sized model at 25% (seen on the H200). Static placement without a popularity file chooses its
         residents from the routing its opening counts and copies them in at safe points (StaticPlacement), as it does
         in a layer the file leaves out; a re-plan keeps the counts it measured (`scores`; not a popularity file's,
-        taken off), and its layers past their opening choose for the new slots at once (those whose slots it keeps
-        keep their choice)."""
+        taken off or changed: in a layer the same counts place, what its opening measured to top their choice up), and
+        its layers past their opening choose for the new slots at once (those whose slots it keeps keep their
+        choice)."""
         before = getattr(self, "policy", None)
         self.policy = make_policy(self.config.placement, self.slots, popularity)
         if scores is not None and self.config.placement == "adaptive" and len(scores) == len(self.policy.scores):
@@ -668,16 +669,14 @@ class OffloadEngine:
               and len(scores) == len(self.policy.scores)):
             policy = self.policy
             for index, from_file in enumerate(policy.from_file):  # the layers it measured, measured still
-                kept = before.chosen[index] is not None and before.chosen_for[index] == self.slots[index].num_slots
-                if not from_file and not before.from_file[index]:
-                    policy.scores[index], policy.counted[index] = scores[index], before.counted[index]
-                    if kept:  # its slots kept: its residents stay (they never move), not chosen again from the counts
-                        policy.chosen[index], policy.chosen_for[index] = before.chosen[index], before.chosen_for[index]
-                elif (kept and from_file and before.from_file[index]
-                      and np.array_equal(policy.file_counts[index], before.file_counts[index])):
-                    # the same counts, its slots kept: the experts its opening chose (or counts to choose) for the
-                    # slots the file's counts leave stay, as the file's
-                    policy.scores[index], policy.counted[index] = scores[index], before.counted[index]
+                if from_file != before.from_file[index] or (
+                        from_file and not np.array_equal(policy.file_counts[index], before.file_counts[index])):
+                    continue
+                # measured alike (by the opening, or by it topping the same counts' choice up): the counts hold
+                policy.scores[index], policy.counted[index] = scores[index], before.counted[index]
+                if before.chosen[index] is not None and before.chosen_for[index] == self.slots[index].num_slots:
+                    # its slots kept: its residents stay (they never move), not chosen again from the counts, and the
+                    # experts its opening chose (or counts to choose) for the slots a file's counts leave stay too
                     policy.chosen[index], policy.chosen_for[index] = before.chosen[index], before.chosen_for[index]
                     policy.topping_up[index] = before.topping_up[index]
         self._weigh_miss_slots()

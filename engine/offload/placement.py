@@ -265,16 +265,17 @@ class StaticPlacement(PlacementPolicy):
         """The layer's best-counted experts chosen, up to its wanted residents. A file's choice that leaves slots is
         topped up by the layer's opening (an expert the file counts 0 was routed nowhere in its measurement, which
         says nothing of this workload's): it is kept (its experts never move), and the best the opening counted of
-        the others join it."""
-        scores, wanted = self.scores[layer], self.wanted_slots(layer)
-        kept = self.chosen[layer] if self.topping_up[layer] else np.zeros(scores.size, bool)
+        the others join it. The file's choice is its counts' alone (a re-plan keeps the routing measured since)."""
+        wanted = self.wanted_slots(layer)
+        topping_up = self.topping_up[layer]
+        scores = self.file_counts[layer] if self.from_file[layer] and not topping_up else self.scores[layer]
+        kept = self.chosen[layer] if topping_up else np.zeros(scores.size, bool)
         others = np.flatnonzero(~kept)
         best = others[np.argsort(-scores[others], kind="stable")][:max(0, wanted - int(np.count_nonzero(kept)))]
         # a slot for every expert: every one, counted or not (the layer then routes on the device: all_resident)
         chosen = kept | (wanted >= scores.size)
         chosen[best[scores[best] > 0]] = True
-        self.topping_up[layer] = (self.from_file[layer] and not self.topping_up[layer]
-                                  and int(np.count_nonzero(chosen)) < wanted)
+        self.topping_up[layer] = self.from_file[layer] and not topping_up and int(np.count_nonzero(chosen)) < wanted
         self.chosen[layer], self.chosen_for[layer] = chosen, self.layers[layer].num_slots
         self._settled = None
 
