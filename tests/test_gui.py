@@ -706,7 +706,8 @@ def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to
 def test_the_placement_view_says_static_placement_measures_the_slots_a_popularity_file_leaves(qtbot, window, tmp_path):
     """Static placement from a popularity file that counts one expert a layer, with 3 slots a layer: the other 2 were
     left to copied misses for good (the view said so). Its opening now measures routing for them: the view says the
-    tokens it counts, as before any layer's choice, and no slot is left to copies for good."""
+    tokens it counts, as before any layer's choice. Meanwhile those 2 hold copied misses, not residents: the summary
+    counted a copy there as a resident expert ('3 of 16 experts resident'), as it does not in an opening's slots."""
     import json
 
     path = tmp_path / "popularity.json"
@@ -720,8 +721,12 @@ def test_the_placement_view_says_static_placement_measures_the_slots_a_popularit
     placement = window.placement
     window.worker._emit_stats()
     qtbot.waitUntil(lambda: placement.updates > 0)
+    offload.policy.admit(0, 1, 5)  # as a copied miss would (its bookkeeping: nothing runs after)
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: placement.summary.text().startswith("3 of 16"))
     text = placement.summary.text()
-    assert text.startswith("2 of 16 experts resident · ") and "copied misses" not in text, text
+    assert text.startswith("3 of 16 experts on the device, in 6 slots: 2 resident experts, "
+                           "4 left for copied misses · "), text
     assert "static placement counts routing for 32 more tokens, then places its residents" in text, text
 
 

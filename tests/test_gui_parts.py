@@ -993,11 +993,13 @@ def _landed_under_static_placement(tmp_path, counts: dict):
 def test_where_everything_landed_says_static_placement_measures_the_slots_a_popularity_file_leaves(tmp_path):
     """A popularity file that counts fewer experts than a layer has slots: static placement chose only counted
     experts, leaving the other slots to copied misses for good. Its opening now measures routing for them, and where
-    everything landed says so, and which nodes the file counts too few experts of."""
+    everything landed says so, which nodes the file counts too few experts of, and how many of the slots hold copied
+    misses meanwhile (it said the slots alone, the copies in them counted as residents elsewhere)."""
     names = [info.name for info in ModelFolder.open(fixture_folder("gptoss")).experts]
     model, path, landed = _landed_under_static_placement(tmp_path, {name: [0, 0, 7, 0, 0, 0, 0, 0] for name in names})
     assert [layer.resident().tolist() for layer in model.offload.slots] == [[2], [2]]
-    assert "Expert slots per layer: 3 of 8 in every layer (2 layers)." in landed, landed
+    assert ("Expert slots per layer: 3 of 8 in every layer (2 layers): 1 resident expert, 2 left for copied misses."
+            in landed), landed
     assert ("Static placement counts routing for 32 more tokens, then copies the experts routed most into the slots "
             "the popularity file's counts do not fill for good (copied misses use them meanwhile)." in landed)
     assert (f"{path} counts fewer experts than the layer has slots in 2 expert nodes ('{names[0]}', '{names[1]}'): "

@@ -363,11 +363,11 @@ def test_records_and_json_say_which_slots_static_placement_leaves_to_copies():
     """copy_state (records, --json) said adaptive placement's miss slots ([0, 0, 0] under static placement) and nothing
     of the slots static placement leaves to copied misses where its choice counts fewer experts than a layer has
     slots: a record's hit rate read as static placement's own. static_placement's unchosen_slots says them per layer
-    (none before a layer has chosen, nor while its opening tops a popularity file's choice up)."""
+    (none before a layer has chosen; while its opening tops a popularity file's choice up, those the file leaves)."""
     layers = [LayerSlots(16, 4), LayerSlots(16, 4)]
     policy = StaticPlacement(layers, [np.array([0] * 15 + [3], float), None])
     policy.initial()
-    assert [policy.unchosen_slots(index) for index in range(2)] == [0, 0] and policy.opening
+    assert [policy.unchosen_slots(index) for index in range(2)] == [3, 0] and policy.opening
     for _ in range(OPENING_PAIRS_PER_EXPERT * 16 // 4):  # routing that keeps to two experts of each layer (k = 4)
         for index in range(2):
             policy.observe(index, np.array([3, 5, 3, 5]))
@@ -392,8 +392,9 @@ def test_a_popularity_file_that_counts_fewer_experts_than_slots_is_topped_up_by_
                                 device_expert_bytes=4 * SPEC.layers * slot_bytes)
     engine = model.offload
     assert resident_sets(engine) == [{15}, {14, 15}, {0, 1, 2, 3}]
+    # the slots the file's counts leave hold copied misses until the opening chooses for them
     assert engine.copy_state()["static_placement"] == {"opening_tokens_left": 32, "to_place": 0,
-                                                       "unchosen_slots": [0, 0, 0]}
+                                                       "unchosen_slots": [3, 2, 0]}
     statement = next(s for s in engine.plan.statements if "popularity.json" in s)
     assert statement == (f"{path} counts fewer experts than the layer has slots in 2 expert nodes ('{names[0]}', "
                          f"'{names[1]}'): static placement places the counted ones at once and fills the slots left "

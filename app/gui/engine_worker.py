@@ -57,9 +57,9 @@ def _needs_reload(old, new) -> list[str]:
 
 def slots_left_to_copies(offload) -> list[int]:
     """Per layer, the slots placement leaves to copied misses: adaptive placement's miss slots, or those static
-    placement's choice leaves (an opening that counted fewer experts than the layer has slots), and every slot of a
-    layer whose opening has not chosen yet (no popularity file, or a node it leaves out): placement has put nothing
-    there, what they hold are copied misses, not residents."""
+    placement's choice leaves (an opening that counted fewer experts than the layer has slots, or a popularity file's
+    counts until its opening tops them up), and every slot of a layer whose opening has not chosen yet (no popularity
+    file, or a node it leaves out): placement has put nothing there, what they hold are copied misses, not residents."""
     policy = offload.policy
     if isinstance(policy, StaticPlacement):
         return [slots.num_slots if policy.chosen[index] is None and policy.opening_left(index) else

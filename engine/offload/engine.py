@@ -496,8 +496,8 @@ class OffloadEngine:
         """Under static placement (StaticPlacement): the tokens its opening still counts before every layer has chosen
         its residents (0 once all have; a layer's pairs left over its top-k), and the chosen experts not yet copied in
         (at safe points, within the swap allowance); per layer, the slots its choice leaves to copied misses (an
-        opening that counted fewer experts than the layer has slots; 0 before the layer has chosen, and while its
-        opening tops a popularity file's choice up). None under adaptive placement."""
+        opening that counted fewer experts than the layer has slots, or a popularity file's counts while its opening
+        tops their choice up; 0 before the layer has chosen). None under adaptive placement."""
         policy = self.policy
         if not isinstance(policy, StaticPlacement):
             return None

@@ -244,9 +244,10 @@ class StaticPlacement(PlacementPolicy):
 
     def unchosen_slots(self, layer: int) -> int:
         """The layer's slots its choice leaves to copied misses, where it counted fewer experts than it has slots (0
-        before it has chosen, and while its opening tops the file's choice up)."""
+        before it has chosen); while its opening tops a popularity file's choice up, those the file's counts leave
+        (they hold copied misses until its opening chooses for them)."""
         chosen = self.chosen[layer]
-        if chosen is None or self.topping_up[layer]:
+        if chosen is None:
             return 0
         return max(0, self.layers[layer].num_slots - int(np.count_nonzero(chosen)))
 
