@@ -523,6 +523,40 @@ def test_no_row_trial_where_an_experts_rows_are_too_few_to_split(model_folder):
     assert engine.copy_state()["decode_path"]["cold_split"]["rows"] is None
 
 
+def test_no_row_trial_while_the_split_tables_split_no_pair(tmp_path):
+    """Where the split's tables from the costs measured split no pair at any count of cold pairs (here a CPU call
+    costs more than the GPU's reads of all four cold pairs: the CPU takes no pair, nor a part of one), the split runs
+    whole pairs as the other way does. A row trial still ran there, timing the same steps twice (trials_pending and a
+    sweep point's settling waiting for it, records saying which way 'won'); now none starts until the costs make the
+    tables split a pair."""
+    from engine.offload.engine import SPLIT_TABLE_EVERY
+    from engine.offload.split_share import RowSplitTrials, SplitShareTrials
+    from kernels.cold_split import split_tables
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    folder = write_model(tmp_path / "m", spec)
+    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    engine = model.offload
+    assert engine.rows_choosable()  # the kernels and the experts' rows could split a pair: the costs do not
+    slow_call = (100e-6, 1e-3, 100e-6)
+    assert not split_tables(spec.top_k, spec.inter_size, 64, *slow_call)[1].any()
+    engine._split_costs = lambda layer: slow_call
+    engine.share_trials = SplitShareTrials(first=1, settle=1, window=2, recheck=1000)
+    engine.row_trials = RowSplitTrials(first=1, settle=1, window=2, recheck=1000)
+    greedy_run(model, steps=30)
+    assert engine.share_trials.trials == 1 and engine.row_trials.trials == 0 and not engine.row_trials.measuring
+    assert not engine.trials_pending
+    assert engine.copy_state()["decode_path"]["cold_split"]["rows"] is None
+    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: the tables split a pair
+    engine._split_tables.clear()  # (as their next remaking does)
+    assert engine.trials_pending  # the first row trial is to come
+    greedy_run(model, steps=SPLIT_TABLE_EVERY + 12)
+    assert engine.row_trials.trials == 1
+    assert engine.copy_state()["decode_path"]["cold_split"]["rows"]["trials"] == 1
+
+
 
 def test_a_shifted_share_stays_within_a_tokens_cold_pairs():
     from engine.offload.split_share import shifted

@@ -351,8 +351,13 @@ class OffloadEngine:
         size: the share and the split pair's rows chosen together where the layer's store splits pairs."""
         if self.fixed_split_tables is not None:
             return self.fixed_split_tables(layer)
+        splits_rows = self.row_split and self.row_trials.splits and getattr(self.stores[layer], "splits_rows", False)
+        return self._made_tables(layer, splits_rows)
+
+    def _made_tables(self, layer: int, splits_rows: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """The layer's tables from the costs with the share trials' shift, with a pair split by rows or whole pairs
+        only (split_tables_from_costs), kept per expert size until they are made again."""
         info, store = self.infos[layer], self.stores[layer]
-        splits_rows = self.row_split and self.row_trials.splits and getattr(store, "splits_rows", False)
         key = (info.bytes_per_expert, store.read_bytes, info.spec.k, splits_rows)
         tables = self._split_tables.get(key)
         if tables is None:
@@ -419,10 +424,10 @@ class OffloadEngine:
     def trials_pending(self) -> bool:
         """A trial is timing its ways now, or a first one since the last re-plan is still to come: the decode path's
         (where trials choose it), the CPU's share's under "both" (it starts once "both" is in force), the pair split by
-        rows' (under "both", where a pair can be split: rows_choosable), the layer split's (auto, no host tier, a split
-        to choose); or static placement is still counting routing before it chooses, or copying its choice in (its slots
-        hold copied misses meanwhile). Until none is, decode steps time the ways the engine tries, not the one it keeps
-        (a sweep's point, a benchmark's timed steps wait for that)."""
+        rows' (under "both", where the split's tables split a pair: _row_trials_run), the layer split's (auto, no host
+        tier, a split to choose); or static placement is still counting routing before it chooses, or copying its
+        choice in (its slots hold copied misses meanwhile). Until none is, decode steps time the ways the engine tries,
+        not the one it keeps (a sweep's point, a benchmark's timed steps wait for that)."""
         if self.device is None:
             return False  # no device, no trials (end_step)
         if self._trial_measuring:
@@ -431,8 +436,8 @@ class OffloadEngine:
             return True
         return ((self.path_trials_run() and self.path_trials.trials == 0)
                 or (self.splits_cold and self.fixed_split_tables is None and self.share_trials.trials == 0)
-                or (self.splits_cold and self.fixed_split_tables is None and self.rows_choosable()
-                    and self.row_trials.trials == 0)
+                or (self.splits_cold and self.fixed_split_tables is None and self.row_trials.trials == 0
+                    and self._row_trials_run())
                 or (self.layer_split_mode == "auto" and not self._host_tier and self._split_is_choosable()
                     and self.split_trials.trials == 0))
 
@@ -456,8 +461,24 @@ class OffloadEngine:
         """A pair may be split by rows under "both" (row_trials choose whether): MOE_ROW_SPLIT is not 0 and the
         device's stores split pairs (their decode kernels) of experts with more than ROW_STEP intermediate rows
         (split_tables splits at a multiple of it below them: with fewer, the trials would time whole pairs twice)."""
-        return self.row_split and any(getattr(store, "splits_rows", False) and info.spec.inter_size > ROW_STEP
-                                      for info, store in zip(self.infos, self.stores) if store is not None)
+        return self.row_split and next(self._row_split_layers(), None) is not None
+
+    def _row_split_layers(self):
+        """The layers whose pairs may be split by rows (rows_choosable), first to last."""
+        return (layer for layer, (info, store) in enumerate(zip(self.infos, self.stores))
+                if getattr(store, "splits_rows", False) and info.spec.inter_size > ROW_STEP)
+
+    def _row_trials_run(self) -> bool:
+        """A pair may be split by rows (rows_choosable) and a row trial ran, runs now, or would start: the split's
+        tables split a pair (_tables_split_a_pair)."""
+        return self.rows_choosable() and (self.row_trials.trials > 0 or self.row_trials.measuring
+                                          or self._tables_split_a_pair())
+
+    def _tables_split_a_pair(self) -> bool:
+        """Whether the split's tables as the costs measured now make them split a pair at some count of cold pairs in
+        a layer whose pairs may be split: where none does, the split runs whole pairs as the other way does, and a
+        row trial would time the same steps twice."""
+        return any(self._made_tables(layer, True)[1].any() for layer in self._row_split_layers())
 
     def path_trials_run(self) -> bool:
         """The decode path is chosen by trials: cpu_execution=auto, decode path auto, a host tier made."""
@@ -510,8 +531,8 @@ class OffloadEngine:
         table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured), the host's
         measured work between two such layers (HostGap) and the share trials' state with the shift in force; the
         CPU's rate the table comes from (split_cpu_rate) and the slow steps that rate left out (spike_gate); where a
-        pair may be split by rows (rows_choosable), the row trials' state with whether the split is in force. Under
-        tables fixed (fix_split_tables): "fixed" true, and no share or rows (no trials ran)."""
+        pair may be split by rows and the row trials run (_row_trials_run), their state with whether the split is in
+        force. Under tables fixed (fix_split_tables): "fixed" true, and no share or rows (no trials ran)."""
         if not self.splits_cold:
             return None
         fixed = self.fixed_split_tables is not None
@@ -525,8 +546,8 @@ class OffloadEngine:
                 "slow_steps_left_out": self.split_gate.left_out,
                 "fixed": fixed, "share": None if fixed else {"shift": self.share_trials.shift,
                                                              **self.share_trials.state()},
-                "rows": None if fixed or not self.rows_choosable() else {"splits": self.row_trials.splits,
-                                                                         **self.row_trials.state()}}
+                "rows": None if fixed or not self._row_trials_run() else {"splits": self.row_trials.splits,
+                                                                          **self.row_trials.state()}}
 
     def stats_dict(self) -> dict:
         """The statistics (OffloadStats.as_dict) and copy_state(): for records and --json."""
@@ -841,10 +862,13 @@ class OffloadEngine:
                 if not self.row_trials.measuring and self.share_trials.step(trial_s, tokens) is not None:
                     self._split_tables.clear()  # made again at once with the share now in force
                     return
-                if (not self.share_trials.measuring and self.rows_choosable()
-                        and self.row_trials.step(trial_s, tokens) is not None):
-                    self._split_tables.clear()  # ... with the split or without it
-                    return
+                if not self.share_trials.measuring and self.rows_choosable():
+                    if self.row_trials.due and not self._tables_split_a_pair():
+                        # no trial where the split's tables split no pair; asked again once they are made again
+                        self.row_trials.hold(SPLIT_TABLE_EVERY)
+                    elif self.row_trials.step(trial_s, tokens) is not None:
+                        self._split_tables.clear()  # ... with the split or without it
+                        return
             # the layer split's trials only without a host tier: no layer's step then has a host round trip to save
             if (trial_s is not None and self.layer_split_mode == "auto" and not self._host_tier
                     and self._split_is_choosable()):

@@ -45,6 +45,15 @@ class AbaTrials:
         """A trial is under way (its switches and windows are not to be disturbed)."""
         return bool(self._queue)
 
+    @property
+    def due(self) -> bool:
+        """The next decode step counted starts a trial."""
+        return not self._queue and not self._skip
+
+    def hold(self, steps: int) -> None:
+        """No trial starts for at least `steps` decode steps (the wait goes on where it is longer)."""
+        self._skip = max(self._skip, steps)
+
     def step(self, seconds: float, tokens: int) -> str | None:
         """One step's seconds; the way to switch to now, or None to keep the one in force."""
         if tokens != 1:
