@@ -557,6 +557,38 @@ def test_no_row_trial_while_the_split_tables_split_no_pair(tmp_path):
     assert engine.copy_state()["decode_path"]["cold_split"]["rows"]["trials"] == 1
 
 
+def test_the_row_trials_first_window_settles_after_the_share_trials_last_switch(tmp_path):
+    """The share trial ends switching to the share its steps found faster (here one pair fewer), its tables made again
+    at once. The trials settle `settle` steps after each switch of their own before timing, but the row trial's first
+    window took the very next step, the first with the new share; now it settles first."""
+    from engine.offload.split_share import AS_MADE, FEWER, MORE, RowSplitTrials, SplitShareTrials
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    folder = write_model(tmp_path / "m", spec)
+    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    engine = model.offload
+    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: the tables split a pair
+    engine.share_trials = SplitShareTrials(first=1, settle=1, window=2, recheck=1000)
+    engine.row_trials = RowSplitTrials(first=1, settle=3, window=2, recheck=1000)
+    step_s = {AS_MADE: 0.030, FEWER: 0.020, MORE: 0.040}
+    engine._trial_seconds = lambda seconds: step_s[engine.share_trials.choice]
+    steps = []  # after each decode step: the share trials finished, the share in force, whether the row trial times
+
+    def end_step(seconds, tokens):
+        engine.end_step(seconds, tokens)
+        if tokens == 1:
+            steps.append((engine.share_trials.trials, engine.share_trials.choice, engine.row_trials.measuring))
+
+    model.decoder.on_step_end = end_step
+    greedy_run(model, steps=30)
+    switch = next(index for index, (trials, _share, _rows) in enumerate(steps) if trials == 1)
+    assert steps[switch][1] == FEWER and steps[switch - 1][1] == AS_MADE  # the share trial's last switch
+    first = next(index for index, (_trials, _share, rows) in enumerate(steps) if rows)  # the row trial's first sample
+    assert first - switch == engine.row_trials.settle + 1
+
+
 
 def test_a_shifted_share_stays_within_a_tokens_cold_pairs():
     from engine.offload.split_share import shifted

@@ -861,6 +861,9 @@ class OffloadEngine:
                     and self.fixed_split_tables is None):
                 if not self.row_trials.measuring and self.share_trials.step(trial_s, tokens) is not None:
                     self._split_tables.clear()  # made again at once with the share now in force
+                    # and no step of the row trial's next window before the switch settled (as each trial settles
+                    # after its own)
+                    self.row_trials.hold(self.row_trials.settle)
                     return
                 if not self.share_trials.measuring and self.rows_choosable():
                     if self.row_trials.due and not self._tables_split_a_pair():

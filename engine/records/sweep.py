@@ -219,9 +219,9 @@ def reasoning_length_note(own: int | None, max_new_tokens: int) -> str:
             f"length is {own} tokens a run)")
 
 
-# a first decode path trial ends by its 76th step, "both"'s first share trial 76 steps later and its row trial 44 after
-# that (196 in all): room past them for a window a noisy step lengthened
-SETTLE_STEPS_MAX = 260
+# a first decode path trial ends by its 76th step, "both"'s first share trial 76 steps later and its row trial 48 after
+# that, settled after the share trial's last switch (200 in all): room past them for a window a noisy step lengthened
+SETTLE_STEPS_MAX = 264
 
 
 def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
