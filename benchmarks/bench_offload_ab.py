@@ -28,8 +28,9 @@ rate, misses, copies, swaps, slots left to copies, the split and the decode path
 result file beside the rates.
 
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
-"both" with fixed tables, where the engine would make them again from rates it measures, which move between rounds
-enough for a 1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
+"both" (a variant naming no path gets it; one naming another is refused) with fixed tables, where the engine would
+make them again from rates it measures, which move between rounds enough for a 1.18x between identical
+configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
 'first' makes two tables for each layer from the same costs, its own as measured in A's warm-up: one that may split
 a pair by rows, for a variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that
 an A/B of the split compares the split alone. The engine's trials of the CPU's share and of the split do not run
@@ -62,7 +63,7 @@ from engine import decoder, dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.config import PREFIX  # noqa: E402
-from engine.offload.decode_path import MODES as PATH_MODES, default_decode_path  # noqa: E402
+from engine.offload.decode_path import BOTH, MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from kernels.cpu import omp_pool  # noqa: E402
@@ -149,6 +150,17 @@ def decode_path(text: str) -> str:
     """A variant's decode path ('path=auto|cpu|tier|both'; the engine's default where it names none: MOE_DECODE_PATH,
     else auto, whose trials may switch the path within a round: name it in both variants to compare paths)."""
     return _named(text, PATH, PATH_MODES, default_decode_path())
+
+
+def fixed_tables_path(name: str, text: str) -> str:
+    """Variant `name`'s decode path under --split-table: "both", the only path the fixed tables hold on, where it
+    names none (not MOE_DECODE_PATH's default); one naming another is refused, as its rounds would time the path
+    trials (under auto the tables apply only while a trial has "both" in force) or a path with no tables."""
+    path = _named(text, PATH, PATH_MODES, BOTH)
+    if path != BOTH:
+        raise SystemExit(f"--split-table: variant {name} names path={path}, but the fixed tables hold only under "
+                         f"\"both\" (name path=both or no path)")
+    return path
 
 
 def gpu_kernels(model: LoadedModel) -> list:
@@ -441,7 +453,8 @@ def main(argv=None) -> dict:
     changes = {"A": variant(args.a), "B": variant(args.b)}
     chosen = {"A": switches(args.a), "B": switches(args.b)}
     splits = {"A": layer_split(args.a), "B": layer_split(args.b)}
-    paths = {"A": decode_path(args.a), "B": decode_path(args.b)}
+    paths = {name: fixed_tables_path(name, text) if args.split_table else decode_path(text)
+             for name, text in (("A", args.a), ("B", args.b))}
 
     model, prompt = open_model(args.shape, args.layers, args.folder, args.dtype, args.device, "bench-offload-ab-")
     print(f"A: {args.a or 'defaults'}   B: {args.b}   dense part on the {model.dense_device}", flush=True)

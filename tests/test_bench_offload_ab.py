@@ -450,17 +450,15 @@ def test_first_split_tables_split_a_pair_for_the_split_variant_and_keep_pairs_wh
     assert [r["fixed_tables"] for r in details["A"] + details["B"]] == ["split"] * 2 + ["whole"] * 2
 
 
-def test_the_ab_writes_and_prints_which_fixed_tables_ran_with_no_trials_shift(tmp_path, monkeypatch, capsys):
-    """bench_offload_ab --split-table on the simulated device under "both": the result file and the printed lines say
-    that the tables were fixed, which ran in each round and what they are; none reports a share trial's shift (the
-    trials' shift, here pinned at -1 as a trial could leave it, is not what the fixed tables run)."""
+def run_ab(tmp_path, monkeypatch, *argv) -> dict:
+    """bench_offload_ab's main with `argv` on SPEC's model on the simulated device, opened under "both", its decode
+    greedy steps (no timing): the result file's config."""
     import json
 
     import benchmarks.bench_offload_ab as ab
     import benchmarks.common as common
     from engine.generation import LoadedModel
     from engine.offload import OffloadConfig, SimulatedDevice
-    from engine.offload.split_share import SplitShareTrials
     from engine.writer import write_model
     from tests.test_offload import SPEC
 
@@ -479,22 +477,59 @@ def test_the_ab_writes_and_prints_which_fixed_tables_ran_with_no_trials_shift(tm
     monkeypatch.setattr(ab, "decode", decode)
     monkeypatch.setattr(ab, "open_model", opened)
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    ab.main(["--device", "simulated", "--fractions", "0.5", *argv])
+    return json.loads(next((tmp_path / "results").glob("offload-ab-*.json")).read_text())["config"]
+
+
+def test_the_ab_writes_and_prints_which_fixed_tables_ran_with_no_trials_shift(tmp_path, monkeypatch, capsys):
+    """bench_offload_ab --split-table on the simulated device under "both": the result file and the printed lines say
+    that the tables were fixed, which ran in each round and what they are; none reports a share trial's shift (the
+    trials' shift, here pinned at -1 as a trial could leave it, is not what the fixed tables run)."""
+    from engine.offload.split_share import SplitShareTrials
+
     monkeypatch.setattr(SplitShareTrials, "shift", property(lambda trials: -1))  # as a trial could leave it
-    ab.main(["--device", "simulated", "--fractions", "0.5", "--a", "path=both", "--b", "path=both,placement=static",
-             "--rounds", "2", "--decode-tokens", "2", "--decode-warmup", "2", "--split-table", "0,1,1,2,2"])
+    config = run_ab(tmp_path, monkeypatch, "--a", "path=both", "--b", "path=both,placement=static", "--rounds", "2",
+                    "--decode-tokens", "2", "--decode-warmup", "2", "--split-table", "0,1,1,2,2")
     printed = capsys.readouterr().out
     assert "shift" not in printed
     assert printed.count('CPU takes [0, 1, 1, 2, 2] of c cold (fixed tables "split"') == 2  # A's and B's last rounds
     assert "tables fixed, layers 0-2: the CPU's pairs [0, 1, 1, 2, 2], a pair split at rows None; whole pairs " \
         "[0, 1, 1, 2, 2]\n" in printed
-    written = json.loads(next((tmp_path / "results").glob("offload-ab-*.json")).read_text())
-    result = written["config"]["per_fraction"]["0.50"]
+    result = config["per_fraction"]["0.50"]
     assert result["split_tables"] == {"split": [[[0, 1, 1, 2, 2], None]] * 3, "whole": [[[0, 1, 1, 2, 2], None]] * 3,
                                       "costs_us": None}
     for record in result["a_rounds"] + result["b_rounds"]:
         assert record["fixed_tables"] == "split"
         assert {key: record["cold_split"][key] for key in ("fixed", "cpu_takes", "split_rows", "share", "rows")} == {
             "fixed": True, "cpu_takes": [0, 1, 1, 2, 2], "split_rows": None, "share": None, "rows": None}
+
+
+def test_under_a_split_table_a_variant_naming_no_path_decodes_under_both_and_one_naming_another_is_refused(
+        tmp_path, monkeypatch):
+    """The fixed tables hold only under "both": under --split-table a variant naming no path decodes every round under
+    "both" (not MOE_DECODE_PATH's auto, whose path trials its rounds would time, under the tables only while a trial
+    had "both" in force), and one naming another path is refused, before the model is opened."""
+    import benchmarks.bench_offload_ab as ab
+
+    monkeypatch.setenv("MOE_DECODE_PATH", "auto")
+    config = run_ab(tmp_path, monkeypatch, "--b", "placement=static", "--rounds", "2", "--decode-tokens", "2",
+                    "--decode-warmup", "2", "--split-table", "0,1,1,2,2")
+    assert (config["a_path"], config["b_path"]) == ("both", "both")
+    records = config["per_fraction"]["0.50"]["a_rounds"] + config["per_fraction"]["0.50"]["b_rounds"]
+    assert [(r["decode_path"], r["path"]["mode"], r["cold_split"]["cpu_takes"]) for r in records] == [
+        ("both", "both", [0, 1, 1, 2, 2])] * 4
+    assert ab.decode_path("placement=static") == "auto"  # (without --split-table, the engine's default still)
+
+    def not_opened(*args):
+        raise AssertionError("the model was opened")
+
+    monkeypatch.setattr(ab, "open_model", not_opened)
+    for path in ("auto", "tier", "cpu"):
+        with pytest.raises(SystemExit) as refused:
+            ab.main(["--device", "simulated", "--a", "path=both", "--b", f"cpu_threads=3,path={path}",
+                     "--split-table", "first"])
+        assert str(refused.value) == (f"--split-table: variant B names path={path}, but the fixed tables hold only "
+                                      f"under \"both\" (name path=both or no path)")
 
 
 def test_first_split_tables_are_each_layers_own(tmp_path, monkeypatch):
