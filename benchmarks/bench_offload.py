@@ -270,24 +270,41 @@ def judge_words(placement: dict | None) -> str:
     return f" ({'paused: ' if placement['swaps_paused'] else ''}{earned:.2f} hits a swap)"
 
 
+def layer_words(layers: list[int]) -> str:
+    """'layer 3', 'layers 0-23' or 'layers 0-3, 5, 8-9': layer numbers in runs."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    words = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+    return f"layer {words}" if len(layers) == 1 else f"layers {words}"
+
+
 def split_words(cold_split: dict | None, fixed: str | None = None) -> str:
-    """Under "both": ', CPU takes [0, 0, 1, ...] of c cold (share trials' shift -1; 2 slow steps left out of its
-    rate), a pair split at rows [0, 0, 2688, ...], host 120 µs between layers, the GPU reads the tier at 39 GB/s' (the
-    shift where not 0, the slow steps where any, the split's rows where a count of cold pairs has them, the tier's
-    rate where measured); under tables fixed (the engine's fix_split_tables: no share trials), '(fixed tables
-    "split"; ...' with `fixed`, the name of the tables (bench_offload_ab's); else ''."""
+    """Under "both": ', CPU takes [0, 0, 1, ...] of c cold in layers 0-23 (share trials' shift -1; 2 slow steps left
+    out of its rate), a pair split at rows [0, 0, 2688, ...] in layers 0-23, host 120 µs between layers, the GPU reads
+    the tier at 39 GB/s' (every layer's table: each distinct one with its layers, joined by 'and'; the shift where
+    not 0, the slow steps where any, the split's rows where a count of cold pairs has them, the tier's rate where
+    measured); under tables fixed (the engine's fix_split_tables: no share trials), '(fixed tables "split"; ...' with
+    `fixed`, the name of the tables (bench_offload_ab's); else ''."""
     if cold_split is None:
         return ""
+    tables = cold_split["tables"]
     shift = (cold_split.get("share") or {}).get("shift", 0)
     left_out = cold_split.get("slow_steps_left_out") or 0
     named = "fixed tables" + (f" \"{fixed}\"" if fixed else "")
     notes = ([named] if cold_split.get("fixed") else []) + ([f"share trials' shift {shift:+d}"] if shift else []) + (
         [f"{left_out} slow steps left out of its rate"] if left_out else [])
     tier = cold_split.get("tier_read_bytes_per_s")
-    rows = cold_split.get("split_rows")
-    return (f", CPU takes {cold_split['cpu_takes']} of c cold"
+    takes = " and ".join(f"{table['cpu_takes']}{' of c cold' if not index else ''} in {layer_words(table['layers'])}"
+                         for index, table in enumerate(tables))
+    rows = " and ".join(f"{table['split_rows']} in {layer_words(table['layers'])}" for table in tables
+                        if table["split_rows"] and any(table["split_rows"]))
+    return (f", CPU takes {takes}"
             + (f" ({'; '.join(notes)})" if notes else "")
-            + (f", a pair split at rows {rows}" if rows and any(rows) else "")
+            + (f", a pair split at rows {rows}" if rows else "")
             + f", host {cold_split['host_gap_s'] * 1e6:.0f} µs between layers"
             + (f", the GPU reads the tier at {tier / 1e9:.0f} GB/s" if tier else ""))
 

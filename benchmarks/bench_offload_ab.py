@@ -248,9 +248,9 @@ def engine_figures(model: LoadedModel) -> dict:
     """What the offload engine did in the decode just timed (its statistics are reset after the warm-up): the hit
     rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied,
     placement's swaps (and, under adaptive placement, whether its judge paused them: swap_judge.py), the most slots a
-    layer left to copies, the layer split and the decode path in force (under "both", the CPU's share and the host's
-    measured work between layers: cold_split) and the CPU kernels' rate as the engine measured it (CpuRate: bytes a
-    second and a call's fixed seconds), so that a ratio can be read against its causes."""
+    layer left to copies, the layer split and the decode path in force (under "both", the CPU's share in each layer
+    and the host's measured work between layers: cold_split) and the CPU kernels' rate as the engine measured it
+    (CpuRate: bytes a second and a call's fixed seconds), so that a ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
     rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the "both" parts' under "both"

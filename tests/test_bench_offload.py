@@ -117,20 +117,29 @@ def test_timed_decode_waits_while_a_trial_times_its_ways_or_a_first_one_is_due()
     assert steps >= engine.path_trials.first_trial_steps
 
 
-def test_split_words_name_the_table_the_shift_where_not_zero_and_the_tiers_rate_where_measured():
+def test_split_words_name_every_layers_table_the_shift_where_not_zero_and_the_tiers_rate_where_measured():
     from benchmarks.bench_offload import split_words
 
-    state = {"cpu_takes": [0, 0, 1], "host_gap_s": 12e-6, "tier_read_bytes_per_s": None, "share": {"shift": 0}}
-    assert split_words(state) == ", CPU takes [0, 0, 1] of c cold, host 12 µs between layers"
+    table = {"layers": [0, 1], "cpu_takes": [0, 0, 1], "split_rows": None}
+    state = {"tables": [table], "host_gap_s": 12e-6, "tier_read_bytes_per_s": None, "share": {"shift": 0}}
+    assert split_words(state) == ", CPU takes [0, 0, 1] of c cold in layers 0-1, host 12 µs between layers"
     state.update(share={"shift": -1}, tier_read_bytes_per_s=39.4e9)
-    assert split_words(state) == (", CPU takes [0, 0, 1] of c cold (share trials' shift -1), host 12 µs between "
-                                  "layers, the GPU reads the tier at 39 GB/s")
+    assert split_words(state) == (", CPU takes [0, 0, 1] of c cold in layers 0-1 (share trials' shift -1), host 12 µs "
+                                  "between layers, the GPU reads the tier at 39 GB/s")
     state.update(slow_steps_left_out=2)
-    assert split_words(state).startswith(", CPU takes [0, 0, 1] of c cold (share trials' shift -1; 2 slow steps left "
-                                         "out of its rate), host 12 µs")
-    state.update(split_rows=[0, 0, 2688])  # a pair split by rows (kernels/cold_split.py)
-    assert ", a pair split at rows [0, 0, 2688], host 12 µs" in split_words(state)
-    assert split_words({**state, "split_rows": [0, 0, 0]}) == split_words({**state, "split_rows": None})
+    assert split_words(state).startswith(", CPU takes [0, 0, 1] of c cold in layers 0-1 (share trials' shift -1; 2 "
+                                         "slow steps left out of its rate), host 12 µs")
+    table.update(split_rows=[0, 0, 2688])  # a pair split by rows (kernels/cold_split.py)
+    assert ", a pair split at rows [0, 0, 2688] in layers 0-1, host 12 µs" in split_words(state)
+    with_rows = split_words(state)
+    table.update(split_rows=[0, 0, 0])
+    assert split_words(state) == with_rows.replace(", a pair split at rows [0, 0, 2688] in layers 0-1", "")
+    # layers of tables of their own: each distinct table with its layers
+    state["tables"] = [{"layers": [0, 2, 3], "cpu_takes": [0, 1, 1], "split_rows": [0, 0, 2688]},
+                       {"layers": [1], "cpu_takes": [0, 0, 1], "split_rows": None}]
+    assert split_words(state).startswith(
+        ", CPU takes [0, 1, 1] of c cold in layers 0, 2-3 and [0, 0, 1] in layer 1 (share trials' shift -1; 2 slow "
+        "steps left out of its rate), a pair split at rows [0, 0, 2688] in layers 0, 2-3, host 12 µs")
     assert split_words(None) == ""
 
 

@@ -492,7 +492,7 @@ def test_the_ab_writes_and_prints_which_fixed_tables_ran_with_no_trials_shift(tm
                     "--decode-tokens", "2", "--decode-warmup", "2", "--split-table", "0,1,1,2,2")
     printed = capsys.readouterr().out
     assert "shift" not in printed
-    assert printed.count('CPU takes [0, 1, 1, 2, 2] of c cold (fixed tables "split"') == 2  # A's and B's last rounds
+    assert printed.count('CPU takes [0, 1, 1, 2, 2] of c cold in layers 0-2 (fixed tables "split"') == 2  # A's, B's
     assert "tables fixed, layers 0-2: the CPU's pairs [0, 1, 1, 2, 2], a pair split at rows None; whole pairs " \
         "[0, 1, 1, 2, 2]\n" in printed
     result = config["per_fraction"]["0.50"]
@@ -537,6 +537,7 @@ def test_first_split_tables_are_each_layers_own(tmp_path, monkeypatch):
     300 µs in layer 1, the GPU's 100 µs in both): each layer decodes every round under the tables its own costs make,
     not layer 0's, and the tables written and printed are each layer's."""
     import benchmarks.bench_offload_ab as ab
+    from benchmarks.bench_offload import layer_words
     from engine.offload.planner import all_resident_bytes
     from kernels.cold_split import split_tables
 
@@ -564,3 +565,11 @@ def test_first_split_tables_are_each_layers_own(tmp_path, monkeypatch):
     lines = ab.tables_lines(details["tables"])
     assert [line.split(":")[0] for line in lines] == ["tables fixed, layer 0", "tables fixed, layer 1"]
     assert f"the CPU's pairs {made[1][0]}, a pair split at rows {made[1][1]}" in lines[1]
+    # each round's figures and its printed line give every layer's table, not layer 0's alone
+    assert all(r["cold_split"]["tables"] == [{"layers": [layer], "cpu_takes": share, "split_rows": rows}
+                                             for layer, (share, rows) in enumerate(made)] for r in details["A"])
+    words = ab.split_words(details["A"][-1]["cold_split"], "split")
+    assert words.startswith(f", CPU takes {made[0][0]} of c cold in layer 0 and {made[1][0]} in layer 1 (fixed "
+                            f"tables \"split\"")  # (then slow steps the CPU's rate left out, where any)
+    assert f"), a pair split at rows {made[0][1]} in layer 0 and {made[1][1]} in layer 1, host " in words
+    assert layer_words([0, 1, 2, 3, 5, 8, 9]) == "layers 0-3, 5, 8-9" and layer_words([4]) == "layer 4"

@@ -526,20 +526,34 @@ class OffloadEngine:
         return {"opening_tokens_left": max(tokens, default=0), "to_place": policy.to_place(),
                 "unchosen_slots": [policy.unchosen_slots(index) for index in range(len(self.slots))]}
 
+    def _layer_tables(self) -> list[dict]:
+        """Every device layer's split tables under "both", each distinct one once with the layers that use it, in the
+        order of their first layer: [{"layers": [0, 1, ...], "cpu_takes": [...], "split_rows": [...] or None}]
+        (layers of another expert size, or fixed tables of their own, differ from the first's)."""
+        found: dict[tuple, list[int]] = {}
+        for layer, store in enumerate(self.stores):
+            if store is not None:
+                take, rows = self._split_pair_tables(layer)
+                key = (tuple(take.tolist()), None if rows is None else tuple(rows.tolist()))
+                found.setdefault(key, []).append(layer)
+        return [{"layers": layers, "cpu_takes": list(take), "split_rows": None if rows is None else list(rows)}
+                for (take, rows), layers in found.items()]
+
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
-        table: cpu_takes[c] of c cold), the GPU's measured rate reading the tier (None until measured), the host's
-        measured work between two such layers (HostGap) and the share trials' state with the shift in force; the
-        CPU's rate the table comes from (split_cpu_rate) and the slow steps that rate left out (spike_gate); where a
-        pair may be split by rows and the row trials run (_row_trials_run), their state with whether the split is in
-        force. Under tables fixed (fix_split_tables): "fixed" true, and no share or rows (no trials ran)."""
+        table: cpu_takes[c] of c cold; every layer's, as distinct tables with their layers: "tables"), the GPU's
+        measured rate reading the tier (None until measured), the host's measured work between two such layers
+        (HostGap) and the share trials' state with the shift in force; the CPU's rate the table comes from
+        (split_cpu_rate) and the slow steps that rate left out (spike_gate); where a pair may be split by rows and
+        the row trials run (_row_trials_run), their state with whether the split is in force. Under tables fixed
+        (fix_split_tables): "fixed" true, and no share or rows (no trials ran)."""
         if not self.splits_cold:
             return None
         fixed = self.fixed_split_tables is not None
         layer = next((index for index, store in enumerate(self.stores) if store is not None), None)
         rows = None if layer is None else self.cold_split_rows(layer)
         return {"cpu_takes": None if layer is None else self.cold_split_table(layer).tolist(),
-                "split_rows": None if rows is None else rows.tolist(),
+                "split_rows": None if rows is None else rows.tolist(), "tables": self._layer_tables(),
                 "inter_size": None if layer is None else self.infos[layer].spec.inter_size,
                 "cpu_bytes_per_s": self.split_cpu_rate.value, "cpu_call_s": self.split_cpu_rate.fixed_s,
                 "tier_read_bytes_per_s": self.tier_read.value, "host_gap_s": self.host_gap.value,
