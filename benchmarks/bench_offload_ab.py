@@ -28,9 +28,9 @@ rate, misses, copies, swaps, slots left to copies, the split and the decode path
 result file beside the rates.
 
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
-"both" (a variant naming no path gets it; one naming another is refused) with fixed tables, where the engine would
-make them again from rates it measures, which move between rounds enough for a 1.18x between identical
-configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
+"both" (a variant naming no path gets it; one naming another, or where "both" is not in force, is refused) with
+fixed tables, where the engine would make them again from rates it measures, which move between rounds enough for a
+1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
 'first' makes two tables for each layer from the same costs, its own as measured in A's warm-up: one that may split
 a pair by rows, for a variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that
 an A/B of the split compares the split alone. The engine's trials of the CPU's share and of the split do not run
@@ -376,6 +376,11 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
                 if defaults is None:
                     defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
                 set_switches(model, {**defaults, **variant_switches[name]})
+                # "both" asked for may not be in force (cpu_execution=disabled: the tier; no host tier: the CPU),
+                # and its rounds would then time no fixed table
+                if table is not None and model.offload.decode_path_in_force != BOTH:
+                    raise SystemExit(f"--split-table: variant {name} decodes on the path "
+                                     f"{model.offload.decode_path_in_force}, not \"both\", where the fixed tables hold")
                 trial = first_trial_steps(model)
                 warm = max(warmup, trial + SETTLE_AFTER_TRIAL if trial else 0)
                 counted = decoder_counts(model)

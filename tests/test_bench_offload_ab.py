@@ -388,6 +388,31 @@ def test_a_fixed_split_table_holds_in_every_round_of_both_variants(tmp_path, mon
     assert model.offload.fixed_split_tables is None  # the engine's own tables again
 
 
+def test_a_fixed_split_table_refuses_a_variant_where_both_is_not_in_force(tmp_path, monkeypatch):
+    """Path "both" asked for under cpu_execution=disabled decodes on the tier (the CPU computes no expert): B's rounds
+    would time no fixed table, yet record that they ran one; the A/B is refused instead, in B's first round, and the
+    engine has its own tables back."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    decoded = []
+    monkeypatch.setattr(ab, "decode", lambda model, *args, **kwargs: (decoded.append(1), (1.0, []))[1])
+    model = LoadedModel.open(write_model(tmp_path / "m", SPEC), offload=OffloadConfig(device_expert_bytes=0),
+                             device=SimulatedDevice(1 << 30), decode_path="both")
+    with pytest.raises(SystemExit) as refused:
+        ab.paired_rounds(model, all_resident_bytes(model.folder.experts) // 2,
+                         {"A": {}, "B": {"cpu_execution": "disabled"}}, 2, [5, 6, 7], 2, warmup=2,
+                         paths={"A": "both", "B": "both"}, table=ab.split_table("0,1,1,2,2"))
+    assert str(refused.value) == '--split-table: variant B decodes on the path tier, not "both", where the fixed ' \
+        'tables hold'
+    assert len(decoded) == 1  # A's first round alone
+    assert model.offload.fixed_split_tables is None
+
+
 def split_model(tmp_path, monkeypatch, observe):
     """A two-layer model whose pairs can be split by rows (256 intermediate rows), on the simulated device under
     "both", with bench_offload_ab's decode replaced by greedy steps that call `observe(engine)` after each."""
