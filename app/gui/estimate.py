@@ -28,7 +28,8 @@ from engine.offload.host_cache import file_backing_refusal
 from engine.onnx_file import OnnxFile
 from engine.offload.staging import StagingPlan, plan_staging
 from engine.offload.streaming import plan_streaming
-from engine.offload.planner import AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError, plan_offload
+from engine.offload.planner import (AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError,
+                                    dense_cpu_words, plan_offload)
 from engine.units import counted, human_bytes
 from kernels.gpu.host_tier import TIER_GRANULE
 
@@ -431,8 +432,8 @@ def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, pl
     """Why the load would keep the dense part on the CPU once the offload plan took `planned` bytes of the device (its
     slots, staging and streaming slots), or None where it goes to the GPU: the load's own sums (ort_env.dense_arena),
     the arena that a model loaded earlier in this process registered on the device weighed as the load weighs it,
-    nothing registered. The load's device counts the card's free memory under gpu_device_mem_limit (CudaDevice): other
-    processes' memory is not within the limit."""
+    nothing registered, said as the offload mode says it (planner.dense_cpu_words). The load's device counts the card's
+    free memory under gpu_device_mem_limit (CudaDevice): other processes' memory is not within the limit."""
     if facts.dense_state_bytes is None:
         return None
     memory = card_memory(device.capacity, device.others_bytes, config.gpu_device_mem_limit)
@@ -440,7 +441,7 @@ def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, pl
         dense_arena(device.index, memory.limit, memory.ceiling - planned, facts.dense_state_bytes, facts.dense_bytes,
                     register=False)
     except DenseDoesNotFit as exc:
-        return str(exc)
+        return dense_cpu_words(str(exc), config.mode)
     return None
 
 

@@ -226,10 +226,11 @@ def _plan_beside_dense(config: OffloadConfig, experts: list[ExpertNodeInfo], dev
     return OffloadPlan("all_resident" if resident == total else "hybrid", need, slots, statements)
 
 
-def _disabled_dense_cpu(dense_cpu: str) -> str:
-    """Why the dense part runs on the CPU, as mode=disabled says it: the arena check's hint names the expert budgets,
-    which do not apply there (every expert goes beside the dense part); a larger limit or mode=auto frees the room."""
-    if not dense_cpu.endswith(ARENA_BUDGET_HINT):
+def dense_cpu_words(dense_cpu: str, mode: str) -> str:
+    """Why the dense part runs on the CPU, as offload `mode` says it: the arena check's hint names the expert budgets,
+    which do not apply under mode=disabled (every expert goes beside the dense part); there a larger limit or
+    mode=auto frees the room."""
+    if mode != "disabled" or not dense_cpu.endswith(ARENA_BUDGET_HINT):
         return dense_cpu
     return (dense_cpu.removesuffix(ARENA_BUDGET_HINT) + ": raise gpu_device_mem_limit, or use mode=auto, which keeps "
             "the experts that do not fit on the CPU")
@@ -284,9 +285,9 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
     if device is None or config.mode == "disabled":
         if config.mode == "required":
             raise OffloadPlanError("offload mode 'required' needs a GPU device (a simulated GPU or the CUDA GPU)")
-        why = ("offload is disabled, and the dense part runs on the CPU" + (f" ({_disabled_dense_cpu(dense_cpu)})"
-                                                                            if dense_cpu else "")
-               if config.mode == "disabled" else "no GPU device is in use")
+        dense = f" ({dense_cpu_words(dense_cpu, config.mode)})" if dense_cpu else ""
+        why = ("offload is disabled, and the dense part runs on the CPU" + dense if config.mode == "disabled"
+               else "no GPU device is in use")
         return OffloadPlan("cpu_only", 0, {info.name: 0 for info in experts},
                            [f"All experts run on the CPU: {why}."] + _exact_routing_statement(config))
     # Whether the GPU kernels run a node is decided here, the same on the CUDA and the simulated device
