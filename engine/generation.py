@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -20,6 +20,7 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
 from engine.offload.device_memory import DENSE_RESERVATION
+from engine.offload.planner import dense_cpu_words
 from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason, dense_goes_to
 from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, AnswerSplit, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
@@ -196,14 +197,19 @@ class LoadedModel:
 
     @property
     def dense_reason(self) -> str:
-        return self.dense.reason
+        """Why the dense part runs where it does, as the offload mode in force says it (a re-plan may change the mode;
+        the arena check's hint names expert budgets, which mode=disabled does not apply: planner.dense_cpu_words)."""
+        if self.offload is None:
+            return self.dense.reason
+        return dense_cpu_words(self.dense.reason, self.offload.config.mode)
 
     @property
     def dense_statement(self) -> str:
         """The "where everything landed" statement's sentences on the dense part."""
+        dense = replace(self.dense, reason=self.dense_reason)
         if not self.decoder.keeps_cut_tensors_on_device:
-            return self.dense.statement
-        return (self.dense.statement + " The expert layers take their inputs in GPU memory: a layer with every expert "
+            return dense.statement
+        return (dense.statement + " The expert layers take their inputs in GPU memory: a layer with every expert "
                 "resident routes and computes there and hands its result to the next dense layer without a round trip "
                 "to the host; in decode, a layer with cold experts adds the CPU's part to the GPU's there.")
 
