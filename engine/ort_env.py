@@ -25,7 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from engine.errors import WorkbenchError, error_reason
-from engine.offload.device_memory import ARENA_BUDGET_HINT
+from engine.offload.device_memory import ARENA_BUDGET_HINT, SHARED_ARENA_HINT
 from engine.units import human_bytes
 
 _ORT_TYPES = {
@@ -285,8 +285,7 @@ def shared_arena_cap(device_id: int, registered: int, arena: int, mem_limit: int
         f"onnxruntime's GPU arena on device {device_id} was registered at {human_bytes(registered)} by a model loaded "
         "earlier in this process, and onnxruntime keeps it at that size until the process ends; this model's "
         f"gpu_device_mem_limit={mem_limit} leaves it {human_bytes(arena)} after the expert slots, staging, state and "
-        f"dense weights, {human_bytes(registered - arena)} short (lower device_expert_bytes, or restart and load this "
-        "model first)")
+        f"dense weights, {human_bytes(registered - arena)} short" + SHARED_ARENA_HINT)
 
 
 def dense_arena(device_id: int, mem_limit: int, available: int, state_bytes: int, dense_weight_bytes: int,

@@ -222,6 +222,37 @@ def test_the_estimate_runs_every_expert_on_the_cpu_under_offload_disabled_where_
     assert device["free"] == 64 << 20
 
 
+def test_under_offload_disabled_the_estimate_says_what_lets_the_arena_registered_earlier_fit(gptoss, monkeypatch):
+    """mode=disabled, where a model loaded earlier in this process registered onnxruntime's GPU arena (stood in:
+    ort_env._shared_arenas) at more than gpu_device_mem_limit leaves it beside every expert: the reason the dense part
+    stays on the CPU said "lower device_expert_bytes", a budget mode=disabled does not apply, in both the plan's
+    sentence and the dense part's. Under mode=auto the arena check's own hint stays."""
+    from engine import ort_env
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    monkeypatch.setattr(ort_env, "_shared_arenas", {0: 200 << 20})
+    card = DeviceChoice("cuda", 1 << 30, name="test card")
+    config = OffloadConfig(mode="disabled", reserve_device_bytes=0, gpu_device_mem_limit=128 << 20)
+    est = estimate(gptoss, config, card)
+
+    def arena(left: str, short: str) -> str:
+        return ("onnxruntime's GPU arena on device 0 was registered at 200.0 MiB by a model loaded earlier in this "
+                "process, and onnxruntime keeps it at that size until the process ends; this model's "
+                f"gpu_device_mem_limit={128 << 20} leaves it {left} after the expert slots, staging, state and dense "
+                f"weights, {short} short")
+
+    at_load = (arena("125.3 MiB", "74.7 MiB") + ": raise gpu_device_mem_limit, or use mode=auto, which keeps the "
+               "experts that do not fit on the CPU, or restart and load this model first")
+    assert not est.error and est.plan.placement_mode == "cpu_only", est.statements
+    assert est.statements == [f"All experts run on the CPU: offload is disabled, and the dense part runs on the CPU "
+                              f"({at_load}).",
+                              f"Loaded with these settings, the dense part would stay on the CPU: {at_load}."]
+    auto = estimate(gptoss, config.updated(mode="auto"), card)
+    assert (f"Loaded with these settings, the dense part would stay on the CPU: {arena('124.8 MiB', '75.2 MiB')} "
+            "(lower device_expert_bytes, or restart and load this model first).") in auto.statements, auto.statements
+
+
 def test_the_budget_panel_says_before_a_load_when_the_arena_registered_earlier_keeps_the_dense_part_on_the_cpu(
         qtbot, gptoss, monkeypatch):
     """The CUDA GPU chosen with gpu_device_mem_limit, where a model loaded earlier in this process registered

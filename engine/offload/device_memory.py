@@ -11,9 +11,11 @@ from engine.errors import WorkbenchError
 # what the load counts against gpu_device_mem_limit for a dense part on the GPU (its caps, not what it allocated:
 # engine.generation.LoadedModel)
 DENSE_RESERVATION = "dense part (onnxruntime arena, dense weights, KV cache and state)"
-# how the arena check (ort_env.dense_arena_limit) ends where it keeps the dense part on the CPU: what frees its room
-# under the expert budgets; mode=disabled, where they do not apply, says its own (planner.plan_offload)
+# how the arena checks end where they keep the dense part on the CPU: what frees its room under the expert budgets
+# (ort_env.dense_arena_limit), or lets the arena an earlier model registered fit (ort_env.shared_arena_cap);
+# mode=disabled, where the budgets do not apply, says its own (planner.dense_cpu_words)
 ARENA_BUDGET_HINT = " (raise reserve_device_bytes or lower device_expert_bytes)"
+SHARED_ARENA_HINT = " (lower device_expert_bytes, or restart and load this model first)"
 
 
 class DeviceMemoryError(WorkbenchError):

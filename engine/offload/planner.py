@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from engine.errors import WorkbenchError
 from engine.expert_node import ExpertNodeInfo
 from engine.offload.config import OffloadConfig
-from engine.offload.device_memory import ARENA_BUDGET_HINT, DENSE_RESERVATION
+from engine.offload.device_memory import ARENA_BUDGET_HINT, DENSE_RESERVATION, SHARED_ARENA_HINT
 from engine.units import counted, human_bytes
 from kernels.gpu.host_tier import TIER_GRANULE
 
@@ -226,14 +226,21 @@ def _plan_beside_dense(config: OffloadConfig, experts: list[ExpertNodeInfo], dev
     return OffloadPlan("all_resident" if resident == total else "hybrid", need, slots, statements)
 
 
+# what mode=disabled says in place of the arena checks' hints, which name the expert budgets
+_DISABLED_ROOM = "raise gpu_device_mem_limit, or use mode=auto, which keeps the experts that do not fit on the CPU"
+_DISABLED_HINTS = {ARENA_BUDGET_HINT: f": {_DISABLED_ROOM}",
+                   SHARED_ARENA_HINT: f": {_DISABLED_ROOM}, or restart and load this model first"}
+
+
 def dense_cpu_words(dense_cpu: str, mode: str) -> str:
-    """Why the dense part runs on the CPU, as offload `mode` says it: the arena check's hint names the expert budgets,
+    """Why the dense part runs on the CPU, as offload `mode` says it: the arena checks' hints name the expert budgets,
     which do not apply under mode=disabled (every expert goes beside the dense part); there a larger limit or
     mode=auto frees the room."""
-    if mode != "disabled" or not dense_cpu.endswith(ARENA_BUDGET_HINT):
-        return dense_cpu
-    return (dense_cpu.removesuffix(ARENA_BUDGET_HINT) + ": raise gpu_device_mem_limit, or use mode=auto, which keeps "
-            "the experts that do not fit on the CPU")
+    if mode == "disabled":
+        for hint, disabled in _DISABLED_HINTS.items():
+            if dense_cpu.endswith(hint):
+                return dense_cpu.removesuffix(hint) + disabled
+    return dense_cpu
 
 
 def _exact_routing_statement(config: OffloadConfig) -> list[str]:
