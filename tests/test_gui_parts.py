@@ -2020,6 +2020,15 @@ def test_an_estimate_whose_parts_overfill_the_card_says_so_with_the_numbers(gpto
         "Together these need 2.7 MiB of the test card, more than the 2.5 MiB it has for this model: the dense part and "
         "its KV cache at 2048 tokens would not fit beside the experts (a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
         "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit).")
+    # mode=disabled applies no expert budget (every expert goes beside the dense part): device_expert_bytes not said
+    disabled = estimate(gptoss, OffloadConfig(mode="disabled", reserve_device_bytes=0),
+                        DeviceChoice("cuda", 2 << 20, name="test card"))
+    assert not disabled.error and disabled.plan.placement_mode == "all_resident", disabled.statements
+    assert disabled.statements[-1] == (
+        "Together these need 2.2 MiB of the test card, more than the 2.0 MiB it has for this model: the dense part and "
+        "its KV cache at 2048 tokens would not fit beside the experts (a larger reserve_device_bytes leaves them room, "
+        "and mode=auto keeps the experts that do not fit beside it on the CPU; gpu_device_mem_limit makes the load "
+        "keep the dense part, and every expert with it, on the CPU where it does not fit).")
     roomy = estimate(gptoss, OffloadConfig(), DeviceChoice("cuda", 3 << 20, name="test card"))
     assert not any(s.startswith("Together these need") for s in roomy.statements)
 

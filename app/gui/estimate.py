@@ -395,11 +395,16 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             statements.append(f"The dense part would run on the CPU: {dense_cpu}.")
         need = sum(p.bytes for p in device_parts if p.key in ("experts", "dense", "kv", "workspace"))
         if need > ceiling and not error:  # nothing checks it without gpu_device_mem_limit: the load goes ahead
+            # (mode=disabled applies no expert budget: every expert goes beside the dense part, or with it to the CPU)
+            room = ("a larger reserve_device_bytes leaves them room, and mode=auto keeps the experts that do not fit "
+                    "beside it on the CPU; gpu_device_mem_limit makes the load keep the dense part, and every expert "
+                    "with it, on the CPU where it does not fit" if config.mode == "disabled" else
+                    "a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
+                    "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit")
             statements.append(
                 f"Together these need {human_bytes(need)} of the {device.label}, more than the {human_bytes(ceiling)} "
                 f"it has for this model: the dense part and its KV cache at {facts.kv_words(kv_tokens)} would not fit "
-                "beside the experts (a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
-                "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit).")
+                f"beside the experts ({room}).")
     mapped = host_parts[1].bytes  # the experts' pages the OS keeps for the mapped file (experts_in_host_memory)
     if config.allow_file_backing and mapped > host_available and not error:
         statements.append(f"The experts' {human_bytes(mapped)} in host memory are more than the "
