@@ -887,6 +887,31 @@ def test_a_runs_detail_and_a_comparison_give_the_decode_path_its_cold_experts_to
     assert "decode path" not in plain(detail_html(greedy))  # all on the CPU: no cold experts' path
 
 
+NO_CUPY = "the CUDA GPU needs CuPy (install with `make install` on a machine with an NVIDIA driver)"
+CUDA_UNUSABLE = f"The CUDA GPU was asked for but cannot be used ({NO_CUPY}); every expert runs on the CPU instead."
+BUSY = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) is/are "
+        "busy or unavailable)")
+
+
+def test_a_comparison_says_when_one_of_two_runs_on_the_cpu_asked_for_the_cuda_gpu(greedy):
+    """A run whose CUDA GPU could not be used ran every expert on the CPU, and its record says why
+    (offload["device_fallback"]): compared with a run that chose the CPU, both read "cpu" and the comparison said
+    nothing of it, as like for like. It says why each ran on the CPU where they differ in it: the reason the note
+    gives, which the note's 200 characters and more, cut to a cell's 160, would lose."""
+    data = greedy.to_dict()
+    fell_back = RunRecord.from_dict(dict(data, offload=dict(data["offload"], device_fallback=CUDA_UNUSABLE)))
+    text = plain(compare_html(greedy, fell_back))
+    assert "these runs differ in why on the CPU," in text
+    assert f" why on the CPU none recorded {NO_CUPY} " in text
+    assert "Not like for like" not in plain(compare_html(fell_back, fell_back))
+    busy = CUDA_UNUSABLE.replace(NO_CUPY, BUSY)
+    other = RunRecord.from_dict(dict(data, offload=dict(data["offload"], device_fallback=busy)))
+    assert f" why on the CPU {NO_CUPY} {BUSY} " in plain(compare_html(fell_back, other))
+    on_card = RunRecord.from_dict(dict(data, offload=dict(data["offload"], device="simulated GPU, 1.0 GiB")))
+    text = plain(compare_html(fell_back, on_card))  # the device differs already: a run on the card has no reason
+    assert " device cpu simulated GPU, 1.0 GiB " in text and "why on the CPU" not in text.split("metric")[0]
+
+
 def test_a_record_keeps_which_popularity_file_placed_its_experts_and_a_comparison_tells_an_edited_one(tmp_path):
     """A record kept the popularity file's path alone: two static-placement runs of the same path, the file edited
     between them, read as like for like and exported alike, with nothing left to tell which counts placed the

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine.records.environment import cuda_version_text
 from engine.records.scenarios import device_parts_text
-from engine.records.schema import RunRecord, decode_path_run
+from engine.records.schema import RunRecord, decode_path_run, fallback_reason
 from engine.sampling import SamplingParams, describe
 from engine.units import human_bytes
 
@@ -291,6 +291,16 @@ def _machine(record: RunRecord) -> str:
     return f"{machine.get('cpu', '?')} ({machine.get('cores', '?')} cores)" + (f", {gpus}" if gpus else "")
 
 
+def _why_on_the_cpu(record: RunRecord) -> str | None:
+    """Why the CUDA GPU a run on the CPU asked for could not be used (its note's reason: the whole note would be cut
+    in a comparison's cell); "none recorded" where it chose the CPU (or its record is older than the field); None for
+    a run on a device."""
+    if record.offload.get("device", "cpu") != "cpu":
+        return None
+    note = record.offload.get("device_fallback")
+    return fallback_reason(note) if note else "none recorded"
+
+
 # what two runs may differ in besides their offload entries, each of which makes their numbers unlike: (what, get);
 # a fact one of them lacks (layer split and decode path on the CPU, where the device already differs) is left out
 RUN_FACTS = (
@@ -299,6 +309,8 @@ RUN_FACTS = (
     ("model", lambda r: r.model.get("folder")),
     ("model file (model.onnx's SHA-256)", lambda r: r.model.get("onnx_sha256")),
     ("device", lambda r: r.offload.get("device", "cpu")),
+    # two runs on the CPU, one of which asked for a CUDA GPU it could not have: the device alone reads alike
+    ("why on the CPU", _why_on_the_cpu),
     # (the same entries, an automatic budget, hold fewer where the device had less free: side-by-side's B beside A)
     ("expert slots on the device", _slots),
     ("popularity file (SHA-256)", lambda r: r.offload.get("popularity_sha256")),

@@ -23,6 +23,7 @@ from engine.offload.cuda_step import (HostCopies, MergeBufferPool, RoutedBuffers
 from engine.offload.host_copy import take_rows
 from engine.offload.host_register import HostRegistration, mapping_regions
 from engine.offload.staging import PinnedRing
+from engine.records.schema import FALLBACK_NOTE
 from kernels.gpu.published import PublishTimeout
 
 ALIGN = 256  # byte alignment of every array placed in the pinned ring
@@ -165,7 +166,7 @@ def cuda_device_or_cpu(mem_limit: int, mode: str, report=None, kernels: bool = T
     except WorkbenchError as exc:
         if mode == "required":
             raise
-        return None, f"The CUDA GPU was asked for but cannot be used ({exc}); every expert runs on the CPU instead."
+        return None, FALLBACK_NOTE.format(exc)
 
 
 # GPU index -> why its GPU expert kernels were refused in this process (ensure_kernels): the same source, NVRTC and

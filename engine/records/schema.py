@@ -19,6 +19,19 @@ def decode_path_run(offload: dict) -> str | None:
     return (offload.get("decode_path") or {}).get("in_force")
 
 
+# the note a run that asked for the CUDA GPU and could not have it keeps (offload["device_fallback"]), its reason inside
+# (cuda_device.cuda_device_or_cpu writes it)
+FALLBACK_NOTE = "The CUDA GPU was asked for but cannot be used ({}); every expert runs on the CPU instead."
+_FALLBACK_HEAD, _FALLBACK_TAIL = FALLBACK_NOTE.split("{}")
+
+
+def fallback_reason(note: str) -> str:
+    """Why the CUDA GPU could not be used, from a FALLBACK_NOTE (the whole note where it is worded otherwise)."""
+    if note.startswith(_FALLBACK_HEAD) and note.endswith(_FALLBACK_TAIL):
+        return note[len(_FALLBACK_HEAD):-len(_FALLBACK_TAIL)]
+    return note
+
+
 class RecordError(ValueError):
     pass
 
