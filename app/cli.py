@@ -1093,7 +1093,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
 
 
 def _cmd_history(args) -> int:
-    from engine.records.history import History
+    from engine.records.history import History, device_text
     from engine.records.scenarios import SCENARIOS
     from engine.records.side_by_side import SCENARIO, SCENARIO_AT_ONCE
 
@@ -1119,7 +1119,7 @@ def _cmd_history(args) -> int:
     for row in rows:
         label = " ".join((row["label"] or "-").splitlines())  # a label of two lines (given so) on its run's line
         print(f"{row['id']:>5}  {row['created']}  {row['scenario']:<9}  {label:<14}  "
-              f"{row['device'] or 'cpu':<28}  budget {_budget_text(row['budget'], row['device'])}  "
+              f"{device_text(row):<28}  budget {_budget_text(row['budget'], row['device'])}  "
               f"completion {seconds_figures(row['completion_s'])} s{_projected_completion(row)}  "
               f"{_tokens_text(row['generated_tokens'])}  "
               + (f"(approximate routing{_agreement_note(row['routing_agreement'], row['generated_tokens'])})  "

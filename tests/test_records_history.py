@@ -143,8 +143,8 @@ def test_a_history_file_keeps_its_own_schema_version(tmp_path, greedy):
 
     history = History(tmp_path / "h.sqlite3")
     history.add(greedy)
-    assert HISTORY_VERSION == 3 and user_version(history.path) == 3
-    assert History(history.path).get(1) == greedy and user_version(history.path) == 3
+    assert HISTORY_VERSION == 4 and user_version(history.path) == 4
+    assert History(history.path).get(1) == greedy and user_version(history.path) == 4
 
 
 def test_an_older_history_is_brought_forward_with_every_run(tmp_path, greedy):
@@ -153,7 +153,7 @@ def test_an_older_history_is_brought_forward_with_every_run(tmp_path, greedy):
     path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(older(greedy).to_dict()), '{"schema_version": 2'])
     assert user_version(path) == 0
     history = History(path, create=False)
-    assert user_version(path) == 3
+    assert user_version(path) == 4
     rows = history.rows()
     assert [(row["id"], row["label"]) for row in rows] == [(2, "old 1"), (1, "old 0")]  # every run, damaged one too
     assert rows[1]["generated_tokens"] == 3 and rows[1]["turns"] == 1 and rows[1]["max_new_tokens"] is None
@@ -174,14 +174,14 @@ def test_a_newer_history_or_another_programs_database_is_refused_in_one_line_and
 
     newer = legacy_history(tmp_path / "newer.sqlite3", [])
     with sqlite3.connect(newer) as db:
-        db.execute("PRAGMA user_version = 4")
+        db.execute("PRAGMA user_version = 5")
     before = newer.read_bytes()
-    with pytest.raises(WorkbenchError, match=r"newer.sqlite3: a run history of version 4, newer than this app reads "
-                                             r"\(3\): open it with a newer moe-workbench, or name another file$"):
+    with pytest.raises(WorkbenchError, match=r"newer.sqlite3: a run history of version 5, newer than this app reads "
+                                             r"\(4\): open it with a newer moe-workbench, or name another file$"):
         History(newer)
     assert main(["history", "--history", str(newer)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"moe-workbench: error: {newer}: a run history of version 4")
+    assert err.count("\n") == 1 and err.startswith(f"moe-workbench: error: {newer}: a run history of version 5")
     assert newer.read_bytes() == before
 
     other = tmp_path / "notes.db"
@@ -268,7 +268,7 @@ def test_a_version_2_history_is_brought_forward_with_the_versions_filled_from_it
             db.execute(f"ALTER TABLE runs DROP COLUMN {column}")
         db.execute("PRAGMA user_version = 2")
     row = History(path, create=False).rows()[0]
-    assert user_version(path) == 3
+    assert user_version(path) == 4
     assert (row["numba_version"], row["cuda_runtime_version"], row["gpu_driver"]) == ("0.61.2", "12.8", None)
 
 
@@ -424,7 +424,7 @@ def test_an_older_history_that_cannot_be_written_says_so_not_that_it_is_no_histo
 
     path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(greedy.to_dict())])
     monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
-    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 3, which it needs to be read "
+    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 4, which it needs to be read "
                                              r"\(attempt to write a readonly database\)$"):
         History(path, create=False)
     monkeypatch.undo()
@@ -910,6 +910,50 @@ def test_a_comparison_says_when_one_of_two_runs_on_the_cpu_asked_for_the_cuda_gp
     on_card = RunRecord.from_dict(dict(data, offload=dict(data["offload"], device="simulated GPU, 1.0 GiB")))
     text = plain(compare_html(fell_back, on_card))  # the device differs already: a run on the card has no reason
     assert " device cpu simulated GPU, 1.0 GiB " in text and "why on the CPU" not in text.split("metric")[0]
+
+
+def test_the_history_list_and_the_windows_table_say_a_run_could_not_have_the_cuda_gpu_it_asked_for(qtbot, tmp_path,
+                                                                                                     capsys, greedy):
+    """A run that asked for the CUDA GPU and could not have it read "cpu" in `history`'s list and the window's table,
+    as a run that chose the CPU, its reason only in its record. Both say "cpu (CUDA GPU unusable)"; the table's cell
+    gives the reason whole in its tooltip, the exports in a column of their own."""
+    import csv
+    import io
+
+    pytest.importorskip("pytestqt")
+    from app.cli import main
+    from app.gui.history_view import HEADERS, HistoryView
+    from engine.records.history import History
+
+    history = History(tmp_path / "h.sqlite3")
+    history.add(greedy)
+    fell_back = dict(greedy.to_dict(), offload=dict(greedy.offload, device_fallback=CUDA_UNUSABLE))
+    history.add(RunRecord.from_dict(fell_back))
+    assert main(["history", "--history", str(history.path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f" {'cpu (CUDA GPU unusable)':<28}  budget - " in lines[0] and f" {'cpu':<28}  budget - " in lines[1]
+    view = HistoryView(history.path)
+    qtbot.addWidget(view)
+    cells = [view.table.item(row, HEADERS.index("device")) for row in (0, 1)]
+    assert [cell.text() for cell in cells] == ["cpu (CUDA GPU unusable)", "cpu"]
+    assert [cell.toolTip() for cell in cells] == [CUDA_UNUSABLE, ""]
+    rows = list(csv.DictReader(io.StringIO(history.export("csv"))))
+    assert [row["device_fallback"] for row in rows] == [CUDA_UNUSABLE, ""]
+
+
+def test_a_version_3_history_is_brought_forward_with_why_its_runs_ran_on_the_cpu(tmp_path, greedy):
+    import sqlite3
+
+    from engine.records.history import History
+
+    path = tmp_path / "h.sqlite3"
+    History(path).add(RunRecord.from_dict(dict(greedy.to_dict(), offload=dict(greedy.offload,
+                                                                               device_fallback=CUDA_UNUSABLE))))
+    with sqlite3.connect(path) as db:  # as version 3 wrote it: without the column version 4 added
+        db.execute("ALTER TABLE runs DROP COLUMN device_fallback")
+        db.execute("PRAGMA user_version = 3")
+    assert History(path, create=False).rows()[0]["device_fallback"] == CUDA_UNUSABLE
+    assert user_version(path) == 4
 
 
 def test_a_record_keeps_which_popularity_file_placed_its_experts_and_a_comparison_tells_an_edited_one(tmp_path):

@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QDialog, QDialogBut
 
 from app.gui.record_report import compare_html, detail_html, fmt, title
 from engine.errors import not_written, one_line
-from engine.records.history import History, default_path
+from engine.records.history import History, default_path, device_text
 from engine.records.schema import RecordError
 from engine.records.scenarios import SCENARIOS
 from engine.records.side_by_side import SCENARIO as SIDE_BY_SIDE, SCENARIO_AT_ONCE as SIDE_BY_SIDE_AT_ONCE
@@ -22,6 +22,7 @@ from engine.units import counted
 HEADERS = ("id", "created", "scenario", "label", "model", "device", "budget", "routing", "load", "first token",
            "decode", "completion", "tokens", "device peak", "RSS peak")
 FIRST_NUMBER = HEADERS.index("load")  # the columns from here on are numbers, right-aligned
+DEVICE = HEADERS.index("device")
 EXPORTS = {"json": "JSON (*.json)", "csv": "CSV (*.csv)", "markdown": "Markdown (*.md)"}
 SUFFIX = {"json": ".json", "csv": ".csv", "markdown": ".md"}
 
@@ -52,7 +53,7 @@ def _local_time(created: str | None) -> str:
 
 def _cells(row: dict) -> list[str]:
     return [str(row["id"]), _local_time(row["created"]), row["scenario"] or "",
-            row["label"] or "", Path(row["model"] or "").name, row["device"] or "cpu", _budget(row), _routing(row),
+            row["label"] or "", Path(row["model"] or "").name, device_text(row), _budget(row), _routing(row),
             fmt(row["load_s"], "s"), fmt(row["ttft_s"], "s"), fmt(row["decode_tokens_per_s"], "tok/s"),
             fmt(row["completion_s"], "s"), fmt(row["generated_tokens"], "n"), fmt(row["peak_device_bytes"], "bytes"),
             fmt(row["peak_rss_bytes"], "bytes")]
@@ -163,6 +164,8 @@ class HistoryView(QWidget):
                 item.setData(Qt.ItemDataRole.UserRole, row["id"])
                 if c >= FIRST_NUMBER:
                     item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+                elif c == DEVICE and row["device_fallback"]:  # the short form's reason whole (the run's detail too)
+                    item.setToolTip(row["device_fallback"])
                 self.table.setItem(r, c, item)
         for r, row in enumerate(rows):
             if row["id"] in selected:

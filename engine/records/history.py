@@ -21,8 +21,8 @@ from engine.records.schema import ALL_RESIDENT, NewerRecord, RecordError, RunRec
 # the history file's own schema, kept as SQLite's user_version: 1 (files written before it was kept read 0), the runs
 # table with the summary columns alone; 2, with the columns of EXTRA besides, to compare runs in a spreadsheet; 3, with
 # the versions of NumPy, Numba, CuPy, CUDA and the GPU driver and the popularity file's SHA-256 besides (the numbers
-# depend on them)
-HISTORY_VERSION = 3
+# depend on them); 4, with why a run on the CPU ran there where it asked for the CUDA GPU (device_fallback) besides
+HISTORY_VERSION = 4
 SUMMARY = ("id", "created", "scenario", "label", "model", "device", "budget", "load_s", "ttft_s",
            "decode_tokens_per_s", "completion_s", "peak_device_bytes", "peak_rss_bytes")
 
@@ -82,6 +82,8 @@ EXTRA = (
     ("bytes_moved", "INTEGER", lambda r: r.bytes_moved),
     ("expert_hit_rate", "REAL", _hit_rate),
     ("placement_mode", "TEXT", lambda r: r.offload.get("placement_mode") or "cpu_only"),
+    # the note why the CUDA GPU the run asked for could not be used (None where it had it, or chose the CPU)
+    ("device_fallback", "TEXT", lambda r: r.offload.get("device_fallback")),
     ("dense_device", "TEXT", lambda r: (r.offload.get("dense") or {}).get("device")),
     ("layer_split", "TEXT", _layer_split),
     ("decode_path", "TEXT", lambda r: decode_path_run(r.offload)),
@@ -117,6 +119,13 @@ def summary(record: RunRecord) -> dict:
            "decode_tokens_per_s": t.get("decode_tokens_per_s"), "completion_s": t.get("completion_s"),
            "peak_device_bytes": p.get("device_bytes"), "peak_rss_bytes": p.get("rss_bytes")}
     return row | {name: get(record) for name, _type, get in EXTRA}
+
+
+def device_text(row: dict) -> str:
+    """A row's device as the lists give it: a run that asked for the CUDA GPU and could not have it says so beside
+    "cpu" (its record's detail and the exports give the reason whole)."""
+    device = row["device"] or "cpu"
+    return f"{device} (CUDA GPU unusable)" if row["device_fallback"] else device
 
 
 def default_path() -> Path:
