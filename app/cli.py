@@ -852,7 +852,7 @@ def _cmd_record(args) -> int:
                   f"peak RSS {human_bytes(record.peaks['rss_bytes'])} "
                   f"({human_bytes(record.peaks['rss_start_bytes'])} at the start); CPU time taken by other processes "
                   f"{record.host_load['host_others_share']:.0%}, by the VM's host "
-                  f"{record.host_load['host_steal_share']:.0%}" + _device_note(record, device)
+                  f"{record.host_load['host_steal_share']:.0%}" + _fallback_note(record) + _device_note(record, device)
                   + _agreement_note(record.routing_agreement, record.generated_tokens))
     if args.json:
         print(json.dumps(records, indent=2))
@@ -873,6 +873,17 @@ def _record_stopped(exc: BaseException, scenario: str, records: list[dict], as_j
     users = _users_error(exc)
     print(f"{PROG}: {'error' if users else 'internal error'}: {scenario}: {one_line(exc)}; {kept}", file=sys.stderr)
     return 2 if users else 3
+
+
+def _fallback_note(record) -> str:
+    """'; every expert ran on the CPU: the CUDA GPU asked for could not be used (REASON)' for a run whose CUDA GPU
+    could not be used (its record's device_fallback: the line's "cpu" is not a choice), else ''."""
+    from engine.records.schema import fallback_reason
+
+    note = record.offload.get("device_fallback")
+    if not note:
+        return ""
+    return f"; every expert ran on the CPU: the CUDA GPU asked for could not be used ({fallback_reason(note)})"
 
 
 def _device_note(record, device) -> str:

@@ -1690,6 +1690,25 @@ def test_record_says_in_each_record_why_it_ran_on_the_cpu_where_the_cuda_gpu_can
     assert status == 0 and "device_fallback" not in json.loads(out)[0]["offload"]
 
 
+def test_records_line_says_why_it_ran_on_the_cpu_where_the_cuda_gpu_cannot_be_used(capsys, monkeypatch, tmp_path):
+    """record's line for a run whose CUDA GPU could not be used read as a run that chose the CPU: the reason was in
+    the warning on standard error alone, apart from the result a script reads. The line says it too."""
+    from engine.offload import cuda_device
+
+    busy = ("CUDA device 0 cannot be opened (CUDARuntimeError: cudaErrorDevicesUnavailable: CUDA-capable device(s) "
+            "is/are busy or unavailable)")
+    note = f"The CUDA GPU was asked for but cannot be used ({busy}); every expert runs on the CPU instead."
+    monkeypatch.setattr(cuda_device, "cuda_device_or_cpu", lambda mem_limit, mode, report, kernels=True: (None, note))
+    history = str(tmp_path / "h.sqlite")
+    status, out, _err = _main(capsys, "record", str(fixture_folder("gptoss")), "--device", "cuda", "--max-new-tokens",
+                              "1", "--history", history)
+    assert status == 0 and out.startswith("short: run 1: ")
+    assert out.endswith(f"; every expert ran on the CPU: the CUDA GPU asked for could not be used ({busy})\n")
+    status, out, _err = _main(capsys, "record", str(fixture_folder("gptoss")), "--max-new-tokens", "1", "--history",
+                              history)  # the CPU chosen: nothing to say
+    assert status == 0 and "CUDA" not in out
+
+
 def test_the_gpu_kernels_compiling_at_a_load_is_said_on_standard_error(capsys, monkeypatch):
     """A first generate on a GPU without a prebuilt cubin waited 1-2 minutes on NVRTC compiling the expert kernels with
     nothing printed. The device's report (CudaDevice.ensure_kernels) is a line on standard error as it comes. A simulated
