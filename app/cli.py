@@ -1067,6 +1067,13 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
     def cell_rate(tokens_per_s: float | None) -> str:  # the heading says the unit
         return decode_rate(tokens_per_s, unit="", none="n/a")
 
+    # the budget's share of every expert's bytes, and the share of the experts resident as the point's runs ended,
+    # which may be less (a layer holds whole experts; on whole layers the budget past those it fills is not used)
+    shares_head = f"{'budget share':>12}  {'resident':>8}"
+
+    def shares(row: dict) -> str:
+        return f"{row['fraction']:>12.0%}  {row['resident_share']:>8.0%}"
+
     def peaks(row: dict) -> str:  # in the unit that fits: a small model's points differ by KiB
         return f"{human_bytes(row['peak_device_bytes']):>11}  {human_bytes(row['peak_rss_bytes']):>10}"
 
@@ -1081,18 +1088,18 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
         bw = rows[0]["projected_bandwidths"]
         print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
               f"HBM {bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed); the recommendation uses the projected completion")
-        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>12}  {'completion':>10}  {'projected':>10}  "
+        print(f"{'budget':>12}  {shares_head}{split_head}  {'path':>12}  {'completion':>10}  {'projected':>10}  "
               f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>10}{agreement_head}")
         for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
-            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
+            print(f"{p['budget_bytes']:>12}  {shares(p)}{split}  {path:>12}  "
                   f"{seconds_figures(p['completion_s']):>9}s  {seconds_figures(p['projected_completion_s']):>9}s  "
                   f"{cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{agreement}{mark}")
     elif rows:
-        print(f"{'budget':>12}  {'resident':>8}{split_head}  {'path':>12}  {'completion':>10}  {'decode tok/s':>12}  "
+        print(f"{'budget':>12}  {shares_head}{split_head}  {'path':>12}  {'completion':>10}  {'decode tok/s':>12}  "
               f"{'device peak':>11}  {'RSS peak':>10}{agreement_head}")
         for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
-            print(f"{p['budget_bytes']:>12}  {p['fraction']:>8.0%}{split}  {path:>12}  "
+            print(f"{p['budget_bytes']:>12}  {shares(p)}{split}  {path:>12}  "
                   f"{seconds_figures(p['completion_s']):>9}s  {cell_rate(p['decode_tokens_per_s']):>12}  "
                   f"{peaks(p)}{agreement}{mark}")
     if not args.json:  # on standard error: the rows stay the table a script reads

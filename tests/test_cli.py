@@ -1390,8 +1390,8 @@ def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     assert status == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.strip().startswith("budget"))
-    assert _columns(header)[:3] == ["budget", "resident", "path"]
-    paths = {_columns(line)[1]: _columns(line)[2] for line in lines[lines.index(header) + 1:]}
+    assert _columns(header)[:4] == ["budget", "budget share", "resident", "path"]
+    paths = {_columns(line)[2]: _columns(line)[3] for line in lines[lines.index(header) + 1:]}
     assert paths == {"0%": "tier", "50%": "tier", "100%": "all resident"}
 
 
@@ -1434,7 +1434,7 @@ def test_a_sweeps_table_ends_with_the_rule_its_recommendation_followed(tmp_path,
     assert status == 0
     marked = next(line for line in out.splitlines() if line.endswith("<- recommended"))
     rule = err.splitlines()[-1]
-    peak = re.escape(_columns(marked)[7])  # the row's device peak (after the projected decode rate)
+    peak = re.escape(_columns(marked)[8])  # the row's device peak (after the projected decode rate)
     prefix = (rf"recommended: {_columns(marked)[0]} bytes \({_columns(marked)[1]}\), the least device peak \({peak}\) "
               r"of the points whose projected completion time is within 25% of the fastest or ties with it: ")
     spreads = (r"they differ by less than their spreads between repeats \(±[\d.e-]+ s and ±[\d.e-]+ s\), and it "
@@ -1462,8 +1462,8 @@ def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tm
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 0
     rows = [line for line in out.splitlines()[2:]]
-    assert [_columns(row)[7] for row in rows] == ["552.0 KiB", "828.0 KiB", "1.1 MiB"]
-    assert all(_columns(row)[8].endswith(" MiB") for row in rows)  # the RSS peak, hundreds of MiB
+    assert [_columns(row)[8] for row in rows] == ["552.0 KiB", "828.0 KiB", "1.1 MiB"]
+    assert all(_columns(row)[9].endswith(" MiB") for row in rows)  # the RSS peak, hundreds of MiB
 
 
 def test_a_sweeps_table_and_records_line_give_a_small_models_completion_times_in_figures_that_tell_them_apart(
@@ -1481,10 +1481,10 @@ def test_a_sweeps_table_and_records_line_give_a_small_models_completion_times_in
     assert status == 0
     rows = [_columns(line) for line in out.splitlines()[2:]]
     records = [History(tmp_path / "h.sqlite").get(run_id) for run_id in (1, 2)]  # a point's one run: its times
-    assert [(row[3], row[4]) for row in rows] == [
+    assert [(row[4], row[5]) for row in rows] == [
         (f"{seconds_figures(r.timings['completion_s'])}s",
          f"{seconds_figures(r.timings['projected']['completion_s'])}s") for r in records]
-    assert all(float(row[3][:-1]) > 0 and float(row[4][:-1]) > 0 for row in rows)
+    assert all(float(row[4][:-1]) > 0 and float(row[5][:-1]) > 0 for row in rows)
     status, out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--max-new-tokens", "2", "--history",
                              str(tmp_path / "h.sqlite"))
     assert re.search(r"completion 0\.\d{3,} s", out) and "completion 0.00 s" not in out, out
@@ -1534,6 +1534,28 @@ def test_a_sweep_says_which_layer_split_each_point_ran_on(tmp_path, capsys):
     assert status == 0 and "; 75% whole: expert slots 276.0 KiB + prefill staging ring" in err
 
 
+def test_a_sweeps_resident_column_gives_the_share_of_experts_resident_not_the_budgets(tmp_path, capsys):
+    """The "resident" column gave the budget's share of every expert's bytes: on whole layers a budget holds only the
+    layers it fills whole (at 25% none, at 75% one of two), and spread over the layers each takes the whole experts
+    that fit (at 67% of two 8-expert layers, 5 each). It gives the share of the experts resident as the point's runs
+    ended, beside the budget's share, labelled so (JSON: resident_share beside fraction)."""
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--max-new-tokens", "2", "--repeats", "1",
+            "--history", str(tmp_path / "h.sqlite"))
+    status, out, _err = _main(capsys, *args, "--points", "5", "--layer-split", "whole", "--decode-path", "cpu")
+    assert status == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if line.strip().startswith("budget"))
+    assert _columns(header)[:3] == ["budget", "budget share", "resident"]
+    assert [tuple(_columns(line)[1:3]) for line in lines[lines.index(header) + 1:]] == [
+        ("0%", "0%"), ("25%", "0%"), ("50%", "50%"), ("75%", "50%"), ("100%", "100%")]
+    # (the host tier's path: no slot left to copied misses, which hold an expert only once a miss is copied)
+    status, out, _err = _main(capsys, *args, "--points", "4", "--layer-split", "spread", "--decode-path", "tier",
+                              "--json")
+    assert status == 0
+    assert [(round(p["fraction"], 3), p["resident_share"]) for p in json.loads(out)["points"]] == [
+        (0.0, 0.0), (0.333, 5 / 16), (0.667, 10 / 16), (1.0, 1.0)]
+
+
 def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
     """With --max-new-tokens 1 no answer decodes past its first token: the table read "0.0" tok/s (and projected
     "0.0") as if decoding had stalled, where record says n/a."""
@@ -1541,7 +1563,7 @@ def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
                               "--max-new-tokens", "1", "--history", str(tmp_path / "h.sqlite"))
     assert status == 0
     rows = out.splitlines()[2:]
-    assert len(rows) == 2 and all(_columns(row)[5:7] == ["n/a", "n/a"] for row in rows)
+    assert len(rows) == 2 and all(_columns(row)[6:8] == ["n/a", "n/a"] for row in rows)
     # the JSON rows gave 0.0 (measured and projected) where the table says n/a and each record's rate is null
     status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "2",
                               "--max-new-tokens", "1", "--repeats", "1", "--history", str(tmp_path / "h.sqlite"),

@@ -51,7 +51,8 @@ class RunRecord:
     # the dense part ran ("cpu" or "cuda") and why (absent in records written before it existed); "popularity_sha256":
     # the SHA-256 of the popularity file's bytes that placed the experts (None without one; absent in older records);
     # "device_fallback" (only where the run asked for the CUDA GPU and could not have it: a scenario's, a side-by-side
-    # side's; absent otherwise and in older records): why every expert ran on the CPU instead
+    # side's; absent otherwise and in older records): why every expert ran on the CPU instead; "resident_experts" (on a
+    # device; absent in older records): the experts in device slots as the run ended
     timings: dict                         # load_s, prefill_s, time_to_first_token_s, decode_tokens_per_s, completion_s,
     # settle_s (optional: seconds waited before the run for the model's background work after load and the CPU
     # kernels' compilation, engine/kernel_warmup.py); warm_up_s (optional: seconds of the unrecorded short answer

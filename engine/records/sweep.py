@@ -121,6 +121,16 @@ class SweepPoint:
         return sum(r.generated_tokens for r in self.records if r.routing_agreement is not None)
 
     @property
+    def resident_share(self) -> float | None:
+        """The share of the model's experts resident on the device as the point's runs ended (their mean): what ran,
+        a slot adaptive placement leaves to copied misses counting once a miss is copied into it. The budget's share,
+        `fraction`, counts bytes, of which each layer takes the whole experts that fit (and on whole layers the budget
+        past the layers it fills is not used): at 67% of two 8-expert layers, 5 of 8 in each, 62%."""
+        shares = [r.offload["resident_experts"] / sum(node["experts"] or 0 for node in r.model["expert_nodes"])
+                  for r in self.records if r.offload.get("resident_experts") is not None]
+        return sum(shares) / len(shares) if shares else None
+
+    @property
     def peak_device_bytes(self) -> int:
         return max((r.peaks["device_bytes"] or 0) for r in self.records) if self.records else 0
 
@@ -135,7 +145,8 @@ class SweepPoint:
         return decode_path_run(self.records[0].offload) if self.records else None
 
     def as_dict(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "split": self.split,
+        return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "resident_share": self.resident_share,
+                "split": self.split,
                 "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
