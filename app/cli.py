@@ -360,16 +360,11 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
 
 def _arena_refusal(device, state, dense_bytes: int) -> str | None:
     """Why a load would keep the dense part on the CPU once its plan took what `device` holds now: onnxruntime's arena
-    not fitting beside it (ort_env.dense_arena, nothing registered), None where it fits."""
-    from engine.ort_env import DenseDoesNotFit, dense_arena
+    not fitting beside it (ort_env.dense_refusal), None where it fits."""
+    from engine.ort_env import dense_refusal
 
     total, growth = state.full_context_bytes()
-    try:
-        dense_arena(device.index, device.memory.limit, device.memory.available, total + growth, dense_bytes,
-                    register=False)
-    except DenseDoesNotFit as exc:
-        return str(exc)
-    return None
+    return dense_refusal(device, device.memory.available, total + growth, dense_bytes)
 
 
 def _cmd_inspect(args) -> int:

@@ -21,7 +21,7 @@ from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
 from engine.offload.device_memory import DENSE_RESERVATION
 from engine.offload.planner import dense_cpu_words
-from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason, dense_goes_to
+from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason, dense_goes_to, dense_refusal
 from engine.reasoning import REASONING_ANSWER_TOKENS, AnswerFormat, AnswerSplit, answer_format, reasoning_variables
 from engine.sampling import Sampler, SamplingParams
 
@@ -104,13 +104,19 @@ class LoadedModel:
         self.decoder = PartitionedDecoder(folder.onnx, folder.plan, folder.experts, folder.logits_name, threads,
                                           progress, dense=None, vocabulary=folder.vocabulary)
         probe = DecoderState(self.config, folder.onnx.proto.graph)
+        total, growth = probe.full_context_bytes()
         self.offload = None
         if offload is not None:
             self.offload = attach_offload(self.decoder, offload, device, layer_split, decode_path,
                                           dense_goes_to(device, probe.kv_dtypes()),
-                                          dense_cpu_reason(getattr(device, "kind", None), probe.kv_dtypes()))
-        total, growth = probe.full_context_bytes()
-        self.dense: DenseDevice = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
+                                          dense_cpu_reason(getattr(device, "kind", None), probe.kv_dtypes()),
+                                          lambda available: dense_refusal(device, available, total + growth,
+                                                                          folder.dense_bytes))
+        # the engine's reason where it has one: choose_dense_device's own, or the arena's, which a plan under
+        # mode=disabled foresaw (OffloadEngine._arena_beside_every_expert) and so left the room the arena would find
+        why = self.offload.dense_cpu if self.offload is not None else None
+        self.dense: DenseDevice = (DenseDevice("cpu", why) if why else
+                                   choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes()))
         if self.offload is not None:  # (an arena that does not fit beside the plan leaves it on the CPU all the same)
             self.offload.dense_landed(None if self.dense.kind == "cuda" else self.dense.reason)
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:

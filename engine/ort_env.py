@@ -304,6 +304,16 @@ def dense_arena(device_id: int, mem_limit: int, available: int, state_bytes: int
     return shared_arena_cap(device_id, registered, left, mem_limit), left
 
 
+def dense_refusal(device, available: int, state_bytes: int, dense_weight_bytes: int) -> str | None:
+    """Why a load would keep the dense part on the CPU where the offload plan leaves `available` bytes of `device`:
+    onnxruntime's arena not fitting beside the plan (dense_arena, nothing registered), None where it fits."""
+    try:
+        dense_arena(device.index, device.memory.limit, available, state_bytes, dense_weight_bytes, register=False)
+    except DenseDoesNotFit as exc:
+        return str(exc)
+    return None
+
+
 @dataclass(frozen=True)
 class DenseDevice:
     """Where the dense segments run and why. `backend` holds the state buffers (None: NumPy)."""

@@ -989,6 +989,31 @@ def test_offload_disabled_runs_every_expert_on_the_cpu_where_the_arena_keeps_the
     assert model.dense_reason == reason + " (raise reserve_device_bytes or lower device_expert_bytes)"
 
 
+def test_offload_disabled_copies_no_expert_to_the_card_where_the_arena_would_not_fit_beside_them(model_folder,
+                                                                                                  monkeypatch):
+    """mode=disabled's plan takes nothing of the card but its slots, so whether onnxruntime's arena fits beside every
+    expert is known from the plan. The load copied every expert to the card all the same, and the engine freed them
+    once told the dense part stayed on the CPU: load time spent on copies, and a device peak of every expert. The plan
+    now puts them on the CPU first, for the arena's reason weighed beside every expert, as the load then says it."""
+    from engine import ort_env
+    from engine.offload.planner import all_resident_bytes
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the model's KV caches are fp32)
+    limit = all_resident_bytes(ModelFolder.open(model_folder).experts) + (1 << 20)
+    uploaded = []
+    upload = FakeGpuQMoE.upload_expert
+    monkeypatch.setattr(FakeGpuQMoE, "upload_expert", lambda gpu, expert, slot, **kw: (
+        uploaded.append(expert), upload(gpu, expert, slot, **kw)))
+    model, _cp = open_on_standin(model_folder, 0.0, monkeypatch, dense_on_device=False, mem_limit=limit,
+                                 mode="disabled", reserve_device_bytes=0)
+    engine = model.offload
+    assert engine.device.memory.high_water == 0 and uploaded == []
+    assert model.dense_device == "cpu" and model.dense_reason.startswith(
+        f"gpu_device_mem_limit={limit} leaves 1.0 MiB after the expert slots and staging; ")
+    assert engine.plan.placement_mode == "cpu_only" and engine.dense_cpu == model.dense_reason
+
+
 def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):
     """The host tier's mappings: their device part (rounded up to the granule: here one slot more) reserved against
     the device's memory, their host part in pinned_info and the statistics; a re-plan makes each node's tier once

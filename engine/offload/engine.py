@@ -159,12 +159,16 @@ SETTLE_WAIT_S = 0.5  # settle_all_but's longest wait for the GPU before the step
 class OffloadEngine:
     def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None,
                  decode_path: str | None = None, kernel_threads: KernelThreads | None = None,
-                 dense_on_device: bool = False, dense_cpu: str | None = None):
+                 dense_on_device: bool = False, dense_cpu: str | None = None,
+                 arena_refusal: Callable[[int], str | None] | None = None):
         self.runners = runners
         self.dense_on_device = dense_on_device  # where mode=disabled puts every expert (plan_offload)
         # why the dense part runs on the CPU (None: on the device): on a CUDA card no host tier is made then
         # (decode_path.tier_verdict); dense_landed says where the load put it
         self.dense_cpu = dense_cpu
+        # why the load would keep the dense part on the CPU were the plan to leave it the given bytes of the device
+        # (ort_env.dense_refusal; None: not known before the load sizes onnxruntime's arena)
+        self.arena_refusal = arena_refusal
         # the runners' CPU kernel threads (cpu_threads; 0: automatic): the decoder's, whose safe points move them
         self.kernel_threads = kernel_threads if kernel_threads is not None else KernelThreads(runners)
         self.infos = [runner.info for runner in runners]
@@ -219,6 +223,7 @@ class OffloadEngine:
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
         self._choosable: tuple | None = None  # (the plan, whether its split is choosable): _split_is_choosable
         self.plan: OffloadPlan = self._plan(config)
+        self._arena_beside_every_expert()
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
         # store: they run all on the CPU, prefill waves and miss copies included.
@@ -279,6 +284,20 @@ class OffloadEngine:
             self.dense_on_device = False  # (a later re-plan to mode=disabled puts every expert on the CPU too)
         if beside or (stayed and self._host_tier):
             self.reconfigure(self.config)
+
+    def _arena_beside_every_expert(self) -> None:
+        """mode=disabled plans every expert beside the dense part on the card. Where onnxruntime's arena would not fit
+        beside them, the load keeps the dense part on the CPU, and every expert goes there with it (dense_landed): the
+        plan's slots are all that mode=disabled takes of the device (no staging ring, streaming slots or tier), so this
+        is known now, and planned so before every expert is copied to the card only to be freed. (Only a CUDA card has
+        the arena: a stand-in device that takes the dense part is not weighed.)"""
+        if not (self.dense_on_device and self.config.mode == "disabled" and self.arena_refusal is not None
+                and getattr(self.device, "kind", None) == "cuda"):
+            return
+        why = self.arena_refusal(self.device.memory.available - self.plan.device_bytes(self.infos))
+        if why:
+            self.dense_cpu, self.dense_on_device = why, False
+            self.plan = self._plan(self.config)
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:
         """Every store made again with the host tier (for `config`, the configuration being put in force); where the
