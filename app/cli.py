@@ -431,7 +431,14 @@ def _cmd_inspect(args) -> int:
         if at_load:
             device.memory.release(plan.device_bytes(folder.experts, tier), "expert slots")
             streaming.close()
+            tiered = tier
             plan, tier, statements, streaming = as_loaded(at_load)
+            if tiered and _arena_refusal(device, state, folder.dense_bytes) is None:
+                # the arena fits beside the slots without the tier's mappings: the load tries the card again, and the
+                # dense part goes there, with no tier (OffloadEngine.dense_landed)
+                _tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, kind, device, at_load)
+                if said:
+                    statements[statements.index(said)] = paths.tier_beside_arena(config, at_load)
         # which nodes the file leaves out or counts too few experts of, where it does
         said_popularity = "" if rows is None else popularity_statement(
             config.popularity_file, rows, names, config.placement, [plan.slots.get(name, 0) for name in names])

@@ -117,8 +117,12 @@ class LoadedModel:
         why = self.offload.dense_cpu if self.offload is not None else None
         self.dense: DenseDevice = (DenseDevice("cpu", why) if why else
                                    choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes()))
-        if self.offload is not None:  # (an arena that does not fit beside the plan leaves it on the CPU all the same)
-            self.offload.dense_landed(None if self.dense.kind == "cuda" else self.dense.reason)
+        landed = None if self.dense.kind == "cuda" else self.dense.reason
+        # (an arena that does not fit beside the plan leaves it on the CPU all the same)
+        beside_tier = self.offload.dense_landed(landed) if self.offload is not None else None
+        if beside_tier:  # planned again without the host tier, whose device mappings held the room the arena lacked
+            self.dense = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
+            self.offload.dense_landed(None if self.dense.kind == "cuda" else self.dense.reason, beside_tier)
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:
             # blocks cached in CuPy's pool (a model dropped before this load left its slots there), which no
             # accounting counts, go back before onnxruntime's arena takes its share

@@ -1818,6 +1818,27 @@ def test_inspect_plans_the_host_tier_away_where_the_arena_keeps_the_dense_part_o
     assert not any("host tier of" in sentence or "With the host tier" in sentence for sentence in said), said
 
 
+def test_inspect_keeps_the_dense_part_on_the_card_without_the_host_tier_where_only_its_mappings_left_the_arena_short(
+        capsys, monkeypatch):
+    """As the load, which tries the card again once the plan without the tier left onnxruntime's arena the room the
+    tier's device mappings took (OffloadEngine.dense_landed): inspect said the dense part runs on the CPU. Here the
+    mappings (a 2 MiB granule for each of the 16 slot arrays) leave 80 MiB too little for the arena; the slots alone,
+    none under device_expert_bytes=0, leave enough."""
+    a_card_with_onnxruntime_gpu(monkeypatch)
+    status, out, _err = _main(capsys, "inspect", str(fixture_folder("gptoss")), "--device", "cuda", "--decode-path",
+                              "tier", "--json", "--offload", "device_expert_bytes=0",
+                              "--offload", f"gpu_device_mem_limit={80 << 20}")
+    said = json.loads(out)["offload"]["statements"]
+    no_tier = [sentence for sentence in said if "no host tier is made" in sentence]
+    assert status == 0 and no_tier == [
+        "Cold experts are computed on the CPU: no host tier is made, since onnxruntime's arena for the dense part fits "
+        f"on the card beside the expert slots but not beside the tier's device mappings (gpu_device_mem_limit="
+        f"{80 << 20} leaves 47.5 MiB after the expert slots and staging; the KV cache and state at their longest (1.5 "
+        "MiB), the dense weights (618.9 KiB) and onnxruntime's workspace (64.0 MiB at least) need more (raise "
+        "reserve_device_bytes or lower device_expert_bytes))."], said
+    assert not any("host tier of" in sentence or "With the host tier" in sentence for sentence in said), said
+
+
 def test_inspect_runs_every_expert_on_the_cpu_under_offload_disabled_where_the_arena_keeps_the_dense_part_there(
         capsys, monkeypatch):
     """mode=disabled runs every expert where the dense part runs: where onnxruntime's arena does not fit beside the

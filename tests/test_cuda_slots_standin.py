@@ -939,6 +939,62 @@ def test_a_host_tier_made_for_a_dense_part_that_stayed_on_the_cpu_is_planned_awa
                                                 + model.offload.device.memory.by_purpose["decode streaming slots"])
 
 
+def test_the_dense_part_goes_to_the_card_after_all_where_only_the_host_tiers_mappings_kept_its_arena_off(model_folder,
+                                                                                                        monkeypatch):
+    """The tier's device mappings round each slot array up to the granule (here: a slot more). Where that took the room
+    onnxruntime's arena lacked under gpu_device_mem_limit, the engine planned the tier away for the dense part on the
+    CPU, and its mappings freed left the arena room on the card that no second try used. The engine now says where the
+    plan without the tier lets the arena fit (the load tries the card again): told it landed there, the slots stay
+    without the tier, the plan saying why none is made."""
+    from engine.decoder_state import DecoderState as State
+    from engine.ort_env import MIN_DENSE_ARENA
+
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="tier")
+    memory = model.offload.device.memory
+    per_expert = model.offload.stores[0].expert_bytes
+    mappings = sum((2 if store.num_slots == 0 else 1) * per_expert for store in model.offload.stores)
+    total, growth = State(model.config, model.folder.onnx.proto.graph).full_context_bytes()
+    dense = total + growth + model.folder.dense_bytes + MIN_DENSE_ARENA
+    # room for the dense part beside the slots, but not beside the tier's mappings too
+    limit = memory.used - mappings + dense + mappings // 2
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="tier", mem_limit=limit)
+    engine, memory = model.offload, model.offload.device.memory
+    assert engine.host_tier
+    refusal = engine.arena_refusal(memory.available)
+    assert refusal.startswith(f"gpu_device_mem_limit={limit} leaves ")
+    assert engine.dense_landed(refusal) == refusal  # (the load tries the card again)
+    assert not engine.host_tier and engine.arena_refusal(memory.available) is None
+    engine.dense_landed(None, refusal)
+    assert engine.dense_cpu is None and engine.dense_on_device and engine.decode_path_in_force == "cpu"
+    assert memory.used == limit - dense - mappings // 2
+    said = [sentence for sentence in engine.plan.statements if "no host tier is made" in sentence]
+    assert said == ["Cold experts are computed on the CPU: no host tier is made, since onnxruntime's arena for the "
+                    "dense part fits on the card beside the expert slots but not beside the tier's device mappings "
+                    f"({refusal})."]
+    # the load tries the card again with the arena the plan without the tier leaves (here onnxruntime cannot make it)
+    from engine import ort_env
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the model's KV caches are fp32)
+    arenas = []
+
+    def register(device_id, max_mem):
+        arenas.append(max_mem)
+        raise ort_env.DenseDoesNotFit("onnxruntime cannot make its GPU arena on device 0: a stand-in")
+
+    monkeypatch.setattr(ort_env, "register_shared_cuda_arena", register)
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="tier", mem_limit=limit,
+                                 dense_on_device=False)
+    assert arenas == [MIN_DENSE_ARENA + mappings // 2] and not model.offload.host_tier
+    assert model.dense_device == "cpu" and model.dense_reason == model.offload.dense_cpu == (
+        "onnxruntime cannot make its GPU arena on device 0: a stand-in")
+    # where even the slots alone leave the arena short, the dense part stays on the CPU: no second try
+    model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="tier", mem_limit=limit - mappings)
+    engine = model.offload
+    refusal = engine.arena_refusal(engine.device.memory.available)
+    assert engine.dense_landed(refusal) is None and engine.dense_cpu == refusal and not engine.host_tier
+
+
 @pytest.mark.parametrize("loaded", ["disabled", "auto"])
 def test_offload_disabled_runs_every_expert_on_the_cpu_where_the_arena_keeps_the_dense_part_there(model_folder,
                                                                                                    cpu_run,

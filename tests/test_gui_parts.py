@@ -194,6 +194,31 @@ def test_the_estimate_plans_the_host_tier_away_where_the_arena_keeps_the_dense_p
     assert parts["experts"].bytes == 0 and "decode streaming slots" in parts["workspace"].note
 
 
+def test_the_estimate_keeps_the_dense_part_on_the_card_without_the_tier_where_only_its_mappings_left_the_arena_short(
+        gptoss, monkeypatch):
+    """As the engine, which tries the card again once the plan without the tier left onnxruntime's arena the room the
+    tier's device mappings took (OffloadEngine.dense_landed): the estimate said the dense part would stay on the CPU.
+    Here the mappings (a 2 MiB granule for each of the 16 slot arrays) leave 80 MiB too little for the arena; the slots
+    alone, none under device_expert_bytes=0, leave enough."""
+    from engine import ort_env
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    config = OffloadConfig(device_expert_bytes=0, gpu_device_mem_limit=80 << 20)
+    est = estimate(gptoss, config, DeviceChoice("cuda", 1 << 30, name="test card"), decode_path="tier")
+    no_tier = [s for s in est.statements if "no host tier is made" in s]
+    assert not est.error and not est.host_tier and no_tier == [
+        "Cold experts are computed on the CPU: no host tier is made, since onnxruntime's arena for the dense part fits "
+        f"on the card beside the expert slots but not beside the tier's device mappings (gpu_device_mem_limit="
+        f"{80 << 20} leaves 47.5 MiB after the expert slots and staging; the KV cache and state at their longest (1.5 "
+        "MiB), the dense weights (618.9 KiB) and onnxruntime's workspace (64.0 MiB at least) need more (raise "
+        "reserve_device_bytes or lower device_expert_bytes))."], est.statements
+    assert est.statements[-1] == ("The dense part would run on the GPU with onnxruntime's CUDA execution provider, its "
+                                  "KV cache and state in GPU memory."), est.statements
+    device = {p.key: p.bytes for p in est.device_parts}
+    assert device["experts"] == 0 and device["dense"] == gptoss.dense_bytes and device["kv"] > 0
+
+
 def test_the_estimate_runs_every_expert_on_the_cpu_under_offload_disabled_where_the_arena_keeps_the_dense_part_there(
         gptoss, monkeypatch):
     """mode=disabled runs every expert where the dense part runs: where onnxruntime's arena does not fit beside the

@@ -331,11 +331,17 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         # (OffloadEngine.dense_landed)
         stand_in.memory.release(resident_bytes, "expert slots")
         streaming.close()
+        tiered = host_tier
         plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_cpu=dense_cpu)
         host_tier, tier_said, streaming = _tier_and_streaming(facts, config, plan, device.kind, stand_in, decode_path,
                                                                dense_cpu)
         resident_bytes = plan.device_bytes(experts, host_tier)
         streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups)
+        if tiered and dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes) is None:
+            # the arena fits beside the slots without the tier's mappings: the load tries the card again, and the
+            # dense part goes there, with no tier (OffloadEngine.dense_landed)
+            tier_said = paths.tier_beside_arena(config, at_load) if tier_said else ""
+            dense_cpu, dense_on_gpu, at_load = None, True, None
     host_parts = [
         Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
              "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),

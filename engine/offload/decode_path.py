@@ -233,6 +233,14 @@ def _device_refusal(config: OffloadConfig, infos, slots: dict[str, int], device)
             f"tier), more than the {human_bytes(room)} the device has free for them{under_limit(device)}{beside}")
 
 
+def tier_beside_arena(config: OffloadConfig, refusal: str) -> str:
+    """Why no host tier is made where onnxruntime's arena for the dense part fits on the card beside the expert slots
+    but not beside the tier's device mappings (`refusal`: the arena check's with them, ort_env.dense_refusal): the load
+    keeps the dense part on the card and the slots without the tier (OffloadEngine.dense_landed)."""
+    return (f"{without_tier(config)}: no host tier is made, since onnxruntime's arena for the dense part fits on the "
+            f"card beside the expert slots but not beside the tier's device mappings ({refusal}).")
+
+
 def without_tier(config: OffloadConfig) -> str:
     """Where decode's cold experts go without a host tier (a sentence's start)."""
     return ("Cold experts are copied to the device before they run" if config.cpu_execution == "disabled"

@@ -271,19 +271,33 @@ class OffloadEngine:
                                                        self.device, self.dense_cpu)
         return made
 
-    def dense_landed(self, dense_cpu: str | None) -> None:
+    def dense_landed(self, dense_cpu: str | None, beside_tier: str | None = None) -> str | None:
         """The load put the dense part on the CPU for `dense_cpu` (None: on the device). The plan was made for where it
         was meant to go, which onnxruntime's arena not fitting beside the plan can still change: a host tier made for
         a dense part that stayed on the CPU would never be read (decode_path.tier_verdict), and mode=disabled put
         every expert on the card beside a dense part that is not there, so the configuration in force is planned
-        again, without the tier and with mode=disabled's experts on the CPU."""
+        again, without the tier and with mode=disabled's experts on the CPU.
+        Where the arena lacked the room the tier's device mappings took (each slot array rounded up to the granule),
+        the plan without them may leave it enough: the arena check's refusal beside the tier is returned where it
+        does (arena_refusal), and the load tries the card again, then says where the dense part landed with that
+        refusal as `beside_tier`. (Under mode=disabled there is no second try: every expert on the CPU with the dense
+        part alone on the card is mode=auto's plan with no expert budget, not offload disabled.)"""
         stayed = dense_cpu is not None and getattr(self.device, "kind", None) == "cuda"
         beside = stayed and self.dense_on_device and self.config.mode == "disabled"
+        tiered = stayed and self._host_tier
+        short = self.arena_refusal(self.device.memory.available) if tiered and self.arena_refusal else None
         self.dense_cpu = dense_cpu
         if stayed:
             self.dense_on_device = False  # (a later re-plan to mode=disabled puts every expert on the CPU too)
-        if beside or (stayed and self._host_tier):
+        if beside or tiered:
             self.reconfigure(self.config)
+        if dense_cpu is None and beside_tier:  # on the card after all, beside the slots without the tier
+            self.dense_on_device = True
+            said = self.tier_statement  # ('' where the plan without the tier made every expert resident)
+            if said:
+                self.tier_statement = paths.tier_beside_arena(self.config, beside_tier)
+                self.plan.statements[self.plan.statements.index(said)] = self.tier_statement
+        return short if short and self.arena_refusal(self.device.memory.available) is None else None
 
     def _arena_beside_every_expert(self) -> None:
         """mode=disabled plans every expert beside the dense part on the card. Where onnxruntime's arena would not fit
