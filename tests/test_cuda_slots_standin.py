@@ -1067,7 +1067,10 @@ def test_offload_disabled_copies_no_expert_to_the_card_where_the_arena_would_not
     assert engine.device.memory.high_water == 0 and uploaded == []
     assert model.dense_device == "cpu" and model.dense_reason.startswith(
         f"gpu_device_mem_limit={limit} leaves 1.0 MiB after the expert slots and staging; ")
-    assert engine.plan.placement_mode == "cpu_only" and engine.dense_cpu == model.dense_reason
+    # the engine keeps the load's reason as said (the plan and the model word it for mode=disabled)
+    assert engine.plan.placement_mode == "cpu_only" and engine.dense_cpu == model.dense.reason
+    assert model.dense_reason.endswith("raise gpu_device_mem_limit, or use mode=auto, which keeps the experts that do "
+                                       "not fit on the CPU") and model.dense_reason in " ".join(engine.plan.statements)
 
 
 def test_the_host_tiers_device_and_host_bytes_are_accounted(model_folder, monkeypatch):
