@@ -570,6 +570,9 @@ def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path,
     # too large for a float: was an internal error (OverflowError)
     ("9" * 400, f"node 'N' has {'9' * 40}… (400 characters) for expert 0, too large a count"),
     ("9" * 5000, "cannot read the popularity file (Exceeds the limit"),  # past Python's digits for an int: ValueError
+    # a float past the largest reads as Infinity, as JSON's own Infinity: too large, not "not a number >= 0"
+    ("1e400", "node 'N' has Infinity for expert 0, too large a count"),
+    ("Infinity", "node 'N' has Infinity for expert 0, too large a count"),
 ])
 def test_a_popularity_count_too_large_to_read_is_one_line_naming_the_file(tmp_path, count, fragment):
     from engine.errors import WorkbenchError

@@ -129,9 +129,11 @@ def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
             try:
                 number = float(value)
             except OverflowError:  # an integer too large for a float
-                number, wrong = math.inf, "too large a count"
+                number = math.inf
             if math.isfinite(number) and number >= 0:
                 continue
+            if number == math.inf:  # (JSON's Infinity, and a float past the largest, 1e400, which reads as it)
+                wrong = "too large a count"
         shown = json.dumps(value)
         shown = shown if len(shown) <= 40 else f"{shown[:40]}… ({len(shown)} characters)"
         raise WorkbenchError(f"{path}: node '{name}' has {shown} for expert {expert}, {wrong}")
