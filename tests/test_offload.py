@@ -1080,6 +1080,26 @@ def test_a_popularity_file_edited_in_place_places_its_new_residents_when_applied
     assert f"{path} changed since it was read: its new counts placed the residents afresh." in engine.plan.statements
 
 
+def test_adaptive_placement_starts_from_a_popularity_file_of_shares_as_from_one_of_counts(model_folder, tmp_path):
+    """Adaptive placement starts each layer from the file's counts scaled to 1.0 for the most counted expert, as a hit
+    scores (placement.adaptive_scores). Shares (0.25), which a popularity file may hold, were divided by 1.0 where
+    their largest was below it: the file's experts started at a fraction of one hit, so the first routed steps
+    outscored the file's ranking, as counts with the same ranking are not outscored."""
+    from engine.model_folder import ModelFolder
+
+    names = [info.name for info in ModelFolder.open(model_folder).experts]
+    per_expert = device_expert_bytes(model_folder) // (16 * len(names))  # one device slot
+    scores = []
+    for file, row in (("counts", [0] * 12 + [50, 30, 20, 0]), ("shares", [0] * 12 + [0.5, 0.3, 0.2, 0])):
+        path = tmp_path / f"{file}.json"
+        path.write_text(json.dumps({name: row for name in names} | {names[-1]: [0] * 16}))
+        model = LoadedModel.open(model_folder, offload=OffloadConfig(placement="adaptive", popularity_file=str(path),
+                                                                     device_expert_bytes=2 * len(names) * per_expert),
+                                 device=SimulatedDevice(1 << 30))
+        scores.append([layer.tolist() for layer in model.offload.policy.scores])
+    assert scores[1] == scores[0] == [[0.0] * 12 + [1.0, 0.6, 0.4, 0.0]] * (len(names) - 1) + [[0.0] * 16]
+
+
 def test_static_placement_set_on_the_loaded_model_places_the_popularity_files_experts(model_folder, tmp_path):
     """placement=static applied on a model loaded under adaptive placement with the same popularity file kept the
     residents adaptive placement had moved to, for good (static never moves), where static placement keeps the

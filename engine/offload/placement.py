@@ -721,5 +721,6 @@ def make_policy(name: str, layers: list[LayerSlots], popularity: list[np.ndarray
 def adaptive_scores(counts: list[np.ndarray]) -> list[np.ndarray]:
     """Counts per layer × expert (a popularity file's, static placement's) as adaptive placement's starting scores:
     the most counted expert of a layer 1.0, as a hit this step scores; raw counts would outweigh its decayed hits (~10
-    for an expert routed at every step) for as many steps as they take to decay."""
-    return [np.asarray(row, dtype=np.float64) / max(1.0, float(np.max(row, initial=0.0))) for row in counts]
+    for an expert routed at every step) for as many steps as they take to decay. A file of shares (0.25) starts as one
+    of counts does: its most counted expert 1.0 too (a row of 0 stays 0)."""
+    return [np.asarray(row, dtype=np.float64) / (float(np.max(row, initial=0.0)) or 1.0) for row in counts]
