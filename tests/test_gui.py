@@ -2232,6 +2232,26 @@ def test_the_gpu_kernels_compiling_for_a_side_by_side_b_is_said_in_the_status_ba
     assert window.status_state.text() == "Idle"
 
 
+def test_unload_while_a_side_by_side_bs_gpu_kernels_compile_says_what_it_waits_for(window, monkeypatch):
+    """Unload, as Stop, stops a side-by-side comparison, whose load of B on the CUDA GPU may wait out the GPU kernels'
+    first compile, which nothing interrupts: Stop said so, Unload left the compile's notice up, then the idle line,
+    never saying the comparison stopped. As the worker reports them (its own thread's signals, here the window's)."""
+    import time
+
+    import engine.offload.cuda_device as cuda_device
+
+    window.worker.busyChanged.emit("comparing")
+    monkeypatch.setitem(cuda_device._kernels_compiling, 0, (time.perf_counter() - 5, "90", "/cache/cupy"))
+    window.worker.loadNote.emit("Compiling the GPU expert kernels for sm_90 (...).")
+    window.unload()
+    assert window.status_state.text().startswith(
+        "Stopping the side-by-side comparison once the GPU expert kernels' first compile for sm_90 ends: it cannot be "
+        "interrupted (")
+    del cuda_device._kernels_compiling[0]
+    window.worker.busyChanged.emit("")
+    assert window.status_state.text() == "Stopped the side-by-side comparison."
+
+
 def test_a_load_under_mode_required_on_a_busy_cuda_gpu_keeps_the_loaded_model(qtbot, window, monkeypatch):
     """A CUDA GPU there that cannot be opened (another process holds it in exclusive-process mode, or its memory):
     under mode=required the worker dropped the loaded model, then failed to open the device, and said only that the

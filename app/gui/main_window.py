@@ -600,8 +600,8 @@ class MainWindow(QMainWindow):
         self.worker.unload_asked = True
         self.worker.cancel.set()
         self.worker.requestUnload.emit()
-        if self.busy == "loading":  # the load is stopped first, as Stop stops it, and may have a compile to wait on
-            self._stopping = STOPPABLE["loading"]
+        if self.busy in ("loading", "comparing"):  # stopped first, as Stop stops them: a load, or side by side's of B,
+            self._stopping = STOPPABLE[self.busy]  # may have the GPU kernels' first compile to wait on
             self._say_stopping()
 
     def _stop_chat_request(self) -> bool:
