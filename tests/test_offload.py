@@ -594,6 +594,39 @@ def test_the_row_trials_first_window_settles_after_the_share_trials_last_switch(
     assert first - switch == engine.row_trials.settle + 1
 
 
+def test_the_share_trials_first_window_settles_after_the_row_trials_last_switch(tmp_path):
+    """The share trial's wait runs out (here as the row trial starts) while the row trial times; the row trial ends
+    switching to the split its steps found faster, its tables made again at once. The share trial, stepped again once
+    the row trial ends, timed the very next step, the first with the split, with no settling; now it settles first."""
+    from engine.offload.split_share import SPLIT_ROWS, WHOLE_PAIRS, RowSplitTrials, SplitShareTrials
+
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    folder = write_model(tmp_path / "m", spec)
+    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    engine = model.offload
+    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: the tables split a pair
+    engine.share_trials = SplitShareTrials(first=2, settle=3, window=2, recheck=1000)
+    engine.row_trials = RowSplitTrials(first=1, settle=1, window=2, recheck=1000)
+    step_s = {WHOLE_PAIRS: 0.030, SPLIT_ROWS: 0.020}
+    engine._trial_seconds = lambda seconds: step_s[engine.row_trials.choice]
+    steps = []  # after each decode step: the row trials finished, the split in force, whether the share trial times
+
+    def end_step(seconds, tokens):
+        engine.end_step(seconds, tokens)
+        if tokens == 1:
+            steps.append((engine.row_trials.trials, engine.row_trials.choice, engine.share_trials.measuring))
+
+    model.decoder.on_step_end = end_step
+    greedy_run(model, steps=30)
+    switch = next(index for index, (trials, _split, _share) in enumerate(steps) if trials == 1)
+    assert steps[switch][1] == SPLIT_ROWS and steps[switch - 1][1] == WHOLE_PAIRS  # the row trial's last switch
+    assert not any(share for _trials, _split, share in steps[:switch + 1])  # the row trial went first
+    first = next(index for index, (_trials, _split, share) in enumerate(steps) if share)  # the share's first sample
+    assert first - switch == engine.share_trials.settle + 1
+
+
 
 def test_a_shifted_share_stays_within_a_tokens_cold_pairs():
     from engine.offload.split_share import shifted

@@ -920,6 +920,9 @@ class OffloadEngine:
                         self.row_trials.hold(SPLIT_TABLE_EVERY)
                     elif self.row_trials.step(trial_s, tokens) is not None:
                         self._split_tables.clear()  # ... with the split or without it
+                        # and no step of the share trial's next window before the switch settled: its wait may
+                        # have run out while the row trial timed
+                        self.share_trials.hold(self.share_trials.settle)
                         return
             # the layer split's trials only without a host tier: no layer's step then has a host round trip to save
             if (trial_s is not None and self.layer_split_mode == "auto" and not self._host_tier
