@@ -317,6 +317,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     if args.device == "cpu" and not entries:
         return None, None
     config = OffloadConfig.from_entries(entries)
+    args.offload_mode = config.mode  # (the GPU running out of memory is said as the mode says it: errors.one_line)
     changed = config.to_entries()  # a setting given at its default (inspect's own export) changes nothing anywhere
     if args.device == "cpu":
         idle = keys_among(changed, DEVICE_KEYS)
@@ -837,7 +838,7 @@ def _cmd_record(args) -> int:
         except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
             if not records or os.environ.get("MOE_WORKBENCH_DEBUG"):
                 raise
-            return _record_stopped(exc, scenario, records, args.json)
+            return _record_stopped(exc, scenario, records, args.json, getattr(args, "offload_mode", None))
         try:
             run_id = history.add(record)
         except WorkbenchError as exc:  # a full disk, a lock held past the timeout: the run measured is kept here
@@ -861,9 +862,10 @@ def _cmd_record(args) -> int:
     return 0
 
 
-def _record_stopped(exc: BaseException, scenario: str, records: list[dict], as_json: bool) -> int:
+def _record_stopped(exc: BaseException, scenario: str, records: list[dict], as_json: bool, mode: str | None) -> int:
     """record's end where `scenario` failed or was interrupted after `records` were saved: those printed as JSON where
-    asked (each run's line was printed already otherwise), and one line saying where it stopped and what was kept."""
+    asked (each run's line was printed already otherwise), and one line saying where it stopped and what was kept
+    (under offload `mode`)."""
     if as_json:
         print(json.dumps(records, indent=2))
     ids = ", ".join(str(record["id"]) for record in records)
@@ -873,7 +875,8 @@ def _record_stopped(exc: BaseException, scenario: str, records: list[dict], as_j
         print(f"{PROG}: interrupted during {scenario}; {kept}", file=sys.stderr)
         return 130
     users = _users_error(exc)
-    print(f"{PROG}: {'error' if users else 'internal error'}: {scenario}: {one_line(exc)}; {kept}", file=sys.stderr)
+    said = one_line(exc, mode)
+    print(f"{PROG}: {'error' if users else 'internal error'}: {scenario}: {said}; {kept}", file=sys.stderr)
     return 2 if users else 3
 
 
@@ -1252,7 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: error: {NO_ONNXRUNTIME}", file=sys.stderr)
             return 2
         if _users_error(exc):
-            print(f"{PROG}: error: {one_line(exc)}", file=sys.stderr)
+            print(f"{PROG}: error: {one_line(exc, getattr(args, 'offload_mode', None))}", file=sys.stderr)
             return 2
         print(f"{PROG}: internal error: {one_line(exc)}", file=sys.stderr)
         return 3

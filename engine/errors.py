@@ -114,6 +114,9 @@ GPU_LOST = "the GPU cannot be used again in this process: restart MoE Workbench 
 _CUDA_OUT_OF_MEMORY = ("cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA failure 2:")
 GPU_OUT_OF_MEMORY = ("the GPU ran out of memory: lower the expert budget (device_expert_bytes) or free what other "
                      "processes hold on the GPU")
+# mode=disabled puts every expert beside the dense part, where the expert budgets do not apply (planner.dense_cpu_words)
+GPU_OUT_OF_MEMORY_DISABLED = ("the GPU ran out of memory: use mode=auto, which keeps the experts that do not fit on "
+                              "the CPU, or free what other processes hold on the GPU")
 
 
 # onnxruntime's C++ errors start with its status code and the source line and function that raised them:
@@ -139,14 +142,15 @@ def gpu_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or any(name in str(exc) for name in _CUDA_OUT_OF_MEMORY)
 
 
-def one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException, mode: str | None = None) -> str:
     """What the user is told of an exception, on one line: a WorkbenchError's message as it is, anything else as its
-    type and first line, with what to do when the GPU's context is lost."""
+    type and first line, with what to do when the GPU's context is lost or its memory ran out, the latter as the
+    offload `mode` the failing work ran under says it (where the caller knows it)."""
     if isinstance(exc, WorkbenchError):
         return str(exc)
     text = f"{type(exc).__name__}: {error_reason(exc)}" if str(exc).strip() else type(exc).__name__
     if any(name in text for names in _STICKY_CUDA_ERRORS for name in names):
         text += f"; {GPU_LOST}"
     elif gpu_out_of_memory(exc):
-        text += f"; {GPU_OUT_OF_MEMORY}"
+        text += f"; {GPU_OUT_OF_MEMORY_DISABLED if mode == 'disabled' else GPU_OUT_OF_MEMORY}"
     return text

@@ -184,6 +184,20 @@ def test_the_gpu_out_of_memory_says_what_to_do():
         assert GPU_OUT_OF_MEMORY not in one_line(other)
 
 
+def test_the_gpu_out_of_memory_under_offload_disabled_names_no_expert_budget():
+    """mode=disabled puts every expert beside the dense part, where the expert budgets do not apply: the advice to
+    lower device_expert_bytes changed nothing there. The mode the failing work ran under picks the advice."""
+    from engine.errors import GPU_OUT_OF_MEMORY, one_line
+
+    said = RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory ; GPU=0")
+    assert one_line(said, "disabled") == (
+        "RuntimeError: CUDA failure 2: out of memory ; GPU=0; the GPU ran out of memory: use mode=auto, which keeps "
+        "the experts that do not fit on the CPU, or free what other processes hold on the GPU")
+    for mode in ("auto", "required", None):  # the budgets apply (None: the mode is not known)
+        assert one_line(said, mode).endswith("; " + GPU_OUT_OF_MEMORY)
+    assert one_line(MemoryError("out of host memory"), "disabled") == "MemoryError: out of host memory"
+
+
 def test_the_cli_tells_an_internal_gpu_fault_in_one_line(monkeypatch, capsys):
     import app.cli as cli
 

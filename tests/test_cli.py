@@ -2104,3 +2104,29 @@ def test_the_gpu_out_of_memory_is_an_error_the_user_can_act_on_not_an_internal_o
     monkeypatch.setattr(cli, "_cmd_generate", lambda _args: 1 / 0)  # a defect of ours stays one
     status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello")
     assert status == 3 and err.startswith("moe-workbench: internal error: ZeroDivisionError")
+
+
+def test_the_gpu_out_of_memory_under_offload_disabled_does_not_advise_the_expert_budget(capsys, monkeypatch):
+    """The GPU out of memory said "lower the expert budget (device_expert_bytes)" whatever the mode, also under
+    mode=disabled, where every expert goes beside the dense part and the expert budgets do not apply; there it says
+    what frees the card's memory under that mode. Under mode=auto the budget's advice stays."""
+    from engine import generation
+
+    class OutOfMemoryError(MemoryError):  # CuPy's name
+        pass
+
+    def open_model(*args, **kwargs):  # the load runs out of the card's memory
+        raise OutOfMemoryError("Out of memory allocating 2,147,483,648 bytes (allocated so far: 0 bytes).")
+
+    monkeypatch.setattr(generation.LoadedModel, "open", open_model)
+    said = {}
+    for mode in ("disabled", "auto"):
+        status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello", "--device",
+                                  "simulated", "--offload", f"mode={mode}")
+        assert status == 2, err
+        said[mode] = err.strip().splitlines()[-1]
+    assert said["disabled"] == ("moe-workbench: error: OutOfMemoryError: Out of memory allocating 2,147,483,648 bytes "
+                                "(allocated so far: 0 bytes).; the GPU ran out of memory: use mode=auto, which keeps "
+                                "the experts that do not fit on the CPU, or free what other processes hold on the GPU")
+    assert said["auto"].endswith("; the GPU ran out of memory: lower the expert budget (device_expert_bytes) or free "
+                                 "what other processes hold on the GPU")

@@ -2043,6 +2043,24 @@ def test_once_the_loaded_model_is_gone_the_title_no_longer_says_it_is_loaded(qtb
     assert not window.model_panel.unload_button.isEnabled() and window.model_panel.landed.text() == "Not loaded."
 
 
+def test_a_load_that_runs_out_of_gpu_memory_under_offload_disabled_names_no_expert_budget(qtbot, window,
+                                                                                           monkeypatch):
+    """A load under mode=disabled (every expert beside the dense part, the expert budgets not applied) that ran out of
+    the card's memory advised lowering device_expert_bytes; it says what frees the memory under that mode."""
+    from app.gui import engine_worker
+
+    OutOfMemoryError = type("OutOfMemoryError", (MemoryError,), {})  # CuPy's name
+
+    def out_of_memory(*args, **kwargs):
+        raise OutOfMemoryError("Out of memory allocating 512 bytes (allocated so far: 0 bytes).")
+    monkeypatch.setattr(engine_worker, "LoadedModel", out_of_memory)
+    folder = fixture_folder("gptoss")
+    load(qtbot, window, folder, {"device": {"kind": "simulated", "capacity": 1 << 30}, "entries": {"mode": "disabled"}})
+    assert window.last_error == (f"Could not load {folder}: OutOfMemoryError: Out of memory allocating 512 bytes "
+                                 "(allocated so far: 0 bytes).; the GPU ran out of memory: use mode=auto, which keeps "
+                                 "the experts that do not fit on the CPU, or free what other processes hold on the GPU")
+
+
 def test_a_load_under_mode_required_on_a_cuda_gpu_without_cupy_keeps_the_loaded_model(qtbot, window, monkeypatch):
     """The CUDA GPU chosen under mode=required on a machine whose GPU stack cannot run it (no CuPy here; no driver or
     NVRTC alike): the worker dropped the loaded model and its conversation, then refused the load. It is refused

@@ -186,6 +186,7 @@ class EngineWorker(QObject):
         self.busyChanged.emit("loading")
         kept = f"; {self._loaded_facts.name} stays loaded" if self._model is not None else ""
         unloaded = None  # once this load has dropped the model loaded before: its name ('' where none was)
+        mode = None  # the offload mode this load runs under, once read (its failure's advice follows it)
         try:
             # the folder read again before the loaded model goes: one that cannot be opened now (broken since it was
             # inspected) is refused with the loaded model and its conversation kept
@@ -194,6 +195,7 @@ class EngineWorker(QObject):
             if previous is None or Path(previous).resolve() != Path(path).resolve():
                 self.inspected.emit(self._facts)
             config = OffloadConfig.from_entries(settings.get("entries", {}))
+            mode = config.mode
             notes: list[str] = []
             # A CUDA GPU the loaded model holds no memory on is opened before that model goes: one that CuPy, the
             # driver or NVRTC leaves unusable, or that cannot be opened (busy: another process holds it in
@@ -253,7 +255,7 @@ class EngineWorker(QObject):
             if isinstance(exc, LoadCancelled):
                 self.failed.emit(f"Loading stopped{after}.")
             else:
-                self.failed.emit(f"Could not load {path}: {one_line(exc)}{after}")
+                self.failed.emit(f"Could not load {path}: {one_line(exc, mode)}{after}")
             if dropped:
                 self.unloaded.emit()
         finally:
@@ -381,8 +383,9 @@ class EngineWorker(QObject):
                                 {key: after[key] - before.get(key, 0) for key in after}})
             self._emit_stats()
         except Exception as exc:
-            self.failed.emit(one_line(exc))
-            self.answered.emit({"text": "", "finish_reason": "error", "error": one_line(exc), "timings": {}})
+            said = one_line(exc, _offload_mode(self._model))
+            self.failed.emit(said)
+            self.answered.emit({"text": "", "finish_reason": "error", "error": said, "timings": {}})
         finally:
             self.busyChanged.emit("")
 
@@ -419,8 +422,10 @@ class EngineWorker(QObject):
             self.failed.emit("No model is loaded: the settings apply at the next load.")
             return
         self.busyChanged.emit("replanning")
+        mode = None  # the offload mode being applied, once read (its failure's advice follows it)
         try:
             config = OffloadConfig.from_entries(settings.get("entries", {}))
+            mode = config.mode
             blocked = _needs_reload(self._model.offload.config, config)
             if blocked:
                 raise WorkbenchError(f"{', '.join(blocked)} changes only when the model is loaded again (Apply and reload)")
@@ -430,7 +435,7 @@ class EngineWorker(QObject):
                                  "entries": config.to_entries(), "settings": settings})
             self._emit_stats()
         except Exception as exc:
-            self.failed.emit(f"Could not apply the settings: {one_line(exc)}")
+            self.failed.emit(f"Could not apply the settings: {one_line(exc, mode)}")
         finally:
             self.busyChanged.emit("")
 
@@ -525,8 +530,9 @@ class EngineWorker(QObject):
                 make_device=self._make_device, device_fallback=self._device_fallback)
             self.jobFinished.emit(kind, job(context))
         except Exception as exc:  # the window shows it; the worker stays usable
-            self.failed.emit(one_line(exc))
-            self.jobFailed.emit(kind, one_line(exc), list(getattr(exc, "saved_ids", [])))  # AfterAnswersFailed
+            said = one_line(exc, _offload_mode(self._model))
+            self.failed.emit(said)
+            self.jobFailed.emit(kind, said, list(getattr(exc, "saved_ids", [])))  # AfterAnswersFailed
         finally:
             try:
                 if [id(t) for t in _trials(self._model)] != [id(t) for t in trials]:
@@ -559,6 +565,11 @@ class EngineWorker(QObject):
         self._drop_model()
         if had:
             self.unloaded.emit()
+
+
+def _offload_mode(model) -> str | None:
+    """The offload mode `model` runs under (None: no offload), which the GPU out of memory is said by (one_line)."""
+    return model.offload.config.mode if getattr(model, "offload", None) is not None else None
 
 
 def _trials(model) -> list:
