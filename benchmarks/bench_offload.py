@@ -41,6 +41,7 @@ from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import SWITCH_EVERY, hit_rate, realistic_trace  # noqa: E402
+from engine.units import layer_words  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
 # decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
@@ -268,18 +269,6 @@ def judge_words(placement: dict | None) -> str:
     if earned is None:
         return ""
     return f" ({'paused: ' if placement['swaps_paused'] else ''}{earned:.2f} hits a swap)"
-
-
-def layer_words(layers: list[int]) -> str:
-    """'layer 3', 'layers 0-23' or 'layers 0-3, 5, 8-9': layer numbers in runs."""
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and runs[-1][1] == layer - 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    words = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
-    return f"layer {words}" if len(layers) == 1 else f"layers {words}"
 
 
 def split_words(cold_split: dict | None, fixed: str | None = None) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_offload import split_words  # noqa: E402
 from engine import decoder  # noqa: E402
 from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
@@ -188,10 +189,10 @@ def main(argv=None) -> None:
         model, timeline = on_standin(args) if args.standin else on_cuda(args)
     finally:
         decoder.launch_ahead = ahead_before
-    split = model.offload.copy_state()["decode_path"]["cold_split"] or {}
+    # every layer's split table, each distinct one with its layers, and the host's gap the tables were made with
     print(f"dense part on the {model.dense_device}; launch ahead {'on' if args.ahead else 'off'}; "
-          f"{model.decoder.layers_ahead} layers launched ahead; the split's host gap "
-          f"{split.get('host_gap_s', 0.0) * 1e6:.0f} µs, CPU takes {split.get('cpu_takes')} of c cold")
+          f"{model.decoder.layers_ahead} layers launched ahead"
+          + split_words(model.offload.copy_state()["decode_path"]["cold_split"]))
     print(report(timeline))
 
 

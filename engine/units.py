@@ -23,6 +23,18 @@ def counted(count: int, noun: str, plural: str | None = None) -> str:
     return f"{count} {noun if count == 1 else plural or noun + 's'}"
 
 
+def layer_words(layers: list[int]) -> str:
+    """'layer 3', 'layers 0-23' or 'layers 0-3, 5, 8-9': layer numbers in runs."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and runs[-1][1] == layer - 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    words = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+    return f"layer {words}" if len(layers) == 1 else f"layers {words}"
+
+
 def decode_rate(tokens_per_s: float | None, unit: str = " tok/s", none: str = "n/a (one token)") -> str:
     """A decode rate as the user reads it ("40.0 tok/s"; a table whose heading says the unit: unit=""), and `none`
     where the answers were one token each: no decode step after the first token, which the prefill gives (a table's

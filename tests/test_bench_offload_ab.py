@@ -591,8 +591,9 @@ def test_first_split_tables_are_each_layers_own(tmp_path, monkeypatch):
     assert [line.split(":")[0] for line in lines] == ["tables fixed, layer 0", "tables fixed, layer 1"]
     assert f"the CPU's pairs {made[1][0]}, a pair split at rows {made[1][1]}" in lines[1]
     # each round's figures and its printed line give every layer's table, not layer 0's alone
-    assert all(r["cold_split"]["tables"] == [{"layers": [layer], "cpu_takes": share, "split_rows": rows}
-                                             for layer, (share, rows) in enumerate(made)] for r in details["A"])
+    assert all(r["cold_split"]["tables"] == [{"layers": [layer], "cpu_takes": share, "split_rows": rows,
+                                              "inter_size": 256} for layer, (share, rows) in enumerate(made)]
+               for r in details["A"])
     words = ab.split_words(details["A"][-1]["cold_split"], "split")
     assert words.startswith(f", CPU takes {made[0][0]} of c cold in layer 0 and {made[1][0]} in layer 1 (fixed "
                             f"tables \"split\"")  # (then slow steps the CPU's rate left out, where any)

@@ -55,3 +55,26 @@ def test_on_the_standin_each_layer_launches_waits_computes_and_raises_its_gate(c
               ("dense", "launch", "wait", "cpu", "gate")]
     assert [e for e in events if e != "dense"] == ["launch", "wait", "cpu", "gate"]
     assert "the host's work from a gate to its wait for the next routing" in out
+
+
+def test_the_header_gives_every_layers_split_table(capsys, monkeypatch):
+    """The header line gave the first layer's table alone ("CPU takes [...] of c cold"), though each layer has its own
+    (another expert size, or fixed tables of their own, as here): each distinct table is given with its layers."""
+    import numpy as np
+
+    import benchmarks.diag_host_timeline as diag
+
+    own = np.array([0, 1, 1, 2, 2, 3, 3, 4, 4], dtype=np.int32)
+    others = np.array([0, 0, 1, 1, 2, 2, 3, 3, 4], dtype=np.int32)
+    on_standin = diag.on_standin
+
+    def with_fixed_tables(args):  # layer 2's table of its own
+        model, timeline = on_standin(args)
+        model.offload.fix_split_tables(lambda layer: (own if layer == 2 else others, None))
+        return model, timeline
+
+    monkeypatch.setattr(diag, "on_standin", with_fixed_tables)
+    main(["--standin", "--steps", "2", "--warmup", "2"])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert (", CPU takes [0, 0, 1, 1, 2, 2, 3, 3, 4] of c cold in layers 0-1, 3 and [0, 1, 1, 2, 2, 3, 3, 4, 4] in "
+            "layer 2 (fixed tables") in header, header

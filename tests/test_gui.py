@@ -672,6 +672,35 @@ def test_a_popularity_file_edited_after_apply_can_be_applied_again_and_places_it
     assert budget.applied_label.text() == "Changed: popularity.json is gone since it was applied"
 
 
+def test_the_placement_view_says_each_layers_cpu_share_where_the_layers_split_tables_differ(qtbot, window):
+    """Under "both" each layer has its split table (copy_state's cold_split "tables": layers of another expert size, or
+    fixed tables of their own, as here); the summary's share was the first layer's alone. Where the layers' shares
+    differ it says each with its layers, and each row's tooltip gives its own layer's table."""
+    load(qtbot, window, fixture_folder("gptoss"), {**simulated(), "decode_path": "both"})
+    engine = window.worker._model.offload
+    k = engine.infos[0].spec.k
+    first, second = np.zeros(k + 1, dtype=np.int32), np.minimum(np.arange(k + 1), 1).astype(np.int32)
+    engine.fix_split_tables(lambda layer: (second if layer == 1 else first, None))
+    ask(qtbot, window, "Hello", max_tokens=4)
+    placement = window.placement
+    qtbot.waitUntil(lambda: placement.heatmap.data["steps"] == engine.stats.steps)
+    assert engine.decode_path_in_force == "both"
+    assert (f"a share computed on the CPU at once (up to 0 of {k} in layer 0 and 1 of {k} in layer 1 when all are "
+            "cold") in placement.summary.text()
+    assert (f"Layer 1's CPU share: 1 of {k} when all are cold ({second.tolist()} of c cold)"
+            in placement.heatmap.tooltip_at(1, 0))
+    assert (f"Layer 0's CPU share: 0 of {k} when all are cold ({first.tolist()} of c cold)"
+            in placement.heatmap.tooltip_at(0, 0))
+    # the layers as the model numbers them (the grid's rows); tables that differ below all cold give one share
+    tables = [{"layers": [0, 2], "cpu_takes": [0, 0, 1, 1, 2], "split_rows": None, "inter_size": 2880},
+              {"layers": [1], "cpu_takes": [0, 1, 1, 2, 2], "split_rows": [0, 0, 0, 0, 2432], "inter_size": 2880}]
+    both = {"host_tier": True, "in_force": "both", "cold_split": {"cpu_takes": [0, 0, 1, 1, 2], "tables": tables}}
+    assert copies_text({"decode_path": both}, [3, 5, 7]).endswith(
+        "(up to 2 of 4 in layers 3, 7 and 2 and 16% of one more of 4 in layer 5 when all are cold)")
+    tables[1]["split_rows"] = None
+    assert copies_text({"decode_path": both}, [3, 5, 7]).endswith("(up to 2 of 4 when all are cold)")
+
+
 def test_the_tooltip_counts_a_layers_steps_routed_on_the_device_as_the_engine_does(qtbot, window):
     """The tooltip's 'steps routed and computed on the device' (LayerStats.routed_on_device) never showed: the worker
     left the count out of its statistics. With the GPU reading cold experts from host memory (decode path tier) it

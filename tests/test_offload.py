@@ -332,7 +332,7 @@ def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its
     # 64 intermediate rows are one ROW_STEP, too few to split)
     assert state == {"cpu_takes": engine.cold_split_table(0).tolist(), "split_rows": None,
                      "tables": [{"layers": [0, 1, 2], "cpu_takes": engine.cold_split_table(0).tolist(),
-                                 "split_rows": None}], "inter_size": 64,  # (every layer's experts alike)
+                                 "split_rows": None, "inter_size": 64}], "inter_size": 64,  # (every layer's alike)
                      "cpu_bytes_per_s": engine.split_rate.value, "cpu_call_s": engine.split_rate.fixed_s,
                      "tier_read_bytes_per_s": engine.tier_read.value,
                      "host_gap_s": 0.0, "slow_steps_left_out": engine.split_gate.left_out, "fixed": False,
@@ -360,8 +360,8 @@ def test_fixed_split_tables_hold_each_layer_with_no_share_or_row_trials(model_fo
     state = engine.copy_state()["decode_path"]["cold_split"]
     assert (state["fixed"], state["cpu_takes"], state["share"], state["rows"]) == (True, [0, 0, 0, 0, 0], None, None)
     # every layer's table, not the first's alone (each its own here)
-    assert state["tables"] == [{"layers": [layer], "cpu_takes": table.tolist(), "split_rows": None}
-                               for layer, table in enumerate(given)]
+    assert state["tables"] == [{"layers": [layer], "cpu_takes": table.tolist(), "split_rows": None,
+                                "inter_size": SPEC.inter_size} for layer, table in enumerate(given)]
     engine.fix_split_tables(None)
     assert engine.trials_pending and engine.copy_state()["decode_path"]["cold_split"]["share"]["shift"] == 0
     assert engine.cold_split_table(2).tolist() == engine.split_tables_from_costs(2, False)[0].tolist()

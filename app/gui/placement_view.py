@@ -20,7 +20,7 @@ from app.gui import theme
 from app.gui.estimate import slots_split
 from engine.offload.decode_path import BOTH, PATH_WORDS, TIER, measured_words
 from engine.offload.split_share import SHARE_WORDS, SHIFT_WORDS
-from engine.units import counted, human_bytes
+from engine.units import counted, human_bytes, layer_words
 
 RECENT_MISS = 0.5    # a cold expert whose decayed routing count (x0.9 a step) is this high was hit in the last few steps
 
@@ -194,6 +194,12 @@ class Heatmap(QWidget):
             lines.append(f"Layer {d['layer_index'][row]} misses: {split_text(stats)}")
         if stats.get("routed_on_device"):
             lines.append(f"Layer {d['layer_index'][row]}: " + routed_on_device_text(d, stats))
+        table = split_table(d, row)
+        if table is not None:  # the row's own (layers of another expert size, or fixed tables, have their own)
+            rows = table.get("split_rows")
+            split_at = f", a pair split at rows {rows}" if rows and any(rows) else ""
+            lines.append(f"Layer {d['layer_index'][row]}'s CPU share: {share_words(table)} when all are cold "
+                         f"({table['cpu_takes']} of c cold{split_at})")
         lines.append(d["layer_names"][row])
         return "\n".join(lines)
 
@@ -203,6 +209,15 @@ class Heatmap(QWidget):
             QToolTip.hideText()
             return
         QToolTip.showText(event.globalPosition().toPoint(), self.tooltip_at(*cell), self)
+
+
+def split_table(data: dict, row: int) -> dict | None:
+    """The split table of the grid's `row` under the decode path "both" (one of copy_state's cold_split "tables"),
+    else None."""
+    path = (data.get("copies") or {}).get("decode_path") or {}
+    if path.get("in_force") != "both":
+        return None
+    return next((table for table in (path.get("cold_split") or {}).get("tables") or [] if row in table["layers"]), None)
 
 
 def cold_text(data: dict) -> str:
@@ -284,7 +299,7 @@ def slots_text(data: dict) -> str:
     return f"{on_device} of {total} experts on the device, in {counted(slots, 'slot')}: {slots_split(slots, miss)}"
 
 
-def copies_text(copies: dict) -> str:
+def copies_text(copies: dict, layer_index: list[int] | None = None) -> str:
     """What the miss policy's copies do: 'each copy earning 0.93 later hits, each placement swap earning 2.31 hits
     (or: placement's swaps paused, ...: swap_judge.py), 4 streaming slots for layers without slots, CPU misses priced
     at 64.0 GB/s + 190 µs a call' (the slots left to copies are slots_text's; later hits measured by the engine,
@@ -292,7 +307,8 @@ def copies_text(copies: dict) -> str:
     cost the policy weighs copies against, once measured), and
     whether the budget holds whole layers instead of being spread (engine/offload/layer_split.py), with the step
     times that chose it, or which split a trial is timing now; the same for where decode computes cold experts
-    (engine/offload/decode_path.py) where a host tier lets it choose."""
+    (engine/offload/decode_path.py) where a host tier lets it choose (`layer_index`: the model's layer numbers of the
+    engine's layers, which name the layers whose split tables differ)."""
     parts = []
     reuse = copies.get("later_hits_per_copy")
     if reuse is not None:
@@ -323,7 +339,7 @@ def copies_text(copies: dict) -> str:
     if path.get("measuring"):  # the same for the decode path's trial
         parts.append(f"timing where cold experts run: {PATH_WORDS[path['measuring']]} now")
     elif path.get("host_tier"):
-        parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + _cpu_share(path) + (
+        parts.append("cold experts " + PATH_WORDS[path.get("in_force", "cpu")] + _cpu_share(path, layer_index) + (
             f" (measured a token: {measured_words(measured)})" if len(measured) > 1 else ""))
     return ", ".join(parts)
 
@@ -345,15 +361,21 @@ def threads_text(threads: dict) -> str:
             f"{threads['others_busy_cores']:.1f} cores busy")
 
 
-def _cpu_share(path: dict) -> str:
+def _cpu_share(path: dict, layer_index: list[int] | None = None) -> str:
     """' (up to 4 of 8 when all are cold, the CPU's parts at 65 GB/s, after 190 µs of host work a layer)': the CPU's
-    share under the decode path "both" (with a pair split by rows: 'up to 4 and 17% of one more of 8'), and the CPU's
-    measured rate and the host's measured work between two such layers, which the share is weighed with; ''
-    elsewhere."""
+    share under the decode path "both" (with a pair split by rows: 'up to 4 and 17% of one more of 8'; where layers'
+    tables give different shares, each with its layers, as `layer_index` numbers the engine's: 'up to 4 of 8 in layers
+    0-11 and 3 of 8 in layers 12-23'), and the CPU's measured rate and the host's measured work between two such
+    layers, which the share is weighed with; '' elsewhere."""
     split = path.get("cold_split") or {}
-    takes = split.get("cpu_takes")
-    if path.get("in_force") != "both" or not takes:
+    if path.get("in_force") != "both" or not split.get("cpu_takes"):
         return ""
+    shares: dict[str, list[int]] = {}  # each share said, with the layers whose tables give it
+    for table in split.get("tables") or [split]:  # (the first layer's alone where no table says its layers)
+        numbers = [layer if layer_index is None else layer_index[layer] for layer in table.get("layers", [])]
+        shares.setdefault(share_words(table), []).extend(numbers)
+    said = " and ".join(words if len(shares) == 1 else f"{words} in {layer_words(sorted(layers))}"
+                        for words, layers in shares.items())
     host_s = split.get("host_gap_s") or 0.0
     host = f", after {host_s * 1e6:.0f} µs of host work a layer" if host_s else ""
     rate = split.get("cpu_bytes_per_s")  # what the CPU's parts measured, the table's CPU side
@@ -371,9 +393,17 @@ def _cpu_share(path: dict) -> str:
         trial = f", {SHIFT_WORDS[share['shift']]} than the rates give, as measured faster"
     else:
         trial = ""
-    rows, inter = (split.get("split_rows") or [0])[-1], split.get("inter_size")
+    return f" (up to {said} when all are cold{trial}{rate_words}{host})"
+
+
+def share_words(table: dict) -> str:
+    """'4 of 8': the most cold pairs of a token's k that a layer's split table (copy_state's cold_split, or one of its
+    "tables") gives the CPU, all being cold; '4 and 17% of one more of 8' with the CPU's rows of a pair split by
+    rows."""
+    takes = table["cpu_takes"]
+    rows, inter = (table.get("split_rows") or [0])[-1], table.get("inter_size")
     part = f" and {1 - rows / inter:.0%} of one more" if rows and inter else ""  # the CPU's rows of the split pair
-    return f" (up to {takes[-1]}{part} of {len(takes) - 1} when all are cold{trial}{rate_words}{host})"
+    return f"{takes[-1]}{part} of {len(takes) - 1}"
 
 
 class PlacementView(QWidget):
@@ -470,7 +500,7 @@ class PlacementView(QWidget):
             cpu, copied, read = self.last_step
             parts.append(f"last step: {cpu} on the CPU, {copied} copied" + (f", {read} read from host memory" if read
                                                                              else ""))
-        copies = copies_text(data.get("copies") or {})
+        copies = copies_text(data.get("copies") or {}, data.get("layer_index"))
         if copies:
             parts.append(copies)
         parts.append("placement: " + placements_text(fills, swaps))

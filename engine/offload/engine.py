@@ -563,16 +563,18 @@ class OffloadEngine:
 
     def _layer_tables(self) -> list[dict]:
         """Every device layer's split tables under "both", each distinct one once with the layers that use it, in the
-        order of their first layer: [{"layers": [0, 1, ...], "cpu_takes": [...], "split_rows": [...] or None}]
-        (layers of another expert size, or fixed tables of their own, differ from the first's)."""
+        order of their first layer: [{"layers": [0, 1, ...], "cpu_takes": [...], "split_rows": [...] or None,
+        "inter_size": the layers' intermediate rows, which split_rows split}] (layers of another expert size, or fixed
+        tables of their own, differ from the first's)."""
         found: dict[tuple, list[int]] = {}
         for layer, store in enumerate(self.stores):
             if store is not None:
                 take, rows = self._split_pair_tables(layer)
-                key = (tuple(take.tolist()), None if rows is None else tuple(rows.tolist()))
+                key = (tuple(take.tolist()), None if rows is None else tuple(rows.tolist()),
+                       self.infos[layer].spec.inter_size)
                 found.setdefault(key, []).append(layer)
-        return [{"layers": layers, "cpu_takes": list(take), "split_rows": None if rows is None else list(rows)}
-                for (take, rows), layers in found.items()]
+        return [{"layers": layers, "cpu_takes": list(take), "split_rows": None if rows is None else list(rows),
+                 "inter_size": inter} for (take, rows, inter), layers in found.items()]
 
     def _cold_split_state(self) -> dict | None:
         """Under the decode path "both": how many of a token's cold pairs the CPU takes (the first device layer's
