@@ -1316,6 +1316,30 @@ def test_approximate_routing_makes_no_host_tier_and_says_cold_experts_run_on_the
     assert engine.host_tier and engine.decode_path_in_force == "tier"
 
 
+def test_async_max_tokens_0_makes_no_host_tier_and_says_why(model_folder):
+    """async_max_tokens=0 runs no step with the CPU and the GPU at once, and only such a decode step reads the host tier
+    (HybridExpertNode): the tier was made all the same (its page-locked memory and device mappings held for nothing),
+    decode path 'tier' was said to be in force and every cold expert ran on the CPU. No tier is made now and the plan
+    says why; asked for on the loaded model, 'tier' is refused saying so; async_max_tokens raised, the tier is made."""
+    half = device_expert_bytes(model_folder) // 2
+    said = ("Cold experts are computed on the CPU: no host tier is made, since async_max_tokens=0 runs no step with "
+            "the CPU and the GPU at once, and only such a decode step reads the tier.")
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=half, async_max_tokens=0),
+                             device=SimulatedDevice(1 << 30), decode_path="tier")
+    engine = model.offload
+    assert not engine.host_tier and engine.decode_path_in_force == "cpu" and said in engine.plan.statements
+    greedy_run(model, steps=4)
+    assert engine.stats.totals().misses_read == 0 and engine.stats.totals().misses > 0
+    engine.set_decode_path("auto")
+    with pytest.raises(WorkbenchError, match=r"decode path 'tier': Cold experts are computed on the CPU: no host tier "
+                                             r"is made, since async_max_tokens=0"):
+        engine.set_decode_path("tier")
+    engine.reconfigure(engine.config.updated(async_max_tokens=8), decode_path="tier")
+    assert engine.host_tier and engine.decode_path_in_force == "tier"
+    greedy_run(model, steps=4)
+    assert engine.stats.totals().misses_read > 0
+
+
 def test_disabled_mode_routes_exactly_and_says_its_approximate_routing_settings_do_not_apply(model_folder, cpu_run,
                                                                                               monkeypatch):
     """Approximate routing is part of hybrid offload: under mode=disabled (no offload, every expert where the dense

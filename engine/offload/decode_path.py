@@ -163,7 +163,7 @@ def tier_planned(mode: str, config: OffloadConfig, infos, device_kind: str | Non
     mappings)."""
     return (tier_wanted(mode, config) and device_kind is not None and config.mode != "disabled"
             and not _dense_on_host(device_kind, dense_cpu) and not config.approximate_routing
-            and _refusal(mode, config, tier_bytes(infos), available) is None)
+            and config.async_max_tokens > 0 and _refusal(mode, config, tier_bytes(infos), available) is None)
 
 
 def _dense_on_host(device_kind: str | None, dense_cpu: str | None) -> bool:
@@ -212,6 +212,9 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
                           if getattr(config, key) > 0)
         return False, (f"{without_tier(config)}: no host tier is made, since approximate routing ({asked}) picks each "
                        "token's experts on the host, where decode from the tier routes on the GPU.")
+    if config.async_max_tokens == 0:  # (HybridExpertNode: a step that reads the tier overlaps the CPU's part)
+        return False, (f"{without_tier(config)}: no host tier is made, since async_max_tokens=0 runs no step with the "
+                       "CPU and the GPU at once, and only such a decode step reads the tier.")
     refusal = _refusal(mode, config, tier_bytes(infos), available) or _device_refusal(config, infos, slots, device)
     if refusal:
         return False, f"{without_tier(config)}: no host tier is made, since {refusal}."
