@@ -291,6 +291,43 @@ def test_a_host_tier_the_driver_refuses_leaves_the_plan_of_no_tier(model_folder,
     assert_same_as_cpu(greedy_run(models[0]), cpu_run)
 
 
+def test_a_replan_whose_plan_without_the_refused_tier_fails_leaves_the_configuration_in_force(model_folder, cpu_run,
+                                                                                               monkeypatch):
+    """A re-plan whose host tier the driver refuses plans again without it (_plan_untiered); where that plan failed too
+    (here the staging ring refused: any WorkbenchError, not only the device's memory), the error went out with every
+    store released and the refused plan in force. Now the configuration in force stays, and decodes as the CPU does."""
+    from engine.offload.devices import SimulatedSlots
+    from engine.offload.planner import OffloadPlanError
+    from kernels.gpu.host_tier import HostTierError
+
+    quarter = device_expert_bytes(model_folder) // 4
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=quarter),
+                             device=SimulatedDevice(1 << 30), decode_path="cpu")
+    engine = model.offload
+    plan, slots = engine.plan, [store.num_slots for store in engine.stores]
+    real_resize, real_plan = SimulatedSlots.resize, type(engine)._plan
+
+    def refused(self, num_slots):
+        if self.host_tier:
+            raise HostTierError("cuMemCreate failed: CUresult 2")
+        real_resize(self, num_slots)
+
+    def untiered_refused(self, config, tier=True):
+        if not tier:
+            raise OffloadPlanError("the staging ring's 8.0 MiB of page-locked memory was refused")
+        return real_plan(self, config, tier)
+
+    monkeypatch.setattr(SimulatedSlots, "resize", refused)
+    monkeypatch.setattr(type(engine), "_plan", untiered_refused)
+    with pytest.raises(WorkbenchError, match="staging ring's 8.0 MiB"):
+        engine.reconfigure(engine.config.updated(device_expert_bytes=2 * quarter), decode_path="tier")
+    monkeypatch.undo()
+    assert engine.plan is plan and [store.num_slots for store in engine.stores] == slots
+    assert engine.config.device_expert_bytes == quarter and engine.decode_path_mode == "cpu"
+    assert not engine.host_tier
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+
+
 def test_under_decode_path_both_the_cpus_share_follows_the_rates_measured_in_its_steps(model_folder, cpu_run):
     """Decode path "both" on the simulated device: the CPU's share of the cold pairs (cold_split_table) comes from the
     rates its steps measure: the CPU kernel's (CpuRate) and the GPU's reads from the tier (TierReadRate: the launch's

@@ -1061,7 +1061,8 @@ class OffloadEngine:
                 self._try_host_tier(config)
             else:
                 self._make_stores(False)
-        except DeviceMemoryError:  # the device had less free than the plan counted on (another process took some)
+        except WorkbenchError:  # the device had less free than the plan counted on (another process took some), or
+            # the plan made again without a tier the driver refused failed (_try_host_tier)
             self._restore_plan(old_plan, old_counts, held_tier)
             self._resume_unbounded_work()  # (ended above for the plan refused)
             raise
