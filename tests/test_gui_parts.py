@@ -247,6 +247,28 @@ def test_the_estimate_runs_every_expert_on_the_cpu_under_offload_disabled_where_
     assert device["free"] == 64 << 20
 
 
+def test_the_estimate_of_a_model_whose_expert_nodes_the_engine_runs_none_of_says_where_the_arena_keeps_the_dense_part(
+        gptoss, monkeypatch):
+    """With no expert node the engine runs there is no plan, and so nothing for the load to plan again: under
+    mode=disabled on a card where onnxruntime's arena would not fit, the estimate re-planned all the same and raised
+    AttributeError (its streaming slots None). It says where the dense part would run, as with any other model."""
+    from dataclasses import replace
+
+    from engine import ort_env
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    facts = replace(gptoss, experts=[replace(info, spec=None, unsupported="a stand-in") for info in gptoss.experts])
+    config = OffloadConfig(mode="disabled", reserve_device_bytes=0, gpu_device_mem_limit=64 << 20)
+    est = estimate(facts, config, DeviceChoice("cuda", 1 << 30, name="test card"))
+    assert not est.error and est.plan is None and est.resident == 0
+    assert est.statements == [
+        f"Loaded with these settings, the dense part would stay on the CPU: gpu_device_mem_limit={64 << 20} leaves 64.0 "
+        "MiB after the expert slots and staging; the KV cache and state at their longest (1.5 MiB), the dense weights "
+        "(618.9 KiB) and onnxruntime's workspace (64.0 MiB at least) need more: raise gpu_device_mem_limit, or use "
+        "mode=auto, which keeps the experts that do not fit on the CPU."]
+
+
 def test_under_offload_disabled_the_estimate_says_what_lets_the_arena_registered_earlier_fit(gptoss, monkeypatch):
     """mode=disabled, where a model loaded earlier in this process registered onnxruntime's GPU arena (stood in:
     ort_env._shared_arenas) at more than gpu_device_mem_limit leaves it beside every expert: the reason the dense part

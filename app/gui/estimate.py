@@ -326,9 +326,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if dense_on_gpu and stand_in is not None and not error:
         at_load = dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes)
         dense_cpu, dense_on_gpu = at_load, at_load is None
-    if at_load and (host_tier or config.mode == "disabled"):
+    if at_load and plan is not None and (host_tier or config.mode == "disabled"):
         # the engine plans again without the tier, and with mode=disabled's experts beside the dense part on the CPU
-        # (OffloadEngine.dense_landed)
+        # (OffloadEngine.dense_landed); with no expert node it runs there is no plan to make again
         stand_in.memory.release(resident_bytes, "expert slots")
         streaming.close()
         tiered = host_tier
