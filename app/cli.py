@@ -359,15 +359,6 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     return config, None
 
 
-def _arena_refusal(device, state, dense_bytes: int) -> str | None:
-    """Why a load would keep the dense part on the CPU once its plan took what `device` holds now: onnxruntime's arena
-    not fitting beside it (ort_env.dense_refusal), None where it fits."""
-    from engine.ort_env import dense_refusal
-
-    total, growth = state.full_context_bytes()
-    return dense_refusal(device, device.memory.available, total + growth, dense_bytes)
-
-
 def _cmd_inspect(args) -> int:
     from app.inspect_report import format_inspection, inspection
     from engine.model_folder import ModelFolder
@@ -384,9 +375,8 @@ def _cmd_inspect(args) -> int:
         from engine.offload import decode_path as paths
         from engine.offload.engine import load_popularity, popularity_statement
         from engine.offload.host_cache import file_backing_refusal
-        from engine.offload.planner import plan_offload
-        from engine.offload.streaming import plan_streaming
-        from engine.ort_env import dense_cpu_reason
+        from engine.offload.dense_landing import PlanPreview, land_dense
+        from engine.ort_env import dense_cpu_reason, dense_refusal
 
         # what the engine checks at load, checked here too: the experts fit where allow_file_backing keeps them, the
         # pinned ring holds an expert, the popularity file reads
@@ -403,43 +393,23 @@ def _cmd_inspect(args) -> int:
         state = DecoderState(folder.config, folder.onnx.proto.graph)
         kind = getattr(device, "kind", None)
         dense_cpu = dense_cpu_reason(kind, state.kv_dtypes())  # (a CUDA card's: no host tier)
-        mode = args.decode_path or paths.default_decode_path()
+        total, growth = state.full_context_bytes()
 
-        def as_loaded(dense_cpu: str | None) -> tuple:
-            """(the plan, whether the tier is made, the sentences the load's plan says in its order: the plan's, the
-            staging's, the tier's, the streaming slots'), the slots and streaming slots reserved on the device."""
-            planned_tier = paths.tier_planned(mode, config, folder.experts, kind, paths.host_available(), dense_cpu)
-            plan = plan_offload(config, folder.experts, device, whole_layers=args.layer_split == "whole",
-                                dense_on_device=device is not None and dense_cpu is None, host_tier=planned_tier,
-                                dense_cpu=dense_cpu)
-            statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
-            tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, kind, device, dense_cpu)
-            statements += [said] if said else []
-            streaming = None
-            if device is not None:  # the streaming slots in what the expert slots (with the tier: its mappings) leave
-                device.memory.reserve(plan.device_bytes(folder.experts, tier), "expert slots")
-                streaming = plan_streaming(config, nodes, [plan.slots.get(n.info.name, 0) for n in nodes], device,
-                                           paths.fixed_tier_path(mode, tier))
-                statements += streaming.statements
-            return plan, tier, statements, streaming
+        def arena(ahead: int) -> str | None:  # the load's check, nothing registered, the device as the plan leaves it
+            return dense_refusal(device, device.memory.available - ahead, total + growth, folder.dense_bytes)
 
-        plan, tier, statements, streaming = as_loaded(dense_cpu)
-        at_load = None
-        if kind == "cuda" and dense_cpu is None and (tier or config.mode == "disabled"):
-            # the dense part meant for the card: the load keeps it on the CPU where its arena does not fit beside the
-            # plan, and plans again without the tier, with mode=disabled's experts on the CPU (dense_landed)
-            at_load = _arena_refusal(device, state, folder.dense_bytes)
-        if at_load:
-            device.memory.release(plan.device_bytes(folder.experts, tier), "expert slots")
-            streaming.close()
-            tiered = tier
-            plan, tier, statements, streaming = as_loaded(at_load)
-            if tiered and _arena_refusal(device, state, folder.dense_bytes) is None:
-                # the arena fits beside the slots without the tier's mappings: the load tries the card again, and the
-                # dense part goes there, with no tier (OffloadEngine.dense_landed)
-                _tier, said = paths.tier_preview(mode, config, folder.experts, plan.slots, kind, device, at_load)
-                if said:
-                    statements[statements.index(said)] = paths.tier_beside_arena(config, at_load)
+        # the plan the load makes, its slots and streaming slots reserved on the device, made again where the load
+        # would keep the dense part on the CPU (dense_landing.land_dense: the arena checked, not registered)
+        preview = PlanPreview(config, folder.experts, nodes, device, kind, args.layer_split == "whole",
+                              args.decode_path or paths.default_decode_path(), dense_cpu, arena)
+        if device is not None:
+            preview.make_slots()
+            land_dense(preview, preview.place)
+        plan = preview.plan
+        # the sentences the load's plan says, in its order: the plan's, the staging's, the tier's, the streaming slots'
+        statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
+        statements += [preview.tier_said] if preview.tier_said else []
+        statements += preview.streaming.statements if preview.streaming is not None else []
         # which nodes the file leaves out or counts too few experts of, where it does
         said_popularity = "" if rows is None else popularity_statement(
             config.popularity_file, rows, names, config.placement, [plan.slots.get(name, 0) for name in names])

@@ -19,6 +19,7 @@ from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
 from engine.offload.approximate import AgreementMeter
+from engine.offload.dense_landing import land_dense
 from engine.offload.device_memory import DENSE_RESERVATION
 from engine.offload.planner import dense_cpu_words
 from engine.ort_env import DenseDevice, choose_dense_device, dense_cpu_reason, dense_goes_to, dense_refusal
@@ -112,17 +113,19 @@ class LoadedModel:
                                           dense_cpu_reason(getattr(device, "kind", None), probe.kv_dtypes()),
                                           lambda available: dense_refusal(device, available, total + growth,
                                                                           folder.dense_bytes))
-        # the engine's reason where it has one: choose_dense_device's own, or the arena's, which a plan under
-        # mode=disabled foresaw (OffloadEngine._arena_beside_every_expert) and so left the room the arena would find
-        why = self.offload.dense_cpu if self.offload is not None else None
-        self.dense: DenseDevice = (DenseDevice("cpu", why) if why else
-                                   choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes()))
-        landed = None if self.dense.kind == "cuda" else self.dense.reason
-        # (an arena that does not fit beside the plan leaves it on the CPU all the same)
-        beside_tier = self.offload.dense_landed(landed) if self.offload is not None else None
-        if beside_tier:  # planned again without the host tier, whose device mappings held the room the arena lacked
-            self.dense = choose_dense_device(device, total + growth, folder.dense_bytes, probe.kv_dtypes())
-            self.offload.dense_landed(None if self.dense.kind == "cuda" else self.dense.reason, beside_tier)
+
+        def place(why: str | None) -> str | None:
+            """On the CPU for the engine's reason where it has one (dense_landing.land_dense), else on the card where
+            onnxruntime's arena fits: why it runs on the CPU, None on the card."""
+            self.dense: DenseDevice = (DenseDevice("cpu", why) if why else
+                                       choose_dense_device(device, total + growth, folder.dense_bytes,
+                                                           probe.kv_dtypes()))
+            return None if self.dense.kind == "cuda" else self.dense.reason
+
+        if self.offload is not None:  # (an arena that does not fit beside the plan leaves it on the CPU all the same)
+            land_dense(self.offload, place)
+        else:
+            place(None)
         if self.dense.kind == "cuda" and getattr(device, "cp", None) is not None:
             # blocks cached in CuPy's pool (a model dropped before this load left its slots there), which no
             # accounting counts, go back before onnxruntime's arena takes its share

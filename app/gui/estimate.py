@@ -21,15 +21,15 @@ from engine.decoder_state import DecoderState, kv_rows_at_most
 from engine.errors import ModelFileError
 from engine.offload import decode_path as paths
 from engine.offload.config import OffloadConfig
+from engine.offload.dense_landing import PlanPreview, land_dense
 from engine.offload.device_memory import card_memory
 from engine.ort_env import DenseDoesNotFit, dense_arena, dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
 from engine.offload.host_cache import file_backing_refusal
 from engine.onnx_file import OnnxFile
 from engine.offload.staging import StagingPlan, plan_staging
-from engine.offload.streaming import plan_streaming
 from engine.offload.planner import (AUTO_RESERVE_FRACTION, AUTO_RESERVE_MIN, OffloadPlan, OffloadPlanError,
-                                    dense_cpu_words, plan_offload)
+                                    dense_cpu_words)
 from engine.units import counted, human_bytes
 from kernels.gpu.host_tier import TIER_GRANULE
 
@@ -302,46 +302,35 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
                 stand_in = None
             if staged is not None:
                 staging = staged.device_bytes
-    plan = None
+    plan = preview = None
+
+    def arena(ahead: int) -> str | None:  # the load's check, the stand-in as the plan leaves it with `ahead` more taken
+        return dense_fit(facts, device, config, stand_in.memory.used + ahead)
+
     if not facts.supported and config.mode == "required":
         error = error or "mode 'required' refuses this model: " + "; ".join(
             n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
     elif experts and not error:  # an unusable device (mode required, above) or a refused ring: no plan
         try:
-            planned_tier = stand_in is not None and paths.tier_planned(
-                decode_path or paths.default_decode_path(), config, experts, device.kind, paths.host_available(),
-                dense_cpu)
-            plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_on_device=dense_on_gpu,
-                                host_tier=planned_tier, dense_cpu=dense_cpu)
+            preview = PlanPreview(config, experts, facts.staged_nodes, stand_in, device.kind, whole_layers,
+                                  decode_path or paths.default_decode_path(), dense_cpu, arena)
+            plan = preview.plan
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)
-    host_tier, tier_said = False, ""
-    streaming = None
+    landed = dense_cpu  # where the load would put the dense part, the plan made (None: on the card)
     if plan is not None and stand_in is not None and not error:
-        host_tier, tier_said, streaming = _tier_and_streaming(facts, config, plan, device.kind, stand_in, decode_path,
-                                                               dense_cpu)
-    resident_bytes = plan.device_bytes(experts, host_tier) if plan else 0
-    streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups) if streaming else 0
-    at_load = None  # why the load would keep the dense part on the CPU all the same, the plan made (dense_fit)
-    if dense_on_gpu and stand_in is not None and not error:
-        at_load = dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes)
-        dense_cpu, dense_on_gpu = at_load, at_load is None
-    if at_load and plan is not None and (host_tier or config.mode == "disabled"):
-        # the engine plans again without the tier, and with mode=disabled's experts beside the dense part on the CPU
-        # (OffloadEngine.dense_landed); with no expert node it runs there is no plan to make again
-        stand_in.memory.release(resident_bytes, "expert slots")
-        streaming.close()
-        tiered = host_tier
-        plan = plan_offload(config, experts, stand_in, whole_layers=whole_layers, dense_cpu=dense_cpu)
-        host_tier, tier_said, streaming = _tier_and_streaming(facts, config, plan, device.kind, stand_in, decode_path,
-                                                               dense_cpu)
-        resident_bytes = plan.device_bytes(experts, host_tier)
-        streaming_bytes = sum(group.num_slots * group.slot_bytes for group in streaming.groups)
-        if tiered and dense_fit(facts, device, config, staging + resident_bytes + streaming_bytes) is None:
-            # the arena fits beside the slots without the tier's mappings: the load tries the card again, and the
-            # dense part goes there, with no tier (OffloadEngine.dense_landed)
-            tier_said = paths.tier_beside_arena(config, at_load) if tier_said else ""
-            dense_cpu, dense_on_gpu, at_load = None, True, None
+        # the slots and streaming slots reserved, made again where the load would keep the dense part on the CPU
+        preview.make_slots()
+        landed = land_dense(preview, preview.place)
+        plan = preview.plan
+    elif dense_on_gpu and stand_in is not None and not error:  # (no expert node the engine runs: no plan)
+        landed = arena(0)
+    at_load = landed if dense_on_gpu else None  # why the load would keep it on the CPU all the same (dense_fit)
+    if at_load:
+        dense_cpu, dense_on_gpu = at_load, False
+    host_tier, tier_said, streaming = (preview.host_tier, preview.tier_said, preview.streaming) if preview else (
+        False, "", None)
+    resident_bytes, streaming_bytes = (preview.slot_bytes, preview.streaming_bytes) if preview else (0, 0)
     host_parts = [
         Part("dense", "dense weights", 0 if dense_on_gpu else facts.dense_bytes,
              "copied to the GPU at load" if dense_on_gpu else "onnxruntime CPU"),
@@ -421,22 +410,6 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         statements.insert(0, error)
     return Estimate(plan, error, per_layer, device_parts, host_parts, capacity, ceiling, staging, statements,
                     staged if not error else None, host_tier)
-
-
-def _tier_and_streaming(facts: ModelFacts, config: OffloadConfig, plan, device_kind: str, stand_in,
-                        decode_path: str | None, dense_cpu: str | None) -> tuple:
-    """(whether the host tier is made, its sentence, the decode streaming slots): what the engine makes once `plan` is
-    made on a card of `device_kind`, the tier asked of `stand_in` as the plan leaves it (staging reserved, no slots),
-    then the expert slots (with the tier: its mappings) reserved on `stand_in` and the streaming slots of layers left
-    without slots (device working memory) in what they leave."""
-    mode = decode_path or paths.default_decode_path()
-    experts = [info for info in facts.experts if info.spec is not None]
-    host_tier, said = paths.tier_preview(mode, config, experts, plan.slots, device_kind, stand_in, dense_cpu)
-    stand_in.memory.reserve(plan.device_bytes(experts, host_tier), "expert slots")
-    nodes = facts.staged_nodes
-    streaming = plan_streaming(config, nodes, [plan.slots.get(node.info.name, 0) for node in nodes], stand_in,
-                               paths.fixed_tier_path(mode, host_tier))
-    return host_tier, said, streaming
 
 
 def dense_fit(facts: ModelFacts, device: DeviceChoice, config: OffloadConfig, planned: int) -> str | None:

@@ -27,6 +27,7 @@ from engine.offload.config import OffloadConfig
 from engine.offload import decode_path as paths
 from engine.offload.decode_path import (BOTH, CPU, TIER, DecodePathTrials, HostGap, TierReadRate, checked_path,
                                         default_decode_path)
+from engine.offload.dense_landing import DenseLanding
 from engine.offload.device_memory import DeviceMemoryError
 from engine.offload.devices import TIER_READ_SHARE
 from engine.offload.host_cache import HostExpertCache, file_backing_refusal
@@ -158,7 +159,7 @@ SETTLE_PER_LAYER = 2
 SETTLE_WAIT_S = 0.5  # settle_all_but's longest wait for the GPU before the step's last segment
 
 
-class OffloadEngine:
+class OffloadEngine(DenseLanding):
     def __init__(self, runners: list[CpuExpertNode], config: OffloadConfig, device, layer_split: str | None = None,
                  decode_path: str | None = None, kernel_threads: KernelThreads | None = None,
                  dense_on_device: bool = False, dense_cpu: str | None = None,
@@ -225,7 +226,7 @@ class OffloadEngine:
         self._decode_mark: tuple | None = None  # the decode phase's totals at the last safe point (_trial_seconds)
         self._choosable: tuple | None = None  # (the plan, whether its split is choosable): _split_is_choosable
         self.plan: OffloadPlan = self._plan(config)
-        self._arena_beside_every_expert()
+        self.arena_beside_every_expert(self.plan.device_bytes(self.infos))  # (before any slot is made)
         self.slots = [LayerSlots(info.spec.num_experts, self.plan.slots[info.name]) for info in self.infos]
         # Nodes the GPU kernels cannot run (info.gpu_unsupported, decided by the planner's check) get no device
         # store: they run all on the CPU, prefill waves and miss copies included.
@@ -273,47 +274,23 @@ class OffloadEngine:
                                                        self.device, self.dense_cpu)
         return made
 
-    def dense_landed(self, dense_cpu: str | None, beside_tier: str | None = None) -> str | None:
-        """The load put the dense part on the CPU for `dense_cpu` (None: on the device). The plan was made for where it
-        was meant to go, which onnxruntime's arena not fitting beside the plan can still change: a host tier made for
-        a dense part that stayed on the CPU would never be read (decode_path.tier_verdict), and mode=disabled put
-        every expert on the card beside a dense part that is not there, so the configuration in force is planned
-        again, without the tier and with mode=disabled's experts on the CPU.
-        Where the arena lacked the room the tier's device mappings took (each slot array rounded up to the granule),
-        the plan without them may leave it enough: the arena check's refusal beside the tier is returned where it
-        does (arena_refusal), and the load tries the card again, then says where the dense part landed with that
-        refusal as `beside_tier`. (Under mode=disabled there is no second try: every expert on the CPU with the dense
-        part alone on the card is mode=auto's plan with no expert budget, not offload disabled.)"""
-        stayed = dense_cpu is not None and getattr(self.device, "kind", None) == "cuda"
-        beside = stayed and self.dense_on_device and self.config.mode == "disabled"
-        tiered = stayed and self._host_tier
-        short = self.arena_refusal(self.device.memory.available) if tiered and self.arena_refusal else None
-        self.dense_cpu = dense_cpu
-        if stayed:
-            self.dense_on_device = False  # (a later re-plan to mode=disabled puts every expert on the CPU too)
-        if beside or tiered:
-            self.reconfigure(self.config)
-        if dense_cpu is None and beside_tier:  # on the card after all, beside the slots without the tier
-            self.dense_on_device = True
-            said = self.tier_statement  # ('' where the plan without the tier made every expert resident)
-            if said:
-                self.tier_statement = paths.tier_beside_arena(self.config, beside_tier)
-                self.plan.statements[self.plan.statements.index(said)] = self.tier_statement
-        return short if short and self.arena_refusal(self.device.memory.available) is None else None
+    # the dense part's landing (dense_landing.DenseLanding: dense_landed, arena_beside_every_expert) on this engine
+    def _on_card(self) -> bool:
+        return getattr(self.device, "kind", None) == "cuda"
 
-    def _arena_beside_every_expert(self) -> None:
-        """mode=disabled plans every expert beside the dense part on the card. Where onnxruntime's arena would not fit
-        beside them, the load keeps the dense part on the CPU, and every expert goes there with it (dense_landed): the
-        plan's slots are all that mode=disabled takes of the device (no staging ring, streaming slots or tier), so this
-        is known now, and planned so before every expert is copied to the card only to be freed. (Only a CUDA card has
-        the arena: a stand-in device that takes the dense part is not weighed.)"""
-        if not (self.dense_on_device and self.config.mode == "disabled" and self.arena_refusal is not None
-                and getattr(self.device, "kind", None) == "cuda"):
-            return
-        why = self.arena_refusal(self.device.memory.available - self.plan.device_bytes(self.infos))
-        if why:
-            self.dense_cpu, self.dense_on_device = why, False
-            self.plan = self._plan(self.config)
+    def _arena_check(self, ahead: int = 0) -> str | None:
+        return self.arena_refusal(self.device.memory.available - ahead) if self.arena_refusal is not None else None
+
+    def _plan_for_dense(self) -> None:
+        self.plan = self._plan(self.config)
+
+    def _replan_for_dense(self) -> None:
+        self.reconfigure(self.config)
+
+    def _say_beside_arena(self, said: str) -> None:
+        if self.tier_statement:
+            self.plan.statements[self.plan.statements.index(self.tier_statement)] = said
+            self.tier_statement = said
 
     def _try_host_tier(self, config: OffloadConfig) -> bool:
         """Every store made again with the host tier (for `config`, the configuration being put in force); where the
