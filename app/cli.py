@@ -1210,7 +1210,7 @@ def main(argv: list[str] | None = None) -> int:
             require_onnxruntime()
         return handlers[command](args)
     except WorkbenchError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(exc, getattr(args, 'offload_mode', None))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

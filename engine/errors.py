@@ -147,7 +147,8 @@ def one_line(exc: BaseException, mode: str | None = None) -> str:
     type and first line, with what to do when the GPU's context is lost or its memory ran out, the latter as the
     offload `mode` the failing work ran under says it (where the caller knows it)."""
     if isinstance(exc, WorkbenchError):
-        return str(exc)
+        # one that wraps the card's memory running out where the mode is not known (DenseSegment.run) said the budget's
+        return str(exc).replace(GPU_OUT_OF_MEMORY, GPU_OUT_OF_MEMORY_DISABLED) if mode == "disabled" else str(exc)
     text = f"{type(exc).__name__}: {error_reason(exc)}" if str(exc).strip() else type(exc).__name__
     if any(name in text for names in _STICKY_CUDA_ERRORS for name in names):
         text += f"; {GPU_LOST}"

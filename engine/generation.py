@@ -209,6 +209,12 @@ class LoadedModel:
         return self.dense.kind
 
     @property
+    def offload_mode(self) -> str | None:
+        """The offload mode this model runs under (None: no offload), which its GPU out of memory is said by
+        (errors.one_line: under mode=disabled the expert budgets do not apply)."""
+        return self.offload.config.mode if self.offload is not None else None
+
+    @property
     def dense_reason(self) -> str:
         """Why the dense part runs where it does, as the offload mode in force says it (a re-plan may change the mode;
         the arena check's hint names expert budgets, which mode=disabled does not apply: planner.dense_cpu_words)."""

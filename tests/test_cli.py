@@ -2130,3 +2130,29 @@ def test_the_gpu_out_of_memory_under_offload_disabled_does_not_advise_the_expert
                                 "the experts that do not fit on the CPU, or free what other processes hold on the GPU")
     assert said["auto"].endswith("; the GPU ran out of memory: lower the expert budget (device_expert_bytes) or free "
                                  "what other processes hold on the GPU")
+
+
+def test_the_dense_part_out_of_gpu_memory_under_offload_disabled_does_not_advise_the_expert_budget(capsys,
+                                                                                                  monkeypatch):
+    """onnxruntime running out of the card's memory in a dense part is said as a WorkbenchError naming the part, which
+    DenseSegment.run words without knowing the offload mode: under mode=disabled it still advised lowering
+    device_expert_bytes, which no expert budget there obeys. It says what frees the card's memory under that mode."""
+    from engine import dense_segment
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory ; GPU=0")
+
+    monkeypatch.setattr(dense_segment, "run_bound", out_of_memory)
+    said = {}
+    for mode in ("disabled", "auto"):
+        status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello", "--device",
+                                  "simulated", "--offload", f"mode={mode}")
+        assert status == 2, err
+        said[mode] = err.strip().splitlines()[-1]
+    assert said["disabled"].startswith("moe-workbench: error: ")
+    assert "onnxruntime failed to run the dense part" in said["disabled"]
+    assert said["disabled"].endswith(": RuntimeError: CUDA failure 2: out of memory ; GPU=0; the GPU ran out of "
+                                     "memory: use mode=auto, which keeps the experts that do not fit on the CPU, or "
+                                     "free what other processes hold on the GPU")
+    assert said["auto"].endswith("; GPU=0; the GPU ran out of memory: lower the expert budget (device_expert_bytes) or "
+                                 "free what other processes hold on the GPU")

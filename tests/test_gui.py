@@ -2090,6 +2090,27 @@ def test_a_load_that_runs_out_of_gpu_memory_under_offload_disabled_names_no_expe
                                  "the experts that do not fit on the CPU, or free what other processes hold on the GPU")
 
 
+def test_an_unload_whose_gpu_ran_out_of_memory_under_offload_disabled_names_no_expert_budget(qtbot, window,
+                                                                                                monkeypatch):
+    """The model dropped while its device's queued work failed with the card out of memory: the line said it without
+    the model's offload mode, so under mode=disabled it advised lowering device_expert_bytes, which applies there to
+    no expert. It says what frees the memory under that mode, and the model is dropped all the same."""
+    from engine.errors import GPU_OUT_OF_MEMORY_DISABLED
+    from engine.offload import SimulatedDevice
+
+    OutOfMemoryError = type("OutOfMemoryError", (MemoryError,), {})  # CuPy's name
+
+    def out_of_memory(device):
+        raise OutOfMemoryError("Out of memory allocating 512 bytes (allocated so far: 0 bytes).")
+    load(qtbot, window, fixture_folder("gptoss"), {"device": {"kind": "simulated", "capacity": 1 << 30},
+                                                   "entries": {"mode": "disabled"}})
+    monkeypatch.setattr(SimulatedDevice, "quiesce", out_of_memory)
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert window.last_error == ("OutOfMemoryError: Out of memory allocating 512 bytes (allocated so far: 0 bytes).; "
+                                 + GPU_OUT_OF_MEMORY_DISABLED)
+
+
 def test_a_load_under_mode_required_on_a_cuda_gpu_without_cupy_keeps_the_loaded_model(qtbot, window, monkeypatch):
     """The CUDA GPU chosen under mode=required on a machine whose GPU stack cannot run it (no CuPy here; no driver or
     NVRTC alike): the worker dropped the loaded model and its conversation, then refused the load. It is refused

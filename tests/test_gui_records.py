@@ -190,6 +190,34 @@ def test_a_record_whose_second_run_fails_says_which_runs_it_saved(qtbot, tmp_pat
     assert failed == ["Failed during long: the device is out of memory"]
 
 
+OutOfMemoryError = type("OutOfMemoryError", (MemoryError,), {})  # CuPy's name
+RAN_OUT = "OutOfMemoryError: Out of memory allocating 512 bytes (allocated so far: 0 bytes).; "
+
+
+def out_of_memory(*args, **kwargs):
+    raise OutOfMemoryError("Out of memory allocating 512 bytes (allocated so far: 0 bytes).")
+
+
+def test_a_record_or_sweep_out_of_gpu_memory_under_offload_disabled_names_no_expert_budget(tmp_path, monkeypatch):
+    """A Record whose run ran out of the card's memory after runs were saved, and a sweep that did, said it without
+    the loaded model's offload mode: under mode=disabled (every expert beside the dense part, the expert budgets not
+    applied) they advised lowering device_expert_bytes. They say what frees the memory under that mode."""
+    import app.gui.records_jobs as jobs
+    from engine.errors import GPU_OUT_OF_MEMORY_DISABLED
+
+    def fails_at_the_second(model, name, *args, **kwargs):
+        return out_of_memory() if name == "long" else run_scenario(model, name, *args, **kwargs)
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode="disabled"), device=device)
+    monkeypatch.setattr(jobs, "run_scenario", fails_at_the_second)
+    result = jobs.ScenarioJob(["short", "long"], 2, str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    assert len(result.saved) == 1 and result.failure == "long: " + RAN_OUT + GPU_OUT_OF_MEMORY_DISABLED
+    monkeypatch.setattr(jobs, "run_sweep", out_of_memory)
+    result = jobs.SweepJob(3, ["short"], 2, str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
+    assert result.stopped_at == "before the first point" and result.failure == RAN_OUT + GPU_OUT_OF_MEMORY_DISABLED
+
+
 def test_a_window_run_the_history_could_not_save_is_kept_in_a_file_it_names(qtbot, tmp_path, monkeypatch):
     """A run measured whose save failed (a full disk, here another process's write held past the timeout) was lost:
     the window said the error, and the run's numbers were nowhere. It is kept in a file the window names."""
@@ -589,6 +617,32 @@ def test_side_by_side_says_b_could_not_load_beside_a_where_the_device_had_too_li
         "set a smaller reserve or a device_expert_bytes" + beside)
     assert b_failure({"node_overrides": "nowhere:max_resident_slots=1"}).endswith(
         "(they are /model/layers.0/moe/QMoE, /model/layers.1/moe/QMoE)")
+
+
+def test_side_by_side_says_bs_gpu_out_of_memory_as_bs_offload_mode_says_it(tmp_path, monkeypatch):
+    """B under mode=disabled (every expert beside the dense part, the expert budgets not applied) beside an A under
+    mode=auto: B's load that ran out of the card's memory failed the whole comparison, said as A's mode says it
+    (lower device_expert_bytes); B's device that did once the sides answered was said without a mode, alike. B's load
+    is B's failure, A answering alone, and both are said as B's own configuration says it."""
+    import app.gui.records_jobs as jobs
+    from engine.errors import GPU_OUT_OF_MEMORY_DISABLED
+
+    device = SimulatedDevice(1 << 30)
+    left = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    ctx = jobs.JobContext(left, device, {"kind": "simulated", "capacity": 1 << 30}, threading.Event(),
+                          lambda *_: None, lambda _: None, lambda *_: None)
+    with monkeypatch.context() as patch:
+        patch.setattr(jobs.LoadedModel, "open", out_of_memory)  # B's load
+        result = jobs.SideBySideJob("Hi", 1, {"mode": "disabled"}, history_path=str(tmp_path / "h.sqlite"))(ctx)
+    a, b = result.comparison.records
+    assert a.turns[0]["generated_tokens"] == 1 and b is None and len(result.saved_ids) == 1
+    assert result.comparison.failures[1] == (f"B's model: {RAN_OUT}{GPU_OUT_OF_MEMORY_DISABLED} (beside A, which "
+                                             f"stays loaded and holds {human_bytes(device.memory.used)} of the device)")
+    monkeypatch.setattr(SimulatedDevice, "quiesce", out_of_memory)  # B's device, waited for before B goes
+    with pytest.raises(jobs.AfterAnswersFailed) as failed:
+        jobs.SideBySideJob("Hi", 1, {"mode": "disabled"}, history_path=str(tmp_path / "h.sqlite"))(ctx)
+    assert str(failed.value) == (f"waiting for B's device: {RAN_OUT}{GPU_OUT_OF_MEMORY_DISABLED}; the answers above "
+                                 "were not saved")
 
 
 def test_side_by_side_states_each_sides_budget_and_why_bs_automatic_one_is_smaller(qtbot, window):

@@ -851,6 +851,36 @@ def test_side_by_side_answers_with_one_side_when_the_other_fails(simulated_model
     assert comparison.failures[1] is None and comparison.margins is None
 
 
+def test_a_side_out_of_gpu_memory_is_said_as_its_own_offload_mode_says_it(monkeypatch):
+    """A side's answer or margin that ran out of the card's memory was said without the side's offload mode, so a side
+    under mode=disabled (every expert beside the dense part, the expert budgets not applied) was told to lower
+    device_expert_bytes. Each side's failure is said as its own configuration says it."""
+    import engine.records.side_by_side as side_by_side
+    from engine.errors import GPU_OUT_OF_MEMORY, GPU_OUT_OF_MEMORY_DISABLED
+
+    OutOfMemoryError = type("OutOfMemoryError", (MemoryError,), {})  # CuPy's name
+    ran_out = "OutOfMemoryError: Out of memory allocating 512 bytes (allocated so far: 0 bytes).; "
+
+    def out_of_memory(*args, **kwargs):
+        raise OutOfMemoryError("Out of memory allocating 512 bytes (allocated so far: 0 bytes).")
+
+    sides = []
+    for mode in ("auto", "disabled"):
+        device = SimulatedDevice(1 << 30)
+        sides.append(Side(LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(mode=mode), device=device),
+                          device, mode))
+    # B's margin runs out of memory where the answers part (A's is computed)
+    monkeypatch.setattr(side_by_side, "first_divergence", lambda a, b: 0)
+    monkeypatch.setattr(side_by_side, "preference", lambda model, *args: 1.0 if model is sides[0].model
+                        else out_of_memory())
+    comparison = compare(*sides, "Compare us", PARAMS)
+    assert comparison.margins is None and comparison.margins_failure == ran_out + GPU_OUT_OF_MEMORY_DISABLED
+    for side in sides:  # each side's answer runs out of memory
+        monkeypatch.setattr(side.model.decoder, "forward", out_of_memory)
+    comparison = compare(*sides, "Compare us", PARAMS)
+    assert comparison.failures == (ran_out + GPU_OUT_OF_MEMORY, ran_out + GPU_OUT_OF_MEMORY_DISABLED)
+
+
 def test_side_by_side_says_how_firmly_each_side_chose_where_they_part():
     """Approximate routing on B parts the answers at the first token; each side's margin there is its logits' preference
     for its own token over the other's, as onnxruntime's run of the whole model gives it for the exact side."""

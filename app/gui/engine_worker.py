@@ -552,7 +552,7 @@ class EngineWorker(QObject):
             try:
                 self._device.quiesce()
             except Exception as exc:  # a GPU in an error state: the model is dropped all the same
-                self.failed.emit(one_line(exc))
+                self.failed.emit(one_line(exc, _offload_mode(self._model)))
         self._conversation = None
         self._model = None
         self._device = None

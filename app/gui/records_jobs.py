@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.gui.side_streams import SideStreams
-from engine.errors import PromptError, WorkbenchError, one_line
+from engine.errors import PromptError, WorkbenchError, gpu_out_of_memory, one_line
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig
 from engine.records.contention import (ContentionCancelled, ContentionReport, corpus_problem, default_corpus,
@@ -217,7 +217,7 @@ class ScenarioJob:
             except Exception as exc:  # after runs were saved: the result says them, and where it failed
                 if not result.saved:
                     raise
-                result.failure = f"{name}: {one_line(exc)}"
+                result.failure = f"{name}: {one_line(exc, model.offload_mode)}"
                 break
         return result
 
@@ -337,7 +337,7 @@ class SweepJob:
         except SweepCancelled as exc:
             where = stopped_at(exc)
         except Exception as exc:  # run_sweep's note names the point; before the first, the warm-up failed
-            where, failure = stopped_at(exc), one_line(exc)
+            where, failure = stopped_at(exc), one_line(exc, original.mode)
         finally:
             model.offload.reconfigure(original)  # the loaded model keeps the user's budgets
         return SweepResult(points, planned[0], str(model.folder.folder), original.to_entries(), saved_ids=saved_ids,
@@ -404,10 +404,15 @@ class SideBySideJob:
                          device, self.labels[1])
         except _Cancelled:
             return SideBySideResult(None, [[], []], cancelled=True)
-        except WorkbenchError as exc:  # a budget B's device cannot hold, a folder without a model: A answers alone
+        except Exception as exc:
+            # a budget B's device cannot hold, a folder without a model, the card out of memory: A answers alone
+            if not (isinstance(exc, WorkbenchError) or gpu_out_of_memory(exc)):
+                raise
+            short = isinstance(exc, (DeviceShort, DeviceMemoryError)) or gpu_out_of_memory(exc)
             beside = (f" (beside A, which stays loaded and holds {human_bytes(held_by_a)} of the device)"
-                      if device is not None and held_by_a and isinstance(exc, (DeviceShort, DeviceMemoryError)) else "")
-            right = Side(None, label=self.labels[1], failure=f"B's model: {exc}{beside}")  # the error names the file
+                      if device is not None and held_by_a and short else "")
+            # the error names the file; the card's memory is said as B's own mode says it
+            right = Side(None, label=self.labels[1], failure=f"B's model: {one_line(exc, config.mode)}{beside}")
         if right.model is not None:
             settle(ctx, right.model, None, "the right side")
         # B is loaded afresh and A may be too: their answers would time the ways their engines try, not those kept
@@ -435,7 +440,7 @@ class SideBySideJob:
             # the right model's queued copies done before its slots go back to CuPy's pool, which the loaded model's
             # allocations share (CudaDevice.quiesce)
             if device is not None:
-                with _after_answers(comparison, "waiting for B's device", []):
+                with _after_answers(comparison, "waiting for B's device", [], config.mode):
                     device.quiesce()
         cancelled = ctx.cancel.is_set() or any(not r.turns or r.turns[0]["finish_reason"] == "cancelled"
                                                for r in comparison.records if r is not None)
@@ -458,17 +463,17 @@ class AfterAnswersFailed(WorkbenchError):
 
 
 @contextmanager
-def _after_answers(comparison: Comparison | None, step: str, saved_ids: list[int]):
+def _after_answers(comparison: Comparison | None, step: str, saved_ids: list[int], mode: str | None = None):
     """A step once the sides have answered (`comparison`; None: compare failed, and so does the step, as it is): its
     failure says which step failed and which of the answers the history keeps (`saved_ids`: those saved so far, A's
-    first)."""
+    first), as the offload `mode` of the side whose work the step is says it (errors.one_line)."""
     try:
         yield
     except Exception as exc:
         if comparison is None:
             raise
         kept = f"only A's answer was saved, as run {saved_ids[0]}" if saved_ids else "the answers above were not saved"
-        raise AfterAnswersFailed(f"{step}: {one_line(exc)}; {kept}", saved_ids) from exc
+        raise AfterAnswersFailed(f"{step}: {one_line(exc, mode)}; {kept}", saved_ids) from exc
 
 
 # --- contention --------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
                                        side.label or f"side {'AB'[index]}", cancel, on_text=stream,
                                        on_reasoning=reasoning)
         except Exception as exc:  # this side's answer fails, not the comparison
-            failures[index] = one_line(exc)
+            failures[index] = one_line(exc, side.model.offload_mode)  # said as this side's own mode says it
         except BaseException as exc:  # raised again in the caller's thread
             errors.append(exc)
             return
@@ -200,9 +200,14 @@ def compare(left: Side, right: Side, prompt: str, params: GenerationParams, conc
     if (divergence is not None and not stopped and same_folder(left.model, right.model)
             and all(divergence < len(side) for side in tokens)):
         prefix, (a, b) = tokens[0][:divergence], (side[divergence] for side in tokens)
-        try:
-            margins = (preference(left.model, prompt, prefix, a, b), preference(right.model, prompt, prefix, b, a))
-        except Exception as exc:  # the two answers and their records stand without them
-            margins_failure = one_line(exc)
+        preferred = []
+        for model, own, other in ((left.model, a, b), (right.model, b, a)):
+            try:
+                preferred.append(preference(model, prompt, prefix, own, other))
+            except Exception as exc:  # the two answers and their records stand without them
+                margins_failure = one_line(exc, model.offload_mode)  # the failing side's mode says it
+                break
+        else:
+            margins = (preferred[0], preferred[1])
     return Comparison((records[0], records[1]), divergence, margins, (failures[0], failures[1]), margins_failure,
                       by_text, text_divergence, (side_budget(left), side_budget(right)))
