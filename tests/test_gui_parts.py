@@ -2073,9 +2073,14 @@ def test_an_estimate_whose_parts_overfill_the_card_says_so_with_the_numbers(gpto
     assert not disabled.error and disabled.plan.placement_mode == "all_resident", disabled.statements
     assert disabled.statements[-1] == (
         "Together these need 2.2 MiB of the test card, more than the 2.0 MiB it has for this model: the dense part and "
-        "its KV cache at 2048 tokens would not fit beside the experts (a larger reserve_device_bytes leaves them room, "
-        "and mode=auto keeps the experts that do not fit beside it on the CPU; gpu_device_mem_limit makes the load "
-        "keep the dense part, and every expert with it, on the CPU where it does not fit).")
+        "its KV cache at 2048 tokens would not fit beside the experts (mode=auto keeps the experts that do not fit "
+        "beside it on the CPU; gpu_device_mem_limit makes the load keep the dense part, and every expert with it, on "
+        "the CPU where it does not fit).")
+    # nor a larger reserve_device_bytes: every expert still goes on the card, now refused beside the larger reserve
+    parts = {p.key: p.bytes for p in disabled.device_parts}
+    reserved = estimate(gptoss, OffloadConfig(mode="disabled", reserve_device_bytes=parts["dense"] + parts["kv"]),
+                        DeviceChoice("cuda", 2 << 20, name="test card"))
+    assert reserved.error.startswith("offload mode 'disabled' keeps every expert where the dense part runs")
     roomy = estimate(gptoss, OffloadConfig(), DeviceChoice("cuda", 3 << 20, name="test card"))
     assert not any(s.startswith("Together these need") for s in roomy.statements)
 

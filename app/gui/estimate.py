@@ -390,10 +390,11 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
             statements.append(f"The dense part would run on the CPU: {dense_cpu}.")
         need = sum(p.bytes for p in device_parts if p.key in ("experts", "dense", "kv", "workspace"))
         if need > ceiling and not error:  # nothing checks it without gpu_device_mem_limit: the load goes ahead
-            # (mode=disabled applies no expert budget: every expert goes beside the dense part, or with it to the CPU)
-            room = ("a larger reserve_device_bytes leaves them room, and mode=auto keeps the experts that do not fit "
-                    "beside it on the CPU; gpu_device_mem_limit makes the load keep the dense part, and every expert "
-                    "with it, on the CPU where it does not fit" if config.mode == "disabled" else
+            # (mode=disabled applies no expert budget: every expert goes beside the dense part, or with it to the CPU;
+            # a larger reserve leaves the experts less room, where mode=disabled refuses them: _plan_beside_dense)
+            room = ("mode=auto keeps the experts that do not fit beside it on the CPU; gpu_device_mem_limit makes the "
+                    "load keep the dense part, and every expert with it, on the CPU where it does not fit"
+                    if config.mode == "disabled" else
                     "a larger reserve_device_bytes or a smaller device_expert_bytes leaves them room; "
                     "gpu_device_mem_limit makes the load keep the dense part on the CPU where it does not fit")
             statements.append(
