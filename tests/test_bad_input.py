@@ -587,6 +587,9 @@ def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path,
     # a float past the largest reads as Infinity, as JSON's own Infinity: too large, not "not a number >= 0"
     ("1e400", "node 'N' has Infinity for expert 0, too large a count"),
     ("Infinity", "node 'N' has Infinity for expert 0, too large a count"),
+    # negative, whatever its size: not a count, not too large a one
+    ("-" + "9" * 400, f"node 'N' has -{'9' * 39}… (401 characters) for expert 0, not a count (a number >= 0)"),
+    ("-1e400", "node 'N' has -Infinity for expert 0, not a count (a number >= 0)"),
 ])
 def test_a_popularity_count_too_large_to_read_is_one_line_naming_the_file(tmp_path, count, fragment):
     from engine.errors import WorkbenchError

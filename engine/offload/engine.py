@@ -129,8 +129,8 @@ def _popularity_row(path: str, name: str, row, count: int) -> np.ndarray:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
                 number = float(value)
-            except OverflowError:  # an integer too large for a float
-                number = math.inf
+            except OverflowError:  # an integer too large for a float (a negative one is no count at all)
+                number = math.inf if value > 0 else -math.inf
             if math.isfinite(number) and number >= 0:
                 continue
             if number == math.inf:  # (JSON's Infinity, and a float past the largest, 1e400, which reads as it)
