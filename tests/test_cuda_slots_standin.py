@@ -988,6 +988,11 @@ def test_the_dense_part_goes_to_the_card_after_all_where_only_the_host_tiers_map
     assert arenas == [MIN_DENSE_ARENA + mappings // 2] and not model.offload.host_tier
     assert model.dense_device == "cpu" and model.dense_reason == model.offload.dense_cpu == (
         "onnxruntime cannot make its GPU arena on device 0: a stand-in")
+    # the plan says that reason too, not the first try's, which the tier's mappings (gone since) made
+    said = [sentence for sentence in model.offload.plan.statements if "no host tier is made" in sentence]
+    assert said == ["Cold experts are computed on the CPU: no host tier is made, since the dense part runs on the CPU "
+                    "(onnxruntime cannot make its GPU arena on device 0: a stand-in), so decode's expert inputs never "
+                    "sit in GPU memory and no decode step could read the tier."]
     # where even the slots alone leave the arena short, the dense part stays on the CPU: no second try
     model, _cp = open_on_standin(model_folder, 0.5, monkeypatch, decode_path="tier", mem_limit=limit - mappings)
     engine = model.offload

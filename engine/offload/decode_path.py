@@ -204,9 +204,7 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
     if all(slots.get(info.name, 0) >= info.spec.num_experts for info in infos if info.gpu is not None):
         return False, ""  # every expert resident: nothing to read from the host
     if _dense_on_host(device_kind, dense_cpu):
-        return False, (f"{without_tier(config)}: no host tier is made, since the dense part runs on the CPU "
-                       f"({dense_cpu}), so decode's expert inputs never sit in GPU memory and no decode step could "
-                       "read the tier.")
+        return False, dense_on_host_words(config, dense_cpu)
     if config.approximate_routing:  # (HybridExpertNode: an approximating step routes on the host)
         asked = ", ".join(f"{key}={getattr(config, key)}" for key in ("min_expert_weight", "tail_substitution_threshold")
                           if getattr(config, key) > 0)
@@ -234,6 +232,12 @@ def _device_refusal(config: OffloadConfig, infos, slots: dict[str, int], device)
     return (f"its device mappings need {human_bytes(need)} (each slot array's device rows rounded up to the "
             f"{human_bytes(TIER_GRANULE)} mapping granule; {human_bytes(slots_device_bytes(infos, slots))} without the "
             f"tier), more than the {human_bytes(room)} the device has free for them{under_limit(device)}{beside}")
+
+
+def dense_on_host_words(config: OffloadConfig, dense_cpu: str) -> str:
+    """Why no host tier is made on a CUDA card whose dense part runs on the CPU for `dense_cpu` (_dense_on_host)."""
+    return (f"{without_tier(config)}: no host tier is made, since the dense part runs on the CPU ({dense_cpu}), so "
+            "decode's expert inputs never sit in GPU memory and no decode step could read the tier.")
 
 
 def tier_beside_arena(config: OffloadConfig, refusal: str) -> str:

@@ -43,7 +43,7 @@ class DenseLanding:
     than it holds now (ort_env.dense_refusal, nothing registered), None where the arena fits or this is not known;
     _plan_for_dense(): the plan made again for dense_cpu and dense_on_device, before its slots are made;
     _replan_for_dense(): the plan and its slots made again for them, the slots made before released;
-    _say_beside_arena(said): the plan's sentence on the host tier replaced by `said`, where it has one ('' where the
+    _say_of_tier(said): the plan's sentence on the host tier replaced by `said`, where it has one ('' where the
     plan without the tier made every expert resident)."""
 
     config: object
@@ -73,8 +73,9 @@ class DenseLanding:
         Where the arena lacked the room the tier's device mappings took (each slot array rounded up to the granule),
         the plan without them may leave it enough: the arena check's refusal beside the tier is returned where it
         does, and the load tries the card again, then says where the dense part landed with that refusal as
-        `beside_tier`. (Under mode=disabled there is no second try: every expert on the CPU with the dense part alone
-        on the card is mode=auto's plan with no expert budget, not offload disabled.)"""
+        `beside_tier` (where it stays on the CPU all the same, the plan's sentence on the tier says why). (Under
+        mode=disabled there is no second try: every expert on the CPU with the dense part alone on the card is
+        mode=auto's plan with no expert budget, not offload disabled.)"""
         stayed = dense_cpu is not None and self._on_card()
         beside = stayed and self.dense_on_device and self.config.mode == "disabled"
         tiered = stayed and self.host_tier
@@ -86,7 +87,10 @@ class DenseLanding:
             self._replan_for_dense()
         if dense_cpu is None and beside_tier:  # on the card after all, beside the slots without the tier
             self.dense_on_device = True
-            self._say_beside_arena(paths.tier_beside_arena(self.config, beside_tier))
+            self._say_of_tier(paths.tier_beside_arena(self.config, beside_tier))
+        elif beside_tier:  # on the CPU for what the second try met (onnxruntime's arena not made), not the refusal
+            # the plan without the tier was made for, which its mappings (gone since) brought about
+            self._say_of_tier(paths.dense_on_host_words(self.config, dense_cpu))
         return short if short and self._arena_check() is None else None
 
 
@@ -151,6 +155,6 @@ class PlanPreview(DenseLanding):
         self._plan_for_dense()
         self.make_slots()
 
-    def _say_beside_arena(self, said: str) -> None:
+    def _say_of_tier(self, said: str) -> None:
         if self.tier_said:
             self.tier_said = said

@@ -287,7 +287,7 @@ class OffloadEngine(DenseLanding):
     def _replan_for_dense(self) -> None:
         self.reconfigure(self.config)
 
-    def _say_beside_arena(self, said: str) -> None:
+    def _say_of_tier(self, said: str) -> None:
         if self.tier_statement:
             self.plan.statements[self.plan.statements.index(self.tier_statement)] = said
             self.tier_statement = said
