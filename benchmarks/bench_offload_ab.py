@@ -28,9 +28,10 @@ rate, misses, copies, swaps, slots left to copies, the split and the decode path
 result file beside the rates.
 
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
-"both" (a variant naming no path gets it; one naming another, or where "both" is not in force, is refused) with
-fixed tables, where the engine would make them again from rates it measures, which move between rounds enough for a
-1.18x between identical configurations (RESULTS.md, fortieth session): for A/Bs of host-work changes.
+"both" (a variant naming no path gets it; one naming another, or where "both" is not in force at a fraction that
+leaves an expert cold, is refused) with fixed tables, where the engine would make them again from rates it measures,
+which move between rounds enough for a 1.18x between identical configurations (RESULTS.md, fortieth session): for
+A/Bs of host-work changes.
 'first' makes two tables for each layer from the same costs, its own as measured in A's warm-up: one that may split
 a pair by rows, for a variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that
 an A/B of the split compares the split alone. The engine's trials of the CPU's share and of the split do not run
@@ -377,8 +378,9 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
                     defaults = current_switches(model, set(variant_switches["A"]) | set(variant_switches["B"]))
                 set_switches(model, {**defaults, **variant_switches[name]})
                 # "both" asked for may not be in force (cpu_execution=disabled: the tier; no host tier: the CPU),
-                # and its rounds would then time no fixed table
-                if table is not None and model.offload.decode_path_in_force != BOTH:
+                # and its rounds would then time no fixed table (where every expert is resident, none has a cold
+                # pair to time it with on any path: fixed_tables)
+                if table is not None and model.offload.decode_path_in_force != BOTH and not all_resident(model):
                     raise SystemExit(f"--split-table: variant {name} decodes on the path "
                                      f"{model.offload.decode_path_in_force}, not \"both\", where the fixed tables hold")
                 trial = first_trial_steps(model)
@@ -403,10 +405,16 @@ def paired_rounds(model: LoadedModel, budget: int, changes: dict, rounds: int, p
 
 def fixed_tables(model: LoadedModel, table) -> str | None:
     """Which of fix_split_table's tables a round decoded under: "split" (a variant with engine.row_split on) or
-    "whole"; None without --split-table (the engine's own)."""
-    if table is None:
+    "whole"; None without --split-table (the engine's own), and where every expert is resident (no decode step has a
+    cold pair for a table to split)."""
+    if table is None or all_resident(model):
         return None
     return "split" if model.offload.row_split else "whole"
+
+
+def all_resident(model: LoadedModel) -> bool:
+    """Every expert is resident on the device under the plan in force: no decode path runs (records: 'all resident')."""
+    return model.offload.plan.placement_mode == "all_resident"
 
 
 def decoder_counts(model: LoadedModel) -> tuple[int, int, int]:

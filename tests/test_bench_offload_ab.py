@@ -413,6 +413,29 @@ def test_a_fixed_split_table_refuses_a_variant_where_both_is_not_in_force(tmp_pa
     assert model.offload.fixed_split_tables is None
 
 
+def test_a_fixed_split_table_times_a_fraction_with_every_expert_resident_without_a_table(tmp_path, monkeypatch):
+    """At a fraction that makes every expert resident no expert is cold, so no decode path runs (no tier is made) in
+    either variant: the check that "both" is in force stopped the whole A/B there, after the smaller fractions' rounds,
+    whose results went unwritten. Those rounds run, and say they decoded under no fixed table."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    monkeypatch.setattr(ab, "decode", lambda model, *args, **kwargs: (1.0, []))
+    model = LoadedModel.open(write_model(tmp_path / "m", SPEC), offload=OffloadConfig(device_expert_bytes=0),
+                             device=SimulatedDevice(1 << 30), decode_path="both")
+    details = {"A": [], "B": []}
+    rates = ab.paired_rounds(model, all_resident_bytes(model.folder.experts), {"A": {}, "B": {"placement": "static"}},
+                             2, [5, 6, 7], 2, warmup=2, paths={"A": "both", "B": "both"},
+                             table=ab.split_table("0,1,1,2,2"), details=details)
+    assert rates == {"A": [1.0, 1.0], "B": [1.0, 1.0]}
+    assert [r["fixed_tables"] for r in details["A"] + details["B"]] == [None] * 4
+    assert model.offload.fixed_split_tables is None
+
+
 def split_model(tmp_path, monkeypatch, observe):
     """A two-layer model whose pairs can be split by rows (256 intermediate rows), on the simulated device under
     "both", with bench_offload_ab's decode replaced by greedy steps that call `observe(engine)` after each."""
