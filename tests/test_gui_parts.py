@@ -263,10 +263,10 @@ def test_the_estimate_of_a_model_whose_expert_nodes_the_engine_runs_none_of_says
     est = estimate(facts, config, DeviceChoice("cuda", 1 << 30, name="test card"))
     assert not est.error and est.plan is None and est.resident == 0
     assert est.statements == [
-        f"Loaded with these settings, the dense part would stay on the CPU: gpu_device_mem_limit={64 << 20} leaves 64.0 "
-        "MiB after the expert slots and staging; the KV cache and state at their longest (1.5 MiB), the dense weights "
-        "(618.9 KiB) and onnxruntime's workspace (64.0 MiB at least) need more: raise gpu_device_mem_limit, or use "
-        "mode=auto, which keeps the experts that do not fit on the CPU."]
+        "Loaded with these settings, the dense part would stay on the CPU: "
+        f"gpu_device_mem_limit={64 << 20} leaves 64.0 MiB after the expert slots and staging; the KV cache and state "
+        "at their longest (1.5 MiB), the dense weights (618.9 KiB) and onnxruntime's workspace (64.0 MiB at least) "
+        "need more: raise gpu_device_mem_limit, or use mode=auto, which keeps the experts that do not fit on the CPU."]
 
 
 def test_under_offload_disabled_the_estimate_says_what_lets_the_arena_registered_earlier_fit(gptoss, monkeypatch):

@@ -424,8 +424,8 @@ def test_an_older_history_that_cannot_be_written_says_so_not_that_it_is_no_histo
 
     path = legacy_history(tmp_path / "old.sqlite3", [json.dumps(greedy.to_dict())])
     monkeypatch.setattr(History, "_connect", lambda self: sqlite3.connect(f"file:{self.path}?mode=ro", uri=True))
-    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 4, which it needs to be read "
-                                             r"\(attempt to write a readonly database\)$"):
+    with pytest.raises(WorkbenchError, match=r"old.sqlite3: not brought forward to version 4, which it needs to be "
+                                             r"read \(attempt to write a readonly database\)$"):
         History(path, create=False)
     monkeypatch.undo()
     History(path)
