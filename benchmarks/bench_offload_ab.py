@@ -25,7 +25,8 @@ given back when the other takes over the CPU parts: kernels/cpu/omp_pool.py, on 
 and the other does not keeps its default there. `split=auto|spread|whole` sets a variant's layer split (spread unless
 named) and `path=auto|cpu|tier|both` its decode path (engine/offload/decode_path.py). Each round's engine figures (hit
 rate, misses, copies, swaps, slots left to copies, the split and the decode path in force: engine_figures) go into the
-result file beside the rates.
+result file beside the rates. The file is written after each fraction: where a later one fails (on a real card it may
+lack room for the tier's mappings), the earlier ones are kept, and "failed" names that fraction and why.
 
 With `--split-table first` (or a list of the CPU's pairs per cold count) every round of both variants decodes under
 "both" (a variant naming no path gets it; one naming another, or where "both" is not in force at a fraction that
@@ -468,15 +469,40 @@ def main(argv=None) -> dict:
     splits = {"A": layer_split(args.a), "B": layer_split(args.b)}
     paths = {name: fixed_tables_path(name, text) if args.split_table else decode_path(text)
              for name, text in (("A", args.a), ("B", args.b))}
+    table = split_table(args.split_table)
 
     model, prompt = open_model(args.shape, args.layers, args.folder, args.dtype, args.device, "bench-offload-ab-")
     print(f"A: {args.a or 'defaults'}   B: {args.b}   dense part on the {model.dense_device}", flush=True)
     figures, results = [], {}
+
+    def write(failed: dict | None = None) -> Path | None:
+        """The result file with the fractions measured so far (and the one that failed, where one did)."""
+        if args.no_write:
+            return None
+        return write_result(f"offload-ab-{args.shape}", figures,
+                            config={"a": changes["A"], "b": changes["B"], "a_switches": chosen["A"],
+                                    "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"],
+                                    "a_path": paths["A"], "b_path": paths["B"],
+                                    "rounds": args.rounds, "trace": args.trace, "decode_warmup": args.decode_warmup,
+                                    "split_table": args.split_table, "decode_tokens": args.decode_tokens,
+                                    "device": args.device, "per_fraction": results},
+                            failed=failed)
+
     for fraction in [float(f) for f in args.fractions.split(",")]:
         budget = int(fraction * all_resident_bytes(model.folder.experts))
         details = {"A": [], "B": []}
-        result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen, splits,
-                                       args.trace, args.decode_warmup, details, paths, split_table(args.split_table)))
+        try:
+            result = summary(paired_rounds(model, budget, changes, args.rounds, prompt, args.decode_tokens, chosen,
+                                           splits, args.trace, args.decode_warmup, details, paths, table))
+        except (Exception, SystemExit) as exc:
+            # a later fraction may be refused (on a real card, no room left for the tier's mappings): the fractions
+            # measured before it are kept, written with the fraction that failed and why
+            why = str(exc) if isinstance(exc, SystemExit) else f"{type(exc).__name__}: {exc}"
+            print(f"{fraction:5.0%}  failed: {why}", flush=True)
+            path = write({"fraction": f"{fraction:.2f}", "error": why}) if figures else None
+            if path is not None:
+                print(f"wrote {path} (the fractions before it)", flush=True)
+            raise
         results[f"{fraction:.2f}"] = {**result, "a_rounds": details["A"], "b_rounds": details["B"],
                                       "split_tables": details.get("tables")}
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
@@ -497,14 +523,8 @@ def main(argv=None) -> dict:
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})
-    if not args.no_write:
-        path = write_result(f"offload-ab-{args.shape}", figures,
-                            config={"a": changes["A"], "b": changes["B"], "a_switches": chosen["A"],
-                                    "b_switches": chosen["B"], "a_split": splits["A"], "b_split": splits["B"],
-                                    "a_path": paths["A"], "b_path": paths["B"],
-                                    "rounds": args.rounds, "trace": args.trace, "decode_warmup": args.decode_warmup,
-                                    "split_table": args.split_table,
-                                    "decode_tokens": args.decode_tokens, "device": args.device, "per_fraction": results})
+        path = write()  # after every fraction: a run stopped by its time limit keeps the fractions it finished
+    if path is not None:
         print(f"wrote {path}")
     return results
 

@@ -622,3 +622,35 @@ def test_first_split_tables_are_each_layers_own(tmp_path, monkeypatch):
                             f"tables \"split\"")  # (then slow steps the CPU's rate left out, where any)
     assert f"), a pair split at rows {made[0][1]} in layer 0 and {made[1][1]} in layer 1, host " in words
     assert layer_words([0, 1, 2, 3, 5, 8, 9]) == "layers 0-3, 5, 8-9" and layer_words([4]) == "layer 4"
+
+
+def test_a_fraction_that_fails_leaves_the_earlier_fractions_written_with_what_failed(tmp_path, monkeypatch, capsys):
+    """A later fraction refused (as a real card without room for the tier's mappings refuses it): the result file was
+    written only at the end, so the earlier fractions' rounds were lost with it. They are written, with the fraction
+    that failed and why, and the failure still ends the run."""
+    import json
+
+    from engine.offload.engine import OffloadEngine
+    from engine.offload.planner import OffloadPlanError
+
+    budgets, real = [], OffloadEngine.reconfigure
+
+    def refusing(engine, config, *args, **kwargs):
+        if config.device_expert_bytes and config.device_expert_bytes not in budgets:  # (0: as opened)
+            budgets.append(config.device_expert_bytes)
+        if len(budgets) == 2:  # the second fraction's
+            raise OffloadPlanError("no room on the device for the host tier's mappings")
+        return real(engine, config, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadEngine, "reconfigure", refusing)
+    with pytest.raises(OffloadPlanError, match="no room on the device"):
+        run_ab(tmp_path, monkeypatch, "--b", "placement=static", "--rounds", "2", "--decode-tokens", "2",
+               "--decode-warmup", "2", "--fractions", "0.25,0.75")
+    assert "  75%  failed: OffloadPlanError: no room on the device for the host tier's mappings\n" in \
+        capsys.readouterr().out
+    written = json.loads(next((tmp_path / "results").glob("offload-ab-*.json")).read_text())
+    assert list(written["config"]["per_fraction"]) == ["0.25"]
+    assert len(written["config"]["per_fraction"]["0.25"]["a_rounds"]) == 2
+    assert [figure["name"] for figure in written["figures"]] == ["decode B / A at 25% resident"]
+    assert written["failed"] == {"fraction": "0.75",
+                                 "error": "OffloadPlanError: no room on the device for the host tier's mappings"}
