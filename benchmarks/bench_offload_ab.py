@@ -301,7 +301,9 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
     if isinstance(table, str):  # "first": from the costs the engine measures in A's warm-up
         engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
         decode(model, prompt, 1, warmup=warmup)
-        for _more in range(FIRST_MORE_WARMUPS):  # until both sides' rates are measured, not their start-up guesses
+        # until both sides' rates are measured, not their start-up guesses; where every expert is resident none is
+        # cold, and no step measures them
+        for _more in range(0 if all_resident(model) else FIRST_MORE_WARMUPS):
             if engine.split_rate.value is not None and engine.tier_read.value is not None:
                 break
             decode(model, prompt, 1, warmup=warmup)

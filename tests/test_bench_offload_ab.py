@@ -654,3 +654,26 @@ def test_a_fraction_that_fails_leaves_the_earlier_fractions_written_with_what_fa
     assert [figure["name"] for figure in written["figures"]] == ["decode B / A at 25% resident"]
     assert written["failed"] == {"fraction": "0.75",
                                  "error": "OffloadPlanError: no room on the device for the host tier's mappings"}
+
+
+def test_first_split_tables_wait_for_no_rates_where_every_expert_is_resident(tmp_path, monkeypatch):
+    """--split-table first at a fraction with every expert resident: no step has a cold pair, so neither the CPU's
+    parts nor the GPU's reads of the tier are ever measured, and fix_split_table ran its FIRST_MORE_WARMUPS warm-ups
+    waiting for them. It runs the one warm-up for the tables, then the rounds; below that fraction it still waits."""
+    import benchmarks.bench_offload_ab as ab
+    from engine.offload.planner import all_resident_bytes
+
+    model = split_model(tmp_path, monkeypatch, lambda engine: None)
+    greedy, decoded = ab.decode, []
+    monkeypatch.setattr(ab, "decode", lambda *args, **kwargs: (decoded.append(1), greedy(*args, **kwargs))[1])
+    every = all_resident_bytes(model.folder.experts)
+    details = {"A": [], "B": []}
+    ab.paired_rounds(model, every, {"A": {}, "B": {}}, 2, [5, 6, 7], 2, warmup=2, details=details,
+                     paths={"A": "both", "B": "both"}, table="first")
+    assert len(decoded) == 1 + 2 * 2  # the tables' warm-up, then 2 rounds of A and B
+    assert [r["fixed_tables"] for r in details["A"] + details["B"]] == [None] * 4
+    decoded.clear()
+    ab.paired_rounds(model, every // 4, {"A": {}, "B": {}}, 2, [5, 6, 7], 2, warmup=2,
+                     paths={"A": "both", "B": "both"}, table="first")
+    assert model.offload.split_rate.value is not None and model.offload.tier_read.value is not None
+    assert len(decoded) > 1 + 2 * 2  # (a warm-up more, at least, until both rates are measured)
