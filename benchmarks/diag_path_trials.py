@@ -4,8 +4,8 @@ The trials' "both" window timed 26.4 ms a step at Qwen3-30B-A3B-like 0% (thirty-
 "both" asked for ran 16.9 ms a step on the same kind of host (thirty-seventh session). Here one model decodes under
 path auto through its first trial and beyond, and each step prints: its milliseconds, the path in force and the way the
 trial times, the dense segments' graph replays and onnxruntime's own runs in the step, the captures, the CPU's
-and the tier's misses, the split's table of the first node (CPU share per cold count), the rates it comes from and the
-share trials' shift (split_share.py).
+and the tier's misses, the split's tables (CPU share per cold count: each distinct one with its layers), the rates they
+come from and the share trials' shift (split_share.py).
 
     python3 benchmarks/diag_path_trials.py --folder /tmp/bench-qwen3-30b-a3b-like [--fractions 0,0.5] [--steps 110]
 
@@ -31,6 +31,7 @@ from benchmarks.competing_load import CompetingLoad  # noqa: E402
 from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
+from engine.units import layer_words  # noqa: E402
 
 
 def count_runs(model) -> dict:
@@ -61,6 +62,15 @@ def graph_counts(model) -> tuple[int, int]:
     return replays, held
 
 
+def tables_text(split: dict | None) -> str:
+    """The split's tables as a step's line shows them: '0,0,1,1,2 in layers 0-23', or each distinct one with its
+    layers ('0,0,1,1,2 in layers 0-11; 0,1,1,2,2 in layers 12-23'); '' where "both" is not in force."""
+    if split is None:
+        return ""
+    return "; ".join(f"{','.join(str(int(take)) for take in table['cpu_takes'])} in {layer_words(table['layers'])}"
+                     for table in split["tables"])
+
+
 def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | None = None) -> tuple[int, list]:
     """`steps` decode steps from `token`, one line each (the columns main's header names), `at_step[i]()` called
     before step i; returns the last token and the steps' milliseconds."""
@@ -82,7 +92,6 @@ def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | 
         replays, held = graph_counts(model)
         trial = engine.path_trials.state()
         split = engine.copy_state()["decode_path"]["cold_split"]  # None unless "both" is in force
-        table = None if split is None else split["cpu_takes"]
         cpu_misses = sum(layer.misses - layer.misses_read for layer in stats.layers) - cpu_before
         read = sum(layer.misses_read for layer in stats.layers) - read_before
         cpu_rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the one the table comes from
@@ -91,7 +100,7 @@ def run_steps(model, state, token: int, steps: int, runs: dict, at_step: dict | 
         print(f"{step:4d} {ms:7.2f} {engine.decode_path_in_force:>4}/{trial['measuring'] or '-':>4}  "
               f"replays {replays - before_replays:3d} runs {runs['runs'] - before_runs:3d} held {held:3d}  "
               f"cpu {cpu_misses:4d} read {read:4d}  "
-              f"table {'' if table is None else ','.join(str(int(t)) for t in table):>17}  "
+              f"table {tables_text(split):>17}  "
               f"{rate / 1e9:5.1f}+{cpu_rate.fixed_s * 1e6:4.0f}  {tier / 1e9:4.1f}  "
               f"{engine.host_gap.value * 1e6:5.0f}  share {engine.share_trials.shift:+d}"
               f"/{engine.share_trials.state()['measuring'] or '-'}  beside {decoder.layers_beside - beside:2d} "
@@ -105,7 +114,7 @@ def both_window(model, state, token: int, steps: int, runs: dict, slowdown: tupl
                 gate: bool) -> int:
     """`steps` steps with the decode path asked for as "both", a burst of other work on every core at the slowdown's
     step for its ms, the split's slow-step gate on or off (spike_gate.py); ends with the median step before the
-    burst against the last third's, and the table at the end."""
+    burst against the last third's, and every layer's table at the end."""
     engine = model.offload
     ratio, left_before = engine.split_gate.ratio, engine.split_gate.left_out
     engine.split_gate.ratio = ratio if gate else float("inf")
@@ -120,7 +129,7 @@ def both_window(model, state, token: int, steps: int, runs: dict, slowdown: tupl
     split = engine.copy_state()["decode_path"]["cold_split"]
     before = step_ms[3:slowdown[0]] if slowdown else step_ms[3:]
     print(f"-- gate {'on' if gate else 'off'}: median ms before the burst {statistics.median(before):.2f}, last "
-          f"third {statistics.median(step_ms[-(steps // 3):]):.2f}; table {split['cpu_takes']}, "
+          f"third {statistics.median(step_ms[-(steps // 3):]):.2f}; table {tables_text(split)}, "
           f"{split['slow_steps_left_out'] - left_before} slow steps left out in the window", flush=True)
     engine.set_decode_path("auto")
     return token

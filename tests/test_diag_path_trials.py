@@ -1,0 +1,32 @@
+"""benchmarks/diag_path_trials.py: each decode step's line and the "both" window's end, on the simulated device."""
+import numpy as np
+
+
+def test_each_steps_line_and_the_both_windows_end_show_every_layers_table(tmp_path, capsys):
+    """Under "both" the split's tables are per layer (copy_state's cold_split "tables"); the lines showed the first
+    device layer's alone, so layer 2's own table (here fixed apart from layers 0-1's) was never seen. Each step's line
+    and the "both" window's last line give each distinct table with its layers."""
+    from benchmarks.diag_path_trials import both_window, count_runs, run_steps
+    from engine.generation import LoadedModel
+    from engine.offload import OffloadConfig, SimulatedDevice
+    from engine.offload.planner import all_resident_bytes
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    folder = write_model(tmp_path / "m", SPEC)
+    model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=0), device=SimulatedDevice(1 << 30),
+                             decode_path="both")
+    model.offload.reconfigure(OffloadConfig(device_expert_bytes=all_resident_bytes(model.folder.experts) // 4),
+                              decode_path="both")
+    given = [np.array(table) for table in ([0, 1, 1, 2, 2], [0, 1, 1, 2, 2], [0, 0, 1, 1, 2])]
+    model.offload.fix_split_tables(lambda layer: (given[layer], None))
+    runs, state = count_runs(model), model.new_state()
+    token = int(model.decoder.forward(state, [5, 6, 7])[-1].argmax())
+    token, step_ms = run_steps(model, state, token, 2, runs)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(step_ms) == 2
+    assert all(" both/   -  " in line and "table 0,1,1,2,2 in layers 0-1; 0,0,1,1,2 in layer 2  " in line
+               for line in lines)
+    both_window(model, state, token, 4, runs, None, True)
+    assert "; table 0,1,1,2,2 in layers 0-1; 0,0,1,1,2 in layer 2, 0 slow steps left out in the window\n" in \
+        capsys.readouterr().out
