@@ -213,6 +213,7 @@ def test_slots_switches_set_every_nodes_device_slots():
         ab.set_switches(model, {"slots.no_such": 1})
 
 
+def test_a_variants_layer_split_is_read_apart():
     from benchmarks.bench_offload_ab import layer_split
 
     assert variant("split=whole,cpu_threads=3") == {"cpu_threads": 3}
