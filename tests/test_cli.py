@@ -2106,6 +2106,17 @@ def test_the_gpu_out_of_memory_is_an_error_the_user_can_act_on_not_an_internal_o
     assert status == 3 and err.startswith("moe-workbench: internal error: ZeroDivisionError")
 
 
+def last_error_line_by_mode(capsys, modes) -> dict[str, str]:
+    """`generate` on the simulated device under each offload mode, failing with status 2: its last stderr line."""
+    said = {}
+    for mode in modes:
+        status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello", "--device",
+                                  "simulated", "--offload", f"mode={mode}")
+        assert status == 2, err
+        said[mode] = err.strip().splitlines()[-1]
+    return said
+
+
 def test_the_gpu_out_of_memory_under_offload_disabled_does_not_advise_the_expert_budget(capsys, monkeypatch):
     """The GPU out of memory said "lower the expert budget (device_expert_bytes)" whatever the mode, also under
     mode=disabled, where every expert goes beside the dense part and the expert budgets do not apply; there it says
@@ -2119,12 +2130,7 @@ def test_the_gpu_out_of_memory_under_offload_disabled_does_not_advise_the_expert
         raise OutOfMemoryError("Out of memory allocating 2,147,483,648 bytes (allocated so far: 0 bytes).")
 
     monkeypatch.setattr(generation.LoadedModel, "open", open_model)
-    said = {}
-    for mode in ("disabled", "auto"):
-        status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello", "--device",
-                                  "simulated", "--offload", f"mode={mode}")
-        assert status == 2, err
-        said[mode] = err.strip().splitlines()[-1]
+    said = last_error_line_by_mode(capsys, ("disabled", "auto"))
     assert said["disabled"] == ("moe-workbench: error: OutOfMemoryError: Out of memory allocating 2,147,483,648 bytes "
                                 "(allocated so far: 0 bytes).; the GPU ran out of memory: use mode=auto, which keeps "
                                 "the experts that do not fit on the CPU, or free what other processes hold on the GPU")
@@ -2143,12 +2149,7 @@ def test_the_dense_part_out_of_gpu_memory_under_offload_disabled_does_not_advise
         raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory ; GPU=0")
 
     monkeypatch.setattr(dense_segment, "run_bound", out_of_memory)
-    said = {}
-    for mode in ("disabled", "auto"):
-        status, _out, err = _main(capsys, "generate", str(fixture_folder("gptoss")), "--prompt", "hello", "--device",
-                                  "simulated", "--offload", f"mode={mode}")
-        assert status == 2, err
-        said[mode] = err.strip().splitlines()[-1]
+    said = last_error_line_by_mode(capsys, ("disabled", "auto"))
     assert said["disabled"].startswith("moe-workbench: error: ")
     assert "onnxruntime failed to run the dense part" in said["disabled"]
     assert said["disabled"].endswith(": RuntimeError: CUDA failure 2: out of memory ; GPU=0; the GPU ran out of "

@@ -599,32 +599,46 @@ def test_no_row_trial_while_the_split_tables_split_no_pair(tmp_path):
     assert engine.copy_state()["decode_path"]["cold_split"]["rows"]["trials"] == 1
 
 
+def splitting_model(tmp_path) -> LoadedModel:
+    """A two-layer model under decode path "both" at a quarter resident, whose split tables split a pair (the CPU and
+    the GPU priced alike)."""
+    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
+                      dense_accuracy_level=0)
+    folder = write_model(tmp_path / "m", spec)
+    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    model.offload._split_costs = lambda layer: (100e-6, 0.0, 100e-6)
+    return model
+
+
+def trial_steps(model: LoadedModel, first, other, steps: int = 30) -> list[tuple]:
+    """Decode `steps` tokens; after each decode step, `first` trials' count and choice and whether `other` times."""
+    engine, seen = model.offload, []
+
+    def end_step(seconds, tokens):
+        engine.end_step(seconds, tokens)
+        if tokens == 1:
+            seen.append((first.trials, first.choice, other.measuring))
+
+    model.decoder.on_step_end = end_step
+    greedy_run(model, steps=steps)
+    return seen
+
+
 def test_the_row_trials_first_window_settles_after_the_share_trials_last_switch(tmp_path):
     """The share trial ends switching to the share its steps found faster (here one pair fewer), its tables made again
     at once. The trials settle `settle` steps after each switch of their own before timing, but the row trial's first
     window took the very next step, the first with the new share; now it settles first."""
     from engine.offload.split_share import AS_MADE, FEWER, MORE, RowSplitTrials, SplitShareTrials
 
-    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
-                      dense_accuracy_level=0)
-    folder = write_model(tmp_path / "m", spec)
-    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
-                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    model = splitting_model(tmp_path)
     engine = model.offload
-    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: the tables split a pair
     engine.share_trials = SplitShareTrials(first=1, settle=1, window=2, recheck=1000)
     engine.row_trials = RowSplitTrials(first=1, settle=3, window=2, recheck=1000)
     step_s = {AS_MADE: 0.030, FEWER: 0.020, MORE: 0.040}
     engine._trial_seconds = lambda seconds: step_s[engine.share_trials.choice]
-    steps = []  # after each decode step: the share trials finished, the share in force, whether the row trial times
-
-    def end_step(seconds, tokens):
-        engine.end_step(seconds, tokens)
-        if tokens == 1:
-            steps.append((engine.share_trials.trials, engine.share_trials.choice, engine.row_trials.measuring))
-
-    model.decoder.on_step_end = end_step
-    greedy_run(model, steps=30)
+    # after each decode step: the share trials finished, the share in force, whether the row trial times
+    steps = trial_steps(model, engine.share_trials, engine.row_trials)
     switch = next(index for index, (trials, _share, _rows) in enumerate(steps) if trials == 1)
     assert steps[switch][1] == FEWER and steps[switch - 1][1] == AS_MADE  # the share trial's last switch
     first = next(index for index, (_trials, _share, rows) in enumerate(steps) if rows)  # the row trial's first sample
@@ -637,32 +651,19 @@ def test_the_share_trials_first_window_settles_after_the_row_trials_last_switch(
     the row trial ends, timed the very next step, the first with the split, with no settling; now it settles first."""
     from engine.offload.split_share import SPLIT_ROWS, WHOLE_PAIRS, RowSplitTrials, SplitShareTrials
 
-    spec = WriterSpec(layers=2, num_experts=16, top_k=4, hidden_size=128, inter_size=256, seed=5,
-                      dense_accuracy_level=0)
-    folder = write_model(tmp_path / "m", spec)
-    model = LoadedModel.open(folder, device=SimulatedDevice(1 << 30), decode_path="both",
-                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(folder) // 4))
+    model = splitting_model(tmp_path)
     engine = model.offload
-    engine._split_costs = lambda layer: (100e-6, 0.0, 100e-6)  # the CPU and the GPU alike: the tables split a pair
     engine.share_trials = SplitShareTrials(first=2, settle=3, window=2, recheck=1000)
     engine.row_trials = RowSplitTrials(first=1, settle=1, window=2, recheck=1000)
     step_s = {WHOLE_PAIRS: 0.030, SPLIT_ROWS: 0.020}
     engine._trial_seconds = lambda seconds: step_s[engine.row_trials.choice]
-    steps = []  # after each decode step: the row trials finished, the split in force, whether the share trial times
-
-    def end_step(seconds, tokens):
-        engine.end_step(seconds, tokens)
-        if tokens == 1:
-            steps.append((engine.row_trials.trials, engine.row_trials.choice, engine.share_trials.measuring))
-
-    model.decoder.on_step_end = end_step
-    greedy_run(model, steps=30)
+    # after each decode step: the row trials finished, the split in force, whether the share trial times
+    steps = trial_steps(model, engine.row_trials, engine.share_trials)
     switch = next(index for index, (trials, _split, _share) in enumerate(steps) if trials == 1)
     assert steps[switch][1] == SPLIT_ROWS and steps[switch - 1][1] == WHOLE_PAIRS  # the row trial's last switch
     assert not any(share for _trials, _split, share in steps[:switch + 1])  # the row trial went first
     first = next(index for index, (_trials, _split, share) in enumerate(steps) if share)  # the share's first sample
     assert first - switch == engine.share_trials.settle + 1
-
 
 
 def test_a_shifted_share_stays_within_a_tokens_cold_pairs():
