@@ -1278,6 +1278,34 @@ def test_a_replan_the_device_cannot_hold_leaves_the_old_plan_in_force(model_fold
     assert_same_as_cpu(greedy_run(model), cpu_run)
 
 
+def test_a_replan_the_device_cannot_hold_leaves_the_sentence_on_the_host_tier_in_force(model_folder, monkeypatch):
+    """A re-plan works out what its plan will say of the host tier (tier_statement) before the stores are made. Where
+    the device then refused the slots, the old plan came back in force but tier_statement stayed the refused plan's:
+    here '' for the tier it would have made, where the plan in force says approximate routing keeps the tier off."""
+    from engine.offload.devices import SimulatedSlots
+
+    model = LoadedModel.open(model_folder, decode_path="tier", device=SimulatedDevice(1 << 30),
+                             offload=OffloadConfig(device_expert_bytes=device_expert_bytes(model_folder) // 4,
+                                                   min_expert_weight=0.3))
+    engine = model.offload
+    said = engine.tier_statement
+    assert said.startswith("Cold experts are computed on the CPU: no host tier is made, since approximate routing")
+    assert said in engine.plan.statements and not engine.host_tier
+    plan, real_resize = engine.plan, SimulatedSlots.resize
+
+    def short_of_memory(self, num_slots):
+        if num_slots > self.num_slots:  # the new plan's slots, with the tier or without it
+            raise DeviceMemoryError(f"{self.name}: the device has no room for {num_slots} expert slots")
+        real_resize(self, num_slots)
+
+    monkeypatch.setattr(SimulatedSlots, "resize", short_of_memory)
+    with pytest.raises(DeviceMemoryError, match="no room for"):
+        engine.reconfigure(engine.config.updated(min_expert_weight=0.0,
+                                                 device_expert_bytes=device_expert_bytes(model_folder) // 2))
+    assert engine.plan is plan and not engine.host_tier
+    assert engine.tier_statement == said and said in engine.plan.statements
+
+
 # --- configuration in onnxruntime's vocabulary ---------------------------------------------------
 
 def test_config_accepts_full_and_short_names_and_the_alias():

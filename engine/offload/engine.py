@@ -1009,6 +1009,7 @@ class OffloadEngine(DenseLanding):
         popularity, digest = self._popularity(config)  # a file it cannot read refused before the plan changes
         self._copy_into_ram(config)  # ... and so is a copy of the experts into RAM that fails
         old_plan, old_counts = self.plan, [store.num_slots if store is not None else 0 for store in self.stores]
+        old_said = self.tier_statement  # (_tier_choice says the new plan's before its stores are made)
         self.streaming.close()
         held_tier = self._host_tier
         for store in self.stores:  # release first so the new plan sees the whole budget
@@ -1020,7 +1021,7 @@ class OffloadEngine(DenseLanding):
         try:
             self.plan = self._plan(config)
         except WorkbenchError:  # the old configuration stays in force
-            self._restore_plan(old_plan, old_counts, held_tier)
+            self._restore_plan(old_plan, old_counts, held_tier, old_said)
             raise
         if config.host_expert_bytes is not None:
             self._end_unbounded_work("host_expert_bytes was bounded on the loaded model (locked pages stay in memory "
@@ -1040,7 +1041,7 @@ class OffloadEngine(DenseLanding):
                 self._make_stores(False)
         except WorkbenchError:  # the device had less free than the plan counted on (another process took some), or
             # the plan made again without a tier the driver refused failed (_try_host_tier)
-            self._restore_plan(old_plan, old_counts, held_tier)
+            self._restore_plan(old_plan, old_counts, held_tier, old_said)
             self._resume_unbounded_work()  # (ended above for the plan refused)
             raise
         if self.tier_statement:
@@ -1090,17 +1091,17 @@ class OffloadEngine(DenseLanding):
             if start is not None:
                 start(self.config, self.device)
 
-    def _restore_plan(self, plan: OffloadPlan, counts: list[int], host_tier: bool) -> None:
+    def _restore_plan(self, plan: OffloadPlan, counts: list[int], host_tier: bool, tier_statement: str) -> None:
         """The configuration in force again after a re-plan that failed: its file backing (_copy_into_ram's copies
-        dropped), plan (whose sentences said it already), staging ring, slot counts, host tier, residents and streaming
-        slots."""
+        dropped), plan (whose sentences said it already), staging ring, slot counts, host tier and what the plan says
+        of it, residents and streaming slots."""
         self._back_on_file()
         for store in self.stores:
             if store is not None:
                 store.release()
         self._release_staging()
         self._take_staging(self.config)
-        self.plan = plan
+        self.plan, self.tier_statement = plan, tier_statement
         self._host_tier = host_tier
         for layer, store, count in zip(self.slots, self.stores, counts):
             layer.resize(count)  # (a layer the failed plan shrank keeps its first residents only)
