@@ -1306,6 +1306,42 @@ def test_a_replan_the_device_cannot_hold_leaves_the_sentence_on_the_host_tier_in
     assert engine.tier_statement == said and said in engine.plan.statements
 
 
+@pytest.mark.parametrize("failing, error", [
+    ("_plan_streaming", RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")),
+    ("_apply_file_backing", OSError(12, "Cannot allocate memory")),
+    ("_make_policy", DeviceMemoryError("the pinned staging ring (286720 bytes) cannot hold a copy of 294912 bytes"))])
+def test_a_replan_that_fails_after_its_stores_are_made_leaves_the_configuration_in_force(model_folder, cpu_run,
+                                                                                         monkeypatch, failing, error):
+    """A re-plan put back the configuration in force only where the plan or its stores failed. A failure after the
+    stores were made (the decode streaming slots, the file backing, the placement's copies: the driver, the host's
+    memory) left the engine half re-planned: the new plan and stores under the new config or the old, the old
+    placement over emptied slots, the experts copied into RAM. Now the configuration in force stays, whole."""
+    model, per_expert, state = model_with_two_slots(model_folder)
+    engine = model.offload
+    greedy_run(model, steps=4)  # (routing placed the residents)
+    before, policy, path = state(), engine.policy, (engine.decode_path_mode, engine.decode_path_in_force)
+    real, raised = getattr(type(engine), failing), []
+
+    def fails_once(self, *args, **kwargs):
+        if not raised:
+            raised.append(failing)
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine), failing, fails_once)
+    asked = engine.config.updated(device_expert_bytes=4 * per_expert, allow_file_backing=False, placement="static")
+    with pytest.raises(type(error)) as failed:
+        engine.reconfigure(asked, decode_path="cpu")
+    assert failed.value is error and raised == [failing]
+    assert state() == before and engine.policy is policy
+    assert (engine.decode_path_mode, engine.decode_path_in_force) == path
+    assert not any(runner.in_memory for runner in engine.runners)  # (the copies into RAM dropped)
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    engine.reconfigure(asked, decode_path="cpu")  # the same re-plan, nothing failing
+    assert sum(store.num_slots for store in engine.stores) == 4 and engine.config == asked
+    assert all(runner.in_memory for runner in engine.runners) and engine.policy is not policy
+
+
 # --- configuration in onnxruntime's vocabulary ---------------------------------------------------
 
 def test_config_accepts_full_and_short_names_and_the_alias():

@@ -162,8 +162,8 @@ def test_static_placement_set_on_a_model_loaded_adaptive_measures_before_keeping
 
 
 def test_residents_a_failed_replan_dropped_are_copied_in_again():
-    """A re-plan that fails puts the slot counts back keeping each layer's first residents (OffloadEngine._restore_plan):
-    the chosen experts it dropped go back in at the next safe point."""
+    """Slots made fewer, then as many again, keep each layer's first residents (LayerSlots.resize): the chosen experts
+    dropped go back in at the next safe point."""
     layers = [LayerSlots(8, 4)]
     policy = StaticPlacement(layers)
     for _ in range(OPENING_PAIRS_PER_EXPERT * 2):

@@ -954,7 +954,7 @@ class OffloadEngine(DenseLanding):
         self.whole_layers = whole
         try:
             self._replan(self.config)
-        except WorkbenchError:
+        except BaseException:
             self.whole_layers = not whole
             raise
 
@@ -983,7 +983,8 @@ class OffloadEngine(DenseLanding):
         """Apply new budgets or policy on the loaded model, without reloading; `layer_split` ("auto", "spread" or
         "whole") changes the split and `decode_path` ("auto", "cpu", "tier" or "both", decode_path.py) the decode path
         in the same re-plan. Under "auto" the trials start again, from the budget spread over every layer and from the
-        host tier. A re-plan refused leaves the split, the decode path and their trials as they were, with the plan."""
+        host tier. A re-plan that fails (refused, or the device, the driver or the host's memory failing it) leaves the
+        split, the decode path and their trials as they were, with the plan."""
         in_force = (self.layer_split_mode, self.decode_path_mode, self.whole_layers, self.split_trials,
                     self.path_trials, self.share_trials, self.row_trials)
         if layer_split is not None:
@@ -997,7 +998,7 @@ class OffloadEngine(DenseLanding):
         self.whole_layers = self.layer_split_mode == WHOLE
         try:
             self._replan(config)
-        except WorkbenchError:
+        except BaseException:
             (self.layer_split_mode, self.decode_path_mode, self.whole_layers, self.split_trials, self.path_trials,
              self.share_trials, self.row_trials) = in_force
             raise
@@ -1008,8 +1009,10 @@ class OffloadEngine(DenseLanding):
         self._check_file_backing(config)
         popularity, digest = self._popularity(config)  # a file it cannot read refused before the plan changes
         self._copy_into_ram(config)  # ... and so is a copy of the experts into RAM that fails
-        old_plan, old_counts = self.plan, [store.num_slots if store is not None else 0 for store in self.stores]
-        old_said = self.tier_statement  # (_tier_choice says the new plan's before its stores are made)
+        # what a re-plan that fails puts back (_restore_plan); tier_statement: _tier_choice says the new plan's before
+        # its stores are made
+        in_force = (self.config, self.plan, self.tier_statement, self._host_tier, self.streaming, self.policy,
+                    self.reads_tier, self.splits_cold, [layer.expert_in.copy() for layer in self.slots])
         self.streaming.close()
         held_tier = self._host_tier
         for store in self.stores:  # release first so the new plan sees the whole budget
@@ -1020,8 +1023,8 @@ class OffloadEngine(DenseLanding):
         self._release_staging()
         try:
             self.plan = self._plan(config)
-        except WorkbenchError:  # the old configuration stays in force
-            self._restore_plan(old_plan, old_counts, held_tier, old_said)
+        except BaseException:  # the old configuration stays in force
+            self._restore_plan(in_force)
             raise
         if config.host_expert_bytes is not None:
             self._end_unbounded_work("host_expert_bytes was bounded on the loaded model (locked pages stay in memory "
@@ -1034,24 +1037,39 @@ class OffloadEngine(DenseLanding):
                                      "(fewer resident page-locks it again)")
         for index, info in enumerate(self.infos):
             self.slots[index].resize(self.plan.slots[info.name])
+        # the popularity file edited since it was read (the same path holding other bytes: re-applied to take them)
+        edited = (digest is not None and config.popularity_file == self.config.popularity_file
+                  and digest != self.popularity_sha256)
         try:
-            if self._tier_choice(config):
-                self._try_host_tier(config)
-            else:
-                self._make_stores(False)
-        except WorkbenchError:  # the device had less free than the plan counted on (another process took some), or
-            # the plan made again without a tier the driver refused failed (_try_host_tier)
-            self._restore_plan(old_plan, old_counts, held_tier, old_said)
+            self._put_in_force(config, popularity, edited)
+        except BaseException:  # the device had less free than the plan counted on (another process took some), the
+            # plan made again without a tier the driver refused failed (_try_host_tier), or a copy, the driver or the
+            # host's memory failed the streaming slots, the file backing or the placement
+            self._restore_plan(in_force)
             self._resume_unbounded_work()  # (ended above for the plan refused)
             raise
+        self._say_popularity(config, popularity)
+        self.popularity_sha256 = digest  # the file's bytes that placed the residents (a run's record keeps it)
+        if edited:
+            self.plan.statements.append(f"{config.popularity_file} changed since it was read: its new counts placed "
+                                        "the residents afresh.")
+        self._apply_cpu_threads()
+        self._resume_unbounded_work()
+        self.stats.pinned = self.pinned_info()
+
+    def _put_in_force(self, config: OffloadConfig, popularity: list[np.ndarray | None] | None, edited: bool) -> None:
+        """The re-plan's stores (with the host tier where it gets one), streaming slots, file backing and placement,
+        once its plan is made and the slots resized to it."""
+        if self._tier_choice(config):
+            self._try_host_tier(config)
+        else:
+            self._make_stores(False)
         if self.tier_statement:
             self.plan.statements.append(self.tier_statement)
         self.streaming = self._plan_streaming(config)
-        # what adaptive placement learnt so far still holds, unless a popularity file is set, changed, edited since it
-        # was read (the same path holding other bytes: re-applied to take them) or the placement changes: its counts
-        # then place the residents afresh, as at a load with it (static placement would never move the old ones)
-        edited = (digest is not None and config.popularity_file == self.config.popularity_file
-                  and digest != self.popularity_sha256)
+        # what adaptive placement learnt so far still holds, unless a popularity file is set, changed, `edited` since
+        # it was read or the placement changes: its counts then place the residents afresh, as at a load with it
+        # (static placement would never move the old ones)
         placed_anew = bool(config.popularity_file) and (config.popularity_file != self.config.popularity_file or edited
                                                          or config.placement != self.config.placement)
         # (static placement keeps what it measured in the layers the file leaves out: _make_policy)
@@ -1069,14 +1087,6 @@ class OffloadEngine(DenseLanding):
         self.host_cache.set_budget(config.host_expert_bytes)
         self._apply_file_backing()
         self._make_policy(popularity, old_scores)
-        self._say_popularity(config, popularity)
-        self.popularity_sha256 = digest  # the file's bytes that placed the residents (a run's record keeps it)
-        if edited:
-            self.plan.statements.append(f"{config.popularity_file} changed since it was read: its new counts placed "
-                                        "the residents afresh.")
-        self._apply_cpu_threads()
-        self._resume_unbounded_work()
-        self.stats.pinned = self.pinned_info()
 
     def _resume_unbounded_work(self) -> None:
         """The population and the page-locked mapping started again where the configuration in force wants them and
@@ -1091,26 +1101,34 @@ class OffloadEngine(DenseLanding):
             if start is not None:
                 start(self.config, self.device)
 
-    def _restore_plan(self, plan: OffloadPlan, counts: list[int], host_tier: bool, tier_statement: str) -> None:
-        """The configuration in force again after a re-plan that failed: its file backing (_copy_into_ram's copies
-        dropped), plan (whose sentences said it already), staging ring, slot counts, host tier and what the plan says
-        of it, residents and streaming slots."""
+    def _restore_plan(self, in_force: tuple) -> None:
+        """The configuration in force again after a re-plan that failed (`in_force`: _replan's): its config, file
+        backing (_copy_into_ram's copies dropped), host budget, plan (whose sentences said it already) and what it says
+        of the host tier, staging ring, slots and their residents, host tier, placement, decode path in force and
+        streaming slots."""
+        (self.config, plan, said, host_tier, streaming, self.policy, self.reads_tier, self.splits_cold,
+         residents) = in_force
+        self.streaming.close()  # (the failed plan's, where it made them)
+        self.host_cache.set_budget(self.config.host_expert_bytes)
         self._back_on_file()
         for store in self.stores:
             if store is not None:
                 store.release()
         self._release_staging()
         self._take_staging(self.config)
-        self.plan, self.tier_statement = plan, tier_statement
+        self.plan, self.tier_statement = plan, said
         self._host_tier = host_tier
-        for layer, store, count in zip(self.slots, self.stores, counts):
-            layer.resize(count)  # (a layer the failed plan shrank keeps its first residents only)
+        for layer, store, kept in zip(self.slots, self.stores, residents):
+            layer.resize(0)
+            layer.resize(kept.size)
+            for slot in np.flatnonzero(kept >= 0):
+                layer.place(int(slot), int(kept[slot]))
             if store is not None:
                 store.host_tier = host_tier
-                store.resize(count)
+                store.resize(kept.size)
         self._reload_residents()
         # (reconfigure puts the decode path back only once this has run)
-        self.streaming = self._plan_streaming(self.config, restoring=self.streaming)
+        self.streaming = self._plan_streaming(self.config, restoring=streaming)
 
     def _end_unbounded_work(self, why: str) -> None:
         """host_expert_bytes bounded, file backing turned off, or every expert made resident on the loaded model: what
