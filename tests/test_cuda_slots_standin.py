@@ -27,7 +27,7 @@ from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig
 from engine.offload.decode_path import DecodePathTrials
 from engine.offload.cuda_device import CudaSlots, CudaStreamingSlots, RecentHostSeconds, staged_bytes
-from engine.offload.device_memory import DeviceMemory
+from engine.offload.device_memory import DENSE_RESERVATION, DeviceMemory
 from engine.offload.devices import GIB, TIER_READ_SHARE, Bandwidths
 from engine.offload.engine import OffloadEngine
 from engine.ort_env import DenseDevice
@@ -971,6 +971,17 @@ def test_the_dense_part_goes_to_the_card_after_all_where_only_the_host_tiers_map
     assert said == ["Cold experts are computed on the CPU: no host tier is made, since onnxruntime's arena for the "
                     "dense part fits on the card beside the expert slots but not beside the tier's device mappings "
                     f"({refusal})."]
+    # the load's arena takes what the limit leaves beside the slots without the tier, for as long as the model is
+    # loaded: a re-plan of the same settings planned the tier again (the dense part on the card), then refused it for
+    # the room the arena holds, in other words than the load's plan; it makes the load's plan now
+    memory.reserve(memory.available, DENSE_RESERVATION)
+    planned = (list(engine.plan.statements), dict(engine.plan.slots), dict(memory.by_purpose))
+    engine.reconfigure(engine.config)
+    assert (list(engine.plan.statements), dict(engine.plan.slots), dict(memory.by_purpose)) == planned
+    assert not engine.host_tier and engine.tier_statement == said[0]
+    with pytest.raises(WorkbenchError, match=r"decode path 'tier': Cold experts are computed on the CPU: no host tier "
+                                             r"is made, since onnxruntime's arena for the dense part fits on the card"):
+        engine.set_decode_path("tier")
     # the load tries the card again with the arena the plan without the tier leaves (here onnxruntime cannot make it)
     from engine import ort_env
 

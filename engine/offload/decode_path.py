@@ -188,14 +188,16 @@ def tier_bytes(infos) -> int:
 
 
 def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
-                 available: int, device=None, dense_cpu: str | None = None) -> tuple[bool, str]:
+                 available: int, device=None, dense_cpu: str | None = None,
+                 beside_arena: str | None = None) -> tuple[bool, str]:
     """Whether a plan of `slots` per node gets a host tier on a device of `device_kind` ("cuda", "simulated": the
     simulated device counts the tier's bytes and prices its reads; None: no device), with `available` bytes of host
     memory free, and the sentence that tells the user about a wanted tier that is not made ('' where it is made or
     not wanted: the engine says what it made once it has). `device`, where given, holds no slots yet: a tier whose
     granule-rounded device mappings it has no room for is not made (a card's mapping would fail). `dense_cpu`: why the
     dense part runs on the CPU (ort_env.dense_cpu_reason, DenseDevice.reason), None where it runs on the card: on a
-    CUDA card no tier is made then (_dense_on_host)."""
+    CUDA card no tier is made then (_dense_on_host). `beside_arena`: the arena check's refusal beside the tier where
+    the load put the dense part on the card without it (OffloadEngine.dense_landed): no tier is made then either."""
     if not tier_wanted(mode, config) or device_kind is None:
         return False, ""
     if config.mode == "disabled":  # asked for (tier_wanted): every expert runs where the dense part does
@@ -205,6 +207,8 @@ def tier_verdict(mode: str, config: OffloadConfig, infos, slots: dict[str, int],
         return False, ""  # every expert resident: nothing to read from the host
     if _dense_on_host(device_kind, dense_cpu):
         return False, dense_on_host_words(config, dense_cpu)
+    if beside_arena is not None and device_kind == "cuda":
+        return False, tier_beside_arena(config, beside_arena)
     if config.approximate_routing:  # (HybridExpertNode: an approximating step routes on the host)
         asked = ", ".join(f"{key}={getattr(config, key)}" for key in ("min_expert_weight", "tail_substitution_threshold")
                           if getattr(config, key) > 0)

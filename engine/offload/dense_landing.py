@@ -50,6 +50,7 @@ class DenseLanding:
     dense_cpu: str | None
     dense_on_device: bool
     host_tier: bool
+    arena_over_tier: str | None  # the arena check's refusal beside the tier where dense_landed put it on the card
 
     def arena_beside_every_expert(self, slot_bytes: int) -> None:
         """mode=disabled plans every expert beside the dense part on the card. Where onnxruntime's arena would not fit
@@ -87,6 +88,7 @@ class DenseLanding:
             self._replan_for_dense()
         if dense_cpu is None and beside_tier:  # on the card after all, beside the slots without the tier
             self.dense_on_device = True
+            self.arena_over_tier = beside_tier
             self._say_of_tier(paths.tier_beside_arena(self.config, beside_tier))
         elif beside_tier:  # on the CPU for what the second try met (onnxruntime's arena not made), not the refusal
             # the plan without the tier was made for, which its mappings (gone since) brought about

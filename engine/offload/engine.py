@@ -172,6 +172,11 @@ class OffloadEngine(DenseLanding):
         # why the load would keep the dense part on the CPU were the plan to leave it the given bytes of the device
         # (ort_env.dense_refusal; None: not known before the load sizes onnxruntime's arena)
         self.arena_refusal = arena_refusal
+        # the arena check's refusal beside the host tier where the load put the dense part on the card without the
+        # tier (dense_landed): its arena holds the room the tier's mappings would take for as long as the model is
+        # loaded, so re-plans make no tier either and say why as the load's plan did (None: the load made no such
+        # choice)
+        self.arena_over_tier: str | None = None
         # the runners' CPU kernel threads (cpu_threads; 0: automatic): the decoder's, whose safe points move them
         self.kernel_threads = kernel_threads if kernel_threads is not None else KernelThreads(runners)
         self.infos = [runner.info for runner in runners]
@@ -271,7 +276,7 @@ class OffloadEngine(DenseLanding):
         # (asked before the stores are made: a re-plan has released them, and a released tier's memory with them)
         made, self.tier_statement = paths.tier_verdict(self.decode_path_mode, config, self.infos, self.plan.slots,
                                                        getattr(self.device, "kind", None), paths.host_available(),
-                                                       self.device, self.dense_cpu)
+                                                       self.device, self.dense_cpu, self.arena_over_tier)
         return made
 
     # the dense part's landing (dense_landing.DenseLanding: dense_landed, arena_beside_every_expert) on this engine
@@ -636,8 +641,9 @@ class OffloadEngine(DenseLanding):
         """Reserve the staging ring, then plan the slots in what the device has left; for a host tier where one is
         planned (decode_path.tier_planned), unless `tier` is False."""
         self._take_staging(config)
-        tier = tier and paths.tier_planned(self.decode_path_mode, config, self.infos,
-                                           getattr(self.device, "kind", None), paths.host_available(), self.dense_cpu)
+        tier = tier and self.arena_over_tier is None and paths.tier_planned(
+            self.decode_path_mode, config, self.infos, getattr(self.device, "kind", None), paths.host_available(),
+            self.dense_cpu)
         plan = plan_offload(config, self.infos, self.device, whole_layers=self.whole_layers,
                             dense_on_device=self.dense_on_device, host_tier=tier, dense_cpu=self.dense_cpu)
         if self.device is not None and config.mode != "disabled":
