@@ -1418,6 +1418,34 @@ def test_approximate_routing_makes_no_host_tier_and_says_cold_experts_run_on_the
     assert engine.host_tier and engine.decode_path_in_force == "tier"
 
 
+def test_a_refused_tier_whose_old_path_cannot_be_put_back_still_says_why_it_was_refused(model_folder, monkeypatch):
+    """'tier' refused puts the old decode path back with a second re-plan; where that one failed too (here the host's
+    memory, for its streaming slots), its error replaced the refusal, and the user never learnt why the tier was not
+    made. The error is the refusal, saying the old path could not be put back and why; the path asked stays in force."""
+    half = device_expert_bytes(model_folder) // 2
+    model = LoadedModel.open(model_folder, offload=OffloadConfig(device_expert_bytes=half, min_expert_weight=0.3),
+                             device=SimulatedDevice(1 << 30), decode_path="auto")
+    engine = model.offload
+    real, calls = type(engine)._plan_streaming, []
+
+    def second_fails(self, *args, **kwargs):  # the re-plan for 'tier' makes them, the one putting 'auto' back fails
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise OSError(12, "Cannot allocate memory")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine), "_plan_streaming", second_fails)
+    with pytest.raises(WorkbenchError) as refused:
+        engine.set_decode_path("tier")
+    said = ("Cold experts are computed on the CPU: no host tier is made, since approximate routing "
+            "(min_expert_weight=0.3) picks each token's experts on the host, where decode from the tier routes on "
+            "the GPU.")
+    assert str(refused.value) == (f"decode path 'tier': {said} Decode path 'auto' could not be put back "
+                                  "(OSError: [Errno 12] Cannot allocate memory), so 'tier' stays, without the tier.")
+    assert isinstance(refused.value.__cause__, OSError) and len(calls) == 3  # (the third: _restore_plan's)
+    assert engine.decode_path_mode == "tier" and engine.decode_path_in_force == "cpu" and not engine.host_tier
+
+
 def test_async_max_tokens_0_makes_no_host_tier_and_says_why(model_folder):
     """async_max_tokens=0 runs no step with the CPU and the GPU at once, and only such a decode step reads the host tier
     (HybridExpertNode): the tier was made all the same (its page-locked memory and device mappings held for nothing),

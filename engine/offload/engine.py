@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import psutil
 
-from engine.errors import WorkbenchError
+from engine.errors import WorkbenchError, one_line
 from engine.expert_node import CpuExpertNode
 from engine.offload.approximate import ApproximationCounts
 from engine.kernel_threads import KernelThreads
@@ -973,16 +973,22 @@ class OffloadEngine(DenseLanding):
     def set_decode_path(self, mode: str) -> None:
         """"auto", "cpu", "tier" or "both" (decode_path.py): a re-plan of the configuration in force makes or drops the
         host tier where that changes it; the trials start again. "tier" or "both" where the tier cannot be made (no
-        device, the host's memory, the driver): a WorkbenchError saying why, the path as it was."""
+        device, the host's memory, the driver): a WorkbenchError saying why, the path as it was (where putting it back
+        fails too, the error says that as well and the path asked stays)."""
         mode, before = checked_path(mode), self.decode_path_mode
         if mode in paths.ASKED_TIER and self.device is None:
             raise WorkbenchError(f"decode path '{mode}' needs a GPU (CUDA or simulated): it reads the experts from "
                                  f"host memory")
         self.reconfigure(self.config, decode_path=mode)
         if mode in paths.ASKED_TIER and not self._host_tier and self.tier_statement:
-            refused = self.tier_statement
-            self.reconfigure(self.config, decode_path=before)
-            raise WorkbenchError(f"decode path '{mode}': {refused}")
+            refused = f"decode path '{mode}': {self.tier_statement}"
+            try:
+                self.reconfigure(self.config, decode_path=before)
+            except Exception as exc:  # the refusal is still the answer to what was asked; the path asked stays
+                failed = one_line(exc, self.config.mode)
+                raise WorkbenchError(f"{refused} Decode path '{before}' could not be put back ({failed}), so '{mode}' "
+                                     f"stays, without the tier.") from exc
+            raise WorkbenchError(refused)
 
     def reconfigure(self, config: OffloadConfig, layer_split: str | None = None,
                     decode_path: str | None = None) -> None:
