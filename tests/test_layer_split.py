@@ -195,8 +195,42 @@ def test_a_re_plan_the_trials_ask_for_that_fails_keeps_the_plan_in_force_and_end
     engine.end_step(0.030, 1)  # the spread measured: whole layers asked for, refused
     assert engine.whole_layers is False and engine.layer_split_mode == "spread"
     assert [layer.num_slots for layer in engine.slots] == slots
+    assert engine.plan.statements[-1] == ("The layer split's trials asked for whole layers, and the re-plan failed "
+                                          "(the GPU ran out of memory): decode goes on with the budget spread over "
+                                          "every layer, with no more trials.")
     engine.end_step(0.001, 1)  # no more trials
     assert engine.split_trials.trials == 0
+
+
+@pytest.mark.parametrize("error, said", [
+    (RuntimeError("cuMemHostRegister failed: CUDA_ERROR_INVALID_VALUE"),
+     "RuntimeError: cuMemHostRegister failed: CUDA_ERROR_INVALID_VALUE"),
+    (OSError(12, "Cannot allocate memory"), "OSError: [Errno 12] Cannot allocate memory")])
+def test_a_re_plan_the_trials_ask_for_that_the_driver_or_host_memory_fails_keeps_decoding(model_folder, cpu_run,
+                                                                                        monkeypatch, error, said):
+    """The trials' re-plan was caught only where refused (a WorkbenchError): the driver or the host's memory failing it
+    stopped decoding, though _replan had put the plan in force back. Decoding goes on under that plan, with no more
+    trials, and the plan says what failed."""
+    model, engine = half_budget_engine(model_folder, first=0, settle=0, window=1)
+    plan, slots = engine.plan, [layer.num_slots for layer in engine.slots]
+    real, raised = type(engine)._plan_streaming, []
+
+    def fails_once(self, *args, **kwargs):
+        if not raised:
+            raised.append(error)
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine), "_plan_streaming", fails_once)
+    engine.end_step(0.030, 1)  # the spread measured: whole layers asked for, their streaming slots failed
+    assert raised == [error] and engine.plan is plan
+    assert engine.whole_layers is False and engine.layer_split_mode == "spread"
+    assert [layer.num_slots for layer in engine.slots] == slots
+    assert engine.plan.statements[-1] == (f"The layer split's trials asked for whole layers, and the re-plan failed "
+                                          f"({said}): decode goes on with the budget spread over every layer, with no "
+                                          f"more trials.")
+    assert_same_as_cpu(greedy_run(model), cpu_run)
+    assert engine.split_trials.trials == 0 and not engine.whole_layers
 
 
 def test_the_trials_time_a_step_with_the_accounts_it_left_for_its_safe_point(model_folder, monkeypatch):

@@ -916,8 +916,10 @@ class OffloadEngine(DenseLanding):
                 if wanted is not None:
                     try:
                         self._set_whole_layers(wanted == WHOLE)
-                    except WorkbenchError:  # the plan in force stays (_replan restored it), with no more trials
+                    except Exception as exc:  # refused, or the driver or the host's memory failing it: the plan in
+                        # force stays (_replan restored it), with no more trials, and decoding goes on under it
                         self.layer_split_mode = WHOLE if self.whole_layers else SPREAD
+                        self.plan.statements.append(self._split_failed(wanted, exc))
                     return
             self._steps += 1
             if self._steps % MISS_SLOTS_EVERY == MISS_SLOTS_FIRST:
@@ -952,6 +954,14 @@ class OffloadEngine(DenseLanding):
         if self._choosable is None or self._choosable[0] is not self.plan:
             self._choosable = (self.plan, split_choosable(self.config, self.plan, self.infos) > 0)
         return self._choosable[1]
+
+    def _split_failed(self, wanted: str, exc: Exception) -> str:
+        """What the plan in force says once the re-plan the layer split's trials asked for (`wanted`) failed."""
+        kept = "whole layers" if self.whole_layers else "the budget spread over every layer"
+        asked = "whole layers" if wanted == WHOLE else "the budget spread over every layer"
+        failed = one_line(exc, self.config.mode)
+        return (f"The layer split's trials asked for {asked}, and the re-plan failed ({failed}): decode goes on with "
+                f"{kept}, with no more trials.")
 
     def _set_whole_layers(self, whole: bool) -> None:
         """Re-plan the same configuration with the budget on whole layers or spread (at a safe point)."""
