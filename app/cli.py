@@ -124,7 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
     history.add_argument("--model", help="filter: model folder contains this")
     history.add_argument("--scenario", help="filter: runs of this scenario (short, long, multiturn, side-by-side, "
                                             "'side-by-side, at once')")
-    history.add_argument("--label", help="filter: the run's label contains this (a sweep's: 'sweep 25%%')")
+    history.add_argument("--label", help="filter: the run's label contains this (a sweep's: 'sweep budget share 25%%')")
     history.add_argument("--id", type=at_least(1), nargs="+", metavar="ID",
                          help="these runs only, as their whole records (JSON unless --export says otherwise)")
     history.add_argument("--export", choices=["json", "csv", "markdown"], help="print the records in this format")

@@ -530,7 +530,8 @@ def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, ca
     history = tmp_path / "h.sqlite"
     status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                              "--max-new-tokens", "2", "--history", str(history))
-    assert [row["label"] for row in History(history).rows()] == ["sweep 50%"] * 3 + ["sweep 0%"] * 3  # newest first
+    assert [row["label"] for row in History(history).rows()] == (["sweep budget share 50%"] * 3  # newest first
+                                                                 + ["sweep budget share 0%"] * 3)
     # the finished points printed (it printed none) and where it stopped said (it said only "interrupted")
     assert status == 130 and err.splitlines()[-1] == (
         "moe-workbench: the sweep was interrupted at 100% (device_expert_bytes=565248), point 3 of 3; the 2 points "
@@ -614,7 +615,8 @@ def test_a_sweep_point_the_history_could_not_save_is_kept_in_a_file_it_names(tmp
     run_scenario = sweep.run_scenario
 
     def run(*args, **kwargs):
-        if kwargs.get("label") == "sweep 100%" and not other.in_transaction:  # the second point's runs begin
+        # the second point's runs begin
+        if kwargs.get("label") == "sweep budget share 100%" and not other.in_transaction:
             other.execute("BEGIN EXCLUSIVE")
         return run_scenario(*args, **kwargs)
 
@@ -632,8 +634,9 @@ def test_a_sweep_point_the_history_could_not_save_is_kept_in_a_file_it_names(tmp
         f"are kept in {kept}; the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no "
         "recommendation")
     runs = json.loads(kept.read_text())
-    assert [run["label"] for run in runs] == ["sweep 100%"] * 3 and all(run["timings"]["completion_s"] for run in runs)
-    assert [row["label"] for row in History(path).rows()] == ["sweep 0%"] * 3
+    assert [run["label"] for run in runs] == ["sweep budget share 100%"] * 3
+    assert all(run["timings"]["completion_s"] for run in runs)
+    assert [row["label"] for row in History(path).rows()] == ["sweep budget share 0%"] * 3
 
 
 def test_a_sweep_point_whose_save_fails_partway_is_kept_whole_in_the_file_not_counted_under_the_points_before(
@@ -662,8 +665,8 @@ def test_a_sweep_point_whose_save_fails_partway_is_kept_whole_in_the_file_not_co
         "moe-workbench: error: the sweep failed at 100% (device_expert_bytes=565248), point 2 of 2: "
         f"{path}: the runs were not saved (database or disk is full); the 3 runs measured are kept in {kept}; "
         "the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no recommendation")
-    assert [run["label"] for run in json.loads(kept.read_text())] == ["sweep 100%"] * 3
-    assert [row["label"] for row in History(path).rows()] == ["sweep 0%"] * 3
+    assert [run["label"] for run in json.loads(kept.read_text())] == ["sweep budget share 100%"] * 3
+    assert [row["label"] for row in History(path).rows()] == ["sweep budget share 0%"] * 3
 
 
 def test_a_stopped_sweep_says_it_wrote_no_plot_and_saved_no_configuration(tmp_path, capsys, monkeypatch):
@@ -1419,7 +1422,7 @@ def test_the_sweep_json_names_each_points_runs_in_the_history(tmp_path, capsys):
     assert [p["record_ids"] for p in points] == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]  # each point's 3 repeats
     for point in points:
         records = [History(history).get(run_id) for run_id in point["record_ids"]]
-        assert [r.label for r in records] == [f"sweep {point['fraction']:.0%}"] * 3
+        assert [r.label for r in records] == [f"sweep budget share {point['fraction']:.0%}"] * 3
         assert point["peak_device_bytes"] == max(r.peaks["device_bytes"] for r in records)
         assert point["repeat_completion_s"] == [r.timings["completion_s"] for r in records]
         assert point["completion_s"] == statistics.median(point["repeat_completion_s"])

@@ -1304,6 +1304,27 @@ def test_a_window_sweep_of_one_token_answers_recommends_without_a_decode_rate(qt
     assert "n/a (one token) projected; measured on this machine" in summary and summary.count("n/a (one token)") == 2
 
 
+def test_a_window_sweep_says_its_percentages_are_the_budgets_share(qtbot, tmp_path):
+    """The summary's "Recommended: … (100%)" and the runs' labels "sweep 100%" gave the budget's share of every
+    expert's bytes without saying so, where the experts resident may be fewer (the command's table has a "budget share"
+    and a "resident" column): both now say "budget share"."""
+    from app.gui.records_jobs import SweepJob
+    from app.gui.sweep_view import SweepView
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
+    path = tmp_path / "h.sqlite"
+    result = SweepJob(2, ["short"], 1, history_path=str(path))(_sweep_context(model, device, []))
+    view = SweepView(str(path))
+    qtbot.addWidget(view)
+    view.on_finished(result)
+    best = view.recommended
+    assert view.summary.text().startswith(f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device "
+                                          f"(budget share {best.fraction:.0%}), by the completion time projected")
+    assert sorted({row["label"] for row in History(path).rows()}) == ["sweep budget share 0%",
+                                                                      "sweep budget share 100%"]
+
+
 def test_the_sweeps_rate_curve_leaves_out_budgets_of_one_token_answers_and_says_so(qtbot, tmp_path):
     """A budget whose answers were one token each has no decode rate: the decode plot drew it at 0 tok/s, measured and
     projected (and marked the recommendation there), as if decoding had stalled at that budget."""
@@ -1623,8 +1644,8 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     none, all_resident = _repeated_point(0, [1.2, 1.25, 1.3]), _repeated_point(300, [0.95, 1.1, 1.25])
     view.on_finished(SweepResult([none, all_resident], requested=2, model_folder="m", base_entries={}))
     assert view.recommended is none
-    assert ("A tie with the fastest, at 100%: they differ by less than their spreads between repeats (±0.05 s and "
-            "±0.15 s), and it holds less on the device (device peak 0 B against 300 B).") in view.summary.text()
+    assert ("A tie with the fastest, at budget share 100%: they differ by less than their spreads between repeats "
+            "(±0.05 s and ±0.15 s), and it holds less on the device (device peak 0 B against 300 B).") in view.summary.text()
     # a configuration saved from it says so (it said "within 10% of the fastest": 1.25 s is 14% above 1.1 s)
     view.configurations_path = tmp_path / "configurations.json"
     view.save("tied")

@@ -638,15 +638,18 @@ def test_one_slow_repeat_does_not_change_a_sweeps_recommendation_and_a_real_diff
     over, and a first run at 100% slowed ten times over does not change that."""
     device = SimulatedDevice(1 << 30)
     model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(), device=device)
-    genuine = {"sweep 0%": [0.05] * 3}  # every 0% run: ~0.1 s more than the fixture's few milliseconds
+    # every 0% run: ~0.1 s more than the fixture's few milliseconds
+    genuine = {"sweep budget share 0%": [0.05] * 3}
     points = _sweep_with_slowed_runs(monkeypatch, model, device, genuine)
     assert [p.repeats for p in points] == [3, 3] and [len(p.records) for p in points] == [3, 3]
     assert recommend(points).fraction == 1.0
-    outlier = {**genuine, "sweep 100%": [0.5]}  # the first all-resident run, ~1 s: slower than every 0% run
+    # the first all-resident run, ~1 s: slower than every 0% run
+    outlier = {**genuine, "sweep budget share 100%": [0.5]}
     points = _sweep_with_slowed_runs(monkeypatch, model, device, outlier)
     assert max(points[1].repeat_seconds(projected=True)) > max(points[0].repeat_seconds(projected=True))
     assert recommend(points).fraction == 1.0
-    points = _sweep_with_slowed_runs(monkeypatch, model, device, {"sweep 100%": [0.05] * 3})  # the other way round
+    # the other way round
+    points = _sweep_with_slowed_runs(monkeypatch, model, device, {"sweep budget share 100%": [0.05] * 3})
     assert recommend(points).fraction == 0.0
 
 
@@ -678,7 +681,7 @@ def test_a_sweep_point_is_the_budget_the_device_held_where_it_holds_less_than_as
     assert held < total and not said  # the last point asked more: nothing above it to leave out
     # it said 100% of the experts and the budget asked, and recommended and saved a budget that never ran
     assert (points[-1].budget_bytes, points[-1].fraction) == (held, held / total)
-    assert points[-1].records[0].label == f"sweep {held / total:.0%}"
+    assert points[-1].records[0].label == f"sweep budget share {held / total:.0%}"
     assert [p.budget_bytes for p in points[:2]] == [0, round(total / 2)]  # those the device held are as asked
 
 

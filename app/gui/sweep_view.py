@@ -379,8 +379,8 @@ class SweepView(QWidget):
             fastest = min(p.projected_completion_s for p in self.result.points)
             bw = best.records[0].timings["projected"].get("bandwidths") or {}
             self.summary.setText(
-                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
-                f"by the completion time projected for the simulated card (PCIe "
+                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device (budget share "
+                f"{best.fraction:.0%}{where}), by the completion time projected for the simulated card (PCIe "
                 f"{bw.get('pcie_bytes_per_s', 0) / 1e9:.0f} GB/s, HBM {bw.get('hbm_bytes_per_s', 0) / 1e9:.0f} GB/s "
                 f"assumed): {seconds_figures(best.projected_completion_s)} s (fastest {seconds_figures(fastest)} s, "
                 f"margin {margin * 100:g}%), {decode_rate(best.projected_decode_tokens_per_s)} projected; measured on "
@@ -390,13 +390,13 @@ class SweepView(QWidget):
         else:
             fastest = min(p.completion_s for p in self.result.points)
             self.summary.setText(
-                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device ({best.fraction:.0%}{where}), "
-                f"completion {seconds_figures(best.completion_s)} s (fastest {seconds_figures(fastest)} s, "
-                f"margin {margin * 100:g}%), {decode_rate(best.decode_tokens_per_s)}, device peak "
-                f"{human_bytes(best.peak_device_bytes)}, RAM peak {human_bytes(best.peak_rss_bytes)}.")
+                f"Recommended: {human_bytes(best.budget_bytes)} of experts on the device (budget share "
+                f"{best.fraction:.0%}{where}), completion {seconds_figures(best.completion_s)} s (fastest "
+                f"{seconds_figures(fastest)} s, margin {margin * 100:g}%), {decode_rate(best.decode_tokens_per_s)}, "
+                f"device peak {human_bytes(best.peak_device_bytes)}, RAM peak {human_bytes(best.peak_rss_bytes)}.")
         if chosen.tie:  # beyond the margin, or within it: the repeats cannot tell the two apart
-            self.summary.setText(f"{self.summary.text()} A tie with the fastest, at {chosen.fastest.fraction:.0%}: "
-                                 f"{chosen.tie_reason}.")
+            self.summary.setText(f"{self.summary.text()} A tie with the fastest, at budget share "
+                                 f"{chosen.fastest.fraction:.0%}: {chosen.tie_reason}.")
         if chosen.passed_over:  # (the host tier's granule-rounded mappings, whole layers)
             self.summary.setText(
                 f"{self.summary.text()} The least device peak of the budgets within the margin of the fastest: smaller "

@@ -397,7 +397,7 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
     infos = model.offload.infos
     if 0 < whole_layers_held(infos, budget) < sum(1 for info in infos if info.gpu is not None):
         point.split_run = WHOLE if model.offload.whole_layers else SPREAD
-    tag = f"{label} {fraction:.0%}" + (f" {split}" if split else "")
+    tag = f"{label} budget share {fraction:.0%}" + (f" {split}" if split else "")  # (as the table's column says)
     for _repeat in range(repeats):
         for scenario in scenarios:
             if cancel is not None and cancel.is_set():
