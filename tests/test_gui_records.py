@@ -1645,7 +1645,8 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     view.on_finished(SweepResult([none, all_resident], requested=2, model_folder="m", base_entries={}))
     assert view.recommended is none
     assert ("A tie with the fastest, at budget share 100%: they differ by less than their spreads between repeats "
-            "(±0.05 s and ±0.15 s), and it holds less on the device (device peak 0 B against 300 B).") in view.summary.text()
+            "(±0.05 s and ±0.15 s), and it holds less on the device (device peak 0 B against 300 B).") in (
+        view.summary.text())
     # a configuration saved from it says so (it said "within 10% of the fastest": 1.25 s is 14% above 1.1 s)
     view.configurations_path = tmp_path / "configurations.json"
     view.save("tied")
