@@ -534,8 +534,8 @@ def test_an_interrupted_sweep_keeps_the_runs_of_its_finished_points(tmp_path, ca
                                                                  + ["sweep budget share 0%"] * 3)
     # the finished points printed (it printed none) and where it stopped said (it said only "interrupted")
     assert status == 130 and err.splitlines()[-1] == (
-        "moe-workbench: the sweep was interrupted at 100% (device_expert_bytes=565248), point 3 of 3; the 2 points "
-        "before it are printed, their 6 runs saved in the history (ids 1 to 6); no recommendation")
+        "moe-workbench: the sweep was interrupted at budget share 100% (device_expert_bytes=565248), point 3 of 3; the "
+        "2 points before it are printed, their 6 runs saved in the history (ids 1 to 6); no recommendation")
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["0", "282624"] and "recommended" not in out
 
 
@@ -576,7 +576,8 @@ def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before
     status, out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                              "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 3 and err.splitlines()[-1] == (
-        "moe-workbench: internal error: the sweep failed at 100% (device_expert_bytes=565248), point 3 of 3: "
+        "moe-workbench: internal error: the sweep failed at budget share 100% (device_expert_bytes=565248), point 3 "
+        "of 3: "
         "RuntimeError: CUDA out of memory while staging; the 2 points before it are printed, their 6 runs saved in "
         "the history (ids 1 to 6); no recommendation")
     rows = [line.split()[0] for line in out.splitlines()[2:]]
@@ -593,9 +594,9 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
     status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 130 and "\rsweep:  33.3%\nsweep: device peak by part: 0%: " in err  # (the point's parts)
-    assert err.endswith("\nmoe-workbench: the sweep was interrupted at 50% (device_expert_bytes=282624), point 2 of 3; "
-                        "the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no "
-                        "recommendation\n")
+    assert err.endswith("\nmoe-workbench: the sweep was interrupted at budget share 50% (device_expert_bytes=282624), "
+                        "point 2 of 3; the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); "
+                        "no recommendation\n")
 
 
 def test_a_sweep_point_the_history_could_not_save_is_kept_in_a_file_it_names(tmp_path, capsys, monkeypatch):
@@ -629,7 +630,7 @@ def test_a_sweep_point_the_history_could_not_save_is_kept_in_a_file_it_names(tmp
     (kept,) = tmp_path.glob("moe-workbench-unsaved-runs-*.json")
     assert status == 2 and len(out.splitlines()) == 3  # the simulated card's note, the heading, the first point
     assert err.splitlines()[-1] == (
-        "moe-workbench: error: the sweep failed at 100% (device_expert_bytes=565248), point 2 of 2: "
+        "moe-workbench: error: the sweep failed at budget share 100% (device_expert_bytes=565248), point 2 of 2: "
         f"{path}: the runs were not saved (another process holds it locked: database is locked); the 3 runs measured "
         f"are kept in {kept}; the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no "
         "recommendation")
@@ -662,7 +663,7 @@ def test_a_sweep_point_whose_save_fails_partway_is_kept_whole_in_the_file_not_co
     (kept,) = tmp_path.glob("moe-workbench-unsaved-runs-*.json")
     assert status == 2 and len(out.splitlines()) == 3  # the simulated card's note, the heading, the first point
     assert err.splitlines()[-1] == (
-        "moe-workbench: error: the sweep failed at 100% (device_expert_bytes=565248), point 2 of 2: "
+        "moe-workbench: error: the sweep failed at budget share 100% (device_expert_bytes=565248), point 2 of 2: "
         f"{path}: the runs were not saved (database or disk is full); the 3 runs measured are kept in {kept}; "
         "the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); no recommendation")
     assert [run["label"] for run in json.loads(kept.read_text())] == ["sweep budget share 100%"] * 3

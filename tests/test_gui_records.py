@@ -1006,7 +1006,7 @@ def test_a_sweep_job_says_when_a_point_decodes_until_the_trials_are_over(tmp_pat
     result = SweepJob(3, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(ctx)
     assert len(result.points) == 3 and not result.cancelled
     settling = [text for text in said if "decoding until the engine's trials" in text]
-    assert [text.split(":")[0] for text in settling] == ["at 0%", "at 50%", "at 100%"]
+    assert [text.split(":")[0] for text in settling] == [f"at budget share {share}" for share in ("0%", "50%", "100%")]
     assert said.index(settling[1]) > said.index("3 of 9 runs done") > said.index(settling[0])  # 3 repeats a point
 
 
@@ -1069,8 +1069,9 @@ def test_a_sweep_job_says_when_a_point_first_waits_for_its_experts_mapping(tmp_p
     result = SweepJob(2, ["short"], 2, history_path=str(tmp_path / "h.sqlite"))(ctx)
     assert len(result.points) == 2 and not result.cancelled
     settling = [text for text in said if "decoding until the engine's trials" in text]
-    assert settling[0].startswith("at 0%: mapping its experts again after the re-plan, then decoding until")
-    assert settling[1].startswith("at 100%: decoding until")
+    assert settling[0].startswith("at budget share 0%: mapping its experts again after the re-plan, then decoding "
+                                "until")
+    assert settling[1].startswith("at budget share 100%: decoding until")
 
 
 def test_history_lists_the_run_a_side_by_side_saved_before_saving_b_failed(qtbot, window, tmp_path, monkeypatch):
@@ -1138,12 +1139,12 @@ def test_a_sweep_whose_point_fails_keeps_and_shows_the_points_before_it(qtbot, w
     assert result is not None and [p.budget_bytes for p in result.points] == [0, 8 * EXPERT]
     assert len(result.saved_ids) == 2 * 3 and window.history.ids() == result.saved_ids[::-1]
     assert list(view.curves["completion"].getData()[0]) == [0.0, 8 * EXPERT / 1024]
-    assert view.bar.status.text() == ("Failed at 100% (device_expert_bytes=565248), point 3 of 3: device_expert_bytes="
-                                      "565248 exceeds the 400000 "
+    assert view.bar.status.text() == ("Failed at budget share 100% (device_expert_bytes=565248), point 3 of 3: "
+                                      "device_expert_bytes=565248 exceeds the 400000 "
                                       "bytes the device has free; the 2 points before it are shown, 6 runs saved "
                                       "to the history; no recommendation; the model is back at its own budgets.")
     assert view.recommended is None and not view.save_button.isEnabled()
-    assert "Failed at 100% (device_expert_bytes=565248), point 3 of 3" in window.error_banner.text()
+    assert "Failed at budget share 100% (device_expert_bytes=565248), point 3 of 3" in window.error_banner.text()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
 
@@ -1188,9 +1189,9 @@ def test_a_cancelled_window_sweep_keeps_saves_and_shows_the_points_it_completed(
     assert result.cancelled and [p.budget_bytes for p in result.points] == [0]
     assert len(result.saved_ids) == 3 and window.history.ids() == result.saved_ids[::-1]
     assert list(view.curves["completion"].getData()[0]) == [0.0]
-    assert view.bar.status.text() == ("Cancelled at 50% (device_expert_bytes=282624), point 2 of 3; the 1 point "
-                                      "before it is shown, 3 runs saved to the history; no recommendation; the model "
-                                      "is back at its own budgets.")
+    assert view.bar.status.text() == ("Cancelled at budget share 50% (device_expert_bytes=282624), point 2 of 3; the "
+                                      "1 point before it is shown, 3 runs saved to the history; no recommendation; the "
+                                      "model is back at its own budgets.")
     assert view.recommended is None and not view.save_button.isEnabled()
     assert window.worker._model.offload.config.device_expert_bytes == 3 * EXPERT  # the user's budget, back
 
@@ -1217,14 +1218,14 @@ def test_a_sweep_that_stops_early_leaves_no_recommendation_behind_even_when_the_
 
     view, complete = _view_of_a_complete_sweep(qtbot, tmp_path)
     assert view.summary.text().startswith("Recommended: ")
-    for stopped in (dataclasses.replace(complete, points=complete.points[:2],
-                                        stopped_at="at 100% (device_expert_bytes=565248), point 3 of 3", failure="X"),
-                    dataclasses.replace(complete, points=complete.points[:2],
-                                        stopped_at="at 100% (device_expert_bytes=565248), point 3 of 3")):
+    where = "at budget share 100% (device_expert_bytes=565248), point 3 of 3"
+    for stopped in (dataclasses.replace(complete, points=complete.points[:2], stopped_at=where, failure="X"),
+                    dataclasses.replace(complete, points=complete.points[:2], stopped_at=where)):
         view.on_finished(complete)
         view.on_finished(stopped)
-        assert view.summary.text() == ("No recommendation: the sweep stopped at 100% (device_expert_bytes=565248), "
-                                       "point 3 of 3, and the budgets from there on were not timed.")
+        assert view.summary.text() == ("No recommendation: the sweep stopped at budget share 100% "
+                                       "(device_expert_bytes=565248), point 3 of 3, and the budgets from there on "
+                                       "were not timed.")
         view.margin.setValue(view.margin.value() + 5)
         assert view.recommended is None and not view.save_button.isEnabled()
         assert view.summary.text().startswith("No recommendation") and not view.marks["completion"].isVisible()
@@ -1622,8 +1623,8 @@ def test_a_stopped_sweep_says_whether_the_device_still_holds_the_models_own_budg
 
     view = SweepView(tmp_path / "h.sqlite")
     qtbot.addWidget(view)
-    stopped = dict(points=[], requested=3, model_folder="m", base_entries={}, stopped_at="at 50% (device_expert_bytes="
-                   "282624), point 2 of 3")
+    stopped = dict(points=[], requested=3, model_folder="m", base_entries={}, stopped_at="at budget share 50% "
+                   "(device_expert_bytes=282624), point 2 of 3")
     view.on_finished(SweepResult(**stopped, held_before=3 * EXPERT, held_after=3 * EXPERT))
     assert view.bar.status.text().endswith("; no recommendation; the model is back at its own budgets.")
     view.on_finished(SweepResult(**stopped, held_before=3 * EXPERT, held_after=EXPERT))
@@ -1692,7 +1693,7 @@ def test_the_windows_sweep_summary_names_the_smaller_budgets_it_passed_over_for_
     assert view.recommended is points[2]
     assert view.summary.text().endswith(
         " The least device peak of the budgets within the margin of the fastest: smaller budgets within it hold more "
-        "on the device (67%: 48.0 MiB).")
+        "on the device (budget share 67%: 48.0 MiB).")
     view.margin.setValue(1.0)  # 67% no longer within it: nothing passed over
     assert "smaller budgets" not in view.summary.text()
 

@@ -588,7 +588,8 @@ def test_a_sweep_recommends_the_least_device_peak_within_the_margin_where_a_smal
     assert chosen.point is resident and not chosen.tie
     assert chosen.line() == ("recommended: 300 bytes (100%), the least device peak (1.5 MiB) of the points whose "
                              "projected completion time is within 10% of the fastest or ties with it: itself the "
-                             "fastest (1 s); smaller budgets among them hold more on the device (67%: 48.0 MiB)")
+                             "fastest (1 s); smaller budgets among them hold more on the device (budget share 67%: "
+                             "48.0 MiB)")
     chosen = recommendation([slow, mapped, point(300, 1.0, 48 << 20)], margin=0.10)  # equal peaks: the smaller budget
     assert chosen.point is mapped and not chosen.tie
     assert chosen.line().startswith("recommended: 200 bytes (67%), the least device peak (48.0 MiB) of the points ")
@@ -1046,8 +1047,8 @@ def test_sweep_and_contention_stop_when_cancelled(tmp_path):
         run_sweep(model, device, 3, ["short"], GenerationParams(max_new_tokens=5), cancel=cancel, on_text=on_text,
                   on_point=points.append)
     assert len(points) == 1 and len(streamed) == 18  # only complete points; the cut answer stopped at once
-    assert stopped_at(cancelled.value).startswith("at 50% (device_expert_bytes=") and "point 2 of 3" in stopped_at(
-        cancelled.value)
+    assert stopped_at(cancelled.value).startswith("at budget share 50% (device_expert_bytes=")
+    assert "point 2 of 3" in stopped_at(cancelled.value)
     corpus = make_corpus(tmp_path / "corpus", files=4, words_per_file=50)
     calls, stop = [], threading.Event()
     with pytest.raises(ContentionCancelled):  # cancelled during the first phase: stops before inference

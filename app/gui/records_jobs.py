@@ -233,8 +233,9 @@ class SweepResult:
     base_entries: dict          # the loaded configuration the sweep started from (restored after it)
     saved_ids: list[int] = field(default_factory=list)
     length_note: str = ""       # where the answers stopped inside a reasoning model's reasoning (reasoning_length_note)
-    stopped_at: str = ""        # where a sweep cancelled or failed stopped (engine.records.sweep.stopped_at: "at 75%
-                                # (device_expert_bytes=...), point 4 of 5"); "" for one that ran to its end
+    stopped_at: str = ""        # where a sweep cancelled or failed stopped (engine.records.sweep.stopped_at: "at
+                                # budget share 75% (device_expert_bytes=...), point 4 of 5"); "" for one that ran to
+                                # its end
     failure: str = ""           # why its point failed, one line; "" where none did
     left_out: str = ""          # the points above what the device holds under mode=required, and why (run_sweep)
     skipped: str = ""           # the scenarios the model's context cannot hold, and why (fitting_scenarios)
@@ -318,7 +319,7 @@ class SweepJob:
 
         # up to SETTLE_STEPS_MAX decode steps before the point's runs
         def on_settle(fraction: float, split: str | None) -> None:
-            at = f"{fraction:.0%}" + (f" ({split})" if split else "")
+            at = f"budget share {fraction:.0%}" + (f" ({split})" if split else "")
             # back from every expert resident, the experts' mapping first (sweep.settle waits for it)
             first = "" if model.settled else "mapping its experts again after the re-plan, then "
             ctx.progress(done[0] / total(), f"at {at}: {first}decoding until {model.offload.pending_words()}, "

@@ -346,12 +346,13 @@ class SweepCancelled(WorkbenchError):
 
 
 def _point_name(fraction: float, budget: int, split: str | None, index: int, count: int) -> str:
-    return f"at {fraction:.0%}{f' {split}' if split else ''} (device_expert_bytes={budget}), point {index + 1} of {count}"
+    return (f"at budget share {fraction:.0%}{f' {split}' if split else ''} (device_expert_bytes={budget}), "
+            f"point {index + 1} of {count}")
 
 
 def stopped_at(exc: BaseException) -> str:
-    """Where run_sweep stopped on `exc`: the point its note names ("at 50% (device_expert_bytes=282624), point 2 of
-    3"), or before its first point (the warm-up)."""
+    """Where run_sweep stopped on `exc`: the point its note names ("at budget share 50% (device_expert_bytes=282624),
+    point 2 of 3"), or before its first point (the warm-up)."""
     return (getattr(exc, "__notes__", None) or ["before the first point"])[-1]
 
 
@@ -465,9 +466,10 @@ class Recommendation:
 
     @property
     def passed_over_text(self) -> str:
-        """The smaller budgets passed over and their device peaks: "67%: 48.0 MiB, 33% spread: 48.0 MiB"."""
-        return ", ".join(f"{p.fraction:.0%}{f' {p.split}' if p.split else ''}: {human_bytes(p.peak_device_bytes)}"
-                         for p in self.passed_over)
+        """The smaller budgets passed over and their device peaks: "budget share 67%: 48.0 MiB, budget share 33%
+        spread: 48.0 MiB"."""
+        return ", ".join(f"budget share {p.fraction:.0%}{f' {p.split}' if p.split else ''}: "
+                         f"{human_bytes(p.peak_device_bytes)}" for p in self.passed_over)
 
     def line(self) -> str:
         """The rule, one line: which point, its device peak, by which time against which fastest point, the times in
