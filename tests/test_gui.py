@@ -622,6 +622,36 @@ def test_where_everything_landed_follows_the_engines_re_weighing_of_its_miss_slo
     assert "Experts resident per layer: 3 of 8 in every layer (2 layers)." in window.model_panel.landed.text()
 
 
+def test_where_everything_landed_says_a_layer_split_re_plan_that_failed_while_decoding(qtbot, window, monkeypatch):
+    """A re-plan the layer split's trials ask for that fails keeps the plan in force and adds a sentence saying so to
+    its statements (OffloadEngine._split_failed): the split, the decode path and the slots unchanged, where everything
+    landed kept the load's sentences without it until the model was loaded or re-planned again. It shows it at the
+    next statistics, as it shows a re-weighing of the miss slots."""
+    import html
+
+    from engine.offload.layer_split import LayerSplitTrials
+
+    load(qtbot, window, fixture_folder("gptoss"), {"device": {"kind": "simulated", "capacity": 8 << 30},
+                                                   "entries": {"device_expert_bytes": str(8 * slot())}})
+    engine = window.worker._model.offload
+    engine.layer_split_mode = "auto"  # (the test suite's default split is fixed: MOE_LAYER_SPLIT)
+    engine.split_trials = LayerSplitTrials(first=0, settle=0, window=1)
+
+    def fails(config):
+        raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(engine, "_replan", fails)
+    engine.end_step(0.030, 1)  # the spread measured: whole layers asked for, their re-plan failed
+    said = ("The layer split's trials asked for whole layers, and the re-plan failed (RuntimeError: cuMemHostRegister "
+            "failed: CUDA_ERROR_INVALID_VALUE): decode goes on with the budget spread over every layer, with no more "
+            "trials.")
+    assert engine.plan.statements[-1] == said and not engine.whole_layers
+    assert html.escape(said) not in window.model_panel.landed.text()
+    window.worker._emit_stats()
+    qtbot.waitUntil(lambda: html.escape(said) in window.model_panel.landed.text(), timeout=WAIT)
+    assert "Measured faster" not in window.status_state.text()  # nothing changed but the sentence
+
+
 def test_static_placements_traffic_is_the_routing_counted_not_the_popularity_file(qtbot, window, tmp_path):
     """Static placement's traffic (the heatmap's Traffic colours, the tooltip's 'Routing: n (routing count, not
     decayed)') was the placement's scores: the popularity file's counts plus the routing since. An expert the file

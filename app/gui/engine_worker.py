@@ -119,6 +119,7 @@ class EngineWorker(QObject):
         self._landed_path = ""  # ... and the decode path (its trials switch it)
         self._landed_miss: list[int] = []  # ... and the slots a layer left to copied misses (the engine re-weighs them)
         self._landed_opening = False  # ... and whether static placement was still counting routing before it places
+        self._landed_statements: list[str] = []  # ... and the plan's statements (the engine adds to them mid-decode)
         self.requestOpen.connect(self._open)
         self.requestDemo.connect(self._demo)
         self.requestLoad.connect(self._load)
@@ -269,6 +270,7 @@ class EngineWorker(QObject):
         self._landed_whole = offload.whole_layers
         self._landed_path = offload.decode_path_in_force
         self._landed_miss = slots_left_to_copies(offload)
+        self._landed_statements = list(offload.plan.statements)
         lines = [self._device_fallback] if self._device_fallback else []
         per_layer = [(info.model_layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
                      for info in offload.infos]
@@ -457,7 +459,9 @@ class EngineWorker(QObject):
                                  "by_engine": "Measured faster: cold experts are now "
                                               + PATH_WORDS[offload.decode_path_in_force]})
         elif (slots_left_to_copies(offload) != self._landed_miss  # the copies' measured worth moved the split
-              or getattr(offload.policy, "opening", False) != self._landed_opening):  # static placement chose
+              or getattr(offload.policy, "opening", False) != self._landed_opening  # static placement chose
+              # a sentence the engine added to the plan in force: a re-plan the layer split's trials asked for failed
+              or offload.plan.statements != self._landed_statements):
             self.landedChanged.emit(self._landed())
         stats = offload.stats
         layers = [{"hits": s.hits, "misses": s.misses, "cpu_s": s.cpu_s, "device_s": s.device_s,
