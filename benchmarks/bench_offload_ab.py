@@ -68,6 +68,7 @@ from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import BOTH, MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
+from engine.units import layer_words  # noqa: E402
 from kernels.cpu import omp_pool  # noqa: E402
 
 
@@ -346,7 +347,7 @@ def tables_lines(fixed: dict) -> list[str]:
             runs.append([layer, layer, same])
     lines = []
     for first, last, ((share, rows), (whole, _), made) in runs:
-        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+        layers = layer_words(list(range(first, last + 1)))
         made = "" if made is None else (f" (from the CPU's {made[0]:.0f} µs an expert + {made[1]:.0f} a call, the "
                                         f"GPU's {made[2]:.0f} µs an expert, the host's {made[3]:.0f} µs)")
         lines.append(f"tables fixed, {layers}: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs "
