@@ -1,11 +1,12 @@
 """Hybrid offload on a writer-made model with real dimensions, on the CUDA device (or simulated).
 
 At 0/25/50/100% of experts resident: decode tokens/s next to its bound (anchors.md:
-t_token >= dense + (1-h)·W_act/(B_dram + B_pcie) + h·W_act/B_hbm, with B_dram, B_pcie and B_hbm
-measured in this run, h the measured hit rate and dense the dense part's time a token measured first with every
-expert resident: dense_reference), prefill tokens/s for a 2,048-token prompt
-against the all-CPU prefill, and the per-layer overhead (Python, synchronisation, launches) left
-when kernel and dense times are taken out: as (experts_s - cpu_s - wait_s) / (steps x layers), and by
+t_token >= dense + (1-h)·W_act/(B_dram + B_pcie) + h·W_act/B_hbm, with B_pcie and B_hbm measured in this run,
+B_dram the highest of its reads, at the start and after each fraction's timed decode (DramReads), h the measured hit
+rate and dense the dense part's time a token measured first with every expert resident: dense_reference),
+prefill tokens/s for a 2,048-token prompt against the all-CPU prefill, and the per-layer overhead (Python,
+synchronisation, launches) left when kernel and dense times are taken out: as (experts_s - cpu_s - wait_s) /
+(steps x layers), and by
 component from bench_overhead's timing wrappers (dense set-up, hybrid-node Python, launches, waiting
 for the device split into its kernels and the synchronisation / copy back, placement, decoder loop). Random weights route almost uniformly, so each point
 also reports the hit rate the adaptive policy reaches on a realistic routing trace at the same
@@ -155,12 +156,34 @@ def traced_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: in
     return rate
 
 
-def dram_bound(read: float, engine_read: float | None) -> float:
-    """B_dram for the bounds: the larger of the benchmark's streaming read (2 GB) and the engine's own at start-up
-    (None on the simulated device, whose rates are assumed), both in this process. A read that comes out low flatters
-    every ratio: on one H100 host the benchmark's read 120.8 GB/s where the engine's read 145.1 in the same process,
-    and the run before 144.1 against 145.2 (sixty-fifth session)."""
-    return read if engine_read is None else max(read, engine_read)
+class DramReads:
+    """The run's reads of B_dram, each with when it was taken (seconds into the run) and after what. Every bound takes
+    the highest (a read that comes out low flatters every ratio): on one H100 host the benchmark's 2 GB read came out
+    120.8 GB/s where the engine's at start-up read 145.1 in the same process (sixty-fifth session), and on the GPU host
+    the CPU's streaming read moved 108-144 GB/s within minutes, so one read before the points bounded none measured
+    later. The benchmark reads again after each fraction's timed decode (Bounds.rebase re-bases the earlier points)."""
+
+    def __init__(self, started: float):
+        self.started = started  # time.perf_counter() at the run's start
+        self.reads: list[dict] = []
+
+    def add(self, what: str, bytes_per_s: float) -> float:
+        self.reads.append({"what": what, "at_s": round(time.perf_counter() - self.started, 1),
+                           "bytes_per_s": bytes_per_s})
+        return bytes_per_s
+
+    def read(self, what: str) -> float:
+        """The benchmark's streaming read (2 GB, all threads) now."""
+        return self.add(what, stream_read_bandwidth() * 1e9)
+
+    @property
+    def highest(self) -> float:
+        return max(read["bytes_per_s"] for read in self.reads)
+
+    def words(self, reads: list[dict] | None = None) -> str:
+        """'120.8 GB/s at 41 s (the benchmark's, at the start), 145.1 at 38 s (...)' for `reads` (default: all)."""
+        return ", ".join(f"{read['bytes_per_s'] / 1e9:.1f}{' GB/s' if not index else ''} at {read['at_s']:.0f} s "
+                         f"({read['what']})" for index, read in enumerate(self.reads if reads is None else reads))
 
 
 def bound_seconds(dense_s: float, h: float, w_act: float, b_cold: float, b_hbm: float) -> float:
@@ -187,23 +210,71 @@ def dense_reference(model: LoadedModel, infos, prompt: list[int], tokens: int, w
     return profile["dense_s"] / profile["steps"]
 
 
-def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, switch_every: int, w_act: float,
-                 b_dram: float, b_pcie: float, b_hbm: float, dense_s: float | None) -> dict:
+def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int, switch_every: int,
+                 bounds: "Bounds") -> dict:
     """Decode with every step routed by a realistic trace (TraceRouting): tokens/s after `warmup` trace-routed
-    tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached (its dense term
-    `dense_s`, dense_reference; the run's own where None)."""
+    tokens (placement adapts to the trace meanwhile), next to the bound at the hit rate reached (Bounds.trace)."""
     rate = traced_decode(model, prompt, tokens, warmup, seed=5, switch_every=switch_every)
     stats, profile, state = model.offload.stats.totals(), model.decoder.profile, model.offload.copy_state()
-    h = stats.hit_rate
-    dense = profile["dense_s"] / profile["steps"] if dense_s is None else dense_s
-    bound_s = bound_seconds(dense, h, w_act, b_dram + b_pcie, b_hbm)
-    return {"value": rate, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
-            "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h, "misses_cpu": stats.misses_cpu,
+    figure = {"value": rate, "hit_rate": stats.hit_rate, "dense_s_per_token": profile["dense_s"] / profile["steps"]}
+    return {**figure, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
+            **bounds.trace(figure), "misses_cpu": stats.misses_cpu,
             "misses_copied": stats.misses_copied, "misses_read": stats.misses_read, "swaps": stats.swaps,
             "placement": state.get("placement"), "decode_path": state["decode_path"],
             "copy_reuse": model.offload.copy_reuse.value,
             "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens, {tokens} timed, "
                      f"a topic switch every {switch_every}"}
+
+
+class Bounds:
+    """A run's bounds on its decode points (anchors.md, bound_seconds): W_act, B_pcie and B_hbm, the dense term
+    measured with every expert resident (dense_reference; None: each point's own dense time) and B_dram, the highest
+    of the run's reads (DramReads) when asked."""
+
+    def __init__(self, dram: DramReads, w_act: float, b_pcie: float, b_hbm: float, dense_ref: float | None = None):
+        self.dram, self.w_act, self.b_pcie, self.b_hbm, self.dense_ref = dram, w_act, b_pcie, b_hbm, dense_ref
+
+    def _seconds(self, dense_s: float, h: float, b_cold: float) -> float:
+        return bound_seconds(dense_s, h, self.w_act, b_cold, self.b_hbm)
+
+    def decode(self, measured: dict) -> dict:
+        """A random-routing decode's bounds and its ratios to them, from its rate (`value`), `hit_rate` and own dense
+        time a token (`dense_s_per_token`)."""
+        rate, h, own = measured["value"], measured["hit_rate"], measured["dense_s_per_token"]
+        dense, b_dram = own if self.dense_ref is None else self.dense_ref, self.dram.highest
+        bound_s = self._seconds(dense, h, b_dram + self.b_pcie)
+        # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
+        cpu_only_bound_s = self._seconds(dense, h, b_dram)
+        # the misses all read by the GPU from the host tier (decode path "tier"): their share bound by B_pcie; a
+        # tier point cannot pass this, however the host runs (RESULTS.md, thirty-sixth session)
+        tier_only_bound_s = self._seconds(dense, h, self.b_pcie)
+        # as earlier sessions reported it: the point's own dense time (with what its dense calls waited for)
+        point_bound_s = self._seconds(own, h, b_dram + self.b_pcie)
+        return {"reference_value": 1 / bound_s, "ratio": rate * bound_s,
+                "ratio_with_the_points_dense_time": rate * point_bound_s,
+                "bound_misses_on_cpu_only": 1 / cpu_only_bound_s, "ratio_to_cpu_only_bound": rate * cpu_only_bound_s,
+                "bound_misses_on_tier_only": 1 / tier_only_bound_s,
+                "ratio_to_tier_only_bound": rate * tier_only_bound_s}
+
+    def trace(self, measured: dict) -> dict:
+        """A trace-routed decode's bound at the hit rate it reached and its ratio to it (as decode's first)."""
+        dense = measured["dense_s_per_token"] if self.dense_ref is None else self.dense_ref
+        bound_s = self._seconds(dense, measured["hit_rate"], self.dram.highest + self.b_pcie)
+        return {"reference_value": 1 / bound_s, "ratio": measured["value"] * bound_s}
+
+    def rebase(self, figures: list[dict]) -> None:
+        """Every decode figure's bounds and ratios on the run's highest read so far: a point measured before a higher
+        read gets the bound that read gives, as the points measured after it do (its repeats each, then their
+        medians; a dense-capped ratio with them)."""
+        for figure in figures:
+            if "repeats" in figure:
+                for repeat in figure["repeats"]:
+                    repeat.update(self.decode(repeat))
+                figure.update(decode_repeats(figure["repeats"]))
+            elif "trace" in figure:
+                figure.update(self.trace(figure))
+            if "dense_capped_s" in figure:
+                figure["ratio_dense_capped"] = capped_ratio(figure, self.dense_ref)
 
 
 def cap_dense_term(figures: list[dict], dense_s: float, step_s: float) -> list[tuple[str, float]]:
@@ -217,11 +288,15 @@ def cap_dense_term(figures: list[dict], dense_s: float, step_s: float) -> list[t
     for figure in figures:
         if not figure["name"].startswith("decode tokens/s") or not figure.get("reference_value"):
             continue
-        bound_s = 1 / figure["reference_value"] - dense_s + step_s
         figure["dense_capped_s"] = step_s
-        figure["ratio_dense_capped"] = figure["value"] * bound_s
+        figure["ratio_dense_capped"] = capped_ratio(figure, dense_s)
         capped.append((figure["name"], figure["ratio_dense_capped"]))
     return capped
+
+
+def capped_ratio(figure: dict, dense_s: float) -> float:
+    """A decode figure's ratio with its bound's dense term `dense_s` replaced by its `dense_capped_s`."""
+    return figure["value"] * (1 / figure["reference_value"] - dense_s + figure["dense_capped_s"])
 
 
 def decode_repeats(repeats: list[dict]) -> dict:
@@ -410,11 +485,13 @@ def main() -> None:
     else:
         from engine.offload import SimulatedDevice
         device = SimulatedDevice(200 << 30)
-    dram_read = stream_read_bandwidth() * 1e9
-    b_dram = dram_bound(dram_read, device.bandwidths.cpu if args.device == "cuda" else None)
+    dram = DramReads(started)
+    if args.device == "cuda":  # the simulated device's rates are assumed, not read: they never raise the bound
+        dram.add("the engine's, at device open", device.bandwidths.cpu)
+    dram.read("the benchmark's, at the start")
     b_pcie, b_hbm = device.bandwidths.pcie, device.bandwidths.hbm
-    print(f"B_dram {b_dram / 1e9:.1f} GB/s (the larger of this run's read, {dram_read / 1e9:.1f}, and the engine's, "
-          f"{device.bandwidths.cpu / 1e9:.1f}), B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
+    print(f"B_dram reads: {dram.words()}; every bound takes the run's highest (read again after each fraction's timed "
+          f"decode), B_pcie {b_pcie / 1e9:.1f} GB/s, B_hbm {b_hbm / 1e9:.0f} GB/s", flush=True)
 
     model = LoadedModel.open(path, offload=OffloadConfig(device_expert_bytes=0, cpu_threads=args.cpu_threads), device=device)
     model.offload.cpu_rate.fit = not args.cpu_average_rate
@@ -439,6 +516,8 @@ def main() -> None:
     cpu_model.decoder.forward(cpu_model.new_state(), long_prompt[:64])  # untimed: the CPU kernels compiled first
     cpu_prefill = args.prefill_tokens / _timed(lambda: cpu_model.decoder.forward(cpu_model.new_state(), long_prompt))
     dense_ref = dense_reference(model, infos, short_prompt, args.decode_tokens, args.decode_warmup)
+    bounds = Bounds(dram, w_act, b_pcie, b_hbm, dense_ref)
+    printed_on = None  # the highest B_dram read when the first point's bounds were printed
     if dense_ref is not None:
         print(f"dense part alone (every expert resident): {dense_ref * 1e3:.2f} ms a token, the bounds' dense term",
               flush=True)
@@ -450,30 +529,18 @@ def main() -> None:
         others = sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
         if others:  # a Python thread beside the timed decode competes for the interpreter (NOTES-overhead.md)
             print(f"{fraction:4.0%}: other Python threads alive: {', '.join(others)}", flush=True)
-        repeats, loads = [], []
-        for _ in range(args.repeats):
+        repeats, loads, reads = [], [], len(dram.reads)
+        for repeat in range(args.repeats):
             meter = HostLoadMeter()
             rate, step_rows = decode(model, short_prompt, args.decode_tokens, warmup=args.decode_warmup)
             load = meter.read()
             loads.append(load)
+            dram.read(f"after {fraction:.0%}'s timed decode" + (f", repeat {repeat + 1}" if args.repeats > 1 else ""))
             stats, profile = model.offload.stats.totals(), model.decoder.profile
             h = stats.hit_rate
             dense_per_token = profile["dense_s"] / profile["steps"]
-            dense = dense_per_token if dense_ref is None else dense_ref
-            bound_s = bound_seconds(dense, h, w_act, b_dram + b_pcie, b_hbm)
-            # the misses on the CPU alone (no slot and no streaming slot to copy one into): their share bound by B_dram
-            cpu_only_bound_s = bound_seconds(dense, h, w_act, b_dram, b_hbm)
-            # the misses all read by the GPU from the host tier (decode path "tier"): their share bound by B_pcie; a
-            # tier point cannot pass this, however the host runs (RESULTS.md, thirty-sixth session)
-            tier_only_bound_s = bound_seconds(dense, h, w_act, b_pcie, b_hbm)
-            # as earlier sessions reported it: the point's own dense time (with what its dense calls waited for)
-            point_bound_s = bound_seconds(dense_per_token, h, w_act, b_dram + b_pcie, b_hbm)
-            repeats.append({"value": rate, "reference_value": 1 / bound_s, "ratio": rate * bound_s, "hit_rate": h,
-                            "ratio_with_the_points_dense_time": rate * point_bound_s,
-                            "bound_misses_on_cpu_only": 1 / cpu_only_bound_s,
-                            "ratio_to_cpu_only_bound": rate * cpu_only_bound_s,
-                            "bound_misses_on_tier_only": 1 / tier_only_bound_s,
-                            "ratio_to_tier_only_bound": rate * tier_only_bound_s, "misses_cpu": stats.misses_cpu,
+            measured = {"value": rate, "hit_rate": h, "dense_s_per_token": dense_per_token}
+            repeats.append({**measured, **bounds.decode(measured), "misses_cpu": stats.misses_cpu,
                             "misses_copied": stats.misses_copied,
                             "miss_slots": max(model.offload.policy.miss_slots, default=0), **load.as_dict(),
                             "cpu_threads_in_force": model.decoder.kernel_threads.in_force})
@@ -513,7 +580,7 @@ def main() -> None:
                 if not every:
                     model.offload.reconfigure(config.updated(placement=placement))
                 traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup,
-                                                 args.trace_switch_every, w_act, b_dram, b_pcie, b_hbm, dense_ref)
+                                                 args.trace_switch_every, bounds)
                 figures.append({"name": f"decode tokens/s on a realistic routing trace (measured), {label}"
                                         + ("" if every else f", {placement} placement"), **traced[placement]})
             model.offload.reconfigure(config)
@@ -553,6 +620,7 @@ def main() -> None:
              "value": trace_h, "unit": "fraction", "reference": "hit rate on random routing", "reference_value": h,
              "ratio": trace_h / h if h else None},
         ]
+        bounds.rebase(figures)  # the earlier points' on this point's reads where one came out higher
         other_bounds = f"; misses on the CPU only {decoded['bound_misses_on_cpu_only']:.1f}" if slots == 0 else ""
         if h < 1:
             other_bounds += (f"; on the tier only {decoded['bound_misses_on_tier_only']:.1f}: "
@@ -579,6 +647,9 @@ def main() -> None:
         print(f"       host during the decode timings (the busiest repeat): {busiest.describe()}; CPU kernels on "
               f"{threads['cpu_threads_in_force']} of {threads['cores']} threads at the end"
               f" ({threads['cpu_threads_changes']} changes)", flush=True)
+        print(f"       B_dram {dram.words(dram.reads[reads:])}; the bounds take the run's highest so far, "
+              f"{dram.highest / 1e9:.1f} GB/s", flush=True)
+        printed_on = printed_on or dram.highest
         for placement, fig in traced.items():
             print(f"       realistic routing trace (measured), {placement}{'' if placement == ALL_RESIDENT else ' placement'}: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
@@ -606,12 +677,21 @@ def main() -> None:
         # Written after every point: a run stopped by its time limit keeps the points it finished.
         path = write_result(f"offload-{args.shape}-{args.dtype}", figures, shape=args.shape, device=device.name,
                             expert_bytes=model.folder.expert_bytes, bytes_per_expert=per_expert,
-                            bandwidths={"dram": b_dram, "dram_read": dram_read, "pcie": b_pcie, "hbm": b_hbm,
+                            bandwidths={"dram": dram.highest, "dram_reads": dram.reads, "pcie": b_pcie, "hbm": b_hbm,
                                         "cpu_engine": device.bandwidths.cpu},
                             pinned=model.offload.pinned_info(), dtype=args.dtype,
                             dense_device=model.dense_device, dense_reason=model.dense_reason,
                             host_registration=registration.describe() if registration is not None else
                             "off (--no-host-register)" if args.no_host_register else None)
+    if printed_on is not None and dram.highest > printed_on:
+        print(f"B_dram reads: {dram.words()}; the highest came after earlier points were printed: the decode figures "
+              f"on it (as written):", flush=True)
+        for figure in figures:
+            if figure["name"].startswith("decode tokens/s") and figure.get("reference_value"):
+                capped = f", dense-capped at most {figure['ratio_dense_capped']:.0%}" \
+                    if "ratio_dense_capped" in figure else ""
+                print(f"  {figure['ratio']:4.0%} of {figure['reference_value']:.1f} tok/s{capped}  {figure['name']}",
+                      flush=True)
     print(f"wrote {path}")
 
 
