@@ -5,8 +5,8 @@ t_token >= dense + (1-h)·W_act/(B_dram + B_pcie) + h·W_act/B_hbm, with B_pcie 
 B_dram the highest of its reads, at the start and after each fraction's timed decode (DramReads), h the measured hit
 rate and dense the dense part's time a token measured first with every expert resident: dense_reference),
 prefill tokens/s for a 2,048-token prompt against the all-CPU prefill, and the per-layer overhead (Python,
-synchronisation, launches) left when kernel and dense times are taken out: as (experts_s - cpu_s - wait_s) /
-(steps x layers), and by
+synchronisation, launches) left when kernel and dense times are taken out: as (experts_s - wait_s) / (steps x layers)
+where no expert ran on the CPU in the timed steps (layer_overhead), and by
 component from bench_overhead's timing wrappers (dense set-up, hybrid-node Python, launches, waiting
 for the device split into its kernels and the synchronisation / copy back, placement, decoder loop). Random weights route almost uniformly, so each point
 also reports the hit rate the adaptive policy reaches on a realistic routing trace at the same
@@ -48,6 +48,8 @@ from engine.writer import WriterSpec  # noqa: E402
 # decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
 # a first trial of the CPU's share under "both" takes 16 steps to start and 60 to run
 TRIALS_WARMUP_MAX = 160
+# layer_overhead's None, in the printed line and the result file
+NO_OVERHEAD = "not given (experts computed on the CPU in the timed steps)"
 ALL_RESIDENT = "every expert resident"  # the trace-routed point without a placement to choose (bench at 100%)
 SHAPES = {
     "gpt-oss-20b-like": dict(layers=24, hidden_size=2880, inter_size=2880, num_experts=32, top_k=4, num_heads=64,
@@ -401,6 +403,22 @@ def host_probe_us(spec, rounds: int = 300) -> float:
     return median_seconds(work, rounds, warmup=20) * 1e6  # the warm-up: compiled and warm
 
 
+def layer_overhead(profile: dict, stats, layers: int) -> float | None:
+    """Seconds a layer and step the expert nodes took beyond waiting for the device ((experts_s - wait_s) / (steps x
+    layers)): the host's Python, synchronisation and launches, where no expert ran on the CPU in the timed steps
+    (every expert resident, or every miss read by the GPU from the host tier). None where one did: taking the CPU's
+    seconds out as well meant nothing, as under "both" they overlap the GPU's (the host-part worker's or between
+    launches) and never held the wall clock, and the difference came out negative."""
+    if stats.misses_cpu:
+        return None
+    return (profile["experts_s"] - stats.wait_s) / (profile["steps"] * layers)
+
+
+def overhead_words(overhead: float | None) -> str:
+    """'overhead     53 µs/layer', or why it is not given (layer_overhead)."""
+    return f"overhead {overhead * 1e6:6.0f} µs/layer" if overhead is not None else f"overhead {NO_OVERHEAD}"
+
+
 def overhead_breakdown(rows: list[dict], layers: int, simulated: bool, device_s_per_layer: float) -> dict:
     """µs per layer (medians over the steps) by component; on CUDA `collect` is split into the device's
     kernel time (CUDA events, stats.device_s) and the rest: synchronisation and the copy back."""
@@ -549,7 +567,7 @@ def main() -> None:
         split, path = state["layer_split"], state["decode_path"]
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
-        overhead = (profile["experts_s"] - max(stats.cpu_s, 0) - stats.wait_s) / (profile["steps"] * len(infos))
+        overhead = layer_overhead(profile, stats, len(infos))
         before = model.offload.stats.totals()
         gathered = _gather_seconds(model)
         prefill_s = _timed(lambda: model.decoder.forward(model.new_state(), long_prompt))
@@ -604,8 +622,9 @@ def main() -> None:
             {"name": f"prefill tokens/s ({args.prefill_tokens}-token prompt), {label}", "value": prefill,
              "unit": "tokens/s", "reference": "all-CPU prefill", "reference_value": cpu_prefill,
              "ratio": prefill / cpu_prefill, "split": prefill_split},
-            {"name": f"per-layer overhead, {label}", "value": overhead * 1e6, "unit": "µs",
-             "reference": "goal", "reference_value": 100.0, "ratio": overhead * 1e6 / 100.0},
+            {"name": f"per-layer overhead, {label}", "unit": "µs", "reference": "goal", "reference_value": 100.0,
+             **({"value": overhead * 1e6, "ratio": overhead * 1e6 / 100.0} if overhead is not None else
+                {"value": None, "ratio": None, "not_given": NO_OVERHEAD})},
             {"name": f"per-layer overhead by component (bench_overhead's), {label}", "value": parts["overhead"],
              "unit": "µs", "reference": "goal", "reference_value": 100.0, "ratio": parts["overhead"] / 100.0,
              "components_us_per_layer": parts, "cprofile_top_own_us_per_layer_step": attribution,
@@ -629,7 +648,7 @@ def main() -> None:
         rate = model.offload.split_cpu_rate if model.offload.splits_cold else model.offload.cpu_rate
         print(f"{fraction:5.0%}  decode {decoded['value']:7.1f} tok/s "
               f"(bound {decoded['reference_value']:7.1f}{other_bounds}, hit {h:.2f}{decoded_spread(decoded)}, host probe {probe:.1f} µs)  "
-              f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  overhead {overhead * 1e6:6.0f} µs/layer  "
+              f"prefill {prefill:7.0f} tok/s (CPU {cpu_prefill:.0f})  {overhead_words(overhead)}  "
               f"trace hit {trace_h:.2f}  misses cpu/copied {stats.misses_cpu}/{stats.misses_copied}"
               + f"/read {stats.misses_read}" + path_text(path)
               + (f" (CPU kernels {rate.value / 1e9:.0f} GB/s + {rate.fixed_s * 1e6:.0f} µs"

@@ -288,3 +288,37 @@ def test_every_bound_takes_the_highest_dram_read_of_the_run_taken_after_each_fra
     # the 0% point was printed on 50 GB/s: its figure again, as written, at the end
     summary = printed[printed.index("the highest came after earlier points were printed"):]
     assert f"{zero['ratio']:4.0%} of {zero['reference_value']:.1f} tok/s  {zero['name']}\n" in summary
+
+
+def test_the_per_layer_overhead_is_given_only_where_no_expert_ran_on_the_cpu_in_the_timed_steps(
+        tmp_path, monkeypatch, capsys):
+    """(experts_s - cpu_s - wait_s) a step and layer came out negative under "both": the CPU's share runs beside the
+    GPU's reads and never held the wall clock. The figure is given where no expert ran on the CPU (every expert
+    resident here) and says why not elsewhere (here the CPU path's misses: on the simulated device "both" gives the
+    CPU none of this small model's cold experts)."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_offload import layer_overhead
+
+    # the expert nodes took 10 ms over 4 steps of 2 layers, the CPU's share 12 ms of it beside the GPU's reads
+    profile = {"experts_s": 0.010, "steps": 4}
+    assert layer_overhead(profile, SimpleNamespace(misses_cpu=40, cpu_s=0.012, wait_s=0.001), 2) is None
+    assert layer_overhead(profile, SimpleNamespace(misses_cpu=0, cpu_s=0.0, wait_s=0.002), 2) == pytest.approx(1e-3)
+
+    result = run_bench(tmp_path, monkeypatch, [40.0, 40.0, 40.0], "--fractions", "0.5,1", "--decode-path", "cpu",
+                       "--trace-tokens", "0")
+    overheads = {figure["name"]: figure for figure in result["figures"] if figure["name"].startswith("per-layer o")}
+    half = overheads["per-layer overhead, gpt-oss-20b-like, 50% resident"]
+    decode_half = next(figure for figure in result["figures"] if figure["name"].endswith("like, 50% resident")
+                       and figure["name"].startswith("decode tokens/s"))
+    assert decode_half["misses_cpu"] > 0
+    assert half["value"] is None and half["ratio"] is None
+    assert half["not_given"] == "not given (experts computed on the CPU in the timed steps)"
+    every = overheads["per-layer overhead, gpt-oss-20b-like, 100% resident"]
+    assert every["value"] > 0 and every["ratio"] == pytest.approx(every["value"] / 100.0)
+    assert "not_given" not in every
+    # the component breakdown stays at every point
+    assert overheads["per-layer overhead by component (bench_overhead's), gpt-oss-20b-like, 50% resident"]["value"] > 0
+    printed = capsys.readouterr().out
+    assert "overhead not given (experts computed on the CPU in the timed steps)  trace hit" in printed
+    assert f"overhead {every['value']:6.0f} µs/layer  trace hit" in printed
