@@ -37,7 +37,8 @@ A/Bs of host-work changes.
 a pair by rows, for a variant with the split on, and one of whole pairs, for a variant with engine.row_split=0, so that
 an A/B of the split compares the split alone. The engine's trials of the CPU's share and of the split do not run
 under fixed tables (OffloadEngine.fix_split_tables); each round's record names the tables it ran ("fixed_tables":
-"split" or "whole").
+"split" or "whole"). At a fraction with every expert resident no table is fixed, as none would run: the record's
+"split_tables" says why.
 
 With `--trace` every decode is routed by the realistic trace (benchmarks/trace_routing.py, the same trace for A and
 B in a round) instead of the random weights' nearly uniform routing, after `--decode-warmup` trace-routed steps.
@@ -87,6 +88,8 @@ SETTLE_AFTER_TRIAL = 20
 PATH = "path="  # a variant's decode path (engine/offload/decode_path.py)
 # --split-table first: warm-ups more, at most, until the CPU's parts and the GPU's reads of the tier are measured
 FIRST_MORE_WARMUPS = 4
+# --split-table at a fraction with every expert resident: why its record holds no tables
+NOT_FIXED = "every expert is resident, so no decode step has a cold pair for a table to split"
 
 
 def variant(text: str) -> dict:
@@ -295,16 +298,23 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
     for one with no device store, which has no "both" step), the tables fixed ({"split": [[share, rows], ...],
     "whole": [[share, None], ...]}) and, for "first", the costs they were made from ("costs_us": per layer, the CPU's
     an expert and a call, the GPU's an expert read from the tier, the host's gap between layers, µs; the
-    sixty-seventh session's Qwen A/B could not tell them afterwards)."""
+    sixty-seventh session's Qwen A/B could not tell them afterwards). Where every expert is resident under A's
+    configuration none is fixed (no step has a cold pair to split): all three None, and "not_fixed" says why."""
     engine = model.offload
+    if not isinstance(table, str):
+        for info in engine.infos:
+            if info.spec.k + 1 != table.size:
+                raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {info.spec.k} experts a token, "
+                                 f"so a table of {info.spec.k + 1} counts")
+    engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
+    if all_resident(model):  # tables made here would be recorded though none ran ("first"'s from start-up guesses)
+        return {"split": None, "whole": None, "costs_us": None, "not_fixed": NOT_FIXED}
     layers = [index for index, store in enumerate(engine.stores) if store is not None]
     split, whole, costs = [None] * len(engine.stores), [None] * len(engine.stores), None
     if isinstance(table, str):  # "first": from the costs the engine measures in A's warm-up
-        engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
         decode(model, prompt, 1, warmup=warmup)
-        # until both sides' rates are measured, not their start-up guesses; where every expert is resident none is
-        # cold, and no step measures them
-        for _more in range(0 if all_resident(model) else FIRST_MORE_WARMUPS):
+        # until both sides' rates are measured, not their start-up guesses
+        for _more in range(FIRST_MORE_WARMUPS):
             if engine.split_rate.value is not None and engine.tier_read.value is not None:
                 break
             decode(model, prompt, 1, warmup=warmup)
@@ -316,10 +326,6 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
             # host's gap
             costs[layer] = [seconds * 1e6 for seconds in (*engine._split_costs(layer), engine.host_gap.value)]
     else:
-        for info in engine.infos:
-            if info.spec.k + 1 != table.size:
-                raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {info.spec.k} experts a token, "
-                                 f"so a table of {info.spec.k + 1} counts")
         for layer in layers:
             split[layer] = whole[layer] = (table, None)
     # read at each call: a variant's switch picks (fixed_tables); no share or row trials meanwhile
@@ -335,7 +341,9 @@ def _listed(tables: list) -> list:
 
 def tables_lines(fixed: dict) -> list[str]:
     """fix_split_table's tables as printed: a line for each run of layers with the same tables and costs ("layers
-    0-23" where every layer's are alike)."""
+    0-23" where every layer's are alike), or why none was fixed."""
+    if fixed.get("not_fixed"):
+        return [f"no tables fixed: {fixed['not_fixed']}"]
     costs = fixed["costs_us"] or [None] * len(fixed["split"])
     runs: list[list] = []  # [first layer, last layer, (split, whole, costs)]
     for layer, same in enumerate(zip(fixed["split"], fixed["whole"], costs)):

@@ -417,7 +417,8 @@ def test_a_fixed_split_table_refuses_a_variant_where_both_is_not_in_force(tmp_pa
 def test_a_fixed_split_table_times_a_fraction_with_every_expert_resident_without_a_table(tmp_path, monkeypatch):
     """At a fraction that makes every expert resident no expert is cold, so no decode path runs (no tier is made) in
     either variant: the check that "both" is in force stopped the whole A/B there, after the smaller fractions' rounds,
-    whose results went unwritten. Those rounds run, and say they decoded under no fixed table."""
+    whose results went unwritten. Those rounds run, and say they decoded under no fixed table; the table given is not
+    recorded as fixed there, as it never ran."""
     import benchmarks.bench_offload_ab as ab
     from engine.generation import LoadedModel
     from engine.offload import OffloadConfig, SimulatedDevice
@@ -434,6 +435,7 @@ def test_a_fixed_split_table_times_a_fraction_with_every_expert_resident_without
                              table=ab.split_table("0,1,1,2,2"), details=details)
     assert rates == {"A": [1.0, 1.0], "B": [1.0, 1.0]}
     assert [r["fixed_tables"] for r in details["A"] + details["B"]] == [None] * 4
+    assert details["tables"] == {"split": None, "whole": None, "costs_us": None, "not_fixed": ab.NOT_FIXED}
     assert model.offload.fixed_split_tables is None
 
 
@@ -660,7 +662,8 @@ def test_a_fraction_that_fails_leaves_the_earlier_fractions_written_with_what_fa
 def test_first_split_tables_wait_for_no_rates_where_every_expert_is_resident(tmp_path, monkeypatch):
     """--split-table first at a fraction with every expert resident: no step has a cold pair, so neither the CPU's
     parts nor the GPU's reads of the tier are ever measured, and fix_split_table ran its FIRST_MORE_WARMUPS warm-ups
-    waiting for them. It runs the one warm-up for the tables, then the rounds; below that fraction it still waits."""
+    waiting for them, then recorded tables made from the start-up guesses, which no round ran. It makes no tables, so
+    runs no warm-up for them, and records none, saying why; below that fraction it still waits."""
     import benchmarks.bench_offload_ab as ab
     from engine.offload.planner import all_resident_bytes
 
@@ -671,10 +674,28 @@ def test_first_split_tables_wait_for_no_rates_where_every_expert_is_resident(tmp
     details = {"A": [], "B": []}
     ab.paired_rounds(model, every, {"A": {}, "B": {}}, 2, [5, 6, 7], 2, warmup=2, details=details,
                      paths={"A": "both", "B": "both"}, table="first")
-    assert len(decoded) == 1 + 2 * 2  # the tables' warm-up, then 2 rounds of A and B
+    assert len(decoded) == 2 * 2  # 2 rounds of A and B
     assert [r["fixed_tables"] for r in details["A"] + details["B"]] == [None] * 4
+    assert details["tables"] == {"split": None, "whole": None, "costs_us": None, "not_fixed": ab.NOT_FIXED}
+    assert ab.tables_lines(details["tables"]) == [
+        "no tables fixed: every expert is resident, so no decode step has a cold pair for a table to split"]
     decoded.clear()
     ab.paired_rounds(model, every // 4, {"A": {}, "B": {}}, 2, [5, 6, 7], 2, warmup=2,
                      paths={"A": "both", "B": "both"}, table="first")
     assert model.offload.split_rate.value is not None and model.offload.tier_read.value is not None
     assert len(decoded) > 1 + 2 * 2  # (a warm-up more, at least, until both rates are measured)
+
+
+def test_the_ab_at_every_expert_resident_writes_and_prints_no_first_tables(tmp_path, monkeypatch, capsys):
+    """bench_offload_ab --split-table first at 100% resident: the result file and the printed lines kept the tables
+    made from the engine's start-up guesses, which no round ran. The file's fraction holds none and says why, and so
+    does the printed line."""
+    config = run_ab(tmp_path, monkeypatch, "--b", "placement=static", "--rounds", "2", "--decode-tokens", "2",
+                    "--decode-warmup", "2", "--split-table", "first", "--fractions", "1.0")
+    printed = capsys.readouterr().out
+    assert "tables fixed, layer" not in printed
+    assert "       no tables fixed: every expert is resident, so no decode step has a cold pair for a table to " \
+        "split\n" in printed
+    assert config["per_fraction"]["1.00"]["split_tables"] == {
+        "split": None, "whole": None, "costs_us": None,
+        "not_fixed": "every expert is resident, so no decode step has a cold pair for a table to split"}
