@@ -25,6 +25,9 @@ from engine.records.environment import cpu_model, gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# the run's date, read once as it starts (a benchmark imports this module then): a benchmark that writes its result
+# file after every point wrote a run that crossed midnight into two files, each read at its write
+RUN_DATE = datetime.date.today().isoformat()
 
 
 def gpu_name() -> str | None:
@@ -71,11 +74,10 @@ def written_model(folder: Path, spec) -> Path:
 
 def write_result(benchmark: str, figures: list[dict], **extra) -> Path:
     info = machine()
-    date = datetime.date.today().isoformat()
-    result = {"benchmark": benchmark, "date": date, "machine": info,
+    result = {"benchmark": benchmark, "date": RUN_DATE, "machine": info,
               "command": " ".join(["python", *sys.argv]), **extra, "figures": figures}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{benchmark}-{date}-{machine_tag(info)}.json"
+    path = RESULTS / f"{benchmark}-{RUN_DATE}-{machine_tag(info)}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 

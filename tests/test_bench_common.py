@@ -1,4 +1,4 @@
-"""benchmarks/common.py: where a benchmark writes its model."""
+"""benchmarks/common.py: where a benchmark writes its model and its result file."""
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +32,32 @@ def test_a_benchmarks_model_is_written_once_per_spec(tmp_path, monkeypatch):
     first = written_model(tmp_path, full)
     assert written_model(tmp_path, few) != first
     assert written_model(tmp_path, full) == first and written == [full, few]
+
+
+def test_a_run_that_crosses_midnight_writes_one_result_file(tmp_path, monkeypatch):
+    """write_result read the date at each write, so a benchmark that writes after every point (bench_offload_ab after
+    each fraction) wrote a run crossing midnight into two files, the points before midnight in one. The date is the
+    run's, read once as it starts: every write goes to one file, and the file's date is its name's."""
+    import datetime
+    import json
+    from types import SimpleNamespace
+
+    import benchmarks.common as common
+
+    class Clock(datetime.date):
+        days = iter([datetime.date(2026, 12, 7), datetime.date(2026, 12, 8)])
+
+        @classmethod
+        def today(cls):
+            return next(cls.days)
+
+    monkeypatch.setattr(common, "datetime", SimpleNamespace(date=Clock))
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    figure = {"name": "decode", "value": 1.0, "unit": "tokens/s", "reference": None, "reference_value": None,
+              "ratio": None}
+    first = common.write_result("midnight", [figure])
+    second = common.write_result("midnight", [figure, figure])  # after midnight
+    assert second == first and [path.name for path in tmp_path.iterdir()] == [first.name]
+    written = json.loads(first.read_text())
+    assert len(written["figures"]) == 2
+    assert first.name.startswith(f"midnight-{written['date']}-")
