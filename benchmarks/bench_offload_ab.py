@@ -524,13 +524,13 @@ def main(argv=None) -> dict:
                 print(f"       {line}", flush=True)
         for name in ("A", "B"):  # the last round's engine figures
             last = details[name][-1]
-            print(f"       {name}: hit {last['hit_rate']:.2f}, misses cpu/copied/read {last['misses_cpu']}/"
-                  f"{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, swaps "
-                  f"{last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
+            print(f"       {name} in its last round: hit {last['hit_rate']:.2f}, misses cpu/copied/read "
+                  f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, "
+                  f"swaps {last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
                   f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
                   f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, "
                   f"{last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the worker, "
-                  f"{last['steps_run_again']} steps run again (the round, warm-up included)", flush=True)
+                  f"{last['steps_run_again']} steps run again (warm-up included)", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})

@@ -699,3 +699,20 @@ def test_the_ab_at_every_expert_resident_writes_and_prints_no_first_tables(tmp_p
     assert config["per_fraction"]["1.00"]["split_tables"] == {
         "split": None, "whole": None, "costs_us": None,
         "not_fixed": "every expert is resident, so no decode step has a cold pair for a table to split"}
+
+
+def test_the_ab_prints_its_engine_figures_as_the_last_rounds(tmp_path, monkeypatch, capsys):
+    """Under each fraction's medians, a line of engine figures a variant: they are its last round's (the hit rate and
+    misses of its timed decode, the counts of layers and steps with its warm-up), not the fraction's, and the line
+    read "A: hit 0.41, ..." beside the medians of every round; it says so."""
+    config = run_ab(tmp_path, monkeypatch, "--b", "placement=static", "--rounds", "2", "--decode-tokens", "2",
+                    "--decode-warmup", "2")
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    result = config["per_fraction"]["0.50"]
+    for name, rounds in (("A", result["a_rounds"]), ("B", result["b_rounds"])):
+        last = rounds[-1]
+        [line] = [line for line in lines if line.startswith(f"{name} ")]
+        assert line.startswith(f"{name} in its last round: hit {last['hit_rate']:.2f}, misses cpu/copied/read "
+                               f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, ")
+        assert line.endswith(f", {last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the "
+                             f"worker, {last['steps_run_again']} steps run again (warm-up included)")
