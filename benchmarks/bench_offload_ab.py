@@ -69,6 +69,7 @@ from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import BOTH, MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
+from engine.records.schema import ALL_RESIDENT  # noqa: E402
 from engine.units import layer_words  # noqa: E402
 from kernels.cpu import omp_pool  # noqa: E402
 
@@ -254,18 +255,26 @@ def engine_figures(model: LoadedModel) -> dict:
     """What the offload engine did in the decode just timed (its statistics are reset after the warm-up): the hit
     rate, the misses computed on the CPU, copied and read from the host tier, the experts the miss policy copied,
     placement's swaps (and, under adaptive placement, whether its judge paused them: swap_judge.py), the most slots a
-    layer left to copies, the layer split and the decode path in force (under "both", the CPU's share in each layer
-    and the host's measured work between layers: cold_split) and the CPU kernels' rate as the engine measured it
-    (CpuRate: bytes a second and a call's fixed seconds), so that a ratio can be read against its causes."""
+    layer left to copies, the layer split and the decode path in force ("all resident" where no expert was cold, as
+    the engine's records say: none ran; under "both", the CPU's share in each layer and the host's measured work
+    between layers: cold_split) and the CPU kernels' rate as the engine measured it (CpuRate: bytes a second and a
+    call's fixed seconds), so that a ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
+    path = state["decode_path"]
+    if all_resident(model):  # no expert was cold, so no path ran: the one in force (cpu) would read as the CPU's
+        path = dict(path, in_force=ALL_RESIDENT)
     rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the "both" parts' under "both"
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
-            "decode_path": state["decode_path"]["in_force"], "cold_split": state["decode_path"]["cold_split"],
-            "path": state["decode_path"], "placement": state.get("placement"),
-            "cpu_rate": rate.value, "cpu_fixed_s": rate.fixed_s}
+            "decode_path": path["in_force"], "cold_split": path["cold_split"], "path": path,
+            "placement": state.get("placement"), "cpu_rate": rate.value, "cpu_fixed_s": rate.fixed_s}
+
+
+def path_words(path: dict) -> str:
+    """bench_offload's path_text, or ', every expert resident: no decode path ran' where none ran."""
+    return ", every expert resident: no decode path ran" if path["in_force"] == ALL_RESIDENT else path_text(path)
 
 
 def cpu_rate_words(figures: dict) -> str:
@@ -527,7 +536,7 @@ def main(argv=None) -> dict:
             print(f"       {name} in its last round: hit {last['hit_rate']:.2f}, misses cpu/copied/read "
                   f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, "
                   f"swaps {last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
-                  f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
+                  f"{'whole layers' if last['whole_layers'] else 'spread'}{path_words(last['path'])}"
                   f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, "
                   f"{last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the worker, "
                   f"{last['steps_run_again']} steps run again (warm-up included)", flush=True)

@@ -716,3 +716,21 @@ def test_the_ab_prints_its_engine_figures_as_the_last_rounds(tmp_path, monkeypat
                                f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, ")
         assert line.endswith(f", {last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the "
                              f"worker, {last['steps_run_again']} steps run again (warm-up included)")
+
+
+def test_the_ab_at_every_expert_resident_says_no_decode_path_ran(tmp_path, monkeypatch, capsys):
+    """At 100% resident no expert is cold, so no decode path runs; the rounds' records and printed lines gave the path
+    in force, "decode path cpu (no host tier)", which reads as decoding on the CPU. They say "all resident", as the
+    engine's run records do, and that no decode path ran; below that fraction the path in force still."""
+    from engine.records.schema import ALL_RESIDENT
+
+    config = run_ab(tmp_path, monkeypatch, "--a", "path=both", "--b", "placement=static,path=both", "--rounds", "2",
+                    "--decode-tokens", "2", "--decode-warmup", "2", "--fractions", "0.5,1.0")
+    printed = capsys.readouterr().out
+    every, half = config["per_fraction"]["1.00"], config["per_fraction"]["0.50"]
+    assert [(r["decode_path"], r["path"]["in_force"]) for r in every["a_rounds"] + every["b_rounds"]] == [
+        (ALL_RESIDENT, ALL_RESIDENT)] * 4
+    assert [r["decode_path"] for r in half["a_rounds"] + half["b_rounds"]] == ["both"] * 4
+    assert printed.count(", spread, every expert resident: no decode path ran, 0 layers launched ahead") == 2
+    assert printed.count(", spread, decode path both, CPU takes ") == 2
+    assert "decode path cpu" not in printed
