@@ -365,8 +365,9 @@ def tables_lines(fixed: dict) -> list[str]:
     lines = []
     for first, last, ((share, rows), (whole, _), made) in runs:
         layers = layer_words(list(range(first, last + 1)))
-        made = "" if made is None else (f" (from the CPU's {made[0]:.0f} µs an expert + {made[1]:.0f} a call, the "
-                                        f"GPU's {made[2]:.0f} µs an expert, the host's {made[3]:.0f} µs)")
+        made = "" if made is None else (f" (from the CPU's {made[0]:.0f} µs an expert + {made[1]:.0f} µs a call, the "
+                                        f"GPU's {made[2]:.0f} µs an expert, the host's {made[3]:.0f} µs between "
+                                        f"layers)")
         lines.append(f"tables fixed, {layers}: the CPU's pairs {share}, a pair split at rows {rows}; whole pairs "
                      f"{whole}{made}")
     return lines

@@ -734,3 +734,16 @@ def test_the_ab_at_every_expert_resident_says_no_decode_path_ran(tmp_path, monke
     assert printed.count(", spread, every expert resident: no decode path ran, 0 layers launched ahead") == 2
     assert printed.count(", spread, decode path both, CPU takes ") == 2
     assert "decode path cpu" not in printed
+
+
+def test_first_tables_line_gives_each_cost_its_unit_and_what_it_is():
+    """The printed line of 'first''s tables gave the CPU's cost a call without its unit ("+ 0 a call") and the host's
+    gap as "the host's 0 µs", which says not what the host spends it on; the line names both as split_words does."""
+    import benchmarks.bench_offload_ab as ab
+
+    fixed = {"split": [[[0, 0, 1], [0, 64, 0]]] * 2, "whole": [[[0, 0, 1], None]] * 2,
+             "costs_us": [[1183.2, 4.4, 118.6, 35.1]] * 2}
+    assert ab.tables_lines(fixed) == [
+        "tables fixed, layers 0-1: the CPU's pairs [0, 0, 1], a pair split at rows [0, 64, 0]; whole pairs [0, 0, 1] "
+        "(from the CPU's 1183 µs an expert + 4 µs a call, the GPU's 119 µs an expert, the host's 35 µs between "
+        "layers)"]
