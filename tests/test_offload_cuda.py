@@ -445,3 +445,51 @@ def test_cuda_whole_layers_and_back_match_the_cpu(folder):
         assert tokens[:4] == ref_tokens[:4]
     assert engine.whole_layers is False and all(0 < layer.num_slots < num_experts for layer in engine.slots)
     assert device.memory.high_water <= device.memory.ceiling
+
+
+@needs_dense_on_gpu
+@pytest.mark.parametrize("failing", ["_plan_streaming", "_make_policy"])
+def test_cuda_a_replan_that_fails_after_its_stores_are_made_leaves_the_configuration_in_force(folder16, monkeypatch,
+                                                                                              failing):
+    """On the card, with the host tier: a re-plan that fails once its stores are made (the driver failing the
+    streaming slots or the placement's copies) puts the configuration in force back whole (test_offload has the
+    simulated device's cases): the same plan, residents and slot counts, the tier made again from the host rows,
+    the device's bytes as before, and answers within the GPU's tolerance of the all-CPU run."""
+    from engine.offload.cuda_device import open_cuda_device
+    from engine.offload.engine import OffloadEngine
+
+    reference, ref_tokens = greedy_run(LoadedModel.open(folder16), steps=8)
+    device = open_cuda_device()
+    model = LoadedModel.open(folder16, offload=OffloadConfig(device_expert_bytes=device_total(folder16) // 2),
+                             device=device, decode_path="tier")
+    engine = model.offload
+    assert engine.host_tier and engine.decode_path_in_force == "tier", engine.plan.statements
+    greedy_run(model, steps=4)  # (routing placed the residents)
+
+    def state():
+        return (engine.config, engine.plan, engine.host_tier, engine.decode_path_in_force,
+                [layer.expert_in.tolist() for layer in engine.slots], [store.num_slots for store in engine.stores],
+                device.memory.used)
+
+    before, real, raised = state(), getattr(OffloadEngine, failing), []
+    error = RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+    def fails_once(self, *args, **kwargs):
+        if not raised:
+            raised.append(failing)
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadEngine, failing, fails_once)
+    with pytest.raises(RuntimeError) as failed:
+        engine.reconfigure(engine.config.updated(device_expert_bytes=device_total(folder16) // 4), decode_path="cpu")
+    assert failed.value is error and raised == [failing]
+    assert state() == before
+    assert all(store.reads_cold for store in engine.stores)  # (the tier's GpuQMoE made again on every node)
+    read = engine.stats.totals().misses_read
+    logits, tokens = greedy_run(model, steps=8)
+    errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
+    assert max(errors) < 2e-2, errors
+    assert tokens[:4] == ref_tokens[:4]
+    assert engine.stats.totals().misses_read > read  # (decode read the restored tier)
+    assert device.memory.high_water <= device.memory.ceiling
