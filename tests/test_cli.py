@@ -565,7 +565,8 @@ def test_a_stopped_sweep_names_its_runs_ids_where_another_process_saved_runs_bet
     assert status == 130 and err.splitlines()[-1].endswith(
         "the 2 points before it are printed, their 6 runs saved in the history (ids 1 to 3, 5 to 7); no recommendation")
     # the points printed say what their device peaks are made of, as a complete sweep's do
-    assert err.splitlines()[-2].startswith("sweep: device peak by part: 0%: ") and "; 50%" in err.splitlines()[-2]
+    parts = err.splitlines()[-2]
+    assert parts.startswith("sweep: device peak by part: budget share 0%: ") and "; budget share 50% spread: " in parts
 
 
 def test_a_sweep_whose_point_fails_names_that_point_and_prints_the_points_before_it(tmp_path, capsys, monkeypatch):
@@ -593,7 +594,8 @@ def test_a_sweep_stopped_on_a_terminal_starts_its_points_and_its_line_below_the_
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     status, _out, err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
-    assert status == 130 and "\rsweep:  33.3%\nsweep: device peak by part: 0%: " in err  # (the point's parts)
+    # the point's parts, below the progress line
+    assert status == 130 and "\rsweep:  33.3%\nsweep: device peak by part: budget share 0%: " in err
     assert err.endswith("\nmoe-workbench: the sweep was interrupted at budget share 50% (device_expert_bytes=282624), "
                         "point 2 of 3; the 1 point before it is printed, its 3 runs saved in the history (ids 1 to 3); "
                         "no recommendation\n")
@@ -1515,10 +1517,11 @@ def test_a_sweeps_device_peaks_say_what_the_device_held_at_each_point(tmp_path, 
     assert every["peak_device_bytes"] == every["budget_bytes"] + ring
     status, _out, err = _main(capsys, *args)
     assert status == 0 and (
-        f"sweep: device peak by part: 0%: host tier mappings {human_bytes(none['peak_device_bytes'] - ring)} + prefill "
-        f"staging ring {human_bytes(ring)}; 100%: expert slots {human_bytes(every['budget_bytes'])} + prefill staging "
-        f"ring {human_bytes(ring)} (the host tier maps each slot array's device rows rounded up to the 2.0 MiB "
-        "mapping granule, a granule even with no slot; with every expert resident none is mapped)") in err.splitlines()
+        f"sweep: device peak by part: budget share 0%: host tier mappings "
+        f"{human_bytes(none['peak_device_bytes'] - ring)} + prefill staging ring {human_bytes(ring)}; budget share "
+        f"100%: expert slots {human_bytes(every['budget_bytes'])} + prefill staging ring {human_bytes(ring)} (the host "
+        "tier maps each slot array's device rows rounded up to the 2.0 MiB mapping granule, a granule even with no "
+        "slot; with every expert resident none is mapped)") in err.splitlines()
 
 
 def test_a_sweep_says_which_layer_split_each_point_ran_on(tmp_path, capsys):
@@ -1535,7 +1538,7 @@ def test_a_sweep_says_which_layer_split_each_point_ran_on(tmp_path, capsys):
         (0.0, None), (0.25, None), (0.5, "whole"), (0.75, "whole"), (1.0, None)]
     assert [p["device_parts"].get("expert slots") for p in points] == [None, None, 282624, 282624, 565248]
     status, _out, err = _main(capsys, *args)
-    assert status == 0 and "; 75% whole: expert slots 276.0 KiB + prefill staging ring" in err
+    assert status == 0 and "; budget share 75% whole: expert slots 276.0 KiB + prefill staging ring" in err
 
 
 def test_a_sweeps_resident_column_gives_the_share_of_experts_resident_not_the_budgets(tmp_path, capsys):

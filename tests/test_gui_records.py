@@ -1382,10 +1382,11 @@ def test_the_sweeps_legend_says_what_each_budgets_device_peak_is_made_of(qtbot, 
     none, every = result.points
     assert sum(none.device_parts.values()) == none.peak_device_bytes > every.peak_device_bytes
     ring = human_bytes(none.device_parts["prefill staging ring"])
-    assert (f"Device peak by part: 0%: host tier mappings {human_bytes(none.device_parts['host tier mappings'])} + "
-            f"prefill staging ring {ring}; 100%: expert slots {human_bytes(every.budget_bytes)} + prefill staging ring "
-            f"{ring} (the host tier maps each slot array's device rows rounded up to the 2.0 MiB mapping granule, a "
-            "granule even with no slot; with every expert resident none is mapped).") in view.legend.text()
+    mapped = human_bytes(none.device_parts["host tier mappings"])
+    assert (f"Device peak by part: budget share 0%: host tier mappings {mapped} + prefill staging ring {ring}; budget "
+            f"share 100%: expert slots {human_bytes(every.budget_bytes)} + prefill staging ring {ring} (the host tier "
+            "maps each slot array's device rows rounded up to the 2.0 MiB mapping granule, a granule even with no "
+            "slot; with every expert resident none is mapped).") in view.legend.text()
 
 
 def test_the_sweeps_four_plots_show_whole_in_a_narrow_tab_with_their_legend_apart(qtbot, tmp_path):
@@ -1411,7 +1412,7 @@ def test_the_sweeps_four_plots_show_whole_in_a_narrow_tab_with_their_legend_apar
     assert view.plots["completion"].titleLabel.text == "completion time (s)"
     assert view.legend.text().startswith("Solid line, dots: measured on this machine. Dashed, triangles: projected "
                                          "for the simulated card. Red ring: the recommended budget. Device peak by "
-                                         "part: 0%: ")
+                                         "part: budget share 0%: ")
 
 
 def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds(qtbot, tmp_path):

@@ -18,7 +18,8 @@ from engine.records.history import History
 from engine.records.scenarios import run_scenario, scenario_turns
 from engine.records.schema import SCHEMA_VERSION, RecordError, RunRecord
 from engine.records.side_by_side import Side, compare, first_divergence
-from engine.records.sweep import SweepCancelled, SweepPoint, recommend, recommendation, run_sweep, stopped_at
+from engine.records.sweep import (SweepCancelled, SweepPoint, device_parts_line, recommend, recommendation, run_sweep,
+                                  stopped_at)
 from tests.conftest import fixture_folder
 
 PARAMS = GenerationParams(max_new_tokens=6)
@@ -570,6 +571,16 @@ def test_a_sweep_recommendation_names_a_tie_within_the_repeats_spread_and_takes_
     chosen = recommendation([slower, all_resident], margin=0.10)
     assert chosen.point is all_resident and not chosen.tie
     assert chosen.line().endswith("ties with it: itself the fastest (1.1 s); each time the median of 3 repeats")
+
+
+def test_a_sweeps_device_parts_line_says_each_percentage_is_a_budget_share():
+    """The line named each point by a bare percentage ("device peak by part: 50% whole: expert slots …"), a share of
+    nothing said; it names each by its budget share, as the table's column and the recommendation do."""
+    half = SweepPoint(150, 0.5, device_parts={"expert slots": 150, "prefill staging ring": 300}, split_run="whole")
+    every = SweepPoint(300, 1.0, device_parts={"expert slots": 300, "prefill staging ring": 300})
+    assert device_parts_line([SweepPoint(0, 0.0), half, every]) == (
+        "device peak by part: budget share 50% whole: expert slots 150 B + prefill staging ring 300 B; "
+        "budget share 100%: expert slots 300 B + prefill staging ring 300 B")
 
 
 def test_a_sweep_recommends_the_least_device_peak_within_the_margin_where_a_smaller_budget_holds_more():

@@ -414,7 +414,7 @@ def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, 
 
 def device_parts_line(points: list[SweepPoint]) -> str:
     """The points' device parts in one line (what their device peaks are made of); "" where none says them."""
-    said = [f"{point.fraction:.0%}{f' {point.split_run}' if point.split_run else ''}: "
+    said = [f"budget share {point.fraction:.0%}{f' {point.split_run}' if point.split_run else ''}: "
             + device_parts_text(point.device_parts) for point in points if point.device_parts]
     if not said:
         return ""
