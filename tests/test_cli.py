@@ -1441,15 +1441,16 @@ def test_a_sweeps_table_ends_with_the_rule_its_recommendation_followed(tmp_path,
     marked = next(line for line in out.splitlines() if line.endswith("<- recommended"))
     rule = err.splitlines()[-1]
     peak = re.escape(_columns(marked)[8])  # the row's device peak (after the projected decode rate)
-    prefix = (rf"recommended: {_columns(marked)[0]} bytes \({_columns(marked)[1]}\), the least device peak \({peak}\) "
-              r"of the points whose projected completion time is within 25% of the fastest or ties with it: ")
+    prefix = (rf"recommended: {_columns(marked)[0]} bytes \(budget share {_columns(marked)[1]}\), the least device "
+              rf"peak \({peak}\) of the points whose projected completion time is within 25% of the fastest or "
+              r"ties with it: ")
     spreads = (r"they differ by less than their spreads between repeats \(±[\d.e-]+ s and ±[\d.e-]+ s\), and it "
                r"holds (less on the device \(device peak [\d.]+ \w?i?B against [\d.]+ \w?i?B\)|as much on the device "
                r"\([\d.]+ \w?i?B\) on a smaller budget)")
     passed = r"(; smaller budgets among them hold more on the device \(.*\))?"
     assert re.fullmatch(rf"{prefix}(itself the fastest \([\d.e-]+ s\)|[\d.e-]+ s, (within 25% of|tied with) the "
-                        rf"fastest \([\d.e-]+ s, at \d+%\)((; a tie)?: {spreads})?){passed}; each time the median of "
-                        r"3 repeats", rule), rule
+                        rf"fastest \([\d.e-]+ s, at budget share \d+%\)((; a tie)?: {spreads})?){passed}; each "
+                        r"time the median of 3 repeats", rule), rule
     if "itself the fastest" not in rule:
         best, fastest = map(float, re.search(r": ([\d.e-]+) s, .*\(([\d.e-]+) s,", rule).groups())
         assert fastest <= best and (best <= fastest * 1.25 or "tied with" in rule)

@@ -477,10 +477,10 @@ class Recommendation:
         and the smaller budgets passed over for holding more."""
         best, fastest = self.point, self.fastest
         split = f" {best.split}" if best.split else ""
-        said = (f"recommended: {best.budget_bytes} bytes ({best.fraction:.0%}{split}), the least device peak "
-                f"({human_bytes(best.peak_device_bytes)}) of the points whose {'projected ' * self.projected}"
+        said = (f"recommended: {best.budget_bytes} bytes (budget share {best.fraction:.0%}{split}), the least device "
+                f"peak ({human_bytes(best.peak_device_bytes)}) of the points whose {'projected ' * self.projected}"
                 f"completion time is within {self.margin * 100:g}% of the fastest or ties with it: ")
-        at = f"{fastest.fraction:.0%}" + (f" {fastest.split}" if fastest.split else "")
+        at = f"budget share {fastest.fraction:.0%}" + (f" {fastest.split}" if fastest.split else "")
         against = f"the fastest ({self.seconds(fastest):.4g} s, at {at})"
         if best is fastest:
             said += f"itself the fastest ({self.seconds(best):.4g} s)"
