@@ -1654,7 +1654,7 @@ def test_the_window_names_a_sweeps_tie_within_the_spread_between_repeats(qtbot, 
     view.save("tied")
     saved = json.loads((tmp_path / "configurations.json").read_text())["tied"]
     assert (saved["entries"]["session.moe.offload.device_expert_bytes"], saved["note"]) == (
-        "0", "sweep recommendation tied with the fastest (at 100%) within the spread between repeats")
+        "0", "sweep recommendation tied with the fastest (at budget share 100%) within the spread between repeats")
     view.on_finished(SweepResult([_repeated_point(0, [1.5, 1.55, 1.6]), all_resident], requested=2, model_folder="m",
                                  base_entries={}))
     assert view.recommended.budget_bytes == 300 and "tie" not in view.summary.text()

@@ -450,8 +450,8 @@ class Recommendation:
         """What a configuration saved from it says of it."""
         if self.within_margin:
             return f"sweep recommendation within {self.margin * 100:g}% of the fastest"
-        return (f"sweep recommendation tied with the fastest (at {self.fastest.fraction:.0%}) within the spread "
-                "between repeats")
+        return (f"sweep recommendation tied with the fastest (at budget share {self.fastest.fraction:.0%}) within the "
+                "spread between repeats")
 
     @property
     def tie_reason(self) -> str:
