@@ -1593,8 +1593,9 @@ def test_a_sweep_under_mode_required_on_a_small_card_ends_at_what_the_card_holds
     # 565,248 bytes of experts; the 1 MiB card holds 483,328 beside its staging ring (86%), less than 7/8's 494,592
     assert [(p["budget_bytes"], round(p["fraction"], 3)) for p in json.loads(out)["points"]][-2:] == [
         (423936, 0.75), (483328, 0.855)]
-    assert ("sweep: offload mode 'required' refuses a budget above the 472.0 KiB of experts the device holds (86%): "
-            "the sweep ends there, in place of 88%, and leaves out the point at 100%") in err
+    assert ("sweep: offload mode 'required' refuses a budget above the 472.0 KiB of experts the device holds (budget "
+            "share 86%): the sweep ends there, in place of the point at budget share 88%, and leaves out the point at "
+            "budget share 100%") in err
 
 
 def test_a_sweep_skips_a_scenario_its_context_cannot_hold_before_its_first_point(tmp_path, capsys):

@@ -1434,8 +1434,8 @@ def test_a_window_sweep_under_mode_required_on_a_small_card_ends_at_what_the_car
     view.on_finished(result)
     assert view.recommended is not None and view.bar.status.text() == (
         "3 points; 9 runs saved to the history. Offload mode 'required' refuses a budget above the 229.2 KiB of "
-        "experts the device holds (42%): the sweep ends there, in place of 50%, and leaves out the points at 75%, "
-        "100%.")
+        "experts the device holds (budget share 42%): the sweep ends there, in place of the point at budget share "
+        "50%, and leaves out the points at budget shares 75%, 100%.")
 
 
 def test_a_window_sweep_skips_a_scenario_its_context_cannot_hold_as_record_does(qtbot, tmp_path):

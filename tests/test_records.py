@@ -710,8 +710,9 @@ def test_a_sweep_ends_at_what_the_device_holds_rather_than_run_that_budget_again
                        on_left_out=lambda note, count: said.append((note, count)))
     held = model.offload.plan.budget_bytes
     assert [p.budget_bytes for p in points] == [0, round(total / 4), held] and held < round(total / 2)
-    assert said == [("a budget above the 229.2 KiB of experts the device holds (42%) runs at that budget again: the "
-                     "sweep ends there, in place of 50%, and leaves out the points at 75%, 100%", 2)]
+    assert said == [("a budget above the 229.2 KiB of experts the device holds (budget share 42%) runs at that budget "
+                     "again: the sweep ends there, in place of the point at budget share 50%, and leaves out the "
+                     "points at budget shares 75%, 100%", 2)]
 
 
 def test_a_sweep_under_mode_required_starts_from_the_smallest_budget_it_admits_and_hands_each_point_on():
@@ -1324,8 +1325,9 @@ def test_a_sweep_under_mode_required_ends_at_what_the_device_holds_and_says_whic
     held = model.offload.plan.budget_bytes
     assert held == 234752 and round(total / 4) < held < round(total / 2)
     assert [p.budget_bytes for p in points[1:]] == [round(total / 4), held] and points[-1].fraction == held / total
-    assert said == [("offload mode 'required' refuses a budget above the 229.2 KiB of experts the device holds (42%): "
-                     "the sweep ends there, in place of 50%, and leaves out the points at 75%, 100%", 2)]
+    assert said == [("offload mode 'required' refuses a budget above the 229.2 KiB of experts the device holds (budget "
+                     "share 42%): the sweep ends there, in place of the point at budget share 50%, and leaves out the "
+                     "points at budget shares 75%, 100%", 2)]
 
 
 def test_a_sweep_points_decode_rate_is_its_decoded_tokens_over_their_decode_time():

@@ -370,11 +370,13 @@ def _replan(model: LoadedModel, budget: int, split: str | None) -> int:
 def _left_out_note(model: LoadedModel, held: int, fraction: float, left: list[tuple]) -> str:
     """What a sweep says where the device held less than the point at `fraction` asked."""
     names = ", ".join(f"{share:.0%}" + (f" {split}" if split else "") for share, _budget, split in left)
-    holds = f"the {human_bytes(held)} of experts the device holds ({held / all_resident_bytes(model.offload.infos):.0%})"
+    held_share = held / all_resident_bytes(model.offload.infos)
+    holds = f"the {human_bytes(held)} of experts the device holds (budget share {held_share:.0%})"
     why = (f"offload mode 'required' refuses a budget above {holds}" if model.offload.config.mode == "required"
            else f"a budget above {holds} runs at that budget again")
-    return (f"{why}: the sweep ends there, in place of {fraction:.0%}, and leaves out the "
-            f"point{'s' if len(left) > 1 else ''} at {names}")
+    points = "points at budget shares" if len(left) > 1 else "point at budget share"
+    return (f"{why}: the sweep ends there, in place of the point at budget share {fraction:.0%}, and leaves out the "
+            f"{points} {names}")
 
 
 def _run_point(model: LoadedModel, device, budget: int, fraction: float | None, split: str | None,
