@@ -42,6 +42,7 @@ from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import SWITCH_EVERY, hit_rate, realistic_trace  # noqa: E402
+from engine.records.schema import ALL_RESIDENT  # noqa: E402
 from engine.units import layer_words  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
@@ -50,7 +51,7 @@ from engine.writer import WriterSpec  # noqa: E402
 TRIALS_WARMUP_MAX = 160
 # layer_overhead's None, in the printed line and the result file
 NO_OVERHEAD = "not given (experts computed on the CPU in the timed steps)"
-ALL_RESIDENT = "every expert resident"  # the trace-routed point without a placement to choose (bench at 100%)
+EVERY_EXPERT = "every expert resident"  # the trace-routed point without a placement to choose (bench at 100%)
 SHAPES = {
     "gpt-oss-20b-like": dict(layers=24, hidden_size=2880, inter_size=2880, num_experts=32, top_k=4, num_heads=64,
                              num_kv_heads=8, head_size=64, vocab_size=4096, sliding_window=128),
@@ -222,7 +223,7 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
     return {**figure, "unit": "tokens/s", "reference": "bound at the hit rate reached (as for random routing)",
             **bounds.trace(figure), "misses_cpu": stats.misses_cpu,
             "misses_copied": stats.misses_copied, "misses_read": stats.misses_read, "swaps": stats.swaps,
-            "placement": state.get("placement"), "decode_path": state["decode_path"],
+            "placement": state.get("placement"), "decode_path": path_run(model, state["decode_path"]),
             "copy_reuse": model.offload.copy_reuse.value,
             "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens, {tokens} timed, "
                      f"a topic switch every {switch_every}"}
@@ -330,9 +331,23 @@ def split_text(split: dict) -> str:
     return text
 
 
+def all_resident(model: LoadedModel) -> bool:
+    """Every expert is resident on the device under the plan in force: no decode path runs (records: 'all resident')."""
+    return model.offload.plan.placement_mode == "all_resident"
+
+
+def path_run(model: LoadedModel, path: dict) -> dict:
+    """The engine's decode path state (copy_state's), its path in force "all resident" where no expert is cold, as
+    the engine's run records say: none runs (the one in force, cpu by default, would read as decoding on the CPU)."""
+    return dict(path, in_force=ALL_RESIDENT) if all_resident(model) else path
+
+
 def path_text(path: dict) -> str:
     """', decode path tier (trial a step: 20.1 ms read by the GPU, 30.2 ms on the CPU, 25.0 ms both)': the path in
-    force, with what its trial measured where one finished."""
+    force, with what its trial measured where one finished; ', every expert resident: no decode path ran' where none
+    ran (path_run)."""
+    if path.get("in_force") == ALL_RESIDENT:
+        return ", every expert resident: no decode path ran"
     measured = path.get("measured_ms") or {}
     text = f", decode path {path.get('in_force')}" + ("" if path.get("host_tier") else " (no host tier)")
     if len(measured) > 1:
@@ -564,7 +579,7 @@ def main() -> None:
                             "cpu_threads_in_force": model.decoder.kernel_threads.in_force})
         decoded = decode_repeats(repeats)
         state = model.offload.copy_state()  # the trials' outcomes (the traces below re-plan)
-        split, path = state["layer_split"], state["decode_path"]
+        split, path = state["layer_split"], path_run(model, state["decode_path"])
         parts = overhead_breakdown(step_rows, len(infos), args.device == "simulated",
                                    stats.device_s / max(1, profile["steps"] * len(infos)))
         overhead = layer_overhead(profile, stats, len(infos))
@@ -594,7 +609,7 @@ def main() -> None:
             # Every expert resident, placement has nothing to choose: one run, the trace-routed points' ceiling
             # (what routing by the trace costs a step beside the model's own routing: a steering launch a layer).
             every = slots == infos[0].spec.num_experts
-            for placement in [ALL_RESIDENT] if every else args.trace_placements.split(","):
+            for placement in [EVERY_EXPERT] if every else args.trace_placements.split(","):
                 if not every:
                     model.offload.reconfigure(config.updated(placement=placement))
                 traced[placement] = trace_decode(model, short_prompt, args.trace_tokens, args.trace_warmup,
@@ -670,7 +685,8 @@ def main() -> None:
               f"{dram.highest / 1e9:.1f} GB/s", flush=True)
         printed_on = printed_on or dram.highest
         for placement, fig in traced.items():
-            print(f"       realistic routing trace (measured), {placement}{'' if placement == ALL_RESIDENT else ' placement'}: decode {fig['value']:.1f} tok/s "
+            named = placement if placement == EVERY_EXPERT else f"{placement} placement"
+            print(f"       realistic routing trace (measured), {named}: decode {fig['value']:.1f} tok/s "
                   f"(bound {fig['reference_value']:.1f}: {fig['ratio']:.0%}), hit {fig['hit_rate']:.2f}, misses "
                   f"cpu/copied/read {fig['misses_cpu']}/{fig['misses_copied']}/{fig['misses_read']}, swaps "
                   f"{fig['swaps']}{judge_words(fig['placement'])}" + path_text(fig["decode_path"])

@@ -59,8 +59,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_offload import (SHAPES, decode, judge_words, path_text, shape_spec, split_words,  # noqa: E402
-                                      traced_decode)
+from benchmarks.bench_offload import (SHAPES, all_resident, decode, judge_words, path_run, path_text,  # noqa: E402
+                                      shape_spec, split_words, traced_decode)
 from benchmarks.common import model_folder, write_result, written_model  # noqa: E402
 from engine import decoder, dense_graph  # noqa: E402
 from engine.generation import LoadedModel  # noqa: E402
@@ -69,7 +69,6 @@ from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import BOTH, MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.records.schema import ALL_RESIDENT  # noqa: E402
 from engine.units import layer_words  # noqa: E402
 from kernels.cpu import omp_pool  # noqa: E402
 
@@ -261,20 +260,13 @@ def engine_figures(model: LoadedModel) -> dict:
     call's fixed seconds), so that a ratio can be read against its causes."""
     engine = model.offload
     totals, state = engine.stats.totals(), engine.copy_state()
-    path = state["decode_path"]
-    if all_resident(model):  # no expert was cold, so no path ran: the one in force (cpu) would read as the CPU's
-        path = dict(path, in_force=ALL_RESIDENT)
+    path = path_run(model, state["decode_path"])
     rate = engine.split_cpu_rate if engine.splits_cold else engine.cpu_rate  # the "both" parts' under "both"
     return {"hit_rate": totals.hit_rate, "misses_cpu": totals.misses_cpu, "misses_copied": totals.misses_copied,
             "misses_read": totals.misses_read, "miss_copies": totals.miss_copies, "swaps": totals.swaps,
             "miss_slots": max(state["miss_slots"], default=0), "whole_layers": state["layer_split"]["whole_layers"],
             "decode_path": path["in_force"], "cold_split": path["cold_split"], "path": path,
             "placement": state.get("placement"), "cpu_rate": rate.value, "cpu_fixed_s": rate.fixed_s}
-
-
-def path_words(path: dict) -> str:
-    """bench_offload's path_text, or ', every expert resident: no decode path ran' where none ran."""
-    return ", every expert resident: no decode path ran" if path["in_force"] == ALL_RESIDENT else path_text(path)
 
 
 def cpu_rate_words(figures: dict) -> str:
@@ -434,11 +426,6 @@ def fixed_tables(model: LoadedModel, table) -> str | None:
     return "split" if model.offload.row_split else "whole"
 
 
-def all_resident(model: LoadedModel) -> bool:
-    """Every expert is resident on the device under the plan in force: no decode path runs (records: 'all resident')."""
-    return model.offload.plan.placement_mode == "all_resident"
-
-
 def decoder_counts(model: LoadedModel) -> tuple[int, int, int]:
     """The decoder's counts so far of layers launched ahead, of layers whose host part the worker did and of steps
     run again (engine/decoder.py)."""
@@ -537,7 +524,7 @@ def main(argv=None) -> dict:
             print(f"       {name} in its last round: hit {last['hit_rate']:.2f}, misses cpu/copied/read "
                   f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, "
                   f"swaps {last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
-                  f"{'whole layers' if last['whole_layers'] else 'spread'}{path_words(last['path'])}"
+                  f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
                   f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, "
                   f"{last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the worker, "
                   f"{last['steps_run_again']} steps run again (warm-up included)", flush=True)

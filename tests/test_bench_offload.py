@@ -322,3 +322,26 @@ def test_the_per_layer_overhead_is_given_only_where_no_expert_ran_on_the_cpu_in_
     printed = capsys.readouterr().out
     assert "overhead not given (experts computed on the CPU in the timed steps)  trace hit" in printed
     assert f"overhead {every['value']:6.0f} µs/layer  trace hit" in printed
+
+
+def test_at_every_expert_resident_the_points_say_no_decode_path_ran(tmp_path, monkeypatch, capsys):
+    """At 100% resident no expert is cold, so no decode path runs; the point's line and its trace line said "decode
+    path cpu (no host tier)" (the path in force), which reads as decoding on the CPU, and the result file recorded
+    "cpu". They say that no decode path ran and record "all resident", as bench_offload_ab and the engine's run records
+    do; below that fraction the path in force still."""
+    from engine.records.schema import ALL_RESIDENT
+
+    result = run_bench(tmp_path, monkeypatch, [40.0, 40.0, 40.0], "--fractions", "0.5,1", "--decode-path", "cpu")
+    paths = {figure["name"]: figure["decode_path"]["in_force"] for figure in result["figures"]
+             if figure["name"].startswith("decode tokens/s")}
+    assert paths == {"decode tokens/s, gpt-oss-20b-like, 50% resident": "cpu",
+                     **{f"decode tokens/s on a realistic routing trace (measured), gpt-oss-20b-like, 50% resident, "
+                        f"{placement} placement": "cpu" for placement in ("adaptive", "static")},
+                     "decode tokens/s, gpt-oss-20b-like, 100% resident": ALL_RESIDENT,
+                     "decode tokens/s on a realistic routing trace (measured), gpt-oss-20b-like, 100% resident":
+                         ALL_RESIDENT}
+    printed = capsys.readouterr().out
+    every = printed[printed.index("\n 100%  decode"):]
+    assert every.count("every expert resident: no decode path ran") == 2  # the point's line and its trace line
+    assert "decode path" not in every.replace("no decode path ran", "")
+    assert printed.count(", decode path cpu (no host tier)") == 3  # 50%: the point and its two placements' traces
