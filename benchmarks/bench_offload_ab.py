@@ -441,6 +441,18 @@ def first_trial_steps(model: LoadedModel) -> int:
     return engine.path_trials.first_trial_steps if engine is not None and engine.path_trials_run() else 0
 
 
+def variant_help() -> str:
+    """--a's help: the items a variant may hold (variant, switches, layer_split, decode_path)."""
+    integers = [f"{prefix}NAME=INT" for prefix in SWITCH_PREFIXES if prefix not in NUMBER_PREFIXES + ("dense.",)]
+    switched = integers + [f"{prefix}NAME=NUMBER" for prefix in NUMBER_PREFIXES] + [
+        f"{name}=0|1" for name in DENSE_SWITCHES]
+    return (f"configuration A, comma-separated items: offload entries KEY=VALUE (short or full names); switches set "
+            f"after each reconfiguration: {', '.join(switched)} (a switch only the other variant names keeps its "
+            f"default); split={'|'.join(SPLIT_MODES)} (default {SPREAD}); path={'|'.join(PATH_MODES)} (default "
+            f"MOE_DECODE_PATH from the environment, else auto; under --split-table {BOTH}, the only one allowed); "
+            f"'' = the defaults")
+
+
 def summary(rates: dict[str, list[float]]) -> dict:
     ratios = [b / a for a, b in zip(rates["A"], rates["B"])]
     return {"a_median": statistics.median(rates["A"]), "b_median": statistics.median(rates["B"]),
@@ -450,20 +462,26 @@ def summary(rates: dict[str, list[float]]) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b-like")
-    parser.add_argument("--device", choices=["cuda", "simulated"], default="cuda")
-    parser.add_argument("--dtype", choices=["float32", "float16"], default="float16")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt-oss-20b-like",
+                        help="the writer-made model's shape (bench_offload's)")
+    parser.add_argument("--device", choices=["cuda", "simulated"], default="cuda",
+                        help="the CUDA card, or the simulated device (its \"device\" compute on the CPU)")
+    parser.add_argument("--dtype", choices=["float32", "float16"], default="float16",
+                        help="activations and KV cache (float16 lets the dense part run on the GPU)")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (quick runs)")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder); reused if present")
     parser.add_argument("--fractions", default="0.25,0.5", help="resident fractions, comma-separated")
-    parser.add_argument("--a", default="", help="configuration A: offload entries KEY=VALUE,... ('' = defaults)")
-    parser.add_argument("--b", required=True, help="configuration B: offload entries KEY=VALUE,...")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--a", default="", help=variant_help())
+    parser.add_argument("--b", required=True, help="configuration B, its items as --a's")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds at each fraction, A then B in even rounds and B then A in odd ones (the ratio "
+                             "B / A is taken in each round)")
+    parser.add_argument("--decode-tokens", type=int, default=16, help="decode steps timed for each variant in a round")
     parser.add_argument("--decode-warmup", type=int, default=32,
                         help="decode steps before the timed ones, after each reconfiguration: what the engine "
                              "measures as it runs settles in them (decode path \"both\" timed its start-up table with "
-                             "4: RESULTS.md, thirtieth session)")
+                             "4: RESULTS.md, thirtieth session); more where the decode path's trials run, until "
+                             f"{SETTLE_AFTER_TRIAL} steps after the first has ended")
     parser.add_argument("--trace", action="store_true", help="route every decode step by a realistic trace")
     parser.add_argument("--split-table", help="under \"both\": 'first' (the tables the engine makes from A's "
                                               "warm-up, kept for every round: with a pair split by rows, and whole "

@@ -747,3 +747,39 @@ def test_first_tables_line_gives_each_cost_its_unit_and_what_it_is():
         "tables fixed, layers 0-1: the CPU's pairs [0, 0, 1], a pair split at rows [0, 64, 0]; whole pairs [0, 0, 1] "
         "(from the CPU's 1183 µs an expert + 4 µs a call, the GPU's 119 µs an expert, the host's 35 µs between "
         "layers)"]
+
+
+def test_the_abs_help_gives_every_option_a_text_and_every_item_a_variant_takes(monkeypatch, capsys):
+    """--a and --b named only offload entries, not the switches, split= or path= a variant takes, and --rounds,
+    --decode-tokens, --shape, --device and --dtype had no text at all. Every option's help says what it is; --a's
+    names every switch prefix and dense switch, each layer split and each decode path (from the lists that check
+    them), and --b's refers to it."""
+    import re
+
+    import benchmarks.bench_offload_ab as ab
+    from engine.offload.decode_path import MODES as PATH_MODES
+    from engine.offload.layer_split import MODES as SPLIT_MODES
+
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit) as exited:
+        ab.main(["--help"])
+    assert exited.value.code == 0
+    options = capsys.readouterr().out.split("\noptions:\n")[1]
+    helps = {}  # option -> its help text, its lines joined
+    for entry in re.split(r"\n(?=  -)", options.strip("\n")):
+        invocation, _, text = entry.strip().partition("  ")  # the help starts after two spaces or on the next line
+        helps[invocation.split()[0].rstrip(",")] = " ".join(text.split())
+    assert set(helps) == {"-h", "--shape", "--device", "--dtype", "--layers", "--folder", "--fractions", "--a", "--b",
+                          "--rounds", "--decode-tokens", "--decode-warmup", "--trace", "--split-table", "--no-write"}
+    assert all(helps.values()), [option for option, text in helps.items() if not text]
+    assert helps["--rounds"].startswith("rounds at each fraction, A then B in even rounds and B then A in odd ones")
+    assert helps["--decode-tokens"] == "decode steps timed for each variant in a round"
+    said = helps["--a"]
+    for prefix in ab.SWITCH_PREFIXES:
+        assert f"{prefix}NAME=" in said or prefix == "dense.", prefix
+    for name in ab.DENSE_SWITCHES:
+        assert f"{name}=0|1" in said
+    assert "policy.NAME=NUMBER" in said and "judge.NAME=NUMBER" in said and "gpu.NAME=INT" in said
+    assert f"split={'|'.join(SPLIT_MODES)} (default spread)" in said
+    assert f"path={'|'.join(PATH_MODES)} (default MOE_DECODE_PATH" in said
+    assert helps["--b"] == "configuration B, its items as --a's"
