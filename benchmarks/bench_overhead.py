@@ -52,7 +52,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, machine, machine_tag, model_folder  # noqa: E402
+from benchmarks.common import RESULTS, RUN_DATE, machine, machine_tag, model_folder  # noqa: E402
 
 QWEN3_LIKE = dict(hidden_size=2048, inter_size=768, num_experts=128, top_k=8, num_heads=32, num_kv_heads=4,
                   head_size=128, vocab_size=4096, swiglu_limit=None, alpha=1.0, beta=0.0)
@@ -326,7 +326,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="add cProfile's attribution per point")
     parser.add_argument("--folder", help="write the model here (default: a temporary folder); reused if present")
     parser.add_argument("--label", default="", help="a tag for the result file (e.g. before / after)")
-    parser.add_argument("--out", help="result JSON path (default benchmarks/results/overhead-<date>-<machine>[-label].json)")
+    parser.add_argument("--out", help="result JSON path (default benchmarks/results/overhead-<the run's start "
+                                      "date>-<machine>[-label].json)")
     parser.add_argument("--stub-kernels", action="store_true",
                         help="expert kernels that do nothing: the host's Python per layer without the kernels' time "
                              "and cache pollution (outputs are meaningless, routing follows them)")
@@ -400,13 +401,11 @@ def main() -> None:
         print(f"{entry['point']:<28}" + "".join(f"{m[k]:14.1f}" for k in keys)
               + f"   rounds: {', '.join(f'{v:.1f}' for v in entry['round_medians_overhead_us'])}")
     info = machine()
-    import datetime
-    date = datetime.date.today().isoformat()
     label = f"-{args.label}" if args.label else ""
-    path = Path(args.out) if args.out else RESULTS / f"overhead-{date}-{machine_tag(info)}{label}.json"
+    path = Path(args.out) if args.out else RESULTS / f"overhead-{RUN_DATE}-{machine_tag(info)}{label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "benchmark": "overhead", "date": date, "machine": info, "command": " ".join(["python", *sys.argv]),
+        "benchmark": "overhead", "date": RUN_DATE, "machine": info, "command": " ".join(["python", *sys.argv]),
         "label": args.label, "stub_kernels": args.stub_kernels, "layers": layers,
         "shape": dict(QWEN3_LIKE, layers=layers, bits=4, block_size=32),
         "steps": args.steps, "rounds": args.rounds, "wrapper_cost_us": cost * 1e6,

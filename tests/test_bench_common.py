@@ -61,3 +61,36 @@ def test_a_run_that_crosses_midnight_writes_one_result_file(tmp_path, monkeypatc
     written = json.loads(first.read_text())
     assert len(written["figures"]) == 2
     assert first.name.startswith(f"midnight-{written['date']}-")
+
+
+def test_bench_overhead_writes_the_date_its_run_started(tmp_path, monkeypatch):
+    """bench_overhead named its result file and dated it by the date at the end of its run, where every other
+    benchmark takes the run's start (common.RUN_DATE): a run that crossed midnight was filed under the next day. Its
+    file is now named and dated by RUN_DATE, as write_result's are."""
+    import datetime
+    import json
+
+    import benchmarks.bench_overhead as bench
+    import benchmarks.common as common
+    from engine.writer import write_model
+    from tests.test_offload import SPEC
+
+    for module, name, _bucket in bench.wrapped_module_functions():  # wrapped for good by instrument(): put back
+        monkeypatch.setattr(module, name, getattr(module, name))
+    started = datetime.date.fromisoformat(common.RUN_DATE)
+
+    class Clock(datetime.date):
+        @classmethod
+        def today(cls):
+            return started + datetime.timedelta(days=1)  # the run ends after midnight
+
+    monkeypatch.setattr(bench, "write_model_once", lambda folder, layers: write_model(folder / "m", SPEC))
+    monkeypatch.setattr(bench, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(datetime, "date", Clock)
+    monkeypatch.setattr(sys, "argv", ["bench_overhead.py", "--points", "cpu", "--steps", "2", "--rounds", "1",
+                                      "--folder", str(tmp_path), "--label", "midnight"])
+    bench.main()
+    written = list((tmp_path / "results").iterdir())
+    assert [path.name for path in written] == [
+        f"overhead-{common.RUN_DATE}-{common.machine_tag(common.machine())}-midnight.json"]
+    assert json.loads(written[0].read_text())["date"] == common.RUN_DATE
