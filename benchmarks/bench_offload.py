@@ -43,7 +43,7 @@ from engine.offload.decode_path import MODES as PATH_MODES, measured_words  # no
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import SWITCH_EVERY, hit_rate, realistic_trace  # noqa: E402
 from engine.records.schema import ALL_RESIDENT  # noqa: E402
-from engine.units import layer_words  # noqa: E402
+from engine.units import counted, layer_words  # noqa: E402
 from engine.writer import WriterSpec  # noqa: E402
 
 # decode steps a benchmark's warm-up goes on for at most while the engine's trials are under way (trials_under_way):
@@ -225,8 +225,8 @@ def trace_decode(model: LoadedModel, prompt: list[int], tokens: int, warmup: int
             "misses_copied": stats.misses_copied, "misses_read": stats.misses_read, "swaps": stats.swaps,
             "placement": state.get("placement"), "decode_path": path_run(model, state["decode_path"]),
             "copy_reuse": model.offload.copy_reuse.value,
-            "trace": f"engine.offload.traces.realistic_trace seed 5, {warmup} warm-up tokens, {tokens} timed, "
-                     f"a topic switch every {switch_every}"}
+            "trace": f"engine.offload.traces.realistic_trace seed 5, {counted(warmup, 'warm-up token')}, {tokens} "
+                     f"timed, a topic switch every {switch_every}"}
 
 
 class Bounds:
@@ -377,7 +377,7 @@ def split_words(cold_split: dict | None, fixed: str | None = None) -> str:
     left_out = cold_split.get("slow_steps_left_out") or 0
     named = "fixed tables" + (f" \"{fixed}\"" if fixed else "")
     notes = ([named] if cold_split.get("fixed") else []) + ([f"share trials' shift {shift:+d}"] if shift else []) + (
-        [f"{left_out} slow steps left out of its rate"] if left_out else [])
+        [f"{counted(left_out, 'slow step')} left out of its rate"] if left_out else [])
     tier = cold_split.get("tier_read_bytes_per_s")
     takes = " and ".join(f"{table['cpu_takes']}{' of c cold' if not index else ''} in {layer_words(table['layers'])}"
                          for index, table in enumerate(tables))
@@ -670,7 +670,7 @@ def main() -> None:
                  f" a call, average {rate.average / 1e9:.0f} GB/s)" if rate.value else "")
               + f", miss slots {max(model.offload.policy.miss_slots, default=0)} of {slots} per layer"
               + split_text(split)
-              + "".join(f", {g.num_slots} streaming slots ({g.prepare_s * 1e6:.0f} µs to issue a copy, "
+              + "".join(f", {counted(g.num_slots, 'streaming slot')} ({g.prepare_s * 1e6:.0f} µs to issue a copy, "
                         f"{g.launch_s * 1e6:.0f} to launch and merge)"
                         for g in model.offload.streaming.groups)
               + (f", later hits per copy {model.offload.copy_reuse.value:.2f}"
@@ -680,7 +680,7 @@ def main() -> None:
         threads = model.decoder.kernel_threads.state()  # the automatic count follows other processes' load
         print(f"       host during the decode timings (the busiest repeat): {busiest.describe()}; CPU kernels on "
               f"{threads['cpu_threads_in_force']} of {threads['cores']} threads at the end"
-              f" ({threads['cpu_threads_changes']} changes)", flush=True)
+              f" ({counted(threads['cpu_threads_changes'], 'change')})", flush=True)
         print(f"       B_dram {dram.words(dram.reads[reads:])}; the bounds take the run's highest so far, "
               f"{dram.highest / 1e9:.1f} GB/s", flush=True)
         printed_on = printed_on or dram.highest

@@ -69,7 +69,7 @@ from engine.offload.config import PREFIX  # noqa: E402
 from engine.offload.decode_path import BOTH, MODES as PATH_MODES, default_decode_path  # noqa: E402
 from engine.offload.layer_split import MODES as SPLIT_MODES, SPREAD  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.units import layer_words  # noqa: E402
+from engine.units import counted, layer_words  # noqa: E402
 from kernels.cpu import omp_pool  # noqa: E402
 
 
@@ -276,6 +276,17 @@ def cpu_rate_words(figures: dict) -> str:
     return f", CPU kernels {figures['cpu_rate'] / 1e9:.0f} GB/s + {figures['cpu_fixed_s'] * 1e6:.0f} µs a call"
 
 
+def last_round_line(name: str, last: dict) -> str:
+    """Variant `name`'s engine figures in its last round (a paired_rounds detail), as printed under the medians."""
+    return (f"{name} in its last round: hit {last['hit_rate']:.2f}, misses cpu/copied/read "
+            f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, "
+            f"swaps {last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
+            f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
+            f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, "
+            f"{counted(last['layers_ahead'], 'layer')} launched ahead, {last['layers_beside']} on the worker, "
+            f"{counted(last['steps_run_again'], 'step')} run again (warm-up included)")
+
+
 def split_table(text: str | None):
     """--split-table: None (the engine's own tables, made again from the rates it measures), "first" (the table the
     engine made for A after a warm-up, kept), or the CPU's pairs per cold count ("0,0,1,1,2"), an array."""
@@ -305,8 +316,8 @@ def fix_split_table(model: LoadedModel, table, budget: int, changes: dict, path:
     if not isinstance(table, str):
         for info in engine.infos:
             if info.spec.k + 1 != table.size:
-                raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {info.spec.k} experts a token, "
-                                 f"so a table of {info.spec.k + 1} counts")
+                raise SystemExit(f"--split-table {table.tolist()}: {info.name} takes {counted(info.spec.k, 'expert')} "
+                                 f"a token, so a table of {info.spec.k + 1} counts")
     engine.reconfigure(OffloadConfig(device_expert_bytes=budget, **changes), decode_path=path)
     if all_resident(model):  # tables made here would be recorded though none ran ("first"'s from start-up guesses)
         return {"split": None, "whole": None, "costs_us": None, "not_fixed": NOT_FIXED}
@@ -533,19 +544,12 @@ def main(argv=None) -> dict:
                                       "split_tables": details.get("tables")}
         print(f"{fraction:5.0%}  A {result['a_median']:6.1f} tok/s   B {result['b_median']:6.1f} tok/s   "
               f"B / A per round: median {result['ratio_median']:.3f} (min {result['ratio_min']:.3f}, "
-              f"max {result['ratio_max']:.3f}, {args.rounds} rounds)", flush=True)
+              f"max {result['ratio_max']:.3f}, {counted(args.rounds, 'round')})", flush=True)
         if details.get("tables"):
             for line in tables_lines(details["tables"]):
                 print(f"       {line}", flush=True)
-        for name in ("A", "B"):  # the last round's engine figures
-            last = details[name][-1]
-            print(f"       {name} in its last round: hit {last['hit_rate']:.2f}, misses cpu/copied/read "
-                  f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, copies {last['miss_copies']}, "
-                  f"swaps {last['swaps']}{judge_words(last.get('placement'))}, miss slots {last['miss_slots']}, "
-                  f"{'whole layers' if last['whole_layers'] else 'spread'}{path_text(last['path'])}"
-                  f"{split_words(last['cold_split'], last['fixed_tables'])}{cpu_rate_words(last)}, "
-                  f"{last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the worker, "
-                  f"{last['steps_run_again']} steps run again (warm-up included)", flush=True)
+        for name in ("A", "B"):
+            print(f"       {last_round_line(name, details[name][-1])}", flush=True)
         figures.append({"name": f"decode B / A at {fraction:.0%} resident", "value": result["b_median"],
                         "unit": "tokens/s", "reference": "configuration A, alternating rounds in the same process",
                         "reference_value": result["a_median"], "ratio": result["ratio_median"]})

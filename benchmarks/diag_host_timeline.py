@@ -25,6 +25,7 @@ from benchmarks.bench_offload import split_words  # noqa: E402
 from engine import decoder  # noqa: E402
 from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
+from engine.units import counted  # noqa: E402
 
 WARMUP = 64  # decode steps before the timed ones: graphs captured, tables made, the trials' first steps over
 
@@ -191,7 +192,7 @@ def main(argv=None) -> None:
         decoder.launch_ahead = ahead_before
     # every layer's split table, each distinct one with its layers, and the host's gap the tables were made with
     print(f"dense part on the {model.dense_device}; launch ahead {'on' if args.ahead else 'off'}; "
-          f"{model.decoder.layers_ahead} layers launched ahead"
+          f"{counted(model.decoder.layers_ahead, 'layer')} launched ahead"
           + split_words(model.offload.copy_state()["decode_path"]["cold_split"]))
     print(report(timeline))
 

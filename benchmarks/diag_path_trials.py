@@ -31,7 +31,7 @@ from benchmarks.competing_load import CompetingLoad  # noqa: E402
 from engine.dense_segment import DenseSegment  # noqa: E402
 from engine.offload import OffloadConfig  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
-from engine.units import layer_words  # noqa: E402
+from engine.units import counted, layer_words  # noqa: E402
 
 
 def count_runs(model) -> dict:
@@ -130,7 +130,7 @@ def both_window(model, state, token: int, steps: int, runs: dict, slowdown: tupl
     before = step_ms[3:slowdown[0]] if slowdown else step_ms[3:]
     print(f"-- gate {'on' if gate else 'off'}: median ms before the burst {statistics.median(before):.2f}, last "
           f"third {statistics.median(step_ms[-(steps // 3):]):.2f}; table {tables_text(split)}, "
-          f"{split['slow_steps_left_out'] - left_before} slow steps left out in the window", flush=True)
+          f"{counted(split['slow_steps_left_out'] - left_before, 'slow step')} left out in the window", flush=True)
     engine.set_decode_path("auto")
     return token
 

@@ -37,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.units import counted  # noqa: E402
 from kernels.gpu.driver_calls import DriverCalls  # noqa: E402
 from kernels.gpu.launch_pdl import CUDA_SUCCESS, libcuda  # noqa: E402
 
@@ -178,8 +179,8 @@ def engine_parts(cuda, layers: int, steps: int) -> None:
                     dense += list(binding._graphs._graphs.values())
     for store in model.offload.stores:
         split += [graph for graph in store.gpu._graphs.values() if graph is not _EAGER]
-    print(f"engine parts after {steps} steps on {model.offload.decode_path_in_force!r}: {len(dense)} dense segment "
-          f"graphs, {len(split)} expert launch graphs")
+    print(f"engine parts after {counted(steps, 'step')} on {model.offload.decode_path_in_force!r}: "
+          f"{counted(len(dense), 'dense segment graph')}, {counted(len(split), 'expert launch graph')}")
     for name, graphs in (("dense segments", dense), ("expert launches", split), ("all", dense + split)):
         added, outcome = add_chain(cuda, graphs)
         print(f"  {name}: {added} of {len(graphs)} chained, {outcome}")

@@ -39,6 +39,7 @@ from engine.offload.hybrid_node import HybridExpertNode  # noqa: E402
 from engine.offload.placement import LayerSlots, make_policy  # noqa: E402
 from engine.offload.planner import all_resident_bytes  # noqa: E402
 from engine.offload.traces import uniform_trace  # noqa: E402
+from engine.units import counted  # noqa: E402
 
 
 def threads_now() -> int:
@@ -244,7 +245,7 @@ def chain_parts(worker, jobs: list) -> dict:
         on_gpu = (routing_published - gate_seen) * 1e-9
         gpu_part = (merge_waited - published) * 1e-9
         parts["the GPU's part (published -> merge began)"].append(gpu_part)
-        parts[f"  the GPU's part where the CPU took {cpu_pairs} pairs"].append(gpu_part)
+        parts[f"  the GPU's part where the CPU took {counted(cpu_pairs, 'pair')}"].append(gpu_part)
         parts["the CPU's part (routing found -> gate)"].append(gated - gate_routed)
         parts["the GPU idle before the gate (merge waited)"].append((gate_seen - merge_waited) * 1e-9)
         parts["gate seen -> next route_split (merge, dense segment)"].append((route_started - gate_seen) * 1e-9)
@@ -316,7 +317,7 @@ def main() -> None:
         row = decode_steps(model, prompt, args.steps, args.warmup, probe, args.past_trials)
         worker_threads = model.decoder._worker.threads if getattr(model.decoder, "_worker", None) else None
         path = engine.copy_state()["decode_path"]["in_force"]
-        after = f", {row['past_trials']} steps more until no trial was pending" if args.past_trials else ""
+        after = f", {counted(row['past_trials'], 'step')} more until no trial was pending" if args.past_trials else ""
         print(f"\n{fraction:.0%} resident, decode path {path}, worker threads {worker_threads}{after}: the worker's CPU "
               f"part, µs, median (n) by pairs", flush=True)
         parts = row["parts"]

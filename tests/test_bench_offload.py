@@ -126,6 +126,9 @@ def test_split_words_name_every_layers_table_the_shift_where_not_zero_and_the_ti
     state.update(share={"shift": -1}, tier_read_bytes_per_s=39.4e9)
     assert split_words(state) == (", CPU takes [0, 0, 1] of c cold in layers 0-1 (share trials' shift -1), host 12 µs "
                                   "between layers, the GPU reads the tier at 39 GB/s")
+    state.update(slow_steps_left_out=1)  # one is singular
+    assert split_words(state).startswith(", CPU takes [0, 0, 1] of c cold in layers 0-1 (share trials' shift -1; 1 "
+                                         "slow step left out of its rate), host 12 µs")
     state.update(slow_steps_left_out=2)
     assert split_words(state).startswith(", CPU takes [0, 0, 1] of c cold in layers 0-1 (share trials' shift -1; 2 "
                                          "slow steps left out of its rate), host 12 µs")

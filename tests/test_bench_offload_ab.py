@@ -705,6 +705,8 @@ def test_the_ab_prints_its_engine_figures_as_the_last_rounds(tmp_path, monkeypat
     """Under each fraction's medians, a line of engine figures a variant: they are its last round's (the hit rate and
     misses of its timed decode, the counts of layers and steps with its warm-up), not the fraction's, and the line
     read "A: hit 0.41, ..." beside the medians of every round; it says so."""
+    from engine.units import counted
+
     config = run_ab(tmp_path, monkeypatch, "--b", "placement=static", "--rounds", "2", "--decode-tokens", "2",
                     "--decode-warmup", "2")
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
@@ -714,8 +716,8 @@ def test_the_ab_prints_its_engine_figures_as_the_last_rounds(tmp_path, monkeypat
         [line] = [line for line in lines if line.startswith(f"{name} ")]
         assert line.startswith(f"{name} in its last round: hit {last['hit_rate']:.2f}, misses cpu/copied/read "
                                f"{last['misses_cpu']}/{last['misses_copied']}/{last['misses_read']}, ")
-        assert line.endswith(f", {last['layers_ahead']} layers launched ahead, {last['layers_beside']} on the "
-                             f"worker, {last['steps_run_again']} steps run again (warm-up included)")
+        assert line.endswith(f", {counted(last['layers_ahead'], 'layer')} launched ahead, {last['layers_beside']} on "
+                             f"the worker, {counted(last['steps_run_again'], 'step')} run again (warm-up included)")
 
 
 def test_the_ab_at_every_expert_resident_says_no_decode_path_ran(tmp_path, monkeypatch, capsys):
@@ -783,3 +785,22 @@ def test_the_abs_help_gives_every_option_a_text_and_every_item_a_variant_takes(m
     assert f"split={'|'.join(SPLIT_MODES)} (default spread)" in said
     assert f"path={'|'.join(PATH_MODES)} (default MOE_DECODE_PATH" in said
     assert helps["--b"] == "configuration B, its items as --a's"
+
+
+def test_the_abs_lines_count_one_round_layer_and_step_in_the_singular(tmp_path, monkeypatch, capsys):
+    """The medians' line said "1 rounds" and a variant's last-round line "1 layers launched ahead", "1 steps run
+    again": one of each is singular, more plural."""
+    import benchmarks.bench_offload_ab as ab
+
+    run_ab(tmp_path, monkeypatch, "--b", "placement=static", "--rounds", "1", "--decode-tokens", "2",
+           "--decode-warmup", "2")
+    assert ", 1 round)\n" in capsys.readouterr().out
+    last = {"hit_rate": 0.5, "misses_cpu": 1, "misses_copied": 0, "misses_read": 0, "miss_copies": 0, "swaps": 0,
+            "miss_slots": 0, "whole_layers": False, "path": {"in_force": "cpu", "host_tier": True}, "cold_split": None,
+            "fixed_tables": None, "cpu_rate": None, "layers_ahead": 1, "layers_beside": 1, "steps_run_again": 1}
+    assert ab.last_round_line("A", last) == (
+        "A in its last round: hit 0.50, misses cpu/copied/read 1/0/0, copies 0, swaps 0, miss slots 0, spread, decode "
+        "path cpu, 1 layer launched ahead, 1 on the worker, 1 step run again (warm-up included)")
+    last.update(layers_ahead=2, steps_run_again=0)
+    assert ab.last_round_line("B", last).endswith(
+        ", 2 layers launched ahead, 1 on the worker, 0 steps run again (warm-up included)")
