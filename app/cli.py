@@ -375,7 +375,7 @@ def _cmd_inspect(args) -> int:
         from engine.offload import decode_path as paths
         from engine.offload.engine import load_popularity, popularity_statement
         from engine.offload.host_cache import file_backing_refusal
-        from engine.offload.dense_landing import PlanPreview, land_dense
+        from engine.offload.dense_landing import PlanPreview, land_dense, planned_experts
         from engine.ort_env import dense_cpu_reason, dense_refusal
 
         # what the engine checks at load, checked here too: the experts fit where allow_file_backing keeps them, the
@@ -385,9 +385,9 @@ def _cmd_inspect(args) -> int:
             raise WorkbenchError(refusal)
         nodes = staged_nodes(folder)
         staging = staging_for(config, nodes, device)
+        runnable, left_out = planned_experts(config, folder.experts)  # the nodes the engine runs: the load's plan
         rows = None  # the popularity file's counts (a file it cannot read refused here, as at load)
         if config.popularity_file:
-            runnable = [info for info in folder.experts if info.spec is not None]
             names = [i.name for i in runnable]
             rows = load_popularity(config.popularity_file, names, [i.spec.num_experts for i in runnable])
         state = DecoderState(folder.config, folder.onnx.proto.graph)
@@ -400,14 +400,15 @@ def _cmd_inspect(args) -> int:
 
         # the plan the load makes, its slots and streaming slots reserved on the device, made again where the load
         # would keep the dense part on the CPU (dense_landing.land_dense: the arena checked, not registered)
-        preview = PlanPreview(config, folder.experts, nodes, device, kind, args.layer_split == "whole",
+        preview = PlanPreview(config, runnable, nodes, device, kind, args.layer_split == "whole",
                               args.decode_path or paths.default_decode_path(), dense_cpu, arena)
         if device is not None:
             preview.make_slots()
             land_dense(preview, preview.place)
         plan = preview.plan
-        # the sentences the load's plan says, in its order: the plan's, the staging's, the tier's, the streaming slots'
-        statements = plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
+        # the nodes left out of the plan, then the sentences the load's plan says, in its order: the plan's, the
+        # staging's, the tier's, the streaming slots'
+        statements = left_out + plan.statements + (staging.statements(cold=plan.leaves_cold) if staging else [])
         statements += [preview.tier_said] if preview.tier_said else []
         statements += preview.streaming.statements if preview.streaming is not None else []
         # which nodes the file leaves out or counts too few experts of, where it does

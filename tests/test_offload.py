@@ -747,6 +747,41 @@ def test_required_mode_names_the_unsupported_node(copy_fixture, cli):
     assert_clean_error(result, "required", node.name, "bits 5")
 
 
+def test_inspect_and_the_estimate_plan_the_nodes_the_engine_runs_and_name_each_left_out(tmp_path, cli):
+    """A model with a node the engine cannot run: inspect planned every expert node, the unsupported one among its
+    slots, while the budget estimate planned those the engine runs (the load's OffloadEngine plans its runners, and
+    the load refuses the model), and neither said which node the plan left out. Both now plan the nodes the engine
+    runs, name each node left out and why, in the same sentences, and refuse mode=required in the same words."""
+    from app.gui.estimate import DeviceChoice, estimate, model_facts
+    from app.inspect_report import inspection
+    from engine.model_folder import ModelFolder
+    from tests.test_bad_input import _attribute, _edit_onnx, _qmoe
+
+    folder = write_model(tmp_path / "m", WriterSpec(layers=3, num_experts=8, top_k=2, hidden_size=64, inter_size=64,
+                                                    seed=23, dense_accuracy_level=0))
+    _edit_onnx(folder, lambda model: _attribute(_qmoe(model), "expert_weight_bits", 5))
+    opened = ModelFolder.open(folder)
+    facts = model_facts(opened, inspection(opened))
+    slot = facts.experts[1].device_bytes_per_expert
+    left_out = ("Expert node '/model/layers.0/moe/QMoE' (layer 0) is left out of the plan: expert weight bits 5 is "
+                "invalid (supported: int2, int3, int4, int8); the load refuses the model while it has this node.")
+    entries = {"device_expert_bytes": str(5 * slot), "placement": "static"}
+    result = cli("inspect", str(folder), "--json", "--device", "simulated", "--simulated-vram", "1GiB",
+                 *[f"--offload={key}={value}" for key, value in entries.items()])
+    planned = json.loads(result.stdout)["offload"]
+    est = estimate(facts, OffloadConfig.from_entries(entries), DeviceChoice("simulated", 1 << 30))
+    assert planned["slots"] == est.plan.slots == {"/model/layers.1/moe/QMoE": 3, "/model/layers.2/moe/QMoE": 2}
+    assert planned["statements"][:2] == [left_out, f"5 expert slots for the 16 experts on the simulated GPU, 1.0 GiB "
+                                                   f"({human_bytes(5 * slot)} of a {human_bytes(5 * slot)} expert "
+                                                   "budget)."]
+    assert est.statements == planned["statements"] + [
+        "The dense part would run on the CPU: the GPU is simulated, for the experts only."]
+    refusal = ("offload mode 'required': node '/model/layers.0/moe/QMoE': expert weight bits 5 is invalid (supported: "
+               "int2, int3, int4, int8)")
+    assert estimate(facts, OffloadConfig(mode="required"), DeviceChoice("simulated", 1 << 30)).error == refusal
+    assert_clean_error(cli("inspect", str(folder), "--device", "simulated", "--offload", "mode=required"), refusal)
+
+
 def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
     from engine.model_folder import ModelFolder
 

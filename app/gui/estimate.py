@@ -21,7 +21,7 @@ from engine.decoder_state import DecoderState, kv_rows_at_most
 from engine.errors import ModelFileError
 from engine.offload import decode_path as paths
 from engine.offload.config import OffloadConfig
-from engine.offload.dense_landing import PlanPreview, land_dense
+from engine.offload.dense_landing import PlanPreview, land_dense, planned_experts
 from engine.offload.device_memory import card_memory
 from engine.ort_env import DenseDoesNotFit, dense_arena, dense_cpu_reason
 from engine.offload.devices import SimulatedDevice
@@ -276,7 +276,6 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         fallback.statements.insert(0, f"The {device.label} cannot be used ({device.error}): every expert would run "
                                       "on the CPU.")
         return fallback
-    experts = [info for info in facts.experts if info.spec is not None]
     kv = facts.kv_cache_bytes(kv_tokens)
     # Where the engine would put the dense part (LoadedModel: ort_env.choose_dense_device); the plan is made for it
     # there, and under gpu_device_mem_limit what the plan leaves decides (dense_fit below).
@@ -307,10 +306,11 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     def arena(ahead: int) -> str | None:  # the load's check, the stand-in as the plan leaves it with `ahead` more taken
         return dense_fit(facts, device, config, stand_in.memory.used + ahead)
 
-    if not facts.supported and config.mode == "required":
-        error = error or "mode 'required' refuses this model: " + "; ".join(
-            n["reason"] for n in facts.report["expert_nodes"] if not n["supported"])
-    elif experts and not error:  # an unusable device (mode required, above) or a refused ring: no plan
+    try:  # the nodes the engine runs, as the load's plan; the others said as left out of it
+        experts, left_out = planned_experts(config, facts.experts)
+    except OffloadPlanError as exc:  # mode=required, where a node is left out
+        experts, left_out, error = [], [], error or str(exc)
+    if experts and not error:  # an unusable device (mode required, above), a refused ring or node: no plan
         try:
             preview = PlanPreview(config, experts, facts.staged_nodes, stand_in, device.kind, whole_layers,
                                   decode_path or paths.default_decode_path(), dense_cpu, arena)
@@ -373,7 +373,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if staged is not None and not error:
         note = f"page-locked; {counted(staged.pinned_experts, 'expert')} of {human_bytes(staged.staged_expert_bytes)}"
         host_parts.append(Part("pinned", "pinned staging ring", staged.pinned_bytes, note))
-    statements = list(plan.statements) if plan else []
+    statements = left_out + (list(plan.statements) if plan else [])
     if plan and staged is not None:
         statements.extend(staged.statements(cold=plan.leaves_cold))  # the sentences the engine adds to its plan
     if tier_said:  # ... then what it says of the host tier

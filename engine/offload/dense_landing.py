@@ -16,8 +16,24 @@ from __future__ import annotations
 from typing import Callable
 
 from engine.offload import decode_path as paths
-from engine.offload.planner import plan_offload
+from engine.offload.planner import OffloadPlanError, plan_offload
 from engine.offload.streaming import plan_streaming
+
+
+def planned_experts(config, experts) -> tuple[list, list[str]]:
+    """Of a model's expert nodes, those a plan made without loading (inspect, the budget estimate) is made for: the
+    nodes the engine runs, as the load's plan (OffloadEngine plans its runners; the load refuses a model with any
+    other, LoadedModel), and a sentence for each node left out, naming it and why. Under mode=required a node left
+    out refuses the plan, in the planner's words for what it cannot offload."""
+    left_out = [info for info in experts if info.spec is None]
+    if config.mode == "required" and left_out:
+        raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in left_out))
+    said = []
+    for info in left_out:
+        why = info.unsupported.removeprefix(f"node '{info.name}': ")
+        said.append(f"Expert node '{info.name}' (layer {info.model_layer}) is left out of the plan: {why}; the load "
+                    "refuses the model while it has this node.")
+    return [info for info in experts if info.spec is not None], said
 
 
 def land_dense(plan: DenseLanding, place: Callable[[str | None], str | None]) -> str | None:

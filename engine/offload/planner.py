@@ -282,9 +282,6 @@ def plan_offload(config: OffloadConfig, experts: list[ExpertNodeInfo], device,
             near = difflib.get_close_matches(name, names, n=1)
             raise OffloadPlanError(f"node_overrides names '{name}', which is no expert node of this model"
                                    + (f" (did you mean '{near[0]}'?)" if near else f" (they are {', '.join(names)})"))
-    unsupported = [info for info in experts if info.spec is None]
-    if config.mode == "required" and unsupported:
-        raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in unsupported))
     if config.mode != "disabled":  # approximate routing applies, on the CPU alone too
         _check_substitution_rank(config, experts)
     if config.mode == "disabled" and device is not None and dense_on_device:
