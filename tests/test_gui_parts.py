@@ -339,6 +339,53 @@ def test_the_budget_panel_says_before_a_load_when_the_arena_registered_earlier_k
         panel.statements)
 
 
+def test_the_budget_panel_promises_no_host_tier_the_loaded_models_re_plans_will_not_make(qtbot, gptoss, monkeypatch):
+    """Where the load put the dense part on the card without the host tier (the tier's device mappings left
+    onnxruntime's arena short: OffloadEngine.arena_over_tier), the engine's re-plans make no tier while the model is
+    loaded. The panel's estimate of the settings an Apply re-plans with promised the tier wherever the arena
+    registered fits beside its mappings (a smaller budget than the load's, say): its host memory counted it, and its
+    sentence said decode reads it. It says now, in the engine's words, that none is made; a change that needs a
+    reload, and the model unloaded, estimate the tier as a load makes it."""
+    import app.gui.budget_panel as budget_panel
+    from engine import ort_env
+    from engine.offload.decode_path import tier_beside_arena
+
+    monkeypatch.setattr(ort_env, "cuda_ep_missing_reason", lambda: None)  # as with onnxruntime-gpu
+    monkeypatch.setattr(ort_env, "kv_dtype_reason", lambda kv_dtypes: None)  # (the fixture's KV caches are fp32)
+    monkeypatch.setattr(budget_panel, "cuda_status", lambda: "")
+    monkeypatch.setattr(ort_env, "_shared_arenas", {0: 64 << 20})  # the loaded model's, beside which the tier fits
+    panel = budget_panel.BudgetPanel()
+    qtbot.addWidget(panel)
+    panel.set_gpu({"total": 1 << 30, "others": 0, "name": "test card"})
+    entries = {"device_expert_bytes": str(2 * gptoss.experts[0].device_bytes_per_expert),
+               "gpu_device_mem_limit": str(256 << 20)}
+    settings = {"device": {"kind": "cuda"}, "entries": entries, "decode_path": "tier"}
+    panel.set_facts(gptoss, settings)
+    panel.mark_loaded(settings)
+    tier_made = "Instead, decode reads cold experts on the GPU from a host tier of "
+
+    def tier() -> tuple[bool, list[str], str]:
+        est = panel.last_estimate
+        said = [s for s in est.statements if "host tier" in s and "device memory" not in s]
+        return est.host_tier, said, panel.host_legend.text()
+
+    made, said, legend = tier()
+    assert made and said[0].startswith(tier_made) and "host tier" in legend  # (the engine holds no refusal)
+    refusal = f"gpu_device_mem_limit={256 << 20} leaves 70.0 MiB after the expert slots and staging; a stand-in"
+    panel.set_live_arena_over_tier(refusal)
+    made, said, legend = tier()
+    assert not made and said == [tier_beside_arena(OffloadConfig.from_entries(entries), refusal)]
+    assert "host tier" not in legend
+    panel.mem_limit.setValue(512 << 20)  # Apply and reload: a load makes the tier where it fits
+    panel.refresh()
+    assert panel.needs_reload() == ["gpu_device_mem_limit"] and tier()[0] and tier()[1][0].startswith(tier_made)
+    panel.mem_limit.setValue(256 << 20)
+    panel.refresh()
+    assert not tier()[0]
+    panel.mark_loaded(None)  # unloaded: the next load's own tier
+    assert tier()[0] and tier()[1][0].startswith(tier_made)
+
+
 def engine_on(name: str, config: OffloadConfig, choice: DeviceChoice, decode_path: str | None = None):
     """The real offload engine on a simulated device named as the estimate's stand-in."""
     from engine.generation import LoadedModel

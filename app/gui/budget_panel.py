@@ -102,6 +102,7 @@ class BudgetPanel(QWidget):
         self._gpu_missed = 0            # samples since, in which NVML did not answer
         self._gpu_note = ""             # why NVML gave no reading (the telemetry sample's gpu_note)
         self._own_vram = 0              # the loaded model's own GPU memory, as the engine counts it
+        self._arena_over_tier: str | None = None  # the loaded model's OffloadEngine.arena_over_tier
         self.last_estimate = None
         self._quiet = False
 
@@ -461,6 +462,7 @@ class BudgetPanel(QWidget):
         if settings is None:
             self._live_pinned = {}
             self._own_vram = 0
+            self._arena_over_tier = None
         self._set_applied(settings)
         self.refresh()
 
@@ -548,9 +550,11 @@ class BudgetPanel(QWidget):
             self._update_apply()
             return
         config = self.config()
+        # Apply re-plans the loaded model, which makes no host tier while its arena holds the tier's room (a reload can)
+        over_tier = self._arena_over_tier if self.loaded and not self.needs_reload() else None
         est = estimate(self.facts, config, choice, self.kv_tokens.value(),
                        whole_layers=self.layer_split.currentData() == "whole", experts_in_ram=self._experts_in_ram(),
-                       decode_path=self._decode_path_mode())
+                       decode_path=self._decode_path_mode(), arena_over_tier=over_tier)
         self.last_estimate = est
         self.layer_bars.setRows(est.per_layer)
         miss = self._live_miss_slots(est)
@@ -644,6 +648,15 @@ class BudgetPanel(QWidget):
             self._live_pinned = pinned
             if self.last_estimate is not None:
                 self._show_pinned(self.last_estimate, self.device_choice(), self.config())
+
+    def set_live_arena_over_tier(self, refusal: str | None) -> None:
+        """The loaded model's OffloadEngine.arena_over_tier (its latest statistics): where its load put the dense part
+        on the card without the host tier, whose device mappings left onnxruntime's arena short, its re-plans make no
+        tier, and the estimate of what Apply re-plans says so."""
+        if refusal != self._arena_over_tier:
+            self._arena_over_tier = refusal
+            if self.facts is not None:
+                self.refresh()
 
     def set_live_slots(self, slots: list[int], miss_slots: list[int]) -> None:
         """The loaded model's slots and the slots adaptive placement leaves to copied misses, per layer (its latest

@@ -507,6 +507,7 @@ class EngineWorker(QObject):
             "copies": offload.copy_state(), "device_memory": self._simulated_memory(),
             "left_to_copies": slots_left_to_copies(offload),  # (adaptive's miss slots, or static's unchosen slots)
             "own_device_bytes": own_device_bytes(self._model, self._device),
+            "arena_over_tier": offload.arena_over_tier,  # (its re-plans make no host tier while set)
         })
 
     def _simulated_memory(self) -> dict | None:

@@ -265,10 +265,12 @@ def experts_in_host_memory(expert_bytes: int, config: OffloadConfig) -> Part:
 
 
 def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_tokens: int | None = None,
-             whole_layers: bool = False, experts_in_ram: int = 0, decode_path: str | None = None) -> Estimate:
+             whole_layers: bool = False, experts_in_ram: int = 0, decode_path: str | None = None,
+             arena_over_tier: str | None = None) -> Estimate:
     """experts_in_ram: the bytes of experts the loaded model keeps copied in RAM already (allow_file_backing=0), which
     the same setting does not need again (as the engine counts them). decode_path: the engine's (decode_path.py; None:
-    the default it takes), which decides whether the slots are mapped with a host tier."""
+    the default it takes), which decides whether the slots are mapped with a host tier. arena_over_tier: the loaded
+    model's OffloadEngine.arena_over_tier where these settings re-plan it: no host tier, as its re-plans make none."""
     if device.kind != "cpu" and device.error and config.mode != "required":
         # as the engine does (engine_worker._make_device): a GPU that cannot be used leaves every expert on the CPU,
         # and only mode=required refuses the load
@@ -313,7 +315,7 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
     if experts and not error:  # an unusable device (mode required, above), a refused ring or node: no plan
         try:
             preview = PlanPreview(config, experts, facts.staged_nodes, stand_in, device.kind, whole_layers,
-                                  decode_path or paths.default_decode_path(), dense_cpu, arena)
+                                  decode_path or paths.default_decode_path(), dense_cpu, arena, arena_over_tier)
             plan = preview.plan
         except Exception as exc:  # OffloadPlanError and friends: the verdict shows it
             error = str(exc)

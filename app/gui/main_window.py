@@ -839,6 +839,7 @@ class MainWindow(QMainWindow):
     def _on_stats(self, data: dict) -> None:
         self.placement.set_stats(data)
         self.budget_panel.set_live_pinned(data.get("pinned"))
+        self.budget_panel.set_live_arena_over_tier(data.get("arena_over_tier"))
         self.budget_panel.set_live_slots(data["slots"], data.get("left_to_copies") or [])
         self.graphs.set_simulated_memory(data.get("device_memory"))
         self.budget_panel.set_own_vram(data.get("own_device_bytes", 0))

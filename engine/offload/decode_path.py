@@ -259,11 +259,12 @@ def without_tier(config: OffloadConfig) -> str:
 
 
 def tier_preview(mode: str, config: OffloadConfig, infos, slots: dict[str, int], device_kind: str | None,
-                 device=None, dense_cpu: str | None = None) -> tuple[bool, str]:
+                 device=None, dense_cpu: str | None = None, beside_arena: str | None = None) -> tuple[bool, str]:
     """Whether the engine will make the host tier for a plan of `slots`, and what it will say (the budget estimate,
     inspect): the host memory the tier pins, why a wanted one is not made, or '' where none is wanted. `device`,
-    `dense_cpu`: tier_verdict's."""
-    made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available(), device, dense_cpu)
+    `dense_cpu`, `beside_arena`: tier_verdict's."""
+    made, said = tier_verdict(mode, config, infos, slots, device_kind, host_available(), device, dense_cpu,
+                              beside_arena)
     return made, tier_sentence(mode, config, tier_bytes(infos)) if made else said
 
 

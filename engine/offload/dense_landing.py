@@ -116,13 +116,15 @@ class PlanPreview(DenseLanding):
     """The load's offload plan made without loading (inspect, the budget panel's estimate) for `experts` on `device`
     (None: no device), a card of `kind` or its stand-in, which holds the staging the engine takes before it plans; then
     make_slots. `decode_path`: the engine's (decode_path.py). `arena(ahead)`: _arena_check's, the device as the
-    preview leaves it (None: nothing weighed)."""
+    preview leaves it (None: nothing weighed). `arena_over_tier`: a loaded model's (OffloadEngine's) where the plan is
+    its re-plan, which makes no host tier while the arena its load sized without the tier holds that room."""
 
     def __init__(self, config, experts, nodes, device, kind: str | None, whole_layers: bool, decode_path: str,
-                 dense_cpu: str | None, arena: Callable[[int], str | None] | None = None):
+                 dense_cpu: str | None, arena: Callable[[int], str | None] | None = None,
+                 arena_over_tier: str | None = None):
         self.config, self.experts, self.nodes, self.device, self.kind = config, experts, nodes, device, kind
         self.whole_layers, self.decode_path, self.arena = whole_layers, decode_path, arena
-        self.dense_cpu = dense_cpu
+        self.dense_cpu, self.arena_over_tier = dense_cpu, arena_over_tier
         self.dense_on_device = device is not None and dense_cpu is None  # where mode=disabled puts every expert
         self.host_tier, self.tier_said, self.streaming = False, "", None
         self._plan_for_dense()
@@ -134,7 +136,8 @@ class PlanPreview(DenseLanding):
         device."""
         self.arena_beside_every_expert(self.plan.device_bytes(self.experts))
         self.host_tier, self.tier_said = paths.tier_preview(self.decode_path, self.config, self.experts,
-                                                            self.plan.slots, self.kind, self.device, self.dense_cpu)
+                                                            self.plan.slots, self.kind, self.device, self.dense_cpu,
+                                                            self.arena_over_tier)
         self.device.memory.reserve(self.slot_bytes, "expert slots")
         self.streaming = plan_streaming(self.config, self.nodes, [self.plan.slots.get(node.info.name, 0)
                                                                   for node in self.nodes],
@@ -161,7 +164,7 @@ class PlanPreview(DenseLanding):
         return self.arena(ahead) if self.arena is not None else None
 
     def _plan_for_dense(self) -> None:
-        planned_tier = self.device is not None and paths.tier_planned(
+        planned_tier = self.device is not None and self.arena_over_tier is None and paths.tier_planned(
             self.decode_path, self.config, self.experts, self.kind, paths.host_available(), self.dense_cpu)
         self.plan = plan_offload(self.config, self.experts, self.device, whole_layers=self.whole_layers,
                                  dense_on_device=self.dense_on_device, host_tier=planned_tier,
