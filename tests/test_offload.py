@@ -782,6 +782,28 @@ def test_inspect_and_the_estimate_plan_the_nodes_the_engine_runs_and_name_each_l
     assert_clean_error(cli("inspect", str(folder), "--device", "simulated", "--offload", "mode=required"), refusal)
 
 
+def test_node_overrides_naming_a_node_left_out_of_the_plan_say_why_it_is_left_out(tmp_path, cli):
+    """An override of a node the engine cannot run was refused by inspect and the budget estimate as naming "no expert
+    node of this model", which it is: the plan leaves it out. The refusal says so now, and why."""
+    from app.gui.estimate import DeviceChoice, estimate, model_facts
+    from app.inspect_report import inspection
+    from engine.model_folder import ModelFolder
+    from tests.test_bad_input import _attribute, _edit_onnx, _qmoe
+
+    folder = write_model(tmp_path / "m", WriterSpec(layers=2, num_experts=8, top_k=2, hidden_size=64, inter_size=64,
+                                                    seed=23, dense_accuracy_level=0))
+    _edit_onnx(folder, lambda model: _attribute(_qmoe(model), "expert_weight_bits", 5))
+    opened = ModelFolder.open(folder)
+    refusal = ("node_overrides names '/model/layers.0/moe/QMoE', an expert node left out of the plan: expert weight "
+               "bits 5 is invalid (supported: int2, int3, int4, int8)")
+    override = "/model/layers.0/moe/QMoE:max_resident_slots=1"
+    assert_clean_error(cli("inspect", str(folder), "--device", "simulated", "--offload", f"node_overrides={override}"),
+                       refusal)
+    est = estimate(model_facts(opened, inspection(opened)), OffloadConfig.from_entries({"node_overrides": override}),
+                   DeviceChoice("simulated", 1 << 30))
+    assert est.error == refusal and est.plan is None
+
+
 def test_required_mode_refuses_a_budget_that_holds_no_expert(model_folder):
     from engine.model_folder import ModelFolder
 

@@ -24,13 +24,16 @@ def planned_experts(config, experts) -> tuple[list, list[str]]:
     """Of a model's expert nodes, those a plan made without loading (inspect, the budget estimate) is made for: the
     nodes the engine runs, as the load's plan (OffloadEngine plans its runners; the load refuses a model with any
     other, LoadedModel), and a sentence for each node left out, naming it and why. Under mode=required a node left
-    out refuses the plan, in the planner's words for what it cannot offload."""
+    out refuses the plan, in the planner's words for what it cannot offload, and so does node_overrides naming one
+    (the planner knows only the nodes it plans)."""
     left_out = [info for info in experts if info.spec is None]
     if config.mode == "required" and left_out:
         raise OffloadPlanError("offload mode 'required': " + "; ".join(info.unsupported for info in left_out))
     said = []
     for info in left_out:
         why = info.unsupported.removeprefix(f"node '{info.name}': ")
+        if info.name in config.node_overrides:
+            raise OffloadPlanError(f"node_overrides names '{info.name}', an expert node left out of the plan: {why}")
         said.append(f"Expert node '{info.name}' (layer {info.model_layer}) is left out of the plan: {why}; the load "
                     "refuses the model while it has this node.")
     return [info for info in experts if info.spec is not None], said
