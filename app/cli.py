@@ -888,7 +888,8 @@ def _cmd_sweep(args) -> int:
     from engine.generation import GenerationParams, LoadedModel
     from engine.records.configurations import save_configuration
     from engine.records.history import History
-    from engine.records.sweep import fitting_scenarios, reasoning_length_note, recommendation, run_sweep, stopped_at
+    from engine.records.sweep import (check_mode, fitting_scenarios, reasoning_length_note, recommendation, run_sweep,
+                                      stopped_at)
 
     if args.device == "cpu":
         raise WorkbenchError("a budget sweep needs --device simulated or --device cuda")
@@ -908,9 +909,7 @@ def _cmd_sweep(args) -> int:
 
         check_saved(None, args.save_as, args.model)  # and a file, or a name, the recommendation could not be saved in
     config, device = _offload_setup(args, needs_device="a budget sweep")
-    if config.mode == "disabled":
-        raise WorkbenchError("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep "
-                             "under mode=auto or required")
+    check_mode(config.mode)
     if config.device_expert_bytes is not None:
         print(f"warning: device_expert_bytes={config.device_expert_bytes}: no effect on a sweep, which sets the expert "
               "budget at each point", file=sys.stderr, flush=True)

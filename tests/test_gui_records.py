@@ -198,10 +198,10 @@ def out_of_memory(*args, **kwargs):
     raise OutOfMemoryError("Out of memory allocating 512 bytes (allocated so far: 0 bytes).")
 
 
-def test_a_record_or_sweep_out_of_gpu_memory_under_offload_disabled_names_no_expert_budget(tmp_path, monkeypatch):
-    """A Record whose run ran out of the card's memory after runs were saved, and a sweep that did, said it without
-    the loaded model's offload mode: under mode=disabled (every expert beside the dense part, the expert budgets not
-    applied) they advised lowering device_expert_bytes. They say what frees the memory under that mode."""
+def test_a_record_out_of_gpu_memory_under_offload_disabled_names_no_expert_budget(tmp_path, monkeypatch):
+    """A Record whose run ran out of the card's memory after runs were saved said it without the loaded model's offload
+    mode: under mode=disabled (every expert beside the dense part, the expert budgets not applied) it advised lowering
+    device_expert_bytes. It says what frees the memory under that mode. (A sweep is refused under that mode.)"""
     import app.gui.records_jobs as jobs
     from engine.errors import GPU_OUT_OF_MEMORY_DISABLED
 
@@ -213,9 +213,6 @@ def test_a_record_or_sweep_out_of_gpu_memory_under_offload_disabled_names_no_exp
     monkeypatch.setattr(jobs, "run_scenario", fails_at_the_second)
     result = jobs.ScenarioJob(["short", "long"], 2, str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
     assert len(result.saved) == 1 and result.failure == "long: " + RAN_OUT + GPU_OUT_OF_MEMORY_DISABLED
-    monkeypatch.setattr(jobs, "run_sweep", out_of_memory)
-    result = jobs.SweepJob(3, ["short"], 2, str(tmp_path / "h.sqlite"))(_sweep_context(model, device, []))
-    assert result.stopped_at == "before the first point" and result.failure == RAN_OUT + GPU_OUT_OF_MEMORY_DISABLED
 
 
 def test_a_window_run_the_history_could_not_save_is_kept_in_a_file_it_names(qtbot, tmp_path, monkeypatch):
@@ -781,6 +778,22 @@ def test_a_sweep_refused_for_want_of_a_device_says_why_the_cuda_gpu_chosen_could
         "A budget sweep needs a device for resident experts, and the loaded model has none: the CUDA GPU was asked for "
         "but cannot be used (the GPU expert kernels failed to compile: NVRTC error); every expert runs on the CPU "
         "instead. A simulated GPU (Budgets panel) gives one.")
+
+
+def test_a_window_sweep_under_mode_disabled_is_refused_in_the_command_lines_words(qtbot, window, tmp_path):
+    """mode=disabled puts every expert where the dense part runs: the command line's sweep refuses it, but the window's
+    ran every point on that one plan, "0%" each, and recommended one. It is refused before any run, in the command
+    line's line, shown in the window."""
+    load(qtbot, window, "gptoss", {**SIMULATED, "entries": {"mode": "disabled"}})
+    view = window.sweep
+    view.points.setValue(2)
+    view.max_tokens.setValue(2)
+    view.bar.run_button.click()
+    finish(qtbot, window, view)
+    said = ("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep under mode=auto or "
+            "required")
+    assert window.last_error == said and view.bar.status.text() == f"Failed: {said}"
+    assert view.result is None and History(tmp_path / "history.sqlite3").rows() == []
 
 
 def test_a_scenario_runs_record_says_why_it_ran_on_the_cpu_where_its_cuda_gpu_could_not_be_used(qtbot, window,

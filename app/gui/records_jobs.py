@@ -29,8 +29,8 @@ from engine.offload.layer_split import BOTH as BOTH_SPLITS
 from engine.offload.planner import DeviceShort
 from engine.offload.projection import is_simulated
 from engine.sampling import SamplingParams, model_sampling, recorded
-from engine.records.sweep import (SweepCancelled, SweepPoint, fitting_scenarios, reasoning_length_note, run_sweep,
-                                  settle as end_trials, stopped_at, sweep_plan)
+from engine.records.sweep import (SweepCancelled, SweepPoint, check_mode, fitting_scenarios, reasoning_length_note,
+                                  run_sweep, settle as end_trials, stopped_at, sweep_plan)
 
 REPORT_INTERVAL_S = 0.05  # progress and streamed text go to the window in batches
 # side by side's answer length for models that answer at once where the user sets none (one that reasons first has its
@@ -283,6 +283,7 @@ class SweepJob:
         if ctx.device is None or model.offload is None:
             raise WorkbenchError("A budget sweep needs a device for resident experts: load the model with a "
                                  "simulated GPU or the CUDA GPU (Budgets panel).")
+        check_mode(model.offload.config.mode)  # refused in the command line's words, before anything runs
         params = answer_params(self.max_new_tokens, record_sampling(model, self.answers, self.chat_options))
         scenarios, skipped = fitting_scenarios(model, self.scenarios, params.max_new_tokens)
         history = History(self.history_path)  # a bad history file refused before the sweep runs
