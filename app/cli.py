@@ -1024,7 +1024,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
     """The sweep's points on standard output, the Recommendation `chosen` marked and its rule under them (None: a sweep
     that stopped early recommends none); `ids_of`: each point's runs' history ids (by id(point)), which its JSON row
     gives."""
-    from engine.records.sweep import device_parts_line, uses_projection
+    from engine.records.sweep import copy_slots_line, device_parts_line, uses_projection
 
     rows = [p.as_dict() for p in points]
     projected = uses_projection(points)
@@ -1042,8 +1042,9 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
     def cell_rate(tokens_per_s: float | None) -> str:  # the heading says the unit
         return decode_rate(tokens_per_s, unit="", none="n/a")
 
-    # the budget's share of every expert's bytes, and the share of the experts resident as the point's runs ended,
-    # which may be less (a layer holds whole experts; on whole layers the budget past those it fills is not used)
+    # the budget's share of every expert's bytes, and the share of the experts placement kept resident as the point's
+    # runs ended, which may be less (a layer holds whole experts; on whole layers the budget past those it fills is not
+    # used; on the CPU path placement may leave slots to copied misses)
     shares_head = f"{'budget share':>12}  {'resident':>8}"
 
     def shares(row: dict) -> str:
@@ -1079,6 +1080,9 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
                   f"{peaks(p)}{agreement}{mark}")
     if not args.json:  # on standard error: the rows stay the table a script reads
         parts = device_parts_line(points)  # (a stopped sweep's points too: its line after them says where it stopped)
+        copies = copy_slots_line(points)  # (what "resident" leaves out, said next to it)
+        if copies:
+            print(f"sweep: {copies}", file=sys.stderr)
         if parts:
             print(f"sweep: {parts}", file=sys.stderr)
         if chosen is not None:

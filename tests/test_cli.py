@@ -1564,6 +1564,28 @@ def test_a_sweeps_resident_column_gives_the_share_of_experts_resident_not_the_bu
         (0.0, 0.0), (0.333, 5 / 16), (0.667, 10 / 16), (1.0, 1.0)]
 
 
+def test_a_sweeps_resident_column_leaves_out_the_slots_left_to_copied_misses_and_says_them(tmp_path, capsys,
+                                                                                            monkeypatch):
+    """On the CPU path adaptive placement leaves slots to copied misses; "resident" counted whatever miss was copied
+    into them last, so it moved with the miss policy's timings from row to row. It counts the residents placement
+    keeps (as the landed statement does), and a line under the table, and copy_slot_share in the JSON, say the slots
+    left to copies. (The miss policy's cost model leaves one slot a layer here.)"""
+    import engine.offload.engine as offload_engine
+
+    monkeypatch.setattr(offload_engine, "miss_slots", lambda *args, **kwargs: 1)
+    args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--max-new-tokens", "2", "--repeats", "1",
+            "--points", "3", "--layer-split", "spread", "--decode-path", "cpu", "--history", str(tmp_path / "h.sqlite"))
+    status, out, err = _main(capsys, *args, "--json")
+    assert status == 0
+    assert [(p["fraction"], p["resident_share"], p["copy_slot_share"]) for p in json.loads(out)["points"]] == [
+        (0.0, 0.0, 0.0), (0.5, 6 / 16, 2 / 16), (1.0, 1.0, 0.0)]
+    status, out, err = _main(capsys, *args)
+    assert status == 0 and [tuple(_columns(line)[1:3]) for line in out.splitlines()[2:]] == [
+        ("0%", "0%"), ("50%", "38%"), ("100%", "100%")]
+    assert ("sweep: slots left to copied misses, as a share of the experts (not counted as resident: they hold "
+            "whichever misses were copied last): 50% spread: 12%\n") in err
+
+
 def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
     """With --max-new-tokens 1 no answer decodes past its first token: the table read "0.0" tok/s (and projected
     "0.0") as if decoding had stalled, where record says n/a."""

@@ -88,6 +88,27 @@ def test_side_by_side_at_once_gives_both_warm_ups_before_either_clock_starts(mon
     assert [record.timings["warm_up_s"] > 0 for record in comparison.records] == [True, True]  # each says its own
 
 
+def test_a_records_resident_experts_are_placements_not_the_copies_in_the_slots_left_to_copied_misses(monkeypatch):
+    """A sweep point's "resident" share counted every expert in a device slot as its runs ended: on the CPU path the
+    slots adaptive placement leaves to copied misses hold whatever miss was copied last (by this run, an earlier one,
+    the unrecorded warm-up or the settling steps, as the miss policy's timings chose), so rows whose budgets keep the
+    same residents read apart, and a copy no later step routed to read as resident. It counts the residents placement
+    keeps, as the landed statement does (here one of each layer's two slots is left to copies)."""
+    import numpy as np
+
+    from engine.records.scenarios import run_turns
+
+    device = SimulatedDevice(1 << 30)
+    model = LoadedModel.open(fixture_folder("gptoss"), offload=OffloadConfig(device_expert_bytes=4 * 35328),
+                             device=device)
+    offload = model.offload
+    monkeypatch.setattr(offload, "_weigh_miss_slots", lambda: None)  # (the miss policy's cost model would weigh them)
+    offload.policy.miss_slots = [1, 1]
+    record = run_turns(model, ["Hi"], GenerationParams(max_new_tokens=2), device)
+    assert [int(np.count_nonzero(layer.expert_in >= 0)) for layer in offload.slots] == [2, 2]
+    assert record.offload["resident_experts"] == 2 and offload.slots_left_to_copies() == [1, 1]
+
+
 def test_record_has_what_a_user_decides_with(short_record):
     r = short_record
     assert r.schema_version == SCHEMA_VERSION and r.scenario == "short"

@@ -36,7 +36,6 @@ from engine.offload import OffloadConfig, SimulatedDevice
 from engine.offload.cuda_device import cuda_device_or_cpu
 from engine.offload.decode_path import PATH_WORDS, default_decode_path, measured_words
 from engine.offload.layer_split import default_layer_split
-from engine.offload.placement import StaticPlacement
 from engine.offload.projection import decode_totals, is_simulated, projected_decode_rate
 from engine.reasoning import reasoning_choices
 from engine.sampling import beam_search_note, describe, model_sampling
@@ -53,18 +52,6 @@ class LoadCancelled(WorkbenchError):
 
 def _needs_reload(old, new) -> list[str]:
     return [name for name in ("gpu_device_mem_limit",) if getattr(old, name) != getattr(new, name)]
-
-
-def slots_left_to_copies(offload) -> list[int]:
-    """Per layer, the slots placement leaves to copied misses: adaptive placement's miss slots, or those static
-    placement's choice leaves (an opening that counted fewer experts than the layer has slots, or a popularity file's
-    counts until its opening tops them up), and every slot of a layer whose opening has not chosen yet (no popularity
-    file, or a node it leaves out): placement has put nothing there, what they hold are copied misses, not residents."""
-    policy = offload.policy
-    if isinstance(policy, StaticPlacement):
-        return [slots.num_slots if policy.chosen[index] is None and policy.opening_left(index) else
-                policy.unchosen_slots(index) for index, slots in enumerate(offload.slots)]
-    return list(policy.miss_slots)
 
 
 class EngineWorker(QObject):
@@ -269,7 +256,7 @@ class EngineWorker(QObject):
         model, facts, offload = self._model, self._loaded_facts, self._model.offload
         self._landed_whole = offload.whole_layers
         self._landed_path = offload.decode_path_in_force
-        self._landed_miss = slots_left_to_copies(offload)
+        self._landed_miss = offload.slots_left_to_copies()
         self._landed_statements = list(offload.plan.statements)
         lines = [self._device_fallback] if self._device_fallback else []
         per_layer = [(info.model_layer, info.name, offload.plan.slots.get(info.name, 0), info.spec.num_experts)
@@ -458,7 +445,7 @@ class EngineWorker(QObject):
             self.replanned.emit({"statements": list(offload.plan.statements), "landed": self._landed(),
                                  "by_engine": "Measured faster: cold experts are now "
                                               + PATH_WORDS[offload.decode_path_in_force]})
-        elif (slots_left_to_copies(offload) != self._landed_miss  # the copies' measured worth moved the split
+        elif (offload.slots_left_to_copies() != self._landed_miss  # the copies' measured worth moved the split
               or getattr(offload.policy, "opening", False) != self._landed_opening  # static placement chose
               # a sentence the engine added to the plan in force: a re-plan the layer split's trials asked for failed
               or offload.plan.statements != self._landed_statements):
@@ -505,7 +492,7 @@ class EngineWorker(QObject):
             "misses": miss_split(offload), "step_splits": [tuple(split) for split in stats.step_splits[-STEP_SPLITS:]],
             "pinned": offload.pinned_info(), "wave_experts": offload.wave_experts,
             "copies": offload.copy_state(), "device_memory": self._simulated_memory(),
-            "left_to_copies": slots_left_to_copies(offload),  # (adaptive's miss slots, or static's unchosen slots)
+            "left_to_copies": offload.slots_left_to_copies(),  # (adaptive's miss slots, or static's unchosen slots)
             "own_device_bytes": own_device_bytes(self._model, self._device),
             "arena_over_tier": offload.arena_over_tier,  # (its re-plans make no host tier while set)
         })

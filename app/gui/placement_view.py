@@ -288,7 +288,7 @@ def split_text(split: dict) -> str:
 
 def slots_text(data: dict) -> str:
     """'4 of 16 experts resident', or where placement leaves slots to copied misses (adaptive placement's miss slots,
-    static placement's slots its choice left: engine_worker.slots_left_to_copies), the experts the heatmap shows on
+    static placement's slots its choice left: OffloadEngine.slots_left_to_copies), the experts the heatmap shows on
     the device and the slots they are in, summed over the layers as the engine holds them: '6 of 16 experts on the
     device, in 6 slots: 4 resident experts, 2 left for copied misses' (copies then fill those 2)."""
     on_device, total = int(data["resident"].sum()), int(data["valid"].sum())

@@ -1176,3 +1176,22 @@ class OffloadEngine(DenseLanding):
     def resident_map(self) -> list[np.ndarray]:
         """Per layer, a bool per expert: resident on the device."""
         return [layer.slot_of >= 0 for layer in self.slots]
+
+    def slots_left_to_copies(self) -> list[int]:
+        """Per layer, the slots placement leaves to copied misses: adaptive placement's miss slots, or those static
+        placement's choice leaves (an opening that counted fewer experts than the layer has slots, or a popularity
+        file's counts until its opening tops them up), and every slot of a layer whose opening has not chosen yet (no
+        popularity file, or a node it leaves out): placement has put nothing there, what they hold are copied misses,
+        not residents."""
+        policy = self.policy
+        if isinstance(policy, StaticPlacement):
+            return [slots.num_slots if policy.chosen[index] is None and policy.opening_left(index) else
+                    policy.unchosen_slots(index) for index, slots in enumerate(self.slots)]
+        return list(policy.miss_slots)
+
+    def resident_experts(self) -> int:
+        """The experts placement keeps in device slots now, as the landed statement counts them: not the slots it
+        leaves to copied misses, whatever they hold (the misses copied last, by this answer or an earlier one, as the
+        miss policy's timings chose)."""
+        return sum(min(int(np.count_nonzero(layer.expert_in >= 0)), layer.num_slots - left)
+                   for layer, left in zip(self.slots, self.slots_left_to_copies()))

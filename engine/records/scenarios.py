@@ -197,9 +197,10 @@ def offload_description(model: LoadedModel, device) -> dict:
         path = dict(path, in_force=ALL_RESIDENT)
     return {"device": device.name if device is not None else "cpu", "entries": model.offload.config.to_entries(),
             "placement_mode": model.offload.plan.placement_mode, "slots": model.offload.plan.slots,
-            # the experts in device slots as the run ended (a slot left to copied misses holds one once a miss is
-            # copied): what a sweep point's share resident is measured by
-            "resident_experts": int(sum(resident.sum() for resident in model.offload.resident_map())),
+            # the experts placement kept in device slots as the run ended, not the slots it left to copied misses:
+            # what a sweep point's share resident is measured by
+            "resident_experts": model.offload.resident_experts(),
+            "copy_slots": sum(model.offload.slots_left_to_copies()),
             "statements": model.offload.plan.statements, "layer_split": state["layer_split"],
             "decode_path": path, "cpu_threads": threads, "dense": dense,
             # the popularity file's bytes that placed the experts: its path alone would not tell an edited one

@@ -122,12 +122,21 @@ class SweepPoint:
 
     @property
     def resident_share(self) -> float | None:
-        """The share of the model's experts resident on the device as the point's runs ended (their mean): what ran,
-        a slot adaptive placement leaves to copied misses counting once a miss is copied into it. The budget's share,
-        `fraction`, counts bytes, of which each layer takes the whole experts that fit (and on whole layers the budget
-        past the layers it fills is not used): at 67% of two 8-expert layers, 5 of 8 in each, 62%."""
+        """The share of the model's experts placement kept resident on the device as the point's runs ended (their
+        mean), as the landed statement counts them: not the slots adaptive placement leaves to copied misses on the
+        CPU path, whose copies come and go with the miss policy's timings (scenarios.offload_description). The
+        budget's share, `fraction`, counts bytes, of which each layer takes the whole experts that fit (and on whole
+        layers the budget past the layers it fills is not used): at 67% of two 8-expert layers, 5 of 8 in each, 62%."""
         shares = [r.offload["resident_experts"] / sum(node["experts"] or 0 for node in r.model["expert_nodes"])
                   for r in self.records if r.offload.get("resident_experts") is not None]
+        return sum(shares) / len(shares) if shares else None
+
+    @property
+    def copy_slot_share(self) -> float | None:
+        """The device slots placement left to copied misses as the point's runs ended, as a share of the model's
+        experts (their mean): the budget `resident_share` leaves out, holding whichever misses were copied last."""
+        shares = [r.offload["copy_slots"] / sum(node["experts"] or 0 for node in r.model["expert_nodes"])
+                  for r in self.records if r.offload.get("copy_slots") is not None]
         return sum(shares) / len(shares) if shares else None
 
     @property
@@ -146,7 +155,7 @@ class SweepPoint:
 
     def as_dict(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "fraction": self.fraction, "resident_share": self.resident_share,
-                "split": self.split,
+                "copy_slot_share": self.copy_slot_share, "split": self.split,
                 "completion_s": self.completion_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s, "peak_device_bytes": self.peak_device_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "settle_steps": self.settle_steps,
@@ -432,6 +441,17 @@ def device_parts_line(points: list[SweepPoint]) -> str:
     if any(TIER_MAPPINGS in point.device_parts for point in points):
         why = f" ({TIER_MAPPINGS_WHY}; with every expert resident none is mapped)"
     return f"device peak by part: {'; '.join(said)}{why}"
+
+
+def copy_slots_line(points: list[SweepPoint]) -> str:
+    """Where placement left device slots to copied misses (the CPU path), what "resident" leaves out, in one line;
+    "" where no point left any."""
+    said = [f"{point.fraction:.0%}{f' {point.split_run}' if point.split_run else ''}: {point.copy_slot_share:.0%}"
+            for point in points if point.copy_slot_share]  # (named as device_parts_line names them)
+    if not said:
+        return ""
+    return ("slots left to copied misses, as a share of the experts (not counted as resident: they hold whichever "
+            f"misses were copied last): {', '.join(said)}")
 
 
 @dataclass
