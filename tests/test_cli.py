@@ -1396,7 +1396,7 @@ def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     assert status == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.strip().startswith("budget"))
-    assert _columns(header)[:4] == ["budget", "budget share", "resident", "path"]
+    assert _columns(header)[:4] == ["budget bytes", "budget share", "resident", "path"]
     paths = {_columns(line)[2]: _columns(line)[3] for line in lines[lines.index(header) + 1:]}
     assert paths == {"0%": "tier", "50%": "tier", "100%": "all resident"}
 
@@ -1464,13 +1464,16 @@ def _columns(row: str) -> list[str]:
 def test_the_sweep_table_shows_device_peaks_in_the_unit_that_tells_them_apart(tmp_path, capsys):
     """The table wrote every peak in whole MiB: on gptoss's fixture the device peaks of 0%, 50% and 100% resident (the
     staging ring, then it and half, then all of 552 KiB of experts) all read "1 MiB". They are written in the unit that
-    fits, as the window's summary writes them."""
+    fits, as the window's summary writes them; the budget's heading says its unit, bytes."""
     status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "3",
                               "--max-new-tokens", "2", "--history", str(tmp_path / "h.sqlite"))
     assert status == 0
     rows = [line for line in out.splitlines()[2:]]
     assert [_columns(row)[8] for row in rows] == ["552.0 KiB", "828.0 KiB", "1.1 MiB"]
     assert all(_columns(row)[9].endswith(" MiB") for row in rows)  # the RSS peak, hundreds of MiB
+    # the budget beside them is device_expert_bytes as set, in bytes: its heading said "budget" alone
+    header = _columns(out.splitlines()[1])
+    assert header[0] == "budget bytes" and [_columns(row)[0] for row in rows] == ["0", "282624", "565248"]
 
 
 def test_a_sweeps_table_and_records_line_give_a_small_models_completion_times_in_figures_that_tell_them_apart(
@@ -1553,7 +1556,7 @@ def test_a_sweeps_resident_column_gives_the_share_of_experts_resident_not_the_bu
     assert status == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.strip().startswith("budget"))
-    assert _columns(header)[:3] == ["budget", "budget share", "resident"]
+    assert _columns(header)[:3] == ["budget bytes", "budget share", "resident"]
     assert [tuple(_columns(line)[1:3]) for line in lines[lines.index(header) + 1:]] == [
         ("0%", "0%"), ("25%", "0%"), ("50%", "50%"), ("75%", "50%"), ("100%", "100%")]
     # (the host tier's path: no slot left to copied misses, which hold an expert only once a miss is copied)
