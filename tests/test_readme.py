@@ -54,3 +54,11 @@ def test_every_environment_variable_the_code_or_the_suite_reads_is_in_the_readme
     read = {name for path in sources for name in ENV_READ.findall(path.read_text())}
     assert {"MOE_WORKBENCH_DEBUG", "MOE_LAYER_SPLIT", "QMOE_GPU_NO_CUBIN"} <= read  # the pattern finds them
     assert sorted(name for name in read if f"`{name}" not in table) == []
+
+
+def test_the_readme_says_how_many_steps_a_sweep_point_settles_for_at_most():
+    """The README said a sweep point decodes unrecorded until the engine's trials end "up to 200 steps", where the
+    sweep allows SETTLE_STEPS_MAX (264: the trials' 200 and room for a window a noisy step lengthened)."""
+    from engine.records.sweep import SETTLE_STEPS_MAX
+
+    assert f"until none is under way or due (up to {SETTLE_STEPS_MAX} steps;" in README.replace("\n", " ")

@@ -4,7 +4,7 @@ not reloaded) and recommend, of the points within a margin of the best, the one 
 and on whole layers (engine/offload/layer_split.py), fixed for the point.
 
 After each re-plan the engine tries its ways (the decode path, the CPU's share under "both", the layer split:
-trials.py) for up to ~150 decode steps, more than a sweep's answers give: a point's answers would time the ways tried,
+trials.py) for up to ~200 decode steps, more than a sweep's answers give: a point's answers would time the ways tried,
 not the one kept. So each point first decodes, unrecorded, until those trials are over (`settle`), and its answers
 then run as a user's do at that budget once the engine has chosen. (Holding the path in force at the sweep's start
 instead ran every point on the CPU path where the model was loaded with every expert resident: on the H100 machine
