@@ -62,3 +62,33 @@ def test_the_readme_says_how_many_steps_a_sweep_point_settles_for_at_most():
     from engine.records.sweep import SETTLE_STEPS_MAX
 
     assert f"until none is under way or due (up to {SETTLE_STEPS_MAX} steps;" in README.replace("\n", " ")
+
+
+def test_every_offload_setting_the_readme_names_is_one_offload_config_takes():
+    from dataclasses import fields
+
+    from engine.offload.config import ALIASES, UNUSED_KEYS, OffloadConfig, short_key
+
+    keys = {f.name for f in fields(OffloadConfig)} | set(ALIASES)
+    listed = README[README.index("keys, full or short ("):]
+    listed = listed[:listed.index("…)")]
+    short_names = re.findall(r"`([a-z_]+)`", listed)
+    assert len(short_names) >= 10 and set(short_names) <= keys
+    unused = README[:README.index("are kept for onnxruntime but change nothing")]
+    unused = unused[unused.rindex("is refused here"):]
+    assert set(re.findall(r"`([a-z_]+)`", unused)) == UNUSED_KEYS
+    # `key=value` in the prose (a side-by-side B's layer_split= and decode_path= lines are this app's own settings)
+    settings = [(key, value) for key, value in re.findall(r"`([a-z_]+)=([^`\s]+)`", README)
+                if key not in ("layer_split", "decode_path", "to")]
+    # --offload KEY=VALUE in the command lines
+    for block in re.findall(r"```sh\n(.*?)```", README, re.S):
+        settings += re.findall(r"--offload[ =]([a-z_.]+)=(\S+)", block)
+    assert {short_key(key) for key, _value in settings} >= {"mode", "cpu_execution", "device_expert_bytes"}
+    refused = []
+    for key, values in settings:
+        for value in values.split("|"):
+            try:
+                OffloadConfig.from_entries({key: value})
+            except Exception as exc:
+                refused.append(f"{key}={value}: {exc}")
+    assert refused == []
