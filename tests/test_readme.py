@@ -92,3 +92,25 @@ def test_every_offload_setting_the_readme_names_is_one_offload_config_takes():
             except Exception as exc:
                 refused.append(f"{key}={value}: {exc}")
     assert refused == []
+
+
+def test_every_option_the_readmes_prose_names_is_one_a_command_takes():
+    commands = _subcommands()
+    others = {"--arch": "kernels/gpu/build.py", "--n-cpu-moe": None}  # python -m kernels.gpu.build's; llama.cpp's
+    taken = {flag for parser in commands.values() for flag in parser._option_string_actions}
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", README))
+    assert len(named) > 30 and sorted(named - taken - set(others)) == []
+    assert '"--arch"' in (REPO / others["--arch"]).read_text()
+    # "generate --stop", "`sweep` ... `--both-splits`": the option is that command's
+    commands_named = "|".join(commands)
+    pairs = re.findall(rf"(?<![\w-])({commands_named})[` ]+(--[a-z][a-z0-9-]*)", README)
+    assert len(pairs) >= 8
+    assert [(command, flag) for command, flag in pairs if flag not in commands[command]._option_string_actions] == []
+    # the values it spells out (--decode-path auto|cpu|tier|both) are among the option's choices (of a command that
+    # takes it: contention's --scenario has no all)
+    spelled = re.findall(r"(--[a-z-]+)[ =\n]([a-z0-9]+(?:\|[a-z0-9]+)+)", README)
+    assert {flag for flag, _values in spelled} >= {"--device", "--layer-split", "--decode-path", "--export"}
+    for flag, values in spelled:
+        actions = [parser._option_string_actions.get(flag) for parser in commands.values()]
+        choices = [{str(choice) for choice in action.choices} for action in actions if action and action.choices]
+        assert any(set(values.split("|")) <= held for held in choices), (flag, values)
