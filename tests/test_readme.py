@@ -114,3 +114,20 @@ def test_every_option_the_readmes_prose_names_is_one_a_command_takes():
         actions = [parser._option_string_actions.get(flag) for parser in commands.values()]
         choices = [{str(choice) for choice in action.choices} for action in actions if action and action.choices]
         assert any(set(values.split("|")) <= held for held in choices), (flag, values)
+
+
+def test_every_environment_variable_in_the_readmes_table_is_one_something_reads():
+    table = README[README.index("| variable | what it does |"):]
+    named = set(re.findall(r"`((?:MOE|QMOE)_[A-Z0-9_]+)", table))
+    sources = [*REPO.glob("app/**/*.py"), *REPO.glob("engine/**/*.py"), *REPO.glob("kernels/**/*.py"),
+               *REPO.glob("packaging/*.py"), REPO / "tests" / "conftest.py"]
+    read = {name for path in sources for name in ENV_READ.findall(path.read_text())}
+    assert len(named) >= 14 and sorted(named - read) == []
+
+
+def test_the_x_libraries_the_readme_names_are_the_ones_the_window_checks_for():
+    from app.gui.main import XCB_LIBRARIES, debian_package
+
+    said = README[README.index("Qt's xcb platform needs"):]
+    said = said[:said.index("where some are missing")]
+    assert set(re.search(r"\(Debian: `([^`]+)`\)", said).group(1).split()) == set(map(debian_package, XCB_LIBRARIES))
