@@ -131,3 +131,14 @@ def test_the_x_libraries_the_readme_names_are_the_ones_the_window_checks_for():
     said = README[README.index("Qt's xcb platform needs"):]
     said = said[:said.index("where some are missing")]
     assert set(re.search(r"\(Debian: `([^`]+)`\)", said).group(1).split()) == set(map(debian_package, XCB_LIBRARIES))
+
+
+def test_every_file_the_readme_names_is_in_the_checkout():
+    # files a model folder, the history or the window writes, not the checkout's
+    written = {"genai_config.json", "model.onnx", "model.onnx.data", "configurations.json", "FILE.bad"}
+    ticked = set(re.findall(r"`([\w./-]+\.(?:py|md|json|png|svg|desktop|data|onnx|bad))`", README)) - written
+    linked = set(re.findall(r"\]\(([^)\s]+)\)", README))
+    assert len(ticked) > 25 and len(linked) >= 4
+    missing = sorted(name for name in ticked | linked
+                     if not (REPO / name).exists() and ("/" in name or not any(REPO.glob(f"*/**/{name}"))))
+    assert missing == []
