@@ -296,7 +296,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
         key, eq, value = item.partition("=")
         if not eq:
             raise WorkbenchError(f"--offload {item!r}: expected KEY=VALUE")
-        key, value = key.strip(), value.strip()
+        # the value as given: onnxruntime refuses spaces around it, and OffloadConfig says so
         if key in ("layer_split", "decode_path"):  # a side-by-side B's settings take them beside the keys
             raise WorkbenchError(f"--offload {item}: {key} is this app's own setting, not an onnxruntime "
                                  f"key: --{key.replace('_', '-')} {value}")

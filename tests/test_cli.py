@@ -1090,6 +1090,18 @@ def test_this_apps_own_settings_given_as_offload_keys_are_pointed_to_their_optio
                                         "tier\n")
 
 
+def test_an_offload_value_with_spaces_around_it_is_refused_as_onnxruntime_refuses_it(capsys):
+    """--offload stripped its value before OffloadConfig read it, so 'mode=auto ' and 'cpu_threads= 4' passed here
+    while onnxruntime 1.32, and OffloadConfig itself, refuse them."""
+    gptoss = str(fixture_folder("gptoss"))
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "mode=auto ")
+    assert status == 2 and err == ("moe-workbench: error: session.moe.offload.mode='auto ': expected one of disabled, "
+                                   "auto, required (onnxruntime refuses spaces around the value)\n")
+    status, _out, err = _main(capsys, "inspect", gptoss, "--device", "simulated", "--offload", "cpu_threads= 4")
+    assert status == 2 and err == ("moe-workbench: error: session.moe.offload.cpu_threads=' 4': expected an integer "
+                                   ">= 0, in digits only (onnxruntime refuses spaces around the value)\n")
+
+
 def test_generate_refuses_what_it_would_ignore_and_warns_of_unused_sampling_flags(capsys):
     gptoss = str(fixture_folder("gptoss"))
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--raw", "--system", "Be brief")
