@@ -848,6 +848,22 @@ def test_a_comparison_gives_the_difference_of_two_shares_in_percentage_points(gr
     assert rows["expert hit rate"] == ("80.0%", "90.0%", "+10.0 points", "1.12×")
 
 
+def test_a_comparison_gives_no_ratio_against_a_share_shown_as_zero(greedy):
+    """A quiet run's share of the CPUs' time other processes took is a float's rounding (2e-10, the CPU times'
+    difference): compared with a busy run's 73.9%, "0.0%" stood beside "3628062726.28×". A share shown as 0.0% gives
+    no ratio, as one of exactly 0 gives none."""
+    from app.gui.record_report import compare_rows
+
+    def others(share: float) -> RunRecord:
+        return RunRecord.from_dict(dict(greedy.to_dict(), host_load={"host_steal_share": 0.0,
+                                                                      "host_others_share": share}))
+
+    rows = {row[0]: row[1:] for row in compare_rows(others(2.037e-10), others(0.739))}
+    assert rows["CPU time other processes took"] == ("0.0%", "73.9%", "+73.9 points", "—")
+    rows = {row[0]: row[1:] for row in compare_rows(others(0.002), others(0.739))}
+    assert rows["CPU time other processes took"] == ("0.2%", "73.9%", "+73.7 points", "369.50×")
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="Linux's RSS high-water mark")
 def test_a_records_rss_peak_holds_memory_taken_and_given_back_between_two_samples(model, monkeypatch):
     """The RSS peak was sampled every 50 ms: memory a layer took and gave back between two samples (a long prompt's

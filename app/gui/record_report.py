@@ -114,7 +114,8 @@ def compare_rows(a: RunRecord, b: RunRecord) -> list[tuple[str, str, str, str, s
             # two shares differ by percentage points (beside the ratio, "+10.0%" would read as a relative change)
             size = f"{abs(delta) * 100:.1f} points" if unit == "%" else fmt(abs(delta), unit)
             diff = ("+" if delta > 0 else "−" if delta < 0 else "±") + size
-            ratio = f"{y / x:.2f}×" if x else "—"
+            # none against an A shown as zero: a quiet run's share of the CPUs' time is a float's rounding (2e-10)
+            ratio = f"{y / x:.2f}×" if x and fmt(x, unit) != fmt(0, unit) else "—"
         rows.append((label, fmt(x, unit), fmt(y, unit), diff, ratio))
     return rows
 
