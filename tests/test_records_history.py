@@ -67,6 +67,12 @@ def test_a_record_keeps_how_its_answers_were_asked_for_and_how_long_they_were(sa
     assert " sampling greedy " in plain(detail_html(greedy))
 
 
+def test_an_answer_length_limit_of_one_token_is_said_in_the_singular(greedy):
+    """A run recorded with Tokens 1 read "answer length limit 1 tokens an answer" in its detail."""
+    one = RunRecord.from_dict(dict(greedy.to_dict(), generation=dict(greedy.generation, max_new_tokens=1)))
+    assert " answer length limit 1 token an answer " in plain(detail_html(one))
+
+
 def test_a_record_older_than_the_answer_settings_reads_and_says_they_are_not_recorded(sampled):
     old = older(sampled)
     assert old.generation == {}

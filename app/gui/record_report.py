@@ -10,7 +10,7 @@ from engine.records.environment import cuda_version_text
 from engine.records.scenarios import device_parts_text
 from engine.records.schema import RunRecord, decode_path_run, fallback_reason
 from engine.sampling import SamplingParams, describe
-from engine.units import human_bytes
+from engine.units import counted, human_bytes
 
 NOT_RECORDED = "not recorded"
 
@@ -67,7 +67,7 @@ def _reasoning_setting(record: RunRecord) -> str | None:
 
 def _length_limit(record: RunRecord) -> str | None:
     limit = record.generation.get("max_new_tokens")
-    return None if limit is None else f"{limit} tokens an answer"
+    return None if limit is None else f"{counted(limit, 'token')} an answer"
 
 
 # how the answers were asked for, as a record keeps it (RunRecord.generation): (what, get)
