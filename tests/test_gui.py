@@ -1371,6 +1371,20 @@ def test_stop_does_what_it_says_in_every_busy_state_and_says_what_it_stopped(qtb
     window._on_busy("")
 
 
+def test_new_chat_leaves_no_regenerate_or_copy_on_and_no_answers_statistics_under_the_empty_transcript(qtbot, window):
+    """New chat cleared the transcript but left Regenerate and Copy on, which then did nothing, and the status line
+    under the empty transcript kept the last answer's statistics."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    ask(qtbot, window, "Hello", 3)
+    chat = window.chat
+    assert chat.regenerate_button.isEnabled() and chat.copy_button.isEnabled()
+    chat.new_button.click()
+    assert chat.entries == [] and chat.live.text() == "New conversation."
+    assert not chat.regenerate_button.isEnabled() and not chat.copy_button.isEnabled()
+    assert chat.send_button.isEnabled() and chat.new_button.isEnabled()
+    qtbot.waitUntil(lambda: window.worker._conversation.messages == [], timeout=WAIT)
+
+
 def test_opening_another_folder_says_which_model_stays_loaded_and_unload_clears_the_chat(qtbot, window):
     loaded = fixture_folder("lfm2moe")
     load(qtbot, window, loaded)

@@ -350,6 +350,8 @@ class ChatPanel(QWidget):
             return
         self.entries.clear()
         self.render()
+        self.set_state(self.busy, self.loaded)  # Regenerate and Copy: no answer left to act on
+        self.live.setText("New conversation.")  # (not the statistics of an answer no longer shown)
         self.newChatRequested.emit(self.system_prompt.toPlainText())
 
     def copy_last(self) -> None:
