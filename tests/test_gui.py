@@ -1385,6 +1385,34 @@ def test_new_chat_leaves_no_regenerate_or_copy_on_and_no_answers_statistics_unde
     qtbot.waitUntil(lambda: window.worker._conversation.messages == [], timeout=WAIT)
 
 
+def test_the_chat_menus_actions_are_on_only_where_they_can_act_on_the_tab_shown(qtbot, window):
+    """Chat ▸ Send, Regenerate, New chat and Copy last answer were always on: with no model loaded, while an answer
+    ran, or with no answer to regenerate or copy, choosing one did nothing. They follow the chat's buttons now, and on
+    the Side by side tab Send and Regenerate follow its Answer both."""
+    actions = (window.send_action, window.regenerate_action, window.new_chat_action, window.copy_action)
+    assert [action.isEnabled() for action in actions] == [False, False, False, False]
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    assert [action.isEnabled() for action in actions] == [True, False, True, False]
+    window.chat.max_tokens.setValue(2000)
+    window.chat.prompt.setPlainText("A long story")
+    window.chat.send()
+    assert [action.isEnabled() for action in actions] == [False, False, False, False]
+    qtbot.waitUntil(lambda: window.busy == "generating", timeout=WAIT)
+    assert [action.isEnabled() for action in actions] == [False, False, False, False]
+    window.stop()
+    qtbot.waitUntil(lambda: not window.busy and bool(window.chat.entries[-1].get("stats")), timeout=WAIT)
+    assert [action.isEnabled() for action in actions] == [True, True, True, True]
+    window.chat.new_button.click()
+    assert [action.isEnabled() for action in actions] == [True, False, True, False]
+    window.tabs.setCurrentWidget(window.side_by_side_page)
+    assert [action.isEnabled() for action in actions] == [True, True, True, False]  # Answer both, twice
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert [action.isEnabled() for action in actions] == [False, False, False, False]
+    window.tabs.setCurrentWidget(window.chat)
+    assert [action.isEnabled() for action in actions] == [False, False, False, False]
+
+
 def test_opening_another_folder_says_which_model_stays_loaded_and_unload_clears_the_chat(qtbot, window):
     loaded = fixture_folder("lfm2moe")
     load(qtbot, window, loaded)

@@ -225,6 +225,7 @@ class MainWindow(QMainWindow):
         self.chat.regenerateRequested.connect(self._regenerate)
         self.chat.stopRequested.connect(self.stop)
         self.chat.newChatRequested.connect(self._new_chat)
+        self.tabs.currentChanged.connect(lambda _index: self._update_chat_actions())  # Send: the chat's or both sides'
         # worker -> window (queued: the worker emits from its own thread)
         w = self.worker
         w.busyChanged.connect(self._on_busy)
@@ -707,6 +708,7 @@ class MainWindow(QMainWindow):
 
     def _new_chat(self, system_prompt: str) -> None:
         self.worker.requestNewChat.emit(system_prompt)
+        self._update_chat_actions()  # (no answer left to regenerate or copy)
 
     # --- drag and drop -----------------------------------------------------------------------------
     @staticmethod
@@ -940,6 +942,17 @@ class MainWindow(QMainWindow):
         for view in self.job_views.values():
             view.set_state(busy, loaded)
         self.budget_panel.set_busy(bool(busy))
+        self._update_chat_actions()
+
+    def _update_chat_actions(self) -> None:
+        """The Chat menu's actions on where what they do on the tab shown can be done, as the buttons that do it say:
+        Send and Regenerate answer both sides on the Side by side tab (_answer)."""
+        on_side = self.tabs.currentWidget() is self.side_by_side_page
+        answer_both = self.side_by_side.bar.run_button.isEnabled()
+        self.send_action.setEnabled(answer_both if on_side else self.chat.send_button.isEnabled())
+        self.regenerate_action.setEnabled(answer_both if on_side else self.chat.regenerate_button.isEnabled())
+        self.new_chat_action.setEnabled(self.chat.new_button.isEnabled())
+        self.copy_action.setEnabled(self.chat.copy_button.isEnabled())
 
     def _can_load(self) -> bool:
         """Whether Load may start: idle, with a model shown that the kernels run (a load of one they cannot would drop
