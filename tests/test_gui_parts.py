@@ -658,6 +658,39 @@ def test_the_simulated_gpus_size_refuses_less_than_the_command_lines_least_where
     assert panel.device_settings() == {"kind": "simulated", "capacity": 1 << 20}
 
 
+def test_a_device_limit_or_streaming_slots_of_0_show_as_none_and_off_as_the_estimate_reads_them(qapp, gptoss):
+    """gpu_device_mem_limit=0 is no limit and device_working_bytes 0 no streaming slots: the Device limit slider at its
+    left end, or 0 typed, showed '0 B' with 'none' unticked while the estimate planned without a limit (the VRAM title
+    named none), and 'off' typed into Streaming slots, the word its own box shows, was refused as no size. 0 typed, or
+    the box's word, ticks the box; the sliders' left ends are their first step, a limit the estimate then counts."""
+    from PySide6.QtWidgets import QToolTip
+
+    from app.gui.budget_panel import BudgetPanel
+
+    panel = BudgetPanel()
+    panel.show()
+    panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 8 << 30}})
+    limit, working = panel.mem_limit, panel.working_bytes
+    limit.auto.setChecked(False)
+    limit.slider.setValue(0)
+    panel.refresh()
+    assert limit.value() == round(8 * (1 << 30) / limit.STEPS) and limit.text.text() == "8.2 MiB"
+    assert panel.config().gpu_device_mem_limit == limit.value() and panel.vram_title.text().endswith(", limit 8.2 MiB")
+    for control, typed in ((limit, "0"), (limit, "none"), (working, "0"), (working, "off")):
+        control.auto.setChecked(False)
+        control.setValue(1 << 20)
+        control.text.setText(typed)
+        control.text.editingFinished.emit()
+        assert control.auto.isChecked() and control.value() is None and control.text.text() == control.auto.text()
+    assert panel.config().gpu_device_mem_limit == 0 and panel.config().device_working_bytes is None
+    working.slider.setValue(0)  # (the box ticked: the slider is off, and stays so)
+    assert working.value() is None
+    panel.expert_bytes.setValue(1 << 20)
+    panel.expert_bytes.slider.setValue(0)  # 0 experts is a budget of its own: the left end stays 0
+    assert panel.expert_bytes.value() == 0 and panel.expert_bytes.text.text() == "0 B"
+    QToolTip.hideText()
+
+
 def test_desktop_file_matches_the_application_and_has_an_icon(qapp):
     entry = configparser.ConfigParser(interpolation=None)
     entry.optionxform = str
@@ -1727,9 +1760,13 @@ def test_streaming_slots_at_zero_are_off_not_a_value_onnxruntime_refuses(qapp, g
     panel = BudgetPanel()
     panel.set_facts(gptoss, {"device": {"kind": "simulated", "capacity": 96 << 20}})
     panel.working_bytes.auto.setChecked(False)
-    panel.working_bytes.slider.setValue(0)
-    assert panel.config().device_working_bytes is None
+    panel.working_bytes.slider.setValue(0)  # the left end is the first step (0 would be off, which the box says)
+    assert panel.config().device_working_bytes == round(panel.working_bytes.maximum() / 1000)
+    panel.working_bytes.text.setText("0")
+    panel.working_bytes.text.editingFinished.emit()
+    assert panel.working_bytes.auto.isChecked() and panel.config().device_working_bytes is None
     assert OffloadConfig.from_entries(panel.settings()["entries"]) == OffloadConfig()
+    panel.working_bytes.auto.setChecked(False)
     panel.working_bytes.slider.setValue(1000)
     assert panel.config().device_working_bytes == panel.working_bytes.maximum()
 

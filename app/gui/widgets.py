@@ -65,17 +65,20 @@ def part_colour(key: str, t: theme.Theme) -> str:
 class ByteControl(QWidget):
     """[auto] [slider] [text]: a byte budget, None meaning auto (or 'none' for a limit). With `log_from` the slider
     runs on a log scale from that size to the maximum (a GPU's size: 64 MiB and 80 GiB both within reach). A typed value
-    below `minimum` is refused, with `minimum_words` saying what needs it."""
+    below `minimum` is refused, with `minimum_words` saying what needs it. `zero_is_auto`: the setting reads 0 as the
+    box's choice (gpu_device_mem_limit's none, device_working_bytes' off), so 0 typed ticks the box and the slider's
+    left end is its first step: '0 B' shown beside an unticked box would be what the estimate does not count."""
 
     valueChanged = Signal(object)
     STEPS = 1000
 
     def __init__(self, maximum: int = 1 << 30, auto_text: str | None = "auto", parent=None, log_from: int = 0,
-                 minimum: int = 0, minimum_words: str = "this setting"):
+                 minimum: int = 0, minimum_words: str = "this setting", zero_is_auto: bool = False):
         super().__init__(parent)
         self._maximum = max(1, maximum)
         self._log_from = log_from
         self._minimum, self._minimum_words = minimum, minimum_words
+        self._zero_is_auto = zero_is_auto
         self.auto = QCheckBox(auto_text) if auto_text else None
         self.slider = QSlider(Qt.Orientation.Horizontal)
         self.slider.setRange(0, self.STEPS)
@@ -137,9 +140,15 @@ class ByteControl(QWidget):
         if not self._quiet:
             self.valueChanged.emit(self.value())
 
-    def _auto_toggled(self, _checked: bool) -> None:
+    def _auto_toggled(self, checked: bool) -> None:
+        if not checked and self._zero_is_auto:
+            self._value = self._least(self._value or 0)
         self._show()
         self._emit()
+
+    def _least(self, value: int) -> int:
+        """`value`, or the slider's first step where the setting would read it as the box's choice (zero_is_auto)."""
+        return max(value, round(self._maximum / self.STEPS), 1) if self._zero_is_auto else value
 
     def _fraction(self, value: int) -> float:
         """Where `value` sits on the slider, 0..1."""
@@ -153,15 +162,19 @@ class ByteControl(QWidget):
         if self._log_from and self._maximum > self._log_from:
             self._value = round(self._log_from * (self._maximum / self._log_from) ** fraction)
         else:
-            self._value = round(self._maximum * fraction)
+            self._value = self._least(round(self._maximum * fraction))
         self.text.setText(human_bytes(self._value))
         self._emit()
 
     def _typed(self) -> None:
         if self.text.text() == human_bytes(self._value or 0):  # Return on the value as shown, rounded: no new value
             return
+        typed = self.text.text().strip()
         try:
-            value = parse_bytes(self.text.text())
+            # the box's own word ('off') and, where the setting reads 0 so, 0 tick the box
+            value = None if self.auto and typed.lower() == self.auto.text().lower() else parse_bytes(typed)
+            if value == 0 and self._zero_is_auto:
+                value = None
             if value is None and not self.auto:
                 raise ValueError(f"'{self.text.text().strip()}': this setting needs a size (e.g. 8 GiB)")
             if value is not None and value < self._minimum:
