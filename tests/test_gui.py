@@ -762,6 +762,28 @@ def test_the_placement_view_counts_its_experts_in_the_slots_the_engine_leaves_to
     assert "kept for copies" not in placement.summary.text()
 
 
+def test_a_cells_tooltip_in_a_layer_that_leaves_slots_to_copied_misses_counts_its_slots_as_the_summary(
+        qtbot, window, monkeypatch):
+    """An expert in a slot of a layer that leaves slots to copied misses was 'resident on the device' in its tooltip,
+    where the summary and where everything landed said the layer's slots held fewer residents than that (a walk saw
+    'resident' in a layer of '0 resident experts, 1 left for copied misses'). The tooltip counts the layer's slots as
+    they do; with none left to copies, an expert in a slot is resident."""
+    offload = load_leaving_a_slot_to_copies(qtbot, window, monkeypatch)
+    placement = window.placement
+    qtbot.waitUntil(lambda: placement.updates > 0)
+    expert = int(np.flatnonzero(offload.slots[1].slot_of >= 0)[0])
+    assert placement.heatmap.tooltip_at(1, expert).startswith(
+        f"Layer 1, expert {expert}: on the device, in the layer's 3 slots (2 resident experts, 1 left for copied "
+        "misses)\n")
+    import engine.offload.engine as offload_engine
+
+    monkeypatch.setattr(offload_engine, "miss_slots", lambda *args, **kwargs: 0)  # every slot for residents
+    load(qtbot, window, fixture_folder("gptoss"), simulated())
+    qtbot.waitUntil(lambda: placement.heatmap.data["left_to_copies"] == [0, 0])
+    expert = int(np.flatnonzero(window.worker._model.offload.slots[1].slot_of >= 0)[0])
+    assert placement.heatmap.tooltip_at(1, expert).startswith(f"Layer 1, expert {expert}: resident on the device\n")
+
+
 def test_the_placement_view_says_static_placement_measures_the_slots_a_popularity_file_leaves(qtbot, window, tmp_path):
     """Static placement from a popularity file that counts one expert a layer, with 3 slots a layer: the other 2 were
     left to copied misses for good (the view said so). Its opening now measures routing for them: the view says the

@@ -180,7 +180,7 @@ class Heatmap(QWidget):
                 routed = stats["expert_hits"][col] + stats["expert_misses"][col]
                 lines.append(f"This expert: {routed} routed tokens (counted exactly)")
             return "\n".join(lines + [d["layer_names"][row]])
-        lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + ("resident on the device" if on else cold_text(d)),
+        lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + (on_device_text(d, row) if on else cold_text(d)),
                  routing + (" — missed recently" if self.missed[row, col] else ""),
                  f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
         if "expert_hits" in stats and col < len(stats["expert_hits"]):
@@ -218,6 +218,17 @@ def split_table(data: dict, row: int) -> dict | None:
     if path.get("in_force") != "both":
         return None
     return next((table for table in (path.get("cold_split") or {}).get("tables") or [] if row in table["layers"]), None)
+
+
+def on_device_text(data: dict, row: int) -> str:
+    """Where an expert in one of the grid's `row`'s slots is: resident, or, in a layer that leaves slots to copied
+    misses, in one of its slots, as the summary and where everything landed count them (an expert there may be a
+    copied miss, not a resident placement chose)."""
+    left = (data.get("left_to_copies") or [])[row:row + 1]
+    if not left or not left[0]:
+        return "resident on the device"
+    slots = data["slots"][row]
+    return f"on the device, in the layer's {counted(slots, 'slot')} ({slots_split(slots, left[0])})"
 
 
 def cold_text(data: dict) -> str:
