@@ -446,7 +446,7 @@ def test_every_expert_on_the_cpu_is_said_as_such_not_as_misses_and_copies_to_a_d
     tooltip = window.placement.heatmap.tooltip_at(0, 0)
     assert tooltip.startswith("Layer 0, expert 0: on the CPU, as every expert is\n")
     layer = window.placement.heatmap.data["layers"][0]
-    assert f"This expert: {layer['expert_misses'][0]} routed tokens (counted exactly)" in tooltip
+    assert f"This expert: {counted(layer['expert_misses'][0], 'routed token')} (counted exactly)" in tooltip
     assert "miss" not in tooltip and "slot" not in tooltip
 
 

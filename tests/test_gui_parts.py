@@ -757,6 +757,24 @@ def test_a_static_placements_cold_experts_are_missed_now_only_when_a_miss_was_co
         "Recent routing: 0.90 (decayed routing count, ~10 steps) — missed recently")
 
 
+def test_an_experts_tooltip_counts_one_hit_one_miss_and_one_routed_token_in_the_singular(qapp):
+    """An expert routed once read 'This expert: 7 hits, 1 misses' ('1 routed tokens' on the CPU) in its tooltip."""
+    from app.gui.placement_view import Heatmap
+
+    heatmap = Heatmap()
+    for cpu_only in (False, True):
+        heatmap.set_data({"resident": np.array([[False, False]]), "traffic": np.ones((1, 2), np.float32),
+                          "valid": np.ones((1, 2), bool), "placement": "adaptive", "layer_names": ["a/QMoE"],
+                          "layer_index": [0], "bytes_per_expert": [1024], "cpu_only": cpu_only,
+                          "layers": [{"hits": 8, "misses": 1, "swaps": 0, "expert_hits": np.array([1, 7]),
+                                      "expert_misses": np.array([0, 1])}]})
+        lines = [heatmap.tooltip_at(0, 0).splitlines()[3], heatmap.tooltip_at(0, 1).splitlines()[3]]
+        expected = (["This expert: 1 routed token (counted exactly)", "This expert: 8 routed tokens (counted exactly)"]
+                    if cpu_only else ["This expert: 1 hit, 0 misses (routed tokens, counted exactly)",
+                                      "This expert: 7 hits, 1 miss (routed tokens, counted exactly)"])
+        assert lines == expected
+
+
 def test_the_placement_summary_counts_every_miss_and_the_legend_follows_the_mode(qapp):
     from app.gui.chat_panel import miss_split_text
     from app.gui.placement_view import PlacementView

@@ -178,14 +178,14 @@ class Heatmap(QWidget):
                      routing, f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
             if "expert_hits" in stats and col < len(stats["expert_hits"]):
                 routed = stats["expert_hits"][col] + stats["expert_misses"][col]
-                lines.append(f"This expert: {routed} routed tokens (counted exactly)")
+                lines.append(f"This expert: {counted(routed, 'routed token')} (counted exactly)")
             return "\n".join(lines + [d["layer_names"][row]])
         lines = [f"Layer {d['layer_index'][row]}, expert {col}: " + (on_device_text(d, row) if on else cold_text(d)),
                  routing + (" — missed recently" if self.missed[row, col] else ""),
                  f"Expert size: {human_bytes(d['bytes_per_expert'][row])}"]
         if "expert_hits" in stats and col < len(stats["expert_hits"]):
-            lines.append(f"This expert: {stats['expert_hits'][col]} hits, {stats['expert_misses'][col]} misses "
-                         f"(routed tokens, counted exactly)")
+            lines.append(f"This expert: {counted(stats['expert_hits'][col], 'hit')}, "
+                         f"{counted(stats['expert_misses'][col], 'miss', 'misses')} (routed tokens, counted exactly)")
         if total:
             lines.append(f"Layer {d['layer_index'][row]}: {stats['hits']} hits, {stats['misses']} misses "
                          f"({stats['hits'] / total:.0%} hit rate), "
