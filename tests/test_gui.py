@@ -992,6 +992,28 @@ def test_the_engines_own_replan_after_a_refused_apply_keeps_the_settings_in_forc
     assert budget.applied == in_force and budget.applied_label.text() == "Applied to the loaded model"
 
 
+def test_an_apply_the_engine_accepts_takes_down_the_error_of_one_it_refused_before(qtbot, window):
+    """A refused Apply's 'Could not apply the settings: …' stayed up over the next Apply, which the engine accepted:
+    the status bar said 'Re-planned without reloading' under it, and answers went on under it too. An Apply takes the
+    last error down, as a load, an open or a records job does; one the engine refuses says its own."""
+    load(qtbot, window, fixture_folder("gptoss"), simulated())
+    budget = window.budget_panel
+    refused = {**budget.applied, "entries": {**budget.applied["entries"], "pinned_bytes": str(staged() - 1)}}
+    budget.applyRequested.emit(refused, False)
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert window.error_banner.text().startswith("Could not apply the settings: ")
+    budget.expert_bytes.setValue(6 * slot())
+    budget.expert_bytes.valueChanged.emit(budget.expert_bytes.value())
+    qtbot.waitUntil(lambda: budget.apply_button.isEnabled())
+    budget.apply_button.click()
+    qtbot.waitUntil(lambda: "6 expert slots for the 16 experts" in window.model_panel.landed.text() and not window.busy,
+                    timeout=WAIT)
+    assert window.status_state.text() == "Re-planned without reloading" and not window.error_banner.isVisible()
+    budget.applyRequested.emit(refused, False)
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    assert window.error_banner.text().startswith("Could not apply the settings: ")
+
+
 def test_only_settings_the_engine_accepted_are_remembered_for_the_model(qtbot, window):
     """The next load of a model uses its remembered settings: an Apply the engine refused (a re-plan, or the load of an
     Apply and reload) was remembered all the same, so the model came back with settings it never ran."""

@@ -689,6 +689,7 @@ class MainWindow(QMainWindow):
         if reload:
             self._start_load(self.facts.path, settings)
         else:
+            self.error_banner.hide()  # (an Apply refused before is no error of this one, which says its own)
             self.worker.requestReplan.emit(settings)
 
     def _send(self, text: str, options: dict) -> None:
