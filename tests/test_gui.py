@@ -1241,6 +1241,36 @@ def test_regenerate_after_an_answer_that_failed_midway_answers_that_message(qtbo
         {"role": "user", "content": "Tell me more"}, {"role": "assistant", "content": answer["text"]}]
 
 
+def test_the_next_answer_takes_down_the_error_of_one_that_failed(qtbot, window, monkeypatch):
+    """An answer that failed put its error up; it stayed up over the next answers, which the engine gave (a load, an
+    open or a records job takes the last error down as it is asked for; the chat's Send and Regenerate did not)."""
+    load(qtbot, window, fixture_folder("lfm2moe"))
+    decoder = window.worker._model.decoder
+    real = decoder.forward
+
+    def out_of_memory(state, token_ids):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(decoder, "forward", out_of_memory)
+    window.chat.max_tokens.setValue(3)
+    window.chat.prompt.setPlainText("Hello")
+    window.chat.send()
+    qtbot.waitUntil(lambda: window.error_banner.isVisible() and not window.busy and window._chat_waiting is None,
+                    timeout=WAIT)
+    assert "CUDA error: out of memory" in window.error_banner.text()
+    monkeypatch.setattr(decoder, "forward", real)
+    answer = ask(qtbot, window, "Hello", 3)
+    assert answer["result"]["finish_reason"] == "length" and not window.error_banner.isVisible()
+    monkeypatch.setattr(decoder, "forward", out_of_memory)
+    window.chat.regenerate()
+    qtbot.waitUntil(lambda: window.error_banner.isVisible() and not window.busy and window._chat_waiting is None,
+                    timeout=WAIT)
+    monkeypatch.setattr(decoder, "forward", real)
+    window.chat.regenerate()
+    qtbot.waitUntil(lambda: not window.busy and window._chat_waiting is None, timeout=WAIT)
+    assert window.chat.entries[-1]["result"]["finish_reason"] == "length" and not window.error_banner.isVisible()
+
+
 def test_stop_mid_answer_and_unload_at_any_moment(qtbot, window):
     # lfm2moe's greedy answer runs to the length limit (gptoss's ends on eos after 62 tokens, which a slow
     # machine can reach before the queued stop arrives)

@@ -694,10 +694,12 @@ class MainWindow(QMainWindow):
 
     def _send(self, text: str, options: dict) -> None:
         self.contention_banner.hide()
+        self.error_banner.hide()  # (the last answer's failure, or another's, is no error of this answer's)
         self.worker.requestSend.emit(text, self._chat_request(options))
 
     def _regenerate(self, options: dict) -> None:
         self.contention_banner.hide()
+        self.error_banner.hide()
         self.worker.requestRegenerate.emit(self._chat_request(options))
 
     def _chat_request(self, options: dict) -> dict:
