@@ -973,6 +973,35 @@ def test_a_pinned_ring_below_one_expert_is_refused_with_the_engines_message(qtbo
     assert entry["text"] and "misses:" in entry["stats"]
 
 
+def test_reload_is_not_offered_with_settings_the_estimate_refuses_where_it_would_cost_the_loaded_model(qtbot, window):
+    """A pinned ring below one expert, refused in red by the estimate, left Reload on: the load dropped the loaded
+    model and its conversation, then failed as the estimate said ('… was unloaded first, to free its memory, and is
+    no longer loaded'). With a model loaded, Load and Reload are off while the estimate refuses, as Apply is; with
+    none loaded, a load says the engine's refusal, as before."""
+    path = fixture_folder("gptoss")
+    load(qtbot, window, path, simulated())
+    ask(qtbot, window, "Hello", 3)
+    budget, panel = window.budget_panel, window.model_panel
+    assert panel.load_button.isEnabled() and panel.load_button.text() == "Reload" and window.load_action.isEnabled()
+    budget.pinned_bytes.setValue(staged() - 1)
+    budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
+    qtbot.waitUntil(lambda: "Refused" in panel.verdict.text())
+    assert not panel.load_button.isEnabled() and not window.load_action.isEnabled()
+    window.load_action.trigger()
+    window.load()
+    qtbot.wait(200)
+    assert same(window.loaded_path, path) and not window.error_banner.isVisible() and len(window.chat.entries) == 2
+    budget.pinned_bytes.setValue(staged())
+    budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
+    qtbot.waitUntil(lambda: panel.load_button.isEnabled() and window.load_action.isEnabled())
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    budget.pinned_bytes.setValue(staged() - 1)
+    budget.pinned_bytes.valueChanged.emit(budget.pinned_bytes.value())
+    qtbot.waitUntil(lambda: "Refused" in panel.verdict.text())
+    assert panel.load_button.isEnabled() and window.load_action.isEnabled()
+
+
 def test_the_engines_own_replan_after_a_refused_apply_keeps_the_settings_in_force_as_applied(qtbot, window):
     """A refused Apply leaves the old settings in force; the engine's next re-plan of its own (a layer split trial)
     marked the refused ones applied, so the panel compared every change with settings the model never ran."""

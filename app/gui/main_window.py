@@ -220,6 +220,7 @@ class MainWindow(QMainWindow):
         self.model_panel.unloadRequested.connect(self.unload)
         self.model_panel.stopRequested.connect(self.stop)
         self.budget_panel.estimateChanged.connect(self.model_panel.show_estimate)
+        self.budget_panel.estimateChanged.connect(lambda *_estimate: self._update_state())  # (Load: refused or not)
         self.budget_panel.applyRequested.connect(self.apply_settings)
         self.chat.sendRequested.connect(self._send)
         self.chat.regenerateRequested.connect(self._regenerate)
@@ -935,6 +936,7 @@ class MainWindow(QMainWindow):
         for action in (self.open_action, self.demo_action):
             action.setEnabled(not busy)
         self.load_action.setEnabled(self._can_load())
+        self.model_panel.load_button.setEnabled(self._can_load())  # (the panel knows nothing of the estimate)
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
         what = STOPPABLE["generating"] if chat_waits else STOPPABLE.get(busy)
         if what is None:
@@ -959,8 +961,10 @@ class MainWindow(QMainWindow):
 
     def _can_load(self) -> bool:
         """Whether Load may start: idle, with a model shown that the kernels run (a load of one they cannot would drop
-        the loaded model, then fail), as the model panel's Load button says."""
-        return not (self.busy or self._waiting) and self.facts is not None and self.facts.supported
+        the loaded model, then fail), and, while a model is loaded, with settings the estimate does not refuse (its
+        plan fails after the loaded model went: a pinned ring below one expert, a substitution rank past top-k)."""
+        refused = self.loaded_path is not None and bool(getattr(self.budget_panel.last_estimate, "error", ""))
+        return not (self.busy or self._waiting or refused) and self.facts is not None and self.facts.supported
 
     def _show_activity(self, stopped: str | None) -> None:
         """The status bar as the worker's activity changes: what runs now; once idle, what Stop stopped (`stopped`,
