@@ -1598,7 +1598,7 @@ def test_a_sweeps_resident_column_leaves_out_the_slots_left_to_copied_misses_and
     assert status == 0 and [tuple(_columns(line)[1:3]) for line in out.splitlines()[2:]] == [
         ("0%", "0%"), ("50%", "38%"), ("100%", "100%")]
     assert ("sweep: slots left to copied misses, as a share of the experts (not counted as resident: they hold "
-            "whichever misses were copied last): 50% spread: 12%\n") in err
+            "whichever misses were copied last): budget share 50% spread: 12%\n") in err
 
 
 def test_a_sweep_of_one_token_answers_shows_no_decode_rate(tmp_path, capsys):
