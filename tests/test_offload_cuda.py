@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from engine.generation import LoadedModel
+from engine.kernel_warmup import warm_model
 from engine.offload import OffloadConfig
 from engine.writer import WriterSpec, write_model
 from tests.test_offload import assert_mapped_as_the_cache_holds, greedy_run
@@ -80,6 +81,10 @@ def test_cuda_host_tier_matches_the_cpu(folder16, fraction, path):
     if path == "both":  # a share for the CPU whatever this machine's rates
         model.offload.cold_split_table = lambda layer: np.array([0, 1, 1, 2, 2])
     assert all(store.reads_cold and store.gpu.host0 is not None for store in model.offload.stores)
+    # compiled (or loaded from Numba's cache) before the steps, as the window and the command line do before an answer:
+    # a first call inside a "both" step can hold the host past a merge's gate, the likely cause of the gate check
+    # below failing in two whole gpu runs (sixty-ninth and seventieth sessions), passing each time when run again
+    warm_model(model)
     logits, tokens = greedy_run(model, steps=8)
     errors = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(logits, reference)]
     assert max(errors) < 2e-2, errors
