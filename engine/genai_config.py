@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import ModelFileError, no_link_loop, not_a_file, read_model_json
+from engine.units import INT64_MAX
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,10 @@ def _object(obj: dict, key: str, path: Path, where: str, required: bool = True) 
     return value
 
 
-def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = None, minimum: int = 0) -> int:
-    """obj[key] as an integer of at least `minimum` (missing or null: `default`, or required when None); an error
-    names the field and its value."""
+def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = None, minimum: int = 0,
+             maximum: int | None = None) -> int:
+    """obj[key] as an integer of at least `minimum` and at most `maximum` (missing or null: `default`, or required when
+    None); an error names the field and its value."""
     value = _require(obj, key, path, where) if default is None else obj.get(key)
     if value is None and default is not None:
         return default
@@ -109,6 +111,8 @@ def _integer(obj: dict, key: str, path: Path, where: str, default: int | None = 
         raise ModelFileError(f"{path}: '{where}{key}' is {value!r}, not an integer")
     if value < minimum:
         raise ModelFileError(f"{path}: '{where}{key}' is {value}, less than {minimum}")
+    if maximum is not None and value > maximum:
+        raise ModelFileError(f"{path}: '{where}{key}' is {value}, more than {maximum}")
     return int(value)
 
 
@@ -209,11 +213,12 @@ def load_genai_config(folder: Path) -> GenaiConfig:
             search=SearchDefaults(
                 max_length=_integer(search, "max_length", path, "search.", default=0) or context_length,
                 min_length=_integer(search, "min_length", path, "search.", default=defaults.min_length),
-                random_seed=_integer(search, "random_seed", path, "search.", default=defaults.random_seed, minimum=-1),
+                random_seed=_integer(search, "random_seed", path, "search.", default=defaults.random_seed, minimum=-1,
+                                     maximum=INT64_MAX),  # (a sampled record keeps it)
                 num_beams=_integer(search, "num_beams", path, "search.", default=defaults.num_beams, minimum=1),
                 do_sample=_flag(search, "do_sample", path, "search.", defaults.do_sample),
                 temperature=_number(search, "temperature", path, "search.", defaults.temperature),
-                top_k=_integer(search, "top_k", path, "search.", default=defaults.top_k),
+                top_k=_integer(search, "top_k", path, "search.", default=defaults.top_k, maximum=INT64_MAX),
                 top_p=_number(search, "top_p", path, "search.", defaults.top_p),
                 repetition_penalty=_number(search, "repetition_penalty", path, "search.", defaults.repetition_penalty),
                 past_present_share_buffer=_flag(search, "past_present_share_buffer", path, "search.",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from engine.errors import ModelFileError
+from engine.units import INT64_MAX
 
 RECORD_SEED = 0  # the seed of recorded runs' sampled answers (record, sweep, the window's) where none is given
 
@@ -35,10 +36,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_k > INT64_MAX:  # a record keeps it (and a top-k past the vocabulary is all of it)
+            raise ValueError(f"top_k must be at most {INT64_MAX}, got {self.top_k}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty}")
         if self.seed is not None and self.seed < 0:  # NumPy's generators take none below 0
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.seed is not None and self.seed > INT64_MAX:  # a record keeps it
+            raise ValueError(f"seed must be at most {INT64_MAX}, got {self.seed}")
 
 
 def model_sampling(config) -> SamplingParams:

@@ -5,6 +5,7 @@ import re
 from decimal import Decimal
 
 UINT64_MAX = 2**64 - 1  # the most bytes a setting takes (onnxruntime reads byte counts as 64-bit unsigned)
+INT64_MAX = 2**63 - 1  # the largest integer SQLite keeps: a run's seed, length limit and top-k go into the history
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 

@@ -142,6 +142,22 @@ def test_bad_sampling_value(cli):
     assert_clean_error(result, "--temperature must be a number >= 0, got nan")
 
 
+def test_a_seed_or_top_k_the_history_cannot_keep_is_refused_before_the_model_loads(tmp_path, cli):
+    """SQLite keeps 64-bit integers: record took --seed 2**64, ran, and lost the run measured to an internal error
+    (OverflowError) as it saved it."""
+    history = tmp_path / "history.sqlite3"
+    for option in ("--seed", "--top-k"):
+        result = cli("record", str(fixture_folder("gptoss")), "--history", str(history), "--temperature", "1",
+                     option, str(2**64))
+        assert_clean_error(result, f"{option} must be at most 9223372036854775807, got 18446744073709551616")
+        assert "scenario short" not in result.stderr  # refused before it ran
+    assert cli("history", "--history", str(history)).stderr.startswith("no runs saved in")
+    result = cli("record", str(fixture_folder("gptoss")), "--history", str(history), "--temperature", "1", "--seed",
+                 str(2**63 - 1), "--top-k", str(2**63 - 1), "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(cli("history", "--history", str(history), "--json").stdout)[0]["generation"]["seed"] == 2**63 - 1
+
+
 def test_a_lost_gpu_context_is_told_in_one_line_with_what_to_do():
     """CUDA's sticky errors (the GPU context is unusable from then on) get a restart hint, from CuPy's runtime and
     driver names and onnxruntime's numbers alike; other errors and the engine's own messages stay as they are."""

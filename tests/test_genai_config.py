@@ -123,6 +123,12 @@ def test_model_sampling_takes_the_search_sections_random_seed(copy_fixture):
     rewritten(folder, lambda c: c["search"].update(random_seed=-2))
     with pytest.raises(ModelFileError, match=r"'search.random_seed' is -2, less than -1"):
         load_genai_config(folder)
+    # a seed a sampled record could not keep in the history (SQLite's 64-bit integers): refused with the file's name,
+    # not an internal error once the run was measured
+    rewritten(folder, lambda c: c["search"].update(random_seed=2**63))
+    with pytest.raises(ModelFileError, match=r"'search.random_seed' is 9223372036854775808, more than "
+                                             r"9223372036854775807"):
+        load_genai_config(folder)
 
 
 def test_a_search_section_with_top_p_0_loads_and_samples_as_onnxruntime_genai_does(copy_fixture):
