@@ -19,7 +19,7 @@ from engine.offload.projection import decode_totals, projected_decode_rate
 from engine.reasoning import REASONING_ANSWER_TOKENS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_REPEATS, SWEEP_TOKENS
 from engine.sampling import RECORD_SEED
-from engine.units import counted, decode_rate, human_bytes, parse_bytes, seconds_figures
+from engine.units import INT64_MAX, counted, decode_rate, human_bytes, parse_bytes, seconds_figures
 
 PROG = "moe-workbench"
 SIMULATED_VRAM = 8 << 30  # the simulated GPU's memory where --simulated-vram gives none
@@ -180,11 +180,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def at_least(minimum: int):
-    """An argparse type: an integer of at least `minimum` (argparse names the option in its error)."""
+    """An argparse type: an integer of at least `minimum` (argparse names the option in its error), and at most what
+    SQLite keeps (a record's length limit, a history id)."""
     def integer(text: str) -> int:
         value = int(text)  # a ValueError: argparse says "invalid integer value"
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
+        if value > INT64_MAX:
+            raise argparse.ArgumentTypeError(f"{value}: must be at most {INT64_MAX}")
         return value
     return integer
 

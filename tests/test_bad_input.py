@@ -158,6 +158,20 @@ def test_a_seed_or_top_k_the_history_cannot_keep_is_refused_before_the_model_loa
     assert json.loads(cli("history", "--history", str(history), "--json").stdout)[0]["generation"]["seed"] == 2**63 - 1
 
 
+def test_a_count_the_history_cannot_keep_is_refused_as_the_options_are_read(tmp_path, cli):
+    """record --max-new-tokens 2**64 ran and lost its run to an internal error (OverflowError) as the history saved
+    its length limit; history --id 2**64 failed the same way looking it up."""
+    history = tmp_path / "history.sqlite3"
+    result = cli("record", str(fixture_folder("gptoss")), "--history", str(history), "--max-new-tokens", str(2**64))
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "scenario short" not in result.stderr
+    assert result.stderr.splitlines()[-1] == ("moe-workbench record: error: argument --max-new-tokens: "
+                                              "18446744073709551616: must be at most 9223372036854775807")
+    result = cli("history", "--history", str(history), "--id", str(2**64))
+    assert result.returncode == 2 and result.stderr.splitlines()[-1] == (
+        "moe-workbench history: error: argument --id: 18446744073709551616: must be at most 9223372036854775807")
+    assert not history.exists()
+
+
 def test_a_lost_gpu_context_is_told_in_one_line_with_what_to_do():
     """CUDA's sticky errors (the GPU context is unusable from then on) get a restart hint, from CuPy's runtime and
     driver names and onnxruntime's numbers alike; other errors and the engine's own messages stay as they are."""
