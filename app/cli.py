@@ -282,6 +282,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     from engine.offload.config import DEVICE_KEYS, UNUSED_KEYS, keys_among, short_key
 
     saved_entries = {}
+    saved_auto = set()  # this app's own settings a configuration saved as auto, the default: said nowhere as given
     if args.config:
         from engine.records.configurations import load_configuration
 
@@ -294,6 +295,8 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
         for key, value in own.items():
             if getattr(args, key) is None:
                 setattr(args, key, value)
+                if value == "auto":
+                    saved_auto.add(key)
     given = {}
     for item in args.offload:
         key, eq, value = item.partition("=")
@@ -309,8 +312,8 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
     # --offload replaces the saved setting under whichever of its names (full, short, alias) it is given
     replaced = {short_key(key) for key in given}
     entries = {key: value for key, value in saved_entries.items() if short_key(key) not in replaced} | given
-    idle_options = [option for option, value in (("--layer-split", args.layer_split), ("--decode-path", args.decode_path))
-                    if args.device == "cpu" and value is not None]
+    idle_options = [f"--{key.replace('_', '-')}" for key in ("layer_split", "decode_path")
+                    if args.device == "cpu" and getattr(args, key) is not None and key not in saved_auto]
     if args.simulated_vram is not None and args.device != "simulated":
         print(f"warning: --simulated-vram: no effect with --device {args.device}, which simulates no GPU (--device "
               "simulated)", file=sys.stderr)

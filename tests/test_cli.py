@@ -1924,6 +1924,28 @@ def test_device_options_without_a_device_are_said_to_do_nothing(capsys):
     assert status == 0 and err == "" and "3.7 GiB (" in out
 
 
+def test_a_saved_configuration_on_the_cpu_names_no_option_the_user_did_not_give(tmp_path, capsys, monkeypatch):
+    """A sweep saves its layer split and decode path beside the entries, "auto" where it fixed neither: --config on the
+    CPU warned that --layer-split and --decode-path, never typed, had no effect. A saved split that is not the default
+    is still said, as the sweep's save said it (--config NAME also sets --layer-split whole)."""
+    from engine.offload import OffloadConfig
+    from engine.records import configurations
+
+    monkeypatch.setattr(configurations, "default_path", lambda: tmp_path / "configurations.json")
+    gptoss = str(fixture_folder("gptoss"))
+    configurations.save_configuration("small", fixture_folder("gptoss").resolve(),
+                                      OffloadConfig(device_expert_bytes=200_000),
+                                      own={"layer_split": "auto", "decode_path": "auto"})
+    status, _out, err = _main(capsys, "inspect", gptoss, "--config", "small")
+    assert status == 0 and err == ("warning: device_expert_bytes: no effect with --device cpu, where every expert runs "
+                                   "on the CPU (--device simulated or cuda)\n")
+    configurations.save_configuration("whole", fixture_folder("gptoss").resolve(),
+                                      OffloadConfig(device_expert_bytes=200_000),
+                                      own={"layer_split": "whole", "decode_path": "auto"})
+    status, _out, err = _main(capsys, "inspect", gptoss, "--config", "whole", "--decode-path", "auto")
+    assert status == 0 and err.startswith("warning: --layer-split, --decode-path: no effect with --device cpu")
+
+
 def test_the_simulated_cards_size_takes_units_as_the_window_does(cli):
     """--simulated-vram 8GiB (or 1.5 GB, 512M) as the window's field reads it; a size that is not one, or under 1 MiB,
     is refused by argparse naming the option."""
