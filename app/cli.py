@@ -381,6 +381,7 @@ def _cmd_inspect(args) -> int:
         from engine.offload import decode_path as paths
         from engine.offload.engine import load_popularity, popularity_statement
         from engine.offload.host_cache import file_backing_refusal
+        from engine.offload.planner import all_resident_bytes
         from engine.offload.dense_landing import PlanPreview, land_dense, planned_experts
         from engine.ort_env import dense_cpu_reason, dense_refusal
 
@@ -427,6 +428,10 @@ def _cmd_inspect(args) -> int:
         report["offload"] = {"device": planned, "placement": plan.placement_mode, "budget_bytes": plan.budget_bytes,
                              "slots": plan.slots, "statements": statements,
                              "session_config_entries": config.session_entries()}
+        if device is not None and config.mode != "disabled":  # budgets count slots in the GPU kernels' layout
+            report["offload"]["all_resident_bytes"] = all_resident_bytes(folder.experts)
+            report["offload"]["slot_bytes"] = {info.name: info.device_bytes_per_expert for info in folder.experts
+                                               if info.gpu is not None}
     print(json.dumps(report, indent=2) if args.json else format_inspection(report))
     return 0 if report["supported"] else 1
 

@@ -59,8 +59,23 @@ def format_inspection(report: dict) -> str:
     lines.append(f"experts: {human_bytes(report['expert_bytes'])} in {len(report['expert_nodes'])} nodes; "
                  f"dense part: {human_bytes(report['dense_bytes'])} in {report['dense_segments']} onnxruntime segments")
     lines.append(report["verdict"])
-    lines += report.get("offload", {}).get("statements", [])
+    offload = report.get("offload", {})
+    if offload.get("all_resident_bytes"):  # the budget to set: the table's stored sizes do not add up to it
+        lines.append(f"every expert resident on the device: an expert budget of {offload['all_resident_bytes']} bytes "
+                     f"({human_bytes(offload['all_resident_bytes'])}){slot_words(report, offload['slot_bytes'])}")
+    lines += offload.get("statements", [])
     return "\n".join(lines)
+
+
+def slot_words(report: dict, slot_bytes: dict[str, int]) -> str:
+    """', 34.5 KiB a slot: the GPU kernels' layout of 31.5 KiB stored' where every node's device slot is one size,
+    other than the one size stored (as the window's estimate says it); else ''."""
+    sizes = {(slot_bytes[n["node"]], n["bytes_per_expert"]) for n in report["expert_nodes"] if n["node"] in slot_bytes}
+    if len(sizes) != 1:
+        return ""
+    (slot, stored), = sizes
+    return f", {human_bytes(slot)} a slot: the GPU kernels' layout of {human_bytes(stored)} stored" if slot != stored \
+        else ""
 
 
 def per_expert(node: dict) -> str:

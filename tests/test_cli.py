@@ -49,6 +49,26 @@ def test_inspect_text_has_verdict(cli):
     assert "runs: all 2 expert nodes are supported" in result.stdout
 
 
+def test_inspect_on_a_device_says_the_budget_that_holds_every_expert(cli):
+    """The table lists experts as stored (gptoss: 31.5 KiB each, 504.0 KiB in all), but budgets count device slots in
+    the GPU kernels' layout (34.5 KiB): a device_expert_bytes of the 504 KiB the table adds up to held 14 of the 16
+    experts, and nothing inspect printed named the budget that holds them all (a sweep's 100% point)."""
+    gptoss = str(fixture_folder("gptoss"))
+    result = cli("inspect", gptoss, "--device", "simulated")
+    assert result.returncode == 0 and ("every expert resident on the device: an expert budget of 565248 bytes "
+                                       "(552.0 KiB), 34.5 KiB a slot: the GPU kernels' layout of 31.5 KiB stored"
+                                       in result.stdout.splitlines()), result.stdout
+    for budget, held in ((504 << 10, 14), (565248, 16)):
+        result = cli("inspect", gptoss, "--json", "--device", "simulated", "--offload", f"device_expert_bytes={budget}")
+        offload = json.loads(result.stdout)["offload"]
+        assert offload["all_resident_bytes"] == 565248 and sum(offload["slots"].values()) == held
+        assert offload["slot_bytes"] == {"/model/layers.0/moe/QMoE": 35328, "/model/layers.1/moe/QMoE": 35328}
+    # no device, or no expert budget (mode=disabled): no such line
+    for more in ((), ("--device", "simulated", "--offload", "mode=disabled")):
+        result = cli("inspect", gptoss, *more)
+        assert result.returncode == 0 and "expert budget of" not in result.stdout
+
+
 def test_inspect_with_a_device_says_what_the_decode_path_does_about_the_host_tier(cli):
     result = cli("inspect", str(fixture_folder("gptoss")), "--json", "--device", "simulated",
                      "--offload", "device_expert_bytes=200000", "--decode-path", "tier")
