@@ -17,6 +17,7 @@ from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import BOTH as BOTH_SPLITS, MODES as SPLIT_MODES
 from engine.offload.projection import decode_totals, projected_decode_rate
 from engine.reasoning import REASONING_ANSWER_TOKENS
+from engine.records.contention import MAX_WORKERS
 from engine.records.lengths import SCENARIO_TOKENS, SWEEP_REPEATS, SWEEP_TOKENS
 from engine.sampling import RECORD_SEED
 from engine.units import INT64_MAX, counted, decode_rate, human_bytes, parse_bytes, seconds_figures
@@ -134,7 +135,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     contention = commands.add_parser("contention", help="document indexing alone, inference alone, then both")
     contention.add_argument("model", help=MODEL_HELP)
-    contention.add_argument("--workers", type=at_least(1), default=2, help="indexing worker processes (default 2)")
+    contention.add_argument("--workers", type=at_least(1, MAX_WORKERS), default=2,
+                            help=f"indexing worker processes (default 2, at most {MAX_WORKERS})")
     contention.add_argument("--corpus", help="folder of .txt files (default: a generated corpus)")
     contention.add_argument("--scenario", choices=["short", "long", "multiturn"], default="short",
                             help=SCENARIO_HELP + " (default short)")
@@ -179,15 +181,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def at_least(minimum: int):
-    """An argparse type: an integer of at least `minimum` (argparse names the option in its error), and at most what
-    SQLite keeps (a record's length limit, a history id)."""
+def at_least(minimum: int, maximum: int = INT64_MAX):
+    """An argparse type: an integer of at least `minimum` (argparse names the option in its error), and at most
+    `maximum`, by default what SQLite keeps (a record's length limit, a history id)."""
     def integer(text: str) -> int:
         value = int(text)  # a ValueError: argparse says "invalid integer value"
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value}: must be at least {minimum}")
-        if value > INT64_MAX:
-            raise argparse.ArgumentTypeError(f"{value}: must be at most {INT64_MAX}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"{value}: must be at most {maximum}")
         return value
     return integer
 

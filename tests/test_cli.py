@@ -482,6 +482,12 @@ def test_contention_checks_its_corpus_before_the_model_loads(tmp_path, capsys, m
     (tmp_path / "notes.md").write_text("not a .txt")
     status, _out, err = _main(capsys, "contention", gptoss, "--corpus", str(tmp_path))
     assert status == 2 and err == f"moe-workbench: error: --corpus {tmp_path}: no .txt files to index\n"
+    # a process is spawned each: the window's bound (--workers 10**18 hung, building a shard a worker)
+    for workers in ("257", str(10**18)):
+        with pytest.raises(SystemExit) as refused:  # argparse's refusal
+            _main(capsys, "contention", gptoss, "--corpus", str(tmp_path), "--workers", workers)
+        assert refused.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+            f"moe-workbench contention: error: argument --workers: {workers}: must be at most 256")
 
 
 def test_contention_answers_as_asked_and_its_report_says_how(tmp_path, capsys):

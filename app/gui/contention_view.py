@@ -13,7 +13,7 @@ from app.gui.job_bar import JobBar
 from app.gui.records_jobs import ContentionJob, ContentionResult
 from app.gui.widgets import AnswerLength
 from engine.errors import not_written
-from engine.records.contention import ContentionReport
+from engine.records.contention import MAX_WORKERS, ContentionReport
 from engine.records.lengths import SCENARIO_TOKENS
 from engine.records.scenarios import SCENARIOS
 
@@ -32,7 +32,7 @@ class ContentionView(QWidget):
         self.corpus = QLineEdit(placeholderText="folder of .txt files (empty: a generated corpus, ~20 MB, made once)")
         self.corpus.setAccessibleName("Corpus folder")
         self.browse = QPushButton("Browse…")
-        self.workers = QSpinBox(minimum=1, maximum=256, value=2)
+        self.workers = QSpinBox(minimum=1, maximum=MAX_WORKERS, value=2)
         self.workers.setAccessibleName("Indexing worker processes")
         self.scenario = QComboBox()
         for name in SCENARIOS:

@@ -74,6 +74,9 @@ def _index_shard(args: tuple[list[str], str]) -> int:
     return len(paths)
 
 
+MAX_WORKERS = 256  # indexing processes at most (the window's and the command line's): a process is spawned each
+
+
 def index_folder(folder: Path, workers: int) -> tuple[int, float]:
     """Index every .txt file of `folder` with `workers` processes; (documents, seconds)."""
     paths = sorted(str(p) for p in Path(folder).glob("*.txt"))
