@@ -610,6 +610,18 @@ def test_a_popularity_file_that_is_not_utf8_text_is_one_line_naming_it(tmp_path,
     assert_clean_error(result, f"{path}: cannot read the popularity file (not UTF-8 text: ")
 
 
+def test_a_popularity_file_that_is_not_json_or_empty_says_so(tmp_path, cli):
+    """Both read as 'cannot read the popularity file (Expecting value: line 1 column 1 (char 0))', which sent the user
+    to the file's permissions rather than to its text."""
+    path = tmp_path / "popularity.json"
+    for text, said in (("not json", "the popularity file is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+                       ("", "the popularity file is empty"), ("\n", "the popularity file is empty")):
+        path.write_text(text)
+        result = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
+                     f"popularity_file={path}")
+        assert_clean_error(result, f"{path}: {said}")
+
+
 @pytest.mark.parametrize("count, fragment", [
     # too large for a float: was an internal error (OverflowError)
     ("9" * 400, f"node 'N' has {'9' * 40}… (400 characters) for expert 0, too large a count"),

@@ -96,7 +96,10 @@ def read_popularity(path: str, names: list[str], experts: list[int]) -> tuple[li
     except UnicodeDecodeError as exc:
         raise WorkbenchError(f"{path}: cannot read the popularity file (not UTF-8 text: {exc.reason} at byte "
                              f"{exc.start})") from None
-    except (OSError, ValueError) as exc:  # ValueError: JSON's own errors, an integer past Python's digit limit
+    except json.JSONDecodeError as exc:  # read, but not JSON: "cannot read" sent users to its permissions
+        said = "is empty" if not raw.strip() else f"is not valid JSON ({exc})"
+        raise WorkbenchError(f"{path}: the popularity file {said}") from None
+    except (OSError, ValueError) as exc:  # ValueError: an integer past Python's digit limit
         raise WorkbenchError(f"{path}: cannot read the popularity file ({exc})") from None
     if not isinstance(data, dict):
         raise WorkbenchError(f"{path}: the popularity file holds a JSON {type(data).__name__}, not an object of node "
