@@ -614,8 +614,9 @@ def test_a_popularity_file_that_is_not_json_or_empty_says_so(tmp_path, cli):
     """Both read as 'cannot read the popularity file (Expecting value: line 1 column 1 (char 0))', which sent the user
     to the file's permissions rather than to its text."""
     path = tmp_path / "popularity.json"
-    for text, said in (("not json", "the popularity file is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
-                       ("", "the popularity file is empty"), ("\n", "the popularity file is empty")):
+    not_json = "the popularity file is not valid JSON (Expecting value: line 1 column 1 (char 0))"
+    for text, said in (("not json", not_json), ("", "the popularity file is empty"),
+                       ("\n", "the popularity file is empty")):
         path.write_text(text)
         result = cli("inspect", str(fixture_folder("gptoss")), "--device", "simulated", "--offload",
                      f"popularity_file={path}")

@@ -585,8 +585,8 @@ def test_a_sweep_recommendation_names_a_tie_within_the_repeats_spread_and_takes_
     assert chosen.line() == ("recommended: 0 bytes (budget share 0%), the least device peak (0 B) of the points whose "
                              "projected completion time is within 10% of the fastest or ties with it: 1.25 s, tied "
                              "with the fastest (1.1 s, at budget share 100%): they differ by less than their spreads "
-                             "between repeats (±0.05 s and ±0.15 s), and it holds less on the device (device peak 0 B "
-                             "against 300 B); each time the median of 3 repeats")
+                             "between repeats (±0.05 s and ±0.15 s), and it holds less on the device (device peak "
+                             "0 B against 300 B); each time the median of 3 repeats")
     assert chosen.note == ("sweep recommendation tied with the fastest (at budget share 100%) within the spread "
                            "between repeats")
     slower = _repeated_point(0, [1.5, 1.55, 1.6])
