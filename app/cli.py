@@ -1058,10 +1058,10 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
     # the budget's share of every expert's bytes, and the share of the experts placement kept resident as the point's
     # runs ended, which may be less (a layer holds whole experts; on whole layers the budget past those it fills is not
     # used; on the CPU path placement may leave slots to copied misses)
-    shares_head = f"{'budget share':>12}  {'resident':>8}"
+    shares_head = f"{'budget share':>12}  {'resident share':>14}"
 
     def shares(row: dict) -> str:
-        return f"{row['fraction']:>12.0%}  {row['resident_share']:>8.0%}"
+        return f"{row['fraction']:>12.0%}  {row['resident_share']:>14.0%}"
 
     def peaks(row: dict) -> str:  # in the unit that fits: a small model's points differ by KiB
         return f"{human_bytes(row['peak_device_bytes']):>11}  {human_bytes(row['peak_rss_bytes']):>10}"
@@ -1093,7 +1093,7 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
                   f"{peaks(p)}{agreement}{mark}")
     if not args.json:  # on standard error: the rows stay the table a script reads
         parts = device_parts_line(points)  # (a stopped sweep's points too: its line after them says where it stopped)
-        copies = copy_slots_line(points)  # (what "resident" leaves out, said next to it)
+        copies = copy_slots_line(points)  # (what "resident share" leaves out, said next to it)
         if copies:
             print(f"sweep: {copies}", file=sys.stderr)
         if parts:

@@ -1434,7 +1434,7 @@ def test_the_sweep_table_says_each_points_decode_path(tmp_path, capsys):
     assert status == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.strip().startswith("budget"))
-    assert _columns(header)[:4] == ["budget bytes", "budget share", "resident", "path"]
+    assert _columns(header)[:4] == ["budget bytes", "budget share", "resident share", "path"]
     paths = {_columns(line)[2]: _columns(line)[3] for line in lines[lines.index(header) + 1:]}
     assert paths == {"0%": "tier", "50%": "tier", "100%": "all resident"}
 
@@ -1587,14 +1587,15 @@ def test_a_sweeps_resident_column_gives_the_share_of_experts_resident_not_the_bu
     """The "resident" column gave the budget's share of every expert's bytes: on whole layers a budget holds only the
     layers it fills whole (at 25% none, at 75% one of two), and spread over the layers each takes the whole experts
     that fit (at 67% of two 8-expert layers, 5 each). It gives the share of the experts resident as the point's runs
-    ended, beside the budget's share, labelled so (JSON: resident_share beside fraction)."""
+    ended, beside the budget's share, headed "resident share" as the JSON's resident_share is named beside fraction
+    (the heading said "resident" alone, which does not say it is a share)."""
     args = ("sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--max-new-tokens", "2", "--repeats", "1",
             "--history", str(tmp_path / "h.sqlite"))
     status, out, _err = _main(capsys, *args, "--points", "5", "--layer-split", "whole", "--decode-path", "cpu")
     assert status == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.strip().startswith("budget"))
-    assert _columns(header)[:3] == ["budget bytes", "budget share", "resident"]
+    assert _columns(header)[:3] == ["budget bytes", "budget share", "resident share"]
     assert [tuple(_columns(line)[1:3]) for line in lines[lines.index(header) + 1:]] == [
         ("0%", "0%"), ("25%", "0%"), ("50%", "50%"), ("75%", "50%"), ("100%", "100%")]
     # (the host tier's path: no slot left to copied misses, which hold an expert only once a miss is copied)

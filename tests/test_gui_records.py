@@ -1321,7 +1321,7 @@ def test_a_window_sweep_of_one_token_answers_recommends_without_a_decode_rate(qt
 def test_a_window_sweep_says_its_percentages_are_the_budgets_share(qtbot, tmp_path):
     """The summary's "Recommended: … (100%)" and the runs' labels "sweep 100%" gave the budget's share of every
     expert's bytes without saying so, where the experts resident may be fewer (the command's table has a "budget share"
-    and a "resident" column): both now say "budget share"."""
+    and a "resident share" column): both now say "budget share"."""
     from app.gui.records_jobs import SweepJob
     from app.gui.sweep_view import SweepView
 

@@ -444,8 +444,8 @@ def device_parts_line(points: list[SweepPoint]) -> str:
 
 
 def copy_slots_line(points: list[SweepPoint]) -> str:
-    """Where placement left device slots to copied misses (the CPU path), what "resident" leaves out, in one line;
-    "" where no point left any."""
+    """Where placement left device slots to copied misses (the CPU path), what "resident share" leaves out, in one
+    line; "" where no point left any."""
     said = [f"budget share {point.fraction:.0%}{f' {point.split_run}' if point.split_run else ''}: "
             f"{point.copy_slot_share:.0%}" for point in points if point.copy_slot_share]  # (as device_parts_line)
     if not said:
