@@ -1077,13 +1077,14 @@ def _print_sweep(points: list, chosen, args, ids_of: dict) -> None:
         bw = rows[0]["projected_bandwidths"]
         print(f"simulated device: 'projected' = the simulated card (PCIe {bw['pcie_bytes_per_s'] / 1e9:.0f} GB/s, "
               f"HBM {bw['hbm_bytes_per_s'] / 1e9:.0f} GB/s assumed); the recommendation uses the projected completion")
-        print(f"{'budget bytes':>12}  {shares_head}{split_head}  {'path':>12}  {'completion':>10}  {'projected':>10}  "
-              f"{'decode tok/s':>12}  {'projected':>10}  {'device peak':>11}  {'RSS peak':>10}{agreement_head}")
+        print(f"{'budget bytes':>12}  {shares_head}{split_head}  {'path':>12}  {'completion':>10}  "
+              f"{'projected completion':>20}  {'decode tok/s':>12}  {'projected tok/s':>15}  {'device peak':>11}  "
+              f"{'RSS peak':>10}{agreement_head}")
         for p, split, mark, path, agreement in zip(rows, split_of, marks, paths, agreements):
             print(f"{p['budget_bytes']:>12}  {shares(p)}{split}  {path:>12}  "
-                  f"{seconds_figures(p['completion_s']):>9}s  {seconds_figures(p['projected_completion_s']):>9}s  "
+                  f"{seconds_figures(p['completion_s']):>9}s  {seconds_figures(p['projected_completion_s']):>19}s  "
                   f"{cell_rate(p['decode_tokens_per_s']):>12}  "
-                  f"{cell_rate(p['projected_decode_tokens_per_s']):>10}  {peaks(p)}{agreement}{mark}")
+                  f"{cell_rate(p['projected_decode_tokens_per_s']):>15}  {peaks(p)}{agreement}{mark}")
     elif rows:
         print(f"{'budget bytes':>12}  {shares_head}{split_head}  {'path':>12}  {'completion':>10}  "
               f"{'decode tok/s':>12}  {'device peak':>11}  {'RSS peak':>10}{agreement_head}")

@@ -1527,6 +1527,9 @@ def test_a_sweeps_table_and_records_line_give_a_small_models_completion_times_in
             "--repeats", "1", "--history", str(tmp_path / "h.sqlite"))
     status, out, _err = _main(capsys, *args)
     assert status == 0
+    # the projected cells' headings say which measured column each projects (both read "projected")
+    assert _columns(out.splitlines()[1])[4:8] == ["completion", "projected completion", "decode tok/s",
+                                                  "projected tok/s"]
     rows = [_columns(line) for line in out.splitlines()[2:]]
     records = [History(tmp_path / "h.sqlite").get(run_id) for run_id in (1, 2)]  # a point's one run: its times
     assert [(row[4], row[5]) for row in rows] == [
