@@ -796,6 +796,20 @@ def test_a_window_sweep_under_mode_disabled_is_refused_in_the_command_lines_word
     assert view.result is None and History(tmp_path / "history.sqlite3").rows() == []
 
 
+def test_the_window_sweeps_text_before_a_sweep_says_mode_disabled_is_refused_in_the_refusals_words(qtbot, tmp_path):
+    """The text before a sweep said it needs a simulated or CUDA device, and not that a sweep under mode=disabled is
+    refused (as the one above is): it ends with the refusal's line, whatever the repeats."""
+    from app.gui.sweep_view import SweepView
+
+    view = SweepView(tmp_path / "h.sqlite")
+    qtbot.addWidget(view)
+    said = (" A budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep under mode=auto or "
+            "required.")
+    assert "(it needs a simulated or CUDA device)" in view.summary.text() and view.summary.text().endswith(said)
+    view.repeats.setValue(1)
+    assert view.summary.text().startswith("Runs the scenarios once") and view.summary.text().endswith(said)
+
+
 def test_a_scenario_runs_record_says_why_it_ran_on_the_cpu_where_its_cuda_gpu_could_not_be_used(qtbot, window,
                                                                                                monkeypatch, tmp_path):
     """The loaded model asked for the CUDA GPU under mode=auto and could not have it: side by side's records said why

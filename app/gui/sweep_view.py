@@ -23,8 +23,8 @@ from engine.records.lengths import SWEEP_REPEATS, SWEEP_TOKENS
 
 REPEATS_MAX = 9  # a sweep's runs at each budget, at most (each repeat is a whole pass over the scenarios)
 from engine.records.scenarios import SCENARIOS
-from engine.records.sweep import (Recommendation, SweepPoint, device_parts_line, reasoning_length_note,
-                                  recommendation, uses_projection)
+from engine.records.sweep import (DISABLED_REFUSED, Recommendation, SweepPoint, device_parts_line,
+                                  reasoning_length_note, recommendation, uses_projection)
 from engine.units import counted, decode_rate, human_bytes, seconds_figures
 
 KIND = "sweeping"
@@ -73,12 +73,13 @@ def legend_text(projected: bool, whole: bool, left: list[int], parts: str = "") 
 
 
 def intro_text(repeats: int) -> str:
-    """What a sweep does, before one has run: its runs at each budget and how it recommends."""
+    """What a sweep does, before one has run: its runs at each budget, how it recommends, and what it refuses (in
+    the refusal's words)."""
     runs = "once" if repeats == 1 else f"{repeats} times"
     within = "" if repeats == 1 else ", or within the spread between their repeats"
     return (f"Runs the scenarios {runs} at each budget on the loaded model (it needs a simulated or CUDA device) and "
             f"recommends, of the budgets whose median completion is within the margin of the fastest{within}, the one "
-            "with the least device memory peak.")
+            f"with the least device memory peak. {DISABLED_REFUSED[:1].upper()}{DISABLED_REFUSED[1:]}.")
 
 
 class SweepLength(QSpinBox):

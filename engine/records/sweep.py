@@ -176,12 +176,16 @@ def _median_rate(rates) -> float | None:
     return median(known) if known else None
 
 
+# check_mode's refusal, which the window's text before a sweep says too
+DISABLED_REFUSED = ("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep under "
+                    "mode=auto or required")
+
+
 def check_mode(mode: str) -> None:
     """Refuse a sweep under offload `mode` disabled, in one line (the command line's and the window's words): every
     expert goes where the dense part runs there, so each budget would run the same plan and compare nothing."""
     if mode == "disabled":
-        raise WorkbenchError("a budget sweep compares expert budgets, and mode=disabled offloads no expert: sweep "
-                             "under mode=auto or required")
+        raise WorkbenchError(DISABLED_REFUSED)
 
 
 def budget_points(total_expert_bytes: int, count: int) -> list[tuple[float, int]]:
