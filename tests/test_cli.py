@@ -1586,6 +1586,26 @@ def test_a_sweep_says_which_layer_split_each_point_ran_on(tmp_path, capsys):
     assert status == 0 and "; budget share 75% whole: expert slots 276.0 KiB + prefill staging ring" in err
 
 
+def test_a_sweeps_layer_split_run_is_the_spread_where_the_host_tier_runs_no_trial_and_the_readme_says_so(tmp_path,
+                                                                                                        capsys):
+    """The README said a point's layer_split_run is the split "which the engine's trial keeps unless --layer-split
+    fixes it", where no trial runs at all with the plan's host tier (as its layer split section says): the points ran
+    on the spread, which no trial chose. It says the spread is what runs where no trial does."""
+    status, out, _err = _main(capsys, "sweep", str(fixture_folder("gptoss")), "--device", "simulated", "--points", "5",
+                              "--max-new-tokens", "2", "--repeats", "1", "--history", str(tmp_path / "h.sqlite"),
+                              "--layer-split", "auto", "--decode-path", "tier", "--json")
+    assert status == 0
+    points = json.loads(out)["points"]
+    assert [(p["fraction"], p["layer_split_run"], p["settle_steps"]) for p in points] == [
+        (0.0, None, 0), (0.25, None, 0), (0.5, "spread", 0), (0.75, "spread", 0), (1.0, None, 0)]
+    assert all("host tier mappings" in p["device_parts"] for p in points[:4])
+    readme = (REPO / "README.md").read_text()
+    assert ("`layer_split_run`, the layer split the point ran on where its budget holds some but not all layers whole "
+            "(on whole layers the budget past the layers it fills is not used), else null: the one `--layer-split` "
+            "fixes, else the one the engine's trial keeps, or the spread where no trial runs (where the plan makes a "
+            "host tier, and the other cases the layer split's section above names);") in readme
+
+
 def test_a_sweeps_resident_column_gives_the_share_of_experts_resident_not_the_budgets(tmp_path, capsys):
     """The "resident" column gave the budget's share of every expert's bytes: on whole layers a budget holds only the
     layers it fills whole (at 25% none, at 75% one of two), and spread over the layers each takes the whole experts

@@ -38,7 +38,8 @@ class SweepPoint:
     # what the device held at the point's device peak, by part (scenarios.device_parts): what that peak is made of
     device_parts: dict[str, int] = field(default_factory=dict)
     # the layer split the point's answers ran on where the budget holds some but not all layers whole (`split`, or
-    # the one the engine's trial kept or --layer-split fixed), None where the two hold the same
+    # the one --layer-split fixed, the engine's trial kept, or the spread where no trial ran, as with the plan's host
+    # tier), None where the two hold the same
     split_run: str | None = None
 
     def repeat_runs(self) -> list[list[RunRecord]]:
