@@ -4,6 +4,9 @@ budgets enforced, placement that finds the hot set, re-planning without a reload
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1037,6 +1040,43 @@ def test_budget_change_takes_effect_without_reload(model_folder, cpu_run):
     assert model.offload.stats.totals().misses == 0 and model.offload.stats.totals().hits > 0
     model.offload.reconfigure(model.offload.config.updated(device_expert_bytes=0))
     assert device.memory.by_purpose.get("expert slots of /model/layers.0/moe/QMoE") == 0
+
+
+TRUNCATED_APPLY = """
+import sys
+from pathlib import Path
+from engine.errors import ModelFileError
+from engine.generation import LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+folder, budget = Path(sys.argv[1]), int(sys.argv[2])
+model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=budget), device=SimulatedDevice(1 << 30))
+engine = model.offload
+config, plan, residents = engine.config, engine.plan, [layer.expert_in.tolist() for layer in engine.slots]
+data = folder / "model.onnx.data"
+data.write_bytes(data.read_bytes()[:4096])
+try:
+    engine.reconfigure(config.updated(device_expert_bytes=2 * budget, allow_file_backing=False))
+except ModelFileError as exc:
+    print(exc)
+print(engine.config is config, engine.plan is plan, [layer.expert_in.tolist() for layer in engine.slots] == residents,
+      any(runner.in_memory for runner in engine.runners))
+"""
+
+
+def test_an_apply_after_the_data_file_was_truncated_is_refused_by_name_not_a_crash(model_folder, tmp_path):
+    """An Apply reads the mapped experts (here the copy into RAM allow_file_backing=0 asks; on a card the residents
+    copied into the new slots, the host tier's rows): past the end of a data file cut short since the load, the read
+    killed the process (SIGBUS; the GUI closed with no message). It is refused by name, the configuration in force
+    kept. In a process of its own, so that a crash fails the test rather than ending pytest."""
+    folder = tmp_path / "m"
+    shutil.copytree(model_folder, folder)
+    whole = (folder / "model.onnx.data").stat().st_size
+    result = subprocess.run([sys.executable, "-c", TRUNCATED_APPLY, str(folder), str(device_expert_bytes(folder) // 4)],
+                            cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.splitlines() == [
+        f"{folder / 'model.onnx.data'}: truncated since the model was loaded: it has 4096 bytes of the {whole} its "
+        "initializers take; load the model again", "True True True False"]
 
 
 def test_adaptive_slots_are_filled_when_the_budget_changes(model_folder):

@@ -1031,6 +1031,10 @@ class OffloadEngine(DenseLanding):
     def _replan(self, config: OffloadConfig) -> None:
         if config.gpu_device_mem_limit != self.config.gpu_device_mem_limit:
             raise WorkbenchError("gpu_device_mem_limit can only change when the model is loaded again")
+        # a re-plan reads the mapped experts (residents copied into the new slots, the copy into RAM, the host tier):
+        # past the end of a data file cut short since the load, a read kills the process (SIGBUS)
+        if self.host_cache.source is not None:
+            self.host_cache.source.check_mapped_files()
         self._check_file_backing(config)
         popularity, digest = self._popularity(config)  # a file it cannot read refused before the plan changes
         self._copy_into_ram(config)  # ... and so is a copy of the experts into RAM that fails
