@@ -36,6 +36,9 @@ def warm_model(model) -> float:
     bookkeeping where it has one, the host-part worker's loop), run once before a timed run or the first answer;
     returns the seconds it took."""
     started = time.perf_counter()
+    # the CPU kernels run on the model's first experts, read from the mapped file: past the end of one cut short since
+    # the load, a read kills the process (SIGBUS); a record's run on the loaded model gets here before any answer
+    model.folder.onnx.check_mapped_files()
     warm_cpu_kernels(model.decoder.steps)
     if model.offload is not None:
         warm_offload_bookkeeping()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -221,6 +224,49 @@ def test_a_run_compiles_the_cpu_kernels_before_its_clock_starts(simulated_model,
     first = next(id(step.kernel) for step in model.decoder.steps if hasattr(step, "kernel"))
     assert calls[:2] == [(first, 1), (first, CpuQMoE.gemv_max_rows + 1)] and at_send[0] == (2, 1)
     assert record.turns and record.timings["settle_s"] > 0
+
+
+TRUNCATED = """
+import sys
+from pathlib import Path
+from engine.errors import ModelFileError
+from engine.generation import GenerationParams, LoadedModel
+from engine.offload import OffloadConfig, SimulatedDevice
+from engine.records.scenarios import run_scenario
+folder = Path(sys.argv[1])
+device = SimulatedDevice(1 << 30)
+model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=200_000, placement="static"), device=device)
+data = folder / "model.onnx.data"
+data.write_bytes(data.read_bytes()[:4096])
+try:
+    {call}
+except ModelFileError as exc:
+    print(exc)
+"""
+
+
+def truncated_after_the_load(folder: Path, call: str) -> list[str]:
+    """The lines `call` prints, in a process of its own with the fixture `folder` loaded on the simulated device and
+    its data file cut short after the load (a crash fails the test rather than ending pytest)."""
+    result = subprocess.run([sys.executable, "-c", TRUNCATED.replace("{call}", call), str(folder)],
+                            cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    return result.stdout.splitlines()
+
+
+def truncated_since_the_load(folder: Path, whole: int) -> str:
+    return (f"{folder / 'model.onnx.data'}: truncated since the model was loaded: it has 4096 bytes of the {whole} its "
+            "initializers take; load the model again")
+
+
+def test_a_run_on_a_model_whose_data_file_was_truncated_since_the_load_is_refused_by_name_not_a_crash(copy_fixture):
+    """A record's run (a benchmark, a side-by-side's side, a sweep's point) first runs the CPU kernels on the model's
+    experts, read from the mapped file, outside any answer: past the end of a file cut short since the load, that
+    killed the process (SIGBUS; the GUI closed with no message). The run is refused by name."""
+    folder = copy_fixture("gptoss")
+    whole = (folder / "model.onnx.data").stat().st_size
+    run = 'run_scenario(model, "short", GenerationParams(max_new_tokens=6), device)'
+    assert truncated_after_the_load(folder, run) == [truncated_since_the_load(folder, whole)]
 
 
 def test_a_records_agreement_is_over_the_runs_tokens(simulated_model, monkeypatch):
