@@ -233,6 +233,7 @@ from engine.errors import ModelFileError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.records.scenarios import run_scenario
+from engine.records.sweep import settle
 folder = Path(sys.argv[1])
 device = SimulatedDevice(1 << 30)
 model = LoadedModel.open(folder, offload=OffloadConfig(device_expert_bytes=200_000, placement="static"), device=device)
@@ -267,6 +268,16 @@ def test_a_run_on_a_model_whose_data_file_was_truncated_since_the_load_is_refuse
     whole = (folder / "model.onnx.data").stat().st_size
     run = 'run_scenario(model, "short", GenerationParams(max_new_tokens=6), device)'
     assert truncated_after_the_load(folder, run) == [truncated_since_the_load(folder, whole)]
+
+
+def test_a_sweeps_settling_on_a_model_whose_data_file_was_truncated_is_refused_by_name_not_a_crash(copy_fixture):
+    """A sweep's point settles the trials (static placement's opening here) with decode steps of its own, after waiting
+    for the re-plan's background work: past the end of a data file cut short meanwhile, a step killed the process
+    (SIGBUS). The point is refused by name."""
+    folder = copy_fixture("gptoss")
+    whole = (folder / "model.onnx.data").stat().st_size
+    assert truncated_after_the_load(folder, "assert model.offload.trials_pending; settle(model)") == [
+        truncated_since_the_load(folder, whole)]
 
 
 def test_a_records_agreement_is_over_the_runs_tokens(simulated_model, monkeypatch):

@@ -267,6 +267,9 @@ def settle(model: LoadedModel, cancel: threading.Event | None = None) -> int:
     model.wait_until_settled(cancel)
     if cancel is not None and cancel.is_set():
         return 0
+    # its steps read the mapped experts outside any answer: past the end of a data file cut short since the load (the
+    # wait above can take minutes), a read kills the process (SIGBUS)
+    model.folder.onnx.check_mapped_files()
     # a tokenizer that encodes the text to nothing: a token of the model's own (the prompt only has to be one)
     prompt = model.tokenizer.encode("The experts of a mixture") or [_any_token(model)]
     prompt = prompt[:max(1, model.config.context_length - 1)]
