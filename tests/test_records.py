@@ -233,6 +233,7 @@ from engine.errors import ModelFileError
 from engine.generation import GenerationParams, LoadedModel
 from engine.offload import OffloadConfig, SimulatedDevice
 from engine.records.scenarios import run_scenario
+from engine.records.side_by_side import preference
 from engine.records.sweep import settle
 folder = Path(sys.argv[1])
 device = SimulatedDevice(1 << 30)
@@ -277,6 +278,16 @@ def test_a_sweeps_settling_on_a_model_whose_data_file_was_truncated_is_refused_b
     folder = copy_fixture("gptoss")
     whole = (folder / "model.onnx.data").stat().st_size
     assert truncated_after_the_load(folder, "assert model.offload.trials_pending; settle(model)") == [
+        truncated_since_the_load(folder, whole)]
+
+
+def test_a_comparisons_margins_on_a_model_whose_data_file_was_truncated_are_refused_by_name_not_a_crash(copy_fixture):
+    """A side-by-side's margins are forward passes of their own after both answers: past the end of a data file cut
+    short meanwhile, one killed the process (SIGBUS). The margins fail by name (compare keeps the answers without
+    them)."""
+    folder = copy_fixture("gptoss")
+    whole = (folder / "model.onnx.data").stat().st_size
+    assert truncated_after_the_load(folder, 'preference(model, "Hello", [], 1, 2)') == [
         truncated_since_the_load(folder, whole)]
 
 

@@ -102,6 +102,9 @@ class Comparison:
 def preference(model: LoadedModel, prompt: str, answer: list[int], own: int, other: int) -> float:
     """How much `model`, fed `prompt` as a new conversation sends it and then `answer`, prefers the token `own` to
     `other` next: the difference of their logits."""
+    # the forward pass reads the mapped experts outside any answer: past the end of a data file cut short since the
+    # answers, a read kills the process (SIGBUS)
+    model.folder.onnx.check_mapped_files()
     text = model.tokenizer.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
     logits = model.decoder.forward(model.new_state(), model.tokenizer.encode(text) + list(answer))[-1]
     return float(logits[own] - logits[other])
