@@ -1043,6 +1043,19 @@ def test_an_apply_the_engine_accepts_takes_down_the_error_of_one_it_refused_befo
     assert window.error_banner.text().startswith("Could not apply the settings: ")
 
 
+def test_unload_takes_down_the_error_of_the_model_it_unloads(qtbot, window):
+    """A refused Apply's error stayed up over Unload, which has nothing to do with it: the window said 'No model
+    loaded' under 'Could not apply the settings: …'. Unload takes the last error down, as Send, Apply and a load do."""
+    load(qtbot, window, fixture_folder("gptoss"), simulated())
+    budget = window.budget_panel
+    refused = {**budget.applied, "entries": {**budget.applied["entries"], "pinned_bytes": str(staged() - 1)}}
+    budget.applyRequested.emit(refused, False)
+    qtbot.waitUntil(lambda: not window.busy and window.error_banner.isVisible(), timeout=WAIT)
+    window.unload()
+    qtbot.waitUntil(lambda: window.loaded_path is None and not window.busy, timeout=WAIT)
+    assert not window.error_banner.isVisible() and window.status_model.text() == "No model loaded"
+
+
 def test_only_settings_the_engine_accepted_are_remembered_for_the_model(qtbot, window):
     """The next load of a model uses its remembered settings: an Apply the engine refused (a re-plan, or the load of an
     Apply and reload) was remembered all the same, so the model came back with settings it never ran."""

@@ -598,6 +598,8 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def unload(self) -> None:
+        # the last error was of the model going now (a load this stops says so after, as it ends)
+        self.error_banner.hide()
         self._stop_chat_request()
         self.worker.unload_asked = True
         self.worker.cancel.set()
