@@ -1425,6 +1425,24 @@ def test_nothing_else_starts_between_load_and_the_loads_start_and_stop_stops_it(
     assert window.model_panel.landed.text() == "Not loaded."
 
 
+def test_open_recent_is_off_while_open_is(qtbot, window):
+    """File > Open recent stayed on while the window was busy, Open off: a folder chosen from it then was opened
+    after what ran (the load), over the folder that load had just shown. It is on where Open is."""
+    window.open_model(str(fixture_folder("gptoss")))
+    qtbot.waitUntil(lambda: window.facts is not None and not window.busy, timeout=WAIT)
+    assert window.recent_menu.isEnabled() and window.open_action.isEnabled()
+    hold_loads_until_stopped(window)
+    window.load_model(str(fixture_folder("lfm2moe")))
+    assert not window.open_action.isEnabled() and not window.recent_menu.isEnabled()
+    # the load's folder, inspected as it loads, joins the recent list: the menu stays off
+    qtbot.waitUntil(lambda: window.busy == "loading" and window.facts.name == "lfm2moe", timeout=WAIT)
+    assert len(window.recent_menu.actions()) == 2 and not window.recent_menu.isEnabled()
+    assert not window.model_panel.recent_button.isEnabled()
+    window.stop_action.trigger()
+    qtbot.waitUntil(lambda: not window.busy, timeout=WAIT)
+    assert window.recent_menu.isEnabled() and window.open_action.isEnabled()
+
+
 def test_load_right_after_open_loads_the_folder_opened(qtbot, window):
     """Between Open and the worker inspecting the folder, Load stayed on for the folder shown before: Open then Ctrl+L
     loaded that one, and the window showed it again in place of the one opened. Load now waits for the opening."""

@@ -503,7 +503,11 @@ class MainWindow(QMainWindow):
         for p in paths:
             action = self.recent_menu.addAction(p)
             action.triggered.connect(lambda _c=False, x=p: self.open_model(x))
-        self.recent_menu.setEnabled(bool(paths))
+        self._update_recent()
+
+    def _update_recent(self) -> None:
+        # as Open: while the window is busy an open would queue behind what runs
+        self.recent_menu.setEnabled(not (self.busy or self._waiting) and bool(self.recent_menu.actions()))
 
     # --- theme and layout --------------------------------------------------------------------------
     @Slot(Qt.ColorScheme)
@@ -937,6 +941,7 @@ class MainWindow(QMainWindow):
         self.chat.set_state(busy=bool(busy) or chat_waits, loaded=loaded, answering=busy == "generating" or chat_waits)
         for action in (self.open_action, self.demo_action):
             action.setEnabled(not busy)
+        self._update_recent()
         self.load_action.setEnabled(self._can_load())
         self.model_panel.load_button.setEnabled(self._can_load())  # (the panel knows nothing of the estimate)
         self.unload_action.setEnabled(loaded or busy in ("loading", "generating", *JOB_LABELS))
