@@ -251,6 +251,27 @@ def test_model_defaults_fill_in_the_models_own_sampling_and_a_greedy_chat_is_tol
     assert chat.options()["seed"] == -1  # random: the model's random_seed -1
 
 
+def test_model_defaults_say_which_of_the_models_values_a_box_cannot_hold(qtbot):
+    """The sampler takes a temperature above the box's 5 and a seed past its 32 bits (engine/sampling.py): Model
+    defaults filled them in clamped, the chat then sampling with values the model does not give, and said nothing."""
+    from app.gui.chat_panel import ChatPanel
+
+    chat = ChatPanel()
+    qtbot.addWidget(chat)
+    chat.set_model_sampling({"temperature": 7.5, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0,
+                             "seed": 2**40, "words": "temperature 7.5, top-k 20, top-p 0.95"})
+    chat.model_defaults_button.click()
+    options = chat.options()
+    assert (options["temperature"], options["top_k"], options["top_p"], options["seed"]) == (5.0, 20, 0.95, 2**31 - 1)
+    assert chat.live.text() == ("The model's temperature 7.5 is outside Temperature's 0 to 5, set to 5; seed "
+                                f"{2**40} is outside Seed's -1 to {2**31 - 1}, set to {2**31 - 1}.")
+    chat.live.setText("")
+    chat.set_model_sampling({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0, "seed": 42,
+                             "words": "temperature 0.6, top-k 20, top-p 0.95"})
+    chat.model_defaults_button.click()
+    assert chat.options()["temperature"] == 0.6 and chat.live.text() == ""  # all held: nothing to say
+
+
 def test_max_tokens_follows_the_model_unless_the_user_chose_a_length(qtbot):
     from app.gui.chat_panel import ChatPanel
 

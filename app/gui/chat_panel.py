@@ -114,6 +114,10 @@ def copied_text(entry: dict) -> str:
     return entry["text"] or entry.get("reasoning", "")
 
 
+def _number(value: float | int) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 # an answer length below which a model that reasons first is told it may end before it answers (load_hints)
 REASONING_TOKENS = 1024
 # the chat's answer length for a model that answers at once; one that reasons first has its own
@@ -300,12 +304,21 @@ class ChatPanel(QWidget):
             else "No model loaded, or its genai_config.json's search section holds a value the sampler refuses")
 
     def use_model_sampling(self) -> None:
-        if self._model_sampling is not None:
-            self.temperature.setValue(self._model_sampling["temperature"])
-            self.top_k.setValue(self._model_sampling["top_k"])
-            self.top_p.setValue(self._model_sampling["top_p"])
-            self.repetition.setValue(self._model_sampling["repetition_penalty"])
-            self.seed.setValue(self._model_sampling["seed"])
+        """Fill in the model's own sampling, saying which of its values a box cannot hold and what it holds instead
+        (the sampler takes values past the boxes' ranges: any temperature, a seed past 32 bits)."""
+        if self._model_sampling is None:
+            return
+        clamped = []
+        for key, box, name in (("temperature", self.temperature, "Temperature"), ("top_k", self.top_k, "Top-k"),
+                               ("top_p", self.top_p, "Top-p"), ("repetition_penalty", self.repetition, "Repetition"),
+                               ("seed", self.seed, "Seed")):
+            value = self._model_sampling[key]
+            box.setValue(min(max(value, box.minimum()), box.maximum()))  # (a QSpinBox raises past 32 bits)
+            if not box.minimum() <= value <= box.maximum():
+                clamped.append(f"{key} {_number(value)} is outside {name}'s {_number(box.minimum())} to "
+                               f"{_number(box.maximum())}, set to {_number(box.value())}")
+        if clamped:
+            self.live.setText("The model's " + "; ".join(clamped) + ".")
 
     def load_hints(self, reasons_first: bool) -> str:
         """What to say as a model loads: that it samples by its own defaults while the chat answers greedily, and that
