@@ -232,15 +232,14 @@ def test_the_estimate_runs_every_expert_on_the_cpu_under_offload_disabled_where_
     config = OffloadConfig(mode="disabled", reserve_device_bytes=0, gpu_device_mem_limit=64 << 20)
     est = estimate(gptoss, config, DeviceChoice("cuda", 1 << 30, name="test card"))
     assert not est.error and est.plan.placement_mode == "cpu_only" and set(est.plan.slots.values()) == {0}
-    # the expert budgets do not apply under mode=disabled: neither sentence says the arena check's hint to raise or
-    # lower them, and both give inspect's reason (test_cli)
+    # the expert budgets do not apply under mode=disabled: the plan's sentence does not say the arena check's hint to
+    # raise or lower them, and gives inspect's reason (test_cli); the estimate does not say it again
     at_load = (f"gpu_device_mem_limit={64 << 20} leaves 63.5 MiB after the expert slots and staging; the KV cache and "
                "state at their longest (1.5 MiB), the dense weights (618.9 KiB) and onnxruntime's workspace (64.0 MiB "
                "at least) need more: raise gpu_device_mem_limit, or use mode=auto, which keeps the experts that do not "
                "fit on the CPU")
     assert est.statements == [f"All experts run on the CPU: offload is disabled, and the dense part runs on the CPU "
-                              f"({at_load}).",
-                              f"Loaded with these settings, the dense part would stay on the CPU: {at_load}."]
+                              f"({at_load})."]
     assert {p.key: p.note for p in est.device_parts}["dense"] == f"on the CPU: {at_load} (618.9 KiB in host RAM)"
     device = {p.key: p.bytes for p in est.device_parts}
     assert device["experts"] == device["dense"] == device["kv"] == device["workspace"] == 0
@@ -295,8 +294,7 @@ def test_under_offload_disabled_the_estimate_says_what_lets_the_arena_registered
                "experts that do not fit on the CPU, or restart and load this model first")
     assert not est.error and est.plan.placement_mode == "cpu_only", est.statements
     assert est.statements == [f"All experts run on the CPU: offload is disabled, and the dense part runs on the CPU "
-                              f"({at_load}).",
-                              f"Loaded with these settings, the dense part would stay on the CPU: {at_load}."]
+                              f"({at_load})."]
     auto = estimate(gptoss, config.updated(mode="auto"), card)
     assert (f"Loaded with these settings, the dense part would stay on the CPU: {arena('124.8 MiB', '75.2 MiB')} "
             "(lower device_expert_bytes, or restart and load this model first).") in auto.statements, auto.statements
@@ -2107,6 +2105,17 @@ def test_the_sweep_plot_file_leaves_out_budgets_of_one_token_answers_from_its_de
     assert [values for _title, values in decode] == [[800.0], [1600.0]]
     assert decode[0][0].startswith("decode<br>") and "left out, one-token answers: 0 B</span>" in decode[0][0]
     assert [values for title, values in drawn if title.startswith("completion")] == [[0.05, 0.05], [0.01, 0.01]]
+
+
+def test_under_offload_disabled_the_estimate_says_once_that_the_dense_part_runs_on_the_cpu(gptoss):
+    """mode=disabled on the simulated GPU: the plan's sentence says the dense part runs on the CPU and why, and the
+    estimate said it again in its own words after it."""
+    est = estimate(gptoss, OffloadConfig(mode="disabled"), DeviceChoice("simulated", 1 << 30))
+    assert est.statements == ["All experts run on the CPU: offload is disabled, and the dense part runs on the CPU "
+                              "(the GPU is simulated, for the experts only)."]
+    # under mode=auto the plan says where the experts go, the estimate where the dense part runs
+    auto = estimate(gptoss, OffloadConfig(), DeviceChoice("simulated", 1 << 30))
+    assert auto.statements[-1] == "The dense part would run on the CPU: the GPU is simulated, for the experts only."
 
 
 @pytest.mark.parametrize("path", ["tier", "both"])

@@ -386,10 +386,9 @@ def estimate(facts: ModelFacts, config: OffloadConfig, device: DeviceChoice, kv_
         if dense_on_gpu:
             statements.append("The dense part would run on the GPU with onnxruntime's CUDA execution provider, its KV "
                               "cache and state in GPU memory.")
-        elif at_load:
-            statements.append(f"Loaded with these settings, the dense part would stay on the CPU: {at_load}.")
-        else:
-            statements.append(f"The dense part would run on the CPU: {dense_cpu}.")
+        elif plan is None or config.mode != "disabled":  # (else the plan's first sentence says it runs there, and why)
+            statements.append(f"Loaded with these settings, the dense part would stay on the CPU: {at_load}." if at_load
+                              else f"The dense part would run on the CPU: {dense_cpu}.")
         need = sum(p.bytes for p in device_parts if p.key in ("experts", "dense", "kv", "workspace"))
         if need > ceiling and not error:  # nothing checks it without gpu_device_mem_limit: the load goes ahead
             # (mode=disabled applies no expert budget: every expert goes beside the dense part, or with it to the CPU;
