@@ -841,6 +841,28 @@ def test_a_comparison_says_when_two_runs_of_the_same_settings_had_other_expert_s
     assert "Not like for like" not in plain(compare_html(slots(8), slots(8)))
 
 
+def test_a_comparison_of_two_budgets_does_not_count_the_slots_they_give_as_a_difference_of_its_own(greedy):
+    """Two runs of other expert budgets hold other counts of slots, as their entries ask: their comparison said "Not
+    like for like: besides their offload entries these runs differ in expert slots on the device", which follow from
+    those entries. Their slots are a difference of their own only where their entries are the same."""
+    data = greedy.to_dict()
+    nodes = [node["node"] for node in data["model"]["expert_nodes"]]
+    slot = 1 << 20
+
+    def budget(per_layer: int) -> RunRecord:
+        return RunRecord.from_dict(dict(data, offload=dict(
+            data["offload"], device="simulated GPU, 1.0 GiB", placement_mode="hybrid",
+            slots={node: per_layer for node in nodes},
+            entries={"session.moe.offload.device_expert_bytes": str(per_layer * len(nodes) * slot)})))
+
+    text = plain(compare_html(budget(8), budget(4)))
+    assert "Not like for like" not in text and "expert slots on the device" not in text
+    assert (f" session.moe.offload.device_expert_bytes {8 * len(nodes) * slot} {4 * len(nodes) * slot} ") in text
+    # another device beside them is still said
+    other = RunRecord.from_dict(dict(budget(4).to_dict(), offload=dict(budget(4).offload, device="test card")))
+    assert "differ in device, so their numbers" in plain(compare_html(budget(8), other))
+
+
 def test_a_comparison_gives_the_difference_of_two_shares_in_percentage_points(greedy):
     """Hit rates of 80% and 90% compared as "+10.0%" beside "1.12×": the difference read as a relative change of 10%
     where the ratio says 12.5%."""

@@ -312,7 +312,8 @@ RUN_FACTS = (
     ("device", lambda r: r.offload.get("device", "cpu")),
     # two runs on the CPU, one of which asked for a CUDA GPU it could not have: the device alone reads alike
     ("why on the CPU", _why_on_the_cpu),
-    # (the same entries, an automatic budget, hold fewer where the device had less free: side-by-side's B beside A)
+    # (the same entries, an automatic budget, hold fewer where the device had less free: side-by-side's B beside A;
+    # other entries give other slots: FROM_ENTRIES)
     ("expert slots on the device", _slots),
     ("popularity file (SHA-256)", lambda r: r.offload.get("popularity_sha256")),
     ("dense part", lambda r: (r.offload.get("dense") or {}).get("device")),
@@ -331,10 +332,25 @@ RUN_FACTS = (
 )
 
 
+# the facts of RUN_FACTS that follow from the offload entries: a difference of their own only under the same entries
+FROM_ENTRIES = ("expert slots on the device",)
+
+
+def entry_differences(a: RunRecord, b: RunRecord) -> list[tuple[str, str, str]]:
+    """(entry, A, B) for every offload entry the two runs were given differently ('default' where one has none)."""
+    ea, eb = a.offload.get("entries") or {}, b.offload.get("entries") or {}
+    return [(key, ea.get(key, "default"), eb.get(key, "default")) for key in sorted(set(ea) | set(eb))
+            if ea.get(key) != eb.get(key)]
+
+
 def run_differences(a: RunRecord, b: RunRecord) -> list[tuple[str, str, str]]:
-    """(what, A, B) for every fact of RUN_FACTS the two runs differ in: a comparison of them is not like for like."""
+    """(what, A, B) for every fact of RUN_FACTS the two runs differ in besides their offload entries and what those
+    decide: a comparison of them is not like for like."""
     rows = []
+    same_entries = not entry_differences(a, b)
     for what, get in RUN_FACTS:
+        if what in FROM_ENTRIES and not same_entries:
+            continue
         x, y = get(a), get(b)
         if x is not None and y is not None and x != y:
             rows.append((what, _text(str(x), 160, raw=True), _text(str(y), 160, raw=True)))
@@ -355,9 +371,7 @@ def compare_html(a: RunRecord, b: RunRecord, ids: tuple[int, int] | None = None)
         parts.append(f"<p>Not recorded in run{'s' if len(older) > 1 else ''} {' and '.join(older)} (a record older "
                      f"than them): {what}; whether the two runs asked for the same answers cannot be told.</p>")
     parts.append(_table(compare_rows(a, b), ("metric", "A", "B", "B − A", "B / A")))
-    ea, eb = a.offload.get("entries") or {}, b.offload.get("entries") or {}
-    changed = [(key, ea.get(key, "default"), eb.get(key, "default")) for key in sorted(set(ea) | set(eb))
-               if ea.get(key) != eb.get(key)]
+    changed = entry_differences(a, b)
     parts.append("<h4>Configuration differences</h4>")
     parts.append(_table(changed, ("entry", "A", "B")) if changed else "<p>Same offload entries.</p>")
     for index, (ta, tb) in enumerate(zip(a.turns, b.turns), start=1):
