@@ -275,6 +275,13 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
                              "while decoding and keeps the fastest")
 
 
+def _warning(sentence: str) -> str:
+    """A warning line of one of the engine's sentences ("The CUDA GPU was asked for ...", which starts lines of the
+    window and of a contention report as it is), worded after "warning:" as every other warning is: lower case, no
+    full stop."""
+    return f"warning: {sentence[:1].lower()}{sentence[1:].removesuffix('.')}"
+
+
 def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = "", kernels: bool = True):
     """(OffloadConfig, device) from --device/--offload, or (None, None) for plain CPU runs. Where a CUDA GPU cannot be
     used, the note that every expert runs on the CPU instead is printed, and appended to `fallback` where given; or,
@@ -360,7 +367,7 @@ def _offload_setup(args, fallback: list[str] | None = None, needs_device: str = 
                                      "--device simulated gives a simulated one") from None
         device, note = cuda_device_or_cpu(config.gpu_device_mem_limit, config.mode, report=report, kernels=kernels)
         if note:
-            print(f"warning: {note}", file=sys.stderr)
+            print(_warning(note), file=sys.stderr)
             if fallback is not None:
                 fallback.append(note)
         return config, device
@@ -474,7 +481,7 @@ def _generation_params(args):
               "answers)", file=sys.stderr, flush=True)
     beams = beam_search_note(config)
     if beams:
-        print(f"warning: {beams[0].lower()}{beams[1:]}", file=sys.stderr, flush=True)
+        print(_warning(beams), file=sys.stderr, flush=True)
     # the answer length once the model is loaded (_cmd_generate): its default follows the model
     return GenerationParams(sampling=sampling, stop_strings=tuple(args.stop), reasoning=args.reasoning)
 
@@ -511,7 +518,7 @@ def _record_sampling(args, what: str):
     config = load_genai_config(folder_path(args.model))
     beams = beam_search_note(config) if args.model_sampling else ""  # otherwise the model's search is not asked for
     if beams:
-        print(f"warning: {beams[0].lower()}{beams[1:]}", file=sys.stderr, flush=True)
+        print(_warning(beams), file=sys.stderr, flush=True)
     sampling = recorded(_sampling(args, config, args.model_sampling), config)
     if not sampling.do_sample:
         if args.top_k is not None or args.top_p is not None or args.seed is not None:

@@ -524,7 +524,8 @@ def test_contentions_report_says_why_the_inference_ran_on_the_cpu_where_the_cuda
     run = ("contention", str(fixture_folder("gptoss")), "--corpus", str(corpus), "--workers", "1", "--max-new-tokens",
            "2", "--device", "cuda")
     status, out, err = _main(capsys, *run, "--json")
-    assert status == 0 and err.splitlines()[0] == f"warning: {note}"
+    assert status == 0 and err.splitlines()[0] == (f"warning: the CUDA GPU was asked for but cannot be used ({busy}); "
+                                                   "every expert runs on the CPU instead")
     assert json.loads(out)["device_fallback"] == note
     status, out, _err = _main(capsys, *run)
     assert status == 0 and f" at most 2 tokens each.\n\n{note}\n\n" in out
@@ -1708,13 +1709,15 @@ def test_a_sweep_skips_a_scenario_its_context_cannot_hold_before_its_first_point
 def test_inspect_on_a_cuda_gpu_that_cannot_be_used_plans_for_the_cpu_as_the_window_loads(capsys, monkeypatch):
     """Without CuPy (or a GPU) the window loads with every expert on the CPU and says why; inspect --device cuda
     refused instead (status 2), so a user could not see what the window would run. It now plans for the CPU with the
-    window's one-line note, and refuses only under mode=required, as the window does."""
+    window's one-line note, and refuses only under mode=required, as the window does. The note, a sentence that starts
+    lines of the window and of a contention report, read "warning: The CUDA GPU ... instead." after the warning's
+    colon, unlike every other warning: lower case, without a full stop there."""
     monkeypatch.setitem(sys.modules, "cupy", None)  # (import cupy fails, as on a machine without it)
     gptoss = str(fixture_folder("gptoss"))
     status, out, err = _main(capsys, "inspect", gptoss, "--device", "cuda")
     assert status == 0 and err == (
-        "warning: The CUDA GPU was asked for but cannot be used (the CUDA GPU needs CuPy (install with `make install` "
-        "on a machine with an NVIDIA driver)); every expert runs on the CPU instead.\n")
+        "warning: the CUDA GPU was asked for but cannot be used (the CUDA GPU needs CuPy (install with `make install` "
+        "on a machine with an NVIDIA driver)); every expert runs on the CPU instead\n")
     assert "All experts run on the CPU: no GPU device is in use." in out
     status, _out, err = _main(capsys, "inspect", gptoss, "--device", "cuda", "--offload", "mode=required")
     assert status == 2 and err == ("moe-workbench: error: the CUDA GPU needs CuPy (install with `make install` on a "
@@ -1799,7 +1802,8 @@ def test_record_says_in_each_record_why_it_ran_on_the_cpu_where_the_cuda_gpu_can
     history = tmp_path / "h.sqlite"
     status, out, err = _main(capsys, "record", str(fixture_folder("gptoss")), "--device", "cuda", "--max-new-tokens",
                              "1", "--history", str(history), "--json")
-    assert status == 0 and err.splitlines()[0] == f"warning: {note}"
+    assert status == 0 and err.splitlines()[0] == (f"warning: the CUDA GPU was asked for but cannot be used ({busy}); "
+                                                   "every expert runs on the CPU instead")
     run = json.loads(out)[0]
     assert run["offload"]["device"] == "cpu" and run["offload"]["device_fallback"] == note
     assert History(history).get(run["id"]).offload["device_fallback"] == note
