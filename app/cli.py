@@ -596,7 +596,7 @@ def _print_result(result, model, as_json: bool, projected: float | None = None, 
         finish = result.finish_reason + (" while reasoning, before any answer" if result.cut_in_reasoning else "")
         # no decode rate for an answer whose one token was the prefill's
         said = [tokens, f"first after {t.time_to_first_token_s * 1000:.0f} ms",
-                decode_rate(t.decode_tokens_per_s, none=""), f"{t.total_s:.2f} s"]
+                decode_rate(t.decode_tokens_per_s, none=""), f"{seconds_figures(t.total_s)} s"]
         if projected is not None:
             said.append(f"projected on the simulated card: {decode_rate(projected)}")
         print(f"[{', '.join(filter(None, said))}; {finish}{agreement}]", file=sys.stderr, flush=True)

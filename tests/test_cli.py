@@ -1145,10 +1145,28 @@ def test_generate_says_no_decode_rate_for_a_one_token_answer(capsys):
     stalled, where the chat and side by side leave the rate out; it leaves it out too."""
     gptoss = str(fixture_folder("gptoss"))
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--greedy", "--max-new-tokens", "1")
-    assert status == 0 and re.fullmatch(r"\[1 token, first after \d+ ms, \d+\.\d\d s; length\]\n", err), err
+    assert status == 0 and re.fullmatch(r"\[1 token, first after \d+ ms, \d+\.\d+ s; length\]\n", err), err
     status, _out, err = _main(capsys, "generate", gptoss, "--prompt", "Hi", "--greedy", "--max-new-tokens", "3")
-    assert status == 0 and re.fullmatch(r"\[3 tokens, first after \d+ ms, \d+\.\d tok/s, \d+\.\d\d s; length\]\n",
+    assert status == 0 and re.fullmatch(r"\[3 tokens, first after \d+ ms, \d+\.\d tok/s, \d+\.\d+ s; length\]\n",
                                         err), err
+
+
+def test_generates_line_gives_a_fast_answers_time_in_three_figures(capsys):
+    """generate's closing line (and so the chat's, after each answer) gave the answer's time to two decimals: a small
+    model's answer of a few milliseconds read "0.00 s", where record's line gives three figures under a second."""
+    from types import SimpleNamespace
+
+    from app.cli import _print_result
+
+    def line(total_s: float) -> str:
+        timings = SimpleNamespace(generated_tokens=4, time_to_first_token_s=0.0009, decode_tokens_per_s=2500.0,
+                                  total_s=total_s)
+        result = SimpleNamespace(timings=timings, routing_agreement=None, finish_reason="length",
+                                 cut_in_reasoning=False)
+        _print_result(result, None, as_json=False)
+        return capsys.readouterr().err
+    assert line(0.0022) == "[4 tokens, first after 1 ms, 2500.0 tok/s, 0.00220 s; length]\n"
+    assert line(12.345) == "[4 tokens, first after 1 ms, 2500.0 tok/s, 12.35 s; length]\n"
 
 
 def test_history_refuses_a_file_that_is_not_one(tmp_path, capsys):

@@ -1514,15 +1514,36 @@ def test_a_one_token_answer_shows_no_decode_rate(qapp):
     one = {"time_to_first_token_s": 0.171, "decode_tokens_per_s": 0.0, "total_s": 0.17, "generated_tokens": 1,
            "prompt_tokens": 16}
     assert stats_line({"timings": one, "finish_reason": "length"}) == (
-        "first token 171 ms · 0.17 s · 1 token · prompt 16 tokens · token limit")
+        "first token 171 ms · 0.170 s · 1 token · prompt 16 tokens · token limit")
     assert answered_text(one) == "Answered: 1 token"
     two = dict(one, decode_tokens_per_s=40.0, generated_tokens=2)
-    assert stats_line({"timings": two, "finish_reason": "eos"}).startswith("first token 171 ms · 40.0 tok/s · 0.17 s · "
-                                                                            "2 tokens · ")
+    assert stats_line({"timings": two, "finish_reason": "eos"}).startswith(
+        "first token 171 ms · 40.0 tok/s · 0.170 s · 2 tokens · ")
     assert answered_text(two) == "Answered: 2 tokens, 40.0 tok/s"
     record = SimpleNamespace(turns=[{"timings": one, "generated_tokens": 1, "finish_reason": "length"}],
                              approximate_routing=False, timings={}, peaks={"device_bytes": None}, offload={})
     assert side_stats(record)["decode"] == "—" and side_stats(record)["tokens"] == "stopped at the length (1 token)"
+
+
+def test_a_fast_answers_time_reads_in_three_figures():
+    """The chat's line under an answer and side by side's total gave the answer's time to two decimals: a small model's
+    answer of a few milliseconds read "0.00 s", where a record's line and the history give three figures under a
+    second."""
+    from types import SimpleNamespace
+
+    from app.gui.chat_panel import stats_line
+    from app.gui.side_by_side_view import side_stats
+
+    fast = {"time_to_first_token_s": 0.0009, "decode_tokens_per_s": 2500.0, "total_s": 0.0022, "generated_tokens": 4,
+            "prompt_tokens": 16}
+    assert stats_line({"timings": fast, "finish_reason": "length"}).startswith(
+        "first token 1 ms · 2500.0 tok/s · 0.00220 s · 4 tokens · ")
+
+    def total(seconds: float) -> str:
+        turn = {"timings": dict(fast, total_s=seconds), "generated_tokens": 4, "finish_reason": "length"}
+        return side_stats(SimpleNamespace(turns=[turn], approximate_routing=False, timings={},
+                                          peaks={"device_bytes": None}, offload={}))["total"]
+    assert (total(0.0022), total(12.345)) == ("0.00220 s", "12.35 s")
 
 
 def test_an_answers_agreement_with_exact_routing_says_of_how_many_tokens():

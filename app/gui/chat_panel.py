@@ -21,7 +21,7 @@ from app.gui.placement_view import split_text
 from app.gui.stream_pacing import Pacer
 from app.gui.widgets import MAX_ANSWER_TOKENS, AnswerLength, OneLineLabel
 from engine.offload.approximate import agreement_text
-from engine.units import counted, decode_rate
+from engine.units import counted, decode_rate, seconds_figures
 
 # Settings ▸ Stop at: texts separated by |, but for the bars of a special token's own text (<|im_end|>), which a stop
 # text may name (engine/generation.py's VisibleText)
@@ -66,7 +66,7 @@ def stats_line(result: dict) -> str:
         return ""
     tokens = t["generated_tokens"]
     parts = [f"first token {t['time_to_first_token_s'] * 1000:.0f} ms", decode_rate(t["decode_tokens_per_s"], none=""),
-             f"{t['total_s']:.2f} s", counted(tokens, "token")]
+             f"{seconds_figures(t['total_s'])} s", counted(tokens, "token")]
     if t.get("projected_decode_tokens_per_s"):  # a simulated device (engine/offload/projection.py)
         parts.append(f"projected on the simulated card: {decode_rate(t['projected_decode_tokens_per_s'])}")
     prompt = f"prompt {t['prompt_tokens']} tokens"

@@ -29,7 +29,7 @@ from engine.offload.config import DEVICE_KEYS, keys_among
 from engine.offload.decode_path import MODES as PATH_MODES
 from engine.offload.layer_split import MODES as SPLIT_MODES
 from engine.records.side_by_side import NEAR_TIE, SCENARIO_AT_ONCE, SideBudget, budget_beside_a
-from engine.units import decode_rate, human_bytes
+from engine.units import decode_rate, human_bytes, seconds_figures
 
 KIND = "comparing"
 STATS = ("first token", "decode", "total", "tokens", "expert budget", "device peak", "routing")
@@ -166,7 +166,7 @@ def side_stats(record, budget: SideBudget | None = None) -> dict[str, str]:
     if projected_decode(record):
         decode += f", projected {decode_rate(projected_decode(record))}"  # short: the comparison below names the card
     return {"first token": f"{t['time_to_first_token_s'] * 1000:.0f} ms", "decode": decode,
-            "total": f"{t['total_s']:.2f} s",
+            "total": f"{seconds_figures(t['total_s'])} s",
             "tokens": ended_status(turn["finish_reason"], turn["generated_tokens"]),
             "expert budget": budget_text(budget),
             "device peak": device_peak_text(record.peaks["device_bytes"], record.offload.get("device_fallback")),
