@@ -645,7 +645,7 @@ def _warn_of_thread_cap(threads, given_as: str) -> None:
 def _cmd_generate(args) -> int:
     from dataclasses import replace
 
-    from engine.errors import PromptError
+    from engine.errors import ConversationFullError, PromptError
     from engine.generation import Conversation, LoadedModel, generate
 
     params = _generation_params(args)
@@ -711,7 +711,11 @@ def _cmd_generate(args) -> int:
     prompt = args.prompt
     while True:
         before = decode_totals(model.offload, device)
-        result = conversation.send(prompt, params, stream, cancel, on_reasoning=reasoning, before_feed=warm_up_once)
+        try:
+            result = conversation.send(prompt, params, stream, cancel, on_reasoning=reasoning,
+                                       before_feed=warm_up_once)
+        except ConversationFullError as exc:  # its "start a new conversation" is the window's New chat: none here
+            raise PromptError(f"{exc.problem}: run generate --chat again for a new conversation") from None
         if printed:
             printed.done_thinking()
         _print_result(result, model, args.json, projected_decode_rate(

@@ -91,6 +91,16 @@ class PromptError(WorkbenchError):
     """A prompt that cannot be run: empty, or longer than the context."""
 
 
+class ConversationFullError(PromptError):
+    """A conversation's next message that the model's context (or its search.max_length) cannot take after the turns
+    before it. `problem` says so; the message adds what to do in the window, whose New chat starts a new conversation
+    (the command line's chat, which ends there, says its own)."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}: start a new conversation")
+        self.problem = problem
+
+
 class UnsupportedModelError(WorkbenchError):
     """A model our engine cannot run yet, e.g. an expert layout without kernels."""
 

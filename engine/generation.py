@@ -14,7 +14,7 @@ import psutil
 
 from engine.decoder import PartitionedDecoder
 from engine.decoder_state import DecoderState, StateSnapshot
-from engine.errors import ModelFileError, PromptError, UnsupportedModelError, WorkbenchError
+from engine.errors import ConversationFullError, ModelFileError, PromptError, UnsupportedModelError, WorkbenchError
 from engine.expert_prefault import ExpertPrefault
 from engine.model_folder import ModelFolder
 from engine.offload import OffloadConfig, attach_offload
@@ -304,23 +304,24 @@ def _sequence_cap(config) -> tuple[int, str]:
     return config.context_length, "context"
 
 
-def _past_the_cap(past: int, new: int, cap: int, bound: str, earlier_turns: bool = False) -> str:
-    """earlier_turns: the `new` tokens are the conversation's earlier turns fed again whole (past is 0) and its
-    message, not one prompt."""
+def _past_the_cap(past: int, new: int, cap: int, bound: str, earlier_turns: bool = False) -> PromptError:
+    """The error to raise: a ConversationFullError where earlier turns take part of the room. earlier_turns: the `new`
+    tokens are the conversation's earlier turns fed again whole (past is 0) and its message, not one prompt."""
     where = (f"the model's genai_config.json search.max_length of {cap}, prompt and answer together"
              if bound == "max_length" else f"the model's context of {cap}")
     if not past and earlier_turns:
-        return (f"the conversation so far, fed again whole, and this message come to {new} tokens, "
-                + (f"past {where}" if bound == "context" and new > cap else f"which leave no room for an answer within "
-                   f"{where}") + ": start a new conversation")
+        return ConversationFullError(
+            f"the conversation so far, fed again whole, and this message come to {new} tokens, "
+            + (f"past {where}" if bound == "context" and new > cap else f"which leave no room for an answer within "
+               f"{where}"))
     if not past:
         if bound == "context" and new > cap:
-            return f"the prompt has {new} tokens but the model's context is {cap}"
-        return f"the prompt has {new} tokens, which leaves no room for an answer within {where}"
+            return PromptError(f"the prompt has {new} tokens but the model's context is {cap}")
+        return PromptError(f"the prompt has {new} tokens, which leaves no room for an answer within {where}")
     total = f"the conversation so far ({past} tokens) and this message ({new}) come to {past + new} tokens"
     if bound == "context" and past + new > cap:
-        return f"{total}, past {where}: start a new conversation"
-    return f"{total}, which leave no room for an answer within {where}: start a new conversation"
+        return ConversationFullError(f"{total}, past {where}")
+    return ConversationFullError(f"{total}, which leave no room for an answer within {where}")
 
 
 def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: list[int], params: GenerationParams,
@@ -345,7 +346,7 @@ def generate(model, state: DecoderState, fed_tokens: list[int], prompt_tokens: l
     model.folder.onnx.check_mapped_files()
     cap, bound = _sequence_cap(model.config)
     if state.past_length + len(prompt_tokens) + 1 > cap:  # room for one answer token at least
-        raise PromptError(_past_the_cap(state.past_length, len(prompt_tokens), cap, bound))
+        raise _past_the_cap(state.past_length, len(prompt_tokens), cap, bound)
     if before_feed is not None:
         before_feed()
     decoder = decoder or model.decoder
@@ -510,7 +511,7 @@ class Conversation:
         cap, bound = _sequence_cap(self.model.config)
         if not reused and len(new_tokens) + 1 > cap and any(m["role"] == "assistant" for m in self.messages):
             # (generate would call it all "the prompt")
-            raise PromptError(_past_the_cap(0, len(new_tokens), cap, bound, earlier_turns=True))
+            raise _past_the_cap(0, len(new_tokens), cap, bound, earlier_turns=True)
         earlier = self._prompt_snapshot
 
         def take_snapshot(logits) -> None:

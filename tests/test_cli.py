@@ -248,6 +248,22 @@ def test_chat_reads_more_turns_and_reuses_the_cache(cli):
     assert len(turns[1]["prompt_tokens"]) < len(turns[0]["prompt_tokens"]) + len(turns[0]["tokens"]) + 10
 
 
+def test_a_chat_whose_conversation_fills_the_context_says_to_run_it_again(copy_fixture, cli):
+    """The engine's refusal ends "start a new conversation", which the window's New chat does; generate --chat ends
+    there with no way to do that inside it, and said so all the same."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 80
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    result = cli("generate", str(folder), "--chat", "--prompt", "Hello there", "--greedy", "--max-new-tokens", "30",
+                 "--json", stdin="Tell me more please now\nagain\n")
+    assert [json.loads(line)["finish_reason"] for line in result.stdout.splitlines()] == ["length", "context"]
+    assert result.returncode == 2 and re.fullmatch(
+        r"moe-workbench: error: the conversation so far \(79 tokens\) and this message \(\d+\) come to \d+ tokens, "
+        r"past the model's context of 80: run generate --chat again for a new conversation",
+        result.stderr.splitlines()[-1]), result.stderr
+
+
 def test_chat_turns_from_a_file_with_windows_line_ends_leave_the_carriage_return_out(cli):
     """Standard input is read with its line ends as they are: a turn of a file written on Windows ended '\\r\\n',
     and the user's message the model was given ended with a carriage return."""
