@@ -831,9 +831,13 @@ def _cmd_record(args) -> int:
             if fallback:
                 record.offload["device_fallback"] = fallback[0]
         except (Exception, KeyboardInterrupt) as exc:  # after runs were saved: say them (and print them, with --json)
-            if not records or os.environ.get("MOE_WORKBENCH_DEBUG"):
+            if os.environ.get("MOE_WORKBENCH_DEBUG"):
                 raise
-            return _record_stopped(exc, scenario, records, args.json, getattr(args, "offload_mode", None))
+            if records:
+                return _record_stopped(exc, scenario, records, args.json, getattr(args, "offload_mode", None))
+            if isinstance(exc, PromptError):  # a prompt the model cannot take: whose, as _record_stopped says
+                raise PromptError(f"{scenario}: {exc}") from None
+            raise
         try:
             run_id = history.add(record)
         except WorkbenchError as exc:  # a full disk, a lock held past the timeout: the run measured is kept here

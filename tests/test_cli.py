@@ -945,6 +945,20 @@ def test_record_all_skips_a_scenario_the_context_cannot_hold_and_runs_the_others
                                         "model has 2048\n")
 
 
+def test_record_names_the_scenario_whose_prompt_the_context_cannot_hold(copy_fixture, tmp_path, capsys):
+    """record's first run refused for a prompt past the model's context said "the prompt has N tokens but the model's
+    context is M", naming no scenario (with --scenario all, which of the three?); a later run's failure named it."""
+    folder = copy_fixture("gptoss")
+    config = json.loads((folder / "genai_config.json").read_text())
+    config["model"]["context_length"] = 24
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    for scenario in ("short", "all"):
+        status, _out, err = _main(capsys, "record", str(folder), "--scenario", scenario, "--max-new-tokens", "2",
+                                  "--history", str(tmp_path / "h.sqlite"))
+        assert status == 2 and re.fullmatch(r"moe-workbench: error: short: the prompt has \d+ tokens but the model's "
+                                            r"context is 24", err.splitlines()[-1]), err
+
+
 def test_a_sweep_saved_under_a_layer_split_and_decode_path_keeps_them_for_config(tmp_path, capsys, monkeypatch):
     """A sweep run with --layer-split spread --decode-path cpu saves both beside the entries (a configuration held
     onnxruntime's keys only, so --config ran it with both measured anew, not as swept); --config sets them where
